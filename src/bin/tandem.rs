@@ -1,0 +1,26 @@
+//! `tandem`: utilities around the stages (prepare datasets, make and inspect models, benchmarks).
+//! Each subcommand's options and logic live in the library; this file only dispatches.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "tandem",
+    version,
+    about = "RL post-training of LLMs as Parquet stages: utilities"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    // One arm per subcommand, each a thin call into the library.
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tandem::error::run_main(|| match cli.cmd {})
+}

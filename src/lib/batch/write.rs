@@ -1,0 +1,150 @@
+//! Writing a batch file: keep every input column, add the stage's columns, record metadata,
+//! zstd-compress, write to `NAME.tmp` and rename so a crash never leaves a half file.
+
+use super::read::Batch;
+use super::schema::{self, meta};
+use anyhow::{Context, Result};
+use arrow_array::{ArrayRef, RecordBatch};
+use arrow_schema::{Field, Schema};
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Columns a stage adds to a batch. A column already present with the same name is replaced
+/// in place (re-running a stage overwrites its own output column).
+#[derive(Default)]
+pub struct NewColumns {
+    cols: Vec<(Field, ArrayRef)>,
+}
+
+impl NewColumns {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add a contract column (its type comes from the schema).
+    pub fn add(&mut self, name: &str, array: ArrayRef) -> &mut Self {
+        self.add_field(schema::field(name), array)
+    }
+
+    /// Add a column with an explicit field (for columns outside the contract).
+    pub fn add_field(&mut self, field: Field, array: ArrayRef) -> &mut Self {
+        assert_eq!(
+            field.data_type(),
+            array.data_type(),
+            "column {}",
+            field.name()
+        );
+        self.cols.retain(|(f, _)| f.name() != field.name());
+        self.cols.push((field, array));
+        self
+    }
+}
+
+/// What a stage records about itself in the output's metadata.
+pub struct StageInfo<'a> {
+    pub stage: &'a str,
+    pub params: serde_json::Value,
+    /// Overrides the inherited policy_version (rollout sets it; others inherit).
+    pub policy_version: Option<u64>,
+    pub step: Option<u64>,
+}
+
+impl Batch {
+    /// The input's columns with `new` appended or replacing same-named ones.
+    pub fn with_columns(&self, new: NewColumns) -> Result<RecordBatch> {
+        let mut fields: Vec<Arc<Field>> = self.data.schema().fields().iter().cloned().collect();
+        let mut arrays: Vec<ArrayRef> = self.data.columns().to_vec();
+        for (field, array) in new.cols {
+            anyhow::ensure!(
+                array.len() == self.num_rows(),
+                "column {} has {} rows, batch has {}",
+                field.name(),
+                array.len(),
+                self.num_rows()
+            );
+            match fields.iter().position(|f| f.name() == field.name()) {
+                Some(i) => {
+                    fields[i] = Arc::new(field);
+                    arrays[i] = array;
+                }
+                None => {
+                    fields.push(Arc::new(field));
+                    arrays.push(array);
+                }
+            }
+        }
+        Ok(RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays)?)
+    }
+
+    /// Metadata for an output derived from this batch.
+    pub fn derived_meta(&self, info: &StageInfo) -> BTreeMap<String, String> {
+        stage_meta(self.meta.clone(), info)
+    }
+
+    /// Write `self` plus `new` columns to `out`, with this stage's metadata.
+    pub fn write_derived(&self, out: &Path, new: NewColumns, info: &StageInfo) -> Result<()> {
+        let data = self.with_columns(new)?;
+        write_file(out, &data, &self.derived_meta(info))
+    }
+}
+
+/// Add the stage's keys to inherited metadata.
+pub fn stage_meta(mut m: BTreeMap<String, String>, info: &StageInfo) -> BTreeMap<String, String> {
+    m.remove(meta::ARROW_SCHEMA);
+    m.insert(meta::SCHEMA.into(), schema::SCHEMA_VERSION.into());
+    m.insert(
+        format!("{}{}", meta::STAGE_PREFIX, info.stage),
+        info.params.to_string(),
+    );
+    if let Some(v) = info.policy_version {
+        m.insert(meta::POLICY_VERSION.into(), v.to_string());
+    }
+    if let Some(s) = info.step {
+        m.insert(meta::STEP.into(), s.to_string());
+    }
+    m
+}
+
+/// The temporary name an output is written under before the rename.
+pub fn temp_path(out: &Path) -> PathBuf {
+    let mut name = out
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(".tmp");
+    out.with_file_name(name)
+}
+
+/// Write a record batch as a zstd Parquet file, atomically.
+pub fn write_file(out: &Path, data: &RecordBatch, kv: &BTreeMap<String, String>) -> Result<()> {
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = temp_path(out);
+    let result = (|| -> Result<()> {
+        let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let kvs = kv
+            .iter()
+            .map(|(k, v)| parquet::file::metadata::KeyValue::new(k.clone(), v.clone()))
+            .collect();
+        let props = WriterProperties::builder()
+            .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
+            .set_key_value_metadata(Some(kvs))
+            .build();
+        let mut writer = ArrowWriter::try_new(file, data.schema(), Some(props))?;
+        writer.write(data)?;
+        writer.close()?;
+        std::fs::rename(&tmp, out)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("writing {}", out.display()))
+}

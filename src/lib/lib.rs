@@ -1,0 +1,6 @@
+//! tandem: reinforcement-learning post-training of language models as composable stages that
+//! pass Arrow/Parquet batch files. See docs/ and ../shared/DESIGN.md for the picture.
+
+pub mod batch;
+pub mod error;
+pub mod model;

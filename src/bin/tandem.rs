@@ -18,9 +18,13 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     // One arm per subcommand, each a thin call into the library.
+    /// Benchmarks: print a table and JSON.
+    Bench(tandem::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tandem::error::run_main(|| match cli.cmd {})
+    tandem::error::run_main(|| match cli.cmd {
+        Cmd::Bench(a) => tandem::bench::run(a),
+    })
 }

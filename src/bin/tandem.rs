@@ -20,11 +20,17 @@ enum Cmd {
     // One arm per subcommand, each a thin call into the library.
     /// Benchmarks: print a table and JSON.
     Bench(tandem::bench::BenchArgs),
+    /// Plot a run's metrics and evaluations into one PNG.
+    Plot(tandem::pipeline::plot::PlotArgs),
+    /// Show a batch file as a table.
+    Inspect(tandem::pipeline::inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tandem::error::run_main(|| match cli.cmd {
         Cmd::Bench(a) => tandem::bench::run(a),
+        Cmd::Plot(a) => tandem::pipeline::plot::run(a),
+        Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
     })
 }

@@ -1,8 +1,8 @@
 //! `tandem inspect FILE.parquet [--rows N] [--sort score]`: a batch as a readable table
 //! (prompt, response, score, advantage, mean log-prob), whatever stage wrote it.
 
-use crate::batch::{schema, Batch};
 use crate::bail_input;
+use crate::batch::{schema, Batch};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -241,7 +241,13 @@ pub fn render(args: &InspectArgs) -> Result<String> {
         table.push(line);
     }
     let widths: Vec<usize> = (0..table[0].len())
-        .map(|j| table.iter().map(|l| l[j].chars().count()).max().unwrap_or(0))
+        .map(|j| {
+            table
+                .iter()
+                .map(|l| l[j].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
     let right: Vec<bool> = std::iter::once(true)
         .chain(cols.iter().map(|c| c.numeric))

@@ -236,9 +236,7 @@ pub fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
     }
     if let Some(path) = f.with_ref {
         let b = Batch::read(path, &[])?;
-        if let Some(kl) =
-            masked_mean_diff(&b, schema::ROLLOUT_LOGPROBS, schema::REF_LOGPROBS)?
-        {
+        if let Some(kl) = masked_mean_diff(&b, schema::ROLLOUT_LOGPROBS, schema::REF_LOGPROBS)? {
             m.insert("kl".into(), num(kl));
         }
         if let Some(e) = masked_mean(&b, "entropy")? {
@@ -382,7 +380,8 @@ mod tests {
             r#"{"grad_norm": 0.5, "pg_clipfrac": 0.1, "inner": {"x": 2}}"#,
         )
         .unwrap();
-        let seconds: BTreeMap<String, f64> = [("rollout".into(), 2.0), ("update".into(), 3.0)].into();
+        let seconds: BTreeMap<String, f64> =
+            [("rollout".into(), 2.0), ("update".into(), 3.0)].into();
         let m = step_line(&StepFiles {
             step: 4,
             scored: &scored,
@@ -416,7 +415,10 @@ mod tests {
         assert!((f("perf/tokens_per_s") - 12.0 / 5.0).abs() < 1e-12);
         assert!((f("perf/rollout_tokens_per_s") - 3.0).abs() < 1e-12);
         let text = summary_text(&m, 10);
-        assert!(text.starts_with("step 4/10  reward 0.500±0.408  acc 0.333  len 2.0  kl 0.3000"), "{text}");
+        assert!(
+            text.starts_with("step 4/10  reward 0.500±0.408  acc 0.333  len 2.0  kl 0.3000"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -106,7 +106,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     } else {
         let rows = crate::batch::Batch::read(&spec.data.train, &[])?.num_rows() as u64;
         if rows == 0 {
-            bail_input!("{}: the training set has no rows", spec.data.train.display());
+            bail_input!(
+                "{}: the training set has no rows",
+                spec.data.train.display()
+            );
         }
         std::fs::create_dir_all(&run.root)?;
         rundir::write_atomic(&run.spec_path(), spec_for_file(&spec).as_bytes())?;

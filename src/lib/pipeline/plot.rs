@@ -90,13 +90,18 @@ pub fn panels(metrics: &[Map<String, Value>], evals: &[Map<String, Value>]) -> V
         },
         Panel {
             title: "KL",
-            series: first_of(metrics, &["kl", "update/kl_loss", "advantage/kl", "update/ppo_kl"])
-                .into_iter()
-                .collect(),
+            series: first_of(
+                metrics,
+                &["kl", "update/kl_loss", "advantage/kl", "update/ppo_kl"],
+            )
+            .into_iter()
+            .collect(),
         },
         Panel {
             title: "entropy",
-            series: first_of(metrics, &["entropy", "update/entropy"]).into_iter().collect(),
+            series: first_of(metrics, &["entropy", "update/entropy"])
+                .into_iter()
+                .collect(),
         },
         Panel {
             title: "response length (tokens)",
@@ -110,7 +115,9 @@ pub fn panels(metrics: &[Map<String, Value>], evals: &[Map<String, Value>]) -> V
         },
         Panel {
             title: "seconds per step",
-            series: series(metrics, "time/step", "seconds").into_iter().collect(),
+            series: series(metrics, "time/step", "seconds")
+                .into_iter()
+                .collect(),
         },
     ]
 }
@@ -165,8 +172,13 @@ fn draw_panel(area: &DrawingArea<BitMapBackend, plotters::coord::Shift>, p: &Pan
         chart.configure_mesh().disable_mesh().draw()?;
         area.draw(&Text::new(
             "no data",
-            (area.dim_in_pixel().0 as i32 / 2 - 30, area.dim_in_pixel().1 as i32 / 2),
-            ("sans-serif", 16).into_font().color(&RGBColor(120, 120, 120)),
+            (
+                area.dim_in_pixel().0 as i32 / 2 - 30,
+                area.dim_in_pixel().1 as i32 / 2,
+            ),
+            ("sans-serif", 16)
+                .into_font()
+                .color(&RGBColor(120, 120, 120)),
         ))?;
         return Ok(());
     }
@@ -181,6 +193,7 @@ fn draw_panel(area: &DrawingArea<BitMapBackend, plotters::coord::Shift>, p: &Pan
     chart
         .configure_mesh()
         .x_desc("step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .light_line_style(RGBColor(235, 235, 235))
         .label_style(("sans-serif", 12))
         .draw()?;
@@ -189,9 +202,15 @@ fn draw_panel(area: &DrawingArea<BitMapBackend, plotters::coord::Shift>, p: &Pan
         chart
             .draw_series(LineSeries::new(s.points.clone(), color.stroke_width(2)))?
             .label(s.label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
         if s.points.len() <= 60 {
-            chart.draw_series(s.points.iter().map(|&pt| Circle::new(pt, 3, color.filled())))?;
+            chart.draw_series(
+                s.points
+                    .iter()
+                    .map(|&pt| Circle::new(pt, 3, color.filled())),
+            )?;
         }
     }
     if p.series.len() > 1 {

@@ -97,7 +97,9 @@ impl RunDir {
     }
     /// A stage's `--metrics` file: `step-000K/metrics/NAME.json`.
     pub fn stage_metrics(&self, step: u64, name: &str) -> PathBuf {
-        self.step_dir(step).join("metrics").join(format!("{name}.json"))
+        self.step_dir(step)
+            .join("metrics")
+            .join(format!("{name}.json"))
     }
     pub fn eval_dir(&self, step: u64) -> PathBuf {
         self.root.join("eval").join(step_name(step))

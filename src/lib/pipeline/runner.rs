@@ -8,8 +8,8 @@ use super::metrics::{self, StepFiles};
 use super::rundir::{parse_step_name, put_jsonl_step, step_name, RunDir, State, StepProgress};
 use super::sampler::{derive_seed, Sampler};
 use super::spec::{Device, Spec};
-use crate::batch::{Batch, StageInfo};
 use crate::bail_input;
+use crate::batch::{Batch, StageInfo};
 use crate::error::input_error;
 use anyhow::{Context, Result};
 use arrow_array::UInt64Array;
@@ -37,7 +37,10 @@ pub fn bin_dir() -> Result<PathBuf> {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Action {
     /// Run a stage binary with these arguments.
-    Stage { bin: &'static str, args: Vec<String> },
+    Stage {
+        bin: &'static str,
+        args: Vec<String>,
+    },
     /// Draw the step's prompts into `step-000K/prompts.parquet`.
     SamplePrompts,
     /// Copy the previous step's adaptive-KL state so that a rerun of `advantage` starts from
@@ -62,8 +65,7 @@ pub struct Task {
 /// Quote an argument for a POSIX shell when it needs it.
 pub fn shell_quote(s: &str) -> String {
     let plain = !s.is_empty()
-        && s
-            .chars()
+        && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "_-./:=,+@%".contains(c));
     if plain {
         s.to_string()
@@ -137,7 +139,11 @@ impl Runner {
     fn eval_tasks(&self, step: u64) -> Vec<Task> {
         let spec = &self.spec;
         let dir = self.run.eval_dir(step);
-        let val = spec.data.val.as_ref().expect("validated: eval needs data.val");
+        let val = spec
+            .data
+            .val
+            .as_ref()
+            .expect("validated: eval needs data.val");
         let mut rollout = vec![
             "--model".into(),
             path_arg(&self.run.policy()),
@@ -430,8 +436,10 @@ impl Runner {
         let total = self.spec.steps;
         self.bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
         self.bar.set_style(
-            ProgressStyle::with_template("{bar:30} step {pos}/{len} [{elapsed_precise}<{eta}] {msg}")
-                .expect("valid template"),
+            ProgressStyle::with_template(
+                "{bar:30} step {pos}/{len} [{elapsed_precise}<{eta}] {msg}",
+            )
+            .expect("valid template"),
         );
         self.bar.set_position(self.state.steps_done.min(total));
         for (step, task) in plan {
@@ -452,7 +460,8 @@ impl Runner {
     }
 
     fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
-        self.bar.set_message(format!("{} ({})", task.name, step_name(step)));
+        self.bar
+            .set_message(format!("{} ({})", task.name, step_name(step)));
         let t0 = Instant::now();
         match &task.action {
             Action::Stage { bin, args } => self.run_stage(step, bin, args)?,
@@ -460,10 +469,18 @@ impl Runner {
             Action::CopyKlState => self.copy_kl_state(step)?,
             Action::PruneCheckpoints => self.prune(step)?,
             Action::EvalSummary => {
-                let line = metrics::eval_line(step, &self.run.eval_dir(step).join("scored.parquet"))?;
-                put_jsonl_step(&self.run.eval_path(), step, &serde_json::Value::Object(line.clone()))?;
+                let line =
+                    metrics::eval_line(step, &self.run.eval_dir(step).join("scored.parquet"))?;
+                put_jsonl_step(
+                    &self.run.eval_path(),
+                    step,
+                    &serde_json::Value::Object(line.clone()),
+                )?;
                 let acc = line.get("accuracy").and_then(|v| v.as_f64()).unwrap_or(0.0);
-                let msg = format!("eval step {step}: accuracy {acc:.3} on {} rows", line["rows"]);
+                let msg = format!(
+                    "eval step {step}: accuracy {acc:.3} on {} rows",
+                    line["rows"]
+                );
                 self.bar.suspend(|| eprintln!("{msg}"));
             }
             Action::StepMetrics => self.step_metrics(step)?,
@@ -517,6 +534,20 @@ impl Runner {
     fn run_stage(&mut self, step: u64, bin: &str, args: &[String]) -> Result<()> {
         let line = self.stage_line(bin, args);
         self.append_command(step, &line)?;
+        // Stages write their outputs where they are told; the runner makes the directories.
+        for pair in args.windows(2) {
+            if ["--out", "--out-model", "--metrics", "--kl-state", "--to"]
+                .contains(&pair[0].as_str())
+            {
+                if let Some(dir) = Path::new(&pair[1])
+                    .parent()
+                    .filter(|d| !d.as_os_str().is_empty())
+                {
+                    std::fs::create_dir_all(dir)
+                        .with_context(|| format!("creating {}", dir.display()))?;
+                }
+            }
+        }
         let program = self.bins.join(bin);
         let mut cmd = std::process::Command::new(&program);
         cmd.args(args).stdin(Stdio::null());
@@ -549,7 +580,10 @@ impl Runner {
         if self.train.is_none() {
             let b = Batch::read(&self.spec.data.train, &[])?;
             if b.num_rows() == 0 {
-                bail_input!("{}: the training set has no rows", self.spec.data.train.display());
+                bail_input!(
+                    "{}: the training set has no rows",
+                    self.spec.data.train.display()
+                );
             }
             self.train = Some(b);
         }
@@ -600,7 +634,8 @@ impl Runner {
         let dst = self.kl_state(step);
         let src = self.kl_state(step - 1);
         if src.exists() {
-            let bytes = std::fs::read(&src).with_context(|| format!("reading {}", src.display()))?;
+            let bytes =
+                std::fs::read(&src).with_context(|| format!("reading {}", src.display()))?;
             super::rundir::write_atomic(&dst, &bytes)?;
         } else if dst.exists() {
             // First step: the controller starts from --kl-coef, so no state may linger from an

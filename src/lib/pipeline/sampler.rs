@@ -154,8 +154,18 @@ mod tests {
             shuffle: false,
         };
         assert_eq!(s.draw(Cursor::default(), 6).0, [0, 1, 2, 3, 0, 1]);
-        let a = Sampler { seed: 1, len: 50, shuffle: true }.order(0);
-        let b = Sampler { seed: 2, len: 50, shuffle: true }.order(0);
+        let a = Sampler {
+            seed: 1,
+            len: 50,
+            shuffle: true,
+        }
+        .order(0);
+        let b = Sampler {
+            seed: 2,
+            len: 50,
+            shuffle: true,
+        }
+        .order(0);
         assert_ne!(a, b);
     }
 

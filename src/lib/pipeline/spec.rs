@@ -256,7 +256,10 @@ impl EvalSpec {
             temperature: self.temperature,
             top_p: self.top_p,
             // Greedy unless the user asked for sampling: top-k 1 is greedy at any temperature.
-            top_k: Some(self.top_k.unwrap_or(if self.temperature.is_some() { -1 } else { 1 })),
+            top_k: Some(
+                self.top_k
+                    .unwrap_or(if self.temperature.is_some() { -1 } else { 1 }),
+            ),
             max_new_tokens: self.max_new_tokens.or(train.max_new_tokens),
             max_prompt_tokens: self.max_prompt_tokens.or(train.max_prompt_tokens),
         }
@@ -352,7 +355,10 @@ impl Spec {
             bail_input!("{origin}: [score] needs `reward` (e.g. reward = \"gsm8k\")");
         }
         if self.eval.every > 0 && self.data.val.is_none() {
-            bail_input!("{origin}: [eval] every = {} needs [data] val = \"FILE.parquet\"", self.eval.every);
+            bail_input!(
+                "{origin}: [eval] every = {} needs [data] val = \"FILE.parquet\"",
+                self.eval.every
+            );
         }
         if self.daemon {
             bail_input!(
@@ -448,7 +454,13 @@ fn unknown_field(msg: &str) -> Option<(String, Vec<String>)> {
 
 /// Levenshtein distance over chars, with `_` and `-` taken as equal (TOML users write both).
 pub fn edit_distance(a: &str, b: &str) -> usize {
-    let norm = |c: char| if c == '_' { '-' } else { c.to_ascii_lowercase() };
+    let norm = |c: char| {
+        if c == '_' {
+            '-'
+        } else {
+            c.to_ascii_lowercase()
+        }
+    };
     let a: Vec<char> = a.chars().map(norm).collect();
     let b: Vec<char> = b.chars().map(norm).collect();
     let mut prev: Vec<usize> = (0..=b.len()).collect();
@@ -550,18 +562,27 @@ reward = "exact"
         let err = Spec::parse(&text, "t.toml").unwrap_err();
         let msg = format!("{err:#}");
         assert!(crate::error::is_input_error(&err));
-        assert!(msg.starts_with("t.toml:7:1: unknown key `prompt-per-step`"), "{msg}");
+        assert!(
+            msg.starts_with("t.toml:7:1: unknown key `prompt-per-step`"),
+            "{msg}"
+        );
         assert!(msg.contains("did you mean `prompts-per-step`?"), "{msg}");
 
         // Underscores for dashes, in a stage table.
         let text = format!("{MINIMAL}[rollout]\nmax_new_tokens = 8\n");
         let msg = format!("{:#}", Spec::parse(&text, "t.toml").unwrap_err());
-        assert!(msg.contains("unknown key `max_new_tokens`: did you mean `max-new-tokens`?"), "{msg}");
+        assert!(
+            msg.contains("unknown key `max_new_tokens`: did you mean `max-new-tokens`?"),
+            "{msg}"
+        );
 
         // Nothing close: list what is valid.
         let text = format!("{MINIMAL}[checkpoint]\nbananas = 1\n");
         let msg = format!("{:#}", Spec::parse(&text, "t.toml").unwrap_err());
-        assert!(msg.contains("unknown key `bananas`: valid keys here: every, keep-last"), "{msg}");
+        assert!(
+            msg.contains("unknown key `bananas`: valid keys here: every, keep-last"),
+            "{msg}"
+        );
 
         // A runner-owned flag is not a spec key.
         let text = format!("{MINIMAL}[rollout]\nout = \"x\"\n");
@@ -571,19 +592,40 @@ reward = "exact"
         // Top level.
         let text = format!("sed = 1\n{MINIMAL}");
         let msg = format!("{:#}", Spec::parse(&text, "t.toml").unwrap_err());
-        assert!(msg.contains("t.toml:1:1: unknown key `sed`: did you mean `seed`?"), "{msg}");
+        assert!(
+            msg.contains("t.toml:1:1: unknown key `sed`: did you mean `seed`?"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn bad_values_are_input_errors() {
         let cases = [
-            (MINIMAL.replace("steps = 3", "steps = 0"), "steps must be at least 1"),
-            (MINIMAL.replace("steps = 3", "steps = \"3\""), "t.toml:2:9: invalid type"),
-            (MINIMAL.replace("reward = \"exact\"", ""), "[score] needs `reward`"),
-            (format!("device = \"tpu\"\n{MINIMAL}"), "unknown variant `tpu`"),
+            (
+                MINIMAL.replace("steps = 3", "steps = 0"),
+                "steps must be at least 1",
+            ),
+            (
+                MINIMAL.replace("steps = 3", "steps = \"3\""),
+                "t.toml:2:9: invalid type",
+            ),
+            (
+                MINIMAL.replace("reward = \"exact\"", ""),
+                "[score] needs `reward`",
+            ),
+            (
+                format!("device = \"tpu\"\n{MINIMAL}"),
+                "unknown variant `tpu`",
+            ),
             (format!("{MINIMAL}[eval]\nevery = 2\n"), "needs [data] val"),
-            (format!("{MINIMAL}[rollout]\ntemperature = nan\n"), "must be a finite number"),
-            (MINIMAL.replace("[model]\npath = \"models/tiny\"", ""), "missing field `model`"),
+            (
+                format!("{MINIMAL}[rollout]\ntemperature = nan\n"),
+                "must be a finite number",
+            ),
+            (
+                MINIMAL.replace("[model]\npath = \"models/tiny\"", ""),
+                "missing field `model`",
+            ),
         ];
         for (text, want) in cases {
             let err = Spec::parse(&text, "t.toml").unwrap_err();
@@ -602,10 +644,22 @@ reward = "exact"
         let s = Spec::parse(&text, "t.toml").unwrap();
         let again = Spec::parse(&s.to_toml(), "resolved").unwrap();
         assert_eq!(s, again);
-        assert_eq!(s.rollout.args(), ["--n", "4", "--top-k", "-1", "--max-new-tokens", "7"]);
+        assert_eq!(
+            s.rollout.args(),
+            ["--n", "4", "--top-k", "-1", "--max-new-tokens", "7"]
+        );
         assert_eq!(
             s.eval.sampling(&s.rollout).args(),
-            ["--n", "1", "--top-k", "1", "--max-new-tokens", "7", "--max-prompt-tokens", "9"]
+            [
+                "--n",
+                "1",
+                "--top-k",
+                "1",
+                "--max-new-tokens",
+                "7",
+                "--max-prompt-tokens",
+                "9"
+            ]
         );
     }
 
@@ -614,7 +668,11 @@ reward = "exact"
         assert_eq!(edit_distance("kitten", "sitting"), 3);
         assert_eq!(edit_distance("max_new_tokens", "max-new-tokens"), 0);
         assert_eq!(edit_distance("", "abc"), 3);
-        let valid = vec!["lr".to_string(), "loss".to_string(), "lr-schedule".to_string()];
+        let valid = vec![
+            "lr".to_string(),
+            "loss".to_string(),
+            "lr-schedule".to_string(),
+        ];
         assert_eq!(closest("los", &valid), Some("loss"));
         assert_eq!(closest("zzzzzzz", &valid), None);
     }

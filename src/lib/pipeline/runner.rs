@@ -191,7 +191,7 @@ impl Runner {
     /// Whether step `step` ends with an evaluation (every `eval.every` steps, and the last).
     fn evaluates(&self, step: u64) -> bool {
         let every = self.spec.eval.every;
-        every > 0 && (step % every == 0 || step == self.spec.steps)
+        every > 0 && (step.is_multiple_of(every) || step == self.spec.steps)
     }
 
     /// The tasks of training step `step` (1-based).

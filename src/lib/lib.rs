@@ -4,3 +4,4 @@
 pub mod batch;
 pub mod error;
 pub mod model;
+pub mod reward;

@@ -15,11 +15,15 @@
 //! the JSON value it is, or null when the batch has none. `data_source` is required by the
 //! external modes (verl passes it to every reward function, and dispatches on it); for the
 //! built-in rules it is optional and, when present, gives the per-source accuracy.
-//! `extra_info` is passed to external programs as a JSON object (`{}` when absent, as verl).
+//! `extra_info` is passed to external programs as a JSON object (`{}` when absent, as verl);
+//! the Python driver also sets `num_turns: None` and `rollout_reward_scores: {}` in it when
+//! missing, as verl's NaiveRewardManager does for single-turn rollouts.
 //!
 //! Columns written: `score` (float32) and `score_<key>` for each sub-score an external reward
 //! returns. Accuracy in the summary is the fraction of rows with score >= 1.0, or the mean of
-//! the `acc` sub-score when the reward returns one (verl's math_dapo does).
+//! the `acc` sub-score when the reward returns one (verl's math_dapo does). Scoring a batch
+//! that already has a `score` column replaces it; `score_<key>` columns of an earlier run
+//! that this reward does not return are kept as they are.
 
 pub mod external;
 pub mod gsm8k;

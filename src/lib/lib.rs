@@ -5,3 +5,4 @@ pub mod batch;
 pub mod bench;
 pub mod error;
 pub mod model;
+pub mod reward;

@@ -18,9 +18,13 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     // One arm per subcommand, each a thin call into the library.
+    /// Import a dataset (GSM8K, any jsonl) as a prompt parquet file in verl's schema.
+    Prepare(tandem::data::prepare::PrepareArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tandem::error::run_main(|| match cli.cmd {})
+    tandem::error::run_main(|| match cli.cmd {
+        Cmd::Prepare(args) => tandem::data::prepare::run(args),
+    })
 }

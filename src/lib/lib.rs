@@ -2,5 +2,6 @@
 //! pass Arrow/Parquet batch files. See docs/ and ../shared/DESIGN.md for the picture.
 
 pub mod batch;
+pub mod data;
 pub mod error;
 pub mod model;

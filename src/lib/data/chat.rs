@@ -539,20 +539,21 @@ fn write_json(
             for k in v.try_iter()? {
                 let val = v.get_item(&k)?;
                 // json.dumps turns None/bool/number keys into their JSON text.
-                let key =
-                    match k.kind() {
-                        ValueKind::String => k.as_str().unwrap_or("").to_string(),
-                        ValueKind::None => "null".into(),
-                        ValueKind::Bool => if k.is_true() { "true" } else { "false" }.into(),
-                        ValueKind::Number if k.is_integer() => k.to_string(),
-                        ValueKind::Number => py_float(f64::try_from(k.clone())?, true),
-                        other => return Err(Error::new(
+                let key = match k.kind() {
+                    ValueKind::String => k.as_str().unwrap_or("").to_string(),
+                    ValueKind::None => "null".into(),
+                    ValueKind::Bool => if k.is_true() { "true" } else { "false" }.into(),
+                    ValueKind::Number if k.is_integer() => k.to_string(),
+                    ValueKind::Number => py_float(f64::try_from(k.clone())?, true),
+                    other => {
+                        return Err(Error::new(
                             ErrorKind::InvalidOperation,
                             format!(
                                 "tojson: keys must be str, int, float, bool or None, not {other}"
                             ),
-                        )),
-                    };
+                        ))
+                    }
+                };
                 entries.push((key, val));
             }
             if st.sort_keys {

@@ -820,6 +820,22 @@ mod tests {
     }
 
     #[test]
+    fn messages_keep_python_dict_order() {
+        // transformers passes {"role": ..., "content": ...} dicts; their key order shows in
+        // tojson and items().
+        let t = ChatTemplate::new(
+            "{{ messages[0] | tojson }}{% for k, v in messages[0].items() %}|{{ k }}{% endfor %}",
+            vec![],
+            Path::new("inline"),
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&msgs(&[("user", "hi")]), false).unwrap(),
+            r#"{"role": "user", "content": "hi"}|role|content"#
+        );
+    }
+
+    #[test]
     fn python_number_spelling() {
         let cases = [
             (1.0, "1.0"),

@@ -3,6 +3,7 @@
 
 pub mod batch;
 pub mod bench;
+pub mod data;
 pub mod error;
 pub mod model;
 pub mod reward;

@@ -259,13 +259,13 @@ mod tests {
             target: 0.1,
             horizon: 10_000.0,
         };
-        // kl = 0.15: err = clip(0.5, ±0.2) = 0.2; beta = 0.001 * (1 + 0.2 * 256 / 10000) = 0.0010512
+        // kl = 0.15: err = clip(0.5, ±0.2) = 0.2; beta = 0.001 * (1 + 0.2 * 256 / 10000) = 0.00100512
         let mut c = KlController { beta: 0.001, ctrl };
         c.update(0.15, 256);
-        assert!((c.beta - 0.001_051_2).abs() < 1e-15, "{}", c.beta);
-        // kl = 0.09: err = -0.1; beta = 0.0010512 * (1 - 0.1 * 256 / 10000) = 0.0010485089...
+        assert!((c.beta - 0.001_005_12).abs() < 1e-15, "{}", c.beta);
+        // kl = 0.09: err = -0.1; beta = 0.00100512 * (1 - 0.1 * 256 / 10000) = 0.00100512 * 0.99744
         c.update(0.09, 256);
-        assert!((c.beta - 0.001_051_2 * 0.997_44).abs() < 1e-15, "{}", c.beta);
+        assert!((c.beta - 0.001_005_12 * 0.997_44).abs() < 1e-15, "{}", c.beta);
         // kl = 0: err = clip(-1) = -0.2; 1 - 0.2 * 1000 / 10000 = 0.98
         let mut c = KlController { beta: 0.5, ctrl };
         c.update(0.0, 1000);

@@ -109,7 +109,10 @@ fn stderr(o: &Output) -> String {
 fn close(got: &[f32], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!((g as f64 - w).abs() <= tol, "[{i}]: got {g}, want {w}\n{got:?}");
+        assert!(
+            (g as f64 - w).abs() <= tol,
+            "[{i}]: got {g}, want {w}\n{got:?}"
+        );
     }
 }
 
@@ -149,13 +152,24 @@ fn grpo_end_to_end() {
     let (p, m) = (0.5 / (0.5 + 1e-6), -2.0 / (1.0 + 1e-6));
     #[rustfmt::skip]
     let want = [p, p, p,  -p, -p,  0.0, 0.0, 0.0, 0.0,  m, m];
-    close(&b.ragged_f32(schema::ADVANTAGES).unwrap().values, &want, 1e-6);
+    close(
+        &b.ragged_f32(schema::ADVANTAGES).unwrap().values,
+        &want,
+        1e-6,
+    );
     close(&b.ragged_f32(schema::RETURNS).unwrap().values, &want, 1e-6);
     #[rustfmt::skip]
     let rewards = [0.0, 0.0, 1.0,  0.0, 0.0,  0.0, 0.0, 0.5, 0.0,  0.0, -2.0];
-    close(&b.ragged_f32(schema::TOKEN_REWARDS).unwrap().values, &rewards, 0.0);
+    close(
+        &b.ragged_f32(schema::TOKEN_REWARDS).unwrap().values,
+        &rewards,
+        0.0,
+    );
     // Input columns and metadata are kept; the stage records its parameters.
-    assert_eq!(b.strings(schema::PROMPT_UID).unwrap(), vec!["a", "a", "a", "b"]);
+    assert_eq!(
+        b.strings(schema::PROMPT_UID).unwrap(),
+        vec!["a", "a", "a", "b"]
+    );
     assert_eq!(b.meta_u64("step"), Some(7));
     let params: serde_json::Value =
         serde_json::from_str(&b.meta["tandem.stage.advantage"]).unwrap();
@@ -170,7 +184,11 @@ fn grpo_end_to_end() {
     assert!((m_val(&j, "advantage_min") - m).abs() < 1e-6, "{j}");
     assert!((m_val(&j, "advantage_max") - p).abs() < 1e-6, "{j}");
     assert!(j["kl"].is_null());
-    assert!(stderr(&o).contains("advantage grpo: 4 rows"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("advantage grpo: 4 rows"),
+        "{}",
+        stderr(&o)
+    );
 
     // Dr.GRPO
     let o = advantage(&[
@@ -187,7 +205,11 @@ fn grpo_end_to_end() {
     let b = Batch::read(&out, &[]).unwrap();
     #[rustfmt::skip]
     let want = [0.5, 0.5, 0.5,  -0.5, -0.5,  0.0, 0.0, 0.0, 0.0,  -2.0, -2.0];
-    close(&b.ragged_f32(schema::ADVANTAGES).unwrap().values, &want, 0.0);
+    close(
+        &b.ragged_f32(schema::ADVANTAGES).unwrap().values,
+        &want,
+        0.0,
+    );
 }
 
 fn m_val(m: &serde_json::Value, k: &str) -> f64 {
@@ -242,12 +264,20 @@ fn adaptive_kl_in_reward_persists_beta() {
     let k = -0.1 * 0.3;
     #[rustfmt::skip]
     let want = [k, k, 1.0 + k,  k, k,  k, 0.0, 0.5 + k, 0.0,  k, -2.0 + k];
-    close(&b.ragged_f32(schema::TOKEN_REWARDS).unwrap().values, &want, 1e-6);
+    close(
+        &b.ragged_f32(schema::TOKEN_REWARDS).unwrap().values,
+        &want,
+        1e-6,
+    );
     // Outcomes 1 − 0.09, −0.06, 0.5 − 0.06 (group a, mean 0.43 − 0.09 + ... ) → Dr.GRPO:
     // a: s = [0.91, −0.06, 0.44], mean 0.43: [0.48, −0.49, 0.01]; b alone: −2.06
     #[rustfmt::skip]
     let adv = [0.48, 0.48, 0.48,  -0.49, -0.49,  0.01, 0.0, 0.01, 0.0,  -2.06, -2.06];
-    close(&b.ragged_f32(schema::ADVANTAGES).unwrap().values, &adv, 1e-6);
+    close(
+        &b.ragged_f32(schema::ADVANTAGES).unwrap().values,
+        &adv,
+        1e-6,
+    );
     // kl = 0.3, target 0.2: err = clip(0.5, ±0.2) = 0.2, n = 4 rows, horizon 40:
     // beta = 0.1·(1 + 0.2·4/40) = 0.102
     let st: serde_json::Value =
@@ -261,7 +291,11 @@ fn adaptive_kl_in_reward_persists_beta() {
     assert!(o.status.success(), "{}", stderr(&o));
     let b = Batch::read(&out, &[]).unwrap();
     let r = b.ragged_f32(schema::TOKEN_REWARDS).unwrap();
-    assert!((r.values[0] as f64 - -0.102 * 0.3).abs() < 1e-7, "{:?}", r.values);
+    assert!(
+        (r.values[0] as f64 - -0.102 * 0.3).abs() < 1e-7,
+        "{:?}",
+        r.values
+    );
     let st: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
     assert!((m_val(&st, "beta") - 0.102 * 1.02).abs() < 1e-12, "{st}");
@@ -345,7 +379,12 @@ fn bad_input_is_rejected_without_output() {
 
     rejects(
         &d,
-        &["--in", s(&d.path.join("nope.parquet")), "--estimator", "grpo"],
+        &[
+            "--in",
+            s(&d.path.join("nope.parquet")),
+            "--estimator",
+            "grpo",
+        ],
         "cannot open batch file",
     );
     // Columns an option needs, named with the option.
@@ -493,5 +532,82 @@ fn bad_input_is_rejected_without_output() {
     assert_eq!(
         std::fs::read_to_string(&state).unwrap(),
         "{\"beta\": \"high\"}"
+    );
+}
+
+/// The size of `tandem bench cpu-stages`: 32,768 rows x 1,024 response tokens, groups of 8.
+/// A benchmark, not a timed test: `cargo test --test advantage -- --ignored --nocapture`
+/// prints the stage's own read/compute/write split.
+#[test]
+#[ignore]
+fn bench_grpo_32768_rows_1024_tokens() {
+    let d = dir();
+    let (inp, out, metrics) = (
+        d.path.join("in.parquet"),
+        d.path.join("out.parquet"),
+        d.path.join("m.json"),
+    );
+    let (rows, len) = (32_768usize, 1_024usize);
+    let offsets: Vec<usize> = (0..=rows).map(|i| i * len).collect();
+    let n = rows * len;
+    let uids: Vec<String> = (0..rows).map(|i| format!("p{}", i / 8)).collect();
+    let ids: Vec<i32> = (0..n).map(|i| ((i * 7919) % 151_936) as i32).collect();
+    // Responses end at varying lengths: the tail of each row is masked.
+    let mask: Vec<u8> = (0..n)
+        .map(|i| ((i % len) < len - (i / len) % 300) as u8)
+        .collect();
+    let lps: Vec<f32> = (0..n).map(|i| -((i % 97) as f32) / 20.0).collect();
+    let scores: Vec<f32> = (0..rows)
+        .map(|i| ((i * 31) % 7 == 0) as u8 as f32)
+        .collect();
+    let cols: Vec<(Field, ArrayRef)> = vec![
+        (
+            schema::field(schema::PROMPT_UID),
+            Arc::new(StringArray::from(uids)),
+        ),
+        (
+            schema::field(schema::RESPONSE_IDS),
+            list_array::<Int32Type>(&offsets, ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_MASK),
+            list_array::<UInt8Type>(&offsets, mask),
+        ),
+        (
+            schema::field(schema::ROLLOUT_LOGPROBS),
+            list_array::<Float32Type>(&offsets, lps),
+        ),
+        (
+            schema::field(schema::SCORE),
+            Arc::new(Float32Array::from(scores)),
+        ),
+    ];
+    let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
+    let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap();
+    write_file(&inp, &data, &BTreeMap::new()).unwrap();
+    if let Ok(keep) = std::env::var("TANDEM_BENCH_KEEP") {
+        std::fs::copy(&inp, keep).unwrap();
+    }
+    let t = std::time::Instant::now();
+    let o = advantage(&[
+        "--in",
+        s(&inp),
+        "--out",
+        s(&out),
+        "--estimator",
+        "grpo",
+        "--metrics",
+        s(&metrics),
+    ]);
+    let wall = t.elapsed().as_secs_f64();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+    assert_eq!(j["rows"], rows);
+    eprintln!(
+        "advantage grpo {rows} x {len}: {wall:.2}s wall (read {:.2}s, compute {:.2}s, write {:.2}s)",
+        m_val(&j, "read_s"),
+        m_val(&j, "compute_s"),
+        m_val(&j, "write_s")
     );
 }

@@ -2,15 +2,27 @@
 //! and returns of a scored batch. The math lives in `tandem::algo`; this file reads flags and
 //! columns and writes the result.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use arrow_array::types::Float32Type;
+use arrow_array::RecordBatch;
+use arrow_schema::DataType;
 use clap::builder::PossibleValuesParser;
 use clap::{ArgAction, Parser, ValueEnum};
+use parquet::arrow::arrow_writer::compute_leaves;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::metadata::KeyValue;
+use parquet::file::properties::WriterProperties;
+use parquet::schema::types::ColumnPath;
+use rayon::prelude::*;
+use std::collections::BTreeMap;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tandem::algo::advantage::{self as adv, AdvInput, AdvParams, Groups, KlInReward};
 use tandem::algo::kl::{KlController, KlCtrl, KlPenalty, KlState};
 use tandem::bail_input;
+use tandem::batch::write::temp_path;
 use tandem::batch::{list_array, schema, Batch, NewColumns, StageInfo};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -254,15 +266,16 @@ fn run(a: &Args) -> Result<()> {
         "kl_ctrl": a.kl_in_reward.then(|| format!("{:?}", a.kl_ctrl).to_lowercase()),
         "kl_beta": a.kl_in_reward.then_some(beta_used),
     });
-    batch.write_derived(
+    let info = StageInfo {
+        stage: "advantage",
+        params: params_json,
+        policy_version: None,
+        step: None,
+    };
+    write_parallel(
         &a.out,
-        cols,
-        &StageInfo {
-            stage: "advantage",
-            params: params_json,
-            policy_version: None,
-            step: None,
-        },
+        &batch.with_columns(cols)?,
+        &batch.derived_meta(&info),
     )?;
     // The output is in place before β moves, so a crash in between leaves a step that re-runs
     // with the same β.
@@ -323,6 +336,63 @@ fn run(a: &Args) -> Result<()> {
         write_json(path, &metrics)?;
     }
     Ok(())
+}
+
+/// `batch::write_file` with two changes that cut its time on a 32k x 1k batch from ~4 to ~1.7
+/// CPU-seconds and spread it over the cores: no dictionary encoding of per-token list columns
+/// (hashing tens of millions of values costs more than it saves), and columns encoded in
+/// parallel. Same format otherwise: zstd level 1, the same key/value metadata, written to
+/// NAME.tmp then renamed. Candidate for `batch::write` (see the advantage helper's report).
+fn write_parallel(out: &Path, data: &RecordBatch, kv: &BTreeMap<String, String>) -> Result<()> {
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = temp_path(out);
+    let result = (|| -> Result<()> {
+        let schema = data.schema();
+        let mut props = WriterProperties::builder()
+            .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
+            .set_key_value_metadata(Some(
+                kv.iter()
+                    .map(|(k, v)| KeyValue::new(k.clone(), v.clone()))
+                    .collect(),
+            ));
+        for f in schema.fields() {
+            if let DataType::List(item) | DataType::LargeList(item) = f.data_type() {
+                let path = vec![f.name().clone(), "list".into(), item.name().clone()];
+                props = props.set_column_dictionary_enabled(ColumnPath::new(path), false);
+            }
+        }
+        let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let (mut writer, factory) =
+            ArrowWriter::try_new(file, schema.clone(), Some(props.build()))?
+                .into_serialized_writer()?;
+        let mut leaves = Vec::new();
+        for (field, col) in schema.fields().iter().zip(data.columns()) {
+            leaves.extend(compute_leaves(field, col)?);
+        }
+        let chunks = factory
+            .create_column_writers(0)?
+            .into_par_iter()
+            .zip(leaves)
+            .map(|(mut w, leaf)| {
+                w.write(&leaf)?;
+                w.close()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut group = writer.next_row_group()?;
+        for chunk in chunks {
+            chunk.append_to_row_group(&mut group)?;
+        }
+        group.close()?;
+        writer.close()?;
+        std::fs::rename(&tmp, out)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("writing {}", out.display()))
 }
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {

@@ -143,10 +143,7 @@ pub struct Estimator {
     pub run: AdvFn,
 }
 
-const GROUPED: &[(&str, &str)] = &[(
-    schema::PROMPT_UID,
-    "it groups the samples of one prompt",
-)];
+const GROUPED: &[(&str, &str)] = &[(schema::PROMPT_UID, "it groups the samples of one prompt")];
 
 /// The registry, by name.
 pub const ESTIMATORS: &[Estimator] = &[
@@ -623,7 +620,10 @@ mod tests {
     fn close(got: &[f32], want: &[f32], tol: f32) {
         assert_eq!(got.len(), want.len());
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!((g - w).abs() <= tol, "index {i}: got {g}, want {w}\n{got:?}\n{want:?}");
+            assert!(
+                (g - w).abs() <= tol,
+                "index {i}: got {g}, want {w}\n{got:?}\n{want:?}"
+            );
         }
     }
 
@@ -649,7 +649,14 @@ mod tests {
         // b: a group of one: mean 0, std 1 -> -2/(1 + 1e-6)
         // c: all equal: 0/(0 + 1e-6) = 0
         let e = 1e-6;
-        let want = per_row([0.5 / (0.5 + e), -0.5 / (0.5 + e), 0.0, -2.0 / (1.0 + e), 0.0, 0.0]);
+        let want = per_row([
+            0.5 / (0.5 + e),
+            -0.5 / (0.5 + e),
+            0.0,
+            -2.0 / (1.0 + e),
+            0.0,
+            0.0,
+        ]);
         close(&out.advantages, &want, 1e-7);
         assert_eq!(out.returns, out.advantages);
         // Dr.GRPO: no division by the std
@@ -658,7 +665,11 @@ mod tests {
             ..AdvParams::default()
         };
         let (_, out) = run("grpo", &p, None);
-        close(&out.advantages, &per_row([0.5, -0.5, 0.0, -2.0, 0.0, 0.0]), 0.0);
+        close(
+            &out.advantages,
+            &per_row([0.5, -0.5, 0.0, -2.0, 0.0, 0.0]),
+            0.0,
+        );
     }
 
     #[test]
@@ -666,7 +677,11 @@ mod tests {
         let (_, out) = run("rloo", &AdvParams::default(), None);
         // a: n = 3: 3/2 * (s - 0.5) = 0.75, -0.75, 0; b: a group of one keeps its score -2;
         // c: 2 * (3 - 3) = 0
-        close(&out.advantages, &per_row([0.75, -0.75, 0.0, -2.0, 0.0, 0.0]), 1e-7);
+        close(
+            &out.advantages,
+            &per_row([0.75, -0.75, 0.0, -2.0, 0.0, 0.0]),
+            1e-7,
+        );
     }
 
     #[test]
@@ -675,14 +690,22 @@ mod tests {
         // a: baseline (3*1 + 2*0 + 2*0.5) / (3 + 2 + 2) = 4/7; b: alone, baseline 0;
         // c: (0*3 + 1*3) / (0 + 1) = 3
         let b = 4.0 / 7.0;
-        close(&out.advantages, &per_row([1.0 - b, -b, 0.5 - b, -2.0, 0.0, 0.0]), 1e-7);
+        close(
+            &out.advantages,
+            &per_row([1.0 - b, -b, 0.5 - b, -2.0, 0.0, 0.0]),
+            1e-7,
+        );
     }
 
     #[test]
     fn gpg_hand_values() {
         let (_, out) = run("gpg", &AdvParams::default(), None);
         // 5 of 6 outcomes are nonzero: alpha = 6/5; group means 0.5, 0 (alone), 3
-        close(&out.advantages, &per_row([0.6, -0.6, 0.0, -2.4, 0.0, 0.0]), 1e-6);
+        close(
+            &out.advantages,
+            &per_row([0.6, -0.6, 0.0, -2.4, 0.0, 0.0]),
+            1e-6,
+        );
     }
 
     #[test]
@@ -720,7 +743,13 @@ mod tests {
         let want: Vec<f32> = returns
             .iter()
             .zip(&f.mask)
-            .map(|(&g, &m)| if m != 0 { ((g as f64 - mean) / sd) as f32 } else { 0.0 })
+            .map(|(&g, &m)| {
+                if m != 0 {
+                    ((g as f64 - mean) / sd) as f32
+                } else {
+                    0.0
+                }
+            })
             .collect();
         close(&out.advantages, &want, 1e-6);
     }
@@ -770,7 +799,11 @@ mod tests {
         let mean = raw.iter().sum::<f64>() / (4.0 + 1e-8);
         let var = raw.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / 3.0;
         let w = |v: f64| ((v - mean) / (var + 1e-8).sqrt()) as f32;
-        close(&out.advantages, &[w(0.265), 0.0, w(0.75), w(-0.856), w(-0.8)], 1e-6);
+        close(
+            &out.advantages,
+            &[w(0.265), 0.0, w(0.75), w(-0.856), w(-0.8)],
+            1e-6,
+        );
     }
 
     #[test]
@@ -821,8 +854,8 @@ mod tests {
             values: None,
             baseline: None,
         };
-        let err = (estimator("reinforce_plus_plus").unwrap().run)(&x, &AdvParams::default())
-            .unwrap_err();
+        let err =
+            (estimator("reinforce_plus_plus").unwrap().run)(&x, &AdvParams::default()).unwrap_err();
         assert!(err.to_string().contains("at least 2, found 1"), "{err}");
         assert!(crate::error::is_input_error(&err));
     }

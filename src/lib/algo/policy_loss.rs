@@ -163,7 +163,10 @@ impl LossConfig {
         }
         if let Some(k) = self.kl_loss {
             if !(k.coef.is_finite() && k.coef >= 0.0) {
-                bail_input!("--kl-loss-coef must be a finite number >= 0, got {}", k.coef);
+                bail_input!(
+                    "--kl-loss-coef must be a finite number >= 0, got {}",
+                    k.coef
+                );
             }
         }
         if let Some(r) = self.rollout_is {
@@ -285,7 +288,10 @@ impl D {
     }
     fn exp(self) -> D {
         let e = self.v.exp();
-        D { v: e, d: e * self.d }
+        D {
+            v: e,
+            d: e * self.d,
+        }
     }
     fn clamp(self, lo: f64, hi: f64) -> D {
         if self.v < lo {
@@ -346,7 +352,10 @@ fn compute<T: Real>(
         ("entropies", x.entropy.map(|v| v.len())),
     ] {
         if let Some(len) = len {
-            ensure!(len == n_tok, "loss: {name} has {len} tokens, offsets say {n_tok}");
+            ensure!(
+                len == n_tok,
+                "loss: {name} has {len} tokens, offsets say {n_tok}"
+            );
         }
     }
     let mode = cfg.mode;
@@ -374,7 +383,11 @@ fn compute<T: Real>(
         return Err(need("per-token entropies", "--entropy-coeff"));
     }
 
-    let (lo, hi, c) = (1.0 - cfg.clip_low(), 1.0 + cfg.clip_high(), cfg.clip_ratio_c);
+    let (lo, hi, c) = (
+        1.0 - cfg.clip_low(),
+        1.0 + cfg.clip_high(),
+        cfg.clip_ratio_c,
+    );
     let mut grad_lp = vec![T::from_f64(0.0); n_tok];
     let mut grad_entropy = x.entropy.map(|_| vec![T::from_f64(0.0); n_tok]);
     let mut m = LossMetrics::default();
@@ -403,7 +416,11 @@ fn compute<T: Real>(
         // GSPO: log s_i = mean_t (lp − old) at the anchor (detached)
         let gspo_log_s = match (mode, old) {
             (LossMode::Gspo, Some(old)) => {
-                valid.iter().map(|&t| at(anchor, t) - at(old, t)).sum::<f64>() / n as f64
+                valid
+                    .iter()
+                    .map(|&t| at(anchor, t) - at(old, t))
+                    .sum::<f64>()
+                    / n as f64
             }
             _ => 0.0,
         };
@@ -616,7 +633,11 @@ mod tests {
         // 5: max(1.1, 1.1) = 1.1, min(3, 1.1) = 1.1 (grad -A·r = 1.1)
         let out = c.run(&cfg("vanilla", "token-mean"));
         close(out.loss, (-1.2 + 0.8 + 3.0 - 2.0 + 1.1) / 5.0, "loss");
-        close_all(&out.grad_lp, &[0.0, 0.0, 0.0, -2.0 / 5.0, 1.1 / 5.0, 0.0], "grad");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -2.0 / 5.0, 1.1 / 5.0, 0.0],
+            "grad",
+        );
         close(out.metrics.pg_loss, out.loss, "pg_loss");
         close(out.metrics.pg_clipfrac, 2.0 / 5.0, "clipfrac");
         close(out.metrics.pg_clipfrac_lower, 1.0 / 5.0, "clipfrac_lower");
@@ -629,7 +650,11 @@ mod tests {
         // seq-mean-token-mean: ((−1.2 + 0.8 + 3)/3 + (−2 + 1.1)/2) / 2
         let out = c.run(&cfg("vanilla", "seq-mean-token-mean"));
         close(out.loss, (2.6 / 3.0 - 0.45) / 2.0, "smtm loss");
-        close_all(&out.grad_lp, &[0.0, 0.0, 0.0, -0.5, 0.275, 0.0], "smtm grad");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -0.5, 0.275, 0.0],
+            "smtm grad",
+        );
         // seq-mean-token-sum: (2.6 + (−0.9)) / 2
         let out = c.run(&cfg("vanilla", "seq-mean-token-sum"));
         close(out.loss, 0.85, "smts loss");
@@ -637,7 +662,11 @@ mod tests {
         // seq-mean-token-sum-norm: 1.7 / 3 (the longest row has 3 tokens)
         let out = c.run(&cfg("vanilla", "seq-mean-token-sum-norm"));
         close(out.loss, 1.7 / 3.0, "smtsn loss");
-        close_all(&out.grad_lp, &[0.0, 0.0, 0.0, -2.0 / 3.0, 1.1 / 3.0, 0.0], "smtsn grad");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -2.0 / 3.0, 1.1 / 3.0, 0.0],
+            "smtsn grad",
+        );
     }
 
     #[test]
@@ -726,8 +755,16 @@ mod tests {
         close(out.metrics.entropy, 2.0, "entropy");
         close(out.metrics.kl_loss, kl, "kl_loss");
         close(out.metrics.pg_loss, 0.0, "pg_loss");
-        close_all(&out.grad_lp, &[0.05 * dk3(0.5), 0.05 * dk3(-0.1)], "grad lp");
-        close_all(&out.grad_entropy.unwrap(), &[-0.005, -0.005], "grad entropy");
+        close_all(
+            &out.grad_lp,
+            &[0.05 * dk3(0.5), 0.05 * dk3(-0.1)],
+            "grad lp",
+        );
+        close_all(
+            &out.grad_entropy.unwrap(),
+            &[-0.005, -0.005],
+            "grad entropy",
+        );
     }
 
     #[test]
@@ -905,8 +942,16 @@ mod tests {
         let m = out.metrics;
         assert!(m.pg_clipfrac > 0.05 && m.pg_clipfrac < 0.8, "{m:?}");
         assert!(m.pg_clipfrac_lower > 0.0, "{m:?}");
-        let zero = out.grad_lp.iter().zip(&c.mask).filter(|(&g, &k)| k != 0 && g == 0.0);
-        let nonzero = out.grad_lp.iter().zip(&c.mask).filter(|(&g, &k)| k != 0 && g != 0.0);
+        let zero = out
+            .grad_lp
+            .iter()
+            .zip(&c.mask)
+            .filter(|(&g, &k)| k != 0 && g == 0.0);
+        let nonzero = out
+            .grad_lp
+            .iter()
+            .zip(&c.mask)
+            .filter(|(&g, &k)| k != 0 && g != 0.0);
         assert!(zero.count() > 0 && nonzero.count() > 0);
     }
 
@@ -1017,7 +1062,10 @@ mod tests {
             let b = c64.run(&config);
             assert!((a.loss - b.loss).abs() < 1e-12, "{config:?}");
             for (g32, g64) in a.grad_lp.iter().zip(&b.grad_lp) {
-                assert!((*g32 as f64 - g64).abs() <= 1e-7 * g64.abs().max(1e-3), "{config:?}");
+                assert!(
+                    (*g32 as f64 - g64).abs() <= 1e-7 * g64.abs().max(1e-3),
+                    "{config:?}"
+                );
             }
         }
     }
@@ -1035,7 +1083,10 @@ mod tests {
         let mut x = c.inputs();
         x.advantages = None;
         let err = policy_loss(&config, &x, &c.norm(), 1.0).unwrap_err();
-        assert!(err.to_string().contains("--loss cispo needs advantages"), "{err}");
+        assert!(
+            err.to_string().contains("--loss cispo needs advantages"),
+            "{err}"
+        );
 
         let mut config = cfg("vanilla", "token-mean");
         config.kl_loss = Some(KlLoss {
@@ -1045,7 +1096,10 @@ mod tests {
         let mut x = c.inputs();
         x.ref_lp = None;
         let err = policy_loss(&config, &x, &c.norm(), 1.0).unwrap_err();
-        assert!(err.to_string().contains("--use-kl-loss needs reference"), "{err}");
+        assert!(
+            err.to_string().contains("--use-kl-loss needs reference"),
+            "{err}"
+        );
 
         let mut config = cfg("sft", "token-mean");
         config.rollout_is = Some(RolloutIs {

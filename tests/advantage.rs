@@ -44,6 +44,12 @@ impl Rows {
     }
 
     fn write(&self, path: &Path) {
+        let mut meta = BTreeMap::new();
+        meta.insert("step".to_string(), "7".to_string());
+        write_file(path, &self.record_batch(), &meta).unwrap();
+    }
+
+    fn record_batch(&self) -> RecordBatch {
         let offsets = self.offsets();
         let n: usize = *offsets.last().unwrap();
         let ids: Vec<i32> = (0..n as i32).collect();
@@ -70,24 +76,17 @@ impl Rows {
             cols.push((schema::field(name), col.clone()));
         }
         let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
-        let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap();
-        let mut meta = BTreeMap::new();
-        meta.insert("step".to_string(), "7".to_string());
-        write_file(path, &data, &meta).unwrap();
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap()
     }
 
     /// Write the batch less one column.
     fn write_without(&self, path: &Path, skip: &str) {
-        let tmp = path.with_extension("full.parquet");
-        self.write(&tmp);
-        let b = Batch::read(&tmp, &[]).unwrap();
-        let schema = b.data.schema();
+        let data = self.record_batch();
+        let schema = data.schema();
         let keep: Vec<usize> = (0..schema.fields().len())
             .filter(|&i| schema.field(i).name() != skip)
             .collect();
-        let data = b.data.project(&keep).unwrap();
-        write_file(path, &data, &BTreeMap::new()).unwrap();
-        std::fs::remove_file(tmp).unwrap();
+        write_file(path, &data.project(&keep).unwrap(), &BTreeMap::new()).unwrap();
     }
 }
 
@@ -454,6 +453,17 @@ fn bad_input_is_rejected_without_output() {
         &d,
         &["--in", s(&p), "--estimator", "gae"],
         "column 'values', row 3: has 1 entries but response_ids has 2",
+    );
+    // Without response_ids the stage checks per-token columns against the mask itself.
+    let p = d.path.join("short_old_no_ids.parquet");
+    let short = list_array::<Float32Type>(&[0, 3, 5, 9, 10], vec![0.0; 10]);
+    let mut rows = Rows::example().token_col(schema::REF_LOGPROBS, vec![-1.0; 11]);
+    rows.extra.push((schema::OLD_LOGPROBS, short));
+    rows.write_without(&p, schema::RESPONSE_IDS);
+    rejects(
+        &d,
+        &["--in", s(&p), "--estimator", "grpo", "--kl-in-reward"],
+        "column 'old_logprobs', row 3: has 1 entries but response_mask has 2",
     );
     // A batch whose valid tokens cannot be whitened.
     let p = d.path.join("one_token.parquet");

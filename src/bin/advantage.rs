@@ -23,7 +23,7 @@ use tandem::algo::advantage::{self as adv, AdvInput, AdvParams, Groups, KlInRewa
 use tandem::algo::kl::{KlController, KlCtrl, KlPenalty, KlState};
 use tandem::bail_input;
 use tandem::batch::write::temp_path;
-use tandem::batch::{list_array, schema, Batch, NewColumns, StageInfo};
+use tandem::batch::{list_array, schema, Batch, NewColumns, Ragged, StageInfo};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Ctrl {
@@ -120,6 +120,22 @@ fn check_flags(a: &Args) -> Result<()> {
     Ok(())
 }
 
+/// Per-token columns must have one entry per mask entry in every row (the reader checks this
+/// against response_ids, which a batch may lack).
+fn aligned(batch: &Batch, col: &str, x: &Ragged<f32>, mask: &Ragged<u8>) -> Result<()> {
+    for row in 0..mask.num_rows() {
+        let (got, want) = (x.row(row).len(), mask.row(row).len());
+        if got != want {
+            bail_input!(
+                "{}, row {row}: has {got} entries but {} has {want}",
+                batch.at(col),
+                schema::RESPONSE_MASK
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A column an option needs, or an error naming the column, the option and what to do.
 fn need(batch: &Batch, col: &str, why: &str) -> Result<()> {
     if !batch.has(col) {
@@ -186,15 +202,17 @@ fn run(a: &Args) -> Result<()> {
     }
     let mask = batch.ragged_u8(schema::RESPONSE_MASK)?;
     let scores = batch.f32s(schema::SCORE)?;
-    let groups = match est.needs.iter().any(|(c, _)| *c == schema::PROMPT_UID) {
+    // What the estimator reads besides mask and score comes from its registry entry.
+    let needs = |col: &str| est.needs.iter().any(|(c, _)| *c == col);
+    let groups = match needs(schema::PROMPT_UID) {
         true => Some(Groups::from_keys(&batch.strings(schema::PROMPT_UID)?)),
         false => None,
     };
-    let values = match batch.has(schema::VALUES) && est.name == "gae" {
+    let values = match needs(schema::VALUES) {
         true => Some(batch.ragged_f32(schema::VALUES)?),
         false => None,
     };
-    let baseline = match est.name == "remax" {
+    let baseline = match needs(schema::BASELINE_SCORE) {
         true => Some(batch.f32s(schema::BASELINE_SCORE)?),
         false => None,
     };
@@ -205,6 +223,13 @@ fn run(a: &Args) -> Result<()> {
         )),
         false => None,
     };
+    if let Some(v) = &values {
+        aligned(&batch, schema::VALUES, v, &mask)?;
+    }
+    if let Some((old, r)) = &kl_cols {
+        aligned(&batch, schema::OLD_LOGPROBS, old, &mask)?;
+        aligned(&batch, schema::REF_LOGPROBS, r, &mask)?;
+    }
     let t_read = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();

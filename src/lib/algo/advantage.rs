@@ -10,6 +10,12 @@
 //!   outcome (verl puts it on the padding) so it counts in its group's statistics.
 //! - Groups are the rows sharing a `prompt_uid`.
 //! - Outputs are 0 on masked positions; whitening (verl's `masked_whiten`) uses valid tokens only.
+//! - Observation tokens (mask 0 inside a response, e.g. tool output) are skipped by the
+//!   recursions: gae carries V and A across them as verl does, and reinforce_plus_plus carries
+//!   its discounted return across them the same way. (verl's reinforce_plus_plus resets the
+//!   return at every mask-0 token, which is right for its right padding but would cut a
+//!   multi-turn response's earlier turns off the final score; rows here have no padding, and on
+//!   responses without observation tokens both agree.)
 
 use super::kl::KlPenalty;
 use super::rows_mut;

@@ -371,8 +371,17 @@ struct Work {
 
 impl Work {
     fn new(spec: &str) -> Work {
+        Work::with_real(spec, &[])
+    }
+
+    /// Stand-ins except for `real` stages, which are this package's binaries.
+    fn with_real(spec: &str, real: &[(&str, &str)]) -> Work {
         let dir = tempfile::tempdir().unwrap();
         let bins = fake_bins(dir.path());
+        for (stage, exe) in real {
+            std::fs::remove_file(bins.join(stage)).unwrap();
+            std::os::unix::fs::symlink(exe, bins.join(stage)).unwrap();
+        }
         std::fs::create_dir_all(dir.path().join("model")).unwrap();
         std::fs::write(dir.path().join("model/weights.txt"), "12345").unwrap();
         prompts_file(&dir.path().join("train.parquet"), 7);
@@ -758,6 +767,74 @@ fn sigkill_during_and_between_stages_resumes_to_the_same_end() {
 }
 
 #[test]
+fn real_score_and_advantage_take_the_runner_commands() {
+    let spec = SPEC
+        .replace(
+            "kl-ctrl = \"adaptive\"",
+            "kl-ctrl = \"adaptive\"\nkl-in-reward = true\nkl-penalty = \"k3\"\nkl-coef = 0.01",
+        )
+        .replace("use-kl-loss = true\nppo-epochs = 2\n", "");
+    let w = Work::with_real(
+        &spec,
+        &[
+            ("score", env!("CARGO_BIN_EXE_score")),
+            ("advantage", env!("CARGO_BIN_EXE_advantage")),
+        ],
+    );
+    let o = w.run("r", &[]);
+    assert_ok(&o);
+    let run = w.path("r");
+    // KL in the reward: ref and old log-probs computed, the controller's state carried on.
+    let adv = Batch::read(&run.join("step-0004/adv.parquet"), &[schema::ADVANTAGES]).unwrap();
+    assert!(adv.has(schema::REF_LOGPROBS) && adv.has(schema::OLD_LOGPROBS));
+    assert!(adv.has(schema::TOKEN_REWARDS));
+    for step in 1..=4 {
+        assert!(run.join(format!("step-{step:04}/kl-state.json")).exists());
+    }
+    let m = jsonl_sans_time(&run.join("metrics.jsonl"));
+    assert_eq!(m.len(), 4);
+    let keys: Vec<&String> = m[0].as_object().unwrap().keys().collect();
+    assert!(keys.iter().any(|k| k.starts_with("score/")), "{keys:?}");
+    assert!(keys.iter().any(|k| k.starts_with("advantage/")), "{keys:?}");
+    // The score stage's summary is merged in without repeating its name.
+    assert!(m[0].get("score/mean").is_some(), "{}", m[0]);
+    let mut matched = 0;
+    for (i, line) in m.iter().enumerate() {
+        // The runner's reward mean is the mean of the score stage's scores, and with `exact`
+        // the accuracy is the share of responses equal to the ground truth.
+        let scored = Batch::read(
+            &run.join(format!("step-{:04}/scored.parquet", i + 1)),
+            &[schema::SCORE],
+        )
+        .unwrap();
+        let s = scored.f32s(schema::SCORE).unwrap();
+        let mean = s.iter().map(|&x| x as f64).sum::<f64>() / s.len() as f64;
+        assert!((line["reward/mean"].as_f64().unwrap() - mean).abs() < 1e-9);
+        let gt = scored.ground_truths().unwrap();
+        let texts = scored.strings(schema::RESPONSE_TEXT).unwrap();
+        let hits = texts
+            .iter()
+            .zip(&gt)
+            .filter(|(t, g)| t.trim() == g.as_str())
+            .count();
+        matched += hits;
+        let acc = hits as f64 / s.len() as f64;
+        assert!(
+            (line["accuracy"].as_f64().unwrap() - acc).abs() < 1e-9,
+            "{acc} {line}"
+        );
+        assert!(
+            (line["score/accuracy"].as_f64().unwrap() - acc).abs() < 1e-6,
+            "{line}"
+        );
+    }
+    assert!(
+        matched > 0,
+        "no response matched: the accuracy check saw only zeros"
+    );
+}
+
+#[test]
 fn finished_run_extends_with_steps_and_refuses_another_spec() {
     let w = Work::new(&SPEC.replace("steps = 4", "steps = 2"));
     assert_ok(&w.run("r", &[]));
@@ -926,4 +1003,79 @@ fn bad_spec_and_inputs_exit_2_before_anything_runs() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("nowhere.parquet: cannot open batch file"));
+}
+
+/// `tandem prepare synth` rows, answered with their reference answers, get full marks from the
+/// real `score` stage (exact for the plain format, gsm8k for the `####` one).
+#[test]
+fn synth_reference_answers_score_full_marks() {
+    let dir = tempfile::tempdir().unwrap();
+    for (task, format, reward) in [
+        ("add", "plain", "exact"),
+        ("reverse", "plain", "exact"),
+        ("copy", "plain", "exact"),
+        ("add", "gsm8k", "gsm8k"),
+    ] {
+        let task_fmt = format!("{task}-{format}");
+        let data = dir.path().join(format!("{task_fmt}.parquet"));
+        let o = Command::new(TANDEM)
+            .args([
+                "prepare", "synth", "--task", task, "--n", "20", "--seed", "3",
+            ])
+            .args(["--answer-format", format, "--out"])
+            .arg(&data)
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        let b = Batch::read(&data, &[schema::DATA_SOURCE]).unwrap();
+        assert_eq!(b.num_rows(), 20);
+        assert!(b
+            .strings(schema::DATA_SOURCE)
+            .unwrap()
+            .iter()
+            .all(|s| *s == format!("synth/{task}")));
+        let answers: Vec<String> = b
+            .json_rows(schema::EXTRA_INFO)
+            .iter()
+            .map(|e| e["answer"].as_str().unwrap().to_string())
+            .collect();
+        let mut cols = NewColumns::new();
+        cols.add(schema::RESPONSE_TEXT, Arc::new(StringArray::from(answers)));
+        let answered = dir.path().join(format!("{task_fmt}-answered.parquet"));
+        b.write_derived(&answered, cols, &no_meta("test")).unwrap();
+        let scored = dir.path().join(format!("{task_fmt}-scored.parquet"));
+        let o = Command::new(env!("CARGO_BIN_EXE_score"))
+            .args([
+                "--in",
+                answered.to_str().unwrap(),
+                "--out",
+                scored.to_str().unwrap(),
+            ])
+            .args(["--reward", reward])
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        let s = Batch::read(&scored, &[schema::SCORE])
+            .unwrap()
+            .f32s(schema::SCORE)
+            .unwrap();
+        assert!(s.iter().all(|&x| x == 1.0), "{task}: {s:?}");
+    }
+    let o = Command::new(TANDEM)
+        .args([
+            "prepare",
+            "synth",
+            "--task",
+            "add",
+            "--n",
+            "0",
+            "--out",
+            "x.parquet",
+        ])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("--n must be at least 1"));
+    assert!(!dir.path().join("x.parquet").exists());
 }

@@ -20,6 +20,8 @@ enum Cmd {
     // One arm per subcommand, each a thin call into the library.
     /// Benchmarks: print a table and JSON.
     Bench(tandem::bench::BenchArgs),
+    /// Import a dataset (GSM8K, any jsonl) as a prompt parquet file in verl's schema.
+    Prepare(tandem::data::prepare::PrepareArgs),
     /// Plot a run's metrics and evaluations into one PNG.
     Plot(tandem::pipeline::plot::PlotArgs),
     /// Show a batch file as a table.
@@ -30,6 +32,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     tandem::error::run_main(|| match cli.cmd {
         Cmd::Bench(a) => tandem::bench::run(a),
+        Cmd::Prepare(args) => tandem::data::prepare::run(args),
         Cmd::Plot(a) => tandem::pipeline::plot::run(a),
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
     })

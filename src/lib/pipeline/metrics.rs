@@ -49,7 +49,16 @@ pub fn stage_file(stage: &str, path: &Path, out: &mut Map<String, Value>) -> Res
     };
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| anyhow::anyhow!("{}: stage metrics are not JSON: {e}", path.display()))?;
-    flatten(stage, &v, out);
+    let mut flat = Map::new();
+    flatten("", &v, &mut flat);
+    // Keys a stage already names after itself (`score/mean`, `score_acc/mean`) stay as they are.
+    for (k, x) in flat {
+        let own = k
+            .strip_prefix(stage)
+            .is_some_and(|r| r.starts_with('/') || r.starts_with('_'));
+        let key = if own { k } else { format!("{stage}/{k}") };
+        out.insert(key, x);
+    }
     Ok(())
 }
 
@@ -443,5 +452,16 @@ mod tests {
         let mut out = Map::new();
         flatten("a", &json!({"b": {"c": 1}, "d": [1], "e": "x"}), &mut out);
         assert_eq!(Value::Object(out), json!({"a/b/c": 1, "a/e": "x"}));
+        std::fs::write(
+            &p,
+            r#"{"score/mean": 1, "score_acc/mean": 2, "rows": 3, "t": {"s": 4}}"#,
+        )
+        .unwrap();
+        let mut out = Map::new();
+        stage_file("score", &p, &mut out).unwrap();
+        assert_eq!(
+            Value::Object(out),
+            json!({"score/mean": 1, "score_acc/mean": 2, "score/rows": 3, "score/t/s": 4})
+        );
     }
 }

@@ -91,6 +91,9 @@ stage_flags!(
         format_score: f64,
         gsm8k_method: String,
         timeout_ms: u64,
+        run_timeout_ms: u64,
+        python: String,
+        reward_kwargs: String,
     }
 );
 

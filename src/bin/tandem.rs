@@ -18,9 +18,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     // One arm per subcommand, each a thin call into the library.
+    /// Write a randomly initialised model (HF layout) for tests and demos.
+    InitModel(tandem::model::init::InitModelArgs),
+    /// Load a model directory with every check and print a summary.
+    ModelInfo(tandem::model::info::ModelInfoArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tandem::error::run_main(|| match cli.cmd {})
+    tandem::error::run_main(|| match cli.cmd {
+        Cmd::InitModel(args) => tandem::model::init::run(args),
+        Cmd::ModelInfo(args) => tandem::model::info::run(args),
+    })
 }

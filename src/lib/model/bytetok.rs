@@ -187,6 +187,12 @@ pub fn build(vocab: usize) -> Result<ByteTokenizer> {
     for (b, c) in b2c.iter().enumerate() {
         vocab_map.insert(c.to_string(), Value::from(b));
     }
+    // The specials are in the BPE vocab too (as GPT-2 has `<|endoftext|>`): `tokenizers` keeps an
+    // added token's id only when the model's vocab holds it, and would otherwise renumber it
+    // past the model's vocab size.
+    for (i, s) in SPECIALS.iter().enumerate() {
+        vocab_map.insert(s.to_string(), Value::from(FIRST_SPECIAL_ID as usize + i));
+    }
     let merges = learn_merges(vocab - MIN_VOCAB);
     let mut merge_strings = Vec::with_capacity(merges.len());
     for (i, (a, b)) in merges.iter().enumerate() {

@@ -267,12 +267,20 @@ pub fn save_dir(
             .map(|&i| (tensors[i].0, Bf16Tensor::new(tensors[i].1)))
             .collect();
         let path = dir.join(&file);
+        // The crate writes a 0600 temp file and renames it; give the result the permissions a
+        // plainly created file gets (umask), as HF's files have.
+        let perms = std::fs::File::create(&path)
+            .and_then(|f| f.metadata())
+            .with_context(|| format!("creating {}", path.display()))?
+            .permissions();
         safetensors::serialize_to_file(
             converted.iter().map(|(name, t)| (*name, t)),
             Some(metadata.clone()),
             &path,
         )
         .with_context(|| format!("writing {}", path.display()))?;
+        std::fs::set_permissions(&path, perms)
+            .with_context(|| format!("setting permissions of {}", path.display()))?;
         for (name, _) in &converted {
             weight_map.insert(name.to_string(), Value::from(file.clone()));
         }

@@ -132,6 +132,15 @@ impl ModelDir {
             check_is_dir(src)?;
         }
 
+        if dir.file_name().is_none() {
+            crate::bail_input!(
+                "{}: give the model a directory name of its own to be written to",
+                dir.display()
+            );
+        }
+        if dir.exists() && !dir.is_dir() {
+            crate::bail_input!("{}: exists and is not a directory", dir.display());
+        }
         let tmp = sibling(dir, "tmp");
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp)
@@ -179,7 +188,8 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
 }
 
 /// Puts the finished `tmp` in place of `dir`. An existing `dir` is moved aside first and removed
-/// only after the new one is in place, so at every moment `dir` is either the old or the new model.
+/// only after the new one is in place: `dir` is never a half-written model, and a crash between
+/// the two renames leaves the old model complete in `DIR.old` and the new one in `DIR.tmp`.
 fn replace_dir(tmp: &Path, dir: &Path) -> Result<()> {
     if dir.exists() {
         let old = sibling(dir, "old");

@@ -102,8 +102,16 @@ pub fn load_dir(dir: &Path) -> Result<Loaded> {
         return Ok(loaded);
     }
     if !index.is_file() {
+        let hint = if dir.join("pytorch_model.bin").exists()
+            || dir.join("pytorch_model.bin.index.json").exists()
+        {
+            " (pytorch_model.bin is not read: convert it to safetensors, e.g. by loading and \
+             saving it with transformers' save_pretrained)"
+        } else {
+            ""
+        };
         crate::bail_input!(
-            "{}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} with its shards",
+            "{}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} with its shards{hint}",
             dir.display()
         );
     }
@@ -189,11 +197,11 @@ struct Bf16Tensor {
 
 impl Bf16Tensor {
     fn new(t: &Tensor) -> Self {
-        let bytes = t
-            .data
-            .par_iter()
-            .flat_map_iter(|x| bf16::from_f32(*x).to_le_bytes())
-            .collect();
+        let mut bytes = vec![0u8; 2 * t.numel()];
+        bytes
+            .par_chunks_mut(2)
+            .zip(t.data.par_iter())
+            .for_each(|(out, x)| out.copy_from_slice(&bf16::from_f32(*x).to_le_bytes()));
         Bf16Tensor {
             shape: t.shape.clone(),
             bytes,

@@ -709,3 +709,30 @@ fn model_info_bad_directories_exit_2() {
         "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [32, 64]",
     );
 }
+
+#[test]
+fn failed_save_leaves_nothing_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, weights) = ModelDir::load(&fixture("qwen2")).unwrap();
+    let src = copy_fixture("qwen2", &tmp.path().join("src"));
+    std::fs::write(src.join("generation_config.json"), "{broken").unwrap();
+    let out = tmp.path().join("out");
+    let e = ModelDir::save(&out, &cfg, &weights, Some(&src)).unwrap_err();
+    assert!(is_input_error(&e), "{e:#}");
+    assert!(
+        e.to_string()
+            .contains("generation_config.json: invalid JSON"),
+        "{e}"
+    );
+    assert!(!out.exists() && !tmp.path().join("out.tmp").exists());
+    // A weight set that does not fit the config is refused before anything is written.
+    let mut fewer = weights.clone();
+    fewer.remove(tandem::model::names::FINAL_NORM);
+    let e = ModelDir::save(&out, &cfg, &fewer, None).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("tensor 'model.norm.weight' is missing"),
+        "{e}"
+    );
+    assert!(!out.exists() && !tmp.path().join("out.tmp").exists());
+}

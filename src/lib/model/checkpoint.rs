@@ -147,20 +147,29 @@ impl ModelDir {
                 .with_context(|| format!("removing stale {}", tmp.display()))?;
         }
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        cfg.save(&tmp, config_base)?;
-        st::save_dir(&tmp, &ordered, max_shard_bytes)?;
-        if let Some(src) = tokenizer_from {
-            for name in TOKENIZER_FILES {
-                let from = src.join(name);
-                if from.is_file() {
-                    std::fs::copy(&from, tmp.join(name))
-                        .with_context(|| format!("copying {}", from.display()))?;
+        let write_all = || -> Result<()> {
+            cfg.save(&tmp, config_base)?;
+            st::save_dir(&tmp, &ordered, max_shard_bytes)?;
+            if let Some(src) = tokenizer_from {
+                for name in TOKENIZER_FILES {
+                    let from = src.join(name);
+                    if from.is_file() {
+                        std::fs::copy(&from, tmp.join(name))
+                            .with_context(|| format!("copying {}", from.display()))?;
+                    }
                 }
             }
-        }
-        for (name, bytes) in extra_files {
-            let path = tmp.join(name);
-            std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+            for (name, bytes) in extra_files {
+                let path = tmp.join(name);
+                std::fs::write(&path, bytes)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(())
+        };
+        if let Err(e) = write_all() {
+            // Leave nothing half-written behind; the error is what matters.
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
         }
         replace_dir(&tmp, dir)
     }

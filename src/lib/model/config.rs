@@ -217,6 +217,14 @@ impl Config {
             if cfg.bos_token_id.is_none() {
                 cfg.bos_token_id = fields.token_ids("bos_token_id")?.first().copied();
             }
+            for id in cfg.bos_token_id.iter().chain(&cfg.eos_token_ids) {
+                if *id as usize >= cfg.vocab_size {
+                    crate::bail_input!(
+                        "{file}: special token id {id} is outside the vocabulary (vocab_size {})",
+                        cfg.vocab_size
+                    );
+                }
+            }
         }
         Ok(cfg)
     }
@@ -659,6 +667,19 @@ mod tests {
         .unwrap();
         let c = Config::load(dir.path()).unwrap();
         assert_eq!(c.eos_token_ids, vec![151645, 151643]);
+        let bad = tempfile::tempdir().unwrap();
+        std::fs::write(bad.path().join(CONFIG_FILE), qwen2_json().to_string()).unwrap();
+        std::fs::write(
+            bad.path().join(GENERATION_CONFIG_FILE),
+            r#"{"eos_token_id": 151936}"#,
+        )
+        .unwrap();
+        let e = Config::load(bad.path()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("generation_config.json: special token id 151936 is outside"),
+            "{e}"
+        );
         // Saving keeps the sampling defaults and writes both files back consistently.
         let out = tempfile::tempdir().unwrap();
         c.save(out.path(), Some(dir.path())).unwrap();

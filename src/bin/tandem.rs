@@ -18,6 +18,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     // One arm per subcommand, each a thin call into the library.
+    /// Benchmarks: print a table and JSON.
+    Bench(tandem::bench::BenchArgs),
     /// Write a randomly initialised model (HF layout) for tests and demos.
     InitModel(tandem::model::init::InitModelArgs),
     /// Load a model directory with every check and print a summary.
@@ -27,6 +29,7 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tandem::error::run_main(|| match cli.cmd {
+        Cmd::Bench(a) => tandem::bench::run(a),
         Cmd::InitModel(args) => tandem::model::init::run(args),
         Cmd::ModelInfo(args) => tandem::model::info::run(args),
     })

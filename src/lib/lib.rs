@@ -2,5 +2,7 @@
 //! pass Arrow/Parquet batch files. See docs/ and ../shared/DESIGN.md for the picture.
 
 pub mod batch;
+pub mod bench;
 pub mod error;
 pub mod model;
+pub mod reward;

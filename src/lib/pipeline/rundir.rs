@@ -136,8 +136,7 @@ impl RunDir {
     }
 
     pub fn save_state(&self, state: &State) -> Result<()> {
-        let text = serde_json::to_string_pretty(state)? + "\n";
-        write_atomic(&self.state_path(), text.as_bytes())
+        crate::batch::write_json(&self.state_path(), state)
     }
 
     /// Take the run directory for this process: refuse when another live runner holds it

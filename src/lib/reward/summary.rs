@@ -2,7 +2,7 @@
 //! flat JSON object (`score/mean`, `score/accuracy`, `score/accuracy/<data_source>`, ...).
 
 use super::Scores;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -161,19 +161,7 @@ impl Summary {
 
 /// Write the metrics object to `path` atomically (`path.tmp`, then rename).
 pub fn write_metrics(path: &Path, metrics: &Map<String, Value>) -> Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let tmp = crate::batch::write::temp_path(path);
-    let mut text = serde_json::to_string_pretty(metrics)?;
-    text.push('\n');
-    let result = std::fs::write(&tmp, text)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .with_context(|| format!("writing metrics {}", path.display()));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    crate::batch::write_json(path, metrics)
 }
 
 #[cfg(test)]

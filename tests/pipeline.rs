@@ -42,8 +42,19 @@ fn mix(mut h: u64, x: u64) -> u64 {
     h ^ (h >> 29)
 }
 
+/// `--model` is a model directory or a pointer file `{"model": DIR, "policy_version": N}`
+/// (DIR relative to the pointer's directory), as sync-weights writes it.
+fn resolve(model: &Path) -> (PathBuf, u64) {
+    if model.is_dir() {
+        return (model.to_path_buf(), 0);
+    }
+    let p: Value = serde_json::from_str(&std::fs::read_to_string(model).unwrap()).unwrap();
+    let dir = model.parent().unwrap().join(p["model"].as_str().unwrap());
+    (dir, p["policy_version"].as_u64().unwrap())
+}
+
 fn read_weights(model: &Path) -> u64 {
-    let p = model.join("weights.txt");
+    let p = resolve(model).0.join("weights.txt");
     std::fs::read_to_string(&p)
         .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
         .trim()
@@ -175,6 +186,10 @@ fn fake_stage() {
             repeated
                 .write_derived(Path::new(f("--out")), cols, &no_meta("rollout"))
                 .unwrap();
+            if let Some(m) = flag(&args, "--metrics") {
+                let version = resolve(Path::new(f("--model"))).1;
+                std::fs::write(m, format!("{{\"policy_version\": {version}}}")).unwrap();
+            }
         }
         "score" => {
             let b = Batch::read(Path::new(f("--in")), &[schema::RESPONSE_TEXT]).unwrap();
@@ -271,8 +286,9 @@ fn fake_stage() {
             let from = std::fs::canonicalize(f("--from")).unwrap();
             let to = PathBuf::from(f("--to"));
             let tmp = to.with_extension("tmp");
-            let _ = std::fs::remove_file(&tmp);
-            std::os::unix::fs::symlink(&from, &tmp).unwrap();
+            let version: u64 = f("--policy-version").parse().unwrap();
+            let ptr = serde_json::json!({"model": from, "policy_version": version});
+            std::fs::write(&tmp, ptr.to_string()).unwrap();
             std::fs::rename(&tmp, &to).unwrap();
         }
         other => panic!("no stand-in for {other}"),
@@ -489,7 +505,7 @@ fn checkpoints(run: &Path) -> BTreeMap<String, String> {
 }
 
 fn policy_weights(run: &Path) -> String {
-    std::fs::read_to_string(run.join("policy/weights.txt")).unwrap()
+    std::fs::read_to_string(resolve(&run.join("policy")).0.join("weights.txt")).unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -596,10 +612,16 @@ fn full_run_writes_the_run_directory() {
     let bin = |s: &str| w.bins.join(s).display().to_string();
     assert!(cmds.starts_with("#!/bin/sh\n"));
     let first_rollout = format!(
-        "{} --model runs/a/policy --in runs/a/step-0001/prompts.parquet --out runs/a/step-0001/rollout.parquet --n 2 --temperature 1 --max-new-tokens 8 --seed ",
-        bin("rollout")
+        "{} --model runs/a/policy --in runs/a/step-0001/prompts.parquet --out runs/a/step-0001/rollout.parquet --n 2 --temperature 1 --max-new-tokens 8 --seed {} --step 1 --metrics runs/a/step-0001/metrics/rollout.json\n",
+        bin("rollout"),
+        tandem::pipeline::sampler::derive_seed(5, &[1, 1])
     );
     assert!(cmds.contains(&first_rollout), "{cmds}");
+    assert!(cmds.contains(&format!(
+        "{} --model runs/a/policy --in runs/a/step-0002/adv.parquet --out-model runs/a/ckpt/step-0002 --use-kl-loss --ppo-epochs 2 --temperature 1 --lr 0.001 --seed {} --metrics runs/a/step-0002/metrics/update.json\n",
+        bin("update"),
+        tandem::pipeline::sampler::derive_seed(5, &[2, 3])
+    )), "{cmds}");
     assert!(cmds.contains(&format!(
         "{} --model model --in runs/a/step-0001/scored.parquet --out runs/a/step-0001/ref.parquet --column ref_logprobs --temperature 1\n",
         bin("ref-logprob")
@@ -610,7 +632,7 @@ fn full_run_writes_the_run_directory() {
     )), "{cmds}");
     assert!(
         cmds.contains(&format!(
-            "{} --from runs/a/ckpt/step-0002 --to runs/a/policy\n",
+            "{} --from runs/a/ckpt/step-0002 --to runs/a/policy --policy-version 2\n",
             bin("sync-weights")
         )),
         "{cmds}"
@@ -929,7 +951,7 @@ fn dry_run_prints_commands_and_writes_nothing() {
     // no KL and no reference: no ref-logprob; one mini-batch, one epoch: no old log-probs
     assert!(!out.contains("ref-logprob"), "{out}");
     assert!(
-        lines[0].ends_with("sync-weights --from model --to r/policy"),
+        lines[0].ends_with("sync-weights --from model --to r/policy --policy-version 0"),
         "{out}"
     );
     assert!(lines[1].contains(

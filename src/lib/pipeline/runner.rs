@@ -127,6 +127,8 @@ impl Runner {
                     path_arg(&self.spec.model.path),
                     "--to".into(),
                     path_arg(&self.run.policy()),
+                    "--policy-version".into(),
+                    "0".into(),
                 ],
             ),
         }];
@@ -153,11 +155,9 @@ impl Runner {
             path_arg(&dir.join("rollout.parquet")),
         ];
         rollout.extend(spec.eval.sampling(&spec.rollout).args());
+        rollout.extend(spec.rollout.shared().args());
         if let Some(l) = spec.eval.limit {
             rollout.extend(["--limit".into(), l.to_string()]);
-        }
-        if let Some(raw) = spec.rollout.raw_prompt {
-            rollout.extend(super::spec::FlagValue::flag_args(&raw, "raw-prompt"));
         }
         rollout.extend([
             "--seed".into(),
@@ -218,6 +218,10 @@ impl Runner {
         rollout.extend([
             "--seed".into(),
             derive_seed(spec.seed, &[step, 1]).to_string(),
+            "--step".into(),
+            step.to_string(),
+            "--metrics".into(),
+            m("rollout"),
         ]);
         rollout.extend(self.device_args());
         tasks.push(Task {
@@ -301,7 +305,18 @@ impl Runner {
             "--out-model".into(),
             path_arg(&run.ckpt(step)),
         ];
-        update.extend(spec.update.args());
+        let mut update_flags = spec.update.clone();
+        // The trainer's log-probs are taken at the sampling temperature, as rollout's were.
+        if update_flags.temperature.is_none() {
+            update_flags.temperature = spec.rollout.temperature;
+        }
+        // A cosine schedule spans the run unless told otherwise.
+        if update_flags.lr_schedule.as_deref() == Some("cosine")
+            && update_flags.total_steps.is_none()
+        {
+            update_flags.total_steps = Some(spec.steps);
+        }
+        update.extend(update_flags.args());
         update.extend([
             "--seed".into(),
             derive_seed(spec.seed, &[step, 3]).to_string(),
@@ -322,6 +337,9 @@ impl Runner {
                     path_arg(&run.ckpt(step)),
                     "--to".into(),
                     policy,
+                    // Explicit, so that a sync rerun after an interruption sets the same version.
+                    "--policy-version".into(),
+                    step.to_string(),
                 ],
             ),
         });
@@ -354,9 +372,13 @@ impl Runner {
                 self.spec.data.train.display(),
                 self.run.batch(step, "prompts").display()
             ),
+            Action::CopyKlState if step <= 1 => format!(
+                "# pipeline: start {} afresh (the controller begins at --kl-coef)",
+                self.kl_state(step).display()
+            ),
             Action::CopyKlState => format!(
                 "# pipeline: copy {} to {}",
-                self.kl_state(step.saturating_sub(1)).display(),
+                self.kl_state(step - 1).display(),
                 self.kl_state(step).display()
             ),
             Action::PruneCheckpoints => format!(
@@ -692,6 +714,7 @@ impl Runner {
             scored: &run.batch(step, "scored"),
             with_ref: with_ref.as_deref(),
             stage_metrics: vec![
+                ("rollout", run.stage_metrics(step, "rollout")),
                 ("score", run.stage_metrics(step, "score")),
                 ("advantage", run.stage_metrics(step, "advantage")),
                 ("update", run.stage_metrics(step, "update")),

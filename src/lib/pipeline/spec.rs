@@ -30,6 +30,30 @@ macro_rules! impl_flag_value {
 }
 impl_flag_value!(f64, i64, u64, String, bool);
 
+/// A repeatable flag (`stop = ["a", "b"]` gives `--stop a --stop b`).
+impl FlagValue for Vec<String> {
+    fn flag_args(&self, name: &str) -> Vec<String> {
+        self.iter()
+            .flat_map(|v| [format!("--{name}"), v.clone()])
+            .collect()
+    }
+}
+
+/// A comma-separated list flag (`stop-token-ids = [1, 2]` gives `--stop-token-ids 1,2`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct CommaList(pub Vec<u64>);
+
+impl FlagValue for CommaList {
+    fn flag_args(&self, name: &str) -> Vec<String> {
+        if self.0.is_empty() {
+            return Vec::new();
+        }
+        let items: Vec<String> = self.0.iter().map(u64::to_string).collect();
+        vec![format!("--{name}"), items.join(",")]
+    }
+}
+
 /// A flag that takes no value (`--kl-in-reward`): present when true.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -81,8 +105,29 @@ stage_flags!(
         max_prompt_tokens: u64,
         truncate: String,
         raw_prompt: Switch,
+        stop: Vec<String>,
+        stop_token_ids: CommaList,
+        ignore_eos: Switch,
+        prompt_key: String,
+        batch_size: u64,
     }
 );
+
+impl RolloutFlags {
+    /// The flags that are not sampling parameters (prompt handling, stops, batch size): the
+    /// eval rollout uses them as they are.
+    pub fn shared(&self) -> RolloutFlags {
+        RolloutFlags {
+            n: None,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            max_new_tokens: None,
+            max_prompt_tokens: None,
+            ..self.clone()
+        }
+    }
+}
 
 stage_flags!(
     /// `[score]`: flags of the `score` stage (used for eval too).
@@ -143,12 +188,18 @@ stage_flags!(
         ppo_epochs: u64,
         mini_batch_size: u64,
         micro_batch_tokens: u64,
+        temperature: f64,
         lr: f64,
         lr_warmup_steps: u64,
         lr_schedule: String,
+        total_steps: u64,
+        min_lr_ratio: f64,
         weight_decay: f64,
         grad_clip: f64,
         betas: String,
+        adam_eps: f64,
+        loss_scale_factor: f64,
+        shuffle: Switch,
     }
 );
 
@@ -664,6 +715,28 @@ reward = "exact"
                 "9"
             ]
         );
+    }
+
+    #[test]
+    fn list_flags_repeat_or_join() {
+        let text = format!(
+            "{MINIMAL}[rollout]\nn = 2\nstop = [\"\\n\", \"###\"]\nstop-token-ids = [7, 9]\nignore-eos = true\n"
+        );
+        let s = Spec::parse(&text, "t.toml").unwrap();
+        let args = [
+            "--n",
+            "2",
+            "--stop",
+            "\n",
+            "--stop",
+            "###",
+            "--stop-token-ids",
+            "7,9",
+            "--ignore-eos",
+        ];
+        assert_eq!(s.rollout.args(), args);
+        assert_eq!(s.rollout.shared().args(), args[2..]);
+        assert_eq!(Spec::parse(&s.to_toml(), "resolved").unwrap(), s);
     }
 
     #[test]

@@ -486,7 +486,13 @@ fn jsonl_sans_time(path: &Path) -> Vec<Value> {
         .map(|l| {
             let mut v: Value = serde_json::from_str(l).unwrap();
             let m = v.as_object_mut().unwrap();
-            m.retain(|k, _| !k.starts_with("time/") && !k.starts_with("perf/"));
+            // The runner's and the stages' timings (`time/*`, `*_s`, `*seconds`, `*per_s`).
+            m.retain(|k, _| {
+                !(k.starts_with("time/")
+                    || k.starts_with("perf/")
+                    || k.ends_with("_s")
+                    || k.ends_with("seconds"))
+            });
             v
         })
         .collect()
@@ -1100,4 +1106,232 @@ fn synth_reference_answers_score_full_marks() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("--n must be at least 1"));
     assert!(!dir.path().join("x.parquet").exists());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The real stages
+
+/// Where the real stage binaries are: next to `pipeline` (cargo builds every binary of the
+/// package), or `TANDEM_BIN_DIR`.
+fn real_bins() -> Option<PathBuf> {
+    let dir = std::env::var_os("TANDEM_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(PIPELINE).parent().unwrap().to_path_buf());
+    STAGES.iter().all(|s| dir.join(s).is_file()).then_some(dir)
+}
+
+/// The command line of a child process of `parent` running `stage`, if there is one now.
+fn running_child(parent: u32, needle: &str) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    for e in entries.flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": comm may hold spaces, so read after the last ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let ppid: u32 = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if ppid != parent {
+            continue;
+        }
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline)
+            .replace('\0', " ")
+            .contains(needle)
+        {
+            return true;
+        }
+    }
+    false
+}
+
+/// Every file of every checkpoint, by content.
+fn checkpoint_files(run: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for ck in std::fs::read_dir(run.join("ckpt")).unwrap() {
+        let ck = ck.unwrap();
+        for f in std::fs::read_dir(ck.path()).unwrap() {
+            let f = f.unwrap();
+            let name = format!(
+                "{}/{}",
+                ck.file_name().to_string_lossy(),
+                f.file_name().to_string_lossy()
+            );
+            out.insert(name, std::fs::read(f.path()).unwrap());
+        }
+    }
+    out
+}
+
+/// The whole loop with the real stages on a tiny random model: SIGKILL during rollout, between
+/// stages and during update, then a rerun, ends with the same checkpoints (weights and
+/// optimizer state bit for bit), policy, metrics and evaluations as an uninterrupted run.
+/// Runs once the model stages are built next to `pipeline`.
+#[test]
+fn real_stages_resume_after_sigkill_to_identical_weights() {
+    let Some(bins) = real_bins() else {
+        eprintln!("skipped: the model stages (rollout, ref-logprob, update, sync-weights) are not built next to {PIPELINE}");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tandem = |args: &[&str]| {
+        let o = Command::new(TANDEM)
+            .args(args)
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert_ok(&o);
+    };
+    tandem(&[
+        "init-model",
+        "--like",
+        "qwen2",
+        "--layers",
+        "2",
+        "--hidden",
+        "96",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--ffn",
+        "192",
+        "--vocab",
+        "300",
+        "--seed",
+        "0",
+        "--out",
+        "model",
+    ]);
+    tandem(&[
+        "prepare",
+        "synth",
+        "--task",
+        "add",
+        "--digits",
+        "1",
+        "--n",
+        "40",
+        "--seed",
+        "1",
+        "--out",
+        "train.parquet",
+    ]);
+    tandem(&[
+        "prepare",
+        "synth",
+        "--task",
+        "add",
+        "--digits",
+        "1",
+        "--n",
+        "8",
+        "--seed",
+        "2",
+        "--split",
+        "test",
+        "--out",
+        "val.parquet",
+    ]);
+    std::fs::write(
+        d.join("spec.toml"),
+        r#"
+seed = 3
+steps = 3
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+val = "val.parquet"
+prompts-per-step = 4
+[rollout]
+n = 4
+temperature = 1.0
+max-new-tokens = 24
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.001
+use-kl-loss = true
+ppo-epochs = 2
+mini-batch-size = 8
+[eval]
+every = 2
+[checkpoint]
+every = 2
+keep-last = 1
+"#,
+    )
+    .unwrap();
+    let cmd = |run: &str| {
+        let mut c = Command::new(PIPELINE);
+        c.current_dir(d)
+            .args(["run", "spec.toml", "--run-dir", run])
+            .env("TANDEM_BIN_DIR", &bins);
+        c
+    };
+    let o = cmd("a").output().unwrap();
+    assert_ok(&o);
+    let (a, b) = (d.join("a"), d.join("b"));
+
+    let kill_when = |what: &str, cond: &mut dyn FnMut(u32) -> bool| {
+        let mut child = cmd("b")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        wait_for(what, || cond(pid));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    };
+    kill_when("step 2 rollout running", &mut |pid| {
+        running_child(pid, "--out b/step-0002/rollout.parquet")
+    });
+    kill_when("step 2 score recorded", &mut |_| stage_done(&b, 2, "score"));
+    kill_when("step 3 update running", &mut |pid| {
+        running_child(pid, "--out-model b/ckpt/step-0003")
+    });
+    let o = cmd("b").output().unwrap();
+    assert_ok(&o);
+    assert!(
+        text(&o).contains("pipeline: continuing b after step 2"),
+        "{}",
+        text(&o)
+    );
+
+    let (ca, cb) = (checkpoint_files(&a), checkpoint_files(&b));
+    assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+    assert!(
+        ca.contains_key("step-0003/model.safetensors")
+            && ca.contains_key("step-0002/optimizer.safetensors")
+    );
+    for (k, v) in &ca {
+        assert!(v == &cb[k], "{k} differs after the resumed run");
+    }
+    assert_eq!(
+        std::fs::read(a.join("policy")).unwrap(),
+        std::fs::read(b.join("policy")).unwrap()
+    );
+    assert_eq!(state(&a), state(&b));
+    assert_eq!(
+        jsonl_sans_time(&a.join("metrics.jsonl")),
+        jsonl_sans_time(&b.join("metrics.jsonl"))
+    );
+    assert_eq!(
+        jsonl_sans_time(&a.join("eval.jsonl")),
+        jsonl_sans_time(&b.join("eval.jsonl"))
+    );
 }

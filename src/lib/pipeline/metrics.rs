@@ -51,11 +51,12 @@ pub fn stage_file(stage: &str, path: &Path, out: &mut Map<String, Value>) -> Res
         .map_err(|e| anyhow::anyhow!("{}: stage metrics are not JSON: {e}", path.display()))?;
     let mut flat = Map::new();
     flatten("", &v, &mut flat);
-    // Keys a stage already names after itself (`score/mean`, `score_acc/mean`) stay as they are.
+    // Keys a stage already files under its own name (`score/mean`, `score_acc/mean`) stay as
+    // they are; others (`advantage_max` of the advantage stage) get the prefix.
     for (k, x) in flat {
         let own = k
             .strip_prefix(stage)
-            .is_some_and(|r| r.starts_with('/') || r.starts_with('_'));
+            .is_some_and(|r| r.starts_with('/') || (r.starts_with('_') && r.contains('/')));
         let key = if own { k } else { format!("{stage}/{k}") };
         out.insert(key, x);
     }
@@ -454,14 +455,14 @@ mod tests {
         assert_eq!(Value::Object(out), json!({"a/b/c": 1, "a/e": "x"}));
         std::fs::write(
             &p,
-            r#"{"score/mean": 1, "score_acc/mean": 2, "rows": 3, "t": {"s": 4}}"#,
+            r#"{"score/mean": 1, "score_acc/mean": 2, "score_max": 5, "rows": 3, "t": {"s": 4}}"#,
         )
         .unwrap();
         let mut out = Map::new();
         stage_file("score", &p, &mut out).unwrap();
         assert_eq!(
             Value::Object(out),
-            json!({"score/mean": 1, "score_acc/mean": 2, "score/rows": 3, "score/t/s": 4})
+            json!({"score/mean": 1, "score_acc/mean": 2, "score/score_max": 5, "score/rows": 3, "score/t/s": 4})
         );
     }
 }

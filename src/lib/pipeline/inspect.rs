@@ -85,6 +85,8 @@ pub fn cell_text(s: &str, max: usize) -> String {
             '\n' => vec!['\\', 'n'],
             '\t' => vec!['\\', 't'],
             '\r' => vec!['\\', 'r'],
+            // Other control characters would break the table's columns.
+            c if c.is_control() => format!("\\x{:02x}", c as u32).chars().collect(),
             c => vec![c],
         })
         .collect();
@@ -287,6 +289,7 @@ mod tests {
     #[test]
     fn cells_are_one_line_and_cut() {
         assert_eq!(cell_text("a\nb", 10), "a\\nb");
+        assert_eq!(cell_text("a\u{7f}b", 10), "a\\x7fb");
         assert_eq!(cell_text("abcdef", 4), "abc…");
         assert_eq!(cell_text("abcd", 4), "abcd");
         assert_eq!(

@@ -486,7 +486,7 @@ impl Runner {
             .set_message(format!("{} ({})", task.name, step_name(step)));
         let t0 = Instant::now();
         match &task.action {
-            Action::Stage { bin, args } => self.run_stage(step, bin, args)?,
+            Action::Stage { bin, args } => self.run_stage(step, task.name, bin, args)?,
             Action::SamplePrompts => self.sample_prompts(step)?,
             Action::CopyKlState => self.copy_kl_state(step)?,
             Action::PruneCheckpoints => self.prune(step)?,
@@ -553,7 +553,7 @@ impl Runner {
         Ok(())
     }
 
-    fn run_stage(&mut self, step: u64, bin: &str, args: &[String]) -> Result<()> {
+    fn run_stage(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
         let line = self.stage_line(bin, args);
         self.append_command(step, &line)?;
         // Stages write their outputs where they are told; the runner makes the directories.
@@ -574,7 +574,11 @@ impl Runner {
         let mut cmd = std::process::Command::new(&program);
         cmd.args(args).stdin(Stdio::null());
         die_with_parent(&mut cmd);
-        let header = format!("[{}] {bin}", step_name(step));
+        let header = if task == bin {
+            format!("[{}] {bin}", step_name(step))
+        } else {
+            format!("[{}] {task}: {bin}", step_name(step))
+        };
         let status = self.bar.suspend(|| {
             eprintln!("{header}");
             cmd.status()

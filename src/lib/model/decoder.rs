@@ -810,6 +810,15 @@ impl<B: Backend> Decoder<B> {
             ..
         } = self;
         let d = cfg.hidden_size;
+        if r == 0 {
+            return Ok(seqs
+                .iter()
+                .map(|_| TokenStats {
+                    logprobs: vec![],
+                    entropy: entropy.then(Vec::new),
+                })
+                .collect());
+        }
         b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
         b.rmsnorm(
             &mut ws.xf,
@@ -951,6 +960,10 @@ impl<B: Backend> Decoder<B> {
         dlp: &[f32],
         dent: Option<&[f32]>,
     ) -> Result<()> {
+        if r == 0 {
+            // Nothing scored: the loss does not depend on the weights.
+            return Ok(());
+        }
         let chunk = self.logprob_chunk.max(1);
         let Decoder {
             backend: b,

@@ -53,7 +53,7 @@ mod tests {
         let (mut p, mut m, mut v) = (vec![1.0f32], vec![0.0f32], vec![0.0f32]);
         // Step 1, g = 4 scaled to 2: m = 0.2, v = 0.004, m̂ = 2, √v̂ = 2 → p = 1·0.999 − 0.1.
         adamw(&mut p, &[4.0], &mut m, &mut v, &st(0.1, 0.001));
-        assert!((m[0] - 0.2).abs() < 1e-7 && (v[0] - 0.004).abs() < 1e-9);
+        assert!((m[0] - 0.2).abs() < 1e-6 && (v[0] - 0.004).abs() < 1e-7);
         assert!((p[0] - (0.999 - 0.1)).abs() < 1e-6, "{}", p[0]);
         // Step 2 with g' = 0: m = 0.18, v = 0.003996; m̂ = 0.18/0.19, √v̂ = √(0.003996/0.001999).
         let p1 = p[0];

@@ -369,14 +369,14 @@ fn check_config(cfg: &Config) -> Result<()> {
     if cfg.vocab_size == 0 || cfg.hidden_size == 0 || cfg.intermediate_size == 0 {
         return bad("vocab_size, hidden_size and intermediate_size must be positive".into());
     }
-    if cfg.num_heads == 0 || cfg.num_kv_heads == 0 || cfg.num_heads % cfg.num_kv_heads != 0 {
+    if cfg.num_heads == 0 || cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
         return bad(format!(
             "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
             cfg.num_heads, cfg.num_kv_heads
         ));
     }
     let max_hd = crate::backend::cpu::rope::MAX_HEAD_DIM;
-    if cfg.head_dim == 0 || cfg.head_dim % 2 != 0 || cfg.head_dim > max_hd {
+    if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > max_hd {
         return bad(format!(
             "head_dim {} must be even and at most {max_hd}",
             cfg.head_dim

@@ -31,7 +31,7 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 }
 
 fn check_heads(heads: usize, kv_heads: usize) -> Result<usize> {
-    if kv_heads == 0 || heads % kv_heads != 0 {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         bail!("attention: {heads} query heads cannot be grouped over {kv_heads} kv heads");
     }
     Ok(heads / kv_heads)

@@ -22,7 +22,7 @@ pub fn apply(
     theta: f32,
     inverse: bool,
 ) -> Result<()> {
-    if head_dim % 2 != 0 || head_dim > MAX_HEAD_DIM {
+    if !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM {
         bail!("rope: head_dim {head_dim} must be even and at most {MAX_HEAD_DIM}");
     }
     let half = head_dim / 2;

@@ -104,7 +104,7 @@ fn bench(name: &str, cfg: &Config, seq_len: usize, decode_steps: usize, train: b
             format!("{name} batch {batch:2}: forward {fwd} (seq {seq_len}), decode {dec_tps}");
         if train {
             let hp = AdamWParams::default();
-            let mut step = |dec: &mut Decoder<Cpu>| {
+            let step = |dec: &mut Decoder<Cpu>| {
                 dec.zero_grads().unwrap();
                 dec.forward_backward(&seqs, 1.0, &mut |st| {
                     Ok(st

@@ -18,9 +18,22 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     // One arm per subcommand, each a thin call into the library.
+    /// Benchmarks: print a table and JSON.
+    Bench(tandem::bench::BenchArgs),
+    /// Import a dataset (GSM8K, any jsonl) as a prompt parquet file in verl's schema.
+    Prepare(tandem::data::prepare::PrepareArgs),
+    /// Write a randomly initialised model (HF layout) for tests and demos.
+    InitModel(tandem::model::init::InitModelArgs),
+    /// Load a model directory with every check and print a summary.
+    ModelInfo(tandem::model::info::ModelInfoArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tandem::error::run_main(|| match cli.cmd {})
+    tandem::error::run_main(|| match cli.cmd {
+        Cmd::Bench(a) => tandem::bench::run(a),
+        Cmd::Prepare(args) => tandem::data::prepare::run(args),
+        Cmd::InitModel(args) => tandem::model::init::run(args),
+        Cmd::ModelInfo(args) => tandem::model::info::run(args),
+    })
 }

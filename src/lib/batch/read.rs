@@ -58,7 +58,10 @@ impl Batch {
                 part.map_err(|e| input_error(format!("{shown}: corrupt Parquet data: {e}")))?,
             );
         }
-        let data = arrow_select::concat::concat_batches(&arrow_schema, &parts)?;
+        let data = match parts.len() {
+            1 => parts.pop().expect("one part"),
+            _ => arrow_select::concat::concat_batches(&arrow_schema, &parts)?,
+        };
         let batch = Batch {
             path: path.to_path_buf(),
             data,

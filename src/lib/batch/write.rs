@@ -6,11 +6,16 @@ use super::schema::{self, meta};
 use anyhow::{Context, Result};
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{Field, Schema};
+use parquet::arrow::arrow_writer::{compute_leaves, ArrowColumnChunk};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
+use parquet::schema::types::ColumnPath;
+use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -42,6 +47,11 @@ impl NewColumns {
         self.cols.retain(|(f, _)| f.name() != field.name());
         self.cols.push((field, array));
         self
+    }
+
+    /// The columns in the order they were added.
+    pub fn into_parts(self) -> Vec<(Field, ArrayRef)> {
+        self.cols
     }
 }
 
@@ -120,31 +130,103 @@ pub fn temp_path(out: &Path) -> PathBuf {
     out.with_file_name(name)
 }
 
-/// Write a record batch as a zstd Parquet file, atomically.
+/// Write `value` as pretty JSON to `path` atomically (`path.tmp`, then rename): metrics files,
+/// controller state, run state. Creates the parent directory.
+pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = temp_path(path);
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    let result = std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("writing {}", path.display()));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Rows per Parquet row group: small enough that readers can stream, large enough that
+/// per-group overhead stays negligible.
+const ROW_GROUP_ROWS: usize = 8192;
+
+/// Columns worth dictionary-encoding: few distinct values repeated on every row.
+const DICTIONARY_COLUMNS: &[&str] = &[schema::DATA_SOURCE, schema::FINISH_REASON, "ability"];
+
+/// Write a record batch as a zstd Parquet file, atomically. Columns are encoded in parallel
+/// (each leaf column of a row group on its own rayon task), since encoding dominates a stage's
+/// wall time on large batches.
 pub fn write_file(out: &Path, data: &RecordBatch, kv: &BTreeMap<String, String>) -> Result<()> {
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let tmp = temp_path(out);
-    let result = (|| -> Result<()> {
-        let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        let kvs = kv
-            .iter()
-            .map(|(k, v)| parquet::file::metadata::KeyValue::new(k.clone(), v.clone()))
-            .collect();
-        let props = WriterProperties::builder()
-            .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
-            .set_key_value_metadata(Some(kvs))
-            .build();
-        let mut writer = ArrowWriter::try_new(file, data.schema(), Some(props))?;
-        writer.write(data)?;
-        writer.close()?;
+    let result = write_parallel(&tmp, data, kv).and_then(|()| {
         std::fs::rename(&tmp, out)
-            .with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
-        Ok(())
-    })();
+            .with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))
+    });
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     result.with_context(|| format!("writing {}", out.display()))
+}
+
+fn write_parallel(path: &Path, data: &RecordBatch, kv: &BTreeMap<String, String>) -> Result<()> {
+    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let kvs = kv
+        .iter()
+        .map(|(k, v)| KeyValue::new(k.clone(), v.clone()))
+        .collect();
+    let mut props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
+        .set_dictionary_enabled(false)
+        .set_key_value_metadata(Some(kvs));
+    for name in DICTIONARY_COLUMNS {
+        props = props.set_column_dictionary_enabled(ColumnPath::from(*name), true);
+    }
+    // ArrowWriter embeds the Arrow schema in the metadata; we then drive its lower-level
+    // writers ourselves to encode columns in parallel.
+    let writer = ArrowWriter::try_new(
+        BufWriter::with_capacity(1 << 20, file),
+        data.schema(),
+        Some(props.build()),
+    )?;
+    let (mut file_writer, factory) = writer.into_serialized_writer()?;
+    let fields = data.schema().fields().clone();
+    let mut start = 0;
+    let mut group = 0;
+    while start < data.num_rows() || (group == 0 && data.num_rows() == 0) {
+        let len = ROW_GROUP_ROWS.min(data.num_rows() - start);
+        let part = data.slice(start, len);
+        let mut jobs = Vec::new();
+        for (field, col) in fields.iter().zip(part.columns()) {
+            jobs.extend(compute_leaves(field, col)?);
+        }
+        let writers = factory.create_column_writers(group)?;
+        anyhow::ensure!(writers.len() == jobs.len(), "parquet leaf count mismatch");
+        let chunks: Vec<ArrowColumnChunk> = writers
+            .into_par_iter()
+            .zip(jobs.into_par_iter())
+            .map(|(mut w, leaf)| -> Result<ArrowColumnChunk> {
+                w.write(&leaf)?;
+                Ok(w.close()?)
+            })
+            .collect::<Result<_>>()?;
+        let mut rg = file_writer.next_row_group()?;
+        for chunk in chunks {
+            chunk.append_to_row_group(&mut rg)?;
+        }
+        rg.close()?;
+        start += len;
+        group += 1;
+        if data.num_rows() == 0 {
+            break;
+        }
+    }
+    let mut inner = file_writer.into_inner()?;
+    inner.flush()?;
+    inner.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    Ok(())
 }

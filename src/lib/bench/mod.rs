@@ -1,0 +1,51 @@
+//! `tandem bench ...`: benchmarks that print a table and JSON. Never timed tests.
+
+pub mod cpu_stages;
+pub mod synth;
+
+use clap::{Args, Subcommand};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub which: Which,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Which {
+    /// `score --reward gsm8k` and `advantage --estimator grpo` on a large synthetic batch.
+    CpuStages(cpu_stages::CpuStagesArgs),
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.which {
+        Which::CpuStages(a) => cpu_stages::run(a),
+    }
+}
+
+/// Print a result table (aligned columns) and then the same rows as one JSON line.
+pub fn report(title: &str, header: &[&str], rows: &[Vec<String>], json: &serde_json::Value) {
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].len())
+                .chain([header[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: Vec<&str>| {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(c, s)| format!("{s:>w$}", w = widths[c]))
+            .collect::<Vec<_>>()
+            .join("  ")
+    };
+    println!("{title}");
+    println!("{}", line(header.to_vec()));
+    for r in rows {
+        println!("{}", line(r.iter().map(|s| s.as_str()).collect()));
+    }
+    println!("{json}");
+}

@@ -593,9 +593,15 @@ impl<B: Backend> Decoder<B> {
             self.ws = Work::empty(&self.backend, &self.cfg)?;
             self.ws = Work::new(&self.backend, &self.cfg, caps)?;
         }
-        let chunk = self.logprob_chunk.max(1);
-        if need.rows > 0 && self.backend.len(&self.ws.scratch) < chunk * self.cfg.vocab_size {
-            self.ws.scratch = self.backend.alloc(chunk * self.cfg.vocab_size)?;
+        Ok(())
+    }
+
+    /// Makes the fused log-prob's scratch hold one chunk of logits.
+    fn reserve_logprob_scratch(&mut self) -> Result<()> {
+        let n = self.logprob_chunk.max(1) * self.cfg.vocab_size;
+        if self.backend.len(&self.ws.scratch) < n {
+            self.ws.scratch = self.backend.alloc(0)?;
+            self.ws.scratch = self.backend.alloc(n)?;
         }
         Ok(())
     }
@@ -650,6 +656,9 @@ impl<B: Backend> Decoder<B> {
             saved_layers: if train { self.cfg.num_layers.max(1) } else { 1 },
             backward: train,
         })?;
+        if r > 0 {
+            self.reserve_logprob_scratch()?;
+        }
         let (b, ws) = (&self.backend, &mut self.ws);
         b.upload_idx(&mut ws.ids, &ids)?;
         b.upload_idx(&mut ws.pos, &pos)?;

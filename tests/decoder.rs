@@ -147,6 +147,7 @@ fn packing_and_chunking_do_not_change_logprobs() {
         }
         let d = max_abs_diff(&together, &alone);
         assert!(d <= 1e-5, "{arch:?}: packed vs one by one differ by {d}");
+        dec.release_workspace().unwrap();
         dec.logprob_chunk = 1;
         let chunked = dec.logprobs(&seqs, 1.0, true).unwrap();
         let d = max_abs_diff(&together, &chunked);

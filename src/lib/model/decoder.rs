@@ -596,6 +596,13 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
+    /// Frees the activation workspace (it grows back on the next call): what a colocated
+    /// engine does between phases, e.g. after an update and before generation.
+    pub fn release_workspace(&mut self) -> Result<()> {
+        self.ws = Work::empty(&self.backend, &self.cfg)?;
+        Ok(())
+    }
+
     /// Makes the fused log-prob's scratch hold one chunk of logits.
     fn reserve_logprob_scratch(&mut self) -> Result<()> {
         let n = self.logprob_chunk.max(1) * self.cfg.vocab_size;

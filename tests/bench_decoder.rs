@@ -139,3 +139,38 @@ fn bench_qwen25_05b_shape() {
     let cfg = config(Arch::Qwen2, 151936, 896, 4864, 24, 14, 2, 64, true);
     bench("0.5B", &cfg, 64, 16, false);
 }
+
+/// Where a batch-16 decode step of the 0.5B shape spends its time: each GEMM of one layer and
+/// the LM head, timed alone (GFLOP/s per wall second and per core-second).
+#[test]
+#[ignore]
+fn bench_gemms_05b_decode16() {
+    use tandem::backend::check::randn;
+    use tandem::backend::Backend;
+    let b = Cpu;
+    let m = 16;
+    let shapes = [
+        ("q_proj", 896, 896),
+        ("k_proj", 896, 128),
+        ("o_proj", 896, 896),
+        ("gate_proj", 896, 4864),
+        ("down_proj", 4864, 896),
+        ("lm_head", 896, 151936),
+    ];
+    for (name, k, n) in shapes {
+        let (x, w) = (randn(m * k, 1), randn(n * k, 2));
+        let mut y = vec![0.0; m * n];
+        let reps = (2_000_000_000 / (2 * m * k * n)).clamp(3, 500);
+        b.matmul(&mut y, &x, &w, None, m, k, n, false).unwrap();
+        let r = timed(2 * m * k * n * reps, || {
+            for _ in 0..reps {
+                b.matmul(&mut y, &x, &w, None, m, k, n, false).unwrap();
+            }
+        });
+        eprintln!(
+            "{name:10} m={m} k={k:5} n={n:6}: {:6.1} GFLOP/s ({:6.1} per core-time)",
+            r.0 / 1e9,
+            r.1 / 1e9
+        );
+    }
+}

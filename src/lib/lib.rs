@@ -2,6 +2,7 @@
 //! pass Arrow/Parquet batch files. See docs/ and ../shared/DESIGN.md for the picture.
 
 pub mod algo;
+pub mod backend;
 pub mod batch;
 pub mod bench;
 pub mod data;

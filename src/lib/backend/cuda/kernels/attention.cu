@@ -1,0 +1,389 @@
+// Causal GQA attention over packed variable-length sequences, flash style: tiles of TILE query
+// rows against tiles of TILE keys in shared memory, online softmax, never a T×T matrix. Only
+// lse = log Σ exp(s) per (row, head) is kept; the backward recomputes P from it.
+//
+// Packed rows are tiled without regard to sequence boundaries; each row masks keys outside
+// [start of its sequence, itself]. A tile that straddles a boundary does at most one extra
+// tile of masked work. HD (head dim) and TILE are compile-time: the host compiles this file
+// once per head_dim. Math is f32; q/k/v/o may each be f32 or bf16.
+
+#ifndef HD
+#define HD 64
+#endif
+#ifndef TILE
+#define TILE 64
+#endif
+#define NT 256               // threads per block: a 16×16 grid (ty, tx)
+#define RPT (TILE / 16)      // tile rows per thread
+#define CPT ((HD + 15) / 16) // head-dim columns per thread
+#define LDS (HD + 1)         // padded row stride of [TILE][HD] tiles (no bank conflicts)
+#define LDP (TILE + 1)       // padded row stride of [TILE][TILE] tiles
+#define NW 4                 // warps per block of the cached (decode) kernel
+#define CPW ((HD + 31) / 32) // head-dim columns per lane in the cached kernel
+
+// Max (or sum) over the 16 lanes that share ty (xor offsets below 16 stay inside the half-warp).
+DEVI float max16(float v) {
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+DEVI float sum16(float v) {
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// dst[r][d] = src[(row0 + r)·stride + off + d] for r < n, 0 beyond.
+DEVI void load_tile(float* dst, const void* src, int bf, int row0, int n, i64 stride, i64 off) {
+    for (int e = threadIdx.x; e < TILE * HD; e += NT) {
+        int r = e / HD, d = e - r * HD;
+        dst[r * LDS + d] = r < n ? ld(src, bf, (i64)(row0 + r) * stride + off + d) : 0.0f;
+    }
+}
+
+// s[a][b] = Σ_d A[ty+16a][d]·B[tx+16b][d] over two [TILE][LDS] tiles.
+DEVI void tile_dot(float s[RPT][RPT], const float* A, const float* B) {
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+#pragma unroll
+    for (int a = 0; a < RPT; a++)
+#pragma unroll
+        for (int b = 0; b < RPT; b++) s[a][b] = 0.0f;
+#pragma unroll 4
+    for (int d = 0; d < HD; d++) {
+        float av[RPT], bv[RPT];
+#pragma unroll
+        for (int a = 0; a < RPT; a++) av[a] = A[(ty + 16 * a) * LDS + d];
+#pragma unroll
+        for (int b = 0; b < RPT; b++) bv[b] = B[(tx + 16 * b) * LDS + d];
+#pragma unroll
+        for (int a = 0; a < RPT; a++)
+#pragma unroll
+            for (int b = 0; b < RPT; b++) s[a][b] += av[a] * bv[b];
+    }
+}
+
+// acc[a][c] += Σ_j W[ty+16a][j]·M[j][tx+16c] for j < n (W a [TILE][LDP] tile read row-wise,
+// or column-wise when trans: W[j][ty+16a]).
+DEVI void tile_acc(float acc[RPT][CPT], const float* W, const float* M, int n, bool trans) {
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    for (int j = 0; j < n; j++) {
+        float w[RPT];
+#pragma unroll
+        for (int a = 0; a < RPT; a++) w[a] = trans ? W[j * LDP + ty + 16 * a] : W[(ty + 16 * a) * LDP + j];
+#pragma unroll
+        for (int c = 0; c < CPT; c++) {
+            int col = tx + 16 * c;
+            float mv = col < HD ? M[j * LDS + col] : 0.0f;
+#pragma unroll
+            for (int a = 0; a < RPT; a++) acc[a][c] += w[a] * mv;
+        }
+    }
+}
+
+// o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j; lse[i,h] = log Σ_j exp(q_i·k_j/√d).
+// Grid: (query tiles, heads).
+extern "C" __global__ void __launch_bounds__(NT) attn_fwd_k(
+    void* o, int obf, void* lse, int lbf, const void* q, int qbf, const void* k, int kbf, const void* v,
+    int vbf, const u32* cu, int tokens, int seqs, int heads, int kv_heads, float scale) {
+    extern __shared__ float smem[];
+    float* Qs = smem;
+    float* Ks = Qs + TILE * LDS;
+    float* Vs = Ks + TILE * LDS;
+    float* Ps = Vs + TILE * LDS;
+    __shared__ int start_s[TILE];
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    int h = blockIdx.y, kh = h / (heads / kv_heads);
+    int q0 = blockIdx.x * TILE;
+    if (q0 >= tokens) return;
+    int qn = min(TILE, tokens - q0);
+    i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
+    load_tile(Qs, q, qbf, q0, qn, qstride, (i64)h * HD);
+    // Clamped to the row itself so a malformed cu_seqlens cannot send loads out of bounds.
+    for (int r = threadIdx.x; r < TILE; r += NT)
+        start_s[r] = r < qn ? (int)min(cu[seq_of(cu, seqs, q0 + r)], (u32)(q0 + r)) : 0;
+    __syncthreads();
+    int row[RPT], rstart[RPT];
+    float m[RPT], l[RPT], acc[RPT][CPT];
+#pragma unroll
+    for (int a = 0; a < RPT; a++) {
+        row[a] = ty + 16 * a;
+        rstart[a] = start_s[row[a]];
+        m[a] = NEG_INF;
+        l[a] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CPT; c++) acc[a][c] = 0.0f;
+    }
+    int kend = q0 + qn;
+    for (int k0 = start_s[0]; k0 < kend; k0 += TILE) {
+        int kn = min(TILE, kend - k0);
+        __syncthreads();
+        load_tile(Ks, k, kbf, k0, kn, kstride, (i64)kh * HD);
+        load_tile(Vs, v, vbf, k0, kn, kstride, (i64)kh * HD);
+        __syncthreads();
+        float s[RPT][RPT];
+        tile_dot(s, Qs, Ks);
+#pragma unroll
+        for (int a = 0; a < RPT; a++) {
+            int i = q0 + row[a];
+            float mx = NEG_INF;
+#pragma unroll
+            for (int b = 0; b < RPT; b++) {
+                int j = k0 + tx + 16 * b;
+                bool ok = row[a] < qn && tx + 16 * b < kn && j >= rstart[a] && j <= i;
+                s[a][b] = ok ? s[a][b] * scale : NEG_INF;
+                mx = fmaxf(mx, s[a][b]);
+            }
+            mx = max16(mx);
+            float mnew = fmaxf(m[a], mx);
+            float corr = mnew == NEG_INF ? 1.0f : expf(m[a] - mnew);
+            float ps = 0.0f;
+#pragma unroll
+            for (int b = 0; b < RPT; b++) {
+                float p = s[a][b] == NEG_INF ? 0.0f : expf(s[a][b] - mnew);
+                Ps[row[a] * LDP + tx + 16 * b] = p;
+                ps += p;
+            }
+            ps = sum16(ps);
+            l[a] = l[a] * corr + ps;
+            m[a] = mnew;
+#pragma unroll
+            for (int c = 0; c < CPT; c++) acc[a][c] *= corr;
+        }
+        __syncthreads();
+        tile_acc(acc, Ps, Vs, kn, false);
+    }
+#pragma unroll
+    for (int a = 0; a < RPT; a++) {
+        if (row[a] >= qn) continue;
+        i64 i = q0 + row[a];
+        float inv = 1.0f / l[a];
+#pragma unroll
+        for (int c = 0; c < CPT; c++) {
+            int col = tx + 16 * c;
+            if (col < HD) st(o, obf, i * qstride + (i64)h * HD + col, acc[a][c] * inv);
+        }
+        if (tx == 0) st(lse, lbf, i * heads + h, m[a] + logf(l[a]));
+    }
+}
+
+// dd[i,h] = Σ_d dO[i,h,d]·O[i,h,d] (the rowsum(dO∘O) term of dS). One warp per (row, head).
+extern "C" __global__ void attn_bwd_prep_k(float* dd, const void* dout, int dobf, const void* o, int obf,
+                                           int tokens, int heads) {
+    i64 w = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (w >= (i64)tokens * heads) return;
+    float s = 0.0f;
+    for (int d = lane; d < HD; d += 32) s += ld(dout, dobf, w * HD + d) * ld(o, obf, w * HD + d);
+    s = warp_sum(s);
+    if (lane == 0) dd[w] = s;
+}
+
+// Per query-row statistics of a tile: lse, D = rowsum(dO∘O), and the start of the row's sequence.
+DEVI void load_row_stats(float* lse_s, float* dd_s, int* start_s, const void* lse, int lbf, const float* dd,
+                         const u32* cu, int seqs, int i0, int n, int heads, int h) {
+    for (int r = threadIdx.x; r < TILE; r += NT) {
+        bool in = r < n;
+        lse_s[r] = in ? ld(lse, lbf, (i64)(i0 + r) * heads + h) : 0.0f;
+        dd_s[r] = in ? dd[(i64)(i0 + r) * heads + h] : 0.0f;
+        start_s[r] = in ? (int)min(cu[seq_of(cu, seqs, i0 + r)], (u32)(i0 + r)) : 0x7fffffff;
+    }
+}
+
+// P = exp(S − lse), dP = dO Vᵀ, dS = P∘(dP − D) for query rows i0.. (n of them) against keys
+// k0.. (kn of them), masked to start(i) ≤ j ≤ i; P and dS go to [TILE][LDP] tiles.
+DEVI void tile_p_ds(float* Ps, float* dSs, const float* Qs, const float* dOs, const float* Ks,
+                    const float* Vs, const float* lse_s, const float* dd_s, const int* start_s, int i0,
+                    int n, int k0, int kn, float scale) {
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    float s[RPT][RPT], dp[RPT][RPT];
+    tile_dot(s, Qs, Ks);
+    tile_dot(dp, dOs, Vs);
+#pragma unroll
+    for (int a = 0; a < RPT; a++) {
+        int r = ty + 16 * a, i = i0 + r;
+#pragma unroll
+        for (int b = 0; b < RPT; b++) {
+            int c = tx + 16 * b, j = k0 + c;
+            bool ok = r < n && c < kn && j >= start_s[r] && j <= i;
+            float p = ok ? expf(s[a][b] * scale - lse_s[r]) : 0.0f;
+            if (Ps) Ps[r * LDP + c] = p;
+            dSs[r * LDP + c] = p * (dp[a][b] - dd_s[r]);
+        }
+    }
+}
+
+// dV_j = Σ_i P_ij dO_i, dK_j = Σ_i dS_ij Q_i / √d over the query heads of kv head kh and the
+// query rows that see key j. Grid: (key tiles, kv heads); dk and dv are overwritten.
+extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dkdv_k(
+    void* dk, int dkbf, void* dv, int dvbf, const void* dout, int dobf, const void* q, int qbf,
+    const void* k, int kbf, const void* v, int vbf, const void* lse, int lbf, const float* dd, const u32* cu,
+    int tokens, int seqs, int heads, int kv_heads, float scale) {
+    extern __shared__ float smem[];
+    float* Ks = smem;
+    float* Vs = Ks + TILE * LDS;
+    float* Qs = Vs + TILE * LDS;
+    float* dOs = Qs + TILE * LDS;
+    float* Ps = dOs + TILE * LDS;
+    float* dSs = Ps + TILE * LDP;
+    __shared__ float lse_s[TILE], dd_s[TILE];
+    __shared__ int start_s[TILE];
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    int kh = blockIdx.y, group = heads / kv_heads;
+    int k0 = blockIdx.x * TILE;
+    if (k0 >= tokens) return;
+    int kn = min(TILE, tokens - k0);
+    i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
+    load_tile(Ks, k, kbf, k0, kn, kstride, (i64)kh * HD);
+    load_tile(Vs, v, vbf, k0, kn, kstride, (i64)kh * HD);
+    // Queries that can see a key of this tile: from k0 to the end of the last key's sequence.
+    int qend = (int)max(min(cu[seq_of(cu, seqs, k0 + kn - 1) + 1], (u32)tokens), (u32)(k0 + kn));
+    float dk_acc[RPT][CPT], dv_acc[RPT][CPT];
+#pragma unroll
+    for (int a = 0; a < RPT; a++)
+#pragma unroll
+        for (int c = 0; c < CPT; c++) dk_acc[a][c] = dv_acc[a][c] = 0.0f;
+    for (int h = kh * group; h < (kh + 1) * group; h++) {
+        for (int i0 = k0; i0 < qend; i0 += TILE) {
+            int n = min(TILE, qend - i0);
+            __syncthreads();
+            load_tile(Qs, q, qbf, i0, n, qstride, (i64)h * HD);
+            load_tile(dOs, dout, dobf, i0, n, qstride, (i64)h * HD);
+            load_row_stats(lse_s, dd_s, start_s, lse, lbf, dd, cu, seqs, i0, n, heads, h);
+            __syncthreads();
+            tile_p_ds(Ps, dSs, Qs, dOs, Ks, Vs, lse_s, dd_s, start_s, i0, n, k0, kn, scale);
+            __syncthreads();
+            tile_acc(dv_acc, Ps, dOs, n, true);
+            tile_acc(dk_acc, dSs, Qs, n, true);
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < RPT; a++) {
+        int r = ty + 16 * a;
+        if (r >= kn) continue;
+        i64 base = (i64)(k0 + r) * kstride + (i64)kh * HD;
+#pragma unroll
+        for (int c = 0; c < CPT; c++) {
+            int col = tx + 16 * c;
+            if (col < HD) {
+                st(dk, dkbf, base + col, dk_acc[a][c] * scale);
+                st(dv, dvbf, base + col, dv_acc[a][c]);
+            }
+        }
+    }
+}
+
+// dQ_i = Σ_j dS_ij K_j / √d over the keys row i sees. Grid: (query tiles, heads); dq is overwritten.
+extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dq_k(
+    void* dq, int dqbf, const void* dout, int dobf, const void* q, int qbf, const void* k, int kbf,
+    const void* v, int vbf, const void* lse, int lbf, const float* dd, const u32* cu, int tokens, int seqs,
+    int heads, int kv_heads, float scale) {
+    extern __shared__ float smem[];
+    float* Qs = smem;
+    float* dOs = Qs + TILE * LDS;
+    float* Ks = dOs + TILE * LDS;
+    float* Vs = Ks + TILE * LDS;
+    float* dSs = Vs + TILE * LDS;
+    __shared__ float lse_s[TILE], dd_s[TILE];
+    __shared__ int start_s[TILE];
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    int h = blockIdx.y, kh = h / (heads / kv_heads);
+    int q0 = blockIdx.x * TILE;
+    if (q0 >= tokens) return;
+    int qn = min(TILE, tokens - q0);
+    i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
+    load_tile(Qs, q, qbf, q0, qn, qstride, (i64)h * HD);
+    load_tile(dOs, dout, dobf, q0, qn, qstride, (i64)h * HD);
+    load_row_stats(lse_s, dd_s, start_s, lse, lbf, dd, cu, seqs, q0, qn, heads, h);
+    __syncthreads();
+    float acc[RPT][CPT];
+#pragma unroll
+    for (int a = 0; a < RPT; a++)
+#pragma unroll
+        for (int c = 0; c < CPT; c++) acc[a][c] = 0.0f;
+    int kend = q0 + qn;
+    for (int k0 = start_s[0]; k0 < kend; k0 += TILE) {
+        int kn = min(TILE, kend - k0);
+        __syncthreads();
+        load_tile(Ks, k, kbf, k0, kn, kstride, (i64)kh * HD);
+        load_tile(Vs, v, vbf, k0, kn, kstride, (i64)kh * HD);
+        __syncthreads();
+        tile_p_ds(nullptr, dSs, Qs, dOs, Ks, Vs, lse_s, dd_s, start_s, q0, qn, k0, kn, scale);
+        __syncthreads();
+        tile_acc(acc, dSs, Ks, kn, false);
+    }
+#pragma unroll
+    for (int a = 0; a < RPT; a++) {
+        int r = ty + 16 * a;
+        if (r >= qn) continue;
+        i64 base = (i64)(q0 + r) * qstride + (i64)h * HD;
+#pragma unroll
+        for (int c = 0; c < CPT; c++) {
+            int col = tx + 16 * c;
+            if (col < HD) st(dq, dqbf, base + col, acc[a][c] * scale);
+        }
+    }
+}
+
+// Attention against a KV cache: o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
+// Grid: (queries, heads); NW warps each take every NW-th key with lanes over the head dims,
+// then merge their partial softmax states. A bad range raises ERR_CACHE_RANGE and writes NaN.
+extern "C" __global__ void __launch_bounds__(NW * 32) attn_cached_k(
+    void* o, int obf, const void* q, int qbf, const void* kc, int kcbf, const void* vc, int vcbf,
+    const u32* base, const u32* len, int queries, int heads, int kv_heads, i64 cache_rows, float scale,
+    u32* err) {
+    __shared__ float m_s[NW], l_s[NW], acc_s[NW][HD];
+    int i = blockIdx.x, h = blockIdx.y, kh = h / (heads / kv_heads);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (i >= queries) return;
+    i64 b = base[i], L = len[i];
+    i64 qoff = ((i64)i * heads + h) * HD, kstride = (i64)kv_heads * HD;
+    if (L == 0 || b + L > cache_rows) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_CACHE_RANGE);
+        for (int d = threadIdx.x; d < HD; d += NW * 32) st(o, obf, qoff + d, __int_as_float(0x7fc00000));
+        return;
+    }
+    float qr[CPW], acc[CPW];
+#pragma unroll
+    for (int c = 0; c < CPW; c++) {
+        int d = lane + 32 * c;
+        qr[c] = d < HD ? ld(q, qbf, qoff + d) : 0.0f;
+        acc[c] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    for (i64 j = w; j < L; j += NW) {
+        i64 roff = (b + j) * kstride + (i64)kh * HD;
+        float s = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CPW; c++) {
+            int d = lane + 32 * c;
+            if (d < HD) s += qr[c] * ld(kc, kcbf, roff + d);
+        }
+        s = warp_sum(s) * scale;
+        float mnew = fmaxf(m, s);
+        float corr = expf(m - mnew), p = expf(s - mnew);
+        l = l * corr + p;
+#pragma unroll
+        for (int c = 0; c < CPW; c++) {
+            int d = lane + 32 * c;
+            acc[c] = acc[c] * corr + (d < HD ? p * ld(vc, vcbf, roff + d) : 0.0f);
+        }
+        m = mnew;
+    }
+    if (lane == 0) {
+        m_s[w] = m;
+        l_s[w] = l;
+    }
+#pragma unroll
+    for (int c = 0; c < CPW; c++) {
+        int d = lane + 32 * c;
+        if (d < HD) acc_s[w][d] = acc[c];
+    }
+    __syncthreads();
+    float mm = NEG_INF;
+    for (int x = 0; x < NW; x++) mm = fmaxf(mm, m_s[x]);
+    float tot = 0.0f;
+    for (int x = 0; x < NW; x++) tot += m_s[x] == NEG_INF ? 0.0f : l_s[x] * expf(m_s[x] - mm);
+    for (int d = threadIdx.x; d < HD; d += NW * 32) {
+        float s = 0.0f;
+        for (int x = 0; x < NW; x++) s += m_s[x] == NEG_INF ? 0.0f : acc_s[x][d] * expf(m_s[x] - mm);
+        st(o, obf, qoff + d, s / tot);
+    }
+}

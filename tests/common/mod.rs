@@ -1,0 +1,125 @@
+//! Tiny decoder configs and random weights (HF names) for the decoder tests and benchmarks.
+#![allow(dead_code)]
+
+use tandem::backend::check::Rng;
+use tandem::model::{Arch, Config, Tensor, Weights};
+
+/// A config of the given architecture with the shape flags HF uses for it.
+#[allow(clippy::too_many_arguments)]
+pub fn config(
+    arch: Arch,
+    vocab: usize,
+    hidden: usize,
+    ffn: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    tied: bool,
+) -> Config {
+    Config {
+        arch,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: ffn,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        rope_theta: if arch == Arch::Llama {
+            500000.0
+        } else {
+            1000000.0
+        },
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: tied,
+        qkv_bias: arch == Arch::Qwen2,
+        qk_norm: arch == Arch::Qwen3,
+        max_position_embeddings: 4096,
+        bos_token_id: None,
+        eos_token_ids: vec![0],
+    }
+}
+
+/// Tiny models of the three architectures: Qwen2 tied with qkv bias, Llama with a separate
+/// head, Qwen3 with q/k norm and a head_dim that is not hidden/heads.
+pub fn tiny(arch: Arch) -> Config {
+    match arch {
+        Arch::Qwen2 => config(arch, 37, 16, 24, 2, 4, 2, 4, true),
+        Arch::Llama => config(arch, 41, 12, 20, 2, 3, 1, 4, false),
+        Arch::Qwen3 => config(arch, 29, 16, 20, 2, 4, 2, 6, true),
+    }
+}
+
+/// Random weights under HF names: normal(0, std) matrices, norms near 1.
+pub fn random_weights(cfg: &Config, seed: u64) -> Weights {
+    let mut rng = Rng::new(seed);
+    let mut w = Weights::new();
+    let mut put = |name: String, shape: Vec<usize>, std: f32, mean: f32| {
+        let n = shape.iter().product();
+        let data = (0..n).map(|_| mean + std * rng.normal()).collect();
+        w.insert(name, Tensor::new(shape, data));
+    };
+    let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (qd, kd) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let lin = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    put("model.embed_tokens.weight".into(), vec![v, d], 1.0, 0.0);
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}.");
+        put(format!("{p}input_layernorm.weight"), vec![d], 0.1, 1.0);
+        put(
+            format!("{p}post_attention_layernorm.weight"),
+            vec![d],
+            0.1,
+            1.0,
+        );
+        for (name, out) in [("q_proj", qd), ("k_proj", kd), ("v_proj", kd)] {
+            put(
+                format!("{p}self_attn.{name}.weight"),
+                vec![out, d],
+                lin(d),
+                0.0,
+            );
+            if cfg.qkv_bias {
+                put(format!("{p}self_attn.{name}.bias"), vec![out], 0.1, 0.0);
+            }
+        }
+        if cfg.qk_norm {
+            put(
+                format!("{p}self_attn.q_norm.weight"),
+                vec![cfg.head_dim],
+                0.1,
+                1.0,
+            );
+            put(
+                format!("{p}self_attn.k_norm.weight"),
+                vec![cfg.head_dim],
+                0.1,
+                1.0,
+            );
+        }
+        put(
+            format!("{p}self_attn.o_proj.weight"),
+            vec![d, qd],
+            lin(qd),
+            0.0,
+        );
+        put(format!("{p}mlp.gate_proj.weight"), vec![f, d], lin(d), 0.0);
+        put(format!("{p}mlp.up_proj.weight"), vec![f, d], lin(d), 0.0);
+        put(format!("{p}mlp.down_proj.weight"), vec![d, f], lin(f), 0.0);
+    }
+    put("model.norm.weight".into(), vec![d], 0.1, 1.0);
+    if !cfg.tie_word_embeddings {
+        put("lm_head.weight".into(), vec![v, d], lin(d), 0.0);
+    }
+    w
+}
+
+/// `n` random token ids below `vocab`.
+pub fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
+}

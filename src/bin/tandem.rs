@@ -20,11 +20,14 @@ enum Cmd {
     // One arm per subcommand, each a thin call into the library.
     /// Benchmarks: print a table and JSON.
     Bench(tandem::bench::BenchArgs),
+    /// CUDA parity suite: every op of the GPU backend against the CPU backend, as a table.
+    GpuTest(tandem::backend::cuda::parity::GpuTestArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tandem::error::run_main(|| match cli.cmd {
         Cmd::Bench(a) => tandem::bench::run(a),
+        Cmd::GpuTest(a) => tandem::backend::cuda::parity::run(a),
     })
 }

@@ -369,7 +369,10 @@ fn check_config(cfg: &Config) -> Result<()> {
     if cfg.vocab_size == 0 || cfg.hidden_size == 0 || cfg.intermediate_size == 0 {
         return bad("vocab_size, hidden_size and intermediate_size must be positive".into());
     }
-    if cfg.num_heads == 0 || cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
+    if cfg.num_heads == 0
+        || cfg.num_kv_heads == 0
+        || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads)
+    {
         return bad(format!(
             "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
             cfg.num_heads, cfg.num_kv_heads

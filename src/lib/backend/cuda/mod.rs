@@ -15,7 +15,7 @@
 
 pub mod gemm;
 pub mod nvrtc;
-// pub mod parity;
+pub mod parity;
 pub mod pool;
 
 use std::collections::HashMap;
@@ -698,6 +698,32 @@ impl Backend for CudaBackend {
         } else {
             self.convert(dst.at(dst_off), dst.bf(), src.at(src_off), src.bf(), n)
         }
+    }
+
+    fn copy_within(
+        &self,
+        buf: &mut CudaBuf,
+        dst_off: usize,
+        src_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        need(buf.len, dst_off.max(src_off) + n, "copy_within buffer")?;
+        if dst_off < src_off + n && src_off < dst_off + n && n > 0 && dst_off != src_off {
+            bail!("cuda backend: copy_within ranges {src_off}+{n} and {dst_off}+{n} overlap");
+        }
+        if n == 0 || dst_off == src_off {
+            return Ok(());
+        }
+        self.bind()?;
+        unsafe {
+            dr::memcpy_dtod_async(
+                buf.at(dst_off),
+                buf.at(src_off),
+                n * esize(buf.dtype),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| anyhow!("cuda: copy_within: {e:?}"))
     }
 
     fn add_assign(&self, y: &mut CudaBuf, x: &CudaBuf, n: usize) -> Result<()> {

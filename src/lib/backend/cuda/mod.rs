@@ -21,6 +21,7 @@ pub mod pool;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Result};
@@ -137,6 +138,17 @@ fn attention_smem(head_dim: usize) -> (u32, u32, u32) {
     (f(3, 1), f(4, 2), f(4, 1))
 }
 
+/// Bytes of dynamic shared memory of the tensor-core attention kernels (bf16 tiles with rows
+/// padded by 8 elements; see the TQ/TK/TKB/TQB/TKQ tiles in attention.cu).
+fn attention_mma_smem(head_dim: usize) -> (u32, u32, u32) {
+    let kst = head_dim + 8;
+    let tst = |n: usize| n + 8;
+    let fwd = 64 * kst + 64 * kst + head_dim * tst(64);
+    let dkdv = 2 * 64 * kst + 2 * 32 * kst + 2 * head_dim * tst(32);
+    let dq = 2 * 64 * kst + 2 * 32 * kst + head_dim * tst(32);
+    ((fwd * 2) as u32, (dkdv * 2) as u32, (dq * 2) as u32)
+}
+
 /// Turns the error word's bits into a message.
 fn describe_errors(bits: u32) -> String {
     let mut parts = Vec::new();
@@ -166,6 +178,8 @@ pub struct CudaBackend {
     kernels: KernelCache,
     funcs: Mutex<HashMap<(&'static str, usize, &'static str), CudaFunction>>,
     err_word: Block,
+    /// Route bf16 attention with head_dim % 16 == 0 (≤ 128) to the tensor-core kernels.
+    tensor_cores: AtomicBool,
     ordinal: usize,
     device_name: String,
     sms: u32,
@@ -221,12 +235,28 @@ impl CudaBackend {
             kernels,
             funcs: Mutex::new(HashMap::new()),
             err_word,
+            tensor_cores: AtomicBool::new(std::env::var_os("TANDEM_ATTN_SCALAR").is_none()),
             ordinal,
             device_name,
             sms,
         };
         be.memset(be.err_word.ptr(), 0, 4)?;
         Ok(be)
+    }
+
+    /// Whether bf16 attention may use the tensor-core kernels (default on; the environment
+    /// variable TANDEM_ATTN_SCALAR turns them off). The parity suite tests both paths.
+    pub fn set_tensor_core_attention(&self, on: bool) {
+        self.tensor_cores.store(on, Ordering::Relaxed);
+    }
+
+    /// The tensor-core attention kernels apply: all listed buffers bf16, head_dim a multiple
+    /// of 16 up to 128.
+    fn use_mma(&self, hd: usize, bufs: &[&CudaBuf]) -> bool {
+        self.tensor_cores.load(Ordering::Relaxed)
+            && hd.is_multiple_of(16)
+            && hd <= 128
+            && bufs.iter().all(|b| b.dtype == DType::BF16)
     }
 
     /// The GPU's name, e.g. "NVIDIA H100 80GB HBM3".
@@ -259,6 +289,9 @@ impl CudaBackend {
     }
 
     fn memset(&self, ptr: u64, byte: u8, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
         self.bind()?;
         unsafe { dr::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: memset: {e:?}"))
@@ -287,10 +320,14 @@ impl CudaBackend {
             .map_err(|e| anyhow!("cuda: kernel {name} in kernels/{}.cu: {e:?}", fam.name))?;
         if fam.name == nvrtc::ATTENTION.name {
             let (fwd, dkdv, dq) = attention_smem(hd);
+            let (mfwd, mdkdv, mdq) = attention_mma_smem(hd);
             let bytes = match name {
                 "attn_fwd_k" => fwd,
                 "attn_bwd_dkdv_k" => dkdv,
                 "attn_bwd_dq_k" => dq,
+                "attn_fwd_mma_k" => mfwd,
+                "attn_bwd_dkdv_mma_k" => mdkdv,
+                "attn_bwd_dq_mma_k" => mdq,
                 _ => 0,
             };
             if bytes > 0 {
@@ -610,6 +647,9 @@ impl Backend for CudaBackend {
 
     fn upload(&self, dst: &mut CudaBuf, src: &[f32]) -> Result<()> {
         need(dst.len, src.len(), "upload destination")?;
+        if src.is_empty() {
+            return Ok(());
+        }
         self.bind()?;
         let r = match dst.dtype {
             DType::F32 => unsafe { dr::memcpy_htod_async(dst.ptr, src, self.stream.cu_stream()) },
@@ -624,6 +664,9 @@ impl Backend for CudaBackend {
 
     fn upload_idx(&self, dst: &mut CudaIdx, src: &[u32]) -> Result<()> {
         need(dst.len, src.len(), "upload destination")?;
+        if src.is_empty() {
+            return Ok(());
+        }
         self.bind()?;
         unsafe { dr::memcpy_htod_async(dst.ptr, src, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: upload: {e:?}"))
@@ -631,6 +674,9 @@ impl Backend for CudaBackend {
 
     fn download(&self, src: &CudaBuf, dst: &mut [f32]) -> Result<()> {
         need(src.len, dst.len(), "download source")?;
+        if dst.is_empty() {
+            return self.check_errors();
+        }
         self.bind()?;
         match src.dtype {
             DType::F32 => {
@@ -1070,12 +1116,35 @@ impl Backend for CudaBackend {
         if s.tokens == 0 || s.seqs == 0 {
             return Ok(());
         }
-        let tile = nvrtc::attention_tile(hd);
-        let (smem, _, _) = attention_smem(hd);
-        let f = self.func(nvrtc::ATTENTION, hd, "attn_fwd_k")?;
         let (obf, lbf, qbf, kbf, vbf) = (o.bf(), lse.bf(), q.bf(), k.bf(), v.bf());
         let (t, sq, h, kh) = shape_args(s)?;
         let scale = 1.0 / (hd as f32).sqrt();
+        if self.use_mma(hd, &[o, q, k, v]) {
+            let f = self.func(nvrtc::ATTENTION, hd, "attn_fwd_mma_k")?;
+            return self.launch(
+                &f,
+                (s.tokens.div_ceil(64) as u32, s.heads as u32, 1),
+                128,
+                attention_mma_smem(hd).0,
+                &[
+                    &o.ptr,
+                    &lse.ptr,
+                    &lbf,
+                    &q.ptr,
+                    &k.ptr,
+                    &v.ptr,
+                    &cu_seqlens.ptr,
+                    &t,
+                    &sq,
+                    &h,
+                    &kh,
+                    &scale,
+                ],
+            );
+        }
+        let tile = nvrtc::attention_tile(hd);
+        let (smem, _, _) = attention_smem(hd);
+        let f = self.func(nvrtc::ATTENTION, hd, "attn_fwd_k")?;
         self.launch(
             &f,
             (s.tokens.div_ceil(tile) as u32, s.heads as u32, 1),
@@ -1154,6 +1223,57 @@ impl Backend for CudaBackend {
             0,
             &[&dd.ptr, &dout.ptr, &dobf, &o.ptr, &obf, &t, &h],
         )?;
+        if self.use_mma(hd, &[dq, dk, dv, dout, q, k, v]) {
+            let (_, smem_dkdv, smem_dq) = attention_mma_smem(hd);
+            let tiles = s.tokens.div_ceil(64) as u32;
+            let f = self.func(nvrtc::ATTENTION, hd, "attn_bwd_dkdv_mma_k")?;
+            self.launch(
+                &f,
+                (tiles, s.kv_heads as u32, 1),
+                128,
+                smem_dkdv,
+                &[
+                    &dk.ptr,
+                    &dv.ptr,
+                    &dout.ptr,
+                    &q.ptr,
+                    &k.ptr,
+                    &v.ptr,
+                    &lse.ptr,
+                    &lbf,
+                    &dd.ptr,
+                    &cu_seqlens.ptr,
+                    &t,
+                    &sq,
+                    &h,
+                    &kh,
+                    &scale,
+                ],
+            )?;
+            let f = self.func(nvrtc::ATTENTION, hd, "attn_bwd_dq_mma_k")?;
+            return self.launch(
+                &f,
+                (tiles, s.heads as u32, 1),
+                128,
+                smem_dq,
+                &[
+                    &dq.ptr,
+                    &dout.ptr,
+                    &q.ptr,
+                    &k.ptr,
+                    &v.ptr,
+                    &lse.ptr,
+                    &lbf,
+                    &dd.ptr,
+                    &cu_seqlens.ptr,
+                    &t,
+                    &sq,
+                    &h,
+                    &kh,
+                    &scale,
+                ],
+            );
+        }
         let tiles = s.tokens.div_ceil(tile) as u32;
         let f = self.func(nvrtc::ATTENTION, hd, "attn_bwd_dkdv_k")?;
         let (dkbf, dvbf, dqbf) = (dk.bf(), dv.bf(), dq.bf());
@@ -1814,6 +1934,19 @@ mod tests {
         }
         // Forward with head_dim 64: Q, K, V tiles of 64×65 floats and P of 64×65.
         assert_eq!(attention_smem(64).0, (3 * 64 * 65 + 64 * 65) * 4);
+    }
+
+    #[test]
+    fn tensor_core_attention_shared_memory_fits_hopper() {
+        for hd in [16, 64, 96, 128] {
+            let (a, b, c) = attention_mma_smem(hd);
+            assert!(
+                a.max(b).max(c) <= 227 * 1024 - 1024,
+                "head_dim {hd}: {a} {b} {c}"
+            );
+        }
+        // Forward, head_dim 64: Q and K tiles of 64×72 bf16 and Vᵀ of 64×72.
+        assert_eq!(attention_mma_smem(64).0, 3 * 64 * 72 * 2);
     }
 
     #[test]

@@ -133,6 +133,8 @@ struct Suite<'a> {
     gpu: &'a CudaBackend,
     rng: Rng,
     rows: Vec<Row>,
+    /// Whether the backend routes bf16 attention to the tensor-core kernels.
+    mma: bool,
 }
 
 /// Tolerances by dtype: (single-pass op, op with a longer chain of roundings).
@@ -499,7 +501,12 @@ impl<'a> Suite<'a> {
             kv_heads: kv,
             head_dim: hd,
         };
-        let tag = format!("h{heads}/kv{kv} d{hd} T{tokens}");
+        let path = if d == DType::BF16 && self.mma && hd.is_multiple_of(16) && hd <= 128 {
+            "mma"
+        } else {
+            "fma"
+        };
+        let tag = format!("{path} h{heads}/kv{kv} d{hd} T{tokens}");
         let (qn, kn) = (tokens * heads * hd, tokens * kv * hd);
         let q = self.randn(qn, 1.0, d);
         let k = self.randn(kn, 1.0, d);
@@ -567,6 +574,19 @@ impl<'a> Suite<'a> {
     }
 
     fn attention(&mut self, d: DType) -> Result<()> {
+        // bf16 runs both kernels: tensor cores (the default) and the scalar fallback.
+        if d == DType::BF16 {
+            self.mma = false;
+            self.gpu.set_tensor_core_attention(false);
+            let r = self.attention_cases(d);
+            self.mma = true;
+            self.gpu.set_tensor_core_attention(true);
+            r?;
+        }
+        self.attention_cases(d)
+    }
+
+    fn attention_cases(&mut self, d: DType) -> Result<()> {
         // Packed sequences of awkward lengths (1, a partial tile, tiles that straddle bounds).
         self.attention_case(d, &[1, 37, 64, 129, 200, 5], 4, 2, 64)?;
         // The Qwen2.5-0.5B head layout (14 query heads over 2 kv heads) at the bench length.
@@ -997,7 +1017,9 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
         gpu: &gpu,
         rng: Rng(seed),
         rows: Vec::new(),
+        mma: true,
     };
+    gpu.set_tensor_core_attention(true);
     let t0 = Instant::now();
     for d in [DType::F32, DType::BF16] {
         for (name, case) in cases() {

@@ -387,3 +387,374 @@ extern "C" __global__ void __launch_bounds__(NW * 32) attn_cached_k(
         st(o, obf, qoff + d, s / tot);
     }
 }
+
+// ---- tensor-core path (bf16 q/k/v/o, head_dim a multiple of 16 up to 128) -----------------
+// The same math with mma.sync m16n8k16 (bf16 inputs, f32 accumulators). Each warp owns 16 rows
+// of the matrix it produces. Fragment layouts (PTX ISA, m16n8k16): with g = lane/4, t = lane%4,
+// A regs hold (row g | g+8, cols 2t,2t+1 | 2t+8,2t+9), B regs hold (k 2t,2t+1 | 2t+8,2t+9, col g),
+// C holds (row g | g+8, cols 2t, 2t+1). A C tile of scores for 16 keys is exactly the A
+// fragment of the next product, so P never leaves registers.
+#if HD % 16 == 0 && HD <= 128
+
+#define KST (HD + 8) // padded bf16 row stride of [rows][HD] tiles: conflict-free 32-bit reads
+#define TQ 64        // query rows per block of the forward and dQ kernels (4 warps × 16)
+#define TK 64        // keys per tile of the forward
+#define TKB 64       // keys per block of the dK/dV kernel (4 warps × 16)
+#define TQB 32       // query rows per tile of the dK/dV kernel
+#define TKQ 32       // keys per tile of the dQ kernel
+#define TST(n) ((n) + 8) // padded bf16 row stride of transposed [HD][n] tiles
+
+DEVI void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, the first in the low half (the lower column of a fragment).
+DEVI u32 pack2(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
+DEVI u32 lds32(const bf16_t* p) { return *(const u32*)p; }
+DEVI u32 ldg32(const bf16_t* p) { return *(const u32*)p; }
+
+// Rows [row0, row0+n) of a [*, stride] bf16 matrix (columns off..off+HD) into a [rows][KST]
+// tile and, when tr is given, transposed into tr[d][r] (row stride trs). Zeros past n.
+DEVI void load_bf_tile(bf16_t* dst, bf16_t* tr, int trs, const bf16_t* src, int row0, int n, int rows,
+                       i64 stride, i64 off, int nthreads) {
+    for (int e = threadIdx.x; e < rows * (HD / 2); e += nthreads) {
+        int r = e / (HD / 2), d = (e - r * (HD / 2)) * 2;
+        u32 x = r < n ? ldg32(src + (i64)(row0 + r) * stride + off + d) : 0u;
+        *(u32*)(dst + r * KST + d) = x;
+        if (tr) {
+            tr[d * trs + r] = (bf16_t)(x & 0xffffu);
+            tr[(d + 1) * trs + r] = (bf16_t)(x >> 16);
+        }
+    }
+}
+
+// A fragments of 16 rows (base row r0 of a [rows][KST] tile) for k-step kk.
+DEVI void afrag(u32 a[4], const bf16_t* t, int r0, int kk) {
+    int lane = threadIdx.x & 31, g = lane >> 2, c = kk * 16 + 2 * (lane & 3);
+    a[0] = lds32(t + (r0 + g) * KST + c);
+    a[1] = lds32(t + (r0 + g + 8) * KST + c);
+    a[2] = lds32(t + (r0 + g) * KST + c + 8);
+    a[3] = lds32(t + (r0 + g + 8) * KST + c + 8);
+}
+
+// C tiles j, j+1 (16 columns) of a score block as the A fragment of the next product.
+DEVI void c2a(u32 a[4], const float c0[4], const float c1[4]) {
+    a[0] = pack2(c0[0], c0[1]);
+    a[1] = pack2(c0[2], c0[3]);
+    a[2] = pack2(c1[0], c1[1]);
+    a[3] = pack2(c1[2], c1[3]);
+}
+
+// o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j; lse[i,h] (tensor cores). Grid: (query tiles
+// of TQ, heads), 128 threads, dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
+    bf16_t* o, void* lse, int lbf, const bf16_t* q, const bf16_t* k, const bf16_t* v, const u32* cu,
+    int tokens, int seqs, int heads, int kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_t* Qs = (bf16_t*)smem_raw; // [TQ][KST]
+    bf16_t* Ks = Qs + TQ * KST;     // [TK][KST]
+    bf16_t* Vt = Ks + TK * KST;     // [HD][TST(TK)]
+    __shared__ int start_s[TQ];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int h = blockIdx.y, kh = h / (heads / kv_heads);
+    int q0 = blockIdx.x * TQ;
+    if (q0 >= tokens) return;
+    int qn = min(TQ, tokens - q0);
+    i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
+    load_bf_tile(Qs, nullptr, 0, q, q0, qn, TQ, qstride, (i64)h * HD, 128);
+    for (int r = threadIdx.x; r < TQ; r += 128)
+        start_s[r] = r < qn ? (int)min(cu[seq_of(cu, seqs, q0 + r)], (u32)(q0 + r)) : 0;
+    __syncthreads();
+    u32 qa[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) afrag(qa[kk], Qs, w * 16, kk);
+    int rl[2] = {w * 16 + g, w * 16 + g + 8};
+    int rs[2] = {start_s[rl[0]], start_s[rl[1]]};
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float oc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) oc[n][0] = oc[n][1] = oc[n][2] = oc[n][3] = 0.0f;
+    int kend = q0 + qn;
+    for (int k0 = start_s[0]; k0 < kend; k0 += TK) {
+        int kn = min(TK, kend - k0);
+        __syncthreads();
+        load_bf_tile(Ks, nullptr, 0, k, k0, kn, TK, kstride, (i64)kh * HD, 128);
+        // V is only needed transposed (the B operand of P·V).
+        for (int e = threadIdx.x; e < TK * (HD / 2); e += 128) {
+            int r = e / (HD / 2), d = (e - r * (HD / 2)) * 2;
+            u32 x = r < kn ? ldg32(v + (i64)(k0 + r) * kstride + (i64)kh * HD + d) : 0u;
+            Vt[d * TST(TK) + r] = (bf16_t)(x & 0xffffu);
+            Vt[(d + 1) * TST(TK) + r] = (bf16_t)(x >> 16);
+        }
+        __syncthreads();
+        float s[TK / 8][4];
+#pragma unroll
+        for (int n = 0; n < TK / 8; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const bf16_t* kp = Ks + (n * 8 + g) * KST + kk * 16 + 2 * t;
+                mma16816(s[n], qa[kk], lds32(kp), lds32(kp + 8));
+            }
+        }
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < TK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int hi = e >> 1, c = n * 8 + 2 * t + (e & 1), j = k0 + c, i = q0 + rl[hi];
+                bool ok = rl[hi] < qn && c < kn && j >= rs[hi] && j <= i;
+                s[n][e] = ok ? s[n][e] * scale : NEG_INF;
+                mx[hi] = fmaxf(mx[hi], s[n][e]);
+            }
+        float corr[2], ps[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 1));
+            mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 2));
+            float mn = fmaxf(m[hi], mx[hi]);
+            corr[hi] = mn == NEG_INF ? 1.0f : expf(m[hi] - mn);
+            m[hi] = mn;
+        }
+#pragma unroll
+        for (int n = 0; n < TK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int hi = e >> 1;
+                float p = s[n][e] == NEG_INF ? 0.0f : expf(s[n][e] - m[hi]);
+                s[n][e] = p;
+                ps[hi] += p;
+            }
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            ps[hi] += __shfl_xor_sync(0xffffffffu, ps[hi], 1);
+            ps[hi] += __shfl_xor_sync(0xffffffffu, ps[hi], 2);
+            l[hi] = l[hi] * corr[hi] + ps[hi];
+        }
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            oc[n][0] *= corr[0];
+            oc[n][1] *= corr[0];
+            oc[n][2] *= corr[1];
+            oc[n][3] *= corr[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < TK / 16; kk++) {
+            u32 pa[4];
+            c2a(pa, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                const bf16_t* vp = Vt + (n * 8 + g) * TST(TK) + kk * 16 + 2 * t;
+                mma16816(oc[n], pa, lds32(vp), lds32(vp + 8));
+            }
+        }
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; hi++) {
+        if (rl[hi] >= qn) continue;
+        i64 i = q0 + rl[hi];
+        float inv = 1.0f / l[hi];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+            *(u32*)(o + i * qstride + (i64)h * HD + n * 8 + 2 * t) =
+                pack2(oc[n][2 * hi] * inv, oc[n][2 * hi + 1] * inv);
+        if (t == 0) st(lse, lbf, i * heads + h, m[hi] + logf(l[hi]));
+    }
+}
+
+// dV_j = Σ_i P_ij dO_i, dK_j = Σ_i dS_ij Q_i / √d (tensor cores). Each warp owns 16 keys of the
+// block's TKB; query tiles of TQB rows stream through shared memory. Transposed computation:
+// Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, so P and dS come out as A fragments of dV += Pᵀ dO and dK += dSᵀ Q.
+// Grid: (key tiles, kv heads), 128 threads, dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_mma_k(
+    bf16_t* dk, bf16_t* dv, const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v,
+    const void* lse, int lbf, const float* dd, const u32* cu, int tokens, int seqs, int heads,
+    int kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_t* Ks = (bf16_t*)smem_raw;            // [TKB][KST]
+    bf16_t* Vs = Ks + TKB * KST;               // [TKB][KST]
+    bf16_t* Qs = Vs + TKB * KST;               // [TQB][KST]
+    bf16_t* dOs = Qs + TQB * KST;              // [TQB][KST]
+    bf16_t* Qt = dOs + TQB * KST;              // [HD][TST(TQB)]
+    bf16_t* dOt = Qt + HD * TST(TQB);          // [HD][TST(TQB)]
+    __shared__ float lse_s[TQB], dd_s[TQB];
+    __shared__ int start_s[TQB];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int kh = blockIdx.y, group = heads / kv_heads;
+    int k0 = blockIdx.x * TKB;
+    if (k0 >= tokens) return;
+    int kn = min(TKB, tokens - k0);
+    i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
+    load_bf_tile(Ks, nullptr, 0, k, k0, kn, TKB, kstride, (i64)kh * HD, 128);
+    load_bf_tile(Vs, nullptr, 0, v, k0, kn, TKB, kstride, (i64)kh * HD, 128);
+    int qend = (int)max(min(cu[seq_of(cu, seqs, k0 + kn - 1) + 1], (u32)tokens), (u32)(k0 + kn));
+    // This warp's keys: rows w*16 + g and + 8 of the tile.
+    int kl[2] = {w * 16 + g, w * 16 + g + 8};
+    float dkc[HD / 8][4], dvc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dkc[n][e] = dvc[n][e] = 0.0f;
+    for (int h = kh * group; h < (kh + 1) * group; h++) {
+        for (int i0 = k0; i0 < qend; i0 += TQB) {
+            int n = min(TQB, qend - i0);
+            __syncthreads();
+            load_bf_tile(Qs, Qt, TST(TQB), q, i0, n, TQB, qstride, (i64)h * HD, 128);
+            load_bf_tile(dOs, dOt, TST(TQB), dout, i0, n, TQB, qstride, (i64)h * HD, 128);
+            for (int r = threadIdx.x; r < TQB; r += 128) {
+                bool in = r < n;
+                lse_s[r] = in ? ld(lse, lbf, (i64)(i0 + r) * heads + h) : 0.0f;
+                dd_s[r] = in ? dd[(i64)(i0 + r) * heads + h] : 0.0f;
+                start_s[r] = in ? (int)min(cu[seq_of(cu, seqs, i0 + r)], (u32)(i0 + r)) : 0x7fffffff;
+            }
+            __syncthreads();
+            // Sᵀ and dPᵀ: 16 keys × TQB queries per warp.
+            float s[TQB / 8][4], dp[TQB / 8][4];
+#pragma unroll
+            for (int c = 0; c < TQB / 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[c][e] = dp[c][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                u32 ka[4], va[4];
+                afrag(ka, Ks, w * 16, kk);
+                afrag(va, Vs, w * 16, kk);
+#pragma unroll
+                for (int c = 0; c < TQB / 8; c++) {
+                    const bf16_t* qp = Qs + (c * 8 + g) * KST + kk * 16 + 2 * t;
+                    const bf16_t* op = dOs + (c * 8 + g) * KST + kk * 16 + 2 * t;
+                    mma16816(s[c], ka, lds32(qp), lds32(qp + 8));
+                    mma16816(dp[c], va, lds32(op), lds32(op + 8));
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < TQB / 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int r = c * 8 + 2 * t + (e & 1), i = i0 + r;  // query (column)
+                    int kr = kl[e >> 1], j = k0 + kr;             // key (row)
+                    bool ok = r < n && kr < kn && j >= start_s[r] && j <= i;
+                    float p = ok ? expf(s[c][e] * scale - lse_s[r]) : 0.0f;
+                    s[c][e] = p;
+                    dp[c][e] = p * (dp[c][e] - dd_s[r]);
+                }
+#pragma unroll
+            for (int kk = 0; kk < TQB / 16; kk++) {
+                u32 pa[4], da[4];
+                c2a(pa, s[2 * kk], s[2 * kk + 1]);
+                c2a(da, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+                for (int nn = 0; nn < HD / 8; nn++) {
+                    const bf16_t* op = dOt + (nn * 8 + g) * TST(TQB) + kk * 16 + 2 * t;
+                    const bf16_t* qp = Qt + (nn * 8 + g) * TST(TQB) + kk * 16 + 2 * t;
+                    mma16816(dvc[nn], pa, lds32(op), lds32(op + 8));
+                    mma16816(dkc[nn], da, lds32(qp), lds32(qp + 8));
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; hi++) {
+        if (kl[hi] >= kn) continue;
+        i64 base = (i64)(k0 + kl[hi]) * kstride + (i64)kh * HD;
+#pragma unroll
+        for (int nn = 0; nn < HD / 8; nn++) {
+            int c = nn * 8 + 2 * t;
+            *(u32*)(dk + base + c) = pack2(dkc[nn][2 * hi] * scale, dkc[nn][2 * hi + 1] * scale);
+            *(u32*)(dv + base + c) = pack2(dvc[nn][2 * hi], dvc[nn][2 * hi + 1]);
+        }
+    }
+}
+
+// dQ_i = Σ_j dS_ij K_j / √d (tensor cores). Each warp owns 16 query rows; key tiles of TKQ.
+// Grid: (query tiles of TQ, heads), 128 threads, dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_mma_k(
+    bf16_t* dq, const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v, const void* lse,
+    int lbf, const float* dd, const u32* cu, int tokens, int seqs, int heads, int kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_t* Qs = (bf16_t*)smem_raw; // [TQ][KST]
+    bf16_t* dOs = Qs + TQ * KST;    // [TQ][KST]
+    bf16_t* Ks = dOs + TQ * KST;    // [TKQ][KST]
+    bf16_t* Vs = Ks + TKQ * KST;    // [TKQ][KST]
+    bf16_t* Kt = Vs + TKQ * KST;    // [HD][TST(TKQ)]
+    __shared__ float lse_s[TQ], dd_s[TQ];
+    __shared__ int start_s[TQ];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int h = blockIdx.y, kh = h / (heads / kv_heads);
+    int q0 = blockIdx.x * TQ;
+    if (q0 >= tokens) return;
+    int qn = min(TQ, tokens - q0);
+    i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
+    load_bf_tile(Qs, nullptr, 0, q, q0, qn, TQ, qstride, (i64)h * HD, 128);
+    load_bf_tile(dOs, nullptr, 0, dout, q0, qn, TQ, qstride, (i64)h * HD, 128);
+    for (int r = threadIdx.x; r < TQ; r += 128) {
+        bool in = r < qn;
+        lse_s[r] = in ? ld(lse, lbf, (i64)(q0 + r) * heads + h) : 0.0f;
+        dd_s[r] = in ? dd[(i64)(q0 + r) * heads + h] : 0.0f;
+        start_s[r] = in ? (int)min(cu[seq_of(cu, seqs, q0 + r)], (u32)(q0 + r)) : 0x7fffffff;
+    }
+    __syncthreads();
+    int rl[2] = {w * 16 + g, w * 16 + g + 8};
+    float dqc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) dqc[n][0] = dqc[n][1] = dqc[n][2] = dqc[n][3] = 0.0f;
+    int kend = q0 + qn;
+    for (int k0 = min(start_s[0], kend); k0 < kend; k0 += TKQ) {
+        int kn = min(TKQ, kend - k0);
+        __syncthreads();
+        load_bf_tile(Ks, Kt, TST(TKQ), k, k0, kn, TKQ, kstride, (i64)kh * HD, 128);
+        load_bf_tile(Vs, nullptr, 0, v, k0, kn, TKQ, kstride, (i64)kh * HD, 128);
+        __syncthreads();
+        float s[TKQ / 8][4], dp[TKQ / 8][4];
+#pragma unroll
+        for (int c = 0; c < TKQ / 8; c++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[c][e] = dp[c][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            u32 qa[4], oa[4];
+            afrag(qa, Qs, w * 16, kk);
+            afrag(oa, dOs, w * 16, kk);
+#pragma unroll
+            for (int c = 0; c < TKQ / 8; c++) {
+                const bf16_t* kp = Ks + (c * 8 + g) * KST + kk * 16 + 2 * t;
+                const bf16_t* vp = Vs + (c * 8 + g) * KST + kk * 16 + 2 * t;
+                mma16816(s[c], qa, lds32(kp), lds32(kp + 8));
+                mma16816(dp[c], oa, lds32(vp), lds32(vp + 8));
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < TKQ / 8; c++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = rl[e >> 1], i = q0 + r;           // query (row)
+                int kc = c * 8 + 2 * t + (e & 1), j = k0 + kc; // key (column)
+                bool ok = r < qn && kc < kn && j >= start_s[r] && j <= i;
+                float p = ok ? expf(s[c][e] * scale - lse_s[r]) : 0.0f;
+                dp[c][e] = p * (dp[c][e] - dd_s[r]);
+            }
+#pragma unroll
+        for (int kk = 0; kk < TKQ / 16; kk++) {
+            u32 da[4];
+            c2a(da, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+            for (int nn = 0; nn < HD / 8; nn++) {
+                const bf16_t* kp = Kt + (nn * 8 + g) * TST(TKQ) + kk * 16 + 2 * t;
+                mma16816(dqc[nn], da, lds32(kp), lds32(kp + 8));
+            }
+        }
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; hi++) {
+        if (rl[hi] >= qn) continue;
+        i64 base = (i64)(q0 + rl[hi]) * qstride + (i64)h * HD;
+#pragma unroll
+        for (int nn = 0; nn < HD / 8; nn++)
+            *(u32*)(dq + base + nn * 8 + 2 * t) = pack2(dqc[nn][2 * hi] * scale, dqc[nn][2 * hi + 1] * scale);
+    }
+}
+#endif

@@ -17,6 +17,7 @@ pub mod gemm;
 pub mod nvrtc;
 pub mod parity;
 pub mod pool;
+pub mod timing;
 
 use std::collections::HashMap;
 use std::ffi::c_void;

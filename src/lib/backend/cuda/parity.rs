@@ -45,6 +45,12 @@ pub struct GpuTestArgs {
     /// Also write the table as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// After the checks, time each op at the Qwen2.5-0.5B training shape (CUDA events).
+    #[arg(long)]
+    pub time: bool,
+    /// Timed runs per op (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    pub iters: usize,
 }
 
 /// One line of the table.
@@ -1049,6 +1055,12 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
         st.held >> 20,
         st.peak_in_use >> 20
     );
+    let timing = if a.time && failed == 0 {
+        println!();
+        super::timing::run(&gpu, a.iters)?
+    } else {
+        Vec::new()
+    };
     if let Some(p) = &a.json {
         let doc = serde_json::json!({
             "device": gpu.device_name(),
@@ -1056,6 +1068,7 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
             "nvrtc": format!("{ma}.{mi}"),
             "seed": seed,
             "rows": suite.rows,
+            "timing": timing,
         });
         std::fs::write(p, serde_json::to_string_pretty(&doc)?)
             .map_err(|e| anyhow!("cannot write {}: {e}", p.display()))?;

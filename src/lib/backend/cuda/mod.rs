@@ -1227,15 +1227,17 @@ impl Backend for CudaBackend {
         if self.use_mma(hd, &[dq, dk, dv, dout, q, k, v]) {
             let (_, smem_dkdv, smem_dq) = attention_mma_smem(hd);
             let tiles = s.tokens.div_ceil(64) as u32;
+            // Per query head dK/dV in f32, then summed over each kv head's group.
+            let (dkp, dvp) = (self.temp(qn, DType::F32)?, self.temp(qn, DType::F32)?);
             let f = self.func(nvrtc::ATTENTION, hd, "attn_bwd_dkdv_mma_k")?;
             self.launch(
                 &f,
-                (tiles, s.kv_heads as u32, 1),
+                (tiles, s.heads as u32, 1),
                 128,
                 smem_dkdv,
                 &[
-                    &dk.ptr,
-                    &dv.ptr,
+                    &dkp.ptr,
+                    &dvp.ptr,
                     &dout.ptr,
                     &q.ptr,
                     &k.ptr,
@@ -1249,6 +1251,17 @@ impl Backend for CudaBackend {
                     &h,
                     &kh,
                     &scale,
+                ],
+            )?;
+            let f = self.func(nvrtc::ATTENTION, hd, "attn_bwd_group_sum_k")?;
+            let (dkbf, dvbf) = (dk.bf(), dv.bf());
+            self.launch(
+                &f,
+                (self.stride_blocks(kn), 1, 1),
+                THREADS,
+                0,
+                &[
+                    &dk.ptr, &dkbf, &dv.ptr, &dvbf, &dkp.ptr, &dvp.ptr, &t, &h, &kh,
                 ],
             )?;
             let f = self.func(nvrtc::ATTENTION, hd, "attn_bwd_dq_mma_k")?;

@@ -415,19 +415,24 @@ DEVI void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
 // Two floats as a bf16 pair, the first in the low half (the lower column of a fragment).
 DEVI u32 pack2(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
 DEVI u32 lds32(const bf16_t* p) { return *(const u32*)p; }
-DEVI u32 ldg32(const bf16_t* p) { return *(const u32*)p; }
 
 // Rows [row0, row0+n) of a [*, stride] bf16 matrix (columns off..off+HD) into a [rows][KST]
-// tile and, when tr is given, transposed into tr[d][r] (row stride trs). Zeros past n.
+// tile (unless dst is null) and, when tr is given, transposed into tr[d][r] (row stride trs).
+// Zeros past n.
+// 16-byte accesses: HD, the row stride and the column offset are multiples of 8 elements.
 DEVI void load_bf_tile(bf16_t* dst, bf16_t* tr, int trs, const bf16_t* src, int row0, int n, int rows,
                        i64 stride, i64 off, int nthreads) {
-    for (int e = threadIdx.x; e < rows * (HD / 2); e += nthreads) {
-        int r = e / (HD / 2), d = (e - r * (HD / 2)) * 2;
-        u32 x = r < n ? ldg32(src + (i64)(row0 + r) * stride + off + d) : 0u;
-        *(u32*)(dst + r * KST + d) = x;
+    for (int e = threadIdx.x; e < rows * (HD / 8); e += nthreads) {
+        int r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
+        uint4 x = r < n ? *(const uint4*)(src + (i64)(row0 + r) * stride + off + d) : make_uint4(0, 0, 0, 0);
+        if (dst) *(uint4*)(dst + r * KST + d) = x;
         if (tr) {
-            tr[d * trs + r] = (bf16_t)(x & 0xffffu);
-            tr[(d + 1) * trs + r] = (bf16_t)(x >> 16);
+            u32 w4[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                tr[(d + 2 * j) * trs + r] = (bf16_t)(w4[j] & 0xffffu);
+                tr[(d + 2 * j + 1) * trs + r] = (bf16_t)(w4[j] >> 16);
+            }
         }
     }
 }
@@ -461,7 +466,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
     __shared__ int start_s[TQ];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     int h = blockIdx.y, kh = h / (heads / kv_heads);
-    int q0 = blockIdx.x * TQ;
+    // Last tiles first: they see the most keys, so the grid's tail is short.
+    int q0 = (gridDim.x - 1 - blockIdx.x) * TQ;
     if (q0 >= tokens) return;
     int qn = min(TQ, tokens - q0);
     i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
@@ -484,12 +490,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
         __syncthreads();
         load_bf_tile(Ks, nullptr, 0, k, k0, kn, TK, kstride, (i64)kh * HD, 128);
         // V is only needed transposed (the B operand of P·V).
-        for (int e = threadIdx.x; e < TK * (HD / 2); e += 128) {
-            int r = e / (HD / 2), d = (e - r * (HD / 2)) * 2;
-            u32 x = r < kn ? ldg32(v + (i64)(k0 + r) * kstride + (i64)kh * HD + d) : 0u;
-            Vt[d * TST(TK) + r] = (bf16_t)(x & 0xffffu);
-            Vt[(d + 1) * TST(TK) + r] = (bf16_t)(x >> 16);
-        }
+        load_bf_tile(nullptr, Vt, TST(TK), v, k0, kn, TK, kstride, (i64)kh * HD, 128);
         __syncthreads();
         float s[TK / 8][4];
 #pragma unroll
@@ -566,12 +567,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
     }
 }
 
-// dV_j = Σ_i P_ij dO_i, dK_j = Σ_i dS_ij Q_i / √d (tensor cores). Each warp owns 16 keys of the
-// block's TKB; query tiles of TQB rows stream through shared memory. Transposed computation:
-// Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, so P and dS come out as A fragments of dV += Pᵀ dO and dK += dSᵀ Q.
-// Grid: (key tiles, kv heads), 128 threads, dynamic shared memory.
+// dV_j = Σ_i P_ij dO_i, dK_j = Σ_i dS_ij Q_i / √d for one query head (tensor cores). Each warp
+// owns 16 keys of the block's TKB; query tiles of TQB rows stream through shared memory.
+// Transposed computation: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, so P and dS come out as A fragments of
+// dV += Pᵀ dO and dK += dSᵀ Q. One block per (key tile, query head) keeps the GPU busy under
+// GQA; the per-head f32 results [tokens, heads, HD] are summed over each kv head's group by
+// attn_bwd_group_sum_k. Grid: (key tiles, heads), 128 threads, dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_mma_k(
-    bf16_t* dk, bf16_t* dv, const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v,
+    float* dkp, float* dvp, const bf16_t* dout, const bf16_t* q, const bf16_t* k, const bf16_t* v,
     const void* lse, int lbf, const float* dd, const u32* cu, int tokens, int seqs, int heads,
     int kv_heads, float scale) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -584,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_mma_k(
     __shared__ float lse_s[TQB], dd_s[TQB];
     __shared__ int start_s[TQB];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    int kh = blockIdx.y, group = heads / kv_heads;
+    int h = blockIdx.y, kh = h / (heads / kv_heads);
     int k0 = blockIdx.x * TKB;
     if (k0 >= tokens) return;
     int kn = min(TKB, tokens - k0);
@@ -599,74 +602,91 @@ extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_mma_k(
     for (int n = 0; n < HD / 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) dkc[n][e] = dvc[n][e] = 0.0f;
-    for (int h = kh * group; h < (kh + 1) * group; h++) {
-        for (int i0 = k0; i0 < qend; i0 += TQB) {
-            int n = min(TQB, qend - i0);
-            __syncthreads();
-            load_bf_tile(Qs, Qt, TST(TQB), q, i0, n, TQB, qstride, (i64)h * HD, 128);
-            load_bf_tile(dOs, dOt, TST(TQB), dout, i0, n, TQB, qstride, (i64)h * HD, 128);
-            for (int r = threadIdx.x; r < TQB; r += 128) {
-                bool in = r < n;
-                lse_s[r] = in ? ld(lse, lbf, (i64)(i0 + r) * heads + h) : 0.0f;
-                dd_s[r] = in ? dd[(i64)(i0 + r) * heads + h] : 0.0f;
-                start_s[r] = in ? (int)min(cu[seq_of(cu, seqs, i0 + r)], (u32)(i0 + r)) : 0x7fffffff;
+    for (int i0 = k0; i0 < qend; i0 += TQB) {
+        int n = min(TQB, qend - i0);
+        __syncthreads();
+        load_bf_tile(Qs, Qt, TST(TQB), q, i0, n, TQB, qstride, (i64)h * HD, 128);
+        load_bf_tile(dOs, dOt, TST(TQB), dout, i0, n, TQB, qstride, (i64)h * HD, 128);
+        for (int r = threadIdx.x; r < TQB; r += 128) {
+            bool in = r < n;
+            lse_s[r] = in ? ld(lse, lbf, (i64)(i0 + r) * heads + h) : 0.0f;
+            dd_s[r] = in ? dd[(i64)(i0 + r) * heads + h] : 0.0f;
+            start_s[r] = in ? (int)min(cu[seq_of(cu, seqs, i0 + r)], (u32)(i0 + r)) : 0x7fffffff;
+        }
+        __syncthreads();
+        // Sᵀ and dPᵀ: 16 keys × TQB queries per warp.
+        float s[TQB / 8][4], dp[TQB / 8][4];
+#pragma unroll
+        for (int c = 0; c < TQB / 8; c++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[c][e] = dp[c][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            u32 ka[4], va[4];
+            afrag(ka, Ks, w * 16, kk);
+            afrag(va, Vs, w * 16, kk);
+#pragma unroll
+            for (int c = 0; c < TQB / 8; c++) {
+                const bf16_t* qp = Qs + (c * 8 + g) * KST + kk * 16 + 2 * t;
+                const bf16_t* op = dOs + (c * 8 + g) * KST + kk * 16 + 2 * t;
+                mma16816(s[c], ka, lds32(qp), lds32(qp + 8));
+                mma16816(dp[c], va, lds32(op), lds32(op + 8));
             }
-            __syncthreads();
-            // Sᵀ and dPᵀ: 16 keys × TQB queries per warp.
-            float s[TQB / 8][4], dp[TQB / 8][4];
+        }
 #pragma unroll
-            for (int c = 0; c < TQB / 8; c++)
+        for (int c = 0; c < TQB / 8; c++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) s[c][e] = dp[c][e] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                u32 ka[4], va[4];
-                afrag(ka, Ks, w * 16, kk);
-                afrag(va, Vs, w * 16, kk);
-#pragma unroll
-                for (int c = 0; c < TQB / 8; c++) {
-                    const bf16_t* qp = Qs + (c * 8 + g) * KST + kk * 16 + 2 * t;
-                    const bf16_t* op = dOs + (c * 8 + g) * KST + kk * 16 + 2 * t;
-                    mma16816(s[c], ka, lds32(qp), lds32(qp + 8));
-                    mma16816(dp[c], va, lds32(op), lds32(op + 8));
-                }
+            for (int e = 0; e < 4; e++) {
+                int r = c * 8 + 2 * t + (e & 1), i = i0 + r;  // query (column)
+                int kr = kl[e >> 1], j = k0 + kr;             // key (row)
+                bool ok = r < n && kr < kn && j >= start_s[r] && j <= i;
+                float p = ok ? expf(s[c][e] * scale - lse_s[r]) : 0.0f;
+                s[c][e] = p;
+                dp[c][e] = p * (dp[c][e] - dd_s[r]);
             }
 #pragma unroll
-            for (int c = 0; c < TQB / 8; c++)
+        for (int kk = 0; kk < TQB / 16; kk++) {
+            u32 pa[4], da[4];
+            c2a(pa, s[2 * kk], s[2 * kk + 1]);
+            c2a(da, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int r = c * 8 + 2 * t + (e & 1), i = i0 + r;  // query (column)
-                    int kr = kl[e >> 1], j = k0 + kr;             // key (row)
-                    bool ok = r < n && kr < kn && j >= start_s[r] && j <= i;
-                    float p = ok ? expf(s[c][e] * scale - lse_s[r]) : 0.0f;
-                    s[c][e] = p;
-                    dp[c][e] = p * (dp[c][e] - dd_s[r]);
-                }
-#pragma unroll
-            for (int kk = 0; kk < TQB / 16; kk++) {
-                u32 pa[4], da[4];
-                c2a(pa, s[2 * kk], s[2 * kk + 1]);
-                c2a(da, dp[2 * kk], dp[2 * kk + 1]);
-#pragma unroll
-                for (int nn = 0; nn < HD / 8; nn++) {
-                    const bf16_t* op = dOt + (nn * 8 + g) * TST(TQB) + kk * 16 + 2 * t;
-                    const bf16_t* qp = Qt + (nn * 8 + g) * TST(TQB) + kk * 16 + 2 * t;
-                    mma16816(dvc[nn], pa, lds32(op), lds32(op + 8));
-                    mma16816(dkc[nn], da, lds32(qp), lds32(qp + 8));
-                }
+            for (int nn = 0; nn < HD / 8; nn++) {
+                const bf16_t* op = dOt + (nn * 8 + g) * TST(TQB) + kk * 16 + 2 * t;
+                const bf16_t* qp = Qt + (nn * 8 + g) * TST(TQB) + kk * 16 + 2 * t;
+                mma16816(dvc[nn], pa, lds32(op), lds32(op + 8));
+                mma16816(dkc[nn], da, lds32(qp), lds32(qp + 8));
             }
         }
     }
 #pragma unroll
     for (int hi = 0; hi < 2; hi++) {
         if (kl[hi] >= kn) continue;
-        i64 base = (i64)(k0 + kl[hi]) * kstride + (i64)kh * HD;
+        i64 base = ((i64)(k0 + kl[hi]) * heads + h) * HD;
 #pragma unroll
         for (int nn = 0; nn < HD / 8; nn++) {
             int c = nn * 8 + 2 * t;
-            *(u32*)(dk + base + c) = pack2(dkc[nn][2 * hi] * scale, dkc[nn][2 * hi + 1] * scale);
-            *(u32*)(dv + base + c) = pack2(dvc[nn][2 * hi], dvc[nn][2 * hi + 1]);
+            *(float2*)(dkp + base + c) = make_float2(dkc[nn][2 * hi] * scale, dkc[nn][2 * hi + 1] * scale);
+            *(float2*)(dvp + base + c) = make_float2(dvc[nn][2 * hi], dvc[nn][2 * hi + 1]);
         }
+    }
+}
+
+// dk[t, kh, :] = Σ_{h in kh's group} dkp[t, h, :] (same for dv), stored in dk's type.
+extern "C" __global__ void attn_bwd_group_sum_k(void* dk, int dkbf, void* dv, int dvbf, const float* dkp,
+                                                const float* dvp, int tokens, int heads, int kv_heads) {
+    int group = heads / kv_heads;
+    i64 n = (i64)tokens * kv_heads * HD;
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        i64 t = e / ((i64)kv_heads * HD);
+        int r = (int)(e - t * kv_heads * HD), kh = r / HD, d = r - kh * HD;
+        float sk = 0.0f, sv = 0.0f;
+        for (int h = kh * group; h < (kh + 1) * group; h++) {
+            i64 i = (t * heads + h) * HD + d;
+            sk += dkp[i];
+            sv += dvp[i];
+        }
+        st(dk, dkbf, e, sk);
+        st(dv, dvbf, e, sv);
     }
 }
 
@@ -685,7 +705,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_mma_k(
     __shared__ int start_s[TQ];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     int h = blockIdx.y, kh = h / (heads / kv_heads);
-    int q0 = blockIdx.x * TQ;
+    int q0 = (gridDim.x - 1 - blockIdx.x) * TQ; // last tiles (most keys) first
     if (q0 >= tokens) return;
     int qn = min(TQ, tokens - q0);
     i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;

@@ -12,18 +12,26 @@ extern "C" __global__ void logprob_reduce_k(void* lp, int lpbf, void* ent, int e
     int r = blockIdx.x;
     if (r >= rows) return;
     i64 base = (i64)r * vocab;
+    // One pass: a running max per thread, sums rescaled when it grows (f64 sums, f32 exps).
     float mx = NEG_INF;
-    for (int c = threadIdx.x; c < vocab; c += blockDim.x) mx = fmaxf(mx, ld(logits, zbf, base + c) * inv_t);
-    mx = block_max(mx, shf);
     double se = 0.0, sez = 0.0;
     for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
         float z = ld(logits, zbf, base + c) * inv_t;
+        if (z > mx) {
+            double rs = (double)expf(mx - z);
+            se *= rs;
+            sez *= rs;
+            mx = z;
+        }
         double e = (double)expf(z - mx);
         se += e;
         sez += e * (double)z;
     }
-    se = block_sum_d(se, shd);
-    sez = block_sum_d(sez, shd);
+    float bm = block_max(mx, shf);
+    double rs = mx == NEG_INF ? 0.0 : (double)expf(mx - bm);
+    se = block_sum_d(se * rs, shd);
+    sez = block_sum_d(sez * rs, shd);
+    mx = bm;
     if (threadIdx.x == 0) {
         u32 y = targets[r];
         double l = (double)mx + log(se);

@@ -20,6 +20,12 @@ enum Cmd {
     // One arm per subcommand, each a thin call into the library.
     /// Benchmarks: print a table and JSON.
     Bench(tandem::bench::BenchArgs),
+    /// Import a dataset (GSM8K, any jsonl) as a prompt parquet file in verl's schema.
+    Prepare(tandem::data::prepare::PrepareArgs),
+    /// Write a randomly initialised model (HF layout) for tests and demos.
+    InitModel(tandem::model::init::InitModelArgs),
+    /// Load a model directory with every check and print a summary.
+    ModelInfo(tandem::model::info::ModelInfoArgs),
     /// CUDA parity suite: every op of the GPU backend against the CPU backend, as a table.
     GpuTest(tandem::backend::cuda::parity::GpuTestArgs),
 }
@@ -28,6 +34,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     tandem::error::run_main(|| match cli.cmd {
         Cmd::Bench(a) => tandem::bench::run(a),
+        Cmd::Prepare(args) => tandem::data::prepare::run(args),
+        Cmd::InitModel(args) => tandem::model::init::run(args),
+        Cmd::ModelInfo(args) => tandem::model::info::run(args),
         Cmd::GpuTest(a) => tandem::backend::cuda::parity::run(a),
     })
 }

@@ -1,8 +1,11 @@
 //! tandem: reinforcement-learning post-training of language models as composable stages that
 //! pass Arrow/Parquet batch files. See docs/ and ../shared/DESIGN.md for the picture.
 
+pub mod algo;
 pub mod backend;
 pub mod batch;
 pub mod bench;
+pub mod data;
 pub mod error;
 pub mod model;
+pub mod reward;

@@ -1,0 +1,8 @@
+//! `advantage`: token rewards, advantages and returns of a scored batch (see `tandem::algo`).
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    let args = tandem::algo::stage::AdvantageArgs::parse();
+    tandem::error::run_main(|| tandem::algo::stage::run(&args))
+}

@@ -1,0 +1,1122 @@
+//! Policy losses for `update` (verl's `compute_policy_loss_*`, `agg_loss`, entropy bonus and KL
+//! loss): the scalar loss of one micro-batch AND its exact gradient with respect to every token's
+//! log-prob and entropy, plus metrics.
+//!
+//! Micro-batches: the caller computes [`LossNorm`] once over the whole mini-batch and passes it
+//! to every micro-batch; losses, gradients and metrics of the micro-batches then add up to those
+//! of the unsplit mini-batch. `scale` multiplies loss and gradients (e.g. for data-parallel
+//! averaging); metrics are not scaled.
+//!
+//! Stop-gradients: GSPO's sequence ratio, CISPO's clipped ratio and the rollout importance
+//! weights are constants of the surrogate (verl detaches them). The gradient returned is the
+//! exact gradient of the surrogate with those constants frozen at the current point; for GSPO
+//! with advantages and importance weights constant along each sequence (what every outcome
+//! estimator produces) it is also the gradient of the loss value itself.
+
+use super::agg::{AggMode, LossNorm};
+use super::kl::KlPenalty;
+use super::Real;
+use crate::bail_input;
+use anyhow::{ensure, Result};
+use std::fmt;
+use std::str::FromStr;
+
+/// Which policy-gradient surrogate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossMode {
+    /// PPO clip with dual clip for negative advantages.
+    Vanilla,
+    /// Sequence-level ratio (arXiv:2507.18071), always aggregated seq-mean-token-mean.
+    Gspo,
+    /// Clipped, detached ratio times log-prob (arXiv:2506.13585).
+    Cispo,
+    /// Negative log-likelihood of the valid tokens (warm starts); needs no advantages.
+    Sft,
+}
+
+pub const LOSS_MODE_NAMES: &str = "vanilla, gspo, cispo, sft";
+
+impl FromStr for LossMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "vanilla" => LossMode::Vanilla,
+            "gspo" => LossMode::Gspo,
+            "cispo" => LossMode::Cispo,
+            "sft" => LossMode::Sft,
+            _ => {
+                return Err(format!(
+                    "unknown loss '{s}' (expected one of {LOSS_MODE_NAMES})"
+                ))
+            }
+        })
+    }
+}
+
+impl fmt::Display for LossMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LossMode::Vanilla => "vanilla",
+            LossMode::Gspo => "gspo",
+            LossMode::Cispo => "cispo",
+            LossMode::Sft => "sft",
+        })
+    }
+}
+
+/// Level of the rollout importance weights exp(old − rollout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RolloutIsLevel {
+    Token,
+    Sequence,
+}
+
+impl FromStr for RolloutIsLevel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "token" => Ok(RolloutIsLevel::Token),
+            "sequence" => Ok(RolloutIsLevel::Sequence),
+            _ => Err(format!(
+                "unknown rollout importance sampling level '{s}' (expected token or sequence)"
+            )),
+        }
+    }
+}
+
+/// Truncated importance sampling between the rollout engine and the trainer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RolloutIs {
+    pub level: RolloutIsLevel,
+    /// Weights are truncated to at most this (verl's rollout_is_threshold, default 2.0).
+    pub threshold: f64,
+}
+
+/// KL loss against the reference model (verl's use_kl_loss).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KlLoss {
+    pub coef: f64,
+    pub penalty: KlPenalty,
+}
+
+/// The loss knobs, named as in verl's actor config.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossConfig {
+    pub mode: LossMode,
+    pub clip_ratio: f64,
+    /// Defaults to clip_ratio.
+    pub clip_ratio_low: Option<f64>,
+    /// Defaults to clip_ratio.
+    pub clip_ratio_high: Option<f64>,
+    /// Dual-clip bound for negative advantages (vanilla), > 1.
+    pub clip_ratio_c: f64,
+    pub agg: AggMode,
+    /// loss −= entropy_coeff · agg(entropy)
+    pub entropy_coeff: f64,
+    pub kl_loss: Option<KlLoss>,
+    pub rollout_is: Option<RolloutIs>,
+}
+
+impl LossConfig {
+    /// verl's defaults: clip 0.2, dual clip 3.0, token-mean, no entropy bonus, no KL loss.
+    pub fn new(mode: LossMode) -> LossConfig {
+        LossConfig {
+            mode,
+            clip_ratio: 0.2,
+            clip_ratio_low: None,
+            clip_ratio_high: None,
+            clip_ratio_c: 3.0,
+            agg: AggMode::TokenMean,
+            entropy_coeff: 0.0,
+            kl_loss: None,
+            rollout_is: None,
+        }
+    }
+
+    pub fn clip_low(&self) -> f64 {
+        self.clip_ratio_low.unwrap_or(self.clip_ratio)
+    }
+
+    pub fn clip_high(&self) -> f64 {
+        self.clip_ratio_high.unwrap_or(self.clip_ratio)
+    }
+
+    /// Check the knobs; errors name the flag.
+    pub fn validate(&self) -> Result<()> {
+        for (flag, v) in [
+            ("--clip-ratio", self.clip_ratio),
+            ("--clip-ratio-low", self.clip_low()),
+            ("--clip-ratio-high", self.clip_high()),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                bail_input!("{flag} must be a finite number >= 0, got {v}");
+            }
+        }
+        if !(self.clip_ratio_c.is_finite() && self.clip_ratio_c > 1.0) {
+            bail_input!(
+                "--clip-ratio-c is the dual-clip bound and must be > 1.0, got {}",
+                self.clip_ratio_c
+            );
+        }
+        if !self.entropy_coeff.is_finite() {
+            bail_input!("--entropy-coeff must be finite, got {}", self.entropy_coeff);
+        }
+        if let Some(k) = self.kl_loss {
+            if !(k.coef.is_finite() && k.coef >= 0.0) {
+                bail_input!(
+                    "--kl-loss-coef must be a finite number >= 0, got {}",
+                    k.coef
+                );
+            }
+        }
+        if let Some(r) = self.rollout_is {
+            if !(r.threshold.is_finite() && r.threshold > 0.0) {
+                bail_input!(
+                    "--rollout-is-threshold must be a finite number > 0, got {}",
+                    r.threshold
+                );
+            }
+            if self.mode == LossMode::Sft {
+                bail_input!("--rollout-is weights a policy-gradient loss; --loss sft has none");
+            }
+        }
+        Ok(())
+    }
+
+    /// GSPO aggregates its policy loss per sequence whatever loss_agg_mode says (as verl).
+    fn pg_agg(&self) -> AggMode {
+        match self.mode {
+            LossMode::Gspo => AggMode::SeqMeanTokenMean,
+            _ => self.agg,
+        }
+    }
+}
+
+/// One micro-batch: ragged rows (one per sequence) of per-token values.
+pub struct LossInputs<'a, T> {
+    pub offsets: &'a [usize],
+    pub mask: &'a [u8],
+    /// Current log-probs (what the gradient is taken with respect to).
+    pub lp: &'a [T],
+    /// Log-probs of the policy that sampled (for on-policy, the current ones).
+    pub old: Option<&'a [T]>,
+    pub advantages: Option<&'a [T]>,
+    pub ref_lp: Option<&'a [T]>,
+    pub rollout: Option<&'a [T]>,
+    pub entropy: Option<&'a [T]>,
+}
+
+/// This micro-batch's share of each mini-batch metric: add them up over micro-batches.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LossMetrics {
+    pub pg_loss: f64,
+    pub pg_clipfrac: f64,
+    pub pg_clipfrac_lower: f64,
+    pub ppo_kl: f64,
+    pub entropy: f64,
+    pub kl_loss: f64,
+}
+
+impl LossMetrics {
+    pub fn add(&mut self, o: &LossMetrics) {
+        self.pg_loss += o.pg_loss;
+        self.pg_clipfrac += o.pg_clipfrac;
+        self.pg_clipfrac_lower += o.pg_clipfrac_lower;
+        self.ppo_kl += o.ppo_kl;
+        self.entropy += o.entropy;
+        self.kl_loss += o.kl_loss;
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "pg_loss": self.pg_loss,
+            "pg_clipfrac": self.pg_clipfrac,
+            "pg_clipfrac_lower": self.pg_clipfrac_lower,
+            "ppo_kl": self.ppo_kl,
+            "entropy": self.entropy,
+            "kl_loss": self.kl_loss,
+        })
+    }
+}
+
+/// The micro-batch's loss (scaled), d loss / d lp per token, d loss / d entropy per token (when
+/// entropies were given), and metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossOutput<T> {
+    pub loss: f64,
+    pub grad_lp: Vec<T>,
+    pub grad_entropy: Option<Vec<T>>,
+    pub metrics: LossMetrics,
+}
+
+/// Compute the loss of one micro-batch and its gradient.
+pub fn policy_loss<T: Real>(
+    cfg: &LossConfig,
+    x: &LossInputs<T>,
+    norm: &LossNorm,
+    scale: f64,
+) -> Result<LossOutput<T>> {
+    compute(cfg, x, x.lp, norm, scale)
+}
+
+/// A value and its derivative with respect to one token's log-prob (forward mode). max/min
+/// split the derivative at ties and clamps pass it on their closed interval, as torch does.
+#[derive(Clone, Copy, Debug)]
+struct D {
+    v: f64,
+    d: f64,
+}
+
+impl D {
+    fn var(v: f64) -> D {
+        D { v, d: 1.0 }
+    }
+    fn cst(v: f64) -> D {
+        D { v, d: 0.0 }
+    }
+    fn add(self, c: f64) -> D {
+        D {
+            v: self.v + c,
+            d: self.d,
+        }
+    }
+    fn mul(self, c: f64) -> D {
+        D {
+            v: self.v * c,
+            d: self.d * c,
+        }
+    }
+    fn exp(self) -> D {
+        let e = self.v.exp();
+        D {
+            v: e,
+            d: e * self.d,
+        }
+    }
+    fn clamp(self, lo: f64, hi: f64) -> D {
+        if self.v < lo {
+            D::cst(lo)
+        } else if self.v > hi {
+            D::cst(hi)
+        } else {
+            self
+        }
+    }
+    fn maximum(self, o: D) -> D {
+        if self.v > o.v {
+            self
+        } else if self.v < o.v {
+            o
+        } else {
+            D {
+                v: self.v,
+                d: 0.5 * (self.d + o.d),
+            }
+        }
+    }
+    fn minimum(self, o: D) -> D {
+        self.mul(-1.0).maximum(o.mul(-1.0)).mul(-1.0)
+    }
+}
+
+/// The policy-gradient loss of one token and whether it was clipped (upper, lower).
+struct TokenPg {
+    loss: D,
+    clipped: bool,
+    clipped_lower: bool,
+}
+
+/// `anchor` holds the log-probs at which stop-gradient terms are evaluated (the current ones in
+/// [`policy_loss`]; frozen separately in gradient checks).
+fn compute<T: Real>(
+    cfg: &LossConfig,
+    x: &LossInputs<T>,
+    anchor: &[T],
+    norm: &LossNorm,
+    scale: f64,
+) -> Result<LossOutput<T>> {
+    cfg.validate()?;
+    let n_tok = *x.offsets.last().unwrap_or(&0);
+    ensure!(
+        x.offsets.first() == Some(&0) && x.offsets.windows(2).all(|w| w[0] <= w[1]),
+        "loss offsets must start at 0 and not decrease"
+    );
+    for (name, len) in [
+        ("response_mask", Some(x.mask.len())),
+        ("log-probs", Some(x.lp.len())),
+        ("anchor log-probs", Some(anchor.len())),
+        ("old log-probs", x.old.map(|v| v.len())),
+        ("advantages", x.advantages.map(|v| v.len())),
+        ("reference log-probs", x.ref_lp.map(|v| v.len())),
+        ("rollout log-probs", x.rollout.map(|v| v.len())),
+        ("entropies", x.entropy.map(|v| v.len())),
+    ] {
+        if let Some(len) = len {
+            ensure!(
+                len == n_tok,
+                "loss: {name} has {len} tokens, offsets say {n_tok}"
+            );
+        }
+    }
+    let mode = cfg.mode;
+    let pg_needs = mode != LossMode::Sft;
+    let need = |what: &str, why: &str| {
+        crate::error::input_error(format!("policy loss: {why} needs {what}"))
+    };
+    let old = match (pg_needs, x.old) {
+        (true, None) => return Err(need("old log-probs", &format!("--loss {mode}"))),
+        (_, o) => o,
+    };
+    let adv = match (pg_needs, x.advantages) {
+        (true, None) => return Err(need("advantages", &format!("--loss {mode}"))),
+        (_, a) => a,
+    };
+    let ref_lp = match (cfg.kl_loss, x.ref_lp) {
+        (Some(_), None) => return Err(need("reference log-probs", "--use-kl-loss")),
+        (_, r) => r,
+    };
+    let rollout = match (cfg.rollout_is, x.rollout) {
+        (Some(_), None) => return Err(need("rollout log-probs", "--rollout-is")),
+        (_, r) => r,
+    };
+    if cfg.entropy_coeff != 0.0 && x.entropy.is_none() {
+        return Err(need("per-token entropies", "--entropy-coeff"));
+    }
+
+    let (lo, hi, c) = (
+        1.0 - cfg.clip_low(),
+        1.0 + cfg.clip_high(),
+        cfg.clip_ratio_c,
+    );
+    let mut grad_lp = vec![T::from_f64(0.0); n_tok];
+    let mut grad_entropy = x.entropy.map(|_| vec![T::from_f64(0.0); n_tok]);
+    let mut m = LossMetrics::default();
+    let at = |v: &[T], t: usize| v[t].to_f64();
+
+    for w in x.offsets.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        let valid: Vec<usize> = (a..b).filter(|&t| x.mask[t] != 0).collect();
+        let n = valid.len();
+        if n == 0 {
+            continue;
+        }
+        let w_pg = norm.row_weight(cfg.pg_agg(), n)?;
+        let w_agg = norm.row_weight(cfg.agg, n)?;
+        let w_tok = norm.row_weight(AggMode::TokenMean, n)?;
+
+        // Sequence-level quantities, constant within the row.
+        let seq_is = match (cfg.rollout_is, rollout, old) {
+            (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Sequence => {
+                // w_i = min(exp(clamp(Σ_t (old − rollout), ±20)), threshold)
+                let s: f64 = valid.iter().map(|&t| at(old, t) - at(roll, t)).sum();
+                s.clamp(-20.0, 20.0).exp().min(r.threshold)
+            }
+            _ => 1.0,
+        };
+        // GSPO: log s_i = mean_t (lp − old) at the anchor (detached)
+        let gspo_log_s = match (mode, old) {
+            (LossMode::Gspo, Some(old)) => {
+                valid
+                    .iter()
+                    .map(|&t| at(anchor, t) - at(old, t))
+                    .sum::<f64>()
+                    / n as f64
+            }
+            _ => 0.0,
+        };
+
+        for &t in &valid {
+            let lp = D::var(at(x.lp, t));
+            let pg = match mode {
+                LossMode::Sft => TokenPg {
+                    // ℓ = −lp
+                    loss: lp.mul(-1.0),
+                    clipped: false,
+                    clipped_lower: false,
+                },
+                LossMode::Vanilla => {
+                    let (o, a_t) = (at(old.unwrap(), t), at(adv.unwrap(), t));
+                    // r = exp(clamp(lp − old, ±20)); ℓ = max(−A·r, −A·clip(r, 1−εl, 1+εh)),
+                    // and for A < 0 the dual clip min(ℓ, −A·c)
+                    let r = lp.add(-o).clamp(-20.0, 20.0).exp();
+                    let pg1 = r.mul(-a_t);
+                    let pg2 = r.clamp(lo, hi).mul(-a_t);
+                    let c1 = pg1.maximum(pg2);
+                    let pg3 = D::cst(-a_t * c);
+                    let c2 = pg3.minimum(c1);
+                    TokenPg {
+                        loss: if a_t < 0.0 { c2 } else { c1 },
+                        clipped: pg2.v > pg1.v,
+                        clipped_lower: a_t < 0.0 && c1.v > pg3.v,
+                    }
+                }
+                LossMode::Gspo => {
+                    let a_t = at(adv.unwrap(), t);
+                    // s_it = exp(min(sg[log s_i] + lp − sg[lp], 10));
+                    // ℓ = max(−A·s_it, −A·clip(s_it, 1−εl, 1+εh))
+                    let s = lp
+                        .add(gspo_log_s - at(anchor, t))
+                        .clamp(f64::NEG_INFINITY, 10.0)
+                        .exp();
+                    let pg1 = s.mul(-a_t);
+                    let pg2 = s.clamp(lo, hi).mul(-a_t);
+                    TokenPg {
+                        loss: pg1.maximum(pg2),
+                        clipped: pg2.v > pg1.v,
+                        clipped_lower: false,
+                    }
+                }
+                LossMode::Cispo => {
+                    let (o, a_t) = (at(old.unwrap(), t), at(adv.unwrap(), t));
+                    // ℓ = −sg[clip(exp(clamp(lp − old, ±20)), 1−εl, 1+εh)]·A·lp
+                    let r = (at(anchor, t) - o).clamp(-20.0, 20.0).exp();
+                    let rc = r.clamp(lo, hi);
+                    TokenPg {
+                        loss: lp.mul(-rc * a_t),
+                        clipped: r != rc,
+                        clipped_lower: false,
+                    }
+                }
+            };
+            // Truncated rollout importance weight (detached): token min(exp(clamp(old −
+            // rollout, ±20)), threshold), or the row's sequence weight.
+            let is_w = match (cfg.rollout_is, rollout, old) {
+                (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => {
+                    (at(old, t) - at(roll, t))
+                        .clamp(-20.0, 20.0)
+                        .exp()
+                        .min(r.threshold)
+                }
+                _ => seq_is,
+            };
+            let pg_loss = pg.loss.mul(is_w);
+            m.pg_loss += w_pg * pg_loss.v;
+            let mut g = w_pg * pg_loss.d;
+            m.pg_clipfrac += w_tok * pg.clipped as u8 as f64;
+            m.pg_clipfrac_lower += w_tok * pg.clipped_lower as u8 as f64;
+            if let Some(old) = old {
+                // ppo_kl = mean(old − lp); vanilla and cispo clamp the log ratio first
+                let d = lp.v - at(old, t);
+                let d = match mode {
+                    LossMode::Vanilla | LossMode::Cispo => d.clamp(-20.0, 20.0),
+                    _ => d,
+                };
+                m.ppo_kl += w_tok * -d;
+            }
+            if let (Some(ent), Some(ge)) = (x.entropy, grad_entropy.as_mut()) {
+                // loss −= coeff·agg(H)
+                m.entropy += w_agg * at(ent, t);
+                ge[t] = T::from_f64(-scale * cfg.entropy_coeff * w_agg);
+            }
+            if let (Some(k), Some(r)) = (cfg.kl_loss, ref_lp) {
+                // loss += coef·agg(kl(lp, ref))
+                let (v, dv) = k.penalty.value_grad(lp.v, at(r, t));
+                m.kl_loss += w_agg * v;
+                g += k.coef * w_agg * dv;
+            }
+            grad_lp[t] = T::from_f64(scale * g);
+        }
+    }
+    let kl_term = cfg.kl_loss.map_or(0.0, |k| k.coef * m.kl_loss);
+    let loss = scale * (m.pg_loss - cfg.entropy_coeff * m.entropy + kl_term);
+    Ok(LossOutput {
+        loss,
+        grad_lp,
+        grad_entropy,
+        metrics: m,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A micro-batch in f64, built row by row.
+    #[derive(Clone, Default)]
+    struct Case {
+        offsets: Vec<usize>,
+        mask: Vec<u8>,
+        lp: Vec<f64>,
+        old: Vec<f64>,
+        adv: Vec<f64>,
+        ref_lp: Vec<f64>,
+        rollout: Vec<f64>,
+        entropy: Vec<f64>,
+    }
+
+    impl Case {
+        fn new() -> Case {
+            Case {
+                offsets: vec![0],
+                ..Case::default()
+            }
+        }
+        /// One token: (mask, lp, old, advantage); ref, rollout and entropy get defaults.
+        fn tok(mut self, m: u8, lp: f64, old: f64, adv: f64) -> Case {
+            self.mask.push(m);
+            self.lp.push(lp);
+            self.old.push(old);
+            self.adv.push(adv);
+            self.ref_lp.push(lp);
+            self.rollout.push(old);
+            self.entropy.push(1.0);
+            self
+        }
+        fn end_row(mut self) -> Case {
+            self.offsets.push(self.mask.len());
+            self
+        }
+        fn inputs(&self) -> LossInputs<'_, f64> {
+            LossInputs {
+                offsets: &self.offsets,
+                mask: &self.mask,
+                lp: &self.lp,
+                old: Some(&self.old),
+                advantages: Some(&self.adv),
+                ref_lp: Some(&self.ref_lp),
+                rollout: Some(&self.rollout),
+                entropy: Some(&self.entropy),
+            }
+        }
+        fn norm(&self) -> LossNorm {
+            LossNorm::of_mask(&self.offsets, &self.mask, None)
+        }
+        fn run(&self, cfg: &LossConfig) -> LossOutput<f64> {
+            policy_loss(cfg, &self.inputs(), &self.norm(), 1.0).unwrap()
+        }
+    }
+
+    fn cfg(mode: &str, agg: &str) -> LossConfig {
+        LossConfig {
+            agg: agg.parse().unwrap(),
+            ..LossConfig::new(mode.parse().unwrap())
+        }
+    }
+
+    fn close(got: f64, want: f64, what: &str) {
+        assert!(
+            (got - want).abs() <= 1e-12 * want.abs().max(1.0),
+            "{what}: got {got}, want {want}"
+        );
+    }
+
+    fn close_all(got: &[f64], want: &[f64], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            close(g, w, &format!("{what}[{i}]"));
+        }
+    }
+
+    /// Row 0: (A=1, r=1.5), (A=-1, r=0.5), (A=-1, r=4); row 1: (A=2, r=1), (A=-1, r=1.1) and a
+    /// masked token. old = -1 everywhere, lp = -1 + ln r.
+    fn vanilla_case() -> Case {
+        let l = |r: f64| -1.0 + r.ln();
+        Case::new()
+            .tok(1, l(1.5), -1.0, 1.0)
+            .tok(1, l(0.5), -1.0, -1.0)
+            .tok(1, l(4.0), -1.0, -1.0)
+            .end_row()
+            .tok(1, l(1.0), -1.0, 2.0)
+            .tok(1, l(1.1), -1.0, -1.0)
+            .tok(0, 5.0, 0.0, 7.0)
+            .end_row()
+    }
+
+    #[test]
+    fn vanilla_hand_values() {
+        let c = vanilla_case();
+        // Per token, clip 0.2 and dual clip 3:
+        // 1: max(-1.5, -1.2) = -1.2 (clipped, grad 0)
+        // 2: max(0.5, 0.8) = 0.8 (clipped), min(3, 0.8) = 0.8 (grad 0)
+        // 3: max(4, 1.2) = 4, min(3, 4) = 3 (dual clip, lower, grad 0)
+        // 4: max(-2, -2) = -2 (tie, grad -A·r = -2)
+        // 5: max(1.1, 1.1) = 1.1, min(3, 1.1) = 1.1 (grad -A·r = 1.1)
+        let out = c.run(&cfg("vanilla", "token-mean"));
+        close(out.loss, (-1.2 + 0.8 + 3.0 - 2.0 + 1.1) / 5.0, "loss");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -2.0 / 5.0, 1.1 / 5.0, 0.0],
+            "grad",
+        );
+        close(out.metrics.pg_loss, out.loss, "pg_loss");
+        close(out.metrics.pg_clipfrac, 2.0 / 5.0, "clipfrac");
+        close(out.metrics.pg_clipfrac_lower, 1.0 / 5.0, "clipfrac_lower");
+        // mean(old - lp) = -ln(1.5 * 0.5 * 4 * 1 * 1.1)/5
+        close(out.metrics.ppo_kl, -(3.3f64).ln() / 5.0, "ppo_kl");
+        // entropies are all 1; no coefficient so they only show in the metric
+        close(out.metrics.entropy, 1.0, "entropy");
+        assert_eq!(out.grad_entropy.unwrap(), vec![0.0; 6]);
+
+        // seq-mean-token-mean: ((−1.2 + 0.8 + 3)/3 + (−2 + 1.1)/2) / 2
+        let out = c.run(&cfg("vanilla", "seq-mean-token-mean"));
+        close(out.loss, (2.6 / 3.0 - 0.45) / 2.0, "smtm loss");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -0.5, 0.275, 0.0],
+            "smtm grad",
+        );
+        // seq-mean-token-sum: (2.6 + (−0.9)) / 2
+        let out = c.run(&cfg("vanilla", "seq-mean-token-sum"));
+        close(out.loss, 0.85, "smts loss");
+        close_all(&out.grad_lp, &[0.0, 0.0, 0.0, -1.0, 0.55, 0.0], "smts grad");
+        // seq-mean-token-sum-norm: 1.7 / 3 (the longest row has 3 tokens)
+        let out = c.run(&cfg("vanilla", "seq-mean-token-sum-norm"));
+        close(out.loss, 1.7 / 3.0, "smtsn loss");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -2.0 / 3.0, 1.1 / 3.0, 0.0],
+            "smtsn grad",
+        );
+    }
+
+    #[test]
+    fn gspo_hand_values() {
+        // Row 0: A = 1, lp − old = [0.1, 0.3]: s = e^0.2 = 1.2214 > 1.2: max(−1.2214, −1.2) = −1.2
+        // (clipped, grad 0). Row 1: A = −1, lp − old = [−0.1, 0.1] (+ a masked token): s = 1,
+        // loss 1, grad −A·s/(2 tokens · 2 sequences) = 0.25. GSPO aggregates seq-mean-token-mean
+        // even when asked for token-mean.
+        let c = Case::new()
+            .tok(1, -0.9, -1.0, 1.0)
+            .tok(1, -0.7, -1.0, 1.0)
+            .end_row()
+            .tok(1, -2.1, -2.0, -1.0)
+            .tok(1, -1.9, -2.0, -1.0)
+            .tok(0, 0.0, -9.0, 4.0)
+            .end_row();
+        let out = c.run(&cfg("gspo", "token-mean"));
+        close(out.loss, (-1.2 + 1.0) / 2.0, "loss");
+        close_all(&out.grad_lp, &[0.0, 0.0, 0.25, 0.25, 0.0], "grad");
+        close(out.metrics.pg_clipfrac, 0.5, "clipfrac");
+        close(out.metrics.ppo_kl, -(0.1 + 0.3 - 0.1 + 0.1) / 4.0, "ppo_kl");
+    }
+
+    #[test]
+    fn cispo_hand_values() {
+        // 1: A = 1, r = 1.5 -> sg clip 1.2: ℓ = −1.2·1·lp, grad −1.2
+        // 2: A = −1, r = 0.9 (inside): ℓ = −0.9·(−1)·lp, grad 0.9
+        let (lp1, lp2) = (-1.0 + 1.5f64.ln(), -2.0 + 0.9f64.ln());
+        let c = Case::new()
+            .tok(1, lp1, -1.0, 1.0)
+            .tok(1, lp2, -2.0, -1.0)
+            .end_row();
+        let out = c.run(&cfg("cispo", "token-mean"));
+        close(out.loss, (-1.2 * lp1 + 0.9 * lp2) / 2.0, "loss");
+        close_all(&out.grad_lp, &[-0.6, 0.45], "grad");
+        close(out.metrics.pg_clipfrac, 0.5, "clipfrac");
+        close(out.metrics.pg_clipfrac_lower, 0.0, "clipfrac_lower");
+    }
+
+    #[test]
+    fn sft_hand_values() {
+        // NLL of the valid tokens: (0.5 + 2)/2; needs neither old log-probs nor advantages
+        let offsets = [0, 3];
+        let mask = [1, 1, 0];
+        let lp = [-0.5, -2.0, -1.0];
+        let x = LossInputs {
+            offsets: &offsets,
+            mask: &mask,
+            lp: &lp,
+            old: None,
+            advantages: None,
+            ref_lp: None,
+            rollout: None,
+            entropy: None,
+        };
+        let norm = LossNorm::of_mask(&offsets, &mask, None);
+        let out = policy_loss(&cfg("sft", "token-mean"), &x, &norm, 1.0).unwrap();
+        close(out.loss, 1.25, "loss");
+        close_all(&out.grad_lp, &[-0.5, -0.5, 0.0], "grad");
+        assert_eq!(out.grad_entropy, None);
+        close(out.metrics.ppo_kl, 0.0, "ppo_kl");
+    }
+
+    #[test]
+    fn entropy_and_kl_loss_hand_values() {
+        // On-policy (old = lp) with A = 0: no policy-gradient term. H = [1, 3], coeff 0.01:
+        // loss −0.01·2. k3 KL loss, coef 0.1, lp − ref = [0.5, −0.1]:
+        // k3(d) = e^−d + d − 1 and d k3/d lp = 1 − e^−d
+        let mut c = Case::new()
+            .tok(1, -1.0, -1.0, 0.0)
+            .tok(1, -2.0, -2.0, 0.0)
+            .end_row();
+        c.entropy = vec![1.0, 3.0];
+        c.ref_lp = vec![-1.5, -1.9];
+        let k3 = |d: f64| (-d).exp() + d - 1.0;
+        let dk3 = |d: f64| 1.0 - (-d).exp();
+        let mut config = cfg("vanilla", "token-mean");
+        config.entropy_coeff = 0.01;
+        config.kl_loss = Some(KlLoss {
+            coef: 0.1,
+            penalty: "low_var_kl".parse().unwrap(),
+        });
+        let out = c.run(&config);
+        let kl = (k3(0.5) + k3(-0.1)) / 2.0;
+        close(out.loss, -0.01 * 2.0 + 0.1 * kl, "loss");
+        close(out.metrics.entropy, 2.0, "entropy");
+        close(out.metrics.kl_loss, kl, "kl_loss");
+        close(out.metrics.pg_loss, 0.0, "pg_loss");
+        close_all(
+            &out.grad_lp,
+            &[0.05 * dk3(0.5), 0.05 * dk3(-0.1)],
+            "grad lp",
+        );
+        close_all(
+            &out.grad_entropy.unwrap(),
+            &[-0.005, -0.005],
+            "grad entropy",
+        );
+    }
+
+    #[test]
+    fn rollout_is_hand_values() {
+        // On-policy, A = 1: ℓ = −1 per token. old − rollout = [ln 3, ln 0.5].
+        let mut c = Case::new()
+            .tok(1, -1.0, -1.0, 1.0)
+            .tok(1, -2.0, -2.0, 1.0)
+            .end_row();
+        c.rollout = vec![-1.0 - 3f64.ln(), -2.0 - 0.5f64.ln()];
+        let mut config = cfg("vanilla", "token-mean");
+        // token: weights min(3, 2) = 2 and 0.5: (−2 − 0.5)/2; grads −w/2
+        config.rollout_is = Some(RolloutIs {
+            level: RolloutIsLevel::Token,
+            threshold: 2.0,
+        });
+        let out = c.run(&config);
+        close(out.loss, -1.25, "token loss");
+        close_all(&out.grad_lp, &[-1.0, -0.25], "token grad");
+        // sequence: exp(ln 3 + ln 0.5) = 1.5 on both tokens
+        config.rollout_is = Some(RolloutIs {
+            level: RolloutIsLevel::Sequence,
+            threshold: 2.0,
+        });
+        let out = c.run(&config);
+        close(out.loss, -1.5, "seq loss");
+        close_all(&out.grad_lp, &[-0.75, -0.75], "seq grad");
+        // ...truncated at 1.2
+        config.rollout_is = Some(RolloutIs {
+            level: RolloutIsLevel::Sequence,
+            threshold: 1.2,
+        });
+        close(c.run(&config).loss, -1.2, "truncated loss");
+    }
+
+    /// xorshift64*: deterministic inputs without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            let u = (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64;
+            lo + (hi - lo) * u
+        }
+    }
+
+    /// Rows of 1..7 tokens with ~20% masked, ratios around the clip range, mixed-sign
+    /// advantages (constant along a row when `seq_adv`).
+    fn random_case(seed: u64, rows: usize, seq_adv: bool) -> Case {
+        let mut rng = Rng(seed);
+        let mut c = Case::new();
+        for _ in 0..rows {
+            let n = 1 + (rng.uniform(0.0, 7.0) as usize);
+            let row_adv = rng.uniform(-2.0, 2.0);
+            for _ in 0..n {
+                let m = (rng.uniform(0.0, 1.0) > 0.2) as u8;
+                let old = rng.uniform(-4.0, -0.1);
+                let lp = old + rng.uniform(-0.6, 0.6);
+                let a = if seq_adv {
+                    row_adv
+                } else {
+                    rng.uniform(-2.0, 2.0)
+                };
+                c = c.tok(m, lp, old, a);
+                let last = c.lp.len() - 1;
+                c.ref_lp[last] = lp + rng.uniform(-1.0, 1.0);
+                c.rollout[last] = old + rng.uniform(-0.5, 0.5);
+                c.entropy[last] = rng.uniform(0.0, 3.0);
+            }
+            c = c.end_row();
+        }
+        c
+    }
+
+    /// Every configuration the tests sweep: each loss × aggregation × extra term.
+    fn configs() -> Vec<LossConfig> {
+        let mut out = vec![];
+        for mode in ["vanilla", "gspo", "cispo", "sft"] {
+            for agg in AGG_MODES {
+                // 0: nothing else, 1: entropy bonus, 2..=5: KL loss of each estimator,
+                // 6, 7: token / sequence rollout importance weights
+                for extra in 0..8 {
+                    let mut c = cfg(mode, agg);
+                    c.clip_ratio_low = Some(0.15);
+                    c.clip_ratio_high = Some(0.28);
+                    // a dual clip that the sampled ratios actually reach
+                    c.clip_ratio_c = 1.4;
+                    match extra {
+                        1 => c.entropy_coeff = 0.03,
+                        2..=5 => {
+                            c.kl_loss = Some(KlLoss {
+                                coef: 0.2,
+                                penalty: ["k1", "abs", "k2", "k3"][extra - 2].parse().unwrap(),
+                            })
+                        }
+                        6 | 7 if mode != "sft" => {
+                            c.rollout_is = Some(RolloutIs {
+                                level: if extra == 6 {
+                                    RolloutIsLevel::Token
+                                } else {
+                                    RolloutIsLevel::Sequence
+                                },
+                                threshold: 1.3,
+                            })
+                        }
+                        _ => {}
+                    }
+                    out.push(c);
+                }
+            }
+        }
+        out
+    }
+
+    const AGG_MODES: [&str; 4] = [
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ];
+
+    /// Central differences of the surrogate (stop-gradient terms frozen at `c.lp`) against the
+    /// analytic gradient, for every token's log-prob and entropy.
+    fn check_fd(config: &LossConfig, c: &Case) {
+        let norm = c.norm();
+        let got = compute(config, &c.inputs(), &c.lp, &norm, 1.0).unwrap();
+        let h = 1e-6;
+        let f = |lp: &[f64], ent: &[f64]| {
+            let mut x = c.inputs();
+            x.lp = lp;
+            x.entropy = Some(ent);
+            compute(config, &x, &c.lp, &norm, 1.0).unwrap().loss
+        };
+        for t in 0..c.lp.len() {
+            let (mut up, mut down) = (c.lp.clone(), c.lp.clone());
+            up[t] += h;
+            down[t] -= h;
+            let fd = (f(&up, &c.entropy) - f(&down, &c.entropy)) / (2.0 * h);
+            let g = got.grad_lp[t];
+            assert!(
+                (g - fd).abs() < 1e-7 * g.abs().max(1.0),
+                "{config:?}\nd loss/d lp[{t}]: analytic {g}, finite differences {fd}"
+            );
+            let (mut up, mut down) = (c.entropy.clone(), c.entropy.clone());
+            up[t] += h;
+            down[t] -= h;
+            let fd = (f(&c.lp, &up) - f(&c.lp, &down)) / (2.0 * h);
+            let g = got.grad_entropy.as_ref().unwrap()[t];
+            assert!(
+                (g - fd).abs() < 1e-7 * g.abs().max(1.0),
+                "{config:?}\nd loss/d entropy[{t}]: analytic {g}, finite differences {fd}"
+            );
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let c = random_case(7, 12, false);
+        for config in configs() {
+            check_fd(&config, &c);
+        }
+    }
+
+    #[test]
+    fn dual_clip_and_clip_branches_are_exercised() {
+        // The finite-difference sweep only means something if the random ratios hit every
+        // branch: clipped above, clipped below, dual-clipped and unclipped.
+        let c = random_case(7, 12, false);
+        let mut config = cfg("vanilla", "token-mean");
+        config.clip_ratio_low = Some(0.15);
+        config.clip_ratio_high = Some(0.28);
+        config.clip_ratio_c = 1.4;
+        let out = c.run(&config);
+        let m = out.metrics;
+        assert!(m.pg_clipfrac > 0.05 && m.pg_clipfrac < 0.8, "{m:?}");
+        assert!(m.pg_clipfrac_lower > 0.0, "{m:?}");
+        let zero = out
+            .grad_lp
+            .iter()
+            .zip(&c.mask)
+            .filter(|(&g, &k)| k != 0 && g == 0.0);
+        let nonzero = out
+            .grad_lp
+            .iter()
+            .zip(&c.mask)
+            .filter(|(&g, &k)| k != 0 && g != 0.0);
+        assert!(zero.count() > 0 && nonzero.count() > 0);
+    }
+
+    #[test]
+    fn gspo_gradient_is_the_gradient_of_its_value() {
+        // With advantages constant along each row and no token-level weights, GSPO's
+        // stop-gradient surrogate has the same gradient as the loss value itself.
+        let c = random_case(11, 10, true);
+        let mut config = cfg("gspo", "token-mean");
+        config.clip_ratio = 0.1;
+        let got = c.run(&config);
+        let h = 1e-6;
+        for t in 0..c.lp.len() {
+            let (mut up, mut down) = (c.clone(), c.clone());
+            up.lp[t] += h;
+            down.lp[t] -= h;
+            let fd = (up.run(&config).loss - down.run(&config).loss) / (2.0 * h);
+            let g = got.grad_lp[t];
+            assert!((g - fd).abs() < 1e-7, "token {t}: analytic {g}, fd {fd}");
+        }
+    }
+
+    #[test]
+    fn micro_batches_add_up_to_the_mini_batch() {
+        let c = random_case(3, 9, false);
+        let norm = c.norm();
+        for config in configs() {
+            let whole = policy_loss(&config, &c.inputs(), &norm, 0.5).unwrap();
+            // Split after rows 2 and 6: each part gets the mini-batch's norm.
+            let mut loss = 0.0;
+            let mut grad = vec![];
+            let mut grad_ent = vec![];
+            let mut metrics = LossMetrics::default();
+            for (r0, r1) in [(0, 2), (2, 6), (6, 9)] {
+                let (a, b) = (c.offsets[r0], c.offsets[r1]);
+                let offsets: Vec<usize> = c.offsets[r0..=r1].iter().map(|o| o - a).collect();
+                let x = LossInputs {
+                    offsets: &offsets,
+                    mask: &c.mask[a..b],
+                    lp: &c.lp[a..b],
+                    old: Some(&c.old[a..b]),
+                    advantages: Some(&c.adv[a..b]),
+                    ref_lp: Some(&c.ref_lp[a..b]),
+                    rollout: Some(&c.rollout[a..b]),
+                    entropy: Some(&c.entropy[a..b]),
+                };
+                let part = policy_loss(&config, &x, &norm, 0.5).unwrap();
+                loss += part.loss;
+                grad.extend(part.grad_lp);
+                grad_ent.extend(part.grad_entropy.unwrap());
+                metrics.add(&part.metrics);
+            }
+            assert!((loss - whole.loss).abs() < 1e-12, "{config:?}");
+            for (g, w) in grad.iter().zip(&whole.grad_lp) {
+                assert!((g - w).abs() < 1e-15, "{config:?}");
+            }
+            assert_eq!(grad_ent, whole.grad_entropy.unwrap());
+            let (m, w) = (metrics, whole.metrics);
+            for (got, want) in [
+                (m.pg_loss, w.pg_loss),
+                (m.pg_clipfrac, w.pg_clipfrac),
+                (m.pg_clipfrac_lower, w.pg_clipfrac_lower),
+                (m.ppo_kl, w.ppo_kl),
+                (m.entropy, w.entropy),
+                (m.kl_loss, w.kl_loss),
+            ] {
+                assert!((got - want).abs() < 1e-12, "{config:?}: {m:?} vs {w:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn f32_agrees_with_f64() {
+        let c = random_case(5, 10, false);
+        let to32 = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        // Round the f64 case through f32 first so both see the same numbers.
+        let mut c64 = c.clone();
+        for v in [
+            &mut c64.lp,
+            &mut c64.old,
+            &mut c64.adv,
+            &mut c64.ref_lp,
+            &mut c64.rollout,
+            &mut c64.entropy,
+        ] {
+            *v = v.iter().map(|&x| x as f32 as f64).collect();
+        }
+        let (lp, old, adv, rf, roll, ent) = (
+            to32(&c.lp),
+            to32(&c.old),
+            to32(&c.adv),
+            to32(&c.ref_lp),
+            to32(&c.rollout),
+            to32(&c.entropy),
+        );
+        let x32 = LossInputs {
+            offsets: &c.offsets,
+            mask: &c.mask,
+            lp: &lp,
+            old: Some(&old),
+            advantages: Some(&adv),
+            ref_lp: Some(&rf),
+            rollout: Some(&roll),
+            entropy: Some(&ent),
+        };
+        for config in configs() {
+            let a = policy_loss(&config, &x32, &c64.norm(), 1.0).unwrap();
+            let b = c64.run(&config);
+            assert!((a.loss - b.loss).abs() < 1e-12, "{config:?}");
+            for (g32, g64) in a.grad_lp.iter().zip(&b.grad_lp) {
+                assert!(
+                    (*g32 as f64 - g64).abs() <= 1e-7 * g64.abs().max(1e-3),
+                    "{config:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_knobs_and_missing_inputs() {
+        let c = vanilla_case();
+        let mut config = cfg("vanilla", "token-mean");
+        config.clip_ratio_c = 1.0;
+        let err = policy_loss(&config, &c.inputs(), &c.norm(), 1.0).unwrap_err();
+        assert!(err.to_string().contains("--clip-ratio-c"), "{err}");
+        assert!(crate::error::is_input_error(&err));
+
+        let config = cfg("cispo", "token-mean");
+        let mut x = c.inputs();
+        x.advantages = None;
+        let err = policy_loss(&config, &x, &c.norm(), 1.0).unwrap_err();
+        assert!(
+            err.to_string().contains("--loss cispo needs advantages"),
+            "{err}"
+        );
+
+        let mut config = cfg("vanilla", "token-mean");
+        config.kl_loss = Some(KlLoss {
+            coef: 0.1,
+            penalty: "k1".parse().unwrap(),
+        });
+        let mut x = c.inputs();
+        x.ref_lp = None;
+        let err = policy_loss(&config, &x, &c.norm(), 1.0).unwrap_err();
+        assert!(
+            err.to_string().contains("--use-kl-loss needs reference"),
+            "{err}"
+        );
+
+        let mut config = cfg("sft", "token-mean");
+        config.rollout_is = Some(RolloutIs {
+            level: RolloutIsLevel::Token,
+            threshold: 2.0,
+        });
+        assert!(policy_loss(&config, &c.inputs(), &c.norm(), 1.0).is_err());
+
+        // A norm that does not count this micro-batch's tokens
+        let config = cfg("vanilla", "token-mean");
+        let empty = LossNorm {
+            tokens: 0.0,
+            seqs: 0.0,
+            norm: 0.0,
+        };
+        assert!(policy_loss(&config, &c.inputs(), &empty, 1.0).is_err());
+        assert!("ppo".parse::<LossMode>().is_err());
+        assert!("tok".parse::<RolloutIsLevel>().is_err());
+    }
+}

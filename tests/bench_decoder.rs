@@ -1,0 +1,141 @@
+//! Throughput of the CPU decoder (not a timed test: run it by hand with a release build)
+//!
+//!     cargo test --release --test bench_decoder -- --ignored --nocapture
+//!
+//! Random weights; a ~12M-parameter config and the Qwen2.5-0.5B shape (24 layers, hidden 896,
+//! 14/2 heads, ffn 4864, vocab 151,936, tied). Forward = packed scoring of `batch` sequences;
+//! decode = one token per sequence per step against the KV cache, after a short prefill.
+
+mod common;
+
+use std::time::Instant;
+
+use common::{config, random_weights, tokens};
+use tandem::backend::cpu::Cpu;
+use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads};
+use tandem::model::{Arch, Config};
+
+/// CPU seconds this process has used (user + system), from /proc/self/stat.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // After the ")" that closes the command name come state, ppid, ...: utime and stime are
+    // the 12th and 13th of those (fields 14 and 15 of proc(5)), in clock ticks of 1/100 s.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    if f.len() < 13 {
+        return f64::NAN;
+    }
+    let field = |i: usize| f[i].parse::<f64>().unwrap_or(f64::NAN);
+    (field(11) + field(12)) / 100.0
+}
+
+/// Tokens per second of wall time, and per second of CPU time divided by the thread count
+/// (what the same work would reach with every thread on an otherwise idle core; the dev
+/// machine is shared, so the second number is the one that does not depend on the neighbours).
+struct Rate(f64, f64);
+
+fn timed(tokens: usize, f: impl FnOnce()) -> Rate {
+    let (t, c) = (Instant::now(), cpu_seconds());
+    f();
+    let (wall, cpu) = (t.elapsed().as_secs_f64(), cpu_seconds() - c);
+    let threads = rayon::current_num_threads() as f64;
+    Rate(tokens as f64 / wall, tokens as f64 / (cpu / threads))
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{:8.1} tok/s ({:8.1} per core-time)", self.0, self.1)
+    }
+}
+
+fn bench(name: &str, cfg: &Config, seq_len: usize, decode_steps: usize, train: bool) {
+    let t0 = Instant::now();
+    let w = random_weights(cfg, 1);
+    let mut dec = Decoder::new(Cpu, cfg, &w).unwrap();
+    drop(w);
+    eprintln!(
+        "{name}: {:.1}M params, {} threads, built in {:.1}s",
+        dec.num_params() as f64 / 1e6,
+        rayon::current_num_threads(),
+        t0.elapsed().as_secs_f64()
+    );
+    for batch in [1usize, 16] {
+        let toks: Vec<Vec<u32>> = (0..batch)
+            .map(|i| tokens(seq_len, cfg.vocab_size, 100 + i as u64))
+            .collect();
+        let seqs: Vec<SeqRef> = toks
+            .iter()
+            .map(|t| SeqRef {
+                tokens: t,
+                start: 1,
+            })
+            .collect();
+        // Warm-up sizes the workspace; the timed run reuses it.
+        dec.logprobs(&seqs[..1], 1.0, false).unwrap();
+        let fwd = timed(batch * seq_len, || {
+            dec.logprobs(&seqs, 1.0, true).unwrap();
+        });
+
+        let prompt = 16;
+        let mut cache = dec.new_cache(batch, prompt + decode_steps + 1).unwrap();
+        for (s, t) in toks.iter().enumerate() {
+            dec.prefill(&mut cache, s, &t[..prompt]).unwrap();
+        }
+        let slots: Vec<usize> = (0..batch).collect();
+        let mut next: Vec<u32> = toks.iter().map(|t| t[prompt]).collect();
+        let dec_tps = timed(batch * decode_steps, || {
+            for _ in 0..decode_steps {
+                let logits = dec.decode(&mut cache, &slots, &next).unwrap();
+                // Greedy, so the work is a real generation loop.
+                for (i, n) in next.iter_mut().enumerate() {
+                    let row = &logits[i * cfg.vocab_size..(i + 1) * cfg.vocab_size];
+                    let best = row
+                        .iter()
+                        .enumerate()
+                        .fold(
+                            (0, f32::NEG_INFINITY),
+                            |b, (j, &v)| if v > b.1 { (j, v) } else { b },
+                        );
+                    *n = best.0 as u32;
+                }
+            }
+        });
+        let mut line =
+            format!("{name} batch {batch:2}: forward {fwd} (seq {seq_len}), decode {dec_tps}");
+        if train {
+            let hp = AdamWParams::default();
+            let step = |dec: &mut Decoder<Cpu>| {
+                dec.zero_grads().unwrap();
+                dec.forward_backward(&seqs, 1.0, &mut |st| {
+                    Ok(st
+                        .iter()
+                        .map(|s| TokenGrads {
+                            dlogprobs: vec![-1.0 / s.logprobs.len() as f32; s.logprobs.len()],
+                            dentropy: None,
+                        })
+                        .collect())
+                })
+                .unwrap();
+                dec.optimizer_step(&hp, Some(1.0)).unwrap();
+            };
+            step(&mut dec);
+            let upd = timed(batch * seq_len, || step(&mut dec));
+            line += &format!(", update {upd}");
+        }
+        eprintln!("{line}");
+    }
+}
+
+#[test]
+#[ignore]
+fn bench_small_12m() {
+    let cfg = config(Arch::Qwen2, 8192, 384, 1024, 6, 6, 2, 64, true);
+    bench("12M", &cfg, 256, 64, true);
+}
+
+#[test]
+#[ignore]
+fn bench_qwen25_05b_shape() {
+    let cfg = config(Arch::Qwen2, 151936, 896, 4864, 24, 14, 2, 64, true);
+    bench("0.5B", &cfg, 64, 16, false);
+}

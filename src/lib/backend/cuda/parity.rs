@@ -24,6 +24,8 @@ use serde::Serialize;
 use super::{nvrtc, CudaBackend, CudaBuf, CudaIdx};
 use crate::backend::cpu::Cpu;
 use crate::backend::{AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape};
+use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
+use crate::model::{init, Arch, Config, Weights};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct GpuTestArgs {
@@ -141,6 +143,27 @@ struct Suite<'a> {
     rows: Vec<Row>,
     /// Whether the backend routes bf16 attention to the tensor-core kernels.
     mma: bool,
+    /// GPU ordinal (the decoder check opens a second backend on it).
+    ordinal: usize,
+}
+
+/// All tensors of a weight map, in name order, as one vector.
+fn flat(w: &Weights) -> Vec<f32> {
+    w.values().flat_map(|t| t.data.iter().copied()).collect()
+}
+
+/// The tensor whose relative error is worst, and that error.
+fn worst_tensor(gpu: &Weights, cpu: &Weights) -> (String, f64) {
+    let mut worst = (String::new(), 0.0);
+    for (name, c) in cpu {
+        if let Some(g) = gpu.get(name) {
+            let (_, r, _) = compare(&g.data, &c.data, &[]);
+            if r > worst.1 || r.is_nan() {
+                worst = (name.clone(), r);
+            }
+        }
+    }
+    worst
 }
 
 /// Tolerances by dtype: (single-pass op, op with a longer chain of roundings).
@@ -937,9 +960,163 @@ impl<'a> Suite<'a> {
     }
 }
 
+impl Suite<'_> {
+    /// The decoder (written once against the op set) on both backends: log-probs and entropies
+    /// of packed sequences, the gradients of one forward/backward, and one AdamW step. The
+    /// decoder allocates f32 buffers, so this runs in the f32 pass.
+    fn decoder(&mut self, d: DType) -> Result<()> {
+        if d != DType::F32 {
+            return Ok(());
+        }
+        for arch in [Arch::Qwen2, Arch::Llama, Arch::Qwen3] {
+            let cfg = Config {
+                arch,
+                vocab_size: 1000,
+                hidden_size: 256,
+                intermediate_size: 512,
+                num_layers: 2,
+                num_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 64,
+                rope_theta: 1_000_000.0,
+                rms_norm_eps: 1e-6,
+                tie_word_embeddings: arch != Arch::Llama,
+                qkv_bias: arch == Arch::Qwen2,
+                qk_norm: arch == Arch::Qwen3,
+                max_position_embeddings: 4096,
+                bos_token_id: None,
+                eos_token_ids: vec![0],
+            };
+            let tag = format!("{arch:?}").to_lowercase();
+            let mut w = init::random_weights(&cfg, self.rng.next_u64(), 0.05);
+            // Norms start at one and biases at zero: move them so they are exercised too.
+            for t in w.values_mut().filter(|t| t.shape.len() == 1) {
+                for v in t.data.iter_mut() {
+                    *v += 0.1 * self.rng.normal();
+                }
+            }
+            let mut cpu = Decoder::new(Cpu, &cfg, &w)?;
+            let mut gpu = Decoder::new(CudaBackend::new(self.ordinal)?, &cfg, &w)?;
+            let lens = [50usize, 17, 120];
+            let toks: Vec<Vec<u32>> = lens
+                .iter()
+                .map(|&l| (0..l).map(|_| self.rng.below(1000) as u32).collect())
+                .collect();
+            let seqs: Vec<SeqRef> = toks
+                .iter()
+                .zip([1usize, 5, 30])
+                .map(|(t, start)| SeqRef { tokens: t, start })
+                .collect();
+            let (lc, lg) = (
+                cpu.logprobs(&seqs, 0.8, true)?,
+                gpu.logprobs(&seqs, 0.8, true)?,
+            );
+            let cat = |v: &[TokenStats], ent: bool| -> Vec<f32> {
+                v.iter()
+                    .flat_map(|s| {
+                        if ent {
+                            s.entropy.clone().unwrap_or_default()
+                        } else {
+                            s.logprobs.clone()
+                        }
+                    })
+                    .collect()
+            };
+            for (what, ent) in [("logprobs", false), ("entropy", true)] {
+                let (g, c) = (cat(&lg, ent), cat(&lc, ent));
+                let (a, r, p) = compare(&g, &c, &[]);
+                let ok = g.len() == c.len() && !c.is_empty() && p.is_none() && r <= 1e-4;
+                self.rows.push(Row {
+                    op: format!("decoder {what} [{tag}]"),
+                    dtype: dname(d),
+                    max_abs: a,
+                    max_rel: r,
+                    tol: 1e-4,
+                    pass: ok,
+                    note: p.unwrap_or_default(),
+                });
+            }
+            // One training step with the same random upstream gradients on both sides.
+            let ups: Vec<(Vec<f32>, Vec<f32>)> = lc
+                .iter()
+                .map(|s| {
+                    let n = s.logprobs.len();
+                    (
+                        (0..n).map(|_| self.rng.normal()).collect(),
+                        (0..n).map(|_| 0.1 * self.rng.normal()).collect(),
+                    )
+                })
+                .collect();
+            let mut loss = |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
+                Ok(ups
+                    .iter()
+                    .map(|(a, b)| TokenGrads {
+                        dlogprobs: a.clone(),
+                        dentropy: Some(b.clone()),
+                    })
+                    .collect())
+            };
+            cpu.forward_backward(&seqs, 0.8, &mut loss)?;
+            gpu.forward_backward(&seqs, 0.8, &mut loss)?;
+            let (gc, gg) = (cpu.export_grads()?, gpu.export_grads()?);
+            let (name, r) = worst_tensor(&gg, &gc);
+            let (a, _, p) = compare(&flat(&gg), &flat(&gc), &[]);
+            self.rows.push(Row {
+                op: format!("decoder grads, worst tensor [{tag}]"),
+                dtype: dname(d),
+                max_abs: a,
+                max_rel: r,
+                tol: 1e-3,
+                pass: gg.len() == gc.len() && p.is_none() && r <= 1e-3,
+                note: name,
+            });
+            // eps large next to the gradients keeps the update linear in g, so the check
+            // compares updates (p_new − p_old) without sign flips of near-zero gradients.
+            let hp = AdamWParams {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 0.1,
+                weight_decay: 0.1,
+            };
+            let (sc, sg) = (
+                cpu.optimizer_step(&hp, Some(0.5))?,
+                gpu.optimizer_step(&hp, Some(0.5))?,
+            );
+            let (wc, wg) = (cpu.export_weights()?, gpu.export_weights()?);
+            let delta = |x: &Weights| -> Weights {
+                x.iter()
+                    .map(|(k, t)| {
+                        let mut t = t.clone();
+                        t.data.iter_mut().zip(&w[k].data).for_each(|(v, o)| *v -= o);
+                        (k.clone(), t)
+                    })
+                    .collect()
+            };
+            let (dc, dg) = (delta(&wc), delta(&wg));
+            let (name, r) = worst_tensor(&dg, &dc);
+            let (a, _, p) = compare(&flat(&dg), &flat(&dc), &[]);
+            let norm_rel = ((sg.grad_norm - sc.grad_norm) / sc.grad_norm).abs() as f64;
+            self.rows.push(Row {
+                op: format!("decoder AdamW update, worst tensor [{tag}]"),
+                dtype: dname(d),
+                max_abs: a,
+                max_rel: r,
+                tol: 1e-3,
+                pass: p.is_none() && r <= 1e-3 && norm_rel <= 1e-4 && sg.skipped == sc.skipped,
+                note: format!(
+                    "{name}; grad norm gpu {} cpu {}",
+                    sg.grad_norm, sc.grad_norm
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 11] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 12] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -952,6 +1129,7 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 11] {
         ("gather_rows", Suite::gather),
         ("logprob", Suite::logprob),
         ("optim", Suite::optim),
+        ("decoder", Suite::decoder),
     ]
 }
 
@@ -1024,6 +1202,7 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
         rng: Rng(seed),
         rows: Vec::new(),
         mma: true,
+        ordinal: a.device,
     };
     gpu.set_tensor_core_attention(true);
     let t0 = Instant::now();

@@ -26,6 +26,8 @@ enum Cmd {
     InitModel(tandem::model::init::InitModelArgs),
     /// Load a model directory with every check and print a summary.
     ModelInfo(tandem::model::info::ModelInfoArgs),
+    /// CUDA parity suite: every op of the GPU backend against the CPU backend, as a table.
+    GpuTest(tandem::backend::cuda::parity::GpuTestArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,5 +37,6 @@ fn main() -> ExitCode {
         Cmd::Prepare(args) => tandem::data::prepare::run(args),
         Cmd::InitModel(args) => tandem::model::init::run(args),
         Cmd::ModelInfo(args) => tandem::model::info::run(args),
+        Cmd::GpuTest(a) => tandem::backend::cuda::parity::run(a),
     })
 }

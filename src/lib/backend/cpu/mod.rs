@@ -1,0 +1,1 @@
+//! The f32 CPU backend (filled in next commits).

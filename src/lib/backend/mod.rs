@@ -1,0 +1,373 @@
+//! The backend op set: every op a Qwen2/Llama/Qwen3 decoder needs, forward and backward, behind
+//! one trait so the decoder (`model::decoder`) is written once. `cpu` is the f32 reference
+//! (the oracle every other backend is parity-tested against); a CUDA backend implements the
+//! same trait with device buffers.
+//!
+//! Conventions, shared by every implementation:
+//! - Buffers are flat. A buffer may be longer than an op needs (workspaces are sized for a token
+//!   budget once and reused): an op reads and writes only the prefix its sizes describe.
+//! - Matrices are row-major. Linear weights use the HF layout `[out, in]`, so a projection is
+//!   `y = x · wᵀ`. Activations are `[tokens, features]`; attention tensors are
+//!   `[tokens, heads, head_dim]`.
+//! - Sequences are packed without padding: `cu_seqlens` holds `n_seqs + 1` offsets, sequence `s`
+//!   owns rows `cu_seqlens[s]..cu_seqlens[s+1]`.
+//! - Gradients of parameters always accumulate (`+=`), so micro-batches add up; gradients of
+//!   activations either overwrite or accumulate as the `accumulate` flag says.
+//! - Ops return `Result` because a device launch can fail; the CPU backend only fails on
+//!   sizes that do not fit its buffers (a bug in the caller, reported rather than panicking).
+
+pub mod cpu;
+
+use anyhow::Result;
+
+/// Shape of a packed attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Total query rows (packed tokens).
+    pub tokens: usize,
+    /// Number of packed sequences (`cu_seqlens` has `seqs + 1` entries).
+    pub seqs: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Shape of an attention call against a KV cache: query `i` attends to cache rows
+/// `base[i] .. base[i] + len[i]` (its own key is the last of them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedAttnShape {
+    /// Number of query rows.
+    pub queries: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Shape of the fused LM-head log-prob op.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogprobShape {
+    /// Rows to score (each row is the hidden state that predicts one target token).
+    pub rows: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    /// Logits are divided by this before the softmax.
+    pub temperature: f32,
+    /// Rows per chunk: the op never holds more than `chunk × vocab` logits; the scratch buffer
+    /// must hold at least that many floats.
+    pub chunk: usize,
+}
+
+/// One AdamW update with everything pre-folded that is the same for every parameter tensor.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// `1 - beta1^step` and `1 - beta2^step` (step counts from 1).
+    pub bias_correction1: f32,
+    pub bias_correction2: f32,
+    /// Multiplies the gradient first (global-norm clipping coefficient, 1 when not clipping).
+    pub grad_scale: f32,
+}
+
+/// The op set. Every method documents its math in one line; shapes are passed explicitly.
+pub trait Backend: Send + Sync {
+    /// A float buffer on the device (`Vec<f32>` on the CPU).
+    type Buf: Send + Sync;
+    /// An index buffer on the device (token ids, positions, offsets, row indices).
+    type Idx: Send + Sync;
+
+    /// Short name for messages ("cpu", "cuda:0").
+    fn name(&self) -> String;
+
+    // ---- memory -------------------------------------------------------------------------
+
+    /// A zero-filled buffer of `n` floats.
+    fn alloc(&self, n: usize) -> Result<Self::Buf>;
+    /// A zero-filled index buffer of `n` entries.
+    fn alloc_idx(&self, n: usize) -> Result<Self::Idx>;
+    /// Length of a buffer in floats.
+    fn len(&self, buf: &Self::Buf) -> usize;
+    /// Length of an index buffer.
+    fn len_idx(&self, buf: &Self::Idx) -> usize;
+    /// dst[..src.len()] = src (host to device).
+    fn upload(&self, dst: &mut Self::Buf, src: &[f32]) -> Result<()>;
+    /// dst[..src.len()] = src (host to device).
+    fn upload_idx(&self, dst: &mut Self::Idx, src: &[u32]) -> Result<()>;
+    /// dst = src[..dst.len()] (device to host).
+    fn download(&self, src: &Self::Buf, dst: &mut [f32]) -> Result<()>;
+    /// buf[..n] = value.
+    fn fill(&self, buf: &mut Self::Buf, n: usize, value: f32) -> Result<()>;
+    /// dst[dst_off..dst_off+n] = src[src_off..src_off+n].
+    fn copy(
+        &self,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        src: &Self::Buf,
+        src_off: usize,
+        n: usize,
+    ) -> Result<()>;
+    /// y[..n] += x[..n].
+    fn add_assign(&self, y: &mut Self::Buf, x: &Self::Buf, n: usize) -> Result<()>;
+
+    // ---- matmul (linear layers) ---------------------------------------------------------
+
+    /// y[m,n] (= or +=) x[m,k] · w[n,k]ᵀ + b[n].
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        y: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        b: Option<&Self::Buf>,
+        m: usize,
+        k: usize,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// dx[m,k] (= or +=) dy[m,n] · w[n,k].
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward_x(
+        &self,
+        dx: &mut Self::Buf,
+        dy: &Self::Buf,
+        w: &Self::Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// dw[n,k] += dy[m,n]ᵀ · x[m,k];  db[n] += Σ_m dy[m,n].
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward_w(
+        &self,
+        dw: &mut Self::Buf,
+        db: Option<&mut Self::Buf>,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()>;
+
+    // ---- embedding ----------------------------------------------------------------------
+
+    /// out[t,:] = table[ids[t],:].
+    fn embedding(
+        &self,
+        out: &mut Self::Buf,
+        table: &Self::Buf,
+        ids: &Self::Idx,
+        tokens: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// dtable[ids[t],:] += dout[t,:].
+    fn embedding_backward(
+        &self,
+        dtable: &mut Self::Buf,
+        dout: &Self::Buf,
+        ids: &Self::Idx,
+        tokens: usize,
+        dim: usize,
+    ) -> Result<()>;
+
+    // ---- RMSNorm ------------------------------------------------------------------------
+
+    /// y[r,:] = x[r,:] · rstd[r] · w, rstd[r] = 1/√(mean(x[r,:]²) + eps) (rstd saved for backward).
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm(
+        &self,
+        y: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// dx (= or +=) rstd·(w·dy − x̂·mean(x̂·w·dy)), x̂ = x·rstd;  dw += Σ_r dy·x̂.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rstd: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        accumulate: bool,
+    ) -> Result<()>;
+
+    // ---- RoPE (HF rotate_half layout) -----------------------------------------------------
+
+    /// In place on x[t,h,:]: (a,b) = (x_i, x_{i+d/2}) → (a·cos − b·sin, b·cos + a·sin),
+    /// angle = pos[t] · theta^(−2i/d).
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        pos: &Self::Idx,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()>;
+    /// In place on dx: the transpose of the rotation, i.e. rotation by −angle.
+    fn rope_backward(
+        &self,
+        dx: &mut Self::Buf,
+        pos: &Self::Idx,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()>;
+
+    // ---- attention ----------------------------------------------------------------------
+
+    /// Packed causal GQA: o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j, with kv head
+    /// h / (heads/kv_heads); lse[i,h] = log Σ_j exp(q_i·k_j/√d) saved for backward.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        o: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        cu_seqlens: &Self::Idx,
+        shape: AttnShape,
+    ) -> Result<()>;
+    /// P = exp(S − lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)),
+    /// dQ = dS K/√d, dK = dSᵀ Q/√d. dq, dk, dv are overwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dq: &mut Self::Buf,
+        dk: &mut Self::Buf,
+        dv: &mut Self::Buf,
+        dout: &Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        o: &Self::Buf,
+        lse: &Self::Buf,
+        cu_seqlens: &Self::Idx,
+        shape: AttnShape,
+    ) -> Result<()>;
+    /// KV-cache write: cache[rows[i], :] = x[i, :] for k and v (rows of kv_heads·head_dim).
+    #[allow(clippy::too_many_arguments)]
+    fn kv_store(
+        &self,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        rows: &Self::Idx,
+        n: usize,
+        row_dim: usize,
+    ) -> Result<()>;
+    /// Attention against a cache: o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &self,
+        o: &mut Self::Buf,
+        q: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        base: &Self::Idx,
+        len: &Self::Idx,
+        shape: CachedAttnShape,
+    ) -> Result<()>;
+
+    // ---- SwiGLU -------------------------------------------------------------------------
+
+    /// h = silu(g)·u = g·σ(g)·u, elementwise over n.
+    fn swiglu(&self, h: &mut Self::Buf, g: &Self::Buf, u: &Self::Buf, n: usize) -> Result<()>;
+    /// dg = dh·u·σ(g)·(1 + g·(1−σ(g))), du = dh·silu(g) (overwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_backward(
+        &self,
+        dg: &mut Self::Buf,
+        du: &mut Self::Buf,
+        dh: &Self::Buf,
+        g: &Self::Buf,
+        u: &Self::Buf,
+        n: usize,
+    ) -> Result<()>;
+
+    // ---- row gather / scatter -----------------------------------------------------------
+
+    /// out[i,:] = x[rows[i],:].
+    fn gather_rows(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        rows: &Self::Idx,
+        n: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// dx[rows[i],:] += dout[i,:] (rows distinct).
+    fn scatter_add_rows(
+        &self,
+        dx: &mut Self::Buf,
+        dout: &Self::Buf,
+        rows: &Self::Idx,
+        n: usize,
+        dim: usize,
+    ) -> Result<()>;
+
+    // ---- LM head fused with log-softmax and entropy ------------------------------------
+
+    /// z = x·wᵀ/T per chunk of rows; lse_i = log Σ_v exp z_iv; lp_i = z_i[y_i] − lse_i;
+    /// ent_i = lse_i − Σ_v p_iv z_iv. Scratch holds one chunk of logits.
+    #[allow(clippy::too_many_arguments)]
+    fn logprob(
+        &self,
+        lp: &mut Self::Buf,
+        ent: Option<&mut Self::Buf>,
+        lse: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        targets: &Self::Idx,
+        shape: LogprobShape,
+        scratch: &mut Self::Buf,
+    ) -> Result<()>;
+    /// dz_iv = glp_i(δ_{v,y_i} − p_iv) − gent_i·p_iv(log p_iv + ent_i), dlogits = dz/T;
+    /// dx = dlogits·w (overwritten), dw += dlogitsᵀ·x. Logits are recomputed chunk by chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn logprob_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        targets: &Self::Idx,
+        lse: &Self::Buf,
+        ent: &Self::Buf,
+        dlp: &Self::Buf,
+        dent: Option<&Self::Buf>,
+        shape: LogprobShape,
+        scratch: &mut Self::Buf,
+    ) -> Result<()>;
+
+    // ---- optimizer ----------------------------------------------------------------------
+
+    /// Σ x[..n]² (accumulated in f64 where the backend can).
+    fn sum_squares(&self, x: &Self::Buf, n: usize) -> Result<f64>;
+    /// AdamW (torch semantics): g' = s·g; m = β1·m + (1−β1)·g'; v = β2·v + (1−β2)·g'²;
+    /// p = p·(1 − lr·wd) − (lr/bc1)·m / (√v/√bc2 + eps).
+    #[allow(clippy::too_many_arguments)]
+    fn adamw(
+        &self,
+        p: &mut Self::Buf,
+        g: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        n: usize,
+        step: &AdamWStep,
+    ) -> Result<()>;
+}

@@ -1,6 +1,7 @@
 //! tandem: reinforcement-learning post-training of language models as composable stages that
 //! pass Arrow/Parquet batch files. See docs/ and ../shared/DESIGN.md for the picture.
 
+pub mod algo;
 pub mod backend;
 pub mod batch;
 pub mod bench;

@@ -1,0 +1,568 @@
+//! Advantage estimators, one small function each, registered by name in [`ESTIMATORS`]
+//! (verl's `register_adv_est`). They follow verl's `verl/trainer/ppo/core_algos.py` formula by
+//! formula, on ragged rows (one row per sampled sequence, no padding).
+//!
+//! Conventions shared by all of them:
+//! - The sequence score sits on the last valid (mask = 1) token of its row ([`token_rewards`]);
+//!   with a KL penalty in the reward every valid token also carries −β·kl.
+//! - Outcome estimators use the row's outcome s_i = Σ_t token_rewards (verl's
+//!   `token_level_rewards.sum(-1)`); a row without any valid token still has its score as
+//!   outcome (verl puts it on the padding) so it counts in its group's statistics.
+//! - Groups are the rows sharing a `prompt_uid`.
+//! - Outputs are 0 on masked positions; whitening (verl's `masked_whiten`) uses valid tokens only.
+
+use super::kl::KlPenalty;
+use super::rows_mut;
+use crate::bail_input;
+use crate::batch::schema;
+use anyhow::Result;
+use rayon::prelude::*;
+use std::collections::HashMap;
+
+/// The knobs estimators read (verl's `algorithm` config).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdvParams {
+    pub gamma: f64,
+    pub lam: f64,
+    /// GRPO divides by the group std (false = Dr.GRPO).
+    pub norm_by_std: bool,
+    pub epsilon: f64,
+}
+
+impl Default for AdvParams {
+    fn default() -> Self {
+        AdvParams {
+            gamma: 1.0,
+            lam: 1.0,
+            norm_by_std: true,
+            epsilon: 1e-6,
+        }
+    }
+}
+
+/// Rows grouped by key (the `prompt_uid` of the n samples of one prompt), groups numbered in
+/// order of first appearance.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Groups {
+    pub of_row: Vec<usize>,
+    pub count: usize,
+}
+
+impl Groups {
+    pub fn from_keys<S: AsRef<str>>(keys: &[S]) -> Groups {
+        let mut ids: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        let of_row = keys
+            .iter()
+            .map(|k| {
+                let next = ids.len();
+                *ids.entry(k.as_ref()).or_insert(next)
+            })
+            .collect();
+        Groups {
+            of_row,
+            count: ids.len(),
+        }
+    }
+
+    /// Group sizes.
+    pub fn sizes(&self) -> Vec<usize> {
+        let mut n = vec![0usize; self.count];
+        for &g in &self.of_row {
+            n[g] += 1;
+        }
+        n
+    }
+
+    /// Per-group mean of `x` (n = 1 gives mean 0, as verl) and unbiased std (n = 1 gives 1).
+    pub fn mean_std(&self, x: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let n = self.sizes();
+        let mut sum = vec![0.0; self.count];
+        for (&g, &v) in self.of_row.iter().zip(x) {
+            sum[g] += v;
+        }
+        let mean: Vec<f64> = (0..self.count)
+            .map(|g| if n[g] > 1 { sum[g] / n[g] as f64 } else { 0.0 })
+            .collect();
+        let mut sq = vec![0.0; self.count];
+        for (&g, &v) in self.of_row.iter().zip(x) {
+            sq[g] += (v - mean[g]) * (v - mean[g]);
+        }
+        let std = (0..self.count)
+            .map(|g| {
+                if n[g] > 1 {
+                    (sq[g] / (n[g] - 1) as f64).sqrt()
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        (mean, std)
+    }
+}
+
+/// What an estimator reads. `outcome` is the per-row sequence reward (see the module docs).
+pub struct AdvInput<'a> {
+    pub offsets: &'a [usize],
+    pub mask: &'a [u8],
+    pub token_rewards: &'a [f32],
+    pub outcome: &'a [f64],
+    pub groups: Option<&'a Groups>,
+    /// The critic's value per token (gae).
+    pub values: Option<&'a [f32]>,
+    /// The greedy baseline's score per row (remax).
+    pub baseline: Option<&'a [f32]>,
+}
+
+impl AdvInput<'_> {
+    pub fn num_rows(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    fn groups(&self, who: &str) -> Result<&Groups> {
+        match self.groups {
+            Some(g) => Ok(g),
+            None => bail_input!("--estimator {who} groups rows by '{}'", schema::PROMPT_UID),
+        }
+    }
+}
+
+/// Advantages and returns per token, 0 on masked positions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdvOutput {
+    pub advantages: Vec<f32>,
+    pub returns: Vec<f32>,
+}
+
+pub type AdvFn = fn(&AdvInput, &AdvParams) -> Result<AdvOutput>;
+
+/// One registered estimator.
+pub struct Estimator {
+    pub name: &'static str,
+    /// Columns it needs besides `response_mask` and `score`, and why (for error messages).
+    pub needs: &'static [(&'static str, &'static str)],
+    pub run: AdvFn,
+}
+
+const GROUPED: &[(&str, &str)] = &[(
+    schema::PROMPT_UID,
+    "it groups the samples of one prompt",
+)];
+
+/// The registry, by name.
+pub const ESTIMATORS: &[Estimator] = &[
+    Estimator {
+        name: "grpo",
+        needs: GROUPED,
+        run: grpo,
+    },
+    Estimator {
+        name: "rloo",
+        needs: GROUPED,
+        run: rloo,
+    },
+    Estimator {
+        name: "reinforce_plus_plus",
+        needs: &[],
+        run: reinforce_plus_plus,
+    },
+    Estimator {
+        name: "reinforce_plus_plus_baseline",
+        needs: GROUPED,
+        run: reinforce_plus_plus_baseline,
+    },
+    Estimator {
+        name: "opo",
+        needs: GROUPED,
+        run: opo,
+    },
+    Estimator {
+        name: "gpg",
+        needs: GROUPED,
+        run: gpg,
+    },
+    Estimator {
+        name: "remax",
+        needs: &[(
+            schema::BASELINE_SCORE,
+            "it subtracts the greedy sample's score",
+        )],
+        run: remax,
+    },
+    Estimator {
+        name: "gae",
+        needs: &[(schema::VALUES, "it needs the critic's value of every token")],
+        run: gae,
+    },
+];
+
+pub fn estimator(name: &str) -> Option<&'static Estimator> {
+    ESTIMATORS.iter().find(|e| e.name == name)
+}
+
+pub fn names() -> Vec<&'static str> {
+    ESTIMATORS.iter().map(|e| e.name).collect()
+}
+
+/// The KL penalty put into the reward: r_t −= β·kl(old_t, ref_t) on valid tokens.
+pub struct KlInReward<'a> {
+    pub old: &'a [f32],
+    pub ref_lp: &'a [f32],
+    pub penalty: KlPenalty,
+    pub beta: f64,
+}
+
+/// Token rewards and per-row outcomes.
+pub struct Rewards {
+    pub token_rewards: Vec<f32>,
+    pub outcome: Vec<f64>,
+    /// With a KL penalty: the batch mean over rows of each row's mean KL on its valid tokens
+    /// (verl's `current_kl`, what the adaptive controller sees).
+    pub kl: Option<f64>,
+}
+
+/// Place each row's score on its last valid token and subtract β·kl on every valid token.
+pub fn token_rewards(
+    offsets: &[usize],
+    mask: &[u8],
+    scores: &[f32],
+    kl: Option<&KlInReward>,
+) -> Rewards {
+    let mut out = vec![0f32; mask.len()];
+    let rows = rows_mut(&mut out, offsets);
+    // (outcome, row mean kl)
+    let per_row: Vec<(f64, f64)> = rows
+        .into_par_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let (a, b) = (offsets[i], offsets[i + 1]);
+            let m = &mask[a..b];
+            let beta = kl.map_or(0.0, |k| k.beta);
+            let (mut kl_sum, mut n, mut last) = (0.0f64, 0usize, None);
+            for t in 0..r.len() {
+                if m[t] != 0 {
+                    let v = kl.map_or(0.0, |k| {
+                        k.penalty.value(k.old[a + t] as f64, k.ref_lp[a + t] as f64)
+                    });
+                    kl_sum += v;
+                    n += 1;
+                    r[t] = (-beta * v) as f32;
+                    last = Some((t, v));
+                }
+            }
+            let score = scores[i] as f64;
+            if let Some((t, v)) = last {
+                r[t] = (score - beta * v) as f32;
+            }
+            // verl: masked_mean(kld, mask, axis=-1) = Σ mask·kl / (n + 1e-8)
+            (score - beta * kl_sum, kl_sum / (n as f64 + 1e-8))
+        })
+        .collect();
+    let outcome = per_row.iter().map(|p| p.0).collect();
+    let kl_mean = kl.map(|_| {
+        let n = per_row.len().max(1) as f64;
+        per_row.iter().map(|p| p.1).sum::<f64>() / n
+    });
+    Rewards {
+        token_rewards: out,
+        outcome,
+        kl: kl_mean,
+    }
+}
+
+/// A per-row scalar on every valid token of its row, 0 elsewhere.
+pub fn broadcast(offsets: &[usize], mask: &[u8], per_row: &[f64]) -> Vec<f32> {
+    let mut out = vec![0f32; mask.len()];
+    rows_mut(&mut out, offsets)
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(i, r)| {
+            let m = &mask[offsets[i]..offsets[i + 1]];
+            let v = per_row[i] as f32;
+            for (x, &k) in r.iter_mut().zip(m) {
+                if k != 0 {
+                    *x = v;
+                }
+            }
+        });
+    out
+}
+
+/// Valid-token count and Σ f(x) over mask = 1, in parallel chunks.
+fn masked_sum(mask: &[u8], x: &[f32], f: impl Fn(f64) -> f64 + Sync) -> (usize, f64) {
+    const CHUNK: usize = 1 << 16;
+    mask.par_chunks(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .map(|(m, v)| {
+            let mut n = 0usize;
+            let mut s = 0.0f64;
+            for (&k, &y) in m.iter().zip(v) {
+                if k != 0 {
+                    n += 1;
+                    s += f(y as f64);
+                }
+            }
+            (n, s)
+        })
+        .reduce(|| (0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+/// verl's `masked_whiten`: x ← (x − mean)/sqrt(var + 1e-8) with mean = Σx/(n + 1e-8) and the
+/// unbiased var = Σ(x − mean)²/(n + 1e-8)·n/(n − 1), over valid tokens; masked positions ← 0.
+pub fn masked_whiten(x: &mut [f32], mask: &[u8], who: &str) -> Result<()> {
+    let (n, sum) = masked_sum(mask, x, |y| y);
+    if n < 2 {
+        bail_input!(
+            "--estimator {who} whitens over all valid tokens of the batch and needs at least 2, found {n}"
+        );
+    }
+    let nf = n as f64;
+    let mean = sum / (nf + 1e-8);
+    let (_, sq) = masked_sum(mask, x, |y| (y - mean) * (y - mean));
+    let var = sq / (nf + 1e-8) * (nf / (nf - 1.0));
+    let inv = 1.0 / (var + 1e-8).sqrt();
+    x.par_chunks_mut(1 << 16)
+        .zip(mask.par_chunks(1 << 16))
+        .for_each(|(v, m)| {
+            for (y, &k) in v.iter_mut().zip(m) {
+                *y = if k != 0 {
+                    ((*y as f64 - mean) * inv) as f32
+                } else {
+                    0.0
+                };
+            }
+        });
+    Ok(())
+}
+
+/// Advantages equal returns: one scalar per row, broadcast over its valid tokens.
+fn outcome_output(x: &AdvInput, per_row: &[f64]) -> AdvOutput {
+    let advantages = broadcast(x.offsets, x.mask, per_row);
+    AdvOutput {
+        returns: advantages.clone(),
+        advantages,
+    }
+}
+
+// A_i = (s_i − mean_g)/(std_g + ε), std unbiased, a group of one has mean 0 and std 1;
+// Dr.GRPO (norm_by_std = false): A_i = s_i − mean_g.
+fn grpo(x: &AdvInput, p: &AdvParams) -> Result<AdvOutput> {
+    let g = x.groups("grpo")?;
+    let (mean, std) = g.mean_std(x.outcome);
+    let a: Vec<f64> = (0..x.num_rows())
+        .map(|i| {
+            let k = g.of_row[i];
+            let centered = x.outcome[i] - mean[k];
+            if p.norm_by_std {
+                centered / (std[k] + p.epsilon)
+            } else {
+                centered
+            }
+        })
+        .collect();
+    Ok(outcome_output(x, &a))
+}
+
+// A_i = n/(n−1)·(s_i − mean_g) for n > 1; a group of one keeps A_i = s_i (verl's `rloo`).
+fn rloo(x: &AdvInput, _: &AdvParams) -> Result<AdvOutput> {
+    let g = x.groups("rloo")?;
+    let (mean, _) = g.mean_std(x.outcome);
+    let n = g.sizes();
+    let a: Vec<f64> = (0..x.num_rows())
+        .map(|i| {
+            let (k, s) = (g.of_row[i], x.outcome[i]);
+            let c = n[k] as f64;
+            if n[k] > 1 {
+                s * c / (c - 1.0) - mean[k] * c / (c - 1.0)
+            } else {
+                s
+            }
+        })
+        .collect();
+    Ok(outcome_output(x, &a))
+}
+
+// G_t = r_t + γ·G_{t+1} over valid tokens (observation tokens pass G through); A = whiten(G).
+fn reinforce_plus_plus(x: &AdvInput, p: &AdvParams) -> Result<AdvOutput> {
+    let mut returns = vec![0f32; x.mask.len()];
+    rows_mut(&mut returns, x.offsets)
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(i, out)| {
+            let a = x.offsets[i];
+            let mut running = 0.0f64;
+            for t in (0..out.len()).rev() {
+                if x.mask[a + t] != 0 {
+                    running = x.token_rewards[a + t] as f64 + p.gamma * running;
+                    out[t] = running as f32;
+                }
+            }
+        });
+    let mut advantages = returns.clone();
+    masked_whiten(&mut advantages, x.mask, "reinforce_plus_plus")?;
+    Ok(AdvOutput {
+        advantages,
+        returns,
+    })
+}
+
+// A = whiten((s_i − mean_g) on every valid token), a group of one has mean 0.
+fn reinforce_plus_plus_baseline(x: &AdvInput, _: &AdvParams) -> Result<AdvOutput> {
+    let g = x.groups("reinforce_plus_plus_baseline")?;
+    let (mean, _) = g.mean_std(x.outcome);
+    let a: Vec<f64> = (0..x.num_rows())
+        .map(|i| x.outcome[i] - mean[g.of_row[i]])
+        .collect();
+    let mut advantages = broadcast(x.offsets, x.mask, &a);
+    masked_whiten(&mut advantages, x.mask, "reinforce_plus_plus_baseline")?;
+    Ok(AdvOutput {
+        returns: advantages.clone(),
+        advantages,
+    })
+}
+
+// A_i = s_i − Σ_g |y_j|·s_j / Σ_g |y_j| with |y| the valid-token count; a group of one has
+// baseline 0.
+fn opo(x: &AdvInput, _: &AdvParams) -> Result<AdvOutput> {
+    let g = x.groups("opo")?;
+    let n = g.sizes();
+    let len: Vec<f64> = x
+        .offsets
+        .windows(2)
+        .map(|w| x.mask[w[0]..w[1]].iter().filter(|&&m| m != 0).count() as f64)
+        .collect();
+    let (mut num, mut den) = (vec![0.0; g.count], vec![0.0; g.count]);
+    for i in 0..x.num_rows() {
+        num[g.of_row[i]] += len[i] * x.outcome[i];
+        den[g.of_row[i]] += len[i];
+    }
+    let a: Vec<f64> = (0..x.num_rows())
+        .map(|i| {
+            let k = g.of_row[i];
+            // A group whose rows are all fully masked has no valid token to weight; its
+            // advantages are 0 on every (masked) position whatever the baseline.
+            let bsl = if n[k] > 1 && den[k] > 0.0 {
+                num[k] / den[k]
+            } else {
+                0.0
+            };
+            x.outcome[i] - bsl
+        })
+        .collect();
+    Ok(outcome_output(x, &a))
+}
+
+// A_i = α·(s_i − mean_g)/f_norm with α = B / max(#rows with s ≠ 0, 1), f_norm = 1.
+fn gpg(x: &AdvInput, _: &AdvParams) -> Result<AdvOutput> {
+    let g = x.groups("gpg")?;
+    let (mean, _) = g.mean_std(x.outcome);
+    let nonzero = x.outcome.iter().filter(|&&s| s != 0.0).count();
+    let alpha = x.num_rows() as f64 / nonzero.max(1) as f64;
+    let a: Vec<f64> = (0..x.num_rows())
+        .map(|i| alpha * (x.outcome[i] - mean[g.of_row[i]]))
+        .collect();
+    Ok(outcome_output(x, &a))
+}
+
+// G_t = Σ_{u ≥ t} mask_u·r_u; A_t = G_t − b_i with b_i the greedy sample's score.
+fn remax(x: &AdvInput, _: &AdvParams) -> Result<AdvOutput> {
+    let Some(baseline) = x.baseline else {
+        bail_input!("--estimator remax needs '{}'", schema::BASELINE_SCORE)
+    };
+    let mut returns = vec![0f32; x.mask.len()];
+    let mut advantages = vec![0f32; x.mask.len()];
+    rows_mut(&mut returns, x.offsets)
+        .into_par_iter()
+        .zip(rows_mut(&mut advantages, x.offsets))
+        .enumerate()
+        .for_each(|(i, (ret, adv))| {
+            let a = x.offsets[i];
+            let mut g = 0.0f64;
+            for t in (0..ret.len()).rev() {
+                if x.mask[a + t] != 0 {
+                    g += x.token_rewards[a + t] as f64;
+                    ret[t] = g as f32;
+                    adv[t] = (g - baseline[i] as f64) as f32;
+                }
+            }
+        });
+    Ok(AdvOutput {
+        advantages,
+        returns,
+    })
+}
+
+// δ_t = r_t + γ·V_next − V_t; A_t = δ_t + γλ·A_next, where observation tokens (mask 0) pass
+// V_next and A_next through unchanged; returns = A + V; advantages = whiten(A).
+fn gae(x: &AdvInput, p: &AdvParams) -> Result<AdvOutput> {
+    let Some(values) = x.values else {
+        bail_input!("--estimator gae needs '{}'", schema::VALUES)
+    };
+    let mut advantages = vec![0f32; x.mask.len()];
+    let mut returns = vec![0f32; x.mask.len()];
+    rows_mut(&mut advantages, x.offsets)
+        .into_par_iter()
+        .zip(rows_mut(&mut returns, x.offsets))
+        .enumerate()
+        .for_each(|(i, (adv, ret))| {
+            let a = x.offsets[i];
+            let (mut next_v, mut last) = (0.0f64, 0.0f64);
+            for t in (0..adv.len()).rev() {
+                if x.mask[a + t] == 0 {
+                    continue;
+                }
+                let v = values[a + t] as f64;
+                let delta = x.token_rewards[a + t] as f64 + p.gamma * next_v - v;
+                last = delta + p.gamma * p.lam * last;
+                next_v = v;
+                adv[t] = last as f32;
+                ret[t] = (last + v) as f32;
+            }
+        });
+    masked_whiten(&mut advantages, x.mask, "gae")?;
+    Ok(AdvOutput {
+        advantages,
+        returns,
+    })
+}
+
+/// Mean, std (unbiased), min and max of `x` over valid tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MaskedStats {
+    pub count: usize,
+    pub mean: f64,
+    pub std: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+pub fn masked_stats(mask: &[u8], x: &[f32]) -> MaskedStats {
+    let (count, sum) = masked_sum(mask, x, |y| y);
+    let mean = if count > 0 { sum / count as f64 } else { 0.0 };
+    let (_, sq) = masked_sum(mask, x, |y| (y - mean) * (y - mean));
+    let (min, max) = mask
+        .par_chunks(1 << 16)
+        .zip(x.par_chunks(1 << 16))
+        .map(|(m, v)| {
+            m.iter()
+                .zip(v)
+                .filter(|(&k, _)| k != 0)
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), (_, &y)| {
+                    (lo.min(y as f64), hi.max(y as f64))
+                })
+        })
+        .reduce(
+            || (f64::INFINITY, f64::NEG_INFINITY),
+            |a, b| (a.0.min(b.0), a.1.max(b.1)),
+        );
+    MaskedStats {
+        count,
+        mean,
+        std: if count > 1 {
+            (sq / (count - 1) as f64).sqrt()
+        } else {
+            0.0
+        },
+        min: if count > 0 { min } else { 0.0 },
+        max: if count > 0 { max } else { 0.0 },
+    }
+}

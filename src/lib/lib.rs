@@ -5,5 +5,6 @@ pub mod algo;
 pub mod backend;
 pub mod batch;
 pub mod bench;
+pub mod engine;
 pub mod error;
 pub mod model;

@@ -81,6 +81,13 @@ pub fn sample_key(seed: u64, prompt: &[u32], occurrence: u64, sample: u64) -> u6
     mix(h ^ sample.wrapping_mul(0xD6E8_FEB8_6659_FD93))
 }
 
+/// A key from several numbers (e.g. seed, step, epoch).
+pub fn mix_key(parts: &[u64]) -> u64 {
+    parts
+        .iter()
+        .fold(mix(0x6b65_795f_6d69_78), |h, &p| mix(h ^ p))
+}
+
 /// Uniform in [0, 1) for draw number `position` of the sample with `key` (counter-based: the
 /// value is a pure function of its inputs, there is no generator state).
 pub fn uniform(key: u64, position: u64) -> f64 {

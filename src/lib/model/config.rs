@@ -37,3 +37,437 @@ pub struct Config {
     /// End-of-sequence ids (config.json and generation_config.json together).
     pub eos_token_ids: Vec<u32>,
 }
+
+use crate::error::input_error;
+use anyhow::{Context, Result};
+use serde_json::{Map, Value};
+use std::path::Path;
+
+/// The HF architectures tandem can load, as written in config.json's `architectures`.
+pub const SUPPORTED_ARCHITECTURES: [&str; 3] =
+    ["Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"];
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+impl Arch {
+    /// The `architectures` entry of config.json.
+    pub fn hf_architecture(self) -> &'static str {
+        match self {
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    /// The `model_type` of config.json.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Qwen2 => "qwen2",
+            Arch::Llama => "llama",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+
+    fn from_architecture(name: &str) -> Option<Arch> {
+        [Arch::Qwen2, Arch::Llama, Arch::Qwen3]
+            .into_iter()
+            .find(|a| a.hf_architecture() == name)
+    }
+
+    fn from_model_type(name: &str) -> Option<Arch> {
+        [Arch::Qwen2, Arch::Llama, Arch::Qwen3]
+            .into_iter()
+            .find(|a| a.model_type() == name)
+    }
+}
+
+/// Reads the fields of one config.json, every error naming the file and the field.
+struct Fields<'a> {
+    file: &'a str,
+    map: &'a Map<String, Value>,
+}
+
+impl Fields<'_> {
+    /// The value of `key`, treating JSON null as absent (HF writes `"head_dim": null`).
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 => Ok(Some(n as usize)),
+                _ => Err(input_error(format!(
+                    "{}: field '{key}' must be a positive integer, found {v}",
+                    self.file
+                ))),
+            },
+        }
+    }
+
+    fn usize_req(&self, key: &str) -> Result<usize> {
+        self.usize_opt(key)?
+            .ok_or_else(|| input_error(format!("{}: required field '{key}' is missing", self.file)))
+    }
+
+    fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x as f32)),
+                _ => Err(input_error(format!(
+                    "{}: field '{key}' must be a positive number, found {v}",
+                    self.file
+                ))),
+            },
+        }
+    }
+
+    fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(input_error(format!(
+                "{}: field '{key}' must be true or false, found {v}",
+                self.file
+            ))),
+        }
+    }
+
+    fn str_opt(&self, key: &str) -> Result<Option<&str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(input_error(format!(
+                "{}: field '{key}' must be a string, found {v}",
+                self.file
+            ))),
+        }
+    }
+
+    /// A token id field that HF writes as an int, a list of ints, or null.
+    fn token_ids(&self, key: &str) -> Result<Vec<u32>> {
+        let bad = |v: &Value| {
+            input_error(format!(
+                "{}: field '{key}' must be a token id or a list of token ids, found {v}",
+                self.file
+            ))
+        };
+        let one = |v: &Value| -> Result<u32> {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| bad(v))
+        };
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(items)) => items.iter().map(one).collect(),
+            Some(v) => Ok(vec![one(v)?]),
+        }
+    }
+}
+
+fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| input_error(format!("{}: cannot read: {e}", path.display())))?;
+    match serde_json::from_str::<Value>(&text) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(input_error(format!(
+            "{}: expected a JSON object",
+            path.display()
+        ))),
+        Err(e) => Err(input_error(format!(
+            "{}: invalid JSON: {e}",
+            path.display()
+        ))),
+    }
+}
+
+/// Token ids that are unique, in first-seen order.
+fn push_unique(ids: &mut Vec<u32>, more: impl IntoIterator<Item = u32>) {
+    for id in more {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+}
+
+impl Config {
+    /// Reads `DIR/config.json` and, when present, `DIR/generation_config.json` (whose eos ids are
+    /// added to [`Config::eos_token_ids`], as HF generation uses both).
+    pub fn load(dir: &Path) -> Result<Config> {
+        let path = dir.join(CONFIG_FILE);
+        if !path.is_file() {
+            crate::bail_input!(
+                "{}: not found (a model directory needs config.json)",
+                path.display()
+            );
+        }
+        let mut cfg = Config::from_hf_json(&read_json_object(&path)?, &path.display().to_string())?;
+        let gen_path = dir.join(GENERATION_CONFIG_FILE);
+        if gen_path.is_file() {
+            let map = read_json_object(&gen_path)?;
+            let file = gen_path.display().to_string();
+            let fields = Fields {
+                file: &file,
+                map: &map,
+            };
+            push_unique(&mut cfg.eos_token_ids, fields.token_ids("eos_token_id")?);
+            if cfg.bos_token_id.is_none() {
+                cfg.bos_token_id = fields.token_ids("bos_token_id")?.first().copied();
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// Parses the object of an HF config.json; `file` names it in error messages.
+    pub fn from_hf_json(map: &Map<String, Value>, file: &str) -> Result<Config> {
+        let f = Fields { file, map };
+        let supported = SUPPORTED_ARCHITECTURES.join(", ");
+        let arch = match f.get("architectures") {
+            Some(Value::Array(list)) if !list.is_empty() => {
+                let name = match &list[0] {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                Arch::from_architecture(&name).ok_or_else(|| {
+                    input_error(format!(
+                        "{file}: architecture '{name}' is not supported (supported: {supported})"
+                    ))
+                })?
+            }
+            Some(v) if !v.is_array() => {
+                crate::bail_input!("{file}: field 'architectures' must be a list, found {v}")
+            }
+            _ => match f.str_opt("model_type")? {
+                Some(mt) => Arch::from_model_type(mt).ok_or_else(|| {
+                    input_error(format!(
+                        "{file}: model_type '{mt}' is not supported (supported: {supported})"
+                    ))
+                })?,
+                None => crate::bail_input!(
+                    "{file}: neither 'architectures' nor 'model_type' is set (supported: {supported})"
+                ),
+            },
+        };
+
+        if let Some(act) = f.str_opt("hidden_act")? {
+            if act != "silu" {
+                crate::bail_input!("{file}: hidden_act '{act}' is not supported (only 'silu')");
+            }
+        }
+        // Features HF supports for these classes that the decoder does not implement: refuse them
+        // rather than compute something else.
+        if f.bool_opt("use_sliding_window")? == Some(true) {
+            crate::bail_input!("{file}: use_sliding_window=true is not supported");
+        }
+        if let Some(Value::Array(types)) = f.get("layer_types") {
+            if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+                crate::bail_input!(
+                    "{file}: layer_types entry {t} is not supported (only \"full_attention\")"
+                );
+            }
+        }
+        if arch != Arch::Qwen2 && f.bool_opt("attention_bias")? == Some(true) {
+            crate::bail_input!(
+                "{file}: attention_bias=true is not supported for {}",
+                arch.hf_architecture()
+            );
+        }
+        if f.bool_opt("mlp_bias")? == Some(true) {
+            crate::bail_input!("{file}: mlp_bias=true is not supported");
+        }
+
+        // Transformers 5 writes rope_parameters {rope_theta, rope_type}; 4.x wrote rope_theta and
+        // rope_scaling at the top level.
+        let mut rope_theta = f.f32_opt("rope_theta")?;
+        for key in ["rope_parameters", "rope_scaling"] {
+            let Some(v) = f.get(key) else { continue };
+            let Some(obj) = v.as_object() else {
+                crate::bail_input!("{file}: field '{key}' must be an object, found {v}");
+            };
+            let sub_file = format!("{file}: {key}");
+            let sub = Fields {
+                file: &sub_file,
+                map: obj,
+            };
+            let kind = sub
+                .str_opt("rope_type")?
+                .or(sub.str_opt("type")?)
+                .unwrap_or("default");
+            if kind != "default" {
+                crate::bail_input!(
+                    "{file}: {key} of type '{kind}' is not supported (only plain RoPE)"
+                );
+            }
+            if let Some(theta) = sub.f32_opt("rope_theta")? {
+                rope_theta = Some(theta);
+            }
+        }
+
+        let hidden_size = f.usize_req("hidden_size")?;
+        let num_heads = f.usize_req("num_attention_heads")?;
+        let num_kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
+        let head_dim = match f.usize_opt("head_dim")? {
+            Some(d) => d,
+            // Qwen3Config's default is 128; the others derive it.
+            None if arch == Arch::Qwen3 => 128,
+            None => {
+                if hidden_size % num_heads != 0 {
+                    crate::bail_input!(
+                        "{file}: hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads} (set head_dim)"
+                    );
+                }
+                hidden_size / num_heads
+            }
+        };
+        if num_heads % num_kv_heads != 0 {
+            crate::bail_input!(
+                "{file}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            );
+        }
+        if head_dim % 2 != 0 {
+            crate::bail_input!("{file}: head_dim {head_dim} must be even for RoPE");
+        }
+        let max_position_default = if arch == Arch::Llama { 2048 } else { 32768 };
+        let mut eos_token_ids = vec![];
+        push_unique(&mut eos_token_ids, f.token_ids("eos_token_id")?);
+        let cfg = Config {
+            arch,
+            vocab_size: f.usize_req("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize_req("intermediate_size")?,
+            num_layers: f.usize_req("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_theta: rope_theta.unwrap_or(10000.0),
+            rms_norm_eps: f.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2,
+            qk_norm: arch == Arch::Qwen3,
+            max_position_embeddings: f
+                .usize_opt("max_position_embeddings")?
+                .unwrap_or(max_position_default),
+            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids,
+        };
+        for id in cfg.bos_token_id.iter().chain(&cfg.eos_token_ids) {
+            if *id as usize >= cfg.vocab_size {
+                crate::bail_input!(
+                    "{file}: special token id {id} is outside the vocabulary (vocab_size {})",
+                    cfg.vocab_size
+                );
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// The config.json object HF writes for this model (keys sorted, as `save_pretrained` does).
+    /// Keys of `base` (the config.json of the model this one came from) that we do not own are
+    /// kept, so a checkpoint written after training still carries e.g. `transformers_version`.
+    pub fn to_hf_json(&self, base: Option<&Map<String, Value>>) -> Map<String, Value> {
+        let mut m = base.cloned().unwrap_or_default();
+        // Replaced by rope_theta below; keeping a stale copy would contradict it.
+        m.remove("rope_parameters");
+        m.remove("rope_scaling");
+        m.remove("dtype");
+        let mut set = |k: &str, v: Value| {
+            m.insert(k.to_string(), v);
+        };
+        set(
+            "architectures",
+            Value::from(vec![self.arch.hf_architecture()]),
+        );
+        set("model_type", self.arch.model_type().into());
+        set("vocab_size", self.vocab_size.into());
+        set("hidden_size", self.hidden_size.into());
+        set("intermediate_size", self.intermediate_size.into());
+        set("num_hidden_layers", self.num_layers.into());
+        set("num_attention_heads", self.num_heads.into());
+        set("num_key_value_heads", self.num_kv_heads.into());
+        set("head_dim", self.head_dim.into());
+        set("hidden_act", "silu".into());
+        set(
+            "max_position_embeddings",
+            self.max_position_embeddings.into(),
+        );
+        set("rms_norm_eps", f32_json(self.rms_norm_eps));
+        set("rope_theta", f32_json(self.rope_theta));
+        set("tie_word_embeddings", self.tie_word_embeddings.into());
+        set("torch_dtype", "bfloat16".into());
+        set("use_cache", true.into());
+        set("attention_dropout", 0.0.into());
+        set(
+            "bos_token_id",
+            self.bos_token_id.map(Value::from).unwrap_or(Value::Null),
+        );
+        set("eos_token_id", ids_json(&self.eos_token_ids));
+        match self.arch {
+            Arch::Qwen2 | Arch::Qwen3 => {
+                set("use_sliding_window", false.into());
+                if self.arch == Arch::Qwen3 {
+                    set("attention_bias", false.into());
+                }
+            }
+            Arch::Llama => {
+                set("attention_bias", false.into());
+                set("mlp_bias", false.into());
+            }
+        }
+        m
+    }
+
+    /// The generation_config.json object: eos/bos ids over the keys of `base`.
+    pub fn to_generation_json(&self, base: Option<&Map<String, Value>>) -> Map<String, Value> {
+        let mut m = base.cloned().unwrap_or_default();
+        if let Some(bos) = self.bos_token_id {
+            m.insert("bos_token_id".into(), bos.into());
+        }
+        m.insert("eos_token_id".into(), ids_json(&self.eos_token_ids));
+        m
+    }
+
+    /// Writes `dir/config.json` and `dir/generation_config.json` (2-space indent, sorted keys,
+    /// as HF does), keeping the foreign keys of `base_dir`'s files when given.
+    pub fn save(&self, dir: &Path, base_dir: Option<&Path>) -> Result<()> {
+        let base = |name: &str| -> Result<Option<Map<String, Value>>> {
+            match base_dir.map(|d| d.join(name)) {
+                Some(p) if p.is_file() => Ok(Some(read_json_object(&p)?)),
+                _ => Ok(None),
+            }
+        };
+        let base_cfg = base(CONFIG_FILE)?;
+        // A base of another architecture has nothing to give (e.g. a tokenizer-only directory).
+        let base_cfg = base_cfg
+            .filter(|m| Config::from_hf_json(m, "").map(|c| c.arch).ok() == Some(self.arch));
+        write_json(&dir.join(CONFIG_FILE), &self.to_hf_json(base_cfg.as_ref()))?;
+        let base_gen = base(GENERATION_CONFIG_FILE)?;
+        write_json(
+            &dir.join(GENERATION_CONFIG_FILE),
+            &self.to_generation_json(base_gen.as_ref()),
+        )
+    }
+}
+
+/// An f32 as the JSON number a person would write (1e-6, not 9.999999974752427e-7).
+fn f32_json(x: f32) -> Value {
+    let shortest: f64 = format!("{x}").parse().unwrap_or(x as f64);
+    Value::from(shortest)
+}
+
+fn ids_json(ids: &[u32]) -> Value {
+    match ids {
+        [] => Value::Null,
+        [one] => Value::from(*one),
+        many => Value::from(many.to_vec()),
+    }
+}
+
+/// Writes a JSON object the way HF's `json.dumps(obj, indent=2, sort_keys=True) + "\n"` does.
+pub fn write_json(path: &Path, obj: &Map<String, Value>) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(obj)?;
+    text.push('\n');
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}

@@ -1,8 +1,14 @@
 //! Model files and the decoder: config.json, safetensors load/save (HF layout), random init.
 
+pub mod bytetok;
+pub mod checkpoint;
 pub mod config;
 pub mod decoder;
+pub mod init;
+pub mod names;
+pub mod safetensors;
 pub mod tensor;
 
+pub use checkpoint::{ModelDir, SaveOptions};
 pub use config::{Arch, Config};
 pub use tensor::{Tensor, Weights};

@@ -1,0 +1,260 @@
+//! A model directory as a whole (HF layout): config.json, generation_config.json, safetensors
+//! weights, tokenizer files. Loading checks that the weights are exactly what the config implies;
+//! saving writes `DIR.tmp` and renames it, so a crash never leaves a half-written model.
+
+use super::config::{Config, CONFIG_FILE};
+use super::names::{self, expected_tensors};
+use super::safetensors::{self as st, Loaded, DEFAULT_MAX_SHARD_BYTES};
+use super::tensor::Weights;
+use crate::error::input_error;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// Tokenizer files HF keeps next to a model (`chat_template.jinja` is where transformers 5 puts
+/// the chat template).
+pub const TOKENIZER_FILES: [&str; 8] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+];
+
+/// An HF model directory.
+pub struct ModelDir;
+
+/// How [`ModelDir::save_with`] writes a model.
+#[derive(Clone, Copy, Debug)]
+pub struct SaveOptions<'a> {
+    /// Copy the tokenizer files of this directory.
+    pub tokenizer_from: Option<&'a Path>,
+    /// Keep the foreign keys of this directory's config.json and generation_config.json.
+    pub config_base: Option<&'a Path>,
+    /// Shard the weights above this many bytes per file.
+    pub max_shard_bytes: u64,
+    /// More files to write into the directory (name, contents), e.g. a generated tokenizer.
+    pub extra_files: &'a [(String, Vec<u8>)],
+}
+
+/// Everything [`ModelDir::inspect`] learns about a directory.
+pub struct Inspected {
+    pub config: Config,
+    pub loaded: Loaded,
+}
+
+impl ModelDir {
+    /// Reads the config and the weights, checked against each other.
+    pub fn load(path: &Path) -> Result<(Config, Weights)> {
+        let Inspected { config, loaded } = Self::inspect(path)?;
+        Ok((config, loaded.weights))
+    }
+
+    /// Reads only the config (and generation_config) of a model directory.
+    pub fn load_config(path: &Path) -> Result<Config> {
+        check_is_dir(path)?;
+        Config::load(path)
+    }
+
+    /// Like [`ModelDir::load`], keeping the on-disk dtypes and file of every tensor.
+    pub fn inspect(path: &Path) -> Result<Inspected> {
+        let config = Self::load_config(path)?;
+        let mut loaded = st::load_dir(path)?;
+        check_weights(&config, &mut loaded, &path.join(CONFIG_FILE))?;
+        Ok(Inspected { config, loaded })
+    }
+
+    /// Writes a model directory (bf16 weights, HF's default shard limit).
+    /// `tokenizer_from` names a directory (usually the model this one was trained from) whose
+    /// tokenizer files are copied and whose config.json/generation_config.json keys that we do
+    /// not own (e.g. `transformers_version`, sampling defaults) are kept.
+    pub fn save(
+        dir: &Path,
+        cfg: &Config,
+        weights: &Weights,
+        tokenizer_from: Option<&Path>,
+    ) -> Result<()> {
+        let opts = SaveOptions {
+            tokenizer_from,
+            config_base: tokenizer_from,
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            extra_files: &[],
+        };
+        Self::save_with(dir, cfg, weights, &opts)
+    }
+
+    /// [`ModelDir::save`] with every choice explicit.
+    pub fn save_with(
+        dir: &Path,
+        cfg: &Config,
+        weights: &Weights,
+        opts: &SaveOptions,
+    ) -> Result<()> {
+        let SaveOptions {
+            tokenizer_from,
+            config_base,
+            max_shard_bytes,
+            extra_files,
+        } = *opts;
+        let specs = expected_tensors(cfg);
+        let mut ordered = Vec::with_capacity(specs.len());
+        for spec in &specs {
+            let Some(t) = weights.get(&spec.name) else {
+                bail!(
+                    "cannot save {}: tensor '{}' is missing",
+                    dir.display(),
+                    spec.name
+                );
+            };
+            if t.shape != spec.shape {
+                bail!(
+                    "cannot save {}: tensor '{}' has shape {:?}, the config implies {:?}",
+                    dir.display(),
+                    spec.name,
+                    t.shape,
+                    spec.shape
+                );
+            }
+            ordered.push((spec.name.as_str(), t));
+        }
+        if let Some(extra) = weights
+            .keys()
+            .find(|k| !specs.iter().any(|s| &s.name == *k) && !names::is_ignorable(cfg, k))
+        {
+            bail!(
+                "cannot save {}: tensor '{extra}' is not part of the model",
+                dir.display()
+            );
+        }
+        for src in tokenizer_from.iter().chain(config_base.iter()) {
+            check_is_dir(src)?;
+        }
+
+        let tmp = sibling(dir, "tmp");
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)
+                .with_context(|| format!("removing stale {}", tmp.display()))?;
+        }
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        cfg.save(&tmp, config_base)?;
+        st::save_dir(&tmp, &ordered, max_shard_bytes)?;
+        if let Some(src) = tokenizer_from {
+            for name in TOKENIZER_FILES {
+                let from = src.join(name);
+                if from.is_file() {
+                    std::fs::copy(&from, tmp.join(name))
+                        .with_context(|| format!("copying {}", from.display()))?;
+                }
+            }
+        }
+        for (name, bytes) in extra_files {
+            let path = tmp.join(name);
+            std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+        }
+        replace_dir(&tmp, dir)
+    }
+}
+
+fn check_is_dir(path: &Path) -> Result<()> {
+    if !path.exists() {
+        crate::bail_input!("{}: model directory not found", path.display());
+    }
+    if !path.is_dir() {
+        crate::bail_input!(
+            "{}: not a directory (give the model directory that holds config.json)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// `DIR.suffix` next to `DIR`.
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push(".");
+    name.push(suffix);
+    dir.with_file_name(name)
+}
+
+/// Puts the finished `tmp` in place of `dir`. An existing `dir` is moved aside first and removed
+/// only after the new one is in place, so at every moment `dir` is either the old or the new model.
+fn replace_dir(tmp: &Path, dir: &Path) -> Result<()> {
+    if dir.exists() {
+        let old = sibling(dir, "old");
+        if old.exists() {
+            std::fs::remove_dir_all(&old)
+                .with_context(|| format!("removing stale {}", old.display()))?;
+        }
+        std::fs::rename(dir, &old).with_context(|| format!("moving {} aside", dir.display()))?;
+        std::fs::rename(tmp, dir)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+        std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
+    } else {
+        std::fs::rename(tmp, dir)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Every tensor the config implies is present with its shape, nothing else is (HF-ignored
+/// leftovers are dropped).
+fn check_weights(cfg: &Config, loaded: &mut Loaded, config_path: &Path) -> Result<()> {
+    let where_of = |loaded: &Loaded, name: &str| -> String {
+        loaded
+            .file_of
+            .get(name)
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    let specs = expected_tensors(cfg);
+    for spec in &specs {
+        match loaded.weights.get(&spec.name) {
+            None => {
+                let files: Vec<String> = loaded
+                    .files
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect();
+                crate::bail_input!(
+                    "{}: tensor '{}' is missing (the config {} implies it)",
+                    files.join(", "),
+                    spec.name,
+                    config_path.display()
+                );
+            }
+            Some(t) if t.shape != spec.shape => crate::bail_input!(
+                "{}: tensor '{}' has shape {:?}, but {} implies {:?}",
+                where_of(loaded, &spec.name),
+                spec.name,
+                t.shape,
+                config_path.display(),
+                spec.shape
+            ),
+            Some(_) => {}
+        }
+    }
+    let extra: Vec<String> = loaded
+        .weights
+        .keys()
+        .filter(|k| !specs.iter().any(|s| &s.name == *k))
+        .cloned()
+        .collect();
+    for name in extra {
+        if names::is_ignorable(cfg, &name) {
+            loaded.weights.remove(&name);
+            loaded.dtypes.remove(&name);
+            loaded.file_of.remove(&name);
+        } else {
+            return Err(input_error(format!(
+                "{}: unexpected tensor '{}' (not part of a {} with this config: {})",
+                where_of(loaded, &name),
+                name,
+                cfg.arch.hf_architecture(),
+                config_path.display()
+            )));
+        }
+    }
+    Ok(())
+}

@@ -20,11 +20,14 @@ enum Cmd {
     // One arm per subcommand, each a thin call into the library.
     /// Benchmarks: print a table and JSON.
     Bench(tandem::bench::BenchArgs),
+    /// Import a dataset (GSM8K, any jsonl) as a prompt parquet file in verl's schema.
+    Prepare(tandem::data::prepare::PrepareArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tandem::error::run_main(|| match cli.cmd {
         Cmd::Bench(a) => tandem::bench::run(a),
+        Cmd::Prepare(args) => tandem::data::prepare::run(args),
     })
 }

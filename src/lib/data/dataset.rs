@@ -1,0 +1,385 @@
+//! Reading a prompt dataset for `rollout`: a parquet file in verl's schema, written by
+//! `tandem prepare` or by verl's own preprocessing scripts (pandas / HF datasets), or any parquet
+//! with a `prompt` column of text or chat messages.
+
+use super::jsonl::messages_from_json;
+use super::Message;
+use crate::bail_input;
+use crate::batch::json::{value, value_text};
+use crate::batch::{schema, Batch};
+use crate::error::input_error;
+use anyhow::Result;
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, ArrayRef, StringArray, UInt32Array};
+use arrow_schema::{DataType, Field};
+use std::path::Path;
+use std::sync::Arc;
+
+/// One prompt: what rollout renders and what it copies into its output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptRow {
+    pub data_source: String,
+    /// The chat messages; a plain-text prompt is one user message.
+    pub messages: Vec<Message>,
+    /// The prompt as given when the column holds plain text (used as is by `--raw-prompt`).
+    pub text: Option<String>,
+    /// `ground_truth`, or verl's `reward_model.ground_truth` (non-strings as JSON text); None
+    /// when the dataset has neither or the cell is null.
+    pub ground_truth: Option<String>,
+    /// `extra_info` as JSON (null when the dataset has none).
+    pub extra_info: serde_json::Value,
+}
+
+/// A prompt dataset in memory: the parsed rows plus the original Arrow columns, so that the
+/// columns rollout copies keep the dataset's exact types.
+pub struct PromptDataset {
+    batch: Batch,
+    prompt_key: String,
+    rows: Vec<PromptRow>,
+}
+
+impl PromptDataset {
+    /// Open a prompt parquet whose prompt column is `prompt` (verl's default `data.prompt_key`).
+    pub fn open(path: &Path) -> Result<PromptDataset> {
+        Self::open_with_key(path, schema::PROMPT)
+    }
+
+    /// Open a prompt parquet whose prompt is in column `prompt_key`.
+    pub fn open_with_key(path: &Path, prompt_key: &str) -> Result<PromptDataset> {
+        let is_json = matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("jsonl" | "json")
+        );
+        if is_json && path.exists() {
+            bail_input!(
+                "{}: prompt datasets are parquet files; import this one first with `tandem prepare jsonl --in {} --out FILE.parquet --prompt-key KEY --answer-key KEY`",
+                path.display(),
+                path.display()
+            );
+        }
+        let batch = Batch::read(path, &[prompt_key])?;
+        let rows = parse_rows(&batch, prompt_key)?;
+        if rows.is_empty() {
+            bail_input!("{}: the dataset has no rows", path.display());
+        }
+        Ok(PromptDataset {
+            batch,
+            prompt_key: prompt_key.to_string(),
+            rows,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.batch.path
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    pub fn rows(&self) -> &[PromptRow] {
+        &self.rows
+    }
+
+    pub fn row(&self, i: usize) -> &PromptRow {
+        &self.rows[i]
+    }
+
+    /// The file's columns and metadata as read.
+    pub fn batch(&self) -> &Batch {
+        &self.batch
+    }
+
+    /// Whether the dataset carries reference answers.
+    pub fn has_ground_truth(&self) -> bool {
+        has_ground_truth(&self.batch)
+    }
+
+    /// The text `--raw-prompt` feeds the model as is: a plain-text prompt, or the content of a
+    /// chat prompt made of a single message.
+    pub fn raw_prompt(&self, i: usize) -> Result<&str> {
+        let row = &self.rows[i];
+        match (&row.text, row.messages.as_slice()) {
+            (Some(t), _) => Ok(t),
+            (None, [only]) => Ok(&only.content),
+            (None, msgs) => bail_input!(
+                "{}, row {i}: --raw-prompt needs a text prompt or a single message, this one has {} messages (drop --raw-prompt to render it with the chat template)",
+                self.batch.at(&self.prompt_key),
+                msgs.len()
+            ),
+        }
+    }
+
+    /// The dataset columns an output batch carries, for the given dataset rows (one entry per
+    /// output row, e.g. each prompt's index repeated n times; see [`repeat_each`]):
+    /// `data_source` (utf8), `prompt` (the dataset's own type, under the name `prompt`),
+    /// `ground_truth` (utf8, nullable; when the dataset has answers) and `extra_info` (the
+    /// dataset's own type; when present).
+    pub fn take_columns(&self, indices: &[usize]) -> Result<Vec<(Field, ArrayRef)>> {
+        let n = self.rows.len();
+        if let Some(&bad) = indices.iter().find(|&&i| i >= n) {
+            anyhow::bail!("row index {bad} out of range for a dataset of {n} rows");
+        }
+        let idx = UInt32Array::from_iter_values(indices.iter().map(|&i| i as u32));
+        let take = |col: &ArrayRef| arrow_select::take::take(col.as_ref(), &idx, None);
+        let mut out = Vec::new();
+        let sources = StringArray::from_iter_values(
+            indices.iter().map(|&i| self.rows[i].data_source.as_str()),
+        );
+        out.push((
+            schema::field(schema::DATA_SOURCE),
+            Arc::new(sources) as ArrayRef,
+        ));
+        let prompt = self.batch.column(&self.prompt_key)?;
+        out.push((
+            Field::new(schema::PROMPT, prompt.data_type().clone(), true),
+            take(prompt)?,
+        ));
+        if self.has_ground_truth() {
+            let gts: StringArray = indices
+                .iter()
+                .map(|&i| self.rows[i].ground_truth.as_deref())
+                .collect();
+            out.push((
+                Field::new(schema::GROUND_TRUTH, DataType::Utf8, true),
+                Arc::new(gts),
+            ));
+        }
+        if let Some(extra) = self.batch.data.column_by_name(schema::EXTRA_INFO) {
+            out.push((
+                Field::new(schema::EXTRA_INFO, extra.data_type().clone(), true),
+                take(extra)?,
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// `rows` with each entry repeated `n` times in place: [0, 1] with n = 2 gives [0, 0, 1, 1],
+/// the layout of rollout's output (the n samples of a prompt side by side).
+pub fn repeat_each(rows: &[usize], n: usize) -> Vec<usize> {
+    rows.iter()
+        .flat_map(|&r| std::iter::repeat_n(r, n))
+        .collect()
+}
+
+fn has_ground_truth(batch: &Batch) -> bool {
+    batch.has(schema::GROUND_TRUTH) || reward_model_ground_truth(batch).is_some()
+}
+
+fn reward_model_ground_truth(batch: &Batch) -> Option<&ArrayRef> {
+    let rm = batch.data.column_by_name(schema::REWARD_MODEL)?;
+    match rm.data_type() {
+        DataType::Struct(_) => rm.as_struct().column_by_name("ground_truth"),
+        _ => None,
+    }
+}
+
+fn parse_rows(batch: &Batch, prompt_key: &str) -> Result<Vec<PromptRow>> {
+    let n = batch.num_rows();
+    let sources: Vec<String> = if batch.has(schema::DATA_SOURCE) {
+        batch
+            .strings(schema::DATA_SOURCE)?
+            .into_iter()
+            .map(str::to_string)
+            .collect()
+    } else {
+        // Without a data_source every row gets the file's stem, so per-source metrics still
+        // have a name to group by.
+        let stem = batch
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        vec![stem; n]
+    };
+    let gt_col: Option<&ArrayRef> = match batch.data.column_by_name(schema::GROUND_TRUTH) {
+        Some(c) => Some(c),
+        None => reward_model_ground_truth(batch),
+    };
+    let extra = batch.json_rows(schema::EXTRA_INFO);
+    let prompt = batch.column(prompt_key)?;
+    let mut rows = Vec::with_capacity(n);
+    for (i, (data_source, extra_info)) in sources.into_iter().zip(extra).enumerate() {
+        let at = || format!("{}, row {i}", batch.at(prompt_key));
+        let (messages, text) = match value(prompt.as_ref(), i) {
+            serde_json::Value::String(t) => (vec![Message::new("user", t.as_str())], Some(t)),
+            serde_json::Value::Array(items) => (
+                messages_from_json(&items).map_err(|e| input_error(format!("{}: {e}", at())))?,
+                None,
+            ),
+            serde_json::Value::Null => bail_input!("{}: prompt is null", at()),
+            _ => bail_input!(
+                "{}: expected text or a list of {{role, content}} messages, found {}",
+                batch.at(prompt_key),
+                prompt.data_type()
+            ),
+        };
+        let ground_truth = gt_col
+            .filter(|c| !c.is_null(i))
+            .map(|c| value_text(c.as_ref(), i));
+        rows.push(PromptRow {
+            data_source,
+            messages,
+            text,
+            ground_truth,
+            extra_info,
+        });
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{verl_record_batch, ExtraInfo, VerlRow};
+    use arrow_array::RecordBatch;
+    use arrow_schema::Schema;
+    use std::collections::BTreeMap;
+
+    fn verl_rows() -> Vec<VerlRow> {
+        (0..3)
+            .map(|i| VerlRow {
+                data_source: format!("src{i}"),
+                prompt: vec![
+                    Message::new("system", "sys"),
+                    Message::new("user", format!("question {i}")),
+                ],
+                ability: Some("math".into()),
+                ground_truth: format!("{}", i * 10),
+                extra_info: ExtraInfo {
+                    split: "test".into(),
+                    index: i,
+                    answer: format!("#### {}", i * 10),
+                    question: format!("question {i}"),
+                },
+            })
+            .collect()
+    }
+
+    fn write(dir: &Path, name: &str, data: &RecordBatch) -> std::path::PathBuf {
+        let path = dir.join(name);
+        crate::batch::write_file(&path, data, &BTreeMap::new()).unwrap();
+        path
+    }
+
+    #[test]
+    fn verl_rows_round_trip_and_take() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(
+            dir.path(),
+            "p.parquet",
+            &verl_record_batch(&verl_rows()).unwrap(),
+        );
+        let ds = PromptDataset::open(&path).unwrap();
+        assert_eq!(ds.len(), 3);
+        let r = ds.row(2);
+        assert_eq!(r.data_source, "src2");
+        assert_eq!(
+            r.messages,
+            vec![
+                Message::new("system", "sys"),
+                Message::new("user", "question 2")
+            ]
+        );
+        assert_eq!(r.text, None);
+        assert_eq!(r.ground_truth.as_deref(), Some("20"));
+        assert_eq!(
+            r.extra_info,
+            serde_json::json!({"split": "test", "index": 2, "answer": "#### 20", "question": "question 2"})
+        );
+        assert!(ds.raw_prompt(0).unwrap_err().to_string().contains("row 0"));
+
+        let idx = repeat_each(&[2, 0], 2);
+        assert_eq!(idx, vec![2, 2, 0, 0]);
+        let cols = ds.take_columns(&idx).unwrap();
+        let names: Vec<&str> = cols.iter().map(|(f, _)| f.name().as_str()).collect();
+        assert_eq!(
+            names,
+            ["data_source", "prompt", "ground_truth", "extra_info"]
+        );
+        let fields: Vec<Field> = cols.iter().map(|(f, _)| f.clone()).collect();
+        let arrays: Vec<ArrayRef> = cols.iter().map(|(_, a)| a.clone()).collect();
+        // The taken columns form a valid batch that reads back as the same prompts.
+        let out = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap();
+        let back = write(dir.path(), "out.parquet", &out);
+        let again = PromptDataset::open(&back).unwrap();
+        let want: Vec<PromptRow> = idx.iter().map(|&i| ds.row(i).clone()).collect();
+        assert_eq!(again.rows(), want.as_slice());
+        assert!(ds.take_columns(&[3]).is_err());
+    }
+
+    #[test]
+    fn text_prompts_and_missing_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = RecordBatch::try_from_iter([
+            (
+                "prompt",
+                Arc::new(StringArray::from(vec!["Once upon", "a time"])) as ArrayRef,
+            ),
+            (
+                "ground_truth",
+                Arc::new(StringArray::from(vec![Some("x"), None])) as ArrayRef,
+            ),
+        ])
+        .unwrap();
+        let path = write(dir.path(), "stories.parquet", &data);
+        let ds = PromptDataset::open(&path).unwrap();
+        assert_eq!(ds.row(0).messages, vec![Message::new("user", "Once upon")]);
+        assert_eq!(ds.raw_prompt(1).unwrap(), "a time");
+        assert_eq!(ds.row(0).data_source, "stories");
+        assert_eq!(ds.row(0).ground_truth.as_deref(), Some("x"));
+        assert_eq!(ds.row(1).ground_truth, None);
+        assert_eq!(ds.row(1).extra_info, serde_json::Value::Null);
+        let cols = ds.take_columns(&[1, 0]).unwrap();
+        assert_eq!(cols.len(), 3);
+        assert_eq!(cols[2].1.as_string::<i32>().value(1), "x");
+        assert!(cols[2].1.is_null(0));
+
+        let no_prompt = RecordBatch::try_from_iter([(
+            "question",
+            Arc::new(StringArray::from(vec!["q"])) as ArrayRef,
+        )])
+        .unwrap();
+        let path = write(dir.path(), "q.parquet", &no_prompt);
+        let err = PromptDataset::open(&path).err().unwrap();
+        assert!(crate::error::is_input_error(&err));
+        assert!(
+            err.to_string()
+                .contains("q.parquet: column 'prompt' is missing (present: question)"),
+            "{err}"
+        );
+        let by_key = PromptDataset::open_with_key(&path, "question").unwrap();
+        assert_eq!(by_key.row(0).messages, vec![Message::new("user", "q")]);
+        assert_eq!(by_key.take_columns(&[0]).unwrap()[1].0.name(), "prompt");
+    }
+
+    #[test]
+    fn jsonl_and_bad_messages_are_input_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let jsonl = dir.path().join("p.jsonl");
+        std::fs::write(&jsonl, "{\"prompt\": \"x\"}\n").unwrap();
+        let err = PromptDataset::open(&jsonl).err().unwrap();
+        assert!(crate::error::is_input_error(&err));
+        assert!(err.to_string().contains("tandem prepare jsonl"), "{err}");
+
+        let mut rows = verl_rows();
+        rows[1].prompt.clear();
+        let path = write(
+            dir.path(),
+            "empty.parquet",
+            &verl_record_batch(&rows).unwrap(),
+        );
+        let err = PromptDataset::open(&path).err().unwrap();
+        assert!(crate::error::is_input_error(&err));
+        assert!(
+            err.to_string()
+                .contains("empty.parquet: column 'prompt', row 1: the message list is empty"),
+            "{err}"
+        );
+    }
+}

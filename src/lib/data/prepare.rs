@@ -1,0 +1,132 @@
+//! `tandem prepare`: import a dataset into verl's prompt parquet schema.
+
+use super::jsonl::JsonlOptions;
+use super::VerlRow;
+use crate::bail_input;
+use crate::batch::{stage_meta, write_file, StageInfo};
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Debug)]
+#[command(about = "Import a dataset as a prompt parquet file in verl's schema")]
+pub struct PrepareArgs {
+    #[command(subcommand)]
+    pub dataset: PrepareCmd,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PrepareCmd {
+    /// GSM8K jsonl (`{"question", "answer"}` per line) -> verl's GSM8K parquet.
+    Gsm8k(Gsm8kArgs),
+    /// Any jsonl with a prompt and an answer per line -> verl's prompt parquet.
+    Jsonl(JsonlArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct Gsm8kArgs {
+    /// The openai/gsm8k jsonl file (e.g. ../shared/data/gsm8k/train.jsonl).
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Output parquet file.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Split recorded in extra_info.split [default: the input's file stem when it is train or
+    /// test].
+    #[arg(long, value_parser = ["train", "test"])]
+    pub split: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct JsonlArgs {
+    /// Input jsonl file, one JSON object per line.
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Output parquet file.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Key of the prompt: a string or a list of {role, content} messages (`a.b` for nested).
+    #[arg(long)]
+    pub prompt_key: String,
+    /// Key of the reference answer, stored as reward_model.ground_truth (`a.b` for nested).
+    #[arg(long)]
+    pub answer_key: String,
+    /// data_source of every row [default: the input's file stem].
+    #[arg(long)]
+    pub data_source: Option<String>,
+    /// Split recorded in extra_info.split.
+    #[arg(long, default_value = "train")]
+    pub split: String,
+    /// Value of the `ability` column (left null when not given).
+    #[arg(long)]
+    pub ability: Option<String>,
+    /// System message put before each text prompt.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Instruction appended to each text prompt after one space.
+    #[arg(long)]
+    pub instruction: Option<String>,
+}
+
+pub fn run(args: PrepareArgs) -> Result<()> {
+    match args.dataset {
+        PrepareCmd::Gsm8k(a) => {
+            let split = match a.split {
+                Some(s) => s,
+                None => match file_stem(&a.input).as_str() {
+                    s @ ("train" | "test") => s.to_string(),
+                    _ => bail_input!(
+                        "{}: cannot tell the split from the file name: pass --split train|test",
+                        a.input.display()
+                    ),
+                },
+            };
+            let rows = super::gsm8k::read(&a.input, &split)?;
+            let params = json!({"dataset": "gsm8k", "in": a.input, "split": split});
+            write_rows(&a.out, &rows, params)
+        }
+        PrepareCmd::Jsonl(a) => {
+            let opts = JsonlOptions {
+                data_source: a.data_source.unwrap_or_else(|| file_stem(&a.input)),
+                prompt_key: a.prompt_key,
+                answer_key: a.answer_key,
+                split: a.split,
+                ability: a.ability,
+                system: a.system,
+                instruction: a.instruction,
+            };
+            let rows = super::jsonl::read(&a.input, &opts)?;
+            let params = json!({
+                "dataset": "jsonl", "in": a.input, "prompt_key": opts.prompt_key,
+                "answer_key": opts.answer_key, "data_source": opts.data_source,
+                "split": opts.split, "ability": opts.ability, "system": opts.system,
+                "instruction": opts.instruction,
+            });
+            write_rows(&a.out, &rows, params)
+        }
+    }
+}
+
+fn file_stem(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn write_rows(out: &Path, rows: &[VerlRow], params: serde_json::Value) -> Result<()> {
+    let data = super::verl_record_batch(rows)?;
+    let meta = stage_meta(
+        BTreeMap::new(),
+        &StageInfo {
+            stage: "prepare",
+            params,
+            policy_version: None,
+            step: None,
+        },
+    );
+    write_file(out, &data, &meta)?;
+    eprintln!("prepare: wrote {} rows to {}", rows.len(), out.display());
+    Ok(())
+}

@@ -201,8 +201,8 @@ pub fn generate(
         .collect();
     if params.max_new_tokens == 0 {
         for (i, r) in requests.iter().enumerate() {
-            for s in 0..r.sample_keys.len() {
-                out[i][s] = Some(Completion {
+            for slot in out[i].iter_mut().take(r.sample_keys.len()) {
+                *slot = Some(Completion {
                     tokens: vec![],
                     logprobs: vec![],
                     finish: FinishReason::Length,

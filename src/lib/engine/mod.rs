@@ -3,7 +3,9 @@
 
 pub mod generate;
 pub mod logprob;
+pub mod resume;
 pub mod sampling;
+pub mod stage;
 #[cfg(test)]
 mod testing;
 pub mod train;

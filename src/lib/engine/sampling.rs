@@ -85,7 +85,7 @@ pub fn sample_key(seed: u64, prompt: &[u32], occurrence: u64, sample: u64) -> u6
 pub fn mix_key(parts: &[u64]) -> u64 {
     parts
         .iter()
-        .fold(mix(0x6b65_795f_6d69_78), |h, &p| mix(h ^ p))
+        .fold(mix(0x006b_6579_5f6d_6978), |h, &p| mix(h ^ p))
 }
 
 /// Uniform in [0, 1) for draw number `position` of the sample with `key` (counter-based: the

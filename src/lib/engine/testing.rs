@@ -91,8 +91,8 @@ impl Policy for Bigram {
                 let dlp = g.dlogprobs[j] as f64;
                 let dent = g.dentropy.as_ref().map_or(0.0, |d| d[j] as f64);
                 // dz_v = dlp(δ_vy − p_v) − dent·p_v(log p_v + H); dθ = dz / T.
-                for v in 0..self.vocab {
-                    let dz = dlp * ((v == y) as u8 as f64 - p[v]) - dent * p[v] * (p[v].ln() + ent);
+                for (v, &pv) in p.iter().enumerate() {
+                    let dz = dlp * ((v == y) as u8 as f64 - pv) - dent * pv * (pv.ln() + ent);
                     self.grad[prev * self.vocab + v] += dz / t as f64;
                 }
             }

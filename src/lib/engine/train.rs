@@ -638,7 +638,8 @@ mod tests {
         let report = train(&mut model, &owned.data(), &c, 0, &mut |_| {}).unwrap();
         assert!(report.on_policy && !report.recomputed_old);
         let s = &report.steps[0];
-        let want_loss = -(3.0 * 1.0 + 2.0 * -1.0 + 0.5 + 4.0 * -0.25) / 10.0;
+        // Σ A over tokens: 3·1 + 2·(−1) + 1·0.5 + 4·(−0.25) = 0.5.
+        let want_loss = -0.5 / 10.0;
         assert!((s.loss - want_loss).abs() < 1e-6, "{}", s.loss);
         assert_eq!(s.metrics.ppo_kl, 0.0);
         assert_eq!(s.metrics.pg_clipfrac, 0.0);
@@ -652,12 +653,12 @@ mod tests {
             .zip(owned.responses.iter().zip(&owned.adv))
         {
             let ctx: Vec<u32> = p.iter().chain(r).copied().collect();
-            for j in 0..r.len() {
+            for (j, &aj) in a.iter().enumerate() {
                 let pos = p.len() + j;
                 let probs = fresh.probs(ctx[pos - 1], 1.0);
-                for v in 0..6 {
-                    let d = (v == ctx[pos] as usize) as u8 as f64 - probs[v];
-                    g[ctx[pos - 1] as usize * 6 + v] += -(a[j] as f64) * d / 10.0;
+                for (v, &pv) in probs.iter().enumerate() {
+                    let d = (v == ctx[pos] as usize) as u8 as f64 - pv;
+                    g[ctx[pos - 1] as usize * 6 + v] += -(aj as f64) * d / 10.0;
                 }
             }
         }

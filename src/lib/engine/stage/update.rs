@@ -139,7 +139,8 @@ impl UpdateArgs {
         Ok(c)
     }
 
-    fn train_config(&self) -> Result<TrainConfig> {
+    /// The training configuration the flags describe (flag errors are input errors).
+    pub fn train_config(&self) -> Result<TrainConfig> {
         let loss = self.loss_config()?;
         if self.ppo_epochs == 0 {
             bail_input!("--ppo-epochs must be >= 1");
@@ -220,6 +221,74 @@ fn rows_of<'a>(r: &'a Option<Ragged<'static, f32>>) -> Option<Vec<&'a [f32]>> {
     r.as_ref().map(|r| r.rows().collect())
 }
 
+/// The columns of a batch that training reads, owned.
+pub struct OwnedData {
+    prompts: Vec<Vec<u32>>,
+    responses: Vec<Vec<u32>>,
+    mask: Ragged<'static, u8>,
+    advantages: Option<Ragged<'static, f32>>,
+    old: Option<Ragged<'static, f32>>,
+    ref_lp: Option<Ragged<'static, f32>>,
+    rollout: Option<Ragged<'static, f32>>,
+}
+
+impl OwnedData {
+    /// Reads what `cfg` needs (and old_logprobs when present) from a batch that holds the
+    /// required columns.
+    pub fn from_batch(batch: &Batch, cfg: &TrainConfig) -> Result<OwnedData> {
+        let opt = |name: &str, wanted: bool| -> Result<Option<Ragged<'static, f32>>> {
+            if wanted && batch.has(name) {
+                Ok(Some(batch.ragged_f32(name)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let prompts: Vec<Vec<u32>> = batch
+            .ragged_i32(schema::PROMPT_IDS)?
+            .rows()
+            .map(to_u32)
+            .collect();
+        if let Some(row) = prompts.iter().position(|p| p.is_empty()) {
+            bail_input!(
+                "{}, row {row}: prompt is empty",
+                batch.at(schema::PROMPT_IDS)
+            );
+        }
+        Ok(OwnedData {
+            prompts,
+            responses: batch
+                .ragged_i32(schema::RESPONSE_IDS)?
+                .rows()
+                .map(to_u32)
+                .collect(),
+            mask: batch.ragged_u8(schema::RESPONSE_MASK)?,
+            advantages: opt(schema::ADVANTAGES, cfg.loss.mode != LossMode::Sft)?,
+            old: opt(schema::OLD_LOGPROBS, true)?,
+            ref_lp: opt(schema::REF_LOGPROBS, cfg.loss.kl_loss.is_some())?,
+            rollout: opt(schema::ROLLOUT_LOGPROBS, cfg.loss.rollout_is.is_some())?,
+        })
+    }
+
+    pub fn view(&self) -> TrainData<'_> {
+        TrainData {
+            rows: self
+                .prompts
+                .iter()
+                .zip(&self.responses)
+                .map(|(p, r)| PromptResponse {
+                    prompt: p,
+                    response: r,
+                })
+                .collect(),
+            mask: self.mask.rows().collect(),
+            advantages: rows_of(&self.advantages),
+            old: rows_of(&self.old),
+            ref_lp: rows_of(&self.ref_lp),
+            rollout: rows_of(&self.rollout),
+        }
+    }
+}
+
 pub fn run(args: UpdateArgs) -> Result<()> {
     let started = Instant::now();
     args.device.check()?;
@@ -244,55 +313,8 @@ pub fn run(args: UpdateArgs) -> Result<()> {
     check_token_ids(&batch, schema::PROMPT_IDS, mcfg.vocab_size)?;
     check_token_ids(&batch, schema::RESPONSE_IDS, mcfg.vocab_size)?;
 
-    let prompts = batch.ragged_i32(schema::PROMPT_IDS)?;
-    let responses = batch.ragged_i32(schema::RESPONSE_IDS)?;
-    let mask = batch.ragged_u8(schema::RESPONSE_MASK)?;
-    let opt = |name: &str| -> Result<Option<Ragged<'static, f32>>> {
-        if batch.has(name) {
-            Ok(Some(batch.ragged_f32(name)?))
-        } else {
-            Ok(None)
-        }
-    };
-    let adv = if cfg.loss.mode != LossMode::Sft {
-        opt(schema::ADVANTAGES)?
-    } else {
-        None
-    };
-    let old = opt(schema::OLD_LOGPROBS)?;
-    let ref_lp = if cfg.loss.kl_loss.is_some() {
-        opt(schema::REF_LOGPROBS)?
-    } else {
-        None
-    };
-    let rollout = if cfg.loss.rollout_is.is_some() {
-        opt(schema::ROLLOUT_LOGPROBS)?
-    } else {
-        None
-    };
-    let p32: Vec<Vec<u32>> = prompts.rows().map(to_u32).collect();
-    let r32: Vec<Vec<u32>> = responses.rows().map(to_u32).collect();
-    if let Some(row) = p32.iter().position(|p| p.is_empty()) {
-        bail_input!(
-            "{}, row {row}: prompt is empty",
-            batch.at(schema::PROMPT_IDS)
-        );
-    }
-    let data = TrainData {
-        rows: p32
-            .iter()
-            .zip(&r32)
-            .map(|(p, r)| PromptResponse {
-                prompt: p,
-                response: r,
-            })
-            .collect(),
-        mask: mask.rows().collect(),
-        advantages: rows_of(&adv),
-        old: rows_of(&old),
-        ref_lp: rows_of(&ref_lp),
-        rollout: rows_of(&rollout),
-    };
+    let owned = OwnedData::from_batch(&batch, &cfg)?;
+    let data = owned.view();
 
     // Load weights, resume the optimizer when its state sits next to the model.
     let (mcfg, weights) = ModelDir::load(&model.dir)?;

@@ -1,12 +1,12 @@
 //! Learning on a tiny random model through the real binaries: 20 `update` steps with
 //! advantages favouring one response raise its probability; `--loss sft` lowers the NLL.
 
-mod common;
+mod stage_util;
 
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{Field, Schema};
-use common::*;
+use stage_util::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

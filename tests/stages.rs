@@ -1,12 +1,12 @@
 //! End-to-end runs of the model stages' real binaries on a tiny random model: rollout,
 //! ref-logprob, update, sync-weights; their agreement, reproducibility, resume, and bad input.
 
-mod common;
+mod stage_util;
 
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{Field, Schema};
-use common::*;
+use stage_util::*;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;

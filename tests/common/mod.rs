@@ -1,143 +1,125 @@
-//! Helpers shared by the stage and learning tests: tiny random models, prompt files, and
-//! running the real binaries.
+//! Tiny decoder configs and random weights (HF names) for the decoder tests and benchmarks.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use tandem::batch::{write_file, Batch};
-use tandem::data::{ExtraInfo, Message, VerlRow};
-use tandem::model::init::{InitModelArgs, Like};
+use tandem::backend::check::Rng;
+use tandem::model::{Arch, Config, Tensor, Weights};
 
-/// A tiny random Qwen2 model (2 layers, hidden 64, 4/2 heads, vocab 300) with the generated
-/// byte-level tokenizer and its ChatML template.
-pub fn tiny_model(dir: &Path, seed: u64) -> PathBuf {
-    tiny_model_like(dir, seed, Like::Qwen2, 0.02)
-}
-
-pub fn tiny_model_like(dir: &Path, seed: u64, like: Like, init_std: f32) -> PathBuf {
-    let out = dir.join(format!("model-{seed}"));
-    tandem::model::init::run(InitModelArgs {
-        like,
-        layers: 2,
-        hidden: 64,
-        heads: 4,
-        kv_heads: Some(2),
-        head_dim: None,
-        ffn: 128,
-        vocab: Some(300),
-        tokenizer: None,
-        tie: None,
-        rope_theta: None,
-        rms_norm_eps: None,
-        max_position: 4096,
-        init_std,
-        seed,
-        out: out.clone(),
-        force: false,
-    })
-    .expect("init-model");
-    out
-}
-
-/// A prompt file in verl's schema, one user message per prompt.
-pub fn prompts(path: &Path, questions: &[&str]) {
-    let rows: Vec<VerlRow> = questions
-        .iter()
-        .enumerate()
-        .map(|(i, q)| VerlRow {
-            data_source: "test/echo".into(),
-            prompt: vec![Message::new("user", *q)],
-            ability: Some("echo".into()),
-            ground_truth: format!("answer {i}"),
-            extra_info: ExtraInfo {
-                split: "train".into(),
-                index: i as i64,
-                answer: format!("answer {i}"),
-                question: q.to_string(),
-            },
-        })
-        .collect();
-    let data = tandem::data::verl_record_batch(&rows).unwrap();
-    write_file(path, &data, &Default::default()).unwrap();
-}
-
-pub fn bin(name: &str) -> &'static str {
-    match name {
-        "rollout" => env!("CARGO_BIN_EXE_rollout"),
-        "ref-logprob" => env!("CARGO_BIN_EXE_ref-logprob"),
-        "update" => env!("CARGO_BIN_EXE_update"),
-        "sync-weights" => env!("CARGO_BIN_EXE_sync-weights"),
-        other => panic!("no binary {other}"),
+/// A config of the given architecture with the shape flags HF uses for it.
+#[allow(clippy::too_many_arguments)]
+pub fn config(
+    arch: Arch,
+    vocab: usize,
+    hidden: usize,
+    ffn: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    tied: bool,
+) -> Config {
+    Config {
+        arch,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: ffn,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        rope_theta: if arch == Arch::Llama {
+            500000.0
+        } else {
+            1000000.0
+        },
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: tied,
+        qkv_bias: arch == Arch::Qwen2,
+        qk_norm: arch == Arch::Qwen3,
+        max_position_embeddings: 4096,
+        bos_token_id: None,
+        eos_token_ids: vec![0],
     }
 }
 
-/// Runs a stage binary with arguments (paths given as &Path or &str).
-pub fn run<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> Output {
-    Command::new(bin(name))
-        .args(args)
-        .env("RAYON_NUM_THREADS", "2")
-        .output()
-        .expect("spawn")
+/// Tiny models of the three architectures: Qwen2 tied with qkv bias, Llama with a separate
+/// head, Qwen3 with q/k norm and a head_dim that is not hidden/heads.
+pub fn tiny(arch: Arch) -> Config {
+    match arch {
+        Arch::Qwen2 => config(arch, 37, 16, 24, 2, 4, 2, 4, true),
+        Arch::Llama => config(arch, 41, 12, 20, 2, 3, 1, 4, false),
+        Arch::Qwen3 => config(arch, 29, 16, 20, 2, 4, 2, 6, true),
+    }
 }
 
-/// Runs and asserts success, echoing stderr on failure.
-pub fn ok<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> Output {
-    let out = run(name, args);
-    assert!(
-        out.status.success(),
-        "{name} failed ({:?}):\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr)
+/// Random weights under HF names: normal(0, std) matrices, norms near 1.
+pub fn random_weights(cfg: &Config, seed: u64) -> Weights {
+    let mut rng = Rng::new(seed);
+    let mut w = Weights::new();
+    let mut put = |name: String, shape: Vec<usize>, std: f32, mean: f32| {
+        let n = shape.iter().product();
+        let data = (0..n).map(|_| mean + std * rng.normal()).collect();
+        w.insert(name, Tensor::new(shape, data));
+    };
+    let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (qd, kd) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
     );
-    out
+    let lin = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    put("model.embed_tokens.weight".into(), vec![v, d], 1.0, 0.0);
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}.");
+        put(format!("{p}input_layernorm.weight"), vec![d], 0.1, 1.0);
+        put(
+            format!("{p}post_attention_layernorm.weight"),
+            vec![d],
+            0.1,
+            1.0,
+        );
+        for (name, out) in [("q_proj", qd), ("k_proj", kd), ("v_proj", kd)] {
+            put(
+                format!("{p}self_attn.{name}.weight"),
+                vec![out, d],
+                lin(d),
+                0.0,
+            );
+            if cfg.qkv_bias {
+                put(format!("{p}self_attn.{name}.bias"), vec![out], 0.1, 0.0);
+            }
+        }
+        if cfg.qk_norm {
+            put(
+                format!("{p}self_attn.q_norm.weight"),
+                vec![cfg.head_dim],
+                0.1,
+                1.0,
+            );
+            put(
+                format!("{p}self_attn.k_norm.weight"),
+                vec![cfg.head_dim],
+                0.1,
+                1.0,
+            );
+        }
+        put(
+            format!("{p}self_attn.o_proj.weight"),
+            vec![d, qd],
+            lin(qd),
+            0.0,
+        );
+        put(format!("{p}mlp.gate_proj.weight"), vec![f, d], lin(d), 0.0);
+        put(format!("{p}mlp.up_proj.weight"), vec![f, d], lin(d), 0.0);
+        put(format!("{p}mlp.down_proj.weight"), vec![d, f], lin(f), 0.0);
+    }
+    put("model.norm.weight".into(), vec![d], 0.1, 1.0);
+    if !cfg.tie_word_embeddings {
+        put("lm_head.weight".into(), vec![v, d], lin(d), 0.0);
+    }
+    w
 }
 
-/// Runs and asserts exit code 2 with a message containing `needle`; returns stderr.
-pub fn input_error<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S], needle: &str) -> String {
-    let out = run(name, args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(
-        out.status.code(),
-        Some(2),
-        "{name}: expected exit 2, stderr:\n{err}"
-    );
-    assert!(
-        err.contains(needle),
-        "{name}: stderr lacks {needle:?}:\n{err}"
-    );
-    err
-}
-
-pub fn read(path: &Path) -> Batch {
-    Batch::read(path, &[]).unwrap()
-}
-
-/// Rows of a list<float32> column.
-pub fn f32_rows(b: &Batch, col: &str) -> Vec<Vec<f32>> {
-    b.ragged_f32(col)
-        .unwrap()
-        .rows()
-        .map(|r| r.to_vec())
-        .collect()
-}
-
-/// Rows of a list<int32> column.
-pub fn i32_rows(b: &Batch, col: &str) -> Vec<Vec<i32>> {
-    b.ragged_i32(col)
-        .unwrap()
-        .rows()
-        .map(|r| r.to_vec())
-        .collect()
-}
-
-pub fn strings(b: &Batch, col: &str) -> Vec<String> {
-    b.strings(col)
-        .unwrap()
-        .into_iter()
-        .map(String::from)
-        .collect()
-}
-
-pub fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
+/// `n` random token ids below `vocab`.
+pub fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
 }

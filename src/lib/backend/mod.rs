@@ -16,6 +16,7 @@
 //! - Ops return `Result` because a device launch can fail; the CPU backend only fails on
 //!   sizes that do not fit its buffers (a bug in the caller, reported rather than panicking).
 
+pub mod check;
 pub mod cpu;
 
 use anyhow::Result;
@@ -106,6 +107,14 @@ pub trait Backend: Send + Sync {
         dst: &mut Self::Buf,
         dst_off: usize,
         src: &Self::Buf,
+        src_off: usize,
+        n: usize,
+    ) -> Result<()>;
+    /// buf[dst_off..dst_off+n] = buf[src_off..src_off+n] (ranges must not overlap).
+    fn copy_within(
+        &self,
+        buf: &mut Self::Buf,
+        dst_off: usize,
         src_off: usize,
         n: usize,
     ) -> Result<()>;

@@ -1,11 +1,29 @@
-#![allow(unused)]
 //! The Qwen2 / Llama / Qwen3 decoder, written once against the [`Backend`] op set.
-//! INTERFACE DRAFT: signatures are fixed, bodies land in the next commits.
+//!
+//! ```text
+//! h = embed(tokens)
+//! for each layer:
+//!     a = rmsnorm(h)                         input_layernorm
+//!     q, k, v = a·Wqᵀ (+bq), a·Wkᵀ (+bk), a·Wvᵀ (+bv)        bias: Qwen2 (`qkv_bias`)
+//!     q, k = rmsnorm_head(q), rmsnorm_head(k)                 Qwen3 (`qk_norm`)
+//!     q, k = rope(q), rope(k)
+//!     h = h + attention(q, k, v)·Woᵀ         causal, grouped-query, per packed sequence
+//!     m = rmsnorm(h)                         post_attention_layernorm
+//!     h = h + (silu(m·Wgᵀ) ∘ m·Wuᵀ)·Wdᵀ
+//! logprob(y | h) = log_softmax(rmsnorm(h)·Wheadᵀ / T)[y]      Whead = embed when tied
+//! ```
+//!
+//! Three ways in: packed scoring ([`Decoder::logprobs`]), packed training
+//! ([`Decoder::forward_backward`], which keeps every layer's activations for the backward
+//! pass), and generation against a KV cache ([`Decoder::prefill`], [`Decoder::decode`]).
+//! Activations live in a workspace sized for the largest call so far; it grows at the start of
+//! a call, never inside the layer loop.
 
-use anyhow::Result;
+use anyhow::{bail, ensure, Result};
 
-use crate::backend::Backend;
-use crate::model::{Config, Weights};
+use crate::backend::{AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape};
+use crate::error::input_error;
+use crate::model::{Config, Tensor, Weights};
 
 /// One sequence to score: the log-prob of `tokens[t]` given `tokens[..t]` is computed for every
 /// `t in start..tokens.len()` (`start >= 1`).
@@ -30,7 +48,8 @@ pub struct TokenGrads {
     pub dentropy: Option<Vec<f32>>,
 }
 
-/// AdamW hyper-parameters of one optimizer step (torch.optim.AdamW semantics).
+/// AdamW hyper-parameters of one optimizer step (torch.optim.AdamW semantics; the weight decay
+/// applies to every parameter, as verl's FSDP actor does).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWParams {
     pub lr: f32,
@@ -38,6 +57,18 @@ pub struct AdamWParams {
     pub beta2: f32,
     pub eps: f32,
     pub weight_decay: f32,
+}
+
+impl Default for AdamWParams {
+    fn default() -> Self {
+        AdamWParams {
+            lr: 1e-6,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
 }
 
 /// What `optimizer_step` did.
@@ -49,7 +80,8 @@ pub struct StepReport {
     pub skipped: bool,
 }
 
-/// Adam moments by HF parameter name plus the step count, enough to resume exactly.
+/// Adam moments by HF parameter name plus the step count, enough to resume exactly. A state
+/// with `step == 0` and no moments means "fresh optimizer".
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct OptimizerState {
     pub step: u64,
@@ -57,89 +89,1348 @@ pub struct OptimizerState {
     pub exp_avg_sq: Weights,
 }
 
-/// A contiguous KV cache: `slots` sequences of up to `max_len` tokens each, per layer.
+/// A contiguous KV cache: `slots` sequences of up to `max_len` tokens each, per layer. Row
+/// `slot · max_len + pos` of a layer's buffer holds the key (value) of that position.
 pub struct KvCache<B: Backend> {
-    _b: std::marker::PhantomData<B>,
+    k: Vec<B::Buf>,
+    v: Vec<B::Buf>,
+    lens: Vec<usize>,
+    max_len: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// Forget a slot's contents so it can be prefilled again.
+    pub fn free(&mut self, slot: usize) {
+        assert!(slot < self.lens.len(), "KV cache has no slot {slot}");
+        self.lens[slot] = 0;
+    }
+
+    /// Tokens held in a slot.
+    pub fn len(&self, slot: usize) -> usize {
+        self.lens[slot]
+    }
+
+    /// Whether a slot holds no tokens.
+    pub fn is_empty(&self, slot: usize) -> bool {
+        self.lens[slot] == 0
+    }
+
+    pub fn slots(&self) -> usize {
+        self.lens.len()
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+}
+
+/// Parameter indices of one layer (into the decoder's parameter lists).
+struct Layer {
+    in_norm: usize,
+    q: usize,
+    k: usize,
+    v: usize,
+    q_b: Option<usize>,
+    k_b: Option<usize>,
+    v_b: Option<usize>,
+    q_norm: Option<usize>,
+    k_norm: Option<usize>,
+    o: usize,
+    post_norm: usize,
+    gate: usize,
+    up: usize,
+    down: usize,
+}
+
+/// What the workspace must hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Caps {
+    tokens: usize,
+    seqs: usize,
+    rows: usize,
+    /// 1 for inference, num_layers for training.
+    saved_layers: usize,
+    backward: bool,
+}
+
+impl Caps {
+    fn covers(&self, o: &Caps) -> bool {
+        self.tokens >= o.tokens
+            && self.seqs >= o.seqs
+            && self.rows >= o.rows
+            && self.saved_layers >= o.saved_layers
+            && (self.backward || !o.backward)
+    }
+
+    fn max(&self, o: &Caps) -> Caps {
+        Caps {
+            tokens: self.tokens.max(o.tokens),
+            seqs: self.seqs.max(o.seqs),
+            rows: self.rows.max(o.rows),
+            saved_layers: self.saved_layers.max(o.saved_layers),
+            backward: self.backward || o.backward,
+        }
+    }
+}
+
+/// Activations of one layer (training keeps one per layer; inference reuses one).
+struct Acts<B: Backend> {
+    xn1: B::Buf,
+    rstd1: B::Buf,
+    q_raw: B::Buf,
+    k_raw: B::Buf,
+    rstd_q: B::Buf,
+    rstd_k: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    o: B::Buf,
+    lse: B::Buf,
+    xn2: B::Buf,
+    rstd2: B::Buf,
+    g: B::Buf,
+    u: B::Buf,
+}
+
+/// Gradient scratch of the backward pass (one set, reused by every layer).
+struct GradWork<B: Backend> {
+    d_resid: B::Buf,
+    d_xn: B::Buf,
+    d_o: B::Buf,
+    dq: B::Buf,
+    dk: B::Buf,
+    dv: B::Buf,
+    dq_raw: B::Buf,
+    dk_raw: B::Buf,
+    dg: B::Buf,
+    du: B::Buf,
+    dh: B::Buf,
+    dxf: B::Buf,
+    dxg: B::Buf,
+    dlp: B::Buf,
+    dent: B::Buf,
+}
+
+struct Work<B: Backend> {
+    caps: Caps,
+    ids: B::Idx,
+    pos: B::Idx,
+    cu: B::Idx,
+    rows: B::Idx,
+    targets: B::Idx,
+    kv_rows: B::Idx,
+    kv_base: B::Idx,
+    kv_len: B::Idx,
+    /// Residual stream: one buffer updated in place (inference) or 2L+1 snapshots (training:
+    /// layer l reads `2l`, its attention writes `2l+1`, its MLP writes `2l+2`).
+    resid: Vec<B::Buf>,
+    acts: Vec<Acts<B>>,
+    h: B::Buf,
+    xg: B::Buf,
+    xf: B::Buf,
+    rstd_f: B::Buf,
+    lp: B::Buf,
+    ent: B::Buf,
+    lse_lp: B::Buf,
+    grad: Option<GradWork<B>>,
+    /// One chunk of logits for the fused log-prob (`logprob_chunk × vocab`).
+    scratch: B::Buf,
+    /// Logits returned by prefill/decode (`rows × vocab`, grown on demand).
+    logits: B::Buf,
+}
+
+impl<B: Backend> Work<B> {
+    /// A workspace that holds nothing yet.
+    fn empty(b: &B, cfg: &Config) -> Result<Self> {
+        Self::new(b, cfg, Caps::default())
+    }
+
+    fn new(b: &B, d: &Config, c: Caps) -> Result<Self> {
+        let (t, n) = (c.tokens, c.rows);
+        let (hd, qd, kd, f) = (
+            d.hidden_size,
+            d.num_heads * d.head_dim,
+            d.num_kv_heads * d.head_dim,
+            d.intermediate_size,
+        );
+        let qk = d.qk_norm;
+        let mut acts = Vec::with_capacity(c.saved_layers);
+        for _ in 0..c.saved_layers {
+            acts.push(Acts {
+                xn1: b.alloc(t * hd)?,
+                rstd1: b.alloc(t)?,
+                q_raw: b.alloc(if qk { t * qd } else { 0 })?,
+                k_raw: b.alloc(if qk { t * kd } else { 0 })?,
+                rstd_q: b.alloc(if qk { t * d.num_heads } else { 0 })?,
+                rstd_k: b.alloc(if qk { t * d.num_kv_heads } else { 0 })?,
+                q: b.alloc(t * qd)?,
+                k: b.alloc(t * kd)?,
+                v: b.alloc(t * kd)?,
+                o: b.alloc(t * qd)?,
+                lse: b.alloc(t * d.num_heads)?,
+                xn2: b.alloc(t * hd)?,
+                rstd2: b.alloc(t)?,
+                g: b.alloc(t * f)?,
+                u: b.alloc(t * f)?,
+            });
+        }
+        let n_resid = if c.saved_layers > 1 {
+            2 * c.saved_layers + 1
+        } else {
+            1
+        };
+        let mut resid = Vec::with_capacity(n_resid);
+        for _ in 0..n_resid {
+            resid.push(b.alloc(t * hd)?);
+        }
+        let grad = if c.backward {
+            Some(GradWork {
+                d_resid: b.alloc(t * hd)?,
+                d_xn: b.alloc(t * hd)?,
+                d_o: b.alloc(t * qd)?,
+                dq: b.alloc(t * qd)?,
+                dk: b.alloc(t * kd)?,
+                dv: b.alloc(t * kd)?,
+                dq_raw: b.alloc(if qk { t * qd } else { 0 })?,
+                dk_raw: b.alloc(if qk { t * kd } else { 0 })?,
+                dg: b.alloc(t * f)?,
+                du: b.alloc(t * f)?,
+                dh: b.alloc(t * f)?,
+                dxf: b.alloc(n * hd)?,
+                dxg: b.alloc(n * hd)?,
+                dlp: b.alloc(n)?,
+                dent: b.alloc(n)?,
+            })
+        } else {
+            None
+        };
+        Ok(Work {
+            caps: c,
+            ids: b.alloc_idx(t)?,
+            pos: b.alloc_idx(t)?,
+            cu: b.alloc_idx(c.seqs + 1)?,
+            rows: b.alloc_idx(n)?,
+            targets: b.alloc_idx(n)?,
+            kv_rows: b.alloc_idx(t)?,
+            kv_base: b.alloc_idx(t)?,
+            kv_len: b.alloc_idx(t)?,
+            resid,
+            acts,
+            h: b.alloc(t * f)?,
+            xg: b.alloc(n * hd)?,
+            xf: b.alloc(n * hd)?,
+            rstd_f: b.alloc(n)?,
+            lp: b.alloc(n)?,
+            ent: b.alloc(n)?,
+            lse_lp: b.alloc(n)?,
+            grad,
+            scratch: b.alloc(0)?,
+            logits: b.alloc(0)?,
+        })
+    }
+}
+
+/// How the attention of a forward pass gets its keys.
+enum AttnMode<'a, B: Backend> {
+    /// Packed sequences, keys from this call only.
+    Packed,
+    /// Keys and values are stored into the cache first, then read from it.
+    Cached(&'a mut KvCache<B>),
 }
 
 /// The decoder: weights, gradients, optimizer state and workspaces on one backend.
 pub struct Decoder<B: Backend> {
     backend: B,
+    cfg: Config,
+    names: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    w: Vec<B::Buf>,
+    /// Gradients, allocated on the first `forward_backward`.
+    g: Vec<B::Buf>,
+    /// Adam moments, allocated on the first optimizer step (or by loading a state).
+    m: Vec<B::Buf>,
+    v: Vec<B::Buf>,
+    step: u64,
+    embed: usize,
+    final_norm: usize,
+    /// The LM head: `embed` when the embeddings are tied.
+    head: usize,
+    layers: Vec<Layer>,
+    ws: Work<B>,
     /// Rows per chunk of the fused LM-head log-prob (bounds the logits held at once).
     pub logprob_chunk: usize,
 }
 
+/// Floats of logits the fused log-prob holds at once by default (64 MiB of f32).
+const LOGPROB_CHUNK_FLOATS: usize = 16 << 20;
+
+fn check_config(cfg: &Config) -> Result<()> {
+    let bad = |msg: String| Err(input_error(format!("config.json: {msg}")));
+    if cfg.vocab_size == 0 || cfg.hidden_size == 0 || cfg.intermediate_size == 0 {
+        return bad("vocab_size, hidden_size and intermediate_size must be positive".into());
+    }
+    if cfg.num_heads == 0 || cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
+        return bad(format!(
+            "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
+            cfg.num_heads, cfg.num_kv_heads
+        ));
+    }
+    let max_hd = crate::backend::cpu::rope::MAX_HEAD_DIM;
+    if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > max_hd {
+        return bad(format!(
+            "head_dim {} must be even and at most {max_hd}",
+            cfg.head_dim
+        ));
+    }
+    if !(cfg.rope_theta.is_finite() && cfg.rope_theta > 0.0) {
+        return bad(format!("rope_theta {} must be positive", cfg.rope_theta));
+    }
+    if !(cfg.rms_norm_eps.is_finite() && cfg.rms_norm_eps >= 0.0) {
+        return bad(format!("rms_norm_eps {} must be >= 0", cfg.rms_norm_eps));
+    }
+    Ok(())
+}
+
+fn check_temperature(t: f32) -> Result<()> {
+    if !(t.is_finite() && t > 0.0) {
+        bail!(input_error(format!(
+            "temperature must be positive and finite, got {t}"
+        )));
+    }
+    Ok(())
+}
+
+/// `(&v[i], &mut v[j])` for i ≠ j.
+fn pair<T>(v: &mut [T], i: usize, j: usize) -> (&T, &mut T) {
+    assert_ne!(i, j);
+    if i < j {
+        let (a, b) = v.split_at_mut(j);
+        (&a[i], &mut b[0])
+    } else {
+        let (a, b) = v.split_at_mut(i);
+        (&b[0], &mut a[j])
+    }
+}
+
+/// `(&mut v[i], Option<&mut v[j]>)` for i ≠ j.
+fn two_mut<T>(v: &mut [T], i: usize, j: Option<usize>) -> (&mut T, Option<&mut T>) {
+    match j {
+        None => (&mut v[i], None),
+        Some(j) => {
+            assert_ne!(i, j);
+            if i < j {
+                let (a, b) = v.split_at_mut(j);
+                (&mut a[i], Some(&mut b[0]))
+            } else {
+                let (a, b) = v.split_at_mut(i);
+                (&mut b[0], Some(&mut a[j]))
+            }
+        }
+    }
+}
+
 impl<B: Backend> Decoder<B> {
+    /// Builds the decoder from weights keyed by HF name. Missing tensors, wrong shapes and
+    /// non-finite values are input errors; tensors the config does not use are ignored (e.g. a
+    /// saved `lm_head.weight` of a tied model, or old `rotary_emb.inv_freq` buffers).
     pub fn new(backend: B, cfg: &Config, weights: &Weights) -> Result<Self> {
-        todo!()
+        check_config(cfg)?;
+        let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (qd, kd) = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        );
+        let mut names = Vec::new();
+        let mut shapes = Vec::new();
+        let mut bufs = Vec::new();
+        let mut add = |name: String, shape: Vec<usize>| -> Result<usize> {
+            let t = weights
+                .get(&name)
+                .ok_or_else(|| input_error(format!("model weights: tensor '{name}' is missing")))?;
+            if t.shape != shape {
+                bail!(input_error(format!(
+                    "model weights: tensor '{name}' has shape {:?}, config.json implies {shape:?}",
+                    t.shape
+                )));
+            }
+            if let Some(i) = t.data.iter().position(|x| !x.is_finite()) {
+                bail!(input_error(format!(
+                    "model weights: tensor '{name}' holds a non-finite value at flat index {i}"
+                )));
+            }
+            let mut buf = backend.alloc(t.numel())?;
+            backend.upload(&mut buf, &t.data)?;
+            names.push(name);
+            shapes.push(shape);
+            bufs.push(buf);
+            Ok(bufs.len() - 1)
+        };
+        let embed = add("model.embed_tokens.weight".into(), vec![v, d])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}.");
+            let bias =
+                |add: &mut dyn FnMut(String, Vec<usize>) -> Result<usize>, name: &str, n: usize| {
+                    if cfg.qkv_bias {
+                        add(format!("{p}self_attn.{name}.bias"), vec![n]).map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                };
+            let in_norm = add(format!("{p}input_layernorm.weight"), vec![d])?;
+            let q = add(format!("{p}self_attn.q_proj.weight"), vec![qd, d])?;
+            let q_b = bias(&mut add, "q_proj", qd)?;
+            let k = add(format!("{p}self_attn.k_proj.weight"), vec![kd, d])?;
+            let k_b = bias(&mut add, "k_proj", kd)?;
+            let vv = add(format!("{p}self_attn.v_proj.weight"), vec![kd, d])?;
+            let v_b = bias(&mut add, "v_proj", kd)?;
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(add(
+                        format!("{p}self_attn.q_norm.weight"),
+                        vec![cfg.head_dim],
+                    )?),
+                    Some(add(
+                        format!("{p}self_attn.k_norm.weight"),
+                        vec![cfg.head_dim],
+                    )?),
+                )
+            } else {
+                (None, None)
+            };
+            let o = add(format!("{p}self_attn.o_proj.weight"), vec![d, qd])?;
+            let post_norm = add(format!("{p}post_attention_layernorm.weight"), vec![d])?;
+            let gate = add(format!("{p}mlp.gate_proj.weight"), vec![f, d])?;
+            let up = add(format!("{p}mlp.up_proj.weight"), vec![f, d])?;
+            let down = add(format!("{p}mlp.down_proj.weight"), vec![d, f])?;
+            layers.push(Layer {
+                in_norm,
+                q,
+                k,
+                v: vv,
+                q_b,
+                k_b,
+                v_b,
+                q_norm,
+                k_norm,
+                o,
+                post_norm,
+                gate,
+                up,
+                down,
+            });
+        }
+        let final_norm = add("model.norm.weight".into(), vec![d])?;
+        let head = if cfg.tie_word_embeddings {
+            embed
+        } else {
+            add("lm_head.weight".into(), vec![v, d])?
+        };
+        let ws = Work::empty(&backend, cfg)?;
+        Ok(Decoder {
+            backend,
+            cfg: cfg.clone(),
+            names,
+            shapes,
+            w: bufs,
+            g: Vec::new(),
+            m: Vec::new(),
+            v: Vec::new(),
+            step: 0,
+            embed,
+            final_norm,
+            head,
+            layers,
+            ws,
+            logprob_chunk: (LOGPROB_CHUNK_FLOATS / v).clamp(1, 4096),
+        })
     }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Number of parameters (a tied head counted once).
+    pub fn num_params(&self) -> usize {
+        self.shapes
+            .iter()
+            .map(|s| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Optimizer steps taken (or loaded).
+    pub fn optimizer_steps(&self) -> u64 {
+        self.step
+    }
+
+    /// The weights by HF name (a tied head is not repeated as `lm_head.weight`, as HF saves it).
     pub fn export_weights(&self) -> Result<Weights> {
-        todo!()
+        self.export(&self.w)
     }
+
+    fn export(&self, bufs: &[B::Buf]) -> Result<Weights> {
+        let mut out = Weights::new();
+        for ((name, shape), buf) in self.names.iter().zip(&self.shapes).zip(bufs) {
+            let mut t = Tensor::zeros(shape.clone());
+            self.backend.download(buf, &mut t.data)?;
+            out.insert(name.clone(), t);
+        }
+        Ok(out)
+    }
+
+    /// Grows the workspace (all at once, before any layer runs) so it covers `need`.
+    fn reserve(&mut self, need: Caps) -> Result<()> {
+        if !self.ws.caps.covers(&need) {
+            let caps = self.ws.caps.max(&need);
+            // Drop the old workspace first so peak memory is one workspace, not two.
+            self.ws = Work::empty(&self.backend, &self.cfg)?;
+            self.ws = Work::new(&self.backend, &self.cfg, caps)?;
+        }
+        let chunk = self.logprob_chunk.max(1);
+        if need.rows > 0 && self.backend.len(&self.ws.scratch) < chunk * self.cfg.vocab_size {
+            self.ws.scratch = self.backend.alloc(chunk * self.cfg.vocab_size)?;
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, tokens: &[u32], what: &str) -> Result<()> {
+        let vocab = self.cfg.vocab_size;
+        if let Some((t, &id)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab)
+        {
+            bail!(input_error(format!(
+                "{what}: token id {id} at position {t} is outside the vocabulary ({vocab})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Packs `seqs` and uploads ids, positions, offsets, scored rows and targets. Returns
+    /// (tokens, scored rows).
+    fn pack(&mut self, seqs: &[SeqRef], train: bool) -> Result<(usize, usize)> {
+        let mut ids = Vec::new();
+        let mut pos = Vec::new();
+        let mut cu = vec![0u32];
+        let mut rows = Vec::new();
+        let mut targets = Vec::new();
+        for (s, seq) in seqs.iter().enumerate() {
+            if seq.start == 0 || seq.start > seq.tokens.len() {
+                bail!(input_error(format!(
+                    "sequence {s}: scoring starts at {} but must be in 1..={} (its length)",
+                    seq.start,
+                    seq.tokens.len()
+                )));
+            }
+            self.check_tokens(seq.tokens, &format!("sequence {s}"))?;
+            let off = ids.len() as u32;
+            for (t, &id) in seq.tokens.iter().enumerate() {
+                ids.push(id);
+                pos.push(t as u32);
+            }
+            for t in seq.start..seq.tokens.len() {
+                rows.push(off + t as u32 - 1);
+                targets.push(seq.tokens[t]);
+            }
+            cu.push(ids.len() as u32);
+        }
+        let (n, r) = (ids.len(), rows.len());
+        self.reserve(Caps {
+            tokens: n,
+            seqs: seqs.len(),
+            rows: r,
+            saved_layers: if train { self.cfg.num_layers.max(1) } else { 1 },
+            backward: train,
+        })?;
+        let (b, ws) = (&self.backend, &mut self.ws);
+        b.upload_idx(&mut ws.ids, &ids)?;
+        b.upload_idx(&mut ws.pos, &pos)?;
+        b.upload_idx(&mut ws.cu, &cu)?;
+        b.upload_idx(&mut ws.rows, &rows)?;
+        b.upload_idx(&mut ws.targets, &targets)?;
+        Ok((n, r))
+    }
+
+    /// Embedding and every layer for `n` tokens whose ids/positions (and offsets or cache rows)
+    /// are uploaded. `train` keeps each layer's activations. Returns the index of the residual
+    /// buffer that holds the last hidden state.
+    fn forward(
+        &mut self,
+        n: usize,
+        seqs: usize,
+        train: bool,
+        mut mode: AttnMode<B>,
+    ) -> Result<usize> {
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            layers,
+            ws,
+            embed,
+            ..
+        } = self;
+        let (d, f, hh, kh, hd) = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let (qd, kd, eps, theta) = (hh * hd, kh * hd, cfg.rms_norm_eps, cfg.rope_theta);
+        b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
+        for (l, ly) in layers.iter().enumerate() {
+            let (ri, rm, ro) = if train {
+                (2 * l, 2 * l + 1, 2 * l + 2)
+            } else {
+                (0, 0, 0)
+            };
+            let a = &mut ws.acts[if train { l } else { 0 }];
+            b.rmsnorm(
+                &mut a.xn1,
+                &mut a.rstd1,
+                &ws.resid[ri],
+                &w[ly.in_norm],
+                n,
+                d,
+                eps,
+            )?;
+            let (q_dst, k_dst) = if cfg.qk_norm {
+                (&mut a.q_raw, &mut a.k_raw)
+            } else {
+                (&mut a.q, &mut a.k)
+            };
+            b.matmul(
+                q_dst,
+                &a.xn1,
+                &w[ly.q],
+                ly.q_b.map(|i| &w[i]),
+                n,
+                d,
+                qd,
+                false,
+            )?;
+            b.matmul(
+                k_dst,
+                &a.xn1,
+                &w[ly.k],
+                ly.k_b.map(|i| &w[i]),
+                n,
+                d,
+                kd,
+                false,
+            )?;
+            b.matmul(
+                &mut a.v,
+                &a.xn1,
+                &w[ly.v],
+                ly.v_b.map(|i| &w[i]),
+                n,
+                d,
+                kd,
+                false,
+            )?;
+            if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
+                b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], n * hh, hd, eps)?;
+                b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], n * kh, hd, eps)?;
+            }
+            b.rope(&mut a.q, &ws.pos, n, hh, hd, theta)?;
+            b.rope(&mut a.k, &ws.pos, n, kh, hd, theta)?;
+            match &mut mode {
+                AttnMode::Packed => {
+                    let shape = AttnShape {
+                        tokens: n,
+                        seqs,
+                        heads: hh,
+                        kv_heads: kh,
+                        head_dim: hd,
+                    };
+                    b.attention(&mut a.o, &mut a.lse, &a.q, &a.k, &a.v, &ws.cu, shape)?;
+                }
+                AttnMode::Cached(cache) => {
+                    let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
+                    b.kv_store(kc, vc, &a.k, &a.v, &ws.kv_rows, n, kd)?;
+                    let shape = CachedAttnShape {
+                        queries: n,
+                        heads: hh,
+                        kv_heads: kh,
+                        head_dim: hd,
+                    };
+                    b.attention_cached(&mut a.o, &a.q, kc, vc, &ws.kv_base, &ws.kv_len, shape)?;
+                }
+            }
+            if train {
+                let (src, dst) = pair(&mut ws.resid, ri, rm);
+                b.copy(dst, 0, src, 0, n * d)?;
+            }
+            b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
+            b.rmsnorm(
+                &mut a.xn2,
+                &mut a.rstd2,
+                &ws.resid[rm],
+                &w[ly.post_norm],
+                n,
+                d,
+                eps,
+            )?;
+            b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
+            b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
+            b.swiglu(&mut ws.h, &a.g, &a.u, n * f)?;
+            if train {
+                let (src, dst) = pair(&mut ws.resid, rm, ro);
+                b.copy(dst, 0, src, 0, n * d)?;
+            }
+            b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, n, f, d, true)?;
+        }
+        Ok(if train { 2 * layers.len() } else { 0 })
+    }
+
+    /// Final norm of the scored rows and the fused log-prob; returns per-sequence stats.
+    fn score_rows(
+        &mut self,
+        last: usize,
+        seqs: &[SeqRef],
+        r: usize,
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<Vec<TokenStats>> {
+        let chunk = self.logprob_chunk.max(1);
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            ws,
+            final_norm,
+            head,
+            ..
+        } = self;
+        let d = cfg.hidden_size;
+        if r == 0 {
+            return Ok(seqs
+                .iter()
+                .map(|_| TokenStats {
+                    logprobs: vec![],
+                    entropy: entropy.then(Vec::new),
+                })
+                .collect());
+        }
+        b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
+        b.rmsnorm(
+            &mut ws.xf,
+            &mut ws.rstd_f,
+            &ws.xg,
+            &w[*final_norm],
+            r,
+            d,
+            cfg.rms_norm_eps,
+        )?;
+        let shape = LogprobShape {
+            rows: r,
+            hidden: d,
+            vocab: cfg.vocab_size,
+            temperature,
+            chunk,
+        };
+        let ent = if entropy { Some(&mut ws.ent) } else { None };
+        b.logprob(
+            &mut ws.lp,
+            ent,
+            &mut ws.lse_lp,
+            &ws.xf,
+            &w[*head],
+            &ws.targets,
+            shape,
+            &mut ws.scratch,
+        )?;
+        let mut lp = vec![0.0; r];
+        b.download(&ws.lp, &mut lp)?;
+        let mut ent = vec![0.0; if entropy { r } else { 0 }];
+        if entropy {
+            b.download(&ws.ent, &mut ent)?;
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for s in seqs {
+            let c = s.tokens.len() - s.start;
+            out.push(TokenStats {
+                logprobs: lp[off..off + c].to_vec(),
+                entropy: entropy.then(|| ent[off..off + c].to_vec()),
+            });
+            off += c;
+        }
+        Ok(out)
+    }
+
+    /// Log-probs (and optionally entropies) of every scored token of every sequence, under
+    /// softmax(logits / temperature). The sequences are packed into one pass; the caller
+    /// bounds its size (micro-batches by token budget).
     pub fn logprobs(
         &mut self,
         seqs: &[SeqRef],
         temperature: f32,
         entropy: bool,
     ) -> Result<Vec<TokenStats>> {
-        todo!()
+        check_temperature(temperature)?;
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (n, r) = self.pack(seqs, false)?;
+        let last = self.forward(n, seqs.len(), false, AttnMode::Packed)?;
+        self.score_rows(last, seqs, r, temperature, entropy)
     }
+
+    fn ensure_grads(&mut self) -> Result<()> {
+        if self.g.is_empty() {
+            for s in &self.shapes {
+                self.g.push(self.backend.alloc(s.iter().product())?);
+            }
+        }
+        Ok(())
+    }
+
+    /// One forward and backward pass over packed `seqs`: the callback gets the log-probs and
+    /// entropies of the scored tokens and returns dL/dlogprob (and dL/dentropy) for each; the
+    /// parameter gradients of L are added to the decoder's gradient buffers.
     pub fn forward_backward(
         &mut self,
         seqs: &[SeqRef],
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
-        todo!()
+        check_temperature(temperature)?;
+        self.ensure_grads()?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let (n, r) = self.pack(seqs, true)?;
+        let last = self.forward(n, seqs.len(), true, AttnMode::Packed)?;
+        let stats = self.score_rows(last, seqs, r, temperature, true)?;
+        let grads = loss(&stats)?;
+        ensure!(
+            grads.len() == seqs.len(),
+            "loss callback returned gradients for {} sequences, expected {}",
+            grads.len(),
+            seqs.len()
+        );
+        let mut dlp = Vec::with_capacity(r);
+        let mut dent = Vec::with_capacity(r);
+        let mut any_dent = false;
+        for (s, (gr, st)) in grads.iter().zip(&stats).enumerate() {
+            let c = st.logprobs.len();
+            ensure!(
+                gr.dlogprobs.len() == c,
+                "loss callback: sequence {s} has {c} scored tokens but {} dlogprobs",
+                gr.dlogprobs.len()
+            );
+            dlp.extend_from_slice(&gr.dlogprobs);
+            match &gr.dentropy {
+                Some(de) => {
+                    ensure!(
+                        de.len() == c,
+                        "loss callback: sequence {s} has {c} scored tokens but {} dentropy",
+                        de.len()
+                    );
+                    any_dent = true;
+                    dent.extend_from_slice(de);
+                }
+                None => dent.extend(std::iter::repeat_n(0.0, c)),
+            }
+        }
+        self.backward(
+            n,
+            seqs.len(),
+            r,
+            temperature,
+            &dlp,
+            any_dent.then_some(&dent[..]),
+        )
     }
+
+    fn backward(
+        &mut self,
+        n: usize,
+        seqs: usize,
+        r: usize,
+        temperature: f32,
+        dlp: &[f32],
+        dent: Option<&[f32]>,
+    ) -> Result<()> {
+        if r == 0 {
+            // Nothing scored: the loss does not depend on the weights.
+            return Ok(());
+        }
+        let chunk = self.logprob_chunk.max(1);
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            g,
+            layers,
+            ws,
+            embed,
+            final_norm,
+            head,
+            ..
+        } = self;
+        let gw = ws
+            .grad
+            .as_mut()
+            .expect("training workspace has gradient buffers");
+        let (d, f, hh, kh, hd) = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let (qd, kd, theta) = (hh * hd, kh * hd, cfg.rope_theta);
+        b.upload(&mut gw.dlp, dlp)?;
+        if let Some(de) = dent {
+            b.upload(&mut gw.dent, de)?;
+        }
+        let shape = LogprobShape {
+            rows: r,
+            hidden: d,
+            vocab: cfg.vocab_size,
+            temperature,
+            chunk,
+        };
+        b.logprob_backward(
+            &mut gw.dxf,
+            &mut g[*head],
+            &ws.xf,
+            &w[*head],
+            &ws.targets,
+            &ws.lse_lp,
+            &ws.ent,
+            &gw.dlp,
+            dent.map(|_| &gw.dent),
+            shape,
+            &mut ws.scratch,
+        )?;
+        b.rmsnorm_backward(
+            &mut gw.dxg,
+            &mut g[*final_norm],
+            &gw.dxf,
+            &ws.xg,
+            &w[*final_norm],
+            &ws.rstd_f,
+            r,
+            d,
+            false,
+        )?;
+        b.fill(&mut gw.d_resid, n * d, 0.0)?;
+        b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
+        for (l, ly) in layers.iter().enumerate().rev() {
+            let a = &ws.acts[l];
+            // MLP: h = swiglu(g, u) is recomputed rather than kept per layer.
+            b.swiglu(&mut ws.h, &a.g, &a.u, n * f)?;
+            b.matmul_backward_w(&mut g[ly.down], None, &gw.d_resid, &ws.h, n, f, d)?;
+            b.matmul_backward_x(&mut gw.dh, &gw.d_resid, &w[ly.down], n, f, d, false)?;
+            b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
+            b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, n, d, f)?;
+            b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, n, d, f)?;
+            b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], n, d, f, false)?;
+            b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], n, d, f, true)?;
+            b.rmsnorm_backward(
+                &mut gw.d_resid,
+                &mut g[ly.post_norm],
+                &gw.d_xn,
+                &ws.resid[2 * l + 1],
+                &w[ly.post_norm],
+                &a.rstd2,
+                n,
+                d,
+                true,
+            )?;
+            // Attention.
+            b.matmul_backward_w(&mut g[ly.o], None, &gw.d_resid, &a.o, n, qd, d)?;
+            b.matmul_backward_x(&mut gw.d_o, &gw.d_resid, &w[ly.o], n, qd, d, false)?;
+            let shape = AttnShape {
+                tokens: n,
+                seqs,
+                heads: hh,
+                kv_heads: kh,
+                head_dim: hd,
+            };
+            b.attention_backward(
+                &mut gw.dq, &mut gw.dk, &mut gw.dv, &gw.d_o, &a.q, &a.k, &a.v, &a.o, &a.lse,
+                &ws.cu, shape,
+            )?;
+            b.rope_backward(&mut gw.dq, &ws.pos, n, hh, hd, theta)?;
+            b.rope_backward(&mut gw.dk, &ws.pos, n, kh, hd, theta)?;
+            let (dq, dk) = if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
+                b.rmsnorm_backward(
+                    &mut gw.dq_raw,
+                    &mut g[qn],
+                    &gw.dq,
+                    &a.q_raw,
+                    &w[qn],
+                    &a.rstd_q,
+                    n * hh,
+                    hd,
+                    false,
+                )?;
+                b.rmsnorm_backward(
+                    &mut gw.dk_raw,
+                    &mut g[kn],
+                    &gw.dk,
+                    &a.k_raw,
+                    &w[kn],
+                    &a.rstd_k,
+                    n * kh,
+                    hd,
+                    false,
+                )?;
+                (&gw.dq_raw, &gw.dk_raw)
+            } else {
+                (&gw.dq, &gw.dk)
+            };
+            for (p, pb, dy, m, first) in [
+                (ly.q, ly.q_b, dq, qd, true),
+                (ly.k, ly.k_b, dk, kd, false),
+                (ly.v, ly.v_b, &gw.dv, kd, false),
+            ] {
+                let (gp, gb) = two_mut(g, p, pb);
+                b.matmul_backward_w(gp, gb, dy, &a.xn1, n, d, m)?;
+                b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], n, d, m, !first)?;
+            }
+            b.rmsnorm_backward(
+                &mut gw.d_resid,
+                &mut g[ly.in_norm],
+                &gw.d_xn,
+                &ws.resid[2 * l],
+                &w[ly.in_norm],
+                &a.rstd1,
+                n,
+                d,
+                true,
+            )?;
+        }
+        b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d)
+    }
+
+    /// Sets every gradient to zero (start of an optimizer step's accumulation).
     pub fn zero_grads(&mut self) -> Result<()> {
-        todo!()
+        for g in &mut self.g {
+            let n = self.backend.len(g);
+            self.backend.fill(g, n, 0.0)?;
+        }
+        Ok(())
     }
+
+    /// Global L2 norm of the accumulated gradients (0 before any backward pass).
     pub fn grad_norm(&self) -> Result<f32> {
-        todo!()
+        let mut s = 0f64;
+        for g in &self.g {
+            s += self.backend.sum_squares(g, self.backend.len(g))?;
+        }
+        Ok(s.sqrt() as f32)
     }
+
+    /// The gradients by HF name (for tests and debugging).
+    pub fn export_grads(&self) -> Result<Weights> {
+        ensure!(
+            !self.g.is_empty(),
+            "no gradients yet: run forward_backward first"
+        );
+        self.export(&self.g)
+    }
+
+    /// Clips the gradients to `max_grad_norm` (global L2, as torch's clip_grad_norm_) and takes
+    /// one AdamW step. A non-finite norm skips the step and leaves weights, moments and the
+    /// step count as they were. Gradients are not zeroed (call `zero_grads`).
     pub fn optimizer_step(
         &mut self,
         hp: &AdamWParams,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport> {
-        todo!()
+        let finite_nonneg = |x: f32| x.is_finite() && x >= 0.0;
+        if !(finite_nonneg(hp.lr)
+            && finite_nonneg(hp.weight_decay)
+            && (0.0..1.0).contains(&hp.beta1)
+            && (0.0..1.0).contains(&hp.beta2)
+            && hp.eps.is_finite()
+            && hp.eps > 0.0)
+        {
+            bail!(input_error(format!(
+                "AdamW: need lr >= 0, weight_decay >= 0, betas in [0, 1) and eps > 0, got {hp:?}"
+            )));
+        }
+        if let Some(c) = max_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                bail!(input_error(format!("grad clip must be positive, got {c}")));
+            }
+        }
+        ensure!(
+            !self.g.is_empty(),
+            "optimizer_step before any forward_backward"
+        );
+        let grad_norm = self.grad_norm()?;
+        if !grad_norm.is_finite() {
+            return Ok(StepReport {
+                grad_norm,
+                skipped: true,
+            });
+        }
+        // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), clamped to 1.
+        let grad_scale = max_grad_norm.map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0));
+        if self.m.is_empty() {
+            for s in &self.shapes {
+                let n = s.iter().product();
+                self.m.push(self.backend.alloc(n)?);
+                self.v.push(self.backend.alloc(n)?);
+            }
+        }
+        self.step += 1;
+        let t = self.step as i32;
+        let st = AdamWStep {
+            lr: hp.lr,
+            beta1: hp.beta1,
+            beta2: hp.beta2,
+            eps: hp.eps,
+            weight_decay: hp.weight_decay,
+            bias_correction1: (1.0 - (hp.beta1 as f64).powi(t)) as f32,
+            bias_correction2: (1.0 - (hp.beta2 as f64).powi(t)) as f32,
+            grad_scale,
+        };
+        for i in 0..self.w.len() {
+            let n = self.backend.len(&self.w[i]);
+            self.backend.adamw(
+                &mut self.w[i],
+                &self.g[i],
+                &mut self.m[i],
+                &mut self.v[i],
+                n,
+                &st,
+            )?;
+        }
+        Ok(StepReport {
+            grad_norm,
+            skipped: false,
+        })
     }
+
+    /// Adam moments by parameter name and the step count.
     pub fn optimizer_state(&self) -> Result<OptimizerState> {
-        todo!()
+        if self.m.is_empty() {
+            return Ok(OptimizerState {
+                step: self.step,
+                ..Default::default()
+            });
+        }
+        Ok(OptimizerState {
+            step: self.step,
+            exp_avg: self.export(&self.m)?,
+            exp_avg_sq: self.export(&self.v)?,
+        })
     }
+
+    /// Restores what `optimizer_state` returned, so training resumes exactly. Every parameter
+    /// must have both moments with its shape (input errors otherwise).
     pub fn load_optimizer_state(&mut self, state: &OptimizerState) -> Result<()> {
-        todo!()
+        if state.exp_avg.is_empty() && state.exp_avg_sq.is_empty() {
+            self.m.clear();
+            self.v.clear();
+            self.step = state.step;
+            return Ok(());
+        }
+        let mut m = Vec::with_capacity(self.names.len());
+        let mut v = Vec::with_capacity(self.names.len());
+        for (name, shape) in self.names.iter().zip(&self.shapes) {
+            for (map, what, out) in [
+                (&state.exp_avg, "exp_avg", &mut m),
+                (&state.exp_avg_sq, "exp_avg_sq", &mut v),
+            ] {
+                let t = map.get(name).ok_or_else(|| {
+                    input_error(format!("optimizer state: {what} of '{name}' is missing"))
+                })?;
+                if &t.shape != shape {
+                    bail!(input_error(format!(
+                        "optimizer state: {what} of '{name}' has shape {:?}, the model's is {shape:?}",
+                        t.shape
+                    )));
+                }
+                let mut buf = self.backend.alloc(t.numel())?;
+                self.backend.upload(&mut buf, &t.data)?;
+                out.push(buf);
+            }
+        }
+        for (what, map) in [
+            ("exp_avg", &state.exp_avg),
+            ("exp_avg_sq", &state.exp_avg_sq),
+        ] {
+            if let Some(extra) = map.keys().find(|k| !self.names.contains(k)) {
+                bail!(input_error(format!(
+                    "optimizer state: {what} has '{extra}', which the model does not have"
+                )));
+            }
+        }
+        self.m = m;
+        self.v = v;
+        self.step = state.step;
+        Ok(())
     }
+
+    /// A KV cache of `slots` sequences of at most `max_len` tokens.
     pub fn new_cache(&self, slots: usize, max_len: usize) -> Result<KvCache<B>> {
-        todo!()
+        let n = slots * max_len * self.cfg.num_kv_heads * self.cfg.head_dim;
+        let mut k = Vec::with_capacity(self.cfg.num_layers);
+        let mut v = Vec::with_capacity(self.cfg.num_layers);
+        for _ in 0..self.cfg.num_layers {
+            k.push(self.backend.alloc(n)?);
+            v.push(self.backend.alloc(n)?);
+        }
+        Ok(KvCache {
+            k,
+            v,
+            lens: vec![0; slots],
+            max_len,
+        })
     }
-    /// Runs `tokens` into an empty (or freed) slot; returns the logits of the last position.
+
+    /// Runs `entries` (slot, token) through the model against the cache: each token goes at
+    /// its slot's next position (tokens of one slot in order). Returns the logits of the
+    /// entries listed in `out`, `[out.len(), vocab]` row-major.
+    fn forward_cached(
+        &mut self,
+        cache: &mut KvCache<B>,
+        entries: &[(usize, u32)],
+        out: &[u32],
+    ) -> Result<Vec<f32>> {
+        let n = entries.len();
+        let ml = cache.max_len;
+        let mut lens = cache.lens.clone();
+        let (mut ids, mut pos) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut rows, mut base, mut len) = (Vec::new(), Vec::new(), Vec::new());
+        for &(slot, tok) in entries {
+            ensure!(slot < lens.len(), "KV cache has no slot {slot}");
+            let p = lens[slot];
+            if p >= ml {
+                bail!(input_error(format!(
+                    "KV cache slot {slot} is full ({ml} tokens)"
+                )));
+            }
+            lens[slot] += 1;
+            ids.push(tok);
+            pos.push(p as u32);
+            rows.push((slot * ml + p) as u32);
+            base.push((slot * ml) as u32);
+            len.push(p as u32 + 1);
+        }
+        self.check_tokens(&ids, "generation input")?;
+        self.reserve(Caps {
+            tokens: n,
+            seqs: 1,
+            rows: out.len(),
+            saved_layers: 1,
+            backward: false,
+        })?;
+        let v = self.cfg.vocab_size;
+        {
+            let (b, ws) = (&self.backend, &mut self.ws);
+            b.upload_idx(&mut ws.ids, &ids)?;
+            b.upload_idx(&mut ws.pos, &pos)?;
+            b.upload_idx(&mut ws.kv_rows, &rows)?;
+            b.upload_idx(&mut ws.kv_base, &base)?;
+            b.upload_idx(&mut ws.kv_len, &len)?;
+            b.upload_idx(&mut ws.rows, out)?;
+            if b.len(&ws.logits) < out.len() * v {
+                ws.logits = b.alloc(out.len() * v)?;
+            }
+        }
+        let last = self.forward(n, 1, false, AttnMode::Cached(cache))?;
+        cache.lens = lens;
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            ws,
+            final_norm,
+            head,
+            ..
+        } = self;
+        let (d, r) = (cfg.hidden_size, out.len());
+        b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
+        b.rmsnorm(
+            &mut ws.xf,
+            &mut ws.rstd_f,
+            &ws.xg,
+            &w[*final_norm],
+            r,
+            d,
+            cfg.rms_norm_eps,
+        )?;
+        b.matmul(&mut ws.logits, &ws.xf, &w[*head], None, r, d, v, false)?;
+        let mut logits = vec![0.0; r * v];
+        b.download(&ws.logits, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// Appends `tokens` to a slot (a fresh or freed slot: the prompt) and returns the logits of
+    /// the last position.
     pub fn prefill(
         &mut self,
         cache: &mut KvCache<B>,
         slot: usize,
         tokens: &[u32],
     ) -> Result<Vec<f32>> {
-        todo!()
+        ensure!(!tokens.is_empty(), "prefill needs at least one token");
+        let entries: Vec<(usize, u32)> = tokens.iter().map(|&t| (slot, t)).collect();
+        self.forward_cached(cache, &entries, &[tokens.len() as u32 - 1])
     }
-    /// One token per slot; returns logits `[slots.len(), vocab]` row-major.
+
+    /// One token per slot (slots distinct); returns logits `[slots.len(), vocab]` row-major.
     pub fn decode(
         &mut self,
         cache: &mut KvCache<B>,
         slots: &[usize],
         tokens: &[u32],
     ) -> Result<Vec<f32>> {
-        todo!()
+        ensure!(
+            slots.len() == tokens.len(),
+            "decode: {} slots but {} tokens",
+            slots.len(),
+            tokens.len()
+        );
+        let mut seen = vec![false; cache.slots()];
+        for &s in slots {
+            ensure!(s < seen.len(), "KV cache has no slot {s}");
+            ensure!(!seen[s], "decode: slot {s} appears twice");
+            seen[s] = true;
+        }
+        if slots.is_empty() {
+            return Ok(Vec::new());
+        }
+        let entries: Vec<(usize, u32)> =
+            slots.iter().copied().zip(tokens.iter().copied()).collect();
+        let out: Vec<u32> = (0..slots.len() as u32).collect();
+        self.forward_cached(cache, &entries, &out)
     }
-    pub fn fork(&mut self, cache: &mut KvCache<B>, from_slot: usize, to_slot: usize) -> Result<()> {
-        todo!()
-    }
-}
 
-impl<B: Backend> KvCache<B> {
-    /// Forget a slot's contents so it can be prefilled again.
-    pub fn free(&mut self, slot: usize) {
-        todo!()
+    /// Copies slot `from_slot`'s keys and values into `to_slot`, so n samples share one prompt
+    /// prefill.
+    pub fn fork(&mut self, cache: &mut KvCache<B>, from_slot: usize, to_slot: usize) -> Result<()> {
+        ensure!(
+            from_slot < cache.slots() && to_slot < cache.slots(),
+            "KV cache has {} slots, fork {from_slot} -> {to_slot}",
+            cache.slots()
+        );
+        if from_slot == to_slot {
+            return Ok(());
+        }
+        let row = self.cfg.num_kv_heads * self.cfg.head_dim;
+        let (n, ml) = (cache.lens[from_slot] * row, cache.max_len * row);
+        for buf in cache.k.iter_mut().chain(cache.v.iter_mut()) {
+            self.backend
+                .copy_within(buf, to_slot * ml, from_slot * ml, n)?;
+        }
+        cache.lens[to_slot] = cache.lens[from_slot];
+        Ok(())
     }
 }

@@ -22,6 +22,10 @@ enum Cmd {
     Bench(tandem::bench::BenchArgs),
     /// Import a dataset (GSM8K, any jsonl) as a prompt parquet file in verl's schema.
     Prepare(tandem::data::prepare::PrepareArgs),
+    /// Write a randomly initialised model (HF layout) for tests and demos.
+    InitModel(tandem::model::init::InitModelArgs),
+    /// Load a model directory with every check and print a summary.
+    ModelInfo(tandem::model::info::ModelInfoArgs),
 }
 
 fn main() -> ExitCode {
@@ -29,5 +33,7 @@ fn main() -> ExitCode {
     tandem::error::run_main(|| match cli.cmd {
         Cmd::Bench(a) => tandem::bench::run(a),
         Cmd::Prepare(args) => tandem::data::prepare::run(args),
+        Cmd::InitModel(args) => tandem::model::init::run(args),
+        Cmd::ModelInfo(args) => tandem::model::info::run(args),
     })
 }

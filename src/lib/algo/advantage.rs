@@ -10,6 +10,12 @@
 //!   outcome (verl puts it on the padding) so it counts in its group's statistics.
 //! - Groups are the rows sharing a `prompt_uid`.
 //! - Outputs are 0 on masked positions; whitening (verl's `masked_whiten`) uses valid tokens only.
+//! - Observation tokens (mask 0 inside a response, e.g. tool output) are skipped by the
+//!   recursions: gae carries V and A across them as verl does, and reinforce_plus_plus carries
+//!   its discounted return across them the same way. (verl's reinforce_plus_plus resets the
+//!   return at every mask-0 token, which is right for its right padding but would cut a
+//!   multi-turn response's earlier turns off the final score; rows here have no padding, and on
+//!   responses without observation tokens both agree.)
 
 use super::kl::KlPenalty;
 use super::rows_mut;
@@ -143,10 +149,7 @@ pub struct Estimator {
     pub run: AdvFn,
 }
 
-const GROUPED: &[(&str, &str)] = &[(
-    schema::PROMPT_UID,
-    "it groups the samples of one prompt",
-)];
+const GROUPED: &[(&str, &str)] = &[(schema::PROMPT_UID, "it groups the samples of one prompt")];
 
 /// The registry, by name.
 pub const ESTIMATORS: &[Estimator] = &[
@@ -564,5 +567,328 @@ pub fn masked_stats(mask: &[u8], x: &[f32]) -> MaskedStats {
         },
         min: if count > 0 { min } else { 0.0 },
         max: if count > 0 { max } else { 0.0 },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Six rows in three groups:
+    /// - "a": scores 1, 0, 0.5; masks [1,1,1], [1,1], [1,0,1,0] (valid lengths 3, 2, 2)
+    /// - "b": one row, score -2, mask [1,1]
+    /// - "c": scores 3, 3 (all equal); the first row fully masked [0,0], the second [1]
+    struct Fixture {
+        offsets: Vec<usize>,
+        mask: Vec<u8>,
+        scores: Vec<f32>,
+        groups: Groups,
+    }
+
+    fn fixture() -> Fixture {
+        let masks: [&[u8]; 6] = [&[1, 1, 1], &[1, 1], &[1, 0, 1, 0], &[1, 1], &[0, 0], &[1]];
+        let mut offsets = vec![0];
+        let mut mask = vec![];
+        for m in masks {
+            mask.extend_from_slice(m);
+            offsets.push(mask.len());
+        }
+        Fixture {
+            offsets,
+            mask,
+            scores: vec![1.0, 0.0, 0.5, -2.0, 3.0, 3.0],
+            groups: Groups::from_keys(&["a", "a", "a", "b", "c", "c"]),
+        }
+    }
+
+    fn run(name: &str, p: &AdvParams, baseline: Option<&[f32]>) -> (Rewards, AdvOutput) {
+        let f = fixture();
+        let r = token_rewards(&f.offsets, &f.mask, &f.scores, None);
+        let x = AdvInput {
+            offsets: &f.offsets,
+            mask: &f.mask,
+            token_rewards: &r.token_rewards,
+            outcome: &r.outcome,
+            groups: Some(&f.groups),
+            values: None,
+            baseline,
+        };
+        let out = (estimator(name).unwrap().run)(&x, p).unwrap();
+        (r, out)
+    }
+
+    /// Expand one value per row onto the fixture's valid tokens.
+    fn per_row(v: [f64; 6]) -> Vec<f32> {
+        let f = fixture();
+        broadcast(&f.offsets, &f.mask, &v)
+    }
+
+    fn close(got: &[f32], want: &[f32], tol: f32) {
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= tol,
+                "index {i}: got {g}, want {w}\n{got:?}\n{want:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn groups_and_token_rewards() {
+        let f = fixture();
+        assert_eq!(f.groups.of_row, vec![0, 0, 0, 1, 2, 2]);
+        assert_eq!(f.groups.sizes(), vec![3, 1, 2]);
+        let r = token_rewards(&f.offsets, &f.mask, &f.scores, None);
+        // Each score on its row's last valid token; the fully masked row has nowhere to put it.
+        #[rustfmt::skip]
+        let want = [0., 0., 1.,  0., 0.,  0., 0., 0.5, 0.,  0., -2.,  0., 0.,  3.];
+        close(&r.token_rewards, &want, 0.0);
+        // ...but its outcome is still its score.
+        assert_eq!(r.outcome, vec![1.0, 0.0, 0.5, -2.0, 3.0, 3.0]);
+        assert_eq!(r.kl, None);
+    }
+
+    #[test]
+    fn grpo_hand_values() {
+        let (_, out) = run("grpo", &AdvParams::default(), None);
+        // a: mean 0.5, unbiased std sqrt((0.25 + 0.25 + 0)/2) = 0.5 -> ±0.5/(0.5 + 1e-6), 0
+        // b: a group of one: mean 0, std 1 -> -2/(1 + 1e-6)
+        // c: all equal: 0/(0 + 1e-6) = 0
+        let e = 1e-6;
+        let want = per_row([
+            0.5 / (0.5 + e),
+            -0.5 / (0.5 + e),
+            0.0,
+            -2.0 / (1.0 + e),
+            0.0,
+            0.0,
+        ]);
+        close(&out.advantages, &want, 1e-7);
+        assert_eq!(out.returns, out.advantages);
+        // Dr.GRPO: no division by the std
+        let p = AdvParams {
+            norm_by_std: false,
+            ..AdvParams::default()
+        };
+        let (_, out) = run("grpo", &p, None);
+        close(
+            &out.advantages,
+            &per_row([0.5, -0.5, 0.0, -2.0, 0.0, 0.0]),
+            0.0,
+        );
+    }
+
+    #[test]
+    fn rloo_hand_values() {
+        let (_, out) = run("rloo", &AdvParams::default(), None);
+        // a: n = 3: 3/2 * (s - 0.5) = 0.75, -0.75, 0; b: a group of one keeps its score -2;
+        // c: 2 * (3 - 3) = 0
+        close(
+            &out.advantages,
+            &per_row([0.75, -0.75, 0.0, -2.0, 0.0, 0.0]),
+            1e-7,
+        );
+    }
+
+    #[test]
+    fn opo_hand_values() {
+        let (_, out) = run("opo", &AdvParams::default(), None);
+        // a: baseline (3*1 + 2*0 + 2*0.5) / (3 + 2 + 2) = 4/7; b: alone, baseline 0;
+        // c: (0*3 + 1*3) / (0 + 1) = 3
+        let b = 4.0 / 7.0;
+        close(
+            &out.advantages,
+            &per_row([1.0 - b, -b, 0.5 - b, -2.0, 0.0, 0.0]),
+            1e-7,
+        );
+    }
+
+    #[test]
+    fn gpg_hand_values() {
+        let (_, out) = run("gpg", &AdvParams::default(), None);
+        // 5 of 6 outcomes are nonzero: alpha = 6/5; group means 0.5, 0 (alone), 3
+        close(
+            &out.advantages,
+            &per_row([0.6, -0.6, 0.0, -2.4, 0.0, 0.0]),
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn reinforce_plus_plus_baseline_hand_values() {
+        let (_, out) = run("reinforce_plus_plus_baseline", &AdvParams::default(), None);
+        // Before whitening, on valid tokens: 0.5 (x3), -0.5 (x2), 0 (x2), -2 (x2), 0 (x1).
+        // n = 10, sum = 1.5 - 1 - 4 = -3.5, mean = -0.35;
+        // Σ(x - mean)² = 3*0.85² + 2*0.15² + 2*0.35² + 2*1.65² + 0.35² = 8.025; var = 8.025/9
+        let mean = -3.5 / (10.0 + 1e-8);
+        let sd = (8.025 / 9.0 + 1e-8f64).sqrt();
+        let w = |x: f64| (x - mean) / sd;
+        let want = per_row([w(0.5), w(-0.5), w(0.0), w(-2.0), 0.0, w(0.0)]);
+        close(&out.advantages, &want, 1e-6);
+    }
+
+    #[test]
+    fn reinforce_plus_plus_hand_values() {
+        let p = AdvParams {
+            gamma: 0.5,
+            ..AdvParams::default()
+        };
+        let (_, out) = run("reinforce_plus_plus", &p, None);
+        // Discounted returns over valid tokens (gamma 0.5); the observation token of row 2
+        // passes the return through (verl would cut it there, see the module docs):
+        // [0.25, 0.5, 1], [0, 0], [0.25, -, 0.5, -], [-1, -2], [-, -], [3]
+        #[rustfmt::skip]
+        let returns: [f32; 14] = [0.25, 0.5, 1.0,  0.0, 0.0,  0.25, 0.0, 0.5, 0.0,  -1.0, -2.0,  0.0, 0.0,  3.0];
+        close(&out.returns, &returns, 0.0);
+        // n = 10, sum = 1.75 + 0 + 0.75 - 3 + 3 = 2.5, mean 0.25;
+        // Σ(x - mean)² = 0 + .0625 + .5625 + .0625 + .0625 + 0 + .0625 + 1.5625 + 5.0625 + 7.5625
+        // = 15, var = 15/9
+        let mean = 2.5 / (10.0 + 1e-8);
+        let sd = (15.0 / 9.0 + 1e-8f64).sqrt();
+        let f = fixture();
+        let want: Vec<f32> = returns
+            .iter()
+            .zip(&f.mask)
+            .map(|(&g, &m)| {
+                if m != 0 {
+                    ((g as f64 - mean) / sd) as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        close(&out.advantages, &want, 1e-6);
+    }
+
+    #[test]
+    fn remax_hand_values() {
+        let b = [0.5, 0.5, 0.5, -1.0, 0.0, 2.0];
+        let (_, out) = run("remax", &AdvParams::default(), Some(&b));
+        // Reward-to-go (no discount) over valid tokens, minus the row's greedy baseline.
+        #[rustfmt::skip]
+        let returns = [1.0, 1.0, 1.0,  0.0, 0.0,  0.5, 0.0, 0.5, 0.0,  -2.0, -2.0,  0.0, 0.0,  3.0];
+        close(&out.returns, &returns, 0.0);
+        #[rustfmt::skip]
+        let adv = [0.5, 0.5, 0.5,  -0.5, -0.5,  0.0, 0.0, 0.0, 0.0,  -1.0, -1.0,  0.0, 0.0,  1.0];
+        close(&out.advantages, &adv, 0.0);
+    }
+
+    #[test]
+    fn gae_hand_values() {
+        // Row A: mask [1,0,1], score 1, values [0.5, 9 (observation, unused), 0.25]
+        // Row B: mask [1,1], score -1, values [0.1, -0.2]; gamma 0.9, lambda 0.8
+        let offsets = [0, 3, 5];
+        let mask = [1, 0, 1, 1, 1];
+        let values = [0.5, 9.0, 0.25, 0.1, -0.2];
+        let r = token_rewards(&offsets, &mask, &[1.0, -1.0], None);
+        let x = AdvInput {
+            offsets: &offsets,
+            mask: &mask,
+            token_rewards: &r.token_rewards,
+            outcome: &r.outcome,
+            groups: None,
+            values: Some(&values),
+            baseline: None,
+        };
+        let p = AdvParams {
+            gamma: 0.9,
+            lam: 0.8,
+            ..AdvParams::default()
+        };
+        let out = (estimator("gae").unwrap().run)(&x, &p).unwrap();
+        // A t2: δ = 1 - 0.25 = 0.75, A = 0.75, ret 1.0
+        // A t0: δ = 0.9*0.25 - 0.5 = -0.275, A = -0.275 + 0.72*0.75 = 0.265, ret 0.765
+        // B t1: δ = -1 + 0.2 = -0.8, A = -0.8, ret -1.0
+        // B t0: δ = 0.9*(-0.2) - 0.1 = -0.28, A = -0.28 + 0.72*(-0.8) = -0.856, ret -0.756
+        close(&out.returns, &[0.765, 0.0, 1.0, -0.756, -1.0], 1e-6);
+        let raw = [0.265, 0.75, -0.856, -0.8];
+        let mean = raw.iter().sum::<f64>() / (4.0 + 1e-8);
+        let var = raw.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / 3.0;
+        let w = |v: f64| ((v - mean) / (var + 1e-8).sqrt()) as f32;
+        close(
+            &out.advantages,
+            &[w(0.265), 0.0, w(0.75), w(-0.856), w(-0.8)],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn kl_in_reward_hand_values() {
+        // Row 0: old [-1, -2, -0.5], ref [-1.5, -2, -1] (d = 0.5, 0, 0.5), score 1
+        // Row 1: mask [1, 0], old [-1.2, -5], ref [-1.0, 0] (d = -0.2, masked), score 2
+        let offsets = [0, 3, 5];
+        let mask = [1, 1, 1, 1, 0];
+        let old = [-1.0, -2.0, -0.5, -1.2, -5.0];
+        let rf = [-1.5, -2.0, -1.0, -1.0, 0.0];
+        let k3 = |d: f64| (-d).exp() + d - 1.0;
+        // (name, kl of d = 0.5, kl of d = -0.2)
+        let cases = [
+            ("k1", 0.5, -0.2),
+            ("abs", 0.5, 0.2),
+            ("k2", 0.125, 0.02),
+            ("k3", k3(0.5), k3(-0.2)),
+        ];
+        for (name, k05, k02) in cases {
+            let kl = KlInReward {
+                old: &old,
+                ref_lp: &rf,
+                penalty: name.parse().unwrap(),
+                beta: 0.1,
+            };
+            let r = token_rewards(&offsets, &mask, &[1.0, 2.0], Some(&kl));
+            let want = [-0.1 * k05, 0.0, 1.0 - 0.1 * k05, 2.0 - 0.1 * k02, 0.0];
+            let want: Vec<f32> = want.iter().map(|&v| v as f32).collect();
+            close(&r.token_rewards, &want, 1e-7);
+            let o = [1.0 - 0.1 * 2.0 * k05, 2.0 - 0.1 * k02];
+            // (inputs are f32, so -1.2 and friends are not exact)
+            assert!((r.outcome[0] - o[0]).abs() < 1e-7 && (r.outcome[1] - o[1]).abs() < 1e-7);
+            // current kl: mean over rows of each row's mean over valid tokens
+            let current = (2.0 * k05 / 3.0 + k02) / 2.0;
+            assert!((r.kl.unwrap() - current).abs() < 1e-7, "{name}: {:?}", r.kl);
+        }
+    }
+
+    #[test]
+    fn whitening_needs_two_tokens() {
+        let r = token_rewards(&[0, 1], &[1], &[1.0], None);
+        let x = AdvInput {
+            offsets: &[0, 1],
+            mask: &[1],
+            token_rewards: &r.token_rewards,
+            outcome: &r.outcome,
+            groups: None,
+            values: None,
+            baseline: None,
+        };
+        let err =
+            (estimator("reinforce_plus_plus").unwrap().run)(&x, &AdvParams::default()).unwrap_err();
+        assert!(err.to_string().contains("at least 2, found 1"), "{err}");
+        assert!(crate::error::is_input_error(&err));
+    }
+
+    #[test]
+    fn stats_over_valid_tokens() {
+        let s = masked_stats(&[1, 0, 1, 1], &[1.0, 100.0, 2.0, 6.0]);
+        // mean 3, unbiased var ((4 + 1 + 9) / 2) = 7
+        assert_eq!((s.count, s.mean, s.min, s.max), (3, 3.0, 1.0, 6.0));
+        assert!((s.std - 7f64.sqrt()).abs() < 1e-12);
+    }
+
+    #[test]
+    fn registry_has_every_estimator_once() {
+        let n = names();
+        for want in [
+            "grpo",
+            "rloo",
+            "reinforce_plus_plus",
+            "reinforce_plus_plus_baseline",
+            "opo",
+            "gpg",
+            "remax",
+            "gae",
+        ] {
+            assert_eq!(n.iter().filter(|&&x| x == want).count(), 1, "{want}");
+        }
+        assert!(estimator("ppo").is_none());
     }
 }

@@ -130,7 +130,12 @@ pub fn agg(
         let (m, x) = (&mask[w[0]..w[1]], &values[w[0]..w[1]]);
         let n = m.iter().filter(|&&v| v != 0).count();
         let weight = norm.row_weight(mode, n)?;
-        let s: f64 = m.iter().zip(x).filter(|(&m, _)| m != 0).map(|(_, &v)| v).sum();
+        let s: f64 = m
+            .iter()
+            .zip(x)
+            .filter(|(&m, _)| m != 0)
+            .map(|(_, &v)| v)
+            .sum();
         total += weight * s;
     }
     Ok(total)

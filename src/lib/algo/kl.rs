@@ -45,7 +45,11 @@ impl FromStr for KlPenalty {
             "abs" => KlKind::Abs,
             "k2" | "mse" => KlKind::K2,
             "k3" | "low_var_kl" => KlKind::K3,
-            _ => return Err(format!("unknown KL penalty '{s}' (expected {KL_PENALTY_NAMES})")),
+            _ => {
+                return Err(format!(
+                    "unknown KL penalty '{s}' (expected {KL_PENALTY_NAMES})"
+                ))
+            }
         };
         Ok(KlPenalty {
             kind,
@@ -124,7 +128,10 @@ fn sign(x: f64) -> f64 {
 pub enum KlCtrl {
     Fixed,
     /// Ziegler et al. 2019 (arXiv:1909.08593): β ← β·(1 + clip(kl/target − 1, ±0.2)·n/horizon).
-    Adaptive { target: f64, horizon: f64 },
+    Adaptive {
+        target: f64,
+        horizon: f64,
+    },
 }
 
 /// The β controller (verl's FixedKLController / AdaptiveKLController).
@@ -259,13 +266,17 @@ mod tests {
             target: 0.1,
             horizon: 10_000.0,
         };
-        // kl = 0.15: err = clip(0.5, ±0.2) = 0.2; beta = 0.001 * (1 + 0.2 * 256 / 10000) = 0.0010512
+        // kl = 0.15: err = clip(0.5, ±0.2) = 0.2; beta = 0.001 * (1 + 0.2 * 256 / 10000) = 0.00100512
         let mut c = KlController { beta: 0.001, ctrl };
         c.update(0.15, 256);
-        assert!((c.beta - 0.001_051_2).abs() < 1e-15, "{}", c.beta);
-        // kl = 0.09: err = -0.1; beta = 0.0010512 * (1 - 0.1 * 256 / 10000) = 0.0010485089...
+        assert!((c.beta - 0.001_005_12).abs() < 1e-15, "{}", c.beta);
+        // kl = 0.09: err = -0.1; beta = 0.00100512 * (1 - 0.1 * 256 / 10000) = 0.00100512 * 0.99744
         c.update(0.09, 256);
-        assert!((c.beta - 0.001_051_2 * 0.997_44).abs() < 1e-15, "{}", c.beta);
+        assert!(
+            (c.beta - 0.001_005_12 * 0.997_44).abs() < 1e-15,
+            "{}",
+            c.beta
+        );
         // kl = 0: err = clip(-1) = -0.2; 1 - 0.2 * 1000 / 10000 = 0.98
         let mut c = KlController { beta: 0.5, ctrl };
         c.update(0.0, 1000);

@@ -163,7 +163,10 @@ impl LossConfig {
         }
         if let Some(k) = self.kl_loss {
             if !(k.coef.is_finite() && k.coef >= 0.0) {
-                bail_input!("--kl-loss-coef must be a finite number >= 0, got {}", k.coef);
+                bail_input!(
+                    "--kl-loss-coef must be a finite number >= 0, got {}",
+                    k.coef
+                );
             }
         }
         if let Some(r) = self.rollout_is {
@@ -285,7 +288,10 @@ impl D {
     }
     fn exp(self) -> D {
         let e = self.v.exp();
-        D { v: e, d: e * self.d }
+        D {
+            v: e,
+            d: e * self.d,
+        }
     }
     fn clamp(self, lo: f64, hi: f64) -> D {
         if self.v < lo {
@@ -346,7 +352,10 @@ fn compute<T: Real>(
         ("entropies", x.entropy.map(|v| v.len())),
     ] {
         if let Some(len) = len {
-            ensure!(len == n_tok, "loss: {name} has {len} tokens, offsets say {n_tok}");
+            ensure!(
+                len == n_tok,
+                "loss: {name} has {len} tokens, offsets say {n_tok}"
+            );
         }
     }
     let mode = cfg.mode;
@@ -374,7 +383,11 @@ fn compute<T: Real>(
         return Err(need("per-token entropies", "--entropy-coeff"));
     }
 
-    let (lo, hi, c) = (1.0 - cfg.clip_low(), 1.0 + cfg.clip_high(), cfg.clip_ratio_c);
+    let (lo, hi, c) = (
+        1.0 - cfg.clip_low(),
+        1.0 + cfg.clip_high(),
+        cfg.clip_ratio_c,
+    );
     let mut grad_lp = vec![T::from_f64(0.0); n_tok];
     let mut grad_entropy = x.entropy.map(|_| vec![T::from_f64(0.0); n_tok]);
     let mut m = LossMetrics::default();
@@ -403,7 +416,11 @@ fn compute<T: Real>(
         // GSPO: log s_i = mean_t (lp − old) at the anchor (detached)
         let gspo_log_s = match (mode, old) {
             (LossMode::Gspo, Some(old)) => {
-                valid.iter().map(|&t| at(anchor, t) - at(old, t)).sum::<f64>() / n as f64
+                valid
+                    .iter()
+                    .map(|&t| at(anchor, t) - at(old, t))
+                    .sum::<f64>()
+                    / n as f64
             }
             _ => 0.0,
         };
@@ -508,4 +525,598 @@ fn compute<T: Real>(
         grad_entropy,
         metrics: m,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A micro-batch in f64, built row by row.
+    #[derive(Clone, Default)]
+    struct Case {
+        offsets: Vec<usize>,
+        mask: Vec<u8>,
+        lp: Vec<f64>,
+        old: Vec<f64>,
+        adv: Vec<f64>,
+        ref_lp: Vec<f64>,
+        rollout: Vec<f64>,
+        entropy: Vec<f64>,
+    }
+
+    impl Case {
+        fn new() -> Case {
+            Case {
+                offsets: vec![0],
+                ..Case::default()
+            }
+        }
+        /// One token: (mask, lp, old, advantage); ref, rollout and entropy get defaults.
+        fn tok(mut self, m: u8, lp: f64, old: f64, adv: f64) -> Case {
+            self.mask.push(m);
+            self.lp.push(lp);
+            self.old.push(old);
+            self.adv.push(adv);
+            self.ref_lp.push(lp);
+            self.rollout.push(old);
+            self.entropy.push(1.0);
+            self
+        }
+        fn end_row(mut self) -> Case {
+            self.offsets.push(self.mask.len());
+            self
+        }
+        fn inputs(&self) -> LossInputs<'_, f64> {
+            LossInputs {
+                offsets: &self.offsets,
+                mask: &self.mask,
+                lp: &self.lp,
+                old: Some(&self.old),
+                advantages: Some(&self.adv),
+                ref_lp: Some(&self.ref_lp),
+                rollout: Some(&self.rollout),
+                entropy: Some(&self.entropy),
+            }
+        }
+        fn norm(&self) -> LossNorm {
+            LossNorm::of_mask(&self.offsets, &self.mask, None)
+        }
+        fn run(&self, cfg: &LossConfig) -> LossOutput<f64> {
+            policy_loss(cfg, &self.inputs(), &self.norm(), 1.0).unwrap()
+        }
+    }
+
+    fn cfg(mode: &str, agg: &str) -> LossConfig {
+        LossConfig {
+            agg: agg.parse().unwrap(),
+            ..LossConfig::new(mode.parse().unwrap())
+        }
+    }
+
+    fn close(got: f64, want: f64, what: &str) {
+        assert!(
+            (got - want).abs() <= 1e-12 * want.abs().max(1.0),
+            "{what}: got {got}, want {want}"
+        );
+    }
+
+    fn close_all(got: &[f64], want: &[f64], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            close(g, w, &format!("{what}[{i}]"));
+        }
+    }
+
+    /// Row 0: (A=1, r=1.5), (A=-1, r=0.5), (A=-1, r=4); row 1: (A=2, r=1), (A=-1, r=1.1) and a
+    /// masked token. old = -1 everywhere, lp = -1 + ln r.
+    fn vanilla_case() -> Case {
+        let l = |r: f64| -1.0 + r.ln();
+        Case::new()
+            .tok(1, l(1.5), -1.0, 1.0)
+            .tok(1, l(0.5), -1.0, -1.0)
+            .tok(1, l(4.0), -1.0, -1.0)
+            .end_row()
+            .tok(1, l(1.0), -1.0, 2.0)
+            .tok(1, l(1.1), -1.0, -1.0)
+            .tok(0, 5.0, 0.0, 7.0)
+            .end_row()
+    }
+
+    #[test]
+    fn vanilla_hand_values() {
+        let c = vanilla_case();
+        // Per token, clip 0.2 and dual clip 3:
+        // 1: max(-1.5, -1.2) = -1.2 (clipped, grad 0)
+        // 2: max(0.5, 0.8) = 0.8 (clipped), min(3, 0.8) = 0.8 (grad 0)
+        // 3: max(4, 1.2) = 4, min(3, 4) = 3 (dual clip, lower, grad 0)
+        // 4: max(-2, -2) = -2 (tie, grad -A·r = -2)
+        // 5: max(1.1, 1.1) = 1.1, min(3, 1.1) = 1.1 (grad -A·r = 1.1)
+        let out = c.run(&cfg("vanilla", "token-mean"));
+        close(out.loss, (-1.2 + 0.8 + 3.0 - 2.0 + 1.1) / 5.0, "loss");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -2.0 / 5.0, 1.1 / 5.0, 0.0],
+            "grad",
+        );
+        close(out.metrics.pg_loss, out.loss, "pg_loss");
+        close(out.metrics.pg_clipfrac, 2.0 / 5.0, "clipfrac");
+        close(out.metrics.pg_clipfrac_lower, 1.0 / 5.0, "clipfrac_lower");
+        // mean(old - lp) = -ln(1.5 * 0.5 * 4 * 1 * 1.1)/5
+        close(out.metrics.ppo_kl, -(3.3f64).ln() / 5.0, "ppo_kl");
+        // entropies are all 1; no coefficient so they only show in the metric
+        close(out.metrics.entropy, 1.0, "entropy");
+        assert_eq!(out.grad_entropy.unwrap(), vec![0.0; 6]);
+
+        // seq-mean-token-mean: ((−1.2 + 0.8 + 3)/3 + (−2 + 1.1)/2) / 2
+        let out = c.run(&cfg("vanilla", "seq-mean-token-mean"));
+        close(out.loss, (2.6 / 3.0 - 0.45) / 2.0, "smtm loss");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -0.5, 0.275, 0.0],
+            "smtm grad",
+        );
+        // seq-mean-token-sum: (2.6 + (−0.9)) / 2
+        let out = c.run(&cfg("vanilla", "seq-mean-token-sum"));
+        close(out.loss, 0.85, "smts loss");
+        close_all(&out.grad_lp, &[0.0, 0.0, 0.0, -1.0, 0.55, 0.0], "smts grad");
+        // seq-mean-token-sum-norm: 1.7 / 3 (the longest row has 3 tokens)
+        let out = c.run(&cfg("vanilla", "seq-mean-token-sum-norm"));
+        close(out.loss, 1.7 / 3.0, "smtsn loss");
+        close_all(
+            &out.grad_lp,
+            &[0.0, 0.0, 0.0, -2.0 / 3.0, 1.1 / 3.0, 0.0],
+            "smtsn grad",
+        );
+    }
+
+    #[test]
+    fn gspo_hand_values() {
+        // Row 0: A = 1, lp − old = [0.1, 0.3]: s = e^0.2 = 1.2214 > 1.2: max(−1.2214, −1.2) = −1.2
+        // (clipped, grad 0). Row 1: A = −1, lp − old = [−0.1, 0.1] (+ a masked token): s = 1,
+        // loss 1, grad −A·s/(2 tokens · 2 sequences) = 0.25. GSPO aggregates seq-mean-token-mean
+        // even when asked for token-mean.
+        let c = Case::new()
+            .tok(1, -0.9, -1.0, 1.0)
+            .tok(1, -0.7, -1.0, 1.0)
+            .end_row()
+            .tok(1, -2.1, -2.0, -1.0)
+            .tok(1, -1.9, -2.0, -1.0)
+            .tok(0, 0.0, -9.0, 4.0)
+            .end_row();
+        let out = c.run(&cfg("gspo", "token-mean"));
+        close(out.loss, (-1.2 + 1.0) / 2.0, "loss");
+        close_all(&out.grad_lp, &[0.0, 0.0, 0.25, 0.25, 0.0], "grad");
+        close(out.metrics.pg_clipfrac, 0.5, "clipfrac");
+        close(out.metrics.ppo_kl, -(0.1 + 0.3 - 0.1 + 0.1) / 4.0, "ppo_kl");
+    }
+
+    #[test]
+    fn cispo_hand_values() {
+        // 1: A = 1, r = 1.5 -> sg clip 1.2: ℓ = −1.2·1·lp, grad −1.2
+        // 2: A = −1, r = 0.9 (inside): ℓ = −0.9·(−1)·lp, grad 0.9
+        let (lp1, lp2) = (-1.0 + 1.5f64.ln(), -2.0 + 0.9f64.ln());
+        let c = Case::new()
+            .tok(1, lp1, -1.0, 1.0)
+            .tok(1, lp2, -2.0, -1.0)
+            .end_row();
+        let out = c.run(&cfg("cispo", "token-mean"));
+        close(out.loss, (-1.2 * lp1 + 0.9 * lp2) / 2.0, "loss");
+        close_all(&out.grad_lp, &[-0.6, 0.45], "grad");
+        close(out.metrics.pg_clipfrac, 0.5, "clipfrac");
+        close(out.metrics.pg_clipfrac_lower, 0.0, "clipfrac_lower");
+    }
+
+    #[test]
+    fn sft_hand_values() {
+        // NLL of the valid tokens: (0.5 + 2)/2; needs neither old log-probs nor advantages
+        let offsets = [0, 3];
+        let mask = [1, 1, 0];
+        let lp = [-0.5, -2.0, -1.0];
+        let x = LossInputs {
+            offsets: &offsets,
+            mask: &mask,
+            lp: &lp,
+            old: None,
+            advantages: None,
+            ref_lp: None,
+            rollout: None,
+            entropy: None,
+        };
+        let norm = LossNorm::of_mask(&offsets, &mask, None);
+        let out = policy_loss(&cfg("sft", "token-mean"), &x, &norm, 1.0).unwrap();
+        close(out.loss, 1.25, "loss");
+        close_all(&out.grad_lp, &[-0.5, -0.5, 0.0], "grad");
+        assert_eq!(out.grad_entropy, None);
+        close(out.metrics.ppo_kl, 0.0, "ppo_kl");
+    }
+
+    #[test]
+    fn entropy_and_kl_loss_hand_values() {
+        // On-policy (old = lp) with A = 0: no policy-gradient term. H = [1, 3], coeff 0.01:
+        // loss −0.01·2. k3 KL loss, coef 0.1, lp − ref = [0.5, −0.1]:
+        // k3(d) = e^−d + d − 1 and d k3/d lp = 1 − e^−d
+        let mut c = Case::new()
+            .tok(1, -1.0, -1.0, 0.0)
+            .tok(1, -2.0, -2.0, 0.0)
+            .end_row();
+        c.entropy = vec![1.0, 3.0];
+        c.ref_lp = vec![-1.5, -1.9];
+        let k3 = |d: f64| (-d).exp() + d - 1.0;
+        let dk3 = |d: f64| 1.0 - (-d).exp();
+        let mut config = cfg("vanilla", "token-mean");
+        config.entropy_coeff = 0.01;
+        config.kl_loss = Some(KlLoss {
+            coef: 0.1,
+            penalty: "low_var_kl".parse().unwrap(),
+        });
+        let out = c.run(&config);
+        let kl = (k3(0.5) + k3(-0.1)) / 2.0;
+        close(out.loss, -0.01 * 2.0 + 0.1 * kl, "loss");
+        close(out.metrics.entropy, 2.0, "entropy");
+        close(out.metrics.kl_loss, kl, "kl_loss");
+        close(out.metrics.pg_loss, 0.0, "pg_loss");
+        close_all(
+            &out.grad_lp,
+            &[0.05 * dk3(0.5), 0.05 * dk3(-0.1)],
+            "grad lp",
+        );
+        close_all(
+            &out.grad_entropy.unwrap(),
+            &[-0.005, -0.005],
+            "grad entropy",
+        );
+    }
+
+    #[test]
+    fn rollout_is_hand_values() {
+        // On-policy, A = 1: ℓ = −1 per token. old − rollout = [ln 3, ln 0.5].
+        let mut c = Case::new()
+            .tok(1, -1.0, -1.0, 1.0)
+            .tok(1, -2.0, -2.0, 1.0)
+            .end_row();
+        c.rollout = vec![-1.0 - 3f64.ln(), -2.0 - 0.5f64.ln()];
+        let mut config = cfg("vanilla", "token-mean");
+        // token: weights min(3, 2) = 2 and 0.5: (−2 − 0.5)/2; grads −w/2
+        config.rollout_is = Some(RolloutIs {
+            level: RolloutIsLevel::Token,
+            threshold: 2.0,
+        });
+        let out = c.run(&config);
+        close(out.loss, -1.25, "token loss");
+        close_all(&out.grad_lp, &[-1.0, -0.25], "token grad");
+        // sequence: exp(ln 3 + ln 0.5) = 1.5 on both tokens
+        config.rollout_is = Some(RolloutIs {
+            level: RolloutIsLevel::Sequence,
+            threshold: 2.0,
+        });
+        let out = c.run(&config);
+        close(out.loss, -1.5, "seq loss");
+        close_all(&out.grad_lp, &[-0.75, -0.75], "seq grad");
+        // ...truncated at 1.2
+        config.rollout_is = Some(RolloutIs {
+            level: RolloutIsLevel::Sequence,
+            threshold: 1.2,
+        });
+        close(c.run(&config).loss, -1.2, "truncated loss");
+    }
+
+    /// xorshift64*: deterministic inputs without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            let u = (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64;
+            lo + (hi - lo) * u
+        }
+    }
+
+    /// Rows of 1..7 tokens with ~20% masked, ratios around the clip range, mixed-sign
+    /// advantages (constant along a row when `seq_adv`).
+    fn random_case(seed: u64, rows: usize, seq_adv: bool) -> Case {
+        let mut rng = Rng(seed);
+        let mut c = Case::new();
+        for _ in 0..rows {
+            let n = 1 + (rng.uniform(0.0, 7.0) as usize);
+            let row_adv = rng.uniform(-2.0, 2.0);
+            for _ in 0..n {
+                let m = (rng.uniform(0.0, 1.0) > 0.2) as u8;
+                let old = rng.uniform(-4.0, -0.1);
+                let lp = old + rng.uniform(-0.6, 0.6);
+                let a = if seq_adv {
+                    row_adv
+                } else {
+                    rng.uniform(-2.0, 2.0)
+                };
+                c = c.tok(m, lp, old, a);
+                let last = c.lp.len() - 1;
+                c.ref_lp[last] = lp + rng.uniform(-1.0, 1.0);
+                c.rollout[last] = old + rng.uniform(-0.5, 0.5);
+                c.entropy[last] = rng.uniform(0.0, 3.0);
+            }
+            c = c.end_row();
+        }
+        c
+    }
+
+    /// Every configuration the tests sweep: each loss × aggregation × extra term.
+    fn configs() -> Vec<LossConfig> {
+        let mut out = vec![];
+        for mode in ["vanilla", "gspo", "cispo", "sft"] {
+            for agg in AGG_MODES {
+                // 0: nothing else, 1: entropy bonus, 2..=5: KL loss of each estimator,
+                // 6, 7: token / sequence rollout importance weights
+                for extra in 0..8 {
+                    let mut c = cfg(mode, agg);
+                    c.clip_ratio_low = Some(0.15);
+                    c.clip_ratio_high = Some(0.28);
+                    // a dual clip that the sampled ratios actually reach
+                    c.clip_ratio_c = 1.4;
+                    match extra {
+                        1 => c.entropy_coeff = 0.03,
+                        2..=5 => {
+                            c.kl_loss = Some(KlLoss {
+                                coef: 0.2,
+                                penalty: ["k1", "abs", "k2", "k3"][extra - 2].parse().unwrap(),
+                            })
+                        }
+                        6 | 7 if mode != "sft" => {
+                            c.rollout_is = Some(RolloutIs {
+                                level: if extra == 6 {
+                                    RolloutIsLevel::Token
+                                } else {
+                                    RolloutIsLevel::Sequence
+                                },
+                                threshold: 1.3,
+                            })
+                        }
+                        _ => {}
+                    }
+                    out.push(c);
+                }
+            }
+        }
+        out
+    }
+
+    const AGG_MODES: [&str; 4] = [
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ];
+
+    /// Central differences of the surrogate (stop-gradient terms frozen at `c.lp`) against the
+    /// analytic gradient, for every token's log-prob and entropy.
+    fn check_fd(config: &LossConfig, c: &Case) {
+        let norm = c.norm();
+        let got = compute(config, &c.inputs(), &c.lp, &norm, 1.0).unwrap();
+        let h = 1e-6;
+        let f = |lp: &[f64], ent: &[f64]| {
+            let mut x = c.inputs();
+            x.lp = lp;
+            x.entropy = Some(ent);
+            compute(config, &x, &c.lp, &norm, 1.0).unwrap().loss
+        };
+        for t in 0..c.lp.len() {
+            let (mut up, mut down) = (c.lp.clone(), c.lp.clone());
+            up[t] += h;
+            down[t] -= h;
+            let fd = (f(&up, &c.entropy) - f(&down, &c.entropy)) / (2.0 * h);
+            let g = got.grad_lp[t];
+            assert!(
+                (g - fd).abs() < 1e-7 * g.abs().max(1.0),
+                "{config:?}\nd loss/d lp[{t}]: analytic {g}, finite differences {fd}"
+            );
+            let (mut up, mut down) = (c.entropy.clone(), c.entropy.clone());
+            up[t] += h;
+            down[t] -= h;
+            let fd = (f(&c.lp, &up) - f(&c.lp, &down)) / (2.0 * h);
+            let g = got.grad_entropy.as_ref().unwrap()[t];
+            assert!(
+                (g - fd).abs() < 1e-7 * g.abs().max(1.0),
+                "{config:?}\nd loss/d entropy[{t}]: analytic {g}, finite differences {fd}"
+            );
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let c = random_case(7, 12, false);
+        for config in configs() {
+            check_fd(&config, &c);
+        }
+    }
+
+    #[test]
+    fn dual_clip_and_clip_branches_are_exercised() {
+        // The finite-difference sweep only means something if the random ratios hit every
+        // branch: clipped above, clipped below, dual-clipped and unclipped.
+        let c = random_case(7, 12, false);
+        let mut config = cfg("vanilla", "token-mean");
+        config.clip_ratio_low = Some(0.15);
+        config.clip_ratio_high = Some(0.28);
+        config.clip_ratio_c = 1.4;
+        let out = c.run(&config);
+        let m = out.metrics;
+        assert!(m.pg_clipfrac > 0.05 && m.pg_clipfrac < 0.8, "{m:?}");
+        assert!(m.pg_clipfrac_lower > 0.0, "{m:?}");
+        let zero = out
+            .grad_lp
+            .iter()
+            .zip(&c.mask)
+            .filter(|(&g, &k)| k != 0 && g == 0.0);
+        let nonzero = out
+            .grad_lp
+            .iter()
+            .zip(&c.mask)
+            .filter(|(&g, &k)| k != 0 && g != 0.0);
+        assert!(zero.count() > 0 && nonzero.count() > 0);
+    }
+
+    #[test]
+    fn gspo_gradient_is_the_gradient_of_its_value() {
+        // With advantages constant along each row and no token-level weights, GSPO's
+        // stop-gradient surrogate has the same gradient as the loss value itself.
+        let c = random_case(11, 10, true);
+        let mut config = cfg("gspo", "token-mean");
+        config.clip_ratio = 0.1;
+        let got = c.run(&config);
+        let h = 1e-6;
+        for t in 0..c.lp.len() {
+            let (mut up, mut down) = (c.clone(), c.clone());
+            up.lp[t] += h;
+            down.lp[t] -= h;
+            let fd = (up.run(&config).loss - down.run(&config).loss) / (2.0 * h);
+            let g = got.grad_lp[t];
+            assert!((g - fd).abs() < 1e-7, "token {t}: analytic {g}, fd {fd}");
+        }
+    }
+
+    #[test]
+    fn micro_batches_add_up_to_the_mini_batch() {
+        let c = random_case(3, 9, false);
+        let norm = c.norm();
+        for config in configs() {
+            let whole = policy_loss(&config, &c.inputs(), &norm, 0.5).unwrap();
+            // Split after rows 2 and 6: each part gets the mini-batch's norm.
+            let mut loss = 0.0;
+            let mut grad = vec![];
+            let mut grad_ent = vec![];
+            let mut metrics = LossMetrics::default();
+            for (r0, r1) in [(0, 2), (2, 6), (6, 9)] {
+                let (a, b) = (c.offsets[r0], c.offsets[r1]);
+                let offsets: Vec<usize> = c.offsets[r0..=r1].iter().map(|o| o - a).collect();
+                let x = LossInputs {
+                    offsets: &offsets,
+                    mask: &c.mask[a..b],
+                    lp: &c.lp[a..b],
+                    old: Some(&c.old[a..b]),
+                    advantages: Some(&c.adv[a..b]),
+                    ref_lp: Some(&c.ref_lp[a..b]),
+                    rollout: Some(&c.rollout[a..b]),
+                    entropy: Some(&c.entropy[a..b]),
+                };
+                let part = policy_loss(&config, &x, &norm, 0.5).unwrap();
+                loss += part.loss;
+                grad.extend(part.grad_lp);
+                grad_ent.extend(part.grad_entropy.unwrap());
+                metrics.add(&part.metrics);
+            }
+            assert!((loss - whole.loss).abs() < 1e-12, "{config:?}");
+            for (g, w) in grad.iter().zip(&whole.grad_lp) {
+                assert!((g - w).abs() < 1e-15, "{config:?}");
+            }
+            assert_eq!(grad_ent, whole.grad_entropy.unwrap());
+            let (m, w) = (metrics, whole.metrics);
+            for (got, want) in [
+                (m.pg_loss, w.pg_loss),
+                (m.pg_clipfrac, w.pg_clipfrac),
+                (m.pg_clipfrac_lower, w.pg_clipfrac_lower),
+                (m.ppo_kl, w.ppo_kl),
+                (m.entropy, w.entropy),
+                (m.kl_loss, w.kl_loss),
+            ] {
+                assert!((got - want).abs() < 1e-12, "{config:?}: {m:?} vs {w:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn f32_agrees_with_f64() {
+        let c = random_case(5, 10, false);
+        let to32 = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        // Round the f64 case through f32 first so both see the same numbers.
+        let mut c64 = c.clone();
+        for v in [
+            &mut c64.lp,
+            &mut c64.old,
+            &mut c64.adv,
+            &mut c64.ref_lp,
+            &mut c64.rollout,
+            &mut c64.entropy,
+        ] {
+            *v = v.iter().map(|&x| x as f32 as f64).collect();
+        }
+        let (lp, old, adv, rf, roll, ent) = (
+            to32(&c.lp),
+            to32(&c.old),
+            to32(&c.adv),
+            to32(&c.ref_lp),
+            to32(&c.rollout),
+            to32(&c.entropy),
+        );
+        let x32 = LossInputs {
+            offsets: &c.offsets,
+            mask: &c.mask,
+            lp: &lp,
+            old: Some(&old),
+            advantages: Some(&adv),
+            ref_lp: Some(&rf),
+            rollout: Some(&roll),
+            entropy: Some(&ent),
+        };
+        for config in configs() {
+            let a = policy_loss(&config, &x32, &c64.norm(), 1.0).unwrap();
+            let b = c64.run(&config);
+            assert!((a.loss - b.loss).abs() < 1e-12, "{config:?}");
+            for (g32, g64) in a.grad_lp.iter().zip(&b.grad_lp) {
+                assert!(
+                    (*g32 as f64 - g64).abs() <= 1e-7 * g64.abs().max(1e-3),
+                    "{config:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_knobs_and_missing_inputs() {
+        let c = vanilla_case();
+        let mut config = cfg("vanilla", "token-mean");
+        config.clip_ratio_c = 1.0;
+        let err = policy_loss(&config, &c.inputs(), &c.norm(), 1.0).unwrap_err();
+        assert!(err.to_string().contains("--clip-ratio-c"), "{err}");
+        assert!(crate::error::is_input_error(&err));
+
+        let config = cfg("cispo", "token-mean");
+        let mut x = c.inputs();
+        x.advantages = None;
+        let err = policy_loss(&config, &x, &c.norm(), 1.0).unwrap_err();
+        assert!(
+            err.to_string().contains("--loss cispo needs advantages"),
+            "{err}"
+        );
+
+        let mut config = cfg("vanilla", "token-mean");
+        config.kl_loss = Some(KlLoss {
+            coef: 0.1,
+            penalty: "k1".parse().unwrap(),
+        });
+        let mut x = c.inputs();
+        x.ref_lp = None;
+        let err = policy_loss(&config, &x, &c.norm(), 1.0).unwrap_err();
+        assert!(
+            err.to_string().contains("--use-kl-loss needs reference"),
+            "{err}"
+        );
+
+        let mut config = cfg("sft", "token-mean");
+        config.rollout_is = Some(RolloutIs {
+            level: RolloutIsLevel::Token,
+            threshold: 2.0,
+        });
+        assert!(policy_loss(&config, &c.inputs(), &c.norm(), 1.0).is_err());
+
+        // A norm that does not count this micro-batch's tokens
+        let config = cfg("vanilla", "token-mean");
+        let empty = LossNorm {
+            tokens: 0.0,
+            seqs: 0.0,
+            norm: 0.0,
+        };
+        assert!(policy_loss(&config, &c.inputs(), &empty, 1.0).is_err());
+        assert!("ppo".parse::<LossMode>().is_err());
+        assert!("tok".parse::<RolloutIsLevel>().is_err());
+    }
 }

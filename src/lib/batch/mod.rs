@@ -9,4 +9,4 @@ pub mod write;
 
 pub use ragged::{list_array, Ragged};
 pub use read::Batch;
-pub use write::{stage_meta, write_file, NewColumns, StageInfo};
+pub use write::{stage_meta, write_file, write_json, NewColumns, StageInfo};

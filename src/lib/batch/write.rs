@@ -130,6 +130,24 @@ pub fn temp_path(out: &Path) -> PathBuf {
     out.with_file_name(name)
 }
 
+/// Write `value` as pretty JSON to `path` atomically (`path.tmp`, then rename): metrics files,
+/// controller state, run state. Creates the parent directory.
+pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = temp_path(path);
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    let result = std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("writing {}", path.display()));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
 /// Rows per Parquet row group: small enough that readers can stream, large enough that
 /// per-group overhead stays negligible.
 const ROW_GROUP_ROWS: usize = 8192;

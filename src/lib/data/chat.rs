@@ -539,20 +539,21 @@ fn write_json(
             for k in v.try_iter()? {
                 let val = v.get_item(&k)?;
                 // json.dumps turns None/bool/number keys into their JSON text.
-                let key =
-                    match k.kind() {
-                        ValueKind::String => k.as_str().unwrap_or("").to_string(),
-                        ValueKind::None => "null".into(),
-                        ValueKind::Bool => if k.is_true() { "true" } else { "false" }.into(),
-                        ValueKind::Number if k.is_integer() => k.to_string(),
-                        ValueKind::Number => py_float(f64::try_from(k.clone())?, true),
-                        other => return Err(Error::new(
+                let key = match k.kind() {
+                    ValueKind::String => k.as_str().unwrap_or("").to_string(),
+                    ValueKind::None => "null".into(),
+                    ValueKind::Bool => if k.is_true() { "true" } else { "false" }.into(),
+                    ValueKind::Number if k.is_integer() => k.to_string(),
+                    ValueKind::Number => py_float(f64::try_from(k.clone())?, true),
+                    other => {
+                        return Err(Error::new(
                             ErrorKind::InvalidOperation,
                             format!(
                                 "tojson: keys must be str, int, float, bool or None, not {other}"
                             ),
-                        )),
-                    };
+                        ))
+                    }
+                };
                 entries.push((key, val));
             }
             if st.sort_keys {
@@ -815,6 +816,22 @@ mod tests {
         assert!(
             err.to_string().contains("'eos_token' must be a string"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn messages_keep_python_dict_order() {
+        // transformers passes {"role": ..., "content": ...} dicts; their key order shows in
+        // tojson and items().
+        let t = ChatTemplate::new(
+            "{{ messages[0] | tojson }}{% for k, v in messages[0].items() %}|{{ k }}{% endfor %}",
+            vec![],
+            Path::new("inline"),
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&msgs(&[("user", "hi")]), false).unwrap(),
+            r#"{"role": "user", "content": "hi"}|role|content"#
         );
     }
 

@@ -3,7 +3,7 @@
 //! with a `prompt` column of text or chat messages.
 
 use super::jsonl::messages_from_json;
-use super::Message;
+use super::{ChatTemplate, Message};
 use crate::bail_input;
 use crate::batch::json::{value, value_text};
 use crate::batch::{schema, Batch};
@@ -111,6 +111,16 @@ impl PromptDataset {
                 self.batch.at(&self.prompt_key),
                 msgs.len()
             ),
+        }
+    }
+
+    /// The text rollout tokenizes for row `i`: the chat messages rendered by `template` with the
+    /// generation prompt (`apply_chat_template(add_generation_prompt=True)`), or with no template
+    /// (`--raw-prompt`) the prompt as is.
+    pub fn prompt_text(&self, i: usize, template: Option<&ChatTemplate>) -> Result<String> {
+        match template {
+            Some(t) => t.render(&self.rows[i].messages, true),
+            None => self.raw_prompt(i).map(str::to_string),
         }
     }
 
@@ -293,6 +303,17 @@ mod tests {
             serde_json::json!({"split": "test", "index": 2, "answer": "#### 20", "question": "question 2"})
         );
         assert!(ds.raw_prompt(0).unwrap_err().to_string().contains("row 0"));
+        let chatml = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            vec![],
+            Path::new("chatml"),
+        )
+        .unwrap();
+        assert_eq!(
+            ds.prompt_text(1, Some(&chatml)).unwrap(),
+            "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nquestion 1<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(ds.prompt_text(1, None).is_err());
 
         let idx = repeat_each(&[2, 0], 2);
         assert_eq!(idx, vec![2, 2, 0, 0]);
@@ -331,6 +352,7 @@ mod tests {
         let ds = PromptDataset::open(&path).unwrap();
         assert_eq!(ds.row(0).messages, vec![Message::new("user", "Once upon")]);
         assert_eq!(ds.raw_prompt(1).unwrap(), "a time");
+        assert_eq!(ds.prompt_text(1, None).unwrap(), "a time");
         assert_eq!(ds.row(0).data_source, "stories");
         assert_eq!(ds.row(0).ground_truth.as_deref(), Some("x"));
         assert_eq!(ds.row(1).ground_truth, None);

@@ -187,6 +187,12 @@ pub fn build(vocab: usize) -> Result<ByteTokenizer> {
     for (b, c) in b2c.iter().enumerate() {
         vocab_map.insert(c.to_string(), Value::from(b));
     }
+    // The specials are in the BPE vocab too (as GPT-2 has `<|endoftext|>`): `tokenizers` keeps an
+    // added token's id only when the model's vocab holds it, and would otherwise renumber it
+    // past the model's vocab size.
+    for (i, s) in SPECIALS.iter().enumerate() {
+        vocab_map.insert(s.to_string(), Value::from(FIRST_SPECIAL_ID as usize + i));
+    }
     let merges = learn_merges(vocab - MIN_VOCAB);
     let mut merge_strings = Vec::with_capacity(merges.len());
     for (i, (a, b)) in merges.iter().enumerate() {
@@ -305,5 +311,98 @@ impl ByteTokenizer {
             std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::Tokenizer;
+
+    fn load(vocab: usize) -> (ByteTokenizer, Tokenizer) {
+        let bt = build(vocab).unwrap();
+        let text = serde_json::to_string(&bt.tokenizer_json).unwrap();
+        let tok: Tokenizer = text.parse().unwrap();
+        (bt, tok)
+    }
+
+    #[test]
+    fn byte_alphabet_is_gpt2s() {
+        let m = byte_to_char();
+        assert_eq!(m[b'a' as usize], 'a');
+        assert_eq!(m[b' ' as usize], 'Ġ');
+        assert_eq!(m[b'\n' as usize], 'Ċ');
+        let distinct: std::collections::HashSet<char> = m.iter().copied().collect();
+        assert_eq!(distinct.len(), 256);
+    }
+
+    #[test]
+    fn loads_with_tokenizers_and_round_trips_utf8() {
+        let (bt, tok) = load(MIN_VOCAB);
+        assert_eq!(bt.len, MIN_VOCAB);
+        assert_eq!(tok.get_vocab_size(true), MIN_VOCAB);
+        let texts = [
+            "",
+            "hello world",
+            "  leading and trailing spaces  \n\n\ttabs\r\n",
+            "Grüße, naïve café — 数学 🦀🚀 \u{0}\u{7f}\u{200b}",
+            "e\u{301} vs \u{e9} (not normalised)",
+            "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+            "<|im_end <| im_start|> partial specials",
+        ];
+        for t in texts {
+            let enc = tok.encode(t, false).unwrap();
+            assert_eq!(tok.decode(enc.get_ids(), false).unwrap(), t, "{t:?}");
+            assert!(enc.get_ids().iter().all(|&id| (id as usize) < bt.len));
+        }
+        // Without merges a text is its bytes; specials are single ids.
+        let ids = tok
+            .encode("a\u{e9}<|im_end|>", false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        assert_eq!(ids, vec![97, 0xC3, 0xA9, bt.im_end_id]);
+        assert_eq!(tok.token_to_id(ENDOFTEXT), Some(256));
+        assert_eq!(tok.token_to_id(IM_START), Some(257));
+    }
+
+    #[test]
+    fn merges_fill_the_vocab_and_shorten_text() {
+        let (bt, tok) = load(400);
+        assert_eq!(bt.len, 400);
+        assert_eq!(tok.get_vocab_size(true), 400);
+        let text = "How many clips did Natalia sell? The answer is 72.";
+        let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+        assert!(ids.len() < text.len() / 2, "{} ids", ids.len());
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+        // The corpus runs out of pairs seen twice long before 100k merges.
+        let big = build(100_000).unwrap();
+        assert!(big.len > 400 && big.len < 2000, "{}", big.len);
+        // Same vocab, same files.
+        assert_eq!(build(400).unwrap().files().unwrap(), bt.files().unwrap());
+    }
+
+    #[test]
+    fn too_small_vocab_is_an_input_error() {
+        let e = build(100).unwrap_err();
+        assert!(crate::error::is_input_error(&e));
+        assert!(e.to_string().contains("needs at least 259"), "{e}");
+    }
+
+    #[test]
+    fn chat_template_renders_chatml() {
+        let env = minijinja::Environment::new();
+        let tmpl = env.template_from_str(CHAT_TEMPLATE).unwrap();
+        let msgs = serde_json::json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "2+2?"}
+        ]);
+        let out = tmpl
+            .render(minijinja::context! { messages => msgs, add_generation_prompt => true })
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 }

@@ -132,26 +132,44 @@ impl ModelDir {
             check_is_dir(src)?;
         }
 
+        if dir.file_name().is_none() {
+            crate::bail_input!(
+                "{}: give the model a directory name of its own to be written to",
+                dir.display()
+            );
+        }
+        if dir.exists() && !dir.is_dir() {
+            crate::bail_input!("{}: exists and is not a directory", dir.display());
+        }
         let tmp = sibling(dir, "tmp");
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp)
                 .with_context(|| format!("removing stale {}", tmp.display()))?;
         }
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        cfg.save(&tmp, config_base)?;
-        st::save_dir(&tmp, &ordered, max_shard_bytes)?;
-        if let Some(src) = tokenizer_from {
-            for name in TOKENIZER_FILES {
-                let from = src.join(name);
-                if from.is_file() {
-                    std::fs::copy(&from, tmp.join(name))
-                        .with_context(|| format!("copying {}", from.display()))?;
+        let write_all = || -> Result<()> {
+            cfg.save(&tmp, config_base)?;
+            st::save_dir(&tmp, &ordered, max_shard_bytes)?;
+            if let Some(src) = tokenizer_from {
+                for name in TOKENIZER_FILES {
+                    let from = src.join(name);
+                    if from.is_file() {
+                        std::fs::copy(&from, tmp.join(name))
+                            .with_context(|| format!("copying {}", from.display()))?;
+                    }
                 }
             }
-        }
-        for (name, bytes) in extra_files {
-            let path = tmp.join(name);
-            std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+            for (name, bytes) in extra_files {
+                let path = tmp.join(name);
+                std::fs::write(&path, bytes)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(())
+        };
+        if let Err(e) = write_all() {
+            // Leave nothing half-written behind; the error is what matters.
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
         }
         replace_dir(&tmp, dir)
     }
@@ -179,7 +197,8 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
 }
 
 /// Puts the finished `tmp` in place of `dir`. An existing `dir` is moved aside first and removed
-/// only after the new one is in place, so at every moment `dir` is either the old or the new model.
+/// only after the new one is in place: `dir` is never a half-written model, and a crash between
+/// the two renames leaves the old model complete in `DIR.old` and the new one in `DIR.tmp`.
 fn replace_dir(tmp: &Path, dir: &Path) -> Result<()> {
     if dir.exists() {
         let old = sibling(dir, "old");

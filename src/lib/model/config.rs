@@ -217,6 +217,14 @@ impl Config {
             if cfg.bos_token_id.is_none() {
                 cfg.bos_token_id = fields.token_ids("bos_token_id")?.first().copied();
             }
+            for id in cfg.bos_token_id.iter().chain(&cfg.eos_token_ids) {
+                if *id as usize >= cfg.vocab_size {
+                    crate::bail_input!(
+                        "{file}: special token id {id} is outside the vocabulary (vocab_size {})",
+                        cfg.vocab_size
+                    );
+                }
+            }
         }
         Ok(cfg)
     }
@@ -470,4 +478,232 @@ pub fn write_json(path: &Path, obj: &Map<String, Value>) -> Result<()> {
     let mut text = serde_json::to_string_pretty(obj)?;
     text.push('\n');
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    fn qwen2_json() -> Value {
+        // Qwen2.5-0.5B-Instruct's config.json (transformers 4.x form).
+        json!({
+            "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+            "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+            "max_position_embeddings": 32768, "max_window_layers": 21, "model_type": "qwen2",
+            "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+            "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.1", "use_cache": true, "use_sliding_window": false,
+            "vocab_size": 151936
+        })
+    }
+
+    fn err(v: Value) -> String {
+        let e = Config::from_hf_json(&obj(v), "m/config.json").unwrap_err();
+        assert!(crate::error::is_input_error(&e));
+        e.to_string()
+    }
+
+    #[test]
+    fn parses_qwen25_config() {
+        let c = Config::from_hf_json(&obj(qwen2_json()), "x").unwrap();
+        let want = Config {
+            arch: Arch::Qwen2,
+            vocab_size: 151936,
+            hidden_size: 896,
+            intermediate_size: 4864,
+            num_layers: 24,
+            num_heads: 14,
+            num_kv_heads: 2,
+            head_dim: 64,
+            rope_theta: 1e6,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            qk_norm: false,
+            max_position_embeddings: 32768,
+            bos_token_id: Some(151643),
+            eos_token_ids: vec![151645],
+        };
+        assert_eq!(c, want);
+    }
+
+    #[test]
+    fn transformers5_rope_parameters_and_defaults() {
+        let c = Config::from_hf_json(
+            &obj(json!({
+                "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300,
+                "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"},
+                "head_dim": null, "eos_token_id": [3, 4, 3]
+            })),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(c.arch, Arch::Qwen3);
+        assert_eq!(c.rope_theta, 5000.0);
+        // Qwen3Config's head_dim default, kv heads default to heads, untied by default.
+        assert_eq!((c.head_dim, c.num_kv_heads), (128, 4));
+        assert!(!c.tie_word_embeddings && c.qk_norm && !c.qkv_bias);
+        assert_eq!(c.eos_token_ids, vec![3, 4]);
+        assert_eq!(c.bos_token_id, None);
+        let l = Config::from_hf_json(
+            &obj(json!({
+                "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300
+            })),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(
+            (l.head_dim, l.rope_theta, l.max_position_embeddings),
+            (16, 10000.0, 2048)
+        );
+    }
+
+    #[test]
+    fn unsupported_architecture_names_file_and_supported_ones() {
+        let mut v = qwen2_json();
+        v["architectures"] = json!(["MistralForCausalLM"]);
+        let msg = err(v);
+        assert!(msg.contains("m/config.json"), "{msg}");
+        assert!(
+            msg.contains("'MistralForCausalLM' is not supported"),
+            "{msg}"
+        );
+        for a in SUPPORTED_ARCHITECTURES {
+            assert!(msg.contains(a), "{msg}");
+        }
+        let msg = err(json!({"model_type": "gemma"}));
+        assert!(msg.contains("model_type 'gemma'"), "{msg}");
+    }
+
+    #[test]
+    fn refuses_what_the_decoder_does_not_compute() {
+        let cases = [
+            (
+                "rope_scaling",
+                json!({"rope_type": "llama3", "factor": 8.0}),
+                "rope_scaling of type 'llama3'",
+            ),
+            (
+                "rope_parameters",
+                json!({"rope_type": "yarn", "rope_theta": 1e6}),
+                "rope_parameters of type 'yarn'",
+            ),
+            ("use_sliding_window", json!(true), "use_sliding_window"),
+            ("hidden_act", json!("gelu"), "hidden_act 'gelu'"),
+            (
+                "num_key_value_heads",
+                json!(3),
+                "not a multiple of num_key_value_heads 3",
+            ),
+            (
+                "hidden_size",
+                json!("896"),
+                "field 'hidden_size' must be a positive integer",
+            ),
+            (
+                "num_hidden_layers",
+                json!(0),
+                "field 'num_hidden_layers' must be a positive integer",
+            ),
+            (
+                "eos_token_id",
+                json!(200000),
+                "special token id 200000 is outside the vocabulary",
+            ),
+            (
+                "tie_word_embeddings",
+                json!("yes"),
+                "field 'tie_word_embeddings' must be true or false",
+            ),
+        ];
+        for (key, value, want) in cases {
+            let mut v = qwen2_json();
+            v[key] = value;
+            let msg = err(v);
+            assert!(msg.starts_with("m/config.json"), "{msg}");
+            assert!(msg.contains(want), "{key}: {msg}");
+        }
+        let mut v = qwen2_json();
+        v.as_object_mut().unwrap().remove("vocab_size");
+        assert!(err(v).contains("required field 'vocab_size' is missing"));
+        let mut v = qwen2_json();
+        v["architectures"] = json!(["LlamaForCausalLM"]);
+        v["attention_bias"] = json!(true);
+        assert!(err(v).contains("attention_bias=true is not supported"));
+    }
+
+    #[test]
+    fn hf_json_round_trip_keeps_foreign_keys() {
+        let base = obj(qwen2_json());
+        let c = Config::from_hf_json(&base, "x").unwrap();
+        let written = c.to_hf_json(Some(&base));
+        assert_eq!(Config::from_hf_json(&written, "x").unwrap(), c);
+        assert_eq!(written["transformers_version"], json!("4.43.1"));
+        assert_eq!(written["max_window_layers"], json!(21));
+        assert_eq!(written["rms_norm_eps"], json!(1e-6));
+        // Without a base the written config stands on its own.
+        let bare = c.to_hf_json(None);
+        assert_eq!(Config::from_hf_json(&bare, "x").unwrap(), c);
+        assert_eq!(bare["architectures"], json!(["Qwen2ForCausalLM"]));
+    }
+
+    #[test]
+    fn generation_config_eos_ids_are_merged() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(CONFIG_FILE), qwen2_json().to_string()).unwrap();
+        std::fs::write(
+            dir.path().join(GENERATION_CONFIG_FILE),
+            r#"{"bos_token_id": 151643, "eos_token_id": [151645, 151643], "top_p": 0.8}"#,
+        )
+        .unwrap();
+        let c = Config::load(dir.path()).unwrap();
+        assert_eq!(c.eos_token_ids, vec![151645, 151643]);
+        let bad = tempfile::tempdir().unwrap();
+        std::fs::write(bad.path().join(CONFIG_FILE), qwen2_json().to_string()).unwrap();
+        std::fs::write(
+            bad.path().join(GENERATION_CONFIG_FILE),
+            r#"{"eos_token_id": 151936}"#,
+        )
+        .unwrap();
+        let e = Config::load(bad.path()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("generation_config.json: special token id 151936 is outside"),
+            "{e}"
+        );
+        // Saving keeps the sampling defaults and writes both files back consistently.
+        let out = tempfile::tempdir().unwrap();
+        c.save(out.path(), Some(dir.path())).unwrap();
+        assert_eq!(Config::load(out.path()).unwrap(), c);
+        let gen: Value = serde_json::from_str(
+            &std::fs::read_to_string(out.path().join(GENERATION_CONFIG_FILE)).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(gen["top_p"], json!(0.8));
+        let text = std::fs::read_to_string(out.path().join(CONFIG_FILE)).unwrap();
+        assert!(
+            text.starts_with("{\n  \"architectures\": [\n") && text.ends_with("}\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn load_errors_name_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Config::load(dir.path()).unwrap_err();
+        assert!(crate::error::is_input_error(&e));
+        assert!(e.to_string().contains("config.json: not found"), "{e}");
+        std::fs::write(dir.path().join(CONFIG_FILE), "{not json").unwrap();
+        let e = Config::load(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("config.json: invalid JSON"), "{e}");
+    }
 }

@@ -223,7 +223,7 @@ fn config_from_args(args: &InitModelArgs, vocab: usize) -> Result<Config> {
         }
     }
     let kv_heads = args.kv_heads.unwrap_or(args.heads);
-    if kv_heads == 0 || args.heads % kv_heads != 0 {
+    if kv_heads == 0 || !args.heads.is_multiple_of(kv_heads) {
         crate::bail_input!(
             "--kv-heads {kv_heads} must be positive and divide --heads {}",
             args.heads
@@ -231,7 +231,7 @@ fn config_from_args(args: &InitModelArgs, vocab: usize) -> Result<Config> {
     }
     let head_dim = match args.head_dim {
         Some(d) => d,
-        None if args.hidden % args.heads == 0 => args.hidden / args.heads,
+        None if args.hidden.is_multiple_of(args.heads) => args.hidden / args.heads,
         None => crate::bail_input!(
             "--hidden {} is not divisible by --heads {} (give --head-dim)",
             args.hidden,
@@ -359,4 +359,80 @@ pub fn run(args: InitModelArgs) -> Result<()> {
         tok_note
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(arch: Arch) -> Config {
+        Config {
+            arch,
+            vocab_size: 300,
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            rope_theta: 1e4,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: false,
+            qkv_bias: arch == Arch::Qwen2,
+            qk_norm: arch == Arch::Qwen3,
+            max_position_embeddings: 64,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    #[test]
+    fn normal_draws_have_the_asked_moments_and_repeat() {
+        let mut a = vec![0.0f32; 200_001];
+        fill_normal(&mut a, 7, "w", 0.02);
+        let n = a.len() as f64;
+        let mean = a.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let var = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        // Standard errors: mean 0.02/sqrt(n) = 4.5e-5, std about 3e-5.
+        assert!(mean.abs() < 2e-4, "{mean}");
+        assert!((var.sqrt() - 0.02).abs() < 2e-4, "{}", var.sqrt());
+        // About 4.55% of normal draws lie beyond 2 sigma.
+        let tail = a.iter().filter(|x| x.abs() > 0.04).count() as f64 / n;
+        assert!((tail - 0.0455).abs() < 0.003, "{tail}");
+        let mut b = vec![0.0f32; a.len()];
+        fill_normal(&mut b, 7, "w", 0.02);
+        assert_eq!(a, b);
+        fill_normal(&mut b, 8, "w", 0.02);
+        assert_ne!(a, b);
+        fill_normal(&mut b, 7, "v", 0.02);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn random_weights_follow_roles() {
+        let c = cfg(Arch::Qwen2);
+        let w = random_weights(&c, 3, 0.02);
+        assert_eq!(w.len(), expected_tensors(&c).len());
+        assert!(w["model.norm.weight"].data.iter().all(|&x| x == 1.0));
+        assert!(w["model.layers.1.self_attn.k_proj.bias"]
+            .data
+            .iter()
+            .all(|&x| x == 0.0));
+        let q = &w["model.layers.0.self_attn.q_proj.weight"].data;
+        assert!(q.iter().any(|&x| x != 0.0) && q.iter().all(|x| x.abs() < 0.2));
+        // Layers draw from their own streams.
+        assert_ne!(q, &w["model.layers.1.self_attn.q_proj.weight"].data);
+        // The same layer is the same whatever the depth of the model.
+        let mut deeper = c.clone();
+        deeper.num_layers = 3;
+        assert_eq!(
+            q,
+            &random_weights(&deeper, 3, 0.02)["model.layers.0.self_attn.q_proj.weight"].data
+        );
+        let q3 = random_weights(&cfg(Arch::Qwen3), 3, 0.02);
+        assert!(q3["model.layers.0.self_attn.q_norm.weight"]
+            .data
+            .iter()
+            .all(|&x| x == 1.0));
+    }
 }

@@ -98,3 +98,69 @@ pub fn param_count(cfg: &Config) -> usize {
         .map(|t| t.shape.iter().product::<usize>())
         .sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::Arch;
+
+    fn tiny(arch: Arch, tie: bool) -> Config {
+        Config {
+            arch,
+            vocab_size: 10,
+            hidden_size: 8,
+            intermediate_size: 12,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 3,
+            rope_theta: 1e4,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: tie,
+            qkv_bias: arch == Arch::Qwen2,
+            qk_norm: arch == Arch::Qwen3,
+            max_position_embeddings: 64,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    #[test]
+    fn llama_names_shapes_and_count() {
+        let specs = expected_tensors(&tiny(Arch::Llama, false));
+        // embed + 2 x (q,k,v,o, gate,up,down, 2 norms) + norm + lm_head
+        assert_eq!(specs.len(), 1 + 2 * 9 + 2);
+        let get = |n: &str| specs.iter().find(|s| s.name == n).unwrap().shape.clone();
+        assert_eq!(get("model.layers.1.self_attn.q_proj.weight"), vec![12, 8]);
+        assert_eq!(get("model.layers.1.self_attn.k_proj.weight"), vec![6, 8]);
+        assert_eq!(get("model.layers.0.self_attn.o_proj.weight"), vec![8, 12]);
+        assert_eq!(get("model.layers.0.mlp.down_proj.weight"), vec![8, 12]);
+        assert_eq!(get(LM_HEAD), vec![10, 8]);
+        // 80 embed + per layer (96 + 48 + 48 + 96 + 3*96 + 16) + 8 + 80
+        assert_eq!(
+            param_count(&tiny(Arch::Llama, false)),
+            80 + 2 * 592 + 8 + 80
+        );
+    }
+
+    #[test]
+    fn arch_flags_add_biases_and_qk_norms() {
+        let q2 = expected_tensors(&tiny(Arch::Qwen2, true));
+        assert!(q2.iter().all(|s| s.name != LM_HEAD));
+        let biases: Vec<_> = q2.iter().filter(|s| s.role == Role::Bias).collect();
+        assert_eq!(biases.len(), 6);
+        assert_eq!(biases[0].name, "model.layers.0.self_attn.q_proj.bias");
+        assert_eq!(biases[1].shape, vec![6]);
+        let q3 = expected_tensors(&tiny(Arch::Qwen3, true));
+        let qn: Vec<_> = q3
+            .iter()
+            .filter(|s| s.name.contains("_norm.weight") && s.name.contains("self_attn"))
+            .collect();
+        assert_eq!(qn.len(), 4);
+        assert!(qn
+            .iter()
+            .all(|s| s.shape == vec![3] && s.role == Role::Norm));
+        assert!(is_ignorable(&tiny(Arch::Qwen3, true), LM_HEAD));
+        assert!(!is_ignorable(&tiny(Arch::Qwen3, false), LM_HEAD));
+    }
+}

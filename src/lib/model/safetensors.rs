@@ -102,8 +102,16 @@ pub fn load_dir(dir: &Path) -> Result<Loaded> {
         return Ok(loaded);
     }
     if !index.is_file() {
+        let hint = if dir.join("pytorch_model.bin").exists()
+            || dir.join("pytorch_model.bin.index.json").exists()
+        {
+            " (pytorch_model.bin is not read: convert it to safetensors, e.g. by loading and \
+             saving it with transformers' save_pretrained)"
+        } else {
+            ""
+        };
         crate::bail_input!(
-            "{}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} with its shards",
+            "{}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} with its shards{hint}",
             dir.display()
         );
     }
@@ -189,11 +197,11 @@ struct Bf16Tensor {
 
 impl Bf16Tensor {
     fn new(t: &Tensor) -> Self {
-        let bytes = t
-            .data
-            .par_iter()
-            .flat_map_iter(|x| bf16::from_f32(*x).to_le_bytes())
-            .collect();
+        let mut bytes = vec![0u8; 2 * t.numel()];
+        bytes
+            .par_chunks_mut(2)
+            .zip(t.data.par_iter())
+            .for_each(|(out, x)| out.copy_from_slice(&bf16::from_f32(*x).to_le_bytes()));
         Bf16Tensor {
             shape: t.shape.clone(),
             bytes,
@@ -267,12 +275,20 @@ pub fn save_dir(
             .map(|&i| (tensors[i].0, Bf16Tensor::new(tensors[i].1)))
             .collect();
         let path = dir.join(&file);
+        // The crate writes a 0600 temp file and renames it; give the result the permissions a
+        // plainly created file gets (umask), as HF's files have.
+        let perms = std::fs::File::create(&path)
+            .and_then(|f| f.metadata())
+            .with_context(|| format!("creating {}", path.display()))?
+            .permissions();
         safetensors::serialize_to_file(
             converted.iter().map(|(name, t)| (*name, t)),
             Some(metadata.clone()),
             &path,
         )
         .with_context(|| format!("writing {}", path.display()))?;
+        std::fs::set_permissions(&path, perms)
+            .with_context(|| format!("setting permissions of {}", path.display()))?;
         for (name, _) in &converted {
             weight_map.insert(name.to_string(), Value::from(file.clone()));
         }
@@ -297,4 +313,184 @@ pub fn save_dir(
 /// `x` as it reads back after a bf16 save.
 pub fn round_bf16(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::is_input_error;
+
+    /// A raw safetensors file written with the crate directly (any dtype, as other tools do).
+    struct Raw(Dtype, Vec<usize>, Vec<u8>);
+    impl View for &Raw {
+        fn dtype(&self) -> Dtype {
+            self.0
+        }
+        fn shape(&self) -> &[usize] {
+            &self.1
+        }
+        fn data(&self) -> Cow<'_, [u8]> {
+            Cow::Borrowed(&self.2)
+        }
+        fn data_len(&self) -> usize {
+            self.2.len()
+        }
+    }
+
+    fn write_raw(path: &Path, tensors: &[(&str, Raw)]) {
+        safetensors::serialize_to_file(tensors.iter().map(|(n, r)| (*n, r)), None, path).unwrap();
+    }
+
+    #[test]
+    fn reads_f32_f16_bf16_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let vals = [1.5f32, -0.25, 3.0e-3, 65504.0];
+        let f32b: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+            .collect();
+        let bf16b: Vec<u8> = vals
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+            .collect();
+        let path = dir.path().join("model.safetensors");
+        write_raw(
+            &path,
+            &[
+                ("a", Raw(Dtype::F32, vec![2, 2], f32b)),
+                ("b", Raw(Dtype::F16, vec![4], f16b)),
+                ("c", Raw(Dtype::BF16, vec![4, 1], bf16b)),
+            ],
+        );
+        let l = load_dir(dir.path()).unwrap();
+        assert_eq!(l.weights["a"], Tensor::new(vec![2, 2], vals.to_vec()));
+        let f16_vals: Vec<f32> = vals.iter().map(|x| f16::from_f32(*x).to_f32()).collect();
+        assert_eq!(l.weights["b"].data, f16_vals);
+        let bf_vals: Vec<f32> = vals.iter().map(|x| round_bf16(*x)).collect();
+        assert_eq!(l.weights["c"].data, bf_vals);
+        assert_eq!(l.weights["c"].shape, vec![4, 1]);
+        assert_eq!(l.dtypes["b"], Dtype::F16);
+    }
+
+    #[test]
+    fn rejects_other_dtypes_and_non_finite_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        write_raw(&path, &[("ids", Raw(Dtype::I64, vec![1], vec![0; 8]))]);
+        let e = load_dir(dir.path()).unwrap_err();
+        assert!(is_input_error(&e));
+        assert!(e.to_string().contains("tensor 'ids' has dtype I64"), "{e}");
+        let nan: Vec<u8> = [1.0f32, f32::NAN]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        write_raw(&path, &[("w", Raw(Dtype::F32, vec![2], nan))]);
+        let e = load_dir(dir.path()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("tensor 'w' has a non-finite value (NaN) at flat index 1"),
+            "{e}"
+        );
+        std::fs::write(&path, b"garbage").unwrap();
+        let e = load_dir(dir.path()).unwrap_err();
+        assert!(
+            e.to_string().contains("not a valid safetensors file"),
+            "{e}"
+        );
+        std::fs::remove_file(&path).unwrap();
+        let e = load_dir(dir.path()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("no weights: expected model.safetensors"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn plan_follows_huggingface_hub() {
+        // The hub's docstring example: [6, 6, 2, 6, 2, 2] with limit 10 -> [6], [6+2], [6+2+2].
+        assert_eq!(
+            plan_shards(&[6, 6, 2, 6, 2, 2], 10),
+            vec![vec![0], vec![1, 2], vec![3, 4, 5]]
+        );
+        // Oversized tensors get their own shard without closing the current one.
+        assert_eq!(
+            plan_shards(&[3, 12, 3, 5], 10),
+            vec![vec![1], vec![0, 2], vec![3]]
+        );
+        assert_eq!(plan_shards(&[1, 2, 3], 100), vec![vec![0, 1, 2]]);
+    }
+
+    #[test]
+    fn sharded_save_and_load_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let mk =
+            |n: usize, s: f32| Tensor::new(vec![n], (0..n).map(|i| s * i as f32 + 0.1).collect());
+        let ts = [
+            ("x.w", mk(10, 1.0)),
+            ("y.w", mk(30, -0.5)),
+            ("z.w", mk(20, 0.25)),
+        ];
+        let refs: Vec<(&str, &Tensor)> = ts.iter().map(|(n, t)| (*n, t)).collect();
+        // 20, 60, 40 bytes in bf16 with a 70-byte limit -> [x], [y], [z].
+        let files = save_dir(dir.path(), &refs, 70).unwrap();
+        let names: Vec<String> = files
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "model-00001-of-00003.safetensors",
+                "model-00002-of-00003.safetensors",
+                "model-00003-of-00003.safetensors",
+                INDEX_FILE
+            ]
+        );
+        let index = std::fs::read_to_string(dir.path().join(INDEX_FILE)).unwrap();
+        let want = "{\n  \"metadata\": {\n    \"total_parameters\": 60,\n    \"total_size\": 120\n  },\n  \"weight_map\": {\n    \"x.w\": \"model-00001-of-00003.safetensors\",\n    \"y.w\": \"model-00002-of-00003.safetensors\",\n    \"z.w\": \"model-00003-of-00003.safetensors\"\n  }\n}\n";
+        assert_eq!(index, want);
+        let l = load_dir(dir.path()).unwrap();
+        for (n, t) in &ts {
+            let rounded: Vec<f32> = t.data.iter().map(|x| round_bf16(*x)).collect();
+            assert_eq!(l.weights[*n].data, rounded);
+            assert_eq!(l.dtypes[*n], Dtype::BF16);
+        }
+        // A shard the index names but that is gone, or a tensor listed but absent.
+        std::fs::remove_file(dir.path().join("model-00002-of-00003.safetensors")).unwrap();
+        let e = load_dir(dir.path()).unwrap_err();
+        assert!(is_input_error(&e));
+        assert!(
+            e.to_string()
+                .contains("lists shard 'model-00002-of-00003.safetensors', which is missing"),
+            "{e}"
+        );
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            r#"{"weight_map": {"x.w": "model-00001-of-00003.safetensors", "q.w": "model-00001-of-00003.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = load_dir(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("tensor 'q.w' is listed in"), "{e}");
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            r#"{"weight_map": {"x.w": "../x"}}"#,
+        )
+        .unwrap();
+        let e = load_dir(dir.path()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("must be a file name in the same directory"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        // 1 + 2^-8 is halfway between bf16 neighbours 1 and 1 + 2^-7: ties go to even (1).
+        assert_eq!(round_bf16(1.0 + 1.0 / 256.0), 1.0);
+        assert_eq!(round_bf16(1.0 + 3.0 / 256.0), 1.0 + 4.0 / 256.0);
+        assert_eq!(round_bf16(-2.5), -2.5);
+    }
 }

@@ -1,0 +1,343 @@
+//! The `advantage` stage: token rewards (score on the last valid token, optionally minus β·KL), advantages
+//! and returns of a scored batch. The math lives in `tandem::algo`; this file reads flags and
+//! columns and writes the result.
+
+use crate::algo::advantage::{self as adv, AdvInput, AdvParams, Groups, KlInReward};
+use crate::algo::kl::{KlController, KlCtrl, KlPenalty, KlState};
+use crate::bail_input;
+use crate::batch::{list_array, schema, Batch, NewColumns, Ragged, StageInfo};
+use anyhow::Result;
+use arrow_array::types::Float32Type;
+use clap::builder::PossibleValuesParser;
+use clap::{ArgAction, Parser, ValueEnum};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Ctrl {
+    Fixed,
+    Adaptive,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "advantage",
+    version,
+    about = "Compute token rewards, advantages and returns of a scored batch (verl's estimators)"
+)]
+pub struct AdvantageArgs {
+    /// Input batch (needs response_mask and score, plus what the options below name).
+    #[arg(long = "in", value_name = "BATCH")]
+    input: PathBuf,
+    /// Output batch: the input's columns plus token_rewards, advantages, returns.
+    #[arg(long, value_name = "BATCH")]
+    out: PathBuf,
+    /// Advantage estimator.
+    #[arg(long, value_parser = PossibleValuesParser::new(adv::names()))]
+    estimator: String,
+    /// Discount factor (reinforce_plus_plus, gae).
+    #[arg(long, default_value_t = 1.0)]
+    gamma: f64,
+    /// GAE lambda.
+    #[arg(long, default_value_t = 1.0)]
+    lam: f64,
+    /// GRPO: divide by the group's std (false = Dr.GRPO).
+    #[arg(long, default_value_t = true, action = ArgAction::Set, value_name = "true|false")]
+    norm_by_std: bool,
+    /// GRPO: added to the std before dividing.
+    #[arg(long, default_value_t = 1e-6)]
+    epsilon: f64,
+    /// Subtract β·kl(old_logprobs, ref_logprobs) from every valid token's reward.
+    #[arg(long)]
+    kl_in_reward: bool,
+    /// KL estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
+    #[arg(long, default_value = "k1", requires = "kl_in_reward")]
+    kl_penalty: KlPenalty,
+    /// β (the starting β of the adaptive controller).
+    #[arg(long, default_value_t = 0.001, requires = "kl_in_reward")]
+    kl_coef: f64,
+    /// Keep β fixed, or adapt it towards --kl-target (state kept in --kl-state).
+    #[arg(long, value_enum, default_value_t = Ctrl::Fixed, requires = "kl_in_reward")]
+    kl_ctrl: Ctrl,
+    /// Adaptive controller: the KL it steers to.
+    #[arg(long, default_value_t = 0.1, requires = "kl_in_reward")]
+    kl_target: f64,
+    /// Adaptive controller: horizon in samples.
+    #[arg(long, default_value_t = 10000.0, requires = "kl_in_reward")]
+    kl_horizon: f64,
+    /// Adaptive controller: JSON file holding β between steps (read if present, then updated).
+    #[arg(long, value_name = "FILE", requires = "kl_in_reward")]
+    kl_state: Option<PathBuf>,
+    /// Write metrics (advantage mean/std/min/max, KL, β, timings) as JSON here.
+    #[arg(long, value_name = "FILE")]
+    metrics: Option<PathBuf>,
+}
+
+fn check_flags(a: &AdvantageArgs) -> Result<()> {
+    for (flag, v) in [("--gamma", a.gamma), ("--lam", a.lam)] {
+        if !(0.0..=1.0).contains(&v) {
+            bail_input!("{flag} must be in [0, 1], got {v}");
+        }
+    }
+    if !(a.epsilon.is_finite() && a.epsilon >= 0.0) {
+        bail_input!("--epsilon must be a finite number >= 0, got {}", a.epsilon);
+    }
+    if a.kl_in_reward {
+        if !(a.kl_coef.is_finite() && a.kl_coef >= 0.0) {
+            bail_input!("--kl-coef must be a finite number >= 0, got {}", a.kl_coef);
+        }
+        if a.kl_ctrl == Ctrl::Adaptive {
+            if !(a.kl_target.is_finite() && a.kl_target > 0.0) {
+                bail_input!("--kl-target must be > 0, got {}", a.kl_target);
+            }
+            if !(a.kl_horizon.is_finite() && a.kl_horizon > 0.0) {
+                bail_input!("--kl-horizon must be > 0, got {}", a.kl_horizon);
+            }
+            if a.kl_state.is_none() {
+                bail_input!(
+                    "--kl-ctrl adaptive needs --kl-state FILE to carry beta from one step to the next"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Per-token columns must have one entry per mask entry in every row (the reader checks this
+/// against response_ids, which a batch may lack).
+fn aligned(batch: &Batch, col: &str, x: &Ragged<f32>, mask: &Ragged<u8>) -> Result<()> {
+    for row in 0..mask.num_rows() {
+        let (got, want) = (x.row(row).len(), mask.row(row).len());
+        if got != want {
+            bail_input!(
+                "{}, row {row}: has {got} entries but {} has {want}",
+                batch.at(col),
+                schema::RESPONSE_MASK
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A column an option needs, or an error naming the column, the option and what to do.
+fn need(batch: &Batch, col: &str, why: &str) -> Result<()> {
+    if !batch.has(col) {
+        bail_input!("{} is missing: {why}", batch.at(col));
+    }
+    Ok(())
+}
+
+pub fn run(a: &AdvantageArgs) -> Result<()> {
+    let t0 = Instant::now();
+    check_flags(a)?;
+    let est = adv::estimator(&a.estimator).expect("clap checked the name");
+    let mut ctrl = KlController {
+        beta: a.kl_coef,
+        ctrl: match a.kl_ctrl {
+            Ctrl::Fixed => KlCtrl::Fixed,
+            Ctrl::Adaptive => KlCtrl::Adaptive {
+                target: a.kl_target,
+                horizon: a.kl_horizon,
+            },
+        },
+    };
+    let adaptive = a.kl_in_reward && a.kl_ctrl == Ctrl::Adaptive;
+    let state = match (&a.kl_state, adaptive) {
+        (Some(p), true) => KlState::load(p)?,
+        _ => None,
+    };
+    if let Some(s) = &state {
+        ctrl.beta = s.beta;
+    }
+
+    let batch = Batch::read(&a.input, &[])?;
+    if batch.num_rows() == 0 {
+        bail_input!("{}: the batch has no rows", a.input.display());
+    }
+    need(
+        &batch,
+        schema::RESPONSE_MASK,
+        "every estimator needs the mask of model tokens (written by rollout)",
+    )?;
+    need(
+        &batch,
+        schema::SCORE,
+        "every estimator needs the sequence score; run `score` first",
+    )?;
+    for (col, why) in est.needs {
+        need(
+            &batch,
+            col,
+            &format!("--estimator {} needs it ({why})", est.name),
+        )?;
+    }
+    if a.kl_in_reward {
+        need(
+            &batch,
+            schema::OLD_LOGPROBS,
+            "--kl-in-reward needs it; run `ref-logprob --column old_logprobs` with the policy first",
+        )?;
+        need(
+            &batch,
+            schema::REF_LOGPROBS,
+            "--kl-in-reward needs it; run `ref-logprob --column ref_logprobs` with the reference model first",
+        )?;
+    }
+    let mask = batch.ragged_u8(schema::RESPONSE_MASK)?;
+    let scores = batch.f32s(schema::SCORE)?;
+    // What the estimator reads besides mask and score comes from its registry entry.
+    let needs = |col: &str| est.needs.iter().any(|(c, _)| *c == col);
+    let groups = match needs(schema::PROMPT_UID) {
+        true => Some(Groups::from_keys(&batch.strings(schema::PROMPT_UID)?)),
+        false => None,
+    };
+    let values = match needs(schema::VALUES) {
+        true => Some(batch.ragged_f32(schema::VALUES)?),
+        false => None,
+    };
+    let baseline = match needs(schema::BASELINE_SCORE) {
+        true => Some(batch.f32s(schema::BASELINE_SCORE)?),
+        false => None,
+    };
+    let kl_cols = match a.kl_in_reward {
+        true => Some((
+            batch.ragged_f32(schema::OLD_LOGPROBS)?,
+            batch.ragged_f32(schema::REF_LOGPROBS)?,
+        )),
+        false => None,
+    };
+    if let Some(v) = &values {
+        aligned(&batch, schema::VALUES, v, &mask)?;
+    }
+    if let Some((old, r)) = &kl_cols {
+        aligned(&batch, schema::OLD_LOGPROBS, old, &mask)?;
+        aligned(&batch, schema::REF_LOGPROBS, r, &mask)?;
+    }
+    let t_read = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    let offsets = &mask.offsets;
+    let kl = kl_cols.as_ref().map(|(old, r)| KlInReward {
+        old: &old.values,
+        ref_lp: &r.values,
+        penalty: a.kl_penalty,
+        beta: ctrl.beta,
+    });
+    let rewards = adv::token_rewards(offsets, &mask.values, &scores, kl.as_ref());
+    let beta_used = ctrl.beta;
+    if let Some(current_kl) = rewards.kl {
+        ctrl.update(current_kl, batch.num_rows());
+    }
+    let input = AdvInput {
+        offsets,
+        mask: &mask.values,
+        token_rewards: &rewards.token_rewards,
+        outcome: &rewards.outcome,
+        groups: groups.as_ref(),
+        values: values.as_ref().map(|v| &v.values[..]),
+        baseline: baseline.as_deref(),
+    };
+    let params = AdvParams {
+        gamma: a.gamma,
+        lam: a.lam,
+        norm_by_std: a.norm_by_std,
+        epsilon: a.epsilon,
+    };
+    let out = (est.run)(&input, &params)?;
+    let adv_stats = adv::masked_stats(&mask.values, &out.advantages);
+    let ret_stats = adv::masked_stats(&mask.values, &out.returns);
+    let score_mean = scores.iter().map(|&s| s as f64).sum::<f64>() / scores.len() as f64;
+    let t_compute = t1.elapsed().as_secs_f64();
+
+    let t2 = Instant::now();
+    let mut cols = NewColumns::new();
+    cols.add(
+        schema::TOKEN_REWARDS,
+        list_array::<Float32Type>(offsets, rewards.token_rewards),
+    );
+    cols.add(
+        schema::ADVANTAGES,
+        list_array::<Float32Type>(offsets, out.advantages),
+    );
+    cols.add(
+        schema::RETURNS,
+        list_array::<Float32Type>(offsets, out.returns),
+    );
+    let params_json = serde_json::json!({
+        "estimator": est.name,
+        "gamma": a.gamma,
+        "lam": a.lam,
+        "norm_by_std": a.norm_by_std,
+        "epsilon": a.epsilon,
+        "kl_in_reward": a.kl_in_reward,
+        "kl_penalty": a.kl_in_reward.then(|| a.kl_penalty.to_string()),
+        "kl_ctrl": a.kl_in_reward.then(|| format!("{:?}", a.kl_ctrl).to_lowercase()),
+        "kl_beta": a.kl_in_reward.then_some(beta_used),
+    });
+    let info = StageInfo {
+        stage: "advantage",
+        params: params_json,
+        policy_version: None,
+        step: None,
+    };
+    batch.write_derived(&a.out, cols, &info)?;
+    // The output is in place before β moves, so a crash in between leaves a step that re-runs
+    // with the same β.
+    if let (Some(path), true) = (&a.kl_state, adaptive) {
+        KlState {
+            beta: ctrl.beta,
+            updates: state.as_ref().map_or(0, |s| s.updates) + 1,
+            last_kl: rewards.kl,
+            last_beta: Some(beta_used),
+        }
+        .save(path)?;
+    }
+    let t_write = t2.elapsed().as_secs_f64();
+    let total = t0.elapsed().as_secs_f64();
+
+    let rows = batch.num_rows();
+    let metrics = serde_json::json!({
+        "stage": "advantage",
+        "estimator": est.name,
+        "rows": rows,
+        "tokens": mask.values.len(),
+        "valid_tokens": adv_stats.count,
+        "score_mean": score_mean,
+        "advantage_mean": adv_stats.mean,
+        "advantage_std": adv_stats.std,
+        "advantage_min": adv_stats.min,
+        "advantage_max": adv_stats.max,
+        "returns_mean": ret_stats.mean,
+        "returns_std": ret_stats.std,
+        "returns_min": ret_stats.min,
+        "returns_max": ret_stats.max,
+        "kl": rewards.kl,
+        "kl_beta": a.kl_in_reward.then_some(beta_used),
+        "kl_beta_next": a.kl_in_reward.then_some(ctrl.beta),
+        "read_s": t_read,
+        "compute_s": t_compute,
+        "write_s": t_write,
+        "total_s": total,
+        "rows_per_s": rows as f64 / total,
+        "tokens_per_s": mask.values.len() as f64 / total,
+    });
+    eprintln!(
+        "advantage {}: {rows} rows, {} tokens; advantage mean {:.4} std {:.4} min {:.4} max {:.4}{}; \
+         {:.0} rows/s (read {t_read:.2}s, compute {t_compute:.2}s, write {t_write:.2}s)",
+        est.name,
+        mask.values.len(),
+        adv_stats.mean,
+        adv_stats.std,
+        adv_stats.min,
+        adv_stats.max,
+        match rewards.kl {
+            Some(k) => format!("; kl {k:.5} beta {beta_used:.6} -> {:.6}", ctrl.beta),
+            None => String::new(),
+        },
+        rows as f64 / total,
+    );
+    if let Some(path) = &a.metrics {
+        crate::batch::write_json(path, &metrics)?;
+    }
+    Ok(())
+}

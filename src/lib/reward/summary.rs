@@ -1,0 +1,232 @@
+//! The `score` stage's summary: printed to stderr and, with `--metrics FILE`, written as one
+//! flat JSON object (`score/mean`, `score/accuracy`, `score/accuracy/<data_source>`, ...).
+
+use super::Scores;
+use anyhow::Result;
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Sub-score that, when a reward returns it, is the accuracy (verl's math_dapo returns `acc`).
+pub const ACC_KEY: &str = "acc";
+
+/// Wall time of the stage's parts, in seconds.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timings {
+    pub read_s: f64,
+    pub score_s: f64,
+    pub write_s: f64,
+}
+
+impl Timings {
+    pub fn total_s(&self) -> f64 {
+        self.read_s + self.score_s + self.write_s
+    }
+}
+
+/// Count, mean score and accuracy of a set of rows.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Group {
+    pub rows: usize,
+    pub mean: f64,
+    pub accuracy: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Summary {
+    pub all: Group,
+    pub std: f64,
+    pub min: f64,
+    pub max: f64,
+    /// Whether accuracy is the mean of the `acc` sub-score (else: fraction of score >= 1).
+    pub accuracy_from_acc: bool,
+    /// Per data_source, sorted by name (empty when the batch has no data_source).
+    pub per_source: BTreeMap<String, Group>,
+    /// Mean of each sub-score.
+    pub sub_means: Vec<(String, f64)>,
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> (usize, f64) {
+    let (n, sum) = values.fold((0usize, 0.0f64), |(n, s), v| (n + 1, s + v));
+    (n, if n == 0 { f64::NAN } else { sum / n as f64 })
+}
+
+impl Summary {
+    pub fn new(scores: &Scores, sources: Option<&[&str]>) -> Summary {
+        let s = &scores.score;
+        let acc_col = scores.sub(ACC_KEY);
+        let correct = |i: usize| -> f64 {
+            match acc_col {
+                Some(a) => a[i] as f64,
+                None => f64::from(u8::from(s[i] >= 1.0)),
+            }
+        };
+        let group = |rows: &[usize]| -> Group {
+            let (n, m) = mean(rows.iter().map(|&i| s[i] as f64));
+            Group {
+                rows: n,
+                mean: m,
+                accuracy: mean(rows.iter().map(|&i| correct(i))).1,
+            }
+        };
+        let all_rows: Vec<usize> = (0..s.len()).collect();
+        let all = group(&all_rows);
+        let var = mean(s.iter().map(|&v| (v as f64 - all.mean).powi(2))).1;
+        let mut by_source: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        if let Some(src) = sources {
+            for (i, name) in src.iter().enumerate() {
+                by_source.entry(name).or_default().push(i);
+            }
+        }
+        Summary {
+            all,
+            std: var.sqrt(),
+            min: s.iter().fold(f64::NAN, |m, &v| m.min(v as f64)),
+            max: s.iter().fold(f64::NAN, |m, &v| m.max(v as f64)),
+            accuracy_from_acc: acc_col.is_some(),
+            per_source: by_source
+                .into_iter()
+                .map(|(k, rows)| (k.to_string(), group(&rows)))
+                .collect(),
+            sub_means: scores
+                .subs
+                .iter()
+                .map(|(k, v)| (k.clone(), mean(v.iter().map(|&x| x as f64)).1))
+                .collect(),
+        }
+    }
+
+    /// The flat metrics object. Means of an empty batch are null.
+    pub fn metrics(&self, t: &Timings) -> Map<String, Value> {
+        let num = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
+        let mut m = Map::new();
+        m.insert("score/rows".into(), json!(self.all.rows));
+        m.insert("score/mean".into(), num(self.all.mean));
+        m.insert("score/std".into(), num(self.std));
+        m.insert("score/min".into(), num(self.min));
+        m.insert("score/max".into(), num(self.max));
+        m.insert("score/accuracy".into(), num(self.all.accuracy));
+        for (src, g) in &self.per_source {
+            m.insert(format!("score/rows/{src}"), json!(g.rows));
+            m.insert(format!("score/mean/{src}"), num(g.mean));
+            m.insert(format!("score/accuracy/{src}"), num(g.accuracy));
+        }
+        for (key, v) in &self.sub_means {
+            m.insert(format!("score_{key}/mean"), num(*v));
+        }
+        m.insert("score/read_s".into(), json!(t.read_s));
+        m.insert("score/score_s".into(), json!(t.score_s));
+        m.insert("score/write_s".into(), json!(t.write_s));
+        m.insert("score/total_s".into(), json!(t.total_s()));
+        m.insert(
+            "score/rows_per_s".into(),
+            num(self.all.rows as f64 / t.total_s()),
+        );
+        m
+    }
+
+    /// The human summary, a few lines for stderr.
+    pub fn report(&self, reward: &str, t: &Timings) -> String {
+        let acc_kind = if self.accuracy_from_acc {
+            "mean of 'acc'"
+        } else {
+            "score >= 1"
+        };
+        let mut out = format!(
+            "score: {} rows, reward {reward}: mean {:.4}, accuracy {:.4} ({acc_kind})\n",
+            self.all.rows, self.all.mean, self.all.accuracy
+        );
+        for (src, g) in &self.per_source {
+            let _ = writeln!(
+                out,
+                "  {src}: {} rows, mean {:.4}, accuracy {:.4}",
+                g.rows, g.mean, g.accuracy
+            );
+        }
+        for (key, v) in &self.sub_means {
+            let _ = writeln!(out, "  score_{key}: mean {v:.4}");
+        }
+        let _ = writeln!(
+            out,
+            "  {:.0} rows/s (read {:.3} s, score {:.3} s, write {:.3} s)",
+            self.all.rows as f64 / t.total_s(),
+            t.read_s,
+            t.score_s,
+            t.write_s
+        );
+        out
+    }
+}
+
+/// Write the metrics object to `path` atomically (`path.tmp`, then rename).
+pub fn write_metrics(path: &Path, metrics: &Map<String, Value>) -> Result<()> {
+    crate::batch::write_json(path, metrics)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accuracy_per_source_by_threshold() {
+        let scores = Scores {
+            score: vec![1.0, 0.0, 0.1, 1.0],
+            subs: vec![],
+        };
+        let s = Summary::new(&scores, Some(&["a", "b", "a", "a"]));
+        assert_eq!(s.all.rows, 4);
+        assert!((s.all.mean - 0.525).abs() < 1e-6);
+        assert_eq!(s.all.accuracy, 0.5);
+        assert_eq!(s.min, 0.0);
+        assert_eq!(s.max, 1.0);
+        let a = &s.per_source["a"];
+        assert_eq!((a.rows, a.accuracy), (3, 2.0 / 3.0));
+        assert!((a.mean - 0.7).abs() < 1e-6);
+        assert_eq!(s.per_source["b"].accuracy, 0.0);
+
+        let m = s.metrics(&Timings {
+            read_s: 1.0,
+            score_s: 0.5,
+            write_s: 0.5,
+        });
+        assert_eq!(m["score/accuracy/a"], json!(2.0 / 3.0));
+        assert_eq!(m["score/rows/b"], json!(1));
+        assert_eq!(m["score/rows_per_s"], json!(2.0));
+    }
+
+    #[test]
+    fn acc_sub_score_is_the_accuracy() {
+        // Scores of -1/1 (as DAPO gives) with acc saying which were right.
+        let scores = Scores {
+            score: vec![1.0, -1.0, -1.0],
+            subs: vec![("acc".into(), vec![1.0, 0.0, 1.0])],
+        };
+        let s = Summary::new(&scores, None);
+        assert!(s.accuracy_from_acc);
+        assert!((s.all.accuracy - 2.0 / 3.0).abs() < 1e-12);
+        assert!(s.per_source.is_empty());
+        assert_eq!(s.sub_means, [("acc".to_string(), 2.0 / 3.0)]);
+    }
+
+    #[test]
+    fn empty_batch_gives_null_means() {
+        let s = Summary::new(&Scores::default(), Some(&[]));
+        let m = s.metrics(&Timings::default());
+        assert_eq!(m["score/rows"], json!(0));
+        assert_eq!(m["score/mean"], Value::Null);
+        assert_eq!(m["score/rows_per_s"], Value::Null);
+    }
+
+    #[test]
+    fn metrics_file_is_written_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/m.json");
+        let mut m = Map::new();
+        m.insert("score/mean".into(), json!(0.5));
+        write_metrics(&path, &m).unwrap();
+        let back: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(back, json!({"score/mean": 0.5}));
+        assert!(!crate::batch::write::temp_path(&path).exists());
+    }
+}

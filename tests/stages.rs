@@ -86,7 +86,7 @@ fn rollout_writes_the_contract_and_its_logprobs_match_ref_logprob() {
         assert!(lps[r].iter().all(|&l| l.is_finite() && l <= 0.0));
         let last = *rids[r].last().unwrap() as u32;
         match reasons[r].as_str() {
-            "stop" => assert!(eos.contains(&last)),
+            "stop" => assert!(eos.contains(&last), "row {r}: {:?} eos {eos:?}", rids[r]),
             "length" => assert_eq!(rids[r].len(), 12),
             other => panic!("finish_reason {other}"),
         }
@@ -530,6 +530,7 @@ fn bad_input_exits_2_and_writes_nothing() {
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
+    let cut = ["--max-prompt-tokens", "64", "--truncate", "left"];
     // A prompt over the limit names its row; --truncate left keeps its end.
     input_error(
         "rollout",
@@ -558,7 +559,7 @@ fn bad_input_exits_2_and_writes_nothing() {
     for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(model.join(f), broken.join(f)).unwrap();
     }
-    let err = input_error("rollout", &rollout(&broken, &[]), "broken");
+    let err = input_error("rollout", &rollout(&broken, &cut), "broken");
     assert!(err.contains("safetensors"), "{err}");
     assert!(!out.exists());
     // Unsupported architecture.
@@ -577,7 +578,7 @@ fn bad_input_exits_2_and_writes_nothing() {
         cfg.replace("Qwen2ForCausalLM", "MambaForCausalLM"),
     )
     .unwrap();
-    input_error("rollout", &rollout(&odd, &[]), "MambaForCausalLM");
+    input_error("rollout", &rollout(&odd, &cut), "MambaForCausalLM");
     assert!(!out.exists());
     input_error(
         "rollout",

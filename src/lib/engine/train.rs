@@ -421,14 +421,17 @@ fn micro_loss(
         );
         mask.extend_from_slice(data.mask[i]);
         lp.extend_from_slice(&s.logprobs);
-        if want_entropy {
-            match &s.entropy {
-                Some(e) if e.len() == n => entropy.extend_from_slice(e),
-                _ => bail!("the entropy bonus needs per-token entropies from the forward pass"),
+        match &s.entropy {
+            Some(e) if e.len() == n => entropy.extend_from_slice(e),
+            _ if want_entropy => {
+                bail!("the entropy bonus needs per-token entropies from the forward pass")
             }
+            _ => {}
         }
         offsets.push(lp.len());
     }
+    // Entropies, when the forward pass gives them, feed the metric even without a bonus.
+    let have_entropy = entropy.len() == lp.len();
     let gather = |col: &Option<Vec<&[f32]>>| -> Option<Vec<f32>> {
         col.as_ref()
             .map(|c| idx.iter().flat_map(|&i| c[i].iter().copied()).collect())
@@ -449,9 +452,14 @@ fn micro_loss(
         advantages: adv.as_deref(),
         ref_lp: ref_lp.as_deref(),
         rollout: rollout.as_deref(),
-        entropy: want_entropy.then_some(entropy.as_slice()),
+        entropy: have_entropy.then_some(entropy.as_slice()),
     };
-    Ok((policy_loss(&cfg.loss, &inputs, norm, 1.0)?, offsets))
+    let mut out = policy_loss(&cfg.loss, &inputs, norm, 1.0)?;
+    if !want_entropy {
+        // No bonus: dL/dentropy is zero, spare the backward pass its term.
+        out.grad_entropy = None;
+    }
+    Ok((out, offsets))
 }
 
 /// Per-row gradients for the backward pass (zeros when the loss was not finite, so the step

@@ -4,11 +4,11 @@
 use crate::bail_input;
 use crate::batch::Batch;
 use crate::error::input_error;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 /// Where a stage computes.
@@ -130,25 +130,6 @@ pub fn progress_bar(len: usize, what: &str) -> ProgressBar {
     bar
 }
 
-/// Writes `bytes` to `path` through `path.tmp` and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let tmp = crate::batch::write::temp_path(path);
-    let result = (|| -> Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.with_context(|| format!("writing {}", path.display()))
-}
-
 /// `--model` and `--out` must differ from each other for stages that write a directory.
 pub fn same_path(a: &Path, b: &Path) -> bool {
     match (a.canonicalize(), b.canonicalize()) {
@@ -188,13 +169,13 @@ mod tests {
         assert_eq!((m.policy_version, m.pointer), (0, None));
         let ptr = dir.path().join("policy");
         std::fs::create_dir(dir.path().join("ck")).unwrap();
-        write_atomic(&ptr, br#"{"model": "ck", "policy_version": 7}"#).unwrap();
+        std::fs::write(&ptr, br#"{"model": "ck", "policy_version": 7}"#).unwrap();
         let m = resolve_model(&ptr).unwrap();
         assert_eq!(m.dir, dir.path().join("ck"));
         assert_eq!(m.policy_version, 7);
         let missing = resolve_model(&dir.path().join("nope")).unwrap_err();
         assert!(crate::error::is_input_error(&missing));
-        write_atomic(&ptr, b"garbage").unwrap();
+        std::fs::write(&ptr, b"garbage").unwrap();
         let bad = resolve_model(&ptr).unwrap_err();
         assert!(bad.to_string().contains("pointer file"), "{bad}");
         assert!(Device::Cuda.check().is_err());

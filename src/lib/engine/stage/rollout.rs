@@ -5,11 +5,11 @@
 //! repeat of that prompt in the file, sample index), so a prompt gets the same samples whatever
 //! other prompts share the file, the `--limit`, or the `--batch-size`.
 
-use super::common::{progress_bar, resolve_model, write_atomic, Device};
+use super::common::{progress_bar, resolve_model, Device};
 use super::load_policy;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
-use crate::batch::{list_array, stage_meta, write_file, StageInfo};
+use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::engine::generate::{generate, CachedDecoder, GenParams, Request};
@@ -147,12 +147,10 @@ pub fn run(args: RolloutArgs) -> Result<()> {
     let mut prompts: Vec<Vec<u32>> = Vec::with_capacity(n_prompts);
     let mut truncated = 0usize;
     for i in 0..n_prompts {
-        let mut ids = match &template {
-            Some(t) => tokenizer.encode(&t.render(&dataset.row(i).messages, true)?)?,
-            // Raw text gets the tokenizer's own special tokens (BOS for Llama), as HF's
-            // tokenizer(text) does; a rendered template already holds them.
-            None => tokenizer.encode_with_special(dataset.raw_prompt(i)?, true)?,
-        };
+        // Raw text gets the tokenizer's own special tokens (BOS for Llama), as HF's
+        // tokenizer(text) does; a rendered template already holds them.
+        let text = dataset.prompt_text(i, template.as_ref())?;
+        let mut ids = tokenizer.encode_with_special(&text, template.is_none())?;
         if ids.is_empty() {
             bail_input!("{at}, row {i}: the prompt is empty after tokenization");
         }
@@ -221,21 +219,8 @@ pub fn run(args: RolloutArgs) -> Result<()> {
     let slots = args.batch_size.min(n_prompts * args.n);
     let max_len = (longest + args.max_new_tokens).max(1);
     let mut engine = CachedDecoder::new(&mut policy, cfg.vocab_size, slots, max_len)?;
-    // The model may have more ids than the tokenizer (padded embeddings): those decode to
-    // nothing.
-    let tok_vocab = tokenizer.vocab_size();
-    let detok = |ids: &[u32]| -> Result<String> {
-        if ids.iter().all(|&t| (t as usize) < tok_vocab) {
-            tokenizer.decode(ids, true)
-        } else {
-            let known: Vec<u32> = ids
-                .iter()
-                .copied()
-                .filter(|&t| (t as usize) < tok_vocab)
-                .collect();
-            tokenizer.decode(&known, true)
-        }
-    };
+    // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
+    let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let total = n_prompts * args.n;
     let bar = progress_bar(total, "rollout");
     let gen_started = Instant::now();
@@ -354,9 +339,7 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         "policy_version": model.policy_version,
     });
     if let Some(path) = &args.metrics {
-        let mut text = serde_json::to_string_pretty(&metrics)?;
-        text.push('\n');
-        write_atomic(path, text.as_bytes())?;
+        write_json(path, &metrics)?;
     }
     eprintln!(
         "rollout: {n_prompts} prompts x {} = {total} samples, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",

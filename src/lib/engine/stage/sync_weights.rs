@@ -5,8 +5,9 @@
 //! `policy_version`, which rollout records in its output metadata. Daemon modes (in-memory
 //! sync between trainer and rollout engine) come with the GPU daemon.
 
-use super::common::{write_atomic, Pointer};
+use super::common::Pointer;
 use crate::bail_input;
+use crate::batch::write_json;
 use crate::model::checkpoint::ModelDir;
 use anyhow::Result;
 use clap::Args;
@@ -78,9 +79,7 @@ pub fn run(args: SyncWeightsArgs) -> Result<()> {
         model: pointer_target(&args.from, &args.to)?,
         policy_version: version,
     };
-    let mut text = serde_json::to_string_pretty(&ptr)?;
-    text.push('\n');
-    write_atomic(&args.to, text.as_bytes())?;
+    write_json(&args.to, &ptr)?;
     eprintln!(
         "sync-weights: {} -> {} (policy_version {}) in {:.3}s",
         args.to.display(),

@@ -2,14 +2,14 @@
 //! with verl's knobs; writes the new model (HF layout, bf16) with its optimizer state and
 //! trainer state next to it, so the next `update --model DIR2` resumes exactly.
 
-use super::common::{check_token_ids, resolve_model, write_atomic, Device};
+use super::common::{check_token_ids, resolve_model, Device};
 use super::ref_logprob::to_u32;
 use crate::algo::agg::AggMode;
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
 use crate::backend::cpu::Cpu;
 use crate::bail_input;
-use crate::batch::{schema, Batch, Ragged};
+use crate::batch::{schema, write_json, Batch, Ragged};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData};
@@ -387,9 +387,7 @@ pub fn run(args: UpdateArgs) -> Result<()> {
         save_started.elapsed().as_secs_f64().into(),
     );
     if let Some(path) = &args.metrics {
-        let mut text = serde_json::to_string_pretty(&metrics)?;
-        text.push('\n');
-        write_atomic(path, text.as_bytes())?;
+        write_json(path, &metrics)?;
     }
     eprintln!(
         "update: {} rows, {} optimizer steps ({} skipped), loss {:.5}, grad_norm {}, lr {:.3e}, {:.0} tokens/s -> {} in {:.2}s",

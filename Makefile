@@ -5,7 +5,7 @@ SHARED ?= ../shared
 GSM8K ?= $(SHARED)/data/gsm8k
 BIN := target/release
 
-.PHONY: build test data bench fmt lint
+.PHONY: build test data bench fmt lint gpu-test kernels-check
 
 build:
 	$(CARGO) build --release
@@ -27,3 +27,19 @@ fmt:
 
 lint:
 	$(CARGO) clippy --all-targets -- -D warnings
+
+# CUDA parity suite for the lent GPU machine: a stripped release binary in .device/ (ignored by
+# git), to be carried there and run as printed. CI builds the CUDA code but cannot run it.
+gpu-test:
+	$(CARGO) build --release --bin tandem
+	mkdir -p .device && cp $(BIN)/tandem .device/tandem
+	@grep -qx '/.device/' "$$(git rev-parse --git-common-dir)/info/exclude" 2>/dev/null || \
+		{ mkdir -p "$$(git rev-parse --git-common-dir)/info" && echo '/.device/' >> "$$(git rev-parse --git-common-dir)/info/exclude"; }
+	@echo "device run (carry .device):"
+	@echo '  set -o pipefail; .device/tandem gpu-test --json $$OUT/parity.json 2>&1 | tee $$OUT/parity.log'
+
+# Compile every CUDA kernel with NVRTC, no GPU needed: uses the nvidia-cuda-nvrtc wheel of the
+# local python when libnvrtc is not already on the library path.
+NVRTC_DIR ?= $(shell python3 -c "import nvidia, os; d = [os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cu13', 'cuda_nvrtc')]; print(next((x for x in d if os.path.isdir(x)), ''))" 2>/dev/null)
+kernels-check:
+	LD_LIBRARY_PATH="$(NVRTC_DIR):$$LD_LIBRARY_PATH" $(CARGO) run --bin tandem -- gpu-test --compile-only

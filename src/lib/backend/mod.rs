@@ -18,6 +18,7 @@
 
 pub mod check;
 pub mod cpu;
+pub mod cuda;
 
 use anyhow::Result;
 
@@ -73,6 +74,25 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+/// Element type a buffer stores. Ops always compute in f32 and convert on load and store, so
+/// any op accepts buffers of either type; a backend without bf16 storage keeps f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    BF16,
+}
+
+/// Device memory a backend holds (all zero on the CPU).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes taken from the device allocator (live buffers plus the pool's cache).
+    pub held: usize,
+    /// Bytes in live buffers.
+    pub in_use: usize,
+    /// Largest `in_use` seen since the backend was made.
+    pub peak_in_use: usize,
+}
+
 /// The op set. Every method documents its math in one line; shapes are passed explicitly.
 pub trait Backend: Send + Sync {
     /// A float buffer on the device (`Vec<f32>` on the CPU).
@@ -87,6 +107,30 @@ pub trait Backend: Send + Sync {
 
     /// A zero-filled buffer of `n` floats.
     fn alloc(&self, n: usize) -> Result<Self::Buf>;
+    /// A zero-filled buffer of `n` elements stored as `dtype` (bf16 rounds to nearest even on
+    /// store). Backends that only store f32 ignore `dtype`.
+    fn alloc_as(&self, n: usize, dtype: DType) -> Result<Self::Buf> {
+        let _ = dtype;
+        self.alloc(n)
+    }
+    /// The element type `buf` stores.
+    fn dtype(&self, buf: &Self::Buf) -> DType {
+        let _ = buf;
+        DType::F32
+    }
+    /// Waits for all queued work and reports device-side faults of earlier ops (token ids or
+    /// rows out of range). A no-op on the CPU, where ops fail at once.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Device memory held and in use.
+    fn memory_stats(&self) -> MemoryStats {
+        MemoryStats::default()
+    }
+    /// Returns cached free device memory to the driver (between phases of the hybrid engine).
+    fn trim(&self) -> Result<()> {
+        Ok(())
+    }
     /// A zero-filled index buffer of `n` entries.
     fn alloc_idx(&self, n: usize) -> Result<Self::Idx>;
     /// Length of a buffer in floats.

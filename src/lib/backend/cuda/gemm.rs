@@ -1,0 +1,316 @@
+//! GEMMs through cuBLASLt: bf16 (or f32) inputs, fp32 accumulation and scaling, f32 or bf16
+//! output, and the bias add fused into the epilogue. A plan (descriptor, layouts, heuristic
+//! algorithm) is made once per shape and reused, so a training step costs no heuristic calls.
+//!
+//! cuBLASLt is column-major. A row-major matrix `x[rows, cols]` is the column-major matrix
+//! `xᵀ[cols, rows]` with leading dimension `cols`; the callers in `mod.rs` do that bookkeeping.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::size_of;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, bail, Result};
+use cudarc::cublaslt::{result as lr, sys as ls};
+use cudarc::driver::CudaStream;
+
+use super::pool::{Block, Pool};
+use crate::backend::DType;
+
+/// Bytes of cuBLASLt workspace (NVIDIA's recommendation for Hopper).
+const WORKSPACE: usize = 32 << 20;
+
+/// A device matrix operand: its address and element type.
+#[derive(Clone, Copy, Debug)]
+pub struct Operand {
+    pub ptr: u64,
+    pub dtype: DType,
+}
+
+/// One column-major GEMM: D[m,n] = op(A)·op(B) + beta·D (+ bias[m] along the rows of D).
+#[derive(Clone, Copy, Debug)]
+pub struct GemmCall {
+    pub transa: bool,
+    pub transb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: Operand,
+    pub lda: usize,
+    pub b: Operand,
+    pub ldb: usize,
+    pub d: Operand,
+    pub ldd: usize,
+    pub beta: f32,
+    pub bias: Option<Operand>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Key {
+    transa: bool,
+    transb: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    lda: usize,
+    ldb: usize,
+    ldd: usize,
+    ab: DType,
+    d: DType,
+    bias: bool,
+    align: [u32; 3],
+}
+
+struct Plan {
+    desc: ls::cublasLtMatmulDesc_t,
+    a: ls::cublasLtMatrixLayout_t,
+    b: ls::cublasLtMatrixLayout_t,
+    d: ls::cublasLtMatrixLayout_t,
+    algo: ls::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = lr::destroy_matmul_desc(self.desc);
+            let _ = lr::destroy_matrix_layout(self.a);
+            let _ = lr::destroy_matrix_layout(self.b);
+            let _ = lr::destroy_matrix_layout(self.d);
+        }
+    }
+}
+
+struct State {
+    handle: ls::cublasLtHandle_t,
+    plans: HashMap<Key, Plan>,
+}
+
+// SAFETY: the handle and descriptors are only used under the mutex, on one stream.
+unsafe impl Send for State {}
+
+pub struct Gemm {
+    state: Mutex<State>,
+    workspace: Block,
+    stream: Arc<CudaStream>,
+}
+
+fn cuda_type(t: DType) -> ls::cudaDataType {
+    match t {
+        DType::F32 => ls::cudaDataType::CUDA_R_32F,
+        DType::BF16 => ls::cudaDataType::CUDA_R_16BF,
+    }
+}
+
+/// Largest power of two (up to 256) that divides the address: what the heuristic may assume.
+fn alignment(ptr: u64) -> u32 {
+    1u32 << ptr.trailing_zeros().min(8)
+}
+
+fn err(what: &str) -> impl Fn(lr::CublasError) -> anyhow::Error + '_ {
+    move |e| anyhow!("cuBLASLt {what}: {e:?}")
+}
+
+unsafe fn set_desc<T>(
+    desc: ls::cublasLtMatmulDesc_t,
+    attr: ls::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<()> {
+    lr::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, size_of::<T>())
+        .map_err(err("set descriptor attribute"))
+}
+
+impl Gemm {
+    pub fn new(stream: Arc<CudaStream>, pool: &Arc<Pool>) -> Result<Self> {
+        if !unsafe { ls::is_culib_present() } {
+            bail!("libcublasLt not found: install the CUDA toolkit's cuBLAS (libcublasLt.so.13)");
+        }
+        let handle = lr::create_handle().map_err(err("create handle"))?;
+        let workspace = pool.alloc(WORKSPACE)?;
+        Ok(Gemm {
+            state: Mutex::new(State {
+                handle,
+                plans: HashMap::new(),
+            }),
+            workspace,
+            stream,
+        })
+    }
+
+    fn plan(handle: ls::cublasLtHandle_t, key: &Key, ws: usize) -> Result<Plan> {
+        use ls::cublasLtMatmulDescAttributes_t as A;
+        let desc = lr::create_matmul_desc(
+            ls::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ls::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(err("create descriptor"))?;
+        let (ar, ac) = if key.transa {
+            (key.k, key.m)
+        } else {
+            (key.m, key.k)
+        };
+        let (br, bc) = if key.transb {
+            (key.n, key.k)
+        } else {
+            (key.k, key.n)
+        };
+        let layout = |t, r: usize, c: usize, ld: usize| {
+            lr::create_matrix_layout(cuda_type(t), r as u64, c as u64, ld as i64)
+                .map_err(err("create layout"))
+        };
+        // Build the plan piecewise so Drop frees whatever was made if a later step fails.
+        let mut plan = Plan {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            d: std::ptr::null_mut(),
+            algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        plan.a = layout(key.ab, ar, ac, key.lda)?;
+        plan.b = layout(key.ab, br, bc, key.ldb)?;
+        plan.d = layout(key.d, key.m, key.n, key.ldd)?;
+        unsafe {
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &(key.transa as i32))?;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &(key.transb as i32))?;
+            let epi = if key.bias {
+                ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+            } else {
+                ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT
+            };
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
+            if key.bias {
+                // The heuristic needs a bias pointer set; the real one is set per call.
+                let dummy: u64 = 256;
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &dummy)?;
+            }
+            let pref = lr::create_matmul_pref().map_err(err("create preference"))?;
+            let res = (|| -> Result<ls::cublasLtMatmulHeuristicResult_t> {
+                use ls::cublasLtMatmulPreferenceAttributes_t as P;
+                let setp = |attr, v: u64| {
+                    lr::set_matmul_pref_attribute(
+                        pref,
+                        attr,
+                        &v as *const u64 as *const c_void,
+                        size_of::<u64>(),
+                    )
+                    .map_err(err("set preference"))
+                };
+                setp(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws as u64)?;
+                let setal = |attr, v: u32| {
+                    lr::set_matmul_pref_attribute(
+                        pref,
+                        attr,
+                        &v as *const u32 as *const c_void,
+                        size_of::<u32>(),
+                    )
+                    .map_err(err("set preference"))
+                };
+                setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0])?;
+                setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1])?;
+                setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2])?;
+                setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2])?;
+                lr::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref)
+                    .map_err(|e| {
+                        anyhow!(
+                            "cuBLASLt found no algorithm for {key:?} ({e:?}); \
+                         check the operand types and alignment"
+                        )
+                    })
+            })();
+            let _ = lr::destroy_matmul_pref(pref);
+            plan.algo = res?.algo;
+        }
+        Ok(plan)
+    }
+
+    /// Runs one GEMM on the stream. A and B share a type; f32 inputs need an f32 output.
+    pub fn run(&self, c: &GemmCall) -> Result<()> {
+        if c.a.dtype != c.b.dtype {
+            bail!("cuBLASLt GEMM: A and B must share a type (caller converts first)");
+        }
+        if c.a.dtype == DType::F32 && c.d.dtype == DType::BF16 {
+            bail!("cuBLASLt GEMM: f32 inputs with a bf16 output are not supported");
+        }
+        if let Some(b) = c.bias {
+            if b.dtype != c.d.dtype {
+                bail!("cuBLASLt GEMM: the bias must have the output's type");
+            }
+        }
+        if c.m == 0 || c.n == 0 {
+            return Ok(());
+        }
+        let key = Key {
+            transa: c.transa,
+            transb: c.transb,
+            m: c.m,
+            n: c.n,
+            k: c.k,
+            lda: c.lda,
+            ldb: c.ldb,
+            ldd: c.ldd,
+            ab: c.a.dtype,
+            d: c.d.dtype,
+            bias: c.bias.is_some(),
+            align: [alignment(c.a.ptr), alignment(c.b.ptr), alignment(c.d.ptr)],
+        };
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = st.handle;
+        let plan = match st.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(Self::plan(handle, &key, self.workspace.bytes())?)
+            }
+        };
+        let (alpha, beta) = (1.0f32, c.beta);
+        unsafe {
+            if let Some(b) = c.bias {
+                set_desc(
+                    plan.desc,
+                    ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &b.ptr,
+                )?;
+            }
+            lr::matmul(
+                handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                c.a.ptr as *const c_void,
+                plan.a,
+                c.b.ptr as *const c_void,
+                plan.b,
+                c.d.ptr as *const c_void,
+                plan.d,
+                c.d.ptr as *mut c_void,
+                plan.d,
+                &plan.algo,
+                self.workspace.ptr() as *mut c_void,
+                self.workspace.bytes(),
+                self.stream.cu_stream() as ls::cudaStream_t,
+            )
+            .map_err(|e| anyhow!("cublasLtMatmul {key:?}: {e:?}"))
+        }
+    }
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.plans.clear();
+        unsafe {
+            let _ = lr::destroy_handle(st.handle);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::alignment;
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_up_to_256() {
+        assert_eq!(alignment(0x7f00_0000_0000), 256);
+        assert_eq!(alignment(0x1000 + 16), 16);
+        assert_eq!(alignment(0x1000 + 2), 2);
+        assert_eq!(alignment(0x1000 + 1792), 256);
+    }
+}

@@ -1,0 +1,27 @@
+// Token embedding lookup and its scatter-add backward. One block per token.
+
+// out[t,:] = table[ids[t],:]; ids past vocab raise ERR_TOKEN_ID and write NaN.
+extern "C" __global__ void embedding_fwd_k(void* out, int obf, const void* table, int tbf, const u32* ids,
+                                           int tokens, int dim, i64 vocab, u32* err) {
+    int t = blockIdx.x;
+    if (t >= tokens) return;
+    u32 id = ids[t];
+    bool bad = (i64)id >= vocab;
+    if (bad && threadIdx.x == 0) atomicOr(err, ERR_TOKEN_ID);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        st(out, obf, (i64)t * dim + c, bad ? __int_as_float(0x7fc00000) : ld(table, tbf, (i64)id * dim + c));
+}
+
+// dtable[ids[t],:] += dout[t,:] (atomic: ids repeat).
+extern "C" __global__ void embedding_bwd_k(void* dtable, int dbf, const void* dout, int obf, const u32* ids,
+                                           int tokens, int dim, i64 vocab, u32* err) {
+    int t = blockIdx.x;
+    if (t >= tokens) return;
+    u32 id = ids[t];
+    if ((i64)id >= vocab) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_TOKEN_ID);
+        return;
+    }
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        atomic_add(dtable, dbf, (i64)id * dim + c, ld(dout, obf, (i64)t * dim + c));
+}

@@ -1,0 +1,287 @@
+//! Run-time compilation of the kernel sources with NVRTC, straight to a cubin for the GPU's
+//! architecture, cached on disk. The cache key is the source hash (which covers the defines,
+//! since they are prepended to the source), the architecture and the NVRTC version, so a
+//! changed kernel, another GPU or another CUDA never picks up a stale binary.
+//!
+//! Compiling needs only libnvrtc, not a GPU: `tandem gpu-test --compile-only` checks every
+//! kernel on a machine without one.
+
+use std::ffi::{CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::nvrtc::{result as nr, sys as ns};
+
+/// Helpers every kernel file uses; prepended to each source.
+pub const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// One kernel family: a name (for the cache file) and its CUDA C source.
+#[derive(Clone, Copy, Debug)]
+pub struct Family {
+    pub name: &'static str,
+    pub src: &'static str,
+}
+
+pub const MEMORY: Family = Family {
+    name: "memory",
+    src: include_str!("kernels/memory.cu"),
+};
+pub const EMBEDDING: Family = Family {
+    name: "embedding",
+    src: include_str!("kernels/embedding.cu"),
+};
+pub const RMSNORM: Family = Family {
+    name: "rmsnorm",
+    src: include_str!("kernels/rmsnorm.cu"),
+};
+pub const ROPE: Family = Family {
+    name: "rope",
+    src: include_str!("kernels/rope.cu"),
+};
+pub const SWIGLU: Family = Family {
+    name: "swiglu",
+    src: include_str!("kernels/swiglu.cu"),
+};
+pub const OPTIM: Family = Family {
+    name: "optim",
+    src: include_str!("kernels/optim.cu"),
+};
+pub const LOGPROB: Family = Family {
+    name: "logprob",
+    src: include_str!("kernels/logprob.cu"),
+};
+/// Compiled once per head_dim (`HD`, `TILE` defines).
+pub const ATTENTION: Family = Family {
+    name: "attention",
+    src: include_str!("kernels/attention.cu"),
+};
+
+/// Every family, for the compile check.
+pub const ALL: [Family; 8] = [
+    MEMORY, EMBEDDING, RMSNORM, ROPE, SWIGLU, OPTIM, LOGPROB, ATTENTION,
+];
+
+/// The full source NVRTC sees: defines, the common helpers, the family.
+pub fn full_source(fam: Family, defines: &[(&str, usize)]) -> String {
+    let mut s = String::new();
+    for (k, v) in defines {
+        s.push_str(&format!("#define {k} {v}\n"));
+    }
+    s.push_str(COMMON);
+    s.push('\n');
+    s.push_str(fam.src);
+    s
+}
+
+/// FNV-1a: a stable 64-bit hash (std's hasher may change between Rust releases).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Whether libnvrtc can be loaded (checked before the first call: cudarc panics otherwise).
+pub fn present() -> bool {
+    unsafe { ns::is_culib_present() }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn version() -> Result<(i32, i32)> {
+    if !present() {
+        bail!("libnvrtc not found (it ships with the CUDA toolkit or the nvidia-cuda-nvrtc wheel)");
+    }
+    let (mut ma, mut mi) = (0i32, 0i32);
+    unsafe { ns::nvrtcVersion(&mut ma, &mut mi) }
+        .result()
+        .map_err(|e| anyhow!("nvrtcVersion: {e:?}"))?;
+    Ok((ma, mi))
+}
+
+/// Compiles `src` to a cubin for `arch` ("sm_90").
+pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
+    if !present() {
+        bail!("libnvrtc not found: cannot compile the CUDA kernels");
+    }
+    let csrc = CString::new(src).context("kernel source holds a NUL byte")?;
+    let cname = CString::new(format!("{name}.cu"))?;
+    let opts = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "-lineinfo".to_string(),
+    ];
+    let res = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<u8>> {
+        let prog = nr::create_program(&csrc, Some(&cname))
+            .map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
+        let out = (|| {
+            if let Err(e) = unsafe { nr::compile_program(prog, &opts) } {
+                let log = unsafe { nr::get_program_log(prog) }
+                    .map(|l| {
+                        unsafe { CStr::from_ptr(l.as_ptr()) }
+                            .to_string_lossy()
+                            .into_owned()
+                    })
+                    .unwrap_or_default();
+                bail!("NVRTC failed to compile kernels/{name}.cu for {arch} ({e:?}):\n{log}");
+            }
+            let mut size = 0usize;
+            unsafe { ns::nvrtcGetCUBINSize(prog, &mut size) }
+                .result()
+                .map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
+            let mut cubin = vec![0u8; size];
+            unsafe { ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _) }
+                .result()
+                .map_err(|e| anyhow!("nvrtcGetCUBIN: {e:?}"))?;
+            Ok(cubin)
+        })();
+        let _ = unsafe { nr::destroy_program(prog) };
+        out
+    }));
+    res.unwrap_or_else(|_| Err(anyhow!("NVRTC panicked while compiling kernels/{name}.cu")))
+}
+
+/// Where compiled kernels are kept: `$TANDEM_CACHE/kernels`, else `~/.cache/tandem/kernels`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("TANDEM_CACHE") {
+        return Some(PathBuf::from(d).join("kernels"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tandem/kernels"))
+}
+
+/// Compiles on first use and keeps cubins on disk.
+pub struct KernelCache {
+    dir: Option<PathBuf>,
+    arch: String,
+    nvrtc: (i32, i32),
+}
+
+impl KernelCache {
+    pub fn new(arch: &str, dir: Option<PathBuf>) -> Result<Self> {
+        Ok(KernelCache {
+            dir,
+            arch: arch.to_string(),
+            nvrtc: version()?,
+        })
+    }
+
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn nvrtc_version(&self) -> (i32, i32) {
+        self.nvrtc
+    }
+
+    /// The cache file of a source: `NAME-HASH-ARCH-nvrtcMAJ.MIN.cubin`.
+    pub fn path_for(&self, name: &str, src: &str) -> Option<PathBuf> {
+        let (ma, mi) = self.nvrtc;
+        self.dir.as_ref().map(|d| {
+            d.join(format!(
+                "{name}-{:016x}-{}-nvrtc{ma}.{mi}.cubin",
+                fnv1a(src.as_bytes()),
+                self.arch
+            ))
+        })
+    }
+
+    /// The cubin of a family with these defines, from the disk cache or freshly compiled.
+    /// Returns the binary and whether it came from the cache.
+    pub fn get(&self, fam: Family, defines: &[(&str, usize)]) -> Result<(Vec<u8>, bool)> {
+        let src = full_source(fam, defines);
+        let path = self.path_for(fam.name, &src);
+        if let Some(p) = &path {
+            if let Ok(bin) = std::fs::read(p) {
+                if !bin.is_empty() {
+                    return Ok((bin, true));
+                }
+            }
+        }
+        let bin = compile_cubin(fam.name, &src, &self.arch)?;
+        if let Some(p) = &path {
+            // Best effort: a read-only or missing home only costs a recompile next time.
+            if let Some(dir) = p.parent() {
+                if std::fs::create_dir_all(dir).is_ok() {
+                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                    if std::fs::write(&tmp, &bin).is_ok() {
+                        let _ = std::fs::rename(&tmp, p);
+                    }
+                }
+            }
+        }
+        Ok((bin, false))
+    }
+}
+
+/// Attention tile rows for a head dim: 64 up to 128 (shared memory of the backward fits), 32 above.
+pub fn attention_tile(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        64
+    } else {
+        32
+    }
+}
+
+/// Compiles every family (attention for the common head dims) for `arch`; returns
+/// (family, defines, cubin bytes) per program. Used by `tandem gpu-test --compile-only`.
+pub fn compile_all(arch: &str) -> Result<Vec<(String, usize)>> {
+    let mut out = Vec::new();
+    for fam in ALL {
+        if fam.name == ATTENTION.name {
+            for hd in [64usize, 128, 256] {
+                let defs = [("HD", hd), ("TILE", attention_tile(hd))];
+                let bin = compile_cubin(fam.name, &full_source(fam, &defs), arch)?;
+                out.push((format!("{} (HD={hd})", fam.name), bin.len()));
+            }
+        } else {
+            let bin = compile_cubin(fam.name, &full_source(fam, &[]), arch)?;
+            out.push((fam.name.to_string(), bin.len()));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a_matches_reference_values() {
+        // Published FNV-1a 64 test vectors.
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn defines_change_the_source_and_so_the_key() {
+        let a = full_source(ATTENTION, &[("HD", 64), ("TILE", 64)]);
+        let b = full_source(ATTENTION, &[("HD", 128), ("TILE", 64)]);
+        assert!(a.starts_with("#define HD 64\n#define TILE 64\n"));
+        assert_ne!(fnv1a(a.as_bytes()), fnv1a(b.as_bytes()));
+        let cache = KernelCache {
+            dir: Some(PathBuf::from("/c")),
+            arch: "sm_90".into(),
+            nvrtc: (13, 0),
+        };
+        let p = cache.path_for("attention", &a).unwrap();
+        let name = p.file_name().unwrap().to_str().unwrap();
+        assert!(name.starts_with("attention-") && name.ends_with("-sm_90-nvrtc13.0.cubin"));
+        assert_ne!(p, cache.path_for("attention", &b).unwrap());
+    }
+
+    /// Compiles every kernel when libnvrtc is on the library path (the device machine, or here
+    /// with the nvidia-cuda-nvrtc wheel: `make kernels-check`); says so and passes otherwise.
+    #[test]
+    fn every_kernel_compiles_when_nvrtc_is_present() {
+        if !present() {
+            eprintln!("libnvrtc not on the library path: kernel compile check skipped");
+            return;
+        }
+        let built = compile_all("sm_90").unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(built.len(), ALL.len() + 2);
+        assert!(built.iter().all(|(_, n)| *n > 0));
+    }
+}

@@ -1,0 +1,202 @@
+//! A caching device memory pool. Freed blocks go to a free list keyed by their rounded size and
+//! are handed out again without a driver call, so steady-state steps never hit `cuMemAlloc`
+//! (which synchronises the device). `trim` gives the cached blocks back to the driver, e.g.
+//! after rollout when training needs the memory. All work runs on one stream, so a block that
+//! is freed on the host and reused by the next op is safe: the stream orders the two.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, Result};
+use cudarc::driver::{result as dr, sys as dsys, CudaContext};
+
+use crate::backend::MemoryStats;
+
+/// Rounds a request up to its size class: 512 B steps below 1 MiB, 1 MiB steps above.
+fn size_class(bytes: usize) -> usize {
+    const SMALL: usize = 512;
+    const LARGE: usize = 1 << 20;
+    if bytes < LARGE {
+        bytes.div_ceil(SMALL) * SMALL
+    } else {
+        bytes.div_ceil(LARGE) * LARGE
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    free: HashMap<usize, Vec<dsys::CUdeviceptr>>,
+    held: usize,
+    in_use: usize,
+    peak_in_use: usize,
+}
+
+pub struct Pool {
+    ctx: Arc<CudaContext>,
+    inner: Mutex<Inner>,
+}
+
+/// One device allocation; returns to the pool when dropped.
+pub struct Block {
+    ptr: dsys::CUdeviceptr,
+    bytes: usize,
+    pool: Arc<Pool>,
+}
+
+impl Block {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.pool.release(self.ptr, self.bytes);
+        }
+    }
+}
+
+impl Pool {
+    pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
+        Arc::new(Pool {
+            ctx,
+            inner: Mutex::new(Inner::default()),
+        })
+    }
+
+    /// A block of at least `bytes` bytes (uninitialised; 256-byte aligned by the driver).
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Block> {
+        if bytes == 0 {
+            return Ok(Block {
+                ptr: 0,
+                bytes: 0,
+                pool: self.clone(),
+            });
+        }
+        let class = size_class(bytes);
+        let cached = {
+            let mut g = self.lock();
+            let p = g.free.get_mut(&class).and_then(|v| v.pop());
+            if p.is_some() {
+                g.in_use += class;
+                g.peak_in_use = g.peak_in_use.max(g.in_use);
+            }
+            p
+        };
+        let ptr = match cached {
+            Some(p) => p,
+            None => {
+                let p = match self.driver_alloc(class) {
+                    Ok(p) => p,
+                    // Out of memory with blocks cached: give them back and try once more.
+                    Err(_) if self.cached_bytes() > 0 => {
+                        self.trim()?;
+                        self.driver_alloc(class)?
+                    }
+                    Err(e) => return Err(e),
+                };
+                let mut g = self.lock();
+                g.held += class;
+                g.in_use += class;
+                g.peak_in_use = g.peak_in_use.max(g.in_use);
+                p
+            }
+        };
+        Ok(Block {
+            ptr,
+            bytes: class,
+            pool: self.clone(),
+        })
+    }
+
+    fn driver_alloc(&self, bytes: usize) -> Result<dsys::CUdeviceptr> {
+        self.ctx.bind_to_thread()?;
+        unsafe { dr::malloc_sync(bytes) }.map_err(|e| {
+            let (free, total) = dr::mem_get_info().unwrap_or((0, 0));
+            anyhow!(
+                "cuda: cannot allocate {} MiB ({e:?}; {} MiB free of {} MiB, {} MiB held by tandem)",
+                bytes >> 20,
+                free >> 20,
+                total >> 20,
+                self.stats().held >> 20
+            )
+        })
+    }
+
+    fn release(&self, ptr: dsys::CUdeviceptr, bytes: usize) {
+        let mut g = self.lock();
+        g.in_use -= bytes;
+        g.free.entry(bytes).or_default().push(ptr);
+    }
+
+    fn cached_bytes(&self) -> usize {
+        let g = self.lock();
+        g.held - g.in_use
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves consistent counters (no partial updates).
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Frees every cached block. The caller has synchronised the stream (cuMemFree also waits).
+    pub fn trim(&self) -> Result<()> {
+        let blocks: Vec<(usize, Vec<dsys::CUdeviceptr>)> = self.lock().free.drain().collect();
+        self.ctx.bind_to_thread()?;
+        let mut freed = 0;
+        let mut first_err = None;
+        for (bytes, ptrs) in blocks {
+            for p in ptrs {
+                match unsafe { dr::free_sync(p) } {
+                    Ok(()) => freed += bytes,
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        self.lock().held -= freed;
+        match first_err {
+            None => Ok(()),
+            Some(e) => Err(anyhow!(
+                "cuda: cuMemFree failed while trimming the pool: {e:?}"
+            )),
+        }
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        let g = self.lock();
+        MemoryStats {
+            held: g.held,
+            in_use: g.in_use,
+            peak_in_use: g.peak_in_use,
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // Every Block holds an Arc to the pool, so only cached blocks are left here.
+        let _ = self.trim();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_class;
+
+    #[test]
+    fn size_classes_round_up() {
+        assert_eq!(size_class(1), 512);
+        assert_eq!(size_class(512), 512);
+        assert_eq!(size_class(513), 1024);
+        assert_eq!(size_class((1 << 20) - 1), 1 << 20);
+        assert_eq!(size_class((1 << 20) + 1), 2 << 20);
+        assert_eq!(size_class(3 << 20), 3 << 20);
+    }
+}

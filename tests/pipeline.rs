@@ -1111,16 +1111,16 @@ fn synth_reference_answers_score_full_marks() {
 // ---------------------------------------------------------------------------------------------
 // The real stages
 
-/// Where the real stage binaries are: next to `pipeline` (cargo builds every binary of the
-/// package), or `TANDEM_BIN_DIR`.
-fn real_bins() -> Option<PathBuf> {
-    let dir = std::env::var_os("TANDEM_BIN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(PIPELINE).parent().unwrap().to_path_buf());
-    STAGES.iter().all(|s| dir.join(s).is_file()).then_some(dir)
+/// The real stage binaries: next to `pipeline` (cargo builds every binary of the package).
+fn real_bins() -> PathBuf {
+    let dir = Path::new(PIPELINE).parent().unwrap().to_path_buf();
+    for s in STAGES {
+        assert!(dir.join(s).is_file(), "{s} is not built next to {PIPELINE}");
+    }
+    dir
 }
 
-/// The command line of a child process of `parent` running `stage`, if there is one now.
+/// Whether a child process of `parent` whose command line contains `needle` runs now.
 fn running_child(parent: u32, needle: &str) -> bool {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return false;
@@ -1173,13 +1173,9 @@ fn checkpoint_files(run: &Path) -> BTreeMap<String, Vec<u8>> {
 /// The whole loop with the real stages on a tiny random model: SIGKILL during rollout, between
 /// stages and during update, then a rerun, ends with the same checkpoints (weights and
 /// optimizer state bit for bit), policy, metrics and evaluations as an uninterrupted run.
-/// Runs once the model stages are built next to `pipeline`.
 #[test]
 fn real_stages_resume_after_sigkill_to_identical_weights() {
-    let Some(bins) = real_bins() else {
-        eprintln!("skipped: the model stages (rollout, ref-logprob, update, sync-weights) are not built next to {PIPELINE}");
-        return;
-    };
+    let bins = real_bins();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let tandem = |args: &[&str]| {
@@ -1197,13 +1193,13 @@ fn real_stages_resume_after_sigkill_to_identical_weights() {
         "--layers",
         "2",
         "--hidden",
-        "96",
+        "192",
         "--heads",
         "4",
         "--kv-heads",
         "2",
         "--ffn",
-        "192",
+        "512",
         "--vocab",
         "300",
         "--seed",
@@ -1293,17 +1289,33 @@ keep-last = 1
             .spawn()
             .unwrap();
         let pid = child.id();
-        wait_for(what, || cond(pid));
+        let t0 = Instant::now();
+        while !cond(pid) {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "the run ended before: {what}"
+            );
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         child.kill().unwrap();
         child.wait().unwrap();
     };
     kill_when("step 2 rollout running", &mut |pid| {
         running_child(pid, "--out b/step-0002/rollout.parquet")
     });
+    // The stage died with the runner (it would have finished well within this wait).
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(!b.join("step-0002/rollout.parquet").exists());
     kill_when("step 2 score recorded", &mut |_| stage_done(&b, 2, "score"));
     kill_when("step 3 update running", &mut |pid| {
         running_child(pid, "--out-model b/ckpt/step-0003")
     });
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(!b.join("ckpt/step-0003").exists());
     let o = cmd("b").output().unwrap();
     assert_ok(&o);
     assert!(

@@ -740,6 +740,21 @@ reward = "exact"
     }
 
     #[test]
+    fn shipped_specs_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let s = Spec::load(&p).unwrap_or_else(|e| panic!("{e:#}"));
+                assert!(s.steps > 0 && s.eval.every > 0, "{}", p.display());
+                n += 1;
+            }
+        }
+        assert!(n >= 3, "pipelines/ holds {n} specs");
+    }
+
+    #[test]
     fn edit_distance_values() {
         assert_eq!(edit_distance("kitten", "sitting"), 3);
         assert_eq!(edit_distance("max_new_tokens", "max-new-tokens"), 0);

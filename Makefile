@@ -5,7 +5,7 @@ SHARED ?= ../shared
 GSM8K ?= $(SHARED)/data/gsm8k
 BIN := target/release
 
-.PHONY: build test data bench fmt lint gpu-test kernels-check
+.PHONY: build test data bench fmt lint gpu-test kernels-check demo
 
 build:
 	$(CARGO) build --release
@@ -13,6 +13,12 @@ build:
 # The test command of a fresh machine (and of CI).
 test:
 	$(CARGO) test
+
+# The main job: GRPO on one-digit addition with a small random model, on CPU, no download
+# (pipelines/demo.sh: data, random model, SFT warm start, pipelines/demo.toml, plot), in runs/demo.
+demo: build
+	rm -rf runs/demo/run
+	pipelines/demo.sh $(CURDIR)/$(BIN) runs/demo $(DEMO_ARGS)
 
 data: data/gsm8k/train.parquet data/gsm8k/test.parquet
 

@@ -4,6 +4,7 @@
 pub mod common;
 pub mod ref_logprob;
 pub mod rollout;
+pub mod sft_batch;
 pub mod sync_weights;
 pub mod update;
 

@@ -37,6 +37,58 @@ pub enum Truncate {
     Error,
 }
 
+/// How prompts are cut to fit (shared by rollout and sft-batch).
+pub struct PromptLimits<'a> {
+    pub prompt_key: &'a str,
+    pub max_prompt_tokens: usize,
+    pub truncate: Truncate,
+}
+
+/// The first `n` prompts of a dataset as token ids: rendered with the chat template (or raw
+/// text when `template` is None), truncated or refused when too long, checked against the
+/// vocabulary. Returns the ids and how many prompts were truncated.
+pub fn tokenize_prompts(
+    dataset: &PromptDataset,
+    n: usize,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    vocab_size: usize,
+    limits: &PromptLimits,
+) -> Result<(Vec<Vec<u32>>, usize)> {
+    let at = dataset.batch().at(limits.prompt_key);
+    let mut prompts: Vec<Vec<u32>> = Vec::with_capacity(n);
+    let mut truncated = 0usize;
+    for i in 0..n {
+        // Raw text gets the tokenizer's own special tokens (BOS for Llama), as HF's
+        // tokenizer(text) does; a rendered template already holds them.
+        let text = dataset.prompt_text(i, template)?;
+        let mut ids = tokenizer.encode_with_special(&text, template.is_none())?;
+        if ids.is_empty() {
+            bail_input!("{at}, row {i}: the prompt is empty after tokenization");
+        }
+        if ids.len() > limits.max_prompt_tokens {
+            match limits.truncate {
+                Truncate::Left => {
+                    ids.drain(..ids.len() - limits.max_prompt_tokens);
+                    truncated += 1;
+                }
+                Truncate::Error => bail_input!(
+                    "{at}, row {i}: the prompt has {} tokens, more than --max-prompt-tokens {} (raise it, or pass --truncate left to keep the end)",
+                    ids.len(),
+                    limits.max_prompt_tokens
+                ),
+            }
+        }
+        if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab_size) {
+            bail_input!(
+                "{at}, row {i}: token id {t} from the tokenizer is outside the model's vocabulary ({vocab_size}): tokenizer and model do not match"
+            );
+        }
+        prompts.push(ids);
+    }
+    Ok((prompts, truncated))
+}
+
 #[derive(Args, Debug, Clone)]
 #[command(about = "Sample responses to a prompt dataset")]
 pub struct RolloutArgs {
@@ -142,39 +194,18 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         Some(ChatTemplate::from_dir(&model.dir)?)
     };
 
-    // Prompts to token ids.
-    let at = dataset.batch().at(&args.prompt_key);
-    let mut prompts: Vec<Vec<u32>> = Vec::with_capacity(n_prompts);
-    let mut truncated = 0usize;
-    for i in 0..n_prompts {
-        // Raw text gets the tokenizer's own special tokens (BOS for Llama), as HF's
-        // tokenizer(text) does; a rendered template already holds them.
-        let text = dataset.prompt_text(i, template.as_ref())?;
-        let mut ids = tokenizer.encode_with_special(&text, template.is_none())?;
-        if ids.is_empty() {
-            bail_input!("{at}, row {i}: the prompt is empty after tokenization");
-        }
-        if ids.len() > args.max_prompt_tokens {
-            match args.truncate {
-                Truncate::Left => {
-                    ids.drain(..ids.len() - args.max_prompt_tokens);
-                    truncated += 1;
-                }
-                Truncate::Error => bail_input!(
-                    "{at}, row {i}: the prompt has {} tokens, more than --max-prompt-tokens {} (raise it, or pass --truncate left to keep the end)",
-                    ids.len(),
-                    args.max_prompt_tokens
-                ),
-            }
-        }
-        if let Some(&t) = ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            bail_input!(
-                "{at}, row {i}: token id {t} from the tokenizer is outside the model's vocabulary ({}): tokenizer and model do not match",
-                cfg.vocab_size
-            );
-        }
-        prompts.push(ids);
-    }
+    let (prompts, truncated) = tokenize_prompts(
+        &dataset,
+        n_prompts,
+        &tokenizer,
+        template.as_ref(),
+        cfg.vocab_size,
+        &PromptLimits {
+            prompt_key: &args.prompt_key,
+            max_prompt_tokens: args.max_prompt_tokens,
+            truncate: args.truncate,
+        },
+    )?;
 
     // Random keys: a repeated prompt is told apart by its occurrence number.
     let mut seen: HashMap<&[u32], u64> = HashMap::new();

@@ -1,0 +1,150 @@
+//! `tandem sft-batch`: a batch of reference answers (prompt + ground truth + EOS) in the batch
+//! contract, for `update --loss sft` warm starts. Prompts are tokenized exactly as `rollout`
+//! does, so the warm-started model sees the same inputs it will be sampled on.
+
+use super::common::resolve_model;
+use super::rollout::{tokenize_prompts, PromptLimits, Truncate};
+use crate::bail_input;
+use crate::batch::schema;
+use crate::batch::{list_array, write_file, StageInfo};
+use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
+use crate::model::checkpoint::ModelDir;
+use anyhow::Result;
+use arrow_array::types::{Int32Type, UInt8Type};
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_schema::{Field, Schema};
+use clap::Args;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args, Debug, Clone)]
+#[command(about = "Make a batch of reference answers for `update --loss sft`")]
+pub struct SftBatchArgs {
+    /// Model directory (or sync-weights pointer): its tokenizer, chat template and EOS.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt dataset with ground truths (ours or verl's parquet).
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Output batch.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Use the prompt text as is instead of rendering the chat template.
+    #[arg(long)]
+    pub raw_prompt: bool,
+    /// The dataset's prompt column.
+    #[arg(long, default_value = "prompt")]
+    pub prompt_key: String,
+    #[arg(long, default_value_t = 512)]
+    pub max_prompt_tokens: usize,
+    #[arg(long, value_enum, default_value_t = Truncate::Error)]
+    pub truncate: Truncate,
+    /// Only the first N prompts.
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+pub fn run(args: SftBatchArgs) -> Result<()> {
+    let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
+    let n = args.limit.unwrap_or(dataset.len()).min(dataset.len());
+    if n == 0 {
+        bail_input!("{}: no prompts", args.input.display());
+    }
+    let model = resolve_model(&args.model)?;
+    let cfg = ModelDir::load_config(&model.dir)?;
+    let tokenizer = Tokenizer::from_dir(&model.dir)?;
+    let template = if args.raw_prompt {
+        None
+    } else {
+        Some(ChatTemplate::from_dir(&model.dir)?)
+    };
+    let limits = PromptLimits {
+        prompt_key: &args.prompt_key,
+        max_prompt_tokens: args.max_prompt_tokens,
+        truncate: args.truncate,
+    };
+    let (prompts, _) = tokenize_prompts(
+        &dataset,
+        n,
+        &tokenizer,
+        template.as_ref(),
+        cfg.vocab_size,
+        &limits,
+    )?;
+    let Some(&eos) = cfg.eos_token_ids.first() else {
+        bail_input!(
+            "{}: the model has no EOS token id (config.json / generation_config.json)",
+            model.dir.display()
+        );
+    };
+
+    let (mut p_off, mut p_ids) = (vec![0usize], Vec::new());
+    let (mut r_off, mut r_ids) = (vec![0usize], Vec::new());
+    let mut texts = Vec::with_capacity(n);
+    for (i, prompt) in prompts.iter().enumerate() {
+        let Some(answer) = dataset.row(i).ground_truth.as_deref() else {
+            bail_input!(
+                "{}, row {i}: no ground truth to train on",
+                dataset.batch().at(schema::GROUND_TRUTH)
+            );
+        };
+        let mut ids = tokenizer.encode_with_special(answer, false)?;
+        ids.push(eos);
+        p_ids.extend(prompt.iter().map(|&t| t as i32));
+        p_off.push(p_ids.len());
+        r_ids.extend(ids.iter().map(|&t| t as i32));
+        r_off.push(r_ids.len());
+        texts.push(answer.to_string());
+    }
+    let uids: Vec<String> = (0..n).map(|i| format!("sft-{i}")).collect();
+    let mut cols: Vec<(Field, ArrayRef)> = vec![
+        (
+            schema::field(schema::UID),
+            Arc::new(StringArray::from(uids.clone())),
+        ),
+        (
+            schema::field(schema::PROMPT_UID),
+            Arc::new(StringArray::from(uids)),
+        ),
+    ];
+    cols.extend(dataset.take_columns(&(0..n).collect::<Vec<_>>())?);
+    let tokens = r_ids.len();
+    cols.extend([
+        (
+            schema::field(schema::PROMPT_IDS),
+            list_array::<Int32Type>(&p_off, p_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_IDS),
+            list_array::<Int32Type>(&r_off, r_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_MASK),
+            list_array::<UInt8Type>(&r_off, vec![1u8; tokens]),
+        ),
+        (
+            schema::field(schema::RESPONSE_TEXT),
+            Arc::new(StringArray::from(texts)) as ArrayRef,
+        ),
+    ]);
+    let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
+    let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays)?;
+    let info = StageInfo {
+        stage: "sft-batch",
+        params: json!({"model": model.dir.display().to_string(), "raw_prompt": args.raw_prompt}),
+        policy_version: None,
+        step: None,
+    };
+    write_file(
+        &args.out,
+        &data,
+        &crate::batch::stage_meta(BTreeMap::new(), &info),
+    )?;
+    eprintln!(
+        "sft-batch: {n} rows, {tokens} response tokens -> {}",
+        args.out.display()
+    );
+    Ok(())
+}

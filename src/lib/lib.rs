@@ -6,6 +6,7 @@ pub mod backend;
 pub mod batch;
 pub mod bench;
 pub mod data;
+pub mod engine;
 pub mod error;
 pub mod model;
 pub mod reward;

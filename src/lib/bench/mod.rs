@@ -1,5 +1,6 @@
 //! `tandem bench ...`: benchmarks that print a table and JSON. Never timed tests.
 
+pub mod cpu_engine;
 pub mod cpu_stages;
 pub mod synth;
 
@@ -15,11 +16,14 @@ pub struct BenchArgs {
 pub enum Which {
     /// `score --reward gsm8k` and `advantage --estimator grpo` on a large synthetic batch.
     CpuStages(cpu_stages::CpuStagesArgs),
+    /// Generation and update tokens/s of the CPU engine on a ~10M model and the Qwen2.5-0.5B shape.
+    CpuEngine(cpu_engine::CpuEngineArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
         Which::CpuStages(a) => cpu_stages::run(a),
+        Which::CpuEngine(a) => cpu_engine::run(a),
     }
 }
 

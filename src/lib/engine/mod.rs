@@ -1,0 +1,70 @@
+//! The engine on top of the decoder: sampling and batched generation (`rollout`), micro-batched
+//! scoring (`ref-logprob`), the training loop (`update`), and the stages' command lines.
+
+pub mod generate;
+pub mod logprob;
+pub mod resume;
+pub mod sampling;
+pub mod stage;
+#[cfg(test)]
+mod testing;
+pub mod train;
+
+use crate::backend::Backend;
+use crate::model::decoder::{AdamWParams, Decoder, SeqRef, StepReport, TokenGrads, TokenStats};
+use anyhow::Result;
+
+/// The part of the decoder that scoring and training use. [`Decoder`] is the real one; unit
+/// tests of the loops use small closed-form models.
+pub trait Policy {
+    /// Log-probs (and entropies) of `tokens[start..]` of each sequence, no gradients.
+    fn logprobs(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<Vec<TokenStats>>;
+    /// Forward, loss callback, backward; gradients accumulate across calls.
+    fn forward_backward(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
+    ) -> Result<()>;
+    fn zero_grads(&mut self) -> Result<()>;
+    /// Clips to `max_grad_norm`, steps AdamW, and skips the step when the norm is not finite.
+    fn optimizer_step(
+        &mut self,
+        hp: &AdamWParams,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport>;
+}
+
+impl<B: Backend> Policy for Decoder<B> {
+    fn logprobs(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<Vec<TokenStats>> {
+        Decoder::logprobs(self, seqs, temperature, entropy)
+    }
+    fn forward_backward(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
+    ) -> Result<()> {
+        Decoder::forward_backward(self, seqs, temperature, loss)
+    }
+    fn zero_grads(&mut self) -> Result<()> {
+        Decoder::zero_grads(self)
+    }
+    fn optimizer_step(
+        &mut self,
+        hp: &AdamWParams,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport> {
+        Decoder::optimizer_step(self, hp, max_grad_norm)
+    }
+}

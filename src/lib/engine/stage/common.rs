@@ -1,0 +1,183 @@
+//! What the model stages share: `--device`, `--model` (a directory or a sync-weights pointer),
+//! token-id checks against the vocabulary, progress bars, small atomic file writes.
+
+use crate::bail_input;
+use crate::batch::Batch;
+use crate::error::input_error;
+use anyhow::Result;
+use clap::ValueEnum;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+/// Where a stage computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+impl Device {
+    /// Only the CPU backend exists so far: cuda is refused with a clear message.
+    pub fn check(self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda => {
+                bail_input!("--device cuda: this build has no CUDA backend yet; use --device cpu")
+            }
+        }
+    }
+}
+
+/// The file `sync-weights` writes: which checkpoint is the current policy, and its version.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Pointer {
+    /// The checkpoint directory; relative paths are relative to the pointer file's directory.
+    pub model: String,
+    pub policy_version: u64,
+}
+
+impl Pointer {
+    pub fn read(path: &Path) -> Result<Pointer> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            input_error(format!("{}: cannot read pointer file: {e}", path.display()))
+        })?;
+        serde_json::from_str(&text).map_err(|e| {
+            input_error(format!(
+                "{}: not a model directory nor a sync-weights pointer file (JSON with 'model' and 'policy_version'): {e}",
+                path.display()
+            ))
+        })
+    }
+
+    /// The checkpoint directory this pointer names, as a usable path.
+    pub fn target(&self, pointer_path: &Path) -> PathBuf {
+        let p = PathBuf::from(&self.model);
+        if p.is_absolute() {
+            p
+        } else {
+            pointer_path.parent().unwrap_or(Path::new("")).join(p)
+        }
+    }
+}
+
+/// A resolved `--model`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelRef {
+    pub dir: PathBuf,
+    /// From the pointer, or 0 for a plain directory.
+    pub policy_version: u64,
+    pub pointer: Option<PathBuf>,
+}
+
+/// `--model` is a model directory or a pointer file written by `sync-weights`.
+pub fn resolve_model(path: &Path) -> Result<ModelRef> {
+    if path.is_dir() {
+        return Ok(ModelRef {
+            dir: path.to_path_buf(),
+            policy_version: 0,
+            pointer: None,
+        });
+    }
+    if !path.exists() {
+        bail_input!(
+            "--model {}: no such model directory or pointer file",
+            path.display()
+        );
+    }
+    let ptr = Pointer::read(path)?;
+    let dir = ptr.target(path);
+    if !dir.is_dir() {
+        bail_input!(
+            "{}: the pointer names {}, which is not a directory",
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(ModelRef {
+        dir,
+        policy_version: ptr.policy_version,
+        pointer: Some(path.to_path_buf()),
+    })
+}
+
+/// Checks that every id of a list<int32> token column is below `vocab`.
+pub fn check_token_ids(batch: &Batch, column: &str, vocab: usize) -> Result<()> {
+    let ids = batch.ragged_i32(column)?;
+    for row in 0..ids.num_rows() {
+        if let Some(&t) = ids.row(row).iter().find(|&&t| t as usize >= vocab) {
+            bail_input!(
+                "{}, row {row}: token id {t} is outside the model's vocabulary (vocab_size {vocab})",
+                batch.at(column)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A progress bar on stderr, hidden when stderr is not a terminal (logs, tests, pipelines).
+pub fn progress_bar(len: usize, what: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len as u64);
+    let style = ProgressStyle::with_template(&format!(
+        "{what} {{bar:40}} {{pos}}/{{len}} [{{elapsed_precise}} < {{eta_precise}}]"
+    ))
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
+}
+
+/// `--model` and `--out` must differ from each other for stages that write a directory.
+pub fn same_path(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pointer_paths_resolve_relative_to_the_pointer() {
+        let p = Pointer {
+            model: "ckpt/step-3".into(),
+            policy_version: 3,
+        };
+        assert_eq!(
+            p.target(Path::new("/runs/a/policy")),
+            PathBuf::from("/runs/a/ckpt/step-3")
+        );
+        let abs = Pointer {
+            model: "/models/x".into(),
+            policy_version: 1,
+        };
+        assert_eq!(
+            abs.target(Path::new("/runs/a/policy")),
+            PathBuf::from("/models/x")
+        );
+    }
+
+    #[test]
+    fn model_refs() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = resolve_model(dir.path()).unwrap();
+        assert_eq!((m.policy_version, m.pointer), (0, None));
+        let ptr = dir.path().join("policy");
+        std::fs::create_dir(dir.path().join("ck")).unwrap();
+        std::fs::write(&ptr, br#"{"model": "ck", "policy_version": 7}"#).unwrap();
+        let m = resolve_model(&ptr).unwrap();
+        assert_eq!(m.dir, dir.path().join("ck"));
+        assert_eq!(m.policy_version, 7);
+        let missing = resolve_model(&dir.path().join("nope")).unwrap_err();
+        assert!(crate::error::is_input_error(&missing));
+        std::fs::write(&ptr, b"garbage").unwrap();
+        let bad = resolve_model(&ptr).unwrap_err();
+        assert!(bad.to_string().contains("pointer file"), "{bad}");
+        assert!(Device::Cuda.check().is_err());
+    }
+}

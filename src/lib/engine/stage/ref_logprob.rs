@@ -1,0 +1,151 @@
+//! `ref-logprob --model DIR --in B --out B2 --column ref_logprobs|old_logprobs`: the log-prob of
+//! every response token under a model (the reference for a KL term, or the policy before an
+//! off-policy update), optionally with per-token entropy.
+
+use super::common::{check_token_ids, progress_bar, resolve_model, Device};
+use super::load_policy;
+use crate::bail_input;
+use crate::batch::{list_array, schema, Batch, NewColumns, StageInfo};
+use crate::engine::logprob::{score, PromptResponse};
+use anyhow::Result;
+use arrow_array::types::Float32Type;
+use clap::{Args, ValueEnum};
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Which column the log-probs go to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogprobColumn {
+    #[value(name = "ref_logprobs")]
+    RefLogprobs,
+    #[value(name = "old_logprobs")]
+    OldLogprobs,
+}
+
+impl LogprobColumn {
+    pub fn name(self) -> &'static str {
+        match self {
+            LogprobColumn::RefLogprobs => schema::REF_LOGPROBS,
+            LogprobColumn::OldLogprobs => schema::OLD_LOGPROBS,
+        }
+    }
+}
+
+/// Name of the per-token entropy column `--entropy` adds.
+pub const ENTROPY: &str = "entropy";
+
+#[derive(Args, Debug, Clone)]
+#[command(about = "Log-probs of the response tokens under a model (reference or old policy)")]
+pub struct RefLogprobArgs {
+    /// Model directory (HF layout) or a pointer file written by sync-weights.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Input batch (needs prompt_ids and response_ids).
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Output batch: the input's columns plus the log-prob column.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Column to write.
+    #[arg(long, value_enum)]
+    pub column: LogprobColumn,
+    /// Log-probs under softmax(logits / T); use the rollout temperature.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Also write the per-token entropy (column `entropy`).
+    #[arg(long)]
+    pub entropy: bool,
+    /// Tokens (prompt + response) per forward pass.
+    #[arg(long, default_value_t = 8192)]
+    pub micro_batch_tokens: usize,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+}
+
+pub fn run(args: RefLogprobArgs) -> Result<()> {
+    let started = Instant::now();
+    args.device.check()?;
+    if !(args.temperature > 0.0 && args.temperature.is_finite()) {
+        bail_input!("--temperature must be > 0, got {}", args.temperature);
+    }
+    if args.micro_batch_tokens == 0 {
+        bail_input!("--micro-batch-tokens must be >= 1");
+    }
+    let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
+    let model = resolve_model(&args.model)?;
+    let (cfg, mut policy) = load_policy(&model.dir, |cfg| {
+        check_token_ids(&batch, schema::PROMPT_IDS, cfg.vocab_size)?;
+        check_token_ids(&batch, schema::RESPONSE_IDS, cfg.vocab_size)
+    })?;
+    let prompts = batch.ragged_i32(schema::PROMPT_IDS)?;
+    let responses = batch.ragged_i32(schema::RESPONSE_IDS)?;
+    let p32: Vec<Vec<u32>> = prompts.rows().map(to_u32).collect();
+    let r32: Vec<Vec<u32>> = responses.rows().map(to_u32).collect();
+    if let Some(row) = p32.iter().position(|p| p.is_empty()) {
+        bail_input!(
+            "{}, row {row}: prompt is empty (the first response token needs a context)",
+            batch.at(schema::PROMPT_IDS)
+        );
+    }
+    let rows: Vec<PromptResponse> = p32
+        .iter()
+        .zip(&r32)
+        .map(|(p, r)| PromptResponse {
+            prompt: p,
+            response: r,
+        })
+        .collect();
+    let bar = progress_bar(rows.len(), "ref-logprob");
+    let stats = score(
+        &mut policy,
+        &rows,
+        args.temperature,
+        args.entropy,
+        args.micro_batch_tokens,
+        &mut |done| bar.set_position(done as u64),
+    )?;
+    bar.finish_and_clear();
+
+    let offsets = &responses.offsets;
+    let lp: Vec<f32> = stats
+        .iter()
+        .flat_map(|s| s.logprobs.iter().copied())
+        .collect();
+    let mut cols = NewColumns::new();
+    cols.add(args.column.name(), list_array::<Float32Type>(offsets, lp));
+    if args.entropy {
+        let ent: Vec<f32> = stats
+            .iter()
+            .flat_map(|s| s.entropy.iter().flatten().copied())
+            .collect();
+        cols.add(ENTROPY, list_array::<Float32Type>(offsets, ent));
+    }
+    let tokens = offsets.last().copied().unwrap_or(0);
+    let info = StageInfo {
+        stage: "ref-logprob",
+        params: json!({
+            "model": model.dir.display().to_string(),
+            "model_policy_version": model.policy_version,
+            "column": args.column.name(),
+            "temperature": args.temperature,
+            "entropy": args.entropy,
+            "micro_batch_tokens": args.micro_batch_tokens,
+            "architecture": cfg.arch.hf_architecture(),
+        }),
+        policy_version: None,
+        step: None,
+    };
+    batch.write_derived(&args.out, cols, &info)?;
+    eprintln!(
+        "ref-logprob: {} rows, {tokens} response tokens -> {} in {:.2}s",
+        rows.len(),
+        args.out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+pub(crate) fn to_u32(row: &[i32]) -> Vec<u32> {
+    row.iter().map(|&t| t as u32).collect()
+}

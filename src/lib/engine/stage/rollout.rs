@@ -1,0 +1,352 @@
+//! `rollout --model DIR --in PROMPTS --out B`: render each prompt with the model's chat
+//! template, tokenize, sample n responses per prompt, and write one row per sample.
+//!
+//! Reproducibility: the random stream of a sample is keyed by (seed, prompt tokens, which
+//! repeat of that prompt in the file, sample index), so a prompt gets the same samples whatever
+//! other prompts share the file, the `--limit`, or the `--batch-size`.
+
+use super::common::{progress_bar, resolve_model, Device};
+use super::load_policy;
+use crate::bail_input;
+use crate::batch::schema::{self, meta};
+use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
+use crate::data::dataset::repeat_each;
+use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
+use crate::engine::generate::{generate, CachedDecoder, GenParams, Request};
+use crate::engine::sampling::{sample_key, SamplingParams};
+use crate::error::input_error;
+use crate::model::checkpoint::ModelDir;
+use anyhow::Result;
+use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_schema::{Field, Schema};
+use clap::{Args, ValueEnum};
+use serde_json::json;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What to do with a prompt longer than --max-prompt-tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Truncate {
+    /// Keep the last --max-prompt-tokens tokens (the end of the prompt, with the generation
+    /// prompt, is what the model continues).
+    Left,
+    /// Stop with an error naming the row (the default).
+    Error,
+}
+
+#[derive(Args, Debug, Clone)]
+#[command(about = "Sample responses to a prompt dataset")]
+pub struct RolloutArgs {
+    /// Model directory (HF layout) or a pointer file written by sync-weights.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt dataset (parquet in verl's schema, or any parquet with a prompt column).
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Output batch: one row per sample.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Samples per prompt.
+    #[arg(long, default_value_t = 8)]
+    pub n: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep the k most likely tokens; -1 = all.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub top_k: i64,
+    #[arg(long, default_value_t = 512)]
+    pub max_new_tokens: usize,
+    #[arg(long, default_value_t = 512)]
+    pub max_prompt_tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Only the first N prompts.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Feed the prompt text as is (no chat template).
+    #[arg(long)]
+    pub raw_prompt: bool,
+    /// Prompts over --max-prompt-tokens: `left` keeps their end, `error` (default) stops.
+    #[arg(long, value_enum, default_value_t = Truncate::Error)]
+    pub truncate: Truncate,
+    /// Stop strings (repeatable); the text is cut before the stop string, its tokens are kept.
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+    /// More stop token ids besides the model's EOS ids (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub stop_token_ids: Vec<u32>,
+    /// Do not stop at the model's EOS ids.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// The prompt column of the dataset.
+    #[arg(long, default_value = "prompt")]
+    pub prompt_key: String,
+    /// Sequences decoded together (KV-cache slots).
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Training step, recorded in the output's metadata.
+    #[arg(long)]
+    pub step: Option<u64>,
+    /// Write generation metrics as JSON here.
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+}
+
+impl RolloutArgs {
+    fn sampling(&self) -> Result<SamplingParams> {
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+        };
+        p.validate().map_err(|e| input_error(e.to_string()))?;
+        if self.n == 0 {
+            bail_input!("--n must be >= 1");
+        }
+        if self.max_prompt_tokens == 0 {
+            bail_input!("--max-prompt-tokens must be >= 1");
+        }
+        if self.batch_size == 0 {
+            bail_input!("--batch-size must be >= 1");
+        }
+        if self.stop.iter().any(String::is_empty) {
+            bail_input!("--stop: stop strings must not be empty");
+        }
+        Ok(p)
+    }
+}
+
+pub fn run(args: RolloutArgs) -> Result<()> {
+    let started = Instant::now();
+    args.device.check()?;
+    let sampling = args.sampling()?;
+    let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
+    let n_prompts = args.limit.unwrap_or(dataset.len()).min(dataset.len());
+    if n_prompts == 0 {
+        bail_input!("--limit 0: nothing to generate");
+    }
+    let model = resolve_model(&args.model)?;
+    let cfg = ModelDir::load_config(&model.dir)?;
+    let tokenizer = Tokenizer::from_dir(&model.dir)?;
+    let template = if args.raw_prompt {
+        None
+    } else {
+        Some(ChatTemplate::from_dir(&model.dir)?)
+    };
+
+    // Prompts to token ids.
+    let at = dataset.batch().at(&args.prompt_key);
+    let mut prompts: Vec<Vec<u32>> = Vec::with_capacity(n_prompts);
+    let mut truncated = 0usize;
+    for i in 0..n_prompts {
+        // Raw text gets the tokenizer's own special tokens (BOS for Llama), as HF's
+        // tokenizer(text) does; a rendered template already holds them.
+        let text = dataset.prompt_text(i, template.as_ref())?;
+        let mut ids = tokenizer.encode_with_special(&text, template.is_none())?;
+        if ids.is_empty() {
+            bail_input!("{at}, row {i}: the prompt is empty after tokenization");
+        }
+        if ids.len() > args.max_prompt_tokens {
+            match args.truncate {
+                Truncate::Left => {
+                    ids.drain(..ids.len() - args.max_prompt_tokens);
+                    truncated += 1;
+                }
+                Truncate::Error => bail_input!(
+                    "{at}, row {i}: the prompt has {} tokens, more than --max-prompt-tokens {} (raise it, or pass --truncate left to keep the end)",
+                    ids.len(),
+                    args.max_prompt_tokens
+                ),
+            }
+        }
+        if let Some(&t) = ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            bail_input!(
+                "{at}, row {i}: token id {t} from the tokenizer is outside the model's vocabulary ({}): tokenizer and model do not match",
+                cfg.vocab_size
+            );
+        }
+        prompts.push(ids);
+    }
+
+    // Random keys: a repeated prompt is told apart by its occurrence number.
+    let mut seen: HashMap<&[u32], u64> = HashMap::new();
+    let mut prompt_uids = Vec::with_capacity(n_prompts);
+    let mut requests = Vec::with_capacity(n_prompts);
+    for ids in &prompts {
+        let occ = seen.entry(ids).or_insert(0);
+        let keys: Vec<u64> = (0..args.n as u64)
+            .map(|s| sample_key(args.seed, ids, *occ, s))
+            .collect();
+        prompt_uids.push(format!(
+            "{:016x}",
+            sample_key(args.seed, ids, *occ, u64::MAX)
+        ));
+        *occ += 1;
+        requests.push(Request {
+            prompt: ids.clone(),
+            sample_keys: keys,
+        });
+    }
+
+    let mut stop_ids = if args.ignore_eos {
+        vec![]
+    } else {
+        cfg.eos_token_ids.clone()
+    };
+    for &t in &args.stop_token_ids {
+        if !stop_ids.contains(&t) {
+            stop_ids.push(t);
+        }
+    }
+    let params = GenParams {
+        sampling,
+        max_new_tokens: args.max_new_tokens,
+        stop_token_ids: stop_ids.clone(),
+        stop_strings: args.stop.clone(),
+    };
+
+    let (_, mut policy) = load_policy(&model.dir, |_| Ok(()))?;
+    let loaded_s = started.elapsed().as_secs_f64();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+    let slots = args.batch_size.min(n_prompts * args.n);
+    let max_len = (longest + args.max_new_tokens).max(1);
+    let mut engine = CachedDecoder::new(&mut policy, cfg.vocab_size, slots, max_len)?;
+    // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
+    let detok = |ids: &[u32]| tokenizer.decode(ids, true);
+    let total = n_prompts * args.n;
+    let bar = progress_bar(total, "rollout");
+    let gen_started = Instant::now();
+    let (completions, stats) =
+        generate(&mut engine, &requests, &params, Some(&detok), &mut |done| {
+            bar.set_position(done as u64)
+        })?;
+    bar.finish_and_clear();
+    let gen_s = gen_started.elapsed().as_secs_f64();
+
+    // One row per sample, the n samples of a prompt side by side.
+    let prompt_rows: Vec<usize> = (0..n_prompts).collect();
+    let take = repeat_each(&prompt_rows, args.n);
+    let mut uids = Vec::with_capacity(total);
+    let mut puids = Vec::with_capacity(total);
+    let (mut p_off, mut p_ids) = (vec![0usize], Vec::new());
+    let (mut r_off, mut r_ids, mut lps) = (vec![0usize], Vec::new(), Vec::new());
+    let mut texts = Vec::with_capacity(total);
+    let mut reasons = Vec::with_capacity(total);
+    for (i, samples) in completions.iter().enumerate() {
+        for (j, c) in samples.iter().enumerate() {
+            uids.push(format!("{}-{j}", prompt_uids[i]));
+            puids.push(prompt_uids[i].clone());
+            p_ids.extend(prompts[i].iter().map(|&t| t as i32));
+            p_off.push(p_ids.len());
+            r_ids.extend(c.tokens.iter().map(|&t| t as i32));
+            lps.extend_from_slice(&c.logprobs);
+            r_off.push(r_ids.len());
+            texts.push(c.text.clone());
+            reasons.push(c.finish.as_str());
+        }
+    }
+    let response_tokens = r_ids.len();
+    let n_stop = reasons.iter().filter(|r| **r == "stop").count();
+    let mut cols: Vec<(Field, ArrayRef)> = vec![
+        (
+            schema::field(schema::UID),
+            Arc::new(StringArray::from(uids)),
+        ),
+        (
+            schema::field(schema::PROMPT_UID),
+            Arc::new(StringArray::from(puids)),
+        ),
+    ];
+    cols.extend(dataset.take_columns(&take)?);
+    cols.extend([
+        (
+            schema::field(schema::PROMPT_IDS),
+            list_array::<Int32Type>(&p_off, p_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_IDS),
+            list_array::<Int32Type>(&r_off, r_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_MASK),
+            list_array::<UInt8Type>(&r_off, vec![1u8; response_tokens]),
+        ),
+        (
+            schema::field(schema::RESPONSE_TEXT),
+            Arc::new(StringArray::from(texts)) as ArrayRef,
+        ),
+        (
+            schema::field(schema::FINISH_REASON),
+            Arc::new(StringArray::from(reasons)) as ArrayRef,
+        ),
+        (
+            schema::field(schema::ROLLOUT_LOGPROBS),
+            list_array::<Float32Type>(&r_off, lps),
+        ),
+    ]);
+    let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
+    let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays)?;
+    let info = StageInfo {
+        stage: "rollout",
+        params: json!({
+            "model": model.dir.display().to_string(),
+            "input": args.input.display().to_string(),
+            "n": args.n,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "max_new_tokens": args.max_new_tokens,
+            "max_prompt_tokens": args.max_prompt_tokens,
+            "seed": args.seed,
+            "limit": args.limit,
+            "raw_prompt": args.raw_prompt,
+            "truncate": format!("{:?}", args.truncate).to_lowercase(),
+            "stop": args.stop,
+            "stop_token_ids": stop_ids,
+            "logprob_temperature": sampling.logprob_temperature(),
+        }),
+        policy_version: Some(model.policy_version),
+        step: args.step,
+    };
+    let mut kv = stage_meta(BTreeMap::new(), &info);
+    kv.insert("model".into(), model.dir.display().to_string());
+    debug_assert!(kv.contains_key(meta::POLICY_VERSION));
+    write_file(&args.out, &data, &kv)?;
+
+    let total_s = started.elapsed().as_secs_f64();
+    let metrics = json!({
+        "stage": "rollout",
+        "prompts": n_prompts,
+        "samples": total,
+        "truncated_prompts": truncated,
+        "prompt_tokens": stats.prefill_tokens,
+        "response_tokens": response_tokens,
+        "response_length_mean": response_tokens as f64 / total as f64,
+        "response_length_max": r_off.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
+        "finish_stop_fraction": n_stop as f64 / total as f64,
+        "generation_tokens_per_s": response_tokens as f64 / gen_s.max(1e-9),
+        "generation_seconds": gen_s,
+        "load_seconds": loaded_s,
+        "seconds": total_s,
+        "policy_version": model.policy_version,
+    });
+    if let Some(path) = &args.metrics {
+        write_json(path, &metrics)?;
+    }
+    eprintln!(
+        "rollout: {n_prompts} prompts x {} = {total} samples, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",
+        args.n,
+        response_tokens as f64 / gen_s.max(1e-9),
+        100.0 * n_stop as f64 / total as f64,
+        args.out.display()
+    );
+    Ok(())
+}

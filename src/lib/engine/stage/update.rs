@@ -1,0 +1,405 @@
+//! `update --model DIR --in B --out-model DIR2`: policy-gradient (or SFT) training on one batch
+//! with verl's knobs; writes the new model (HF layout, bf16) with its optimizer state and
+//! trainer state next to it, so the next `update --model DIR2` resumes exactly.
+
+use super::common::{check_token_ids, resolve_model, Device};
+use super::ref_logprob::to_u32;
+use crate::algo::agg::AggMode;
+use crate::algo::kl::KlPenalty;
+use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
+use crate::backend::cpu::Cpu;
+use crate::bail_input;
+use crate::batch::{schema, write_json, Batch, Ragged};
+use crate::engine::logprob::PromptResponse;
+use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
+use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData};
+use crate::error::input_error;
+use crate::model::checkpoint::{ModelDir, SaveOptions};
+use crate::model::decoder::Decoder;
+use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug, Clone)]
+#[command(about = "Train the policy on one batch (PPO/GRPO-style losses or SFT)")]
+pub struct UpdateArgs {
+    /// Model directory (HF layout) or a pointer file written by sync-weights. Optimizer state
+    /// found next to it (optimizer.safetensors, trainer_state.json) is resumed.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Batch with prompt_ids, response_ids, response_mask, advantages (old_logprobs,
+    /// ref_logprobs, rollout_logprobs as the options need).
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Where to write the updated model (may equal --model's directory).
+    #[arg(long)]
+    pub out_model: PathBuf,
+    /// Policy loss.
+    #[arg(long, default_value = "vanilla")]
+    pub loss: LossMode,
+    /// PPO clip range (both sides unless --clip-ratio-low/-high are given).
+    #[arg(long, default_value_t = 0.2)]
+    pub clip_ratio: f64,
+    #[arg(long)]
+    pub clip_ratio_low: Option<f64>,
+    #[arg(long)]
+    pub clip_ratio_high: Option<f64>,
+    /// Dual-clip bound for negative advantages.
+    #[arg(long, default_value_t = 3.0)]
+    pub clip_ratio_c: f64,
+    #[arg(long, default_value = "token-mean")]
+    pub loss_agg_mode: AggMode,
+    /// Divisor of seq-mean-token-sum-norm (default: the longest response of the mini-batch).
+    #[arg(long)]
+    pub loss_scale_factor: Option<f64>,
+    /// loss −= coeff · agg(entropy).
+    #[arg(long, default_value_t = 0.0)]
+    pub entropy_coeff: f64,
+    /// Add coef · KL(policy ‖ ref) to the loss (needs ref_logprobs).
+    #[arg(long)]
+    pub use_kl_loss: bool,
+    #[arg(long, default_value_t = 0.001)]
+    pub kl_loss_coef: f64,
+    /// KL estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl), optionally with '+'.
+    #[arg(long, default_value = "k3")]
+    pub kl_loss_type: KlPenalty,
+    /// Truncated importance weights exp(old − rollout) per token or per sequence (needs
+    /// rollout_logprobs).
+    #[arg(long)]
+    pub rollout_is: Option<RolloutIsLevel>,
+    #[arg(long, default_value_t = 2.0)]
+    pub rollout_is_threshold: f64,
+    /// Passes over the batch.
+    #[arg(long, default_value_t = 1)]
+    pub ppo_epochs: usize,
+    /// Sequences per optimizer step (default: the whole batch, one step per epoch).
+    #[arg(long)]
+    pub mini_batch_size: Option<usize>,
+    /// Tokens (prompt + response) per forward/backward pass; gradients accumulate.
+    #[arg(long, default_value_t = 8192)]
+    pub micro_batch_tokens: usize,
+    /// Logits are divided by this (use the rollout temperature).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1e-6)]
+    pub lr: f64,
+    /// Training steps (update calls) of linear warmup.
+    #[arg(long, default_value_t = 0)]
+    pub lr_warmup_steps: u64,
+    #[arg(long, default_value = "constant")]
+    pub lr_schedule: LrSchedule,
+    /// Horizon of the cosine schedule, in training steps (update calls).
+    #[arg(long)]
+    pub total_steps: Option<u64>,
+    /// Cosine floor as a fraction of --lr.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr_ratio: f64,
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f32,
+    /// Clip the global gradient norm to this (0 = no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub grad_clip: f32,
+    /// AdamW betas, "beta1,beta2".
+    #[arg(long, value_delimiter = ',', default_values_t = [0.9f32, 0.999])]
+    pub betas: Vec<f32>,
+    #[arg(long, default_value_t = 1e-8)]
+    pub adam_eps: f32,
+    /// Shuffle the rows before splitting them into mini-batches.
+    #[arg(long)]
+    pub shuffle: bool,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the metrics JSON here.
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+}
+
+impl UpdateArgs {
+    fn loss_config(&self) -> Result<LossConfig> {
+        let mut c = LossConfig::new(self.loss);
+        c.clip_ratio = self.clip_ratio;
+        c.clip_ratio_low = self.clip_ratio_low;
+        c.clip_ratio_high = self.clip_ratio_high;
+        c.clip_ratio_c = self.clip_ratio_c;
+        c.agg = self.loss_agg_mode;
+        c.entropy_coeff = self.entropy_coeff;
+        c.kl_loss = self.use_kl_loss.then_some(KlLoss {
+            coef: self.kl_loss_coef,
+            penalty: self.kl_loss_type,
+        });
+        c.rollout_is = self.rollout_is.map(|level| RolloutIs {
+            level,
+            threshold: self.rollout_is_threshold,
+        });
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The training configuration the flags describe (flag errors are input errors).
+    pub fn train_config(&self) -> Result<TrainConfig> {
+        let loss = self.loss_config()?;
+        if self.ppo_epochs == 0 {
+            bail_input!("--ppo-epochs must be >= 1");
+        }
+        if self.mini_batch_size == Some(0) {
+            bail_input!("--mini-batch-size must be >= 1");
+        }
+        if self.micro_batch_tokens == 0 {
+            bail_input!("--micro-batch-tokens must be >= 1");
+        }
+        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
+            bail_input!("--temperature must be > 0, got {}", self.temperature);
+        }
+        if self.betas.len() != 2 || self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+            bail_input!(
+                "--betas takes two numbers in [0, 1), e.g. 0.9,0.999; got {:?}",
+                self.betas
+            );
+        }
+        if !(self.adam_eps > 0.0 && self.weight_decay >= 0.0 && self.grad_clip >= 0.0) {
+            bail_input!("--adam-eps must be > 0, --weight-decay and --grad-clip >= 0");
+        }
+        if let Some(f) = self.loss_scale_factor {
+            if !(f.is_finite() && f > 0.0) {
+                bail_input!("--loss-scale-factor must be > 0, got {f}");
+            }
+        }
+        let lr = LrConfig {
+            lr: self.lr,
+            warmup_steps: self.lr_warmup_steps,
+            schedule: self.lr_schedule,
+            total_steps: self.total_steps,
+            min_lr_ratio: self.min_lr_ratio,
+        };
+        lr.validate().map_err(|e| input_error(e.to_string()))?;
+        Ok(TrainConfig {
+            loss,
+            loss_scale_factor: self.loss_scale_factor,
+            ppo_epochs: self.ppo_epochs,
+            mini_batch_size: self.mini_batch_size,
+            micro_batch_tokens: self.micro_batch_tokens,
+            temperature: self.temperature,
+            lr,
+            beta1: self.betas[0],
+            beta2: self.betas[1],
+            eps: self.adam_eps,
+            weight_decay: self.weight_decay,
+            grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
+            shuffle: self.shuffle,
+            seed: self.seed,
+        })
+    }
+}
+
+/// Columns the options need, with the flag that needs each (for the error message).
+fn required_columns(cfg: &TrainConfig) -> Vec<(&'static str, &'static str)> {
+    let mut cols = vec![
+        (schema::PROMPT_IDS, "update"),
+        (schema::RESPONSE_IDS, "update"),
+        (schema::RESPONSE_MASK, "update"),
+    ];
+    if cfg.loss.mode != LossMode::Sft {
+        cols.push((schema::ADVANTAGES, "--loss (run the advantage stage first)"));
+    }
+    if cfg.loss.kl_loss.is_some() {
+        cols.push((
+            schema::REF_LOGPROBS,
+            "--use-kl-loss (run ref-logprob --column ref_logprobs first)",
+        ));
+    }
+    if cfg.loss.rollout_is.is_some() {
+        cols.push((schema::ROLLOUT_LOGPROBS, "--rollout-is"));
+    }
+    cols
+}
+
+fn rows_of<'a>(r: &'a Option<Ragged<'static, f32>>) -> Option<Vec<&'a [f32]>> {
+    r.as_ref().map(|r| r.rows().collect())
+}
+
+/// The columns of a batch that training reads, owned.
+pub struct OwnedData {
+    prompts: Vec<Vec<u32>>,
+    responses: Vec<Vec<u32>>,
+    mask: Ragged<'static, u8>,
+    advantages: Option<Ragged<'static, f32>>,
+    old: Option<Ragged<'static, f32>>,
+    ref_lp: Option<Ragged<'static, f32>>,
+    rollout: Option<Ragged<'static, f32>>,
+}
+
+impl OwnedData {
+    /// Reads what `cfg` needs (and old_logprobs when present) from a batch that holds the
+    /// required columns.
+    pub fn from_batch(batch: &Batch, cfg: &TrainConfig) -> Result<OwnedData> {
+        let opt = |name: &str, wanted: bool| -> Result<Option<Ragged<'static, f32>>> {
+            if wanted && batch.has(name) {
+                Ok(Some(batch.ragged_f32(name)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let prompts: Vec<Vec<u32>> = batch
+            .ragged_i32(schema::PROMPT_IDS)?
+            .rows()
+            .map(to_u32)
+            .collect();
+        if let Some(row) = prompts.iter().position(|p| p.is_empty()) {
+            bail_input!(
+                "{}, row {row}: prompt is empty",
+                batch.at(schema::PROMPT_IDS)
+            );
+        }
+        Ok(OwnedData {
+            prompts,
+            responses: batch
+                .ragged_i32(schema::RESPONSE_IDS)?
+                .rows()
+                .map(to_u32)
+                .collect(),
+            mask: batch.ragged_u8(schema::RESPONSE_MASK)?,
+            advantages: opt(schema::ADVANTAGES, cfg.loss.mode != LossMode::Sft)?,
+            old: opt(schema::OLD_LOGPROBS, true)?,
+            ref_lp: opt(schema::REF_LOGPROBS, cfg.loss.kl_loss.is_some())?,
+            rollout: opt(schema::ROLLOUT_LOGPROBS, cfg.loss.rollout_is.is_some())?,
+        })
+    }
+
+    pub fn view(&self) -> TrainData<'_> {
+        TrainData {
+            rows: self
+                .prompts
+                .iter()
+                .zip(&self.responses)
+                .map(|(p, r)| PromptResponse {
+                    prompt: p,
+                    response: r,
+                })
+                .collect(),
+            mask: self.mask.rows().collect(),
+            advantages: rows_of(&self.advantages),
+            old: rows_of(&self.old),
+            ref_lp: rows_of(&self.ref_lp),
+            rollout: rows_of(&self.rollout),
+        }
+    }
+}
+
+pub fn run(args: UpdateArgs) -> Result<()> {
+    let started = Instant::now();
+    args.device.check()?;
+    let cfg = args.train_config()?;
+    let needs = required_columns(&cfg);
+    let batch = Batch::read(&args.input, &[])?;
+    for (col, who) in &needs {
+        if !batch.has(col) {
+            bail_input!(
+                "{}: column '{col}' is missing; it is needed by {who}",
+                batch.path.display()
+            );
+        }
+    }
+    let names: Vec<&str> = needs.iter().map(|(c, _)| *c).collect();
+    let batch = Batch::read(&args.input, &names)?;
+    if batch.num_rows() == 0 {
+        bail_input!("{}: the batch has no rows", batch.path.display());
+    }
+    let model = resolve_model(&args.model)?;
+    let mcfg = ModelDir::load_config(&model.dir)?;
+    check_token_ids(&batch, schema::PROMPT_IDS, mcfg.vocab_size)?;
+    check_token_ids(&batch, schema::RESPONSE_IDS, mcfg.vocab_size)?;
+
+    let owned = OwnedData::from_batch(&batch, &cfg)?;
+    let data = owned.view();
+
+    // Load weights, resume the optimizer when its state sits next to the model.
+    let (mcfg, weights) = ModelDir::load(&model.dir)?;
+    let resumed = resume::load(&model.dir, &weights)?;
+    let (start_weights, schedule_step) = match &resumed {
+        Some(r) => {
+            if r.master.is_none() {
+                eprintln!(
+                    "update: {}: f32 master weights absent or not matching the model files; continuing from the bf16 weights",
+                    model.dir.display()
+                );
+            }
+            (
+                r.master.as_ref().unwrap_or(&weights),
+                r.trainer.schedule_step,
+            )
+        }
+        None => (&weights, 0),
+    };
+    let mut policy = Decoder::new(Cpu, &mcfg, start_weights)?;
+    if let Some(r) = &resumed {
+        policy.load_optimizer_state(&r.optimizer)?;
+    }
+    drop(weights);
+    let loaded_s = started.elapsed().as_secs_f64();
+
+    let report = train(&mut policy, &data, &cfg, schedule_step, &mut |msg| {
+        eprintln!("update: {msg}")
+    })?;
+
+    let new_weights = policy.export_weights()?;
+    let state = policy.optimizer_state()?;
+    let trainer = TrainerState {
+        optimizer_step: state.step,
+        schedule_step: schedule_step + 1,
+        lr: report.lr,
+        lr_schedule: cfg.lr,
+        seed: cfg.seed,
+    };
+    let extra = [
+        (
+            OPTIMIZER_FILE.to_string(),
+            resume::optimizer_bytes(&state, &new_weights)?,
+        ),
+        (
+            TRAINER_STATE_FILE.to_string(),
+            resume::trainer_state_bytes(&trainer)?,
+        ),
+    ];
+    let save_started = Instant::now();
+    ModelDir::save_with(
+        &args.out_model,
+        &mcfg,
+        &new_weights,
+        &SaveOptions {
+            tokenizer_from: Some(&model.dir),
+            config_base: Some(&model.dir),
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            extra_files: &extra,
+        },
+    )?;
+    let mut metrics = report.to_json();
+    let m = metrics.as_object_mut().expect("object");
+    m.insert("optimizer_step".into(), state.step.into());
+    m.insert("schedule_step".into(), trainer.schedule_step.into());
+    m.insert("on_policy".into(), report.on_policy.into());
+    m.insert("load_seconds".into(), loaded_s.into());
+    m.insert(
+        "save_seconds".into(),
+        save_started.elapsed().as_secs_f64().into(),
+    );
+    if let Some(path) = &args.metrics {
+        write_json(path, &metrics)?;
+    }
+    eprintln!(
+        "update: {} rows, {} optimizer steps ({} skipped), loss {:.5}, grad_norm {}, lr {:.3e}, {:.0} tokens/s -> {} in {:.2}s",
+        batch.num_rows(),
+        report.steps.len(),
+        report.steps.iter().filter(|s| s.skipped).count(),
+        metrics["loss"].as_f64().unwrap_or(f64::NAN),
+        metrics["grad_norm"],
+        report.lr,
+        metrics["tokens_per_s"].as_f64().unwrap_or(0.0),
+        args.out_model.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,797 @@
+//! The training loop of `update` (verl's `dp_actor.update_policy`): `ppo_epochs` passes over
+//! the batch, each split into mini-batches of sequences (one optimizer step each), each split
+//! into micro-batches by a token budget whose gradients accumulate. The loss of every
+//! micro-batch is normalised by its mini-batch's totals, so the accumulated gradient equals the
+//! unsplit mini-batch's gradient.
+//!
+//! Choices, as verl makes them:
+//! - Without `old_logprobs`, a single mini-batch and a single epoch is on-policy: the current
+//!   log-probs stand in for the old ones (ratio 1, gradient −A). Otherwise the old log-probs
+//!   are computed with the current weights before the first step.
+//! - The learning rate follows the schedule position of the *training step* (one `update`
+//!   call), not of the optimizer step: every mini-batch of one call uses the same lr, and the
+//!   position advances by one per call (verl steps its LR scheduler once per update_actor).
+//! - A non-finite loss or gradient norm skips that optimizer step (weights and Adam moments
+//!   unchanged) and is reported.
+
+use super::logprob::{micro_batches, score, PromptResponse};
+use super::sampling::{mix_key, uniform};
+use super::Policy;
+use crate::algo::agg::LossNorm;
+use crate::algo::policy_loss::{
+    policy_loss, LossConfig, LossInputs, LossMetrics, LossMode, LossOutput,
+};
+use crate::model::decoder::{AdamWParams, SeqRef, TokenGrads, TokenStats};
+use anyhow::{bail, ensure, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+use std::time::Instant;
+
+/// Shape of the learning-rate schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    Constant,
+    Cosine,
+}
+
+impl FromStr for LrSchedule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "constant" => Ok(LrSchedule::Constant),
+            "cosine" => Ok(LrSchedule::Cosine),
+            _ => Err(format!(
+                "unknown lr schedule '{s}' (expected constant or cosine)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for LrSchedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LrSchedule::Constant => "constant",
+            LrSchedule::Cosine => "cosine",
+        })
+    }
+}
+
+/// The learning rate as a function of the training step (verl's schedules).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrConfig {
+    pub lr: f64,
+    pub warmup_steps: u64,
+    pub schedule: LrSchedule,
+    /// Horizon of the cosine decay (training steps); required for cosine.
+    pub total_steps: Option<u64>,
+    /// Cosine floor (and warmup start) as a fraction of lr.
+    pub min_lr_ratio: f64,
+}
+
+impl LrConfig {
+    pub fn constant(lr: f64) -> LrConfig {
+        LrConfig {
+            lr,
+            warmup_steps: 0,
+            schedule: LrSchedule::Constant,
+            total_steps: None,
+            min_lr_ratio: 0.0,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            bail!("--lr must be a finite number >= 0, got {}", self.lr);
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            bail!(
+                "--min-lr-ratio must be in [0, 1], got {}",
+                self.min_lr_ratio
+            );
+        }
+        if self.schedule == LrSchedule::Cosine {
+            match self.total_steps {
+                None => bail!("--lr-schedule cosine needs --total-steps (its horizon)"),
+                Some(t) if t <= self.warmup_steps => bail!(
+                    "--total-steps ({t}) must exceed --lr-warmup-steps ({})",
+                    self.warmup_steps
+                ),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The lr of training step `s` (0 = the first update):
+    /// constant: lr·min(1, s/W) (HF constant_with_warmup);
+    /// cosine: warmup lr·(r + (1−r)·s/W), then lr·(r + (1−r)·½(1 + cos(π·p))),
+    /// p = (s−W)/(T−W) clamped to 1, r = min_lr_ratio (verl's get_cosine_schedule_with_warmup).
+    pub fn at(&self, s: u64) -> f64 {
+        let w = self.warmup_steps;
+        let factor = match self.schedule {
+            LrSchedule::Constant => {
+                if s < w {
+                    s as f64 / w.max(1) as f64
+                } else {
+                    1.0
+                }
+            }
+            LrSchedule::Cosine => {
+                let r = self.min_lr_ratio;
+                if s < w {
+                    r + (1.0 - r) * s as f64 / w.max(1) as f64
+                } else {
+                    let total = self.total_steps.unwrap_or(s + 1).max(w + 1);
+                    let p = ((s - w) as f64 / (total - w) as f64).min(1.0);
+                    r + (1.0 - r) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
+                }
+            }
+        };
+        self.lr * factor
+    }
+}
+
+/// Everything `update` decides about one call.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub loss: LossConfig,
+    /// Divisor of seq-mean-token-sum-norm (default: the longest response of the mini-batch).
+    pub loss_scale_factor: Option<f64>,
+    pub ppo_epochs: usize,
+    /// Sequences per optimizer step; None = the whole batch.
+    pub mini_batch_size: Option<usize>,
+    pub micro_batch_tokens: usize,
+    pub temperature: f32,
+    pub lr: LrConfig,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub grad_clip: Option<f32>,
+    /// Shuffle rows before splitting into mini-batches (a permutation keyed by seed, training
+    /// step and epoch).
+    pub shuffle: bool,
+    pub seed: u64,
+}
+
+/// The batch, one entry per row; per-token columns are aligned with the response.
+pub struct TrainData<'a> {
+    pub rows: Vec<PromptResponse<'a>>,
+    pub mask: Vec<&'a [u8]>,
+    pub advantages: Option<Vec<&'a [f32]>>,
+    pub old: Option<Vec<&'a [f32]>>,
+    pub ref_lp: Option<Vec<&'a [f32]>>,
+    pub rollout: Option<Vec<&'a [f32]>>,
+}
+
+/// One optimizer step's numbers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepMetrics {
+    pub epoch: usize,
+    pub sequences: usize,
+    pub loss: f64,
+    pub metrics: LossMetrics,
+    pub grad_norm: f32,
+    pub skipped: bool,
+}
+
+/// What one call did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainReport {
+    pub steps: Vec<StepMetrics>,
+    pub lr: f64,
+    pub tokens: usize,
+    pub seconds: f64,
+    pub on_policy: bool,
+    /// The old log-probs were computed here (absent from the batch, not on-policy).
+    pub recomputed_old: bool,
+}
+
+impl TrainReport {
+    /// The metrics JSON of `update --metrics` (means over optimizer steps; grad_norm over the
+    /// steps taken).
+    pub fn to_json(&self) -> serde_json::Value {
+        let n = self.steps.len().max(1) as f64;
+        let mut sum = LossMetrics::default();
+        let mut loss = 0.0;
+        for s in &self.steps {
+            sum.add(&s.metrics);
+            loss += s.loss;
+        }
+        let taken: Vec<&StepMetrics> = self.steps.iter().filter(|s| !s.skipped).collect();
+        let grad_norm = if taken.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::json!(
+                taken.iter().map(|s| s.grad_norm as f64).sum::<f64>() / taken.len() as f64
+            )
+        };
+        let mean = |x: f64| x / n;
+        serde_json::json!({
+            "loss": mean(loss),
+            "pg_loss": mean(sum.pg_loss),
+            "pg_clipfrac": mean(sum.pg_clipfrac),
+            "pg_clipfrac_lower": mean(sum.pg_clipfrac_lower),
+            "ppo_kl": mean(sum.ppo_kl),
+            "entropy": mean(sum.entropy),
+            "kl_loss": mean(sum.kl_loss),
+            "grad_norm": grad_norm,
+            "lr": self.lr,
+            "tokens_per_s": if self.seconds > 0.0 { self.tokens as f64 / self.seconds } else { 0.0 },
+            "tokens": self.tokens,
+            "optimizer_steps": taken.len(),
+            "skipped_steps": self.steps.len() - taken.len(),
+            "seconds": self.seconds,
+        })
+    }
+}
+
+/// Runs one `update` call: `schedule_step` is the number of training steps before this one.
+pub fn train(
+    policy: &mut dyn Policy,
+    data: &TrainData,
+    cfg: &TrainConfig,
+    schedule_step: u64,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let n = data.rows.len();
+    ensure!(n > 0, "the batch has no rows");
+    ensure!(cfg.ppo_epochs > 0, "ppo_epochs must be >= 1");
+    ensure!(data.mask.len() == n, "mask rows");
+    let needs_adv = cfg.loss.mode != LossMode::Sft;
+    ensure!(
+        !needs_adv || data.advantages.is_some(),
+        "advantages are required by this loss"
+    );
+    ensure!(
+        cfg.loss.kl_loss.is_none() || data.ref_lp.is_some(),
+        "the KL loss needs ref log-probs"
+    );
+    ensure!(
+        cfg.loss.rollout_is.is_none() || data.rollout.is_some(),
+        "rollout IS needs rollout log-probs"
+    );
+    let mbs = cfg.mini_batch_size.unwrap_or(n).clamp(1, n);
+    let minibatches = n.div_ceil(mbs);
+    let on_policy = data.old.is_none() && cfg.ppo_epochs == 1 && minibatches == 1;
+    let started = Instant::now();
+
+    // Off-policy without old log-probs: freeze the current policy's before any step.
+    let recomputed: Option<Vec<Vec<f32>>> = if data.old.is_none() && !on_policy {
+        log("old_logprobs absent and several optimizer steps: computing them with the current weights first");
+        let stats = score(
+            policy,
+            &data.rows,
+            cfg.temperature,
+            false,
+            cfg.micro_batch_tokens,
+            &mut |_| {},
+        )?;
+        Some(stats.into_iter().map(|s| s.logprobs).collect())
+    } else {
+        None
+    };
+    let old_rows: Option<Vec<&[f32]>> = match (&data.old, &recomputed) {
+        (Some(o), _) => Some(o.clone()),
+        (None, Some(r)) => Some(r.iter().map(Vec::as_slice).collect()),
+        (None, None) => None,
+    };
+
+    let lr = cfg.lr.at(schedule_step);
+    let hp = AdamWParams {
+        lr: lr as f32,
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        eps: cfg.eps,
+        weight_decay: cfg.weight_decay,
+    };
+    let want_entropy = cfg.loss.entropy_coeff != 0.0;
+    let mut steps = Vec::new();
+    let mut tokens = 0usize;
+    for epoch in 0..cfg.ppo_epochs {
+        let mut order: Vec<usize> = (0..n).collect();
+        if cfg.shuffle {
+            let key = mix_key(&[cfg.seed, schedule_step, epoch as u64]);
+            let r: Vec<f64> = (0..n).map(|i| uniform(key, i as u64)).collect();
+            order.sort_by(|&a, &b| r[a].total_cmp(&r[b]));
+        }
+        for mb in order.chunks(mbs) {
+            let norm = LossNorm::of_rows(mb.iter().map(|&i| data.mask[i]), cfg.loss_scale_factor);
+            policy.zero_grads()?;
+            let mut metrics = LossMetrics::default();
+            let mut loss_total = 0.0;
+            let mut nonfinite = false;
+            let live: Vec<usize> = mb
+                .iter()
+                .copied()
+                .filter(|&i| !data.rows[i].response.is_empty())
+                .collect();
+            let lens: Vec<usize> = live.iter().map(|&i| data.rows[i].len()).collect();
+            for group in micro_batches(&lens, cfg.micro_batch_tokens.max(1)) {
+                let idx = &live[group];
+                let joined: Vec<Vec<u32>> = idx.iter().map(|&i| data.rows[i].joined()).collect();
+                let seqs: Vec<SeqRef> = idx
+                    .iter()
+                    .zip(&joined)
+                    .map(|(&i, t)| SeqRef {
+                        tokens: t,
+                        start: data.rows[i].prompt.len(),
+                    })
+                    .collect();
+                tokens += joined.iter().map(Vec::len).sum::<usize>();
+                policy.forward_backward(&seqs, cfg.temperature, &mut |stats| {
+                    let (out, offsets) = micro_loss(
+                        cfg,
+                        data,
+                        idx,
+                        stats,
+                        old_rows.as_deref(),
+                        &norm,
+                        want_entropy,
+                    )?;
+                    if !out.loss.is_finite() {
+                        nonfinite = true;
+                    } else {
+                        metrics.add(&out.metrics);
+                        loss_total += out.loss;
+                    }
+                    Ok(split_grads(
+                        &out.grad_lp,
+                        out.grad_entropy.as_deref(),
+                        &offsets,
+                        nonfinite,
+                    ))
+                })?;
+            }
+            let report = if nonfinite {
+                policy.zero_grads()?;
+                log(&format!(
+                    "epoch {epoch}, mini-batch of {} sequences: non-finite loss, optimizer step skipped",
+                    mb.len()
+                ));
+                StepMetrics {
+                    epoch,
+                    sequences: mb.len(),
+                    loss: f64::NAN,
+                    metrics,
+                    grad_norm: f32::NAN,
+                    skipped: true,
+                }
+            } else {
+                let r = policy.optimizer_step(&hp, cfg.grad_clip)?;
+                if r.skipped {
+                    log(&format!(
+                        "epoch {epoch}, mini-batch of {} sequences: gradient norm {} is not finite, optimizer step skipped",
+                        mb.len(),
+                        r.grad_norm
+                    ));
+                }
+                StepMetrics {
+                    epoch,
+                    sequences: mb.len(),
+                    loss: loss_total,
+                    metrics,
+                    grad_norm: r.grad_norm,
+                    skipped: r.skipped,
+                }
+            };
+            steps.push(report);
+        }
+    }
+    Ok(TrainReport {
+        steps,
+        lr,
+        tokens,
+        seconds: started.elapsed().as_secs_f64(),
+        on_policy,
+        recomputed_old: recomputed.is_some(),
+    })
+}
+
+/// The loss of one micro-batch (rows `idx`, current stats `stats`) and the token offsets of
+/// its rows.
+#[allow(clippy::too_many_arguments)]
+fn micro_loss(
+    cfg: &TrainConfig,
+    data: &TrainData,
+    idx: &[usize],
+    stats: &[TokenStats],
+    old_rows: Option<&[&[f32]]>,
+    norm: &LossNorm,
+    want_entropy: bool,
+) -> Result<(LossOutput<f32>, Vec<usize>)> {
+    ensure!(
+        stats.len() == idx.len(),
+        "forward returned {} sequences for {}",
+        stats.len(),
+        idx.len()
+    );
+    let mut offsets = vec![0usize];
+    let mut mask = Vec::new();
+    let mut lp = Vec::new();
+    let mut entropy = Vec::new();
+    for (&i, s) in idx.iter().zip(stats) {
+        let n = data.rows[i].response.len();
+        ensure!(
+            s.logprobs.len() == n,
+            "row {i}: {} log-probs for {n} tokens",
+            s.logprobs.len()
+        );
+        mask.extend_from_slice(data.mask[i]);
+        lp.extend_from_slice(&s.logprobs);
+        match &s.entropy {
+            Some(e) if e.len() == n => entropy.extend_from_slice(e),
+            _ if want_entropy => {
+                bail!("the entropy bonus needs per-token entropies from the forward pass")
+            }
+            _ => {}
+        }
+        offsets.push(lp.len());
+    }
+    // Entropies, when the forward pass gives them, feed the metric even without a bonus.
+    let have_entropy = entropy.len() == lp.len();
+    let gather = |col: &Option<Vec<&[f32]>>| -> Option<Vec<f32>> {
+        col.as_ref()
+            .map(|c| idx.iter().flat_map(|&i| c[i].iter().copied()).collect())
+    };
+    let old: Vec<f32> = match old_rows {
+        Some(o) => idx.iter().flat_map(|&i| o[i].iter().copied()).collect(),
+        // On-policy: the current log-probs, as constants.
+        None => lp.clone(),
+    };
+    let adv = gather(&data.advantages);
+    let ref_lp = gather(&data.ref_lp);
+    let rollout = gather(&data.rollout);
+    let inputs = LossInputs {
+        offsets: &offsets,
+        mask: &mask,
+        lp: &lp,
+        old: Some(&old),
+        advantages: adv.as_deref(),
+        ref_lp: ref_lp.as_deref(),
+        rollout: rollout.as_deref(),
+        entropy: have_entropy.then_some(entropy.as_slice()),
+    };
+    let mut out = policy_loss(&cfg.loss, &inputs, norm, 1.0)?;
+    if !want_entropy {
+        // No bonus: dL/dentropy is zero, spare the backward pass its term.
+        out.grad_entropy = None;
+    }
+    Ok((out, offsets))
+}
+
+/// Per-row gradients for the backward pass (zeros when the loss was not finite, so the step
+/// that is about to be skipped does not fill the buffers with NaN).
+fn split_grads(
+    dlp: &[f32],
+    dent: Option<&[f32]>,
+    offsets: &[usize],
+    zero: bool,
+) -> Vec<TokenGrads> {
+    offsets
+        .windows(2)
+        .map(|w| {
+            let r = w[0]..w[1];
+            TokenGrads {
+                dlogprobs: if zero {
+                    vec![0.0; r.len()]
+                } else {
+                    dlp[r.clone()].to_vec()
+                },
+                dentropy: dent.map(|d| {
+                    if zero {
+                        vec![0.0; r.len()]
+                    } else {
+                        d[r].to_vec()
+                    }
+                }),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::agg::AggMode;
+    use crate::engine::testing::Bigram;
+
+    fn cfg(mode: LossMode) -> TrainConfig {
+        TrainConfig {
+            loss: LossConfig::new(mode),
+            loss_scale_factor: None,
+            ppo_epochs: 1,
+            mini_batch_size: None,
+            micro_batch_tokens: 1 << 20,
+            temperature: 1.0,
+            lr: LrConfig::constant(0.5),
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            grad_clip: None,
+            shuffle: false,
+            seed: 0,
+        }
+    }
+
+    struct Owned {
+        prompts: Vec<Vec<u32>>,
+        responses: Vec<Vec<u32>>,
+        masks: Vec<Vec<u8>>,
+        adv: Vec<Vec<f32>>,
+    }
+
+    impl Owned {
+        fn new(rows: &[(Vec<u32>, Vec<u32>, f32)]) -> Owned {
+            Owned {
+                prompts: rows.iter().map(|r| r.0.clone()).collect(),
+                responses: rows.iter().map(|r| r.1.clone()).collect(),
+                masks: rows.iter().map(|r| vec![1; r.1.len()]).collect(),
+                adv: rows.iter().map(|r| vec![r.2; r.1.len()]).collect(),
+            }
+        }
+        fn data(&self) -> TrainData<'_> {
+            TrainData {
+                rows: self
+                    .prompts
+                    .iter()
+                    .zip(&self.responses)
+                    .map(|(p, r)| PromptResponse {
+                        prompt: p,
+                        response: r,
+                    })
+                    .collect(),
+                mask: self.masks.iter().map(Vec::as_slice).collect(),
+                advantages: Some(self.adv.iter().map(Vec::as_slice).collect()),
+                old: None,
+                ref_lp: None,
+                rollout: None,
+            }
+        }
+    }
+
+    fn batch() -> Owned {
+        Owned::new(&[
+            (vec![0], vec![1, 2, 3], 1.0),
+            (vec![0], vec![4, 4], -1.0),
+            (vec![2, 1], vec![3], 0.5),
+            (vec![5], vec![], 0.0),
+            (vec![3], vec![0, 5, 1, 2], -0.25),
+        ])
+    }
+
+    #[test]
+    fn lr_schedules_match_hand_values() {
+        let c = LrConfig {
+            lr: 1.0,
+            warmup_steps: 4,
+            schedule: LrSchedule::Constant,
+            total_steps: None,
+            min_lr_ratio: 0.0,
+        };
+        // HF constant_with_warmup: s/W below W.
+        assert_eq!(
+            [c.at(0), c.at(1), c.at(3), c.at(4), c.at(100)],
+            [0.0, 0.25, 0.75, 1.0, 1.0]
+        );
+        let cos = LrConfig {
+            lr: 2.0,
+            warmup_steps: 2,
+            schedule: LrSchedule::Cosine,
+            total_steps: Some(6),
+            min_lr_ratio: 0.1,
+        };
+        // warmup: 2·(0.1 + 0.9·s/2); then p = (s−2)/4: s=4 → p=½, cos = 0 → 2·(0.1 + 0.45) = 1.1.
+        assert!((cos.at(0) - 0.2).abs() < 1e-12);
+        assert!((cos.at(1) - 1.1).abs() < 1e-12);
+        assert!((cos.at(2) - 2.0).abs() < 1e-12);
+        assert!((cos.at(4) - 1.1).abs() < 1e-12);
+        assert!((cos.at(6) - 0.2).abs() < 1e-12);
+        assert!(
+            (cos.at(60) - 0.2).abs() < 1e-12,
+            "clamped after the horizon"
+        );
+        assert!(LrConfig {
+            total_steps: None,
+            ..cos
+        }
+        .validate()
+        .is_err());
+        assert!(LrConfig {
+            total_steps: Some(2),
+            ..cos
+        }
+        .validate()
+        .is_err());
+        assert!(cos.validate().is_ok());
+    }
+
+    #[test]
+    fn micro_batching_does_not_change_the_step() {
+        for agg in [
+            AggMode::TokenMean,
+            AggMode::SeqMeanTokenMean,
+            AggMode::SeqMeanTokenSumNorm,
+        ] {
+            let owned = batch();
+            let mut c = cfg(LossMode::Vanilla);
+            c.loss.agg = agg;
+            let mut whole = Bigram::random(6, 1);
+            let mut split = Bigram::random(6, 1);
+            let r1 = train(&mut whole, &owned.data(), &c, 0, &mut |_| {}).unwrap();
+            c.micro_batch_tokens = 4;
+            let r2 = train(&mut split, &owned.data(), &c, 0, &mut |_| {}).unwrap();
+            assert_eq!(whole.fb_calls, vec![4], "one call for the 4 non-empty rows");
+            assert!(split.fb_calls.len() >= 3);
+            for (a, b) in whole.theta.iter().zip(&split.theta) {
+                assert!((a - b).abs() < 1e-6, "{agg}: {a} vs {b}");
+            }
+            assert!((r1.steps[0].loss - r2.steps[0].loss).abs() < 1e-6);
+            assert!((r1.steps[0].grad_norm - r2.steps[0].grad_norm).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn on_policy_step_is_the_policy_gradient() {
+        // One mini-batch, one epoch, no old log-probs: ratio 1, token-mean loss = −Σ A·1/N and
+        // the gradient −Σ A ∇lp / N, N = valid tokens = 10.
+        let owned = batch();
+        let mut model = Bigram::random(6, 2);
+        let before = model.theta.clone();
+        let mut c = cfg(LossMode::Vanilla);
+        c.lr = LrConfig::constant(0.1);
+        let report = train(&mut model, &owned.data(), &c, 0, &mut |_| {}).unwrap();
+        assert!(report.on_policy && !report.recomputed_old);
+        let s = &report.steps[0];
+        // Σ A over tokens: 3·1 + 2·(−1) + 1·0.5 + 4·(−0.25) = 0.5.
+        let want_loss = -0.5 / 10.0;
+        assert!((s.loss - want_loss).abs() < 1e-6, "{}", s.loss);
+        assert_eq!(s.metrics.ppo_kl, 0.0);
+        assert_eq!(s.metrics.pg_clipfrac, 0.0);
+        // θ moved by −lr·g with g = −Σ A (δ − p) / N over the tokens.
+        let mut g = vec![0.0f64; 36];
+        let mut fresh = Bigram::random(6, 2);
+        fresh.theta = before.clone();
+        for (p, (r, a)) in owned
+            .prompts
+            .iter()
+            .zip(owned.responses.iter().zip(&owned.adv))
+        {
+            let ctx: Vec<u32> = p.iter().chain(r).copied().collect();
+            for (j, &aj) in a.iter().enumerate() {
+                let pos = p.len() + j;
+                let probs = fresh.probs(ctx[pos - 1], 1.0);
+                for (v, &pv) in probs.iter().enumerate() {
+                    let d = (v == ctx[pos] as usize) as u8 as f64 - pv;
+                    g[ctx[pos - 1] as usize * 6 + v] += -(aj as f64) * d / 10.0;
+                }
+            }
+        }
+        for k in 0..36 {
+            let want = before[k] - 0.1 * g[k];
+            assert!((model.theta[k] - want).abs() < 1e-6, "{k}");
+        }
+    }
+
+    #[test]
+    fn several_steps_recompute_old_and_count_steps() {
+        let owned = batch();
+        let mut model = Bigram::random(6, 3);
+        let mut c = cfg(LossMode::Vanilla);
+        c.ppo_epochs = 2;
+        c.mini_batch_size = Some(2);
+        let mut notes = vec![];
+        let r = train(&mut model, &owned.data(), &c, 0, &mut |m| {
+            notes.push(m.to_string())
+        })
+        .unwrap();
+        assert!(!r.on_policy && r.recomputed_old);
+        assert!(notes[0].contains("old_logprobs absent"), "{notes:?}");
+        // 5 rows in mini-batches of 2 → 3 steps per epoch.
+        assert_eq!(r.steps.len(), 6);
+        assert_eq!(
+            r.steps.iter().map(|s| s.sequences).collect::<Vec<_>>(),
+            [2, 2, 1, 2, 2, 1]
+        );
+        // The first step sees the weights the old log-probs came from.
+        assert!(r.steps[0].metrics.ppo_kl.abs() < 1e-7);
+        assert!(
+            r.steps[3].metrics.ppo_kl.abs() > 1e-6,
+            "later steps are off-policy"
+        );
+        assert_eq!(model.steps, 6);
+        let j = r.to_json();
+        assert_eq!(j["optimizer_steps"], 6);
+        assert_eq!(j["skipped_steps"], 0);
+    }
+
+    #[test]
+    fn shuffling_is_a_seeded_permutation() {
+        let owned = batch();
+        let mut c = cfg(LossMode::Vanilla);
+        c.mini_batch_size = Some(2);
+        c.shuffle = true;
+        let run = |seed: u64| {
+            let mut m = Bigram::random(6, 4);
+            let mut c = c.clone();
+            c.seed = seed;
+            train(&mut m, &owned.data(), &c, 0, &mut |_| {}).unwrap();
+            m.theta
+        };
+        assert_eq!(run(1), run(1));
+        let (a, b) = (run(1), run(2));
+        assert!(a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 1e-9));
+    }
+
+    #[test]
+    fn advantages_favouring_a_response_raise_its_probability() {
+        // Two responses to one prompt: +1 for [1, 2], −1 for [3, 4].
+        let owned = Owned::new(&[(vec![0], vec![1, 2], 1.0), (vec![0], vec![3, 4], -1.0)]);
+        let mut model = Bigram::random(6, 5);
+        let lp = |m: &Bigram| {
+            let (a, _) = m.token_stats(0, 1, 1.0);
+            let (b, _) = m.token_stats(1, 2, 1.0);
+            a + b
+        };
+        let before = lp(&model);
+        let c = cfg(LossMode::Vanilla);
+        for step in 0..20 {
+            train(&mut model, &owned.data(), &c, step, &mut |_| {}).unwrap();
+        }
+        assert!(lp(&model) > before + 1.0, "{before} -> {}", lp(&model));
+    }
+
+    #[test]
+    fn non_finite_loss_skips_the_step() {
+        let owned = batch();
+        let mut model = Bigram::random(6, 6);
+        model.poison = true;
+        let before = model.theta.clone();
+        let mut notes = vec![];
+        let r = train(
+            &mut model,
+            &owned.data(),
+            &cfg(LossMode::Vanilla),
+            0,
+            &mut |m| notes.push(m.to_string()),
+        )
+        .unwrap();
+        assert!(r.steps[0].skipped);
+        assert_eq!(model.theta, before);
+        assert_eq!(model.steps, 0);
+        assert!(
+            notes.iter().any(|n| n.contains("optimizer step skipped")),
+            "{notes:?}"
+        );
+        let j = r.to_json();
+        assert_eq!(j["skipped_steps"], 1);
+        assert!(j["grad_norm"].is_null());
+    }
+
+    #[test]
+    fn sft_lowers_the_nll() {
+        let owned = Owned::new(&[(vec![0], vec![1, 2, 3], 0.0), (vec![2], vec![5, 5], 0.0)]);
+        let mut model = Bigram::random(6, 7);
+        let nll = |m: &mut Bigram| -> f32 {
+            let d = owned.data();
+            let s = score(m, &d.rows, 1.0, false, 100, &mut |_| {}).unwrap();
+            -s.iter().flat_map(|x| x.logprobs.iter()).sum::<f32>()
+        };
+        let before = nll(&mut model);
+        let mut c = cfg(LossMode::Sft);
+        c.lr = LrConfig::constant(0.2);
+        for step in 0..5 {
+            let mut d = owned.data();
+            d.advantages = None;
+            train(&mut model, &d, &c, step, &mut |_| {}).unwrap();
+        }
+        assert!(
+            nll(&mut model) < before - 0.5,
+            "{before} -> {}",
+            nll(&mut model)
+        );
+    }
+}

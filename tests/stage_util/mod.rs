@@ -1,0 +1,143 @@
+//! Helpers shared by the stage and learning tests: tiny random models, prompt files, and
+//! running the real binaries.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use tandem::batch::{write_file, Batch};
+use tandem::data::{ExtraInfo, Message, VerlRow};
+use tandem::model::init::{InitModelArgs, Like};
+
+/// A tiny random Qwen2 model (2 layers, hidden 64, 4/2 heads, vocab 300) with the generated
+/// byte-level tokenizer and its ChatML template.
+pub fn tiny_model(dir: &Path, seed: u64) -> PathBuf {
+    tiny_model_like(dir, seed, Like::Qwen2, 0.02)
+}
+
+pub fn tiny_model_like(dir: &Path, seed: u64, like: Like, init_std: f32) -> PathBuf {
+    let out = dir.join(format!("model-{seed}"));
+    tandem::model::init::run(InitModelArgs {
+        like,
+        layers: 2,
+        hidden: 64,
+        heads: 4,
+        kv_heads: Some(2),
+        head_dim: None,
+        ffn: 128,
+        vocab: Some(300),
+        tokenizer: None,
+        tie: None,
+        rope_theta: None,
+        rms_norm_eps: None,
+        max_position: 4096,
+        init_std,
+        seed,
+        out: out.clone(),
+        force: false,
+    })
+    .expect("init-model");
+    out
+}
+
+/// A prompt file in verl's schema, one user message per prompt.
+pub fn prompts(path: &Path, questions: &[&str]) {
+    let rows: Vec<VerlRow> = questions
+        .iter()
+        .enumerate()
+        .map(|(i, q)| VerlRow {
+            data_source: "test/echo".into(),
+            prompt: vec![Message::new("user", *q)],
+            ability: Some("echo".into()),
+            ground_truth: format!("answer {i}"),
+            extra_info: ExtraInfo {
+                split: "train".into(),
+                index: i as i64,
+                answer: format!("answer {i}"),
+                question: q.to_string(),
+            },
+        })
+        .collect();
+    let data = tandem::data::verl_record_batch(&rows).unwrap();
+    write_file(path, &data, &Default::default()).unwrap();
+}
+
+pub fn bin(name: &str) -> &'static str {
+    match name {
+        "rollout" => env!("CARGO_BIN_EXE_rollout"),
+        "ref-logprob" => env!("CARGO_BIN_EXE_ref-logprob"),
+        "update" => env!("CARGO_BIN_EXE_update"),
+        "sync-weights" => env!("CARGO_BIN_EXE_sync-weights"),
+        other => panic!("no binary {other}"),
+    }
+}
+
+/// Runs a stage binary with arguments (paths given as &Path or &str).
+pub fn run<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> Output {
+    Command::new(bin(name))
+        .args(args)
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .expect("spawn")
+}
+
+/// Runs and asserts success, echoing stderr on failure.
+pub fn ok<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> Output {
+    let out = run(name, args);
+    assert!(
+        out.status.success(),
+        "{name} failed ({:?}):\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Runs and asserts exit code 2 with a message containing `needle`; returns stderr.
+pub fn input_error<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S], needle: &str) -> String {
+    let out = run(name, args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{name}: expected exit 2, stderr:\n{err}"
+    );
+    assert!(
+        err.contains(needle),
+        "{name}: stderr lacks {needle:?}:\n{err}"
+    );
+    err
+}
+
+pub fn read(path: &Path) -> Batch {
+    Batch::read(path, &[]).unwrap()
+}
+
+/// Rows of a list<float32> column.
+pub fn f32_rows(b: &Batch, col: &str) -> Vec<Vec<f32>> {
+    b.ragged_f32(col)
+        .unwrap()
+        .rows()
+        .map(|r| r.to_vec())
+        .collect()
+}
+
+/// Rows of a list<int32> column.
+pub fn i32_rows(b: &Batch, col: &str) -> Vec<Vec<i32>> {
+    b.ragged_i32(col)
+        .unwrap()
+        .rows()
+        .map(|r| r.to_vec())
+        .collect()
+}
+
+pub fn strings(b: &Batch, col: &str) -> Vec<String> {
+    b.strings(col)
+        .unwrap()
+        .into_iter()
+        .map(String::from)
+        .collect()
+}
+
+pub fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}

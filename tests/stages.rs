@@ -1,0 +1,668 @@
+//! End-to-end runs of the model stages' real binaries on a tiny random model: rollout,
+//! ref-logprob, update, sync-weights; their agreement, reproducibility, resume, and bad input.
+
+mod stage_util;
+
+use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_schema::{Field, Schema};
+use stage_util::*;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use tandem::batch::{list_array, schema, write_file};
+use tandem::data::Tokenizer;
+
+const QUESTIONS: [&str; 3] = ["What is 2 + 3?", "Name a colour.", "Count to three."];
+
+#[test]
+fn rollout_writes_the_contract_and_its_logprobs_match_ref_logprob() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 1);
+    let prompts_path = dir.path().join("prompts.parquet");
+    prompts(&prompts_path, &QUESTIONS);
+    let out = dir.path().join("rollout.parquet");
+    ok(
+        "rollout",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&prompts_path),
+            "--out",
+            p(&out),
+            "--n",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--seed",
+            "5",
+            "--temperature",
+            "0.8",
+            "--step",
+            "4",
+        ],
+    );
+    let b = read(&out);
+    assert_eq!(b.num_rows(), 9);
+    // Rows: the 3 samples of a prompt side by side, grouped by prompt_uid.
+    let puids = strings(&b, schema::PROMPT_UID);
+    let uids = strings(&b, schema::UID);
+    for i in 0..3 {
+        assert!(puids[3 * i..3 * i + 3].iter().all(|u| u == &puids[3 * i]));
+        for j in 0..3 {
+            assert_eq!(uids[3 * i + j], format!("{}-{j}", puids[3 * i]));
+        }
+    }
+    assert_ne!(puids[0], puids[3]);
+    assert_eq!(strings(&b, schema::DATA_SOURCE), vec!["test/echo"; 9]);
+    assert_eq!(strings(&b, schema::GROUND_TRUTH)[4], "answer 1");
+    assert!(b.has(schema::PROMPT) && b.has(schema::EXTRA_INFO));
+    // Prompt ids are the ChatML rendering of the question.
+    let tok = Tokenizer::from_dir(&model).unwrap();
+    let pids = i32_rows(&b, schema::PROMPT_IDS);
+    let want = tok
+        .encode("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n")
+        .unwrap();
+    assert_eq!(pids[3], want.iter().map(|&t| t as i32).collect::<Vec<_>>());
+    // Responses: mask all ones, logprobs aligned, finish reasons consistent with EOS / length.
+    let rids = i32_rows(&b, schema::RESPONSE_IDS);
+    let mask: Vec<Vec<u8>> = b
+        .ragged_u8(schema::RESPONSE_MASK)
+        .unwrap()
+        .rows()
+        .map(|r| r.to_vec())
+        .collect();
+    let lps = f32_rows(&b, schema::ROLLOUT_LOGPROBS);
+    let reasons = strings(&b, schema::FINISH_REASON);
+    let texts = strings(&b, schema::RESPONSE_TEXT);
+    let eos = [
+        tok.token_to_id("<|im_end|>").unwrap(),
+        tok.token_to_id("<|endoftext|>").unwrap(),
+    ];
+    for r in 0..9 {
+        assert!(!rids[r].is_empty());
+        assert!(mask[r].iter().all(|&m| m == 1) && mask[r].len() == rids[r].len());
+        assert!(lps[r].iter().all(|&l| l.is_finite() && l <= 0.0));
+        let last = *rids[r].last().unwrap() as u32;
+        match reasons[r].as_str() {
+            "stop" => assert!(eos.contains(&last), "row {r}: {:?} eos {eos:?}", rids[r]),
+            "length" => assert_eq!(rids[r].len(), 12),
+            other => panic!("finish_reason {other}"),
+        }
+        let ids: Vec<u32> = rids[r].iter().map(|&t| t as u32).collect();
+        assert_eq!(texts[r], tok.decode(&ids, true).unwrap());
+    }
+    // Samples of one prompt differ.
+    assert!(rids[0] != rids[1] || rids[1] != rids[2]);
+    assert_eq!(b.meta_u64("policy_version"), Some(0));
+    assert_eq!(b.meta_u64("step"), Some(4));
+    let params: serde_json::Value = serde_json::from_str(&b.meta["tandem.stage.rollout"]).unwrap();
+    assert_eq!(params["n"], 3);
+    assert_eq!(params["seed"], 5);
+
+    // ref-logprob with the same weights and temperature gives the same numbers.
+    let scored = dir.path().join("old.parquet");
+    ok(
+        "ref-logprob",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&out),
+            "--out",
+            p(&scored),
+            "--column",
+            "old_logprobs",
+            "--temperature",
+            "0.8",
+            "--entropy",
+            "--micro-batch-tokens",
+            "40",
+        ],
+    );
+    let s = read(&scored);
+    let old = f32_rows(&s, schema::OLD_LOGPROBS);
+    let mut worst = 0.0f32;
+    for (a, b) in lps.iter().flatten().zip(old.iter().flatten()) {
+        worst = worst.max((a - b).abs());
+    }
+    assert!(worst < 1e-5, "rollout vs ref-logprob max |diff| = {worst}");
+    let ent = f32_rows(&s, "entropy");
+    assert!(ent
+        .iter()
+        .flatten()
+        .all(|&e| e > 0.0 && e <= (300f32).ln() + 1e-4));
+    // Every input column is kept.
+    assert_eq!(f32_rows(&s, schema::ROLLOUT_LOGPROBS), lps);
+    assert_eq!(s.meta_u64("policy_version"), Some(0));
+}
+
+#[test]
+fn samples_do_not_depend_on_the_other_prompts_or_the_batch_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 2);
+    let alone = dir.path().join("alone.parquet");
+    let many = dir.path().join("many.parquet");
+    prompts(&alone, &[QUESTIONS[1]]);
+    prompts(
+        &many,
+        &[QUESTIONS[0], QUESTIONS[1], QUESTIONS[2], QUESTIONS[1]],
+    );
+    let run_it = |input: &Path, out: &Path, batch: &str| {
+        ok(
+            "rollout",
+            &[
+                "--model",
+                p(&model),
+                "--in",
+                p(input),
+                "--out",
+                p(out),
+                "--n",
+                "4",
+                "--max-new-tokens",
+                "10",
+                "--seed",
+                "11",
+                "--batch-size",
+                batch,
+            ],
+        );
+        read(out)
+    };
+    let a = run_it(&alone, &dir.path().join("a.parquet"), "64");
+    let m = run_it(&many, &dir.path().join("m.parquet"), "3");
+    let (ra, rm) = (
+        i32_rows(&a, schema::RESPONSE_IDS),
+        i32_rows(&m, schema::RESPONSE_IDS),
+    );
+    assert_eq!(ra, rm[4..8].to_vec());
+    assert_eq!(
+        strings(&a, schema::PROMPT_UID)[0],
+        strings(&m, schema::PROMPT_UID)[4]
+    );
+    let (la, lm) = (
+        f32_rows(&a, schema::ROLLOUT_LOGPROBS),
+        f32_rows(&m, schema::ROLLOUT_LOGPROBS),
+    );
+    for (x, y) in la.iter().flatten().zip(lm[4..8].iter().flatten()) {
+        assert!((x - y).abs() < 1e-5);
+    }
+    // The repeat of the same prompt (row 3) gets its own samples and uid.
+    assert_ne!(rm[4..8].to_vec(), rm[12..16].to_vec());
+    assert_ne!(
+        strings(&m, schema::PROMPT_UID)[4],
+        strings(&m, schema::PROMPT_UID)[12]
+    );
+    // --limit does not change the samples either.
+    let lim = dir.path().join("lim.parquet");
+    ok(
+        "rollout",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&many),
+            "--out",
+            p(&lim),
+            "--n",
+            "4",
+            "--max-new-tokens",
+            "10",
+            "--seed",
+            "11",
+            "--limit",
+            "2",
+        ],
+    );
+    let l = read(&lim);
+    assert_eq!(l.num_rows(), 8);
+    assert_eq!(i32_rows(&l, schema::RESPONSE_IDS), rm[..8].to_vec());
+}
+
+#[test]
+fn stop_strings_cut_the_text_and_greedy_is_deterministic() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 3);
+    let input = dir.path().join("p.parquet");
+    prompts(&input, &[QUESTIONS[0]]);
+    let greedy = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "--model",
+            p(&model),
+            "--in",
+            p(&input),
+            "--out",
+            p(out),
+            "--n",
+            "2",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "24",
+            "--ignore-eos",
+        ];
+        args.extend_from_slice(extra);
+        ok("rollout", &args);
+        read(out)
+    };
+    let full = greedy(&dir.path().join("full.parquet"), &[]);
+    let ids = i32_rows(&full, schema::RESPONSE_IDS);
+    assert_eq!(ids[0], ids[1], "greedy samples are identical");
+    assert_eq!(ids[0].len(), 24);
+    let text = strings(&full, schema::RESPONSE_TEXT)[0].clone();
+    // A stop string made of one clean character a few characters in.
+    let (cut, ch) = text
+        .char_indices()
+        .skip(3)
+        .find(|(_, c)| *c != '\u{FFFD}')
+        .expect("a decodable character in the greedy text");
+    let stop = ch.to_string();
+    let first = text.find(&stop).unwrap();
+    assert!(first <= cut);
+    let stopped = greedy(&dir.path().join("stop.parquet"), &["--stop", &stop]);
+    assert_eq!(
+        strings(&stopped, schema::FINISH_REASON),
+        vec!["stop", "stop"]
+    );
+    assert_eq!(strings(&stopped, schema::RESPONSE_TEXT)[0], text[..first]);
+    let sids = i32_rows(&stopped, schema::RESPONSE_IDS);
+    assert!(sids[0].len() < 24 && ids[0].starts_with(&sids[0]));
+    assert_eq!(
+        f32_rows(&stopped, schema::ROLLOUT_LOGPROBS)[0],
+        f32_rows(&full, schema::ROLLOUT_LOGPROBS)[0][..sids[0].len()].to_vec()
+    );
+}
+
+#[test]
+fn sync_weights_publishes_a_pointer_that_rollout_follows() {
+    let dir = tempfile::tempdir().unwrap();
+    let m1 = tiny_model(dir.path(), 4);
+    let m2 = tiny_model(dir.path(), 5);
+    let input = dir.path().join("p.parquet");
+    prompts(&input, &[QUESTIONS[2]]);
+    let ptr = dir.path().join("policy");
+    ok("sync-weights", &["--from", p(&m1), "--to", p(&ptr)]);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&ptr).unwrap()).unwrap();
+    assert_eq!(v["policy_version"], 1);
+    assert_eq!(
+        v["model"], "model-4",
+        "a checkpoint under the pointer's directory is relative"
+    );
+    ok("sync-weights", &["--from", p(&m2), "--to", p(&ptr)]);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&ptr).unwrap()).unwrap();
+    assert_eq!(v["policy_version"], 2);
+    assert!(!dir.path().join("policy.tmp").exists());
+
+    let via_ptr = dir.path().join("a.parquet");
+    let direct = dir.path().join("b.parquet");
+    for (model, out) in [(ptr.as_path(), &via_ptr), (m2.as_path(), &direct)] {
+        ok(
+            "rollout",
+            &[
+                "--model",
+                p(model),
+                "--in",
+                p(&input),
+                "--out",
+                p(out),
+                "--n",
+                "2",
+                "--max-new-tokens",
+                "6",
+            ],
+        );
+    }
+    let (a, b) = (read(&via_ptr), read(&direct));
+    assert_eq!(a.meta_u64("policy_version"), Some(2));
+    assert_eq!(b.meta_u64("policy_version"), Some(0));
+    assert_eq!(
+        i32_rows(&a, schema::RESPONSE_IDS),
+        i32_rows(&b, schema::RESPONSE_IDS)
+    );
+
+    ok(
+        "sync-weights",
+        &["--from", p(&m1), "--to", p(&ptr), "--policy-version", "10"],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&ptr).unwrap()).unwrap();
+    assert_eq!(v["policy_version"], 10);
+    input_error(
+        "sync-weights",
+        &["--from", p(&dir.path().join("nope")), "--to", p(&ptr)],
+        "not a directory",
+    );
+    input_error(
+        "sync-weights",
+        &["--from", p(&m1), "--to", p(dir.path())],
+        "is a directory",
+    );
+}
+
+/// A training batch written by hand: two responses to one prompt, advantages +1 / −1.
+pub fn training_batch(path: &Path, prompt: &[i32], responses: &[Vec<i32>], adv: &[f32]) {
+    let n = responses.len();
+    let mut p_off = vec![0];
+    let mut p_ids = vec![];
+    let mut r_off = vec![0];
+    let mut r_ids = vec![];
+    let mut a = vec![];
+    for (r, &s) in responses.iter().zip(adv) {
+        p_ids.extend_from_slice(prompt);
+        p_off.push(p_ids.len());
+        r_ids.extend_from_slice(r);
+        r_off.push(r_ids.len());
+        a.extend(std::iter::repeat_n(s, r.len()));
+    }
+    let total = r_ids.len();
+    let cols: Vec<(Field, ArrayRef)> = vec![
+        (
+            schema::field(schema::UID),
+            Arc::new(StringArray::from_iter_values(
+                (0..n).map(|i| format!("u{i}")),
+            )),
+        ),
+        (
+            schema::field(schema::PROMPT_UID),
+            Arc::new(StringArray::from(vec!["p"; n])),
+        ),
+        (
+            schema::field(schema::PROMPT_IDS),
+            list_array::<Int32Type>(&p_off, p_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_IDS),
+            list_array::<Int32Type>(&r_off, r_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_MASK),
+            list_array::<UInt8Type>(&r_off, vec![1; total]),
+        ),
+        (
+            schema::field(schema::ADVANTAGES),
+            list_array::<Float32Type>(&r_off, a),
+        ),
+    ];
+    let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
+    let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap();
+    write_file(path, &data, &BTreeMap::new()).unwrap();
+}
+
+fn load_weights(dir: &Path) -> tandem::model::Weights {
+    tandem::model::ModelDir::load(dir).unwrap().1
+}
+
+#[test]
+fn update_saves_state_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 6);
+    let batch = dir.path().join("batch.parquet");
+    training_batch(
+        &batch,
+        &[10, 20, 30],
+        &[vec![40, 41, 42], vec![50, 51]],
+        &[1.0, -1.0],
+    );
+    let step = |from: &Path, to: &Path, metrics: &Path| {
+        ok(
+            "update",
+            &[
+                "--model",
+                p(from),
+                "--in",
+                p(&batch),
+                "--out-model",
+                p(to),
+                "--lr",
+                "1e-3",
+                "--lr-warmup-steps",
+                "1",
+                "--lr-schedule",
+                "cosine",
+                "--total-steps",
+                "4",
+                "--metrics",
+                p(metrics),
+            ],
+        );
+        serde_json::from_slice::<serde_json::Value>(&std::fs::read(metrics).unwrap()).unwrap()
+    };
+    let (m1, m2) = (dir.path().join("m1"), dir.path().join("m2"));
+    let j1 = step(&model, &m1, &dir.path().join("1.json"));
+    let j2 = step(&m1, &m2, &dir.path().join("2.json"));
+    // Warmup from 0: step 0 has lr 0 (HF/verl), step 1 the full lr.
+    assert_eq!(j1["lr"], 0.0);
+    assert!((j2["lr"].as_f64().unwrap() - 1e-3).abs() < 1e-12);
+    for k in [
+        "pg_loss",
+        "pg_clipfrac",
+        "pg_clipfrac_lower",
+        "ppo_kl",
+        "entropy",
+        "kl_loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+    ] {
+        assert!(j2.get(k).is_some(), "metric {k} missing: {j2}");
+    }
+    assert_eq!(j2["optimizer_steps"], 1);
+    let ts: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(m2.join("trainer_state.json")).unwrap()).unwrap();
+    assert_eq!(ts["optimizer_step"], 2);
+    assert_eq!(ts["schedule_step"], 2);
+    assert!(m2.join("optimizer.safetensors").is_file());
+    assert!(m2.join("tokenizer.json").is_file() && m2.join("config.json").is_file());
+
+    // The same two steps in one process, optimizer state kept in memory.
+    use tandem::engine::train::train;
+    let args = <UpdateArgsCli as clap::Parser>::parse_from([
+        "update",
+        "--model",
+        p(&model),
+        "--in",
+        p(&batch),
+        "--out-model",
+        "unused",
+        "--lr",
+        "1e-3",
+        "--lr-warmup-steps",
+        "1",
+        "--lr-schedule",
+        "cosine",
+        "--total-steps",
+        "4",
+    ])
+    .args;
+    let cfg = args.train_config().unwrap();
+    let (mcfg, w0) = tandem::model::ModelDir::load(&model).unwrap();
+    let mut dec =
+        tandem::model::decoder::Decoder::new(tandem::backend::cpu::Cpu, &mcfg, &w0).unwrap();
+    let b = read(&batch);
+    let owned = tandem::engine::stage::update::OwnedData::from_batch(&b, &cfg).unwrap();
+    for s in 0..2 {
+        train(&mut dec, &owned.view(), &cfg, s, &mut |_| {}).unwrap();
+    }
+    let want = dec.export_weights().unwrap();
+    let got = load_weights(&m2);
+    for (name, t) in &want {
+        let g = &got[name];
+        for (a, b) in t.data.iter().zip(&g.data) {
+            assert_eq!(
+                tandem::model::safetensors::round_bf16(*a).to_bits(),
+                b.to_bits(),
+                "{name}: in-process {a} vs resumed {b}"
+            );
+        }
+    }
+}
+
+#[derive(clap::Parser)]
+struct UpdateArgsCli {
+    #[command(flatten)]
+    args: tandem::engine::stage::update::UpdateArgs,
+}
+
+#[test]
+fn bad_input_exits_2_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 7);
+    let input = dir.path().join("p.parquet");
+    prompts(&input, &[QUESTIONS[0], "word ".repeat(200).as_str()]);
+    let out = dir.path().join("out.parquet");
+    let rollout = |model: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "--model",
+            p(model),
+            "--in",
+            p(&input),
+            "--out",
+            p(&out),
+            "--n",
+            "1",
+            "--max-new-tokens",
+            "4",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let cut = ["--max-prompt-tokens", "64", "--truncate", "left"];
+    // A prompt over the limit names its row; --truncate left keeps its end.
+    input_error(
+        "rollout",
+        &rollout(&model, &["--max-prompt-tokens", "64"]),
+        "row 1: the prompt has",
+    );
+    assert!(!out.exists());
+    ok(
+        "rollout",
+        &rollout(&model, &["--max-prompt-tokens", "64", "--truncate", "left"]),
+    );
+    let b = read(&out);
+    let pids = i32_rows(&b, schema::PROMPT_IDS);
+    assert_eq!(pids[1].len(), 64);
+    std::fs::remove_file(&out).unwrap();
+    input_error(
+        "rollout",
+        &rollout(&model, &["--device", "cuda"]),
+        "no CUDA backend",
+    );
+    input_error("rollout", &rollout(&model, &["--top-p", "0"]), "--top-p");
+
+    // Missing weights file.
+    let broken = dir.path().join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(model.join(f), broken.join(f)).unwrap();
+    }
+    let err = input_error("rollout", &rollout(&broken, &cut), "broken");
+    assert!(err.contains("safetensors"), "{err}");
+    assert!(!out.exists());
+    // Unsupported architecture.
+    let odd = dir.path().join("odd");
+    std::fs::create_dir(&odd).unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(model.join(f), odd.join(f)).unwrap();
+    }
+    let cfg = std::fs::read_to_string(model.join("config.json")).unwrap();
+    std::fs::write(
+        odd.join("config.json"),
+        cfg.replace("Qwen2ForCausalLM", "MambaForCausalLM"),
+    )
+    .unwrap();
+    input_error("rollout", &rollout(&odd, &cut), "MambaForCausalLM");
+    assert!(!out.exists());
+    input_error(
+        "rollout",
+        &rollout(&dir.path().join("nowhere"), &[]),
+        "no such model directory",
+    );
+
+    // Token ids beyond the vocabulary.
+    let batch = dir.path().join("batch.parquet");
+    training_batch(&batch, &[1, 2], &[vec![3, 300], vec![4]], &[1.0, -1.0]);
+    let scored = dir.path().join("scored.parquet");
+    input_error(
+        "ref-logprob",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&batch),
+            "--out",
+            p(&scored),
+            "--column",
+            "ref_logprobs",
+        ],
+        "column 'response_ids', row 0: token id 300",
+    );
+    assert!(!scored.exists());
+    let new_model = dir.path().join("new");
+    input_error(
+        "update",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&new_model),
+        ],
+        "row 0: token id 300",
+    );
+    assert!(!new_model.exists());
+    // Columns an option needs.
+    training_batch(&batch, &[1, 2], &[vec![3, 5], vec![4]], &[1.0, -1.0]);
+    input_error(
+        "update",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&new_model),
+            "--use-kl-loss",
+        ],
+        "'ref_logprobs' is missing",
+    );
+    input_error(
+        "update",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&new_model),
+            "--lr-schedule",
+            "cosine",
+        ],
+        "--total-steps",
+    );
+    input_error(
+        "ref-logprob",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&batch),
+            "--out",
+            p(&scored),
+            "--column",
+            "ref_logprobs",
+            "--temperature",
+            "0",
+        ],
+        "--temperature",
+    );
+    assert!(!new_model.exists() && !scored.exists());
+}

@@ -549,7 +549,7 @@ fn bad_input_exits_2_and_writes_nothing() {
     input_error(
         "rollout",
         &rollout(&model, &["--device", "cuda"]),
-        "no CUDA backend",
+        "no CUDA driver found; use --device cpu",
     );
     input_error("rollout", &rollout(&model, &["--top-p", "0"]), "--top-p");
 

@@ -59,13 +59,14 @@ pub struct RefLogprobArgs {
     /// Tokens (prompt + response) per forward pass.
     #[arg(long, default_value_t = 8192)]
     pub micro_batch_tokens: usize,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
     pub device: Device,
 }
 
 pub fn run(args: RefLogprobArgs) -> Result<()> {
     let started = Instant::now();
-    args.device.check()?;
+    let device = args.device.open()?;
     if !(args.temperature > 0.0 && args.temperature.is_finite()) {
         bail_input!("--temperature must be > 0, got {}", args.temperature);
     }
@@ -74,7 +75,7 @@ pub fn run(args: RefLogprobArgs) -> Result<()> {
     }
     let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
     let model = resolve_model(&args.model)?;
-    let (cfg, mut policy) = load_policy(&model.dir, |cfg| {
+    let (cfg, mut policy) = load_policy(device, &model.dir, |cfg| {
         check_token_ids(&batch, schema::PROMPT_IDS, cfg.vocab_size)?;
         check_token_ids(&batch, schema::RESPONSE_IDS, cfg.vocab_size)
     })?;
@@ -97,14 +98,14 @@ pub fn run(args: RefLogprobArgs) -> Result<()> {
         })
         .collect();
     let bar = progress_bar(rows.len(), "ref-logprob");
-    let stats = score(
-        &mut policy,
+    let stats = on_decoder!(policy, p => score(
+        p,
         &rows,
         args.temperature,
         args.entropy,
         args.micro_batch_tokens,
         &mut |done| bar.set_position(done as u64),
-    )?;
+    ))?;
     bar.finish_and_clear();
 
     let offsets = &responses.offsets;

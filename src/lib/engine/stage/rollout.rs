@@ -96,7 +96,8 @@ pub struct RolloutArgs {
     /// Write generation metrics as JSON here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
     pub device: Device,
 }
 
@@ -126,7 +127,7 @@ impl RolloutArgs {
 
 pub fn run(args: RolloutArgs) -> Result<()> {
     let started = Instant::now();
-    args.device.check()?;
+    let device = args.device.open()?;
     let sampling = args.sampling()?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
     let n_prompts = args.limit.unwrap_or(dataset.len()).min(dataset.len());
@@ -213,21 +214,22 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         stop_strings: args.stop.clone(),
     };
 
-    let (_, mut policy) = load_policy(&model.dir, |_| Ok(()))?;
+    let (_, mut policy) = load_policy(device, &model.dir, |_| Ok(()))?;
     let loaded_s = started.elapsed().as_secs_f64();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
     let slots = args.batch_size.min(n_prompts * args.n);
     let max_len = (longest + args.max_new_tokens).max(1);
-    let mut engine = CachedDecoder::new(&mut policy, cfg.vocab_size, slots, max_len)?;
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let total = n_prompts * args.n;
     let bar = progress_bar(total, "rollout");
     let gen_started = Instant::now();
-    let (completions, stats) =
+    let (completions, stats) = on_decoder!(policy, p => {
+        let mut engine = CachedDecoder::new(p, cfg.vocab_size, slots, max_len)?;
         generate(&mut engine, &requests, &params, Some(&detok), &mut |done| {
             bar.set_position(done as u64)
-        })?;
+        })?
+    });
     bar.finish_and_clear();
     let gen_s = gen_started.elapsed().as_secs_f64();
 

@@ -7,7 +7,6 @@ use super::ref_logprob::to_u32;
 use crate::algo::agg::AggMode;
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
-use crate::backend::cpu::Cpu;
 use crate::bail_input;
 use crate::batch::{schema, write_json, Batch, Ragged};
 use crate::engine::logprob::PromptResponse;
@@ -15,7 +14,6 @@ use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FI
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, SaveOptions};
-use crate::model::decoder::Decoder;
 use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use anyhow::Result;
 use clap::Args;
@@ -114,7 +112,8 @@ pub struct UpdateArgs {
     /// Write the metrics JSON here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
     pub device: Device,
 }
 
@@ -291,7 +290,7 @@ impl OwnedData {
 
 pub fn run(args: UpdateArgs) -> Result<()> {
     let started = Instant::now();
-    args.device.check()?;
+    let device = args.device.open()?;
     let cfg = args.train_config()?;
     let needs = required_columns(&cfg);
     let batch = Batch::read(&args.input, &[])?;
@@ -334,19 +333,17 @@ pub fn run(args: UpdateArgs) -> Result<()> {
         }
         None => (&weights, 0),
     };
-    let mut policy = Decoder::new(Cpu, &mcfg, start_weights)?;
+    let mut policy = device.decoder(&mcfg, start_weights)?;
     if let Some(r) = &resumed {
-        policy.load_optimizer_state(&r.optimizer)?;
+        on_decoder!(policy, p => p.load_optimizer_state(&r.optimizer))?;
     }
     drop(weights);
     let loaded_s = started.elapsed().as_secs_f64();
 
-    let report = train(&mut policy, &data, &cfg, schedule_step, &mut |msg| {
-        eprintln!("update: {msg}")
-    })?;
-
-    let new_weights = policy.export_weights()?;
-    let state = policy.optimizer_state()?;
+    let (report, new_weights, state) = on_decoder!(policy, p => {
+        let report = train(p, &data, &cfg, schedule_step, &mut |msg| eprintln!("update: {msg}"))?;
+        (report, p.export_weights()?, p.optimizer_state()?)
+    });
     let trainer = TrainerState {
         optimizer_step: state.step,
         schedule_step: schedule_step + 1,

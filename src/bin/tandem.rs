@@ -28,6 +28,10 @@ enum Cmd {
     ModelInfo(tandem::model::info::ModelInfoArgs),
     /// CUDA parity suite: every op of the GPU backend against the CPU backend, as a table.
     GpuTest(tandem::backend::cuda::parity::GpuTestArgs),
+    /// Plot a run's metrics and evaluations into one PNG.
+    Plot(tandem::pipeline::plot::PlotArgs),
+    /// Show a batch file as a table.
+    Inspect(tandem::pipeline::inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
@@ -38,5 +42,7 @@ fn main() -> ExitCode {
         Cmd::InitModel(args) => tandem::model::init::run(args),
         Cmd::ModelInfo(args) => tandem::model::info::run(args),
         Cmd::GpuTest(a) => tandem::backend::cuda::parity::run(a),
+        Cmd::Plot(a) => tandem::pipeline::plot::run(a),
+        Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
     })
 }

@@ -9,4 +9,5 @@ pub mod data;
 pub mod engine;
 pub mod error;
 pub mod model;
+pub mod pipeline;
 pub mod reward;

@@ -13,6 +13,7 @@ pub mod dataset;
 pub mod gsm8k;
 pub mod jsonl;
 pub mod prepare;
+pub mod synth;
 pub mod tokenizer;
 
 pub use chat::ChatTemplate;

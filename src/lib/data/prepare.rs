@@ -23,6 +23,8 @@ pub enum PrepareCmd {
     Gsm8k(Gsm8kArgs),
     /// Any jsonl with a prompt and an answer per line -> verl's prompt parquet.
     Jsonl(JsonlArgs),
+    /// A built-in synthetic task (add, copy, reverse) whose answers a rule checks.
+    Synth(super::synth::SynthArgs),
 }
 
 #[derive(Args, Debug)]
@@ -87,6 +89,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
             let params = json!({"dataset": "gsm8k", "in": a.input, "split": split});
             write_rows(&a.out, &rows, params)
         }
+        PrepareCmd::Synth(a) => super::synth::run(a),
         PrepareCmd::Jsonl(a) => {
             let opts = JsonlOptions {
                 data_source: a.data_source.unwrap_or_else(|| file_stem(&a.input)),

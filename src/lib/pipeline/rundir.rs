@@ -1,0 +1,323 @@
+//! The run directory: where every file of a run lives, `state.json` (what has finished), the
+//! resolved spec, and atomic writes of the runner's own files.
+//!
+//! ```text
+//! RUN/
+//!   spec.resolved.toml     the spec with the runner's defaults written out
+//!   state.json             finished steps and stages, sampler cursor, policy
+//!   commands.sh            every stage command line, in the order they ran
+//!   metrics.jsonl eval.jsonl
+//!   policy                 the pointer `sync-weights` maintains (what rollout loads)
+//!   step-000K/{prompts,rollout,scored,ref,old,adv}.parquet, metrics/*.json
+//!   eval/step-000K/{rollout,scored}.parquet
+//!   ckpt/step-000K/        update's output model (cadence and keep-last prune the rest)
+//! ```
+
+use super::sampler::Cursor;
+use crate::bail_input;
+use crate::error::input_error;
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Version of the state.json layout.
+pub const STATE_VERSION: u64 = 1;
+
+/// What has finished in a run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub version: u64,
+    /// Steps whose every stage (and metrics line) is done; step 0 is initialisation.
+    pub steps_done: u64,
+    /// Whether step 0 (publishing the initial policy, the first eval) is done.
+    pub init_done: bool,
+    /// The step in progress and its finished stages.
+    #[serde(default)]
+    pub current: Option<StepProgress>,
+    /// The sampler's cursor for the next draw.
+    pub sampler: Cursor,
+    /// Rows in the training set when the run began (a changed dataset is refused on resume).
+    pub train_rows: u64,
+}
+
+/// The finished stages of the step in progress, and how long each took.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepProgress {
+    pub step: u64,
+    pub done: Vec<String>,
+    pub seconds: BTreeMap<String, f64>,
+}
+
+impl StepProgress {
+    pub fn is_done(&self, stage: &str) -> bool {
+        self.done.iter().any(|s| s == stage)
+    }
+}
+
+/// Paths inside one run directory.
+#[derive(Clone, Debug)]
+pub struct RunDir {
+    pub root: PathBuf,
+}
+
+impl RunDir {
+    pub fn new(root: impl Into<PathBuf>) -> RunDir {
+        RunDir { root: root.into() }
+    }
+
+    pub fn state_path(&self) -> PathBuf {
+        self.root.join("state.json")
+    }
+    pub fn spec_path(&self) -> PathBuf {
+        self.root.join("spec.resolved.toml")
+    }
+    pub fn commands_path(&self) -> PathBuf {
+        self.root.join("commands.sh")
+    }
+    pub fn metrics_path(&self) -> PathBuf {
+        self.root.join("metrics.jsonl")
+    }
+    pub fn eval_path(&self) -> PathBuf {
+        self.root.join("eval.jsonl")
+    }
+    pub fn policy(&self) -> PathBuf {
+        self.root.join("policy")
+    }
+    pub fn lock_path(&self) -> PathBuf {
+        self.root.join("lock")
+    }
+    pub fn step_dir(&self, step: u64) -> PathBuf {
+        self.root.join(step_name(step))
+    }
+    /// A batch file of a step: `step-000K/NAME.parquet`.
+    pub fn batch(&self, step: u64, name: &str) -> PathBuf {
+        self.step_dir(step).join(format!("{name}.parquet"))
+    }
+    /// A stage's `--metrics` file: `step-000K/metrics/NAME.json`.
+    pub fn stage_metrics(&self, step: u64, name: &str) -> PathBuf {
+        self.step_dir(step)
+            .join("metrics")
+            .join(format!("{name}.json"))
+    }
+    pub fn eval_dir(&self, step: u64) -> PathBuf {
+        self.root.join("eval").join(step_name(step))
+    }
+    pub fn ckpt_root(&self) -> PathBuf {
+        self.root.join("ckpt")
+    }
+    pub fn ckpt(&self, step: u64) -> PathBuf {
+        self.ckpt_root().join(step_name(step))
+    }
+
+    pub fn exists(&self) -> bool {
+        self.state_path().exists()
+    }
+
+    pub fn load_state(&self) -> Result<State> {
+        let path = self.state_path();
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let state: State = serde_json::from_str(&text).map_err(|e| {
+            input_error(format!(
+                "{}: not a tandem run state ({e}); remove the run directory or pick another --run-dir",
+                path.display()
+            ))
+        })?;
+        if state.version != STATE_VERSION {
+            bail_input!(
+                "{}: state version {} (this tandem reads {STATE_VERSION})",
+                path.display(),
+                state.version
+            );
+        }
+        Ok(state)
+    }
+
+    pub fn save_state(&self, state: &State) -> Result<()> {
+        crate::batch::write_json(&self.state_path(), state)
+    }
+
+    /// Take the run directory for this process: refuse when another live runner holds it
+    /// (a lock left by a killed runner is taken over).
+    pub fn lock(&self) -> Result<RunLock> {
+        let path = self.lock_path();
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            if let Ok(pid) = text.trim().parse::<u32>() {
+                if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
+                    bail_input!(
+                        "{}: another pipeline (pid {pid}) is running in this run directory; wait for it or stop it",
+                        self.root.display()
+                    );
+                }
+            }
+        }
+        write_atomic(&path, format!("{}\n", std::process::id()).as_bytes())?;
+        Ok(RunLock { path })
+    }
+}
+
+/// Removes the lock file when the runner ends normally.
+pub struct RunLock {
+    path: PathBuf,
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// `step-000K`: four digits, more when a run is longer.
+pub fn step_name(step: u64) -> String {
+    format!("step-{step:04}")
+}
+
+/// The step of a `step-000K` name.
+pub fn parse_step_name(name: &str) -> Option<u64> {
+    name.strip_prefix("step-")?.parse().ok()
+}
+
+/// Write a file through `NAME.tmp` and a rename, so readers and a resumed run never see half
+/// of it.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = crate::batch::write::temp_path(path);
+    let result = (|| -> Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("writing {}", path.display()))
+}
+
+/// Replace the lines of a JSON-lines file whose `step` is `step` (or later: a resumed run
+/// rewrites them) by `line`, atomically, so a crash between writing and recording never
+/// leaves a step twice.
+pub fn put_jsonl_step(path: &Path, step: u64, line: &serde_json::Value) -> Result<()> {
+    let mut out = String::new();
+    if let Ok(text) = std::fs::read_to_string(path) {
+        for l in text.lines().filter(|l| !l.trim().is_empty()) {
+            let keep = serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_some_and(|s| s < step);
+            if keep {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+    }
+    out.push_str(&line.to_string());
+    out.push('\n');
+    write_atomic(path, out.as_bytes())
+}
+
+/// Read a JSON-lines file into objects (a missing file is empty).
+pub fn read_jsonl(path: &Path) -> Result<Vec<serde_json::Map<String, serde_json::Value>>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => bail_input!("{}: cannot read: {e}", path.display()),
+    };
+    let mut rows = Vec::new();
+    for (i, l) in text.lines().enumerate() {
+        if l.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(l) {
+            Ok(serde_json::Value::Object(m)) => rows.push(m),
+            _ => bail_input!("{}:{}: not a JSON object", path.display(), i + 1),
+        }
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn state_round_trips_and_bad_state_is_input_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        let mut state = State {
+            version: STATE_VERSION,
+            steps_done: 2,
+            init_done: true,
+            sampler: Cursor {
+                epoch: 1,
+                position: 3,
+            },
+            train_rows: 10,
+            ..State::default()
+        };
+        state.current = Some(StepProgress {
+            step: 3,
+            done: vec!["prompts".into(), "rollout".into()],
+            seconds: [("rollout".to_string(), 1.5)].into(),
+        });
+        run.save_state(&state).unwrap();
+        assert_eq!(run.load_state().unwrap(), state);
+        assert!(!run.state_path().with_extension("json.tmp").exists());
+
+        std::fs::write(run.state_path(), "{").unwrap();
+        let err = run.load_state().unwrap_err();
+        assert!(crate::error::is_input_error(&err));
+        assert!(format!("{err:#}").contains("state.json: not a tandem run state"));
+    }
+
+    #[test]
+    fn jsonl_step_lines_are_replaced_not_duplicated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.jsonl");
+        put_jsonl_step(&path, 1, &json!({"step": 1, "x": 1})).unwrap();
+        put_jsonl_step(&path, 2, &json!({"step": 2, "x": 2})).unwrap();
+        // A resumed step 2 rewrites its line.
+        put_jsonl_step(&path, 2, &json!({"step": 2, "x": 3})).unwrap();
+        let rows = read_jsonl(&path).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1]["x"], 3);
+        // A rewritten earlier step drops the later ones it invalidates.
+        put_jsonl_step(&path, 1, &json!({"step": 1, "x": 9})).unwrap();
+        let rows = read_jsonl(&path).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0]["x"], 9);
+    }
+
+    #[test]
+    fn lock_refuses_a_live_holder_and_takes_over_a_dead_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        // pid 1 is always alive.
+        std::fs::write(run.lock_path(), "1\n").unwrap();
+        let err = run.lock().err().expect("locked by pid 1");
+        assert!(format!("{err:#}").contains("another pipeline (pid 1) is running"));
+        // A pid that cannot exist (above the kernel's pid_max).
+        std::fs::write(run.lock_path(), "99999999\n").unwrap();
+        let lock = run.lock().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(run.lock_path()).unwrap().trim(),
+            std::process::id().to_string()
+        );
+        drop(lock);
+        assert!(!run.lock_path().exists());
+    }
+
+    #[test]
+    fn step_names() {
+        assert_eq!(step_name(3), "step-0003");
+        assert_eq!(step_name(12345), "step-12345");
+        assert_eq!(parse_step_name("step-0042"), Some(42));
+        assert_eq!(parse_step_name("stepx"), None);
+    }
+}

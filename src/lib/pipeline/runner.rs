@@ -1,0 +1,799 @@
+//! The step loop. Each step is a list of tasks: stage commands (run as subprocesses, exactly
+//! the command lines a user could type, appended to `commands.sh`) and the runner's own small
+//! tasks (sampling prompts, pruning checkpoints, writing metrics). A task that finishes is
+//! recorded in `state.json` before the next one starts; a rerun skips recorded tasks, so a
+//! killed run continues from the last finished stage and ends where an uninterrupted one would.
+
+use super::metrics::{self, StepFiles};
+use super::rundir::{parse_step_name, put_jsonl_step, step_name, RunDir, State, StepProgress};
+use super::sampler::{derive_seed, Sampler};
+use super::spec::{Device, Spec};
+use crate::bail_input;
+use crate::batch::{Batch, StageInfo};
+use crate::error::input_error;
+use anyhow::{Context, Result};
+use arrow_array::UInt64Array;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Instant;
+
+/// Where the stage binaries are: `TANDEM_BIN_DIR` when set, else the directory of the running
+/// `pipeline` binary (cargo puts all of a package's binaries side by side).
+pub fn bin_dir() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("TANDEM_BIN_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    let exe = std::env::current_exe().context("locating the pipeline binary")?;
+    Ok(exe
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(".")))
+}
+
+/// What a task does.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Run a stage binary with these arguments.
+    Stage {
+        bin: &'static str,
+        args: Vec<String>,
+    },
+    /// Draw the step's prompts into `step-000K/prompts.parquet`.
+    SamplePrompts,
+    /// Copy the previous step's adaptive-KL state so that a rerun of `advantage` starts from
+    /// the same coefficient.
+    CopyKlState,
+    /// Delete checkpoints that the cadence does not keep.
+    PruneCheckpoints,
+    /// Append the evaluation's line to eval.jsonl.
+    EvalSummary,
+    /// Append the step's line to metrics.jsonl.
+    StepMetrics,
+}
+
+/// One unit of recorded progress.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Task {
+    /// The name recorded in state.json (unique within a step).
+    pub name: &'static str,
+    pub action: Action,
+}
+
+/// Quote an argument for a POSIX shell when it needs it.
+pub fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./:=,+@%".contains(c));
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+fn path_arg(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// The runner of one run directory.
+pub struct Runner {
+    pub spec: Spec,
+    pub run: RunDir,
+    pub bins: PathBuf,
+    pub state: State,
+    /// The training set, read on first use.
+    train: Option<Batch>,
+    /// Steps whose header comment was already written to commands.sh by this process.
+    announced: Option<u64>,
+    bar: ProgressBar,
+}
+
+impl Runner {
+    pub fn new(spec: Spec, run: RunDir, bins: PathBuf, state: State) -> Runner {
+        Runner {
+            spec,
+            run,
+            bins,
+            state,
+            train: None,
+            announced: None,
+            bar: ProgressBar::hidden(),
+        }
+    }
+
+    fn stage_cmd(&self, bin: &'static str, args: Vec<String>) -> Action {
+        Action::Stage { bin, args }
+    }
+
+    /// `--device` for the model stages when not on the CPU (the stages' default).
+    fn device_args(&self) -> Vec<String> {
+        match self.spec.device {
+            Device::Cpu => Vec::new(),
+            d => vec!["--device".into(), d.as_str().into()],
+        }
+    }
+
+    /// The tasks of step 0: publish the initial model as the policy, then evaluate it.
+    pub fn init_tasks(&self) -> Vec<Task> {
+        let mut t = vec![Task {
+            name: "sync",
+            action: self.stage_cmd(
+                "sync-weights",
+                vec![
+                    "--from".into(),
+                    path_arg(&self.spec.model.path),
+                    "--to".into(),
+                    path_arg(&self.run.policy()),
+                    "--policy-version".into(),
+                    "0".into(),
+                ],
+            ),
+        }];
+        if self.spec.eval.every > 0 && self.spec.eval.at_start {
+            t.extend(self.eval_tasks(0));
+        }
+        t
+    }
+
+    fn eval_tasks(&self, step: u64) -> Vec<Task> {
+        let spec = &self.spec;
+        let dir = self.run.eval_dir(step);
+        let val = spec
+            .data
+            .val
+            .as_ref()
+            .expect("validated: eval needs data.val");
+        let mut rollout = vec![
+            "--model".into(),
+            path_arg(&self.run.policy()),
+            "--in".into(),
+            path_arg(val),
+            "--out".into(),
+            path_arg(&dir.join("rollout.parquet")),
+        ];
+        rollout.extend(spec.eval.sampling(&spec.rollout).args());
+        rollout.extend(spec.rollout.shared().args());
+        if let Some(l) = spec.eval.limit {
+            rollout.extend(["--limit".into(), l.to_string()]);
+        }
+        rollout.extend([
+            "--seed".into(),
+            derive_seed(spec.seed, &[step, 2]).to_string(),
+        ]);
+        rollout.extend(self.device_args());
+        let mut score = vec![
+            "--in".into(),
+            path_arg(&dir.join("rollout.parquet")),
+            "--out".into(),
+            path_arg(&dir.join("scored.parquet")),
+        ];
+        score.extend(spec.score.args());
+        score.extend(["--metrics".into(), path_arg(&dir.join("score.json"))]);
+        vec![
+            Task {
+                name: "eval-rollout",
+                action: self.stage_cmd("rollout", rollout),
+            },
+            Task {
+                name: "eval-score",
+                action: self.stage_cmd("score", score),
+            },
+            Task {
+                name: "eval-summary",
+                action: Action::EvalSummary,
+            },
+        ]
+    }
+
+    /// Whether step `step` ends with an evaluation (every `eval.every` steps, and the last).
+    fn evaluates(&self, step: u64) -> bool {
+        let every = self.spec.eval.every;
+        every > 0 && (step.is_multiple_of(every) || step == self.spec.steps)
+    }
+
+    /// The tasks of training step `step` (1-based).
+    pub fn step_tasks(&self, step: u64) -> Vec<Task> {
+        let spec = &self.spec;
+        let run = &self.run;
+        let b = |name: &str| path_arg(&run.batch(step, name));
+        let m = |name: &str| path_arg(&run.stage_metrics(step, name));
+        let policy = path_arg(&run.policy());
+        let mut tasks = vec![Task {
+            name: "prompts",
+            action: Action::SamplePrompts,
+        }];
+
+        let mut rollout = vec![
+            "--model".into(),
+            policy.clone(),
+            "--in".into(),
+            b("prompts"),
+            "--out".into(),
+            b("rollout"),
+        ];
+        rollout.extend(spec.rollout.args());
+        rollout.extend([
+            "--seed".into(),
+            derive_seed(spec.seed, &[step, 1]).to_string(),
+            "--step".into(),
+            step.to_string(),
+            "--metrics".into(),
+            m("rollout"),
+        ]);
+        rollout.extend(self.device_args());
+        tasks.push(Task {
+            name: "rollout",
+            action: self.stage_cmd("rollout", rollout),
+        });
+
+        let mut score = vec!["--in".into(), b("rollout"), "--out".into(), b("scored")];
+        score.extend(spec.score.args());
+        score.extend(["--metrics".into(), m("score")]);
+        tasks.push(Task {
+            name: "score",
+            action: self.stage_cmd("score", score),
+        });
+        let mut last = "scored";
+
+        // Log-probs are taken at the sampling temperature unless [ref-logprob] says otherwise.
+        let mut lp_flags = spec.ref_logprob.clone();
+        if lp_flags.temperature.is_none() {
+            lp_flags.temperature = spec.rollout.temperature;
+        }
+        if spec.needs_ref() {
+            let mut args = vec![
+                "--model".into(),
+                path_arg(spec.reference_model()),
+                "--in".into(),
+                b(last),
+                "--out".into(),
+                b("ref"),
+                "--column".into(),
+                "ref_logprobs".into(),
+            ];
+            args.extend(lp_flags.args());
+            args.extend(self.device_args());
+            tasks.push(Task {
+                name: "ref",
+                action: self.stage_cmd("ref-logprob", args),
+            });
+            last = "ref";
+        }
+        if spec.needs_old() {
+            let mut args = vec![
+                "--model".into(),
+                policy.clone(),
+                "--in".into(),
+                b(last),
+                "--out".into(),
+                b("old"),
+                "--column".into(),
+                "old_logprobs".into(),
+            ];
+            args.extend(lp_flags.args());
+            args.extend(self.device_args());
+            tasks.push(Task {
+                name: "old",
+                action: self.stage_cmd("ref-logprob", args),
+            });
+            last = "old";
+        }
+
+        let mut adv = vec!["--in".into(), b(last), "--out".into(), b("adv")];
+        adv.extend(spec.advantage.args());
+        if spec.adaptive_kl() {
+            tasks.push(Task {
+                name: "kl-state",
+                action: Action::CopyKlState,
+            });
+            adv.extend(["--kl-state".into(), path_arg(&self.kl_state(step))]);
+        }
+        adv.extend(["--metrics".into(), m("advantage")]);
+        tasks.push(Task {
+            name: "advantage",
+            action: self.stage_cmd("advantage", adv),
+        });
+
+        let mut update = vec![
+            "--model".into(),
+            policy.clone(),
+            "--in".into(),
+            b("adv"),
+            "--out-model".into(),
+            path_arg(&run.ckpt(step)),
+        ];
+        let mut update_flags = spec.update.clone();
+        // The trainer's log-probs are taken at the sampling temperature, as rollout's were.
+        if update_flags.temperature.is_none() {
+            update_flags.temperature = spec.rollout.temperature;
+        }
+        // A cosine schedule spans the run unless told otherwise.
+        if update_flags.lr_schedule.as_deref() == Some("cosine")
+            && update_flags.total_steps.is_none()
+        {
+            update_flags.total_steps = Some(spec.steps);
+        }
+        update.extend(update_flags.args());
+        update.extend([
+            "--seed".into(),
+            derive_seed(spec.seed, &[step, 3]).to_string(),
+            "--metrics".into(),
+            m("update"),
+        ]);
+        update.extend(self.device_args());
+        tasks.push(Task {
+            name: "update",
+            action: self.stage_cmd("update", update),
+        });
+        tasks.push(Task {
+            name: "sync",
+            action: self.stage_cmd(
+                "sync-weights",
+                vec![
+                    "--from".into(),
+                    path_arg(&run.ckpt(step)),
+                    "--to".into(),
+                    policy,
+                    // Explicit, so that a sync rerun after an interruption sets the same version.
+                    "--policy-version".into(),
+                    step.to_string(),
+                ],
+            ),
+        });
+        tasks.push(Task {
+            name: "prune",
+            action: Action::PruneCheckpoints,
+        });
+        if self.evaluates(step) {
+            tasks.extend(self.eval_tasks(step));
+        }
+        tasks.push(Task {
+            name: "metrics",
+            action: Action::StepMetrics,
+        });
+        tasks
+    }
+
+    fn kl_state(&self, step: u64) -> PathBuf {
+        self.run.step_dir(step).join("kl-state.json")
+    }
+
+    /// A task as the shell line a user could type (stage commands) or a comment saying what
+    /// the runner does itself.
+    pub fn describe(&self, step: u64, task: &Task) -> String {
+        match &task.action {
+            Action::Stage { bin, args } => self.stage_line(bin, args),
+            Action::SamplePrompts => format!(
+                "# pipeline: sample {} prompts of {} into {}",
+                self.spec.data.prompts_per_step,
+                self.spec.data.train.display(),
+                self.run.batch(step, "prompts").display()
+            ),
+            Action::CopyKlState if step <= 1 => format!(
+                "# pipeline: start {} afresh (the controller begins at --kl-coef)",
+                self.kl_state(step).display()
+            ),
+            Action::CopyKlState => format!(
+                "# pipeline: copy {} to {}",
+                self.kl_state(step - 1).display(),
+                self.kl_state(step).display()
+            ),
+            Action::PruneCheckpoints => format!(
+                "# pipeline: prune {} (keep every {}, last {})",
+                self.run.ckpt_root().display(),
+                self.spec.checkpoint.every,
+                self.spec.checkpoint.keep_last
+            ),
+            Action::EvalSummary => format!(
+                "# pipeline: summarise {} into {}",
+                self.run.eval_dir(step).join("scored.parquet").display(),
+                self.run.eval_path().display()
+            ),
+            Action::StepMetrics => format!(
+                "# pipeline: write step {step} to {}",
+                self.run.metrics_path().display()
+            ),
+        }
+    }
+
+    /// A stage command as a shell line.
+    pub fn stage_line(&self, bin: &str, args: &[String]) -> String {
+        let mut line = shell_quote(&path_arg(&self.bins.join(bin)));
+        for a in args {
+            line.push(' ');
+            line.push_str(&shell_quote(a));
+        }
+        line
+    }
+
+    /// Every remaining task of the run, in order, with its step.
+    pub fn plan(&self) -> Vec<(u64, Task)> {
+        let mut out = Vec::new();
+        let skip = |step: u64, t: &Task| {
+            self.state
+                .current
+                .as_ref()
+                .is_some_and(|c| c.step == step && c.is_done(t.name))
+        };
+        if !self.state.init_done {
+            for t in self.init_tasks() {
+                if !skip(0, &t) {
+                    out.push((0, t));
+                }
+            }
+        }
+        for step in self.state.steps_done + 1..=self.spec.steps {
+            for t in self.step_tasks(step) {
+                if !skip(step, &t) {
+                    out.push((step, t));
+                }
+            }
+        }
+        out
+    }
+
+    /// Check that every stage binary the plan needs exists.
+    fn check_bins(&self, plan: &[(u64, Task)]) -> Result<()> {
+        for (_, t) in plan {
+            if let Action::Stage { bin, .. } = &t.action {
+                let p = self.bins.join(bin);
+                if !p.is_file() {
+                    anyhow::bail!(
+                        "stage binary `{bin}` not found at {} (build the stages with `cargo build`, or set TANDEM_BIN_DIR to where they are)",
+                        p.display()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Run every remaining task.
+    pub fn run(&mut self) -> Result<()> {
+        let plan = self.plan();
+        self.check_bins(&plan)?;
+        let total = self.spec.steps;
+        self.bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        self.bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:30} step {pos}/{len} [{elapsed_precise}<{eta}] {msg}",
+            )
+            .expect("valid template"),
+        );
+        self.bar.set_position(self.state.steps_done.min(total));
+        for (step, task) in plan {
+            self.run_task(step, &task)?;
+        }
+        self.bar.finish_and_clear();
+        Ok(())
+    }
+
+    fn progress(&mut self, step: u64) -> &mut StepProgress {
+        if self.state.current.as_ref().map(|c| c.step) != Some(step) {
+            self.state.current = Some(StepProgress {
+                step,
+                ..StepProgress::default()
+            });
+        }
+        self.state.current.as_mut().expect("set above")
+    }
+
+    fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
+        self.bar
+            .set_message(format!("{} ({})", task.name, step_name(step)));
+        let t0 = Instant::now();
+        match &task.action {
+            Action::Stage { bin, args } => self.run_stage(step, task.name, bin, args)?,
+            Action::SamplePrompts => self.sample_prompts(step)?,
+            Action::CopyKlState => self.copy_kl_state(step)?,
+            Action::PruneCheckpoints => self.prune(step)?,
+            Action::EvalSummary => {
+                let line =
+                    metrics::eval_line(step, &self.run.eval_dir(step).join("scored.parquet"))?;
+                put_jsonl_step(
+                    &self.run.eval_path(),
+                    step,
+                    &serde_json::Value::Object(line.clone()),
+                )?;
+                let acc = line.get("accuracy").and_then(|v| v.as_f64()).unwrap_or(0.0);
+                let msg = format!(
+                    "eval step {step}: accuracy {acc:.3} on {} rows",
+                    line["rows"]
+                );
+                self.bar.suspend(|| eprintln!("{msg}"));
+            }
+            Action::StepMetrics => self.step_metrics(step)?,
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let last = matches!(task.action, Action::StepMetrics)
+            || (step == 0 && self.init_tasks().last().map(|t| t.name) == Some(task.name));
+        let progress = self.progress(step);
+        progress.done.push(task.name.to_string());
+        if matches!(task.action, Action::Stage { .. }) {
+            progress.seconds.insert(task.name.to_string(), secs);
+        }
+        if last {
+            self.state.current = None;
+            if step == 0 {
+                self.state.init_done = true;
+            } else {
+                self.state.steps_done = step;
+                self.bar.set_position(step);
+            }
+        }
+        self.run.save_state(&self.state)
+    }
+
+    fn append_command(&mut self, step: u64, line: &str) -> Result<()> {
+        let path = self.run.commands_path();
+        let mut text = String::new();
+        if !path.exists() {
+            let cwd = std::env::current_dir().unwrap_or_default();
+            text += &format!(
+                "#!/bin/sh\n# Stage commands of the tandem run in {}, in the order they ran\n# (a stage rerun after an interruption appears again). Run from {}.\nset -e\n",
+                self.run.root.display(),
+                shell_quote(&cwd.display().to_string())
+            );
+        }
+        if self.announced != Some(step) {
+            text += &format!("\n# {}\n", step_name(step));
+            self.announced = Some(step);
+        }
+        text += line;
+        text.push('\n');
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        f.write_all(text.as_bytes())?;
+        Ok(())
+    }
+
+    fn run_stage(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
+        let line = self.stage_line(bin, args);
+        self.append_command(step, &line)?;
+        // Stages write their outputs where they are told; the runner makes the directories.
+        for pair in args.windows(2) {
+            if ["--out", "--out-model", "--metrics", "--kl-state", "--to"]
+                .contains(&pair[0].as_str())
+            {
+                if let Some(dir) = Path::new(&pair[1])
+                    .parent()
+                    .filter(|d| !d.as_os_str().is_empty())
+                {
+                    std::fs::create_dir_all(dir)
+                        .with_context(|| format!("creating {}", dir.display()))?;
+                }
+            }
+        }
+        let program = self.bins.join(bin);
+        let mut cmd = std::process::Command::new(&program);
+        cmd.args(args).stdin(Stdio::null());
+        die_with_parent(&mut cmd);
+        let header = if task == bin {
+            format!("[{}] {bin}", step_name(step))
+        } else {
+            format!("[{}] {task}: {bin}", step_name(step))
+        };
+        let status = self.bar.suspend(|| {
+            eprintln!("{header}");
+            cmd.status()
+        });
+        let status = status.with_context(|| format!("starting {}", program.display()))?;
+        if status.success() {
+            return Ok(());
+        }
+        let what = match status.code() {
+            Some(c) => format!("exit code {c}"),
+            None => "killed by a signal".to_string(),
+        };
+        let msg = format!(
+            "{}: stage `{bin}` failed ({what}); its message is above. Command:\n  {line}\nFix the cause and rerun the same `pipeline run` to continue from this stage.",
+            step_name(step)
+        );
+        if status.code() == Some(2) {
+            Err(input_error(msg))
+        } else {
+            Err(anyhow::anyhow!(msg))
+        }
+    }
+
+    fn train_batch(&mut self) -> Result<&Batch> {
+        if self.train.is_none() {
+            let b = Batch::read(&self.spec.data.train, &[])?;
+            if b.num_rows() == 0 {
+                bail_input!(
+                    "{}: the training set has no rows",
+                    self.spec.data.train.display()
+                );
+            }
+            self.train = Some(b);
+        }
+        Ok(self.train.as_ref().expect("read above"))
+    }
+
+    fn sample_prompts(&mut self, step: u64) -> Result<()> {
+        let seed = self.spec.seed;
+        let shuffle = self.spec.data.shuffle;
+        let count = self.spec.data.prompts_per_step;
+        let cursor = self.state.sampler;
+        let out = self.run.batch(step, "prompts");
+        let train_rows = self.state.train_rows;
+        let batch = self.train_batch()?;
+        if batch.num_rows() as u64 != train_rows {
+            bail_input!(
+                "{}: has {} rows but had {train_rows} when the run began; a resumed run must sample from the same data",
+                batch.path.display(),
+                batch.num_rows()
+            );
+        }
+        let sampler = Sampler {
+            seed,
+            len: batch.num_rows() as u64,
+            shuffle,
+        };
+        let (rows, next) = sampler.draw(cursor, count);
+        let data = arrow_select::take::take_record_batch(&batch.data, &UInt64Array::from(rows))?;
+        let meta = batch.derived_meta(&StageInfo {
+            stage: "sample",
+            params: json!({
+                "dataset": batch.path,
+                "seed": seed,
+                "shuffle": shuffle,
+                "epoch": cursor.epoch,
+                "position": cursor.position,
+                "count": count,
+            }),
+            policy_version: None,
+            step: Some(step),
+        });
+        crate::batch::write_file(&out, &data, &meta)?;
+        self.state.sampler = next;
+        Ok(())
+    }
+
+    fn copy_kl_state(&mut self, step: u64) -> Result<()> {
+        let dst = self.kl_state(step);
+        let src = self.kl_state(step - 1);
+        if src.exists() {
+            let bytes =
+                std::fs::read(&src).with_context(|| format!("reading {}", src.display()))?;
+            super::rundir::write_atomic(&dst, &bytes)?;
+        } else if dst.exists() {
+            // First step: the controller starts from --kl-coef, so no state may linger from an
+            // interrupted attempt.
+            std::fs::remove_file(&dst)?;
+        }
+        Ok(())
+    }
+
+    /// Keep the current policy's checkpoint and the newest `keep-last` of the cadence ones.
+    fn prune(&mut self, step: u64) -> Result<()> {
+        let root = self.run.ckpt_root();
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            return Ok(());
+        };
+        let mut steps: Vec<(u64, PathBuf)> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                parse_step_name(&name).map(|s| (s, e.path()))
+            })
+            .collect();
+        steps.sort();
+        let keep = kept_checkpoints(
+            steps.iter().map(|(s, _)| *s).filter(|&s| s <= step),
+            step,
+            self.spec.checkpoint.every,
+            self.spec.checkpoint.keep_last,
+        );
+        for (s, path) in steps {
+            if s <= step && !keep.contains(&s) {
+                std::fs::remove_dir_all(&path)
+                    .with_context(|| format!("removing {}", path.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn step_metrics(&mut self, step: u64) -> Result<()> {
+        let run = self.run.clone();
+        let seconds = self
+            .state
+            .current
+            .as_ref()
+            .map(|c| c.seconds.clone())
+            .unwrap_or_default();
+        let with_ref = if self.spec.needs_ref() {
+            Some(run.batch(step, "ref"))
+        } else {
+            None
+        };
+        let line = metrics::step_line(&StepFiles {
+            step,
+            scored: &run.batch(step, "scored"),
+            with_ref: with_ref.as_deref(),
+            stage_metrics: vec![
+                ("rollout", run.stage_metrics(step, "rollout")),
+                ("score", run.stage_metrics(step, "score")),
+                ("advantage", run.stage_metrics(step, "advantage")),
+                ("update", run.stage_metrics(step, "update")),
+            ],
+            seconds: &seconds,
+        })?;
+        let text = metrics::summary_text(&line, self.spec.steps);
+        put_jsonl_step(&run.metrics_path(), step, &serde_json::Value::Object(line))?;
+        self.bar.suspend(|| eprintln!("{text}"));
+        Ok(())
+    }
+}
+
+/// Which checkpoint steps survive at `current`: the current one, and the newest `keep_last`
+/// of those on the cadence (`every` > 0).
+pub fn kept_checkpoints(
+    present: impl Iterator<Item = u64>,
+    current: u64,
+    every: u64,
+    keep_last: u64,
+) -> Vec<u64> {
+    let mut cadence: Vec<u64> = present
+        .filter(|&s| every > 0 && s > 0 && s % every == 0)
+        .collect();
+    cadence.sort();
+    let from = cadence.len().saturating_sub(keep_last as usize);
+    let mut keep = cadence.split_off(from);
+    if !keep.contains(&current) {
+        keep.push(current);
+    }
+    keep
+}
+
+/// Have the kernel kill the stage when the runner dies (Linux), so that a killed runner
+/// never leaves a stage writing into the run directory behind the resumed one.
+fn die_with_parent(cmd: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) run in the child.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have died before prctl took effect.
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting() {
+        assert_eq!(shell_quote("a/b.parquet"), "a/b.parquet");
+        assert_eq!(shell_quote("cmd:python3 r.py"), "'cmd:python3 r.py'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote(""), "''");
+    }
+
+    #[test]
+    fn checkpoint_cadence() {
+        // every 2, keep 2, now at step 7: 4 and 6 stay (2 is older), 7 is the policy.
+        assert_eq!(kept_checkpoints(1..=7, 7, 2, 2), [4, 6, 7]);
+        // current on the cadence is not listed twice
+        assert_eq!(kept_checkpoints(1..=6, 6, 2, 2), [4, 6]);
+        // no cadence: only the policy
+        assert_eq!(kept_checkpoints(1..=5, 5, 0, 3), [5]);
+    }
+}

@@ -1,16 +1,13 @@
 //! What the model stages share: `--device`, `--model` (a directory or a sync-weights pointer),
 //! token-id checks against the vocabulary, progress bars, small atomic file writes.
 
-use crate::backend::cpu::Cpu;
-use crate::backend::cuda::CudaBackend;
 use crate::bail_input;
 use crate::batch::Batch;
 use crate::error::input_error;
-use crate::model::decoder::Decoder;
-use crate::model::{Config, Weights};
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -24,8 +21,7 @@ pub enum Device {
 
 impl FromStr for Device {
     type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "cpu" => Ok(Device::Cpu),
             "cuda" => Ok(Device::Cuda(0)),
@@ -33,52 +29,18 @@ impl FromStr for Device {
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(Device::Cuda)
-                .ok_or_else(|| format!("expected cpu, cuda or cuda:N, got '{s}'")),
+                .ok_or_else(|| format!("unknown device '{s}' (expected cpu, cuda or cuda:N)")),
         }
     }
 }
 
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Device::Cpu => write!(f, "cpu"),
+            Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
         }
     }
-}
-
-impl Device {
-    /// Opens the device (before any large input is read): on a machine without a usable
-    /// CUDA driver `cuda` is the input error "no CUDA driver found; use --device cpu".
-    pub fn open(self) -> Result<OpenDevice> {
-        Ok(match self {
-            Device::Cpu => OpenDevice::Cpu,
-            Device::Cuda(n) => OpenDevice::Cuda(Box::new(CudaBackend::new(n)?)),
-        })
-    }
-}
-
-/// An opened backend, waiting for its model.
-pub enum OpenDevice {
-    Cpu,
-    Cuda(Box<CudaBackend>),
-}
-
-impl OpenDevice {
-    /// The decoder of `weights` on this backend.
-    pub fn decoder(self, cfg: &Config, weights: &Weights) -> Result<AnyDecoder> {
-        Ok(match self {
-            OpenDevice::Cpu => AnyDecoder::Cpu(Box::new(Decoder::new(Cpu, cfg, weights)?)),
-            OpenDevice::Cuda(b) => AnyDecoder::Cuda(Box::new(Decoder::new(*b, cfg, weights)?)),
-        })
-    }
-}
-
-/// A decoder on the backend the user picked; `on_decoder!` runs the same generic code on
-/// either.
-pub enum AnyDecoder {
-    Cpu(Box<Decoder<Cpu>>),
-    Cuda(Box<Decoder<CudaBackend>>),
 }
 
 /// The file `sync-weights` writes: which checkpoint is the current policy, and its version.
@@ -229,17 +191,10 @@ mod tests {
         std::fs::write(&ptr, b"garbage").unwrap();
         let bad = resolve_model(&ptr).unwrap_err();
         assert!(bad.to_string().contains("pointer file"), "{bad}");
-    }
-
-    #[test]
-    fn device_flag_parses() {
         assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
         assert_eq!("cuda".parse::<Device>(), Ok(Device::Cuda(0)));
         assert_eq!("cuda:3".parse::<Device>(), Ok(Device::Cuda(3)));
-        for bad in ["gpu", "cuda:", "cuda:x", "cuda3", "CPU"] {
-            let e = bad.parse::<Device>().unwrap_err();
-            assert!(e.contains(bad), "{e}");
-        }
+        assert!("gpu".parse::<Device>().is_err() && "cuda:x".parse::<Device>().is_err());
         assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
     }
 }

@@ -546,10 +546,39 @@ fn bad_input_exits_2_and_writes_nothing() {
     let pids = i32_rows(&b, schema::PROMPT_IDS);
     assert_eq!(pids[1].len(), 64);
     std::fs::remove_file(&out).unwrap();
+    // Without a GPU (CI), --device cuda is an input error that points to the CPU; with one,
+    // the stage runs there.
+    let cuda = run(
+        "rollout",
+        &rollout(
+            &model,
+            &[
+                "--device",
+                "cuda",
+                "--max-prompt-tokens",
+                "64",
+                "--truncate",
+                "left",
+            ],
+        ),
+    );
+    if cuda.status.code() == Some(2) {
+        let err = String::from_utf8_lossy(&cuda.stderr);
+        assert!(err.contains("use --device cpu"), "{err}");
+        assert!(!out.exists());
+    } else {
+        assert!(
+            cuda.status.success(),
+            "{}",
+            String::from_utf8_lossy(&cuda.stderr)
+        );
+        assert_eq!(read(&out).num_rows(), 2);
+        std::fs::remove_file(&out).unwrap();
+    }
     input_error(
         "rollout",
-        &rollout(&model, &["--device", "cuda"]),
-        "no CUDA backend",
+        &rollout(&model, &["--device", "tpu"]),
+        "unknown device 'tpu'",
     );
     input_error("rollout", &rollout(&model, &["--top-p", "0"]), "--top-p");
 

@@ -113,6 +113,12 @@ pub trait Backend: Send + Sync {
         let _ = dtype;
         self.alloc(n)
     }
+    /// Element type of the decoder's compute weights, activations and KV caches (DESIGN.md
+    /// section 4). Master weights, gradients, optimizer moments, norm/softmax statistics and
+    /// log-prob math stay f32 whatever this says.
+    fn compute_dtype(&self) -> DType {
+        DType::F32
+    }
     /// The element type `buf` stores.
     fn dtype(&self, buf: &Self::Buf) -> DType {
         let _ = buf;

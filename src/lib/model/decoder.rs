@@ -21,7 +21,7 @@
 
 use anyhow::{bail, ensure, Result};
 
-use crate::backend::{AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape};
+use crate::backend::{AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape};
 use crate::error::input_error;
 use crate::model::{Config, Tensor, Weights};
 
@@ -254,24 +254,28 @@ impl<B: Backend> Work<B> {
             d.intermediate_size,
         );
         let qk = d.qk_norm;
+        // Activations and the gradients that only feed GEMMs take the backend's compute dtype;
+        // statistics (rstd, lse), log-probs and the gradients that accumulate stay f32.
+        let cd = b.compute_dtype();
+        let ac = |n: usize| b.alloc_as(n, cd);
         let mut acts = Vec::with_capacity(c.saved_layers);
         for _ in 0..c.saved_layers {
             acts.push(Acts {
-                xn1: b.alloc(t * hd)?,
+                xn1: ac(t * hd)?,
                 rstd1: b.alloc(t)?,
-                q_raw: b.alloc(if qk { t * qd } else { 0 })?,
-                k_raw: b.alloc(if qk { t * kd } else { 0 })?,
+                q_raw: ac(if qk { t * qd } else { 0 })?,
+                k_raw: ac(if qk { t * kd } else { 0 })?,
                 rstd_q: b.alloc(if qk { t * d.num_heads } else { 0 })?,
                 rstd_k: b.alloc(if qk { t * d.num_kv_heads } else { 0 })?,
-                q: b.alloc(t * qd)?,
-                k: b.alloc(t * kd)?,
-                v: b.alloc(t * kd)?,
-                o: b.alloc(t * qd)?,
+                q: ac(t * qd)?,
+                k: ac(t * kd)?,
+                v: ac(t * kd)?,
+                o: ac(t * qd)?,
                 lse: b.alloc(t * d.num_heads)?,
-                xn2: b.alloc(t * hd)?,
+                xn2: ac(t * hd)?,
                 rstd2: b.alloc(t)?,
-                g: b.alloc(t * f)?,
-                u: b.alloc(t * f)?,
+                g: ac(t * f)?,
+                u: ac(t * f)?,
             });
         }
         let n_resid = if c.saved_layers > 1 {
@@ -281,21 +285,21 @@ impl<B: Backend> Work<B> {
         };
         let mut resid = Vec::with_capacity(n_resid);
         for _ in 0..n_resid {
-            resid.push(b.alloc(t * hd)?);
+            resid.push(ac(t * hd)?);
         }
         let grad = if c.backward {
             Some(GradWork {
                 d_resid: b.alloc(t * hd)?,
                 d_xn: b.alloc(t * hd)?,
-                d_o: b.alloc(t * qd)?,
-                dq: b.alloc(t * qd)?,
-                dk: b.alloc(t * kd)?,
-                dv: b.alloc(t * kd)?,
-                dq_raw: b.alloc(if qk { t * qd } else { 0 })?,
-                dk_raw: b.alloc(if qk { t * kd } else { 0 })?,
-                dg: b.alloc(t * f)?,
-                du: b.alloc(t * f)?,
-                dh: b.alloc(t * f)?,
+                d_o: ac(t * qd)?,
+                dq: ac(t * qd)?,
+                dk: ac(t * kd)?,
+                dv: ac(t * kd)?,
+                dq_raw: ac(if qk { t * qd } else { 0 })?,
+                dk_raw: ac(if qk { t * kd } else { 0 })?,
+                dg: ac(t * f)?,
+                du: ac(t * f)?,
+                dh: ac(t * f)?,
                 dxf: b.alloc(n * hd)?,
                 dxg: b.alloc(n * hd)?,
                 dlp: b.alloc(n)?,
@@ -316,9 +320,9 @@ impl<B: Backend> Work<B> {
             kv_len: b.alloc_idx(t)?,
             resid,
             acts,
-            h: b.alloc(t * f)?,
-            xg: b.alloc(n * hd)?,
-            xf: b.alloc(n * hd)?,
+            h: ac(t * f)?,
+            xg: ac(n * hd)?,
+            xf: ac(n * hd)?,
             rstd_f: b.alloc(n)?,
             lp: b.alloc(n)?,
             ent: b.alloc(n)?,
@@ -344,7 +348,11 @@ pub struct Decoder<B: Backend> {
     cfg: Config,
     names: Vec<String>,
     shapes: Vec<Vec<usize>>,
+    /// Compute weights, in the backend's compute dtype.
     w: Vec<B::Buf>,
+    /// f32 master weights the optimizer updates, when the compute dtype is not f32 (each step
+    /// refreshes `w` from them); empty when `w` is f32 and is its own master.
+    master: Vec<B::Buf>,
     /// Gradients, allocated on the first `forward_backward`.
     g: Vec<B::Buf>,
     /// Adam moments, allocated on the first optimizer step (or by loading a state).
@@ -446,6 +454,8 @@ impl<B: Backend> Decoder<B> {
         let mut names = Vec::new();
         let mut shapes = Vec::new();
         let mut bufs = Vec::new();
+        let mut masters = Vec::new();
+        let cd = backend.compute_dtype();
         let mut add = |name: String, shape: Vec<usize>| -> Result<usize> {
             let t = weights
                 .get(&name)
@@ -461,8 +471,13 @@ impl<B: Backend> Decoder<B> {
                     "model weights: tensor '{name}' holds a non-finite value at flat index {i}"
                 )));
             }
-            let mut buf = backend.alloc(t.numel())?;
+            let mut buf = backend.alloc_as(t.numel(), cd)?;
             backend.upload(&mut buf, &t.data)?;
+            if cd != DType::F32 {
+                let mut m = backend.alloc(t.numel())?;
+                backend.upload(&mut m, &t.data)?;
+                masters.push(m);
+            }
             names.push(name);
             shapes.push(shape);
             bufs.push(buf);
@@ -536,6 +551,7 @@ impl<B: Backend> Decoder<B> {
             names,
             shapes,
             w: bufs,
+            master: masters,
             g: Vec::new(),
             m: Vec::new(),
             v: Vec::new(),
@@ -570,9 +586,25 @@ impl<B: Backend> Decoder<B> {
         self.step
     }
 
-    /// The weights by HF name (a tied head is not repeated as `lm_head.weight`, as HF saves it).
+    /// The weights by HF name (a tied head is not repeated as `lm_head.weight`, as HF saves it):
+    /// the f32 masters where the decoder keeps them.
     pub fn export_weights(&self) -> Result<Weights> {
+        self.export(self.masters())
+    }
+
+    /// The weights the forward pass reads, widened to f32 (the masters rounded to the backend's
+    /// compute dtype); for checks.
+    pub fn export_compute_weights(&self) -> Result<Weights> {
         self.export(&self.w)
+    }
+
+    /// The f32 weights the optimizer updates.
+    fn masters(&self) -> &[B::Buf] {
+        if self.master.is_empty() {
+            &self.w
+        } else {
+            &self.master
+        }
     }
 
     fn export(&self, bufs: &[B::Buf]) -> Result<Weights> {
@@ -1220,14 +1252,18 @@ impl<B: Backend> Decoder<B> {
         };
         for i in 0..self.w.len() {
             let n = self.backend.len(&self.w[i]);
-            self.backend.adamw(
-                &mut self.w[i],
-                &self.g[i],
-                &mut self.m[i],
-                &mut self.v[i],
-                n,
-                &st,
-            )?;
+            let p = if self.master.is_empty() {
+                &mut self.w[i]
+            } else {
+                &mut self.master[i]
+            };
+            self.backend
+                .adamw(p, &self.g[i], &mut self.m[i], &mut self.v[i], n, &st)?;
+            if !self.master.is_empty() {
+                // Refresh the compute copy (rounded to its dtype) from the updated master.
+                self.backend
+                    .copy(&mut self.w[i], 0, &self.master[i], 0, n)?;
+            }
         }
         Ok(StepReport {
             grad_norm,
@@ -1302,8 +1338,8 @@ impl<B: Backend> Decoder<B> {
         let mut k = Vec::with_capacity(self.cfg.num_layers);
         let mut v = Vec::with_capacity(self.cfg.num_layers);
         for _ in 0..self.cfg.num_layers {
-            k.push(self.backend.alloc(n)?);
-            v.push(self.backend.alloc(n)?);
+            k.push(self.backend.alloc_as(n, self.backend.compute_dtype())?);
+            v.push(self.backend.alloc_as(n, self.backend.compute_dtype())?);
         }
         Ok(KvCache {
             k,

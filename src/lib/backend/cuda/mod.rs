@@ -181,6 +181,8 @@ pub struct CudaBackend {
     err_word: Block,
     /// Route bf16 attention with head_dim % 16 == 0 (≤ 128) to the tensor-core kernels.
     tensor_cores: AtomicBool,
+    /// The decoder's compute dtype: bf16 unless a test asks for f32 (exact CPU parity).
+    compute_bf16: AtomicBool,
     ordinal: usize,
     device_name: String,
     sms: u32,
@@ -237,6 +239,7 @@ impl CudaBackend {
             funcs: Mutex::new(HashMap::new()),
             err_word,
             tensor_cores: AtomicBool::new(std::env::var_os("TANDEM_ATTN_SCALAR").is_none()),
+            compute_bf16: AtomicBool::new(true),
             ordinal,
             device_name,
             sms,
@@ -249,6 +252,13 @@ impl CudaBackend {
     /// variable TANDEM_ATTN_SCALAR turns them off). The parity suite tests both paths.
     pub fn set_tensor_core_attention(&self, on: bool) {
         self.tensor_cores.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether a decoder built on this backend computes in bf16 (the default) or f32 (for
+    /// checks that compare against the CPU op by op). Set it before building the decoder.
+    pub fn set_compute_dtype(&self, dtype: DType) {
+        self.compute_bf16
+            .store(dtype == DType::BF16, Ordering::Relaxed);
     }
 
     /// The tensor-core attention kernels apply: all listed buffers bf16, head_dim a multiple
@@ -610,6 +620,14 @@ impl Backend for CudaBackend {
 
     fn dtype(&self, buf: &CudaBuf) -> DType {
         buf.dtype
+    }
+
+    fn compute_dtype(&self) -> DType {
+        if self.compute_bf16.load(Ordering::Relaxed) {
+            DType::BF16
+        } else {
+            DType::F32
+        }
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -5,27 +5,40 @@ use crate::bail_input;
 use crate::batch::Batch;
 use crate::error::input_error;
 use anyhow::Result;
-use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
-/// Where a stage computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+/// Where a stage computes: `cpu`, `cuda` (GPU 0) or `cuda:N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
     Cpu,
-    Cuda,
+    Cuda(usize),
 }
 
-impl Device {
-    /// Only the CPU backend exists so far: cuda is refused with a clear message.
-    pub fn check(self) -> Result<()> {
+impl FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("unknown device '{s}' (expected cpu, cuda or cuda:N)")),
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Device::Cpu => Ok(()),
-            Device::Cuda => {
-                bail_input!("--device cuda: this build has no CUDA backend yet; use --device cpu")
-            }
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
         }
     }
 }
@@ -178,6 +191,10 @@ mod tests {
         std::fs::write(&ptr, b"garbage").unwrap();
         let bad = resolve_model(&ptr).unwrap_err();
         assert!(bad.to_string().contains("pointer file"), "{bad}");
-        assert!(Device::Cuda.check().is_err());
+        assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
+        assert_eq!("cuda".parse::<Device>(), Ok(Device::Cuda(0)));
+        assert_eq!("cuda:3".parse::<Device>(), Ok(Device::Cuda(3)));
+        assert!("gpu".parse::<Device>().is_err() && "cuda:x".parse::<Device>().is_err());
+        assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
     }
 }

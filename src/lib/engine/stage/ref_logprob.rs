@@ -3,15 +3,19 @@
 //! off-policy update), optionally with per-token entropy.
 
 use super::common::{check_token_ids, progress_bar, resolve_model, Device};
-use super::load_policy;
+use super::{load_policy, on_device, Job};
+use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{list_array, schema, Batch, NewColumns, StageInfo};
 use crate::engine::logprob::{score, PromptResponse};
+use crate::model::checkpoint::ModelDir;
+use crate::model::decoder::TokenStats;
 use anyhow::Result;
 use arrow_array::types::Float32Type;
 use clap::{Args, ValueEnum};
+use indicatif::ProgressBar;
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Which column the log-probs go to.
@@ -59,13 +63,36 @@ pub struct RefLogprobArgs {
     /// Tokens (prompt + response) per forward pass.
     #[arg(long, default_value_t = 8192)]
     pub micro_batch_tokens: usize,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
     pub device: Device,
+}
+
+/// Load the model and score the rows.
+struct Score<'a> {
+    dir: &'a Path,
+    rows: &'a [PromptResponse<'a>],
+    args: &'a RefLogprobArgs,
+    bar: &'a ProgressBar,
+}
+
+impl Job for Score<'_> {
+    type Out = Vec<TokenStats>;
+    fn run<B: Backend>(self, backend: B) -> Result<Vec<TokenStats>> {
+        let mut policy = load_policy(backend, self.dir)?;
+        score(
+            &mut policy,
+            self.rows,
+            self.args.temperature,
+            self.args.entropy,
+            self.args.micro_batch_tokens,
+            &mut |done| self.bar.set_position(done as u64),
+        )
+    }
 }
 
 pub fn run(args: RefLogprobArgs) -> Result<()> {
     let started = Instant::now();
-    args.device.check()?;
     if !(args.temperature > 0.0 && args.temperature.is_finite()) {
         bail_input!("--temperature must be > 0, got {}", args.temperature);
     }
@@ -74,10 +101,9 @@ pub fn run(args: RefLogprobArgs) -> Result<()> {
     }
     let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
     let model = resolve_model(&args.model)?;
-    let (cfg, mut policy) = load_policy(&model.dir, |cfg| {
-        check_token_ids(&batch, schema::PROMPT_IDS, cfg.vocab_size)?;
-        check_token_ids(&batch, schema::RESPONSE_IDS, cfg.vocab_size)
-    })?;
+    let cfg = ModelDir::load_config(&model.dir)?;
+    check_token_ids(&batch, schema::PROMPT_IDS, cfg.vocab_size)?;
+    check_token_ids(&batch, schema::RESPONSE_IDS, cfg.vocab_size)?;
     let prompts = batch.ragged_i32(schema::PROMPT_IDS)?;
     let responses = batch.ragged_i32(schema::RESPONSE_IDS)?;
     let p32: Vec<Vec<u32>> = prompts.rows().map(to_u32).collect();
@@ -97,14 +123,13 @@ pub fn run(args: RefLogprobArgs) -> Result<()> {
         })
         .collect();
     let bar = progress_bar(rows.len(), "ref-logprob");
-    let stats = score(
-        &mut policy,
-        &rows,
-        args.temperature,
-        args.entropy,
-        args.micro_batch_tokens,
-        &mut |done| bar.set_position(done as u64),
-    )?;
+    let job = Score {
+        dir: &model.dir,
+        rows: &rows,
+        args: &args,
+        bar: &bar,
+    };
+    let stats = on_device(args.device, job)?;
     bar.finish_and_clear();
 
     let offsets = &responses.offsets;
@@ -131,6 +156,7 @@ pub fn run(args: RefLogprobArgs) -> Result<()> {
             "temperature": args.temperature,
             "entropy": args.entropy,
             "micro_batch_tokens": args.micro_batch_tokens,
+            "device": args.device.to_string(),
             "architecture": cfg.arch.hf_architecture(),
         }),
         policy_version: None,

@@ -6,13 +6,16 @@
 //! other prompts share the file, the `--limit`, or the `--batch-size`.
 
 use super::common::{progress_bar, resolve_model, Device};
-use super::load_policy;
+use super::{load_policy, on_device, Job};
+use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
-use crate::engine::generate::{generate, CachedDecoder, GenParams, Request};
+use crate::engine::generate::{
+    generate, CachedDecoder, Completion, Detokenize, GenParams, GenStats, Request,
+};
 use crate::engine::sampling::{sample_key, SamplingParams};
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
@@ -21,9 +24,10 @@ use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{Field, Schema};
 use clap::{Args, ValueEnum};
+use indicatif::ProgressBar;
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -148,8 +152,46 @@ pub struct RolloutArgs {
     /// Write generation metrics as JSON here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
     pub device: Device,
+}
+
+/// Load the model and generate every sample.
+struct Generate<'a> {
+    dir: &'a Path,
+    vocab: usize,
+    slots: usize,
+    max_len: usize,
+    requests: &'a [Request],
+    params: &'a GenParams,
+    detok: Detokenize<'a>,
+    bar: &'a ProgressBar,
+}
+
+impl Job for Generate<'_> {
+    /// Completions per request, counters, seconds loading, seconds generating.
+    type Out = (Vec<Vec<Completion>>, GenStats, f64, f64);
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
+        let started = Instant::now();
+        let mut policy = load_policy(backend, self.dir)?;
+        let loaded_s = started.elapsed().as_secs_f64();
+        let mut engine = CachedDecoder::new(&mut policy, self.vocab, self.slots, self.max_len)?;
+        let gen_started = Instant::now();
+        let (completions, stats) = generate(
+            &mut engine,
+            self.requests,
+            self.params,
+            Some(self.detok),
+            &mut |done| self.bar.set_position(done as u64),
+        )?;
+        Ok((
+            completions,
+            stats,
+            loaded_s,
+            gen_started.elapsed().as_secs_f64(),
+        ))
+    }
 }
 
 impl RolloutArgs {
@@ -178,7 +220,6 @@ impl RolloutArgs {
 
 pub fn run(args: RolloutArgs) -> Result<()> {
     let started = Instant::now();
-    args.device.check()?;
     let sampling = args.sampling()?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
     let n_prompts = args.limit.unwrap_or(dataset.len()).min(dataset.len());
@@ -244,23 +285,23 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         stop_strings: args.stop.clone(),
     };
 
-    let (_, mut policy) = load_policy(&model.dir, |_| Ok(()))?;
-    let loaded_s = started.elapsed().as_secs_f64();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
-    let slots = args.batch_size.min(n_prompts * args.n);
-    let max_len = (longest + args.max_new_tokens).max(1);
-    let mut engine = CachedDecoder::new(&mut policy, cfg.vocab_size, slots, max_len)?;
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let total = n_prompts * args.n;
     let bar = progress_bar(total, "rollout");
-    let gen_started = Instant::now();
-    let (completions, stats) =
-        generate(&mut engine, &requests, &params, Some(&detok), &mut |done| {
-            bar.set_position(done as u64)
-        })?;
+    let job = Generate {
+        dir: &model.dir,
+        vocab: cfg.vocab_size,
+        slots: args.batch_size.min(total),
+        max_len: (longest + args.max_new_tokens).max(1),
+        requests: &requests,
+        params: &params,
+        detok: &detok,
+        bar: &bar,
+    };
+    let (completions, stats, loaded_s, gen_s) = on_device(args.device, job)?;
     bar.finish_and_clear();
-    let gen_s = gen_started.elapsed().as_secs_f64();
 
     // One row per sample, the n samples of a prompt side by side.
     let prompt_rows: Vec<usize> = (0..n_prompts).collect();
@@ -343,6 +384,7 @@ pub fn run(args: RolloutArgs) -> Result<()> {
             "stop": args.stop,
             "stop_token_ids": stop_ids,
             "logprob_temperature": sampling.logprob_temperature(),
+            "device": args.device.to_string(),
         }),
         policy_version: Some(model.policy_version),
         step: args.step,

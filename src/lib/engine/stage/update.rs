@@ -4,19 +4,21 @@
 
 use super::common::{check_token_ids, resolve_model, Device};
 use super::ref_logprob::to_u32;
+use super::{on_device, Job};
 use crate::algo::agg::AggMode;
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
-use crate::backend::cpu::Cpu;
+use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, write_json, Batch, Ragged};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
-use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData};
+use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, SaveOptions};
-use crate::model::decoder::Decoder;
+use crate::model::decoder::{Decoder, OptimizerState};
 use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
+use crate::model::{Config, Weights};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -114,8 +116,38 @@ pub struct UpdateArgs {
     /// Write the metrics JSON here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
     pub device: Device,
+}
+
+/// Build the policy (resuming its optimizer), train, and bring back the new weights and
+/// optimizer state.
+struct Train<'a> {
+    cfg: &'a Config,
+    weights: &'a Weights,
+    optimizer: Option<&'a OptimizerState>,
+    data: &'a TrainData<'a>,
+    train: &'a TrainConfig,
+    schedule_step: u64,
+}
+
+impl Job for Train<'_> {
+    type Out = (TrainReport, Weights, OptimizerState);
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
+        let mut policy = Decoder::new(backend, self.cfg, self.weights)?;
+        if let Some(state) = self.optimizer {
+            policy.load_optimizer_state(state)?;
+        }
+        let report = train(
+            &mut policy,
+            self.data,
+            self.train,
+            self.schedule_step,
+            &mut |msg| eprintln!("update: {msg}"),
+        )?;
+        Ok((report, policy.export_weights()?, policy.optimizer_state()?))
+    }
 }
 
 impl UpdateArgs {
@@ -291,7 +323,6 @@ impl OwnedData {
 
 pub fn run(args: UpdateArgs) -> Result<()> {
     let started = Instant::now();
-    args.device.check()?;
     let cfg = args.train_config()?;
     let needs = required_columns(&cfg);
     let batch = Batch::read(&args.input, &[])?;
@@ -334,19 +365,18 @@ pub fn run(args: UpdateArgs) -> Result<()> {
         }
         None => (&weights, 0),
     };
-    let mut policy = Decoder::new(Cpu, &mcfg, start_weights)?;
-    if let Some(r) = &resumed {
-        policy.load_optimizer_state(&r.optimizer)?;
-    }
-    drop(weights);
     let loaded_s = started.elapsed().as_secs_f64();
-
-    let report = train(&mut policy, &data, &cfg, schedule_step, &mut |msg| {
-        eprintln!("update: {msg}")
-    })?;
-
-    let new_weights = policy.export_weights()?;
-    let state = policy.optimizer_state()?;
+    let job = Train {
+        cfg: &mcfg,
+        weights: start_weights,
+        optimizer: resumed.as_ref().map(|r| &r.optimizer),
+        data: &data,
+        train: &cfg,
+        schedule_step,
+    };
+    let (report, new_weights, state) = on_device(args.device, job)?;
+    drop(resumed);
+    drop(weights);
     let trainer = TrainerState {
         optimizer_step: state.step,
         schedule_step: schedule_step + 1,
@@ -381,6 +411,7 @@ pub fn run(args: UpdateArgs) -> Result<()> {
     m.insert("optimizer_step".into(), state.step.into());
     m.insert("schedule_step".into(), trainer.schedule_step.into());
     m.insert("on_policy".into(), report.on_policy.into());
+    m.insert("device".into(), args.device.to_string().into());
     m.insert("load_seconds".into(), loaded_s.into());
     m.insert(
         "save_seconds".into(),

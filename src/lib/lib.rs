@@ -11,3 +11,4 @@ pub mod error;
 pub mod model;
 pub mod pipeline;
 pub mod reward;
+pub mod rng;

@@ -1,38 +1,34 @@
 //! Helpers for tests and benchmarks of backends: deterministic random numbers (no dependency,
 //! same numbers on every machine) and closeness measures.
 
-/// SplitMix64: tiny, fast, and good enough for test data.
+use crate::rng::SplitMix64;
+
+/// Test-data generator: SplitMix64 seeded through a mixing constant.
 #[derive(Clone, Debug)]
-pub struct Rng(u64);
+pub struct Rng(SplitMix64);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+        Rng(SplitMix64(seed ^ 0x9E37_79B9_7F4A_7C15))
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in [0, 1).
     pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+        self.0.uniform()
     }
 
     /// Standard normal (Box-Muller).
     pub fn normal(&mut self) -> f32 {
-        let u1 = self.uniform().max(1e-300);
-        let u2 = self.uniform();
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        self.0.normal()
     }
 
     /// Uniform integer in 0..n.
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
+        self.0.below(n.max(1))
     }
 }
 

@@ -2,28 +2,12 @@
 //! sizes and a response text whose last line holds a GSM8K-style answer.
 
 use crate::batch::{list_array, schema, NewColumns};
+use crate::rng::SplitMix64;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{Field, Schema};
 use rayon::prelude::*;
 use std::sync::Arc;
-
-/// A tiny deterministic generator (splitmix64) so benchmarks need no RNG crate.
-pub struct SplitMix(pub u64);
-
-impl SplitMix {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn next_f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-}
 
 /// Shape of a synthetic batch.
 pub struct SynthSpec {
@@ -42,12 +26,12 @@ pub fn rollout_batch(spec: &SynthSpec) -> RecordBatch {
     let rows: Vec<(Vec<i32>, Vec<f32>, String, String)> = (0..n)
         .into_par_iter()
         .map(|i| {
-            let mut rng = SplitMix(spec.seed ^ (i as u64).wrapping_mul(0x2545_F491_4F6C_DD1D));
+            let mut rng = SplitMix64(spec.seed ^ (i as u64).wrapping_mul(0x2545_F491_4F6C_DD1D));
             let ids: Vec<i32> = (0..spec.response_tokens)
                 .map(|_| (rng.next_u64() % 151_936) as i32)
                 .collect();
             let lps: Vec<f32> = (0..spec.response_tokens)
-                .map(|_| -5.0 * rng.next_f32())
+                .map(|_| -5.0 * rng.uniform() as f32)
                 .collect();
             let truth = (i / spec.group * 7 % 1000).to_string();
             let answer = if rng.next_u64().is_multiple_of(2) {

@@ -12,28 +12,16 @@ use super::names::{expected_tensors, param_count, Role};
 use super::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use super::tensor::{Tensor, Weights};
 use crate::error::input_error;
+use crate::rng::SplitMix64;
 use anyhow::Result;
 use clap::{ArgAction, Args, ValueEnum};
 use rayon::prelude::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-/// SplitMix64: a small, well-mixed 64-bit generator; plenty for weight init.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1], never 0 (Box-Muller takes its log).
-    fn next_unit(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
+/// Uniform in (0, 1], never 0 (Box-Muller takes its log).
+fn next_unit(rng: &mut SplitMix64) -> f64 {
+    ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
 }
 
 /// FNV-1a of the name mixed with the seed: one stream id per tensor.
@@ -57,8 +45,8 @@ pub fn fill_normal(out: &mut [f32], seed: u64, name: &str, std: f32) {
             let mut rng = SplitMix64(base ^ (k as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
             // Box-Muller: z0 = r cos(t), z1 = r sin(t), r = sqrt(-2 ln u1), t = 2 pi u2.
             for pair in chunk.chunks_mut(2) {
-                let r = (-2.0 * rng.next_unit().ln()).sqrt();
-                let t = std::f64::consts::TAU * rng.next_unit();
+                let r = (-2.0 * next_unit(&mut rng).ln()).sqrt();
+                let t = std::f64::consts::TAU * next_unit(&mut rng);
                 pair[0] = (r * t.cos()) as f32 * std;
                 if pair.len() > 1 {
                     pair[1] = (r * t.sin()) as f32 * std;

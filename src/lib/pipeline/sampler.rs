@@ -11,30 +11,7 @@ pub struct Cursor {
     pub position: u64,
 }
 
-/// SplitMix64: a small, well-mixed generator whose whole state is one u64.
-#[derive(Clone, Debug)]
-pub struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in 0..n (n > 0), by rejection so that no value is favoured.
-    pub fn below(&mut self, n: u64) -> u64 {
-        let zone = u64::MAX - u64::MAX % n;
-        loop {
-            let x = self.next_u64();
-            if x < zone {
-                return x % n;
-            }
-        }
-    }
-}
+pub use crate::rng::SplitMix64;
 
 /// A seed derived from a base seed and labels (step, stage...), kept below 2^31 so every
 /// stage's `--seed` accepts it.

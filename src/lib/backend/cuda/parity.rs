@@ -26,6 +26,7 @@ use crate::backend::cpu::Cpu;
 use crate::backend::{AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape};
 use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
 use crate::model::{init, Arch, Config, Weights};
+use crate::rng::SplitMix64;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct GpuTestArgs {
@@ -87,30 +88,20 @@ fn round(v: f32, d: DType) -> f32 {
     }
 }
 
-/// SplitMix64 with Box-Muller normals: fast, dependency-free, reproducible from the seed.
-struct Rng(u64);
+/// Inputs come from the shared SplitMix64; ranges are usize here.
+struct Rng(SplitMix64);
 
 impl Rng {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+        self.0.next_u64()
     }
 
     fn normal(&mut self) -> f32 {
-        let u1 = self.uniform().max(1e-300);
-        let u2 = self.uniform();
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        self.0.normal()
     }
 
     fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
+        self.0.below(n.max(1) as u64) as usize
     }
 }
 
@@ -1323,7 +1314,7 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
     let mut suite = Suite {
         cpu: Cpu,
         gpu: &gpu,
-        rng: Rng(seed),
+        rng: Rng(SplitMix64(seed)),
         rows: Vec::new(),
         mma: true,
         ordinal: a.device,
@@ -1411,7 +1402,7 @@ mod tests {
 
     #[test]
     fn the_rng_is_reproducible_and_never_all_zero() {
-        let (mut a, mut b) = (Rng(7), Rng(7));
+        let (mut a, mut b) = (Rng(SplitMix64(7)), Rng(SplitMix64(7)));
         let va: Vec<f32> = (0..100).map(|_| a.normal()).collect();
         let vb: Vec<f32> = (0..100).map(|_| b.normal()).collect();
         assert_eq!(va, vb);

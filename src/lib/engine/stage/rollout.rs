@@ -93,6 +93,50 @@ pub fn tokenize_prompts(
     Ok((prompts, truncated))
 }
 
+/// The columns every batch of sequences starts with, in contract order: uid, prompt_uid, the
+/// dataset's columns, prompt_ids, response_ids, response_mask (all 1), response_text. Ragged
+/// ids come as (offsets, values). Shared by rollout and sft-batch.
+pub fn sequence_columns(
+    uids: Vec<String>,
+    prompt_uids: Vec<String>,
+    dataset_columns: Vec<(Field, ArrayRef)>,
+    prompts: (&[usize], Vec<i32>),
+    responses: (&[usize], Vec<i32>),
+    texts: Vec<String>,
+) -> Vec<(Field, ArrayRef)> {
+    let response_tokens = responses.1.len();
+    let mut cols: Vec<(Field, ArrayRef)> = vec![
+        (
+            schema::field(schema::UID),
+            Arc::new(StringArray::from(uids)),
+        ),
+        (
+            schema::field(schema::PROMPT_UID),
+            Arc::new(StringArray::from(prompt_uids)),
+        ),
+    ];
+    cols.extend(dataset_columns);
+    cols.extend([
+        (
+            schema::field(schema::PROMPT_IDS),
+            list_array::<Int32Type>(prompts.0, prompts.1),
+        ),
+        (
+            schema::field(schema::RESPONSE_IDS),
+            list_array::<Int32Type>(responses.0, responses.1),
+        ),
+        (
+            schema::field(schema::RESPONSE_MASK),
+            list_array::<UInt8Type>(responses.0, vec![1u8; response_tokens]),
+        ),
+        (
+            schema::field(schema::RESPONSE_TEXT),
+            Arc::new(StringArray::from(texts)) as ArrayRef,
+        ),
+    ]);
+    cols
+}
+
 #[derive(Args, Debug, Clone)]
 #[command(about = "Sample responses to a prompt dataset")]
 pub struct RolloutArgs {
@@ -327,34 +371,15 @@ pub fn run(args: RolloutArgs) -> Result<()> {
     }
     let response_tokens = r_ids.len();
     let n_stop = reasons.iter().filter(|r| **r == "stop").count();
-    let mut cols: Vec<(Field, ArrayRef)> = vec![
-        (
-            schema::field(schema::UID),
-            Arc::new(StringArray::from(uids)),
-        ),
-        (
-            schema::field(schema::PROMPT_UID),
-            Arc::new(StringArray::from(puids)),
-        ),
-    ];
-    cols.extend(dataset.take_columns(&take)?);
+    let mut cols = sequence_columns(
+        uids,
+        puids,
+        dataset.take_columns(&take)?,
+        (&p_off, p_ids),
+        (&r_off, r_ids),
+        texts,
+    );
     cols.extend([
-        (
-            schema::field(schema::PROMPT_IDS),
-            list_array::<Int32Type>(&p_off, p_ids),
-        ),
-        (
-            schema::field(schema::RESPONSE_IDS),
-            list_array::<Int32Type>(&r_off, r_ids),
-        ),
-        (
-            schema::field(schema::RESPONSE_MASK),
-            list_array::<UInt8Type>(&r_off, vec![1u8; response_tokens]),
-        ),
-        (
-            schema::field(schema::RESPONSE_TEXT),
-            Arc::new(StringArray::from(texts)) as ArrayRef,
-        ),
         (
             schema::field(schema::FINISH_REASON),
             Arc::new(StringArray::from(reasons)) as ArrayRef,

@@ -3,15 +3,14 @@
 //! does, so the warm-started model sees the same inputs it will be sampled on.
 
 use super::common::resolve_model;
-use super::rollout::{tokenize_prompts, PromptLimits, Truncate};
+use super::rollout::{sequence_columns, tokenize_prompts, PromptLimits, Truncate};
 use crate::bail_input;
 use crate::batch::schema;
-use crate::batch::{list_array, write_file, StageInfo};
+use crate::batch::{write_file, StageInfo};
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::model::checkpoint::ModelDir;
 use anyhow::Result;
-use arrow_array::types::{Int32Type, UInt8Type};
-use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{Field, Schema};
 use clap::Args;
 use serde_json::json;
@@ -99,36 +98,15 @@ pub fn run(args: SftBatchArgs) -> Result<()> {
         texts.push(answer.to_string());
     }
     let uids: Vec<String> = (0..n).map(|i| format!("sft-{i}")).collect();
-    let mut cols: Vec<(Field, ArrayRef)> = vec![
-        (
-            schema::field(schema::UID),
-            Arc::new(StringArray::from(uids.clone())),
-        ),
-        (
-            schema::field(schema::PROMPT_UID),
-            Arc::new(StringArray::from(uids)),
-        ),
-    ];
-    cols.extend(dataset.take_columns(&(0..n).collect::<Vec<_>>())?);
     let tokens = r_ids.len();
-    cols.extend([
-        (
-            schema::field(schema::PROMPT_IDS),
-            list_array::<Int32Type>(&p_off, p_ids),
-        ),
-        (
-            schema::field(schema::RESPONSE_IDS),
-            list_array::<Int32Type>(&r_off, r_ids),
-        ),
-        (
-            schema::field(schema::RESPONSE_MASK),
-            list_array::<UInt8Type>(&r_off, vec![1u8; tokens]),
-        ),
-        (
-            schema::field(schema::RESPONSE_TEXT),
-            Arc::new(StringArray::from(texts)) as ArrayRef,
-        ),
-    ]);
+    let cols = sequence_columns(
+        uids.clone(),
+        uids,
+        dataset.take_columns(&(0..n).collect::<Vec<_>>())?,
+        (&p_off, p_ids),
+        (&r_off, r_ids),
+        texts,
+    );
     let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
     let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays)?;
     let info = StageInfo {

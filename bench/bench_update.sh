@@ -24,7 +24,7 @@ one() {
 one ours_update $T bench update --json "$R/ours_update.json"
 one ours_logprob $T bench logprob --json "$R/ours_logprob.json"
 if [ "${VARIANTS:-0}" = 1 ]; then
-  TANDEM_HOST_LOSS=1 one ours_update_hostloss $T bench update --json "$R/ours_update_hostloss.json"
+  one ours_update_hostloss env TANDEM_HOST_LOSS=1 $T bench update --json "$R/ours_update_hostloss.json"
   one ours_update_chunk110 $T bench update --logprob-chunk 110 --json "$R/ours_update_chunk110.json"
 fi
 one peer_update python3 "$D/peer_update.py" 3

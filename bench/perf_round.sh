@@ -4,10 +4,11 @@
 D=${D:-.device/perf}
 export TANDEM_CACHE=/root/tandem-cache
 set -o pipefail
-for c in ppo_loss optim logprob decoder; do
-  $D/tandem gpu-test --only $c --json $OUT/parity_$c.json > $OUT/parity_$c.log 2>&1
+for c in ppo_loss optim swiglu decoder; do
+  $D/tandem gpu-test --only $c > $OUT/parity_$c.log 2>&1
   echo "gpu-test --only $c: rc=$? $(grep -cE ' PASS' $OUT/parity_$c.log) pass, $(grep -cE ' FAIL' $OUT/parity_$c.log) fail"
 done
-R=/tmp/bench D=$D bash $D/bench_update.sh 2>&1 | tee $OUT/bench.log
+$D/tandem gpu-test --time --only swiglu > $OUT/time.log 2>&1; echo "gpu-test --time: rc=$?"
+R=/tmp/bench D=$D VARIANTS=1 bash $D/bench_update.sh 2>&1 | tee $OUT/bench.log
 tar czf $OUT/bench.tgz -C /tmp/bench .
 grep -hE 'FAIL' $OUT/parity_*.log | head -20

@@ -90,6 +90,7 @@ impl Job for LogprobJob {
             format!("{pass:.3}"),
             "-".into(),
             "-".into(),
+            "-".into(),
             gib("pool_peak_in_use_gib"),
             gib("device_peak_used_gib"),
         ]];

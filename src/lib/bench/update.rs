@@ -276,6 +276,7 @@ impl Job for UpdateJob {
         };
         let mut step_s = Vec::new();
         let mut micro_s = Vec::new();
+        let mut wait_s = Vec::new();
         let mut opt_s = Vec::new();
         let mut device_loss = false;
         let mut last = Value::Null;
@@ -296,9 +297,10 @@ impl Job for UpdateJob {
                 );
             }
             eprintln!(
-                "step {i}{}: {secs:.3} s (micro-batches {:.3} s, optimizer {:.3} s), loss {:.6}, grad norm {:.4}",
+                "step {i}{}: {secs:.3} s (queue micro-batches {:.3} s, wait {:.3} s, optimizer {:.3} s), loss {:.6}, grad norm {:.4}",
                 if i < w.warmup { " (warm-up)" } else { "" },
                 s.micro_seconds,
+                s.wait_seconds,
                 s.optimizer_seconds,
                 s.loss,
                 s.grad_norm
@@ -306,6 +308,7 @@ impl Job for UpdateJob {
             if i >= w.warmup {
                 step_s.push(secs);
                 micro_s.push(s.micro_seconds);
+                wait_s.push(s.wait_seconds);
                 opt_s.push(s.optimizer_seconds);
                 device_loss = s.device_loss;
                 last = report.to_json();
@@ -328,6 +331,7 @@ impl Job for UpdateJob {
             mfu.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
             format!("{step:.3}"),
             format!("{:.3}", median(&micro_s)),
+            format!("{:.3}", median(&wait_s)),
             format!("{:.3}", median(&opt_s)),
             gib("pool_peak_in_use_gib"),
             gib("device_peak_used_gib"),
@@ -348,6 +352,7 @@ impl Job for UpdateJob {
             "device_loss": device_loss,
             "step_s": step_s,
             "micro_batches_s": micro_s,
+            "wait_s": wait_s,
             "optimizer_s": opt_s,
             "step_median_s": step,
             "tokens_per_s": tps,
@@ -360,13 +365,14 @@ impl Job for UpdateJob {
 }
 
 /// The table's columns (shared with `bench logprob`).
-pub const HEADER: [&str; 9] = [
+pub const HEADER: [&str; 10] = [
     "bench",
     "device",
     "tok/s",
     "MFU",
     "step s",
-    "micro s",
+    "queue s",
+    "wait s",
     "optim s",
     "pool GiB",
     "device GiB",

@@ -176,10 +176,11 @@ pub struct StepMetrics {
     pub metrics: LossMetrics,
     pub grad_norm: f32,
     pub skipped: bool,
-    /// Wall seconds of the step: its micro-batches' forward/loss/backward calls (on a GPU,
-    /// mostly the time to queue them when the loss runs on the device) and the optimizer step
-    /// (which waits for the queued work first).
+    /// Wall seconds of the step: its micro-batches' forward/loss/backward calls (with the loss
+    /// on a GPU: the time to queue them), the wait for the device to finish them (reading the
+    /// loss metrics), and the optimizer step.
     pub micro_seconds: f64,
+    pub wait_seconds: f64,
     pub optimizer_seconds: f64,
     /// The loss ran on the device (no host round trip per micro-batch).
     pub device_loss: bool,
@@ -398,6 +399,7 @@ fn train_with(
                     ))
                 })?;
             }
+            let micro_seconds = step_start.elapsed().as_secs_f64();
             if used_device_loss {
                 let s = policy.take_ppo_stats()?;
                 let m = LossMetrics {
@@ -416,7 +418,7 @@ fn train_with(
                     loss_total += loss;
                 }
             }
-            let micro_seconds = step_start.elapsed().as_secs_f64();
+            let wait_seconds = step_start.elapsed().as_secs_f64() - micro_seconds;
             let opt_start = Instant::now();
             let report = if nonfinite {
                 policy.zero_grads()?;
@@ -432,6 +434,7 @@ fn train_with(
                     grad_norm: f32::NAN,
                     skipped: true,
                     micro_seconds,
+                    wait_seconds,
                     optimizer_seconds: opt_start.elapsed().as_secs_f64(),
                     device_loss: used_device_loss,
                 }
@@ -452,6 +455,7 @@ fn train_with(
                     grad_norm: r.grad_norm,
                     skipped: r.skipped,
                     micro_seconds,
+                    wait_seconds,
                     optimizer_seconds: opt_start.elapsed().as_secs_f64(),
                     device_loss: used_device_loss,
                 }

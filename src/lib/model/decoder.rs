@@ -207,11 +207,16 @@ struct Acts<B: Backend> {
     rstd2: B::Buf,
     g: B::Buf,
     u: B::Buf,
+    /// swiglu(g, u), kept for the backward pass when training (empty otherwise).
+    h: B::Buf,
 }
 
 /// Gradient scratch of the backward pass (one set, reused by every layer).
 struct GradWork<B: Backend> {
     d_resid: B::Buf,
+    /// d_resid rounded to the compute dtype once for the two GEMMs that read it (empty when
+    /// the compute dtype is f32).
+    d_resid_c: B::Buf,
     d_xn: B::Buf,
     d_o: B::Buf,
     dq: B::Buf,
@@ -297,6 +302,7 @@ impl<B: Backend> Work<B> {
                 rstd2: b.alloc(t)?,
                 g: ac(t * f)?,
                 u: ac(t * f)?,
+                h: ac(if c.backward { t * f } else { 0 })?,
             });
         }
         let n_resid = if c.saved_layers > 1 {
@@ -311,6 +317,7 @@ impl<B: Backend> Work<B> {
         let grad = if c.backward {
             Some(GradWork {
                 d_resid: b.alloc(t * hd)?,
+                d_resid_c: ac(if cd == DType::F32 { 0 } else { t * hd })?,
                 d_xn: b.alloc(t * hd)?,
                 d_o: ac(t * qd)?,
                 dq: ac(t * qd)?,
@@ -856,12 +863,13 @@ impl<B: Backend> Decoder<B> {
             )?;
             b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
             b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
-            b.swiglu(&mut ws.h, &a.g, &a.u, n * f)?;
+            let h = if train { &mut a.h } else { &mut ws.h };
+            b.swiglu(h, &a.g, &a.u, n * f)?;
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
                 b.copy(dst, 0, src, 0, n * d)?;
             }
-            b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, n, f, d, true)?;
+            b.matmul(&mut ws.resid[ro], h, &w[ly.down], None, n, f, d, true)?;
         }
         Ok(if train { 2 * layers.len() } else { 0 })
     }
@@ -1187,12 +1195,18 @@ impl<B: Backend> Decoder<B> {
         )?;
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
         b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
+        let lowp = b.compute_dtype() != DType::F32;
         for (l, ly) in layers.iter().enumerate().rev() {
             let a = &ws.acts[l];
-            // MLP: h = swiglu(g, u) is recomputed rather than kept per layer.
-            b.swiglu(&mut ws.h, &a.g, &a.u, n * f)?;
-            b.matmul_backward_w(&mut g[ly.down], None, &gw.d_resid, &ws.h, n, f, d)?;
-            b.matmul_backward_x(&mut gw.dh, &gw.d_resid, &w[ly.down], n, f, d, false)?;
+            // MLP (h kept from the forward pass).
+            let dres = if lowp {
+                b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n * d)?;
+                &gw.d_resid_c
+            } else {
+                &gw.d_resid
+            };
+            b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, n, f, d)?;
+            b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], n, f, d, false)?;
             b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
             b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, n, d, f)?;
             b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, n, d, f)?;
@@ -1210,8 +1224,14 @@ impl<B: Backend> Decoder<B> {
                 true,
             )?;
             // Attention.
-            b.matmul_backward_w(&mut g[ly.o], None, &gw.d_resid, &a.o, n, qd, d)?;
-            b.matmul_backward_x(&mut gw.d_o, &gw.d_resid, &w[ly.o], n, qd, d, false)?;
+            let dres = if lowp {
+                b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n * d)?;
+                &gw.d_resid_c
+            } else {
+                &gw.d_resid
+            };
+            b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, n, qd, d)?;
+            b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], n, qd, d, false)?;
             let shape = AttnShape {
                 tokens: n,
                 seqs,

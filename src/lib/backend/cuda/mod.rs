@@ -1486,6 +1486,14 @@ impl Backend for CudaBackend {
         need(h.len, n, "swiglu h")?;
         need(g.len, n, "swiglu g")?;
         need(u.len, n, "swiglu u")?;
+        if let Some(n8) = vec8(n, &[h, g, u]) {
+            return self.elementwise(
+                nvrtc::SWIGLU,
+                "swiglu_fwd_v8_k",
+                n8 as usize,
+                &[&h.ptr, &g.ptr, &u.ptr, &n8],
+            );
+        }
         let (hbf, gbf, ubf, n64) = (h.bf(), g.bf(), u.bf(), n as i64);
         self.elementwise(
             nvrtc::SWIGLU,
@@ -1509,6 +1517,14 @@ impl Backend for CudaBackend {
         need(dh.len, n, "swiglu dh")?;
         need(g.len, n, "swiglu g")?;
         need(u.len, n, "swiglu u")?;
+        if let Some(n8) = vec8(n, &[dg, du, dh, g, u]) {
+            return self.elementwise(
+                nvrtc::SWIGLU,
+                "swiglu_bwd_v8_k",
+                n8 as usize,
+                &[&dg.ptr, &du.ptr, &dh.ptr, &g.ptr, &u.ptr, &n8],
+            );
+        }
         let (dgbf, dubf, dhbf, gbf, ubf, n64) =
             (dg.bf(), du.bf(), dh.bf(), g.bf(), u.bf(), n as i64);
         self.elementwise(
@@ -2030,6 +2046,17 @@ fn shape_args(s: AttnShape) -> Result<(i32, i32, i32, i32)> {
         i32_of(s.heads, "heads")?,
         i32_of(s.kv_heads, "kv_heads")?,
     ))
+}
+
+/// n / 8 when every buffer is bf16 and 16-byte aligned and 8 divides n: the elementwise
+/// kernels' vectorized form applies (TANDEM_NO_VEC=1 keeps the scalar kernels, for checks).
+fn vec8(n: usize, bufs: &[&CudaBuf]) -> Option<i64> {
+    let ok = n.is_multiple_of(8)
+        && bufs
+            .iter()
+            .all(|b| b.dtype == DType::BF16 && b.ptr.is_multiple_of(16))
+        && std::env::var_os("TANDEM_NO_VEC").is_none();
+    ok.then_some((n / 8) as i64)
 }
 
 fn check_logprob(s: &LogprobShape) -> Result<()> {

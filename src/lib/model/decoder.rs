@@ -310,9 +310,12 @@ impl<B: Backend> Work<B> {
         } else {
             1
         };
+        // The residual stream stays f32 whatever the compute dtype (as under torch autocast):
+        // rounding it to bf16 after every block was most of the bf16 log-prob error
+        // (docs/BENCHMARKS.md, "Where the bf16 log-prob error comes from").
         let mut resid = Vec::with_capacity(n_resid);
         for _ in 0..n_resid {
-            resid.push(ac(t * hd)?);
+            resid.push(b.alloc(t * hd)?);
         }
         let grad = if c.backward {
             Some(GradWork {

@@ -311,7 +311,7 @@ impl<B: Backend> Work<B> {
             1
         };
         // The residual stream stays f32 whatever the compute dtype (as under torch autocast):
-        // rounding it to bf16 after every block was most of the bf16 log-prob error
+        // rounding it to bf16 after every block was over a third of the bf16 log-prob error
         // (docs/BENCHMARKS.md, "Where the bf16 log-prob error comes from").
         let mut resid = Vec::with_capacity(n_resid);
         for _ in 0..n_resid {

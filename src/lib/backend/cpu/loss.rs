@@ -193,8 +193,7 @@ mod tests {
                     &s,
                 );
                 let what = format!("{agg}, on-policy {on_policy}");
-                for t in 0..n {
-                    let (a, b) = (dlp[t], host.grad_lp[t]);
+                for (t, (&a, &b)) in dlp.iter().zip(&host.grad_lp).enumerate() {
                     assert!(
                         (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
                         "{what}: dlp[{t}] {a} vs {b}"

@@ -211,6 +211,22 @@ pub trait Backend: Send + Sync {
         n: usize,
         accumulate: bool,
     ) -> Result<()>;
+    /// y[m,n] = r[m,n] + x[m,k] · w[n,k]ᵀ (y and r distinct): a residual block's output next to
+    /// its input, which training keeps. A GPU backend does it as one GEMM reading r as C.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_residual(
+        &self,
+        y: &mut Self::Buf,
+        r: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.copy(y, 0, r, 0, m * n)?;
+        self.matmul(y, x, w, None, m, k, n, true)
+    }
     /// dx[m,k] (= or +=) dy[m,n] · w[n,k].
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward_x(

@@ -851,10 +851,12 @@ impl<B: Backend> Decoder<B> {
                 }
             }
             if train {
+                // Training keeps the block's input: the output goes to the next snapshot.
                 let (src, dst) = pair(&mut ws.resid, ri, rm);
-                b.copy(dst, 0, src, 0, n * d)?;
+                b.matmul_residual(dst, src, &a.o, &w[ly.o], n, qd, d)?;
+            } else {
+                b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
             }
-            b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
             b.rmsnorm(
                 &mut a.xn2,
                 &mut a.rstd2,
@@ -870,9 +872,10 @@ impl<B: Backend> Decoder<B> {
             b.swiglu(h, &a.g, &a.u, n * f)?;
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.copy(dst, 0, src, 0, n * d)?;
+                b.matmul_residual(dst, src, h, &w[ly.down], n, f, d)?;
+            } else {
+                b.matmul(&mut ws.resid[ro], h, &w[ly.down], None, n, f, d, true)?;
             }
-            b.matmul(&mut ws.resid[ro], h, &w[ly.down], None, n, f, d, true)?;
         }
         Ok(if train { 2 * layers.len() } else { 0 })
     }

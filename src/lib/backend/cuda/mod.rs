@@ -491,6 +491,7 @@ impl CudaBackend {
             ldd: n,
             beta: if accumulate { 1.0 } else { 0.0 },
             bias: b,
+            c: None,
         };
         self.gemm(call, n * k, m * k)
     }
@@ -522,6 +523,7 @@ impl CudaBackend {
             ldd: k,
             beta: if accumulate { 1.0 } else { 0.0 },
             bias: None,
+            c: None,
         };
         self.gemm(call, n * k, m * n)
     }
@@ -551,6 +553,7 @@ impl CudaBackend {
             ldd: k,
             beta: 1.0,
             bias: None,
+            c: None,
         };
         self.gemm(call, m * k, m * n)
     }
@@ -857,6 +860,45 @@ impl Backend for CudaBackend {
             n,
             accumulate,
         )
+    }
+
+    fn matmul_residual(
+        &self,
+        y: &mut CudaBuf,
+        r: &CudaBuf,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        need(y.len, m * n, "matmul_residual y")?;
+        need(r.len, m * n, "matmul_residual r")?;
+        need(x.len, m * k, "matmul_residual x")?;
+        need(w.len, n * k, "matmul_residual w")?;
+        if k == 0 || r.dtype != y.dtype {
+            // cuBLASLt reads C in D's type: copy (converting) and accumulate instead.
+            self.copy(y, 0, r, 0, m * n)?;
+            return self.matmul(y, x, w, None, m, k, n, true);
+        }
+        // One GEMM: D = y, C = r, beta 1 (no separate copy of the residual).
+        let call = GemmCall {
+            transa: true,
+            transb: false,
+            m: n,
+            n: m,
+            k,
+            a: w.operand(0),
+            lda: k,
+            b: x.operand(0),
+            ldb: k,
+            d: y.operand(0),
+            ldd: n,
+            beta: 1.0,
+            bias: None,
+            c: Some(r.operand(0)),
+        };
+        self.gemm(call, n * k, m * k)
     }
 
     fn matmul_backward_x(

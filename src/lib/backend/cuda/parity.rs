@@ -338,6 +338,39 @@ impl<'a> Suite<'a> {
                 false,
             )?;
         }
+        // y = r + x·wᵀ into an f32 output (the residual stream): one GEMM reading r as C; an r of
+        // another type takes the copy-and-accumulate path.
+        for (label, rd) in [
+            ("matmul_residual (f32 y, r)", DType::F32),
+            ("matmul_residual (r in the run's type)", d),
+        ] {
+            let (m, k, n) = (96, 160, 224);
+            let r = self.randn(m * n, 1.0, rd);
+            let x = self.randn(m * k, 1.0, d);
+            let w = self.randn(n * k, 0.05, d);
+            let mut yc = vec![0.0; m * n];
+            self.cpu.matmul_residual(&mut yc, &r, &x, &w, m, k, n)?;
+            let gr = self.dev(&r, rd)?;
+            let mut gy = self.poisoned(m * n, DType::F32)?;
+            self.gpu.matmul_residual(
+                &mut gy,
+                &gr,
+                &self.dev(&x, d)?,
+                &self.dev(&w, d)?,
+                m,
+                k,
+                n,
+            )?;
+            self.check(label, d, &gy, &yc, true, t1)?;
+            let mut back = vec![0f32; m * n];
+            self.gpu.download(&gr, &mut back)?;
+            self.flag(
+                &format!("{label}: r unchanged"),
+                d,
+                back == r,
+                String::new(),
+            );
+        }
         let (m, k, n) = (150, 256, 192);
         let dy = self.randn(m * n, 1.0, d);
         let w = self.randn(n * k, 0.05, d);

@@ -74,6 +74,22 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+/// The fused PPO-clip loss of one micro-batch (verl's vanilla policy loss with dual clip).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PpoShape {
+    /// Scored tokens.
+    pub tokens: usize,
+    /// 1 − ε_low and 1 + ε_high: the ratio's clip range.
+    pub ratio_low: f64,
+    pub ratio_high: f64,
+    /// Dual-clip bound c (> 1) for negative advantages.
+    pub dual_clip: f64,
+}
+
+/// Slots of the accumulator [`Backend::ppo_clip_loss`] adds to: Σ w_pg·ℓ, Σ w_tok·clipped,
+/// Σ w_tok·clipped_lower, Σ w_tok·(old − lp), Σ w_agg·entropy, count of non-finite tokens.
+pub const PPO_STATS: usize = 6;
+
 /// Element type a buffer stores. Ops always compute in f32 and convert on load and store, so
 /// any op accepts buffers of either type; a backend without bf16 storage keeps f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -133,6 +149,15 @@ pub trait Backend: Send + Sync {
     fn memory_stats(&self) -> MemoryStats {
         MemoryStats::default()
     }
+    /// (free, total) bytes of the whole device as the driver reports them (None on the CPU).
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
+    /// Floats of logits the fused log-prob may hold per chunk: bigger chunks make bigger
+    /// LM-head GEMMs and fewer read-modify-writes of the head's gradient.
+    fn logprob_chunk_floats(&self) -> usize {
+        16 << 20
+    }
     /// Returns cached free device memory to the driver (between phases of the hybrid engine).
     fn trim(&self) -> Result<()> {
         Ok(())
@@ -186,6 +211,22 @@ pub trait Backend: Send + Sync {
         n: usize,
         accumulate: bool,
     ) -> Result<()>;
+    /// y[m,n] = r[m,n] + x[m,k] · w[n,k]ᵀ (y and r distinct): a residual block's output next to
+    /// its input, which training keeps. A GPU backend does it as one GEMM reading r as C.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_residual(
+        &self,
+        y: &mut Self::Buf,
+        r: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.copy(y, 0, r, 0, m * n)?;
+        self.matmul(y, x, w, None, m, k, n, true)
+    }
     /// dx[m,k] (= or +=) dy[m,n] · w[n,k].
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward_x(
@@ -413,10 +454,35 @@ pub trait Backend: Send + Sync {
         scratch: &mut Self::Buf,
     ) -> Result<()>;
 
+    // ---- policy loss --------------------------------------------------------------------
+
+    /// Per token t with w_tok[t] > 0 (w = [w_pg | w_tok | w_agg], 3·tokens; 0 = masked):
+    /// r = exp(clamp(lp − old, ±20)), ℓ = max(−A·r, −A·clip(r, lo, hi)), for A < 0 min(ℓ, −A·c);
+    /// dlp = w_pg·∂ℓ/∂lp (torch's subgradients: ties split, clamps pass on their closed
+    /// interval; 0 where masked), and [`PPO_STATS`] sums are added to `stats`. `old` None means
+    /// on-policy (old = lp, detached). Math in f64, as `algo::policy_loss` does it.
+    #[allow(clippy::too_many_arguments)]
+    fn ppo_clip_loss(
+        &self,
+        dlp: &mut Self::Buf,
+        stats: &mut Self::Buf,
+        lp: &Self::Buf,
+        old: Option<&Self::Buf>,
+        adv: &Self::Buf,
+        w: &Self::Buf,
+        ent: Option<&Self::Buf>,
+        shape: PpoShape,
+    ) -> Result<()>;
+
     // ---- optimizer ----------------------------------------------------------------------
 
     /// Σ x[..n]² (accumulated in f64 where the backend can).
     fn sum_squares(&self, x: &Self::Buf, n: usize) -> Result<f64>;
+    /// Σ over (x, n) of Σ x[..n]² (the global grad norm): a device backend sums every buffer
+    /// before its one read-back, instead of one sync per buffer.
+    fn sum_squares_all(&self, xs: &[(&Self::Buf, usize)]) -> Result<f64> {
+        xs.iter().map(|&(x, n)| self.sum_squares(x, n)).sum()
+    }
     /// AdamW (torch semantics): g' = s·g; m = β1·m + (1−β1)·g'; v = β2·v + (1−β2)·g'²;
     /// p = p·(1 − lr·wd) − (lr/bc1)·m / (√v/√bc2 + eps).
     #[allow(clippy::too_many_arguments)]

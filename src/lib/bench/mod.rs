@@ -2,7 +2,9 @@
 
 pub mod cpu_engine;
 pub mod cpu_stages;
+pub mod logprob;
 pub mod synth;
+pub mod update;
 
 use clap::{Args, Subcommand};
 
@@ -18,12 +20,18 @@ pub enum Which {
     CpuStages(cpu_stages::CpuStagesArgs),
     /// Generation and update tokens/s of the CPU engine on a ~10M model and the Qwen2.5-0.5B shape.
     CpuEngine(cpu_engine::CpuEngineArgs),
+    /// The issue-6 update workload (PPO-clip + AdamW, Qwen2.5-0.5B shape) through `update`'s loop.
+    Update(update::UpdateArgs),
+    /// The same workload's forward-only scoring (what `ref-logprob` does).
+    Logprob(logprob::LogprobArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
         Which::CpuStages(a) => cpu_stages::run(a),
         Which::CpuEngine(a) => cpu_engine::run(a),
+        Which::Update(a) => update::run(a),
+        Which::Logprob(a) => logprob::run(a),
     }
 }
 

@@ -21,7 +21,9 @@
 
 use anyhow::{bail, ensure, Result};
 
-use crate::backend::{AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape};
+use crate::backend::{
+    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PpoShape, PPO_STATS,
+};
 use crate::error::input_error;
 use crate::model::{Config, Tensor, Weights};
 
@@ -46,6 +48,21 @@ pub struct TokenStats {
 pub struct TokenGrads {
     pub dlogprobs: Vec<f32>,
     pub dentropy: Option<Vec<f32>>,
+}
+
+/// Per-token inputs of the PPO-clip loss computed on the device
+/// ([`Decoder::forward_backward_ppo`]), concatenated over the scored tokens of the packed
+/// sequences in order.
+#[derive(Clone, Copy, Debug)]
+pub struct PpoTokens<'a> {
+    /// Log-probs of the sampling policy; None = on-policy (the current ones, detached).
+    pub old: Option<&'a [f32]>,
+    pub advantages: &'a [f32],
+    /// `[w_pg | w_tok | w_agg]`, 3 × tokens: the aggregation weights of each token (see
+    /// `algo::agg::LossNorm::row_weight`); w_tok = 0 masks a token.
+    pub weights: &'a [f32],
+    /// dL/dentropy per token (the entropy bonus), when there is one.
+    pub dentropy: Option<&'a [f32]>,
 }
 
 /// AdamW hyper-parameters of one optimizer step (torch.optim.AdamW semantics; the weight decay
@@ -190,11 +207,16 @@ struct Acts<B: Backend> {
     rstd2: B::Buf,
     g: B::Buf,
     u: B::Buf,
+    /// swiglu(g, u), kept for the backward pass when training (empty otherwise).
+    h: B::Buf,
 }
 
 /// Gradient scratch of the backward pass (one set, reused by every layer).
 struct GradWork<B: Backend> {
     d_resid: B::Buf,
+    /// d_resid rounded to the compute dtype once for the two GEMMs that read it (empty when
+    /// the compute dtype is f32).
+    d_resid_c: B::Buf,
     d_xn: B::Buf,
     d_o: B::Buf,
     dq: B::Buf,
@@ -209,6 +231,10 @@ struct GradWork<B: Backend> {
     dxg: B::Buf,
     dlp: B::Buf,
     dent: B::Buf,
+    /// Inputs of the device-side PPO loss: old log-probs, advantages, weights (3 per row).
+    old: B::Buf,
+    adv: B::Buf,
+    lw: B::Buf,
 }
 
 struct Work<B: Backend> {
@@ -276,6 +302,7 @@ impl<B: Backend> Work<B> {
                 rstd2: b.alloc(t)?,
                 g: ac(t * f)?,
                 u: ac(t * f)?,
+                h: ac(if c.backward { t * f } else { 0 })?,
             });
         }
         let n_resid = if c.saved_layers > 1 {
@@ -283,13 +310,17 @@ impl<B: Backend> Work<B> {
         } else {
             1
         };
+        // The residual stream stays f32 whatever the compute dtype (as under torch autocast):
+        // rounding it to bf16 after every block was over a third of the bf16 log-prob error
+        // (docs/BENCHMARKS.md, "Where the bf16 log-prob error comes from").
         let mut resid = Vec::with_capacity(n_resid);
         for _ in 0..n_resid {
-            resid.push(ac(t * hd)?);
+            resid.push(b.alloc(t * hd)?);
         }
         let grad = if c.backward {
             Some(GradWork {
                 d_resid: b.alloc(t * hd)?,
+                d_resid_c: ac(if cd == DType::F32 { 0 } else { t * hd })?,
                 d_xn: b.alloc(t * hd)?,
                 d_o: ac(t * qd)?,
                 dq: ac(t * qd)?,
@@ -304,6 +335,9 @@ impl<B: Backend> Work<B> {
                 dxg: b.alloc(n * hd)?,
                 dlp: b.alloc(n)?,
                 dent: b.alloc(n)?,
+                old: b.alloc(n)?,
+                adv: b.alloc(n)?,
+                lw: b.alloc(3 * n)?,
             })
         } else {
             None
@@ -365,12 +399,11 @@ pub struct Decoder<B: Backend> {
     head: usize,
     layers: Vec<Layer>,
     ws: Work<B>,
+    /// The PPO loss metrics summed on the device since the last `take_ppo_stats`.
+    ppo_stats: Option<B::Buf>,
     /// Rows per chunk of the fused LM-head log-prob (bounds the logits held at once).
     pub logprob_chunk: usize,
 }
-
-/// Floats of logits the fused log-prob holds at once by default (64 MiB of f32).
-const LOGPROB_CHUNK_FLOATS: usize = 16 << 20;
 
 fn check_config(cfg: &Config) -> Result<()> {
     let bad = |msg: String| Err(input_error(format!("config.json: {msg}")));
@@ -545,6 +578,7 @@ impl<B: Backend> Decoder<B> {
             add("lm_head.weight".into(), vec![v, d])?
         };
         let ws = Work::empty(&backend, cfg)?;
+        let logprob_chunk = (backend.logprob_chunk_floats() / v).clamp(1, 4096);
         Ok(Decoder {
             backend,
             cfg: cfg.clone(),
@@ -561,7 +595,8 @@ impl<B: Backend> Decoder<B> {
             head,
             layers,
             ws,
-            logprob_chunk: (LOGPROB_CHUNK_FLOATS / v).clamp(1, 4096),
+            ppo_stats: None,
+            logprob_chunk,
         })
     }
 
@@ -816,10 +851,12 @@ impl<B: Backend> Decoder<B> {
                 }
             }
             if train {
+                // Training keeps the block's input: the output goes to the next snapshot.
                 let (src, dst) = pair(&mut ws.resid, ri, rm);
-                b.copy(dst, 0, src, 0, n * d)?;
+                b.matmul_residual(dst, src, &a.o, &w[ly.o], n, qd, d)?;
+            } else {
+                b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
             }
-            b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
             b.rmsnorm(
                 &mut a.xn2,
                 &mut a.rstd2,
@@ -831,14 +868,23 @@ impl<B: Backend> Decoder<B> {
             )?;
             b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
             b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
-            b.swiglu(&mut ws.h, &a.g, &a.u, n * f)?;
+            let h = if train { &mut a.h } else { &mut ws.h };
+            b.swiglu(h, &a.g, &a.u, n * f)?;
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.copy(dst, 0, src, 0, n * d)?;
+                b.matmul_residual(dst, src, h, &w[ly.down], n, f, d)?;
+            } else {
+                b.matmul(&mut ws.resid[ro], h, &w[ly.down], None, n, f, d, true)?;
             }
-            b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, n, f, d, true)?;
         }
         Ok(if train { 2 * layers.len() } else { 0 })
+    }
+
+    /// Rows per LM-head chunk for `r` scored rows: at most `logprob_chunk`, the chunks of
+    /// (nearly) equal size so the last GEMM is not a sliver.
+    fn chunk_rows(&self, r: usize) -> usize {
+        let max = self.logprob_chunk.max(1);
+        r.div_ceil(r.div_ceil(max).max(1)).max(1)
     }
 
     /// Final norm of the scored rows and the fused log-prob; returns per-sequence stats.
@@ -850,7 +896,46 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         entropy: bool,
     ) -> Result<Vec<TokenStats>> {
-        let chunk = self.logprob_chunk.max(1);
+        if r == 0 {
+            return Ok(seqs
+                .iter()
+                .map(|_| TokenStats {
+                    logprobs: vec![],
+                    entropy: entropy.then(Vec::new),
+                })
+                .collect());
+        }
+        self.score_device(last, r, temperature, entropy)?;
+        let (b, ws) = (&self.backend, &self.ws);
+        let mut lp = vec![0.0; r];
+        b.download(&ws.lp, &mut lp)?;
+        let mut ent = vec![0.0; if entropy { r } else { 0 }];
+        if entropy {
+            b.download(&ws.ent, &mut ent)?;
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for s in seqs {
+            let c = s.tokens.len() - s.start;
+            out.push(TokenStats {
+                logprobs: lp[off..off + c].to_vec(),
+                entropy: entropy.then(|| ent[off..off + c].to_vec()),
+            });
+            off += c;
+        }
+        Ok(out)
+    }
+
+    /// Final norm of the `r > 0` scored rows and the fused log-prob, left on the device
+    /// (`ws.lp`, `ws.ent`, `ws.lse_lp`).
+    fn score_device(
+        &mut self,
+        last: usize,
+        r: usize,
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<()> {
+        let chunk = self.chunk_rows(r);
         let Decoder {
             backend: b,
             cfg,
@@ -861,15 +946,6 @@ impl<B: Backend> Decoder<B> {
             ..
         } = self;
         let d = cfg.hidden_size;
-        if r == 0 {
-            return Ok(seqs
-                .iter()
-                .map(|_| TokenStats {
-                    logprobs: vec![],
-                    entropy: entropy.then(Vec::new),
-                })
-                .collect());
-        }
         b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
         b.rmsnorm(
             &mut ws.xf,
@@ -897,24 +973,7 @@ impl<B: Backend> Decoder<B> {
             &ws.targets,
             shape,
             &mut ws.scratch,
-        )?;
-        let mut lp = vec![0.0; r];
-        b.download(&ws.lp, &mut lp)?;
-        let mut ent = vec![0.0; if entropy { r } else { 0 }];
-        if entropy {
-            b.download(&ws.ent, &mut ent)?;
-        }
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut off = 0;
-        for s in seqs {
-            let c = s.tokens.len() - s.start;
-            out.push(TokenStats {
-                logprobs: lp[off..off + c].to_vec(),
-                entropy: entropy.then(|| ent[off..off + c].to_vec()),
-            });
-            off += c;
-        }
-        Ok(out)
+        )
     }
 
     /// Log-probs (and optionally entropies) of every scored token of every sequence, under
@@ -992,30 +1051,99 @@ impl<B: Backend> Decoder<B> {
                 None => dent.extend(std::iter::repeat_n(0.0, c)),
             }
         }
-        self.backward(
-            n,
-            seqs.len(),
-            r,
-            temperature,
-            &dlp,
-            any_dent.then_some(&dent[..]),
-        )
+        if r == 0 {
+            // Nothing scored: the loss does not depend on the weights.
+            return Ok(());
+        }
+        {
+            let gw = self.ws.grad.as_mut().expect("training workspace");
+            self.backend.upload(&mut gw.dlp, &dlp)?;
+            if any_dent {
+                self.backend.upload(&mut gw.dent, &dent)?;
+            }
+        }
+        self.backward(n, seqs.len(), r, temperature, any_dent)
     }
 
+    /// Forward, the PPO-clip loss on the device ([`Backend::ppo_clip_loss`], knobs in `clip`;
+    /// its `tokens` is set here) and backward over packed `seqs`, with no host round trip: the
+    /// loss metrics add up on the device until [`Decoder::take_ppo_stats`].
+    pub fn forward_backward_ppo(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        tok: &PpoTokens,
+        clip: PpoShape,
+    ) -> Result<()> {
+        check_temperature(temperature)?;
+        self.ensure_grads()?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let (n, r) = self.pack(seqs, true)?;
+        ensure!(
+            tok.advantages.len() == r
+                && tok.weights.len() == 3 * r
+                && tok.old.is_none_or(|o| o.len() == r)
+                && tok.dentropy.is_none_or(|d| d.len() == r),
+            "PPO loss inputs: {} advantages, {} weights, {:?} old, {:?} dentropy for {r} scored tokens",
+            tok.advantages.len(),
+            tok.weights.len(),
+            tok.old.map(<[f32]>::len),
+            tok.dentropy.map(<[f32]>::len)
+        );
+        let last = self.forward(n, seqs.len(), true, AttnMode::Packed)?;
+        if r == 0 {
+            return Ok(());
+        }
+        self.score_device(last, r, temperature, true)?;
+        if self.ppo_stats.is_none() {
+            self.ppo_stats = Some(self.backend.alloc(PPO_STATS)?);
+        }
+        let (b, ws) = (&self.backend, &mut self.ws);
+        let gw = ws.grad.as_mut().expect("training workspace");
+        b.upload(&mut gw.adv, tok.advantages)?;
+        b.upload(&mut gw.lw, tok.weights)?;
+        if let Some(o) = tok.old {
+            b.upload(&mut gw.old, o)?;
+        }
+        if let Some(d) = tok.dentropy {
+            b.upload(&mut gw.dent, d)?;
+        }
+        b.ppo_clip_loss(
+            &mut gw.dlp,
+            self.ppo_stats.as_mut().expect("allocated above"),
+            &ws.lp,
+            tok.old.map(|_| &gw.old),
+            &gw.adv,
+            &gw.lw,
+            Some(&ws.ent),
+            PpoShape { tokens: r, ..clip },
+        )?;
+        self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some())
+    }
+
+    /// The PPO loss metric sums ([`crate::backend::PPO_STATS`] slots) since the last call, and
+    /// resets them (one device sync).
+    pub fn take_ppo_stats(&mut self) -> Result<[f64; PPO_STATS]> {
+        let mut out = [0f32; PPO_STATS];
+        if let Some(s) = self.ppo_stats.as_mut() {
+            self.backend.download(s, &mut out)?;
+            self.backend.fill(s, PPO_STATS, 0.0)?;
+        }
+        Ok(out.map(f64::from))
+    }
+
+    /// Backward from dL/dlp (and dL/dentropy when `dent`) already in the gradient workspace.
     fn backward(
         &mut self,
         n: usize,
         seqs: usize,
         r: usize,
         temperature: f32,
-        dlp: &[f32],
-        dent: Option<&[f32]>,
+        dent: bool,
     ) -> Result<()> {
-        if r == 0 {
-            // Nothing scored: the loss does not depend on the weights.
-            return Ok(());
-        }
-        let chunk = self.logprob_chunk.max(1);
+        let chunk = self.chunk_rows(r);
         let Decoder {
             backend: b,
             cfg,
@@ -1040,10 +1168,6 @@ impl<B: Backend> Decoder<B> {
             cfg.head_dim,
         );
         let (qd, kd, theta) = (hh * hd, kh * hd, cfg.rope_theta);
-        b.upload(&mut gw.dlp, dlp)?;
-        if let Some(de) = dent {
-            b.upload(&mut gw.dent, de)?;
-        }
         let shape = LogprobShape {
             rows: r,
             hidden: d,
@@ -1060,7 +1184,7 @@ impl<B: Backend> Decoder<B> {
             &ws.lse_lp,
             &ws.ent,
             &gw.dlp,
-            dent.map(|_| &gw.dent),
+            dent.then_some(&gw.dent),
             shape,
             &mut ws.scratch,
         )?;
@@ -1077,12 +1201,18 @@ impl<B: Backend> Decoder<B> {
         )?;
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
         b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
+        let lowp = b.compute_dtype() != DType::F32;
         for (l, ly) in layers.iter().enumerate().rev() {
             let a = &ws.acts[l];
-            // MLP: h = swiglu(g, u) is recomputed rather than kept per layer.
-            b.swiglu(&mut ws.h, &a.g, &a.u, n * f)?;
-            b.matmul_backward_w(&mut g[ly.down], None, &gw.d_resid, &ws.h, n, f, d)?;
-            b.matmul_backward_x(&mut gw.dh, &gw.d_resid, &w[ly.down], n, f, d, false)?;
+            // MLP (h kept from the forward pass).
+            let dres = if lowp {
+                b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n * d)?;
+                &gw.d_resid_c
+            } else {
+                &gw.d_resid
+            };
+            b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, n, f, d)?;
+            b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], n, f, d, false)?;
             b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
             b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, n, d, f)?;
             b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, n, d, f)?;
@@ -1100,8 +1230,14 @@ impl<B: Backend> Decoder<B> {
                 true,
             )?;
             // Attention.
-            b.matmul_backward_w(&mut g[ly.o], None, &gw.d_resid, &a.o, n, qd, d)?;
-            b.matmul_backward_x(&mut gw.d_o, &gw.d_resid, &w[ly.o], n, qd, d, false)?;
+            let dres = if lowp {
+                b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n * d)?;
+                &gw.d_resid_c
+            } else {
+                &gw.d_resid
+            };
+            b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, n, qd, d)?;
+            b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], n, qd, d, false)?;
             let shape = AttnShape {
                 tokens: n,
                 seqs,
@@ -1177,11 +1313,8 @@ impl<B: Backend> Decoder<B> {
 
     /// Global L2 norm of the accumulated gradients (0 before any backward pass).
     pub fn grad_norm(&self) -> Result<f32> {
-        let mut s = 0f64;
-        for g in &self.g {
-            s += self.backend.sum_squares(g, self.backend.len(g))?;
-        }
-        Ok(s.sqrt() as f32)
+        let all: Vec<(&B::Buf, usize)> = self.g.iter().map(|g| (g, self.backend.len(g))).collect();
+        Ok(self.backend.sum_squares_all(&all)?.sqrt() as f32)
     }
 
     /// The gradients by HF name (for tests and debugging).

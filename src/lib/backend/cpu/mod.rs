@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod embedding;
 pub mod logprob;
+pub mod loss;
 pub mod matmul;
 pub mod optim;
 pub mod rmsnorm;
@@ -15,7 +16,7 @@ pub mod swiglu;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape};
+use super::{AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape, PpoShape, PPO_STATS};
 
 /// The CPU backend. It holds no state: threads come from rayon's global pool
 /// (`RAYON_NUM_THREADS` sets their number).
@@ -590,6 +591,39 @@ impl Backend for Cpu {
             s,
             get_mut(scratch, s.chunk * s.vocab, "logprob scratch")?,
         )
+    }
+
+    fn ppo_clip_loss(
+        &self,
+        dlp: &mut Vec<f32>,
+        stats: &mut Vec<f32>,
+        lp: &Vec<f32>,
+        old: Option<&Vec<f32>>,
+        adv: &Vec<f32>,
+        w: &Vec<f32>,
+        ent: Option<&Vec<f32>>,
+        s: PpoShape,
+    ) -> Result<()> {
+        let n = s.tokens;
+        let old = match old {
+            Some(o) => Some(get(o, n, "ppo_clip_loss old")?),
+            None => None,
+        };
+        let ent = match ent {
+            Some(e) => Some(get(e, n, "ppo_clip_loss ent")?),
+            None => None,
+        };
+        loss::ppo_clip_loss(
+            get_mut(dlp, n, "ppo_clip_loss dlp")?,
+            get_mut(stats, PPO_STATS, "ppo_clip_loss stats")?,
+            get(lp, n, "ppo_clip_loss lp")?,
+            old,
+            get(adv, n, "ppo_clip_loss adv")?,
+            get(w, 3 * n, "ppo_clip_loss w")?,
+            ent,
+            &s,
+        );
+        Ok(())
     }
 
     fn sum_squares(&self, x: &Vec<f32>, n: usize) -> Result<f64> {

@@ -2,6 +2,7 @@
 
 pub mod cpu_engine;
 pub mod cpu_stages;
+pub mod rollout;
 pub mod synth;
 
 use clap::{Args, Subcommand};
@@ -18,12 +19,16 @@ pub enum Which {
     CpuStages(cpu_stages::CpuStagesArgs),
     /// Generation and update tokens/s of the CPU engine on a ~10M model and the Qwen2.5-0.5B shape.
     CpuEngine(cpu_engine::CpuEngineArgs),
+    /// Tokens/s of the paged rollout engine (Qwen2.5-0.5B shape, random weights) and its
+    /// fraction of the roofline.
+    Rollout(rollout::RolloutBenchArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
         Which::CpuStages(a) => cpu_stages::run(a),
         Which::CpuEngine(a) => cpu_engine::run(a),
+        Which::Rollout(a) => rollout::run(a),
     }
 }
 

@@ -1228,9 +1228,12 @@ impl Suite<'_> {
     }
 }
 
+#[path = "parity_paged.rs"]
+mod paged;
+
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 13] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 16] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1245,6 +1248,9 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 13] {
         ("optim", Suite::optim),
         ("decoder", Suite::decoder),
         ("hf_fixtures", Suite::hf_fixtures),
+        ("attention_paged", Suite::paged_attention),
+        ("sample", Suite::sample),
+        ("paged_generate", Suite::paged_generate),
     ]
 }
 

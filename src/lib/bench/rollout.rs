@@ -8,9 +8,11 @@
 
 use super::cpu_engine::shape;
 use super::report;
-use crate::backend::{Backend, DType};
+use crate::backend::{Backend, DType, PagedAttnShape};
 use crate::engine::generate::{GenParams, Request};
-use crate::engine::paged::{generate_paged, PagedConfig, PagedDecoder, DEFAULT_BLOCK_SIZE};
+use crate::engine::paged::{
+    generate_paged, Chunk, PagedConfig, PagedDecoder, PagedModel, SampleRow, DEFAULT_BLOCK_SIZE,
+};
 use crate::engine::sampling::{sample_key, uniform, SamplingParams};
 use crate::engine::stage::common::Device;
 use crate::engine::stage::{on_device, Job};
@@ -108,8 +110,114 @@ fn peaks<B: Backend>(b: &B) -> Result<(f64, f64)> {
     Ok((bw, 2.0 * (n_gemm as f64).powi(3) / s))
 }
 
+/// Milliseconds per call of `f` (mean of 10 after one warm-up; synchronized).
+fn ms<B: Backend>(b: &B, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    b.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..10 {
+        f()?;
+    }
+    b.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 100.0)
+}
+
+/// Where one decode step of `rows` sequences at context `ctx` goes: the whole step (forward,
+/// sampling, ids back), then the sampling op, one layer's paged attention and the LM head
+/// alone.
+fn breakdown<B: Backend>(dec: &mut Decoder<B>, rows: usize, ctx: usize) -> Result<Vec<(String, f64)>> {
+    let cfg = dec.config().clone();
+    let bs = DEFAULT_BLOCK_SIZE;
+    let per = ctx.div_ceil(bs);
+    let tables: Vec<Vec<u32>> = (0..rows)
+        .map(|r| (0..per).map(|j| (r * per + j) as u32).collect())
+        .collect();
+    let tokens = vec![1u32; rows];
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: -1,
+        top_p: 1.0,
+    };
+    let mut out = Vec::new();
+    {
+        let mut engine = PagedDecoder::new(dec, rows * per, bs)?;
+        let chunks: Vec<Chunk> = (0..rows)
+            .map(|r| Chunk {
+                tokens: &tokens[r..r + 1],
+                start: ctx - 1,
+                table: &tables[r],
+            })
+            .collect();
+        let srows: Vec<SampleRow> = (0..rows)
+            .map(|r| SampleRow {
+                chunk: r,
+                key: r as u64,
+                position: 0,
+            })
+            .collect();
+        let t = Instant::now();
+        for _ in 0..10 {
+            engine.step(&chunks, &srows, &sampling)?;
+        }
+        out.push((
+            format!("decode step ({rows} seqs, ctx {ctx})"),
+            t.elapsed().as_secs_f64() * 100.0,
+        ));
+    }
+    let b = dec.backend();
+    let (v, d) = (cfg.vocab_size, cfg.hidden_size);
+    let logits = b.alloc(rows * v)?;
+    let keys = b.alloc_idx(2 * rows)?;
+    let pos = b.alloc_idx(rows)?;
+    let mut toks = b.alloc_idx(rows)?;
+    let mut lps = b.alloc(rows)?;
+    out.push((
+        format!("sample op [{rows} x {v}]"),
+        ms(b, || b.sample(&mut toks, &mut lps, &logits, &keys, &pos, rows, v, &sampling))?,
+    ));
+    let cd = b.compute_dtype();
+    let kvd = cfg.num_kv_heads * cfg.head_dim;
+    let kc = b.alloc_as(rows * per * bs * kvd, cd)?;
+    let vc = b.alloc_as(rows * per * bs * kvd, cd)?;
+    let q = b.alloc_as(rows * cfg.num_heads * cfg.head_dim, cd)?;
+    let mut o = b.alloc_as(rows * cfg.num_heads * cfg.head_dim, cd)?;
+    let mut tab = b.alloc_idx(rows * per)?;
+    b.upload_idx(&mut tab, &tables.concat())?;
+    let mut seq = b.alloc_idx(rows)?;
+    b.upload_idx(&mut seq, &(0..rows as u32).collect::<Vec<_>>())?;
+    let mut len = b.alloc_idx(rows)?;
+    b.upload_idx(&mut len, &vec![ctx as u32; rows])?;
+    let shape = PagedAttnShape {
+        queries: rows,
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        block_size: bs,
+        max_blocks: per,
+    };
+    out.push((
+        "attention_paged, one layer".into(),
+        ms(b, || b.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape))?,
+    ));
+    let x = b.alloc_as(rows * d, cd)?;
+    let w = b.alloc_as(v * d, cd)?;
+    let mut y = b.alloc(rows * v)?;
+    out.push((
+        format!("LM head GEMM [{rows} x {d}] x [{d} x {v}]"),
+        ms(b, || b.matmul(&mut y, &x, &w, None, rows, d, v, false))?,
+    ));
+    let f = cfg.intermediate_size;
+    let wu = b.alloc_as(f * d, cd)?;
+    let mut h = b.alloc_as(rows * f, cd)?;
+    out.push((
+        format!("MLP up GEMM [{rows} x {d}] x [{d} x {f}]"),
+        ms(b, || b.matmul(&mut h, &x, &wu, None, rows, d, f, false))?,
+    ));
+    Ok(out)
+}
+
 impl Job for Bench<'_> {
-    type Out = (Vec<Measured>, f64, f64, String);
+    type Out = (Vec<Measured>, f64, f64, String, Vec<(String, f64)>);
     fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
         let name = backend.name();
         let (bw, peak) = peaks(&backend)?;
@@ -209,7 +317,8 @@ impl Job for Bench<'_> {
                 flops: 2.0 * params * fed + attn_flops,
             });
         }
-        Ok((out, bw, peak, name))
+        let parts = breakdown(&mut dec, self.args.batches.last().copied().unwrap_or(64), 256)?;
+        Ok((out, bw, peak, name, parts))
     }
 }
 
@@ -293,7 +402,10 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
         cfg: cfg.clone(),
         cases,
     };
-    let (rows, bw, peak, device) = on_device(args.device, bench)?;
+    let (rows, bw, peak, device, parts) = on_device(args.device, bench)?;
+    for (what, t) in &parts {
+        println!("{what:>48}: {t:8.3} ms");
+    }
     let mut table = Vec::new();
     let mut js = Vec::new();
     for m in &rows {
@@ -345,6 +457,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             "copy_bandwidth_bytes_per_s": bw,
             "gemm_bf16_flops_per_s": peak,
             "cases": js,
+            "decode_step_breakdown_ms": parts.iter().map(|(w, t)| json!({"part": w, "ms": t})).collect::<Vec<_>>(),
         }),
     );
     Ok(())

@@ -9,8 +9,10 @@ D=${D:-.device/gpuroll}
 export TANDEM_CACHE=${TANDEM_CACHE:-/root/tandem-cache}
 R=/tmp/results; rm -rf $R; mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-$D/tandem gpu-test --only paged_generate --seed 3 > "$OUT/paged.txt" 2>&1
-echo "gpu-test paged_generate rc=$?"; grep -E "paged_generate|checks" "$OUT/paged.txt" | grep -v "done in"
+$D/tandem gpu-test --only paged --seed 3 --json "$OUT/paged.json" > "$OUT/paged.txt" 2>&1
+echo "gpu-test paged rc=$?"; grep -E "paged|checks" "$OUT/paged.txt" | grep -v "done in"
+$D/tandem gpu-test --only sample --seed 3 --json "$OUT/sample.json" > "$OUT/sample.txt" 2>&1
+echo "gpu-test sample rc=$?"; grep -E "^sample|checks" "$OUT/sample.txt"
 $D/tandem bench rollout --device cuda > "$OUT/bench.txt" 2>&1
 echo "bench rollout rc=$?"; tail -6 "$OUT/bench.txt"
 python3 $D/peer_generate.py > "$OUT/peer.txt" 2>&1
@@ -27,6 +29,7 @@ $D/tandem init-model --like qwen2 --layers 24 --hidden 896 --heads 14 --kv-heads
 $D/rollout --model /tmp/q05 --in $D/prompts.parquet --out /tmp/q05_roll.parquet --raw-prompt \
   --n 8 --temperature 1 --max-new-tokens 128 --device cuda --metrics "$OUT/q05_roll.json" > "$R/q05_roll.log" 2>&1
 echo "rollout q05 rc=$?"; tail -1 "$R/q05_roll.log"
+grep -E '"device_free|kv_pool_bytes|"kv_blocks"' "$OUT/q05_roll.json"
 $D/ref-logprob --model /tmp/q05 --in /tmp/q05_roll.parquet --out "$R/q05_agree.parquet" \
   --column old_logprobs --device cuda > "$R/q05_ref.log" 2>&1
 echo "ref-logprob q05 rc=$?"

@@ -125,7 +125,11 @@ fn ms<B: Backend>(b: &B, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// Where one decode step of `rows` sequences at context `ctx` goes: the whole step (forward,
 /// sampling, ids back), then the sampling op, one layer's paged attention and the LM head
 /// alone.
-fn breakdown<B: Backend>(dec: &mut Decoder<B>, rows: usize, ctx: usize) -> Result<Vec<(String, f64)>> {
+fn breakdown<B: Backend>(
+    dec: &mut Decoder<B>,
+    rows: usize,
+    ctx: usize,
+) -> Result<Vec<(String, f64)>> {
     let cfg = dec.config().clone();
     let bs = DEFAULT_BLOCK_SIZE;
     let per = ctx.div_ceil(bs);
@@ -173,7 +177,11 @@ fn breakdown<B: Backend>(dec: &mut Decoder<B>, rows: usize, ctx: usize) -> Resul
     let mut lps = b.alloc(rows)?;
     out.push((
         format!("sample op [{rows} x {v}]"),
-        ms(b, || b.sample(&mut toks, &mut lps, &logits, &keys, &pos, rows, v, &sampling))?,
+        ms(b, || {
+            b.sample(
+                &mut toks, &mut lps, &logits, &keys, &pos, rows, v, &sampling,
+            )
+        })?,
     ));
     let cd = b.compute_dtype();
     let kvd = cfg.num_kv_heads * cfg.head_dim;
@@ -197,7 +205,9 @@ fn breakdown<B: Backend>(dec: &mut Decoder<B>, rows: usize, ctx: usize) -> Resul
     };
     out.push((
         "attention_paged, one layer".into(),
-        ms(b, || b.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape))?,
+        ms(b, || {
+            b.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape)
+        })?,
     ));
     let x = b.alloc_as(rows * d, cd)?;
     let w = b.alloc_as(v * d, cd)?;
@@ -317,7 +327,11 @@ impl Job for Bench<'_> {
                 flops: 2.0 * params * fed + attn_flops,
             });
         }
-        let parts = breakdown(&mut dec, self.args.batches.last().copied().unwrap_or(64), 256)?;
+        let parts = breakdown(
+            &mut dec,
+            self.args.batches.last().copied().unwrap_or(64),
+            256,
+        )?;
         Ok((out, bw, peak, name, parts))
     }
 }

@@ -1878,15 +1878,24 @@ impl Backend for CudaBackend {
                 s.max_blocks
             );
         }
-        let f = self.func(nvrtc::PAGED_ATTENTION, hd, "paged_attn_k")?;
+        // One block per (query, kv head) serving its whole GQA group when the group is small
+        // enough (every key/value row read once); else one block per (query, head).
+        let group = s.heads / s.kv_heads;
+        let gqa = hd.is_multiple_of(8) && group <= 8;
+        let (name, blocks_y, threshold) = if gqa {
+            ("paged_attn_gqa_k", s.kv_heads, 4 * self.sms as usize)
+        } else {
+            ("paged_attn_k", s.heads, 2 * self.sms as usize)
+        };
+        let f = self.func(nvrtc::PAGED_ATTENTION, hd, name)?;
         let row = s.kv_heads * hd;
         let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
-        // Flash-decoding: split the context when there are too few (query, head) pairs to fill
-        // the GPU; each split covers at least 128 positions.
+        // Flash-decoding: split the context when there are too few blocks to fill the GPU;
+        // each split covers at least 64 positions.
         let max_len = s.max_blocks * s.block_size;
         let pairs = s.queries * s.heads;
-        let want = (2 * self.sms as usize).div_ceil(pairs).max(1);
-        let splits = want.min(max_len.div_ceil(128)).max(1);
+        let want = threshold.div_ceil(s.queries * blocks_y).max(1);
+        let splits = want.min(max_len.div_ceil(64)).max(1);
         let split_len = max_len.div_ceil(splits);
         let (part_o, part_ml) = if splits > 1 {
             (
@@ -1908,7 +1917,7 @@ impl Backend for CudaBackend {
         let err = self.err_word.ptr();
         self.launch(
             &f,
-            (s.queries as u32, s.heads as u32, splits as u32),
+            (s.queries as u32, blocks_y as u32, splits as u32),
             128,
             0,
             &[

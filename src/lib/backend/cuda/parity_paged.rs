@@ -19,9 +19,14 @@ use crate::model::{init, Arch, Config};
 impl Suite<'_> {
     pub(super) fn paged_attention(&mut self, d: DType) -> Result<()> {
         let (t1, _) = tols(d);
-        // Qwen2.5-0.5B heads; few long queries (split along the context) and many short ones.
-        for (tag, queries, max_len) in [("split", 3usize, 900usize), ("decode", 200, 150)] {
-            let (heads, kv, hd, bs) = (14, 2, 64, 16);
+        // Qwen2.5-0.5B heads (GQA kernel): few long queries (split along the context) and many
+        // short ones; then a group of 16 at head_dim 128 (the per-head kernel).
+        for (tag, queries, max_len, heads, kv, hd) in [
+            ("split", 3usize, 900usize, 14usize, 2usize, 64usize),
+            ("decode", 200, 150, 14, 2, 64),
+            ("per-head hd128", 20, 300, 16, 1, 128),
+        ] {
+            let bs = 16;
             let row = kv * hd;
             let max_blocks = max_len.div_ceil(bs);
             let seqs = queries.min(40);

@@ -178,7 +178,8 @@ extern "C" __global__ void __launch_bounds__(SNT) sample_k(
             }
             r.thr = unokey(lo);
         }
-        double total = mass_ge(r, 0u, shd);
+        // Without top-k the weights are the unmasked exponentials already summed for lse.
+        double total = r.thr == NEG_INF ? block_sum_d(se, shd) : mass_ge(r, 0u, shd);
         if (top_p < 1.0f) {
             double need = (double)top_p * total;
             float wmax = 0.0f;

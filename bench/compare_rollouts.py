@@ -3,7 +3,8 @@
 `--device cpu` (fraction of response positions with the same token, counting every position
 after a sample's first disagreement as disagreeing), and rollout_logprobs vs the trainer's
 old_logprobs of the same tokens (max |Δ|, fraction of tokens whose ratio exp(Δ) leaves
-[0.99, 1.01]). Usage: compare_rollouts.py OUT_DIR"""
+[0.99, 1.01]). Usage: compare_rollouts.py DIR (the $OUT of gpu_rollout.sh, or results.tgz of
+gpu_rollout_bench.sh unpacked)"""
 import json
 import sys
 
@@ -23,9 +24,9 @@ for a, b in zip(cpu, gpu):
     total += len(a)
 res["tiny_greedy_positions_agree"] = same / total
 res["tiny_greedy_positions"] = total
-for m in ["tiny", "q05"]:
+for m in ["tiny", "q05", "q05_agree_scalar"]:
     try:
-        t = pq.read_table(f"{out}/{m}_agree.parquet")
+        t = pq.read_table(f"{out}/{m}.parquet" if m.endswith("scalar") else f"{out}/{m}_agree.parquet")
     except FileNotFoundError:
         continue
     r = np.concatenate([np.array(x, dtype=np.float64) for x in t.column("rollout_logprobs").to_pylist()])

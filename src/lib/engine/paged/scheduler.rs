@@ -20,6 +20,7 @@ use super::blocks::BlockPool;
 use super::{Chunk, PagedConfig, PagedModel, PagedStats, SampleRow};
 use crate::engine::generate::{Completion, Detokenize, FinishReason, GenParams, Request};
 use crate::engine::sampling::Sampled;
+use crate::error::input_error;
 use anyhow::{bail, ensure, Result};
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -88,23 +89,26 @@ pub fn generate_paged(
     let mut pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
     for (i, r) in requests.iter().enumerate() {
         if r.prompt.is_empty() {
-            bail!("request {i}: empty prompt");
+            bail!(input_error(format!("request {i}: empty prompt")));
         }
         if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
-            bail!("request {i}: token id {t} is outside the vocabulary ({vocab})");
+            bail!(input_error(format!(
+                "request {i}: token id {t} is outside the vocabulary ({vocab})"
+            )));
         }
         // The last sampled token is never fed back, so a sample occupies prompt + new − 1
         // positions; alone it must fit the whole pool or it could never finish.
         let positions = r.prompt.len() + params.max_new_tokens.saturating_sub(1);
         let need = pool.blocks_for(positions);
         if need > cfg.num_blocks {
-            bail!(
-                "request {i}: prompt of {} tokens + {} new tokens needs {need} KV blocks of {} tokens, the pool has {} (give the cache more memory or lower --max-new-tokens)",
+            // An input error: no schedule can ever finish this sample.
+            bail!(input_error(format!(
+                "request {i}: prompt of {} tokens + {} new tokens needs {need} KV blocks of {} tokens, the pool has {} (raise --gpu-memory-fraction or lower --max-new-tokens / --max-prompt-tokens)",
                 r.prompt.len(),
                 params.max_new_tokens,
                 cfg.block_size,
                 cfg.num_blocks
-            );
+            )));
         }
     }
 

@@ -225,13 +225,23 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
         }
         __syncwarp();
         int n = (int)min((i64)32, p1 - t0);
+        // Lanes over head dims, PCPW consecutive dims each (one 32-bit load for bf16 pairs);
+        // unrolled so several rows' loads are in flight at once.
+#pragma unroll 8
         for (int j = 0; j < n; j++) {
             i64 rj = __shfl_sync(0xffffffffu, roff, j);
             float v[PCPW];
+            int d0 = lane * PCPW;
+            if (vcbf && PCPW % 2 == 0 && d0 < HD) {
 #pragma unroll
-            for (int c = 0; c < PCPW; c++) {
-                int d = lane + 32 * c;
-                v[c] = d < HD ? ld(vc, vcbf, rj + d) : 0.0f;
+                for (int c = 0; c < PCPW; c += 2) {
+                    u32 wv = *(const u32*)((const bf16_t*)vc + rj + d0 + c);
+                    v[c] = __uint_as_float(wv << 16);
+                    v[c + 1] = __uint_as_float(wv & 0xffff0000u);
+                }
+            } else {
+#pragma unroll
+                for (int c = 0; c < PCPW; c++) v[c] = d0 + c < HD ? ld(vc, vcbf, rj + d0 + c) : 0.0f;
             }
 #pragma unroll
             for (int g = 0; g < GMAX; g++) {
@@ -269,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
         if (g >= group) continue;
 #pragma unroll
         for (int c = 0; c < PCPW; c++) {
-            int d = lane + 32 * c;
+            int d = lane * PCPW + c;
             if (d < HD) acc_s[w][g][d] = acc[g][c];
         }
     }

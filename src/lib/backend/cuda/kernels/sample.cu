@@ -226,32 +226,44 @@ extern "C" __global__ void __launch_bounds__(SNT) sample_k(
             tok = nth_tie(r, level, rank, shd, &shi);
         } else {
             // Inverse CDF in vocabulary order: the first v whose running mass exceeds u·total.
+            // Each warp owns a contiguous segment read in coalesced strides of 32; the warp
+            // whose segment holds the target scans it stride by stride (a warp prefix sum).
             double target = u * total;
-            int chunk = (vocab + blockDim.x - 1) / blockDim.x;
-            int a = threadIdx.x * chunk, b = min(vocab, a + chunk);
+            int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+            int seg = ((vocab + nw - 1) / nw + 31) / 32 * 32;
+            int a = wid * seg, b = min(vocab, a + seg);
             double s = 0.0;
             int last_nz = -1;
-            for (int v = a; v < b; v++) {
+            for (int v = a + lane; v < b; v += 32) {
                 float w = weight(r, v);
                 if (w > 0.0f) {
                     s += (double)w;
                     last_nz = v;
                 }
             }
-            double before = block_excl_scan_d(s, shd);
+            double wsum = warp_sum_d(s);
+            __syncthreads();
+            if (lane == 0) shd[wid] = wsum;
             if (threadIdx.x == 0) shi = vocab;
             __syncthreads();
-            if (s > 0.0 && before <= target) {
+            double before = 0.0;
+            for (int x = 0; x < wid; x++) before += shd[x];
+            if (wsum > 0.0 && before <= target) {
                 double acc = before;
-                for (int v = a; v < b; v++) {
-                    float w = weight(r, v);
-                    if (w > 0.0f) {
-                        acc += (double)w;
-                        if (acc > target) {
-                            atomicMin(&shi, v);
-                            break;
-                        }
+                for (int v0 = a; v0 < b; v0 += 32) {
+                    int v = v0 + lane;
+                    float w = v < b ? weight(r, v) : 0.0f;
+                    double inc = w > 0.0f ? (double)w : 0.0;
+                    for (int o = 1; o < 32; o <<= 1) {
+                        double y = __shfl_up_sync(0xffffffffu, inc, o);
+                        if (lane >= o) inc += y;
                     }
+                    unsigned hit = __ballot_sync(0xffffffffu, w > 0.0f && acc + inc > target);
+                    if (hit) {
+                        if (lane == 0) atomicMin(&shi, v0 + __ffs(hit) - 1);
+                        break;
+                    }
+                    acc += __shfl_sync(0xffffffffu, inc, 31);
                 }
             }
             __syncthreads();

@@ -45,6 +45,20 @@ pub struct CachedAttnShape {
     pub head_dim: usize,
 }
 
+/// Shape of an attention call against a paged KV cache: query `i` attends to the first
+/// `len[i]` positions of sequence `seq[i]`, whose block table is row `seq[i]` of `tables`
+/// (`max_blocks` entries per row); position `p` is cache row
+/// `tables[seq[i]·max_blocks + p / block_size]·block_size + p % block_size`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedAttnShape {
+    pub queries: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub max_blocks: usize,
+}
+
 /// Shape of the fused LM-head log-prob op.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LogprobShape {
@@ -148,10 +162,6 @@ pub trait Backend: Send + Sync {
     /// Device memory held and in use.
     fn memory_stats(&self) -> MemoryStats {
         MemoryStats::default()
-    }
-    /// (free, total) bytes of the whole device as the driver reports them (None on the CPU).
-    fn device_memory(&self) -> Option<(usize, usize)> {
-        None
     }
     /// Floats of logits the fused log-prob may hold per chunk: bigger chunks make bigger
     /// LM-head GEMMs and fewer read-modify-writes of the head's gradient.
@@ -494,5 +504,45 @@ pub trait Backend: Send + Sync {
         v: &mut Self::Buf,
         n: usize,
         step: &AdamWStep,
+    ) -> Result<()>;
+
+    // ---- paged generation (engine::paged) -----------------------------------------------
+
+    /// (free, total) bytes of device memory as the driver reports them (cuMemGetInfo); None
+    /// where there is no device memory to size a KV pool from (the CPU).
+    fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        Ok(None)
+    }
+
+    /// dst = src[..dst.len()] (device to host).
+    fn download_idx(&self, src: &Self::Idx, dst: &mut [u32]) -> Result<()>;
+    /// Paged attention (see [`PagedAttnShape`] for the row of position p):
+    /// o_i = Σ_{p<len[i]} softmax_p(q_i·K[row_i(p)]/√d) V[row_i(p)], kv head h/(heads/kv_heads).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_paged(
+        &self,
+        o: &mut Self::Buf,
+        q: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        tables: &Self::Idx,
+        seq: &Self::Idx,
+        len: &Self::Idx,
+        shape: PagedAttnShape,
+    ) -> Result<()>;
+    /// One token per row of logits[rows, vocab], drawn as `engine::sampling::sample` draws it
+    /// with u = uniform(key_r, positions[r]), key_r = keys[2r] | keys[2r+1] << 32:
+    /// tokens[r] = the id, logprobs[r] = log softmax(z_r / T)[id] (T = 1 when greedy).
+    #[allow(clippy::too_many_arguments)]
+    fn sample(
+        &self,
+        tokens: &mut Self::Idx,
+        logprobs: &mut Self::Buf,
+        logits: &Self::Buf,
+        keys: &Self::Idx,
+        positions: &Self::Idx,
+        rows: usize,
+        vocab: usize,
+        params: &crate::engine::sampling::SamplingParams,
     ) -> Result<()>;
 }

@@ -3,6 +3,7 @@
 pub mod cpu_engine;
 pub mod cpu_stages;
 pub mod logprob;
+pub mod rollout;
 pub mod synth;
 pub mod update;
 
@@ -24,6 +25,9 @@ pub enum Which {
     Update(update::UpdateArgs),
     /// The same workload's forward-only scoring (what `ref-logprob` does).
     Logprob(logprob::LogprobArgs),
+    /// Tokens/s of the paged rollout engine (Qwen2.5-0.5B shape, random weights) and its
+    /// fraction of the roofline.
+    Rollout(rollout::RolloutBenchArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -32,6 +36,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Which::CpuEngine(a) => cpu_engine::run(a),
         Which::Update(a) => update::run(a),
         Which::Logprob(a) => logprob::run(a),
+        Which::Rollout(a) => rollout::run(a),
     }
 }
 

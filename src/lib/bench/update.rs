@@ -159,7 +159,7 @@ pub struct Meter {
 
 impl Meter {
     pub fn new<B: Backend>(b: &B, gpu: bool) -> Result<Meter> {
-        let used = b.device_memory().map(|(free, total)| total - free);
+        let used = b.device_memory()?.map(|(free, total)| total - free);
         let peak_flops = if gpu { Some(gemm_peak(b)?) } else { None };
         Ok(Meter {
             device_base: used,
@@ -171,7 +171,7 @@ impl Meter {
     /// Samples the device's used memory (the pool keeps what it took, so a sample after a
     /// step sees the step's peak holding).
     pub fn sample<B: Backend>(&mut self, b: &B) {
-        if let Some((free, total)) = b.device_memory() {
+        if let Ok(Some((free, total))) = b.device_memory() {
             let used = total - free;
             self.device_peak = Some(self.device_peak.map_or(used, |p| p.max(used)));
         }

@@ -3,6 +3,7 @@
 
 pub mod generate;
 pub mod logprob;
+pub mod paged;
 pub mod resume;
 pub mod sampling;
 pub mod stage;

@@ -22,8 +22,11 @@
 use anyhow::{bail, ensure, Result};
 
 use crate::backend::{
-    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PpoShape, PPO_STATS,
+    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PagedAttnShape, PpoShape,
+    PPO_STATS,
 };
+use crate::engine::paged::{Chunk, SampleRow};
+use crate::engine::sampling::{Sampled, SamplingParams};
 use crate::error::input_error;
 use crate::model::{Config, Tensor, Weights};
 
@@ -138,6 +141,32 @@ impl<B: Backend> KvCache<B> {
 
     pub fn max_len(&self) -> usize {
         self.max_len
+    }
+}
+
+/// A paged KV cache: `num_blocks` blocks of `block_size` positions per layer; row
+/// `block · block_size + offset` of a layer's buffer holds the key (value) of one position.
+/// It also holds the device-side inputs and outputs of a paged step (block tables, sampling
+/// keys, drawn tokens), so a step allocates nothing once they have grown.
+pub struct PagedKv<B: Backend> {
+    k: Vec<B::Buf>,
+    v: Vec<B::Buf>,
+    num_blocks: usize,
+    block_size: usize,
+    tables: B::Idx,
+    max_blocks: usize,
+    keys: B::Idx,
+    positions: B::Idx,
+    tokens: B::Idx,
+    logprobs: B::Buf,
+}
+
+impl<B: Backend> PagedKv<B> {
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
     }
 }
 
@@ -374,6 +403,9 @@ enum AttnMode<'a, B: Backend> {
     Packed,
     /// Keys and values are stored into the cache first, then read from it.
     Cached(&'a mut KvCache<B>),
+    /// The same through block tables (`kv_rows` are the cache rows of the new tokens,
+    /// `kv_base` the table row of each query, `kv_len` its context length).
+    Paged(&'a mut PagedKv<B>),
 }
 
 /// The decoder: weights, gradients, optimizer state and workspaces on one backend.
@@ -848,6 +880,36 @@ impl<B: Backend> Decoder<B> {
                         head_dim: hd,
                     };
                     b.attention_cached(&mut a.o, &a.q, kc, vc, &ws.kv_base, &ws.kv_len, shape)?;
+                }
+                AttnMode::Paged(cache) => {
+                    let PagedKv {
+                        k: ks,
+                        v: vs,
+                        tables,
+                        block_size,
+                        max_blocks,
+                        ..
+                    } = &mut **cache;
+                    let (kc, vc) = (&mut ks[l], &mut vs[l]);
+                    b.kv_store(kc, vc, &a.k, &a.v, &ws.kv_rows, n, kd)?;
+                    let shape = PagedAttnShape {
+                        queries: n,
+                        heads: hh,
+                        kv_heads: kh,
+                        head_dim: hd,
+                        block_size: *block_size,
+                        max_blocks: *max_blocks,
+                    };
+                    b.attention_paged(
+                        &mut a.o,
+                        &a.q,
+                        kc,
+                        vc,
+                        tables,
+                        &ws.kv_base,
+                        &ws.kv_len,
+                        shape,
+                    )?;
                 }
             }
             if train {
@@ -1621,4 +1683,231 @@ impl<B: Backend> Decoder<B> {
         cache.lens[to_slot] = cache.lens[from_slot];
         Ok(())
     }
+
+    /// Bytes one KV block of `block_size` positions takes over every layer (keys and values).
+    pub fn paged_block_bytes(&self, block_size: usize) -> usize {
+        let esize = match self.backend.compute_dtype() {
+            DType::F32 => 4,
+            DType::BF16 => 2,
+        };
+        2 * self.cfg.num_layers * block_size * self.cfg.num_kv_heads * self.cfg.head_dim * esize
+    }
+
+    /// Grows the workspace for paged steps of up to `tokens` tokens and `rows` sampled rows
+    /// (so a KV pool sized from the free memory afterwards leaves room for it).
+    pub fn reserve_paged(&mut self, tokens: usize, rows: usize) -> Result<()> {
+        self.reserve(Caps {
+            tokens,
+            seqs: 1,
+            rows,
+            saved_layers: 1,
+            backward: false,
+        })?;
+        let n = rows * self.cfg.vocab_size;
+        if self.backend.len(&self.ws.logits) < n {
+            self.ws.logits = self.backend.alloc(0)?;
+            self.ws.logits = self.backend.alloc(n)?;
+        }
+        Ok(())
+    }
+
+    /// A paged KV cache of `num_blocks` blocks of `block_size` positions.
+    pub fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKv<B>> {
+        ensure!(
+            num_blocks > 0 && block_size > 0,
+            "paged cache: {num_blocks} blocks of {block_size}"
+        );
+        let b = &self.backend;
+        let n = num_blocks * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
+        let mut k = Vec::with_capacity(self.cfg.num_layers);
+        let mut v = Vec::with_capacity(self.cfg.num_layers);
+        for _ in 0..self.cfg.num_layers {
+            k.push(b.alloc_as(n, b.compute_dtype())?);
+            v.push(b.alloc_as(n, b.compute_dtype())?);
+        }
+        Ok(PagedKv {
+            k,
+            v,
+            num_blocks,
+            block_size,
+            tables: b.alloc_idx(0)?,
+            max_blocks: 0,
+            keys: b.alloc_idx(0)?,
+            positions: b.alloc_idx(0)?,
+            tokens: b.alloc_idx(0)?,
+            logprobs: b.alloc(0)?,
+        })
+    }
+
+    /// One step of the paged engine: runs every chunk (its keys and values stored through its
+    /// block table), then draws one token per sample row from the logits after the last token
+    /// of the row's chunk, on the backend. Only the drawn ids and log-probs come back.
+    pub fn forward_paged(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        chunks: &[Chunk],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+    ) -> Result<Vec<Sampled>> {
+        let bs = cache.block_size;
+        let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        ensure!(n > 0, "paged step without tokens");
+        let max_blocks = chunks.iter().map(|c| c.table.len()).max().unwrap_or(0);
+        let (mut ids, mut pos) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut kv_rows, mut seq, mut len) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let mut tables = vec![0u32; chunks.len() * max_blocks];
+        let mut last = Vec::with_capacity(chunks.len());
+        for (c, ch) in chunks.iter().enumerate() {
+            let end = ch.start + ch.tokens.len();
+            ensure!(
+                !ch.tokens.is_empty() && end <= ch.table.len() * bs,
+                "paged step: chunk {c} feeds positions {}..{end} but its table covers {}",
+                ch.start,
+                ch.table.len() * bs
+            );
+            if let Some(&b) = ch.table.iter().find(|&&b| b as usize >= cache.num_blocks) {
+                bail!(
+                    "paged step: chunk {c} names block {b} of {}",
+                    cache.num_blocks
+                );
+            }
+            tables[c * max_blocks..c * max_blocks + ch.table.len()].copy_from_slice(ch.table);
+            for (i, &t) in ch.tokens.iter().enumerate() {
+                let p = ch.start + i;
+                ids.push(t);
+                pos.push(p as u32);
+                kv_rows.push((ch.table[p / bs] as usize * bs + p % bs) as u32);
+                seq.push(c as u32);
+                len.push(p as u32 + 1);
+            }
+            last.push(ids.len() as u32 - 1);
+        }
+        let out: Vec<u32> = rows
+            .iter()
+            .map(|r| {
+                last.get(r.chunk)
+                    .copied()
+                    .ok_or_else(|| anyhow::anyhow!("sample row names chunk {}", r.chunk))
+            })
+            .collect::<Result<_>>()?;
+        self.check_tokens(&ids, "generation input")?;
+        self.reserve(Caps {
+            tokens: n,
+            seqs: 1,
+            rows: out.len(),
+            saved_layers: 1,
+            backward: false,
+        })?;
+        let v = self.cfg.vocab_size;
+        let r = out.len();
+        let keys: Vec<u32> = rows
+            .iter()
+            .flat_map(|s| [s.key as u32, (s.key >> 32) as u32])
+            .collect();
+        let positions: Vec<u32> = rows.iter().map(|s| s.position as u32).collect();
+        {
+            let (b, ws) = (&self.backend, &mut self.ws);
+            b.upload_idx(&mut ws.ids, &ids)?;
+            b.upload_idx(&mut ws.pos, &pos)?;
+            b.upload_idx(&mut ws.kv_rows, &kv_rows)?;
+            b.upload_idx(&mut ws.kv_base, &seq)?;
+            b.upload_idx(&mut ws.kv_len, &len)?;
+            b.upload_idx(&mut ws.rows, &out)?;
+            if b.len(&ws.logits) < r * v {
+                ws.logits = b.alloc(0)?;
+                ws.logits = b.alloc(r * v)?;
+            }
+            grow_idx(b, &mut cache.tables, tables.len())?;
+            b.upload_idx(&mut cache.tables, &tables)?;
+            cache.max_blocks = max_blocks;
+            grow_idx(b, &mut cache.keys, keys.len())?;
+            grow_idx(b, &mut cache.positions, r)?;
+            grow_idx(b, &mut cache.tokens, r)?;
+            if b.len(&cache.logprobs) < r {
+                cache.logprobs = b.alloc(r.next_power_of_two())?;
+            }
+            b.upload_idx(&mut cache.keys, &keys)?;
+            b.upload_idx(&mut cache.positions, &positions)?;
+        }
+        let last_buf = self.forward(n, 1, false, AttnMode::Paged(cache))?;
+        if r == 0 {
+            return Ok(Vec::new());
+        }
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            ws,
+            final_norm,
+            head,
+            ..
+        } = self;
+        let d = cfg.hidden_size;
+        b.gather_rows(&mut ws.xg, &ws.resid[last_buf], &ws.rows, r, d)?;
+        b.rmsnorm(
+            &mut ws.xf,
+            &mut ws.rstd_f,
+            &ws.xg,
+            &w[*final_norm],
+            r,
+            d,
+            cfg.rms_norm_eps,
+        )?;
+        b.matmul(&mut ws.logits, &ws.xf, &w[*head], None, r, d, v, false)?;
+        b.sample(
+            &mut cache.tokens,
+            &mut cache.logprobs,
+            &ws.logits,
+            &cache.keys,
+            &cache.positions,
+            r,
+            v,
+            sampling,
+        )?;
+        let mut tok = vec![0u32; r];
+        let mut lp = vec![0f32; r];
+        b.download_idx(&cache.tokens, &mut tok)?;
+        b.download(&cache.logprobs, &mut lp)?;
+        Ok(tok
+            .into_iter()
+            .zip(lp)
+            .map(|(token, logprob)| Sampled { token, logprob })
+            .collect())
+    }
+
+    /// Copies whole blocks `(src, dst)` of every layer's keys and values.
+    pub fn copy_paged_blocks(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        pairs: &[(u32, u32)],
+    ) -> Result<()> {
+        let row = cache.block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
+        for &(src, dst) in pairs {
+            ensure!(
+                (src as usize) < cache.num_blocks
+                    && (dst as usize) < cache.num_blocks
+                    && src != dst,
+                "paged cache: copy of block {src} to {dst} ({} blocks)",
+                cache.num_blocks
+            );
+            for buf in cache.k.iter_mut().chain(cache.v.iter_mut()) {
+                self.backend
+                    .copy_within(buf, dst as usize * row, src as usize * row, row)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Grows an index buffer to hold at least `n` entries (to the next power of two, so that a
+/// growing batch reallocates rarely).
+fn grow_idx<B: Backend>(b: &B, buf: &mut B::Idx, n: usize) -> Result<()> {
+    if b.len_idx(buf) < n {
+        *buf = b.alloc_idx(n.next_power_of_two())?;
+    }
+    Ok(())
 }

@@ -9,6 +9,7 @@ pub mod logprob;
 pub mod loss;
 pub mod matmul;
 pub mod optim;
+pub mod paged;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
@@ -16,7 +17,9 @@ pub mod swiglu;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape, PpoShape, PPO_STATS};
+use super::{
+    AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape, PagedAttnShape, PpoShape, PPO_STATS,
+};
 
 /// The CPU backend. It holds no state: threads come from rayon's global pool
 /// (`RAYON_NUM_THREADS` sets their number).
@@ -647,5 +650,56 @@ impl Backend for Cpu {
             step,
         );
         Ok(())
+    }
+
+    fn download_idx(&self, src: &Vec<u32>, dst: &mut [u32]) -> Result<()> {
+        dst.copy_from_slice(get(src, dst.len(), "download source")?);
+        Ok(())
+    }
+
+    fn attention_paged(
+        &self,
+        o: &mut Vec<f32>,
+        q: &Vec<f32>,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        tables: &Vec<u32>,
+        seq: &Vec<u32>,
+        len: &Vec<u32>,
+        s: PagedAttnShape,
+    ) -> Result<()> {
+        let qn = s.queries * s.heads * s.head_dim;
+        paged::forward(
+            get_mut(o, qn, "attention_paged o")?,
+            get(q, qn, "attention_paged q")?,
+            k_cache,
+            v_cache,
+            tables,
+            get(seq, s.queries, "attention_paged seq")?,
+            get(len, s.queries, "attention_paged len")?,
+            s,
+        )
+    }
+
+    fn sample(
+        &self,
+        tokens: &mut Vec<u32>,
+        logprobs: &mut Vec<f32>,
+        logits: &Vec<f32>,
+        keys: &Vec<u32>,
+        positions: &Vec<u32>,
+        rows: usize,
+        vocab: usize,
+        params: &crate::engine::sampling::SamplingParams,
+    ) -> Result<()> {
+        paged::sample_rows(
+            get_mut(tokens, rows, "sample tokens")?,
+            get_mut(logprobs, rows, "sample logprobs")?,
+            get(logits, rows * vocab, "sample logits")?,
+            get(keys, 2 * rows, "sample keys")?,
+            get(positions, rows, "sample positions")?,
+            vocab,
+            params,
+        )
     }
 }

@@ -33,8 +33,8 @@ use self::gemm::{Gemm, GemmCall, Operand};
 use self::nvrtc::{Family, KernelCache};
 use self::pool::{Block, Pool};
 use super::{
-    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, MemoryStats, PpoShape,
-    PPO_STATS,
+    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, MemoryStats,
+    PagedAttnShape, PpoShape, PPO_STATS,
 };
 use crate::error::input_error;
 
@@ -170,6 +170,12 @@ fn describe_errors(bits: u32) -> String {
     }
     if bits & 16 != 0 {
         parts.push("logprob: a target token is outside the vocabulary");
+    }
+    if bits & (1 << 10) != 0 {
+        parts.push("attention_paged: a query reads an empty range or a block outside the cache");
+    }
+    if bits & (1 << 11) != 0 {
+        parts.push("sample: a row of logits holds NaN or is not finite");
     }
     format!("cuda backend: {}", parts.join("; "))
 }
@@ -642,11 +648,6 @@ impl Backend for CudaBackend {
 
     fn memory_stats(&self) -> MemoryStats {
         self.pool.stats()
-    }
-
-    fn device_memory(&self) -> Option<(usize, usize)> {
-        self.bind().ok()?;
-        dr::mem_get_info().ok()
     }
 
     fn logprob_chunk_floats(&self) -> usize {
@@ -1998,6 +1999,186 @@ impl Backend for CudaBackend {
                 &st.bias_correction1,
                 &st.bias_correction2,
                 &st.grad_scale,
+            ],
+        )
+    }
+
+    fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        self.bind()?;
+        let (free, total) = dr::mem_get_info().map_err(|e| anyhow!("cuda: cuMemGetInfo: {e:?}"))?;
+        Ok(Some((free, total)))
+    }
+
+    fn download_idx(&self, src: &CudaIdx, dst: &mut [u32]) -> Result<()> {
+        need(src.len, dst.len(), "download source")?;
+        if dst.is_empty() {
+            return self.check_errors();
+        }
+        self.bind()?;
+        unsafe { dr::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
+        self.check_errors()
+    }
+
+    fn attention_paged(
+        &self,
+        o: &mut CudaBuf,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        tables: &CudaIdx,
+        seq: &CudaIdx,
+        len: &CudaIdx,
+        s: PagedAttnShape,
+    ) -> Result<()> {
+        let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
+        let qn = s.queries * s.heads * s.head_dim;
+        need(o.len, qn, "attention_paged o")?;
+        need(q.len, qn, "attention_paged q")?;
+        need(seq.len, s.queries, "attention_paged seq")?;
+        need(len.len, s.queries, "attention_paged len")?;
+        if s.queries == 0 {
+            return Ok(());
+        }
+        if s.block_size == 0 || s.max_blocks == 0 {
+            bail!(
+                "attention_paged: block size {} and {} blocks per table",
+                s.block_size,
+                s.max_blocks
+            );
+        }
+        // One block per (query, kv head) serving its whole GQA group when the group is small
+        // enough (every key/value row read once); else one block per (query, head).
+        let group = s.heads / s.kv_heads;
+        let gqa = hd.is_multiple_of(8) && group <= 8;
+        let (name, blocks_y, threshold) = if gqa {
+            ("paged_attn_gqa_k", s.kv_heads, 4 * self.sms as usize)
+        } else {
+            ("paged_attn_k", s.heads, 2 * self.sms as usize)
+        };
+        let f = self.func(nvrtc::PAGED_ATTENTION, hd, name)?;
+        let row = s.kv_heads * hd;
+        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
+        // Flash-decoding: split the context when there are too few blocks to fill the GPU;
+        // each split covers at least 64 positions.
+        let max_len = s.max_blocks * s.block_size;
+        let pairs = s.queries * s.heads;
+        let want = threshold.div_ceil(s.queries * blocks_y).max(1);
+        let splits = want.min(max_len.div_ceil(64)).max(1);
+        let split_len = max_len.div_ceil(splits);
+        let (part_o, part_ml) = if splits > 1 {
+            (
+                self.temp(pairs * splits * hd, DType::F32)?,
+                self.temp(pairs * splits * 2, DType::F32)?,
+            )
+        } else {
+            (self.temp(1, DType::F32)?, self.temp(2, DType::F32)?)
+        };
+        let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
+        let (h, kh, bsz, mb, sl) = (
+            s.heads as i32,
+            s.kv_heads as i32,
+            i32_of(s.block_size, "block_size")?,
+            i32_of(s.max_blocks, "max_blocks")?,
+            i32_of(split_len, "split_len")?,
+        );
+        let scale = 1.0 / (hd as f32).sqrt();
+        let err = self.err_word.ptr();
+        self.launch(
+            &f,
+            (s.queries as u32, blocks_y as u32, splits as u32),
+            128,
+            0,
+            &[
+                &o.ptr,
+                &obf,
+                &q.ptr,
+                &qbf,
+                &k_cache.ptr,
+                &kbf,
+                &v_cache.ptr,
+                &vbf,
+                &tables.ptr,
+                &seq.ptr,
+                &len.ptr,
+                &h,
+                &kh,
+                &bsz,
+                &mb,
+                &num_blocks,
+                &sl,
+                &scale,
+                &part_o.ptr,
+                &part_ml.ptr,
+                &err,
+            ],
+        )?;
+        if splits > 1 {
+            let c = self.func(nvrtc::PAGED_ATTENTION, hd, "paged_combine_k")?;
+            let sp = splits as i32;
+            self.launch(
+                &c,
+                (s.queries as u32, s.heads as u32, 1),
+                Self::row_threads(hd),
+                0,
+                &[&o.ptr, &obf, &part_o.ptr, &part_ml.ptr, &h, &sp],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn sample(
+        &self,
+        tokens: &mut CudaIdx,
+        logprobs: &mut CudaBuf,
+        logits: &CudaBuf,
+        keys: &CudaIdx,
+        positions: &CudaIdx,
+        rows: usize,
+        vocab: usize,
+        params: &crate::engine::sampling::SamplingParams,
+    ) -> Result<()> {
+        params.validate()?;
+        need(tokens.len, rows, "sample tokens")?;
+        need(logprobs.len, rows, "sample logprobs")?;
+        need(logits.len, rows * vocab, "sample logits")?;
+        need(keys.len, 2 * rows, "sample keys")?;
+        need(positions.len, rows, "sample positions")?;
+        if logprobs.dtype != DType::F32 {
+            bail!("sample: log-probs must be an f32 buffer");
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        if vocab == 0 {
+            bail!("cannot sample from an empty vocabulary");
+        }
+        let f = self.func(nvrtc::SAMPLE, 0, "sample_k")?;
+        let lbf = logits.bf();
+        let v = i32_of(vocab, "vocab")?;
+        let top_k = if params.top_k > 0 && (params.top_k as usize) < vocab {
+            params.top_k as i32
+        } else {
+            -1
+        };
+        let err = self.err_word.ptr();
+        self.launch(
+            &f,
+            (rows as u32, 1, 1),
+            1024,
+            0,
+            &[
+                &tokens.ptr,
+                &logprobs.ptr,
+                &logits.ptr,
+                &lbf,
+                &keys.ptr,
+                &positions.ptr,
+                &v,
+                &params.temperature,
+                &top_k,
+                &params.top_p,
+                &err,
             ],
         )
     }

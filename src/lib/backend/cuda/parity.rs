@@ -1386,9 +1386,12 @@ impl Suite<'_> {
     }
 }
 
+#[path = "parity_paged.rs"]
+mod paged;
+
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 14] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 17] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1404,6 +1407,9 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 14] {
         ("optim", Suite::optim),
         ("decoder", Suite::decoder),
         ("hf_fixtures", Suite::hf_fixtures),
+        ("attention_paged", Suite::paged_attention),
+        ("sample", Suite::sample),
+        ("paged_generate", Suite::paged_generate),
     ]
 }
 

@@ -13,8 +13,9 @@ use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
-use crate::engine::generate::{
-    generate, CachedDecoder, Completion, Detokenize, GenParams, GenStats, Request,
+use crate::engine::generate::{Completion, Detokenize, GenParams, Request};
+use crate::engine::paged::{
+    generate_paged, pool_blocks, PagedConfig, PagedDecoder, PagedStats, DEFAULT_BLOCK_SIZE,
 };
 use crate::engine::sampling::{sample_key, SamplingParams};
 use crate::error::input_error;
@@ -187,9 +188,18 @@ pub struct RolloutArgs {
     /// The prompt column of the dataset.
     #[arg(long, default_value = "prompt")]
     pub prompt_key: String,
-    /// Sequences decoded together (KV-cache slots).
-    #[arg(long, default_value_t = 64)]
-    pub batch_size: usize,
+    /// Samples decoded together at most (vLLM's max_num_seqs; `--batch-size` is an alias).
+    #[arg(long = "max-num-seqs", alias = "batch-size", default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Tokens run in one step: one per decoding sample plus chunks of prompts being prefilled
+    /// (long prompts are split so they do not stall the decodes). At least --max-num-seqs.
+    #[arg(long, default_value_t = 8192)]
+    pub max_batched_tokens: usize,
+    /// Fraction of the GPU memory still free after the weights and the workspace that the KV
+    /// cache pool takes (never more than --max-num-seqs full-length samples need). On the CPU
+    /// the pool is always that full size.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_fraction: f64,
     /// Training step, recorded in the output's metadata.
     #[arg(long)]
     pub step: Option<u64>,
@@ -204,37 +214,82 @@ pub struct RolloutArgs {
 /// Load the model and generate every sample.
 struct Generate<'a> {
     dir: &'a Path,
-    vocab: usize,
-    slots: usize,
-    max_len: usize,
     requests: &'a [Request],
     params: &'a GenParams,
     detok: Detokenize<'a>,
     bar: &'a ProgressBar,
+    max_num_seqs: usize,
+    max_batched_tokens: usize,
+    gpu_memory_fraction: f64,
+}
+
+/// What a generation did, for the metrics.
+struct Generated {
+    completions: Vec<Vec<Completion>>,
+    stats: PagedStats,
+    load_s: f64,
+    gen_s: f64,
+    kv_pool_bytes: usize,
+    /// Free device memory with the KV pool held and after it was released (GPU only).
+    free_with_pool: Option<usize>,
+    free_after_release: Option<usize>,
 }
 
 impl Job for Generate<'_> {
-    /// Completions per request, counters, seconds loading, seconds generating.
-    type Out = (Vec<Vec<Completion>>, GenStats, f64, f64);
-    fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
+    type Out = Generated;
+    fn run<B: Backend>(self, backend: B) -> Result<Generated> {
         let started = Instant::now();
         let mut policy = load_policy(backend, self.dir)?;
-        let loaded_s = started.elapsed().as_secs_f64();
-        let mut engine = CachedDecoder::new(&mut policy, self.vocab, self.slots, self.max_len)?;
+        let load_s = started.elapsed().as_secs_f64();
+        let bs = DEFAULT_BLOCK_SIZE;
+        let samples: usize = self.requests.iter().map(|r| r.sample_keys.len()).sum();
+        let seqs = self.max_num_seqs.min(samples).max(1);
+        let longest = self
+            .requests
+            .iter()
+            .map(|r| r.prompt.len())
+            .max()
+            .unwrap_or(1);
+        let prompt_tokens: usize = self.requests.iter().map(|r| r.prompt.len()).sum();
+        // Every running sample at full length, plus a partial prompt block copy each.
+        let cap = seqs * ((longest + self.params.max_new_tokens).div_ceil(bs) + 1);
+        // The workspace of the largest step first, so the pool is sized from what is left.
+        let most = prompt_tokens + seqs * (self.params.max_new_tokens + 1);
+        policy.reserve_paged(self.max_batched_tokens.min(most), seqs)?;
+        let free = policy.backend().device_memory()?.map(|(f, _)| f);
+        let block_bytes = policy.paged_block_bytes(bs);
+        let num_blocks = pool_blocks(free, self.gpu_memory_fraction, block_bytes, cap).max(1);
+        let cfg = PagedConfig {
+            block_size: bs,
+            num_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+        };
+        let mut engine = PagedDecoder::new(&mut policy, num_blocks, bs)?;
         let gen_started = Instant::now();
-        let (completions, stats) = generate(
+        let (completions, stats) = generate_paged(
             &mut engine,
+            &cfg,
             self.requests,
             self.params,
             Some(self.detok),
             &mut |done| self.bar.set_position(done as u64),
         )?;
-        Ok((
+        let gen_s = gen_started.elapsed().as_secs_f64();
+        let free_with_pool = engine.decoder.backend().device_memory()?.map(|(f, _)| f);
+        // Give the pool back (what a colocated engine does before the update phase).
+        drop(engine);
+        policy.backend().trim()?;
+        let free_after_release = policy.backend().device_memory()?.map(|(f, _)| f);
+        Ok(Generated {
             completions,
             stats,
-            loaded_s,
-            gen_started.elapsed().as_secs_f64(),
-        ))
+            load_s,
+            gen_s,
+            kv_pool_bytes: num_blocks * block_bytes,
+            free_with_pool,
+            free_after_release,
+        })
     }
 }
 
@@ -252,8 +307,21 @@ impl RolloutArgs {
         if self.max_prompt_tokens == 0 {
             bail_input!("--max-prompt-tokens must be >= 1");
         }
-        if self.batch_size == 0 {
-            bail_input!("--batch-size must be >= 1");
+        if self.max_num_seqs == 0 {
+            bail_input!("--max-num-seqs must be >= 1");
+        }
+        if self.max_batched_tokens < self.max_num_seqs {
+            bail_input!(
+                "--max-batched-tokens ({}) must be >= --max-num-seqs ({}): every running sample needs a token per step",
+                self.max_batched_tokens,
+                self.max_num_seqs
+            );
+        }
+        if !(self.gpu_memory_fraction > 0.0 && self.gpu_memory_fraction <= 1.0) {
+            bail_input!(
+                "--gpu-memory-fraction must be in (0, 1], got {}",
+                self.gpu_memory_fraction
+            );
         }
         if self.stop.iter().any(String::is_empty) {
             bail_input!("--stop: stop strings must not be empty");
@@ -329,22 +397,29 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         stop_strings: args.stop.clone(),
     };
 
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let total = n_prompts * args.n;
     let bar = progress_bar(total, "rollout");
     let job = Generate {
         dir: &model.dir,
-        vocab: cfg.vocab_size,
-        slots: args.batch_size.min(total),
-        max_len: (longest + args.max_new_tokens).max(1),
         requests: &requests,
         params: &params,
         detok: &detok,
         bar: &bar,
+        max_num_seqs: args.max_num_seqs,
+        max_batched_tokens: args.max_batched_tokens,
+        gpu_memory_fraction: args.gpu_memory_fraction,
     };
-    let (completions, stats, loaded_s, gen_s) = on_device(args.device, job)?;
+    let Generated {
+        completions,
+        stats,
+        load_s: loaded_s,
+        gen_s,
+        kv_pool_bytes,
+        free_with_pool,
+        free_after_release,
+    } = on_device(args.device, job)?;
     bar.finish_and_clear();
 
     // One row per sample, the n samples of a prompt side by side.
@@ -425,7 +500,17 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         "prompts": n_prompts,
         "samples": total,
         "truncated_prompts": truncated,
-        "prompt_tokens": stats.prefill_tokens,
+        "prompt_tokens": prompts.iter().map(Vec::len).sum::<usize>() * args.n,
+        "prefill_tokens": stats.gen.prefill_tokens,
+        "prefills": stats.gen.prefills,
+        "engine_steps": stats.gen.decode_steps,
+        "preemptions": stats.preemptions,
+        "kv_block_size": stats.block_size,
+        "kv_blocks": stats.num_blocks,
+        "kv_blocks_peak": stats.peak_blocks_in_use,
+        "kv_pool_bytes": kv_pool_bytes,
+        "device_free_bytes_with_pool": free_with_pool,
+        "device_free_bytes_after_release": free_after_release,
         "response_tokens": response_tokens,
         "response_length_mean": response_tokens as f64 / total as f64,
         "response_length_max": r_off.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),

@@ -1332,6 +1332,20 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
+    /// Frees the gradients (the next backward pass allocates them again): the hybrid engine's
+    /// step from the update phase to generation.
+    pub fn release_grads(&mut self) {
+        self.g.clear();
+    }
+
+    /// Frees the Adam moments on the device, keeping the step count: the daemon parks them in
+    /// host memory between updates (`--offload-optimizer`) and brings them back with
+    /// `load_optimizer_state` before the next step.
+    pub fn release_optimizer_state(&mut self) {
+        self.m.clear();
+        self.v.clear();
+    }
+
     /// A KV cache of `slots` sequences of at most `max_len` tokens.
     pub fn new_cache(&self, slots: usize, max_len: usize) -> Result<KvCache<B>> {
         let n = slots * max_len * self.cfg.num_kv_heads * self.cfg.head_dim;

@@ -5,12 +5,13 @@
 //! repeat of that prompt in the file, sample index), so a prompt gets the same samples whatever
 //! other prompts share the file, the `--limit`, or the `--batch-size`.
 
-use super::common::{progress_bar, resolve_model, Device};
-use super::{load_policy, on_device, Job};
+use super::common::{resolve_model, Device};
+use super::{daemon_socket, load_policy, Exec, InProcess, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
+use crate::daemon::protocol::StageJob;
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::engine::generate::{
@@ -19,12 +20,14 @@ use crate::engine::generate::{
 use crate::engine::sampling::{sample_key, SamplingParams};
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
+use crate::model::decoder::Decoder;
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{Field, Schema};
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -32,7 +35,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// What to do with a prompt longer than --max-prompt-tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Truncate {
     /// Keep the last --max-prompt-tokens tokens (the end of the prompt, with the generation
     /// prompt, is what the model continues).
@@ -137,7 +141,7 @@ pub fn sequence_columns(
     cols
 }
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[command(about = "Sample responses to a prompt dataset")]
 pub struct RolloutArgs {
     /// Model directory (HF layout) or a pointer file written by sync-weights.
@@ -199,10 +203,17 @@ pub struct RolloutArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
+    /// Send the job to the warm daemon listening on this socket instead of loading the model
+    /// here (default: $TANDEM_DAEMON).
+    #[arg(long)]
+    pub daemon: Option<PathBuf>,
 }
 
+/// Completions per request, counters, seconds loading, seconds generating.
+pub type GenerateOut = (Vec<Vec<Completion>>, GenStats, f64, f64);
+
 /// Load the model and generate every sample.
-struct Generate<'a> {
+pub struct Generate<'a> {
     dir: &'a Path,
     vocab: usize,
     slots: usize,
@@ -214,13 +225,20 @@ struct Generate<'a> {
 }
 
 impl Job for Generate<'_> {
-    /// Completions per request, counters, seconds loading, seconds generating.
-    type Out = (Vec<Vec<Completion>>, GenStats, f64, f64);
+    type Out = GenerateOut;
     fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
         let started = Instant::now();
         let mut policy = load_policy(backend, self.dir)?;
         let loaded_s = started.elapsed().as_secs_f64();
-        let mut engine = CachedDecoder::new(&mut policy, self.vocab, self.slots, self.max_len)?;
+        let (completions, stats, _, gen_s) = self.generate_on(&mut policy)?;
+        Ok((completions, stats, loaded_s, gen_s))
+    }
+}
+
+impl Generate<'_> {
+    /// Generates with a policy already loaded (the load time it reports is 0).
+    pub fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<GenerateOut> {
+        let mut engine = CachedDecoder::new(policy, self.vocab, self.slots, self.max_len)?;
         let gen_started = Instant::now();
         let (completions, stats) = generate(
             &mut engine,
@@ -229,12 +247,7 @@ impl Job for Generate<'_> {
             Some(self.detok),
             &mut |done| self.bar.set_position(done as u64),
         )?;
-        Ok((
-            completions,
-            stats,
-            loaded_s,
-            gen_started.elapsed().as_secs_f64(),
-        ))
+        Ok((completions, stats, 0.0, gen_started.elapsed().as_secs_f64()))
     }
 }
 
@@ -263,6 +276,15 @@ impl RolloutArgs {
 }
 
 pub fn run(args: RolloutArgs) -> Result<()> {
+    if let Some(socket) = daemon_socket(&args.daemon) {
+        return crate::daemon::client::run_stage(&socket, StageJob::Rollout(args));
+    }
+    let device = args.device;
+    run_with(args, &mut InProcess(device))
+}
+
+/// The stage with its compute on `exec`.
+pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let sampling = args.sampling()?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
@@ -333,7 +355,7 @@ pub fn run(args: RolloutArgs) -> Result<()> {
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let total = n_prompts * args.n;
-    let bar = progress_bar(total, "rollout");
+    let bar = exec.progress_bar(total, "rollout");
     let job = Generate {
         dir: &model.dir,
         vocab: cfg.vocab_size,
@@ -344,7 +366,7 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         detok: &detok,
         bar: &bar,
     };
-    let (completions, stats, loaded_s, gen_s) = on_device(args.device, job)?;
+    let (completions, stats, loaded_s, gen_s) = exec.generate(&model, job)?;
     bar.finish_and_clear();
 
     // One row per sample, the n samples of a prompt side by side.
@@ -439,12 +461,12 @@ pub fn run(args: RolloutArgs) -> Result<()> {
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;
     }
-    eprintln!(
+    exec.log(&format!(
         "rollout: {n_prompts} prompts x {} = {total} samples, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",
         args.n,
         response_tokens as f64 / gen_s.max(1e-9),
         100.0 * n_stop as f64 / total as f64,
         args.out.display()
-    );
+    ));
     Ok(())
 }

@@ -1,0 +1,526 @@
+//! The warm daemon on the CPU backend, with the real binaries: the same stage commands give
+//! byte-identical batch files and checkpoints in-process and as clients of the daemon (with and
+//! without the offload options), bad input fails the same way, and the daemon survives
+//! malformed requests and stops cleanly on `shutdown` and SIGTERM.
+
+mod stage_util;
+
+use stage_util::{prompts, tiny_model};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
+use tandem::batch::{list_array, Batch, NewColumns, StageInfo};
+
+const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
+
+fn bin(name: &str) -> &'static str {
+    match name {
+        "rollout" => env!("CARGO_BIN_EXE_rollout"),
+        "ref-logprob" => env!("CARGO_BIN_EXE_ref-logprob"),
+        "update" => env!("CARGO_BIN_EXE_update"),
+        "sync-weights" => env!("CARGO_BIN_EXE_sync-weights"),
+        other => panic!("no binary {other}"),
+    }
+}
+
+/// Runs a stage in `cwd`, as a client of `daemon` when given.
+fn stage(cwd: &Path, name: &str, args: &[&str], daemon: Option<&Path>) -> Output {
+    let mut cmd = Command::new(bin(name));
+    cmd.current_dir(cwd)
+        .args(args)
+        .env("RAYON_NUM_THREADS", "2")
+        .env_remove("TANDEM_DAEMON");
+    if let Some(d) = daemon {
+        cmd.arg("--daemon").arg(d);
+    }
+    cmd.output().expect("spawn")
+}
+
+fn ok(cwd: &Path, name: &str, args: &[&str], daemon: Option<&Path>) -> Output {
+    let out = stage(cwd, name, args, daemon);
+    assert!(
+        out.status.success(),
+        "{name} {args:?} (daemon {daemon:?}) failed ({:?}):\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A daemon process, stopped (SIGKILL as a last resort) when dropped.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    fn start(cwd: &Path, socket: &Path, policy: &str, extra: &[&str]) -> Daemon {
+        let child = Command::new(TANDEM)
+            .current_dir(cwd)
+            .args(["daemon", "--device", "cpu", "--socket"])
+            .arg(socket)
+            .args(["--policy", policy])
+            .args(extra)
+            .env("RAYON_NUM_THREADS", "2")
+            .spawn()
+            .expect("spawn daemon");
+        let d = Daemon {
+            child,
+            socket: socket.to_path_buf(),
+        };
+        d.wait_healthy();
+        d
+    }
+
+    fn wait_healthy(&self) {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(120) {
+            if let Ok(lines) = exchange(&self.socket, r#"{"type":"health"}"#, 1) {
+                assert!(lines[0].contains(r#""ok":true"#), "{lines:?}");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("daemon at {} never became healthy", self.socket.display());
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let lines = exchange(&self.socket, r#"{"type":"status"}"#, 1).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+        v["status"].clone()
+    }
+
+    /// Waits for the process to exit by itself; its exit code.
+    fn wait_exit(&mut self) -> Option<i32> {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(60) {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("daemon did not stop");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Sends one raw line and reads `n` answer lines.
+fn exchange(socket: &Path, line: &str, n: usize) -> std::io::Result<Vec<String>> {
+    let mut s = UnixStream::connect(socket)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.write_all(line.as_bytes())?;
+    s.write_all(b"\n")?;
+    let mut r = BufReader::new(s);
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let mut l = String::new();
+        r.read_line(&mut l)?;
+        out.push(l.trim_end().to_string());
+    }
+    Ok(out)
+}
+
+/// Adds advantages (+1 for even rows, −1 for odd ones, on every response token), as the
+/// advantage stage would.
+fn add_advantages(input: &Path, out: &Path) {
+    let b = Batch::read(input, &[]).unwrap();
+    let resp = b.ragged_i32("response_ids").unwrap();
+    let mut vals = Vec::new();
+    for (i, r) in resp.rows().enumerate() {
+        let a = if i % 2 == 0 { 1.0f32 } else { -1.0 };
+        vals.extend(std::iter::repeat_n(a, r.len()));
+    }
+    let mut cols = NewColumns::new();
+    cols.add(
+        "advantages",
+        list_array::<arrow_array::types::Float32Type>(&resp.offsets, vals),
+    );
+    b.write_derived(
+        out,
+        cols,
+        &StageInfo {
+            stage: "advantage",
+            params: serde_json::json!({}),
+            policy_version: None,
+            step: None,
+        },
+    )
+    .unwrap();
+}
+
+/// Files of the two-step flow whose bytes must not depend on where the compute ran.
+const OUTPUTS: &[&str] = &[
+    "r1.parquet",
+    "ref1.parquet",
+    "old1.parquet",
+    "ckpt1/model.safetensors",
+    "ckpt1/optimizer.safetensors",
+    "ckpt1/trainer_state.json",
+    "policy",
+    "r2.parquet",
+    "ref2.parquet",
+    "old2.parquet",
+    "ckpt2/model.safetensors",
+    "ckpt2/optimizer.safetensors",
+    "ckpt2/trainer_state.json",
+];
+
+/// Two GRPO-like steps (rollout, ref and old log-probs, update with a KL loss over several
+/// mini-batches, sync) in `w`, with relative paths, optionally through a daemon.
+fn two_steps(w: &Path, daemon: Option<&Path>) {
+    ok(
+        w,
+        "sync-weights",
+        &["--from", "model", "--to", "policy", "--policy-version", "0"],
+        daemon,
+    );
+    for step in 1..=2 {
+        let f = |n: &str| format!("{n}{step}.parquet");
+        let seed = (10 + step).to_string();
+        ok(
+            w,
+            "rollout",
+            &[
+                "--model",
+                "policy",
+                "--in",
+                "prompts.parquet",
+                "--out",
+                &f("r"),
+                "--n",
+                "2",
+                "--max-new-tokens",
+                "6",
+                "--seed",
+                &seed,
+                "--step",
+                &step.to_string(),
+                "--metrics",
+                &format!("r{step}.json"),
+            ],
+            daemon,
+        );
+        ok(
+            w,
+            "ref-logprob",
+            &[
+                "--model",
+                "model",
+                "--in",
+                &f("r"),
+                "--out",
+                &f("ref"),
+                "--column",
+                "ref_logprobs",
+            ],
+            daemon,
+        );
+        ok(
+            w,
+            "ref-logprob",
+            &[
+                "--model",
+                "policy",
+                "--in",
+                &f("ref"),
+                "--out",
+                &f("old"),
+                "--column",
+                "old_logprobs",
+            ],
+            daemon,
+        );
+        add_advantages(&w.join(f("old")), &w.join(f("adv")));
+        let ckpt = format!("ckpt{step}");
+        ok(
+            w,
+            "update",
+            &[
+                "--model",
+                "policy",
+                "--in",
+                &f("adv"),
+                "--out-model",
+                &ckpt,
+                "--use-kl-loss",
+                "--kl-loss-coef",
+                "0.1",
+                "--lr",
+                "0.01",
+                "--mini-batch-size",
+                "2",
+                "--shuffle",
+                "--seed",
+                &seed,
+                "--metrics",
+                &format!("u{step}.json"),
+            ],
+            daemon,
+        );
+        ok(
+            w,
+            "sync-weights",
+            &[
+                "--from",
+                &ckpt,
+                "--to",
+                "policy",
+                "--policy-version",
+                &step.to_string(),
+            ],
+            daemon,
+        );
+    }
+}
+
+/// Moves the flow's outputs of `w` into `w/to`.
+fn stash(w: &Path, to: &str) {
+    let dest = w.join(to);
+    std::fs::create_dir_all(&dest).unwrap();
+    for name in std::fs::read_dir(w).unwrap() {
+        let name = name.unwrap().file_name().into_string().unwrap();
+        let keep = ["model", "prompts.parquet", "a", "b", "c", "sock"];
+        if keep.contains(&name.as_str()) {
+            continue;
+        }
+        std::fs::rename(w.join(&name), dest.join(&name)).unwrap();
+    }
+}
+
+fn read_json(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+#[test]
+fn daemon_clients_write_the_same_files_as_in_process_stages() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let model = tiny_model(w, 7);
+    std::fs::rename(&model, w.join("model")).unwrap();
+    prompts(
+        &w.join("prompts.parquet"),
+        &["one two", "three", "four five six", "seven"],
+    );
+
+    two_steps(w, None);
+    stash(w, "a");
+
+    // The daemon's socket lives in the work directory; the stages find it through --daemon.
+    let sock = w.join("sock");
+    let mut daemon = Daemon::start(w, &sock, "model", &[]);
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
+    two_steps(w, Some(&sock));
+
+    // The daemon kept the policy across the steps: after the first load it never reloaded.
+    for f in ["r2.json", "u1.json", "u2.json"] {
+        let m = read_json(&w.join(f));
+        assert_eq!(m["daemon"]["reloaded"], false, "{f}: {m}");
+        assert!(m["daemon"]["peak_in_use"].is_u64(), "{f}: {m}");
+    }
+    let status = daemon.status();
+    assert_eq!(status["resident"]["policy_version"], 2, "{status}");
+    assert_eq!(
+        status["resident"]["policy"]["dir"],
+        w.join("ckpt2")
+            .canonicalize()
+            .unwrap()
+            .display()
+            .to_string()
+    );
+    assert_eq!(status["resident"]["policy"]["schedule_step"], 2);
+    assert!(
+        status["resident"]["phases"]["update"]["runs"] == 2,
+        "{status}"
+    );
+
+    // shutdown: the daemon exits 0 and removes its socket.
+    let lines = exchange(&sock, r#"{"type":"shutdown"}"#, 1).unwrap();
+    assert!(lines[0].contains("shutting-down"), "{lines:?}");
+    assert_eq!(daemon.wait_exit(), Some(0));
+    assert!(!sock.exists());
+    stash(w, "b");
+
+    // With the optimizer and the reference parked in host memory: the same files again.
+    let _daemon = Daemon::start(
+        w,
+        &sock,
+        "model",
+        &["--ref", "model", "--offload-optimizer", "--offload-ref"],
+    );
+    two_steps(w, Some(&sock));
+    let st = _daemon.status();
+    assert_eq!(
+        st["resident"]["policy"]["optimizer_offloaded"], true,
+        "{st}"
+    );
+    assert_eq!(st["resident"]["reference"]["offloaded"], true, "{st}");
+    stash(w, "c");
+
+    for f in OUTPUTS {
+        let a = std::fs::read(w.join("a").join(f)).unwrap();
+        for other in ["b", "c"] {
+            let b = std::fs::read(w.join(other).join(f)).unwrap();
+            assert!(a == b, "{f}: in-process and daemon ({other}) files differ");
+        }
+    }
+    // The flow did train: step 2's policy is not the initial model.
+    let m0 = std::fs::read(w.join("model/model.safetensors")).unwrap();
+    let m2 = std::fs::read(w.join("a/ckpt2/model.safetensors")).unwrap();
+    assert_ne!(m0, m2);
+}
+
+#[test]
+fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let model = tiny_model(w, 3);
+    std::fs::rename(&model, w.join("model")).unwrap();
+    prompts(&w.join("prompts.parquet"), &["hello"]);
+    let sock = w.join("sock");
+    let mut daemon = Daemon::start(w, &sock, "model", &[]);
+
+    // Input errors: exit 2 and the very message of in-process mode.
+    let cases: [(&str, Vec<&str>); 3] = [
+        (
+            "update",
+            vec![
+                "--model",
+                "model",
+                "--in",
+                "prompts.parquet",
+                "--out-model",
+                "o",
+            ],
+        ),
+        (
+            "rollout",
+            vec![
+                "--model",
+                "nope",
+                "--in",
+                "prompts.parquet",
+                "--out",
+                "r.parquet",
+            ],
+        ),
+        (
+            "ref-logprob",
+            vec![
+                "--model",
+                "model",
+                "--in",
+                "missing.parquet",
+                "--out",
+                "x.parquet",
+                "--column",
+                "ref_logprobs",
+            ],
+        ),
+    ];
+    for (name, args) in &cases {
+        let here = stage(w, name, args, None);
+        let there = stage(w, name, args, Some(&sock));
+        assert_eq!(here.status.code(), Some(2), "{name}");
+        assert_eq!(there.status.code(), Some(2), "{name}");
+        assert_eq!(
+            String::from_utf8_lossy(&here.stderr),
+            String::from_utf8_lossy(&there.stderr),
+            "{name}"
+        );
+    }
+    assert!(!w.join("o").exists() && !w.join("r.parquet").exists());
+
+    // A device the daemon does not have is refused as bad input.
+    let wrong = stage(
+        w,
+        "rollout",
+        &[
+            "--model",
+            "model",
+            "--in",
+            "prompts.parquet",
+            "--out",
+            "r.parquet",
+            "--device",
+            "cuda:1",
+        ],
+        Some(&sock),
+    );
+    assert_eq!(wrong.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("the daemon runs on cpu"));
+
+    // Malformed requests get an error line; the daemon goes on serving.
+    for bad in [
+        "garbage",
+        r#"{"type":"job","cwd":"/"}"#,
+        r#"{"type":"nap"}"#,
+    ] {
+        let lines = exchange(&sock, bad, 1).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+        assert_eq!(v["type"], "error", "{bad}: {v}");
+        assert!(v["message"].as_str().unwrap().contains("malformed request"));
+    }
+    // TANDEM_DAEMON works like --daemon.
+    let out = Command::new(bin("rollout"))
+        .current_dir(w)
+        .args([
+            "--model",
+            "model",
+            "--in",
+            "prompts.parquet",
+            "--out",
+            "r.parquet",
+            "--n",
+            "1",
+            "--max-new-tokens",
+            "3",
+        ])
+        .env("TANDEM_DAEMON", &sock)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rollout: 1 prompts x 1"));
+    let st = daemon.status();
+    assert_eq!(st["jobs_done"], 1, "{st}");
+    assert!(st["jobs_failed"].as_u64().unwrap() >= 4, "{st}");
+
+    // SIGTERM: clean stop, socket removed.
+    unsafe {
+        libc::kill(daemon.child.id() as i32, libc::SIGTERM);
+    }
+    assert_eq!(daemon.wait_exit(), Some(0));
+    assert!(!sock.exists());
+
+    // No daemon: a clear input error.
+    let gone = stage(
+        w,
+        "rollout",
+        &[
+            "--model",
+            "model",
+            "--in",
+            "prompts.parquet",
+            "--out",
+            "r.parquet",
+        ],
+        Some(&sock),
+    );
+    assert_eq!(gone.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&gone.stderr).contains("cannot connect"));
+}

@@ -524,3 +524,146 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
     assert_eq!(gone.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&gone.stderr).contains("cannot connect"));
 }
+
+/// Every file of every checkpoint of a run, by content.
+fn checkpoint_files(run: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    for ck in std::fs::read_dir(run.join("ckpt")).unwrap() {
+        let ck = ck.unwrap();
+        for f in std::fs::read_dir(ck.path()).unwrap() {
+            let f = f.unwrap();
+            let name = format!(
+                "{}/{}",
+                ck.file_name().to_string_lossy(),
+                f.file_name().to_string_lossy()
+            );
+            out.insert(name, std::fs::read(f.path()).unwrap());
+        }
+    }
+    out
+}
+
+/// `daemon = true`: the runner starts the daemon, routes the model stages through it, restarts
+/// it when it is killed (SIGKILL in the middle of an update) and stops it at the end; the run
+/// ends with the same checkpoints, bit for bit, as a run without a daemon.
+#[test]
+fn pipeline_with_a_daemon_survives_its_death_and_matches_in_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 5);
+    std::fs::rename(&model, d.join("model")).unwrap();
+    let tandem = |args: &[&str]| {
+        let o = Command::new(TANDEM)
+            .args(args)
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    for (n, seed, split, out) in [
+        ("40", "1", "train", "train.parquet"),
+        ("8", "2", "test", "val.parquet"),
+    ] {
+        tandem(&[
+            "prepare", "synth", "--task", "add", "--digits", "1", "--n", n, "--seed", seed,
+            "--split", split, "--out", out,
+        ]);
+    }
+    let spec = r#"
+seed = 3
+steps = 3
+daemon = DAEMON
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+val = "val.parquet"
+prompts-per-step = 4
+[rollout]
+n = 4
+temperature = 1.0
+max-new-tokens = 12
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.01
+use-kl-loss = true
+ppo-epochs = 2
+mini-batch-size = 8
+[eval]
+every = 2
+[checkpoint]
+every = 1
+keep-last = 3
+"#;
+    std::fs::write(d.join("plain.toml"), spec.replace("DAEMON", "false")).unwrap();
+    std::fs::write(d.join("warm.toml"), spec.replace("DAEMON", "true")).unwrap();
+    let bins = Path::new(TANDEM).parent().unwrap();
+    let run = |spec: &str, run: &str, kill_marker: Option<&Path>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_pipeline"));
+        c.current_dir(d)
+            .args(["run", spec, "--run-dir", run])
+            .env("TANDEM_BIN_DIR", bins)
+            .env("RAYON_NUM_THREADS", "2")
+            .env_remove("TANDEM_DAEMON");
+        if let Some(m) = kill_marker {
+            c.env(tandem::daemon::resident::KILL_IN_UPDATE_ENV, m);
+        }
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{run}: {err}");
+        err
+    };
+    run("plain.toml", "a", None);
+    let marker = d.join("killed-once");
+    let log = run("warm.toml", "b", Some(&marker));
+    assert!(marker.exists(), "the daemon was never killed");
+    assert!(log.contains("the daemon died"), "{log}");
+
+    let (a, b) = (d.join("a"), d.join("b"));
+    let (ca, cb) = (checkpoint_files(&a), checkpoint_files(&b));
+    assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+    assert!(
+        ca.contains_key("step-0003/optimizer.safetensors"),
+        "{:?}",
+        ca.keys()
+    );
+    for (k, v) in &ca {
+        assert!(
+            v == &cb[k],
+            "{k} differs between the plain and the daemon run"
+        );
+    }
+    assert_eq!(
+        std::fs::read(a.join("policy")).unwrap(),
+        std::fs::read(b.join("policy")).unwrap()
+    );
+    // The model stages went to the daemon, which two processes served; both are gone and the
+    // socket is removed.
+    let commands = std::fs::read_to_string(b.join("commands.sh")).unwrap();
+    assert!(
+        commands.contains("update --model b/policy") && commands.contains("--daemon b/daemon.sock")
+    );
+    let dlog = std::fs::read_to_string(b.join("daemon.log")).unwrap();
+    let pids: Vec<u32> = dlog
+        .lines()
+        .filter_map(|l| l.split("(pid ").nth(1))
+        .filter_map(|r| r.split(')').next()?.parse().ok())
+        .collect();
+    assert_eq!(pids.len(), 2, "{dlog}");
+    for pid in pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "daemon {pid} outlived the run"
+        );
+    }
+    assert!(dlog.contains("daemon: stopped"), "{dlog}");
+    assert!(!b.join("daemon.sock").exists());
+    // The step metrics carry the daemon's view (whether it reloaded, memory per phase).
+    let metrics = std::fs::read_to_string(b.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("update/daemon/reloaded"), "{metrics}");
+}

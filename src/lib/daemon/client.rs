@@ -66,7 +66,13 @@ pub fn run_stage(socket: &Path, job: StageJob) -> Result<()> {
     let name = job.name();
     let metrics_path = job.metrics_path().cloned();
     let mut stream = connect(socket)?;
-    send(&mut stream, &Request::Job { cwd, job })?;
+    send(
+        &mut stream,
+        &Request::Job {
+            cwd,
+            job: Box::new(job),
+        },
+    )?;
     let mut bar: Option<ProgressBar> = None;
     for line in BufReader::new(stream).lines() {
         let line = line.with_context(|| format!("reading from {}", socket.display()))?;

@@ -55,7 +55,7 @@ impl StageJob {
 pub enum Request {
     /// Run a stage. Relative paths in its arguments are relative to `cwd` (the client's working
     /// directory), as they would be in-process.
-    Job { cwd: PathBuf, job: StageJob },
+    Job { cwd: PathBuf, job: Box<StageJob> },
     /// Is the daemon up? Answered at once, even while a job runs.
     Health,
     /// What the daemon holds: models, policy_version, memory per phase, uptime.
@@ -165,16 +165,15 @@ mod tests {
         ]);
         let req = Request::Job {
             cwd: "/x".into(),
-            job: StageJob::Update(cli.args.clone()),
+            job: Box::new(StageJob::Update(cli.args.clone())),
         };
         let line = serde_json::to_string(&req).unwrap();
         assert!(line.contains(r#""stage":"update""#), "{line}");
         let back: Request = serde_json::from_str(&line).unwrap();
-        let Request::Job {
-            job: StageJob::Update(a),
-            ..
-        } = back
-        else {
+        let Request::Job { job, .. } = back else {
+            panic!("{line}")
+        };
+        let StageJob::Update(a) = *job else {
             panic!("{line}")
         };
         assert_eq!(format!("{a:?}"), format!("{:?}", cli.args));

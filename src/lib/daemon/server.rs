@@ -77,7 +77,7 @@ impl Reply {
 /// A job handed from a connection thread to the main thread.
 struct Work {
     cwd: PathBuf,
-    job: StageJob,
+    job: Box<StageJob>,
     reply: Reply,
     done: mpsc::Sender<()>,
 }
@@ -359,7 +359,7 @@ fn run_job<B: Backend>(
     let result = std::thread::scope(|scope| {
         scope.spawn(|| ticker(&bars, &reply, &finished));
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_stage(resident, cwd, job)
+            run_stage(resident, cwd, *job)
         }));
         finished.store(true, Ordering::SeqCst);
         match r {

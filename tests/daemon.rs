@@ -67,7 +67,7 @@ impl Daemon {
             .env("RAYON_NUM_THREADS", "2")
             .spawn()
             .expect("spawn daemon");
-        let d = Daemon {
+        let mut d = Daemon {
             child,
             socket: socket.to_path_buf(),
         };
@@ -75,9 +75,12 @@ impl Daemon {
         d
     }
 
-    fn wait_healthy(&self) {
+    fn wait_healthy(&mut self) {
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_secs(120) {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("the daemon exited at start: {status}");
+            }
             if let Ok(lines) = exchange(&self.socket, r#"{"type":"health"}"#, 1) {
                 assert!(lines[0].contains(r#""ok":true"#), "{lines:?}");
                 return;
@@ -298,6 +301,15 @@ fn stash(w: &Path, to: &str) {
     }
 }
 
+/// The flow's outputs in `w` are byte for byte those in `w/a`.
+fn same_as_in_process(w: &Path, what: &str) {
+    for f in OUTPUTS {
+        let a = std::fs::read(w.join("a").join(f)).unwrap();
+        let b = std::fs::read(w.join(f)).unwrap();
+        assert!(a == b, "{f}: in-process and {what} files differ");
+    }
+}
+
 fn read_json(p: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
@@ -322,12 +334,13 @@ fn daemon_clients_write_the_same_files_as_in_process_stages() {
     let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
     two_steps(w, Some(&sock));
+    same_as_in_process(w, "daemon");
 
     // The daemon kept the policy across the steps: after the first load it never reloaded.
     for f in ["r2.json", "u1.json", "u2.json"] {
         let m = read_json(&w.join(f));
         assert_eq!(m["daemon"]["reloaded"], false, "{f}: {m}");
-        assert!(m["daemon"]["peak_in_use"].is_u64(), "{f}: {m}");
+        assert!(m["daemon"]["phase_peak_in_use"].is_u64(), "{f}: {m}");
     }
     let status = daemon.status();
     assert_eq!(status["resident"]["policy_version"], 2, "{status}");
@@ -345,6 +358,52 @@ fn daemon_clients_write_the_same_files_as_in_process_stages() {
         "{status}"
     );
 
+    // sync-weights reports the in-memory sync; a checkpoint rewritten behind the daemon's back
+    // (here by an in-process update) is reloaded, not served stale.
+    let sync = ok(
+        w,
+        "sync-weights",
+        &["--from", "ckpt2", "--to", "policy", "--policy-version", "3"],
+        Some(&sock),
+    );
+    let text = String::from_utf8_lossy(&sync.stderr);
+    assert!(text.contains("daemon took the policy in memory"), "{text}");
+    assert_eq!(daemon.status()["resident"]["policy_version"], 3);
+    std::thread::sleep(Duration::from_millis(20));
+    ok(
+        w,
+        "update",
+        &[
+            "--model",
+            "ckpt1",
+            "--in",
+            "adv2.parquet",
+            "--out-model",
+            "ckpt2",
+            "--lr",
+            "0.5",
+        ],
+        None,
+    );
+    let args = [
+        "--model",
+        "ckpt2",
+        "--in",
+        "prompts.parquet",
+        "--out",
+        "r3.parquet",
+        "--n",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--metrics",
+        "r3.json",
+    ];
+    ok(w, "rollout", &args, Some(&sock));
+    assert_eq!(read_json(&w.join("r3.json"))["daemon"]["reloaded"], true);
+    ok(w, "rollout", &args, Some(&sock));
+    assert_eq!(read_json(&w.join("r3.json"))["daemon"]["reloaded"], false);
+
     // shutdown: the daemon exits 0 and removes its socket.
     let lines = exchange(&sock, r#"{"type":"shutdown"}"#, 1).unwrap();
     assert!(lines[0].contains("shutting-down"), "{lines:?}");
@@ -360,6 +419,7 @@ fn daemon_clients_write_the_same_files_as_in_process_stages() {
         &["--ref", "model", "--offload-optimizer", "--offload-ref"],
     );
     two_steps(w, Some(&sock));
+    same_as_in_process(w, "daemon (offload)");
     let st = _daemon.status();
     assert_eq!(
         st["resident"]["policy"]["optimizer_offloaded"], true,
@@ -368,13 +428,6 @@ fn daemon_clients_write_the_same_files_as_in_process_stages() {
     assert_eq!(st["resident"]["reference"]["offloaded"], true, "{st}");
     stash(w, "c");
 
-    for f in OUTPUTS {
-        let a = std::fs::read(w.join("a").join(f)).unwrap();
-        for other in ["b", "c"] {
-            let b = std::fs::read(w.join(other).join(f)).unwrap();
-            assert!(a == b, "{f}: in-process and daemon ({other}) files differ");
-        }
-    }
     // The flow did train: step 2's policy is not the initial model.
     let m0 = std::fs::read(w.join("model/model.safetensors")).unwrap();
     let m2 = std::fs::read(w.join("a/ckpt2/model.safetensors")).unwrap();

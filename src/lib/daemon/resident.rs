@@ -81,8 +81,15 @@ struct PolicySlot<B: Backend> {
     from_master: bool,
     /// See [`Resident::generation`].
     gen: Option<Decoder<B>>,
-    /// AdamW moments parked in host memory (`--offload-optimizer`).
-    parked: Option<OptimizerState>,
+    /// Optimizer state parked in host memory (`--offload-optimizer`).
+    parked: Option<Parked>,
+}
+
+/// What `--offload-optimizer` keeps in host memory between updates.
+struct Parked {
+    state: OptimizerState,
+    /// The f32 masters, where the decoder keeps them apart from its compute weights.
+    masters: Option<Weights>,
 }
 
 struct RefSlot<B: Backend> {
@@ -149,8 +156,7 @@ impl<B: Backend> Resident<B> {
         self.ref_decoder(dir).map(|_| ())
     }
 
-    /// Device memory of every decoder held (all zero on the CPU backend).
-    pub fn memory(&self) -> MemoryStats {
+    fn backends(&self) -> Vec<&B> {
         let mut backends: Vec<&B> = Vec::new();
         if let Some(p) = &self.policy {
             backends.push(p.decoder.backend());
@@ -161,8 +167,15 @@ impl<B: Backend> Resident<B> {
         if let Some(d) = self.reference.as_ref().and_then(|r| r.decoder.as_ref()) {
             backends.push(d.backend());
         }
+        backends
+    }
+
+    /// Device memory of every decoder held (all zero on the CPU backend). `peak_in_use` sums
+    /// the backends' peaks since the phase began: exact when one of them moves in a phase (the
+    /// others hold their resident weights), an upper bound otherwise.
+    pub fn memory(&self) -> MemoryStats {
         let mut m = MemoryStats::default();
-        for b in backends {
+        for b in self.backends() {
             let s = b.memory_stats();
             m.held += s.held;
             m.in_use += s.in_use;
@@ -178,17 +191,33 @@ impl<B: Backend> Resident<B> {
         self.job.insert("phase".into(), phase.into());
         self.job.insert("reloaded".into(), false.into());
         self.job.insert("load_seconds".into(), 0.0.into());
+        for b in self.backends() {
+            b.reset_peak_memory();
+        }
         let m = self.memory();
         self.job
             .insert("memory_in_use_before".into(), m.in_use.into());
         self.job
-            .insert("peak_in_use_before".into(), m.peak_in_use.into());
+            .insert("phase_peak_in_use".into(), m.peak_in_use.into());
         self.bars.lock().expect("bars").clear();
+    }
+
+    /// Folds the current peak into the phase's (before a backend of the phase is dropped).
+    fn observe(&mut self) {
+        let now = self.memory().peak_in_use as u64;
+        let seen = self
+            .job
+            .get("phase_peak_in_use")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        self.job
+            .insert("phase_peak_in_use".into(), now.max(seen).into());
     }
 
     /// Ends the running job (ok or not) and returns its metrics. A failed job may have left
     /// the policy half-trained: it is then forgotten and reloaded from files on the next job.
     pub fn end(&mut self, phase: &'static str, ok: bool) -> Value {
+        self.observe();
         if !ok {
             if let Some(p) = &mut self.policy {
                 if p.key.is_none() {
@@ -197,19 +226,20 @@ impl<B: Backend> Resident<B> {
             }
         }
         let m = self.memory();
-        let before = self.job["peak_in_use_before"].as_u64().unwrap_or(0) as usize;
+        let peak = self
+            .job
+            .get("phase_peak_in_use")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize;
         let ph = self.phases.entry(phase).or_default();
         ph.runs += 1;
-        // Peaks are running maxima of each backend: a phase's own peak is visible when it
-        // raised it, which the phase that allocates the most does.
-        ph.last_peak_in_use = m.peak_in_use.max(before);
+        ph.last_peak_in_use = peak;
         ph.peak_in_use = ph.peak_in_use.max(ph.last_peak_in_use);
         ph.held_after = m.held;
         ph.in_use_after = m.in_use;
         self.job
             .insert("memory_in_use_after".into(), m.in_use.into());
         self.job.insert("memory_held_after".into(), m.held.into());
-        self.job.insert("peak_in_use".into(), m.peak_in_use.into());
         self.job
             .insert("policy_version".into(), self.policy_version.into());
         self.job
@@ -281,6 +311,7 @@ impl<B: Backend> Resident<B> {
             .is_some_and(|p| p.key.as_ref() == Some(&key));
         if !held {
             // Free the old policy before loading the new one: peak memory is one policy.
+            self.observe();
             self.policy = None;
             let started = Instant::now();
             let reply = self.reply.clone();
@@ -301,7 +332,7 @@ impl<B: Backend> Resident<B> {
                 parked: None,
             };
             if self.opts.offload_optimizer {
-                park_optimizer(&mut slot)?;
+                park_optimizer(&mut slot, None, None)?;
             }
             self.policy = Some(slot);
         }
@@ -343,6 +374,7 @@ impl<B: Backend> Resident<B> {
     fn ref_decoder(&mut self, dir: &Path) -> Result<&mut Decoder<B>> {
         let key = ModelKey::of(dir)?;
         if self.reference.as_ref().map(|r| &r.key) != Some(&key) {
+            self.observe();
             self.reference = None;
             let started = Instant::now();
             let (cfg, weights) = ModelDir::load(dir)?;
@@ -417,12 +449,41 @@ impl<B: Backend> Resident<B> {
     }
 }
 
-/// Moves the AdamW moments to host memory (the decoder allocates them again when the state is
-/// loaded back for the next optimizer step).
-fn park_optimizer<B: Backend>(slot: &mut PolicySlot<B>) -> Result<()> {
-    if slot.parked.is_none() && slot.decoder.optimizer_steps() > 0 {
-        slot.parked = Some(slot.decoder.optimizer_state()?);
-        slot.decoder.release_optimizer_state();
+/// Moves the AdamW moments and the f32 masters (where they are apart from the compute weights)
+/// to host memory; `unpark` brings them back for the next optimizer step. `state` and
+/// `masters` are the host copies when the caller has them already.
+fn park_optimizer<B: Backend>(
+    slot: &mut PolicySlot<B>,
+    state: Option<OptimizerState>,
+    masters: Option<Weights>,
+) -> Result<()> {
+    if slot.parked.is_some() {
+        return Ok(());
+    }
+    let state = match state {
+        Some(s) => s,
+        None => slot.decoder.optimizer_state()?,
+    };
+    let separate = slot.decoder.backend().compute_dtype() != DType::F32;
+    let masters = match (separate, masters) {
+        (false, _) => None,
+        (true, Some(m)) => Some(m),
+        (true, None) => Some(slot.decoder.export_weights()?),
+    };
+    slot.decoder.release_optimizer_state();
+    if masters.is_some() {
+        slot.decoder.release_masters();
+    }
+    slot.parked = Some(Parked { state, masters });
+    Ok(())
+}
+
+fn unpark<B: Backend>(slot: &mut PolicySlot<B>) -> Result<()> {
+    if let Some(p) = slot.parked.take() {
+        if let Some(m) = &p.masters {
+            slot.decoder.restore_masters(m)?;
+        }
+        slot.decoder.load_optimizer_state(&p.state)?;
     }
     Ok(())
 }
@@ -431,7 +492,11 @@ impl<B: Backend> Exec for Resident<B> {
     fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<GenerateOut> {
         let decoder = self.generation(model)?;
         let (completions, stats, _, gen_s) = job.generate_on(decoder)?;
-        let load_s = self.job["load_seconds"].as_f64().unwrap_or(0.0);
+        let load_s = self
+            .job
+            .get("load_seconds")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0);
         Ok((completions, stats, load_s, gen_s))
     }
 
@@ -444,6 +509,7 @@ impl<B: Backend> Exec for Resident<B> {
         }
         let out = job.score_on(self.ref_decoder(&model.dir)?);
         if self.opts.offload_ref {
+            self.observe();
             // Drop the device copy; the host weights stay for the next call.
             if let Some(r) = &mut self.reference {
                 if let Some(d) = r.decoder.take() {
@@ -459,6 +525,7 @@ impl<B: Backend> Exec for Resident<B> {
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
         // The update phase: no generation copy, no idle reference on the device, no cached
         // free blocks.
+        self.observe();
         if let Some(p) = &mut self.policy {
             p.gen = None;
         }
@@ -470,11 +537,13 @@ impl<B: Backend> Exec for Resident<B> {
         self.trim()?;
         let reply = self.reply.clone();
         self.policy_slot(model)?;
-        let load_s = self.job["load_seconds"].as_f64().unwrap_or(0.0);
+        let load_s = self
+            .job
+            .get("load_seconds")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0);
         let slot = self.policy.as_mut().expect("loaded above");
-        if let Some(state) = slot.parked.take() {
-            slot.decoder.load_optimizer_state(&state)?;
-        }
+        unpark(slot)?;
         // From here the decoder is ahead of every file until `saved`.
         slot.key = None;
         slot.from_master = true;
@@ -488,8 +557,9 @@ impl<B: Backend> Exec for Resident<B> {
         slot.decoder.release_workspace()?;
         slot.decoder.release_grads();
         if self.opts.offload_optimizer {
-            slot.parked = Some(out.state.clone());
-            slot.decoder.release_optimizer_state();
+            let masters =
+                (slot.decoder.backend().compute_dtype() != DType::F32).then(|| out.weights.clone());
+            park_optimizer(slot, Some(out.state.clone()), masters)?;
         }
         slot.decoder.backend().trim()?;
         if let Some(marker) = std::env::var_os(KILL_IN_UPDATE_ENV) {

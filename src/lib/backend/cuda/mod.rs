@@ -638,6 +638,10 @@ impl Backend for CudaBackend {
         self.pool.stats()
     }
 
+    fn reset_peak_memory(&self) {
+        self.pool.reset_peak()
+    }
+
     fn trim(&self) -> Result<()> {
         self.bind()?;
         self.stream

@@ -58,7 +58,16 @@ struct Daemon {
 
 impl Daemon {
     fn start(cwd: &Path, socket: &Path, policy: &str, extra: &[&str]) -> Daemon {
-        let child = Command::new(TANDEM)
+        use std::os::unix::process::CommandExt;
+        let mut cmd = Command::new(TANDEM);
+        // SAFETY: prctl only; a killed test binary takes its daemon down with it.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd
             .current_dir(cwd)
             .args(["daemon", "--device", "cpu", "--socket"])
             .arg(socket)
@@ -552,6 +561,101 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
     let st = daemon.status();
     assert_eq!(st["jobs_done"], 1, "{st}");
     assert!(st["jobs_failed"].as_u64().unwrap() >= 4, "{st}");
+
+    // The raw protocol: a job request streams progress and log lines, then `done`.
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: tandem::engine::stage::rollout::RolloutArgs,
+    }
+    let cli = <Cli as clap::Parser>::parse_from([
+        "rollout",
+        "--model",
+        "model",
+        "--in",
+        "prompts.parquet",
+        "--out",
+        "raw.parquet",
+        "--n",
+        "3",
+        "--max-new-tokens",
+        "2",
+    ]);
+    let req = tandem::daemon::protocol::Request::Job {
+        cwd: w.to_path_buf(),
+        job: Box::new(tandem::daemon::protocol::StageJob::Rollout(cli.args)),
+    };
+    let mut s = UnixStream::connect(&sock).unwrap();
+    writeln!(s, "{}", serde_json::to_string(&req).unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    // The connection stays open for more requests: read up to the job's last line.
+    let mut lines: Vec<serde_json::Value> = Vec::new();
+    for l in BufReader::new(s).lines() {
+        let v: serde_json::Value = serde_json::from_str(&l.unwrap()).unwrap();
+        let end = v["type"] == "done" || v["type"] == "error";
+        lines.push(v);
+        if end {
+            break;
+        }
+    }
+    let kinds: Vec<&str> = lines.iter().map(|l| l["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds.last(), Some(&"done"), "{lines:?}");
+    assert!(kinds.contains(&"log"), "{lines:?}");
+    let last_progress = lines
+        .iter()
+        .rev()
+        .find(|l| l["type"] == "progress")
+        .unwrap();
+    assert_eq!(
+        (
+            &last_progress["what"],
+            &last_progress["pos"],
+            &last_progress["len"]
+        ),
+        (
+            &serde_json::json!("rollout"),
+            &serde_json::json!(3),
+            &serde_json::json!(3)
+        ),
+        "{lines:?}"
+    );
+    assert!(w.join("raw.parquet").exists());
+
+    // Two clients at once: one job runs, the other waits its turn; both finish.
+    let both: Vec<Child> = ["q1.parquet", "q2.parquet"]
+        .iter()
+        .map(|out| {
+            Command::new(bin("rollout"))
+                .current_dir(w)
+                .args([
+                    "--model",
+                    "model",
+                    "--in",
+                    "prompts.parquet",
+                    "--out",
+                    out,
+                    "--n",
+                    "2",
+                    "--max-new-tokens",
+                    "4",
+                    "--daemon",
+                ])
+                .arg(&sock)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in both {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    // Same inputs and seed: the same samples, whichever ran first.
+    assert_eq!(
+        std::fs::read(w.join("q1.parquet")).unwrap(),
+        std::fs::read(w.join("q2.parquet")).unwrap()
+    );
 
     // SIGTERM: clean stop, socket removed.
     unsafe {

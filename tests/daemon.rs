@@ -657,6 +657,27 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
         std::fs::read(w.join("q2.parquet")).unwrap()
     );
 
+    // Another user is refused by its peer credentials, even where the file mode would let it
+    // connect (only testable as root: widen the modes, connect as `nobody`).
+    if unsafe { libc::geteuid() } == 0 {
+        use std::os::unix::process::CommandExt;
+        for p in [w, sock.as_path()] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
+        }
+        let other = Command::new(TANDEM)
+            .args(["daemon-ctl", "--socket"])
+            .arg(&sock)
+            .arg("status")
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&other.stderr);
+        assert!(!other.status.success(), "{err}");
+        assert!(err.contains("serves only its own user"), "{err}");
+        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+
     // SIGTERM: clean stop, socket removed.
     unsafe {
         libc::kill(daemon.child.id() as i32, libc::SIGTERM);
@@ -805,6 +826,7 @@ keep-last = 3
     assert!(
         commands.contains("update --model b/policy") && commands.contains("--daemon b/daemon.sock")
     );
+    assert!(commands.contains("clients of the run's daemon"), "{commands}");
     let dlog = std::fs::read_to_string(b.join("daemon.log")).unwrap();
     let pids: Vec<u32> = dlog
         .lines()

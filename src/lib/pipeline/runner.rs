@@ -743,6 +743,15 @@ impl Runner {
                 self.run.root.display(),
                 shell_quote(&cwd.display().to_string())
             );
+            if self.spec.daemon {
+                text += &format!(
+                    "# The model stages are clients of the run's daemon (--daemon); to replay them start one\n# first: {} daemon --device {} --socket {} --policy {}\n",
+                    shell_quote(&path_arg(&self.bins.join("tandem"))),
+                    self.spec.device.as_str(),
+                    shell_quote(&path_arg(&self.daemon_socket())),
+                    shell_quote(&path_arg(&self.spec.model.path)),
+                );
+            }
         }
         if self.announced != Some(step) {
             text += &format!("\n# {}\n", step_name(step));

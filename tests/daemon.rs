@@ -826,7 +826,10 @@ keep-last = 3
     assert!(
         commands.contains("update --model b/policy") && commands.contains("--daemon b/daemon.sock")
     );
-    assert!(commands.contains("clients of the run's daemon"), "{commands}");
+    assert!(
+        commands.contains("clients of the run's daemon"),
+        "{commands}"
+    );
     let dlog = std::fs::read_to_string(b.join("daemon.log")).unwrap();
     let pids: Vec<u32> = dlog
         .lines()
@@ -845,4 +848,40 @@ keep-last = 3
     // The step metrics carry the daemon's view (whether it reloaded, memory per phase).
     let metrics = std::fs::read_to_string(b.join("metrics.jsonl")).unwrap();
     assert!(metrics.contains("update/daemon/reloaded"), "{metrics}");
+
+    // `tandem bench grpo-step`: both modes train to the same weights; the daemon holds the
+    // policy from step to step.
+    let o = Command::new(TANDEM)
+        .current_dir(d)
+        .args([
+            "bench",
+            "grpo-step",
+            "--model",
+            "model",
+            "--prompts",
+            "train.parquet",
+            "--work",
+            "bench",
+            "--prompts-per-step",
+            "2",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--raw-prompt",
+        ])
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let json: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let results = json["results"].as_array().unwrap();
+    assert_eq!(results.len(), 4, "{json}");
+    assert_eq!(results[3]["daemon"]["rollout"]["reloaded"], false, "{json}");
+    assert_eq!(results[3]["daemon"]["update"]["reloaded"], false, "{json}");
+    assert_eq!(
+        std::fs::read(d.join("bench/in-process/ckpt-2/model.safetensors")).unwrap(),
+        std::fs::read(d.join("bench/daemon/ckpt-2/model.safetensors")).unwrap()
+    );
 }

@@ -18,12 +18,16 @@ pub enum Which {
     CpuStages(cpu_stages::CpuStagesArgs),
     /// Generation and update tokens/s of the CPU engine on a ~10M model and the Qwen2.5-0.5B shape.
     CpuEngine(cpu_engine::CpuEngineArgs),
+    /// Whole GRPO steps in-process and on the daemon's resident models: seconds per stage and
+    /// peak device memory per phase.
+    GrpoStep(crate::daemon::bench::GrpoStepArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
         Which::CpuStages(a) => cpu_stages::run(a),
         Which::CpuEngine(a) => cpu_engine::run(a),
+        Which::GrpoStep(a) => crate::daemon::bench::run(a),
     }
 }
 

@@ -184,9 +184,9 @@ impl<B: Backend> Resident<B> {
         m
     }
 
-    /// Starts a job of kind `phase`: its output lines go to `reply`.
-    pub fn begin(&mut self, phase: &'static str, reply: Reply) {
-        self.reply = Some(reply);
+    /// Starts a job of kind `phase`: its output lines go to `reply` (to stderr without one).
+    pub fn begin(&mut self, phase: &'static str, reply: Option<Reply>) {
+        self.reply = reply;
         self.job = Map::new();
         self.job.insert("phase".into(), phase.into());
         self.job.insert("reloaded".into(), false.into());
@@ -292,8 +292,10 @@ impl<B: Backend> Resident<B> {
     }
 
     fn send(&self, r: &Response) {
-        if let Some(reply) = &self.reply {
-            reply.send(r);
+        match (&self.reply, r) {
+            (Some(reply), _) => reply.send(r),
+            (None, Response::Log { line }) => eprintln!("{line}"),
+            (None, _) => {}
         }
     }
 
@@ -315,10 +317,9 @@ impl<B: Backend> Resident<B> {
             self.policy = None;
             let started = Instant::now();
             let reply = self.reply.clone();
-            let loaded = Trainable::load(&model.dir, &mut |m| {
-                if let Some(r) = &reply {
-                    r.send(&Response::Log { line: m.into() })
-                }
+            let loaded = Trainable::load(&model.dir, &mut |m| match &reply {
+                Some(r) => r.send(&Response::Log { line: m.into() }),
+                None => eprintln!("{m}"),
             })?;
             let decoder = loaded.build((self.make)()?)?;
             self.note("reloaded", true);
@@ -548,10 +549,9 @@ impl<B: Backend> Exec for Resident<B> {
         slot.key = None;
         slot.from_master = true;
         let step = slot.schedule_step;
-        let mut out = job.train_on(&mut slot.decoder, step, &mut |m| {
-            if let Some(r) = &reply {
-                r.send(&Response::Log { line: m.into() })
-            }
+        let mut out = job.train_on(&mut slot.decoder, step, &mut |m| match &reply {
+            Some(r) => r.send(&Response::Log { line: m.into() }),
+            None => eprintln!("{m}"),
         })?;
         slot.schedule_step = step + 1;
         slot.decoder.release_workspace()?;

@@ -353,7 +353,7 @@ fn run_job<B: Backend>(
         s.running = Some(name);
     }
     let started = Instant::now();
-    resident.begin(name, reply.clone());
+    resident.begin(name, Some(reply.clone()));
     let finished = AtomicBool::new(false);
     let bars = resident.bars.clone();
     let result = std::thread::scope(|scope| {

@@ -1,6 +1,7 @@
 //! The model stages' command lines: each module holds a stage's clap `Args` and its `run`;
 //! `src/bin/<stage>.rs` only parses and calls it. A stage reads and checks its input, runs its
-//! compute as a [`Job`] on the device `--device` names, and writes its output.
+//! compute on an [`Exec`] (in this process as a [`Job`] on the device `--device` names, or in
+//! the warm daemon that `--daemon` names, on the models it holds), and writes its output.
 
 pub mod common;
 pub mod ref_logprob;

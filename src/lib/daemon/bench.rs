@@ -1,5 +1,5 @@
-//! `tandem bench grpo-step`: whole GRPO steps (rollout, ref-logprob, update in mini-batches,
-//! sync) of a model on a prompt file, with the stages in-process (each loads the model) and on
+//! `tandem bench grpo-step`: whole GRPO steps (rollout, reference and old log-probs, update in
+//! mini-batches, sync; the workload of bench/peer_grpo_step.py) of a model on a prompt file, with the stages in-process (each loads the model) and on
 //! the daemon's resident models (the hybrid engine, without the socket), printing seconds per
 //! stage and, for the daemon, each phase's peak device memory. Advantages are ±1 by row (the
 //! reward does not change the cost of a step).
@@ -196,7 +196,24 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
         let (t_ref, m_ref) = run(t, "ref-logprob", &mut |e| {
             ref_logprob::run_with(rl.clone(), e)
         })?;
-        add_advantages(Path::new(&f("ref")), Path::new(&f("adv")))?;
+        // Old log-probs of the policy (the update then runs its mini-batches off-policy
+        // against them, as verl and the PyTorch peer do).
+        let ol: ref_logprob::RefLogprobArgs = parse(&[
+            "--model".into(),
+            s(&policy),
+            "--in".into(),
+            f("ref"),
+            "--out".into(),
+            f("old"),
+            "--column".into(),
+            "old_logprobs".into(),
+            "--device".into(),
+            dev.clone(),
+        ])?;
+        let (t_old, m_old) = run(t, "ref-logprob", &mut |e| {
+            ref_logprob::run_with(ol.clone(), e)
+        })?;
+        add_advantages(Path::new(&f("old")), Path::new(&f("adv")))?;
         let rows = a.prompts_per_step * a.n;
         let ckpt = dir.join(format!("ckpt-{step}"));
         let up: update::UpdateArgs = parse(&[
@@ -229,9 +246,11 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             "mode": mode,
             "step": step,
             "response_tokens": tokens,
-            "seconds": {"rollout": t_roll, "ref_logprob": t_ref, "update": t_up, "sync": t_sync,
-                        "step": t_roll + t_ref + t_up + t_sync},
-            "daemon": {"rollout": m_roll, "ref_logprob": m_ref, "update": m_up, "sync": m_sync},
+            "seconds": {"rollout": t_roll, "ref_logprob": t_ref, "old_logprob": t_old,
+                        "update": t_up, "sync": t_sync,
+                        "step": t_roll + t_ref + t_old + t_up + t_sync},
+            "daemon": {"rollout": m_roll, "ref_logprob": m_ref, "old_logprob": m_old,
+                       "update": m_up, "sync": m_sync},
         }));
     }
     Ok(out)
@@ -287,6 +306,7 @@ pub fn run(a: GrpoStepArgs) -> Result<()> {
                 r["response_tokens"].to_string(),
                 format!("{:.2}", sec["rollout"].as_f64().unwrap_or(0.0)),
                 format!("{:.2}", sec["ref_logprob"].as_f64().unwrap_or(0.0)),
+                format!("{:.2}", sec["old_logprob"].as_f64().unwrap_or(0.0)),
                 format!("{:.2}", sec["update"].as_f64().unwrap_or(0.0)),
                 format!("{:.4}", sec["sync"].as_f64().unwrap_or(0.0)),
                 format!("{:.2}", sec["step"].as_f64().unwrap_or(0.0)),
@@ -307,6 +327,7 @@ pub fn run(a: GrpoStepArgs) -> Result<()> {
             "resp tokens",
             "rollout s",
             "ref s",
+            "old s",
             "update s",
             "sync s",
             "step s",

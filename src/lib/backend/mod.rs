@@ -168,6 +168,9 @@ pub trait Backend: Send + Sync {
     fn logprob_chunk_floats(&self) -> usize {
         16 << 20
     }
+    /// Makes `peak_in_use` start again from the current use, so that a phase of the hybrid
+    /// engine reports its own peak.
+    fn reset_peak_memory(&self) {}
     /// Returns cached free device memory to the driver (between phases of the hybrid engine).
     fn trim(&self) -> Result<()> {
         Ok(())

@@ -28,6 +28,9 @@ pub enum Which {
     /// Tokens/s of the paged rollout engine (Qwen2.5-0.5B shape, random weights) and its
     /// fraction of the roofline.
     Rollout(rollout::RolloutBenchArgs),
+    /// Whole GRPO steps in-process and on the daemon's resident models: seconds per stage and
+    /// peak device memory per phase.
+    GrpoStep(crate::daemon::bench::GrpoStepArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -37,6 +40,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Which::Update(a) => update::run(a),
         Which::Logprob(a) => logprob::run(a),
         Which::Rollout(a) => rollout::run(a),
+        Which::GrpoStep(a) => crate::daemon::bench::run(a),
     }
 }
 

@@ -1527,6 +1527,52 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
+    /// Frees the gradients (the next backward pass allocates them again): the hybrid engine's
+    /// step from the update phase to generation.
+    pub fn release_grads(&mut self) {
+        self.g.clear();
+    }
+
+    /// Frees the Adam moments on the device, keeping the step count: the daemon parks them in
+    /// host memory between updates (`--offload-optimizer`) and brings them back with
+    /// `load_optimizer_state` before the next step.
+    pub fn release_optimizer_state(&mut self) {
+        self.m.clear();
+        self.v.clear();
+    }
+
+    /// Frees the f32 master weights where they are kept apart from the compute weights (compute
+    /// dtype other than f32): the daemon's `--offload-optimizer` holds them in host memory
+    /// between updates and calls `restore_masters` before the next optimizer step. Where the
+    /// compute weights are the masters (f32) there is nothing to free.
+    pub fn release_masters(&mut self) {
+        self.master.clear();
+    }
+
+    /// Uploads the f32 masters (by HF name, as `export_weights` gave them) that
+    /// `release_masters` freed. A no-op when the compute weights are f32.
+    pub fn restore_masters(&mut self, weights: &Weights) -> Result<()> {
+        if self.backend.compute_dtype() == DType::F32 || !self.master.is_empty() {
+            return Ok(());
+        }
+        let mut out = Vec::with_capacity(self.names.len());
+        for (name, shape) in self.names.iter().zip(&self.shapes) {
+            let t = weights
+                .get(name)
+                .ok_or_else(|| anyhow::anyhow!("master weights: '{name}' is missing"))?;
+            ensure!(
+                &t.shape == shape,
+                "master weights: '{name}' has shape {:?}, the model's is {shape:?}",
+                t.shape
+            );
+            let mut m = self.backend.alloc(t.numel())?;
+            self.backend.upload(&mut m, &t.data)?;
+            out.push(m);
+        }
+        self.master = out;
+        Ok(())
+    }
+
     /// A KV cache of `slots` sequences of at most `max_len` tokens.
     pub fn new_cache(&self, slots: usize, max_len: usize) -> Result<KvCache<B>> {
         let n = slots * max_len * self.cfg.num_kv_heads * self.cfg.head_dim;

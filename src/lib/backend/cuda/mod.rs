@@ -657,6 +657,10 @@ impl Backend for CudaBackend {
         256 << 20
     }
 
+    fn reset_peak_memory(&self) {
+        self.pool.reset_peak()
+    }
+
     fn trim(&self) -> Result<()> {
         self.bind()?;
         self.stream

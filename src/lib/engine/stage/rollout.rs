@@ -5,12 +5,13 @@
 //! repeat of that prompt in the file, sample index), so a prompt gets the same samples whatever
 //! other prompts share the file, the `--limit`, or the `--batch-size`.
 
-use super::common::{progress_bar, resolve_model, Device};
-use super::{load_policy, on_device, Job};
+use super::common::{resolve_model, Device};
+use super::{daemon_socket, load_policy, Exec, InProcess, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
+use crate::daemon::protocol::StageJob;
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::engine::generate::{Completion, Detokenize, GenParams, Request};
@@ -20,12 +21,14 @@ use crate::engine::paged::{
 use crate::engine::sampling::{sample_key, SamplingParams};
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
+use crate::model::decoder::Decoder;
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{Field, Schema};
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -33,7 +36,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// What to do with a prompt longer than --max-prompt-tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Truncate {
     /// Keep the last --max-prompt-tokens tokens (the end of the prompt, with the generation
     /// prompt, is what the model continues).
@@ -138,7 +142,7 @@ pub fn sequence_columns(
     cols
 }
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[command(about = "Sample responses to a prompt dataset")]
 pub struct RolloutArgs {
     /// Model directory (HF layout) or a pointer file written by sync-weights.
@@ -209,10 +213,14 @@ pub struct RolloutArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
+    /// Send the job to the warm daemon listening on this socket instead of loading the model
+    /// here (default: $TANDEM_DAEMON).
+    #[arg(long)]
+    pub daemon: Option<PathBuf>,
 }
 
 /// Load the model and generate every sample.
-struct Generate<'a> {
+pub struct Generate<'a> {
     dir: &'a Path,
     requests: &'a [Request],
     params: &'a GenParams,
@@ -224,15 +232,16 @@ struct Generate<'a> {
 }
 
 /// What a generation did, for the metrics.
-struct Generated {
-    completions: Vec<Vec<Completion>>,
-    stats: PagedStats,
-    load_s: f64,
-    gen_s: f64,
-    kv_pool_bytes: usize,
+pub struct Generated {
+    pub completions: Vec<Vec<Completion>>,
+    pub stats: PagedStats,
+    /// Seconds loading the model (0 when it was already resident).
+    pub load_s: f64,
+    pub gen_s: f64,
+    pub kv_pool_bytes: usize,
     /// Free device memory with the KV pool held and after it was released (GPU only).
-    free_with_pool: Option<usize>,
-    free_after_release: Option<usize>,
+    pub free_with_pool: Option<usize>,
+    pub free_after_release: Option<usize>,
 }
 
 impl Job for Generate<'_> {
@@ -241,6 +250,15 @@ impl Job for Generate<'_> {
         let started = Instant::now();
         let mut policy = load_policy(backend, self.dir)?;
         let load_s = started.elapsed().as_secs_f64();
+        let mut out = self.generate_on(&mut policy)?;
+        out.load_s = load_s;
+        Ok(out)
+    }
+}
+
+impl Generate<'_> {
+    /// Generates with a policy already loaded (the load time it reports is 0).
+    pub fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {
         let bs = DEFAULT_BLOCK_SIZE;
         let samples: usize = self.requests.iter().map(|r| r.sample_keys.len()).sum();
         let seqs = self.max_num_seqs.min(samples).max(1);
@@ -265,7 +283,7 @@ impl Job for Generate<'_> {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
         };
-        let mut engine = PagedDecoder::new(&mut policy, num_blocks, bs)?;
+        let mut engine = PagedDecoder::new(policy, num_blocks, bs)?;
         let gen_started = Instant::now();
         let (completions, stats) = generate_paged(
             &mut engine,
@@ -284,7 +302,7 @@ impl Job for Generate<'_> {
         Ok(Generated {
             completions,
             stats,
-            load_s,
+            load_s: 0.0,
             gen_s,
             kv_pool_bytes: num_blocks * block_bytes,
             free_with_pool,
@@ -331,6 +349,15 @@ impl RolloutArgs {
 }
 
 pub fn run(args: RolloutArgs) -> Result<()> {
+    if let Some(socket) = daemon_socket(&args.daemon) {
+        return crate::daemon::client::run_stage(&socket, StageJob::Rollout(args));
+    }
+    let device = args.device;
+    run_with(args, &mut InProcess(device))
+}
+
+/// The stage with its compute on `exec`.
+pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let sampling = args.sampling()?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
@@ -400,7 +427,7 @@ pub fn run(args: RolloutArgs) -> Result<()> {
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let total = n_prompts * args.n;
-    let bar = progress_bar(total, "rollout");
+    let bar = exec.progress_bar(total, "rollout");
     let job = Generate {
         dir: &model.dir,
         requests: &requests,
@@ -419,7 +446,7 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         kv_pool_bytes,
         free_with_pool,
         free_after_release,
-    } = on_device(args.device, job)?;
+    } = exec.generate(&model, job)?;
     bar.finish_and_clear();
 
     // One row per sample, the n samples of a prompt side by side.
@@ -524,12 +551,12 @@ pub fn run(args: RolloutArgs) -> Result<()> {
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;
     }
-    eprintln!(
+    exec.log(&format!(
         "rollout: {n_prompts} prompts x {} = {total} samples, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",
         args.n,
         response_tokens as f64 / gen_s.max(1e-9),
         100.0 * n_stop as f64 / total as f64,
         args.out.display()
-    );
+    ));
     Ok(())
 }

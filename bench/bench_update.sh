@@ -1,30 +1,62 @@
 #!/bin/bash
-# On the GPU machine: `update --device cuda` at the issue-6 workload (Qwen2.5-0.5B shape, random
-# weights, 64 x 640-token sequences, micro-batches of 8, PPO-clip, AdamW) for 1 and 4 optimizer
-# steps (4 = --ppo-epochs 4, which first scores the batch once for old log-probs), the scoring
-# pass alone (ref-logprob), and the PyTorch peer (bench/peer_update.py) in the same call.
-# GPU memory is sampled by nvidia-smi every 100 ms (whole device, so it includes the context).
-D=${D:-.device/cuda2}
+# On the GPU machine: `tandem bench update` and `tandem bench logprob` (the issue-6 workload:
+# Qwen2.5-0.5B shape, random weights, 8 micro-batches of 8 x 640 tokens, PPO-clip + AdamW) and
+# the PyTorch peer (peer_update.py, update and --logprob) in the same call, then one comparison
+# table. GPU memory is also sampled by nvidia-smi every 100 ms (whole device, context included).
+# D: folder with the tandem binary and peer_update.py (default .device/perf); R: results
+# folder; VARIANTS=1 also runs update with the host-side loss and with the old 110-row LM-head
+# chunks, to show what each change buys.
+D=${D:-.device/perf}
+R=${R:-/tmp/bench}
 T=$D/tandem
-R=/tmp/bench && rm -rf $R && mkdir -p $R
+rm -rf "$R" && mkdir -p "$R"
+export TANDEM_CACHE=${TANDEM_CACHE:-/root/tandem-cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-$T init-model --like qwen2 --layers 24 --hidden 896 --heads 14 --kv-heads 2 --ffn 4864 \
-  --vocab 151936 --tie true --rope-theta 1000000 --rms-norm-eps 1e-6 --seed 1 --out /tmp/q05 \
-  > /dev/null
-mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$R/$1.mem" & echo $!; }
-for e in 1 4; do
-  P=$(mem upd$e)
-  $D/update --model /tmp/q05 --in $D/train05.parquet --out-model /tmp/u$e --lr 1e-6 --ppo-epochs $e \
-    --micro-batch-tokens 5120 --device cuda --metrics "$R/upd$e.json" > "$R/upd$e.log" 2>&1
-  echo "update ppo_epochs=$e rc=$? peak MiB $(sort -n $R/upd$e.mem | tail -1)"; kill $P
-  grep -E '"(seconds|tokens|tokens_per_s|load_seconds)"' "$R/upd$e.json" | tr -d '\n '; echo
-done
-P=$(mem score)
-$D/ref-logprob --model /tmp/q05 --in $D/train05.parquet --out $R/s.parquet --column ref_logprobs \
-  --micro-batch-tokens 5120 --device cuda 2>&1 | tail -1
-kill $P
-P=$(mem peer)
-python3 $D/peer_update.py 3 2> "$R/peer.err" | tee "$R/peer.json"
-echo "peer rc=$? peak MiB $(sort -n $R/peer.mem | tail -1)"; kill $P
-tail -2 "$R/peer.err"
-tar czf "$OUT/bench.tgz" -C $R .
+one() {
+  local name=$1; shift
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$R/$name.mem" &
+  local p=$!
+  "$@" > "$R/$name.out" 2> "$R/$name.err"
+  local rc=$?
+  kill $p
+  echo "$name: rc=$rc, $(tail -1 "$R/$name.err" | cut -c1-150)"
+}
+one ours_update $T bench update --json "$R/ours_update.json"
+one ours_logprob $T bench logprob --json "$R/ours_logprob.json"
+if [ "${VARIANTS:-0}" = 1 ]; then
+  one ours_update_hostloss env TANDEM_HOST_LOSS=1 $T bench update --json "$R/ours_update_hostloss.json"
+  one ours_update_chunk110 $T bench update --logprob-chunk 110 --json "$R/ours_update_chunk110.json"
+fi
+one peer_update python3 "$D/peer_update.py" 3
+one peer_logprob python3 "$D/peer_update.py" 3 --logprob
+python3 - "$R" <<'PY'
+import json, os, sys
+R = sys.argv[1]
+def load(name):
+    p = os.path.join(R, name + (".json" if name.startswith("ours") else ".out"))
+    try:
+        txt = open(p).read().strip().splitlines()
+        return json.loads(txt[-1] if not name.startswith("ours") else "\n".join(txt))
+    except Exception:
+        return None
+def smi(name):
+    try:
+        v = [int(x) for x in open(os.path.join(R, name + ".mem")) if x.strip()]
+        return max(v) / 1024
+    except Exception:
+        return float("nan")
+rows = []
+for bench in ["update", "logprob"]:
+    peer = load("peer_" + bench)
+    names = ["ours_" + bench] + ([f"ours_update_{v}" for v in ("hostloss", "chunk110")] if bench == "update" else [])
+    for n in names + ["peer_" + bench]:
+        j = load(n)
+        if j is None:
+            continue
+        own = j["memory"]["pool_peak_in_use_gib"] if n.startswith("ours") else j["peak_mem_gib"]
+        ratio = j["tokens_per_s"] / peer["tokens_per_s"] if peer else float("nan")
+        rows.append((bench, n, j["tokens_per_s"] / 1e3, 100 * j["mfu"], own, smi(n), ratio))
+print(f"{'bench':8} {'run':22} {'ktok/s':>8} {'MFU %':>6} {'own peak GiB':>12} {'smi peak GiB':>12} {'vs peer':>8}")
+for r in rows:
+    print(f"{r[0]:8} {r[1]:22} {r[2]:8.1f} {r[3]:6.1f} {r[4]:12.2f} {r[5]:12.2f} {r[6]:8.2f}")
+PY

@@ -4,7 +4,9 @@ transformers, from config, random weights), fp32 master weights with bf16 autoca
 checkpointing, fp32 log-softmax, PPO-clip loss (on-policy), fused AdamW; 640-token sequences,
 micro-batches of 8, 8 micro-batches per optimizer step. Prints one JSON line: tokens/s of the
 steady-state steps, MFU against a bf16 GEMM peak measured here, peak GPU memory.
-Usage: peer_update.py [STEPS]"""
+`--logprob`: the forward-only peer (what ref-logprob does): the same model and micro-batches
+under torch.no_grad(), fp32 log-softmax of the response positions; MFU counts 2·params.
+Usage: peer_update.py [STEPS] [--logprob]"""
 import json
 import sys
 import time
@@ -31,7 +33,9 @@ def gemm_peak():
 
 
 def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    logprob_only = "--logprob" in sys.argv[1:]
+    steps = int(args[0]) if args else 3
     peak = gemm_peak()
     cfg = Qwen2Config(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -40,9 +44,12 @@ def main():
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).cuda()
-    model.gradient_checkpointing_enable()
     model.config.use_cache = False
-    model.train()
+    if logprob_only:
+        model.eval()
+    else:
+        model.gradient_checkpointing_enable()
+        model.train()
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=True)
     seq, mb, n_mb, prompt = 640, 8, 8, 128
@@ -64,6 +71,19 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    @torch.no_grad()
+    def score():
+        out = []
+        for _ in range(n_mb):
+            ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda", generator=g)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(input_ids=ids).logits
+            lp = torch.log_softmax(logits[:, prompt - 1 : -1].float(), dim=-1)
+            out.append(lp.gather(-1, ids[:, prompt:, None])[..., 0])
+        return torch.cat(out).cpu()  # one download per pass
+
+    if logprob_only:
+        step = score
     step()  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -73,9 +93,10 @@ def main():
     dt = (time.perf_counter() - t0) / steps
     tok_s = n_mb * mb * seq / dt
     print(json.dumps({
+        "bench": "logprob" if logprob_only else "update",
         "peer": "transformers " + __import__("transformers").__version__ + ", torch " + torch.__version__,
         "params": n_params, "step_s": dt, "tokens_per_s": tok_s,
-        "gemm_peak_tflops": peak / 1e12, "mfu": 6 * n_params * tok_s / peak,
+        "gemm_peak_tflops": peak / 1e12, "mfu": (2 if logprob_only else 6) * n_params * tok_s / peak,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
     }))

@@ -36,6 +36,10 @@ enum Cmd {
     Plot(tandem::pipeline::plot::PlotArgs),
     /// Show a batch file as a table.
     Inspect(tandem::pipeline::inspect::InspectArgs),
+    /// Keep a device's models warm; stages run with `--daemon SOCKET` send their jobs to it.
+    Daemon(tandem::daemon::server::DaemonArgs),
+    /// Ask a running daemon for its health or status, or stop it.
+    DaemonCtl(tandem::daemon::client::DaemonCtlArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,5 +54,7 @@ fn main() -> ExitCode {
         Cmd::SftBatch(a) => tandem::engine::stage::sft_batch::run(a),
         Cmd::Plot(a) => tandem::pipeline::plot::run(a),
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
+        Cmd::Daemon(a) => tandem::daemon::server::run(a),
+        Cmd::DaemonCtl(a) => tandem::daemon::client::run_ctl(a),
     })
 }

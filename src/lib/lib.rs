@@ -5,6 +5,7 @@ pub mod algo;
 pub mod backend;
 pub mod batch;
 pub mod bench;
+pub mod daemon;
 pub mod data;
 pub mod engine;
 pub mod error;

@@ -45,6 +45,20 @@ pub struct CachedAttnShape {
     pub head_dim: usize,
 }
 
+/// Shape of an attention call against a paged KV cache: query `i` attends to the first
+/// `len[i]` positions of sequence `seq[i]`, whose block table is row `seq[i]` of `tables`
+/// (`max_blocks` entries per row); position `p` is cache row
+/// `tables[seq[i]·max_blocks + p / block_size]·block_size + p % block_size`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedAttnShape {
+    pub queries: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub max_blocks: usize,
+}
+
 /// Shape of the fused LM-head log-prob op.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LogprobShape {
@@ -73,6 +87,22 @@ pub struct AdamWStep {
     /// Multiplies the gradient first (global-norm clipping coefficient, 1 when not clipping).
     pub grad_scale: f32,
 }
+
+/// The fused PPO-clip loss of one micro-batch (verl's vanilla policy loss with dual clip).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PpoShape {
+    /// Scored tokens.
+    pub tokens: usize,
+    /// 1 − ε_low and 1 + ε_high: the ratio's clip range.
+    pub ratio_low: f64,
+    pub ratio_high: f64,
+    /// Dual-clip bound c (> 1) for negative advantages.
+    pub dual_clip: f64,
+}
+
+/// Slots of the accumulator [`Backend::ppo_clip_loss`] adds to: Σ w_pg·ℓ, Σ w_tok·clipped,
+/// Σ w_tok·clipped_lower, Σ w_tok·(old − lp), Σ w_agg·entropy, count of non-finite tokens.
+pub const PPO_STATS: usize = 6;
 
 /// Element type a buffer stores. Ops always compute in f32 and convert on load and store, so
 /// any op accepts buffers of either type; a backend without bf16 storage keeps f32.
@@ -133,6 +163,14 @@ pub trait Backend: Send + Sync {
     fn memory_stats(&self) -> MemoryStats {
         MemoryStats::default()
     }
+    /// Floats of logits the fused log-prob may hold per chunk: bigger chunks make bigger
+    /// LM-head GEMMs and fewer read-modify-writes of the head's gradient.
+    fn logprob_chunk_floats(&self) -> usize {
+        16 << 20
+    }
+    /// Makes `peak_in_use` start again from the current use, so that a phase of the hybrid
+    /// engine reports its own peak.
+    fn reset_peak_memory(&self) {}
     /// Returns cached free device memory to the driver (between phases of the hybrid engine).
     fn trim(&self) -> Result<()> {
         Ok(())
@@ -186,6 +224,22 @@ pub trait Backend: Send + Sync {
         n: usize,
         accumulate: bool,
     ) -> Result<()>;
+    /// y[m,n] = r[m,n] + x[m,k] · w[n,k]ᵀ (y and r distinct): a residual block's output next to
+    /// its input, which training keeps. A GPU backend does it as one GEMM reading r as C.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_residual(
+        &self,
+        y: &mut Self::Buf,
+        r: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.copy(y, 0, r, 0, m * n)?;
+        self.matmul(y, x, w, None, m, k, n, true)
+    }
     /// dx[m,k] (= or +=) dy[m,n] · w[n,k].
     #[allow(clippy::too_many_arguments)]
     fn matmul_backward_x(
@@ -413,10 +467,35 @@ pub trait Backend: Send + Sync {
         scratch: &mut Self::Buf,
     ) -> Result<()>;
 
+    // ---- policy loss --------------------------------------------------------------------
+
+    /// Per token t with w_tok[t] > 0 (w = [w_pg | w_tok | w_agg], 3·tokens; 0 = masked):
+    /// r = exp(clamp(lp − old, ±20)), ℓ = max(−A·r, −A·clip(r, lo, hi)), for A < 0 min(ℓ, −A·c);
+    /// dlp = w_pg·∂ℓ/∂lp (torch's subgradients: ties split, clamps pass on their closed
+    /// interval; 0 where masked), and [`PPO_STATS`] sums are added to `stats`. `old` None means
+    /// on-policy (old = lp, detached). Math in f64, as `algo::policy_loss` does it.
+    #[allow(clippy::too_many_arguments)]
+    fn ppo_clip_loss(
+        &self,
+        dlp: &mut Self::Buf,
+        stats: &mut Self::Buf,
+        lp: &Self::Buf,
+        old: Option<&Self::Buf>,
+        adv: &Self::Buf,
+        w: &Self::Buf,
+        ent: Option<&Self::Buf>,
+        shape: PpoShape,
+    ) -> Result<()>;
+
     // ---- optimizer ----------------------------------------------------------------------
 
     /// Σ x[..n]² (accumulated in f64 where the backend can).
     fn sum_squares(&self, x: &Self::Buf, n: usize) -> Result<f64>;
+    /// Σ over (x, n) of Σ x[..n]² (the global grad norm): a device backend sums every buffer
+    /// before its one read-back, instead of one sync per buffer.
+    fn sum_squares_all(&self, xs: &[(&Self::Buf, usize)]) -> Result<f64> {
+        xs.iter().map(|&(x, n)| self.sum_squares(x, n)).sum()
+    }
     /// AdamW (torch semantics): g' = s·g; m = β1·m + (1−β1)·g'; v = β2·v + (1−β2)·g'²;
     /// p = p·(1 − lr·wd) − (lr/bc1)·m / (√v/√bc2 + eps).
     #[allow(clippy::too_many_arguments)]
@@ -428,5 +507,45 @@ pub trait Backend: Send + Sync {
         v: &mut Self::Buf,
         n: usize,
         step: &AdamWStep,
+    ) -> Result<()>;
+
+    // ---- paged generation (engine::paged) -----------------------------------------------
+
+    /// (free, total) bytes of device memory as the driver reports them (cuMemGetInfo); None
+    /// where there is no device memory to size a KV pool from (the CPU).
+    fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        Ok(None)
+    }
+
+    /// dst = src[..dst.len()] (device to host).
+    fn download_idx(&self, src: &Self::Idx, dst: &mut [u32]) -> Result<()>;
+    /// Paged attention (see [`PagedAttnShape`] for the row of position p):
+    /// o_i = Σ_{p<len[i]} softmax_p(q_i·K[row_i(p)]/√d) V[row_i(p)], kv head h/(heads/kv_heads).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_paged(
+        &self,
+        o: &mut Self::Buf,
+        q: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        tables: &Self::Idx,
+        seq: &Self::Idx,
+        len: &Self::Idx,
+        shape: PagedAttnShape,
+    ) -> Result<()>;
+    /// One token per row of logits[rows, vocab], drawn as `engine::sampling::sample` draws it
+    /// with u = uniform(key_r, positions[r]), key_r = keys[2r] | keys[2r+1] << 32:
+    /// tokens[r] = the id, logprobs[r] = log softmax(z_r / T)[id] (T = 1 when greedy).
+    #[allow(clippy::too_many_arguments)]
+    fn sample(
+        &self,
+        tokens: &mut Self::Idx,
+        logprobs: &mut Self::Buf,
+        logits: &Self::Buf,
+        keys: &Self::Idx,
+        positions: &Self::Idx,
+        rows: usize,
+        vocab: usize,
+        params: &crate::engine::sampling::SamplingParams,
     ) -> Result<()>;
 }

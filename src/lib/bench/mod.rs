@@ -2,7 +2,10 @@
 
 pub mod cpu_engine;
 pub mod cpu_stages;
+pub mod logprob;
+pub mod rollout;
 pub mod synth;
+pub mod update;
 
 use clap::{Args, Subcommand};
 
@@ -18,12 +21,26 @@ pub enum Which {
     CpuStages(cpu_stages::CpuStagesArgs),
     /// Generation and update tokens/s of the CPU engine on a ~10M model and the Qwen2.5-0.5B shape.
     CpuEngine(cpu_engine::CpuEngineArgs),
+    /// The issue-6 update workload (PPO-clip + AdamW, Qwen2.5-0.5B shape) through `update`'s loop.
+    Update(update::UpdateArgs),
+    /// The same workload's forward-only scoring (what `ref-logprob` does).
+    Logprob(logprob::LogprobArgs),
+    /// Tokens/s of the paged rollout engine (Qwen2.5-0.5B shape, random weights) and its
+    /// fraction of the roofline.
+    Rollout(rollout::RolloutBenchArgs),
+    /// Whole GRPO steps in-process and on the daemon's resident models: seconds per stage and
+    /// peak device memory per phase.
+    GrpoStep(crate::daemon::bench::GrpoStepArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
         Which::CpuStages(a) => cpu_stages::run(a),
         Which::CpuEngine(a) => cpu_engine::run(a),
+        Which::Update(a) => update::run(a),
+        Which::Logprob(a) => logprob::run(a),
+        Which::Rollout(a) => rollout::run(a),
+        Which::GrpoStep(a) => crate::daemon::bench::run(a),
     }
 }
 

@@ -3,6 +3,7 @@
 
 pub mod generate;
 pub mod logprob;
+pub mod paged;
 pub mod resume;
 pub mod sampling;
 pub mod stage;
@@ -10,8 +11,10 @@ pub mod stage;
 mod testing;
 pub mod train;
 
-use crate::backend::Backend;
-use crate::model::decoder::{AdamWParams, Decoder, SeqRef, StepReport, TokenGrads, TokenStats};
+use crate::backend::{Backend, PpoShape, PPO_STATS};
+use crate::model::decoder::{
+    AdamWParams, Decoder, PpoTokens, SeqRef, StepReport, TokenGrads, TokenStats,
+};
 use anyhow::Result;
 
 /// The part of the decoder that scoring and training use. [`Decoder`] is the real one; unit
@@ -31,6 +34,24 @@ pub trait Policy {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()>;
+    /// Forward, the PPO-clip loss computed where the log-probs are (no host round trip), and
+    /// backward; its metric sums accumulate until [`Policy::take_ppo_stats`]. Returns false
+    /// when the policy has no such path (the caller then uses `forward_backward`).
+    fn forward_backward_ppo(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        tokens: &PpoTokens,
+        clip: PpoShape,
+    ) -> Result<bool> {
+        let _ = (seqs, temperature, tokens, clip);
+        Ok(false)
+    }
+    /// The metric sums of `forward_backward_ppo` since the last call (slots as
+    /// [`crate::backend::PPO_STATS`]), reset to zero.
+    fn take_ppo_stats(&mut self) -> Result<[f64; PPO_STATS]> {
+        Ok([0.0; PPO_STATS])
+    }
     fn zero_grads(&mut self) -> Result<()>;
     /// Clips to `max_grad_norm`, steps AdamW, and skips the step when the norm is not finite.
     fn optimizer_step(
@@ -56,6 +77,19 @@ impl<B: Backend> Policy for Decoder<B> {
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
         Decoder::forward_backward(self, seqs, temperature, loss)
+    }
+    fn forward_backward_ppo(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        tokens: &PpoTokens,
+        clip: PpoShape,
+    ) -> Result<bool> {
+        Decoder::forward_backward_ppo(self, seqs, temperature, tokens, clip)?;
+        Ok(true)
+    }
+    fn take_ppo_stats(&mut self) -> Result<[f64; PPO_STATS]> {
+        Decoder::take_ppo_stats(self)
     }
     fn zero_grads(&mut self) -> Result<()> {
         Decoder::zero_grads(self)

@@ -17,11 +17,12 @@
 use super::logprob::{micro_batches, score, PromptResponse};
 use super::sampling::{mix_key, uniform};
 use super::Policy;
-use crate::algo::agg::LossNorm;
+use crate::algo::agg::{AggMode, LossNorm};
 use crate::algo::policy_loss::{
     policy_loss, LossConfig, LossInputs, LossMetrics, LossMode, LossOutput,
 };
-use crate::model::decoder::{AdamWParams, SeqRef, TokenGrads, TokenStats};
+use crate::backend::PpoShape;
+use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -175,6 +176,14 @@ pub struct StepMetrics {
     pub metrics: LossMetrics,
     pub grad_norm: f32,
     pub skipped: bool,
+    /// Wall seconds of the step: its micro-batches' forward/loss/backward calls (with the loss
+    /// on a GPU: the time to queue them), the wait for the device to finish them (reading the
+    /// loss metrics), and the optimizer step.
+    pub micro_seconds: f64,
+    pub wait_seconds: f64,
+    pub optimizer_seconds: f64,
+    /// The loss ran on the device (no host round trip per micro-batch).
+    pub device_loss: bool,
 }
 
 /// What one call did.
@@ -229,12 +238,25 @@ impl TrainReport {
 }
 
 /// Runs one `update` call: `schedule_step` is the number of training steps before this one.
+/// The PPO-clip loss runs on the device when the policy can (TANDEM_HOST_LOSS=1: on the host).
 pub fn train(
     policy: &mut dyn Policy,
     data: &TrainData,
     cfg: &TrainConfig,
     schedule_step: u64,
     log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let device_loss = std::env::var_os("TANDEM_HOST_LOSS").is_none();
+    train_with(policy, data, cfg, schedule_step, log, device_loss)
+}
+
+fn train_with(
+    policy: &mut dyn Policy,
+    data: &TrainData,
+    cfg: &TrainConfig,
+    schedule_step: u64,
+    log: &mut dyn FnMut(&str),
+    allow_device_loss: bool,
 ) -> Result<TrainReport> {
     let n = data.rows.len();
     ensure!(n > 0, "the batch has no rows");
@@ -288,6 +310,21 @@ pub fn train(
         weight_decay: cfg.weight_decay,
     };
     let want_entropy = cfg.loss.entropy_coeff != 0.0;
+    // The PPO-clip loss can run on the device (metrics summed there, read once per step):
+    // vanilla mode without KL loss or rollout IS.
+    let mut device_loss = allow_device_loss
+        && cfg.loss.mode == LossMode::Vanilla
+        && cfg.loss.kl_loss.is_none()
+        && cfg.loss.rollout_is.is_none();
+    let clip = PpoShape {
+        tokens: 0,
+        ratio_low: 1.0 - cfg.loss.clip_low(),
+        ratio_high: 1.0 + cfg.loss.clip_high(),
+        dual_clip: cfg.loss.clip_ratio_c,
+    };
+    if device_loss {
+        cfg.loss.validate()?;
+    }
     let mut steps = Vec::new();
     let mut tokens = 0usize;
     for epoch in 0..cfg.ppo_epochs {
@@ -300,9 +337,11 @@ pub fn train(
         for mb in order.chunks(mbs) {
             let norm = LossNorm::of_rows(mb.iter().map(|&i| data.mask[i]), cfg.loss_scale_factor);
             policy.zero_grads()?;
+            let step_start = Instant::now();
             let mut metrics = LossMetrics::default();
             let mut loss_total = 0.0;
             let mut nonfinite = false;
+            let mut used_device_loss = false;
             let live: Vec<usize> = mb
                 .iter()
                 .copied()
@@ -321,6 +360,21 @@ pub fn train(
                     })
                     .collect();
                 tokens += joined.iter().map(Vec::len).sum::<usize>();
+                if device_loss {
+                    let t = ppo_tokens(cfg, data, idx, old_rows.as_deref(), &norm, want_entropy)?;
+                    let pt = PpoTokens {
+                        old: t.old.as_deref(),
+                        advantages: &t.adv,
+                        weights: &t.weights,
+                        dentropy: t.dent.as_deref(),
+                    };
+                    if policy.forward_backward_ppo(&seqs, cfg.temperature, &pt, clip)? {
+                        used_device_loss = true;
+                        continue;
+                    }
+                    // This policy has no device path: the host loss from here on.
+                    device_loss = false;
+                }
                 policy.forward_backward(&seqs, cfg.temperature, &mut |stats| {
                     let (out, offsets) = micro_loss(
                         cfg,
@@ -345,6 +399,27 @@ pub fn train(
                     ))
                 })?;
             }
+            let micro_seconds = step_start.elapsed().as_secs_f64();
+            if used_device_loss {
+                let s = policy.take_ppo_stats()?;
+                let m = LossMetrics {
+                    pg_loss: s[0],
+                    pg_clipfrac: s[1],
+                    pg_clipfrac_lower: s[2],
+                    ppo_kl: s[3],
+                    entropy: s[4],
+                    kl_loss: 0.0,
+                };
+                let loss = m.pg_loss - cfg.loss.entropy_coeff * m.entropy;
+                if s[5] > 0.0 || !loss.is_finite() {
+                    nonfinite = true;
+                } else {
+                    metrics.add(&m);
+                    loss_total += loss;
+                }
+            }
+            let wait_seconds = step_start.elapsed().as_secs_f64() - micro_seconds;
+            let opt_start = Instant::now();
             let report = if nonfinite {
                 policy.zero_grads()?;
                 log(&format!(
@@ -358,6 +433,10 @@ pub fn train(
                     metrics,
                     grad_norm: f32::NAN,
                     skipped: true,
+                    micro_seconds,
+                    wait_seconds,
+                    optimizer_seconds: opt_start.elapsed().as_secs_f64(),
+                    device_loss: used_device_loss,
                 }
             } else {
                 let r = policy.optimizer_step(&hp, cfg.grad_clip)?;
@@ -375,6 +454,10 @@ pub fn train(
                     metrics,
                     grad_norm: r.grad_norm,
                     skipped: r.skipped,
+                    micro_seconds,
+                    wait_seconds,
+                    optimizer_seconds: opt_start.elapsed().as_secs_f64(),
+                    device_loss: used_device_loss,
                 }
             };
             steps.push(report);
@@ -387,6 +470,84 @@ pub fn train(
         seconds: started.elapsed().as_secs_f64(),
         on_policy,
         recomputed_old: recomputed.is_some(),
+    })
+}
+
+/// Per-token inputs of the device-side PPO loss for rows `idx` (owned; see [`PpoTokens`]).
+struct OwnedPpoTokens {
+    old: Option<Vec<f32>>,
+    adv: Vec<f32>,
+    weights: Vec<f32>,
+    dent: Option<Vec<f32>>,
+}
+
+/// The device loss's inputs for rows `idx`: each token's aggregation weights (policy loss,
+/// token-mean metrics, entropy) from the mini-batch totals, so the device sums over
+/// micro-batches equal the host loss of the whole mini-batch.
+fn ppo_tokens(
+    cfg: &TrainConfig,
+    data: &TrainData,
+    idx: &[usize],
+    old_rows: Option<&[&[f32]]>,
+    norm: &LossNorm,
+    want_entropy: bool,
+) -> Result<OwnedPpoTokens> {
+    let adv_rows = data
+        .advantages
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("advantages are required by this loss"))?;
+    let n: usize = idx.iter().map(|&i| data.rows[i].response.len()).sum();
+    let (mut w_pg, mut w_tok, mut w_agg) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let mut adv = Vec::with_capacity(n);
+    let mut old = old_rows.map(|_| Vec::with_capacity(n));
+    for &i in idx {
+        let len = data.rows[i].response.len();
+        let mask = data.mask[i];
+        ensure!(
+            mask.len() == len && adv_rows[i].len() == len,
+            "row {i}: response_mask and advantages must have one value per response token"
+        );
+        let valid = mask.iter().filter(|&&m| m != 0).count();
+        // Vanilla PPO aggregates its policy loss with the configured mode (GSPO would not).
+        let (pg, tok, ag) = (
+            norm.row_weight(cfg.loss.agg, valid)? as f32,
+            norm.row_weight(AggMode::TokenMean, valid)? as f32,
+            norm.row_weight(cfg.loss.agg, valid)? as f32,
+        );
+        for &m in mask {
+            let on = (m != 0) as u8 as f32;
+            w_pg.push(pg * on);
+            w_tok.push(tok * on);
+            w_agg.push(ag * on);
+        }
+        adv.extend_from_slice(adv_rows[i]);
+        if let (Some(o), Some(rows)) = (old.as_mut(), old_rows) {
+            ensure!(
+                rows[i].len() == len,
+                "row {i}: {} old log-probs for {len} response tokens",
+                rows[i].len()
+            );
+            o.extend_from_slice(rows[i]);
+        }
+    }
+    // loss −= coeff·agg(H): a constant dL/dH per token.
+    let dent = want_entropy.then(|| {
+        w_agg
+            .iter()
+            .map(|&w| (-cfg.loss.entropy_coeff * w as f64) as f32)
+            .collect()
+    });
+    w_pg.extend_from_slice(&w_tok);
+    w_pg.extend_from_slice(&w_agg);
+    Ok(OwnedPpoTokens {
+        old,
+        adv,
+        weights: w_pg,
+        dent,
     })
 }
 
@@ -769,6 +930,78 @@ mod tests {
         let j = r.to_json();
         assert_eq!(j["skipped_steps"], 1);
         assert!(j["grad_norm"].is_null());
+    }
+
+    #[test]
+    fn device_loss_matches_the_host_loss() {
+        use crate::backend::cpu::Cpu;
+        use crate::model::decoder::Decoder;
+        // A tiny decoder trained both ways: off-policy (old log-probs given, so ratios clip),
+        // several micro-batches, a masked token, seq-mean-token-mean, an entropy bonus.
+        let cfg = crate::bench::update::shape("tiny").unwrap();
+        let weights = crate::model::init::random_weights(&cfg, 3, 0.5);
+        let mut owned = batch();
+        owned.masks[0][1] = 0;
+        let old: Vec<Vec<f32>> = owned
+            .responses
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                (0..r.len())
+                    .map(|t| -6.5 + 0.4 * ((i + t) % 4) as f32)
+                    .collect()
+            })
+            .collect();
+        let mut c = cfg_for_decoder();
+        c.loss.agg = AggMode::SeqMeanTokenMean;
+        c.loss.entropy_coeff = 0.01;
+        c.micro_batch_tokens = 6;
+        let run = |device: bool| {
+            let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
+            let mut d = owned.data();
+            d.old = Some(old.iter().map(Vec::as_slice).collect());
+            let r = train_with(&mut dec, &d, &c, 0, &mut |_| {}, device).unwrap();
+            (r, dec.export_weights().unwrap())
+        };
+        let (rh, wh) = run(false);
+        let (rd, wd) = run(true);
+        assert!(rd.steps[0].device_loss && !rh.steps[0].device_loss);
+        let (sh, sd) = (&rh.steps[0], &rd.steps[0]);
+        assert!(
+            sh.metrics.pg_clipfrac > 0.0,
+            "the case clips: {:?}",
+            sh.metrics
+        );
+        let close = |a: f64, b: f64, what: &str| {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs().max(1e-3),
+                "{what}: host {a} device {b}"
+            )
+        };
+        close(sh.loss, sd.loss, "loss");
+        close(sh.metrics.pg_loss, sd.metrics.pg_loss, "pg_loss");
+        close(sh.metrics.pg_clipfrac, sd.metrics.pg_clipfrac, "clipfrac");
+        close(
+            sh.metrics.pg_clipfrac_lower,
+            sd.metrics.pg_clipfrac_lower,
+            "clipfrac_lower",
+        );
+        close(sh.metrics.ppo_kl, sd.metrics.ppo_kl, "ppo_kl");
+        close(sh.metrics.entropy, sd.metrics.entropy, "entropy");
+        close(sh.grad_norm as f64, sd.grad_norm as f64, "grad_norm");
+        for (name, t) in &wh {
+            crate::backend::check::assert_close(&wd[name].data, &t.data, 1e-6, name);
+        }
+    }
+
+    /// Adam at lr 1e-3 on the tiny decoder (`cfg` uses lr 0.5 for the bigram).
+    fn cfg_for_decoder() -> TrainConfig {
+        let mut c = cfg(LossMode::Vanilla);
+        c.lr = LrConfig::constant(1e-3);
+        // Adam's first step is lr·g/(|g| + eps): a large eps keeps it proportional to g, so
+        // rounding-level gradient differences cannot flip an element's step.
+        c.eps = 1.0;
+        c
     }
 
     #[test]

@@ -21,7 +21,12 @@
 
 use anyhow::{bail, ensure, Result};
 
-use crate::backend::{AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape};
+use crate::backend::{
+    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PagedAttnShape, PpoShape,
+    PPO_STATS,
+};
+use crate::engine::paged::{Chunk, SampleRow};
+use crate::engine::sampling::{Sampled, SamplingParams};
 use crate::error::input_error;
 use crate::model::{Config, Tensor, Weights};
 
@@ -46,6 +51,21 @@ pub struct TokenStats {
 pub struct TokenGrads {
     pub dlogprobs: Vec<f32>,
     pub dentropy: Option<Vec<f32>>,
+}
+
+/// Per-token inputs of the PPO-clip loss computed on the device
+/// ([`Decoder::forward_backward_ppo`]), concatenated over the scored tokens of the packed
+/// sequences in order.
+#[derive(Clone, Copy, Debug)]
+pub struct PpoTokens<'a> {
+    /// Log-probs of the sampling policy; None = on-policy (the current ones, detached).
+    pub old: Option<&'a [f32]>,
+    pub advantages: &'a [f32],
+    /// `[w_pg | w_tok | w_agg]`, 3 × tokens: the aggregation weights of each token (see
+    /// `algo::agg::LossNorm::row_weight`); w_tok = 0 masks a token.
+    pub weights: &'a [f32],
+    /// dL/dentropy per token (the entropy bonus), when there is one.
+    pub dentropy: Option<&'a [f32]>,
 }
 
 /// AdamW hyper-parameters of one optimizer step (torch.optim.AdamW semantics; the weight decay
@@ -124,6 +144,32 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
+/// A paged KV cache: `num_blocks` blocks of `block_size` positions per layer; row
+/// `block · block_size + offset` of a layer's buffer holds the key (value) of one position.
+/// It also holds the device-side inputs and outputs of a paged step (block tables, sampling
+/// keys, drawn tokens), so a step allocates nothing once they have grown.
+pub struct PagedKv<B: Backend> {
+    k: Vec<B::Buf>,
+    v: Vec<B::Buf>,
+    num_blocks: usize,
+    block_size: usize,
+    tables: B::Idx,
+    max_blocks: usize,
+    keys: B::Idx,
+    positions: B::Idx,
+    tokens: B::Idx,
+    logprobs: B::Buf,
+}
+
+impl<B: Backend> PagedKv<B> {
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+}
+
 /// Parameter indices of one layer (into the decoder's parameter lists).
 struct Layer {
     in_norm: usize,
@@ -190,11 +236,16 @@ struct Acts<B: Backend> {
     rstd2: B::Buf,
     g: B::Buf,
     u: B::Buf,
+    /// swiglu(g, u), kept for the backward pass when training (empty otherwise).
+    h: B::Buf,
 }
 
 /// Gradient scratch of the backward pass (one set, reused by every layer).
 struct GradWork<B: Backend> {
     d_resid: B::Buf,
+    /// d_resid rounded to the compute dtype once for the two GEMMs that read it (empty when
+    /// the compute dtype is f32).
+    d_resid_c: B::Buf,
     d_xn: B::Buf,
     d_o: B::Buf,
     dq: B::Buf,
@@ -209,6 +260,10 @@ struct GradWork<B: Backend> {
     dxg: B::Buf,
     dlp: B::Buf,
     dent: B::Buf,
+    /// Inputs of the device-side PPO loss: old log-probs, advantages, weights (3 per row).
+    old: B::Buf,
+    adv: B::Buf,
+    lw: B::Buf,
 }
 
 struct Work<B: Backend> {
@@ -276,6 +331,7 @@ impl<B: Backend> Work<B> {
                 rstd2: b.alloc(t)?,
                 g: ac(t * f)?,
                 u: ac(t * f)?,
+                h: ac(if c.backward { t * f } else { 0 })?,
             });
         }
         let n_resid = if c.saved_layers > 1 {
@@ -283,13 +339,17 @@ impl<B: Backend> Work<B> {
         } else {
             1
         };
+        // The residual stream stays f32 whatever the compute dtype (as under torch autocast):
+        // rounding it to bf16 after every block was over a third of the bf16 log-prob error
+        // (docs/BENCHMARKS.md, "Where the bf16 log-prob error comes from").
         let mut resid = Vec::with_capacity(n_resid);
         for _ in 0..n_resid {
-            resid.push(ac(t * hd)?);
+            resid.push(b.alloc(t * hd)?);
         }
         let grad = if c.backward {
             Some(GradWork {
                 d_resid: b.alloc(t * hd)?,
+                d_resid_c: ac(if cd == DType::F32 { 0 } else { t * hd })?,
                 d_xn: b.alloc(t * hd)?,
                 d_o: ac(t * qd)?,
                 dq: ac(t * qd)?,
@@ -304,6 +364,9 @@ impl<B: Backend> Work<B> {
                 dxg: b.alloc(n * hd)?,
                 dlp: b.alloc(n)?,
                 dent: b.alloc(n)?,
+                old: b.alloc(n)?,
+                adv: b.alloc(n)?,
+                lw: b.alloc(3 * n)?,
             })
         } else {
             None
@@ -340,6 +403,9 @@ enum AttnMode<'a, B: Backend> {
     Packed,
     /// Keys and values are stored into the cache first, then read from it.
     Cached(&'a mut KvCache<B>),
+    /// The same through block tables (`kv_rows` are the cache rows of the new tokens,
+    /// `kv_base` the table row of each query, `kv_len` its context length).
+    Paged(&'a mut PagedKv<B>),
 }
 
 /// The decoder: weights, gradients, optimizer state and workspaces on one backend.
@@ -365,12 +431,11 @@ pub struct Decoder<B: Backend> {
     head: usize,
     layers: Vec<Layer>,
     ws: Work<B>,
+    /// The PPO loss metrics summed on the device since the last `take_ppo_stats`.
+    ppo_stats: Option<B::Buf>,
     /// Rows per chunk of the fused LM-head log-prob (bounds the logits held at once).
     pub logprob_chunk: usize,
 }
-
-/// Floats of logits the fused log-prob holds at once by default (64 MiB of f32).
-const LOGPROB_CHUNK_FLOATS: usize = 16 << 20;
 
 fn check_config(cfg: &Config) -> Result<()> {
     let bad = |msg: String| Err(input_error(format!("config.json: {msg}")));
@@ -545,6 +610,7 @@ impl<B: Backend> Decoder<B> {
             add("lm_head.weight".into(), vec![v, d])?
         };
         let ws = Work::empty(&backend, cfg)?;
+        let logprob_chunk = (backend.logprob_chunk_floats() / v).clamp(1, 4096);
         Ok(Decoder {
             backend,
             cfg: cfg.clone(),
@@ -561,7 +627,8 @@ impl<B: Backend> Decoder<B> {
             head,
             layers,
             ws,
-            logprob_chunk: (LOGPROB_CHUNK_FLOATS / v).clamp(1, 4096),
+            ppo_stats: None,
+            logprob_chunk,
         })
     }
 
@@ -814,12 +881,44 @@ impl<B: Backend> Decoder<B> {
                     };
                     b.attention_cached(&mut a.o, &a.q, kc, vc, &ws.kv_base, &ws.kv_len, shape)?;
                 }
+                AttnMode::Paged(cache) => {
+                    let PagedKv {
+                        k: ks,
+                        v: vs,
+                        tables,
+                        block_size,
+                        max_blocks,
+                        ..
+                    } = &mut **cache;
+                    let (kc, vc) = (&mut ks[l], &mut vs[l]);
+                    b.kv_store(kc, vc, &a.k, &a.v, &ws.kv_rows, n, kd)?;
+                    let shape = PagedAttnShape {
+                        queries: n,
+                        heads: hh,
+                        kv_heads: kh,
+                        head_dim: hd,
+                        block_size: *block_size,
+                        max_blocks: *max_blocks,
+                    };
+                    b.attention_paged(
+                        &mut a.o,
+                        &a.q,
+                        kc,
+                        vc,
+                        tables,
+                        &ws.kv_base,
+                        &ws.kv_len,
+                        shape,
+                    )?;
+                }
             }
             if train {
+                // Training keeps the block's input: the output goes to the next snapshot.
                 let (src, dst) = pair(&mut ws.resid, ri, rm);
-                b.copy(dst, 0, src, 0, n * d)?;
+                b.matmul_residual(dst, src, &a.o, &w[ly.o], n, qd, d)?;
+            } else {
+                b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
             }
-            b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
             b.rmsnorm(
                 &mut a.xn2,
                 &mut a.rstd2,
@@ -831,14 +930,23 @@ impl<B: Backend> Decoder<B> {
             )?;
             b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
             b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
-            b.swiglu(&mut ws.h, &a.g, &a.u, n * f)?;
+            let h = if train { &mut a.h } else { &mut ws.h };
+            b.swiglu(h, &a.g, &a.u, n * f)?;
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.copy(dst, 0, src, 0, n * d)?;
+                b.matmul_residual(dst, src, h, &w[ly.down], n, f, d)?;
+            } else {
+                b.matmul(&mut ws.resid[ro], h, &w[ly.down], None, n, f, d, true)?;
             }
-            b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, n, f, d, true)?;
         }
         Ok(if train { 2 * layers.len() } else { 0 })
+    }
+
+    /// Rows per LM-head chunk for `r` scored rows: at most `logprob_chunk`, the chunks of
+    /// (nearly) equal size so the last GEMM is not a sliver.
+    fn chunk_rows(&self, r: usize) -> usize {
+        let max = self.logprob_chunk.max(1);
+        r.div_ceil(r.div_ceil(max).max(1)).max(1)
     }
 
     /// Final norm of the scored rows and the fused log-prob; returns per-sequence stats.
@@ -850,7 +958,46 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         entropy: bool,
     ) -> Result<Vec<TokenStats>> {
-        let chunk = self.logprob_chunk.max(1);
+        if r == 0 {
+            return Ok(seqs
+                .iter()
+                .map(|_| TokenStats {
+                    logprobs: vec![],
+                    entropy: entropy.then(Vec::new),
+                })
+                .collect());
+        }
+        self.score_device(last, r, temperature, entropy)?;
+        let (b, ws) = (&self.backend, &self.ws);
+        let mut lp = vec![0.0; r];
+        b.download(&ws.lp, &mut lp)?;
+        let mut ent = vec![0.0; if entropy { r } else { 0 }];
+        if entropy {
+            b.download(&ws.ent, &mut ent)?;
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for s in seqs {
+            let c = s.tokens.len() - s.start;
+            out.push(TokenStats {
+                logprobs: lp[off..off + c].to_vec(),
+                entropy: entropy.then(|| ent[off..off + c].to_vec()),
+            });
+            off += c;
+        }
+        Ok(out)
+    }
+
+    /// Final norm of the `r > 0` scored rows and the fused log-prob, left on the device
+    /// (`ws.lp`, `ws.ent`, `ws.lse_lp`).
+    fn score_device(
+        &mut self,
+        last: usize,
+        r: usize,
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<()> {
+        let chunk = self.chunk_rows(r);
         let Decoder {
             backend: b,
             cfg,
@@ -861,15 +1008,6 @@ impl<B: Backend> Decoder<B> {
             ..
         } = self;
         let d = cfg.hidden_size;
-        if r == 0 {
-            return Ok(seqs
-                .iter()
-                .map(|_| TokenStats {
-                    logprobs: vec![],
-                    entropy: entropy.then(Vec::new),
-                })
-                .collect());
-        }
         b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
         b.rmsnorm(
             &mut ws.xf,
@@ -897,24 +1035,7 @@ impl<B: Backend> Decoder<B> {
             &ws.targets,
             shape,
             &mut ws.scratch,
-        )?;
-        let mut lp = vec![0.0; r];
-        b.download(&ws.lp, &mut lp)?;
-        let mut ent = vec![0.0; if entropy { r } else { 0 }];
-        if entropy {
-            b.download(&ws.ent, &mut ent)?;
-        }
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut off = 0;
-        for s in seqs {
-            let c = s.tokens.len() - s.start;
-            out.push(TokenStats {
-                logprobs: lp[off..off + c].to_vec(),
-                entropy: entropy.then(|| ent[off..off + c].to_vec()),
-            });
-            off += c;
-        }
-        Ok(out)
+        )
     }
 
     /// Log-probs (and optionally entropies) of every scored token of every sequence, under
@@ -992,30 +1113,99 @@ impl<B: Backend> Decoder<B> {
                 None => dent.extend(std::iter::repeat_n(0.0, c)),
             }
         }
-        self.backward(
-            n,
-            seqs.len(),
-            r,
-            temperature,
-            &dlp,
-            any_dent.then_some(&dent[..]),
-        )
+        if r == 0 {
+            // Nothing scored: the loss does not depend on the weights.
+            return Ok(());
+        }
+        {
+            let gw = self.ws.grad.as_mut().expect("training workspace");
+            self.backend.upload(&mut gw.dlp, &dlp)?;
+            if any_dent {
+                self.backend.upload(&mut gw.dent, &dent)?;
+            }
+        }
+        self.backward(n, seqs.len(), r, temperature, any_dent)
     }
 
+    /// Forward, the PPO-clip loss on the device ([`Backend::ppo_clip_loss`], knobs in `clip`;
+    /// its `tokens` is set here) and backward over packed `seqs`, with no host round trip: the
+    /// loss metrics add up on the device until [`Decoder::take_ppo_stats`].
+    pub fn forward_backward_ppo(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        tok: &PpoTokens,
+        clip: PpoShape,
+    ) -> Result<()> {
+        check_temperature(temperature)?;
+        self.ensure_grads()?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let (n, r) = self.pack(seqs, true)?;
+        ensure!(
+            tok.advantages.len() == r
+                && tok.weights.len() == 3 * r
+                && tok.old.is_none_or(|o| o.len() == r)
+                && tok.dentropy.is_none_or(|d| d.len() == r),
+            "PPO loss inputs: {} advantages, {} weights, {:?} old, {:?} dentropy for {r} scored tokens",
+            tok.advantages.len(),
+            tok.weights.len(),
+            tok.old.map(<[f32]>::len),
+            tok.dentropy.map(<[f32]>::len)
+        );
+        let last = self.forward(n, seqs.len(), true, AttnMode::Packed)?;
+        if r == 0 {
+            return Ok(());
+        }
+        self.score_device(last, r, temperature, true)?;
+        if self.ppo_stats.is_none() {
+            self.ppo_stats = Some(self.backend.alloc(PPO_STATS)?);
+        }
+        let (b, ws) = (&self.backend, &mut self.ws);
+        let gw = ws.grad.as_mut().expect("training workspace");
+        b.upload(&mut gw.adv, tok.advantages)?;
+        b.upload(&mut gw.lw, tok.weights)?;
+        if let Some(o) = tok.old {
+            b.upload(&mut gw.old, o)?;
+        }
+        if let Some(d) = tok.dentropy {
+            b.upload(&mut gw.dent, d)?;
+        }
+        b.ppo_clip_loss(
+            &mut gw.dlp,
+            self.ppo_stats.as_mut().expect("allocated above"),
+            &ws.lp,
+            tok.old.map(|_| &gw.old),
+            &gw.adv,
+            &gw.lw,
+            Some(&ws.ent),
+            PpoShape { tokens: r, ..clip },
+        )?;
+        self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some())
+    }
+
+    /// The PPO loss metric sums ([`crate::backend::PPO_STATS`] slots) since the last call, and
+    /// resets them (one device sync).
+    pub fn take_ppo_stats(&mut self) -> Result<[f64; PPO_STATS]> {
+        let mut out = [0f32; PPO_STATS];
+        if let Some(s) = self.ppo_stats.as_mut() {
+            self.backend.download(s, &mut out)?;
+            self.backend.fill(s, PPO_STATS, 0.0)?;
+        }
+        Ok(out.map(f64::from))
+    }
+
+    /// Backward from dL/dlp (and dL/dentropy when `dent`) already in the gradient workspace.
     fn backward(
         &mut self,
         n: usize,
         seqs: usize,
         r: usize,
         temperature: f32,
-        dlp: &[f32],
-        dent: Option<&[f32]>,
+        dent: bool,
     ) -> Result<()> {
-        if r == 0 {
-            // Nothing scored: the loss does not depend on the weights.
-            return Ok(());
-        }
-        let chunk = self.logprob_chunk.max(1);
+        let chunk = self.chunk_rows(r);
         let Decoder {
             backend: b,
             cfg,
@@ -1040,10 +1230,6 @@ impl<B: Backend> Decoder<B> {
             cfg.head_dim,
         );
         let (qd, kd, theta) = (hh * hd, kh * hd, cfg.rope_theta);
-        b.upload(&mut gw.dlp, dlp)?;
-        if let Some(de) = dent {
-            b.upload(&mut gw.dent, de)?;
-        }
         let shape = LogprobShape {
             rows: r,
             hidden: d,
@@ -1060,7 +1246,7 @@ impl<B: Backend> Decoder<B> {
             &ws.lse_lp,
             &ws.ent,
             &gw.dlp,
-            dent.map(|_| &gw.dent),
+            dent.then_some(&gw.dent),
             shape,
             &mut ws.scratch,
         )?;
@@ -1077,12 +1263,18 @@ impl<B: Backend> Decoder<B> {
         )?;
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
         b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
+        let lowp = b.compute_dtype() != DType::F32;
         for (l, ly) in layers.iter().enumerate().rev() {
             let a = &ws.acts[l];
-            // MLP: h = swiglu(g, u) is recomputed rather than kept per layer.
-            b.swiglu(&mut ws.h, &a.g, &a.u, n * f)?;
-            b.matmul_backward_w(&mut g[ly.down], None, &gw.d_resid, &ws.h, n, f, d)?;
-            b.matmul_backward_x(&mut gw.dh, &gw.d_resid, &w[ly.down], n, f, d, false)?;
+            // MLP (h kept from the forward pass).
+            let dres = if lowp {
+                b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n * d)?;
+                &gw.d_resid_c
+            } else {
+                &gw.d_resid
+            };
+            b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, n, f, d)?;
+            b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], n, f, d, false)?;
             b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
             b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, n, d, f)?;
             b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, n, d, f)?;
@@ -1100,8 +1292,14 @@ impl<B: Backend> Decoder<B> {
                 true,
             )?;
             // Attention.
-            b.matmul_backward_w(&mut g[ly.o], None, &gw.d_resid, &a.o, n, qd, d)?;
-            b.matmul_backward_x(&mut gw.d_o, &gw.d_resid, &w[ly.o], n, qd, d, false)?;
+            let dres = if lowp {
+                b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n * d)?;
+                &gw.d_resid_c
+            } else {
+                &gw.d_resid
+            };
+            b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, n, qd, d)?;
+            b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], n, qd, d, false)?;
             let shape = AttnShape {
                 tokens: n,
                 seqs,
@@ -1177,11 +1375,8 @@ impl<B: Backend> Decoder<B> {
 
     /// Global L2 norm of the accumulated gradients (0 before any backward pass).
     pub fn grad_norm(&self) -> Result<f32> {
-        let mut s = 0f64;
-        for g in &self.g {
-            s += self.backend.sum_squares(g, self.backend.len(g))?;
-        }
-        Ok(s.sqrt() as f32)
+        let all: Vec<(&B::Buf, usize)> = self.g.iter().map(|g| (g, self.backend.len(g))).collect();
+        Ok(self.backend.sum_squares_all(&all)?.sqrt() as f32)
     }
 
     /// The gradients by HF name (for tests and debugging).
@@ -1329,6 +1524,52 @@ impl<B: Backend> Decoder<B> {
         self.m = m;
         self.v = v;
         self.step = state.step;
+        Ok(())
+    }
+
+    /// Frees the gradients (the next backward pass allocates them again): the hybrid engine's
+    /// step from the update phase to generation.
+    pub fn release_grads(&mut self) {
+        self.g.clear();
+    }
+
+    /// Frees the Adam moments on the device, keeping the step count: the daemon parks them in
+    /// host memory between updates (`--offload-optimizer`) and brings them back with
+    /// `load_optimizer_state` before the next step.
+    pub fn release_optimizer_state(&mut self) {
+        self.m.clear();
+        self.v.clear();
+    }
+
+    /// Frees the f32 master weights where they are kept apart from the compute weights (compute
+    /// dtype other than f32): the daemon's `--offload-optimizer` holds them in host memory
+    /// between updates and calls `restore_masters` before the next optimizer step. Where the
+    /// compute weights are the masters (f32) there is nothing to free.
+    pub fn release_masters(&mut self) {
+        self.master.clear();
+    }
+
+    /// Uploads the f32 masters (by HF name, as `export_weights` gave them) that
+    /// `release_masters` freed. A no-op when the compute weights are f32.
+    pub fn restore_masters(&mut self, weights: &Weights) -> Result<()> {
+        if self.backend.compute_dtype() == DType::F32 || !self.master.is_empty() {
+            return Ok(());
+        }
+        let mut out = Vec::with_capacity(self.names.len());
+        for (name, shape) in self.names.iter().zip(&self.shapes) {
+            let t = weights
+                .get(name)
+                .ok_or_else(|| anyhow::anyhow!("master weights: '{name}' is missing"))?;
+            ensure!(
+                &t.shape == shape,
+                "master weights: '{name}' has shape {:?}, the model's is {shape:?}",
+                t.shape
+            );
+            let mut m = self.backend.alloc(t.numel())?;
+            self.backend.upload(&mut m, &t.data)?;
+            out.push(m);
+        }
+        self.master = out;
         Ok(())
     }
 
@@ -1488,4 +1729,231 @@ impl<B: Backend> Decoder<B> {
         cache.lens[to_slot] = cache.lens[from_slot];
         Ok(())
     }
+
+    /// Bytes one KV block of `block_size` positions takes over every layer (keys and values).
+    pub fn paged_block_bytes(&self, block_size: usize) -> usize {
+        let esize = match self.backend.compute_dtype() {
+            DType::F32 => 4,
+            DType::BF16 => 2,
+        };
+        2 * self.cfg.num_layers * block_size * self.cfg.num_kv_heads * self.cfg.head_dim * esize
+    }
+
+    /// Grows the workspace for paged steps of up to `tokens` tokens and `rows` sampled rows
+    /// (so a KV pool sized from the free memory afterwards leaves room for it).
+    pub fn reserve_paged(&mut self, tokens: usize, rows: usize) -> Result<()> {
+        self.reserve(Caps {
+            tokens,
+            seqs: 1,
+            rows,
+            saved_layers: 1,
+            backward: false,
+        })?;
+        let n = rows * self.cfg.vocab_size;
+        if self.backend.len(&self.ws.logits) < n {
+            self.ws.logits = self.backend.alloc(0)?;
+            self.ws.logits = self.backend.alloc(n)?;
+        }
+        Ok(())
+    }
+
+    /// A paged KV cache of `num_blocks` blocks of `block_size` positions.
+    pub fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKv<B>> {
+        ensure!(
+            num_blocks > 0 && block_size > 0,
+            "paged cache: {num_blocks} blocks of {block_size}"
+        );
+        let b = &self.backend;
+        let n = num_blocks * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
+        let mut k = Vec::with_capacity(self.cfg.num_layers);
+        let mut v = Vec::with_capacity(self.cfg.num_layers);
+        for _ in 0..self.cfg.num_layers {
+            k.push(b.alloc_as(n, b.compute_dtype())?);
+            v.push(b.alloc_as(n, b.compute_dtype())?);
+        }
+        Ok(PagedKv {
+            k,
+            v,
+            num_blocks,
+            block_size,
+            tables: b.alloc_idx(0)?,
+            max_blocks: 0,
+            keys: b.alloc_idx(0)?,
+            positions: b.alloc_idx(0)?,
+            tokens: b.alloc_idx(0)?,
+            logprobs: b.alloc(0)?,
+        })
+    }
+
+    /// One step of the paged engine: runs every chunk (its keys and values stored through its
+    /// block table), then draws one token per sample row from the logits after the last token
+    /// of the row's chunk, on the backend. Only the drawn ids and log-probs come back.
+    pub fn forward_paged(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        chunks: &[Chunk],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+    ) -> Result<Vec<Sampled>> {
+        let bs = cache.block_size;
+        let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        ensure!(n > 0, "paged step without tokens");
+        let max_blocks = chunks.iter().map(|c| c.table.len()).max().unwrap_or(0);
+        let (mut ids, mut pos) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut kv_rows, mut seq, mut len) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let mut tables = vec![0u32; chunks.len() * max_blocks];
+        let mut last = Vec::with_capacity(chunks.len());
+        for (c, ch) in chunks.iter().enumerate() {
+            let end = ch.start + ch.tokens.len();
+            ensure!(
+                !ch.tokens.is_empty() && end <= ch.table.len() * bs,
+                "paged step: chunk {c} feeds positions {}..{end} but its table covers {}",
+                ch.start,
+                ch.table.len() * bs
+            );
+            if let Some(&b) = ch.table.iter().find(|&&b| b as usize >= cache.num_blocks) {
+                bail!(
+                    "paged step: chunk {c} names block {b} of {}",
+                    cache.num_blocks
+                );
+            }
+            tables[c * max_blocks..c * max_blocks + ch.table.len()].copy_from_slice(ch.table);
+            for (i, &t) in ch.tokens.iter().enumerate() {
+                let p = ch.start + i;
+                ids.push(t);
+                pos.push(p as u32);
+                kv_rows.push((ch.table[p / bs] as usize * bs + p % bs) as u32);
+                seq.push(c as u32);
+                len.push(p as u32 + 1);
+            }
+            last.push(ids.len() as u32 - 1);
+        }
+        let out: Vec<u32> = rows
+            .iter()
+            .map(|r| {
+                last.get(r.chunk)
+                    .copied()
+                    .ok_or_else(|| anyhow::anyhow!("sample row names chunk {}", r.chunk))
+            })
+            .collect::<Result<_>>()?;
+        self.check_tokens(&ids, "generation input")?;
+        self.reserve(Caps {
+            tokens: n,
+            seqs: 1,
+            rows: out.len(),
+            saved_layers: 1,
+            backward: false,
+        })?;
+        let v = self.cfg.vocab_size;
+        let r = out.len();
+        let keys: Vec<u32> = rows
+            .iter()
+            .flat_map(|s| [s.key as u32, (s.key >> 32) as u32])
+            .collect();
+        let positions: Vec<u32> = rows.iter().map(|s| s.position as u32).collect();
+        {
+            let (b, ws) = (&self.backend, &mut self.ws);
+            b.upload_idx(&mut ws.ids, &ids)?;
+            b.upload_idx(&mut ws.pos, &pos)?;
+            b.upload_idx(&mut ws.kv_rows, &kv_rows)?;
+            b.upload_idx(&mut ws.kv_base, &seq)?;
+            b.upload_idx(&mut ws.kv_len, &len)?;
+            b.upload_idx(&mut ws.rows, &out)?;
+            if b.len(&ws.logits) < r * v {
+                ws.logits = b.alloc(0)?;
+                ws.logits = b.alloc(r * v)?;
+            }
+            grow_idx(b, &mut cache.tables, tables.len())?;
+            b.upload_idx(&mut cache.tables, &tables)?;
+            cache.max_blocks = max_blocks;
+            grow_idx(b, &mut cache.keys, keys.len())?;
+            grow_idx(b, &mut cache.positions, r)?;
+            grow_idx(b, &mut cache.tokens, r)?;
+            if b.len(&cache.logprobs) < r {
+                cache.logprobs = b.alloc(r.next_power_of_two())?;
+            }
+            b.upload_idx(&mut cache.keys, &keys)?;
+            b.upload_idx(&mut cache.positions, &positions)?;
+        }
+        let last_buf = self.forward(n, 1, false, AttnMode::Paged(cache))?;
+        if r == 0 {
+            return Ok(Vec::new());
+        }
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            ws,
+            final_norm,
+            head,
+            ..
+        } = self;
+        let d = cfg.hidden_size;
+        b.gather_rows(&mut ws.xg, &ws.resid[last_buf], &ws.rows, r, d)?;
+        b.rmsnorm(
+            &mut ws.xf,
+            &mut ws.rstd_f,
+            &ws.xg,
+            &w[*final_norm],
+            r,
+            d,
+            cfg.rms_norm_eps,
+        )?;
+        b.matmul(&mut ws.logits, &ws.xf, &w[*head], None, r, d, v, false)?;
+        b.sample(
+            &mut cache.tokens,
+            &mut cache.logprobs,
+            &ws.logits,
+            &cache.keys,
+            &cache.positions,
+            r,
+            v,
+            sampling,
+        )?;
+        let mut tok = vec![0u32; r];
+        let mut lp = vec![0f32; r];
+        b.download_idx(&cache.tokens, &mut tok)?;
+        b.download(&cache.logprobs, &mut lp)?;
+        Ok(tok
+            .into_iter()
+            .zip(lp)
+            .map(|(token, logprob)| Sampled { token, logprob })
+            .collect())
+    }
+
+    /// Copies whole blocks `(src, dst)` of every layer's keys and values.
+    pub fn copy_paged_blocks(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        pairs: &[(u32, u32)],
+    ) -> Result<()> {
+        let row = cache.block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
+        for &(src, dst) in pairs {
+            ensure!(
+                (src as usize) < cache.num_blocks
+                    && (dst as usize) < cache.num_blocks
+                    && src != dst,
+                "paged cache: copy of block {src} to {dst} ({} blocks)",
+                cache.num_blocks
+            );
+            for buf in cache.k.iter_mut().chain(cache.v.iter_mut()) {
+                self.backend
+                    .copy_within(buf, dst as usize * row, src as usize * row, row)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Grows an index buffer to hold at least `n` entries (to the next power of two, so that a
+/// growing batch reallocates rarely).
+fn grow_idx<B: Backend>(b: &B, buf: &mut B::Idx, n: usize) -> Result<()> {
+    if b.len_idx(buf) < n {
+        *buf = b.alloc_idx(n.next_power_of_two())?;
+    }
+    Ok(())
 }

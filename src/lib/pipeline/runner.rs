@@ -89,6 +89,51 @@ pub struct Runner {
     /// Steps whose header comment was already written to commands.sh by this process.
     announced: Option<u64>,
     bar: ProgressBar,
+    /// The warm daemon the model stages are sent to (`daemon = true`), once started.
+    daemon: Option<DaemonProc>,
+    /// Whether this runner started a daemon before (a missing one was then lost).
+    daemon_started: bool,
+}
+
+/// How often a dead daemon is restarted for one stage before the run gives up.
+const MAX_DAEMON_RESTARTS: u32 = 3;
+
+/// The stage binaries that take `--daemon` (the model stages).
+const DAEMON_STAGES: &[&str] = &["rollout", "ref-logprob", "update", "sync-weights"];
+
+/// A daemon process started by the runner. Dropping it stops it (shutdown by SIGTERM, SIGKILL
+/// after a grace period) and removes its socket, so no run leaves one behind.
+struct DaemonProc {
+    child: std::process::Child,
+    socket: PathBuf,
+}
+
+impl DaemonProc {
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for DaemonProc {
+    fn drop(&mut self) {
+        use wait_timeout::ChildExt;
+        if self.alive() {
+            // SAFETY: kill(2) of our own child, which has not been reaped (alive above).
+            unsafe {
+                libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let stopped = self
+                .child
+                .wait_timeout(std::time::Duration::from_secs(60))
+                .ok()
+                .flatten();
+            if stopped.is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
 }
 
 impl Runner {
@@ -101,7 +146,149 @@ impl Runner {
             train: None,
             announced: None,
             bar: ProgressBar::hidden(),
+            daemon: None,
+            daemon_started: false,
         }
+    }
+
+    /// The socket of the run's daemon.
+    pub fn daemon_socket(&self) -> PathBuf {
+        self.run.root.join("daemon.sock")
+    }
+
+    /// `--daemon SOCKET` for the model stages when the spec asks for the warm daemon.
+    fn daemon_args(&self) -> Vec<String> {
+        if self.spec.daemon {
+            vec!["--daemon".into(), path_arg(&self.daemon_socket())]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Starts the daemon (policy: the run's current policy pointer once there is one, so a
+    /// restart resumes from the last synced checkpoint) and waits until it answers `health`.
+    fn start_daemon(&mut self) -> Result<()> {
+        let socket = self.daemon_socket();
+        // sun_path holds 108 bytes with its NUL.
+        if socket.as_os_str().len() > 100 {
+            bail_input!(
+                "daemon = true: the socket path {} is too long for a unix socket; use a shorter --run-dir (a relative one)",
+                socket.display()
+            );
+        }
+        let policy = if self.run.policy().exists() {
+            self.run.policy()
+        } else {
+            self.spec.model.path.clone()
+        };
+        let program = self.bins.join("tandem");
+        let mut cmd = std::process::Command::new(&program);
+        cmd.args(["daemon", "--device", self.spec.device.as_str(), "--socket"])
+            .arg(&socket)
+            .arg("--policy")
+            .arg(&policy);
+        if self.spec.needs_ref() {
+            cmd.arg("--ref").arg(self.spec.reference_model());
+        }
+        let log_path = self.run.root.join("daemon.log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .with_context(|| format!("opening {}", log_path.display()))?;
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        die_with_parent(&mut cmd);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        let mut proc = DaemonProc {
+            child,
+            socket: socket.clone(),
+        };
+        let t0 = Instant::now();
+        loop {
+            let health =
+                crate::daemon::client::request(&socket, &crate::daemon::protocol::Request::Health);
+            if health.is_ok() {
+                break;
+            }
+            if !proc.alive() || t0.elapsed() > std::time::Duration::from_secs(1800) {
+                anyhow::bail!(
+                    "the daemon did not come up (see {}): {}",
+                    log_path.display(),
+                    health.err().map(|e| format!("{e:#}")).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        self.daemon = Some(proc);
+        Ok(())
+    }
+
+    /// Makes sure the daemon runs before a stage that uses it: starts it the first time,
+    /// restarts it when it died. Returns whether it was (re)started.
+    fn ensure_daemon(&mut self, restarts: &mut u32) -> Result<bool> {
+        let first = !self.daemon_started;
+        if let Some(d) = &mut self.daemon {
+            if d.alive() {
+                return Ok(false);
+            }
+        }
+        if !first {
+            let status = match &mut self.daemon {
+                Some(d) => d.child.wait().ok().map(|s| s.to_string()),
+                None => Some("stopped: it no longer answered".to_string()),
+            };
+            *restarts += 1;
+            let msg = format!(
+                "pipeline: the daemon died ({}); restarting it from the current policy ({} of at most {MAX_DAEMON_RESTARTS} restarts)",
+                status.unwrap_or_default(),
+                restarts
+            );
+            self.bar.suspend(|| eprintln!("{msg}"));
+            self.daemon = None;
+            if *restarts > MAX_DAEMON_RESTARTS {
+                anyhow::bail!(
+                    "the daemon died {restarts} times; giving up (see {})",
+                    self.run.root.join("daemon.log").display()
+                );
+            }
+        }
+        self.start_daemon()?;
+        self.daemon_started = true;
+        Ok(true)
+    }
+
+    /// Whether the daemon is dead or no longer answers (after a stage failed). A daemon that
+    /// is still there but silent is stopped, so that `ensure_daemon` starts a new one.
+    fn daemon_gone(&mut self) -> bool {
+        let Some(d) = &mut self.daemon else {
+            return false;
+        };
+        if !d.alive() {
+            return true;
+        }
+        let health =
+            crate::daemon::client::request(&d.socket, &crate::daemon::protocol::Request::Health);
+        if health.is_ok() {
+            return false;
+        }
+        // The socket closes a moment before the process is reapable.
+        let t0 = Instant::now();
+        while d.alive() && t0.elapsed() < std::time::Duration::from_secs(2) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        if d.alive() {
+            self.daemon = None;
+        }
+        true
+    }
+
+    /// Stops the daemon (at the end of the run).
+    fn stop_daemon(&mut self) {
+        self.daemon = None;
     }
 
     fn stage_cmd(&self, bin: &'static str, args: Vec<String>) -> Action {
@@ -110,10 +297,12 @@ impl Runner {
 
     /// `--device` for the model stages when not on the CPU (the stages' default).
     fn device_args(&self) -> Vec<String> {
-        match self.spec.device {
+        let mut a = match self.spec.device {
             Device::Cpu => Vec::new(),
             d => vec!["--device".into(), d.as_str().into()],
-        }
+        };
+        a.extend(self.daemon_args());
+        a
     }
 
     /// The tasks of step 0: publish the initial model as the policy, then evaluate it.
@@ -129,7 +318,10 @@ impl Runner {
                     path_arg(&self.run.policy()),
                     "--policy-version".into(),
                     "0".into(),
-                ],
+                ]
+                .into_iter()
+                .chain(self.daemon_args())
+                .collect(),
             ),
         }];
         if self.spec.eval.every > 0 && self.spec.eval.at_start {
@@ -340,7 +532,10 @@ impl Runner {
                     // Explicit, so that a sync rerun after an interruption sets the same version.
                     "--policy-version".into(),
                     step.to_string(),
-                ],
+                ]
+                .into_iter()
+                .chain(self.daemon_args())
+                .collect(),
             ),
         });
         tasks.push(Task {
@@ -437,8 +632,16 @@ impl Runner {
 
     /// Check that every stage binary the plan needs exists.
     fn check_bins(&self, plan: &[(u64, Task)]) -> Result<()> {
-        for (_, t) in plan {
-            if let Action::Stage { bin, .. } = &t.action {
+        let daemon = self.spec.daemon.then_some("tandem");
+        let bins = plan
+            .iter()
+            .filter_map(|(_, t)| match &t.action {
+                Action::Stage { bin, .. } => Some(*bin),
+                _ => None,
+            })
+            .chain(daemon);
+        for bin in bins {
+            {
                 let p = self.bins.join(bin);
                 if !p.is_file() {
                     anyhow::bail!(
@@ -464,9 +667,12 @@ impl Runner {
             .expect("valid template"),
         );
         self.bar.set_position(self.state.steps_done.min(total));
-        for (step, task) in plan {
-            self.run_task(step, &task)?;
-        }
+        let result = plan
+            .iter()
+            .try_for_each(|(step, task)| self.run_task(*step, task));
+        // Stop the daemon whether the run finished or failed: no process outlives the runner.
+        self.stop_daemon();
+        result?;
         self.bar.finish_and_clear();
         Ok(())
     }
@@ -537,6 +743,15 @@ impl Runner {
                 self.run.root.display(),
                 shell_quote(&cwd.display().to_string())
             );
+            if self.spec.daemon {
+                text += &format!(
+                    "# The model stages are clients of the run's daemon (--daemon); to replay them start one\n# first: {} daemon --device {} --socket {} --policy {}\n",
+                    shell_quote(&path_arg(&self.bins.join("tandem"))),
+                    self.spec.device.as_str(),
+                    shell_quote(&path_arg(&self.daemon_socket())),
+                    shell_quote(&path_arg(&self.spec.model.path)),
+                );
+            }
         }
         if self.announced != Some(step) {
             text += &format!("\n# {}\n", step_name(step));
@@ -554,6 +769,27 @@ impl Runner {
     }
 
     fn run_stage(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
+        let via_daemon = self.spec.daemon && DAEMON_STAGES.contains(&bin);
+        if !via_daemon {
+            return self.run_stage_once(step, task, bin, args);
+        }
+        let mut restarts = 0;
+        loop {
+            self.ensure_daemon(&mut restarts)?;
+            match self.run_stage_once(step, task, bin, args) {
+                Ok(()) => return Ok(()),
+                // A stage that failed because the daemon died runs again on a new daemon
+                // (which loads the current policy); any other failure stops the run.
+                Err(e) if self.daemon_gone() => {
+                    let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
+                    self.bar.suspend(|| eprintln!("{msg}"));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn run_stage_once(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
         let line = self.stage_line(bin, args);
         self.append_command(step, &line)?;
         // Stages write their outputs where they are told; the runner makes the directories.

@@ -414,11 +414,6 @@ impl Spec {
                 self.eval.every
             );
         }
-        if self.daemon {
-            bail_input!(
-                "{origin}: daemon = true needs the warm GPU daemon, which tandem does not have yet; use daemon = false (each stage loads the model itself)"
-            );
-        }
         for (key, v) in [
             ("[rollout] temperature", self.rollout.temperature),
             ("[rollout] top-p", self.rollout.top_p),

@@ -6,8 +6,10 @@
 pub mod attention;
 pub mod embedding;
 pub mod logprob;
+pub mod loss;
 pub mod matmul;
 pub mod optim;
+pub mod paged;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
@@ -15,7 +17,9 @@ pub mod swiglu;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape};
+use super::{
+    AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape, PagedAttnShape, PpoShape, PPO_STATS,
+};
 
 /// The CPU backend. It holds no state: threads come from rayon's global pool
 /// (`RAYON_NUM_THREADS` sets their number).
@@ -592,6 +596,39 @@ impl Backend for Cpu {
         )
     }
 
+    fn ppo_clip_loss(
+        &self,
+        dlp: &mut Vec<f32>,
+        stats: &mut Vec<f32>,
+        lp: &Vec<f32>,
+        old: Option<&Vec<f32>>,
+        adv: &Vec<f32>,
+        w: &Vec<f32>,
+        ent: Option<&Vec<f32>>,
+        s: PpoShape,
+    ) -> Result<()> {
+        let n = s.tokens;
+        let old = match old {
+            Some(o) => Some(get(o, n, "ppo_clip_loss old")?),
+            None => None,
+        };
+        let ent = match ent {
+            Some(e) => Some(get(e, n, "ppo_clip_loss ent")?),
+            None => None,
+        };
+        loss::ppo_clip_loss(
+            get_mut(dlp, n, "ppo_clip_loss dlp")?,
+            get_mut(stats, PPO_STATS, "ppo_clip_loss stats")?,
+            get(lp, n, "ppo_clip_loss lp")?,
+            old,
+            get(adv, n, "ppo_clip_loss adv")?,
+            get(w, 3 * n, "ppo_clip_loss w")?,
+            ent,
+            &s,
+        );
+        Ok(())
+    }
+
     fn sum_squares(&self, x: &Vec<f32>, n: usize) -> Result<f64> {
         Ok(optim::sum_squares(get(x, n, "sum_squares x")?))
     }
@@ -613,5 +650,56 @@ impl Backend for Cpu {
             step,
         );
         Ok(())
+    }
+
+    fn download_idx(&self, src: &Vec<u32>, dst: &mut [u32]) -> Result<()> {
+        dst.copy_from_slice(get(src, dst.len(), "download source")?);
+        Ok(())
+    }
+
+    fn attention_paged(
+        &self,
+        o: &mut Vec<f32>,
+        q: &Vec<f32>,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        tables: &Vec<u32>,
+        seq: &Vec<u32>,
+        len: &Vec<u32>,
+        s: PagedAttnShape,
+    ) -> Result<()> {
+        let qn = s.queries * s.heads * s.head_dim;
+        paged::forward(
+            get_mut(o, qn, "attention_paged o")?,
+            get(q, qn, "attention_paged q")?,
+            k_cache,
+            v_cache,
+            tables,
+            get(seq, s.queries, "attention_paged seq")?,
+            get(len, s.queries, "attention_paged len")?,
+            s,
+        )
+    }
+
+    fn sample(
+        &self,
+        tokens: &mut Vec<u32>,
+        logprobs: &mut Vec<f32>,
+        logits: &Vec<f32>,
+        keys: &Vec<u32>,
+        positions: &Vec<u32>,
+        rows: usize,
+        vocab: usize,
+        params: &crate::engine::sampling::SamplingParams,
+    ) -> Result<()> {
+        paged::sample_rows(
+            get_mut(tokens, rows, "sample tokens")?,
+            get_mut(logprobs, rows, "sample logprobs")?,
+            get(logits, rows * vocab, "sample logits")?,
+            get(keys, 2 * rows, "sample keys")?,
+            get(positions, rows, "sample positions")?,
+            vocab,
+            params,
+        )
     }
 }

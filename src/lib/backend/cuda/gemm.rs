@@ -27,7 +27,8 @@ pub struct Operand {
     pub dtype: DType,
 }
 
-/// One column-major GEMM: D[m,n] = op(A)·op(B) + beta·D (+ bias[m] along the rows of D).
+/// One column-major GEMM: D[m,n] = op(A)·op(B) + beta·C (+ bias[m] along the rows of D), where
+/// C is D unless `c` names another matrix of D's type and layout.
 #[derive(Clone, Copy, Debug)]
 pub struct GemmCall {
     pub transa: bool,
@@ -43,6 +44,7 @@ pub struct GemmCall {
     pub ldd: usize,
     pub beta: f32,
     pub bias: Option<Operand>,
+    pub c: Option<Operand>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -235,9 +237,15 @@ impl Gemm {
                 bail!("cuBLASLt GEMM: the bias must have the output's type");
             }
         }
+        if let Some(cm) = c.c {
+            if cm.dtype != c.d.dtype {
+                bail!("cuBLASLt GEMM: C must have the output's type");
+            }
+        }
         if c.m == 0 || c.n == 0 {
             return Ok(());
         }
+        let c_ptr = c.c.map_or(c.d.ptr, |m| m.ptr);
         let key = Key {
             transa: c.transa,
             transb: c.transb,
@@ -250,7 +258,11 @@ impl Gemm {
             ab: c.a.dtype,
             d: c.d.dtype,
             bias: c.bias.is_some(),
-            align: [alignment(c.a.ptr), alignment(c.b.ptr), alignment(c.d.ptr)],
+            align: [
+                alignment(c.a.ptr),
+                alignment(c.b.ptr),
+                alignment(c.d.ptr).min(alignment(c_ptr)),
+            ],
         };
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
@@ -278,7 +290,7 @@ impl Gemm {
                 plan.a,
                 c.b.ptr as *const c_void,
                 plan.b,
-                c.d.ptr as *const c_void,
+                c_ptr as *const c_void,
                 plan.d,
                 c.d.ptr as *mut c_void,
                 plan.d,

@@ -32,7 +32,10 @@ use half::bf16;
 use self::gemm::{Gemm, GemmCall, Operand};
 use self::nvrtc::{Family, KernelCache};
 use self::pool::{Block, Pool};
-use super::{AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, MemoryStats};
+use super::{
+    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, MemoryStats,
+    PagedAttnShape, PpoShape, PPO_STATS,
+};
 use crate::error::input_error;
 
 /// The message a user sees on a machine without a usable GPU.
@@ -103,7 +106,7 @@ macro_rules! karg {
         }
     )*};
 }
-karg!(u64, i32, i64, f32);
+karg!(u64, i32, i64, f32, f64);
 
 /// The rope kernel's inverse frequencies, passed by value (`struct Freqs { float f[512]; }`).
 #[repr(C)]
@@ -167,6 +170,12 @@ fn describe_errors(bits: u32) -> String {
     }
     if bits & 16 != 0 {
         parts.push("logprob: a target token is outside the vocabulary");
+    }
+    if bits & (1 << 10) != 0 {
+        parts.push("attention_paged: a query reads an empty range or a block outside the cache");
+    }
+    if bits & (1 << 11) != 0 {
+        parts.push("sample: a row of logits holds NaN or is not finite");
     }
     format!("cuda backend: {}", parts.join("; "))
 }
@@ -488,6 +497,7 @@ impl CudaBackend {
             ldd: n,
             beta: if accumulate { 1.0 } else { 0.0 },
             bias: b,
+            c: None,
         };
         self.gemm(call, n * k, m * k)
     }
@@ -519,6 +529,7 @@ impl CudaBackend {
             ldd: k,
             beta: if accumulate { 1.0 } else { 0.0 },
             bias: None,
+            c: None,
         };
         self.gemm(call, n * k, m * n)
     }
@@ -548,6 +559,7 @@ impl CudaBackend {
             ldd: k,
             beta: 1.0,
             bias: None,
+            c: None,
         };
         self.gemm(call, m * k, m * n)
     }
@@ -636,6 +648,17 @@ impl Backend for CudaBackend {
 
     fn memory_stats(&self) -> MemoryStats {
         self.pool.stats()
+    }
+
+    fn logprob_chunk_floats(&self) -> usize {
+        // 1 GiB of f32 logits (~1700 rows at vocab 151,936): the LM-head GEMMs run at full
+        // size and the head's f32 gradient is read and written a few times per micro-batch
+        // instead of once per ~100 rows.
+        256 << 20
+    }
+
+    fn reset_peak_memory(&self) {
+        self.pool.reset_peak()
     }
 
     fn trim(&self) -> Result<()> {
@@ -842,6 +865,45 @@ impl Backend for CudaBackend {
             n,
             accumulate,
         )
+    }
+
+    fn matmul_residual(
+        &self,
+        y: &mut CudaBuf,
+        r: &CudaBuf,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        need(y.len, m * n, "matmul_residual y")?;
+        need(r.len, m * n, "matmul_residual r")?;
+        need(x.len, m * k, "matmul_residual x")?;
+        need(w.len, n * k, "matmul_residual w")?;
+        if k == 0 || r.dtype != y.dtype {
+            // cuBLASLt reads C in D's type: copy (converting) and accumulate instead.
+            self.copy(y, 0, r, 0, m * n)?;
+            return self.matmul(y, x, w, None, m, k, n, true);
+        }
+        // One GEMM: D = y, C = r, beta 1 (no separate copy of the residual).
+        let call = GemmCall {
+            transa: true,
+            transb: false,
+            m: n,
+            n: m,
+            k,
+            a: w.operand(0),
+            lda: k,
+            b: x.operand(0),
+            ldb: k,
+            d: y.operand(0),
+            ldd: n,
+            beta: 1.0,
+            bias: None,
+            c: Some(r.operand(0)),
+        };
+        self.gemm(call, n * k, m * k)
     }
 
     fn matmul_backward_x(
@@ -1471,6 +1533,14 @@ impl Backend for CudaBackend {
         need(h.len, n, "swiglu h")?;
         need(g.len, n, "swiglu g")?;
         need(u.len, n, "swiglu u")?;
+        if let Some(n8) = vec8(n, &[h, g, u]) {
+            return self.elementwise(
+                nvrtc::SWIGLU,
+                "swiglu_fwd_v8_k",
+                n8 as usize,
+                &[&h.ptr, &g.ptr, &u.ptr, &n8],
+            );
+        }
         let (hbf, gbf, ubf, n64) = (h.bf(), g.bf(), u.bf(), n as i64);
         self.elementwise(
             nvrtc::SWIGLU,
@@ -1494,6 +1564,14 @@ impl Backend for CudaBackend {
         need(dh.len, n, "swiglu dh")?;
         need(g.len, n, "swiglu g")?;
         need(u.len, n, "swiglu u")?;
+        if let Some(n8) = vec8(n, &[dg, du, dh, g, u]) {
+            return self.elementwise(
+                nvrtc::SWIGLU,
+                "swiglu_bwd_v8_k",
+                n8 as usize,
+                &[&dg.ptr, &du.ptr, &dh.ptr, &g.ptr, &u.ptr, &n8],
+            );
+        }
         let (dgbf, dubf, dhbf, gbf, ubf, n64) =
             (dg.bf(), du.bf(), dh.bf(), g.bf(), u.bf(), n as i64);
         self.elementwise(
@@ -1758,6 +1836,67 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn ppo_clip_loss(
+        &self,
+        dlp: &mut CudaBuf,
+        stats: &mut CudaBuf,
+        lp: &CudaBuf,
+        old: Option<&CudaBuf>,
+        adv: &CudaBuf,
+        w: &CudaBuf,
+        ent: Option<&CudaBuf>,
+        s: PpoShape,
+    ) -> Result<()> {
+        let n = s.tokens;
+        need(dlp.len, n, "ppo_clip_loss dlp")?;
+        need(stats.len, PPO_STATS, "ppo_clip_loss stats")?;
+        if stats.dtype != DType::F32 {
+            bail!("ppo_clip_loss: the stats accumulator must be f32");
+        }
+        need(lp.len, n, "ppo_clip_loss lp")?;
+        need(adv.len, n, "ppo_clip_loss adv")?;
+        need(w.len, 3 * n, "ppo_clip_loss w")?;
+        if let Some(o) = old {
+            need(o.len, n, "ppo_clip_loss old")?;
+        }
+        if let Some(e) = ent {
+            need(e.len, n, "ppo_clip_loss ent")?;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (old_ptr, old_bf) = old.map_or((0u64, 0), |o| (o.ptr, o.bf()));
+        let (ent_ptr, ent_bf) = ent.map_or((0u64, 0), |e| (e.ptr, e.bf()));
+        let (dlpbf, lpbf, advbf, wbf, n32) =
+            (dlp.bf(), lp.bf(), adv.bf(), w.bf(), i32_of(n, "tokens")?);
+        let f = self.func(nvrtc::OPTIM, 0, "ppo_clip_k")?;
+        self.launch(
+            &f,
+            (1, 1, 1),
+            1024,
+            0,
+            &[
+                &dlp.ptr,
+                &dlpbf,
+                &stats.ptr,
+                &lp.ptr,
+                &lpbf,
+                &old_ptr,
+                &old_bf,
+                &adv.ptr,
+                &advbf,
+                &w.ptr,
+                &wbf,
+                &ent_ptr,
+                &ent_bf,
+                &n32,
+                &s.ratio_low,
+                &s.ratio_high,
+                &s.dual_clip,
+            ],
+        )
+    }
+
     fn sum_squares(&self, x: &CudaBuf, n: usize) -> Result<f64> {
         need(x.len, n, "sum_squares x")?;
         if n == 0 {
@@ -1777,6 +1916,49 @@ impl Backend for CudaBackend {
         )?;
         let f = self.func(nvrtc::OPTIM, 0, "sumsq_finish_k")?;
         self.launch(&f, (1, 1, 1), THREADS, 0, &[&out.ptr(), &part.ptr(), &b])?;
+        let mut host = [0f64];
+        self.bind()?;
+        unsafe { dr::memcpy_dtoh_async(&mut host, out.ptr(), self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
+        self.check_errors()?;
+        Ok(host[0])
+    }
+
+    fn sum_squares_all(&self, xs: &[(&CudaBuf, usize)]) -> Result<f64> {
+        // Every buffer's partial sums go to one array (fixed order), reduced by one block.
+        let blocks: Vec<u32> = xs
+            .iter()
+            .map(|&(_, n)| {
+                if n == 0 {
+                    0
+                } else {
+                    self.stride_blocks(n).min(1024)
+                }
+            })
+            .collect();
+        let total: usize = blocks.iter().map(|&b| b as usize).sum();
+        if total == 0 {
+            for &(x, n) in xs {
+                need(x.len, n, "sum_squares x")?;
+            }
+            return Ok(0.0);
+        }
+        let part = self.pool.alloc(total * 8)?;
+        let out = self.pool.alloc(8)?;
+        let f = self.func(nvrtc::OPTIM, 0, "sumsq_partial_k")?;
+        let mut off = 0usize;
+        for (&(x, n), &b) in xs.iter().zip(&blocks) {
+            need(x.len, n, "sum_squares x")?;
+            if b == 0 {
+                continue;
+            }
+            let (xbf, n64, at) = (x.bf(), n as i64, part.ptr() + (off * 8) as u64);
+            self.launch(&f, (b, 1, 1), THREADS, 0, &[&at, &x.ptr, &xbf, &n64])?;
+            off += b as usize;
+        }
+        let f = self.func(nvrtc::OPTIM, 0, "sumsq_finish_k")?;
+        let t = i32_of(total, "partial sums")?;
+        self.launch(&f, (1, 1, 1), THREADS, 0, &[&out.ptr(), &part.ptr(), &t])?;
         let mut host = [0f64];
         self.bind()?;
         unsafe { dr::memcpy_dtoh_async(&mut host, out.ptr(), self.stream.cu_stream()) }
@@ -1821,6 +2003,186 @@ impl Backend for CudaBackend {
                 &st.bias_correction1,
                 &st.bias_correction2,
                 &st.grad_scale,
+            ],
+        )
+    }
+
+    fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        self.bind()?;
+        let (free, total) = dr::mem_get_info().map_err(|e| anyhow!("cuda: cuMemGetInfo: {e:?}"))?;
+        Ok(Some((free, total)))
+    }
+
+    fn download_idx(&self, src: &CudaIdx, dst: &mut [u32]) -> Result<()> {
+        need(src.len, dst.len(), "download source")?;
+        if dst.is_empty() {
+            return self.check_errors();
+        }
+        self.bind()?;
+        unsafe { dr::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
+        self.check_errors()
+    }
+
+    fn attention_paged(
+        &self,
+        o: &mut CudaBuf,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        tables: &CudaIdx,
+        seq: &CudaIdx,
+        len: &CudaIdx,
+        s: PagedAttnShape,
+    ) -> Result<()> {
+        let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
+        let qn = s.queries * s.heads * s.head_dim;
+        need(o.len, qn, "attention_paged o")?;
+        need(q.len, qn, "attention_paged q")?;
+        need(seq.len, s.queries, "attention_paged seq")?;
+        need(len.len, s.queries, "attention_paged len")?;
+        if s.queries == 0 {
+            return Ok(());
+        }
+        if s.block_size == 0 || s.max_blocks == 0 {
+            bail!(
+                "attention_paged: block size {} and {} blocks per table",
+                s.block_size,
+                s.max_blocks
+            );
+        }
+        // One block per (query, kv head) serving its whole GQA group when the group is small
+        // enough (every key/value row read once); else one block per (query, head).
+        let group = s.heads / s.kv_heads;
+        let gqa = hd.is_multiple_of(8) && group <= 8;
+        let (name, blocks_y, threshold) = if gqa {
+            ("paged_attn_gqa_k", s.kv_heads, 4 * self.sms as usize)
+        } else {
+            ("paged_attn_k", s.heads, 2 * self.sms as usize)
+        };
+        let f = self.func(nvrtc::PAGED_ATTENTION, hd, name)?;
+        let row = s.kv_heads * hd;
+        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
+        // Flash-decoding: split the context when there are too few blocks to fill the GPU;
+        // each split covers at least 64 positions.
+        let max_len = s.max_blocks * s.block_size;
+        let pairs = s.queries * s.heads;
+        let want = threshold.div_ceil(s.queries * blocks_y).max(1);
+        let splits = want.min(max_len.div_ceil(64)).max(1);
+        let split_len = max_len.div_ceil(splits);
+        let (part_o, part_ml) = if splits > 1 {
+            (
+                self.temp(pairs * splits * hd, DType::F32)?,
+                self.temp(pairs * splits * 2, DType::F32)?,
+            )
+        } else {
+            (self.temp(1, DType::F32)?, self.temp(2, DType::F32)?)
+        };
+        let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
+        let (h, kh, bsz, mb, sl) = (
+            s.heads as i32,
+            s.kv_heads as i32,
+            i32_of(s.block_size, "block_size")?,
+            i32_of(s.max_blocks, "max_blocks")?,
+            i32_of(split_len, "split_len")?,
+        );
+        let scale = 1.0 / (hd as f32).sqrt();
+        let err = self.err_word.ptr();
+        self.launch(
+            &f,
+            (s.queries as u32, blocks_y as u32, splits as u32),
+            128,
+            0,
+            &[
+                &o.ptr,
+                &obf,
+                &q.ptr,
+                &qbf,
+                &k_cache.ptr,
+                &kbf,
+                &v_cache.ptr,
+                &vbf,
+                &tables.ptr,
+                &seq.ptr,
+                &len.ptr,
+                &h,
+                &kh,
+                &bsz,
+                &mb,
+                &num_blocks,
+                &sl,
+                &scale,
+                &part_o.ptr,
+                &part_ml.ptr,
+                &err,
+            ],
+        )?;
+        if splits > 1 {
+            let c = self.func(nvrtc::PAGED_ATTENTION, hd, "paged_combine_k")?;
+            let sp = splits as i32;
+            self.launch(
+                &c,
+                (s.queries as u32, s.heads as u32, 1),
+                Self::row_threads(hd),
+                0,
+                &[&o.ptr, &obf, &part_o.ptr, &part_ml.ptr, &h, &sp],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn sample(
+        &self,
+        tokens: &mut CudaIdx,
+        logprobs: &mut CudaBuf,
+        logits: &CudaBuf,
+        keys: &CudaIdx,
+        positions: &CudaIdx,
+        rows: usize,
+        vocab: usize,
+        params: &crate::engine::sampling::SamplingParams,
+    ) -> Result<()> {
+        params.validate()?;
+        need(tokens.len, rows, "sample tokens")?;
+        need(logprobs.len, rows, "sample logprobs")?;
+        need(logits.len, rows * vocab, "sample logits")?;
+        need(keys.len, 2 * rows, "sample keys")?;
+        need(positions.len, rows, "sample positions")?;
+        if logprobs.dtype != DType::F32 {
+            bail!("sample: log-probs must be an f32 buffer");
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        if vocab == 0 {
+            bail!("cannot sample from an empty vocabulary");
+        }
+        let f = self.func(nvrtc::SAMPLE, 0, "sample_k")?;
+        let lbf = logits.bf();
+        let v = i32_of(vocab, "vocab")?;
+        let top_k = if params.top_k > 0 && (params.top_k as usize) < vocab {
+            params.top_k as i32
+        } else {
+            -1
+        };
+        let err = self.err_word.ptr();
+        self.launch(
+            &f,
+            (rows as u32, 1, 1),
+            1024,
+            0,
+            &[
+                &tokens.ptr,
+                &logprobs.ptr,
+                &logits.ptr,
+                &lbf,
+                &keys.ptr,
+                &positions.ptr,
+                &v,
+                &params.temperature,
+                &top_k,
+                &params.top_p,
+                &err,
             ],
         )
     }
@@ -1911,6 +2273,17 @@ fn shape_args(s: AttnShape) -> Result<(i32, i32, i32, i32)> {
         i32_of(s.heads, "heads")?,
         i32_of(s.kv_heads, "kv_heads")?,
     ))
+}
+
+/// n / 8 when every buffer is bf16 and 16-byte aligned and 8 divides n: the elementwise
+/// kernels' vectorized form applies (TANDEM_NO_VEC=1 keeps the scalar kernels, for checks).
+fn vec8(n: usize, bufs: &[&CudaBuf]) -> Option<i64> {
+    let ok = n.is_multiple_of(8)
+        && bufs
+            .iter()
+            .all(|b| b.dtype == DType::BF16 && b.ptr.is_multiple_of(16))
+        && std::env::var_os("TANDEM_NO_VEC").is_none();
+    ok.then_some((n / 8) as i64)
 }
 
 fn check_logprob(s: &LogprobShape) -> Result<()> {

@@ -57,9 +57,29 @@ pub const ATTENTION: Family = Family {
     src: include_str!("kernels/attention.cu"),
 };
 
+/// Paged attention of the generation engine; compiled once per head_dim (`HD`).
+pub const PAGED_ATTENTION: Family = Family {
+    name: "paged_attention",
+    src: include_str!("kernels/paged_attention.cu"),
+};
+/// Sampling of the generation engine.
+pub const SAMPLE: Family = Family {
+    name: "sample",
+    src: include_str!("kernels/sample.cu"),
+};
+
 /// Every family, for the compile check.
-pub const ALL: [Family; 8] = [
-    MEMORY, EMBEDDING, RMSNORM, ROPE, SWIGLU, OPTIM, LOGPROB, ATTENTION,
+pub const ALL: [Family; 10] = [
+    MEMORY,
+    EMBEDDING,
+    RMSNORM,
+    ROPE,
+    SWIGLU,
+    OPTIM,
+    LOGPROB,
+    ATTENTION,
+    PAGED_ATTENTION,
+    SAMPLE,
 ];
 
 /// The full source NVRTC sees: defines, the common helpers, the family.
@@ -229,7 +249,7 @@ pub fn attention_tile(head_dim: usize) -> usize {
 pub fn compile_all(arch: &str) -> Result<Vec<(String, usize)>> {
     let mut out = Vec::new();
     for fam in ALL {
-        if fam.name == ATTENTION.name {
+        if fam.name == ATTENTION.name || fam.name == PAGED_ATTENTION.name {
             for hd in [64usize, 128, 256] {
                 let defs = [("HD", hd), ("TILE", attention_tile(hd))];
                 let bin = compile_cubin(fam.name, &full_source(fam, &defs), arch)?;
@@ -281,7 +301,7 @@ mod tests {
             return;
         }
         let built = compile_all("sm_90").unwrap_or_else(|e| panic!("{e:#}"));
-        assert_eq!(built.len(), ALL.len() + 2);
+        assert_eq!(built.len(), ALL.len() + 4);
         assert!(built.iter().all(|(_, n)| *n > 0));
     }
 }

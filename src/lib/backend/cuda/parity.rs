@@ -23,7 +23,9 @@ use serde::Serialize;
 
 use super::{nvrtc, CudaBackend, CudaBuf, CudaIdx};
 use crate::backend::cpu::Cpu;
-use crate::backend::{AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape};
+use crate::backend::{
+    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PpoShape, PPO_STATS,
+};
 use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
 use crate::model::{init, Arch, Config, Weights};
 use crate::rng::SplitMix64;
@@ -335,6 +337,39 @@ impl<'a> Suite<'a> {
                 true,
                 false,
             )?;
+        }
+        // y = r + x·wᵀ into an f32 output (the residual stream): one GEMM reading r as C; an r of
+        // another type takes the copy-and-accumulate path.
+        for (label, rd) in [
+            ("matmul_residual (f32 y, r)", DType::F32),
+            ("matmul_residual (r in the run's type)", d),
+        ] {
+            let (m, k, n) = (96, 160, 224);
+            let r = self.randn(m * n, 1.0, rd);
+            let x = self.randn(m * k, 1.0, d);
+            let w = self.randn(n * k, 0.05, d);
+            let mut yc = vec![0.0; m * n];
+            self.cpu.matmul_residual(&mut yc, &r, &x, &w, m, k, n)?;
+            let gr = self.dev(&r, rd)?;
+            let mut gy = self.poisoned(m * n, DType::F32)?;
+            self.gpu.matmul_residual(
+                &mut gy,
+                &gr,
+                &self.dev(&x, d)?,
+                &self.dev(&w, d)?,
+                m,
+                k,
+                n,
+            )?;
+            self.check(label, d, &gy, &yc, true, t1)?;
+            let mut back = vec![0f32; m * n];
+            self.gpu.download(&gr, &mut back)?;
+            self.flag(
+                &format!("{label}: r unchanged"),
+                d,
+                back == r,
+                String::new(),
+            );
         }
         let (m, k, n) = (150, 256, 192);
         let dy = self.randn(m * n, 1.0, d);
@@ -682,8 +717,13 @@ impl<'a> Suite<'a> {
     }
 
     fn swiglu(&mut self, d: DType) -> Result<()> {
+        // 50,001: the scalar kernels; 49,992 (a multiple of 8): the vectorized ones in bf16.
+        self.swiglu_n(d, 50_001, "")?;
+        self.swiglu_n(d, 49_992, " [n % 8 = 0]")
+    }
+
+    fn swiglu_n(&mut self, d: DType, n: usize, tag: &str) -> Result<()> {
         let (t1, _) = tols(d);
-        let n = 50_001;
         let g = self.randn(n, 2.0, d);
         let u = self.randn(n, 1.0, d);
         let mut hc = vec![0.0; n];
@@ -691,7 +731,7 @@ impl<'a> Suite<'a> {
         let (gg, gu) = (self.dev(&g, d)?, self.dev(&u, d)?);
         let mut gh = self.poisoned(n, d)?;
         self.gpu.swiglu(&mut gh, &gg, &gu, n)?;
-        self.check("swiglu", d, &gh, &hc, true, t1)?;
+        self.check(&format!("swiglu{tag}"), d, &gh, &hc, true, t1)?;
         let dh = self.randn(n, 1.0, d);
         let (mut dgc, mut duc) = (vec![0.0; n], vec![0.0; n]);
         self.cpu
@@ -699,8 +739,8 @@ impl<'a> Suite<'a> {
         let (mut gdg, mut gdu) = (self.poisoned(n, d)?, self.poisoned(n, d)?);
         self.gpu
             .swiglu_backward(&mut gdg, &mut gdu, &self.dev(&dh, d)?, &gg, &gu, n)?;
-        self.check("swiglu_backward dg", d, &gdg, &dgc, true, t1)?;
-        self.check("swiglu_backward du", d, &gdu, &duc, true, t1)
+        self.check(&format!("swiglu_backward dg{tag}"), d, &gdg, &dgc, true, t1)?;
+        self.check(&format!("swiglu_backward du{tag}"), d, &gdu, &duc, true, t1)
     }
 
     fn gather(&mut self, d: DType) -> Result<()> {
@@ -904,6 +944,105 @@ impl<'a> Suite<'a> {
         Ok(())
     }
 
+    /// The fused PPO-clip loss: on-policy (ties at r = 1), off-policy with both clip sides and
+    /// the dual clip hit, masked tokens, and the stats accumulating over two calls.
+    fn ppo_loss(&mut self, d: DType) -> Result<()> {
+        let n = 4099;
+        let lp: Vec<f32> = self
+            .randn(n, 1.0, d)
+            .iter()
+            .map(|v| round(v - 3.0, d))
+            .collect();
+        let noise = self.randn(n, 0.3, d);
+        // Every 7th token has old = lp exactly (a ratio of 1 inside the clip range).
+        let old: Vec<f32> = (0..n)
+            .map(|t| match t % 13 {
+                // A ratio of e^1.5 > c: the dual clip for negative advantages.
+                5 => round(lp[t] - 1.5, d),
+                _ if t % 7 == 0 => lp[t],
+                _ => round(lp[t] + noise[t], d),
+            })
+            .collect();
+        let adv = self.randn(n, 1.5, d);
+        let ent: Vec<f32> = self
+            .randn(n, 1.0, d)
+            .iter()
+            .map(|v| round(v.abs() + 0.5, d))
+            .collect();
+        let mut w = vec![0f32; 3 * n];
+        for t in 0..n {
+            if t % 11 != 3 {
+                w[t] = round(1.0 / 4000.0 * (1.0 + (t % 5) as f32), d);
+                w[n + t] = round(1.0 / 3700.0, d);
+                w[2 * n + t] = round(1.0 / 3900.0 * (1.0 + (t % 3) as f32), d);
+            }
+        }
+        let shape = PpoShape {
+            tokens: n,
+            ratio_low: 0.8,
+            ratio_high: 1.28,
+            dual_clip: 3.0,
+        };
+        let (glp, gold, gadv, gw, gent) = (
+            self.dev(&lp, d)?,
+            self.dev(&old, d)?,
+            self.dev(&adv, d)?,
+            self.dev(&w, d)?,
+            self.dev(&ent, d)?,
+        );
+        let mut cstats = vec![0f32; PPO_STATS];
+        let mut gstats = self.dev(&cstats, DType::F32)?;
+        for (tag, off) in [("off-policy", true), ("on-policy", false)] {
+            let mut cd = vec![0f32; n];
+            self.cpu.ppo_clip_loss(
+                &mut cd,
+                &mut cstats,
+                &lp,
+                off.then_some(&old),
+                &adv,
+                &w,
+                Some(&ent),
+                shape,
+            )?;
+            let mut gd = self.poisoned(n, DType::F32)?;
+            self.gpu.ppo_clip_loss(
+                &mut gd,
+                &mut gstats,
+                &glp,
+                off.then_some(&gold),
+                &gadv,
+                &gw,
+                Some(&gent),
+                shape,
+            )?;
+            self.check(
+                &format!("ppo_clip_loss dlp [{tag}]"),
+                d,
+                &gd,
+                &cd,
+                true,
+                1e-5,
+            )?;
+        }
+        // Stats after both calls; the GPU sums in another order (f64), both store f32.
+        self.check(
+            "ppo_clip_loss stats (2 calls)",
+            d,
+            &gstats,
+            &cstats,
+            false,
+            1e-5,
+        )?;
+        let clipped = cstats[1] > 0.0 && cstats[2] > 0.0;
+        self.flag(
+            "ppo_clip_loss: inputs hit both clips",
+            d,
+            clipped,
+            format!("clipfrac {:.3}, lower {:.3}", cstats[1], cstats[2]),
+        );
+        Ok(())
+    }
+
     fn optim(&mut self, d: DType) -> Result<()> {
         let n = 1_000_017;
         let x = self.randn(n, 1.0, d);
@@ -914,6 +1053,25 @@ impl<'a> Suite<'a> {
             op: "sum_squares".into(),
             dtype: dname(d),
             max_abs: (gpu - cpu).abs(),
+            max_rel: rel,
+            tol: 1e-9,
+            pass: rel <= 1e-9,
+            note: String::new(),
+        });
+        // Several buffers (one empty) summed before one read-back.
+        let (y, z) = (self.randn(333, 2.0, d), self.randn(77_777, 0.5, d));
+        let cpu_all = self
+            .cpu
+            .sum_squares_all(&[(&x, n), (&y, 0), (&y, 300), (&z, 77_777)])?;
+        let (gx, gy, gz) = (self.dev(&x, d)?, self.dev(&y, d)?, self.dev(&z, d)?);
+        let gpu_all = self
+            .gpu
+            .sum_squares_all(&[(&gx, n), (&gy, 0), (&gy, 300), (&gz, 77_777)])?;
+        let rel = (gpu_all - cpu_all).abs() / cpu_all.abs().max(1e-300);
+        self.rows.push(Row {
+            op: "sum_squares_all".into(),
+            dtype: dname(d),
+            max_abs: (gpu_all - cpu_all).abs(),
             max_rel: rel,
             tol: 1e-9,
             pass: rel <= 1e-9,
@@ -1228,9 +1386,12 @@ impl Suite<'_> {
     }
 }
 
+#[path = "parity_paged.rs"]
+mod paged;
+
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 13] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 17] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1242,9 +1403,13 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 13] {
         ("swiglu", Suite::swiglu),
         ("gather_rows", Suite::gather),
         ("logprob", Suite::logprob),
+        ("ppo_loss", Suite::ppo_loss),
         ("optim", Suite::optim),
         ("decoder", Suite::decoder),
         ("hf_fixtures", Suite::hf_fixtures),
+        ("attention_paged", Suite::paged_attention),
+        ("sample", Suite::sample),
+        ("paged_generate", Suite::paged_generate),
     ]
 }
 

@@ -169,6 +169,12 @@ impl Pool {
         }
     }
 
+    /// Starts a new peak window at the current use (one phase of the hybrid engine).
+    pub fn reset_peak(&self) {
+        let mut g = self.lock();
+        g.peak_in_use = g.in_use;
+    }
+
     pub fn stats(&self) -> MemoryStats {
         let g = self.lock();
         MemoryStats {

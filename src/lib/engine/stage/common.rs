@@ -43,6 +43,20 @@ impl fmt::Display for Device {
     }
 }
 
+// As its flag text ("cpu", "cuda:1"), so stage arguments travel to the daemon as they are typed.
+impl Serialize for Device {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Device {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// The file `sync-weights` writes: which checkpoint is the current policy, and its version.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Pointer {

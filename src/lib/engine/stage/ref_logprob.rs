@@ -2,24 +2,28 @@
 //! every response token under a model (the reference for a KL term, or the policy before an
 //! off-policy update), optionally with per-token entropy.
 
-use super::common::{check_token_ids, progress_bar, resolve_model, Device};
-use super::{load_policy, on_device, Job};
+use super::common::{check_token_ids, resolve_model, Device};
+use super::{daemon_socket, load_policy, Exec, InProcess, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{list_array, schema, Batch, NewColumns, StageInfo};
+use crate::daemon::protocol::StageJob;
 use crate::engine::logprob::{score, PromptResponse};
 use crate::model::checkpoint::ModelDir;
+use crate::model::decoder::Decoder;
 use crate::model::decoder::TokenStats;
 use anyhow::Result;
 use arrow_array::types::Float32Type;
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Which column the log-probs go to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LogprobColumn {
     #[value(name = "ref_logprobs")]
     RefLogprobs,
@@ -39,7 +43,7 @@ impl LogprobColumn {
 /// Name of the per-token entropy column `--entropy` adds.
 pub const ENTROPY: &str = "entropy";
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[command(about = "Log-probs of the response tokens under a model (reference or old policy)")]
 pub struct RefLogprobArgs {
     /// Model directory (HF layout) or a pointer file written by sync-weights.
@@ -66,10 +70,14 @@ pub struct RefLogprobArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
+    /// Send the job to the warm daemon listening on this socket instead of loading the model
+    /// here (default: $TANDEM_DAEMON).
+    #[arg(long)]
+    pub daemon: Option<PathBuf>,
 }
 
 /// Load the model and score the rows.
-struct Score<'a> {
+pub struct Score<'a> {
     dir: &'a Path,
     rows: &'a [PromptResponse<'a>],
     args: &'a RefLogprobArgs,
@@ -80,8 +88,20 @@ impl Job for Score<'_> {
     type Out = Vec<TokenStats>;
     fn run<B: Backend>(self, backend: B) -> Result<Vec<TokenStats>> {
         let mut policy = load_policy(backend, self.dir)?;
+        self.score_on(&mut policy)
+    }
+}
+
+impl Score<'_> {
+    /// Which column the log-probs are for (the daemon picks the reference or the policy by it).
+    pub fn column(&self) -> LogprobColumn {
+        self.args.column
+    }
+
+    /// Scores with a model already loaded.
+    pub fn score_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Vec<TokenStats>> {
         score(
-            &mut policy,
+            policy,
             self.rows,
             self.args.temperature,
             self.args.entropy,
@@ -92,6 +112,15 @@ impl Job for Score<'_> {
 }
 
 pub fn run(args: RefLogprobArgs) -> Result<()> {
+    if let Some(socket) = daemon_socket(&args.daemon) {
+        return crate::daemon::client::run_stage(&socket, StageJob::RefLogprob(args));
+    }
+    let device = args.device;
+    run_with(args, &mut InProcess(device))
+}
+
+/// The stage with its compute on `exec`.
+pub fn run_with(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     if !(args.temperature > 0.0 && args.temperature.is_finite()) {
         bail_input!("--temperature must be > 0, got {}", args.temperature);
@@ -122,14 +151,14 @@ pub fn run(args: RefLogprobArgs) -> Result<()> {
             response: r,
         })
         .collect();
-    let bar = progress_bar(rows.len(), "ref-logprob");
+    let bar = exec.progress_bar(rows.len(), "ref-logprob");
     let job = Score {
         dir: &model.dir,
         rows: &rows,
         args: &args,
         bar: &bar,
     };
-    let stats = on_device(args.device, job)?;
+    let stats = exec.score(&model, job)?;
     bar.finish_and_clear();
 
     let offsets = &responses.offsets;
@@ -163,12 +192,12 @@ pub fn run(args: RefLogprobArgs) -> Result<()> {
         step: None,
     };
     batch.write_derived(&args.out, cols, &info)?;
-    eprintln!(
+    exec.log(&format!(
         "ref-logprob: {} rows, {tokens} response tokens -> {} in {:.2}s",
         rows.len(),
         args.out.display(),
         started.elapsed().as_secs_f64()
-    );
+    ));
     Ok(())
 }
 

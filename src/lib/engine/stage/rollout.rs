@@ -5,26 +5,30 @@
 //! repeat of that prompt in the file, sample index), so a prompt gets the same samples whatever
 //! other prompts share the file, the `--limit`, or the `--batch-size`.
 
-use super::common::{progress_bar, resolve_model, Device};
-use super::{load_policy, on_device, Job};
+use super::common::{resolve_model, Device};
+use super::{daemon_socket, load_policy, Exec, InProcess, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
+use crate::daemon::protocol::StageJob;
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
-use crate::engine::generate::{
-    generate, CachedDecoder, Completion, Detokenize, GenParams, GenStats, Request,
+use crate::engine::generate::{Completion, Detokenize, GenParams, Request};
+use crate::engine::paged::{
+    generate_paged, pool_blocks, PagedConfig, PagedDecoder, PagedStats, DEFAULT_BLOCK_SIZE,
 };
 use crate::engine::sampling::{sample_key, SamplingParams};
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
+use crate::model::decoder::Decoder;
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{Field, Schema};
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -32,7 +36,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// What to do with a prompt longer than --max-prompt-tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Truncate {
     /// Keep the last --max-prompt-tokens tokens (the end of the prompt, with the generation
     /// prompt, is what the model continues).
@@ -137,7 +142,7 @@ pub fn sequence_columns(
     cols
 }
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[command(about = "Sample responses to a prompt dataset")]
 pub struct RolloutArgs {
     /// Model directory (HF layout) or a pointer file written by sync-weights.
@@ -187,9 +192,18 @@ pub struct RolloutArgs {
     /// The prompt column of the dataset.
     #[arg(long, default_value = "prompt")]
     pub prompt_key: String,
-    /// Sequences decoded together (KV-cache slots).
-    #[arg(long, default_value_t = 64)]
-    pub batch_size: usize,
+    /// Samples decoded together at most (vLLM's max_num_seqs; `--batch-size` is an alias).
+    #[arg(long = "max-num-seqs", alias = "batch-size", default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Tokens run in one step: one per decoding sample plus chunks of prompts being prefilled
+    /// (long prompts are split so they do not stall the decodes). At least --max-num-seqs.
+    #[arg(long, default_value_t = 8192)]
+    pub max_batched_tokens: usize,
+    /// Fraction of the GPU memory still free after the weights and the workspace that the KV
+    /// cache pool takes (never more than --max-num-seqs full-length samples need). On the CPU
+    /// the pool is always that full size.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_fraction: f64,
     /// Training step, recorded in the output's metadata.
     #[arg(long)]
     pub step: Option<u64>,
@@ -199,42 +213,101 @@ pub struct RolloutArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
+    /// Send the job to the warm daemon listening on this socket instead of loading the model
+    /// here (default: $TANDEM_DAEMON).
+    #[arg(long)]
+    pub daemon: Option<PathBuf>,
 }
 
 /// Load the model and generate every sample.
-struct Generate<'a> {
+pub struct Generate<'a> {
     dir: &'a Path,
-    vocab: usize,
-    slots: usize,
-    max_len: usize,
     requests: &'a [Request],
     params: &'a GenParams,
     detok: Detokenize<'a>,
     bar: &'a ProgressBar,
+    max_num_seqs: usize,
+    max_batched_tokens: usize,
+    gpu_memory_fraction: f64,
+}
+
+/// What a generation did, for the metrics.
+pub struct Generated {
+    pub completions: Vec<Vec<Completion>>,
+    pub stats: PagedStats,
+    /// Seconds loading the model (0 when it was already resident).
+    pub load_s: f64,
+    pub gen_s: f64,
+    pub kv_pool_bytes: usize,
+    /// Free device memory with the KV pool held and after it was released (GPU only).
+    pub free_with_pool: Option<usize>,
+    pub free_after_release: Option<usize>,
 }
 
 impl Job for Generate<'_> {
-    /// Completions per request, counters, seconds loading, seconds generating.
-    type Out = (Vec<Vec<Completion>>, GenStats, f64, f64);
-    fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
+    type Out = Generated;
+    fn run<B: Backend>(self, backend: B) -> Result<Generated> {
         let started = Instant::now();
         let mut policy = load_policy(backend, self.dir)?;
-        let loaded_s = started.elapsed().as_secs_f64();
-        let mut engine = CachedDecoder::new(&mut policy, self.vocab, self.slots, self.max_len)?;
+        let load_s = started.elapsed().as_secs_f64();
+        let mut out = self.generate_on(&mut policy)?;
+        out.load_s = load_s;
+        Ok(out)
+    }
+}
+
+impl Generate<'_> {
+    /// Generates with a policy already loaded (the load time it reports is 0).
+    pub fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {
+        let bs = DEFAULT_BLOCK_SIZE;
+        let samples: usize = self.requests.iter().map(|r| r.sample_keys.len()).sum();
+        let seqs = self.max_num_seqs.min(samples).max(1);
+        let longest = self
+            .requests
+            .iter()
+            .map(|r| r.prompt.len())
+            .max()
+            .unwrap_or(1);
+        let prompt_tokens: usize = self.requests.iter().map(|r| r.prompt.len()).sum();
+        // Every running sample at full length, plus a partial prompt block copy each.
+        let cap = seqs * ((longest + self.params.max_new_tokens).div_ceil(bs) + 1);
+        // The workspace of the largest step first, so the pool is sized from what is left.
+        let most = prompt_tokens + seqs * (self.params.max_new_tokens + 1);
+        policy.reserve_paged(self.max_batched_tokens.min(most), seqs)?;
+        let free = policy.backend().device_memory()?.map(|(f, _)| f);
+        let block_bytes = policy.paged_block_bytes(bs);
+        let num_blocks = pool_blocks(free, self.gpu_memory_fraction, block_bytes, cap).max(1);
+        let cfg = PagedConfig {
+            block_size: bs,
+            num_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+        };
+        let mut engine = PagedDecoder::new(policy, num_blocks, bs)?;
         let gen_started = Instant::now();
-        let (completions, stats) = generate(
+        let (completions, stats) = generate_paged(
             &mut engine,
+            &cfg,
             self.requests,
             self.params,
             Some(self.detok),
             &mut |done| self.bar.set_position(done as u64),
         )?;
-        Ok((
+        let gen_s = gen_started.elapsed().as_secs_f64();
+        let free_with_pool = engine.decoder.backend().device_memory()?.map(|(f, _)| f);
+        // Give the pool back (what a colocated engine does before the update phase).
+        drop(engine);
+        policy.backend().trim()?;
+        let free_after_release = policy.backend().device_memory()?.map(|(f, _)| f);
+        Ok(Generated {
             completions,
             stats,
-            loaded_s,
-            gen_started.elapsed().as_secs_f64(),
-        ))
+            load_s: 0.0,
+            gen_s,
+            kv_pool_bytes: num_blocks * block_bytes,
+            free_with_pool,
+            free_after_release,
+        })
     }
 }
 
@@ -252,8 +325,21 @@ impl RolloutArgs {
         if self.max_prompt_tokens == 0 {
             bail_input!("--max-prompt-tokens must be >= 1");
         }
-        if self.batch_size == 0 {
-            bail_input!("--batch-size must be >= 1");
+        if self.max_num_seqs == 0 {
+            bail_input!("--max-num-seqs must be >= 1");
+        }
+        if self.max_batched_tokens < self.max_num_seqs {
+            bail_input!(
+                "--max-batched-tokens ({}) must be >= --max-num-seqs ({}): every running sample needs a token per step",
+                self.max_batched_tokens,
+                self.max_num_seqs
+            );
+        }
+        if !(self.gpu_memory_fraction > 0.0 && self.gpu_memory_fraction <= 1.0) {
+            bail_input!(
+                "--gpu-memory-fraction must be in (0, 1], got {}",
+                self.gpu_memory_fraction
+            );
         }
         if self.stop.iter().any(String::is_empty) {
             bail_input!("--stop: stop strings must not be empty");
@@ -263,6 +349,15 @@ impl RolloutArgs {
 }
 
 pub fn run(args: RolloutArgs) -> Result<()> {
+    if let Some(socket) = daemon_socket(&args.daemon) {
+        return crate::daemon::client::run_stage(&socket, StageJob::Rollout(args));
+    }
+    let device = args.device;
+    run_with(args, &mut InProcess(device))
+}
+
+/// The stage with its compute on `exec`.
+pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let sampling = args.sampling()?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
@@ -329,22 +424,29 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         stop_strings: args.stop.clone(),
     };
 
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let total = n_prompts * args.n;
-    let bar = progress_bar(total, "rollout");
+    let bar = exec.progress_bar(total, "rollout");
     let job = Generate {
         dir: &model.dir,
-        vocab: cfg.vocab_size,
-        slots: args.batch_size.min(total),
-        max_len: (longest + args.max_new_tokens).max(1),
         requests: &requests,
         params: &params,
         detok: &detok,
         bar: &bar,
+        max_num_seqs: args.max_num_seqs,
+        max_batched_tokens: args.max_batched_tokens,
+        gpu_memory_fraction: args.gpu_memory_fraction,
     };
-    let (completions, stats, loaded_s, gen_s) = on_device(args.device, job)?;
+    let Generated {
+        completions,
+        stats,
+        load_s: loaded_s,
+        gen_s,
+        kv_pool_bytes,
+        free_with_pool,
+        free_after_release,
+    } = exec.generate(&model, job)?;
     bar.finish_and_clear();
 
     // One row per sample, the n samples of a prompt side by side.
@@ -425,7 +527,17 @@ pub fn run(args: RolloutArgs) -> Result<()> {
         "prompts": n_prompts,
         "samples": total,
         "truncated_prompts": truncated,
-        "prompt_tokens": stats.prefill_tokens,
+        "prompt_tokens": prompts.iter().map(Vec::len).sum::<usize>() * args.n,
+        "prefill_tokens": stats.gen.prefill_tokens,
+        "prefills": stats.gen.prefills,
+        "engine_steps": stats.gen.decode_steps,
+        "preemptions": stats.preemptions,
+        "kv_block_size": stats.block_size,
+        "kv_blocks": stats.num_blocks,
+        "kv_blocks_peak": stats.peak_blocks_in_use,
+        "kv_pool_bytes": kv_pool_bytes,
+        "device_free_bytes_with_pool": free_with_pool,
+        "device_free_bytes_after_release": free_after_release,
         "response_tokens": response_tokens,
         "response_length_mean": response_tokens as f64 / total as f64,
         "response_length_max": r_off.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
@@ -439,12 +551,12 @@ pub fn run(args: RolloutArgs) -> Result<()> {
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;
     }
-    eprintln!(
+    exec.log(&format!(
         "rollout: {n_prompts} prompts x {} = {total} samples, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",
         args.n,
         response_tokens as f64 / gen_s.max(1e-9),
         100.0 * n_stop as f64 / total as f64,
         args.out.display()
-    );
+    ));
     Ok(())
 }

@@ -2,19 +2,24 @@
 //! next `rollout --model POINTER` uses. The pointer is a small JSON file
 //! (`{"model": DIR, "policy_version": N}`) replaced atomically (write `POINTER.tmp`, rename), so
 //! a reader sees the old or the new policy, never half of one; each sync bumps
-//! `policy_version`, which rollout records in its output metadata. Daemon modes (in-memory
-//! sync between trainer and rollout engine) come with the GPU daemon.
+//! `policy_version`, which rollout records in its output metadata. With `--daemon` the daemon
+//! also makes the checkpoint its generation weights in memory (no file round trip), so the next
+//! `rollout --daemon` does not load anything; the pointer is written all the same, so file mode
+//! and resume keep working.
 
-use super::common::Pointer;
+use super::common::{Device, Pointer};
+use super::{daemon_socket, Exec, InProcess};
 use crate::bail_input;
 use crate::batch::write_json;
+use crate::daemon::protocol::StageJob;
 use crate::model::checkpoint::ModelDir;
 use anyhow::Result;
 use clap::Args;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[command(about = "Publish a checkpoint as the current policy (atomic pointer swap)")]
 pub struct SyncWeightsArgs {
     /// The checkpoint directory (HF layout, e.g. written by `update --out-model`).
@@ -26,6 +31,9 @@ pub struct SyncWeightsArgs {
     /// Set this policy_version instead of the pointer's previous version + 1.
     #[arg(long)]
     pub policy_version: Option<u64>,
+    /// Also sync the warm daemon listening on this socket (default: $TANDEM_DAEMON).
+    #[arg(long)]
+    pub daemon: Option<PathBuf>,
 }
 
 /// What the pointer should name: relative to the pointer's directory when the checkpoint lies
@@ -44,6 +52,14 @@ fn pointer_target(from: &Path, to: &Path) -> Result<String> {
 }
 
 pub fn run(args: SyncWeightsArgs) -> Result<()> {
+    if let Some(socket) = daemon_socket(&args.daemon) {
+        return crate::daemon::client::run_stage(&socket, StageJob::SyncWeights(args));
+    }
+    run_with(args, &mut InProcess(Device::Cpu))
+}
+
+/// The stage; `exec` (the daemon) takes the new policy into memory.
+pub fn run_with(args: SyncWeightsArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     if !args.from.is_dir() {
         bail_input!("--from {}: not a directory", args.from.display());
@@ -79,13 +95,14 @@ pub fn run(args: SyncWeightsArgs) -> Result<()> {
         model: pointer_target(&args.from, &args.to)?,
         policy_version: version,
     };
+    exec.publish(&args.from, version)?;
     write_json(&args.to, &ptr)?;
-    eprintln!(
+    exec.log(&format!(
         "sync-weights: {} -> {} (policy_version {}) in {:.3}s",
         args.to.display(),
         ptr.model,
         version,
         started.elapsed().as_secs_f64()
-    );
+    ));
     Ok(())
 }

@@ -4,13 +4,14 @@
 
 use super::common::{check_token_ids, resolve_model, Device};
 use super::ref_logprob::to_u32;
-use super::{on_device, Job};
+use super::{daemon_socket, Exec, InProcess, Job};
 use crate::algo::agg::AggMode;
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, write_json, Batch, Ragged};
+use crate::daemon::protocol::StageJob;
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
@@ -21,10 +22,11 @@ use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use crate::model::{Config, Weights};
 use anyhow::Result;
 use clap::Args;
-use std::path::PathBuf;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[command(about = "Train the policy on one batch (PPO/GRPO-style losses or SFT)")]
 pub struct UpdateArgs {
     /// Model directory (HF layout) or a pointer file written by sync-weights. Optimizer state
@@ -40,6 +42,7 @@ pub struct UpdateArgs {
     pub out_model: PathBuf,
     /// Policy loss.
     #[arg(long, default_value = "vanilla")]
+    #[serde(with = "crate::daemon::protocol::text")]
     pub loss: LossMode,
     /// PPO clip range (both sides unless --clip-ratio-low/-high are given).
     #[arg(long, default_value_t = 0.2)]
@@ -52,6 +55,7 @@ pub struct UpdateArgs {
     #[arg(long, default_value_t = 3.0)]
     pub clip_ratio_c: f64,
     #[arg(long, default_value = "token-mean")]
+    #[serde(with = "crate::daemon::protocol::text")]
     pub loss_agg_mode: AggMode,
     /// Divisor of seq-mean-token-sum-norm (default: the longest response of the mini-batch).
     #[arg(long)]
@@ -66,10 +70,12 @@ pub struct UpdateArgs {
     pub kl_loss_coef: f64,
     /// KL estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl), optionally with '+'.
     #[arg(long, default_value = "k3")]
+    #[serde(with = "crate::daemon::protocol::text")]
     pub kl_loss_type: KlPenalty,
     /// Truncated importance weights exp(old − rollout) per token or per sequence (needs
     /// rollout_logprobs).
     #[arg(long)]
+    #[serde(with = "crate::daemon::protocol::rollout_is_level")]
     pub rollout_is: Option<RolloutIsLevel>,
     #[arg(long, default_value_t = 2.0)]
     pub rollout_is_threshold: f64,
@@ -119,34 +125,116 @@ pub struct UpdateArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
+    /// Send the job to the warm daemon listening on this socket instead of loading the model
+    /// here (default: $TANDEM_DAEMON).
+    #[arg(long)]
+    pub daemon: Option<PathBuf>,
 }
 
-/// Build the policy (resuming its optimizer), train, and bring back the new weights and
-/// optimizer state.
-struct Train<'a> {
-    cfg: &'a Config,
-    weights: &'a Weights,
-    optimizer: Option<&'a OptimizerState>,
-    data: &'a TrainData<'a>,
-    train: &'a TrainConfig,
-    schedule_step: u64,
+/// A policy as `update` starts from it: the f32 master weights when they sit next to the model
+/// (else the model's weights), the optimizer state and the schedule position.
+pub struct Trainable {
+    pub cfg: Config,
+    pub weights: Weights,
+    /// Whether `weights` are the saved f32 masters rather than the model files' weights.
+    pub from_master: bool,
+    pub optimizer: Option<OptimizerState>,
+    /// Training steps (update calls) done before this one.
+    pub schedule_step: u64,
 }
 
-impl Job for Train<'_> {
-    type Out = (TrainReport, Weights, OptimizerState);
-    fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
-        let mut policy = Decoder::new(backend, self.cfg, self.weights)?;
-        if let Some(state) = self.optimizer {
+impl Trainable {
+    /// Reads a model directory and the optimizer state next to it.
+    pub fn load(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
+        let (cfg, weights) = ModelDir::load(dir)?;
+        let Some(r) = resume::load(dir, &weights)? else {
+            return Ok(Trainable {
+                cfg,
+                weights,
+                from_master: false,
+                optimizer: None,
+                schedule_step: 0,
+            });
+        };
+        if r.master.is_none() {
+            log(&format!(
+                "update: {}: f32 master weights absent or not matching the model files; continuing from the bf16 weights",
+                dir.display()
+            ));
+        }
+        let from_master = r.master.is_some();
+        Ok(Trainable {
+            cfg,
+            weights: r.master.unwrap_or(weights),
+            from_master,
+            optimizer: Some(r.optimizer),
+            schedule_step: r.trainer.schedule_step,
+        })
+    }
+
+    /// The decoder, with the optimizer state loaded.
+    pub fn build<B: Backend>(&self, backend: B) -> Result<Decoder<B>> {
+        let mut policy = Decoder::new(backend, &self.cfg, &self.weights)?;
+        if let Some(state) = &self.optimizer {
             policy.load_optimizer_state(state)?;
         }
-        let report = train(
-            &mut policy,
-            self.data,
-            self.train,
-            self.schedule_step,
-            &mut |msg| eprintln!("update: {msg}"),
-        )?;
-        Ok((report, policy.export_weights()?, policy.optimizer_state()?))
+        Ok(policy)
+    }
+}
+
+/// What one update call trains on.
+pub struct Train<'a> {
+    data: &'a TrainData<'a>,
+    train: &'a TrainConfig,
+}
+
+/// The trained policy as the stage writes it.
+pub struct Trained {
+    pub report: TrainReport,
+    /// The f32 (master) weights.
+    pub weights: Weights,
+    pub state: OptimizerState,
+    /// Training steps done before this call.
+    pub schedule_step: u64,
+    pub load_seconds: f64,
+}
+
+impl Train<'_> {
+    /// Trains `policy` (whose schedule position is `schedule_step`) in place and brings back the
+    /// new weights and optimizer state.
+    pub fn train_on<B: Backend>(
+        self,
+        policy: &mut Decoder<B>,
+        schedule_step: u64,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Trained> {
+        let report = train(policy, self.data, self.train, schedule_step, &mut |msg| {
+            log(&format!("update: {msg}"))
+        })?;
+        Ok(Trained {
+            report,
+            weights: policy.export_weights()?,
+            state: policy.optimizer_state()?,
+            schedule_step,
+            load_seconds: 0.0,
+        })
+    }
+}
+
+/// In-process update: build the loaded policy on the backend and train it.
+pub(crate) struct TrainFresh<'a> {
+    pub loaded: Trainable,
+    pub job: Train<'a>,
+}
+
+impl Job for TrainFresh<'_> {
+    type Out = Trained;
+    fn run<B: Backend>(self, backend: B) -> Result<Trained> {
+        let mut policy = self.loaded.build(backend)?;
+        let step = self.loaded.schedule_step;
+        drop(self.loaded);
+        self.job
+            .train_on(&mut policy, step, &mut |msg| eprintln!("{msg}"))
     }
 }
 
@@ -322,6 +410,15 @@ impl OwnedData {
 }
 
 pub fn run(args: UpdateArgs) -> Result<()> {
+    if let Some(socket) = daemon_socket(&args.daemon) {
+        return crate::daemon::client::run_stage(&socket, StageJob::Update(args));
+    }
+    let device = args.device;
+    run_with(args, &mut InProcess(device))
+}
+
+/// The stage with its compute on `exec`.
+pub fn run_with(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let cfg = args.train_config()?;
     let needs = required_columns(&cfg);
@@ -347,36 +444,19 @@ pub fn run(args: UpdateArgs) -> Result<()> {
     let owned = OwnedData::from_batch(&batch, &cfg)?;
     let data = owned.view();
 
-    // Load weights, resume the optimizer when its state sits next to the model.
-    let (mcfg, weights) = ModelDir::load(&model.dir)?;
-    let resumed = resume::load(&model.dir, &weights)?;
-    let (start_weights, schedule_step) = match &resumed {
-        Some(r) => {
-            if r.master.is_none() {
-                eprintln!(
-                    "update: {}: f32 master weights absent or not matching the model files; continuing from the bf16 weights",
-                    model.dir.display()
-                );
-            }
-            (
-                r.master.as_ref().unwrap_or(&weights),
-                r.trainer.schedule_step,
-            )
-        }
-        None => (&weights, 0),
-    };
-    let loaded_s = started.elapsed().as_secs_f64();
+    // The policy is loaded (and its optimizer resumed when its state sits next to the model)
+    // by `exec`, or already held by the daemon.
     let job = Train {
-        cfg: &mcfg,
-        weights: start_weights,
-        optimizer: resumed.as_ref().map(|r| &r.optimizer),
         data: &data,
         train: &cfg,
-        schedule_step,
     };
-    let (report, new_weights, state) = on_device(args.device, job)?;
-    drop(resumed);
-    drop(weights);
+    let Trained {
+        report,
+        weights: new_weights,
+        state,
+        schedule_step,
+        load_seconds: loaded_s,
+    } = exec.train(&model, job)?;
     let trainer = TrainerState {
         optimizer_step: state.step,
         schedule_step: schedule_step + 1,
@@ -406,6 +486,7 @@ pub fn run(args: UpdateArgs) -> Result<()> {
             extra_files: &extra,
         },
     )?;
+    exec.saved(&args.out_model)?;
     let mut metrics = report.to_json();
     let m = metrics.as_object_mut().expect("object");
     m.insert("optimizer_step".into(), state.step.into());
@@ -420,7 +501,7 @@ pub fn run(args: UpdateArgs) -> Result<()> {
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;
     }
-    eprintln!(
+    exec.log(&format!(
         "update: {} rows, {} optimizer steps ({} skipped), loss {:.5}, grad_norm {}, lr {:.3e}, {:.0} tokens/s -> {} in {:.2}s",
         batch.num_rows(),
         report.steps.len(),
@@ -431,6 +512,6 @@ pub fn run(args: UpdateArgs) -> Result<()> {
         metrics["tokens_per_s"].as_f64().unwrap_or(0.0),
         args.out_model.display(),
         started.elapsed().as_secs_f64()
-    );
+    ));
     Ok(())
 }

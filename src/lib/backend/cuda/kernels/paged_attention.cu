@@ -1,0 +1,310 @@
+// Decode/prefill attention over a paged KV cache (engine::paged), flash-decoding style.
+// Query i attends to positions p < len[i] of sequence seq[i]; position p lives in cache row
+// tables[seq[i]·max_blocks + p/bs]·bs + p%bs. The context is split into chunks of split_len
+// positions (grid z): each block runs an online softmax over its chunk, then, with more than
+// one split, paged_combine_k merges the partial states (m, l, acc) of the splits:
+//   o = Σ_s acc_s·e^{m_s−M} / Σ_s l_s·e^{m_s−M},  M = max_s m_s.
+// HD (head dim) is compile-time: the host compiles this file once per head_dim. Math is f32;
+// q/k/v/o may each be f32 or bf16. A bad length or block raises ERR_PAGED and writes NaN.
+
+#ifndef HD
+#define HD 64
+#endif
+#define PNW 4                 // warps per block: each takes every PNW-th position of the chunk
+#define PCPW ((HD + 31) / 32) // head-dim columns per lane
+#define ERR_PAGED (1u << 10)
+
+extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_k(
+    void* o, int obf, const void* q, int qbf, const void* kc, int kcbf, const void* vc, int vcbf,
+    const u32* tables, const u32* seq, const u32* len, int heads, int kv_heads, int block_size,
+    int max_blocks, i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml,
+    u32* err) {
+    __shared__ float m_s[PNW], l_s[PNW], acc_s[PNW][HD];
+    int i = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int kh = h / (heads / kv_heads);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    i64 L = len[i];
+    const u32* table = tables + (i64)seq[i] * max_blocks;
+    i64 qoff = ((i64)i * heads + h) * HD, kstride = (i64)kv_heads * HD;
+    int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
+    i64 p0 = (i64)sp * split_len, p1 = min(L, p0 + (i64)split_len);
+    float qr[PCPW], acc[PCPW];
+#pragma unroll
+    for (int c = 0; c < PCPW; c++) {
+        int d = lane + 32 * c;
+        qr[c] = d < HD ? ld(q, qbf, qoff + d) : 0.0f;
+        acc[c] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    for (i64 p = p0 + w; !bad && p < p1; p += PNW) {
+        u32 blk = table[p / block_size];
+        if ((i64)blk >= num_blocks) {
+            bad = 1;
+            break;
+        }
+        i64 roff = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD;
+        float s = 0.0f;
+#pragma unroll
+        for (int c = 0; c < PCPW; c++) {
+            int d = lane + 32 * c;
+            if (d < HD) s += qr[c] * ld(kc, kcbf, roff + d);
+        }
+        s = warp_sum(s) * scale;
+        float mnew = fmaxf(m, s);
+        float corr = expf(m - mnew), pr = expf(s - mnew);
+        l = l * corr + pr;
+#pragma unroll
+        for (int c = 0; c < PCPW; c++) {
+            int d = lane + 32 * c;
+            acc[c] = acc[c] * corr + (d < HD ? pr * ld(vc, vcbf, roff + d) : 0.0f);
+        }
+        m = mnew;
+    }
+    if (lane == 0) {
+        m_s[w] = m;
+        l_s[w] = l;
+    }
+#pragma unroll
+    for (int c = 0; c < PCPW; c++) {
+        int d = lane + 32 * c;
+        if (d < HD) acc_s[w][d] = acc[c];
+    }
+    bad = __syncthreads_or(bad);
+    const float nan = __int_as_float(0x7fc00000);
+    if (bad) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_PAGED);
+        for (int d = threadIdx.x; d < HD; d += PNW * 32) {
+            if (splits == 1) st(o, obf, qoff + d, nan);
+            else part_o[(((i64)i * heads + h) * splits + sp) * HD + d] = nan;
+        }
+        if (splits > 1 && threadIdx.x == 0) {
+            i64 pi = ((i64)i * heads + h) * splits + sp;
+            part_ml[2 * pi] = nan;
+            part_ml[2 * pi + 1] = nan;
+        }
+        return;
+    }
+    float mm = NEG_INF;
+    for (int x = 0; x < PNW; x++) mm = fmaxf(mm, m_s[x]);
+    float tot = 0.0f;
+    for (int x = 0; x < PNW; x++) tot += m_s[x] == NEG_INF ? 0.0f : l_s[x] * expf(m_s[x] - mm);
+    i64 pi = ((i64)i * heads + h) * splits + sp;
+    for (int d = threadIdx.x; d < HD; d += PNW * 32) {
+        float s = 0.0f;
+        for (int x = 0; x < PNW; x++) s += m_s[x] == NEG_INF ? 0.0f : acc_s[x][d] * expf(m_s[x] - mm);
+        if (splits == 1) st(o, obf, qoff + d, s / tot);
+        else part_o[pi * HD + d] = s;
+    }
+    if (splits > 1 && threadIdx.x == 0) {
+        part_ml[2 * pi] = mm;
+        part_ml[2 * pi + 1] = tot;
+    }
+}
+
+// Merge of the splits of one (query, head): o = Σ_s acc_s·e^{m_s−M} / Σ_s l_s·e^{m_s−M}.
+// Splits past the query's length hold m = −∞, l = 0 and drop out.
+extern "C" __global__ void paged_combine_k(void* o, int obf, const float* part_o,
+                                           const float* part_ml, int heads, int splits) {
+    int i = blockIdx.x, h = blockIdx.y;
+    i64 base = ((i64)i * heads + h) * splits, qoff = ((i64)i * heads + h) * HD;
+    float mm = NEG_INF, tot = 0.0f;
+    int nan = 0;
+    for (int s = 0; s < splits; s++) {
+        float ms = part_ml[2 * (base + s)];
+        nan |= ms != ms;
+        mm = fmaxf(mm, ms);
+    }
+    for (int s = 0; s < splits; s++) {
+        float ms = part_ml[2 * (base + s)];
+        if (ms != NEG_INF) tot += part_ml[2 * (base + s) + 1] * expf(ms - mm);
+    }
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float ms = part_ml[2 * (base + s)];
+            if (ms != NEG_INF) acc += part_o[(base + s) * HD + d] * expf(ms - mm);
+        }
+        st(o, obf, qoff + d, nan ? __int_as_float(0x7fc00000) : acc / tot);
+    }
+}
+
+// The same attention with the GQA group in one block (grid: queries, kv_heads, splits): every
+// key and value row is read once for the `group` query heads that share it. Each warp takes
+// tiles of 32 positions: lanes over positions for the scores (the row read as 16-byte
+// vectors), one online-softmax update per tile, then lanes over head dims for P·V. Needs
+// HD % 8 == 0 and group <= GMAX (the host falls back to paged_attn_k otherwise).
+#define GMAX 8
+#if HD % 8 == 0
+
+// out[0..8] = p[off..off+8] widened to f32 (off a multiple of 8: 16-byte aligned for bf16).
+DEVI void load8(const void* p, int bf, i64 off, float out[8]) {
+    if (bf) {
+        uint4 v = *(const uint4*)((const bf16_t*)p + off);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            out[2 * j] = __uint_as_float(w[j] << 16);
+            out[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+    } else {
+        const float4* f = (const float4*)((const float*)p + off);
+        float4 a = f[0], b = f[1];
+        out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+        out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
+    void* o, int obf, const void* q, int qbf, const void* kc, int kcbf, const void* vc, int vcbf,
+    const u32* tables, const u32* seq, const u32* len, int heads, int kv_heads, int block_size,
+    int max_blocks, i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml,
+    u32* err) {
+    __shared__ float qs[GMAX][HD];
+    __shared__ float ps[PNW][GMAX][32];
+    __shared__ float m_s[PNW][GMAX], l_s[PNW][GMAX];
+    __shared__ float acc_s[PNW][GMAX][HD];
+    int i = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int group = heads / kv_heads, h0 = kh * group;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int x = threadIdx.x; x < group * HD; x += PNW * 32)
+        qs[x / HD][x % HD] = ld(q, qbf, ((i64)i * heads + h0) * HD + x) * scale;
+    __syncthreads();
+    i64 L = len[i];
+    const u32* table = tables + (i64)seq[i] * max_blocks;
+    i64 kstride = (i64)kv_heads * HD;
+    int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
+    i64 p0 = (i64)sp * split_len, p1 = min(L, p0 + (i64)split_len);
+    float m[GMAX], l[GMAX], acc[GMAX][PCPW];
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < PCPW; c++) acc[g][c] = 0.0f;
+    }
+    for (i64 t0 = p0 + (i64)w * 32; !bad && t0 < p1; t0 += PNW * 32) {
+        i64 p = t0 + lane;
+        int valid = p < p1;
+        i64 roff = 0;
+        if (valid) {
+            u32 blk = table[p / block_size];
+            if ((i64)blk >= num_blocks) {
+                bad = 1;
+                valid = 0;
+            }
+            roff = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD;
+        }
+        float s[GMAX];
+#pragma unroll
+        for (int g = 0; g < GMAX; g++) s[g] = 0.0f;
+        if (valid) {
+            for (int d = 0; d < HD; d += 8) {
+                float kv8[8];
+                load8(kc, kcbf, roff + d, kv8);
+#pragma unroll
+                for (int g = 0; g < GMAX; g++) {
+                    if (g < group) {
+#pragma unroll
+                        for (int j = 0; j < 8; j++) s[g] += qs[g][d + j] * kv8[j];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GMAX; g++) {
+            if (g >= group) continue;
+            float sv = valid ? s[g] : NEG_INF;
+            float mnew = fmaxf(m[g], warp_max(sv));
+            float corr = m[g] == NEG_INF ? 0.0f : expf(m[g] - mnew);
+            float pr = valid ? expf(sv - mnew) : 0.0f;
+            l[g] = l[g] * corr + warp_sum(pr);
+            ps[w][g][lane] = pr;
+#pragma unroll
+            for (int c = 0; c < PCPW; c++) acc[g][c] *= corr;
+            m[g] = mnew;
+        }
+        __syncwarp();
+        int n = (int)min((i64)32, p1 - t0);
+        // Lanes over head dims, PCPW consecutive dims each (one 32-bit load for bf16 pairs);
+        // unrolled so several rows' loads are in flight at once.
+#pragma unroll 8
+        for (int j = 0; j < n; j++) {
+            i64 rj = __shfl_sync(0xffffffffu, roff, j);
+            float v[PCPW];
+            int d0 = lane * PCPW;
+            if (vcbf && PCPW % 2 == 0 && d0 < HD) {
+#pragma unroll
+                for (int c = 0; c < PCPW; c += 2) {
+                    u32 wv = *(const u32*)((const bf16_t*)vc + rj + d0 + c);
+                    v[c] = __uint_as_float(wv << 16);
+                    v[c + 1] = __uint_as_float(wv & 0xffff0000u);
+                }
+            } else {
+#pragma unroll
+                for (int c = 0; c < PCPW; c++) v[c] = d0 + c < HD ? ld(vc, vcbf, rj + d0 + c) : 0.0f;
+            }
+#pragma unroll
+            for (int g = 0; g < GMAX; g++) {
+                if (g >= group) continue;
+                float pj = ps[w][g][j];
+#pragma unroll
+                for (int c = 0; c < PCPW; c++) acc[g][c] += pj * v[c];
+            }
+        }
+        __syncwarp();
+    }
+    bad = __syncthreads_or(bad);
+    const float nan = __int_as_float(0x7fc00000);
+    if (bad) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_PAGED);
+        for (int x = threadIdx.x; x < group * HD; x += PNW * 32) {
+            i64 hh = (i64)i * heads + h0 + x / HD;
+            if (splits == 1) st(o, obf, hh * HD + x % HD, nan);
+            else part_o[(hh * splits + sp) * HD + x % HD] = nan;
+            if (splits > 1 && x % HD == 0) {
+                part_ml[2 * (hh * splits + sp)] = nan;
+                part_ml[2 * (hh * splits + sp) + 1] = nan;
+            }
+        }
+        return;
+    }
+    if (lane == 0) {
+        for (int g = 0; g < group; g++) {
+            m_s[w][g] = m[g];
+            l_s[w][g] = l[g];
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        if (g >= group) continue;
+#pragma unroll
+        for (int c = 0; c < PCPW; c++) {
+            int d = lane * PCPW + c;
+            if (d < HD) acc_s[w][g][d] = acc[g][c];
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < group * HD; x += PNW * 32) {
+        int g = x / HD, d = x % HD;
+        float mm = NEG_INF;
+        for (int y = 0; y < PNW; y++) mm = fmaxf(mm, m_s[y][g]);
+        float tot = 0.0f, sum = 0.0f;
+        for (int y = 0; y < PNW; y++) {
+            if (m_s[y][g] == NEG_INF) continue;
+            float e = expf(m_s[y][g] - mm);
+            tot += l_s[y][g] * e;
+            sum += acc_s[y][g][d] * e;
+        }
+        i64 hh = (i64)i * heads + h0 + g;
+        if (splits == 1) {
+            st(o, obf, hh * HD + d, sum / tot);
+        } else {
+            part_o[(hh * splits + sp) * HD + d] = sum;
+            if (d == 0) {
+                part_ml[2 * (hh * splits + sp)] = mm;
+                part_ml[2 * (hh * splits + sp) + 1] = tot;
+            }
+        }
+    }
+}
+#endif

@@ -1,0 +1,271 @@
+//! Parity checks of the paged generation engine's ops and of the engine itself (a child of
+//! `parity`, so it extends the same suite): `attention_paged` (one split and flash-decoding
+//! splits), `sample` (greedy, full softmax, top-k, top-p, both) and `paged_generate` (the
+//! rollout engine on the GPU against the same engine on the CPU, greedy, tokens compared
+//! position by position).
+
+use anyhow::Result;
+
+use super::{round, tols, Suite};
+use crate::backend::cpu::Cpu;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{Backend, DType, PagedAttnShape};
+use crate::engine::generate::{GenParams, Request};
+use crate::engine::paged::{generate_paged, PagedConfig, PagedDecoder};
+use crate::engine::sampling::{sample_key, SamplingParams};
+use crate::model::decoder::Decoder;
+use crate::model::{init, Arch, Config};
+
+impl Suite<'_> {
+    pub(super) fn paged_attention(&mut self, d: DType) -> Result<()> {
+        let (t1, _) = tols(d);
+        // Qwen2.5-0.5B heads (GQA kernel): few long queries (split along the context) and many
+        // short ones; then a group of 16 at head_dim 128 (the per-head kernel).
+        for (tag, queries, max_len, heads, kv, hd) in [
+            ("split", 3usize, 900usize, 14usize, 2usize, 64usize),
+            ("decode", 200, 150, 14, 2, 64),
+            ("per-head hd128", 20, 300, 16, 1, 128),
+        ] {
+            let bs = 16;
+            let row = kv * hd;
+            let max_blocks = max_len.div_ceil(bs);
+            let seqs = queries.min(40);
+            let num_blocks = seqs * max_blocks + 7;
+            let kc = self.randn(num_blocks * bs * row, 1.0, d);
+            let vc = self.randn(num_blocks * bs * row, 1.0, d);
+            // Each sequence gets distinct random blocks (a shuffled pool).
+            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+            for i in 0..pool.len() {
+                let j = i + self.rng.below(pool.len() - i);
+                pool.swap(i, j);
+            }
+            let tables: Vec<u32> = pool[..seqs * max_blocks].to_vec();
+            let (mut seq, mut len) = (vec![], vec![]);
+            for _ in 0..queries {
+                seq.push(self.rng.below(seqs) as u32);
+                len.push(1 + self.rng.below(max_len) as u32);
+            }
+            let s = PagedAttnShape {
+                queries,
+                heads,
+                kv_heads: kv,
+                head_dim: hd,
+                block_size: bs,
+                max_blocks,
+            };
+            let q = self.randn(queries * heads * hd, 1.0, d);
+            let mut oc = vec![0.0; queries * heads * hd];
+            Cpu.attention_paged(&mut oc, &q, &kc, &vc, &tables, &seq, &len, s)?;
+            let mut go = self.poisoned(oc.len(), d)?;
+            self.gpu.attention_paged(
+                &mut go,
+                &self.dev(&q, d)?,
+                &self.dev(&kc, d)?,
+                &self.dev(&vc, d)?,
+                &self.idx(&tables)?,
+                &self.idx(&seq)?,
+                &self.idx(&len)?,
+                s,
+            )?;
+            self.check(&format!("attention_paged {tag}"), d, &go, &oc, true, t1)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn sample(&mut self, d: DType) -> Result<()> {
+        let (rows, vocab) = (64usize, 151_936usize);
+        // Logits of a peaked distribution (a few large values) over a large vocabulary, as a
+        // model's are; f32 as the decoder's logits buffer is.
+        let mut logits = self.randn(rows * vocab, 2.0, DType::F32);
+        for r in 0..rows {
+            for _ in 0..20 {
+                let v = self.rng.below(vocab);
+                logits[r * vocab + v] += 8.0;
+            }
+        }
+        let keys: Vec<u32> = (0..2 * rows).map(|_| self.rng.next_u64() as u32).collect();
+        let pos: Vec<u32> = (0..rows).map(|_| self.rng.below(1000) as u32).collect();
+        let gl = self.dev(&logits, DType::F32)?;
+        let (gk, gp) = (self.idx(&keys)?, self.idx(&pos)?);
+        let settings = [
+            ("greedy", SamplingParams::greedy()),
+            (
+                "T=1",
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: -1,
+                    top_p: 1.0,
+                },
+            ),
+            (
+                "T=0.7 top-k 50",
+                SamplingParams {
+                    temperature: 0.7,
+                    top_k: 50,
+                    top_p: 1.0,
+                },
+            ),
+            (
+                "T=1 top-p 0.9",
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: -1,
+                    top_p: 0.9,
+                },
+            ),
+            (
+                "T=0.8 top-k 100 top-p 0.8",
+                SamplingParams {
+                    temperature: 0.8,
+                    top_k: 100,
+                    top_p: 0.8,
+                },
+            ),
+        ];
+        for (tag, p) in settings {
+            let (mut ct, mut cl) = (vec![0u32; rows], vec![0f32; rows]);
+            Cpu.sample(&mut ct, &mut cl, &logits, &keys, &pos, rows, vocab, &p)?;
+            let mut gt = self.gpu.alloc_idx(rows)?;
+            let mut glp = self.gpu.alloc(rows)?;
+            self.gpu
+                .sample(&mut gt, &mut glp, &gl, &gk, &gp, rows, vocab, &p)?;
+            let (mut ht, mut hl) = (vec![0u32; rows], vec![0f32; rows]);
+            self.gpu.download_idx(&gt, &mut ht)?;
+            self.gpu.download(&glp, &mut hl)?;
+            let same = ht.iter().zip(&ct).filter(|(a, b)| a == b).count();
+            let lp_err = ht
+                .iter()
+                .zip(&ct)
+                .zip(hl.iter().zip(&cl))
+                .filter(|((a, b), _)| a == b)
+                .map(|(_, (x, y))| (x - y).abs() as f64)
+                .fold(0.0, f64::max);
+            // Tokens must agree (a draw within ~1e-7 of a CDF boundary could flip: allow one);
+            // log-probs of agreeing tokens to f32 rounding.
+            let pass = same + 1 >= rows && lp_err <= 1e-4;
+            self.flag(
+                &format!("sample {tag}"),
+                d,
+                pass,
+                format!("{same}/{rows} tokens equal, max |Δ logprob| {lp_err:.2e}"),
+            );
+        }
+        Ok(())
+    }
+
+    /// The rollout engine on the GPU vs on the CPU: the same tiny model (the CPU gets the
+    /// GPU's bf16-rounded weights in the bf16 pass), greedy, paged with a small pool
+    /// (preemption) and chunked prompts. Reported: positions that agree before a sample's
+    /// first disagreement (free running), and positions whose GPU token is the CPU's argmax
+    /// given the GPU's own context (teacher forced; the target is ≥ 95%). f32 compute
+    /// must agree everywhere.
+    pub(super) fn paged_generate(&mut self, d: DType) -> Result<()> {
+        let cfg = Config {
+            arch: Arch::Qwen2,
+            vocab_size: 1000,
+            hidden_size: 256,
+            intermediate_size: 512,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 64,
+            rope_theta: 1_000_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            qk_norm: false,
+            max_position_embeddings: 4096,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        };
+        let w = init::random_weights(&cfg, self.rng.next_u64(), 0.2);
+        let reqs: Vec<Request> = (0..6)
+            .map(|i| {
+                let len = 5 + self.rng.below(60);
+                let prompt: Vec<u32> = (0..len).map(|_| self.rng.below(1000) as u32).collect();
+                let keys = (0..4).map(|s| sample_key(i, &prompt, 0, s)).collect();
+                Request {
+                    prompt,
+                    sample_keys: keys,
+                }
+            })
+            .collect();
+        let params = GenParams {
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 48,
+            stop_token_ids: vec![],
+            stop_strings: vec![],
+        };
+        let pc = PagedConfig {
+            block_size: 16,
+            num_blocks: 40,
+            max_num_seqs: 16,
+            max_batched_tokens: 64,
+        };
+        let mut wc = w.clone();
+        for t in wc.values_mut() {
+            t.data.iter_mut().for_each(|v| *v = round(*v, d));
+        }
+        let mut cpu = Decoder::new(Cpu, &cfg, &wc)?;
+        let mut pcpu = PagedDecoder::new(&mut cpu, pc.num_blocks, pc.block_size)?;
+        let (want, _) = generate_paged(&mut pcpu, &pc, &reqs, &params, None, &mut |_| {})?;
+        let gb = CudaBackend::new(self.ordinal)?;
+        gb.set_compute_dtype(d);
+        let mut gpu = Decoder::new(gb, &cfg, &w)?;
+        let mut pgpu = PagedDecoder::new(&mut gpu, pc.num_blocks, pc.block_size)?;
+        let (got, stats) = generate_paged(&mut pgpu, &pc, &reqs, &params, None, &mut |_| {})?;
+        let (mut same, mut total, mut lp_err) = (0usize, 0usize, 0f64);
+        for (g, c) in got.iter().flatten().zip(want.iter().flatten()) {
+            // Positions up to the first disagreement compare like for like; after it the
+            // contexts differ, so those positions count as disagreeing.
+            let agree = g
+                .tokens
+                .iter()
+                .zip(&c.tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
+            same += agree;
+            total += c.tokens.len();
+            for (a, b) in g.logprobs.iter().zip(&c.logprobs).take(agree) {
+                lp_err = lp_err.max((a - b).abs() as f64);
+            }
+        }
+        drop(pcpu);
+        let (mut tf_same, mut tf_total) = (0usize, 0usize);
+        let mut cache = cpu.new_cache(1, 256)?;
+        for (r, cs) in reqs.iter().zip(&got) {
+            for c in cs {
+                cache.free(0);
+                let mut logits = cpu.prefill(&mut cache, 0, &r.prompt)?;
+                for (k, &t) in c.tokens.iter().enumerate() {
+                    let best =
+                        (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+                    tf_same += usize::from(best == t as usize);
+                    tf_total += 1;
+                    if k + 1 < c.tokens.len() {
+                        logits = cpu.decode(&mut cache, &[0], &[t])?;
+                    }
+                }
+            }
+        }
+        let frac = same as f64 / total as f64;
+        let tf = tf_same as f64 / tf_total.max(1) as f64;
+        let pass = if d == DType::F32 {
+            frac == 1.0
+        } else {
+            tf >= 0.95
+        };
+        self.flag(
+            "paged_generate greedy",
+            d,
+            pass && stats.blocks_in_use_at_end == 0,
+            format!(
+                "free running {same}/{total} ({:.1}%), teacher forced {tf_same}/{tf_total} ({:.1}%), max |Δ logprob| {lp_err:.2e}, {} preemptions",
+                100.0 * frac,
+                100.0 * tf,
+                stats.preemptions
+            ),
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,478 @@
+//! `tandem bench rollout`: tokens/s of the paged rollout engine (issue 7) on the Qwen2.5-0.5B
+//! shape with random weights: forced lengths (batch 64 and 256 × prompt 128 × 256 new tokens,
+//! no stop) and a GRPO-shaped batch (64 prompts × n = 8, prompts of ~150 tokens, up to 512 new
+//! tokens, random stops). Each case also reports its fraction of the roofline:
+//! - bandwidth: (weight bytes per engine step + KV bytes read by attention) / time, over the
+//!   measured copy bandwidth of the device;
+//! - compute: (2 · params · tokens + attention FLOPs) / time, over a measured big bf16 GEMM.
+
+use super::cpu_engine::shape;
+use super::report;
+use crate::backend::{Backend, DType, PagedAttnShape};
+use crate::engine::generate::{GenParams, Request};
+use crate::engine::paged::{
+    generate_paged, Chunk, PagedConfig, PagedDecoder, PagedModel, SampleRow, DEFAULT_BLOCK_SIZE,
+};
+use crate::engine::sampling::{sample_key, uniform, SamplingParams};
+use crate::engine::stage::common::Device;
+use crate::engine::stage::{on_device, Job};
+use crate::model::decoder::Decoder;
+use crate::model::init::random_weights;
+use crate::model::names::param_count;
+use crate::model::Config;
+use anyhow::Result;
+use clap::Args;
+use serde_json::json;
+use std::time::Instant;
+
+#[derive(Args, Debug, Clone)]
+pub struct RolloutBenchArgs {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    pub device: Device,
+    /// Model shape: qwen0.5b or small (~10M parameters, for a quick CPU run).
+    #[arg(long, default_value = "qwen0.5b")]
+    pub model: String,
+    /// Batch sizes of the forced-length cases.
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 256])]
+    pub batches: Vec<usize>,
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    #[arg(long, default_value_t = 256)]
+    pub new_tokens: usize,
+    /// Skip the GRPO-shaped case.
+    #[arg(long)]
+    pub skip_grpo: bool,
+    /// GRPO case: prompts, samples per prompt, mean prompt tokens, most new tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 8, 150, 512])]
+    pub grpo: Vec<usize>,
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    #[arg(long, default_value_t = 8192)]
+    pub max_batched_tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+struct Case {
+    name: String,
+    requests: Vec<Request>,
+    params: GenParams,
+}
+
+struct Measured {
+    name: String,
+    samples: usize,
+    new_tokens: usize,
+    seconds: f64,
+    steps: usize,
+    preemptions: usize,
+    /// Bytes the roofline says a step must read, summed over the run.
+    bytes: f64,
+    flops: f64,
+}
+
+struct Bench<'a> {
+    args: &'a RolloutBenchArgs,
+    cfg: Config,
+    cases: Vec<Case>,
+}
+
+/// Measured device limits: copy bandwidth (bytes/s, read + write) and bf16 GEMM FLOP/s.
+fn peaks<B: Backend>(b: &B) -> Result<(f64, f64)> {
+    let big = b.device_memory()?.is_some();
+    let (n_copy, n_gemm) = if big {
+        (256usize << 20, 8192usize)
+    } else {
+        (16 << 20, 1024)
+    };
+    let src = b.alloc_as(n_copy, DType::BF16)?;
+    let mut dst = b.alloc_as(n_copy, DType::BF16)?;
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        b.synchronize()?;
+        let t = Instant::now();
+        let reps = 5;
+        for _ in 0..reps {
+            f()?;
+        }
+        b.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() / reps as f64)
+    };
+    let s = time(&mut || b.copy(&mut dst, 0, &src, 0, n_copy))?;
+    let bw = (2 * n_copy * 2) as f64 / s;
+    drop((src, dst));
+    let x = b.alloc_as(n_gemm * n_gemm, DType::BF16)?;
+    let w = b.alloc_as(n_gemm * n_gemm, DType::BF16)?;
+    let mut y = b.alloc_as(n_gemm * n_gemm, DType::BF16)?;
+    b.fill(&mut y, 0, 0.0)?;
+    let s = time(&mut || b.matmul(&mut y, &x, &w, None, n_gemm, n_gemm, n_gemm, false))?;
+    Ok((bw, 2.0 * (n_gemm as f64).powi(3) / s))
+}
+
+/// Milliseconds per call of `f` (mean of 10 after one warm-up; synchronized).
+fn ms<B: Backend>(b: &B, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    b.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..10 {
+        f()?;
+    }
+    b.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 100.0)
+}
+
+/// Where one decode step of `rows` sequences at context `ctx` goes: the whole step (forward,
+/// sampling, ids back), then the sampling op, one layer's paged attention and the LM head
+/// alone.
+fn breakdown<B: Backend>(
+    dec: &mut Decoder<B>,
+    rows: usize,
+    ctx: usize,
+) -> Result<Vec<(String, f64)>> {
+    let cfg = dec.config().clone();
+    let bs = DEFAULT_BLOCK_SIZE;
+    let per = ctx.div_ceil(bs);
+    let tables: Vec<Vec<u32>> = (0..rows)
+        .map(|r| (0..per).map(|j| (r * per + j) as u32).collect())
+        .collect();
+    let tokens = vec![1u32; rows];
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: -1,
+        top_p: 1.0,
+    };
+    let mut out = Vec::new();
+    {
+        let mut engine = PagedDecoder::new(dec, rows * per, bs)?;
+        let chunks: Vec<Chunk> = (0..rows)
+            .map(|r| Chunk {
+                tokens: &tokens[r..r + 1],
+                start: ctx - 1,
+                table: &tables[r],
+            })
+            .collect();
+        let srows: Vec<SampleRow> = (0..rows)
+            .map(|r| SampleRow {
+                chunk: r,
+                key: r as u64,
+                position: 0,
+            })
+            .collect();
+        let t = Instant::now();
+        for _ in 0..10 {
+            engine.step(&chunks, &srows, &sampling)?;
+        }
+        out.push((
+            format!("decode step ({rows} seqs, ctx {ctx})"),
+            t.elapsed().as_secs_f64() * 100.0,
+        ));
+    }
+    let b = dec.backend();
+    let (v, d) = (cfg.vocab_size, cfg.hidden_size);
+    let logits = b.alloc(rows * v)?;
+    let keys = b.alloc_idx(2 * rows)?;
+    let pos = b.alloc_idx(rows)?;
+    let mut toks = b.alloc_idx(rows)?;
+    let mut lps = b.alloc(rows)?;
+    out.push((
+        format!("sample op [{rows} x {v}]"),
+        ms(b, || {
+            b.sample(
+                &mut toks, &mut lps, &logits, &keys, &pos, rows, v, &sampling,
+            )
+        })?,
+    ));
+    let cd = b.compute_dtype();
+    let kvd = cfg.num_kv_heads * cfg.head_dim;
+    let kc = b.alloc_as(rows * per * bs * kvd, cd)?;
+    let vc = b.alloc_as(rows * per * bs * kvd, cd)?;
+    let q = b.alloc_as(rows * cfg.num_heads * cfg.head_dim, cd)?;
+    let mut o = b.alloc_as(rows * cfg.num_heads * cfg.head_dim, cd)?;
+    let mut tab = b.alloc_idx(rows * per)?;
+    b.upload_idx(&mut tab, &tables.concat())?;
+    let mut seq = b.alloc_idx(rows)?;
+    b.upload_idx(&mut seq, &(0..rows as u32).collect::<Vec<_>>())?;
+    let mut len = b.alloc_idx(rows)?;
+    b.upload_idx(&mut len, &vec![ctx as u32; rows])?;
+    let shape = PagedAttnShape {
+        queries: rows,
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        block_size: bs,
+        max_blocks: per,
+    };
+    out.push((
+        "attention_paged, one layer".into(),
+        ms(b, || {
+            b.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape)
+        })?,
+    ));
+    let x = b.alloc_as(rows * d, cd)?;
+    let w = b.alloc_as(v * d, cd)?;
+    let mut y = b.alloc(rows * v)?;
+    out.push((
+        format!("LM head GEMM [{rows} x {d}] x [{d} x {v}]"),
+        ms(b, || b.matmul(&mut y, &x, &w, None, rows, d, v, false))?,
+    ));
+    let f = cfg.intermediate_size;
+    let wu = b.alloc_as(f * d, cd)?;
+    let mut h = b.alloc_as(rows * f, cd)?;
+    out.push((
+        format!("MLP up GEMM [{rows} x {d}] x [{d} x {f}]"),
+        ms(b, || b.matmul(&mut h, &x, &wu, None, rows, d, f, false))?,
+    ));
+    Ok(out)
+}
+
+impl Job for Bench<'_> {
+    type Out = (Vec<Measured>, f64, f64, String, Vec<(String, f64)>);
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
+        let name = backend.name();
+        let (bw, peak) = peaks(&backend)?;
+        let cfg = &self.cfg;
+        let weights = random_weights(cfg, self.args.seed, 0.02);
+        let mut dec = Decoder::new(backend, cfg, &weights)?;
+        drop(weights);
+        let bs = DEFAULT_BLOCK_SIZE;
+        let params = param_count(cfg) as f64;
+        let esize = match dec.backend().compute_dtype() {
+            DType::F32 => 4.0,
+            DType::BF16 => 2.0,
+        };
+        let kv_per_pos = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim) as f64 * esize;
+        let mut out = Vec::new();
+        // Warm-up: kernel compilation and the workspace, outside the timings.
+        let warm = Case {
+            name: "warm-up".into(),
+            requests: vec![Request {
+                prompt: vec![1; 16],
+                sample_keys: vec![1, 2],
+            }],
+            params: GenParams {
+                sampling: SamplingParams {
+                    temperature: 1.0,
+                    top_k: -1,
+                    top_p: 1.0,
+                },
+                max_new_tokens: 4,
+                stop_token_ids: vec![],
+                stop_strings: vec![],
+            },
+        };
+        for case in std::iter::once(&warm).chain(&self.cases) {
+            let samples: usize = case.requests.iter().map(|r| r.sample_keys.len()).sum();
+            let longest = case
+                .requests
+                .iter()
+                .map(|r| r.prompt.len())
+                .max()
+                .unwrap_or(1);
+            let seqs = self.args.max_num_seqs.min(samples);
+            // Enough blocks that every running sample fits at its longest (no preemption).
+            let num_blocks = seqs * ((longest + case.params.max_new_tokens).div_ceil(bs) + 1);
+            let pc = PagedConfig {
+                block_size: bs,
+                num_blocks,
+                max_num_seqs: self.args.max_num_seqs,
+                max_batched_tokens: self.args.max_batched_tokens,
+            };
+            let mut engine = PagedDecoder::new(&mut dec, num_blocks, bs)?;
+            engine.decoder.backend().synchronize()?;
+            let t = Instant::now();
+            let (done, stats) = generate_paged(
+                &mut engine,
+                &pc,
+                &case.requests,
+                &case.params,
+                None,
+                &mut |_| {},
+            )?;
+            engine.decoder.backend().synchronize()?;
+            let seconds = t.elapsed().as_secs_f64();
+            drop(engine);
+            if case.name == warm.name {
+                continue;
+            }
+            // Roofline work: every step reads all weights; each generated token after the
+            // first reads the keys and values of its context; every token fed costs 2·params
+            // FLOPs plus 4·context·heads·head_dim per layer of attention.
+            let (mut kv_bytes, mut attn_flops, mut fed, mut new_tokens) = (0f64, 0f64, 0f64, 0);
+            let attn_per_pos = (4 * cfg.num_layers * cfg.num_heads * cfg.head_dim) as f64;
+            for (r, cs) in case.requests.iter().zip(&done) {
+                let p = r.prompt.len() as f64;
+                // The prompt is prefilled once for its samples.
+                attn_flops += attn_per_pos * p * (p + 1.0) / 2.0;
+                fed += p;
+                for c in cs {
+                    let l = c.tokens.len() as f64;
+                    new_tokens += c.tokens.len();
+                    // Decode steps feed tokens at positions p .. p+l−2, each reading ctx = pos+1.
+                    let ctx_sum = (l - 1.0).max(0.0) * p + (l - 1.0).max(0.0) * l / 2.0;
+                    kv_bytes += ctx_sum * kv_per_pos;
+                    attn_flops += ctx_sum * attn_per_pos;
+                    fed += (l - 1.0).max(0.0);
+                }
+            }
+            let bytes = stats.gen.decode_steps as f64 * params * esize + kv_bytes;
+            out.push(Measured {
+                name: case.name.clone(),
+                samples,
+                new_tokens,
+                seconds,
+                steps: stats.gen.decode_steps,
+                preemptions: stats.preemptions,
+                bytes,
+                flops: 2.0 * params * fed + attn_flops,
+            });
+        }
+        let parts = breakdown(
+            &mut dec,
+            self.args.batches.last().copied().unwrap_or(64),
+            256,
+        )?;
+        Ok((out, bw, peak, name, parts))
+    }
+}
+
+fn random_prompt(len: usize, vocab: usize, key: u64) -> Vec<u32> {
+    (0..len)
+        .map(|i| (uniform(key, i as u64) * vocab as f64) as u32)
+        .collect()
+}
+
+pub fn run(args: RolloutBenchArgs) -> Result<()> {
+    let cfg = shape(&args.model)?;
+    let vocab = cfg.vocab_size;
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: -1,
+        top_p: 1.0,
+    };
+    let mut cases = Vec::new();
+    for &b in &args.batches {
+        let requests = (0..b)
+            .map(|i| {
+                let prompt = random_prompt(args.prompt_tokens, vocab, args.seed ^ (i as u64) << 20);
+                let key = sample_key(args.seed, &prompt, i as u64, 0);
+                Request {
+                    prompt,
+                    sample_keys: vec![key],
+                }
+            })
+            .collect();
+        cases.push(Case {
+            name: format!(
+                "batch {b} x prompt {} x {} new",
+                args.prompt_tokens, args.new_tokens
+            ),
+            requests,
+            params: GenParams {
+                sampling,
+                max_new_tokens: args.new_tokens,
+                stop_token_ids: vec![],
+                stop_strings: vec![],
+            },
+        });
+    }
+    if !args.skip_grpo {
+        let [prompts, n, mean_len, max_new] = args.grpo[..] else {
+            anyhow::bail!("--grpo takes 4 numbers: prompts, n, mean prompt tokens, max new tokens");
+        };
+        let requests = (0..prompts)
+            .map(|i| {
+                let key = args.seed.wrapping_add(1_000_003 * (i as u64 + 1));
+                // Prompt lengths uniform in mean ± 20%.
+                let spread = (mean_len / 5).max(1);
+                let len =
+                    mean_len - spread + (uniform(key, u64::MAX) * (2 * spread) as f64) as usize;
+                let prompt = random_prompt(len.max(1), vocab, key);
+                let keys = (0..n as u64)
+                    .map(|s| sample_key(args.seed, &prompt, i as u64, s))
+                    .collect();
+                Request {
+                    prompt,
+                    sample_keys: keys,
+                }
+            })
+            .collect();
+        // Random stops: one id in 300 ends a sample (near-uniform random-weight logits: a mean
+        // length of ~250 of the 512 allowed).
+        let stop_token_ids = (0..vocab as u32).filter(|t| t % 300 == 7).collect();
+        cases.push(Case {
+            name: format!("GRPO {prompts} x n={n}, prompt ~{mean_len}, <= {max_new} new"),
+            requests,
+            params: GenParams {
+                sampling,
+                max_new_tokens: max_new,
+                stop_token_ids,
+                stop_strings: vec![],
+            },
+        });
+    }
+    let bench = Bench {
+        args: &args,
+        cfg: cfg.clone(),
+        cases,
+    };
+    let (rows, bw, peak, device, parts) = on_device(args.device, bench)?;
+    for (what, t) in &parts {
+        println!("{what:>48}: {t:8.3} ms");
+    }
+    let mut table = Vec::new();
+    let mut js = Vec::new();
+    for m in &rows {
+        let tps = m.new_tokens as f64 / m.seconds;
+        let bw_frac = m.bytes / m.seconds / bw;
+        let fl_frac = m.flops / m.seconds / peak;
+        table.push(vec![
+            m.name.clone(),
+            m.samples.to_string(),
+            m.new_tokens.to_string(),
+            format!("{:.2}", m.seconds),
+            format!("{tps:.0}"),
+            m.steps.to_string(),
+            format!("{:.0}", m.bytes / m.steps.max(1) as f64 / 1e6),
+            format!("{:.1}%", 100.0 * bw_frac),
+            format!("{:.1}%", 100.0 * fl_frac),
+            m.preemptions.to_string(),
+        ]);
+        js.push(json!({
+            "case": m.name,
+            "samples": m.samples,
+            "new_tokens": m.new_tokens,
+            "seconds": m.seconds,
+            "tokens_per_s": tps,
+            "steps": m.steps,
+            "roofline_bytes": m.bytes,
+            "bandwidth_fraction": bw_frac,
+            "flops": m.flops,
+            "gemm_peak_fraction": fl_frac,
+            "preemptions": m.preemptions,
+        }));
+    }
+    report(
+        &format!(
+            "bench rollout ({}, {device}; measured copy {:.0} GB/s, bf16 GEMM {:.1} TFLOP/s)",
+            args.model,
+            bw / 1e9,
+            peak / 1e12
+        ),
+        &[
+            "case", "samples", "new tok", "s", "tok/s", "steps", "MB/step", "%BW", "%GEMM",
+            "preempt",
+        ],
+        &table,
+        &json!({
+            "bench": "rollout",
+            "model": args.model,
+            "device": device,
+            "copy_bandwidth_bytes_per_s": bw,
+            "gemm_bf16_flops_per_s": peak,
+            "cases": js,
+            "decode_step_breakdown_ms": parts.iter().map(|(w, t)| json!({"part": w, "ms": t})).collect::<Vec<_>>(),
+        }),
+    );
+    Ok(())
+}

@@ -1,0 +1,482 @@
+//! `tandem bench update`: the issue-6 training workload through the real `update` loop
+//! (`engine::train::train`): a Qwen2.5-0.5B-shaped model with random weights, 640-token
+//! sequences (128 prompt + 512 response), micro-batches of 8, 8 micro-batches per optimizer
+//! step, PPO-clip (on-policy, token-mean), AdamW with grad clipping at 1.0. Warm-up steps, then
+//! timed steps; tokens/s, MFU (6·params·tokens/s over a bf16 GEMM peak measured in the same
+//! process: cuBLASLt 8192³), peak memory (the pool's and the device's) and the step's split.
+//! `--shape tiny` (and the size flags) run it on the CPU in seconds, for CI.
+
+use crate::algo::policy_loss::{LossConfig, LossMode};
+use crate::backend::{Backend, DType};
+use crate::engine::logprob::PromptResponse;
+use crate::engine::stage::common::Device;
+use crate::engine::stage::{on_device, Job};
+use crate::engine::train::{train, LrConfig, TrainConfig, TrainData};
+use crate::model::decoder::Decoder;
+use crate::model::init::random_weights;
+use crate::model::names::param_count;
+use crate::model::Config;
+use crate::rng::SplitMix64;
+use anyhow::{bail, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// The workload flags `bench update` and `bench logprob` share.
+#[derive(Args, Clone, Debug)]
+pub struct Workload {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    pub device: Device,
+    /// Model shape: qwen0.5b (the issue-6 shape) or tiny (2 layers, hidden 64, vocab 512).
+    #[arg(long, default_value = "qwen0.5b")]
+    pub shape: String,
+    /// Tokens per sequence (prompt + response).
+    #[arg(long, default_value_t = 640)]
+    pub seq_len: usize,
+    /// Prompt tokens per sequence (not scored).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step (bench logprob: per pass).
+    #[arg(long, default_value_t = 8)]
+    pub micro_batches: usize,
+    /// Untimed steps first (kernel compiles, GEMM plans, pool growth).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Rows per LM-head chunk (default: the backend's choice).
+    #[arg(long)]
+    pub logprob_chunk: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Also write the JSON result here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct UpdateArgs {
+    #[command(flatten)]
+    pub w: Workload,
+}
+
+/// The benchmark model shapes.
+pub fn shape(name: &str) -> Result<Config> {
+    match name {
+        "qwen0.5b" => super::cpu_engine::shape("qwen0.5b"),
+        "tiny" => {
+            let mut c = super::cpu_engine::shape("small")?;
+            c.num_layers = 2;
+            c.hidden_size = 64;
+            c.num_heads = 4;
+            c.num_kv_heads = 2;
+            c.head_dim = 16;
+            c.intermediate_size = 128;
+            c.vocab_size = 512;
+            Ok(c)
+        }
+        other => bail!("unknown bench shape '{other}' (expected qwen0.5b or tiny)"),
+    }
+}
+
+impl Workload {
+    pub fn check(&self) -> Result<()> {
+        if self.prompt_len == 0 || self.prompt_len >= self.seq_len {
+            bail!(
+                "--prompt-len must be in 1..{} (--seq-len), got {}",
+                self.seq_len,
+                self.prompt_len
+            );
+        }
+        if self.micro_batch == 0 || self.micro_batches == 0 || self.steps == 0 {
+            bail!("--micro-batch, --micro-batches and --steps must be at least 1");
+        }
+        Ok(())
+    }
+
+    pub fn sequences(&self) -> usize {
+        self.micro_batch * self.micro_batches
+    }
+
+    pub fn tokens_per_step(&self) -> usize {
+        self.sequences() * self.seq_len
+    }
+}
+
+/// Random prompts and responses (uniform token ids), one advantage per sequence (standard
+/// normal, as GRPO gives one per response), all response tokens valid.
+pub struct Synth {
+    pub prompts: Vec<Vec<u32>>,
+    pub responses: Vec<Vec<u32>>,
+    pub masks: Vec<Vec<u8>>,
+    pub adv: Vec<Vec<f32>>,
+}
+
+impl Synth {
+    pub fn new(w: &Workload, vocab: usize) -> Synth {
+        let mut rng = SplitMix64(w.seed ^ 0x5eed_ba7c);
+        let resp = w.seq_len - w.prompt_len;
+        let mut ids =
+            |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(vocab as u64) as u32).collect() };
+        let n = w.sequences();
+        let prompts: Vec<Vec<u32>> = (0..n).map(|_| ids(w.prompt_len)).collect();
+        let responses: Vec<Vec<u32>> = (0..n).map(|_| ids(resp)).collect();
+        let mut rng = SplitMix64(w.seed ^ 0xadd);
+        Synth {
+            prompts,
+            responses,
+            masks: vec![vec![1; resp]; n],
+            adv: (0..n).map(|_| vec![rng.normal(); resp]).collect(),
+        }
+    }
+
+    pub fn rows(&self) -> Vec<PromptResponse<'_>> {
+        self.prompts
+            .iter()
+            .zip(&self.responses)
+            .map(|(p, r)| PromptResponse {
+                prompt: p,
+                response: r,
+            })
+            .collect()
+    }
+}
+
+/// Memory and the MFU denominator, measured the same way by both benchmarks.
+pub struct Meter {
+    /// Device bytes in use before the model was loaded (context, other processes).
+    pub device_base: Option<usize>,
+    pub device_peak: Option<usize>,
+    /// Measured bf16 GEMM FLOP/s (GPU only).
+    pub peak_flops: Option<f64>,
+}
+
+impl Meter {
+    pub fn new<B: Backend>(b: &B, gpu: bool) -> Result<Meter> {
+        let used = b.device_memory()?.map(|(free, total)| total - free);
+        let peak_flops = if gpu { Some(gemm_peak(b)?) } else { None };
+        Ok(Meter {
+            device_base: used,
+            device_peak: used,
+            peak_flops,
+        })
+    }
+
+    /// Samples the device's used memory (the pool keeps what it took, so a sample after a
+    /// step sees the step's peak holding).
+    pub fn sample<B: Backend>(&mut self, b: &B) {
+        if let Ok(Some((free, total))) = b.device_memory() {
+            let used = total - free;
+            self.device_peak = Some(self.device_peak.map_or(used, |p| p.max(used)));
+        }
+    }
+
+    pub fn json<B: Backend>(&self, b: &B) -> Value {
+        let m = b.memory_stats();
+        let gib = |x: usize| x as f64 / (1u64 << 30) as f64;
+        json!({
+            "pool_peak_in_use_gib": gib(m.peak_in_use),
+            "pool_held_gib": gib(m.held),
+            "device_peak_used_gib": self.device_peak.map(gib),
+            "device_used_before_model_gib": self.device_base.map(gib),
+            "gemm_peak_tflops": self.peak_flops.map(|f| f / 1e12),
+        })
+    }
+}
+
+/// bf16 GEMM FLOP/s of an 8192³ product through the backend's matmul (cuBLASLt on the GPU):
+/// median of 10 after 3 warm-up runs, each timed to a synchronize.
+pub fn gemm_peak<B: Backend>(b: &B) -> Result<f64> {
+    let n = 8192;
+    let mut rng = SplitMix64(7);
+    let host: Vec<f32> = (0..n * n).map(|_| rng.normal()).collect();
+    let mut x = b.alloc_as(n * n, DType::BF16)?;
+    let mut w = b.alloc_as(n * n, DType::BF16)?;
+    b.upload(&mut x, &host)?;
+    b.upload(&mut w, &host)?;
+    drop(host);
+    let mut y = b.alloc_as(n * n, DType::BF16)?;
+    let mut times = Vec::new();
+    for i in 0..13 {
+        b.synchronize()?;
+        let t = Instant::now();
+        b.matmul(&mut y, &x, &w, None, n, n, n, false)?;
+        b.synchronize()?;
+        if i >= 3 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * (n as f64).powi(3) / times[times.len() / 2])
+}
+
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        f64::NAN
+    } else {
+        s[s.len() / 2]
+    }
+}
+
+/// Builds the random-weight decoder of the workload's shape on `b`.
+pub fn build<B: Backend>(b: B, w: &Workload) -> Result<(Decoder<B>, Config)> {
+    w.check()?;
+    let cfg = shape(&w.shape)?;
+    let weights = random_weights(&cfg, w.seed, 0.02);
+    let mut dec = Decoder::new(b, &cfg, &weights)?;
+    if let Some(c) = w.logprob_chunk {
+        dec.logprob_chunk = c.max(1);
+    }
+    Ok((dec, cfg))
+}
+
+struct UpdateJob(Workload);
+
+impl Job for UpdateJob {
+    type Out = (Vec<Vec<String>>, Value);
+
+    fn run<B: Backend>(self, b: B) -> Result<Self::Out> {
+        let w = self.0;
+        let gpu = matches!(w.device, Device::Cuda(_));
+        let mut meter = Meter::new(&b, gpu)?;
+        let (mut dec, cfg) = build(b, &w)?;
+        let params = param_count(&cfg);
+        let synth = Synth::new(&w, cfg.vocab_size);
+        let data = TrainData {
+            rows: synth.rows(),
+            mask: synth.masks.iter().map(Vec::as_slice).collect(),
+            advantages: Some(synth.adv.iter().map(Vec::as_slice).collect()),
+            old: None,
+            ref_lp: None,
+            rollout: None,
+        };
+        let tc = TrainConfig {
+            loss: LossConfig::new(LossMode::Vanilla),
+            loss_scale_factor: None,
+            ppo_epochs: 1,
+            mini_batch_size: None,
+            micro_batch_tokens: w.micro_batch * w.seq_len,
+            temperature: 1.0,
+            lr: LrConfig::constant(1e-6),
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            grad_clip: Some(1.0),
+            shuffle: false,
+            seed: w.seed,
+        };
+        let mut step_s = Vec::new();
+        let mut micro_s = Vec::new();
+        let mut wait_s = Vec::new();
+        let mut opt_s = Vec::new();
+        let mut device_loss = false;
+        let mut last = Value::Null;
+        for i in 0..w.warmup + w.steps {
+            let t = Instant::now();
+            let report = train(&mut dec, &data, &tc, i as u64, &mut |m| eprintln!("{m}"))?;
+            dec.backend().synchronize()?;
+            let secs = t.elapsed().as_secs_f64();
+            meter.sample(dec.backend());
+            let s = &report.steps[0];
+            if report.steps.len() != 1 || report.tokens != w.tokens_per_step() || s.skipped {
+                bail!(
+                    "bench update: expected one optimizer step over {} tokens, got {} steps over {} (skipped: {})",
+                    w.tokens_per_step(),
+                    report.steps.len(),
+                    report.tokens,
+                    s.skipped
+                );
+            }
+            eprintln!(
+                "step {i}{}: {secs:.3} s (queue micro-batches {:.3} s, wait {:.3} s, optimizer {:.3} s), loss {:.6}, grad norm {:.4}",
+                if i < w.warmup { " (warm-up)" } else { "" },
+                s.micro_seconds,
+                s.wait_seconds,
+                s.optimizer_seconds,
+                s.loss,
+                s.grad_norm
+            );
+            if i >= w.warmup {
+                step_s.push(secs);
+                micro_s.push(s.micro_seconds);
+                wait_s.push(s.wait_seconds);
+                opt_s.push(s.optimizer_seconds);
+                device_loss = s.device_loss;
+                last = report.to_json();
+            }
+        }
+        let tokens = w.tokens_per_step();
+        let step = median(&step_s);
+        let tps = tokens as f64 / step;
+        let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
+        let mem = meter.json(dec.backend());
+        let gib = |k: &str| {
+            mem[k]
+                .as_f64()
+                .map_or("-".to_string(), |v| format!("{v:.2}"))
+        };
+        let rows = vec![vec![
+            "update".to_string(),
+            w.device.to_string(),
+            format!("{:.1}k", tps / 1e3),
+            mfu.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
+            format!("{step:.3}"),
+            format!("{:.3}", median(&micro_s)),
+            format!("{:.3}", median(&wait_s)),
+            format!("{:.3}", median(&opt_s)),
+            gib("pool_peak_in_use_gib"),
+            gib("device_peak_used_gib"),
+        ]];
+        let out = json!({
+            "bench": "update",
+            "device": w.device.to_string(),
+            "shape": w.shape,
+            "params": params,
+            "seq_len": w.seq_len,
+            "prompt_len": w.prompt_len,
+            "micro_batch": w.micro_batch,
+            "micro_batches": w.micro_batches,
+            "tokens_per_step": tokens,
+            "warmup_steps": w.warmup,
+            "timed_steps": w.steps,
+            "logprob_chunk": dec.logprob_chunk,
+            "device_loss": device_loss,
+            "step_s": step_s,
+            "micro_batches_s": micro_s,
+            "wait_s": wait_s,
+            "optimizer_s": opt_s,
+            "step_median_s": step,
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "memory": mem,
+            "last_step_metrics": last,
+        });
+        Ok((rows, out))
+    }
+}
+
+/// The table's columns (shared with `bench logprob`).
+pub const HEADER: [&str; 10] = [
+    "bench",
+    "device",
+    "tok/s",
+    "MFU",
+    "step s",
+    "queue s",
+    "wait s",
+    "optim s",
+    "pool GiB",
+    "device GiB",
+];
+
+pub fn finish(
+    title: &str,
+    rows: Vec<Vec<String>>,
+    out: Value,
+    json_path: Option<&PathBuf>,
+) -> Result<()> {
+    super::report(title, &HEADER, &rows, &out);
+    if let Some(p) = json_path {
+        std::fs::write(p, serde_json::to_string_pretty(&out)? + "\n")
+            .map_err(|e| anyhow::anyhow!("{}: cannot write: {e}", p.display()))?;
+    }
+    Ok(())
+}
+
+pub fn run(a: UpdateArgs) -> Result<()> {
+    let w = a.w;
+    w.check()?;
+    let title = format!(
+        "bench update: {} on {}, {} × {} tokens ({} prompt) per micro-batch, {} micro-batches per step, {} warm-up + {} timed steps",
+        w.shape, w.device, w.micro_batch, w.seq_len, w.prompt_len, w.micro_batches, w.warmup, w.steps
+    );
+    let json_path = w.json.clone();
+    let (rows, out) = on_device(w.device, UpdateJob(w))?;
+    finish(&title, rows, out, json_path.as_ref())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(json: PathBuf) -> Workload {
+        Workload {
+            device: Device::Cpu,
+            shape: "tiny".into(),
+            seq_len: 24,
+            prompt_len: 8,
+            micro_batch: 2,
+            micro_batches: 2,
+            warmup: 1,
+            steps: 2,
+            logprob_chunk: Some(7),
+            seed: 3,
+            json: Some(json),
+        }
+    }
+
+    #[test]
+    fn update_bench_runs_end_to_end_on_the_cpu() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("u.json");
+        run(UpdateArgs {
+            w: tiny(path.clone()),
+        })
+        .unwrap();
+        let j: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(j["bench"], "update");
+        assert_eq!(j["tokens_per_step"], 2 * 2 * 24);
+        assert_eq!(j["step_s"].as_array().unwrap().len(), 2);
+        assert_eq!(
+            j["device_loss"], true,
+            "the decoder takes the device-loss path"
+        );
+        let tps = j["tokens_per_s"].as_f64().unwrap();
+        let step = j["step_median_s"].as_f64().unwrap();
+        assert!(
+            (tps * step - 96.0).abs() < 1e-6,
+            "tokens/s = tokens / median step"
+        );
+        // No GEMM peak on the CPU, so no MFU; the step's metrics are real numbers.
+        assert!(j["mfu"].is_null() && j["memory"]["gemm_peak_tflops"].is_null());
+        assert!(j["last_step_metrics"]["grad_norm"].as_f64().unwrap() > 0.0);
+        assert_eq!(
+            j["last_step_metrics"]["pg_clipfrac"], 0.0,
+            "on-policy: ratio 1"
+        );
+    }
+
+    #[test]
+    fn logprob_bench_runs_end_to_end_on_the_cpu() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.json");
+        super::super::logprob::run(super::super::logprob::LogprobArgs {
+            w: tiny(path.clone()),
+            entropy: true,
+        })
+        .unwrap();
+        let j: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(j["bench"], "logprob");
+        assert_eq!(j["pass_s"].as_array().unwrap().len(), 2);
+        // Random weights of std 0.02 over 512 tokens: log-probs near −ln 512.
+        let m = j["mean_logprob"].as_f64().unwrap();
+        assert!((m + (512f64).ln()).abs() < 0.5, "{m}");
+    }
+
+    #[test]
+    fn bad_workloads_are_refused() {
+        let mut w = tiny(PathBuf::from("unused"));
+        w.prompt_len = 24;
+        assert!(w.check().unwrap_err().to_string().contains("--prompt-len"));
+        assert!(shape("huge").is_err());
+    }
+}

@@ -1,0 +1,340 @@
+//! `tandem bench grpo-step`: whole GRPO steps (rollout, reference and old log-probs, update in
+//! mini-batches, sync; the workload of bench/peer_grpo_step.py) of a model on a prompt file, with the stages in-process (each loads the model) and on
+//! the daemon's resident models (the hybrid engine, without the socket), printing seconds per
+//! stage and, for the daemon, each phase's peak device memory. Advantages are ±1 by row (the
+//! reward does not change the cost of a step).
+
+use super::resident::{Options, Resident};
+use crate::backend::cpu::Cpu;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::Backend;
+use crate::batch::{list_array, Batch, NewColumns, StageInfo};
+use crate::engine::stage::common::Device;
+use crate::engine::stage::{ref_logprob, rollout, sync_weights, update, Exec, InProcess};
+use anyhow::{Context, Result};
+use clap::{Args, Parser};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Args, Debug, Clone)]
+pub struct GrpoStepArgs {
+    /// The policy (and reference) model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt dataset (verl parquet).
+    #[arg(long)]
+    pub prompts: PathBuf,
+    /// Scratch directory for batches and checkpoints (made if missing).
+    #[arg(long)]
+    pub work: PathBuf,
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    #[arg(long, default_value_t = 64)]
+    pub prompts_per_step: usize,
+    #[arg(long, default_value_t = 8)]
+    pub n: usize,
+    #[arg(long, default_value_t = 512)]
+    pub max_new_tokens: usize,
+    /// Optimizer steps per update (mini-batches).
+    #[arg(long, default_value_t = 4)]
+    pub mini_batches: usize,
+    /// Steps per mode (the first includes loading; the table reports each).
+    #[arg(long, default_value_t = 2)]
+    pub steps: u64,
+    /// Feed the prompt text as is (no chat template).
+    #[arg(long)]
+    pub raw_prompt: bool,
+    /// Which modes to run.
+    #[arg(long, value_delimiter = ',', default_values_t = ["in-process".to_string(), "daemon".to_string()])]
+    pub modes: Vec<String>,
+    /// Daemon with --offload-optimizer and --offload-ref.
+    #[arg(long)]
+    pub offload: bool,
+}
+
+/// Parses a stage's flags as its binary would.
+fn parse<A: clap::Args>(argv: &[String]) -> Result<A> {
+    #[derive(Parser)]
+    struct Cli<A: clap::Args> {
+        #[command(flatten)]
+        args: A,
+    }
+    let cli =
+        Cli::<A>::try_parse_from(std::iter::once("stage".to_string()).chain(argv.iter().cloned()))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(cli.args)
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// ±1 advantages on every response token, alternating by row.
+fn add_advantages(input: &Path, out: &Path) -> Result<()> {
+    let b = Batch::read(input, &[crate::batch::schema::RESPONSE_IDS])?;
+    let resp = b.ragged_i32(crate::batch::schema::RESPONSE_IDS)?;
+    let mut vals = Vec::new();
+    for (i, r) in resp.rows().enumerate() {
+        let a = if i % 2 == 0 { 1.0f32 } else { -1.0 };
+        vals.extend(std::iter::repeat_n(a, r.len()));
+    }
+    let mut cols = NewColumns::new();
+    cols.add(
+        crate::batch::schema::ADVANTAGES,
+        list_array::<arrow_array::types::Float32Type>(&resp.offsets, vals),
+    );
+    b.write_derived(
+        out,
+        cols,
+        &StageInfo {
+            stage: "bench-advantage",
+            params: json!({}),
+            policy_version: None,
+            step: None,
+        },
+    )
+}
+
+/// Where the bench's jobs run, with the daemon's per-job bookkeeping (none in-process).
+trait Phases {
+    fn exec(&mut self) -> &mut dyn Exec;
+    fn begin(&mut self, _phase: &'static str) {}
+    fn end(&mut self, _phase: &'static str, _ok: bool) -> Value {
+        Value::Null
+    }
+}
+
+impl Phases for InProcess {
+    fn exec(&mut self) -> &mut dyn Exec {
+        self
+    }
+}
+
+impl<B: Backend> Phases for Resident<B> {
+    fn exec(&mut self) -> &mut dyn Exec {
+        self
+    }
+    fn begin(&mut self, phase: &'static str) {
+        Resident::begin(self, phase, None)
+    }
+    fn end(&mut self, phase: &'static str, ok: bool) -> Value {
+        Resident::end(self, phase, ok)
+    }
+}
+
+fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result<Vec<Value>> {
+    std::fs::create_dir_all(dir)?;
+    let policy = dir.join("policy");
+    let mut out = Vec::new();
+    let run = |t: &mut dyn Phases,
+               name: &'static str,
+               f: &mut dyn FnMut(&mut dyn Exec) -> Result<()>|
+     -> Result<(f64, Value)> {
+        t.begin(name);
+        let t0 = Instant::now();
+        let r = f(t.exec());
+        let secs = t0.elapsed().as_secs_f64();
+        let m = t.end(name, r.is_ok());
+        r.with_context(|| format!("{mode}: {name}"))?;
+        Ok((secs, m))
+    };
+    let sync = |from: &Path, v: u64| -> Result<sync_weights::SyncWeightsArgs> {
+        parse(&[
+            "--from".into(),
+            s(from),
+            "--to".into(),
+            s(&policy),
+            "--policy-version".into(),
+            v.to_string(),
+        ])
+    };
+    let args0 = sync(&a.model, 0)?;
+    run(t, "sync-weights", &mut |e| {
+        sync_weights::run_with(args0.clone(), e)
+    })?;
+    let dev = a.device.to_string();
+    for step in 1..=a.steps {
+        let f = |n: &str| s(&dir.join(format!("{n}-{step}.parquet")));
+        let mut ro = vec![
+            "--model".into(),
+            s(&policy),
+            "--in".into(),
+            s(&a.prompts),
+            "--out".into(),
+            f("rollout"),
+            "--n".into(),
+            a.n.to_string(),
+            "--limit".into(),
+            a.prompts_per_step.to_string(),
+            "--max-new-tokens".into(),
+            a.max_new_tokens.to_string(),
+            "--seed".into(),
+            step.to_string(),
+            "--batch-size".into(),
+            (a.prompts_per_step * a.n).to_string(),
+            "--device".into(),
+            dev.clone(),
+        ];
+        if a.raw_prompt {
+            ro.push("--raw-prompt".into());
+        }
+        let ro: rollout::RolloutArgs = parse(&ro)?;
+        let (t_roll, m_roll) = run(t, "rollout", &mut |e| rollout::run_with(ro.clone(), e))?;
+        let rl: ref_logprob::RefLogprobArgs = parse(&[
+            "--model".into(),
+            s(&a.model),
+            "--in".into(),
+            f("rollout"),
+            "--out".into(),
+            f("ref"),
+            "--column".into(),
+            "ref_logprobs".into(),
+            "--device".into(),
+            dev.clone(),
+        ])?;
+        let (t_ref, m_ref) = run(t, "ref-logprob", &mut |e| {
+            ref_logprob::run_with(rl.clone(), e)
+        })?;
+        // Old log-probs of the policy (the update then runs its mini-batches off-policy
+        // against them, as verl and the PyTorch peer do).
+        let ol: ref_logprob::RefLogprobArgs = parse(&[
+            "--model".into(),
+            s(&policy),
+            "--in".into(),
+            f("ref"),
+            "--out".into(),
+            f("old"),
+            "--column".into(),
+            "old_logprobs".into(),
+            "--device".into(),
+            dev.clone(),
+        ])?;
+        let (t_old, m_old) = run(t, "ref-logprob", &mut |e| {
+            ref_logprob::run_with(ol.clone(), e)
+        })?;
+        add_advantages(Path::new(&f("old")), Path::new(&f("adv")))?;
+        let rows = a.prompts_per_step * a.n;
+        let ckpt = dir.join(format!("ckpt-{step}"));
+        let up: update::UpdateArgs = parse(&[
+            "--model".into(),
+            s(&policy),
+            "--in".into(),
+            f("adv"),
+            "--out-model".into(),
+            s(&ckpt),
+            "--use-kl-loss".into(),
+            "--lr".into(),
+            "1e-6".into(),
+            "--mini-batch-size".into(),
+            rows.div_ceil(a.mini_batches.max(1)).to_string(),
+            "--device".into(),
+            dev.clone(),
+        ])?;
+        let (t_up, m_up) = run(t, "update", &mut |e| update::run_with(up.clone(), e))?;
+        let sy = sync(&ckpt, step)?;
+        let (t_sync, m_sync) = run(t, "sync-weights", &mut |e| {
+            sync_weights::run_with(sy.clone(), e)
+        })?;
+        let tokens: usize = Batch::read(Path::new(&f("rollout")), &[])?
+            .ragged_i32(crate::batch::schema::RESPONSE_IDS)?
+            .offsets
+            .last()
+            .copied()
+            .unwrap_or(0);
+        out.push(json!({
+            "mode": mode,
+            "step": step,
+            "response_tokens": tokens,
+            "seconds": {"rollout": t_roll, "ref_logprob": t_ref, "old_logprob": t_old,
+                        "update": t_up, "sync": t_sync,
+                        "step": t_roll + t_ref + t_old + t_up + t_sync},
+            "daemon": {"rollout": m_roll, "ref_logprob": m_ref, "old_logprob": m_old,
+                       "update": m_up, "sync": m_sync},
+        }));
+    }
+    Ok(out)
+}
+
+pub fn run(a: GrpoStepArgs) -> Result<()> {
+    let mut results = Vec::new();
+    for mode in &a.modes {
+        match mode.as_str() {
+            "in-process" => {
+                let mut exec = InProcess(a.device);
+                results.extend(steps(
+                    &a,
+                    &a.work.join("in-process"),
+                    &mut exec,
+                    "in-process",
+                )?);
+            }
+            "daemon" => {
+                let opts = Options {
+                    offload_optimizer: a.offload,
+                    offload_ref: a.offload,
+                };
+                let dir = a.work.join("daemon");
+                results.extend(match a.device {
+                    Device::Cpu => {
+                        let mut r = Resident::new(Box::new(|| Ok(Cpu)), a.device, opts);
+                        steps(&a, &dir, &mut r, "daemon")?
+                    }
+                    Device::Cuda(n) => {
+                        let mut r =
+                            Resident::new(Box::new(move || CudaBackend::new(n)), a.device, opts);
+                        steps(&a, &dir, &mut r, "daemon")?
+                    }
+                });
+            }
+            other => crate::bail_input!("--modes: unknown mode '{other}' (in-process, daemon)"),
+        }
+    }
+    let mib = |v: &Value| {
+        v["phase_peak_in_use"]
+            .as_f64()
+            .map_or("-".to_string(), |b| format!("{:.0}", b / (1 << 20) as f64))
+    };
+    let rows: Vec<Vec<String>> = results
+        .iter()
+        .map(|r| {
+            let sec = &r["seconds"];
+            let d = &r["daemon"];
+            vec![
+                r["mode"].as_str().unwrap_or("").to_string(),
+                r["step"].to_string(),
+                r["response_tokens"].to_string(),
+                format!("{:.2}", sec["rollout"].as_f64().unwrap_or(0.0)),
+                format!("{:.2}", sec["ref_logprob"].as_f64().unwrap_or(0.0)),
+                format!("{:.2}", sec["old_logprob"].as_f64().unwrap_or(0.0)),
+                format!("{:.2}", sec["update"].as_f64().unwrap_or(0.0)),
+                format!("{:.4}", sec["sync"].as_f64().unwrap_or(0.0)),
+                format!("{:.2}", sec["step"].as_f64().unwrap_or(0.0)),
+                format!(
+                    "{}/{}/{}",
+                    mib(&d["rollout"]),
+                    mib(&d["ref_logprob"]),
+                    mib(&d["update"])
+                ),
+            ]
+        })
+        .collect();
+    crate::bench::report(
+        &format!("GRPO step on {} ({})", a.model.display(), a.device),
+        &[
+            "mode",
+            "step",
+            "resp tokens",
+            "rollout s",
+            "ref s",
+            "old s",
+            "update s",
+            "sync s",
+            "step s",
+            "peak MiB roll/ref/upd",
+        ],
+        &rows,
+        &json!({"bench": "grpo-step", "device": a.device.to_string(), "results": results}),
+    );
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! The client side: a stage run with `--daemon PATH` sends its job and relays what comes back
+//! (progress bar, the stage's messages, the error with its exit code); `tandem daemon-ctl`
+//! asks for health/status or stops a daemon.
+
+use super::protocol::{Request, Response, StageJob};
+use crate::batch::write_json;
+use crate::engine::stage::common::progress_bar;
+use crate::error::input_error;
+use anyhow::{anyhow, Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::ProgressBar;
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+/// Connects to the daemon at `socket` (an input error that says what to do when nobody
+/// listens there).
+pub fn connect(socket: &Path) -> Result<UnixStream> {
+    UnixStream::connect(socket).map_err(|e| {
+        input_error(format!(
+            "--daemon {}: cannot connect ({e}); start one with `tandem daemon --socket {} --policy MODEL`, or drop --daemon (and unset TANDEM_DAEMON) to compute in this process",
+            socket.display(),
+            socket.display()
+        ))
+    })
+}
+
+fn send(stream: &mut UnixStream, req: &Request) -> Result<()> {
+    let mut line = serde_json::to_string(req)?;
+    line.push('\n');
+    stream.write_all(line.as_bytes())?;
+    Ok(())
+}
+
+fn parse(line: &str, socket: &Path) -> Result<Response> {
+    serde_json::from_str(line).map_err(|e| {
+        anyhow!(
+            "{}: the daemon sent a line this client does not understand ({e}): {line}",
+            socket.display()
+        )
+    })
+}
+
+/// One request with a one-line answer (`health`, `status`, `shutdown`).
+pub fn request(socket: &Path, req: &Request) -> Result<Response> {
+    let mut stream = connect(socket)?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    send(&mut stream, req)?;
+    let mut line = String::new();
+    BufReader::new(stream)
+        .read_line(&mut line)
+        .with_context(|| format!("reading the answer of {}", socket.display()))?;
+    if line.is_empty() {
+        anyhow::bail!("{}: the daemon closed the connection", socket.display());
+    }
+    parse(line.trim_end(), socket)
+}
+
+/// Runs a stage's job on the daemon: the client's working directory goes with it so relative
+/// paths mean what they mean here. Exits as the stage would in-process: the same message, and
+/// an input error (exit 2) where the stage found bad input.
+pub fn run_stage(socket: &Path, job: StageJob) -> Result<()> {
+    let cwd = std::env::current_dir()?;
+    let name = job.name();
+    let metrics_path = job.metrics_path().cloned();
+    let mut stream = connect(socket)?;
+    send(
+        &mut stream,
+        &Request::Job {
+            cwd,
+            job: Box::new(job),
+        },
+    )?;
+    let mut bar: Option<ProgressBar> = None;
+    for line in BufReader::new(stream).lines() {
+        let line = line.with_context(|| format!("reading from {}", socket.display()))?;
+        match parse(&line, socket)? {
+            Response::Progress { what, pos, len } => {
+                let b = bar.get_or_insert_with(|| progress_bar(len as usize, &what));
+                b.set_length(len);
+                b.set_position(pos);
+            }
+            Response::Log { line } => match &bar {
+                Some(b) => b.suspend(|| eprintln!("{line}")),
+                None => eprintln!("{line}"),
+            },
+            Response::Done { metrics } => {
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+                // The stage's metrics file gains what only the daemon knows (memory per phase,
+                // whether it had to load the model).
+                if let Some(path) = metrics_path {
+                    add_daemon_metrics(&path, metrics.clone())?;
+                }
+                if name == "sync-weights" {
+                    eprintln!(
+                        "sync-weights: daemon took the policy in memory in {:.3} ms (extra device memory {} bytes)",
+                        1e3 * metrics["sync_seconds"].as_f64().unwrap_or(0.0),
+                        metrics["sync_extra_memory"]
+                    );
+                }
+                return Ok(());
+            }
+            Response::Error {
+                message,
+                input_error: bad_input,
+            } => {
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+                return Err(if bad_input {
+                    input_error(message)
+                } else {
+                    anyhow!(message)
+                });
+            }
+            Response::Status { .. } | Response::ShuttingDown => {}
+        }
+    }
+    Err(anyhow!(
+        "{}: the daemon closed the connection before the {name} job finished (did it die? see its log); nothing was written",
+        socket.display()
+    ))
+}
+
+fn add_daemon_metrics(path: &Path, daemon: Value) -> Result<()> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading {} back", path.display()))?;
+    let mut v: Value = serde_json::from_str(&text)?;
+    if let Some(m) = v.as_object_mut() {
+        m.insert("daemon".into(), daemon);
+    }
+    write_json(path, &v)
+}
+
+/// What `tandem daemon-ctl` asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CtlCommand {
+    /// Exit 0 and print the status when the daemon answers.
+    Health,
+    /// Print the status JSON (models held, policy_version, memory per phase, uptime).
+    Status,
+    /// Stop the daemon after its running job; the socket is removed.
+    Shutdown,
+}
+
+#[derive(Args, Debug, Clone)]
+#[command(about = "Ask a running daemon for its health or status, or stop it")]
+pub struct DaemonCtlArgs {
+    /// The daemon's socket.
+    #[arg(long)]
+    pub socket: std::path::PathBuf,
+    #[arg(value_enum)]
+    pub command: CtlCommand,
+}
+
+pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
+    let req = match args.command {
+        CtlCommand::Health => Request::Health,
+        CtlCommand::Status => Request::Status,
+        CtlCommand::Shutdown => Request::Shutdown,
+    };
+    match request(&args.socket, &req)? {
+        Response::Status { status } => println!("{}", serde_json::to_string_pretty(&status)?),
+        Response::ShuttingDown => eprintln!("daemon at {}: shutting down", args.socket.display()),
+        Response::Error { message, .. } => anyhow::bail!("{message}"),
+        other => anyhow::bail!("unexpected answer: {other:?}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,621 @@
+//! What the daemon keeps between jobs: the policy decoder (compute weights, f32 masters, AdamW
+//! state) and the reference decoder, on one backend. It is the stages' [`Exec`] inside the
+//! daemon: a stage asks for the model its `--model` names, and the daemon uses the one it holds
+//! when that is the same checkpoint (same directory, same files), and loads it otherwise.
+//!
+//! Identical results to in-process mode follow from holding exactly the state a reload would
+//! give: after `update` the decoder holds the f32 masters, moments and step that the stage
+//! writes next to the model (f32, exactly), and the schedule position it writes.
+
+use super::protocol::Response;
+use super::server::Reply;
+use crate::backend::{Backend, DType, MemoryStats};
+use crate::engine::stage::common::{Device, ModelRef};
+use crate::engine::stage::ref_logprob::{LogprobColumn, Score};
+use crate::engine::stage::rollout::{Generate, Generated};
+use crate::engine::stage::update::{Train, Trainable, Trained};
+use crate::engine::stage::Exec;
+use crate::model::checkpoint::ModelDir;
+use crate::model::decoder::{Decoder, OptimizerState, TokenStats};
+use crate::model::safetensors::round_bf16;
+use crate::model::{Config, Weights};
+use anyhow::Result;
+use indicatif::ProgressBar;
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime};
+
+/// Env var of the restart test: when set to a path that does not exist yet, the daemon creates
+/// it and kills itself with SIGKILL in the middle of its next `update` (after training, before
+/// the checkpoint is written), as a crashed GPU process would.
+pub const KILL_IN_UPDATE_ENV: &str = "TANDEM_DAEMON_KILL_IN_UPDATE";
+
+/// A checkpoint as the daemon recognises it: its canonical directory and the size and
+/// modification time of each file in it, so a directory rewritten by someone else is reloaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelKey {
+    pub dir: PathBuf,
+    files: Vec<(String, u64, Option<SystemTime>)>,
+}
+
+impl ModelKey {
+    pub fn of(dir: &Path) -> Result<ModelKey> {
+        let dir = dir.canonicalize()?;
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(&dir)? {
+            let entry = entry?;
+            let meta = entry.metadata()?;
+            if meta.is_file() {
+                files.push((
+                    entry.file_name().to_string_lossy().into_owned(),
+                    meta.len(),
+                    meta.modified().ok(),
+                ));
+            }
+        }
+        files.sort();
+        Ok(ModelKey { dir, files })
+    }
+}
+
+/// Flags of `tandem daemon` that shape what stays in device memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// Keep the AdamW moments in host memory between updates.
+    pub offload_optimizer: bool,
+    /// Keep the reference weights in host memory; build the reference decoder for each
+    /// ref-logprob job and drop it after.
+    pub offload_ref: bool,
+}
+
+struct PolicySlot<B: Backend> {
+    /// The checkpoint this state equals; None while it is ahead of every file (after training,
+    /// until `update` has saved it).
+    key: Option<ModelKey>,
+    decoder: Decoder<B>,
+    /// Update calls done (the learning-rate schedule position).
+    schedule_step: u64,
+    /// The decoder's weights are f32 masters (resumed or trained) rather than the files'.
+    from_master: bool,
+    /// See [`Resident::generation`].
+    gen: Option<Decoder<B>>,
+    /// Optimizer state parked in host memory (`--offload-optimizer`).
+    parked: Option<Parked>,
+}
+
+/// What `--offload-optimizer` keeps in host memory between updates.
+struct Parked {
+    state: OptimizerState,
+    /// The f32 masters, where the decoder keeps them apart from its compute weights.
+    masters: Option<Weights>,
+}
+
+struct RefSlot<B: Backend> {
+    key: ModelKey,
+    cfg: Config,
+    /// Resident decoder, or None with `--offload-ref` (then `host` holds the weights).
+    decoder: Option<Decoder<B>>,
+    host: Option<Weights>,
+}
+
+/// Peak and end-of-phase device memory of one kind of job.
+#[derive(Clone, Copy, Debug, Default)]
+struct Phase {
+    runs: u64,
+    peak_in_use: usize,
+    last_peak_in_use: usize,
+    held_after: usize,
+    in_use_after: usize,
+}
+
+/// The daemon's models and per-job bookkeeping.
+pub struct Resident<B: Backend> {
+    make: Box<dyn Fn() -> Result<B>>,
+    pub device: Device,
+    opts: Options,
+    policy: Option<PolicySlot<B>>,
+    reference: Option<RefSlot<B>>,
+    /// The version `sync-weights` last published (0 until then).
+    pub policy_version: u64,
+    phases: BTreeMap<&'static str, Phase>,
+    /// Where log and progress lines of the running job go.
+    reply: Option<Reply>,
+    /// Progress bars of the running job, polled by the server's ticker.
+    pub bars: Arc<Mutex<Vec<(String, ProgressBar)>>>,
+    /// The running job's metrics for its `done` line.
+    job: Map<String, Value>,
+}
+
+impl<B: Backend> Resident<B> {
+    pub fn new(make: Box<dyn Fn() -> Result<B>>, device: Device, opts: Options) -> Self {
+        Resident {
+            make,
+            device,
+            opts,
+            policy: None,
+            reference: None,
+            policy_version: 0,
+            phases: BTreeMap::new(),
+            reply: None,
+            bars: Arc::new(Mutex::new(Vec::new())),
+            job: Map::new(),
+        }
+    }
+
+    /// Loads the policy at startup (`--policy`, a directory or a pointer file).
+    pub fn preload_policy(&mut self, model: &ModelRef) -> Result<()> {
+        self.policy_slot(model)?;
+        self.policy_version = model.policy_version;
+        Ok(())
+    }
+
+    /// Loads the reference at startup (`--ref`).
+    pub fn preload_ref(&mut self, dir: &Path) -> Result<()> {
+        self.ref_decoder(dir).map(|_| ())
+    }
+
+    fn backends(&self) -> Vec<&B> {
+        let mut backends: Vec<&B> = Vec::new();
+        if let Some(p) = &self.policy {
+            backends.push(p.decoder.backend());
+            if let Some(g) = &p.gen {
+                backends.push(g.backend());
+            }
+        }
+        if let Some(d) = self.reference.as_ref().and_then(|r| r.decoder.as_ref()) {
+            backends.push(d.backend());
+        }
+        backends
+    }
+
+    /// Device memory of every decoder held (all zero on the CPU backend). `peak_in_use` sums
+    /// the backends' peaks since the phase began: exact when one of them moves in a phase (the
+    /// others hold their resident weights), an upper bound otherwise.
+    pub fn memory(&self) -> MemoryStats {
+        let mut m = MemoryStats::default();
+        for b in self.backends() {
+            let s = b.memory_stats();
+            m.held += s.held;
+            m.in_use += s.in_use;
+            m.peak_in_use += s.peak_in_use;
+        }
+        m
+    }
+
+    /// Starts a job of kind `phase`: its output lines go to `reply` (to stderr without one).
+    pub fn begin(&mut self, phase: &'static str, reply: Option<Reply>) {
+        self.reply = reply;
+        self.job = Map::new();
+        self.job.insert("phase".into(), phase.into());
+        self.job.insert("reloaded".into(), false.into());
+        self.job.insert("load_seconds".into(), 0.0.into());
+        for b in self.backends() {
+            b.reset_peak_memory();
+        }
+        let m = self.memory();
+        self.job
+            .insert("memory_in_use_before".into(), m.in_use.into());
+        self.job
+            .insert("phase_peak_in_use".into(), m.peak_in_use.into());
+        self.bars.lock().expect("bars").clear();
+    }
+
+    /// Folds the current peak into the phase's (before a backend of the phase is dropped).
+    fn observe(&mut self) {
+        let now = self.memory().peak_in_use as u64;
+        let seen = self
+            .job
+            .get("phase_peak_in_use")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        self.job
+            .insert("phase_peak_in_use".into(), now.max(seen).into());
+    }
+
+    /// Ends the running job (ok or not) and returns its metrics. A failed job may have left
+    /// the policy half-trained: it is then forgotten and reloaded from files on the next job.
+    pub fn end(&mut self, phase: &'static str, ok: bool) -> Value {
+        self.observe();
+        if !ok {
+            if let Some(p) = &mut self.policy {
+                if p.key.is_none() {
+                    self.policy = None;
+                }
+            }
+        }
+        let m = self.memory();
+        let peak = self
+            .job
+            .get("phase_peak_in_use")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize;
+        let ph = self.phases.entry(phase).or_default();
+        ph.runs += 1;
+        ph.last_peak_in_use = peak;
+        ph.peak_in_use = ph.peak_in_use.max(ph.last_peak_in_use);
+        ph.held_after = m.held;
+        ph.in_use_after = m.in_use;
+        self.job
+            .insert("memory_in_use_after".into(), m.in_use.into());
+        self.job.insert("memory_held_after".into(), m.held.into());
+        self.job
+            .insert("policy_version".into(), self.policy_version.into());
+        self.job
+            .insert("device".into(), self.device.to_string().into());
+        self.reply = None;
+        self.bars.lock().expect("bars").clear();
+        Value::Object(std::mem::take(&mut self.job))
+    }
+
+    /// What `status` reports about the models and memory.
+    pub fn status(&self) -> Value {
+        let phases: Map<String, Value> = self
+            .phases
+            .iter()
+            .map(|(k, p)| {
+                (
+                    k.to_string(),
+                    json!({
+                        "runs": p.runs,
+                        "peak_in_use": p.peak_in_use,
+                        "last_peak_in_use": p.last_peak_in_use,
+                        "held_after": p.held_after,
+                        "in_use_after": p.in_use_after,
+                    }),
+                )
+            })
+            .collect();
+        let m = self.memory();
+        json!({
+            "device": self.device.to_string(),
+            "policy_version": self.policy_version,
+            "policy": self.policy.as_ref().map(|p| json!({
+                "dir": p.key.as_ref().map(|k| k.dir.display().to_string()),
+                "schedule_step": p.schedule_step,
+                "optimizer_step": p.decoder.optimizer_steps(),
+                "generation_copy": p.gen.is_some(),
+                "optimizer_offloaded": p.parked.is_some(),
+            })),
+            "reference": self.reference.as_ref().map(|r| json!({
+                "dir": r.key.dir.display().to_string(),
+                "offloaded": r.decoder.is_none(),
+            })),
+            "memory": {"held": m.held, "in_use": m.in_use, "peak_in_use": m.peak_in_use},
+            "phases": phases,
+            "options": {
+                "offload_optimizer": self.opts.offload_optimizer,
+                "offload_ref": self.opts.offload_ref,
+            },
+        })
+    }
+
+    fn send(&self, r: &Response) {
+        match (&self.reply, r) {
+            (Some(reply), _) => reply.send(r),
+            (None, Response::Log { line }) => eprintln!("{line}"),
+            (None, _) => {}
+        }
+    }
+
+    fn note(&mut self, key: &str, v: impl Into<Value>) {
+        self.job.insert(key.into(), v.into());
+    }
+
+    /// The policy slot for `model`, loading it when the daemon holds another checkpoint (or a
+    /// state newer than any file).
+    fn policy_slot(&mut self, model: &ModelRef) -> Result<&mut PolicySlot<B>> {
+        let key = ModelKey::of(&model.dir)?;
+        let held = self
+            .policy
+            .as_ref()
+            .is_some_and(|p| p.key.as_ref() == Some(&key));
+        if !held {
+            // Free the old policy before loading the new one: peak memory is one policy.
+            self.observe();
+            self.policy = None;
+            let started = Instant::now();
+            let reply = self.reply.clone();
+            let loaded = Trainable::load(&model.dir, &mut |m| match &reply {
+                Some(r) => r.send(&Response::Log { line: m.into() }),
+                None => eprintln!("{m}"),
+            })?;
+            let decoder = loaded.build((self.make)()?)?;
+            self.note("reloaded", true);
+            self.note("load_seconds", started.elapsed().as_secs_f64());
+            let mut slot = PolicySlot {
+                key: Some(key),
+                decoder,
+                schedule_step: loaded.schedule_step,
+                from_master: loaded.from_master,
+                gen: None,
+                parked: None,
+            };
+            if self.opts.offload_optimizer {
+                park_optimizer(&mut slot, None, None)?;
+            }
+            self.policy = Some(slot);
+        }
+        Ok(self.policy.as_mut().expect("set above"))
+    }
+
+    /// The decoder that generates (and scores) with the policy `model`: the training decoder
+    /// itself, whose compute weights are the bf16 rounding of the masters, exactly the weights
+    /// a rollout loads from the checkpoint files. Only on a backend that computes in f32 are
+    /// the compute weights the unrounded masters; there a bf16-rounded copy is built once per
+    /// policy (the CPU oracle path, where memory is not the constraint).
+    fn generation(&mut self, model: &ModelRef) -> Result<&mut Decoder<B>> {
+        let make_copy = {
+            let slot = self.policy_slot(model)?;
+            slot.from_master
+                && slot.gen.is_none()
+                && slot.decoder.backend().compute_dtype() == DType::F32
+        };
+        if make_copy {
+            let started = Instant::now();
+            let backend = (self.make)()?;
+            let slot = self.policy.as_mut().expect("loaded above");
+            let mut w = slot.decoder.export_weights()?;
+            for t in w.values_mut() {
+                t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
+            }
+            let cfg = slot.decoder.config().clone();
+            slot.gen = Some(Decoder::new(backend, &cfg, &w)?);
+            self.note("generation_copy_seconds", started.elapsed().as_secs_f64());
+        }
+        let slot = self.policy.as_mut().expect("loaded above");
+        Ok(match &mut slot.gen {
+            Some(g) => g,
+            None => &mut slot.decoder,
+        })
+    }
+
+    /// The reference decoder for `dir` (built from host weights with `--offload-ref`).
+    fn ref_decoder(&mut self, dir: &Path) -> Result<&mut Decoder<B>> {
+        let key = ModelKey::of(dir)?;
+        if self.reference.as_ref().map(|r| &r.key) != Some(&key) {
+            self.observe();
+            self.reference = None;
+            let started = Instant::now();
+            let (cfg, weights) = ModelDir::load(dir)?;
+            let (decoder, host) = if self.opts.offload_ref {
+                (None, Some(weights))
+            } else {
+                (Some(Decoder::new((self.make)()?, &cfg, &weights)?), None)
+            };
+            self.reference = Some(RefSlot {
+                key,
+                cfg,
+                decoder,
+                host,
+            });
+            self.note("reloaded", true);
+            self.note("load_seconds", started.elapsed().as_secs_f64());
+        }
+        let r = self.reference.as_mut().expect("set above");
+        if r.decoder.is_none() {
+            let started = Instant::now();
+            let host = r
+                .host
+                .as_ref()
+                .expect("offloaded reference keeps host weights");
+            r.decoder = Some(Decoder::new((self.make)()?, &r.cfg, host)?);
+            self.job.insert(
+                "ref_upload_seconds".into(),
+                started.elapsed().as_secs_f64().into(),
+            );
+        }
+        Ok(r.decoder.as_mut().expect("set above"))
+    }
+
+    /// Frees what the next phase does not need and returns cached memory to the driver.
+    fn trim(&mut self) -> Result<()> {
+        if let Some(p) = &mut self.policy {
+            p.decoder.release_workspace()?;
+            if let Some(g) = &mut p.gen {
+                g.release_workspace()?;
+            }
+            p.decoder.backend().trim()?;
+        }
+        if let Some(r) = &mut self.reference {
+            if let Some(d) = &mut r.decoder {
+                d.release_workspace()?;
+                d.backend().trim()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn check_device(&self, asked: Device) -> Result<()> {
+        if asked != self.device {
+            crate::bail_input!(
+                "--device {asked}: the daemon runs on {}; pass --device {} (or drop --daemon to compute in this process)",
+                self.device,
+                self.device
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks a stage's `--device` against the daemon's.
+    pub fn check_job_device(&self, job: &super::protocol::StageJob) -> Result<()> {
+        use super::protocol::StageJob;
+        match job {
+            StageJob::Rollout(a) => self.check_device(a.device),
+            StageJob::RefLogprob(a) => self.check_device(a.device),
+            StageJob::Update(a) => self.check_device(a.device),
+            StageJob::SyncWeights(_) => Ok(()),
+        }
+    }
+}
+
+/// Moves the AdamW moments and the f32 masters (where they are apart from the compute weights)
+/// to host memory; `unpark` brings them back for the next optimizer step. `state` and
+/// `masters` are the host copies when the caller has them already.
+fn park_optimizer<B: Backend>(
+    slot: &mut PolicySlot<B>,
+    state: Option<OptimizerState>,
+    masters: Option<Weights>,
+) -> Result<()> {
+    if slot.parked.is_some() {
+        return Ok(());
+    }
+    let state = match state {
+        Some(s) => s,
+        None => slot.decoder.optimizer_state()?,
+    };
+    let separate = slot.decoder.backend().compute_dtype() != DType::F32;
+    let masters = match (separate, masters) {
+        (false, _) => None,
+        (true, Some(m)) => Some(m),
+        (true, None) => Some(slot.decoder.export_weights()?),
+    };
+    slot.decoder.release_optimizer_state();
+    if masters.is_some() {
+        slot.decoder.release_masters();
+    }
+    slot.parked = Some(Parked { state, masters });
+    Ok(())
+}
+
+fn unpark<B: Backend>(slot: &mut PolicySlot<B>) -> Result<()> {
+    if let Some(p) = slot.parked.take() {
+        if let Some(m) = &p.masters {
+            slot.decoder.restore_masters(m)?;
+        }
+        slot.decoder.load_optimizer_state(&p.state)?;
+    }
+    Ok(())
+}
+
+impl<B: Backend> Exec for Resident<B> {
+    fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<Generated> {
+        let decoder = self.generation(model)?;
+        let mut out = job.generate_on(decoder)?;
+        out.load_s = self
+            .job
+            .get("load_seconds")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0);
+        Ok(out)
+    }
+
+    fn score(&mut self, model: &ModelRef, job: Score<'_>) -> Result<Vec<TokenStats>> {
+        let policy_key = self.policy.as_ref().and_then(|p| p.key.clone());
+        let is_policy = job.column() == LogprobColumn::OldLogprobs
+            || policy_key.is_some_and(|k| Some(k) == ModelKey::of(&model.dir).ok());
+        if is_policy {
+            return job.score_on(self.generation(model)?);
+        }
+        let out = job.score_on(self.ref_decoder(&model.dir)?);
+        if self.opts.offload_ref {
+            self.observe();
+            // Drop the device copy; the host weights stay for the next call.
+            if let Some(r) = &mut self.reference {
+                if let Some(d) = r.decoder.take() {
+                    let backend_trim = d.backend().trim();
+                    drop(d);
+                    backend_trim?;
+                }
+            }
+        }
+        out
+    }
+
+    fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
+        // The update phase: no generation copy, no idle reference on the device, no cached
+        // free blocks.
+        self.observe();
+        if let Some(p) = &mut self.policy {
+            p.gen = None;
+        }
+        if self.opts.offload_ref {
+            if let Some(r) = &mut self.reference {
+                r.decoder = None;
+            }
+        }
+        self.trim()?;
+        let reply = self.reply.clone();
+        self.policy_slot(model)?;
+        let load_s = self
+            .job
+            .get("load_seconds")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0);
+        let slot = self.policy.as_mut().expect("loaded above");
+        unpark(slot)?;
+        // From here the decoder is ahead of every file until `saved`.
+        slot.key = None;
+        slot.from_master = true;
+        let step = slot.schedule_step;
+        let mut out = job.train_on(&mut slot.decoder, step, &mut |m| match &reply {
+            Some(r) => r.send(&Response::Log { line: m.into() }),
+            None => eprintln!("{m}"),
+        })?;
+        slot.schedule_step = step + 1;
+        slot.decoder.release_workspace()?;
+        slot.decoder.release_grads();
+        if self.opts.offload_optimizer {
+            let masters =
+                (slot.decoder.backend().compute_dtype() != DType::F32).then(|| out.weights.clone());
+            park_optimizer(slot, Some(out.state.clone()), masters)?;
+        }
+        slot.decoder.backend().trim()?;
+        if let Some(marker) = std::env::var_os(KILL_IN_UPDATE_ENV) {
+            let marker = PathBuf::from(marker);
+            if !marker.exists() && std::fs::write(&marker, b"killed\n").is_ok() {
+                // SAFETY: kill(2) of this very process; nothing after it runs.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
+        }
+        out.load_seconds = load_s;
+        Ok(out)
+    }
+
+    fn saved(&mut self, dir: &Path) -> Result<()> {
+        let key = ModelKey::of(dir)?;
+        if let Some(p) = &mut self.policy {
+            p.key = Some(key);
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()> {
+        let started = Instant::now();
+        let before = self.memory();
+        let model = ModelRef {
+            dir: dir.to_path_buf(),
+            policy_version,
+            pointer: None,
+        };
+        // The trained decoder becomes the generation weights in place (a copy only where the
+        // backend computes in f32, see `generation`); cached prefixes of the old policy go.
+        self.generation(&model)?;
+        self.policy_version = policy_version;
+        let after = self.memory();
+        self.note("sync_seconds", started.elapsed().as_secs_f64());
+        self.note(
+            "sync_extra_memory",
+            after.in_use.saturating_sub(before.in_use),
+        );
+        self.note("synced_dir", dir.display().to_string());
+        Ok(())
+    }
+
+    fn progress_bar(&mut self, len: usize, what: &str) -> ProgressBar {
+        let bar = ProgressBar::hidden();
+        bar.set_length(len as u64);
+        self.bars
+            .lock()
+            .expect("bars")
+            .push((what.to_string(), bar.clone()));
+        bar
+    }
+
+    fn log(&mut self, line: &str) {
+        self.send(&Response::Log { line: line.into() });
+    }
+}

@@ -1,0 +1,155 @@
+//! The paged generation engine (vLLM-style): the KV cache is a pool of fixed-size blocks with a
+//! block table per sequence (`blocks`), a continuous-batching scheduler with chunked prefill,
+//! prefix sharing between the n samples of a prompt and preemption by recompute
+//! (`scheduler`), and a model interface whose step runs the forward pass *and* the sampling on
+//! the backend, so only token ids and log-probs come back to the host (`PagedModel`).
+//!
+//! The same engine runs on every backend: on the CPU it is the reference that CI tests against
+//! the contiguous-cache generator (`engine::generate`), on the GPU it is what `rollout
+//! --device cuda` uses.
+
+pub mod blocks;
+pub mod scheduler;
+
+pub use scheduler::generate_paged;
+
+use crate::backend::Backend;
+use crate::engine::generate::GenStats;
+use crate::engine::sampling::{Sampled, SamplingParams};
+use crate::model::decoder::{Decoder, PagedKv};
+use anyhow::{bail, Result};
+
+/// Positions per KV block (vLLM's default).
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// Size of the pool and limits of one step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedConfig {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Sequences (samples) running at once.
+    pub max_num_seqs: usize,
+    /// Tokens fed to the model in one step (decodes plus prefill chunks).
+    pub max_batched_tokens: usize,
+}
+
+impl PagedConfig {
+    /// Checks the limits; the messages name the flags.
+    pub fn validate(&self) -> Result<()> {
+        if self.block_size == 0 || self.num_blocks == 0 {
+            bail!(
+                "the KV pool is empty ({} blocks of {} tokens)",
+                self.num_blocks,
+                self.block_size
+            );
+        }
+        if self.max_num_seqs == 0 {
+            bail!("--max-num-seqs must be >= 1");
+        }
+        if self.max_batched_tokens < self.max_num_seqs {
+            bail!(
+                "--max-batched-tokens ({}) must be >= --max-num-seqs ({}): every running sequence needs a token per step",
+                self.max_batched_tokens,
+                self.max_num_seqs
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Counters of one generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PagedStats {
+    /// Prefill tokens (prompts and recomputes), sampled tokens, steps (`decode_steps`), prompt
+    /// prefills.
+    pub gen: GenStats,
+    pub preemptions: usize,
+    pub peak_blocks_in_use: usize,
+    pub blocks_in_use_at_end: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+/// Tokens of one sequence fed in a step: `tokens` go at positions `start..` of the sequence
+/// whose block table is `table` (it covers every position up to `start + tokens.len()`).
+#[derive(Clone, Copy, Debug)]
+pub struct Chunk<'a> {
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub table: &'a [u32],
+}
+
+/// A token to draw from the logits after the last token of chunk `chunk`, with the uniform
+/// `sampling::uniform(key, position)`. Several rows may name the same chunk (the n samples of
+/// a prompt draw their first tokens from its last logits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampleRow {
+    pub chunk: usize,
+    pub key: u64,
+    pub position: u64,
+}
+
+/// A model that runs sequences over a paged KV cache and samples on its own device.
+pub trait PagedModel {
+    fn vocab(&self) -> usize;
+    /// Runs every chunk through the model (keys and values stored at their positions through
+    /// the block tables), then draws one token per row; returns them in row order.
+    fn step(
+        &mut self,
+        chunks: &[Chunk],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+    ) -> Result<Vec<Sampled>>;
+    /// Copies whole blocks `(src, dst)` (the partial last prompt block of forked samples).
+    fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<()>;
+}
+
+/// The decoder over a paged cache of its own.
+pub struct PagedDecoder<'a, B: Backend> {
+    pub decoder: &'a mut Decoder<B>,
+    pub cache: PagedKv<B>,
+}
+
+impl<'a, B: Backend> PagedDecoder<'a, B> {
+    pub fn new(decoder: &'a mut Decoder<B>, num_blocks: usize, block_size: usize) -> Result<Self> {
+        let cache = decoder.new_paged_cache(num_blocks, block_size)?;
+        Ok(PagedDecoder { decoder, cache })
+    }
+}
+
+impl<B: Backend> PagedModel for PagedDecoder<'_, B> {
+    fn vocab(&self) -> usize {
+        self.decoder.config().vocab_size
+    }
+    fn step(
+        &mut self,
+        chunks: &[Chunk],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+    ) -> Result<Vec<Sampled>> {
+        self.decoder
+            .forward_paged(&mut self.cache, chunks, rows, sampling)
+    }
+    fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<()> {
+        self.decoder.copy_paged_blocks(&mut self.cache, pairs)
+    }
+}
+
+/// Blocks a pool gets: `fraction` of the free device memory when the backend reports it (the
+/// GPU), divided by the bytes of one block over every layer, never more than `cap` (what every
+/// sequence at its longest needs at once: more could not be used). Without device memory
+/// figures (the CPU) the pool is `cap`.
+pub fn pool_blocks(
+    free_bytes: Option<usize>,
+    fraction: f64,
+    bytes_per_block: usize,
+    cap: usize,
+) -> usize {
+    match free_bytes {
+        Some(free) => (((free as f64) * fraction) as usize / bytes_per_block.max(1)).min(cap),
+        None => cap,
+    }
+}
+
+#[cfg(test)]
+mod tests;

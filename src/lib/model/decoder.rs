@@ -697,6 +697,43 @@ impl<B: Backend> Decoder<B> {
 
     /// Frees the activation workspace (it grows back on the next call): what a colocated
     /// engine does between phases, e.g. after an update and before generation.
+    /// ws.xf = final_norm(resid[last][rows]) for the `r` rows listed in ws.rows: the hidden
+    /// states the LM head reads (scoring, cached decode and paged steps alike).
+    fn final_rows(&mut self, last: usize, r: usize) -> Result<()> {
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            ws,
+            final_norm,
+            ..
+        } = self;
+        let d = cfg.hidden_size;
+        b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
+        b.rmsnorm(
+            &mut ws.xf,
+            &mut ws.rstd_f,
+            &ws.xg,
+            &w[*final_norm],
+            r,
+            d,
+            cfg.rms_norm_eps,
+        )
+    }
+
+    /// ws.logits[r, vocab] = ws.xf · headᵀ (full logits of the `r` final rows).
+    fn head_logits(&mut self, r: usize) -> Result<()> {
+        let (d, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let Decoder {
+            backend: b,
+            w,
+            ws,
+            head,
+            ..
+        } = self;
+        b.matmul(&mut ws.logits, &ws.xf, &w[*head], None, r, d, v, false)
+    }
+
     pub fn release_workspace(&mut self) -> Result<()> {
         self.ws = Work::empty(&self.backend, &self.cfg)?;
         Ok(())
@@ -998,26 +1035,16 @@ impl<B: Backend> Decoder<B> {
         entropy: bool,
     ) -> Result<()> {
         let chunk = self.chunk_rows(r);
+        self.final_rows(last, r)?;
         let Decoder {
             backend: b,
             cfg,
             w,
             ws,
-            final_norm,
             head,
             ..
         } = self;
         let d = cfg.hidden_size;
-        b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
-        b.rmsnorm(
-            &mut ws.xf,
-            &mut ws.rstd_f,
-            &ws.xg,
-            &w[*final_norm],
-            r,
-            d,
-            cfg.rms_norm_eps,
-        )?;
         let shape = LogprobShape {
             rows: r,
             hidden: d,
@@ -1642,29 +1669,11 @@ impl<B: Backend> Decoder<B> {
         }
         let last = self.forward(n, 1, false, AttnMode::Cached(cache))?;
         cache.lens = lens;
-        let Decoder {
-            backend: b,
-            cfg,
-            w,
-            ws,
-            final_norm,
-            head,
-            ..
-        } = self;
-        let (d, r) = (cfg.hidden_size, out.len());
-        b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
-        b.rmsnorm(
-            &mut ws.xf,
-            &mut ws.rstd_f,
-            &ws.xg,
-            &w[*final_norm],
-            r,
-            d,
-            cfg.rms_norm_eps,
-        )?;
-        b.matmul(&mut ws.logits, &ws.xf, &w[*head], None, r, d, v, false)?;
+        let r = out.len();
+        self.final_rows(last, r)?;
+        self.head_logits(r)?;
         let mut logits = vec![0.0; r * v];
-        b.download(&ws.logits, &mut logits)?;
+        self.backend.download(&self.ws.logits, &mut logits)?;
         Ok(logits)
     }
 
@@ -1883,27 +1892,9 @@ impl<B: Backend> Decoder<B> {
         if r == 0 {
             return Ok(Vec::new());
         }
-        let Decoder {
-            backend: b,
-            cfg,
-            w,
-            ws,
-            final_norm,
-            head,
-            ..
-        } = self;
-        let d = cfg.hidden_size;
-        b.gather_rows(&mut ws.xg, &ws.resid[last_buf], &ws.rows, r, d)?;
-        b.rmsnorm(
-            &mut ws.xf,
-            &mut ws.rstd_f,
-            &ws.xg,
-            &w[*final_norm],
-            r,
-            d,
-            cfg.rms_norm_eps,
-        )?;
-        b.matmul(&mut ws.logits, &ws.xf, &w[*head], None, r, d, v, false)?;
+        self.final_rows(last_buf, r)?;
+        self.head_logits(r)?;
+        let (b, ws) = (&self.backend, &self.ws);
         b.sample(
             &mut cache.tokens,
             &mut cache.logprobs,

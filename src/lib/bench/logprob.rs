@@ -77,23 +77,9 @@ impl Job for LogprobJob {
         let tps = tokens as f64 / pass;
         let mfu = meter.peak_flops.map(|p| 2.0 * params as f64 * tps / p);
         let mem = meter.json(dec.backend());
-        let gib = |k: &str| {
-            mem[k]
-                .as_f64()
-                .map_or("-".to_string(), |v| format!("{v:.2}"))
-        };
-        let rows = vec![vec![
-            "logprob".to_string(),
-            w.device.to_string(),
-            format!("{:.1}k", tps / 1e3),
-            mfu.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
-            format!("{pass:.3}"),
-            "-".into(),
-            "-".into(),
-            "-".into(),
-            gib("pool_peak_in_use_gib"),
-            gib("device_peak_used_gib"),
-        ]];
+        let rows = vec![super::update::row(
+            "logprob", &w, tps, mfu, pass, [None; 3], &mem,
+        )];
         let out = json!({
             "bench": "logprob",
             "device": w.device.to_string(),

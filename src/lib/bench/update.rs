@@ -319,23 +319,15 @@ impl Job for UpdateJob {
         let tps = tokens as f64 / step;
         let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
         let mem = meter.json(dec.backend());
-        let gib = |k: &str| {
-            mem[k]
-                .as_f64()
-                .map_or("-".to_string(), |v| format!("{v:.2}"))
-        };
-        let rows = vec![vec![
-            "update".to_string(),
-            w.device.to_string(),
-            format!("{:.1}k", tps / 1e3),
-            mfu.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
-            format!("{step:.3}"),
-            format!("{:.3}", median(&micro_s)),
-            format!("{:.3}", median(&wait_s)),
-            format!("{:.3}", median(&opt_s)),
-            gib("pool_peak_in_use_gib"),
-            gib("device_peak_used_gib"),
-        ]];
+        let rows = vec![row(
+            "update",
+            &w,
+            tps,
+            mfu,
+            step,
+            [median(&micro_s), median(&wait_s), median(&opt_s)].map(Some),
+            &mem,
+        )];
         let out = json!({
             "bench": "update",
             "device": w.device.to_string(),
@@ -365,6 +357,35 @@ impl Job for UpdateJob {
 }
 
 /// The table's columns (shared with `bench logprob`).
+/// One row of the table under [`HEADER`]: tokens/s, MFU, the step (or pass) median and its
+/// split where the bench has one, the memory peaks of [`Meter::json`].
+pub fn row(
+    bench: &str,
+    w: &Workload,
+    tps: f64,
+    mfu: Option<f64>,
+    secs: f64,
+    split: [Option<f64>; 3],
+    mem: &Value,
+) -> Vec<String> {
+    let gib = |k: &str| {
+        mem[k]
+            .as_f64()
+            .map_or("-".to_string(), |v| format!("{v:.2}"))
+    };
+    let mut r = vec![
+        bench.to_string(),
+        w.device.to_string(),
+        format!("{:.1}k", tps / 1e3),
+        mfu.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
+        format!("{secs:.3}"),
+    ];
+    r.extend(split.map(|s| s.map_or("-".into(), |s| format!("{s:.3}"))));
+    r.push(gib("pool_peak_in_use_gib"));
+    r.push(gib("device_peak_used_gib"));
+    r
+}
+
 pub const HEADER: [&str; 10] = [
     "bench",
     "device",

@@ -723,7 +723,10 @@ fn checkpoint_files(run: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 
 /// `daemon = true`: the runner starts the daemon, routes the model stages through it, restarts
 /// it when it is killed (SIGKILL in the middle of an update) and stops it at the end; the run
-/// ends with the same checkpoints, bit for bit, as a run without a daemon.
+/// ends with the same checkpoints, bit for bit, as a run without a daemon. The daemon writes
+/// the optimizer state only on the checkpoint cadence (steps 2 and 4) and at the last step; a
+/// daemon killed in step 4, while step 3's optimizer state lived only in its memory, sends the
+/// run back to step 2.
 #[test]
 fn pipeline_with_a_daemon_survives_its_death_and_matches_in_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -749,7 +752,7 @@ fn pipeline_with_a_daemon_survives_its_death_and_matches_in_process() {
     }
     let spec = r#"
 seed = 3
-steps = 3
+steps = 5
 daemon = DAEMON
 [model]
 path = "model"
@@ -775,21 +778,22 @@ mini-batch-size = 8
 [eval]
 every = 2
 [checkpoint]
-every = 1
+every = 2
 keep-last = 3
 "#;
     std::fs::write(d.join("plain.toml"), spec.replace("DAEMON", "false")).unwrap();
     std::fs::write(d.join("warm.toml"), spec.replace("DAEMON", "true")).unwrap();
     let bins = Path::new(TANDEM).parent().unwrap();
-    let run = |spec: &str, run: &str, kill_marker: Option<&Path>| {
+    let run = |spec: &str, run: &str, kill_marker: Option<(&Path, u64)>| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_pipeline"));
         c.current_dir(d)
             .args(["run", spec, "--run-dir", run])
             .env("TANDEM_BIN_DIR", bins)
             .env("RAYON_NUM_THREADS", "2")
             .env_remove("TANDEM_DAEMON");
-        if let Some(m) = kill_marker {
-            c.env(tandem::daemon::resident::KILL_IN_UPDATE_ENV, m);
+        if let Some((m, step)) = kill_marker {
+            c.env(tandem::daemon::resident::KILL_IN_UPDATE_ENV, m)
+                .env(tandem::daemon::resident::KILL_AT_STEP_ENV, step.to_string());
         }
         let o = c.output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
@@ -797,29 +801,62 @@ keep-last = 3
         err
     };
     run("plain.toml", "a", None);
+    // b: killed in step 1's update (the policy is the initial model: the stage runs again on
+    // a new daemon); c: killed in step 4's update (step 3's optimizer state is lost with it).
     let marker = d.join("killed-once");
-    let log = run("warm.toml", "b", Some(&marker));
+    let log = run("warm.toml", "b", Some((&marker, 1)));
     assert!(marker.exists(), "the daemon was never killed");
     assert!(log.contains("the daemon died"), "{log}");
-
-    let (a, b) = (d.join("a"), d.join("b"));
-    let (ca, cb) = (checkpoint_files(&a), checkpoint_files(&b));
-    assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+    assert!(!log.contains("going back"), "{log}");
+    let marker_c = d.join("killed-in-step-4");
+    let log_c = run("warm.toml", "c", Some((&marker_c, 4)));
+    assert!(marker_c.exists(), "the daemon of run c was never killed");
     assert!(
-        ca.contains_key("step-0003/optimizer.safetensors"),
-        "{:?}",
-        ca.keys()
+        log_c.contains("the optimizer state after step 4 was only in the daemon's memory; going back to step 2"),
+        "{log_c}"
     );
-    for (k, v) in &ca {
-        assert!(
-            v == &cb[k],
-            "{k} differs between the plain and the daemon run"
-        );
-    }
+
+    let a = d.join("a");
+    let ca = checkpoint_files(&a);
+    let kept: Vec<&String> = ca
+        .keys()
+        .filter(|k| k.ends_with("optimizer.safetensors"))
+        .collect();
     assert_eq!(
-        std::fs::read(a.join("policy")).unwrap(),
-        std::fs::read(b.join("policy")).unwrap()
+        kept,
+        [
+            "step-0002/optimizer.safetensors",
+            "step-0004/optimizer.safetensors",
+            "step-0005/optimizer.safetensors"
+        ]
     );
+    for other in ["b", "c"] {
+        let cb = checkpoint_files(&d.join(other));
+        assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+        for (k, v) in &ca {
+            assert!(v == &cb[k], "{k} differs between the plain run and {other}");
+        }
+        assert_eq!(
+            std::fs::read(a.join("policy")).unwrap(),
+            std::fs::read(d.join(other).join("policy")).unwrap()
+        );
+        let metrics = std::fs::read_to_string(d.join(other).join("metrics.jsonl")).unwrap();
+        assert_eq!(metrics.lines().count(), 5, "{metrics}");
+    }
+    // Between checkpoints the daemon run's update skipped the optimizer file.
+    let commands = std::fs::read_to_string(d.join("b/commands.sh")).unwrap();
+    let skipped: Vec<bool> = commands
+        .lines()
+        .filter(|l| l.contains("/update "))
+        .map(|l| l.contains("--skip-optimizer-state"))
+        .collect();
+    // Step 1 twice (killed, then again), 2 and 4 on the cadence, 5 the last.
+    assert_eq!(
+        skipped,
+        [true, true, false, true, false, false],
+        "{commands}"
+    );
+    let b = d.join("b");
     // The model stages went to the daemon, which two processes served; both are gone and the
     // socket is removed.
     let commands = std::fs::read_to_string(b.join("commands.sh")).unwrap();
@@ -884,4 +921,10 @@ keep-last = 3
         std::fs::read(d.join("bench/in-process/ckpt-2/model.safetensors")).unwrap(),
         std::fs::read(d.join("bench/daemon/ckpt-2/model.safetensors")).unwrap()
     );
+    // The daemon keeps the optimizer state in memory (no --checkpoint-every): not written.
+    assert!(d
+        .join("bench/in-process/ckpt-2/optimizer.safetensors")
+        .is_file());
+    assert!(!d.join("bench/daemon/ckpt-2/optimizer.safetensors").exists());
+    assert_eq!(results[3]["optimizer_saved"], false, "{json}");
 }

@@ -496,6 +496,42 @@ fn update_saves_state_and_resumes_exactly() {
             );
         }
     }
+
+    // --skip-optimizer-state (the daemon's mode between checkpoints): the same weights, no
+    // optimizer file, and a later update in another process refuses to continue from it.
+    let m2s = dir.path().join("m2-skip");
+    ok(
+        "update",
+        &[
+            "--model",
+            p(&m1),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&m2s),
+            "--lr",
+            "1e-3",
+            "--lr-warmup-steps",
+            "1",
+            "--lr-schedule",
+            "cosine",
+            "--total-steps",
+            "4",
+            "--skip-optimizer-state",
+        ],
+    );
+    assert!(!m2s.join("optimizer.safetensors").exists());
+    assert_eq!(
+        std::fs::read(m2s.join("model.safetensors")).unwrap(),
+        std::fs::read(m2.join("model.safetensors")).unwrap()
+    );
+    let m3 = dir.path().join("m3");
+    input_error(
+        "update",
+        &["--model", p(&m2s), "--in", p(&batch), "--out-model", p(&m3)],
+        "kept in the memory of the daemon that trained it",
+    );
+    assert!(!m3.exists());
 }
 
 #[derive(clap::Parser)]

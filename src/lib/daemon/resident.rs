@@ -31,6 +31,9 @@ use std::time::{Instant, SystemTime};
 /// it and kills itself with SIGKILL in the middle of its next `update` (after training, before
 /// the checkpoint is written), as a crashed GPU process would.
 pub const KILL_IN_UPDATE_ENV: &str = "TANDEM_DAEMON_KILL_IN_UPDATE";
+/// With [`KILL_IN_UPDATE_ENV`]: only in the update that makes this many update calls of the run
+/// (the `schedule_step` it saves), i.e. training step N of a pipeline.
+pub const KILL_AT_STEP_ENV: &str = "TANDEM_DAEMON_KILL_AT_STEP";
 
 /// A checkpoint as the daemon recognises it: its canonical directory and the size and
 /// modification time of each file in it, so a directory rewritten by someone else is reloaded.
@@ -559,12 +562,18 @@ impl<B: Backend> Exec for Resident<B> {
         if self.opts.offload_optimizer {
             let masters =
                 (slot.decoder.backend().compute_dtype() != DType::F32).then(|| out.weights.clone());
-            park_optimizer(slot, Some(out.state.clone()), masters)?;
+            park_optimizer(slot, out.state.clone(), masters)?;
         }
         slot.decoder.backend().trim()?;
+        let at_step = std::env::var(KILL_AT_STEP_ENV)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok());
         if let Some(marker) = std::env::var_os(KILL_IN_UPDATE_ENV) {
             let marker = PathBuf::from(marker);
-            if !marker.exists() && std::fs::write(&marker, b"killed\n").is_ok() {
+            if at_step.is_none_or(|s| s == slot.schedule_step)
+                && !marker.exists()
+                && std::fs::write(&marker, b"killed\n").is_ok()
+            {
                 // SAFETY: kill(2) of this very process; nothing after it runs.
                 unsafe {
                     libc::kill(libc::getpid(), libc::SIGKILL);

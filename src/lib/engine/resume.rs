@@ -39,6 +39,10 @@ pub struct TrainerState {
     pub lr: f64,
     pub lr_schedule: LrConfig,
     pub seed: u64,
+    /// The optimizer file was left out (`update --skip-optimizer-state`): the state lives only
+    /// in the daemon that trained this checkpoint.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub optimizer_not_saved: bool,
 }
 
 /// The optimizer file's bytes: moments and master weights, f32. The views borrow the f32 data
@@ -70,6 +74,24 @@ pub fn trainer_state_bytes(s: &TrainerState) -> Result<Vec<u8>> {
     Ok(text.into_bytes())
 }
 
+fn read_trainer_state(path: &Path) -> Result<TrainerState> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text)
+        .map_err(|e| input_error(format!("{}: malformed: {e}", path.display())))
+}
+
+/// Whether a training run can continue from `dir` on a fresh process: the directory holds no
+/// trainer state (a fresh optimizer starts, as it did the first time) or holds the optimizer
+/// file beside it; false for a checkpoint whose optimizer stayed in a daemon's memory.
+pub fn resumable(dir: &Path) -> Result<bool> {
+    let ts_path = dir.join(TRAINER_STATE_FILE);
+    if !ts_path.is_file() {
+        return Ok(true);
+    }
+    Ok(!read_trainer_state(&ts_path)?.optimizer_not_saved || dir.join(OPTIMIZER_FILE).is_file())
+}
+
 /// The state found next to a model.
 pub struct Resume {
     pub optimizer: OptimizerState,
@@ -85,15 +107,16 @@ pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
     match (opt_path.is_file(), ts_path.is_file()) {
         (false, false) => return Ok(None),
         (true, true) => {}
+        (false, true) if read_trainer_state(&ts_path)?.optimizer_not_saved => crate::bail_input!(
+            "{}: its optimizer state was kept in the memory of the daemon that trained it and not saved (update --skip-optimizer-state); continue from a checkpoint that has {OPTIMIZER_FILE} (a pipeline with a daemon saves one every [checkpoint] every steps)",
+            dir.display()
+        ),
         _ => crate::bail_input!(
             "{}: has only one of {OPTIMIZER_FILE} and {TRAINER_STATE_FILE}; both are needed to resume (remove the other to start a fresh optimizer)",
             dir.display()
         ),
     }
-    let text = std::fs::read_to_string(&ts_path)
-        .with_context(|| format!("reading {}", ts_path.display()))?;
-    let trainer: TrainerState = serde_json::from_str(&text)
-        .map_err(|e| input_error(format!("{}: malformed: {e}", ts_path.display())))?;
+    let trainer = read_trainer_state(&ts_path)?;
     let mut groups: [BTreeMap<String, Tensor>; 3] = Default::default();
     for (name, t, dtype) in load_file(&opt_path)? {
         if dtype != Dtype::F32 {
@@ -201,6 +224,7 @@ mod tests {
                 min_lr_ratio: 0.1,
             },
             seed: 9,
+            optimizer_not_saved: false,
         };
         std::fs::write(
             dir.path().join(OPTIMIZER_FILE),

@@ -6,10 +6,13 @@
 
 use super::metrics::{self, StepFiles};
 use super::rundir::{parse_step_name, put_jsonl_step, step_name, RunDir, State, StepProgress};
-use super::sampler::{derive_seed, Sampler};
+use super::sampler::{derive_seed, Cursor, Sampler};
 use super::spec::{Device, Spec};
 use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
+use crate::engine::resume;
+use crate::engine::stage::sync_weights::{self, SyncWeightsArgs};
+use crate::engine::stage::InProcess;
 use crate::error::input_error;
 use anyhow::{Context, Result};
 use arrow_array::UInt64Array;
@@ -100,6 +103,26 @@ const MAX_DAEMON_RESTARTS: u32 = 3;
 
 /// The stage binaries that take `--daemon` (the model stages).
 const DAEMON_STAGES: &[&str] = &["rollout", "ref-logprob", "update", "sync-weights"];
+
+/// The run must go back to the end of step `to`: the daemon that died held the only copy of
+/// the optimizer state of the steps after it.
+#[derive(Debug)]
+struct Rewind {
+    to: u64,
+    lost: u64,
+}
+
+impl std::fmt::Display for Rewind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the daemon died holding the optimizer state of step {}; the run goes back to step {}",
+            self.lost, self.to
+        )
+    }
+}
+
+impl std::error::Error for Rewind {}
 
 /// A daemon process started by the runner. Dropping it stops it (shutdown by SIGTERM, SIGKILL
 /// after a grace period) and removes its socket, so no run leaves one behind.
@@ -515,6 +538,9 @@ impl Runner {
             "--metrics".into(),
             m("update"),
         ]);
+        if !self.saves_optimizer(step) {
+            update.push("--skip-optimizer-state".into());
+        }
         update.extend(self.device_args());
         tasks.push(Task {
             name: "update",
@@ -550,6 +576,16 @@ impl Runner {
             action: Action::StepMetrics,
         });
         tasks
+    }
+
+    /// Whether step `step`'s checkpoint holds the optimizer state. Stages run as processes
+    /// need it every step (the next `update` reads it); the daemon keeps it in memory and
+    /// writes it on the checkpoint cadence and at the last step, as verl's save_freq does
+    /// (~12 bytes per parameter: 6 GB at 0.5B). A dead daemon is restarted from the newest
+    /// checkpoint that has it ([`Runner::rewind`]).
+    pub fn saves_optimizer(&self, step: u64) -> bool {
+        let every = self.spec.checkpoint.every;
+        !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
     }
 
     fn kl_state(&self, step: u64) -> PathBuf {
@@ -667,14 +703,101 @@ impl Runner {
             .expect("valid template"),
         );
         self.bar.set_position(self.state.steps_done.min(total));
-        let result = plan
-            .iter()
-            .try_for_each(|(step, task)| self.run_task(*step, task));
+        let mut plan = plan;
+        let mut rewinds = 0;
+        let result = loop {
+            let result = plan
+                .iter()
+                .try_for_each(|(step, task)| self.run_task(*step, task));
+            match result {
+                Err(e) => match e.downcast_ref::<Rewind>() {
+                    Some(&Rewind { to, lost }) if rewinds < MAX_DAEMON_RESTARTS => {
+                        rewinds += 1;
+                        if let Err(e) = self.rewind(to, lost) {
+                            break Err(e);
+                        }
+                        plan = self.plan();
+                    }
+                    _ => break Err(e),
+                },
+                Ok(()) => break Ok(()),
+            }
+        };
         // Stop the daemon whether the run finished or failed: no process outlives the runner.
         self.stop_daemon();
         result?;
         self.bar.finish_and_clear();
         Ok(())
+    }
+
+    /// After the daemon died: the step to go back to when the checkpoint the run continues
+    /// from (this step's update output once that ran, else the policy) had its optimizer
+    /// state only in the daemon's memory. That is the newest finished step whose checkpoint is
+    /// complete, or step 0 (the initial model, where a fresh optimizer started the run).
+    fn rewind_target(&self, step: u64) -> Result<Option<u64>> {
+        let update_done = self
+            .state
+            .current
+            .as_ref()
+            .is_some_and(|c| c.step == step && c.is_done("update"));
+        let frontier = if update_done {
+            self.run.ckpt(step)
+        } else if self.run.policy().exists() {
+            crate::engine::stage::common::resolve_model(&self.run.policy())?.dir
+        } else {
+            return Ok(None);
+        };
+        if resume::resumable(&frontier)? {
+            return Ok(None);
+        }
+        let mut to = 0;
+        for s in (1..=self.state.steps_done).rev() {
+            let dir = self.run.ckpt(s);
+            if dir.is_dir() && resume::resumable(&dir)? {
+                to = s;
+                break;
+            }
+        }
+        Ok(Some(to))
+    }
+
+    /// Goes back to the end of step `to`: its checkpoint (the initial model for 0) becomes the
+    /// policy again, the sampler's cursor is replayed to where it stood, and the steps after
+    /// it run again (deterministically: their seeds derive from the step).
+    fn rewind(&mut self, to: u64, lost: u64) -> Result<()> {
+        let msg = format!(
+            "pipeline: the optimizer state after step {lost} was only in the daemon's memory; going back to step {to}, the last checkpoint that has it"
+        );
+        self.bar.suspend(|| eprintln!("{msg}"));
+        let from = if to == 0 {
+            self.spec.model.path.clone()
+        } else {
+            self.run.ckpt(to)
+        };
+        let args = SyncWeightsArgs {
+            from,
+            to: self.run.policy(),
+            policy_version: Some(to),
+            daemon: None,
+        };
+        sync_weights::run_with(
+            args,
+            &mut InProcess(crate::engine::stage::common::Device::Cpu),
+        )?;
+        let sampler = Sampler {
+            seed: self.spec.seed,
+            len: self.state.train_rows,
+            shuffle: self.spec.data.shuffle,
+        };
+        let mut cursor = Cursor::default();
+        for _ in 0..to {
+            cursor = sampler.draw(cursor, self.spec.data.prompts_per_step).1;
+        }
+        self.state.sampler = cursor;
+        self.state.steps_done = to;
+        self.state.current = None;
+        self.bar.set_position(to);
+        self.run.save_state(&self.state)
     }
 
     fn progress(&mut self, step: u64) -> &mut StepProgress {
@@ -783,6 +906,9 @@ impl Runner {
                 Err(e) if self.daemon_gone() => {
                     let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
                     self.bar.suspend(|| eprintln!("{msg}"));
+                    if let Some(to) = self.rewind_target(step)? {
+                        return Err(Rewind { to, lost: step }.into());
+                    }
                 }
                 Err(e) => return Err(e),
             }

@@ -129,6 +129,13 @@ pub struct UpdateArgs {
     /// here (default: $TANDEM_DAEMON).
     #[arg(long)]
     pub daemon: Option<PathBuf>,
+    /// Write the weights and trainer state but not optimizer.safetensors (the f32 masters and
+    /// Adam moments, ~12 bytes per parameter): for the warm daemon, which keeps them in memory
+    /// between checkpoints (verl's save_freq). Only that daemon can continue from such a
+    /// checkpoint; `update` elsewhere refuses it.
+    #[arg(long)]
+    #[serde(default)]
+    pub skip_optimizer_state: bool,
 }
 
 /// A policy as `update` starts from it: the f32 master weights when they sit next to the model
@@ -186,6 +193,8 @@ impl Trainable {
 pub struct Train<'a> {
     data: &'a TrainData<'a>,
     train: &'a TrainConfig,
+    /// Bring the optimizer state back to the host (it is written next to the model).
+    export_state: bool,
 }
 
 /// The trained policy as the stage writes it.
@@ -193,7 +202,10 @@ pub struct Trained {
     pub report: TrainReport,
     /// The f32 (master) weights.
     pub weights: Weights,
-    pub state: OptimizerState,
+    /// The optimizer state, when the job asked for it.
+    pub state: Option<OptimizerState>,
+    /// AdamW steps taken so far.
+    pub optimizer_step: u64,
     /// Training steps done before this call.
     pub schedule_step: u64,
     pub load_seconds: f64,
@@ -214,7 +226,11 @@ impl Train<'_> {
         Ok(Trained {
             report,
             weights: policy.export_weights()?,
-            state: policy.optimizer_state()?,
+            state: match self.export_state {
+                true => Some(policy.optimizer_state()?),
+                false => None,
+            },
+            optimizer_step: policy.optimizer_steps(),
             schedule_step,
             load_seconds: 0.0,
         })
@@ -449,31 +465,34 @@ pub fn run_with(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     let job = Train {
         data: &data,
         train: &cfg,
+        export_state: !args.skip_optimizer_state,
     };
     let Trained {
         report,
         weights: new_weights,
         state,
+        optimizer_step,
         schedule_step,
         load_seconds: loaded_s,
     } = exec.train(&model, job)?;
     let trainer = TrainerState {
-        optimizer_step: state.step,
+        optimizer_step,
         schedule_step: schedule_step + 1,
         lr: report.lr,
         lr_schedule: cfg.lr,
         seed: cfg.seed,
+        optimizer_not_saved: state.is_none(),
     };
-    let extra = [
-        (
+    let mut extra = vec![(
+        TRAINER_STATE_FILE.to_string(),
+        resume::trainer_state_bytes(&trainer)?,
+    )];
+    if let Some(state) = &state {
+        extra.push((
             OPTIMIZER_FILE.to_string(),
-            resume::optimizer_bytes(&state, &new_weights)?,
-        ),
-        (
-            TRAINER_STATE_FILE.to_string(),
-            resume::trainer_state_bytes(&trainer)?,
-        ),
-    ];
+            resume::optimizer_bytes(state, &new_weights)?,
+        ));
+    }
     let save_started = Instant::now();
     ModelDir::save_with(
         &args.out_model,
@@ -489,7 +508,8 @@ pub fn run_with(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     exec.saved(&args.out_model)?;
     let mut metrics = report.to_json();
     let m = metrics.as_object_mut().expect("object");
-    m.insert("optimizer_step".into(), state.step.into());
+    m.insert("optimizer_step".into(), optimizer_step.into());
+    m.insert("optimizer_state_saved".into(), state.is_some().into());
     m.insert("schedule_step".into(), trainer.schedule_step.into());
     m.insert("on_policy".into(), report.on_policy.into());
     m.insert("device".into(), args.device.to_string().into());

@@ -784,10 +784,11 @@ keep-last = 3
     std::fs::write(d.join("plain.toml"), spec.replace("DAEMON", "false")).unwrap();
     std::fs::write(d.join("warm.toml"), spec.replace("DAEMON", "true")).unwrap();
     let bins = Path::new(TANDEM).parent().unwrap();
-    let run = |spec: &str, run: &str, kill_marker: Option<(&Path, u64)>| {
+    let run_steps = |spec: &str, run: &str, kill_marker: Option<(&Path, u64)>, steps: &[&str]| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_pipeline"));
         c.current_dir(d)
             .args(["run", spec, "--run-dir", run])
+            .args(steps)
             .env("TANDEM_BIN_DIR", bins)
             .env("RAYON_NUM_THREADS", "2")
             .env_remove("TANDEM_DAEMON");
@@ -800,6 +801,7 @@ keep-last = 3
         assert!(o.status.success(), "{run}: {err}");
         err
     };
+    let run = |spec: &str, run: &str, kill_marker| run_steps(spec, run, kill_marker, &[]);
     run("plain.toml", "a", None);
     // b: killed in step 1's update (the policy is the initial model: the stage runs again on
     // a new daemon); c: killed in step 4's update (step 3's optimizer state is lost with it).
@@ -812,9 +814,20 @@ keep-last = 3
     let log_c = run("warm.toml", "c", Some((&marker_c, 4)));
     assert!(marker_c.exists(), "the daemon of run c was never killed");
     assert!(
-        log_c.contains("the optimizer state after step 4 was only in the daemon's memory; going back to step 2"),
+        log_c.contains("the optimizer state after step 3 was only in the daemon's memory; going back to step 2"),
         "{log_c}"
     );
+
+    // e: the runner itself stopped after step 3 of 5 (here: a 3-step run whose step 3 is then
+    // made what a daemon writes between checkpoints); resuming goes back to step 2.
+    run_steps("warm.toml", "e", None, &["--steps", "3"]);
+    let ck3 = d.join("e/ckpt/step-0003");
+    std::fs::remove_file(ck3.join("optimizer.safetensors")).unwrap();
+    let ts = std::fs::read_to_string(ck3.join("trainer_state.json")).unwrap();
+    let ts = ts.replacen('{', "{\n  \"optimizer_not_saved\": true,", 1);
+    std::fs::write(ck3.join("trainer_state.json"), ts).unwrap();
+    let log_e = run("warm.toml", "e", None);
+    assert!(log_e.contains("going back to step 2"), "{log_e}");
 
     let a = d.join("a");
     let ca = checkpoint_files(&a);
@@ -830,7 +843,7 @@ keep-last = 3
             "step-0005/optimizer.safetensors"
         ]
     );
-    for other in ["b", "c"] {
+    for other in ["b", "c", "e"] {
         let cb = checkpoint_files(&d.join(other));
         assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
         for (k, v) in &ca {

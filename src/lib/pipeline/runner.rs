@@ -692,6 +692,13 @@ impl Runner {
 
     /// Run every remaining task.
     pub fn run(&mut self) -> Result<()> {
+        // A resumed run whose daemon held the newest optimizer state (the runner was stopped
+        // between checkpoints) goes back to the last checkpoint that has it.
+        if self.spec.daemon && self.state.init_done {
+            if let Some(r) = self.rewind_target(self.state.steps_done + 1)? {
+                self.rewind(r.to, r.lost)?;
+            }
+        }
         let plan = self.plan();
         self.check_bins(&plan)?;
         let total = self.spec.steps;
@@ -734,16 +741,18 @@ impl Runner {
     /// from (this step's update output once that ran, else the policy) had its optimizer
     /// state only in the daemon's memory. That is the newest finished step whose checkpoint is
     /// complete, or step 0 (the initial model, where a fresh optimizer started the run).
-    fn rewind_target(&self, step: u64) -> Result<Option<u64>> {
+    /// Returns that step and the step whose state was lost.
+    fn rewind_target(&self, step: u64) -> Result<Option<Rewind>> {
         let update_done = self
             .state
             .current
             .as_ref()
             .is_some_and(|c| c.step == step && c.is_done("update"));
-        let frontier = if update_done {
-            self.run.ckpt(step)
+        let (frontier, lost) = if update_done {
+            (self.run.ckpt(step), step)
         } else if self.run.policy().exists() {
-            crate::engine::stage::common::resolve_model(&self.run.policy())?.dir
+            let policy = crate::engine::stage::common::resolve_model(&self.run.policy())?;
+            (policy.dir, policy.policy_version)
         } else {
             return Ok(None);
         };
@@ -751,14 +760,14 @@ impl Runner {
             return Ok(None);
         }
         let mut to = 0;
-        for s in (1..=self.state.steps_done).rev() {
+        for s in (1..=self.state.steps_done.min(lost)).rev() {
             let dir = self.run.ckpt(s);
-            if dir.is_dir() && resume::resumable(&dir)? {
+            if s < lost && dir.is_dir() && resume::resumable(&dir)? {
                 to = s;
                 break;
             }
         }
-        Ok(Some(to))
+        Ok(Some(Rewind { to, lost }))
     }
 
     /// Goes back to the end of step `to`: its checkpoint (the initial model for 0) becomes the
@@ -906,8 +915,8 @@ impl Runner {
                 Err(e) if self.daemon_gone() => {
                     let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
                     self.bar.suspend(|| eprintln!("{msg}"));
-                    if let Some(to) = self.rewind_target(step)? {
-                        return Err(Rewind { to, lost: step }.into());
+                    if let Some(r) = self.rewind_target(step)? {
+                        return Err(r.into());
                     }
                 }
                 Err(e) => return Err(e),

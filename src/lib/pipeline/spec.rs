@@ -110,6 +110,9 @@ stage_flags!(
         ignore_eos: Switch,
         prompt_key: String,
         batch_size: u64,
+        max_num_seqs: u64,
+        max_batched_tokens: u64,
+        gpu_memory_fraction: f64,
     }
 );
 

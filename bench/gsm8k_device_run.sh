@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GRPO run on GSM8K on the lent GPU machine (docs/GSM8K_RUN.md), in calls of < 10 minutes:
 #   STEP=setup   unpack the stripped binaries and data carried in $D (bin.tar.xz,
-#                train/test.parquet) into $R; start an empty GGUF there
+#                train/test.parquet) into $R; start an empty GGUF there and keep the last
+#                (short) piece, carried in $P with them, for the end
 #   STEP=piece   append the piece carried in $P (`split -b 50M` of the GGUF) to $R/qwen.gguf
 #   STEP=bench   `tandem bench grpo-step` on the daemon (random 0.5B shape) and the PyTorch peer
 #   STEP=run     check the GGUF's sha256, import it (first time), then run (or resume) the
@@ -22,6 +23,7 @@ setup)
   cp "$D/prompts200.parquet" "$D/peer_grpo_step.py" "$R/"
   cp "$SPEC" "$R/pipelines/" && cp pipelines/rewards/gsm8k_format.py "$R/pipelines/rewards/"
   : > "$R/qwen.gguf"
+  cat "$P"/* > "$R/last.piece"
   ls -la "$R" "$R/bin"; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
   ;;
 piece)
@@ -41,6 +43,7 @@ bench)
   ;;
 run)
   cd "$R" || exit 1
+  [ "$(stat -c %s qwen.gguf)" = 491400064 ] || cat last.piece >> qwen.gguf
   echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  qwen.gguf" | sha256sum -c || exit 1
   if [ ! -d models/qwen2.5-coder-0.5b ]; then
     bin/tandem import-gguf qwen.gguf --out models/qwen2.5-coder-0.5b || exit 1

@@ -517,6 +517,29 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// Whether steps can be captured and replayed as graphs (CUDA graphs; not the CPU).
+    fn graphs_supported(&self) -> bool {
+        false
+    }
+    /// Starts recording the ops issued from here on into a graph instead of running them.
+    /// Between `graph_begin` and `graph_end` no op may read data back or synchronize, and the
+    /// temporaries the ops take stay reserved for the graphs until `graph_release`.
+    fn graph_begin(&self) -> Result<()> {
+        anyhow::bail!("{} cannot capture graphs", self.name())
+    }
+    /// Ends the recording; returns the id of the graph (for `graph_launch`).
+    fn graph_end(&self) -> Result<usize> {
+        anyhow::bail!("{} cannot capture graphs", self.name())
+    }
+    /// Replays graph `id` with whatever its buffers hold now.
+    fn graph_launch(&self, _id: usize) -> Result<()> {
+        anyhow::bail!("{} cannot capture graphs", self.name())
+    }
+    /// Destroys every graph and gives their private memory back to the pool; returns its bytes.
+    fn graph_release(&self) -> Result<usize> {
+        Ok(0)
+    }
+
     /// dst = src[..dst.len()] (device to host).
     fn download_idx(&self, src: &Self::Idx, dst: &mut [u32]) -> Result<()>;
     /// Paged attention (see [`PagedAttnShape`] for the row of position p):

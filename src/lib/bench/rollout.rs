@@ -11,7 +11,8 @@ use super::report;
 use crate::backend::{Backend, DType, PagedAttnShape};
 use crate::engine::generate::{GenParams, Request};
 use crate::engine::paged::{
-    generate_paged, Chunk, PagedConfig, PagedDecoder, PagedModel, SampleRow, DEFAULT_BLOCK_SIZE,
+    generate_paged, Chunk, GraphMode, PagedConfig, PagedDecoder, PagedModel, SampleRow,
+    DEFAULT_BLOCK_SIZE,
 };
 use crate::engine::sampling::{sample_key, uniform, SamplingParams};
 use crate::engine::stage::common::Device;
@@ -52,6 +53,17 @@ pub struct RolloutBenchArgs {
     pub max_batched_tokens: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// How the pure-decode steps run, each case once per mode: `graphs` (CUDA graphs, one per
+    /// batch-size bucket; skipped on a backend without graphs) and/or `eager`.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [StepMode::Graphs, StepMode::Eager])]
+    pub modes: Vec<StepMode>,
+}
+
+/// How a bench case runs its decode steps.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepMode {
+    Graphs,
+    Eager,
 }
 
 struct Case {
@@ -62,6 +74,10 @@ struct Case {
 
 struct Measured {
     name: String,
+    mode: &'static str,
+    /// Decode steps replayed from graphs, graphs captured.
+    replays: usize,
+    captures: usize,
     samples: usize,
     new_tokens: usize,
     seconds: f64,
@@ -143,8 +159,13 @@ fn breakdown<B: Backend>(
         top_p: 1.0,
     };
     let mut out = Vec::new();
-    {
+    let graphs = dec.backend().graphs_supported();
+    for mode in [GraphMode::Eager, GraphMode::Graphs] {
+        if mode == GraphMode::Graphs && !graphs {
+            continue;
+        }
         let mut engine = PagedDecoder::new(dec, rows * per, bs)?;
+        engine.set_graphs(mode, rows, per)?;
         let chunks: Vec<Chunk> = (0..rows)
             .map(|r| Chunk {
                 tokens: &tokens[r..r + 1],
@@ -159,12 +180,19 @@ fn breakdown<B: Backend>(
                 position: 0,
             })
             .collect();
+        // The first step captures the graph.
+        engine.step(&chunks, &srows, &sampling)?;
         let t = Instant::now();
         for _ in 0..10 {
             engine.step(&chunks, &srows, &sampling)?;
         }
+        let how = if mode == GraphMode::Graphs {
+            "graph replay"
+        } else {
+            "eager"
+        };
         out.push((
-            format!("decode step ({rows} seqs, ctx {ctx})"),
+            format!("decode step ({rows} seqs, ctx {ctx}, {how})"),
             t.elapsed().as_secs_f64() * 100.0,
         ));
     }
@@ -261,7 +289,14 @@ impl Job for Bench<'_> {
                 stop_strings: vec![],
             },
         };
-        for case in std::iter::once(&warm).chain(&self.cases) {
+        let graphs = dec.backend().graphs_supported();
+        let runs = self.args.modes.iter().flat_map(|&m| {
+            std::iter::once((&warm, m)).chain(self.cases.iter().map(move |c| (c, m)))
+        });
+        for (case, mode) in runs {
+            if mode == StepMode::Graphs && !graphs {
+                continue;
+            }
             let samples: usize = case.requests.iter().map(|r| r.sample_keys.len()).sum();
             let longest = case
                 .requests
@@ -279,6 +314,10 @@ impl Job for Bench<'_> {
                 max_batched_tokens: self.args.max_batched_tokens,
             };
             let mut engine = PagedDecoder::new(&mut dec, num_blocks, bs)?;
+            if mode == StepMode::Graphs {
+                let width = (longest + case.params.max_new_tokens).div_ceil(bs);
+                engine.set_graphs(GraphMode::Graphs, seqs, width)?;
+            }
             engine.decoder.backend().synchronize()?;
             let t = Instant::now();
             let (done, stats) = generate_paged(
@@ -291,6 +330,7 @@ impl Job for Bench<'_> {
             )?;
             engine.decoder.backend().synchronize()?;
             let seconds = t.elapsed().as_secs_f64();
+            let gs = engine.release_graphs()?;
             drop(engine);
             if case.name == warm.name {
                 continue;
@@ -318,6 +358,12 @@ impl Job for Bench<'_> {
             let bytes = stats.gen.decode_steps as f64 * params * esize + kv_bytes;
             out.push(Measured {
                 name: case.name.clone(),
+                mode: match mode {
+                    StepMode::Graphs => "graphs",
+                    StepMode::Eager => "eager",
+                },
+                replays: gs.replays,
+                captures: gs.captures,
                 samples,
                 new_tokens,
                 seconds,
@@ -428,6 +474,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
         let fl_frac = m.flops / m.seconds / peak;
         table.push(vec![
             m.name.clone(),
+            m.mode.into(),
             m.samples.to_string(),
             m.new_tokens.to_string(),
             format!("{:.2}", m.seconds),
@@ -437,6 +484,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             format!("{:.1}%", 100.0 * bw_frac),
             format!("{:.1}%", 100.0 * fl_frac),
             m.preemptions.to_string(),
+            format!("{}/{}", m.replays, m.captures),
         ]);
         js.push(json!({
             "case": m.name,
@@ -450,6 +498,9 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             "flops": m.flops,
             "gemm_peak_fraction": fl_frac,
             "preemptions": m.preemptions,
+            "mode": m.mode,
+            "graph_replays": m.replays,
+            "graph_captures": m.captures,
         }));
     }
     report(
@@ -460,8 +511,18 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             peak / 1e12
         ),
         &[
-            "case", "samples", "new tok", "s", "tok/s", "steps", "MB/step", "%BW", "%GEMM",
+            "case",
+            "mode",
+            "samples",
+            "new tok",
+            "s",
+            "tok/s",
+            "steps",
+            "MB/step",
+            "%BW",
+            "%GEMM",
             "preempt",
+            "replay/capt",
         ],
         &table,
         &json!({

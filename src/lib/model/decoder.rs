@@ -149,6 +149,8 @@ impl<B: Backend> KvCache<B> {
 /// It also holds the device-side inputs and outputs of a paged step (block tables, sampling
 /// keys, drawn tokens), so a step allocates nothing once they have grown.
 pub struct PagedKv<B: Backend> {
+    /// One block more than `num_blocks`: the last one is where the padding rows of a
+    /// graph-replayed decode step write and read (never given to a sequence).
     k: Vec<B::Buf>,
     v: Vec<B::Buf>,
     num_blocks: usize,
@@ -159,6 +161,64 @@ pub struct PagedKv<B: Backend> {
     positions: B::Idx,
     tokens: B::Idx,
     logprobs: B::Buf,
+    /// Bumped whenever one of the buffers above is reallocated (see `Decoder::ws_epoch`).
+    epoch: u64,
+    graphs: DecodeGraphs,
+}
+
+/// How the pure-decode steps of a paged cache run (every chunk one token).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GraphMode {
+    /// As every other step: the batch as it is.
+    #[default]
+    Eager,
+    /// Padded exactly as for a graph (rows to the bucket, tables to the fixed width), run
+    /// eagerly: the reference a graph replay must equal bit for bit.
+    Padded,
+    /// Padded, captured once per (bucket, sampling) as a graph and replayed (CUDA).
+    Graphs,
+}
+
+/// Counters of the decode graphs of one paged cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Decode steps replayed from a graph, run padded eagerly, and run as they are.
+    pub replays: usize,
+    pub padded_steps: usize,
+    pub eager_steps: usize,
+    /// Graphs captured (a bucket again after a workspace reallocation counts again).
+    pub captures: usize,
+    /// Rows computed for padding (bucket − batch, summed over padded steps).
+    pub padding_rows: usize,
+    /// Device memory the graphs kept for their temporaries (given back on release).
+    pub graph_bytes: usize,
+}
+
+/// Pure-decode steps padded to a bucket of rows and a fixed table width, so that their
+/// kernels have fixed shapes and read fixed buffers: captured once per bucket as a graph.
+#[derive(Debug, Default)]
+struct DecodeGraphs {
+    mode: GraphMode,
+    /// Blocks per table of a padded step (longest sequence the engine may run).
+    width: usize,
+    /// Largest bucket: steps with more rows run eagerly.
+    max_rows: usize,
+    /// (bucket, temperature bits, top_k, top_p bits) → graph id.
+    captured: Vec<((usize, u32, i64, u32), usize)>,
+    /// (workspace epoch, cache epoch) the fixed buffers were sized at (None: not yet).
+    epochs: Option<(u64, u64)>,
+    stats: GraphStats,
+}
+
+/// Row counts a decode step is padded to: powers of two up to 16, then also 1.5× each power
+/// of two (at most a third of a step is padding past 16 rows).
+pub fn decode_bucket(rows: usize) -> usize {
+    let p = rows.max(1).next_power_of_two();
+    if p >= 32 && rows <= p / 4 * 3 {
+        p / 4 * 3
+    } else {
+        p
+    }
 }
 
 impl<B: Backend> PagedKv<B> {
@@ -167,6 +227,9 @@ impl<B: Backend> PagedKv<B> {
     }
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats
     }
 }
 
@@ -435,6 +498,9 @@ pub struct Decoder<B: Backend> {
     ppo_stats: Option<B::Buf>,
     /// Rows per chunk of the fused LM-head log-prob (bounds the logits held at once).
     pub logprob_chunk: usize,
+    /// Bumped whenever a workspace buffer is reallocated: CUDA graphs captured before read
+    /// the old addresses and must be captured again.
+    ws_epoch: u64,
 }
 
 fn check_config(cfg: &Config) -> Result<()> {
@@ -629,6 +695,7 @@ impl<B: Backend> Decoder<B> {
             ws,
             ppo_stats: None,
             logprob_chunk,
+            ws_epoch: 0,
         })
     }
 
@@ -691,6 +758,7 @@ impl<B: Backend> Decoder<B> {
             // Drop the old workspace first so peak memory is one workspace, not two.
             self.ws = Work::empty(&self.backend, &self.cfg)?;
             self.ws = Work::new(&self.backend, &self.cfg, caps)?;
+            self.ws_epoch += 1;
         }
         Ok(())
     }
@@ -736,6 +804,7 @@ impl<B: Backend> Decoder<B> {
 
     pub fn release_workspace(&mut self) -> Result<()> {
         self.ws = Work::empty(&self.backend, &self.cfg)?;
+        self.ws_epoch += 1;
         Ok(())
     }
 
@@ -1665,6 +1734,7 @@ impl<B: Backend> Decoder<B> {
             b.upload_idx(&mut ws.rows, out)?;
             if b.len(&ws.logits) < out.len() * v {
                 ws.logits = b.alloc(out.len() * v)?;
+                self.ws_epoch += 1;
             }
         }
         let last = self.forward(n, 1, false, AttnMode::Cached(cache))?;
@@ -1762,6 +1832,7 @@ impl<B: Backend> Decoder<B> {
         if self.backend.len(&self.ws.logits) < n {
             self.ws.logits = self.backend.alloc(0)?;
             self.ws.logits = self.backend.alloc(n)?;
+            self.ws_epoch += 1;
         }
         Ok(())
     }
@@ -1773,7 +1844,8 @@ impl<B: Backend> Decoder<B> {
             "paged cache: {num_blocks} blocks of {block_size}"
         );
         let b = &self.backend;
-        let n = num_blocks * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
+        // One spare block for the padding rows of graph-replayed decode steps.
+        let n = (num_blocks + 1) * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
         let mut k = Vec::with_capacity(self.cfg.num_layers);
         let mut v = Vec::with_capacity(self.cfg.num_layers);
         for _ in 0..self.cfg.num_layers {
@@ -1791,7 +1863,239 @@ impl<B: Backend> Decoder<B> {
             positions: b.alloc_idx(0)?,
             tokens: b.alloc_idx(0)?,
             logprobs: b.alloc(0)?,
+            epoch: 0,
+            graphs: DecodeGraphs::default(),
         })
+    }
+
+    /// Chooses how the pure-decode steps of `cache` run: `max_rows` is the most sequences a
+    /// step holds, `max_blocks` the longest block table the engine will build (the fixed
+    /// width of a padded step). `Graphs` on a backend without graphs is `Eager`. Graphs
+    /// captured before are released.
+    pub fn set_paged_graphs(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        mode: GraphMode,
+        max_rows: usize,
+        max_blocks: usize,
+    ) -> Result<()> {
+        self.release_paged_graphs(cache)?;
+        let mode = if mode == GraphMode::Graphs && !self.backend.graphs_supported() {
+            GraphMode::Eager
+        } else {
+            mode
+        };
+        let g = &mut cache.graphs;
+        g.mode = mode;
+        g.max_rows = decode_bucket(max_rows.max(1));
+        g.width = max_blocks.max(1);
+        g.epochs = None;
+        Ok(())
+    }
+
+    /// Destroys the decode graphs of `cache` and gives their memory back to the backend's
+    /// pool (to the driver on the next `trim`); returns the bytes they held.
+    pub fn release_paged_graphs(&mut self, cache: &mut PagedKv<B>) -> Result<usize> {
+        if cache.graphs.captured.is_empty() {
+            return Ok(0);
+        }
+        cache.graphs.captured.clear();
+        let bytes = self.backend.graph_release()?;
+        cache.graphs.stats.graph_bytes = cache.graphs.stats.graph_bytes.max(bytes);
+        Ok(bytes)
+    }
+
+    /// The bucket a step of these chunks and rows is padded to, or None when it runs as it
+    /// is (a prefill chunk in it, too many rows, a table wider than the fixed width, or
+    /// padding off).
+    fn graph_bucket(cache: &PagedKv<B>, chunks: &[Chunk], rows: &[SampleRow]) -> Option<usize> {
+        let g = &cache.graphs;
+        if g.mode == GraphMode::Eager
+            || rows.is_empty()
+            || chunks
+                .iter()
+                .any(|c| c.tokens.len() != 1 || c.table.len() > g.width)
+        {
+            return None;
+        }
+        let b = decode_bucket(chunks.len().max(rows.len()));
+        (b <= g.max_rows).then_some(b)
+    }
+
+    /// Sizes every buffer a padded step reads or writes for the largest bucket, once; when
+    /// any of them moved since the graphs were captured, the graphs are released (they would
+    /// read the old addresses) and get captured again.
+    fn prepare_padded(&mut self, cache: &mut PagedKv<B>) -> Result<()> {
+        let (rows, width) = (cache.graphs.max_rows, cache.graphs.width);
+        self.reserve(Caps {
+            tokens: rows,
+            seqs: 1,
+            rows,
+            saved_layers: 1,
+            backward: false,
+        })?;
+        let v = self.cfg.vocab_size;
+        let b = &self.backend;
+        if b.len(&self.ws.logits) < rows * v {
+            self.ws.logits = b.alloc(0)?;
+            self.ws.logits = b.alloc(rows * v)?;
+            self.ws_epoch += 1;
+        }
+        let mut moved = grow_idx(b, &mut cache.tables, rows * width)?;
+        moved |= grow_idx(b, &mut cache.keys, 2 * rows)?;
+        moved |= grow_idx(b, &mut cache.positions, rows)?;
+        moved |= grow_idx(b, &mut cache.tokens, rows)?;
+        if b.len(&cache.logprobs) < rows {
+            cache.logprobs = b.alloc(rows.next_power_of_two())?;
+            moved = true;
+        }
+        if moved {
+            cache.epoch += 1;
+        }
+        let now = (self.ws_epoch, cache.epoch);
+        if cache.graphs.epochs != Some(now) {
+            self.release_paged_graphs(cache)?;
+            cache.graphs.epochs = Some(now);
+        }
+        Ok(())
+    }
+
+    /// The part of a padded decode step that runs on the device (and is captured): forward of
+    /// `rows` tokens, final norm and LM head of every row, sampling.
+    fn decode_body(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        rows: usize,
+        sampling: &SamplingParams,
+    ) -> Result<()> {
+        let last = self.forward(rows, 1, false, AttnMode::Paged(cache))?;
+        self.final_rows(last, rows)?;
+        self.head_logits(rows)?;
+        let (b, ws) = (&self.backend, &self.ws);
+        b.sample(
+            &mut cache.tokens,
+            &mut cache.logprobs,
+            &ws.logits,
+            &cache.keys,
+            &cache.positions,
+            rows,
+            self.cfg.vocab_size,
+            sampling,
+        )
+    }
+
+    /// A pure-decode step padded to `bucket` rows: padding rows feed token 0 at position 0
+    /// into the spare block and sample from their own logits; every table is `width` wide
+    /// (the rest pointing at the spare block). With `GraphMode::Graphs` the device part is a
+    /// graph replay (captured on the bucket's first step, after one eager run that compiles
+    /// the kernels, plans the GEMMs and caches the temporaries).
+    fn forward_paged_padded(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        chunks: &[Chunk],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+        bucket: usize,
+    ) -> Result<Vec<Sampled>> {
+        let (bs, width) = (cache.block_size, cache.graphs.width);
+        let spare = cache.num_blocks as u32;
+        let n = chunks.len();
+        let mut ids = vec![0u32; bucket];
+        let mut pos = vec![0u32; bucket];
+        let mut kv_rows = vec![spare * bs as u32; bucket];
+        let seq: Vec<u32> = (0..bucket as u32).collect();
+        let mut len = vec![1u32; bucket];
+        let mut tables = vec![spare; bucket * width];
+        for (c, ch) in chunks.iter().enumerate() {
+            let p = ch.start;
+            ensure!(
+                p < ch.table.len() * bs,
+                "paged step: chunk {c} feeds position {p} but its table covers {}",
+                ch.table.len() * bs
+            );
+            if let Some(&b) = ch.table.iter().find(|&&b| b as usize >= cache.num_blocks) {
+                bail!(
+                    "paged step: chunk {c} names block {b} of {}",
+                    cache.num_blocks
+                );
+            }
+            tables[c * width..c * width + ch.table.len()].copy_from_slice(ch.table);
+            ids[c] = ch.tokens[0];
+            pos[c] = p as u32;
+            kv_rows[c] = (ch.table[p / bs] as usize * bs + p % bs) as u32;
+            len[c] = p as u32 + 1;
+        }
+        let mut out = seq.clone();
+        let mut keys = vec![0u32; 2 * bucket];
+        let mut positions = vec![0u32; bucket];
+        for (i, r) in rows.iter().enumerate() {
+            ensure!(r.chunk < n, "sample row names chunk {}", r.chunk);
+            out[i] = r.chunk as u32;
+            keys[2 * i] = r.key as u32;
+            keys[2 * i + 1] = (r.key >> 32) as u32;
+            positions[i] = r.position as u32;
+        }
+        self.check_tokens(&ids[..n], "generation input")?;
+        self.prepare_padded(cache)?;
+        {
+            let (b, ws) = (&self.backend, &mut self.ws);
+            b.upload_idx(&mut ws.ids, &ids)?;
+            b.upload_idx(&mut ws.pos, &pos)?;
+            b.upload_idx(&mut ws.kv_rows, &kv_rows)?;
+            b.upload_idx(&mut ws.kv_base, &seq)?;
+            b.upload_idx(&mut ws.kv_len, &len)?;
+            b.upload_idx(&mut ws.rows, &out)?;
+            b.upload_idx(&mut cache.tables, &tables)?;
+            b.upload_idx(&mut cache.keys, &keys)?;
+            b.upload_idx(&mut cache.positions, &positions)?;
+        }
+        cache.max_blocks = width;
+        let g = &mut cache.graphs;
+        g.stats.padding_rows += bucket - n.max(rows.len());
+        if g.mode == GraphMode::Graphs {
+            let key = (
+                bucket,
+                sampling.temperature.to_bits(),
+                sampling.top_k,
+                sampling.top_p.to_bits(),
+            );
+            let found = g
+                .captured
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|&(_, id)| id);
+            let id = match found {
+                Some(id) => id,
+                None => {
+                    self.decode_body(cache, bucket, sampling)?;
+                    self.backend.synchronize()?;
+                    self.backend.graph_begin()?;
+                    let body = self.decode_body(cache, bucket, sampling);
+                    let id = self.backend.graph_end();
+                    body?;
+                    let id = id?;
+                    cache.graphs.captured.push((key, id));
+                    cache.graphs.stats.captures += 1;
+                    id
+                }
+            };
+            self.backend.graph_launch(id)?;
+            cache.graphs.stats.replays += 1;
+        } else {
+            self.decode_body(cache, bucket, sampling)?;
+            cache.graphs.stats.padded_steps += 1;
+        }
+        let r = rows.len();
+        let mut tok = vec![0u32; r];
+        let mut lp = vec![0f32; r];
+        let b = &self.backend;
+        b.download_idx(&cache.tokens, &mut tok)?;
+        b.download(&cache.logprobs, &mut lp)?;
+        Ok(tok
+            .into_iter()
+            .zip(lp)
+            .map(|(token, logprob)| Sampled { token, logprob })
+            .collect())
     }
 
     /// One step of the paged engine: runs every chunk (its keys and values stored through its
@@ -1804,6 +2108,10 @@ impl<B: Backend> Decoder<B> {
         rows: &[SampleRow],
         sampling: &SamplingParams,
     ) -> Result<Vec<Sampled>> {
+        if let Some(bucket) = Self::graph_bucket(cache, chunks, rows) {
+            return self.forward_paged_padded(cache, chunks, rows, sampling, bucket);
+        }
+        cache.graphs.stats.eager_steps += 1;
         let bs = cache.block_size;
         let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         ensure!(n > 0, "paged step without tokens");
@@ -1875,15 +2183,20 @@ impl<B: Backend> Decoder<B> {
             if b.len(&ws.logits) < r * v {
                 ws.logits = b.alloc(0)?;
                 ws.logits = b.alloc(r * v)?;
+                self.ws_epoch += 1;
             }
-            grow_idx(b, &mut cache.tables, tables.len())?;
+            let mut moved = grow_idx(b, &mut cache.tables, tables.len())?;
             b.upload_idx(&mut cache.tables, &tables)?;
             cache.max_blocks = max_blocks;
-            grow_idx(b, &mut cache.keys, keys.len())?;
-            grow_idx(b, &mut cache.positions, r)?;
-            grow_idx(b, &mut cache.tokens, r)?;
+            moved |= grow_idx(b, &mut cache.keys, keys.len())?;
+            moved |= grow_idx(b, &mut cache.positions, r)?;
+            moved |= grow_idx(b, &mut cache.tokens, r)?;
             if b.len(&cache.logprobs) < r {
                 cache.logprobs = b.alloc(r.next_power_of_two())?;
+                moved = true;
+            }
+            if moved {
+                cache.epoch += 1;
             }
             b.upload_idx(&mut cache.keys, &keys)?;
             b.upload_idx(&mut cache.positions, &positions)?;
@@ -1941,10 +2254,11 @@ impl<B: Backend> Decoder<B> {
 }
 
 /// Grows an index buffer to hold at least `n` entries (to the next power of two, so that a
-/// growing batch reallocates rarely).
-fn grow_idx<B: Backend>(b: &B, buf: &mut B::Idx, n: usize) -> Result<()> {
+/// growing batch reallocates rarely); true when it was reallocated.
+fn grow_idx<B: Backend>(b: &B, buf: &mut B::Idx, n: usize) -> Result<bool> {
     if b.len_idx(buf) < n {
         *buf = b.alloc_idx(n.next_power_of_two())?;
+        return Ok(true);
     }
-    Ok(())
+    Ok(false)
 }

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{result as dr, sys as dsys, CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{result as dr, sys as dsys, CudaContext, CudaFunction, CudaGraph, CudaStream};
 use half::bf16;
 
 use self::gemm::{Gemm, GemmCall, Operand};
@@ -38,6 +38,9 @@ use super::{
     PagedAttnShape, PpoShape, PPO_STATS,
 };
 use crate::error::input_error;
+
+/// Most context splits of one paged-attention row (the partial states a combine reads).
+const MAX_PAGED_SPLITS: usize = 128;
 
 /// The message a user sees on a machine without a usable GPU.
 pub const NO_DRIVER: &str = "no CUDA driver found; use --device cpu";
@@ -198,7 +201,16 @@ pub struct CudaBackend {
     sms: u32,
     /// Pinned buffer of large downloads (made on first use).
     staging: Mutex<Option<staging::Staging>>,
+    /// Captured graphs by id (`Backend::graph_*`); None once released.
+    graphs: Mutex<Vec<Option<Graph>>>,
 }
+
+/// A captured and instantiated graph. cudarc's handle is not `Send`; every use goes through
+/// the backend's mutex and the one stream.
+struct Graph(CudaGraph);
+// SAFETY: the graph is only touched under `CudaBackend::graphs`' lock (serialised access, as
+// the driver requires for graph objects).
+unsafe impl Send for Graph {}
 
 impl CudaBackend {
     /// Opens GPU `ordinal`. Without a driver, a device or NVRTC this is an input error that
@@ -256,6 +268,7 @@ impl CudaBackend {
             device_name,
             sms,
             staging: Mutex::new(None),
+            graphs: Mutex::new(Vec::new()),
         };
         be.memset(be.err_word.ptr(), 0, 4)?;
         Ok(be)
@@ -2036,6 +2049,57 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn graphs_supported(&self) -> bool {
+        true
+    }
+
+    fn graph_begin(&self) -> Result<()> {
+        self.bind()?;
+        // Relaxed: the pool may still call cuMemAlloc for a temporary it has not cached.
+        self.stream
+            .begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| anyhow!("cuda: begin graph capture: {e:?}"))?;
+        self.pool.set_capturing(true);
+        Ok(())
+    }
+
+    fn graph_end(&self) -> Result<usize> {
+        self.pool.set_capturing(false);
+        let g = self
+            .stream
+            .end_capture(dsys::CUgraphInstantiate_flags(0))
+            .map_err(|e| anyhow!("cuda: end graph capture: {e:?}"))?
+            .ok_or_else(|| anyhow!("cuda: the graph capture recorded nothing"))?;
+        g.upload()
+            .map_err(|e| anyhow!("cuda: upload graph: {e:?}"))?;
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        graphs.push(Some(Graph(g)));
+        Ok(graphs.len() - 1)
+    }
+
+    fn graph_launch(&self, id: usize) -> Result<()> {
+        let graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        let g = graphs
+            .get(id)
+            .and_then(|g| g.as_ref())
+            .ok_or_else(|| anyhow!("cuda: no graph {id}"))?;
+        g.0.launch()
+            .map_err(|e| anyhow!("cuda: graph launch: {e:?}"))
+    }
+
+    fn graph_release(&self) -> Result<usize> {
+        // A replay may still run: its memory must not be handed out before it is done.
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| anyhow!("cuda: synchronize: {e:?}"))?;
+        self.graphs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        Ok(self.pool.release_graph_memory())
+    }
+
     fn device_memory(&self) -> Result<Option<(usize, usize)>> {
         self.bind()?;
         let (free, total) = dr::mem_get_info().map_err(|e| anyhow!("cuda: cuMemGetInfo: {e:?}"))?;
@@ -2092,13 +2156,16 @@ impl Backend for CudaBackend {
         let f = self.func(nvrtc::PAGED_ATTENTION, hd, name)?;
         let row = s.kv_heads * hd;
         let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
-        // Flash-decoding: split the context when there are too few blocks to fill the GPU;
-        // each split covers at least 64 positions.
-        let max_len = s.max_blocks * s.block_size;
+        // Flash-decoding: split the context when there are too few blocks to fill the GPU.
+        // Each row cuts its own context into even splits of at least 64 positions (split_len
+        // 0, see `row_split` in the kernel), so the split count depends on the number of
+        // queries alone and a row's result does not depend on the table width: a decode step
+        // replayed from a CUDA graph (tables padded to a fixed width) gives the eager bits.
         let pairs = s.queries * s.heads;
-        let want = threshold.div_ceil(s.queries * blocks_y).max(1);
-        let splits = want.min(max_len.div_ceil(64)).max(1);
-        let split_len = max_len.div_ceil(splits);
+        let splits = threshold
+            .div_ceil(s.queries * blocks_y)
+            .clamp(1, MAX_PAGED_SPLITS);
+        let split_len = 0usize;
         let (part_o, part_ml) = if splits > 1 {
             (
                 self.temp(pairs * splits * hd, DType::F32)?,

@@ -1391,7 +1391,7 @@ mod paged;
 
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 17] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 18] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1410,6 +1410,7 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 17] {
         ("attention_paged", Suite::paged_attention),
         ("sample", Suite::sample),
         ("paged_generate", Suite::paged_generate),
+        ("paged_graphs", Suite::paged_graphs),
     ]
 }
 

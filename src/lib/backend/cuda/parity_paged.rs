@@ -2,7 +2,8 @@
 //! `parity`, so it extends the same suite): `attention_paged` (one split and flash-decoding
 //! splits), `sample` (greedy, full softmax, top-k, top-p, both) and `paged_generate` (the
 //! rollout engine on the GPU against the same engine on the CPU, greedy, tokens compared
-//! position by position).
+//! position by position) and `paged_graphs` (the same seeded rollout with the decode steps
+//! replayed from CUDA graphs, padded eagerly, and eager).
 
 use anyhow::Result;
 
@@ -10,8 +11,9 @@ use super::{round, tols, Suite};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType, PagedAttnShape};
+use crate::engine::generate::Completion;
 use crate::engine::generate::{GenParams, Request};
-use crate::engine::paged::{generate_paged, PagedConfig, PagedDecoder};
+use crate::engine::paged::{generate_paged, GraphMode, PagedConfig, PagedDecoder};
 use crate::engine::sampling::{sample_key, SamplingParams};
 use crate::model::decoder::Decoder;
 use crate::model::{init, Arch, Config};
@@ -266,6 +268,136 @@ impl Suite<'_> {
                 stats.preemptions
             ),
         );
+        Ok(())
+    }
+
+    /// The rollout with pure-decode steps replayed from CUDA graphs against the same rollout
+    /// run eagerly padded exactly as for the graphs (must be bit-identical: a replay runs the
+    /// same kernels on the same inputs), and against plain eager steps (bit-identical at the
+    /// steps whose batch is a bucket size; at other sizes the GEMMs have another row count
+    /// and may round differently). Batches of 3, 20 and 37 samples (buckets 4, 24, 48) that
+    /// shrink through non-bucket sizes as random stop ids end samples, sequences growing
+    /// across 16-token blocks, and a small pool (preemption: mixed prefill steps run eagerly).
+    pub(super) fn paged_graphs(&mut self, d: DType) -> Result<()> {
+        let cfg = Config {
+            arch: Arch::Qwen2,
+            vocab_size: 1000,
+            hidden_size: 256,
+            intermediate_size: 512,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 64,
+            rope_theta: 1_000_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            qk_norm: false,
+            max_position_embeddings: 4096,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        };
+        let w = init::random_weights(&cfg, self.rng.next_u64(), 0.2);
+        let gb = CudaBackend::new(self.ordinal)?;
+        gb.set_compute_dtype(d);
+        let mut gpu = Decoder::new(gb, &cfg, &w)?;
+        for (prompts, n, pool) in [(3usize, 1usize, 0usize), (5, 4, 0), (37, 1, 0), (6, 4, 30)] {
+            let reqs: Vec<Request> = (0..prompts)
+                .map(|i| {
+                    let len = 3 + self.rng.below(40);
+                    let prompt: Vec<u32> = (0..len).map(|_| self.rng.below(1000) as u32).collect();
+                    let keys = (0..n as u64)
+                        .map(|s| sample_key(7, &prompt, i as u64, s))
+                        .collect();
+                    Request {
+                        prompt,
+                        sample_keys: keys,
+                    }
+                })
+                .collect();
+            let longest = reqs.iter().map(|r| r.prompt.len()).max().unwrap_or(1);
+            let params = GenParams {
+                sampling: SamplingParams {
+                    temperature: 1.0,
+                    top_k: -1,
+                    top_p: 0.95,
+                },
+                max_new_tokens: 70,
+                stop_token_ids: (0..1000).filter(|t| t % 50 == 3).collect(),
+                stop_strings: vec![],
+            };
+            let samples = prompts * n;
+            let width = (longest + params.max_new_tokens).div_ceil(16);
+            let pc = PagedConfig {
+                block_size: 16,
+                num_blocks: if pool > 0 {
+                    pool
+                } else {
+                    samples * (width + 1)
+                },
+                max_num_seqs: 64,
+                max_batched_tokens: 256,
+            };
+            let mut runs: Vec<(
+                Vec<Vec<Completion>>,
+                crate::engine::paged::GraphStats,
+                usize,
+            )> = Vec::new();
+            for mode in [GraphMode::Graphs, GraphMode::Padded, GraphMode::Eager] {
+                let mut eng = PagedDecoder::new(&mut gpu, pc.num_blocks, pc.block_size)?;
+                eng.set_graphs(mode, samples.min(pc.max_num_seqs), width)?;
+                let (done, stats) =
+                    generate_paged(&mut eng, &pc, &reqs, &params, None, &mut |_| {})?;
+                let gs = eng.release_graphs()?;
+                drop(eng);
+                runs.push((done, gs, stats.preemptions));
+            }
+            let cmp = |a: &[Vec<Completion>], b: &[Vec<Completion>]| {
+                let (mut same, mut total, mut bits, mut err) = (0usize, 0usize, true, 0f64);
+                for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+                    let agree = x
+                        .tokens
+                        .iter()
+                        .zip(&y.tokens)
+                        .take_while(|(p, q)| p == q)
+                        .count();
+                    same += agree;
+                    total += x.tokens.len().max(y.tokens.len());
+                    bits &= x.tokens == y.tokens
+                        && x.logprobs.len() == y.logprobs.len()
+                        && x.logprobs
+                            .iter()
+                            .zip(&y.logprobs)
+                            .all(|(p, q)| p.to_bits() == q.to_bits());
+                    for (p, q) in x.logprobs.iter().zip(&y.logprobs).take(agree) {
+                        err = err.max((p - q).abs() as f64);
+                    }
+                }
+                (same, total, bits, err)
+            };
+            let (g, gs, pre) = (&runs[0].0, runs[0].1, runs[0].2);
+            let (_, _, padded_bits, _) = cmp(g, &runs[1].0);
+            let (same, total, eager_bits, err) = cmp(g, &runs[2].0);
+            // f32: the eager steps must agree to rounding; bf16 is reported (a GEMM of another
+            // row count rounds its bf16 outputs differently and a sampled token may flip).
+            let eager_ok = d == DType::BF16 || (same == total && err <= 1e-4);
+            self.flag(
+                &format!("paged_graphs {prompts}x{n}{}", if pool > 0 { " small pool" } else { "" }),
+                d,
+                padded_bits && eager_ok && gs.replays > 0 && gs.captures > 0,
+                format!(
+                    "graphs vs padded eager: {}; vs eager: {} ({same}/{total} tokens, max |Δ logprob| {err:.2e}); {} replays, {} captures, {} eager steps, {} padding rows, {} preemptions, graph memory {} KiB",
+                    if padded_bits { "bit-identical" } else { "DIFFERENT" },
+                    if eager_bits { "bit-identical" } else { "differs" },
+                    gs.replays,
+                    gs.captures,
+                    gs.eager_steps,
+                    gs.padding_rows,
+                    pre,
+                    gs.graph_bytes >> 10
+                ),
+            );
+        }
         Ok(())
     }
 }

@@ -29,6 +29,16 @@ struct Inner {
     held: usize,
     in_use: usize,
     peak_in_use: usize,
+    /// A CUDA graph is being captured: blocks handed out now belong to the graphs.
+    capturing: bool,
+    /// Generation of the graphs' private memory (bumped when the graphs are released); blocks
+    /// of the current generation never go back to `free` while the graphs live, since a
+    /// replay writes into them.
+    graph_gen: u64,
+    /// Graph blocks the capture freed again: only a later capture may take them.
+    graph_free: HashMap<usize, Vec<dsys::CUdeviceptr>>,
+    /// Bytes of blocks handed out during captures since the graphs were last released.
+    graph_bytes: usize,
 }
 
 pub struct Pool {
@@ -40,6 +50,8 @@ pub struct Pool {
 pub struct Block {
     ptr: dsys::CUdeviceptr,
     bytes: usize,
+    /// Graph generation the block belongs to (0: ordinary memory).
+    graph_gen: u64,
     pool: Arc<Pool>,
 }
 
@@ -56,7 +68,7 @@ impl Block {
 impl Drop for Block {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            self.pool.release(self.ptr, self.bytes);
+            self.pool.release(self.ptr, self.bytes, self.graph_gen);
         }
     }
 }
@@ -75,10 +87,29 @@ impl Pool {
             return Ok(Block {
                 ptr: 0,
                 bytes: 0,
+                graph_gen: 0,
                 pool: self.clone(),
             });
         }
         let class = size_class(bytes);
+        let graph_gen = {
+            let mut g = self.lock();
+            if g.capturing {
+                // The graphs' own freed blocks first (still counted in use).
+                if let Some(p) = g.graph_free.get_mut(&class).and_then(|v| v.pop()) {
+                    return Ok(Block {
+                        ptr: p,
+                        bytes: class,
+                        graph_gen: g.graph_gen,
+                        pool: self.clone(),
+                    });
+                }
+                g.graph_bytes += class;
+                g.graph_gen
+            } else {
+                0
+            }
+        };
         let cached = {
             let mut g = self.lock();
             let p = g.free.get_mut(&class).and_then(|v| v.pop());
@@ -110,8 +141,38 @@ impl Pool {
         Ok(Block {
             ptr,
             bytes: class,
+            graph_gen,
             pool: self.clone(),
         })
+    }
+
+    /// Starts or ends a capture: blocks handed out in between are kept for the graphs.
+    pub fn set_capturing(&self, on: bool) {
+        let mut g = self.lock();
+        if on && g.graph_gen == 0 {
+            g.graph_gen = 1;
+        }
+        g.capturing = on;
+    }
+
+    /// The graphs were destroyed: their private blocks return to the cache (and to the driver
+    /// on the next `trim`). Returns the bytes the graphs held.
+    pub fn release_graph_memory(&self) -> usize {
+        let mut g = self.lock();
+        let bytes = g.graph_bytes;
+        let blocks: Vec<(usize, Vec<dsys::CUdeviceptr>)> = g.graph_free.drain().collect();
+        for (class, ptrs) in blocks {
+            g.in_use -= class * ptrs.len();
+            g.free.entry(class).or_default().extend(ptrs);
+        }
+        g.graph_gen += 1;
+        g.graph_bytes = 0;
+        bytes
+    }
+
+    /// Bytes handed out to the graphs' captures since they were last released.
+    pub fn graph_bytes(&self) -> usize {
+        self.lock().graph_bytes
     }
 
     fn driver_alloc(&self, bytes: usize) -> Result<dsys::CUdeviceptr> {
@@ -128,8 +189,12 @@ impl Pool {
         })
     }
 
-    fn release(&self, ptr: dsys::CUdeviceptr, bytes: usize) {
+    fn release(&self, ptr: dsys::CUdeviceptr, bytes: usize, graph_gen: u64) {
         let mut g = self.lock();
+        if graph_gen != 0 && graph_gen == g.graph_gen {
+            g.graph_free.entry(bytes).or_default().push(ptr);
+            return;
+        }
         g.in_use -= bytes;
         g.free.entry(bytes).or_default().push(ptr);
     }

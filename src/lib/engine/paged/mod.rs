@@ -16,6 +16,7 @@ pub use scheduler::generate_paged;
 use crate::backend::Backend;
 use crate::engine::generate::GenStats;
 use crate::engine::sampling::{Sampled, SamplingParams};
+pub use crate::model::decoder::{decode_bucket, GraphMode, GraphStats};
 use crate::model::decoder::{Decoder, PagedKv};
 use anyhow::{bail, Result};
 
@@ -104,7 +105,8 @@ pub trait PagedModel {
     fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<()>;
 }
 
-/// The decoder over a paged cache of its own.
+/// The decoder over a paged cache of its own. Dropping it releases the decode graphs with the
+/// cache (`release` does it and says how much they held).
 pub struct PagedDecoder<'a, B: Backend> {
     pub decoder: &'a mut Decoder<B>,
     pub cache: PagedKv<B>,
@@ -114,6 +116,37 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
     pub fn new(decoder: &'a mut Decoder<B>, num_blocks: usize, block_size: usize) -> Result<Self> {
         let cache = decoder.new_paged_cache(num_blocks, block_size)?;
         Ok(PagedDecoder { decoder, cache })
+    }
+
+    /// Pure-decode steps of up to `max_rows` sequences whose tables have at most
+    /// `max_blocks` blocks run as `mode` says (CUDA graphs, see `GraphMode`).
+    pub fn set_graphs(
+        &mut self,
+        mode: GraphMode,
+        max_rows: usize,
+        max_blocks: usize,
+    ) -> Result<()> {
+        self.decoder
+            .set_paged_graphs(&mut self.cache, mode, max_rows, max_blocks)
+    }
+
+    /// How the decode steps ran so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.cache.graph_stats()
+    }
+
+    /// Destroys the decode graphs and gives their memory back to the pool; the stats with the
+    /// bytes the graphs held.
+    pub fn release_graphs(&mut self) -> Result<GraphStats> {
+        self.decoder.release_paged_graphs(&mut self.cache)?;
+        Ok(self.cache.graph_stats())
+    }
+}
+
+impl<B: Backend> Drop for PagedDecoder<'_, B> {
+    fn drop(&mut self) {
+        // The graphs read this cache's buffers: they go with it.
+        let _ = self.decoder.release_paged_graphs(&mut self.cache);
     }
 }
 

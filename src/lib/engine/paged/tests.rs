@@ -406,3 +406,71 @@ fn paged_decoder_on_the_cpu_equals_the_contiguous_decoder() {
         assert!(stats.preemptions > 0, "the small pool preempts");
     }
 }
+
+#[test]
+fn decode_buckets_are_powers_of_two_and_their_three_quarters() {
+    let got: Vec<usize> = [1, 2, 3, 5, 16, 17, 24, 25, 33, 48, 49, 200, 256, 257]
+        .iter()
+        .map(|&n| decode_bucket(n))
+        .collect();
+    assert_eq!(got, [1, 2, 4, 8, 16, 24, 24, 32, 48, 48, 64, 256, 256, 384]);
+    for n in 1..2000 {
+        let b = decode_bucket(n);
+        assert!(b >= n && (n <= 16 || 2 * b < 3 * n), "{n} -> {b}");
+    }
+}
+
+/// The decode steps padded as for a CUDA graph (rows to the bucket, padding rows in the
+/// spare block, tables to a fixed width) sample what the unpadded steps sample; tables wider
+/// than the fixed width and prefill steps run unpadded; `Graphs` on the CPU is eager.
+#[test]
+fn padded_decode_steps_sample_what_the_eager_steps_sample() {
+    let cfg = tiny_config();
+    let weights = random_weights(&cfg, 12, 0.2);
+    let reqs: Vec<Request> = (0..5)
+        .map(|i| {
+            request(
+                i,
+                (0..3 + 7 * i as u32).map(|t| (t * 13 + 5) % 97).collect(),
+                3,
+            )
+        })
+        .collect();
+    let p = params(40, vec![3, 50]);
+    let pc = PagedConfig {
+        block_size: 4,
+        num_blocks: 60,
+        max_num_seqs: 11,
+        max_batched_tokens: 16,
+    };
+    let run = |mode: GraphMode, width: usize| {
+        let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
+        let mut eng = PagedDecoder::new(&mut dec, pc.num_blocks, pc.block_size).unwrap();
+        eng.set_graphs(mode, pc.max_num_seqs, width).unwrap();
+        let (done, stats) = generate_paged(&mut eng, &pc, &reqs, &p, None, &mut |_| {}).unwrap();
+        assert_eq!(stats.blocks_in_use_at_end, 0);
+        (done, eng.release_graphs().unwrap())
+    };
+    let (want, eager) = run(GraphMode::Eager, 0);
+    assert_eq!((eager.padded_steps, eager.replays), (0, 0));
+    let longest: usize = (3 + 7 * 4) + 40;
+    let mut eager_at = Vec::new();
+    for width in [longest.div_ceil(4), 12] {
+        let (got, st) = run(GraphMode::Padded, width);
+        assert!(st.padded_steps > 0 && st.padding_rows > 0, "{st:?}");
+        assert!(st.eager_steps > 0, "prefill steps stay eager: {st:?}");
+        assert_eq!(st.padded_steps + st.eager_steps, eager.eager_steps);
+        eager_at.push(st.eager_steps);
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert_eq!((&g.tokens, g.finish), (&w.tokens, w.finish));
+            for (a, b) in g.logprobs.iter().zip(&w.logprobs) {
+                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+            }
+        }
+    }
+    // Tables past 12 blocks (48 positions) cannot be padded to 12: those steps run eagerly.
+    assert!(eager_at[1] > eager_at[0], "{eager_at:?}");
+    let (got, st) = run(GraphMode::Graphs, longest.div_ceil(4));
+    assert_eq!((st.replays, st.captures, st.padded_steps), (0, 0, 0));
+    assert_eq!(got, want);
+}

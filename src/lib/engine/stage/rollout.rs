@@ -16,7 +16,8 @@ use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::engine::generate::{Completion, Detokenize, GenParams, Request};
 use crate::engine::paged::{
-    generate_paged, pool_blocks, PagedConfig, PagedDecoder, PagedStats, DEFAULT_BLOCK_SIZE,
+    generate_paged, pool_blocks, GraphMode, GraphStats, PagedConfig, PagedDecoder, PagedStats,
+    DEFAULT_BLOCK_SIZE,
 };
 use crate::engine::sampling::{sample_key, SamplingParams};
 use crate::error::input_error;
@@ -204,6 +205,15 @@ pub struct RolloutArgs {
     /// the pool is always that full size.
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_fraction: f64,
+    /// Replay pure-decode steps as CUDA graphs, one per batch-size bucket (the default on
+    /// cuda; no effect on the CPU).
+    #[arg(long = "cuda-graphs", overrides_with = "no_cuda_graphs")]
+    #[serde(default)]
+    pub cuda_graphs: bool,
+    /// Run every step eagerly (kernel by kernel), e.g. to compare with the graphs.
+    #[arg(long = "no-cuda-graphs", overrides_with = "cuda_graphs")]
+    #[serde(default)]
+    pub no_cuda_graphs: bool,
     /// Training step, recorded in the output's metadata.
     #[arg(long)]
     pub step: Option<u64>,
@@ -229,6 +239,7 @@ pub struct Generate<'a> {
     max_num_seqs: usize,
     max_batched_tokens: usize,
     gpu_memory_fraction: f64,
+    cuda_graphs: bool,
 }
 
 /// What a generation did, for the metrics.
@@ -242,6 +253,8 @@ pub struct Generated {
     /// Free device memory with the KV pool held and after it was released (GPU only).
     pub free_with_pool: Option<usize>,
     pub free_after_release: Option<usize>,
+    /// How the decode steps ran (graph replays, padding) and the graphs' memory.
+    pub graphs: GraphStats,
 }
 
 impl Job for Generate<'_> {
@@ -284,6 +297,10 @@ impl Generate<'_> {
             max_batched_tokens: self.max_batched_tokens,
         };
         let mut engine = PagedDecoder::new(policy, num_blocks, bs)?;
+        if self.cuda_graphs {
+            let width = (longest + self.params.max_new_tokens).div_ceil(bs);
+            engine.set_graphs(GraphMode::Graphs, seqs, width)?;
+        }
         let gen_started = Instant::now();
         let (completions, stats) = generate_paged(
             &mut engine,
@@ -295,7 +312,8 @@ impl Generate<'_> {
         )?;
         let gen_s = gen_started.elapsed().as_secs_f64();
         let free_with_pool = engine.decoder.backend().device_memory()?.map(|(f, _)| f);
-        // Give the pool back (what a colocated engine does before the update phase).
+        // Give the pool and the graphs back (what a colocated engine does before the update).
+        let graphs = engine.release_graphs()?;
         drop(engine);
         policy.backend().trim()?;
         let free_after_release = policy.backend().device_memory()?.map(|(f, _)| f);
@@ -307,6 +325,7 @@ impl Generate<'_> {
             kv_pool_bytes: num_blocks * block_bytes,
             free_with_pool,
             free_after_release,
+            graphs,
         })
     }
 }
@@ -437,6 +456,7 @@ pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         max_num_seqs: args.max_num_seqs,
         max_batched_tokens: args.max_batched_tokens,
         gpu_memory_fraction: args.gpu_memory_fraction,
+        cuda_graphs: !args.no_cuda_graphs,
     };
     let Generated {
         completions,
@@ -446,6 +466,7 @@ pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         kv_pool_bytes,
         free_with_pool,
         free_after_release,
+        graphs,
     } = exec.generate(&model, job)?;
     bar.finish_and_clear();
 
@@ -538,6 +559,13 @@ pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         "kv_pool_bytes": kv_pool_bytes,
         "device_free_bytes_with_pool": free_with_pool,
         "device_free_bytes_after_release": free_after_release,
+        "cuda_graphs": json!({
+            "replays": graphs.replays,
+            "captures": graphs.captures,
+            "eager_steps": graphs.eager_steps,
+            "padding_rows": graphs.padding_rows,
+            "graph_bytes_released": graphs.graph_bytes,
+        }),
         "response_tokens": response_tokens,
         "response_length_mean": response_tokens as f64 / total as f64,
         "response_length_max": r_off.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),

@@ -1,7 +1,7 @@
 // Decode/prefill attention over a paged KV cache (engine::paged), flash-decoding style.
 // Query i attends to positions p < len[i] of sequence seq[i]; position p lives in cache row
 // tables[seq[i]·max_blocks + p/bs]·bs + p%bs. The context is split into chunks of split_len
-// positions (grid z): each block runs an online softmax over its chunk, then, with more than
+// positions (grid z; see row_split): each block runs an online softmax over its chunk, then, with more than
 // one split, paged_combine_k merges the partial states (m, l, acc) of the splits:
 //   o = Σ_s acc_s·e^{m_s−M} / Σ_s l_s·e^{m_s−M},  M = max_s m_s.
 // HD (head dim) is compile-time: the host compiles this file once per head_dim. Math is f32;
@@ -13,6 +13,16 @@
 #define PNW 4                 // warps per block: each takes every PNW-th position of the chunk
 #define PCPW ((HD + 31) / 32) // head-dim columns per lane
 #define ERR_PAGED (1u << 10)
+
+// Positions per split of a row of length L: split_len, or with split_len = 0 the row's own
+// context cut into `splits` even chunks (multiples of 32, at least 64), so that what a row
+// computes depends on its length and the split count only, not on the widest table of the
+// step (a decode step padded for a CUDA graph gives the same bits as the eager one).
+DEVI i64 row_split(i64 L, int split_len, int splits) {
+    if (split_len > 0) return split_len;
+    i64 c = ((L + splits - 1) / splits + 31) / 32 * 32;
+    return c < 64 ? 64 : c;
+}
 
 extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_k(
     void* o, int obf, const void* q, int qbf, const void* kc, int kcbf, const void* vc, int vcbf,
@@ -27,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_k(
     const u32* table = tables + (i64)seq[i] * max_blocks;
     i64 qoff = ((i64)i * heads + h) * HD, kstride = (i64)kv_heads * HD;
     int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
-    i64 p0 = (i64)sp * split_len, p1 = min(L, p0 + (i64)split_len);
+    i64 sl = row_split(L, split_len, splits), p0 = (i64)sp * sl, p1 = min(L, p0 + sl);
     float qr[PCPW], acc[PCPW];
 #pragma unroll
     for (int c = 0; c < PCPW; c++) {
@@ -173,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
     const u32* table = tables + (i64)seq[i] * max_blocks;
     i64 kstride = (i64)kv_heads * HD;
     int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
-    i64 p0 = (i64)sp * split_len, p1 = min(L, p0 + (i64)split_len);
+    i64 sl = row_split(L, split_len, splits), p0 = (i64)sp * sl, p1 = min(L, p0 + sl);
     float m[GMAX], l[GMAX], acc[GMAX][PCPW];
 #pragma unroll
     for (int g = 0; g < GMAX; g++) {

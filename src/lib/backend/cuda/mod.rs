@@ -17,7 +17,6 @@ pub mod gemm;
 pub mod nvrtc;
 pub mod parity;
 pub mod pool;
-pub mod staging;
 pub mod timing;
 
 use std::collections::HashMap;
@@ -199,8 +198,6 @@ pub struct CudaBackend {
     ordinal: usize,
     device_name: String,
     sms: u32,
-    /// Pinned buffer of large downloads (made on first use).
-    staging: Mutex<Option<staging::Staging>>,
     /// Captured graphs by id (`Backend::graph_*`); None once released.
     graphs: Mutex<Vec<Option<Graph>>>,
 }
@@ -267,7 +264,6 @@ impl CudaBackend {
             ordinal,
             device_name,
             sms,
-            staging: Mutex::new(None),
             graphs: Mutex::new(Vec::new()),
         };
         be.memset(be.err_word.ptr(), 0, 4)?;
@@ -737,31 +733,6 @@ impl Backend for CudaBackend {
             return self.check_errors();
         }
         self.bind()?;
-        let width = match src.dtype {
-            DType::F32 => 4,
-            DType::BF16 => 2,
-        };
-        if dst.len() * width >= staging::MIN_STAGED_BYTES {
-            // Kernels that failed would show in the copy's sync; their error word is read here.
-            self.check_errors()?;
-            let mut guard = self.staging.lock().expect("staging");
-            if guard.is_none() {
-                *guard = Some(staging::Staging::new(self.ctx.clone())?);
-            }
-            let st = guard.as_mut().expect("made above");
-            let n = dst.len();
-            return match src.dtype {
-                DType::F32 => st.download::<f32>(&self.stream, src.ptr, n, &mut |c, at| {
-                    dst[at..at + c.len()].copy_from_slice(c)
-                }),
-                DType::BF16 => st.download::<bf16>(&self.stream, src.ptr, n, &mut |c, at| {
-                    dst[at..at + c.len()]
-                        .iter_mut()
-                        .zip(c)
-                        .for_each(|(d, s)| *d = s.to_f32())
-                }),
-            };
-        }
         match src.dtype {
             DType::F32 => {
                 unsafe { dr::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }

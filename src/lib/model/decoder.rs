@@ -231,6 +231,54 @@ impl<B: Backend> PagedKv<B> {
     pub fn graph_stats(&self) -> GraphStats {
         self.graphs.stats
     }
+
+    /// Chunk `c` must feed positions its table covers, through blocks of this cache.
+    fn check_chunk(&self, c: usize, ch: &Chunk) -> Result<()> {
+        let end = ch.start + ch.tokens.len();
+        ensure!(
+            !ch.tokens.is_empty() && end <= ch.table.len() * self.block_size,
+            "paged step: chunk {c} feeds positions {}..{end} but its table covers {}",
+            ch.start,
+            ch.table.len() * self.block_size
+        );
+        if let Some(&b) = ch.table.iter().find(|&&b| b as usize >= self.num_blocks) {
+            bail!(
+                "paged step: chunk {c} names block {b} of {}",
+                self.num_blocks
+            );
+        }
+        Ok(())
+    }
+
+    /// Grows the step's device inputs and outputs to `rows` sample rows and `table_entries`
+    /// block-table entries; a reallocation bumps `epoch` (graphs read the old addresses).
+    fn grow_step_buffers(&mut self, b: &B, rows: usize, table_entries: usize) -> Result<()> {
+        let mut moved = grow_idx(b, &mut self.tables, table_entries)?;
+        moved |= grow_idx(b, &mut self.keys, 2 * rows)?;
+        moved |= grow_idx(b, &mut self.positions, rows)?;
+        moved |= grow_idx(b, &mut self.tokens, rows)?;
+        if b.len(&self.logprobs) < rows {
+            self.logprobs = b.alloc(rows.next_power_of_two())?;
+            moved = true;
+        }
+        if moved {
+            self.epoch += 1;
+        }
+        Ok(())
+    }
+
+    /// The tokens and log-probs the last step drew for its first `rows` sample rows.
+    fn drawn(&self, b: &B, rows: usize) -> Result<Vec<Sampled>> {
+        let mut tok = vec![0u32; rows];
+        let mut lp = vec![0f32; rows];
+        b.download_idx(&self.tokens, &mut tok)?;
+        b.download(&self.logprobs, &mut lp)?;
+        Ok(tok
+            .into_iter()
+            .zip(lp)
+            .map(|(token, logprob)| Sampled { token, logprob })
+            .collect())
+    }
 }
 
 /// Parameter indices of one layer (into the decoder's parameter lists).
@@ -1732,11 +1780,8 @@ impl<B: Backend> Decoder<B> {
             b.upload_idx(&mut ws.kv_base, &base)?;
             b.upload_idx(&mut ws.kv_len, &len)?;
             b.upload_idx(&mut ws.rows, out)?;
-            if b.len(&ws.logits) < out.len() * v {
-                ws.logits = b.alloc(out.len() * v)?;
-                self.ws_epoch += 1;
-            }
         }
+        self.grow_logits(out.len() * v)?;
         let last = self.forward(n, 1, false, AttnMode::Cached(cache))?;
         cache.lens = lens;
         let r = out.len();
@@ -1828,7 +1873,12 @@ impl<B: Backend> Decoder<B> {
             saved_layers: 1,
             backward: false,
         })?;
-        let n = rows * self.cfg.vocab_size;
+        self.grow_logits(rows * self.cfg.vocab_size)
+    }
+
+    /// Grows the f32 logits buffer to `n` values (the old one freed first, so the peak is
+    /// one buffer); a reallocation bumps `ws_epoch`.
+    fn grow_logits(&mut self, n: usize) -> Result<()> {
         if self.backend.len(&self.ws.logits) < n {
             self.ws.logits = self.backend.alloc(0)?;
             self.ws.logits = self.backend.alloc(n)?;
@@ -1934,24 +1984,8 @@ impl<B: Backend> Decoder<B> {
             saved_layers: 1,
             backward: false,
         })?;
-        let v = self.cfg.vocab_size;
-        let b = &self.backend;
-        if b.len(&self.ws.logits) < rows * v {
-            self.ws.logits = b.alloc(0)?;
-            self.ws.logits = b.alloc(rows * v)?;
-            self.ws_epoch += 1;
-        }
-        let mut moved = grow_idx(b, &mut cache.tables, rows * width)?;
-        moved |= grow_idx(b, &mut cache.keys, 2 * rows)?;
-        moved |= grow_idx(b, &mut cache.positions, rows)?;
-        moved |= grow_idx(b, &mut cache.tokens, rows)?;
-        if b.len(&cache.logprobs) < rows {
-            cache.logprobs = b.alloc(rows.next_power_of_two())?;
-            moved = true;
-        }
-        if moved {
-            cache.epoch += 1;
-        }
+        self.grow_logits(rows * self.cfg.vocab_size)?;
+        cache.grow_step_buffers(&self.backend, rows, rows * width)?;
         let now = (self.ws_epoch, cache.epoch);
         if cache.graphs.epochs != Some(now) {
             self.release_paged_graphs(cache)?;
@@ -1969,13 +2003,24 @@ impl<B: Backend> Decoder<B> {
         sampling: &SamplingParams,
     ) -> Result<()> {
         let last = self.forward(rows, 1, false, AttnMode::Paged(cache))?;
+        self.sample_rows(cache, last, rows, sampling)
+    }
+
+    /// Final norm and LM head of the `rows` hidden states `last` names, then the draw into the
+    /// cache's token and log-prob buffers.
+    fn sample_rows(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        last: usize,
+        rows: usize,
+        sampling: &SamplingParams,
+    ) -> Result<()> {
         self.final_rows(last, rows)?;
         self.head_logits(rows)?;
-        let (b, ws) = (&self.backend, &self.ws);
-        b.sample(
+        self.backend.sample(
             &mut cache.tokens,
             &mut cache.logprobs,
-            &ws.logits,
+            &self.ws.logits,
             &cache.keys,
             &cache.positions,
             rows,
@@ -2007,18 +2052,8 @@ impl<B: Backend> Decoder<B> {
         let mut len = vec![1u32; bucket];
         let mut tables = vec![spare; bucket * width];
         for (c, ch) in chunks.iter().enumerate() {
+            cache.check_chunk(c, ch)?;
             let p = ch.start;
-            ensure!(
-                p < ch.table.len() * bs,
-                "paged step: chunk {c} feeds position {p} but its table covers {}",
-                ch.table.len() * bs
-            );
-            if let Some(&b) = ch.table.iter().find(|&&b| b as usize >= cache.num_blocks) {
-                bail!(
-                    "paged step: chunk {c} names block {b} of {}",
-                    cache.num_blocks
-                );
-            }
             tables[c * width..c * width + ch.table.len()].copy_from_slice(ch.table);
             ids[c] = ch.tokens[0];
             pos[c] = p as u32;
@@ -2085,17 +2120,7 @@ impl<B: Backend> Decoder<B> {
             self.decode_body(cache, bucket, sampling)?;
             cache.graphs.stats.padded_steps += 1;
         }
-        let r = rows.len();
-        let mut tok = vec![0u32; r];
-        let mut lp = vec![0f32; r];
-        let b = &self.backend;
-        b.download_idx(&cache.tokens, &mut tok)?;
-        b.download(&cache.logprobs, &mut lp)?;
-        Ok(tok
-            .into_iter()
-            .zip(lp)
-            .map(|(token, logprob)| Sampled { token, logprob })
-            .collect())
+        cache.drawn(&self.backend, rows.len())
     }
 
     /// One step of the paged engine: runs every chunk (its keys and values stored through its
@@ -2125,19 +2150,7 @@ impl<B: Backend> Decoder<B> {
         let mut tables = vec![0u32; chunks.len() * max_blocks];
         let mut last = Vec::with_capacity(chunks.len());
         for (c, ch) in chunks.iter().enumerate() {
-            let end = ch.start + ch.tokens.len();
-            ensure!(
-                !ch.tokens.is_empty() && end <= ch.table.len() * bs,
-                "paged step: chunk {c} feeds positions {}..{end} but its table covers {}",
-                ch.start,
-                ch.table.len() * bs
-            );
-            if let Some(&b) = ch.table.iter().find(|&&b| b as usize >= cache.num_blocks) {
-                bail!(
-                    "paged step: chunk {c} names block {b} of {}",
-                    cache.num_blocks
-                );
-            }
+            cache.check_chunk(c, ch)?;
             tables[c * max_blocks..c * max_blocks + ch.table.len()].copy_from_slice(ch.table);
             for (i, &t) in ch.tokens.iter().enumerate() {
                 let p = ch.start + i;
@@ -2180,53 +2193,20 @@ impl<B: Backend> Decoder<B> {
             b.upload_idx(&mut ws.kv_base, &seq)?;
             b.upload_idx(&mut ws.kv_len, &len)?;
             b.upload_idx(&mut ws.rows, &out)?;
-            if b.len(&ws.logits) < r * v {
-                ws.logits = b.alloc(0)?;
-                ws.logits = b.alloc(r * v)?;
-                self.ws_epoch += 1;
-            }
-            let mut moved = grow_idx(b, &mut cache.tables, tables.len())?;
-            b.upload_idx(&mut cache.tables, &tables)?;
-            cache.max_blocks = max_blocks;
-            moved |= grow_idx(b, &mut cache.keys, keys.len())?;
-            moved |= grow_idx(b, &mut cache.positions, r)?;
-            moved |= grow_idx(b, &mut cache.tokens, r)?;
-            if b.len(&cache.logprobs) < r {
-                cache.logprobs = b.alloc(r.next_power_of_two())?;
-                moved = true;
-            }
-            if moved {
-                cache.epoch += 1;
-            }
-            b.upload_idx(&mut cache.keys, &keys)?;
-            b.upload_idx(&mut cache.positions, &positions)?;
         }
+        self.grow_logits(r * v)?;
+        let b = &self.backend;
+        cache.grow_step_buffers(b, r, tables.len())?;
+        b.upload_idx(&mut cache.tables, &tables)?;
+        cache.max_blocks = max_blocks;
+        b.upload_idx(&mut cache.keys, &keys)?;
+        b.upload_idx(&mut cache.positions, &positions)?;
         let last_buf = self.forward(n, 1, false, AttnMode::Paged(cache))?;
         if r == 0 {
             return Ok(Vec::new());
         }
-        self.final_rows(last_buf, r)?;
-        self.head_logits(r)?;
-        let (b, ws) = (&self.backend, &self.ws);
-        b.sample(
-            &mut cache.tokens,
-            &mut cache.logprobs,
-            &ws.logits,
-            &cache.keys,
-            &cache.positions,
-            r,
-            v,
-            sampling,
-        )?;
-        let mut tok = vec![0u32; r];
-        let mut lp = vec![0f32; r];
-        b.download_idx(&cache.tokens, &mut tok)?;
-        b.download(&cache.logprobs, &mut lp)?;
-        Ok(tok
-            .into_iter()
-            .zip(lp)
-            .map(|(token, logprob)| Sampled { token, logprob })
-            .collect())
+        self.sample_rows(cache, last_buf, r, sampling)?;
+        cache.drawn(&self.backend, r)
     }
 
     /// Copies whole blocks `(src, dst)` of every layer's keys and values.

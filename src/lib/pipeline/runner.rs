@@ -583,7 +583,7 @@ impl Runner {
     /// writes it on the checkpoint cadence and at the last step, as verl's save_freq does
     /// (~12 bytes per parameter: 6 GB at 0.5B). A dead daemon is restarted from the newest
     /// checkpoint that has it ([`Runner::rewind`]).
-    pub fn saves_optimizer(&self, step: u64) -> bool {
+    fn saves_optimizer(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
         !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
     }
@@ -760,9 +760,9 @@ impl Runner {
             return Ok(None);
         }
         let mut to = 0;
-        for s in (1..=self.state.steps_done.min(lost)).rev() {
+        for s in (1..=self.state.steps_done.min(lost.saturating_sub(1))).rev() {
             let dir = self.run.ckpt(s);
-            if s < lost && dir.is_dir() && resume::resumable(&dir)? {
+            if dir.is_dir() && resume::resumable(&dir)? {
                 to = s;
                 break;
             }

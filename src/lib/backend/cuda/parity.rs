@@ -1126,24 +1126,7 @@ impl Suite<'_> {
             DType::BF16 => (2e-2, 5e-2, 5e-2),
         };
         for arch in [Arch::Qwen2, Arch::Llama, Arch::Qwen3] {
-            let cfg = Config {
-                arch,
-                vocab_size: 1000,
-                hidden_size: 256,
-                intermediate_size: 512,
-                num_layers: 2,
-                num_heads: 4,
-                num_kv_heads: 2,
-                head_dim: 64,
-                rope_theta: 1_000_000.0,
-                rms_norm_eps: 1e-6,
-                tie_word_embeddings: arch != Arch::Llama,
-                qkv_bias: arch == Arch::Qwen2,
-                qk_norm: arch == Arch::Qwen3,
-                max_position_embeddings: 4096,
-                bos_token_id: None,
-                eos_token_ids: vec![0],
-            };
+            let cfg = tiny_config(arch);
             let tag = format!("{arch:?}").to_lowercase();
             let mut w = init::random_weights(&cfg, self.rng.next_u64(), 0.05);
             // Norms start at one and biases at zero: move them so they are exercised too.
@@ -1541,6 +1524,29 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
         bail!("{failed} of {} parity checks failed", suite.rows.len());
     }
     Ok(())
+}
+
+/// The 2-layer model of the decoder-level checks (vocabulary 1000, hidden 256, 4/2 heads of 64),
+/// with the architecture's own options.
+pub(super) fn tiny_config(arch: Arch) -> Config {
+    Config {
+        arch,
+        vocab_size: 1000,
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        rope_theta: 1_000_000.0,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: arch != Arch::Llama,
+        qkv_bias: arch == Arch::Qwen2,
+        qk_norm: arch == Arch::Qwen3,
+        max_position_embeddings: 4096,
+        bos_token_id: None,
+        eos_token_ids: vec![0],
+    }
 }
 
 #[cfg(test)]

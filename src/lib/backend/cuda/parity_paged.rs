@@ -7,7 +7,7 @@
 
 use anyhow::Result;
 
-use super::{round, tols, Suite};
+use super::{round, tiny_config, tols, Suite};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType, PagedAttnShape};
@@ -162,23 +162,10 @@ impl Suite<'_> {
     /// given the GPU's own context (teacher forced; the target is ≥ 95%). f32 compute
     /// must agree everywhere.
     pub(super) fn paged_generate(&mut self, d: DType) -> Result<()> {
+        // No EOS: samples end by length or by the checks' own stop ids.
         let cfg = Config {
-            arch: Arch::Qwen2,
-            vocab_size: 1000,
-            hidden_size: 256,
-            intermediate_size: 512,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 64,
-            rope_theta: 1_000_000.0,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: true,
-            qkv_bias: true,
-            qk_norm: false,
-            max_position_embeddings: 4096,
-            bos_token_id: None,
             eos_token_ids: vec![],
+            ..tiny_config(Arch::Qwen2)
         };
         let w = init::random_weights(&cfg, self.rng.next_u64(), 0.2);
         let reqs: Vec<Request> = (0..6)
@@ -279,23 +266,10 @@ impl Suite<'_> {
     /// shrink through non-bucket sizes as random stop ids end samples, sequences growing
     /// across 16-token blocks, and a small pool (preemption: mixed prefill steps run eagerly).
     pub(super) fn paged_graphs(&mut self, d: DType) -> Result<()> {
+        // No EOS: samples end by length or by the checks' own stop ids.
         let cfg = Config {
-            arch: Arch::Qwen2,
-            vocab_size: 1000,
-            hidden_size: 256,
-            intermediate_size: 512,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 64,
-            rope_theta: 1_000_000.0,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: true,
-            qkv_bias: true,
-            qk_norm: false,
-            max_position_embeddings: 4096,
-            bos_token_id: None,
             eos_token_ids: vec![],
+            ..tiny_config(Arch::Qwen2)
         };
         let w = init::random_weights(&cfg, self.rng.next_u64(), 0.2);
         let gb = CudaBackend::new(self.ordinal)?;

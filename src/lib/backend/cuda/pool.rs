@@ -170,11 +170,6 @@ impl Pool {
         bytes
     }
 
-    /// Bytes handed out to the graphs' captures since they were last released.
-    pub fn graph_bytes(&self) -> usize {
-        self.lock().graph_bytes
-    }
-
     fn driver_alloc(&self, bytes: usize) -> Result<dsys::CUdeviceptr> {
         self.ctx.bind_to_thread()?;
         unsafe { dr::malloc_sync(bytes) }.map_err(|e| {

@@ -383,6 +383,28 @@ pub trait Backend: Send + Sync {
         n: usize,
         row_dim: usize,
     ) -> Result<()>;
+    /// rope on q (`heads`) and k (`kv_heads`) in place, then `kv_store` of k and v: what a
+    /// cached or paged step runs before attention, one launch where a backend fuses it.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_kv(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        pos: &Self::Idx,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        rows: &Self::Idx,
+        tokens: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        self.rope(q, pos, tokens, heads, head_dim, theta)?;
+        self.rope(k, pos, tokens, kv_heads, head_dim, theta)?;
+        self.kv_store(k_cache, v_cache, k, v, rows, tokens, kv_heads * head_dim)
+    }
     /// Attention against a cache: o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
     #[allow(clippy::too_many_arguments)]
     fn attention_cached(

@@ -78,6 +78,8 @@ struct Measured {
     /// Decode steps replayed from graphs, graphs captured.
     replays: usize,
     captures: usize,
+    capture_s: f64,
+    drops: usize,
     samples: usize,
     new_tokens: usize,
     seconds: f64,
@@ -86,6 +88,7 @@ struct Measured {
     /// Bytes the roofline says a step must read, summed over the run.
     bytes: f64,
     flops: f64,
+    split: StepSplit,
 }
 
 struct Bench<'a> {
@@ -320,14 +323,19 @@ impl Job for Bench<'_> {
             }
             engine.decoder.backend().synchronize()?;
             let t = Instant::now();
+            let mut timed = Timed {
+                inner: &mut engine,
+                split: StepSplit::default(),
+            };
             let (done, stats) = generate_paged(
-                &mut engine,
+                &mut timed,
                 &pc,
                 &case.requests,
                 &case.params,
                 None,
                 &mut |_| {},
             )?;
+            let split = timed.split;
             engine.decoder.backend().synchronize()?;
             let seconds = t.elapsed().as_secs_f64();
             let gs = engine.release_graphs()?;
@@ -364,6 +372,8 @@ impl Job for Bench<'_> {
                 },
                 replays: gs.replays,
                 captures: gs.captures,
+                capture_s: gs.capture_us as f64 * 1e-6,
+                drops: gs.drops,
                 samples,
                 new_tokens,
                 seconds,
@@ -371,6 +381,7 @@ impl Job for Bench<'_> {
                 preemptions: stats.preemptions,
                 bytes,
                 flops: 2.0 * params * fed + attn_flops,
+                split,
             });
         }
         let parts = breakdown(
@@ -379,6 +390,53 @@ impl Job for Bench<'_> {
             256,
         )?;
         Ok((out, bw, peak, name, parts))
+    }
+}
+
+/// Wall time of a run's steps by kind: pure decode (every sequence feeds one token) and the
+/// rest (prefill chunks, mixed steps). Each step waits for its drawn tokens, so wall time is
+/// device time plus the host's share.
+#[derive(Clone, Copy, Debug, Default)]
+struct StepSplit {
+    decode_s: f64,
+    decode_steps: usize,
+    other_s: f64,
+    other_steps: usize,
+    /// The slowest pure-decode step (a bucket's first, eager, step or its capture).
+    slowest_decode_s: f64,
+}
+
+struct Timed<'a> {
+    inner: &'a mut dyn PagedModel,
+    split: StepSplit,
+}
+
+impl PagedModel for Timed<'_> {
+    fn vocab(&self) -> usize {
+        self.inner.vocab()
+    }
+    fn step(
+        &mut self,
+        chunks: &[Chunk],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+    ) -> Result<Vec<crate::engine::sampling::Sampled>> {
+        let t = Instant::now();
+        let out = self.inner.step(chunks, rows, sampling)?;
+        let s = t.elapsed().as_secs_f64();
+        let sp = &mut self.split;
+        if chunks.iter().all(|c| c.tokens.len() == 1) {
+            sp.decode_s += s;
+            sp.decode_steps += 1;
+            sp.slowest_decode_s = sp.slowest_decode_s.max(s);
+        } else {
+            sp.other_s += s;
+            sp.other_steps += 1;
+        }
+        Ok(out)
+    }
+    fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<()> {
+        self.inner.copy_blocks(pairs)
     }
 }
 
@@ -484,7 +542,22 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             format!("{:.1}%", 100.0 * bw_frac),
             format!("{:.1}%", 100.0 * fl_frac),
             m.preemptions.to_string(),
-            format!("{}/{}", m.replays, m.captures),
+            format!(
+                "{}/{} ({:.0} ms, {} drops)",
+                m.replays,
+                m.captures,
+                1e3 * m.capture_s,
+                m.drops
+            ),
+            format!(
+                "{:.0} / {:.0}",
+                1e3 * m.split.decode_s,
+                1e3 * m.split.other_s
+            ),
+            format!(
+                "{:.2}",
+                1e3 * m.split.decode_s / m.split.decode_steps.max(1) as f64
+            ),
         ]);
         js.push(json!({
             "case": m.name,
@@ -501,6 +574,13 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             "mode": m.mode,
             "graph_replays": m.replays,
             "graph_captures": m.captures,
+            "graph_capture_s": m.capture_s,
+            "graph_drops": m.drops,
+            "decode_steps_s": m.split.decode_s,
+            "decode_steps": m.split.decode_steps,
+            "other_steps_s": m.split.other_s,
+            "other_steps": m.split.other_steps,
+            "slowest_decode_step_s": m.split.slowest_decode_s,
         }));
     }
     report(
@@ -523,6 +603,8 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             "%GEMM",
             "preempt",
             "replay/capt",
+            "decode/other ms",
+            "ms/decode",
         ],
         &table,
         &json!({

@@ -192,6 +192,11 @@ pub struct GraphStats {
     pub padding_rows: usize,
     /// Device memory the graphs kept for their temporaries (given back on release).
     pub graph_bytes: usize,
+    /// Wall time of the captures: each bucket's eager first run, the capture and the
+    /// instantiation (microseconds).
+    pub capture_us: u64,
+    /// Times the graphs were dropped because a buffer they read moved.
+    pub drops: usize,
 }
 
 /// Pure-decode steps padded to a bucket of rows and a fixed table width, so that their
@@ -1011,10 +1016,10 @@ impl<B: Backend> Decoder<B> {
                 b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], n * hh, hd, eps)?;
                 b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], n * kh, hd, eps)?;
             }
-            b.rope(&mut a.q, &ws.pos, n, hh, hd, theta)?;
-            b.rope(&mut a.k, &ws.pos, n, kh, hd, theta)?;
             match &mut mode {
                 AttnMode::Packed => {
+                    b.rope(&mut a.q, &ws.pos, n, hh, hd, theta)?;
+                    b.rope(&mut a.k, &ws.pos, n, kh, hd, theta)?;
                     let shape = AttnShape {
                         tokens: n,
                         seqs,
@@ -1026,7 +1031,20 @@ impl<B: Backend> Decoder<B> {
                 }
                 AttnMode::Cached(cache) => {
                     let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-                    b.kv_store(kc, vc, &a.k, &a.v, &ws.kv_rows, n, kd)?;
+                    b.rope_store_kv(
+                        &mut a.q,
+                        &mut a.k,
+                        &a.v,
+                        &ws.pos,
+                        kc,
+                        vc,
+                        &ws.kv_rows,
+                        n,
+                        hh,
+                        kh,
+                        hd,
+                        theta,
+                    )?;
                     let shape = CachedAttnShape {
                         queries: n,
                         heads: hh,
@@ -1045,7 +1063,20 @@ impl<B: Backend> Decoder<B> {
                         ..
                     } = &mut **cache;
                     let (kc, vc) = (&mut ks[l], &mut vs[l]);
-                    b.kv_store(kc, vc, &a.k, &a.v, &ws.kv_rows, n, kd)?;
+                    b.rope_store_kv(
+                        &mut a.q,
+                        &mut a.k,
+                        &a.v,
+                        &ws.pos,
+                        kc,
+                        vc,
+                        &ws.kv_rows,
+                        n,
+                        hh,
+                        kh,
+                        hd,
+                        theta,
+                    )?;
                     let shape = PagedAttnShape {
                         queries: n,
                         heads: hh,
@@ -1988,6 +2019,9 @@ impl<B: Backend> Decoder<B> {
         cache.grow_step_buffers(&self.backend, rows, rows * width)?;
         let now = (self.ws_epoch, cache.epoch);
         if cache.graphs.epochs != Some(now) {
+            if !cache.graphs.captured.is_empty() {
+                cache.graphs.stats.drops += 1;
+            }
             self.release_paged_graphs(cache)?;
             cache.graphs.epochs = Some(now);
         }
@@ -2102,6 +2136,7 @@ impl<B: Backend> Decoder<B> {
             let id = match found {
                 Some(id) => id,
                 None => {
+                    let t0 = std::time::Instant::now();
                     self.decode_body(cache, bucket, sampling)?;
                     self.backend.synchronize()?;
                     self.backend.graph_begin()?;
@@ -2111,6 +2146,7 @@ impl<B: Backend> Decoder<B> {
                     let id = id?;
                     cache.graphs.captured.push((key, id));
                     cache.graphs.stats.captures += 1;
+                    cache.graphs.stats.capture_us += t0.elapsed().as_micros() as u64;
                     id
                 }
             };

@@ -390,10 +390,8 @@ extern "C" __global__ void __launch_bounds__(NW * 32) attn_cached_k(
 
 // ---- tensor-core path (bf16 q/k/v/o, head_dim a multiple of 16 up to 128) -----------------
 // The same math with mma.sync m16n8k16 (bf16 inputs, f32 accumulators). Each warp owns 16 rows
-// of the matrix it produces. Fragment layouts (PTX ISA, m16n8k16): with g = lane/4, t = lane%4,
-// A regs hold (row g | g+8, cols 2t,2t+1 | 2t+8,2t+9), B regs hold (k 2t,2t+1 | 2t+8,2t+9, col g),
-// C holds (row g | g+8, cols 2t, 2t+1). A C tile of scores for 16 keys is exactly the A
-// fragment of the next product, so P never leaves registers.
+// of the matrix it produces (fragment layouts at mma16816 in common.cuh). A C tile of scores
+// for 16 keys is exactly the A fragment of the next product, so P never leaves registers.
 #if HD % 16 == 0 && HD <= 128
 
 #define KST (HD + 8) // padded bf16 row stride of [rows][HD] tiles: conflict-free 32-bit reads
@@ -404,16 +402,6 @@ extern "C" __global__ void __launch_bounds__(NW * 32) attn_cached_k(
 #define TKQ 32       // keys per tile of the dQ kernel
 #define TST(n) ((n) + 8) // padded bf16 row stride of transposed [HD][n] tiles
 
-DEVI void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats as a bf16 pair, the first in the low half (the lower column of a fragment).
-DEVI u32 pack2(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
 DEVI u32 lds32(const bf16_t* p) { return *(const u32*)p; }
 
 // Rows [row0, row0+n) of a [*, stride] bf16 matrix (columns off..off+HD) into a [rows][KST]
@@ -543,14 +531,21 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
             oc[n][2] *= corr[1];
             oc[n][3] *= corr[1];
         }
+        // P as hi + lo bf16 parts (split2): the output keeps f32-like probabilities, as the
+        // decode kernel does, so rollout and training log-probs of the same tokens agree.
 #pragma unroll
         for (int kk = 0; kk < TK / 16; kk++) {
-            u32 pa[4];
-            c2a(pa, s[2 * kk], s[2 * kk + 1]);
+            u32 pa[4], pl[4];
+            split2(pa[0], pl[0], s[2 * kk][0], s[2 * kk][1]);
+            split2(pa[1], pl[1], s[2 * kk][2], s[2 * kk][3]);
+            split2(pa[2], pl[2], s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            split2(pa[3], pl[3], s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int n = 0; n < HD / 8; n++) {
                 const bf16_t* vp = Vt + (n * 8 + g) * TST(TK) + kk * 16 + 2 * t;
-                mma16816(oc[n], pa, lds32(vp), lds32(vp + 8));
+                u32 b0 = lds32(vp), b1 = lds32(vp + 8);
+                mma16816(oc[n], pa, b0, b1);
+                mma16816(oc[n], pl, b0, b1);
             }
         }
     }

@@ -30,6 +30,27 @@ DEVI bf16_t f2bf(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// c += a·b on the tensor cores, mma.sync m16n8k16 (bf16 inputs, f32 accumulators). Fragment
+// layouts (PTX ISA), with g = lane/4, t = lane%4: A regs hold (row g | g+8, cols 2t,2t+1 |
+// 2t+8,2t+9), B regs hold (k 2t,2t+1 | 2t+8,2t+9, col g), C holds (row g | g+8, cols 2t, 2t+1).
+DEVI void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, the first in the low half (the lower column of a fragment).
+DEVI u32 pack2(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
+
+// (a, b) = hi + lo with both bf16 pairs (a − hi_a is exact in f32): an operand kept to ~16 bits
+// through two tensor-core products, e.g. attention probabilities.
+DEVI void split2(u32& hi, u32& lo, float a, float b) {
+    hi = pack2(a, b);
+    lo = pack2(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+}
+
 DEVI float ld(const void* p, int bf, i64 i) {
     return bf ? bf2f(((const bf16_t*)p)[i]) : ((const float*)p)[i];
 }

@@ -318,3 +318,183 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
     }
 }
 #endif
+
+// ---- tensor-core path: bf16 q and cache, HD 64 or 128, group <= 16 --------------------------
+// One block per (query, kv head, split) as above, 4 warps taking tiles of 16 positions in turn.
+// Per tile, on mma.sync m16n8k16 (mma16816): S[head × pos] = Q[16 heads (the group, zero-padded)
+// × HD] · K^T, then O[head × d] += P · V with P split into two bf16 terms (hi + lo).
+// Neither product needs shared memory: a dot product over d and a sum over positions do not care
+// in which order their terms come, so each lane loads whole 16-byte pieces of K and V rows
+// straight from the cache and the fragments use permuted indices:
+// - q·k, k-step s: the lane with t = lane%4 holds dims t·HD/4 + 4s + {0,1 | 2,3} of Q and K
+//   (logical columns 2t,2t+1 | 2t+8,2t+9), i.e. its own HD/4 consecutive dims of each row;
+// - p·v, n-tile j: column n stands for dim n·HD/8 + j, so the lane with g = lane/4 reads dims
+//   [g·HD/8, (g+1)·HD/8) of its four V rows, and its C values are dims [2t·HD/8, (2t+2)·HD/8).
+#if HD % 64 == 0 && HD <= 128
+#define PKS (HD / 16) // k-steps of q·k
+#define PNT (HD / 8)  // n-tiles (8 dims each) of p·v
+
+// 8·n consecutive bf16 (16-byte aligned) into 32-bit words; zeros when !ok.
+template <int N> DEVI void ld16(u32* w, const bf16_t* p, bool ok) {
+#pragma unroll
+    for (int x = 0; x < N; x++) {
+        uint4 v = ok ? ((const uint4*)p)[x] : make_uint4(0, 0, 0, 0);
+        w[4 * x] = v.x;
+        w[4 * x + 1] = v.y;
+        w[4 * x + 2] = v.z;
+        w[4 * x + 3] = v.w;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
+    void* o, int obf, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
+    const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
+    i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err) {
+    __shared__ float m_s[PNW][16], l_s[PNW][16];
+    __shared__ float acc_s[PNW][16][HD];
+    int i = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int group = heads / kv_heads, h0 = kh * group;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    i64 L = len[i];
+    const u32* table = tables + (i64)seq[i] * max_blocks;
+    i64 kstride = (i64)kv_heads * HD;
+    int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
+    i64 sl = row_split(L, split_len, splits), p0 = (i64)sp * sl, p1 = min(L, p0 + sl);
+    // Q rows g and g+8 of the group (zero past it), this lane's HD/4 dims: A fragments per k-step.
+    u32 qw[2][HD / 8];
+    ld16<HD / 32>(qw[0], q + ((i64)i * heads + h0 + g) * HD + t * (HD / 4), g < group);
+    ld16<HD / 32>(qw[1], q + ((i64)i * heads + h0 + g + 8) * HD + t * (HD / 4), g + 8 < group);
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float acc[PNT][4];
+#pragma unroll
+    for (int j = 0; j < PNT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (i64 T = p0 + 16 * w; !bad && T < p1; T += 16 * PNW) {
+        // Cache row offsets: K rows T+g, T+8+g; V rows T+2t, T+2t+1, T+8+2t, T+9+2t.
+        i64 pk[2] = {T + g, T + 8 + g}, pv[4] = {T + 2 * t, T + 2 * t + 1, T + 8 + 2 * t, T + 9 + 2 * t};
+        i64 rk[2], rv[4];
+#pragma unroll
+        for (int x = 0; x < 6; x++) {
+            i64 p = x < 2 ? pk[x] : pv[x - 2], r = -1;
+            if (p < p1) {
+                u32 blk = table[p / block_size];
+                if ((i64)blk >= num_blocks) bad = 1;
+                else r = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD;
+            }
+            if (x < 2) rk[x] = r;
+            else rv[x - 2] = r;
+        }
+        bad = __any_sync(0xffffffffu, bad); // leave the tile loop together (mma.sync needs the warp)
+        u32 kw[2][HD / 8], vw[4][PNT / 2];
+#pragma unroll
+        for (int n = 0; n < 2; n++) ld16<HD / 32>(kw[n], kc + rk[n] + t * (HD / 4), rk[n] >= 0);
+#pragma unroll
+        for (int x = 0; x < 4; x++) ld16<HD / 64>(vw[x], vc + rv[x] + g * PNT, rv[x] >= 0);
+        // S: two n-tiles of 8 positions (T+n, T+8+n); rows g, g+8 are heads h0+g, h0+g+8.
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int ks = 0; ks < PKS; ks++) {
+            u32 a[4] = {qw[0][2 * ks], qw[1][2 * ks], qw[0][2 * ks + 1], qw[1][2 * ks + 1]};
+#pragma unroll
+            for (int n = 0; n < 2; n++) mma16816(s[n], a, kw[n][2 * ks], kw[n][2 * ks + 1]);
+        }
+        // Online softmax per head row (this lane: positions T+2t, T+2t+1, T+8+2t, T+9+2t).
+        float pr[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float x[4] = {s[0][2 * r], s[0][2 * r + 1], s[1][2 * r], s[1][2 * r + 1]};
+            float mx = NEG_INF;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                x[c] = pv[c] < p1 ? x[c] * scale : NEG_INF;
+                mx = fmaxf(mx, x[c]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            float mnew = fmaxf(m[r], mx);
+            float corr = m[r] == NEG_INF ? 0.0f : expf(m[r] - mnew);
+            float sum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                pr[r][c] = x[c] == NEG_INF ? 0.0f : expf(x[c] - mnew);
+                sum += pr[r][c];
+            }
+            l[r] = l[r] * corr + sum;
+            m[r] = mnew;
+#pragma unroll
+            for (int j = 0; j < PNT; j++) {
+                acc[j][2 * r] *= corr;
+                acc[j][2 * r + 1] *= corr;
+            }
+        }
+        // P = hi + lo, both bf16 (p − hi is exact in f32): two products keep P to ~16 bits, as
+        // accurate as the scalar kernel's f32 P, so greedy decoding follows the CPU.
+        u32 pa[4], pl[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) split2(pa[x], pl[x], pr[x & 1][(x >> 1) * 2], pr[x & 1][(x >> 1) * 2 + 1]);
+        // O += P·V: B of n-tile j = element j of this lane's V pieces, rows paired along k.
+#pragma unroll
+        for (int j = 0; j < PNT; j++) {
+            u32 sel = (j & 1) ? 0x7632u : 0x5410u;
+            u32 b0 = __byte_perm(vw[0][j / 2], vw[1][j / 2], sel);
+            u32 b1 = __byte_perm(vw[2][j / 2], vw[3][j / 2], sel);
+            mma16816(acc[j], pa, b0, b1);
+            mma16816(acc[j], pl, b0, b1);
+        }
+    }
+    bad = __syncthreads_or(bad);
+    const float nan = __int_as_float(0x7fc00000);
+    if (bad) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_PAGED);
+        for (int x = threadIdx.x; x < group * HD; x += PNW * 32) {
+            i64 hh = (i64)i * heads + h0 + x / HD;
+            if (splits == 1) st(o, obf, hh * HD + x % HD, nan);
+            else part_o[(hh * splits + sp) * HD + x % HD] = nan;
+            if (splits > 1 && x % HD == 0) {
+                part_ml[2 * (hh * splits + sp)] = nan;
+                part_ml[2 * (hh * splits + sp) + 1] = nan;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        int gr = g + 8 * r;
+        if (gr < group) {
+            if (t == 0) {
+                m_s[w][gr] = m[r];
+                l_s[w][gr] = l[r];
+            }
+#pragma unroll
+            for (int j = 0; j < PNT; j++) {
+                acc_s[w][gr][2 * t * PNT + j] = acc[j][2 * r];
+                acc_s[w][gr][(2 * t + 1) * PNT + j] = acc[j][2 * r + 1];
+            }
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < group * HD; x += PNW * 32) {
+        int gr = x / HD, d = x % HD;
+        float mm = NEG_INF;
+        for (int y = 0; y < PNW; y++) mm = fmaxf(mm, m_s[y][gr]);
+        float tot = 0.0f, sum = 0.0f;
+        for (int y = 0; y < PNW; y++) {
+            if (m_s[y][gr] == NEG_INF) continue;
+            float e = expf(m_s[y][gr] - mm);
+            tot += l_s[y][gr] * e;
+            sum += acc_s[y][gr][d] * e;
+        }
+        i64 hh = (i64)i * heads + h0 + gr;
+        if (splits == 1) {
+            st(o, obf, hh * HD + d, sum / tot);
+        } else {
+            part_o[(hh * splits + sp) * HD + d] = sum;
+            if (d == 0) {
+                part_ml[2 * (hh * splits + sp)] = mm;
+                part_ml[2 * (hh * splits + sp) + 1] = tot;
+            }
+        }
+    }
+}
+#endif

@@ -25,3 +25,39 @@ extern "C" __global__ void rope_k(void* x, int xbf, const u32* pos, int tokens, 
         st(x, xbf, ib, b * c + a * s);
     }
 }
+
+// A decode step's rope(q), rope(k) and kv_store in one launch, with the same values: q and k
+// rotated in place, then cache[rows[t]] = (k_t, v_t) (k as rounded into its buffer).
+extern "C" __global__ void rope_store_kv_k(void* q, int qbf, void* k, int kbf, const void* v, int vbf,
+                                           const u32* pos, void* kc, int kcbf, void* vc, int vcbf,
+                                           const u32* rows, int tokens, int heads, int kv_heads,
+                                           int head_dim, i64 cache_rows, Freqs fr, u32* err) {
+    int t = blockIdx.x;
+    if (t >= tokens) return;
+    int half = head_dim / 2, kd = kv_heads * head_dim;
+    u32 r = rows[t];
+    int ok = (i64)r < cache_rows;
+    if (!ok && threadIdx.x == 0) atomicOr(err, ERR_CACHE_ROW);
+    float p = (float)pos[t];
+    for (int j = threadIdx.x; j < (heads + kv_heads) * half; j += blockDim.x) {
+        int h = j / half, i = j % half;
+        float s, c;
+        sincosf(p * fr.f[i], &s, &c);
+        int isk = h >= heads, hh = isk ? h - heads : h;
+        void* x = isk ? k : q;
+        int xbf = isk ? kbf : qbf;
+        i64 ia = (i64)t * (isk ? kd : heads * head_dim) + (i64)hh * head_dim + i, ib = ia + half;
+        float a = ld(x, xbf, ia), b = ld(x, xbf, ib);
+        float ra = a * c - b * s, rb = b * c + a * s;
+        st(x, xbf, ia, ra);
+        st(x, xbf, ib, rb);
+        if (isk && ok) {
+            i64 ca = (i64)r * kd + (i64)hh * head_dim + i;
+            st(kc, kcbf, ca, xbf ? bf2f(f2bf(ra)) : ra);
+            st(kc, kcbf, ca + half, xbf ? bf2f(f2bf(rb)) : rb);
+        }
+    }
+    if (ok)
+        for (int c = threadIdx.x; c < kd; c += blockDim.x)
+            st(vc, vcbf, (i64)r * kd + c, ld(v, vbf, (i64)t * kd + c));
+}

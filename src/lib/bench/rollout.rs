@@ -248,11 +248,34 @@ fn breakdown<B: Backend>(
         ms(b, || b.matmul(&mut y, &x, &w, None, rows, d, v, false))?,
     ));
     let f = cfg.intermediate_size;
-    let wu = b.alloc_as(f * d, cd)?;
-    let mut h = b.alloc_as(rows * f, cd)?;
+    let wu = b.alloc_as(2 * f * d, cd)?;
+    let mut h = b.alloc_as(rows * 2 * f, cd)?;
     out.push((
         format!("MLP up GEMM [{rows} x {d}] x [{d} x {f}]"),
         ms(b, || b.matmul(&mut h, &x, &wu, None, rows, d, f, false))?,
+    ));
+    // What fusing the projections that share an input would give (weights side by side).
+    out.push((
+        format!("gate+up as one GEMM [{rows} x {d}] x [{d} x {}]", 2 * f),
+        ms(b, || b.matmul(&mut h, &x, &wu, None, rows, d, 2 * f, false))?,
+    ));
+    let (qd, kd) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    out.push((
+        format!("q, k, v GEMMs [{rows} x {d}] x [{d} x {qd}|{kd}|{kd}]"),
+        ms(b, || {
+            b.matmul(&mut h, &x, &wu, None, rows, d, qd, false)?;
+            b.matmul(&mut h, &x, &wu, None, rows, d, kd, false)?;
+            b.matmul(&mut h, &x, &wu, None, rows, d, kd, false)
+        })?,
+    ));
+    out.push((
+        format!("qkv as one GEMM [{rows} x {d}] x [{d} x {}]", qd + 2 * kd),
+        ms(b, || {
+            b.matmul(&mut h, &x, &wu, None, rows, d, qd + 2 * kd, false)
+        })?,
     ));
     Ok(out)
 }

@@ -61,6 +61,8 @@ struct Key {
     d: DType,
     bias: bool,
     align: [u32; 3],
+    /// Batch-invariant plan (see `Gemm::set_batch_invariant`).
+    invariant: bool,
 }
 
 struct Plan {
@@ -94,7 +96,11 @@ pub struct Gemm {
     state: Mutex<State>,
     workspace: Block,
     stream: Arc<CudaStream>,
+    invariant: std::sync::atomic::AtomicBool,
 }
+
+/// Token count the batch-invariant plans are chosen for (see `Gemm::set_batch_invariant`).
+const INVARIANT_TOKENS: usize = 4096;
 
 fn cuda_type(t: DType) -> ls::cudaDataType {
     match t {
@@ -135,7 +141,21 @@ impl Gemm {
             }),
             workspace,
             stream,
+            invariant: std::sync::atomic::AtomicBool::new(
+                std::env::var_os("TANDEM_BATCH_INVARIANT").is_some(),
+            ),
         })
+    }
+
+    /// Batch-invariant forward GEMMs: y = x·wᵀ (the decoder's projections and LM head) run
+    /// the algorithm cuBLASLt picks for INVARIANT_TOKENS rows whatever the row count, so a
+    /// row's result does not depend on how many rows share the call (a decode step of 256
+    /// sequences and a training micro-batch of 5120 tokens round alike). Off by default: the
+    /// heuristic's own choice is faster at small row counts. The environment variable
+    /// TANDEM_BATCH_INVARIANT turns it on.
+    pub fn set_batch_invariant(&self, on: bool) {
+        self.invariant
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn plan(handle: ls::cublasLtHandle_t, key: &Key, ws: usize) -> Result<Plan> {
@@ -170,6 +190,17 @@ impl Gemm {
         plan.a = layout(key.ab, ar, ac, key.lda)?;
         plan.b = layout(key.ab, br, bc, key.ldb)?;
         plan.d = layout(key.d, key.m, key.n, key.ldd)?;
+        // Batch-invariant forward GEMMs (Aᵀ·B, n = tokens): the heuristic sees INVARIANT_TOKENS
+        // columns; the algorithm must then also run the real shape (checked below).
+        let canonical = key.invariant && key.transa && !key.transb && key.n != INVARIANT_TOKENS;
+        let (hb, hd) = if canonical {
+            (
+                layout(key.ab, key.k, INVARIANT_TOKENS, key.ldb)?,
+                layout(key.d, key.m, INVARIANT_TOKENS, key.ldd)?,
+            )
+        } else {
+            (plan.b, plan.d)
+        };
         unsafe {
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &(key.transa as i32))?;
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &(key.transb as i32))?;
@@ -210,15 +241,37 @@ impl Gemm {
                 setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1])?;
                 setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2])?;
                 setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2])?;
-                lr::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref)
-                    .map_err(|e| {
-                        anyhow!(
-                            "cuBLASLt found no algorithm for {key:?} ({e:?}); \
-                         check the operand types and alignment"
-                        )
-                    })
+                let heuristic = |b, d| {
+                    lr::get_matmul_algo_heuristic(handle, desc, plan.a, b, d, d, pref).map_err(
+                        |e| {
+                            anyhow!(
+                                "cuBLASLt found no algorithm for {key:?} ({e:?}); \
+                             check the operand types and alignment"
+                            )
+                        },
+                    )
+                };
+                let r = heuristic(hb, hd)?;
+                if canonical {
+                    let mut check = std::mem::zeroed::<ls::cublasLtMatmulHeuristicResult_t>();
+                    let ok = ls::cublasLtMatmulAlgoCheck(
+                        handle, desc, plan.a, plan.b, plan.d, plan.d, &r.algo, &mut check,
+                    );
+                    if ok != ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS || check.workspaceSize > ws {
+                        bail!(
+                            "cuBLASLt: the batch-invariant algorithm for {key:?} cannot run \
+                             {} rows ({ok:?})",
+                            key.n
+                        );
+                    }
+                }
+                Ok(r)
             })();
             let _ = lr::destroy_matmul_pref(pref);
+            if canonical {
+                let _ = lr::destroy_matrix_layout(hb);
+                let _ = lr::destroy_matrix_layout(hd);
+            }
             plan.algo = res?.algo;
         }
         Ok(plan)
@@ -263,6 +316,7 @@ impl Gemm {
                 alignment(c.b.ptr),
                 alignment(c.d.ptr).min(alignment(c_ptr)),
             ],
+            invariant: self.invariant.load(std::sync::atomic::Ordering::Relaxed),
         };
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;

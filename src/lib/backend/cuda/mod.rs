@@ -278,6 +278,11 @@ impl CudaBackend {
         self.tensor_cores.store(on, Ordering::Relaxed);
     }
 
+    /// Batch-invariant forward GEMMs (see `Gemm::set_batch_invariant`).
+    pub fn set_batch_invariant(&self, on: bool) {
+        self.gemm.set_batch_invariant(on);
+    }
+
     /// Whether a decoder built on this backend computes in bf16 (the default) or f32 (for
     /// checks that compare against the CPU op by op). Set it before building the decoder.
     pub fn set_compute_dtype(&self, dtype: DType) {

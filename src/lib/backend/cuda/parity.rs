@@ -1374,7 +1374,7 @@ mod paged;
 
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 19] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 20] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1392,6 +1392,7 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 19] {
         ("hf_fixtures", Suite::hf_fixtures),
         ("attention_paged", Suite::paged_attention),
         ("rope_store_kv", Suite::rope_store_kv),
+        ("gemm_invariance", Suite::gemm_invariance),
         ("sample", Suite::sample),
         ("paged_generate", Suite::paged_generate),
         ("paged_graphs", Suite::paged_graphs),

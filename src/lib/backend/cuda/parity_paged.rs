@@ -94,6 +94,61 @@ impl Suite<'_> {
         Ok(())
     }
 
+    /// Row invariance of the decoder's forward GEMMs (Qwen2.5-0.5B shapes): the first rows of
+    /// a call of 4096 rows against calls of 1, 37 and 256 rows, bit for bit. With the default
+    /// plans (the heuristic per row count) rows may round differently; with the batch-invariant
+    /// plans they must not (what keeps rollout and training log-probs of a token together).
+    pub(super) fn gemm_invariance(&mut self, d: DType) -> Result<()> {
+        let big = 4096usize;
+        for invariant in [false, true] {
+            self.gpu.set_batch_invariant(invariant);
+            let mut notes = Vec::new();
+            let mut differ_total = 0usize;
+            for (name, n_out, k, f32_out) in [
+                ("q", 896usize, 896usize, false),
+                ("k", 128, 896, false),
+                ("o", 896, 896, true),
+                ("gate", 4864, 896, false),
+                ("down", 896, 4864, true),
+            ] {
+                let x = self.randn(big * k, 1.0, d);
+                let w = self.randn(n_out * k, 0.05, d);
+                let (gx, gw) = (self.dev(&x, d)?, self.dev(&w, d)?);
+                let od = if f32_out { DType::F32 } else { d };
+                let mut full = self.gpu.alloc_as(big * n_out, od)?;
+                self.gpu
+                    .matmul(&mut full, &gx, &gw, None, big, k, n_out, false)?;
+                let mut want = vec![0f32; big * n_out];
+                self.gpu.download(&full, &mut want)?;
+                let mut differ = 0usize;
+                for rows in [1usize, 37, 256] {
+                    let part = self.dev(&x[..rows * k], d)?;
+                    let mut y = self.gpu.alloc_as(rows * n_out, od)?;
+                    self.gpu
+                        .matmul(&mut y, &part, &gw, None, rows, k, n_out, false)?;
+                    let mut got = vec![0f32; rows * n_out];
+                    self.gpu.download(&y, &mut got)?;
+                    differ += got
+                        .chunks(n_out)
+                        .zip(want.chunks(n_out))
+                        .filter(|(a, b)| a.iter().zip(*b).any(|(p, q)| p.to_bits() != q.to_bits()))
+                        .count();
+                }
+                differ_total += differ;
+                notes.push(format!("{name} {differ}/294"));
+            }
+            let mode = if invariant { "invariant" } else { "default" };
+            self.flag(
+                &format!("gemm rows vs 4096-row call [{mode}]"),
+                d,
+                !invariant || differ_total == 0,
+                format!("rows that differ: {}", notes.join(", ")),
+            );
+        }
+        self.gpu.set_batch_invariant(false);
+        Ok(())
+    }
+
     /// The fused rope + kv_store of cached and paged steps against the CPU's three ops.
     pub(super) fn rope_store_kv(&mut self, d: DType) -> Result<()> {
         let (t1, _) = tols(d);

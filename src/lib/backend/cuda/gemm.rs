@@ -158,6 +158,10 @@ impl Gemm {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    pub fn batch_invariant(&self) -> bool {
+        self.invariant.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn plan(handle: ls::cublasLtHandle_t, key: &Key, ws: usize) -> Result<Plan> {
         use ls::cublasLtMatmulDescAttributes_t as A;
         let desc = lr::create_matmul_desc(

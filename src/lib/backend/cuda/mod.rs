@@ -158,6 +158,13 @@ fn attention_mma_smem(head_dim: usize) -> (u32, u32, u32) {
     ((fwd * 2) as u32, (dkdv * 2) as u32, (dq * 2) as u32)
 }
 
+/// Dynamic shared memory of `paged_attn_inv_k`: the group's query rows, a key tile, the value
+/// tile transposed (bf16).
+fn paged_inv_smem(head_dim: usize) -> u32 {
+    let kst = head_dim + 8;
+    ((16 * kst + 64 * kst + head_dim * (64 + 8)) * 2) as u32
+}
+
 /// Turns the error word's bits into a message.
 fn describe_errors(bits: u32) -> String {
     let mut parts = Vec::new();
@@ -368,6 +375,7 @@ impl CudaBackend {
                 "attn_fwd_mma_k" => mfwd,
                 "attn_bwd_dkdv_mma_k" => mdkdv,
                 "attn_bwd_dq_mma_k" => mdq,
+                "paged_attn_inv_k" => paged_inv_smem(hd),
                 _ => 0,
             };
             if bytes > 0 {
@@ -2197,6 +2205,43 @@ impl Backend for CudaBackend {
         // bf16 and head_dim is 64 or 128, else with scalar math; otherwise one block per
         // (query, head).
         let group = s.heads / s.kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let err = self.err_word.ptr();
+        let row = s.kv_heads * hd;
+        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
+        let (h, kh, bsz, mb) = (
+            s.heads as i32,
+            s.kv_heads as i32,
+            i32_of(s.block_size, "block_size")?,
+            i32_of(s.max_blocks, "max_blocks")?,
+        );
+        if self.gemm.batch_invariant() && group <= 16 && self.use_mma(hd, &[o, q, k_cache, v_cache])
+        {
+            // Batch invariance: the training forward's tiles and arithmetic per (query, head).
+            let f = self.func(nvrtc::ATTENTION, hd, "paged_attn_inv_k")?;
+            return self.launch(
+                &f,
+                (s.queries as u32, s.kv_heads as u32, 1),
+                32,
+                paged_inv_smem(hd),
+                &[
+                    &o.ptr,
+                    &q.ptr,
+                    &k_cache.ptr,
+                    &v_cache.ptr,
+                    &tables.ptr,
+                    &seq.ptr,
+                    &len.ptr,
+                    &h,
+                    &kh,
+                    &bsz,
+                    &mb,
+                    &num_blocks,
+                    &scale,
+                    &err,
+                ],
+            );
+        }
         let mma = group <= 16 && hd.is_multiple_of(64) && self.use_mma(hd, &[q, k_cache, v_cache]);
         let gqa = hd.is_multiple_of(8) && group <= 8;
         let (name, blocks_y, threshold) = if mma {
@@ -2213,8 +2258,6 @@ impl Backend for CudaBackend {
             ("paged_attn_k", s.heads, 2 * self.sms as usize)
         };
         let f = self.func(nvrtc::PAGED_ATTENTION, hd, name)?;
-        let row = s.kv_heads * hd;
-        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
         // Flash-decoding: split the context when there are too few blocks to fill the GPU.
         // Each row cuts its own context into even splits of at least 64 positions (split_len
         // 0, see `row_split` in the kernel), so the split count depends on the number of
@@ -2234,15 +2277,7 @@ impl Backend for CudaBackend {
             (self.temp(1, DType::F32)?, self.temp(2, DType::F32)?)
         };
         let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
-        let (h, kh, bsz, mb, sl) = (
-            s.heads as i32,
-            s.kv_heads as i32,
-            i32_of(s.block_size, "block_size")?,
-            i32_of(s.max_blocks, "max_blocks")?,
-            i32_of(split_len, "split_len")?,
-        );
-        let scale = 1.0 / (hd as f32).sqrt();
-        let err = self.err_word.ptr();
+        let sl = i32_of(split_len, "split_len")?;
         let grid = (s.queries as u32, blocks_y as u32, splits as u32);
         if mma {
             self.launch(

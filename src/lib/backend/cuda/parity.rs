@@ -1374,7 +1374,7 @@ mod paged;
 
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 20] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 21] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1393,6 +1393,7 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 20] {
         ("attention_paged", Suite::paged_attention),
         ("rope_store_kv", Suite::rope_store_kv),
         ("gemm_invariance", Suite::gemm_invariance),
+        ("attention_invariance", Suite::attention_invariance),
         ("sample", Suite::sample),
         ("paged_generate", Suite::paged_generate),
         ("paged_graphs", Suite::paged_graphs),

@@ -10,7 +10,7 @@ use anyhow::Result;
 use super::{round, tiny_config, tols, Suite};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, DType, PagedAttnShape};
+use crate::backend::{AttnShape, Backend, DType, PagedAttnShape};
 use crate::engine::generate::Completion;
 use crate::engine::generate::{GenParams, Request};
 use crate::engine::paged::{generate_paged, GraphMode, PagedConfig, PagedDecoder};
@@ -146,6 +146,144 @@ impl Suite<'_> {
             );
         }
         self.gpu.set_batch_invariant(false);
+        Ok(())
+    }
+
+    /// Batch invariance of attention (bf16, tensor cores): the packed training forward gives
+    /// every token the same bits whatever the packing (the sequences in another order), and the
+    /// paged kernel of the batch-invariant mode gives each token exactly the packed forward's
+    /// bits (every token a query against its prefix, through shuffled block tables).
+    pub(super) fn attention_invariance(&mut self, d: DType) -> Result<()> {
+        if d != DType::BF16 {
+            return Ok(());
+        }
+        for (heads, kv, hd) in [(14usize, 2usize, 64usize), (16, 4, 128)] {
+            let lens = [1usize, 37, 64, 129, 200, 5];
+            let tokens: usize = lens.iter().sum();
+            let q = self.randn(tokens * heads * hd, 1.0, d);
+            let k = self.randn(tokens * kv * hd, 1.0, d);
+            let v = self.randn(tokens * kv * hd, 1.0, d);
+            let starts: Vec<usize> = lens
+                .iter()
+                .scan(0, |a, &l| {
+                    *a += l;
+                    Some(*a - l)
+                })
+                .collect();
+            // Packed in order, and in reverse order (rows permuted accordingly).
+            let packed = |order: &[usize]| -> (Vec<usize>, Vec<u32>) {
+                let mut rows = Vec::new();
+                let mut cu = vec![0u32];
+                for &s in order {
+                    rows.extend(starts[s]..starts[s] + lens[s]);
+                    cu.push(rows.len() as u32);
+                }
+                (rows, cu)
+            };
+            let permute = |x: &[f32], rows: &[usize], w: usize| -> Vec<f32> {
+                rows.iter()
+                    .flat_map(|&r| x[r * w..(r + 1) * w].to_vec())
+                    .collect()
+            };
+            let mut outs = Vec::new();
+            for order in [vec![0, 1, 2, 3, 4, 5], vec![5, 4, 3, 2, 1, 0]] {
+                let (rows, cu) = packed(&order);
+                let s = AttnShape {
+                    tokens,
+                    seqs: lens.len(),
+                    heads,
+                    kv_heads: kv,
+                    head_dim: hd,
+                };
+                let mut o = self.gpu.alloc_as(tokens * heads * hd, d)?;
+                let mut lse = self.gpu.alloc(tokens * heads)?;
+                self.gpu.attention(
+                    &mut o,
+                    &mut lse,
+                    &self.dev(&permute(&q, &rows, heads * hd), d)?,
+                    &self.dev(&permute(&k, &rows, kv * hd), d)?,
+                    &self.dev(&permute(&v, &rows, kv * hd), d)?,
+                    &self.idx(&cu)?,
+                    s,
+                )?;
+                let mut host = vec![0f32; tokens * heads * hd];
+                self.gpu.download(&o, &mut host)?;
+                // Back to the original token order.
+                let mut orig = vec![0f32; host.len()];
+                for (i, &r) in rows.iter().enumerate() {
+                    let w = heads * hd;
+                    orig[r * w..(r + 1) * w].copy_from_slice(&host[i * w..(i + 1) * w]);
+                }
+                outs.push(orig);
+            }
+            // The paged cache: blocks of 16 in shuffled order.
+            let bs = 16;
+            let max_blocks = lens.iter().map(|l| l.div_ceil(bs)).max().unwrap_or(1);
+            let num_blocks = lens.len() * max_blocks + 3;
+            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+            for i in 0..pool.len() {
+                let j = i + self.rng.below(pool.len() - i);
+                pool.swap(i, j);
+            }
+            let row = kv * hd;
+            let mut kc = vec![0f32; num_blocks * bs * row];
+            let mut vc = vec![0f32; num_blocks * bs * row];
+            let mut tables = vec![0u32; lens.len() * max_blocks];
+            let (mut seq, mut len) = (Vec::new(), Vec::new());
+            for (sidx, &l) in lens.iter().enumerate() {
+                for b in 0..max_blocks {
+                    tables[sidx * max_blocks + b] = pool[sidx * max_blocks + b];
+                }
+                for p in 0..l {
+                    let r = (tables[sidx * max_blocks + p / bs] as usize * bs + p % bs) * row;
+                    let src = (starts[sidx] + p) * row;
+                    kc[r..r + row].copy_from_slice(&k[src..src + row]);
+                    vc[r..r + row].copy_from_slice(&v[src..src + row]);
+                    seq.push(sidx as u32);
+                    len.push(p as u32 + 1);
+                }
+            }
+            let ps = PagedAttnShape {
+                queries: tokens,
+                heads,
+                kv_heads: kv,
+                head_dim: hd,
+                block_size: bs,
+                max_blocks,
+            };
+            self.gpu.set_batch_invariant(true);
+            let mut go = self.gpu.alloc_as(tokens * heads * hd, d)?;
+            let r = self.gpu.attention_paged(
+                &mut go,
+                &self.dev(&q, d)?,
+                &self.dev(&kc, d)?,
+                &self.dev(&vc, d)?,
+                &self.idx(&tables)?,
+                &self.idx(&seq)?,
+                &self.idx(&len)?,
+                ps,
+            );
+            self.gpu.set_batch_invariant(false);
+            r?;
+            let mut paged = vec![0f32; tokens * heads * hd];
+            self.gpu.download(&go, &mut paged)?;
+            let differ = |a: &[f32], b: &[f32]| {
+                a.iter()
+                    .zip(b)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count()
+            };
+            let (dp, dg) = (differ(&outs[0], &outs[1]), differ(&outs[0], &paged));
+            self.flag(
+                &format!("attention invariance {heads}/{kv} hd{hd}"),
+                d,
+                dp == 0 && dg == 0,
+                format!(
+                    "elements that differ of {}: packed in reverse order {dp}, paged (invariant) vs packed {dg}",
+                    paged.len()
+                ),
+            );
+        }
         Ok(())
     }
 

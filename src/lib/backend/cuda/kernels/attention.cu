@@ -442,6 +442,85 @@ DEVI void c2a(u32 a[4], const float c0[4], const float c1[4]) {
     a[3] = pack2(c1[2], c1[3]);
 }
 
+// One key tile of the forward for a warp's 16 rows: scores of the tile's kn keys (key c is
+// position k0 + c), row r keeps keys lo[r] <= j <= hi[r], online-softmax update of (m, l), and
+// oc += P·V with P as hi + lo bf16 parts (split2: the output keeps f32-like probabilities).
+// Shared by the packed forward and the batch-invariant paged kernel, so that a row sees the
+// same tiles, the same operations in the same order, and rounds alike in both. A tile with no
+// kept key for a row leaves that row's state bit for bit as it was.
+DEVI void fwd_tile(const u32 qa[HD / 16][4], const bf16_t* Ks, const bf16_t* Vt, i64 k0, int kn,
+                   const i64 lo[2], const i64 hi[2], float scale, float m[2], float l[2],
+                   float oc[HD / 8][4]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float s[TK / 8][4];
+#pragma unroll
+    for (int n = 0; n < TK / 8; n++) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            const bf16_t* kp = Ks + (n * 8 + g) * KST + kk * 16 + 2 * t;
+            mma16816(s[n], qa[kk], lds32(kp), lds32(kp + 8));
+        }
+    }
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int n = 0; n < TK / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int r = e >> 1, c = n * 8 + 2 * t + (e & 1);
+            i64 j = k0 + c;
+            bool ok = c < kn && j >= lo[r] && j <= hi[r];
+            s[n][e] = ok ? s[n][e] * scale : NEG_INF;
+            mx[r] = fmaxf(mx[r], s[n][e]);
+        }
+    float corr[2], ps[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        float mn = fmaxf(m[r], mx[r]);
+        corr[r] = mn == NEG_INF ? 1.0f : expf(m[r] - mn);
+        m[r] = mn;
+    }
+#pragma unroll
+    for (int n = 0; n < TK / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int r = e >> 1;
+            float p = s[n][e] == NEG_INF ? 0.0f : expf(s[n][e] - m[r]);
+            s[n][e] = p;
+            ps[r] += p;
+        }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], 1);
+        ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], 2);
+        l[r] = l[r] * corr[r] + ps[r];
+    }
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        oc[n][0] *= corr[0];
+        oc[n][1] *= corr[0];
+        oc[n][2] *= corr[1];
+        oc[n][3] *= corr[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < TK / 16; kk++) {
+        u32 pa[4], pl[4];
+        split2(pa[0], pl[0], s[2 * kk][0], s[2 * kk][1]);
+        split2(pa[1], pl[1], s[2 * kk][2], s[2 * kk][3]);
+        split2(pa[2], pl[2], s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        split2(pa[3], pl[3], s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            const bf16_t* vp = Vt + (n * 8 + g) * TST(TK) + kk * 16 + 2 * t;
+            u32 b0 = lds32(vp), b1 = lds32(vp + 8);
+            mma16816(oc[n], pa, b0, b1);
+            mma16816(oc[n], pl, b0, b1);
+        }
+    }
+}
+
 // o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j; lse[i,h] (tensor cores). Grid: (query tiles
 // of TQ, heads), 128 threads, dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
@@ -472,82 +551,26 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
     float oc[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) oc[n][0] = oc[n][1] = oc[n][2] = oc[n][3] = 0.0f;
-    int kend = q0 + qn;
-    for (int k0 = start_s[0]; k0 < kend; k0 += TK) {
-        int kn = min(TK, kend - k0);
-        __syncthreads();
-        load_bf_tile(Ks, nullptr, 0, k, k0, kn, TK, kstride, (i64)kh * HD, 128);
-        // V is only needed transposed (the B operand of P·V).
-        load_bf_tile(nullptr, Vt, TST(TK), v, k0, kn, TK, kstride, (i64)kh * HD, 128);
-        __syncthreads();
-        float s[TK / 8][4];
-#pragma unroll
-        for (int n = 0; n < TK / 8; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                const bf16_t* kp = Ks + (n * 8 + g) * KST + kk * 16 + 2 * t;
-                mma16816(s[n], qa[kk], lds32(kp), lds32(kp + 8));
-            }
+    // Row i keeps keys rs <= j <= i (rows past the tile keep none). Key tiles start at each
+    // sequence's first token, one pass per sequence in the query tile: a row's tiles do not
+    // depend on which other sequences share its query tile (or on the packing at all), and a
+    // pass over another sequence's keys leaves the row untouched.
+    i64 klo[2] = {rs[0], rs[1]};
+    i64 khi[2] = {rl[0] < qn ? (i64)(q0 + rl[0]) : -1, rl[1] < qn ? (i64)(q0 + rl[1]) : -1};
+    for (int r0 = 0; r0 < qn;) {
+        int seg = start_s[r0], r1 = r0 + 1;
+        while (r1 < qn && start_s[r1] == seg) r1++;
+        int kend = q0 + r1;
+        for (int k0 = seg; k0 < kend; k0 += TK) {
+            int kn = min(TK, kend - k0);
+            __syncthreads();
+            load_bf_tile(Ks, nullptr, 0, k, k0, kn, TK, kstride, (i64)kh * HD, 128);
+            // V is only needed transposed (the B operand of P·V).
+            load_bf_tile(nullptr, Vt, TST(TK), v, k0, kn, TK, kstride, (i64)kh * HD, 128);
+            __syncthreads();
+            fwd_tile(qa, Ks, Vt, k0, kn, klo, khi, scale, m, l, oc);
         }
-        float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-        for (int n = 0; n < TK / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int hi = e >> 1, c = n * 8 + 2 * t + (e & 1), j = k0 + c, i = q0 + rl[hi];
-                bool ok = rl[hi] < qn && c < kn && j >= rs[hi] && j <= i;
-                s[n][e] = ok ? s[n][e] * scale : NEG_INF;
-                mx[hi] = fmaxf(mx[hi], s[n][e]);
-            }
-        float corr[2], ps[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int hi = 0; hi < 2; hi++) {
-            mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 1));
-            mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 2));
-            float mn = fmaxf(m[hi], mx[hi]);
-            corr[hi] = mn == NEG_INF ? 1.0f : expf(m[hi] - mn);
-            m[hi] = mn;
-        }
-#pragma unroll
-        for (int n = 0; n < TK / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int hi = e >> 1;
-                float p = s[n][e] == NEG_INF ? 0.0f : expf(s[n][e] - m[hi]);
-                s[n][e] = p;
-                ps[hi] += p;
-            }
-#pragma unroll
-        for (int hi = 0; hi < 2; hi++) {
-            ps[hi] += __shfl_xor_sync(0xffffffffu, ps[hi], 1);
-            ps[hi] += __shfl_xor_sync(0xffffffffu, ps[hi], 2);
-            l[hi] = l[hi] * corr[hi] + ps[hi];
-        }
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            oc[n][0] *= corr[0];
-            oc[n][1] *= corr[0];
-            oc[n][2] *= corr[1];
-            oc[n][3] *= corr[1];
-        }
-        // P as hi + lo bf16 parts (split2): the output keeps f32-like probabilities, as the
-        // decode kernel does, so rollout and training log-probs of the same tokens agree.
-#pragma unroll
-        for (int kk = 0; kk < TK / 16; kk++) {
-            u32 pa[4], pl[4];
-            split2(pa[0], pl[0], s[2 * kk][0], s[2 * kk][1]);
-            split2(pa[1], pl[1], s[2 * kk][2], s[2 * kk][3]);
-            split2(pa[2], pl[2], s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            split2(pa[3], pl[3], s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                const bf16_t* vp = Vt + (n * 8 + g) * TST(TK) + kk * 16 + 2 * t;
-                u32 b0 = lds32(vp), b1 = lds32(vp + 8);
-                mma16816(oc[n], pa, b0, b1);
-                mma16816(oc[n], pl, b0, b1);
-            }
-        }
+        r0 = r1;
     }
 #pragma unroll
     for (int hi = 0; hi < 2; hi++) {
@@ -559,6 +582,92 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
             *(u32*)(o + i * qstride + (i64)h * HD + n * 8 + 2 * t) =
                 pack2(oc[n][2 * hi] * inv, oc[n][2 * hi + 1] * inv);
         if (t == 0) st(lse, lbf, i * heads + h, m[hi] + logf(l[hi]));
+    }
+}
+
+// Batch-invariant decode/prefill attention over a paged KV cache (engine::paged; the host uses
+// it when batch invariance is on): query i of sequence seq[i] attends to its positions p <
+// len[i] (cache row tables[seq[i]·max_blocks + p/bs]·bs + p%bs). One warp per (query, kv head)
+// with the group's query heads as its rows (zero past the group, at most 16), key tiles of TK
+// from position 0, and fwd_tile for the math: each (query, head) computes exactly what
+// attn_fwd_mma_k computes for that token of the packed sequence, bit for bit, so rollout
+// log-probs equal the training forward's. Grid: (queries, kv heads); dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(32) paged_attn_inv_k(
+    bf16_t* o, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
+    const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
+    i64 num_blocks, float scale, u32* err) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_t* Qs = (bf16_t*)smem_raw; // [16][KST]
+    bf16_t* Ks = Qs + 16 * KST;     // [TK][KST]
+    bf16_t* Vt = Ks + TK * KST;     // [HD][TST(TK)]
+    int i = blockIdx.x, kh = blockIdx.y;
+    int group = heads / kv_heads, h0 = kh * group;
+    int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    i64 L = len[i];
+    const u32* table = tables + (i64)seq[i] * max_blocks;
+    i64 kstride = (i64)kv_heads * HD;
+    int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int e = lane; e < 16 * (HD / 8); e += 32) {
+        int r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
+        *(uint4*)(Qs + r * KST + d) =
+            r < group ? *(const uint4*)(q + ((i64)i * heads + h0 + r) * HD + d) : zero;
+    }
+    __syncwarp();
+    u32 qa[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) afrag(qa[kk], Qs, 0, kk);
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float oc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) oc[n][0] = oc[n][1] = oc[n][2] = oc[n][3] = 0.0f;
+    i64 klo[2] = {0, 0}, khi[2] = {L - 1, L - 1};
+    for (i64 k0 = 0; !bad && k0 < L; k0 += TK) {
+        int kn = (int)min((i64)TK, L - k0);
+        __syncwarp();
+        // K rows and V transposed through the block table, zeros past kn (as load_bf_tile).
+        for (int e = lane; e < TK * (HD / 8); e += 32) {
+            int r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
+            uint4 kx = zero, vx = zero;
+            if (r < kn) {
+                i64 p = k0 + r;
+                u32 blk = table[p / block_size];
+                if ((i64)blk >= num_blocks) {
+                    bad = 1;
+                } else {
+                    i64 off = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD + d;
+                    kx = *(const uint4*)(kc + off);
+                    vx = *(const uint4*)(vc + off);
+                }
+            }
+            *(uint4*)(Ks + r * KST + d) = kx;
+            u32 w4[4] = {vx.x, vx.y, vx.z, vx.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                Vt[(d + 2 * j) * TST(TK) + r] = (bf16_t)(w4[j] & 0xffffu);
+                Vt[(d + 2 * j + 1) * TST(TK) + r] = (bf16_t)(w4[j] >> 16);
+            }
+        }
+        bad = __any_sync(0xffffffffu, bad);
+        __syncwarp();
+        if (bad) break;
+        fwd_tile(qa, Ks, Vt, k0, kn, klo, khi, scale, m, l, oc);
+    }
+    if (bad) {
+        if (lane == 0) atomicOr(err, ERR_PAGED);
+        for (int x = lane; x < group * HD; x += 32)
+            o[((i64)i * heads + h0) * HD + x] = (bf16_t)0x7fc0;
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = g + 8 * r;
+        if (row >= group) continue;
+        float inv = 1.0f / l[r];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+            *(u32*)(o + ((i64)i * heads + h0 + row) * HD + n * 8 + 2 * t) =
+                pack2(oc[n][2 * r] * inv, oc[n][2 * r + 1] * inv);
     }
 }
 

@@ -19,6 +19,7 @@ typedef long long i64;
 #define ERR_CACHE_ROW 4u
 #define ERR_CACHE_RANGE 8u
 #define ERR_TARGET 16u
+#define ERR_PAGED (1u << 10)
 
 DEVI float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
 

@@ -12,7 +12,6 @@
 #endif
 #define PNW 4                 // warps per block: each takes every PNW-th position of the chunk
 #define PCPW ((HD + 31) / 32) // head-dim columns per lane
-#define ERR_PAGED (1u << 10)
 
 // Positions per split of a row of length L: split_len, or with split_len = 0 the row's own
 // context cut into `splits` even chunks (multiples of 32, at least 64), so that what a row

@@ -206,6 +206,9 @@ impl Runner {
         };
         let program = self.bins.join("tandem");
         let mut cmd = std::process::Command::new(&program);
+        if self.spec.batch_invariant {
+            cmd.env("TANDEM_BATCH_INVARIANT", "1");
+        }
         cmd.args(["daemon", "--device", self.spec.device.as_str(), "--socket"])
             .arg(&socket)
             .arg("--policy")
@@ -943,6 +946,9 @@ impl Runner {
         }
         let program = self.bins.join(bin);
         let mut cmd = std::process::Command::new(&program);
+        if self.spec.batch_invariant {
+            cmd.env("TANDEM_BATCH_INVARIANT", "1");
+        }
         cmd.args(args).stdin(Stdio::null());
         die_with_parent(&mut cmd);
         let header = if task == bin {

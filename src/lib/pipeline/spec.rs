@@ -366,6 +366,11 @@ pub struct Spec {
     /// Run GPU stages as clients of a warm daemon.
     #[serde(default)]
     pub daemon: bool,
+    /// Batch-invariant GPU kernels in every stage and the daemon (TANDEM_BATCH_INVARIANT=1):
+    /// rollout log-probs equal the training forward's for the same tokens, at a rollout
+    /// throughput cost (docs/ROLLOUT.md).
+    #[serde(default)]
+    pub batch_invariant: bool,
     pub model: ModelSpec,
     pub data: DataSpec,
     #[serde(default)]
@@ -582,6 +587,9 @@ reward = "exact"
         assert!(!s.needs_ref());
         assert!(!s.needs_old());
         assert_eq!(s.reference_model(), Path::new("models/tiny"));
+        assert!(!s.batch_invariant);
+        let s = Spec::parse(&format!("batch-invariant = true\n{MINIMAL}"), "t.toml").unwrap();
+        assert!(s.batch_invariant);
     }
 
     #[test]

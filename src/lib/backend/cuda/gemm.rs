@@ -99,8 +99,11 @@ pub struct Gemm {
     invariant: std::sync::atomic::AtomicBool,
 }
 
-/// Token count the batch-invariant plans are chosen for (see `Gemm::set_batch_invariant`).
-const INVARIANT_TOKENS: usize = 4096;
+/// Token count the batch-invariant plans are chosen for (see `Gemm::set_batch_invariant`):
+/// a decode step's, since generation is most of an RL step and the algorithms picked for a
+/// few hundred rows still fill the GPU at a training micro-batch's thousands (an algorithm
+/// picked for thousands of rows runs a 256-row decode GEMM on a dozen blocks).
+const INVARIANT_TOKENS: usize = 256;
 
 fn cuda_type(t: DType) -> ls::cudaDataType {
     match t {
@@ -196,7 +199,10 @@ impl Gemm {
         plan.d = layout(key.d, key.m, key.n, key.ldd)?;
         // Batch-invariant forward GEMMs (Aᵀ·B, n = tokens): the heuristic sees INVARIANT_TOKENS
         // columns; the algorithm must then also run the real shape (checked below).
-        let canonical = key.invariant && key.transa && !key.transb && key.n != INVARIANT_TOKENS;
+        // No workspace: an algorithm picked with some (split-K) may need more than there is at
+        // another row count.
+        let invariant = key.invariant;
+        let canonical = invariant && key.n != INVARIANT_TOKENS;
         let (hb, hd) = if canonical {
             (
                 layout(key.ab, key.k, INVARIANT_TOKENS, key.ldb)?,
@@ -231,7 +237,8 @@ impl Gemm {
                     )
                     .map_err(err("set preference"))
                 };
-                setp(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws as u64)?;
+                let ws_pref = if invariant { 0 } else { ws as u64 };
+                setp(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws_pref)?;
                 let setal = |attr, v: u32| {
                     lr::set_matmul_pref_attribute(
                         pref,
@@ -303,6 +310,10 @@ impl Gemm {
             return Ok(());
         }
         let c_ptr = c.c.map_or(c.d.ptr, |m| m.ptr);
+        let invariant = self.batch_invariant() && c.transa && !c.transb;
+        // Batch-invariant plans assume 16-byte operands whatever the addresses (256-byte for
+        // pool blocks, less for row offsets), so that every call of a shape gets one algorithm.
+        let cap = if invariant { 16 } else { 256 };
         let key = Key {
             transa: c.transa,
             transb: c.transb,
@@ -316,11 +327,11 @@ impl Gemm {
             d: c.d.dtype,
             bias: c.bias.is_some(),
             align: [
-                alignment(c.a.ptr),
-                alignment(c.b.ptr),
-                alignment(c.d.ptr).min(alignment(c_ptr)),
+                alignment(c.a.ptr).min(cap),
+                alignment(c.b.ptr).min(cap),
+                alignment(c.d.ptr).min(alignment(c_ptr)).min(cap),
             ],
-            invariant: self.invariant.load(std::sync::atomic::Ordering::Relaxed),
+            invariant,
         };
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;

@@ -2222,7 +2222,7 @@ impl Backend for CudaBackend {
             return self.launch(
                 &f,
                 (s.queries as u32, s.kv_heads as u32, 1),
-                32,
+                128,
                 paged_inv_smem(hd),
                 &[
                     &o.ptr,

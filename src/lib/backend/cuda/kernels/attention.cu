@@ -591,8 +591,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
 // with the group's query heads as its rows (zero past the group, at most 16), key tiles of TK
 // from position 0, and fwd_tile for the math: each (query, head) computes exactly what
 // attn_fwd_mma_k computes for that token of the packed sequence, bit for bit, so rollout
-// log-probs equal the training forward's. Grid: (queries, kv heads); dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(32) paged_attn_inv_k(
+// log-probs equal the training forward's. The context is not split across warps (that would
+// change the order of the sums): four warps gather each tile, the first computes.
+// Grid: (queries, kv heads), 128 threads, dynamic shared memory.
+#define PGU 4 // 16-byte pieces of K and V each thread has in flight while gathering a tile
+extern "C" __global__ void __launch_bounds__(128) paged_attn_inv_k(
     bf16_t* o, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
     const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
     i64 num_blocks, float scale, u32* err) {
@@ -602,18 +605,18 @@ extern "C" __global__ void __launch_bounds__(32) paged_attn_inv_k(
     bf16_t* Vt = Ks + TK * KST;     // [HD][TST(TK)]
     int i = blockIdx.x, kh = blockIdx.y;
     int group = heads / kv_heads, h0 = kh * group;
-    int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     i64 L = len[i];
     const u32* table = tables + (i64)seq[i] * max_blocks;
     i64 kstride = (i64)kv_heads * HD;
     int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int e = lane; e < 16 * (HD / 8); e += 32) {
+    for (int e = threadIdx.x; e < 16 * (HD / 8); e += 128) {
         int r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
         *(uint4*)(Qs + r * KST + d) =
             r < group ? *(const uint4*)(q + ((i64)i * heads + h0 + r) * HD + d) : zero;
     }
-    __syncwarp();
+    __syncthreads();
     u32 qa[HD / 16][4];
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) afrag(qa[kk], Qs, 0, kk);
@@ -624,41 +627,52 @@ extern "C" __global__ void __launch_bounds__(32) paged_attn_inv_k(
     i64 klo[2] = {0, 0}, khi[2] = {L - 1, L - 1};
     for (i64 k0 = 0; !bad && k0 < L; k0 += TK) {
         int kn = (int)min((i64)TK, L - k0);
-        __syncwarp();
-        // K rows and V transposed through the block table, zeros past kn (as load_bf_tile).
-        for (int e = lane; e < TK * (HD / 8); e += 32) {
-            int r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
-            uint4 kx = zero, vx = zero;
-            if (r < kn) {
-                i64 p = k0 + r;
-                u32 blk = table[p / block_size];
-                if ((i64)blk >= num_blocks) {
-                    bad = 1;
-                } else {
-                    i64 off = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD + d;
-                    kx = *(const uint4*)(kc + off);
-                    vx = *(const uint4*)(vc + off);
+        __syncthreads();
+        // K rows and V transposed through the block table, zeros past kn (as load_bf_tile);
+        // PGU pieces per thread are loaded before any is stored, so their latencies overlap.
+        for (int e0 = threadIdx.x; e0 < TK * (HD / 8); e0 += 128 * PGU) {
+            uint4 kx[PGU], vx[PGU];
+#pragma unroll
+            for (int u = 0; u < PGU; u++) {
+                int e = e0 + 128 * u, r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
+                kx[u] = zero;
+                vx[u] = zero;
+                if (e < TK * (HD / 8) && r < kn) {
+                    i64 p = k0 + r;
+                    u32 blk = table[p / block_size];
+                    if ((i64)blk >= num_blocks) {
+                        bad = 1;
+                    } else {
+                        i64 off = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD + d;
+                        kx[u] = *(const uint4*)(kc + off);
+                        vx[u] = *(const uint4*)(vc + off);
+                    }
                 }
             }
-            *(uint4*)(Ks + r * KST + d) = kx;
-            u32 w4[4] = {vx.x, vx.y, vx.z, vx.w};
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                Vt[(d + 2 * j) * TST(TK) + r] = (bf16_t)(w4[j] & 0xffffu);
-                Vt[(d + 2 * j + 1) * TST(TK) + r] = (bf16_t)(w4[j] >> 16);
+            for (int u = 0; u < PGU; u++) {
+                int e = e0 + 128 * u, r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
+                if (e >= TK * (HD / 8)) continue;
+                *(uint4*)(Ks + r * KST + d) = kx[u];
+                u32 w4[4] = {vx[u].x, vx[u].y, vx[u].z, vx[u].w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    Vt[(d + 2 * j) * TST(TK) + r] = (bf16_t)(w4[j] & 0xffffu);
+                    Vt[(d + 2 * j + 1) * TST(TK) + r] = (bf16_t)(w4[j] >> 16);
+                }
             }
         }
-        bad = __any_sync(0xffffffffu, bad);
-        __syncwarp();
+        bad = __syncthreads_or(bad);
         if (bad) break;
-        fwd_tile(qa, Ks, Vt, k0, kn, klo, khi, scale, m, l, oc);
+        if (w == 0) fwd_tile(qa, Ks, Vt, k0, kn, klo, khi, scale, m, l, oc);
     }
     if (bad) {
-        if (lane == 0) atomicOr(err, ERR_PAGED);
-        for (int x = lane; x < group * HD; x += 32)
+        if (threadIdx.x == 0) atomicOr(err, ERR_PAGED);
+        for (int x = threadIdx.x; x < group * HD; x += 128)
             o[((i64)i * heads + h0) * HD + x] = (bf16_t)0x7fc0;
         return;
     }
+    if (w != 0) return;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = g + 8 * r;

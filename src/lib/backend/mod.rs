@@ -539,6 +539,12 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// GEMM plans made so far and the seconds their algorithm searches took (None where
+    /// GEMMs need no plan).
+    fn gemm_planning(&self) -> Option<(u64, f64)> {
+        None
+    }
+
     /// Whether steps can be captured and replayed as graphs (CUDA graphs; not the CPU).
     fn graphs_supported(&self) -> bool {
         false

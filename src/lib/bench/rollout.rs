@@ -89,6 +89,8 @@ struct Measured {
     bytes: f64,
     flops: f64,
     split: StepSplit,
+    /// GEMM plans made during the run and the seconds they took.
+    planning: (u64, f64),
 }
 
 struct Bench<'a> {
@@ -345,6 +347,7 @@ impl Job for Bench<'_> {
                 engine.set_graphs(GraphMode::Graphs, seqs, width)?;
             }
             engine.decoder.backend().synchronize()?;
+            let plans0 = engine.decoder.backend().gemm_planning();
             let t = Instant::now();
             let mut timed = Timed {
                 inner: &mut engine,
@@ -361,6 +364,10 @@ impl Job for Bench<'_> {
             let split = timed.split;
             engine.decoder.backend().synchronize()?;
             let seconds = t.elapsed().as_secs_f64();
+            let planning = match (plans0, engine.decoder.backend().gemm_planning()) {
+                (Some((n0, s0)), Some((n1, s1))) => (n1 - n0, s1 - s0),
+                _ => (0, 0.0),
+            };
             let gs = engine.release_graphs()?;
             drop(engine);
             if case.name == warm.name {
@@ -405,6 +412,7 @@ impl Job for Bench<'_> {
                 bytes,
                 flops: 2.0 * params * fed + attn_flops,
                 split,
+                planning,
             });
         }
         let parts = breakdown(
@@ -581,6 +589,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
                 "{:.2}",
                 1e3 * m.split.decode_s / m.split.decode_steps.max(1) as f64
             ),
+            format!("{} ({:.0} ms)", m.planning.0, 1e3 * m.planning.1),
         ]);
         js.push(json!({
             "case": m.name,
@@ -604,6 +613,8 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             "other_steps_s": m.split.other_s,
             "other_steps": m.split.other_steps,
             "slowest_decode_step_s": m.split.slowest_decode_s,
+            "gemm_plans": m.planning.0,
+            "gemm_planning_s": m.planning.1,
         }));
     }
     report(
@@ -628,6 +639,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             "replay/capt",
             "decode/other ms",
             "ms/decode",
+            "GEMM plans",
         ],
         &table,
         &json!({

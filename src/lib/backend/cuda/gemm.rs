@@ -97,6 +97,9 @@ pub struct Gemm {
     workspace: Block,
     stream: Arc<CudaStream>,
     invariant: std::sync::atomic::AtomicBool,
+    /// Plans made and the time their heuristic queries took (`planning`).
+    plans_made: std::sync::atomic::AtomicU64,
+    planning_ns: std::sync::atomic::AtomicU64,
 }
 
 /// Token count the batch-invariant plans are chosen for (see `Gemm::set_batch_invariant`):
@@ -147,6 +150,8 @@ impl Gemm {
             invariant: std::sync::atomic::AtomicBool::new(
                 std::env::var_os("TANDEM_BATCH_INVARIANT").is_some(),
             ),
+            plans_made: Default::default(),
+            planning_ns: Default::default(),
         })
     }
 
@@ -159,6 +164,15 @@ impl Gemm {
     pub fn set_batch_invariant(&self, on: bool) {
         self.invariant
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Plans made so far and the seconds they took (a new row count costs a heuristic query).
+    pub fn planning(&self) -> (u64, f64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.plans_made.load(Relaxed),
+            self.planning_ns.load(Relaxed) as f64 * 1e-9,
+        )
     }
 
     pub fn batch_invariant(&self) -> bool {
@@ -338,7 +352,15 @@ impl Gemm {
         let plan = match st.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Self::plan(handle, &key, self.workspace.bytes())?)
+                let t = std::time::Instant::now();
+                let plan = Self::plan(handle, &key, self.workspace.bytes())?;
+                self.planning_ns.fetch_add(
+                    t.elapsed().as_nanos() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                self.plans_made
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                e.insert(plan)
             }
         };
         let (alpha, beta) = (1.0f32, c.beta);

@@ -2109,6 +2109,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn gemm_planning(&self) -> Option<(u64, f64)> {
+        Some(self.gemm.planning())
+    }
+
     fn graph_begin(&self) -> Result<()> {
         self.bind()?;
         // Relaxed: the pool may still call cuMemAlloc for a temporary it has not cached.

@@ -203,7 +203,9 @@ pub fn generate_paged(
             while take > 0 && pb + (take - 1) * partial > pool.num_free() {
                 take -= 1;
             }
-            if take == 0 {
+            // Part of a prompt's samples only when nothing else runs (n > seats, or a pool too
+            // small for all): otherwise wait for the seats, since each part is prefilled again.
+            if take == 0 || (take < range.len() && !running.is_empty()) {
                 break;
             }
             let blocks = pool.alloc(pb).expect("checked free blocks");

@@ -250,6 +250,39 @@ fn n_samples_share_one_prefill_and_the_prompt_blocks() {
 }
 
 #[test]
+fn a_prompt_waits_for_seats_for_all_its_samples_while_others_run() {
+    // 6 seats, 4 samples per prompt: the second prompt must not start with the 2 free seats
+    // (its other samples would need a prefill of their own later).
+    let cfg = PagedConfig {
+        block_size: 4,
+        num_blocks: 64,
+        max_num_seqs: 6,
+        max_batched_tokens: 64,
+    };
+    let reqs = [
+        request(1, (0..7).collect(), 4),
+        request(2, vec![5; 9], 4),
+        request(3, vec![2, 9, 4], 4),
+    ];
+    let p = params(8, vec![3, 11, 17]);
+    let mut toy = PagedToy::new(30, &cfg);
+    let (got, stats) = generate_paged(&mut toy, &cfg, &reqs, &p, None, &mut |_| {}).unwrap();
+    assert_eq!(got, reference(30, &reqs, &p));
+    assert_eq!(stats.gen.prefills, 3);
+    assert_eq!(stats.gen.prefill_tokens, 7 + 9 + 3);
+    assert_eq!(stats.blocks_in_use_at_end, 0);
+    // More samples than seats: the prompt starts with what fits, the rest follow.
+    let cfg = PagedConfig {
+        max_num_seqs: 3,
+        ..cfg
+    };
+    let mut toy = PagedToy::new(30, &cfg);
+    let (got, stats) = generate_paged(&mut toy, &cfg, &reqs[..1], &p, None, &mut |_| {}).unwrap();
+    assert_eq!(got, reference(30, &reqs[..1], &p));
+    assert_eq!(stats.gen.prefills, 2);
+}
+
+#[test]
 fn long_prompts_are_prefilled_in_chunks_beside_the_decodes() {
     let cfg = PagedConfig {
         block_size: 4,

@@ -597,9 +597,12 @@ impl Suite<'_> {
             let (g, gs, pre) = (&runs[0].0, runs[0].1, runs[0].2);
             let (_, _, padded_bits, _) = cmp(g, &runs[1].0);
             let (same, total, eager_bits, err) = cmp(g, &runs[2].0);
-            // f32: the eager steps must agree to rounding; bf16 is reported (a GEMM of another
-            // row count rounds its bf16 outputs differently and a sampled token may flip).
-            let eager_ok = d == DType::BF16 || (same == total && err <= 1e-4);
+            // f32: the eager steps must agree to rounding (log-probs before a sample's first
+            // difference within 1e-4); a draw that lands within that rounding of a CDF boundary
+            // may still pick another token and the sample goes its own way from there, so the
+            // tokens only need to agree mostly. bf16 is reported (a GEMM of another row count
+            // rounds its bf16 outputs differently and sampled tokens flip more often).
+            let eager_ok = d == DType::BF16 || (same * 10 >= total * 9 && err <= 1e-4);
             self.flag(
                 &format!("paged_graphs {prompts}x{n}{}", if pool > 0 { " small pool" } else { "" }),
                 d,

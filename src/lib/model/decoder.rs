@@ -210,10 +210,17 @@ struct DecodeGraphs {
     max_rows: usize,
     /// (bucket, temperature bits, top_k, top_p bits) → graph id.
     captured: Vec<((usize, u32, i64, u32), usize)>,
+    /// Pure-decode steps run so far per key: a bucket is captured at its CAPTURE_AT-th step.
+    uses: Vec<((usize, u32, i64, u32), usize)>,
     /// (workspace epoch, cache epoch) the fixed buffers were sized at (None: not yet).
     epochs: Option<(u64, u64)>,
     stats: GraphStats,
 }
+
+/// The step of a bucket that is captured; the ones before run padded eagerly (the first also
+/// compiles kernels and plans GEMMs). A capture costs ~15 ms on an H100, several eager steps:
+/// the buckets a batch passes through only as it drains (a step or two each) stay eager.
+const CAPTURE_AT: usize = 3;
 
 /// Row counts a decode step is padded to: powers of two up to 16, then also 1.5× each power
 /// of two (at most a third of a step is padding past 16 rows).
@@ -2133,11 +2140,25 @@ impl<B: Backend> Decoder<B> {
                 .iter()
                 .find(|(k, _)| *k == key)
                 .map(|&(_, id)| id);
+            let uses = match g.uses.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, u)) => {
+                    *u += 1;
+                    *u
+                }
+                None => {
+                    g.uses.push((key, 1));
+                    1
+                }
+            };
+            if found.is_none() && uses < CAPTURE_AT {
+                self.decode_body(cache, bucket, sampling)?;
+                cache.graphs.stats.padded_steps += 1;
+                return cache.drawn(&self.backend, rows.len());
+            }
             let id = match found {
                 Some(id) => id,
                 None => {
                     let t0 = std::time::Instant::now();
-                    self.decode_body(cache, bucket, sampling)?;
                     self.backend.synchronize()?;
                     self.backend.graph_begin()?;
                     let body = self.decode_body(cache, bucket, sampling);

@@ -401,10 +401,10 @@ impl Suite<'_> {
     /// The decoder's fused q/k/v and gate/up GEMMs against the split ones on one GPU decoder
     /// (`set_fused_projections`): greedy paged rollouts, then prefill and teacher-forced
     /// decode logits through a contiguous cache, for the tiny Qwen2 (q/k/v biases), Llama
-    /// (none) and Qwen3 (qk_norm: only gate/up fused), before and after an optimizer step (the fused GEMMs must read the updated
-    /// weights through the shared buffers). f32: the same tokens, log-probs and logits to
-    /// rounding; bf16 reported (a GEMM of another width may round an output differently and
-    /// flip a token), the logits within the bf16 tolerance.
+    /// (none) and Qwen3 (qk_norm: only gate/up fused), before and after an optimizer step
+    /// (the fused GEMMs must read the updated weights through the shared buffers). f32: the
+    /// same tokens, log-probs and logits to rounding; bf16: tokens reported (a GEMM of another
+    /// width may round an output differently and flip a token), logits within its tolerance.
     pub(super) fn fused_decode(&mut self, d: DType) -> Result<()> {
         let (t1, t2) = tols(d);
         for arch in [Arch::Qwen2, Arch::Llama, Arch::Qwen3] {

@@ -123,6 +123,9 @@ pub struct MemoryStats {
     pub peak_in_use: usize,
 }
 
+/// A buffer and the buffers that are its parts (`Backend::alloc_parts`).
+pub type Parts<T> = (T, Vec<T>);
+
 /// The op set. Every method documents its math in one line; shapes are passed explicitly.
 pub trait Backend: Send + Sync {
     /// A float buffer on the device (`Vec<f32>` on the CPU).
@@ -174,6 +177,15 @@ pub trait Backend: Send + Sync {
     /// Returns cached free device memory to the driver (between phases of the hybrid engine).
     fn trim(&self) -> Result<()> {
         Ok(())
+    }
+    /// Zero-filled buffers of `sizes[i]` elements of `dtype` that are parts of one allocation:
+    /// `(whole, parts)`, part i a view of `whole` starting where part i − 1 ends, rounded up to
+    /// the backend's alignment (so `len(whole) == Σ sizes` exactly when no padding was needed,
+    /// and then `whole` is the parts concatenated). Ops on a part touch only that part; the
+    /// memory lives while any of them does. None where buffers cannot share memory (the CPU).
+    fn alloc_parts(&self, sizes: &[usize], dtype: DType) -> Result<Option<Parts<Self::Buf>>> {
+        let _ = (sizes, dtype);
+        Ok(None)
     }
     /// A zero-filled index buffer of `n` entries.
     fn alloc_idx(&self, n: usize) -> Result<Self::Idx>;
@@ -405,6 +417,53 @@ pub trait Backend: Send + Sync {
         self.rope(k, pos, tokens, kv_heads, head_dim, theta)?;
         self.kv_store(k_cache, v_cache, k, v, rows, tokens, kv_heads * head_dim)
     }
+    /// `rope_store_kv` on the parts of one fused projection, row t of `qkv` being
+    /// [q (heads·head_dim) | k (kv_heads·head_dim) | v (kv_heads·head_dim)]:
+    /// q_out[t] = rope(q_t); cache[rows[t]] = (rope(k_t) rounded to qkv's type, v_t).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_kv_packed(
+        &self,
+        qkv: &Self::Buf,
+        q_out: &mut Self::Buf,
+        pos: &Self::Idx,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        rows: &Self::Idx,
+        tokens: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        let (qd, kd) = (heads * head_dim, kv_heads * head_dim);
+        if tokens == 0 || kd == 0 {
+            return Ok(());
+        }
+        // Each row of qkv as whole units of gcd(qd, kd) floats: every part is a run of units,
+        // gathered out as rows of one unit.
+        let unit = gcd(qd, kd);
+        let per = (qd + 2 * kd) / unit;
+        let dt = self.dtype(qkv);
+        let mut k = self.alloc_as(tokens * kd, dt)?;
+        let mut v = self.alloc_as(tokens * kd, dt)?;
+        for (dst, first, count) in [
+            (&mut *q_out, 0, qd / unit),
+            (&mut k, qd / unit, kd / unit),
+            (&mut v, (qd + kd) / unit, kd / unit),
+        ] {
+            let src = (0..tokens)
+                .flat_map(|t| (0..count).map(move |j| t * per + first + j))
+                .map(|r| u32::try_from(r).map_err(|_| anyhow::anyhow!("qkv row {r} overflows u32")))
+                .collect::<Result<Vec<u32>>>()?;
+            let mut idx = self.alloc_idx(src.len())?;
+            self.upload_idx(&mut idx, &src)?;
+            self.gather_rows(dst, qkv, &idx, src.len(), unit)?;
+        }
+        self.rope_store_kv(
+            q_out, &mut k, &v, pos, k_cache, v_cache, rows, tokens, heads, kv_heads, head_dim,
+            theta,
+        )
+    }
     /// Attention against a cache: o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
     #[allow(clippy::too_many_arguments)]
     fn attention_cached(
@@ -422,6 +481,24 @@ pub trait Backend: Send + Sync {
 
     /// h = silu(g)·u = g·σ(g)·u, elementwise over n.
     fn swiglu(&self, h: &mut Self::Buf, g: &Self::Buf, u: &Self::Buf, n: usize) -> Result<()>;
+    /// h[i,j] = silu(gu[i,j])·gu[i,f+j] for i < n, j < f: `swiglu` on the two halves of each
+    /// row of one fused gate/up projection [n, 2f].
+    fn swiglu_packed(&self, h: &mut Self::Buf, gu: &Self::Buf, n: usize, f: usize) -> Result<()> {
+        if n == 0 || f == 0 {
+            return Ok(());
+        }
+        let dt = self.dtype(gu);
+        let mut g = self.alloc_as(n * f, dt)?;
+        let mut u = self.alloc_as(n * f, dt)?;
+        // gu viewed as 2n rows of f: gate rows are the even ones, up rows the odd ones.
+        for (dst, half) in [(&mut g, 0), (&mut u, 1)] {
+            let src: Vec<u32> = (0..n).map(|i| (2 * i + half) as u32).collect();
+            let mut idx = self.alloc_idx(n)?;
+            self.upload_idx(&mut idx, &src)?;
+            self.gather_rows(dst, gu, &idx, n, f)?;
+        }
+        self.swiglu(h, &g, &u, n * f)
+    }
     /// dg = dh·u·σ(g)·(1 + g·(1−σ(g))), du = dh·silu(g) (overwritten).
     #[allow(clippy::too_many_arguments)]
     fn swiglu_backward(
@@ -539,6 +616,13 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// Whether kernels run in batch-invariant mode (a row's result does not depend on the
+    /// other rows of the call; the CUDA backend's TANDEM_BATCH_INVARIANT). The CPU backend is
+    /// batch-invariant by construction and has no mode.
+    fn batch_invariant(&self) -> bool {
+        false
+    }
+
     /// GEMM plans made so far and the seconds their algorithm searches took (None where
     /// GEMMs need no plan).
     fn gemm_planning(&self) -> Option<(u64, f64)> {
@@ -599,4 +683,120 @@ pub trait Backend: Send + Sync {
         vocab: usize,
         params: &crate::engine::sampling::SamplingParams,
     ) -> Result<()>;
+}
+
+/// Greatest common divisor (gcd(a, 0) = a).
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu::Cpu;
+    use super::*;
+    use crate::backend::check::randn;
+
+    /// The packed op against `rope_store_kv` on the three parts split out by hand: q, the
+    /// cache rows written and the rows left alone equal bit for bit. Buffers are longer than
+    /// the op needs (a workspace), and GQA groups make the parts different unit counts.
+    #[test]
+    fn rope_store_kv_packed_equals_the_split_op() {
+        // (tokens, heads, kv_heads, head_dim): Qwen2.5-0.5B's groups of 7, a group of 3
+        // (qd = 48, kd = 32: parts of gcd 16), and MHA.
+        for (seed, (tokens, heads, kv, hd)) in [
+            (19usize, 14usize, 2usize, 16usize),
+            (5, 6, 2, 8),
+            (1, 4, 4, 6),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (qd, kd) = (heads * hd, kv * hd);
+            let w = qd + 2 * kd;
+            let cache_rows = 3 * tokens + 4;
+            let seed = seed as u64 * 10;
+            let qkv = randn((tokens + 2) * w, seed);
+            let pos: Vec<u32> = (0..tokens as u32).map(|t| 3 * t + 100).collect();
+            // Rows scattered backwards through the cache.
+            let rows: Vec<u32> = (0..tokens as u32)
+                .map(|t| (cache_rows as u32 - 1) - 2 * t)
+                .collect();
+            let kc0 = randn(cache_rows * kd, seed + 1);
+            let vc0 = randn(cache_rows * kd, seed + 2);
+
+            let mut q = Vec::new();
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for r in qkv.chunks(w).take(tokens) {
+                q.extend_from_slice(&r[..qd]);
+                k.extend_from_slice(&r[qd..qd + kd]);
+                v.extend_from_slice(&r[qd + kd..]);
+            }
+            let (mut kc, mut vc) = (kc0.clone(), vc0.clone());
+            Cpu.rope_store_kv(
+                &mut q, &mut k, &v, &pos, &mut kc, &mut vc, &rows, tokens, heads, kv, hd, 1e4,
+            )
+            .unwrap();
+
+            let mut q_out = vec![f32::NAN; tokens * qd + 5];
+            let (mut pkc, mut pvc) = (kc0.clone(), vc0.clone());
+            Cpu.rope_store_kv_packed(
+                &qkv, &mut q_out, &pos, &mut pkc, &mut pvc, &rows, tokens, heads, kv, hd, 1e4,
+            )
+            .unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&q_out[..tokens * qd]),
+                bits(&q),
+                "q, shape {heads}/{kv}"
+            );
+            assert!(
+                q_out[tokens * qd..].iter().all(|v| v.is_nan()),
+                "wrote past q"
+            );
+            assert_eq!(bits(&pkc), bits(&kc), "k cache, shape {heads}/{kv}");
+            assert_eq!(bits(&pvc), bits(&vc), "v cache, shape {heads}/{kv}");
+            // v went in as it was; a row no token names kept its value.
+            let r0 = rows[0] as usize;
+            assert_eq!(&pvc[r0 * kd..(r0 + 1) * kd], &qkv[qd + kd..w]);
+            assert_eq!(pvc[..kd], vc0[..kd]);
+        }
+    }
+
+    #[test]
+    fn swiglu_packed_equals_swiglu_of_the_halves() {
+        let (n, f) = (7usize, 37usize);
+        let gu = randn((n + 1) * 2 * f, 3);
+        let (mut g, mut u) = (Vec::new(), Vec::new());
+        for r in gu.chunks(2 * f).take(n) {
+            g.extend_from_slice(&r[..f]);
+            u.extend_from_slice(&r[f..]);
+        }
+        let mut want = vec![0.0; n * f];
+        Cpu.swiglu(&mut want, &g, &u, n * f).unwrap();
+        let mut h = vec![f32::NAN; n * f + 3];
+        Cpu.swiglu_packed(&mut h, &gu, n, f).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&h[..n * f]), bits(&want));
+        assert!(h[n * f..].iter().all(|v| v.is_nan()), "wrote past h");
+        // Row 1, column 2 by hand: silu(g)·u.
+        let (a, b) = (gu[2 * f + 2], gu[2 * f + f + 2]);
+        assert_eq!(h[f + 2], a * (1.0 / (1.0 + (-a).exp())) * b);
+    }
+
+    #[test]
+    fn the_cpu_has_no_shared_parts() {
+        assert!(Cpu.alloc_parts(&[4, 8], DType::F32).unwrap().is_none());
+    }
+
+    #[test]
+    fn gcd_of_projection_widths() {
+        assert_eq!(gcd(896, 128), 128);
+        assert_eq!(gcd(48, 32), 16);
+        assert_eq!(gcd(24, 24), 24);
+        assert_eq!(gcd(0, 24), 24);
+    }
 }

@@ -18,12 +18,17 @@
 //! pass), and generation against a KV cache ([`Decoder::prefill`], [`Decoder::decode`]).
 //! Activations live in a workspace sized for the largest call so far; it grows at the start of
 //! a call, never inside the layer loop.
+//!
+//! Where the backend can share memory between buffers (`Backend::alloc_parts`, CUDA), the
+//! q/k/v weights (and biases) and the gate/up weights of a layer are parts of one buffer each,
+//! so cached and paged steps run x·[Wq; Wk; Wv]ᵀ and x·[Wg; Wu]ᵀ as one GEMM each (fewer,
+//! wider GEMMs at decode batch sizes). Packed calls (training, scoring) keep the split GEMMs.
 
 use anyhow::{bail, ensure, Result};
 
 use crate::backend::{
-    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PagedAttnShape, PpoShape,
-    PPO_STATS,
+    AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PagedAttnShape, Parts,
+    PpoShape, PPO_STATS,
 };
 use crate::engine::paged::{Chunk, SampleRow};
 use crate::engine::sampling::{Sampled, SamplingParams};
@@ -309,6 +314,11 @@ struct Layer {
     gate: usize,
     up: usize,
     down: usize,
+    /// Into `Decoder::fused`: [Wq; Wk; Wv] (and [bq; bk; bv]) and [Wg; Wu], whose parts are
+    /// the buffers `q`, `k`, `v` (`q_b`...) and `gate`, `up` name; None where not fused.
+    qkv: Option<usize>,
+    qkv_b: Option<usize>,
+    gate_up: Option<usize>,
 }
 
 /// What the workspace must hold.
@@ -320,6 +330,8 @@ struct Caps {
     /// 1 for inference, num_layers for training.
     saved_layers: usize,
     backward: bool,
+    /// The fused projections' outputs (`Work::qkv`, `Work::gu`).
+    fused: bool,
 }
 
 impl Caps {
@@ -329,6 +341,7 @@ impl Caps {
             && self.rows >= o.rows
             && self.saved_layers >= o.saved_layers
             && (self.backward || !o.backward)
+            && (self.fused || !o.fused)
     }
 
     fn max(&self, o: &Caps) -> Caps {
@@ -338,6 +351,7 @@ impl Caps {
             rows: self.rows.max(o.rows),
             saved_layers: self.saved_layers.max(o.saved_layers),
             backward: self.backward || o.backward,
+            fused: self.fused || o.fused,
         }
     }
 }
@@ -403,6 +417,10 @@ struct Work<B: Backend> {
     /// layer l reads `2l`, its attention writes `2l+1`, its MLP writes `2l+2`).
     resid: Vec<B::Buf>,
     acts: Vec<Acts<B>>,
+    /// Outputs of the fused projections of a cached or paged step: [tokens, qd + 2·kd] and
+    /// [tokens, 2·intermediate] (empty unless `caps.fused`).
+    qkv: B::Buf,
+    gu: B::Buf,
     h: B::Buf,
     xg: B::Buf,
     xf: B::Buf,
@@ -506,6 +524,8 @@ impl<B: Backend> Work<B> {
             kv_len: b.alloc_idx(t)?,
             resid,
             acts,
+            qkv: ac(if c.fused { t * (qd + 2 * kd) } else { 0 })?,
+            gu: ac(if c.fused { t * 2 * f } else { 0 })?,
             h: ac(t * f)?,
             xg: ac(n * hd)?,
             xf: ac(n * hd)?,
@@ -561,6 +581,12 @@ pub struct Decoder<B: Backend> {
     /// Bumped whenever a workspace buffer is reallocated: CUDA graphs captured before read
     /// the old addresses and must be captured again.
     ws_epoch: u64,
+    /// The whole buffers of the fused projections (`Layer::qkv`...), each shared with the
+    /// parameter buffers in `w` that are its parts. Not parameters: the optimizer, exports and
+    /// checkpoints walk `w`.
+    fused: Vec<B::Buf>,
+    /// Whether cached and paged steps use `fused` (`set_fused_projections`).
+    fuse: bool,
 }
 
 fn check_config(cfg: &Config) -> Result<()> {
@@ -600,6 +626,29 @@ fn check_temperature(t: f32) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Buffers of `sizes` as parts of one allocation laid end to end, `(whole, parts)`: None where
+/// the backend cannot share memory between buffers or had to pad between the parts (then the
+/// whole is not the parts concatenated).
+fn contiguous_parts<B: Backend>(
+    b: &B,
+    sizes: &[usize],
+    dtype: DType,
+) -> Result<Option<Parts<B::Buf>>> {
+    Ok(b.alloc_parts(sizes, dtype)?
+        .filter(|(whole, _)| b.len(whole) == sizes.iter().sum::<usize>()))
+}
+
+/// The whole of `contiguous_parts` and its N parts, or None and N Nones.
+fn split_parts<T, const N: usize>(p: Option<Parts<T>>) -> (Option<T>, [Option<T>; N]) {
+    match p {
+        Some((whole, parts)) => {
+            let mut it = parts.into_iter();
+            (Some(whole), std::array::from_fn(|_| it.next()))
+        }
+        None => (None, std::array::from_fn(|_| None)),
+    }
 }
 
 /// `(&v[i], &mut v[j])` for i ≠ j.
@@ -647,7 +696,8 @@ impl<B: Backend> Decoder<B> {
         let mut bufs = Vec::new();
         let mut masters = Vec::new();
         let cd = backend.compute_dtype();
-        let mut add = |name: String, shape: Vec<usize>| -> Result<usize> {
+        // `into`: the buffer to upload into (a part of a fused buffer); None allocates one.
+        let mut add = |name: String, shape: Vec<usize>, into: Option<B::Buf>| -> Result<usize> {
             let t = weights
                 .get(&name)
                 .ok_or_else(|| input_error(format!("model weights: tensor '{name}' is missing")))?;
@@ -662,7 +712,10 @@ impl<B: Backend> Decoder<B> {
                     "model weights: tensor '{name}' holds a non-finite value at flat index {i}"
                 )));
             }
-            let mut buf = backend.alloc_as(t.numel(), cd)?;
+            let mut buf = match into {
+                Some(b) => b,
+                None => backend.alloc_as(t.numel(), cd)?,
+            };
             backend.upload(&mut buf, &t.data)?;
             if cd != DType::F32 {
                 let mut m = backend.alloc(t.numel())?;
@@ -674,44 +727,77 @@ impl<B: Backend> Decoder<B> {
             bufs.push(buf);
             Ok(bufs.len() - 1)
         };
-        let embed = add("model.embed_tokens.weight".into(), vec![v, d])?;
+        let embed = add("model.embed_tokens.weight".into(), vec![v, d], None)?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
+        let mut fused = Vec::new();
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}.");
+            // q/k/v (with their biases) and gate/up as parts of one buffer each where the
+            // backend can share memory: cached and paged steps run each group as one GEMM.
+            // Qwen3's per-head norm sits between the projections and rope: q/k/v stay apart.
+            let qkv_w = if cfg.qk_norm {
+                None
+            } else {
+                contiguous_parts(&backend, &[qd * d, kd * d, kd * d], cd)?
+            };
+            let qkv_b = match (&qkv_w, cfg.qkv_bias) {
+                (Some(_), true) => contiguous_parts(&backend, &[qd, kd, kd], cd)?,
+                _ => None,
+            };
+            let qkv_w = if cfg.qkv_bias && qkv_b.is_none() {
+                None
+            } else {
+                qkv_w
+            };
+            let (qkv_all, [wq, wk, wv]) = split_parts(qkv_w);
+            let (qkv_b_all, [bq, bk, bv]) = split_parts(qkv_b);
+            let (gu_all, [wg, wu]) = split_parts(contiguous_parts(&backend, &[f * d, f * d], cd)?);
             let bias =
-                |add: &mut dyn FnMut(String, Vec<usize>) -> Result<usize>, name: &str, n: usize| {
+                |add: &mut dyn FnMut(String, Vec<usize>, Option<B::Buf>) -> Result<usize>,
+                 name: &str,
+                 n: usize,
+                 into: Option<B::Buf>| {
                     if cfg.qkv_bias {
-                        add(format!("{p}self_attn.{name}.bias"), vec![n]).map(Some)
+                        add(format!("{p}self_attn.{name}.bias"), vec![n], into).map(Some)
                     } else {
                         Ok(None)
                     }
                 };
-            let in_norm = add(format!("{p}input_layernorm.weight"), vec![d])?;
-            let q = add(format!("{p}self_attn.q_proj.weight"), vec![qd, d])?;
-            let q_b = bias(&mut add, "q_proj", qd)?;
-            let k = add(format!("{p}self_attn.k_proj.weight"), vec![kd, d])?;
-            let k_b = bias(&mut add, "k_proj", kd)?;
-            let vv = add(format!("{p}self_attn.v_proj.weight"), vec![kd, d])?;
-            let v_b = bias(&mut add, "v_proj", kd)?;
+            let in_norm = add(format!("{p}input_layernorm.weight"), vec![d], None)?;
+            let q = add(format!("{p}self_attn.q_proj.weight"), vec![qd, d], wq)?;
+            let q_b = bias(&mut add, "q_proj", qd, bq)?;
+            let k = add(format!("{p}self_attn.k_proj.weight"), vec![kd, d], wk)?;
+            let k_b = bias(&mut add, "k_proj", kd, bk)?;
+            let vv = add(format!("{p}self_attn.v_proj.weight"), vec![kd, d], wv)?;
+            let v_b = bias(&mut add, "v_proj", kd, bv)?;
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (
                     Some(add(
                         format!("{p}self_attn.q_norm.weight"),
                         vec![cfg.head_dim],
+                        None,
                     )?),
                     Some(add(
                         format!("{p}self_attn.k_norm.weight"),
                         vec![cfg.head_dim],
+                        None,
                     )?),
                 )
             } else {
                 (None, None)
             };
-            let o = add(format!("{p}self_attn.o_proj.weight"), vec![d, qd])?;
-            let post_norm = add(format!("{p}post_attention_layernorm.weight"), vec![d])?;
-            let gate = add(format!("{p}mlp.gate_proj.weight"), vec![f, d])?;
-            let up = add(format!("{p}mlp.up_proj.weight"), vec![f, d])?;
-            let down = add(format!("{p}mlp.down_proj.weight"), vec![d, f])?;
+            let o = add(format!("{p}self_attn.o_proj.weight"), vec![d, qd], None)?;
+            let post_norm = add(format!("{p}post_attention_layernorm.weight"), vec![d], None)?;
+            let gate = add(format!("{p}mlp.gate_proj.weight"), vec![f, d], wg)?;
+            let up = add(format!("{p}mlp.up_proj.weight"), vec![f, d], wu)?;
+            let down = add(format!("{p}mlp.down_proj.weight"), vec![d, f], None)?;
+            let mut keep = |b: Option<B::Buf>| {
+                b.map(|b| {
+                    fused.push(b);
+                    fused.len() - 1
+                })
+            };
+            let (qkv, qkv_b, gate_up) = (keep(qkv_all), keep(qkv_b_all), keep(gu_all));
             layers.push(Layer {
                 in_norm,
                 q,
@@ -727,13 +813,16 @@ impl<B: Backend> Decoder<B> {
                 gate,
                 up,
                 down,
+                qkv,
+                qkv_b,
+                gate_up,
             });
         }
-        let final_norm = add("model.norm.weight".into(), vec![d])?;
+        let final_norm = add("model.norm.weight".into(), vec![d], None)?;
         let head = if cfg.tie_word_embeddings {
             embed
         } else {
-            add("lm_head.weight".into(), vec![v, d])?
+            add("lm_head.weight".into(), vec![v, d], None)?
         };
         let ws = Work::empty(&backend, cfg)?;
         let logprob_chunk = (backend.logprob_chunk_floats() / v).clamp(1, 4096);
@@ -756,6 +845,8 @@ impl<B: Backend> Decoder<B> {
             ppo_stats: None,
             logprob_chunk,
             ws_epoch: 0,
+            fused,
+            fuse: true,
         })
     }
 
@@ -809,6 +900,37 @@ impl<B: Backend> Decoder<B> {
             out.insert(name.clone(), t);
         }
         Ok(out)
+    }
+
+    /// Whether cached and paged steps run the fused projections.
+    fn fuses(&self) -> bool {
+        // Not in batch-invariant mode: training runs the split GEMMs, and a fused one rounds
+        // differently (the point of the mode is that rollout and training round alike).
+        self.fuse && !self.fused.is_empty() && !self.backend.batch_invariant()
+    }
+
+    /// What a cached or paged step of `tokens` tokens and `rows` output rows needs.
+    fn step_caps(&self, tokens: usize, rows: usize) -> Caps {
+        Caps {
+            tokens,
+            seqs: 1,
+            rows,
+            saved_layers: 1,
+            backward: false,
+            fused: self.fuses(),
+        }
+    }
+
+    /// Turns the fused q/k/v and gate/up GEMMs of cached and paged steps on (the default) or
+    /// off, e.g. to compare the two; returns whether this decoder has fused buffers (not on a
+    /// backend without shared buffers, nor for q/k/v under Qwen3's qk_norm). Decode graphs
+    /// captured before are captured again.
+    pub fn set_fused_projections(&mut self, on: bool) -> bool {
+        if on != self.fuse {
+            self.fuse = on;
+            self.ws_epoch += 1;
+        }
+        !self.fused.is_empty()
     }
 
     /// Grows the workspace (all at once, before any layer runs) so it covers `need`.
@@ -927,6 +1049,7 @@ impl<B: Backend> Decoder<B> {
             rows: r,
             saved_layers: if train { self.cfg.num_layers.max(1) } else { 1 },
             backward: train,
+            fused: false,
         })?;
         if r > 0 {
             self.reserve_logprob_scratch()?;
@@ -950,6 +1073,9 @@ impl<B: Backend> Decoder<B> {
         train: bool,
         mut mode: AttnMode<B>,
     ) -> Result<usize> {
+        // The rollout engine's steps (cached and paged) run the fused projections; training
+        // and scoring (packed) keep the split GEMMs, so `update` and `ref-logprob` agree.
+        let fuse = self.fuses() && !matches!(mode, AttnMode::Packed);
         let Decoder {
             backend: b,
             cfg,
@@ -957,6 +1083,7 @@ impl<B: Backend> Decoder<B> {
             layers,
             ws,
             embed,
+            fused,
             ..
         } = self;
         let (d, f, hh, kh, hd) = (
@@ -967,6 +1094,10 @@ impl<B: Backend> Decoder<B> {
             cfg.head_dim,
         );
         let (qd, kd, eps, theta) = (hh * hd, kh * hd, cfg.rms_norm_eps, cfg.rope_theta);
+        ensure!(
+            !fuse || ws.caps.fused,
+            "decoder: fused step without its workspace"
+        );
         b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
         for (l, ly) in layers.iter().enumerate() {
             let (ri, rm, ro) = if train {
@@ -984,44 +1115,60 @@ impl<B: Backend> Decoder<B> {
                 d,
                 eps,
             )?;
-            let (q_dst, k_dst) = if cfg.qk_norm {
-                (&mut a.q_raw, &mut a.k_raw)
+            // x·[Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]) as one GEMM into ws.qkv, whose parts the
+            // cache write reads; or the three GEMMs into a.q, a.k, a.v.
+            let qkv = ly.qkv.filter(|_| fuse);
+            if let Some(wi) = qkv {
+                b.matmul(
+                    &mut ws.qkv,
+                    &a.xn1,
+                    &fused[wi],
+                    ly.qkv_b.map(|i| &fused[i]),
+                    n,
+                    d,
+                    qd + 2 * kd,
+                    false,
+                )?;
             } else {
-                (&mut a.q, &mut a.k)
-            };
-            b.matmul(
-                q_dst,
-                &a.xn1,
-                &w[ly.q],
-                ly.q_b.map(|i| &w[i]),
-                n,
-                d,
-                qd,
-                false,
-            )?;
-            b.matmul(
-                k_dst,
-                &a.xn1,
-                &w[ly.k],
-                ly.k_b.map(|i| &w[i]),
-                n,
-                d,
-                kd,
-                false,
-            )?;
-            b.matmul(
-                &mut a.v,
-                &a.xn1,
-                &w[ly.v],
-                ly.v_b.map(|i| &w[i]),
-                n,
-                d,
-                kd,
-                false,
-            )?;
-            if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
-                b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], n * hh, hd, eps)?;
-                b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], n * kh, hd, eps)?;
+                let (q_dst, k_dst) = if cfg.qk_norm {
+                    (&mut a.q_raw, &mut a.k_raw)
+                } else {
+                    (&mut a.q, &mut a.k)
+                };
+                b.matmul(
+                    q_dst,
+                    &a.xn1,
+                    &w[ly.q],
+                    ly.q_b.map(|i| &w[i]),
+                    n,
+                    d,
+                    qd,
+                    false,
+                )?;
+                b.matmul(
+                    k_dst,
+                    &a.xn1,
+                    &w[ly.k],
+                    ly.k_b.map(|i| &w[i]),
+                    n,
+                    d,
+                    kd,
+                    false,
+                )?;
+                b.matmul(
+                    &mut a.v,
+                    &a.xn1,
+                    &w[ly.v],
+                    ly.v_b.map(|i| &w[i]),
+                    n,
+                    d,
+                    kd,
+                    false,
+                )?;
+                if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
+                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], n * hh, hd, eps)?;
+                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], n * kh, hd, eps)?;
+                }
             }
             match &mut mode {
                 AttnMode::Packed => {
@@ -1038,20 +1185,36 @@ impl<B: Backend> Decoder<B> {
                 }
                 AttnMode::Cached(cache) => {
                     let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-                    b.rope_store_kv(
-                        &mut a.q,
-                        &mut a.k,
-                        &a.v,
-                        &ws.pos,
-                        kc,
-                        vc,
-                        &ws.kv_rows,
-                        n,
-                        hh,
-                        kh,
-                        hd,
-                        theta,
-                    )?;
+                    if qkv.is_some() {
+                        b.rope_store_kv_packed(
+                            &ws.qkv,
+                            &mut a.q,
+                            &ws.pos,
+                            kc,
+                            vc,
+                            &ws.kv_rows,
+                            n,
+                            hh,
+                            kh,
+                            hd,
+                            theta,
+                        )?;
+                    } else {
+                        b.rope_store_kv(
+                            &mut a.q,
+                            &mut a.k,
+                            &a.v,
+                            &ws.pos,
+                            kc,
+                            vc,
+                            &ws.kv_rows,
+                            n,
+                            hh,
+                            kh,
+                            hd,
+                            theta,
+                        )?;
+                    }
                     let shape = CachedAttnShape {
                         queries: n,
                         heads: hh,
@@ -1070,20 +1233,36 @@ impl<B: Backend> Decoder<B> {
                         ..
                     } = &mut **cache;
                     let (kc, vc) = (&mut ks[l], &mut vs[l]);
-                    b.rope_store_kv(
-                        &mut a.q,
-                        &mut a.k,
-                        &a.v,
-                        &ws.pos,
-                        kc,
-                        vc,
-                        &ws.kv_rows,
-                        n,
-                        hh,
-                        kh,
-                        hd,
-                        theta,
-                    )?;
+                    if qkv.is_some() {
+                        b.rope_store_kv_packed(
+                            &ws.qkv,
+                            &mut a.q,
+                            &ws.pos,
+                            kc,
+                            vc,
+                            &ws.kv_rows,
+                            n,
+                            hh,
+                            kh,
+                            hd,
+                            theta,
+                        )?;
+                    } else {
+                        b.rope_store_kv(
+                            &mut a.q,
+                            &mut a.k,
+                            &a.v,
+                            &ws.pos,
+                            kc,
+                            vc,
+                            &ws.kv_rows,
+                            n,
+                            hh,
+                            kh,
+                            hd,
+                            theta,
+                        )?;
+                    }
                     let shape = PagedAttnShape {
                         queries: n,
                         heads: hh,
@@ -1120,15 +1299,21 @@ impl<B: Backend> Decoder<B> {
                 d,
                 eps,
             )?;
-            b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
-            b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
-            let h = if train { &mut a.h } else { &mut ws.h };
-            b.swiglu(h, &a.g, &a.u, n * f)?;
+            // x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two GEMMs into a.g, a.u.
+            if let Some(wi) = ly.gate_up.filter(|_| fuse) {
+                b.matmul(&mut ws.gu, &a.xn2, &fused[wi], None, n, d, 2 * f, false)?;
+                b.swiglu_packed(&mut ws.h, &ws.gu, n, f)?;
+            } else {
+                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
+                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
+                let h = if train { &mut a.h } else { &mut ws.h };
+                b.swiglu(h, &a.g, &a.u, n * f)?;
+            }
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.matmul_residual(dst, src, h, &w[ly.down], n, f, d)?;
+                b.matmul_residual(dst, src, &a.h, &w[ly.down], n, f, d)?;
             } else {
-                b.matmul(&mut ws.resid[ro], h, &w[ly.down], None, n, f, d, true)?;
+                b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, n, f, d, true)?;
             }
         }
         Ok(if train { 2 * layers.len() } else { 0 })
@@ -1802,13 +1987,7 @@ impl<B: Backend> Decoder<B> {
             len.push(p as u32 + 1);
         }
         self.check_tokens(&ids, "generation input")?;
-        self.reserve(Caps {
-            tokens: n,
-            seqs: 1,
-            rows: out.len(),
-            saved_layers: 1,
-            backward: false,
-        })?;
+        self.reserve(self.step_caps(n, out.len()))?;
         let v = self.cfg.vocab_size;
         {
             let (b, ws) = (&self.backend, &mut self.ws);
@@ -1904,13 +2083,7 @@ impl<B: Backend> Decoder<B> {
     /// Grows the workspace for paged steps of up to `tokens` tokens and `rows` sampled rows
     /// (so a KV pool sized from the free memory afterwards leaves room for it).
     pub fn reserve_paged(&mut self, tokens: usize, rows: usize) -> Result<()> {
-        self.reserve(Caps {
-            tokens,
-            seqs: 1,
-            rows,
-            saved_layers: 1,
-            backward: false,
-        })?;
+        self.reserve(self.step_caps(tokens, rows))?;
         self.grow_logits(rows * self.cfg.vocab_size)
     }
 
@@ -2015,13 +2188,7 @@ impl<B: Backend> Decoder<B> {
     /// read the old addresses) and get captured again.
     fn prepare_padded(&mut self, cache: &mut PagedKv<B>) -> Result<()> {
         let (rows, width) = (cache.graphs.max_rows, cache.graphs.width);
-        self.reserve(Caps {
-            tokens: rows,
-            seqs: 1,
-            rows,
-            saved_layers: 1,
-            backward: false,
-        })?;
+        self.reserve(self.step_caps(rows, rows))?;
         self.grow_logits(rows * self.cfg.vocab_size)?;
         cache.grow_step_buffers(&self.backend, rows, rows * width)?;
         let now = (self.ws_epoch, cache.epoch);
@@ -2228,13 +2395,7 @@ impl<B: Backend> Decoder<B> {
             })
             .collect::<Result<_>>()?;
         self.check_tokens(&ids, "generation input")?;
-        self.reserve(Caps {
-            tokens: n,
-            seqs: 1,
-            rows: out.len(),
-            saved_layers: 1,
-            backward: false,
-        })?;
+        self.reserve(self.step_caps(n, out.len()))?;
         let v = self.cfg.vocab_size;
         let r = out.len();
         let keys: Vec<u32> = rows

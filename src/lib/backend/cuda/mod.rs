@@ -34,24 +34,28 @@ use self::nvrtc::{Family, KernelCache};
 use self::pool::{Block, Pool};
 use super::{
     AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, MemoryStats,
-    PagedAttnShape, PpoShape, PPO_STATS,
+    PagedAttnShape, Parts, PpoShape, PPO_STATS,
 };
 use crate::error::input_error;
 
 /// Most context splits of one paged-attention row (the partial states a combine reads).
 const MAX_PAGED_SPLITS: usize = 128;
+/// Byte alignment of the parts of an `alloc_parts` (what the pool's blocks have): cuBLASLt
+/// plans for 256-byte aligned operands and the kernels' 16-byte vector loads need 16.
+pub const PART_ALIGN: usize = 256;
 /// Logits per chunk of the greedy and plain sampling kernels (SCH in sample.cu).
 const SAMPLE_CHUNK: usize = 4096;
 
 /// The message a user sees on a machine without a usable GPU.
 pub const NO_DRIVER: &str = "no CUDA driver found; use --device cpu";
 
-/// A device buffer of `len` elements of `dtype`.
+/// A device buffer of `len` elements of `dtype`: its own block, or a part of a block shared
+/// with the other parts of an `alloc_parts` (`ptr` then points into it).
 pub struct CudaBuf {
     ptr: u64,
     len: usize,
     dtype: DType,
-    _mem: Block,
+    _mem: Arc<Block>,
 }
 
 /// A device buffer of `len` u32 indices.
@@ -450,7 +454,7 @@ impl CudaBackend {
             ptr: mem.ptr(),
             len: n,
             dtype,
-            _mem: mem,
+            _mem: Arc::new(mem),
         })
     }
 
@@ -695,6 +699,24 @@ impl Backend for CudaBackend {
             .synchronize()
             .map_err(|e| anyhow!("cuda: synchronize: {e:?}"))?;
         self.pool.trim()
+    }
+
+    fn alloc_parts(&self, sizes: &[usize], dtype: DType) -> Result<Option<Parts<CudaBuf>>> {
+        let es = esize(dtype);
+        let offs = part_offsets(sizes, dtype);
+        let end = offs.last().map_or(0, |&o| o + sizes[sizes.len() - 1]);
+        let whole = self.alloc_as(end, dtype)?;
+        let parts = sizes
+            .iter()
+            .zip(&offs)
+            .map(|(&n, &o)| CudaBuf {
+                ptr: whole.ptr + (o * es) as u64,
+                len: n,
+                dtype,
+                _mem: whole._mem.clone(),
+            })
+            .collect();
+        Ok(Some((whole, parts)))
     }
 
     fn alloc_idx(&self, n: usize) -> Result<CudaIdx> {
@@ -1572,6 +1594,72 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn rope_store_kv_packed(
+        &self,
+        qkv: &CudaBuf,
+        q_out: &mut CudaBuf,
+        pos: &CudaIdx,
+        k_cache: &mut CudaBuf,
+        v_cache: &mut CudaBuf,
+        rows: &CudaIdx,
+        tokens: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        if !head_dim.is_multiple_of(2) || head_dim > 1024 {
+            bail!("rope: head_dim {head_dim} must be even and at most 1024");
+        }
+        let (qd, kd) = (heads * head_dim, kv_heads * head_dim);
+        need(qkv.len, tokens * (qd + 2 * kd), "rope_store_kv_packed qkv")?;
+        need(q_out.len, tokens * qd, "rope_store_kv_packed q")?;
+        need(pos.len, tokens, "rope_store_kv_packed pos")?;
+        need(rows.len, tokens, "rope_store_kv_packed rows")?;
+        if tokens == 0 || kd == 0 {
+            return Ok(());
+        }
+        let mut fr = Freqs([0.0; 512]);
+        for (i, f) in fr.0.iter_mut().take(head_dim / 2).enumerate() {
+            *f = inv_freq(i, head_dim, theta);
+        }
+        let f = self.func(nvrtc::ROPE, 0, "rope_store_kv_packed_k")?;
+        let (xbf, qbf, kcbf, vcbf) = (qkv.bf(), q_out.bf(), k_cache.bf(), v_cache.bf());
+        let (t, h, kh, d) = (
+            i32_of(tokens, "tokens")?,
+            i32_of(heads, "heads")?,
+            i32_of(kv_heads, "kv_heads")?,
+            head_dim as i32,
+        );
+        let cache_rows = (k_cache.len.min(v_cache.len) / kd) as i64;
+        let err = self.err_word.ptr();
+        self.launch(
+            &f,
+            (tokens as u32, 1, 1),
+            Self::row_threads((heads + kv_heads) * head_dim / 2),
+            0,
+            &[
+                &qkv.ptr,
+                &xbf,
+                &q_out.ptr,
+                &qbf,
+                &pos.ptr,
+                &k_cache.ptr,
+                &kcbf,
+                &v_cache.ptr,
+                &vcbf,
+                &rows.ptr,
+                &t,
+                &h,
+                &kh,
+                &d,
+                &cache_rows,
+                &fr,
+                &err,
+            ],
+        )
+    }
+
     fn attention_cached(
         &self,
         o: &mut CudaBuf,
@@ -1645,6 +1733,31 @@ impl Backend for CudaBackend {
             "swiglu_fwd_k",
             n,
             &[&h.ptr, &hbf, &g.ptr, &gbf, &u.ptr, &ubf, &n64],
+        )
+    }
+
+    fn swiglu_packed(&self, h: &mut CudaBuf, gu: &CudaBuf, n: usize, f: usize) -> Result<()> {
+        need(h.len, n * f, "swiglu_packed h")?;
+        need(gu.len, 2 * n * f, "swiglu_packed gu")?;
+        if n * f == 0 {
+            return Ok(());
+        }
+        // Whole 8-element groups per half row: f a multiple of 8 (vec8 checks n·f and 2·n·f).
+        if let (Some(n8), true) = (vec8(n * f, &[h, gu]), f.is_multiple_of(8)) {
+            let f8 = (f / 8) as i64;
+            return self.elementwise(
+                nvrtc::SWIGLU,
+                "swiglu_packed_v8_k",
+                n8 as usize,
+                &[&h.ptr, &gu.ptr, &f8, &n8],
+            );
+        }
+        let (hbf, gbf, ff, n64) = (h.bf(), gu.bf(), f as i64, (n * f) as i64);
+        self.elementwise(
+            nvrtc::SWIGLU,
+            "swiglu_packed_k",
+            n * f,
+            &[&h.ptr, &hbf, &gu.ptr, &gbf, &ff, &n64],
         )
     }
 
@@ -2109,6 +2222,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn batch_invariant(&self) -> bool {
+        self.gemm.batch_invariant()
+    }
+
     fn gemm_planning(&self) -> Option<(u64, f64)> {
         Some(self.gemm.planning())
     }
@@ -2556,6 +2673,21 @@ fn shape_args(s: AttnShape) -> Result<(i32, i32, i32, i32)> {
 
 /// n / 8 when every buffer is bf16 and 16-byte aligned and 8 divides n: the elementwise
 /// kernels' vectorized form applies (TANDEM_NO_VEC=1 keeps the scalar kernels, for checks).
+/// Element offsets of the parts of an `alloc_parts`: each starts where the previous one ends,
+/// rounded up to [`PART_ALIGN`] bytes.
+pub fn part_offsets(sizes: &[usize], dtype: DType) -> Vec<usize> {
+    let step = PART_ALIGN / esize(dtype);
+    let mut end = 0usize;
+    sizes
+        .iter()
+        .map(|&n| {
+            let o = end.next_multiple_of(step);
+            end = o + n;
+            o
+        })
+        .collect()
+}
+
 fn vec8(n: usize, bufs: &[&CudaBuf]) -> Option<i64> {
     let ok = n.is_multiple_of(8)
         && bufs

@@ -1374,7 +1374,7 @@ mod paged;
 
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 21] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 25] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1392,11 +1392,15 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 21] {
         ("hf_fixtures", Suite::hf_fixtures),
         ("attention_paged", Suite::paged_attention),
         ("rope_store_kv", Suite::rope_store_kv),
+        ("rope_store_kv_packed", Suite::rope_store_kv_packed),
+        ("swiglu_packed", Suite::swiglu_packed),
+        ("alloc_parts", Suite::alloc_parts),
         ("gemm_invariance", Suite::gemm_invariance),
         ("attention_invariance", Suite::attention_invariance),
         ("sample", Suite::sample),
         ("paged_generate", Suite::paged_generate),
         ("paged_graphs", Suite::paged_graphs),
+        ("fused_decode", Suite::fused_decode),
     ]
 }
 

@@ -3,20 +3,30 @@
 //! splits), `sample` (greedy, full softmax, top-k, top-p, both) and `paged_generate` (the
 //! rollout engine on the GPU against the same engine on the CPU, greedy, tokens compared
 //! position by position) and `paged_graphs` (the same seeded rollout with the decode steps
-//! replayed from CUDA graphs, padded eagerly, and eager).
+//! replayed from CUDA graphs, padded eagerly, and eager). The fused projections of the
+//! engine's steps: `alloc_parts` (views into one buffer), `rope_store_kv_packed` and
+//! `swiglu_packed` (against the CPU and bit for bit against the split ops), and
+//! `fused_decode` (the engine with the fused GEMMs against the split ones).
 
-use anyhow::Result;
+use anyhow::{anyhow, Result};
 
 use super::{round, tiny_config, tols, Suite};
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::CudaBackend;
+use crate::backend::cuda::{CudaBackend, CudaBuf, PART_ALIGN};
 use crate::backend::{AttnShape, Backend, DType, PagedAttnShape};
 use crate::engine::generate::Completion;
 use crate::engine::generate::{GenParams, Request};
 use crate::engine::paged::{generate_paged, GraphMode, PagedConfig, PagedDecoder};
 use crate::engine::sampling::{sample_key, SamplingParams};
-use crate::model::decoder::Decoder;
+use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads};
 use crate::model::{init, Arch, Config};
+
+/// The first `n` elements of a GPU buffer as bit patterns (bf16 widens to f32 exactly).
+fn bits(gpu: &CudaBackend, b: &CudaBuf, n: usize) -> Result<Vec<u32>> {
+    let mut h = vec![0f32; n];
+    gpu.download(b, &mut h)?;
+    Ok(h.iter().map(|v| v.to_bits()).collect())
+}
 
 impl Suite<'_> {
     pub(super) fn paged_attention(&mut self, d: DType) -> Result<()> {
@@ -315,6 +325,347 @@ impl Suite<'_> {
         self.check("rope_store_kv k", d, &gk, &k, false, t1)?;
         self.check("rope_store_kv k cache", d, &gkc, &kc, false, t1)?;
         self.check("rope_store_kv v cache", d, &gvc, &vc, false, t1)
+    }
+
+    /// The packed rope + kv_store of a fused q/k/v projection (Qwen2.5-0.5B heads): against
+    /// the CPU op, and bit for bit against the GPU's split op on the same three parts (what an
+    /// unfused step computes from the same projections).
+    pub(super) fn rope_store_kv_packed(&mut self, d: DType) -> Result<()> {
+        let (t1, _) = tols(d);
+        let (tokens, heads, kv, hd, cache_rows) = (37usize, 14usize, 2usize, 64usize, 80usize);
+        let (qd, kd) = (heads * hd, kv * hd);
+        let width = qd + 2 * kd;
+        let qkv = self.randn(tokens * width, 1.0, d);
+        let kc = self.randn(cache_rows * kd, 1.0, d);
+        let vc = self.randn(cache_rows * kd, 1.0, d);
+        let pos: Vec<u32> = (0..tokens).map(|_| self.rng.below(5000) as u32).collect();
+        let mut free: Vec<u32> = (0..cache_rows as u32).collect();
+        let rows: Vec<u32> = (0..tokens)
+            .map(|_| free.swap_remove(self.rng.below(free.len())))
+            .collect();
+        let (gpos, grows) = (self.idx(&pos)?, self.idx(&rows)?);
+
+        let mut q = vec![0f32; tokens * qd];
+        let (mut ckc, mut cvc) = (kc.clone(), vc.clone());
+        Cpu.rope_store_kv_packed(
+            &qkv, &mut q, &pos, &mut ckc, &mut cvc, &rows, tokens, heads, kv, hd, 1e6,
+        )?;
+        let gx = self.dev(&qkv, d)?;
+        let mut gq = self.poisoned(tokens * qd, d)?;
+        let (mut gkc, mut gvc) = (self.dev(&kc, d)?, self.dev(&vc, d)?);
+        self.gpu.rope_store_kv_packed(
+            &gx, &mut gq, &gpos, &mut gkc, &mut gvc, &grows, tokens, heads, kv, hd, 1e6,
+        )?;
+        self.check("rope_store_kv_packed q", d, &gq, &q, true, t1)?;
+        self.check("rope_store_kv_packed k cache", d, &gkc, &ckc, false, t1)?;
+        self.check("rope_store_kv_packed v cache", d, &gvc, &cvc, false, t1)?;
+
+        // The split op on the parts of the same rows.
+        let (mut sq, mut sk, mut sv) = (Vec::new(), Vec::new(), Vec::new());
+        for r in qkv.chunks(width) {
+            sq.extend_from_slice(&r[..qd]);
+            sk.extend_from_slice(&r[qd..qd + kd]);
+            sv.extend_from_slice(&r[qd + kd..]);
+        }
+        let (mut gsq, mut gsk, gsv) = (self.dev(&sq, d)?, self.dev(&sk, d)?, self.dev(&sv, d)?);
+        let (mut skc, mut svc) = (self.dev(&kc, d)?, self.dev(&vc, d)?);
+        self.gpu.rope_store_kv(
+            &mut gsq, &mut gsk, &gsv, &gpos, &mut skc, &mut svc, &grows, tokens, heads, kv, hd, 1e6,
+        )?;
+        let g = self.gpu;
+        let same = [
+            (
+                "q",
+                bits(g, &gq, tokens * qd)? == bits(g, &gsq, tokens * qd)?,
+            ),
+            (
+                "k cache",
+                bits(g, &gkc, kc.len())? == bits(g, &skc, kc.len())?,
+            ),
+            (
+                "v cache",
+                bits(g, &gvc, vc.len())? == bits(g, &svc, vc.len())?,
+            ),
+        ];
+        let differ: Vec<&str> = same.iter().filter(|x| !x.1).map(|x| x.0).collect();
+        self.flag(
+            "rope_store_kv_packed vs split op (gpu)",
+            d,
+            differ.is_empty(),
+            if differ.is_empty() {
+                "bit-identical".into()
+            } else {
+                format!("differ: {}", differ.join(", "))
+            },
+        );
+        Ok(())
+    }
+
+    /// SwiGLU of a fused gate/up projection [n, 2f]: against the CPU op, and bit for bit
+    /// against the GPU's `swiglu` of the two halves. f a multiple of 8 (the bf16 vector
+    /// kernels on both sides), f odd (the scalar kernels), and 8 rows of an odd f (the split
+    /// op vectorised, the packed one scalar).
+    pub(super) fn swiglu_packed(&mut self, d: DType) -> Result<()> {
+        let (t1, _) = tols(d);
+        for (tag, n, f) in [
+            ("f 512", 37usize, 512usize),
+            ("f 37", 29, 37),
+            ("8 rows, f 37", 8, 37),
+        ] {
+            let gu = self.randn(n * 2 * f, 2.0, d);
+            let mut want = vec![0f32; n * f];
+            Cpu.swiglu_packed(&mut want, &gu, n, f)?;
+            let ggu = self.dev(&gu, d)?;
+            let mut gh = self.poisoned(n * f, d)?;
+            self.gpu.swiglu_packed(&mut gh, &ggu, n, f)?;
+            self.check(&format!("swiglu_packed {tag}"), d, &gh, &want, true, t1)?;
+            let (mut g, mut u) = (Vec::new(), Vec::new());
+            for r in gu.chunks(2 * f) {
+                g.extend_from_slice(&r[..f]);
+                u.extend_from_slice(&r[f..]);
+            }
+            let (gg, gu_) = (self.dev(&g, d)?, self.dev(&u, d)?);
+            let mut sh = self.gpu.alloc_as(n * f, d)?;
+            self.gpu.swiglu(&mut sh, &gg, &gu_, n * f)?;
+            let same = bits(self.gpu, &gh, n * f)? == bits(self.gpu, &sh, n * f)?;
+            self.flag(
+                &format!("swiglu_packed {tag} vs split op (gpu)"),
+                d,
+                same,
+                if same { "bit-identical" } else { "DIFFERENT" }.into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// `alloc_parts`: each part a view at the previous part's end rounded up to 256 bytes
+    /// (computed here), the whole buffer holding what was uploaded into the parts and zeros
+    /// in the padding, an op on one part leaving its neighbours alone, the parts living on
+    /// after the whole is dropped; sizes that need no padding give the parts concatenated.
+    pub(super) fn alloc_parts(&mut self, d: DType) -> Result<()> {
+        let es = if d == DType::F32 { 4 } else { 2 };
+        // Odd sizes (padding, an empty part) and the tiny model's q/k/v shapes (none).
+        for (tag, sizes) in [
+            ("padded", vec![1000usize, 37, 0, 300, 65]),
+            ("q/k/v", vec![256 * 256, 128 * 256, 128 * 256]),
+        ] {
+            let (whole, mut parts) = self
+                .gpu
+                .alloc_parts(&sizes, d)?
+                .ok_or_else(|| anyhow!("the CUDA backend gave no parts"))?;
+            let data: Vec<Vec<f32>> = sizes.iter().map(|&n| self.randn(n, 1.0, d)).collect();
+            let mut problems = Vec::new();
+            let mut want: Vec<f32> = Vec::new();
+            for (i, (p, x)) in parts.iter_mut().zip(&data).enumerate() {
+                self.gpu.upload(p, x)?;
+                let off = want.len().div_ceil(PART_ALIGN / es) * (PART_ALIGN / es);
+                want.resize(off, 0.0);
+                want.extend_from_slice(x);
+                if p.ptr != whole.ptr + (off * es) as u64 || p.len != x.len() {
+                    problems.push(format!(
+                        "part {i}: {} elements at byte {}, expected {} at {}",
+                        p.len,
+                        p.ptr - whole.ptr,
+                        x.len(),
+                        off * es
+                    ));
+                }
+                if !p.ptr.is_multiple_of(PART_ALIGN as u64) {
+                    problems.push(format!("part {i} is not {PART_ALIGN}-byte aligned"));
+                }
+            }
+            if whole.len != want.len() {
+                problems.push(format!(
+                    "whole holds {} elements, expected {}",
+                    whole.len,
+                    want.len()
+                ));
+            }
+            if tag == "q/k/v" && whole.len != sizes.iter().sum::<usize>() {
+                problems.push("padding between parts that need none".into());
+            }
+            self.check(
+                &format!("alloc_parts {tag} (whole)"),
+                d,
+                &whole,
+                &want,
+                false,
+                0.0,
+            )?;
+            // fill of part 1 only.
+            let n1 = parts[1].len;
+            self.gpu.fill(&mut parts[1], n1, -3.5)?;
+            let off1 = ((parts[1].ptr - whole.ptr) as usize) / es;
+            want[off1..off1 + n1].iter_mut().for_each(|v| *v = -3.5);
+            self.check(
+                &format!("alloc_parts {tag} (fill of one part)"),
+                d,
+                &whole,
+                &want,
+                false,
+                0.0,
+            )?;
+            // Dropping the whole keeps the memory: a new buffer of its size must not get it.
+            let last = parts.len() - 1;
+            let (n_last, off_last) = (
+                parts[last].len,
+                ((parts[last].ptr - whole.ptr) as usize) / es,
+            );
+            drop(whole);
+            let other = self.dev(&vec![9.0; want.len()], d)?;
+            self.check(
+                &format!("alloc_parts {tag} (part after the whole is dropped)"),
+                d,
+                &parts[last],
+                &want[off_last..off_last + n_last],
+                false,
+                0.0,
+            )?;
+            drop(other);
+            self.flag(
+                &format!("alloc_parts {tag} layout"),
+                d,
+                problems.is_empty(),
+                if problems.is_empty() {
+                    format!("{} parts, {} elements in all", sizes.len(), want.len())
+                } else {
+                    problems.join("; ")
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// The decoder's fused q/k/v and gate/up GEMMs against the split ones on one GPU decoder
+    /// (`set_fused_projections`): greedy paged rollouts, then prefill and teacher-forced
+    /// decode logits through a contiguous cache, for the tiny Qwen2 (q/k/v biases), Llama
+    /// (none) and Qwen3 (qk_norm: only gate/up fused), before and after an optimizer step
+    /// (the fused GEMMs must read the updated weights through the shared buffers). f32: the
+    /// same tokens, log-probs and logits to rounding; bf16: tokens reported (a GEMM of another
+    /// width may round an output differently and flip a token), logits within its tolerance.
+    pub(super) fn fused_decode(&mut self, d: DType) -> Result<()> {
+        let (t1, t2) = tols(d);
+        for arch in [Arch::Qwen2, Arch::Llama, Arch::Qwen3] {
+            let cfg = Config {
+                eos_token_ids: vec![],
+                ..tiny_config(arch)
+            };
+            let w = init::random_weights(&cfg, self.rng.next_u64(), 0.2);
+            let reqs: Vec<Request> = (0..12)
+                .map(|i| {
+                    let len = 5 + self.rng.below(50);
+                    let prompt: Vec<u32> = (0..len).map(|_| self.rng.below(1000) as u32).collect();
+                    Request {
+                        sample_keys: vec![sample_key(i, &prompt, 0, 0)],
+                        prompt,
+                    }
+                })
+                .collect();
+            let params = GenParams {
+                sampling: SamplingParams::greedy(),
+                max_new_tokens: 40,
+                stop_token_ids: vec![],
+                stop_strings: vec![],
+            };
+            let pc = PagedConfig {
+                block_size: 16,
+                num_blocks: 64,
+                max_num_seqs: 12,
+                max_batched_tokens: 64,
+            };
+            let train: Vec<u32> = (0..60).map(|_| self.rng.below(1000) as u32).collect();
+            let gb = CudaBackend::new(self.ordinal)?;
+            gb.set_compute_dtype(d);
+            let mut gpu = Decoder::new(gb, &cfg, &w)?;
+            let mut before: Option<Vec<Vec<Completion>>> = None;
+            for phase in ["", " after a step"] {
+                if !phase.is_empty() {
+                    gpu.forward_backward(
+                        &[SeqRef {
+                            tokens: &train,
+                            start: 1,
+                        }],
+                        1.0,
+                        &mut |st| {
+                            Ok(st
+                                .iter()
+                                .map(|s| TokenGrads {
+                                    dlogprobs: vec![-1.0; s.logprobs.len()],
+                                    dentropy: None,
+                                })
+                                .collect())
+                        },
+                    )?;
+                    let hp = AdamWParams {
+                        lr: 1e-2,
+                        ..Default::default()
+                    };
+                    gpu.optimizer_step(&hp, Some(1.0))?;
+                }
+                let mut runs = Vec::new();
+                let mut logits = Vec::new();
+                let mut has_fused = false;
+                for on in [true, false] {
+                    has_fused |= gpu.set_fused_projections(on);
+                    let mut eng = PagedDecoder::new(&mut gpu, pc.num_blocks, pc.block_size)?;
+                    let (done, _) =
+                        generate_paged(&mut eng, &pc, &reqs, &params, None, &mut |_| {})?;
+                    drop(eng);
+                    runs.push(done);
+                    // Cached mode: the first prompt, then the fused run's first tokens.
+                    let mut cache = gpu.new_cache(1, 128)?;
+                    let mut l = gpu.prefill(&mut cache, 0, &reqs[0].prompt)?;
+                    for &t in runs[0][0][0].tokens.iter().take(8) {
+                        l.extend(gpu.decode(&mut cache, &[0], &[t])?);
+                    }
+                    logits.push(l);
+                }
+                gpu.set_fused_projections(true);
+                let (mut same, mut total, mut err) = (0usize, 0usize, 0f64);
+                for (x, y) in runs[0].iter().flatten().zip(runs[1].iter().flatten()) {
+                    let agree = x
+                        .tokens
+                        .iter()
+                        .zip(&y.tokens)
+                        .take_while(|(p, q)| p == q)
+                        .count();
+                    same += agree;
+                    total += x.tokens.len().max(y.tokens.len());
+                    for (p, q) in x.logprobs.iter().zip(&y.logprobs).take(agree) {
+                        err = err.max((p - q).abs() as f64);
+                    }
+                }
+                let (_, lrel, lprob) = super::compare(&logits[0], &logits[1], &[]);
+                let changed = before.as_ref().is_some_and(|b| {
+                    b.iter()
+                        .flatten()
+                        .zip(runs[0].iter().flatten())
+                        .any(|(p, q)| p.tokens != q.tokens)
+                });
+                let tokens_ok = d == DType::BF16 || (same == total && err <= 1e-4);
+                let logits_tol = if d == DType::F32 { t1 } else { t2 };
+                let pass = has_fused
+                    && tokens_ok
+                    && lprob.is_none()
+                    && lrel <= logits_tol
+                    && (phase.is_empty() || changed);
+                self.flag(
+                    &format!("fused_decode {}{phase}", format!("{arch:?}").to_lowercase()),
+                    d,
+                    pass,
+                    format!(
+                        "fused buffers: {has_fused}; paged greedy {same}/{total} tokens equal, max |Δ logprob| {err:.2e}; cached logits max rel {lrel:.2e}{}",
+                        if phase.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; the step changed the rollout: {changed}")
+                        }
+                    ),
+                );
+                before = Some(runs.swap_remove(0));
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn sample(&mut self, d: DType) -> Result<()> {

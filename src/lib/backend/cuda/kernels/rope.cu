@@ -61,3 +61,45 @@ extern "C" __global__ void rope_store_kv_k(void* q, int qbf, void* k, int kbf, c
         for (int c = threadIdx.x; c < kd; c += blockDim.x)
             st(vc, vcbf, (i64)r * kd + c, ld(v, vbf, (i64)t * kd + c));
 }
+
+// rope_store_kv_k on the parts of one fused q/k/v projection, row t of x being
+// [q (heads·d) | k (kv_heads·d) | v (kv_heads·d)]: the same arithmetic on the same values, so
+// it is bit-identical to the split op given the parts. q_out[t] = rope(q_t),
+// cache[rows[t]] = (rope(k_t) as rounded to x's type, v_t).
+extern "C" __global__ void rope_store_kv_packed_k(const void* x, int xbf, void* q, int qbf,
+                                                  const u32* pos, void* kc, int kcbf, void* vc,
+                                                  int vcbf, const u32* rows, int tokens, int heads,
+                                                  int kv_heads, int head_dim, i64 cache_rows,
+                                                  Freqs fr, u32* err) {
+    int t = blockIdx.x;
+    if (t >= tokens) return;
+    int half = head_dim / 2, qd = heads * head_dim, kd = kv_heads * head_dim;
+    i64 row = (i64)t * (qd + 2 * kd);
+    u32 r = rows[t];
+    int ok = (i64)r < cache_rows;
+    if (!ok && threadIdx.x == 0) atomicOr(err, ERR_CACHE_ROW);
+    float p = (float)pos[t];
+    for (int j = threadIdx.x; j < (heads + kv_heads) * half; j += blockDim.x) {
+        int h = j / half, i = j % half;
+        float s, c;
+        sincosf(p * fr.f[i], &s, &c);
+        int isk = h >= heads, hh = isk ? h - heads : h;
+        i64 ia = row + (isk ? qd : 0) + (i64)hh * head_dim + i, ib = ia + half;
+        float a = ld(x, xbf, ia), b = ld(x, xbf, ib);
+        float ra = a * c - b * s, rb = b * c + a * s;
+        if (isk) {
+            if (ok) {
+                i64 ca = (i64)r * kd + (i64)hh * head_dim + i;
+                st(kc, kcbf, ca, xbf ? bf2f(f2bf(ra)) : ra);
+                st(kc, kcbf, ca + half, xbf ? bf2f(f2bf(rb)) : rb);
+            }
+        } else {
+            i64 qa = (i64)t * qd + (i64)hh * head_dim + i;
+            st(q, qbf, qa, ra);
+            st(q, qbf, qa + half, rb);
+        }
+    }
+    if (ok)
+        for (int c = threadIdx.x; c < kd; c += blockDim.x)
+            st(vc, vcbf, (i64)r * kd + c, ld(x, xbf, row + qd + kd + c));
+}

@@ -11,6 +11,16 @@ extern "C" __global__ void swiglu_fwd_k(void* h, int hbf, const void* g, int gbf
     }
 }
 
+// The same on one fused gate/up projection gu[n, 2f]: h[i,j] = silu(gu[i,j])·gu[i,f+j]
+// (e runs over the n·f outputs).
+extern "C" __global__ void swiglu_packed_k(void* h, int hbf, const void* gu, int gbf, i64 f, i64 n) {
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n; e += (i64)gridDim.x * blockDim.x) {
+        i64 i = e / f, j = e - i * f, gi = 2 * f * i + j;
+        float gv = ld(gu, gbf, gi);
+        st(h, hbf, e, gv * sigmoid(gv) * ld(gu, gbf, gi + f));
+    }
+}
+
 // dg = dh·u·σ(g)·(1 + g·(1−σ(g))), du = dh·silu(g).
 extern "C" __global__ void swiglu_bwd_k(void* dg, int dgbf, void* du, int dubf, const void* dh, int dhbf,
                                         const void* g, int gbf, const void* u, int ubf, i64 n) {
@@ -49,6 +59,18 @@ extern "C" __global__ void swiglu_fwd_v8_k(uint4* h, const uint4* g, const uint4
         unpack8(u[i], uv);
         for (int k = 0; k < 8; k++) hv[k] = gv[k] * sigmoid(gv[k]) * uv[k];
         h[i] = pack8(hv);
+    }
+}
+
+// swiglu_packed_k on bf16, 8 outputs per thread: f8 = f / 8 groups per half row.
+extern "C" __global__ void swiglu_packed_v8_k(uint4* h, const uint4* gu, i64 f8, i64 n8) {
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n8; e += (i64)gridDim.x * blockDim.x) {
+        i64 i = e / f8, gi = 2 * f8 * i + (e - i * f8);
+        float gv[8], uv[8], hv[8];
+        unpack8(gu[gi], gv);
+        unpack8(gu[gi + f8], uv);
+        for (int k = 0; k < 8; k++) hv[k] = gv[k] * sigmoid(gv[k]) * uv[k];
+        h[e] = pack8(hv);
     }
 }
 

@@ -1743,13 +1743,20 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         // Whole 8-element groups per half row: f a multiple of 8 (vec8 checks n·f and 2·n·f).
-        if let (Some(n8), true) = (vec8(n * f, &[h, gu]), f.is_multiple_of(8)) {
-            let f8 = (f / 8) as i64;
-            return self.elementwise(
-                nvrtc::SWIGLU,
-                "swiglu_packed_v8_k",
-                n8 as usize,
-                &[&h.ptr, &gu.ptr, &f8, &n8],
+        if let (Some(_), true) = (vec8(n * f, &[h, gu]), f.is_multiple_of(8)) {
+            let (f8, rows) = (i32_of(f / 8, "f")?, i32_of(n, "rows")?);
+            let threads = 128u32;
+            let fn_ = self.func(nvrtc::SWIGLU, 0, "swiglu_packed_v8_k")?;
+            return self.launch(
+                &fn_,
+                (
+                    (f / 8).div_ceil(threads as usize) as u32,
+                    n.min(65535) as u32,
+                    1,
+                ),
+                threads,
+                0,
+                &[&h.ptr, &gu.ptr, &f8, &rows],
             );
         }
         let (hbf, gbf, ff, n64) = (h.bf(), gu.bf(), f as i64, (n * f) as i64);

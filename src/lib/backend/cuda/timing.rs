@@ -8,7 +8,7 @@ use cudarc::driver::sys as dsys;
 use serde::Serialize;
 
 use super::{CudaBackend, CudaBuf, CudaIdx};
-use crate::backend::{AdamWStep, AttnShape, Backend, DType, LogprobShape};
+use crate::backend::{AdamWStep, AttnShape, Backend, DType, LogprobShape, PagedAttnShape};
 
 #[derive(Clone, Debug, Serialize)]
 pub struct TimeRow {
@@ -96,6 +96,136 @@ impl<'a> Timer<'a> {
         });
         Ok(())
     }
+}
+
+impl Timer<'_> {
+    /// Like `time`, for ops of a few microseconds: `GRAPH_REPS` calls captured as one CUDA
+    /// graph and replayed, so the figure is GPU time without the host's launch gaps (as in a
+    /// decode step, which replays a graph).
+    fn time_graph(
+        &mut self,
+        op: &str,
+        shape: String,
+        work: f64,
+        unit: &'static str,
+        mut f: impl FnMut() -> Result<()>,
+    ) -> Result<()> {
+        const GRAPH_REPS: usize = 20;
+        f()?;
+        self.gpu.synchronize()?;
+        self.gpu.graph_begin()?;
+        let captured = (0..GRAPH_REPS).try_for_each(|_| f());
+        let id = self.gpu.graph_end();
+        captured?;
+        let id = id?;
+        let gpu = self.gpu;
+        let res = self.time(op, shape, work, unit, || gpu.graph_launch(id));
+        gpu.graph_release()?;
+        res?;
+        if let Some(r) = self.rows.last_mut() {
+            r.ms /= GRAPH_REPS as f64;
+            r.rate *= GRAPH_REPS as f64;
+        }
+        Ok(())
+    }
+}
+
+/// The ops of one decode step at `rows` sequences of the Qwen2.5-0.5B shape (context `ctx`,
+/// bf16), each timed as a graph (`Timer::time_graph`).
+fn decode_rows(t: &mut Timer, rows: usize, ctx: usize) -> Result<()> {
+    let gpu = t.gpu;
+    let bf = DType::BF16;
+    let f32t = DType::F32;
+    let (hid, heads, kv, hd, ffn) = (896usize, 14usize, 2usize, 64usize, 4864usize);
+    let (qd, kd) = (heads * hd, kv * hd);
+    let tag = format!("{rows} rows");
+    let res = t.buf(rows * hid, f32t, 1.0)?;
+    let wn = t.buf(hid, bf, 1.0)?;
+    let mut xn = t.buf(rows * hid, bf, 1.0)?;
+    let mut rstd = t.buf(rows, f32t, 1.0)?;
+    t.time_graph(
+        "decode rmsnorm (f32 → bf16)",
+        format!("{tag} × {hid}"),
+        (rows * hid * 6) as f64,
+        "GB/s",
+        || gpu.rmsnorm(&mut xn, &mut rstd, &res, &wn, rows, hid, 1e-6),
+    )?;
+    let bs = 16usize;
+    let per = ctx.div_ceil(bs);
+    let blocks = rows * per;
+    let qkv = t.buf(rows * (qd + 2 * kd), bf, 1.0)?;
+    let mut q = t.buf(rows * qd, bf, 1.0)?;
+    let mut kc = t.buf(blocks * bs * kd, bf, 1.0)?;
+    let mut vc = t.buf(blocks * bs * kd, bf, 1.0)?;
+    let pos = t.idx(&vec![(ctx - 1) as u32; rows])?;
+    let crow: Vec<u32> = (0..rows).map(|r| (r * per * bs + ctx - 1) as u32).collect();
+    let crow = t.idx(&crow)?;
+    t.time_graph(
+        "decode rope_store_kv_packed",
+        format!("{tag}, {heads}/{kv} heads, d{hd}"),
+        (rows * (qd + 2 * kd) * 2 + rows * (qd + 2 * kd) * 2) as f64,
+        "GB/s",
+        || {
+            gpu.rope_store_kv_packed(
+                &qkv, &mut q, &pos, &mut kc, &mut vc, &crow, rows, heads, kv, hd, 1e6,
+            )
+        },
+    )?;
+    let tables: Vec<u32> = (0..blocks as u32).collect();
+    let tab = t.idx(&tables)?;
+    let seq = t.idx(&(0..rows as u32).collect::<Vec<_>>())?;
+    let len = t.idx(&vec![ctx as u32; rows])?;
+    let mut o = t.buf(rows * qd, bf, 1.0)?;
+    let shape = PagedAttnShape {
+        queries: rows,
+        heads,
+        kv_heads: kv,
+        head_dim: hd,
+        block_size: bs,
+        max_blocks: per,
+    };
+    t.time_graph(
+        "decode attention_paged",
+        format!("{tag}, ctx {ctx}"),
+        (rows * ctx * kd * 2 * 2) as f64,
+        "GB/s",
+        || gpu.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape),
+    )?;
+    let gu = t.buf(rows * 2 * ffn, bf, 1.0)?;
+    let mut h = t.buf(rows * ffn, bf, 1.0)?;
+    t.time_graph(
+        "decode swiglu_packed",
+        format!("{tag} × {ffn}"),
+        (rows * ffn * 3 * 2) as f64,
+        "GB/s",
+        || gpu.swiglu_packed(&mut h, &gu, rows, ffn),
+    )?;
+    let mut y = t.buf(rows * hid, f32t, 1.0)?;
+    for (name, n, k, acc) in [
+        ("decode matmul qkv", qd + 2 * kd, hid, false),
+        ("decode matmul o (+= f32)", hid, qd, true),
+        ("decode matmul gate+up", 2 * ffn, hid, false),
+        ("decode matmul down (+= f32)", hid, ffn, true),
+    ] {
+        let w = t.buf(n * k, bf, 0.03)?;
+        let x = t.buf(rows * k, bf, 1.0)?;
+        let mut out = if acc {
+            None
+        } else {
+            Some(t.buf(rows * n, bf, 1.0)?)
+        };
+        t.time_graph(
+            name,
+            format!("{rows}×{k}→{n}"),
+            2.0 * (rows * k * n) as f64,
+            "TFLOP/s",
+            || match out.as_mut() {
+                Some(out) => gpu.matmul(out, &x, &w, None, rows, k, n, false),
+                None => gpu.matmul(&mut y, &x, &w, None, rows, k, n, true),
+            },
+        )?;
+    }
+    Ok(())
 }
 
 /// Runs the timing table; prints it and returns the rows.
@@ -367,6 +497,9 @@ pub fn run(gpu: &CudaBackend, iters: usize) -> Result<Vec<TimeRow>> {
         "GB/s",
         || gpu.copy(&mut pb, 0, &p, 0, np),
     )?;
+
+    drop((p, gr, m, vv, pb));
+    decode_rows(&mut t, 256, 256)?;
 
     println!(
         "{:<32}  {:<40}  {:>9}  {:>10}",

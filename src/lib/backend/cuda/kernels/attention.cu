@@ -609,7 +609,7 @@ extern "C" __global__ void __launch_bounds__(128) paged_attn_inv_k(
     i64 L = len[i];
     const u32* table = tables + (i64)seq[i] * max_blocks;
     i64 kstride = (i64)kv_heads * HD;
-    int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
+    int bad = L == 0 || L >= (1ll << 30) || (L + block_size - 1) / block_size > max_blocks;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int e = threadIdx.x; e < 16 * (HD / 8); e += 128) {
         int r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
@@ -638,12 +638,13 @@ extern "C" __global__ void __launch_bounds__(128) paged_attn_inv_k(
                 kx[u] = zero;
                 vx[u] = zero;
                 if (e < TK * (HD / 8) && r < kn) {
-                    i64 p = k0 + r;
-                    u32 blk = table[p / block_size];
+                    // 32-bit position arithmetic (L < 2^31): a 64-bit division costs ~20× more.
+                    int p = (int)k0 + r, bi = p / block_size;
+                    u32 blk = table[bi];
                     if ((i64)blk >= num_blocks) {
                         bad = 1;
                     } else {
-                        i64 off = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD + d;
+                        i64 off = ((i64)blk * block_size + (p - bi * block_size)) * kstride + (i64)kh * HD + d;
                         kx[u] = *(const uint4*)(kc + off);
                         vx[u] = *(const uint4*)(vc + off);
                     }

@@ -359,6 +359,9 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
     i64 kstride = (i64)kv_heads * HD;
     int bad = L == 0 || (L + block_size - 1) / block_size > max_blocks;
     i64 sl = row_split(L, split_len, splits), p0 = (i64)sp * sl, p1 = min(L, p0 + sl);
+    // Tiles start at multiples of 16 (p0 is a multiple of 32 or of split_len): with blocks of a
+    // multiple of 16 positions a tile never straddles two blocks.
+    int whole = block_size % 16 == 0 && p0 % 16 == 0 && L < (1ll << 30);
     // Q rows g and g+8 of the group (zero past it), this lane's HD/4 dims: A fragments per k-step.
     u32 qw[2][HD / 8];
     ld16<HD / 32>(qw[0], q + ((i64)i * heads + h0 + g) * HD + t * (HD / 4), g < group);
@@ -371,16 +374,31 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
         // Cache row offsets: K rows T+g, T+8+g; V rows T+2t, T+2t+1, T+8+2t, T+9+2t.
         i64 pk[2] = {T + g, T + 8 + g}, pv[4] = {T + 2 * t, T + 2 * t + 1, T + 8 + 2 * t, T + 9 + 2 * t};
         i64 rk[2], rv[4];
+        if (whole) {
+            // The tile's 16 positions share one cache block: one table read, no divisions.
+            int bi = (int)T / block_size;
+            u32 blk = table[bi];
+            if ((i64)blk >= num_blocks) bad = 1;
+            i64 base = ((i64)blk * block_size + ((int)T - bi * block_size)) * kstride + (i64)kh * HD;
 #pragma unroll
-        for (int x = 0; x < 6; x++) {
-            i64 p = x < 2 ? pk[x] : pv[x - 2], r = -1;
-            if (p < p1) {
-                u32 blk = table[p / block_size];
-                if ((i64)blk >= num_blocks) bad = 1;
-                else r = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD;
+            for (int x = 0; x < 6; x++) {
+                i64 p = x < 2 ? pk[x] : pv[x - 2];
+                i64 r = p < p1 && !bad ? base + (p - T) * kstride : -1;
+                if (x < 2) rk[x] = r;
+                else rv[x - 2] = r;
             }
-            if (x < 2) rk[x] = r;
-            else rv[x - 2] = r;
+        } else {
+#pragma unroll
+            for (int x = 0; x < 6; x++) {
+                i64 p = x < 2 ? pk[x] : pv[x - 2], r = -1;
+                if (p < p1) {
+                    u32 blk = table[p / block_size];
+                    if ((i64)blk >= num_blocks) bad = 1;
+                    else r = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD;
+                }
+                if (x < 2) rk[x] = r;
+                else rv[x - 2] = r;
+            }
         }
         bad = __any_sync(0xffffffffu, bad); // leave the tile loop together (mma.sync needs the warp)
         u32 kw[2][HD / 8], vw[4][PNT / 2];

@@ -71,6 +71,8 @@ extern "C" __global__ void rope_store_kv_packed_k(const void* x, int xbf, void* 
                                                   int vcbf, const u32* rows, int tokens, int heads,
                                                   int kv_heads, int head_dim, i64 cache_rows,
                                                   Freqs fr, u32* err) {
+    // The angles of the token, once per block instead of once per head.
+    __shared__ float sn[512], cs[512];
     int t = blockIdx.x;
     if (t >= tokens) return;
     int half = head_dim / 2, qd = heads * head_dim, kd = kv_heads * head_dim;
@@ -79,10 +81,11 @@ extern "C" __global__ void rope_store_kv_packed_k(const void* x, int xbf, void* 
     int ok = (i64)r < cache_rows;
     if (!ok && threadIdx.x == 0) atomicOr(err, ERR_CACHE_ROW);
     float p = (float)pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) sincosf(p * fr.f[i], &sn[i], &cs[i]);
+    __syncthreads();
     for (int j = threadIdx.x; j < (heads + kv_heads) * half; j += blockDim.x) {
-        int h = j / half, i = j % half;
-        float s, c;
-        sincosf(p * fr.f[i], &s, &c);
+        int h = j / half, i = j - h * half;
+        float s = sn[i], c = cs[i];
         int isk = h >= heads, hh = isk ? h - heads : h;
         i64 ia = row + (isk ? qd : 0) + (i64)hh * head_dim + i, ib = ia + half;
         float a = ld(x, xbf, ia), b = ld(x, xbf, ib);

@@ -62,15 +62,18 @@ extern "C" __global__ void swiglu_fwd_v8_k(uint4* h, const uint4* g, const uint4
     }
 }
 
-// swiglu_packed_k on bf16, 8 outputs per thread: f8 = f / 8 groups per half row.
-extern "C" __global__ void swiglu_packed_v8_k(uint4* h, const uint4* gu, i64 f8, i64 n8) {
-    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < n8; e += (i64)gridDim.x * blockDim.x) {
-        i64 i = e / f8, gi = 2 * f8 * i + (e - i * f8);
+// swiglu_packed_k on bf16, 8 outputs per thread: f8 = f / 8 groups per half row. Row i is
+// blockIdx.y (a grid-stride loop over rows past 65535), so no thread divides.
+extern "C" __global__ void swiglu_packed_v8_k(uint4* h, const uint4* gu, int f8, int rows) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= f8) return;
+    for (int i = blockIdx.y; i < rows; i += gridDim.y) {
+        i64 gi = 2 * (i64)f8 * i + j;
         float gv[8], uv[8], hv[8];
         unpack8(gu[gi], gv);
         unpack8(gu[gi + f8], uv);
         for (int k = 0; k < 8; k++) hv[k] = gv[k] * sigmoid(gv[k]) * uv[k];
-        h[e] = pack8(hv);
+        h[(i64)f8 * i + j] = pack8(hv);
     }
 }
 

@@ -165,8 +165,9 @@ fn attention_mma_smem(head_dim: usize) -> (u32, u32, u32) {
 /// Dynamic shared memory of `paged_attn_inv_k`: the group's query rows, a key tile, the value
 /// tile transposed (bf16).
 fn paged_inv_smem(head_dim: usize) -> u32 {
+    // Q, then two buffers of a K tile and a transposed V tile (TK = 64; attention.cu).
     let kst = head_dim + 8;
-    ((16 * kst + 64 * kst + head_dim * (64 + 8)) * 2) as u32
+    ((16 * kst + 2 * (64 * kst + head_dim * (64 + 8))) * 2) as u32
 }
 
 /// Turns the error word's bits into a message.

@@ -184,13 +184,22 @@ fn decode_rows(t: &mut Timer, rows: usize, ctx: usize) -> Result<()> {
         block_size: bs,
         max_blocks: per,
     };
-    t.time_graph(
-        "decode attention_paged",
-        format!("{tag}, ctx {ctx}"),
-        (rows * ctx * kd * 2 * 2) as f64,
-        "GB/s",
-        || gpu.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape),
-    )?;
+    let was = gpu.batch_invariant();
+    for inv in [false, true] {
+        gpu.set_batch_invariant(inv);
+        t.time_graph(
+            if inv {
+                "decode attention_paged (invariant)"
+            } else {
+                "decode attention_paged"
+            },
+            format!("{tag}, ctx {ctx}"),
+            (rows * ctx * kd * 2 * 2) as f64,
+            "GB/s",
+            || gpu.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape),
+        )?;
+    }
+    gpu.set_batch_invariant(was);
     let gu = t.buf(rows * 2 * ffn, bf, 1.0)?;
     let mut h = t.buf(rows * ffn, bf, 1.0)?;
     t.time_graph(

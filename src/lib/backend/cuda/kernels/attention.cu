@@ -595,14 +595,67 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
 // change the order of the sums): four warps gather each tile, the first computes.
 // Grid: (queries, kv heads), 128 threads, dynamic shared memory.
 #define PGU 4 // 16-byte pieces of K and V each thread has in flight while gathering a tile
+
+// Threads tid = 0..nthr-1 gather key tile [k0, k0 + kn) of a paged sequence: K rows into Ks,
+// V transposed into Vt, zeros past kn (as load_bf_tile). Sets *bad on a block id past the pool.
+DEVI void gather_paged_tile(bf16_t* Ks, bf16_t* Vt, const bf16_t* kc, const bf16_t* vc, const u32* table,
+                            int block_size, i64 num_blocks, i64 kstride, int kh, int k0, int kn, int tid,
+                            int nthr, int* bad) {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int e0 = tid; e0 < TK * (HD / 8); e0 += nthr * PGU) {
+        uint4 kx[PGU], vx[PGU];
+        // PGU pieces per thread are loaded before any is stored, so their latencies overlap.
+#pragma unroll
+        for (int u = 0; u < PGU; u++) {
+            int e = e0 + nthr * u, r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
+            kx[u] = zero;
+            vx[u] = zero;
+            if (e < TK * (HD / 8) && r < kn) {
+                // 32-bit positions (contexts of 2^30 are refused): 64-bit divisions cost ~20×.
+                int p = k0 + r, bi = p / block_size;
+                u32 blk = table[bi];
+                if ((i64)blk >= num_blocks) {
+                    *bad = 1;
+                } else {
+                    i64 off = ((i64)blk * block_size + (p - bi * block_size)) * kstride + (i64)kh * HD + d;
+                    kx[u] = *(const uint4*)(kc + off);
+                    vx[u] = *(const uint4*)(vc + off);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < PGU; u++) {
+            int e = e0 + nthr * u, r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
+            if (e >= TK * (HD / 8)) continue;
+            *(uint4*)(Ks + r * KST + d) = kx[u];
+            u32 w4[4] = {vx[u].x, vx[u].y, vx[u].z, vx[u].w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                Vt[(d + 2 * j) * TST(TK) + r] = (bf16_t)(w4[j] & 0xffffu);
+                Vt[(d + 2 * j + 1) * TST(TK) + r] = (bf16_t)(w4[j] >> 16);
+            }
+        }
+    }
+}
+
+// Batch-invariant decode/prefill attention over a paged KV cache (engine::paged; the host uses
+// it when batch invariance is on): query i of sequence seq[i] attends to its positions p <
+// len[i] (cache row tables[seq[i]·max_blocks + p/bs]·bs + p%bs). One warp per (query, kv head)
+// with the group's query heads as its rows (zero past the group, at most 16), key tiles of TK
+// from position 0, and fwd_tile for the math: each (query, head) computes exactly what
+// attn_fwd_mma_k computes for that token of the packed sequence, bit for bit, so rollout
+// log-probs equal the training forward's. The context is not split across warps (that would
+// change the order of the sums): the first warp computes tile k while the other three gather
+// tile k + 1 into the second of two buffers.
+// Grid: (queries, kv heads), 128 threads, dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) paged_attn_inv_k(
     bf16_t* o, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
     const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
     i64 num_blocks, float scale, u32* err) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16_t* Qs = (bf16_t*)smem_raw; // [16][KST]
-    bf16_t* Ks = Qs + 16 * KST;     // [TK][KST]
-    bf16_t* Vt = Ks + TK * KST;     // [HD][TST(TK)]
+    bf16_t* Kb = Qs + 16 * KST;     // two buffers of K [TK][KST] then V transposed [HD][TST(TK)]
+    const int BUF = TK * KST + HD * TST(TK);
     int i = blockIdx.x, kh = blockIdx.y;
     int group = heads / kv_heads, h0 = kh * group;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -616,7 +669,11 @@ extern "C" __global__ void __launch_bounds__(128) paged_attn_inv_k(
         *(uint4*)(Qs + r * KST + d) =
             r < group ? *(const uint4*)(q + ((i64)i * heads + h0 + r) * HD + d) : zero;
     }
-    __syncthreads();
+    int tiles = bad ? 0 : (int)((L + TK - 1) / TK);
+    if (tiles > 0)
+        gather_paged_tile(Kb, Kb + TK * KST, kc, vc, table, block_size, num_blocks, kstride, kh, 0,
+                          (int)min((i64)TK, L), threadIdx.x, 128, &bad);
+    bad = __syncthreads_or(bad);
     u32 qa[HD / 16][4];
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) afrag(qa[kk], Qs, 0, kk);
@@ -625,47 +682,19 @@ extern "C" __global__ void __launch_bounds__(128) paged_attn_inv_k(
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) oc[n][0] = oc[n][1] = oc[n][2] = oc[n][3] = 0.0f;
     i64 klo[2] = {0, 0}, khi[2] = {L - 1, L - 1};
-    for (i64 k0 = 0; !bad && k0 < L; k0 += TK) {
-        int kn = (int)min((i64)TK, L - k0);
-        __syncthreads();
-        // K rows and V transposed through the block table, zeros past kn (as load_bf_tile);
-        // PGU pieces per thread are loaded before any is stored, so their latencies overlap.
-        for (int e0 = threadIdx.x; e0 < TK * (HD / 8); e0 += 128 * PGU) {
-            uint4 kx[PGU], vx[PGU];
-#pragma unroll
-            for (int u = 0; u < PGU; u++) {
-                int e = e0 + 128 * u, r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
-                kx[u] = zero;
-                vx[u] = zero;
-                if (e < TK * (HD / 8) && r < kn) {
-                    // 32-bit position arithmetic (L < 2^31): a 64-bit division costs ~20× more.
-                    int p = (int)k0 + r, bi = p / block_size;
-                    u32 blk = table[bi];
-                    if ((i64)blk >= num_blocks) {
-                        bad = 1;
-                    } else {
-                        i64 off = ((i64)blk * block_size + (p - bi * block_size)) * kstride + (i64)kh * HD + d;
-                        kx[u] = *(const uint4*)(kc + off);
-                        vx[u] = *(const uint4*)(vc + off);
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < PGU; u++) {
-                int e = e0 + 128 * u, r = e / (HD / 8), d = (e - r * (HD / 8)) * 8;
-                if (e >= TK * (HD / 8)) continue;
-                *(uint4*)(Ks + r * KST + d) = kx[u];
-                u32 w4[4] = {vx[u].x, vx[u].y, vx[u].z, vx[u].w};
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    Vt[(d + 2 * j) * TST(TK) + r] = (bf16_t)(w4[j] & 0xffffu);
-                    Vt[(d + 2 * j + 1) * TST(TK) + r] = (bf16_t)(w4[j] >> 16);
-                }
-            }
+    for (int kt = 0; !bad && kt < tiles; kt++) {
+        // Buffer kt & 1 holds tile kt; the other was last read in iteration kt − 1.
+        bf16_t* cur = Kb + (kt & 1) * BUF;
+        if (w == 0) {
+            i64 k0 = (i64)kt * TK;
+            fwd_tile(qa, cur, cur + TK * KST, k0, (int)min((i64)TK, L - k0), klo, khi, scale, m, l, oc);
+        } else if (kt + 1 < tiles) {
+            bf16_t* nxt = Kb + ((kt + 1) & 1) * BUF;
+            int k1 = (kt + 1) * TK;
+            gather_paged_tile(nxt, nxt + TK * KST, kc, vc, table, block_size, num_blocks, kstride, kh, k1,
+                              (int)min((i64)TK, L - k1), threadIdx.x - 32, 96, &bad);
         }
         bad = __syncthreads_or(bad);
-        if (bad) break;
-        if (w == 0) fwd_tile(qa, Ks, Vt, k0, kn, klo, khi, scale, m, l, oc);
     }
     if (bad) {
         if (threadIdx.x == 0) atomicOr(err, ERR_PAGED);

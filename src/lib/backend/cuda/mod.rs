@@ -162,10 +162,9 @@ fn attention_mma_smem(head_dim: usize) -> (u32, u32, u32) {
     ((fwd * 2) as u32, (dkdv * 2) as u32, (dq * 2) as u32)
 }
 
-/// Dynamic shared memory of `paged_attn_inv_k`: the group's query rows, a key tile, the value
-/// tile transposed (bf16).
+/// Dynamic shared memory of `paged_attn_inv_k`: the group's query rows, then two buffers of
+/// a key tile and its value tile transposed (TK = 64 keys, bf16; attention.cu).
 fn paged_inv_smem(head_dim: usize) -> u32 {
-    // Q, then two buffers of a K tile and a transposed V tile (TK = 64; attention.cu).
     let kst = head_dim + 8;
     ((16 * kst + 2 * (64 * kst + head_dim * (64 + 8))) * 2) as u32
 }
@@ -1744,7 +1743,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         // Whole 8-element groups per half row: f a multiple of 8 (vec8 checks n·f and 2·n·f).
-        if let (Some(_), true) = (vec8(n * f, &[h, gu]), f.is_multiple_of(8)) {
+        if vec8(n * f, &[h, gu]).is_some() && f.is_multiple_of(8) {
             let (f8, rows) = (i32_of(f / 8, "f")?, i32_of(n, "rows")?);
             let threads = 128u32;
             let fn_ = self.func(nvrtc::SWIGLU, 0, "swiglu_packed_v8_k")?;

@@ -96,9 +96,7 @@ impl<'a> Timer<'a> {
         });
         Ok(())
     }
-}
 
-impl Timer<'_> {
     /// Like `time`, for ops of a few microseconds: `GRAPH_REPS` calls captured as one CUDA
     /// graph and replayed, so the figure is GPU time without the host's launch gaps (as in a
     /// decode step, which replays a graph).
@@ -113,13 +111,13 @@ impl Timer<'_> {
         const GRAPH_REPS: usize = 20;
         f()?;
         self.gpu.synchronize()?;
-        self.gpu.graph_begin()?;
-        let captured = (0..GRAPH_REPS).try_for_each(|_| f());
-        let id = self.gpu.graph_end();
-        captured?;
-        let id = id?;
         let gpu = self.gpu;
-        let res = self.time(op, shape, work, unit, || gpu.graph_launch(id));
+        gpu.graph_begin()?;
+        let captured = (0..GRAPH_REPS).try_for_each(|_| f());
+        let res = gpu
+            .graph_end()
+            .and_then(|id| captured.map(|_| id))
+            .and_then(|id| self.time(op, shape, work, unit, || gpu.graph_launch(id)));
         gpu.graph_release()?;
         res?;
         if let Some(r) = self.rows.last_mut() {
@@ -163,7 +161,8 @@ fn decode_rows(t: &mut Timer, rows: usize, ctx: usize) -> Result<()> {
     t.time_graph(
         "decode rope_store_kv_packed",
         format!("{tag}, {heads}/{kv} heads, d{hd}"),
-        (rows * (qd + 2 * kd) * 2 + rows * (qd + 2 * kd) * 2) as f64,
+        // Reads the q/k/v rows, writes as many bytes (q out, k and v into the cache).
+        (2 * rows * (qd + 2 * kd) * 2) as f64,
         "GB/s",
         || {
             gpu.rope_store_kv_packed(

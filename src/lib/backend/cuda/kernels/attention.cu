@@ -585,15 +585,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
     }
 }
 
-// Batch-invariant decode/prefill attention over a paged KV cache (engine::paged; the host uses
-// it when batch invariance is on): query i of sequence seq[i] attends to its positions p <
-// len[i] (cache row tables[seq[i]·max_blocks + p/bs]·bs + p%bs). One warp per (query, kv head)
-// with the group's query heads as its rows (zero past the group, at most 16), key tiles of TK
-// from position 0, and fwd_tile for the math: each (query, head) computes exactly what
-// attn_fwd_mma_k computes for that token of the packed sequence, bit for bit, so rollout
-// log-probs equal the training forward's. The context is not split across warps (that would
-// change the order of the sums): four warps gather each tile, the first computes.
-// Grid: (queries, kv heads), 128 threads, dynamic shared memory.
 #define PGU 4 // 16-byte pieces of K and V each thread has in flight while gathering a tile
 
 // Threads tid = 0..nthr-1 gather key tile [k0, k0 + kn) of a paged sequence: K rows into Ks,

@@ -59,6 +59,10 @@ pub struct PagedAttnShape {
     pub max_blocks: usize,
 }
 
+/// Most rows of one tile of [`Backend::attention_paged_tiled`] (the query tile of the GPU's
+/// attention kernels).
+pub const PAGED_TILE_ROWS: usize = 64;
+
 /// Shape of the fused LM-head log-prob op.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LogprobShape {
@@ -668,6 +672,29 @@ pub trait Backend: Send + Sync {
         len: &Self::Idx,
         shape: PagedAttnShape,
     ) -> Result<()>;
+    /// `attention_paged` for a step with prefill chunks: rows `decode_rows..queries` come in
+    /// `n_tiles` tiles, `tiles[2j]` its first row and `tiles[2j+1]` its rows (at most
+    /// [`PAGED_TILE_ROWS`]), each a run of one sequence's consecutive positions, which a backend
+    /// may attend as one block of queries; the rows before `decode_rows` are single queries.
+    /// The result is `attention_paged`'s (the CPU runs exactly that).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_paged_tiled(
+        &self,
+        o: &mut Self::Buf,
+        q: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        tables: &Self::Idx,
+        seq: &Self::Idx,
+        len: &Self::Idx,
+        tiles: &Self::Idx,
+        n_tiles: usize,
+        decode_rows: usize,
+        shape: PagedAttnShape,
+    ) -> Result<()> {
+        let _ = (tiles, n_tiles, decode_rows);
+        self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, shape)
+    }
     /// One token per row of logits[rows, vocab], drawn as `engine::sampling::sample` draws it
     /// with u = uniform(key_r, positions[r]), key_r = keys[2r] | keys[2r+1] << 32:
     /// tokens[r] = the id, logprobs[r] = log softmax(z_r / T)[id] (T = 1 when greedy).

@@ -28,6 +28,7 @@ use anyhow::{bail, ensure, Result};
 
 use crate::backend::{
     AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PagedAttnShape, Parts,
+    PAGED_TILE_ROWS,
     PpoShape, PPO_STATS,
 };
 use crate::engine::paged::{Chunk, SampleRow};
@@ -162,6 +163,11 @@ pub struct PagedKv<B: Backend> {
     block_size: usize,
     tables: B::Idx,
     max_blocks: usize,
+    /// The step's prefill tiles (see `Backend::attention_paged_tiled`): `n_tiles` pairs (first
+    /// row, rows) after its `decode_rows` single-token rows; none in a pure-decode step.
+    tiles: B::Idx,
+    n_tiles: usize,
+    decode_rows: usize,
     keys: B::Idx,
     positions: B::Idx,
     tokens: B::Idx,
@@ -1230,6 +1236,9 @@ impl<B: Backend> Decoder<B> {
                         tables,
                         block_size,
                         max_blocks,
+                        tiles,
+                        n_tiles,
+                        decode_rows,
                         ..
                     } = &mut **cache;
                     let (kc, vc) = (&mut ks[l], &mut vs[l]);
@@ -1271,7 +1280,7 @@ impl<B: Backend> Decoder<B> {
                         block_size: *block_size,
                         max_blocks: *max_blocks,
                     };
-                    b.attention_paged(
+                    b.attention_paged_tiled(
                         &mut a.o,
                         &a.q,
                         kc,
@@ -1279,6 +1288,9 @@ impl<B: Backend> Decoder<B> {
                         tables,
                         &ws.kv_base,
                         &ws.kv_len,
+                        tiles,
+                        *n_tiles,
+                        *decode_rows,
                         shape,
                     )?;
                 }
@@ -2120,6 +2132,9 @@ impl<B: Backend> Decoder<B> {
             block_size,
             tables: b.alloc_idx(0)?,
             max_blocks: 0,
+            tiles: b.alloc_idx(0)?,
+            n_tiles: 0,
+            decode_rows: 0,
             keys: b.alloc_idx(0)?,
             positions: b.alloc_idx(0)?,
             tokens: b.alloc_idx(0)?,
@@ -2293,6 +2308,8 @@ impl<B: Backend> Decoder<B> {
             b.upload_idx(&mut cache.positions, &positions)?;
         }
         cache.max_blocks = width;
+        cache.n_tiles = 0;
+        cache.decode_rows = bucket;
         let g = &mut cache.graphs;
         g.stats.padding_rows += bucket - n.max(rows.len());
         if g.mode == GraphMode::Graphs {
@@ -2372,10 +2389,22 @@ impl<B: Backend> Decoder<B> {
             Vec::with_capacity(n),
         );
         let mut tables = vec![0u32; chunks.len() * max_blocks];
-        let mut last = Vec::with_capacity(chunks.len());
-        for (c, ch) in chunks.iter().enumerate() {
+        let mut last = vec![0u32; chunks.len()];
+        // Single-token chunks first, then the prefill chunks in tiles of consecutive rows
+        // (the attention runs those as blocks of queries).
+        let (single, multi): (Vec<usize>, Vec<usize>) =
+            (0..chunks.len()).partition(|&c| chunks[c].tokens.len() == 1);
+        let mut tiles = Vec::new();
+        for &c in single.iter().chain(&multi) {
+            let ch = &chunks[c];
             cache.check_chunk(c, ch)?;
             tables[c * max_blocks..c * max_blocks + ch.table.len()].copy_from_slice(ch.table);
+            if ch.tokens.len() > 1 {
+                for t0 in (0..ch.tokens.len()).step_by(PAGED_TILE_ROWS) {
+                    let rows = PAGED_TILE_ROWS.min(ch.tokens.len() - t0);
+                    tiles.extend([(ids.len() + t0) as u32, rows as u32]);
+                }
+            }
             for (i, &t) in ch.tokens.iter().enumerate() {
                 let p = ch.start + i;
                 ids.push(t);
@@ -2384,7 +2413,7 @@ impl<B: Backend> Decoder<B> {
                 seq.push(c as u32);
                 len.push(p as u32 + 1);
             }
-            last.push(ids.len() as u32 - 1);
+            last[c] = ids.len() as u32 - 1;
         }
         let out: Vec<u32> = rows
             .iter()
@@ -2417,6 +2446,12 @@ impl<B: Backend> Decoder<B> {
         cache.grow_step_buffers(b, r, tables.len())?;
         b.upload_idx(&mut cache.tables, &tables)?;
         cache.max_blocks = max_blocks;
+        if b.len_idx(&cache.tiles) < tiles.len() {
+            cache.tiles = b.alloc_idx(tiles.len().next_power_of_two())?;
+        }
+        b.upload_idx(&mut cache.tiles, &tiles)?;
+        cache.n_tiles = tiles.len() / 2;
+        cache.decode_rows = single.len();
         b.upload_idx(&mut cache.keys, &keys)?;
         b.upload_idx(&mut cache.positions, &positions)?;
         let last_buf = self.forward(n, 1, false, AttnMode::Paged(cache))?;

@@ -380,6 +380,7 @@ impl CudaBackend {
                 "attn_bwd_dkdv_mma_k" => mdkdv,
                 "attn_bwd_dq_mma_k" => mdq,
                 "paged_attn_inv_k" => paged_inv_smem(hd),
+                "paged_prefill_mma_k" => mfwd,
                 _ => 0,
             };
             if bytes > 0 {
@@ -2299,6 +2300,83 @@ impl Backend for CudaBackend {
         unsafe { dr::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
         self.check_errors()
+    }
+
+    fn attention_paged_tiled(
+        &self,
+        o: &mut CudaBuf,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        tables: &CudaIdx,
+        seq: &CudaIdx,
+        len: &CudaIdx,
+        tiles: &CudaIdx,
+        n_tiles: usize,
+        decode_rows: usize,
+        s: PagedAttnShape,
+    ) -> Result<()> {
+        let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
+        if n_tiles == 0 || !self.use_mma(hd, &[o, q, k_cache, v_cache]) {
+            return self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, s);
+        }
+        let qn = s.queries * s.heads * s.head_dim;
+        need(o.len, qn, "attention_paged o")?;
+        need(q.len, qn, "attention_paged q")?;
+        need(seq.len, s.queries, "attention_paged seq")?;
+        need(len.len, s.queries, "attention_paged len")?;
+        need(tiles.len, 2 * n_tiles, "attention_paged tiles")?;
+        if decode_rows > s.queries || s.block_size == 0 || s.max_blocks == 0 {
+            bail!(
+                "attention_paged: {decode_rows} decode rows of {}, block size {}, {} blocks per table",
+                s.queries,
+                s.block_size,
+                s.max_blocks
+            );
+        }
+        if decode_rows > 0 {
+            let d = PagedAttnShape {
+                queries: decode_rows,
+                ..s
+            };
+            self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, d)?;
+        }
+        // The prefill tiles: each block's rows share its key tiles (and get the training
+        // forward's bits, in either mode).
+        let f = self.func(nvrtc::ATTENTION, hd, "paged_prefill_mma_k")?;
+        let row = s.kv_heads * hd;
+        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
+        let (h, kh, bsz, mb) = (
+            s.heads as i32,
+            s.kv_heads as i32,
+            i32_of(s.block_size, "block_size")?,
+            i32_of(s.max_blocks, "max_blocks")?,
+        );
+        let scale = 1.0 / (hd as f32).sqrt();
+        let err = self.err_word.ptr();
+        self.launch(
+            &f,
+            (n_tiles as u32, s.heads as u32, 1),
+            128,
+            attention_mma_smem(hd).0,
+            &[
+                &o.ptr,
+                &q.ptr,
+                &k_cache.ptr,
+                &v_cache.ptr,
+                &tables.ptr,
+                &seq.ptr,
+                &len.ptr,
+                &tiles.ptr,
+                &h,
+                &kh,
+                &bsz,
+                &mb,
+                &num_blocks,
+                &scale,
+                &err,
+            ],
+        )
     }
 
     fn attention_paged(

@@ -293,6 +293,103 @@ impl Suite<'_> {
                     paged.len()
                 ),
             );
+            // The tiled call of a step with prefill chunks: each sequence cut into runs of
+            // 1..=64 positions; runs of one are single (decode) rows and go first, the others
+            // are tiles. Tile rows must get the packed forward's bits in both modes, single rows
+            // too when invariant (else within the tolerance).
+            let w = heads * hd;
+            let (mut single, mut runs) = (Vec::new(), Vec::new());
+            for (sidx, &l) in lens.iter().enumerate() {
+                let mut p = 0;
+                while p < l {
+                    // A quarter of the runs are single rows.
+                    let r = if self.rng.below(4) == 0 {
+                        1
+                    } else {
+                        (2 + self.rng.below(63)).min(l - p)
+                    };
+                    if r == 1 {
+                        single.push((sidx, p));
+                    } else {
+                        runs.push((sidx, p, r));
+                    }
+                    p += r;
+                }
+            }
+            // order[i] = the packed token row of tiled row i.
+            let (mut order, mut tseq, mut tlen, mut tiles) = (vec![], vec![], vec![], vec![]);
+            for &(sidx, p) in &single {
+                order.push(starts[sidx] + p);
+                tseq.push(sidx as u32);
+                tlen.push(p as u32 + 1);
+            }
+            for &(sidx, p, r) in &runs {
+                tiles.extend([order.len() as u32, r as u32]);
+                for x in p..p + r {
+                    order.push(starts[sidx] + x);
+                    tseq.push(sidx as u32);
+                    tlen.push(x as u32 + 1);
+                }
+            }
+            let gq = self.dev(&permute(&q, &order, w), d)?;
+            let (gk, gv) = (self.dev(&kc, d)?, self.dev(&vc, d)?);
+            let (gt, gs, gl, gtiles) = (
+                self.idx(&tables)?,
+                self.idx(&tseq)?,
+                self.idx(&tlen)?,
+                self.idx(&tiles)?,
+            );
+            for invariant in [true, false] {
+                self.gpu.set_batch_invariant(invariant);
+                let mut go = self.poisoned(tokens * w, d)?;
+                let r = self.gpu.attention_paged_tiled(
+                    &mut go,
+                    &gq,
+                    &gk,
+                    &gv,
+                    &gt,
+                    &gs,
+                    &gl,
+                    &gtiles,
+                    tiles.len() / 2,
+                    single.len(),
+                    ps,
+                );
+                self.gpu.set_batch_invariant(false);
+                r?;
+                let mut host = vec![0f32; tokens * w];
+                self.gpu.download(&go, &mut host)?;
+                let (mut tile_differ, mut single_differ, mut single_err) = (0usize, 0usize, 0f32);
+                for (i, &row) in order.iter().enumerate() {
+                    let (got, want) = (&host[i * w..(i + 1) * w], &outs[0][row * w..(row + 1) * w]);
+                    if i < single.len() {
+                        single_differ += differ(got, want);
+                        for (a, b) in got.iter().zip(want) {
+                            single_err = single_err.max((a - b).abs());
+                        }
+                    } else {
+                        tile_differ += differ(got, want);
+                    }
+                }
+                let (t1, _) = tols(d);
+                let ok = tile_differ == 0
+                    && if invariant {
+                        single_differ == 0
+                    } else {
+                        single_err <= t1 as f32
+                    };
+                let mode = if invariant { "invariant" } else { "default" };
+                self.flag(
+                    &format!("attention_paged_tiled {heads}/{kv} hd{hd} [{mode}]"),
+                    d,
+                    ok,
+                    format!(
+                        "{} tiles, {} single rows: elements that differ from packed: tiles {tile_differ}, single rows {single_differ} (max |Δ| {single_err:.2e})",
+                        tiles.len() / 2,
+                        single.len()
+                    ),
+                );
+            }
         }
         Ok(())
     }

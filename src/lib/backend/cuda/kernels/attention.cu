@@ -706,6 +706,76 @@ extern "C" __global__ void __launch_bounds__(128) paged_attn_inv_k(
     }
 }
 
+// Paged prefill: tile j is rows tiles[2j] .. tiles[2j] + tiles[2j+1] − 1 (at most TQ) of one
+// sequence at consecutive positions (a chunk of the engine's step; row r sees len[r] positions,
+// len rising by one per row). One block per (tile, query head), as attn_fwd_mma_k with the keys
+// gathered through the block table: key tiles of TK from position 0 and fwd_tile for the math,
+// so each (row, head) gets the training forward's bits, and the tile's rows share every key
+// tile instead of reading the context once each. Grid: (tiles, heads), 128 threads, dynamic
+// shared memory (as attn_fwd_mma_k).
+extern "C" __global__ void __launch_bounds__(128) paged_prefill_mma_k(
+    bf16_t* o, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
+    const u32* seq, const u32* len, const u32* tiles, int heads, int kv_heads, int block_size,
+    int max_blocks, i64 num_blocks, float scale, u32* err) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_t* Qs = (bf16_t*)smem_raw; // [TQ][KST]
+    bf16_t* Ks = Qs + TQ * KST;     // [TK][KST]
+    bf16_t* Vt = Ks + TK * KST;     // [HD][TST(TK)]
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int h = blockIdx.y, kh = h / (heads / kv_heads);
+    int q0 = (int)tiles[2 * blockIdx.x], qn = (int)tiles[2 * blockIdx.x + 1];
+    i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
+    int bad = qn < 1 || qn > TQ;
+    qn = max(1, min(qn, TQ));
+    u32 s0 = seq[q0];
+    i64 L0 = len[q0];
+    for (int r = threadIdx.x; r < qn; r += 128)
+        if (seq[q0 + r] != s0 || (i64)len[q0 + r] != L0 + r) bad = 1;
+    // The last row sees keys [0, kend).
+    i64 kend = L0 + qn - 1;
+    bad |= L0 == 0 || kend >= (1ll << 30) || (kend + block_size - 1) / block_size > max_blocks;
+    const u32* table = tables + (i64)s0 * max_blocks;
+    load_bf_tile(Qs, nullptr, 0, q, q0, qn, TQ, qstride, (i64)h * HD, 128);
+    bad = __syncthreads_or(bad);
+    u32 qa[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) afrag(qa[kk], Qs, w * 16, kk);
+    int rl[2] = {w * 16 + g, w * 16 + g + 8};
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float oc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) oc[n][0] = oc[n][1] = oc[n][2] = oc[n][3] = 0.0f;
+    // Row r keeps keys 0 <= j <= its position; a warp skips the key tiles past its last row
+    // (they would leave its rows' state bit for bit as it was).
+    i64 klo[2] = {0, 0};
+    i64 khi[2] = {rl[0] < qn ? L0 - 1 + rl[0] : -1, rl[1] < qn ? L0 - 1 + rl[1] : -1};
+    i64 wlast = w * 16 < qn ? L0 - 1 + min(qn - 1, w * 16 + 15) : -1;
+    for (int k0 = 0; !bad && k0 < kend; k0 += TK) {
+        int kn = (int)min((i64)TK, kend - k0);
+        __syncthreads();
+        gather_paged_tile(Ks, Vt, kc, vc, table, block_size, num_blocks, kstride, kh, k0, kn, threadIdx.x, 128,
+                          &bad);
+        bad = __syncthreads_or(bad);
+        if (!bad && k0 <= wlast) fwd_tile(qa, Ks, Vt, k0, kn, klo, khi, scale, m, l, oc);
+    }
+    if (bad) {
+        if (threadIdx.x == 0) atomicOr(err, ERR_PAGED);
+        for (int x = threadIdx.x; x < qn * HD; x += 128)
+            o[(i64)(q0 + x / HD) * qstride + (i64)h * HD + x % HD] = (bf16_t)0x7fc0;
+        return;
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; hi++) {
+        if (rl[hi] >= qn) continue;
+        i64 i = q0 + rl[hi];
+        float inv = 1.0f / l[hi];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+            *(u32*)(o + i * qstride + (i64)h * HD + n * 8 + 2 * t) =
+                pack2(oc[n][2 * hi] * inv, oc[n][2 * hi + 1] * inv);
+    }
+}
+
 // dV_j = Σ_i P_ij dO_i, dK_j = Σ_i dS_ij Q_i / √d for one query head (tensor cores). Each warp
 // owns 16 keys of the block's TKB; query tiles of TQB rows stream through shared memory.
 // Transposed computation: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, so P and dS come out as A fragments of

@@ -672,6 +672,31 @@ pub trait Backend: Send + Sync {
         len: &Self::Idx,
         shape: PagedAttnShape,
     ) -> Result<()>;
+    /// A decode step's `rope_store_kv_packed` then `attention_paged` (`q` receives the rotated
+    /// queries where a backend runs them as two ops; the CUDA tensor-core path does both in one
+    /// kernel, with the same bits, and leaves `q` alone).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_paged_rope(
+        &self,
+        o: &mut Self::Buf,
+        qkv: &Self::Buf,
+        q: &mut Self::Buf,
+        pos: &Self::Idx,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        rows: &Self::Idx,
+        tables: &Self::Idx,
+        seq: &Self::Idx,
+        len: &Self::Idx,
+        shape: PagedAttnShape,
+        theta: f32,
+    ) -> Result<()> {
+        let s = shape;
+        self.rope_store_kv_packed(
+            qkv, q, pos, k_cache, v_cache, rows, s.queries, s.heads, s.kv_heads, s.head_dim, theta,
+        )?;
+        self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, s)
+    }
     /// `attention_paged` for a step with prefill chunks: rows `decode_rows..queries` come in
     /// `n_tiles` tiles, `tiles[2j]` its first row and `tiles[2j+1]` its rows (at most
     /// [`PAGED_TILE_ROWS`]), each a run of one sequence's consecutive positions, which a backend

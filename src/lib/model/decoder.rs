@@ -28,8 +28,7 @@ use anyhow::{bail, ensure, Result};
 
 use crate::backend::{
     AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PagedAttnShape, Parts,
-    PAGED_TILE_ROWS,
-    PpoShape, PPO_STATS,
+    PpoShape, PAGED_TILE_ROWS, PPO_STATS,
 };
 use crate::engine::paged::{Chunk, SampleRow};
 use crate::engine::sampling::{Sampled, SamplingParams};
@@ -1242,36 +1241,6 @@ impl<B: Backend> Decoder<B> {
                         ..
                     } = &mut **cache;
                     let (kc, vc) = (&mut ks[l], &mut vs[l]);
-                    if qkv.is_some() {
-                        b.rope_store_kv_packed(
-                            &ws.qkv,
-                            &mut a.q,
-                            &ws.pos,
-                            kc,
-                            vc,
-                            &ws.kv_rows,
-                            n,
-                            hh,
-                            kh,
-                            hd,
-                            theta,
-                        )?;
-                    } else {
-                        b.rope_store_kv(
-                            &mut a.q,
-                            &mut a.k,
-                            &a.v,
-                            &ws.pos,
-                            kc,
-                            vc,
-                            &ws.kv_rows,
-                            n,
-                            hh,
-                            kh,
-                            hd,
-                            theta,
-                        )?;
-                    }
                     let shape = PagedAttnShape {
                         queries: n,
                         heads: hh,
@@ -1280,19 +1249,67 @@ impl<B: Backend> Decoder<B> {
                         block_size: *block_size,
                         max_blocks: *max_blocks,
                     };
-                    b.attention_paged_tiled(
-                        &mut a.o,
-                        &a.q,
-                        kc,
-                        vc,
-                        tables,
-                        &ws.kv_base,
-                        &ws.kv_len,
-                        tiles,
-                        *n_tiles,
-                        *decode_rows,
-                        shape,
-                    )?;
+                    if qkv.is_some() && *n_tiles == 0 {
+                        // A decode step: rope + kv_store + attention, one kernel on the GPU.
+                        b.attention_paged_rope(
+                            &mut a.o,
+                            &ws.qkv,
+                            &mut a.q,
+                            &ws.pos,
+                            kc,
+                            vc,
+                            &ws.kv_rows,
+                            tables,
+                            &ws.kv_base,
+                            &ws.kv_len,
+                            shape,
+                            theta,
+                        )?;
+                    } else {
+                        if qkv.is_some() {
+                            b.rope_store_kv_packed(
+                                &ws.qkv,
+                                &mut a.q,
+                                &ws.pos,
+                                kc,
+                                vc,
+                                &ws.kv_rows,
+                                n,
+                                hh,
+                                kh,
+                                hd,
+                                theta,
+                            )?;
+                        } else {
+                            b.rope_store_kv(
+                                &mut a.q,
+                                &mut a.k,
+                                &a.v,
+                                &ws.pos,
+                                kc,
+                                vc,
+                                &ws.kv_rows,
+                                n,
+                                hh,
+                                kh,
+                                hd,
+                                theta,
+                            )?;
+                        }
+                        b.attention_paged_tiled(
+                            &mut a.o,
+                            &a.q,
+                            kc,
+                            vc,
+                            tables,
+                            &ws.kv_base,
+                            &ws.kv_len,
+                            tiles,
+                            *n_tiles,
+                            *decode_rows,
+                            shape,
+                        )?;
+                    }
                 }
             }
             if train {

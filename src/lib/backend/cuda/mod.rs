@@ -122,6 +122,24 @@ karg!(u64, i32, i64, f32, f64);
 struct Freqs([f32; 512]);
 karg!(Freqs);
 
+/// The rope half of a fused decode attention (`paged_attn_mma_rope_k`): positions, cache rows
+/// of the new tokens, the cache's row count and the inverse frequencies.
+struct PagedRope<'a> {
+    pos: &'a CudaIdx,
+    rows: &'a CudaIdx,
+    cache_rows: i64,
+    fr: Freqs,
+}
+
+/// The rope kernels' inverse frequencies for a head dim and base.
+fn freqs(head_dim: usize, theta: f32) -> Freqs {
+    let mut fr = Freqs([0.0; 512]);
+    for (i, f) in fr.0.iter_mut().take(head_dim / 2).enumerate() {
+        *f = inv_freq(i, head_dim, theta);
+    }
+    fr
+}
+
 /// Threads per block of the row and elementwise kernels.
 const THREADS: u32 = 256;
 
@@ -308,6 +326,231 @@ impl CudaBackend {
             && hd.is_multiple_of(16)
             && hd <= 128
             && bufs.iter().all(|b| b.dtype == DType::BF16)
+    }
+
+    /// `attention_paged`, or with `rope` the decode step's rope + kv_store fused in (`q` is then
+    /// the fused q/k/v projection; only the tensor-core kernel takes it).
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        &self,
+        o: &mut CudaBuf,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        tables: &CudaIdx,
+        seq: &CudaIdx,
+        len: &CudaIdx,
+        s: PagedAttnShape,
+        rope: Option<PagedRope>,
+    ) -> Result<()> {
+        let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
+        let qn = s.queries * s.heads * s.head_dim;
+        need(o.len, qn, "attention_paged o")?;
+        if rope.is_none() {
+            need(q.len, qn, "attention_paged q")?;
+        }
+        need(seq.len, s.queries, "attention_paged seq")?;
+        need(len.len, s.queries, "attention_paged len")?;
+        if s.queries == 0 {
+            return Ok(());
+        }
+        if s.block_size == 0 || s.max_blocks == 0 {
+            bail!(
+                "attention_paged: block size {} and {} blocks per table",
+                s.block_size,
+                s.max_blocks
+            );
+        }
+        // One block per (query, kv head) serving its whole GQA group when the group is small
+        // enough (every key/value row read once): on the tensor cores when q and the cache are
+        // bf16 and head_dim is 64 or 128, else with scalar math; otherwise one block per
+        // (query, head).
+        let group = s.heads / s.kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let err = self.err_word.ptr();
+        let row = s.kv_heads * hd;
+        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
+        let (h, kh, bsz, mb) = (
+            s.heads as i32,
+            s.kv_heads as i32,
+            i32_of(s.block_size, "block_size")?,
+            i32_of(s.max_blocks, "max_blocks")?,
+        );
+        if rope.is_none()
+            && self.gemm.batch_invariant()
+            && group <= 16
+            && self.use_mma(hd, &[o, q, k_cache, v_cache])
+        {
+            // Batch invariance: the training forward's tiles and arithmetic per (query, head).
+            let f = self.func(nvrtc::ATTENTION, hd, "paged_attn_inv_k")?;
+            return self.launch(
+                &f,
+                (s.queries as u32, s.kv_heads as u32, 1),
+                128,
+                paged_inv_smem(hd),
+                &[
+                    &o.ptr,
+                    &q.ptr,
+                    &k_cache.ptr,
+                    &v_cache.ptr,
+                    &tables.ptr,
+                    &seq.ptr,
+                    &len.ptr,
+                    &h,
+                    &kh,
+                    &bsz,
+                    &mb,
+                    &num_blocks,
+                    &scale,
+                    &err,
+                ],
+            );
+        }
+        let mma = group <= 16 && hd.is_multiple_of(64) && self.use_mma(hd, &[q, k_cache, v_cache]);
+        if rope.is_some() && !mma {
+            bail!("attention_paged: the fused rope needs the tensor-core kernel");
+        }
+        let gqa = hd.is_multiple_of(8) && group <= 8;
+        let (name, blocks_y, threshold) = if mma {
+            (
+                // Fewer blocks before splitting than the scalar kernels: a split costs a merge
+                // pass (at 256 queries, 23 µs per layer with 2·SMs against 33 µs with 4·SMs).
+                if rope.is_some() {
+                    "paged_attn_mma_rope_k"
+                } else {
+                    "paged_attn_mma_k"
+                },
+                s.kv_heads,
+                2 * self.sms as usize,
+            )
+        } else if gqa {
+            ("paged_attn_gqa_k", s.kv_heads, 4 * self.sms as usize)
+        } else {
+            ("paged_attn_k", s.heads, 2 * self.sms as usize)
+        };
+        let f = self.func(nvrtc::PAGED_ATTENTION, hd, name)?;
+        // Flash-decoding: split the context when there are too few blocks to fill the GPU.
+        // Each row cuts its own context into even splits of at least 64 positions (split_len
+        // 0, see `row_split` in the kernel), so the split count depends on the number of
+        // queries alone and a row's result does not depend on the table width: a decode step
+        // replayed from a CUDA graph (tables padded to a fixed width) gives the eager bits.
+        let pairs = s.queries * s.heads;
+        let splits = threshold
+            .div_ceil(s.queries * blocks_y)
+            .clamp(1, MAX_PAGED_SPLITS);
+        let split_len = 0usize;
+        let (part_o, part_ml) = if splits > 1 {
+            (
+                self.temp(pairs * splits * hd, DType::F32)?,
+                self.temp(pairs * splits * 2, DType::F32)?,
+            )
+        } else {
+            (self.temp(1, DType::F32)?, self.temp(2, DType::F32)?)
+        };
+        let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
+        let sl = i32_of(split_len, "split_len")?;
+        let grid = (s.queries as u32, blocks_y as u32, splits as u32);
+        if let Some(r) = &rope {
+            self.launch(
+                &f,
+                grid,
+                128,
+                0,
+                &[
+                    &o.ptr,
+                    &obf,
+                    &q.ptr,
+                    &k_cache.ptr,
+                    &v_cache.ptr,
+                    &r.pos.ptr,
+                    &r.rows.ptr,
+                    &r.cache_rows,
+                    &tables.ptr,
+                    &seq.ptr,
+                    &len.ptr,
+                    &h,
+                    &kh,
+                    &bsz,
+                    &mb,
+                    &num_blocks,
+                    &sl,
+                    &scale,
+                    &part_o.ptr,
+                    &part_ml.ptr,
+                    &err,
+                    &r.fr,
+                ],
+            )?;
+        } else if mma {
+            self.launch(
+                &f,
+                grid,
+                128,
+                0,
+                &[
+                    &o.ptr,
+                    &obf,
+                    &q.ptr,
+                    &k_cache.ptr,
+                    &v_cache.ptr,
+                    &tables.ptr,
+                    &seq.ptr,
+                    &len.ptr,
+                    &h,
+                    &kh,
+                    &bsz,
+                    &mb,
+                    &num_blocks,
+                    &sl,
+                    &scale,
+                    &part_o.ptr,
+                    &part_ml.ptr,
+                    &err,
+                ],
+            )?;
+        } else {
+            self.launch(
+                &f,
+                grid,
+                128,
+                0,
+                &[
+                    &o.ptr,
+                    &obf,
+                    &q.ptr,
+                    &qbf,
+                    &k_cache.ptr,
+                    &kbf,
+                    &v_cache.ptr,
+                    &vbf,
+                    &tables.ptr,
+                    &seq.ptr,
+                    &len.ptr,
+                    &h,
+                    &kh,
+                    &bsz,
+                    &mb,
+                    &num_blocks,
+                    &sl,
+                    &scale,
+                    &part_o.ptr,
+                    &part_ml.ptr,
+                    &err,
+                ],
+            )?;
+        }
+        if splits > 1 {
+            let c = self.func(nvrtc::PAGED_ATTENTION, hd, "paged_combine_k")?;
+            let sp = splits as i32;
+            self.launch(
+                &c,
+                (s.queries as u32, s.heads as u32, 1),
+                Self::row_threads(hd),
+                0,
+                &[&o.ptr, &obf, &part_o.ptr, &part_ml.ptr, &h, &sp],
+            )?;
+        }
+        Ok(())
     }
 
     /// The GPU's name, e.g. "NVIDIA H100 80GB HBM3".
@@ -1508,10 +1751,7 @@ impl Backend for CudaBackend {
         if tokens == 0 || kd == 0 {
             return Ok(());
         }
-        let mut fr = Freqs([0.0; 512]);
-        for (i, f) in fr.0.iter_mut().take(head_dim / 2).enumerate() {
-            *f = inv_freq(i, head_dim, theta);
-        }
+        let fr = freqs(head_dim, theta);
         let f = self.func(nvrtc::ROPE, 0, "rope_store_kv_k")?;
         let (qbf, kbf, vbf, kcbf, vcbf) = (q.bf(), k.bf(), v.bf(), k_cache.bf(), v_cache.bf());
         let (t, h, kh, d) = (
@@ -1620,10 +1860,7 @@ impl Backend for CudaBackend {
         if tokens == 0 || kd == 0 {
             return Ok(());
         }
-        let mut fr = Freqs([0.0; 512]);
-        for (i, f) in fr.0.iter_mut().take(head_dim / 2).enumerate() {
-            *f = inv_freq(i, head_dim, theta);
-        }
+        let fr = freqs(head_dim, theta);
         let f = self.func(nvrtc::ROPE, 0, "rope_store_kv_packed_k")?;
         let (xbf, qbf, kcbf, vcbf) = (qkv.bf(), q_out.bf(), k_cache.bf(), v_cache.bf());
         let (t, h, kh, d) = (
@@ -2390,171 +2627,50 @@ impl Backend for CudaBackend {
         len: &CudaIdx,
         s: PagedAttnShape,
     ) -> Result<()> {
+        self.paged_attention(o, q, k_cache, v_cache, tables, seq, len, s, None)
+    }
+
+    fn attention_paged_rope(
+        &self,
+        o: &mut CudaBuf,
+        qkv: &CudaBuf,
+        q: &mut CudaBuf,
+        pos: &CudaIdx,
+        k_cache: &mut CudaBuf,
+        v_cache: &mut CudaBuf,
+        rows: &CudaIdx,
+        tables: &CudaIdx,
+        seq: &CudaIdx,
+        len: &CudaIdx,
+        s: PagedAttnShape,
+        theta: f32,
+    ) -> Result<()> {
         let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
-        let qn = s.queries * s.heads * s.head_dim;
-        need(o.len, qn, "attention_paged o")?;
-        need(q.len, qn, "attention_paged q")?;
-        need(seq.len, s.queries, "attention_paged seq")?;
-        need(len.len, s.queries, "attention_paged len")?;
-        if s.queries == 0 {
-            return Ok(());
+        let fused = !self.gemm.batch_invariant()
+            && s.heads / s.kv_heads <= 16
+            && hd.is_multiple_of(64)
+            && self.use_mma(hd, &[qkv, k_cache, v_cache]);
+        if !fused {
+            self.rope_store_kv_packed(
+                qkv, q, pos, k_cache, v_cache, rows, s.queries, s.heads, s.kv_heads, hd, theta,
+            )?;
+            return self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, s);
         }
-        if s.block_size == 0 || s.max_blocks == 0 {
-            bail!(
-                "attention_paged: block size {} and {} blocks per table",
-                s.block_size,
-                s.max_blocks
-            );
-        }
-        // One block per (query, kv head) serving its whole GQA group when the group is small
-        // enough (every key/value row read once): on the tensor cores when q and the cache are
-        // bf16 and head_dim is 64 or 128, else with scalar math; otherwise one block per
-        // (query, head).
-        let group = s.heads / s.kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let err = self.err_word.ptr();
-        let row = s.kv_heads * hd;
-        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
-        let (h, kh, bsz, mb) = (
-            s.heads as i32,
-            s.kv_heads as i32,
-            i32_of(s.block_size, "block_size")?,
-            i32_of(s.max_blocks, "max_blocks")?,
-        );
-        if self.gemm.batch_invariant() && group <= 16 && self.use_mma(hd, &[o, q, k_cache, v_cache])
-        {
-            // Batch invariance: the training forward's tiles and arithmetic per (query, head).
-            let f = self.func(nvrtc::ATTENTION, hd, "paged_attn_inv_k")?;
-            return self.launch(
-                &f,
-                (s.queries as u32, s.kv_heads as u32, 1),
-                128,
-                paged_inv_smem(hd),
-                &[
-                    &o.ptr,
-                    &q.ptr,
-                    &k_cache.ptr,
-                    &v_cache.ptr,
-                    &tables.ptr,
-                    &seq.ptr,
-                    &len.ptr,
-                    &h,
-                    &kh,
-                    &bsz,
-                    &mb,
-                    &num_blocks,
-                    &scale,
-                    &err,
-                ],
-            );
-        }
-        let mma = group <= 16 && hd.is_multiple_of(64) && self.use_mma(hd, &[q, k_cache, v_cache]);
-        let gqa = hd.is_multiple_of(8) && group <= 8;
-        let (name, blocks_y, threshold) = if mma {
-            (
-                // Fewer blocks before splitting than the scalar kernels: a split costs a merge
-                // pass (at 256 queries, 23 µs per layer with 2·SMs against 33 µs with 4·SMs).
-                "paged_attn_mma_k",
-                s.kv_heads,
-                2 * self.sms as usize,
-            )
-        } else if gqa {
-            ("paged_attn_gqa_k", s.kv_heads, 4 * self.sms as usize)
-        } else {
-            ("paged_attn_k", s.heads, 2 * self.sms as usize)
+        let kd = s.kv_heads * hd;
+        need(
+            qkv.len,
+            s.queries * (s.heads * hd + 2 * kd),
+            "attention_paged_rope qkv",
+        )?;
+        need(pos.len, s.queries, "attention_paged_rope pos")?;
+        need(rows.len, s.queries, "attention_paged_rope rows")?;
+        let rope = PagedRope {
+            pos,
+            rows,
+            cache_rows: (k_cache.len.min(v_cache.len) / kd) as i64,
+            fr: freqs(hd, theta),
         };
-        let f = self.func(nvrtc::PAGED_ATTENTION, hd, name)?;
-        // Flash-decoding: split the context when there are too few blocks to fill the GPU.
-        // Each row cuts its own context into even splits of at least 64 positions (split_len
-        // 0, see `row_split` in the kernel), so the split count depends on the number of
-        // queries alone and a row's result does not depend on the table width: a decode step
-        // replayed from a CUDA graph (tables padded to a fixed width) gives the eager bits.
-        let pairs = s.queries * s.heads;
-        let splits = threshold
-            .div_ceil(s.queries * blocks_y)
-            .clamp(1, MAX_PAGED_SPLITS);
-        let split_len = 0usize;
-        let (part_o, part_ml) = if splits > 1 {
-            (
-                self.temp(pairs * splits * hd, DType::F32)?,
-                self.temp(pairs * splits * 2, DType::F32)?,
-            )
-        } else {
-            (self.temp(1, DType::F32)?, self.temp(2, DType::F32)?)
-        };
-        let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
-        let sl = i32_of(split_len, "split_len")?;
-        let grid = (s.queries as u32, blocks_y as u32, splits as u32);
-        if mma {
-            self.launch(
-                &f,
-                grid,
-                128,
-                0,
-                &[
-                    &o.ptr,
-                    &obf,
-                    &q.ptr,
-                    &k_cache.ptr,
-                    &v_cache.ptr,
-                    &tables.ptr,
-                    &seq.ptr,
-                    &len.ptr,
-                    &h,
-                    &kh,
-                    &bsz,
-                    &mb,
-                    &num_blocks,
-                    &sl,
-                    &scale,
-                    &part_o.ptr,
-                    &part_ml.ptr,
-                    &err,
-                ],
-            )?;
-        } else {
-            self.launch(
-                &f,
-                grid,
-                128,
-                0,
-                &[
-                    &o.ptr,
-                    &obf,
-                    &q.ptr,
-                    &qbf,
-                    &k_cache.ptr,
-                    &kbf,
-                    &v_cache.ptr,
-                    &vbf,
-                    &tables.ptr,
-                    &seq.ptr,
-                    &len.ptr,
-                    &h,
-                    &kh,
-                    &bsz,
-                    &mb,
-                    &num_blocks,
-                    &sl,
-                    &scale,
-                    &part_o.ptr,
-                    &part_ml.ptr,
-                    &err,
-                ],
-            )?;
-        }
-        if splits > 1 {
-            let c = self.func(nvrtc::PAGED_ATTENTION, hd, "paged_combine_k")?;
-            let sp = splits as i32;
-            self.launch(
-                &c,
-                (s.queries as u32, s.heads as u32, 1),
-                Self::row_threads(hd),
-                0,
-                &[&o.ptr, &obf, &part_o.ptr, &part_ml.ptr, &h, &sp],
-            )?;
-        }
-        Ok(())
+        self.paged_attention(o, qkv, k_cache, v_cache, tables, seq, len, s, Some(rope))
     }
 
     fn sample(
@@ -2715,10 +2831,7 @@ impl CudaBackend {
         if tokens == 0 || heads * head_dim == 0 {
             return Ok(());
         }
-        let mut fr = Freqs([0.0; 512]);
-        for (i, f) in fr.0.iter_mut().take(head_dim / 2).enumerate() {
-            *f = inv_freq(i, head_dim, theta);
-        }
+        let fr = freqs(head_dim, theta);
         let f = self.func(nvrtc::ROPE, 0, "rope_k")?;
         let xbf = x.bf();
         let (t, h, d) = (

@@ -1374,7 +1374,7 @@ mod paged;
 
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 25] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 26] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1393,6 +1393,7 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 25] {
         ("attention_paged", Suite::paged_attention),
         ("rope_store_kv", Suite::rope_store_kv),
         ("rope_store_kv_packed", Suite::rope_store_kv_packed),
+        ("attention_paged_rope", Suite::attention_paged_rope),
         ("swiglu_packed", Suite::swiglu_packed),
         ("alloc_parts", Suite::alloc_parts),
         ("gemm_invariance", Suite::gemm_invariance),

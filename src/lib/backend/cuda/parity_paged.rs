@@ -498,6 +498,121 @@ impl Suite<'_> {
         Ok(())
     }
 
+    /// The decode step's fused rope + kv_store + attention (`attention_paged_rope`) against
+    /// the two ops it replaces on the GPU (output and both caches bit for bit) and against the
+    /// CPU: each query its own sequence, its new token at position len − 1 of its shuffled
+    /// table; few long queries (context splits) and many short ones, Qwen2.5-0.5B's heads and
+    /// a group of 4 at head_dim 128.
+    pub(super) fn attention_paged_rope(&mut self, d: DType) -> Result<()> {
+        let (t1, _) = tols(d);
+        for (tag, queries, max_len, heads, kv, hd) in [
+            ("split", 3usize, 900usize, 14usize, 2usize, 64usize),
+            ("decode", 200, 150, 14, 2, 64),
+            ("group4 hd128", 64, 200, 32, 8, 128),
+        ] {
+            let (bs, row) = (16usize, kv * hd);
+            let (qd, width) = (heads * hd, heads * hd + 2 * kv * hd);
+            let max_blocks = max_len.div_ceil(bs);
+            let num_blocks = queries * max_blocks + 5;
+            let kc = self.randn(num_blocks * bs * row, 1.0, d);
+            let vc = self.randn(num_blocks * bs * row, 1.0, d);
+            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+            for i in 0..pool.len() {
+                let j = i + self.rng.below(pool.len() - i);
+                pool.swap(i, j);
+            }
+            let tables: Vec<u32> = pool[..queries * max_blocks].to_vec();
+            let seq: Vec<u32> = (0..queries as u32).collect();
+            let len: Vec<u32> = (0..queries)
+                .map(|_| 1 + self.rng.below(max_len) as u32)
+                .collect();
+            let pos: Vec<u32> = len.iter().map(|l| l - 1).collect();
+            let rows: Vec<u32> = (0..queries)
+                .map(|i| {
+                    let p = pos[i] as usize;
+                    (tables[i * max_blocks + p / bs] as usize * bs + p % bs) as u32
+                })
+                .collect();
+            let qkv = self.randn(queries * width, 1.0, d);
+            let s = PagedAttnShape {
+                queries,
+                heads,
+                kv_heads: kv,
+                head_dim: hd,
+                block_size: bs,
+                max_blocks,
+            };
+            let theta = 1e6;
+            // CPU: the two ops.
+            let mut q = vec![0f32; queries * qd];
+            let (mut ckc, mut cvc) = (kc.clone(), vc.clone());
+            let mut co = vec![0f32; queries * qd];
+            Cpu.attention_paged_rope(
+                &mut co, &qkv, &mut q, &pos, &mut ckc, &mut cvc, &rows, &tables, &seq, &len, s,
+                theta,
+            )?;
+            let (gx, gpos, grows) = (self.dev(&qkv, d)?, self.idx(&pos)?, self.idx(&rows)?);
+            let (gt, gs, gl) = (self.idx(&tables)?, self.idx(&seq)?, self.idx(&len)?);
+            // GPU, two ops.
+            let (mut akc, mut avc) = (self.dev(&kc, d)?, self.dev(&vc, d)?);
+            let mut aq = self.poisoned(queries * qd, d)?;
+            let mut ao = self.poisoned(queries * qd, d)?;
+            self.gpu.rope_store_kv_packed(
+                &gx, &mut aq, &gpos, &mut akc, &mut avc, &grows, queries, heads, kv, hd, theta,
+            )?;
+            self.gpu
+                .attention_paged(&mut ao, &aq, &akc, &avc, &gt, &gs, &gl, s)?;
+            // GPU, fused.
+            let (mut fkc, mut fvc) = (self.dev(&kc, d)?, self.dev(&vc, d)?);
+            let mut fq = self.poisoned(queries * qd, d)?;
+            let mut fo = self.poisoned(queries * qd, d)?;
+            self.gpu.attention_paged_rope(
+                &mut fo, &gx, &mut fq, &gpos, &mut fkc, &mut fvc, &grows, &gt, &gs, &gl, s, theta,
+            )?;
+            self.check(
+                &format!("attention_paged_rope {tag}"),
+                d,
+                &fo,
+                &co,
+                true,
+                t1,
+            )?;
+            self.check(
+                &format!("attention_paged_rope {tag} k cache"),
+                d,
+                &fkc,
+                &ckc,
+                false,
+                t1,
+            )?;
+            let g = self.gpu;
+            let n = queries * qd;
+            let same = [
+                ("o", bits(g, &fo, n)? == bits(g, &ao, n)?),
+                (
+                    "k cache",
+                    bits(g, &fkc, kc.len())? == bits(g, &akc, kc.len())?,
+                ),
+                (
+                    "v cache",
+                    bits(g, &fvc, vc.len())? == bits(g, &avc, vc.len())?,
+                ),
+            ];
+            let differ: Vec<&str> = same.iter().filter(|x| !x.1).map(|x| x.0).collect();
+            self.flag(
+                &format!("attention_paged_rope {tag} vs two ops (gpu)"),
+                d,
+                differ.is_empty(),
+                if differ.is_empty() {
+                    "bit-identical".into()
+                } else {
+                    format!("differ: {}", differ.join(", "))
+                },
+            );
+        }
+        Ok(())
+    }
+
     /// SwiGLU of a fused gate/up projection [n, 2f]: against the CPU op, and bit for bit
     /// against the GPU's `swiglu` of the two halves. f a multiple of 8 (the bf16 vector
     /// kernels on both sides), f odd (the scalar kernels), and 8 rows of an odd f (the split

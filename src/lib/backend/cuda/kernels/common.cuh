@@ -21,6 +21,11 @@ typedef long long i64;
 #define ERR_TARGET 16u
 #define ERR_PAGED (1u << 10)
 
+// RoPE inverse frequencies by value (rope.cu, and the decode attention that rotates its own q/k).
+struct Freqs {
+    float f[512];
+};
+
 DEVI float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
 
 // Round to nearest even, as half::bf16::from_f32 does on the host.

@@ -345,12 +345,22 @@ template <int N> DEVI void ld16(u32* w, const bf16_t* p, bool ok) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
-    void* o, int obf, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
-    const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
-    i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err) {
+// ROPE: the step's rope + kv_store as well (decode steps of a fused q/k/v projection): row i of
+// x is [q | k | v] of the query's token; every block rotates its group's q rows and the kv
+// head's k at position pos[i] exactly as rope_store_kv_packed_k does (same expressions, same
+// rounding to bf16), uses the new key and value for position len − 1 from shared memory, and
+// the first split's block stores them at cache row rows[i]. Without ROPE, q is rotated and the
+// cache holds the new token already.
+template <bool ROPE>
+DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, const u32* tables,
+                    const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
+                    i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err,
+                    const bf16_t* x, const u32* pos, const u32* rows, i64 cache_rows, const Freqs* fr) {
     __shared__ float m_s[PNW][16], l_s[PNW][16];
     __shared__ float acc_s[PNW][16][HD];
+    __shared__ __align__(16) bf16_t qr_s[ROPE ? 16 : 1][HD];
+    __shared__ __align__(16) bf16_t kn_s[ROPE ? HD : 1], vn_s[ROPE ? HD : 1];
+    __shared__ float sn_s[ROPE ? HD / 2 : 1], cs_s[ROPE ? HD / 2 : 1];
     int i = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int group = heads / kv_heads, h0 = kh * group;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -364,8 +374,46 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
     int whole = block_size % 16 == 0 && p0 % 16 == 0 && L < (1ll << 30);
     // Q rows g and g+8 of the group (zero past it), this lane's HD/4 dims: A fragments per k-step.
     u32 qw[2][HD / 8];
-    ld16<HD / 32>(qw[0], q + ((i64)i * heads + h0 + g) * HD + t * (HD / 4), g < group);
-    ld16<HD / 32>(qw[1], q + ((i64)i * heads + h0 + g + 8) * HD + t * (HD / 4), g + 8 < group);
+    if (ROPE) {
+        const int half = HD / 2, qd = heads * HD;
+        i64 row = (i64)i * (qd + 2 * kstride);
+        float p = (float)pos[i];
+        for (int e = threadIdx.x; e < half; e += PNW * 32) sincosf(p * fr->f[e], &sn_s[e], &cs_s[e]);
+        __syncthreads();
+        // Rows 0..15: the group's q heads (zero past the group); row 16: the kv head's k.
+        for (int j = threadIdx.x; j < 17 * half; j += PNW * 32) {
+            int r = j / half, e = j - r * half;
+            float s = sn_s[e], c = cs_s[e];
+            if (r < 16 && r >= group) {
+                qr_s[r][e] = qr_s[r][e + half] = 0;
+                continue;
+            }
+            i64 ia = row + (r < 16 ? (i64)(h0 + r) * HD : qd + (i64)kh * HD) + e;
+            float a = bf2f(x[ia]), b = bf2f(x[ia + half]);
+            float ra = a * c - b * s, rb = b * c + a * s;
+            bf16_t* dst = r < 16 ? qr_s[r] : kn_s;
+            dst[e] = f2bf(ra);
+            dst[e + half] = f2bf(rb);
+        }
+        for (int d = threadIdx.x; d < HD; d += PNW * 32) vn_s[d] = x[row + qd + kstride + (i64)kh * HD + d];
+        __syncthreads();
+        if (sp == 0) {
+            u32 cr = rows[i];
+            if ((i64)cr >= cache_rows) {
+                if (threadIdx.x == 0) atomicOr(err, ERR_CACHE_ROW);
+            } else {
+                for (int d = threadIdx.x; d < HD; d += PNW * 32) {
+                    kc[(i64)cr * kstride + (i64)kh * HD + d] = kn_s[d];
+                    vc[(i64)cr * kstride + (i64)kh * HD + d] = vn_s[d];
+                }
+            }
+        }
+        ld16<HD / 32>(qw[0], qr_s[g] + t * (HD / 4), true);
+        ld16<HD / 32>(qw[1], qr_s[g + 8] + t * (HD / 4), true);
+    } else {
+        ld16<HD / 32>(qw[0], q + ((i64)i * heads + h0 + g) * HD + t * (HD / 4), g < group);
+        ld16<HD / 32>(qw[1], q + ((i64)i * heads + h0 + g + 8) * HD + t * (HD / 4), g + 8 < group);
+    }
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     float acc[PNT][4];
 #pragma unroll
@@ -402,10 +450,18 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
         }
         bad = __any_sync(0xffffffffu, bad); // leave the tile loop together (mma.sync needs the warp)
         u32 kw[2][HD / 8], vw[4][PNT / 2];
+        // With ROPE the new token (position L − 1) comes from shared memory: the first split's
+        // block may not have stored it yet.
 #pragma unroll
-        for (int n = 0; n < 2; n++) ld16<HD / 32>(kw[n], kc + rk[n] + t * (HD / 4), rk[n] >= 0);
+        for (int n = 0; n < 2; n++) {
+            const bf16_t* kp = ROPE && pk[n] == L - 1 ? kn_s : kc + rk[n];
+            ld16<HD / 32>(kw[n], kp + t * (HD / 4), rk[n] >= 0);
+        }
 #pragma unroll
-        for (int x = 0; x < 4; x++) ld16<HD / 64>(vw[x], vc + rv[x] + g * PNT, rv[x] >= 0);
+        for (int x = 0; x < 4; x++) {
+            const bf16_t* vp = ROPE && pv[x] == L - 1 ? vn_s : vc + rv[x];
+            ld16<HD / 64>(vw[x], vp + g * PNT, rv[x] >= 0);
+        }
         // S: two n-tiles of 8 positions (T+n, T+8+n); rows g, g+8 are heads h0+g, h0+g+8.
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
@@ -513,5 +569,23 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
+    void* o, int obf, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
+    const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
+    i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err) {
+    paged_mma<false>(o, obf, q, (bf16_t*)kc, (bf16_t*)vc, tables, seq, len, heads, kv_heads, block_size,
+                     max_blocks, num_blocks, split_len, scale, part_o, part_ml, err, nullptr, nullptr, nullptr, 0,
+                     nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_rope_k(
+    void* o, int obf, const bf16_t* x, bf16_t* kc, bf16_t* vc, const u32* pos, const u32* rows,
+    i64 cache_rows, const u32* tables, const u32* seq, const u32* len, int heads, int kv_heads,
+    int block_size, int max_blocks, i64 num_blocks, int split_len, float scale, float* part_o,
+    float* part_ml, u32* err, Freqs fr) {
+    paged_mma<true>(o, obf, nullptr, kc, vc, tables, seq, len, heads, kv_heads, block_size, max_blocks,
+                    num_blocks, split_len, scale, part_o, part_ml, err, x, pos, rows, cache_rows, &fr);
 }
 #endif

@@ -1,9 +1,6 @@
 // Rotary position embedding, HF rotate_half layout: dimension i pairs with i + d/2.
-// The inverse frequencies come from the host (the same f32 values the CPU backend uses).
-
-struct Freqs {
-    float f[512];
-};
+// The inverse frequencies come from the host (the same f32 values the CPU backend uses), as a
+// Freqs (common.cuh).
 
 // In place on x[t,h,:]: (a,b) = (x_i, x_{i+d/2}) → (a·cos − b·sin, b·cos + a·sin),
 // angle = pos[t]·inv_freq_i; sign = −1 rotates backwards (the backward pass).

@@ -1190,36 +1190,19 @@ impl<B: Backend> Decoder<B> {
                 }
                 AttnMode::Cached(cache) => {
                     let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-                    if qkv.is_some() {
-                        b.rope_store_kv_packed(
-                            &ws.qkv,
-                            &mut a.q,
-                            &ws.pos,
-                            kc,
-                            vc,
-                            &ws.kv_rows,
-                            n,
-                            hh,
-                            kh,
-                            hd,
-                            theta,
-                        )?;
-                    } else {
-                        b.rope_store_kv(
-                            &mut a.q,
-                            &mut a.k,
-                            &a.v,
-                            &ws.pos,
-                            kc,
-                            vc,
-                            &ws.kv_rows,
-                            n,
-                            hh,
-                            kh,
-                            hd,
-                            theta,
-                        )?;
-                    }
+                    let heads = (n, hh, kh, hd);
+                    rope_store(
+                        b,
+                        qkv.is_some(),
+                        &ws.qkv,
+                        a,
+                        &ws.pos,
+                        &ws.kv_rows,
+                        kc,
+                        vc,
+                        heads,
+                        theta,
+                    )?;
                     let shape = CachedAttnShape {
                         queries: n,
                         heads: hh,
@@ -1266,36 +1249,19 @@ impl<B: Backend> Decoder<B> {
                             theta,
                         )?;
                     } else {
-                        if qkv.is_some() {
-                            b.rope_store_kv_packed(
-                                &ws.qkv,
-                                &mut a.q,
-                                &ws.pos,
-                                kc,
-                                vc,
-                                &ws.kv_rows,
-                                n,
-                                hh,
-                                kh,
-                                hd,
-                                theta,
-                            )?;
-                        } else {
-                            b.rope_store_kv(
-                                &mut a.q,
-                                &mut a.k,
-                                &a.v,
-                                &ws.pos,
-                                kc,
-                                vc,
-                                &ws.kv_rows,
-                                n,
-                                hh,
-                                kh,
-                                hd,
-                                theta,
-                            )?;
-                        }
+                        let heads = (n, hh, kh, hd);
+                        rope_store(
+                            b,
+                            qkv.is_some(),
+                            &ws.qkv,
+                            a,
+                            &ws.pos,
+                            &ws.kv_rows,
+                            kc,
+                            vc,
+                            heads,
+                            theta,
+                        )?;
                         b.attention_paged_tiled(
                             &mut a.o,
                             &a.q,
@@ -2500,6 +2466,32 @@ impl<B: Backend> Decoder<B> {
             }
         }
         Ok(())
+    }
+}
+
+/// Rope of a step's new queries and keys, and its keys and values stored at their cache rows:
+/// from the fused q/k/v projection `qkv` when `fused`, else from `a`'s q, k and v.
+/// `heads` = (tokens, heads, kv heads, head dim).
+#[allow(clippy::too_many_arguments)]
+fn rope_store<B: Backend>(
+    b: &B,
+    fused: bool,
+    qkv: &B::Buf,
+    a: &mut Acts<B>,
+    pos: &B::Idx,
+    rows: &B::Idx,
+    kc: &mut B::Buf,
+    vc: &mut B::Buf,
+    heads: (usize, usize, usize, usize),
+    theta: f32,
+) -> Result<()> {
+    let (n, hh, kh, hd) = heads;
+    if fused {
+        b.rope_store_kv_packed(qkv, &mut a.q, pos, kc, vc, rows, n, hh, kh, hd, theta)
+    } else {
+        b.rope_store_kv(
+            &mut a.q, &mut a.k, &a.v, pos, kc, vc, rows, n, hh, kh, hd, theta,
+        )
     }
 }
 

@@ -5,8 +5,11 @@
 //! position by position) and `paged_graphs` (the same seeded rollout with the decode steps
 //! replayed from CUDA graphs, padded eagerly, and eager). The fused projections of the
 //! engine's steps: `alloc_parts` (views into one buffer), `rope_store_kv_packed` and
-//! `swiglu_packed` (against the CPU and bit for bit against the split ops), and
-//! `fused_decode` (the engine with the fused GEMMs against the split ones).
+//! `swiglu_packed` (against the CPU and bit for bit against the split ops),
+//! `attention_paged_rope` (the decode attention with rope + kv_store fused in, bit for bit
+//! against the two ops), `attention_paged_tiled` (prefill tiles, inside
+//! `attention_invariance`), and `fused_decode` (the engine with the fused GEMMs against the
+//! split ones).
 
 use anyhow::{anyhow, Result};
 
@@ -29,6 +32,28 @@ fn bits(gpu: &CudaBackend, b: &CudaBuf, n: usize) -> Result<Vec<u32>> {
 }
 
 impl Suite<'_> {
+    /// 0..n in a random order (a shuffled pool of cache blocks).
+    fn shuffled(&mut self, n: usize) -> Vec<u32> {
+        let mut pool: Vec<u32> = (0..n as u32).collect();
+        for i in 0..pool.len() {
+            let j = i + self.rng.below(pool.len() - i);
+            pool.swap(i, j);
+        }
+        pool
+    }
+
+    /// Flags `op` as passed when every named comparison held ("bit-identical"), else lists
+    /// the ones that differ.
+    fn flag_same(&mut self, op: &str, d: DType, same: &[(&str, bool)]) {
+        let differ: Vec<&str> = same.iter().filter(|x| !x.1).map(|x| x.0).collect();
+        let note = if differ.is_empty() {
+            "bit-identical".into()
+        } else {
+            format!("differ: {}", differ.join(", "))
+        };
+        self.flag(op, d, differ.is_empty(), note);
+    }
+
     pub(super) fn paged_attention(&mut self, d: DType) -> Result<()> {
         // bf16 runs both paths: tensor cores (the default) and the scalar kernels.
         if d == DType::BF16 {
@@ -59,11 +84,7 @@ impl Suite<'_> {
             let kc = self.randn(num_blocks * bs * row, 1.0, d);
             let vc = self.randn(num_blocks * bs * row, 1.0, d);
             // Each sequence gets distinct random blocks (a shuffled pool).
-            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-            for i in 0..pool.len() {
-                let j = i + self.rng.below(pool.len() - i);
-                pool.swap(i, j);
-            }
+            let pool = self.shuffled(num_blocks);
             let tables: Vec<u32> = pool[..seqs * max_blocks].to_vec();
             let (mut seq, mut len) = (vec![], vec![]);
             for _ in 0..queries {
@@ -230,11 +251,7 @@ impl Suite<'_> {
             let bs = 16;
             let max_blocks = lens.iter().map(|l| l.div_ceil(bs)).max().unwrap_or(1);
             let num_blocks = lens.len() * max_blocks + 3;
-            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-            for i in 0..pool.len() {
-                let j = i + self.rng.below(pool.len() - i);
-                pool.swap(i, j);
-            }
+            let pool = self.shuffled(num_blocks);
             let row = kv * hd;
             let mut kc = vec![0f32; num_blocks * bs * row];
             let mut vc = vec![0f32; num_blocks * bs * row];
@@ -484,17 +501,7 @@ impl Suite<'_> {
                 bits(g, &gvc, vc.len())? == bits(g, &svc, vc.len())?,
             ),
         ];
-        let differ: Vec<&str> = same.iter().filter(|x| !x.1).map(|x| x.0).collect();
-        self.flag(
-            "rope_store_kv_packed vs split op (gpu)",
-            d,
-            differ.is_empty(),
-            if differ.is_empty() {
-                "bit-identical".into()
-            } else {
-                format!("differ: {}", differ.join(", "))
-            },
-        );
+        self.flag_same("rope_store_kv_packed vs split op (gpu)", d, &same);
         Ok(())
     }
 
@@ -516,11 +523,7 @@ impl Suite<'_> {
             let num_blocks = queries * max_blocks + 5;
             let kc = self.randn(num_blocks * bs * row, 1.0, d);
             let vc = self.randn(num_blocks * bs * row, 1.0, d);
-            let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-            for i in 0..pool.len() {
-                let j = i + self.rng.below(pool.len() - i);
-                pool.swap(i, j);
-            }
+            let pool = self.shuffled(num_blocks);
             let tables: Vec<u32> = pool[..queries * max_blocks].to_vec();
             let seq: Vec<u32> = (0..queries as u32).collect();
             let len: Vec<u32> = (0..queries)
@@ -598,16 +601,10 @@ impl Suite<'_> {
                     bits(g, &fvc, vc.len())? == bits(g, &avc, vc.len())?,
                 ),
             ];
-            let differ: Vec<&str> = same.iter().filter(|x| !x.1).map(|x| x.0).collect();
-            self.flag(
+            self.flag_same(
                 &format!("attention_paged_rope {tag} vs two ops (gpu)"),
                 d,
-                differ.is_empty(),
-                if differ.is_empty() {
-                    "bit-identical".into()
-                } else {
-                    format!("differ: {}", differ.join(", "))
-                },
+                &same,
             );
         }
         Ok(())

@@ -2429,10 +2429,11 @@ impl<B: Backend> Decoder<B> {
         cache.grow_step_buffers(b, r, tables.len())?;
         b.upload_idx(&mut cache.tables, &tables)?;
         cache.max_blocks = max_blocks;
-        if b.len_idx(&cache.tiles) < tiles.len() {
-            cache.tiles = b.alloc_idx(tiles.len().next_power_of_two())?;
+        if !tiles.is_empty() {
+            // Not read by graphs: a reallocation need not bump the epoch.
+            grow_idx(b, &mut cache.tiles, tiles.len())?;
+            b.upload_idx(&mut cache.tiles, &tiles)?;
         }
-        b.upload_idx(&mut cache.tiles, &tiles)?;
         cache.n_tiles = tiles.len() / 2;
         cache.decode_rows = single.len();
         b.upload_idx(&mut cache.keys, &keys)?;

@@ -140,6 +140,23 @@ fn freqs(head_dim: usize, theta: f32) -> Freqs {
     fr
 }
 
+/// A paged attention's kernel arguments from its shape: the blocks in the pool, heads, kv
+/// heads, block size and table width.
+fn paged_dims(
+    s: PagedAttnShape,
+    k_cache: &CudaBuf,
+    v_cache: &CudaBuf,
+) -> Result<(i64, i32, i32, i32, i32)> {
+    let row = s.kv_heads * s.head_dim;
+    Ok((
+        (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64,
+        s.heads as i32,
+        s.kv_heads as i32,
+        i32_of(s.block_size, "block_size")?,
+        i32_of(s.max_blocks, "max_blocks")?,
+    ))
+}
+
 /// Threads per block of the row and elementwise kernels.
 const THREADS: u32 = 256;
 
@@ -368,14 +385,7 @@ impl CudaBackend {
         let group = s.heads / s.kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let err = self.err_word.ptr();
-        let row = s.kv_heads * hd;
-        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
-        let (h, kh, bsz, mb) = (
-            s.heads as i32,
-            s.kv_heads as i32,
-            i32_of(s.block_size, "block_size")?,
-            i32_of(s.max_blocks, "max_blocks")?,
-        );
+        let (num_blocks, h, kh, bsz, mb) = paged_dims(s, k_cache, v_cache)?;
         if rope.is_none()
             && self.gemm.batch_invariant()
             && group <= 16
@@ -450,64 +460,32 @@ impl CudaBackend {
         let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
         let sl = i32_of(split_len, "split_len")?;
         let grid = (s.queries as u32, blocks_y as u32, splits as u32);
-        if let Some(r) = &rope {
-            self.launch(
-                &f,
-                grid,
-                128,
-                0,
-                &[
-                    &o.ptr,
-                    &obf,
-                    &q.ptr,
-                    &k_cache.ptr,
-                    &v_cache.ptr,
-                    &r.pos.ptr,
-                    &r.rows.ptr,
-                    &r.cache_rows,
-                    &tables.ptr,
-                    &seq.ptr,
-                    &len.ptr,
-                    &h,
-                    &kh,
-                    &bsz,
-                    &mb,
-                    &num_blocks,
-                    &sl,
-                    &scale,
-                    &part_o.ptr,
-                    &part_ml.ptr,
-                    &err,
-                    &r.fr,
-                ],
-            )?;
-        } else if mma {
-            self.launch(
-                &f,
-                grid,
-                128,
-                0,
-                &[
-                    &o.ptr,
-                    &obf,
-                    &q.ptr,
-                    &k_cache.ptr,
-                    &v_cache.ptr,
-                    &tables.ptr,
-                    &seq.ptr,
-                    &len.ptr,
-                    &h,
-                    &kh,
-                    &bsz,
-                    &mb,
-                    &num_blocks,
-                    &sl,
-                    &scale,
-                    &part_o.ptr,
-                    &part_ml.ptr,
-                    &err,
-                ],
-            )?;
+        if mma {
+            let mut args: Vec<&dyn KArg> = vec![
+                &o.ptr,
+                &obf,
+                &q.ptr,
+                &k_cache.ptr,
+                &v_cache.ptr,
+                &tables.ptr,
+                &seq.ptr,
+                &len.ptr,
+                &h,
+                &kh,
+                &bsz,
+                &mb,
+                &num_blocks,
+                &sl,
+                &scale,
+                &part_o.ptr,
+                &part_ml.ptr,
+                &err,
+            ];
+            // paged_attn_mma_rope_k: the same, then the rope's.
+            if let Some(r) = &rope {
+                args.extend([&r.pos.ptr as &dyn KArg, &r.rows.ptr, &r.cache_rows, &r.fr]);
+            }
+            self.launch(&f, grid, 128, 0, &args)?;
         } else {
             self.launch(
                 &f,
@@ -2581,14 +2559,7 @@ impl Backend for CudaBackend {
         // The prefill tiles: each block's rows share its key tiles (and get the training
         // forward's bits, in either mode).
         let f = self.func(nvrtc::ATTENTION, hd, "paged_prefill_mma_k")?;
-        let row = s.kv_heads * hd;
-        let num_blocks = (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64;
-        let (h, kh, bsz, mb) = (
-            s.heads as i32,
-            s.kv_heads as i32,
-            i32_of(s.block_size, "block_size")?,
-            i32_of(s.max_blocks, "max_blocks")?,
-        );
+        let (num_blocks, h, kh, bsz, mb) = paged_dims(s, k_cache, v_cache)?;
         let scale = 1.0 / (hd as f32).sqrt();
         let err = self.err_word.ptr();
         self.launch(

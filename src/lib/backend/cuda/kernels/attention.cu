@@ -521,6 +521,22 @@ DEVI void fwd_tile(const u32 qa[HD / 16][4], const bf16_t* Ks, const bf16_t* Vt,
     }
 }
 
+// A warp's rows rl[0], rl[1] of a query tile (those below qn) out: o[q0 + r, h, :] = oc / l.
+DEVI void store_fwd_rows(bf16_t* o, i64 qstride, int h, i64 q0, int qn, const int rl[2], const float l[2],
+                         const float oc[HD / 8][4]) {
+    int t = threadIdx.x & 3;
+#pragma unroll
+    for (int hi = 0; hi < 2; hi++) {
+        if (rl[hi] >= qn) continue;
+        i64 i = q0 + rl[hi];
+        float inv = 1.0f / l[hi];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+            *(u32*)(o + i * qstride + (i64)h * HD + n * 8 + 2 * t) =
+                pack2(oc[n][2 * hi] * inv, oc[n][2 * hi + 1] * inv);
+    }
+}
+
 // o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j; lse[i,h] (tensor cores). Grid: (query tiles
 // of TQ, heads), 128 threads, dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
@@ -572,17 +588,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
         }
         r0 = r1;
     }
+    store_fwd_rows(o, qstride, h, q0, qn, rl, l, oc);
 #pragma unroll
-    for (int hi = 0; hi < 2; hi++) {
-        if (rl[hi] >= qn) continue;
-        i64 i = q0 + rl[hi];
-        float inv = 1.0f / l[hi];
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++)
-            *(u32*)(o + i * qstride + (i64)h * HD + n * 8 + 2 * t) =
-                pack2(oc[n][2 * hi] * inv, oc[n][2 * hi + 1] * inv);
-        if (t == 0) st(lse, lbf, i * heads + h, m[hi] + logf(l[hi]));
-    }
+    for (int hi = 0; hi < 2; hi++)
+        if (rl[hi] < qn && t == 0) st(lse, lbf, (i64)(q0 + rl[hi]) * heads + h, m[hi] + logf(l[hi]));
 }
 
 #define PGU 4 // 16-byte pieces of K and V each thread has in flight while gathering a tile
@@ -721,7 +730,7 @@ extern "C" __global__ void __launch_bounds__(128) paged_prefill_mma_k(
     bf16_t* Qs = (bf16_t*)smem_raw; // [TQ][KST]
     bf16_t* Ks = Qs + TQ * KST;     // [TK][KST]
     bf16_t* Vt = Ks + TK * KST;     // [HD][TST(TK)]
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2;
     int h = blockIdx.y, kh = h / (heads / kv_heads);
     int q0 = (int)tiles[2 * blockIdx.x], qn = (int)tiles[2 * blockIdx.x + 1];
     i64 qstride = (i64)heads * HD, kstride = (i64)kv_heads * HD;
@@ -764,16 +773,7 @@ extern "C" __global__ void __launch_bounds__(128) paged_prefill_mma_k(
             o[(i64)(q0 + x / HD) * qstride + (i64)h * HD + x % HD] = (bf16_t)0x7fc0;
         return;
     }
-#pragma unroll
-    for (int hi = 0; hi < 2; hi++) {
-        if (rl[hi] >= qn) continue;
-        i64 i = q0 + rl[hi];
-        float inv = 1.0f / l[hi];
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++)
-            *(u32*)(o + i * qstride + (i64)h * HD + n * 8 + 2 * t) =
-                pack2(oc[n][2 * hi] * inv, oc[n][2 * hi + 1] * inv);
-    }
+    store_fwd_rows(o, qstride, h, q0, qn, rl, l, oc);
 }
 
 // dV_j = Σ_i P_ij dO_i, dK_j = Σ_i dS_ij Q_i / √d for one query head (tensor cores). Each warp

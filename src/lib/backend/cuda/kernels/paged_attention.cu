@@ -580,11 +580,12 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
                      nullptr);
 }
 
+// paged_attn_mma_k's parameters (x, the fused projection, in q's place), then the rope's.
 extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_rope_k(
-    void* o, int obf, const bf16_t* x, bf16_t* kc, bf16_t* vc, const u32* pos, const u32* rows,
-    i64 cache_rows, const u32* tables, const u32* seq, const u32* len, int heads, int kv_heads,
-    int block_size, int max_blocks, i64 num_blocks, int split_len, float scale, float* part_o,
-    float* part_ml, u32* err, Freqs fr) {
+    void* o, int obf, const bf16_t* x, bf16_t* kc, bf16_t* vc, const u32* tables, const u32* seq,
+    const u32* len, int heads, int kv_heads, int block_size, int max_blocks, i64 num_blocks,
+    int split_len, float scale, float* part_o, float* part_ml, u32* err, const u32* pos,
+    const u32* rows, i64 cache_rows, Freqs fr) {
     paged_mma<true>(o, obf, nullptr, kc, vc, tables, seq, len, heads, kv_heads, block_size, max_blocks,
                     num_blocks, split_len, scale, part_o, part_ml, err, x, pos, rows, cache_rows, &fr);
 }

@@ -300,7 +300,9 @@ extern "C" __global__ void __launch_bounds__(SNT2) sample_chunk_k(float* cmax, u
                                                                 float temperature) {
     __shared__ float shf[32];
     __shared__ int shi;
-    int chunks = gridDim.x, c = blockIdx.x, row = blockIdx.y;
+    // Blocks run from the end of the logits, which the LM head wrote last and L2 may still hold
+    // (a cheap guess, not measured; any order gives the same bits).
+    int chunks = gridDim.x, c = chunks - 1 - blockIdx.x, row = gridDim.y - 1 - blockIdx.y;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     i64 base = (i64)row * vocab;
     int a = c * SCH + w * SSEG + lane; // this lane's logits: a + 32·k

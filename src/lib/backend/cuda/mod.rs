@@ -2679,31 +2679,24 @@ impl Backend for CudaBackend {
         };
         let err = self.err_word.ptr();
         if params.temperature == 0.0 || (top_k < 0 && params.top_p >= 1.0) {
-            // Greedy or plain: three kernels over chunks of the vocabulary (see sample.cu).
+            // Greedy or plain: one pass over chunks of the vocabulary, then the pick (see
+            // sample.cu).
             let chunks = vocab.div_ceil(SAMPLE_CHUNK);
             let c = i32_of(chunks, "sample chunks")?;
             let cmax = self.temp(rows * chunks, DType::F32)?;
             let carg = self.temp(rows * chunks, DType::F32)?;
             // f64 segment sums, 8 per chunk, in a buffer of twice as many f32 words.
             let ssum = self.temp(rows * chunks * 8 * 2, DType::F32)?;
-            let grid = (chunks as u32, rows as u32, 1);
-            let f = self.func(nvrtc::SAMPLE, 0, "sample_max_k")?;
+            let f = self.func(nvrtc::SAMPLE, 0, "sample_chunk_k")?;
             self.launch(
                 &f,
-                grid,
-                256,
-                0,
-                &[&cmax.ptr, &carg.ptr, &logits.ptr, &lbf, &v],
-            )?;
-            let f = self.func(nvrtc::SAMPLE, 0, "sample_sum_k")?;
-            self.launch(
-                &f,
-                grid,
+                (chunks as u32, rows as u32, 1),
                 256,
                 0,
                 &[
-                    &ssum.ptr,
                     &cmax.ptr,
+                    &carg.ptr,
+                    &ssum.ptr,
                     &logits.ptr,
                     &lbf,
                     &v,
@@ -2714,7 +2707,7 @@ impl Backend for CudaBackend {
             return self.launch(
                 &f,
                 (rows as u32, 1, 1),
-                32,
+                512,
                 0,
                 &[
                     &tokens.ptr,

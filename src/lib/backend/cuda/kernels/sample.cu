@@ -8,11 +8,12 @@
 // - top-k: weights of logits below the k-th largest are zeroed (ties at the threshold kept);
 // - top-p: the nucleus is the shortest prefix of the weights sorted descending (ties by id)
 //   whose mass reaches top_p of the total; the draw walks that order.
-// Greedy and plain (what RL rollouts use) run as three kernels over chunks of the vocabulary
-// so that every multiprocessor reads logits (sample_max_k, sample_sum_k, sample_pick_k); top-k
-// and top-p run in one block per row (sample_k): nothing is sorted, thresholds are found by
-// bisection over the order-preserving bit patterns of the values (32 counting passes), ties
-// are resolved by rank in id order.
+// Greedy and plain (what RL rollouts use) run as one pass over chunks of the vocabulary, so that
+// every multiprocessor reads logits and each logit is read once (sample_chunk_k: chunk maxima and
+// segment sums of exp(z/T − chunk max)), then one block per row rescales the segment sums to the
+// row's max and picks (sample_pick_k). Top-k and top-p run in one block per row (sample_k):
+// nothing is sorted, thresholds are found by bisection over the order-preserving bit patterns of
+// the values (32 counting passes), ties are resolved by rank in id order.
 // A NaN or non-finite maximum raises ERR_SAMPLE and writes token 0 and a NaN log-prob.
 
 #define ERR_SAMPLE (1u << 11)
@@ -278,186 +279,231 @@ extern "C" __global__ void __launch_bounds__(SNT) sample_k(
 }
 
 // ---- greedy and plain sampling over chunks of SCH logits ------------------------------------
-// Pass 1 (grid: chunks, rows): each chunk's max and the first index holding it (NaN if any logit
-// is NaN). Pass 2: with the row's max m from pass 1, the exact weights exp(z/T − m) of the host,
-// summed in f64 per warp segment of SSEG consecutive logits. Pass 3 (one warp per row): the
-// total and lse from the segment sums in a fixed order, the drawn segment from their running
-// sums, the token from a warp prefix sum inside it. The chunking depends on the vocabulary only,
-// so a row's bits do not depend on the other rows of the batch.
+// One pass (sample_chunk_k, grid: chunks, rows) reads each logit once: a block keeps its chunk
+// in registers, takes its max M_c, the first index of it and a NaN flag, then sums the weights
+// exp(z/T − m_c), m_c = M_c·(1/T), in f64 per warp segment of SSEG consecutive logits. The pick
+// (sample_pick_k, one block per row) takes the row's max m = max M_c·(1/T), rescales each segment
+// sum by exp(m_c − m) in f64, and gets the total, lse and the drawn segment from them in a fixed
+// order; inside that segment the host's exact weights exp(z/T − m) pick the token. The rescaled
+// sums differ from Σ exp(z/T − m) by f32 roundings (~1e-7 relative), so a draw can differ from
+// the host's only when its uniform lies that close to a CDF boundary. The chunking depends on
+// the vocabulary only, so a row's bits do not depend on the other rows of the batch.
 #define SCH 4096
 #define SNT2 256
-#define SSEG (SCH / (SNT2 / 32))
+#define SPC (SNT2 / 32)  // segments per chunk, one per warp
+#define SSEG (SCH / SPC) // logits per segment
+#define SLN (SSEG / 32)  // logits per lane
+#define SNP SSEG         // pick threads per row: one logit of a segment each
 
-extern "C" __global__ void __launch_bounds__(SNT2) sample_max_k(float* cmax, u32* carg,
-                                                              const void* logits, int lbf, int vocab) {
+extern "C" __global__ void __launch_bounds__(SNT2) sample_chunk_k(float* cmax, u32* carg, double* ssum,
+                                                                const void* logits, int lbf, int vocab,
+                                                                float temperature) {
     __shared__ float shf[32];
     __shared__ int shi;
-    int c = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
+    // Blocks run from the end of the logits, which the LM head wrote last and L2 may still hold
+    // (a cheap guess, not measured; any order gives the same bits).
+    int chunks = gridDim.x, c = chunks - 1 - blockIdx.x, row = gridDim.y - 1 - blockIdx.y;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     i64 base = (i64)row * vocab;
-    int a = c * SCH, b = min(vocab, a + SCH);
+    int a = c * SCH + w * SSEG + lane; // this lane's logits: a + 32·k
+    bool full = (c + 1) * SCH <= vocab; // no bounds checks between the loads
+    float z[SLN];
+#pragma unroll
+    for (int k = 0; k < SLN; k++)
+        z[k] = full || a + 32 * k < vocab ? ld(logits, lbf, base + a + 32 * k) : NEG_INF;
+    // Indices increase with k: strict > keeps the first.
     float mx = NEG_INF;
     int arg = vocab, nan = 0;
-    // Each thread visits its indices in increasing order: strict > keeps the first.
-    for (int v0 = a + threadIdx.x; v0 < b; v0 += 4 * SNT2) {
-        float z[4];
 #pragma unroll
-        for (int u = 0; u < 4; u++) z[u] = v0 + u * SNT2 < b ? ld(logits, lbf, base + v0 + u * SNT2) : NEG_INF;
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            nan |= z[u] != z[u];
-            if (z[u] > mx) {
-                mx = z[u];
-                arg = v0 + u * SNT2;
-            }
+    for (int k = 0; k < SLN; k++) {
+        nan |= z[k] != z[k];
+        if (z[k] > mx) {
+            mx = z[k];
+            arg = a + 32 * k;
         }
     }
+    if (threadIdx.x == 0) shi = vocab;
     nan = __syncthreads_or(nan);
     float gm = block_max(mx, shf);
-    if (threadIdx.x == 0) shi = vocab;
-    __syncthreads();
     if (mx == gm && arg < vocab) atomicMin(&shi, arg);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        cmax[(i64)row * chunks + c] = nan ? __int_as_float(0x7fc00000) : gm;
-        carg[(i64)row * chunks + c] = (u32)shi;
-    }
-}
-
-// The row's max over the chunk maxima (NaN if any is NaN).
-DEVI float row_max(const float* cmax, int chunks) {
-    float m = NEG_INF;
-    int nan = 0;
-    for (int c = 0; c < chunks; c++) {
-        float x = cmax[c];
-        nan |= x != x;
-        m = fmaxf(m, x);
-    }
-    return nan ? __int_as_float(0x7fc00000) : m;
-}
-
-extern "C" __global__ void __launch_bounds__(SNT2) sample_sum_k(double* ssum, const float* cmax,
-                                                              const void* logits, int lbf, int vocab,
-                                                              float temperature) {
-    int c = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     float inv_t = temperature > 0.0f ? 1.0f / temperature : 1.0f;
-    float mx = row_max(cmax + (i64)row * chunks, chunks);
-    float m = __fmul_rn(mx, inv_t);
-    i64 base = (i64)row * vocab;
-    int a = c * SCH + w * SSEG, b = min(vocab, a + SSEG);
+    float mc = __fmul_rn(gm, inv_t);
     double s = 0.0;
-    if (mx == mx && !isinf(m)) {
-        for (int v0 = a + lane; v0 < b; v0 += 128) {
-            float z[4];
+    // A non-finite m_c: a chunk of −inf (no mass) or a row the pick rejects.
+    if (!nan && isfinite(mc)) {
+        // No FMA contraction: the host computes z·(1/T) − m with two roundings.
 #pragma unroll
-            for (int u = 0; u < 4; u++) z[u] = v0 + 32 * u < b ? ld(logits, lbf, base + v0 + 32 * u) : NEG_INF;
-#pragma unroll
-            for (int u = 0; u < 4; u++)
-                // No FMA contraction: the host computes z·(1/T) − m with two roundings.
-                if (z[u] != NEG_INF) s += (double)expf(__fsub_rn(__fmul_rn(z[u], inv_t), m));
-        }
+        for (int k = 0; k < SLN; k++) s += (double)expf(__fsub_rn(__fmul_rn(z[k], inv_t), mc));
     }
     s = warp_sum_d(s);
-    if (lane == 0) ssum[((i64)row * chunks + c) * (SNT2 / 32) + w] = s;
+    i64 o = (i64)row * chunks + c;
+    if (lane == 0) ssum[o * SPC + w] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        cmax[o] = nan ? __int_as_float(0x7fc00000) : gm;
+        carg[o] = (u32)shi;
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(32) sample_pick_k(
+// Exclusive prefix sum of one double per thread over the block in a fixed order (warp scans,
+// then a scan of the warp totals); *total gets the block's sum.
+DEVI double block_scan_d(double v, double* sh, double* total) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    double x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        double y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    double ex = __shfl_up_sync(0xffffffffu, x, 1);
+    if (lane == 0) ex = 0.0;
+    __syncthreads();
+    if (lane == 31) sh[w] = x;
+    __syncthreads();
+    if (w == 0) {
+        double t = lane < nw ? sh[lane] : 0.0;
+        for (int o = 1; o < 32; o <<= 1) {
+            double y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += y;
+        }
+        if (lane < nw) sh[lane] = t;
+    }
+    __syncthreads();
+    *total = sh[nw - 1];
+    return (w > 0 ? sh[w - 1] : 0.0) + ex;
+}
+
+DEVI int block_max_i(int v, int* sh) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : (int)0x80000000;
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The host's weight exp(z/T − m) of token v (0 outside the vocabulary).
+DEVI float pick_w(const void* lg, int bf, i64 base, int v, int vocab, float inv_t, float m) {
+    // No FMA contraction: the host computes z·(1/T) − m with two roundings.
+    return v >= 0 && v < vocab ? expf(__fsub_rn(__fmul_rn(ld(lg, bf, base + v), inv_t), m)) : 0.0f;
+}
+
+// The last token before b with weight, walking back a window per step (the max has weight 1).
+DEVI int last_nz_before(int b, const void* lg, int bf, i64 base, int vocab, float inv_t, float m,
+                        int* sh) {
+    for (int b0 = b; b0 > 0; b0 -= blockDim.x) {
+        int v = b0 - (int)blockDim.x + (int)threadIdx.x;
+        int l = block_max_i(pick_w(lg, bf, base, v, vocab, inv_t, m) > 0.0f ? v : -1, sh);
+        if (l >= 0) return l;
+    }
+    return 0;
+}
+
+extern "C" __global__ void __launch_bounds__(SNP) sample_pick_k(
     u32* tokens, float* logprobs, const float* cmax, const u32* carg, const double* ssum,
     const void* logits, int lbf, const u32* keys, const u32* positions, int vocab, int chunks,
     float temperature, u32* err) {
-    int row = blockIdx.x, lane = threadIdx.x;
-    const int nseg = chunks * (SNT2 / 32);
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    __shared__ int shi[32];
+    __shared__ double shb;
+    int row = blockIdx.x, t = threadIdx.x;
+    const int nseg = chunks * SPC;
+    const float* cm = cmax + (i64)row * chunks;
     const double* sg = ssum + (i64)row * nseg;
     i64 base = (i64)row * vocab;
     float inv_t = temperature > 0.0f ? 1.0f / temperature : 1.0f;
-    float mx = row_max(cmax + (i64)row * chunks, chunks);
+    // Thread t owns the segments [s0, s1) (one up to vocab SNP·SSEG); the loads of the first
+    // are issued before the barriers of the row max.
+    int per = (nseg + SNP - 1) / SNP, s0 = min(nseg, t * per), s1 = min(nseg, s0 + per);
+    double sg0 = s0 < s1 ? sg[s0] : 0.0;
+    float cm0 = s0 < s1 ? cm[s0 / SPC] : 0.0f;
+    u64 key = (u64)keys[2 * row] | ((u64)keys[2 * row + 1] << 32);
+    u64 pos = (u64)positions[row];
+    float mx = NEG_INF;
+    int nan = 0;
+    for (int c = t; c < chunks; c += SNP) {
+        float x = cm[c];
+        nan |= x != x;
+        mx = fmaxf(mx, x);
+    }
+    nan = __syncthreads_or(nan);
+    mx = block_max(mx, shf);
     float m = __fmul_rn(mx, inv_t);
-    if (mx != mx || isinf(m)) {
-        if (lane == 0) {
+    if (nan || !isfinite(m)) {
+        if (t == 0) {
             atomicOr(err, ERR_SAMPLE);
             tokens[row] = 0;
             logprobs[row] = __int_as_float(0x7fc00000);
         }
         return;
     }
-    // Lane x owns segments [x·per, (x+1)·per): its sum, then an exclusive scan over lanes.
-    int per = (nseg + 31) / 32, s0 = min(nseg, lane * per), s1 = min(nseg, s0 + per);
+    // Segment x's mass under the row's max: Σ exp(z/T − m_c) · exp(m_c − m); 0 when even the
+    // chunk's max has weight 0 on the host (no token of it can be drawn there).
+    auto mass = [&](int x) -> double {
+        double s = x == s0 ? sg0 : sg[x];
+        float mc = __fmul_rn(x == s0 ? cm0 : cm[x / SPC], inv_t);
+        return expf(__fsub_rn(mc, m)) > 0.0f ? s * exp((double)mc - (double)m) : 0.0;
+    };
     double own = 0.0;
-    for (int x = s0; x < s1; x++) own += sg[x];
-    double inc = own;
-    for (int o = 1; o < 32; o <<= 1) {
-        double y = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += y;
-    }
-    double total = __shfl_sync(0xffffffffu, inc, 31);
+    for (int x = s0; x < s1; x++) own += mass(x);
+    double total, before = block_scan_d(own, shd, &total);
     double lse = (double)m + log(total);
     int tok;
     if (temperature == 0.0f) {
         // Greedy: the first chunk reaching the max holds the first index of it.
-        tok = 0;
-        for (int c = 0; c < chunks; c++)
-            if (cmax[(i64)row * chunks + c] == mx) {
-                tok = (int)carg[(i64)row * chunks + c];
+        int f = chunks;
+        for (int c = t; c < chunks; c += SNP)
+            if (cm[c] == mx) {
+                f = c;
                 break;
             }
+        f = -block_max_i(-f, shi);
+        tok = (int)carg[(i64)row * chunks + f];
     } else {
-        u64 key = (u64)keys[2 * row] | ((u64)keys[2 * row + 1] << 32);
-        double target = uniform01(key, (u64)positions[row]) * total;
-        // The segment whose running mass first exceeds the target: each lane looks in its own
-        // run, the lowest lane with a hit has it. If rounding leaves the target past the end,
-        // the last segment with mass, and in it the last token with weight.
-        double before = inc - own, seg_before = -1.0;
-        int cand = -1;
+        double target = uniform01(key, pos) * total;
+        // The segment whose running mass first exceeds the target (the lowest if rounding lets
+        // two threads see a crossing).
+        int cand = nseg;
+        double cb = 0.0;
         if (before <= target) {
             double acc = before;
             for (int x = s0; x < s1; x++) {
-                if (sg[x] > 0.0 && acc + sg[x] > target) {
+                double r = mass(x);
+                if (r > 0.0 && acc + r > target) {
                     cand = x;
-                    seg_before = acc;
+                    cb = acc;
                     break;
                 }
-                acc += sg[x];
+                acc += r;
             }
         }
-        unsigned found = __ballot_sync(0xffffffffu, cand >= 0);
-        int seg;
-        if (found) {
-            int src = __ffs(found) - 1;
-            seg = __shfl_sync(0xffffffffu, cand, src);
-            seg_before = __shfl_sync(0xffffffffu, seg_before, src);
-        } else {
-            int last = -1;
-            for (int x = s0; x < s1; x++)
-                if (sg[x] > 0.0) last = x;
-            for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-            seg = max(last, 0);
-            seg_before = -1.0;
-        }
-        int a = seg * SSEG, b = min(vocab, a + SSEG);
+        int seg = -block_max_i(-cand, shi);
+        if (cand == seg && seg < nseg) shb = cb;
+        __syncthreads();
+        // The first token whose running weight exceeds the target, a window of SNP per step from
+        // the drawn segment; past it only when the segment's exact weights fall short of its
+        // rescaled sum (what the host then draws).
         tok = -1;
-        int last_nz = -1;
-        double acc = seg_before;
-        for (int v0 = a; v0 < b; v0 += 32) {
-            int v = v0 + lane;
-            float z = v < b ? ld(logits, lbf, base + v) : NEG_INF;
-            float w = z == NEG_INF ? 0.0f : expf(__fsub_rn(__fmul_rn(z, inv_t), m));
-            double x = w > 0.0f ? (double)w : 0.0;
-            for (int o = 1; o < 32; o <<= 1) {
-                double y = __shfl_up_sync(0xffffffffu, x, o);
-                if (lane >= o) x += y;
+        if (seg < nseg) {
+            double acc = shb;
+            for (int v0 = seg * SSEG; v0 < vocab; v0 += SNP) {
+                int v = v0 + t;
+                float w = pick_w(logits, lbf, base, v, vocab, inv_t, m);
+                double x = (double)w, wsum, ex = block_scan_d(x, shd, &wsum);
+                int h = -block_max_i(w > 0.0f && acc + ex + x > target ? -v : -vocab, shi);
+                if (h < vocab) {
+                    tok = h;
+                    break;
+                }
+                acc += wsum;
             }
-            unsigned nz = __ballot_sync(0xffffffffu, w > 0.0f);
-            if (nz) last_nz = v0 + 31 - __clz(nz);
-            unsigned hit = seg_before >= 0.0 ? __ballot_sync(0xffffffffu, w > 0.0f && acc + x > target) : 0u;
-            if (hit) {
-                tok = v0 + __ffs(hit) - 1;
-                break;
-            }
-            acc += __shfl_sync(0xffffffffu, x, 31);
         }
-        if (tok < 0) tok = last_nz < 0 ? 0 : last_nz;
+        // Rounding left the target past the end: the last token with weight, as the host does.
+        if (tok < 0) tok = last_nz_before(vocab, logits, lbf, base, vocab, inv_t, m, shi);
     }
-    if (lane == 0) {
+    if (t == 0) {
         tokens[row] = (u32)tok;
         logprobs[row] = (float)((double)ld(logits, lbf, base + tok) * (double)inv_t - lse);
     }

@@ -57,6 +57,15 @@ pub struct RolloutBenchArgs {
     /// batch-size bucket; skipped on a backend without graphs) and/or `eager`.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [StepMode::Graphs, StepMode::Eager])]
     pub modes: Vec<StepMode>,
+    /// Runs of each case per mode, one after the other in the same process: the first pays
+    /// what a process's first rollout of a shape pays (GEMM plans, workspace growth); the
+    /// later ones are what every later rollout of it costs (a daemon's RL steps). Each run
+    /// captures its graphs anew and releases them with its KV pool, as a rollout does.
+    #[arg(long, default_value_t = 2)]
+    pub runs: usize,
+    /// Wait for every step's tokens before scheduling the next (no overlap scheduling).
+    #[arg(long)]
+    pub no_overlap: bool,
 }
 
 /// How a bench case runs its decode steps.
@@ -75,6 +84,8 @@ struct Case {
 struct Measured {
     name: String,
     mode: &'static str,
+    /// 1 for a case's first run in the process, 2.. for the runs after it.
+    run: usize,
     /// Decode steps replayed from graphs, graphs captured.
     replays: usize,
     captures: usize,
@@ -185,8 +196,10 @@ fn breakdown<B: Backend>(
                 position: 0,
             })
             .collect();
-        // The first step captures the graph.
-        engine.step(&chunks, &srows, &sampling)?;
+        // The first steps plan the GEMMs and capture the graph (at the bucket's third step).
+        for _ in 0..3 {
+            engine.step(&chunks, &srows, &sampling)?;
+        }
         let t = Instant::now();
         for _ in 0..10 {
             engine.step(&chunks, &srows, &sampling)?;
@@ -200,6 +213,15 @@ fn breakdown<B: Backend>(
             format!("decode step ({rows} seqs, ctx {ctx}, {how})"),
             t.elapsed().as_secs_f64() * 100.0,
         ));
+        // The replay alone, back to back: the step's device time; the difference to the
+        // row above is what the host adds to each step (inputs, launch, tokens back).
+        if let Some(id) = engine.cache.first_graph() {
+            let b = engine.decoder.backend();
+            out.push((
+                format!("decode step ({rows} seqs, ctx {ctx}), graph replay alone"),
+                ms(b, || b.graph_launch(id))?,
+            ));
+        }
     }
     let b = dec.backend();
     let (v, d) = (cfg.vocab_size, cfg.hidden_size);
@@ -318,10 +340,15 @@ impl Job for Bench<'_> {
             },
         };
         let graphs = dec.backend().graphs_supported();
+        let reps = self.args.runs.max(1);
         let runs = self.args.modes.iter().flat_map(|&m| {
-            std::iter::once((&warm, m)).chain(self.cases.iter().map(move |c| (c, m)))
+            std::iter::once((&warm, m, 1)).chain(
+                self.cases
+                    .iter()
+                    .flat_map(move |c| (1..=reps).map(move |r| (c, m, r))),
+            )
         });
-        for (case, mode) in runs {
+        for (case, mode, run) in runs {
             if mode == StepMode::Graphs && !graphs {
                 continue;
             }
@@ -340,6 +367,7 @@ impl Job for Bench<'_> {
                 num_blocks,
                 max_num_seqs: self.args.max_num_seqs,
                 max_batched_tokens: self.args.max_batched_tokens,
+                overlap: !self.args.no_overlap,
             };
             let mut engine = PagedDecoder::new(&mut dec, num_blocks, bs)?;
             if mode == StepMode::Graphs {
@@ -396,6 +424,7 @@ impl Job for Bench<'_> {
             let bytes = stats.gen.decode_steps as f64 * params * esize + kv_bytes;
             out.push(Measured {
                 name: case.name.clone(),
+                run,
                 mode: match mode {
                     StepMode::Graphs => "graphs",
                     StepMode::Eager => "eager",
@@ -564,6 +593,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
         table.push(vec![
             m.name.clone(),
             m.mode.into(),
+            m.run.to_string(),
             m.samples.to_string(),
             m.new_tokens.to_string(),
             format!("{:.2}", m.seconds),
@@ -593,6 +623,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
         ]);
         js.push(json!({
             "case": m.name,
+            "run": m.run,
             "samples": m.samples,
             "new_tokens": m.new_tokens,
             "seconds": m.seconds,
@@ -627,6 +658,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
         &[
             "case",
             "mode",
+            "run",
             "samples",
             "new tok",
             "s",

@@ -253,6 +253,10 @@ impl<B: Backend> PagedKv<B> {
     pub fn graph_stats(&self) -> GraphStats {
         self.graphs.stats
     }
+    /// The graph of a decode step captured first, if any (for timing its replay alone).
+    pub fn first_graph(&self) -> Option<usize> {
+        self.graphs.captured.first().map(|&(_, id)| id)
+    }
 
     /// Chunk `c` must feed positions its table covers, through blocks of this cache.
     fn check_chunk(&self, c: usize, ch: &Chunk) -> Result<()> {

@@ -781,6 +781,7 @@ impl Suite<'_> {
                 num_blocks: 64,
                 max_num_seqs: 12,
                 max_batched_tokens: 64,
+                overlap: true,
             };
             let train: Vec<u32> = (0..60).map(|_| self.rng.below(1000) as u32).collect();
             let gb = CudaBackend::new(self.ordinal)?;
@@ -995,6 +996,7 @@ impl Suite<'_> {
             num_blocks: 40,
             max_num_seqs: 16,
             max_batched_tokens: 64,
+            overlap: true,
         };
         let mut wc = w.clone();
         for t in wc.values_mut() {
@@ -1116,6 +1118,7 @@ impl Suite<'_> {
                 },
                 max_num_seqs: 64,
                 max_batched_tokens: 256,
+                overlap: true,
             };
             let mut runs: Vec<(
                 Vec<Vec<Completion>>,

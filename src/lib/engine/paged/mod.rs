@@ -32,6 +32,11 @@ pub struct PagedConfig {
     pub max_num_seqs: usize,
     /// Tokens fed to the model in one step (decodes plus prefill chunks).
     pub max_batched_tokens: usize,
+    /// Overlap scheduling: while the device runs a decode step, the next one is queued behind
+    /// it (fed with the draws it is making), so the host's work between steps hides behind
+    /// the device's (SGLang's overlap scheduler, vLLM's async scheduling). The completions
+    /// are the same either way.
+    pub overlap: bool,
 }
 
 impl PagedConfig {
@@ -67,6 +72,10 @@ pub struct PagedStats {
     pub preemptions: usize,
     pub peak_blocks_in_use: usize,
     pub blocks_in_use_at_end: usize,
+    /// Steps queued behind the one before (overlap scheduling).
+    pub overlapped_steps: usize,
+    /// Tokens such steps computed for samples that had ended meanwhile (thrown away).
+    pub overlap_discarded: usize,
     pub num_blocks: usize,
     pub block_size: usize,
 }
@@ -103,6 +112,28 @@ pub trait PagedModel {
     ) -> Result<Vec<Sampled>>;
     /// Copies whole blocks `(src, dst)` (the partial last prompt block of forked samples).
     fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<()>;
+    /// Whether the model queues steps (`submit`, then `collect`) instead of running each in
+    /// `step`. The scheduler serves a model that does not (the default) itself, running each
+    /// step as it is submitted.
+    fn asynchronous(&self) -> bool {
+        false
+    }
+    /// Queues a step: like `step`, except that a chunk with `feed[c] = Some(r)` feeds, as its
+    /// one token, the token drawn for row `r` of the step submitted just before (which may
+    /// still be running). At most two steps are queued; `collect` returns their draws in order.
+    fn submit(
+        &mut self,
+        _chunks: &[Chunk],
+        _feed: &[Option<u32>],
+        _rows: &[SampleRow],
+        _sampling: &SamplingParams,
+    ) -> Result<()> {
+        bail!("this paged model runs its steps in `step`")
+    }
+    /// The draws of the oldest queued step, waiting for it to finish.
+    fn collect(&mut self) -> Result<Vec<Sampled>> {
+        bail!("this paged model runs its steps in `step`")
+    }
 }
 
 /// The decoder over a paged cache of its own. Dropping it releases the decode graphs with the

@@ -20,6 +20,7 @@ use super::blocks::BlockPool;
 use super::{Chunk, PagedConfig, PagedModel, PagedStats, SampleRow};
 use crate::engine::generate::{Completion, Detokenize, FinishReason, GenParams, Request};
 use crate::engine::sampling::Sampled;
+use crate::engine::sampling::SamplingParams;
 use crate::error::input_error;
 use anyhow::{bail, ensure, Result};
 use std::collections::VecDeque;
@@ -51,6 +52,9 @@ struct Seq {
     logprobs: Vec<f32>,
     /// Admission order (newer is larger); preemption takes the newest first.
     order: (u64, usize),
+    /// Finished (its completion is out) while a step that feeds it was already queued: it
+    /// keeps its blocks, which that step writes, until the step's draws are applied.
+    zombie: bool,
 }
 
 impl Seq {
@@ -144,8 +148,65 @@ pub fn generate_paged(
     let mut preempted: VecDeque<Seq> = VecDeque::new();
     let mut running: Vec<Seq> = Vec::new();
     let mut admitted = 0u64;
+    let mut pipe = Pipe {
+        model,
+        draws: VecDeque::new(),
+    };
+    let mut done = Done {
+        out,
+        finished,
+        progress,
+    };
+    // The step handed to the model whose draws have not been applied yet.
+    let mut flight: Option<Flight> = None;
 
     loop {
+        if let Some(f) = flight.take() {
+            // Queue the next decode step behind it while the device runs it (its tokens are
+            // the draws of `f`, which the model feeds itself), then apply `f`.
+            let waiting = !pending.is_empty() || !preempted.is_empty();
+            let next = if cfg.overlap {
+                lookahead(&f, &mut running, &mut pool, cfg, params, waiting)
+            } else {
+                None
+            };
+            match next {
+                Some(next) => {
+                    next.submit_after(&f, &mut pipe, &running, requests, params)?;
+                    stats.gen.decode_steps += 1;
+                    stats.overlapped_steps += 1;
+                    let keep = apply(
+                        f,
+                        Some(&next.want),
+                        &mut running,
+                        &mut pipe,
+                        &mut pool,
+                        &mut stats,
+                        &mut done,
+                        cfg,
+                        params,
+                        detok,
+                    )?;
+                    flight = Some(next.retain(&keep));
+                    continue;
+                }
+                None => {
+                    apply(
+                        f,
+                        None,
+                        &mut running,
+                        &mut pipe,
+                        &mut pool,
+                        &mut stats,
+                        &mut done,
+                        cfg,
+                        params,
+                        detok,
+                    )?;
+                }
+            }
+        }
+
         // ---- schedule: running sequences first, oldest first -------------------------------
         let mut budget = cfg.max_batched_tokens;
         let mut want: Vec<usize> = Vec::with_capacity(running.len());
@@ -231,6 +292,7 @@ pub fn generate_paged(
                 blocks,
                 logprobs: vec![],
                 order: (admitted, 0),
+                zombie: false,
             });
             admitted += 1;
         }
@@ -292,93 +354,25 @@ pub fn generate_paged(
             }
             drawn_rows[idx] = Some(first..rows.len());
         }
-        let drawn = model.step(&chunks, &rows, &params.sampling)?;
-        ensure!(
-            drawn.len() == rows.len(),
-            "paged model drew {} tokens for {} rows",
-            drawn.len(),
-            rows.len()
-        );
+        // A decode step: every fed sequence is a sample feeding its last token and drawing one.
+        let pure_decode = running
+            .iter()
+            .zip(&want)
+            .zip(&drawn_rows)
+            .all(|((s, &n), r)| {
+                n == 0 || (n == 1 && matches!(s.kind, Kind::Sample { .. }) && r.is_some())
+            });
+        pipe.submit(&chunks, &vec![None; chunks.len()], &rows, &params.sampling)?;
         drop(chunks);
         stats.gen.decode_steps += 1;
-        stats.gen.generated_tokens += drawn.len();
-
-        // ---- apply ----------------------------------------------------------------------------
-        let mut copies: Vec<(u32, u32)> = Vec::new();
-        let mut next: Vec<Seq> = Vec::with_capacity(running.len());
-        for ((mut s, n), rows) in running.drain(..).zip(want).zip(drawn_rows) {
-            s.computed += n;
-            let Some(rows) = rows else {
-                next.push(s);
-                continue;
-            };
-            let mut done: Vec<(Seq, FinishReason)> = Vec::new();
-            match s.kind {
-                Kind::Prompt { samples, spare } => {
-                    stats.gen.prefills += 1;
-                    let full = s.prompt_len / cfg.block_size;
-                    let mut spare = spare.into_iter();
-                    for (k, (j, d)) in samples.zip(&drawn[rows]).enumerate() {
-                        let blocks = if k == 0 {
-                            s.blocks.clone()
-                        } else {
-                            for &b in &s.blocks[..full] {
-                                pool.share(b);
-                            }
-                            let mut t = s.blocks[..full].to_vec();
-                            if full < s.blocks.len() {
-                                let copy = spare.next().expect("a spare block per extra sample");
-                                copies.push((s.blocks[full], copy));
-                                t.push(copy);
-                            }
-                            t
-                        };
-                        let mut c = Seq {
-                            req: s.req,
-                            kind: Kind::Sample {
-                                sample: j,
-                                stopped_text: None,
-                            },
-                            tokens: s.tokens.clone(),
-                            prompt_len: s.prompt_len,
-                            computed: s.computed,
-                            blocks,
-                            logprobs: vec![],
-                            order: (s.order.0, k),
-                        };
-                        match accept(&mut c, *d, params, detok)? {
-                            Some(reason) => done.push((c, reason)),
-                            None => next.push(c),
-                        }
-                    }
-                }
-                Kind::Sample { .. } => {
-                    let d = drawn[rows.start];
-                    match accept(&mut s, d, params, detok)? {
-                        Some(reason) => done.push((s, reason)),
-                        None => next.push(s),
-                    }
-                }
-            }
-            for (c, reason) in done {
-                pool.release(&c.blocks);
-                let (req, sample, text) =
-                    completion_text(c.req, c.kind, &c.tokens, c.prompt_len, detok)?;
-                out[req][sample] = Some(Completion {
-                    tokens: c.tokens[c.prompt_len..].to_vec(),
-                    logprobs: c.logprobs,
-                    finish: reason,
-                    text,
-                });
-                finished += 1;
-                progress(finished);
-            }
-        }
-        running = next;
-        if !copies.is_empty() {
-            model.copy_blocks(&copies)?;
-        }
+        flight = Some(Flight {
+            want,
+            drawn_rows,
+            rows: rows.len(),
+            pure_decode,
+        });
     }
+    let Done { out, .. } = done;
 
     debug_assert_eq!(pool.in_use(), 0, "every block returned");
     stats.blocks_in_use_at_end = pool.in_use();
@@ -391,6 +385,342 @@ pub fn generate_paged(
         })
         .collect();
     Ok((out, stats))
+}
+
+/// A step handed to the model whose draws are not applied yet; its vectors are aligned with
+/// `running` as it was when the step was built.
+struct Flight {
+    /// Tokens fed per sequence.
+    want: Vec<usize>,
+    /// Per sequence, the rows it drew.
+    drawn_rows: Vec<Option<Range<usize>>>,
+    rows: usize,
+    /// Every fed sequence is a sample feeding one token and drawing one.
+    pure_decode: bool,
+}
+
+impl Flight {
+    /// The flight for the sequences `keep` says stay in `running`.
+    fn retain(self, keep: &[bool]) -> Flight {
+        fn pick<T>(v: Vec<T>, keep: &[bool]) -> Vec<T> {
+            v.into_iter()
+                .zip(keep)
+                .filter(|(_, &k)| k)
+                .map(|(x, _)| x)
+                .collect()
+        }
+        Flight {
+            want: pick(self.want, keep),
+            drawn_rows: pick(self.drawn_rows, keep),
+            ..self
+        }
+    }
+}
+
+/// The next decode step queued behind flight `f` (overlap scheduling): every live sample of
+/// `f` feeds the token `f` draws for it and draws the next, as the scheduler would decide once
+/// `f`'s draws are back unless one of them ends the sample (then the step computes a token
+/// nobody reads). Only when nothing else would change: `f` is a decode step of every live
+/// sequence, no waiting work could take a free seat, and the pool has the blocks.
+fn lookahead(
+    f: &Flight,
+    running: &mut [Seq],
+    pool: &mut BlockPool,
+    cfg: &PagedConfig,
+    params: &GenParams,
+    waiting: bool,
+) -> Option<Flight> {
+    if !f.pure_decode {
+        return None;
+    }
+    let live = || running.iter().zip(&f.want).filter(|(s, _)| !s.zombie);
+    if live().any(|(_, &n)| n != 1) {
+        return None;
+    }
+    if waiting && live().count() < cfg.max_num_seqs {
+        return None;
+    }
+    // A sample whose draw in `f` is its last by length is over whatever it draws.
+    let go: Vec<bool> = running
+        .iter()
+        .map(|s| !s.zombie && s.tokens.len() + 1 - s.prompt_len < params.max_new_tokens)
+        .collect();
+    let need = |s: &Seq| {
+        pool.blocks_for(s.computed + 2)
+            .saturating_sub(s.blocks.len())
+    };
+    let blocks: usize = running
+        .iter()
+        .zip(&go)
+        .filter(|(_, &g)| g)
+        .map(|(s, _)| need(s))
+        .sum();
+    if blocks > pool.num_free() || !go.contains(&true) {
+        return None;
+    }
+    let mut want = Vec::with_capacity(running.len());
+    let mut drawn_rows = Vec::with_capacity(running.len());
+    let mut rows = 0;
+    for (s, &g) in running.iter_mut().zip(&go) {
+        if g {
+            let n = pool
+                .blocks_for(s.computed + 2)
+                .saturating_sub(s.blocks.len());
+            s.blocks.extend(pool.alloc(n).expect("checked free blocks"));
+            drawn_rows.push(Some(rows..rows + 1));
+            rows += 1;
+        } else {
+            drawn_rows.push(None);
+        }
+        want.push(usize::from(g));
+    }
+    Some(Flight {
+        want,
+        drawn_rows,
+        rows,
+        pure_decode: true,
+    })
+}
+
+impl Flight {
+    /// Hands a lookahead step to the model: chunk of sequence i feeds the draw of its row in
+    /// the step before (`prev`, aligned with `running` too).
+    fn submit_after(
+        &self,
+        prev: &Flight,
+        pipe: &mut Pipe,
+        running: &[Seq],
+        requests: &[Request],
+        params: &GenParams,
+    ) -> Result<()> {
+        let mut chunks = Vec::with_capacity(self.rows);
+        let mut feed = Vec::with_capacity(self.rows);
+        let mut rows = Vec::with_capacity(self.rows);
+        for ((s, &n), p) in running.iter().zip(&self.want).zip(&prev.drawn_rows) {
+            if n == 0 {
+                continue;
+            }
+            let Kind::Sample { sample, .. } = &s.kind else {
+                bail!("paged scheduler: a lookahead step feeds samples only");
+            };
+            let src = p
+                .as_ref()
+                .expect("a lookahead sequence drew in the step before");
+            rows.push(SampleRow {
+                chunk: chunks.len(),
+                key: requests[s.req].sample_keys[*sample],
+                position: (s.tokens.len() + 1 - s.prompt_len) as u64,
+            });
+            feed.push(Some(src.start as u32));
+            chunks.push(Chunk {
+                tokens: &FED,
+                start: s.computed + 1,
+                table: &s.blocks,
+            });
+        }
+        pipe.submit(&chunks, &feed, &rows, &params.sampling)
+    }
+}
+
+/// The placeholder token of a chunk whose token the model takes from the previous draws.
+const FED: [u32; 1] = [0];
+
+/// The model behind the scheduler. A model without a queue of its own (`asynchronous` false:
+/// the CPU, test models) runs each step when it is submitted; its draws wait here, and a fed
+/// token is read from the draws of the step before.
+struct Pipe<'m> {
+    model: &'m mut dyn PagedModel,
+    draws: VecDeque<Vec<Sampled>>,
+}
+
+impl Pipe<'_> {
+    fn submit(
+        &mut self,
+        chunks: &[Chunk],
+        feed: &[Option<u32>],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+    ) -> Result<()> {
+        if self.model.asynchronous() {
+            return self.model.submit(chunks, feed, rows, sampling);
+        }
+        let fed: Vec<u32> = match self.draws.back() {
+            Some(prev) => feed
+                .iter()
+                .map(|f| f.map_or(Ok(0), |r| prev.get(r as usize).map(|d| d.token).ok_or(r)))
+                .collect::<std::result::Result<_, u32>>()
+                .map_err(|r| anyhow::anyhow!("paged scheduler: fed row {r} was not drawn"))?,
+            None => {
+                ensure!(
+                    feed.iter().all(Option::is_none),
+                    "paged scheduler: nothing to feed from"
+                );
+                vec![0; feed.len()]
+            }
+        };
+        let chunks: Vec<Chunk> = chunks
+            .iter()
+            .zip(feed)
+            .zip(&fed)
+            .map(|((c, f), t)| match f {
+                Some(_) => Chunk {
+                    tokens: std::slice::from_ref(t),
+                    ..*c
+                },
+                None => *c,
+            })
+            .collect();
+        let d = self.model.step(&chunks, rows, sampling)?;
+        self.draws.push_back(d);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<Sampled>> {
+        if self.model.asynchronous() {
+            return self.model.collect();
+        }
+        self.draws
+            .pop_front()
+            .ok_or_else(|| anyhow::anyhow!("paged scheduler: no step to collect"))
+    }
+}
+
+/// Where finished samples go.
+struct Done<'p> {
+    out: Vec<Vec<Option<Completion>>>,
+    finished: usize,
+    progress: &'p mut dyn FnMut(usize),
+}
+
+/// Collects flight `f`'s draws and applies them to `running` (aligned with `f`): tokens
+/// appended, prompts forked into their samples, finished samples written out and their blocks
+/// released, unless `queued` (the step already handed to the model, aligned the same way)
+/// feeds them: those become zombies until it is applied. Returns which entries of `running`
+/// stay (when a step is queued nothing is forked, so the survivors keep their order).
+#[allow(clippy::too_many_arguments)]
+fn apply(
+    f: Flight,
+    queued: Option<&[usize]>,
+    running: &mut Vec<Seq>,
+    pipe: &mut Pipe,
+    pool: &mut BlockPool,
+    stats: &mut PagedStats,
+    done: &mut Done,
+    cfg: &PagedConfig,
+    params: &GenParams,
+    detok: Option<Detokenize>,
+) -> Result<Vec<bool>> {
+    let drawn = pipe.collect()?;
+    ensure!(
+        drawn.len() == f.rows,
+        "paged model drew {} tokens for {} rows",
+        drawn.len(),
+        f.rows
+    );
+    let mut copies: Vec<(u32, u32)> = Vec::new();
+    let mut next: Vec<Seq> = Vec::with_capacity(running.len());
+    let mut keep = Vec::with_capacity(running.len());
+    for (i, ((mut s, n), rows)) in running.drain(..).zip(f.want).zip(f.drawn_rows).enumerate() {
+        let fed_next = queued.is_some_and(|q| q[i] > 0);
+        if s.zombie {
+            // Its draw was computed for nobody; no later step feeds it.
+            debug_assert!(!fed_next);
+            stats.overlap_discarded += 1;
+            pool.release(&s.blocks);
+            keep.push(false);
+            continue;
+        }
+        s.computed += n;
+        let Some(rows) = rows else {
+            next.push(s);
+            keep.push(true);
+            continue;
+        };
+        stats.gen.generated_tokens += rows.len();
+        let mut ended: Vec<(Seq, FinishReason)> = Vec::new();
+        match s.kind {
+            Kind::Prompt { samples, spare } => {
+                stats.gen.prefills += 1;
+                let full = s.prompt_len / cfg.block_size;
+                let mut spare = spare.into_iter();
+                for (k, (j, d)) in samples.zip(&drawn[rows]).enumerate() {
+                    let blocks = if k == 0 {
+                        s.blocks.clone()
+                    } else {
+                        for &b in &s.blocks[..full] {
+                            pool.share(b);
+                        }
+                        let mut t = s.blocks[..full].to_vec();
+                        if full < s.blocks.len() {
+                            let copy = spare.next().expect("a spare block per extra sample");
+                            copies.push((s.blocks[full], copy));
+                            t.push(copy);
+                        }
+                        t
+                    };
+                    let mut c = Seq {
+                        req: s.req,
+                        kind: Kind::Sample {
+                            sample: j,
+                            stopped_text: None,
+                        },
+                        tokens: s.tokens.clone(),
+                        prompt_len: s.prompt_len,
+                        computed: s.computed,
+                        blocks,
+                        logprobs: vec![],
+                        order: (s.order.0, k),
+                        zombie: false,
+                    };
+                    match accept(&mut c, *d, params, detok)? {
+                        Some(reason) => ended.push((c, reason)),
+                        None => next.push(c),
+                    }
+                }
+                keep.push(false);
+            }
+            Kind::Sample { .. } => {
+                let d = drawn[rows.start];
+                match accept(&mut s, d, params, detok)? {
+                    Some(reason) => ended.push((s, reason)),
+                    None => {
+                        next.push(s);
+                        keep.push(true);
+                    }
+                }
+            }
+        }
+        for (mut c, reason) in ended {
+            let tokens = std::mem::take(&mut c.tokens);
+            let logprobs = std::mem::take(&mut c.logprobs);
+            let (req, sample, text) =
+                completion_text(c.req, &c.kind, &tokens, c.prompt_len, detok)?;
+            done.out[req][sample] = Some(Completion {
+                tokens: tokens[c.prompt_len..].to_vec(),
+                logprobs,
+                finish: reason,
+                text,
+            });
+            done.finished += 1;
+            (done.progress)(done.finished);
+            if fed_next {
+                c.zombie = true;
+                next.push(c);
+                keep.push(true);
+            } else {
+                pool.release(&c.blocks);
+                if matches!(c.kind, Kind::Sample { .. }) && keep.len() == i {
+                    keep.push(false);
+                }
+            }
+        }
+        debug_assert_eq!(keep.len(), i + 1);
+    }
+    *running = next;
+    if !copies.is_empty() {
+        pipe.model.copy_blocks(&copies)?;
+    }
+    Ok(keep)
 }
 
 impl Seq {
@@ -430,7 +760,7 @@ fn preempt(
 /// (request, sample index, response text) of a finished sample.
 fn completion_text(
     req: usize,
-    kind: Kind,
+    kind: &Kind,
     tokens: &[u32],
     prompt_len: usize,
     detok: Option<Detokenize>,
@@ -443,11 +773,11 @@ fn completion_text(
         bail!("a prompt sequence cannot finish");
     };
     let text = match (stopped_text, detok) {
-        (Some(t), _) => t,
+        (Some(t), _) => t.clone(),
         (None, Some(d)) => d(&tokens[prompt_len..])?,
         (None, None) => String::new(),
     };
-    Ok((req, sample, text))
+    Ok((req, *sample, text))
 }
 
 /// Appends a drawn token; returns why the sample is finished, if it is (the same rules as

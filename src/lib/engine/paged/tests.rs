@@ -162,6 +162,8 @@ fn random_workloads_match_the_contiguous_generator_and_return_every_block() {
     let mut g = SplitMix64(7);
     let mut preempted_cases = 0;
     let mut chunked_cases = 0;
+    let mut overlapped_cases = 0;
+    let mut discarded_cases = 0;
     for case in 0..60 {
         let vocab = 20 + g.below(30) as usize;
         let n_req = 1 + g.below(6) as usize;
@@ -189,37 +191,58 @@ fn random_workloads_match_the_contiguous_generator_and_return_every_block() {
             num_blocks: min_blocks + g.below(3 * min_blocks as u64 + 1) as usize,
             max_num_seqs: 1 + g.below(12) as usize,
             max_batched_tokens: 0,
+            overlap: true,
         };
         let cfg = PagedConfig {
             max_batched_tokens: cfg.max_num_seqs + g.below(48) as usize,
+            overlap: true,
             ..cfg
         };
         let want = reference(vocab, &reqs, &p);
-        let mut toy = PagedToy::new(vocab, &cfg);
-        let mut seen = 0;
-        let (got, stats) = generate_paged(&mut toy, &cfg, &reqs, &p, None, &mut |n| seen = n)
-            .unwrap_or_else(|e| panic!("case {case} {cfg:?}: {e:#}"));
-        assert_eq!(got, want, "case {case}: {cfg:?}");
-        let total: usize = reqs.iter().map(|r| r.sample_keys.len()).sum();
-        assert_eq!(seen, total, "progress reached every sample");
-        assert_eq!(stats.blocks_in_use_at_end, 0, "case {case}: blocks leaked");
-        assert!(stats.peak_blocks_in_use <= cfg.num_blocks);
-        for &(chunks, tokens) in &toy.steps {
-            assert!(
-                tokens <= cfg.max_batched_tokens,
-                "case {case}: {tokens} tokens"
-            );
-            assert!(
-                chunks <= cfg.max_num_seqs,
-                "case {case}: {chunks} sequences"
-            );
+        // With and without overlap scheduling: the same completions.
+        let mut stats_of = Vec::new();
+        for overlap in [false, true] {
+            let cfg = PagedConfig { overlap, ..cfg };
+            let mut toy = PagedToy::new(vocab, &cfg);
+            let mut seen = 0;
+            let (got, stats) = generate_paged(&mut toy, &cfg, &reqs, &p, None, &mut |n| seen = n)
+                .unwrap_or_else(|e| panic!("case {case} {cfg:?}: {e:#}"));
+            assert_eq!(got, want, "case {case}: {cfg:?}");
+            let total: usize = reqs.iter().map(|r| r.sample_keys.len()).sum();
+            assert_eq!(seen, total, "progress reached every sample");
+            assert_eq!(stats.blocks_in_use_at_end, 0, "case {case}: blocks leaked");
+            assert!(stats.peak_blocks_in_use <= cfg.num_blocks);
+            for &(chunks, tokens) in &toy.steps {
+                assert!(
+                    tokens <= cfg.max_batched_tokens,
+                    "case {case}: {tokens} tokens"
+                );
+                assert!(
+                    chunks <= cfg.max_num_seqs,
+                    "case {case}: {chunks} sequences"
+                );
+            }
+            stats_of.push(stats);
         }
+        assert_eq!(stats_of[0].overlapped_steps, 0);
+        overlapped_cases += usize::from(stats_of[1].overlapped_steps > 0);
+        discarded_cases += usize::from(stats_of[1].overlap_discarded > 0);
+        let stats = stats_of[0];
         preempted_cases += usize::from(stats.preemptions > 0);
         chunked_cases += usize::from(longest > cfg.max_batched_tokens);
     }
     // The random cases do exercise the hard paths.
     assert!(preempted_cases >= 3, "{preempted_cases} cases preempted");
     assert!(chunked_cases >= 3, "{chunked_cases} cases chunked a prompt");
+    assert!(
+        overlapped_cases >= 20,
+        "{overlapped_cases} cases queued steps ahead"
+    );
+    // ... including steps queued for samples that a stop id then ended.
+    assert!(
+        discarded_cases >= 3,
+        "{discarded_cases} cases threw queued tokens away"
+    );
 }
 
 #[test]
@@ -229,6 +252,7 @@ fn n_samples_share_one_prefill_and_the_prompt_blocks() {
         num_blocks: 64,
         max_num_seqs: 16,
         max_batched_tokens: 64,
+        overlap: false,
     };
     // Prompt of 10 tokens: 2 full blocks shared by all 8 samples, the partial one copied 7x.
     let reqs = [request(1, (0..10).collect(), 8), request(2, vec![3; 4], 4)];
@@ -258,6 +282,7 @@ fn a_prompt_waits_for_seats_for_all_its_samples_while_others_run() {
         num_blocks: 64,
         max_num_seqs: 6,
         max_batched_tokens: 64,
+        overlap: true,
     };
     let reqs = [
         request(1, (0..7).collect(), 4),
@@ -289,6 +314,7 @@ fn long_prompts_are_prefilled_in_chunks_beside_the_decodes() {
         num_blocks: 64,
         max_num_seqs: 4,
         max_batched_tokens: 8,
+        overlap: false,
     };
     let reqs = [request(1, vec![1, 2], 1), request(2, (0..30).collect(), 1)];
     let p = params(10, vec![]);
@@ -308,6 +334,7 @@ fn a_pool_too_small_for_one_sample_is_refused_up_front() {
         num_blocks: 3,
         max_num_seqs: 4,
         max_batched_tokens: 16,
+        overlap: true,
     };
     // 10 + 4 − 1 = 13 positions need 4 blocks.
     let reqs = [request(1, (0..10).collect(), 2)];
@@ -326,6 +353,7 @@ fn a_pool_too_small_for_one_sample_is_refused_up_front() {
     assert_eq!(stats.blocks_in_use_at_end, 0);
     let bad = PagedConfig {
         max_batched_tokens: 2,
+        overlap: true,
         ..cfg
     };
     let err = generate_paged(&mut toy, &bad, &reqs, &params(3, vec![]), None, &mut |_| {})
@@ -355,6 +383,7 @@ fn stop_ids_and_strings_end_samples_as_in_the_generator() {
         num_blocks: 40,
         max_num_seqs: 3,
         max_batched_tokens: 4,
+        overlap: true,
     };
     let mut toy = PagedToy::new(26, &cfg);
     let (got, _) = generate_paged(&mut toy, &cfg, &reqs, &p, Some(&detok), &mut |_| {}).unwrap();
@@ -423,6 +452,7 @@ fn paged_decoder_on_the_cpu_equals_the_contiguous_decoder() {
             num_blocks: 12,
             max_num_seqs: 5,
             max_batched_tokens: 8,
+            overlap: true,
         };
         let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
         let mut paged = PagedDecoder::new(&mut dec, pc.num_blocks, pc.block_size).unwrap();
@@ -475,6 +505,7 @@ fn padded_decode_steps_sample_what_the_eager_steps_sample() {
         num_blocks: 60,
         max_num_seqs: 11,
         max_batched_tokens: 16,
+        overlap: true,
     };
     let run = |mode: GraphMode, width: usize| {
         let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();

@@ -214,6 +214,12 @@ pub struct RolloutArgs {
     #[arg(long = "no-cuda-graphs", overrides_with = "cuda_graphs")]
     #[serde(default)]
     pub no_cuda_graphs: bool,
+    /// Wait for each step's tokens before scheduling the next (by default the next decode
+    /// step is queued while the device runs the current one: overlap scheduling). The samples
+    /// are the same either way.
+    #[arg(long)]
+    #[serde(default)]
+    pub no_overlap: bool,
     /// Training step, recorded in the output's metadata.
     #[arg(long)]
     pub step: Option<u64>,
@@ -240,6 +246,7 @@ pub struct Generate<'a> {
     max_batched_tokens: usize,
     gpu_memory_fraction: f64,
     cuda_graphs: bool,
+    overlap: bool,
 }
 
 /// What a generation did, for the metrics.
@@ -295,6 +302,7 @@ impl Generate<'_> {
             num_blocks,
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
+            overlap: self.overlap,
         };
         let mut engine = PagedDecoder::new(policy, num_blocks, bs)?;
         if self.cuda_graphs {
@@ -457,6 +465,7 @@ pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         max_batched_tokens: args.max_batched_tokens,
         gpu_memory_fraction: args.gpu_memory_fraction,
         cuda_graphs: !args.no_cuda_graphs,
+        overlap: !args.no_overlap,
     };
     let Generated {
         completions,
@@ -552,6 +561,8 @@ pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         "prefill_tokens": stats.gen.prefill_tokens,
         "prefills": stats.gen.prefills,
         "engine_steps": stats.gen.decode_steps,
+        "overlapped_steps": stats.overlapped_steps,
+        "overlap_discarded_tokens": stats.overlap_discarded,
         "preemptions": stats.preemptions,
         "kv_block_size": stats.block_size,
         "kv_blocks": stats.num_blocks,

@@ -131,6 +131,9 @@ pub struct MemoryStats {
 pub type Parts<T> = (T, Vec<T>);
 
 /// The op set. Every method documents its math in one line; shapes are passed explicitly.
+/// `Backend::feed_tokens`: this row keeps the token uploaded for it.
+pub const FEED_NONE: u32 = u32::MAX;
+
 pub trait Backend: Send + Sync {
     /// A float buffer on the device (`Vec<f32>` on the CPU).
     type Buf: Send + Sync;
@@ -658,6 +661,36 @@ pub trait Backend: Send + Sync {
 
     /// dst = src[..dst.len()] (device to host).
     fn download_idx(&self, src: &Self::Idx, dst: &mut [u32]) -> Result<()>;
+    /// ids[i] = prev[src[i]] for i < n where src[i] != FEED_NONE: the tokens of a decode step
+    /// queued behind another, which drew them into `prev` and may still be running.
+    fn feed_tokens(
+        &self,
+        ids: &mut Self::Idx,
+        prev: &Self::Idx,
+        src: &Self::Idx,
+        n: usize,
+    ) -> Result<()>;
+    /// Starts bringing the first `rows` tokens and log-probs of a step to the host, behind the
+    /// work queued so far, through `slot` (0 or 1: two steps' draws may be on their way).
+    /// Returns them at once where nothing runs behind the host's back (the default), else
+    /// `draws_wait(slot, rows)` does.
+    #[allow(clippy::type_complexity)]
+    fn draws_start(
+        &self,
+        _slot: usize,
+        tokens: &Self::Idx,
+        logprobs: &Self::Buf,
+        rows: usize,
+    ) -> Result<Option<(Vec<u32>, Vec<f32>)>> {
+        let (mut t, mut l) = (vec![0u32; rows], vec![0f32; rows]);
+        self.download_idx(tokens, &mut t)?;
+        self.download(logprobs, &mut l)?;
+        Ok(Some((t, l)))
+    }
+    /// The draws `draws_start(slot, ..)` set on their way, once they are on the host.
+    fn draws_wait(&self, slot: usize, _rows: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+        anyhow::bail!("{}: no draws on their way through slot {slot}", self.name())
+    }
     /// Paged attention (see [`PagedAttnShape`] for the row of position p):
     /// o_i = Σ_{p<len[i]} softmax_p(q_i·K[row_i(p)]/√d) V[row_i(p)], kv head h/(heads/kv_heads).
     #[allow(clippy::too_many_arguments)]

@@ -26,9 +26,11 @@
 
 use anyhow::{bail, ensure, Result};
 
+use std::collections::VecDeque;
+
 use crate::backend::{
     AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PagedAttnShape, Parts,
-    PpoShape, PAGED_TILE_ROWS, PPO_STATS,
+    PpoShape, FEED_NONE, PAGED_TILE_ROWS, PPO_STATS,
 };
 use crate::engine::paged::{Chunk, SampleRow};
 use crate::engine::sampling::{Sampled, SamplingParams};
@@ -169,11 +171,24 @@ pub struct PagedKv<B: Backend> {
     decode_rows: usize,
     keys: B::Idx,
     positions: B::Idx,
+    /// Per row of a step, the row of the step before whose draw it feeds (`FEED_NONE`: the
+    /// token uploaded for it); see `Decoder::submit_paged`.
+    feed: B::Idx,
     tokens: B::Idx,
     logprobs: B::Buf,
     /// Bumped whenever one of the buffers above is reallocated (see `Decoder::ws_epoch`).
     epoch: u64,
     graphs: DecodeGraphs,
+    /// Draws of submitted steps not yet collected, oldest first (at most two).
+    pending: VecDeque<Pending>,
+    /// Steps submitted so far (their draws alternate between two landing slots).
+    submitted: usize,
+}
+
+/// A submitted step's draws: already on the host, or on their way through a slot.
+enum Pending {
+    Ready(Vec<Sampled>),
+    Slot(usize, usize),
 }
 
 /// How the pure-decode steps of a paged cache run (every chunk one token).
@@ -282,6 +297,7 @@ impl<B: Backend> PagedKv<B> {
         let mut moved = grow_idx(b, &mut self.tables, table_entries)?;
         moved |= grow_idx(b, &mut self.keys, 2 * rows)?;
         moved |= grow_idx(b, &mut self.positions, rows)?;
+        moved |= grow_idx(b, &mut self.feed, rows)?;
         moved |= grow_idx(b, &mut self.tokens, rows)?;
         if b.len(&self.logprobs) < rows {
             self.logprobs = b.alloc(rows.next_power_of_two())?;
@@ -293,17 +309,34 @@ impl<B: Backend> PagedKv<B> {
         Ok(())
     }
 
-    /// The tokens and log-probs the last step drew for its first `rows` sample rows.
-    fn drawn(&self, b: &B, rows: usize) -> Result<Vec<Sampled>> {
-        let mut tok = vec![0u32; rows];
-        let mut lp = vec![0f32; rows];
-        b.download_idx(&self.tokens, &mut tok)?;
-        b.download(&self.logprobs, &mut lp)?;
-        Ok(tok
-            .into_iter()
-            .zip(lp)
-            .map(|(token, logprob)| Sampled { token, logprob })
-            .collect())
+    /// Sets the draws of the step just run (its first `rows` sample rows) on their way to the
+    /// host, behind it; `collect` returns them.
+    fn start_draws(&mut self, b: &B, rows: usize) -> Result<()> {
+        let slot = self.submitted % 2;
+        self.submitted += 1;
+        let p = match b.draws_start(slot, &self.tokens, &self.logprobs, rows)? {
+            Some((t, l)) => Pending::Ready(sampled(t, l)),
+            None => Pending::Slot(slot, rows),
+        };
+        self.pending.push_back(p);
+        Ok(())
+    }
+
+    /// The draws of the oldest submitted step not yet collected.
+    fn collect(&mut self, b: &B) -> Result<Vec<Sampled>> {
+        match self.pending.pop_front() {
+            Some(Pending::Ready(d)) => Ok(d),
+            Some(Pending::Slot(slot, rows)) => {
+                let (t, l) = b.draws_wait(slot, rows)?;
+                Ok(sampled(t, l))
+            }
+            None => bail!("paged step: nothing submitted to collect"),
+        }
+    }
+
+    /// The per-row feed sources of a step (`FEED_NONE` where a row keeps its own token).
+    fn upload_feed(&mut self, b: &B, feed: &[u32]) -> Result<()> {
+        b.upload_idx(&mut self.feed, feed)
     }
 }
 
@@ -2124,10 +2157,13 @@ impl<B: Backend> Decoder<B> {
             decode_rows: 0,
             keys: b.alloc_idx(0)?,
             positions: b.alloc_idx(0)?,
+            feed: b.alloc_idx(0)?,
             tokens: b.alloc_idx(0)?,
             logprobs: b.alloc(0)?,
             epoch: 0,
             graphs: DecodeGraphs::default(),
+            pending: VecDeque::new(),
+            submitted: 0,
         })
     }
 
@@ -2212,6 +2248,9 @@ impl<B: Backend> Decoder<B> {
         rows: usize,
         sampling: &SamplingParams,
     ) -> Result<()> {
+        // Rows of a queued step take their tokens from the draws of the step before.
+        self.backend
+            .feed_tokens(&mut self.ws.ids, &cache.tokens, &cache.feed, rows)?;
         let last = self.forward(rows, 1, false, AttnMode::Paged(cache))?;
         self.sample_rows(cache, last, rows, sampling)
     }
@@ -2244,17 +2283,23 @@ impl<B: Backend> Decoder<B> {
     /// (the rest pointing at the spare block). With `GraphMode::Graphs` the device part is a
     /// graph replay (captured on the bucket's first step, after one eager run that compiles
     /// the kernels, plans the GEMMs and caches the temporaries).
+    #[allow(clippy::too_many_arguments)]
     fn forward_paged_padded(
         &mut self,
         cache: &mut PagedKv<B>,
         chunks: &[Chunk],
+        feed: &[Option<u32>],
         rows: &[SampleRow],
         sampling: &SamplingParams,
         bucket: usize,
-    ) -> Result<Vec<Sampled>> {
+    ) -> Result<()> {
         let (bs, width) = (cache.block_size, cache.graphs.width);
         let spare = cache.num_blocks as u32;
         let n = chunks.len();
+        let mut fed = vec![FEED_NONE; bucket];
+        for (f, &s) in fed.iter_mut().zip(feed) {
+            *f = s.unwrap_or(FEED_NONE);
+        }
         let mut ids = vec![0u32; bucket];
         let mut pos = vec![0u32; bucket];
         let mut kv_rows = vec![spare * bs as u32; bucket];
@@ -2293,6 +2338,7 @@ impl<B: Backend> Decoder<B> {
             b.upload_idx(&mut cache.tables, &tables)?;
             b.upload_idx(&mut cache.keys, &keys)?;
             b.upload_idx(&mut cache.positions, &positions)?;
+            cache.upload_feed(b, &fed)?;
         }
         cache.max_blocks = width;
         cache.n_tiles = 0;
@@ -2324,7 +2370,7 @@ impl<B: Backend> Decoder<B> {
             if found.is_none() && uses < CAPTURE_AT {
                 self.decode_body(cache, bucket, sampling)?;
                 cache.graphs.stats.padded_steps += 1;
-                return cache.drawn(&self.backend, rows.len());
+                return cache.start_draws(&self.backend, rows.len());
             }
             let id = match found {
                 Some(id) => id,
@@ -2348,7 +2394,7 @@ impl<B: Backend> Decoder<B> {
             self.decode_body(cache, bucket, sampling)?;
             cache.graphs.stats.padded_steps += 1;
         }
-        cache.drawn(&self.backend, rows.len())
+        cache.start_draws(&self.backend, rows.len())
     }
 
     /// One step of the paged engine: runs every chunk (its keys and values stored through its
@@ -2361,8 +2407,52 @@ impl<B: Backend> Decoder<B> {
         rows: &[SampleRow],
         sampling: &SamplingParams,
     ) -> Result<Vec<Sampled>> {
+        ensure!(
+            cache.pending.is_empty(),
+            "paged step: a submitted step was not collected"
+        );
+        self.submit_paged(cache, chunks, &[], rows, sampling)?;
+        self.collect_paged(cache)
+    }
+
+    /// The draws of the oldest step `submit_paged` queued and nothing collected yet (waits for
+    /// them to reach the host).
+    pub fn collect_paged(&mut self, cache: &mut PagedKv<B>) -> Result<Vec<Sampled>> {
+        cache.collect(&self.backend)
+    }
+
+    /// `forward_paged` without waiting for the draws (`collect_paged` returns them, in order;
+    /// at most two steps in flight). A chunk with `feed[c] = Some(r)` is one token: the token
+    /// drawn for row r of the step submitted just before, read on the device (so this step can
+    /// be queued before that one's draws are back); `feed` may be empty (no chunk fed).
+    pub fn submit_paged(
+        &mut self,
+        cache: &mut PagedKv<B>,
+        chunks: &[Chunk],
+        feed: &[Option<u32>],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+    ) -> Result<()> {
+        ensure!(
+            cache.pending.len() < 2,
+            "paged step: two steps are in flight already"
+        );
+        ensure!(
+            feed.is_empty() || feed.len() == chunks.len(),
+            "paged step: {} feeds for {} chunks",
+            feed.len(),
+            chunks.len()
+        );
+        for (c, f) in feed.iter().enumerate() {
+            if let Some(r) = f {
+                ensure!(
+                    chunks[c].tokens.len() == 1 && !cache.pending.is_empty(),
+                    "paged step: chunk {c} feeds draw {r} of no step before it"
+                );
+            }
+        }
         if let Some(bucket) = Self::graph_bucket(cache, chunks, rows) {
-            return self.forward_paged_padded(cache, chunks, rows, sampling, bucket);
+            return self.forward_paged_padded(cache, chunks, feed, rows, sampling, bucket);
         }
         cache.graphs.stats.eager_steps += 1;
         let bs = cache.block_size;
@@ -2382,8 +2472,12 @@ impl<B: Backend> Decoder<B> {
         let (single, multi): (Vec<usize>, Vec<usize>) =
             (0..chunks.len()).partition(|&c| chunks[c].tokens.len() == 1);
         let mut tiles = Vec::new();
+        let mut fed = Vec::new();
         for &c in single.iter().chain(&multi) {
             let ch = &chunks[c];
+            if !feed.is_empty() && ch.tokens.len() == 1 {
+                fed.push(feed[c].unwrap_or(FEED_NONE));
+            }
             cache.check_chunk(c, ch)?;
             tables[c * max_blocks..c * max_blocks + ch.table.len()].copy_from_slice(ch.table);
             if ch.tokens.len() > 1 {
@@ -2442,12 +2536,17 @@ impl<B: Backend> Decoder<B> {
         cache.decode_rows = single.len();
         b.upload_idx(&mut cache.keys, &keys)?;
         b.upload_idx(&mut cache.positions, &positions)?;
-        let last_buf = self.forward(n, 1, false, AttnMode::Paged(cache))?;
-        if r == 0 {
-            return Ok(Vec::new());
+        if fed.iter().any(|&f| f != FEED_NONE) {
+            // Fed rows are single tokens, which come first: `fed` covers them.
+            grow_idx(b, &mut cache.feed, fed.len())?;
+            cache.upload_feed(b, &fed)?;
+            b.feed_tokens(&mut self.ws.ids, &cache.tokens, &cache.feed, fed.len())?;
         }
-        self.sample_rows(cache, last_buf, r, sampling)?;
-        cache.drawn(&self.backend, r)
+        let last_buf = self.forward(n, 1, false, AttnMode::Paged(cache))?;
+        if r > 0 {
+            self.sample_rows(cache, last_buf, r, sampling)?;
+        }
+        cache.start_draws(&self.backend, r)
     }
 
     /// Copies whole blocks `(src, dst)` of every layer's keys and values.
@@ -2502,6 +2601,15 @@ fn rope_store<B: Backend>(
 
 /// Grows an index buffer to hold at least `n` entries (to the next power of two, so that a
 /// growing batch reallocates rarely); true when it was reallocated.
+/// Draws as `Sampled` rows.
+fn sampled(tokens: Vec<u32>, logprobs: Vec<f32>) -> Vec<Sampled> {
+    tokens
+        .into_iter()
+        .zip(logprobs)
+        .map(|(token, logprob)| Sampled { token, logprob })
+        .collect()
+}
+
 fn grow_idx<B: Backend>(b: &B, buf: &mut B::Idx, n: usize) -> Result<bool> {
     if b.len_idx(buf) < n {
         *buf = b.alloc_idx(n.next_power_of_two())?;

@@ -658,6 +658,28 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn feed_tokens(
+        &self,
+        ids: &mut Vec<u32>,
+        prev: &Vec<u32>,
+        src: &Vec<u32>,
+        n: usize,
+    ) -> Result<()> {
+        let ids = get_mut(ids, n, "feed_tokens ids")?;
+        for (i, (id, &s)) in ids
+            .iter_mut()
+            .zip(get(src, n, "feed_tokens src")?)
+            .enumerate()
+        {
+            if s != super::FEED_NONE {
+                *id = *prev.get(s as usize).ok_or_else(|| {
+                    anyhow::anyhow!("feed_tokens: row {i} feeds draw {s} of {}", prev.len())
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     fn attention_paged(
         &self,
         o: &mut Vec<f32>,

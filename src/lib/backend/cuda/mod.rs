@@ -13,6 +13,7 @@
 //!   they raise a bit in a device error word, which `synchronize` (and every download) reads
 //!   and reports as an error naming the op.
 
+mod draws;
 pub mod gemm;
 pub mod nvrtc;
 pub mod parity;
@@ -248,6 +249,8 @@ pub struct CudaBackend {
     sms: u32,
     /// Captured graphs by id (`Backend::graph_*`); None once released.
     graphs: Mutex<Vec<Option<Graph>>>,
+    /// Page-locked landing places of steps' draws (`Backend::draws_start`), made on first use.
+    draw_slots: Mutex<[Option<draws::Slot>; 2]>,
 }
 
 /// A captured and instantiated graph. cudarc's handle is not `Send`; every use goes through
@@ -313,6 +316,7 @@ impl CudaBackend {
             device_name,
             sms,
             graphs: Mutex::new(Vec::new()),
+            draw_slots: Mutex::new([None, None]),
         };
         be.memset(be.err_word.ptr(), 0, 4)?;
         Ok(be)
@@ -2515,6 +2519,48 @@ impl Backend for CudaBackend {
         unsafe { dr::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
         self.check_errors()
+    }
+
+    fn feed_tokens(
+        &self,
+        ids: &mut CudaIdx,
+        prev: &CudaIdx,
+        src: &CudaIdx,
+        n: usize,
+    ) -> Result<()> {
+        need(ids.len, n, "feed_tokens ids")?;
+        need(src.len, n, "feed_tokens src")?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(nvrtc::MEMORY, 0, "feed_tokens_k")?;
+        let (nn, pn, err) = (
+            i32_of(n, "feed rows")?,
+            prev.len as i64,
+            self.err_word.ptr(),
+        );
+        self.launch(
+            &f,
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[&ids.ptr, &prev.ptr, &src.ptr, &nn, &pn, &err],
+        )
+    }
+
+    fn draws_start(
+        &self,
+        slot: usize,
+        tokens: &CudaIdx,
+        logprobs: &CudaBuf,
+        rows: usize,
+    ) -> Result<Option<(Vec<u32>, Vec<f32>)>> {
+        self.start_draws(slot, tokens, logprobs, rows)?;
+        Ok(None)
+    }
+
+    fn draws_wait(&self, slot: usize, rows: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+        self.wait_draws(slot, rows)
     }
 
     fn attention_paged_tiled(

@@ -197,6 +197,22 @@ impl<B: Backend> PagedModel for PagedDecoder<'_, B> {
     fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<()> {
         self.decoder.copy_paged_blocks(&mut self.cache, pairs)
     }
+    fn asynchronous(&self) -> bool {
+        true
+    }
+    fn submit(
+        &mut self,
+        chunks: &[Chunk],
+        feed: &[Option<u32>],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+    ) -> Result<()> {
+        self.decoder
+            .submit_paged(&mut self.cache, chunks, feed, rows, sampling)
+    }
+    fn collect(&mut self) -> Result<Vec<Sampled>> {
+        self.decoder.collect_paged(&mut self.cache)
+    }
 }
 
 /// Blocks a pool gets: `fraction` of the free device memory when the backend reports it (the

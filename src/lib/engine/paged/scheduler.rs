@@ -164,9 +164,15 @@ pub fn generate_paged(
         if let Some(f) = flight.take() {
             // Queue the next decode step behind it while the device runs it (its tokens are
             // the draws of `f`, which the model feeds itself), then apply `f`.
-            let waiting = !pending.is_empty() || !preempted.is_empty();
+            // Seats the first waiting work needs before the scheduler would admit it (a prompt
+            // waits for seats for all its samples while others run).
+            let needs = if !preempted.is_empty() {
+                Some(1)
+            } else {
+                pending.front().map(|(_, r)| r.len())
+            };
             let next = if cfg.overlap {
-                lookahead(&f, &mut running, &mut pool, cfg, params, waiting)
+                lookahead(&f, &mut running, &mut pool, cfg, params, needs)
             } else {
                 None
             };
@@ -421,14 +427,16 @@ impl Flight {
 /// `f` feeds the token `f` draws for it and draws the next, as the scheduler would decide once
 /// `f`'s draws are back unless one of them ends the sample (then the step computes a token
 /// nobody reads). Only when nothing else would change: `f` is a decode step of every live
-/// sequence, no waiting work could take a free seat, and the pool has the blocks.
+/// sequence, the first waiting work (needing `needs` seats) could not be admitted into the
+/// seats free now, and the pool has the blocks. Work a finishing sample makes room for is
+/// admitted one step later.
 fn lookahead(
     f: &Flight,
     running: &mut [Seq],
     pool: &mut BlockPool,
     cfg: &PagedConfig,
     params: &GenParams,
-    waiting: bool,
+    needs: Option<usize>,
 ) -> Option<Flight> {
     if !f.pure_decode {
         return None;
@@ -437,7 +445,7 @@ fn lookahead(
     if live().any(|(_, &n)| n != 1) {
         return None;
     }
-    if waiting && live().count() < cfg.max_num_seqs {
+    if needs.is_some_and(|n| n <= cfg.max_num_seqs - live().count().min(cfg.max_num_seqs)) {
         return None;
     }
     // A sample whose draw in `f` is its last by length is over whatever it draws.

@@ -27,6 +27,21 @@ extern "C" __global__ void gather_rows_k(void* out, int obf, const void* x, int 
         st(out, obf, (i64)i * dim + c, ld(x, xbf, (i64)r * dim + c));
 }
 
+// ids[i] = prev[src[i]] where src[i] != 0xffffffff (a queued decode step's tokens: the draws of
+// the step before it); a source past prev_n raises ERR_ROW and leaves ids[i] alone.
+extern "C" __global__ void feed_tokens_k(u32* ids, const u32* prev, const u32* src, int n, i64 prev_n,
+                                         u32* err) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u32 s = src[i];
+    if (s == 0xffffffffu) return;
+    if ((i64)s >= prev_n) {
+        atomicOr(err, ERR_ROW);
+        return;
+    }
+    ids[i] = prev[s];
+}
+
 // dx[rows[i],:] += dout[i,:] (atomic, so repeated rows add up).
 extern "C" __global__ void scatter_add_rows_k(void* dx, int dbf, const void* dout, int obf, const u32* rows,
                                               int n, int dim, i64 dx_rows, u32* err) {

@@ -1,7 +1,11 @@
 // RMSNorm as HF computes it: f32 statistics, weight applied after normalising.
 // Forward and dx: one block per row. dw: a deterministic two-pass column reduction.
 
+#define RMS_HELD 16 // elements per thread kept in registers (rows up to 16·blockDim)
+
 // y[r,:] = x[r,:]·rstd[r]·w, rstd[r] = 1/√(mean(x[r,:]²) + eps).
+// A row of at most RMS_HELD·blockDim is read once, together with w, before the reduction: the
+// loads of both overlap and the output needs no second read (same sums, same bits).
 extern "C" __global__ void rmsnorm_fwd_k(void* y, int ybf, float* rstd, const void* x, int xbf,
                                          const void* w, int wbf, int rows, int dim, float eps) {
     __shared__ float sh[32];
@@ -9,6 +13,26 @@ extern "C" __global__ void rmsnorm_fwd_k(void* y, int ybf, float* rstd, const vo
     if (r >= rows) return;
     i64 base = (i64)r * dim;
     float ss = 0.0f;
+    if (dim <= RMS_HELD * (int)blockDim.x) {
+        float xv[RMS_HELD], wv[RMS_HELD];
+#pragma unroll
+        for (int k = 0; k < RMS_HELD; k++) {
+            int c = threadIdx.x + k * blockDim.x;
+            xv[k] = c < dim ? ld(x, xbf, base + c) : 0.0f;
+            wv[k] = c < dim ? ld(w, wbf, c) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_HELD; k++) ss += xv[k] * xv[k];
+        ss = block_sum(ss, sh);
+        float rs = 1.0f / sqrtf(ss / (float)dim + eps);
+        if (threadIdx.x == 0) rstd[r] = rs;
+#pragma unroll
+        for (int k = 0; k < RMS_HELD; k++) {
+            int c = threadIdx.x + k * blockDim.x;
+            if (c < dim) st(y, ybf, base + c, wv[k] * (xv[k] * rs));
+        }
+        return;
+    }
     for (int c = threadIdx.x; c < dim; c += blockDim.x) {
         float v = ld(x, xbf, base + c);
         ss += v * v;

@@ -1335,13 +1335,15 @@ impl Backend for CudaBackend {
             Some(self.temp(rows, DType::F32)?)
         };
         let rs_ptr = rs.as_ref().map_or(rstd.ptr, |t| t.ptr);
-        let f = self.func(nvrtc::RMSNORM, 0, "rmsnorm_fwd_k")?;
         let (ybf, xbf, wbf) = (y.bf(), x.bf(), w.bf());
         let (r, d) = (i32_of(rows, "rows")?, i32_of(dim, "dim")?);
+        // One warp per row, four rows per block (see rmsnorm.cu).
+        let f = self.func(nvrtc::RMSNORM, 0, "rmsnorm_fwd_k")?;
+        let (grid, threads) = (rows.div_ceil(4) as u32, 128);
         self.launch(
             &f,
-            (rows as u32, 1, 1),
-            Self::row_threads(dim),
+            (grid, 1, 1),
+            threads,
             0,
             &[
                 &y.ptr, &ybf, &rs_ptr, &x.ptr, &xbf, &w.ptr, &wbf, &r, &d, &eps,

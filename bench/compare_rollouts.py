@@ -24,7 +24,7 @@ for a, b in zip(cpu, gpu):
     total += len(a)
 res["tiny_greedy_positions_agree"] = same / total
 res["tiny_greedy_positions"] = total
-for m in ["tiny", "q05", "q05_agree_scalar"]:
+for m in ["tiny", "q05", "q05_inv", "q05_agree_scalar"]:
     try:
         t = pq.read_table(f"{out}/{m}.parquet" if m.endswith("scalar") else f"{out}/{m}_agree.parquet")
     except FileNotFoundError:

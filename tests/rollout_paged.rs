@@ -1,6 +1,7 @@
 //! `rollout` on the paged engine, through the real binary: the scheduler limits
-//! (--max-num-seqs, --max-batched-tokens: few seats, prompts prefilled in chunks) do not
-//! change the samples, the metrics report the KV pool, and bad limits are input errors.
+//! (--max-num-seqs, --max-batched-tokens: few seats, prompts prefilled in chunks) and overlap
+//! scheduling (--no-overlap) do not change the samples, the metrics report the KV pool and the
+//! queued steps, and bad limits are input errors.
 
 mod stage_util;
 
@@ -57,6 +58,19 @@ fn scheduler_limits_do_not_change_the_samples() {
     {
         assert!((x - y).abs() < 1e-5, "{x} vs {y}");
     }
+    // Without overlap scheduling: the same samples, bit for bit (the CPU's rows do not depend
+    // on the batch), and no step queued behind another.
+    let (c, mc) = run_it("no-overlap", &["--no-overlap"]);
+    assert_eq!(
+        i32_rows(&a, schema::RESPONSE_IDS),
+        i32_rows(&c, schema::RESPONSE_IDS)
+    );
+    assert_eq!(
+        f32_rows(&a, schema::ROLLOUT_LOGPROBS),
+        f32_rows(&c, schema::ROLLOUT_LOGPROBS)
+    );
+    assert_eq!(mc["overlapped_steps"], 0);
+    assert!(ma["overlapped_steps"].as_u64().unwrap() > 0, "{ma}");
     // One prefill per prompt with every seat free; more when the samples come in turns.
     assert_eq!(ma["prefills"], 3);
     assert!(mb["prefills"].as_u64().unwrap() > 3, "{mb}");

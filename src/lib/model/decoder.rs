@@ -233,17 +233,14 @@ struct DecodeGraphs {
     width: usize,
     /// Largest bucket: steps with more rows run eagerly.
     max_rows: usize,
-    /// (bucket, temperature bits, top_k, top_p bits, rows draw from their own chunks) → graph
-    /// id.
-    captured: Vec<(GraphKey, usize)>,
+    /// (bucket, temperature bits, top_k, top_p bits) → graph id.
+    captured: Vec<((usize, u32, i64, u32), usize)>,
     /// Pure-decode steps run so far per key: a bucket is captured at its CAPTURE_AT-th step.
-    uses: Vec<(GraphKey, usize)>,
+    uses: Vec<((usize, u32, i64, u32), usize)>,
     /// (workspace epoch, cache epoch) the fixed buffers were sized at (None: not yet).
     epochs: Option<(u64, u64)>,
     stats: GraphStats,
 }
-
-type GraphKey = (usize, u32, i64, u32, bool);
 
 /// The step of a bucket that is captured; the ones before run padded eagerly (the first also
 /// compiles kernels and plans GEMMs). A capture costs ~15 ms on an H100, several eager steps:
@@ -993,10 +990,11 @@ impl<B: Backend> Decoder<B> {
     /// Frees the activation workspace (it grows back on the next call): what a colocated
     /// engine does between phases, e.g. after an update and before generation.
     /// ws.xf = final_norm(resid[last][rows]) for the `r` rows listed in ws.rows: the hidden
-    /// states the LM head reads (scoring, cached decode and paged steps alike).
-    /// With `own`, row i of ws.rows is i (every row is its own chunk's last token, as in a
-    /// decode step): the norm reads the hidden states in place.
-    fn final_rows(&mut self, last: usize, r: usize, own: bool) -> Result<()> {
+    /// states the LM head reads (scoring, cached decode and paged steps alike). The gather
+    /// also rounds the f32 residual to the compute dtype, in every path: a decode step that
+    /// normed its rows in place would round differently from training (measured: 1.3e-3 mean
+    /// |Δ log-prob| against `ref-logprob` in batch-invariant mode).
+    fn final_rows(&mut self, last: usize, r: usize) -> Result<()> {
         let Decoder {
             backend: b,
             cfg,
@@ -1006,13 +1004,11 @@ impl<B: Backend> Decoder<B> {
             ..
         } = self;
         let d = cfg.hidden_size;
-        if !own {
-            b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
-        }
+        b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
         b.rmsnorm(
             &mut ws.xf,
             &mut ws.rstd_f,
-            if own { &ws.resid[last] } else { &ws.xg },
+            &ws.xg,
             &w[*final_norm],
             r,
             d,
@@ -1414,7 +1410,7 @@ impl<B: Backend> Decoder<B> {
         entropy: bool,
     ) -> Result<()> {
         let chunk = self.chunk_rows(r);
-        self.final_rows(last, r, false)?;
+        self.final_rows(last, r)?;
         let Decoder {
             backend: b,
             cfg,
@@ -2041,7 +2037,7 @@ impl<B: Backend> Decoder<B> {
         let last = self.forward(n, 1, false, AttnMode::Cached(cache))?;
         cache.lens = lens;
         let r = out.len();
-        self.final_rows(last, r, false)?;
+        self.final_rows(last, r)?;
         self.head_logits(r)?;
         let mut logits = vec![0.0; r * v];
         self.backend.download(&self.ws.logits, &mut logits)?;
@@ -2254,13 +2250,12 @@ impl<B: Backend> Decoder<B> {
         cache: &mut PagedKv<B>,
         rows: usize,
         sampling: &SamplingParams,
-        own: bool,
     ) -> Result<()> {
         // Rows of a queued step take their tokens from the draws of the step before.
         self.backend
             .feed_tokens(&mut self.ws.ids, &cache.tokens, &cache.feed, rows)?;
         let last = self.forward(rows, 1, false, AttnMode::Paged(cache))?;
-        self.sample_rows(cache, last, rows, sampling, own)
+        self.sample_rows(cache, last, rows, sampling)
     }
 
     /// Final norm and LM head of the `rows` hidden states `last` names, then the draw into the
@@ -2271,9 +2266,8 @@ impl<B: Backend> Decoder<B> {
         last: usize,
         rows: usize,
         sampling: &SamplingParams,
-        own: bool,
     ) -> Result<()> {
-        self.final_rows(last, rows, own)?;
+        self.final_rows(last, rows)?;
         self.head_logits(rows)?;
         self.backend.sample(
             &mut cache.tokens,
@@ -2335,7 +2329,6 @@ impl<B: Backend> Decoder<B> {
             positions[i] = r.position as u32;
         }
         self.check_tokens(&ids[..n], "generation input")?;
-        let own = out.iter().enumerate().all(|(i, &o)| o as usize == i);
         self.prepare_padded(cache)?;
         {
             let (b, ws) = (&self.backend, &mut self.ws);
@@ -2361,7 +2354,6 @@ impl<B: Backend> Decoder<B> {
                 sampling.temperature.to_bits(),
                 sampling.top_k,
                 sampling.top_p.to_bits(),
-                own,
             );
             let found = g
                 .captured
@@ -2379,7 +2371,7 @@ impl<B: Backend> Decoder<B> {
                 }
             };
             if found.is_none() && uses < CAPTURE_AT {
-                self.decode_body(cache, bucket, sampling, own)?;
+                self.decode_body(cache, bucket, sampling)?;
                 cache.graphs.stats.padded_steps += 1;
                 return cache.start_draws(&self.backend, rows.len());
             }
@@ -2389,7 +2381,7 @@ impl<B: Backend> Decoder<B> {
                     let t0 = std::time::Instant::now();
                     self.backend.synchronize()?;
                     self.backend.graph_begin()?;
-                    let body = self.decode_body(cache, bucket, sampling, own);
+                    let body = self.decode_body(cache, bucket, sampling);
                     let id = self.backend.graph_end();
                     body?;
                     let id = id?;
@@ -2402,7 +2394,7 @@ impl<B: Backend> Decoder<B> {
             self.backend.graph_launch(id)?;
             cache.graphs.stats.replays += 1;
         } else {
-            self.decode_body(cache, bucket, sampling, own)?;
+            self.decode_body(cache, bucket, sampling)?;
             cache.graphs.stats.padded_steps += 1;
         }
         cache.start_draws(&self.backend, rows.len())
@@ -2555,7 +2547,7 @@ impl<B: Backend> Decoder<B> {
         }
         let last_buf = self.forward(n, 1, false, AttnMode::Paged(cache))?;
         if r > 0 {
-            self.sample_rows(cache, last_buf, r, sampling, false)?;
+            self.sample_rows(cache, last_buf, r, sampling)?;
         }
         cache.start_draws(&self.backend, r)
     }

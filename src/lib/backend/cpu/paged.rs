@@ -134,6 +134,23 @@ mod tests {
     }
 
     #[test]
+    fn fed_rows_take_the_draws_of_the_step_before() {
+        use crate::backend::cpu::Cpu;
+        use crate::backend::{Backend, FEED_NONE};
+        let prev = vec![40u32, 41, 42];
+        let mut ids = vec![7u32, 0, 9, 0, 5];
+        let src = vec![FEED_NONE, 2, FEED_NONE, 0, FEED_NONE];
+        Cpu.feed_tokens(&mut ids, &prev, &src, 4).unwrap();
+        // Rows past n keep their tokens whatever their source says.
+        assert_eq!(ids, [7, 42, 9, 40, 5]);
+        let err = Cpu
+            .feed_tokens(&mut ids, &prev, &vec![3, FEED_NONE], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("row 0 feeds draw 3 of 3"), "{err}");
+    }
+
+    #[test]
     fn paged_equals_contiguous_cache_bit_for_bit() {
         // 2 sequences of 7 and 3 positions, block size 4, GQA 4 heads over 2 kv heads.
         let (h, kh, d, bs) = (4, 2, 8, 4);

@@ -1374,7 +1374,7 @@ mod paged;
 
 type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 26] {
+fn cases<'g>() -> [(&'static str, Case<'g>); 27] {
     [
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
@@ -1401,6 +1401,7 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 26] {
         ("sample", Suite::sample),
         ("paged_generate", Suite::paged_generate),
         ("paged_graphs", Suite::paged_graphs),
+        ("rollout_agreement", Suite::rollout_agreement),
         ("fused_decode", Suite::fused_decode),
     ]
 }

@@ -1065,6 +1065,104 @@ impl Suite<'_> {
         Ok(())
     }
 
+    /// Agreement of the rollout engine with training: a sampled rollout (CUDA graphs, overlap
+    /// scheduling, a pool small enough to preempt) scored again by the packed training forward
+    /// (`Decoder::logprobs`, what `ref-logprob` runs) on the same weights. In batch-invariant
+    /// mode every kernel gives a token the training forward's bits, so the log-probs must agree
+    /// to the normaliser's rounding (1e-5); the default mode is reported.
+    pub(super) fn rollout_agreement(&mut self, d: DType) -> Result<()> {
+        if d != DType::BF16 {
+            return Ok(());
+        }
+        let cfg = Config {
+            eos_token_ids: vec![],
+            ..tiny_config(Arch::Qwen2)
+        };
+        let w = init::random_weights(&cfg, self.rng.next_u64(), 0.2);
+        let reqs: Vec<Request> = (0..12)
+            .map(|i| {
+                let len = 3 + self.rng.below(70);
+                let prompt: Vec<u32> = (0..len).map(|_| self.rng.below(1000) as u32).collect();
+                let keys = (0..3).map(|s| sample_key(i, &prompt, 0, s)).collect();
+                Request {
+                    prompt,
+                    sample_keys: keys,
+                }
+            })
+            .collect();
+        let params = GenParams {
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_k: -1,
+                top_p: 1.0,
+            },
+            max_new_tokens: 40,
+            stop_token_ids: vec![7, 8],
+            stop_strings: vec![],
+        };
+        let pc = PagedConfig {
+            block_size: 16,
+            num_blocks: 30,
+            max_num_seqs: 24,
+            max_batched_tokens: 96,
+            overlap: true,
+        };
+        let was = self.gpu.batch_invariant();
+        for invariant in [true, false] {
+            let gb = CudaBackend::new(self.ordinal)?;
+            gb.set_batch_invariant(invariant);
+            let mut dec = Decoder::new(gb, &cfg, &w)?;
+            let (done, stats) = {
+                let mut eng = PagedDecoder::new(&mut dec, pc.num_blocks, pc.block_size)?;
+                eng.set_graphs(GraphMode::Graphs, pc.max_num_seqs, 7)?;
+                generate_paged(&mut eng, &pc, &reqs, &params, None, &mut |_| {})?
+            };
+            let mut full = Vec::new();
+            let mut lps = Vec::new();
+            for (r, cs) in reqs.iter().zip(&done) {
+                for c in cs {
+                    let mut t = r.prompt.clone();
+                    t.extend(&c.tokens);
+                    full.push((t, r.prompt.len()));
+                    lps.push(c.logprobs.clone());
+                }
+            }
+            let seqs: Vec<SeqRef> = full
+                .iter()
+                .map(|(t, s)| SeqRef {
+                    tokens: t,
+                    start: *s,
+                })
+                .collect();
+            let scored = dec.logprobs(&seqs, 1.0, false)?;
+            let (mut max, mut n, mut outside) = (0f64, 0usize, 0usize);
+            for (a, b) in lps.iter().zip(&scored) {
+                for (x, y) in a.iter().zip(&b.logprobs) {
+                    let dlt = (x - y) as f64;
+                    max = max.max(dlt.abs());
+                    outside += usize::from(!(0.99..=1.01).contains(&dlt.exp()));
+                    n += 1;
+                }
+            }
+            let mode = if invariant {
+                "batch-invariant"
+            } else {
+                "default"
+            };
+            self.flag(
+                &format!("rollout_agreement [{mode}]"),
+                d,
+                !invariant || max <= 1e-5,
+                format!(
+                    "{n} tokens, max |Δ logprob| {max:.2e}, {outside} outside [0.99, 1.01]; {} overlapped steps, {} preemptions",
+                    stats.overlapped_steps, stats.preemptions
+                ),
+            );
+        }
+        self.gpu.set_batch_invariant(was);
+        Ok(())
+    }
+
     /// The rollout with pure-decode steps replayed from CUDA graphs against the same rollout
     /// run eagerly padded exactly as for the graphs (must be bit-identical: a replay runs the
     /// same kernels on the same inputs), and against plain eager steps (bit-identical at the

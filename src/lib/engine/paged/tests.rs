@@ -446,27 +446,32 @@ fn paged_decoder_on_the_cpu_equals_the_contiguous_decoder() {
         let want = generate(&mut slots, &reqs, &p, None, &mut |_| {})
             .unwrap()
             .0;
-        // A small pool (preemption) and prompts split over steps.
-        let pc = PagedConfig {
-            block_size: 4,
-            num_blocks: 12,
-            max_num_seqs: 5,
-            max_batched_tokens: 8,
-            overlap: true,
-        };
-        let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
-        let mut paged = PagedDecoder::new(&mut dec, pc.num_blocks, pc.block_size).unwrap();
-        let (got, stats) = generate_paged(&mut paged, &pc, &reqs, &p, None, &mut |_| {}).unwrap();
-        // The same tokens; log-probs to rounding (the CPU GEMM blocks rows differently for a
-        // different number of rows per call, so the last bits of a logit may differ).
-        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
-            assert_eq!((&g.tokens, g.finish), (&w.tokens, w.finish), "{sampling:?}");
-            for (a, b) in g.logprobs.iter().zip(&w.logprobs) {
-                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        // A small pool (preemption) and prompts split over steps; with overlap scheduling the
+        // decoder queues steps whose tokens it reads from the draws of the step before.
+        for overlap in [false, true] {
+            let pc = PagedConfig {
+                block_size: 4,
+                num_blocks: 12,
+                max_num_seqs: 5,
+                max_batched_tokens: 8,
+                overlap,
+            };
+            let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
+            let mut paged = PagedDecoder::new(&mut dec, pc.num_blocks, pc.block_size).unwrap();
+            let (got, stats) =
+                generate_paged(&mut paged, &pc, &reqs, &p, None, &mut |_| {}).unwrap();
+            // The same tokens; log-probs to rounding (the CPU GEMM blocks rows differently for
+            // a different number of rows per call, so the last bits of a logit may differ).
+            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert_eq!((&g.tokens, g.finish), (&w.tokens, w.finish), "{sampling:?}");
+                for (a, b) in g.logprobs.iter().zip(&w.logprobs) {
+                    assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+                }
             }
+            assert_eq!(stats.blocks_in_use_at_end, 0);
+            assert!(stats.preemptions > 0, "the small pool preempts");
+            assert_eq!(stats.overlapped_steps > 0, overlap, "{stats:?}");
         }
-        assert_eq!(stats.blocks_in_use_at_end, 0);
-        assert!(stats.preemptions > 0, "the small pool preempts");
     }
 }
 

@@ -58,17 +58,20 @@ fn scheduler_limits_do_not_change_the_samples() {
     {
         assert!((x - y).abs() < 1e-5, "{x} vs {y}");
     }
-    // Without overlap scheduling: the same samples, bit for bit (the CPU's rows do not depend
-    // on the batch), and no step queued behind another.
+    // Without overlap scheduling: the same samples, and no step queued behind another (the
+    // log-probs to rounding: the CPU GEMM blocks rows by the step's row count).
     let (c, mc) = run_it("no-overlap", &["--no-overlap"]);
     assert_eq!(
         i32_rows(&a, schema::RESPONSE_IDS),
         i32_rows(&c, schema::RESPONSE_IDS)
     );
-    assert_eq!(
-        f32_rows(&a, schema::ROLLOUT_LOGPROBS),
-        f32_rows(&c, schema::ROLLOUT_LOGPROBS)
-    );
+    for (x, y) in f32_rows(&a, schema::ROLLOUT_LOGPROBS)
+        .iter()
+        .flatten()
+        .zip(f32_rows(&c, schema::ROLLOUT_LOGPROBS).iter().flatten())
+    {
+        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+    }
     assert_eq!(mc["overlapped_steps"], 0);
     assert!(ma["overlapped_steps"].as_u64().unwrap() > 0, "{ma}");
     // One prefill per prompt with every seat free; more when the samples come in turns.

@@ -1855,9 +1855,10 @@ impl Backend for CudaBackend {
         );
         let cache_rows = (k_cache.len.min(v_cache.len) / kd) as i64;
         let err = self.err_word.ptr();
+        // Four tokens per block (RPB in rope.cu).
         self.launch(
             &f,
-            (tokens as u32, 1, 1),
+            (tokens.div_ceil(4) as u32, 1, 1),
             Self::row_threads((heads + kv_heads) * head_dim / 2),
             0,
             &[

@@ -63,32 +63,39 @@ extern "C" __global__ void rope_store_kv_k(void* q, int qbf, void* k, int kbf, c
 // [q (heads·d) | k (kv_heads·d) | v (kv_heads·d)]: the same arithmetic on the same values, so
 // it is bit-identical to the split op given the parts. q_out[t] = rope(q_t),
 // cache[rows[t]] = (rope(k_t) as rounded to x's type, v_t).
+#define RPB 4 // tokens per block of rope_store_kv_packed_k
+
 extern "C" __global__ void rope_store_kv_packed_k(const void* x, int xbf, void* q, int qbf,
                                                   const u32* pos, void* kc, int kcbf, void* vc,
                                                   int vcbf, const u32* rows, int tokens, int heads,
                                                   int kv_heads, int head_dim, i64 cache_rows,
                                                   Freqs fr, u32* err) {
-    // The angles of the token, once per block instead of once per head.
-    __shared__ float sn[512], cs[512];
-    int t = blockIdx.x;
-    if (t >= tokens) return;
+    // RPB tokens per block (a token alone is too little work for a block); their angles once
+    // per block instead of once per head.
+    __shared__ float sn[RPB][512], cs[RPB][512];
+    int t0 = blockIdx.x * RPB;
     int half = head_dim / 2, qd = heads * head_dim, kd = kv_heads * head_dim;
-    i64 row = (i64)t * (qd + 2 * kd);
-    u32 r = rows[t];
-    int ok = (i64)r < cache_rows;
-    if (!ok && threadIdx.x == 0) atomicOr(err, ERR_CACHE_ROW);
-    float p = (float)pos[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) sincosf(p * fr.f[i], &sn[i], &cs[i]);
+    int pairs = (heads + kv_heads) * half;
+    for (int j = threadIdx.x; j < RPB * half; j += blockDim.x) {
+        int k = j / half, i = j - k * half, t = t0 + k;
+        if (t < tokens) sincosf((float)pos[t] * fr.f[i], &sn[k][i], &cs[k][i]);
+    }
+    if (threadIdx.x < RPB && t0 + (int)threadIdx.x < tokens && (i64)rows[t0 + threadIdx.x] >= cache_rows)
+        atomicOr(err, ERR_CACHE_ROW);
     __syncthreads();
-    for (int j = threadIdx.x; j < (heads + kv_heads) * half; j += blockDim.x) {
-        int h = j / half, i = j - h * half;
-        float s = sn[i], c = cs[i];
+    for (int j = threadIdx.x; j < RPB * pairs; j += blockDim.x) {
+        int k = j / pairs, jj = j - k * pairs, t = t0 + k;
+        if (t >= tokens) break;
+        i64 row = (i64)t * (qd + 2 * kd);
+        u32 r = rows[t];
+        int h = jj / half, i = jj - h * half;
+        float s = sn[k][i], c = cs[k][i];
         int isk = h >= heads, hh = isk ? h - heads : h;
         i64 ia = row + (isk ? qd : 0) + (i64)hh * head_dim + i, ib = ia + half;
         float a = ld(x, xbf, ia), b = ld(x, xbf, ib);
         float ra = a * c - b * s, rb = b * c + a * s;
         if (isk) {
-            if (ok) {
+            if ((i64)r < cache_rows) {
                 i64 ca = (i64)r * kd + (i64)hh * head_dim + i;
                 st(kc, kcbf, ca, xbf ? bf2f(f2bf(ra)) : ra);
                 st(kc, kcbf, ca + half, xbf ? bf2f(f2bf(rb)) : rb);
@@ -99,7 +106,11 @@ extern "C" __global__ void rope_store_kv_packed_k(const void* x, int xbf, void* 
             st(q, qbf, qa + half, rb);
         }
     }
-    if (ok)
-        for (int c = threadIdx.x; c < kd; c += blockDim.x)
-            st(vc, vcbf, (i64)r * kd + c, ld(x, xbf, row + qd + kd + c));
+    for (int j = threadIdx.x; j < RPB * kd; j += blockDim.x) {
+        int k = j / kd, c = j - k * kd, t = t0 + k;
+        if (t >= tokens) break;
+        u32 r = rows[t];
+        if ((i64)r < cache_rows)
+            st(vc, vcbf, (i64)r * kd + c, ld(x, xbf, (i64)t * (qd + 2 * kd) + qd + kd + c));
+    }
 }

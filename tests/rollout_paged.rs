@@ -6,9 +6,21 @@
 mod stage_util;
 
 use stage_util::*;
-use tandem::batch::schema;
+use tandem::batch::{schema, Batch};
 
 const QUESTIONS: [&str; 3] = ["What is 2 + 3?", "Name a colour.", "Count to three."];
+
+/// The rollout log-probs of two runs agree to the CPU GEMM's rounding (it blocks rows by the
+/// step's row count).
+fn logprobs_close(a: &Batch, b: &Batch) {
+    for (x, y) in f32_rows(a, schema::ROLLOUT_LOGPROBS)
+        .iter()
+        .flatten()
+        .zip(f32_rows(b, schema::ROLLOUT_LOGPROBS).iter().flatten())
+    {
+        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+    }
+}
 
 #[test]
 fn scheduler_limits_do_not_change_the_samples() {
@@ -51,13 +63,7 @@ fn scheduler_limits_do_not_change_the_samples() {
         i32_rows(&a, schema::RESPONSE_IDS),
         i32_rows(&b, schema::RESPONSE_IDS)
     );
-    for (x, y) in f32_rows(&a, schema::ROLLOUT_LOGPROBS)
-        .iter()
-        .flatten()
-        .zip(f32_rows(&b, schema::ROLLOUT_LOGPROBS).iter().flatten())
-    {
-        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
-    }
+    logprobs_close(&a, &b);
     // Without overlap scheduling: the same samples, and no step queued behind another (the
     // log-probs to rounding: the CPU GEMM blocks rows by the step's row count).
     let (c, mc) = run_it("no-overlap", &["--no-overlap"]);
@@ -65,13 +71,7 @@ fn scheduler_limits_do_not_change_the_samples() {
         i32_rows(&a, schema::RESPONSE_IDS),
         i32_rows(&c, schema::RESPONSE_IDS)
     );
-    for (x, y) in f32_rows(&a, schema::ROLLOUT_LOGPROBS)
-        .iter()
-        .flatten()
-        .zip(f32_rows(&c, schema::ROLLOUT_LOGPROBS).iter().flatten())
-    {
-        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
-    }
+    logprobs_close(&a, &c);
     assert_eq!(mc["overlapped_steps"], 0);
     assert!(ma["overlapped_steps"].as_u64().unwrap() > 0, "{ma}");
     // One prefill per prompt with every seat free; more when the samples come in turns.

@@ -176,40 +176,26 @@ pub fn generate_paged(
             } else {
                 None
             };
-            match next {
-                Some(next) => {
-                    next.submit_after(&f, &mut pipe, &running, requests, params)?;
-                    stats.gen.decode_steps += 1;
-                    stats.overlapped_steps += 1;
-                    let keep = apply(
-                        f,
-                        Some(&next.want),
-                        &mut running,
-                        &mut pipe,
-                        &mut pool,
-                        &mut stats,
-                        &mut done,
-                        cfg,
-                        params,
-                        detok,
-                    )?;
-                    flight = Some(next.retain(&keep));
-                    continue;
-                }
-                None => {
-                    apply(
-                        f,
-                        None,
-                        &mut running,
-                        &mut pipe,
-                        &mut pool,
-                        &mut stats,
-                        &mut done,
-                        cfg,
-                        params,
-                        detok,
-                    )?;
-                }
+            if let Some(n) = &next {
+                n.submit_after(&f, &mut pipe, &running, requests, params)?;
+                stats.gen.decode_steps += 1;
+                stats.overlapped_steps += 1;
+            }
+            let keep = apply(
+                f,
+                next.as_ref().map(|n| n.want.as_slice()),
+                &mut running,
+                &mut pipe,
+                &mut pool,
+                &mut stats,
+                &mut done,
+                cfg,
+                params,
+                detok,
+            )?;
+            if let Some(n) = next {
+                flight = Some(n.retain(&keep));
+                continue;
             }
         }
 

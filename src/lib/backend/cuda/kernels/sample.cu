@@ -40,14 +40,17 @@ DEVI u32 okey(float f) {
 }
 DEVI float unokey(u32 k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
 
-// Exclusive prefix sum over the block of one double per thread; returns this thread's offset.
-DEVI double block_excl_scan_d(double v, double* sh) {
+// Exclusive prefix sum of one double per thread over the block in a fixed order (warp scans,
+// then a scan of the warp totals); *total gets the block's sum.
+DEVI double block_scan_d(double v, double* sh, double* total) {
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     double x = v;
     for (int o = 1; o < 32; o <<= 1) {
         double y = __shfl_up_sync(0xffffffffu, x, o);
         if (lane >= o) x += y;
     }
+    double ex = __shfl_up_sync(0xffffffffu, x, 1);
+    if (lane == 0) ex = 0.0;
     __syncthreads();
     if (lane == 31) sh[w] = x;
     __syncthreads();
@@ -60,8 +63,8 @@ DEVI double block_excl_scan_d(double v, double* sh) {
         if (lane < nw) sh[lane] = t;
     }
     __syncthreads();
-    double before = w > 0 ? sh[w - 1] : 0.0;
-    return before + x - v;
+    *total = sh[nw - 1];
+    return (w > 0 ? sh[w - 1] : 0.0) + ex;
 }
 
 struct Row {
@@ -96,7 +99,7 @@ DEVI int nth_tie(const Row& r, float w, double rank, double* shd, int* shi) {
     int a = threadIdx.x * chunk, b = min(r.vocab, a + chunk);
     double cnt = 0.0;
     for (int v = a; v < b; v++) cnt += weight(r, v) == w ? 1.0 : 0.0;
-    double before = block_excl_scan_d(cnt, shd);
+    double all, before = block_scan_d(cnt, shd, &all);
     if (threadIdx.x == 0) *shi = -1;
     __syncthreads();
     if (cnt > 0.0 && before <= rank && rank < before + cnt) {
@@ -345,32 +348,6 @@ extern "C" __global__ void __launch_bounds__(SNT2) sample_chunk_k(float* cmax, u
     }
 }
 
-// Exclusive prefix sum of one double per thread over the block in a fixed order (warp scans,
-// then a scan of the warp totals); *total gets the block's sum.
-DEVI double block_scan_d(double v, double* sh, double* total) {
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    double x = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        double y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    double ex = __shfl_up_sync(0xffffffffu, x, 1);
-    if (lane == 0) ex = 0.0;
-    __syncthreads();
-    if (lane == 31) sh[w] = x;
-    __syncthreads();
-    if (w == 0) {
-        double t = lane < nw ? sh[lane] : 0.0;
-        for (int o = 1; o < 32; o <<= 1) {
-            double y = __shfl_up_sync(0xffffffffu, t, o);
-            if (lane >= o) t += y;
-        }
-        if (lane < nw) sh[lane] = t;
-    }
-    __syncthreads();
-    *total = sh[nw - 1];
-    return (w > 0 ? sh[w - 1] : 0.0) + ex;
-}
 
 DEVI int block_max_i(int v, int* sh) {
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;

@@ -180,6 +180,7 @@ pub fn generate_paged(
                 n.submit_after(&f, &mut pipe, &running, requests, params)?;
                 stats.gen.decode_steps += 1;
                 stats.overlapped_steps += 1;
+                stats.peak_blocks_in_use = stats.peak_blocks_in_use.max(pool.in_use());
             }
             let keep = apply(
                 f,

@@ -130,10 +130,10 @@ pub struct MemoryStats {
 /// A buffer and the buffers that are its parts (`Backend::alloc_parts`).
 pub type Parts<T> = (T, Vec<T>);
 
-/// The op set. Every method documents its math in one line; shapes are passed explicitly.
 /// `Backend::feed_tokens`: this row keeps the token uploaded for it.
 pub const FEED_NONE: u32 = u32::MAX;
 
+/// The op set. Every method documents its math in one line; shapes are passed explicitly.
 pub trait Backend: Send + Sync {
     /// A float buffer on the device (`Vec<f32>` on the CPU).
     type Buf: Send + Sync;

@@ -2540,8 +2540,11 @@ impl<B: Backend> Decoder<B> {
         b.upload_idx(&mut cache.keys, &keys)?;
         b.upload_idx(&mut cache.positions, &positions)?;
         if fed.iter().any(|&f| f != FEED_NONE) {
-            // Fed rows are single tokens, which come first: `fed` covers them.
-            grow_idx(b, &mut cache.feed, fed.len())?;
+            // Fed rows are single tokens, which come first: `fed` covers them. The graphs
+            // read this buffer too: a reallocation must drop them (the epoch).
+            if grow_idx(b, &mut cache.feed, fed.len())? {
+                cache.epoch += 1;
+            }
             cache.upload_feed(b, &fed)?;
             b.feed_tokens(&mut self.ws.ids, &cache.tokens, &cache.feed, fed.len())?;
         }
@@ -2602,8 +2605,6 @@ fn rope_store<B: Backend>(
     }
 }
 
-/// Grows an index buffer to hold at least `n` entries (to the next power of two, so that a
-/// growing batch reallocates rarely); true when it was reallocated.
 /// Draws as `Sampled` rows.
 fn sampled(tokens: Vec<u32>, logprobs: Vec<f32>) -> Vec<Sampled> {
     tokens
@@ -2613,6 +2614,8 @@ fn sampled(tokens: Vec<u32>, logprobs: Vec<f32>) -> Vec<Sampled> {
         .collect()
 }
 
+/// Grows an index buffer to hold at least `n` entries (to the next power of two, so that a
+/// growing batch reallocates rarely); true when it was reallocated.
 fn grow_idx<B: Backend>(b: &B, buf: &mut B::Idx, n: usize) -> Result<bool> {
     if b.len_idx(buf) < n {
         *buf = b.alloc_idx(n.next_power_of_two())?;

@@ -83,8 +83,13 @@ impl CudaBackend {
         let s = slots
             .get_mut(slot)
             .ok_or_else(|| anyhow!("cuda: no draw slot {slot}"))?;
-        if s.as_ref().is_some_and(|s| s.rows.is_some()) {
-            bail!("cuda: draw slot {slot} is still in use");
+        if let Some(old) = s.as_mut().filter(|s| s.rows.is_some()) {
+            // Draws nobody collected (a generation that stopped on an error): let their copies
+            // finish before the slot is written again.
+            old.event
+                .synchronize()
+                .map_err(|e| anyhow!("cuda: a kernel failed: {e:?}"))?;
+            old.rows = None;
         }
         if s.as_ref().is_none_or(|s| s.cap < rows) {
             *s = Some(self.new_slot(rows)?);

@@ -46,6 +46,10 @@ const MAX_PAGED_SPLITS: usize = 128;
 pub const PART_ALIGN: usize = 256;
 /// Logits per chunk of the greedy and plain sampling kernels (SCH in sample.cu).
 const SAMPLE_CHUNK: usize = 4096;
+/// Rows per block of `rmsnorm_fwd_k` (a warp each; the kernel derives it from blockDim).
+const RMSNORM_ROWS_PER_BLOCK: usize = 4;
+/// Tokens per block of `rope_store_kv_packed_k` (RPB in rope.cu).
+const ROPE_TOKENS_PER_BLOCK: usize = 4;
 
 /// The message a user sees on a machine without a usable GPU.
 pub const NO_DRIVER: &str = "no CUDA driver found; use --device cpu";
@@ -1337,13 +1341,11 @@ impl Backend for CudaBackend {
         let rs_ptr = rs.as_ref().map_or(rstd.ptr, |t| t.ptr);
         let (ybf, xbf, wbf) = (y.bf(), x.bf(), w.bf());
         let (r, d) = (i32_of(rows, "rows")?, i32_of(dim, "dim")?);
-        // One warp per row, four rows per block (see rmsnorm.cu).
         let f = self.func(nvrtc::RMSNORM, 0, "rmsnorm_fwd_k")?;
-        let (grid, threads) = (rows.div_ceil(4) as u32, 128);
         self.launch(
             &f,
-            (grid, 1, 1),
-            threads,
+            (rows.div_ceil(RMSNORM_ROWS_PER_BLOCK) as u32, 1, 1),
+            32 * RMSNORM_ROWS_PER_BLOCK as u32,
             0,
             &[
                 &y.ptr, &ybf, &rs_ptr, &x.ptr, &xbf, &w.ptr, &wbf, &r, &d, &eps,
@@ -1855,10 +1857,9 @@ impl Backend for CudaBackend {
         );
         let cache_rows = (k_cache.len.min(v_cache.len) / kd) as i64;
         let err = self.err_word.ptr();
-        // Four tokens per block (RPB in rope.cu).
         self.launch(
             &f,
-            (tokens.div_ceil(4) as u32, 1, 1),
+            (tokens.div_ceil(ROPE_TOKENS_PER_BLOCK) as u32, 1, 1),
             Self::row_threads((heads + kv_heads) * head_dim / 2),
             0,
             &[

@@ -1107,7 +1107,6 @@ impl Suite<'_> {
             max_batched_tokens: 96,
             overlap: true,
         };
-        let was = self.gpu.batch_invariant();
         for invariant in [true, false] {
             let gb = CudaBackend::new(self.ordinal)?;
             gb.set_batch_invariant(invariant);
@@ -1159,7 +1158,6 @@ impl Suite<'_> {
                 ),
             );
         }
-        self.gpu.set_batch_invariant(was);
         Ok(())
     }
 

@@ -19,8 +19,7 @@
 use super::blocks::BlockPool;
 use super::{Chunk, PagedConfig, PagedModel, PagedStats, SampleRow};
 use crate::engine::generate::{Completion, Detokenize, FinishReason, GenParams, Request};
-use crate::engine::sampling::Sampled;
-use crate::engine::sampling::SamplingParams;
+use crate::engine::sampling::{Sampled, SamplingParams};
 use crate::error::input_error;
 use anyhow::{bail, ensure, Result};
 use std::collections::VecDeque;
@@ -408,76 +407,7 @@ impl Flight {
             ..self
         }
     }
-}
 
-/// The next decode step queued behind flight `f` (overlap scheduling): every live sample of
-/// `f` feeds the token `f` draws for it and draws the next, as the scheduler would decide once
-/// `f`'s draws are back unless one of them ends the sample (then the step computes a token
-/// nobody reads). Only when nothing else would change: `f` is a decode step of every live
-/// sequence, the first waiting work (needing `needs` seats) could not be admitted into the
-/// seats free now, and the pool has the blocks. Work a finishing sample makes room for is
-/// admitted one step later.
-fn lookahead(
-    f: &Flight,
-    running: &mut [Seq],
-    pool: &mut BlockPool,
-    cfg: &PagedConfig,
-    params: &GenParams,
-    needs: Option<usize>,
-) -> Option<Flight> {
-    if !f.pure_decode {
-        return None;
-    }
-    let live = || running.iter().zip(&f.want).filter(|(s, _)| !s.zombie);
-    if live().any(|(_, &n)| n != 1) {
-        return None;
-    }
-    if needs.is_some_and(|n| n <= cfg.max_num_seqs - live().count().min(cfg.max_num_seqs)) {
-        return None;
-    }
-    // A sample whose draw in `f` is its last by length is over whatever it draws.
-    let go: Vec<bool> = running
-        .iter()
-        .map(|s| !s.zombie && s.tokens.len() + 1 - s.prompt_len < params.max_new_tokens)
-        .collect();
-    let need = |s: &Seq| {
-        pool.blocks_for(s.computed + 2)
-            .saturating_sub(s.blocks.len())
-    };
-    let blocks: usize = running
-        .iter()
-        .zip(&go)
-        .filter(|(_, &g)| g)
-        .map(|(s, _)| need(s))
-        .sum();
-    if blocks > pool.num_free() || !go.contains(&true) {
-        return None;
-    }
-    let mut want = Vec::with_capacity(running.len());
-    let mut drawn_rows = Vec::with_capacity(running.len());
-    let mut rows = 0;
-    for (s, &g) in running.iter_mut().zip(&go) {
-        if g {
-            let n = pool
-                .blocks_for(s.computed + 2)
-                .saturating_sub(s.blocks.len());
-            s.blocks.extend(pool.alloc(n).expect("checked free blocks"));
-            drawn_rows.push(Some(rows..rows + 1));
-            rows += 1;
-        } else {
-            drawn_rows.push(None);
-        }
-        want.push(usize::from(g));
-    }
-    Some(Flight {
-        want,
-        drawn_rows,
-        rows,
-        pure_decode: true,
-    })
-}
-
-impl Flight {
     /// Hands a lookahead step to the model: chunk of sequence i feeds the draw of its row in
     /// the step before (`prev`, aligned with `running` too).
     fn submit_after(
@@ -515,6 +445,73 @@ impl Flight {
         }
         pipe.submit(&chunks, &feed, &rows, &params.sampling)
     }
+}
+
+/// The next decode step queued behind flight `f` (overlap scheduling): every live sample of
+/// `f` feeds the token `f` draws for it and draws the next, as the scheduler would decide once
+/// `f`'s draws are back unless one of them ends the sample (then the step computes a token
+/// nobody reads). Only when nothing else would change: `f` is a decode step of every live
+/// sequence, the first waiting work (needing `needs` seats) could not be admitted into the
+/// seats free now, and the pool has the blocks. Work a finishing sample makes room for is
+/// admitted one step later.
+fn lookahead(
+    f: &Flight,
+    running: &mut [Seq],
+    pool: &mut BlockPool,
+    cfg: &PagedConfig,
+    params: &GenParams,
+    needs: Option<usize>,
+) -> Option<Flight> {
+    if !f.pure_decode {
+        return None;
+    }
+    let live = || running.iter().zip(&f.want).filter(|(s, _)| !s.zombie);
+    if live().any(|(_, &n)| n != 1) {
+        return None;
+    }
+    if needs.is_some_and(|n| n <= cfg.max_num_seqs - live().count().min(cfg.max_num_seqs)) {
+        return None;
+    }
+    // A sample whose draw in `f` is its last by length is over whatever it draws.
+    let go: Vec<bool> = running
+        .iter()
+        .map(|s| !s.zombie && s.tokens.len() + 1 - s.prompt_len < params.max_new_tokens)
+        .collect();
+    // Blocks each needs for the position the queued step feeds (computed + 1).
+    let need: Vec<usize> = running
+        .iter()
+        .zip(&go)
+        .map(|(s, &g)| {
+            if g {
+                pool.blocks_for(s.computed + 2)
+                    .saturating_sub(s.blocks.len())
+            } else {
+                0
+            }
+        })
+        .collect();
+    if need.iter().sum::<usize>() > pool.num_free() || !go.contains(&true) {
+        return None;
+    }
+    let mut want = Vec::with_capacity(running.len());
+    let mut drawn_rows = Vec::with_capacity(running.len());
+    let mut rows = 0;
+    for ((s, &g), &n) in running.iter_mut().zip(&go).zip(&need) {
+        if g {
+            s.blocks.extend(pool.alloc(n).expect("checked free blocks"));
+            drawn_rows.push(Some(rows..rows + 1));
+            rows += 1;
+        } else {
+            drawn_rows.push(None);
+        }
+        want.push(usize::from(g));
+    }
+    Some(Flight {
+        want,
+        drawn_rows,
+        rows,
+        pure_decode: true,
+    })
 }
 
 /// The placeholder token of a chunk whose token the model takes from the previous draws.
@@ -633,6 +630,8 @@ fn apply(
         };
         stats.gen.generated_tokens += rows.len();
         let mut ended: Vec<(Seq, FinishReason)> = Vec::new();
+        // Whether entry i stays in `running` (a prompt leaves: its samples are new entries).
+        let mut stays = false;
         match s.kind {
             Kind::Prompt { samples, spare } => {
                 stats.gen.prefills += 1;
@@ -672,7 +671,6 @@ fn apply(
                         None => next.push(c),
                     }
                 }
-                keep.push(false);
             }
             Kind::Sample { .. } => {
                 let d = drawn[rows.start];
@@ -680,7 +678,7 @@ fn apply(
                     Some(reason) => ended.push((s, reason)),
                     None => {
                         next.push(s);
-                        keep.push(true);
+                        stays = true;
                     }
                 }
             }
@@ -701,15 +699,12 @@ fn apply(
             if fed_next {
                 c.zombie = true;
                 next.push(c);
-                keep.push(true);
+                stays = true;
             } else {
                 pool.release(&c.blocks);
-                if matches!(c.kind, Kind::Sample { .. }) && keep.len() == i {
-                    keep.push(false);
-                }
             }
         }
-        debug_assert_eq!(keep.len(), i + 1);
+        keep.push(stays);
     }
     *running = next;
     if !copies.is_empty() {

@@ -35,7 +35,7 @@ pub struct GpuTestArgs {
     /// GPU ordinal to test.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// Run only the checks whose op name contains this text.
+    /// Run only the checks (and with --time, time only the ops) whose name contains this text.
     #[arg(long)]
     pub only: Option<String>,
     /// Seed of the random inputs (default: a fresh one, printed so a run can be replayed).
@@ -1510,7 +1510,7 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
     );
     let timing = if a.time && failed == 0 {
         println!();
-        super::timing::run(&gpu, a.iters)?
+        super::timing::run(&gpu, a.iters, a.only.as_deref())?
     } else {
         Vec::new()
     };

@@ -40,6 +40,8 @@ struct Timer<'a> {
     rows: Vec<TimeRow>,
     iters: usize,
     seed: u64,
+    /// Time only the ops whose name contains this (gpu-test's --only).
+    only: Option<&'a str>,
 }
 
 impl<'a> Timer<'a> {
@@ -65,6 +67,9 @@ impl<'a> Timer<'a> {
         unit: &'static str,
         mut f: impl FnMut() -> Result<()>,
     ) -> Result<()> {
+        if self.only.is_some_and(|o| !op.contains(o)) {
+            return Ok(());
+        }
         let ctx = self.gpu.context();
         let stream = self.gpu.stream();
         let ev = |()| ctx.new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT));
@@ -109,6 +114,9 @@ impl<'a> Timer<'a> {
         mut f: impl FnMut() -> Result<()>,
     ) -> Result<()> {
         const GRAPH_REPS: usize = 20;
+        if self.only.is_some_and(|o| !op.contains(o)) {
+            return Ok(());
+        }
         f()?;
         self.gpu.synchronize()?;
         let gpu = self.gpu;
@@ -199,6 +207,18 @@ fn decode_rows(t: &mut Timer, rows: usize, ctx: usize) -> Result<()> {
         )?;
     }
     gpu.set_batch_invariant(was);
+    // A decode step's attention: the rope and the cache store of the new token fused in.
+    t.time_graph(
+        "decode attention_paged_rope",
+        format!("{tag}, ctx {ctx}"),
+        (rows * ctx * kd * 2 * 2) as f64,
+        "GB/s",
+        || {
+            gpu.attention_paged_rope(
+                &mut o, &qkv, &mut q, &pos, &mut kc, &mut vc, &crow, &tab, &seq, &len, shape, 1e6,
+            )
+        },
+    )?;
     let gu = t.buf(rows * 2 * ffn, bf, 1.0)?;
     let mut h = t.buf(rows * ffn, bf, 1.0)?;
     t.time_graph(
@@ -236,13 +256,15 @@ fn decode_rows(t: &mut Timer, rows: usize, ctx: usize) -> Result<()> {
     Ok(())
 }
 
-/// Runs the timing table; prints it and returns the rows.
-pub fn run(gpu: &CudaBackend, iters: usize) -> Result<Vec<TimeRow>> {
+/// Runs the timing table (only the ops whose name contains `only`, if given); prints it and
+/// returns the rows.
+pub fn run(gpu: &CudaBackend, iters: usize, only: Option<&str>) -> Result<Vec<TimeRow>> {
     let mut t = Timer {
         gpu,
         rows: Vec::new(),
         iters: iters.max(1),
         seed: 17,
+        only,
     };
     let bf = DType::BF16;
     let f32t = DType::F32;

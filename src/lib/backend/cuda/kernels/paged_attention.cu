@@ -325,8 +325,9 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
 // Neither product needs shared memory: a dot product over d and a sum over positions do not care
 // in which order their terms come, so each lane loads whole 16-byte pieces of K and V rows
 // straight from the cache and the fragments use permuted indices:
-// - q·k, k-step s: the lane with t = lane%4 holds dims t·HD/4 + 4s + {0,1 | 2,3} of Q and K
-//   (logical columns 2t,2t+1 | 2t+8,2t+9), i.e. its own HD/4 consecutive dims of each row;
+// - q·k, k-step s: the lane with t = lane%4 holds dims 32·(s/2) + 8t + 4·(s%2) + {0,1 | 2,3}
+//   of Q and K (logical columns 2t,2t+1 | 2t+8,2t+9): 16-byte pieces at dims 32x + 8t, so the
+//   four lanes of a row read 64 contiguous bytes (whole sectors) per load (see ld_qk);
 // - p·v, n-tile j: column n stands for dim n·HD/8 + j, so the lane with g = lane/4 reads dims
 //   [g·HD/8, (g+1)·HD/8) of its four V rows, and its C values are dims [2t·HD/8, (2t+2)·HD/8).
 #if HD % 64 == 0 && HD <= 128
@@ -345,6 +346,13 @@ template <int N> DEVI void ld16(u32* w, const bf16_t* p, bool ok) {
     }
 }
 
+// This lane's dims of a Q or K row for q·k (see above): pieces x = 0..HD/32−1 of 8 bf16 at
+// dims 32x + 8t, zeros when !ok.
+DEVI void ld_qk(u32* w, const bf16_t* row, int t, bool ok) {
+#pragma unroll
+    for (int x = 0; x < HD / 32; x++) ld16<1>(w + 4 * x, row + 32 * x + 8 * t, ok);
+}
+
 // ROPE: the step's rope + kv_store as well (decode steps of a fused q/k/v projection): row i of
 // x is [q | k | v] of the query's token; every block rotates its group's q rows and the kv
 // head's k at position pos[i] exactly as rope_store_kv_packed_k does (same expressions, same
@@ -357,7 +365,9 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
                     i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err,
                     const bf16_t* x, const u32* pos, const u32* rows, i64 cache_rows, const Freqs* fr) {
     __shared__ float m_s[PNW][16], l_s[PNW][16];
-    __shared__ float acc_s[PNW][16][HD];
+    // Rows padded by 4 floats: the lanes of a warp write columns 16t + j of rows g, which
+    // would otherwise fall in two banks (16-way conflicts).
+    __shared__ float acc_s[PNW][16][HD + 4];
     __shared__ __align__(16) bf16_t qr_s[ROPE ? 16 : 1][HD];
     __shared__ __align__(16) bf16_t kn_s[ROPE ? HD : 1], vn_s[ROPE ? HD : 1];
     __shared__ float sn_s[ROPE ? HD / 2 : 1], cs_s[ROPE ? HD / 2 : 1];
@@ -372,6 +382,9 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
     // Tiles start at multiples of 16 (p0 is a multiple of 32 or of split_len): with blocks of a
     // multiple of 16 positions a tile never straddles two blocks.
     int whole = block_size % 16 == 0 && p0 % 16 == 0 && L < (1ll << 30);
+    // The cache block of the warp's next tile is read a tile ahead, so that the table's latency
+    // overlaps the current tile's loads instead of preceding them.
+    u32 next_blk = whole && !bad && p0 + 16 * w < p1 ? table[(int)(p0 + 16 * w) / block_size] : 0;
     // Q rows g and g+8 of the group (zero past it), this lane's HD/4 dims: A fragments per k-step.
     u32 qw[2][HD / 8];
     if (ROPE) {
@@ -381,7 +394,12 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
         for (int e = threadIdx.x; e < half; e += PNW * 32) sincosf(p * fr->f[e], &sn_s[e], &cs_s[e]);
         __syncthreads();
         // Rows 0..15: the group's q heads (zero past the group); row 16: the kv head's k.
-        for (int j = threadIdx.x; j < 17 * half; j += PNW * 32) {
+        // A fixed trip count, unrolled: every load of x is issued before the first is used.
+        constexpr int RU = (17 * (HD / 2) + PNW * 32 - 1) / (PNW * 32);
+#pragma unroll
+        for (int u = 0; u < RU; u++) {
+            int j = threadIdx.x + u * PNW * 32;
+            if (j >= 17 * half) break;
             int r = j / half, e = j - r * half;
             float s = sn_s[e], c = cs_s[e];
             if (r < 16 && r >= group) {
@@ -408,38 +426,42 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
                 }
             }
         }
-        ld16<HD / 32>(qw[0], qr_s[g] + t * (HD / 4), true);
-        ld16<HD / 32>(qw[1], qr_s[g + 8] + t * (HD / 4), true);
+        ld_qk(qw[0], qr_s[g], t, true);
+        ld_qk(qw[1], qr_s[g + 8], t, true);
     } else {
-        ld16<HD / 32>(qw[0], q + ((i64)i * heads + h0 + g) * HD + t * (HD / 4), g < group);
-        ld16<HD / 32>(qw[1], q + ((i64)i * heads + h0 + g + 8) * HD + t * (HD / 4), g + 8 < group);
+        ld_qk(qw[0], q + ((i64)i * heads + h0 + g) * HD, t, g < group);
+        ld_qk(qw[1], q + ((i64)i * heads + h0 + g + 8) * HD, t, g + 8 < group);
     }
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     float acc[PNT][4];
 #pragma unroll
     for (int j = 0; j < PNT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    // This lane's rows of a tile (K: g, 8+g; V: 2t, 2t+1, 8+2t, 9+2t) and their offsets from
+    // the tile's first cache row.
+    const int lr[6] = {g, 8 + g, 2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
     for (i64 T = p0 + 16 * w; !bad && T < p1; T += 16 * PNW) {
-        // Cache row offsets: K rows T+g, T+8+g; V rows T+2t, T+2t+1, T+8+2t, T+9+2t.
-        i64 pk[2] = {T + g, T + 8 + g}, pv[4] = {T + 2 * t, T + 2 * t + 1, T + 8 + 2 * t, T + 9 + 2 * t};
+        // Cache row offsets of rows T + lr[x] (-1 past the split); 32-bit row tests within the tile:
+        // rows below rem exist, row last (if below 16) is the new token.
         i64 rk[2], rv[4];
+        int rem = (int)min((i64)16, p1 - T), last = (int)min(L - 1 - T, (i64)16);
         if (whole) {
             // The tile's 16 positions share one cache block: one table read, no divisions.
             int bi = (int)T / block_size;
-            u32 blk = table[bi];
+            u32 blk = next_blk;
+            if (T + 16 * PNW < p1) next_blk = table[(int)(T + 16 * PNW) / block_size];
             if ((i64)blk >= num_blocks) bad = 1;
             i64 base = ((i64)blk * block_size + ((int)T - bi * block_size)) * kstride + (i64)kh * HD;
 #pragma unroll
             for (int x = 0; x < 6; x++) {
-                i64 p = x < 2 ? pk[x] : pv[x - 2];
-                i64 r = p < p1 && !bad ? base + (p - T) * kstride : -1;
+                i64 r = lr[x] < rem && !bad ? base + (i64)(lr[x] * (int)kstride) : -1;
                 if (x < 2) rk[x] = r;
                 else rv[x - 2] = r;
             }
         } else {
 #pragma unroll
             for (int x = 0; x < 6; x++) {
-                i64 p = x < 2 ? pk[x] : pv[x - 2], r = -1;
-                if (p < p1) {
+                i64 p = T + lr[x], r = -1;
+                if (lr[x] < rem) {
                     u32 blk = table[p / block_size];
                     if ((i64)blk >= num_blocks) bad = 1;
                     else r = ((i64)blk * block_size + p % block_size) * kstride + (i64)kh * HD;
@@ -454,12 +476,12 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
         // block may not have stored it yet.
 #pragma unroll
         for (int n = 0; n < 2; n++) {
-            const bf16_t* kp = ROPE && pk[n] == L - 1 ? kn_s : kc + rk[n];
-            ld16<HD / 32>(kw[n], kp + t * (HD / 4), rk[n] >= 0);
+            const bf16_t* kp = ROPE && lr[n] == last ? kn_s : kc + rk[n];
+            ld_qk(kw[n], kp, t, rk[n] >= 0);
         }
 #pragma unroll
         for (int x = 0; x < 4; x++) {
-            const bf16_t* vp = ROPE && pv[x] == L - 1 ? vn_s : vc + rv[x];
+            const bf16_t* vp = ROPE && lr[2 + x] == last ? vn_s : vc + rv[x];
             ld16<HD / 64>(vw[x], vp + g * PNT, rv[x] >= 0);
         }
         // S: two n-tiles of 8 positions (T+n, T+8+n); rows g, g+8 are heads h0+g, h0+g+8.
@@ -478,7 +500,7 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
             float mx = NEG_INF;
 #pragma unroll
             for (int c = 0; c < 4; c++) {
-                x[c] = pv[c] < p1 ? x[c] * scale : NEG_INF;
+                x[c] = lr[2 + c] < rem ? x[c] * scale : NEG_INF;
                 mx = fmaxf(mx, x[c]);
             }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

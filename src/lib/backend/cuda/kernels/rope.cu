@@ -83,6 +83,48 @@ extern "C" __global__ void rope_store_kv_packed_k(const void* x, int xbf, void* 
     if (threadIdx.x < RPB && t0 + (int)threadIdx.x < tokens && (i64)rows[t0 + threadIdx.x] >= cache_rows)
         atomicOr(err, ERR_CACHE_ROW);
     __syncthreads();
+    if (xbf && qbf && kcbf && vcbf && half % 2 == 0) {
+        // All bf16 (a rollout's prefill): two adjacent dims per thread as 32-bit words, the
+        // same expressions per element as below.
+        const bf16_t* xb = (const bf16_t*)x;
+        int hp = pairs / 2, h2 = half / 2;
+        for (int j = threadIdx.x; j < RPB * hp; j += blockDim.x) {
+            int k = j / hp, jj = j - k * hp, t = t0 + k;
+            if (t >= tokens) break;
+            int h = jj / h2, i = (jj - h * h2) * 2;
+            int isk = h >= heads, hh = isk ? h - heads : h;
+            i64 ia = (i64)t * (qd + 2 * kd) + (isk ? qd : 0) + (i64)hh * head_dim + i, ib = ia + half;
+            u32 wa = *(const u32*)(xb + ia), wb = *(const u32*)(xb + ib), oa = 0, ob = 0;
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float s = sn[k][i + e], c = cs[k][i + e];
+                float a = bf2f((bf16_t)(wa >> (16 * e))), b = bf2f((bf16_t)(wb >> (16 * e)));
+                float ra = a * c - b * s, rb = b * c + a * s;
+                oa |= (u32)f2bf(ra) << (16 * e);
+                ob |= (u32)f2bf(rb) << (16 * e);
+            }
+            if (isk) {
+                u32 r = rows[t];
+                if ((i64)r < cache_rows) {
+                    i64 ca = (i64)r * kd + (i64)hh * head_dim + i;
+                    *(u32*)((bf16_t*)kc + ca) = oa;
+                    *(u32*)((bf16_t*)kc + ca + half) = ob;
+                }
+            } else {
+                i64 qa = (i64)t * qd + (i64)hh * head_dim + i;
+                *(u32*)((bf16_t*)q + qa) = oa;
+                *(u32*)((bf16_t*)q + qa + half) = ob;
+            }
+        }
+        for (int j = threadIdx.x; j < RPB * (kd / 2); j += blockDim.x) {
+            int k = j / (kd / 2), c = (j - k * (kd / 2)) * 2, t = t0 + k;
+            if (t >= tokens) break;
+            u32 r = rows[t];
+            if ((i64)r < cache_rows)
+                *(u32*)((bf16_t*)vc + (i64)r * kd + c) = *(const u32*)(xb + (i64)t * (qd + 2 * kd) + qd + kd + c);
+        }
+        return;
+    }
     for (int j = threadIdx.x; j < RPB * pairs; j += blockDim.x) {
         int k = j / pairs, jj = j - k * pairs, t = t0 + k;
         if (t >= tokens) break;

@@ -15,7 +15,7 @@
 use super::{ExtraInfo, Message, VerlRow};
 use crate::bail_input;
 use crate::batch::{stage_meta, write_file, StageInfo};
-use crate::pipeline::sampler::SplitMix64;
+use crate::rng::SplitMix64;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use serde_json::json;

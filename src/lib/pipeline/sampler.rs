@@ -11,7 +11,7 @@ pub struct Cursor {
     pub position: u64,
 }
 
-pub use crate::rng::SplitMix64;
+use crate::rng::SplitMix64;
 
 /// A seed derived from a base seed and labels (step, stage...), kept below 2^31 so every
 /// stage's `--seed` accepts it.

@@ -4,7 +4,8 @@
 //!
 //! Random weights; a ~12M-parameter config and the Qwen2.5-0.5B shape (24 layers, hidden 896,
 //! 14/2 heads, ffn 4864, vocab 151,936, tied). Forward = packed scoring of `batch` sequences;
-//! decode = one token per sequence per step against the KV cache, after a short prefill.
+//! decode = one greedy token per sequence per step of the paged engine's runner (forward over
+//! the paged KV cache and the draw), after a short prefill.
 
 mod common;
 
@@ -12,6 +13,8 @@ use std::time::Instant;
 
 use common::{config, random_weights, tokens};
 use tandem::backend::cpu::Cpu;
+use tandem::backend::sample::SamplingParams;
+use tandem::engine::paged::{Chunk, PagedDecoder, SampleRow, DEFAULT_BLOCK_SIZE};
 use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads};
 use tandem::model::{Arch, Config};
 
@@ -77,29 +80,44 @@ fn bench(name: &str, cfg: &Config, seq_len: usize, decode_steps: usize, train: b
         });
 
         let prompt = 16;
-        let mut cache = dec.new_cache(batch, prompt + decode_steps + 1).unwrap();
-        for (s, t) in toks.iter().enumerate() {
-            dec.prefill(&mut cache, s, &t[..prompt]).unwrap();
-        }
-        let slots: Vec<usize> = (0..batch).collect();
-        let mut next: Vec<u32> = toks.iter().map(|t| t[prompt]).collect();
-        let dec_tps = timed(batch * decode_steps, || {
-            for _ in 0..decode_steps {
-                let logits = dec.decode(&mut cache, &slots, &next).unwrap();
-                // Greedy, so the work is a real generation loop.
-                for (i, n) in next.iter_mut().enumerate() {
-                    let row = &logits[i * cfg.vocab_size..(i + 1) * cfg.vocab_size];
-                    let best = row
-                        .iter()
-                        .enumerate()
-                        .fold(
-                            (0, f32::NEG_INFINITY),
-                            |b, (j, &v)| if v > b.1 { (j, v) } else { b },
-                        );
-                    *n = best.0 as u32;
+        let bs = DEFAULT_BLOCK_SIZE;
+        let per = (prompt + decode_steps).div_ceil(bs);
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|s| (s * per..(s + 1) * per).map(|b| b as u32).collect())
+            .collect();
+        let rows: Vec<SampleRow> = (0..batch)
+            .map(|chunk| SampleRow {
+                chunk,
+                key: 0,
+                position: 0,
+            })
+            .collect();
+        let greedy = SamplingParams::greedy();
+        let dec_tps = {
+            let mut paged = PagedDecoder::new(&mut dec, batch * per, bs).unwrap();
+            let chunks: Vec<Chunk> = (0..batch)
+                .map(|s| Chunk {
+                    tokens: &toks[s][..prompt],
+                    start: 0,
+                    table: &tables[s],
+                })
+                .collect();
+            let first = paged.run_step(&chunks, &rows, &greedy).unwrap();
+            let mut next: Vec<u32> = first.iter().map(|d| d.token).collect();
+            timed(batch * decode_steps, || {
+                for i in 0..decode_steps {
+                    let chunks: Vec<Chunk> = (0..batch)
+                        .map(|s| Chunk {
+                            tokens: &next[s..s + 1],
+                            start: prompt + i,
+                            table: &tables[s],
+                        })
+                        .collect();
+                    let drawn = paged.run_step(&chunks, &rows, &greedy).unwrap();
+                    next = drawn.iter().map(|d| d.token).collect();
                 }
-            }
-        });
+            })
+        };
         let mut line =
             format!("{name} batch {batch:2}: forward {fwd} (seq {seq_len}), decode {dec_tps}");
         if train {

@@ -1,12 +1,14 @@
 //! The decoder on the CPU backend: gradients against finite differences, packing and chunking
-//! invariance, the KV-cache path against packed scoring, the optimizer (clipping, skipping,
-//! exact resume), and the errors of bad input.
+//! invariance, steps over the paged KV cache against packed scoring, the optimizer (clipping,
+//! skipping, exact resume), and the errors of bad input.
 
 mod common;
 
 use common::{random_weights, tiny, tokens};
 use tandem::backend::check::{randn, Rng};
 use tandem::backend::cpu::Cpu;
+use tandem::backend::sample::SamplingParams;
+use tandem::engine::paged::{Chunk, PagedDecoder, PagedModel, SampleRow};
 use tandem::error::is_input_error;
 use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
 use tandem::model::{Arch, Config, Weights};
@@ -175,31 +177,29 @@ fn log_softmax_at(logits: &[f32], y: u32, temp: f32) -> f32 {
 }
 
 #[test]
-fn kv_cache_path_matches_packed_scoring() {
+fn paged_kv_path_matches_packed_scoring() {
     for arch in ARCHS {
         let cfg = tiny(arch);
         let w = random_weights(&cfg, 8);
         let mut dec = decoder(&cfg, &w);
         let temp = 0.7;
         let prompt = tokens(6, cfg.vocab_size, 9);
-        // Two continuations that share the prompt: slot 0 is prefilled, slot 2 forked from it.
+        // Two continuations of the prompt, each fed one token per step after the prompt's
+        // step, through a pool of 4 blocks of 4 positions.
         let conts = [tokens(5, cfg.vocab_size, 10), tokens(5, cfg.vocab_size, 11)];
-        let mut cache = dec.new_cache(3, 16).unwrap();
-        let first = dec.prefill(&mut cache, 0, &prompt).unwrap();
-        assert_eq!(first.len(), cfg.vocab_size);
-        dec.fork(&mut cache, 0, 2).unwrap();
-        assert_eq!((cache.len(0), cache.len(2)), (6, 6));
         let mut got = [vec![], vec![]];
-        let mut last = [first.clone(), first];
-        for t in 0..conts[0].len() {
+        {
+            let mut paged = PagedDecoder::new(&mut dec, 4, 4).unwrap();
             for (k, c) in conts.iter().enumerate() {
-                got[k].push(log_softmax_at(&last[k], c[t], temp));
+                let logits = paged.forced_logits(&prompt, &c[..4]).unwrap();
+                assert_eq!(logits.len(), 5 * cfg.vocab_size);
+                for (row, &t) in logits.chunks(cfg.vocab_size).zip(c) {
+                    got[k].push(log_softmax_at(row, t, temp));
+                }
             }
-            let logits = dec
-                .decode(&mut cache, &[0, 2], &[conts[0][t], conts[1][t]])
-                .unwrap();
-            let v = cfg.vocab_size;
-            last = [logits[..v].to_vec(), logits[v..].to_vec()];
+            // 6 + 11 positions do not fit 4 blocks of 4.
+            let err = paged.forced_logits(&prompt, &[1; 11]).unwrap_err();
+            assert!(err.to_string().contains("needs 5 blocks"), "{err}");
         }
         for k in 0..2 {
             let full: Vec<u32> = prompt.iter().chain(&conts[k]).copied().collect();
@@ -221,17 +221,56 @@ fn kv_cache_path_matches_packed_scoring() {
                 .fold(0f32, f32::max);
             assert!(
                 d <= 1e-5,
-                "{arch:?} continuation {k}: KV path vs packed differ by {d}"
+                "{arch:?} continuation {k}: paged KV path vs packed differ by {d}"
             );
         }
-        // A freed slot can be prefilled again, and a full slot is an error.
-        cache.free(0);
-        assert!(cache.is_empty(0));
-        dec.prefill(&mut cache, 0, &tokens(16, cfg.vocab_size, 12))
-            .unwrap();
-        let err = dec.decode(&mut cache, &[0], &[1]).unwrap_err();
-        assert!(err.to_string().contains("slot 0 is full"), "{err}");
     }
+}
+
+#[test]
+fn paged_steps_reject_bad_chunks() {
+    let cfg = tiny(Arch::Qwen2);
+    let w = random_weights(&cfg, 8);
+    let mut dec = decoder(&cfg, &w);
+    let mut paged = PagedDecoder::new(&mut dec, 2, 4).unwrap();
+    let greedy = SamplingParams::greedy();
+    let row = [SampleRow {
+        chunk: 0,
+        key: 0,
+        position: 0,
+    }];
+    let step = |paged: &mut PagedDecoder<Cpu>, toks: &[u32], table: &[u32], rows: &[SampleRow]| {
+        let chunk = Chunk {
+            tokens: toks,
+            start: 0,
+            table,
+        };
+        paged.step(&[chunk], rows, &greedy).unwrap_err().to_string()
+    };
+    // 5 positions, one block of 4 in the table.
+    let err = step(&mut paged, &[1; 5], &[0], &row);
+    assert!(
+        err.contains("feeds positions 0..5 but its table covers 4"),
+        "{err}"
+    );
+    let err = step(&mut paged, &[1; 3], &[2], &row);
+    assert!(err.contains("names block 2 of 2"), "{err}");
+    let far = [SampleRow { chunk: 1, ..row[0] }];
+    let err = step(&mut paged, &[1; 3], &[0], &far);
+    assert!(err.contains("sample row names chunk 1"), "{err}");
+    let v = cfg.vocab_size as u32;
+    let chunk = Chunk {
+        tokens: &[1, v],
+        start: 0,
+        table: &[0],
+    };
+    let err = paged.step(&[chunk], &row, &greedy).unwrap_err();
+    assert!(is_input_error(&err), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("token id {v} at position 1")),
+        "{err}"
+    );
 }
 
 fn sum_logprob_grads(stats: &[TokenStats]) -> anyhow::Result<Vec<TokenGrads>> {

@@ -29,7 +29,7 @@ enum Cmd {
     /// Load a model directory with every check and print a summary.
     ModelInfo(tandem::model::info::ModelInfoArgs),
     /// CUDA parity suite: every op of the GPU backend against the CPU backend, as a table.
-    GpuTest(tandem::backend::cuda::parity::GpuTestArgs),
+    GpuTest(tandem::bench::gpu_test::GpuTestArgs),
     /// Make a batch of reference answers (prompt + ground truth + EOS) for `update --loss sft`.
     SftBatch(tandem::engine::stage::sft_batch::SftBatchArgs),
     /// Plot a run's metrics and evaluations into one PNG.
@@ -50,7 +50,7 @@ fn main() -> ExitCode {
         Cmd::InitModel(args) => tandem::model::init::run(args),
         Cmd::ImportGguf(args) => tandem::model::gguf::run(args),
         Cmd::ModelInfo(args) => tandem::model::info::run(args),
-        Cmd::GpuTest(a) => tandem::backend::cuda::parity::run(a),
+        Cmd::GpuTest(a) => tandem::bench::gpu_test::run(a),
         Cmd::SftBatch(a) => tandem::engine::stage::sft_batch::run(a),
         Cmd::Plot(a) => tandem::pipeline::plot::run(a),
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),

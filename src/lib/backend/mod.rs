@@ -19,6 +19,7 @@
 pub mod check;
 pub mod cpu;
 pub mod cuda;
+pub mod sample;
 
 use anyhow::Result;
 
@@ -753,7 +754,7 @@ pub trait Backend: Send + Sync {
         let _ = (tiles, n_tiles, decode_rows);
         self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, shape)
     }
-    /// One token per row of logits[rows, vocab], drawn as `engine::sampling::sample` draws it
+    /// One token per row of logits[rows, vocab], drawn as [`sample::sample`] draws it
     /// with u = uniform(key_r, positions[r]), key_r = keys[2r] | keys[2r+1] << 32:
     /// tokens[r] = the id, logprobs[r] = log softmax(z_r / T)[id] (T = 1 when greedy).
     #[allow(clippy::too_many_arguments)]
@@ -766,7 +767,7 @@ pub trait Backend: Send + Sync {
         positions: &Self::Idx,
         rows: usize,
         vocab: usize,
-        params: &crate::engine::sampling::SamplingParams,
+        params: &sample::SamplingParams,
     ) -> Result<()>;
 }
 

@@ -1,13 +1,15 @@
-//! `tandem bench cpu-engine`: generation tokens/s (the rollout engine: prefill, batched decode
-//! over the KV cache, sampling) and update tokens/s (forward + backward + AdamW through the
+//! `tandem bench cpu-engine`: generation tokens/s (the paged rollout engine: prefill, batched
+//! decode over the paged KV cache, sampling) and update tokens/s (forward + backward + AdamW through the
 //! training loop) on random-weight models: a ~10M-parameter one and the Qwen2.5-0.5B shape
 //! (24 layers, hidden 896, 14/2 heads, ffn 4864, vocab 151,936, tied), at batch 1 and 16.
 
 use crate::algo::policy_loss::{LossConfig, LossMode};
 use crate::backend::cpu::Cpu;
-use crate::engine::generate::{generate, CachedDecoder, GenParams, Request};
+use crate::backend::sample::{sample_key, uniform, SamplingParams};
 use crate::engine::logprob::PromptResponse;
-use crate::engine::sampling::{sample_key, uniform, SamplingParams};
+use crate::engine::paged::{
+    generate_paged, GenParams, PagedConfig, PagedDecoder, Request, DEFAULT_BLOCK_SIZE,
+};
 use crate::engine::train::{train, LrConfig, TrainConfig, TrainData};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
@@ -107,21 +109,27 @@ fn bench_generate(
         stop_token_ids: vec![],
         stop_strings: vec![],
     };
-    // Prefill alone, to split its time from the decode steps'.
+    // Every sequence at once, its prompt prefilled in one step, a pool that fits them all.
+    let bs = DEFAULT_BLOCK_SIZE;
+    let pc = PagedConfig {
+        block_size: bs,
+        num_blocks: batch * (a.prompt_tokens + a.new_tokens).div_ceil(bs),
+        max_num_seqs: batch,
+        max_batched_tokens: batch * a.prompt_tokens.max(1),
+        overlap: true,
+    };
+    let mut engine = PagedDecoder::new(dec, pc.num_blocks, bs)?;
+    // Prefill alone (and the first token of each sequence), to split its time from the
+    // decode steps'.
+    let one = GenParams {
+        max_new_tokens: 1,
+        ..params.clone()
+    };
     let t = Instant::now();
-    {
-        let mut engine = CachedDecoder::new(dec, cfg.vocab_size, batch, a.prompt_tokens + 1)?;
-        let one = GenParams {
-            max_new_tokens: 1,
-            ..params.clone()
-        };
-        generate(&mut engine, &requests, &one, None, &mut |_| {})?;
-    }
+    generate_paged(&mut engine, &pc, &requests, &one, None, &mut |_| {})?;
     let prefill_seconds = t.elapsed().as_secs_f64();
-    let mut engine =
-        CachedDecoder::new(dec, cfg.vocab_size, batch, a.prompt_tokens + a.new_tokens)?;
     let t = Instant::now();
-    let (out, _) = generate(&mut engine, &requests, &params, None, &mut |_| {})?;
+    let (out, _) = generate_paged(&mut engine, &pc, &requests, &params, None, &mut |_| {})?;
     let seconds = t.elapsed().as_secs_f64();
     Ok(GenResult {
         tokens: out.iter().flatten().map(|c| c.tokens.len()).sum(),

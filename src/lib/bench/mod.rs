@@ -1,7 +1,11 @@
-//! `tandem bench ...`: benchmarks that print a table and JSON. Never timed tests.
+//! `tandem bench ...`: benchmarks that print a table and JSON. Never timed tests. Also
+//! `tandem gpu-test` (`gpu_test`), the GPU parity suite, which sits up here because its
+//! whole-engine checks do.
 
 pub mod cpu_engine;
 pub mod cpu_stages;
+pub mod gpu_test;
+pub mod grpo_step;
 pub mod logprob;
 pub mod rollout;
 pub mod synth;
@@ -30,7 +34,7 @@ pub enum Which {
     Rollout(rollout::RolloutBenchArgs),
     /// Whole GRPO steps in-process and on the daemon's resident models: seconds per stage and
     /// peak device memory per phase.
-    GrpoStep(crate::daemon::bench::GrpoStepArgs),
+    GrpoStep(grpo_step::GrpoStepArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -40,7 +44,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Which::Update(a) => update::run(a),
         Which::Logprob(a) => logprob::run(a),
         Which::Rollout(a) => rollout::run(a),
-        Which::GrpoStep(a) => crate::daemon::bench::run(a),
+        Which::GrpoStep(a) => grpo_step::run(a),
     }
 }
 

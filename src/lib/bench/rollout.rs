@@ -8,13 +8,12 @@
 
 use super::cpu_engine::shape;
 use super::report;
+use crate::backend::sample::{sample_key, uniform, Sampled, SamplingParams};
 use crate::backend::{Backend, DType, PagedAttnShape};
-use crate::engine::generate::{GenParams, Request};
 use crate::engine::paged::{
-    generate_paged, Chunk, GraphMode, PagedConfig, PagedDecoder, PagedModel, SampleRow,
-    DEFAULT_BLOCK_SIZE,
+    generate_paged, Chunk, GenParams, GraphMode, PagedConfig, PagedDecoder, PagedModel, Request,
+    SampleRow, DEFAULT_BLOCK_SIZE,
 };
-use crate::engine::sampling::{sample_key, uniform, SamplingParams};
 use crate::engine::stage::common::Device;
 use crate::engine::stage::{on_device, Job};
 use crate::model::decoder::Decoder;
@@ -198,11 +197,11 @@ fn breakdown<B: Backend>(
             .collect();
         // The first steps plan the GEMMs and capture the graph (at the bucket's third step).
         for _ in 0..3 {
-            engine.step(&chunks, &srows, &sampling)?;
+            engine.run_step(&chunks, &srows, &sampling)?;
         }
         let t = Instant::now();
         for _ in 0..10 {
-            engine.step(&chunks, &srows, &sampling)?;
+            engine.run_step(&chunks, &srows, &sampling)?;
         }
         let how = if mode == GraphMode::Graphs {
             "graph replay"
@@ -498,7 +497,7 @@ impl PagedModel for Timed<'_> {
         chunks: &[Chunk],
         rows: &[SampleRow],
         sampling: &SamplingParams,
-    ) -> Result<Vec<crate::engine::sampling::Sampled>> {
+    ) -> Result<Vec<Sampled>> {
         let t = Instant::now();
         let out = self.inner.step(chunks, rows, sampling)?;
         let s = t.elapsed().as_secs_f64();
@@ -521,7 +520,7 @@ impl PagedModel for Timed<'_> {
         self.queued.push_back((decode, t.elapsed().as_secs_f64()));
         Ok(())
     }
-    fn collect(&mut self) -> Result<Vec<crate::engine::sampling::Sampled>> {
+    fn collect(&mut self) -> Result<Vec<Sampled>> {
         let t = Instant::now();
         let out = self.inner.collect()?;
         let (decode, s) = self

@@ -4,7 +4,6 @@
 //! instead of loading the model; the daemon runs the very same stage code against the models
 //! it holds, so the files written are the same as in-process.
 
-pub mod bench;
 pub mod client;
 pub mod protocol;
 pub mod resident;

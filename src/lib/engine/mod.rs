@@ -1,11 +1,11 @@
-//! The engine on top of the decoder: sampling and batched generation (`rollout`), micro-batched
-//! scoring (`ref-logprob`), the training loop (`update`), and the stages' command lines.
+//! The engine on top of the decoder: the paged generation engine (`rollout`), micro-batched
+//! scoring (`ref-logprob`), the training loop (`update`), the stages' command lines, and the
+//! whole-decoder and whole-engine GPU checks (`check`, run by `tandem gpu-test`).
 
-pub mod generate;
+pub mod check;
 pub mod logprob;
 pub mod paged;
 pub mod resume;
-pub mod sampling;
 pub mod stage;
 #[cfg(test)]
 mod testing;

@@ -15,14 +15,15 @@
 //!   unchanged) and is reported.
 
 use super::logprob::{micro_batches, score, PromptResponse};
-use super::sampling::{mix_key, uniform};
 use super::Policy;
 use crate::algo::agg::{AggMode, LossNorm};
 use crate::algo::policy_loss::{
     policy_loss, LossConfig, LossInputs, LossMetrics, LossMode, LossOutput,
 };
+use crate::backend::sample::uniform;
 use crate::backend::PpoShape;
 use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
+use crate::rng::mix_key;
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -938,7 +939,25 @@ mod tests {
         use crate::model::decoder::Decoder;
         // A tiny decoder trained both ways: off-policy (old log-probs given, so ratios clip),
         // several micro-batches, a masked token, seq-mean-token-mean, an entropy bonus.
-        let cfg = crate::bench::update::shape("tiny").unwrap();
+        // The `bench update --shape tiny` model (2 layers, hidden 64, 4/2 heads, vocab 512).
+        let cfg = crate::model::Config {
+            arch: crate::model::Arch::Qwen2,
+            vocab_size: 512,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            rope_theta: 1_000_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            qk_norm: false,
+            max_position_embeddings: 32768,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        };
         let weights = crate::model::init::random_weights(&cfg, 3, 0.5);
         let mut owned = batch();
         owned.masks[0][1] = 0;

@@ -713,7 +713,7 @@ impl Backend for Cpu {
         positions: &Vec<u32>,
         rows: usize,
         vocab: usize,
-        params: &crate::engine::sampling::SamplingParams,
+        params: &crate::backend::sample::SamplingParams,
     ) -> Result<()> {
         paged::sample_rows(
             get_mut(tokens, rows, "sample tokens")?,

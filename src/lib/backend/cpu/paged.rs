@@ -6,8 +6,8 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::attention::dot;
+use crate::backend::sample::{sample, uniform, SamplingParams, Scratch};
 use crate::backend::PagedAttnShape;
-use crate::engine::sampling::{sample, uniform, SamplingParams, Scratch};
 
 /// Cache row of position `p` of a sequence whose block table is `table`.
 #[inline]
@@ -96,7 +96,7 @@ pub fn forward(
     Ok(())
 }
 
-/// tokens[r], logprobs[r] = `sampling::sample`(logits row r, u = uniform(key_r, pos_r)).
+/// tokens[r], logprobs[r] = `sample::sample`(logits row r, u = uniform(key_r, pos_r)).
 #[allow(clippy::too_many_arguments)]
 pub fn sample_rows(
     tokens: &mut [u32],

@@ -2703,7 +2703,7 @@ impl Backend for CudaBackend {
         positions: &CudaIdx,
         rows: usize,
         vocab: usize,
-        params: &crate::engine::sampling::SamplingParams,
+        params: &crate::backend::sample::SamplingParams,
     ) -> Result<()> {
         params.validate()?;
         need(tokens.len, rows, "sample tokens")?;

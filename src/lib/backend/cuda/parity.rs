@@ -1,5 +1,7 @@
-//! `tandem gpu-test`: every op of the CUDA backend against the CPU backend (the oracle) on
-//! fresh random inputs, in f32 and in bf16 storage.
+//! The op-level cases of `tandem gpu-test`: every op of the CUDA backend against the CPU
+//! backend (the oracle) on fresh random inputs, in f32 and in bf16 storage. The runner
+//! (`bench::gpu_test`) walks these cases ([`op_cases`]) and the whole-decoder and whole-engine
+//! ones (`engine::check`), which use this suite's inputs, comparisons and table.
 //!
 //! - Inputs are random normals (never zeros), from a seed printed at the start (`--seed` replays
 //!   a run). In bf16 runs the inputs are rounded to bf16 first, so both backends see the same
@@ -14,52 +16,16 @@
 //! - Device-side input faults (token id or target outside the vocabulary) must surface as an
 //!   error at the next `synchronize`, and leave the backend usable.
 
-use std::path::PathBuf;
-use std::time::Instant;
-
-use anyhow::{anyhow, bail, Result};
+use anyhow::Result;
 use half::bf16;
 use serde::Serialize;
 
-use super::{nvrtc, CudaBackend, CudaBuf, CudaIdx};
+use super::{CudaBackend, CudaBuf, CudaIdx};
 use crate::backend::cpu::Cpu;
 use crate::backend::{
     AdamWStep, AttnShape, Backend, CachedAttnShape, DType, LogprobShape, PpoShape, PPO_STATS,
 };
-use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
-use crate::model::{init, Arch, Config, Weights};
 use crate::rng::SplitMix64;
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct GpuTestArgs {
-    /// GPU ordinal to test.
-    #[arg(long, default_value_t = 0)]
-    pub device: usize,
-    /// Run only the checks (and with --time, time only the ops) whose name contains this text.
-    #[arg(long)]
-    pub only: Option<String>,
-    /// Seed of the random inputs (default: a fresh one, printed so a run can be replayed).
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Only compile every kernel with NVRTC for --arch (needs libnvrtc, not a GPU).
-    #[arg(long)]
-    pub compile_only: bool,
-    /// Target of --compile-only.
-    #[arg(long, default_value = "sm_90")]
-    pub arch: String,
-    /// Also write the table as JSON to this file.
-    #[arg(long)]
-    pub json: Option<PathBuf>,
-    /// After the checks, time each op at the Qwen2.5-0.5B training shape (CUDA events).
-    #[arg(long)]
-    pub time: bool,
-    /// Timed runs per op (the median is reported).
-    #[arg(long, default_value_t = 10)]
-    pub iters: usize,
-    /// The tiny HF models with transformers' log-probs (the `hf_fixtures` check).
-    #[arg(long, default_value = "tests/fixtures/hf")]
-    pub hf_fixtures: PathBuf,
-}
 
 /// One line of the table.
 #[derive(Clone, Debug, Serialize)]
@@ -76,14 +42,14 @@ pub struct Row {
 /// Extra elements past each GPU output's extent, poisoned, that must stay NaN.
 const TAIL: usize = 5;
 
-fn dname(d: DType) -> &'static str {
+pub fn dname(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
     }
 }
 
-fn round(v: f32, d: DType) -> f32 {
+pub fn round(v: f32, d: DType) -> f32 {
     match d {
         DType::F32 => v,
         DType::BF16 => bf16::from_f32(v).to_f32(),
@@ -91,18 +57,18 @@ fn round(v: f32, d: DType) -> f32 {
 }
 
 /// Inputs come from the shared SplitMix64; ranges are usize here.
-struct Rng(SplitMix64);
+pub struct Rng(SplitMix64);
 
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0.next_u64()
     }
 
-    fn normal(&mut self) -> f32 {
+    pub fn normal(&mut self) -> f32 {
         self.0.normal()
     }
 
-    fn below(&mut self, n: usize) -> usize {
+    pub fn below(&mut self, n: usize) -> usize {
         self.0.below(n.max(1) as u64) as usize
     }
 }
@@ -132,39 +98,21 @@ pub fn compare(gpu: &[f32], cpu: &[f32], tail: &[f32]) -> (f64, f64, Option<Stri
     (max_abs, rel, problem)
 }
 
-struct Suite<'a> {
+/// The state of one `gpu-test` run: the backend under test, the input generator and the rows
+/// of the table so far.
+pub struct Suite<'a> {
     cpu: Cpu,
-    gpu: &'a CudaBackend,
-    rng: Rng,
-    rows: Vec<Row>,
+    pub gpu: &'a CudaBackend,
+    pub rng: Rng,
+    pub rows: Vec<Row>,
     /// Whether the backend routes bf16 attention to the tensor-core kernels.
     mma: bool,
-    /// GPU ordinal (the decoder check opens a second backend on it).
-    ordinal: usize,
-    hf_fixtures: PathBuf,
-}
-
-/// All tensors of a weight map, in name order, as one vector.
-fn flat(w: &Weights) -> Vec<f32> {
-    w.values().flat_map(|t| t.data.iter().copied()).collect()
-}
-
-/// The tensor whose relative error is worst, and that error.
-fn worst_tensor(gpu: &Weights, cpu: &Weights) -> (String, f64) {
-    let mut worst = (String::new(), 0.0);
-    for (name, c) in cpu {
-        if let Some(g) = gpu.get(name) {
-            let (_, r, _) = compare(&g.data, &c.data, &[]);
-            if r > worst.1 || r.is_nan() {
-                worst = (name.clone(), r);
-            }
-        }
-    }
-    worst
+    /// GPU ordinal of `gpu` (whole-model checks open backends of their own on it).
+    pub ordinal: usize,
 }
 
 /// Tolerances by dtype: (single-pass op, op with a longer chain of roundings).
-fn tols(d: DType) -> (f64, f64) {
+pub fn tols(d: DType) -> (f64, f64) {
     match d {
         DType::F32 => (1e-4, 3e-4),
         DType::BF16 => (1e-2, 2e-2),
@@ -172,6 +120,20 @@ fn tols(d: DType) -> (f64, f64) {
 }
 
 impl<'a> Suite<'a> {
+    /// A suite over `gpu` (device ordinal `ordinal`) with inputs from `seed`; it starts with
+    /// the tensor-core attention kernels on, as the backend runs by default.
+    pub fn new(gpu: &'a CudaBackend, ordinal: usize, seed: u64) -> Self {
+        gpu.set_tensor_core_attention(true);
+        Suite {
+            cpu: Cpu,
+            gpu,
+            rng: Rng(SplitMix64(seed)),
+            rows: Vec::new(),
+            mma: true,
+            ordinal,
+        }
+    }
+
     fn randn(&mut self, n: usize, scale: f32, d: DType) -> Vec<f32> {
         (0..n)
             .map(|_| round(self.rng.normal() * scale, d))
@@ -223,7 +185,8 @@ impl<'a> Suite<'a> {
         Ok(())
     }
 
-    fn flag(&mut self, op: &str, d: DType, pass: bool, note: String) {
+    /// Records a check without an error measure (pass or fail, and why).
+    pub fn flag(&mut self, op: &str, d: DType, pass: bool, note: String) {
         self.rows.push(Row {
             op: op.to_string(),
             dtype: dname(d),
@@ -1113,269 +1076,15 @@ impl<'a> Suite<'a> {
     }
 }
 
-impl Suite<'_> {
-    /// The decoder (written once against the op set) on both backends: log-probs and entropies
-    /// of packed sequences, the gradients of one forward/backward, one AdamW step, and the
-    /// log-probs after it. The f32 pass builds the GPU decoder with f32 compute (op-by-op
-    /// parity); the bf16 pass with the default bf16 compute weights and activations, f32
-    /// masters and optimizer state, so it checks the mixed-precision training path.
-    fn decoder(&mut self, d: DType) -> Result<()> {
-        // (log-probs and entropies, gradients, update) relative to the CPU's scale.
-        let (tol_lp, tol_g, tol_upd) = match d {
-            DType::F32 => (1e-4, 1e-3, 1e-3),
-            DType::BF16 => (2e-2, 5e-2, 5e-2),
-        };
-        for arch in [Arch::Qwen2, Arch::Llama, Arch::Qwen3] {
-            let cfg = tiny_config(arch);
-            let tag = format!("{arch:?}").to_lowercase();
-            let mut w = init::random_weights(&cfg, self.rng.next_u64(), 0.05);
-            // Norms start at one and biases at zero: move them so they are exercised too.
-            for t in w.values_mut().filter(|t| t.shape.len() == 1) {
-                for v in t.data.iter_mut() {
-                    *v += 0.1 * self.rng.normal();
-                }
-            }
-            let mut cpu = Decoder::new(Cpu, &cfg, &w)?;
-            let gb = CudaBackend::new(self.ordinal)?;
-            gb.set_compute_dtype(d);
-            let mut gpu = Decoder::new(gb, &cfg, &w)?;
-            let lens = [50usize, 17, 120];
-            let toks: Vec<Vec<u32>> = lens
-                .iter()
-                .map(|&l| (0..l).map(|_| self.rng.below(1000) as u32).collect())
-                .collect();
-            let seqs: Vec<SeqRef> = toks
-                .iter()
-                .zip([1usize, 5, 30])
-                .map(|(t, start)| SeqRef { tokens: t, start })
-                .collect();
-            let (lc, lg) = (
-                cpu.logprobs(&seqs, 0.8, true)?,
-                gpu.logprobs(&seqs, 0.8, true)?,
-            );
-            let cat = |v: &[TokenStats], ent: bool| -> Vec<f32> {
-                v.iter()
-                    .flat_map(|s| {
-                        if ent {
-                            s.entropy.clone().unwrap_or_default()
-                        } else {
-                            s.logprobs.clone()
-                        }
-                    })
-                    .collect()
-            };
-            for (what, ent) in [("logprobs", false), ("entropy", true)] {
-                let (g, c) = (cat(&lg, ent), cat(&lc, ent));
-                let (a, r, p) = compare(&g, &c, &[]);
-                let ok = g.len() == c.len() && !c.is_empty() && p.is_none() && r <= tol_lp;
-                self.rows.push(Row {
-                    op: format!("decoder {what} [{tag}]"),
-                    dtype: dname(d),
-                    max_abs: a,
-                    max_rel: r,
-                    tol: tol_lp,
-                    pass: ok,
-                    note: p.unwrap_or_default(),
-                });
-            }
-            // One training step with the same random upstream gradients on both sides.
-            let ups: Vec<(Vec<f32>, Vec<f32>)> = lc
-                .iter()
-                .map(|s| {
-                    let n = s.logprobs.len();
-                    (
-                        (0..n).map(|_| self.rng.normal()).collect(),
-                        (0..n).map(|_| 0.1 * self.rng.normal()).collect(),
-                    )
-                })
-                .collect();
-            let mut loss = |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
-                Ok(ups
-                    .iter()
-                    .map(|(a, b)| TokenGrads {
-                        dlogprobs: a.clone(),
-                        dentropy: Some(b.clone()),
-                    })
-                    .collect())
-            };
-            cpu.forward_backward(&seqs, 0.8, &mut loss)?;
-            gpu.forward_backward(&seqs, 0.8, &mut loss)?;
-            let (gc, gg) = (cpu.export_grads()?, gpu.export_grads()?);
-            let (name, r) = worst_tensor(&gg, &gc);
-            let (a, _, p) = compare(&flat(&gg), &flat(&gc), &[]);
-            self.rows.push(Row {
-                op: format!("decoder grads, worst tensor [{tag}]"),
-                dtype: dname(d),
-                max_abs: a,
-                max_rel: r,
-                tol: tol_g,
-                pass: gg.len() == gc.len() && p.is_none() && r <= tol_g,
-                note: name,
-            });
-            // eps large next to the gradients keeps the update linear in g, so the check
-            // compares updates (p_new − p_old) without sign flips of near-zero gradients.
-            let hp = AdamWParams {
-                lr: 1e-2,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 0.1,
-                weight_decay: 0.1,
-            };
-            let (sc, sg) = (
-                cpu.optimizer_step(&hp, Some(0.5))?,
-                gpu.optimizer_step(&hp, Some(0.5))?,
-            );
-            let (wc, wg) = (cpu.export_weights()?, gpu.export_weights()?);
-            let delta = |x: &Weights| -> Weights {
-                x.iter()
-                    .map(|(k, t)| {
-                        let mut t = t.clone();
-                        t.data.iter_mut().zip(&w[k].data).for_each(|(v, o)| *v -= o);
-                        (k.clone(), t)
-                    })
-                    .collect()
-            };
-            let (dc, dg) = (delta(&wc), delta(&wg));
-            let (name, r) = worst_tensor(&dg, &dc);
-            let (a, _, p) = compare(&flat(&dg), &flat(&dc), &[]);
-            let norm_rel = ((sg.grad_norm - sc.grad_norm) / sc.grad_norm).abs() as f64;
-            self.rows.push(Row {
-                op: format!("decoder AdamW update, worst tensor [{tag}]"),
-                dtype: dname(d),
-                max_abs: a,
-                max_rel: r,
-                tol: tol_upd,
-                pass: p.is_none() && r <= tol_upd && norm_rel <= tol_lp && sg.skipped == sc.skipped,
-                note: format!(
-                    "{name}; grad norm gpu {} cpu {}",
-                    sg.grad_norm, sc.grad_norm
-                ),
-            });
-            // The compute weights were refreshed from the updated masters: each one is the
-            // master rounded to the compute dtype, exactly.
-            let wc = gpu.export_compute_weights()?;
-            let mut bad = None;
-            for (name, t) in &wg {
-                let same = wc[name]
-                    .data
-                    .iter()
-                    .zip(&t.data)
-                    .all(|(c, m)| c.to_bits() == round(*m, d).to_bits());
-                if !same && bad.is_none() {
-                    bad = Some(name.clone());
-                }
-            }
-            self.flag(
-                &format!("decoder compute weights = rounded masters [{tag}]"),
-                d,
-                bad.is_none() && wc.len() == wg.len(),
-                bad.map(|n| format!("{n} differs")).unwrap_or_default(),
-            );
-        }
-        Ok(())
-    }
-}
-
-impl Suite<'_> {
-    /// Whole-model log-probs and entropies of the tiny HF fixture models on the GPU against
-    /// the values transformers computed in f32 (`tests/fixtures/make_hf_fixtures.py`): f32
-    /// compute within 2e-4 nats (max |Δ|); bf16 compute (weights rounded to bf16 too, so this
-    /// is bf16 against an f32 model) within 1e-2 of the largest |value| (about 2.5 bf16 ulps).
-    fn hf_fixtures(&mut self, d: DType) -> Result<()> {
-        let (tol, relative) = match d {
-            DType::F32 => (2e-4, false),
-            DType::BF16 => (1e-2, true),
-        };
-        for model in ["qwen2", "llama", "qwen3"] {
-            let dir = self.hf_fixtures.join(model);
-            let op = format!("hf fixture {model}: logprobs+entropy vs transformers");
-            let text = match std::fs::read_to_string(dir.join("expected.json")) {
-                Ok(t) => t,
-                Err(e) => {
-                    let note = format!("{}: {e} (run from the repo root)", dir.display());
-                    self.flag(&op, d, false, note);
-                    continue;
-                }
-            };
-            let v: serde_json::Value = serde_json::from_str(&text)?;
-            let floats = |x: &serde_json::Value| -> Vec<f32> {
-                x.as_array()
-                    .map(|a| {
-                        a.iter()
-                            .filter_map(|f| f.as_f64())
-                            .map(|f| f as f32)
-                            .collect()
-                    })
-                    .unwrap_or_default()
-            };
-            let (cfg, weights) = crate::model::ModelDir::load(&dir)?;
-            let gb = CudaBackend::new(self.ordinal)?;
-            gb.set_compute_dtype(d);
-            let mut dec = Decoder::new(gb, &cfg, &weights)?;
-            let (mut worst, mut scale, mut n) = (0f64, 0f64, 0usize);
-            for c in v["cases"].as_array().into_iter().flatten() {
-                let tokens: Vec<u32> = c["tokens"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|t| t.as_u64())
-                    .map(|t| t as u32)
-                    .collect();
-                let temp = c["temperature"].as_f64().unwrap_or(1.0) as f32;
-                let got = dec.logprobs(
-                    &[SeqRef {
-                        tokens: &tokens,
-                        start: 1,
-                    }],
-                    temp,
-                    true,
-                )?;
-                let g = &got[0];
-                let pairs = [
-                    (g.logprobs.clone(), floats(&c["logprobs"])),
-                    (g.entropy.clone().unwrap_or_default(), floats(&c["entropy"])),
-                ];
-                for (mine, theirs) in pairs {
-                    if mine.len() != theirs.len() || mine.is_empty() {
-                        bail!(
-                            "{op}: {} values, transformers has {}",
-                            mine.len(),
-                            theirs.len()
-                        );
-                    }
-                    for (a, b) in mine.iter().zip(&theirs) {
-                        worst = worst.max((a - b).abs() as f64);
-                        scale = scale.max(b.abs() as f64);
-                        n += 1;
-                    }
-                }
-            }
-            let rel = worst / scale.max(f64::MIN_POSITIVE);
-            let ok = n > 0 && if relative { rel <= tol } else { worst <= tol };
-            self.rows.push(Row {
-                op,
-                dtype: dname(d),
-                max_abs: worst,
-                max_rel: rel,
-                tol,
-                pass: ok,
-                note: format!(
-                    "{n} values; tol on max {}",
-                    if relative { "rel" } else { "abs" }
-                ),
-            });
-        }
-        Ok(())
-    }
-}
-
 #[path = "parity_paged.rs"]
 mod paged;
 
-type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
+/// A check: runs on the suite for one storage dtype and adds its rows.
+pub type Case<'g> = fn(&mut Suite<'g>, DType) -> Result<()>;
 
-fn cases<'g>() -> [(&'static str, Case<'g>); 27] {
-    [
+/// The op-level checks by name (the names `gpu-test --only` filters on), in table order.
+pub fn op_cases<'g>() -> Vec<(&'static str, Case<'g>)> {
+    vec![
         ("memory", Suite::memory),
         ("matmul", Suite::matmul),
         ("embedding", Suite::embedding),
@@ -1388,8 +1097,6 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 27] {
         ("logprob", Suite::logprob),
         ("ppo_loss", Suite::ppo_loss),
         ("optim", Suite::optim),
-        ("decoder", Suite::decoder),
-        ("hf_fixtures", Suite::hf_fixtures),
         ("attention_paged", Suite::paged_attention),
         ("rope_store_kv", Suite::rope_store_kv),
         ("rope_store_kv_packed", Suite::rope_store_kv_packed),
@@ -1399,10 +1106,6 @@ fn cases<'g>() -> [(&'static str, Case<'g>); 27] {
         ("gemm_invariance", Suite::gemm_invariance),
         ("attention_invariance", Suite::attention_invariance),
         ("sample", Suite::sample),
-        ("paged_generate", Suite::paged_generate),
-        ("paged_graphs", Suite::paged_graphs),
-        ("rollout_agreement", Suite::rollout_agreement),
-        ("fused_decode", Suite::fused_decode),
     ]
 }
 
@@ -1440,122 +1143,6 @@ pub fn print_table(rows: &[Row]) -> usize {
         );
     }
     failed
-}
-
-/// `tandem gpu-test`.
-pub fn run(a: GpuTestArgs) -> Result<()> {
-    if a.compile_only {
-        let (ma, mi) = nvrtc::version()?;
-        println!(
-            "NVRTC {ma}.{mi}: compiling every kernel family for {}",
-            a.arch
-        );
-        for (name, bytes) in nvrtc::compile_all(&a.arch)? {
-            println!("  {name:<22} {bytes:>8} bytes of cubin");
-        }
-        return Ok(());
-    }
-    let gpu = CudaBackend::new(a.device)?;
-    let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1)
-    });
-    let (ma, mi) = gpu.nvrtc_version();
-    println!(
-        "tandem gpu-test: {} ({}, {}), NVRTC {ma}.{mi}, seed {seed} (replay with --seed {seed})",
-        gpu.name(),
-        gpu.device_name(),
-        gpu.arch()
-    );
-    let mut suite = Suite {
-        cpu: Cpu,
-        gpu: &gpu,
-        rng: Rng(SplitMix64(seed)),
-        rows: Vec::new(),
-        mma: true,
-        ordinal: a.device,
-        hf_fixtures: a.hf_fixtures.clone(),
-    };
-    gpu.set_tensor_core_attention(true);
-    let t0 = Instant::now();
-    for d in [DType::F32, DType::BF16] {
-        for (name, case) in cases() {
-            if let Some(o) = &a.only {
-                if !name.contains(o.as_str()) {
-                    continue;
-                }
-            }
-            let t = Instant::now();
-            if let Err(e) = case(&mut suite, d) {
-                suite.flag(name, d, false, format!("error: {e:#}"));
-            }
-            eprintln!(
-                "  {name} ({}) done in {:.2} s",
-                dname(d),
-                t.elapsed().as_secs_f64()
-            );
-        }
-    }
-    let failed = print_table(&suite.rows);
-    let st = gpu.memory_stats();
-    println!(
-        "{} checks, {} failed, {:.1} s; pool: {} MiB held, peak {} MiB in use",
-        suite.rows.len(),
-        failed,
-        t0.elapsed().as_secs_f64(),
-        st.held >> 20,
-        st.peak_in_use >> 20
-    );
-    let timing = if a.time && failed == 0 {
-        println!();
-        super::timing::run(&gpu, a.iters, a.only.as_deref())?
-    } else {
-        Vec::new()
-    };
-    if let Some(p) = &a.json {
-        let doc = serde_json::json!({
-            "device": gpu.device_name(),
-            "arch": gpu.arch(),
-            "nvrtc": format!("{ma}.{mi}"),
-            "seed": seed,
-            "rows": suite.rows,
-            "timing": timing,
-        });
-        std::fs::write(p, serde_json::to_string_pretty(&doc)?)
-            .map_err(|e| anyhow!("cannot write {}: {e}", p.display()))?;
-    }
-    if suite.rows.is_empty() {
-        bail!("no parity check matched --only");
-    }
-    if failed > 0 {
-        bail!("{failed} of {} parity checks failed", suite.rows.len());
-    }
-    Ok(())
-}
-
-/// The 2-layer model of the decoder-level checks (vocabulary 1000, hidden 256, 4/2 heads of 64),
-/// with the architecture's own options.
-pub(super) fn tiny_config(arch: Arch) -> Config {
-    Config {
-        arch,
-        vocab_size: 1000,
-        hidden_size: 256,
-        intermediate_size: 512,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        rope_theta: 1_000_000.0,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: arch != Arch::Llama,
-        qkv_bias: arch == Arch::Qwen2,
-        qk_norm: arch == Arch::Qwen3,
-        max_position_embeddings: 4096,
-        bos_token_id: None,
-        eos_token_ids: vec![0],
-    }
 }
 
 #[cfg(test)]

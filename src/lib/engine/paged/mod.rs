@@ -1,23 +1,29 @@
-//! The paged generation engine (vLLM-style): the KV cache is a pool of fixed-size blocks with a
-//! block table per sequence (`blocks`), a continuous-batching scheduler with chunked prefill,
-//! prefix sharing between the n samples of a prompt and preemption by recompute
-//! (`scheduler`), and a model interface whose step runs the forward pass *and* the sampling on
-//! the backend, so only token ids and log-probs come back to the host (`PagedModel`).
+//! The generation engine (vLLM-style, split as nano-vllm is): the KV cache is a pool of
+//! fixed-size blocks with a block table per sequence (`blocks`); a continuous-batching
+//! scheduler with chunked prefill, prefix sharing between the n samples of a prompt and
+//! preemption by recompute (`scheduler`, over the sequences of `sequence`); the step loop
+//! (`engine`); and the model runner (`runner`, `graphs`), whose step runs the decoder's forward
+//! pass *and* the sampling on the backend, so only token ids and log-probs come back to the
+//! host. `request` holds what it is asked for, the one check of it and the one stop rule.
 //!
-//! The same engine runs on every backend: on the CPU it is the reference that CI tests against
-//! the contiguous-cache generator (`engine::generate`), on the GPU it is what `rollout
-//! --device cuda` uses.
+//! The same engine runs on every backend: on the CPU it is the reference that CI tests (against
+//! toy models whose logits hash the context, and against the training forward's log-probs), on
+//! the GPU it is what `rollout --device cuda` uses.
 
 pub mod blocks;
-pub mod scheduler;
+mod engine;
+mod graphs;
+pub mod request;
+mod runner;
+mod scheduler;
+mod sequence;
 
-pub use scheduler::generate_paged;
+pub use engine::generate_paged;
+pub use graphs::{decode_bucket, GraphMode, GraphStats};
+pub use request::{Completion, Detokenize, FinishReason, GenParams, Request};
+pub use runner::{PagedDecoder, PagedKv};
 
-use crate::backend::Backend;
-use crate::engine::generate::GenStats;
-use crate::engine::sampling::{Sampled, SamplingParams};
-pub use crate::model::decoder::{decode_bucket, GraphMode, GraphStats};
-use crate::model::decoder::{Decoder, PagedKv};
+use crate::backend::sample::{Sampled, SamplingParams};
 use anyhow::{bail, Result};
 
 /// Positions per KV block (vLLM's default).
@@ -63,6 +69,15 @@ impl PagedConfig {
     }
 }
 
+/// Generation counters, for logs and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GenStats {
+    pub prefill_tokens: usize,
+    pub generated_tokens: usize,
+    pub decode_steps: usize,
+    pub prefills: usize,
+}
+
 /// Counters of one generation.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PagedStats {
@@ -90,7 +105,7 @@ pub struct Chunk<'a> {
 }
 
 /// A token to draw from the logits after the last token of chunk `chunk`, with the uniform
-/// `sampling::uniform(key, position)`. Several rows may name the same chunk (the n samples of
+/// `backend::sample::uniform(key, position)`. Several rows may name the same chunk (the n samples of
 /// a prompt draw their first tokens from its last logits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SampleRow {
@@ -133,85 +148,6 @@ pub trait PagedModel {
     /// The draws of the oldest queued step, waiting for it to finish.
     fn collect(&mut self) -> Result<Vec<Sampled>> {
         bail!("this paged model runs its steps in `step`")
-    }
-}
-
-/// The decoder over a paged cache of its own. Dropping it releases the decode graphs with the
-/// cache (`release` does it and says how much they held).
-pub struct PagedDecoder<'a, B: Backend> {
-    pub decoder: &'a mut Decoder<B>,
-    pub cache: PagedKv<B>,
-}
-
-impl<'a, B: Backend> PagedDecoder<'a, B> {
-    pub fn new(decoder: &'a mut Decoder<B>, num_blocks: usize, block_size: usize) -> Result<Self> {
-        let cache = decoder.new_paged_cache(num_blocks, block_size)?;
-        Ok(PagedDecoder { decoder, cache })
-    }
-
-    /// Pure-decode steps of up to `max_rows` sequences whose tables have at most
-    /// `max_blocks` blocks run as `mode` says (CUDA graphs, see `GraphMode`).
-    pub fn set_graphs(
-        &mut self,
-        mode: GraphMode,
-        max_rows: usize,
-        max_blocks: usize,
-    ) -> Result<()> {
-        self.decoder
-            .set_paged_graphs(&mut self.cache, mode, max_rows, max_blocks)
-    }
-
-    /// How the decode steps ran so far.
-    pub fn graph_stats(&self) -> GraphStats {
-        self.cache.graph_stats()
-    }
-
-    /// Destroys the decode graphs and gives their memory back to the pool; the stats with the
-    /// bytes the graphs held.
-    pub fn release_graphs(&mut self) -> Result<GraphStats> {
-        self.decoder.release_paged_graphs(&mut self.cache)?;
-        Ok(self.cache.graph_stats())
-    }
-}
-
-impl<B: Backend> Drop for PagedDecoder<'_, B> {
-    fn drop(&mut self) {
-        // The graphs read this cache's buffers: they go with it.
-        let _ = self.decoder.release_paged_graphs(&mut self.cache);
-    }
-}
-
-impl<B: Backend> PagedModel for PagedDecoder<'_, B> {
-    fn vocab(&self) -> usize {
-        self.decoder.config().vocab_size
-    }
-    fn step(
-        &mut self,
-        chunks: &[Chunk],
-        rows: &[SampleRow],
-        sampling: &SamplingParams,
-    ) -> Result<Vec<Sampled>> {
-        self.decoder
-            .forward_paged(&mut self.cache, chunks, rows, sampling)
-    }
-    fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<()> {
-        self.decoder.copy_paged_blocks(&mut self.cache, pairs)
-    }
-    fn asynchronous(&self) -> bool {
-        true
-    }
-    fn submit(
-        &mut self,
-        chunks: &[Chunk],
-        feed: &[Option<u32>],
-        rows: &[SampleRow],
-        sampling: &SamplingParams,
-    ) -> Result<()> {
-        self.decoder
-            .submit_paged(&mut self.cache, chunks, feed, rows, sampling)
-    }
-    fn collect(&mut self) -> Result<Vec<Sampled>> {
-        self.decoder.collect_paged(&mut self.cache)
     }
 }
 

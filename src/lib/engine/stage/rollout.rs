@@ -7,6 +7,7 @@
 
 use super::common::{resolve_model, Device};
 use super::{daemon_socket, load_policy, Exec, InProcess, Job};
+use crate::backend::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
@@ -14,12 +15,10 @@ use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::daemon::protocol::StageJob;
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
-use crate::engine::generate::{Completion, Detokenize, GenParams, Request};
 use crate::engine::paged::{
-    generate_paged, pool_blocks, GraphMode, GraphStats, PagedConfig, PagedDecoder, PagedStats,
-    DEFAULT_BLOCK_SIZE,
+    generate_paged, pool_blocks, Completion, Detokenize, GenParams, GraphMode, GraphStats,
+    PagedConfig, PagedDecoder, PagedStats, Request, DEFAULT_BLOCK_SIZE,
 };
-use crate::engine::sampling::{sample_key, SamplingParams};
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
@@ -295,7 +294,7 @@ impl Generate<'_> {
         let most = prompt_tokens + seqs * (self.params.max_new_tokens + 1);
         policy.reserve_paged(self.max_batched_tokens.min(most), seqs)?;
         let free = policy.backend().device_memory()?.map(|(f, _)| f);
-        let block_bytes = policy.paged_block_bytes(bs);
+        let block_bytes = PagedDecoder::block_bytes(policy, bs);
         let num_blocks = pool_blocks(free, self.gpu_memory_fraction, block_bytes, cap).max(1);
         let cfg = PagedConfig {
             block_size: bs,

@@ -4,11 +4,11 @@
 //! stage and, for the daemon, each phase's peak device memory. Advantages are ±1 by row (the
 //! reward does not change the cost of a step).
 
-use super::resident::{Options, Resident};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::batch::{list_array, Batch, NewColumns, StageInfo};
+use crate::daemon::resident::{Options, Resident};
 use crate::engine::stage::common::Device;
 use crate::engine::stage::{ref_logprob, rollout, sync_weights, update, Exec, InProcess};
 use anyhow::{Context, Result};

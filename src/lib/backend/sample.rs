@@ -1,8 +1,12 @@
-//! Token sampling: temperature, top-k, top-p, greedy, and a counter-based random stream per
-//! sample so that a sample's tokens depend only on (seed, prompt, sample index, position), never
-//! on which other sequences share its batch.
+//! Token sampling, the math of the `sample` op (`Backend::sample`; the CPU backend runs exactly
+//! this, the CUDA kernels in `cuda/kernels/sample.cu` are checked against it): temperature,
+//! top-k, top-p, greedy, and a counter-based random stream per sample so that a sample's tokens
+//! depend only on (seed, prompt, sample index, position), never on which other sequences share
+//! its batch.
 
 use anyhow::{bail, Result};
+
+use crate::rng::mix;
 
 /// How the next token is drawn (vLLM / verl names and conventions).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -60,14 +64,6 @@ pub struct Sampled {
     pub logprob: f32,
 }
 
-// SplitMix64's finalizer: a bijective mixer with full avalanche, the core of the counter RNG.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// The random key of one sample: a hash of the run seed, the prompt's tokens, which repeat of
 /// that same prompt in the input this is (so duplicated prompts still differ), and the sample's
 /// index among the n of its prompt.
@@ -79,13 +75,6 @@ pub fn sample_key(seed: u64, prompt: &[u32], occurrence: u64, sample: u64) -> u6
     h = mix(h ^ prompt.len() as u64);
     h = mix(h ^ occurrence);
     mix(h ^ sample.wrapping_mul(0xD6E8_FEB8_6659_FD93))
-}
-
-/// A key from several numbers (e.g. seed, step, epoch).
-pub fn mix_key(parts: &[u64]) -> u64 {
-    parts
-        .iter()
-        .fold(mix(0x006b_6579_5f6d_6978), |h, &p| mix(h ^ p))
 }
 
 /// Uniform in [0, 1) for draw number `position` of the sample with `key` (counter-based: the

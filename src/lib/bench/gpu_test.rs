@@ -1,0 +1,179 @@
+//! `tandem gpu-test`: the CUDA parity suite. Every op of the CUDA backend against the CPU
+//! backend (`backend::cuda::parity::op_cases`), then the decoder and the generation engine
+//! whole (`engine::check::cases`), in f32 and in bf16 storage, as one table; `--time` then
+//! times each op (`backend::cuda::timing`), `--compile-only` compiles every kernel with NVRTC
+//! and needs no GPU (`make kernels-check`). It lives above the engine because its cases do.
+
+use anyhow::{anyhow, bail, Result};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::backend::cuda::parity::{self, dname, print_table, Suite};
+use crate::backend::cuda::{nvrtc, timing, CudaBackend};
+use crate::backend::{Backend, DType};
+use crate::engine::check;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GpuTestArgs {
+    /// GPU ordinal to test.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Run only the checks (and with --time, time only the ops) whose name contains this text.
+    #[arg(long)]
+    pub only: Option<String>,
+    /// Seed of the random inputs (default: a fresh one, printed so a run can be replayed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Only compile every kernel with NVRTC for --arch (needs libnvrtc, not a GPU).
+    #[arg(long)]
+    pub compile_only: bool,
+    /// Target of --compile-only.
+    #[arg(long, default_value = "sm_90")]
+    pub arch: String,
+    /// Also write the table as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// After the checks, time each op at the Qwen2.5-0.5B training shape (CUDA events).
+    #[arg(long)]
+    pub time: bool,
+    /// Timed runs per op (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    pub iters: usize,
+    /// The tiny HF models with transformers' log-probs (the `hf_fixtures` check).
+    #[arg(long, default_value = "tests/fixtures/hf")]
+    pub hf_fixtures: PathBuf,
+}
+
+/// One registered check: an op-level case or an engine-level one.
+enum Case<'g> {
+    Op(parity::Case<'g>),
+    Engine(check::Case<'g>),
+}
+
+/// Every check by name, op-level first, kept where `only` is in the name.
+fn registry<'g>(only: Option<&str>) -> Vec<(&'static str, Case<'g>)> {
+    let ops = parity::op_cases()
+        .into_iter()
+        .map(|(n, c)| (n, Case::Op(c)));
+    let engine = check::cases()
+        .into_iter()
+        .map(|(n, c)| (n, Case::Engine(c)));
+    ops.chain(engine)
+        .filter(|(n, _)| only.is_none_or(|o| n.contains(o)))
+        .collect()
+}
+
+/// `tandem gpu-test`.
+pub fn run(a: GpuTestArgs) -> Result<()> {
+    if a.compile_only {
+        let (ma, mi) = nvrtc::version()?;
+        println!(
+            "NVRTC {ma}.{mi}: compiling every kernel family for {}",
+            a.arch
+        );
+        for (name, bytes) in nvrtc::compile_all(&a.arch)? {
+            println!("  {name:<22} {bytes:>8} bytes of cubin");
+        }
+        return Ok(());
+    }
+    let gpu = CudaBackend::new(a.device)?;
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    let (ma, mi) = gpu.nvrtc_version();
+    println!(
+        "tandem gpu-test: {} ({}, {}), NVRTC {ma}.{mi}, seed {seed} (replay with --seed {seed})",
+        gpu.name(),
+        gpu.device_name(),
+        gpu.arch()
+    );
+    let mut suite = Suite::new(&gpu, a.device, seed);
+    let opts = check::Opts {
+        hf_fixtures: a.hf_fixtures.clone(),
+    };
+    let cases = registry(a.only.as_deref());
+    let t0 = Instant::now();
+    for d in [DType::F32, DType::BF16] {
+        for (name, case) in &cases {
+            let t = Instant::now();
+            let r = match case {
+                Case::Op(c) => c(&mut suite, d),
+                Case::Engine(c) => c(&mut suite, &opts, d),
+            };
+            if let Err(e) = r {
+                suite.flag(name, d, false, format!("error: {e:#}"));
+            }
+            eprintln!(
+                "  {name} ({}) done in {:.2} s",
+                dname(d),
+                t.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let failed = print_table(&suite.rows);
+    let st = gpu.memory_stats();
+    println!(
+        "{} checks, {} failed, {:.1} s; pool: {} MiB held, peak {} MiB in use",
+        suite.rows.len(),
+        failed,
+        t0.elapsed().as_secs_f64(),
+        st.held >> 20,
+        st.peak_in_use >> 20
+    );
+    let timing = if a.time && failed == 0 {
+        println!();
+        timing::run(&gpu, a.iters, a.only.as_deref())?
+    } else {
+        Vec::new()
+    };
+    if let Some(p) = &a.json {
+        let doc = serde_json::json!({
+            "device": gpu.device_name(),
+            "arch": gpu.arch(),
+            "nvrtc": format!("{ma}.{mi}"),
+            "seed": seed,
+            "rows": suite.rows,
+            "timing": timing,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&doc)?)
+            .map_err(|e| anyhow!("cannot write {}: {e}", p.display()))?;
+    }
+    if suite.rows.is_empty() {
+        bail!("no parity check matched --only");
+    }
+    if failed > 0 {
+        bail!("{failed} of {} parity checks failed", suite.rows.len());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(only: Option<&str>) -> Vec<&'static str> {
+        registry(only).into_iter().map(|(n, _)| n).collect()
+    }
+
+    #[test]
+    fn the_registry_holds_every_check_and_only_filters_by_name() {
+        let all = names(None);
+        assert_eq!(all.len(), 27);
+        // Op-level checks come first, then the decoder and engine ones.
+        assert_eq!((all[0], all[all.len() - 1]), ("memory", "fused_decode"));
+        assert_eq!(
+            names(Some("paged")),
+            [
+                "attention_paged",
+                "attention_paged_rope",
+                "paged_generate",
+                "paged_graphs"
+            ]
+        );
+        assert_eq!(names(Some("decoder")), ["decoder"]);
+        assert!(names(Some("no such check")).is_empty());
+    }
+}

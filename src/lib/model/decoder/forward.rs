@@ -1,0 +1,327 @@
+//! The forward pass: sequences packed for scoring and training, the layer loop shared with
+//! paged steps, and scoring (`logprobs`).
+
+use anyhow::{bail, ensure, Result};
+
+use super::step::PagedAttn;
+use super::workspace::{Acts, Caps};
+use super::{check_temperature, pair, Decoder, SeqRef, TokenStats};
+use crate::backend::{AttnShape, Backend, PagedAttnShape};
+use crate::error::input_error;
+
+/// How the attention of a forward pass gets its keys.
+pub(super) enum AttnMode<'a, B: Backend> {
+    /// Packed sequences, keys from this call only.
+    Packed,
+    /// Keys and values are stored into a paged cache first, then read from it through block
+    /// tables (`kv_rows` are the cache rows of the new tokens, `kv_base` the table row of each
+    /// query, `kv_len` its context length).
+    Paged(PagedAttn<'a, B>),
+}
+
+impl<B: Backend> Decoder<B> {
+    /// Packs `seqs` and uploads ids, positions, offsets, scored rows and targets. Returns
+    /// (tokens, scored rows).
+    pub(super) fn pack(&mut self, seqs: &[SeqRef], train: bool) -> Result<(usize, usize)> {
+        let mut ids = Vec::new();
+        let mut pos = Vec::new();
+        let mut cu = vec![0u32];
+        let mut rows = Vec::new();
+        let mut targets = Vec::new();
+        for (s, seq) in seqs.iter().enumerate() {
+            if seq.start == 0 || seq.start > seq.tokens.len() {
+                bail!(input_error(format!(
+                    "sequence {s}: scoring starts at {} but must be in 1..={} (its length)",
+                    seq.start,
+                    seq.tokens.len()
+                )));
+            }
+            self.check_tokens(seq.tokens, &format!("sequence {s}"))?;
+            let off = ids.len() as u32;
+            for (t, &id) in seq.tokens.iter().enumerate() {
+                ids.push(id);
+                pos.push(t as u32);
+            }
+            for t in seq.start..seq.tokens.len() {
+                rows.push(off + t as u32 - 1);
+                targets.push(seq.tokens[t]);
+            }
+            cu.push(ids.len() as u32);
+        }
+        let (n, r) = (ids.len(), rows.len());
+        self.reserve(Caps {
+            tokens: n,
+            seqs: seqs.len(),
+            rows: r,
+            saved_layers: if train { self.cfg.num_layers.max(1) } else { 1 },
+            backward: train,
+            fused: false,
+        })?;
+        if r > 0 {
+            self.reserve_logprob_scratch()?;
+        }
+        let (b, ws) = (&self.backend, &mut self.ws);
+        b.upload_idx(&mut ws.ids, &ids)?;
+        b.upload_idx(&mut ws.pos, &pos)?;
+        b.upload_idx(&mut ws.cu, &cu)?;
+        b.upload_idx(&mut ws.rows, &rows)?;
+        b.upload_idx(&mut ws.targets, &targets)?;
+        Ok((n, r))
+    }
+
+    /// Log-probs (and optionally entropies) of every scored token of every sequence, under
+    /// softmax(logits / temperature). The sequences are packed into one pass; the caller
+    /// bounds its size (micro-batches by token budget).
+    pub fn logprobs(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<Vec<TokenStats>> {
+        check_temperature(temperature)?;
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (n, r) = self.pack(seqs, false)?;
+        let last = self.forward(n, seqs.len(), false, AttnMode::Packed)?;
+        self.score_rows(last, seqs, r, temperature, entropy)
+    }
+
+    /// Embedding and every layer for `n` tokens whose ids/positions (and offsets or cache rows)
+    /// are uploaded. `train` keeps each layer's activations. Returns the index of the residual
+    /// buffer that holds the last hidden state.
+    pub(super) fn forward(
+        &mut self,
+        n: usize,
+        seqs: usize,
+        train: bool,
+        mut mode: AttnMode<B>,
+    ) -> Result<usize> {
+        // The rollout engine's (paged) steps run the fused projections; training
+        // and scoring (packed) keep the split GEMMs, so `update` and `ref-logprob` agree.
+        let fuse = self.fuses() && !matches!(mode, AttnMode::Packed);
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            layers,
+            ws,
+            embed,
+            fused,
+            ..
+        } = self;
+        let (d, f, hh, kh, hd) = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let (qd, kd, eps, theta) = (hh * hd, kh * hd, cfg.rms_norm_eps, cfg.rope_theta);
+        ensure!(
+            !fuse || ws.caps.fused,
+            "decoder: fused step without its workspace"
+        );
+        b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
+        for (l, ly) in layers.iter().enumerate() {
+            let (ri, rm, ro) = if train {
+                (2 * l, 2 * l + 1, 2 * l + 2)
+            } else {
+                (0, 0, 0)
+            };
+            let a = &mut ws.acts[if train { l } else { 0 }];
+            b.rmsnorm(
+                &mut a.xn1,
+                &mut a.rstd1,
+                &ws.resid[ri],
+                &w[ly.in_norm],
+                n,
+                d,
+                eps,
+            )?;
+            // x·[Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]) as one GEMM into ws.qkv, whose parts the
+            // cache write reads; or the three GEMMs into a.q, a.k, a.v.
+            let qkv = ly.qkv.filter(|_| fuse);
+            if let Some(wi) = qkv {
+                b.matmul(
+                    &mut ws.qkv,
+                    &a.xn1,
+                    &fused[wi],
+                    ly.qkv_b.map(|i| &fused[i]),
+                    n,
+                    d,
+                    qd + 2 * kd,
+                    false,
+                )?;
+            } else {
+                let (q_dst, k_dst) = if cfg.qk_norm {
+                    (&mut a.q_raw, &mut a.k_raw)
+                } else {
+                    (&mut a.q, &mut a.k)
+                };
+                b.matmul(
+                    q_dst,
+                    &a.xn1,
+                    &w[ly.q],
+                    ly.q_b.map(|i| &w[i]),
+                    n,
+                    d,
+                    qd,
+                    false,
+                )?;
+                b.matmul(
+                    k_dst,
+                    &a.xn1,
+                    &w[ly.k],
+                    ly.k_b.map(|i| &w[i]),
+                    n,
+                    d,
+                    kd,
+                    false,
+                )?;
+                b.matmul(
+                    &mut a.v,
+                    &a.xn1,
+                    &w[ly.v],
+                    ly.v_b.map(|i| &w[i]),
+                    n,
+                    d,
+                    kd,
+                    false,
+                )?;
+                if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
+                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], n * hh, hd, eps)?;
+                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], n * kh, hd, eps)?;
+                }
+            }
+            match &mut mode {
+                AttnMode::Packed => {
+                    b.rope(&mut a.q, &ws.pos, n, hh, hd, theta)?;
+                    b.rope(&mut a.k, &ws.pos, n, kh, hd, theta)?;
+                    let shape = AttnShape {
+                        tokens: n,
+                        seqs,
+                        heads: hh,
+                        kv_heads: kh,
+                        head_dim: hd,
+                    };
+                    b.attention(&mut a.o, &mut a.lse, &a.q, &a.k, &a.v, &ws.cu, shape)?;
+                }
+                AttnMode::Paged(kv) => {
+                    let (kc, vc) = (&mut kv.k[l], &mut kv.v[l]);
+                    let shape = PagedAttnShape {
+                        queries: n,
+                        heads: hh,
+                        kv_heads: kh,
+                        head_dim: hd,
+                        block_size: kv.block_size,
+                        max_blocks: kv.max_blocks,
+                    };
+                    if qkv.is_some() && kv.n_tiles == 0 {
+                        // A decode step: rope + kv_store + attention, one kernel on the GPU.
+                        b.attention_paged_rope(
+                            &mut a.o,
+                            &ws.qkv,
+                            &mut a.q,
+                            &ws.pos,
+                            kc,
+                            vc,
+                            &ws.kv_rows,
+                            kv.tables,
+                            &ws.kv_base,
+                            &ws.kv_len,
+                            shape,
+                            theta,
+                        )?;
+                    } else {
+                        let heads = (n, hh, kh, hd);
+                        rope_store(
+                            b,
+                            qkv.is_some(),
+                            &ws.qkv,
+                            a,
+                            &ws.pos,
+                            &ws.kv_rows,
+                            kc,
+                            vc,
+                            heads,
+                            theta,
+                        )?;
+                        b.attention_paged_tiled(
+                            &mut a.o,
+                            &a.q,
+                            kc,
+                            vc,
+                            kv.tables,
+                            &ws.kv_base,
+                            &ws.kv_len,
+                            kv.tiles,
+                            kv.n_tiles,
+                            kv.decode_rows,
+                            shape,
+                        )?;
+                    }
+                }
+            }
+            if train {
+                // Training keeps the block's input: the output goes to the next snapshot.
+                let (src, dst) = pair(&mut ws.resid, ri, rm);
+                b.matmul_residual(dst, src, &a.o, &w[ly.o], n, qd, d)?;
+            } else {
+                b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
+            }
+            b.rmsnorm(
+                &mut a.xn2,
+                &mut a.rstd2,
+                &ws.resid[rm],
+                &w[ly.post_norm],
+                n,
+                d,
+                eps,
+            )?;
+            // x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two GEMMs into a.g, a.u.
+            if let Some(wi) = ly.gate_up.filter(|_| fuse) {
+                b.matmul(&mut ws.gu, &a.xn2, &fused[wi], None, n, d, 2 * f, false)?;
+                b.swiglu_packed(&mut ws.h, &ws.gu, n, f)?;
+            } else {
+                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
+                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
+                let h = if train { &mut a.h } else { &mut ws.h };
+                b.swiglu(h, &a.g, &a.u, n * f)?;
+            }
+            if train {
+                let (src, dst) = pair(&mut ws.resid, rm, ro);
+                b.matmul_residual(dst, src, &a.h, &w[ly.down], n, f, d)?;
+            } else {
+                b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, n, f, d, true)?;
+            }
+        }
+        Ok(if train { 2 * layers.len() } else { 0 })
+    }
+}
+
+/// Rope of a step's new queries and keys, and its keys and values stored at their cache rows:
+/// from the fused q/k/v projection `qkv` when `fused`, else from `a`'s q, k and v.
+/// `heads` = (tokens, heads, kv heads, head dim).
+#[allow(clippy::too_many_arguments)]
+fn rope_store<B: Backend>(
+    b: &B,
+    fused: bool,
+    qkv: &B::Buf,
+    a: &mut Acts<B>,
+    pos: &B::Idx,
+    rows: &B::Idx,
+    kc: &mut B::Buf,
+    vc: &mut B::Buf,
+    heads: (usize, usize, usize, usize),
+    theta: f32,
+) -> Result<()> {
+    let (n, hh, kh, hd) = heads;
+    if fused {
+        b.rope_store_kv_packed(qkv, &mut a.q, pos, kc, vc, rows, n, hh, kh, hd, theta)
+    } else {
+        b.rope_store_kv(
+            &mut a.q, &mut a.k, &a.v, pos, kc, vc, rows, n, hh, kh, hd, theta,
+        )
+    }
+}

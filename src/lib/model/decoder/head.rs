@@ -1,0 +1,145 @@
+//! The head of the decoder: the final norm of the rows that are scored or sampled, the LM head,
+//! and the fused log-prob (the logits of a chunk of rows at a time, never the whole
+//! `[rows, vocab]` matrix) that scoring and training read.
+
+use anyhow::Result;
+
+use super::{Decoder, SeqRef, TokenStats};
+use crate::backend::{Backend, LogprobShape};
+
+impl<B: Backend> Decoder<B> {
+    /// ws.xf = final_norm(resid[last][rows]) for the `r` rows listed in ws.rows: the hidden
+    /// states the LM head reads (scoring, training and paged steps alike). The gather
+    /// also rounds the f32 residual to the compute dtype, in every path: a decode step that
+    /// normed its rows in place would round differently from training (measured: 1.3e-3 mean
+    /// |Δ log-prob| against `ref-logprob` in batch-invariant mode).
+    pub(super) fn final_rows(&mut self, last: usize, r: usize) -> Result<()> {
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            ws,
+            final_norm,
+            ..
+        } = self;
+        let d = cfg.hidden_size;
+        b.gather_rows(&mut ws.xg, &ws.resid[last], &ws.rows, r, d)?;
+        b.rmsnorm(
+            &mut ws.xf,
+            &mut ws.rstd_f,
+            &ws.xg,
+            &w[*final_norm],
+            r,
+            d,
+            cfg.rms_norm_eps,
+        )
+    }
+
+    /// ws.logits[r, vocab] = ws.xf · headᵀ (full logits of the `r` final rows).
+    pub(super) fn head_logits(&mut self, r: usize) -> Result<()> {
+        let (d, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let Decoder {
+            backend: b,
+            w,
+            ws,
+            head,
+            ..
+        } = self;
+        b.matmul(&mut ws.logits, &ws.xf, &w[*head], None, r, d, v, false)
+    }
+
+    /// Makes the fused log-prob's scratch hold one chunk of logits.
+    pub(super) fn reserve_logprob_scratch(&mut self) -> Result<()> {
+        let n = self.logprob_chunk.max(1) * self.cfg.vocab_size;
+        if self.backend.len(&self.ws.scratch) < n {
+            self.ws.scratch = self.backend.alloc(0)?;
+            self.ws.scratch = self.backend.alloc(n)?;
+        }
+        Ok(())
+    }
+
+    /// (nearly) equal size so the last GEMM is not a sliver.
+    pub(super) fn chunk_rows(&self, r: usize) -> usize {
+        let max = self.logprob_chunk.max(1);
+        r.div_ceil(r.div_ceil(max).max(1)).max(1)
+    }
+
+    /// Final norm of the scored rows and the fused log-prob; returns per-sequence stats.
+    pub(super) fn score_rows(
+        &mut self,
+        last: usize,
+        seqs: &[SeqRef],
+        r: usize,
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<Vec<TokenStats>> {
+        if r == 0 {
+            return Ok(seqs
+                .iter()
+                .map(|_| TokenStats {
+                    logprobs: vec![],
+                    entropy: entropy.then(Vec::new),
+                })
+                .collect());
+        }
+        self.score_device(last, r, temperature, entropy)?;
+        let (b, ws) = (&self.backend, &self.ws);
+        let mut lp = vec![0.0; r];
+        b.download(&ws.lp, &mut lp)?;
+        let mut ent = vec![0.0; if entropy { r } else { 0 }];
+        if entropy {
+            b.download(&ws.ent, &mut ent)?;
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for s in seqs {
+            let c = s.tokens.len() - s.start;
+            out.push(TokenStats {
+                logprobs: lp[off..off + c].to_vec(),
+                entropy: entropy.then(|| ent[off..off + c].to_vec()),
+            });
+            off += c;
+        }
+        Ok(out)
+    }
+
+    /// Final norm of the `r > 0` scored rows and the fused log-prob, left on the device
+    /// (`ws.lp`, `ws.ent`, `ws.lse_lp`).
+    pub(super) fn score_device(
+        &mut self,
+        last: usize,
+        r: usize,
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<()> {
+        let chunk = self.chunk_rows(r);
+        self.final_rows(last, r)?;
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            ws,
+            head,
+            ..
+        } = self;
+        let d = cfg.hidden_size;
+        let shape = LogprobShape {
+            rows: r,
+            hidden: d,
+            vocab: cfg.vocab_size,
+            temperature,
+            chunk,
+        };
+        let ent = if entropy { Some(&mut ws.ent) } else { None };
+        b.logprob(
+            &mut ws.lp,
+            ent,
+            &mut ws.lse_lp,
+            &ws.xf,
+            &w[*head],
+            &ws.targets,
+            shape,
+            &mut ws.scratch,
+        )
+    }
+}

@@ -1,0 +1,262 @@
+//! The optimizer: AdamW (torch.optim.AdamW semantics) with global gradient-norm clipping over
+//! f32 master weights, its state for exact resume, and the release/restore calls a colocated
+//! engine uses to park gradients, moments and masters between phases.
+
+use anyhow::{bail, ensure, Result};
+
+use super::Decoder;
+use crate::backend::{AdamWStep, Backend, DType};
+use crate::error::input_error;
+use crate::model::Weights;
+
+/// AdamW hyper-parameters of one optimizer step (torch.optim.AdamW semantics; the weight decay
+/// applies to every parameter, as verl's FSDP actor does).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWParams {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for AdamWParams {
+    fn default() -> Self {
+        AdamWParams {
+            lr: 1e-6,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+/// What `optimizer_step` did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// Global L2 norm of the gradients before clipping.
+    pub grad_norm: f32,
+    /// True when the norm was not finite and the step was skipped (weights and moments kept).
+    pub skipped: bool,
+}
+
+/// Adam moments by HF parameter name plus the step count, enough to resume exactly. A state
+/// with `step == 0` and no moments means "fresh optimizer".
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OptimizerState {
+    pub step: u64,
+    pub exp_avg: Weights,
+    pub exp_avg_sq: Weights,
+}
+
+impl<B: Backend> Decoder<B> {
+    /// Sets every gradient to zero (start of an optimizer step's accumulation).
+    pub fn zero_grads(&mut self) -> Result<()> {
+        for g in &mut self.g {
+            let n = self.backend.len(g);
+            self.backend.fill(g, n, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Global L2 norm of the accumulated gradients (0 before any backward pass).
+    pub fn grad_norm(&self) -> Result<f32> {
+        let all: Vec<(&B::Buf, usize)> = self.g.iter().map(|g| (g, self.backend.len(g))).collect();
+        Ok(self.backend.sum_squares_all(&all)?.sqrt() as f32)
+    }
+
+    /// The gradients by HF name (for tests and debugging).
+    pub fn export_grads(&self) -> Result<Weights> {
+        ensure!(
+            !self.g.is_empty(),
+            "no gradients yet: run forward_backward first"
+        );
+        self.export(&self.g)
+    }
+
+    /// Clips the gradients to `max_grad_norm` (global L2, as torch's clip_grad_norm_) and takes
+    /// one AdamW step. A non-finite norm skips the step and leaves weights, moments and the
+    /// step count as they were. Gradients are not zeroed (call `zero_grads`).
+    pub fn optimizer_step(
+        &mut self,
+        hp: &AdamWParams,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport> {
+        let finite_nonneg = |x: f32| x.is_finite() && x >= 0.0;
+        if !(finite_nonneg(hp.lr)
+            && finite_nonneg(hp.weight_decay)
+            && (0.0..1.0).contains(&hp.beta1)
+            && (0.0..1.0).contains(&hp.beta2)
+            && hp.eps.is_finite()
+            && hp.eps > 0.0)
+        {
+            bail!(input_error(format!(
+                "AdamW: need lr >= 0, weight_decay >= 0, betas in [0, 1) and eps > 0, got {hp:?}"
+            )));
+        }
+        if let Some(c) = max_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                bail!(input_error(format!("grad clip must be positive, got {c}")));
+            }
+        }
+        ensure!(
+            !self.g.is_empty(),
+            "optimizer_step before any forward_backward"
+        );
+        let grad_norm = self.grad_norm()?;
+        if !grad_norm.is_finite() {
+            return Ok(StepReport {
+                grad_norm,
+                skipped: true,
+            });
+        }
+        // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), clamped to 1.
+        let grad_scale = max_grad_norm.map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0));
+        if self.m.is_empty() {
+            for s in &self.shapes {
+                let n = s.iter().product();
+                self.m.push(self.backend.alloc(n)?);
+                self.v.push(self.backend.alloc(n)?);
+            }
+        }
+        self.step += 1;
+        let t = self.step as i32;
+        let st = AdamWStep {
+            lr: hp.lr,
+            beta1: hp.beta1,
+            beta2: hp.beta2,
+            eps: hp.eps,
+            weight_decay: hp.weight_decay,
+            bias_correction1: (1.0 - (hp.beta1 as f64).powi(t)) as f32,
+            bias_correction2: (1.0 - (hp.beta2 as f64).powi(t)) as f32,
+            grad_scale,
+        };
+        for i in 0..self.w.len() {
+            let n = self.backend.len(&self.w[i]);
+            let p = if self.master.is_empty() {
+                &mut self.w[i]
+            } else {
+                &mut self.master[i]
+            };
+            self.backend
+                .adamw(p, &self.g[i], &mut self.m[i], &mut self.v[i], n, &st)?;
+            if !self.master.is_empty() {
+                // Refresh the compute copy (rounded to its dtype) from the updated master.
+                self.backend
+                    .copy(&mut self.w[i], 0, &self.master[i], 0, n)?;
+            }
+        }
+        Ok(StepReport {
+            grad_norm,
+            skipped: false,
+        })
+    }
+
+    /// Adam moments by parameter name and the step count.
+    pub fn optimizer_state(&self) -> Result<OptimizerState> {
+        if self.m.is_empty() {
+            return Ok(OptimizerState {
+                step: self.step,
+                ..Default::default()
+            });
+        }
+        Ok(OptimizerState {
+            step: self.step,
+            exp_avg: self.export(&self.m)?,
+            exp_avg_sq: self.export(&self.v)?,
+        })
+    }
+
+    /// Restores what `optimizer_state` returned, so training resumes exactly. Every parameter
+    /// must have both moments with its shape (input errors otherwise).
+    pub fn load_optimizer_state(&mut self, state: &OptimizerState) -> Result<()> {
+        if state.exp_avg.is_empty() && state.exp_avg_sq.is_empty() {
+            self.m.clear();
+            self.v.clear();
+            self.step = state.step;
+            return Ok(());
+        }
+        let mut m = Vec::with_capacity(self.names.len());
+        let mut v = Vec::with_capacity(self.names.len());
+        for (name, shape) in self.names.iter().zip(&self.shapes) {
+            for (map, what, out) in [
+                (&state.exp_avg, "exp_avg", &mut m),
+                (&state.exp_avg_sq, "exp_avg_sq", &mut v),
+            ] {
+                let t = map.get(name).ok_or_else(|| {
+                    input_error(format!("optimizer state: {what} of '{name}' is missing"))
+                })?;
+                if &t.shape != shape {
+                    bail!(input_error(format!(
+                        "optimizer state: {what} of '{name}' has shape {:?}, the model's is {shape:?}",
+                        t.shape
+                    )));
+                }
+                let mut buf = self.backend.alloc(t.numel())?;
+                self.backend.upload(&mut buf, &t.data)?;
+                out.push(buf);
+            }
+        }
+        for (what, map) in [
+            ("exp_avg", &state.exp_avg),
+            ("exp_avg_sq", &state.exp_avg_sq),
+        ] {
+            if let Some(extra) = map.keys().find(|k| !self.names.contains(k)) {
+                bail!(input_error(format!(
+                    "optimizer state: {what} has '{extra}', which the model does not have"
+                )));
+            }
+        }
+        self.m = m;
+        self.v = v;
+        self.step = state.step;
+        Ok(())
+    }
+
+    /// Frees the gradients (the next backward pass allocates them again): the hybrid engine's
+    /// step from the update phase to generation.
+    pub fn release_grads(&mut self) {
+        self.g.clear();
+    }
+
+    /// Frees the Adam moments on the device, keeping the step count: the daemon parks them in
+    /// host memory between updates (`--offload-optimizer`) and brings them back with
+    /// `load_optimizer_state` before the next step.
+    pub fn release_optimizer_state(&mut self) {
+        self.m.clear();
+        self.v.clear();
+    }
+
+    /// Frees the f32 master weights where they are kept apart from the compute weights (compute
+    /// dtype other than f32): the daemon's `--offload-optimizer` holds them in host memory
+    /// between updates and calls `restore_masters` before the next optimizer step. Where the
+    /// compute weights are the masters (f32) there is nothing to free.
+    pub fn release_masters(&mut self) {
+        self.master.clear();
+    }
+
+    /// Uploads the f32 masters (by HF name, as `export_weights` gave them) that
+    /// `release_masters` freed. A no-op when the compute weights are f32.
+    pub fn restore_masters(&mut self, weights: &Weights) -> Result<()> {
+        if self.backend.compute_dtype() == DType::F32 || !self.master.is_empty() {
+            return Ok(());
+        }
+        let mut out = Vec::with_capacity(self.names.len());
+        for (name, shape) in self.names.iter().zip(&self.shapes) {
+            let t = weights
+                .get(name)
+                .ok_or_else(|| anyhow::anyhow!("master weights: '{name}' is missing"))?;
+            ensure!(
+                &t.shape == shape,
+                "master weights: '{name}' has shape {:?}, the model's is {shape:?}",
+                t.shape
+            );
+            let mut m = self.backend.alloc(t.numel())?;
+            self.backend.upload(&mut m, &t.data)?;
+            out.push(m);
+        }
+        self.master = out;
+        Ok(())
+    }
+}

@@ -13,7 +13,7 @@
 pub mod blocks;
 mod engine;
 mod graphs;
-pub mod request;
+mod request;
 mod runner;
 mod scheduler;
 mod sequence;

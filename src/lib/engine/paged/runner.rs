@@ -95,16 +95,6 @@ impl<B: Backend> PagedKv<B> {
         })
     }
 
-    /// Bytes one block of `block_size` positions takes over every layer (keys and values), in
-    /// the compute dtype `dtype`.
-    pub fn block_bytes(cfg: &Config, dtype: DType, block_size: usize) -> usize {
-        let esize = match dtype {
-            DType::F32 => 4,
-            DType::BF16 => 2,
-        };
-        2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * esize
-    }
-
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
@@ -247,13 +237,15 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
         Ok(PagedDecoder { decoder, cache })
     }
 
-    /// Bytes one KV block of `block_size` positions takes for `decoder` (to size a pool).
+    /// Bytes one KV block of `block_size` positions takes for `decoder` over every layer, keys
+    /// and values in its compute dtype (to size a pool).
     pub fn block_bytes(decoder: &Decoder<B>, block_size: usize) -> usize {
-        PagedKv::<B>::block_bytes(
-            decoder.config(),
-            decoder.backend().compute_dtype(),
-            block_size,
-        )
+        let cfg = decoder.config();
+        let esize = match decoder.backend().compute_dtype() {
+            DType::F32 => 4,
+            DType::BF16 => 2,
+        };
+        2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * esize
     }
 
     /// How the decode steps ran so far.

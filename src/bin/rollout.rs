@@ -1,4 +1,4 @@
-//! `rollout`: see `tandem::engine::stage::rollout`.
+//! `rollout`: see `tandem::stage::rollout`.
 
 use clap::Parser;
 use std::process::ExitCode;
@@ -7,10 +7,10 @@ use std::process::ExitCode;
 #[command(name = "rollout", version)]
 struct Cli {
     #[command(flatten)]
-    args: tandem::engine::stage::rollout::RolloutArgs,
+    args: tandem::stage::rollout::RolloutArgs,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::engine::stage::rollout::run(cli.args))
+    tandem::error::run_main(|| tandem::stage::rollout::run(cli.args))
 }

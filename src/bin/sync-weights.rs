@@ -1,4 +1,4 @@
-//! `sync-weights`: see `tandem::engine::stage::sync_weights`.
+//! `sync-weights`: see `tandem::stage::sync_weights`.
 
 use clap::Parser;
 use std::process::ExitCode;
@@ -7,10 +7,10 @@ use std::process::ExitCode;
 #[command(name = "sync-weights", version)]
 struct Cli {
     #[command(flatten)]
-    args: tandem::engine::stage::sync_weights::SyncWeightsArgs,
+    args: tandem::stage::sync_weights::SyncWeightsArgs,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::engine::stage::sync_weights::run(cli.args))
+    tandem::error::run_main(|| tandem::stage::sync_weights::run(cli.args))
 }

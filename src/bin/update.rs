@@ -1,4 +1,4 @@
-//! `update`: see `tandem::engine::stage::update`.
+//! `update`: see `tandem::stage::update`.
 
 use clap::Parser;
 use std::process::ExitCode;
@@ -7,10 +7,10 @@ use std::process::ExitCode;
 #[command(name = "update", version)]
 struct Cli {
     #[command(flatten)]
-    args: tandem::engine::stage::update::UpdateArgs,
+    args: tandem::stage::update::UpdateArgs,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::engine::stage::update::run(cli.args))
+    tandem::error::run_main(|| tandem::stage::update::run(cli.args))
 }

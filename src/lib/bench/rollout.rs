@@ -15,12 +15,12 @@ use crate::engine::paged::{
     DEFAULT_BLOCK_SIZE,
 };
 use crate::engine::sampling::{sample_key, uniform, SamplingParams};
-use crate::engine::stage::common::Device;
-use crate::engine::stage::{on_device, Job};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::names::param_count;
 use crate::model::Config;
+use crate::stage::common::Device;
+use crate::stage::{on_device, Job};
 use anyhow::Result;
 use clap::Args;
 use serde_json::json;

@@ -4,8 +4,8 @@
 
 use super::protocol::{Request, Response, StageJob};
 use crate::batch::write_json;
-use crate::engine::stage::common::progress_bar;
 use crate::error::input_error;
+use crate::stage::common::progress_bar;
 use anyhow::{anyhow, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;

@@ -11,10 +11,10 @@
 //! < {"type":"done","metrics":{"phase":"update","seconds":0.41,...}}
 //! ```
 
-use crate::engine::stage::ref_logprob::RefLogprobArgs;
-use crate::engine::stage::rollout::RolloutArgs;
-use crate::engine::stage::sync_weights::SyncWeightsArgs;
-use crate::engine::stage::update::UpdateArgs;
+use crate::stage::ref_logprob::RefLogprobArgs;
+use crate::stage::rollout::RolloutArgs;
+use crate::stage::sync_weights::SyncWeightsArgs;
+use crate::stage::update::UpdateArgs;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::PathBuf;

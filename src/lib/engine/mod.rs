@@ -1,12 +1,12 @@
 //! The engine on top of the decoder: sampling and batched generation (`rollout`), micro-batched
-//! scoring (`ref-logprob`), the training loop (`update`), and the stages' command lines.
+//! scoring (`ref-logprob`) and the training loop (`update`); the stages' command lines are in
+//! `crate::stage`.
 
 pub mod generate;
 pub mod logprob;
 pub mod paged;
 pub mod resume;
 pub mod sampling;
-pub mod stage;
 #[cfg(test)]
 mod testing;
 pub mod train;

@@ -11,9 +11,9 @@ use super::spec::{Device, Spec};
 use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
 use crate::engine::resume;
-use crate::engine::stage::sync_weights::{self, SyncWeightsArgs};
-use crate::engine::stage::InProcess;
 use crate::error::input_error;
+use crate::stage::sync_weights::{self, SyncWeightsArgs};
+use crate::stage::InProcess;
 use anyhow::{Context, Result};
 use arrow_array::UInt64Array;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -754,7 +754,7 @@ impl Runner {
         let (frontier, lost) = if update_done {
             (self.run.ckpt(step), step)
         } else if self.run.policy().exists() {
-            let policy = crate::engine::stage::common::resolve_model(&self.run.policy())?;
+            let policy = crate::stage::common::resolve_model(&self.run.policy())?;
             (policy.dir, policy.policy_version)
         } else {
             return Ok(None);
@@ -792,10 +792,7 @@ impl Runner {
             policy_version: Some(to),
             daemon: None,
         };
-        sync_weights::run_with(
-            args,
-            &mut InProcess(crate::engine::stage::common::Device::Cpu),
-        )?;
+        sync_weights::run_with(args, &mut InProcess(crate::stage::common::Device::Cpu))?;
         let sampler = Sampler {
             seed: self.spec.seed,
             len: self.state.train_rows,

@@ -3,9 +3,11 @@
 //! compute on an [`Exec`] (in this process as a [`Job`] on the device `--device` names, or in
 //! the warm daemon that `--daemon` names, on the models it holds), and writes its output.
 
+pub mod advantage;
 pub mod common;
 pub mod ref_logprob;
 pub mod rollout;
+pub mod score;
 pub mod sft_batch;
 pub mod sync_weights;
 pub mod update;

@@ -583,7 +583,7 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
     ]);
     let req = tandem::daemon::protocol::Request::Job {
         cwd: w.to_path_buf(),
-        job: Box::new(tandem::daemon::protocol::StageJob::Rollout(cli.args)),
+        job: Box::new(tandem::stage::StageJob::Rollout(cli.args)),
     };
     let mut s = UnixStream::connect(&sock).unwrap();
     writeln!(s, "{}", serde_json::to_string(&req).unwrap()).unwrap();

@@ -1,16 +1,6 @@
 //! `score`: see `tandem::stage::score`.
 
-use clap::Parser;
-use std::process::ExitCode;
-
-#[derive(Parser)]
-#[command(name = "score", version)]
-struct Cli {
-    #[command(flatten)]
-    args: tandem::stage::score::ScoreArgs,
-}
-
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::stage::score::run(cli.args))
+fn main() -> std::process::ExitCode {
+    let args = tandem::stage::parse_cli("score");
+    tandem::error::run_main(|| tandem::stage::score::run(args))
 }

@@ -7,8 +7,7 @@
 //! give: after `update` the decoder holds the f32 masters, moments and step that the stage
 //! writes next to the model (f32, exactly), and the schedule position it writes.
 
-use super::protocol::Response;
-use super::server::Reply;
+use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, OptimizerState, TokenStats};
@@ -430,7 +429,8 @@ impl<B: Backend> Resident<B> {
         Ok(())
     }
 
-    fn check_device(&self, asked: Device) -> Result<()> {
+    /// Refuses a job whose `--device` is not the daemon's.
+    pub fn check_device(&self, asked: Device) -> Result<()> {
         if asked != self.device {
             crate::bail_input!(
                 "--device {asked}: the daemon runs on {}; pass --device {} (or drop --daemon to compute in this process)",
@@ -439,17 +439,6 @@ impl<B: Backend> Resident<B> {
             );
         }
         Ok(())
-    }
-
-    /// Checks a stage's `--device` against the daemon's.
-    pub fn check_job_device(&self, job: &super::protocol::StageJob) -> Result<()> {
-        use super::protocol::StageJob;
-        match job {
-            StageJob::Rollout(a) => self.check_device(a.device),
-            StageJob::RefLogprob(a) => self.check_device(a.device),
-            StageJob::Update(a) => self.check_device(a.device),
-            StageJob::SyncWeights(_) => Ok(()),
-        }
     }
 }
 

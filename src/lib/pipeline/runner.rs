@@ -792,7 +792,7 @@ impl Runner {
             policy_version: Some(to),
             daemon: None,
         };
-        sync_weights::run_with(args, &mut InProcess(crate::stage::common::Device::Cpu))?;
+        sync_weights::run(args, &mut InProcess(crate::stage::common::Device::Cpu))?;
         let sampler = Sampler {
             seed: self.spec.seed,
             len: self.state.train_rows,

@@ -57,6 +57,50 @@ impl<'de> Deserialize<'de> for Device {
     }
 }
 
+/// Serde of a flag value as its flag text, through `Display` and `FromStr` (the algorithm
+/// enums), so stage arguments travel to the daemon as they are typed.
+pub mod as_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::fmt::Display;
+    use std::str::FromStr;
+
+    pub fn serialize<T: Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(v)
+    }
+
+    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    where
+        T: FromStr,
+        T::Err: Display,
+        D: Deserializer<'de>,
+    {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Serde of `--rollout-is` (`token` | `sequence`).
+pub mod rollout_is_level {
+    use crate::algo::policy_loss::RolloutIsLevel;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<RolloutIsLevel>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            None => s.serialize_none(),
+            Some(RolloutIsLevel::Token) => s.serialize_some("token"),
+            Some(RolloutIsLevel::Sequence) => s.serialize_some("sequence"),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<RolloutIsLevel>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|s| s.parse().map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
 /// The file `sync-weights` writes: which checkpoint is the current policy, and its version.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Pointer {

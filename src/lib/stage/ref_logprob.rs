@@ -3,11 +3,10 @@
 //! off-policy update), optionally with per-token entropy.
 
 use super::common::{check_token_ids, resolve_model, Device};
-use super::{daemon_socket, load_policy, Exec, InProcess, Job};
+use super::{load_policy, Exec, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{list_array, schema, Batch, NewColumns, StageInfo};
-use crate::daemon::protocol::StageJob;
 use crate::engine::logprob::{score, PromptResponse};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
@@ -111,23 +110,23 @@ impl Score<'_> {
     }
 }
 
-pub fn run(args: RefLogprobArgs) -> Result<()> {
-    if let Some(socket) = daemon_socket(&args.daemon) {
-        return crate::daemon::client::run_stage(&socket, StageJob::RefLogprob(args));
+impl RefLogprobArgs {
+    /// Checks the flags as the stage does before reading its input.
+    pub fn check(&self) -> Result<()> {
+        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
+            bail_input!("--temperature must be > 0, got {}", self.temperature);
+        }
+        if self.micro_batch_tokens == 0 {
+            bail_input!("--micro-batch-tokens must be >= 1");
+        }
+        Ok(())
     }
-    let device = args.device;
-    run_with(args, &mut InProcess(device))
 }
 
 /// The stage with its compute on `exec`.
-pub fn run_with(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
+pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
-    if !(args.temperature > 0.0 && args.temperature.is_finite()) {
-        bail_input!("--temperature must be > 0, got {}", args.temperature);
-    }
-    if args.micro_batch_tokens == 0 {
-        bail_input!("--micro-batch-tokens must be >= 1");
-    }
+    args.check()?;
     let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
     let model = resolve_model(&args.model)?;
     let cfg = ModelDir::load_config(&model.dir)?;

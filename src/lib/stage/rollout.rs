@@ -6,12 +6,11 @@
 //! other prompts share the file, the `--limit`, or the `--batch-size`.
 
 use super::common::{resolve_model, Device};
-use super::{daemon_socket, load_policy, Exec, InProcess, Job};
+use super::{load_policy, Exec, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
-use crate::daemon::protocol::StageJob;
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::engine::generate::{Completion, Detokenize, GenParams, Request};
@@ -339,6 +338,11 @@ impl Generate<'_> {
 }
 
 impl RolloutArgs {
+    /// Checks the flags as the stage does before reading its input.
+    pub fn check(&self) -> Result<()> {
+        self.sampling().map(|_| ())
+    }
+
     fn sampling(&self) -> Result<SamplingParams> {
         let p = SamplingParams {
             temperature: self.temperature,
@@ -375,16 +379,8 @@ impl RolloutArgs {
     }
 }
 
-pub fn run(args: RolloutArgs) -> Result<()> {
-    if let Some(socket) = daemon_socket(&args.daemon) {
-        return crate::daemon::client::run_stage(&socket, StageJob::Rollout(args));
-    }
-    let device = args.device;
-    run_with(args, &mut InProcess(device))
-}
-
 /// The stage with its compute on `exec`.
-pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
+pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let sampling = args.sampling()?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;

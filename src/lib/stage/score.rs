@@ -3,7 +3,7 @@
 //! `crate::reward`; this file holds the stage's flags.
 
 use crate::error::input_error;
-use crate::reward::{Gsm8kMethod, Options, StageConfig};
+use crate::reward::{Gsm8kMethod, Options, RewardSpec, StageConfig};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -67,6 +67,14 @@ impl ScoreArgs {
             },
             metrics: self.metrics.clone(),
         })
+    }
+
+    /// Checks the flags as the stage does before reading its input (a `python:` reward's file
+    /// must exist).
+    pub fn check(&self) -> Result<()> {
+        let cfg = self.config()?;
+        RewardSpec::parse(&cfg.reward)?;
+        cfg.options.validate()
     }
 }
 

@@ -4,14 +4,13 @@
 
 use super::common::{check_token_ids, resolve_model, Device};
 use super::ref_logprob::to_u32;
-use super::{daemon_socket, Exec, InProcess, Job};
+use super::{Exec, Job};
 use crate::algo::agg::AggMode;
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, write_json, Batch, Ragged};
-use crate::daemon::protocol::StageJob;
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
@@ -42,7 +41,7 @@ pub struct UpdateArgs {
     pub out_model: PathBuf,
     /// Policy loss.
     #[arg(long, default_value = "vanilla")]
-    #[serde(with = "crate::daemon::protocol::text")]
+    #[serde(with = "crate::stage::common::as_text")]
     pub loss: LossMode,
     /// PPO clip range (both sides unless --clip-ratio-low/-high are given).
     #[arg(long, default_value_t = 0.2)]
@@ -55,7 +54,7 @@ pub struct UpdateArgs {
     #[arg(long, default_value_t = 3.0)]
     pub clip_ratio_c: f64,
     #[arg(long, default_value = "token-mean")]
-    #[serde(with = "crate::daemon::protocol::text")]
+    #[serde(with = "crate::stage::common::as_text")]
     pub loss_agg_mode: AggMode,
     /// Divisor of seq-mean-token-sum-norm (default: the longest response of the mini-batch).
     #[arg(long)]
@@ -70,12 +69,12 @@ pub struct UpdateArgs {
     pub kl_loss_coef: f64,
     /// KL estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl), optionally with '+'.
     #[arg(long, default_value = "k3")]
-    #[serde(with = "crate::daemon::protocol::text")]
+    #[serde(with = "crate::stage::common::as_text")]
     pub kl_loss_type: KlPenalty,
     /// Truncated importance weights exp(old − rollout) per token or per sequence (needs
     /// rollout_logprobs).
     #[arg(long)]
-    #[serde(with = "crate::daemon::protocol::rollout_is_level")]
+    #[serde(with = "crate::stage::common::rollout_is_level")]
     pub rollout_is: Option<RolloutIsLevel>,
     #[arg(long, default_value_t = 2.0)]
     pub rollout_is_threshold: f64,
@@ -255,6 +254,11 @@ impl Job for TrainFresh<'_> {
 }
 
 impl UpdateArgs {
+    /// Checks the flags as the stage does before reading its input.
+    pub fn check(&self) -> Result<()> {
+        self.train_config().map(|_| ())
+    }
+
     fn loss_config(&self) -> Result<LossConfig> {
         let mut c = LossConfig::new(self.loss);
         c.clip_ratio = self.clip_ratio;
@@ -425,16 +429,8 @@ impl OwnedData {
     }
 }
 
-pub fn run(args: UpdateArgs) -> Result<()> {
-    if let Some(socket) = daemon_socket(&args.daemon) {
-        return crate::daemon::client::run_stage(&socket, StageJob::Update(args));
-    }
-    let device = args.device;
-    run_with(args, &mut InProcess(device))
-}
-
 /// The stage with its compute on `exec`.
-pub fn run_with(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
+pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let cfg = args.train_config()?;
     let needs = required_columns(&cfg);

@@ -343,12 +343,21 @@ impl RolloutArgs {
         self.sampling().map(|_| ())
     }
 
-    fn sampling(&self) -> Result<SamplingParams> {
-        let p = SamplingParams {
+    /// The temperature of the log-probs the rollout records: --temperature, or 1 when greedy.
+    pub fn logprob_temperature(&self) -> f32 {
+        self.params().logprob_temperature()
+    }
+
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
-        };
+        }
+    }
+
+    fn sampling(&self) -> Result<SamplingParams> {
+        let p = self.params();
         p.validate().map_err(|e| input_error(e.to_string()))?;
         if self.n == 0 {
             bail_input!("--n must be >= 1");

@@ -527,7 +527,9 @@ impl Spec {
         };
         let ref_logprob = with_sampled(table("ref-logprob", &self.ref_logprob)?)
             .parse::<RefLogprobArgs>("ref-logprob", src)?;
-        same_temperature("ref-logprob", ref_logprob.args.temperature)?;
+        if let Some(t) = ref_logprob.args.temperature {
+            same_temperature("ref-logprob", t)?;
+        }
 
         let mut update = with_sampled(table("update", &self.update)?);
         let mut update_flags = update.parse::<UpdateArgs>("update", src)?;
@@ -537,7 +539,9 @@ impl Spec {
             update.set("total-steps", &self.steps.to_string());
             update_flags = update.parse("update", src)?;
         }
-        same_temperature("update", update_flags.args.temperature)?;
+        if let Some(t) = update_flags.args.temperature {
+            same_temperature("update", t)?;
+        }
 
         let mut eval = table("rollout", &self.rollout)?;
         for key in EVAL_SAMPLING {
@@ -903,7 +907,7 @@ estimator = "grpo"
         let st = stages(&format!("{MINIMAL}[rollout]\ntemperature = 0.7\n"));
         assert_eq!(st.ref_logprob.argv, ["--temperature", "0.7"]);
         assert_eq!(st.update.argv, ["--temperature", "0.7"]);
-        assert_eq!(st.update.args.temperature, 0.7);
+        assert_eq!(st.update.args.temperature, Some(0.7));
         // Greedy rollouts record log-probs at temperature 1.
         let st = stages(&format!("{MINIMAL}[rollout]\ntemperature = 0\n"));
         assert_eq!(st.update.argv, ["--temperature", "1"]);

@@ -2,6 +2,7 @@
 //! token-id checks against the vocabulary, progress bars, small atomic file writes.
 
 use crate::bail_input;
+use crate::batch::schema::meta;
 use crate::batch::Batch;
 use crate::error::input_error;
 use anyhow::Result;
@@ -185,6 +186,35 @@ pub fn check_token_ids(batch: &Batch, column: &str, vocab: usize) -> Result<()> 
         }
     }
     Ok(())
+}
+
+/// The log-prob temperature of a batch that records none (`sft-batch`'s, files from before the
+/// key): softmax of the plain logits.
+pub const DEFAULT_TEMPERATURE: f32 = 1.0;
+
+/// The temperature to take a batch's log-probs at: the one `rollout` sampled it at (recorded in
+/// the batch's metadata), which an explicit `--temperature` must equal, since log-probs at
+/// another temperature than the samples' give wrong importance ratios; `--temperature`, else
+/// [`DEFAULT_TEMPERATURE`], for a batch that records none.
+pub fn logprob_temperature(batch: &Batch, flag: Option<f32>) -> Result<f32> {
+    let key = meta::LOGPROB_TEMPERATURE;
+    let recorded = match batch.meta.get(key) {
+        None => None,
+        Some(text) => Some(text.parse::<f32>().map_err(|_| {
+            input_error(format!(
+                "{}: metadata {key} = {text:?} is not a number",
+                batch.path.display()
+            ))
+        })?),
+    };
+    match (recorded, flag) {
+        (Some(r), Some(t)) if r != t => bail_input!(
+            "{}: rollout sampled this batch at temperature {r} (metadata {key}), but --temperature {t} was given; log-probs at another temperature than the samples' give wrong ratios: drop --temperature (the recorded {r} is used) or pass --temperature {r}",
+            batch.path.display()
+        ),
+        (Some(r), _) => Ok(r),
+        (None, t) => Ok(t.unwrap_or(DEFAULT_TEMPERATURE)),
+    }
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal (logs, tests, pipelines).

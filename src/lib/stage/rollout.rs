@@ -553,6 +553,10 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     };
     let mut kv = stage_meta(BTreeMap::new(), &info);
     kv.insert("model".into(), model.dir.display().to_string());
+    kv.insert(
+        meta::LOGPROB_TEMPERATURE.into(),
+        sampling.logprob_temperature().to_string(),
+    );
     debug_assert!(kv.contains_key(meta::POLICY_VERSION));
     write_file(&args.out, &data, &kv)?;
 

@@ -2,7 +2,9 @@
 //! with verl's knobs; writes the new model (HF layout, bf16) with its optimizer state and
 //! trainer state next to it, so the next `update --model DIR2` resumes exactly.
 
-use super::common::{check_token_ids, resolve_model, Device};
+use super::common::{
+    check_token_ids, logprob_temperature, resolve_model, Device, DEFAULT_TEMPERATURE,
+};
 use super::ref_logprob::to_u32;
 use super::{Exec, Job};
 use crate::algo::agg::AggMode;
@@ -87,9 +89,10 @@ pub struct UpdateArgs {
     /// Tokens (prompt + response) per forward/backward pass; gradients accumulate.
     #[arg(long, default_value_t = 8192)]
     pub micro_batch_tokens: usize,
-    /// Logits are divided by this (use the rollout temperature).
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f32,
+    /// Logits are divided by this [default: the temperature `rollout` recorded in the batch,
+    /// else 1]; one that differs from the recorded one is refused.
+    #[arg(long)]
+    pub temperature: Option<f32>,
     #[arg(long, default_value_t = 1e-6)]
     pub lr: f64,
     /// Training steps (update calls) of linear warmup.
@@ -256,7 +259,8 @@ impl Job for TrainFresh<'_> {
 impl UpdateArgs {
     /// Checks the flags as the stage does before reading its input.
     pub fn check(&self) -> Result<()> {
-        self.train_config().map(|_| ())
+        let t = self.temperature.unwrap_or(DEFAULT_TEMPERATURE);
+        self.train_config(t).map(|_| ())
     }
 
     fn loss_config(&self) -> Result<LossConfig> {
@@ -279,8 +283,9 @@ impl UpdateArgs {
         Ok(c)
     }
 
-    /// The training configuration the flags describe (flag errors are input errors).
-    pub fn train_config(&self) -> Result<TrainConfig> {
+    /// The training configuration the flags describe, with log-probs at `temperature` (flag
+    /// errors are input errors).
+    pub fn train_config(&self, temperature: f32) -> Result<TrainConfig> {
         let loss = self.loss_config()?;
         if self.ppo_epochs == 0 {
             bail_input!("--ppo-epochs must be >= 1");
@@ -291,8 +296,8 @@ impl UpdateArgs {
         if self.micro_batch_tokens == 0 {
             bail_input!("--micro-batch-tokens must be >= 1");
         }
-        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
-            bail_input!("--temperature must be > 0, got {}", self.temperature);
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            bail_input!("--temperature must be > 0, got {temperature}");
         }
         if self.betas.len() != 2 || self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
             bail_input!(
@@ -322,7 +327,7 @@ impl UpdateArgs {
             ppo_epochs: self.ppo_epochs,
             mini_batch_size: self.mini_batch_size,
             micro_batch_tokens: self.micro_batch_tokens,
-            temperature: self.temperature,
+            temperature,
             lr,
             beta1: self.betas[0],
             beta2: self.betas[1],
@@ -432,9 +437,10 @@ impl OwnedData {
 /// The stage with its compute on `exec`.
 pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
-    let cfg = args.train_config()?;
-    let needs = required_columns(&cfg);
+    args.check()?;
     let batch = Batch::read(&args.input, &[])?;
+    let cfg = args.train_config(logprob_temperature(&batch, args.temperature)?)?;
+    let needs = required_columns(&cfg);
     for (col, who) in &needs {
         if !batch.has(col) {
             bail_input!(

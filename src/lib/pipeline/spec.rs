@@ -740,18 +740,8 @@ estimator = "grpo"
         ) + "[update]\nuse-kl-loss = false\nlr = 1e-5\nbetas = \"0.9,0.99\"\n";
         let st = stages(&text);
         assert_eq!(
-            st.advantage.argv,
-            [
-                "--estimator",
-                "grpo",
-                "--norm-by-std",
-                "false",
-                "--kl-in-reward",
-                "--kl-coef",
-                "0.01",
-                "--kl-ctrl",
-                "adaptive"
-            ]
+            st.advantage.argv.join(" "),
+            "--estimator grpo --norm-by-std false --kl-in-reward --kl-coef 0.01 --kl-ctrl adaptive"
         );
         // A switch set to false is left out; floats print in Rust's shortest round-trip form.
         assert_eq!(st.update.argv, ["--lr", "0.00001", "--betas", "0.9,0.99"]);
@@ -954,15 +944,8 @@ estimator = "grpo"
             "{MINIMAL}[rollout]\ntop-k = -1\ntemperature = -1\nstop = [\"-x\", \"y\"]\n"
         ));
         assert_eq!(
-            st.rollout.argv,
-            [
-                "--temperature=-1",
-                "--top-k",
-                "-1",
-                "--stop=-x",
-                "--stop",
-                "y"
-            ]
+            st.rollout.argv.join(" "),
+            "--temperature=-1 --top-k -1 --stop=-x --stop y"
         );
         assert_eq!(st.rollout.args.temperature, -1.0);
         assert_eq!(st.rollout.args.stop, ["-x", "y"]);
@@ -977,34 +960,12 @@ estimator = "grpo"
         let st = stages(&text);
         assert_eq!(st.rollout.args.max_num_seqs, 16);
         assert_eq!(
-            st.rollout.argv,
-            [
-                "--n",
-                "4",
-                "--max-new-tokens",
-                "7",
-                "--raw-prompt",
-                "--max-num-seqs",
-                "16"
-            ]
+            st.rollout.argv.join(" "),
+            "--n 4 --max-new-tokens 7 --raw-prompt --max-num-seqs 16"
         );
         assert_eq!(
-            st.eval.argv,
-            [
-                "--n",
-                "1",
-                "--top-k",
-                "1",
-                "--max-new-tokens",
-                "7",
-                "--max-prompt-tokens",
-                "9",
-                "--limit",
-                "5",
-                "--raw-prompt",
-                "--max-num-seqs",
-                "16"
-            ]
+            st.eval.argv.join(" "),
+            "--n 1 --top-k 1 --max-new-tokens 7 --max-prompt-tokens 9 --limit 5 --raw-prompt --max-num-seqs 16"
         );
         // A temperature in [eval] samples from all tokens.
         let st = stages(&text.replace("limit = 5", "temperature = 0.5"));
@@ -1029,17 +990,8 @@ estimator = "grpo"
             ["--n", "4", "--top-k", "-1", "--max-new-tokens", "7"]
         );
         assert_eq!(
-            st.eval.argv,
-            [
-                "--n",
-                "1",
-                "--top-k",
-                "1",
-                "--max-new-tokens",
-                "7",
-                "--max-prompt-tokens",
-                "9"
-            ]
+            st.eval.argv.join(" "),
+            "--n 1 --top-k 1 --max-new-tokens 7 --max-prompt-tokens 9"
         );
     }
 

@@ -1306,6 +1306,24 @@ mod tests {
     }
 
     #[test]
+    fn shipped_specs_pass_the_stages_checks() {
+        // Run from the package root, where pipelines/rewards/ is.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                let r = runner(&text);
+                r.check_commands()
+                    .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                n += 1;
+            }
+        }
+        assert!(n >= 3);
+    }
+
+    #[test]
     fn checkpoint_cadence() {
         // every 2, keep 2, now at step 7: 4 and 6 stay (2 is older), 7 is the policy.
         assert_eq!(kept_checkpoints(1..=7, 7, 2, 2), [4, 6, 7]);

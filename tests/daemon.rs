@@ -214,6 +214,9 @@ fn two_steps(w: &Path, daemon: Option<&Path>) {
                 "2",
                 "--max-new-tokens",
                 "6",
+                // ref-logprob and update take their log-probs at it (recorded in the batch).
+                "--temperature",
+                "0.8",
                 "--seed",
                 &seed,
                 "--step",
@@ -558,6 +561,32 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("rollout: 1 prompts x 1"));
+    // A temperature other than the one rollout recorded is refused the same way.
+    let args = [
+        "--model",
+        "model",
+        "--in",
+        "r.parquet",
+        "--out",
+        "lp.parquet",
+        "--column",
+        "old_logprobs",
+        "--temperature",
+        "0.5",
+    ];
+    let here = stage(w, "ref-logprob", &args, None);
+    let there = stage(w, "ref-logprob", &args, Some(&sock));
+    let msg = String::from_utf8_lossy(&there.stderr);
+    assert_eq!(
+        (here.status.code(), there.status.code()),
+        (Some(2), Some(2))
+    );
+    assert_eq!(String::from_utf8_lossy(&here.stderr), msg);
+    assert!(
+        msg.contains("r.parquet: rollout sampled this batch at temperature 1"),
+        "{msg}"
+    );
+    assert!(!w.join("lp.parquet").exists());
     let st = daemon.status();
     assert_eq!(st["jobs_done"], 1, "{st}");
     assert!(st["jobs_failed"].as_u64().unwrap() >= 4, "{st}");
@@ -566,7 +595,7 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
     #[derive(clap::Parser)]
     struct Cli {
         #[command(flatten)]
-        args: tandem::engine::stage::rollout::RolloutArgs,
+        args: tandem::stage::rollout::RolloutArgs,
     }
     let cli = <Cli as clap::Parser>::parse_from([
         "rollout",
@@ -583,7 +612,7 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
     ]);
     let req = tandem::daemon::protocol::Request::Job {
         cwd: w.to_path_buf(),
-        job: Box::new(tandem::daemon::protocol::StageJob::Rollout(cli.args)),
+        job: Box::new(tandem::stage::StageJob::Rollout(cli.args)),
     };
     let mut s = UnixStream::connect(&sock).unwrap();
     writeln!(s, "{}", serde_json::to_string(&req).unwrap()).unwrap();

@@ -363,6 +363,7 @@ reward = "exact"
 
 [advantage]
 estimator = "grpo"
+kl-in-reward = true
 kl-ctrl = "adaptive"
 
 [update]
@@ -633,7 +634,7 @@ fn full_run_writes_the_run_directory() {
         bin("ref-logprob")
     )), "{cmds}");
     assert!(cmds.contains(&format!(
-        "{} --in runs/a/step-0003/old.parquet --out runs/a/step-0003/adv.parquet --estimator grpo --kl-ctrl adaptive --kl-state runs/a/step-0003/kl-state.json --metrics runs/a/step-0003/metrics/advantage.json\n",
+        "{} --in runs/a/step-0003/old.parquet --out runs/a/step-0003/adv.parquet --estimator grpo --kl-in-reward --kl-ctrl adaptive --kl-state runs/a/step-0003/kl-state.json --metrics runs/a/step-0003/metrics/advantage.json\n",
         bin("advantage")
     )), "{cmds}");
     assert!(
@@ -799,7 +800,7 @@ fn real_score_and_advantage_take_the_runner_commands() {
     let spec = SPEC
         .replace(
             "kl-ctrl = \"adaptive\"",
-            "kl-ctrl = \"adaptive\"\nkl-in-reward = true\nkl-penalty = \"k3\"\nkl-coef = 0.01",
+            "kl-ctrl = \"adaptive\"\nkl-penalty = \"k3\"\nkl-coef = 0.01",
         )
         .replace("use-kl-loss = true\nppo-epochs = 2\n", "");
     let w = Work::with_real(
@@ -947,6 +948,7 @@ fn dry_run_prints_commands_and_writes_nothing() {
             .replace("steps = 4", "steps = 2")
             .replace("ref = \"model\"\n", "")
             .replace("use-kl-loss = true", "")
+            .replace("kl-in-reward = true\nkl-ctrl = \"adaptive\"\n", "")
             .replace("ppo-epochs = 2", ""),
     );
     let o = w.run("r", &["--dry-run"]);
@@ -980,11 +982,55 @@ fn bad_spec_and_inputs_exit_2_before_anything_runs() {
     let o = w.run("r", &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(
-        text(&o).contains("spec.toml:32:1: unknown key `evry`: did you mean `every`?"),
+        text(&o).contains("spec.toml:33:1: unknown key `evry`: did you mean `every`?"),
         "{}",
         text(&o)
     );
     assert!(!w.path("r").exists());
+
+    // Stage values are parsed by the stage's own parser when the spec is loaded, and every
+    // stage command is checked by its stage before the run directory is made.
+    for (from, to, want) in [
+        (
+            "temperature = 1.0",
+            "temperature = \"x\"",
+            "spec.toml:16:1: [rollout] temperature = \"x\": invalid value 'x' for '--temperature <TEMPERATURE>'",
+        ),
+        (
+            "estimator = \"grpo\"",
+            "estimator = \"ppo\"",
+            "spec.toml:23:1: [advantage] estimator = \"ppo\": invalid value 'ppo' for '--estimator <ESTIMATOR>' [possible values: grpo,",
+        ),
+        (
+            "lr = 0.001",
+            "lr = 0.001\nloss = \"bogus\"",
+            "spec.toml:29:1: [update] loss = \"bogus\": invalid value 'bogus' for '--loss <LOSS>': unknown loss 'bogus'",
+        ),
+        (
+            "reward = \"exact\"",
+            "reward = \"bogus\"",
+            "spec.toml: [score]: --reward 'bogus': unknown reward",
+        ),
+        (
+            "temperature = 1.0",
+            "temperature = nan",
+            "spec.toml: [rollout]: --temperature must be a finite number >= 0, got NaN",
+        ),
+        (
+            "lr = 0.001",
+            "lr = 0.001\ntemperature = 0.5",
+            "spec.toml:29:1: [update] temperature = 0.5 differs from the rollout's sampling temperature 1",
+        ),
+    ] {
+        let w = Work::new(&SPEC.replace(from, to));
+        for extra in [&[][..], &["--dry-run"]] {
+            let o = w.run("r", extra);
+            assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+            assert!(text(&o).contains(want), "{want:?} not in {}", text(&o));
+            assert!(!w.path("r").exists());
+            assert!(std::fs::read_dir(w.path("marks")).unwrap().next().is_none());
+        }
+    }
 
     let w = Work::new(&SPEC.replace("path = \"model\"", "path = \"nope\""));
     let o = w.run("r", &[]);

@@ -31,7 +31,7 @@ enum Cmd {
     /// CUDA parity suite: every op of the GPU backend against the CPU backend, as a table.
     GpuTest(tandem::bench::gpu_test::GpuTestArgs),
     /// Make a batch of reference answers (prompt + ground truth + EOS) for `update --loss sft`.
-    SftBatch(tandem::engine::stage::sft_batch::SftBatchArgs),
+    SftBatch(tandem::stage::sft_batch::SftBatchArgs),
     /// Plot a run's metrics and evaluations into one PNG.
     Plot(tandem::pipeline::plot::PlotArgs),
     /// Show a batch file as a table.
@@ -51,7 +51,7 @@ fn main() -> ExitCode {
         Cmd::ImportGguf(args) => tandem::model::gguf::run(args),
         Cmd::ModelInfo(args) => tandem::model::info::run(args),
         Cmd::GpuTest(a) => tandem::bench::gpu_test::run(a),
-        Cmd::SftBatch(a) => tandem::engine::stage::sft_batch::run(a),
+        Cmd::SftBatch(a) => tandem::stage::sft_batch::run(a),
         Cmd::Plot(a) => tandem::pipeline::plot::run(a),
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
         Cmd::Daemon(a) => tandem::daemon::server::run(a),

@@ -13,3 +13,4 @@ pub mod model;
 pub mod pipeline;
 pub mod reward;
 pub mod rng;
+pub mod stage;

@@ -1,6 +1,7 @@
 //! RL algorithm math on host arrays: advantage estimators, KL penalties and controllers,
 //! loss aggregation and the policy losses. Everything here is pure math over ragged rows (one row
-//! per sequence, no padding); `stage` reads and writes the batch for the `advantage` binary.
+//! per sequence, no padding); `crate::stage::advantage` reads and writes the batch for the
+//! `advantage` binary.
 //!
 //! Estimators are registered by name in [`advantage::ESTIMATORS`] (verl's `register_adv_est`),
 //! policy losses by [`policy_loss::LossMode`] (verl's `register_policy_loss`).
@@ -9,7 +10,6 @@ pub mod advantage;
 pub mod agg;
 pub mod kl;
 pub mod policy_loss;
-pub mod stage;
 
 /// The float types the loss math runs in: f32 for training, f64 for gradient checks.
 pub trait Real: Copy + Send + Sync + 'static {

@@ -9,8 +9,8 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::batch::{list_array, Batch, NewColumns, StageInfo};
 use crate::daemon::resident::{Options, Resident};
-use crate::engine::stage::common::Device;
-use crate::engine::stage::{ref_logprob, rollout, sync_weights, update, Exec, InProcess};
+use crate::stage::common::Device;
+use crate::stage::{ref_logprob, rollout, sync_weights, update, Exec, InProcess};
 use anyhow::{Context, Result};
 use clap::{Args, Parser};
 use serde_json::{json, Value};
@@ -156,7 +156,7 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
     };
     let args0 = sync(&a.model, 0)?;
     run(t, "sync-weights", &mut |e| {
-        sync_weights::run_with(args0.clone(), e)
+        sync_weights::run(args0.clone(), e)
     })?;
     let dev = a.device.to_string();
     for step in 1..=a.steps {
@@ -185,7 +185,7 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             ro.push("--raw-prompt".into());
         }
         let ro: rollout::RolloutArgs = parse(&ro)?;
-        let (t_roll, m_roll) = run(t, "rollout", &mut |e| rollout::run_with(ro.clone(), e))?;
+        let (t_roll, m_roll) = run(t, "rollout", &mut |e| rollout::run(ro.clone(), e))?;
         let rl: ref_logprob::RefLogprobArgs = parse(&[
             "--model".into(),
             s(&a.model),
@@ -198,9 +198,7 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             "--device".into(),
             dev.clone(),
         ])?;
-        let (t_ref, m_ref) = run(t, "ref-logprob", &mut |e| {
-            ref_logprob::run_with(rl.clone(), e)
-        })?;
+        let (t_ref, m_ref) = run(t, "ref-logprob", &mut |e| ref_logprob::run(rl.clone(), e))?;
         // Old log-probs of the policy (the update then runs its mini-batches off-policy
         // against them, as verl and the PyTorch peer do).
         let ol: ref_logprob::RefLogprobArgs = parse(&[
@@ -215,9 +213,7 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             "--device".into(),
             dev.clone(),
         ])?;
-        let (t_old, m_old) = run(t, "ref-logprob", &mut |e| {
-            ref_logprob::run_with(ol.clone(), e)
-        })?;
+        let (t_old, m_old) = run(t, "ref-logprob", &mut |e| ref_logprob::run(ol.clone(), e))?;
         add_advantages(Path::new(&f("old")), Path::new(&f("adv")))?;
         let rows = a.prompts_per_step * a.n;
         let ckpt = dir.join(format!("ckpt-{step}"));
@@ -239,11 +235,9 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             dev.clone(),
         ])?;
         up.skip_optimizer_state = !save_optimizer;
-        let (t_up, m_up) = run(t, "update", &mut |e| update::run_with(up.clone(), e))?;
+        let (t_up, m_up) = run(t, "update", &mut |e| update::run(up.clone(), e))?;
         let sy = sync(&ckpt, step)?;
-        let (t_sync, m_sync) = run(t, "sync-weights", &mut |e| {
-            sync_weights::run_with(sy.clone(), e)
-        })?;
+        let (t_sync, m_sync) = run(t, "sync-weights", &mut |e| sync_weights::run(sy.clone(), e))?;
         let tokens: usize = Batch::read(Path::new(&f("rollout")), &[])?
             .ragged_i32(crate::batch::schema::RESPONSE_IDS)?
             .offsets

@@ -2,10 +2,11 @@
 //! (progress bar, the stage's messages, the error with its exit code); `tandem daemon-ctl`
 //! asks for health/status or stops a daemon.
 
-use super::protocol::{Request, Response, StageJob};
+use super::protocol::{Request, Response};
 use crate::batch::write_json;
-use crate::engine::stage::common::progress_bar;
 use crate::error::input_error;
+use crate::stage::common::progress_bar;
+use crate::stage::StageJob;
 use anyhow::{anyhow, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
@@ -61,7 +62,7 @@ pub fn request(socket: &Path, req: &Request) -> Result<Response> {
 /// Runs a stage's job on the daemon: the client's working directory goes with it so relative
 /// paths mean what they mean here. Exits as the stage would in-process: the same message, and
 /// an input error (exit 2) where the stage found bad input.
-pub fn run_stage(socket: &Path, job: StageJob) -> Result<()> {
+pub fn run_job(socket: &Path, job: StageJob) -> Result<()> {
     let cwd = std::env::current_dir()?;
     let name = job.name();
     let metrics_path = job.metrics_path().cloned();

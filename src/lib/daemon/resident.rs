@@ -7,18 +7,17 @@
 //! give: after `update` the decoder holds the f32 masters, moments and step that the stage
 //! writes next to the model (f32, exactly), and the schedule position it writes.
 
-use super::protocol::Response;
-use super::server::Reply;
+use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
-use crate::engine::stage::common::{Device, ModelRef};
-use crate::engine::stage::ref_logprob::{LogprobColumn, Score};
-use crate::engine::stage::rollout::{Generate, Generated};
-use crate::engine::stage::update::{Train, Trainable, Trained};
-use crate::engine::stage::Exec;
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, OptimizerState, TokenStats};
 use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Weights};
+use crate::stage::common::{Device, ModelRef};
+use crate::stage::ref_logprob::{LogprobColumn, Score};
+use crate::stage::rollout::{Generate, Generated};
+use crate::stage::update::{Train, Trainable, Trained};
+use crate::stage::Exec;
 use anyhow::Result;
 use indicatif::ProgressBar;
 use serde_json::{json, Map, Value};
@@ -430,7 +429,8 @@ impl<B: Backend> Resident<B> {
         Ok(())
     }
 
-    fn check_device(&self, asked: Device) -> Result<()> {
+    /// Refuses a job whose `--device` is not the daemon's.
+    pub fn check_device(&self, asked: Device) -> Result<()> {
         if asked != self.device {
             crate::bail_input!(
                 "--device {asked}: the daemon runs on {}; pass --device {} (or drop --daemon to compute in this process)",
@@ -439,17 +439,6 @@ impl<B: Backend> Resident<B> {
             );
         }
         Ok(())
-    }
-
-    /// Checks a stage's `--device` against the daemon's.
-    pub fn check_job_device(&self, job: &super::protocol::StageJob) -> Result<()> {
-        use super::protocol::StageJob;
-        match job {
-            StageJob::Rollout(a) => self.check_device(a.device),
-            StageJob::RefLogprob(a) => self.check_device(a.device),
-            StageJob::Update(a) => self.check_device(a.device),
-            StageJob::SyncWeights(_) => Ok(()),
-        }
     }
 }
 

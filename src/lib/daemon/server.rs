@@ -7,19 +7,19 @@
 //! jobs to the main thread. SIGTERM, SIGINT and `shutdown` finish the running job, refuse the
 //! queued ones, remove the socket and exit 0.
 
-use super::protocol::{Request, Response, StageJob};
+use super::protocol::{Reply, Request, Response};
 use super::resident::{Options, Resident};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
-use crate::engine::stage::common::{resolve_model, Device};
-use crate::engine::stage::{ref_logprob, rollout, sync_weights, update};
 use crate::error::is_input_error;
+use crate::stage::common::{resolve_model, Device};
+use crate::stage::StageJob;
 use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -57,21 +57,6 @@ static STOP: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
-}
-
-/// The write half of a client connection, shared by the job's log and progress lines.
-#[derive(Clone)]
-pub struct Reply(Arc<Mutex<UnixStream>>);
-
-impl Reply {
-    /// Sends one line; a client that went away is not an error of the job.
-    pub fn send(&self, r: &Response) {
-        let mut line = serde_json::to_string(r).expect("responses serialize");
-        line.push('\n');
-        if let Ok(mut s) = self.0.lock() {
-            let _ = s.write_all(line.as_bytes());
-        }
-    }
 }
 
 /// A job handed from a connection thread to the main thread.
@@ -358,9 +343,8 @@ fn run_job<B: Backend>(
     let bars = resident.bars.clone();
     let result = std::thread::scope(|scope| {
         scope.spawn(|| ticker(&bars, &reply, &finished));
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_stage(resident, cwd, *job)
-        }));
+        let r =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_in(resident, cwd, *job)));
         finished.store(true, Ordering::SeqCst);
         match r {
             Ok(r) => r,
@@ -394,20 +378,19 @@ fn run_job<B: Backend>(
     let _ = done.send(());
 }
 
-fn run_stage<B: Backend>(resident: &mut Resident<B>, cwd: PathBuf, job: StageJob) -> Result<()> {
+/// Runs the stage's own code in the client's working directory, with the resident models as
+/// its [`crate::stage::Exec`].
+fn run_in<B: Backend>(resident: &mut Resident<B>, cwd: PathBuf, job: StageJob) -> Result<()> {
     std::env::set_current_dir(&cwd).map_err(|e| {
         crate::error::input_error(format!(
             "the client's working directory {} is not usable by the daemon: {e}",
             cwd.display()
         ))
     })?;
-    resident.check_job_device(&job)?;
-    match job {
-        StageJob::Rollout(a) => rollout::run_with(a, resident),
-        StageJob::RefLogprob(a) => ref_logprob::run_with(a, resident),
-        StageJob::Update(a) => update::run_with(a, resident),
-        StageJob::SyncWeights(a) => sync_weights::run_with(a, resident),
+    if let Some(asked) = job.device() {
+        resident.check_device(asked)?;
     }
+    job.run(resident)
 }
 
 /// Streams the position of the job's progress bars every 100 ms while they move.

@@ -1,12 +1,11 @@
 //! The engine on top of the decoder: the paged generation engine (`rollout`), micro-batched
-//! scoring (`ref-logprob`), the training loop (`update`), the stages' command lines, and the
-//! whole-decoder and whole-engine GPU checks (`check`, run by `tandem gpu-test`).
+//! scoring (`ref-logprob`), the training loop (`update`), and the whole-decoder and whole-engine
+//! GPU checks (`check`, run by `tandem gpu-test`); the stages' command lines are in `crate::stage`.
 
 pub mod check;
 pub mod logprob;
 pub mod paged;
 pub mod resume;
-pub mod stage;
 #[cfg(test)]
 mod testing;
 pub mod train;

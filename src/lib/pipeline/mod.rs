@@ -86,6 +86,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     }
     let bins = runner::bin_dir()?;
+    let spec_path = args.spec.display().to_string();
 
     if args.dry_run {
         let state = if existing {
@@ -93,7 +94,8 @@ pub fn run(args: RunArgs) -> Result<()> {
         } else {
             fresh_state(0)
         };
-        let runner = Runner::new(spec, run, bins, state);
+        let runner = Runner::new(spec, run, bins, state)?;
+        runner.check_commands().map_err(|e| e.context(spec_path))?;
         for (step, task) in runner.plan() {
             println!("{}", runner.describe(step, &task));
         }
@@ -111,16 +113,21 @@ pub fn run(args: RunArgs) -> Result<()> {
                 spec.data.train.display()
             );
         }
-        std::fs::create_dir_all(&run.root)?;
-        rundir::write_atomic(&run.spec_path(), spec_for_file(&spec).as_bytes())?;
-        let state = fresh_state(rows);
-        run.save_state(&state)?;
-        state
+        fresh_state(rows)
     };
+    // Every stage command is checked by its stage before the run directory is touched.
+    let mut runner = Runner::new(spec, run, bins, state)?;
+    runner.check_commands().map_err(|e| e.context(spec_path))?;
+    let (spec, run, state) = (&runner.spec, &runner.run, &runner.state);
+    if !existing {
+        std::fs::create_dir_all(&run.root)?;
+        rundir::write_atomic(&run.spec_path(), spec_for_file(spec).as_bytes())?;
+        run.save_state(state)?;
+    }
     let _lock = run.lock()?;
     if existing {
         // Record the new step count when the run is being extended.
-        rundir::write_atomic(&run.spec_path(), spec_for_file(&spec).as_bytes())?;
+        rundir::write_atomic(&run.spec_path(), spec_for_file(spec).as_bytes())?;
     }
     let done_before = state.steps_done;
     if done_before >= spec.steps {
@@ -138,7 +145,6 @@ pub fn run(args: RunArgs) -> Result<()> {
             run.root.display()
         );
     }
-    let mut runner = Runner::new(spec, run, bins, state);
     runner.run()?;
     let run = &runner.run;
     eprintln!(

@@ -7,13 +7,13 @@
 use super::metrics::{self, StepFiles};
 use super::rundir::{parse_step_name, put_jsonl_step, step_name, RunDir, State, StepProgress};
 use super::sampler::{derive_seed, Cursor, Sampler};
-use super::spec::{Device, Spec};
+use super::spec::{Device, Source, Spec, Stages};
 use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
 use crate::engine::resume;
-use crate::engine::stage::sync_weights::{self, SyncWeightsArgs};
-use crate::engine::stage::InProcess;
 use crate::error::input_error;
+use crate::stage::sync_weights::{self, SyncWeightsArgs};
+use crate::stage::{self, InProcess};
 use anyhow::{Context, Result};
 use arrow_array::UInt64Array;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -84,6 +84,8 @@ fn path_arg(p: &Path) -> String {
 /// The runner of one run directory.
 pub struct Runner {
     pub spec: Spec,
+    /// The stages' flags from the spec, parsed by the stages.
+    pub stages: Stages,
     pub run: RunDir,
     pub bins: PathBuf,
     pub state: State,
@@ -100,9 +102,6 @@ pub struct Runner {
 
 /// How often a dead daemon is restarted for one stage before the run gives up.
 const MAX_DAEMON_RESTARTS: u32 = 3;
-
-/// The stage binaries that take `--daemon` (the model stages).
-const DAEMON_STAGES: &[&str] = &["rollout", "ref-logprob", "update", "sync-weights"];
 
 /// The run must go back to the end of step `to`: the daemon that died held the only copy of
 /// the optimizer state of the steps after it.
@@ -160,9 +159,16 @@ impl Drop for DaemonProc {
 }
 
 impl Runner {
-    pub fn new(spec: Spec, run: RunDir, bins: PathBuf, state: State) -> Runner {
-        Runner {
+    /// A runner for `spec` (the stage tables are parsed again here: `--steps` may have changed
+    /// what the runner derives from them).
+    pub fn new(spec: Spec, run: RunDir, bins: PathBuf, state: State) -> Result<Runner> {
+        let stages = spec.stages(&Source {
+            origin: "the spec",
+            text: None,
+        })?;
+        Ok(Runner {
             spec,
+            stages,
             run,
             bins,
             state,
@@ -171,7 +177,63 @@ impl Runner {
             bar: ProgressBar::hidden(),
             daemon: None,
             daemon_started: false,
+        })
+    }
+
+    /// Whether the step needs reference log-probs: a KL term in the reward or the loss, or a
+    /// separate reference model.
+    pub fn needs_ref(&self) -> bool {
+        self.stages.advantage.args.kl_in_reward
+            || self.stages.update.args.use_kl_loss
+            || self.spec.model.reference.is_some()
+    }
+
+    /// Whether `update` takes more than one optimizer step per batch (several epochs or
+    /// mini-batches), or the reward's KL needs them: then the policy's own log-probs before
+    /// the update are computed as `old_logprobs`, as verl does.
+    pub fn needs_old(&self) -> bool {
+        let u = &self.stages.update.args;
+        let rows = self.spec.data.prompts_per_step as usize * self.stages.rollout.args.n;
+        u.ppo_epochs > 1
+            || u.mini_batch_size.is_some_and(|m| m < rows)
+            || self.stages.advantage.args.kl_in_reward
+    }
+
+    /// Checks every stage command of the next step (with step 0's and an evaluation's) with the
+    /// stage's own parser and flag checks, before anything runs: a value the stage would refuse
+    /// stops the run here, not at its stage.
+    pub fn check_commands(&self) -> Result<()> {
+        let step = self.state.steps_done + 1;
+        let tasks = self
+            .init_tasks()
+            .into_iter()
+            .map(|t| (0, t))
+            .chain(self.step_tasks(step).into_iter().map(|t| (step, t)))
+            .chain(
+                (self.spec.eval.every > 0)
+                    .then(|| self.eval_tasks(step))
+                    .into_iter()
+                    .flatten()
+                    .map(|t| (step, t)),
+            );
+        for (step, task) in tasks {
+            let Action::Stage { bin, args } = &task.action else {
+                continue;
+            };
+            let def = stage::def(bin).expect("the runner runs the stages of STAGES");
+            if let Err(e) = def.check_args(args) {
+                let table = match task.name {
+                    "eval-rollout" => "[rollout] or [eval]".to_string(),
+                    _ => format!("[{bin}]"),
+                };
+                bail_input!(
+                    "{table}: {e:#}\n  (`{bin}` would refuse the runner's command for {}: {})",
+                    step_name(step),
+                    self.stage_line(bin, args)
+                );
+            }
         }
+        Ok(())
     }
 
     /// The socket of the run's daemon.
@@ -213,7 +275,7 @@ impl Runner {
             .arg(&socket)
             .arg("--policy")
             .arg(&policy);
-        if self.spec.needs_ref() {
+        if self.needs_ref() {
             cmd.arg("--ref").arg(self.spec.reference_model());
         }
         let log_path = self.run.root.join("daemon.log");
@@ -346,6 +408,7 @@ impl Runner {
                     "0".into(),
                 ]
                 .into_iter()
+                .chain(self.stages.sync_weights.argv.iter().cloned())
                 .chain(self.daemon_args())
                 .collect(),
             ),
@@ -372,11 +435,7 @@ impl Runner {
             "--out".into(),
             path_arg(&dir.join("rollout.parquet")),
         ];
-        rollout.extend(spec.eval.sampling(&spec.rollout).args());
-        rollout.extend(spec.rollout.shared().args());
-        if let Some(l) = spec.eval.limit {
-            rollout.extend(["--limit".into(), l.to_string()]);
-        }
+        rollout.extend(self.stages.eval.argv.iter().cloned());
         rollout.extend([
             "--seed".into(),
             derive_seed(spec.seed, &[step, 2]).to_string(),
@@ -388,7 +447,7 @@ impl Runner {
             "--out".into(),
             path_arg(&dir.join("scored.parquet")),
         ];
-        score.extend(spec.score.args());
+        score.extend(self.stages.score.argv.iter().cloned());
         score.extend(["--metrics".into(), path_arg(&dir.join("score.json"))]);
         vec![
             Task {
@@ -432,7 +491,7 @@ impl Runner {
             "--out".into(),
             b("rollout"),
         ];
-        rollout.extend(spec.rollout.args());
+        rollout.extend(self.stages.rollout.argv.iter().cloned());
         rollout.extend([
             "--seed".into(),
             derive_seed(spec.seed, &[step, 1]).to_string(),
@@ -448,7 +507,7 @@ impl Runner {
         });
 
         let mut score = vec!["--in".into(), b("rollout"), "--out".into(), b("scored")];
-        score.extend(spec.score.args());
+        score.extend(self.stages.score.argv.iter().cloned());
         score.extend(["--metrics".into(), m("score")]);
         tasks.push(Task {
             name: "score",
@@ -456,12 +515,9 @@ impl Runner {
         });
         let mut last = "scored";
 
-        // Log-probs are taken at the sampling temperature unless [ref-logprob] says otherwise.
-        let mut lp_flags = spec.ref_logprob.clone();
-        if lp_flags.temperature.is_none() {
-            lp_flags.temperature = spec.rollout.temperature;
-        }
-        if spec.needs_ref() {
+        // Log-probs are taken at the sampling temperature (the spec's stage flags carry it).
+        let lp_flags = &self.stages.ref_logprob.argv;
+        if self.needs_ref() {
             let mut args = vec![
                 "--model".into(),
                 path_arg(spec.reference_model()),
@@ -472,7 +528,7 @@ impl Runner {
                 "--column".into(),
                 "ref_logprobs".into(),
             ];
-            args.extend(lp_flags.args());
+            args.extend(lp_flags.iter().cloned());
             args.extend(self.device_args());
             tasks.push(Task {
                 name: "ref",
@@ -480,7 +536,7 @@ impl Runner {
             });
             last = "ref";
         }
-        if spec.needs_old() {
+        if self.needs_old() {
             let mut args = vec![
                 "--model".into(),
                 policy.clone(),
@@ -491,7 +547,7 @@ impl Runner {
                 "--column".into(),
                 "old_logprobs".into(),
             ];
-            args.extend(lp_flags.args());
+            args.extend(lp_flags.iter().cloned());
             args.extend(self.device_args());
             tasks.push(Task {
                 name: "old",
@@ -501,8 +557,8 @@ impl Runner {
         }
 
         let mut adv = vec!["--in".into(), b(last), "--out".into(), b("adv")];
-        adv.extend(spec.advantage.args());
-        if spec.adaptive_kl() {
+        adv.extend(self.stages.advantage.argv.iter().cloned());
+        if self.stages.adaptive_kl() {
             tasks.push(Task {
                 name: "kl-state",
                 action: Action::CopyKlState,
@@ -523,18 +579,8 @@ impl Runner {
             "--out-model".into(),
             path_arg(&run.ckpt(step)),
         ];
-        let mut update_flags = spec.update.clone();
-        // The trainer's log-probs are taken at the sampling temperature, as rollout's were.
-        if update_flags.temperature.is_none() {
-            update_flags.temperature = spec.rollout.temperature;
-        }
-        // A cosine schedule spans the run unless told otherwise.
-        if update_flags.lr_schedule.as_deref() == Some("cosine")
-            && update_flags.total_steps.is_none()
-        {
-            update_flags.total_steps = Some(spec.steps);
-        }
-        update.extend(update_flags.args());
+        // With the sampling temperature and a cosine schedule's horizon (see `Stages`).
+        update.extend(self.stages.update.argv.iter().cloned());
         update.extend([
             "--seed".into(),
             derive_seed(spec.seed, &[step, 3]).to_string(),
@@ -563,6 +609,7 @@ impl Runner {
                     step.to_string(),
                 ]
                 .into_iter()
+                .chain(self.stages.sync_weights.argv.iter().cloned())
                 .chain(self.daemon_args())
                 .collect(),
             ),
@@ -754,7 +801,7 @@ impl Runner {
         let (frontier, lost) = if update_done {
             (self.run.ckpt(step), step)
         } else if self.run.policy().exists() {
-            let policy = crate::engine::stage::common::resolve_model(&self.run.policy())?;
+            let policy = crate::stage::common::resolve_model(&self.run.policy())?;
             (policy.dir, policy.policy_version)
         } else {
             return Ok(None);
@@ -792,10 +839,7 @@ impl Runner {
             policy_version: Some(to),
             daemon: None,
         };
-        sync_weights::run_with(
-            args,
-            &mut InProcess(crate::engine::stage::common::Device::Cpu),
-        )?;
+        sync_weights::run(args, &mut InProcess(crate::stage::common::Device::Cpu))?;
         let sampler = Sampler {
             seed: self.spec.seed,
             len: self.state.train_rows,
@@ -904,7 +948,7 @@ impl Runner {
     }
 
     fn run_stage(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
-        let via_daemon = self.spec.daemon && DAEMON_STAGES.contains(&bin);
+        let via_daemon = self.spec.daemon && stage::def(bin).is_some_and(|d| d.takes("daemon"));
         if !via_daemon {
             return self.run_stage_once(step, task, bin, args);
         }
@@ -1085,7 +1129,7 @@ impl Runner {
             .as_ref()
             .map(|c| c.seconds.clone())
             .unwrap_or_default();
-        let with_ref = if self.spec.needs_ref() {
+        let with_ref = if self.needs_ref() {
             Some(run.batch(step, "ref"))
         } else {
             None
@@ -1162,6 +1206,121 @@ mod tests {
         assert_eq!(shell_quote("cmd:python3 r.py"), "'cmd:python3 r.py'");
         assert_eq!(shell_quote("it's"), "'it'\\''s'");
         assert_eq!(shell_quote(""), "''");
+    }
+
+    const SPEC: &str = "steps = 2\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nval = \"v.parquet\"\nprompts-per-step = 4\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[eval]\nevery = 1\n";
+
+    fn runner(text: &str) -> Runner {
+        let spec = Spec::parse(text, "t.toml").unwrap_or_else(|e| panic!("{e:#}"));
+        let state = State::default();
+        Runner::new(spec, RunDir::new("r"), PathBuf::from("bin"), state).unwrap()
+    }
+
+    #[test]
+    fn what_a_step_runs_comes_from_the_parsed_flags() {
+        let r = runner(SPEC);
+        assert!(!r.needs_ref() && !r.needs_old());
+        // rollout's own default n is 8: 4 prompts x 8 samples = 32 rows, two mini-batches of 16.
+        let r = runner(&format!("{SPEC}[update]\nmini-batch-size = 16\n"));
+        assert!(r.needs_old());
+        let r = runner(&format!(
+            "{SPEC}[rollout]\nn = 4\n[update]\nmini-batch-size = 16\n"
+        ));
+        assert!(!r.needs_old());
+        let r = runner(&format!(
+            "{SPEC}[update]\nuse-kl-loss = true\nppo-epochs = 2\n"
+        ));
+        assert!(r.needs_ref() && r.needs_old());
+        let text = SPEC.replace(
+            "estimator = \"grpo\"",
+            "estimator = \"grpo\"\nkl-in-reward = true\nkl-ctrl = \"adaptive\"",
+        );
+        let r = runner(&text);
+        assert!(r.needs_ref() && r.needs_old() && r.stages.adaptive_kl());
+        let names: Vec<&str> = r.step_tasks(1).iter().map(|t| t.name).collect();
+        assert_eq!(
+            names,
+            [
+                "prompts",
+                "rollout",
+                "score",
+                "ref",
+                "old",
+                "kl-state",
+                "advantage",
+                "update",
+                "sync",
+                "prune",
+                "eval-rollout",
+                "eval-score",
+                "eval-summary",
+                "metrics"
+            ]
+        );
+        r.check_commands().unwrap();
+    }
+
+    #[test]
+    fn stage_commands_are_checked_by_the_stages_before_anything_runs() {
+        runner(SPEC).check_commands().unwrap();
+        for (text, want) in [
+            (
+                format!("{SPEC}[rollout]\ntemperature = nan\n"),
+                "[rollout]: --temperature must be a finite number >= 0, got NaN\n  (`rollout` would refuse the runner's command for step-0001: bin/rollout --model r/policy",
+            ),
+            (
+                format!("{SPEC}[rollout]\ntop-p = 1.5\n"),
+                "[rollout]: --top-p must be in (0, 1], got 1.5",
+            ),
+            (
+                format!("{SPEC}top-p = 0\n"),
+                "[rollout] or [eval]: --top-p must be in (0, 1], got 0\n  (`rollout` would refuse the runner's command for step-0000: bin/rollout --model r/policy --in v.parquet",
+            ),
+            (
+                format!("{SPEC}[update]\nlr = -1.0\n"),
+                "[update]: --lr must be a finite number >= 0, got -1",
+            ),
+            (
+                format!("{SPEC}[update]\nbetas = [0.9]\n"),
+                "[update]: --betas takes two numbers in [0, 1)",
+            ),
+            (
+                SPEC.replace("\"exact\"", "\"bogus\""),
+                "[score]: --reward 'bogus': unknown reward; expected gsm8k, math,",
+            ),
+            (
+                SPEC.replace("\"grpo\"", "\"grpo\"\ngamma = 2.0"),
+                "[advantage]: --gamma must be in [0, 1], got 2",
+            ),
+            (
+                format!("{SPEC}[ref-logprob]\nmicro-batch-tokens = 0\n[update]\nuse-kl-loss = true\n"),
+                "[ref-logprob]: --micro-batch-tokens must be >= 1",
+            ),
+        ] {
+            let r = runner(&text);
+            let err = r.check_commands().unwrap_err();
+            assert!(crate::error::is_input_error(&err));
+            let msg = format!("{err:#}");
+            assert!(msg.starts_with(want) || msg.contains(want), "{want:?} not in {msg:?}");
+        }
+    }
+
+    #[test]
+    fn shipped_specs_pass_the_stages_checks() {
+        // Run from the package root, where pipelines/rewards/ is.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                let r = runner(&text);
+                r.check_commands()
+                    .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                n += 1;
+            }
+        }
+        assert!(n >= 3);
     }
 
     #[test]

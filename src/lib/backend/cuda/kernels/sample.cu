@@ -1,5 +1,5 @@
 // Sampling on the GPU (engine::paged): draws one token per row of logits exactly as
-// engine::sampling::sample does on the host, with the row's counter-based uniform
+// backend::sample::sample does on the host, with the row's counter-based uniform
 // u = uniform(key, position) (the same SplitMix64 mixer), and reports its log-prob under
 // softmax(z/T) (T = 1 when greedy) over the whole vocabulary:
 //   lp = z_tok/T − lse,  lse = max(z)/T + log Σ_v exp(z_v/T − max(z)/T).

@@ -2,16 +2,17 @@
 //! with verl's knobs; writes the new model (HF layout, bf16) with its optimizer state and
 //! trainer state next to it, so the next `update --model DIR2` resumes exactly.
 
-use super::common::{check_token_ids, resolve_model, Device};
+use super::common::{
+    check_token_ids, logprob_temperature, resolve_model, Device, DEFAULT_TEMPERATURE,
+};
 use super::ref_logprob::to_u32;
-use super::{daemon_socket, Exec, InProcess, Job};
+use super::{Exec, Job};
 use crate::algo::agg::AggMode;
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, write_json, Batch, Ragged};
-use crate::daemon::protocol::StageJob;
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
@@ -42,7 +43,7 @@ pub struct UpdateArgs {
     pub out_model: PathBuf,
     /// Policy loss.
     #[arg(long, default_value = "vanilla")]
-    #[serde(with = "crate::daemon::protocol::text")]
+    #[serde(with = "crate::stage::common::as_text")]
     pub loss: LossMode,
     /// PPO clip range (both sides unless --clip-ratio-low/-high are given).
     #[arg(long, default_value_t = 0.2)]
@@ -55,7 +56,7 @@ pub struct UpdateArgs {
     #[arg(long, default_value_t = 3.0)]
     pub clip_ratio_c: f64,
     #[arg(long, default_value = "token-mean")]
-    #[serde(with = "crate::daemon::protocol::text")]
+    #[serde(with = "crate::stage::common::as_text")]
     pub loss_agg_mode: AggMode,
     /// Divisor of seq-mean-token-sum-norm (default: the longest response of the mini-batch).
     #[arg(long)]
@@ -70,12 +71,12 @@ pub struct UpdateArgs {
     pub kl_loss_coef: f64,
     /// KL estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl), optionally with '+'.
     #[arg(long, default_value = "k3")]
-    #[serde(with = "crate::daemon::protocol::text")]
+    #[serde(with = "crate::stage::common::as_text")]
     pub kl_loss_type: KlPenalty,
     /// Truncated importance weights exp(old − rollout) per token or per sequence (needs
     /// rollout_logprobs).
     #[arg(long)]
-    #[serde(with = "crate::daemon::protocol::rollout_is_level")]
+    #[serde(with = "crate::stage::common::rollout_is_level")]
     pub rollout_is: Option<RolloutIsLevel>,
     #[arg(long, default_value_t = 2.0)]
     pub rollout_is_threshold: f64,
@@ -88,9 +89,10 @@ pub struct UpdateArgs {
     /// Tokens (prompt + response) per forward/backward pass; gradients accumulate.
     #[arg(long, default_value_t = 8192)]
     pub micro_batch_tokens: usize,
-    /// Logits are divided by this (use the rollout temperature).
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f32,
+    /// Logits are divided by this [default: the temperature `rollout` recorded in the batch,
+    /// else 1]; one that differs from the recorded one is refused.
+    #[arg(long)]
+    pub temperature: Option<f32>,
     #[arg(long, default_value_t = 1e-6)]
     pub lr: f64,
     /// Training steps (update calls) of linear warmup.
@@ -255,6 +257,12 @@ impl Job for TrainFresh<'_> {
 }
 
 impl UpdateArgs {
+    /// Checks the flags as the stage does before reading its input.
+    pub fn check(&self) -> Result<()> {
+        let t = self.temperature.unwrap_or(DEFAULT_TEMPERATURE);
+        self.train_config(t).map(|_| ())
+    }
+
     fn loss_config(&self) -> Result<LossConfig> {
         let mut c = LossConfig::new(self.loss);
         c.clip_ratio = self.clip_ratio;
@@ -275,8 +283,9 @@ impl UpdateArgs {
         Ok(c)
     }
 
-    /// The training configuration the flags describe (flag errors are input errors).
-    pub fn train_config(&self) -> Result<TrainConfig> {
+    /// The training configuration the flags describe, with log-probs at `temperature` (flag
+    /// errors are input errors).
+    pub fn train_config(&self, temperature: f32) -> Result<TrainConfig> {
         let loss = self.loss_config()?;
         if self.ppo_epochs == 0 {
             bail_input!("--ppo-epochs must be >= 1");
@@ -287,8 +296,8 @@ impl UpdateArgs {
         if self.micro_batch_tokens == 0 {
             bail_input!("--micro-batch-tokens must be >= 1");
         }
-        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
-            bail_input!("--temperature must be > 0, got {}", self.temperature);
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            bail_input!("--temperature must be > 0, got {temperature}");
         }
         if self.betas.len() != 2 || self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
             bail_input!(
@@ -318,7 +327,7 @@ impl UpdateArgs {
             ppo_epochs: self.ppo_epochs,
             mini_batch_size: self.mini_batch_size,
             micro_batch_tokens: self.micro_batch_tokens,
-            temperature: self.temperature,
+            temperature,
             lr,
             beta1: self.betas[0],
             beta2: self.betas[1],
@@ -425,20 +434,13 @@ impl OwnedData {
     }
 }
 
-pub fn run(args: UpdateArgs) -> Result<()> {
-    if let Some(socket) = daemon_socket(&args.daemon) {
-        return crate::daemon::client::run_stage(&socket, StageJob::Update(args));
-    }
-    let device = args.device;
-    run_with(args, &mut InProcess(device))
-}
-
 /// The stage with its compute on `exec`.
-pub fn run_with(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
+pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
-    let cfg = args.train_config()?;
-    let needs = required_columns(&cfg);
+    args.check()?;
     let batch = Batch::read(&args.input, &[])?;
+    let cfg = args.train_config(logprob_temperature(&batch, args.temperature)?)?;
+    let needs = required_columns(&cfg);
     for (col, who) in &needs {
         if !batch.has(col) {
             bail_input!(

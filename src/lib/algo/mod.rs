@@ -4,7 +4,7 @@
 //! `advantage` binary.
 //!
 //! Estimators are registered by name in [`advantage::ESTIMATORS`] (verl's `register_adv_est`),
-//! policy losses by [`policy_loss::LossMode`] (verl's `register_policy_loss`).
+//! policy losses in [`policy_loss::LOSSES`] (verl's `register_policy_loss`).
 
 pub mod advantage;
 pub mod agg;

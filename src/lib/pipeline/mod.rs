@@ -7,6 +7,7 @@
 //! - `sampler`: the seeded prompt sampler whose cursor is part of the state.
 //! - `runner`: the step loop (stage commands, `commands.sh`, resume).
 //! - `metrics`: `metrics.jsonl` and `eval.jsonl` lines.
+//! - `tensorboard`: the same numbers as TensorBoard event files in the run directory.
 //! - `plot`, `inspect`: looking at a run.
 
 pub mod inspect;
@@ -16,6 +17,7 @@ pub mod rundir;
 pub mod runner;
 pub mod sampler;
 pub mod spec;
+pub mod tensorboard;
 
 use crate::bail_input;
 use anyhow::Result;

@@ -5,7 +5,7 @@
 //! killed run continues from the last finished stage and ends where an uninterrupted one would.
 
 use super::metrics::{self, StepFiles};
-use super::rundir::{parse_step_name, put_jsonl_step, step_name, RunDir, State, StepProgress};
+use super::rundir::{parse_step_name, step_name, RunDir, State, StepProgress};
 use super::sampler::{derive_seed, Cursor, Sampler};
 use super::spec::{Device, Source, Spec, Stages};
 use crate::bail_input;
@@ -878,7 +878,7 @@ impl Runner {
             Action::EvalSummary => {
                 let line =
                     metrics::eval_line(step, &self.run.eval_dir(step).join("scored.parquet"))?;
-                put_jsonl_step(
+                metrics::put_line(
                     &self.run.eval_path(),
                     step,
                     &serde_json::Value::Object(line.clone()),
@@ -1147,7 +1147,7 @@ impl Runner {
             seconds: &seconds,
         })?;
         let text = metrics::summary_text(&line, self.spec.steps);
-        put_jsonl_step(&run.metrics_path(), step, &serde_json::Value::Object(line))?;
+        metrics::put_line(&run.metrics_path(), step, &serde_json::Value::Object(line))?;
         self.bar.suspend(|| eprintln!("{text}"));
         Ok(())
     }

@@ -2,6 +2,7 @@
 
 pub mod cpu_engine;
 pub mod cpu_stages;
+pub mod dist;
 pub mod logprob;
 pub mod rollout;
 pub mod synth;
@@ -31,6 +32,9 @@ pub enum Which {
     /// Whole GRPO steps in-process and on the daemon's resident models: seconds per stage and
     /// peak device memory per phase.
     GrpoStep(crate::daemon::bench::GrpoStepArgs),
+    /// Bandwidth of every collective (nccl-tests' bus bandwidth) and the bucketed weight sync
+    /// of the Qwen2.5 shapes, at any world size (under `tandem launch`, srun, or alone).
+    Dist(dist::DistBenchArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -41,6 +45,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Which::Logprob(a) => logprob::run(a),
         Which::Rollout(a) => rollout::run(a),
         Which::GrpoStep(a) => crate::daemon::bench::run(a),
+        Which::Dist(a) => dist::run(a),
     }
 }
 

@@ -748,6 +748,9 @@ impl Job for TestJob {
             }
         }
         let rows = run_checks(backend, comm, a.seed)?;
+        if a.hold > 0.0 {
+            super::say(&format!("dist-test: rank {r} holding for {} s", a.hold));
+        }
         let hold = Instant::now();
         while hold.elapsed().as_secs_f64() < a.hold {
             comm.barrier()?;

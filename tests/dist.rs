@@ -68,8 +68,11 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// The JSON lines `dist-test` prints: hand cases by (case, rank), and the ids by rank.
-fn parse(stdout: &str) -> (HashMap<(String, usize), Vec<f32>>, HashMap<usize, String>) {
+/// Hand cases' results by (case, rank), and the ids by rank.
+type Printed = (HashMap<(String, usize), Vec<f32>>, HashMap<usize, String>);
+
+/// The JSON lines `dist-test` prints.
+fn parse(stdout: &str) -> Printed {
     let (mut cases, mut ids) = (HashMap::new(), HashMap::new());
     for line in stdout.lines().filter(|l| l.starts_with('{')) {
         let v: Value = serde_json::from_str(line).unwrap();

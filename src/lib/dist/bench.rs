@@ -1,6 +1,7 @@
 //! Timings of a communicator: each collective's algorithm and bus bandwidth as nccl-tests
 //! reports them, and the bucketed weight sync ([`WeightSync`]) of a model's tensors. Every
-//! size is checked once against known values before it is timed; each timed run is one
+//! result is checked against known values (all-reduce before its timed runs, the others after
+//! them: their runs leave the same values); each timed run is one
 //! collective between two device syncs, and the median over the runs is reported (the
 //! slowest rank's, since a collective is as slow as its slowest rank).
 //!
@@ -11,7 +12,7 @@
 //! compare with the hardware's bandwidth whatever n is.
 
 use super::bucket::{BucketPlan, WeightSync};
-use super::comm::{Collective, Comm, ReduceOp};
+use super::comm::{dtype_bytes, dtype_name, Collective, Comm, ReduceOp};
 use crate::backend::{Backend, DType};
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -27,13 +28,6 @@ pub fn bus_factor(op: &str, n: usize) -> f64 {
         "all_reduce" => 2.0 * (n - 1.0) / n,
         "all_gather" | "reduce_scatter" => (n - 1.0) / n,
         _ => 1.0,
-    }
-}
-
-pub fn dtype_bytes(d: DType) -> usize {
-    match d {
-        DType::F32 => 4,
-        DType::BF16 => 2,
     }
 }
 
@@ -75,6 +69,30 @@ fn sample<B: Backend>(backend: &B, buf: &B::Buf, at: &[usize]) -> Result<Vec<f32
     Ok(host)
 }
 
+/// Seconds of each of `iters` runs of `run` after `warmup` untimed ones, each between two
+/// device syncs.
+fn time_runs<B: Backend>(
+    backend: &B,
+    warmup: usize,
+    iters: usize,
+    mut run: impl FnMut() -> Result<()>,
+) -> Result<Vec<f64>> {
+    if iters == 0 {
+        bail!("at least one timed run is needed");
+    }
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..warmup + iters {
+        backend.synchronize()?;
+        let t = Instant::now();
+        run()?;
+        backend.synchronize()?;
+        if i >= warmup {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(times)
+}
+
 fn filled<B: Backend>(backend: &B, n: usize, d: DType, value: f32) -> Result<B::Buf> {
     let mut b = backend.alloc_as(n, d)?;
     backend.fill(&mut b, n, value)?;
@@ -98,35 +116,20 @@ pub fn time_collective<B: Backend>(
     let total = piece * n;
     let mine = r as f32 + 1.0;
     let sum = (n * (n + 1) / 2) as f32;
-    let mut times = Vec::with_capacity(iters);
-    let (checked, want): (Vec<f32>, Vec<f32>) = match op {
+    // Each arm runs the collective once and reads the checked elements, then times it.
+    let (checked, want, times): (Vec<f32>, Vec<f32>, Vec<f64>) = match op {
         "all_reduce" => {
             let mut buf = filled(backend, total, d, mine)?;
-            comm.run(vec![Collective::all_reduce(
-                &mut buf,
-                0,
-                total,
-                ReduceOp::Sum,
-            )
-            .as_dtype(d)])?;
+            let all_reduce = |buf: &mut B::Buf, op: ReduceOp| {
+                comm.run(vec![Collective::all_reduce(buf, 0, total, op).as_dtype(d)])
+            };
+            all_reduce(&mut buf, ReduceOp::Sum)?;
             let got = sample(backend, &buf, &[0, total / 2, total - 1])?;
             // Timed as averages, so that repeated runs keep the values finite.
-            for i in 0..warmup + iters {
-                backend.synchronize()?;
-                let t = Instant::now();
-                comm.run(vec![Collective::all_reduce(
-                    &mut buf,
-                    0,
-                    total,
-                    ReduceOp::Avg,
-                )
-                .as_dtype(d)])?;
-                backend.synchronize()?;
-                if i >= warmup {
-                    times.push(t.elapsed().as_secs_f64());
-                }
-            }
-            (got, vec![sum; 3])
+            let times = time_runs(backend, warmup, iters, || {
+                all_reduce(&mut buf, ReduceOp::Avg)
+            })?;
+            (got, vec![sum; 3], times)
         }
         "all_gather" => {
             let send = filled(backend, piece, d, mine)?;
@@ -136,57 +139,39 @@ pub fn time_collective<B: Backend>(
                     Collective::all_gather(&send, 0, &mut recv, 0, piece).as_dtype(d)
                 ])
             };
-            for i in 0..warmup + iters {
-                backend.synchronize()?;
-                let t = Instant::now();
-                run()?;
-                backend.synchronize()?;
-                if i >= warmup {
-                    times.push(t.elapsed().as_secs_f64());
-                }
-            }
+            run()?;
+            let times = time_runs(backend, warmup, iters, run)?;
             let at: Vec<usize> = (0..n)
                 .flat_map(|p| [p * piece, p * piece + piece - 1])
                 .collect();
             let want = (0..n).flat_map(|p| [p as f32 + 1.0; 2]).collect();
-            (sample(backend, &recv, &at)?, want)
+            (sample(backend, &recv, &at)?, want, times)
         }
         "reduce_scatter" => {
             let send = filled(backend, total, d, mine)?;
             let mut recv = filled(backend, piece, d, 0.0)?;
-            for i in 0..warmup + iters {
-                backend.synchronize()?;
-                let t = Instant::now();
-                comm.run(vec![Collective::reduce_scatter(
-                    &send,
-                    0,
-                    &mut recv,
-                    0,
-                    piece,
-                    ReduceOp::Sum,
-                )
-                .as_dtype(d)])?;
-                backend.synchronize()?;
-                if i >= warmup {
-                    times.push(t.elapsed().as_secs_f64());
-                }
-            }
-            (sample(backend, &recv, &[0, piece - 1])?, vec![sum; 2])
+            let mut run = || {
+                let c = Collective::reduce_scatter(&send, 0, &mut recv, 0, piece, ReduceOp::Sum);
+                comm.run(vec![c.as_dtype(d)])
+            };
+            run()?;
+            let times = time_runs(backend, warmup, iters, run)?;
+            (
+                sample(backend, &recv, &[0, piece - 1])?,
+                vec![sum; 2],
+                times,
+            )
         }
         "broadcast" => {
             let mut buf = filled(backend, total, d, mine)?;
-            for i in 0..warmup + iters {
-                backend.synchronize()?;
-                let t = Instant::now();
+            let mut run = || {
                 comm.run(vec![
                     Collective::broadcast(&mut buf, 0, total, 0).as_dtype(d)
-                ])?;
-                backend.synchronize()?;
-                if i >= warmup {
-                    times.push(t.elapsed().as_secs_f64());
-                }
-            }
-            (sample(backend, &buf, &[0, total - 1])?, vec![1.0; 2])
+                ])
+            };
+            run()?;
+            let times = time_runs(backend, warmup, iters, run)?;
+            (sample(backend, &buf, &[0, total - 1])?, vec![1.0; 2], times)
         }
         other => bail!(
             "unknown collective '{other}' (expected one of {})",
@@ -196,15 +181,12 @@ pub fn time_collective<B: Backend>(
     if checked != want {
         bail!("{op} of {bytes} bytes on rank {r}: got {checked:?} at the checked elements, expected {want:?}");
     }
-    if times.is_empty() {
-        bail!("--iters must be at least 1");
-    }
     let t = slowest_median(backend, comm, times)?;
     let s = (total * dtype_bytes(d)) as f64;
     let algbw = s / t / 1e9;
     Ok(CollectiveTiming {
         op: op.into(),
-        dtype: if d == DType::BF16 { "bf16" } else { "f32" },
+        dtype: dtype_name(d),
         world: n,
         bytes: total * dtype_bytes(d),
         median_us: t * 1e6,
@@ -278,19 +260,9 @@ pub fn time_weight_sync<B: Backend>(
             }
         }
     }
-    let mut times = Vec::with_capacity(iters);
-    for i in 0..warmup + iters {
-        backend.synchronize()?;
-        let t = Instant::now();
-        sync.run(backend, comm, &shards, &mut dests)?;
-        backend.synchronize()?;
-        if i >= warmup {
-            times.push(t.elapsed().as_secs_f64());
-        }
-    }
-    if times.is_empty() {
-        bail!("--iters must be at least 1");
-    }
+    let times = time_runs(backend, warmup, iters, || {
+        sync.run(backend, comm, &shards, &mut dests)
+    })?;
     let t = slowest_median(backend, comm, times)?;
     let model_bytes = plan.total() * esize;
     let algbw = model_bytes as f64 / t / 1e9;
@@ -298,7 +270,7 @@ pub fn time_weight_sync<B: Backend>(
         bucket_mb: bucket_bytes as f64 / (1 << 20) as f64,
         buckets: plan.buckets.len(),
         world: n,
-        dtype: if d == DType::BF16 { "bf16" } else { "f32" },
+        dtype: dtype_name(d),
         model_bytes,
         shard_bytes: plan.shard_total() * esize,
         staging_bytes: sync.staging_elems() * esize,

@@ -7,14 +7,14 @@
 //! Inputs are a function of (seed, case, rank), so every rank computes every rank's input and
 //! the expected result. With rank-order reductions (the CPU communicator) results must equal
 //! the host loop bit for bit; NCCL reduces in its own order, so its sums are compared within
-//! a tolerance of n·ε of Σ|terms| (ε = 2⁻²³ f32, 2⁻⁸ bf16, whose partial sums NCCL rounds).
+//! 2·n·ε·Σ|terms| (ε = 2⁻²³ for f32, 2⁻⁷ for bf16, whose partial sums NCCL rounds).
 //! Gathers and broadcasts move values unchanged and are always compared bit for bit.
 //!
 //! `dist-test` also prints a few small cases with hand-checkable values (the tests compare
 //! them with numbers worked out by hand) and can inject a failure on one rank (exit, SIGKILL,
 //! hang) to test that every other rank stops, naming it.
 
-use super::comm::{Collective, Comm, ReduceOp};
+use super::comm::{dtype_name, round_to, Collective, Comm, ReduceOp};
 use super::group::{run_job, DeviceKind, Job, Options, ProcessGroup};
 use super::nccl::NcclComm;
 use super::world::World;
@@ -23,7 +23,6 @@ use crate::backend::{Backend, DType};
 use crate::rng::SplitMix64;
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
-use half::bf16;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -40,20 +39,6 @@ pub struct CheckRow {
     pub note: String,
 }
 
-fn dt_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-    }
-}
-
-fn round(v: f32, d: DType) -> f32 {
-    match d {
-        DType::F32 => v,
-        DType::BF16 => bf16::from_f32(v).to_f32(),
-    }
-}
-
 /// Value outside every view: a view's neighbours must keep it.
 const SENTINEL: f32 = -7.25;
 /// Elements before and after each view.
@@ -65,7 +50,7 @@ fn input(seed: u64, case: &str, rank: usize, len: usize, d: DType) -> Vec<f32> {
         (h ^ b as u64).wrapping_mul(0x100_0000_01B3)
     });
     let mut rng = SplitMix64(h ^ ((rank as u64 + 1) << 40));
-    (0..len).map(|_| round(rng.normal(), d)).collect()
+    (0..len).map(|_| round_to(rng.normal(), d)).collect()
 }
 
 /// Rank-order reduction of `xs` (what the CPU communicator computes; see `host`).
@@ -76,7 +61,7 @@ fn reduce(xs: &[Vec<f32>], op: ReduceOp, d: DType) -> Vec<f32> {
     for x in &xs[1..] {
         acc.iter_mut().zip(x).for_each(|(a, &v)| *a += mul(v));
     }
-    acc.into_iter().map(|v| round(v, d)).collect()
+    acc.into_iter().map(|v| round_to(v, d)).collect()
 }
 
 /// Σ_p |s·x_p| per element: the scale of a reduction's rounding error.
@@ -161,7 +146,7 @@ impl<B: Backend> Checker<'_, B> {
         };
         self.rows.push(CheckRow {
             name: name.into(),
-            dtype: dt_name(d),
+            dtype: dtype_name(d),
             world: self.n(),
             max_abs,
             pass,
@@ -502,7 +487,7 @@ impl<B: Backend> Checker<'_, B> {
             .is_none_or(|h| h.iter().zip(&mine).all(|(a, b)| a.to_bits() == b.to_bits()));
         self.rows.push(CheckRow {
             name: "deterministic: all_reduce".into(),
-            dtype: dt_name(d),
+            dtype: dtype_name(d),
             world: n,
             max_abs: 0.0,
             pass: same_ranks && same_runs && same_host,

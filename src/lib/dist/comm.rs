@@ -25,6 +25,30 @@ use crate::backend::{Backend, DType};
 use anyhow::{bail, Result};
 use std::time::Duration;
 
+/// "f32" or "bf16".
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+    }
+}
+
+/// Bytes of one element of `d`.
+pub fn dtype_bytes(d: DType) -> usize {
+    match d {
+        DType::F32 => 4,
+        DType::BF16 => 2,
+    }
+}
+
+/// `v` as a buffer of `d` stores it (bf16: rounded to nearest even).
+pub fn round_to(v: f32, d: DType) -> f32 {
+    match d {
+        DType::F32 => v,
+        DType::BF16 => half::bf16::from_f32(v).to_f32(),
+    }
+}
+
 /// How the values of the ranks are combined.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ReduceOp {

@@ -27,7 +27,7 @@
 //! communicator fails, naming the rank it was waiting for, tells the store, and every later
 //! call fails with the same message.
 
-use super::comm::{Collective, Comm, Kind, Pending, ReduceOp, Work};
+use super::comm::{round_to, Collective, Comm, Kind, Pending, ReduceOp, Work};
 use super::group::ProcessGroup;
 use super::health::Health;
 use crate::backend::cpu::Cpu;
@@ -102,10 +102,6 @@ fn decode(bytes: &[u8], bf16_wire: bool) -> Vec<f32> {
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect()
     }
-}
-
-fn round_bf16(v: f32) -> f32 {
-    bf16::from_f32(v).to_f32()
 }
 
 /// What one collective of a started group carries to the worker.
@@ -263,7 +259,7 @@ impl Worker {
             }
         }
         if bf16_wire {
-            acc.iter_mut().for_each(|v| *v = round_bf16(*v));
+            acc.iter_mut().for_each(|v| *v = round_to(*v, DType::BF16));
         }
         Ok(acc)
     }
@@ -500,7 +496,7 @@ impl Pending for HostPending<'_> {
 
 fn input(src: &[f32], bf16_wire: bool) -> Vec<f32> {
     if bf16_wire {
-        src.iter().map(|&v| round_bf16(v)).collect()
+        src.iter().map(|&v| round_to(v, DType::BF16)).collect()
     } else {
         src.to_vec()
     }
@@ -705,7 +701,7 @@ fn connect_mesh(pg: &ProcessGroup) -> Result<Vec<Option<TcpStream>>> {
 mod tests {
     use super::*;
     use crate::dist::group::Options;
-    use crate::dist::world::{Launcher, World};
+    use crate::dist::world::World;
 
     /// Runs `f` on `n` ranks as threads of this process, each with its own process group.
     fn ranks<T: Send + 'static>(
@@ -722,16 +718,7 @@ mod tests {
             .map(|rank| {
                 let f = f.clone();
                 std::thread::spawn(move || {
-                    let world = World {
-                        rank,
-                        world_size: n,
-                        local_rank: rank,
-                        local_world_size: n,
-                        node_rank: 0,
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        launcher: Launcher::Env,
-                    };
+                    let world = World::local(rank, n, port);
                     let pg = ProcessGroup::new(world, Options::in_process(timeout)).unwrap();
                     f(pg)
                 })

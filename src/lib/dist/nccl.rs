@@ -17,7 +17,7 @@
 //!   to a host loop). Avg is `ncclAvg`; Scaled(s) is `ncclRedOpCreatePreMulSum` (at most one
 //!   distinct scale per group).
 
-use super::comm::{Collective, Comm, Kind, Pending, ReduceOp, Work};
+use super::comm::{dtype_bytes, Collective, Comm, Kind, Pending, ReduceOp, Work};
 use super::group::ProcessGroup;
 use super::health::Health;
 use super::store::Prober;
@@ -86,17 +86,10 @@ fn nccl_type(d: DType) -> ns::ncclDataType_t {
     }
 }
 
-fn esize(d: DType) -> u64 {
-    match d {
-        DType::F32 => 4,
-        DType::BF16 => 2,
-    }
-}
-
 /// The address of element `off` of a buffer.
 fn at(buf: &CudaBuf, off: usize) -> *mut c_void {
     let (ptr, _, dtype) = buf.raw();
-    (ptr + off as u64 * esize(dtype)) as *mut c_void
+    (ptr + (off * dtype_bytes(dtype)) as u64) as *mut c_void
 }
 
 /// A collective enqueued and not yet seen complete by the watchdog.
@@ -318,10 +311,14 @@ impl NcclComm {
             .new_stream()
             .map_err(|e| anyhow!("cuda: create the communication stream: {e:?}"))?;
         let scratch = backend.alloc(1)?;
-        let s = shared.clone();
+        let (s, c) = (shared.clone(), ctx.clone());
         let watchdog = std::thread::Builder::new()
             .name("dist-nccl-watch".into())
-            .spawn(move || s.watch())?;
+            .spawn(move || {
+                // Event queries go to the communicator's device.
+                let _ = c.bind_to_thread();
+                s.watch()
+            })?;
         Ok(NcclComm {
             rank,
             n,

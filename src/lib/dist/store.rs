@@ -912,21 +912,6 @@ pub fn hostname() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::world::Launcher;
-
-    fn world(rank: usize, n: usize, port: u16) -> World {
-        World {
-            rank,
-            world_size: n,
-            local_rank: rank,
-            local_world_size: n,
-            node_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            launcher: Launcher::Env,
-        }
-    }
-
     fn start(n: usize, timeout: Duration) -> StoreServer {
         StoreServer::start("127.0.0.1:0".parse().unwrap(), n, timeout).unwrap()
     }
@@ -938,7 +923,12 @@ mod tests {
         timeout: Duration,
     ) -> Result<(StoreClient, Arc<Health>)> {
         let h = Health::new(rank, None);
-        let c = StoreClient::connect(&world(rank, n, port), h.clone(), Arc::default(), timeout)?;
+        let c = StoreClient::connect(
+            &World::local(rank, n, port),
+            h.clone(),
+            Arc::default(),
+            timeout,
+        )?;
         Ok((c, h))
     }
 

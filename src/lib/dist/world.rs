@@ -54,6 +54,21 @@ impl World {
         }
     }
 
+    /// Rank `rank` of `world_size` ranks on this machine, the store at 127.0.0.1:`port` (what
+    /// `tandem launch` sets up; also ranks that are threads of one process, in tests).
+    pub fn local(rank: usize, world_size: usize, port: u16) -> World {
+        World {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            launcher: Launcher::Env,
+        }
+    }
+
     /// The world this process's environment describes.
     pub fn from_env() -> Result<World> {
         World::from_vars(|k| std::env::var(k).ok())

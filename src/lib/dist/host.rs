@@ -524,7 +524,7 @@ impl Comm<Cpu> for HostComm {
         let mut host_ops = Vec::with_capacity(ops.len());
         let mut outs = Vec::with_capacity(ops.len());
         for c in ops {
-            c.validate(r, n, |b: &Vec<f32>| b.len())?;
+            c.validate(n, |b: &Vec<f32>| b.len())?;
             let b = match c.dtype {
                 None | Some(DType::F32) => false,
                 Some(DType::BF16) => true,

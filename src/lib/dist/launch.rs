@@ -309,8 +309,12 @@ fn launch(
         {
             let status = ranks[first].status.unwrap();
             let left = ranks.iter().filter(|r| !r.done).count();
+            let rest = match left {
+                0 => "no other rank is running".to_string(),
+                _ => format!("stopping the other {left} rank(s)"),
+            };
             super::say(&format!(
-                "tandem launch: rank {first} (pid {}) {}; stopping the other {left} rank(s)",
+                "tandem launch: rank {first} (pid {}) {}; {rest}",
                 ranks[first].child.id(),
                 describe(status)
             ));

@@ -514,7 +514,7 @@ impl Comm<CudaBackend> for NcclComm {
         let sh = &self.shared;
         sh.health.check()?;
         for c in &ops {
-            c.validate(self.rank, self.n, |b: &CudaBuf| b.raw().1)?;
+            c.validate(self.n, |b: &CudaBuf| b.raw().1)?;
         }
         let names: Vec<&str> = ops.iter().map(|c| c.name()).collect();
         let first = self.progress.fetch_add(ops.len() as u64, Ordering::Relaxed);

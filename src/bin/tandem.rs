@@ -40,6 +40,10 @@ enum Cmd {
     Daemon(tandem::daemon::server::DaemonArgs),
     /// Ask a running daemon for its health or status, or stop it.
     DaemonCtl(tandem::daemon::client::DaemonCtlArgs),
+    /// Start N ranks of a command on this machine (like `torchrun --standalone`).
+    Launch(tandem::dist::launch::LaunchArgs),
+    /// Communicator checks: every collective against host-computed values, on each rank.
+    DistTest(tandem::dist::check::DistTestArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,5 +60,7 @@ fn main() -> ExitCode {
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
         Cmd::Daemon(a) => tandem::daemon::server::run(a),
         Cmd::DaemonCtl(a) => tandem::daemon::client::run_ctl(a),
+        Cmd::Launch(a) => tandem::dist::launch::run(a),
+        Cmd::DistTest(a) => tandem::dist::check::run(a),
     })
 }

@@ -7,6 +7,7 @@ pub mod batch;
 pub mod bench;
 pub mod daemon;
 pub mod data;
+pub mod dist;
 pub mod engine;
 pub mod error;
 pub mod model;

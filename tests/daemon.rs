@@ -844,7 +844,10 @@ keep-last = 3
     let plog = std::fs::read_to_string(d.join("b/pipeline.log")).unwrap();
     let said = "the daemon closed the connection before the update job finished";
     assert!(plog.contains(said) && log.contains(said), "{log}\n{plog}");
-    assert!(!plog.contains("os error") && !log.contains("os error"), "{plog}");
+    assert!(
+        !plog.contains("os error") && !log.contains("os error"),
+        "{plog}"
+    );
     let marker_c = d.join("killed-in-step-4");
     let log_c = run("warm.toml", "c", Some((&marker_c, 4)));
     assert!(marker_c.exists(), "the daemon of run c was never killed");

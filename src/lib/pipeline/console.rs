@@ -138,16 +138,21 @@ impl Console {
             }
             tail.push_back(line);
         };
+        let tick = Duration::from_millis(50);
         let mut exited: Option<(ExitStatus, Instant)> = None;
+        let mut checked = Instant::now();
         loop {
-            match rx.recv_timeout(Duration::from_millis(50)) {
+            match rx.recv_timeout(tick) {
                 Ok(line) => keep(line),
                 Err(RecvTimeoutError::Disconnected) => break,
-                Err(RecvTimeoutError::Timeout) => match exited {
-                    Some((_, at)) if at.elapsed() > Duration::from_millis(500) => break,
-                    Some(_) => {}
-                    None => exited = child.try_wait()?.map(|s| (s, Instant::now())),
-                },
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            if exited.is_none() && checked.elapsed() >= tick {
+                exited = child.try_wait()?.map(|s| (s, Instant::now()));
+                checked = Instant::now();
+            }
+            if exited.is_some_and(|(_, at)| at.elapsed() > Duration::from_millis(500)) {
+                break;
             }
         }
         let status = match exited {

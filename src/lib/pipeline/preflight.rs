@@ -171,7 +171,7 @@ fn check_prompts(
 
 /// An external reward can start: the `cmd:` program is found, the `python:` file imports and
 /// has the function (run through the same driver `score` uses, on no rows).
-fn check_reward(reward: &RewardSpec, opts: &Options, at: &str) -> Result<()> {
+pub(super) fn check_reward(reward: &RewardSpec, opts: &Options, at: &str) -> Result<()> {
     match reward {
         RewardSpec::Cmd { argv, .. } => {
             if !find_program(&argv[0]) {

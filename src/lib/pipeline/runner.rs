@@ -1368,6 +1368,15 @@ mod tests {
                 let r = runner(&text);
                 r.check_commands()
                     .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                // Their rewards resolve (a python: file imports and has its function).
+                let score = &r.stages.score.args;
+                let reward = crate::reward::RewardSpec::parse(&score.reward).unwrap();
+                crate::pipeline::preflight::check_reward(
+                    &reward,
+                    &score.config().unwrap().options,
+                    "",
+                )
+                .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
                 n += 1;
             }
         }

@@ -1622,6 +1622,24 @@ keep-last = 1
     let o = cmd("a").output().unwrap();
     assert_ok(&o);
     let (a, b) = (d.join("a"), d.join("b"));
+    // The real stages' output is in the log, not on the console: one line per step there.
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("step ")).count(),
+        4,
+        "{err}"
+    );
+    assert!(err.lines().count() <= 12, "{err}");
+    assert!(
+        !err.contains("rollout: 4 prompts x 4 = 16 samples"),
+        "{err}"
+    );
+    let plog = std::fs::read_to_string(a.join("pipeline.log")).unwrap();
+    assert_eq!(
+        plog.matches("rollout: 4 prompts x 4 = 16 samples").count(),
+        3,
+        "{plog}"
+    );
 
     let kill_when = |what: &str, cond: &mut dyn FnMut(u32) -> bool| {
         let mut child = cmd("b")

@@ -839,6 +839,15 @@ keep-last = 3
     assert!(marker.exists(), "the daemon was never killed");
     assert!(log.contains("the daemon died"), "{log}");
     assert!(!log.contains("going back"), "{log}");
+    // The stage's client said what happened in the documented words (in the run's log, and in
+    // the runner's line on the console).
+    let plog = std::fs::read_to_string(d.join("b/pipeline.log")).unwrap();
+    let said = "the daemon closed the connection before the update job finished";
+    assert!(plog.contains(said) && log.contains(said), "{log}\n{plog}");
+    assert!(
+        !plog.contains("os error") && !log.contains("os error"),
+        "{plog}"
+    );
     let marker_c = d.join("killed-in-step-4");
     let log_c = run("warm.toml", "c", Some((&marker_c, 4)));
     assert!(marker_c.exists(), "the daemon of run c was never killed");
@@ -969,4 +978,165 @@ keep-last = 3
         .is_file());
     assert!(!d.join("bench/daemon/ckpt-2/optimizer.safetensors").exists());
     assert_eq!(results[3]["optimizer_saved"], false, "{json}");
+}
+
+/// Polls the daemon's status until `cond` holds (at most 120 s).
+fn wait_status(d: &Daemon, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
+    let t0 = Instant::now();
+    loop {
+        let st = d.status();
+        if cond(&st) {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "timed out waiting for {what}: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `kill -9` of a client mid-job: the daemon notices the closed connection, stops the job
+/// within a step, writes nothing, and serves the next client with a policy untouched by the
+/// cancelled training (its result equals an in-process update's, byte for byte). A daemon
+/// killed mid-job gives its client the documented message.
+#[test]
+fn a_killed_clients_job_is_cancelled_and_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let model = tiny_model(w, 11);
+    std::fs::rename(&model, w.join("model")).unwrap();
+    let questions: Vec<String> = (0..8).map(|i| format!("question number {i}")).collect();
+    let questions: Vec<&str> = questions.iter().map(String::as_str).collect();
+    prompts(&w.join("prompts.parquet"), &questions);
+    let rollout = |out: &str, n: &str, tokens: &str| {
+        [
+            "--model",
+            "model",
+            "--in",
+            "prompts.parquet",
+            "--out",
+            out,
+            "--n",
+            n,
+            "--max-new-tokens",
+            tokens,
+            "--ignore-eos",
+        ]
+        .map(String::from)
+    };
+    ok(
+        w,
+        "rollout",
+        &rollout("r.parquet", "4", "16")
+            .each_ref()
+            .map(String::as_str),
+        None,
+    );
+    add_advantages(&w.join("r.parquet"), &w.join("adv.parquet"));
+    // Many small optimizer steps: long enough to be killed in the middle.
+    let update = |out: &str| {
+        [
+            "--model",
+            "model",
+            "--in",
+            "adv.parquet",
+            "--out-model",
+            out,
+            "--lr",
+            "0.001",
+            "--ppo-epochs",
+            "40",
+            "--mini-batch-size",
+            "4",
+        ]
+        .map(String::from)
+    };
+    let sock = w.join("sock");
+    let daemon = Daemon::start(w, &sock, "model", &[]);
+
+    let mut client = Command::new(bin("update"))
+        .current_dir(w)
+        .args(update("cancelled"))
+        .arg("--daemon")
+        .arg(&sock)
+        .env("RAYON_NUM_THREADS", "2")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_status(&daemon, "the update to run", |st| st["running"] == "update");
+    std::thread::sleep(Duration::from_millis(300));
+    client.kill().unwrap();
+    let killed = Instant::now();
+    client.wait().unwrap();
+    wait_status(&daemon, "the job to be cancelled", |st| {
+        st["jobs_cancelled"] == 1 && st["running"].is_null()
+    });
+    let stopped = killed.elapsed();
+    assert!(
+        !w.join("cancelled").exists(),
+        "the cancelled job wrote its model"
+    );
+
+    // The daemon serves the next client: the same job, to its end, gives what an in-process
+    // update gives (the cancelled training left nothing behind in memory).
+    let t0 = Instant::now();
+    ok(
+        w,
+        "update",
+        &update("next").each_ref().map(String::as_str),
+        Some(&sock),
+    );
+    let full = t0.elapsed();
+    ok(
+        w,
+        "update",
+        &update("here").each_ref().map(String::as_str),
+        None,
+    );
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        assert!(
+            std::fs::read(w.join("next").join(f)).unwrap()
+                == std::fs::read(w.join("here").join(f)).unwrap(),
+            "{f}: the daemon's update after a cancelled one differs from in-process"
+        );
+    }
+    eprintln!("cancelled {stopped:?} after the kill; a whole job takes {full:?}");
+    assert!(
+        stopped * 3 < full,
+        "the cancelled job ran on: stopped {stopped:?} after the kill, a whole job takes {full:?}"
+    );
+    let st = daemon.status();
+    assert_eq!(
+        (st["jobs_failed"].as_u64(), st["jobs_done"].as_u64()),
+        (Some(0), Some(1)),
+        "{st}"
+    );
+    drop(daemon);
+
+    // A daemon that dies mid-job: its client says so in the documented words.
+    let mut daemon = Daemon::start(w, &sock, "model", &[]);
+    let client = Command::new(bin("rollout"))
+        .current_dir(w)
+        .args(rollout("long.parquet", "64", "200"))
+        .arg("--daemon")
+        .arg(&sock)
+        .env("RAYON_NUM_THREADS", "2")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_status(&daemon, "the rollout to run", |st| {
+        st["running"] == "rollout"
+    });
+    daemon.child.kill().unwrap();
+    daemon.child.wait().unwrap();
+    let out = client.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the daemon closed the connection before the rollout job finished"),
+        "{err}"
+    );
+    assert!(!err.contains("os error"), "{err}");
+    assert!(!w.join("long.parquet").exists());
 }

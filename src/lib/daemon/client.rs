@@ -66,17 +66,36 @@ pub fn run_job(socket: &Path, job: StageJob) -> Result<()> {
     let cwd = std::env::current_dir()?;
     let name = job.name();
     let metrics_path = job.metrics_path().cloned();
+    // A daemon that dies mid-job closes (or resets) the connection: one message for every way
+    // that shows up, as docs/DAEMON.md gives it.
+    let closed = || {
+        anyhow!(
+            "{}: the daemon closed the connection before the {name} job finished (did it die? see its log); nothing was written",
+            socket.display()
+        )
+    };
+    let gone = |e: &std::io::Error| {
+        use std::io::ErrorKind::*;
+        matches!(
+            e.kind(),
+            ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
+        )
+    };
     let mut stream = connect(socket)?;
-    send(
-        &mut stream,
-        &Request::Job {
-            cwd,
-            job: Box::new(job),
-        },
-    )?;
+    let req = Request::Job {
+        cwd,
+        job: Box::new(job),
+    };
+    match send(&mut stream, &req) {
+        Err(e) if e.downcast_ref().is_some_and(gone) => return Err(closed()),
+        r => r?,
+    }
     let mut bar: Option<ProgressBar> = None;
     for line in BufReader::new(stream).lines() {
-        let line = line.with_context(|| format!("reading from {}", socket.display()))?;
+        let line = match line {
+            Err(e) if gone(&e) => return Err(closed()),
+            r => r.with_context(|| format!("reading from {}", socket.display()))?,
+        };
         match parse(&line, socket)? {
             Response::Progress { what, pos, len } => {
                 let b = bar.get_or_insert_with(|| progress_bar(len as usize, &what));
@@ -121,10 +140,7 @@ pub fn run_job(socket: &Path, job: StageJob) -> Result<()> {
             Response::Status { .. } | Response::ShuttingDown => {}
         }
     }
-    Err(anyhow!(
-        "{}: the daemon closed the connection before the {name} job finished (did it die? see its log); nothing was written",
-        socket.display()
-    ))
+    Err(closed())
 }
 
 fn add_daemon_metrics(path: &Path, daemon: Value) -> Result<()> {
@@ -171,4 +187,56 @@ pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
         other => anyhow::bail!("unexpected answer: {other:?}"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stage::sync_weights::SyncWeightsArgs;
+    use std::os::unix::net::UnixListener;
+
+    fn job() -> StageJob {
+        StageJob::SyncWeights(SyncWeightsArgs {
+            from: "ckpt".into(),
+            to: "policy".into(),
+            policy_version: None,
+            daemon: None,
+        })
+    }
+
+    /// A daemon that dies mid-job, whether the client then reads a reset or the end of the
+    /// stream, gives the one message docs/DAEMON.md documents.
+    #[test]
+    fn a_daemon_that_dies_mid_job_gives_the_documented_message() {
+        let dir = tempfile::tempdir().unwrap();
+        for read_request in [false, true] {
+            let socket = dir.path().join(format!("d{read_request}.sock"));
+            let listener = UnixListener::bind(&socket).unwrap();
+            let server = std::thread::spawn(move || {
+                let (mut s, _) = listener.accept().unwrap();
+                if read_request {
+                    let mut line = String::new();
+                    BufReader::new(s.try_clone().unwrap())
+                        .read_line(&mut line)
+                        .unwrap();
+                    s.write_all(b"{\"type\":\"log\",\"line\":\"working\"}\n")
+                        .unwrap();
+                }
+                // Dying with the request unread resets the client's connection
+                // (ECONNRESET); after reading it, the client sees the end of the stream.
+                std::thread::sleep(Duration::from_millis(200));
+            });
+            let err = run_job(&socket, job()).unwrap_err();
+            server.join().unwrap();
+            let msg = format!("{err:#}");
+            assert!(
+                msg.contains(
+                    "the daemon closed the connection before the sync-weights job finished"
+                ),
+                "{msg}"
+            );
+            assert!(!msg.contains("os error"), "{msg}");
+            assert!(!crate::error::is_input_error(&err));
+        }
+    }
 }

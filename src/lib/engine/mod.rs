@@ -1,7 +1,9 @@
 //! The engine on top of the decoder: the paged generation engine (`rollout`), micro-batched
 //! scoring (`ref-logprob`), the training loop (`update`), and the whole-decoder and whole-engine
 //! GPU checks (`check`, run by `tandem gpu-test`); the stages' command lines are in `crate::stage`.
+//! Their loops poll `cancel` between steps, so the daemon can stop a job whose client is gone.
 
+pub mod cancel;
 pub mod check;
 pub mod logprob;
 pub mod paged;

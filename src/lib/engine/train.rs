@@ -350,6 +350,7 @@ fn train_with(
                 .collect();
             let lens: Vec<usize> = live.iter().map(|&i| data.rows[i].len()).collect();
             for group in micro_batches(&lens, cfg.micro_batch_tokens.max(1)) {
+                super::cancel::check()?;
                 let idx = &live[group];
                 let joined: Vec<Vec<u32>> = idx.iter().map(|&i| data.rows[i].joined()).collect();
                 let seqs: Vec<SeqRef> = idx
@@ -868,6 +869,25 @@ mod tests {
         let j = r.to_json();
         assert_eq!(j["optimizer_steps"], 6);
         assert_eq!(j["skipped_steps"], 0);
+    }
+
+    #[test]
+    fn a_cancelled_update_stops_before_its_next_micro_batch() {
+        use crate::engine::cancel::{is_cancelled, Cancel};
+        let owned = batch();
+        let mut model = Bigram::random(6, 3);
+        let before = model.theta.clone();
+        let mut c = cfg(LossMode::Vanilla);
+        c.mini_batch_size = Some(2);
+        c.ppo_epochs = 2;
+        let cancel = Cancel::new();
+        // Cancelled while the old log-probs are computed: no optimizer step is taken.
+        let err = cancel
+            .install(|| train(&mut model, &owned.data(), &c, 0, &mut |_| cancel.cancel()))
+            .unwrap_err();
+        assert!(is_cancelled(&err), "{err:#}");
+        assert_eq!(model.steps, 0);
+        assert_eq!(model.theta, before);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! recorded in `state.json` before the next one starts; a rerun skips recorded tasks, so a
 //! killed run continues from the last finished stage and ends where an uninterrupted one would.
 
+use super::console::{short_duration, Console};
 use super::metrics::{self, StepFiles};
 use super::rundir::{parse_step_name, step_name, RunDir, State, StepProgress};
 use super::sampler::{derive_seed, Cursor, Sampler};
@@ -93,7 +94,12 @@ pub struct Runner {
     train: Option<Batch>,
     /// Steps whose header comment was already written to commands.sh by this process.
     announced: Option<u64>,
-    bar: ProgressBar,
+    /// The console (one line per step, a progress bar) and the run's log.
+    pub console: Console,
+    /// The `pipeline run` command that continues this run, for the message of a failed stage.
+    pub rerun: String,
+    /// The evaluation summary of the step in progress, for its step line.
+    eval_note: Option<String>,
     /// The warm daemon the model stages are sent to (`daemon = true`), once started.
     daemon: Option<DaemonProc>,
     /// Whether this runner started a daemon before (a missing one was then lost).
@@ -174,7 +180,9 @@ impl Runner {
             state,
             train: None,
             announced: None,
-            bar: ProgressBar::hidden(),
+            console: Console::new(false),
+            rerun: "pipeline run SPEC --run-dir RUN".into(),
+            eval_note: None,
             daemon: None,
             daemon_started: false,
         })
@@ -335,7 +343,7 @@ impl Runner {
                 status.unwrap_or_default(),
                 restarts
             );
-            self.bar.suspend(|| eprintln!("{msg}"));
+            self.console.say(&msg);
             self.daemon = None;
             if *restarts > MAX_DAEMON_RESTARTS {
                 anyhow::bail!(
@@ -752,14 +760,20 @@ impl Runner {
         let plan = self.plan();
         self.check_bins(&plan)?;
         let total = self.spec.steps;
-        self.bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        self.bar.set_style(
+        // Drawn only on a terminal; piped, the step lines are the progress.
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        bar.set_style(
             ProgressStyle::with_template(
                 "{bar:30} step {pos}/{len} [{elapsed_precise}<{eta}] {msg}",
             )
             .expect("valid template"),
         );
-        self.bar.set_position(self.state.steps_done.min(total));
+        bar.set_position(self.state.steps_done.min(total));
+        if Console::is_terminal() {
+            bar.enable_steady_tick(std::time::Duration::from_secs(1));
+        }
+        self.console.bar = bar;
+        self.console.start_clock(self.state.steps_done);
         let mut plan = plan;
         let mut rewinds = 0;
         let result = loop {
@@ -782,9 +796,8 @@ impl Runner {
         };
         // Stop the daemon whether the run finished or failed: no process outlives the runner.
         self.stop_daemon();
-        result?;
-        self.bar.finish_and_clear();
-        Ok(())
+        self.console.bar.finish_and_clear();
+        result
     }
 
     /// After the daemon died: the step to go back to when the checkpoint the run continues
@@ -827,7 +840,7 @@ impl Runner {
         let msg = format!(
             "pipeline: the optimizer state after step {lost} was only in the daemon's memory; going back to step {to}, the last checkpoint that has it"
         );
-        self.bar.suspend(|| eprintln!("{msg}"));
+        self.console.say(&msg);
         let from = if to == 0 {
             self.spec.model.path.clone()
         } else {
@@ -852,7 +865,7 @@ impl Runner {
         self.state.sampler = cursor;
         self.state.steps_done = to;
         self.state.current = None;
-        self.bar.set_position(to);
+        self.console.bar.set_position(to);
         self.run.save_state(&self.state)
     }
 
@@ -867,7 +880,8 @@ impl Runner {
     }
 
     fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
-        self.bar
+        self.console
+            .bar
             .set_message(format!("{} ({})", task.name, step_name(step)));
         let t0 = Instant::now();
         match &task.action {
@@ -884,11 +898,15 @@ impl Runner {
                     &serde_json::Value::Object(line.clone()),
                 )?;
                 let acc = line.get("accuracy").and_then(|v| v.as_f64()).unwrap_or(0.0);
-                let msg = format!(
-                    "eval step {step}: accuracy {acc:.3} on {} rows",
-                    line["rows"]
-                );
-                self.bar.suspend(|| eprintln!("{msg}"));
+                let note = format!("eval acc {acc:.3} ({} rows)", line["rows"]);
+                if step == 0 {
+                    // Step 0 has no metrics line: its evaluation is its line.
+                    let total = self.spec.steps;
+                    self.console
+                        .say(&format!("step 0/{total}  {note} (the initial policy)"));
+                } else {
+                    self.eval_note = Some(note);
+                }
             }
             Action::StepMetrics => self.step_metrics(step)?,
         }
@@ -906,7 +924,7 @@ impl Runner {
                 self.state.init_done = true;
             } else {
                 self.state.steps_done = step;
-                self.bar.set_position(step);
+                self.console.bar.set_position(step);
             }
         }
         self.run.save_state(&self.state)
@@ -961,7 +979,7 @@ impl Runner {
                 // (which loads the current policy); any other failure stops the run.
                 Err(e) if self.daemon_gone() => {
                     let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
-                    self.bar.suspend(|| eprintln!("{msg}"));
+                    self.console.say(&msg);
                     if let Some(r) = self.rewind_target(step)? {
                         return Err(r.into());
                     }
@@ -996,31 +1014,57 @@ impl Runner {
         cmd.args(args).stdin(Stdio::null());
         die_with_parent(&mut cmd);
         let header = if task == bin {
-            format!("[{}] {bin}", step_name(step))
+            format!("[{}] {bin}: {line}", step_name(step))
         } else {
-            format!("[{}] {task}: {bin}", step_name(step))
+            format!("[{}] {task}: {line}", step_name(step))
         };
-        let status = self.bar.suspend(|| {
-            eprintln!("{header}");
-            cmd.status()
-        });
-        let status = status.with_context(|| format!("starting {}", program.display()))?;
-        if status.success() {
+        self.console.detail(&header);
+        let out = self
+            .console
+            .run(&mut cmd)
+            .with_context(|| format!("starting {}", program.display()))?;
+        if out.status.success() {
             return Ok(());
         }
-        let what = match status.code() {
+        let what = match out.status.code() {
             Some(c) => format!("exit code {c}"),
             None => "killed by a signal".to_string(),
         };
+        let tail: Vec<String> = out.tail.iter().map(|l| format!("  | {l}")).collect();
+        let shown = match self.console.log_path() {
+            Some(p) => format!("its output ended with (all of it in {}):", p.display()),
+            None => "its output ended with:".to_string(),
+        };
+        let bad_input = out.status.code() == Some(2);
+        // A stage that refused its input needs a fix in the spec (or in a file it names): the
+        // run continues under the edited spec only when told so. Otherwise the same command
+        // continues it.
+        let next = match bad_input {
+            true => format!(
+                "Fix the cause (a value in the spec, or the file named above), then continue the run from this stage with:\n  {} --allow-spec-change\n(--allow-spec-change continues under the edited spec and records the edit in {})",
+                self.rerun,
+                self.run.spec_changes_path().display()
+            ),
+            false => format!(
+                "Once the cause is fixed (or to retry), continue the run from this stage with:\n  {}",
+                self.rerun
+            ),
+        };
         let msg = format!(
-            "{}: stage `{bin}` failed ({what}); its message is above. Command:\n  {line}\nFix the cause and rerun the same `pipeline run` to continue from this stage.",
-            step_name(step)
+            "{}: stage `{bin}` failed ({what}); {shown}\n{}\nCommand:\n  {line}\n{next}",
+            step_name(step),
+            tail.join("\n")
         );
-        if status.code() == Some(2) {
+        if bad_input {
             Err(input_error(msg))
         } else {
             Err(anyhow::anyhow!(msg))
         }
+    }
+
+    /// The training set as `preflight::check` read it (sampled from without reading it again).
+    pub fn set_train_set(&mut self, batch: Batch) {
+        self.train = Some(batch);
     }
 
     fn train_batch(&mut self) -> Result<&Batch> {
@@ -1146,9 +1190,16 @@ impl Runner {
             ],
             seconds: &seconds,
         })?;
-        let text = metrics::summary_text(&line, self.spec.steps);
+        let total = self.spec.steps;
+        let mut text = metrics::summary_text(&line, total);
+        if let Some(note) = self.eval_note.take() {
+            text += &format!("  {note}");
+        }
+        if let Some(eta) = self.console.eta(step, total) {
+            text += &format!("  ETA {}", short_duration(eta));
+        }
         metrics::put_line(&run.metrics_path(), step, &serde_json::Value::Object(line))?;
-        self.bar.suspend(|| eprintln!("{text}"));
+        self.console.say(&text);
         Ok(())
     }
 }
@@ -1317,6 +1368,15 @@ mod tests {
                 let r = runner(&text);
                 r.check_commands()
                     .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                // Their rewards resolve (a python: file imports and has its function).
+                let score = &r.stages.score.args;
+                let reward = crate::reward::RewardSpec::parse(&score.reward).unwrap();
+                crate::pipeline::preflight::check_reward(
+                    &reward,
+                    &score.config().unwrap().options,
+                    "",
+                )
+                .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
                 n += 1;
             }
         }

@@ -15,6 +15,7 @@
 use super::group::{parse_seconds, TIMEOUT_ENV};
 use super::health::ERROR_FILE_ENV;
 use crate::error::input_error;
+use crate::proc::die_with_parent;
 use anyhow::{anyhow, Result};
 use clap::Args;
 use std::net::TcpListener;
@@ -81,28 +82,6 @@ fn resolve(program: &str) -> PathBuf {
         }
     }
     PathBuf::from(program)
-}
-
-/// Has the kernel kill the child when this process dies (Linux), so a killed launcher leaves
-/// no rank behind.
-pub fn die_with_parent(cmd: &mut Command) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::process::CommandExt;
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) run in the child.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-    }
 }
 
 /// "exited with code 3" / "was killed by signal 9 (SIGKILL)".

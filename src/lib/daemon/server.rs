@@ -186,6 +186,7 @@ fn serve<B: Backend>(args: &DaemonArgs, mut resident: Resident<B>) -> Result<()>
     }
     let listener = bind_private(&args.socket)?;
     let socket = args.socket.canonicalize()?;
+    resident.set_socket(&socket);
     let home = std::env::current_dir()?;
     let shared = Arc::new(Mutex::new(Shared {
         started: Instant::now(),

@@ -5,14 +5,13 @@
 
 mod stage_util;
 
-use stage_util::{prompts, tiny_model};
+use stage_util::{add_advantages, prompts, tiny_model};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
-use tandem::batch::{list_array, Batch, NewColumns, StageInfo};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 
@@ -141,34 +140,6 @@ fn exchange(socket: &Path, line: &str, n: usize) -> std::io::Result<Vec<String>>
         out.push(l.trim_end().to_string());
     }
     Ok(out)
-}
-
-/// Adds advantages (+1 for even rows, −1 for odd ones, on every response token), as the
-/// advantage stage would.
-fn add_advantages(input: &Path, out: &Path) {
-    let b = Batch::read(input, &[]).unwrap();
-    let resp = b.ragged_i32("response_ids").unwrap();
-    let mut vals = Vec::new();
-    for (i, r) in resp.rows().enumerate() {
-        let a = if i % 2 == 0 { 1.0f32 } else { -1.0 };
-        vals.extend(std::iter::repeat_n(a, r.len()));
-    }
-    let mut cols = NewColumns::new();
-    cols.add(
-        "advantages",
-        list_array::<arrow_array::types::Float32Type>(&resp.offsets, vals),
-    );
-    b.write_derived(
-        out,
-        cols,
-        &StageInfo {
-            stage: "advantage",
-            params: serde_json::json!({}),
-            policy_version: None,
-            step: None,
-        },
-    )
-    .unwrap();
 }
 
 /// Files of the two-step flow whose bytes must not depend on where the compute ran.

@@ -141,3 +141,42 @@ pub fn strings(b: &Batch, col: &str) -> Vec<String> {
 pub fn p(path: &Path) -> &str {
     path.to_str().unwrap()
 }
+
+/// Writes `input` with the list<float32> column `col` set to `rows` (added, or replacing the
+/// input's), keeping the other columns and the metadata, as a stage would.
+pub fn with_f32_rows(input: &Path, out: &Path, col: &str, rows: &[Vec<f32>]) {
+    let b = read(input);
+    let mut offsets = vec![0usize];
+    let mut values = Vec::new();
+    for r in rows {
+        values.extend_from_slice(r);
+        offsets.push(values.len());
+    }
+    let mut cols = tandem::batch::NewColumns::new();
+    cols.add(
+        col,
+        tandem::batch::list_array::<arrow_array::types::Float32Type>(&offsets, values),
+    );
+    b.write_derived(
+        out,
+        cols,
+        &tandem::batch::StageInfo {
+            stage: "test",
+            params: serde_json::json!({}),
+            policy_version: None,
+            step: None,
+        },
+    )
+    .unwrap();
+}
+
+/// Adds advantages (+1 for even rows, −1 for odd ones, on every response token), as the
+/// advantage stage would.
+pub fn add_advantages(input: &Path, out: &Path) {
+    let rows: Vec<Vec<f32>> = i32_rows(&read(input), "response_ids")
+        .iter()
+        .enumerate()
+        .map(|(i, r)| vec![if i % 2 == 0 { 1.0 } else { -1.0 }; r.len()])
+        .collect();
+    with_f32_rows(input, out, "advantages", &rows);
+}

@@ -1158,6 +1158,45 @@ fn synth_reference_answers_score_full_marks() {
 // The real stages
 
 /// The real stage binaries: next to `pipeline` (cargo builds every binary of the package).
+/// Runs `tandem ARGS` in `d` and asserts success.
+fn tandem_ok(d: &Path, args: &[&str]) {
+    let o = Command::new(TANDEM)
+        .args(args)
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_ok(&o);
+}
+
+/// `d/model`: a random 2-layer Qwen2-shaped model of this width, vocab 300.
+fn tiny_init_model(d: &Path, hidden: usize, ffn: usize) {
+    let (h, f) = (hidden.to_string(), ffn.to_string());
+    tandem_ok(
+        d,
+        &[
+            "init-model",
+            "--like",
+            "qwen2",
+            "--layers",
+            "2",
+            "--hidden",
+            &h,
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            &f,
+            "--vocab",
+            "300",
+            "--seed",
+            "0",
+            "--out",
+            "model",
+        ],
+    );
+}
+
 fn real_bins() -> PathBuf {
     let dir = Path::new(PIPELINE).parent().unwrap().to_path_buf();
     for s in STAGES {
@@ -1224,35 +1263,8 @@ fn real_stages_resume_after_sigkill_to_identical_weights() {
     let bins = real_bins();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let tandem = |args: &[&str]| {
-        let o = Command::new(TANDEM)
-            .args(args)
-            .current_dir(d)
-            .output()
-            .unwrap();
-        assert_ok(&o);
-    };
-    tandem(&[
-        "init-model",
-        "--like",
-        "qwen2",
-        "--layers",
-        "2",
-        "--hidden",
-        "192",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--ffn",
-        "512",
-        "--vocab",
-        "300",
-        "--seed",
-        "0",
-        "--out",
-        "model",
-    ]);
+    let tandem = |args: &[&str]| tandem_ok(d, args);
+    tiny_init_model(d, 192, 512);
     tandem(&[
         "prepare",
         "synth",
@@ -1404,35 +1416,8 @@ fn bypass_mode_skips_the_old_logprob_pass() {
     let bins = real_bins();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let tandem = |args: &[&str]| {
-        let o = Command::new(TANDEM)
-            .args(args)
-            .current_dir(d)
-            .output()
-            .unwrap();
-        assert_ok(&o);
-    };
-    tandem(&[
-        "init-model",
-        "--like",
-        "qwen2",
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--ffn",
-        "128",
-        "--vocab",
-        "300",
-        "--seed",
-        "0",
-        "--out",
-        "model",
-    ]);
+    let tandem = |args: &[&str]| tandem_ok(d, args);
+    tiny_init_model(d, 64, 128);
     tandem(&[
         "prepare",
         "synth",

@@ -8,7 +8,7 @@ mod stage_util;
 
 use stage_util::{
     add_advantages, f32_rows, i32_rows, input_error, ok, p, prompts, read, run, tiny_model,
-    with_f32_rows,
+    with_column, with_f32_rows,
 };
 use std::path::Path;
 use tandem::batch::schema::meta;
@@ -35,6 +35,19 @@ fn close(got: &serde_json::Value, want: f64, what: &str) {
         (g - want).abs() <= 1e-9 * want.abs().max(1.0),
         "{what}: got {g}, want {want}"
     );
+}
+
+/// `update` arguments: `model`, `d/input`, `d/out`, lr 0.01, metrics to `d/out.json`, `extra`.
+fn update_args(model: &Path, d: &Path, input: &str, out: &str, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = ["--model", p(model), "--in", p(&d.join(input))]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    a.extend(["--out-model".into(), p(&d.join(out)).into()]);
+    a.extend(["--lr".into(), "0.01".into(), "--metrics".into()]);
+    a.push(p(&d.join(format!("{out}.json"))).into());
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
 }
 
 /// A tiny model and a CPU rollout of it (r.parquet, policy_version 0) in `d`.
@@ -99,22 +112,9 @@ fn bypass_mode_takes_the_rollout_logprobs_as_the_old_ones() {
     add_advantages(&f("agree.parquet"), &f("adv-agree.parquet"));
     add_advantages(&f("r.parquet"), &f("adv-r.parquet"));
     let update = |input: &str, out: &str, extra: &[&str]| {
-        let mut a = vec![
-            "--model".to_string(),
-            p(&model).into(),
-            "--in".into(),
-            p(&f(input)).into(),
-            "--out-model".into(),
-            p(&f(out)).into(),
-            "--lr".into(),
-            "0.01".into(),
-            "--mini-batch-size".into(),
-            "4".into(),
-            "--metrics".into(),
-            p(&f(&format!("{out}.json"))).into(),
-        ];
-        a.extend(extra.iter().map(|s| s.to_string()));
-        a
+        let mut e = vec!["--mini-batch-size", "4"];
+        e.extend_from_slice(extra);
+        update_args(&model, d, input, out, &e)
     };
     // With the old-logprob pass, and in bypass mode on the same log-probs: the same update.
     ok("update", &update("adv-old.parquet", "with-pass", &[]));
@@ -236,20 +236,7 @@ fn mismatch_metrics_truncated_and_masked_importance_sampling() {
     with_f32_rows(&f("r.parquet"), &f("old.parquet"), "old_logprobs", &old);
     add_advantages(&f("old.parquet"), &f("adv.parquet"));
     let update = |input: &str, out: &str, extra: &[&str]| {
-        let mut a = vec![
-            "--model".to_string(),
-            p(&model).into(),
-            "--in".into(),
-            p(&f(input)).into(),
-            "--out-model".into(),
-            p(&f(out)).into(),
-            "--lr".into(),
-            "0.01".into(),
-            "--metrics".into(),
-            p(&f(&format!("{out}.json"))).into(),
-        ];
-        a.extend(extra.iter().map(|s| s.to_string()));
-        ok("update", &a);
+        ok("update", &update_args(&model, d, input, out, extra));
         json(&f(&format!("{out}.json")))
     };
 
@@ -335,23 +322,12 @@ fn mismatch_metrics_truncated_and_masked_importance_sampling() {
         mask.extend(std::iter::repeat_n(u8::from(i % 2 == 1), r.len()));
         offsets.push(mask.len());
     }
-    let mut cols = tandem::batch::NewColumns::new();
-    cols.add(
+    with_column(
+        &f("adv.parquet"),
+        &f("masked.parquet"),
         "response_mask",
         tandem::batch::list_array::<arrow_array::types::UInt8Type>(&offsets, mask),
     );
-    read(&f("adv.parquet"))
-        .write_derived(
-            &f("masked.parquet"),
-            cols,
-            &tandem::batch::StageInfo {
-                stage: "test",
-                params: serde_json::json!({}),
-                policy_version: None,
-                step: None,
-            },
-        )
-        .unwrap();
     update("masked.parquet", "by-hand", &[]);
     assert_eq!(
         std::fs::read(f("mis/model.safetensors")).unwrap(),

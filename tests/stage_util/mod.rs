@@ -142,32 +142,36 @@ pub fn p(path: &Path) -> &str {
     path.to_str().unwrap()
 }
 
-/// Writes `input` with the list<float32> column `col` set to `rows` (added, or replacing the
-/// input's), keeping the other columns and the metadata, as a stage would.
-pub fn with_f32_rows(input: &Path, out: &Path, col: &str, rows: &[Vec<f32>]) {
-    let b = read(input);
-    let mut offsets = vec![0usize];
-    let mut values = Vec::new();
-    for r in rows {
-        values.extend_from_slice(r);
-        offsets.push(values.len());
-    }
+/// Writes `input` with the column `col` set to `array` (added, or replacing the input's),
+/// keeping the other columns and the metadata, as a stage would.
+pub fn with_column(input: &Path, out: &Path, col: &str, array: arrow_array::ArrayRef) {
     let mut cols = tandem::batch::NewColumns::new();
-    cols.add(
-        col,
-        tandem::batch::list_array::<arrow_array::types::Float32Type>(&offsets, values),
-    );
-    b.write_derived(
-        out,
-        cols,
-        &tandem::batch::StageInfo {
-            stage: "test",
-            params: serde_json::json!({}),
-            policy_version: None,
-            step: None,
-        },
-    )
-    .unwrap();
+    cols.add(col, array);
+    read(input)
+        .write_derived(
+            out,
+            cols,
+            &tandem::batch::StageInfo {
+                stage: "test",
+                params: serde_json::json!({}),
+                policy_version: None,
+                step: None,
+            },
+        )
+        .unwrap();
+}
+
+/// [`with_column`] for a list<float32> column given by rows.
+pub fn with_f32_rows(input: &Path, out: &Path, col: &str, rows: &[Vec<f32>]) {
+    let offsets: Vec<usize> = std::iter::once(0)
+        .chain(rows.iter().scan(0, |n, r| {
+            *n += r.len();
+            Some(*n)
+        }))
+        .collect();
+    let values: Vec<f32> = rows.concat();
+    let array = tandem::batch::list_array::<arrow_array::types::Float32Type>(&offsets, values);
+    with_column(input, out, col, array);
 }
 
 /// Adds advantages (+1 for even rows, −1 for odd ones, on every response token), as the

@@ -186,7 +186,7 @@ impl ModelDir {
                 dir.display()
             );
         }
-        write_dir(dir, cfg, opts, &|tmp| {
+        Self::write_dir(dir, cfg, opts, &|tmp| {
             st::save_dir(tmp, &ordered, max_shard_bytes).map(|_| ())
         })
     }
@@ -201,70 +201,71 @@ impl ModelDir {
     ) -> Result<()> {
         let mut text = serde_json::to_string_pretty(marker)?;
         text.push('\n');
-        write_dir(dir, cfg, opts, &|tmp| {
+        Self::write_dir(dir, cfg, opts, &|tmp| {
             let path = tmp.join(RESIDENT_FILE);
             std::fs::write(&path, text.as_bytes())
                 .with_context(|| format!("writing {}", path.display()))
         })
     }
-}
 
-/// Writes the directory `dir` through `DIR.tmp`: config, `body` (the weights, or the resident
-/// marker), tokenizer files and extra files.
-fn write_dir(
-    dir: &Path,
-    cfg: &Config,
-    opts: &SaveOptions,
-    body: &dyn Fn(&Path) -> Result<()>,
-) -> Result<()> {
-    let SaveOptions {
-        tokenizer_from,
-        config_base,
-        extra_files,
-        ..
-    } = *opts;
-    for src in tokenizer_from.iter().chain(config_base.iter()) {
-        check_is_dir(src)?;
-    }
-    if dir.file_name().is_none() {
-        crate::bail_input!(
-            "{}: give the model a directory name of its own to be written to",
-            dir.display()
-        );
-    }
-    if dir.exists() && !dir.is_dir() {
-        crate::bail_input!("{}: exists and is not a directory", dir.display());
-    }
-    let tmp = sibling(dir, "tmp");
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)
-            .with_context(|| format!("removing stale {}", tmp.display()))?;
-    }
-    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let write_all = || -> Result<()> {
-        cfg.save(&tmp, config_base)?;
-        body(&tmp)?;
-        if let Some(src) = tokenizer_from {
-            for name in TOKENIZER_FILES {
-                let from = src.join(name);
-                if from.is_file() {
-                    std::fs::copy(&from, tmp.join(name))
-                        .with_context(|| format!("copying {}", from.display()))?;
+    /// Writes the directory `dir` through `DIR.tmp`: config, `body` (the weights, or the resident
+    /// marker), tokenizer files and extra files.
+    fn write_dir(
+        dir: &Path,
+        cfg: &Config,
+        opts: &SaveOptions,
+        body: &dyn Fn(&Path) -> Result<()>,
+    ) -> Result<()> {
+        let SaveOptions {
+            tokenizer_from,
+            config_base,
+            extra_files,
+            ..
+        } = *opts;
+        for src in tokenizer_from.iter().chain(config_base.iter()) {
+            check_is_dir(src)?;
+        }
+        if dir.file_name().is_none() {
+            crate::bail_input!(
+                "{}: give the model a directory name of its own to be written to",
+                dir.display()
+            );
+        }
+        if dir.exists() && !dir.is_dir() {
+            crate::bail_input!("{}: exists and is not a directory", dir.display());
+        }
+        let tmp = sibling(dir, "tmp");
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)
+                .with_context(|| format!("removing stale {}", tmp.display()))?;
+        }
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let write_all = || -> Result<()> {
+            cfg.save(&tmp, config_base)?;
+            body(&tmp)?;
+            if let Some(src) = tokenizer_from {
+                for name in TOKENIZER_FILES {
+                    let from = src.join(name);
+                    if from.is_file() {
+                        std::fs::copy(&from, tmp.join(name))
+                            .with_context(|| format!("copying {}", from.display()))?;
+                    }
                 }
             }
+            for (name, bytes) in extra_files {
+                let path = tmp.join(name);
+                std::fs::write(&path, bytes)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(())
+        };
+        if let Err(e) = write_all() {
+            // Leave nothing half-written behind; the error is what matters.
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
         }
-        for (name, bytes) in extra_files {
-            let path = tmp.join(name);
-            std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
-        }
-        Ok(())
-    };
-    if let Err(e) = write_all() {
-        // Leave nothing half-written behind; the error is what matters.
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
+        replace_dir(&tmp, dir)
     }
-    replace_dir(&tmp, dir)
 }
 
 fn check_is_dir(path: &Path) -> Result<()> {

@@ -1168,8 +1168,9 @@ fn tandem_ok(d: &Path, args: &[&str]) {
     assert_ok(&o);
 }
 
-/// `d/model`: a random 2-layer Qwen2-shaped model of this width, vocab 300.
-fn tiny_init_model(d: &Path, hidden: usize, ffn: usize) {
+/// `d/model`: a random 2-layer Qwen2-shaped model of this width, vocab 300; and
+/// `d/train.parquet`: 40 one-digit additions.
+fn model_and_train_set(d: &Path, hidden: usize, ffn: usize) {
     let (h, f) = (hidden.to_string(), ffn.to_string());
     tandem_ok(
         d,
@@ -1193,6 +1194,23 @@ fn tiny_init_model(d: &Path, hidden: usize, ffn: usize) {
             "0",
             "--out",
             "model",
+        ],
+    );
+    tandem_ok(
+        d,
+        &[
+            "prepare",
+            "synth",
+            "--task",
+            "add",
+            "--digits",
+            "1",
+            "--n",
+            "40",
+            "--seed",
+            "1",
+            "--out",
+            "train.parquet",
         ],
     );
 }
@@ -1264,21 +1282,7 @@ fn real_stages_resume_after_sigkill_to_identical_weights() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let tandem = |args: &[&str]| tandem_ok(d, args);
-    tiny_init_model(d, 192, 512);
-    tandem(&[
-        "prepare",
-        "synth",
-        "--task",
-        "add",
-        "--digits",
-        "1",
-        "--n",
-        "40",
-        "--seed",
-        "1",
-        "--out",
-        "train.parquet",
-    ]);
+    model_and_train_set(d, 192, 512);
     tandem(&[
         "prepare",
         "synth",
@@ -1416,22 +1420,7 @@ fn bypass_mode_skips_the_old_logprob_pass() {
     let bins = real_bins();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let tandem = |args: &[&str]| tandem_ok(d, args);
-    tiny_init_model(d, 64, 128);
-    tandem(&[
-        "prepare",
-        "synth",
-        "--task",
-        "add",
-        "--digits",
-        "1",
-        "--n",
-        "40",
-        "--seed",
-        "1",
-        "--out",
-        "train.parquet",
-    ]);
+    model_and_train_set(d, 64, 128);
     let spec = |extra: &str| {
         format!(
             r#"

@@ -804,6 +804,15 @@ fn resident_weights_stay_on_the_daemon_and_save_writes_the_update_files() {
 
     let sock = w.join("sock");
     let daemon = Daemon::start(w, &sock, "model", &[]);
+    // In place, it would leave the model with no weight files: refused.
+    let o = update("model", &["--resident"], Some(&sock));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("would replace the model that --model names"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(w.join("model/model.safetensors").is_file());
     let o = update("r1", &["--resident"], Some(&sock));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let m = read_json(&w.join("u.json"));

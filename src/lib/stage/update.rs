@@ -13,7 +13,8 @@
 //! exp(old − rollout); `--bypass-mode` takes the rollout's log-probs as the old ones.
 
 use super::common::{
-    check_token_ids, logprob_temperature, resolve_model, Device, ModelRef, DEFAULT_TEMPERATURE,
+    check_token_ids, logprob_temperature, resolve_model, same_path, Device, ModelRef,
+    DEFAULT_TEMPERATURE,
 };
 use super::ref_logprob::to_u32;
 use super::{Exec, Job};
@@ -646,6 +647,12 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         bail_input!("{}: the batch has no rows", batch.path.display());
     }
     let model = resolve_model(&args.model)?;
+    if args.resident && same_path(&model.dir, &args.out_model) {
+        bail_input!(
+            "--resident --out-model {}: would replace the model that --model names with a directory that holds no weights; give another --out-model",
+            args.out_model.display()
+        );
+    }
     if args.bypass_mode {
         check_bypass(&batch, &model, &args.model)?;
     }

@@ -1453,6 +1453,63 @@ fn synth_reference_answers_score_full_marks() {
 // The real stages
 
 /// The real stage binaries: next to `pipeline` (cargo builds every binary of the package).
+/// Runs `tandem ARGS` in `d` and asserts success.
+fn tandem_ok(d: &Path, args: &[&str]) {
+    let o = Command::new(TANDEM)
+        .args(args)
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_ok(&o);
+}
+
+/// `d/model`: a random 2-layer Qwen2-shaped model of this width, vocab 300; and
+/// `d/train.parquet`: 40 one-digit additions.
+fn model_and_train_set(d: &Path, hidden: usize, ffn: usize) {
+    let (h, f) = (hidden.to_string(), ffn.to_string());
+    tandem_ok(
+        d,
+        &[
+            "init-model",
+            "--like",
+            "qwen2",
+            "--layers",
+            "2",
+            "--hidden",
+            &h,
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            &f,
+            "--vocab",
+            "300",
+            "--seed",
+            "0",
+            "--out",
+            "model",
+        ],
+    );
+    tandem_ok(
+        d,
+        &[
+            "prepare",
+            "synth",
+            "--task",
+            "add",
+            "--digits",
+            "1",
+            "--n",
+            "40",
+            "--seed",
+            "1",
+            "--out",
+            "train.parquet",
+        ],
+    );
+}
+
 fn real_bins() -> PathBuf {
     let dir = Path::new(PIPELINE).parent().unwrap().to_path_buf();
     for s in STAGES {
@@ -1519,49 +1576,8 @@ fn real_stages_resume_after_sigkill_to_identical_weights() {
     let bins = real_bins();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let tandem = |args: &[&str]| {
-        let o = Command::new(TANDEM)
-            .args(args)
-            .current_dir(d)
-            .output()
-            .unwrap();
-        assert_ok(&o);
-    };
-    tandem(&[
-        "init-model",
-        "--like",
-        "qwen2",
-        "--layers",
-        "2",
-        "--hidden",
-        "192",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--ffn",
-        "512",
-        "--vocab",
-        "300",
-        "--seed",
-        "0",
-        "--out",
-        "model",
-    ]);
-    tandem(&[
-        "prepare",
-        "synth",
-        "--task",
-        "add",
-        "--digits",
-        "1",
-        "--n",
-        "40",
-        "--seed",
-        "1",
-        "--out",
-        "train.parquet",
-    ]);
+    let tandem = |args: &[&str]| tandem_ok(d, args);
+    model_and_train_set(d, 192, 512);
     tandem(&[
         "prepare",
         "synth",
@@ -1705,4 +1721,121 @@ keep-last = 1
         jsonl_sans_time(&a.join("eval.jsonl")),
         jsonl_sans_time(&b.join("eval.jsonl"))
     );
+}
+
+/// `[update] bypass-mode = true` on the CPU (batch-invariant): the runner skips the
+/// old-logprob pass that the mini-batches would otherwise need, `update` takes the rollout's
+/// log-probs as the old ones, and every step's metrics line carries the rollout-vs-trainer
+/// mismatch (from the old-logprob pass without bypass, from update's first forward with it).
+/// On the GPU the spec must ask for the batch-invariant kernels.
+#[test]
+fn bypass_mode_skips_the_old_logprob_pass() {
+    let bins = real_bins();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128);
+    let spec = |extra: &str| {
+        format!(
+            r#"
+seed = 3
+steps = 2
+{extra}
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+prompts-per-step = 4
+[rollout]
+n = 4
+max-new-tokens = 8
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.001
+mini-batch-size = 8
+"#
+        )
+    };
+    let run = |name: &str, text: &str, extra: &[&str]| {
+        std::fs::write(d.join(format!("{name}.toml")), text).unwrap();
+        Command::new(PIPELINE)
+            .current_dir(d)
+            .args(["run", &format!("{name}.toml"), "--run-dir", name])
+            .args(extra)
+            .env("TANDEM_BIN_DIR", &bins)
+            .output()
+            .unwrap()
+    };
+    let plain = spec("");
+    let bypass = plain.replace(
+        "mini-batch-size = 8",
+        "mini-batch-size = 8\nbypass-mode = true",
+    );
+    for (name, spec_text, source) in [
+        ("with-pass", &plain, "old_logprobs"),
+        ("bypass", &bypass, "first_step"),
+    ] {
+        let o = run(name, spec_text, &[]);
+        assert_ok(&o);
+        let commands = std::fs::read_to_string(d.join(name).join("commands.sh")).unwrap();
+        let updates: Vec<&str> = commands
+            .lines()
+            .filter(|l| l.contains("/update "))
+            .collect();
+        assert_eq!(updates.len(), 2, "{commands}");
+        let bypassed = name == "bypass";
+        assert_eq!(
+            commands.contains("--column old_logprobs"),
+            !bypassed,
+            "{commands}"
+        );
+        assert!(updates
+            .iter()
+            .all(|l| l.contains("--bypass-mode") == bypassed));
+        assert_eq!(
+            d.join(name).join("step-0001/old.parquet").exists(),
+            !bypassed
+        );
+        for line in jsonl_sans_time(&d.join(name).join("metrics.jsonl")) {
+            assert_eq!(line["mismatch/source"], source, "{line}");
+            let mean = line["mismatch/abs_diff_mean"].as_f64().unwrap();
+            // The CPU rollout's log-probs are the trainer's up to f32 rounding.
+            assert!((0.0..1e-4).contains(&mean), "{line}");
+            assert!(line["mismatch/tokens"].as_u64().unwrap() > 0, "{line}");
+            assert!(
+                line.get("update/mismatch/abs_diff_mean").is_none(),
+                "{line}"
+            );
+        }
+    }
+
+    // Refused before anything runs: on the GPU without batch-invariant kernels, and with a
+    // KL in the reward (which needs the skipped pass).
+    for (spec_text, want) in [
+        (
+            bypass.replace("seed = 3", "seed = 3\ndevice = \"cuda\""),
+            "[update] bypass-mode = true takes the rollout's log-probs as the old ones, which holds only when they are the trainer's: set batch-invariant = true",
+        ),
+        (
+            bypass.replace("estimator = \"grpo\"", "estimator = \"grpo\"\nkl-in-reward = true"),
+            "[update] bypass-mode = true skips the old-logprob pass, which [advantage] kl-in-reward needs",
+        ),
+    ] {
+        let o = run("refused", &spec_text, &["--dry-run"]);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains(want), "{}", text(&o));
+        assert!(!d.join("refused").exists());
+    }
+    // With batch-invariant kernels the GPU spec passes the checks (a dry run prints the plan).
+    let gpu = bypass.replace(
+        "seed = 3",
+        "seed = 3\ndevice = \"cuda\"\nbatch-invariant = true",
+    );
+    let o = run("gpu", &gpu, &["--dry-run"]);
+    assert_ok(&o);
+    assert!(!text(&o).contains("--column old_logprobs"), "{}", text(&o));
 }

@@ -1,6 +1,6 @@
 //! The client side: a stage run with `--daemon PATH` sends its job and relays what comes back
 //! (progress bar, the stage's messages, the error with its exit code); `tandem daemon-ctl`
-//! asks for health/status or stops a daemon.
+//! (`super::ctl`) uses [`request`] and [`run_job`].
 
 use super::protocol::{Request, Response};
 use crate::batch::write_json;
@@ -8,7 +8,6 @@ use crate::error::input_error;
 use crate::stage::common::progress_bar;
 use crate::stage::StageJob;
 use anyhow::{anyhow, Context, Result};
-use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Write};
@@ -151,42 +150,6 @@ fn add_daemon_metrics(path: &Path, daemon: Value) -> Result<()> {
         m.insert("daemon".into(), daemon);
     }
     write_json(path, &v)
-}
-
-/// What `tandem daemon-ctl` asks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CtlCommand {
-    /// Exit 0 and print the status when the daemon answers.
-    Health,
-    /// Print the status JSON (models held, policy_version, memory per phase, uptime).
-    Status,
-    /// Stop the daemon after its running job; the socket is removed.
-    Shutdown,
-}
-
-#[derive(Args, Debug, Clone)]
-#[command(about = "Ask a running daemon for its health or status, or stop it")]
-pub struct DaemonCtlArgs {
-    /// The daemon's socket.
-    #[arg(long)]
-    pub socket: std::path::PathBuf,
-    #[arg(value_enum)]
-    pub command: CtlCommand,
-}
-
-pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
-    let req = match args.command {
-        CtlCommand::Health => Request::Health,
-        CtlCommand::Status => Request::Status,
-        CtlCommand::Shutdown => Request::Shutdown,
-    };
-    match request(&args.socket, &req)? {
-        Response::Status { status } => println!("{}", serde_json::to_string_pretty(&status)?),
-        Response::ShuttingDown => eprintln!("daemon at {}: shutting down", args.socket.display()),
-        Response::Error { message, .. } => anyhow::bail!("{message}"),
-        other => anyhow::bail!("unexpected answer: {other:?}"),
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -198,6 +198,7 @@ fn serve<B: Backend>(args: &DaemonArgs, mut resident: Resident<B>) -> Result<()>
     }
     let listener = bind_private(&args.socket)?;
     let socket = args.socket.canonicalize()?;
+    resident.set_socket(&socket);
     let home = std::env::current_dir()?;
     let shared = Arc::new(Mutex::new(Shared {
         started: Instant::now(),
@@ -476,8 +477,21 @@ impl<B: Backend> Exec for Watched<'_, B> {
         Ok(out)
     }
 
-    fn saved(&mut self, dir: &Path) -> Result<()> {
-        self.0.saved(dir)
+    fn saved(
+        &mut self,
+        dir: &Path,
+        trainer: Option<&crate::engine::resume::TrainerState>,
+    ) -> Result<()> {
+        self.0.saved(dir, trainer)
+    }
+
+    fn holder(&self) -> Option<update::Holder> {
+        self.0.holder()
+    }
+
+    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<update::HeldPolicy> {
+        cancel::check()?;
+        self.0.held_policy(model)
     }
 
     fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()> {

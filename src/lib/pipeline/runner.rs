@@ -122,7 +122,7 @@ impl std::fmt::Display for Rewind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "the daemon died holding the optimizer state of step {}; the run goes back to step {}",
+            "the daemon died holding the policy of step {}; the run goes back to step {}",
             self.lost, self.to
         )
     }
@@ -198,20 +198,47 @@ impl Runner {
     }
 
     /// Whether `update` takes more than one optimizer step per batch (several epochs or
-    /// mini-batches), or the reward's KL needs them: then the policy's own log-probs before
-    /// the update are computed as `old_logprobs`, as verl does.
+    /// mini-batches), the reward's KL or masked importance sampling (`[update] rollout-rs`)
+    /// needs them: then the policy's own log-probs before the update are computed as
+    /// `old_logprobs`, as verl does. Never in bypass mode (`[update] bypass-mode`): the
+    /// rollout's log-probs are the old ones.
     pub fn needs_old(&self) -> bool {
         let u = &self.stages.update.args;
+        if u.bypass_mode {
+            return false;
+        }
         let rows = self.spec.data.prompts_per_step as usize * self.stages.rollout.args.n;
         u.ppo_epochs > 1
             || u.mini_batch_size.is_some_and(|m| m < rows)
             || self.stages.advantage.args.kl_in_reward
+            || u.rollout_rs.is_some()
+    }
+
+    /// Bypass mode's conditions, which hold for the whole run: the rollout's log-probs are the
+    /// trainer's (batch-invariant kernels: always on the CPU), and nothing else needs the
+    /// old-logprob pass it skips.
+    fn check_bypass(&self) -> Result<()> {
+        if !self.stages.update.args.bypass_mode {
+            return Ok(());
+        }
+        if self.spec.device != Device::Cpu && !self.spec.batch_invariant {
+            bail_input!(
+                "[update] bypass-mode = true takes the rollout's log-probs as the old ones, which holds only when they are the trainer's: set batch-invariant = true (the GPU's batch-invariant kernels), or drop bypass-mode"
+            );
+        }
+        if self.stages.advantage.args.kl_in_reward {
+            bail_input!(
+                "[update] bypass-mode = true skips the old-logprob pass, which [advantage] kl-in-reward needs; drop one of them"
+            );
+        }
+        Ok(())
     }
 
     /// Checks every stage command of the next step (with step 0's and an evaluation's) with the
     /// stage's own parser and flag checks, before anything runs: a value the stage would refuse
     /// stops the run here, not at its stage.
     pub fn check_commands(&self) -> Result<()> {
+        self.check_bypass()?;
         let step = self.state.steps_done + 1;
         let tasks = self
             .init_tasks()
@@ -596,8 +623,8 @@ impl Runner {
             "--metrics".into(),
             m("update"),
         ]);
-        if !self.saves_optimizer(step) {
-            update.push("--skip-optimizer-state".into());
+        if !self.writes_checkpoint(step) {
+            update.push("--resident".into());
         }
         update.extend(self.device_args());
         tasks.push(Task {
@@ -637,12 +664,13 @@ impl Runner {
         tasks
     }
 
-    /// Whether step `step`'s checkpoint holds the optimizer state. Stages run as processes
-    /// need it every step (the next `update` reads it); the daemon keeps it in memory and
-    /// writes it on the checkpoint cadence and at the last step, as verl's save_freq does
-    /// (~12 bytes per parameter: 6 GB at 0.5B). A dead daemon is restarted from the newest
-    /// checkpoint that has it ([`Runner::rewind`]).
-    fn saves_optimizer(&self, step: u64) -> bool {
+    /// Whether step `step`'s update writes its checkpoint as files (weights and optimizer
+    /// state). Stages run as processes need them every step (the next `update` reads them);
+    /// the daemon keeps the policy in memory (`update --resident`: no weight write, no read
+    /// back) and writes it on the checkpoint cadence and at the last step, as verl's save_freq
+    /// does (the optimizer state alone is ~12 bytes per parameter: 6 GB at 0.5B). A dead
+    /// daemon is restarted from the newest checkpoint written as files ([`Runner::rewind`]).
+    fn writes_checkpoint(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
         !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
     }
@@ -802,8 +830,8 @@ impl Runner {
     }
 
     /// After the daemon died: the step to go back to when the checkpoint the run continues
-    /// from (this step's update output once that ran, else the policy) had its optimizer
-    /// state only in the daemon's memory. That is the newest finished step whose checkpoint is
+    /// from (this step's update output once that ran, else the policy) had its weights or
+    /// optimizer state only in the daemon's memory (a resident directory). That is the newest finished step whose checkpoint is
     /// complete, or step 0 (the initial model, where a fresh optimizer started the run).
     /// Returns that step and the step whose state was lost.
     fn rewind_target(&self, step: u64) -> Result<Option<Rewind>> {
@@ -839,7 +867,7 @@ impl Runner {
     /// it run again (deterministically: their seeds derive from the step).
     fn rewind(&mut self, to: u64, lost: u64) -> Result<()> {
         let msg = format!(
-            "pipeline: the optimizer state after step {lost} was only in the daemon's memory; going back to step {to}, the last checkpoint that has it"
+            "pipeline: the policy after step {lost} (weights and optimizer state) was only in the daemon's memory; going back to step {to}, the last checkpoint written as files"
         );
         self.console.say(&msg);
         let from = if to == 0 {

@@ -146,7 +146,7 @@ fn bench_qwen25_05b_shape() {
 #[ignore]
 fn bench_gemms_05b_decode16() {
     use tandem::backend::check::randn;
-    use tandem::backend::Backend;
+    use tandem::backend::prelude::*;
     let b = Cpu;
     let m = 16;
     let shapes = [

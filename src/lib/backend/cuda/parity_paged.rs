@@ -16,7 +16,7 @@ use anyhow::{anyhow, Result};
 use super::{round, tiny_config, tols, Suite};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::{CudaBackend, CudaBuf, PART_ALIGN};
-use crate::backend::{AttnShape, Backend, DType, PagedAttnShape};
+use crate::backend::prelude::*;
 use crate::engine::generate::Completion;
 use crate::engine::generate::{GenParams, Request};
 use crate::engine::paged::{generate_paged, GraphMode, PagedConfig, PagedDecoder};

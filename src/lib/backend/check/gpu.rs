@@ -94,6 +94,17 @@ impl CaseRng {
     pub fn below(&mut self, n: usize) -> usize {
         self.0.below(n.max(1) as u64) as usize
     }
+
+    /// `n` distinct values of `0..of` in random order (a partial Fisher-Yates shuffle).
+    pub fn distinct(&mut self, n: usize, of: usize) -> Vec<u32> {
+        let mut all: Vec<u32> = (0..of as u32).collect();
+        for i in 0..n {
+            let j = i + self.below(of - i);
+            all.swap(i, j);
+        }
+        all.truncate(n);
+        all
+    }
 }
 
 /// Compares a GPU result with the CPU's; returns (max abs, max rel, first problem).
@@ -327,6 +338,11 @@ mod tests {
         assert!(mean.abs() < 0.4, "{mean}");
         assert!((0..100).all(|_| a.below(3) < 3));
         assert_eq!(a.below(0), 0);
+        let mut rows = a.distinct(40, 50);
+        assert_eq!(rows.len(), 40);
+        rows.sort();
+        rows.dedup();
+        assert!(rows.len() == 40 && rows[39] < 50);
     }
 
     #[test]

@@ -132,12 +132,7 @@ fn cached(c: &mut Ctx, d: DType) -> Result<()> {
     let knew = c.randn(n * row, 1.0, d);
     let vnew = c.randn(n * row, 1.0, d);
     // Distinct rows: a random sample of the cache.
-    let mut all: Vec<u32> = (0..cache_rows as u32).collect();
-    for i in 0..n {
-        let j = i + c.rng.below(cache_rows - i);
-        all.swap(i, j);
-    }
-    let rows = all[..n].to_vec();
+    let rows = c.rng.distinct(n, cache_rows);
     let (mut kcc, mut vcc) = (kc0.clone(), vc0.clone());
     c.cpu
         .kv_store(&mut kcc, &mut vcc, &knew, &vnew, &rows, n, row)?;
@@ -244,10 +239,9 @@ fn time_train(t: &mut Timer) -> Result<()> {
     Ok(())
 }
 
+/// The family's cases from `cargo test` (skipped without a GPU).
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn gpu_parity() {
-        crate::backend::check::gpu::run_for_test(super::CASES);
-    }
+#[test]
+fn gpu_parity() {
+    crate::backend::check::gpu::run_for_test(CASES);
 }

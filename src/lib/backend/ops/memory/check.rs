@@ -70,12 +70,7 @@ fn memory(c: &mut Ctx, d: DType) -> Result<()> {
 fn gather(c: &mut Ctx, d: DType) -> Result<()> {
     let (xrows, dim, n) = (300, 96, 150);
     let x = c.randn(xrows * dim, 1.0, d);
-    let mut perm: Vec<u32> = (0..xrows as u32).collect();
-    for i in 0..n {
-        let j = i + c.rng.below(xrows - i);
-        perm.swap(i, j);
-    }
-    let rows = perm[..n].to_vec();
+    let rows = c.rng.distinct(n, xrows);
     let mut oc = vec![0.0; n * dim];
     c.cpu.gather_rows(&mut oc, &x, &rows, n, dim)?;
     let (gx, gr) = (c.dev(&x, d)?, c.idx(&rows)?);
@@ -108,10 +103,9 @@ fn time(t: &mut Timer) -> Result<()> {
     )
 }
 
+/// The family's cases from `cargo test` (skipped without a GPU).
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn gpu_parity() {
-        crate::backend::check::gpu::run_for_test(super::CASES);
-    }
+#[test]
+fn gpu_parity() {
+    crate::backend::check::gpu::run_for_test(CASES);
 }

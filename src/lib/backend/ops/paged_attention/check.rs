@@ -5,6 +5,7 @@ use anyhow::Result;
 
 use super::PagedAttnShape;
 use crate::backend::check::timing::{shape, Timer, Timing};
+use crate::backend::ops::rope::check::{decode_kv, DecodeKv};
 use crate::backend::prelude::*;
 
 pub const TIMINGS: &[Timing] = &[Timing {
@@ -16,26 +17,24 @@ pub const TIMINGS: &[Timing] = &[Timing {
 fn time_decode(t: &mut Timer) -> Result<()> {
     use shape::*;
     let gpu = t.gpu;
-    let bf = DType::BF16;
     let (rows, ctx, heads, kv, hd) = (DECODE_ROWS, DECODE_CTX, HEADS, KV_HEADS, HEAD_DIM);
-    let (qd, kd) = (heads * hd, kv * hd);
+    let kd = kv * hd;
     let tag = format!("{rows} rows");
-    let per = ctx.div_ceil(BLOCK);
+    let DecodeKv {
+        qkv,
+        mut q,
+        mut kc,
+        mut vc,
+        pos,
+        rows: crow,
+        per,
+    } = decode_kv(t)?;
     let blocks = rows * per;
-    let qkv = t.buf(rows * (qd + 2 * kd), bf, 1.0)?;
-    let mut q = t.buf(rows * qd, bf, 1.0)?;
-    let mut kc = t.buf(blocks * BLOCK * kd, bf, 1.0)?;
-    let mut vc = t.buf(blocks * BLOCK * kd, bf, 1.0)?;
-    let pos = t.idx(&vec![(ctx - 1) as u32; rows])?;
-    let crow: Vec<u32> = (0..rows)
-        .map(|r| (r * per * BLOCK + ctx - 1) as u32)
-        .collect();
-    let crow = t.idx(&crow)?;
     let tables: Vec<u32> = (0..blocks as u32).collect();
     let tab = t.idx(&tables)?;
     let seq = t.idx(&(0..rows as u32).collect::<Vec<_>>())?;
     let len = t.idx(&vec![ctx as u32; rows])?;
-    let mut o = t.buf(rows * qd, bf, 1.0)?;
+    let mut o = t.buf(rows * heads * hd, DType::BF16, 1.0)?;
     let shape = PagedAttnShape {
         queries: rows,
         heads,

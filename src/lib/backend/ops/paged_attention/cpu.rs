@@ -123,24 +123,19 @@ impl PagedAttentionOps for Cpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::check::randn;
     use crate::backend::ops::attention::cpu as attention;
     use crate::backend::CachedAttnShape;
-    use crate::rng::SplitMix64;
-
-    fn rand(n: usize, g: &mut SplitMix64) -> Vec<f32> {
-        (0..n).map(|_| g.uniform() as f32 * 2.0 - 1.0).collect()
-    }
 
     #[test]
     fn paged_equals_contiguous_cache_bit_for_bit() {
         // 2 sequences of 7 and 3 positions, block size 4, GQA 4 heads over 2 kv heads.
         let (h, kh, d, bs) = (4, 2, 8, 4);
         let krow = kh * d;
-        let mut g = SplitMix64(5);
         let lens = [7usize, 3];
         // Contiguous: sequence s at rows s*8... ; paged: blocks scattered.
-        let contiguous_k = rand(16 * krow, &mut g);
-        let contiguous_v = rand(16 * krow, &mut g);
+        let contiguous_k = randn(16 * krow, 51);
+        let contiguous_v = randn(16 * krow, 52);
         let tables = [[3u32, 0], [1, 2]];
         let mut pk = vec![0.0; 4 * bs * krow];
         let mut pv = vec![0.0; 4 * bs * krow];
@@ -163,7 +158,7 @@ mod tests {
             }
         }
         let nq = seq.len();
-        let q = rand(nq * h * d, &mut g);
+        let q = randn(nq * h * d, 53);
         let mut want = vec![0.0; nq * h * d];
         attention::cached(
             &mut want,

@@ -110,10 +110,9 @@ fn ppo_loss(c: &mut Ctx, d: DType) -> Result<()> {
     Ok(())
 }
 
+/// The family's cases from `cargo test` (skipped without a GPU).
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn gpu_parity() {
-        crate::backend::check::gpu::run_for_test(super::CASES);
-    }
+#[test]
+fn gpu_parity() {
+    crate::backend::check::gpu::run_for_test(CASES);
 }

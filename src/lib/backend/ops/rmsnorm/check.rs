@@ -126,10 +126,9 @@ fn time_decode(t: &mut Timer) -> Result<()> {
     )
 }
 
+/// The family's cases from `cargo test` (skipped without a GPU).
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn gpu_parity() {
-        crate::backend::check::gpu::run_for_test(super::CASES);
-    }
+#[test]
+fn gpu_parity() {
+    crate::backend::check::gpu::run_for_test(CASES);
 }

@@ -4,6 +4,7 @@ use anyhow::Result;
 
 use crate::backend::check::gpu::{tols, Case, Ctx, TAIL};
 use crate::backend::check::timing::{shape, Timer, Timing};
+use crate::backend::cuda::{CudaBuf, CudaIdx};
 use crate::backend::prelude::*;
 
 pub const CASES: &[Case] = &[Case {
@@ -67,25 +68,49 @@ fn time_train(t: &mut Timer) -> Result<()> {
     )
 }
 
+/// A decode step's inputs at the timing shape: the fused q/k/v projection of each sequence's
+/// new token, the q it is rotated into, and the bf16 paged caches (each sequence's blocks in
+/// order, `per` blocks of `BLOCK` positions) with the token's position and cache row.
+pub(crate) struct DecodeKv {
+    pub qkv: CudaBuf,
+    pub q: CudaBuf,
+    pub kc: CudaBuf,
+    pub vc: CudaBuf,
+    pub pos: CudaIdx,
+    pub rows: CudaIdx,
+    pub per: usize,
+}
+
+/// [`DecodeKv`] for `DECODE_ROWS` sequences at context `DECODE_CTX`.
+pub(crate) fn decode_kv(t: &mut Timer) -> Result<DecodeKv> {
+    use shape::*;
+    let bf = DType::BF16;
+    let (rows, ctx) = (DECODE_ROWS, DECODE_CTX);
+    let (qd, kd) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let per = ctx.div_ceil(BLOCK);
+    let cache = rows * per * BLOCK * kd;
+    let crow: Vec<u32> = (0..rows)
+        .map(|r| (r * per * BLOCK + ctx - 1) as u32)
+        .collect();
+    Ok(DecodeKv {
+        qkv: t.buf(rows * (qd + 2 * kd), bf, 1.0)?,
+        q: t.buf(rows * qd, bf, 1.0)?,
+        kc: t.buf(cache, bf, 1.0)?,
+        vc: t.buf(cache, bf, 1.0)?,
+        pos: t.idx(&vec![(ctx - 1) as u32; rows])?,
+        rows: t.idx(&crow)?,
+        per,
+    })
+}
+
 /// A decode step's rope of q and k from the fused projection with the store of k and v into
 /// the paged cache (graph-replayed).
 fn time_decode(t: &mut Timer) -> Result<()> {
     use shape::*;
     let gpu = t.gpu;
-    let bf = DType::BF16;
-    let (rows, ctx, heads, kv, hd) = (DECODE_ROWS, DECODE_CTX, HEADS, KV_HEADS, HEAD_DIM);
+    let (rows, heads, kv, hd) = (DECODE_ROWS, HEADS, KV_HEADS, HEAD_DIM);
     let (qd, kd) = (heads * hd, kv * hd);
-    let per = ctx.div_ceil(BLOCK);
-    let blocks = rows * per;
-    let qkv = t.buf(rows * (qd + 2 * kd), bf, 1.0)?;
-    let mut q = t.buf(rows * qd, bf, 1.0)?;
-    let mut kc = t.buf(blocks * BLOCK * kd, bf, 1.0)?;
-    let mut vc = t.buf(blocks * BLOCK * kd, bf, 1.0)?;
-    let pos = t.idx(&vec![(ctx - 1) as u32; rows])?;
-    let crow: Vec<u32> = (0..rows)
-        .map(|r| (r * per * BLOCK + ctx - 1) as u32)
-        .collect();
-    let crow = t.idx(&crow)?;
+    let mut s = decode_kv(t)?;
     t.time_graph(
         "decode rope_store_kv_packed",
         format!("{rows} rows, {heads}/{kv} heads, d{hd}"),
@@ -94,16 +119,16 @@ fn time_decode(t: &mut Timer) -> Result<()> {
         "GB/s",
         || {
             gpu.rope_store_kv_packed(
-                &qkv, &mut q, &pos, &mut kc, &mut vc, &crow, rows, heads, kv, hd, ROPE_THETA,
+                &s.qkv, &mut s.q, &s.pos, &mut s.kc, &mut s.vc, &s.rows, rows, heads, kv, hd,
+                ROPE_THETA,
             )
         },
     )
 }
 
+/// The family's cases from `cargo test` (skipped without a GPU).
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn gpu_parity() {
-        crate::backend::check::gpu::run_for_test(super::CASES);
-    }
+#[test]
+fn gpu_parity() {
+    crate::backend::check::gpu::run_for_test(CASES);
 }

@@ -61,17 +61,12 @@ impl SampleOps for Cpu {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::SplitMix64;
-
-    fn rand(n: usize, g: &mut SplitMix64) -> Vec<f32> {
-        (0..n).map(|_| g.uniform() as f32 * 2.0 - 1.0).collect()
-    }
+    use crate::backend::check::randn;
 
     #[test]
     fn sample_rows_match_the_host_sampler() {
         let vocab = 50;
-        let mut g = SplitMix64(1);
-        let logits = rand(3 * vocab, &mut g);
+        let logits = randn(3 * vocab, 1);
         let p = SamplingParams {
             temperature: 0.7,
             top_k: 20,

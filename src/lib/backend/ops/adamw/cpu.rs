@@ -1,8 +1,7 @@
 //! Optimizer ops: the squared L2 norm used for global grad-norm clipping, and AdamW.
 
-use rayon::prelude::*;
-
 use anyhow::Result;
+use rayon::prelude::*;
 
 use super::{AdamWOps, AdamWStep};
 use crate::backend::cpu::{get, get_mut, Cpu, ELEMWISE_GRAIN};

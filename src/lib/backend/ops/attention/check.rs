@@ -24,7 +24,6 @@ pub const TIMINGS: &[Timing] = &[Timing {
     run: time_train,
 }];
 
-#[allow(clippy::too_many_arguments)]
 fn attention_case(
     c: &mut Ctx,
     d: DType,

@@ -6,11 +6,8 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{AttnShape, CachedAttnShape};
-use crate::backend::cpu::SharedMut;
-
-use super::AttentionOps;
-use crate::backend::cpu::{get, get_mut, Cpu};
+use super::{AttentionOps, AttnShape, CachedAttnShape};
+use crate::backend::cpu::{get, get_mut, Cpu, SharedMut};
 
 /// Σ a·b with independent partial sums so the loop vectorises.
 #[inline]

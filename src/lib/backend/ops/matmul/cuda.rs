@@ -17,7 +17,7 @@ pub const KERNELS: Family = Family {
 };
 
 /// dst[c] += Σ_r a[r,c] (deterministic: per-block partial sums, then a fixed-order sum).
-pub(crate) fn colsum_add(
+fn colsum_add(
     be: &CudaBackend,
     dst: &CudaBuf,
     a: u64,

@@ -1,8 +1,7 @@
 //! RMSNorm (as HF computes it: in f32, weight applied after normalising).
 
-use rayon::prelude::*;
-
 use anyhow::Result;
+use rayon::prelude::*;
 
 use super::RmsNormOps;
 use crate::backend::cpu::{get, get_mut, Cpu};

@@ -1,13 +1,10 @@
 //! SwiGLU activation of the MLP: h = silu(gate) · up.
 
+use anyhow::Result;
 use rayon::prelude::*;
 
-use crate::backend::cpu::ELEMWISE_GRAIN;
-
-use anyhow::Result;
-
 use super::SwigluOps;
-use crate::backend::cpu::{get, get_mut, Cpu};
+use crate::backend::cpu::{get, get_mut, Cpu, ELEMWISE_GRAIN};
 
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())

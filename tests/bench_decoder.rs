@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use common::{config, random_weights, tokens};
 use tandem::backend::cpu::Cpu;
-use tandem::backend::sample::SamplingParams;
+use tandem::backend::ops::sample::SamplingParams;
 use tandem::engine::paged::{Chunk, PagedDecoder, SampleRow, DEFAULT_BLOCK_SIZE};
 use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads};
 use tandem::model::{Arch, Config};
@@ -164,7 +164,7 @@ fn bench_qwen25_05b_shape() {
 #[ignore]
 fn bench_gemms_05b_decode16() {
     use tandem::backend::check::randn;
-    use tandem::backend::Backend;
+    use tandem::backend::prelude::*;
     let b = Cpu;
     let m = 16;
     let shapes = [

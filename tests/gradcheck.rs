@@ -4,7 +4,7 @@
 
 use tandem::backend::check::{randn, scaled_max_diff};
 use tandem::backend::cpu::Cpu;
-use tandem::backend::{AttnShape, Backend, LogprobShape};
+use tandem::backend::prelude::*;
 
 const EPS: f32 = 1e-2;
 const TOL: f64 = 2e-3;

@@ -8,7 +8,7 @@
 
 use super::cpu_engine::shape;
 use super::report;
-use crate::backend::sample::{sample_key, uniform, Sampled, SamplingParams};
+use crate::backend::ops::sample::{sample_key, uniform, Sampled, SamplingParams};
 use crate::backend::{Backend, DType, PagedAttnShape};
 use crate::engine::paged::{
     generate_paged, Chunk, GenParams, GraphMode, PagedConfig, PagedDecoder, PagedModel, Request,

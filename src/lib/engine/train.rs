@@ -20,7 +20,7 @@ use crate::algo::agg::{AggMode, LossNorm};
 use crate::algo::policy_loss::{
     policy_loss, LossConfig, LossInputs, LossMetrics, LossMode, LossOutput,
 };
-use crate::backend::sample::uniform;
+use crate::backend::ops::sample::uniform;
 use crate::backend::PpoShape;
 use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::rng::mix_key;

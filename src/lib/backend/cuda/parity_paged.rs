@@ -1,5 +1,5 @@
-//! Parity checks of the paged generation engine's ops (a child of `parity`, so it extends the
-//! same suite): `attention_paged` (one split and flash-decoding splits), `sample` (greedy, full
+//! Parity checks of the paged generation engine's ops (cases on the harness's [`Ctx`], listed
+//! in [`CASES`] after the op families'): `attention_paged` (one split and flash-decoding splits), `sample` (greedy, full
 //! softmax, top-k, top-p, both). The fused projections of the engine's steps: `alloc_parts`
 //! (views into one buffer), `rope_store_kv_packed` and `swiglu_packed` (against the CPU and bit
 //! for bit against the split ops), `attention_paged_rope` (the decode attention with rope +
@@ -9,11 +9,51 @@
 
 use anyhow::{anyhow, Result};
 
-use super::{tols, Suite};
+use crate::backend::check::gpu::{tols, Case, Ctx};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::{CudaBackend, CudaBuf, PART_ALIGN};
-use crate::backend::sample::SamplingParams;
-use crate::backend::{AttnShape, Backend, DType, PagedAttnShape};
+use crate::backend::ops::sample::SamplingParams;
+use crate::backend::prelude::*;
+
+/// The paged engine's op cases, in table order.
+pub const CASES: &[Case] = &[
+    Case {
+        name: "attention_paged",
+        run: |c, d| c.paged_attention(d),
+    },
+    Case {
+        name: "rope_store_kv",
+        run: |c, d| c.rope_store_kv(d),
+    },
+    Case {
+        name: "rope_store_kv_packed",
+        run: |c, d| c.rope_store_kv_packed(d),
+    },
+    Case {
+        name: "attention_paged_rope",
+        run: |c, d| c.attention_paged_rope(d),
+    },
+    Case {
+        name: "swiglu_packed",
+        run: |c, d| c.swiglu_packed(d),
+    },
+    Case {
+        name: "alloc_parts",
+        run: |c, d| c.alloc_parts(d),
+    },
+    Case {
+        name: "gemm_invariance",
+        run: |c, d| c.gemm_invariance(d),
+    },
+    Case {
+        name: "attention_invariance",
+        run: |c, d| c.attention_invariance(d),
+    },
+    Case {
+        name: "sample",
+        run: |c, d| c.sample(d),
+    },
+];
 
 /// The first `n` elements of a GPU buffer as bit patterns (bf16 widens to f32 exactly).
 fn bits(gpu: &CudaBackend, b: &CudaBuf, n: usize) -> Result<Vec<u32>> {
@@ -22,7 +62,7 @@ fn bits(gpu: &CudaBackend, b: &CudaBuf, n: usize) -> Result<Vec<u32>> {
     Ok(h.iter().map(|v| v.to_bits()).collect())
 }
 
-impl Suite<'_> {
+impl Ctx<'_> {
     /// 0..n in a random order (a shuffled pool of cache blocks).
     fn shuffled(&mut self, n: usize) -> Vec<u32> {
         let mut pool: Vec<u32> = (0..n as u32).collect();
@@ -45,7 +85,7 @@ impl Suite<'_> {
         self.flag(op, d, differ.is_empty(), note);
     }
 
-    pub(super) fn paged_attention(&mut self, d: DType) -> Result<()> {
+    fn paged_attention(&mut self, d: DType) -> Result<()> {
         // bf16 runs both paths: tensor cores (the default) and the scalar kernels.
         if d == DType::BF16 {
             self.gpu.set_tensor_core_attention(false);
@@ -120,7 +160,7 @@ impl Suite<'_> {
     /// a call of 4096 rows against calls of 1, 37 and 256 rows, bit for bit. With the default
     /// plans (the heuristic per row count) rows may round differently; with the batch-invariant
     /// plans they must not (what keeps rollout and training log-probs of a token together).
-    pub(super) fn gemm_invariance(&mut self, d: DType) -> Result<()> {
+    fn gemm_invariance(&mut self, d: DType) -> Result<()> {
         let big = 4096usize;
         for invariant in [false, true] {
             self.gpu.set_batch_invariant(invariant);
@@ -175,7 +215,7 @@ impl Suite<'_> {
     /// every token the same bits whatever the packing (the sequences in another order), and the
     /// paged kernel of the batch-invariant mode gives each token exactly the packed forward's
     /// bits (every token a query against its prefix, through shuffled block tables).
-    pub(super) fn attention_invariance(&mut self, d: DType) -> Result<()> {
+    fn attention_invariance(&mut self, d: DType) -> Result<()> {
         if d != DType::BF16 {
             return Ok(());
         }
@@ -403,7 +443,7 @@ impl Suite<'_> {
     }
 
     /// The fused rope + kv_store of cached and paged steps against the CPU's three ops.
-    pub(super) fn rope_store_kv(&mut self, d: DType) -> Result<()> {
+    fn rope_store_kv(&mut self, d: DType) -> Result<()> {
         let (t1, _) = tols(d);
         let (tokens, heads, kv, hd, cache_rows) = (37usize, 14usize, 2usize, 64usize, 80usize);
         let kd = kv * hd;
@@ -435,7 +475,7 @@ impl Suite<'_> {
     /// The packed rope + kv_store of a fused q/k/v projection (Qwen2.5-0.5B heads): against
     /// the CPU op, and bit for bit against the GPU's split op on the same three parts (what an
     /// unfused step computes from the same projections).
-    pub(super) fn rope_store_kv_packed(&mut self, d: DType) -> Result<()> {
+    fn rope_store_kv_packed(&mut self, d: DType) -> Result<()> {
         let (t1, _) = tols(d);
         let (tokens, heads, kv, hd, cache_rows) = (37usize, 14usize, 2usize, 64usize, 80usize);
         let (qd, kd) = (heads * hd, kv * hd);
@@ -501,7 +541,7 @@ impl Suite<'_> {
     /// CPU: each query its own sequence, its new token at position len − 1 of its shuffled
     /// table; few long queries (context splits) and many short ones, Qwen2.5-0.5B's heads and
     /// a group of 4 at head_dim 128.
-    pub(super) fn attention_paged_rope(&mut self, d: DType) -> Result<()> {
+    fn attention_paged_rope(&mut self, d: DType) -> Result<()> {
         let (t1, _) = tols(d);
         for (tag, queries, max_len, heads, kv, hd) in [
             ("split", 3usize, 900usize, 14usize, 2usize, 64usize),
@@ -605,7 +645,7 @@ impl Suite<'_> {
     /// against the GPU's `swiglu` of the two halves. f a multiple of 8 (the bf16 vector
     /// kernels on both sides), f odd (the scalar kernels), and 8 rows of an odd f (the split
     /// op vectorised, the packed one scalar).
-    pub(super) fn swiglu_packed(&mut self, d: DType) -> Result<()> {
+    fn swiglu_packed(&mut self, d: DType) -> Result<()> {
         let (t1, _) = tols(d);
         for (tag, n, f) in [
             ("f 512", 37usize, 512usize),
@@ -642,7 +682,7 @@ impl Suite<'_> {
     /// (computed here), the whole buffer holding what was uploaded into the parts and zeros
     /// in the padding, an op on one part leaving its neighbours alone, the parts living on
     /// after the whole is dropped; sizes that need no padding give the parts concatenated.
-    pub(super) fn alloc_parts(&mut self, d: DType) -> Result<()> {
+    fn alloc_parts(&mut self, d: DType) -> Result<()> {
         let es = if d == DType::F32 { 4 } else { 2 };
         // Odd sizes (padding, an empty part) and the tiny model's q/k/v shapes (none).
         for (tag, sizes) in [
@@ -736,7 +776,7 @@ impl Suite<'_> {
         Ok(())
     }
 
-    pub(super) fn sample(&mut self, d: DType) -> Result<()> {
+    fn sample(&mut self, d: DType) -> Result<()> {
         let (rows, vocab) = (64usize, 151_936usize);
         // Logits of a peaked distribution (a few large values) over a large vocabulary, as a
         // model's are; f32 as the decoder's logits buffer is.

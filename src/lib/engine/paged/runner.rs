@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use super::blocks::cache_row;
 use super::graphs::DecodeGraphs;
 use super::{Chunk, GraphStats, PagedModel, SampleRow};
-use crate::backend::sample::{Sampled, SamplingParams};
+use crate::backend::ops::sample::{Sampled, SamplingParams};
 use crate::backend::{Backend, DType, FEED_NONE, PAGED_TILE_ROWS};
 use crate::model::decoder::{Decoder, Draws, PagedAttn, StepRows};
 use crate::model::Config;

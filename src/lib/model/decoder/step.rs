@@ -10,7 +10,7 @@ use anyhow::{ensure, Result};
 
 use super::forward::AttnMode;
 use super::Decoder;
-use crate::backend::sample::SamplingParams;
+use crate::backend::ops::sample::SamplingParams;
 use crate::backend::Backend;
 
 /// The rows of one step, one entry per token row except `sample`: token row i feeds `ids[i]`

@@ -1,0 +1,370 @@
+//! Causal grouped-query attention over packed variable-length sequences (no padding), its
+//! backward, and the KV-cache variant used for generation. Like flash attention, the forward
+//! keeps only the log-sum-exp per query and head (online softmax, never a T×T matrix), and the
+//! backward recomputes the probabilities from it.
+
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+use super::{AttentionOps, AttnShape, CachedAttnShape};
+use crate::backend::cpu::{get, get_mut, Cpu, SharedMut};
+
+/// Σ a·b with independent partial sums so the loop vectorises.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// y += a·x.
+#[inline]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+}
+
+fn check_heads(heads: usize, kv_heads: usize) -> Result<usize> {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        bail!("attention: {heads} query heads cannot be grouped over {kv_heads} kv heads");
+    }
+    Ok(heads / kv_heads)
+}
+
+fn check_cu(cu: &[u32], tokens: usize) -> Result<()> {
+    if cu.first() != Some(&0) || cu.last().map(|&c| c as usize) != Some(tokens) {
+        bail!("attention: cu_seqlens must run from 0 to {tokens}, got {cu:?}");
+    }
+    if cu.windows(2).any(|w| w[0] > w[1]) {
+        bail!("attention: cu_seqlens must not decrease, got {cu:?}");
+    }
+    Ok(())
+}
+
+/// The sequence that owns packed row i.
+fn seq_of(cu: &[u32], i: usize) -> usize {
+    cu.partition_point(|&c| c as usize <= i) - 1
+}
+
+/// One query against keys/values rows `rows` (each `stride` apart, starting at `off`):
+/// out = Σ_j softmax_j(q·k_j·scale) v_j by online softmax; returns log Σ_j exp(q·k_j·scale).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn attend_one(
+    out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    rows: std::ops::Range<usize>,
+    stride: usize,
+    off: usize,
+    scale: f32,
+) -> f32 {
+    let d = out.len();
+    out.fill(0.0);
+    let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+    for j in rows {
+        let kj = &k[j * stride + off..j * stride + off + d];
+        let s = dot(q, kj) * scale;
+        if s > m {
+            // A new maximum: rescale what was summed under the old one.
+            let c = (m - s).exp();
+            l *= c;
+            out.iter_mut().for_each(|o| *o *= c);
+            m = s;
+        }
+        let p = (s - m).exp();
+        l += p;
+        axpy(out, p, &v[j * stride + off..j * stride + off + d]);
+    }
+    let inv = 1.0 / l;
+    out.iter_mut().for_each(|o| *o *= inv);
+    m + l.ln()
+}
+
+/// o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j; lse[i,h] = log Σ_j exp(q_i·k_j/√d).
+pub fn forward(
+    o: &mut [f32],
+    lse: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    cu: &[u32],
+    s: AttnShape,
+) -> Result<()> {
+    let group = check_heads(s.heads, s.kv_heads)?;
+    check_cu(cu, s.tokens)?;
+    let (d, qrow, krow) = (s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    if qrow == 0 {
+        return Ok(());
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    o.par_chunks_mut(qrow)
+        .zip(lse.par_chunks_mut(s.heads))
+        .enumerate()
+        .for_each(|(i, (orow, lrow))| {
+            let start = cu[seq_of(cu, i)] as usize;
+            for h in 0..s.heads {
+                let qi = &q[i * qrow + h * d..i * qrow + (h + 1) * d];
+                let out = &mut orow[h * d..(h + 1) * d];
+                lrow[h] = attend_one(out, qi, k, v, start..i + 1, krow, (h / group) * d, scale);
+            }
+        });
+    Ok(())
+}
+
+/// Gradients written by [`backward`].
+pub struct Grads<'a> {
+    pub dq: &'a mut [f32],
+    pub dk: &'a mut [f32],
+    pub dv: &'a mut [f32],
+}
+
+/// P = exp(S − lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)), dQ = dS K/√d,
+/// dK = dSᵀ Q/√d. One task per (sequence, kv head): it owns dK and dV of that head in that
+/// sequence and dQ of the query heads grouped on it, so tasks never write the same floats.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    g: Grads,
+    dout: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    cu: &[u32],
+    s: AttnShape,
+) -> Result<()> {
+    let group = check_heads(s.heads, s.kv_heads)?;
+    check_cu(cu, s.tokens)?;
+    let (d, qrow, krow) = (s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    g.dq.fill(0.0);
+    g.dk.fill(0.0);
+    g.dv.fill(0.0);
+    let scale = 1.0 / (d as f32).sqrt();
+    let (dq, dk, dv) = (
+        SharedMut::new(g.dq),
+        SharedMut::new(g.dk),
+        SharedMut::new(g.dv),
+    );
+    (0..s.seqs * s.kv_heads).into_par_iter().for_each(|task| {
+        let (seq, kh) = (task / s.kv_heads, task % s.kv_heads);
+        let (start, end) = (cu[seq] as usize, cu[seq + 1] as usize);
+        for h in kh * group..(kh + 1) * group {
+            for i in start..end {
+                let qo = i * qrow + h * d;
+                let (qi, doi, oi) = (&q[qo..qo + d], &dout[qo..qo + d], &o[qo..qo + d]);
+                let l = lse[i * s.heads + h];
+                let di = dot(doi, oi);
+                // SAFETY: row i, head h of dq belongs to this task only (h is in kh's group).
+                let dqi = unsafe { dq.slice(qo, d) };
+                for j in start..=i {
+                    let ko = j * krow + kh * d;
+                    let (kj, vj) = (&k[ko..ko + d], &v[ko..ko + d]);
+                    let p = (dot(qi, kj) * scale - l).exp();
+                    let ds = p * (dot(doi, vj) - di) * scale;
+                    // SAFETY: row j, kv head kh of dk/dv belongs to this task only.
+                    let (dkj, dvj) = unsafe { (dk.slice(ko, d), dv.slice(ko, d)) };
+                    axpy(dvj, p, doi);
+                    axpy(dqi, ds, kj);
+                    axpy(dkj, ds, qi);
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
+pub fn cached(
+    o: &mut [f32],
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    base: &[u32],
+    len: &[u32],
+    s: CachedAttnShape,
+) -> Result<()> {
+    let group = check_heads(s.heads, s.kv_heads)?;
+    let (d, qrow, krow) = (s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    if qrow == 0 {
+        return Ok(());
+    }
+    let rows = k_cache.len().min(v_cache.len()) / krow.max(1);
+    for i in 0..s.queries {
+        let (b, l) = (base[i] as usize, len[i] as usize);
+        if l == 0 || b + l > rows {
+            bail!(
+                "attention_cached: query {i} reads cache rows {b}..{} of {rows}",
+                b + l
+            );
+        }
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    o.par_chunks_mut(qrow).enumerate().for_each(|(i, orow)| {
+        let (b, l) = (base[i] as usize, len[i] as usize);
+        for h in 0..s.heads {
+            let qi = &q[i * qrow + h * d..i * qrow + (h + 1) * d];
+            let out = &mut orow[h * d..(h + 1) * d];
+            attend_one(
+                out,
+                qi,
+                k_cache,
+                v_cache,
+                b..b + l,
+                krow,
+                (h / group) * d,
+                scale,
+            );
+        }
+    });
+    Ok(())
+}
+
+impl AttentionOps for Cpu {
+    fn attention(
+        &self,
+        o: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        cu_seqlens: &Vec<u32>,
+        s: AttnShape,
+    ) -> Result<()> {
+        let (qn, kn) = (
+            s.tokens * s.heads * s.head_dim,
+            s.tokens * s.kv_heads * s.head_dim,
+        );
+        forward(
+            get_mut(o, qn, "attention o")?,
+            get_mut(lse, s.tokens * s.heads, "attention lse")?,
+            get(q, qn, "attention q")?,
+            get(k, kn, "attention k")?,
+            get(v, kn, "attention v")?,
+            get(cu_seqlens, s.seqs + 1, "attention cu_seqlens")?,
+            s,
+        )
+    }
+    fn attention_backward(
+        &self,
+        dq: &mut Vec<f32>,
+        dk: &mut Vec<f32>,
+        dv: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        o: &Vec<f32>,
+        lse: &Vec<f32>,
+        cu_seqlens: &Vec<u32>,
+        s: AttnShape,
+    ) -> Result<()> {
+        let (qn, kn) = (
+            s.tokens * s.heads * s.head_dim,
+            s.tokens * s.kv_heads * s.head_dim,
+        );
+        backward(
+            Grads {
+                dq: get_mut(dq, qn, "attention dq")?,
+                dk: get_mut(dk, kn, "attention dk")?,
+                dv: get_mut(dv, kn, "attention dv")?,
+            },
+            get(dout, qn, "attention dout")?,
+            get(q, qn, "attention q")?,
+            get(k, kn, "attention k")?,
+            get(v, kn, "attention v")?,
+            get(o, qn, "attention o")?,
+            get(lse, s.tokens * s.heads, "attention lse")?,
+            get(cu_seqlens, s.seqs + 1, "attention cu_seqlens")?,
+            s,
+        )
+    }
+    fn attention_cached(
+        &self,
+        o: &mut Vec<f32>,
+        q: &Vec<f32>,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        base: &Vec<u32>,
+        len: &Vec<u32>,
+        s: CachedAttnShape,
+    ) -> Result<()> {
+        let qn = s.queries * s.heads * s.head_dim;
+        cached(
+            get_mut(o, qn, "attention o")?,
+            get(q, qn, "attention q")?,
+            k_cache,
+            v_cache,
+            get(base, s.queries, "attention base")?,
+            get(len, s.queries, "attention len")?,
+            s,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_key_returns_its_value_and_equal_scores_average() {
+        // Two sequences packed: [a] and [b, c]. head_dim 2, one head.
+        let q = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        let k = [5.0, 5.0, 1.0, 2.0, 3.0, 4.0];
+        let v = [7.0, 8.0, 1.0, 1.0, 3.0, 5.0];
+        let (mut o, mut lse) = ([0.0; 6], [0.0; 3]);
+        let s = AttnShape {
+            tokens: 3,
+            seqs: 2,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 2,
+        };
+        forward(&mut o, &mut lse, &q, &k, &v, &[0, 1, 3], s).unwrap();
+        // Row 0 sees only itself; row 1 is the first of seq 2; row 2 (q = 0) averages rows 1, 2.
+        assert_eq!(&o[..2], &[7.0, 8.0]);
+        assert_eq!(&o[2..4], &[1.0, 1.0]);
+        assert!((o[4] - 2.0).abs() < 1e-6 && (o[5] - 3.0).abs() < 1e-6);
+        assert!((lse[0] - 5.0 / 2f32.sqrt()).abs() < 1e-6);
+        assert!((lse[2] - 2f32.ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn bad_offsets_and_heads_are_refused() {
+        let s = AttnShape {
+            tokens: 2,
+            seqs: 1,
+            heads: 3,
+            kv_heads: 2,
+            head_dim: 2,
+        };
+        let err = forward(
+            &mut [0.0; 12],
+            &mut [0.0; 6],
+            &[0.0; 12],
+            &[0.0; 8],
+            &[0.0; 8],
+            &[0, 2],
+            s,
+        );
+        assert!(err.unwrap_err().to_string().contains("cannot be grouped"));
+        let s = AttnShape { heads: 2, ..s };
+        let err = forward(
+            &mut [0.0; 8],
+            &mut [0.0; 4],
+            &[0.0; 8],
+            &[0.0; 8],
+            &[0.0; 8],
+            &[0, 1],
+            s,
+        );
+        assert!(err.unwrap_err().to_string().contains("cu_seqlens"));
+    }
+}

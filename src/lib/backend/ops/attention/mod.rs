@@ -1,0 +1,84 @@
+//! Causal GQA attention over packed variable-length sequences (the training forward and its
+//! backward, flash style: never a T×T matrix), and attention against a contiguous KV cache.
+//!
+//! Files: `cpu.rs` (the reference), `cuda.rs`, `attention.cu` (scalar tiles, tensor-core tiles,
+//! and the paged engine's batch-invariant and prefill kernels that reuse the training forward's
+//! tiles, launched from `ops/paged_attention`), `check.rs` (the `attention` and
+//! `attention_cached` GPU cases; forward and backward timed at the training micro-batch).
+
+pub mod check;
+pub mod cpu;
+pub mod cuda;
+
+use anyhow::Result;
+
+use crate::backend::Device;
+
+/// Shape of a packed attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Total query rows (packed tokens).
+    pub tokens: usize,
+    /// Number of packed sequences (`cu_seqlens` has `seqs + 1` entries).
+    pub seqs: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Shape of an attention call against a KV cache: query `i` attends to cache rows
+/// `base[i] .. base[i] + len[i]` (its own key is the last of them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedAttnShape {
+    /// Number of query rows.
+    pub queries: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Attention ops.
+pub trait AttentionOps: Device {
+    /// Packed causal GQA: o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j, with kv head
+    /// h / (heads/kv_heads); lse[i,h] = log Σ_j exp(q_i·k_j/√d) saved for backward.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        o: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        cu_seqlens: &Self::Idx,
+        shape: AttnShape,
+    ) -> Result<()>;
+    /// P = exp(S − lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)),
+    /// dQ = dS K/√d, dK = dSᵀ Q/√d. dq, dk, dv are overwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dq: &mut Self::Buf,
+        dk: &mut Self::Buf,
+        dv: &mut Self::Buf,
+        dout: &Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        o: &Self::Buf,
+        lse: &Self::Buf,
+        cu_seqlens: &Self::Idx,
+        shape: AttnShape,
+    ) -> Result<()>;
+    /// Attention against a cache: o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &self,
+        o: &mut Self::Buf,
+        q: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        base: &Self::Idx,
+        len: &Self::Idx,
+        shape: CachedAttnShape,
+    ) -> Result<()>;
+}

@@ -1,0 +1,259 @@
+//! GPU checks of the GEMMs (bias, accumulate, odd sizes, mixed operand types, the residual
+//! form, both backward GEMMs) and their timings: the measured bf16 peak (the MFU denominator),
+//! the Qwen2.5-0.5B training GEMMs and a decode step's.
+
+use anyhow::Result;
+
+use crate::backend::check::gpu::{tols, Case, Ctx, TAIL};
+use crate::backend::check::timing::{shape, Timer, Timing};
+use crate::backend::prelude::*;
+
+pub const CASES: &[Case] = &[Case {
+    name: "matmul",
+    run: matmul,
+}];
+
+pub const TIMINGS: &[Timing] = &[
+    Timing {
+        name: "matmul",
+        run: time_train,
+    },
+    Timing {
+        name: "decode matmul",
+        run: time_decode,
+    },
+];
+
+#[allow(clippy::too_many_arguments)]
+fn one_matmul(
+    c: &mut Ctx,
+    label: &str,
+    d: DType,
+    xd: DType,
+    m: usize,
+    k: usize,
+    n: usize,
+    bias: bool,
+    acc: bool,
+) -> Result<()> {
+    let (t1, _) = tols(d);
+    let x = c.randn(m * k, 1.0, xd);
+    let w = c.randn(n * k, 0.05, d);
+    let b = c.randn(n, 0.5, d);
+    let y0 = c.randn(m * n, 1.0, d);
+    let mut yc = if acc { y0.clone() } else { vec![0.0; m * n] };
+    c.cpu
+        .matmul(&mut yc, &x, &w, bias.then_some(&b), m, k, n, acc)?;
+    let (gx, gw, gb) = (c.dev(&x, xd)?, c.dev(&w, d)?, c.dev(&b, d)?);
+    let mut gy = if acc {
+        let mut v = y0.clone();
+        v.extend([f32::NAN; TAIL]);
+        c.dev(&v, d)?
+    } else {
+        c.poisoned(m * n, d)?
+    };
+    c.gpu
+        .matmul(&mut gy, &gx, &gw, bias.then_some(&gb), m, k, n, acc)?;
+    c.check(label, d, &gy, &yc, true, t1)
+}
+
+fn matmul(c: &mut Ctx, d: DType) -> Result<()> {
+    let (t1, _) = tols(d);
+    one_matmul(c, "matmul (+bias)", d, d, 200, 320, 384, true, false)?;
+    one_matmul(c, "matmul (+=)", d, d, 200, 320, 384, false, true)?;
+    one_matmul(
+        c,
+        "matmul (odd sizes, +bias, +=)",
+        d,
+        d,
+        37,
+        53,
+        71,
+        true,
+        true,
+    )?;
+    if d == DType::BF16 {
+        one_matmul(
+            c,
+            "matmul (f32 x, bf16 w)",
+            d,
+            DType::F32,
+            64,
+            96,
+            80,
+            true,
+            false,
+        )?;
+    }
+    // y = r + x·wᵀ into an f32 output (the residual stream): one GEMM reading r as C; an r of
+    // another type takes the copy-and-accumulate path.
+    for (label, rd) in [
+        ("matmul_residual (f32 y, r)", DType::F32),
+        ("matmul_residual (r in the run's type)", d),
+    ] {
+        let (m, k, n) = (96, 160, 224);
+        let r = c.randn(m * n, 1.0, rd);
+        let x = c.randn(m * k, 1.0, d);
+        let w = c.randn(n * k, 0.05, d);
+        let mut yc = vec![0.0; m * n];
+        c.cpu.matmul_residual(&mut yc, &r, &x, &w, m, k, n)?;
+        let gr = c.dev(&r, rd)?;
+        let mut gy = c.poisoned(m * n, DType::F32)?;
+        c.gpu
+            .matmul_residual(&mut gy, &gr, &c.dev(&x, d)?, &c.dev(&w, d)?, m, k, n)?;
+        c.check(label, d, &gy, &yc, true, t1)?;
+        let mut back = vec![0f32; m * n];
+        c.gpu.download(&gr, &mut back)?;
+        c.flag(
+            &format!("{label}: r unchanged"),
+            d,
+            back == r,
+            String::new(),
+        );
+    }
+    let (m, k, n) = (150, 256, 192);
+    let dy = c.randn(m * n, 1.0, d);
+    let w = c.randn(n * k, 0.05, d);
+    let x = c.randn(m * k, 1.0, d);
+    let (gdy, gw, gx) = (c.dev(&dy, d)?, c.dev(&w, d)?, c.dev(&x, d)?);
+    for acc in [false, true] {
+        let dx0 = c.randn(m * k, 1.0, d);
+        let mut dxc = if acc { dx0.clone() } else { vec![0.0; m * k] };
+        c.cpu.matmul_backward_x(&mut dxc, &dy, &w, m, k, n, acc)?;
+        let mut gdx = if acc {
+            let mut v = dx0.clone();
+            v.extend([f32::NAN; TAIL]);
+            c.dev(&v, d)?
+        } else {
+            c.poisoned(m * k, d)?
+        };
+        c.gpu.matmul_backward_x(&mut gdx, &gdy, &gw, m, k, n, acc)?;
+        let label = if acc {
+            "matmul_backward_x (+=)"
+        } else {
+            "matmul_backward_x"
+        };
+        c.check(label, d, &gdx, &dxc, true, t1)?;
+    }
+    // Parameter gradients are f32 and accumulate.
+    let dw0 = c.randn(n * k, 1.0, DType::F32);
+    let db0 = c.randn(n, 1.0, DType::F32);
+    let (mut dwc, mut dbc) = (dw0.clone(), db0.clone());
+    c.cpu
+        .matmul_backward_w(&mut dwc, Some(&mut dbc), &dy, &x, m, k, n)?;
+    let (mut gdw, mut gdb) = (c.dev(&dw0, DType::F32)?, c.dev(&db0, DType::F32)?);
+    c.gpu
+        .matmul_backward_w(&mut gdw, Some(&mut gdb), &gdy, &gx, m, k, n)?;
+    c.check("matmul_backward_w dw", d, &gdw, &dwc, false, t1)?;
+    c.check("matmul_backward_w db", d, &gdb, &dbc, false, t1)
+}
+
+/// The bf16 GEMM peak (8192³), then the MLP and qkv GEMMs of one micro-batch and the two
+/// backward GEMMs of the up projection.
+fn time_train(t: &mut Timer) -> Result<()> {
+    use shape::*;
+    let gpu = t.gpu;
+    let bf = DType::BF16;
+    let n = 8192;
+    let (a, b) = (t.buf(n * n, bf, 1.0)?, t.buf(n * n, bf, 1.0)?);
+    let mut c = t.buf(n * n, bf, 1.0)?;
+    t.time(
+        "gemm bf16 (peak)",
+        format!("{n}³"),
+        2.0 * (n as f64).powi(3),
+        "TFLOP/s",
+        || gpu.matmul(&mut c, &a, &b, None, n, n, n, false),
+    )?;
+    drop((a, b, c));
+
+    let (tok, hid, ffn) = (TOKENS, HIDDEN, FFN);
+    let qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM;
+    let x = t.buf(tok * hid, bf, 1.0)?;
+    let mut h4 = t.buf(tok * ffn, bf, 1.0)?;
+    let w_up = t.buf(ffn * hid, bf, 0.03)?;
+    let w_down = t.buf(hid * ffn, bf, 0.03)?;
+    let w_qkv = t.buf(qkv_n * hid, bf, 0.03)?;
+    let b_qkv = t.buf(qkv_n, bf, 0.1)?;
+    let mut qkv = t.buf(tok * qkv_n, bf, 1.0)?;
+    let mut y = t.buf(tok * hid, bf, 1.0)?;
+    t.time(
+        "matmul qkv (+bias)",
+        format!("{tok}×{hid}→{qkv_n}"),
+        2.0 * (tok * hid * qkv_n) as f64,
+        "TFLOP/s",
+        || gpu.matmul(&mut qkv, &x, &w_qkv, Some(&b_qkv), tok, hid, qkv_n, false),
+    )?;
+    t.time(
+        "matmul up",
+        format!("{tok}×{hid}→{ffn}"),
+        2.0 * (tok * hid * ffn) as f64,
+        "TFLOP/s",
+        || gpu.matmul(&mut h4, &x, &w_up, None, tok, hid, ffn, false),
+    )?;
+    t.time(
+        "matmul down",
+        format!("{tok}×{ffn}→{hid}"),
+        2.0 * (tok * hid * ffn) as f64,
+        "TFLOP/s",
+        || gpu.matmul(&mut y, &h4, &w_down, None, tok, ffn, hid, false),
+    )?;
+    let mut dx = t.buf(tok * hid, bf, 1.0)?;
+    t.time(
+        "matmul_backward_x up",
+        format!("{tok}×{ffn}→{hid}"),
+        2.0 * (tok * hid * ffn) as f64,
+        "TFLOP/s",
+        || gpu.matmul_backward_x(&mut dx, &h4, &w_up, tok, hid, ffn, false),
+    )?;
+    let mut dw = gpu.alloc(ffn * hid)?;
+    t.time(
+        "matmul_backward_w up (f32 dw)",
+        format!("{ffn}×{hid} over {tok}"),
+        2.0 * (tok * hid * ffn) as f64,
+        "TFLOP/s",
+        || gpu.matmul_backward_w(&mut dw, None, &h4, &x, tok, hid, ffn),
+    )
+}
+
+/// The four GEMMs of a decode step (graph-replayed): bf16 outputs, or += into the f32
+/// residual stream.
+fn time_decode(t: &mut Timer) -> Result<()> {
+    use shape::*;
+    let gpu = t.gpu;
+    let bf = DType::BF16;
+    let (rows, hid, ffn) = (DECODE_ROWS, HIDDEN, FFN);
+    let (qd, kd) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let mut y = t.buf(rows * hid, DType::F32, 1.0)?;
+    for (name, n, k, acc) in [
+        ("decode matmul qkv", qd + 2 * kd, hid, false),
+        ("decode matmul o (+= f32)", hid, qd, true),
+        ("decode matmul gate+up", 2 * ffn, hid, false),
+        ("decode matmul down (+= f32)", hid, ffn, true),
+    ] {
+        let w = t.buf(n * k, bf, 0.03)?;
+        let x = t.buf(rows * k, bf, 1.0)?;
+        let mut out = if acc {
+            None
+        } else {
+            Some(t.buf(rows * n, bf, 1.0)?)
+        };
+        t.time_graph(
+            name,
+            format!("{rows}×{k}→{n}"),
+            2.0 * (rows * k * n) as f64,
+            "TFLOP/s",
+            || match out.as_mut() {
+                Some(out) => gpu.matmul(out, &x, &w, None, rows, k, n, false),
+                None => gpu.matmul(&mut y, &x, &w, None, rows, k, n, true),
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// The family's cases from `cargo test` (skipped without a GPU).
+#[cfg(test)]
+#[test]
+fn gpu_parity() {
+    crate::backend::check::gpu::run_for_test(CASES);
+}

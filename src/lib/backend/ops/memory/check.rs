@@ -1,0 +1,111 @@
+//! GPU checks of the memory ops (and of the device's transfers and copies), and the timing of
+//! the f32 → bf16 weight copy.
+
+use anyhow::Result;
+
+use crate::backend::check::gpu::{round, tols, Case, Ctx, TAIL};
+use crate::backend::check::timing::{shape, Timer, Timing};
+use crate::backend::prelude::*;
+
+pub const CASES: &[Case] = &[
+    Case {
+        name: "memory",
+        run: memory,
+    },
+    Case {
+        name: "gather_rows",
+        run: gather,
+    },
+];
+
+pub const TIMINGS: &[Timing] = &[Timing {
+    name: "memory",
+    run: time,
+}];
+
+/// Transfers, fill, copies (offsets, type conversion, within one buffer) and add_assign.
+fn memory(c: &mut Ctx, d: DType) -> Result<()> {
+    let n = 10_007;
+    let x = c.randn(n, 1.0, d);
+    let g = c.dev(&x, d)?;
+    c.check("upload/download", d, &g, &x, false, 0.0)?;
+
+    let mut f = c.poisoned(n, d)?;
+    c.gpu.fill(&mut f, n, -1.75)?;
+    c.check("fill", d, &f, &vec![-1.75; n], true, 0.0)?;
+
+    // copy: offsets within one type, then conversion to the other type and back.
+    let mut cp = c.poisoned(n - 100, d)?;
+    c.gpu.copy(&mut cp, 7, &g, 93, n - 107)?;
+    c.gpu.fill(&mut cp, 7, 0.5)?;
+    let mut want = vec![0.5f32; 7];
+    want.extend_from_slice(&x[93..n - 14]);
+    c.check("copy (offsets)", d, &cp, &want, true, 0.0)?;
+    let other = if d == DType::F32 {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let mut o = c.dev(&vec![f32::NAN; n + TAIL], other)?;
+    c.gpu.copy(&mut o, 0, &g, 0, n)?;
+    let conv: Vec<f32> = x.iter().map(|&v| round(v, other)).collect();
+    c.check("copy (convert)", d, &o, &conv, true, 0.0)?;
+
+    let mut cw = c.dev(&x, d)?;
+    c.gpu.copy_within(&mut cw, 5000, 17, 4000)?;
+    let mut cwc = x.clone();
+    c.cpu.copy_within(&mut cwc, 5000, 17, 4000)?;
+    c.check("copy_within", d, &cw, &cwc, false, 0.0)?;
+
+    let y0 = c.randn(n, 1.0, d);
+    let mut y = c.dev(&y0, d)?;
+    c.gpu.add_assign(&mut y, &g, n - 3)?;
+    let mut yc = y0.clone();
+    c.cpu.add_assign(&mut yc, &x, n - 3)?;
+    let yc: Vec<f32> = yc.iter().map(|&v| round(v, d)).collect();
+    c.check("add_assign", d, &y, &yc, false, tols(d).0)
+}
+
+/// gather_rows of a random sample of rows, then scatter_add_rows back onto random values.
+fn gather(c: &mut Ctx, d: DType) -> Result<()> {
+    let (xrows, dim, n) = (300, 96, 150);
+    let x = c.randn(xrows * dim, 1.0, d);
+    let rows = c.rng.distinct(n, xrows);
+    let mut oc = vec![0.0; n * dim];
+    c.cpu.gather_rows(&mut oc, &x, &rows, n, dim)?;
+    let (gx, gr) = (c.dev(&x, d)?, c.idx(&rows)?);
+    let mut go = c.poisoned(n * dim, d)?;
+    c.gpu.gather_rows(&mut go, &gx, &gr, n, dim)?;
+    c.check("gather_rows", d, &go, &oc, true, 0.0)?;
+    let dout = c.randn(n * dim, 1.0, d);
+    let dx0 = c.randn(xrows * dim, 1.0, d);
+    let mut dxc = dx0.clone();
+    c.cpu.scatter_add_rows(&mut dxc, &dout, &rows, n, dim)?;
+    let dxc: Vec<f32> = dxc.iter().map(|&v| round(v, d)).collect();
+    let mut gdx = c.dev(&dx0, d)?;
+    c.gpu
+        .scatter_add_rows(&mut gdx, &c.dev(&dout, d)?, &gr, n, dim)?;
+    c.check("scatter_add_rows", d, &gdx, &dxc, false, tols(d).0)
+}
+
+/// The refresh of the bf16 compute weights from the f32 masters after an optimizer step.
+fn time(t: &mut Timer) -> Result<()> {
+    let gpu = t.gpu;
+    let np = shape::PARAMS;
+    let p = t.buf(np, DType::F32, 1.0)?;
+    let mut pb = gpu.alloc_as(np, DType::BF16)?;
+    t.time(
+        "copy f32→bf16 (weights)",
+        format!("{np}"),
+        (np * 6) as f64,
+        "GB/s",
+        || gpu.copy(&mut pb, 0, &p, 0, np),
+    )
+}
+
+/// The family's cases from `cargo test` (skipped without a GPU).
+#[cfg(test)]
+#[test]
+fn gpu_parity() {
+    crate::backend::check::gpu::run_for_test(CASES);
+}

@@ -1,0 +1,52 @@
+//! Memory ops: whole elements added or moved between rows, no other math. `add_assign` is the
+//! residual add; `gather_rows` / `scatter_add_rows` pick rows of a buffer (the scored rows of a
+//! batch, the parts of a fused projection) and add gradients back; `kv_store` writes a step's
+//! keys and values into cache rows. Fills and copies are the device's (`Device::fill`,
+//! `Device::copy`).
+//!
+//! Files: `cpu.rs` (the reference), `cuda.rs` (launchers), `memory.cu`, `check.rs` (the
+//! `memory` and `gather_rows` GPU cases, which also cover the device's transfers and copies).
+
+pub mod check;
+pub mod cpu;
+pub mod cuda;
+
+use anyhow::Result;
+
+use crate::backend::Device;
+
+/// Elementwise add and row movement.
+pub trait MemoryOps: Device {
+    /// y[..n] += x[..n].
+    fn add_assign(&self, y: &mut Self::Buf, x: &Self::Buf, n: usize) -> Result<()>;
+    /// out[i,:] = x[rows[i],:].
+    fn gather_rows(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        rows: &Self::Idx,
+        n: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// dx[rows[i],:] += dout[i,:] (rows distinct).
+    fn scatter_add_rows(
+        &self,
+        dx: &mut Self::Buf,
+        dout: &Self::Buf,
+        rows: &Self::Idx,
+        n: usize,
+        dim: usize,
+    ) -> Result<()>;
+    /// KV-cache write: cache[rows[i], :] = x[i, :] for k and v (rows of kv_heads·head_dim).
+    #[allow(clippy::too_many_arguments)]
+    fn kv_store(
+        &self,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        rows: &Self::Idx,
+        n: usize,
+        row_dim: usize,
+    ) -> Result<()>;
+}

@@ -1,0 +1,213 @@
+//! Attention over a block-table KV cache on the CPU: the oracle of `paged_attention.cu`.
+
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+use super::{PagedAttentionOps, PagedAttnShape};
+use crate::backend::cpu::{get, get_mut, Cpu};
+use crate::backend::ops::attention::cpu::dot;
+
+/// Cache row of position `p` of a sequence whose block table is `table`.
+#[inline]
+fn row_of(table: &[u32], bs: usize, p: usize) -> usize {
+    table[p / bs] as usize * bs + p % bs
+}
+
+/// o_i = Σ_{p<len[i]} softmax_p(q_i·K[row(p)]/√d) V[row(p)] (online softmax, the same
+/// arithmetic in the same order as `attention::cached`, so a paged cache gives bit-identical
+/// outputs to a contiguous one).
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    o: &mut [f32],
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    tables: &[u32],
+    seq: &[u32],
+    len: &[u32],
+    s: PagedAttnShape,
+) -> Result<()> {
+    if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
+        bail!(
+            "attention_paged: {} query heads cannot be grouped over {} kv heads",
+            s.heads,
+            s.kv_heads
+        );
+    }
+    let group = s.heads / s.kv_heads;
+    let (d, qrow, krow, bs) = (
+        s.head_dim,
+        s.heads * s.head_dim,
+        s.kv_heads * s.head_dim,
+        s.block_size,
+    );
+    if qrow == 0 {
+        return Ok(());
+    }
+    let rows = k_cache.len().min(v_cache.len()) / krow.max(1);
+    for i in 0..s.queries {
+        let (sq, l) = (seq[i] as usize, len[i] as usize);
+        let t0 = sq * s.max_blocks;
+        if l == 0 || bs == 0 || l.div_ceil(bs) > s.max_blocks || t0 + l.div_ceil(bs) > tables.len()
+        {
+            bail!(
+                "attention_paged: query {i} reads {l} positions of sequence {sq} ({} blocks of {bs} per table row, {} table entries)",
+                s.max_blocks,
+                tables.len()
+            );
+        }
+        let table = &tables[t0..t0 + l.div_ceil(bs)];
+        if let Some(&b) = table.iter().find(|&&b| (b as usize + 1) * bs > rows) {
+            bail!("attention_paged: query {i}: block {b} is outside the cache ({rows} rows)");
+        }
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    o.par_chunks_mut(qrow).enumerate().for_each(|(i, orow)| {
+        let (sq, l) = (seq[i] as usize, len[i] as usize);
+        let table = &tables[sq * s.max_blocks..sq * s.max_blocks + l.div_ceil(bs)];
+        for h in 0..s.heads {
+            let qi = &q[i * qrow + h * d..i * qrow + (h + 1) * d];
+            let out = &mut orow[h * d..(h + 1) * d];
+            let off = (h / group) * d;
+            out.fill(0.0);
+            let (mut m, mut lsum) = (f32::NEG_INFINITY, 0f32);
+            for p in 0..l {
+                let j = row_of(table, bs, p);
+                let kj = &k_cache[j * krow + off..j * krow + off + d];
+                let sc = dot(qi, kj) * scale;
+                if sc > m {
+                    // A new maximum: rescale what was summed under the old one.
+                    let c = (m - sc).exp();
+                    lsum *= c;
+                    out.iter_mut().for_each(|o| *o *= c);
+                    m = sc;
+                }
+                let pr = (sc - m).exp();
+                lsum += pr;
+                let vj = &v_cache[j * krow + off..j * krow + off + d];
+                out.iter_mut().zip(vj).for_each(|(y, x)| *y += pr * x);
+            }
+            let inv = 1.0 / lsum;
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
+    });
+    Ok(())
+}
+
+impl PagedAttentionOps for Cpu {
+    fn attention_paged(
+        &self,
+        o: &mut Vec<f32>,
+        q: &Vec<f32>,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        tables: &Vec<u32>,
+        seq: &Vec<u32>,
+        len: &Vec<u32>,
+        s: PagedAttnShape,
+    ) -> Result<()> {
+        let qn = s.queries * s.heads * s.head_dim;
+        forward(
+            get_mut(o, qn, "attention_paged o")?,
+            get(q, qn, "attention_paged q")?,
+            k_cache,
+            v_cache,
+            tables,
+            get(seq, s.queries, "attention_paged seq")?,
+            get(len, s.queries, "attention_paged len")?,
+            s,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::check::randn;
+    use crate::backend::ops::attention::cpu as attention;
+    use crate::backend::CachedAttnShape;
+
+    #[test]
+    fn paged_equals_contiguous_cache_bit_for_bit() {
+        // 2 sequences of 7 and 3 positions, block size 4, GQA 4 heads over 2 kv heads.
+        let (h, kh, d, bs) = (4, 2, 8, 4);
+        let krow = kh * d;
+        let lens = [7usize, 3];
+        // Contiguous: sequence s at rows s*8... ; paged: blocks scattered.
+        let contiguous_k = randn(16 * krow, 51);
+        let contiguous_v = randn(16 * krow, 52);
+        let tables = [[3u32, 0], [1, 2]];
+        let mut pk = vec![0.0; 4 * bs * krow];
+        let mut pv = vec![0.0; 4 * bs * krow];
+        for (s, &l) in lens.iter().enumerate() {
+            for p in 0..l {
+                let (src, dst) = (s * 8 + p, row_of(&tables[s], bs, p));
+                pk[dst * krow..(dst + 1) * krow]
+                    .copy_from_slice(&contiguous_k[src * krow..(src + 1) * krow]);
+                pv[dst * krow..(dst + 1) * krow]
+                    .copy_from_slice(&contiguous_v[src * krow..(src + 1) * krow]);
+            }
+        }
+        // Queries: every prefix length of each sequence.
+        let (mut seq, mut len, mut base) = (vec![], vec![], vec![]);
+        for (s, &l) in lens.iter().enumerate() {
+            for p in 1..=l {
+                seq.push(s as u32);
+                len.push(p as u32);
+                base.push((s * 8) as u32);
+            }
+        }
+        let nq = seq.len();
+        let q = randn(nq * h * d, 53);
+        let mut want = vec![0.0; nq * h * d];
+        attention::cached(
+            &mut want,
+            &q,
+            &contiguous_k,
+            &contiguous_v,
+            &base,
+            &len,
+            CachedAttnShape {
+                queries: nq,
+                heads: h,
+                kv_heads: kh,
+                head_dim: d,
+            },
+        )
+        .unwrap();
+        let mut got = vec![0.0; nq * h * d];
+        let flat: Vec<u32> = tables.iter().flatten().copied().collect();
+        let shape = PagedAttnShape {
+            queries: nq,
+            heads: h,
+            kv_heads: kh,
+            head_dim: d,
+            block_size: bs,
+            max_blocks: 2,
+        };
+        forward(&mut got, &q, &pk, &pv, &flat, &seq, &len, shape).unwrap();
+        assert_eq!(got, want);
+        // A query that reads past its table is refused.
+        let err = forward(&mut got, &q, &pk, &pv, &flat, &[0], &[9], shape).unwrap_err();
+        assert!(err.to_string().contains("reads 9 positions"), "{err}");
+    }
+
+    #[test]
+    fn single_position_returns_its_value() {
+        let (d, bs) = (2, 2);
+        // Block 1 holds position 0 of the sequence.
+        let k = [0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0];
+        let v = [0.0, 0.0, 0.0, 0.0, 7.0, 9.0, 0.0, 0.0];
+        let mut o = [0.0; 2];
+        let s = PagedAttnShape {
+            queries: 1,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: d,
+            block_size: bs,
+            max_blocks: 1,
+        };
+        forward(&mut o, &[0.3, 0.1], &k, &v, &[1], &[0], &[1], s).unwrap();
+        assert_eq!(o, [7.0, 9.0]);
+    }
+}

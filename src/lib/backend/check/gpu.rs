@@ -226,6 +226,18 @@ impl<'a> Ctx<'a> {
         });
     }
 
+    /// Flags `op` as passed when every named comparison held ("bit-identical"), else lists
+    /// the ones that differ.
+    pub fn flag_same(&mut self, op: &str, d: DType, same: &[(&str, bool)]) {
+        let differ: Vec<&str> = same.iter().filter(|x| !x.1).map(|x| x.0).collect();
+        let note = if differ.is_empty() {
+            "bit-identical".into()
+        } else {
+            format!("differ: {}", differ.join(", "))
+        };
+        self.flag(op, d, differ.is_empty(), note);
+    }
+
     /// Records a scalar result (a reduction) against the CPU's.
     pub fn scalar(&mut self, op: &str, d: DType, gpu: f64, cpu: f64, tol: f64) {
         let rel = (gpu - cpu).abs() / cpu.abs().max(1e-300);
@@ -246,6 +258,13 @@ impl<'a> Ctx<'a> {
             self.flag(case.name, d, false, format!("error: {e:#}"));
         }
     }
+}
+
+/// The first `n` elements of a GPU buffer as bit patterns (bf16 widens to f32 exactly).
+pub fn bits(gpu: &CudaBackend, b: &CudaBuf, n: usize) -> Result<Vec<u32>> {
+    let mut h = vec![0f32; n];
+    gpu.download(b, &mut h)?;
+    Ok(h.iter().map(|v| v.to_bits()).collect())
 }
 
 fn fmt_err(v: f64) -> String {

@@ -19,7 +19,6 @@
 mod draws;
 pub mod gemm;
 pub mod nvrtc;
-pub mod parity_paged;
 pub mod pool;
 
 use std::collections::HashMap;

@@ -75,7 +75,8 @@ pub fn op_cases() -> Vec<Case> {
         logprob::check::CASES,
         ppo_loss::check::CASES,
         adamw::check::CASES,
-        crate::backend::cuda::parity_paged::CASES,
+        paged_attention::check::CASES,
+        sample::check::CASES,
     ]
     .concat()
 }

@@ -1,6 +1,6 @@
 //! GPU checks of the GEMMs (bias, accumulate, odd sizes, mixed operand types, the residual
-//! form, both backward GEMMs) and their timings: the measured bf16 peak (the MFU denominator),
-//! the Qwen2.5-0.5B training GEMMs and a decode step's.
+//! form, both backward GEMMs) and of their row invariance, and their timings: the measured bf16
+//! peak (the MFU denominator), the Qwen2.5-0.5B training GEMMs and a decode step's.
 
 use anyhow::Result;
 
@@ -8,10 +8,16 @@ use crate::backend::check::gpu::{tols, Case, Ctx, TAIL};
 use crate::backend::check::timing::{shape, Timer, Timing};
 use crate::backend::prelude::*;
 
-pub const CASES: &[Case] = &[Case {
-    name: "matmul",
-    run: matmul,
-}];
+pub const CASES: &[Case] = &[
+    Case {
+        name: "matmul",
+        run: matmul,
+    },
+    Case {
+        name: "gemm_invariance",
+        run: gemm_invariance,
+    },
+];
 
 pub const TIMINGS: &[Timing] = &[
     Timing {
@@ -248,6 +254,61 @@ fn time_decode(t: &mut Timer) -> Result<()> {
             },
         )?;
     }
+    Ok(())
+}
+
+/// Row invariance of the decoder's forward GEMMs (Qwen2.5-0.5B shapes): the first rows of
+/// a call of 4096 rows against calls of 1, 37 and 256 rows, bit for bit. With the default
+/// plans (the heuristic per row count) rows may round differently; with the batch-invariant
+/// plans they must not (what keeps rollout and training log-probs of a token together).
+fn gemm_invariance(c: &mut Ctx, d: DType) -> Result<()> {
+    let big = 4096usize;
+    for invariant in [false, true] {
+        c.gpu.set_batch_invariant(invariant);
+        let mut notes = Vec::new();
+        let mut differ_total = 0usize;
+        for (name, n_out, k, f32_out) in [
+            ("q", 896usize, 896usize, false),
+            ("k", 128, 896, false),
+            ("o", 896, 896, true),
+            ("gate", 4864, 896, false),
+            ("down", 896, 4864, true),
+        ] {
+            let x = c.randn(big * k, 1.0, d);
+            let w = c.randn(n_out * k, 0.05, d);
+            let (gx, gw) = (c.dev(&x, d)?, c.dev(&w, d)?);
+            let od = if f32_out { DType::F32 } else { d };
+            let mut full = c.gpu.alloc_as(big * n_out, od)?;
+            c.gpu
+                .matmul(&mut full, &gx, &gw, None, big, k, n_out, false)?;
+            let mut want = vec![0f32; big * n_out];
+            c.gpu.download(&full, &mut want)?;
+            let mut differ = 0usize;
+            for rows in [1usize, 37, 256] {
+                let part = c.dev(&x[..rows * k], d)?;
+                let mut y = c.gpu.alloc_as(rows * n_out, od)?;
+                c.gpu
+                    .matmul(&mut y, &part, &gw, None, rows, k, n_out, false)?;
+                let mut got = vec![0f32; rows * n_out];
+                c.gpu.download(&y, &mut got)?;
+                differ += got
+                    .chunks(n_out)
+                    .zip(want.chunks(n_out))
+                    .filter(|(a, b)| a.iter().zip(*b).any(|(p, q)| p.to_bits() != q.to_bits()))
+                    .count();
+            }
+            differ_total += differ;
+            notes.push(format!("{name} {differ}/294"));
+        }
+        let mode = if invariant { "invariant" } else { "default" };
+        c.flag(
+            &format!("gemm rows vs 4096-row call [{mode}]"),
+            d,
+            !invariant || differ_total == 0,
+            format!("rows that differ: {}", notes.join(", ")),
+        );
+    }
+    c.gpu.set_batch_invariant(false);
     Ok(())
 }
 

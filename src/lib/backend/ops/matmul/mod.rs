@@ -3,7 +3,8 @@
 //!
 //! Files: `cpu.rs` (the reference, on the `gemm` crate), `cuda.rs` (cuBLASLt through the
 //! device's GEMM helpers, `backend/cuda/gemm.rs`), `matmul.cu` (the bias gradient's column
-//! sum), `check.rs` (the `matmul` GPU case; the bf16 GEMM peak and the model's GEMMs timed).
+//! sum), `check.rs` (the `matmul` GPU case and `gemm_invariance`, rows of a call against a
+//! larger call bit for bit; the bf16 GEMM peak and the model's GEMMs timed).
 
 pub mod check;
 pub mod cpu;

@@ -1,10 +1,11 @@
-//! GPU checks of the memory ops (and of the device's transfers and copies), and the timing of
-//! the f32 → bf16 weight copy.
+//! GPU checks of the memory ops (and of the device's transfers, copies and `alloc_parts` views),
+//! and the timing of the f32 → bf16 weight copy.
 
-use anyhow::Result;
+use anyhow::{anyhow, Result};
 
 use crate::backend::check::gpu::{round, tols, Case, Ctx, TAIL};
 use crate::backend::check::timing::{shape, Timer, Timing};
+use crate::backend::cuda::PART_ALIGN;
 use crate::backend::prelude::*;
 
 pub const CASES: &[Case] = &[
@@ -15,6 +16,10 @@ pub const CASES: &[Case] = &[
     Case {
         name: "gather_rows",
         run: gather,
+    },
+    Case {
+        name: "alloc_parts",
+        run: alloc_parts,
     },
 ];
 
@@ -101,6 +106,104 @@ fn time(t: &mut Timer) -> Result<()> {
         "GB/s",
         || gpu.copy(&mut pb, 0, &p, 0, np),
     )
+}
+
+/// `alloc_parts`: each part a view at the previous part's end rounded up to 256 bytes
+/// (computed here), the whole buffer holding what was uploaded into the parts and zeros
+/// in the padding, an op on one part leaving its neighbours alone, the parts living on
+/// after the whole is dropped; sizes that need no padding give the parts concatenated.
+fn alloc_parts(c: &mut Ctx, d: DType) -> Result<()> {
+    let es = if d == DType::F32 { 4 } else { 2 };
+    // Odd sizes (padding, an empty part) and the tiny model's q/k/v shapes (none).
+    for (tag, sizes) in [
+        ("padded", vec![1000usize, 37, 0, 300, 65]),
+        ("q/k/v", vec![256 * 256, 128 * 256, 128 * 256]),
+    ] {
+        let (whole, mut parts) = c
+            .gpu
+            .alloc_parts(&sizes, d)?
+            .ok_or_else(|| anyhow!("the CUDA backend gave no parts"))?;
+        let data: Vec<Vec<f32>> = sizes.iter().map(|&n| c.randn(n, 1.0, d)).collect();
+        let mut problems = Vec::new();
+        let mut want: Vec<f32> = Vec::new();
+        for (i, (p, x)) in parts.iter_mut().zip(&data).enumerate() {
+            c.gpu.upload(p, x)?;
+            let off = want.len().div_ceil(PART_ALIGN / es) * (PART_ALIGN / es);
+            want.resize(off, 0.0);
+            want.extend_from_slice(x);
+            if p.ptr != whole.ptr + (off * es) as u64 || p.len != x.len() {
+                problems.push(format!(
+                    "part {i}: {} elements at byte {}, expected {} at {}",
+                    p.len,
+                    p.ptr - whole.ptr,
+                    x.len(),
+                    off * es
+                ));
+            }
+            if !p.ptr.is_multiple_of(PART_ALIGN as u64) {
+                problems.push(format!("part {i} is not {PART_ALIGN}-byte aligned"));
+            }
+        }
+        if whole.len != want.len() {
+            problems.push(format!(
+                "whole holds {} elements, expected {}",
+                whole.len,
+                want.len()
+            ));
+        }
+        if tag == "q/k/v" && whole.len != sizes.iter().sum::<usize>() {
+            problems.push("padding between parts that need none".into());
+        }
+        c.check(
+            &format!("alloc_parts {tag} (whole)"),
+            d,
+            &whole,
+            &want,
+            false,
+            0.0,
+        )?;
+        // fill of part 1 only.
+        let n1 = parts[1].len;
+        c.gpu.fill(&mut parts[1], n1, -3.5)?;
+        let off1 = ((parts[1].ptr - whole.ptr) as usize) / es;
+        want[off1..off1 + n1].iter_mut().for_each(|v| *v = -3.5);
+        c.check(
+            &format!("alloc_parts {tag} (fill of one part)"),
+            d,
+            &whole,
+            &want,
+            false,
+            0.0,
+        )?;
+        // Dropping the whole keeps the memory: a new buffer of its size must not get it.
+        let last = parts.len() - 1;
+        let (n_last, off_last) = (
+            parts[last].len,
+            ((parts[last].ptr - whole.ptr) as usize) / es,
+        );
+        drop(whole);
+        let other = c.dev(&vec![9.0; want.len()], d)?;
+        c.check(
+            &format!("alloc_parts {tag} (part after the whole is dropped)"),
+            d,
+            &parts[last],
+            &want[off_last..off_last + n_last],
+            false,
+            0.0,
+        )?;
+        drop(other);
+        c.flag(
+            &format!("alloc_parts {tag} layout"),
+            d,
+            problems.is_empty(),
+            if problems.is_empty() {
+                format!("{} parts, {} elements in all", sizes.len(), want.len())
+            } else {
+                problems.join("; ")
+            },
+        );
+    }
+    Ok(())
 }
 
 /// The family's cases from `cargo test` (skipped without a GPU).

@@ -5,9 +5,8 @@
 //!
 //! Files: `cpu.rs` (the reference), `cuda.rs` (flash-decoding launchers; the batch-invariant
 //! and prefill kernels are in `ops/attention/attention.cu`, sharing the training forward's
-//! tiles), `paged_attention.cu`, `check.rs` (a decode step's attention timed). The GPU cases
-//! (`attention_paged`, `attention_paged_rope`, `attention_invariance`) are in
-//! `backend/cuda/parity_paged.rs` with the paged engine's.
+//! tiles), `paged_attention.cu`, `check.rs` (the GPU cases `attention_paged`, `attention_paged_rope`
+//! and `attention_invariance`; a decode step's attention timed).
 
 pub mod check;
 pub mod cpu;

@@ -1,16 +1,27 @@
-//! GPU checks of RoPE forward and backward, and its timings.
+//! GPU checks of RoPE forward and backward and of the rope + cache store of a step (split parts,
+//! and packed: against the CPU and bit for bit against the split op), and its timings.
 
 use anyhow::Result;
 
-use crate::backend::check::gpu::{tols, Case, Ctx, TAIL};
+use crate::backend::check::gpu::{bits, tols, Case, Ctx, TAIL};
 use crate::backend::check::timing::{shape, Timer, Timing};
 use crate::backend::cuda::{CudaBuf, CudaIdx};
 use crate::backend::prelude::*;
 
-pub const CASES: &[Case] = &[Case {
-    name: "rope",
-    run: rope,
-}];
+pub const CASES: &[Case] = &[
+    Case {
+        name: "rope",
+        run: rope,
+    },
+    Case {
+        name: "rope_store_kv",
+        run: rope_store_kv,
+    },
+    Case {
+        name: "rope_store_kv_packed",
+        run: rope_store_kv_packed,
+    },
+];
 
 pub const TIMINGS: &[Timing] = &[
     Timing {
@@ -124,6 +135,94 @@ fn time_decode(t: &mut Timer) -> Result<()> {
             )
         },
     )
+}
+
+/// The fused rope + kv_store of cached and paged steps against the CPU's three ops.
+fn rope_store_kv(c: &mut Ctx, d: DType) -> Result<()> {
+    let (t1, _) = tols(d);
+    let (tokens, heads, kv, hd, cache_rows) = (37usize, 14usize, 2usize, 64usize, 80usize);
+    let kd = kv * hd;
+    let mut q = c.randn(tokens * heads * hd, 1.0, d);
+    let mut k = c.randn(tokens * kd, 1.0, d);
+    let v = c.randn(tokens * kd, 1.0, d);
+    let mut kc = c.randn(cache_rows * kd, 1.0, d);
+    let mut vc = c.randn(cache_rows * kd, 1.0, d);
+    let pos: Vec<u32> = (0..tokens).map(|_| c.rng.below(5000) as u32).collect();
+    let rows = c.rng.distinct(tokens, cache_rows);
+    let (mut gq, mut gk, gv) = (c.dev(&q, d)?, c.dev(&k, d)?, c.dev(&v, d)?);
+    let (mut gkc, mut gvc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
+    let (gpos, grows) = (c.idx(&pos)?, c.idx(&rows)?);
+    c.cpu.rope_store_kv(
+        &mut q, &mut k, &v, &pos, &mut kc, &mut vc, &rows, tokens, heads, kv, hd, 1e6,
+    )?;
+    c.gpu.rope_store_kv(
+        &mut gq, &mut gk, &gv, &gpos, &mut gkc, &mut gvc, &grows, tokens, heads, kv, hd, 1e6,
+    )?;
+    c.check("rope_store_kv q", d, &gq, &q, false, t1)?;
+    c.check("rope_store_kv k", d, &gk, &k, false, t1)?;
+    c.check("rope_store_kv k cache", d, &gkc, &kc, false, t1)?;
+    c.check("rope_store_kv v cache", d, &gvc, &vc, false, t1)
+}
+
+/// The packed rope + kv_store of a fused q/k/v projection (Qwen2.5-0.5B heads): against
+/// the CPU op, and bit for bit against the GPU's split op on the same three parts (what an
+/// unfused step computes from the same projections).
+fn rope_store_kv_packed(c: &mut Ctx, d: DType) -> Result<()> {
+    let (t1, _) = tols(d);
+    let (tokens, heads, kv, hd, cache_rows) = (37usize, 14usize, 2usize, 64usize, 80usize);
+    let (qd, kd) = (heads * hd, kv * hd);
+    let width = qd + 2 * kd;
+    let qkv = c.randn(tokens * width, 1.0, d);
+    let kc = c.randn(cache_rows * kd, 1.0, d);
+    let vc = c.randn(cache_rows * kd, 1.0, d);
+    let pos: Vec<u32> = (0..tokens).map(|_| c.rng.below(5000) as u32).collect();
+    let rows = c.rng.distinct(tokens, cache_rows);
+    let (gpos, grows) = (c.idx(&pos)?, c.idx(&rows)?);
+
+    let mut q = vec![0f32; tokens * qd];
+    let (mut ckc, mut cvc) = (kc.clone(), vc.clone());
+    c.cpu.rope_store_kv_packed(
+        &qkv, &mut q, &pos, &mut ckc, &mut cvc, &rows, tokens, heads, kv, hd, 1e6,
+    )?;
+    let gx = c.dev(&qkv, d)?;
+    let mut gq = c.poisoned(tokens * qd, d)?;
+    let (mut gkc, mut gvc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
+    c.gpu.rope_store_kv_packed(
+        &gx, &mut gq, &gpos, &mut gkc, &mut gvc, &grows, tokens, heads, kv, hd, 1e6,
+    )?;
+    c.check("rope_store_kv_packed q", d, &gq, &q, true, t1)?;
+    c.check("rope_store_kv_packed k cache", d, &gkc, &ckc, false, t1)?;
+    c.check("rope_store_kv_packed v cache", d, &gvc, &cvc, false, t1)?;
+
+    // The split op on the parts of the same rows.
+    let (mut sq, mut sk, mut sv) = (Vec::new(), Vec::new(), Vec::new());
+    for r in qkv.chunks(width) {
+        sq.extend_from_slice(&r[..qd]);
+        sk.extend_from_slice(&r[qd..qd + kd]);
+        sv.extend_from_slice(&r[qd + kd..]);
+    }
+    let (mut gsq, mut gsk, gsv) = (c.dev(&sq, d)?, c.dev(&sk, d)?, c.dev(&sv, d)?);
+    let (mut skc, mut svc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
+    c.gpu.rope_store_kv(
+        &mut gsq, &mut gsk, &gsv, &gpos, &mut skc, &mut svc, &grows, tokens, heads, kv, hd, 1e6,
+    )?;
+    let g = c.gpu;
+    let same = [
+        (
+            "q",
+            bits(g, &gq, tokens * qd)? == bits(g, &gsq, tokens * qd)?,
+        ),
+        (
+            "k cache",
+            bits(g, &gkc, kc.len())? == bits(g, &skc, kc.len())?,
+        ),
+        (
+            "v cache",
+            bits(g, &gvc, vc.len())? == bits(g, &svc, vc.len())?,
+        ),
+    ];
+    c.flag_same("rope_store_kv_packed vs split op (gpu)", d, &same);
+    Ok(())
 }
 
 /// The family's cases from `cargo test` (skipped without a GPU).

@@ -3,10 +3,9 @@
 //! and k, then the store of k and v into cache rows (`rope_store_kv`, and `_packed` on the parts
 //! of one fused q/k/v projection).
 //!
-//! Files: `cpu.rs` (the reference), `cuda.rs`, `rope.cu`, `check.rs` (the `rope` GPU case; timed
-//! on the training micro-batch's q and on a decode step's packed store). The GPU cases of the
-//! cache stores (`rope_store_kv`, `rope_store_kv_packed`) are in `backend/cuda/parity_paged.rs`
-//! with the paged engine's.
+//! Files: `cpu.rs` (the reference), `cuda.rs`, `rope.cu`, `check.rs` (the GPU cases `rope`,
+//! `rope_store_kv` and `rope_store_kv_packed`; timed on the training micro-batch's q and on a
+//! decode step's packed store).
 
 pub mod check;
 pub mod cpu;

@@ -7,6 +7,7 @@
 //! Files: `cpu.rs` (the reference: the host sampler per row), `cuda.rs`, `sample.cu`, `check.rs`
 //! (the `sample` case: greedy, full softmax, top-k, top-p, both).
 
+pub mod check;
 pub mod cpu;
 pub mod cuda;
 

@@ -1,15 +1,22 @@
-//! GPU checks of SwiGLU forward and backward (scalar and 8-wide kernels), and its timings.
+//! GPU checks of SwiGLU forward and backward (scalar and 8-wide kernels) and of the packed form
+//! (against the CPU and bit for bit against the split op), and its timings.
 
 use anyhow::Result;
 
-use crate::backend::check::gpu::{tols, Case, Ctx};
+use crate::backend::check::gpu::{bits, tols, Case, Ctx};
 use crate::backend::check::timing::{shape, Timer, Timing};
 use crate::backend::prelude::*;
 
-pub const CASES: &[Case] = &[Case {
-    name: "swiglu",
-    run: swiglu,
-}];
+pub const CASES: &[Case] = &[
+    Case {
+        name: "swiglu",
+        run: swiglu,
+    },
+    Case {
+        name: "swiglu_packed",
+        run: swiglu_packed,
+    },
+];
 
 pub const TIMINGS: &[Timing] = &[
     Timing {
@@ -81,6 +88,43 @@ fn time_decode(t: &mut Timer) -> Result<()> {
         "GB/s",
         || gpu.swiglu_packed(&mut h, &gu, rows, ffn),
     )
+}
+
+/// SwiGLU of a fused gate/up projection [n, 2f]: against the CPU op, and bit for bit
+/// against the GPU's `swiglu` of the two halves. f a multiple of 8 (the bf16 vector
+/// kernels on both sides), f odd (the scalar kernels), and 8 rows of an odd f (the split
+/// op vectorised, the packed one scalar).
+fn swiglu_packed(c: &mut Ctx, d: DType) -> Result<()> {
+    let (t1, _) = tols(d);
+    for (tag, n, f) in [
+        ("f 512", 37usize, 512usize),
+        ("f 37", 29, 37),
+        ("8 rows, f 37", 8, 37),
+    ] {
+        let gu = c.randn(n * 2 * f, 2.0, d);
+        let mut want = vec![0f32; n * f];
+        c.cpu.swiglu_packed(&mut want, &gu, n, f)?;
+        let ggu = c.dev(&gu, d)?;
+        let mut gh = c.poisoned(n * f, d)?;
+        c.gpu.swiglu_packed(&mut gh, &ggu, n, f)?;
+        c.check(&format!("swiglu_packed {tag}"), d, &gh, &want, true, t1)?;
+        let (mut g, mut u) = (Vec::new(), Vec::new());
+        for r in gu.chunks(2 * f) {
+            g.extend_from_slice(&r[..f]);
+            u.extend_from_slice(&r[f..]);
+        }
+        let (gg, gu_) = (c.dev(&g, d)?, c.dev(&u, d)?);
+        let mut sh = c.gpu.alloc_as(n * f, d)?;
+        c.gpu.swiglu(&mut sh, &gg, &gu_, n * f)?;
+        let same = bits(c.gpu, &gh, n * f)? == bits(c.gpu, &sh, n * f)?;
+        c.flag(
+            &format!("swiglu_packed {tag} vs split op (gpu)"),
+            d,
+            same,
+            if same { "bit-identical" } else { "DIFFERENT" }.into(),
+        );
+    }
+    Ok(())
 }
 
 /// The family's cases from `cargo test` (skipped without a GPU).

@@ -2,8 +2,8 @@
 //! halves of each row of one fused gate/up projection, and its backward.
 //!
 //! Files: `cpu.rs` (the reference), `cuda.rs`, `swiglu.cu`, `check.rs` (the `swiglu` GPU case,
-//! scalar and vectorized kernels; timed on the training micro-batch and a decode step). The GPU
-//! case of `swiglu_packed` is in `backend/cuda/parity_paged.rs` with the paged engine's.
+//! scalar and vectorized kernels, and `swiglu_packed`; timed on the training micro-batch and a
+//! decode step).
 
 pub mod check;
 pub mod cpu;

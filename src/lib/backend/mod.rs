@@ -32,7 +32,7 @@ pub mod ops;
 
 pub use device::{DType, Device, MemoryStats, Parts, FEED_NONE};
 pub use ops::adamw::{AdamWOps, AdamWStep};
-pub use ops::attention::{AttentionOps, AttnShape, CachedAttnShape};
+pub use ops::attention::{AttentionOps, AttnShape};
 pub use ops::embedding::EmbeddingOps;
 pub use ops::logprob::{LogprobOps, LogprobShape};
 pub use ops::matmul::MatmulOps;
@@ -83,8 +83,8 @@ impl<T> Backend for T where
 /// The traits and shapes, for code that calls ops on a concrete backend.
 pub mod prelude {
     pub use super::{
-        AdamWOps, AdamWStep, AttentionOps, AttnShape, Backend, CachedAttnShape, DType, Device,
-        EmbeddingOps, LogprobOps, LogprobShape, MatmulOps, MemoryOps, PagedAttentionOps,
-        PagedAttnShape, PpoLossOps, PpoShape, RmsNormOps, RopeOps, SampleOps, SwigluOps,
+        AdamWOps, AdamWStep, AttentionOps, AttnShape, Backend, DType, Device, EmbeddingOps,
+        LogprobOps, LogprobShape, MatmulOps, MemoryOps, PagedAttentionOps, PagedAttnShape,
+        PpoLossOps, PpoShape, RmsNormOps, RopeOps, SampleOps, SwigluOps,
     };
 }

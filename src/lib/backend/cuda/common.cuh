@@ -17,7 +17,6 @@ typedef long long i64;
 #define ERR_TOKEN_ID 1u
 #define ERR_ROW 2u
 #define ERR_CACHE_ROW 4u
-#define ERR_CACHE_RANGE 8u
 #define ERR_TARGET 16u
 #define ERR_PAGED (1u << 10)
 

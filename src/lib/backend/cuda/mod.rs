@@ -152,9 +152,6 @@ fn describe_errors(bits: u32) -> String {
     if bits & 4 != 0 {
         parts.push("kv_store: a cache row is outside the cache");
     }
-    if bits & 8 != 0 {
-        parts.push("attention_cached: a query reads an empty or out-of-cache range");
-    }
     if bits & 16 != 0 {
         parts.push("logprob: a target token is outside the vocabulary");
     }

@@ -13,7 +13,7 @@
 //! | `rmsnorm` | rmsnorm, rmsnorm_backward |
 //! | `rope` | rope, rope_backward, rope_store_kv, rope_store_kv_packed |
 //! | `swiglu` | swiglu, swiglu_packed, swiglu_backward |
-//! | `attention` | attention, attention_backward, attention_cached |
+//! | `attention` | attention, attention_backward |
 //! | `paged_attention` | attention_paged, attention_paged_rope, attention_paged_tiled |
 //! | `logprob` | logprob, logprob_backward |
 //! | `ppo_loss` | ppo_clip_loss |
@@ -147,7 +147,7 @@ mod tests {
             "rmsnorm",
             "rope",
             "attention",
-            "attention_cached",
+            "kv_store",
             "swiglu",
             "gather_rows",
             "logprob",

@@ -13,8 +13,7 @@
 // ops/paged_attention) read keys and values through block tables as paged_attention.cu does.
 // Launch (grids are noted above each kernel): the scalar kernels, NT = 256 threads over tiles of
 // TILE rows (64, or 32 past head_dim 128); the tensor-core kernels, 128 threads (4 warps of 16
-// rows); the cached kernel, NW = 4 warps per (query, head). The tiled kernels take dynamic
-// shared memory (sizes in ops/attention/cuda.rs).
+// rows). The tiled kernels take dynamic shared memory (sizes in ops/attention/cuda.rs).
 // Determinism: no atomics; every sum runs in a fixed order (keys in tile order, dK/dV per key
 // tile over the queries in order, the per-head dK/dV of the tensor-core path summed over each
 // group in order): the same bits on every run. A row's result depends on its own sequence only.
@@ -30,8 +29,6 @@
 #define CPT ((HD + 15) / 16) // head-dim columns per thread
 #define LDS (HD + 1)         // padded row stride of [TILE][HD] tiles (no bank conflicts)
 #define LDP (TILE + 1)       // padded row stride of [TILE][TILE] tiles
-#define NW 4                 // warps per block of the cached (decode) kernel
-#define CPW ((HD + 31) / 32) // head-dim columns per lane in the cached kernel
 
 // Max (or sum) over the 16 lanes that share ty (xor offsets below 16 stay inside the half-warp).
 DEVI float max16(float v) {
@@ -331,72 +328,6 @@ extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dq_k(
             int col = tx + 16 * c;
             if (col < HD) st(dq, dqbf, base + col, acc[a][c] * scale);
         }
-    }
-}
-
-// Attention against a KV cache: o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
-// Grid: (queries, heads); NW warps each take every NW-th key with lanes over the head dims,
-// then merge their partial softmax states. A bad range raises ERR_CACHE_RANGE and writes NaN.
-extern "C" __global__ void __launch_bounds__(NW * 32) attn_cached_k(
-    void* o, int obf, const void* q, int qbf, const void* kc, int kcbf, const void* vc, int vcbf,
-    const u32* base, const u32* len, int queries, int heads, int kv_heads, i64 cache_rows, float scale,
-    u32* err) {
-    __shared__ float m_s[NW], l_s[NW], acc_s[NW][HD];
-    int i = blockIdx.x, h = blockIdx.y, kh = h / (heads / kv_heads);
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    if (i >= queries) return;
-    i64 b = base[i], L = len[i];
-    i64 qoff = ((i64)i * heads + h) * HD, kstride = (i64)kv_heads * HD;
-    if (L == 0 || b + L > cache_rows) {
-        if (threadIdx.x == 0) atomicOr(err, ERR_CACHE_RANGE);
-        for (int d = threadIdx.x; d < HD; d += NW * 32) st(o, obf, qoff + d, __int_as_float(0x7fc00000));
-        return;
-    }
-    float qr[CPW], acc[CPW];
-#pragma unroll
-    for (int c = 0; c < CPW; c++) {
-        int d = lane + 32 * c;
-        qr[c] = d < HD ? ld(q, qbf, qoff + d) : 0.0f;
-        acc[c] = 0.0f;
-    }
-    float m = NEG_INF, l = 0.0f;
-    for (i64 j = w; j < L; j += NW) {
-        i64 roff = (b + j) * kstride + (i64)kh * HD;
-        float s = 0.0f;
-#pragma unroll
-        for (int c = 0; c < CPW; c++) {
-            int d = lane + 32 * c;
-            if (d < HD) s += qr[c] * ld(kc, kcbf, roff + d);
-        }
-        s = warp_sum(s) * scale;
-        float mnew = fmaxf(m, s);
-        float corr = expf(m - mnew), p = expf(s - mnew);
-        l = l * corr + p;
-#pragma unroll
-        for (int c = 0; c < CPW; c++) {
-            int d = lane + 32 * c;
-            acc[c] = acc[c] * corr + (d < HD ? p * ld(vc, vcbf, roff + d) : 0.0f);
-        }
-        m = mnew;
-    }
-    if (lane == 0) {
-        m_s[w] = m;
-        l_s[w] = l;
-    }
-#pragma unroll
-    for (int c = 0; c < CPW; c++) {
-        int d = lane + 32 * c;
-        if (d < HD) acc_s[w][d] = acc[c];
-    }
-    __syncthreads();
-    float mm = NEG_INF;
-    for (int x = 0; x < NW; x++) mm = fmaxf(mm, m_s[x]);
-    float tot = 0.0f;
-    for (int x = 0; x < NW; x++) tot += m_s[x] == NEG_INF ? 0.0f : l_s[x] * expf(m_s[x] - mm);
-    for (int d = threadIdx.x; d < HD; d += NW * 32) {
-        float s = 0.0f;
-        for (int x = 0; x < NW; x++) s += m_s[x] == NEG_INF ? 0.0f : acc_s[x][d] * expf(m_s[x] - mm);
-        st(o, obf, qoff + d, s / tot);
     }
 }
 

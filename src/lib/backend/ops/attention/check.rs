@@ -1,6 +1,5 @@
 //! GPU checks of the training attention (forward and backward, tensor-core and scalar paths,
-//! awkward sequence lengths and head layouts) and of kv_store with attention against a cache,
-//! and the training attention's timings.
+//! awkward sequence lengths and head layouts), and its timings.
 
 use anyhow::Result;
 
@@ -8,16 +7,10 @@ use crate::backend::check::gpu::{round, tols, Case, Ctx};
 use crate::backend::check::timing::{shape, Timer, Timing};
 use crate::backend::prelude::*;
 
-pub const CASES: &[Case] = &[
-    Case {
-        name: "attention",
-        run: attention,
-    },
-    Case {
-        name: "attention_cached",
-        run: cached,
-    },
-];
+pub const CASES: &[Case] = &[Case {
+    name: "attention",
+    run: attention,
+}];
 
 pub const TIMINGS: &[Timing] = &[Timing {
     name: "attention",
@@ -120,62 +113,6 @@ fn attention_cases(c: &mut Ctx, d: DType, mma: bool) -> Result<()> {
     attention_case(c, d, mma, &[100, 77], 8, 8, 128)?;
     attention_case(c, d, mma, &[50, 21], 3, 1, 96)?;
     attention_case(c, d, mma, &[70], 2, 1, 256)
-}
-
-fn cached(c: &mut Ctx, d: DType) -> Result<()> {
-    let (t1, _) = tols(d);
-    let (heads, kv, hd, cache_rows, n) = (8, 2, 64, 500, 40);
-    let row = kv * hd;
-    let kc0 = c.randn(cache_rows * row, 1.0, d);
-    let vc0 = c.randn(cache_rows * row, 1.0, d);
-    let knew = c.randn(n * row, 1.0, d);
-    let vnew = c.randn(n * row, 1.0, d);
-    // Distinct rows: a random sample of the cache.
-    let rows = c.rng.distinct(n, cache_rows);
-    let (mut kcc, mut vcc) = (kc0.clone(), vc0.clone());
-    c.cpu
-        .kv_store(&mut kcc, &mut vcc, &knew, &vnew, &rows, n, row)?;
-    let (mut gkc, mut gvc) = (c.dev(&kc0, d)?, c.dev(&vc0, d)?);
-    let gr = c.idx(&rows)?;
-    c.gpu.kv_store(
-        &mut gkc,
-        &mut gvc,
-        &c.dev(&knew, d)?,
-        &c.dev(&vnew, d)?,
-        &gr,
-        n,
-        row,
-    )?;
-    c.check("kv_store k", d, &gkc, &kcc, false, 0.0)?;
-    c.check("kv_store v", d, &gvc, &vcc, false, 0.0)?;
-    let queries = 12;
-    let (mut base, mut len) = (vec![], vec![]);
-    for _ in 0..queries {
-        let l = 1 + c.rng.below(300);
-        base.push(c.rng.below(cache_rows - l + 1) as u32);
-        len.push(l as u32);
-    }
-    let s = CachedAttnShape {
-        queries,
-        heads,
-        kv_heads: kv,
-        head_dim: hd,
-    };
-    let q = c.randn(queries * heads * hd, 1.0, d);
-    let mut oc = vec![0.0; queries * heads * hd];
-    c.cpu
-        .attention_cached(&mut oc, &q, &kcc, &vcc, &base, &len, s)?;
-    let mut go = c.poisoned(oc.len(), d)?;
-    c.gpu.attention_cached(
-        &mut go,
-        &c.dev(&q, d)?,
-        &gkc,
-        &gvc,
-        &c.idx(&base)?,
-        &c.idx(&len)?,
-        s,
-    )?;
-    c.check("attention_cached", d, &go, &oc, true, t1)
 }
 
 /// Forward and backward over 8 packed sequences of 640, on the tensor cores and on the scalar

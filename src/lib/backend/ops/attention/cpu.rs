@@ -1,12 +1,11 @@
-//! Causal grouped-query attention over packed variable-length sequences (no padding), its
-//! backward, and the KV-cache variant used for generation. Like flash attention, the forward
-//! keeps only the log-sum-exp per query and head (online softmax, never a T×T matrix), and the
-//! backward recomputes the probabilities from it.
+//! Causal grouped-query attention over packed variable-length sequences (no padding) and its
+//! backward. Like flash attention, the forward keeps only the log-sum-exp per query and head
+//! (online softmax, never a T×T matrix), and the backward recomputes the probabilities from it.
 
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{AttentionOps, AttnShape, CachedAttnShape};
+use super::{AttentionOps, AttnShape};
 use crate::backend::cpu::{get, get_mut, Cpu, SharedMut};
 
 /// Σ a·b with independent partial sums so the loop vectorises.
@@ -181,52 +180,6 @@ pub fn backward(
     Ok(())
 }
 
-/// o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
-pub fn cached(
-    o: &mut [f32],
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    base: &[u32],
-    len: &[u32],
-    s: CachedAttnShape,
-) -> Result<()> {
-    let group = check_heads(s.heads, s.kv_heads)?;
-    let (d, qrow, krow) = (s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    if qrow == 0 {
-        return Ok(());
-    }
-    let rows = k_cache.len().min(v_cache.len()) / krow.max(1);
-    for i in 0..s.queries {
-        let (b, l) = (base[i] as usize, len[i] as usize);
-        if l == 0 || b + l > rows {
-            bail!(
-                "attention_cached: query {i} reads cache rows {b}..{} of {rows}",
-                b + l
-            );
-        }
-    }
-    let scale = 1.0 / (d as f32).sqrt();
-    o.par_chunks_mut(qrow).enumerate().for_each(|(i, orow)| {
-        let (b, l) = (base[i] as usize, len[i] as usize);
-        for h in 0..s.heads {
-            let qi = &q[i * qrow + h * d..i * qrow + (h + 1) * d];
-            let out = &mut orow[h * d..(h + 1) * d];
-            attend_one(
-                out,
-                qi,
-                k_cache,
-                v_cache,
-                b..b + l,
-                krow,
-                (h / group) * d,
-                scale,
-            );
-        }
-    });
-    Ok(())
-}
-
 impl AttentionOps for Cpu {
     fn attention(
         &self,
@@ -283,27 +236,6 @@ impl AttentionOps for Cpu {
             get(o, qn, "attention o")?,
             get(lse, s.tokens * s.heads, "attention lse")?,
             get(cu_seqlens, s.seqs + 1, "attention cu_seqlens")?,
-            s,
-        )
-    }
-    fn attention_cached(
-        &self,
-        o: &mut Vec<f32>,
-        q: &Vec<f32>,
-        k_cache: &Vec<f32>,
-        v_cache: &Vec<f32>,
-        base: &Vec<u32>,
-        len: &Vec<u32>,
-        s: CachedAttnShape,
-    ) -> Result<()> {
-        let qn = s.queries * s.heads * s.head_dim;
-        cached(
-            get_mut(o, qn, "attention o")?,
-            get(q, qn, "attention q")?,
-            k_cache,
-            v_cache,
-            get(base, s.queries, "attention base")?,
-            get(len, s.queries, "attention len")?,
             s,
         )
     }

@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 
-use super::{AttentionOps, AttnShape, CachedAttnShape};
+use super::{AttentionOps, AttnShape};
 use crate::backend::cuda::nvrtc::{attention_tile, Family};
 use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx, THREADS};
 use crate::backend::{DType, Device};
@@ -316,60 +316,6 @@ impl AttentionOps for CudaBackend {
                 &h,
                 &kh,
                 &scale,
-            ],
-        )
-    }
-    fn attention_cached(
-        &self,
-        o: &mut CudaBuf,
-        q: &CudaBuf,
-        k_cache: &CudaBuf,
-        v_cache: &CudaBuf,
-        base: &CudaIdx,
-        len: &CudaIdx,
-        s: CachedAttnShape,
-    ) -> Result<()> {
-        let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
-        let qn = s.queries * s.heads * s.head_dim;
-        need(o.len, qn, "attention_cached o")?;
-        need(q.len, qn, "attention_cached q")?;
-        need(base.len, s.queries, "attention_cached base")?;
-        need(len.len, s.queries, "attention_cached len")?;
-        if s.queries == 0 {
-            return Ok(());
-        }
-        let f = self.func(KERNELS, hd, "attn_cached_k")?;
-        let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
-        let (nq, h, kh) = (
-            i32_of(s.queries, "queries")?,
-            s.heads as i32,
-            s.kv_heads as i32,
-        );
-        let cache_rows = (k_cache.len.min(v_cache.len) / (s.kv_heads * hd)) as i64;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let err = self.err_ptr();
-        self.launch(
-            &f,
-            (s.queries as u32, s.heads as u32, 1),
-            128,
-            0,
-            &[
-                &o.ptr,
-                &obf,
-                &q.ptr,
-                &qbf,
-                &k_cache.ptr,
-                &kbf,
-                &v_cache.ptr,
-                &vbf,
-                &base.ptr,
-                &len.ptr,
-                &nq,
-                &h,
-                &kh,
-                &cache_rows,
-                &scale,
-                &err,
             ],
         )
     }

@@ -1,10 +1,10 @@
-//! Causal GQA attention over packed variable-length sequences (the training forward and its
-//! backward, flash style: never a T×T matrix), and attention against a contiguous KV cache.
+//! Causal GQA attention over packed variable-length sequences: the training forward and its
+//! backward, flash style (never a T×T matrix).
 //!
 //! Files: `cpu.rs` (the reference), `cuda.rs`, `attention.cu` (scalar tiles, tensor-core tiles,
 //! and the paged engine's batch-invariant and prefill kernels that reuse the training forward's
-//! tiles, launched from `ops/paged_attention`), `check.rs` (the `attention` and
-//! `attention_cached` GPU cases; forward and backward timed at the training micro-batch).
+//! tiles, launched from `ops/paged_attention`), `check.rs` (the `attention` GPU
+//! case; forward and backward timed at the training micro-batch).
 
 pub mod check;
 pub mod cpu;
@@ -21,17 +21,6 @@ pub struct AttnShape {
     pub tokens: usize,
     /// Number of packed sequences (`cu_seqlens` has `seqs + 1` entries).
     pub seqs: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
-
-/// Shape of an attention call against a KV cache: query `i` attends to cache rows
-/// `base[i] .. base[i] + len[i]` (its own key is the last of them).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CachedAttnShape {
-    /// Number of query rows.
-    pub queries: usize,
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
@@ -68,17 +57,5 @@ pub trait AttentionOps: Device {
         lse: &Self::Buf,
         cu_seqlens: &Self::Idx,
         shape: AttnShape,
-    ) -> Result<()>;
-    /// Attention against a cache: o_i = Σ_{j<len[i]} softmax_j(q_i·K[base[i]+j]/√d) V[base[i]+j].
-    #[allow(clippy::too_many_arguments)]
-    fn attention_cached(
-        &self,
-        o: &mut Self::Buf,
-        q: &Self::Buf,
-        k_cache: &Self::Buf,
-        v_cache: &Self::Buf,
-        base: &Self::Idx,
-        len: &Self::Idx,
-        shape: CachedAttnShape,
     ) -> Result<()>;
 }

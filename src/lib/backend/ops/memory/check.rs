@@ -1,5 +1,5 @@
-//! GPU checks of the memory ops (and of the device's transfers, copies and `alloc_parts` views),
-//! and the timing of the f32 → bf16 weight copy.
+//! GPU checks of the memory ops (and of the device's transfers, copies and `alloc_parts`
+//! views), and the timing of the f32 → bf16 weight copy.
 
 use anyhow::{anyhow, Result};
 
@@ -16,6 +16,10 @@ pub const CASES: &[Case] = &[
     Case {
         name: "gather_rows",
         run: gather,
+    },
+    Case {
+        name: "kv_store",
+        run: kv_store,
     },
     Case {
         name: "alloc_parts",
@@ -91,6 +95,33 @@ fn gather(c: &mut Ctx, d: DType) -> Result<()> {
     c.gpu
         .scatter_add_rows(&mut gdx, &c.dev(&dout, d)?, &gr, n, dim)?;
     c.check("scatter_add_rows", d, &gdx, &dxc, false, tols(d).0)
+}
+
+/// A step's keys and values stored into distinct random rows of a cache (bit for bit).
+fn kv_store(c: &mut Ctx, d: DType) -> Result<()> {
+    let (kv, hd, cache_rows, n) = (2, 64, 500, 40);
+    let row = kv * hd;
+    let kc0 = c.randn(cache_rows * row, 1.0, d);
+    let vc0 = c.randn(cache_rows * row, 1.0, d);
+    let knew = c.randn(n * row, 1.0, d);
+    let vnew = c.randn(n * row, 1.0, d);
+    let rows = c.rng.distinct(n, cache_rows);
+    let (mut kcc, mut vcc) = (kc0.clone(), vc0.clone());
+    c.cpu
+        .kv_store(&mut kcc, &mut vcc, &knew, &vnew, &rows, n, row)?;
+    let (mut gkc, mut gvc) = (c.dev(&kc0, d)?, c.dev(&vc0, d)?);
+    let gr = c.idx(&rows)?;
+    c.gpu.kv_store(
+        &mut gkc,
+        &mut gvc,
+        &c.dev(&knew, d)?,
+        &c.dev(&vnew, d)?,
+        &gr,
+        n,
+        row,
+    )?;
+    c.check("kv_store k", d, &gkc, &kcc, false, 0.0)?;
+    c.check("kv_store v", d, &gvc, &vcc, false, 0.0)
 }
 
 /// The refresh of the bf16 compute weights from the f32 masters after an optimizer step.

@@ -5,8 +5,8 @@
 //! `Device::copy`).
 //!
 //! Files: `cpu.rs` (the reference), `cuda.rs` (launchers), `memory.cu`, `check.rs` (the
-//! `memory` and `gather_rows` GPU cases, which also cover the device's transfers and copies,
-//! and `alloc_parts`, the device's views into one buffer).
+//! `memory`, `gather_rows` and `kv_store` GPU cases, which also cover the device's transfers
+//! and copies, and `alloc_parts`, the device's views into one buffer).
 
 pub mod check;
 pub mod cpu;

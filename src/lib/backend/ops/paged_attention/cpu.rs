@@ -14,8 +14,8 @@ fn row_of(table: &[u32], bs: usize, p: usize) -> usize {
 }
 
 /// o_i = Σ_{p<len[i]} softmax_p(q_i·K[row(p)]/√d) V[row(p)] (online softmax, the same
-/// arithmetic in the same order as `attention::cached`, so a paged cache gives bit-identical
-/// outputs to a contiguous one).
+/// arithmetic in the same order as the packed training forward `attention::cpu::forward`, so a
+/// token gets the same bits from a paged cache as from training).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     o: &mut [f32],
@@ -125,50 +125,55 @@ mod tests {
     use super::*;
     use crate::backend::check::randn;
     use crate::backend::ops::attention::cpu as attention;
-    use crate::backend::CachedAttnShape;
+    use crate::backend::AttnShape;
 
+    /// Each query against its paged prefix gets exactly the packed training forward's bits
+    /// at that token (the same online softmax in the same order).
     #[test]
-    fn paged_equals_contiguous_cache_bit_for_bit() {
+    fn paged_equals_the_packed_forward_bit_for_bit() {
         // 2 sequences of 7 and 3 positions, block size 4, GQA 4 heads over 2 kv heads.
         let (h, kh, d, bs) = (4, 2, 8, 4);
         let krow = kh * d;
         let lens = [7usize, 3];
-        // Contiguous: sequence s at rows s*8... ; paged: blocks scattered.
-        let contiguous_k = randn(16 * krow, 51);
-        let contiguous_v = randn(16 * krow, 52);
+        let starts = [0usize, 7];
+        let tokens = 10;
+        // Packed: sequence s at rows starts[s]..; paged: blocks scattered.
+        let packed_k = randn(tokens * krow, 51);
+        let packed_v = randn(tokens * krow, 52);
         let tables = [[3u32, 0], [1, 2]];
         let mut pk = vec![0.0; 4 * bs * krow];
         let mut pv = vec![0.0; 4 * bs * krow];
         for (s, &l) in lens.iter().enumerate() {
             for p in 0..l {
-                let (src, dst) = (s * 8 + p, row_of(&tables[s], bs, p));
+                let (src, dst) = (starts[s] + p, row_of(&tables[s], bs, p));
                 pk[dst * krow..(dst + 1) * krow]
-                    .copy_from_slice(&contiguous_k[src * krow..(src + 1) * krow]);
+                    .copy_from_slice(&packed_k[src * krow..(src + 1) * krow]);
                 pv[dst * krow..(dst + 1) * krow]
-                    .copy_from_slice(&contiguous_v[src * krow..(src + 1) * krow]);
+                    .copy_from_slice(&packed_v[src * krow..(src + 1) * krow]);
             }
         }
-        // Queries: every prefix length of each sequence.
-        let (mut seq, mut len, mut base) = (vec![], vec![], vec![]);
+        // Queries: every token, against its prefix (in packed order).
+        let (mut seq, mut len) = (vec![], vec![]);
         for (s, &l) in lens.iter().enumerate() {
             for p in 1..=l {
                 seq.push(s as u32);
                 len.push(p as u32);
-                base.push((s * 8) as u32);
             }
         }
         let nq = seq.len();
         let q = randn(nq * h * d, 53);
         let mut want = vec![0.0; nq * h * d];
-        attention::cached(
+        let mut lse = vec![0.0; nq * h];
+        attention::forward(
             &mut want,
+            &mut lse,
             &q,
-            &contiguous_k,
-            &contiguous_v,
-            &base,
-            &len,
-            CachedAttnShape {
-                queries: nq,
+            &packed_k,
+            &packed_v,
+            &[0, 7, 10],
+            AttnShape {
+                tokens,
+                seqs: 2,
                 heads: h,
                 kv_heads: kh,
                 head_dim: d,

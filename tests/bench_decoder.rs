@@ -179,10 +179,12 @@ fn bench_gemms_05b_decode16() {
         let (x, w) = (randn(m * k, 1), randn(n * k, 2));
         let mut y = vec![0.0; m * n];
         let reps = (2_000_000_000 / (2 * m * k * n)).clamp(3, 500);
-        b.matmul(&mut y, &x, &w, None, m, k, n, false).unwrap();
+        b.matmul(&mut y, &x, &w, None, MatmulShape { m, k, n }, false)
+            .unwrap();
         let r = timed(2 * m * k * n * reps, || {
             for _ in 0..reps {
-                b.matmul(&mut y, &x, &w, None, m, k, n, false).unwrap();
+                b.matmul(&mut y, &x, &w, None, MatmulShape { m, k, n }, false)
+                    .unwrap();
             }
         });
         eprintln!(

@@ -48,15 +48,28 @@ fn matmul_backward() {
     let r = randn(m * n, 4);
     let fwd = |x: &[Vec<f32>]| {
         let mut y = vec![0.0; m * n];
-        b.matmul(&mut y, &x[0], &x[1], Some(&x[2]), m, k, n, false)
-            .unwrap();
+        b.matmul(
+            &mut y,
+            &x[0],
+            &x[1],
+            Some(&x[2]),
+            MatmulShape { m, k, n },
+            false,
+        )
+        .unwrap();
         dot(&y, &r)
     };
     let (mut dx, mut dw, mut db) = (vec![0.0; m * k], vec![0.0; n * k], vec![0.0; n]);
-    b.matmul_backward_x(&mut dx, &r, &inputs[1], m, k, n, false)
+    b.matmul_backward_x(&mut dx, &r, &inputs[1], MatmulShape { m, k, n }, false)
         .unwrap();
-    b.matmul_backward_w(&mut dw, Some(&mut db), &r, &inputs[0], m, k, n)
-        .unwrap();
+    b.matmul_backward_w(
+        &mut dw,
+        Some(&mut db),
+        &r,
+        &inputs[0],
+        MatmulShape { m, k, n },
+    )
+    .unwrap();
     check("matmul", &inputs, &[dx, dw, db], &fwd);
 }
 
@@ -82,27 +95,49 @@ fn embedding_backward() {
 fn rmsnorm_backward_and_accumulate() {
     let b = Cpu;
     let (rows, d) = (4, 6);
+    let s = RmsNormShape {
+        rows,
+        dim: d,
+        eps: 1e-5,
+    };
     let inputs = vec![randn(rows * d, 7), randn(d, 8)];
     let r = randn(rows * d, 9);
     let fwd = |x: &[Vec<f32>]| {
         let (mut y, mut rs) = (vec![0.0; rows * d], vec![0.0; rows]);
-        b.rmsnorm(&mut y, &mut rs, &x[0], &x[1], rows, d, 1e-5)
-            .unwrap();
+        b.rmsnorm(&mut y, &mut rs, &x[0], &x[1], s).unwrap();
         dot(&y, &r)
     };
     let (mut y, mut rstd) = (vec![0.0; rows * d], vec![0.0; rows]);
-    b.rmsnorm(&mut y, &mut rstd, &inputs[0], &inputs[1], rows, d, 1e-5)
+    b.rmsnorm(&mut y, &mut rstd, &inputs[0], &inputs[1], s)
         .unwrap();
     let (mut dx, mut dw) = (vec![0.0; rows * d], vec![0.0; d]);
     b.rmsnorm_backward(
-        &mut dx, &mut dw, &r, &inputs[0], &inputs[1], &rstd, rows, d, false,
+        &mut dx,
+        &mut dw,
+        &r,
+        RmsNormSaved {
+            x: &inputs[0],
+            w: &inputs[1],
+            rstd: &rstd,
+        },
+        s,
+        false,
     )
     .unwrap();
     check("rmsnorm", &inputs, &[dx.clone(), dw.clone()], &fwd);
     // accumulate = true adds onto dx; dw always accumulates.
     let mut dx2 = vec![1.0; rows * d];
     b.rmsnorm_backward(
-        &mut dx2, &mut dw, &r, &inputs[0], &inputs[1], &rstd, rows, d, true,
+        &mut dx2,
+        &mut dw,
+        &r,
+        RmsNormSaved {
+            x: &inputs[0],
+            w: &inputs[1],
+            rstd: &rstd,
+        },
+        s,
+        true,
     )
     .unwrap();
     for i in 0..dx.len() {

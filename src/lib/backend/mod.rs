@@ -35,11 +35,11 @@ pub use ops::adamw::{AdamWOps, AdamWStep};
 pub use ops::attention::{AttentionOps, AttnShape};
 pub use ops::embedding::EmbeddingOps;
 pub use ops::logprob::{LogprobOps, LogprobShape};
-pub use ops::matmul::MatmulOps;
+pub use ops::matmul::{MatmulOps, MatmulShape};
 pub use ops::memory::MemoryOps;
 pub use ops::paged_attention::{PagedAttentionOps, PagedAttnShape, PAGED_TILE_ROWS};
 pub use ops::ppo_loss::{PpoLossOps, PpoShape, PPO_STATS};
-pub use ops::rmsnorm::RmsNormOps;
+pub use ops::rmsnorm::{RmsNormOps, RmsNormSaved, RmsNormShape};
 pub use ops::rope::RopeOps;
 pub use ops::sample::SampleOps;
 pub use ops::swiglu::SwigluOps;
@@ -84,7 +84,8 @@ impl<T> Backend for T where
 pub mod prelude {
     pub use super::{
         AdamWOps, AdamWStep, AttentionOps, AttnShape, Backend, DType, Device, EmbeddingOps,
-        LogprobOps, LogprobShape, MatmulOps, MemoryOps, PagedAttentionOps, PagedAttnShape,
-        PpoLossOps, PpoShape, RmsNormOps, RopeOps, SampleOps, SwigluOps,
+        LogprobOps, LogprobShape, MatmulOps, MatmulShape, MemoryOps, PagedAttentionOps,
+        PagedAttnShape, PpoLossOps, PpoShape, RmsNormOps, RmsNormSaved, RmsNormShape, RopeOps,
+        SampleOps, SwigluOps,
     };
 }

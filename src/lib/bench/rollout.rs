@@ -9,7 +9,7 @@
 use super::cpu_engine::shape;
 use super::report;
 use crate::backend::ops::sample::{sample_key, uniform, Sampled, SamplingParams};
-use crate::backend::{Backend, DType, PagedAttnShape};
+use crate::backend::{Backend, DType, MatmulShape, PagedAttnShape};
 use crate::engine::paged::{
     generate_paged, Chunk, GenParams, GraphMode, PagedConfig, PagedDecoder, PagedModel, Request,
     SampleRow, DEFAULT_BLOCK_SIZE,
@@ -137,7 +137,20 @@ fn peaks<B: Backend>(b: &B) -> Result<(f64, f64)> {
     let w = b.alloc_as(n_gemm * n_gemm, DType::BF16)?;
     let mut y = b.alloc_as(n_gemm * n_gemm, DType::BF16)?;
     b.fill(&mut y, 0, 0.0)?;
-    let s = time(&mut || b.matmul(&mut y, &x, &w, None, n_gemm, n_gemm, n_gemm, false))?;
+    let s = time(&mut || {
+        b.matmul(
+            &mut y,
+            &x,
+            &w,
+            None,
+            MatmulShape {
+                m: n_gemm,
+                k: n_gemm,
+                n: n_gemm,
+            },
+            false,
+        )
+    })?;
     Ok((bw, 2.0 * (n_gemm as f64).powi(3) / s))
 }
 
@@ -268,19 +281,58 @@ fn breakdown<B: Backend>(
     let mut y = b.alloc(rows * v)?;
     out.push((
         format!("LM head GEMM [{rows} x {d}] x [{d} x {v}]"),
-        ms(b, || b.matmul(&mut y, &x, &w, None, rows, d, v, false))?,
+        ms(b, || {
+            b.matmul(
+                &mut y,
+                &x,
+                &w,
+                None,
+                MatmulShape {
+                    m: rows,
+                    k: d,
+                    n: v,
+                },
+                false,
+            )
+        })?,
     ));
     let f = cfg.intermediate_size;
     let wu = b.alloc_as(2 * f * d, cd)?;
     let mut h = b.alloc_as(rows * 2 * f, cd)?;
     out.push((
         format!("MLP up GEMM [{rows} x {d}] x [{d} x {f}]"),
-        ms(b, || b.matmul(&mut h, &x, &wu, None, rows, d, f, false))?,
+        ms(b, || {
+            b.matmul(
+                &mut h,
+                &x,
+                &wu,
+                None,
+                MatmulShape {
+                    m: rows,
+                    k: d,
+                    n: f,
+                },
+                false,
+            )
+        })?,
     ));
     // What fusing the projections that share an input would give (weights side by side).
     out.push((
         format!("gate+up as one GEMM [{rows} x {d}] x [{d} x {}]", 2 * f),
-        ms(b, || b.matmul(&mut h, &x, &wu, None, rows, d, 2 * f, false))?,
+        ms(b, || {
+            b.matmul(
+                &mut h,
+                &x,
+                &wu,
+                None,
+                MatmulShape {
+                    m: rows,
+                    k: d,
+                    n: 2 * f,
+                },
+                false,
+            )
+        })?,
     ));
     let (qd, kd) = (
         cfg.num_heads * cfg.head_dim,
@@ -289,15 +341,59 @@ fn breakdown<B: Backend>(
     out.push((
         format!("q, k, v GEMMs [{rows} x {d}] x [{d} x {qd}|{kd}|{kd}]"),
         ms(b, || {
-            b.matmul(&mut h, &x, &wu, None, rows, d, qd, false)?;
-            b.matmul(&mut h, &x, &wu, None, rows, d, kd, false)?;
-            b.matmul(&mut h, &x, &wu, None, rows, d, kd, false)
+            b.matmul(
+                &mut h,
+                &x,
+                &wu,
+                None,
+                MatmulShape {
+                    m: rows,
+                    k: d,
+                    n: qd,
+                },
+                false,
+            )?;
+            b.matmul(
+                &mut h,
+                &x,
+                &wu,
+                None,
+                MatmulShape {
+                    m: rows,
+                    k: d,
+                    n: kd,
+                },
+                false,
+            )?;
+            b.matmul(
+                &mut h,
+                &x,
+                &wu,
+                None,
+                MatmulShape {
+                    m: rows,
+                    k: d,
+                    n: kd,
+                },
+                false,
+            )
         })?,
     ));
     out.push((
         format!("qkv as one GEMM [{rows} x {d}] x [{d} x {}]", qd + 2 * kd),
         ms(b, || {
-            b.matmul(&mut h, &x, &wu, None, rows, d, qd + 2 * kd, false)
+            b.matmul(
+                &mut h,
+                &x,
+                &wu,
+                None,
+                MatmulShape {
+                    m: rows,
+                    k: d,
+                    n: qd + 2 * kd,
+                },
+                false,
+            )
         })?,
     ));
     Ok(out)

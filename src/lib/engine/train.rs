@@ -554,7 +554,6 @@ fn ppo_tokens(
 
 /// The loss of one micro-batch (rows `idx`, current stats `stats`) and the token offsets of
 /// its rows.
-#[allow(clippy::too_many_arguments)]
 fn micro_loss(
     cfg: &TrainConfig,
     data: &TrainData,

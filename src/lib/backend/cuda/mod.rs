@@ -34,7 +34,7 @@ use half::bf16;
 use self::gemm::{Gemm, GemmCall, Operand};
 use self::nvrtc::{Family, KernelCache};
 use self::pool::{Block, Pool};
-use super::{DType, Device, MemoryStats, Parts};
+use super::{DType, Device, MatmulShape, MemoryStats, Parts};
 use crate::error::input_error;
 
 /// The device's own kernels: type conversion (copies between f32 and bf16, GEMM operands) and
@@ -467,18 +467,16 @@ impl CudaBackend {
     }
 
     /// y[m,n] (= or +=) x[m,k]·w[n,k]ᵀ (+ b[n]) on device addresses (row-major).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_xwt(
         &self,
         y: Operand,
         x: Operand,
         w: Operand,
         b: Option<Operand>,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
         accumulate: bool,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         // Column-major: yᵀ[n,m] = (w as k×n)ᵀ · (x as k×m).
         let call = GemmCall {
             transa: true,
@@ -500,17 +498,15 @@ impl CudaBackend {
     }
 
     /// dx[m,k] (= or +=) dy[m,n]·w[n,k] (row-major).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_dyw(
         &self,
         dx: Operand,
         dy: Operand,
         w: Operand,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
         accumulate: bool,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         // Column-major: dxᵀ[k,m] = (w as k×n) · (dy as n×m).
         let call = GemmCall {
             transa: false,
@@ -537,10 +533,9 @@ impl CudaBackend {
         dw: Operand,
         dy: Operand,
         x: Operand,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         // Column-major: dwᵀ[k,n] = (x as k×m) · (dy as n×m)ᵀ.
         let call = GemmCall {
             transa: false,

@@ -6,7 +6,10 @@ use anyhow::{ensure, Result};
 
 use super::forward::AttnMode;
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
-use crate::backend::{AttnShape, Backend, DType, LogprobShape, PpoShape, PPO_STATS};
+use crate::backend::{
+    AttnShape, Backend, DType, LogprobShape, MatmulShape, PpoShape, RmsNormSaved, RmsNormShape,
+    PPO_STATS,
+};
 
 impl<B: Backend> Decoder<B> {
     fn ensure_grads(&mut self) -> Result<()> {
@@ -182,7 +185,7 @@ impl<B: Backend> Decoder<B> {
             cfg.num_kv_heads,
             cfg.head_dim,
         );
-        let (qd, kd, theta) = (hh * hd, kh * hd, cfg.rope_theta);
+        let (qd, kd, theta, eps) = (hh * hd, kh * hd, cfg.rope_theta, cfg.rms_norm_eps);
         let shape = LogprobShape {
             rows: r,
             hidden: d,
@@ -207,11 +210,16 @@ impl<B: Backend> Decoder<B> {
             &mut gw.dxg,
             &mut g[*final_norm],
             &gw.dxf,
-            &ws.xg,
-            &w[*final_norm],
-            &ws.rstd_f,
-            r,
-            d,
+            RmsNormSaved {
+                x: &ws.xg,
+                w: &w[*final_norm],
+                rstd: &ws.rstd_f,
+            },
+            RmsNormShape {
+                rows: r,
+                dim: d,
+                eps,
+            },
             false,
         )?;
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
@@ -226,22 +234,63 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &gw.d_resid
             };
-            b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, n, f, d)?;
-            b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], n, f, d, false)?;
+            b.matmul_backward_w(
+                &mut g[ly.down],
+                None,
+                dres,
+                &a.h,
+                MatmulShape { m: n, k: f, n: d },
+            )?;
+            b.matmul_backward_x(
+                &mut gw.dh,
+                dres,
+                &w[ly.down],
+                MatmulShape { m: n, k: f, n: d },
+                false,
+            )?;
             b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
-            b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, n, d, f)?;
-            b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, n, d, f)?;
-            b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], n, d, f, false)?;
-            b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], n, d, f, true)?;
+            b.matmul_backward_w(
+                &mut g[ly.gate],
+                None,
+                &gw.dg,
+                &a.xn2,
+                MatmulShape { m: n, k: d, n: f },
+            )?;
+            b.matmul_backward_w(
+                &mut g[ly.up],
+                None,
+                &gw.du,
+                &a.xn2,
+                MatmulShape { m: n, k: d, n: f },
+            )?;
+            b.matmul_backward_x(
+                &mut gw.d_xn,
+                &gw.dg,
+                &w[ly.gate],
+                MatmulShape { m: n, k: d, n: f },
+                false,
+            )?;
+            b.matmul_backward_x(
+                &mut gw.d_xn,
+                &gw.du,
+                &w[ly.up],
+                MatmulShape { m: n, k: d, n: f },
+                true,
+            )?;
             b.rmsnorm_backward(
                 &mut gw.d_resid,
                 &mut g[ly.post_norm],
                 &gw.d_xn,
-                &ws.resid[2 * l + 1],
-                &w[ly.post_norm],
-                &a.rstd2,
-                n,
-                d,
+                RmsNormSaved {
+                    x: &ws.resid[2 * l + 1],
+                    w: &w[ly.post_norm],
+                    rstd: &a.rstd2,
+                },
+                RmsNormShape {
+                    rows: n,
+                    dim: d,
+                    eps,
+                },
                 true,
             )?;
             // Attention.
@@ -251,8 +300,20 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &gw.d_resid
             };
-            b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, n, qd, d)?;
-            b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], n, qd, d, false)?;
+            b.matmul_backward_w(
+                &mut g[ly.o],
+                None,
+                dres,
+                &a.o,
+                MatmulShape { m: n, k: qd, n: d },
+            )?;
+            b.matmul_backward_x(
+                &mut gw.d_o,
+                dres,
+                &w[ly.o],
+                MatmulShape { m: n, k: qd, n: d },
+                false,
+            )?;
             let shape = AttnShape {
                 tokens: n,
                 seqs,
@@ -271,22 +332,32 @@ impl<B: Backend> Decoder<B> {
                     &mut gw.dq_raw,
                     &mut g[qn],
                     &gw.dq,
-                    &a.q_raw,
-                    &w[qn],
-                    &a.rstd_q,
-                    n * hh,
-                    hd,
+                    RmsNormSaved {
+                        x: &a.q_raw,
+                        w: &w[qn],
+                        rstd: &a.rstd_q,
+                    },
+                    RmsNormShape {
+                        rows: n * hh,
+                        dim: hd,
+                        eps,
+                    },
                     false,
                 )?;
                 b.rmsnorm_backward(
                     &mut gw.dk_raw,
                     &mut g[kn],
                     &gw.dk,
-                    &a.k_raw,
-                    &w[kn],
-                    &a.rstd_k,
-                    n * kh,
-                    hd,
+                    RmsNormSaved {
+                        x: &a.k_raw,
+                        w: &w[kn],
+                        rstd: &a.rstd_k,
+                    },
+                    RmsNormShape {
+                        rows: n * kh,
+                        dim: hd,
+                        eps,
+                    },
                     false,
                 )?;
                 (&gw.dq_raw, &gw.dk_raw)
@@ -299,18 +370,29 @@ impl<B: Backend> Decoder<B> {
                 (ly.v, ly.v_b, &gw.dv, kd, false),
             ] {
                 let (gp, gb) = two_mut(g, p, pb);
-                b.matmul_backward_w(gp, gb, dy, &a.xn1, n, d, m)?;
-                b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], n, d, m, !first)?;
+                b.matmul_backward_w(gp, gb, dy, &a.xn1, MatmulShape { m: n, k: d, n: m })?;
+                b.matmul_backward_x(
+                    &mut gw.d_xn,
+                    dy,
+                    &w[p],
+                    MatmulShape { m: n, k: d, n: m },
+                    !first,
+                )?;
             }
             b.rmsnorm_backward(
                 &mut gw.d_resid,
                 &mut g[ly.in_norm],
                 &gw.d_xn,
-                &ws.resid[2 * l],
-                &w[ly.in_norm],
-                &a.rstd1,
-                n,
-                d,
+                RmsNormSaved {
+                    x: &ws.resid[2 * l],
+                    w: &w[ly.in_norm],
+                    rstd: &a.rstd1,
+                },
+                RmsNormShape {
+                    rows: n,
+                    dim: d,
+                    eps,
+                },
                 true,
             )?;
         }

@@ -6,7 +6,7 @@ use anyhow::{bail, ensure, Result};
 use super::step::PagedAttn;
 use super::workspace::{Acts, Caps};
 use super::{check_temperature, pair, Decoder, SeqRef, TokenStats};
-use crate::backend::{AttnShape, Backend, PagedAttnShape};
+use crate::backend::{AttnShape, Backend, MatmulShape, PagedAttnShape, RmsNormShape};
 use crate::error::input_error;
 
 /// How the attention of a forward pass gets its keys.
@@ -135,9 +135,11 @@ impl<B: Backend> Decoder<B> {
                 &mut a.rstd1,
                 &ws.resid[ri],
                 &w[ly.in_norm],
-                n,
-                d,
-                eps,
+                RmsNormShape {
+                    rows: n,
+                    dim: d,
+                    eps,
+                },
             )?;
             // x·[Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]) as one GEMM into ws.qkv, whose parts the
             // cache write reads; or the three GEMMs into a.q, a.k, a.v.
@@ -148,9 +150,11 @@ impl<B: Backend> Decoder<B> {
                     &a.xn1,
                     &fused[wi],
                     ly.qkv_b.map(|i| &fused[i]),
-                    n,
-                    d,
-                    qd + 2 * kd,
+                    MatmulShape {
+                        m: n,
+                        k: d,
+                        n: qd + 2 * kd,
+                    },
                     false,
                 )?;
             } else {
@@ -164,9 +168,7 @@ impl<B: Backend> Decoder<B> {
                     &a.xn1,
                     &w[ly.q],
                     ly.q_b.map(|i| &w[i]),
-                    n,
-                    d,
-                    qd,
+                    MatmulShape { m: n, k: d, n: qd },
                     false,
                 )?;
                 b.matmul(
@@ -174,9 +176,7 @@ impl<B: Backend> Decoder<B> {
                     &a.xn1,
                     &w[ly.k],
                     ly.k_b.map(|i| &w[i]),
-                    n,
-                    d,
-                    kd,
+                    MatmulShape { m: n, k: d, n: kd },
                     false,
                 )?;
                 b.matmul(
@@ -184,14 +184,32 @@ impl<B: Backend> Decoder<B> {
                     &a.xn1,
                     &w[ly.v],
                     ly.v_b.map(|i| &w[i]),
-                    n,
-                    d,
-                    kd,
+                    MatmulShape { m: n, k: d, n: kd },
                     false,
                 )?;
                 if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
-                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], n * hh, hd, eps)?;
-                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], n * kh, hd, eps)?;
+                    b.rmsnorm(
+                        &mut a.q,
+                        &mut a.rstd_q,
+                        &a.q_raw,
+                        &w[qn],
+                        RmsNormShape {
+                            rows: n * hh,
+                            dim: hd,
+                            eps,
+                        },
+                    )?;
+                    b.rmsnorm(
+                        &mut a.k,
+                        &mut a.rstd_k,
+                        &a.k_raw,
+                        &w[kn],
+                        RmsNormShape {
+                            rows: n * kh,
+                            dim: hd,
+                            eps,
+                        },
+                    )?;
                 }
             }
             match &mut mode {
@@ -266,34 +284,81 @@ impl<B: Backend> Decoder<B> {
             if train {
                 // Training keeps the block's input: the output goes to the next snapshot.
                 let (src, dst) = pair(&mut ws.resid, ri, rm);
-                b.matmul_residual(dst, src, &a.o, &w[ly.o], n, qd, d)?;
+                b.matmul_residual(dst, src, &a.o, &w[ly.o], MatmulShape { m: n, k: qd, n: d })?;
             } else {
-                b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
+                b.matmul(
+                    &mut ws.resid[rm],
+                    &a.o,
+                    &w[ly.o],
+                    None,
+                    MatmulShape { m: n, k: qd, n: d },
+                    true,
+                )?;
             }
             b.rmsnorm(
                 &mut a.xn2,
                 &mut a.rstd2,
                 &ws.resid[rm],
                 &w[ly.post_norm],
-                n,
-                d,
-                eps,
+                RmsNormShape {
+                    rows: n,
+                    dim: d,
+                    eps,
+                },
             )?;
             // x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two GEMMs into a.g, a.u.
             if let Some(wi) = ly.gate_up.filter(|_| fuse) {
-                b.matmul(&mut ws.gu, &a.xn2, &fused[wi], None, n, d, 2 * f, false)?;
+                b.matmul(
+                    &mut ws.gu,
+                    &a.xn2,
+                    &fused[wi],
+                    None,
+                    MatmulShape {
+                        m: n,
+                        k: d,
+                        n: 2 * f,
+                    },
+                    false,
+                )?;
                 b.swiglu_packed(&mut ws.h, &ws.gu, n, f)?;
             } else {
-                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
-                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
+                b.matmul(
+                    &mut a.g,
+                    &a.xn2,
+                    &w[ly.gate],
+                    None,
+                    MatmulShape { m: n, k: d, n: f },
+                    false,
+                )?;
+                b.matmul(
+                    &mut a.u,
+                    &a.xn2,
+                    &w[ly.up],
+                    None,
+                    MatmulShape { m: n, k: d, n: f },
+                    false,
+                )?;
                 let h = if train { &mut a.h } else { &mut ws.h };
                 b.swiglu(h, &a.g, &a.u, n * f)?;
             }
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.matmul_residual(dst, src, &a.h, &w[ly.down], n, f, d)?;
+                b.matmul_residual(
+                    dst,
+                    src,
+                    &a.h,
+                    &w[ly.down],
+                    MatmulShape { m: n, k: f, n: d },
+                )?;
             } else {
-                b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, n, f, d, true)?;
+                b.matmul(
+                    &mut ws.resid[ro],
+                    &ws.h,
+                    &w[ly.down],
+                    None,
+                    MatmulShape { m: n, k: f, n: d },
+                    true,
+                )?;
             }
         }
         Ok(if train { 2 * layers.len() } else { 0 })

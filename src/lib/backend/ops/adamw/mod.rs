@@ -38,7 +38,6 @@ pub trait AdamWOps: Device {
     }
     /// AdamW (torch semantics): g' = s·g; m = β1·m + (1−β1)·g'; v = β2·v + (1−β2)·g'²;
     /// p = p·(1 − lr·wd) − (lr/bc1)·m / (√v/√bc2 + eps).
-    #[allow(clippy::too_many_arguments)]
     fn adamw(
         &self,
         p: &mut Self::Buf,

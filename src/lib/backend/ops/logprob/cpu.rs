@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::{LogprobOps, LogprobShape};
 use crate::backend::cpu::{get, get_mut, Cpu};
-use crate::backend::ops::matmul::cpu as matmul;
+use crate::backend::ops::matmul::{cpu as matmul, MatmulShape};
 
 fn check(s: &LogprobShape, targets: &[u32]) -> Result<()> {
     s.check()?;
@@ -63,9 +63,11 @@ pub fn forward(
             &x[c0 * d..(c0 + cn) * d],
             w,
             None,
-            cn,
-            d,
-            vocab,
+            MatmulShape {
+                m: cn,
+                k: d,
+                n: vocab,
+            },
             false,
         );
         let reduce = |row: &mut [f32], y: u32| {
@@ -117,7 +119,18 @@ pub fn backward(a: BackwardArgs, s: LogprobShape, scratch: &mut [f32]) -> Result
         let cn = s.chunk.min(s.rows - c0);
         let xc = &a.x[c0 * d..(c0 + cn) * d];
         let logits = &mut scratch[..cn * vocab];
-        matmul::forward(logits, xc, a.w, None, cn, d, vocab, false);
+        matmul::forward(
+            logits,
+            xc,
+            a.w,
+            None,
+            MatmulShape {
+                m: cn,
+                k: d,
+                n: vocab,
+            },
+            false,
+        );
         logits
             .par_chunks_mut(vocab)
             .enumerate()
@@ -136,12 +149,24 @@ pub fn backward(a: BackwardArgs, s: LogprobShape, scratch: &mut [f32]) -> Result
             &mut a.dx[c0 * d..(c0 + cn) * d],
             logits,
             a.w,
-            cn,
-            d,
-            vocab,
+            MatmulShape {
+                m: cn,
+                k: d,
+                n: vocab,
+            },
             false,
         );
-        matmul::backward_w(a.dw, None, logits, xc, cn, d, vocab);
+        matmul::backward_w(
+            a.dw,
+            None,
+            logits,
+            xc,
+            MatmulShape {
+                m: cn,
+                k: d,
+                n: vocab,
+            },
+        );
     }
     Ok(())
 }

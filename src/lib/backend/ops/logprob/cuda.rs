@@ -7,7 +7,7 @@ use super::{LogprobOps, LogprobShape};
 use crate::backend::cuda::gemm::Operand;
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{esize, i32_of, need, CudaBackend, CudaBuf, CudaIdx, THREADS};
-use crate::backend::DType;
+use crate::backend::{DType, MatmulShape};
 
 pub const KERNELS: Family = Family {
     name: "logprob",
@@ -71,9 +71,11 @@ impl LogprobOps for CudaBackend {
                 xc,
                 wo,
                 None,
-                cn,
-                s.hidden,
-                s.vocab,
+                MatmulShape {
+                    m: cn,
+                    k: s.hidden,
+                    n: s.vocab,
+                },
                 false,
             )?;
             let (lpp, lsep, tp) = (lp.at(c0), lse.at(c0), targets.at(c0));
@@ -167,9 +169,11 @@ impl LogprobOps for CudaBackend {
                 xc,
                 wo,
                 None,
-                cn,
-                s.hidden,
-                s.vocab,
+                MatmulShape {
+                    m: cn,
+                    k: s.hidden,
+                    n: s.vocab,
+                },
                 false,
             )?;
             let dlbf = (dl.dtype == DType::BF16) as i32;
@@ -209,12 +213,23 @@ impl LogprobOps for CudaBackend {
                 dx.operand(c0 * s.hidden),
                 dl,
                 wo,
-                cn,
-                s.hidden,
-                s.vocab,
+                MatmulShape {
+                    m: cn,
+                    k: s.hidden,
+                    n: s.vocab,
+                },
                 false,
             )?;
-            self.gemm_dytx(dw.operand(0), dl, xc, cn, s.hidden, s.vocab)?;
+            self.gemm_dytx(
+                dw.operand(0),
+                dl,
+                xc,
+                MatmulShape {
+                    m: cn,
+                    k: s.hidden,
+                    n: s.vocab,
+                },
+            )?;
         }
         Ok(())
     }

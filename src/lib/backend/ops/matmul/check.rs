@@ -30,26 +30,23 @@ pub const TIMINGS: &[Timing] = &[
     },
 ];
 
-#[allow(clippy::too_many_arguments)]
 fn one_matmul(
     c: &mut Ctx,
     label: &str,
     d: DType,
     xd: DType,
-    m: usize,
-    k: usize,
-    n: usize,
+    s: MatmulShape,
     bias: bool,
     acc: bool,
 ) -> Result<()> {
+    let MatmulShape { m, k, n } = s;
     let (t1, _) = tols(d);
     let x = c.randn(m * k, 1.0, xd);
     let w = c.randn(n * k, 0.05, d);
     let b = c.randn(n, 0.5, d);
     let y0 = c.randn(m * n, 1.0, d);
     let mut yc = if acc { y0.clone() } else { vec![0.0; m * n] };
-    c.cpu
-        .matmul(&mut yc, &x, &w, bias.then_some(&b), m, k, n, acc)?;
+    c.cpu.matmul(&mut yc, &x, &w, bias.then_some(&b), s, acc)?;
     let (gx, gw, gb) = (c.dev(&x, xd)?, c.dev(&w, d)?, c.dev(&b, d)?);
     let mut gy = if acc {
         let mut v = y0.clone();
@@ -59,22 +56,48 @@ fn one_matmul(
         c.poisoned(m * n, d)?
     };
     c.gpu
-        .matmul(&mut gy, &gx, &gw, bias.then_some(&gb), m, k, n, acc)?;
+        .matmul(&mut gy, &gx, &gw, bias.then_some(&gb), s, acc)?;
     c.check(label, d, &gy, &yc, true, t1)
 }
 
 fn matmul(c: &mut Ctx, d: DType) -> Result<()> {
     let (t1, _) = tols(d);
-    one_matmul(c, "matmul (+bias)", d, d, 200, 320, 384, true, false)?;
-    one_matmul(c, "matmul (+=)", d, d, 200, 320, 384, false, true)?;
+    one_matmul(
+        c,
+        "matmul (+bias)",
+        d,
+        d,
+        MatmulShape {
+            m: 200,
+            k: 320,
+            n: 384,
+        },
+        true,
+        false,
+    )?;
+    one_matmul(
+        c,
+        "matmul (+=)",
+        d,
+        d,
+        MatmulShape {
+            m: 200,
+            k: 320,
+            n: 384,
+        },
+        false,
+        true,
+    )?;
     one_matmul(
         c,
         "matmul (odd sizes, +bias, +=)",
         d,
         d,
-        37,
-        53,
-        71,
+        MatmulShape {
+            m: 37,
+            k: 53,
+            n: 71,
+        },
         true,
         true,
     )?;
@@ -84,9 +107,11 @@ fn matmul(c: &mut Ctx, d: DType) -> Result<()> {
             "matmul (f32 x, bf16 w)",
             d,
             DType::F32,
-            64,
-            96,
-            80,
+            MatmulShape {
+                m: 64,
+                k: 96,
+                n: 80,
+            },
             true,
             false,
         )?;
@@ -102,11 +127,17 @@ fn matmul(c: &mut Ctx, d: DType) -> Result<()> {
         let x = c.randn(m * k, 1.0, d);
         let w = c.randn(n * k, 0.05, d);
         let mut yc = vec![0.0; m * n];
-        c.cpu.matmul_residual(&mut yc, &r, &x, &w, m, k, n)?;
+        c.cpu
+            .matmul_residual(&mut yc, &r, &x, &w, MatmulShape { m, k, n })?;
         let gr = c.dev(&r, rd)?;
         let mut gy = c.poisoned(m * n, DType::F32)?;
-        c.gpu
-            .matmul_residual(&mut gy, &gr, &c.dev(&x, d)?, &c.dev(&w, d)?, m, k, n)?;
+        c.gpu.matmul_residual(
+            &mut gy,
+            &gr,
+            &c.dev(&x, d)?,
+            &c.dev(&w, d)?,
+            MatmulShape { m, k, n },
+        )?;
         c.check(label, d, &gy, &yc, true, t1)?;
         let mut back = vec![0f32; m * n];
         c.gpu.download(&gr, &mut back)?;
@@ -125,7 +156,8 @@ fn matmul(c: &mut Ctx, d: DType) -> Result<()> {
     for acc in [false, true] {
         let dx0 = c.randn(m * k, 1.0, d);
         let mut dxc = if acc { dx0.clone() } else { vec![0.0; m * k] };
-        c.cpu.matmul_backward_x(&mut dxc, &dy, &w, m, k, n, acc)?;
+        c.cpu
+            .matmul_backward_x(&mut dxc, &dy, &w, MatmulShape { m, k, n }, acc)?;
         let mut gdx = if acc {
             let mut v = dx0.clone();
             v.extend([f32::NAN; TAIL]);
@@ -133,7 +165,8 @@ fn matmul(c: &mut Ctx, d: DType) -> Result<()> {
         } else {
             c.poisoned(m * k, d)?
         };
-        c.gpu.matmul_backward_x(&mut gdx, &gdy, &gw, m, k, n, acc)?;
+        c.gpu
+            .matmul_backward_x(&mut gdx, &gdy, &gw, MatmulShape { m, k, n }, acc)?;
         let label = if acc {
             "matmul_backward_x (+=)"
         } else {
@@ -146,10 +179,10 @@ fn matmul(c: &mut Ctx, d: DType) -> Result<()> {
     let db0 = c.randn(n, 1.0, DType::F32);
     let (mut dwc, mut dbc) = (dw0.clone(), db0.clone());
     c.cpu
-        .matmul_backward_w(&mut dwc, Some(&mut dbc), &dy, &x, m, k, n)?;
+        .matmul_backward_w(&mut dwc, Some(&mut dbc), &dy, &x, MatmulShape { m, k, n })?;
     let (mut gdw, mut gdb) = (c.dev(&dw0, DType::F32)?, c.dev(&db0, DType::F32)?);
     c.gpu
-        .matmul_backward_w(&mut gdw, Some(&mut gdb), &gdy, &gx, m, k, n)?;
+        .matmul_backward_w(&mut gdw, Some(&mut gdb), &gdy, &gx, MatmulShape { m, k, n })?;
     c.check("matmul_backward_w dw", d, &gdw, &dwc, false, t1)?;
     c.check("matmul_backward_w db", d, &gdb, &dbc, false, t1)
 }
@@ -168,7 +201,7 @@ fn time_train(t: &mut Timer) -> Result<()> {
         format!("{n}³"),
         2.0 * (n as f64).powi(3),
         "TFLOP/s",
-        || gpu.matmul(&mut c, &a, &b, None, n, n, n, false),
+        || gpu.matmul(&mut c, &a, &b, None, MatmulShape { m: n, k: n, n }, false),
     )?;
     drop((a, b, c));
 
@@ -187,21 +220,60 @@ fn time_train(t: &mut Timer) -> Result<()> {
         format!("{tok}×{hid}→{qkv_n}"),
         2.0 * (tok * hid * qkv_n) as f64,
         "TFLOP/s",
-        || gpu.matmul(&mut qkv, &x, &w_qkv, Some(&b_qkv), tok, hid, qkv_n, false),
+        || {
+            gpu.matmul(
+                &mut qkv,
+                &x,
+                &w_qkv,
+                Some(&b_qkv),
+                MatmulShape {
+                    m: tok,
+                    k: hid,
+                    n: qkv_n,
+                },
+                false,
+            )
+        },
     )?;
     t.time(
         "matmul up",
         format!("{tok}×{hid}→{ffn}"),
         2.0 * (tok * hid * ffn) as f64,
         "TFLOP/s",
-        || gpu.matmul(&mut h4, &x, &w_up, None, tok, hid, ffn, false),
+        || {
+            gpu.matmul(
+                &mut h4,
+                &x,
+                &w_up,
+                None,
+                MatmulShape {
+                    m: tok,
+                    k: hid,
+                    n: ffn,
+                },
+                false,
+            )
+        },
     )?;
     t.time(
         "matmul down",
         format!("{tok}×{ffn}→{hid}"),
         2.0 * (tok * hid * ffn) as f64,
         "TFLOP/s",
-        || gpu.matmul(&mut y, &h4, &w_down, None, tok, ffn, hid, false),
+        || {
+            gpu.matmul(
+                &mut y,
+                &h4,
+                &w_down,
+                None,
+                MatmulShape {
+                    m: tok,
+                    k: ffn,
+                    n: hid,
+                },
+                false,
+            )
+        },
     )?;
     let mut dx = t.buf(tok * hid, bf, 1.0)?;
     t.time(
@@ -209,7 +281,19 @@ fn time_train(t: &mut Timer) -> Result<()> {
         format!("{tok}×{ffn}→{hid}"),
         2.0 * (tok * hid * ffn) as f64,
         "TFLOP/s",
-        || gpu.matmul_backward_x(&mut dx, &h4, &w_up, tok, hid, ffn, false),
+        || {
+            gpu.matmul_backward_x(
+                &mut dx,
+                &h4,
+                &w_up,
+                MatmulShape {
+                    m: tok,
+                    k: hid,
+                    n: ffn,
+                },
+                false,
+            )
+        },
     )?;
     let mut dw = gpu.alloc(ffn * hid)?;
     t.time(
@@ -217,7 +301,19 @@ fn time_train(t: &mut Timer) -> Result<()> {
         format!("{ffn}×{hid} over {tok}"),
         2.0 * (tok * hid * ffn) as f64,
         "TFLOP/s",
-        || gpu.matmul_backward_w(&mut dw, None, &h4, &x, tok, hid, ffn),
+        || {
+            gpu.matmul_backward_w(
+                &mut dw,
+                None,
+                &h4,
+                &x,
+                MatmulShape {
+                    m: tok,
+                    k: hid,
+                    n: ffn,
+                },
+            )
+        },
     )
 }
 
@@ -249,8 +345,8 @@ fn time_decode(t: &mut Timer) -> Result<()> {
             2.0 * (rows * k * n) as f64,
             "TFLOP/s",
             || match out.as_mut() {
-                Some(out) => gpu.matmul(out, &x, &w, None, rows, k, n, false),
-                None => gpu.matmul(&mut y, &x, &w, None, rows, k, n, true),
+                Some(out) => gpu.matmul(out, &x, &w, None, MatmulShape { m: rows, k, n }, false),
+                None => gpu.matmul(&mut y, &x, &w, None, MatmulShape { m: rows, k, n }, true),
             },
         )?;
     }
@@ -279,16 +375,36 @@ fn gemm_invariance(c: &mut Ctx, d: DType) -> Result<()> {
             let (gx, gw) = (c.dev(&x, d)?, c.dev(&w, d)?);
             let od = if f32_out { DType::F32 } else { d };
             let mut full = c.gpu.alloc_as(big * n_out, od)?;
-            c.gpu
-                .matmul(&mut full, &gx, &gw, None, big, k, n_out, false)?;
+            c.gpu.matmul(
+                &mut full,
+                &gx,
+                &gw,
+                None,
+                MatmulShape {
+                    m: big,
+                    k,
+                    n: n_out,
+                },
+                false,
+            )?;
             let mut want = vec![0f32; big * n_out];
             c.gpu.download(&full, &mut want)?;
             let mut differ = 0usize;
             for rows in [1usize, 37, 256] {
                 let part = c.dev(&x[..rows * k], d)?;
                 let mut y = c.gpu.alloc_as(rows * n_out, od)?;
-                c.gpu
-                    .matmul(&mut y, &part, &gw, None, rows, k, n_out, false)?;
+                c.gpu.matmul(
+                    &mut y,
+                    &part,
+                    &gw,
+                    None,
+                    MatmulShape {
+                        m: rows,
+                        k,
+                        n: n_out,
+                    },
+                    false,
+                )?;
                 let mut got = vec![0f32; rows * n_out];
                 c.gpu.download(&y, &mut got)?;
                 differ += got

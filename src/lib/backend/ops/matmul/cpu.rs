@@ -7,7 +7,7 @@ use anyhow::Result;
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
 
-use super::MatmulOps;
+use super::{MatmulOps, MatmulShape};
 use crate::backend::cpu::{get, get_mut, Cpu};
 
 fn par() -> Parallelism {
@@ -15,17 +15,15 @@ fn par() -> Parallelism {
 }
 
 /// y[m,n] (= or +=) x[m,k] · w[n,k]ᵀ + b[n].
-#[allow(clippy::too_many_arguments)]
 pub fn forward(
     y: &mut [f32],
     x: &[f32],
     w: &[f32],
     b: Option<&[f32]>,
-    m: usize,
-    k: usize,
-    n: usize,
+    s: MatmulShape,
     accumulate: bool,
 ) {
+    let MatmulShape { m, k, n } = s;
     assert!(y.len() == m * n && x.len() == m * k && w.len() == n * k);
     if m == 0 || n == 0 {
         return;
@@ -76,15 +74,8 @@ pub fn forward(
 }
 
 /// dx[m,k] (= or +=) dy[m,n] · w[n,k].
-pub fn backward_x(
-    dx: &mut [f32],
-    dy: &[f32],
-    w: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-    accumulate: bool,
-) {
+pub fn backward_x(dx: &mut [f32], dy: &[f32], w: &[f32], s: MatmulShape, accumulate: bool) {
+    let MatmulShape { m, k, n } = s;
     assert!(dx.len() == m * k && dy.len() == m * n && w.len() == n * k);
     if m == 0 || k == 0 {
         return;
@@ -122,15 +113,8 @@ pub fn backward_x(
 }
 
 /// dw[n,k] += dy[m,n]ᵀ · x[m,k];  db[n] += Σ_m dy[m,n].
-pub fn backward_w(
-    dw: &mut [f32],
-    db: Option<&mut [f32]>,
-    dy: &[f32],
-    x: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-) {
+pub fn backward_w(dw: &mut [f32], db: Option<&mut [f32]>, dy: &[f32], x: &[f32], s: MatmulShape) {
+    let MatmulShape { m, k, n } = s;
     assert!(dw.len() == n * k && dy.len() == m * n && x.len() == m * k);
     if let Some(db) = db {
         // Column blocks in parallel, rows in order: each task owns its slice of db.
@@ -181,11 +165,10 @@ impl MatmulOps for Cpu {
         x: &Vec<f32>,
         w: &Vec<f32>,
         b: Option<&Vec<f32>>,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
         accumulate: bool,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         let b = match b {
             Some(b) => Some(get(b, n, "bias")?),
             None => None,
@@ -195,9 +178,7 @@ impl MatmulOps for Cpu {
             get(x, m * k, "matmul x")?,
             get(w, n * k, "matmul w")?,
             b,
-            m,
-            k,
-            n,
+            s,
             accumulate,
         );
         Ok(())
@@ -208,18 +189,15 @@ impl MatmulOps for Cpu {
         dx: &mut Vec<f32>,
         dy: &Vec<f32>,
         w: &Vec<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
         accumulate: bool,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         backward_x(
             get_mut(dx, m * k, "matmul dx")?,
             get(dy, m * n, "matmul dy")?,
             get(w, n * k, "matmul w")?,
-            m,
-            k,
-            n,
+            s,
             accumulate,
         );
         Ok(())
@@ -231,10 +209,9 @@ impl MatmulOps for Cpu {
         db: Option<&mut Vec<f32>>,
         dy: &Vec<f32>,
         x: &Vec<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         let db = match db {
             Some(db) => Some(get_mut(db, n, "matmul db")?),
             None => None,
@@ -244,9 +221,7 @@ impl MatmulOps for Cpu {
             db,
             get(dy, m * n, "matmul dy")?,
             get(x, m * k, "matmul x")?,
-            m,
-            k,
-            n,
+            s,
         );
         Ok(())
     }
@@ -278,11 +253,11 @@ mod tests {
         let w = randn(n * k, 2);
         let b = randn(n, 3);
         let mut y = vec![f32::NAN; m * n];
-        forward(&mut y, &x, &w, Some(&b), m, k, n, false);
+        forward(&mut y, &x, &w, Some(&b), MatmulShape { m, k, n }, false);
         assert_close(&y, &naive(&x, &w, Some(&b), m, k, n), 1e-5, "y");
         let y0 = randn(m * n, 4);
         let mut y2 = y0.clone();
-        forward(&mut y2, &x, &w, None, m, k, n, true);
+        forward(&mut y2, &x, &w, None, MatmulShape { m, k, n }, true);
         let want: Vec<f32> = naive(&x, &w, None, m, k, n)
             .iter()
             .zip(&y0)
@@ -298,13 +273,13 @@ mod tests {
         let x = randn(m * k, 6);
         let w = randn(n * k, 7);
         let mut dx = vec![f32::NAN; m * k];
-        backward_x(&mut dx, &dy, &w, m, k, n, false);
+        backward_x(&mut dx, &dy, &w, MatmulShape { m, k, n }, false);
         // dx = dy·w, i.e. naive(dy, wᵀ) with wᵀ [k,n].
         let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
         assert_close(&dx, &naive(&dy, &wt, None, m, n, k), 1e-5, "dx");
         let mut dw = vec![1.0; n * k];
         let mut db = vec![2.0; n];
-        backward_w(&mut dw, Some(&mut db), &dy, &x, m, k, n);
+        backward_w(&mut dw, Some(&mut db), &dy, &x, MatmulShape { m, k, n });
         let dyt: Vec<f32> = (0..n * m).map(|i| dy[(i % m) * n + i / m]).collect();
         let xt: Vec<f32> = (0..k * m).map(|i| x[(i % m) * k + i / m]).collect();
         let want: Vec<f32> = naive(&dyt, &xt, None, n, m, k)
@@ -323,7 +298,8 @@ mod tests {
         let (m, k, n) = (4, 6, 3);
         let (x, w, r) = (randn(m * k, 8), randn(n * k, 9), randn(m * n, 10));
         let mut y = vec![f32::NAN; m * n];
-        Cpu.matmul_residual(&mut y, &r, &x, &w, m, k, n).unwrap();
+        Cpu.matmul_residual(&mut y, &r, &x, &w, MatmulShape { m, k, n })
+            .unwrap();
         let want: Vec<f32> = naive(&x, &w, None, m, k, n)
             .iter()
             .zip(&r)
@@ -331,7 +307,7 @@ mod tests {
             .collect();
         assert_close(&y, &want, 1e-5, "y = r + x·wᵀ");
         let err = Cpu
-            .matmul(&mut y, &x, &w, None, m + 1, k, n, false)
+            .matmul(&mut y, &x, &w, None, MatmulShape { m: m + 1, k, n }, false)
             .unwrap_err();
         assert!(err.to_string().contains("matmul y holds 12"), "{err}");
     }

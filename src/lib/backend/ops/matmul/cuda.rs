@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 
-use super::MatmulOps;
+use super::{MatmulOps, MatmulShape};
 use crate::backend::cuda::gemm::GemmCall;
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, THREADS};
@@ -61,11 +61,10 @@ impl MatmulOps for CudaBackend {
         x: &CudaBuf,
         w: &CudaBuf,
         b: Option<&CudaBuf>,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
         accumulate: bool,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         need(y.len, m * n, "matmul y")?;
         need(x.len, m * k, "matmul x")?;
         need(w.len, n * k, "matmul w")?;
@@ -89,9 +88,7 @@ impl MatmulOps for CudaBackend {
             x.operand(0),
             w.operand(0),
             b.map(|b| b.operand(0)),
-            m,
-            k,
-            n,
+            s,
             accumulate,
         )
     }
@@ -102,10 +99,9 @@ impl MatmulOps for CudaBackend {
         r: &CudaBuf,
         x: &CudaBuf,
         w: &CudaBuf,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         need(y.len, m * n, "matmul_residual y")?;
         need(r.len, m * n, "matmul_residual r")?;
         need(x.len, m * k, "matmul_residual x")?;
@@ -113,7 +109,7 @@ impl MatmulOps for CudaBackend {
         if k == 0 || r.dtype != y.dtype {
             // cuBLASLt reads C in D's type: copy (converting) and accumulate instead.
             self.copy(y, 0, r, 0, m * n)?;
-            return self.matmul(y, x, w, None, m, k, n, true);
+            return self.matmul(y, x, w, None, s, true);
         }
         // One GEMM: D = y, C = r, beta 1 (no separate copy of the residual).
         let call = GemmCall {
@@ -140,11 +136,10 @@ impl MatmulOps for CudaBackend {
         dx: &mut CudaBuf,
         dy: &CudaBuf,
         w: &CudaBuf,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
         accumulate: bool,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         need(dx.len, m * k, "matmul dx")?;
         need(dy.len, m * n, "matmul dy")?;
         need(w.len, n * k, "matmul w")?;
@@ -155,15 +150,7 @@ impl MatmulOps for CudaBackend {
                 self.fill(dx, m * k, 0.0)
             };
         }
-        self.gemm_dyw(
-            dx.operand(0),
-            dy.operand(0),
-            w.operand(0),
-            m,
-            k,
-            n,
-            accumulate,
-        )
+        self.gemm_dyw(dx.operand(0), dy.operand(0), w.operand(0), s, accumulate)
     }
 
     fn matmul_backward_w(
@@ -172,10 +159,9 @@ impl MatmulOps for CudaBackend {
         db: Option<&mut CudaBuf>,
         dy: &CudaBuf,
         x: &CudaBuf,
-        m: usize,
-        k: usize,
-        n: usize,
+        s: MatmulShape,
     ) -> Result<()> {
+        let MatmulShape { m, k, n } = s;
         need(dw.len, n * k, "matmul dw")?;
         need(dy.len, m * n, "matmul dy")?;
         need(x.len, m * k, "matmul x")?;
@@ -183,7 +169,7 @@ impl MatmulOps for CudaBackend {
             return Ok(());
         }
         if k > 0 {
-            self.gemm_dytx(dw.operand(0), dy.operand(0), x.operand(0), m, k, n)?;
+            self.gemm_dytx(dw.operand(0), dy.operand(0), x.operand(0), s)?;
         }
         if let Some(db) = db {
             need(db.len, n, "matmul db")?;

@@ -29,10 +29,12 @@ fn rmsnorm(c: &mut Ctx, d: DType) -> Result<()> {
     let x = c.randn(rows * dim, 1.0, d);
     let w = c.randn(dim, 1.0, d);
     let (mut yc, mut rc) = (vec![0.0; rows * dim], vec![0.0; rows]);
-    c.cpu.rmsnorm(&mut yc, &mut rc, &x, &w, rows, dim, eps)?;
+    c.cpu
+        .rmsnorm(&mut yc, &mut rc, &x, &w, RmsNormShape { rows, dim, eps })?;
     let (gx, gw) = (c.dev(&x, d)?, c.dev(&w, d)?);
     let (mut gy, mut gr) = (c.poisoned(rows * dim, d)?, c.poisoned(rows, DType::F32)?);
-    c.gpu.rmsnorm(&mut gy, &mut gr, &gx, &gw, rows, dim, eps)?;
+    c.gpu
+        .rmsnorm(&mut gy, &mut gr, &gx, &gw, RmsNormShape { rows, dim, eps })?;
     c.check("rmsnorm y", d, &gy, &yc, true, t1)?;
     c.check("rmsnorm rstd", d, &gr, &rc, true, 1e-5)?;
     let dy = c.randn(rows * dim, 1.0, d);
@@ -48,8 +50,18 @@ fn rmsnorm(c: &mut Ctx, d: DType) -> Result<()> {
             },
             dw0.clone(),
         );
-        c.cpu
-            .rmsnorm_backward(&mut dxc, &mut dwc, &dy, &x, &w, &rc, rows, dim, acc)?;
+        c.cpu.rmsnorm_backward(
+            &mut dxc,
+            &mut dwc,
+            &dy,
+            RmsNormSaved {
+                x: &x,
+                w: &w,
+                rstd: &rc,
+            },
+            RmsNormShape { rows, dim, eps },
+            acc,
+        )?;
         let mut gdx = if acc {
             let mut v = dx0.clone();
             v.extend([f32::NAN; TAIL]);
@@ -58,8 +70,18 @@ fn rmsnorm(c: &mut Ctx, d: DType) -> Result<()> {
             c.poisoned(rows * dim, d)?
         };
         let mut gdw = c.dev(&dw0, DType::F32)?;
-        c.gpu
-            .rmsnorm_backward(&mut gdx, &mut gdw, &gdy, &gx, &gw, &gr, rows, dim, acc)?;
+        c.gpu.rmsnorm_backward(
+            &mut gdx,
+            &mut gdw,
+            &gdy,
+            RmsNormSaved {
+                x: &gx,
+                w: &gw,
+                rstd: &gr,
+            },
+            RmsNormShape { rows, dim, eps },
+            acc,
+        )?;
         let sfx = if acc { " (+=)" } else { "" };
         c.check(
             &format!("rmsnorm_backward dx{sfx}"),
@@ -90,12 +112,17 @@ fn time_train(t: &mut Timer) -> Result<()> {
     let mut y = t.buf(tok * hid, DType::BF16, 1.0)?;
     let wn = t.buf(hid, DType::BF16, 1.0)?;
     let mut rstd = t.buf(tok, DType::F32, 1.0)?;
+    let s = RmsNormShape {
+        rows: tok,
+        dim: hid,
+        eps: 1e-6,
+    };
     t.time(
         "rmsnorm",
         format!("{tok}×{hid}"),
         (tok * hid * 4) as f64,
         "GB/s",
-        || gpu.rmsnorm(&mut y, &mut rstd, &x, &wn, tok, hid, 1e-6),
+        || gpu.rmsnorm(&mut y, &mut rstd, &x, &wn, s),
     )?;
     let mut dx = t.buf(tok * hid, DType::BF16, 1.0)?;
     let mut dwn = t.buf(hid, DType::F32, 0.0)?;
@@ -104,7 +131,20 @@ fn time_train(t: &mut Timer) -> Result<()> {
         format!("{tok}×{hid}"),
         (tok * hid * 2 * 4) as f64,
         "GB/s",
-        || gpu.rmsnorm_backward(&mut dx, &mut dwn, &y, &x, &wn, &rstd, tok, hid, false),
+        || {
+            gpu.rmsnorm_backward(
+                &mut dx,
+                &mut dwn,
+                &y,
+                RmsNormSaved {
+                    x: &x,
+                    w: &wn,
+                    rstd: &rstd,
+                },
+                s,
+                false,
+            )
+        },
     )
 }
 
@@ -122,7 +162,19 @@ fn time_decode(t: &mut Timer) -> Result<()> {
         format!("{rows} rows × {hid}"),
         (rows * hid * 6) as f64,
         "GB/s",
-        || gpu.rmsnorm(&mut xn, &mut rstd, &res, &wn, rows, hid, 1e-6),
+        || {
+            gpu.rmsnorm(
+                &mut xn,
+                &mut rstd,
+                &res,
+                &wn,
+                RmsNormShape {
+                    rows,
+                    dim: hid,
+                    eps: 1e-6,
+                },
+            )
+        },
     )
 }
 

@@ -3,7 +3,7 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::RmsNormOps;
+use super::{RmsNormOps, RmsNormSaved, RmsNormShape};
 use crate::backend::cpu::{get, get_mut, Cpu};
 
 /// Columns per task of the weight-gradient reduction.
@@ -29,17 +29,15 @@ pub fn forward(y: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], dim: usize
 }
 
 /// dx (= or +=) rstd·(w·dy − x̂·mean(x̂·w·dy)), x̂ = x·rstd;  dw += Σ_r dy·x̂.
-#[allow(clippy::too_many_arguments)]
 pub fn backward(
     dx: &mut [f32],
     dw: &mut [f32],
     dy: &[f32],
-    x: &[f32],
-    w: &[f32],
-    rstd: &[f32],
+    saved: RmsNormSaved<[f32]>,
     dim: usize,
     accumulate: bool,
 ) {
+    let RmsNormSaved { x, w, rstd } = saved;
     if dim == 0 {
         return;
     }
@@ -85,10 +83,9 @@ impl RmsNormOps for Cpu {
         rstd: &mut Vec<f32>,
         x: &Vec<f32>,
         w: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        s: RmsNormShape,
     ) -> Result<()> {
+        let RmsNormShape { rows, dim, eps } = s;
         forward(
             get_mut(y, rows * dim, "rmsnorm y")?,
             get_mut(rstd, rows, "rmsnorm rstd")?,
@@ -104,20 +101,20 @@ impl RmsNormOps for Cpu {
         dx: &mut Vec<f32>,
         dw: &mut Vec<f32>,
         dy: &Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        rstd: &Vec<f32>,
-        rows: usize,
-        dim: usize,
+        saved: RmsNormSaved<Vec<f32>>,
+        s: RmsNormShape,
         accumulate: bool,
     ) -> Result<()> {
+        let RmsNormShape { rows, dim, .. } = s;
         backward(
             get_mut(dx, rows * dim, "rmsnorm dx")?,
             get_mut(dw, dim, "rmsnorm dw")?,
             get(dy, rows * dim, "rmsnorm dy")?,
-            get(x, rows * dim, "rmsnorm x")?,
-            get(w, dim, "rmsnorm w")?,
-            get(rstd, rows, "rmsnorm rstd")?,
+            RmsNormSaved {
+                x: get(saved.x, rows * dim, "rmsnorm x")?,
+                w: get(saved.w, dim, "rmsnorm w")?,
+                rstd: get(saved.rstd, rows, "rmsnorm rstd")?,
+            },
             dim,
             accumulate,
         );

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 
-use super::RmsNormOps;
+use super::{RmsNormOps, RmsNormSaved, RmsNormShape};
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, THREADS};
 use crate::backend::ops::matmul;
@@ -25,10 +25,9 @@ impl RmsNormOps for CudaBackend {
         rstd: &mut CudaBuf,
         x: &CudaBuf,
         w: &CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        s: RmsNormShape,
     ) -> Result<()> {
+        let RmsNormShape { rows, dim, eps } = s;
         need(y.len, rows * dim, "rmsnorm y")?;
         need(rstd.len, rows, "rmsnorm rstd")?;
         need(x.len, rows * dim, "rmsnorm x")?;
@@ -65,13 +64,11 @@ impl RmsNormOps for CudaBackend {
         dx: &mut CudaBuf,
         dw: &mut CudaBuf,
         dy: &CudaBuf,
-        x: &CudaBuf,
-        w: &CudaBuf,
-        rstd: &CudaBuf,
-        rows: usize,
-        dim: usize,
+        saved: RmsNormSaved<CudaBuf>,
+        s: RmsNormShape,
         accumulate: bool,
     ) -> Result<()> {
+        let (RmsNormSaved { x, w, rstd }, RmsNormShape { rows, dim, .. }) = (saved, s);
         need(dx.len, rows * dim, "rmsnorm dx")?;
         need(dw.len, dim, "rmsnorm dw")?;
         need(dy.len, rows * dim, "rmsnorm dy")?;

@@ -12,32 +12,42 @@ use anyhow::Result;
 
 use crate::backend::Device;
 
+/// Sizes of an RMSNorm: `rows` rows of `dim` features, and the ε added to the mean square.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RmsNormShape {
+    pub rows: usize,
+    pub dim: usize,
+    pub eps: f32,
+}
+
+/// What the backward reads of its forward: the input `x`, the weight `w` and the `rstd` the
+/// forward saved.
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNormSaved<'a, T: ?Sized> {
+    pub x: &'a T,
+    pub w: &'a T,
+    pub rstd: &'a T,
+}
+
 /// RMSNorm over rows of `dim`.
 pub trait RmsNormOps: Device {
     /// y[r,:] = x[r,:] · rstd[r] · w, rstd[r] = 1/√(mean(x[r,:]²) + eps) (rstd saved for backward).
-    #[allow(clippy::too_many_arguments)]
     fn rmsnorm(
         &self,
         y: &mut Self::Buf,
         rstd: &mut Self::Buf,
         x: &Self::Buf,
         w: &Self::Buf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        shape: RmsNormShape,
     ) -> Result<()>;
     /// dx (= or +=) rstd·(w·dy − x̂·mean(x̂·w·dy)), x̂ = x·rstd;  dw += Σ_r dy·x̂.
-    #[allow(clippy::too_many_arguments)]
     fn rmsnorm_backward(
         &self,
         dx: &mut Self::Buf,
         dw: &mut Self::Buf,
         dy: &Self::Buf,
-        x: &Self::Buf,
-        w: &Self::Buf,
-        rstd: &Self::Buf,
-        rows: usize,
-        dim: usize,
+        saved: RmsNormSaved<Self::Buf>,
+        shape: RmsNormShape,
         accumulate: bool,
     ) -> Result<()>;
 }

@@ -8,7 +8,6 @@ use super::{sample, uniform, SampleOps, SamplingParams, Scratch};
 use crate::backend::cpu::{get, get_mut, Cpu};
 
 /// tokens[r], logprobs[r] = [`sample`](logits row r, u = uniform(key_r, pos_r)).
-#[allow(clippy::too_many_arguments)]
 pub fn sample_rows(
     tokens: &mut [u32],
     logprobs: &mut [f32],

@@ -36,7 +36,6 @@ pub trait SwigluOps: MemoryOps {
         self.swiglu(h, &g, &u, n * f)
     }
     /// dg = dh·u·σ(g)·(1 + g·(1−σ(g))), du = dh·silu(g) (overwritten).
-    #[allow(clippy::too_many_arguments)]
     fn swiglu_backward(
         &self,
         dg: &mut Self::Buf,

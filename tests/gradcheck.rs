@@ -154,11 +154,31 @@ fn rope_backward() {
     let r = randn(t * h * hd, 11);
     let fwd = |x: &[Vec<f32>]| {
         let mut y = x[0].clone();
-        b.rope(&mut y, &pos, t, h, hd, 10000.0).unwrap();
+        b.rope(
+            &mut y,
+            &pos,
+            RopeShape {
+                tokens: t,
+                heads: h,
+                head_dim: hd,
+                theta: 10000.0,
+            },
+        )
+        .unwrap();
         dot(&y, &r)
     };
     let mut dx = r.clone();
-    b.rope_backward(&mut dx, &pos, t, h, hd, 10000.0).unwrap();
+    b.rope_backward(
+        &mut dx,
+        &pos,
+        RopeShape {
+            tokens: t,
+            heads: h,
+            head_dim: hd,
+            theta: 10000.0,
+        },
+    )
+    .unwrap();
     check("rope", &inputs, &[dx], &fwd);
 }
 
@@ -182,15 +202,40 @@ fn attention_backward_packed_gqa() {
     let r = randn(qn, 15);
     let run = |x: &[Vec<f32>]| {
         let (mut o, mut lse) = (vec![0.0; qn], vec![0.0; s.tokens * s.heads]);
-        b.attention(&mut o, &mut lse, &x[0], &x[1], &x[2], &cu, s)
-            .unwrap();
+        b.attention(
+            AttnOut {
+                o: &mut o,
+                lse: &mut lse,
+            },
+            Qkv {
+                q: &x[0],
+                k: &x[1],
+                v: &x[2],
+            },
+            &cu,
+            s,
+        )
+        .unwrap();
         (o, lse)
     };
     let fwd = |x: &[Vec<f32>]| dot(&run(x).0, &r);
     let (o, lse) = run(&inputs);
     let (mut dq, mut dk, mut dv) = (vec![9.0; qn], vec![9.0; kn], vec![9.0; kn]);
     b.attention_backward(
-        &mut dq, &mut dk, &mut dv, &r, &inputs[0], &inputs[1], &inputs[2], &o, &lse, &cu, s,
+        Qkv {
+            q: &mut dq,
+            k: &mut dk,
+            v: &mut dv,
+        },
+        &r,
+        Qkv {
+            q: &inputs[0],
+            k: &inputs[1],
+            v: &inputs[2],
+        },
+        AttnOut { o: &o, lse: &lse },
+        &cu,
+        s,
     )
     .unwrap();
     check("attention", &inputs, &[dq, dk, dv], &fwd);

@@ -32,15 +32,17 @@ pub mod ops;
 
 pub use device::{DType, Device, MemoryStats, Parts, FEED_NONE};
 pub use ops::adamw::{AdamWOps, AdamWStep};
-pub use ops::attention::{AttentionOps, AttnShape};
+pub use ops::attention::{AttentionOps, AttnOut, AttnShape, Qkv};
 pub use ops::embedding::EmbeddingOps;
 pub use ops::logprob::{LogprobOps, LogprobShape};
 pub use ops::matmul::{MatmulOps, MatmulShape};
-pub use ops::memory::MemoryOps;
-pub use ops::paged_attention::{PagedAttentionOps, PagedAttnShape, PAGED_TILE_ROWS};
+pub use ops::memory::{KvCache, MemoryOps};
+pub use ops::paged_attention::{
+    BlockTables, PagedAttentionOps, PagedAttnShape, PagedRopeShape, PrefillTiles, PAGED_TILE_ROWS,
+};
 pub use ops::ppo_loss::{PpoLossOps, PpoShape, PPO_STATS};
 pub use ops::rmsnorm::{RmsNormOps, RmsNormSaved, RmsNormShape};
-pub use ops::rope::RopeOps;
+pub use ops::rope::{PackedQkv, RopeKvShape, RopeOps, RopeShape, Slots};
 pub use ops::sample::SampleOps;
 pub use ops::swiglu::SwigluOps;
 
@@ -83,9 +85,10 @@ impl<T> Backend for T where
 /// The traits and shapes, for code that calls ops on a concrete backend.
 pub mod prelude {
     pub use super::{
-        AdamWOps, AdamWStep, AttentionOps, AttnShape, Backend, DType, Device, EmbeddingOps,
-        LogprobOps, LogprobShape, MatmulOps, MatmulShape, MemoryOps, PagedAttentionOps,
-        PagedAttnShape, PpoLossOps, PpoShape, RmsNormOps, RmsNormSaved, RmsNormShape, RopeOps,
-        SampleOps, SwigluOps,
+        AdamWOps, AdamWStep, AttentionOps, AttnOut, AttnShape, Backend, BlockTables, DType, Device,
+        EmbeddingOps, KvCache, LogprobOps, LogprobShape, MatmulOps, MatmulShape, MemoryOps,
+        PackedQkv, PagedAttentionOps, PagedAttnShape, PagedRopeShape, PpoLossOps, PpoShape,
+        PrefillTiles, Qkv, RmsNormOps, RmsNormSaved, RmsNormShape, RopeKvShape, RopeOps, RopeShape,
+        SampleOps, Slots, SwigluOps,
     };
 }

@@ -9,7 +9,7 @@
 use super::cpu_engine::shape;
 use super::report;
 use crate::backend::ops::sample::{sample_key, uniform, Sampled, SamplingParams};
-use crate::backend::{Backend, DType, MatmulShape, PagedAttnShape};
+use crate::backend::{Backend, BlockTables, DType, KvCache, MatmulShape, PagedAttnShape};
 use crate::engine::paged::{
     generate_paged, Chunk, GenParams, GraphMode, PagedConfig, PagedDecoder, PagedModel, Request,
     SampleRow, DEFAULT_BLOCK_SIZE,
@@ -273,7 +273,17 @@ fn breakdown<B: Backend>(
     out.push((
         "attention_paged, one layer".into(),
         ms(b, || {
-            b.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape)
+            b.attention_paged(
+                &mut o,
+                &q,
+                KvCache { k: &kc, v: &vc },
+                BlockTables {
+                    tables: &tab,
+                    seq: &seq,
+                    len: &len,
+                },
+                shape,
+            )
         })?,
     ));
     let x = b.alloc_as(rows * d, cd)?;

@@ -7,8 +7,8 @@ use anyhow::{ensure, Result};
 use super::forward::AttnMode;
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::backend::{
-    AttnShape, Backend, DType, LogprobShape, MatmulShape, PpoShape, RmsNormSaved, RmsNormShape,
-    PPO_STATS,
+    AttnOut, AttnShape, Backend, DType, LogprobShape, MatmulShape, PpoShape, Qkv, RmsNormSaved,
+    RmsNormShape, RopeShape, PPO_STATS,
 };
 
 impl<B: Backend> Decoder<B> {
@@ -322,11 +322,44 @@ impl<B: Backend> Decoder<B> {
                 head_dim: hd,
             };
             b.attention_backward(
-                &mut gw.dq, &mut gw.dk, &mut gw.dv, &gw.d_o, &a.q, &a.k, &a.v, &a.o, &a.lse,
-                &ws.cu, shape,
+                Qkv {
+                    q: &mut gw.dq,
+                    k: &mut gw.dk,
+                    v: &mut gw.dv,
+                },
+                &gw.d_o,
+                Qkv {
+                    q: &a.q,
+                    k: &a.k,
+                    v: &a.v,
+                },
+                AttnOut {
+                    o: &a.o,
+                    lse: &a.lse,
+                },
+                &ws.cu,
+                shape,
             )?;
-            b.rope_backward(&mut gw.dq, &ws.pos, n, hh, hd, theta)?;
-            b.rope_backward(&mut gw.dk, &ws.pos, n, kh, hd, theta)?;
+            b.rope_backward(
+                &mut gw.dq,
+                &ws.pos,
+                RopeShape {
+                    tokens: n,
+                    heads: hh,
+                    head_dim: hd,
+                    theta,
+                },
+            )?;
+            b.rope_backward(
+                &mut gw.dk,
+                &ws.pos,
+                RopeShape {
+                    tokens: n,
+                    heads: kh,
+                    head_dim: hd,
+                    theta,
+                },
+            )?;
             let (dq, dk) = if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
                 b.rmsnorm_backward(
                     &mut gw.dq_raw,

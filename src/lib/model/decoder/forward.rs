@@ -6,7 +6,10 @@ use anyhow::{bail, ensure, Result};
 use super::step::PagedAttn;
 use super::workspace::{Acts, Caps};
 use super::{check_temperature, pair, Decoder, SeqRef, TokenStats};
-use crate::backend::{AttnShape, Backend, MatmulShape, PagedAttnShape, RmsNormShape};
+use crate::backend::{
+    AttnOut, AttnShape, Backend, BlockTables, KvCache, MatmulShape, PackedQkv, PagedAttnShape,
+    PagedRopeShape, PrefillTiles, Qkv, RmsNormShape, RopeKvShape, Slots,
+};
 use crate::error::input_error;
 
 /// How the attention of a forward pass gets its keys.
@@ -122,6 +125,33 @@ impl<B: Backend> Decoder<B> {
             !fuse || ws.caps.fused,
             "decoder: fused step without its workspace"
         );
+        // The shapes of every layer's ops over the n rows.
+        let norm = RmsNormShape {
+            rows: n,
+            dim: d,
+            eps,
+        };
+        let (q_norm, k_norm) = (
+            RmsNormShape {
+                rows: n * hh,
+                dim: hd,
+                eps,
+            },
+            RmsNormShape {
+                rows: n * kh,
+                dim: hd,
+                eps,
+            },
+        );
+        // A projection of the n rows from k to `out` features.
+        let gemm = |k, out| MatmulShape { m: n, k, n: out };
+        let rope = RopeKvShape {
+            tokens: n,
+            heads: hh,
+            kv_heads: kh,
+            head_dim: hd,
+            theta,
+        };
         b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
         for (l, ly) in layers.iter().enumerate() {
             let (ri, rm, ro) = if train {
@@ -130,92 +160,55 @@ impl<B: Backend> Decoder<B> {
                 (0, 0, 0)
             };
             let a = &mut ws.acts[if train { l } else { 0 }];
-            b.rmsnorm(
-                &mut a.xn1,
-                &mut a.rstd1,
-                &ws.resid[ri],
-                &w[ly.in_norm],
-                RmsNormShape {
-                    rows: n,
-                    dim: d,
-                    eps,
-                },
-            )?;
+            let x = &ws.resid[ri];
+            b.rmsnorm(&mut a.xn1, &mut a.rstd1, x, &w[ly.in_norm], norm)?;
             // x·[Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]) as one GEMM into ws.qkv, whose parts the
             // cache write reads; or the three GEMMs into a.q, a.k, a.v.
             let qkv = ly.qkv.filter(|_| fuse);
             if let Some(wi) = qkv {
-                b.matmul(
-                    &mut ws.qkv,
-                    &a.xn1,
-                    &fused[wi],
-                    ly.qkv_b.map(|i| &fused[i]),
-                    MatmulShape {
-                        m: n,
-                        k: d,
-                        n: qd + 2 * kd,
-                    },
-                    false,
-                )?;
+                let bias = ly.qkv_b.map(|i| &fused[i]);
+                let s = gemm(d, qd + 2 * kd);
+                b.matmul(&mut ws.qkv, &a.xn1, &fused[wi], bias, s, false)?;
             } else {
                 let (q_dst, k_dst) = if cfg.qk_norm {
                     (&mut a.q_raw, &mut a.k_raw)
                 } else {
                     (&mut a.q, &mut a.k)
                 };
+                let x = &a.xn1;
                 b.matmul(
                     q_dst,
-                    &a.xn1,
+                    x,
                     &w[ly.q],
                     ly.q_b.map(|i| &w[i]),
-                    MatmulShape { m: n, k: d, n: qd },
+                    gemm(d, qd),
                     false,
                 )?;
                 b.matmul(
                     k_dst,
-                    &a.xn1,
+                    x,
                     &w[ly.k],
                     ly.k_b.map(|i| &w[i]),
-                    MatmulShape { m: n, k: d, n: kd },
+                    gemm(d, kd),
                     false,
                 )?;
                 b.matmul(
                     &mut a.v,
-                    &a.xn1,
+                    x,
                     &w[ly.v],
                     ly.v_b.map(|i| &w[i]),
-                    MatmulShape { m: n, k: d, n: kd },
+                    gemm(d, kd),
                     false,
                 )?;
                 if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
-                    b.rmsnorm(
-                        &mut a.q,
-                        &mut a.rstd_q,
-                        &a.q_raw,
-                        &w[qn],
-                        RmsNormShape {
-                            rows: n * hh,
-                            dim: hd,
-                            eps,
-                        },
-                    )?;
-                    b.rmsnorm(
-                        &mut a.k,
-                        &mut a.rstd_k,
-                        &a.k_raw,
-                        &w[kn],
-                        RmsNormShape {
-                            rows: n * kh,
-                            dim: hd,
-                            eps,
-                        },
-                    )?;
+                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], q_norm)?;
+                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], k_norm)?;
                 }
             }
             match &mut mode {
                 AttnMode::Packed => {
-                    b.rope(&mut a.q, &ws.pos, n, hh, hd, theta)?;
-                    b.rope(&mut a.k, &ws.pos, n, kh, hd, theta)?;
+                    b.rope(&mut a.q, &ws.pos, rope.q())?;
+                    b.rope(&mut a.k, &ws.pos, rope.k())?;
                     let shape = AttnShape {
                         tokens: n,
                         seqs,
@@ -223,10 +216,31 @@ impl<B: Backend> Decoder<B> {
                         kv_heads: kh,
                         head_dim: hd,
                     };
-                    b.attention(&mut a.o, &mut a.lse, &a.q, &a.k, &a.v, &ws.cu, shape)?;
+                    let out = AttnOut {
+                        o: &mut a.o,
+                        lse: &mut a.lse,
+                    };
+                    let x = Qkv {
+                        q: &a.q,
+                        k: &a.k,
+                        v: &a.v,
+                    };
+                    b.attention(out, x, &ws.cu, shape)?;
                 }
                 AttnMode::Paged(kv) => {
-                    let (kc, vc) = (&mut kv.k[l], &mut kv.v[l]);
+                    let mut cache = KvCache {
+                        k: &mut kv.k[l],
+                        v: &mut kv.v[l],
+                    };
+                    let slots = Slots {
+                        pos: &ws.pos,
+                        rows: &ws.kv_rows,
+                    };
+                    let blocks = BlockTables {
+                        tables: kv.tables,
+                        seq: &ws.kv_base,
+                        len: &ws.kv_len,
+                    };
                     let shape = PagedAttnShape {
                         queries: n,
                         heads: hh,
@@ -237,45 +251,26 @@ impl<B: Backend> Decoder<B> {
                     };
                     if qkv.is_some() && kv.n_tiles == 0 {
                         // A decode step: rope + kv_store + attention, one kernel on the GPU.
-                        b.attention_paged_rope(
-                            &mut a.o,
-                            &ws.qkv,
-                            &mut a.q,
-                            &ws.pos,
-                            kc,
-                            vc,
-                            &ws.kv_rows,
-                            kv.tables,
-                            &ws.kv_base,
-                            &ws.kv_len,
-                            shape,
-                            theta,
-                        )?;
+                        let x = PackedQkv {
+                            qkv: &ws.qkv,
+                            q: &mut a.q,
+                        };
+                        let s = PagedRopeShape { attn: shape, theta };
+                        b.attention_paged_rope(&mut a.o, x, slots, cache, blocks, s)?;
                     } else {
-                        let heads = (n, hh, kh, hd);
-                        rope_store(
-                            b,
-                            qkv.is_some(),
-                            &ws.qkv,
-                            a,
-                            &ws.pos,
-                            &ws.kv_rows,
-                            kc,
-                            vc,
-                            heads,
-                            theta,
-                        )?;
+                        let fused_qkv = qkv.map(|_| &ws.qkv);
+                        rope_store(b, fused_qkv, a, slots, cache.reborrow(), rope)?;
+                        let tiles = PrefillTiles {
+                            tiles: kv.tiles,
+                            n_tiles: kv.n_tiles,
+                            decode_rows: kv.decode_rows,
+                        };
                         b.attention_paged_tiled(
                             &mut a.o,
                             &a.q,
-                            kc,
-                            vc,
-                            kv.tables,
-                            &ws.kv_base,
-                            &ws.kv_len,
-                            kv.tiles,
-                            kv.n_tiles,
-                            kv.decode_rows,
+                            cache.read(),
+                            blocks,
+                            tiles,
                             shape,
                         )?;
                     }
@@ -284,79 +279,37 @@ impl<B: Backend> Decoder<B> {
             if train {
                 // Training keeps the block's input: the output goes to the next snapshot.
                 let (src, dst) = pair(&mut ws.resid, ri, rm);
-                b.matmul_residual(dst, src, &a.o, &w[ly.o], MatmulShape { m: n, k: qd, n: d })?;
+                b.matmul_residual(dst, src, &a.o, &w[ly.o], gemm(qd, d))?;
             } else {
-                b.matmul(
-                    &mut ws.resid[rm],
-                    &a.o,
-                    &w[ly.o],
-                    None,
-                    MatmulShape { m: n, k: qd, n: d },
-                    true,
-                )?;
+                b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, gemm(qd, d), true)?;
             }
             b.rmsnorm(
                 &mut a.xn2,
                 &mut a.rstd2,
                 &ws.resid[rm],
                 &w[ly.post_norm],
-                RmsNormShape {
-                    rows: n,
-                    dim: d,
-                    eps,
-                },
+                norm,
             )?;
             // x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two GEMMs into a.g, a.u.
             if let Some(wi) = ly.gate_up.filter(|_| fuse) {
-                b.matmul(
-                    &mut ws.gu,
-                    &a.xn2,
-                    &fused[wi],
-                    None,
-                    MatmulShape {
-                        m: n,
-                        k: d,
-                        n: 2 * f,
-                    },
-                    false,
-                )?;
+                b.matmul(&mut ws.gu, &a.xn2, &fused[wi], None, gemm(d, 2 * f), false)?;
                 b.swiglu_packed(&mut ws.h, &ws.gu, n, f)?;
             } else {
-                b.matmul(
-                    &mut a.g,
-                    &a.xn2,
-                    &w[ly.gate],
-                    None,
-                    MatmulShape { m: n, k: d, n: f },
-                    false,
-                )?;
-                b.matmul(
-                    &mut a.u,
-                    &a.xn2,
-                    &w[ly.up],
-                    None,
-                    MatmulShape { m: n, k: d, n: f },
-                    false,
-                )?;
+                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, gemm(d, f), false)?;
+                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, gemm(d, f), false)?;
                 let h = if train { &mut a.h } else { &mut ws.h };
                 b.swiglu(h, &a.g, &a.u, n * f)?;
             }
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.matmul_residual(
-                    dst,
-                    src,
-                    &a.h,
-                    &w[ly.down],
-                    MatmulShape { m: n, k: f, n: d },
-                )?;
+                b.matmul_residual(dst, src, &a.h, &w[ly.down], gemm(f, d))?;
             } else {
                 b.matmul(
                     &mut ws.resid[ro],
                     &ws.h,
                     &w[ly.down],
                     None,
-                    MatmulShape { m: n, k: f, n: d },
+                    gemm(f, d),
                     true,
                 )?;
             }
@@ -366,27 +319,20 @@ impl<B: Backend> Decoder<B> {
 }
 
 /// Rope of a step's new queries and keys, and its keys and values stored at their cache rows:
-/// from the fused q/k/v projection `qkv` when `fused`, else from `a`'s q, k and v.
-/// `heads` = (tokens, heads, kv heads, head dim).
-#[allow(clippy::too_many_arguments)]
+/// from the fused q/k/v projection `qkv` when there is one, else from `a`'s q, k and v.
 fn rope_store<B: Backend>(
     b: &B,
-    fused: bool,
-    qkv: &B::Buf,
+    qkv: Option<&B::Buf>,
     a: &mut Acts<B>,
-    pos: &B::Idx,
-    rows: &B::Idx,
-    kc: &mut B::Buf,
-    vc: &mut B::Buf,
-    heads: (usize, usize, usize, usize),
-    theta: f32,
+    slots: Slots<&B::Idx>,
+    cache: KvCache<&mut B::Buf>,
+    shape: RopeKvShape,
 ) -> Result<()> {
-    let (n, hh, kh, hd) = heads;
-    if fused {
-        b.rope_store_kv_packed(qkv, &mut a.q, pos, kc, vc, rows, n, hh, kh, hd, theta)
-    } else {
-        b.rope_store_kv(
-            &mut a.q, &mut a.k, &a.v, pos, kc, vc, rows, n, hh, kh, hd, theta,
-        )
+    match qkv {
+        Some(qkv) => {
+            let x = PackedQkv { qkv, q: &mut a.q };
+            b.rope_store_kv_packed(x, slots, cache, shape)
+        }
+        None => b.rope_store_kv(&mut a.q, &mut a.k, &a.v, slots, cache, shape),
     }
 }

@@ -50,10 +50,34 @@ fn attention_case(
     let k = c.randn(kn, 1.0, d);
     let v = c.randn(kn, 1.0, d);
     let (mut oc, mut lc) = (vec![0.0; qn], vec![0.0; tokens * heads]);
-    c.cpu.attention(&mut oc, &mut lc, &q, &k, &v, &cu, s)?;
+    c.cpu.attention(
+        AttnOut {
+            o: &mut oc,
+            lse: &mut lc,
+        },
+        Qkv {
+            q: &q,
+            k: &k,
+            v: &v,
+        },
+        &cu,
+        s,
+    )?;
     let (gq, gk, gv, gcu) = (c.dev(&q, d)?, c.dev(&k, d)?, c.dev(&v, d)?, c.idx(&cu)?);
     let (mut go, mut gl) = (c.poisoned(qn, d)?, c.poisoned(tokens * heads, DType::F32)?);
-    c.gpu.attention(&mut go, &mut gl, &gq, &gk, &gv, &gcu, s)?;
+    c.gpu.attention(
+        AttnOut {
+            o: &mut go,
+            lse: &mut gl,
+        },
+        Qkv {
+            q: &gq,
+            k: &gk,
+            v: &gv,
+        },
+        &gcu,
+        s,
+    )?;
     c.check(&format!("attention o [{tag}]"), d, &go, &oc, true, t1)?;
     c.check(&format!("attention lse [{tag}]"), d, &gl, &lc, true, t1)?;
     // The backward takes the CPU's o and lse (stored as the GPU would) so it is tested alone.
@@ -61,12 +85,38 @@ fn attention_case(
     let dout = c.randn(qn, 1.0, d);
     let (mut dqc, mut dkc, mut dvc) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
     c.cpu.attention_backward(
-        &mut dqc, &mut dkc, &mut dvc, &dout, &q, &k, &v, &oc_d, &lc, &cu, s,
+        Qkv {
+            q: &mut dqc,
+            k: &mut dkc,
+            v: &mut dvc,
+        },
+        &dout,
+        Qkv {
+            q: &q,
+            k: &k,
+            v: &v,
+        },
+        AttnOut { o: &oc_d, lse: &lc },
+        &cu,
+        s,
     )?;
     let (gdo, go2, gl2) = (c.dev(&dout, d)?, c.dev(&oc_d, d)?, c.dev(&lc, DType::F32)?);
     let (mut gdq, mut gdk, mut gdv) = (c.poisoned(qn, d)?, c.poisoned(kn, d)?, c.poisoned(kn, d)?);
     c.gpu.attention_backward(
-        &mut gdq, &mut gdk, &mut gdv, &gdo, &gq, &gk, &gv, &go2, &gl2, &gcu, s,
+        Qkv {
+            q: &mut gdq,
+            k: &mut gdk,
+            v: &mut gdv,
+        },
+        &gdo,
+        Qkv {
+            q: &gq,
+            k: &gk,
+            v: &gv,
+        },
+        AttnOut { o: &go2, lse: &gl2 },
+        &gcu,
+        s,
     )?;
     c.check(
         &format!("attention_backward dq [{tag}]"),
@@ -157,7 +207,21 @@ fn time_train(t: &mut Timer) -> Result<()> {
             shape.clone(),
             fwd_flop,
             "TFLOP/s",
-            || gpu.attention(&mut o, &mut lse, &q, &k, &v, &gcu, s),
+            || {
+                gpu.attention(
+                    AttnOut {
+                        o: &mut o,
+                        lse: &mut lse,
+                    },
+                    Qkv {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                    },
+                    &gcu,
+                    s,
+                )
+            },
         )?;
         t.time(
             &format!("attention bwd ({tag})"),
@@ -166,7 +230,20 @@ fn time_train(t: &mut Timer) -> Result<()> {
             "TFLOP/s",
             || {
                 gpu.attention_backward(
-                    &mut dq, &mut dk, &mut dv, &dout, &q, &k, &v, &o, &lse, &gcu, s,
+                    Qkv {
+                        q: &mut dq,
+                        k: &mut dk,
+                        v: &mut dv,
+                    },
+                    &dout,
+                    Qkv {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                    },
+                    AttnOut { o: &o, lse: &lse },
+                    &gcu,
+                    s,
                 )
             },
         )?;

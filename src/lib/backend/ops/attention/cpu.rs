@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{AttentionOps, AttnShape};
+use super::{AttentionOps, AttnOut, AttnShape, Qkv};
 use crate::backend::cpu::{get, get_mut, Cpu, SharedMut};
 
 /// Σ a·b with independent partial sums so the loop vectorises.
@@ -51,9 +51,9 @@ fn seq_of(cu: &[u32], i: usize) -> usize {
     cu.partition_point(|&c| c as usize <= i) - 1
 }
 
-/// One query against keys/values rows `rows` (each `stride` apart, starting at `off`):
-/// out = Σ_j softmax_j(q·k_j·scale) v_j by online softmax; returns log Σ_j exp(q·k_j·scale).
-#[allow(clippy::too_many_arguments)]
+/// One query against keys/values rows `rows` (row j at `j·stride` of `k` and `v`, which start
+/// at the head's columns): out = Σ_j softmax_j(q·k_j·scale) v_j by online softmax; returns
+/// log Σ_j exp(q·k_j·scale).
 #[inline]
 fn attend_one(
     out: &mut [f32],
@@ -62,14 +62,13 @@ fn attend_one(
     v: &[f32],
     rows: std::ops::Range<usize>,
     stride: usize,
-    off: usize,
     scale: f32,
 ) -> f32 {
     let d = out.len();
     out.fill(0.0);
     let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
     for j in rows {
-        let kj = &k[j * stride + off..j * stride + off + d];
+        let kj = &k[j * stride..j * stride + d];
         let s = dot(q, kj) * scale;
         if s > m {
             // A new maximum: rescale what was summed under the old one.
@@ -80,7 +79,7 @@ fn attend_one(
         }
         let p = (s - m).exp();
         l += p;
-        axpy(out, p, &v[j * stride + off..j * stride + off + d]);
+        axpy(out, p, &v[j * stride..j * stride + d]);
     }
     let inv = 1.0 / l;
     out.iter_mut().for_each(|o| *o *= inv);
@@ -88,15 +87,8 @@ fn attend_one(
 }
 
 /// o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j; lse[i,h] = log Σ_j exp(q_i·k_j/√d).
-pub fn forward(
-    o: &mut [f32],
-    lse: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    cu: &[u32],
-    s: AttnShape,
-) -> Result<()> {
+pub fn forward(out: AttnOut<&mut [f32]>, x: Qkv<&[f32]>, cu: &[u32], s: AttnShape) -> Result<()> {
+    let (AttnOut { o, lse }, Qkv { q, k, v }) = (out, x);
     let group = check_heads(s.heads, s.kv_heads)?;
     check_cu(cu, s.tokens)?;
     let (d, qrow, krow) = (s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim);
@@ -112,45 +104,36 @@ pub fn forward(
             for h in 0..s.heads {
                 let qi = &q[i * qrow + h * d..i * qrow + (h + 1) * d];
                 let out = &mut orow[h * d..(h + 1) * d];
-                lrow[h] = attend_one(out, qi, k, v, start..i + 1, krow, (h / group) * d, scale);
+                let off = (h / group) * d;
+                lrow[h] = attend_one(out, qi, &k[off..], &v[off..], start..i + 1, krow, scale);
             }
         });
     Ok(())
 }
 
-/// Gradients written by [`backward`].
-pub struct Grads<'a> {
-    pub dq: &'a mut [f32],
-    pub dk: &'a mut [f32],
-    pub dv: &'a mut [f32],
-}
-
 /// P = exp(S − lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)), dQ = dS K/√d,
 /// dK = dSᵀ Q/√d. One task per (sequence, kv head): it owns dK and dV of that head in that
 /// sequence and dQ of the query heads grouped on it, so tasks never write the same floats.
-#[allow(clippy::too_many_arguments)]
 pub fn backward(
-    g: Grads,
+    g: Qkv<&mut [f32]>,
     dout: &[f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    o: &[f32],
-    lse: &[f32],
+    x: Qkv<&[f32]>,
+    out: AttnOut<&[f32]>,
     cu: &[u32],
     s: AttnShape,
 ) -> Result<()> {
+    let (Qkv { q, k, v }, AttnOut { o, lse }) = (x, out);
     let group = check_heads(s.heads, s.kv_heads)?;
     check_cu(cu, s.tokens)?;
     let (d, qrow, krow) = (s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    g.dq.fill(0.0);
-    g.dk.fill(0.0);
-    g.dv.fill(0.0);
+    g.q.fill(0.0);
+    g.k.fill(0.0);
+    g.v.fill(0.0);
     let scale = 1.0 / (d as f32).sqrt();
     let (dq, dk, dv) = (
-        SharedMut::new(g.dq),
-        SharedMut::new(g.dk),
-        SharedMut::new(g.dv),
+        SharedMut::new(g.q),
+        SharedMut::new(g.k),
+        SharedMut::new(g.v),
     );
     (0..s.seqs * s.kv_heads).into_par_iter().for_each(|task| {
         let (seq, kh) = (task / s.kv_heads, task % s.kv_heads);
@@ -183,11 +166,8 @@ pub fn backward(
 impl AttentionOps for Cpu {
     fn attention(
         &self,
-        o: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        out: AttnOut<&mut Vec<f32>>,
+        x: Qkv<&Vec<f32>>,
         cu_seqlens: &Vec<u32>,
         s: AttnShape,
     ) -> Result<()> {
@@ -196,26 +176,25 @@ impl AttentionOps for Cpu {
             s.tokens * s.kv_heads * s.head_dim,
         );
         forward(
-            get_mut(o, qn, "attention o")?,
-            get_mut(lse, s.tokens * s.heads, "attention lse")?,
-            get(q, qn, "attention q")?,
-            get(k, kn, "attention k")?,
-            get(v, kn, "attention v")?,
+            AttnOut {
+                o: get_mut(out.o, qn, "attention o")?,
+                lse: get_mut(out.lse, s.tokens * s.heads, "attention lse")?,
+            },
+            Qkv {
+                q: get(x.q, qn, "attention q")?,
+                k: get(x.k, kn, "attention k")?,
+                v: get(x.v, kn, "attention v")?,
+            },
             get(cu_seqlens, s.seqs + 1, "attention cu_seqlens")?,
             s,
         )
     }
     fn attention_backward(
         &self,
-        dq: &mut Vec<f32>,
-        dk: &mut Vec<f32>,
-        dv: &mut Vec<f32>,
+        dx: Qkv<&mut Vec<f32>>,
         dout: &Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        o: &Vec<f32>,
-        lse: &Vec<f32>,
+        x: Qkv<&Vec<f32>>,
+        out: AttnOut<&Vec<f32>>,
         cu_seqlens: &Vec<u32>,
         s: AttnShape,
     ) -> Result<()> {
@@ -224,17 +203,21 @@ impl AttentionOps for Cpu {
             s.tokens * s.kv_heads * s.head_dim,
         );
         backward(
-            Grads {
-                dq: get_mut(dq, qn, "attention dq")?,
-                dk: get_mut(dk, kn, "attention dk")?,
-                dv: get_mut(dv, kn, "attention dv")?,
+            Qkv {
+                q: get_mut(dx.q, qn, "attention dq")?,
+                k: get_mut(dx.k, kn, "attention dk")?,
+                v: get_mut(dx.v, kn, "attention dv")?,
             },
             get(dout, qn, "attention dout")?,
-            get(q, qn, "attention q")?,
-            get(k, kn, "attention k")?,
-            get(v, kn, "attention v")?,
-            get(o, qn, "attention o")?,
-            get(lse, s.tokens * s.heads, "attention lse")?,
+            Qkv {
+                q: get(x.q, qn, "attention q")?,
+                k: get(x.k, kn, "attention k")?,
+                v: get(x.v, kn, "attention v")?,
+            },
+            AttnOut {
+                o: get(out.o, qn, "attention o")?,
+                lse: get(out.lse, s.tokens * s.heads, "attention lse")?,
+            },
             get(cu_seqlens, s.seqs + 1, "attention cu_seqlens")?,
             s,
         )
@@ -259,7 +242,20 @@ mod tests {
             kv_heads: 1,
             head_dim: 2,
         };
-        forward(&mut o, &mut lse, &q, &k, &v, &[0, 1, 3], s).unwrap();
+        forward(
+            AttnOut {
+                o: &mut o,
+                lse: &mut lse,
+            },
+            Qkv {
+                q: &q,
+                k: &k,
+                v: &v,
+            },
+            &[0, 1, 3],
+            s,
+        )
+        .unwrap();
         // Row 0 sees only itself; row 1 is the first of seq 2; row 2 (q = 0) averages rows 1, 2.
         assert_eq!(&o[..2], &[7.0, 8.0]);
         assert_eq!(&o[2..4], &[1.0, 1.0]);
@@ -278,22 +274,30 @@ mod tests {
             head_dim: 2,
         };
         let err = forward(
-            &mut [0.0; 12],
-            &mut [0.0; 6],
-            &[0.0; 12],
-            &[0.0; 8],
-            &[0.0; 8],
+            AttnOut {
+                o: &mut [0.0; 12],
+                lse: &mut [0.0; 6],
+            },
+            Qkv {
+                q: &[0.0; 12],
+                k: &[0.0; 8],
+                v: &[0.0; 8],
+            },
             &[0, 2],
             s,
         );
         assert!(err.unwrap_err().to_string().contains("cannot be grouped"));
         let s = AttnShape { heads: 2, ..s };
         let err = forward(
-            &mut [0.0; 8],
-            &mut [0.0; 4],
-            &[0.0; 8],
-            &[0.0; 8],
-            &[0.0; 8],
+            AttnOut {
+                o: &mut [0.0; 8],
+                lse: &mut [0.0; 4],
+            },
+            Qkv {
+                q: &[0.0; 8],
+                k: &[0.0; 8],
+                v: &[0.0; 8],
+            },
             &[0, 1],
             s,
         );

@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 
-use super::{AttentionOps, AttnShape};
+use super::{AttentionOps, AttnOut, AttnShape, Qkv};
 use crate::backend::cuda::nvrtc::{attention_tile, Family};
 use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx, THREADS};
 use crate::backend::{DType, Device};
@@ -65,14 +65,12 @@ fn shape_args(s: AttnShape) -> Result<(i32, i32, i32, i32)> {
 impl AttentionOps for CudaBackend {
     fn attention(
         &self,
-        o: &mut CudaBuf,
-        lse: &mut CudaBuf,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
+        out: AttnOut<&mut CudaBuf>,
+        x: Qkv<&CudaBuf>,
         cu_seqlens: &CudaIdx,
         s: AttnShape,
     ) -> Result<()> {
+        let (AttnOut { o, lse }, Qkv { q, k, v }) = (out, x);
         let (hd, group) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
         let _ = group;
         let (qn, kn) = (
@@ -144,18 +142,19 @@ impl AttentionOps for CudaBackend {
     }
     fn attention_backward(
         &self,
-        dq: &mut CudaBuf,
-        dk: &mut CudaBuf,
-        dv: &mut CudaBuf,
+        dx: Qkv<&mut CudaBuf>,
         dout: &CudaBuf,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        o: &CudaBuf,
-        lse: &CudaBuf,
+        x: Qkv<&CudaBuf>,
+        out: AttnOut<&CudaBuf>,
         cu_seqlens: &CudaIdx,
         s: AttnShape,
     ) -> Result<()> {
+        let Qkv {
+            q: dq,
+            k: dk,
+            v: dv,
+        } = dx;
+        let (Qkv { q, k, v }, AttnOut { o, lse }) = (x, out);
         let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
         let (qn, kn) = (
             s.tokens * s.heads * s.head_dim,

@@ -26,35 +26,42 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
+/// The three inputs of attention, `[tokens, heads, head_dim]` for q and `[tokens, kv_heads,
+/// head_dim]` for k and v (or their gradients, `&mut`, in the backward).
+#[derive(Clone, Copy, Debug)]
+pub struct Qkv<T> {
+    pub q: T,
+    pub k: T,
+    pub v: T,
+}
+
+/// The forward's outputs the backward reads again: o `[tokens, heads, head_dim]` and the
+/// log-sum-exp per query and head, lse `[tokens, heads]`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnOut<T> {
+    pub o: T,
+    pub lse: T,
+}
+
 /// Attention ops.
 pub trait AttentionOps: Device {
     /// Packed causal GQA: o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j, with kv head
     /// h / (heads/kv_heads); lse[i,h] = log Σ_j exp(q_i·k_j/√d) saved for backward.
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
-        o: &mut Self::Buf,
-        lse: &mut Self::Buf,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
+        out: AttnOut<&mut Self::Buf>,
+        x: Qkv<&Self::Buf>,
         cu_seqlens: &Self::Idx,
         shape: AttnShape,
     ) -> Result<()>;
     /// P = exp(S − lse), dV = Pᵀ dO, dP = dO Vᵀ, dS = P∘(dP − rowsum(dO∘O)),
     /// dQ = dS K/√d, dK = dSᵀ Q/√d. dq, dk, dv are overwritten.
-    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
-        dq: &mut Self::Buf,
-        dk: &mut Self::Buf,
-        dv: &mut Self::Buf,
+        dx: Qkv<&mut Self::Buf>,
         dout: &Self::Buf,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        o: &Self::Buf,
-        lse: &Self::Buf,
+        x: Qkv<&Self::Buf>,
+        out: AttnOut<&Self::Buf>,
         cu_seqlens: &Self::Idx,
         shape: AttnShape,
     ) -> Result<()>;

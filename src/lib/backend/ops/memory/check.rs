@@ -107,13 +107,24 @@ fn kv_store(c: &mut Ctx, d: DType) -> Result<()> {
     let vnew = c.randn(n * row, 1.0, d);
     let rows = c.rng.distinct(n, cache_rows);
     let (mut kcc, mut vcc) = (kc0.clone(), vc0.clone());
-    c.cpu
-        .kv_store(&mut kcc, &mut vcc, &knew, &vnew, &rows, n, row)?;
+    c.cpu.kv_store(
+        KvCache {
+            k: &mut kcc,
+            v: &mut vcc,
+        },
+        &knew,
+        &vnew,
+        &rows,
+        n,
+        row,
+    )?;
     let (mut gkc, mut gvc) = (c.dev(&kc0, d)?, c.dev(&vc0, d)?);
     let gr = c.idx(&rows)?;
     c.gpu.kv_store(
-        &mut gkc,
-        &mut gvc,
+        KvCache {
+            k: &mut gkc,
+            v: &mut gvc,
+        },
         &c.dev(&knew, d)?,
         &c.dev(&vnew, d)?,
         &gr,

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::MemoryOps;
+use super::{KvCache, MemoryOps};
 use crate::backend::cpu::{get, get_mut, Cpu, ELEMWISE_GRAIN};
 
 /// cache[rows[i], :] = x[i, :] (rows of `row_dim` floats).
@@ -82,8 +82,7 @@ impl MemoryOps for Cpu {
 
     fn kv_store(
         &self,
-        k_cache: &mut Vec<f32>,
-        v_cache: &mut Vec<f32>,
+        cache: KvCache<&mut Vec<f32>>,
         k: &Vec<f32>,
         v: &Vec<f32>,
         rows: &Vec<u32>,
@@ -91,8 +90,8 @@ impl MemoryOps for Cpu {
         row_dim: usize,
     ) -> Result<()> {
         let rows = get(rows, n, "kv_store rows")?;
-        kv_store(k_cache, get(k, n * row_dim, "kv_store k")?, rows, row_dim)?;
-        kv_store(v_cache, get(v, n * row_dim, "kv_store v")?, rows, row_dim)
+        kv_store(cache.k, get(k, n * row_dim, "kv_store k")?, rows, row_dim)?;
+        kv_store(cache.v, get(v, n * row_dim, "kv_store v")?, rows, row_dim)
     }
 }
 
@@ -134,8 +133,10 @@ mod tests {
     fn kv_store_writes_its_rows_and_refuses_rows_past_the_cache() {
         let (mut kc, mut vc) = (vec![0.0; 6], vec![0.0; 6]);
         Cpu.kv_store(
-            &mut kc,
-            &mut vc,
+            KvCache {
+                k: &mut kc,
+                v: &mut vc,
+            },
             &vec![1.0, 2.0, 3.0, 4.0],
             &vec![5.0, 6.0, 7.0, 8.0],
             &vec![2, 0],
@@ -147,8 +148,10 @@ mod tests {
         assert_eq!(vc, [7.0, 8.0, 0.0, 0.0, 5.0, 6.0]);
         let err = Cpu
             .kv_store(
-                &mut kc,
-                &mut vc,
+                KvCache {
+                    k: &mut kc,
+                    v: &mut vc,
+                },
                 &vec![0.0; 2],
                 &vec![0.0; 2],
                 &vec![3],

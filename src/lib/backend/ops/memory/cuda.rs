@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 
-use super::MemoryOps;
+use super::{KvCache, MemoryOps};
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx};
 
@@ -88,14 +88,17 @@ impl MemoryOps for CudaBackend {
 
     fn kv_store(
         &self,
-        k_cache: &mut CudaBuf,
-        v_cache: &mut CudaBuf,
+        cache: KvCache<&mut CudaBuf>,
         k: &CudaBuf,
         v: &CudaBuf,
         rows: &CudaIdx,
         n: usize,
         row_dim: usize,
     ) -> Result<()> {
+        let KvCache {
+            k: k_cache,
+            v: v_cache,
+        } = cache;
         need(rows.len, n, "kv_store rows")?;
         need(k.len, n * row_dim, "kv_store k")?;
         need(v.len, n * row_dim, "kv_store v")?;

@@ -16,6 +16,32 @@ use anyhow::Result;
 
 use crate::backend::Device;
 
+/// The key and value buffers of a KV cache (rows of kv_heads·head_dim): `&mut` where an op
+/// stores into them, `&` where it only reads.
+#[derive(Clone, Copy, Debug)]
+pub struct KvCache<T> {
+    pub k: T,
+    pub v: T,
+}
+
+impl<T> KvCache<&mut T> {
+    /// The same buffers, read-only.
+    pub fn read(&self) -> KvCache<&T> {
+        KvCache {
+            k: &*self.k,
+            v: &*self.v,
+        }
+    }
+
+    /// The same buffers, borrowed mutably for one call (the pair stays usable after it).
+    pub fn reborrow(&mut self) -> KvCache<&mut T> {
+        KvCache {
+            k: &mut *self.k,
+            v: &mut *self.v,
+        }
+    }
+}
+
 /// Elementwise add and row movement.
 pub trait MemoryOps: Device {
     /// y[..n] += x[..n].
@@ -39,11 +65,9 @@ pub trait MemoryOps: Device {
         dim: usize,
     ) -> Result<()>;
     /// KV-cache write: cache[rows[i], :] = x[i, :] for k and v (rows of kv_heads·head_dim).
-    #[allow(clippy::too_many_arguments)]
     fn kv_store(
         &self,
-        k_cache: &mut Self::Buf,
-        v_cache: &mut Self::Buf,
+        cache: KvCache<&mut Self::Buf>,
         k: &Self::Buf,
         v: &Self::Buf,
         rows: &Self::Idx,

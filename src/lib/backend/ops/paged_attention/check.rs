@@ -75,7 +75,19 @@ fn time_decode(t: &mut Timer) -> Result<()> {
             format!("{tag}, ctx {ctx}"),
             (rows * ctx * kd * 2 * 2) as f64,
             "GB/s",
-            || gpu.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape),
+            || {
+                gpu.attention_paged(
+                    &mut o,
+                    &q,
+                    KvCache { k: &kc, v: &vc },
+                    BlockTables {
+                        tables: &tab,
+                        seq: &seq,
+                        len: &len,
+                    },
+                    shape,
+                )
+            },
         )?;
     }
     gpu.set_batch_invariant(was);
@@ -87,8 +99,28 @@ fn time_decode(t: &mut Timer) -> Result<()> {
         "GB/s",
         || {
             gpu.attention_paged_rope(
-                &mut o, &qkv, &mut q, &pos, &mut kc, &mut vc, &crow, &tab, &seq, &len, shape,
-                ROPE_THETA,
+                &mut o,
+                PackedQkv {
+                    qkv: &qkv,
+                    q: &mut q,
+                },
+                Slots {
+                    pos: &pos,
+                    rows: &crow,
+                },
+                KvCache {
+                    k: &mut kc,
+                    v: &mut vc,
+                },
+                BlockTables {
+                    tables: &tab,
+                    seq: &seq,
+                    len: &len,
+                },
+                PagedRopeShape {
+                    attn: shape,
+                    theta: ROPE_THETA,
+                },
             )
         },
     )
@@ -141,17 +173,30 @@ fn paged_attention_cases(c: &mut Ctx, d: DType, path: &str) -> Result<()> {
         };
         let q = c.randn(queries * heads * hd, 1.0, d);
         let mut oc = vec![0.0; queries * heads * hd];
-        c.cpu
-            .attention_paged(&mut oc, &q, &kc, &vc, &tables, &seq, &len, s)?;
+        c.cpu.attention_paged(
+            &mut oc,
+            &q,
+            KvCache { k: &kc, v: &vc },
+            BlockTables {
+                tables: &tables,
+                seq: &seq,
+                len: &len,
+            },
+            s,
+        )?;
         let mut go = c.poisoned(oc.len(), d)?;
         c.gpu.attention_paged(
             &mut go,
             &c.dev(&q, d)?,
-            &c.dev(&kc, d)?,
-            &c.dev(&vc, d)?,
-            &c.idx(&tables)?,
-            &c.idx(&seq)?,
-            &c.idx(&len)?,
+            KvCache {
+                k: &c.dev(&kc, d)?,
+                v: &c.dev(&vc, d)?,
+            },
+            BlockTables {
+                tables: &c.idx(&tables)?,
+                seq: &c.idx(&seq)?,
+                len: &c.idx(&len)?,
+            },
             s,
         )?;
         c.check(
@@ -212,7 +257,25 @@ fn attention_paged_rope(c: &mut Ctx, d: DType) -> Result<()> {
         let (mut ckc, mut cvc) = (kc.clone(), vc.clone());
         let mut co = vec![0f32; queries * qd];
         c.cpu.attention_paged_rope(
-            &mut co, &qkv, &mut q, &pos, &mut ckc, &mut cvc, &rows, &tables, &seq, &len, s, theta,
+            &mut co,
+            PackedQkv {
+                qkv: &qkv,
+                q: &mut q,
+            },
+            Slots {
+                pos: &pos,
+                rows: &rows,
+            },
+            KvCache {
+                k: &mut ckc,
+                v: &mut cvc,
+            },
+            BlockTables {
+                tables: &tables,
+                seq: &seq,
+                len: &len,
+            },
+            PagedRopeShape { attn: s, theta },
         )?;
         let (gx, gpos, grows) = (c.dev(&qkv, d)?, c.idx(&pos)?, c.idx(&rows)?);
         let (gt, gs, gl) = (c.idx(&tables)?, c.idx(&seq)?, c.idx(&len)?);
@@ -221,16 +284,61 @@ fn attention_paged_rope(c: &mut Ctx, d: DType) -> Result<()> {
         let mut aq = c.poisoned(queries * qd, d)?;
         let mut ao = c.poisoned(queries * qd, d)?;
         c.gpu.rope_store_kv_packed(
-            &gx, &mut aq, &gpos, &mut akc, &mut avc, &grows, queries, heads, kv, hd, theta,
+            PackedQkv {
+                qkv: &gx,
+                q: &mut aq,
+            },
+            Slots {
+                pos: &gpos,
+                rows: &grows,
+            },
+            KvCache {
+                k: &mut akc,
+                v: &mut avc,
+            },
+            RopeKvShape {
+                tokens: queries,
+                heads,
+                kv_heads: kv,
+                head_dim: hd,
+                theta,
+            },
         )?;
-        c.gpu
-            .attention_paged(&mut ao, &aq, &akc, &avc, &gt, &gs, &gl, s)?;
+        c.gpu.attention_paged(
+            &mut ao,
+            &aq,
+            KvCache { k: &akc, v: &avc },
+            BlockTables {
+                tables: &gt,
+                seq: &gs,
+                len: &gl,
+            },
+            s,
+        )?;
         // GPU, fused.
         let (mut fkc, mut fvc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
         let mut fq = c.poisoned(queries * qd, d)?;
         let mut fo = c.poisoned(queries * qd, d)?;
         c.gpu.attention_paged_rope(
-            &mut fo, &gx, &mut fq, &gpos, &mut fkc, &mut fvc, &grows, &gt, &gs, &gl, s, theta,
+            &mut fo,
+            PackedQkv {
+                qkv: &gx,
+                q: &mut fq,
+            },
+            Slots {
+                pos: &gpos,
+                rows: &grows,
+            },
+            KvCache {
+                k: &mut fkc,
+                v: &mut fvc,
+            },
+            BlockTables {
+                tables: &gt,
+                seq: &gs,
+                len: &gl,
+            },
+            PagedRopeShape { attn: s, theta },
         )?;
         c.check(
             &format!("attention_paged_rope {tag}"),
@@ -319,11 +427,15 @@ fn attention_invariance(c: &mut Ctx, d: DType) -> Result<()> {
             let mut o = c.gpu.alloc_as(tokens * heads * hd, d)?;
             let mut lse = c.gpu.alloc(tokens * heads)?;
             c.gpu.attention(
-                &mut o,
-                &mut lse,
-                &c.dev(&permute(&q, &rows, heads * hd), d)?,
-                &c.dev(&permute(&k, &rows, kv * hd), d)?,
-                &c.dev(&permute(&v, &rows, kv * hd), d)?,
+                AttnOut {
+                    o: &mut o,
+                    lse: &mut lse,
+                },
+                Qkv {
+                    q: &c.dev(&permute(&q, &rows, heads * hd), d)?,
+                    k: &c.dev(&permute(&k, &rows, kv * hd), d)?,
+                    v: &c.dev(&permute(&v, &rows, kv * hd), d)?,
+                },
                 &c.idx(&cu)?,
                 s,
             )?;
@@ -373,11 +485,15 @@ fn attention_invariance(c: &mut Ctx, d: DType) -> Result<()> {
         let r = c.gpu.attention_paged(
             &mut go,
             &c.dev(&q, d)?,
-            &c.dev(&kc, d)?,
-            &c.dev(&vc, d)?,
-            &c.idx(&tables)?,
-            &c.idx(&seq)?,
-            &c.idx(&len)?,
+            KvCache {
+                k: &c.dev(&kc, d)?,
+                v: &c.dev(&vc, d)?,
+            },
+            BlockTables {
+                tables: &c.idx(&tables)?,
+                seq: &c.idx(&seq)?,
+                len: &c.idx(&len)?,
+            },
             ps,
         );
         c.gpu.set_batch_invariant(false);
@@ -452,14 +568,17 @@ fn attention_invariance(c: &mut Ctx, d: DType) -> Result<()> {
             let r = c.gpu.attention_paged_tiled(
                 &mut go,
                 &gq,
-                &gk,
-                &gv,
-                &gt,
-                &gs,
-                &gl,
-                &gtiles,
-                tiles.len() / 2,
-                single.len(),
+                KvCache { k: &gk, v: &gv },
+                BlockTables {
+                    tables: &gt,
+                    seq: &gs,
+                    len: &gl,
+                },
+                PrefillTiles {
+                    tiles: &gtiles,
+                    n_tiles: tiles.len() / 2,
+                    decode_rows: single.len(),
+                },
                 ps,
             );
             c.gpu.set_batch_invariant(false);

@@ -3,9 +3,10 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{PagedAttentionOps, PagedAttnShape};
+use super::{BlockTables, PagedAttentionOps, PagedAttnShape};
 use crate::backend::cpu::{get, get_mut, Cpu};
 use crate::backend::ops::attention::cpu::dot;
+use crate::backend::KvCache;
 
 /// Cache row of position `p` of a sequence whose block table is `table`.
 #[inline]
@@ -16,17 +17,20 @@ fn row_of(table: &[u32], bs: usize, p: usize) -> usize {
 /// o_i = Σ_{p<len[i]} softmax_p(q_i·K[row(p)]/√d) V[row(p)] (online softmax, the same
 /// arithmetic in the same order as the packed training forward `attention::cpu::forward`, so a
 /// token gets the same bits from a paged cache as from training).
-#[allow(clippy::too_many_arguments)]
 pub fn forward(
     o: &mut [f32],
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    tables: &[u32],
-    seq: &[u32],
-    len: &[u32],
+    cache: KvCache<&[f32]>,
+    blocks: BlockTables<&[u32]>,
     s: PagedAttnShape,
 ) -> Result<()> {
+    let (
+        KvCache {
+            k: k_cache,
+            v: v_cache,
+        },
+        BlockTables { tables, seq, len },
+    ) = (cache, blocks);
     if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
         bail!(
             "attention_paged: {} query heads cannot be grouped over {} kv heads",
@@ -99,22 +103,23 @@ impl PagedAttentionOps for Cpu {
         &self,
         o: &mut Vec<f32>,
         q: &Vec<f32>,
-        k_cache: &Vec<f32>,
-        v_cache: &Vec<f32>,
-        tables: &Vec<u32>,
-        seq: &Vec<u32>,
-        len: &Vec<u32>,
+        cache: KvCache<&Vec<f32>>,
+        blocks: BlockTables<&Vec<u32>>,
         s: PagedAttnShape,
     ) -> Result<()> {
         let qn = s.queries * s.heads * s.head_dim;
         forward(
             get_mut(o, qn, "attention_paged o")?,
             get(q, qn, "attention_paged q")?,
-            k_cache,
-            v_cache,
-            tables,
-            get(seq, s.queries, "attention_paged seq")?,
-            get(len, s.queries, "attention_paged len")?,
+            KvCache {
+                k: cache.k,
+                v: cache.v,
+            },
+            BlockTables {
+                tables: blocks.tables,
+                seq: get(blocks.seq, s.queries, "attention_paged seq")?,
+                len: get(blocks.len, s.queries, "attention_paged len")?,
+            },
             s,
         )
     }
@@ -125,7 +130,7 @@ mod tests {
     use super::*;
     use crate::backend::check::randn;
     use crate::backend::ops::attention::cpu as attention;
-    use crate::backend::AttnShape;
+    use crate::backend::{AttnOut, AttnShape, Qkv};
 
     /// Each query against its paged prefix gets exactly the packed training forward's bits
     /// at that token (the same online softmax in the same order).
@@ -165,11 +170,15 @@ mod tests {
         let mut want = vec![0.0; nq * h * d];
         let mut lse = vec![0.0; nq * h];
         attention::forward(
-            &mut want,
-            &mut lse,
-            &q,
-            &packed_k,
-            &packed_v,
+            AttnOut {
+                o: &mut want,
+                lse: &mut lse,
+            },
+            Qkv {
+                q: &q,
+                k: &packed_k,
+                v: &packed_v,
+            },
             &[0, 7, 10],
             AttnShape {
                 tokens,
@@ -190,10 +199,32 @@ mod tests {
             block_size: bs,
             max_blocks: 2,
         };
-        forward(&mut got, &q, &pk, &pv, &flat, &seq, &len, shape).unwrap();
+        forward(
+            &mut got,
+            &q,
+            KvCache { k: &pk, v: &pv },
+            BlockTables {
+                tables: &flat,
+                seq: &seq,
+                len: &len,
+            },
+            shape,
+        )
+        .unwrap();
         assert_eq!(got, want);
         // A query that reads past its table is refused.
-        let err = forward(&mut got, &q, &pk, &pv, &flat, &[0], &[9], shape).unwrap_err();
+        let err = forward(
+            &mut got,
+            &q,
+            KvCache { k: &pk, v: &pv },
+            BlockTables {
+                tables: &flat,
+                seq: &[0],
+                len: &[9],
+            },
+            shape,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("reads 9 positions"), "{err}");
     }
 
@@ -212,7 +243,18 @@ mod tests {
             block_size: bs,
             max_blocks: 1,
         };
-        forward(&mut o, &[0.3, 0.1], &k, &v, &[1], &[0], &[1], s).unwrap();
+        forward(
+            &mut o,
+            &[0.3, 0.1],
+            KvCache { k: &k, v: &v },
+            BlockTables {
+                tables: &[1],
+                seq: &[0],
+                len: &[1],
+            },
+            s,
+        )
+        .unwrap();
         assert_eq!(o, [7.0, 9.0]);
     }
 }

@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 
-use super::{PagedAttentionOps, PagedAttnShape};
+use super::{BlockTables, PagedAttentionOps, PagedAttnShape, PagedRopeShape, PrefillTiles};
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx, KArg};
 use crate::backend::ops::attention::{
@@ -12,7 +12,7 @@ use crate::backend::ops::attention::{
     cuda::{attention_mma_smem, check_attn, paged_inv_smem},
 };
 use crate::backend::ops::rope::cuda::{freqs, Freqs};
-use crate::backend::{DType, Device, RopeOps};
+use crate::backend::{DType, Device, KvCache, PackedQkv, RopeOps, Slots};
 
 pub const KERNELS: Family = Family {
     name: "paged_attention",
@@ -51,19 +51,22 @@ fn paged_dims(
 
 /// `attention_paged`, or with `rope` the decode step's rope + kv_store fused in (`q` is then
 /// the fused q/k/v projection; only the tensor-core kernel takes it).
-#[allow(clippy::too_many_arguments)]
 fn launch_paged(
     be: &CudaBackend,
     o: &mut CudaBuf,
     q: &CudaBuf,
-    k_cache: &CudaBuf,
-    v_cache: &CudaBuf,
-    tables: &CudaIdx,
-    seq: &CudaIdx,
-    len: &CudaIdx,
+    cache: KvCache<&CudaBuf>,
+    blocks: BlockTables<&CudaIdx>,
     s: PagedAttnShape,
     rope: Option<PagedRope>,
 ) -> Result<()> {
+    let (
+        KvCache {
+            k: k_cache,
+            v: v_cache,
+        },
+        BlockTables { tables, seq, len },
+    ) = (cache, blocks);
     let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
     let qn = s.queries * s.heads * s.head_dim;
     need(o.len, qn, "attention_paged o")?;
@@ -245,19 +248,26 @@ impl PagedAttentionOps for CudaBackend {
         &self,
         o: &mut CudaBuf,
         q: &CudaBuf,
-        k_cache: &CudaBuf,
-        v_cache: &CudaBuf,
-        tables: &CudaIdx,
-        seq: &CudaIdx,
-        len: &CudaIdx,
-        tiles: &CudaIdx,
-        n_tiles: usize,
-        decode_rows: usize,
+        cache: KvCache<&CudaBuf>,
+        blocks: BlockTables<&CudaIdx>,
+        prefill: PrefillTiles<&CudaIdx>,
         s: PagedAttnShape,
     ) -> Result<()> {
+        let (
+            KvCache {
+                k: k_cache,
+                v: v_cache,
+            },
+            BlockTables { tables, seq, len },
+        ) = (cache, blocks);
+        let PrefillTiles {
+            tiles,
+            n_tiles,
+            decode_rows,
+        } = prefill;
         let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
         if n_tiles == 0 || !self.use_mma(hd, &[o, q, k_cache, v_cache]) {
-            return self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, s);
+            return self.attention_paged(o, q, cache, blocks, s);
         }
         let qn = s.queries * s.heads * s.head_dim;
         need(o.len, qn, "attention_paged o")?;
@@ -278,7 +288,7 @@ impl PagedAttentionOps for CudaBackend {
                 queries: decode_rows,
                 ..s
             };
-            self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, d)?;
+            self.attention_paged(o, q, cache, blocks, d)?;
         }
         // The prefill tiles: each block's rows share its key tiles (and get the training
         // forward's bits, in either mode).
@@ -319,41 +329,38 @@ impl PagedAttentionOps for CudaBackend {
         &self,
         o: &mut CudaBuf,
         q: &CudaBuf,
-        k_cache: &CudaBuf,
-        v_cache: &CudaBuf,
-        tables: &CudaIdx,
-        seq: &CudaIdx,
-        len: &CudaIdx,
+        cache: KvCache<&CudaBuf>,
+        blocks: BlockTables<&CudaIdx>,
         s: PagedAttnShape,
     ) -> Result<()> {
-        launch_paged(self, o, q, k_cache, v_cache, tables, seq, len, s, None)
+        launch_paged(self, o, q, cache, blocks, s, None)
     }
     fn attention_paged_rope(
         &self,
         o: &mut CudaBuf,
-        qkv: &CudaBuf,
-        q: &mut CudaBuf,
-        pos: &CudaIdx,
-        k_cache: &mut CudaBuf,
-        v_cache: &mut CudaBuf,
-        rows: &CudaIdx,
-        tables: &CudaIdx,
-        seq: &CudaIdx,
-        len: &CudaIdx,
-        s: PagedAttnShape,
-        theta: f32,
+        x: PackedQkv<CudaBuf>,
+        slots: Slots<&CudaIdx>,
+        mut cache: KvCache<&mut CudaBuf>,
+        blocks: BlockTables<&CudaIdx>,
+        shape: PagedRopeShape,
     ) -> Result<()> {
+        let (s, theta) = (shape.attn, shape.theta);
+        let (PackedQkv { qkv, q }, Slots { pos, rows }) = (x, slots);
         let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
         let fused = !self.batch_invariant()
             && s.heads / s.kv_heads <= 16
             && hd.is_multiple_of(64)
-            && self.use_mma(hd, &[qkv, k_cache, v_cache]);
+            && self.use_mma(hd, &[qkv, cache.k, cache.v]);
         if !fused {
             self.rope_store_kv_packed(
-                qkv, q, pos, k_cache, v_cache, rows, s.queries, s.heads, s.kv_heads, hd, theta,
+                PackedQkv { qkv, q: &mut *q },
+                slots,
+                cache.reborrow(),
+                s.rope(theta),
             )?;
-            return self.attention_paged(o, q, k_cache, v_cache, tables, seq, len, s);
+            return self.attention_paged(o, q, cache.read(), blocks, s);
         }
+        let (k_cache, v_cache) = (&*cache.k, &*cache.v);
         let kd = s.kv_heads * hd;
         need(
             qkv.len,
@@ -368,17 +375,6 @@ impl PagedAttentionOps for CudaBackend {
             cache_rows: (k_cache.len.min(v_cache.len) / kd) as i64,
             fr: freqs(hd, theta),
         };
-        launch_paged(
-            self,
-            o,
-            qkv,
-            k_cache,
-            v_cache,
-            tables,
-            seq,
-            len,
-            s,
-            Some(rope),
-        )
+        launch_paged(self, o, qkv, cache.read(), blocks, s, Some(rope))
     }
 }

@@ -33,7 +33,7 @@ pub fn backward(
     dx: &mut [f32],
     dw: &mut [f32],
     dy: &[f32],
-    saved: RmsNormSaved<[f32]>,
+    saved: RmsNormSaved<&[f32]>,
     dim: usize,
     accumulate: bool,
 ) {
@@ -101,7 +101,7 @@ impl RmsNormOps for Cpu {
         dx: &mut Vec<f32>,
         dw: &mut Vec<f32>,
         dy: &Vec<f32>,
-        saved: RmsNormSaved<Vec<f32>>,
+        saved: RmsNormSaved<&Vec<f32>>,
         s: RmsNormShape,
         accumulate: bool,
     ) -> Result<()> {

@@ -64,7 +64,7 @@ impl RmsNormOps for CudaBackend {
         dx: &mut CudaBuf,
         dw: &mut CudaBuf,
         dy: &CudaBuf,
-        saved: RmsNormSaved<CudaBuf>,
+        saved: RmsNormSaved<&CudaBuf>,
         s: RmsNormShape,
         accumulate: bool,
     ) -> Result<()> {

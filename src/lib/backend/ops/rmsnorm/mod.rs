@@ -23,10 +23,10 @@ pub struct RmsNormShape {
 /// What the backward reads of its forward: the input `x`, the weight `w` and the `rstd` the
 /// forward saved.
 #[derive(Clone, Copy, Debug)]
-pub struct RmsNormSaved<'a, T: ?Sized> {
-    pub x: &'a T,
-    pub w: &'a T,
-    pub rstd: &'a T,
+pub struct RmsNormSaved<T> {
+    pub x: T,
+    pub w: T,
+    pub rstd: T,
 }
 
 /// RMSNorm over rows of `dim`.
@@ -46,7 +46,7 @@ pub trait RmsNormOps: Device {
         dx: &mut Self::Buf,
         dw: &mut Self::Buf,
         dy: &Self::Buf,
-        saved: RmsNormSaved<Self::Buf>,
+        saved: RmsNormSaved<&Self::Buf>,
         shape: RmsNormShape,
         accumulate: bool,
     ) -> Result<()>;

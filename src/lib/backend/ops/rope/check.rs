@@ -48,13 +48,47 @@ fn rope(c: &mut Ctx, d: DType) -> Result<()> {
             c.dev(&v, d)?
         };
         if back {
-            c.cpu
-                .rope_backward(&mut xc, &pos, tokens, heads, hd, theta)?;
-            c.gpu
-                .rope_backward(&mut gx, &gp, tokens, heads, hd, theta)?;
+            c.cpu.rope_backward(
+                &mut xc,
+                &pos,
+                RopeShape {
+                    tokens,
+                    heads,
+                    head_dim: hd,
+                    theta,
+                },
+            )?;
+            c.gpu.rope_backward(
+                &mut gx,
+                &gp,
+                RopeShape {
+                    tokens,
+                    heads,
+                    head_dim: hd,
+                    theta,
+                },
+            )?;
         } else {
-            c.cpu.rope(&mut xc, &pos, tokens, heads, hd, theta)?;
-            c.gpu.rope(&mut gx, &gp, tokens, heads, hd, theta)?;
+            c.cpu.rope(
+                &mut xc,
+                &pos,
+                RopeShape {
+                    tokens,
+                    heads,
+                    head_dim: hd,
+                    theta,
+                },
+            )?;
+            c.gpu.rope(
+                &mut gx,
+                &gp,
+                RopeShape {
+                    tokens,
+                    heads,
+                    head_dim: hd,
+                    theta,
+                },
+            )?;
         }
         let label = if back { "rope_backward" } else { "rope" };
         c.check(label, d, &gx, &xc, true, t1)?;
@@ -75,7 +109,18 @@ fn time_train(t: &mut Timer) -> Result<()> {
         format!("{tok}×{heads}×{hd}"),
         (tok * heads * hd * 2 * 2) as f64,
         "GB/s",
-        || gpu.rope(&mut qkv, &gpos, tok, heads, hd, ROPE_THETA),
+        || {
+            gpu.rope(
+                &mut qkv,
+                &gpos,
+                RopeShape {
+                    tokens: tok,
+                    heads,
+                    head_dim: hd,
+                    theta: ROPE_THETA,
+                },
+            )
+        },
     )
 }
 
@@ -130,8 +175,25 @@ fn time_decode(t: &mut Timer) -> Result<()> {
         "GB/s",
         || {
             gpu.rope_store_kv_packed(
-                &s.qkv, &mut s.q, &s.pos, &mut s.kc, &mut s.vc, &s.rows, rows, heads, kv, hd,
-                ROPE_THETA,
+                PackedQkv {
+                    qkv: &s.qkv,
+                    q: &mut s.q,
+                },
+                Slots {
+                    pos: &s.pos,
+                    rows: &s.rows,
+                },
+                KvCache {
+                    k: &mut s.kc,
+                    v: &mut s.vc,
+                },
+                RopeKvShape {
+                    tokens: rows,
+                    heads,
+                    kv_heads: kv,
+                    head_dim: hd,
+                    theta: ROPE_THETA,
+                },
             )
         },
     )
@@ -153,10 +215,44 @@ fn rope_store_kv(c: &mut Ctx, d: DType) -> Result<()> {
     let (mut gkc, mut gvc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
     let (gpos, grows) = (c.idx(&pos)?, c.idx(&rows)?);
     c.cpu.rope_store_kv(
-        &mut q, &mut k, &v, &pos, &mut kc, &mut vc, &rows, tokens, heads, kv, hd, 1e6,
+        &mut q,
+        &mut k,
+        &v,
+        Slots {
+            pos: &pos,
+            rows: &rows,
+        },
+        KvCache {
+            k: &mut kc,
+            v: &mut vc,
+        },
+        RopeKvShape {
+            tokens,
+            heads,
+            kv_heads: kv,
+            head_dim: hd,
+            theta: 1e6,
+        },
     )?;
     c.gpu.rope_store_kv(
-        &mut gq, &mut gk, &gv, &gpos, &mut gkc, &mut gvc, &grows, tokens, heads, kv, hd, 1e6,
+        &mut gq,
+        &mut gk,
+        &gv,
+        Slots {
+            pos: &gpos,
+            rows: &grows,
+        },
+        KvCache {
+            k: &mut gkc,
+            v: &mut gvc,
+        },
+        RopeKvShape {
+            tokens,
+            heads,
+            kv_heads: kv,
+            head_dim: hd,
+            theta: 1e6,
+        },
     )?;
     c.check("rope_store_kv q", d, &gq, &q, false, t1)?;
     c.check("rope_store_kv k", d, &gk, &k, false, t1)?;
@@ -182,13 +278,49 @@ fn rope_store_kv_packed(c: &mut Ctx, d: DType) -> Result<()> {
     let mut q = vec![0f32; tokens * qd];
     let (mut ckc, mut cvc) = (kc.clone(), vc.clone());
     c.cpu.rope_store_kv_packed(
-        &qkv, &mut q, &pos, &mut ckc, &mut cvc, &rows, tokens, heads, kv, hd, 1e6,
+        PackedQkv {
+            qkv: &qkv,
+            q: &mut q,
+        },
+        Slots {
+            pos: &pos,
+            rows: &rows,
+        },
+        KvCache {
+            k: &mut ckc,
+            v: &mut cvc,
+        },
+        RopeKvShape {
+            tokens,
+            heads,
+            kv_heads: kv,
+            head_dim: hd,
+            theta: 1e6,
+        },
     )?;
     let gx = c.dev(&qkv, d)?;
     let mut gq = c.poisoned(tokens * qd, d)?;
     let (mut gkc, mut gvc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
     c.gpu.rope_store_kv_packed(
-        &gx, &mut gq, &gpos, &mut gkc, &mut gvc, &grows, tokens, heads, kv, hd, 1e6,
+        PackedQkv {
+            qkv: &gx,
+            q: &mut gq,
+        },
+        Slots {
+            pos: &gpos,
+            rows: &grows,
+        },
+        KvCache {
+            k: &mut gkc,
+            v: &mut gvc,
+        },
+        RopeKvShape {
+            tokens,
+            heads,
+            kv_heads: kv,
+            head_dim: hd,
+            theta: 1e6,
+        },
     )?;
     c.check("rope_store_kv_packed q", d, &gq, &q, true, t1)?;
     c.check("rope_store_kv_packed k cache", d, &gkc, &ckc, false, t1)?;
@@ -204,7 +336,24 @@ fn rope_store_kv_packed(c: &mut Ctx, d: DType) -> Result<()> {
     let (mut gsq, mut gsk, gsv) = (c.dev(&sq, d)?, c.dev(&sk, d)?, c.dev(&sv, d)?);
     let (mut skc, mut svc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
     c.gpu.rope_store_kv(
-        &mut gsq, &mut gsk, &gsv, &gpos, &mut skc, &mut svc, &grows, tokens, heads, kv, hd, 1e6,
+        &mut gsq,
+        &mut gsk,
+        &gsv,
+        Slots {
+            pos: &gpos,
+            rows: &grows,
+        },
+        KvCache {
+            k: &mut skc,
+            v: &mut svc,
+        },
+        RopeKvShape {
+            tokens,
+            heads,
+            kv_heads: kv,
+            head_dim: hd,
+            theta: 1e6,
+        },
     )?;
     let g = c.gpu;
     let same = [

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{inv_freq, RopeOps, MAX_HEAD_DIM};
+use super::{inv_freq, RopeOps, RopeShape, MAX_HEAD_DIM};
 use crate::backend::cpu::{get, get_mut, Cpu};
 
 /// In place on x[t,h,:]: (a, b) = (x_i, x_{i+d/2}) → (a·cos − b·sin, b·cos + a·sin),
@@ -53,15 +53,13 @@ pub fn apply(
 }
 
 impl RopeOps for Cpu {
-    fn rope(
-        &self,
-        x: &mut Vec<f32>,
-        pos: &Vec<u32>,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<()> {
+    fn rope(&self, x: &mut Vec<f32>, pos: &Vec<u32>, s: RopeShape) -> Result<()> {
+        let RopeShape {
+            tokens,
+            heads,
+            head_dim,
+            theta,
+        } = s;
         apply(
             get_mut(x, tokens * heads * head_dim, "rope x")?,
             get(pos, tokens, "rope positions")?,
@@ -71,15 +69,13 @@ impl RopeOps for Cpu {
             false,
         )
     }
-    fn rope_backward(
-        &self,
-        dx: &mut Vec<f32>,
-        pos: &Vec<u32>,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<()> {
+    fn rope_backward(&self, dx: &mut Vec<f32>, pos: &Vec<u32>, s: RopeShape) -> Result<()> {
+        let RopeShape {
+            tokens,
+            heads,
+            head_dim,
+            theta,
+        } = s;
         apply(
             get_mut(dx, tokens * heads * head_dim, "rope dx")?,
             get(pos, tokens, "rope positions")?,
@@ -95,6 +91,7 @@ impl RopeOps for Cpu {
 mod tests {
     use super::*;
     use crate::backend::check::randn;
+    use crate::backend::{KvCache, PackedQkv, RopeKvShape, Slots};
 
     #[test]
     fn rotation_by_hand_and_inverse() {
@@ -150,14 +147,49 @@ mod tests {
             }
             let (mut kc, mut vc) = (kc0.clone(), vc0.clone());
             Cpu.rope_store_kv(
-                &mut q, &mut k, &v, &pos, &mut kc, &mut vc, &rows, tokens, heads, kv, hd, 1e4,
+                &mut q,
+                &mut k,
+                &v,
+                Slots {
+                    pos: &pos,
+                    rows: &rows,
+                },
+                KvCache {
+                    k: &mut kc,
+                    v: &mut vc,
+                },
+                RopeKvShape {
+                    tokens,
+                    heads,
+                    kv_heads: kv,
+                    head_dim: hd,
+                    theta: 1e4,
+                },
             )
             .unwrap();
 
             let mut q_out = vec![f32::NAN; tokens * qd + 5];
             let (mut pkc, mut pvc) = (kc0.clone(), vc0.clone());
             Cpu.rope_store_kv_packed(
-                &qkv, &mut q_out, &pos, &mut pkc, &mut pvc, &rows, tokens, heads, kv, hd, 1e4,
+                PackedQkv {
+                    qkv: &qkv,
+                    q: &mut q_out,
+                },
+                Slots {
+                    pos: &pos,
+                    rows: &rows,
+                },
+                KvCache {
+                    k: &mut pkc,
+                    v: &mut pvc,
+                },
+                RopeKvShape {
+                    tokens,
+                    heads,
+                    kv_heads: kv,
+                    head_dim: hd,
+                    theta: 1e4,
+                },
             )
             .unwrap();
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();

@@ -3,9 +3,10 @@
 
 use anyhow::{bail, Result};
 
-use super::{inv_freq, RopeOps, MAX_HEAD_DIM};
+use super::{inv_freq, PackedQkv, RopeKvShape, RopeOps, RopeShape, Slots, MAX_HEAD_DIM};
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, karg, need, CudaBackend, CudaBuf, CudaIdx};
+use crate::backend::KvCache;
 
 pub const KERNELS: Family = Family {
     name: "rope",
@@ -40,17 +41,19 @@ fn check_head_dim(head_dim: usize) -> Result<()> {
 }
 
 /// rope_k in place; `sign` −1 rotates backwards (the backward pass).
-#[allow(clippy::too_many_arguments)]
 fn rope_dir(
     be: &CudaBackend,
     x: &mut CudaBuf,
     pos: &CudaIdx,
-    tokens: usize,
-    heads: usize,
-    head_dim: usize,
-    theta: f32,
+    s: RopeShape,
     sign: f32,
 ) -> Result<()> {
+    let RopeShape {
+        tokens,
+        heads,
+        head_dim,
+        theta,
+    } = s;
     check_head_dim(head_dim)?;
     need(x.len, tokens * heads * head_dim, "rope x")?;
     need(pos.len, tokens, "rope pos")?;
@@ -75,43 +78,35 @@ fn rope_dir(
 }
 
 impl RopeOps for CudaBackend {
-    fn rope(
-        &self,
-        x: &mut CudaBuf,
-        pos: &CudaIdx,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<()> {
-        rope_dir(self, x, pos, tokens, heads, head_dim, theta, 1.0)
+    fn rope(&self, x: &mut CudaBuf, pos: &CudaIdx, s: RopeShape) -> Result<()> {
+        rope_dir(self, x, pos, s, 1.0)
     }
-    fn rope_backward(
-        &self,
-        dx: &mut CudaBuf,
-        pos: &CudaIdx,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<()> {
-        rope_dir(self, dx, pos, tokens, heads, head_dim, theta, -1.0)
+    fn rope_backward(&self, dx: &mut CudaBuf, pos: &CudaIdx, s: RopeShape) -> Result<()> {
+        rope_dir(self, dx, pos, s, -1.0)
     }
     fn rope_store_kv(
         &self,
         q: &mut CudaBuf,
         k: &mut CudaBuf,
         v: &CudaBuf,
-        pos: &CudaIdx,
-        k_cache: &mut CudaBuf,
-        v_cache: &mut CudaBuf,
-        rows: &CudaIdx,
-        tokens: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        theta: f32,
+        slots: Slots<&CudaIdx>,
+        cache: KvCache<&mut CudaBuf>,
+        s: RopeKvShape,
     ) -> Result<()> {
+        let (
+            Slots { pos, rows },
+            KvCache {
+                k: k_cache,
+                v: v_cache,
+            },
+        ) = (slots, cache);
+        let RopeKvShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            theta,
+        } = s;
         check_head_dim(head_dim)?;
         let kd = kv_heads * head_dim;
         need(q.len, tokens * heads * head_dim, "rope_store_kv q")?;
@@ -163,18 +158,23 @@ impl RopeOps for CudaBackend {
     }
     fn rope_store_kv_packed(
         &self,
-        qkv: &CudaBuf,
-        q_out: &mut CudaBuf,
-        pos: &CudaIdx,
-        k_cache: &mut CudaBuf,
-        v_cache: &mut CudaBuf,
-        rows: &CudaIdx,
-        tokens: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        theta: f32,
+        x: PackedQkv<CudaBuf>,
+        slots: Slots<&CudaIdx>,
+        cache: KvCache<&mut CudaBuf>,
+        s: RopeKvShape,
     ) -> Result<()> {
+        let (PackedQkv { qkv, q: q_out }, Slots { pos, rows }) = (x, slots);
+        let KvCache {
+            k: k_cache,
+            v: v_cache,
+        } = cache;
+        let RopeKvShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            theta,
+        } = s;
         check_head_dim(head_dim)?;
         let (qd, kd) = (heads * head_dim, kv_heads * head_dim);
         need(qkv.len, tokens * (qd + 2 * kd), "rope_store_kv_packed qkv")?;

@@ -1,6 +1,6 @@
 //! Rotary position embedding in HF's `rotate_half` layout (dimension i pairs with i + d/2), its
-//! backward (the inverse rotation), and the step before cached or paged attention: rope on q
-//! and k, then the store of k and v into cache rows (`rope_store_kv`, and `_packed` on the parts
+//! backward (the inverse rotation), and the step before paged attention: rope on q and k,
+//! then the store of k and v into cache rows (`rope_store_kv`, and `_packed` on the parts
 //! of one fused q/k/v projection).
 //!
 //! Files: `cpu.rs` (the reference), `cuda.rs`, `rope.cu`, `check.rs` (the GPU cases `rope`,
@@ -13,7 +13,7 @@ pub mod cuda;
 
 use anyhow::Result;
 
-use crate::backend::MemoryOps;
+use crate::backend::{KvCache, MemoryOps};
 
 /// Largest head_dim the rope kernels and the CPU's stack buffers take.
 pub const MAX_HEAD_DIM: usize = 1024;
@@ -32,69 +32,103 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
+/// Sizes of a rotation: `tokens` rows of `heads` heads of `head_dim`, base `theta`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeShape {
+    pub tokens: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub theta: f32,
+}
+
+/// Sizes of a step's rope + cache store: `tokens` new tokens of `heads` query heads and
+/// `kv_heads` key/value heads of `head_dim`, rotated with base `theta`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeKvShape {
+    pub tokens: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub theta: f32,
+}
+
+impl RopeKvShape {
+    /// The rotation of the queries.
+    pub fn q(&self) -> RopeShape {
+        RopeShape {
+            tokens: self.tokens,
+            heads: self.heads,
+            head_dim: self.head_dim,
+            theta: self.theta,
+        }
+    }
+
+    /// The rotation of the keys.
+    pub fn k(&self) -> RopeShape {
+        RopeShape {
+            heads: self.kv_heads,
+            ..self.q()
+        }
+    }
+}
+
+/// Where a step's new tokens go: the position each is rotated by, and the cache row its key
+/// and value are stored at.
+#[derive(Clone, Copy, Debug)]
+pub struct Slots<I> {
+    pub pos: I,
+    pub rows: I,
+}
+
+/// A fused q/k/v projection, row t = [q (heads·head_dim) | k (kv_heads·head_dim) |
+/// v (kv_heads·head_dim)], and the buffer its rotated queries go to.
+#[derive(Debug)]
+pub struct PackedQkv<'a, T> {
+    pub qkv: &'a T,
+    pub q: &'a mut T,
+}
+
 /// RoPE, and RoPE fused with the KV-cache store.
 pub trait RopeOps: MemoryOps {
     /// In place on x[t,h,:]: (a,b) = (x_i, x_{i+d/2}) → (a·cos − b·sin, b·cos + a·sin),
     /// angle = pos[t] · theta^(−2i/d).
-    fn rope(
-        &self,
-        x: &mut Self::Buf,
-        pos: &Self::Idx,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<()>;
+    fn rope(&self, x: &mut Self::Buf, pos: &Self::Idx, shape: RopeShape) -> Result<()>;
     /// In place on dx: the transpose of the rotation, i.e. rotation by −angle.
-    fn rope_backward(
-        &self,
-        dx: &mut Self::Buf,
-        pos: &Self::Idx,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<()>;
-    /// rope on q (`heads`) and k (`kv_heads`) in place, then `kv_store` of k and v: what a
-    /// cached or paged step runs before attention, one launch where a backend fuses it.
-    #[allow(clippy::too_many_arguments)]
+    fn rope_backward(&self, dx: &mut Self::Buf, pos: &Self::Idx, shape: RopeShape) -> Result<()>;
+    /// rope on q (`heads`) and k (`kv_heads`) in place at `slots.pos`, then `kv_store` of k and
+    /// v at `slots.rows`: what a paged step runs before attention, one launch where a backend
+    /// fuses it.
     fn rope_store_kv(
         &self,
         q: &mut Self::Buf,
         k: &mut Self::Buf,
         v: &Self::Buf,
-        pos: &Self::Idx,
-        k_cache: &mut Self::Buf,
-        v_cache: &mut Self::Buf,
-        rows: &Self::Idx,
-        tokens: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        theta: f32,
+        slots: Slots<&Self::Idx>,
+        cache: KvCache<&mut Self::Buf>,
+        shape: RopeKvShape,
     ) -> Result<()> {
-        self.rope(q, pos, tokens, heads, head_dim, theta)?;
-        self.rope(k, pos, tokens, kv_heads, head_dim, theta)?;
-        self.kv_store(k_cache, v_cache, k, v, rows, tokens, kv_heads * head_dim)
+        self.rope(q, slots.pos, shape.q())?;
+        self.rope(k, slots.pos, shape.k())?;
+        let kd = shape.kv_heads * shape.head_dim;
+        self.kv_store(cache, k, v, slots.rows, shape.tokens, kd)
     }
-    /// `rope_store_kv` on the parts of one fused projection, row t of `qkv` being
-    /// [q (heads·head_dim) | k (kv_heads·head_dim) | v (kv_heads·head_dim)]:
-    /// q_out[t] = rope(q_t); cache[rows[t]] = (rope(k_t) rounded to qkv's type, v_t).
-    #[allow(clippy::too_many_arguments)]
+    /// `rope_store_kv` on the parts of one fused projection `x.qkv`:
+    /// x.q[t] = rope(q_t); cache[rows[t]] = (rope(k_t) rounded to qkv's type, v_t).
     fn rope_store_kv_packed(
         &self,
-        qkv: &Self::Buf,
-        q_out: &mut Self::Buf,
-        pos: &Self::Idx,
-        k_cache: &mut Self::Buf,
-        v_cache: &mut Self::Buf,
-        rows: &Self::Idx,
-        tokens: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        theta: f32,
+        x: PackedQkv<Self::Buf>,
+        slots: Slots<&Self::Idx>,
+        cache: KvCache<&mut Self::Buf>,
+        shape: RopeKvShape,
     ) -> Result<()> {
+        let RopeKvShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            ..
+        } = shape;
+        let (qkv, q_out) = (x.qkv, x.q);
         let (qd, kd) = (heads * head_dim, kv_heads * head_dim);
         if tokens == 0 || kd == 0 {
             return Ok(());
@@ -119,10 +153,7 @@ pub trait RopeOps: MemoryOps {
             self.upload_idx(&mut idx, &src)?;
             self.gather_rows(dst, qkv, &idx, src.len(), unit)?;
         }
-        self.rope_store_kv(
-            q_out, &mut k, &v, pos, k_cache, v_cache, rows, tokens, heads, kv_heads, head_dim,
-            theta,
-        )
+        self.rope_store_kv(q_out, &mut k, &v, slots, cache, shape)
     }
 }
 

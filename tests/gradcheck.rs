@@ -278,9 +278,11 @@ fn logprob_case(with_entropy_grad: bool) {
             &mut lp,
             Some(&mut ent),
             &mut lse,
-            &x[0],
-            &x[1],
-            &targets,
+            LogprobInput {
+                x: &x[0],
+                w: &x[1],
+                targets: &targets,
+            },
             s,
             &mut scratch,
         )
@@ -304,13 +306,17 @@ fn logprob_case(with_entropy_grad: bool) {
     b.logprob_backward(
         &mut dx,
         &mut dw,
-        &inputs[0],
-        &inputs[1],
-        &targets,
-        &lse,
-        &ent,
-        &a,
-        dent,
+        LogprobInput {
+            x: &inputs[0],
+            w: &inputs[1],
+            targets: &targets,
+        },
+        LogprobGrad {
+            dlp: &a,
+            dent,
+            lse: &lse,
+            ent: &ent,
+        },
         s,
         &mut scratch,
     )

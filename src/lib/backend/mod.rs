@@ -34,16 +34,16 @@ pub use device::{DType, Device, MemoryStats, Parts, FEED_NONE};
 pub use ops::adamw::{AdamWOps, AdamWStep};
 pub use ops::attention::{AttentionOps, AttnOut, AttnShape, Qkv};
 pub use ops::embedding::EmbeddingOps;
-pub use ops::logprob::{LogprobOps, LogprobShape};
+pub use ops::logprob::{LogprobGrad, LogprobInput, LogprobOps, LogprobShape};
 pub use ops::matmul::{MatmulOps, MatmulShape};
 pub use ops::memory::{KvCache, MemoryOps};
 pub use ops::paged_attention::{
     BlockTables, PagedAttentionOps, PagedAttnShape, PagedRopeShape, PrefillTiles, PAGED_TILE_ROWS,
 };
-pub use ops::ppo_loss::{PpoLossOps, PpoShape, PPO_STATS};
+pub use ops::ppo_loss::{PpoInputs, PpoLossOps, PpoShape, PPO_STATS};
 pub use ops::rmsnorm::{RmsNormOps, RmsNormSaved, RmsNormShape};
 pub use ops::rope::{PackedQkv, RopeKvShape, RopeOps, RopeShape, Slots};
-pub use ops::sample::SampleOps;
+pub use ops::sample::{Draws, SampleOps};
 pub use ops::swiglu::SwigluOps;
 
 /// A device with every op family: what the decoder and the engines are written against.
@@ -86,9 +86,9 @@ impl<T> Backend for T where
 pub mod prelude {
     pub use super::{
         AdamWOps, AdamWStep, AttentionOps, AttnOut, AttnShape, Backend, BlockTables, DType, Device,
-        EmbeddingOps, KvCache, LogprobOps, LogprobShape, MatmulOps, MatmulShape, MemoryOps,
-        PackedQkv, PagedAttentionOps, PagedAttnShape, PagedRopeShape, PpoLossOps, PpoShape,
-        PrefillTiles, Qkv, RmsNormOps, RmsNormSaved, RmsNormShape, RopeKvShape, RopeOps, RopeShape,
-        SampleOps, Slots, SwigluOps,
+        Draws, EmbeddingOps, KvCache, LogprobGrad, LogprobInput, LogprobOps, LogprobShape,
+        MatmulOps, MatmulShape, MemoryOps, PackedQkv, PagedAttentionOps, PagedAttnShape,
+        PagedRopeShape, PpoInputs, PpoLossOps, PpoShape, PrefillTiles, Qkv, RmsNormOps,
+        RmsNormSaved, RmsNormShape, RopeKvShape, RopeOps, RopeShape, SampleOps, Slots, SwigluOps,
     };
 }

@@ -9,7 +9,7 @@
 use super::cpu_engine::shape;
 use super::report;
 use crate::backend::ops::sample::{sample_key, uniform, Sampled, SamplingParams};
-use crate::backend::{Backend, BlockTables, DType, KvCache, MatmulShape, PagedAttnShape};
+use crate::backend::{Backend, BlockTables, DType, Draws, KvCache, MatmulShape, PagedAttnShape};
 use crate::engine::paged::{
     generate_paged, Chunk, GenParams, GraphMode, PagedConfig, PagedDecoder, PagedModel, Request,
     SampleRow, DEFAULT_BLOCK_SIZE,
@@ -246,7 +246,16 @@ fn breakdown<B: Backend>(
         format!("sample op [{rows} x {v}]"),
         ms(b, || {
             b.sample(
-                &mut toks, &mut lps, &logits, &keys, &pos, rows, v, &sampling,
+                &logits,
+                v,
+                Draws {
+                    tokens: &mut toks,
+                    logprobs: &mut lps,
+                    keys: &keys,
+                    positions: &pos,
+                    rows,
+                    sampling: &sampling,
+                },
             )
         })?,
     ));

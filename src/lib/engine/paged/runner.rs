@@ -13,8 +13,8 @@ use super::blocks::cache_row;
 use super::graphs::DecodeGraphs;
 use super::{Chunk, GraphStats, PagedModel, SampleRow};
 use crate::backend::ops::sample::{Sampled, SamplingParams};
-use crate::backend::{Backend, DType, FEED_NONE, PAGED_TILE_ROWS};
-use crate::model::decoder::{Decoder, Draws, PagedAttn, StepRows};
+use crate::backend::{Backend, DType, Draws, FEED_NONE, PAGED_TILE_ROWS};
+use crate::model::decoder::{Decoder, PagedAttn, StepRows};
 use crate::model::Config;
 
 /// A paged KV cache: `num_blocks` blocks of `block_size` positions per layer; row

@@ -7,8 +7,8 @@ use anyhow::{ensure, Result};
 use super::forward::AttnMode;
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::backend::{
-    AttnOut, AttnShape, Backend, DType, LogprobShape, MatmulShape, PpoShape, Qkv, RmsNormSaved,
-    RmsNormShape, RopeShape, PPO_STATS,
+    AttnOut, AttnShape, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, MatmulShape,
+    PpoInputs, PpoShape, Qkv, RmsNormSaved, RmsNormShape, RopeShape, PPO_STATS,
 };
 
 impl<B: Backend> Decoder<B> {
@@ -131,11 +131,13 @@ impl<B: Backend> Decoder<B> {
         b.ppo_clip_loss(
             &mut gw.dlp,
             self.ppo_stats.as_mut().expect("allocated above"),
-            &ws.lp,
-            tok.old.map(|_| &gw.old),
-            &gw.adv,
-            &gw.lw,
-            Some(&ws.ent),
+            PpoInputs {
+                lp: &ws.lp,
+                old: tok.old.map(|_| &gw.old),
+                adv: &gw.adv,
+                w: &gw.lw,
+                ent: Some(&ws.ent),
+            },
             PpoShape { tokens: r, ..clip },
         )?;
         self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some())
@@ -196,13 +198,17 @@ impl<B: Backend> Decoder<B> {
         b.logprob_backward(
             &mut gw.dxf,
             &mut g[*head],
-            &ws.xf,
-            &w[*head],
-            &ws.targets,
-            &ws.lse_lp,
-            &ws.ent,
-            &gw.dlp,
-            dent.then_some(&gw.dent),
+            LogprobInput {
+                x: &ws.xf,
+                w: &w[*head],
+                targets: &ws.targets,
+            },
+            LogprobGrad {
+                dlp: &gw.dlp,
+                dent: dent.then_some(&gw.dent),
+                lse: &ws.lse_lp,
+                ent: &ws.ent,
+            },
             shape,
             &mut ws.scratch,
         )?;

@@ -5,7 +5,7 @@
 use anyhow::Result;
 
 use super::{Decoder, SeqRef, TokenStats};
-use crate::backend::{Backend, LogprobShape, MatmulShape, RmsNormShape};
+use crate::backend::{Backend, LogprobInput, LogprobShape, MatmulShape, RmsNormShape};
 
 impl<B: Backend> Decoder<B> {
     /// ws.xf = final_norm(resid[last][rows]) for the `r` rows listed in ws.rows: the hidden
@@ -144,9 +144,11 @@ impl<B: Backend> Decoder<B> {
             &mut ws.lp,
             ent,
             &mut ws.lse_lp,
-            &ws.xf,
-            &w[*head],
-            &ws.targets,
+            LogprobInput {
+                x: &ws.xf,
+                w: &w[*head],
+                targets: &ws.targets,
+            },
             shape,
             &mut ws.scratch,
         )

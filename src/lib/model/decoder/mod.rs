@@ -38,7 +38,7 @@ mod step;
 mod workspace;
 
 pub use optim::{AdamWParams, OptimizerState, StepReport};
-pub use step::{Draws, PagedAttn, StepRows};
+pub use step::{PagedAttn, StepRows};
 
 use anyhow::{bail, Result};
 

@@ -17,28 +17,18 @@ pub const TIMINGS: &[Timing] = &[Timing {
     run: time,
 }];
 
-#[allow(clippy::too_many_arguments)]
-fn logprob_case(
-    c: &mut Ctx,
-    d: DType,
-    sd: DType,
-    entropy: bool,
-    rows: usize,
-    hidden: usize,
-    vocab: usize,
-    chunk: usize,
-    temp: f32,
-) -> Result<()> {
+/// The fused head against the CPU at shape `s`, in storage `d` with a scratch of type `sd`.
+fn logprob_case(c: &mut Ctx, d: DType, sd: DType, entropy: bool, s: LogprobShape) -> Result<()> {
     let (_, t2) = tols(d);
     // A bf16 scratch rounds the logits themselves: a looser bound.
     let t = if sd == DType::BF16 { 3e-2 } else { t2 };
-    let s = LogprobShape {
+    let LogprobShape {
         rows,
         hidden,
         vocab,
-        temperature: temp,
         chunk,
-    };
+        ..
+    } = s;
     let tag = format!(
         "{}{} scratch {}",
         if entropy { "+ent " } else { "" },
@@ -58,9 +48,11 @@ fn logprob_case(
         &mut lpc,
         entropy.then_some(&mut entc),
         &mut lsec,
-        &x,
-        &w,
-        &tg,
+        LogprobInput {
+            x: &x,
+            w: &w,
+            targets: &tg,
+        },
         s,
         &mut sc,
     )?;
@@ -75,9 +67,11 @@ fn logprob_case(
         &mut glp,
         entropy.then_some(&mut gent),
         &mut glse,
-        &gx,
-        &gw,
-        &gt,
+        LogprobInput {
+            x: &gx,
+            w: &gw,
+            targets: &gt,
+        },
         s,
         &mut gsc,
     )?;
@@ -107,13 +101,17 @@ fn logprob_case(
     c.cpu.logprob_backward(
         &mut dxc,
         &mut dwc,
-        &x,
-        &w,
-        &tg,
-        &lsec,
-        &entv,
-        &dlp,
-        entropy.then_some(&dent),
+        LogprobInput {
+            x: &x,
+            w: &w,
+            targets: &tg,
+        },
+        LogprobGrad {
+            dlp: &dlp,
+            dent: entropy.then_some(&dent),
+            lse: &lsec,
+            ent: &entv,
+        },
         s,
         &mut sc,
     )?;
@@ -128,13 +126,17 @@ fn logprob_case(
     c.gpu.logprob_backward(
         &mut gdx,
         &mut gdw,
-        &gx,
-        &gw,
-        &gt,
-        &gl,
-        &ge,
-        &gdl,
-        entropy.then_some(&gde),
+        LogprobInput {
+            x: &gx,
+            w: &gw,
+            targets: &gt,
+        },
+        LogprobGrad {
+            dlp: &gdl,
+            dent: entropy.then_some(&gde),
+            lse: &gl,
+            ent: &ge,
+        },
         s,
         &mut gsc,
     )?;
@@ -157,10 +159,46 @@ fn logprob_case(
 }
 
 fn logprob(c: &mut Ctx, d: DType) -> Result<()> {
-    logprob_case(c, d, DType::F32, true, 150, 128, 3001, 64, 0.7)?;
-    logprob_case(c, d, DType::F32, false, 33, 96, 5000, 7, 1.0)?;
+    logprob_case(
+        c,
+        d,
+        DType::F32,
+        true,
+        LogprobShape {
+            rows: 150,
+            hidden: 128,
+            vocab: 3001,
+            temperature: 0.7,
+            chunk: 64,
+        },
+    )?;
+    logprob_case(
+        c,
+        d,
+        DType::F32,
+        false,
+        LogprobShape {
+            rows: 33,
+            hidden: 96,
+            vocab: 5000,
+            temperature: 1.0,
+            chunk: 7,
+        },
+    )?;
     if d == DType::BF16 {
-        logprob_case(c, d, DType::BF16, true, 100, 128, 3001, 32, 1.0)?;
+        logprob_case(
+            c,
+            d,
+            DType::BF16,
+            true,
+            LogprobShape {
+                rows: 100,
+                hidden: 128,
+                vocab: 3001,
+                temperature: 1.0,
+                chunk: 32,
+            },
+        )?;
     }
     // A target past the vocabulary is reported at the next synchronize.
     let s = LogprobShape {
@@ -174,8 +212,18 @@ fn logprob(c: &mut Ctx, d: DType) -> Result<()> {
     let (gx, gw) = (c.dev(&hx, d)?, c.dev(&hw, d)?);
     let gt = c.idx(&[1, 10])?;
     let (mut lp, mut lse, mut sc) = (c.gpu.alloc(2)?, c.gpu.alloc(2)?, c.gpu.alloc(20)?);
-    c.gpu
-        .logprob(&mut lp, None, &mut lse, &gx, &gw, &gt, s, &mut sc)?;
+    c.gpu.logprob(
+        &mut lp,
+        None,
+        &mut lse,
+        LogprobInput {
+            x: &gx,
+            w: &gw,
+            targets: &gt,
+        },
+        s,
+        &mut sc,
+    )?;
     let first = c.gpu.synchronize();
     let ok = matches!(&first, Err(e) if e.to_string().contains("target token"))
         && c.gpu.synchronize().is_ok();
@@ -225,9 +273,11 @@ fn time(t: &mut Timer) -> Result<()> {
                 &mut lp,
                 Some(&mut ent),
                 &mut lse,
-                &x,
-                &w,
-                &gt,
+                LogprobInput {
+                    x: &x,
+                    w: &w,
+                    targets: &gt,
+                },
                 ls,
                 &mut scratch,
             )
@@ -245,13 +295,17 @@ fn time(t: &mut Timer) -> Result<()> {
             gpu.logprob_backward(
                 &mut dx,
                 &mut dwh,
-                &x,
-                &w,
-                &gt,
-                &lse,
-                &ent,
-                &dlp,
-                None,
+                LogprobInput {
+                    x: &x,
+                    w: &w,
+                    targets: &gt,
+                },
+                LogprobGrad {
+                    dlp: &dlp,
+                    dent: None,
+                    lse: &lse,
+                    ent: &ent,
+                },
                 ls,
                 &mut scratch,
             )

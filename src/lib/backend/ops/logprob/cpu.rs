@@ -6,7 +6,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{LogprobOps, LogprobShape};
+use super::{LogprobGrad, LogprobInput, LogprobOps, LogprobShape};
 use crate::backend::cpu::{get, get_mut, Cpu};
 use crate::backend::ops::matmul::{cpu as matmul, MatmulShape};
 
@@ -42,17 +42,15 @@ fn scale_and_reduce(row: &mut [f32], inv_t: f32) -> (f32, f64, f64) {
 }
 
 /// z = x·wᵀ/T; lse_i = log Σ_v exp z_iv; lp_i = z_i[y_i] − lse_i; ent_i = lse_i − Σ_v p_iv z_iv.
-#[allow(clippy::too_many_arguments)]
 pub fn forward(
     lp: &mut [f32],
     mut ent: Option<&mut [f32]>,
     lse: &mut [f32],
-    x: &[f32],
-    w: &[f32],
-    targets: &[u32],
+    input: LogprobInput<&[f32], &[u32]>,
     s: LogprobShape,
     scratch: &mut [f32],
 ) -> Result<()> {
+    let LogprobInput { x, w, targets } = input;
     check(&s, targets)?;
     let (d, vocab, inv_t) = (s.hidden, s.vocab, 1.0 / s.temperature);
     for c0 in (0..s.rows).step_by(s.chunk) {
@@ -97,32 +95,27 @@ pub fn forward(
     Ok(())
 }
 
-/// Inputs and outputs of [`backward`].
-pub struct BackwardArgs<'a> {
-    pub dx: &'a mut [f32],
-    pub dw: &'a mut [f32],
-    pub x: &'a [f32],
-    pub w: &'a [f32],
-    pub targets: &'a [u32],
-    pub lse: &'a [f32],
-    pub ent: &'a [f32],
-    pub dlp: &'a [f32],
-    pub dent: Option<&'a [f32]>,
-}
-
 /// dz_iv = glp_i(δ_{v,y_i} − p_iv) − gent_i·p_iv·(log p_iv + ent_i), dlogits = dz/T;
 /// dx = dlogits·w (overwritten), dw += dlogitsᵀ·x.
-pub fn backward(a: BackwardArgs, s: LogprobShape, scratch: &mut [f32]) -> Result<()> {
-    check(&s, a.targets)?;
+pub fn backward(
+    dx: &mut [f32],
+    dw: &mut [f32],
+    input: LogprobInput<&[f32], &[u32]>,
+    g: LogprobGrad<&[f32]>,
+    s: LogprobShape,
+    scratch: &mut [f32],
+) -> Result<()> {
+    let LogprobInput { x, w, targets } = input;
+    check(&s, targets)?;
     let (d, vocab, inv_t) = (s.hidden, s.vocab, 1.0 / s.temperature);
     for c0 in (0..s.rows).step_by(s.chunk) {
         let cn = s.chunk.min(s.rows - c0);
-        let xc = &a.x[c0 * d..(c0 + cn) * d];
+        let xc = &x[c0 * d..(c0 + cn) * d];
         let logits = &mut scratch[..cn * vocab];
         matmul::forward(
             logits,
             xc,
-            a.w,
+            w,
             None,
             MatmulShape {
                 m: cn,
@@ -136,19 +129,19 @@ pub fn backward(a: BackwardArgs, s: LogprobShape, scratch: &mut [f32]) -> Result
             .enumerate()
             .for_each(|(r, row)| {
                 let i = c0 + r;
-                let (glp, lse, ent) = (a.dlp[i], a.lse[i], a.ent[i]);
-                let gent = a.dent.map_or(0.0, |g| g[i]);
+                let (glp, lse, ent) = (g.dlp[i], g.lse[i], g.ent[i]);
+                let gent = g.dent.map_or(0.0, |g| g[i]);
                 for z in row.iter_mut() {
                     let logp = *z * inv_t - lse;
                     let p = logp.exp();
                     *z = (-glp * p - gent * p * (logp + ent)) * inv_t;
                 }
-                row[a.targets[i] as usize] += glp * inv_t;
+                row[targets[i] as usize] += glp * inv_t;
             });
         matmul::backward_x(
-            &mut a.dx[c0 * d..(c0 + cn) * d],
+            &mut dx[c0 * d..(c0 + cn) * d],
             logits,
-            a.w,
+            w,
             MatmulShape {
                 m: cn,
                 k: d,
@@ -157,7 +150,7 @@ pub fn backward(a: BackwardArgs, s: LogprobShape, scratch: &mut [f32]) -> Result
             false,
         );
         matmul::backward_w(
-            a.dw,
+            dw,
             None,
             logits,
             xc,
@@ -171,15 +164,25 @@ pub fn backward(a: BackwardArgs, s: LogprobShape, scratch: &mut [f32]) -> Result
     Ok(())
 }
 
+/// The inputs' prefixes the shape covers.
+fn input_of<'a>(
+    x: LogprobInput<&'a Vec<f32>, &'a Vec<u32>>,
+    s: LogprobShape,
+) -> Result<LogprobInput<&'a [f32], &'a [u32]>> {
+    Ok(LogprobInput {
+        x: get(x.x, s.rows * s.hidden, "logprob x")?,
+        w: get(x.w, s.vocab * s.hidden, "logprob w")?,
+        targets: get(x.targets, s.rows, "logprob targets")?,
+    })
+}
+
 impl LogprobOps for Cpu {
     fn logprob(
         &self,
         lp: &mut Vec<f32>,
         ent: Option<&mut Vec<f32>>,
         lse: &mut Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        targets: &Vec<u32>,
+        x: LogprobInput<&Vec<f32>, &Vec<u32>>,
         s: LogprobShape,
         scratch: &mut Vec<f32>,
     ) -> Result<()> {
@@ -191,9 +194,7 @@ impl LogprobOps for Cpu {
             get_mut(lp, s.rows, "logprob lp")?,
             ent,
             get_mut(lse, s.rows, "logprob lse")?,
-            get(x, s.rows * s.hidden, "logprob x")?,
-            get(w, s.vocab * s.hidden, "logprob w")?,
-            get(targets, s.rows, "logprob targets")?,
+            input_of(x, s)?,
             s,
             get_mut(scratch, s.chunk * s.vocab, "logprob scratch")?,
         )
@@ -202,31 +203,24 @@ impl LogprobOps for Cpu {
         &self,
         dx: &mut Vec<f32>,
         dw: &mut Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        targets: &Vec<u32>,
-        lse: &Vec<f32>,
-        ent: &Vec<f32>,
-        dlp: &Vec<f32>,
-        dent: Option<&Vec<f32>>,
+        x: LogprobInput<&Vec<f32>, &Vec<u32>>,
+        g: LogprobGrad<&Vec<f32>>,
         s: LogprobShape,
         scratch: &mut Vec<f32>,
     ) -> Result<()> {
-        let dent = match dent {
+        let dent = match g.dent {
             Some(d) => Some(get(d, s.rows, "logprob dent")?),
             None => None,
         };
         backward(
-            BackwardArgs {
-                dx: get_mut(dx, s.rows * s.hidden, "logprob dx")?,
-                dw: get_mut(dw, s.vocab * s.hidden, "logprob dw")?,
-                x: get(x, s.rows * s.hidden, "logprob x")?,
-                w: get(w, s.vocab * s.hidden, "logprob w")?,
-                targets: get(targets, s.rows, "logprob targets")?,
-                lse: get(lse, s.rows, "logprob lse")?,
-                ent: get(ent, s.rows, "logprob entropy")?,
-                dlp: get(dlp, s.rows, "logprob dlp")?,
+            get_mut(dx, s.rows * s.hidden, "logprob dx")?,
+            get_mut(dw, s.vocab * s.hidden, "logprob dw")?,
+            input_of(x, s)?,
+            LogprobGrad {
+                dlp: get(g.dlp, s.rows, "logprob dlp")?,
                 dent,
+                lse: get(g.lse, s.rows, "logprob lse")?,
+                ent: get(g.ent, s.rows, "logprob entropy")?,
             },
             s,
             get_mut(scratch, s.chunk * s.vocab, "logprob scratch")?,
@@ -254,9 +248,11 @@ mod tests {
             &mut lp,
             Some(&mut ent),
             &mut lse,
-            &[1.0, 1.0],
-            &w,
-            &[0, 1],
+            LogprobInput {
+                x: &[1.0, 1.0],
+                w: &w,
+                targets: &[0, 1],
+            },
             s,
             &mut scratch,
         )
@@ -274,9 +270,11 @@ mod tests {
             &mut lp,
             None,
             &mut lse,
-            &[1.0, 1.0],
-            &w,
-            &[0, 1],
+            LogprobInput {
+                x: &[1.0, 1.0],
+                w: &w,
+                targets: &[0, 1],
+            },
             s2,
             &mut scratch,
         )
@@ -299,9 +297,11 @@ mod tests {
             &mut [0.0],
             None,
             &mut [0.0],
-            &[1.0],
-            &[0.0; 2],
-            &[2],
+            LogprobInput {
+                x: &[1.0],
+                w: &[0.0; 2],
+                targets: &[2],
+            },
             s,
             &mut b,
         )
@@ -315,9 +315,11 @@ mod tests {
             &mut [0.0],
             None,
             &mut [0.0],
-            &[1.0],
-            &[0.0; 2],
-            &[1],
+            LogprobInput {
+                x: &[1.0],
+                w: &[0.0; 2],
+                targets: &[1]
+            },
             s0,
             &mut b
         )

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 
-use super::{LogprobOps, LogprobShape};
+use super::{LogprobGrad, LogprobInput, LogprobOps, LogprobShape};
 use crate::backend::cuda::gemm::Operand;
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{esize, i32_of, need, CudaBackend, CudaBuf, CudaIdx, THREADS};
@@ -27,12 +27,11 @@ impl LogprobOps for CudaBackend {
         lp: &mut CudaBuf,
         ent: Option<&mut CudaBuf>,
         lse: &mut CudaBuf,
-        x: &CudaBuf,
-        w: &CudaBuf,
-        targets: &CudaIdx,
+        input: LogprobInput<&CudaBuf, &CudaIdx>,
         s: LogprobShape,
         scratch: &mut CudaBuf,
     ) -> Result<()> {
+        let LogprobInput { x, w, targets } = input;
         s.check()?;
         need(lp.len, s.rows, "logprob lp")?;
         need(lse.len, s.rows, "logprob lse")?;
@@ -113,16 +112,18 @@ impl LogprobOps for CudaBackend {
         &self,
         dx: &mut CudaBuf,
         dw: &mut CudaBuf,
-        x: &CudaBuf,
-        w: &CudaBuf,
-        targets: &CudaIdx,
-        lse: &CudaBuf,
-        ent: &CudaBuf,
-        dlp: &CudaBuf,
-        dent: Option<&CudaBuf>,
+        input: LogprobInput<&CudaBuf, &CudaIdx>,
+        grad: LogprobGrad<&CudaBuf>,
         s: LogprobShape,
         scratch: &mut CudaBuf,
     ) -> Result<()> {
+        let LogprobInput { x, w, targets } = input;
+        let LogprobGrad {
+            dlp,
+            dent,
+            lse,
+            ent,
+        } = grad;
         s.check()?;
         need(dx.len, s.rows * s.hidden, "logprob dx")?;
         need(dw.len, s.vocab * s.hidden, "logprob dw")?;

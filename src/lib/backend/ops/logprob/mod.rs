@@ -44,6 +44,25 @@ impl LogprobShape {
     }
 }
 
+/// The LM head's inputs: the hidden rows `x` [rows, hidden], the head's weight `w`
+/// [vocab, hidden] and each row's target token.
+#[derive(Clone, Copy, Debug)]
+pub struct LogprobInput<T, I> {
+    pub x: T,
+    pub w: T,
+    pub targets: I,
+}
+
+/// What the backward reads per scored row: the gradient flowing in (dL/dlp, and dL/dentropy
+/// when the loss has an entropy term) and what the forward kept (lse and entropy).
+#[derive(Clone, Copy, Debug)]
+pub struct LogprobGrad<T> {
+    pub dlp: T,
+    pub dent: Option<T>,
+    pub lse: T,
+    pub ent: T,
+}
+
 /// The fused LM head.
 pub trait LogprobOps: Device {
     /// Floats of logits the fused log-prob may hold per chunk: bigger chunks make bigger
@@ -53,32 +72,23 @@ pub trait LogprobOps: Device {
     }
     /// z = x·wᵀ/T per chunk of rows; lse_i = log Σ_v exp z_iv; lp_i = z_i[y_i] − lse_i;
     /// ent_i = lse_i − Σ_v p_iv z_iv. Scratch holds one chunk of logits.
-    #[allow(clippy::too_many_arguments)]
     fn logprob(
         &self,
         lp: &mut Self::Buf,
         ent: Option<&mut Self::Buf>,
         lse: &mut Self::Buf,
-        x: &Self::Buf,
-        w: &Self::Buf,
-        targets: &Self::Idx,
+        x: LogprobInput<&Self::Buf, &Self::Idx>,
         shape: LogprobShape,
         scratch: &mut Self::Buf,
     ) -> Result<()>;
     /// dz_iv = glp_i(δ_{v,y_i} − p_iv) − gent_i·p_iv(log p_iv + ent_i), dlogits = dz/T;
     /// dx = dlogits·w (overwritten), dw += dlogitsᵀ·x. Logits are recomputed chunk by chunk.
-    #[allow(clippy::too_many_arguments)]
     fn logprob_backward(
         &self,
         dx: &mut Self::Buf,
         dw: &mut Self::Buf,
-        x: &Self::Buf,
-        w: &Self::Buf,
-        targets: &Self::Idx,
-        lse: &Self::Buf,
-        ent: &Self::Buf,
-        dlp: &Self::Buf,
-        dent: Option<&Self::Buf>,
+        x: LogprobInput<&Self::Buf, &Self::Idx>,
+        grad: LogprobGrad<&Self::Buf>,
         shape: LogprobShape,
         scratch: &mut Self::Buf,
     ) -> Result<()>;

@@ -64,22 +64,26 @@ fn ppo_loss(c: &mut Ctx, d: DType) -> Result<()> {
         c.cpu.ppo_clip_loss(
             &mut cd,
             &mut cstats,
-            &lp,
-            off.then_some(&old),
-            &adv,
-            &w,
-            Some(&ent),
+            PpoInputs {
+                lp: &lp,
+                old: off.then_some(&old),
+                adv: &adv,
+                w: &w,
+                ent: Some(&ent),
+            },
             shape,
         )?;
         let mut gd = c.poisoned(n, DType::F32)?;
         c.gpu.ppo_clip_loss(
             &mut gd,
             &mut gstats,
-            &glp,
-            off.then_some(&gold),
-            &gadv,
-            &gw,
-            Some(&gent),
+            PpoInputs {
+                lp: &glp,
+                old: off.then_some(&gold),
+                adv: &gadv,
+                w: &gw,
+                ent: Some(&gent),
+            },
             shape,
         )?;
         c.check(

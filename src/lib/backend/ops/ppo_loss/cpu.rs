@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 
-use super::{PpoLossOps, PpoShape, PPO_STATS};
+use super::{PpoInputs, PpoLossOps, PpoShape, PPO_STATS};
 use crate::backend::cpu::{get, get_mut, Cpu};
 
 /// One token's loss, its derivative with respect to lp, and whether it was clipped
@@ -70,17 +70,14 @@ pub fn ppo_token(lp: f64, old: f64, a: f64, s: &PpoShape) -> PpoToken {
 
 /// The op over `s.tokens` tokens; `w` holds [w_pg | w_tok | w_agg]; stats gets the
 /// [`PPO_STATS`] sums added (f64 sums, stored as f32).
-#[allow(clippy::too_many_arguments)]
-pub fn ppo_clip_loss(
-    dlp: &mut [f32],
-    stats: &mut [f32],
-    lp: &[f32],
-    old: Option<&[f32]>,
-    adv: &[f32],
-    w: &[f32],
-    ent: Option<&[f32]>,
-    s: &PpoShape,
-) {
+pub fn ppo_clip_loss(dlp: &mut [f32], stats: &mut [f32], x: PpoInputs<&[f32]>, s: &PpoShape) {
+    let PpoInputs {
+        lp,
+        old,
+        adv,
+        w,
+        ent,
+    } = x;
     let n = s.tokens;
     let mut acc = [0f64; PPO_STATS];
     for t in 0..n {
@@ -111,30 +108,28 @@ impl PpoLossOps for Cpu {
         &self,
         dlp: &mut Vec<f32>,
         stats: &mut Vec<f32>,
-        lp: &Vec<f32>,
-        old: Option<&Vec<f32>>,
-        adv: &Vec<f32>,
-        w: &Vec<f32>,
-        ent: Option<&Vec<f32>>,
+        x: PpoInputs<&Vec<f32>>,
         s: PpoShape,
     ) -> Result<()> {
         let n = s.tokens;
-        let old = match old {
+        let old = match x.old {
             Some(o) => Some(get(o, n, "ppo_clip_loss old")?),
             None => None,
         };
-        let ent = match ent {
+        let ent = match x.ent {
             Some(e) => Some(get(e, n, "ppo_clip_loss ent")?),
             None => None,
         };
         ppo_clip_loss(
             get_mut(dlp, n, "ppo_clip_loss dlp")?,
             get_mut(stats, PPO_STATS, "ppo_clip_loss stats")?,
-            get(lp, n, "ppo_clip_loss lp")?,
-            old,
-            get(adv, n, "ppo_clip_loss adv")?,
-            get(w, 3 * n, "ppo_clip_loss w")?,
-            ent,
+            PpoInputs {
+                lp: get(x.lp, n, "ppo_clip_loss lp")?,
+                old,
+                adv: get(x.adv, n, "ppo_clip_loss adv")?,
+                w: get(x.w, 3 * n, "ppo_clip_loss w")?,
+                ent,
+            },
             &s,
         );
         Ok(())
@@ -223,11 +218,13 @@ mod tests {
                 ppo_clip_loss(
                     &mut dlp,
                     &mut stats,
-                    &lp,
-                    (!on_policy).then_some(&off[..]),
-                    &adv,
-                    &w,
-                    Some(&ent),
+                    PpoInputs {
+                        lp: &lp,
+                        old: (!on_policy).then_some(&off[..]),
+                        adv: &adv,
+                        w: &w,
+                        ent: Some(&ent),
+                    },
                     &s,
                 );
                 let what = format!("{agg}, on-policy {on_policy}");
@@ -284,11 +281,13 @@ mod tests {
         ppo_clip_loss(
             &mut dlp,
             &mut stats,
-            &lp,
-            None,
-            &[1.0, 2.0, 3.0],
-            &w,
-            None,
+            PpoInputs {
+                lp: &lp,
+                old: None,
+                adv: &[1.0, 2.0, 3.0],
+                w: &w,
+                ent: None,
+            },
             &s,
         );
         assert_eq!(stats[5], 1.0);

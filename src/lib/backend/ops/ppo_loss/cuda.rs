@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Result};
 
-use super::{PpoLossOps, PpoShape, PPO_STATS};
+use super::{PpoInputs, PpoLossOps, PpoShape, PPO_STATS};
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf};
 use crate::backend::DType;
@@ -18,13 +18,16 @@ impl PpoLossOps for CudaBackend {
         &self,
         dlp: &mut CudaBuf,
         stats: &mut CudaBuf,
-        lp: &CudaBuf,
-        old: Option<&CudaBuf>,
-        adv: &CudaBuf,
-        w: &CudaBuf,
-        ent: Option<&CudaBuf>,
+        x: PpoInputs<&CudaBuf>,
         s: PpoShape,
     ) -> Result<()> {
+        let PpoInputs {
+            lp,
+            old,
+            adv,
+            w,
+            ent,
+        } = x;
         let n = s.tokens;
         need(dlp.len, n, "ppo_clip_loss dlp")?;
         need(stats.len, PPO_STATS, "ppo_clip_loss stats")?;

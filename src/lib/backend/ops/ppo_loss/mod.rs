@@ -9,6 +9,8 @@ pub mod check;
 pub mod cpu;
 pub mod cuda;
 
+pub use cpu::{ppo_token, PpoToken};
+
 use anyhow::Result;
 
 use crate::backend::Device;
@@ -25,6 +27,17 @@ pub struct PpoShape {
     pub dual_clip: f64,
 }
 
+/// The per-token inputs of the loss: log-probs, the behaviour policy's (None: on-policy),
+/// advantages, the weights w = [w_pg | w_tok | w_agg] (3·tokens) and, for the metric, entropies.
+#[derive(Clone, Copy, Debug)]
+pub struct PpoInputs<T> {
+    pub lp: T,
+    pub old: Option<T>,
+    pub adv: T,
+    pub w: T,
+    pub ent: Option<T>,
+}
+
 /// Slots of the accumulator [`PpoLossOps::ppo_clip_loss`] adds to: Σ w_pg·ℓ, Σ w_tok·clipped,
 /// Σ w_tok·clipped_lower, Σ w_tok·(old − lp), Σ w_agg·entropy, count of non-finite tokens.
 pub const PPO_STATS: usize = 6;
@@ -36,16 +49,11 @@ pub trait PpoLossOps: Device {
     /// dlp = w_pg·∂ℓ/∂lp (torch's subgradients: ties split, clamps pass on their closed
     /// interval; 0 where masked), and [`PPO_STATS`] sums are added to `stats`. `old` None means
     /// on-policy (old = lp, detached). Math in f64, as `algo::policy_loss` does it.
-    #[allow(clippy::too_many_arguments)]
     fn ppo_clip_loss(
         &self,
         dlp: &mut Self::Buf,
         stats: &mut Self::Buf,
-        lp: &Self::Buf,
-        old: Option<&Self::Buf>,
-        adv: &Self::Buf,
-        w: &Self::Buf,
-        ent: Option<&Self::Buf>,
+        x: PpoInputs<&Self::Buf>,
         shape: PpoShape,
     ) -> Result<()>;
 }

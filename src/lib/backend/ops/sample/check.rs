@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 
-use super::SamplingParams;
+use super::{Draws, SamplingParams};
 use crate::backend::check::gpu::{Case, Ctx};
 use crate::backend::prelude::*;
 
@@ -64,12 +64,32 @@ fn sample(c: &mut Ctx, d: DType) -> Result<()> {
     ];
     for (tag, p) in settings {
         let (mut ct, mut cl) = (vec![0u32; rows], vec![0f32; rows]);
-        c.cpu
-            .sample(&mut ct, &mut cl, &logits, &keys, &pos, rows, vocab, &p)?;
+        c.cpu.sample(
+            &logits,
+            vocab,
+            Draws {
+                tokens: &mut ct,
+                logprobs: &mut cl,
+                keys: &keys,
+                positions: &pos,
+                rows,
+                sampling: &p,
+            },
+        )?;
         let mut gt = c.gpu.alloc_idx(rows)?;
         let mut glp = c.gpu.alloc(rows)?;
-        c.gpu
-            .sample(&mut gt, &mut glp, &gl, &gk, &gp, rows, vocab, &p)?;
+        c.gpu.sample(
+            &gl,
+            vocab,
+            Draws {
+                tokens: &mut gt,
+                logprobs: &mut glp,
+                keys: &gk,
+                positions: &gp,
+                rows,
+                sampling: &p,
+            },
+        )?;
         let (mut ht, mut hl) = (vec![0u32; rows], vec![0f32; rows]);
         c.gpu.download_idx(&gt, &mut ht)?;
         c.gpu.download(&glp, &mut hl)?;

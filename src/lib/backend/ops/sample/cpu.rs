@@ -4,7 +4,7 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::{sample, uniform, SampleOps, SamplingParams, Scratch};
+use super::{sample, uniform, Draws, SampleOps, SamplingParams, Scratch};
 use crate::backend::cpu::{get, get_mut, Cpu};
 
 /// tokens[r], logprobs[r] = [`sample`](logits row r, u = uniform(key_r, pos_r)).
@@ -33,25 +33,16 @@ pub fn sample_rows(
 }
 
 impl SampleOps for Cpu {
-    fn sample(
-        &self,
-        tokens: &mut Vec<u32>,
-        logprobs: &mut Vec<f32>,
-        logits: &Vec<f32>,
-        keys: &Vec<u32>,
-        positions: &Vec<u32>,
-        rows: usize,
-        vocab: usize,
-        params: &SamplingParams,
-    ) -> Result<()> {
+    fn sample(&self, logits: &Vec<f32>, vocab: usize, d: Draws<Self>) -> Result<()> {
+        let rows = d.rows;
         sample_rows(
-            get_mut(tokens, rows, "sample tokens")?,
-            get_mut(logprobs, rows, "sample logprobs")?,
+            get_mut(d.tokens, rows, "sample tokens")?,
+            get_mut(d.logprobs, rows, "sample logprobs")?,
             get(logits, rows * vocab, "sample logits")?,
-            get(keys, 2 * rows, "sample keys")?,
-            get(positions, rows, "sample positions")?,
+            get(d.keys, 2 * rows, "sample keys")?,
+            get(d.positions, rows, "sample positions")?,
             vocab,
-            params,
+            d.sampling,
         )
     }
 }

@@ -3,9 +3,9 @@
 
 use anyhow::{bail, Result};
 
-use super::SampleOps;
+use super::{Draws, SampleOps};
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx};
+use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf};
 use crate::backend::DType;
 
 pub const KERNELS: Family = Family {
@@ -18,17 +18,15 @@ pub const KERNELS: Family = Family {
 const SAMPLE_CHUNK: usize = 4096;
 
 impl SampleOps for CudaBackend {
-    fn sample(
-        &self,
-        tokens: &mut CudaIdx,
-        logprobs: &mut CudaBuf,
-        logits: &CudaBuf,
-        keys: &CudaIdx,
-        positions: &CudaIdx,
-        rows: usize,
-        vocab: usize,
-        params: &super::SamplingParams,
-    ) -> Result<()> {
+    fn sample(&self, logits: &CudaBuf, vocab: usize, draws: Draws<Self>) -> Result<()> {
+        let Draws {
+            tokens,
+            logprobs,
+            keys,
+            positions,
+            rows,
+            sampling: params,
+        } = draws;
         params.validate()?;
         need(tokens.len, rows, "sample tokens")?;
         need(logprobs.len, rows, "sample logprobs")?;

@@ -16,23 +16,24 @@ use anyhow::{bail, Result};
 use crate::backend::Device;
 use crate::rng::mix;
 
+/// Where a step's draws go: for each of the first `rows` rows r of the logits, `tokens[r]` and
+/// `logprobs[r]`, drawn under `sampling` with the key `keys[2r] | keys[2r+1] << 32` at draw
+/// position `positions[r]`.
+pub struct Draws<'a, D: Device + ?Sized> {
+    pub tokens: &'a mut D::Idx,
+    pub logprobs: &'a mut D::Buf,
+    pub keys: &'a D::Idx,
+    pub positions: &'a D::Idx,
+    pub rows: usize,
+    pub sampling: &'a SamplingParams,
+}
+
 /// Token sampling.
 pub trait SampleOps: Device {
     /// One token per row of logits[rows, vocab], drawn as [`sample`] draws it
     /// with u = uniform(key_r, positions[r]), key_r = keys[2r] | keys[2r+1] << 32:
     /// tokens[r] = the id, logprobs[r] = log softmax(z_r / T)[id] (T = 1 when greedy).
-    #[allow(clippy::too_many_arguments)]
-    fn sample(
-        &self,
-        tokens: &mut Self::Idx,
-        logprobs: &mut Self::Buf,
-        logits: &Self::Buf,
-        keys: &Self::Idx,
-        positions: &Self::Idx,
-        rows: usize,
-        vocab: usize,
-        params: &SamplingParams,
-    ) -> Result<()>;
+    fn sample(&self, logits: &Self::Buf, vocab: usize, draws: Draws<Self>) -> Result<()>;
 }
 
 /// How the next token is drawn (vLLM / verl names and conventions).

@@ -4,11 +4,11 @@
 
 use anyhow::{ensure, Result};
 
-use super::forward::AttnMode;
+use super::forward::{AttnMode, LayerShapes};
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::backend::{
-    AttnOut, AttnShape, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, MatmulShape,
-    PpoInputs, PpoShape, Qkv, RmsNormSaved, RmsNormShape, RopeShape, PPO_STATS,
+    AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
+    RmsNormSaved, RmsNormShape, PPO_STATS,
 };
 
 impl<B: Backend> Decoder<B> {
@@ -187,7 +187,8 @@ impl<B: Backend> Decoder<B> {
             cfg.num_kv_heads,
             cfg.head_dim,
         );
-        let (qd, kd, theta, eps) = (hh * hd, kh * hd, cfg.rope_theta, cfg.rms_norm_eps);
+        let (qd, kd) = (hh * hd, kh * hd);
+        let ls = LayerShapes::new(cfg, n);
         let shape = LogprobShape {
             rows: r,
             hidden: d,
@@ -221,11 +222,7 @@ impl<B: Backend> Decoder<B> {
                 w: &w[*final_norm],
                 rstd: &ws.rstd_f,
             },
-            RmsNormShape {
-                rows: r,
-                dim: d,
-                eps,
-            },
+            RmsNormShape { rows: r, ..ls.norm },
             false,
         )?;
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
@@ -240,49 +237,13 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &gw.d_resid
             };
-            b.matmul_backward_w(
-                &mut g[ly.down],
-                None,
-                dres,
-                &a.h,
-                MatmulShape { m: n, k: f, n: d },
-            )?;
-            b.matmul_backward_x(
-                &mut gw.dh,
-                dres,
-                &w[ly.down],
-                MatmulShape { m: n, k: f, n: d },
-                false,
-            )?;
+            b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, ls.gemm(f, d))?;
+            b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], ls.gemm(f, d), false)?;
             b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
-            b.matmul_backward_w(
-                &mut g[ly.gate],
-                None,
-                &gw.dg,
-                &a.xn2,
-                MatmulShape { m: n, k: d, n: f },
-            )?;
-            b.matmul_backward_w(
-                &mut g[ly.up],
-                None,
-                &gw.du,
-                &a.xn2,
-                MatmulShape { m: n, k: d, n: f },
-            )?;
-            b.matmul_backward_x(
-                &mut gw.d_xn,
-                &gw.dg,
-                &w[ly.gate],
-                MatmulShape { m: n, k: d, n: f },
-                false,
-            )?;
-            b.matmul_backward_x(
-                &mut gw.d_xn,
-                &gw.du,
-                &w[ly.up],
-                MatmulShape { m: n, k: d, n: f },
-                true,
-            )?;
+            b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, ls.gemm(d, f))?;
+            b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, ls.gemm(d, f))?;
+            b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], ls.gemm(d, f), false)?;
+            b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], ls.gemm(d, f), true)?;
             b.rmsnorm_backward(
                 &mut gw.d_resid,
                 &mut g[ly.post_norm],
@@ -292,11 +253,7 @@ impl<B: Backend> Decoder<B> {
                     w: &w[ly.post_norm],
                     rstd: &a.rstd2,
                 },
-                RmsNormShape {
-                    rows: n,
-                    dim: d,
-                    eps,
-                },
+                ls.norm,
                 true,
             )?;
             // Attention.
@@ -306,27 +263,8 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &gw.d_resid
             };
-            b.matmul_backward_w(
-                &mut g[ly.o],
-                None,
-                dres,
-                &a.o,
-                MatmulShape { m: n, k: qd, n: d },
-            )?;
-            b.matmul_backward_x(
-                &mut gw.d_o,
-                dres,
-                &w[ly.o],
-                MatmulShape { m: n, k: qd, n: d },
-                false,
-            )?;
-            let shape = AttnShape {
-                tokens: n,
-                seqs,
-                heads: hh,
-                kv_heads: kh,
-                head_dim: hd,
-            };
+            b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, ls.gemm(qd, d))?;
+            b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], ls.gemm(qd, d), false)?;
             b.attention_backward(
                 Qkv {
                     q: &mut gw.dq,
@@ -344,28 +282,10 @@ impl<B: Backend> Decoder<B> {
                     lse: &a.lse,
                 },
                 &ws.cu,
-                shape,
+                ls.attn(seqs),
             )?;
-            b.rope_backward(
-                &mut gw.dq,
-                &ws.pos,
-                RopeShape {
-                    tokens: n,
-                    heads: hh,
-                    head_dim: hd,
-                    theta,
-                },
-            )?;
-            b.rope_backward(
-                &mut gw.dk,
-                &ws.pos,
-                RopeShape {
-                    tokens: n,
-                    heads: kh,
-                    head_dim: hd,
-                    theta,
-                },
-            )?;
+            b.rope_backward(&mut gw.dq, &ws.pos, ls.rope.q())?;
+            b.rope_backward(&mut gw.dk, &ws.pos, ls.rope.k())?;
             let (dq, dk) = if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
                 b.rmsnorm_backward(
                     &mut gw.dq_raw,
@@ -376,11 +296,7 @@ impl<B: Backend> Decoder<B> {
                         w: &w[qn],
                         rstd: &a.rstd_q,
                     },
-                    RmsNormShape {
-                        rows: n * hh,
-                        dim: hd,
-                        eps,
-                    },
+                    ls.q_norm,
                     false,
                 )?;
                 b.rmsnorm_backward(
@@ -392,11 +308,7 @@ impl<B: Backend> Decoder<B> {
                         w: &w[kn],
                         rstd: &a.rstd_k,
                     },
-                    RmsNormShape {
-                        rows: n * kh,
-                        dim: hd,
-                        eps,
-                    },
+                    ls.k_norm,
                     false,
                 )?;
                 (&gw.dq_raw, &gw.dk_raw)
@@ -409,14 +321,8 @@ impl<B: Backend> Decoder<B> {
                 (ly.v, ly.v_b, &gw.dv, kd, false),
             ] {
                 let (gp, gb) = two_mut(g, p, pb);
-                b.matmul_backward_w(gp, gb, dy, &a.xn1, MatmulShape { m: n, k: d, n: m })?;
-                b.matmul_backward_x(
-                    &mut gw.d_xn,
-                    dy,
-                    &w[p],
-                    MatmulShape { m: n, k: d, n: m },
-                    !first,
-                )?;
+                b.matmul_backward_w(gp, gb, dy, &a.xn1, ls.gemm(d, m))?;
+                b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], ls.gemm(d, m), !first)?;
             }
             b.rmsnorm_backward(
                 &mut gw.d_resid,
@@ -427,11 +333,7 @@ impl<B: Backend> Decoder<B> {
                     w: &w[ly.in_norm],
                     rstd: &a.rstd1,
                 },
-                RmsNormShape {
-                    rows: n,
-                    dim: d,
-                    eps,
-                },
+                ls.norm,
                 true,
             )?;
         }

@@ -11,6 +11,7 @@ use crate::backend::{
     PagedRopeShape, PrefillTiles, Qkv, RmsNormShape, RopeKvShape, Slots,
 };
 use crate::error::input_error;
+use crate::model::Config;
 
 /// How the attention of a forward pass gets its keys.
 pub(super) enum AttnMode<'a, B: Backend> {
@@ -20,6 +21,64 @@ pub(super) enum AttnMode<'a, B: Backend> {
     /// tables (`kv_rows` are the cache rows of the new tokens, `kv_base` the table row of each
     /// query, `kv_len` its context length).
     Paged(PagedAttn<'a, B>),
+}
+
+/// The shapes of a layer's ops over `n` rows (the forward and backward passes share them).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LayerShapes {
+    /// The pre-attention and pre-MLP norms, and the q/k norms (per head).
+    pub norm: RmsNormShape,
+    pub q_norm: RmsNormShape,
+    pub k_norm: RmsNormShape,
+    /// The rotation of the queries and keys.
+    pub rope: RopeKvShape,
+    n: usize,
+}
+
+impl LayerShapes {
+    pub fn new(cfg: &Config, n: usize) -> Self {
+        let (hh, kh, hd, eps) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+        );
+        let norm = |rows, dim| RmsNormShape { rows, dim, eps };
+        LayerShapes {
+            norm: norm(n, cfg.hidden_size),
+            q_norm: norm(n * hh, hd),
+            k_norm: norm(n * kh, hd),
+            rope: RopeKvShape {
+                tokens: n,
+                heads: hh,
+                kv_heads: kh,
+                head_dim: hd,
+                theta: cfg.rope_theta,
+            },
+            n,
+        }
+    }
+
+    /// A projection of the n rows from `k` to `out` features.
+    pub fn gemm(&self, k: usize, out: usize) -> MatmulShape {
+        MatmulShape {
+            m: self.n,
+            k,
+            n: out,
+        }
+    }
+
+    /// Packed attention of the n rows in `seqs` sequences.
+    pub fn attn(&self, seqs: usize) -> AttnShape {
+        let r = self.rope;
+        AttnShape {
+            tokens: self.n,
+            seqs,
+            heads: r.heads,
+            kv_heads: r.kv_heads,
+            head_dim: r.head_dim,
+        }
+    }
 }
 
 impl<B: Backend> Decoder<B> {
@@ -120,38 +179,12 @@ impl<B: Backend> Decoder<B> {
             cfg.num_kv_heads,
             cfg.head_dim,
         );
-        let (qd, kd, eps, theta) = (hh * hd, kh * hd, cfg.rms_norm_eps, cfg.rope_theta);
+        let (qd, kd, theta) = (hh * hd, kh * hd, cfg.rope_theta);
         ensure!(
             !fuse || ws.caps.fused,
             "decoder: fused step without its workspace"
         );
-        // The shapes of every layer's ops over the n rows.
-        let norm = RmsNormShape {
-            rows: n,
-            dim: d,
-            eps,
-        };
-        let (q_norm, k_norm) = (
-            RmsNormShape {
-                rows: n * hh,
-                dim: hd,
-                eps,
-            },
-            RmsNormShape {
-                rows: n * kh,
-                dim: hd,
-                eps,
-            },
-        );
-        // A projection of the n rows from k to `out` features.
-        let gemm = |k, out| MatmulShape { m: n, k, n: out };
-        let rope = RopeKvShape {
-            tokens: n,
-            heads: hh,
-            kv_heads: kh,
-            head_dim: hd,
-            theta,
-        };
+        let ls = LayerShapes::new(cfg, n);
         b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
         for (l, ly) in layers.iter().enumerate() {
             let (ri, rm, ro) = if train {
@@ -161,13 +194,13 @@ impl<B: Backend> Decoder<B> {
             };
             let a = &mut ws.acts[if train { l } else { 0 }];
             let x = &ws.resid[ri];
-            b.rmsnorm(&mut a.xn1, &mut a.rstd1, x, &w[ly.in_norm], norm)?;
+            b.rmsnorm(&mut a.xn1, &mut a.rstd1, x, &w[ly.in_norm], ls.norm)?;
             // x·[Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]) as one GEMM into ws.qkv, whose parts the
             // cache write reads; or the three GEMMs into a.q, a.k, a.v.
             let qkv = ly.qkv.filter(|_| fuse);
             if let Some(wi) = qkv {
                 let bias = ly.qkv_b.map(|i| &fused[i]);
-                let s = gemm(d, qd + 2 * kd);
+                let s = ls.gemm(d, qd + 2 * kd);
                 b.matmul(&mut ws.qkv, &a.xn1, &fused[wi], bias, s, false)?;
             } else {
                 let (q_dst, k_dst) = if cfg.qk_norm {
@@ -181,7 +214,7 @@ impl<B: Backend> Decoder<B> {
                     x,
                     &w[ly.q],
                     ly.q_b.map(|i| &w[i]),
-                    gemm(d, qd),
+                    ls.gemm(d, qd),
                     false,
                 )?;
                 b.matmul(
@@ -189,7 +222,7 @@ impl<B: Backend> Decoder<B> {
                     x,
                     &w[ly.k],
                     ly.k_b.map(|i| &w[i]),
-                    gemm(d, kd),
+                    ls.gemm(d, kd),
                     false,
                 )?;
                 b.matmul(
@@ -197,25 +230,19 @@ impl<B: Backend> Decoder<B> {
                     x,
                     &w[ly.v],
                     ly.v_b.map(|i| &w[i]),
-                    gemm(d, kd),
+                    ls.gemm(d, kd),
                     false,
                 )?;
                 if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
-                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], q_norm)?;
-                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], k_norm)?;
+                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], ls.q_norm)?;
+                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], ls.k_norm)?;
                 }
             }
             match &mut mode {
                 AttnMode::Packed => {
-                    b.rope(&mut a.q, &ws.pos, rope.q())?;
-                    b.rope(&mut a.k, &ws.pos, rope.k())?;
-                    let shape = AttnShape {
-                        tokens: n,
-                        seqs,
-                        heads: hh,
-                        kv_heads: kh,
-                        head_dim: hd,
-                    };
+                    b.rope(&mut a.q, &ws.pos, ls.rope.q())?;
+                    b.rope(&mut a.k, &ws.pos, ls.rope.k())?;
+                    let shape = ls.attn(seqs);
                     let out = AttnOut {
                         o: &mut a.o,
                         lse: &mut a.lse,
@@ -259,7 +286,7 @@ impl<B: Backend> Decoder<B> {
                         b.attention_paged_rope(&mut a.o, x, slots, cache, blocks, s)?;
                     } else {
                         let fused_qkv = qkv.map(|_| &ws.qkv);
-                        rope_store(b, fused_qkv, a, slots, cache.reborrow(), rope)?;
+                        rope_store(b, fused_qkv, a, slots, cache.reborrow(), ls.rope)?;
                         let tiles = PrefillTiles {
                             tiles: kv.tiles,
                             n_tiles: kv.n_tiles,
@@ -279,37 +306,51 @@ impl<B: Backend> Decoder<B> {
             if train {
                 // Training keeps the block's input: the output goes to the next snapshot.
                 let (src, dst) = pair(&mut ws.resid, ri, rm);
-                b.matmul_residual(dst, src, &a.o, &w[ly.o], gemm(qd, d))?;
+                b.matmul_residual(dst, src, &a.o, &w[ly.o], ls.gemm(qd, d))?;
             } else {
-                b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, gemm(qd, d), true)?;
+                b.matmul(
+                    &mut ws.resid[rm],
+                    &a.o,
+                    &w[ly.o],
+                    None,
+                    ls.gemm(qd, d),
+                    true,
+                )?;
             }
             b.rmsnorm(
                 &mut a.xn2,
                 &mut a.rstd2,
                 &ws.resid[rm],
                 &w[ly.post_norm],
-                norm,
+                ls.norm,
             )?;
             // x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two GEMMs into a.g, a.u.
             if let Some(wi) = ly.gate_up.filter(|_| fuse) {
-                b.matmul(&mut ws.gu, &a.xn2, &fused[wi], None, gemm(d, 2 * f), false)?;
+                b.matmul(
+                    &mut ws.gu,
+                    &a.xn2,
+                    &fused[wi],
+                    None,
+                    ls.gemm(d, 2 * f),
+                    false,
+                )?;
                 b.swiglu_packed(&mut ws.h, &ws.gu, n, f)?;
             } else {
-                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, gemm(d, f), false)?;
-                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, gemm(d, f), false)?;
+                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, ls.gemm(d, f), false)?;
+                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, ls.gemm(d, f), false)?;
                 let h = if train { &mut a.h } else { &mut ws.h };
                 b.swiglu(h, &a.g, &a.u, n * f)?;
             }
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.matmul_residual(dst, src, &a.h, &w[ly.down], gemm(f, d))?;
+                b.matmul_residual(dst, src, &a.h, &w[ly.down], ls.gemm(f, d))?;
             } else {
                 b.matmul(
                     &mut ws.resid[ro],
                     &ws.h,
                     &w[ly.down],
                     None,
-                    gemm(f, d),
+                    ls.gemm(f, d),
                     true,
                 )?;
             }

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::{LogprobGrad, LogprobInput, LogprobOps, LogprobShape};
 use crate::backend::cpu::{get, get_mut, Cpu};
-use crate::backend::ops::matmul::{cpu as matmul, MatmulShape};
+use crate::backend::ops::matmul::cpu as matmul;
 
 fn check(s: &LogprobShape, targets: &[u32]) -> Result<()> {
     s.check()?;
@@ -61,11 +61,7 @@ pub fn forward(
             &x[c0 * d..(c0 + cn) * d],
             w,
             None,
-            MatmulShape {
-                m: cn,
-                k: d,
-                n: vocab,
-            },
+            s.gemm(cn),
             false,
         );
         let reduce = |row: &mut [f32], y: u32| {
@@ -112,18 +108,7 @@ pub fn backward(
         let cn = s.chunk.min(s.rows - c0);
         let xc = &x[c0 * d..(c0 + cn) * d];
         let logits = &mut scratch[..cn * vocab];
-        matmul::forward(
-            logits,
-            xc,
-            w,
-            None,
-            MatmulShape {
-                m: cn,
-                k: d,
-                n: vocab,
-            },
-            false,
-        );
+        matmul::forward(logits, xc, w, None, s.gemm(cn), false);
         logits
             .par_chunks_mut(vocab)
             .enumerate()
@@ -138,28 +123,8 @@ pub fn backward(
                 }
                 row[targets[i] as usize] += glp * inv_t;
             });
-        matmul::backward_x(
-            &mut dx[c0 * d..(c0 + cn) * d],
-            logits,
-            w,
-            MatmulShape {
-                m: cn,
-                k: d,
-                n: vocab,
-            },
-            false,
-        );
-        matmul::backward_w(
-            dw,
-            None,
-            logits,
-            xc,
-            MatmulShape {
-                m: cn,
-                k: d,
-                n: vocab,
-            },
-        );
+        matmul::backward_x(&mut dx[c0 * d..(c0 + cn) * d], logits, w, s.gemm(cn), false);
+        matmul::backward_w(dw, None, logits, xc, s.gemm(cn));
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use super::{LogprobGrad, LogprobInput, LogprobOps, LogprobShape};
 use crate::backend::cuda::gemm::Operand;
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{esize, i32_of, need, CudaBackend, CudaBuf, CudaIdx, THREADS};
-use crate::backend::{DType, MatmulShape};
+use crate::backend::DType;
 
 pub const KERNELS: Family = Family {
     name: "logprob",
@@ -65,18 +65,7 @@ impl LogprobOps for CudaBackend {
                 ptr: xo.ptr + (c0 * s.hidden * esize(xo.dtype)) as u64,
                 dtype: xo.dtype,
             };
-            self.gemm_xwt(
-                scratch.operand(0),
-                xc,
-                wo,
-                None,
-                MatmulShape {
-                    m: cn,
-                    k: s.hidden,
-                    n: s.vocab,
-                },
-                false,
-            )?;
+            self.gemm_xwt(scratch.operand(0), xc, wo, None, s.gemm(cn), false)?;
             let (lpp, lsep, tp) = (lp.at(c0), lse.at(c0), targets.at(c0));
             let entp = if ent_ptr == 0 {
                 0u64
@@ -165,18 +154,7 @@ impl LogprobOps for CudaBackend {
                 ptr: xo.ptr + (c0 * s.hidden * esize(xo.dtype)) as u64,
                 dtype: xo.dtype,
             };
-            self.gemm_xwt(
-                scratch.operand(0),
-                xc,
-                wo,
-                None,
-                MatmulShape {
-                    m: cn,
-                    k: s.hidden,
-                    n: s.vocab,
-                },
-                false,
-            )?;
+            self.gemm_xwt(scratch.operand(0), xc, wo, None, s.gemm(cn), false)?;
             let dlbf = (dl.dtype == DType::BF16) as i32;
             let (zbf, lsebf, entbf, dlpbf, rows) =
                 (scratch.bf(), lse.bf(), ent.bf(), dlp.bf(), cn as i32);
@@ -210,27 +188,8 @@ impl LogprobOps for CudaBackend {
                     &inv_t,
                 ],
             )?;
-            self.gemm_dyw(
-                dx.operand(c0 * s.hidden),
-                dl,
-                wo,
-                MatmulShape {
-                    m: cn,
-                    k: s.hidden,
-                    n: s.vocab,
-                },
-                false,
-            )?;
-            self.gemm_dytx(
-                dw.operand(0),
-                dl,
-                xc,
-                MatmulShape {
-                    m: cn,
-                    k: s.hidden,
-                    n: s.vocab,
-                },
-            )?;
+            self.gemm_dyw(dx.operand(c0 * s.hidden), dl, wo, s.gemm(cn), false)?;
+            self.gemm_dytx(dw.operand(0), dl, xc, s.gemm(cn))?;
         }
         Ok(())
     }

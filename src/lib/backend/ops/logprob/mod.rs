@@ -12,7 +12,7 @@ pub mod cuda;
 
 use anyhow::{bail, Result};
 
-use crate::backend::Device;
+use crate::backend::{Device, MatmulShape};
 
 /// Shape of the fused LM-head log-prob op.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -29,6 +29,16 @@ pub struct LogprobShape {
 }
 
 impl LogprobShape {
+    /// The head's GEMM over `rows` rows (one chunk): x `[rows, hidden]` against w
+    /// `[vocab, hidden]`.
+    pub fn gemm(&self, rows: usize) -> MatmulShape {
+        MatmulShape {
+            m: rows,
+            k: self.hidden,
+            n: self.vocab,
+        }
+    }
+
     /// The shape's own limits: a positive finite temperature and chunks of at least a row.
     pub fn check(&self) -> Result<()> {
         if !(self.temperature.is_finite() && self.temperature > 0.0) {

@@ -110,36 +110,19 @@ fn rmsnorm_backward_and_accumulate() {
     let (mut y, mut rstd) = (vec![0.0; rows * d], vec![0.0; rows]);
     b.rmsnorm(&mut y, &mut rstd, &inputs[0], &inputs[1], s)
         .unwrap();
+    let saved = RmsNormSaved {
+        x: &inputs[0],
+        w: &inputs[1],
+        rstd: &rstd,
+    };
     let (mut dx, mut dw) = (vec![0.0; rows * d], vec![0.0; d]);
-    b.rmsnorm_backward(
-        &mut dx,
-        &mut dw,
-        &r,
-        RmsNormSaved {
-            x: &inputs[0],
-            w: &inputs[1],
-            rstd: &rstd,
-        },
-        s,
-        false,
-    )
-    .unwrap();
+    b.rmsnorm_backward(&mut dx, &mut dw, &r, saved, s, false)
+        .unwrap();
     check("rmsnorm", &inputs, &[dx.clone(), dw.clone()], &fwd);
     // accumulate = true adds onto dx; dw always accumulates.
     let mut dx2 = vec![1.0; rows * d];
-    b.rmsnorm_backward(
-        &mut dx2,
-        &mut dw,
-        &r,
-        RmsNormSaved {
-            x: &inputs[0],
-            w: &inputs[1],
-            rstd: &rstd,
-        },
-        s,
-        true,
-    )
-    .unwrap();
+    b.rmsnorm_backward(&mut dx2, &mut dw, &r, saved, s, true)
+        .unwrap();
     for i in 0..dx.len() {
         assert!((dx2[i] - (dx[i] + 1.0)).abs() < 1e-6);
     }

@@ -297,61 +297,24 @@ fn breakdown<B: Backend>(
     ));
     let x = b.alloc_as(rows * d, cd)?;
     let w = b.alloc_as(v * d, cd)?;
+    // A GEMM of the step's rows from the hidden size to `n` outputs.
+    let gemm = |n| MatmulShape { m: rows, k: d, n };
     let mut y = b.alloc(rows * v)?;
     out.push((
         format!("LM head GEMM [{rows} x {d}] x [{d} x {v}]"),
-        ms(b, || {
-            b.matmul(
-                &mut y,
-                &x,
-                &w,
-                None,
-                MatmulShape {
-                    m: rows,
-                    k: d,
-                    n: v,
-                },
-                false,
-            )
-        })?,
+        ms(b, || b.matmul(&mut y, &x, &w, None, gemm(v), false))?,
     ));
     let f = cfg.intermediate_size;
     let wu = b.alloc_as(2 * f * d, cd)?;
     let mut h = b.alloc_as(rows * 2 * f, cd)?;
     out.push((
         format!("MLP up GEMM [{rows} x {d}] x [{d} x {f}]"),
-        ms(b, || {
-            b.matmul(
-                &mut h,
-                &x,
-                &wu,
-                None,
-                MatmulShape {
-                    m: rows,
-                    k: d,
-                    n: f,
-                },
-                false,
-            )
-        })?,
+        ms(b, || b.matmul(&mut h, &x, &wu, None, gemm(f), false))?,
     ));
     // What fusing the projections that share an input would give (weights side by side).
     out.push((
         format!("gate+up as one GEMM [{rows} x {d}] x [{d} x {}]", 2 * f),
-        ms(b, || {
-            b.matmul(
-                &mut h,
-                &x,
-                &wu,
-                None,
-                MatmulShape {
-                    m: rows,
-                    k: d,
-                    n: 2 * f,
-                },
-                false,
-            )
-        })?,
+        ms(b, || b.matmul(&mut h, &x, &wu, None, gemm(2 * f), false))?,
     ));
     let (qd, kd) = (
         cfg.num_heads * cfg.head_dim,
@@ -360,59 +323,15 @@ fn breakdown<B: Backend>(
     out.push((
         format!("q, k, v GEMMs [{rows} x {d}] x [{d} x {qd}|{kd}|{kd}]"),
         ms(b, || {
-            b.matmul(
-                &mut h,
-                &x,
-                &wu,
-                None,
-                MatmulShape {
-                    m: rows,
-                    k: d,
-                    n: qd,
-                },
-                false,
-            )?;
-            b.matmul(
-                &mut h,
-                &x,
-                &wu,
-                None,
-                MatmulShape {
-                    m: rows,
-                    k: d,
-                    n: kd,
-                },
-                false,
-            )?;
-            b.matmul(
-                &mut h,
-                &x,
-                &wu,
-                None,
-                MatmulShape {
-                    m: rows,
-                    k: d,
-                    n: kd,
-                },
-                false,
-            )
+            b.matmul(&mut h, &x, &wu, None, gemm(qd), false)?;
+            b.matmul(&mut h, &x, &wu, None, gemm(kd), false)?;
+            b.matmul(&mut h, &x, &wu, None, gemm(kd), false)
         })?,
     ));
     out.push((
         format!("qkv as one GEMM [{rows} x {d}] x [{d} x {}]", qd + 2 * kd),
         ms(b, || {
-            b.matmul(
-                &mut h,
-                &x,
-                &wu,
-                None,
-                MatmulShape {
-                    m: rows,
-                    k: d,
-                    n: qd + 2 * kd,
-                },
-                false,
-            )
+            b.matmul(&mut h, &x, &wu, None, gemm(qd + 2 * kd), false)
         })?,
     ));
     Ok(out)

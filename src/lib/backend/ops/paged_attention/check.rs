@@ -279,6 +279,15 @@ fn attention_paged_rope(c: &mut Ctx, d: DType) -> Result<()> {
         )?;
         let (gx, gpos, grows) = (c.dev(&qkv, d)?, c.idx(&pos)?, c.idx(&rows)?);
         let (gt, gs, gl) = (c.idx(&tables)?, c.idx(&seq)?, c.idx(&len)?);
+        let gslots = Slots {
+            pos: &gpos,
+            rows: &grows,
+        };
+        let gblocks = BlockTables {
+            tables: &gt,
+            seq: &gs,
+            len: &gl,
+        };
         // GPU, two ops.
         let (mut akc, mut avc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
         let mut aq = c.poisoned(queries * qd, d)?;
@@ -288,33 +297,15 @@ fn attention_paged_rope(c: &mut Ctx, d: DType) -> Result<()> {
                 qkv: &gx,
                 q: &mut aq,
             },
-            Slots {
-                pos: &gpos,
-                rows: &grows,
-            },
+            gslots,
             KvCache {
                 k: &mut akc,
                 v: &mut avc,
             },
-            RopeKvShape {
-                tokens: queries,
-                heads,
-                kv_heads: kv,
-                head_dim: hd,
-                theta,
-            },
+            s.rope(theta),
         )?;
-        c.gpu.attention_paged(
-            &mut ao,
-            &aq,
-            KvCache { k: &akc, v: &avc },
-            BlockTables {
-                tables: &gt,
-                seq: &gs,
-                len: &gl,
-            },
-            s,
-        )?;
+        c.gpu
+            .attention_paged(&mut ao, &aq, KvCache { k: &akc, v: &avc }, gblocks, s)?;
         // GPU, fused.
         let (mut fkc, mut fvc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
         let mut fq = c.poisoned(queries * qd, d)?;
@@ -325,19 +316,12 @@ fn attention_paged_rope(c: &mut Ctx, d: DType) -> Result<()> {
                 qkv: &gx,
                 q: &mut fq,
             },
-            Slots {
-                pos: &gpos,
-                rows: &grows,
-            },
+            gslots,
             KvCache {
                 k: &mut fkc,
                 v: &mut fvc,
             },
-            BlockTables {
-                tables: &gt,
-                seq: &gs,
-                len: &gl,
-            },
+            gblocks,
             PagedRopeShape { attn: s, theta },
         )?;
         c.check(

@@ -203,6 +203,13 @@ fn time_decode(t: &mut Timer) -> Result<()> {
 fn rope_store_kv(c: &mut Ctx, d: DType) -> Result<()> {
     let (t1, _) = tols(d);
     let (tokens, heads, kv, hd, cache_rows) = (37usize, 14usize, 2usize, 64usize, 80usize);
+    let shape = RopeKvShape {
+        tokens,
+        heads,
+        kv_heads: kv,
+        head_dim: hd,
+        theta: 1e6,
+    };
     let kd = kv * hd;
     let mut q = c.randn(tokens * heads * hd, 1.0, d);
     let mut k = c.randn(tokens * kd, 1.0, d);
@@ -214,6 +221,10 @@ fn rope_store_kv(c: &mut Ctx, d: DType) -> Result<()> {
     let (mut gq, mut gk, gv) = (c.dev(&q, d)?, c.dev(&k, d)?, c.dev(&v, d)?);
     let (mut gkc, mut gvc) = (c.dev(&kc, d)?, c.dev(&vc, d)?);
     let (gpos, grows) = (c.idx(&pos)?, c.idx(&rows)?);
+    let gslots = Slots {
+        pos: &gpos,
+        rows: &grows,
+    };
     c.cpu.rope_store_kv(
         &mut q,
         &mut k,
@@ -226,33 +237,18 @@ fn rope_store_kv(c: &mut Ctx, d: DType) -> Result<()> {
             k: &mut kc,
             v: &mut vc,
         },
-        RopeKvShape {
-            tokens,
-            heads,
-            kv_heads: kv,
-            head_dim: hd,
-            theta: 1e6,
-        },
+        shape,
     )?;
     c.gpu.rope_store_kv(
         &mut gq,
         &mut gk,
         &gv,
-        Slots {
-            pos: &gpos,
-            rows: &grows,
-        },
+        gslots,
         KvCache {
             k: &mut gkc,
             v: &mut gvc,
         },
-        RopeKvShape {
-            tokens,
-            heads,
-            kv_heads: kv,
-            head_dim: hd,
-            theta: 1e6,
-        },
+        shape,
     )?;
     c.check("rope_store_kv q", d, &gq, &q, false, t1)?;
     c.check("rope_store_kv k", d, &gk, &k, false, t1)?;
@@ -266,6 +262,13 @@ fn rope_store_kv(c: &mut Ctx, d: DType) -> Result<()> {
 fn rope_store_kv_packed(c: &mut Ctx, d: DType) -> Result<()> {
     let (t1, _) = tols(d);
     let (tokens, heads, kv, hd, cache_rows) = (37usize, 14usize, 2usize, 64usize, 80usize);
+    let shape = RopeKvShape {
+        tokens,
+        heads,
+        kv_heads: kv,
+        head_dim: hd,
+        theta: 1e6,
+    };
     let (qd, kd) = (heads * hd, kv * hd);
     let width = qd + 2 * kd;
     let qkv = c.randn(tokens * width, 1.0, d);
@@ -274,6 +277,10 @@ fn rope_store_kv_packed(c: &mut Ctx, d: DType) -> Result<()> {
     let pos: Vec<u32> = (0..tokens).map(|_| c.rng.below(5000) as u32).collect();
     let rows = c.rng.distinct(tokens, cache_rows);
     let (gpos, grows) = (c.idx(&pos)?, c.idx(&rows)?);
+    let gslots = Slots {
+        pos: &gpos,
+        rows: &grows,
+    };
 
     let mut q = vec![0f32; tokens * qd];
     let (mut ckc, mut cvc) = (kc.clone(), vc.clone());
@@ -290,13 +297,7 @@ fn rope_store_kv_packed(c: &mut Ctx, d: DType) -> Result<()> {
             k: &mut ckc,
             v: &mut cvc,
         },
-        RopeKvShape {
-            tokens,
-            heads,
-            kv_heads: kv,
-            head_dim: hd,
-            theta: 1e6,
-        },
+        shape,
     )?;
     let gx = c.dev(&qkv, d)?;
     let mut gq = c.poisoned(tokens * qd, d)?;
@@ -306,21 +307,12 @@ fn rope_store_kv_packed(c: &mut Ctx, d: DType) -> Result<()> {
             qkv: &gx,
             q: &mut gq,
         },
-        Slots {
-            pos: &gpos,
-            rows: &grows,
-        },
+        gslots,
         KvCache {
             k: &mut gkc,
             v: &mut gvc,
         },
-        RopeKvShape {
-            tokens,
-            heads,
-            kv_heads: kv,
-            head_dim: hd,
-            theta: 1e6,
-        },
+        shape,
     )?;
     c.check("rope_store_kv_packed q", d, &gq, &q, true, t1)?;
     c.check("rope_store_kv_packed k cache", d, &gkc, &ckc, false, t1)?;
@@ -339,21 +331,12 @@ fn rope_store_kv_packed(c: &mut Ctx, d: DType) -> Result<()> {
         &mut gsq,
         &mut gsk,
         &gsv,
-        Slots {
-            pos: &gpos,
-            rows: &grows,
-        },
+        gslots,
         KvCache {
             k: &mut skc,
             v: &mut svc,
         },
-        RopeKvShape {
-            tokens,
-            heads,
-            kv_heads: kv,
-            head_dim: hd,
-            theta: 1e6,
-        },
+        shape,
     )?;
     let g = c.gpu;
     let same = [

@@ -1,5 +1,6 @@
 //! Learning on a tiny random model through the real binaries: 20 `update` steps with
-//! advantages favouring one response raise its probability; `--loss sft` lowers the NLL.
+//! advantages favouring one response raise its probability; `--loss sft` lowers the NLL; every
+//! registered loss runs by its name.
 
 mod stage_util;
 
@@ -91,20 +92,24 @@ fn updates(model: &Path, input: &Path, dir: &Path, steps: usize, extra: &[&str])
     current
 }
 
+/// A group of four samples of one prompt (rewarded by the tests' GRPO-like advantages: the
+/// first one, not the three others).
+fn group() -> Vec<(Vec<i32>, Vec<i32>)> {
+    let prompt = vec![10, 11, 12, 13];
+    vec![
+        (prompt.clone(), vec![65, 66, 67, 68, 69]),
+        (prompt.clone(), vec![70, 71, 72]),
+        (prompt.clone(), vec![80, 81, 82, 83]),
+        (prompt.clone(), vec![90, 91]),
+    ]
+}
+
 #[test]
 fn twenty_updates_raise_the_favoured_response() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path(), 21);
     let input = dir.path().join("batch.parquet");
-    let prompt = vec![10, 11, 12, 13];
-    // A group of four samples: one rewarded, three not (GRPO-like advantages).
-    let rows = vec![
-        (prompt.clone(), vec![65, 66, 67, 68, 69]),
-        (prompt.clone(), vec![70, 71, 72]),
-        (prompt.clone(), vec![80, 81, 82, 83]),
-        (prompt.clone(), vec![90, 91]),
-    ];
-    batch(&input, &rows, Some(&[1.5, -0.5, -0.5, -0.5]));
+    batch(&input, &group(), Some(&[1.5, -0.5, -0.5, -0.5]));
     let before = seq_logprobs(&model, &input, dir.path());
     let last = updates(&model, &input, dir.path(), 20, &["--lr", "1e-3"]);
     let after = seq_logprobs(&last, &input, dir.path());
@@ -163,4 +168,74 @@ fn sft_lowers_the_nll() {
     let ts: serde_json::Value =
         serde_json::from_slice(&std::fs::read(last.join("trainer_state.json")).unwrap()).unwrap();
     assert_eq!(ts["optimizer_step"], 16);
+}
+
+/// Every loss of the registry runs through the `update` binary by its name and moves the
+/// model the right way: the policy-gradient losses raise the favoured response, sft raises the
+/// likelihood of all of them.
+#[test]
+fn every_registered_loss_runs_by_name() {
+    use tandem::algo::policy_loss::LOSSES;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 23);
+    let input = dir.path().join("batch.parquet");
+    batch(&input, &group(), Some(&[1.5, -0.5, -0.5, -0.5]));
+    let before = seq_logprobs(&model, &input, dir.path());
+    for l in LOSSES {
+        let work = dir.path().join(l.name);
+        std::fs::create_dir_all(&work).unwrap();
+        let last = updates(
+            &model,
+            &input,
+            &work,
+            3,
+            &["--loss", l.name, "--lr", "1e-3"],
+        );
+        let after = seq_logprobs(&last, &input, &work);
+        eprintln!("{}: log p {before:?} -> {after:?}", l.name);
+        if l.policy_gradient {
+            assert!(
+                after[0] > before[0] + 0.1,
+                "{}: {before:?} -> {after:?}",
+                l.name
+            );
+            assert!(after[1] < before[1], "{}: {before:?} -> {after:?}", l.name);
+        } else {
+            let sum = |v: &[f32]| v.iter().sum::<f32>();
+            assert!(sum(&after) > sum(&before) + 0.1, "{}", l.name);
+        }
+    }
+}
+
+/// An unknown `--loss` is refused (exit 2) with the registered names; `--help` gives each
+/// name with its formula.
+#[test]
+fn loss_names_and_help_come_from_the_registry() {
+    use tandem::algo::policy_loss::LOSSES;
+    let err = input_error(
+        "update",
+        &[
+            "--loss",
+            "ppo",
+            "--model",
+            "m",
+            "--in",
+            "b",
+            "--out-model",
+            "o",
+        ],
+        "invalid value 'ppo' for '--loss",
+    );
+    for l in LOSSES {
+        assert!(err.contains(l.name), "{err}");
+    }
+    let help = String::from_utf8(ok("update", &["--help"]).stdout).unwrap();
+    for l in LOSSES {
+        assert!(
+            help.lines()
+                .any(|s| s.trim().starts_with(&format!("- {}:", l.name)) && s.ends_with(l.about)),
+            "{}: {help}",
+            l.name
+        );
+    }
 }

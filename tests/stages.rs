@@ -475,12 +475,12 @@ fn update_saves_state_and_resumes_exactly() {
         "4",
     ])
     .args;
-    let cfg = args.train_config().unwrap();
+    let cfg = args.train_config(1.0).unwrap();
     let (mcfg, w0) = tandem::model::ModelDir::load(&model).unwrap();
     let mut dec =
         tandem::model::decoder::Decoder::new(tandem::backend::cpu::Cpu, &mcfg, &w0).unwrap();
     let b = read(&batch);
-    let owned = tandem::engine::stage::update::OwnedData::from_batch(&b, &cfg).unwrap();
+    let owned = tandem::stage::update::OwnedData::from_batch(&b, &cfg).unwrap();
     for s in 0..2 {
         train(&mut dec, &owned.view(), &cfg, s, &mut |_| {}).unwrap();
     }
@@ -537,7 +537,7 @@ fn update_saves_state_and_resumes_exactly() {
 #[derive(clap::Parser)]
 struct UpdateArgsCli {
     #[command(flatten)]
-    args: tandem::engine::stage::update::UpdateArgs,
+    args: tandem::stage::update::UpdateArgs,
 }
 
 #[test]
@@ -730,4 +730,149 @@ fn bad_input_exits_2_and_writes_nothing() {
         "--temperature",
     );
     assert!(!new_model.exists() && !scored.exists());
+}
+
+/// `rollout` records the temperature of its log-probs in the batch; `ref-logprob` and
+/// `update` take theirs at it when `--temperature` is not given and refuse another one. A batch
+/// without the key (an older file, `sft-batch`'s) keeps the default of 1.
+#[test]
+fn downstream_stages_take_the_temperature_rollout_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 9);
+    prompts(&d.join("prompts.parquet"), &QUESTIONS[..2]);
+    let out = |n: &str| d.join(n);
+    let rollout = |temperature: &str, to: &str| {
+        ok(
+            "rollout",
+            &[
+                "--model",
+                p(&model),
+                "--in",
+                p(&out("prompts.parquet")),
+                "--out",
+                p(&out(to)),
+                "--n",
+                "2",
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                temperature,
+            ],
+        );
+        read(&out(to))
+    };
+    let key = tandem::batch::schema::meta::LOGPROB_TEMPERATURE;
+    let r = rollout("0.7", "r.parquet");
+    assert_eq!(r.meta[key], "0.7");
+    // Greedy sampling reports log-probs at temperature 1.
+    assert_eq!(rollout("0", "greedy.parquet").meta[key], "1");
+
+    let logprobs = |extra: &[&str], to: &str| {
+        let mut args = vec![
+            "--model".to_string(),
+            p(&model).into(),
+            "--in".into(),
+            p(&out("r.parquet")).into(),
+            "--out".into(),
+            p(&out(to)).into(),
+            "--column".into(),
+            "old_logprobs".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        run("ref-logprob", &args)
+    };
+    // Without --temperature: the recorded one, so the policy's log-probs are the rollout's.
+    assert!(logprobs(&[], "old.parquet").status.success());
+    let old = read(&out("old.parquet"));
+    let lps = f32_rows(&r, schema::ROLLOUT_LOGPROBS);
+    let worst = lps
+        .iter()
+        .flatten()
+        .zip(f32_rows(&old, schema::OLD_LOGPROBS).iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-5, "rollout vs ref-logprob max |diff| = {worst}");
+    let params: serde_json::Value =
+        serde_json::from_str(&old.meta["tandem.stage.ref-logprob"]).unwrap();
+    assert_eq!(params["temperature"].as_f64().unwrap() as f32, 0.7);
+    assert_eq!(old.meta[key], "0.7");
+    // The same temperature given explicitly writes the same file.
+    assert!(logprobs(&["--temperature", "0.7"], "old2.parquet")
+        .status
+        .success());
+    assert_eq!(
+        std::fs::read(out("old.parquet")).unwrap(),
+        std::fs::read(out("old2.parquet")).unwrap()
+    );
+    // Another one is refused, naming the file, both temperatures and what to do.
+    let o = logprobs(&["--temperature", "1"], "bad.parquet");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!(
+            "{}: rollout sampled this batch at temperature 0.7 (metadata {key}), but --temperature 1 was given",
+            out("r.parquet").display()
+        )) && err.contains("drop --temperature (the recorded 0.7 is used) or pass --temperature 0.7"),
+        "{err}"
+    );
+    assert!(!out("bad.parquet").exists());
+
+    // update: advantages on the rollout's rows; the same rule.
+    let rids = i32_rows(&r, schema::RESPONSE_IDS);
+    let prompt = i32_rows(&r, schema::PROMPT_IDS)[0].clone();
+    let adv: Vec<f32> = (0..rids.len())
+        .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+        .collect();
+    // A batch without the key (as sft-batch and files from before it write them) ...
+    training_batch(&out("plain.parquet"), &prompt, &rids, &adv);
+    assert!(!read(&out("plain.parquet")).meta.contains_key(key));
+    // ... and the same rows with the key rollout writes.
+    let plain = read(&out("plain.parquet"));
+    let mut kv = plain.meta.clone();
+    kv.remove(tandem::batch::schema::meta::ARROW_SCHEMA);
+    kv.insert(key.to_string(), "0.7".to_string());
+    write_file(&out("sampled.parquet"), &plain.data, &kv).unwrap();
+    let update = |input: &str, extra: &[&str], to: &str| {
+        let mut args = vec![
+            "--model".to_string(),
+            p(&model).into(),
+            "--in".into(),
+            p(&out(input)).into(),
+            "--out-model".into(),
+            p(&out(to)).into(),
+            "--lr".into(),
+            "0.01".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        run("update", &args)
+    };
+    let weights = |m: &str| std::fs::read(out(m).join("model.safetensors")).unwrap();
+    for (input, extra, to) in [
+        ("sampled.parquet", &[][..], "m-recorded"),
+        (
+            "sampled.parquet",
+            &["--temperature", "0.7"][..],
+            "m-explicit",
+        ),
+        ("plain.parquet", &["--temperature", "0.7"][..], "m-plain-07"),
+        ("plain.parquet", &[][..], "m-plain"),
+        ("plain.parquet", &["--temperature", "1"][..], "m-plain-1"),
+    ] {
+        let o = update(input, extra, to);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert_eq!(weights("m-recorded"), weights("m-explicit"));
+    assert_eq!(weights("m-recorded"), weights("m-plain-07"));
+    assert_eq!(weights("m-plain"), weights("m-plain-1"));
+    assert_ne!(weights("m-recorded"), weights("m-plain"));
+    let o = update("sampled.parquet", &["--temperature", "1.5"], "m-bad");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("rollout sampled this batch at temperature 0.7")
+            && err.contains("but --temperature 1.5 was given"),
+        "{err}"
+    );
+    assert!(!out("m-bad").exists());
 }

@@ -1,8 +1,6 @@
-//! `advantage`: token rewards, advantages and returns of a scored batch (see `tandem::algo`).
-
-use clap::Parser;
+//! `advantage`: see `tandem::stage::advantage`.
 
 fn main() -> std::process::ExitCode {
-    let args = tandem::algo::stage::AdvantageArgs::parse();
-    tandem::error::run_main(|| tandem::algo::stage::run(&args))
+    let args = tandem::stage::parse_cli("advantage");
+    tandem::error::run_main(|| tandem::stage::advantage::run(&args))
 }

@@ -1,16 +1,7 @@
-//! `ref-logprob`: see `tandem::engine::stage::ref_logprob`.
+//! `ref-logprob`: see `tandem::stage::ref_logprob`; `tandem::daemon::run_stage` decides whether it
+//! computes here or on the warm daemon.
 
-use clap::Parser;
-use std::process::ExitCode;
-
-#[derive(Parser)]
-#[command(name = "ref-logprob", version)]
-struct Cli {
-    #[command(flatten)]
-    args: tandem::engine::stage::ref_logprob::RefLogprobArgs,
-}
-
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::engine::stage::ref_logprob::run(cli.args))
+fn main() -> std::process::ExitCode {
+    let args = tandem::stage::parse_cli("ref-logprob");
+    tandem::error::run_main(|| tandem::daemon::run_stage(tandem::stage::StageJob::RefLogprob(args)))
 }

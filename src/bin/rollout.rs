@@ -1,16 +1,7 @@
-//! `rollout`: see `tandem::engine::stage::rollout`.
+//! `rollout`: see `tandem::stage::rollout`; `tandem::daemon::run_stage` decides whether it
+//! computes here or on the warm daemon.
 
-use clap::Parser;
-use std::process::ExitCode;
-
-#[derive(Parser)]
-#[command(name = "rollout", version)]
-struct Cli {
-    #[command(flatten)]
-    args: tandem::engine::stage::rollout::RolloutArgs,
-}
-
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::engine::stage::rollout::run(cli.args))
+fn main() -> std::process::ExitCode {
+    let args = tandem::stage::parse_cli("rollout");
+    tandem::error::run_main(|| tandem::daemon::run_stage(tandem::stage::StageJob::Rollout(args)))
 }

@@ -1,16 +1,9 @@
-//! `sync-weights`: see `tandem::engine::stage::sync_weights`.
+//! `sync-weights`: see `tandem::stage::sync_weights`; `tandem::daemon::run_stage` decides whether it
+//! computes here or on the warm daemon.
 
-use clap::Parser;
-use std::process::ExitCode;
-
-#[derive(Parser)]
-#[command(name = "sync-weights", version)]
-struct Cli {
-    #[command(flatten)]
-    args: tandem::engine::stage::sync_weights::SyncWeightsArgs,
-}
-
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::engine::stage::sync_weights::run(cli.args))
+fn main() -> std::process::ExitCode {
+    let args = tandem::stage::parse_cli("sync-weights");
+    tandem::error::run_main(|| {
+        tandem::daemon::run_stage(tandem::stage::StageJob::SyncWeights(args))
+    })
 }

@@ -31,15 +31,19 @@ enum Cmd {
     /// CUDA parity suite: every op of the GPU backend against the CPU backend, as a table.
     GpuTest(tandem::bench::gpu_test::GpuTestArgs),
     /// Make a batch of reference answers (prompt + ground truth + EOS) for `update --loss sft`.
-    SftBatch(tandem::engine::stage::sft_batch::SftBatchArgs),
+    SftBatch(tandem::stage::sft_batch::SftBatchArgs),
     /// Plot a run's metrics and evaluations into one PNG.
     Plot(tandem::pipeline::plot::PlotArgs),
     /// Show a batch file as a table.
     Inspect(tandem::pipeline::inspect::InspectArgs),
     /// Keep a device's models warm; stages run with `--daemon SOCKET` send their jobs to it.
     Daemon(tandem::daemon::server::DaemonArgs),
-    /// Ask a running daemon for its health or status, or stop it.
-    DaemonCtl(tandem::daemon::client::DaemonCtlArgs),
+    /// Ask a running daemon for its health or status, save its policy, or stop it.
+    DaemonCtl(tandem::daemon::ctl::DaemonCtlArgs),
+    /// Start N ranks of a command on this machine (like `torchrun --standalone`).
+    Launch(tandem::dist::launch::LaunchArgs),
+    /// Communicator checks: every collective against host-computed values, on each rank.
+    DistTest(tandem::dist::check::DistTestArgs),
 }
 
 fn main() -> ExitCode {
@@ -51,10 +55,12 @@ fn main() -> ExitCode {
         Cmd::ImportGguf(args) => tandem::model::gguf::run(args),
         Cmd::ModelInfo(args) => tandem::model::info::run(args),
         Cmd::GpuTest(a) => tandem::bench::gpu_test::run(a),
-        Cmd::SftBatch(a) => tandem::engine::stage::sft_batch::run(a),
+        Cmd::SftBatch(a) => tandem::stage::sft_batch::run(a),
         Cmd::Plot(a) => tandem::pipeline::plot::run(a),
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
         Cmd::Daemon(a) => tandem::daemon::server::run(a),
-        Cmd::DaemonCtl(a) => tandem::daemon::client::run_ctl(a),
+        Cmd::DaemonCtl(a) => tandem::daemon::ctl::run_ctl(a),
+        Cmd::Launch(a) => tandem::dist::launch::run(a),
+        Cmd::DistTest(a) => tandem::dist::check::run(a),
     })
 }

@@ -1,16 +1,7 @@
-//! `update`: see `tandem::engine::stage::update`.
+//! `update`: see `tandem::stage::update`; `tandem::daemon::run_stage` decides whether it
+//! computes here or on the warm daemon.
 
-use clap::Parser;
-use std::process::ExitCode;
-
-#[derive(Parser)]
-#[command(name = "update", version)]
-struct Cli {
-    #[command(flatten)]
-    args: tandem::engine::stage::update::UpdateArgs,
-}
-
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    tandem::error::run_main(|| tandem::engine::stage::update::run(cli.args))
+fn main() -> std::process::ExitCode {
+    let args = tandem::stage::parse_cli("update");
+    tandem::error::run_main(|| tandem::daemon::run_stage(tandem::stage::StageJob::Update(args)))
 }

@@ -1,15 +1,17 @@
 //! RL algorithm math on host arrays: advantage estimators, KL penalties and controllers,
-//! loss aggregation and the policy losses. Everything here is pure math over ragged rows (one row
-//! per sequence, no padding); `stage` reads and writes the batch for the `advantage` binary.
+//! loss aggregation, the policy losses, and rollout correction (mismatch metrics, masked
+//! importance sampling). Everything here is pure math over ragged rows (one row
+//! per sequence, no padding); `crate::stage::advantage` reads and writes the batch for the
+//! `advantage` binary.
 //!
 //! Estimators are registered by name in [`advantage::ESTIMATORS`] (verl's `register_adv_est`),
-//! policy losses by [`policy_loss::LossMode`] (verl's `register_policy_loss`).
+//! policy losses in [`policy_loss::LOSSES`] (verl's `register_policy_loss`).
 
 pub mod advantage;
 pub mod agg;
 pub mod kl;
 pub mod policy_loss;
-pub mod stage;
+pub mod rollout_corr;
 
 /// The float types the loss math runs in: f32 for training, f64 for gradient checks.
 pub trait Real: Copy + Send + Sync + 'static {

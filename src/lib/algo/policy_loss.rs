@@ -2,6 +2,12 @@
 //! loss): the scalar loss of one micro-batch AND its exact gradient with respect to every token's
 //! log-prob and entropy, plus metrics.
 //!
+//! Each policy loss is one small per-token function with its formula and paper above it,
+//! registered by name in [`LOSSES`] (verl's `register_policy_loss`); [`policy_loss`] adds what
+//! all of them share: aggregation weights, rollout importance weights, entropy bonus, KL loss
+//! and metrics. PPO clip (`vanilla`) is the backend's `ppo_token`, the same host definition the
+//! fused CPU op runs and the CUDA kernel is checked against.
+//!
 //! Micro-batches: the caller computes [`LossNorm`] once over the whole mini-batch and passes it
 //! to every micro-batch; losses, gradients and metrics of the micro-batches then add up to those
 //! of the unsplit mini-batch. `scale` multiplies loss and gradients (e.g. for data-parallel
@@ -16,51 +22,244 @@
 use super::agg::{AggMode, LossNorm};
 use super::kl::KlPenalty;
 use super::Real;
+use crate::backend::ops::ppo_loss::ppo_token;
+use crate::backend::PpoShape;
 use crate::bail_input;
 use anyhow::{ensure, Result};
+use clap::builder::PossibleValue;
+use clap::ValueEnum;
 use std::fmt;
 use std::str::FromStr;
 
-/// Which policy-gradient surrogate.
+/// Which policy-gradient surrogate: the key of its [`LOSSES`] entry, which holds the name, the
+/// formula and the function. Parsed from (`--loss`) and printed as the registered name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LossMode {
-    /// PPO clip with dual clip for negative advantages.
     Vanilla,
-    /// Sequence-level ratio (arXiv:2507.18071), always aggregated seq-mean-token-mean.
     Gspo,
-    /// Clipped, detached ratio times log-prob (arXiv:2506.13585).
     Cispo,
-    /// Negative log-likelihood of the valid tokens (warm starts); needs no advantages.
     Sft,
 }
 
-pub const LOSS_MODE_NAMES: &str = "vanilla, gspo, cispo, sft";
+/// What a policy loss sees of one valid token.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenIn {
+    /// Current log-prob: the derivative is taken with respect to it.
+    pub lp: f64,
+    /// Log-prob under the policy that sampled (NaN when the batch has none: sft).
+    pub old: f64,
+    /// Advantage (NaN when the batch has none: sft).
+    pub adv: f64,
+    /// The log-prob at which stop-gradient terms are evaluated (`lp`, except in gradient checks).
+    pub anchor: f64,
+    /// The row's mean of (anchor − old) over its valid tokens: GSPO's log sequence ratio.
+    pub seq_log_ratio: f64,
+}
+
+/// The clip knobs as bounds of the ratio.
+#[derive(Clone, Copy, Debug)]
+pub struct Clip {
+    /// 1 − ε_low
+    pub low: f64,
+    /// 1 + ε_high
+    pub high: f64,
+    /// Dual-clip bound c (> 1) for negative advantages.
+    pub dual: f64,
+}
+
+/// One token's loss ℓ, dℓ/d lp, whether it was clipped (upper, lower), and the log-ratio
+/// lp − old that the `ppo_kl` metric averages (clamped where the loss clamps it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TokenLoss {
+    pub loss: f64,
+    pub dloss: f64,
+    pub clipped: bool,
+    pub clipped_lower: bool,
+    pub log_ratio: f64,
+}
+
+pub type TokenLossFn = fn(&TokenIn, &Clip) -> TokenLoss;
+
+/// One registered policy loss (verl's `register_policy_loss`).
+pub struct PolicyLoss {
+    pub mode: LossMode,
+    pub name: &'static str,
+    /// Its formula in one line (shown by `update --help`).
+    pub about: &'static str,
+    /// A policy-gradient loss reads old log-probs and advantages, and rollout importance
+    /// weights can weight it.
+    pub policy_gradient: bool,
+    /// The aggregation it always uses, whatever --loss-agg-mode says.
+    pub agg: Option<AggMode>,
+    pub token: TokenLossFn,
+}
+
+/// The registry, by name: `--loss`'s values, its help and its error come from here.
+pub const LOSSES: &[PolicyLoss] = &[
+    PolicyLoss {
+        mode: LossMode::Vanilla,
+        name: "vanilla",
+        about:
+            "PPO clip: max(−A·r, −A·clip(r, 1−εl, 1+εh)), and for A < 0 at most −A·c (dual clip)",
+        policy_gradient: true,
+        agg: None,
+        token: vanilla,
+    },
+    PolicyLoss {
+        mode: LossMode::Gspo,
+        name: "gspo",
+        about: "GSPO: PPO clip of the sequence ratio exp(mean(lp − old)), aggregated per sequence",
+        policy_gradient: true,
+        agg: Some(AggMode::SeqMeanTokenMean),
+        token: gspo,
+    },
+    PolicyLoss {
+        mode: LossMode::Cispo,
+        name: "cispo",
+        about: "CISPO: −sg[clip(r, 1−εl, 1+εh)]·A·lp (clipped tokens keep their gradient)",
+        policy_gradient: true,
+        agg: None,
+        token: cispo,
+    },
+    PolicyLoss {
+        mode: LossMode::Sft,
+        name: "sft",
+        about: "negative log-likelihood −lp of the valid tokens (warm starts; no advantages)",
+        policy_gradient: false,
+        agg: None,
+        token: sft,
+    },
+];
+
+/// The registered names, in table order.
+pub fn names() -> Vec<&'static str> {
+    LOSSES.iter().map(|l| l.name).collect()
+}
+
+/// The loss registered as `name`.
+pub fn by_name(name: &str) -> Option<&'static PolicyLoss> {
+    LOSSES.iter().find(|l| l.name == name)
+}
+
+impl LossMode {
+    /// Its registry entry.
+    pub fn loss(self) -> &'static PolicyLoss {
+        LOSSES
+            .iter()
+            .find(|l| l.mode == self)
+            .expect("every LossMode is registered in LOSSES (checked by a test)")
+    }
+}
 
 impl FromStr for LossMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "vanilla" => LossMode::Vanilla,
-            "gspo" => LossMode::Gspo,
-            "cispo" => LossMode::Cispo,
-            "sft" => LossMode::Sft,
-            _ => {
-                return Err(format!(
-                    "unknown loss '{s}' (expected one of {LOSS_MODE_NAMES})"
-                ))
-            }
-        })
+        match by_name(s) {
+            Some(l) => Ok(l.mode),
+            None => Err(format!(
+                "unknown loss '{s}' (expected one of {})",
+                names().join(", ")
+            )),
+        }
     }
 }
 
 impl fmt::Display for LossMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            LossMode::Vanilla => "vanilla",
-            LossMode::Gspo => "gspo",
-            LossMode::Cispo => "cispo",
-            LossMode::Sft => "sft",
-        })
+        f.write_str(self.loss().name)
+    }
+}
+
+/// Every registered mode in table order: clap's value list.
+const MODES: [LossMode; LOSSES.len()] = {
+    let mut m = [LossMode::Vanilla; LOSSES.len()];
+    let mut i = 0;
+    while i < m.len() {
+        m[i] = LOSSES[i].mode;
+        i += 1;
+    }
+    m
+};
+
+/// `--loss` parses through the table: its possible values, their help lines and the error for
+/// an unknown name (exit 2) list the registered losses.
+impl ValueEnum for LossMode {
+    fn value_variants<'a>() -> &'a [Self] {
+        &MODES
+    }
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        let l = self.loss();
+        Some(PossibleValue::new(l.name).help(l.about))
+    }
+}
+
+/// PPO clip (Schulman et al. 2017, arXiv:1707.06347) with clip-higher (εl ≠ εh, DAPO,
+/// arXiv:2503.14476) and dual clip for negative advantages (Ye et al. 2020, arXiv:1912.09729),
+/// verl's `vanilla`: r = exp(clamp(lp − old, ±20)); ℓ = max(−A·r, −A·clip(r, 1−εl, 1+εh)), and
+/// for A < 0 min(ℓ, −A·c). The math is the backend's [`ppo_token`], the one definition the CPU
+/// op uses and the CUDA kernel is checked against (`gpu-test ppo_loss`).
+fn vanilla(x: &TokenIn, c: &Clip) -> TokenLoss {
+    let shape = PpoShape {
+        tokens: 1,
+        ratio_low: c.low,
+        ratio_high: c.high,
+        dual_clip: c.dual,
+    };
+    let k = ppo_token(x.lp, x.old, x.adv, &shape);
+    TokenLoss {
+        loss: k.loss,
+        dloss: k.dloss,
+        clipped: k.clipped,
+        clipped_lower: k.clipped_lower,
+        log_ratio: k.log_ratio,
+    }
+}
+
+/// GSPO (Zheng et al. 2025, arXiv:2507.18071): every token carries the sequence ratio
+/// s_i = exp(mean_t(lp − old)) with its own gradient, clipped as PPO without dual clip:
+/// s_it = exp(min(sg[log s_i] + lp − sg[lp], 10)); ℓ = max(−A·s_it, −A·clip(s_it, 1−εl, 1+εh)).
+/// Aggregated seq-mean-token-mean whatever --loss-agg-mode says (as verl).
+fn gspo(x: &TokenIn, c: &Clip) -> TokenLoss {
+    let s = D::var(x.lp)
+        .add(x.seq_log_ratio - x.anchor)
+        .clamp(f64::NEG_INFINITY, 10.0)
+        .exp();
+    let pg1 = s.mul(-x.adv);
+    let pg2 = s.clamp(c.low, c.high).mul(-x.adv);
+    let loss = pg1.maximum(pg2);
+    TokenLoss {
+        loss: loss.v,
+        dloss: loss.d,
+        clipped: pg2.v > pg1.v,
+        clipped_lower: false,
+        log_ratio: x.lp - x.old,
+    }
+}
+
+/// CISPO (MiniMax-M1, arXiv:2506.13585): the clipped ratio is a detached weight of the
+/// REINFORCE term, so clipped tokens keep a gradient:
+/// ℓ = −sg[clip(exp(clamp(lp − old, ±20)), 1−εl, 1+εh)]·A·lp.
+fn cispo(x: &TokenIn, c: &Clip) -> TokenLoss {
+    let r = (x.anchor - x.old).clamp(-20.0, 20.0).exp();
+    let rc = r.clamp(c.low, c.high);
+    let loss = D::var(x.lp).mul(-rc * x.adv);
+    TokenLoss {
+        loss: loss.v,
+        dloss: loss.d,
+        clipped: r != rc,
+        clipped_lower: false,
+        log_ratio: (x.lp - x.old).clamp(-20.0, 20.0),
+    }
+}
+
+/// Supervised fine-tuning (warm starts): ℓ = −lp, the negative log-likelihood of the token.
+fn sft(x: &TokenIn, _: &Clip) -> TokenLoss {
+    TokenLoss {
+        loss: -x.lp,
+        dloss: -1.0,
+        clipped: false,
+        clipped_lower: false,
+        log_ratio: x.lp - x.old,
     }
 }
 
@@ -176,19 +375,20 @@ impl LossConfig {
                     r.threshold
                 );
             }
-            if self.mode == LossMode::Sft {
-                bail_input!("--rollout-is weights a policy-gradient loss; --loss sft has none");
+            if !self.mode.loss().policy_gradient {
+                bail_input!(
+                    "--rollout-is weights a policy-gradient loss; --loss {} has none",
+                    self.mode
+                );
             }
         }
         Ok(())
     }
 
-    /// GSPO aggregates its policy loss per sequence whatever loss_agg_mode says (as verl).
+    /// The policy term's aggregation: the loss's own (GSPO's per sequence, as verl) or
+    /// loss_agg_mode.
     fn pg_agg(&self) -> AggMode {
-        match self.mode {
-            LossMode::Gspo => AggMode::SeqMeanTokenMean,
-            _ => self.agg,
-        }
+        self.mode.loss().agg.unwrap_or(self.agg)
     }
 }
 
@@ -215,6 +415,10 @@ pub struct LossMetrics {
     pub ppo_kl: f64,
     pub entropy: f64,
     pub kl_loss: f64,
+    /// Rollout importance sampling (`--rollout-is`): the token mean of the truncated weight
+    /// and the fraction of tokens whose weight the threshold truncated (0 without it).
+    pub is_weight: f64,
+    pub is_truncated: f64,
 }
 
 impl LossMetrics {
@@ -225,6 +429,8 @@ impl LossMetrics {
         self.ppo_kl += o.ppo_kl;
         self.entropy += o.entropy;
         self.kl_loss += o.kl_loss;
+        self.is_weight += o.is_weight;
+        self.is_truncated += o.is_truncated;
     }
 
     pub fn to_json(&self) -> serde_json::Value {
@@ -235,6 +441,8 @@ impl LossMetrics {
             "ppo_kl": self.ppo_kl,
             "entropy": self.entropy,
             "kl_loss": self.kl_loss,
+            "is_weight": self.is_weight,
+            "is_truncated": self.is_truncated,
         })
     }
 }
@@ -259,8 +467,8 @@ pub fn policy_loss<T: Real>(
     compute(cfg, x, x.lp, norm, scale)
 }
 
-/// A value and its derivative with respect to one token's log-prob (forward mode). max/min
-/// split the derivative at ties and clamps pass it on their closed interval, as torch does.
+/// A value and its derivative with respect to one token's log-prob (forward mode). max splits
+/// the derivative at ties and clamps pass it on their closed interval, as torch does.
 #[derive(Clone, Copy, Debug)]
 struct D {
     v: f64,
@@ -314,16 +522,6 @@ impl D {
             }
         }
     }
-    fn minimum(self, o: D) -> D {
-        self.mul(-1.0).maximum(o.mul(-1.0)).mul(-1.0)
-    }
-}
-
-/// The policy-gradient loss of one token and whether it was clipped (upper, lower).
-struct TokenPg {
-    loss: D,
-    clipped: bool,
-    clipped_lower: bool,
 }
 
 /// `anchor` holds the log-probs at which stop-gradient terms are evaluated (the current ones in
@@ -359,15 +557,15 @@ fn compute<T: Real>(
         }
     }
     let mode = cfg.mode;
-    let pg_needs = mode != LossMode::Sft;
+    let pg = mode.loss();
     let need = |what: &str, why: &str| {
         crate::error::input_error(format!("policy loss: {why} needs {what}"))
     };
-    let old = match (pg_needs, x.old) {
+    let old = match (pg.policy_gradient, x.old) {
         (true, None) => return Err(need("old log-probs", &format!("--loss {mode}"))),
         (_, o) => o,
     };
-    let adv = match (pg_needs, x.advantages) {
+    let adv = match (pg.policy_gradient, x.advantages) {
         (true, None) => return Err(need("advantages", &format!("--loss {mode}"))),
         (_, a) => a,
     };
@@ -383,11 +581,11 @@ fn compute<T: Real>(
         return Err(need("per-token entropies", "--entropy-coeff"));
     }
 
-    let (lo, hi, c) = (
-        1.0 - cfg.clip_low(),
-        1.0 + cfg.clip_high(),
-        cfg.clip_ratio_c,
-    );
+    let clip = Clip {
+        low: 1.0 - cfg.clip_low(),
+        high: 1.0 + cfg.clip_high(),
+        dual: cfg.clip_ratio_c,
+    };
     let mut grad_lp = vec![T::from_f64(0.0); n_tok];
     let mut grad_entropy = x.entropy.map(|_| vec![T::from_f64(0.0); n_tok]);
     let mut m = LossMetrics::default();
@@ -404,104 +602,58 @@ fn compute<T: Real>(
         let w_agg = norm.row_weight(cfg.agg, n)?;
         let w_tok = norm.row_weight(AggMode::TokenMean, n)?;
 
-        // Sequence-level quantities, constant within the row.
+        // Sequence-level quantities, constant within the row: the untruncated weight and its
+        // threshold.
         let seq_is = match (cfg.rollout_is, rollout, old) {
             (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Sequence => {
                 // w_i = min(exp(clamp(Σ_t (old − rollout), ±20)), threshold)
                 let s: f64 = valid.iter().map(|&t| at(old, t) - at(roll, t)).sum();
-                s.clamp(-20.0, 20.0).exp().min(r.threshold)
+                (s.clamp(-20.0, 20.0).exp(), r.threshold)
             }
-            _ => 1.0,
+            _ => (1.0, f64::INFINITY),
         };
-        // GSPO: log s_i = mean_t (lp − old) at the anchor (detached)
-        let gspo_log_s = match (mode, old) {
-            (LossMode::Gspo, Some(old)) => {
+        // mean_t (lp − old) at the anchor (detached)
+        let seq_log_ratio = match old {
+            Some(old) => {
                 valid
                     .iter()
                     .map(|&t| at(anchor, t) - at(old, t))
                     .sum::<f64>()
                     / n as f64
             }
-            _ => 0.0,
+            None => 0.0,
         };
 
         for &t in &valid {
-            let lp = D::var(at(x.lp, t));
-            let pg = match mode {
-                LossMode::Sft => TokenPg {
-                    // ℓ = −lp
-                    loss: lp.mul(-1.0),
-                    clipped: false,
-                    clipped_lower: false,
-                },
-                LossMode::Vanilla => {
-                    let (o, a_t) = (at(old.unwrap(), t), at(adv.unwrap(), t));
-                    // r = exp(clamp(lp − old, ±20)); ℓ = max(−A·r, −A·clip(r, 1−εl, 1+εh)),
-                    // and for A < 0 the dual clip min(ℓ, −A·c)
-                    let r = lp.add(-o).clamp(-20.0, 20.0).exp();
-                    let pg1 = r.mul(-a_t);
-                    let pg2 = r.clamp(lo, hi).mul(-a_t);
-                    let c1 = pg1.maximum(pg2);
-                    let pg3 = D::cst(-a_t * c);
-                    let c2 = pg3.minimum(c1);
-                    TokenPg {
-                        loss: if a_t < 0.0 { c2 } else { c1 },
-                        clipped: pg2.v > pg1.v,
-                        clipped_lower: a_t < 0.0 && c1.v > pg3.v,
-                    }
-                }
-                LossMode::Gspo => {
-                    let a_t = at(adv.unwrap(), t);
-                    // s_it = exp(min(sg[log s_i] + lp − sg[lp], 10));
-                    // ℓ = max(−A·s_it, −A·clip(s_it, 1−εl, 1+εh))
-                    let s = lp
-                        .add(gspo_log_s - at(anchor, t))
-                        .clamp(f64::NEG_INFINITY, 10.0)
-                        .exp();
-                    let pg1 = s.mul(-a_t);
-                    let pg2 = s.clamp(lo, hi).mul(-a_t);
-                    TokenPg {
-                        loss: pg1.maximum(pg2),
-                        clipped: pg2.v > pg1.v,
-                        clipped_lower: false,
-                    }
-                }
-                LossMode::Cispo => {
-                    let (o, a_t) = (at(old.unwrap(), t), at(adv.unwrap(), t));
-                    // ℓ = −sg[clip(exp(clamp(lp − old, ±20)), 1−εl, 1+εh)]·A·lp
-                    let r = (at(anchor, t) - o).clamp(-20.0, 20.0).exp();
-                    let rc = r.clamp(lo, hi);
-                    TokenPg {
-                        loss: lp.mul(-rc * a_t),
-                        clipped: r != rc,
-                        clipped_lower: false,
-                    }
-                }
+            let tok = TokenIn {
+                lp: at(x.lp, t),
+                old: old.map_or(f64::NAN, |o| at(o, t)),
+                adv: adv.map_or(f64::NAN, |v| at(v, t)),
+                anchor: at(anchor, t),
+                seq_log_ratio,
             };
+            let l = (pg.token)(&tok, &clip);
             // Truncated rollout importance weight (detached): token min(exp(clamp(old −
             // rollout, ±20)), threshold), or the row's sequence weight.
-            let is_w = match (cfg.rollout_is, rollout, old) {
-                (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => {
-                    (at(old, t) - at(roll, t))
-                        .clamp(-20.0, 20.0)
-                        .exp()
-                        .min(r.threshold)
-                }
+            let (raw_w, threshold) = match (cfg.rollout_is, rollout, old) {
+                (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => (
+                    (at(old, t) - at(roll, t)).clamp(-20.0, 20.0).exp(),
+                    r.threshold,
+                ),
                 _ => seq_is,
             };
-            let pg_loss = pg.loss.mul(is_w);
-            m.pg_loss += w_pg * pg_loss.v;
-            let mut g = w_pg * pg_loss.d;
-            m.pg_clipfrac += w_tok * pg.clipped as u8 as f64;
-            m.pg_clipfrac_lower += w_tok * pg.clipped_lower as u8 as f64;
-            if let Some(old) = old {
-                // ppo_kl = mean(old − lp); vanilla and cispo clamp the log ratio first
-                let d = lp.v - at(old, t);
-                let d = match mode {
-                    LossMode::Vanilla | LossMode::Cispo => d.clamp(-20.0, 20.0),
-                    _ => d,
-                };
-                m.ppo_kl += w_tok * -d;
+            let is_w = raw_w.min(threshold);
+            if cfg.rollout_is.is_some() {
+                m.is_weight += w_tok * is_w;
+                m.is_truncated += w_tok * f64::from(u8::from(raw_w > threshold));
+            }
+            m.pg_loss += w_pg * (l.loss * is_w);
+            let mut g = w_pg * (l.dloss * is_w);
+            m.pg_clipfrac += w_tok * l.clipped as u8 as f64;
+            m.pg_clipfrac_lower += w_tok * l.clipped_lower as u8 as f64;
+            if old.is_some() {
+                // ppo_kl = mean(old − lp)
+                m.ppo_kl += w_tok * -l.log_ratio;
             }
             if let (Some(ent), Some(ge)) = (x.entropy, grad_entropy.as_mut()) {
                 // loss −= coeff·agg(H)
@@ -510,7 +662,7 @@ fn compute<T: Real>(
             }
             if let (Some(k), Some(r)) = (cfg.kl_loss, ref_lp) {
                 // loss += coef·agg(kl(lp, ref))
-                let (v, dv) = k.penalty.value_grad(lp.v, at(r, t));
+                let (v, dv) = k.penalty.value_grad(tok.lp, at(r, t));
                 m.kl_loss += w_agg * v;
                 g += k.coef * w_agg * dv;
             }
@@ -784,6 +936,9 @@ mod tests {
         let out = c.run(&config);
         close(out.loss, -1.25, "token loss");
         close_all(&out.grad_lp, &[-1.0, -0.25], "token grad");
+        // Token mean of the truncated weights (2 + 0.5)/2; one of the two was truncated.
+        close(out.metrics.is_weight, 1.25, "token is_weight");
+        close(out.metrics.is_truncated, 0.5, "token is_truncated");
         // sequence: exp(ln 3 + ln 0.5) = 1.5 on both tokens
         config.rollout_is = Some(RolloutIs {
             level: RolloutIsLevel::Sequence,
@@ -792,12 +947,23 @@ mod tests {
         let out = c.run(&config);
         close(out.loss, -1.5, "seq loss");
         close_all(&out.grad_lp, &[-0.75, -0.75], "seq grad");
-        // ...truncated at 1.2
+        close(out.metrics.is_weight, 1.5, "seq is_weight");
+        close(out.metrics.is_truncated, 0.0, "seq is_truncated");
+        // ...truncated at 1.2: both tokens of the sequence
         config.rollout_is = Some(RolloutIs {
             level: RolloutIsLevel::Sequence,
             threshold: 1.2,
         });
-        close(c.run(&config).loss, -1.2, "truncated loss");
+        let out = c.run(&config);
+        close(out.loss, -1.2, "truncated loss");
+        close(out.metrics.is_truncated, 1.0, "seq truncated");
+        // Without --rollout-is the metrics stay 0.
+        config.rollout_is = None;
+        let out = c.run(&config);
+        assert_eq!(
+            (out.metrics.is_weight, out.metrics.is_truncated),
+            (0.0, 0.0)
+        );
     }
 
     /// xorshift64*: deterministic inputs without a dependency.
@@ -1067,6 +1233,106 @@ mod tests {
                     "{config:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn every_mode_is_registered_once() {
+        // A new LossMode variant fails to compile here until it is listed, then fails this test
+        // until LOSSES registers it.
+        let all = |m: LossMode| match m {
+            LossMode::Vanilla | LossMode::Gspo | LossMode::Cispo | LossMode::Sft => m,
+        };
+        let modes = [
+            LossMode::Vanilla,
+            LossMode::Gspo,
+            LossMode::Cispo,
+            LossMode::Sft,
+        ]
+        .map(all);
+        assert_eq!(LOSSES.len(), modes.len());
+        for m in modes {
+            assert_eq!(LOSSES.iter().filter(|l| l.mode == m).count(), 1, "{m:?}");
+        }
+        let mut names = names();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), LOSSES.len(), "duplicate names");
+        assert_eq!(
+            LossMode::value_variants(),
+            &LOSSES.iter().map(|l| l.mode).collect::<Vec<_>>()[..]
+        );
+    }
+
+    #[test]
+    fn every_registered_loss_parses_and_runs() {
+        let c = random_case(13, 8, false);
+        for l in LOSSES {
+            let mode: LossMode = l.name.parse().unwrap();
+            assert_eq!(mode, l.mode);
+            assert_eq!(mode.to_string(), l.name);
+            assert_eq!(mode.loss().name, l.name);
+            assert_eq!(<LossMode as ValueEnum>::from_str(l.name, false), Ok(mode));
+            assert_eq!(mode.to_possible_value().unwrap().get_name(), l.name);
+            // Through clap, as `update --loss NAME` parses it.
+            let cmd = clap::Command::new("t").arg(
+                clap::Arg::new("loss")
+                    .long("loss")
+                    .value_parser(clap::value_parser!(LossMode)),
+            );
+            let got = cmd.try_get_matches_from(["t", "--loss", l.name]).unwrap();
+            assert_eq!(got.get_one::<LossMode>("loss"), Some(&mode));
+
+            let mut config = cfg(l.name, "token-mean");
+            config.clip_ratio_c = 1.4;
+            let out = c.run(&config);
+            assert!(
+                out.loss.is_finite() && out.loss != 0.0,
+                "{}: {out:?}",
+                l.name
+            );
+            assert!(out.grad_lp.iter().any(|&g| g != 0.0), "{}", l.name);
+            check_fd(&config, &c);
+            // Needs old log-probs and advantages exactly when it is a policy-gradient loss.
+            let mut x = c.inputs();
+            x.advantages = None;
+            x.old = None;
+            let r = policy_loss(&config, &x, &c.norm(), 1.0);
+            assert_eq!(r.is_err(), l.policy_gradient, "{}", l.name);
+        }
+    }
+
+    #[test]
+    fn an_unknown_loss_lists_every_registered_name() {
+        let err = "ppo".parse::<LossMode>().unwrap_err();
+        assert!(err.starts_with("unknown loss 'ppo'"), "{err}");
+        for l in LOSSES {
+            assert!(err.contains(l.name), "{err}");
+        }
+        let mut cmd = clap::Command::new("update").arg(
+            clap::Arg::new("loss")
+                .long("loss")
+                .help("Policy loss.")
+                .value_parser(clap::value_parser!(LossMode)),
+        );
+        let err = cmd
+            .clone()
+            .try_get_matches_from(["update", "--loss", "ppo"])
+            .unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::InvalidValue);
+        assert_eq!(err.exit_code(), 2);
+        let text = err.render().to_string();
+        assert!(text.contains("'ppo'"), "{text}");
+        for l in LOSSES {
+            assert!(text.contains(l.name), "{text}");
+        }
+        // --help lists each name with its formula line.
+        let help = cmd.render_long_help().to_string();
+        for l in LOSSES {
+            let line = help
+                .lines()
+                .find(|s| s.trim().starts_with(&format!("- {}:", l.name)));
+            assert!(line.is_some_and(|s| s.ends_with(l.about)), "{help}");
         }
     }
 

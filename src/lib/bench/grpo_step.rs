@@ -9,8 +9,8 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::batch::{list_array, Batch, NewColumns, StageInfo};
 use crate::daemon::resident::{Options, Resident};
-use crate::engine::stage::common::Device;
-use crate::engine::stage::{ref_logprob, rollout, sync_weights, update, Exec, InProcess};
+use crate::stage::common::Device;
+use crate::stage::{ref_logprob, rollout, sync_weights, update, Exec, InProcess};
 use anyhow::{Context, Result};
 use clap::{Args, Parser};
 use serde_json::{json, Value};
@@ -51,9 +51,11 @@ pub struct GrpoStepArgs {
     /// Daemon with --offload-optimizer and --offload-ref.
     #[arg(long)]
     pub offload: bool,
-    /// In daemon mode, write the optimizer state with the checkpoint only every this many
+    /// In daemon mode, write the checkpoint (weights and optimizer state) only every this many
     /// steps, as a pipeline with a daemon does on its `[checkpoint] every` cadence (0: never
-    /// within the bench). In-process steps always write it: the next process needs it.
+    /// within the bench); the other updates keep the policy resident (`update --resident`),
+    /// except the last, which writes the weights (not the optimizer state) to compare modes.
+    /// In-process steps always write everything: the next process needs it.
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: u64,
 }
@@ -156,7 +158,7 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
     };
     let args0 = sync(&a.model, 0)?;
     run(t, "sync-weights", &mut |e| {
-        sync_weights::run_with(args0.clone(), e)
+        sync_weights::run(args0.clone(), e)
     })?;
     let dev = a.device.to_string();
     for step in 1..=a.steps {
@@ -185,7 +187,7 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             ro.push("--raw-prompt".into());
         }
         let ro: rollout::RolloutArgs = parse(&ro)?;
-        let (t_roll, m_roll) = run(t, "rollout", &mut |e| rollout::run_with(ro.clone(), e))?;
+        let (t_roll, m_roll) = run(t, "rollout", &mut |e| rollout::run(ro.clone(), e))?;
         let rl: ref_logprob::RefLogprobArgs = parse(&[
             "--model".into(),
             s(&a.model),
@@ -198,9 +200,7 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             "--device".into(),
             dev.clone(),
         ])?;
-        let (t_ref, m_ref) = run(t, "ref-logprob", &mut |e| {
-            ref_logprob::run_with(rl.clone(), e)
-        })?;
+        let (t_ref, m_ref) = run(t, "ref-logprob", &mut |e| ref_logprob::run(rl.clone(), e))?;
         // Old log-probs of the policy (the update then runs its mini-batches off-policy
         // against them, as verl and the PyTorch peer do).
         let ol: ref_logprob::RefLogprobArgs = parse(&[
@@ -215,14 +215,13 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             "--device".into(),
             dev.clone(),
         ])?;
-        let (t_old, m_old) = run(t, "ref-logprob", &mut |e| {
-            ref_logprob::run_with(ol.clone(), e)
-        })?;
+        let (t_old, m_old) = run(t, "ref-logprob", &mut |e| ref_logprob::run(ol.clone(), e))?;
         add_advantages(Path::new(&f("old")), Path::new(&f("adv")))?;
         let rows = a.prompts_per_step * a.n;
         let ckpt = dir.join(format!("ckpt-{step}"));
-        let save_optimizer =
-            mode != "daemon" || (a.checkpoint_every > 0 && step.is_multiple_of(a.checkpoint_every));
+        let cadence = a.checkpoint_every > 0 && step.is_multiple_of(a.checkpoint_every);
+        let save_optimizer = mode != "daemon" || cadence;
+        let resident = mode == "daemon" && !cadence && step != a.steps;
         let mut up: update::UpdateArgs = parse(&[
             "--model".into(),
             s(&policy),
@@ -239,11 +238,10 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             dev.clone(),
         ])?;
         up.skip_optimizer_state = !save_optimizer;
-        let (t_up, m_up) = run(t, "update", &mut |e| update::run_with(up.clone(), e))?;
+        up.resident = resident;
+        let (t_up, m_up) = run(t, "update", &mut |e| update::run(up.clone(), e))?;
         let sy = sync(&ckpt, step)?;
-        let (t_sync, m_sync) = run(t, "sync-weights", &mut |e| {
-            sync_weights::run_with(sy.clone(), e)
-        })?;
+        let (t_sync, m_sync) = run(t, "sync-weights", &mut |e| sync_weights::run(sy.clone(), e))?;
         let tokens: usize = Batch::read(Path::new(&f("rollout")), &[])?
             .ragged_i32(crate::batch::schema::RESPONSE_IDS)?
             .offsets
@@ -254,7 +252,8 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             "mode": mode,
             "step": step,
             "response_tokens": tokens,
-            "optimizer_saved": save_optimizer,
+            "optimizer_saved": save_optimizer && !resident,
+            "weights_saved": !resident,
             "seconds": {"rollout": t_roll, "ref_logprob": t_ref, "old_logprob": t_old,
                         "update": t_up, "sync": t_sync,
                         "step": t_roll + t_ref + t_old + t_up + t_sync},
@@ -317,9 +316,10 @@ pub fn run(a: GrpoStepArgs) -> Result<()> {
                 format!("{:.2}", sec["ref_logprob"].as_f64().unwrap_or(0.0)),
                 format!("{:.2}", sec["old_logprob"].as_f64().unwrap_or(0.0)),
                 format!("{:.2}", sec["update"].as_f64().unwrap_or(0.0)),
-                match r["optimizer_saved"].as_bool() {
-                    Some(true) => "yes",
-                    _ => "no",
+                match (r["weights_saved"].as_bool(), r["optimizer_saved"].as_bool()) {
+                    (Some(false), _) => "resident",
+                    (_, Some(true)) => "all",
+                    _ => "weights",
                 }
                 .to_string(),
                 format!("{:.4}", sec["sync"].as_f64().unwrap_or(0.0)),
@@ -343,7 +343,7 @@ pub fn run(a: GrpoStepArgs) -> Result<()> {
             "ref s",
             "old s",
             "update s",
-            "opt saved",
+            "saved",
             "sync s",
             "step s",
             "peak MiB roll/ref/upd",

@@ -6,9 +6,9 @@
 use super::update::{build, finish, median, Meter, Synth, Workload};
 use crate::backend::Backend;
 use crate::engine::logprob::score;
-use crate::engine::stage::common::Device;
-use crate::engine::stage::{on_device, Job};
 use crate::model::names::param_count;
+use crate::stage::common::Device;
+use crate::stage::{on_device, Job};
 use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::{json, Value};

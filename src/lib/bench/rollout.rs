@@ -14,12 +14,12 @@ use crate::engine::paged::{
     generate_paged, Chunk, GenParams, GraphMode, PagedConfig, PagedDecoder, PagedModel, Request,
     SampleRow, DEFAULT_BLOCK_SIZE,
 };
-use crate::engine::stage::common::Device;
-use crate::engine::stage::{on_device, Job};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::names::param_count;
 use crate::model::Config;
+use crate::stage::common::Device;
+use crate::stage::{on_device, Job};
 use anyhow::Result;
 use clap::Args;
 use serde_json::json;

@@ -9,14 +9,14 @@
 use crate::algo::policy_loss::{LossConfig, LossMode};
 use crate::backend::{Backend, DType, MatmulShape};
 use crate::engine::logprob::PromptResponse;
-use crate::engine::stage::common::Device;
-use crate::engine::stage::{on_device, Job};
 use crate::engine::train::{train, LrConfig, TrainConfig, TrainData};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::names::param_count;
 use crate::model::Config;
 use crate::rng::SplitMix64;
+use crate::stage::common::Device;
+use crate::stage::{on_device, Job};
 use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::{json, Value};

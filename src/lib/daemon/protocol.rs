@@ -11,43 +11,13 @@
 //! < {"type":"done","metrics":{"phase":"update","seconds":0.41,...}}
 //! ```
 
-use crate::engine::stage::ref_logprob::RefLogprobArgs;
-use crate::engine::stage::rollout::RolloutArgs;
-use crate::engine::stage::sync_weights::SyncWeightsArgs;
-use crate::engine::stage::update::UpdateArgs;
+use crate::stage::StageJob;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-
-/// A stage and its arguments, as its command line parsed them.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(tag = "stage", content = "args", rename_all = "kebab-case")]
-pub enum StageJob {
-    Rollout(RolloutArgs),
-    RefLogprob(RefLogprobArgs),
-    Update(UpdateArgs),
-    SyncWeights(SyncWeightsArgs),
-}
-
-impl StageJob {
-    pub fn name(&self) -> &'static str {
-        match self {
-            StageJob::Rollout(_) => "rollout",
-            StageJob::RefLogprob(_) => "ref-logprob",
-            StageJob::Update(_) => "update",
-            StageJob::SyncWeights(_) => "sync-weights",
-        }
-    }
-
-    /// The `--metrics` file the stage writes, if any.
-    pub fn metrics_path(&self) -> Option<&PathBuf> {
-        match self {
-            StageJob::Rollout(a) => a.metrics.as_ref(),
-            StageJob::Update(a) => a.metrics.as_ref(),
-            StageJob::RefLogprob(_) | StageJob::SyncWeights(_) => None,
-        }
-    }
-}
+use std::sync::{Arc, Mutex};
 
 /// A request line.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -82,52 +52,25 @@ pub enum Response {
     ShuttingDown,
 }
 
-/// Serde of a field as its flag text, through `Display` and `FromStr` (the algorithm enums).
-pub mod text {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::fmt::Display;
-    use std::str::FromStr;
+/// The write half of a client connection, shared by a job's log and progress lines.
+#[derive(Clone)]
+pub struct Reply(pub Arc<Mutex<UnixStream>>);
 
-    pub fn serialize<T: Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(v)
-    }
-
-    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
-    where
-        T: FromStr,
-        T::Err: Display,
-        D: Deserializer<'de>,
-    {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-/// Serde of `--rollout-is` (`token` | `sequence`).
-pub mod rollout_is_level {
-    use crate::algo::policy_loss::RolloutIsLevel;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &Option<RolloutIsLevel>, s: S) -> Result<S::Ok, S::Error> {
-        match v {
-            None => s.serialize_none(),
-            Some(RolloutIsLevel::Token) => s.serialize_some("token"),
-            Some(RolloutIsLevel::Sequence) => s.serialize_some("sequence"),
+impl Reply {
+    /// Sends one line; a client that went away is not an error of the job.
+    pub fn send(&self, r: &Response) {
+        let mut line = serde_json::to_string(r).expect("responses serialize");
+        line.push('\n');
+        if let Ok(mut s) = self.0.lock() {
+            let _ = s.write_all(line.as_bytes());
         }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(
-        d: D,
-    ) -> Result<Option<RolloutIsLevel>, D::Error> {
-        Option::<String>::deserialize(d)?
-            .map(|s| s.parse().map_err(serde::de::Error::custom))
-            .transpose()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stage::update::UpdateArgs;
     use clap::Parser;
 
     #[derive(Parser)]

@@ -9,12 +9,19 @@
 //! - `kl`: mean over model tokens of rollout_logprobs − ref_logprobs (the k1 estimate of
 //!   KL(policy ‖ ref)), when reference log-probs were computed;
 //! - `entropy`, `grad_norm`, `pg_clipfrac`: copied from the update's metrics when it reports them;
+//! - `mismatch/…`: the rollout-vs-trainer log-prob mismatch `update` measured (moved from
+//!   `update/mismatch/…`);
 //! - `time/<stage>` and `time/step` (seconds), `perf/tokens_per_s` (prompt + response tokens
 //!   of the batch over the step's seconds), `perf/rollout_tokens_per_s`.
 //!
 //! Each stage's `--metrics` JSON is merged in under `<stage>/<key>` (nested objects flattened
 //! with `/`).
+//!
+//! [`put_line`] writes a line: into its JSON-lines file and, as scalars, into the run's
+//! TensorBoard event files ([`super::tensorboard`]).
 
+use super::rundir::put_jsonl_step;
+use super::tensorboard;
 use crate::batch::schema;
 use crate::batch::Batch;
 use anyhow::Result;
@@ -267,6 +274,17 @@ pub fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
             m.insert(short.into(), v.clone());
         }
     }
+    // The rollout-vs-trainer mismatch `update` measures is a step metric of its own.
+    let mismatch: Vec<String> = stages
+        .keys()
+        .filter(|k| k.starts_with("update/mismatch/"))
+        .cloned()
+        .collect();
+    for k in mismatch {
+        if let Some(v) = stages.remove(&k) {
+            m.insert(k["update/".len()..].to_string(), v);
+        }
+    }
     m.extend(stages);
 
     let mut total = 0.0;
@@ -305,6 +323,25 @@ pub fn eval_line(step: u64, scored: &Path) -> Result<Map<String, Value>> {
         m.insert(format!("accuracy/{src}"), num(*a));
     }
     Ok(m)
+}
+
+/// Record a finished step's (or evaluation's) line: in its JSON-lines file, replacing the line
+/// of a step that runs again, and its numbers in the run directory's TensorBoard events, tagged
+/// by key (eval.jsonl's under `eval/`, other files' under their name).
+pub fn put_line(path: &Path, step: u64, line: &Value) -> Result<()> {
+    put_jsonl_step(path, step, line)?;
+    let Value::Object(m) = line else {
+        return Ok(());
+    };
+    let prefix = match path.file_stem().and_then(|s| s.to_str()) {
+        Some("metrics") | None => String::new(),
+        Some(name) => format!("{name}/"),
+    };
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    tensorboard::append_line(dir, step, m, &prefix)
 }
 
 /// One console line for a finished step.

@@ -1,16 +1,27 @@
 //! `tandem plot RUN [--out FILE.png]`: one PNG of a run's curves against step: reward and
-//! accuracy, eval accuracy, KL, entropy, response length, seconds per step.
+//! accuracy, eval accuracy, the KL term in use, entropy, response length, seconds per step.
+//!
+//! What is drawn is computed first, by pure functions the tests check: [`panels`] reads the
+//! curves (one value per metrics line, `None` where a line lacks it), [`Series::runs`] splits
+//! them where data is missing (the line breaks there and only there), [`decimate`] keeps, per
+//! pixel column, the first, lowest, highest and last point, so every vertex is a real data
+//! point however long the run. Each segment is drawn on its own: plotters turns a thick
+//! polyline into one polygon whose joins spike far past sharp zig-zags (the stray vertical
+//! lines of long runs), while a two-point segment is a plain rectangle. Legends sit above the
+//! plot area, never on the data.
 //!
 //! Drawn with plotters' bitmap backend; text uses DejaVu Sans embedded in the binary (the
 //! `dejavu` crate), so no system fonts or fontconfig are needed.
 
 use super::rundir::{read_jsonl, RunDir};
 use crate::bail_input;
-use anyhow::Result;
+use anyhow::{anyhow, Result};
 use clap::Args;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 use serde_json::{Map, Value};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
@@ -24,34 +35,86 @@ pub struct PlotArgs {
     pub out: Option<PathBuf>,
 }
 
-/// One curve: a label and its (step, value) points.
+/// One curve: a label and, for each line of its file in step order, the step and the value
+/// (`None` where the line lacks the key or holds a non-number).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Series {
     pub label: String,
-    pub points: Vec<(f64, f64)>,
+    pub data: Vec<(f64, Option<f64>)>,
 }
 
-/// One panel: a title and its curves.
+impl Series {
+    /// The runs of consecutive lines that have a value: drawn as one line each, with a gap
+    /// between them.
+    pub fn runs(&self) -> Vec<Vec<(f64, f64)>> {
+        let mut out: Vec<Vec<(f64, f64)>> = vec![];
+        let mut cur = vec![];
+        for &(x, y) in &self.data {
+            match y {
+                Some(y) => cur.push((x, y)),
+                None if !cur.is_empty() => out.push(std::mem::take(&mut cur)),
+                None => {}
+            }
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out
+    }
+
+    /// (lowest, highest) value, when there is one.
+    pub fn range(&self) -> Option<(f64, f64)> {
+        self.values().fold(None, |r, v| {
+            Some(r.map_or((v, v), |(lo, hi): (f64, f64)| (lo.min(v), hi.max(v))))
+        })
+    }
+
+    fn values(&self) -> impl Iterator<Item = f64> + '_ {
+        self.data.iter().filter_map(|p| p.1)
+    }
+}
+
+/// One panel: a title, its curves, and a note drawn in it (why it is empty).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Panel {
-    pub title: &'static str,
+    pub title: String,
     pub series: Vec<Series>,
+    pub note: Option<String>,
 }
 
-/// The points of `key` in JSON-lines rows (rows without it, or with a non-number, skipped).
-pub fn points(rows: &[Map<String, Value>], key: &str) -> Vec<(f64, f64)> {
-    rows.iter()
+impl Panel {
+    fn new(title: &str, series: Vec<Series>) -> Panel {
+        Panel {
+            title: title.to_string(),
+            series,
+            note: None,
+        }
+    }
+}
+
+/// The steps and values of `key` in JSON-lines rows (rows without it, or with a non-number,
+/// give `None`), in step order.
+pub fn column(rows: &[Map<String, Value>], key: &str) -> Vec<(f64, Option<f64>)> {
+    let mut out: Vec<(f64, Option<f64>)> = rows
+        .iter()
         .filter_map(|r| {
             let s = r.get("step")?.as_f64()?;
-            let v = r.get(key)?.as_f64()?;
-            v.is_finite().then_some((s, v))
+            Some((
+                s,
+                r.get(key).and_then(Value::as_f64).filter(|v| v.is_finite()),
+            ))
         })
-        .collect()
+        .collect();
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
 }
 
+/// The curve of `key`, when it has at least one value.
 fn series(rows: &[Map<String, Value>], key: &str, label: &str) -> Option<Series> {
-    let p = points(rows, key);
-    (!p.is_empty()).then(|| Series {
+    let data = column(rows, key);
+    data.iter().any(|p| p.1.is_some()).then(|| Series {
         label: label.to_string(),
-        points: p,
+        data,
     })
 }
 
@@ -60,8 +123,86 @@ fn first_of(rows: &[Map<String, Value>], keys: &[&str]) -> Option<Series> {
     keys.iter().find_map(|k| series(rows, k, k))
 }
 
-/// The six panels of a run.
-pub fn panels(metrics: &[Map<String, Value>], evals: &[Map<String, Value>]) -> Vec<Panel> {
+/// A spec value, e.g. `spec_value(spec, "update", "use-kl-loss")`.
+fn spec_value<'a>(
+    spec: Option<&'a toml::Table>,
+    table: &str,
+    key: &str,
+) -> Option<&'a toml::Value> {
+    spec?.get(table)?.get(key)
+}
+
+fn spec_on(spec: Option<&toml::Table>, table: &str, key: &str) -> bool {
+    match spec_value(spec, table, key) {
+        Some(toml::Value::Boolean(b)) => *b,
+        Some(toml::Value::String(s)) => s == "true",
+        _ => false,
+    }
+}
+
+fn spec_text(spec: Option<&toml::Table>, table: &str, key: &str, default: &str) -> String {
+    match spec_value(spec, table, key) {
+        Some(toml::Value::String(s)) => s.clone(),
+        Some(v) => v.to_string(),
+        None => default.to_string(),
+    }
+}
+
+/// The KL panel shows the KL terms the run uses: the KL loss (`update/kl_loss`) when
+/// `use-kl-loss` is on, the in-reward KL (`advantage/kl`) when `kl-in-reward` is on, else a
+/// note that none is configured. Without a spec (a bare directory of metrics), what the metrics
+/// show is used: a KL loss that is not 0 everywhere, an in-reward KL that is present.
+fn kl_panel(metrics: &[Map<String, Value>], spec: Option<&toml::Table>) -> Panel {
+    let (loss_on, reward_on) = match spec {
+        Some(_) => (
+            spec_on(spec, "update", "use-kl-loss"),
+            spec_on(spec, "advantage", "kl-in-reward"),
+        ),
+        None => (
+            column(metrics, "update/kl_loss")
+                .iter()
+                .any(|p| p.1.is_some_and(|v| v != 0.0)),
+            column(metrics, "advantage/kl")
+                .iter()
+                .any(|p| p.1.is_some()),
+        ),
+    };
+    let mut panel = Panel::new("KL to the reference", vec![]);
+    if loss_on {
+        let label = format!(
+            "KL loss ({}, coef {})",
+            spec_text(spec, "update", "kl-loss-type", "k3"),
+            spec_text(spec, "update", "kl-loss-coef", "0.001")
+        );
+        panel
+            .series
+            .extend(series(metrics, "update/kl_loss", &label));
+    }
+    if reward_on {
+        let label = format!(
+            "KL in the reward ({}, β {})",
+            spec_text(spec, "advantage", "kl-penalty", "k1"),
+            spec_text(spec, "advantage", "kl-coef", "0.001")
+        );
+        panel.series.extend(series(metrics, "advantage/kl", &label));
+    }
+    panel.note = match (loss_on || reward_on, spec.is_some()) {
+        (false, true) => {
+            Some("no KL term configured\n(use-kl-loss and kl-in-reward are off)".into())
+        }
+        (false, false) => Some("no KL term in the metrics".into()),
+        (true, _) if panel.series.is_empty() => Some("no data yet".into()),
+        _ => None,
+    };
+    panel
+}
+
+/// The six panels of a run; `spec` is the run's spec.resolved.toml (what the KL panel shows).
+pub fn panels(
+    metrics: &[Map<String, Value>],
+    evals: &[Map<String, Value>],
+    spec: Option<&toml::Table>,
+) -> Vec<Panel> {
     let mut eval_series: Vec<Series> = series(evals, "accuracy", "accuracy").into_iter().collect();
     // Per-source eval accuracy when there is more than one source.
     let mut sources: Vec<String> = evals
@@ -73,156 +214,84 @@ pub fn panels(metrics: &[Map<String, Value>], evals: &[Map<String, Value>]) -> V
     if sources.len() > 1 {
         eval_series.extend(sources.iter().filter_map(|k| series(evals, k, k)));
     }
+    // A 0/1 reward makes the mean reward the accuracy: one curve then, not one hidden under
+    // the other.
+    let train = match (
+        series(metrics, "reward/mean", "reward mean"),
+        series(metrics, "accuracy", "accuracy"),
+    ) {
+        (Some(r), Some(a)) if r.data == a.data => vec![Series {
+            label: "reward mean = accuracy".into(),
+            data: r.data,
+        }],
+        (r, a) => r.into_iter().chain(a).collect(),
+    };
     vec![
-        Panel {
-            title: "reward and accuracy (train)",
-            series: [
-                series(metrics, "reward/mean", "reward mean"),
-                series(metrics, "accuracy", "accuracy"),
-            ]
-            .into_iter()
-            .flatten()
-            .collect(),
-        },
-        Panel {
-            title: "eval accuracy",
-            series: eval_series,
-        },
-        Panel {
-            title: "KL",
-            series: first_of(
-                metrics,
-                &["kl", "update/kl_loss", "advantage/kl", "update/ppo_kl"],
-            )
-            .into_iter()
-            .collect(),
-        },
-        Panel {
-            title: "entropy",
-            series: first_of(metrics, &["entropy", "update/entropy"])
+        Panel::new("reward and accuracy (train)", train),
+        Panel::new("eval accuracy", eval_series),
+        kl_panel(metrics, spec),
+        Panel::new(
+            "entropy",
+            first_of(metrics, &["entropy", "update/entropy"])
                 .into_iter()
                 .collect(),
-        },
-        Panel {
-            title: "response length (tokens)",
-            series: [
+        ),
+        Panel::new(
+            "response length (tokens)",
+            [
                 series(metrics, "response_length/mean", "mean"),
                 series(metrics, "response_length/max", "max"),
             ]
             .into_iter()
             .flatten()
             .collect(),
-        },
-        Panel {
-            title: "seconds per step",
-            series: series(metrics, "time/step", "seconds")
+        ),
+        Panel::new(
+            "seconds per step",
+            series(metrics, "time/step", "seconds")
                 .into_iter()
                 .collect(),
-        },
+        ),
     ]
 }
 
-static FONT: Once = Once::new();
-
-fn register_font() {
-    FONT.call_once(|| {
-        // The embedded font is a valid TTF; registration cannot fail for it.
-        let _ = plotters::style::register_font(
-            "sans-serif",
-            FontStyle::Normal,
-            dejavu::sans::regular(),
-        );
-    });
-}
-
-const COLORS: [RGBColor; 5] = [
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-];
-
-/// Draw the panels into a PNG at `out` (written whole, then renamed into place).
-pub fn draw(panels: &[Panel], title: &str, out: &Path) -> Result<()> {
-    register_font();
-    // The encoder picks the format from the extension, so the temp name keeps `.png`.
-    let tmp = out.with_extension("tmp.png");
-    {
-        let root = BitMapBackend::new(&tmp, (1500, 900)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let root = root.titled(title, ("sans-serif", 24))?;
-        let areas = root.split_evenly((2, 3));
-        for (area, panel) in areas.iter().zip(panels) {
-            draw_panel(area, panel)?;
+/// The vertices drawn for one run of points when `columns` pixel columns span x0..=x1: every
+/// point when there are few, else per column its first, lowest, highest and last point, in
+/// step order. Every vertex is a data point, and the line through them covers each column's
+/// whole range of values.
+pub fn decimate(run: &[(f64, f64)], x0: f64, x1: f64, columns: usize) -> Vec<(f64, f64)> {
+    if run.len() <= 2 * columns || columns == 0 {
+        return run.to_vec();
+    }
+    let col = |x: f64| {
+        let f = if x1 > x0 { (x - x0) / (x1 - x0) } else { 0.0 };
+        ((f * columns as f64) as usize).min(columns - 1)
+    };
+    let mut out = vec![];
+    let mut i = 0;
+    while i < run.len() {
+        let c = col(run[i].0);
+        let mut j = i;
+        let (mut lo, mut hi) = (i, i);
+        while j < run.len() && col(run[j].0) == c {
+            if run[j].1 < run[lo].1 {
+                lo = j;
+            }
+            if run[j].1 > run[hi].1 {
+                hi = j;
+            }
+            j += 1;
         }
-        root.present()?;
-    }
-    std::fs::rename(&tmp, out)?;
-    Ok(())
-}
-
-fn draw_panel(area: &DrawingArea<BitMapBackend, plotters::coord::Shift>, p: &Panel) -> Result<()> {
-    let all: Vec<(f64, f64)> = p.series.iter().flat_map(|s| s.points.clone()).collect();
-    if all.is_empty() {
-        let mut chart = ChartBuilder::on(area)
-            .caption(p.title, ("sans-serif", 18))
-            .margin(10)
-            .build_cartesian_2d(0f64..1f64, 0f64..1f64)?;
-        chart.configure_mesh().disable_mesh().draw()?;
-        area.draw(&Text::new(
-            "no data",
-            (
-                area.dim_in_pixel().0 as i32 / 2 - 30,
-                area.dim_in_pixel().1 as i32 / 2,
-            ),
-            ("sans-serif", 16)
-                .into_font()
-                .color(&RGBColor(120, 120, 120)),
-        ))?;
-        return Ok(());
-    }
-    let (x0, x1) = bounds(all.iter().map(|p| p.0));
-    let (y0, y1) = bounds(all.iter().map(|p| p.1));
-    let mut chart = ChartBuilder::on(area)
-        .caption(p.title, ("sans-serif", 18))
-        .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(55)
-        .build_cartesian_2d(x0..x1, y0..y1)?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .light_line_style(RGBColor(235, 235, 235))
-        .label_style(("sans-serif", 12))
-        .draw()?;
-    for (i, s) in p.series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        chart
-            .draw_series(LineSeries::new(s.points.clone(), color.stroke_width(2)))?
-            .label(s.label.clone())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-            });
-        if s.points.len() <= 60 {
-            chart.draw_series(
-                s.points
-                    .iter()
-                    .map(|&pt| Circle::new(pt, 3, color.filled())),
-            )?;
+        let mut keep = [i, lo, hi, j - 1];
+        keep.sort();
+        for (k, &idx) in keep.iter().enumerate() {
+            if k == 0 || idx != keep[k - 1] {
+                out.push(run[idx]);
+            }
         }
+        i = j;
     }
-    if p.series.len() > 1 {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(RGBColor(200, 200, 200))
-            .label_font(("sans-serif", 12))
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()?;
-    }
-    Ok(())
+    out
 }
 
 /// An axis range covering the values with a little room, never empty.
@@ -240,6 +309,312 @@ pub fn bounds(vals: impl Iterator<Item = f64>) -> (f64, f64) {
     (lo - pad, hi + pad)
 }
 
+/// The step axis: the steps themselves, widened when there is only one.
+fn step_range(panel: &Panel) -> Range<f64> {
+    let (lo, hi) = panel
+        .series
+        .iter()
+        .flat_map(|s| s.data.iter().filter(|p| p.1.is_some()).map(|p| p.0))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| {
+            (lo.min(x), hi.max(x))
+        });
+    if hi > lo {
+        lo..hi
+    } else {
+        lo - 1.0..hi + 1.0
+    }
+}
+
+/// Pixel rectangle: x0..x1, y0..y1 (ends excluded).
+pub type Rect = (Range<i32>, Range<i32>);
+
+/// What was drawn of one series: its polylines (data coordinates) and their pixels.
+#[derive(Clone, Debug)]
+pub struct DrawnSeries {
+    pub label: String,
+    pub color: (u8, u8, u8),
+    pub lines: Vec<Vec<(f64, f64)>>,
+    pub pixels: Vec<Vec<(i32, i32)>>,
+}
+
+/// What was drawn of one panel: where its plot area and legend are, and its series.
+#[derive(Clone, Debug)]
+pub struct DrawnPanel {
+    pub title: String,
+    pub plot: Rect,
+    pub legend: Option<Rect>,
+    pub x_range: Range<f64>,
+    pub y_range: Range<f64>,
+    pub series: Vec<DrawnSeries>,
+}
+
+static FONT: Once = Once::new();
+
+fn register_font() {
+    FONT.call_once(|| {
+        // The embedded font is a valid TTF; registration cannot fail for it.
+        let _ = plotters::style::register_font(
+            "sans-serif",
+            FontStyle::Normal,
+            dejavu::sans::regular(),
+        );
+    });
+}
+
+pub const COLORS: [RGBColor; 5] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+];
+
+/// Image size in pixels.
+pub const SIZE: (u32, u32) = (1500, 900);
+
+const CAPTION_H: i32 = 26;
+const LEGEND_ROW_H: i32 = 17;
+
+/// Draw the panels into a PNG at `out` (written whole, then renamed into place); returns what
+/// was drawn.
+pub fn draw(panels: &[Panel], title: &str, out: &Path) -> Result<Vec<DrawnPanel>> {
+    register_font();
+    // The encoder picks the format from the extension, so the temp name keeps `.png`.
+    let tmp = out.with_extension("tmp.png");
+    let drawn = {
+        let root = BitMapBackend::new(&tmp, SIZE).into_drawing_area();
+        let drawn = render(&root, panels, title)?;
+        root.present().map_err(|e| anyhow!("{e}"))?;
+        drawn
+    };
+    std::fs::rename(&tmp, out)?;
+    Ok(drawn)
+}
+
+/// Draw the figure on any backend (a PNG file, or an RGB buffer in tests).
+pub fn render<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    panels: &[Panel],
+    title: &str,
+) -> Result<Vec<DrawnPanel>> {
+    register_font();
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("drawing the plot: {e}");
+    root.fill(&WHITE).map_err(err)?;
+    let root = root.titled(title, ("sans-serif", 24)).map_err(err)?;
+    let areas = root.split_evenly((2, 3));
+    let mut drawn = vec![];
+    for (area, panel) in areas.iter().zip(panels) {
+        drawn.push(draw_panel(area, panel)?);
+    }
+    Ok(drawn)
+}
+
+/// Legend entries laid out left to right from `x`, wrapping before `width`: (row, x) each.
+fn legend_layout<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    labels: &[&str],
+    x: i32,
+    width: i32,
+) -> Vec<(i32, i32)> {
+    let (mut row, mut at) = (0, x);
+    labels
+        .iter()
+        .map(|l| {
+            let w = area
+                .estimate_text_size(l, &("sans-serif", 13).into_text_style(area))
+                .map_or(8 * l.len() as i32, |s| s.0 as i32)
+                + 30;
+            if at > x && at + w > width {
+                row += 1;
+                at = x;
+            }
+            let pos = (row, at);
+            at += w + 12;
+            pos
+        })
+        .collect()
+}
+
+fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> Result<DrawnPanel> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("drawing panel '{}': {e}", p.title);
+    let (w, _) = area.dim_in_pixel();
+    let labels: Vec<&str> = p.series.iter().map(|s| s.label.as_str()).collect();
+    let layout = legend_layout(area, &labels, 70, w as i32 - 10);
+    let rows = layout.iter().map(|l| l.0 + 1).max().unwrap_or(0);
+    let top = CAPTION_H + rows * LEGEND_ROW_H + 4;
+    let (head, body) = area.split_vertically(top);
+    let gray = RGBColor(120, 120, 120);
+    head.draw(&Text::new(
+        p.title.clone(),
+        (w as i32 / 2, 4),
+        ("sans-serif", 18)
+            .into_font()
+            .color(&BLACK)
+            .pos(plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Center,
+                plotters::style::text_anchor::VPos::Top,
+            )),
+    ))
+    .map_err(err)?;
+    for ((row, x), (i, s)) in layout.iter().zip(p.series.iter().enumerate()) {
+        let color = COLORS[i % COLORS.len()];
+        let y = CAPTION_H + row * LEGEND_ROW_H + LEGEND_ROW_H / 2;
+        head.draw(&PathElement::new(
+            vec![(*x, y), (x + 22, y)],
+            color.stroke_width(3),
+        ))
+        .map_err(err)?;
+        head.draw(&Text::new(
+            s.label.clone(),
+            (x + 28, y - 7),
+            ("sans-serif", 13).into_font(),
+        ))
+        .map_err(err)?;
+    }
+    let legend = (!layout.is_empty()).then(|| {
+        let (x, y) = head.get_base_pixel();
+        (x..x + w as i32, y + CAPTION_H..y + top)
+    });
+
+    let has_data = p.series.iter().any(|s| s.range().is_some());
+    let x_range = if has_data { step_range(p) } else { 0.0..1.0 };
+    let y_range = if has_data {
+        let (lo, hi) = bounds(p.series.iter().flat_map(|s| s.values()));
+        lo..hi
+    } else {
+        0.0..1.0
+    };
+    let mut chart = ChartBuilder::on(&body)
+        .margin(10)
+        .margin_top(2)
+        .x_label_area_size(30)
+        .y_label_area_size(55)
+        .build_cartesian_2d(x_range.clone(), y_range.clone())
+        .map_err(err)?;
+    // Steps are whole numbers: no label on a fractional tick (a short run's axis would read
+    // 1 2 2 3 otherwise).
+    let step_label = |x: &f64| {
+        if x.fract() == 0.0 {
+            format!("{x:.0}")
+        } else {
+            String::new()
+        }
+    };
+    let span = (x_range.end - x_range.start) as usize;
+    let mut mesh = chart.configure_mesh();
+    mesh.x_desc("step")
+        .x_labels((span + 1).clamp(2, 10))
+        .x_label_formatter(&step_label)
+        .light_line_style(RGBColor(235, 235, 235))
+        .label_style(("sans-serif", 12));
+    if !has_data {
+        mesh.disable_mesh().x_labels(0).y_labels(0);
+    }
+    mesh.draw().map_err(err)?;
+    let plot = chart.plotting_area().get_pixel_range();
+    let note = p
+        .note
+        .clone()
+        .or_else(|| (!has_data).then(|| "no data".to_string()));
+    if let Some(note) = note {
+        let (cx, cy) = (
+            (plot.0.start + plot.0.end) / 2,
+            (plot.1.start + plot.1.end) / 2,
+        );
+        for (k, line) in note.lines().enumerate() {
+            root_text(area, line, (cx, cy - 10 + 18 * k as i32), gray).map_err(err)?;
+        }
+    }
+
+    let columns = (plot.0.end - plot.0.start).max(1) as usize;
+    let mut out = vec![];
+    for (i, s) in p.series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let lines: Vec<Vec<(f64, f64)>> = s
+            .runs()
+            .iter()
+            .map(|r| decimate(r, x_range.start, x_range.end, columns))
+            .collect();
+        let mut pixels = vec![];
+        for line in &lines {
+            let px: Vec<(i32, i32)> = line.iter().map(|pt| chart.backend_coord(pt)).collect();
+            // Each segment alone (see the module docs); a lone point as a dot.
+            let segments = line
+                .windows(2)
+                .zip(px.windows(2))
+                .filter(|(_, q)| q[0] != q[1])
+                .map(|(d, _)| PathElement::new(vec![d[0], d[1]], color.stroke_width(2)));
+            chart.draw_series(segments).map_err(err)?;
+            if line.len() == 1 || s.data.len() <= 60 {
+                chart
+                    .draw_series(line.iter().map(|&pt| Circle::new(pt, 3, color.filled())))
+                    .map_err(err)?;
+            }
+            pixels.push(px);
+        }
+        out.push(DrawnSeries {
+            label: s.label.clone(),
+            color: (color.0, color.1, color.2),
+            lines,
+            pixels,
+        });
+    }
+    Ok(DrawnPanel {
+        title: p.title.clone(),
+        plot,
+        legend,
+        x_range,
+        y_range,
+        series: out,
+    })
+}
+
+/// Centred gray text at backend pixel `(x, y)`.
+fn root_text<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    text: &str,
+    (x, y): (i32, i32),
+    color: RGBColor,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let (bx, by) = area.get_base_pixel();
+    area.draw(&Text::new(
+        text.to_string(),
+        (x - bx, y - by),
+        ("sans-serif", 15)
+            .into_font()
+            .color(&color)
+            .pos(plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Center,
+                plotters::style::text_anchor::VPos::Center,
+            )),
+    ))
+}
+
+/// "tandem · demo/run · grpo, vanilla · 400 steps": the run's directory (its last two parts),
+/// estimator and loss from its spec, and the last step.
+pub fn title(run: &Path, spec: Option<&toml::Table>, metrics: &[Map<String, Value>]) -> String {
+    let full = std::fs::canonicalize(run).unwrap_or_else(|_| run.to_path_buf());
+    let parts: Vec<String> = full
+        .components()
+        .rev()
+        .take(2)
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    let name: Vec<&str> = parts.iter().rev().map(String::as_str).collect();
+    let mut t = format!("tandem · {}", name.join("/"));
+    if spec.is_some() {
+        t += &format!(
+            " · {}, {}",
+            spec_text(spec, "advantage", "estimator", "?"),
+            spec_text(spec, "update", "loss", "vanilla")
+        );
+    }
+    if let Some(last) = metrics.iter().filter_map(|r| r.get("step")?.as_u64()).max() {
+        t += &format!(" · {last} steps");
+    }
+    t
+}
+
 /// `tandem plot`.
 pub fn run(args: PlotArgs) -> Result<()> {
     let run = RunDir::new(&args.run);
@@ -251,9 +626,12 @@ pub fn run(args: PlotArgs) -> Result<()> {
             args.run.display()
         );
     }
+    let spec: Option<toml::Table> = std::fs::read_to_string(run.spec_path())
+        .ok()
+        .and_then(|t| t.parse().ok());
     let out = args.out.unwrap_or_else(|| run.root.join("plot.png"));
-    let title = format!("tandem run {}", args.run.display());
-    draw(&panels(&metrics, &evals), &title, &out)?;
+    let title = title(&args.run, spec.as_ref(), &metrics);
+    draw(&panels(&metrics, &evals, spec.as_ref()), &title, &out)?;
     println!("{}", out.display());
     Ok(())
 }
@@ -271,6 +649,10 @@ mod tests {
             .collect()
     }
 
+    fn spec(text: &str) -> toml::Table {
+        text.parse().unwrap()
+    }
+
     #[test]
     fn panels_pick_the_available_keys() {
         let m = rows(json!([
@@ -281,15 +663,104 @@ mod tests {
             {"step": 0, "accuracy": 0.1, "accuracy/a": 0.1},
             {"step": 2, "accuracy": 0.6, "accuracy/a": 0.6},
         ]));
-        let p = panels(&m, &e);
+        let p = panels(&m, &e, None);
         assert_eq!(p.len(), 6);
         assert_eq!(p[0].series.len(), 2);
-        assert_eq!(p[0].series[1].points, [(1.0, 0.0), (2.0, 0.5)]);
+        assert_eq!(p[0].series[1].data, [(1.0, Some(0.0)), (2.0, Some(0.5))]);
         // one source: no per-source curve
         assert_eq!(p[1].series.len(), 1);
-        assert_eq!(p[2].series[0].label, "update/kl_loss");
+        // no spec: a KL loss that is not 0 is shown
+        assert_eq!(p[2].series[0].data[1], (2.0, Some(0.02)));
         assert!(p[3].series.is_empty());
-        assert_eq!(p[5].series[0].points, [(1.0, 2.0), (2.0, 2.5)]);
+        assert_eq!(p[5].series[0].data, [(1.0, Some(2.0)), (2.0, Some(2.5))]);
+    }
+
+    #[test]
+    fn identical_reward_and_accuracy_are_one_curve() {
+        let m = rows(json!([
+            {"step": 1, "reward/mean": 0.25, "accuracy": 0.25},
+            {"step": 2, "reward/mean": 0.5, "accuracy": 0.5},
+        ]));
+        let p = panels(&m, &[], None);
+        assert_eq!(p[0].series.len(), 1);
+        assert_eq!(p[0].series[0].label, "reward mean = accuracy");
+    }
+
+    #[test]
+    fn the_kl_panel_shows_the_kl_in_use() {
+        let m = rows(json!([
+            {"step": 1, "update/kl_loss": 0.0, "advantage/kl": 0.03},
+            {"step": 2, "update/kl_loss": 0.0, "advantage/kl": 0.05},
+        ]));
+        // Nothing configured: kl_loss is 0 everywhere and not drawn; the panel says so.
+        let none = spec("[update]\nloss = \"vanilla\"\n[advantage]\nestimator = \"grpo\"\n");
+        let p = kl_panel(&m, Some(&none));
+        assert!(p.series.is_empty());
+        assert!(p.note.unwrap().contains("no KL term configured"));
+        let m0 = rows(json!([{"step": 1, "update/kl_loss": 0.0}]));
+        assert_eq!(
+            kl_panel(&m0, None).note.as_deref(),
+            Some("no KL term in the metrics")
+        );
+        // In the reward.
+        let s = spec("[advantage]\nkl-in-reward = true\nkl-penalty = \"k2\"\nkl-coef = 0.01\n");
+        let p = kl_panel(&m, Some(&s));
+        assert_eq!(p.series.len(), 1);
+        assert_eq!(p.series[0].label, "KL in the reward (k2, β 0.01)");
+        assert_eq!(p.series[0].data[1], (2.0, Some(0.05)));
+        assert_eq!(p.note, None);
+        // As a loss, 0 or not.
+        let s = spec("[update]\nuse-kl-loss = true\n");
+        let p = kl_panel(&m, Some(&s));
+        assert_eq!(p.series[0].label, "KL loss (k3, coef 0.001)");
+        assert_eq!(p.series[0].data[0], (1.0, Some(0.0)));
+    }
+
+    #[test]
+    fn runs_break_only_where_a_value_is_missing() {
+        let s = Series {
+            label: "x".into(),
+            data: vec![
+                (1.0, None),
+                (2.0, Some(1.0)),
+                (3.0, Some(2.0)),
+                (4.0, None),
+                (5.0, None),
+                (6.0, Some(0.5)),
+                (7.0, Some(0.0)),
+            ],
+        };
+        assert_eq!(
+            s.runs(),
+            [vec![(2.0, 1.0), (3.0, 2.0)], vec![(6.0, 0.5), (7.0, 0.0)]]
+        );
+        assert_eq!(s.range(), Some((0.0, 2.0)));
+    }
+
+    #[test]
+    fn decimate_keeps_each_columns_extremes_in_order() {
+        // 10 points over 2 columns: x 0..4.5 in column 0, 5..9 in column 1.
+        let run: Vec<(f64, f64)> = [3.0, 9.0, 1.0, 5.0, 4.0, 2.0, 2.0, 8.0, 0.5, 7.0]
+            .iter()
+            .enumerate()
+            .map(|(i, &y)| (i as f64, y))
+            .collect();
+        let got = decimate(&run, 0.0, 10.0, 2);
+        assert_eq!(
+            got,
+            [
+                (0.0, 3.0),
+                (1.0, 9.0),
+                (2.0, 1.0),
+                (4.0, 4.0),
+                (5.0, 2.0),
+                (7.0, 8.0),
+                (8.0, 0.5),
+                (9.0, 7.0)
+            ]
+        );
+        // Few points: all of them.
+        assert_eq!(decimate(&run, 0.0, 10.0, 5), run);
     }
 
     #[test]
@@ -301,11 +772,193 @@ mod tests {
     }
 
     #[test]
+    fn the_title_names_the_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("demo").join("run");
+        std::fs::create_dir_all(&run).unwrap();
+        let s = spec("[advantage]\nestimator = \"grpo\"\n[update]\nloss = \"gspo\"\n");
+        let m = rows(json!([{"step": 1}, {"step": 400}]));
+        assert_eq!(
+            title(&run, Some(&s), &m),
+            "tandem · demo/run · grpo, gspo · 400 steps"
+        );
+    }
+
+    type Rows = Vec<Map<String, Value>>;
+
+    /// Where a series' colour may be drawn: its panel's plot area, the pixel rows its data
+    /// spans, and the slack (the stroke, or a marker's radius).
+    struct Span {
+        plot: Rect,
+        color: (u8, u8, u8),
+        rows: Range<i32>,
+        slack: i32,
+    }
+
+    /// xorshift: deterministic noise without a dependency.
+    struct Noise(u64);
+    impl Noise {
+        fn next(&mut self) -> f64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+
+    /// A `steps`-step run as the runner writes it: noisy curves that zig-zag every step,
+    /// accuracy missing on steps 300-309 (lines without the key), a null KL at step 500, an
+    /// evaluation every 25 steps, the KL in the reward.
+    fn synthetic_run(steps: u64) -> (Rows, Rows, toml::Table) {
+        let mut r = Noise(7);
+        let mut metrics = vec![];
+        let mut evals = vec![];
+        for step in 1..=steps {
+            let t = step as f64 / steps as f64;
+            let acc = (0.4 + 0.5 * t + 0.3 * (r.next() - 0.5)).clamp(0.0, 1.0);
+            let len = 3.0 + 2.0 * r.next();
+            let mut m = json!({
+                "step": step,
+                "reward/mean": acc + 0.1 * r.next(),
+                "response_length/mean": len,
+                "response_length/max": (len + 1.0 + 4.0 * r.next()).round(),
+                "time/step": 0.5 + 0.3 * r.next() + if step % 97 == 0 { 5.0 } else { 0.0 },
+                "entropy": 1.0 + 0.2 * r.next(),
+                "update/kl_loss": 0.0,
+                "advantage/kl": if step == 500 { Value::Null } else { json!(0.01 * t + 0.005 * r.next()) },
+            });
+            if !(300..310).contains(&step) {
+                m["accuracy"] = json!(acc);
+            }
+            metrics.push(m.as_object().unwrap().clone());
+            if step % 25 == 0 {
+                let e =
+                    json!({"step": step, "accuracy": (0.3 + 0.6 * t + 0.05 * r.next()).min(1.0)});
+                evals.push(e.as_object().unwrap().clone());
+            }
+        }
+        let spec = spec("[advantage]\nestimator = \"grpo\"\nkl-in-reward = true\n[update]\nloss = \"vanilla\"\n");
+        (metrics, evals, spec)
+    }
+
+    fn inside(r: &Rect, (x, y): (i32, i32), pad: i32) -> bool {
+        x >= r.0.start - pad && x < r.0.end + pad && y >= r.1.start - pad && y < r.1.end + pad
+    }
+
+    /// What a 1,000-step run's plot draws is true: every vertex is a data point of its series,
+    /// within the series' range and inside its panel; lines break exactly where data is
+    /// missing; and every pixel drawn in a series' colour lies in its panel's plot area, within
+    /// the rows its data spans, or in the legend above it.
+    #[test]
+    fn a_1000_step_plot_draws_only_its_data() {
+        let (metrics, evals, spec) = synthetic_run(1000);
+        let panels = panels(&metrics, &evals, Some(&spec));
+        assert_eq!(panels[2].series.len(), 1, "the in-reward KL");
+        assert_eq!(panels[0].series.len(), 2, "reward and accuracy differ here");
+        let (w, h) = SIZE;
+        let mut buf = vec![0u8; (w * h * 3) as usize];
+        let drawn = {
+            let root = BitMapBackend::with_buffer(&mut buf, SIZE).into_drawing_area();
+            let d = render(&root, &panels, "synthetic").unwrap();
+            root.present().unwrap();
+            d
+        };
+        assert_eq!(drawn.len(), 6);
+        // Per panel and series colour: the pixel rows its data spans.
+        let mut spans: Vec<Span> = vec![];
+        for (panel, d) in panels.iter().zip(&drawn) {
+            if let Some(l) = &d.legend {
+                assert!(
+                    l.1.end <= d.plot.1.start,
+                    "{}: the legend overlaps the plot",
+                    d.title
+                );
+            }
+            for (s, ds) in panel.series.iter().zip(&d.series) {
+                let (lo, hi) = s.range().unwrap();
+                let runs = s.runs();
+                assert_eq!(
+                    ds.lines.len(),
+                    runs.len(),
+                    "{}: a gap without missing data",
+                    s.label
+                );
+                let (mut top, mut bottom) = (i32::MAX, i32::MIN);
+                for ((line, run), px) in ds.lines.iter().zip(&runs).zip(&ds.pixels) {
+                    // The line starts and ends where its run does: no gap inside a run.
+                    assert_eq!(line.first(), run.first(), "{}", s.label);
+                    assert_eq!(line.last(), run.last(), "{}", s.label);
+                    assert!(line.len() <= 4 * (d.plot.0.end - d.plot.0.start) as usize + 4);
+                    for (pt, &p) in line.iter().zip(px) {
+                        assert!(run.contains(pt), "{}: {pt:?} is not a data point", s.label);
+                        assert!(pt.1 >= lo && pt.1 <= hi, "{}: {pt:?}", s.label);
+                        assert!(d.x_range.contains(&pt.0) || pt.0 == d.x_range.end);
+                        assert!(d.y_range.contains(&pt.1), "{}: {pt:?}", s.label);
+                        assert!(
+                            inside(&d.plot, p, 0),
+                            "{}: pixel {p:?} outside {:?}",
+                            s.label,
+                            d.plot
+                        );
+                        (top, bottom) = (top.min(p.1), bottom.max(p.1 + 1));
+                    }
+                    // The line reaches the run's extremes.
+                    let (rlo, rhi) = run
+                        .iter()
+                        .fold((f64::MAX, f64::MIN), |a, p| (a.0.min(p.1), a.1.max(p.1)));
+                    assert!(line.iter().any(|p| p.1 == rlo) && line.iter().any(|p| p.1 == rhi));
+                }
+                let slack = if s.data.len() <= 60 { 4 } else { 1 };
+                spans.push(Span {
+                    plot: d.plot.clone(),
+                    color: ds.color,
+                    rows: top..bottom,
+                    slack,
+                });
+            }
+        }
+        // The accuracy breaks at steps 300-309 and the in-reward KL at step 500.
+        assert_eq!(panels[0].series[1].runs().len(), 2);
+        assert_eq!(panels[0].series[1].runs()[0].last().unwrap().0, 299.0);
+        assert_eq!(panels[0].series[1].runs()[1][0].0, 310.0);
+        assert_eq!(panels[2].series[0].runs().len(), 2);
+        // The PNG (kept where TANDEM_TEST_PLOT says, to look at).
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("plot.png");
+        draw(&panels, "synthetic", &out).unwrap();
+        assert_eq!(&std::fs::read(&out).unwrap()[..8], b"\x89PNG\r\n\x1a\n");
+        if let Ok(keep) = std::env::var("TANDEM_TEST_PLOT") {
+            std::fs::copy(&out, keep).unwrap();
+        }
+        // Pixels in a series' colour.
+        let legends: Vec<Rect> = drawn.iter().filter_map(|d| d.legend.clone()).collect();
+        let mut counted = 0;
+        for y in 0..h as i32 {
+            for x in 0..w as i32 {
+                let i = ((y as u32 * w + x as u32) * 3) as usize;
+                let c = (buf[i], buf[i + 1], buf[i + 2]);
+                let mine: Vec<&Span> = spans.iter().filter(|s| s.color == c).collect();
+                if mine.is_empty() {
+                    continue;
+                }
+                counted += 1;
+                let ok = legends.iter().any(|l| inside(l, (x, y), 0))
+                    || mine.iter().any(|s| {
+                        let k = s.slack;
+                        inside(&s.plot, (x, y), k) && y >= s.rows.start - k && y < s.rows.end + k
+                    });
+                assert!(ok, "a series pixel at ({x}, {y}) outside its data's place");
+            }
+        }
+        assert!(counted > 10_000, "{counted} series pixels");
+    }
+
+    #[test]
     fn draws_a_png() {
         let dir = tempfile::tempdir().unwrap();
         let m = rows(json!([{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.4}]));
         let out = dir.path().join("p.png");
-        draw(&panels(&m, &[]), "t", &out).unwrap();
+        draw(&panels(&m, &[], None), "t", &out).unwrap();
         let bytes = std::fs::read(&out).unwrap();
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
         assert!(!dir.path().join("p.tmp.png").exists());

@@ -4,16 +4,18 @@
 //! recorded in `state.json` before the next one starts; a rerun skips recorded tasks, so a
 //! killed run continues from the last finished stage and ends where an uninterrupted one would.
 
+use super::console::{short_duration, Console};
 use super::metrics::{self, StepFiles};
-use super::rundir::{parse_step_name, put_jsonl_step, step_name, RunDir, State, StepProgress};
+use super::rundir::{parse_step_name, step_name, RunDir, State, StepProgress};
 use super::sampler::{derive_seed, Cursor, Sampler};
-use super::spec::{Device, Spec};
+use super::spec::{Device, Source, Spec, Stages};
 use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
 use crate::engine::resume;
-use crate::engine::stage::sync_weights::{self, SyncWeightsArgs};
-use crate::engine::stage::InProcess;
 use crate::error::input_error;
+use crate::proc::die_with_parent;
+use crate::stage::sync_weights::{self, SyncWeightsArgs};
+use crate::stage::{self, InProcess};
 use anyhow::{Context, Result};
 use arrow_array::UInt64Array;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -84,6 +86,8 @@ fn path_arg(p: &Path) -> String {
 /// The runner of one run directory.
 pub struct Runner {
     pub spec: Spec,
+    /// The stages' flags from the spec, parsed by the stages.
+    pub stages: Stages,
     pub run: RunDir,
     pub bins: PathBuf,
     pub state: State,
@@ -91,7 +95,12 @@ pub struct Runner {
     train: Option<Batch>,
     /// Steps whose header comment was already written to commands.sh by this process.
     announced: Option<u64>,
-    bar: ProgressBar,
+    /// The console (one line per step, a progress bar) and the run's log.
+    pub console: Console,
+    /// The `pipeline run` command that continues this run, for the message of a failed stage.
+    pub rerun: String,
+    /// The evaluation summary of the step in progress, for its step line.
+    eval_note: Option<String>,
     /// The warm daemon the model stages are sent to (`daemon = true`), once started.
     daemon: Option<DaemonProc>,
     /// Whether this runner started a daemon before (a missing one was then lost).
@@ -100,9 +109,6 @@ pub struct Runner {
 
 /// How often a dead daemon is restarted for one stage before the run gives up.
 const MAX_DAEMON_RESTARTS: u32 = 3;
-
-/// The stage binaries that take `--daemon` (the model stages).
-const DAEMON_STAGES: &[&str] = &["rollout", "ref-logprob", "update", "sync-weights"];
 
 /// The run must go back to the end of step `to`: the daemon that died held the only copy of
 /// the optimizer state of the steps after it.
@@ -116,7 +122,7 @@ impl std::fmt::Display for Rewind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "the daemon died holding the optimizer state of step {}; the run goes back to step {}",
+            "the daemon died holding the policy of step {}; the run goes back to step {}",
             self.lost, self.to
         )
     }
@@ -160,18 +166,110 @@ impl Drop for DaemonProc {
 }
 
 impl Runner {
-    pub fn new(spec: Spec, run: RunDir, bins: PathBuf, state: State) -> Runner {
-        Runner {
+    /// A runner for `spec` (the stage tables are parsed again here: `--steps` may have changed
+    /// what the runner derives from them).
+    pub fn new(spec: Spec, run: RunDir, bins: PathBuf, state: State) -> Result<Runner> {
+        let stages = spec.stages(&Source {
+            origin: "the spec",
+            text: None,
+        })?;
+        Ok(Runner {
             spec,
+            stages,
             run,
             bins,
             state,
             train: None,
             announced: None,
-            bar: ProgressBar::hidden(),
+            console: Console::new(false),
+            rerun: "pipeline run SPEC --run-dir RUN".into(),
+            eval_note: None,
             daemon: None,
             daemon_started: false,
+        })
+    }
+
+    /// Whether the step needs reference log-probs: a KL term in the reward or the loss, or a
+    /// separate reference model.
+    pub fn needs_ref(&self) -> bool {
+        self.stages.advantage.args.kl_in_reward
+            || self.stages.update.args.use_kl_loss
+            || self.spec.model.reference.is_some()
+    }
+
+    /// Whether `update` takes more than one optimizer step per batch (several epochs or
+    /// mini-batches), the reward's KL or masked importance sampling (`[update] rollout-rs`)
+    /// needs them: then the policy's own log-probs before the update are computed as
+    /// `old_logprobs`, as verl does. Never in bypass mode (`[update] bypass-mode`): the
+    /// rollout's log-probs are the old ones.
+    pub fn needs_old(&self) -> bool {
+        let u = &self.stages.update.args;
+        if u.bypass_mode {
+            return false;
         }
+        let rows = self.spec.data.prompts_per_step as usize * self.stages.rollout.args.n;
+        u.ppo_epochs > 1
+            || u.mini_batch_size.is_some_and(|m| m < rows)
+            || self.stages.advantage.args.kl_in_reward
+            || u.rollout_rs.is_some()
+    }
+
+    /// Bypass mode's conditions, which hold for the whole run: the rollout's log-probs are the
+    /// trainer's (batch-invariant kernels: always on the CPU), and nothing else needs the
+    /// old-logprob pass it skips.
+    fn check_bypass(&self) -> Result<()> {
+        if !self.stages.update.args.bypass_mode {
+            return Ok(());
+        }
+        if self.spec.device != Device::Cpu && !self.spec.batch_invariant {
+            bail_input!(
+                "[update] bypass-mode = true takes the rollout's log-probs as the old ones, which holds only when they are the trainer's: set batch-invariant = true (the GPU's batch-invariant kernels), or drop bypass-mode"
+            );
+        }
+        if self.stages.advantage.args.kl_in_reward {
+            bail_input!(
+                "[update] bypass-mode = true skips the old-logprob pass, which [advantage] kl-in-reward needs; drop one of them"
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks every stage command of the next step (with step 0's and an evaluation's) with the
+    /// stage's own parser and flag checks, before anything runs: a value the stage would refuse
+    /// stops the run here, not at its stage.
+    pub fn check_commands(&self) -> Result<()> {
+        self.check_bypass()?;
+        let step = self.state.steps_done + 1;
+        let tasks = self
+            .init_tasks()
+            .into_iter()
+            .map(|t| (0, t))
+            .chain(self.step_tasks(step).into_iter().map(|t| (step, t)))
+            .chain(
+                (self.spec.eval.every > 0)
+                    .then(|| self.eval_tasks(step))
+                    .into_iter()
+                    .flatten()
+                    .map(|t| (step, t)),
+            );
+        for (step, task) in tasks {
+            let Action::Stage { bin, args } = &task.action else {
+                continue;
+            };
+            let def = stage::def(bin).expect("the runner runs the stages of STAGES");
+            if let Err(e) = def.check_args(args) {
+                let table = match task.name {
+                    "eval-rollout" => "[rollout] or [eval]".to_string(),
+                    _ => format!("[{bin}]"),
+                };
+                bail_input!(
+                    "{table}: {e:#}\n  (`{bin}` would refuse the runner's command for {}: {})",
+                    step_name(step),
+                    self.stage_line(bin, args)
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The socket of the run's daemon.
@@ -213,7 +311,7 @@ impl Runner {
             .arg(&socket)
             .arg("--policy")
             .arg(&policy);
-        if self.spec.needs_ref() {
+        if self.needs_ref() {
             cmd.arg("--ref").arg(self.spec.reference_model());
         }
         let log_path = self.run.root.join("daemon.log");
@@ -273,7 +371,7 @@ impl Runner {
                 status.unwrap_or_default(),
                 restarts
             );
-            self.bar.suspend(|| eprintln!("{msg}"));
+            self.console.say(&msg);
             self.daemon = None;
             if *restarts > MAX_DAEMON_RESTARTS {
                 anyhow::bail!(
@@ -346,6 +444,7 @@ impl Runner {
                     "0".into(),
                 ]
                 .into_iter()
+                .chain(self.stages.sync_weights.argv.iter().cloned())
                 .chain(self.daemon_args())
                 .collect(),
             ),
@@ -372,11 +471,7 @@ impl Runner {
             "--out".into(),
             path_arg(&dir.join("rollout.parquet")),
         ];
-        rollout.extend(spec.eval.sampling(&spec.rollout).args());
-        rollout.extend(spec.rollout.shared().args());
-        if let Some(l) = spec.eval.limit {
-            rollout.extend(["--limit".into(), l.to_string()]);
-        }
+        rollout.extend(self.stages.eval.argv.iter().cloned());
         rollout.extend([
             "--seed".into(),
             derive_seed(spec.seed, &[step, 2]).to_string(),
@@ -388,7 +483,7 @@ impl Runner {
             "--out".into(),
             path_arg(&dir.join("scored.parquet")),
         ];
-        score.extend(spec.score.args());
+        score.extend(self.stages.score.argv.iter().cloned());
         score.extend(["--metrics".into(), path_arg(&dir.join("score.json"))]);
         vec![
             Task {
@@ -432,7 +527,7 @@ impl Runner {
             "--out".into(),
             b("rollout"),
         ];
-        rollout.extend(spec.rollout.args());
+        rollout.extend(self.stages.rollout.argv.iter().cloned());
         rollout.extend([
             "--seed".into(),
             derive_seed(spec.seed, &[step, 1]).to_string(),
@@ -448,7 +543,7 @@ impl Runner {
         });
 
         let mut score = vec!["--in".into(), b("rollout"), "--out".into(), b("scored")];
-        score.extend(spec.score.args());
+        score.extend(self.stages.score.argv.iter().cloned());
         score.extend(["--metrics".into(), m("score")]);
         tasks.push(Task {
             name: "score",
@@ -456,12 +551,9 @@ impl Runner {
         });
         let mut last = "scored";
 
-        // Log-probs are taken at the sampling temperature unless [ref-logprob] says otherwise.
-        let mut lp_flags = spec.ref_logprob.clone();
-        if lp_flags.temperature.is_none() {
-            lp_flags.temperature = spec.rollout.temperature;
-        }
-        if spec.needs_ref() {
+        // Log-probs are taken at the sampling temperature (the spec's stage flags carry it).
+        let lp_flags = &self.stages.ref_logprob.argv;
+        if self.needs_ref() {
             let mut args = vec![
                 "--model".into(),
                 path_arg(spec.reference_model()),
@@ -472,7 +564,7 @@ impl Runner {
                 "--column".into(),
                 "ref_logprobs".into(),
             ];
-            args.extend(lp_flags.args());
+            args.extend(lp_flags.iter().cloned());
             args.extend(self.device_args());
             tasks.push(Task {
                 name: "ref",
@@ -480,7 +572,7 @@ impl Runner {
             });
             last = "ref";
         }
-        if spec.needs_old() {
+        if self.needs_old() {
             let mut args = vec![
                 "--model".into(),
                 policy.clone(),
@@ -491,7 +583,7 @@ impl Runner {
                 "--column".into(),
                 "old_logprobs".into(),
             ];
-            args.extend(lp_flags.args());
+            args.extend(lp_flags.iter().cloned());
             args.extend(self.device_args());
             tasks.push(Task {
                 name: "old",
@@ -501,8 +593,8 @@ impl Runner {
         }
 
         let mut adv = vec!["--in".into(), b(last), "--out".into(), b("adv")];
-        adv.extend(spec.advantage.args());
-        if spec.adaptive_kl() {
+        adv.extend(self.stages.advantage.argv.iter().cloned());
+        if self.stages.adaptive_kl() {
             tasks.push(Task {
                 name: "kl-state",
                 action: Action::CopyKlState,
@@ -523,26 +615,16 @@ impl Runner {
             "--out-model".into(),
             path_arg(&run.ckpt(step)),
         ];
-        let mut update_flags = spec.update.clone();
-        // The trainer's log-probs are taken at the sampling temperature, as rollout's were.
-        if update_flags.temperature.is_none() {
-            update_flags.temperature = spec.rollout.temperature;
-        }
-        // A cosine schedule spans the run unless told otherwise.
-        if update_flags.lr_schedule.as_deref() == Some("cosine")
-            && update_flags.total_steps.is_none()
-        {
-            update_flags.total_steps = Some(spec.steps);
-        }
-        update.extend(update_flags.args());
+        // With the sampling temperature and a cosine schedule's horizon (see `Stages`).
+        update.extend(self.stages.update.argv.iter().cloned());
         update.extend([
             "--seed".into(),
             derive_seed(spec.seed, &[step, 3]).to_string(),
             "--metrics".into(),
             m("update"),
         ]);
-        if !self.saves_optimizer(step) {
-            update.push("--skip-optimizer-state".into());
+        if !self.writes_checkpoint(step) {
+            update.push("--resident".into());
         }
         update.extend(self.device_args());
         tasks.push(Task {
@@ -563,6 +645,7 @@ impl Runner {
                     step.to_string(),
                 ]
                 .into_iter()
+                .chain(self.stages.sync_weights.argv.iter().cloned())
                 .chain(self.daemon_args())
                 .collect(),
             ),
@@ -581,12 +664,13 @@ impl Runner {
         tasks
     }
 
-    /// Whether step `step`'s checkpoint holds the optimizer state. Stages run as processes
-    /// need it every step (the next `update` reads it); the daemon keeps it in memory and
-    /// writes it on the checkpoint cadence and at the last step, as verl's save_freq does
-    /// (~12 bytes per parameter: 6 GB at 0.5B). A dead daemon is restarted from the newest
-    /// checkpoint that has it ([`Runner::rewind`]).
-    fn saves_optimizer(&self, step: u64) -> bool {
+    /// Whether step `step`'s update writes its checkpoint as files (weights and optimizer
+    /// state). Stages run as processes need them every step (the next `update` reads them);
+    /// the daemon keeps the policy in memory (`update --resident`: no weight write, no read
+    /// back) and writes it on the checkpoint cadence and at the last step, as verl's save_freq
+    /// does (the optimizer state alone is ~12 bytes per parameter: 6 GB at 0.5B). A dead
+    /// daemon is restarted from the newest checkpoint written as files ([`Runner::rewind`]).
+    fn writes_checkpoint(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
         !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
     }
@@ -705,14 +789,20 @@ impl Runner {
         let plan = self.plan();
         self.check_bins(&plan)?;
         let total = self.spec.steps;
-        self.bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        self.bar.set_style(
+        // Drawn only on a terminal; piped, the step lines are the progress.
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        bar.set_style(
             ProgressStyle::with_template(
                 "{bar:30} step {pos}/{len} [{elapsed_precise}<{eta}] {msg}",
             )
             .expect("valid template"),
         );
-        self.bar.set_position(self.state.steps_done.min(total));
+        bar.set_position(self.state.steps_done.min(total));
+        if Console::is_terminal() {
+            bar.enable_steady_tick(std::time::Duration::from_secs(1));
+        }
+        self.console.bar = bar;
+        self.console.start_clock(self.state.steps_done);
         let mut plan = plan;
         let mut rewinds = 0;
         let result = loop {
@@ -735,14 +825,13 @@ impl Runner {
         };
         // Stop the daemon whether the run finished or failed: no process outlives the runner.
         self.stop_daemon();
-        result?;
-        self.bar.finish_and_clear();
-        Ok(())
+        self.console.bar.finish_and_clear();
+        result
     }
 
     /// After the daemon died: the step to go back to when the checkpoint the run continues
-    /// from (this step's update output once that ran, else the policy) had its optimizer
-    /// state only in the daemon's memory. That is the newest finished step whose checkpoint is
+    /// from (this step's update output once that ran, else the policy) had its weights or
+    /// optimizer state only in the daemon's memory (a resident directory). That is the newest finished step whose checkpoint is
     /// complete, or step 0 (the initial model, where a fresh optimizer started the run).
     /// Returns that step and the step whose state was lost.
     fn rewind_target(&self, step: u64) -> Result<Option<Rewind>> {
@@ -754,7 +843,7 @@ impl Runner {
         let (frontier, lost) = if update_done {
             (self.run.ckpt(step), step)
         } else if self.run.policy().exists() {
-            let policy = crate::engine::stage::common::resolve_model(&self.run.policy())?;
+            let policy = crate::stage::common::resolve_model(&self.run.policy())?;
             (policy.dir, policy.policy_version)
         } else {
             return Ok(None);
@@ -778,9 +867,9 @@ impl Runner {
     /// it run again (deterministically: their seeds derive from the step).
     fn rewind(&mut self, to: u64, lost: u64) -> Result<()> {
         let msg = format!(
-            "pipeline: the optimizer state after step {lost} was only in the daemon's memory; going back to step {to}, the last checkpoint that has it"
+            "pipeline: the policy after step {lost} (weights and optimizer state) was only in the daemon's memory; going back to step {to}, the last checkpoint written as files"
         );
-        self.bar.suspend(|| eprintln!("{msg}"));
+        self.console.say(&msg);
         let from = if to == 0 {
             self.spec.model.path.clone()
         } else {
@@ -792,10 +881,7 @@ impl Runner {
             policy_version: Some(to),
             daemon: None,
         };
-        sync_weights::run_with(
-            args,
-            &mut InProcess(crate::engine::stage::common::Device::Cpu),
-        )?;
+        sync_weights::run(args, &mut InProcess(crate::stage::common::Device::Cpu))?;
         let sampler = Sampler {
             seed: self.spec.seed,
             len: self.state.train_rows,
@@ -808,7 +894,7 @@ impl Runner {
         self.state.sampler = cursor;
         self.state.steps_done = to;
         self.state.current = None;
-        self.bar.set_position(to);
+        self.console.bar.set_position(to);
         self.run.save_state(&self.state)
     }
 
@@ -823,7 +909,8 @@ impl Runner {
     }
 
     fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
-        self.bar
+        self.console
+            .bar
             .set_message(format!("{} ({})", task.name, step_name(step)));
         let t0 = Instant::now();
         match &task.action {
@@ -834,17 +921,21 @@ impl Runner {
             Action::EvalSummary => {
                 let line =
                     metrics::eval_line(step, &self.run.eval_dir(step).join("scored.parquet"))?;
-                put_jsonl_step(
+                metrics::put_line(
                     &self.run.eval_path(),
                     step,
                     &serde_json::Value::Object(line.clone()),
                 )?;
                 let acc = line.get("accuracy").and_then(|v| v.as_f64()).unwrap_or(0.0);
-                let msg = format!(
-                    "eval step {step}: accuracy {acc:.3} on {} rows",
-                    line["rows"]
-                );
-                self.bar.suspend(|| eprintln!("{msg}"));
+                let note = format!("eval acc {acc:.3} ({} rows)", line["rows"]);
+                if step == 0 {
+                    // Step 0 has no metrics line: its evaluation is its line.
+                    let total = self.spec.steps;
+                    self.console
+                        .say(&format!("step 0/{total}  {note} (the initial policy)"));
+                } else {
+                    self.eval_note = Some(note);
+                }
             }
             Action::StepMetrics => self.step_metrics(step)?,
         }
@@ -862,7 +953,7 @@ impl Runner {
                 self.state.init_done = true;
             } else {
                 self.state.steps_done = step;
-                self.bar.set_position(step);
+                self.console.bar.set_position(step);
             }
         }
         self.run.save_state(&self.state)
@@ -904,7 +995,7 @@ impl Runner {
     }
 
     fn run_stage(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
-        let via_daemon = self.spec.daemon && DAEMON_STAGES.contains(&bin);
+        let via_daemon = self.spec.daemon && stage::def(bin).is_some_and(|d| d.takes("daemon"));
         if !via_daemon {
             return self.run_stage_once(step, task, bin, args);
         }
@@ -917,7 +1008,7 @@ impl Runner {
                 // (which loads the current policy); any other failure stops the run.
                 Err(e) if self.daemon_gone() => {
                     let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
-                    self.bar.suspend(|| eprintln!("{msg}"));
+                    self.console.say(&msg);
                     if let Some(r) = self.rewind_target(step)? {
                         return Err(r.into());
                     }
@@ -952,31 +1043,57 @@ impl Runner {
         cmd.args(args).stdin(Stdio::null());
         die_with_parent(&mut cmd);
         let header = if task == bin {
-            format!("[{}] {bin}", step_name(step))
+            format!("[{}] {bin}: {line}", step_name(step))
         } else {
-            format!("[{}] {task}: {bin}", step_name(step))
+            format!("[{}] {task}: {line}", step_name(step))
         };
-        let status = self.bar.suspend(|| {
-            eprintln!("{header}");
-            cmd.status()
-        });
-        let status = status.with_context(|| format!("starting {}", program.display()))?;
-        if status.success() {
+        self.console.detail(&header);
+        let out = self
+            .console
+            .run(&mut cmd)
+            .with_context(|| format!("starting {}", program.display()))?;
+        if out.status.success() {
             return Ok(());
         }
-        let what = match status.code() {
+        let what = match out.status.code() {
             Some(c) => format!("exit code {c}"),
             None => "killed by a signal".to_string(),
         };
+        let tail: Vec<String> = out.tail.iter().map(|l| format!("  | {l}")).collect();
+        let shown = match self.console.log_path() {
+            Some(p) => format!("its output ended with (all of it in {}):", p.display()),
+            None => "its output ended with:".to_string(),
+        };
+        let bad_input = out.status.code() == Some(2);
+        // A stage that refused its input needs a fix in the spec (or in a file it names): the
+        // run continues under the edited spec only when told so. Otherwise the same command
+        // continues it.
+        let next = match bad_input {
+            true => format!(
+                "Fix the cause (a value in the spec, or the file named above), then continue the run from this stage with:\n  {} --allow-spec-change\n(--allow-spec-change continues under the edited spec and records the edit in {})",
+                self.rerun,
+                self.run.spec_changes_path().display()
+            ),
+            false => format!(
+                "Once the cause is fixed (or to retry), continue the run from this stage with:\n  {}",
+                self.rerun
+            ),
+        };
         let msg = format!(
-            "{}: stage `{bin}` failed ({what}); its message is above. Command:\n  {line}\nFix the cause and rerun the same `pipeline run` to continue from this stage.",
-            step_name(step)
+            "{}: stage `{bin}` failed ({what}); {shown}\n{}\nCommand:\n  {line}\n{next}",
+            step_name(step),
+            tail.join("\n")
         );
-        if status.code() == Some(2) {
+        if bad_input {
             Err(input_error(msg))
         } else {
             Err(anyhow::anyhow!(msg))
         }
+    }
+
+    /// The training set as `preflight::check` read it (sampled from without reading it again).
+    pub fn set_train_set(&mut self, batch: Batch) {
+        self.train = Some(batch);
     }
 
     fn train_batch(&mut self) -> Result<&Batch> {
@@ -1085,7 +1202,7 @@ impl Runner {
             .as_ref()
             .map(|c| c.seconds.clone())
             .unwrap_or_default();
-        let with_ref = if self.spec.needs_ref() {
+        let with_ref = if self.needs_ref() {
             Some(run.batch(step, "ref"))
         } else {
             None
@@ -1102,9 +1219,16 @@ impl Runner {
             ],
             seconds: &seconds,
         })?;
-        let text = metrics::summary_text(&line, self.spec.steps);
-        put_jsonl_step(&run.metrics_path(), step, &serde_json::Value::Object(line))?;
-        self.bar.suspend(|| eprintln!("{text}"));
+        let total = self.spec.steps;
+        let mut text = metrics::summary_text(&line, total);
+        if let Some(note) = self.eval_note.take() {
+            text += &format!("  {note}");
+        }
+        if let Some(eta) = self.console.eta(step, total) {
+            text += &format!("  ETA {}", short_duration(eta));
+        }
+        metrics::put_line(&run.metrics_path(), step, &serde_json::Value::Object(line))?;
+        self.console.say(&text);
         Ok(())
     }
 }
@@ -1129,29 +1253,6 @@ pub fn kept_checkpoints(
     keep
 }
 
-/// Have the kernel kill the stage when the runner dies (Linux), so that a killed runner
-/// never leaves a stage writing into the run directory behind the resumed one.
-fn die_with_parent(cmd: &mut std::process::Command) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::process::CommandExt;
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) run in the child.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The parent may have died before prctl took effect.
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1162,6 +1263,130 @@ mod tests {
         assert_eq!(shell_quote("cmd:python3 r.py"), "'cmd:python3 r.py'");
         assert_eq!(shell_quote("it's"), "'it'\\''s'");
         assert_eq!(shell_quote(""), "''");
+    }
+
+    const SPEC: &str = "steps = 2\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nval = \"v.parquet\"\nprompts-per-step = 4\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[eval]\nevery = 1\n";
+
+    fn runner(text: &str) -> Runner {
+        let spec = Spec::parse(text, "t.toml").unwrap_or_else(|e| panic!("{e:#}"));
+        let state = State::default();
+        Runner::new(spec, RunDir::new("r"), PathBuf::from("bin"), state).unwrap()
+    }
+
+    #[test]
+    fn what_a_step_runs_comes_from_the_parsed_flags() {
+        let r = runner(SPEC);
+        assert!(!r.needs_ref() && !r.needs_old());
+        // rollout's own default n is 8: 4 prompts x 8 samples = 32 rows, two mini-batches of 16.
+        let r = runner(&format!("{SPEC}[update]\nmini-batch-size = 16\n"));
+        assert!(r.needs_old());
+        let r = runner(&format!(
+            "{SPEC}[rollout]\nn = 4\n[update]\nmini-batch-size = 16\n"
+        ));
+        assert!(!r.needs_old());
+        let r = runner(&format!(
+            "{SPEC}[update]\nuse-kl-loss = true\nppo-epochs = 2\n"
+        ));
+        assert!(r.needs_ref() && r.needs_old());
+        let text = SPEC.replace(
+            "estimator = \"grpo\"",
+            "estimator = \"grpo\"\nkl-in-reward = true\nkl-ctrl = \"adaptive\"",
+        );
+        let r = runner(&text);
+        assert!(r.needs_ref() && r.needs_old() && r.stages.adaptive_kl());
+        let names: Vec<&str> = r.step_tasks(1).iter().map(|t| t.name).collect();
+        assert_eq!(
+            names,
+            [
+                "prompts",
+                "rollout",
+                "score",
+                "ref",
+                "old",
+                "kl-state",
+                "advantage",
+                "update",
+                "sync",
+                "prune",
+                "eval-rollout",
+                "eval-score",
+                "eval-summary",
+                "metrics"
+            ]
+        );
+        r.check_commands().unwrap();
+    }
+
+    #[test]
+    fn stage_commands_are_checked_by_the_stages_before_anything_runs() {
+        runner(SPEC).check_commands().unwrap();
+        for (text, want) in [
+            (
+                format!("{SPEC}[rollout]\ntemperature = nan\n"),
+                "[rollout]: --temperature must be a finite number >= 0, got NaN\n  (`rollout` would refuse the runner's command for step-0001: bin/rollout --model r/policy",
+            ),
+            (
+                format!("{SPEC}[rollout]\ntop-p = 1.5\n"),
+                "[rollout]: --top-p must be in (0, 1], got 1.5",
+            ),
+            (
+                format!("{SPEC}top-p = 0\n"),
+                "[rollout] or [eval]: --top-p must be in (0, 1], got 0\n  (`rollout` would refuse the runner's command for step-0000: bin/rollout --model r/policy --in v.parquet",
+            ),
+            (
+                format!("{SPEC}[update]\nlr = -1.0\n"),
+                "[update]: --lr must be a finite number >= 0, got -1",
+            ),
+            (
+                format!("{SPEC}[update]\nbetas = [0.9]\n"),
+                "[update]: --betas takes two numbers in [0, 1)",
+            ),
+            (
+                SPEC.replace("\"exact\"", "\"bogus\""),
+                "[score]: --reward 'bogus': unknown reward; expected gsm8k, math,",
+            ),
+            (
+                SPEC.replace("\"grpo\"", "\"grpo\"\ngamma = 2.0"),
+                "[advantage]: --gamma must be in [0, 1], got 2",
+            ),
+            (
+                format!("{SPEC}[ref-logprob]\nmicro-batch-tokens = 0\n[update]\nuse-kl-loss = true\n"),
+                "[ref-logprob]: --micro-batch-tokens must be >= 1",
+            ),
+        ] {
+            let r = runner(&text);
+            let err = r.check_commands().unwrap_err();
+            assert!(crate::error::is_input_error(&err));
+            let msg = format!("{err:#}");
+            assert!(msg.starts_with(want) || msg.contains(want), "{want:?} not in {msg:?}");
+        }
+    }
+
+    #[test]
+    fn shipped_specs_pass_the_stages_checks() {
+        // Run from the package root, where pipelines/rewards/ is.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                let r = runner(&text);
+                r.check_commands()
+                    .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                // Their rewards resolve (a python: file imports and has its function).
+                let score = &r.stages.score.args;
+                let reward = crate::reward::RewardSpec::parse(&score.reward).unwrap();
+                crate::pipeline::preflight::check_reward(
+                    &reward,
+                    &score.config().unwrap().options,
+                    "",
+                )
+                .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                n += 1;
+            }
+        }
+        assert!(n >= 3);
     }
 
     #[test]

@@ -1,222 +1,36 @@
 //! The pipeline spec: `pipelines/NAME.toml`.
 //!
-//! Top-level keys (`seed`, `steps`, `device`, `daemon`) come first, then one table per concern:
-//! `[model]`, `[data]`, one table per stage (`[rollout]`, `[score]`, `[ref-logprob]`,
-//! `[advantage]`, `[update]`) whose keys are exactly that stage's flags without the leading
-//! `--`, then `[eval]` and `[checkpoint]`. Flags the runner owns (`--model`, `--in`, `--out`,
-//! `--seed`, `--metrics`, `--out-model`, `--kl-state`, `--column`, `--device`) are not keys.
-//! An unknown key is an error naming the line and the closest valid key.
+//! Top-level keys (`seed`, `steps`, `device`, `daemon`, `batch-invariant`) come first, then one
+//! table per concern: `[model]`, `[data]`, one table per stage (`[rollout]`, `[score]`,
+//! `[ref-logprob]`, `[advantage]`, `[update]`, `[sync-weights]`), then `[eval]` and
+//! `[checkpoint]`.
+//!
+//! A stage table's keys are that stage's flags without the leading `--`, and nothing here lists
+//! them: each key is looked up by long name in the stage's own clap command
+//! (`crate::stage::STAGES`), its value becomes command-line arguments as the flag's definition
+//! takes them (a switch for `true`, a value, a repeated flag or a comma-joined list for an
+//! array), and the arguments are parsed by the stage's own parser when the spec is loaded. So a
+//! new stage flag is a spec key with no edit here, a bad value is an error naming the spec key
+//! before anything runs, and what the runner needs to know (samples per prompt, epochs, the KL
+//! controller) it reads from the parsed flags ([`Stages`]). Flags the runner sets itself
+//! (`--model`, `--in`, `--out`, `--seed`, `--metrics`, `--device`...) are not keys. An unknown
+//! key is an error naming the line and the closest valid key.
 
 use crate::bail_input;
 use crate::error::input_error;
+use crate::stage::advantage::{AdvantageArgs, Ctrl};
+use crate::stage::ref_logprob::RefLogprobArgs;
+use crate::stage::rollout::RolloutArgs;
+use crate::stage::score::ScoreArgs;
+use crate::stage::sync_weights::SyncWeightsArgs;
+use crate::stage::update::UpdateArgs;
+use crate::stage::{self, clap_message, StageDef};
 use anyhow::Result;
+use clap::error::{ContextKind, ContextValue};
+use clap::{Arg, ArgAction, Command, FromArgMatches};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-/// How one spec value is passed on a stage's command line.
-pub trait FlagValue {
-    /// The arguments for `--name` with this value (empty when a switch is off).
-    fn flag_args(&self, name: &str) -> Vec<String>;
-}
-
-macro_rules! impl_flag_value {
-    ($($t:ty),*) => {$(
-        impl FlagValue for $t {
-            fn flag_args(&self, name: &str) -> Vec<String> {
-                vec![format!("--{name}"), self.to_string()]
-            }
-        }
-    )*};
-}
-impl_flag_value!(f64, i64, u64, String, bool);
-
-/// A repeatable flag (`stop = ["a", "b"]` gives `--stop a --stop b`).
-impl FlagValue for Vec<String> {
-    fn flag_args(&self, name: &str) -> Vec<String> {
-        self.iter()
-            .flat_map(|v| [format!("--{name}"), v.clone()])
-            .collect()
-    }
-}
-
-/// A comma-separated list flag (`stop-token-ids = [1, 2]` gives `--stop-token-ids 1,2`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct CommaList(pub Vec<u64>);
-
-impl FlagValue for CommaList {
-    fn flag_args(&self, name: &str) -> Vec<String> {
-        if self.0.is_empty() {
-            return Vec::new();
-        }
-        let items: Vec<String> = self.0.iter().map(u64::to_string).collect();
-        vec![format!("--{name}"), items.join(",")]
-    }
-}
-
-/// A flag that takes no value (`--kl-in-reward`): present when true.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Switch(pub bool);
-
-impl FlagValue for Switch {
-    fn flag_args(&self, name: &str) -> Vec<String> {
-        if self.0 {
-            vec![format!("--{name}")]
-        } else {
-            Vec::new()
-        }
-    }
-}
-
-/// A struct of optional stage flags: the TOML key is the flag name, and `args()` gives the
-/// command-line arguments of the keys that were set, in declaration order.
-macro_rules! stage_flags {
-    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $field:ident : $ty:ty),* $(,)? }) => {
-        $(#[$m])*
-        #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-        #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-        pub struct $name {
-            $($(#[$fm])* #[serde(default, skip_serializing_if = "Option::is_none")]
-            pub $field: Option<$ty>,)*
-        }
-
-        impl $name {
-            /// Command-line arguments for the keys that are set.
-            pub fn args(&self) -> Vec<String> {
-                let mut out = Vec::new();
-                $(if let Some(v) = &self.$field {
-                    out.extend(v.flag_args(&stringify!($field).replace('_', "-")));
-                })*
-                out
-            }
-        }
-    };
-}
-
-stage_flags!(
-    /// `[rollout]`: flags of the `rollout` stage for training rollouts.
-    RolloutFlags {
-        n: u64,
-        temperature: f64,
-        top_p: f64,
-        top_k: i64,
-        max_new_tokens: u64,
-        max_prompt_tokens: u64,
-        truncate: String,
-        raw_prompt: Switch,
-        stop: Vec<String>,
-        stop_token_ids: CommaList,
-        ignore_eos: Switch,
-        prompt_key: String,
-        batch_size: u64,
-        max_num_seqs: u64,
-        max_batched_tokens: u64,
-        gpu_memory_fraction: f64,
-    }
-);
-
-impl RolloutFlags {
-    /// The flags that are not sampling parameters (prompt handling, stops, batch size): the
-    /// eval rollout uses them as they are.
-    pub fn shared(&self) -> RolloutFlags {
-        RolloutFlags {
-            n: None,
-            temperature: None,
-            top_p: None,
-            top_k: None,
-            max_new_tokens: None,
-            max_prompt_tokens: None,
-            ..self.clone()
-        }
-    }
-}
-
-stage_flags!(
-    /// `[score]`: flags of the `score` stage (used for eval too).
-    ScoreFlags {
-        reward: String,
-        format_score: f64,
-        gsm8k_method: String,
-        timeout_ms: u64,
-        run_timeout_ms: u64,
-        python: String,
-        reward_kwargs: String,
-    }
-);
-
-stage_flags!(
-    /// `[ref-logprob]`: flags of the `ref-logprob` stage (the runner sets `--model` and
-    /// `--column`).
-    RefLogprobFlags {
-        temperature: f64,
-        entropy: Switch,
-        micro_batch_tokens: u64,
-    }
-);
-
-stage_flags!(
-    /// `[advantage]`: flags of the `advantage` stage (the runner sets `--kl-state` when the
-    /// adaptive controller is on).
-    AdvantageFlags {
-        estimator: String,
-        gamma: f64,
-        lam: f64,
-        norm_by_std: bool,
-        epsilon: f64,
-        kl_in_reward: Switch,
-        kl_penalty: String,
-        kl_coef: f64,
-        kl_ctrl: String,
-        kl_target: f64,
-        kl_horizon: u64,
-    }
-);
-
-stage_flags!(
-    /// `[update]`: flags of the `update` stage.
-    UpdateFlags {
-        loss: String,
-        clip_ratio: f64,
-        clip_ratio_low: f64,
-        clip_ratio_high: f64,
-        clip_ratio_c: f64,
-        loss_agg_mode: String,
-        entropy_coeff: f64,
-        use_kl_loss: Switch,
-        kl_loss_coef: f64,
-        kl_loss_type: String,
-        rollout_is: String,
-        rollout_is_threshold: f64,
-        ppo_epochs: u64,
-        mini_batch_size: u64,
-        micro_batch_tokens: u64,
-        temperature: f64,
-        lr: f64,
-        lr_warmup_steps: u64,
-        lr_schedule: String,
-        total_steps: u64,
-        min_lr_ratio: f64,
-        weight_decay: f64,
-        grad_clip: f64,
-        betas: String,
-        adam_eps: f64,
-        loss_scale_factor: f64,
-        shuffle: Switch,
-    }
-);
-
-stage_flags!(
-    /// The sampling flags of the evaluation rollout (inside `[eval]`).
-    EvalSampling {
-        n: u64,
-        temperature: f64,
-        top_p: f64,
-        top_k: i64,
-        max_new_tokens: u64,
-        max_prompt_tokens: u64,
-    }
-);
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -260,11 +74,12 @@ pub struct DataSpec {
     pub shuffle: bool,
 }
 
-/// `[eval]`: cadence and sampling of evaluation on `data.val`. The sampling keys are the
-/// `rollout` flags; unset ones default to greedy decoding of one sample (`n = 1`,
-/// `top-k = 1`), with `max-new-tokens` and `max-prompt-tokens` taken from `[rollout]`.
+/// `[eval]`: cadence of evaluation on `data.val`, and the evaluation rollout's flags: `limit`
+/// and any `[rollout]` key. The sampling keys (`n`, `temperature`, `top-p`, `top-k`) default to
+/// greedy decoding of one sample (`n = 1`, `top-k = 1`, or all tokens when a temperature is
+/// set); the other keys default to `[rollout]`'s.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(rename_all = "kebab-case")]
 pub struct EvalSpec {
     /// Evaluate after every `every` steps (0: never).
     #[serde(default)]
@@ -272,21 +87,9 @@ pub struct EvalSpec {
     /// Also evaluate the initial model (step 0) when `every` > 0.
     #[serde(default = "yes")]
     pub at_start: bool,
-    /// Evaluate only the first `limit` validation prompts.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub limit: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub n: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub temperature: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_p: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_k: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_new_tokens: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_prompt_tokens: Option<u64>,
+    /// The rollout flags (checked by [`Spec::stages`]).
+    #[serde(flatten)]
+    pub rollout: toml::Table,
 }
 
 impl Default for EvalSpec {
@@ -294,31 +97,7 @@ impl Default for EvalSpec {
         EvalSpec {
             every: 0,
             at_start: true,
-            limit: None,
-            n: None,
-            temperature: None,
-            top_p: None,
-            top_k: None,
-            max_new_tokens: None,
-            max_prompt_tokens: None,
-        }
-    }
-}
-
-impl EvalSpec {
-    /// The eval rollout's sampling, defaults filled in from greedy and from `[rollout]`.
-    pub fn sampling(&self, train: &RolloutFlags) -> EvalSampling {
-        EvalSampling {
-            n: Some(self.n.unwrap_or(1)),
-            temperature: self.temperature,
-            top_p: self.top_p,
-            // Greedy unless the user asked for sampling: top-k 1 is greedy at any temperature.
-            top_k: Some(
-                self.top_k
-                    .unwrap_or(if self.temperature.is_some() { -1 } else { 1 }),
-            ),
-            max_new_tokens: self.max_new_tokens.or(train.max_new_tokens),
-            max_prompt_tokens: self.max_prompt_tokens.or(train.max_prompt_tokens),
+            rollout: toml::Table::new(),
         }
     }
 }
@@ -352,7 +131,8 @@ fn one() -> u64 {
     1
 }
 
-/// A whole pipeline spec.
+/// A whole pipeline spec, as written. Stage tables hold flag names and TOML values;
+/// [`Spec::stages`] checks them against the stages and turns them into arguments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct Spec {
@@ -374,18 +154,308 @@ pub struct Spec {
     pub model: ModelSpec,
     pub data: DataSpec,
     #[serde(default)]
-    pub rollout: RolloutFlags,
-    pub score: ScoreFlags,
+    pub rollout: toml::Table,
+    pub score: toml::Table,
     #[serde(default)]
-    pub ref_logprob: RefLogprobFlags,
+    pub ref_logprob: toml::Table,
     #[serde(default)]
-    pub advantage: AdvantageFlags,
+    pub advantage: toml::Table,
     #[serde(default)]
-    pub update: UpdateFlags,
+    pub update: toml::Table,
+    #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
+    pub sync_weights: toml::Table,
     #[serde(default)]
     pub eval: EvalSpec,
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+}
+
+/// A stage's flags from the spec: the arguments the runner passes it (in the stage's
+/// declaration order; the runner's own flags come after) and what the stage's parser made of
+/// them (the runner's own flags hold placeholders there).
+#[derive(Clone, Debug)]
+pub struct Flags<A> {
+    pub argv: Vec<String>,
+    pub args: A,
+}
+
+/// Every stage's flags from a spec, parsed by the stages' own parsers.
+#[derive(Clone, Debug)]
+pub struct Stages {
+    pub rollout: Flags<RolloutArgs>,
+    pub score: Flags<ScoreArgs>,
+    /// With `--temperature` of the rollout when `[rollout]` sets one and `[ref-logprob]` not.
+    pub ref_logprob: Flags<RefLogprobArgs>,
+    pub advantage: Flags<AdvantageArgs>,
+    /// With `--temperature` as for ref-logprob, and `--total-steps` = `steps` for a cosine
+    /// schedule without one.
+    pub update: Flags<UpdateArgs>,
+    pub sync_weights: Flags<SyncWeightsArgs>,
+    /// The evaluation rollout: `[rollout]` without its sampling keys, the greedy defaults, then
+    /// `[eval]`.
+    pub eval: Flags<RolloutArgs>,
+}
+
+impl Stages {
+    /// Whether `advantage` adapts its KL coefficient (kept in a state file from step to step).
+    pub fn adaptive_kl(&self) -> bool {
+        let a = &self.advantage.args;
+        a.kl_in_reward && a.kl_ctrl == Ctrl::Adaptive
+    }
+}
+
+/// The rollout flags the evaluation does not take from `[rollout]`: it decodes greedily unless
+/// `[eval]` says otherwise.
+const EVAL_SAMPLING: [&str; 4] = ["n", "temperature", "top-p", "top-k"];
+
+/// Where a spec comes from, for messages: `FILE:LINE:COL` of a key when the text is at hand.
+#[derive(Clone, Copy)]
+pub struct Source<'a> {
+    pub origin: &'a str,
+    pub text: Option<&'a str>,
+}
+
+impl Source<'_> {
+    /// `origin:LINE:COL` of `key` in `[table]`, or `origin` when it is not found.
+    fn at(&self, table: &str, key: &str) -> String {
+        match self.text.and_then(|t| key_position(t, table, key)) {
+            Some((line, col)) => format!("{}:{line}:{col}", self.origin),
+            None => self.origin.to_string(),
+        }
+    }
+}
+
+/// The line and column of `key = ...` under the header `[table]` (spec files write one key per
+/// line, as every file in pipelines/ does).
+fn key_position(text: &str, table: &str, key: &str) -> Option<(usize, usize)> {
+    let mut current = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let code = line.split('#').next().unwrap_or_default();
+        let t = code.trim();
+        if let Some(name) = t.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            current = name.trim().to_string();
+            continue;
+        }
+        let Some((k, _)) = t.split_once('=') else {
+            continue;
+        };
+        if current == table && k.trim().trim_matches('"') == key {
+            return Some((i + 1, line.len() - line.trim_start().len() + 1));
+        }
+    }
+    None
+}
+
+/// The command-line arguments for `--long` with a spec value, as the flag takes it, and the
+/// scalar values its parser reads. A value starting with `-` goes as `--long=VALUE` where the
+/// flag does not take negative numbers, so that it is not read as a flag.
+fn value_args(
+    arg: &Arg,
+    long: &str,
+    v: &toml::Value,
+) -> Result<(Vec<String>, Vec<String>), String> {
+    let flag = format!("--{long}");
+    if !arg.get_action().takes_values() {
+        return match v {
+            toml::Value::Boolean(true) => Ok((vec![flag], Vec::new())),
+            toml::Value::Boolean(false) => Ok((Vec::new(), Vec::new())),
+            _ => Err("the flag is a switch: write true or false".into()),
+        };
+    }
+    let scalar = |v: &toml::Value| match v {
+        toml::Value::String(s) => Ok(s.clone()),
+        toml::Value::Integer(i) => Ok(i.to_string()),
+        toml::Value::Float(f) => Ok(f.to_string()),
+        toml::Value::Boolean(b) => Ok(b.to_string()),
+        _ => Err("takes a string, a number or true/false".to_string()),
+    };
+    let hyphen_ok = arg.is_allow_negative_numbers_set() || arg.is_allow_hyphen_values_set();
+    let pair = |x: &str| match x.starts_with('-') && !hyphen_ok {
+        true => vec![format!("{flag}={x}")],
+        false => vec![flag.clone(), x.to_string()],
+    };
+    let toml::Value::Array(items) = v else {
+        let x = scalar(v)?;
+        return Ok((pair(&x), vec![x]));
+    };
+    let values = items.iter().map(scalar).collect::<Result<Vec<_>, _>>()?;
+    let args = match (arg.get_value_delimiter(), arg.get_action()) {
+        (None, ArgAction::Append) => values.iter().flat_map(|x| pair(x)).collect(),
+        (None, _) => return Err("takes one value, not a list".into()),
+        _ if values.is_empty() => Vec::new(),
+        (Some(d), _) => pair(&values.join(&d.to_string())),
+    };
+    Ok((args, values))
+}
+
+/// What the parsed flags hold for a flag the runner sets per step (a path, a seed).
+const RUNNER_SETS: &str = "(set by the runner)";
+
+/// One flag set from the spec.
+struct Entry {
+    long: String,
+    args: Vec<String>,
+    /// `[table] key = value` that set it, for messages (None: derived by the runner).
+    from: Option<String>,
+    /// Where that key is (`FILE:LINE:COL`).
+    at: String,
+}
+
+/// One stage's flags being assembled from spec tables.
+struct FlagSet {
+    def: &'static StageDef,
+    cmd: Command,
+    /// By the position of the flag in the stage's declaration (the order of the command line).
+    set: BTreeMap<usize, Entry>,
+}
+
+impl FlagSet {
+    fn new(name: &str) -> FlagSet {
+        let def = stage::def(name).unwrap_or_else(|| panic!("{name} is not in stage::STAGES"));
+        FlagSet {
+            def,
+            cmd: (def.command)(),
+            set: BTreeMap::new(),
+        }
+    }
+
+    /// The flag a key names (its long name or an alias) and its position.
+    fn find(&self, key: &str) -> Option<(usize, &Arg)> {
+        self.cmd.get_arguments().enumerate().find(|(_, a)| {
+            a.get_long() == Some(key) || a.get_all_aliases().is_some_and(|al| al.contains(&key))
+        })
+    }
+
+    fn runner_owned(&self, long: &str, allow: &[&str]) -> bool {
+        self.def.runner_owned.contains(&long) && !allow.contains(&long)
+    }
+
+    /// Adds every key of the table `[name]`. `allow` are runner-owned flags this table may set
+    /// (`limit` in `[eval]`), `others` the table's keys that are not flags (for suggestions).
+    fn add_table(
+        &mut self,
+        table: &toml::Table,
+        name: &str,
+        allow: &[&str],
+        others: &[&str],
+        src: &Source,
+    ) -> Result<()> {
+        let mut mine: BTreeMap<usize, &str> = BTreeMap::new();
+        for (key, value) in table {
+            let at = src.at(name, key);
+            let Some((index, arg)) = self.find(key) else {
+                let mut valid: Vec<String> = others.iter().map(|s| s.to_string()).collect();
+                valid.extend(self.cmd.get_arguments().filter_map(|a| {
+                    let long = a.get_long()?;
+                    (!self.runner_owned(long, allow)).then(|| long.to_string())
+                }));
+                let hint = match closest(key, &valid) {
+                    Some(best) => format!("did you mean `{best}`?"),
+                    None => format!("valid keys here: {}", valid.join(", ")),
+                };
+                bail_input!("{at}: unknown key `{key}`: {hint}");
+            };
+            let long = arg.get_long().expect("found by its long name").to_string();
+            if self.runner_owned(&long, allow) {
+                bail_input!(
+                    "{at}: unknown key `{key}`: [{name}] cannot set --{long}: the pipeline runner sets it for `{}`",
+                    self.def.name
+                );
+            }
+            if let Some(other) = mine.insert(index, key) {
+                bail_input!("{at}: [{name}] sets --{long} twice (`{other}` and `{key}`)");
+            }
+            let from = format!("[{name}] {key} = {value}");
+            let (args, _) = value_args(arg, &long, value)
+                .map_err(|e| input_error(format!("{at}: {from}: {e}")))?;
+            self.set.insert(
+                index,
+                Entry {
+                    long,
+                    args,
+                    from: Some(from),
+                    at,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Sets `--long` to `value` (a value the runner derives; it replaces the tables').
+    fn set(&mut self, long: &str, value: &str) {
+        let (index, arg) = self.find(long).expect("a flag of the stage");
+        let (args, _) = value_args(arg, long, &toml::Value::String(value.into()))
+            .expect("a flag that takes a value");
+        let entry = Entry {
+            long: long.to_string(),
+            args,
+            from: None,
+            at: String::new(),
+        };
+        self.set.insert(index, entry);
+    }
+
+    fn has(&self, long: &str) -> bool {
+        self.set.values().any(|e| e.long == long)
+    }
+
+    fn remove(&mut self, long: &str) {
+        self.set.retain(|_, e| e.long != long);
+    }
+
+    fn argv(&self) -> Vec<String> {
+        self.set.values().flat_map(|e| e.args.clone()).collect()
+    }
+
+    /// A parse error as a message naming the spec key of the flag it is about, when one set it.
+    fn describe(&self, e: &clap::Error, name: &str, src: &Source) -> anyhow::Error {
+        let flag = match e.get(ContextKind::InvalidArg) {
+            Some(ContextValue::String(s)) => s
+                .strip_prefix("--")
+                .map(|s| s.split([' ', '=']).next().unwrap_or_default().to_string()),
+            _ => None,
+        };
+        let entry = flag.and_then(|f| self.set.values().find(|e| e.long == f));
+        match entry {
+            Some(Entry {
+                from: Some(from),
+                at,
+                ..
+            }) => input_error(format!("{at}: {from}: {}", clap_message(e))),
+            _ => input_error(format!("{}: [{name}]: {}", src.origin, clap_message(e))),
+        }
+    }
+
+    /// Parses the arguments with the stage's own parser (the runner's required flags get
+    /// placeholders); `name` is the table named in messages.
+    fn parse<A: FromArgMatches>(&self, name: &str, src: &Source) -> Result<Flags<A>> {
+        let mut line = vec![self.def.name.to_string()];
+        for arg in self.cmd.get_arguments().filter(|a| a.is_required_set()) {
+            let long = arg.get_long().unwrap_or_default();
+            if self.def.runner_owned.contains(&long) {
+                let value = match arg.get_possible_values().first() {
+                    Some(v) => v.get_name().to_string(),
+                    None => RUNNER_SETS.to_string(),
+                };
+                line.extend([format!("--{long}"), value]);
+            } else if !self.has(long) {
+                bail_input!(
+                    "{}: [{name}] needs `{long}` (--{long} of `{}` has no default)",
+                    src.origin,
+                    self.def.name
+                );
+            }
+        }
+        let argv = self.argv();
+        line.extend(argv.iter().cloned());
+        let m = self
+            .cmd
+            .clone()
+            .try_get_matches_from(line)
+            .map_err(|e| self.describe(&e, name, src))?;
+        let args = A::from_arg_matches(&m).map_err(|e| self.describe(&e, name, src))?;
+        Ok(Flags { argv, args })
+    }
 }
 
 impl Spec {
@@ -396,13 +466,18 @@ impl Spec {
         Spec::parse(&text, &path.display().to_string())
     }
 
-    /// Parse spec text; `origin` names it in messages.
+    /// Parse spec text; `origin` names it in messages. Every stage table goes through its
+    /// stage's parser here.
     pub fn parse(text: &str, origin: &str) -> Result<Spec> {
         let spec: Spec = match toml::from_str(text) {
             Ok(s) => s,
             Err(e) => return Err(input_error(describe_toml_error(text, origin, &e))),
         };
         spec.validate(origin)?;
+        spec.stages(&Source {
+            origin,
+            text: Some(text),
+        })?;
         Ok(spec)
     }
 
@@ -413,50 +488,88 @@ impl Spec {
         if self.data.prompts_per_step == 0 {
             bail_input!("{origin}: [data] prompts-per-step must be at least 1");
         }
-        if self.score.reward.is_none() {
-            bail_input!("{origin}: [score] needs `reward` (e.g. reward = \"gsm8k\")");
-        }
         if self.eval.every > 0 && self.data.val.is_none() {
             bail_input!(
                 "{origin}: [eval] every = {} needs [data] val = \"FILE.parquet\"",
                 self.eval.every
             );
         }
-        for (key, v) in [
-            ("[rollout] temperature", self.rollout.temperature),
-            ("[rollout] top-p", self.rollout.top_p),
-            ("[update] lr", self.update.lr),
-        ] {
-            if let Some(v) = v {
-                if !v.is_finite() || v < 0.0 {
-                    bail_input!("{origin}: {key} = {v} must be a finite number >= 0");
-                }
-            }
-        }
         Ok(())
     }
 
-    /// Whether the step needs reference log-probs: a KL term in the reward or the loss, or a
-    /// separate reference model.
-    pub fn needs_ref(&self) -> bool {
-        self.advantage.kl_in_reward.unwrap_or_default().0
-            || self.update.use_kl_loss.unwrap_or_default().0
-            || self.model.reference.is_some()
-    }
+    /// The stage tables checked against the stages' commands and parsed by their parsers, with
+    /// the values the runner derives from the spec (see [`Stages`]).
+    pub fn stages(&self, src: &Source) -> Result<Stages> {
+        let table = |name: &str, t: &toml::Table| -> Result<FlagSet> {
+            let mut f = FlagSet::new(name);
+            f.add_table(t, name, &[], &[], src)?;
+            Ok(f)
+        };
+        let rollout = table("rollout", &self.rollout)?.parse::<RolloutArgs>("rollout", src)?;
+        // ref-logprob and update take log-probs at the temperature the samples were drawn at
+        // (rollout records it in the batch; a different explicit one is refused there, and
+        // here before anything runs).
+        let sampled = rollout.args.logprob_temperature();
+        let same_temperature = |name: &str, given: f32| -> Result<()> {
+            if given != sampled {
+                bail_input!(
+                    "{}: [{name}] temperature = {given} differs from the rollout's sampling temperature {sampled} ([rollout] temperature; 1 for greedy): log-probs at another temperature give wrong ratios; remove [{name}] temperature",
+                    src.at(name, "temperature")
+                );
+            }
+            Ok(())
+        };
+        let with_sampled = |mut f: FlagSet| {
+            if !f.has("temperature") && self.rollout.contains_key("temperature") {
+                f.set("temperature", &sampled.to_string());
+            }
+            f
+        };
+        let ref_logprob = with_sampled(table("ref-logprob", &self.ref_logprob)?)
+            .parse::<RefLogprobArgs>("ref-logprob", src)?;
+        if let Some(t) = ref_logprob.args.temperature {
+            same_temperature("ref-logprob", t)?;
+        }
 
-    /// Whether `update` takes more than one optimizer step per batch (several epochs or
-    /// mini-batches), or the reward's KL needs them: then the policy's own log-probs before
-    /// the update are computed as `old_logprobs`, as verl does.
-    pub fn needs_old(&self) -> bool {
-        let rows = self.data.prompts_per_step * self.rollout.n.unwrap_or(1);
-        self.update.ppo_epochs.unwrap_or(1) > 1
-            || self.update.mini_batch_size.is_some_and(|m| m < rows)
-            || self.advantage.kl_in_reward.unwrap_or_default().0
-    }
+        let mut update = with_sampled(table("update", &self.update)?);
+        let mut update_flags = update.parse::<UpdateArgs>("update", src)?;
+        // A cosine schedule spans the run unless told otherwise.
+        let a = &update_flags.args;
+        if a.lr_schedule == crate::engine::train::LrSchedule::Cosine && a.total_steps.is_none() {
+            update.set("total-steps", &self.steps.to_string());
+            update_flags = update.parse("update", src)?;
+        }
+        if let Some(t) = update_flags.args.temperature {
+            same_temperature("update", t)?;
+        }
 
-    /// Whether `advantage` keeps its adaptive KL coefficient in a state file.
-    pub fn adaptive_kl(&self) -> bool {
-        self.advantage.kl_ctrl.as_deref() == Some("adaptive")
+        let mut eval = table("rollout", &self.rollout)?;
+        for key in EVAL_SAMPLING {
+            eval.remove(key);
+        }
+        eval.add_table(
+            &self.eval.rollout,
+            "eval",
+            &["limit"],
+            &["every", "at-start"],
+            src,
+        )?;
+        if !eval.has("n") {
+            eval.set("n", "1");
+        }
+        // Greedy unless the user asked for sampling: top-k 1 is greedy at any temperature.
+        if !eval.has("top-k") {
+            eval.set("top-k", if eval.has("temperature") { "-1" } else { "1" });
+        }
+        Ok(Stages {
+            rollout,
+            score: table("score", &self.score)?.parse("score", src)?,
+            ref_logprob,
+            advantage: table("advantage", &self.advantage)?.parse("advantage", src)?,
+            update: update_flags,
+            sync_weights: table("sync-weights", &self.sync_weights)?.parse("sync-weights", src)?,
+            eval: eval.parse("eval", src)?,
+        })
     }
 
     /// The reference model: `[model] ref`, else the initial policy.
@@ -543,6 +656,53 @@ pub fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
+/// One key whose value differs between two specs (`None`: not set).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SpecChange {
+    /// `table.key`, e.g. `update.lr` (top-level keys bare: `seed`).
+    pub key: String,
+    pub from: Option<String>,
+    pub to: Option<String>,
+}
+
+impl Spec {
+    /// What differs from `old`, key by key (TOML text of the values), ignoring `steps` (a run
+    /// may be extended).
+    pub fn changes_from(&self, old: &Spec) -> Vec<SpecChange> {
+        let as_table = |s: &Spec| {
+            let mut s = s.clone();
+            s.steps = 0;
+            toml::Value::try_from(&s).expect("a spec serializes")
+        };
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        leaves(&as_table(old), "", &mut a);
+        leaves(&as_table(self), "", &mut b);
+        let old: BTreeMap<String, String> = a.into_iter().collect();
+        let new: BTreeMap<String, String> = b.into_iter().collect();
+        let mut keys: Vec<&String> = old.keys().chain(new.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        keys.into_iter()
+            .filter(|k| old.get(*k) != new.get(*k))
+            .map(|k| SpecChange {
+                key: k.clone(),
+                from: old.get(k).cloned(),
+                to: new.get(k).cloned(),
+            })
+            .collect()
+    }
+}
+
+/// `update.lr: 0.001 -> 0.01; eval.limit: (unset) -> 8`.
+pub fn describe_changes(changes: &[SpecChange]) -> String {
+    let v = |x: &Option<String>| x.clone().unwrap_or_else(|| "(unset)".into());
+    changes
+        .iter()
+        .map(|c| format!("{}: {} -> {}", c.key, v(&c.from), v(&c.to)))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Every `a.b.c = value` leaf of a TOML table, for comparing two specs key by key.
 pub fn leaves(value: &toml::Value, prefix: &str, out: &mut Vec<(String, String)>) {
     match value {
@@ -563,6 +723,7 @@ pub fn leaves(value: &toml::Value, prefix: &str, out: &mut Vec<(String, String)>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::ArgMatches;
 
     const MINIMAL: &str = r#"
 steps = 3
@@ -573,7 +734,27 @@ train = "data/train.parquet"
 prompts-per-step = 4
 [score]
 reward = "exact"
+[advantage]
+estimator = "grpo"
 "#;
+
+    fn src(text: &str) -> Source<'_> {
+        Source {
+            origin: "t.toml",
+            text: Some(text),
+        }
+    }
+
+    fn stages(text: &str) -> Stages {
+        let s = Spec::parse(text, "t.toml").unwrap_or_else(|e| panic!("{e:#}"));
+        s.stages(&src(text)).unwrap()
+    }
+
+    fn error(text: &str) -> String {
+        let err = Spec::parse(text, "t.toml").unwrap_err();
+        assert!(crate::error::is_input_error(&err), "{err:#}");
+        format!("{err:#}")
+    }
 
     #[test]
     fn minimal_spec_gets_runner_defaults() {
@@ -584,74 +765,97 @@ reward = "exact"
         assert!(s.data.shuffle);
         assert_eq!(s.eval, EvalSpec::default());
         assert_eq!(s.checkpoint.keep_last, 1);
-        assert!(!s.needs_ref());
-        assert!(!s.needs_old());
         assert_eq!(s.reference_model(), Path::new("models/tiny"));
         assert!(!s.batch_invariant);
         let s = Spec::parse(&format!("batch-invariant = true\n{MINIMAL}"), "t.toml").unwrap();
         assert!(s.batch_invariant);
+        // Stage flags left out are the stages' own defaults, read from their parsers.
+        let st = stages(MINIMAL);
+        assert_eq!(st.rollout.args.n, 8);
+        assert_eq!(st.update.args.ppo_epochs, 1);
+        assert!(!st.adaptive_kl());
+        assert_eq!(st.rollout.argv, Vec::<String>::new());
+        assert_eq!(st.advantage.argv, ["--estimator", "grpo"]);
+        assert_eq!(st.eval.argv, ["--n", "1", "--top-k", "1"]);
     }
 
     #[test]
     fn stage_keys_become_flags_in_declaration_order() {
-        let text = format!(
-            "{MINIMAL}\n[advantage]\nestimator = \"grpo\"\nnorm-by-std = false\nkl-in-reward = true\nkl-coef = 0.01\n[update]\nuse-kl-loss = false\nlr = 1e-5\nbetas = \"0.9,0.99\"\n"
-        );
-        let s = Spec::parse(&text, "t.toml").unwrap();
+        let text = MINIMAL.replace(
+            "estimator = \"grpo\"",
+            "kl-coef = 0.01\nkl-in-reward = true\nnorm-by-std = false\nestimator = \"grpo\"\nkl-ctrl = \"adaptive\"",
+        ) + "[update]\nuse-kl-loss = false\nlr = 1e-5\nbetas = \"0.9,0.99\"\n";
+        let st = stages(&text);
         assert_eq!(
-            s.advantage.args(),
-            [
-                "--estimator",
-                "grpo",
-                "--norm-by-std",
-                "false",
-                "--kl-in-reward",
-                "--kl-coef",
-                "0.01"
-            ]
+            st.advantage.argv.join(" "),
+            "--estimator grpo --norm-by-std false --kl-in-reward --kl-coef 0.01 --kl-ctrl adaptive"
         );
         // A switch set to false is left out; floats print in Rust's shortest round-trip form.
-        assert_eq!(s.update.args(), ["--lr", "0.00001", "--betas", "0.9,0.99"]);
-        assert!(s.needs_ref());
-        assert!(s.needs_old());
+        assert_eq!(st.update.argv, ["--lr", "0.00001", "--betas", "0.9,0.99"]);
+        assert!(st.adaptive_kl());
+        assert!(!st.advantage.args.norm_by_std);
+        assert_eq!(st.update.args.betas, [0.9, 0.99]);
+        // A list for a comma-separated flag is joined.
+        let st = stages(&format!("{MINIMAL}[update]\nbetas = [0.8, 0.9]\n"));
+        assert_eq!(st.update.argv, ["--betas", "0.8,0.9"]);
     }
 
     #[test]
     fn unknown_key_suggests_the_closest() {
         let text = MINIMAL.replace("prompts-per-step", "prompt-per-step");
-        let err = Spec::parse(&text, "t.toml").unwrap_err();
-        let msg = format!("{err:#}");
-        assert!(crate::error::is_input_error(&err));
+        let msg = error(&text);
         assert!(
             msg.starts_with("t.toml:7:1: unknown key `prompt-per-step`"),
             "{msg}"
         );
         assert!(msg.contains("did you mean `prompts-per-step`?"), "{msg}");
 
-        // Underscores for dashes, in a stage table.
-        let text = format!("{MINIMAL}[rollout]\nmax_new_tokens = 8\n");
-        let msg = format!("{:#}", Spec::parse(&text, "t.toml").unwrap_err());
+        // Underscores for dashes, in a stage table: the line and the closest flag.
+        let msg = error(&format!("{MINIMAL}[rollout]\nn = 2\nmax_new_tokens = 8\n"));
         assert!(
-            msg.contains("unknown key `max_new_tokens`: did you mean `max-new-tokens`?"),
+            msg.starts_with(
+                "t.toml:14:1: unknown key `max_new_tokens`: did you mean `max-new-tokens`?"
+            ),
             "{msg}"
         );
 
         // Nothing close: list what is valid.
-        let text = format!("{MINIMAL}[checkpoint]\nbananas = 1\n");
-        let msg = format!("{:#}", Spec::parse(&text, "t.toml").unwrap_err());
+        let msg = error(&format!("{MINIMAL}[checkpoint]\nbananas = 1\n"));
         assert!(
             msg.contains("unknown key `bananas`: valid keys here: every, keep-last"),
             "{msg}"
         );
 
         // A runner-owned flag is not a spec key.
-        let text = format!("{MINIMAL}[rollout]\nout = \"x\"\n");
-        let msg = format!("{:#}", Spec::parse(&text, "t.toml").unwrap_err());
-        assert!(msg.contains("unknown key `out`"), "{msg}");
+        for (table, key) in [
+            ("rollout", "out"),
+            ("rollout", "limit"),
+            ("update", "out-model"),
+            ("ref-logprob", "column"),
+            ("advantage", "kl-state"),
+            ("score", "metrics"),
+            ("sync-weights", "policy-version"),
+        ] {
+            let header = format!("[{table}]\n");
+            let line = format!("{key} = \"x\"\n");
+            let text = match MINIMAL.contains(&header) {
+                true => MINIMAL.replace(&header, &format!("{header}{line}")),
+                false => format!("{MINIMAL}{header}{line}"),
+            };
+            let msg = error(&text);
+            assert!(msg.contains(&format!("unknown key `{key}`")), "{msg}");
+            assert!(msg.contains("the pipeline runner sets it"), "{msg}");
+        }
+
+        // [eval]: its own keys and the rollout's, `limit` included.
+        let msg = error(&format!("{MINIMAL}[eval]\nevry = 2\n"));
+        assert!(
+            msg.contains("t.toml:13:1: unknown key `evry`: did you mean `every`?"),
+            "{msg}"
+        );
 
         // Top level.
-        let text = format!("sed = 1\n{MINIMAL}");
-        let msg = format!("{:#}", Spec::parse(&text, "t.toml").unwrap_err());
+        let msg = error(&format!("sed = 1\n{MINIMAL}"));
         assert!(
             msg.contains("t.toml:1:1: unknown key `sed`: did you mean `seed`?"),
             "{msg}"
@@ -659,7 +863,7 @@ reward = "exact"
     }
 
     #[test]
-    fn bad_values_are_input_errors() {
+    fn bad_values_are_input_errors_naming_the_key() {
         let cases = [
             (
                 MINIMAL.replace("steps = 3", "steps = 0"),
@@ -671,7 +875,11 @@ reward = "exact"
             ),
             (
                 MINIMAL.replace("reward = \"exact\"", ""),
-                "[score] needs `reward`",
+                "t.toml: [score] needs `reward`",
+            ),
+            (
+                MINIMAL.replace("estimator = \"grpo\"", ""),
+                "t.toml: [advantage] needs `estimator`",
             ),
             (
                 format!("device = \"tpu\"\n{MINIMAL}"),
@@ -679,20 +887,139 @@ reward = "exact"
             ),
             (format!("{MINIMAL}[eval]\nevery = 2\n"), "needs [data] val"),
             (
-                format!("{MINIMAL}[rollout]\ntemperature = nan\n"),
-                "must be a finite number",
-            ),
-            (
                 MINIMAL.replace("[model]\npath = \"models/tiny\"", ""),
                 "missing field `model`",
             ),
+            (
+                format!("{MINIMAL}[rollout]\ntemperature = \"x\"\n"),
+                "t.toml:13:1: [rollout] temperature = \"x\": invalid value 'x' for '--temperature <TEMPERATURE>': invalid float literal",
+            ),
+            (
+                format!("{MINIMAL}[update]\nloss = \"bogus\"\n"),
+                "t.toml:13:1: [update] loss = \"bogus\": invalid value 'bogus' for '--loss <LOSS>'",
+            ),
+            (
+                MINIMAL.replace("\"grpo\"", "\"ppo\""),
+                "t.toml:11:1: [advantage] estimator = \"ppo\": invalid value 'ppo' for '--estimator <ESTIMATOR>' [possible values: ",
+            ),
+            (
+                format!("{MINIMAL}[rollout]\nraw-prompt = \"yes\"\n"),
+                "[rollout] raw-prompt = \"yes\": the flag is a switch: write true or false",
+            ),
+            (
+                format!("{MINIMAL}[rollout]\ntop-k = [1, 2]\n"),
+                "[rollout] top-k = [1, 2]: takes one value, not a list",
+            ),
+            (
+                format!("{MINIMAL}[rollout]\nstop-token-ids = [1, \"a\"]\n"),
+                "[rollout] stop-token-ids = [1, \"a\"]: invalid value 'a' for '--stop-token-ids",
+            ),
+            (
+                format!("{MINIMAL}[rollout]\nstop = [{{ a = 1 }}]\n"),
+                "takes a string, a number or true/false",
+            ),
+            (
+                format!("{MINIMAL}[eval]\nn = -3\n"),
+                "t.toml:13:1: [eval] n = -3: invalid value '-3' for '--n <N>'",
+            ),
+            (
+                // clap's own rules between flags, after each value parsed.
+                MINIMAL.replace("estimator = \"grpo\"", "estimator = \"grpo\"\nkl-coef = 0.1"),
+                "t.toml: [advantage]: the following required arguments were not provided: --kl-in-reward",
+            ),
+            (
+                format!("{MINIMAL}[rollout]\nbatch-size = 4\nmax-num-seqs = 8\n"),
+                "[rollout] sets --max-num-seqs twice",
+            ),
         ];
         for (text, want) in cases {
-            let err = Spec::parse(&text, "t.toml").unwrap_err();
-            assert!(crate::error::is_input_error(&err));
-            let msg = format!("{err:#}");
+            let msg = error(&text);
             assert!(msg.contains(want), "{want:?} not in {msg:?}");
         }
+    }
+
+    #[test]
+    fn log_probs_are_taken_at_the_sampling_temperature() {
+        // The runner passes the rollout's temperature on, as rollout records it in the batch.
+        let st = stages(&format!("{MINIMAL}[rollout]\ntemperature = 0.7\n"));
+        assert_eq!(st.ref_logprob.argv, ["--temperature", "0.7"]);
+        assert_eq!(st.update.argv, ["--temperature", "0.7"]);
+        assert_eq!(st.update.args.temperature, Some(0.7));
+        // Greedy rollouts record log-probs at temperature 1.
+        let st = stages(&format!("{MINIMAL}[rollout]\ntemperature = 0\n"));
+        assert_eq!(st.update.argv, ["--temperature", "1"]);
+        // The same temperature written twice is fine; another one is refused at its line.
+        stages(&format!(
+            "{MINIMAL}[rollout]\ntemperature = 0.7\n[update]\ntemperature = 0.7\n"
+        ));
+        let msg = error(&format!(
+            "{MINIMAL}[rollout]\ntemperature = 0.7\n[update]\nlr = 0.1\ntemperature = 0.5\n"
+        ));
+        assert!(
+            msg.starts_with("t.toml:16:1: [update] temperature = 0.5 differs from the rollout's sampling temperature 0.7"),
+            "{msg}"
+        );
+        // ... also against rollout's default temperature (1).
+        let msg = error(&format!("{MINIMAL}[ref-logprob]\ntemperature = 2.0\n"));
+        assert!(
+            msg.contains(
+                "[ref-logprob] temperature = 2 differs from the rollout's sampling temperature 1"
+            ),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn cosine_schedule_spans_the_run_unless_told_otherwise() {
+        let st = stages(&format!("{MINIMAL}[update]\nlr-schedule = \"cosine\"\n"));
+        assert_eq!(
+            st.update.argv,
+            ["--lr-schedule", "cosine", "--total-steps", "3"]
+        );
+        assert_eq!(st.update.args.total_steps, Some(3));
+        let st = stages(&format!(
+            "{MINIMAL}[update]\nlr-schedule = \"cosine\"\ntotal-steps = 10\n"
+        ));
+        assert_eq!(st.update.args.total_steps, Some(10));
+    }
+
+    #[test]
+    fn values_that_look_like_flags_stay_values() {
+        // top-k takes negative numbers; temperature does not, so -1 goes as --temperature=-1
+        // (and reaches the stage's own range check instead of being read as a flag).
+        let st = stages(&format!(
+            "{MINIMAL}[rollout]\ntop-k = -1\ntemperature = -1\nstop = [\"-x\", \"y\"]\n"
+        ));
+        assert_eq!(
+            st.rollout.argv.join(" "),
+            "--temperature=-1 --top-k -1 --stop=-x --stop y"
+        );
+        assert_eq!(st.rollout.args.temperature, -1.0);
+        assert_eq!(st.rollout.args.stop, ["-x", "y"]);
+    }
+
+    #[test]
+    fn aliases_are_keys_and_eval_overrides_rollout() {
+        let text = format!(
+            "{MINIMAL}[rollout]\nn = 4\nbatch-size = 16\nmax-new-tokens = 7\nraw-prompt = true\n[eval]\nevery = 2\nlimit = 5\nmax-prompt-tokens = 9\n"
+        )
+        .replace("prompts-per-step = 4", "prompts-per-step = 4\nval = \"v.parquet\"");
+        let st = stages(&text);
+        assert_eq!(st.rollout.args.max_num_seqs, 16);
+        assert_eq!(
+            st.rollout.argv.join(" "),
+            "--n 4 --max-new-tokens 7 --raw-prompt --max-num-seqs 16"
+        );
+        assert_eq!(
+            st.eval.argv.join(" "),
+            "--n 1 --top-k 1 --max-new-tokens 7 --max-prompt-tokens 9 --limit 5 --raw-prompt --max-num-seqs 16"
+        );
+        // A temperature in [eval] samples from all tokens.
+        let st = stages(&text.replace("limit = 5", "temperature = 0.5"));
+        assert_eq!(
+            st.eval.argv[..6],
+            ["--n", "1", "--temperature", "0.5", "--top-k", "-1"]
+        );
     }
 
     #[test]
@@ -704,22 +1031,14 @@ reward = "exact"
         let s = Spec::parse(&text, "t.toml").unwrap();
         let again = Spec::parse(&s.to_toml(), "resolved").unwrap();
         assert_eq!(s, again);
+        let st = stages(&text);
         assert_eq!(
-            s.rollout.args(),
+            st.rollout.argv,
             ["--n", "4", "--top-k", "-1", "--max-new-tokens", "7"]
         );
         assert_eq!(
-            s.eval.sampling(&s.rollout).args(),
-            [
-                "--n",
-                "1",
-                "--top-k",
-                "1",
-                "--max-new-tokens",
-                "7",
-                "--max-prompt-tokens",
-                "9"
-            ]
+            st.eval.argv.join(" "),
+            "--n 1 --top-k 1 --max-new-tokens 7 --max-prompt-tokens 9"
         );
     }
 
@@ -728,7 +1047,7 @@ reward = "exact"
         let text = format!(
             "{MINIMAL}[rollout]\nn = 2\nstop = [\"\\n\", \"###\"]\nstop-token-ids = [7, 9]\nignore-eos = true\n"
         );
-        let s = Spec::parse(&text, "t.toml").unwrap();
+        let st = stages(&text);
         let args = [
             "--n",
             "2",
@@ -740,9 +1059,231 @@ reward = "exact"
             "7,9",
             "--ignore-eos",
         ];
-        assert_eq!(s.rollout.args(), args);
-        assert_eq!(s.rollout.shared().args(), args[2..]);
+        assert_eq!(st.rollout.argv, args);
+        assert_eq!(st.rollout.args.stop_token_ids, [7, 9]);
+        // The eval rollout keeps [rollout]'s stops, decoding greedily.
+        assert_eq!(st.eval.argv[..4], ["--n", "1", "--top-k", "1"]);
+        assert_eq!(st.eval.argv[4..], args[2..]);
+        let s = Spec::parse(&text, "t.toml").unwrap();
         assert_eq!(Spec::parse(&s.to_toml(), "resolved").unwrap(), s);
+    }
+
+    /// The typed flags a stage's parser makes of `m` (a new stage gets a line here).
+    fn typed(name: &str, m: &ArgMatches) -> String {
+        fn of<A: FromArgMatches + std::fmt::Debug>(m: &ArgMatches) -> String {
+            format!("{:?}", A::from_arg_matches(m).unwrap())
+        }
+        match name {
+            "rollout" => of::<RolloutArgs>(m),
+            "score" => of::<ScoreArgs>(m),
+            "ref-logprob" => of::<RefLogprobArgs>(m),
+            "advantage" => of::<AdvantageArgs>(m),
+            "update" => of::<UpdateArgs>(m),
+            "sync-weights" => of::<SyncWeightsArgs>(m),
+            other => panic!("no typed flags for {other}"),
+        }
+    }
+
+    /// The spec's typed flags of stage `name`.
+    fn typed_from_spec(name: &str, st: &Stages) -> String {
+        match name {
+            "rollout" => format!("{:?}", st.rollout.args),
+            "score" => format!("{:?}", st.score.args),
+            "ref-logprob" => format!("{:?}", st.ref_logprob.args),
+            "advantage" => format!("{:?}", st.advantage.args),
+            "update" => format!("{:?}", st.update.args),
+            "sync-weights" => format!("{:?}", st.sync_weights.args),
+            other => panic!("no table for {other}"),
+        }
+    }
+
+    /// Every flag of every stage that the runner does not set is a key of the stage's spec
+    /// table, with no edit of the spec: a sample value reaches the stage as the same parsed
+    /// flags as typing the flag on the stage's command line.
+    #[test]
+    fn every_stage_flag_is_a_spec_key() {
+        let value =
+            |v: &str| toml::from_str::<toml::Table>(&format!("v = {v}")).unwrap()["v"].clone();
+        let text = |v: &toml::Value| match v {
+            toml::Value::String(s) => s.clone(),
+            v => v.to_string(),
+        };
+        let mut checked = 0;
+        for def in stage::STAGES {
+            let cmd = (def.command)();
+            let flag = |long: &str| {
+                cmd.get_arguments()
+                    .find(|a| a.get_long() == Some(long))
+                    .unwrap()
+            };
+            // The stage's command line for spec keys, written here apart from `value_args`.
+            let cli = |keys: &[(&str, String)]| {
+                let mut line = vec![def.name.to_string()];
+                for a in cmd.get_arguments().filter(|a| a.is_required_set()) {
+                    let long = a.get_long().unwrap();
+                    if def.runner_owned.contains(&long) {
+                        let v = a
+                            .get_possible_values()
+                            .first()
+                            .map(|v| v.get_name().to_string());
+                        line.extend([format!("--{long}"), v.unwrap_or(RUNNER_SETS.into())]);
+                    }
+                }
+                for (k, v) in keys {
+                    match value(v) {
+                        toml::Value::Boolean(true) if !flag(k).get_action().takes_values() => {
+                            line.push(format!("--{k}"))
+                        }
+                        toml::Value::Array(items) => {
+                            let items: Vec<String> = items.iter().map(text).collect();
+                            match flag(k).get_value_delimiter() {
+                                Some(d) => {
+                                    line.extend([format!("--{k}"), items.join(&d.to_string())])
+                                }
+                                None => line.extend(
+                                    items.iter().flat_map(|x| [format!("--{k}"), x.clone()]),
+                                ),
+                            }
+                        }
+                        v => line.push(format!("--{k}={}", text(&v))),
+                    }
+                }
+                cmd.clone().try_get_matches_from(line)
+            };
+            // The spec: MINIMAL's tables, with this stage's table holding `keys`.
+            let spec = |keys: &[(&str, String)], extra: &str| {
+                let mut text = MINIMAL
+                    .replace("[score]\nreward = \"exact\"\n", "")
+                    .replace("[advantage]\nestimator = \"grpo\"\n", "");
+                for (t, kv) in [
+                    ("score", "reward = \"exact\""),
+                    ("advantage", "estimator = \"grpo\""),
+                ] {
+                    if def.name != t {
+                        text += &format!("[{t}]\n{kv}\n");
+                    }
+                }
+                text += &format!("[{}]\n", def.name);
+                for (k, v) in keys {
+                    text += &format!("{k} = {v}\n");
+                }
+                text + extra
+            };
+            let required: Vec<(&str, String)> = match def.name {
+                "score" => vec![("reward", "\"exact\"".into())],
+                "advantage" => vec![("estimator", "\"grpo\"".into())],
+                _ => vec![],
+            };
+            // Some flags only count with a switch (advantage's --kl-coef needs --kl-in-reward).
+            let mut switched = required.clone();
+            switched.extend(
+                cmd.get_arguments()
+                    .filter(|a| !a.get_action().takes_values())
+                    .filter_map(|a| a.get_long())
+                    .filter(|l| !def.runner_owned.contains(l))
+                    .map(|l| (l, "true".to_string())),
+            );
+            for arg in cmd.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                if def.runner_owned.contains(&long) {
+                    continue;
+                }
+                let many = matches!(arg.get_action(), ArgAction::Append);
+                let mut candidates: Vec<String> = if !arg.get_action().takes_values() {
+                    vec!["true".into()]
+                } else if !arg.get_possible_values().is_empty() {
+                    arg.get_possible_values()
+                        .iter()
+                        .filter(|p| !p.is_hide_set())
+                        .map(|p| format!("\"{}\"", p.get_name()))
+                        .collect()
+                } else if many {
+                    ["[3, 3]", "[0.25, 0.25]", "[\"x\", \"y\"]"]
+                        .map(String::from)
+                        .to_vec()
+                } else {
+                    ["3", "0.25", "100000", "\"x\""].map(String::from).to_vec()
+                };
+                // A flag parsed by `FromStr` with no default: its values are not listed to clap.
+                if long == "rollout-is" {
+                    candidates.insert(0, "\"sequence\"".into());
+                }
+                // Last: the default, for flags whose values clap does not list (`--loss`).
+                let defaults: Vec<String> = arg
+                    .get_default_values()
+                    .iter()
+                    .map(|d| d.to_string_lossy().into_owned())
+                    .collect();
+                if !defaults.is_empty() {
+                    candidates.push(match many {
+                        true => format!("{defaults:?}"),
+                        false => format!("{:?}", defaults.join(",")),
+                    });
+                }
+                let mut found = None;
+                'search: for context in [&required, &switched] {
+                    let context: Vec<(&str, String)> = context
+                        .iter()
+                        .filter(|(k, _)| *k != long)
+                        .cloned()
+                        .collect();
+                    // None for a flag without a default (score's --reward).
+                    let defaults = cli(&context).ok().map(|m| typed(def.name, &m));
+                    for v in &candidates {
+                        let mut keys = context.clone();
+                        keys.push((long, v.clone()));
+                        // ref-logprob and update take log-probs at the rollout's temperature.
+                        let extra = match (long, def.name) {
+                            ("temperature", "ref-logprob" | "update") => {
+                                format!("[rollout]\ntemperature = {v}\n")
+                            }
+                            _ => String::new(),
+                        };
+                        let text = spec(&keys, &extra);
+                        let (Ok(s), Ok(m)) = (Spec::parse(&text, "t.toml"), cli(&keys)) else {
+                            continue;
+                        };
+                        let st = s.stages(&src(&text)).unwrap();
+                        let parsed = typed_from_spec(def.name, &st);
+                        assert_eq!(
+                            parsed,
+                            typed(def.name, &m),
+                            "[{}] {long} = {v} parses unlike --{long} on the command line",
+                            def.name
+                        );
+                        let argv = match def.name {
+                            "rollout" => &st.rollout.argv,
+                            "score" => &st.score.argv,
+                            "ref-logprob" => &st.ref_logprob.argv,
+                            "advantage" => &st.advantage.argv,
+                            "update" => &st.update.argv,
+                            _ => &st.sync_weights.argv,
+                        };
+                        let dash = format!("--{long}");
+                        assert!(
+                            argv.iter()
+                                .any(|a| *a == dash || a.starts_with(&format!("{dash}="))),
+                            "{argv:?}"
+                        );
+                        // Prefer a value that differs from the stage's default.
+                        let differs = defaults.as_ref() != Some(&parsed);
+                        if found.is_none() || differs {
+                            found = Some(v.clone());
+                        }
+                        if differs {
+                            break 'search;
+                        }
+                    }
+                }
+                assert!(
+                    found.is_some(),
+                    "[{}] {long}: no sample value is accepted as a spec key",
+                    def.name
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 60, "only {checked} flags checked");
     }
 
     #[test]
@@ -772,5 +1313,15 @@ reward = "exact"
         ];
         assert_eq!(closest("los", &valid), Some("loss"));
         assert_eq!(closest("zzzzzzz", &valid), None);
+    }
+
+    #[test]
+    fn key_positions() {
+        let text = "a = 1\n[x]\n  b = 2 # c = 3\n\"c\" = 4\n[y] # t\nb = 5\n";
+        assert_eq!(key_position(text, "x", "b"), Some((3, 3)));
+        assert_eq!(key_position(text, "x", "c"), Some((4, 1)));
+        assert_eq!(key_position(text, "y", "b"), Some((6, 1)));
+        assert_eq!(key_position(text, "", "a"), Some((1, 1)));
+        assert_eq!(key_position(text, "y", "c"), None);
     }
 }

@@ -28,8 +28,13 @@ fn maximum(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
     }
 }
 
+/// PPO clip for one token, the one host definition: `algo::policy_loss`'s registered `vanilla`
+/// loss calls it, [`ppo_clip_loss`] runs it, and the CUDA kernel is checked against that op.
+/// PPO (Schulman et al. 2017, arXiv:1707.06347) with clip-higher (lo ≠ 2 − hi, DAPO,
+/// arXiv:2503.14476) and dual clip (Ye et al. 2020, arXiv:1912.09729):
 /// r = exp(clamp(lp − old, ±20)); ℓ = max(−A·r, −A·clip(r, lo, hi)), and for A < 0 the dual
-/// clip min(ℓ, −A·c). Derivatives as `algo::policy_loss` (clamps pass on their closed interval).
+/// clip min(ℓ, −A·c). dℓ/dlp splits at ties of max/min and passes clamps on their closed
+/// interval (torch's subgradients).
 pub fn ppo_token(lp: f64, old: f64, a: f64, s: &PpoShape) -> PpoToken {
     let d = lp - old;
     let (dc, ddc) = if d < -20.0 {

@@ -7,11 +7,10 @@
 //! `rollout --daemon` does not load anything; the pointer is written all the same, so file mode
 //! and resume keep working.
 
-use super::common::{Device, Pointer};
-use super::{daemon_socket, Exec, InProcess};
+use super::common::Pointer;
+use super::Exec;
 use crate::bail_input;
 use crate::batch::write_json;
-use crate::daemon::protocol::StageJob;
 use crate::model::checkpoint::ModelDir;
 use anyhow::Result;
 use clap::Args;
@@ -51,15 +50,8 @@ fn pointer_target(from: &Path, to: &Path) -> Result<String> {
     Ok(target.to_string_lossy().into_owned())
 }
 
-pub fn run(args: SyncWeightsArgs) -> Result<()> {
-    if let Some(socket) = daemon_socket(&args.daemon) {
-        return crate::daemon::client::run_stage(&socket, StageJob::SyncWeights(args));
-    }
-    run_with(args, &mut InProcess(Device::Cpu))
-}
-
 /// The stage; `exec` (the daemon) takes the new policy into memory.
-pub fn run_with(args: SyncWeightsArgs, exec: &mut dyn Exec) -> Result<()> {
+pub fn run(args: SyncWeightsArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     if !args.from.is_dir() {
         bail_input!("--from {}: not a directory", args.from.display());

@@ -2,6 +2,7 @@
 //! token-id checks against the vocabulary, progress bars, small atomic file writes.
 
 use crate::bail_input;
+use crate::batch::schema::meta;
 use crate::batch::Batch;
 use crate::error::input_error;
 use anyhow::Result;
@@ -54,6 +55,50 @@ impl<'de> Deserialize<'de> for Device {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
         s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Serde of a flag value as its flag text, through `Display` and `FromStr` (the algorithm
+/// enums), so stage arguments travel to the daemon as they are typed.
+pub mod as_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::fmt::Display;
+    use std::str::FromStr;
+
+    pub fn serialize<T: Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(v)
+    }
+
+    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    where
+        T: FromStr,
+        T::Err: Display,
+        D: Deserializer<'de>,
+    {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Serde of `--rollout-is` (`token` | `sequence`).
+pub mod rollout_is_level {
+    use crate::algo::policy_loss::RolloutIsLevel;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<RolloutIsLevel>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            None => s.serialize_none(),
+            Some(RolloutIsLevel::Token) => s.serialize_some("token"),
+            Some(RolloutIsLevel::Sequence) => s.serialize_some("sequence"),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<RolloutIsLevel>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|s| s.parse().map_err(serde::de::Error::custom))
+            .transpose()
     }
 }
 
@@ -141,6 +186,35 @@ pub fn check_token_ids(batch: &Batch, column: &str, vocab: usize) -> Result<()> 
         }
     }
     Ok(())
+}
+
+/// The log-prob temperature of a batch that records none (`sft-batch`'s, files from before the
+/// key): softmax of the plain logits.
+pub const DEFAULT_TEMPERATURE: f32 = 1.0;
+
+/// The temperature to take a batch's log-probs at: the one `rollout` sampled it at (recorded in
+/// the batch's metadata), which an explicit `--temperature` must equal, since log-probs at
+/// another temperature than the samples' give wrong importance ratios; `--temperature`, else
+/// [`DEFAULT_TEMPERATURE`], for a batch that records none.
+pub fn logprob_temperature(batch: &Batch, flag: Option<f32>) -> Result<f32> {
+    let key = meta::LOGPROB_TEMPERATURE;
+    let recorded = match batch.meta.get(key) {
+        None => None,
+        Some(text) => Some(text.parse::<f32>().map_err(|_| {
+            input_error(format!(
+                "{}: metadata {key} = {text:?} is not a number",
+                batch.path.display()
+            ))
+        })?),
+    };
+    match (recorded, flag) {
+        (Some(r), Some(t)) if r != t => bail_input!(
+            "{}: rollout sampled this batch at temperature {r} (metadata {key}), but --temperature {t} was given; log-probs at another temperature than the samples' give wrong ratios: drop --temperature (the recorded {r} is used) or pass --temperature {r}",
+            batch.path.display()
+        ),
+        (Some(r), _) => Ok(r),
+        (None, t) => Ok(t.unwrap_or(DEFAULT_TEMPERATURE)),
+    }
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal (logs, tests, pipelines).

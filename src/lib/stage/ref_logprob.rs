@@ -2,12 +2,11 @@
 //! every response token under a model (the reference for a KL term, or the policy before an
 //! off-policy update), optionally with per-token entropy.
 
-use super::common::{check_token_ids, resolve_model, Device};
-use super::{daemon_socket, load_policy, Exec, InProcess, Job};
+use super::common::{check_token_ids, logprob_temperature, resolve_model, Device};
+use super::{load_policy, Exec, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{list_array, schema, Batch, NewColumns, StageInfo};
-use crate::daemon::protocol::StageJob;
 use crate::engine::logprob::{score, PromptResponse};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
@@ -58,9 +57,10 @@ pub struct RefLogprobArgs {
     /// Column to write.
     #[arg(long, value_enum)]
     pub column: LogprobColumn,
-    /// Log-probs under softmax(logits / T); use the rollout temperature.
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f32,
+    /// Log-probs under softmax(logits / T) [default: the temperature `rollout` recorded in the
+    /// batch, else 1]; one that differs from the recorded one is refused.
+    #[arg(long)]
+    pub temperature: Option<f32>,
     /// Also write the per-token entropy (column `entropy`).
     #[arg(long)]
     pub entropy: bool,
@@ -81,6 +81,7 @@ pub struct Score<'a> {
     dir: &'a Path,
     rows: &'a [PromptResponse<'a>],
     args: &'a RefLogprobArgs,
+    temperature: f32,
     bar: &'a ProgressBar,
 }
 
@@ -103,7 +104,7 @@ impl Score<'_> {
         score(
             policy,
             self.rows,
-            self.args.temperature,
+            self.temperature,
             self.args.entropy,
             self.args.micro_batch_tokens,
             &mut |done| self.bar.set_position(done as u64),
@@ -111,24 +112,27 @@ impl Score<'_> {
     }
 }
 
-pub fn run(args: RefLogprobArgs) -> Result<()> {
-    if let Some(socket) = daemon_socket(&args.daemon) {
-        return crate::daemon::client::run_stage(&socket, StageJob::RefLogprob(args));
+impl RefLogprobArgs {
+    /// Checks the flags as the stage does before reading its input.
+    pub fn check(&self) -> Result<()> {
+        if let Some(t) = self.temperature {
+            if !(t > 0.0 && t.is_finite()) {
+                bail_input!("--temperature must be > 0, got {t}");
+            }
+        }
+        if self.micro_batch_tokens == 0 {
+            bail_input!("--micro-batch-tokens must be >= 1");
+        }
+        Ok(())
     }
-    let device = args.device;
-    run_with(args, &mut InProcess(device))
 }
 
 /// The stage with its compute on `exec`.
-pub fn run_with(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
+pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
-    if !(args.temperature > 0.0 && args.temperature.is_finite()) {
-        bail_input!("--temperature must be > 0, got {}", args.temperature);
-    }
-    if args.micro_batch_tokens == 0 {
-        bail_input!("--micro-batch-tokens must be >= 1");
-    }
+    args.check()?;
     let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
+    let temperature = logprob_temperature(&batch, args.temperature)?;
     let model = resolve_model(&args.model)?;
     let cfg = ModelDir::load_config(&model.dir)?;
     check_token_ids(&batch, schema::PROMPT_IDS, cfg.vocab_size)?;
@@ -156,6 +160,7 @@ pub fn run_with(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
         dir: &model.dir,
         rows: &rows,
         args: &args,
+        temperature,
         bar: &bar,
     };
     let stats = exec.score(&model, job)?;
@@ -182,7 +187,7 @@ pub fn run_with(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
             "model": model.dir.display().to_string(),
             "model_policy_version": model.policy_version,
             "column": args.column.name(),
-            "temperature": args.temperature,
+            "temperature": temperature,
             "entropy": args.entropy,
             "micro_batch_tokens": args.micro_batch_tokens,
             "device": args.device.to_string(),

@@ -6,13 +6,12 @@
 //! other prompts share the file, the `--limit`, or the `--batch-size`.
 
 use super::common::{resolve_model, Device};
-use super::{daemon_socket, load_policy, Exec, InProcess, Job};
+use super::{load_policy, Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
-use crate::daemon::protocol::StageJob;
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::engine::paged::{
@@ -261,6 +260,8 @@ pub struct Generated {
     pub free_after_release: Option<usize>,
     /// How the decode steps ran (graph replays, padding) and the graphs' memory.
     pub graphs: GraphStats,
+    /// The kernels were batch-invariant: the log-probs are the trainer's for these weights.
+    pub batch_invariant: bool,
 }
 
 impl Job for Generate<'_> {
@@ -324,6 +325,7 @@ impl Generate<'_> {
         drop(engine);
         policy.backend().trim()?;
         let free_after_release = policy.backend().device_memory()?.map(|(f, _)| f);
+        let batch_invariant = policy.backend().batch_invariant();
         Ok(Generated {
             completions,
             stats,
@@ -333,17 +335,32 @@ impl Generate<'_> {
             free_with_pool,
             free_after_release,
             graphs,
+            batch_invariant,
         })
     }
 }
 
 impl RolloutArgs {
-    fn sampling(&self) -> Result<SamplingParams> {
-        let p = SamplingParams {
+    /// Checks the flags as the stage does before reading its input.
+    pub fn check(&self) -> Result<()> {
+        self.sampling().map(|_| ())
+    }
+
+    /// The temperature of the log-probs the rollout records: --temperature, or 1 when greedy.
+    pub fn logprob_temperature(&self) -> f32 {
+        self.params().logprob_temperature()
+    }
+
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
-        };
+        }
+    }
+
+    fn sampling(&self) -> Result<SamplingParams> {
+        let p = self.params();
         p.validate().map_err(|e| input_error(e.to_string()))?;
         if self.n == 0 {
             bail_input!("--n must be >= 1");
@@ -374,16 +391,8 @@ impl RolloutArgs {
     }
 }
 
-pub fn run(args: RolloutArgs) -> Result<()> {
-    if let Some(socket) = daemon_socket(&args.daemon) {
-        return crate::daemon::client::run_stage(&socket, StageJob::Rollout(args));
-    }
-    let device = args.device;
-    run_with(args, &mut InProcess(device))
-}
-
 /// The stage with its compute on `exec`.
-pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
+pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let sampling = args.sampling()?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
@@ -475,6 +484,7 @@ pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         free_with_pool,
         free_after_release,
         graphs,
+        batch_invariant,
     } = exec.generate(&model, job)?;
     bar.finish_and_clear();
 
@@ -541,12 +551,21 @@ pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
             "stop_token_ids": stop_ids,
             "logprob_temperature": sampling.logprob_temperature(),
             "device": args.device.to_string(),
+            "batch_invariant": batch_invariant,
         }),
         policy_version: Some(model.policy_version),
         step: args.step,
     };
     let mut kv = stage_meta(BTreeMap::new(), &info);
     kv.insert("model".into(), model.dir.display().to_string());
+    kv.insert(
+        meta::LOGPROB_TEMPERATURE.into(),
+        sampling.logprob_temperature().to_string(),
+    );
+    if batch_invariant {
+        // What update --bypass-mode checks before it takes these log-probs as the old ones.
+        kv.insert(meta::OLD_LOGPROBS.into(), meta::OLD_LOGPROBS_ROLLOUT.into());
+    }
     debug_assert!(kv.contains_key(meta::POLICY_VERSION));
     write_file(&args.out, &data, &kv)?;
 
@@ -585,6 +604,7 @@ pub fn run_with(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         "load_seconds": loaded_s,
         "seconds": total_s,
         "policy_version": model.policy_version,
+        "batch_invariant": batch_invariant,
     });
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;

@@ -1,6 +1,6 @@
-//! The `advantage` stage: token rewards (score on the last valid token, optionally minus β·KL), advantages
-//! and returns of a scored batch. The math lives in `tandem::algo`; this file reads flags and
-//! columns and writes the result.
+//! `advantage --in B --out B2 --estimator NAME`: token rewards (score on the last valid token,
+//! optionally minus β·KL), advantages and returns of a scored batch. The math lives in
+//! `crate::algo`; this file reads flags and columns and writes the result.
 
 use crate::algo::advantage::{self as adv, AdvInput, AdvParams, Groups, KlInReward};
 use crate::algo::kl::{KlController, KlCtrl, KlPenalty, KlState};
@@ -9,98 +9,101 @@ use crate::batch::{list_array, schema, Batch, NewColumns, Ragged, StageInfo};
 use anyhow::Result;
 use arrow_array::types::Float32Type;
 use clap::builder::PossibleValuesParser;
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{ArgAction, Args, ValueEnum};
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// How β moves between steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Ctrl {
+pub enum Ctrl {
     Fixed,
     Adaptive,
 }
 
-#[derive(Parser, Debug)]
+#[derive(Args, Debug, Clone)]
 #[command(
-    name = "advantage",
-    version,
     about = "Compute token rewards, advantages and returns of a scored batch (verl's estimators)"
 )]
 pub struct AdvantageArgs {
     /// Input batch (needs response_mask and score, plus what the options below name).
     #[arg(long = "in", value_name = "BATCH")]
-    input: PathBuf,
+    pub input: PathBuf,
     /// Output batch: the input's columns plus token_rewards, advantages, returns.
     #[arg(long, value_name = "BATCH")]
-    out: PathBuf,
+    pub out: PathBuf,
     /// Advantage estimator.
     #[arg(long, value_parser = PossibleValuesParser::new(adv::names()))]
-    estimator: String,
+    pub estimator: String,
     /// Discount factor (reinforce_plus_plus, gae).
     #[arg(long, default_value_t = 1.0)]
-    gamma: f64,
+    pub gamma: f64,
     /// GAE lambda.
     #[arg(long, default_value_t = 1.0)]
-    lam: f64,
+    pub lam: f64,
     /// GRPO: divide by the group's std (false = Dr.GRPO).
     #[arg(long, default_value_t = true, action = ArgAction::Set, value_name = "true|false")]
-    norm_by_std: bool,
+    pub norm_by_std: bool,
     /// GRPO: added to the std before dividing.
     #[arg(long, default_value_t = 1e-6)]
-    epsilon: f64,
+    pub epsilon: f64,
     /// Subtract β·kl(old_logprobs, ref_logprobs) from every valid token's reward.
     #[arg(long)]
-    kl_in_reward: bool,
+    pub kl_in_reward: bool,
     /// KL estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
     #[arg(long, default_value = "k1", requires = "kl_in_reward")]
-    kl_penalty: KlPenalty,
+    pub kl_penalty: KlPenalty,
     /// β (the starting β of the adaptive controller).
     #[arg(long, default_value_t = 0.001, requires = "kl_in_reward")]
-    kl_coef: f64,
+    pub kl_coef: f64,
     /// Keep β fixed, or adapt it towards --kl-target (state kept in --kl-state).
     #[arg(long, value_enum, default_value_t = Ctrl::Fixed, requires = "kl_in_reward")]
-    kl_ctrl: Ctrl,
+    pub kl_ctrl: Ctrl,
     /// Adaptive controller: the KL it steers to.
     #[arg(long, default_value_t = 0.1, requires = "kl_in_reward")]
-    kl_target: f64,
+    pub kl_target: f64,
     /// Adaptive controller: horizon in samples.
     #[arg(long, default_value_t = 10000.0, requires = "kl_in_reward")]
-    kl_horizon: f64,
+    pub kl_horizon: f64,
     /// Adaptive controller: JSON file holding β between steps (read if present, then updated).
     #[arg(long, value_name = "FILE", requires = "kl_in_reward")]
-    kl_state: Option<PathBuf>,
+    pub kl_state: Option<PathBuf>,
     /// Write metrics (advantage mean/std/min/max, KL, β, timings) as JSON here.
     #[arg(long, value_name = "FILE")]
-    metrics: Option<PathBuf>,
+    pub metrics: Option<PathBuf>,
 }
 
-fn check_flags(a: &AdvantageArgs) -> Result<()> {
-    for (flag, v) in [("--gamma", a.gamma), ("--lam", a.lam)] {
-        if !(0.0..=1.0).contains(&v) {
-            bail_input!("{flag} must be in [0, 1], got {v}");
-        }
-    }
-    if !(a.epsilon.is_finite() && a.epsilon >= 0.0) {
-        bail_input!("--epsilon must be a finite number >= 0, got {}", a.epsilon);
-    }
-    if a.kl_in_reward {
-        if !(a.kl_coef.is_finite() && a.kl_coef >= 0.0) {
-            bail_input!("--kl-coef must be a finite number >= 0, got {}", a.kl_coef);
-        }
-        if a.kl_ctrl == Ctrl::Adaptive {
-            if !(a.kl_target.is_finite() && a.kl_target > 0.0) {
-                bail_input!("--kl-target must be > 0, got {}", a.kl_target);
-            }
-            if !(a.kl_horizon.is_finite() && a.kl_horizon > 0.0) {
-                bail_input!("--kl-horizon must be > 0, got {}", a.kl_horizon);
-            }
-            if a.kl_state.is_none() {
-                bail_input!(
-                    "--kl-ctrl adaptive needs --kl-state FILE to carry beta from one step to the next"
-                );
+impl AdvantageArgs {
+    /// Checks the flags as the stage does before reading its input.
+    pub fn check(&self) -> Result<()> {
+        let a = self;
+        for (flag, v) in [("--gamma", a.gamma), ("--lam", a.lam)] {
+            if !(0.0..=1.0).contains(&v) {
+                bail_input!("{flag} must be in [0, 1], got {v}");
             }
         }
+        if !(a.epsilon.is_finite() && a.epsilon >= 0.0) {
+            bail_input!("--epsilon must be a finite number >= 0, got {}", a.epsilon);
+        }
+        if a.kl_in_reward {
+            if !(a.kl_coef.is_finite() && a.kl_coef >= 0.0) {
+                bail_input!("--kl-coef must be a finite number >= 0, got {}", a.kl_coef);
+            }
+            if a.kl_ctrl == Ctrl::Adaptive {
+                if !(a.kl_target.is_finite() && a.kl_target > 0.0) {
+                    bail_input!("--kl-target must be > 0, got {}", a.kl_target);
+                }
+                if !(a.kl_horizon.is_finite() && a.kl_horizon > 0.0) {
+                    bail_input!("--kl-horizon must be > 0, got {}", a.kl_horizon);
+                }
+                if a.kl_state.is_none() {
+                    bail_input!(
+                        "--kl-ctrl adaptive needs --kl-state FILE to carry beta from one step to the next"
+                    );
+                }
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Per-token columns must have one entry per mask entry in every row (the reader checks this
@@ -129,7 +132,7 @@ fn need(batch: &Batch, col: &str, why: &str) -> Result<()> {
 
 pub fn run(a: &AdvantageArgs) -> Result<()> {
     let t0 = Instant::now();
-    check_flags(a)?;
+    a.check()?;
     let est = adv::estimator(&a.estimator).expect("clap checked the name");
     let mut ctrl = KlController {
         beta: a.kl_coef,

@@ -1,0 +1,386 @@
+//! The stages, one module per binary: `rollout`, `score`, `ref_logprob`, `advantage`, `update`,
+//! `sync_weights`, and `sft_batch` (`tandem sft-batch`); `common` holds what they share.
+//!
+//! Each stage declares its flags once, as a clap `Args` struct with their help: the binary's
+//! command line, the pipeline spec's `[stage]` table (`crate::pipeline::spec` looks every key up
+//! in the stage's command and parses it with the stage's own parser) and the daemon's job all
+//! come from it. [`STAGES`] lists the stage binaries the pipeline runs, with the flags the runner
+//! sets itself.
+//!
+//! The model stages (rollout, ref-logprob, update, sync-weights) read and check their input, run
+//! their compute on an [`Exec`], and write their output. [`InProcess`] loads the model on
+//! `--device` for the one call; the warm daemon is the other `Exec`, on the models it keeps.
+//! The daemon imports the stages, never the reverse: `crate::daemon::run_stage` is the one place
+//! that decides where a [`StageJob`] runs.
+
+pub mod advantage;
+pub mod common;
+pub mod ref_logprob;
+pub mod rollout;
+pub mod score;
+pub mod sft_batch;
+pub mod sync_weights;
+pub mod update;
+
+use crate::backend::cpu::Cpu;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::Backend;
+use crate::bail_input;
+use crate::engine::resume::TrainerState;
+use crate::error::input_error;
+use crate::model::checkpoint::ModelDir;
+use crate::model::decoder::Decoder;
+use anyhow::Result;
+use clap::{ArgMatches, Command, FromArgMatches};
+use common::{Device, ModelRef};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// A stage's compute, written once for any backend.
+pub trait Job {
+    type Out;
+    fn run<B: Backend>(self, backend: B) -> Result<Self::Out>;
+}
+
+/// Runs `job` on the CPU backend or on GPU N (no driver or GPU there: an input error that
+/// says to use `--device cpu`).
+pub fn on_device<J: Job>(device: Device, job: J) -> Result<J::Out> {
+    match device {
+        Device::Cpu => job.run(Cpu),
+        Device::Cuda(n) => job.run(CudaBackend::new(n)?),
+    }
+}
+
+/// Loads a model directory onto a backend.
+pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
+    let (cfg, weights) = ModelDir::load(dir)?;
+    Decoder::new(backend, &cfg, &weights)
+}
+
+/// Where a model stage's compute runs: [`InProcess`] on `--device` (the model is loaded for this
+/// one call), or inside the warm daemon on the models it keeps between calls
+/// (`crate::daemon`). Reading, checking and writing the batch files is the stage's own code
+/// either way, so both give the same files.
+pub trait Exec {
+    /// Every sample of a rollout, with the policy `model`.
+    fn generate(
+        &mut self,
+        model: &ModelRef,
+        job: rollout::Generate<'_>,
+    ) -> Result<rollout::Generated>;
+    /// Log-probs of the rows under `model` (the reference, or the policy for old_logprobs).
+    fn score(
+        &mut self,
+        model: &ModelRef,
+        job: ref_logprob::Score<'_>,
+    ) -> Result<Vec<crate::model::decoder::TokenStats>>;
+    /// One `update` call on the policy `model`, resuming the optimizer state next to it.
+    fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained>;
+    /// `update` (with its trainer state) or `daemon-ctl save` wrote the policy it holds to
+    /// `dir` (as files, or as a resident directory).
+    fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()>;
+    /// Who keeps the weights of `update --resident` (None: nobody here, in-process).
+    fn holder(&self) -> Option<update::Holder>;
+    /// The policy held (the one `model` names, when given), for `daemon-ctl save`.
+    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<update::HeldPolicy>;
+    /// `sync-weights` made the checkpoint `dir` the policy, as `policy_version`.
+    fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()>;
+    /// A progress bar of `len` steps.
+    fn progress_bar(&mut self, len: usize, what: &str) -> indicatif::ProgressBar;
+    /// A message line for the user (stderr of the stage).
+    fn log(&mut self, line: &str);
+}
+
+/// The stage computes here: loads the model onto `--device`, computes, drops it.
+pub struct InProcess(pub Device);
+
+impl Exec for InProcess {
+    fn generate(
+        &mut self,
+        _model: &ModelRef,
+        job: rollout::Generate<'_>,
+    ) -> Result<rollout::Generated> {
+        on_device(self.0, job)
+    }
+
+    fn score(
+        &mut self,
+        _model: &ModelRef,
+        job: ref_logprob::Score<'_>,
+    ) -> Result<Vec<crate::model::decoder::TokenStats>> {
+        on_device(self.0, job)
+    }
+
+    fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained> {
+        let started = std::time::Instant::now();
+        let loaded = update::Trainable::load(&model.dir, &mut |m| self.log(m))?;
+        let load_seconds = started.elapsed().as_secs_f64();
+        let mut out = on_device(self.0, update::TrainFresh { loaded, job })?;
+        out.load_seconds = load_seconds;
+        Ok(out)
+    }
+
+    fn saved(&mut self, _dir: &Path, _trainer: Option<&TrainerState>) -> Result<()> {
+        Ok(())
+    }
+
+    fn holder(&self) -> Option<update::Holder> {
+        None
+    }
+
+    fn held_policy(&mut self, _model: Option<&ModelRef>) -> Result<update::HeldPolicy> {
+        bail_input!(
+            "saving the policy a daemon holds needs the daemon: `tandem daemon-ctl save --socket SOCKET --out DIR`"
+        )
+    }
+
+    fn publish(&mut self, dir: &Path, _policy_version: u64) -> Result<()> {
+        // Only the daemon that holds a resident directory's weights can publish it.
+        if let Some(marker) = ModelDir::resident(dir)? {
+            bail_input!("--from {}", marker.refusal(dir));
+        }
+        Ok(())
+    }
+
+    fn progress_bar(&mut self, len: usize, what: &str) -> indicatif::ProgressBar {
+        common::progress_bar(len, what)
+    }
+
+    fn log(&mut self, line: &str) {
+        eprintln!("{line}");
+    }
+}
+
+/// A model stage with the flags its command line parsed: what its binary runs, here or sent as
+/// a job to the warm daemon (the wire format of `crate::daemon::protocol` carries it as is).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "stage", content = "args", rename_all = "kebab-case")]
+pub enum StageJob {
+    Rollout(rollout::RolloutArgs),
+    RefLogprob(ref_logprob::RefLogprobArgs),
+    Update(update::UpdateArgs),
+    SyncWeights(sync_weights::SyncWeightsArgs),
+    /// `tandem daemon-ctl save`: not a stage binary, a job only a daemon runs.
+    SavePolicy(update::SavePolicyArgs),
+}
+
+impl StageJob {
+    pub fn name(&self) -> &'static str {
+        match self {
+            StageJob::Rollout(_) => "rollout",
+            StageJob::RefLogprob(_) => "ref-logprob",
+            StageJob::Update(_) => "update",
+            StageJob::SyncWeights(_) => "sync-weights",
+            StageJob::SavePolicy(_) => "save",
+        }
+    }
+
+    /// The `--metrics` file the stage writes, if any.
+    pub fn metrics_path(&self) -> Option<&PathBuf> {
+        match self {
+            StageJob::Rollout(a) => a.metrics.as_ref(),
+            StageJob::Update(a) => a.metrics.as_ref(),
+            StageJob::RefLogprob(_) | StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
+        }
+    }
+
+    /// `--daemon`: the socket of the warm daemon to send the job to.
+    pub fn daemon(&self) -> Option<&Path> {
+        match self {
+            StageJob::Rollout(a) => a.daemon.as_deref(),
+            StageJob::RefLogprob(a) => a.daemon.as_deref(),
+            StageJob::Update(a) => a.daemon.as_deref(),
+            StageJob::SyncWeights(a) => a.daemon.as_deref(),
+            StageJob::SavePolicy(_) => None,
+        }
+    }
+
+    /// `--device`; None for sync-weights and save, which compute nothing.
+    pub fn device(&self) -> Option<Device> {
+        match self {
+            StageJob::Rollout(a) => Some(a.device),
+            StageJob::RefLogprob(a) => Some(a.device),
+            StageJob::Update(a) => Some(a.device),
+            StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
+        }
+    }
+
+    /// Runs the stage with its compute on `exec`.
+    pub fn run(self, exec: &mut dyn Exec) -> Result<()> {
+        match self {
+            StageJob::Rollout(a) => rollout::run(a, exec),
+            StageJob::RefLogprob(a) => ref_logprob::run(a, exec),
+            StageJob::Update(a) => update::run(a, exec),
+            StageJob::SyncWeights(a) => sync_weights::run(a, exec),
+            StageJob::SavePolicy(a) => update::save_policy(a, exec),
+        }
+    }
+}
+
+/// A stage binary as the pipeline runner sees it.
+pub struct StageDef {
+    /// The binary's name, also the name of its spec table (`[ref-logprob]`).
+    pub name: &'static str,
+    /// Its command line: every flag with its help and parser, from the stage's `Args`.
+    pub command: fn() -> Command,
+    /// Long names of the flags the pipeline runner sets itself (paths, seeds, device, daemon):
+    /// not spec keys.
+    pub runner_owned: &'static [&'static str],
+    /// Checks parsed flags as the stage does before it reads any input (ranges, combinations);
+    /// the errors are input errors naming the flag.
+    pub check: fn(&ArgMatches) -> Result<()>,
+}
+
+impl StageDef {
+    /// Parses `argv` (the arguments without the program name) with the stage's own command.
+    pub fn matches(&self, argv: &[String]) -> Result<ArgMatches> {
+        (self.command)()
+            .try_get_matches_from(std::iter::once(self.name.to_string()).chain(argv.to_vec()))
+            .map_err(|e| input_error(format!("{}: {}", self.name, clap_message(&e))))
+    }
+
+    /// Parses and checks `argv` as the stage binary would before reading its input.
+    pub fn check_args(&self, argv: &[String]) -> Result<()> {
+        (self.check)(&self.matches(argv)?)
+    }
+
+    /// Whether the stage has the flag `--long`.
+    pub fn takes(&self, long: &str) -> bool {
+        (self.command)()
+            .get_arguments()
+            .any(|a| a.get_long() == Some(long))
+    }
+}
+
+/// The command of a stage whose flags are the `Args` type `A`.
+fn command<A: clap::Args>(name: &'static str) -> Command {
+    A::augment_args(Command::new(name).version(env!("CARGO_PKG_VERSION")))
+}
+
+/// The stage binaries the pipeline runs, in the order of a step.
+pub const STAGES: &[StageDef] = &[
+    StageDef {
+        name: "rollout",
+        command: || command::<rollout::RolloutArgs>("rollout"),
+        runner_owned: &[
+            "model", "in", "out", "limit", "seed", "step", "metrics", "device", "daemon",
+        ],
+        check: |m| parse_args::<rollout::RolloutArgs>(m)?.check(),
+    },
+    StageDef {
+        name: "score",
+        command: || command::<score::ScoreArgs>("score"),
+        runner_owned: &["in", "out", "metrics"],
+        check: |m| parse_args::<score::ScoreArgs>(m)?.check(),
+    },
+    StageDef {
+        name: "ref-logprob",
+        command: || command::<ref_logprob::RefLogprobArgs>("ref-logprob"),
+        runner_owned: &["model", "in", "out", "column", "device", "daemon"],
+        check: |m| parse_args::<ref_logprob::RefLogprobArgs>(m)?.check(),
+    },
+    StageDef {
+        name: "advantage",
+        command: || command::<advantage::AdvantageArgs>("advantage"),
+        runner_owned: &["in", "out", "kl-state", "metrics"],
+        check: |m| parse_args::<advantage::AdvantageArgs>(m)?.check(),
+    },
+    StageDef {
+        name: "update",
+        command: || command::<update::UpdateArgs>("update"),
+        runner_owned: &[
+            "model",
+            "in",
+            "out-model",
+            "seed",
+            "metrics",
+            "device",
+            "daemon",
+            "skip-optimizer-state",
+            "resident",
+        ],
+        check: |m| parse_args::<update::UpdateArgs>(m)?.check(),
+    },
+    StageDef {
+        name: "sync-weights",
+        command: || command::<sync_weights::SyncWeightsArgs>("sync-weights"),
+        runner_owned: &["from", "to", "policy-version", "daemon"],
+        check: |m| parse_args::<sync_weights::SyncWeightsArgs>(m).map(|_| ()),
+    },
+];
+
+/// The stage binary `name`.
+pub fn def(name: &str) -> Option<&'static StageDef> {
+    STAGES.iter().find(|d| d.name == name)
+}
+
+/// The typed flags of parsed matches (an input error when they do not fit).
+pub fn parse_args<A: FromArgMatches>(m: &ArgMatches) -> Result<A> {
+    A::from_arg_matches(m).map_err(|e| input_error(clap_message(&e)))
+}
+
+/// This process's command line parsed by the stage `name`'s command (prints help, version, or
+/// the parse error and exits 2, as clap does).
+pub fn parse_cli<A: FromArgMatches>(name: &str) -> A {
+    let def = def(name).unwrap_or_else(|| panic!("{name} is not in STAGES"));
+    let m = (def.command)().get_matches();
+    A::from_arg_matches(&m).unwrap_or_else(|e| e.exit())
+}
+
+/// A clap error as one line: its message and hints without the usage block.
+pub fn clap_message(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let text = text.split("\n\nUsage:").next().unwrap_or_default();
+    let text = text
+        .split("\n\nFor more information")
+        .next()
+        .unwrap_or_default();
+    let text = text.trim().strip_prefix("error:").unwrap_or(text).trim();
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runner_owned_flags_are_flags_of_their_stage() {
+        for def in STAGES {
+            for long in def.runner_owned {
+                assert!(def.takes(long), "{}: no --{long}", def.name);
+            }
+            (def.command)().debug_assert();
+        }
+    }
+
+    #[test]
+    fn check_args_parses_and_checks_like_the_binary() {
+        let rollout = def("rollout").unwrap();
+        let base = ["--model", "m", "--in", "p", "--out", "o"].map(String::from);
+        rollout.check_args(&base).unwrap();
+        let with = |extra: &[&str]| {
+            let mut a = base.to_vec();
+            a.extend(extra.iter().map(|s| s.to_string()));
+            rollout.check_args(&a).unwrap_err()
+        };
+        let e = with(&["--temperature", "x"]);
+        assert!(crate::error::is_input_error(&e));
+        assert_eq!(
+            e.to_string(),
+            "rollout: invalid value 'x' for '--temperature <TEMPERATURE>': invalid float literal"
+        );
+        let e = with(&["--temperature=-1"]);
+        assert!(e
+            .to_string()
+            .contains("--temperature must be a finite number >= 0"));
+        let e = with(&["--truncate", "middle"]);
+        assert!(
+            e.to_string().contains("[possible values: left, error]"),
+            "{e}"
+        );
+    }
+}

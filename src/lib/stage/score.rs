@@ -1,0 +1,83 @@
+//! `score --in B --out B2 --reward SPEC`: add a reward to every row of a batch (`score` and
+//! `score_<key>` columns). The rules, the external-program protocol and the summary live in
+//! `crate::reward`; this file holds the stage's flags.
+
+use crate::error::input_error;
+use crate::reward::{Gsm8kMethod, Options, RewardSpec, StageConfig};
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args, Debug, Clone)]
+#[command(
+    about = "Score the responses of a batch file with a reward rule or program",
+    after_help = "SPEC: gsm8k | math | exact | regex:PATTERN | cmd:PROGRAM [ARGS] | python:FILE.py[:FUNC]"
+)]
+pub struct ScoreArgs {
+    /// Input batch (Parquet) with response_text and the ground truth.
+    #[arg(long = "in", value_name = "B")]
+    pub input: PathBuf,
+    /// Output batch: the input plus `score` (and `score_<key>` sub-scores).
+    #[arg(long = "out", value_name = "B2")]
+    pub output: PathBuf,
+    /// The reward: gsm8k, math, exact, regex:PATTERN, cmd:PROGRAM [ARGS], python:FILE.py[:FUNC].
+    #[arg(long, value_name = "SPEC")]
+    pub reward: String,
+    /// Score of an answer that was found but is wrong (gsm8k, math, regex).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub format_score: f32,
+    /// gsm8k: `strict` takes the last "#### N", `flexible` the last number.
+    #[arg(long, value_enum, default_value_t = Gsm8kMethod::Strict)]
+    pub gsm8k_method: Gsm8kMethod,
+    /// cmd/python: longest wait for one answer (the first includes the program's start-up).
+    #[arg(long, default_value_t = 30_000, value_name = "N")]
+    pub timeout_ms: u64,
+    /// cmd/python: longest time for the whole batch (0 = no limit).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub run_timeout_ms: u64,
+    /// python: the interpreter that runs the driver.
+    #[arg(long, default_value = "python3", value_name = "PATH")]
+    pub python: String,
+    /// python: extra keyword arguments for the function, as a JSON object (verl's reward_kwargs).
+    #[arg(long, default_value = "{}", value_name = "JSON")]
+    pub reward_kwargs: String,
+    /// Also write the summary as one JSON object to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+}
+
+impl ScoreArgs {
+    /// The reward module's configuration the flags describe (flag errors are input errors).
+    pub fn config(&self) -> Result<StageConfig> {
+        let reward_kwargs = serde_json::from_str(&self.reward_kwargs)
+            .map_err(|e| input_error(format!("--reward-kwargs: not JSON: {e}")))?;
+        Ok(StageConfig {
+            input: self.input.clone(),
+            output: self.output.clone(),
+            reward: self.reward.clone(),
+            options: Options {
+                format_score: self.format_score,
+                gsm8k_method: self.gsm8k_method,
+                timeout: Duration::from_millis(self.timeout_ms),
+                run_timeout: (self.run_timeout_ms > 0)
+                    .then(|| Duration::from_millis(self.run_timeout_ms)),
+                python: self.python.clone(),
+                reward_kwargs,
+            },
+            metrics: self.metrics.clone(),
+        })
+    }
+
+    /// Checks the flags as the stage does before reading its input (a `python:` reward's file
+    /// must exist).
+    pub fn check(&self) -> Result<()> {
+        let cfg = self.config()?;
+        RewardSpec::parse(&cfg.reward)?;
+        cfg.options.validate()
+    }
+}
+
+pub fn run(args: ScoreArgs) -> Result<()> {
+    crate::reward::run_stage(&args.config()?).map(|_| ())
+}

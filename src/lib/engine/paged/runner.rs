@@ -30,7 +30,7 @@ pub struct PagedKv<B: Backend> {
     block_size: usize,
     pub(super) tables: B::Idx,
     pub(super) max_blocks: usize,
-    /// The step's prefill tiles (see `Backend::attention_paged_tiled`): `n_tiles` pairs (first
+    /// The step's prefill tiles (see `PagedAttentionOps::attention_paged_tiled`): `n_tiles` pairs (first
     /// row, rows) after its `decode_rows` single-token rows; none in a pure-decode step.
     tiles: B::Idx,
     pub(super) n_tiles: usize,

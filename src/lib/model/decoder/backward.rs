@@ -83,7 +83,7 @@ impl<B: Backend> Decoder<B> {
         self.backward(n, seqs.len(), r, temperature, any_dent)
     }
 
-    /// Forward, the PPO-clip loss on the device ([`Backend::ppo_clip_loss`], knobs in `clip`;
+    /// Forward, the PPO-clip loss on the device ([`crate::backend::PpoLossOps::ppo_clip_loss`], knobs in `clip`;
     /// its `tokens` is set here) and backward over packed `seqs`, with no host round trip: the
     /// loss metrics add up on the device until [`Decoder::take_ppo_stats`]. `logprobs`, when
     /// given, receives the forward's log-probs of the scored tokens (one download).

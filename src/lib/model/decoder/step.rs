@@ -30,7 +30,7 @@ pub struct StepRows<'a> {
 /// The paged KV cache as a step's attention reads and writes it: per layer, the keys and
 /// values of every block (cache row `block · block_size + offset`); the step's block tables
 /// (row s holds `max_blocks` entries, the blocks of table row s in order); and its prefill
-/// tiles (`Backend::attention_paged_tiled`: `n_tiles` (first row, rows) pairs after the
+/// tiles (`PagedAttentionOps::attention_paged_tiled`: `n_tiles` (first row, rows) pairs after the
 /// `decode_rows` single-token rows).
 pub struct PagedAttn<'a, B: Backend> {
     pub k: &'a mut [B::Buf],

@@ -11,9 +11,9 @@ mod common;
 
 use std::time::Instant;
 
-use common::{config, random_weights, tokens};
+use common::{config, random_weights, tokens, Dims};
 use tandem::backend::cpu::Cpu;
-use tandem::backend::sample::SamplingParams;
+use tandem::backend::ops::sample::SamplingParams;
 use tandem::engine::paged::{Chunk, PagedDecoder, SampleRow, DEFAULT_BLOCK_SIZE};
 use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads};
 use tandem::model::{Arch, Config};
@@ -147,14 +147,38 @@ fn bench(name: &str, cfg: &Config, seq_len: usize, decode_steps: usize, train: b
 #[test]
 #[ignore]
 fn bench_small_12m() {
-    let cfg = config(Arch::Qwen2, 8192, 384, 1024, 6, 6, 2, 64, true);
+    let cfg = config(
+        Arch::Qwen2,
+        Dims {
+            vocab: 8192,
+            hidden: 384,
+            ffn: 1024,
+            layers: 6,
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        true,
+    );
     bench("12M", &cfg, 256, 64, true);
 }
 
 #[test]
 #[ignore]
 fn bench_qwen25_05b_shape() {
-    let cfg = config(Arch::Qwen2, 151936, 896, 4864, 24, 14, 2, 64, true);
+    let cfg = config(
+        Arch::Qwen2,
+        Dims {
+            vocab: 151936,
+            hidden: 896,
+            ffn: 4864,
+            layers: 24,
+            heads: 14,
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        true,
+    );
     bench("0.5B", &cfg, 64, 16, false);
 }
 
@@ -164,7 +188,7 @@ fn bench_qwen25_05b_shape() {
 #[ignore]
 fn bench_gemms_05b_decode16() {
     use tandem::backend::check::randn;
-    use tandem::backend::Backend;
+    use tandem::backend::prelude::*;
     let b = Cpu;
     let m = 16;
     let shapes = [
@@ -179,10 +203,12 @@ fn bench_gemms_05b_decode16() {
         let (x, w) = (randn(m * k, 1), randn(n * k, 2));
         let mut y = vec![0.0; m * n];
         let reps = (2_000_000_000 / (2 * m * k * n)).clamp(3, 500);
-        b.matmul(&mut y, &x, &w, None, m, k, n, false).unwrap();
+        b.matmul(&mut y, &x, &w, None, MatmulShape { m, k, n }, false)
+            .unwrap();
         let r = timed(2 * m * k * n * reps, || {
             for _ in 0..reps {
-                b.matmul(&mut y, &x, &w, None, m, k, n, false).unwrap();
+                b.matmul(&mut y, &x, &w, None, MatmulShape { m, k, n }, false)
+                    .unwrap();
             }
         });
         eprintln!(

@@ -7,7 +7,7 @@ mod common;
 use common::{random_weights, tiny, tokens};
 use tandem::backend::check::{randn, Rng};
 use tandem::backend::cpu::Cpu;
-use tandem::backend::sample::SamplingParams;
+use tandem::backend::ops::sample::SamplingParams;
 use tandem::engine::paged::{Chunk, PagedDecoder, PagedModel, SampleRow};
 use tandem::error::is_input_error;
 use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};

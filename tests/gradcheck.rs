@@ -4,7 +4,7 @@
 
 use tandem::backend::check::{randn, scaled_max_diff};
 use tandem::backend::cpu::Cpu;
-use tandem::backend::{AttnShape, Backend, LogprobShape};
+use tandem::backend::prelude::*;
 
 const EPS: f32 = 1e-2;
 const TOL: f64 = 2e-3;
@@ -48,15 +48,28 @@ fn matmul_backward() {
     let r = randn(m * n, 4);
     let fwd = |x: &[Vec<f32>]| {
         let mut y = vec![0.0; m * n];
-        b.matmul(&mut y, &x[0], &x[1], Some(&x[2]), m, k, n, false)
-            .unwrap();
+        b.matmul(
+            &mut y,
+            &x[0],
+            &x[1],
+            Some(&x[2]),
+            MatmulShape { m, k, n },
+            false,
+        )
+        .unwrap();
         dot(&y, &r)
     };
     let (mut dx, mut dw, mut db) = (vec![0.0; m * k], vec![0.0; n * k], vec![0.0; n]);
-    b.matmul_backward_x(&mut dx, &r, &inputs[1], m, k, n, false)
+    b.matmul_backward_x(&mut dx, &r, &inputs[1], MatmulShape { m, k, n }, false)
         .unwrap();
-    b.matmul_backward_w(&mut dw, Some(&mut db), &r, &inputs[0], m, k, n)
-        .unwrap();
+    b.matmul_backward_w(
+        &mut dw,
+        Some(&mut db),
+        &r,
+        &inputs[0],
+        MatmulShape { m, k, n },
+    )
+    .unwrap();
     check("matmul", &inputs, &[dx, dw, db], &fwd);
 }
 
@@ -82,29 +95,34 @@ fn embedding_backward() {
 fn rmsnorm_backward_and_accumulate() {
     let b = Cpu;
     let (rows, d) = (4, 6);
+    let s = RmsNormShape {
+        rows,
+        dim: d,
+        eps: 1e-5,
+    };
     let inputs = vec![randn(rows * d, 7), randn(d, 8)];
     let r = randn(rows * d, 9);
     let fwd = |x: &[Vec<f32>]| {
         let (mut y, mut rs) = (vec![0.0; rows * d], vec![0.0; rows]);
-        b.rmsnorm(&mut y, &mut rs, &x[0], &x[1], rows, d, 1e-5)
-            .unwrap();
+        b.rmsnorm(&mut y, &mut rs, &x[0], &x[1], s).unwrap();
         dot(&y, &r)
     };
     let (mut y, mut rstd) = (vec![0.0; rows * d], vec![0.0; rows]);
-    b.rmsnorm(&mut y, &mut rstd, &inputs[0], &inputs[1], rows, d, 1e-5)
+    b.rmsnorm(&mut y, &mut rstd, &inputs[0], &inputs[1], s)
         .unwrap();
+    let saved = RmsNormSaved {
+        x: &inputs[0],
+        w: &inputs[1],
+        rstd: &rstd,
+    };
     let (mut dx, mut dw) = (vec![0.0; rows * d], vec![0.0; d]);
-    b.rmsnorm_backward(
-        &mut dx, &mut dw, &r, &inputs[0], &inputs[1], &rstd, rows, d, false,
-    )
-    .unwrap();
+    b.rmsnorm_backward(&mut dx, &mut dw, &r, saved, s, false)
+        .unwrap();
     check("rmsnorm", &inputs, &[dx.clone(), dw.clone()], &fwd);
     // accumulate = true adds onto dx; dw always accumulates.
     let mut dx2 = vec![1.0; rows * d];
-    b.rmsnorm_backward(
-        &mut dx2, &mut dw, &r, &inputs[0], &inputs[1], &rstd, rows, d, true,
-    )
-    .unwrap();
+    b.rmsnorm_backward(&mut dx2, &mut dw, &r, saved, s, true)
+        .unwrap();
     for i in 0..dx.len() {
         assert!((dx2[i] - (dx[i] + 1.0)).abs() < 1e-6);
     }
@@ -119,11 +137,31 @@ fn rope_backward() {
     let r = randn(t * h * hd, 11);
     let fwd = |x: &[Vec<f32>]| {
         let mut y = x[0].clone();
-        b.rope(&mut y, &pos, t, h, hd, 10000.0).unwrap();
+        b.rope(
+            &mut y,
+            &pos,
+            RopeShape {
+                tokens: t,
+                heads: h,
+                head_dim: hd,
+                theta: 10000.0,
+            },
+        )
+        .unwrap();
         dot(&y, &r)
     };
     let mut dx = r.clone();
-    b.rope_backward(&mut dx, &pos, t, h, hd, 10000.0).unwrap();
+    b.rope_backward(
+        &mut dx,
+        &pos,
+        RopeShape {
+            tokens: t,
+            heads: h,
+            head_dim: hd,
+            theta: 10000.0,
+        },
+    )
+    .unwrap();
     check("rope", &inputs, &[dx], &fwd);
 }
 
@@ -147,15 +185,40 @@ fn attention_backward_packed_gqa() {
     let r = randn(qn, 15);
     let run = |x: &[Vec<f32>]| {
         let (mut o, mut lse) = (vec![0.0; qn], vec![0.0; s.tokens * s.heads]);
-        b.attention(&mut o, &mut lse, &x[0], &x[1], &x[2], &cu, s)
-            .unwrap();
+        b.attention(
+            AttnOut {
+                o: &mut o,
+                lse: &mut lse,
+            },
+            Qkv {
+                q: &x[0],
+                k: &x[1],
+                v: &x[2],
+            },
+            &cu,
+            s,
+        )
+        .unwrap();
         (o, lse)
     };
     let fwd = |x: &[Vec<f32>]| dot(&run(x).0, &r);
     let (o, lse) = run(&inputs);
     let (mut dq, mut dk, mut dv) = (vec![9.0; qn], vec![9.0; kn], vec![9.0; kn]);
     b.attention_backward(
-        &mut dq, &mut dk, &mut dv, &r, &inputs[0], &inputs[1], &inputs[2], &o, &lse, &cu, s,
+        Qkv {
+            q: &mut dq,
+            k: &mut dk,
+            v: &mut dv,
+        },
+        &r,
+        Qkv {
+            q: &inputs[0],
+            k: &inputs[1],
+            v: &inputs[2],
+        },
+        AttnOut { o: &o, lse: &lse },
+        &cu,
+        s,
     )
     .unwrap();
     check("attention", &inputs, &[dq, dk, dv], &fwd);
@@ -198,9 +261,11 @@ fn logprob_case(with_entropy_grad: bool) {
             &mut lp,
             Some(&mut ent),
             &mut lse,
-            &x[0],
-            &x[1],
-            &targets,
+            LogprobInput {
+                x: &x[0],
+                w: &x[1],
+                targets: &targets,
+            },
             s,
             &mut scratch,
         )
@@ -224,13 +289,17 @@ fn logprob_case(with_entropy_grad: bool) {
     b.logprob_backward(
         &mut dx,
         &mut dw,
-        &inputs[0],
-        &inputs[1],
-        &targets,
-        &lse,
-        &ent,
-        &a,
-        dent,
+        LogprobInput {
+            x: &inputs[0],
+            w: &inputs[1],
+            targets: &targets,
+        },
+        LogprobGrad {
+            dlp: &a,
+            dent,
+            lse: &lse,
+            ent: &ent,
+        },
         s,
         &mut scratch,
     )

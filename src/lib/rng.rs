@@ -41,7 +41,7 @@ impl SplitMix64 {
 
 /// SplitMix64's output function as a pure hash of one word (`mix(z)` is the first number of
 /// `SplitMix64(z)`): a bijective mixer with full avalanche, the core of the counter-based
-/// streams (`backend::sample::uniform`, sample keys, shuffles).
+/// streams (`backend::ops::sample::uniform`, sample keys, shuffles).
 pub fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

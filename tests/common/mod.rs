@@ -4,28 +4,29 @@
 use tandem::backend::check::Rng;
 use tandem::model::{Arch, Config, Tensor, Weights};
 
-/// A config of the given architecture with the shape flags HF uses for it.
-#[allow(clippy::too_many_arguments)]
-pub fn config(
-    arch: Arch,
-    vocab: usize,
-    hidden: usize,
-    ffn: usize,
-    layers: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    tied: bool,
-) -> Config {
+/// The sizes of a test model.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// A config of the given architecture and sizes with the shape flags HF uses for it.
+pub fn config(arch: Arch, dims: Dims, tied: bool) -> Config {
     Config {
         arch,
-        vocab_size: vocab,
-        hidden_size: hidden,
-        intermediate_size: ffn,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: kv_heads,
-        head_dim,
+        vocab_size: dims.vocab,
+        hidden_size: dims.hidden,
+        intermediate_size: dims.ffn,
+        num_layers: dims.layers,
+        num_heads: dims.heads,
+        num_kv_heads: dims.kv_heads,
+        head_dim: dims.head_dim,
         rope_theta: if arch == Arch::Llama {
             500000.0
         } else {
@@ -45,9 +46,45 @@ pub fn config(
 /// head, Qwen3 with q/k norm and a head_dim that is not hidden/heads.
 pub fn tiny(arch: Arch) -> Config {
     match arch {
-        Arch::Qwen2 => config(arch, 37, 16, 24, 2, 4, 2, 4, true),
-        Arch::Llama => config(arch, 41, 12, 20, 2, 3, 1, 4, false),
-        Arch::Qwen3 => config(arch, 29, 16, 20, 2, 4, 2, 6, true),
+        Arch::Qwen2 => config(
+            arch,
+            Dims {
+                vocab: 37,
+                hidden: 16,
+                ffn: 24,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 4,
+            },
+            true,
+        ),
+        Arch::Llama => config(
+            arch,
+            Dims {
+                vocab: 41,
+                hidden: 12,
+                ffn: 20,
+                layers: 2,
+                heads: 3,
+                kv_heads: 1,
+                head_dim: 4,
+            },
+            false,
+        ),
+        Arch::Qwen3 => config(
+            arch,
+            Dims {
+                vocab: 29,
+                hidden: 16,
+                ffn: 20,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 6,
+            },
+            true,
+        ),
     }
 }
 

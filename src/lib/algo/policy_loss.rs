@@ -22,7 +22,7 @@
 use super::agg::{AggMode, LossNorm};
 use super::kl::KlPenalty;
 use super::Real;
-use crate::backend::cpu::loss::ppo_token;
+use crate::backend::ops::ppo_loss::ppo_token;
 use crate::backend::PpoShape;
 use crate::bail_input;
 use anyhow::{ensure, Result};

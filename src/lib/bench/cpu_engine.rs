@@ -5,7 +5,7 @@
 
 use crate::algo::policy_loss::{LossConfig, LossMode};
 use crate::backend::cpu::Cpu;
-use crate::backend::sample::{sample_key, uniform, SamplingParams};
+use crate::backend::ops::sample::{sample_key, uniform, SamplingParams};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::paged::{
     generate_paged, GenParams, PagedConfig, PagedDecoder, Request, DEFAULT_BLOCK_SIZE,

@@ -1,16 +1,19 @@
 //! `tandem gpu-test`: the CUDA parity suite. Every op of the CUDA backend against the CPU
-//! backend (`backend::cuda::parity::op_cases`), then the decoder and the generation engine
-//! whole (`engine::check::cases`), in f32 and in bf16 storage, as one table; `--time` then
-//! times each op (`backend::cuda::timing`), `--compile-only` compiles every kernel with NVRTC
-//! and needs no GPU (`make kernels-check`). It lives above the engine because its cases do.
+//! backend (the op families' cases, `backend::ops::op_cases`), then the decoder and the
+//! generation engine whole (`engine::check::CASES`), in f32 and in bf16 storage, as one table
+//! (harness: `backend::check::gpu`); `--time` then times each op (the families' timing shapes,
+//! `backend::check::timing`), `--compile-only` compiles every kernel with NVRTC and needs no
+//! GPU (`make kernels-check`). It lives above the engine because its cases do.
 
 use anyhow::{anyhow, bail, Result};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::backend::cuda::parity::{self, dname, print_table, Suite};
-use crate::backend::cuda::{nvrtc, timing, CudaBackend};
-use crate::backend::{Backend, DType};
+use crate::backend::check::gpu::{dname, print_table, Case, Ctx, DTYPES};
+use crate::backend::check::timing;
+use crate::backend::cuda::{nvrtc, CudaBackend};
+use crate::backend::ops;
+use crate::backend::Device;
 use crate::engine::check;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -44,22 +47,12 @@ pub struct GpuTestArgs {
     pub hf_fixtures: PathBuf,
 }
 
-/// One registered check: an op-level case or an engine-level one.
-enum Case<'g> {
-    Op(parity::Case<'g>),
-    Engine(check::Case<'g>),
-}
-
-/// Every check by name, op-level first, kept where `only` is in the name.
-fn registry<'g>(only: Option<&str>) -> Vec<(&'static str, Case<'g>)> {
-    let ops = parity::op_cases()
+/// Every check, op-level first, kept where `only` is in the name.
+fn registry(only: Option<&str>) -> Vec<Case> {
+    ops::op_cases()
         .into_iter()
-        .map(|(n, c)| (n, Case::Op(c)));
-    let engine = check::cases()
-        .into_iter()
-        .map(|(n, c)| (n, Case::Engine(c)));
-    ops.chain(engine)
-        .filter(|(n, _)| only.is_none_or(|o| n.contains(o)))
+        .chain(check::CASES.iter().copied())
+        .filter(|c| only.is_none_or(|o| c.name.contains(o)))
         .collect()
 }
 
@@ -71,7 +64,7 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
             "NVRTC {ma}.{mi}: compiling every kernel family for {}",
             a.arch
         );
-        for (name, bytes) in nvrtc::compile_all(&a.arch)? {
+        for (name, bytes) in ops::compile_all(&a.arch)? {
             println!("  {name:<22} {bytes:>8} bytes of cubin");
         }
         return Ok(());
@@ -90,24 +83,19 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
         gpu.device_name(),
         gpu.arch()
     );
-    let mut suite = Suite::new(&gpu, a.device, seed);
-    let opts = check::Opts {
-        hf_fixtures: a.hf_fixtures.clone(),
-    };
+    // The cases start with the tensor-core attention kernels on, as the backend runs by default.
+    gpu.set_tensor_core_attention(true);
+    let mut suite = Ctx::new(&gpu, a.device, seed);
+    suite.fixtures = a.hf_fixtures.clone();
     let cases = registry(a.only.as_deref());
     let t0 = Instant::now();
-    for d in [DType::F32, DType::BF16] {
-        for (name, case) in &cases {
+    for d in DTYPES {
+        for case in &cases {
             let t = Instant::now();
-            let r = match case {
-                Case::Op(c) => c(&mut suite, d),
-                Case::Engine(c) => c(&mut suite, &opts, d),
-            };
-            if let Err(e) = r {
-                suite.flag(name, d, false, format!("error: {e:#}"));
-            }
+            suite.run(case, d);
             eprintln!(
-                "  {name} ({}) done in {:.2} s",
+                "  {} ({}) done in {:.2} s",
+                case.name,
                 dname(d),
                 t.elapsed().as_secs_f64()
             );
@@ -125,7 +113,7 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
     );
     let timing = if a.time && failed == 0 {
         println!();
-        timing::run(&gpu, a.iters, a.only.as_deref())?
+        timing::run(&gpu, a.iters, a.only.as_deref(), &ops::timing_cases())?
     } else {
         Vec::new()
     };
@@ -155,7 +143,7 @@ mod tests {
     use super::*;
 
     fn names(only: Option<&str>) -> Vec<&'static str> {
-        registry(only).into_iter().map(|(n, _)| n).collect()
+        registry(only).into_iter().map(|c| c.name).collect()
     }
 
     #[test]

@@ -8,8 +8,8 @@
 
 use super::cpu_engine::shape;
 use super::report;
-use crate::backend::sample::{sample_key, uniform, Sampled, SamplingParams};
-use crate::backend::{Backend, DType, PagedAttnShape};
+use crate::backend::ops::sample::{sample_key, uniform, Sampled, SamplingParams};
+use crate::backend::{Backend, BlockTables, DType, Draws, KvCache, MatmulShape, PagedAttnShape};
 use crate::engine::paged::{
     generate_paged, Chunk, GenParams, GraphMode, PagedConfig, PagedDecoder, PagedModel, Request,
     SampleRow, DEFAULT_BLOCK_SIZE,
@@ -137,7 +137,20 @@ fn peaks<B: Backend>(b: &B) -> Result<(f64, f64)> {
     let w = b.alloc_as(n_gemm * n_gemm, DType::BF16)?;
     let mut y = b.alloc_as(n_gemm * n_gemm, DType::BF16)?;
     b.fill(&mut y, 0, 0.0)?;
-    let s = time(&mut || b.matmul(&mut y, &x, &w, None, n_gemm, n_gemm, n_gemm, false))?;
+    let s = time(&mut || {
+        b.matmul(
+            &mut y,
+            &x,
+            &w,
+            None,
+            MatmulShape {
+                m: n_gemm,
+                k: n_gemm,
+                n: n_gemm,
+            },
+            false,
+        )
+    })?;
     Ok((bw, 2.0 * (n_gemm as f64).powi(3) / s))
 }
 
@@ -233,7 +246,16 @@ fn breakdown<B: Backend>(
         format!("sample op [{rows} x {v}]"),
         ms(b, || {
             b.sample(
-                &mut toks, &mut lps, &logits, &keys, &pos, rows, v, &sampling,
+                &logits,
+                v,
+                Draws {
+                    tokens: &mut toks,
+                    logprobs: &mut lps,
+                    keys: &keys,
+                    positions: &pos,
+                    rows,
+                    sampling: &sampling,
+                },
             )
         })?,
     ));
@@ -260,27 +282,39 @@ fn breakdown<B: Backend>(
     out.push((
         "attention_paged, one layer".into(),
         ms(b, || {
-            b.attention_paged(&mut o, &q, &kc, &vc, &tab, &seq, &len, shape)
+            b.attention_paged(
+                &mut o,
+                &q,
+                KvCache { k: &kc, v: &vc },
+                BlockTables {
+                    tables: &tab,
+                    seq: &seq,
+                    len: &len,
+                },
+                shape,
+            )
         })?,
     ));
     let x = b.alloc_as(rows * d, cd)?;
     let w = b.alloc_as(v * d, cd)?;
+    // A GEMM of the step's rows from the hidden size to `n` outputs.
+    let gemm = |n| MatmulShape { m: rows, k: d, n };
     let mut y = b.alloc(rows * v)?;
     out.push((
         format!("LM head GEMM [{rows} x {d}] x [{d} x {v}]"),
-        ms(b, || b.matmul(&mut y, &x, &w, None, rows, d, v, false))?,
+        ms(b, || b.matmul(&mut y, &x, &w, None, gemm(v), false))?,
     ));
     let f = cfg.intermediate_size;
     let wu = b.alloc_as(2 * f * d, cd)?;
     let mut h = b.alloc_as(rows * 2 * f, cd)?;
     out.push((
         format!("MLP up GEMM [{rows} x {d}] x [{d} x {f}]"),
-        ms(b, || b.matmul(&mut h, &x, &wu, None, rows, d, f, false))?,
+        ms(b, || b.matmul(&mut h, &x, &wu, None, gemm(f), false))?,
     ));
     // What fusing the projections that share an input would give (weights side by side).
     out.push((
         format!("gate+up as one GEMM [{rows} x {d}] x [{d} x {}]", 2 * f),
-        ms(b, || b.matmul(&mut h, &x, &wu, None, rows, d, 2 * f, false))?,
+        ms(b, || b.matmul(&mut h, &x, &wu, None, gemm(2 * f), false))?,
     ));
     let (qd, kd) = (
         cfg.num_heads * cfg.head_dim,
@@ -289,15 +323,15 @@ fn breakdown<B: Backend>(
     out.push((
         format!("q, k, v GEMMs [{rows} x {d}] x [{d} x {qd}|{kd}|{kd}]"),
         ms(b, || {
-            b.matmul(&mut h, &x, &wu, None, rows, d, qd, false)?;
-            b.matmul(&mut h, &x, &wu, None, rows, d, kd, false)?;
-            b.matmul(&mut h, &x, &wu, None, rows, d, kd, false)
+            b.matmul(&mut h, &x, &wu, None, gemm(qd), false)?;
+            b.matmul(&mut h, &x, &wu, None, gemm(kd), false)?;
+            b.matmul(&mut h, &x, &wu, None, gemm(kd), false)
         })?,
     ));
     out.push((
         format!("qkv as one GEMM [{rows} x {d}] x [{d} x {}]", qd + 2 * kd),
         ms(b, || {
-            b.matmul(&mut h, &x, &wu, None, rows, d, qd + 2 * kd, false)
+            b.matmul(&mut h, &x, &wu, None, gemm(qd + 2 * kd), false)
         })?,
     ));
     Ok(out)

@@ -7,7 +7,7 @@
 //! `--shape tiny` (and the size flags) run it on the CPU in seconds, for CI.
 
 use crate::algo::policy_loss::{LossConfig, LossMode};
-use crate::backend::{Backend, DType};
+use crate::backend::{Backend, DType, MatmulShape};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::train::{train, LrConfig, TrainConfig, TrainData};
 use crate::model::decoder::Decoder;
@@ -206,7 +206,7 @@ pub fn gemm_peak<B: Backend>(b: &B) -> Result<f64> {
     for i in 0..13 {
         b.synchronize()?;
         let t = Instant::now();
-        b.matmul(&mut y, &x, &w, None, n, n, n, false)?;
+        b.matmul(&mut y, &x, &w, None, MatmulShape { m: n, k: n, n }, false)?;
         b.synchronize()?;
         if i >= 3 {
             times.push(t.elapsed().as_secs_f64());

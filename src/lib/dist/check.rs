@@ -80,6 +80,15 @@ struct Checker<'c, B: Backend> {
     rows: Vec<CheckRow>,
 }
 
+/// What a view of a result buffer must hold: `want` at element `off`, within `tol` per element
+/// (None: bit for bit).
+#[derive(Clone, Copy)]
+struct Expected<'a> {
+    off: usize,
+    want: &'a [f32],
+    tol: Option<&'a [f32]>,
+}
+
 impl<B: Backend> Checker<'_, B> {
     fn n(&self) -> usize {
         self.comm.world_size()
@@ -105,20 +114,18 @@ impl<B: Backend> Checker<'_, B> {
         Ok(host)
     }
 
-    /// Compares `got` (a whole buffer with margins) with `want` at `off`; `tol` per element
-    /// (None: bitwise); the rest of the buffer must be `keep`.
-    #[allow(clippy::too_many_arguments)]
+    /// Compares `got` (a whole buffer with margins) with `exp.want` at `exp.off`; `exp.tol` per
+    /// element (None: bitwise); the rest of the buffer must be `keep`.
     fn compare(
         &mut self,
         name: &str,
         d: DType,
         got: &[f32],
-        off: usize,
-        want: &[f32],
-        tol: Option<&[f32]>,
+        exp: Expected,
         keep: &[f32],
         note: String,
     ) {
+        let Expected { off, want, tol } = exp;
         let mut max_abs = 0.0f64;
         let mut pass = true;
         let mut first_bad = None;
@@ -191,9 +198,11 @@ impl<B: Backend> Checker<'_, B> {
             &case,
             d,
             &got,
-            MARGIN,
-            &reduce(&xs, op, d),
-            tol.as_deref(),
+            Expected {
+                off: MARGIN,
+                want: &reduce(&xs, op, d),
+                tol: tol.as_deref(),
+            },
             &keep,
             String::new(),
         );
@@ -222,7 +231,18 @@ impl<B: Backend> Checker<'_, B> {
         };
         self.comm.run(vec![c.as_dtype(d)])?;
         let got = self.read(&recv)?;
-        self.compare(&case, d, &got, MARGIN, &want, None, &keep, String::new());
+        self.compare(
+            &case,
+            d,
+            &got,
+            Expected {
+                off: MARGIN,
+                want: &want,
+                tol: None,
+            },
+            &keep,
+            String::new(),
+        );
         Ok(())
     }
 
@@ -264,9 +284,11 @@ impl<B: Backend> Checker<'_, B> {
             &case,
             d,
             &got,
-            off,
-            &want,
-            tol.as_deref(),
+            Expected {
+                off,
+                want: &want,
+                tol: tol.as_deref(),
+            },
             &keep,
             String::new(),
         );
@@ -285,9 +307,11 @@ impl<B: Backend> Checker<'_, B> {
             &case,
             d,
             &got,
-            MARGIN,
-            &xs[root],
-            None,
+            Expected {
+                off: MARGIN,
+                want: &xs[root],
+                tol: None,
+            },
             &keep,
             String::new(),
         );
@@ -338,9 +362,11 @@ impl<B: Backend> Checker<'_, B> {
             "group: all_reduce",
             d,
             &got[0],
-            MARGIN,
-            &reduce(&xa, ReduceOp::Sum, d),
-            ta.as_deref(),
+            Expected {
+                off: MARGIN,
+                want: &reduce(&xa, ReduceOp::Sum, d),
+                tol: ta.as_deref(),
+            },
             &keeps[0],
             String::new(),
         );
@@ -348,9 +374,11 @@ impl<B: Backend> Checker<'_, B> {
             "group: all_gather",
             d,
             &got[1],
-            MARGIN,
-            &xg.concat(),
-            None,
+            Expected {
+                off: MARGIN,
+                want: &xg.concat(),
+                tol: None,
+            },
             &keeps[1],
             String::new(),
         );
@@ -358,9 +386,11 @@ impl<B: Backend> Checker<'_, B> {
             "group: reduce_scatter",
             d,
             &got[2],
-            MARGIN,
-            &reduce(&chunks, ReduceOp::Avg, d),
-            tr.as_deref(),
+            Expected {
+                off: MARGIN,
+                want: &reduce(&chunks, ReduceOp::Avg, d),
+                tol: tr.as_deref(),
+            },
             &keeps[2],
             String::new(),
         );
@@ -368,9 +398,11 @@ impl<B: Backend> Checker<'_, B> {
             "group: broadcast",
             d,
             &got[3],
-            MARGIN,
-            &xb[root],
-            None,
+            Expected {
+                off: MARGIN,
+                want: &xb[root],
+                tol: None,
+            },
             &keeps[3],
             String::new(),
         );
@@ -419,9 +451,11 @@ impl<B: Backend> Checker<'_, B> {
             "overlap: all_reduce",
             d,
             &got,
-            MARGIN,
-            &reduce(&xs, ReduceOp::Sum, d),
-            tol.as_deref(),
+            Expected {
+                off: MARGIN,
+                want: &reduce(&xs, ReduceOp::Sum, d),
+                tol: tol.as_deref(),
+            },
             &keep,
             note,
         );
@@ -435,9 +469,11 @@ impl<B: Backend> Checker<'_, B> {
             "overlap: compute meanwhile",
             d,
             &gy,
-            0,
-            &want_y,
-            None,
+            Expected {
+                off: 0,
+                want: &want_y,
+                tol: None,
+            },
             &gy.clone(),
             String::new(),
         );

@@ -11,9 +11,9 @@
 //! - `broadcast(buf[off..off+len], root)`: every rank ends with root's range.
 //! - Reductions: [`ReduceOp::Sum`], [`ReduceOp::Avg`] (= Scaled(1/n)) and
 //!   [`ReduceOp::Scaled`]`(s)` = Σ_p s·x_p (NCCL's pre-multiplied sum).
-//! - Element type: the buffer's ([`Backend::dtype`]). `as_dtype(BF16)` on a backend that stores
-//!   f32 (the CPU) makes the collective behave as on a bf16 buffer: inputs rounded to bf16,
-//!   results rounded to bf16. A CUDA buffer's dtype cannot be overridden (`as_dtype` of the
+//! - Element type: the buffer's ([`crate::backend::Device::dtype`]). `as_dtype(BF16)` on a
+//!   backend that stores f32 (the CPU) makes the collective behave as on a bf16 buffer: inputs
+//!   rounded to bf16, results rounded to bf16. A CUDA buffer's dtype cannot be overridden (`as_dtype` of the
 //!   buffer's own type is allowed everywhere, so generic code may always say it).
 //!
 //! Ordering: [`Comm::start`] runs after everything already queued on the backend (the CUDA

@@ -22,7 +22,7 @@ use super::group::ProcessGroup;
 use super::health::Health;
 use super::store::Prober;
 use crate::backend::cuda::{CudaBackend, CudaBuf, NO_DRIVER};
-use crate::backend::{Backend, DType};
+use crate::backend::{DType, Device};
 use crate::error::input_error;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{result as dr, sys as dsys, CudaContext, CudaEvent, CudaStream};

@@ -20,7 +20,7 @@ impl Bigram {
     pub fn random(vocab: usize, seed: u64) -> Bigram {
         let theta = (0..vocab * vocab)
             .map(|i| {
-                let u = crate::backend::sample::uniform(seed, i as u64);
+                let u = crate::backend::ops::sample::uniform(seed, i as u64);
                 (u - 0.5) * 2.0
             })
             .collect();

@@ -25,7 +25,7 @@ use crate::algo::policy_loss::{
     policy_loss, LossConfig, LossInputs, LossMetrics, LossMode, LossOutput,
 };
 use crate::algo::rollout_corr::Mismatch;
-use crate::backend::sample::uniform;
+use crate::backend::ops::sample::uniform;
 use crate::backend::PpoShape;
 use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::rng::mix_key;
@@ -620,7 +620,6 @@ fn ppo_tokens(
 
 /// The loss of one micro-batch (rows `idx`, current stats `stats`) and the token offsets of
 /// its rows.
-#[allow(clippy::too_many_arguments)]
 fn micro_loss(
     cfg: &TrainConfig,
     data: &TrainData,

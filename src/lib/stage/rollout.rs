@@ -7,7 +7,7 @@
 
 use super::common::{resolve_model, Device};
 use super::{load_policy, Exec, Job};
-use crate::backend::sample::{sample_key, SamplingParams};
+use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};

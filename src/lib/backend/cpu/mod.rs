@@ -1,26 +1,13 @@
-//! The f32 CPU backend: the reference every other backend is checked against, and the path CI
-//! runs. Buffers are `Vec<f32>` / `Vec<u32>`; every op family lives in its own file as plain
-//! functions over slices (forward and backward side by side), multithreaded with rayon; GEMMs
-//! go through the `gemm` crate. This file only checks sizes and dispatches.
-
-pub mod attention;
-pub mod embedding;
-pub mod logprob;
-pub mod loss;
-pub mod matmul;
-pub mod optim;
-pub mod paged;
-pub mod rmsnorm;
-pub mod rope;
-pub mod swiglu;
+//! The f32 CPU device: the reference every other backend is checked against, and the path CI
+//! runs. Buffers are `Vec<f32>` / `Vec<u32>`; this file is the runtime (allocation, copies,
+//! size checks) and the helpers the ops' CPU references share. The ops themselves are plain
+//! functions over slices in `backend::ops::<family>::cpu` (forward and backward side by side),
+//! multithreaded with rayon; GEMMs go through the `gemm` crate.
 
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{
-    AdamWStep, AttnShape, Backend, CachedAttnShape, LogprobShape, PagedAttnShape, PpoShape,
-    PPO_STATS,
-};
+use super::{Device, FEED_NONE};
 
 /// The CPU backend. It holds no state: threads come from rayon's global pool
 /// (`RAYON_NUM_THREADS` sets their number).
@@ -60,7 +47,8 @@ impl SharedMut {
     }
 }
 
-fn get<'a, T>(buf: &'a [T], n: usize, what: &str) -> Result<&'a [T]> {
+/// The first `n` elements of `buf`, or an error naming it when it is shorter.
+pub(crate) fn get<'a, T>(buf: &'a [T], n: usize, what: &str) -> Result<&'a [T]> {
     if buf.len() < n {
         bail!(
             "cpu backend: {what} holds {} elements, the op needs {n}",
@@ -70,7 +58,8 @@ fn get<'a, T>(buf: &'a [T], n: usize, what: &str) -> Result<&'a [T]> {
     Ok(&buf[..n])
 }
 
-fn get_mut<'a, T>(buf: &'a mut [T], n: usize, what: &str) -> Result<&'a mut [T]> {
+/// The first `n` elements of `buf` to write, or an error naming it when it is shorter.
+pub(crate) fn get_mut<'a, T>(buf: &'a mut [T], n: usize, what: &str) -> Result<&'a mut [T]> {
     if buf.len() < n {
         bail!(
             "cpu backend: {what} holds {} elements, the op needs {n}",
@@ -80,7 +69,7 @@ fn get_mut<'a, T>(buf: &'a mut [T], n: usize, what: &str) -> Result<&'a mut [T]>
     Ok(&mut buf[..n])
 }
 
-impl Backend for Cpu {
+impl Device for Cpu {
     type Buf = Vec<f32>;
     type Idx = Vec<u32>;
 
@@ -120,6 +109,11 @@ impl Backend for Cpu {
     }
 
     fn download(&self, src: &Vec<f32>, dst: &mut [f32]) -> Result<()> {
+        dst.copy_from_slice(get(src, dst.len(), "download source")?);
+        Ok(())
+    }
+
+    fn download_idx(&self, src: &Vec<u32>, dst: &mut [u32]) -> Result<()> {
         dst.copy_from_slice(get(src, dst.len(), "download source")?);
         Ok(())
     }
@@ -165,504 +159,6 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn add_assign(&self, y: &mut Vec<f32>, x: &Vec<f32>, n: usize) -> Result<()> {
-        let x = get(x, n, "x")?;
-        get_mut(y, n, "y")?
-            .par_chunks_mut(ELEMWISE_GRAIN)
-            .zip(x.par_chunks(ELEMWISE_GRAIN))
-            .for_each(|(y, x)| y.iter_mut().zip(x).for_each(|(y, x)| *y += x));
-        Ok(())
-    }
-
-    fn matmul(
-        &self,
-        y: &mut Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        b: Option<&Vec<f32>>,
-        m: usize,
-        k: usize,
-        n: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        let b = match b {
-            Some(b) => Some(get(b, n, "bias")?),
-            None => None,
-        };
-        matmul::forward(
-            get_mut(y, m * n, "matmul y")?,
-            get(x, m * k, "matmul x")?,
-            get(w, n * k, "matmul w")?,
-            b,
-            m,
-            k,
-            n,
-            accumulate,
-        );
-        Ok(())
-    }
-
-    fn matmul_backward_x(
-        &self,
-        dx: &mut Vec<f32>,
-        dy: &Vec<f32>,
-        w: &Vec<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        matmul::backward_x(
-            get_mut(dx, m * k, "matmul dx")?,
-            get(dy, m * n, "matmul dy")?,
-            get(w, n * k, "matmul w")?,
-            m,
-            k,
-            n,
-            accumulate,
-        );
-        Ok(())
-    }
-
-    fn matmul_backward_w(
-        &self,
-        dw: &mut Vec<f32>,
-        db: Option<&mut Vec<f32>>,
-        dy: &Vec<f32>,
-        x: &Vec<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        let db = match db {
-            Some(db) => Some(get_mut(db, n, "matmul db")?),
-            None => None,
-        };
-        matmul::backward_w(
-            get_mut(dw, n * k, "matmul dw")?,
-            db,
-            get(dy, m * n, "matmul dy")?,
-            get(x, m * k, "matmul x")?,
-            m,
-            k,
-            n,
-        );
-        Ok(())
-    }
-
-    fn embedding(
-        &self,
-        out: &mut Vec<f32>,
-        table: &Vec<f32>,
-        ids: &Vec<u32>,
-        tokens: usize,
-        dim: usize,
-    ) -> Result<()> {
-        embedding::forward(
-            get_mut(out, tokens * dim, "embedding out")?,
-            table,
-            get(ids, tokens, "embedding ids")?,
-            dim,
-        )
-    }
-
-    fn embedding_backward(
-        &self,
-        dtable: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        ids: &Vec<u32>,
-        tokens: usize,
-        dim: usize,
-    ) -> Result<()> {
-        embedding::backward(
-            dtable,
-            get(dout, tokens * dim, "embedding dout")?,
-            get(ids, tokens, "embedding ids")?,
-            dim,
-        )
-    }
-
-    fn rmsnorm(
-        &self,
-        y: &mut Vec<f32>,
-        rstd: &mut Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-    ) -> Result<()> {
-        rmsnorm::forward(
-            get_mut(y, rows * dim, "rmsnorm y")?,
-            get_mut(rstd, rows, "rmsnorm rstd")?,
-            get(x, rows * dim, "rmsnorm x")?,
-            get(w, dim, "rmsnorm w")?,
-            dim,
-            eps,
-        );
-        Ok(())
-    }
-
-    fn rmsnorm_backward(
-        &self,
-        dx: &mut Vec<f32>,
-        dw: &mut Vec<f32>,
-        dy: &Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        rstd: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        rmsnorm::backward(
-            get_mut(dx, rows * dim, "rmsnorm dx")?,
-            get_mut(dw, dim, "rmsnorm dw")?,
-            get(dy, rows * dim, "rmsnorm dy")?,
-            get(x, rows * dim, "rmsnorm x")?,
-            get(w, dim, "rmsnorm w")?,
-            get(rstd, rows, "rmsnorm rstd")?,
-            dim,
-            accumulate,
-        );
-        Ok(())
-    }
-
-    fn rope(
-        &self,
-        x: &mut Vec<f32>,
-        pos: &Vec<u32>,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<()> {
-        rope::apply(
-            get_mut(x, tokens * heads * head_dim, "rope x")?,
-            get(pos, tokens, "rope positions")?,
-            heads,
-            head_dim,
-            theta,
-            false,
-        )
-    }
-
-    fn rope_backward(
-        &self,
-        dx: &mut Vec<f32>,
-        pos: &Vec<u32>,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<()> {
-        rope::apply(
-            get_mut(dx, tokens * heads * head_dim, "rope dx")?,
-            get(pos, tokens, "rope positions")?,
-            heads,
-            head_dim,
-            theta,
-            true,
-        )
-    }
-
-    fn attention(
-        &self,
-        o: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        cu_seqlens: &Vec<u32>,
-        s: AttnShape,
-    ) -> Result<()> {
-        let (qn, kn) = (
-            s.tokens * s.heads * s.head_dim,
-            s.tokens * s.kv_heads * s.head_dim,
-        );
-        attention::forward(
-            get_mut(o, qn, "attention o")?,
-            get_mut(lse, s.tokens * s.heads, "attention lse")?,
-            get(q, qn, "attention q")?,
-            get(k, kn, "attention k")?,
-            get(v, kn, "attention v")?,
-            get(cu_seqlens, s.seqs + 1, "attention cu_seqlens")?,
-            s,
-        )
-    }
-
-    fn attention_backward(
-        &self,
-        dq: &mut Vec<f32>,
-        dk: &mut Vec<f32>,
-        dv: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        o: &Vec<f32>,
-        lse: &Vec<f32>,
-        cu_seqlens: &Vec<u32>,
-        s: AttnShape,
-    ) -> Result<()> {
-        let (qn, kn) = (
-            s.tokens * s.heads * s.head_dim,
-            s.tokens * s.kv_heads * s.head_dim,
-        );
-        attention::backward(
-            attention::Grads {
-                dq: get_mut(dq, qn, "attention dq")?,
-                dk: get_mut(dk, kn, "attention dk")?,
-                dv: get_mut(dv, kn, "attention dv")?,
-            },
-            get(dout, qn, "attention dout")?,
-            get(q, qn, "attention q")?,
-            get(k, kn, "attention k")?,
-            get(v, kn, "attention v")?,
-            get(o, qn, "attention o")?,
-            get(lse, s.tokens * s.heads, "attention lse")?,
-            get(cu_seqlens, s.seqs + 1, "attention cu_seqlens")?,
-            s,
-        )
-    }
-
-    fn kv_store(
-        &self,
-        k_cache: &mut Vec<f32>,
-        v_cache: &mut Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        rows: &Vec<u32>,
-        n: usize,
-        row_dim: usize,
-    ) -> Result<()> {
-        let rows = get(rows, n, "kv_store rows")?;
-        attention::kv_store(k_cache, get(k, n * row_dim, "kv_store k")?, rows, row_dim)?;
-        attention::kv_store(v_cache, get(v, n * row_dim, "kv_store v")?, rows, row_dim)
-    }
-
-    fn attention_cached(
-        &self,
-        o: &mut Vec<f32>,
-        q: &Vec<f32>,
-        k_cache: &Vec<f32>,
-        v_cache: &Vec<f32>,
-        base: &Vec<u32>,
-        len: &Vec<u32>,
-        s: CachedAttnShape,
-    ) -> Result<()> {
-        let qn = s.queries * s.heads * s.head_dim;
-        attention::cached(
-            get_mut(o, qn, "attention o")?,
-            get(q, qn, "attention q")?,
-            k_cache,
-            v_cache,
-            get(base, s.queries, "attention base")?,
-            get(len, s.queries, "attention len")?,
-            s,
-        )
-    }
-
-    fn swiglu(&self, h: &mut Vec<f32>, g: &Vec<f32>, u: &Vec<f32>, n: usize) -> Result<()> {
-        swiglu::forward(
-            get_mut(h, n, "swiglu h")?,
-            get(g, n, "swiglu g")?,
-            get(u, n, "swiglu u")?,
-        );
-        Ok(())
-    }
-
-    fn swiglu_backward(
-        &self,
-        dg: &mut Vec<f32>,
-        du: &mut Vec<f32>,
-        dh: &Vec<f32>,
-        g: &Vec<f32>,
-        u: &Vec<f32>,
-        n: usize,
-    ) -> Result<()> {
-        swiglu::backward(
-            get_mut(dg, n, "swiglu dg")?,
-            get_mut(du, n, "swiglu du")?,
-            get(dh, n, "swiglu dh")?,
-            get(g, n, "swiglu g")?,
-            get(u, n, "swiglu u")?,
-        );
-        Ok(())
-    }
-
-    fn gather_rows(
-        &self,
-        out: &mut Vec<f32>,
-        x: &Vec<f32>,
-        rows: &Vec<u32>,
-        n: usize,
-        dim: usize,
-    ) -> Result<()> {
-        let rows = get(rows, n, "gather rows")?;
-        let out = get_mut(out, n * dim, "gather out")?;
-        if let Some(&r) = rows.iter().find(|&&r| (r as usize + 1) * dim > x.len()) {
-            bail!(
-                "cpu backend: gather row {r} outside a buffer of {} floats",
-                x.len()
-            );
-        }
-        out.par_chunks_mut(dim.max(1))
-            .zip(rows.par_iter())
-            .for_each(|(o, &r)| o.copy_from_slice(&x[r as usize * dim..(r as usize + 1) * dim]));
-        Ok(())
-    }
-
-    fn scatter_add_rows(
-        &self,
-        dx: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        rows: &Vec<u32>,
-        n: usize,
-        dim: usize,
-    ) -> Result<()> {
-        let rows = get(rows, n, "scatter rows")?;
-        let dout = get(dout, n * dim, "scatter dout")?;
-        // Serial: rows may repeat in general, and this is a memory-bound copy of n·dim floats.
-        for (i, &r) in rows.iter().enumerate() {
-            let r = r as usize;
-            if (r + 1) * dim > dx.len() {
-                bail!(
-                    "cpu backend: scatter row {r} outside a buffer of {} floats",
-                    dx.len()
-                );
-            }
-            dx[r * dim..(r + 1) * dim]
-                .iter_mut()
-                .zip(&dout[i * dim..(i + 1) * dim])
-                .for_each(|(d, g)| *d += g);
-        }
-        Ok(())
-    }
-
-    fn logprob(
-        &self,
-        lp: &mut Vec<f32>,
-        ent: Option<&mut Vec<f32>>,
-        lse: &mut Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        targets: &Vec<u32>,
-        s: LogprobShape,
-        scratch: &mut Vec<f32>,
-    ) -> Result<()> {
-        let ent = match ent {
-            Some(e) => Some(get_mut(e, s.rows, "logprob entropy")?),
-            None => None,
-        };
-        logprob::forward(
-            get_mut(lp, s.rows, "logprob lp")?,
-            ent,
-            get_mut(lse, s.rows, "logprob lse")?,
-            get(x, s.rows * s.hidden, "logprob x")?,
-            get(w, s.vocab * s.hidden, "logprob w")?,
-            get(targets, s.rows, "logprob targets")?,
-            s,
-            get_mut(scratch, s.chunk * s.vocab, "logprob scratch")?,
-        )
-    }
-
-    fn logprob_backward(
-        &self,
-        dx: &mut Vec<f32>,
-        dw: &mut Vec<f32>,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        targets: &Vec<u32>,
-        lse: &Vec<f32>,
-        ent: &Vec<f32>,
-        dlp: &Vec<f32>,
-        dent: Option<&Vec<f32>>,
-        s: LogprobShape,
-        scratch: &mut Vec<f32>,
-    ) -> Result<()> {
-        let dent = match dent {
-            Some(d) => Some(get(d, s.rows, "logprob dent")?),
-            None => None,
-        };
-        logprob::backward(
-            logprob::BackwardArgs {
-                dx: get_mut(dx, s.rows * s.hidden, "logprob dx")?,
-                dw: get_mut(dw, s.vocab * s.hidden, "logprob dw")?,
-                x: get(x, s.rows * s.hidden, "logprob x")?,
-                w: get(w, s.vocab * s.hidden, "logprob w")?,
-                targets: get(targets, s.rows, "logprob targets")?,
-                lse: get(lse, s.rows, "logprob lse")?,
-                ent: get(ent, s.rows, "logprob entropy")?,
-                dlp: get(dlp, s.rows, "logprob dlp")?,
-                dent,
-            },
-            s,
-            get_mut(scratch, s.chunk * s.vocab, "logprob scratch")?,
-        )
-    }
-
-    fn ppo_clip_loss(
-        &self,
-        dlp: &mut Vec<f32>,
-        stats: &mut Vec<f32>,
-        lp: &Vec<f32>,
-        old: Option<&Vec<f32>>,
-        adv: &Vec<f32>,
-        w: &Vec<f32>,
-        ent: Option<&Vec<f32>>,
-        s: PpoShape,
-    ) -> Result<()> {
-        let n = s.tokens;
-        let old = match old {
-            Some(o) => Some(get(o, n, "ppo_clip_loss old")?),
-            None => None,
-        };
-        let ent = match ent {
-            Some(e) => Some(get(e, n, "ppo_clip_loss ent")?),
-            None => None,
-        };
-        loss::ppo_clip_loss(
-            get_mut(dlp, n, "ppo_clip_loss dlp")?,
-            get_mut(stats, PPO_STATS, "ppo_clip_loss stats")?,
-            get(lp, n, "ppo_clip_loss lp")?,
-            old,
-            get(adv, n, "ppo_clip_loss adv")?,
-            get(w, 3 * n, "ppo_clip_loss w")?,
-            ent,
-            &s,
-        );
-        Ok(())
-    }
-
-    fn sum_squares(&self, x: &Vec<f32>, n: usize) -> Result<f64> {
-        Ok(optim::sum_squares(get(x, n, "sum_squares x")?))
-    }
-
-    fn adamw(
-        &self,
-        p: &mut Vec<f32>,
-        g: &Vec<f32>,
-        m: &mut Vec<f32>,
-        v: &mut Vec<f32>,
-        n: usize,
-        step: &AdamWStep,
-    ) -> Result<()> {
-        optim::adamw(
-            get_mut(p, n, "adamw p")?,
-            get(g, n, "adamw g")?,
-            get_mut(m, n, "adamw m")?,
-            get_mut(v, n, "adamw v")?,
-            step,
-        );
-        Ok(())
-    }
-
-    fn download_idx(&self, src: &Vec<u32>, dst: &mut [u32]) -> Result<()> {
-        dst.copy_from_slice(get(src, dst.len(), "download source")?);
-        Ok(())
-    }
-
     fn feed_tokens(
         &self,
         ids: &mut Vec<u32>,
@@ -676,7 +172,7 @@ impl Backend for Cpu {
             .zip(get(src, n, "feed_tokens src")?)
             .enumerate()
         {
-            if s != super::FEED_NONE {
+            if s != FEED_NONE {
                 *id = *prev.get(s as usize).ok_or_else(|| {
                     anyhow::anyhow!("feed_tokens: row {i} feeds draw {s} of {}", prev.len())
                 })?;
@@ -684,50 +180,49 @@ impl Backend for Cpu {
         }
         Ok(())
     }
+}
 
-    fn attention_paged(
-        &self,
-        o: &mut Vec<f32>,
-        q: &Vec<f32>,
-        k_cache: &Vec<f32>,
-        v_cache: &Vec<f32>,
-        tables: &Vec<u32>,
-        seq: &Vec<u32>,
-        len: &Vec<u32>,
-        s: PagedAttnShape,
-    ) -> Result<()> {
-        let qn = s.queries * s.heads * s.head_dim;
-        paged::forward(
-            get_mut(o, qn, "attention_paged o")?,
-            get(q, qn, "attention_paged q")?,
-            k_cache,
-            v_cache,
-            tables,
-            get(seq, s.queries, "attention_paged seq")?,
-            get(len, s.queries, "attention_paged len")?,
-            s,
-        )
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::DType;
+
+    #[test]
+    fn the_cpu_has_no_shared_parts() {
+        assert!(Cpu.alloc_parts(&[4, 8], DType::F32).unwrap().is_none());
     }
 
-    fn sample(
-        &self,
-        tokens: &mut Vec<u32>,
-        logprobs: &mut Vec<f32>,
-        logits: &Vec<f32>,
-        keys: &Vec<u32>,
-        positions: &Vec<u32>,
-        rows: usize,
-        vocab: usize,
-        params: &crate::backend::sample::SamplingParams,
-    ) -> Result<()> {
-        paged::sample_rows(
-            get_mut(tokens, rows, "sample tokens")?,
-            get_mut(logprobs, rows, "sample logprobs")?,
-            get(logits, rows * vocab, "sample logits")?,
-            get(keys, 2 * rows, "sample keys")?,
-            get(positions, rows, "sample positions")?,
-            vocab,
-            params,
-        )
+    #[test]
+    fn copies_check_their_ranges() {
+        let src = vec![1.0, 2.0, 3.0, 4.0];
+        let mut dst = vec![0.0; 5];
+        Cpu.copy(&mut dst, 2, &src, 1, 3).unwrap();
+        assert_eq!(dst, [0.0, 0.0, 2.0, 3.0, 4.0]);
+        let err = Cpu.copy(&mut dst, 3, &src, 0, 3).unwrap_err();
+        assert!(
+            err.to_string().contains("copy destination holds 5"),
+            "{err}"
+        );
+        let mut buf = vec![1.0, 2.0, 3.0, 4.0, 5.0];
+        Cpu.copy_within(&mut buf, 3, 0, 2).unwrap();
+        assert_eq!(buf, [1.0, 2.0, 3.0, 1.0, 2.0]);
+        assert!(Cpu.copy_within(&mut buf, 1, 0, 2).is_err(), "overlap");
+        Cpu.fill(&mut buf, 2, -1.0).unwrap();
+        assert_eq!(buf, [-1.0, -1.0, 3.0, 1.0, 2.0]);
+    }
+
+    #[test]
+    fn fed_rows_take_the_draws_of_the_step_before() {
+        let prev = vec![40u32, 41, 42];
+        let mut ids = vec![7u32, 0, 9, 0, 5];
+        let src = vec![FEED_NONE, 2, FEED_NONE, 0, FEED_NONE];
+        Cpu.feed_tokens(&mut ids, &prev, &src, 4).unwrap();
+        // Rows past n keep their tokens whatever their source says.
+        assert_eq!(ids, [7, 42, 9, 40, 5]);
+        let err = Cpu
+            .feed_tokens(&mut ids, &prev, &vec![3, FEED_NONE], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("row 0 feeds draw 3 of 3"), "{err}");
     }
 }

@@ -1,4 +1,4 @@
-//! A step's draws on their way to the host (`Backend::draws_start` / `draws_wait`): the tokens,
+//! A step's draws on their way to the host (`Device::draws_start` / `draws_wait`): the tokens,
 //! log-probs and the error word are copied into page-locked host memory behind the step's
 //! kernels and an event marks their arrival, so the host can queue the next step (overlap
 //! scheduling) instead of waiting for this one. Two slots: a step's draws travel while the next

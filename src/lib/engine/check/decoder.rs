@@ -4,9 +4,9 @@
 
 use anyhow::{bail, Result};
 
-use super::{flat, tiny_config, worst_tensor, Opts};
+use super::{flat, tiny_config, worst_tensor};
+use crate::backend::check::gpu::{compare, dname, round, Ctx, Row};
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::parity::{compare, dname, round, Row, Suite};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::DType;
 use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
@@ -17,7 +17,7 @@ use crate::model::{init, Arch, Weights};
 /// log-probs after it. The f32 pass builds the GPU decoder with f32 compute (op-by-op
 /// parity); the bf16 pass with the default bf16 compute weights and activations, f32
 /// masters and optimizer state, so it checks the mixed-precision training path.
-pub(super) fn decoder(s: &mut Suite, _o: &Opts, d: DType) -> Result<()> {
+pub(super) fn decoder(s: &mut Ctx, d: DType) -> Result<()> {
     // (log-probs and entropies, gradients, update) relative to the CPU's scale.
     let (tol_lp, tol_g, tol_upd) = match d {
         DType::F32 => (1e-4, 1e-3, 1e-3),
@@ -177,13 +177,13 @@ pub(super) fn decoder(s: &mut Suite, _o: &Opts, d: DType) -> Result<()> {
 /// the values transformers computed in f32 (`tests/fixtures/make_hf_fixtures.py`): f32
 /// compute within 2e-4 nats (max |Δ|); bf16 compute (weights rounded to bf16 too, so this
 /// is bf16 against an f32 model) within 1e-2 of the largest |value| (about 2.5 bf16 ulps).
-pub(super) fn hf_fixtures(s: &mut Suite, o: &Opts, d: DType) -> Result<()> {
+pub(super) fn hf_fixtures(s: &mut Ctx, d: DType) -> Result<()> {
     let (tol, relative) = match d {
         DType::F32 => (2e-4, false),
         DType::BF16 => (1e-2, true),
     };
     for model in ["qwen2", "llama", "qwen3"] {
-        let dir = o.hf_fixtures.join(model);
+        let dir = s.fixtures.join(model);
         let op = format!("hf fixture {model}: logprobs+entropy vs transformers");
         let text = match std::fs::read_to_string(dir.join("expected.json")) {
             Ok(t) => t,

@@ -1,41 +1,44 @@
-//! The whole-decoder and whole-engine cases of `tandem gpu-test` (the op-level ones are in
-//! `backend::cuda::parity`): each runs the decoder or the generation engine on the GPU and
-//! records rows in the same suite and table. The runner (`bench::gpu_test`) walks [`cases`]
-//! after the op cases; `--only` filters on the names below.
+//! The whole-decoder and whole-engine cases of `tandem gpu-test` (the op-level ones are in the
+//! op families' `check.rs`, `backend::ops::op_cases`): each runs the decoder or the generation
+//! engine on the GPU and records rows on the same harness context ([`Ctx`]) and table. The
+//! runner (`bench::gpu_test`) walks [`CASES`] after the op cases; `--only` filters on the names
+//! below.
 
 mod decoder;
 mod paged;
 
-use anyhow::Result;
-use std::path::PathBuf;
-
-use crate::backend::cuda::parity::{compare, Suite};
-use crate::backend::sample::sample_key;
-use crate::backend::DType;
+use crate::backend::check::gpu::{compare, Case, Ctx};
+use crate::backend::ops::sample::sample_key;
 use crate::engine::paged::Request;
 use crate::model::{Arch, Config, Weights};
 
-/// What the engine-level cases read besides the suite.
-#[derive(Clone, Debug)]
-pub struct Opts {
-    /// The tiny HF models with transformers' log-probs (`hf_fixtures`).
-    pub hf_fixtures: PathBuf,
-}
-
-/// An engine-level check: runs on the suite for one storage dtype and adds its rows.
-pub type Case<'g> = fn(&mut Suite<'g>, &Opts, DType) -> Result<()>;
-
-/// The engine-level checks by name, in table order.
-pub fn cases<'g>() -> Vec<(&'static str, Case<'g>)> {
-    vec![
-        ("decoder", decoder::decoder),
-        ("hf_fixtures", decoder::hf_fixtures),
-        ("paged_generate", paged::paged_generate),
-        ("paged_graphs", paged::paged_graphs),
-        ("rollout_agreement", paged::rollout_agreement),
-        ("fused_decode", paged::fused_decode),
-    ]
-}
+/// The engine-level checks, in table order.
+pub const CASES: &[Case] = &[
+    Case {
+        name: "decoder",
+        run: decoder::decoder,
+    },
+    Case {
+        name: "hf_fixtures",
+        run: decoder::hf_fixtures,
+    },
+    Case {
+        name: "paged_generate",
+        run: paged::paged_generate,
+    },
+    Case {
+        name: "paged_graphs",
+        run: paged::paged_graphs,
+    },
+    Case {
+        name: "rollout_agreement",
+        run: paged::rollout_agreement,
+    },
+    Case {
+        name: "fused_decode",
+        run: paged::fused_decode,
+    },
+];
 
 /// The 2-layer model of the decoder-level checks (vocabulary 1000, hidden 256, 4/2 heads of 64),
 /// with the architecture's own options.
@@ -63,7 +66,7 @@ fn tiny_config(arch: Arch) -> Config {
 /// `prompts` requests of `min_len..min_len + span` random tokens (ids below 1000, the tiny
 /// models' vocabulary), `samples` sampling keys each.
 fn random_requests(
-    s: &mut Suite,
+    s: &mut Ctx,
     prompts: usize,
     min_len: usize,
     span: usize,
@@ -106,11 +109,11 @@ mod tests {
 
     #[test]
     fn case_names_are_unique_and_distinct_from_the_op_cases() {
-        let ops: Vec<&str> = crate::backend::cuda::parity::op_cases()
+        let ops: Vec<&str> = crate::backend::ops::op_cases()
             .iter()
-            .map(|c| c.0)
+            .map(|c| c.name)
             .collect();
-        let mut names: Vec<&str> = cases().iter().map(|c| c.0).collect();
+        let mut names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
         assert_eq!(names.len(), 6);
         names.extend(&ops);
         let n = names.len();

@@ -6,11 +6,11 @@
 
 use anyhow::Result;
 
-use super::{random_requests, tiny_config, Opts};
+use super::{random_requests, tiny_config};
+use crate::backend::check::gpu::{compare, round, tols, Ctx};
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::parity::{compare, round, tols, Suite};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::sample::SamplingParams;
+use crate::backend::ops::sample::SamplingParams;
 use crate::backend::DType;
 use crate::engine::paged::{
     generate_paged, Completion, GenParams, GraphMode, GraphStats, PagedConfig, PagedDecoder,
@@ -25,7 +25,7 @@ use crate::model::{init, Arch, Config};
 /// (the fused GEMMs must read the updated weights through the shared buffers). f32: the
 /// same tokens, log-probs and logits to rounding; bf16: tokens reported (a GEMM of another
 /// width may round an output differently and flip a token), logits within its tolerance.
-pub(super) fn fused_decode(s: &mut Suite, _o: &Opts, d: DType) -> Result<()> {
+pub(super) fn fused_decode(s: &mut Ctx, d: DType) -> Result<()> {
     let (t1, t2) = tols(d);
     for arch in [Arch::Qwen2, Arch::Llama, Arch::Qwen3] {
         let cfg = Config {
@@ -145,7 +145,7 @@ const NEAR_TIE: f32 = 1e-2;
 /// first disagreement (free running), and positions whose GPU token is the CPU's argmax
 /// given the GPU's own context (teacher forced), exactly and up to near ties. f32 compute
 /// must agree everywhere; bf16 up to near ties at 96% of positions, exactly at 93%.
-pub(super) fn paged_generate(s: &mut Suite, _o: &Opts, d: DType) -> Result<()> {
+pub(super) fn paged_generate(s: &mut Ctx, d: DType) -> Result<()> {
     // No EOS: samples end by length or by the checks' own stop ids.
     let cfg = Config {
         eos_token_ids: vec![],
@@ -250,7 +250,7 @@ pub(super) fn paged_generate(s: &mut Suite, _o: &Opts, d: DType) -> Result<()> {
 /// (`Decoder::logprobs`, what `ref-logprob` runs) on the same weights. In batch-invariant
 /// mode every kernel gives a token the training forward's bits, so the log-probs must agree
 /// to the normaliser's rounding (1e-5); the default mode is reported.
-pub(super) fn rollout_agreement(s: &mut Suite, _o: &Opts, d: DType) -> Result<()> {
+pub(super) fn rollout_agreement(s: &mut Ctx, d: DType) -> Result<()> {
     if d != DType::BF16 {
         return Ok(());
     }
@@ -338,7 +338,7 @@ pub(super) fn rollout_agreement(s: &mut Suite, _o: &Opts, d: DType) -> Result<()
 /// and may round differently). Batches of 3, 20 and 37 samples (buckets 4, 24, 48) that
 /// shrink through non-bucket sizes as random stop ids end samples, sequences growing
 /// across 16-token blocks, and a small pool (preemption: mixed prefill steps run eagerly).
-pub(super) fn paged_graphs(s: &mut Suite, _o: &Opts, d: DType) -> Result<()> {
+pub(super) fn paged_graphs(s: &mut Ctx, d: DType) -> Result<()> {
     // No EOS: samples end by length or by the checks' own stop ids.
     let cfg = Config {
         eos_token_ids: vec![],

@@ -11,7 +11,7 @@ use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
 use super::scheduler::{Batch, Flight, Scheduler};
 use super::sequence::{Kind, Seq};
 use super::{Chunk, PagedConfig, PagedModel, PagedStats, SampleRow};
-use crate::backend::sample::{Sampled, SamplingParams};
+use crate::backend::ops::sample::{Sampled, SamplingParams};
 
 /// Generates every sample of every request on a paged model. Returns, per request, its
 /// completions in sample order; `progress` is told the number of samples finished so far.

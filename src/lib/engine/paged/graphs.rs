@@ -8,7 +8,7 @@ use anyhow::{ensure, Result};
 use super::blocks::cache_row;
 use super::runner::PagedDecoder;
 use super::{Chunk, SampleRow};
-use crate::backend::sample::SamplingParams;
+use crate::backend::ops::sample::SamplingParams;
 use crate::backend::{Backend, FEED_NONE};
 use crate::model::decoder::StepRows;
 

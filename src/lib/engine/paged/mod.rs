@@ -23,7 +23,7 @@ pub use graphs::{decode_bucket, GraphMode, GraphStats};
 pub use request::{Completion, Detokenize, FinishReason, GenParams, Request};
 pub use runner::{PagedDecoder, PagedKv};
 
-use crate::backend::sample::{Sampled, SamplingParams};
+use crate::backend::ops::sample::{Sampled, SamplingParams};
 use anyhow::{bail, Result};
 
 /// Positions per KV block (vLLM's default).
@@ -105,7 +105,7 @@ pub struct Chunk<'a> {
 }
 
 /// A token to draw from the logits after the last token of chunk `chunk`, with the uniform
-/// `backend::sample::uniform(key, position)`. Several rows may name the same chunk (the n samples of
+/// `backend::ops::sample::uniform(key, position)`. Several rows may name the same chunk (the n samples of
 /// a prompt draw their first tokens from its last logits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SampleRow {

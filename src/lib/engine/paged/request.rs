@@ -13,10 +13,10 @@
 use anyhow::{bail, ensure, Result};
 
 use super::PagedConfig;
-use crate::backend::sample::SamplingParams;
+use crate::backend::ops::sample::SamplingParams;
 use crate::error::input_error;
 
-/// One prompt and the random keys of its samples (`backend::sample::sample_key`), one per
+/// One prompt and the random keys of its samples (`backend::ops::sample::sample_key`), one per
 /// sample.
 #[derive(Clone, Debug)]
 pub struct Request {

@@ -12,9 +12,9 @@ use std::collections::VecDeque;
 use super::blocks::cache_row;
 use super::graphs::DecodeGraphs;
 use super::{Chunk, GraphStats, PagedModel, SampleRow};
-use crate::backend::sample::{Sampled, SamplingParams};
-use crate::backend::{Backend, DType, FEED_NONE, PAGED_TILE_ROWS};
-use crate::model::decoder::{Decoder, Draws, PagedAttn, StepRows};
+use crate::backend::ops::sample::{Sampled, SamplingParams};
+use crate::backend::{Backend, DType, Draws, FEED_NONE, PAGED_TILE_ROWS};
+use crate::model::decoder::{Decoder, PagedAttn, StepRows};
 use crate::model::Config;
 
 /// A paged KV cache: `num_blocks` blocks of `block_size` positions per layer; row
@@ -30,7 +30,7 @@ pub struct PagedKv<B: Backend> {
     block_size: usize,
     pub(super) tables: B::Idx,
     pub(super) max_blocks: usize,
-    /// The step's prefill tiles (see `Backend::attention_paged_tiled`): `n_tiles` pairs (first
+    /// The step's prefill tiles (see `PagedAttentionOps::attention_paged_tiled`): `n_tiles` pairs (first
     /// row, rows) after its `decode_rows` single-token rows; none in a pure-decode step.
     tiles: B::Idx,
     pub(super) n_tiles: usize,

@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use std::ops::Range;
 
 use super::request::{Detokenize, FinishReason, GenParams};
-use crate::backend::sample::Sampled;
+use crate::backend::ops::sample::Sampled;
 
 pub(super) enum Kind {
     /// A prompt not yet forked: holds the seats of these samples and, when its last block is

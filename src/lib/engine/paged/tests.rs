@@ -8,7 +8,7 @@
 
 use super::*;
 use crate::backend::cpu::Cpu;
-use crate::backend::sample::{sample, sample_key, uniform, Scratch};
+use crate::backend::ops::sample::{sample, sample_key, uniform, Scratch};
 use crate::model::decoder::{Decoder, SeqRef};
 use crate::model::init::random_weights;
 use crate::model::{Arch, Config};

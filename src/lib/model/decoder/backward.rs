@@ -4,9 +4,12 @@
 
 use anyhow::{ensure, Result};
 
-use super::forward::AttnMode;
+use super::forward::{AttnMode, LayerShapes};
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
-use crate::backend::{AttnShape, Backend, DType, LogprobShape, PpoShape, PPO_STATS};
+use crate::backend::{
+    AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
+    RmsNormSaved, RmsNormShape, PPO_STATS,
+};
 
 impl<B: Backend> Decoder<B> {
     fn ensure_grads(&mut self) -> Result<()> {
@@ -80,7 +83,7 @@ impl<B: Backend> Decoder<B> {
         self.backward(n, seqs.len(), r, temperature, any_dent)
     }
 
-    /// Forward, the PPO-clip loss on the device ([`Backend::ppo_clip_loss`], knobs in `clip`;
+    /// Forward, the PPO-clip loss on the device ([`crate::backend::PpoLossOps::ppo_clip_loss`], knobs in `clip`;
     /// its `tokens` is set here) and backward over packed `seqs`, with no host round trip: the
     /// loss metrics add up on the device until [`Decoder::take_ppo_stats`]. `logprobs`, when
     /// given, receives the forward's log-probs of the scored tokens (one download).
@@ -134,11 +137,13 @@ impl<B: Backend> Decoder<B> {
         b.ppo_clip_loss(
             &mut gw.dlp,
             self.ppo_stats.as_mut().expect("allocated above"),
-            &ws.lp,
-            tok.old.map(|_| &gw.old),
-            &gw.adv,
-            &gw.lw,
-            Some(&ws.ent),
+            PpoInputs {
+                lp: &ws.lp,
+                old: tok.old.map(|_| &gw.old),
+                adv: &gw.adv,
+                w: &gw.lw,
+                ent: Some(&ws.ent),
+            },
             PpoShape { tokens: r, ..clip },
         )?;
         self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some())
@@ -188,7 +193,8 @@ impl<B: Backend> Decoder<B> {
             cfg.num_kv_heads,
             cfg.head_dim,
         );
-        let (qd, kd, theta) = (hh * hd, kh * hd, cfg.rope_theta);
+        let (qd, kd) = (hh * hd, kh * hd);
+        let ls = LayerShapes::new(cfg, n);
         let shape = LogprobShape {
             rows: r,
             hidden: d,
@@ -199,13 +205,17 @@ impl<B: Backend> Decoder<B> {
         b.logprob_backward(
             &mut gw.dxf,
             &mut g[*head],
-            &ws.xf,
-            &w[*head],
-            &ws.targets,
-            &ws.lse_lp,
-            &ws.ent,
-            &gw.dlp,
-            dent.then_some(&gw.dent),
+            LogprobInput {
+                x: &ws.xf,
+                w: &w[*head],
+                targets: &ws.targets,
+            },
+            LogprobGrad {
+                dlp: &gw.dlp,
+                dent: dent.then_some(&gw.dent),
+                lse: &ws.lse_lp,
+                ent: &ws.ent,
+            },
             shape,
             &mut ws.scratch,
         )?;
@@ -213,11 +223,12 @@ impl<B: Backend> Decoder<B> {
             &mut gw.dxg,
             &mut g[*final_norm],
             &gw.dxf,
-            &ws.xg,
-            &w[*final_norm],
-            &ws.rstd_f,
-            r,
-            d,
+            RmsNormSaved {
+                x: &ws.xg,
+                w: &w[*final_norm],
+                rstd: &ws.rstd_f,
+            },
+            RmsNormShape { rows: r, ..ls.norm },
             false,
         )?;
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
@@ -232,22 +243,23 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &gw.d_resid
             };
-            b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, n, f, d)?;
-            b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], n, f, d, false)?;
+            b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, ls.gemm(f, d))?;
+            b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], ls.gemm(f, d), false)?;
             b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
-            b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, n, d, f)?;
-            b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, n, d, f)?;
-            b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], n, d, f, false)?;
-            b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], n, d, f, true)?;
+            b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, ls.gemm(d, f))?;
+            b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, ls.gemm(d, f))?;
+            b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], ls.gemm(d, f), false)?;
+            b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], ls.gemm(d, f), true)?;
             b.rmsnorm_backward(
                 &mut gw.d_resid,
                 &mut g[ly.post_norm],
                 &gw.d_xn,
-                &ws.resid[2 * l + 1],
-                &w[ly.post_norm],
-                &a.rstd2,
-                n,
-                d,
+                RmsNormSaved {
+                    x: &ws.resid[2 * l + 1],
+                    w: &w[ly.post_norm],
+                    rstd: &a.rstd2,
+                },
+                ls.norm,
                 true,
             )?;
             // Attention.
@@ -257,42 +269,52 @@ impl<B: Backend> Decoder<B> {
             } else {
                 &gw.d_resid
             };
-            b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, n, qd, d)?;
-            b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], n, qd, d, false)?;
-            let shape = AttnShape {
-                tokens: n,
-                seqs,
-                heads: hh,
-                kv_heads: kh,
-                head_dim: hd,
-            };
+            b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, ls.gemm(qd, d))?;
+            b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], ls.gemm(qd, d), false)?;
             b.attention_backward(
-                &mut gw.dq, &mut gw.dk, &mut gw.dv, &gw.d_o, &a.q, &a.k, &a.v, &a.o, &a.lse,
-                &ws.cu, shape,
+                Qkv {
+                    q: &mut gw.dq,
+                    k: &mut gw.dk,
+                    v: &mut gw.dv,
+                },
+                &gw.d_o,
+                Qkv {
+                    q: &a.q,
+                    k: &a.k,
+                    v: &a.v,
+                },
+                AttnOut {
+                    o: &a.o,
+                    lse: &a.lse,
+                },
+                &ws.cu,
+                ls.attn(seqs),
             )?;
-            b.rope_backward(&mut gw.dq, &ws.pos, n, hh, hd, theta)?;
-            b.rope_backward(&mut gw.dk, &ws.pos, n, kh, hd, theta)?;
+            b.rope_backward(&mut gw.dq, &ws.pos, ls.rope.q())?;
+            b.rope_backward(&mut gw.dk, &ws.pos, ls.rope.k())?;
             let (dq, dk) = if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
                 b.rmsnorm_backward(
                     &mut gw.dq_raw,
                     &mut g[qn],
                     &gw.dq,
-                    &a.q_raw,
-                    &w[qn],
-                    &a.rstd_q,
-                    n * hh,
-                    hd,
+                    RmsNormSaved {
+                        x: &a.q_raw,
+                        w: &w[qn],
+                        rstd: &a.rstd_q,
+                    },
+                    ls.q_norm,
                     false,
                 )?;
                 b.rmsnorm_backward(
                     &mut gw.dk_raw,
                     &mut g[kn],
                     &gw.dk,
-                    &a.k_raw,
-                    &w[kn],
-                    &a.rstd_k,
-                    n * kh,
-                    hd,
+                    RmsNormSaved {
+                        x: &a.k_raw,
+                        w: &w[kn],
+                        rstd: &a.rstd_k,
+                    },
+                    ls.k_norm,
                     false,
                 )?;
                 (&gw.dq_raw, &gw.dk_raw)
@@ -305,18 +327,19 @@ impl<B: Backend> Decoder<B> {
                 (ly.v, ly.v_b, &gw.dv, kd, false),
             ] {
                 let (gp, gb) = two_mut(g, p, pb);
-                b.matmul_backward_w(gp, gb, dy, &a.xn1, n, d, m)?;
-                b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], n, d, m, !first)?;
+                b.matmul_backward_w(gp, gb, dy, &a.xn1, ls.gemm(d, m))?;
+                b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], ls.gemm(d, m), !first)?;
             }
             b.rmsnorm_backward(
                 &mut gw.d_resid,
                 &mut g[ly.in_norm],
                 &gw.d_xn,
-                &ws.resid[2 * l],
-                &w[ly.in_norm],
-                &a.rstd1,
-                n,
-                d,
+                RmsNormSaved {
+                    x: &ws.resid[2 * l],
+                    w: &w[ly.in_norm],
+                    rstd: &a.rstd1,
+                },
+                ls.norm,
                 true,
             )?;
         }

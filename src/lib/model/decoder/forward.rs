@@ -6,8 +6,12 @@ use anyhow::{bail, ensure, Result};
 use super::step::PagedAttn;
 use super::workspace::{Acts, Caps};
 use super::{check_temperature, pair, Decoder, SeqRef, TokenStats};
-use crate::backend::{AttnShape, Backend, PagedAttnShape};
+use crate::backend::{
+    AttnOut, AttnShape, Backend, BlockTables, KvCache, MatmulShape, PackedQkv, PagedAttnShape,
+    PagedRopeShape, PrefillTiles, Qkv, RmsNormShape, RopeKvShape, Slots,
+};
 use crate::error::input_error;
+use crate::model::Config;
 
 /// How the attention of a forward pass gets its keys.
 pub(super) enum AttnMode<'a, B: Backend> {
@@ -17,6 +21,64 @@ pub(super) enum AttnMode<'a, B: Backend> {
     /// tables (`kv_rows` are the cache rows of the new tokens, `kv_base` the table row of each
     /// query, `kv_len` its context length).
     Paged(PagedAttn<'a, B>),
+}
+
+/// The shapes of a layer's ops over `n` rows (the forward and backward passes share them).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LayerShapes {
+    /// The pre-attention and pre-MLP norms, and the q/k norms (per head).
+    pub norm: RmsNormShape,
+    pub q_norm: RmsNormShape,
+    pub k_norm: RmsNormShape,
+    /// The rotation of the queries and keys.
+    pub rope: RopeKvShape,
+    n: usize,
+}
+
+impl LayerShapes {
+    pub fn new(cfg: &Config, n: usize) -> Self {
+        let (hh, kh, hd, eps) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+        );
+        let norm = |rows, dim| RmsNormShape { rows, dim, eps };
+        LayerShapes {
+            norm: norm(n, cfg.hidden_size),
+            q_norm: norm(n * hh, hd),
+            k_norm: norm(n * kh, hd),
+            rope: RopeKvShape {
+                tokens: n,
+                heads: hh,
+                kv_heads: kh,
+                head_dim: hd,
+                theta: cfg.rope_theta,
+            },
+            n,
+        }
+    }
+
+    /// A projection of the n rows from `k` to `out` features.
+    pub fn gemm(&self, k: usize, out: usize) -> MatmulShape {
+        MatmulShape {
+            m: self.n,
+            k,
+            n: out,
+        }
+    }
+
+    /// Packed attention of the n rows in `seqs` sequences.
+    pub fn attn(&self, seqs: usize) -> AttnShape {
+        let r = self.rope;
+        AttnShape {
+            tokens: self.n,
+            seqs,
+            heads: r.heads,
+            kv_heads: r.kv_heads,
+            head_dim: r.head_dim,
+        }
+    }
 }
 
 impl<B: Backend> Decoder<B> {
@@ -117,11 +179,12 @@ impl<B: Backend> Decoder<B> {
             cfg.num_kv_heads,
             cfg.head_dim,
         );
-        let (qd, kd, eps, theta) = (hh * hd, kh * hd, cfg.rms_norm_eps, cfg.rope_theta);
+        let (qd, kd, theta) = (hh * hd, kh * hd, cfg.rope_theta);
         ensure!(
             !fuse || ws.caps.fused,
             "decoder: fused step without its workspace"
         );
+        let ls = LayerShapes::new(cfg, n);
         b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
         for (l, ly) in layers.iter().enumerate() {
             let (ri, rm, ro) = if train {
@@ -130,85 +193,81 @@ impl<B: Backend> Decoder<B> {
                 (0, 0, 0)
             };
             let a = &mut ws.acts[if train { l } else { 0 }];
-            b.rmsnorm(
-                &mut a.xn1,
-                &mut a.rstd1,
-                &ws.resid[ri],
-                &w[ly.in_norm],
-                n,
-                d,
-                eps,
-            )?;
+            let x = &ws.resid[ri];
+            b.rmsnorm(&mut a.xn1, &mut a.rstd1, x, &w[ly.in_norm], ls.norm)?;
             // x·[Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]) as one GEMM into ws.qkv, whose parts the
             // cache write reads; or the three GEMMs into a.q, a.k, a.v.
             let qkv = ly.qkv.filter(|_| fuse);
             if let Some(wi) = qkv {
-                b.matmul(
-                    &mut ws.qkv,
-                    &a.xn1,
-                    &fused[wi],
-                    ly.qkv_b.map(|i| &fused[i]),
-                    n,
-                    d,
-                    qd + 2 * kd,
-                    false,
-                )?;
+                let bias = ly.qkv_b.map(|i| &fused[i]);
+                let s = ls.gemm(d, qd + 2 * kd);
+                b.matmul(&mut ws.qkv, &a.xn1, &fused[wi], bias, s, false)?;
             } else {
                 let (q_dst, k_dst) = if cfg.qk_norm {
                     (&mut a.q_raw, &mut a.k_raw)
                 } else {
                     (&mut a.q, &mut a.k)
                 };
+                let x = &a.xn1;
                 b.matmul(
                     q_dst,
-                    &a.xn1,
+                    x,
                     &w[ly.q],
                     ly.q_b.map(|i| &w[i]),
-                    n,
-                    d,
-                    qd,
+                    ls.gemm(d, qd),
                     false,
                 )?;
                 b.matmul(
                     k_dst,
-                    &a.xn1,
+                    x,
                     &w[ly.k],
                     ly.k_b.map(|i| &w[i]),
-                    n,
-                    d,
-                    kd,
+                    ls.gemm(d, kd),
                     false,
                 )?;
                 b.matmul(
                     &mut a.v,
-                    &a.xn1,
+                    x,
                     &w[ly.v],
                     ly.v_b.map(|i| &w[i]),
-                    n,
-                    d,
-                    kd,
+                    ls.gemm(d, kd),
                     false,
                 )?;
                 if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
-                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], n * hh, hd, eps)?;
-                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], n * kh, hd, eps)?;
+                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], ls.q_norm)?;
+                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], ls.k_norm)?;
                 }
             }
             match &mut mode {
                 AttnMode::Packed => {
-                    b.rope(&mut a.q, &ws.pos, n, hh, hd, theta)?;
-                    b.rope(&mut a.k, &ws.pos, n, kh, hd, theta)?;
-                    let shape = AttnShape {
-                        tokens: n,
-                        seqs,
-                        heads: hh,
-                        kv_heads: kh,
-                        head_dim: hd,
+                    b.rope(&mut a.q, &ws.pos, ls.rope.q())?;
+                    b.rope(&mut a.k, &ws.pos, ls.rope.k())?;
+                    let shape = ls.attn(seqs);
+                    let out = AttnOut {
+                        o: &mut a.o,
+                        lse: &mut a.lse,
                     };
-                    b.attention(&mut a.o, &mut a.lse, &a.q, &a.k, &a.v, &ws.cu, shape)?;
+                    let x = Qkv {
+                        q: &a.q,
+                        k: &a.k,
+                        v: &a.v,
+                    };
+                    b.attention(out, x, &ws.cu, shape)?;
                 }
                 AttnMode::Paged(kv) => {
-                    let (kc, vc) = (&mut kv.k[l], &mut kv.v[l]);
+                    let mut cache = KvCache {
+                        k: &mut kv.k[l],
+                        v: &mut kv.v[l],
+                    };
+                    let slots = Slots {
+                        pos: &ws.pos,
+                        rows: &ws.kv_rows,
+                    };
+                    let blocks = BlockTables {
+                        tables: kv.tables,
+                        seq: &ws.kv_base,
+                        len: &ws.kv_len,
+                    };
                     let shape = PagedAttnShape {
                         queries: n,
                         heads: hh,
@@ -219,45 +278,26 @@ impl<B: Backend> Decoder<B> {
                     };
                     if qkv.is_some() && kv.n_tiles == 0 {
                         // A decode step: rope + kv_store + attention, one kernel on the GPU.
-                        b.attention_paged_rope(
-                            &mut a.o,
-                            &ws.qkv,
-                            &mut a.q,
-                            &ws.pos,
-                            kc,
-                            vc,
-                            &ws.kv_rows,
-                            kv.tables,
-                            &ws.kv_base,
-                            &ws.kv_len,
-                            shape,
-                            theta,
-                        )?;
+                        let x = PackedQkv {
+                            qkv: &ws.qkv,
+                            q: &mut a.q,
+                        };
+                        let s = PagedRopeShape { attn: shape, theta };
+                        b.attention_paged_rope(&mut a.o, x, slots, cache, blocks, s)?;
                     } else {
-                        let heads = (n, hh, kh, hd);
-                        rope_store(
-                            b,
-                            qkv.is_some(),
-                            &ws.qkv,
-                            a,
-                            &ws.pos,
-                            &ws.kv_rows,
-                            kc,
-                            vc,
-                            heads,
-                            theta,
-                        )?;
+                        let fused_qkv = qkv.map(|_| &ws.qkv);
+                        rope_store(b, fused_qkv, a, slots, cache.reborrow(), ls.rope)?;
+                        let tiles = PrefillTiles {
+                            tiles: kv.tiles,
+                            n_tiles: kv.n_tiles,
+                            decode_rows: kv.decode_rows,
+                        };
                         b.attention_paged_tiled(
                             &mut a.o,
                             &a.q,
-                            kc,
-                            vc,
-                            kv.tables,
-                            &ws.kv_base,
-                            &ws.kv_len,
-                            kv.tiles,
-                            kv.n_tiles,
-                            kv.decode_rows,
+                            cache.read(),
+                            blocks,
+                            tiles,
                             shape,
                         )?;
                     }
@@ -266,34 +306,53 @@ impl<B: Backend> Decoder<B> {
             if train {
                 // Training keeps the block's input: the output goes to the next snapshot.
                 let (src, dst) = pair(&mut ws.resid, ri, rm);
-                b.matmul_residual(dst, src, &a.o, &w[ly.o], n, qd, d)?;
+                b.matmul_residual(dst, src, &a.o, &w[ly.o], ls.gemm(qd, d))?;
             } else {
-                b.matmul(&mut ws.resid[rm], &a.o, &w[ly.o], None, n, qd, d, true)?;
+                b.matmul(
+                    &mut ws.resid[rm],
+                    &a.o,
+                    &w[ly.o],
+                    None,
+                    ls.gemm(qd, d),
+                    true,
+                )?;
             }
             b.rmsnorm(
                 &mut a.xn2,
                 &mut a.rstd2,
                 &ws.resid[rm],
                 &w[ly.post_norm],
-                n,
-                d,
-                eps,
+                ls.norm,
             )?;
             // x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two GEMMs into a.g, a.u.
             if let Some(wi) = ly.gate_up.filter(|_| fuse) {
-                b.matmul(&mut ws.gu, &a.xn2, &fused[wi], None, n, d, 2 * f, false)?;
+                b.matmul(
+                    &mut ws.gu,
+                    &a.xn2,
+                    &fused[wi],
+                    None,
+                    ls.gemm(d, 2 * f),
+                    false,
+                )?;
                 b.swiglu_packed(&mut ws.h, &ws.gu, n, f)?;
             } else {
-                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, n, d, f, false)?;
-                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, n, d, f, false)?;
+                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, ls.gemm(d, f), false)?;
+                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, ls.gemm(d, f), false)?;
                 let h = if train { &mut a.h } else { &mut ws.h };
                 b.swiglu(h, &a.g, &a.u, n * f)?;
             }
             if train {
                 let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.matmul_residual(dst, src, &a.h, &w[ly.down], n, f, d)?;
+                b.matmul_residual(dst, src, &a.h, &w[ly.down], ls.gemm(f, d))?;
             } else {
-                b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, n, f, d, true)?;
+                b.matmul(
+                    &mut ws.resid[ro],
+                    &ws.h,
+                    &w[ly.down],
+                    None,
+                    ls.gemm(f, d),
+                    true,
+                )?;
             }
         }
         Ok(if train { 2 * layers.len() } else { 0 })
@@ -301,27 +360,20 @@ impl<B: Backend> Decoder<B> {
 }
 
 /// Rope of a step's new queries and keys, and its keys and values stored at their cache rows:
-/// from the fused q/k/v projection `qkv` when `fused`, else from `a`'s q, k and v.
-/// `heads` = (tokens, heads, kv heads, head dim).
-#[allow(clippy::too_many_arguments)]
+/// from the fused q/k/v projection `qkv` when there is one, else from `a`'s q, k and v.
 fn rope_store<B: Backend>(
     b: &B,
-    fused: bool,
-    qkv: &B::Buf,
+    qkv: Option<&B::Buf>,
     a: &mut Acts<B>,
-    pos: &B::Idx,
-    rows: &B::Idx,
-    kc: &mut B::Buf,
-    vc: &mut B::Buf,
-    heads: (usize, usize, usize, usize),
-    theta: f32,
+    slots: Slots<&B::Idx>,
+    cache: KvCache<&mut B::Buf>,
+    shape: RopeKvShape,
 ) -> Result<()> {
-    let (n, hh, kh, hd) = heads;
-    if fused {
-        b.rope_store_kv_packed(qkv, &mut a.q, pos, kc, vc, rows, n, hh, kh, hd, theta)
-    } else {
-        b.rope_store_kv(
-            &mut a.q, &mut a.k, &a.v, pos, kc, vc, rows, n, hh, kh, hd, theta,
-        )
+    match qkv {
+        Some(qkv) => {
+            let x = PackedQkv { qkv, q: &mut a.q };
+            b.rope_store_kv_packed(x, slots, cache, shape)
+        }
+        None => b.rope_store_kv(&mut a.q, &mut a.k, &a.v, slots, cache, shape),
     }
 }

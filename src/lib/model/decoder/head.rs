@@ -5,7 +5,7 @@
 use anyhow::Result;
 
 use super::{Decoder, SeqRef, TokenStats};
-use crate::backend::{Backend, LogprobShape};
+use crate::backend::{Backend, LogprobInput, LogprobShape, MatmulShape, RmsNormShape};
 
 impl<B: Backend> Decoder<B> {
     /// ws.xf = final_norm(resid[last][rows]) for the `r` rows listed in ws.rows: the hidden
@@ -29,9 +29,11 @@ impl<B: Backend> Decoder<B> {
             &mut ws.rstd_f,
             &ws.xg,
             &w[*final_norm],
-            r,
-            d,
-            cfg.rms_norm_eps,
+            RmsNormShape {
+                rows: r,
+                dim: d,
+                eps: cfg.rms_norm_eps,
+            },
         )
     }
 
@@ -45,7 +47,14 @@ impl<B: Backend> Decoder<B> {
             head,
             ..
         } = self;
-        b.matmul(&mut ws.logits, &ws.xf, &w[*head], None, r, d, v, false)
+        b.matmul(
+            &mut ws.logits,
+            &ws.xf,
+            &w[*head],
+            None,
+            MatmulShape { m: r, k: d, n: v },
+            false,
+        )
     }
 
     /// Makes the fused log-prob's scratch hold one chunk of logits.
@@ -135,9 +144,11 @@ impl<B: Backend> Decoder<B> {
             &mut ws.lp,
             ent,
             &mut ws.lse_lp,
-            &ws.xf,
-            &w[*head],
-            &ws.targets,
+            LogprobInput {
+                x: &ws.xf,
+                w: &w[*head],
+                targets: &ws.targets,
+            },
             shape,
             &mut ws.scratch,
         )

@@ -38,7 +38,7 @@ mod step;
 mod workspace;
 
 pub use optim::{AdamWParams, OptimizerState, StepReport};
-pub use step::{Draws, PagedAttn, StepRows};
+pub use step::{PagedAttn, StepRows};
 
 use anyhow::{bail, Result};
 
@@ -160,7 +160,7 @@ fn check_config(cfg: &Config) -> Result<()> {
             cfg.num_heads, cfg.num_kv_heads
         ));
     }
-    let max_hd = crate::backend::cpu::rope::MAX_HEAD_DIM;
+    let max_hd = crate::backend::ops::rope::MAX_HEAD_DIM;
     if cfg.head_dim == 0 || !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > max_hd {
         return bad(format!(
             "head_dim {} must be even and at most {max_hd}",

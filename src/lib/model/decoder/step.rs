@@ -1,17 +1,16 @@
 //! A step over a paged KV cache, as the engine's runner describes it (nano-vllm's per-step
 //! context): the rows of the step on the host (`StepRows`: token, position, cache row, table
 //! row, context length, which rows are drawn from), the cache and the step's block tables on
-//! the device (`PagedAttn`), and where the draws go (`Draws`). The decoder stores each new
-//! token's key and value at its cache row, attends through the tables, and draws on the
-//! device: only token ids and log-probs leave it. The runner owns every buffer named here
+//! the device (`PagedAttn`), and where the draws go (`backend::Draws`, the `sample` op's
+//! arguments). The decoder stores each new token's key and value at its cache row, attends
+//! through the tables, and draws on the device: only token ids and log-probs leave it. The runner owns every buffer named here
 //! except the workspace, and decides when a step is captured as a graph.
 
 use anyhow::{ensure, Result};
 
 use super::forward::AttnMode;
 use super::Decoder;
-use crate::backend::sample::SamplingParams;
-use crate::backend::Backend;
+use crate::backend::{Backend, Draws};
 
 /// The rows of one step, one entry per token row except `sample`: token row i feeds `ids[i]`
 /// at position `positions[i]` of the sequence whose block table is row `table_rows[i]` of the
@@ -31,7 +30,7 @@ pub struct StepRows<'a> {
 /// The paged KV cache as a step's attention reads and writes it: per layer, the keys and
 /// values of every block (cache row `block · block_size + offset`); the step's block tables
 /// (row s holds `max_blocks` entries, the blocks of table row s in order); and its prefill
-/// tiles (`Backend::attention_paged_tiled`: `n_tiles` (first row, rows) pairs after the
+/// tiles (`PagedAttentionOps::attention_paged_tiled`: `n_tiles` (first row, rows) pairs after the
 /// `decode_rows` single-token rows).
 pub struct PagedAttn<'a, B: Backend> {
     pub k: &'a mut [B::Buf],
@@ -42,18 +41,6 @@ pub struct PagedAttn<'a, B: Backend> {
     pub tiles: &'a B::Idx,
     pub n_tiles: usize,
     pub decode_rows: usize,
-}
-
-/// Where a step's draws go: for each of the first `rows` sampled rows r, `tokens[r]` and
-/// `logprobs[r]` drawn as `Backend::sample` draws them, with the key
-/// `keys[2r] | keys[2r+1] << 32` at draw position `positions[r]`.
-pub struct Draws<'a, B: Backend> {
-    pub tokens: &'a mut B::Idx,
-    pub logprobs: &'a mut B::Buf,
-    pub keys: &'a B::Idx,
-    pub positions: &'a B::Idx,
-    pub rows: usize,
-    pub sampling: &'a SamplingParams,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -115,16 +102,7 @@ impl<B: Backend> Decoder<B> {
         };
         self.final_rows(last, d.rows)?;
         self.head_logits(d.rows)?;
-        self.backend.sample(
-            d.tokens,
-            d.logprobs,
-            &self.ws.logits,
-            d.keys,
-            d.positions,
-            d.rows,
-            self.cfg.vocab_size,
-            d.sampling,
-        )
+        self.backend.sample(&self.ws.logits, self.cfg.vocab_size, d)
     }
 
     /// The logits the last paged step drew its first `rows` rows from, `[rows, vocab]`

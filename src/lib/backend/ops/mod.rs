@@ -1,0 +1,175 @@
+//! The op families. Each folder holds one family (after llm.c's `llmc/<op>.cuh` with its
+//! `dev/cuda/<op>.cu` check beside it): `mod.rs` says what the ops do, their shapes and
+//! formulas, and declares the family's trait (each op's math in a `///` line); `cpu.rs` is the
+//! f32 reference with its unit tests; `cuda.rs` the launchers; `<family>.cu` the kernels (each
+//! opening with its layout, launch geometry and determinism); `check.rs` the GPU parity cases
+//! and timing shapes, registered below.
+//!
+//! | family | ops |
+//! |---|---|
+//! | `memory` | add_assign, gather_rows, scatter_add_rows, kv_store |
+//! | `matmul` | matmul, matmul_residual, matmul_backward_x/_w |
+//! | `embedding` | embedding, embedding_backward |
+//! | `rmsnorm` | rmsnorm, rmsnorm_backward |
+//! | `rope` | rope, rope_backward, rope_store_kv, rope_store_kv_packed |
+//! | `swiglu` | swiglu, swiglu_packed, swiglu_backward |
+//! | `attention` | attention, attention_backward |
+//! | `paged_attention` | attention_paged, attention_paged_rope, attention_paged_tiled |
+//! | `logprob` | logprob, logprob_backward |
+//! | `ppo_loss` | ppo_clip_loss |
+//! | `adamw` | sum_squares, sum_squares_all, adamw |
+//! | `sample` | sample |
+
+pub mod adamw;
+pub mod attention;
+pub mod embedding;
+pub mod logprob;
+pub mod matmul;
+pub mod memory;
+pub mod paged_attention;
+pub mod ppo_loss;
+pub mod rmsnorm;
+pub mod rope;
+pub mod sample;
+pub mod swiglu;
+
+use anyhow::Result;
+
+use crate::backend::check::gpu::Case;
+use crate::backend::check::timing::Timing;
+use crate::backend::cuda::nvrtc::{self, Family};
+
+/// Every kernel source NVRTC compiles: the device's own and each family's.
+pub const KERNELS: [Family; 13] = [
+    crate::backend::cuda::KERNELS,
+    memory::cuda::KERNELS,
+    matmul::cuda::KERNELS,
+    embedding::cuda::KERNELS,
+    rmsnorm::cuda::KERNELS,
+    rope::cuda::KERNELS,
+    swiglu::cuda::KERNELS,
+    attention::cuda::KERNELS,
+    paged_attention::cuda::KERNELS,
+    logprob::cuda::KERNELS,
+    ppo_loss::cuda::KERNELS,
+    adamw::cuda::KERNELS,
+    sample::cuda::KERNELS,
+];
+
+/// Compiles every kernel for `arch` (`tandem gpu-test --compile-only`, `make kernels-check`):
+/// (program, cubin bytes) per program.
+pub fn compile_all(arch: &str) -> Result<Vec<(String, usize)>> {
+    nvrtc::compile_all(&KERNELS, arch)
+}
+
+/// The op families' GPU parity cases, in the order `gpu-test` runs them.
+pub fn op_cases() -> Vec<Case> {
+    [
+        memory::check::CASES,
+        matmul::check::CASES,
+        embedding::check::CASES,
+        rmsnorm::check::CASES,
+        rope::check::CASES,
+        attention::check::CASES,
+        swiglu::check::CASES,
+        logprob::check::CASES,
+        ppo_loss::check::CASES,
+        adamw::check::CASES,
+        paged_attention::check::CASES,
+        sample::check::CASES,
+    ]
+    .concat()
+}
+
+/// The op families' timing shapes, in the order `gpu-test --time` runs them.
+pub fn timing_cases() -> Vec<Timing> {
+    [
+        matmul::check::TIMINGS,
+        attention::check::TIMINGS,
+        rmsnorm::check::TIMINGS,
+        swiglu::check::TIMINGS,
+        rope::check::TIMINGS,
+        logprob::check::TIMINGS,
+        adamw::check::TIMINGS,
+        memory::check::TIMINGS,
+        paged_attention::check::TIMINGS,
+    ]
+    .concat()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+    use std::path::Path;
+
+    use super::*;
+
+    /// Every `.cu` file under `src/lib/backend` is one of the compiled families (same text),
+    /// and the families have distinct names: a new kernel file cannot be forgotten.
+    #[test]
+    fn every_kernel_source_is_registered() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib/backend");
+        let mut files = Vec::new();
+        let mut dirs = vec![root];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else if p.extension().is_some_and(|x| x == "cu") {
+                    files.push(p);
+                }
+            }
+        }
+        assert!(files.len() >= 13, "{files:?}");
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            let fam = KERNELS.iter().find(|k| k.src == text);
+            assert!(fam.is_some(), "{} is not in ops::KERNELS", f.display());
+            let stem = f.file_stem().unwrap().to_str().unwrap();
+            assert_eq!(fam.unwrap().name, stem, "{}", f.display());
+        }
+        assert_eq!(files.len(), KERNELS.len(), "{files:?}");
+        let names: HashSet<&str> = KERNELS.iter().map(|k| k.name).collect();
+        assert_eq!(names.len(), KERNELS.len());
+    }
+
+    /// The registry: every case name once (the `--only` filters), the timings named.
+    #[test]
+    fn case_names_are_distinct() {
+        let cases = op_cases();
+        let names: HashSet<&str> = cases.iter().map(|c| c.name).collect();
+        assert_eq!(names.len(), cases.len());
+        for want in [
+            "memory",
+            "matmul",
+            "embedding",
+            "rmsnorm",
+            "rope",
+            "attention",
+            "kv_store",
+            "swiglu",
+            "gather_rows",
+            "logprob",
+            "ppo_loss",
+            "optim",
+        ] {
+            assert!(names.contains(want), "{want}");
+        }
+        assert!(timing_cases().len() >= 9);
+    }
+
+    /// Compiles every kernel when libnvrtc is on the library path (the device machine, or here
+    /// with the nvidia-cuda-nvrtc wheel: `make kernels-check`); says so and passes otherwise.
+    #[test]
+    fn every_kernel_compiles_when_nvrtc_is_present() {
+        if !nvrtc::present() {
+            eprintln!("libnvrtc not on the library path: kernel compile check skipped");
+            return;
+        }
+        let built = compile_all("sm_90").unwrap_or_else(|e| panic!("{e:#}"));
+        let per_hd = KERNELS.iter().filter(|k| k.per_head_dim).count();
+        assert_eq!(built.len(), KERNELS.len() + 2 * per_hd);
+        assert!(built.iter().all(|(_, n)| *n > 0));
+    }
+}

@@ -1,0 +1,380 @@
+//! The paged attention launchers: `paged_attention.cu` (scalar, GQA and tensor-core decode
+//! kernels with flash-decoding splits, and the fused rope), and the batch-invariant and
+//! prefill-tile kernels of `ops/attention/attention.cu`.
+
+use anyhow::{bail, Result};
+
+use super::{BlockTables, PagedAttentionOps, PagedAttnShape, PagedRopeShape, PrefillTiles};
+use crate::backend::cuda::nvrtc::Family;
+use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx, KArg};
+use crate::backend::ops::attention::{
+    self,
+    cuda::{attention_mma_smem, check_attn, paged_inv_smem},
+};
+use crate::backend::ops::rope::cuda::{freqs, Freqs};
+use crate::backend::{DType, Device, KvCache, PackedQkv, RopeOps, Slots};
+
+pub const KERNELS: Family = Family {
+    name: "paged_attention",
+    src: include_str!("paged_attention.cu"),
+    per_head_dim: true,
+};
+
+/// Most context splits of one paged-attention row (the partial states a combine reads).
+const MAX_PAGED_SPLITS: usize = 128;
+
+/// The rope half of a fused decode attention (`paged_attn_mma_rope_k`): positions, cache rows
+/// of the new tokens, the cache's row count and the inverse frequencies.
+struct PagedRope<'a> {
+    pos: &'a CudaIdx,
+    rows: &'a CudaIdx,
+    cache_rows: i64,
+    fr: Freqs,
+}
+
+/// A paged attention's kernel arguments from its shape: the blocks in the pool, heads, kv
+/// heads, block size and table width.
+fn paged_dims(
+    s: PagedAttnShape,
+    k_cache: &CudaBuf,
+    v_cache: &CudaBuf,
+) -> Result<(i64, i32, i32, i32, i32)> {
+    let row = s.kv_heads * s.head_dim;
+    Ok((
+        (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64,
+        s.heads as i32,
+        s.kv_heads as i32,
+        i32_of(s.block_size, "block_size")?,
+        i32_of(s.max_blocks, "max_blocks")?,
+    ))
+}
+
+/// `attention_paged`, or with `rope` the decode step's rope + kv_store fused in (`q` is then
+/// the fused q/k/v projection; only the tensor-core kernel takes it).
+fn launch_paged(
+    be: &CudaBackend,
+    o: &mut CudaBuf,
+    q: &CudaBuf,
+    cache: KvCache<&CudaBuf>,
+    blocks: BlockTables<&CudaIdx>,
+    s: PagedAttnShape,
+    rope: Option<PagedRope>,
+) -> Result<()> {
+    let (
+        KvCache {
+            k: k_cache,
+            v: v_cache,
+        },
+        BlockTables { tables, seq, len },
+    ) = (cache, blocks);
+    let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
+    let qn = s.queries * s.heads * s.head_dim;
+    need(o.len, qn, "attention_paged o")?;
+    if rope.is_none() {
+        need(q.len, qn, "attention_paged q")?;
+    }
+    need(seq.len, s.queries, "attention_paged seq")?;
+    need(len.len, s.queries, "attention_paged len")?;
+    if s.queries == 0 {
+        return Ok(());
+    }
+    if s.block_size == 0 || s.max_blocks == 0 {
+        bail!(
+            "attention_paged: block size {} and {} blocks per table",
+            s.block_size,
+            s.max_blocks
+        );
+    }
+    // One block per (query, kv head) serving its whole GQA group when the group is small
+    // enough (every key/value row read once): on the tensor cores when q and the cache are
+    // bf16 and head_dim is 64 or 128, else with scalar math; otherwise one block per
+    // (query, head).
+    let group = s.heads / s.kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let err = be.err_ptr();
+    let (num_blocks, h, kh, bsz, mb) = paged_dims(s, k_cache, v_cache)?;
+    if rope.is_none()
+        && be.batch_invariant()
+        && group <= 16
+        && be.use_mma(hd, &[o, q, k_cache, v_cache])
+    {
+        // Batch invariance: the training forward's tiles and arithmetic per (query, head).
+        let f = be.func_smem(
+            attention::cuda::KERNELS,
+            hd,
+            "paged_attn_inv_k",
+            paged_inv_smem(hd),
+        )?;
+        return be.launch(
+            &f,
+            (s.queries as u32, s.kv_heads as u32, 1),
+            128,
+            paged_inv_smem(hd),
+            &[
+                &o.ptr,
+                &q.ptr,
+                &k_cache.ptr,
+                &v_cache.ptr,
+                &tables.ptr,
+                &seq.ptr,
+                &len.ptr,
+                &h,
+                &kh,
+                &bsz,
+                &mb,
+                &num_blocks,
+                &scale,
+                &err,
+            ],
+        );
+    }
+    let mma = group <= 16 && hd.is_multiple_of(64) && be.use_mma(hd, &[q, k_cache, v_cache]);
+    if rope.is_some() && !mma {
+        bail!("attention_paged: the fused rope needs the tensor-core kernel");
+    }
+    let gqa = hd.is_multiple_of(8) && group <= 8;
+    let (name, blocks_y, threshold) = if mma {
+        (
+            // Fewer blocks before splitting than the scalar kernels: a split costs a merge
+            // pass (at 256 queries, 23 µs per layer with 2·SMs against 33 µs with 4·SMs).
+            if rope.is_some() {
+                "paged_attn_mma_rope_k"
+            } else {
+                "paged_attn_mma_k"
+            },
+            s.kv_heads,
+            2 * be.sms() as usize,
+        )
+    } else if gqa {
+        ("paged_attn_gqa_k", s.kv_heads, 4 * be.sms() as usize)
+    } else {
+        ("paged_attn_k", s.heads, 2 * be.sms() as usize)
+    };
+    let f = be.func(KERNELS, hd, name)?;
+    // Flash-decoding: split the context when there are too few blocks to fill the GPU.
+    // Each row cuts its own context into even splits of at least 64 positions (split_len
+    // 0, see `row_split` in the kernel), so the split count depends on the number of
+    // queries alone and a row's result does not depend on the table width: a decode step
+    // replayed from a CUDA graph (tables padded to a fixed width) gives the eager bits.
+    let pairs = s.queries * s.heads;
+    let splits = threshold
+        .div_ceil(s.queries * blocks_y)
+        .clamp(1, MAX_PAGED_SPLITS);
+    let split_len = 0usize;
+    let (part_o, part_ml) = if splits > 1 {
+        (
+            be.temp(pairs * splits * hd, DType::F32)?,
+            be.temp(pairs * splits * 2, DType::F32)?,
+        )
+    } else {
+        (be.temp(1, DType::F32)?, be.temp(2, DType::F32)?)
+    };
+    let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
+    let sl = i32_of(split_len, "split_len")?;
+    let grid = (s.queries as u32, blocks_y as u32, splits as u32);
+    if mma {
+        let mut args: Vec<&dyn KArg> = vec![
+            &o.ptr,
+            &obf,
+            &q.ptr,
+            &k_cache.ptr,
+            &v_cache.ptr,
+            &tables.ptr,
+            &seq.ptr,
+            &len.ptr,
+            &h,
+            &kh,
+            &bsz,
+            &mb,
+            &num_blocks,
+            &sl,
+            &scale,
+            &part_o.ptr,
+            &part_ml.ptr,
+            &err,
+        ];
+        // paged_attn_mma_rope_k: the same, then the rope's.
+        if let Some(r) = &rope {
+            args.extend([&r.pos.ptr as &dyn KArg, &r.rows.ptr, &r.cache_rows, &r.fr]);
+        }
+        be.launch(&f, grid, 128, 0, &args)?;
+    } else {
+        be.launch(
+            &f,
+            grid,
+            128,
+            0,
+            &[
+                &o.ptr,
+                &obf,
+                &q.ptr,
+                &qbf,
+                &k_cache.ptr,
+                &kbf,
+                &v_cache.ptr,
+                &vbf,
+                &tables.ptr,
+                &seq.ptr,
+                &len.ptr,
+                &h,
+                &kh,
+                &bsz,
+                &mb,
+                &num_blocks,
+                &sl,
+                &scale,
+                &part_o.ptr,
+                &part_ml.ptr,
+                &err,
+            ],
+        )?;
+    }
+    if splits > 1 {
+        let c = be.func(KERNELS, hd, "paged_combine_k")?;
+        let sp = splits as i32;
+        be.launch(
+            &c,
+            (s.queries as u32, s.heads as u32, 1),
+            CudaBackend::row_threads(hd),
+            0,
+            &[&o.ptr, &obf, &part_o.ptr, &part_ml.ptr, &h, &sp],
+        )?;
+    }
+    Ok(())
+}
+
+impl PagedAttentionOps for CudaBackend {
+    fn attention_paged_tiled(
+        &self,
+        o: &mut CudaBuf,
+        q: &CudaBuf,
+        cache: KvCache<&CudaBuf>,
+        blocks: BlockTables<&CudaIdx>,
+        prefill: PrefillTiles<&CudaIdx>,
+        s: PagedAttnShape,
+    ) -> Result<()> {
+        let (
+            KvCache {
+                k: k_cache,
+                v: v_cache,
+            },
+            BlockTables { tables, seq, len },
+        ) = (cache, blocks);
+        let PrefillTiles {
+            tiles,
+            n_tiles,
+            decode_rows,
+        } = prefill;
+        let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
+        if n_tiles == 0 || !self.use_mma(hd, &[o, q, k_cache, v_cache]) {
+            return self.attention_paged(o, q, cache, blocks, s);
+        }
+        let qn = s.queries * s.heads * s.head_dim;
+        need(o.len, qn, "attention_paged o")?;
+        need(q.len, qn, "attention_paged q")?;
+        need(seq.len, s.queries, "attention_paged seq")?;
+        need(len.len, s.queries, "attention_paged len")?;
+        need(tiles.len, 2 * n_tiles, "attention_paged tiles")?;
+        if decode_rows > s.queries || s.block_size == 0 || s.max_blocks == 0 {
+            bail!(
+                "attention_paged: {decode_rows} decode rows of {}, block size {}, {} blocks per table",
+                s.queries,
+                s.block_size,
+                s.max_blocks
+            );
+        }
+        if decode_rows > 0 {
+            let d = PagedAttnShape {
+                queries: decode_rows,
+                ..s
+            };
+            self.attention_paged(o, q, cache, blocks, d)?;
+        }
+        // The prefill tiles: each block's rows share its key tiles (and get the training
+        // forward's bits, in either mode).
+        let f = self.func_smem(
+            attention::cuda::KERNELS,
+            hd,
+            "paged_prefill_mma_k",
+            attention_mma_smem(hd).0,
+        )?;
+        let (num_blocks, h, kh, bsz, mb) = paged_dims(s, k_cache, v_cache)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let err = self.err_ptr();
+        self.launch(
+            &f,
+            (n_tiles as u32, s.heads as u32, 1),
+            128,
+            attention_mma_smem(hd).0,
+            &[
+                &o.ptr,
+                &q.ptr,
+                &k_cache.ptr,
+                &v_cache.ptr,
+                &tables.ptr,
+                &seq.ptr,
+                &len.ptr,
+                &tiles.ptr,
+                &h,
+                &kh,
+                &bsz,
+                &mb,
+                &num_blocks,
+                &scale,
+                &err,
+            ],
+        )
+    }
+    fn attention_paged(
+        &self,
+        o: &mut CudaBuf,
+        q: &CudaBuf,
+        cache: KvCache<&CudaBuf>,
+        blocks: BlockTables<&CudaIdx>,
+        s: PagedAttnShape,
+    ) -> Result<()> {
+        launch_paged(self, o, q, cache, blocks, s, None)
+    }
+    fn attention_paged_rope(
+        &self,
+        o: &mut CudaBuf,
+        x: PackedQkv<CudaBuf>,
+        slots: Slots<&CudaIdx>,
+        mut cache: KvCache<&mut CudaBuf>,
+        blocks: BlockTables<&CudaIdx>,
+        shape: PagedRopeShape,
+    ) -> Result<()> {
+        let (s, theta) = (shape.attn, shape.theta);
+        let (PackedQkv { qkv, q }, Slots { pos, rows }) = (x, slots);
+        let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
+        let fused = !self.batch_invariant()
+            && s.heads / s.kv_heads <= 16
+            && hd.is_multiple_of(64)
+            && self.use_mma(hd, &[qkv, cache.k, cache.v]);
+        if !fused {
+            self.rope_store_kv_packed(
+                PackedQkv { qkv, q: &mut *q },
+                slots,
+                cache.reborrow(),
+                s.rope(theta),
+            )?;
+            return self.attention_paged(o, q, cache.read(), blocks, s);
+        }
+        let (k_cache, v_cache) = (&*cache.k, &*cache.v);
+        let kd = s.kv_heads * hd;
+        need(
+            qkv.len,
+            s.queries * (s.heads * hd + 2 * kd),
+            "attention_paged_rope qkv",
+        )?;
+        need(pos.len, s.queries, "attention_paged_rope pos")?;
+        need(rows.len, s.queries, "attention_paged_rope rows")?;
+        let rope = PagedRope {
+            pos,
+            rows,
+            cache_rows: (k_cache.len.min(v_cache.len) / kd) as i64,
+            fr: freqs(hd, theta),
+        };
+        launch_paged(self, o, qkv, cache.read(), blocks, s, Some(rope))
+    }
+}

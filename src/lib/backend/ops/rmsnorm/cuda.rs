@@ -1,0 +1,130 @@
+//! The RMSNorm launchers (kernels in `rmsnorm.cu`; dw's second pass is the matmul family's
+//! column sum).
+
+use anyhow::Result;
+
+use super::{RmsNormOps, RmsNormSaved, RmsNormShape};
+use crate::backend::cuda::nvrtc::Family;
+use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, THREADS};
+use crate::backend::ops::matmul;
+use crate::backend::DType;
+
+pub const KERNELS: Family = Family {
+    name: "rmsnorm",
+    src: include_str!("rmsnorm.cu"),
+    per_head_dim: false,
+};
+
+/// Rows per block of `rmsnorm_fwd_k` (a warp each; the kernel derives it from blockDim).
+const RMSNORM_ROWS_PER_BLOCK: usize = 4;
+
+impl RmsNormOps for CudaBackend {
+    fn rmsnorm(
+        &self,
+        y: &mut CudaBuf,
+        rstd: &mut CudaBuf,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        s: RmsNormShape,
+    ) -> Result<()> {
+        let RmsNormShape { rows, dim, eps } = s;
+        need(y.len, rows * dim, "rmsnorm y")?;
+        need(rstd.len, rows, "rmsnorm rstd")?;
+        need(x.len, rows * dim, "rmsnorm x")?;
+        need(w.len, dim, "rmsnorm w")?;
+        if dim == 0 {
+            return Ok(());
+        }
+        // rstd is a statistic: kept in f32 whatever the caller allocated.
+        let rs = if rstd.dtype == DType::F32 {
+            None
+        } else {
+            Some(self.temp(rows, DType::F32)?)
+        };
+        let rs_ptr = rs.as_ref().map_or(rstd.ptr, |t| t.ptr);
+        let (ybf, xbf, wbf) = (y.bf(), x.bf(), w.bf());
+        let (r, d) = (i32_of(rows, "rows")?, i32_of(dim, "dim")?);
+        let f = self.func(KERNELS, 0, "rmsnorm_fwd_k")?;
+        self.launch(
+            &f,
+            (rows.div_ceil(RMSNORM_ROWS_PER_BLOCK) as u32, 1, 1),
+            32 * RMSNORM_ROWS_PER_BLOCK as u32,
+            0,
+            &[
+                &y.ptr, &ybf, &rs_ptr, &x.ptr, &xbf, &w.ptr, &wbf, &r, &d, &eps,
+            ],
+        )?;
+        if let Some(t) = rs {
+            self.convert(rstd.ptr, rstd.bf(), t.ptr, 0, rows)?;
+        }
+        Ok(())
+    }
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut CudaBuf,
+        dw: &mut CudaBuf,
+        dy: &CudaBuf,
+        saved: RmsNormSaved<&CudaBuf>,
+        s: RmsNormShape,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (RmsNormSaved { x, w, rstd }, RmsNormShape { rows, dim, .. }) = (saved, s);
+        need(dx.len, rows * dim, "rmsnorm dx")?;
+        need(dw.len, dim, "rmsnorm dw")?;
+        need(dy.len, rows * dim, "rmsnorm dy")?;
+        need(x.len, rows * dim, "rmsnorm x")?;
+        need(w.len, dim, "rmsnorm w")?;
+        need(rstd.len, rows, "rmsnorm rstd")?;
+        if dim == 0 || rows == 0 {
+            return Ok(());
+        }
+        let rs = if rstd.dtype == DType::F32 {
+            None
+        } else {
+            let t = self.temp(rows, DType::F32)?;
+            self.convert(t.ptr, 0, rstd.ptr, 1, rows)?;
+            Some(t)
+        };
+        let rs_ptr = rs.as_ref().map_or(rstd.ptr, |t| t.ptr);
+        let (dxbf, dybf, xbf, wbf) = (dx.bf(), dy.bf(), x.bf(), w.bf());
+        let (r, d, acc) = (
+            i32_of(rows, "rows")?,
+            i32_of(dim, "dim")?,
+            accumulate as i32,
+        );
+        let f = self.func(KERNELS, 0, "rmsnorm_bwd_dx_k")?;
+        self.launch(
+            &f,
+            (rows as u32, 1, 1),
+            Self::row_threads(dim),
+            0,
+            &[
+                &dx.ptr, &dxbf, &dy.ptr, &dybf, &x.ptr, &xbf, &w.ptr, &wbf, &rs_ptr, &r, &d, &acc,
+            ],
+        )?;
+        const ROWS_PER_BLOCK: usize = 64;
+        let blocks = rows.div_ceil(ROWS_PER_BLOCK);
+        let part = self.temp(blocks * dim, DType::F32)?;
+        let rpb = ROWS_PER_BLOCK as i32;
+        let f = self.func(KERNELS, 0, "rmsnorm_bwd_dw_partial_k")?;
+        let gx = dim.div_ceil(THREADS as usize) as u32;
+        self.launch(
+            &f,
+            (gx, blocks as u32, 1),
+            THREADS,
+            0,
+            &[
+                &part.ptr, &dy.ptr, &dybf, &x.ptr, &xbf, &rs_ptr, &r, &d, &rpb,
+            ],
+        )?;
+        let f = self.func(matmul::cuda::KERNELS, 0, "colsum_finish_k")?;
+        let (dwbf, b) = (dw.bf(), blocks as i32);
+        self.launch(
+            &f,
+            (gx, 1, 1),
+            THREADS,
+            0,
+            &[&dw.ptr, &dwbf, &part.ptr, &b, &d],
+        )
+    }
+}

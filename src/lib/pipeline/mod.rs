@@ -6,10 +6,12 @@
 //! - `rundir`: the run directory's layout, `state.json`, atomic writes.
 //! - `sampler`: the seeded prompt sampler whose cursor is part of the state.
 //! - `runner`: the step loop (stage commands, `commands.sh`, resume).
+//! - `dynamic`: DAPO's dynamic sampling, the rounds of a step that keeps only varied groups.
 //! - `metrics`: `metrics.jsonl` and `eval.jsonl` lines.
 //! - `tensorboard`: the same numbers as TensorBoard event files in the run directory.
 //! - `plot`, `inspect`: looking at a run.
 
+pub mod dynamic;
 pub mod inspect;
 pub mod metrics;
 pub mod plot;

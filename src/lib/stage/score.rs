@@ -109,5 +109,6 @@ impl ScoreArgs {
 }
 
 pub fn run(args: ScoreArgs) -> Result<()> {
+    args.check()?;
     crate::reward::run_stage(&args.config()?).map(|_| ())
 }

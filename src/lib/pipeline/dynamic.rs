@@ -247,8 +247,9 @@ pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
     let n_rounds = rounds.len() as u64;
     if capped {
         let what = format!(
-            "{}: dynamic sampling kept {varied} of {want} groups in {n_rounds} rounds ({} prompts; every other group had the same {} for all its samples; [algorithm] max-num-gen-batches = {})",
+            "{}: dynamic sampling kept {varied} of {want} groups in {n_rounds} round{} ({} prompts; every other group had the same {} for all its samples; [algorithm] max-num-gen-batches = {})",
             step_name(step),
+            if n_rounds == 1 { "" } else { "s" },
             n_rounds * fg.prompts_per_round,
             fg.metric.name(),
             fg.max_rounds

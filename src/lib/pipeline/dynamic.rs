@@ -444,27 +444,28 @@ fn concat<'a>(mut parts: impl Iterator<Item = (&'a Path, &'a RecordBatch)>) -> R
     Ok(arrow_select::concat::concat_batches(&schema, &all)?)
 }
 
-/// The sampler's cursor after step `step`: replayed for plain steps (each draws
-/// `prompts-per-step`), read from the step's record with dynamic sampling (its rounds drew a
-/// number of prompts known only once they ran).
+/// The sampler's cursor after step `step`: a step that sampled dynamically recorded it (its
+/// rounds drew a number of prompts known only once they ran); a plain step drew
+/// `prompts-per-step` after the step before.
 pub(super) fn cursor_after(r: &Runner, step: u64) -> Result<Cursor> {
-    if step == 0 {
-        return Ok(Cursor::default());
+    let sampler = r.sampler();
+    let mut cursor = Cursor::default();
+    for s in 1..=step {
+        let path = record_path(&r.run, s);
+        cursor = match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let rec: Record = serde_json::from_str(&text).with_context(|| {
+                    format!("{}: not a dynamic sampling record", path.display())
+                })?;
+                rec.cursor
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                sampler.draw(cursor, r.spec.data.prompts_per_step).1
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
     }
-    if r.spec.filter_groups().is_none() {
-        let sampler = r.sampler();
-        let mut cursor = Cursor::default();
-        for _ in 0..step {
-            cursor = sampler.draw(cursor, r.spec.data.prompts_per_step).1;
-        }
-        return Ok(cursor);
-    }
-    let path = record_path(&r.run, step);
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let rec: Record = serde_json::from_str(&text)
-        .with_context(|| format!("{}: not a dynamic sampling record", path.display()))?;
-    Ok(rec.cursor)
+    Ok(cursor)
 }
 
 #[cfg(test)]
@@ -528,6 +529,41 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "s.parquet: column 'score', row 1: value NaN is not finite"
+        );
+    }
+
+    #[test]
+    fn cursor_after_reads_the_records_of_dynamic_steps() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "steps = 3\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 4\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[algorithm]\nfilter-groups = true\n";
+        let spec = super::super::spec::Spec::parse(text, "t.toml").unwrap();
+        let state = super::super::rundir::State {
+            train_rows: 10,
+            ..Default::default()
+        };
+        let run = RunDir::new(dir.path());
+        let r = Runner::new(spec, run.clone(), PathBuf::from("bin"), state).unwrap();
+        let sampler = r.sampler();
+        assert_eq!(cursor_after(&r, 0).unwrap(), Cursor::default());
+        // Step 1 took three rounds of 4 prompts; step 2 has no record (a plain step).
+        let after1 = Cursor {
+            epoch: 1,
+            position: 2,
+        };
+        let rec = Record {
+            rounds: 3,
+            groups: 4,
+            capped: false,
+            cursor: after1,
+        };
+        write_json(&record_path(&run, 1), &rec).unwrap();
+        assert_eq!(cursor_after(&r, 1).unwrap(), after1);
+        assert_eq!(cursor_after(&r, 2).unwrap(), sampler.draw(after1, 4).1);
+        std::fs::write(record_path(&run, 1), "{").unwrap();
+        let err = cursor_after(&r, 2).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("not a dynamic sampling record"),
+            "{err:#}"
         );
     }
 

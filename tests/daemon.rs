@@ -5,14 +5,13 @@
 
 mod stage_util;
 
-use stage_util::{prompts, tiny_model};
+use stage_util::{add_advantages, prompts, tiny_model};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
-use tandem::batch::{list_array, Batch, NewColumns, StageInfo};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 
@@ -141,34 +140,6 @@ fn exchange(socket: &Path, line: &str, n: usize) -> std::io::Result<Vec<String>>
         out.push(l.trim_end().to_string());
     }
     Ok(out)
-}
-
-/// Adds advantages (+1 for even rows, −1 for odd ones, on every response token), as the
-/// advantage stage would.
-fn add_advantages(input: &Path, out: &Path) {
-    let b = Batch::read(input, &[]).unwrap();
-    let resp = b.ragged_i32("response_ids").unwrap();
-    let mut vals = Vec::new();
-    for (i, r) in resp.rows().enumerate() {
-        let a = if i % 2 == 0 { 1.0f32 } else { -1.0 };
-        vals.extend(std::iter::repeat_n(a, r.len()));
-    }
-    let mut cols = NewColumns::new();
-    cols.add(
-        "advantages",
-        list_array::<arrow_array::types::Float32Type>(&resp.offsets, vals),
-    );
-    b.write_derived(
-        out,
-        cols,
-        &StageInfo {
-            stage: "advantage",
-            params: serde_json::json!({}),
-            policy_version: None,
-            step: None,
-        },
-    )
-    .unwrap();
 }
 
 /// Files of the two-step flow whose bytes must not depend on where the compute ran.
@@ -732,6 +703,283 @@ fn bad_input_fails_the_same_way_and_the_daemon_keeps_serving() {
     assert!(String::from_utf8_lossy(&gone.stderr).contains("cannot connect"));
 }
 
+/// Every file of a directory, by name.
+fn dir_files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|f| {
+            let f = f.unwrap();
+            (
+                f.file_name().to_string_lossy().into_owned(),
+                std::fs::read(f.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Runs `tandem daemon-ctl ARGS` in `cwd`.
+fn ctl(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(TANDEM)
+        .current_dir(cwd)
+        .arg("daemon-ctl")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `update --resident` on the daemon writes no weights, only a marked directory that the
+/// daemon serves and in-process stages refuse (exit 2, saying to run `daemon-ctl save`);
+/// `daemon-ctl save` writes exactly the files the in-process update writes; a daemon that does
+/// not hold the weights refuses the directory.
+#[test]
+fn resident_weights_stay_on_the_daemon_and_save_writes_the_update_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let model = tiny_model(w, 11);
+    std::fs::rename(&model, w.join("model")).unwrap();
+    prompts(&w.join("prompts.parquet"), &["one two", "three", "four"]);
+    ok(
+        w,
+        "rollout",
+        &[
+            "--model",
+            "model",
+            "--in",
+            "prompts.parquet",
+            "--out",
+            "r.parquet",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "5",
+            "--seed",
+            "4",
+        ],
+        None,
+    );
+    add_advantages(&w.join("r.parquet"), &w.join("adv.parquet"));
+    let update = |out: &str, extra: &[&str], daemon: Option<&Path>| {
+        let mut args = vec![
+            "--model",
+            "model",
+            "--in",
+            "adv.parquet",
+            "--out-model",
+            out,
+            "--lr",
+            "0.01",
+            "--mini-batch-size",
+            "3",
+            "--metrics",
+            "u.json",
+        ];
+        args.extend_from_slice(extra);
+        stage(w, "update", &args, daemon)
+    };
+    // The reference: the in-process update's files.
+    let o = update("m1", &[], None);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = dir_files(&w.join("m1"));
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+        "tokenizer.json",
+    ] {
+        assert!(want.contains_key(f), "{f}: {:?}", want.keys());
+    }
+
+    // --resident needs a daemon.
+    let o = update("nope", &["--resident"], None);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains(
+            "--resident keeps the new weights in the warm daemon's memory: it needs --daemon"
+        ),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!w.join("nope").exists());
+
+    let sock = w.join("sock");
+    let daemon = Daemon::start(w, &sock, "model", &[]);
+    // In place, it would leave the model with no weight files: refused.
+    let o = update("model", &["--resident"], Some(&sock));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("would replace the model that --model names"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(w.join("model/model.safetensors").is_file());
+    let o = update("r1", &["--resident"], Some(&sock));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = read_json(&w.join("u.json"));
+    assert_eq!(
+        (&m["weights_saved"], &m["optimizer_state_saved"]),
+        (&serde_json::json!(false), &serde_json::json!(false)),
+        "{m}"
+    );
+    // Config and tokenizer (what the next stages read), the marker, no weights.
+    let r1 = dir_files(&w.join("r1"));
+    assert!(r1.contains_key("resident.json") && r1.contains_key("tokenizer.json"));
+    assert_eq!(r1["config.json"], want["config.json"]);
+    assert!(
+        !r1.keys().any(|k| k.ends_with(".safetensors")),
+        "{:?}",
+        r1.keys()
+    );
+    let marker: serde_json::Value = serde_json::from_slice(&r1["resident.json"]).unwrap();
+    assert_eq!(marker["step"], 1, "{marker}");
+    assert_eq!(marker["from_policy_version"], 0, "{marker}");
+    assert_eq!(
+        marker["socket"],
+        sock.canonicalize().unwrap().display().to_string()
+    );
+    assert_eq!(daemon.status()["resident"]["policy"]["in_files"], false);
+
+    // In-process stages refuse it: exit 2, nothing written, and the way out named.
+    let refusals: [(&str, Vec<&str>); 3] = [
+        (
+            "rollout",
+            vec![
+                "--model",
+                "r1",
+                "--in",
+                "prompts.parquet",
+                "--out",
+                "x.parquet",
+            ],
+        ),
+        (
+            "update",
+            vec!["--model", "r1", "--in", "adv.parquet", "--out-model", "x"],
+        ),
+        ("sync-weights", vec!["--from", "r1", "--to", "xp"]),
+    ];
+    for (name, args) in &refusals {
+        let o = stage(w, name, args, None);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+        assert!(
+            err.contains("r1: holds no weight files")
+                && err.contains("tandem daemon-ctl save --socket"),
+            "{name}: {err}"
+        );
+    }
+    assert!(!w.join("x.parquet").exists() && !w.join("x").exists() && !w.join("xp").exists());
+
+    // The daemon serves it: publish, then generate without loading anything.
+    ok(
+        w,
+        "sync-weights",
+        &["--from", "r1", "--to", "policy", "--policy-version", "1"],
+        Some(&sock),
+    );
+    let roll = [
+        "--model",
+        "policy",
+        "--in",
+        "prompts.parquet",
+        "--out",
+        "r2.parquet",
+        "--n",
+        "1",
+        "--max-new-tokens",
+        "3",
+        "--metrics",
+        "r2.json",
+    ];
+    ok(w, "rollout", &roll, Some(&sock));
+    assert_eq!(read_json(&w.join("r2.json"))["daemon"]["reloaded"], false);
+
+    // daemon-ctl save: the files of the in-process update, bit for bit.
+    let o = ctl(w, &["save", "--socket", "sock", "--out", "s1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let saved = dir_files(&w.join("s1"));
+    assert_eq!(
+        saved.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (k, v) in &want {
+        assert!(
+            v == &saved[k],
+            "{k}: daemon-ctl save differs from the in-process update"
+        );
+    }
+    // --out without a command, and --model naming what the daemon does not hold.
+    let o = ctl(w, &["save", "--socket", "sock"]);
+    assert_eq!(o.status.code(), Some(2));
+    std::fs::create_dir(w.join("stale")).unwrap();
+    std::fs::write(w.join("stale/resident.json"), &r1["resident.json"]).unwrap();
+    std::fs::write(w.join("stale/config.json"), &r1["config.json"]).unwrap();
+    let o = ctl(
+        w,
+        &[
+            "save", "--socket", "sock", "--model", "stale", "--out", "s2",
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("this daemon does not hold them"), "{err}");
+    assert!(!w.join("s2").exists());
+    // Saved in place: the resident directory becomes the model, still the daemon's policy.
+    let o = ctl(
+        w,
+        &["save", "--socket", "sock", "--model", "r1", "--out", "r1"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(dir_files(&w.join("r1")), want);
+    assert_eq!(daemon.status()["resident"]["policy"]["in_files"], true);
+    ok(w, "rollout", &roll, Some(&sock));
+    assert_eq!(read_json(&w.join("r2.json"))["daemon"]["reloaded"], false);
+    // ... and now loads in-process too.
+    ok(w, "rollout", &roll, None);
+
+    // A second resident step; a restarted daemon does not hold it and says so.
+    let o = Command::new(bin("update"))
+        .current_dir(w)
+        .args([
+            "--model",
+            "r1",
+            "--in",
+            "adv.parquet",
+            "--out-model",
+            "r2",
+            "--lr",
+            "0.01",
+            "--resident",
+            "--daemon",
+        ])
+        .arg(&sock)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    drop(daemon);
+    let _again = Daemon::start(w, &sock, "model", &[]);
+    let o = stage(
+        w,
+        "rollout",
+        &[
+            "--model",
+            "r2",
+            "--in",
+            "prompts.parquet",
+            "--out",
+            "x.parquet",
+        ],
+        Some(&sock),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("r2: its weights were kept in memory by update --resident (step 2")
+            && err.contains("this daemon does not hold them"),
+        "{err}"
+    );
+}
+
 /// Every file of every checkpoint of a run, by content.
 fn checkpoint_files(run: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
     let mut out = std::collections::BTreeMap::new();
@@ -753,9 +1001,10 @@ fn checkpoint_files(run: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 /// `daemon = true`: the runner starts the daemon, routes the model stages through it, restarts
 /// it when it is killed (SIGKILL in the middle of an update) and stops it at the end; the run
 /// ends with the same checkpoints, bit for bit, as a run without a daemon. The daemon writes
-/// the optimizer state only on the checkpoint cadence (steps 2 and 4) and at the last step; a
-/// daemon killed in step 4, while step 3's optimizer state lived only in its memory, sends the
-/// run back to step 2.
+/// checkpoints (weights and optimizer state) only on the cadence (steps 2 and 4) and at the
+/// last step, keeping the policy resident in between; a daemon killed in step 4, or a runner
+/// killed in step 4 (its daemon dies with it), while step 3's policy lived only in the
+/// daemon's memory, sends the run back to step 2.
 #[test]
 fn pipeline_with_a_daemon_survives_its_death_and_matches_in_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -839,22 +1088,69 @@ keep-last = 3
     assert!(marker.exists(), "the daemon was never killed");
     assert!(log.contains("the daemon died"), "{log}");
     assert!(!log.contains("going back"), "{log}");
+    // The stage's client said what happened in the documented words (in the run's log, and in
+    // the runner's line on the console).
+    let plog = std::fs::read_to_string(d.join("b/pipeline.log")).unwrap();
+    let said = "the daemon closed the connection before the update job finished";
+    assert!(plog.contains(said) && log.contains(said), "{log}\n{plog}");
+    assert!(
+        !plog.contains("os error") && !log.contains("os error"),
+        "{plog}"
+    );
     let marker_c = d.join("killed-in-step-4");
     let log_c = run("warm.toml", "c", Some((&marker_c, 4)));
     assert!(marker_c.exists(), "the daemon of run c was never killed");
     assert!(
-        log_c.contains("the optimizer state after step 3 was only in the daemon's memory; going back to step 2"),
+        log_c.contains("the policy after step 3 (weights and optimizer state) was only in the daemon's memory; going back to step 2"),
         "{log_c}"
     );
 
-    // e: the runner itself stopped after step 3 of 5 (here: a 3-step run whose step 3 is then
-    // made what a daemon writes between checkpoints); resuming goes back to step 2.
-    run_steps("warm.toml", "e", None, &["--steps", "3"]);
-    let ck3 = d.join("e/ckpt/step-0003");
-    std::fs::remove_file(ck3.join("optimizer.safetensors")).unwrap();
-    let ts = std::fs::read_to_string(ck3.join("trainer_state.json")).unwrap();
-    let ts = ts.replacen('{', "{\n  \"optimizer_not_saved\": true,", 1);
-    std::fs::write(ck3.join("trainer_state.json"), ts).unwrap();
+    // e: the runner itself SIGKILLed between checkpoints: step 4 under way, step 3's policy
+    // resident (its directory holds only the marker), the daemon gone with the runner.
+    // Resuming goes back to step 2.
+    let e = d.join("e");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .current_dir(d)
+        .args(["run", "warm.toml", "--run-dir", "e"])
+        .env("TANDEM_BIN_DIR", bins)
+        .env("RAYON_NUM_THREADS", "2")
+        .env_remove("TANDEM_DAEMON")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let in_step_4 = || {
+        let Ok(t) = std::fs::read_to_string(e.join("state.json")) else {
+            return false;
+        };
+        serde_json::from_str::<serde_json::Value>(&t).is_ok_and(|s| {
+            s["current"]["step"] == 4
+                && s["current"]["done"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|x| x == "rollout"))
+        })
+    };
+    let t0 = Instant::now();
+    while !in_step_4() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "run e ended before step 4"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "run e never reached step 4"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let ck3 = e.join("ckpt/step-0003");
+    assert!(ck3.join("resident.json").is_file());
+    assert!(!ck3.join("model.safetensors").exists());
+    assert!(
+        !e.join("ckpt/step-0004").exists(),
+        "step 4's update ran before the kill"
+    );
     let log_e = run("warm.toml", "e", None);
     assert!(log_e.contains("going back to step 2"), "{log_e}");
 
@@ -885,12 +1181,12 @@ keep-last = 3
         let metrics = std::fs::read_to_string(d.join(other).join("metrics.jsonl")).unwrap();
         assert_eq!(metrics.lines().count(), 5, "{metrics}");
     }
-    // Between checkpoints the daemon run's update skipped the optimizer file.
+    // Between checkpoints the daemon run's update kept the policy resident.
     let commands = std::fs::read_to_string(d.join("b/commands.sh")).unwrap();
     let skipped: Vec<bool> = commands
         .lines()
         .filter(|l| l.contains("/update "))
-        .map(|l| l.contains("--skip-optimizer-state"))
+        .map(|l| l.contains("--resident"))
         .collect();
     // Step 1 twice (killed, then again), 2 and 4 on the cadence, 5 the last.
     assert_eq!(
@@ -969,4 +1265,165 @@ keep-last = 3
         .is_file());
     assert!(!d.join("bench/daemon/ckpt-2/optimizer.safetensors").exists());
     assert_eq!(results[3]["optimizer_saved"], false, "{json}");
+}
+
+/// Polls the daemon's status until `cond` holds (at most 120 s).
+fn wait_status(d: &Daemon, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
+    let t0 = Instant::now();
+    loop {
+        let st = d.status();
+        if cond(&st) {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "timed out waiting for {what}: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `kill -9` of a client mid-job: the daemon notices the closed connection, stops the job
+/// within a step, writes nothing, and serves the next client with a policy untouched by the
+/// cancelled training (its result equals an in-process update's, byte for byte). A daemon
+/// killed mid-job gives its client the documented message.
+#[test]
+fn a_killed_clients_job_is_cancelled_and_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let w = tmp.path();
+    let model = tiny_model(w, 11);
+    std::fs::rename(&model, w.join("model")).unwrap();
+    let questions: Vec<String> = (0..8).map(|i| format!("question number {i}")).collect();
+    let questions: Vec<&str> = questions.iter().map(String::as_str).collect();
+    prompts(&w.join("prompts.parquet"), &questions);
+    let rollout = |out: &str, n: &str, tokens: &str| {
+        [
+            "--model",
+            "model",
+            "--in",
+            "prompts.parquet",
+            "--out",
+            out,
+            "--n",
+            n,
+            "--max-new-tokens",
+            tokens,
+            "--ignore-eos",
+        ]
+        .map(String::from)
+    };
+    ok(
+        w,
+        "rollout",
+        &rollout("r.parquet", "4", "16")
+            .each_ref()
+            .map(String::as_str),
+        None,
+    );
+    add_advantages(&w.join("r.parquet"), &w.join("adv.parquet"));
+    // Many small optimizer steps: long enough to be killed in the middle.
+    let update = |out: &str| {
+        [
+            "--model",
+            "model",
+            "--in",
+            "adv.parquet",
+            "--out-model",
+            out,
+            "--lr",
+            "0.001",
+            "--ppo-epochs",
+            "40",
+            "--mini-batch-size",
+            "4",
+        ]
+        .map(String::from)
+    };
+    let sock = w.join("sock");
+    let daemon = Daemon::start(w, &sock, "model", &[]);
+
+    let mut client = Command::new(bin("update"))
+        .current_dir(w)
+        .args(update("cancelled"))
+        .arg("--daemon")
+        .arg(&sock)
+        .env("RAYON_NUM_THREADS", "2")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_status(&daemon, "the update to run", |st| st["running"] == "update");
+    std::thread::sleep(Duration::from_millis(300));
+    client.kill().unwrap();
+    let killed = Instant::now();
+    client.wait().unwrap();
+    wait_status(&daemon, "the job to be cancelled", |st| {
+        st["jobs_cancelled"] == 1 && st["running"].is_null()
+    });
+    let stopped = killed.elapsed();
+    assert!(
+        !w.join("cancelled").exists(),
+        "the cancelled job wrote its model"
+    );
+
+    // The daemon serves the next client: the same job, to its end, gives what an in-process
+    // update gives (the cancelled training left nothing behind in memory).
+    let t0 = Instant::now();
+    ok(
+        w,
+        "update",
+        &update("next").each_ref().map(String::as_str),
+        Some(&sock),
+    );
+    let full = t0.elapsed();
+    ok(
+        w,
+        "update",
+        &update("here").each_ref().map(String::as_str),
+        None,
+    );
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        assert!(
+            std::fs::read(w.join("next").join(f)).unwrap()
+                == std::fs::read(w.join("here").join(f)).unwrap(),
+            "{f}: the daemon's update after a cancelled one differs from in-process"
+        );
+    }
+    eprintln!("cancelled {stopped:?} after the kill; a whole job takes {full:?}");
+    assert!(
+        stopped * 3 < full,
+        "the cancelled job ran on: stopped {stopped:?} after the kill, a whole job takes {full:?}"
+    );
+    let st = daemon.status();
+    assert_eq!(
+        (st["jobs_failed"].as_u64(), st["jobs_done"].as_u64()),
+        (Some(0), Some(1)),
+        "{st}"
+    );
+    drop(daemon);
+
+    // A daemon that dies mid-job: its client says so in the documented words.
+    let mut daemon = Daemon::start(w, &sock, "model", &[]);
+    let client = Command::new(bin("rollout"))
+        .current_dir(w)
+        .args(rollout("long.parquet", "64", "200"))
+        .arg("--daemon")
+        .arg(&sock)
+        .env("RAYON_NUM_THREADS", "2")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_status(&daemon, "the rollout to run", |st| {
+        st["running"] == "rollout"
+    });
+    daemon.child.kill().unwrap();
+    daemon.child.wait().unwrap();
+    let out = client.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the daemon closed the connection before the rollout job finished"),
+        "{err}"
+    );
+    assert!(!err.contains("os error"), "{err}");
+    assert!(!w.join("long.parquet").exists());
 }

@@ -677,6 +677,7 @@ fn resume_in_the_middle_of_a_step_gives_the_same_files() {
 fn round_commands_are_checked_and_shown_before_anything_runs() {
     let work = tempfile::tempdir().unwrap();
     let d = work.path();
+    demo_work(d);
     let good = spec(2, 4, "", "");
     std::fs::write(d.join("good.toml"), &good).unwrap();
     let out = run_ok(pipeline(d, "good.toml", "r").arg("--dry-run"));

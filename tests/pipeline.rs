@@ -8,6 +8,8 @@
 //! the batch into it. So a resumed run must end with the same weights, checkpoints, metrics
 //! and evaluations as an uninterrupted one, which is what the real stages are held to.
 
+mod stage_util;
+
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, Float32Array, RecordBatch, StringArray, UInt64Array};
 use arrow_schema::{DataType, Field, Schema};
@@ -118,7 +120,9 @@ fn fake_stage() {
     }
     if std::env::var("FAKE_FAIL").is_ok_and(|s| s == stage) {
         eprintln!("{stage}: refusing on purpose");
-        std::process::exit(2);
+        // 2: bad input (the default), else another failure.
+        let code = std::env::var("FAKE_FAIL_CODE").map_or(2, |c| c.parse().unwrap());
+        std::process::exit(code);
     }
     if std::env::var("FAKE_SLOW").is_ok_and(|s| s.split(',').any(|x| x == stage)) {
         std::thread::sleep(Duration::from_millis(700));
@@ -293,6 +297,8 @@ fn fake_stage() {
         }
         other => panic!("no stand-in for {other}"),
     }
+    // What a stage prints about its work (the runner logs it, and shows it with -v).
+    eprintln!("{stage}: wrote {target}");
 }
 
 /// A directory of stand-in stage scripts that re-enter this test binary.
@@ -399,7 +405,10 @@ impl Work {
             std::fs::remove_file(bins.join(stage)).unwrap();
             std::os::unix::fs::symlink(exe, bins.join(stage)).unwrap();
         }
-        std::fs::create_dir_all(dir.path().join("model")).unwrap();
+        // A real model directory (config, weights, tokenizer, chat template: the runner checks
+        // them before anything runs); the stand-ins read their "weights" from weights.txt.
+        let model = stage_util::tiny_model(dir.path(), 0);
+        std::fs::rename(model, dir.path().join("model")).unwrap();
         std::fs::write(dir.path().join("model/weights.txt"), "12345").unwrap();
         prompts_file(&dir.path().join("train.parquet"), 7);
         prompts_file(&dir.path().join("val.parquet"), 5);
@@ -420,12 +429,27 @@ impl Work {
             .env("TANDEM_BIN_DIR", &self.bins)
             .env("FAKE_MARKS", self.path("marks"))
             .env_remove("FAKE_FAIL")
+            .env_remove("FAKE_FAIL_CODE")
             .env_remove("FAKE_SLOW");
         c
     }
 
     fn run(&self, run: &str, extra: &[&str]) -> Output {
         self.cmd(run, extra).output().unwrap()
+    }
+
+    /// Runs a shell command line (one the runner printed) as a user would, in the work dir.
+    fn shell(&self, line: &str) -> Output {
+        Command::new("sh")
+            .args(["-c", line])
+            .current_dir(self.dir.path())
+            .env("TANDEM_BIN_DIR", &self.bins)
+            .env("FAKE_MARKS", self.path("marks"))
+            .env_remove("FAKE_FAIL")
+            .env_remove("FAKE_FAIL_CODE")
+            .env_remove("FAKE_SLOW")
+            .output()
+            .unwrap()
     }
 
     fn spawn(&self, run: &str, slow: &str) -> Child {
@@ -530,6 +554,35 @@ fn full_run_writes_the_run_directory() {
         log.contains("pipeline: finished 4 steps in runs/a"),
         "{log}"
     );
+    // The console (piped: no progress bar): one line per step, with the ETA until the last;
+    // the evaluations in the lines of their steps; the stages' output only in the log.
+    let err = String::from_utf8_lossy(&o.stderr);
+    let steps: Vec<&str> = err.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 5, "{err}");
+    assert!(
+        steps[0].starts_with("step 0/4  eval acc ")
+            && steps[0].ends_with("(3 rows) (the initial policy)"),
+        "{err}"
+    );
+    for (i, l) in steps[1..].iter().enumerate() {
+        let step = i + 1;
+        assert!(l.starts_with(&format!("step {step}/4  reward ")), "{l}");
+        assert_eq!(l.contains("  ETA "), step < 4, "{l}");
+        assert_eq!(l.contains("  eval acc "), step % 2 == 0, "{l}");
+    }
+    assert!(!err.contains("rollout: wrote"), "{err}");
+    assert!(!err.contains("[step-0001]"), "{err}");
+    assert!(err.lines().count() <= 12, "{err}");
+    let plog = std::fs::read_to_string(run.join("pipeline.log")).unwrap();
+    let command = plog
+        .find("[step-0002] rollout: ")
+        .expect("the command in the log");
+    let output = plog
+        .find("rollout: wrote runs/a/step-0002/rollout.parquet")
+        .expect("the stage's output in the log");
+    assert!(command < output, "{plog}");
+    assert_eq!(plog.matches("update: wrote").count(), 4, "{plog}");
+    assert!(plog.contains("step 4/4  reward"), "{plog}");
 
     for step in 1..=4 {
         for f in ["prompts", "rollout", "scored", "ref", "old", "adv"] {
@@ -869,11 +922,23 @@ fn finished_run_extends_with_steps_and_refuses_another_spec() {
     assert_ok(&w.run("r", &[]));
     let o = w.run("r", &[]);
     assert_ok(&o);
+    let t = text(&o);
     assert!(
-        text(&o).contains("already has 2 of 2 steps; nothing to do"),
+        t.contains(&format!(
+            "pipeline: r is complete: 2 steps done; nothing to do. To run more steps: {PIPELINE} run spec.toml --run-dir r --steps N (N > 2)"
+        )),
+        "{t}"
+    );
+    // Fewer steps than done: complete as well, and the recorded spec keeps its step count.
+    let o = w.run("r", &["--steps", "1"]);
+    assert_ok(&o);
+    assert!(
+        text(&o).contains("r is complete: 2 steps done (--steps 1 asks for fewer); nothing to do"),
         "{}",
         text(&o)
     );
+    let resolved = std::fs::read_to_string(w.path("r/spec.resolved.toml")).unwrap();
+    assert!(resolved.contains("\nsteps = 2\n"), "{resolved}");
 
     let o = w.run("r", &["--steps", "3"]);
     assert_ok(&o);
@@ -884,15 +949,77 @@ fn finished_run_extends_with_steps_and_refuses_another_spec() {
     let e = jsonl_sans_time(&w.path("r/eval.jsonl"));
     assert_eq!(e.last().unwrap()["step"], 3);
 
-    // The same run under a changed spec is refused, naming what changed.
+    // The same run under a changed spec is refused, naming what changed and the flag that
+    // continues under it.
     std::fs::write(w.path("spec.toml"), SPEC.replace("lr = 0.001", "lr = 0.01")).unwrap();
     let o = w.run("r", &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let t = text(&o);
+    assert!(t.contains("update.lr: 0.001 -> 0.01"), "{t}");
     assert!(
-        text(&o).contains("update.lr: 0.001 -> 0.01"),
+        t.contains(&format!(
+            "\n  {PIPELINE} run spec.toml --run-dir r --allow-spec-change\n"
+        )),
+        "{t}"
+    );
+    assert!(!w.path("r/spec-changes.jsonl").exists());
+    // Asked for: the run continues under it, and the change is recorded.
+    let o = w.run("r", &["--allow-spec-change"]);
+    assert_ok(&o);
+    assert!(
+        text(&o).contains("continuing r under the changed spec from step 4"),
         "{}",
         text(&o)
     );
+    assert_eq!(state(&w.path("r"))["steps_done"], 4);
+    let changes = std::fs::read_to_string(w.path("r/spec-changes.jsonl")).unwrap();
+    let lines: Vec<Value> = changes
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{changes}");
+    assert_eq!(lines[0]["step"], 4);
+    assert_eq!(lines[0]["spec"], "spec.toml");
+    assert_eq!(
+        lines[0]["changes"],
+        serde_json::json!([{"key": "update.lr", "from": "0.001", "to": "0.01"}])
+    );
+    assert!(lines[0]["time"].as_str().unwrap().starts_with("20"));
+    let resolved = std::fs::read_to_string(w.path("r/spec.resolved.toml")).unwrap();
+    assert!(resolved.contains("lr = 0.01\n"), "{resolved}");
+    let cmds = std::fs::read_to_string(w.path("r/commands.sh")).unwrap();
+    let update_lr = |step: &str| {
+        cmds.lines()
+            .find(|l| l.contains(&format!("--out-model r/ckpt/{step} ")))
+            .map(|l| {
+                l.split("--lr ")
+                    .nth(1)
+                    .unwrap()
+                    .split(' ')
+                    .next()
+                    .unwrap()
+                    .to_string()
+            })
+            .unwrap()
+    };
+    assert_eq!(update_lr("step-0003"), "0.001");
+    assert_eq!(update_lr("step-0004"), "0.01");
+    // The sampler's keys cannot change, asked or not.
+    std::fs::write(
+        w.path("spec.toml"),
+        SPEC.replace("lr = 0.001", "lr = 0.01")
+            .replace("prompts-per-step = 3", "prompts-per-step = 2"),
+    )
+    .unwrap();
+    let o = w.run("r", &["--allow-spec-change", "--steps", "5"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let t = text(&o);
+    assert!(t.contains("data.prompts-per-step: 3 -> 2"), "{t}");
+    assert!(
+        t.contains("the prompt sampler's position depends on"),
+        "{t}"
+    );
+    assert_eq!(state(&w.path("r"))["steps_done"], 4);
 
     // --resume on a directory without a run
     let o = w.run("fresh", &["--resume"]);
@@ -904,9 +1031,19 @@ fn finished_run_extends_with_steps_and_refuses_another_spec() {
     );
 }
 
+/// The line after the one ending with `marker` in a message: a command to paste.
+fn printed_command(t: &str, marker: &str) -> String {
+    let mut lines = t.lines();
+    lines
+        .find(|l| l.ends_with(marker))
+        .unwrap_or_else(|| panic!("no {marker:?} in {t}"));
+    lines.next().unwrap().trim().to_string()
+}
+
 #[test]
-fn failing_stage_stops_the_run_and_a_rerun_continues() {
-    let w = Work::new(&SPEC.replace("steps = 4", "steps = 1"));
+fn a_failed_stage_prints_the_command_that_continues_the_run() {
+    let spec = SPEC.replace("steps = 4", "steps = 1");
+    let w = Work::new(&spec);
     let o = w
         .cmd("r", &[])
         .env("FAKE_FAIL", "advantage")
@@ -914,31 +1051,189 @@ fn failing_stage_stops_the_run_and_a_rerun_continues() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     let t = text(&o);
-    assert!(t.contains("advantage: refusing on purpose"), "{t}");
+    // The stage's own message reaches the console (its output goes to the log), then the
+    // command that failed and the one way forward.
+    assert!(t.contains("  | advantage: refusing on purpose"), "{t}");
     assert!(
-        t.contains("step-0001: stage `advantage` failed (exit code 2)"),
+        t.contains("step-0001: stage `advantage` failed (exit code 2); its output ended with (all of it in r/pipeline.log):"),
         "{t}"
     );
-    assert!(
-        t.contains("rerun the same `pipeline run` to continue"),
-        "{t}"
+    let next = printed_command(&t, "continue the run from this stage with:");
+    assert_eq!(
+        next,
+        format!("{PIPELINE} run spec.toml --run-dir r --allow-spec-change")
     );
     assert!(!w.path("r/step-0001/adv.parquet").exists());
     let s = state(&w.path("r"));
-    assert_eq!(
-        s["current"]["done"],
-        serde_json::json!(["prompts", "rollout", "score", "ref", "old", "kl-state"])
-    );
+    let finished = serde_json::json!(["prompts", "rollout", "score", "ref", "old", "kl-state"]);
+    assert_eq!(s["current"]["done"], finished);
 
+    // The fix is an edit of the spec. Rerun as before, the run refuses the edited spec and
+    // names the flag; the printed command continues from the failed stage under it.
+    let fixed = spec.replace(
+        "estimator = \"grpo\"",
+        "estimator = \"grpo\"\nnorm-by-std = false",
+    );
+    std::fs::write(w.path("spec.toml"), &fixed).unwrap();
+    let o = w.run("r", &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("advantage.norm-by-std: (unset) -> false"),
+        "{}",
+        text(&o)
+    );
     std::fs::remove_dir_all(w.path("marks")).unwrap();
     std::fs::create_dir_all(w.path("marks")).unwrap();
-    assert_ok(&w.run("r", &[]));
+    assert_ok(&w.shell(&next));
     assert!(
         !w.path("marks/rollout-step-0001").exists(),
         "finished stages must not rerun"
     );
     assert!(w.path("marks/advantage-step-0001").exists());
     assert_eq!(state(&w.path("r"))["steps_done"], 1);
+    let changes: Value = serde_json::from_str(
+        std::fs::read_to_string(w.path("r/spec-changes.jsonl"))
+            .unwrap()
+            .trim(),
+    )
+    .unwrap();
+    assert_eq!(changes["step"], 1);
+    assert_eq!(changes["finished_in_step"], finished);
+    assert_eq!(changes["changes"][0]["key"], "advantage.norm-by-std");
+    let cmds = std::fs::read_to_string(w.path("r/commands.sh")).unwrap();
+    assert!(
+        cmds.contains("--estimator grpo --norm-by-std false --kl-in-reward"),
+        "{cmds}"
+    );
+
+    // A failure that is not bad input (a crash, a kill): rerunning is the way forward.
+    let w = Work::new(&spec);
+    let o = w
+        .cmd("r", &["--steps", "1"])
+        .env("FAKE_FAIL", "update")
+        .env("FAKE_FAIL_CODE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let next = printed_command(&text(&o), "continue the run from this stage with:");
+    assert_eq!(
+        next,
+        format!("{PIPELINE} run spec.toml --run-dir r --steps 1")
+    );
+    assert_ok(&w.shell(&next));
+    assert_eq!(state(&w.path("r"))["steps_done"], 1);
+    assert!(!w.path("r/spec-changes.jsonl").exists());
+}
+
+#[test]
+fn verbose_shows_the_stages_and_a_terminal_gets_a_progress_bar() {
+    let spec = SPEC.replace("steps = 4", "steps = 2");
+    let w = Work::new(&spec);
+    let o = w.run("r", &["-v"]);
+    assert_ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("[step-0001] rollout: "), "{err}");
+    assert!(err.contains("update: wrote r/ckpt/step-0002"), "{err}");
+    assert!(err.contains("step 2/2  reward"), "{err}");
+
+    // On a terminal (a pty from `script`) a progress bar names the task running; the step
+    // lines are printed above it.
+    let script = Path::new("/usr/bin/script");
+    if !script.exists() {
+        eprintln!("no /usr/bin/script: the terminal case is not checked here");
+        return;
+    }
+    let line = format!("{PIPELINE} run spec.toml --run-dir t");
+    let o = Command::new(script)
+        .args(["-qec", &line, "/dev/null"])
+        .current_dir(w.dir.path())
+        .env("TANDEM_BIN_DIR", &w.bins)
+        .env("TERM", "xterm")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let tty = String::from_utf8_lossy(&o.stdout);
+    assert!(tty.contains("step 2/2  reward"), "{tty}");
+    assert!(tty.contains(" step 0/2 ["), "no progress bar: {tty}");
+    assert!(tty.contains("(step-0001)"), "no progress bar: {tty}");
+}
+
+#[test]
+fn the_whole_spec_is_checked_before_anything_runs() {
+    let reward_py = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n";
+    let no_gt = |w: &Work, file: &str| {
+        let schema = Schema::new(vec![Field::new(schema::PROMPT, DataType::Utf8, false)]);
+        let col: ArrayRef = Arc::new(StringArray::from(vec!["what is 1+1?"; 4]));
+        let data = RecordBatch::try_new(Arc::new(schema), vec![col]).unwrap();
+        write_file(&w.path(file), &data, &Default::default()).unwrap();
+    };
+    type Setup = Box<dyn Fn(&Work)>;
+    let cases: Vec<(String, Setup, &str)> = vec![
+        (
+            SPEC.replace("reward = \"exact\"", "reward = \"python:reward.py:nope\""),
+            Box::new(move |w: &Work| std::fs::write(w.path("reward.py"), reward_py).unwrap()),
+            "[score] reward = \"python:reward.py:nope\": `python3` could not load `nope` from reward.py",
+        ),
+        (
+            SPEC.replace("reward = \"exact\"", "reward = \"python:reward.py\""),
+            Box::new(|w: &Work| {
+                std::fs::write(w.path("reward.py"), "import tandem_no_such_module\n").unwrap()
+            }),
+            "No module named 'tandem_no_such_module'",
+        ),
+        (
+            SPEC.replace("reward = \"exact\"", "reward = \"cmd:./no-such-reward --x\""),
+            Box::new(|_: &Work| {}),
+            "[score] reward = \"cmd:./no-such-reward --x\": the program `./no-such-reward`: no executable file there",
+        ),
+        (
+            SPEC.to_string(),
+            Box::new(|w: &Work| std::fs::remove_file(w.path("model/tokenizer.json")).unwrap()),
+            "[model] path: model: no tokenizer.json",
+        ),
+        (
+            SPEC.replace("ref = \"model\"", "ref = \"nope\""),
+            Box::new(|_: &Work| {}),
+            "[model] ref = nope: no such file or directory",
+        ),
+        (
+            SPEC.replace("n = 2\n", "n = 2\nprompt-key = \"question\"\n"),
+            Box::new(|_: &Work| {}),
+            "[data] train (prompts in column `question`; the [rollout] prompt-key): train.parquet: column 'question' is missing",
+        ),
+        (
+            SPEC.to_string(),
+            Box::new(move |w: &Work| no_gt(w, "train.parquet")),
+            "[data] train = train.parquet: no ground truth",
+        ),
+        (
+            SPEC.to_string(),
+            Box::new(move |w: &Work| no_gt(w, "val.parquet")),
+            "[data] val = val.parquet: no ground truth",
+        ),
+        (
+            SPEC.replace("max-new-tokens = 8", "max-new-tokens = 8\nmax-prompt-tokens = 4"),
+            Box::new(|_: &Work| {}),
+            "[data] train (tokenized with the [rollout] flags): train.parquet: column 'prompt', row 0: the prompt has 24 tokens, more than --max-prompt-tokens 4",
+        ),
+    ];
+    for (spec, setup, want) in cases {
+        let w = Work::new(&spec);
+        setup(&w);
+        for extra in [&[][..], &["--dry-run"]] {
+            let o = w.run("r", extra);
+            let t = text(&o);
+            assert_eq!(o.status.code(), Some(2), "{want}: {t}");
+            assert!(t.contains(want), "{want:?} not in {t}");
+            assert!(!w.path("r").exists());
+            assert!(std::fs::read_dir(w.path("marks")).unwrap().next().is_none());
+        }
+    }
+    // A reward file that imports and has its function passes.
+    let w = Work::new(&SPEC.replace("reward = \"exact\"", "reward = \"python:reward.py\""));
+    std::fs::write(w.path("reward.py"), reward_py).unwrap();
+    assert_ok(&w.run("r", &["--dry-run"]));
 }
 
 #[test]
@@ -1004,7 +1299,7 @@ fn bad_spec_and_inputs_exit_2_before_anything_runs() {
         (
             "lr = 0.001",
             "lr = 0.001\nloss = \"bogus\"",
-            "spec.toml:29:1: [update] loss = \"bogus\": invalid value 'bogus' for '--loss <LOSS>': unknown loss 'bogus'",
+            "spec.toml:29:1: [update] loss = \"bogus\": invalid value 'bogus' for '--loss <LOSS>' [possible values: vanilla, gspo, cispo, sft]",
         ),
         (
             "reward = \"exact\"",
@@ -1158,6 +1453,63 @@ fn synth_reference_answers_score_full_marks() {
 // The real stages
 
 /// The real stage binaries: next to `pipeline` (cargo builds every binary of the package).
+/// Runs `tandem ARGS` in `d` and asserts success.
+fn tandem_ok(d: &Path, args: &[&str]) {
+    let o = Command::new(TANDEM)
+        .args(args)
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_ok(&o);
+}
+
+/// `d/model`: a random 2-layer Qwen2-shaped model of this width, vocab 300; and
+/// `d/train.parquet`: 40 one-digit additions.
+fn model_and_train_set(d: &Path, hidden: usize, ffn: usize) {
+    let (h, f) = (hidden.to_string(), ffn.to_string());
+    tandem_ok(
+        d,
+        &[
+            "init-model",
+            "--like",
+            "qwen2",
+            "--layers",
+            "2",
+            "--hidden",
+            &h,
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            &f,
+            "--vocab",
+            "300",
+            "--seed",
+            "0",
+            "--out",
+            "model",
+        ],
+    );
+    tandem_ok(
+        d,
+        &[
+            "prepare",
+            "synth",
+            "--task",
+            "add",
+            "--digits",
+            "1",
+            "--n",
+            "40",
+            "--seed",
+            "1",
+            "--out",
+            "train.parquet",
+        ],
+    );
+}
+
 fn real_bins() -> PathBuf {
     let dir = Path::new(PIPELINE).parent().unwrap().to_path_buf();
     for s in STAGES {
@@ -1224,49 +1576,8 @@ fn real_stages_resume_after_sigkill_to_identical_weights() {
     let bins = real_bins();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let tandem = |args: &[&str]| {
-        let o = Command::new(TANDEM)
-            .args(args)
-            .current_dir(d)
-            .output()
-            .unwrap();
-        assert_ok(&o);
-    };
-    tandem(&[
-        "init-model",
-        "--like",
-        "qwen2",
-        "--layers",
-        "2",
-        "--hidden",
-        "192",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--ffn",
-        "512",
-        "--vocab",
-        "300",
-        "--seed",
-        "0",
-        "--out",
-        "model",
-    ]);
-    tandem(&[
-        "prepare",
-        "synth",
-        "--task",
-        "add",
-        "--digits",
-        "1",
-        "--n",
-        "40",
-        "--seed",
-        "1",
-        "--out",
-        "train.parquet",
-    ]);
+    let tandem = |args: &[&str]| tandem_ok(d, args);
+    model_and_train_set(d, 192, 512);
     tandem(&[
         "prepare",
         "synth",
@@ -1327,6 +1638,24 @@ keep-last = 1
     let o = cmd("a").output().unwrap();
     assert_ok(&o);
     let (a, b) = (d.join("a"), d.join("b"));
+    // The real stages' output is in the log, not on the console: one line per step there.
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("step ")).count(),
+        4,
+        "{err}"
+    );
+    assert!(err.lines().count() <= 12, "{err}");
+    assert!(
+        !err.contains("rollout: 4 prompts x 4 = 16 samples"),
+        "{err}"
+    );
+    let plog = std::fs::read_to_string(a.join("pipeline.log")).unwrap();
+    assert_eq!(
+        plog.matches("rollout: 4 prompts x 4 = 16 samples").count(),
+        3,
+        "{plog}"
+    );
 
     let kill_when = |what: &str, cond: &mut dyn FnMut(u32) -> bool| {
         let mut child = cmd("b")
@@ -1392,4 +1721,121 @@ keep-last = 1
         jsonl_sans_time(&a.join("eval.jsonl")),
         jsonl_sans_time(&b.join("eval.jsonl"))
     );
+}
+
+/// `[update] bypass-mode = true` on the CPU (batch-invariant): the runner skips the
+/// old-logprob pass that the mini-batches would otherwise need, `update` takes the rollout's
+/// log-probs as the old ones, and every step's metrics line carries the rollout-vs-trainer
+/// mismatch (from the old-logprob pass without bypass, from update's first forward with it).
+/// On the GPU the spec must ask for the batch-invariant kernels.
+#[test]
+fn bypass_mode_skips_the_old_logprob_pass() {
+    let bins = real_bins();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128);
+    let spec = |extra: &str| {
+        format!(
+            r#"
+seed = 3
+steps = 2
+{extra}
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+prompts-per-step = 4
+[rollout]
+n = 4
+max-new-tokens = 8
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.001
+mini-batch-size = 8
+"#
+        )
+    };
+    let run = |name: &str, text: &str, extra: &[&str]| {
+        std::fs::write(d.join(format!("{name}.toml")), text).unwrap();
+        Command::new(PIPELINE)
+            .current_dir(d)
+            .args(["run", &format!("{name}.toml"), "--run-dir", name])
+            .args(extra)
+            .env("TANDEM_BIN_DIR", &bins)
+            .output()
+            .unwrap()
+    };
+    let plain = spec("");
+    let bypass = plain.replace(
+        "mini-batch-size = 8",
+        "mini-batch-size = 8\nbypass-mode = true",
+    );
+    for (name, spec_text, source) in [
+        ("with-pass", &plain, "old_logprobs"),
+        ("bypass", &bypass, "first_step"),
+    ] {
+        let o = run(name, spec_text, &[]);
+        assert_ok(&o);
+        let commands = std::fs::read_to_string(d.join(name).join("commands.sh")).unwrap();
+        let updates: Vec<&str> = commands
+            .lines()
+            .filter(|l| l.contains("/update "))
+            .collect();
+        assert_eq!(updates.len(), 2, "{commands}");
+        let bypassed = name == "bypass";
+        assert_eq!(
+            commands.contains("--column old_logprobs"),
+            !bypassed,
+            "{commands}"
+        );
+        assert!(updates
+            .iter()
+            .all(|l| l.contains("--bypass-mode") == bypassed));
+        assert_eq!(
+            d.join(name).join("step-0001/old.parquet").exists(),
+            !bypassed
+        );
+        for line in jsonl_sans_time(&d.join(name).join("metrics.jsonl")) {
+            assert_eq!(line["mismatch/source"], source, "{line}");
+            let mean = line["mismatch/abs_diff_mean"].as_f64().unwrap();
+            // The CPU rollout's log-probs are the trainer's up to f32 rounding.
+            assert!((0.0..1e-4).contains(&mean), "{line}");
+            assert!(line["mismatch/tokens"].as_u64().unwrap() > 0, "{line}");
+            assert!(
+                line.get("update/mismatch/abs_diff_mean").is_none(),
+                "{line}"
+            );
+        }
+    }
+
+    // Refused before anything runs: on the GPU without batch-invariant kernels, and with a
+    // KL in the reward (which needs the skipped pass).
+    for (spec_text, want) in [
+        (
+            bypass.replace("seed = 3", "seed = 3\ndevice = \"cuda\""),
+            "[update] bypass-mode = true takes the rollout's log-probs as the old ones, which holds only when they are the trainer's: set batch-invariant = true",
+        ),
+        (
+            bypass.replace("estimator = \"grpo\"", "estimator = \"grpo\"\nkl-in-reward = true"),
+            "[update] bypass-mode = true skips the old-logprob pass, which [advantage] kl-in-reward needs",
+        ),
+    ] {
+        let o = run("refused", &spec_text, &["--dry-run"]);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains(want), "{}", text(&o));
+        assert!(!d.join("refused").exists());
+    }
+    // With batch-invariant kernels the GPU spec passes the checks (a dry run prints the plan).
+    let gpu = bypass.replace(
+        "seed = 3",
+        "seed = 3\ndevice = \"cuda\"\nbatch-invariant = true",
+    );
+    let o = run("gpu", &gpu, &["--dry-run"]);
+    assert_ok(&o);
+    assert!(!text(&o).contains("--column old_logprobs"), "{}", text(&o));
 }

@@ -38,8 +38,12 @@ enum Cmd {
     Inspect(tandem::pipeline::inspect::InspectArgs),
     /// Keep a device's models warm; stages run with `--daemon SOCKET` send their jobs to it.
     Daemon(tandem::daemon::server::DaemonArgs),
-    /// Ask a running daemon for its health or status, or stop it.
-    DaemonCtl(tandem::daemon::client::DaemonCtlArgs),
+    /// Ask a running daemon for its health or status, save its policy, or stop it.
+    DaemonCtl(tandem::daemon::ctl::DaemonCtlArgs),
+    /// Start N ranks of a command on this machine (like `torchrun --standalone`).
+    Launch(tandem::dist::launch::LaunchArgs),
+    /// Communicator checks: every collective against host-computed values, on each rank.
+    DistTest(tandem::dist::check::DistTestArgs),
 }
 
 fn main() -> ExitCode {
@@ -55,6 +59,8 @@ fn main() -> ExitCode {
         Cmd::Plot(a) => tandem::pipeline::plot::run(a),
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
         Cmd::Daemon(a) => tandem::daemon::server::run(a),
-        Cmd::DaemonCtl(a) => tandem::daemon::client::run_ctl(a),
+        Cmd::DaemonCtl(a) => tandem::daemon::ctl::run_ctl(a),
+        Cmd::Launch(a) => tandem::dist::launch::run(a),
+        Cmd::DistTest(a) => tandem::dist::check::run(a),
     })
 }

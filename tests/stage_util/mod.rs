@@ -141,3 +141,46 @@ pub fn strings(b: &Batch, col: &str) -> Vec<String> {
 pub fn p(path: &Path) -> &str {
     path.to_str().unwrap()
 }
+
+/// Writes `input` with the column `col` set to `array` (added, or replacing the input's),
+/// keeping the other columns and the metadata, as a stage would.
+pub fn with_column(input: &Path, out: &Path, col: &str, array: arrow_array::ArrayRef) {
+    let mut cols = tandem::batch::NewColumns::new();
+    cols.add(col, array);
+    read(input)
+        .write_derived(
+            out,
+            cols,
+            &tandem::batch::StageInfo {
+                stage: "test",
+                params: serde_json::json!({}),
+                policy_version: None,
+                step: None,
+            },
+        )
+        .unwrap();
+}
+
+/// [`with_column`] for a list<float32> column given by rows.
+pub fn with_f32_rows(input: &Path, out: &Path, col: &str, rows: &[Vec<f32>]) {
+    let offsets: Vec<usize> = std::iter::once(0)
+        .chain(rows.iter().scan(0, |n, r| {
+            *n += r.len();
+            Some(*n)
+        }))
+        .collect();
+    let values: Vec<f32> = rows.concat();
+    let array = tandem::batch::list_array::<arrow_array::types::Float32Type>(&offsets, values);
+    with_column(input, out, col, array);
+}
+
+/// Adds advantages (+1 for even rows, −1 for odd ones, on every response token), as the
+/// advantage stage would.
+pub fn add_advantages(input: &Path, out: &Path) {
+    let rows: Vec<Vec<f32>> = i32_rows(&read(input), "response_ids")
+        .iter()
+        .enumerate()
+        .map(|(i, r)| vec![if i % 2 == 0 { 1.0 } else { -1.0 }; r.len()])
+        .collect();
+    with_f32_rows(input, out, "advantages", &rows);
+}

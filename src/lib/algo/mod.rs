@@ -1,5 +1,6 @@
 //! RL algorithm math on host arrays: advantage estimators, KL penalties and controllers,
-//! loss aggregation and the policy losses. Everything here is pure math over ragged rows (one row
+//! loss aggregation, the policy losses, and rollout correction (mismatch metrics, masked
+//! importance sampling). Everything here is pure math over ragged rows (one row
 //! per sequence, no padding); `crate::stage::advantage` reads and writes the batch for the
 //! `advantage` binary.
 //!
@@ -10,6 +11,7 @@ pub mod advantage;
 pub mod agg;
 pub mod kl;
 pub mod policy_loss;
+pub mod rollout_corr;
 
 /// The float types the loss math runs in: f32 for training, f64 for gradient checks.
 pub trait Real: Copy + Send + Sync + 'static {

@@ -415,6 +415,10 @@ pub struct LossMetrics {
     pub ppo_kl: f64,
     pub entropy: f64,
     pub kl_loss: f64,
+    /// Rollout importance sampling (`--rollout-is`): the token mean of the truncated weight
+    /// and the fraction of tokens whose weight the threshold truncated (0 without it).
+    pub is_weight: f64,
+    pub is_truncated: f64,
 }
 
 impl LossMetrics {
@@ -425,6 +429,8 @@ impl LossMetrics {
         self.ppo_kl += o.ppo_kl;
         self.entropy += o.entropy;
         self.kl_loss += o.kl_loss;
+        self.is_weight += o.is_weight;
+        self.is_truncated += o.is_truncated;
     }
 
     pub fn to_json(&self) -> serde_json::Value {
@@ -435,6 +441,8 @@ impl LossMetrics {
             "ppo_kl": self.ppo_kl,
             "entropy": self.entropy,
             "kl_loss": self.kl_loss,
+            "is_weight": self.is_weight,
+            "is_truncated": self.is_truncated,
         })
     }
 }
@@ -594,14 +602,15 @@ fn compute<T: Real>(
         let w_agg = norm.row_weight(cfg.agg, n)?;
         let w_tok = norm.row_weight(AggMode::TokenMean, n)?;
 
-        // Sequence-level quantities, constant within the row.
+        // Sequence-level quantities, constant within the row: the untruncated weight and its
+        // threshold.
         let seq_is = match (cfg.rollout_is, rollout, old) {
             (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Sequence => {
                 // w_i = min(exp(clamp(Σ_t (old − rollout), ±20)), threshold)
                 let s: f64 = valid.iter().map(|&t| at(old, t) - at(roll, t)).sum();
-                s.clamp(-20.0, 20.0).exp().min(r.threshold)
+                (s.clamp(-20.0, 20.0).exp(), r.threshold)
             }
-            _ => 1.0,
+            _ => (1.0, f64::INFINITY),
         };
         // mean_t (lp − old) at the anchor (detached)
         let seq_log_ratio = match old {
@@ -626,15 +635,18 @@ fn compute<T: Real>(
             let l = (pg.token)(&tok, &clip);
             // Truncated rollout importance weight (detached): token min(exp(clamp(old −
             // rollout, ±20)), threshold), or the row's sequence weight.
-            let is_w = match (cfg.rollout_is, rollout, old) {
-                (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => {
-                    (at(old, t) - at(roll, t))
-                        .clamp(-20.0, 20.0)
-                        .exp()
-                        .min(r.threshold)
-                }
+            let (raw_w, threshold) = match (cfg.rollout_is, rollout, old) {
+                (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => (
+                    (at(old, t) - at(roll, t)).clamp(-20.0, 20.0).exp(),
+                    r.threshold,
+                ),
                 _ => seq_is,
             };
+            let is_w = raw_w.min(threshold);
+            if cfg.rollout_is.is_some() {
+                m.is_weight += w_tok * is_w;
+                m.is_truncated += w_tok * f64::from(u8::from(raw_w > threshold));
+            }
             m.pg_loss += w_pg * (l.loss * is_w);
             let mut g = w_pg * (l.dloss * is_w);
             m.pg_clipfrac += w_tok * l.clipped as u8 as f64;
@@ -924,6 +936,9 @@ mod tests {
         let out = c.run(&config);
         close(out.loss, -1.25, "token loss");
         close_all(&out.grad_lp, &[-1.0, -0.25], "token grad");
+        // Token mean of the truncated weights (2 + 0.5)/2; one of the two was truncated.
+        close(out.metrics.is_weight, 1.25, "token is_weight");
+        close(out.metrics.is_truncated, 0.5, "token is_truncated");
         // sequence: exp(ln 3 + ln 0.5) = 1.5 on both tokens
         config.rollout_is = Some(RolloutIs {
             level: RolloutIsLevel::Sequence,
@@ -932,12 +947,23 @@ mod tests {
         let out = c.run(&config);
         close(out.loss, -1.5, "seq loss");
         close_all(&out.grad_lp, &[-0.75, -0.75], "seq grad");
-        // ...truncated at 1.2
+        close(out.metrics.is_weight, 1.5, "seq is_weight");
+        close(out.metrics.is_truncated, 0.0, "seq is_truncated");
+        // ...truncated at 1.2: both tokens of the sequence
         config.rollout_is = Some(RolloutIs {
             level: RolloutIsLevel::Sequence,
             threshold: 1.2,
         });
-        close(c.run(&config).loss, -1.2, "truncated loss");
+        let out = c.run(&config);
+        close(out.loss, -1.2, "truncated loss");
+        close(out.metrics.is_truncated, 1.0, "seq truncated");
+        // Without --rollout-is the metrics stay 0.
+        config.rollout_is = None;
+        let out = c.run(&config);
+        assert_eq!(
+            (out.metrics.is_weight, out.metrics.is_truncated),
+            (0.0, 0.0)
+        );
     }
 
     /// xorshift64*: deterministic inputs without a dependency.

@@ -626,7 +626,7 @@ pub trait Backend: Send + Sync {
 
     /// Whether kernels run in batch-invariant mode (a row's result does not depend on the
     /// other rows of the call; the CUDA backend's TANDEM_BATCH_INVARIANT). The CPU backend is
-    /// batch-invariant by construction and has no mode.
+    /// batch-invariant by construction (always true, no mode).
     fn batch_invariant(&self) -> bool {
         false
     }

@@ -15,6 +15,11 @@ pub mod meta {
     /// The temperature of the samples' log-probs, written by `rollout` (its `--temperature`, 1
     /// when greedy): `ref-logprob` and `update` take log-probs at it and refuse another one.
     pub const LOGPROB_TEMPERATURE: &str = "tandem.logprob_temperature";
+    /// Written by `rollout` as [`OLD_LOGPROBS_ROLLOUT`] when its kernels were batch-invariant:
+    /// its rollout_logprobs are then the trainer's log-probs of policy_version's weights, the
+    /// old log-probs that `update --bypass-mode` takes.
+    pub const OLD_LOGPROBS: &str = "tandem.old_logprobs";
+    pub const OLD_LOGPROBS_ROLLOUT: &str = "rollout";
     /// The stage's parameters as JSON live under `tandem.stage.<name>`.
     pub const STAGE_PREFIX: &str = "tandem.stage.";
     /// Arrow's own schema blob; never copied from input to output by hand.

@@ -44,7 +44,7 @@ pub struct CpuEngineArgs {
     pub seed: u64,
 }
 
-/// The benchmark shapes.
+/// The benchmark shapes: `small` (~10M parameters) and the Qwen2.5 0.5B / 1.5B / 7B / 14B shapes.
 pub fn shape(name: &str) -> Result<Config> {
     let base = |layers, hidden, heads, kv, ffn, vocab| Config {
         arch: Arch::Qwen2,
@@ -64,10 +64,20 @@ pub fn shape(name: &str) -> Result<Config> {
         bos_token_id: None,
         eos_token_ids: vec![],
     };
+    // Qwen2.5-7B and -14B have their own LM head.
+    let untied = |c: Config| Config {
+        tie_word_embeddings: false,
+        ..c
+    };
     Ok(match name {
         "small" => base(4, 256, 4, 2, 768, 32_000),
         "qwen0.5b" => base(24, 896, 14, 2, 4864, 151_936),
-        other => bail!("unknown bench model '{other}' (expected small or qwen0.5b)"),
+        "qwen1.5b" => base(28, 1536, 12, 2, 8960, 151_936),
+        "qwen7b" => untied(base(28, 3584, 28, 4, 18_944, 152_064)),
+        "qwen14b" => untied(base(48, 5120, 40, 8, 13_824, 152_064)),
+        other => bail!(
+            "unknown bench model '{other}' (expected small, qwen0.5b, qwen1.5b, qwen7b or qwen14b)"
+        ),
     })
 }
 

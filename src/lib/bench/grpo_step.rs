@@ -51,9 +51,11 @@ pub struct GrpoStepArgs {
     /// Daemon with --offload-optimizer and --offload-ref.
     #[arg(long)]
     pub offload: bool,
-    /// In daemon mode, write the optimizer state with the checkpoint only every this many
+    /// In daemon mode, write the checkpoint (weights and optimizer state) only every this many
     /// steps, as a pipeline with a daemon does on its `[checkpoint] every` cadence (0: never
-    /// within the bench). In-process steps always write it: the next process needs it.
+    /// within the bench); the other updates keep the policy resident (`update --resident`),
+    /// except the last, which writes the weights (not the optimizer state) to compare modes.
+    /// In-process steps always write everything: the next process needs it.
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: u64,
 }
@@ -217,8 +219,9 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
         add_advantages(Path::new(&f("old")), Path::new(&f("adv")))?;
         let rows = a.prompts_per_step * a.n;
         let ckpt = dir.join(format!("ckpt-{step}"));
-        let save_optimizer =
-            mode != "daemon" || (a.checkpoint_every > 0 && step.is_multiple_of(a.checkpoint_every));
+        let cadence = a.checkpoint_every > 0 && step.is_multiple_of(a.checkpoint_every);
+        let save_optimizer = mode != "daemon" || cadence;
+        let resident = mode == "daemon" && !cadence && step != a.steps;
         let mut up: update::UpdateArgs = parse(&[
             "--model".into(),
             s(&policy),
@@ -235,6 +238,7 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             dev.clone(),
         ])?;
         up.skip_optimizer_state = !save_optimizer;
+        up.resident = resident;
         let (t_up, m_up) = run(t, "update", &mut |e| update::run(up.clone(), e))?;
         let sy = sync(&ckpt, step)?;
         let (t_sync, m_sync) = run(t, "sync-weights", &mut |e| sync_weights::run(sy.clone(), e))?;
@@ -248,7 +252,8 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             "mode": mode,
             "step": step,
             "response_tokens": tokens,
-            "optimizer_saved": save_optimizer,
+            "optimizer_saved": save_optimizer && !resident,
+            "weights_saved": !resident,
             "seconds": {"rollout": t_roll, "ref_logprob": t_ref, "old_logprob": t_old,
                         "update": t_up, "sync": t_sync,
                         "step": t_roll + t_ref + t_old + t_up + t_sync},
@@ -311,9 +316,10 @@ pub fn run(a: GrpoStepArgs) -> Result<()> {
                 format!("{:.2}", sec["ref_logprob"].as_f64().unwrap_or(0.0)),
                 format!("{:.2}", sec["old_logprob"].as_f64().unwrap_or(0.0)),
                 format!("{:.2}", sec["update"].as_f64().unwrap_or(0.0)),
-                match r["optimizer_saved"].as_bool() {
-                    Some(true) => "yes",
-                    _ => "no",
+                match (r["weights_saved"].as_bool(), r["optimizer_saved"].as_bool()) {
+                    (Some(false), _) => "resident",
+                    (_, Some(true)) => "all",
+                    _ => "weights",
                 }
                 .to_string(),
                 format!("{:.4}", sec["sync"].as_f64().unwrap_or(0.0)),
@@ -337,7 +343,7 @@ pub fn run(a: GrpoStepArgs) -> Result<()> {
             "ref s",
             "old s",
             "update s",
-            "opt saved",
+            "saved",
             "sync s",
             "step s",
             "peak MiB roll/ref/upd",

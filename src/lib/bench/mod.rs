@@ -4,6 +4,7 @@
 
 pub mod cpu_engine;
 pub mod cpu_stages;
+pub mod dist;
 pub mod gpu_test;
 pub mod grpo_step;
 pub mod logprob;
@@ -35,6 +36,9 @@ pub enum Which {
     /// Whole GRPO steps in-process and on the daemon's resident models: seconds per stage and
     /// peak device memory per phase.
     GrpoStep(grpo_step::GrpoStepArgs),
+    /// Bandwidth of every collective (nccl-tests' bus bandwidth) and the bucketed weight sync
+    /// of the Qwen2.5 shapes, at any world size (under `tandem launch`, srun, or alone).
+    Dist(dist::DistBenchArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -45,6 +49,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Which::Logprob(a) => logprob::run(a),
         Which::Rollout(a) => rollout::run(a),
         Which::GrpoStep(a) => grpo_step::run(a),
+        Which::Dist(a) => dist::run(a),
     }
 }
 

@@ -1,6 +1,6 @@
 //! The client side: a stage run with `--daemon PATH` sends its job and relays what comes back
 //! (progress bar, the stage's messages, the error with its exit code); `tandem daemon-ctl`
-//! asks for health/status or stops a daemon.
+//! (`super::ctl`) uses [`request`] and [`run_job`].
 
 use super::protocol::{Request, Response};
 use crate::batch::write_json;
@@ -8,7 +8,6 @@ use crate::error::input_error;
 use crate::stage::common::progress_bar;
 use crate::stage::StageJob;
 use anyhow::{anyhow, Context, Result};
-use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Write};
@@ -66,17 +65,36 @@ pub fn run_job(socket: &Path, job: StageJob) -> Result<()> {
     let cwd = std::env::current_dir()?;
     let name = job.name();
     let metrics_path = job.metrics_path().cloned();
+    // A daemon that dies mid-job closes (or resets) the connection: one message for every way
+    // that shows up, as docs/DAEMON.md gives it.
+    let closed = || {
+        anyhow!(
+            "{}: the daemon closed the connection before the {name} job finished (did it die? see its log); nothing was written",
+            socket.display()
+        )
+    };
+    let gone = |e: &std::io::Error| {
+        use std::io::ErrorKind::*;
+        matches!(
+            e.kind(),
+            ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
+        )
+    };
     let mut stream = connect(socket)?;
-    send(
-        &mut stream,
-        &Request::Job {
-            cwd,
-            job: Box::new(job),
-        },
-    )?;
+    let req = Request::Job {
+        cwd,
+        job: Box::new(job),
+    };
+    match send(&mut stream, &req) {
+        Err(e) if e.downcast_ref().is_some_and(gone) => return Err(closed()),
+        r => r?,
+    }
     let mut bar: Option<ProgressBar> = None;
     for line in BufReader::new(stream).lines() {
-        let line = line.with_context(|| format!("reading from {}", socket.display()))?;
+        let line = match line {
+            Err(e) if gone(&e) => return Err(closed()),
+            r => r.with_context(|| format!("reading from {}", socket.display()))?,
+        };
         match parse(&line, socket)? {
             Response::Progress { what, pos, len } => {
                 let b = bar.get_or_insert_with(|| progress_bar(len as usize, &what));
@@ -121,10 +139,7 @@ pub fn run_job(socket: &Path, job: StageJob) -> Result<()> {
             Response::Status { .. } | Response::ShuttingDown => {}
         }
     }
-    Err(anyhow!(
-        "{}: the daemon closed the connection before the {name} job finished (did it die? see its log); nothing was written",
-        socket.display()
-    ))
+    Err(closed())
 }
 
 fn add_daemon_metrics(path: &Path, daemon: Value) -> Result<()> {
@@ -137,38 +152,54 @@ fn add_daemon_metrics(path: &Path, daemon: Value) -> Result<()> {
     write_json(path, &v)
 }
 
-/// What `tandem daemon-ctl` asks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CtlCommand {
-    /// Exit 0 and print the status when the daemon answers.
-    Health,
-    /// Print the status JSON (models held, policy_version, memory per phase, uptime).
-    Status,
-    /// Stop the daemon after its running job; the socket is removed.
-    Shutdown,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stage::sync_weights::SyncWeightsArgs;
+    use std::os::unix::net::UnixListener;
 
-#[derive(Args, Debug, Clone)]
-#[command(about = "Ask a running daemon for its health or status, or stop it")]
-pub struct DaemonCtlArgs {
-    /// The daemon's socket.
-    #[arg(long)]
-    pub socket: std::path::PathBuf,
-    #[arg(value_enum)]
-    pub command: CtlCommand,
-}
-
-pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
-    let req = match args.command {
-        CtlCommand::Health => Request::Health,
-        CtlCommand::Status => Request::Status,
-        CtlCommand::Shutdown => Request::Shutdown,
-    };
-    match request(&args.socket, &req)? {
-        Response::Status { status } => println!("{}", serde_json::to_string_pretty(&status)?),
-        Response::ShuttingDown => eprintln!("daemon at {}: shutting down", args.socket.display()),
-        Response::Error { message, .. } => anyhow::bail!("{message}"),
-        other => anyhow::bail!("unexpected answer: {other:?}"),
+    fn job() -> StageJob {
+        StageJob::SyncWeights(SyncWeightsArgs {
+            from: "ckpt".into(),
+            to: "policy".into(),
+            policy_version: None,
+            daemon: None,
+        })
     }
-    Ok(())
+
+    /// A daemon that dies mid-job, whether the client then reads a reset or the end of the
+    /// stream, gives the one message docs/DAEMON.md documents.
+    #[test]
+    fn a_daemon_that_dies_mid_job_gives_the_documented_message() {
+        let dir = tempfile::tempdir().unwrap();
+        for read_request in [false, true] {
+            let socket = dir.path().join(format!("d{read_request}.sock"));
+            let listener = UnixListener::bind(&socket).unwrap();
+            let server = std::thread::spawn(move || {
+                let (mut s, _) = listener.accept().unwrap();
+                if read_request {
+                    let mut line = String::new();
+                    BufReader::new(s.try_clone().unwrap())
+                        .read_line(&mut line)
+                        .unwrap();
+                    s.write_all(b"{\"type\":\"log\",\"line\":\"working\"}\n")
+                        .unwrap();
+                }
+                // Dying with the request unread resets the client's connection
+                // (ECONNRESET); after reading it, the client sees the end of the stream.
+                std::thread::sleep(Duration::from_millis(200));
+            });
+            let err = run_job(&socket, job()).unwrap_err();
+            server.join().unwrap();
+            let msg = format!("{err:#}");
+            assert!(
+                msg.contains(
+                    "the daemon closed the connection before the sync-weights job finished"
+                ),
+                "{msg}"
+            );
+            assert!(!msg.contains("os error"), "{msg}");
+            assert!(!crate::error::is_input_error(&err));
+        }
+    }
 }

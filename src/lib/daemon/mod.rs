@@ -5,9 +5,11 @@
 //! it holds, so the files written are the same as in-process.
 //!
 //! The daemon sits above the stages: `protocol` carries their [`StageJob`]s, `resident` is their
-//! [`crate::stage::Exec`] inside the daemon, and [`run_stage`] decides where a stage runs.
+//! [`crate::stage::Exec`] inside the daemon, and [`run_stage`] decides where a stage runs;
+//! `ctl` is `tandem daemon-ctl`.
 
 pub mod client;
+pub mod ctl;
 pub mod protocol;
 pub mod resident;
 pub mod server;

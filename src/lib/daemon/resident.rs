@@ -6,9 +6,15 @@
 //! Identical results to in-process mode follow from holding exactly the state a reload would
 //! give: after `update` the decoder holds the f32 masters, moments and step that the stage
 //! writes next to the model (f32, exactly), and the schedule position it writes.
+//!
+//! With `update --resident` nothing is written but a resident directory (config, tokenizer,
+//! `resident.json`): the policy then exists only here, and the directory names it as long as
+//! this daemon holds that state. `daemon-ctl save` writes it as the files `update` would have
+//! ([`Exec::held_policy`]).
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
+use crate::engine::resume::TrainerState;
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, OptimizerState, TokenStats};
 use crate::model::safetensors::round_bf16;
@@ -16,7 +22,7 @@ use crate::model::{Config, Weights};
 use crate::stage::common::{Device, ModelRef};
 use crate::stage::ref_logprob::{LogprobColumn, Score};
 use crate::stage::rollout::{Generate, Generated};
-use crate::stage::update::{Train, Trainable, Trained};
+use crate::stage::update::{HeldPolicy, Holder, Train, Trainable, Trained};
 use crate::stage::Exec;
 use anyhow::Result;
 use indicatif::ProgressBar;
@@ -60,6 +66,13 @@ impl ModelKey {
         files.sort();
         Ok(ModelKey { dir, files })
     }
+
+    /// Whether the directory is a resident one (weights in a daemon's memory).
+    pub fn resident(&self) -> bool {
+        self.files
+            .iter()
+            .any(|(name, _, _)| name == crate::model::checkpoint::RESIDENT_FILE)
+    }
 }
 
 /// Flags of `tandem daemon` that shape what stays in device memory.
@@ -73,9 +86,14 @@ pub struct Options {
 }
 
 struct PolicySlot<B: Backend> {
-    /// The checkpoint this state equals; None while it is ahead of every file (after training,
-    /// until `update` has saved it).
-    key: Option<ModelKey>,
+    /// The checkpoints (files or resident directories) this state equals; empty while it is
+    /// ahead of every file (after training, until `update` has saved it).
+    keys: Vec<ModelKey>,
+    /// A directory with the policy's config and tokenizer files (the last one it was loaded
+    /// from or saved to).
+    files: PathBuf,
+    /// The trainer state of its last update (or the one it was loaded with).
+    trainer: Option<TrainerState>,
     decoder: Decoder<B>,
     /// Update calls done (the learning-rate schedule position).
     schedule_step: u64,
@@ -116,6 +134,8 @@ struct Phase {
 pub struct Resident<B: Backend> {
     make: Box<dyn Fn() -> Result<B>>,
     pub device: Device,
+    /// The socket the daemon serves (named in resident directories).
+    socket: Option<PathBuf>,
     opts: Options,
     policy: Option<PolicySlot<B>>,
     reference: Option<RefSlot<B>>,
@@ -135,6 +155,7 @@ impl<B: Backend> Resident<B> {
         Resident {
             make,
             device,
+            socket: None,
             opts,
             policy: None,
             reference: None,
@@ -144,6 +165,11 @@ impl<B: Backend> Resident<B> {
             bars: Arc::new(Mutex::new(Vec::new())),
             job: Map::new(),
         }
+    }
+
+    /// The socket the daemon listens on, named in the resident directories it writes.
+    pub fn set_socket(&mut self, socket: &Path) {
+        self.socket = Some(socket.to_path_buf());
     }
 
     /// Loads the policy at startup (`--policy`, a directory or a pointer file).
@@ -222,7 +248,7 @@ impl<B: Backend> Resident<B> {
         self.observe();
         if !ok {
             if let Some(p) = &mut self.policy {
-                if p.key.is_none() {
+                if p.keys.is_empty() {
                     self.policy = None;
                 }
             }
@@ -274,7 +300,9 @@ impl<B: Backend> Resident<B> {
             "device": self.device.to_string(),
             "policy_version": self.policy_version,
             "policy": self.policy.as_ref().map(|p| json!({
-                "dir": p.key.as_ref().map(|k| k.dir.display().to_string()),
+                "dir": p.keys.last().map(|k| k.dir.display().to_string()),
+                "dirs": p.keys.iter().map(|k| k.dir.display().to_string()).collect::<Vec<_>>(),
+                "in_files": p.keys.iter().any(|k| !k.resident()),
                 "schedule_step": p.schedule_step,
                 "optimizer_step": p.decoder.optimizer_steps(),
                 "generation_copy": p.gen.is_some(),
@@ -309,10 +337,15 @@ impl<B: Backend> Resident<B> {
     /// state newer than any file).
     fn policy_slot(&mut self, model: &ModelRef) -> Result<&mut PolicySlot<B>> {
         let key = ModelKey::of(&model.dir)?;
-        let held = self
-            .policy
-            .as_ref()
-            .is_some_and(|p| p.key.as_ref() == Some(&key));
+        let held = self.policy.as_ref().is_some_and(|p| p.keys.contains(&key));
+        if !held && key.resident() {
+            let marker = ModelDir::resident(&model.dir)?.expect("resident key");
+            crate::bail_input!(
+                "{}: its weights were kept in memory by update --resident (step {}, resident.json), and this daemon does not hold them (it was restarted, or the policy was trained or loaded past them); continue from a checkpoint written as files",
+                model.dir.display(),
+                marker.step
+            );
+        }
         if !held {
             // Free the old policy before loading the new one: peak memory is one policy.
             self.observe();
@@ -327,7 +360,9 @@ impl<B: Backend> Resident<B> {
             self.note("reloaded", true);
             self.note("load_seconds", started.elapsed().as_secs_f64());
             let mut slot = PolicySlot {
-                key: Some(key),
+                keys: vec![key],
+                files: model.dir.clone(),
+                trainer: loaded.trainer.clone(),
                 decoder,
                 schedule_step: loaded.schedule_step,
                 from_master: loaded.from_master,
@@ -494,9 +529,11 @@ impl<B: Backend> Exec for Resident<B> {
     }
 
     fn score(&mut self, model: &ModelRef, job: Score<'_>) -> Result<Vec<TokenStats>> {
-        let policy_key = self.policy.as_ref().and_then(|p| p.key.clone());
         let is_policy = job.column() == LogprobColumn::OldLogprobs
-            || policy_key.is_some_and(|k| Some(k) == ModelKey::of(&model.dir).ok());
+            || self
+                .policy
+                .as_ref()
+                .is_some_and(|p| ModelKey::of(&model.dir).is_ok_and(|k| p.keys.contains(&k)));
         if is_policy {
             return job.score_on(self.generation(model)?);
         }
@@ -538,7 +575,7 @@ impl<B: Backend> Exec for Resident<B> {
         let slot = self.policy.as_mut().expect("loaded above");
         unpark(slot)?;
         // From here the decoder is ahead of every file until `saved`.
-        slot.key = None;
+        slot.keys.clear();
         slot.from_master = true;
         let step = slot.schedule_step;
         let mut out = job.train_on(&mut slot.decoder, step, &mut |m| match &reply {
@@ -549,8 +586,10 @@ impl<B: Backend> Exec for Resident<B> {
         slot.decoder.release_workspace()?;
         slot.decoder.release_grads();
         if self.opts.offload_optimizer {
-            let masters =
-                (slot.decoder.backend().compute_dtype() != DType::F32).then(|| out.weights.clone());
+            let masters = match slot.decoder.backend().compute_dtype() {
+                DType::F32 => None,
+                _ => out.weights.clone(),
+            };
             park_optimizer(slot, out.state.clone(), masters)?;
         }
         slot.decoder.backend().trim()?;
@@ -573,12 +612,56 @@ impl<B: Backend> Exec for Resident<B> {
         Ok(out)
     }
 
-    fn saved(&mut self, dir: &Path) -> Result<()> {
+    fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()> {
         let key = ModelKey::of(dir)?;
         if let Some(p) = &mut self.policy {
-            p.key = Some(key);
+            // A directory rewritten in place names this state now, not what it held before.
+            p.keys.retain(|k| k.dir != key.dir);
+            p.keys.push(key);
+            p.files = dir.to_path_buf();
+            if let Some(t) = trainer {
+                p.trainer = Some(t.clone());
+            }
         }
         Ok(())
+    }
+
+    fn holder(&self) -> Option<Holder> {
+        Some(Holder {
+            socket: self.socket.clone(),
+            pid: std::process::id(),
+        })
+    }
+
+    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<HeldPolicy> {
+        let slot = match model {
+            Some(m) => self.policy_slot(m)?,
+            None => match self.policy.as_mut() {
+                Some(p) => p,
+                None => crate::bail_input!("the daemon holds no policy"),
+            },
+        };
+        // Offloaded state is the host copy; otherwise it comes back from the device.
+        let (weights, state) = match &slot.parked {
+            Some(p) => (
+                match &p.masters {
+                    Some(m) => m.clone(),
+                    None => slot.decoder.export_weights()?,
+                },
+                p.state.clone(),
+            ),
+            None => (
+                slot.decoder.export_weights()?,
+                slot.decoder.optimizer_state()?,
+            ),
+        };
+        let has_state = !state.exp_avg.is_empty();
+        Ok(HeldPolicy {
+            files: slot.files.clone(),
+            weights,
+            state: has_state.then_some(state),
+            trainer: slot.trainer.clone(),
+        })
     }
 
     fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()> {

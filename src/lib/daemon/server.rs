@@ -6,6 +6,12 @@
 //! connection reads its requests, answers `health`/`status`/`shutdown` at once, and queues
 //! jobs to the main thread. SIGTERM, SIGINT and `shutdown` finish the running job, refuse the
 //! queued ones, remove the socket and exit 0.
+//!
+//! A job belongs to its connection: while it waits or runs, the connection's thread watches the
+//! socket, and when the client is gone (killed, or its end closed) it sets the job's
+//! [`Cancel`] flag. The engine's loops stop at their next step, the stage writes nothing, the
+//! half-trained policy is forgotten (reloaded from files by the next job), and the daemon serves
+//! the next client.
 
 use super::protocol::{Reply, Request, Response};
 use super::resident::{Options, Resident};
@@ -13,9 +19,10 @@ use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
+use crate::engine::cancel::{self, Cancel};
 use crate::error::is_input_error;
-use crate::stage::common::{resolve_model, Device};
-use crate::stage::StageJob;
+use crate::stage::common::{resolve_model, Device, ModelRef};
+use crate::stage::{ref_logprob, rollout, update, Exec, StageJob};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
@@ -65,6 +72,8 @@ struct Work {
     job: Box<StageJob>,
     reply: Reply,
     done: mpsc::Sender<()>,
+    /// Set by the connection's thread when the client goes away.
+    cancel: Cancel,
 }
 
 /// What connection threads report without waiting for the main thread.
@@ -75,6 +84,8 @@ struct Shared {
     queued: usize,
     jobs_done: u64,
     jobs_failed: u64,
+    /// Jobs stopped (or never started) because their client went away.
+    jobs_cancelled: u64,
     /// The models' part, refreshed by the main thread after each job.
     resident: Value,
 }
@@ -90,6 +101,7 @@ impl Shared {
             "queued": self.queued,
             "jobs_done": self.jobs_done,
             "jobs_failed": self.jobs_failed,
+            "jobs_cancelled": self.jobs_cancelled,
             "resident": self.resident,
         })
     }
@@ -186,6 +198,7 @@ fn serve<B: Backend>(args: &DaemonArgs, mut resident: Resident<B>) -> Result<()>
     }
     let listener = bind_private(&args.socket)?;
     let socket = args.socket.canonicalize()?;
+    resident.set_socket(&socket);
     let home = std::env::current_dir()?;
     let shared = Arc::new(Mutex::new(Shared {
         started: Instant::now(),
@@ -194,6 +207,7 @@ fn serve<B: Backend>(args: &DaemonArgs, mut resident: Resident<B>) -> Result<()>
         queued: 0,
         jobs_done: 0,
         jobs_failed: 0,
+        jobs_cancelled: 0,
         resident: resident.status(),
     }));
     eprintln!(
@@ -262,9 +276,24 @@ fn accept_loop(listener: UnixListener, tx: mpsc::Sender<Work>, shared: Arc<Mutex
     }
 }
 
+/// Whether the client at the other end of `stream` is gone: its end of the socket closed
+/// (the process exited or was killed). A client that only shut down its writing half is still
+/// there (it may be reading the answer).
+fn client_gone(stream: &UnixStream) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll(2) on one valid descriptor, no wait.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    // A unix stream socket reports POLLHUP once the peer's end is closed for good.
+    n > 0 && pfd.revents & (libc::POLLHUP | libc::POLLERR) != 0
+}
+
 /// Serves one client: any number of requests, one line each, in order.
 fn connection(stream: UnixStream, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shared>>) {
-    let Ok(read_half) = stream.try_clone() else {
+    let (Ok(read_half), Ok(watch)) = (stream.try_clone(), stream.try_clone()) else {
         return;
     };
     let reply = Reply(Arc::new(Mutex::new(stream)));
@@ -302,14 +331,31 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shar
                 }
                 let (done, wait) = mpsc::channel();
                 shared.lock().expect("shared").queued += 1;
+                let cancel = Cancel::new();
                 let sent = tx.send(Work {
                     cwd,
                     job,
                     reply: reply.clone(),
                     done,
+                    cancel: cancel.clone(),
                 });
-                // The next request of this client waits for this job.
-                if sent.is_err() || wait.recv().is_err() {
+                if sent.is_err() {
+                    return;
+                }
+                // The next request of this client waits for this job; meanwhile the job is
+                // cancelled as soon as its client is gone.
+                loop {
+                    match wait.recv_timeout(Duration::from_millis(100)) {
+                        Ok(()) => break,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {
+                            if !cancel.is_cancelled() && client_gone(&watch) {
+                                cancel.cancel();
+                            }
+                        }
+                    }
+                }
+                if cancel.is_cancelled() {
                     return;
                 }
             }
@@ -330,8 +376,18 @@ fn run_job<B: Backend>(
         job,
         reply,
         done,
+        cancel,
     } = work;
     let name = job.name();
+    if cancel.is_cancelled() {
+        let mut s = shared.lock().expect("shared");
+        s.queued = s.queued.saturating_sub(1);
+        s.jobs_cancelled += 1;
+        drop(s);
+        eprintln!("daemon: a queued {name} job was dropped: its client went away before it ran");
+        let _ = done.send(());
+        return;
+    }
     {
         let mut s = shared.lock().expect("shared");
         s.queued = s.queued.saturating_sub(1);
@@ -343,8 +399,9 @@ fn run_job<B: Backend>(
     let bars = resident.bars.clone();
     let result = std::thread::scope(|scope| {
         scope.spawn(|| ticker(&bars, &reply, &finished));
-        let r =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_in(resident, cwd, *job)));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            cancel.install(|| run_in(&mut Watched(resident), cwd, *job))
+        }));
         finished.store(true, Ordering::SeqCst);
         match r {
             Ok(r) => r,
@@ -358,15 +415,22 @@ fn run_job<B: Backend>(
     if let Some(m) = metrics.as_object_mut() {
         m.insert("seconds".into(), started.elapsed().as_secs_f64().into());
     }
+    let cancelled = matches!(&result, Err(e) if cancel::is_cancelled(e));
     {
         let mut s = shared.lock().expect("shared");
         s.running = None;
-        if result.is_ok() {
-            s.jobs_done += 1;
-        } else {
-            s.jobs_failed += 1;
+        match (&result, cancelled) {
+            (Ok(()), _) => s.jobs_done += 1,
+            (Err(_), true) => s.jobs_cancelled += 1,
+            (Err(_), false) => s.jobs_failed += 1,
         }
         s.resident = resident.status();
+    }
+    if cancelled {
+        eprintln!(
+            "daemon: the {name} job was cancelled after {:.1} s: its client went away; nothing was written",
+            started.elapsed().as_secs_f64()
+        );
     }
     match result {
         Ok(()) => reply.send(&Response::Done { metrics }),
@@ -378,9 +442,75 @@ fn run_job<B: Backend>(
     let _ = done.send(());
 }
 
+/// The resident models as a stage's [`Exec`], checking the job's cancel flag before and after
+/// each compute: a job whose client went away stops there, before the stage writes anything
+/// (the engine's loops also check it between their steps).
+struct Watched<'a, B: Backend>(&'a mut Resident<B>);
+
+impl<B: Backend> Exec for Watched<'_, B> {
+    fn generate(
+        &mut self,
+        model: &ModelRef,
+        job: rollout::Generate<'_>,
+    ) -> Result<rollout::Generated> {
+        cancel::check()?;
+        let out = self.0.generate(model, job)?;
+        cancel::check()?;
+        Ok(out)
+    }
+
+    fn score(
+        &mut self,
+        model: &ModelRef,
+        job: ref_logprob::Score<'_>,
+    ) -> Result<Vec<crate::model::decoder::TokenStats>> {
+        cancel::check()?;
+        let out = self.0.score(model, job)?;
+        cancel::check()?;
+        Ok(out)
+    }
+
+    fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained> {
+        cancel::check()?;
+        let out = self.0.train(model, job)?;
+        cancel::check()?;
+        Ok(out)
+    }
+
+    fn saved(
+        &mut self,
+        dir: &Path,
+        trainer: Option<&crate::engine::resume::TrainerState>,
+    ) -> Result<()> {
+        self.0.saved(dir, trainer)
+    }
+
+    fn holder(&self) -> Option<update::Holder> {
+        self.0.holder()
+    }
+
+    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<update::HeldPolicy> {
+        cancel::check()?;
+        self.0.held_policy(model)
+    }
+
+    fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()> {
+        cancel::check()?;
+        self.0.publish(dir, policy_version)
+    }
+
+    fn progress_bar(&mut self, len: usize, what: &str) -> indicatif::ProgressBar {
+        self.0.progress_bar(len, what)
+    }
+
+    fn log(&mut self, line: &str) {
+        self.0.log(line)
+    }
+}
+
 /// Runs the stage's own code in the client's working directory, with the resident models as
 /// its [`crate::stage::Exec`].
-fn run_in<B: Backend>(resident: &mut Resident<B>, cwd: PathBuf, job: StageJob) -> Result<()> {
+fn run_in<B: Backend>(resident: &mut Watched<B>, cwd: PathBuf, job: StageJob) -> Result<()> {
     std::env::set_current_dir(&cwd).map_err(|e| {
         crate::error::input_error(format!(
             "the client's working directory {} is not usable by the daemon: {e}",
@@ -388,7 +518,7 @@ fn run_in<B: Backend>(resident: &mut Resident<B>, cwd: PathBuf, job: StageJob) -
         ))
     })?;
     if let Some(asked) = job.device() {
-        resident.check_device(asked)?;
+        resident.0.check_device(asked)?;
     }
     job.run(resident)
 }

@@ -81,6 +81,7 @@ pub fn score(
     let lens: Vec<usize> = todo.iter().map(|&i| rows[i].len()).collect();
     let mut done = rows.len() - todo.len();
     for group in micro_batches(&lens, micro_batch_tokens.max(1)) {
+        super::cancel::check()?;
         let idx = &todo[group];
         let joined: Vec<Vec<u32>> = idx.iter().map(|&i| rows[i].joined()).collect();
         let seqs: Vec<SeqRef> = idx

@@ -1,7 +1,9 @@
 //! The engine on top of the decoder: the paged generation engine (`rollout`), micro-batched
 //! scoring (`ref-logprob`), the training loop (`update`), and the whole-decoder and whole-engine
 //! GPU checks (`check`, run by `tandem gpu-test`); the stages' command lines are in `crate::stage`.
+//! Their loops poll `cancel` between steps, so the daemon can stop a job whose client is gone.
 
+pub mod cancel;
 pub mod check;
 pub mod logprob;
 pub mod paged;
@@ -34,16 +36,19 @@ pub trait Policy {
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()>;
     /// Forward, the PPO-clip loss computed where the log-probs are (no host round trip), and
-    /// backward; its metric sums accumulate until [`Policy::take_ppo_stats`]. Returns false
-    /// when the policy has no such path (the caller then uses `forward_backward`).
+    /// backward; its metric sums accumulate until [`Policy::take_ppo_stats`]. With `logprobs`,
+    /// the forward's log-probs of the scored tokens are also brought back into it (one
+    /// download; the rollout-mismatch measurement). Returns false when the policy has no such
+    /// path (the caller then uses `forward_backward`).
     fn forward_backward_ppo(
         &mut self,
         seqs: &[SeqRef],
         temperature: f32,
         tokens: &PpoTokens,
         clip: PpoShape,
+        logprobs: Option<&mut Vec<f32>>,
     ) -> Result<bool> {
-        let _ = (seqs, temperature, tokens, clip);
+        let _ = (seqs, temperature, tokens, clip, logprobs);
         Ok(false)
     }
     /// The metric sums of `forward_backward_ppo` since the last call (slots as
@@ -83,8 +88,9 @@ impl<B: Backend> Policy for Decoder<B> {
         temperature: f32,
         tokens: &PpoTokens,
         clip: PpoShape,
+        logprobs: Option<&mut Vec<f32>>,
     ) -> Result<bool> {
-        Decoder::forward_backward_ppo(self, seqs, temperature, tokens, clip)?;
+        Decoder::forward_backward_ppo(self, seqs, temperature, tokens, clip, logprobs)?;
         Ok(true)
     }
     fn take_ppo_stats(&mut self) -> Result<[f64; PPO_STATS]> {

@@ -83,8 +83,12 @@ fn read_trainer_state(path: &Path) -> Result<TrainerState> {
 
 /// Whether a training run can continue from `dir` on a fresh process: the directory holds no
 /// trainer state (a fresh optimizer starts, as it did the first time) or holds the optimizer
-/// file beside it; false for a checkpoint whose optimizer stayed in a daemon's memory.
+/// file beside it; false for a checkpoint whose optimizer (or, in a resident directory, whose
+/// weights too) stayed in a daemon's memory.
 pub fn resumable(dir: &Path) -> Result<bool> {
+    if dir.join(crate::model::checkpoint::RESIDENT_FILE).is_file() {
+        return Ok(false);
+    }
     let ts_path = dir.join(TRAINER_STATE_FILE);
     if !ts_path.is_file() {
         return Ok(true);

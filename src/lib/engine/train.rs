@@ -13,6 +13,10 @@
 //!   position advances by one per call (verl steps its LR scheduler once per update_actor).
 //! - A non-finite loss or gradient norm skips that optimizer step (weights and Adam moments
 //!   unchanged) and is reported.
+//! - With `rollout_logprobs` in the batch, the mismatch between the rollout's and the trainer's
+//!   log-probs of the same tokens is measured where the trainer's are known before any
+//!   optimizer step: the recomputed old log-probs (every row), else the forward of the first
+//!   optimizer step (its mini-batch: the whole batch when on-policy).
 
 use super::logprob::{micro_batches, score, PromptResponse};
 use super::Policy;
@@ -20,6 +24,7 @@ use crate::algo::agg::{AggMode, LossNorm};
 use crate::algo::policy_loss::{
     policy_loss, LossConfig, LossInputs, LossMetrics, LossMode, LossOutput,
 };
+use crate::algo::rollout_corr::Mismatch;
 use crate::backend::sample::uniform;
 use crate::backend::PpoShape;
 use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
@@ -197,6 +202,11 @@ pub struct TrainReport {
     pub on_policy: bool,
     /// The old log-probs were computed here (absent from the batch, not on-policy).
     pub recomputed_old: bool,
+    /// Rollout importance sampling weighted the loss (its metrics are reported).
+    pub rollout_is: bool,
+    /// Rollout vs trainer log-probs (when the batch has rollout_logprobs), and over which
+    /// tokens: "recomputed_old" or "first_step".
+    pub mismatch: Option<(Mismatch, &'static str)>,
 }
 
 impl TrainReport {
@@ -219,7 +229,7 @@ impl TrainReport {
             )
         };
         let mean = |x: f64| x / n;
-        serde_json::json!({
+        let mut out = serde_json::json!({
             "loss": mean(loss),
             "pg_loss": mean(sum.pg_loss),
             "pg_clipfrac": mean(sum.pg_clipfrac),
@@ -234,7 +244,14 @@ impl TrainReport {
             "optimizer_steps": taken.len(),
             "skipped_steps": self.steps.len() - taken.len(),
             "seconds": self.seconds,
-        })
+        });
+        if self.rollout_is {
+            out["rollout_is"] = serde_json::json!({
+                "weight_mean": mean(sum.is_weight),
+                "truncated_frac": mean(sum.is_truncated),
+            });
+        }
+        out
     }
 }
 
@@ -296,6 +313,19 @@ fn train_with(
     } else {
         None
     };
+    // The trainer's log-probs before any step: the recomputed old ones, else those of the
+    // first optimizer step's forward.
+    let mut mismatch = match (&data.rollout, &recomputed) {
+        (None, _) => None,
+        (Some(roll), Some(old)) => {
+            let mut m = Mismatch::default();
+            for i in 0..n {
+                m.add_row(&old[i], roll[i], data.mask[i])?;
+            }
+            Some((m, "recomputed_old"))
+        }
+        (Some(_), None) => Some((Mismatch::default(), "first_step")),
+    };
     let old_rows: Option<Vec<&[f32]>> = match (&data.old, &recomputed) {
         (Some(o), _) => Some(o.clone()),
         (None, Some(r)) => Some(r.iter().map(Vec::as_slice).collect()),
@@ -349,7 +379,13 @@ fn train_with(
                 .filter(|&i| !data.rows[i].response.is_empty())
                 .collect();
             let lens: Vec<usize> = live.iter().map(|&i| data.rows[i].len()).collect();
+            let measure = match &mut mismatch {
+                Some((m, "first_step")) if steps.is_empty() => Some(m),
+                _ => None,
+            };
+            let mut measure = measure.map(|m| (m, Vec::new()));
             for group in micro_batches(&lens, cfg.micro_batch_tokens.max(1)) {
+                super::cancel::check()?;
                 let idx = &live[group];
                 let joined: Vec<Vec<u32>> = idx.iter().map(|&i| data.rows[i].joined()).collect();
                 let seqs: Vec<SeqRef> = idx
@@ -369,14 +405,21 @@ fn train_with(
                         weights: &t.weights,
                         dentropy: t.dent.as_deref(),
                     };
-                    if policy.forward_backward_ppo(&seqs, cfg.temperature, &pt, clip)? {
+                    let lp_out = measure.as_mut().map(|(_, buf)| buf);
+                    if policy.forward_backward_ppo(&seqs, cfg.temperature, &pt, clip, lp_out)? {
                         used_device_loss = true;
+                        if let Some((m, buf)) = measure.as_mut() {
+                            add_mismatch(m, data, idx, |_, off, len| &buf[off..off + len])?;
+                        }
                         continue;
                     }
                     // This policy has no device path: the host loss from here on.
                     device_loss = false;
                 }
                 policy.forward_backward(&seqs, cfg.temperature, &mut |stats| {
+                    if let Some((m, _)) = measure.as_mut() {
+                        add_mismatch(m, data, idx, |k, _, _| &stats[k].logprobs[..])?;
+                    }
                     let (out, offsets) = micro_loss(
                         cfg,
                         data,
@@ -409,7 +452,7 @@ fn train_with(
                     pg_clipfrac_lower: s[2],
                     ppo_kl: s[3],
                     entropy: s[4],
-                    kl_loss: 0.0,
+                    ..LossMetrics::default()
                 };
                 let loss = m.pg_loss - cfg.loss.entropy_coeff * m.entropy;
                 if s[5] > 0.0 || !loss.is_finite() {
@@ -471,7 +514,30 @@ fn train_with(
         seconds: started.elapsed().as_secs_f64(),
         on_policy,
         recomputed_old: recomputed.is_some(),
+        rollout_is: cfg.loss.rollout_is.is_some(),
+        mismatch,
     })
+}
+
+/// Adds the trainer's log-probs of rows `idx` (`lp(k, offset, len)`: the k-th row's, at
+/// `offset` in the micro-batch's concatenation) against their rollout log-probs.
+fn add_mismatch<'a>(
+    m: &mut Mismatch,
+    data: &TrainData,
+    idx: &[usize],
+    lp: impl Fn(usize, usize, usize) -> &'a [f32],
+) -> Result<()> {
+    let roll = data
+        .rollout
+        .as_ref()
+        .expect("measured only with rollout log-probs");
+    let mut off = 0;
+    for (k, &i) in idx.iter().enumerate() {
+        let len = data.rows[i].response.len();
+        m.add_row(lp(k, off, len), roll[i], data.mask[i])?;
+        off += len;
+    }
+    Ok(())
 }
 
 /// Per-token inputs of the device-side PPO loss for rows `idx` (owned; see [`PpoTokens`]).
@@ -871,6 +937,25 @@ mod tests {
     }
 
     #[test]
+    fn a_cancelled_update_stops_before_its_next_micro_batch() {
+        use crate::engine::cancel::{is_cancelled, Cancel};
+        let owned = batch();
+        let mut model = Bigram::random(6, 3);
+        let before = model.theta.clone();
+        let mut c = cfg(LossMode::Vanilla);
+        c.mini_batch_size = Some(2);
+        c.ppo_epochs = 2;
+        let cancel = Cancel::new();
+        // Cancelled while the old log-probs are computed: no optimizer step is taken.
+        let err = cancel
+            .install(|| train(&mut model, &owned.data(), &c, 0, &mut |_| cancel.cancel()))
+            .unwrap_err();
+        assert!(is_cancelled(&err), "{err:#}");
+        assert_eq!(model.steps, 0);
+        assert_eq!(model.theta, before);
+    }
+
+    #[test]
     fn shuffling_is_a_seeded_permutation() {
         let owned = batch();
         let mut c = cfg(LossMode::Vanilla);
@@ -1045,5 +1130,80 @@ mod tests {
             "{before} -> {}",
             nll(&mut model)
         );
+    }
+
+    /// The rollout-vs-trainer mismatch comes from the trainer's log-probs before any optimizer
+    /// step: the whole batch when on-policy or when old log-probs are recomputed, the first
+    /// mini-batch when the old ones are given (bypass mode: the rollout's).
+    #[test]
+    fn mismatch_is_measured_before_any_step() {
+        let owned = batch();
+        let d0 = owned.data();
+        let lp: Vec<Vec<f32>> = score(
+            &mut Bigram::random(6, 3),
+            &d0.rows,
+            1.0,
+            false,
+            100,
+            &mut |_| {},
+        )
+        .unwrap()
+        .into_iter()
+        .map(|s| s.logprobs)
+        .collect();
+        // The rollout is off by 0.05 on even rows and agrees on odd ones.
+        let rollout: Vec<Vec<f32>> = lp
+            .iter()
+            .enumerate()
+            .map(|(i, r)| r.iter().map(|&x| x - 0.05 * ((i + 1) % 2) as f32).collect())
+            .collect();
+        let rows = |v: &[Vec<f32>], which: &[usize]| -> Vec<Vec<f32>> {
+            which.iter().map(|&i| v[i].clone()).collect()
+        };
+        let expect = |which: &[usize]| {
+            let (t, r) = (rows(&lp, which), rows(&rollout, which));
+            let m: Vec<&[u8]> = which.iter().map(|&i| d0.mask[i]).collect();
+            let t: Vec<&[f32]> = t.iter().map(Vec::as_slice).collect();
+            let r: Vec<&[f32]> = r.iter().map(Vec::as_slice).collect();
+            Mismatch::of_rows(&t, &r, &m).unwrap()
+        };
+        let run = |mbs: Option<usize>, old_is_rollout: bool| {
+            let mut c = cfg(LossMode::Vanilla);
+            c.mini_batch_size = mbs;
+            let mut d = owned.data();
+            d.rollout = Some(rollout.iter().map(Vec::as_slice).collect());
+            if old_is_rollout {
+                d.old = d.rollout.clone();
+            }
+            train(&mut Bigram::random(6, 3), &d, &c, 0, &mut |_| {})
+                .unwrap()
+                .mismatch
+                .expect("measured")
+        };
+        let all = [0, 1, 2, 3, 4];
+        let (m, src) = run(None, false);
+        assert_eq!((&m, src), (&expect(&all), "first_step"));
+        assert_eq!(m.tokens(), 10);
+        let (m, src) = run(Some(2), false);
+        assert_eq!((&m, src), (&expect(&all), "recomputed_old"));
+        // Old given, two rows per mini-batch: rows 0 and 1 before the first step.
+        let (m, src) = run(Some(2), true);
+        assert_eq!((&m, src), (&expect(&[0, 1]), "first_step"));
+        assert_eq!(m.tokens(), 5);
+        let j = m.to_json();
+        assert!(
+            (j["abs_diff_mean"].as_f64().unwrap() - 0.03).abs() < 1e-6,
+            "{j}"
+        );
+        // Without rollout log-probs nothing is measured.
+        let d = owned.data();
+        let r = train(
+            &mut Bigram::random(6, 3),
+            &d,
+            &cfg(LossMode::Vanilla),
+            0,
+            &mut |_| {},
+        );
+        assert!(r.unwrap().mismatch.is_none());
     }
 }

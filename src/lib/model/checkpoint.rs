@@ -1,6 +1,10 @@
 //! A model directory as a whole (HF layout): config.json, generation_config.json, safetensors
 //! weights, tokenizer files. Loading checks that the weights are exactly what the config implies;
 //! saving writes `DIR.tmp` and renames it, so a crash never leaves a half-written model.
+//!
+//! A *resident* directory (`update --resident` on the warm daemon) has the config and tokenizer
+//! files but no weights: they stay in the daemon's memory, and [`RESIDENT_FILE`] says where.
+//! Loading its weights is refused with a message that says how to get them.
 
 use super::config::{Config, CONFIG_FILE};
 use super::names::{self, expected_tensors};
@@ -8,7 +12,50 @@ use super::safetensors::{self as st, Loaded, DEFAULT_MAX_SHARD_BYTES};
 use super::tensor::Weights;
 use crate::error::input_error;
 use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+
+/// The marker of a resident directory (see [`ResidentMarker`]).
+pub const RESIDENT_FILE: &str = "resident.json";
+
+/// `resident.json`: the directory's weights (and optimizer state) are not in files but in the
+/// memory of a process, the warm daemon that trained them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResidentMarker {
+    /// The socket of the daemon that holds the weights (None: a process without one, e.g.
+    /// `tandem bench grpo-step`).
+    pub socket: Option<PathBuf>,
+    /// That process's id.
+    pub pid: u32,
+    /// Update calls that made these weights (the trainer's schedule step).
+    pub step: u64,
+    /// The policy_version of the policy the update started from.
+    pub from_policy_version: u64,
+}
+
+impl ResidentMarker {
+    /// Why `dir`'s weights cannot be read from files, and what to do.
+    pub fn refusal(&self, dir: &Path) -> String {
+        let holder = match &self.socket {
+            Some(s) => format!("the daemon at {} (pid {})", s.display(), self.pid),
+            None => format!("process {}", self.pid),
+        };
+        let how = match &self.socket {
+            Some(s) => format!(
+                "run the stage with --daemon {s}, or write them to files first with `tandem daemon-ctl save --socket {s} --out DIR`",
+                s = s.display()
+            ),
+            None => "they are gone with that process; use a checkpoint written as files".into(),
+        };
+        format!(
+            "{}: holds no weight files: the weights of update step {} (trained from policy_version {}) stay in the memory of {holder} ({}); {how}",
+            dir.display(),
+            self.step,
+            self.from_policy_version,
+            dir.join(RESIDENT_FILE).display()
+        )
+    }
+}
 
 /// Tokenizer files HF keeps next to a model (`chat_template.jinja` is where transformers 5 puts
 /// the chat template).
@@ -58,9 +105,25 @@ impl ModelDir {
         Config::load(path)
     }
 
+    /// The marker of a resident directory (None for a model with weight files).
+    pub fn resident(path: &Path) -> Result<Option<ResidentMarker>> {
+        let file = path.join(RESIDENT_FILE);
+        if !file.is_file() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("reading {}", file.display()))?;
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| input_error(format!("{}: malformed: {e}", file.display())))
+    }
+
     /// Like [`ModelDir::load`], keeping the on-disk dtypes and file of every tensor.
     pub fn inspect(path: &Path) -> Result<Inspected> {
         let config = Self::load_config(path)?;
+        if let Some(marker) = Self::resident(path)? {
+            crate::bail_input!("{}", marker.refusal(path));
+        }
         let mut loaded = st::load_dir(path)?;
         check_weights(&config, &mut loaded, &path.join(CONFIG_FILE))?;
         Ok(Inspected { config, loaded })
@@ -92,12 +155,7 @@ impl ModelDir {
         weights: &Weights,
         opts: &SaveOptions,
     ) -> Result<()> {
-        let SaveOptions {
-            tokenizer_from,
-            config_base,
-            max_shard_bytes,
-            extra_files,
-        } = *opts;
+        let max_shard_bytes = opts.max_shard_bytes;
         let specs = expected_tensors(cfg);
         let mut ordered = Vec::with_capacity(specs.len());
         for spec in &specs {
@@ -128,10 +186,45 @@ impl ModelDir {
                 dir.display()
             );
         }
+        Self::write_dir(dir, cfg, opts, &|tmp| {
+            st::save_dir(tmp, &ordered, max_shard_bytes).map(|_| ())
+        })
+    }
+
+    /// Writes a resident directory: config, generation config and tokenizer files as
+    /// [`ModelDir::save_with`] does (its `max_shard_bytes` unused), no weights, and `marker`.
+    pub fn save_resident(
+        dir: &Path,
+        cfg: &Config,
+        marker: &ResidentMarker,
+        opts: &SaveOptions,
+    ) -> Result<()> {
+        let mut text = serde_json::to_string_pretty(marker)?;
+        text.push('\n');
+        Self::write_dir(dir, cfg, opts, &|tmp| {
+            let path = tmp.join(RESIDENT_FILE);
+            std::fs::write(&path, text.as_bytes())
+                .with_context(|| format!("writing {}", path.display()))
+        })
+    }
+
+    /// Writes the directory `dir` through `DIR.tmp`: config, `body` (the weights, or the resident
+    /// marker), tokenizer files and extra files.
+    fn write_dir(
+        dir: &Path,
+        cfg: &Config,
+        opts: &SaveOptions,
+        body: &dyn Fn(&Path) -> Result<()>,
+    ) -> Result<()> {
+        let SaveOptions {
+            tokenizer_from,
+            config_base,
+            extra_files,
+            ..
+        } = *opts;
         for src in tokenizer_from.iter().chain(config_base.iter()) {
             check_is_dir(src)?;
         }
-
         if dir.file_name().is_none() {
             crate::bail_input!(
                 "{}: give the model a directory name of its own to be written to",
@@ -149,7 +242,7 @@ impl ModelDir {
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         let write_all = || -> Result<()> {
             cfg.save(&tmp, config_base)?;
-            st::save_dir(&tmp, &ordered, max_shard_bytes)?;
+            body(&tmp)?;
             if let Some(src) = tokenizer_from {
                 for name in TOKENIZER_FILES {
                     let from = src.join(name);

@@ -223,7 +223,7 @@ pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
         let keep = varied_groups(&groups, &metric_values(&scored, &fg.metric)?);
         let kept = keep.iter().filter(|&&k| k).count();
         varied += kept;
-        r.note(&format!(
+        r.console.detail(&format!(
             "{} round {round}: {kept} of {} groups have a varying {} ({varied} of {want} kept so far)",
             step_name(step),
             groups.count,
@@ -264,7 +264,8 @@ pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
                 "{what}: nothing to train on. The prompts are all too easy or too hard for the policy under this reward: check the reward, or raise max-num-gen-batches"
             );
         }
-        r.note(&format!("{what}: training on those {varied}"));
+        r.console
+            .say(&format!("{what}: training on those {varied}"));
     }
     let taken = assemble(r, step, &rounds, want, &fg)?;
 

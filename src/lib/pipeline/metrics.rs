@@ -9,6 +9,8 @@
 //! - `kl`: mean over model tokens of rollout_logprobs − ref_logprobs (the k1 estimate of
 //!   KL(policy ‖ ref)), when reference log-probs were computed;
 //! - `entropy`, `grad_norm`, `pg_clipfrac`: copied from the update's metrics when it reports them;
+//! - `mismatch/…`: the rollout-vs-trainer log-prob mismatch `update` measured (moved from
+//!   `update/mismatch/…`);
 //! - `time/<stage>` and `time/step` (seconds), `perf/tokens_per_s` (prompt + response tokens
 //!   of the batch over the step's seconds), `perf/rollout_tokens_per_s`.
 //!
@@ -270,6 +272,17 @@ pub fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
     ] {
         if let Some(v) = stages.get(key) {
             m.insert(short.into(), v.clone());
+        }
+    }
+    // The rollout-vs-trainer mismatch `update` measures is a step metric of its own.
+    let mismatch: Vec<String> = stages
+        .keys()
+        .filter(|k| k.starts_with("update/mismatch/"))
+        .cloned()
+        .collect();
+    for k in mismatch {
+        if let Some(v) = stages.remove(&k) {
+            m.insert(k["update/".len()..].to_string(), v);
         }
     }
     m.extend(stages);

@@ -3,18 +3,22 @@
 //! `tandem inspect` look at what it wrote.
 //!
 //! - `spec`: the TOML spec (stage keys are the stage flags).
-//! - `rundir`: the run directory's layout, `state.json`, atomic writes.
+//! - `preflight`: what is checked before anything runs (reward, models, datasets).
+//! - `rundir`: the run directory's layout, `state.json`, spec changes, atomic writes.
 //! - `sampler`: the seeded prompt sampler whose cursor is part of the state.
 //! - `runner`: the step loop (stage commands, `commands.sh`, resume).
 //! - `dynamic`: DAPO's dynamic sampling, the rounds of a step that keeps only varied groups.
+//! - `console`: one line per step on the console, the stages' output in `pipeline.log`.
 //! - `metrics`: `metrics.jsonl` and `eval.jsonl` lines.
 //! - `tensorboard`: the same numbers as TensorBoard event files in the run directory.
 //! - `plot`, `inspect`: looking at a run.
 
+pub mod console;
 pub mod dynamic;
 pub mod inspect;
 pub mod metrics;
 pub mod plot;
+pub mod preflight;
 pub mod rundir;
 pub mod runner;
 pub mod sampler;
@@ -25,8 +29,8 @@ use crate::bail_input;
 use anyhow::Result;
 use clap::Args;
 use rundir::{RunDir, State, STATE_VERSION};
-use runner::Runner;
-use spec::Spec;
+use runner::{shell_quote, Runner};
+use spec::{Spec, SpecChange};
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug, Clone)]
@@ -50,7 +54,19 @@ pub struct RunArgs {
     /// Insist on continuing an existing run (fail when the run directory has none).
     #[arg(long)]
     pub resume: bool,
+    /// Continue an existing run under a spec that changed since it began (a fixed value, a
+    /// new flag); the change is recorded in RUN/spec-changes.jsonl. The prompt sampler's keys
+    /// (`seed`, `[data] prompts-per-step`, `shuffle`) cannot change.
+    #[arg(long)]
+    pub allow_spec_change: bool,
+    /// Also show every stage's command and output on the console (they always go to
+    /// RUN/pipeline.log).
+    #[arg(short, long)]
+    pub verbose: bool,
 }
+
+/// Spec keys a run cannot change: the prompt sampler's position depends on them.
+const SAMPLER_KEYS: [&str; 3] = ["seed", "data.prompts-per-step", "data.shuffle"];
 
 /// `pipeline run`.
 pub fn run(args: RunArgs) -> Result<()> {
@@ -73,8 +89,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let run = RunDir::new(root);
     let existing = run.exists();
-    if existing {
-        check_same_spec(&run, &spec)?;
+    let state = if existing {
+        run.load_state()?
     } else {
         if args.resume {
             bail_input!(
@@ -88,77 +104,156 @@ pub fn run(args: RunArgs) -> Result<()> {
                 run.root.display()
             );
         }
+        fresh_state(0)
+    };
+    let done = state.steps_done;
+    if existing && done >= spec.steps {
+        let asked = match args.steps {
+            Some(n) if n < done => format!(" (--steps {n} asks for fewer)"),
+            _ => String::new(),
+        };
+        eprintln!(
+            "pipeline: {} is complete: {done} steps done{asked}; nothing to do. To run more steps: {} --steps N (N > {done})",
+            run.root.display(),
+            command_line(&args, &run.root, false)
+        );
+        return Ok(());
     }
+    let changes = match existing {
+        true => spec.changes_from(&Spec::load(&run.spec_path())?),
+        false => Vec::new(),
+    };
+    if !changes.is_empty() {
+        check_changes(&changes, &args, &run)?;
+    }
+
     let bins = runner::bin_dir()?;
     let spec_path = args.spec.display().to_string();
-
+    let mut runner = Runner::new(spec, run, bins, state)?;
+    runner.rerun = command_line(&args, &runner.run.root, true);
+    runner.console = console::Console::new(args.verbose);
+    // Every stage command is checked by its stage, then the files the spec names, before the
+    // run directory is touched.
+    runner
+        .check_commands()
+        .map_err(|e| e.context(spec_path.clone()))?;
+    let train = preflight::check(&runner).map_err(|e| e.context(spec_path))?;
     if args.dry_run {
-        let state = if existing {
-            run.load_state()?
-        } else {
-            fresh_state(0)
-        };
-        let runner = Runner::new(spec, run, bins, state)?;
-        runner.check_commands().map_err(|e| e.context(spec_path))?;
         for (step, task) in runner.plan() {
             println!("{}", runner.describe(step, &task));
         }
         return Ok(());
     }
 
-    check_inputs(&spec)?;
-    let state = if existing {
-        run.load_state()?
-    } else {
-        let rows = crate::batch::Batch::read(&spec.data.train, &[])?.num_rows() as u64;
-        if rows == 0 {
-            bail_input!(
-                "{}: the training set has no rows",
-                spec.data.train.display()
-            );
-        }
-        fresh_state(rows)
-    };
-    // Every stage command is checked by its stage before the run directory is touched.
-    let mut runner = Runner::new(spec, run, bins, state)?;
-    runner.check_commands().map_err(|e| e.context(spec_path))?;
-    let (spec, run, state) = (&runner.spec, &runner.run, &runner.state);
     if !existing {
+        runner.state.train_rows = train.num_rows() as u64;
+        let run = &runner.run;
         std::fs::create_dir_all(&run.root)?;
-        rundir::write_atomic(&run.spec_path(), spec_for_file(spec).as_bytes())?;
-        run.save_state(state)?;
+        rundir::write_atomic(&run.spec_path(), spec_for_file(&runner.spec).as_bytes())?;
+        run.save_state(&runner.state)?;
     }
+    runner.set_train_set(train);
+    let run = runner.run.clone();
     let _lock = run.lock()?;
-    if existing {
-        // Record the new step count when the run is being extended.
-        rundir::write_atomic(&run.spec_path(), spec_for_file(spec).as_bytes())?;
-    }
-    let done_before = state.steps_done;
-    if done_before >= spec.steps {
-        eprintln!(
-            "pipeline: {} already has {} of {} steps; nothing to do (pass --steps N to go further)",
+    runner.console.open_log(&run.log_path())?;
+    if !changes.is_empty() {
+        let step = runner.state.steps_done + 1;
+        let finished = runner
+            .state
+            .current
+            .as_ref()
+            .filter(|c| c.step == step)
+            .map(|c| c.done.clone())
+            .unwrap_or_default();
+        run.record_spec_change(&args.spec, step, &finished, &changes)?;
+        runner.console.say(&format!(
+            "pipeline: continuing {} under the changed spec from step {step} (recorded in {}): {}",
             run.root.display(),
-            done_before,
-            spec.steps
-        );
-        return Ok(());
+            run.spec_changes_path().display(),
+            spec::describe_changes(&changes)
+        ));
     }
+    // The resolved spec is the one the run continues under (a new step count, a change).
+    rundir::write_atomic(&run.spec_path(), spec_for_file(&runner.spec).as_bytes())?;
+    let shown = match runner.console.verbose {
+        true => "also shown here (-v)",
+        false => "-v shows it here",
+    };
+    let log = run.log_path();
     if existing {
-        eprintln!(
-            "pipeline: continuing {} after step {done_before}",
-            run.root.display()
-        );
+        runner.console.say(&format!(
+            "pipeline: continuing {} after step {done}; stage output in {} ({shown})",
+            run.root.display(),
+            log.display()
+        ));
+    } else {
+        runner.console.say(&format!(
+            "pipeline: {} steps in {}; stage output in {} ({shown})",
+            runner.spec.steps,
+            run.root.display(),
+            log.display()
+        ));
     }
     runner.run()?;
-    let run = &runner.run;
-    eprintln!(
-        "pipeline: finished {} steps in {}\n  metrics: {}\n  eval:    {}\n  plot:    tandem plot {}",
+    runner.console.say(&format!(
+        "pipeline: finished {} steps in {}\n  metrics: {}\n  eval:    {}\n  log:     {}\n  plot:    tandem plot {}",
         runner.spec.steps,
         run.root.display(),
         run.metrics_path().display(),
         run.eval_path().display(),
+        log.display(),
         run.root.display()
-    );
+    ));
+    Ok(())
+}
+
+/// The `pipeline run` command line that continues this run (`with_steps`: with the `--steps`
+/// given), as the user can paste it: the program as invoked, the spec, the run directory and
+/// the overrides given.
+fn command_line(args: &RunArgs, root: &Path, with_steps: bool) -> String {
+    let program = std::env::args().next().unwrap_or_else(|| "pipeline".into());
+    let mut words = vec![
+        program,
+        "run".into(),
+        args.spec.display().to_string(),
+        "--run-dir".into(),
+        root.display().to_string(),
+    ];
+    if let Some(n) = args.steps.filter(|_| with_steps) {
+        words.extend(["--steps".into(), n.to_string()]);
+    }
+    if let Some(d) = args.device {
+        words.extend(["--device".into(), d.as_str().into()]);
+    }
+    let words: Vec<String> = words.iter().map(|w| shell_quote(w)).collect();
+    words.join(" ")
+}
+
+/// A run continues under a changed spec only when asked (`--allow-spec-change`), and never with
+/// another prompt sampler.
+fn check_changes(changes: &[SpecChange], args: &RunArgs, run: &RunDir) -> Result<()> {
+    let fixed: Vec<SpecChange> = changes
+        .iter()
+        .filter(|c| SAMPLER_KEYS.contains(&c.key.as_str()))
+        .cloned()
+        .collect();
+    if !fixed.is_empty() {
+        bail_input!(
+            "{}: the spec changed since the run began ({}); the prompt sampler's position depends on {}, so this run cannot continue under another value: restore it, or start a new run with another --run-dir",
+            run.root.display(),
+            spec::describe_changes(&fixed),
+            SAMPLER_KEYS.join(", ")
+        );
+    }
+    if !args.allow_spec_change {
+        bail_input!(
+            "{}: the spec changed since the run began ({}). To continue this run under the new spec (the change is recorded in {}):\n  {} --allow-spec-change\nor restore the spec, or start a new run with another --run-dir",
+            run.root.display(),
+            spec::describe_changes(changes),
+            run.spec_changes_path().display(),
+            command_line(args, &run.root, true)
+        );
+    }
     Ok(())
 }
 
@@ -175,61 +270,4 @@ fn spec_for_file(spec: &Spec) -> String {
         "# The spec of this run with the runner's defaults written out (stage flags left out\n# here take the stage's own defaults).\n{}",
         spec.to_toml()
     )
-}
-
-/// Files the spec names must exist before anything runs.
-fn check_inputs(spec: &Spec) -> Result<()> {
-    let mut need: Vec<(&str, &Path)> = vec![
-        ("[model] path", &spec.model.path),
-        ("[data] train", &spec.data.train),
-    ];
-    if let Some(r) = &spec.model.reference {
-        need.push(("[model] ref", r));
-    }
-    if spec.eval.every > 0 {
-        if let Some(v) = &spec.data.val {
-            need.push(("[data] val", v));
-        }
-    }
-    for (key, p) in need {
-        if !p.exists() {
-            bail_input!("{key} = {}: no such file or directory", p.display());
-        }
-    }
-    Ok(())
-}
-
-/// A run continues only under the spec it began with (the step count may change).
-fn check_same_spec(run: &RunDir, spec: &Spec) -> Result<()> {
-    let path = run.spec_path();
-    let old = Spec::load(&path)?;
-    let as_table = |s: &Spec| {
-        let mut s = s.clone();
-        s.steps = 0;
-        toml::Value::try_from(&s).expect("a spec serializes")
-    };
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    spec::leaves(&as_table(&old), "", &mut a);
-    spec::leaves(&as_table(spec), "", &mut b);
-    let mut diffs = Vec::new();
-    for (k, v) in &a {
-        match b.iter().find(|(k2, _)| k2 == k) {
-            Some((_, v2)) if v2 == v => {}
-            Some((_, v2)) => diffs.push(format!("{k}: {v} -> {v2}")),
-            None => diffs.push(format!("{k}: {v} -> (unset)")),
-        }
-    }
-    for (k, v) in &b {
-        if !a.iter().any(|(k2, _)| k2 == k) {
-            diffs.push(format!("{k}: (unset) -> {v}"));
-        }
-    }
-    if !diffs.is_empty() {
-        bail_input!(
-            "{}: the run began with a different spec ({}); a run continues only with the spec it began with: pick a new --run-dir",
-            run.root.display(),
-            diffs.join("; ")
-        );
-    }
-    Ok(())
 }

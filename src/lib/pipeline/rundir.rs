@@ -3,9 +3,11 @@
 //!
 //! ```text
 //! RUN/
-//!   spec.resolved.toml     the spec with the runner's defaults written out
+//!   spec.resolved.toml     the spec the run continues under, the runner's defaults written out
+//!   spec-changes.jsonl     each change of the spec continued under (--allow-spec-change)
 //!   state.json             finished steps and stages, sampler cursor, policy
 //!   commands.sh            every stage command line, in the order they ran
+//!   pipeline.log           the stages' output after each command, the runner's lines
 //!   metrics.jsonl eval.jsonl
 //!   policy                 the pointer `sync-weights` maintains (what rollout loads)
 //!   step-000K/{prompts,rollout,scored,ref,old,adv}.parquet, metrics/*.json
@@ -14,6 +16,7 @@
 //! ```
 
 use super::sampler::Cursor;
+use super::spec::SpecChange;
 use crate::bail_input;
 use crate::error::input_error;
 use anyhow::{Context, Result};
@@ -76,6 +79,12 @@ impl RunDir {
     pub fn commands_path(&self) -> PathBuf {
         self.root.join("commands.sh")
     }
+    pub fn log_path(&self) -> PathBuf {
+        self.root.join("pipeline.log")
+    }
+    pub fn spec_changes_path(&self) -> PathBuf {
+        self.root.join("spec-changes.jsonl")
+    }
     pub fn metrics_path(&self) -> PathBuf {
         self.root.join("metrics.jsonl")
     }
@@ -137,6 +146,33 @@ impl RunDir {
 
     pub fn save_state(&self, state: &State) -> Result<()> {
         crate::batch::write_json(&self.state_path(), state)
+    }
+
+    /// Appends to spec-changes.jsonl that the run continues under a changed spec (read from
+    /// `spec`) from step `step`, whose tasks `finished` are not run again.
+    pub fn record_spec_change(
+        &self,
+        spec: &Path,
+        step: u64,
+        finished: &[String],
+        changes: &[SpecChange],
+    ) -> Result<()> {
+        let path = self.spec_changes_path();
+        let mut text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        let line = serde_json::json!({
+            "time": chrono::Local::now().to_rfc3339(),
+            "step": step,
+            "finished_in_step": finished,
+            "spec": spec,
+            "changes": changes,
+        });
+        text.push_str(&line.to_string());
+        text.push('\n');
+        write_atomic(&path, text.as_bytes())
     }
 
     /// Take the run directory for this process: refuse when another live runner holds it

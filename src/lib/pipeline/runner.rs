@@ -4,6 +4,7 @@
 //! recorded in `state.json` before the next one starts; a rerun skips recorded tasks, so a
 //! killed run continues from the last finished stage and ends where an uninterrupted one would.
 
+use super::console::{short_duration, Console};
 use super::dynamic;
 use super::metrics::{self, StepFiles};
 use super::rundir::{parse_step_name, step_name, RunDir, State, StepProgress};
@@ -13,6 +14,7 @@ use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
 use crate::engine::resume;
 use crate::error::input_error;
+use crate::proc::die_with_parent;
 use crate::stage::sync_weights::{self, SyncWeightsArgs};
 use crate::stage::{self, InProcess};
 use anyhow::{Context, Result};
@@ -107,7 +109,12 @@ pub struct Runner {
     train: Option<Batch>,
     /// Steps whose header comment was already written to commands.sh by this process.
     announced: Option<u64>,
-    bar: ProgressBar,
+    /// The console (one line per step, a progress bar) and the run's log.
+    pub console: Console,
+    /// The `pipeline run` command that continues this run, for the message of a failed stage.
+    pub rerun: String,
+    /// The evaluation summary of the step in progress, for its step line.
+    eval_note: Option<String>,
     /// The warm daemon the model stages are sent to (`daemon = true`), once started.
     daemon: Option<DaemonProc>,
     /// Whether this runner started a daemon before (a missing one was then lost).
@@ -129,7 +136,7 @@ impl std::fmt::Display for Rewind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "the daemon died holding the optimizer state of step {}; the run goes back to step {}",
+            "the daemon died holding the policy of step {}; the run goes back to step {}",
             self.lost, self.to
         )
     }
@@ -188,7 +195,9 @@ impl Runner {
             state,
             train: None,
             announced: None,
-            bar: ProgressBar::hidden(),
+            console: Console::new(false),
+            rerun: "pipeline run SPEC --run-dir RUN".into(),
+            eval_note: None,
             daemon: None,
             daemon_started: false,
         })
@@ -203,20 +212,47 @@ impl Runner {
     }
 
     /// Whether `update` takes more than one optimizer step per batch (several epochs or
-    /// mini-batches), or the reward's KL needs them: then the policy's own log-probs before
-    /// the update are computed as `old_logprobs`, as verl does.
+    /// mini-batches), the reward's KL or masked importance sampling (`[update] rollout-rs`)
+    /// needs them: then the policy's own log-probs before the update are computed as
+    /// `old_logprobs`, as verl does. Never in bypass mode (`[update] bypass-mode`): the
+    /// rollout's log-probs are the old ones.
     pub fn needs_old(&self) -> bool {
         let u = &self.stages.update.args;
+        if u.bypass_mode {
+            return false;
+        }
         let rows = self.spec.data.prompts_per_step as usize * self.stages.rollout.args.n;
         u.ppo_epochs > 1
             || u.mini_batch_size.is_some_and(|m| m < rows)
             || self.stages.advantage.args.kl_in_reward
+            || u.rollout_rs.is_some()
+    }
+
+    /// Bypass mode's conditions, which hold for the whole run: the rollout's log-probs are the
+    /// trainer's (batch-invariant kernels: always on the CPU), and nothing else needs the
+    /// old-logprob pass it skips.
+    fn check_bypass(&self) -> Result<()> {
+        if !self.stages.update.args.bypass_mode {
+            return Ok(());
+        }
+        if self.spec.device != Device::Cpu && !self.spec.batch_invariant {
+            bail_input!(
+                "[update] bypass-mode = true takes the rollout's log-probs as the old ones, which holds only when they are the trainer's: set batch-invariant = true (the GPU's batch-invariant kernels), or drop bypass-mode"
+            );
+        }
+        if self.stages.advantage.args.kl_in_reward {
+            bail_input!(
+                "[update] bypass-mode = true skips the old-logprob pass, which [advantage] kl-in-reward needs; drop one of them"
+            );
+        }
+        Ok(())
     }
 
     /// Checks every stage command of the next step (with step 0's and an evaluation's) with the
     /// stage's own parser and flag checks, before anything runs: a value the stage would refuse
     /// stops the run here, not at its stage.
     pub fn check_commands(&self) -> Result<()> {
+        self.check_bypass()?;
         let step = self.state.steps_done + 1;
         let tasks = self
             .init_tasks()
@@ -354,7 +390,7 @@ impl Runner {
                 status.unwrap_or_default(),
                 restarts
             );
-            self.bar.suspend(|| eprintln!("{msg}"));
+            self.console.say(&msg);
             self.daemon = None;
             if *restarts > MAX_DAEMON_RESTARTS {
                 anyhow::bail!(
@@ -591,8 +627,8 @@ impl Runner {
             "--metrics".into(),
             m("update"),
         ]);
-        if !self.saves_optimizer(step) {
-            update.push("--skip-optimizer-state".into());
+        if !self.writes_checkpoint(step) {
+            update.push("--resident".into());
         }
         update.extend(self.device_args());
         tasks.push(Task {
@@ -673,12 +709,13 @@ impl Runner {
         ]
     }
 
-    /// Whether step `step`'s checkpoint holds the optimizer state. Stages run as processes
-    /// need it every step (the next `update` reads it); the daemon keeps it in memory and
-    /// writes it on the checkpoint cadence and at the last step, as verl's save_freq does
-    /// (~12 bytes per parameter: 6 GB at 0.5B). A dead daemon is restarted from the newest
-    /// checkpoint that has it ([`Runner::rewind`]).
-    fn saves_optimizer(&self, step: u64) -> bool {
+    /// Whether step `step`'s update writes its checkpoint as files (weights and optimizer
+    /// state). Stages run as processes need them every step (the next `update` reads them);
+    /// the daemon keeps the policy in memory (`update --resident`: no weight write, no read
+    /// back) and writes it on the checkpoint cadence and at the last step, as verl's save_freq
+    /// does (the optimizer state alone is ~12 bytes per parameter: 6 GB at 0.5B). A dead
+    /// daemon is restarted from the newest checkpoint written as files ([`Runner::rewind`]).
+    fn writes_checkpoint(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
         !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
     }
@@ -724,11 +761,6 @@ impl Runner {
                 self.run.metrics_path().display()
             ),
         }
-    }
-
-    /// A line for the user, above the progress bar.
-    pub(super) fn note(&self, msg: &str) {
-        self.bar.suspend(|| eprintln!("{msg}"));
     }
 
     /// A stage command as a shell line.
@@ -803,14 +835,20 @@ impl Runner {
         let plan = self.plan();
         self.check_bins(&plan)?;
         let total = self.spec.steps;
-        self.bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        self.bar.set_style(
+        // Drawn only on a terminal; piped, the step lines are the progress.
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        bar.set_style(
             ProgressStyle::with_template(
                 "{bar:30} step {pos}/{len} [{elapsed_precise}<{eta}] {msg}",
             )
             .expect("valid template"),
         );
-        self.bar.set_position(self.state.steps_done.min(total));
+        bar.set_position(self.state.steps_done.min(total));
+        if Console::is_terminal() {
+            bar.enable_steady_tick(std::time::Duration::from_secs(1));
+        }
+        self.console.bar = bar;
+        self.console.start_clock(self.state.steps_done);
         let mut plan = plan;
         let mut rewinds = 0;
         let result = loop {
@@ -833,14 +871,13 @@ impl Runner {
         };
         // Stop the daemon whether the run finished or failed: no process outlives the runner.
         self.stop_daemon();
-        result?;
-        self.bar.finish_and_clear();
-        Ok(())
+        self.console.bar.finish_and_clear();
+        result
     }
 
     /// After the daemon died: the step to go back to when the checkpoint the run continues
-    /// from (this step's update output once that ran, else the policy) had its optimizer
-    /// state only in the daemon's memory. That is the newest finished step whose checkpoint is
+    /// from (this step's update output once that ran, else the policy) had its weights or
+    /// optimizer state only in the daemon's memory (a resident directory). That is the newest finished step whose checkpoint is
     /// complete, or step 0 (the initial model, where a fresh optimizer started the run).
     /// Returns that step and the step whose state was lost.
     fn rewind_target(&self, step: u64) -> Result<Option<Rewind>> {
@@ -876,9 +913,9 @@ impl Runner {
     /// it run again (deterministically: their seeds derive from the step).
     fn rewind(&mut self, to: u64, lost: u64) -> Result<()> {
         let msg = format!(
-            "pipeline: the optimizer state after step {lost} was only in the daemon's memory; going back to step {to}, the last checkpoint that has it"
+            "pipeline: the policy after step {lost} (weights and optimizer state) was only in the daemon's memory; going back to step {to}, the last checkpoint written as files"
         );
-        self.bar.suspend(|| eprintln!("{msg}"));
+        self.console.say(&msg);
         let from = if to == 0 {
             self.spec.model.path.clone()
         } else {
@@ -894,7 +931,7 @@ impl Runner {
         self.state.sampler = dynamic::cursor_after(self, to)?;
         self.state.steps_done = to;
         self.state.current = None;
-        self.bar.set_position(to);
+        self.console.bar.set_position(to);
         self.run.save_state(&self.state)
     }
 
@@ -909,7 +946,8 @@ impl Runner {
     }
 
     fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
-        self.bar
+        self.console
+            .bar
             .set_message(format!("{} ({})", task.name, step_name(step)));
         let t0 = Instant::now();
         match &task.action {
@@ -927,11 +965,15 @@ impl Runner {
                     &serde_json::Value::Object(line.clone()),
                 )?;
                 let acc = line.get("accuracy").and_then(|v| v.as_f64()).unwrap_or(0.0);
-                let msg = format!(
-                    "eval step {step}: accuracy {acc:.3} on {} rows",
-                    line["rows"]
-                );
-                self.bar.suspend(|| eprintln!("{msg}"));
+                let note = format!("eval acc {acc:.3} ({} rows)", line["rows"]);
+                if step == 0 {
+                    // Step 0 has no metrics line: its evaluation is its line.
+                    let total = self.spec.steps;
+                    self.console
+                        .say(&format!("step 0/{total}  {note} (the initial policy)"));
+                } else {
+                    self.eval_note = Some(note);
+                }
             }
             Action::StepMetrics => self.step_metrics(step)?,
         }
@@ -949,7 +991,7 @@ impl Runner {
                 self.state.init_done = true;
             } else {
                 self.state.steps_done = step;
-                self.bar.set_position(step);
+                self.console.bar.set_position(step);
             }
         }
         self.run.save_state(&self.state)
@@ -1010,7 +1052,7 @@ impl Runner {
                 // (which loads the current policy); any other failure stops the run.
                 Err(e) if self.daemon_gone() => {
                     let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
-                    self.bar.suspend(|| eprintln!("{msg}"));
+                    self.console.say(&msg);
                     if let Some(r) = self.rewind_target(step)? {
                         return Err(r.into());
                     }
@@ -1045,31 +1087,57 @@ impl Runner {
         cmd.args(args).stdin(Stdio::null());
         die_with_parent(&mut cmd);
         let header = if task == bin {
-            format!("[{}] {bin}", step_name(step))
+            format!("[{}] {bin}: {line}", step_name(step))
         } else {
-            format!("[{}] {task}: {bin}", step_name(step))
+            format!("[{}] {task}: {line}", step_name(step))
         };
-        let status = self.bar.suspend(|| {
-            eprintln!("{header}");
-            cmd.status()
-        });
-        let status = status.with_context(|| format!("starting {}", program.display()))?;
-        if status.success() {
+        self.console.detail(&header);
+        let out = self
+            .console
+            .run(&mut cmd)
+            .with_context(|| format!("starting {}", program.display()))?;
+        if out.status.success() {
             return Ok(());
         }
-        let what = match status.code() {
+        let what = match out.status.code() {
             Some(c) => format!("exit code {c}"),
             None => "killed by a signal".to_string(),
         };
+        let tail: Vec<String> = out.tail.iter().map(|l| format!("  | {l}")).collect();
+        let shown = match self.console.log_path() {
+            Some(p) => format!("its output ended with (all of it in {}):", p.display()),
+            None => "its output ended with:".to_string(),
+        };
+        let bad_input = out.status.code() == Some(2);
+        // A stage that refused its input needs a fix in the spec (or in a file it names): the
+        // run continues under the edited spec only when told so. Otherwise the same command
+        // continues it.
+        let next = match bad_input {
+            true => format!(
+                "Fix the cause (a value in the spec, or the file named above), then continue the run from this stage with:\n  {} --allow-spec-change\n(--allow-spec-change continues under the edited spec and records the edit in {})",
+                self.rerun,
+                self.run.spec_changes_path().display()
+            ),
+            false => format!(
+                "Once the cause is fixed (or to retry), continue the run from this stage with:\n  {}",
+                self.rerun
+            ),
+        };
         let msg = format!(
-            "{}: stage `{bin}` failed ({what}); its message is above. Command:\n  {line}\nFix the cause and rerun the same `pipeline run` to continue from this stage.",
-            step_name(step)
+            "{}: stage `{bin}` failed ({what}); {shown}\n{}\nCommand:\n  {line}\n{next}",
+            step_name(step),
+            tail.join("\n")
         );
-        if status.code() == Some(2) {
+        if bad_input {
             Err(input_error(msg))
         } else {
             Err(anyhow::anyhow!(msg))
         }
+    }
+
+    /// The training set as `preflight::check` read it (sampled from without reading it again).
+    pub fn set_train_set(&mut self, batch: Batch) {
+        self.train = Some(batch);
     }
 
     fn train_batch(&mut self) -> Result<&Batch> {
@@ -1215,9 +1283,16 @@ impl Runner {
             ],
             seconds: &seconds,
         })?;
-        let text = metrics::summary_text(&line, self.spec.steps);
+        let total = self.spec.steps;
+        let mut text = metrics::summary_text(&line, total);
+        if let Some(note) = self.eval_note.take() {
+            text += &format!("  {note}");
+        }
+        if let Some(eta) = self.console.eta(step, total) {
+            text += &format!("  ETA {}", short_duration(eta));
+        }
         metrics::put_line(&run.metrics_path(), step, &serde_json::Value::Object(line))?;
-        self.bar.suspend(|| eprintln!("{text}"));
+        self.console.say(&text);
         Ok(())
     }
 }
@@ -1240,29 +1315,6 @@ pub fn kept_checkpoints(
         keep.push(current);
     }
     keep
-}
-
-/// Have the kernel kill the stage when the runner dies (Linux), so that a killed runner
-/// never leaves a stage writing into the run directory behind the resumed one.
-fn die_with_parent(cmd: &mut std::process::Command) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::process::CommandExt;
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) run in the child.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The parent may have died before prctl took effect.
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-    }
 }
 
 #[cfg(test)]
@@ -1386,6 +1438,15 @@ mod tests {
                 let r = runner(&text);
                 r.check_commands()
                     .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                // Their rewards resolve (a python: file imports and has its function).
+                let score = &r.stages.score.args;
+                let reward = crate::reward::RewardSpec::parse(&score.reward).unwrap();
+                crate::pipeline::preflight::check_reward(
+                    &reward,
+                    &score.config().unwrap().options,
+                    "",
+                )
+                .unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
                 n += 1;
             }
         }

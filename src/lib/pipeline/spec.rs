@@ -824,6 +824,53 @@ pub fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
+/// One key whose value differs between two specs (`None`: not set).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SpecChange {
+    /// `table.key`, e.g. `update.lr` (top-level keys bare: `seed`).
+    pub key: String,
+    pub from: Option<String>,
+    pub to: Option<String>,
+}
+
+impl Spec {
+    /// What differs from `old`, key by key (TOML text of the values), ignoring `steps` (a run
+    /// may be extended).
+    pub fn changes_from(&self, old: &Spec) -> Vec<SpecChange> {
+        let as_table = |s: &Spec| {
+            let mut s = s.clone();
+            s.steps = 0;
+            toml::Value::try_from(&s).expect("a spec serializes")
+        };
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        leaves(&as_table(old), "", &mut a);
+        leaves(&as_table(self), "", &mut b);
+        let old: BTreeMap<String, String> = a.into_iter().collect();
+        let new: BTreeMap<String, String> = b.into_iter().collect();
+        let mut keys: Vec<&String> = old.keys().chain(new.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        keys.into_iter()
+            .filter(|k| old.get(*k) != new.get(*k))
+            .map(|k| SpecChange {
+                key: k.clone(),
+                from: old.get(k).cloned(),
+                to: new.get(k).cloned(),
+            })
+            .collect()
+    }
+}
+
+/// `update.lr: 0.001 -> 0.01; eval.limit: (unset) -> 8`.
+pub fn describe_changes(changes: &[SpecChange]) -> String {
+    let v = |x: &Option<String>| x.clone().unwrap_or_else(|| "(unset)".into());
+    changes
+        .iter()
+        .map(|c| format!("{}: {} -> {}", c.key, v(&c.from), v(&c.to)))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Every `a.b.c = value` leaf of a TOML table, for comparing two specs key by key.
 pub fn leaves(value: &toml::Value, prefix: &str, out: &mut Vec<(String, String)>) {
     match value {

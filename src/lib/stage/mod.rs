@@ -25,6 +25,8 @@ pub mod update;
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
+use crate::bail_input;
+use crate::engine::resume::TrainerState;
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
@@ -74,8 +76,13 @@ pub trait Exec {
     ) -> Result<Vec<crate::model::decoder::TokenStats>>;
     /// One `update` call on the policy `model`, resuming the optimizer state next to it.
     fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained>;
-    /// `update` wrote the policy it trained to `dir`.
-    fn saved(&mut self, dir: &Path) -> Result<()>;
+    /// `update` (with its trainer state) or `daemon-ctl save` wrote the policy it holds to
+    /// `dir` (as files, or as a resident directory).
+    fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()>;
+    /// Who keeps the weights of `update --resident` (None: nobody here, in-process).
+    fn holder(&self) -> Option<update::Holder>;
+    /// The policy held (the one `model` names, when given), for `daemon-ctl save`.
+    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<update::HeldPolicy>;
     /// `sync-weights` made the checkpoint `dir` the policy, as `policy_version`.
     fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()>;
     /// A progress bar of `len` steps.
@@ -113,11 +120,25 @@ impl Exec for InProcess {
         Ok(out)
     }
 
-    fn saved(&mut self, _dir: &Path) -> Result<()> {
+    fn saved(&mut self, _dir: &Path, _trainer: Option<&TrainerState>) -> Result<()> {
         Ok(())
     }
 
-    fn publish(&mut self, _dir: &Path, _policy_version: u64) -> Result<()> {
+    fn holder(&self) -> Option<update::Holder> {
+        None
+    }
+
+    fn held_policy(&mut self, _model: Option<&ModelRef>) -> Result<update::HeldPolicy> {
+        bail_input!(
+            "saving the policy a daemon holds needs the daemon: `tandem daemon-ctl save --socket SOCKET --out DIR`"
+        )
+    }
+
+    fn publish(&mut self, dir: &Path, _policy_version: u64) -> Result<()> {
+        // Only the daemon that holds a resident directory's weights can publish it.
+        if let Some(marker) = ModelDir::resident(dir)? {
+            bail_input!("--from {}", marker.refusal(dir));
+        }
         Ok(())
     }
 
@@ -139,6 +160,8 @@ pub enum StageJob {
     RefLogprob(ref_logprob::RefLogprobArgs),
     Update(update::UpdateArgs),
     SyncWeights(sync_weights::SyncWeightsArgs),
+    /// `tandem daemon-ctl save`: not a stage binary, a job only a daemon runs.
+    SavePolicy(update::SavePolicyArgs),
 }
 
 impl StageJob {
@@ -148,6 +171,7 @@ impl StageJob {
             StageJob::RefLogprob(_) => "ref-logprob",
             StageJob::Update(_) => "update",
             StageJob::SyncWeights(_) => "sync-weights",
+            StageJob::SavePolicy(_) => "save",
         }
     }
 
@@ -156,7 +180,7 @@ impl StageJob {
         match self {
             StageJob::Rollout(a) => a.metrics.as_ref(),
             StageJob::Update(a) => a.metrics.as_ref(),
-            StageJob::RefLogprob(_) | StageJob::SyncWeights(_) => None,
+            StageJob::RefLogprob(_) | StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
         }
     }
 
@@ -167,16 +191,17 @@ impl StageJob {
             StageJob::RefLogprob(a) => a.daemon.as_deref(),
             StageJob::Update(a) => a.daemon.as_deref(),
             StageJob::SyncWeights(a) => a.daemon.as_deref(),
+            StageJob::SavePolicy(_) => None,
         }
     }
 
-    /// `--device`; None for sync-weights, which computes nothing.
+    /// `--device`; None for sync-weights and save, which compute nothing.
     pub fn device(&self) -> Option<Device> {
         match self {
             StageJob::Rollout(a) => Some(a.device),
             StageJob::RefLogprob(a) => Some(a.device),
             StageJob::Update(a) => Some(a.device),
-            StageJob::SyncWeights(_) => None,
+            StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
         }
     }
 
@@ -187,6 +212,7 @@ impl StageJob {
             StageJob::RefLogprob(a) => ref_logprob::run(a, exec),
             StageJob::Update(a) => update::run(a, exec),
             StageJob::SyncWeights(a) => sync_weights::run(a, exec),
+            StageJob::SavePolicy(a) => update::save_policy(a, exec),
         }
     }
 }
@@ -271,6 +297,7 @@ pub const STAGES: &[StageDef] = &[
             "device",
             "daemon",
             "skip-optimizer-state",
+            "resident",
         ],
         check: |m| parse_args::<update::UpdateArgs>(m)?.check(),
     },

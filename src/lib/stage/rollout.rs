@@ -260,6 +260,8 @@ pub struct Generated {
     pub free_after_release: Option<usize>,
     /// How the decode steps ran (graph replays, padding) and the graphs' memory.
     pub graphs: GraphStats,
+    /// The kernels were batch-invariant: the log-probs are the trainer's for these weights.
+    pub batch_invariant: bool,
 }
 
 impl Job for Generate<'_> {
@@ -323,6 +325,7 @@ impl Generate<'_> {
         drop(engine);
         policy.backend().trim()?;
         let free_after_release = policy.backend().device_memory()?.map(|(f, _)| f);
+        let batch_invariant = policy.backend().batch_invariant();
         Ok(Generated {
             completions,
             stats,
@@ -332,6 +335,7 @@ impl Generate<'_> {
             free_with_pool,
             free_after_release,
             graphs,
+            batch_invariant,
         })
     }
 }
@@ -480,6 +484,7 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         free_with_pool,
         free_after_release,
         graphs,
+        batch_invariant,
     } = exec.generate(&model, job)?;
     bar.finish_and_clear();
 
@@ -546,6 +551,7 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
             "stop_token_ids": stop_ids,
             "logprob_temperature": sampling.logprob_temperature(),
             "device": args.device.to_string(),
+            "batch_invariant": batch_invariant,
         }),
         policy_version: Some(model.policy_version),
         step: args.step,
@@ -556,6 +562,10 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         meta::LOGPROB_TEMPERATURE.into(),
         sampling.logprob_temperature().to_string(),
     );
+    if batch_invariant {
+        // What update --bypass-mode checks before it takes these log-probs as the old ones.
+        kv.insert(meta::OLD_LOGPROBS.into(), meta::OLD_LOGPROBS_ROLLOUT.into());
+    }
     debug_assert!(kv.contains_key(meta::POLICY_VERSION));
     write_file(&args.out, &data, &kv)?;
 
@@ -594,6 +604,7 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         "load_seconds": loaded_s,
         "seconds": total_s,
         "policy_version": model.policy_version,
+        "batch_invariant": batch_invariant,
     });
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;

@@ -1,23 +1,35 @@
 //! `update --model DIR --in B --out-model DIR2`: policy-gradient (or SFT) training on one batch
 //! with verl's knobs; writes the new model (HF layout, bf16) with its optimizer state and
 //! trainer state next to it, so the next `update --model DIR2` resumes exactly.
+//!
+//! On the warm daemon, `--resident` keeps the new weights and optimizer state in the daemon's
+//! memory instead: DIR2 then holds the config, the tokenizer and `resident.json` (the daemon's
+//! socket, the step), which only that daemon serves; `tandem daemon-ctl save` writes the files
+//! ([`save_policy`]) as this stage would have.
+//!
+//! Rollout correction (verl's `rollout_corr`): the mismatch between the rollout's and the
+//! trainer's log-probs is measured on every call that has rollout_logprobs (`mismatch` in the
+//! metrics); `--rollout-is` truncates and `--rollout-rs` masks by the importance weight
+//! exp(old − rollout); `--bypass-mode` takes the rollout's log-probs as the old ones.
 
 use super::common::{
-    check_token_ids, logprob_temperature, resolve_model, Device, DEFAULT_TEMPERATURE,
+    check_token_ids, logprob_temperature, resolve_model, same_path, Device, ModelRef,
+    DEFAULT_TEMPERATURE,
 };
 use super::ref_logprob::to_u32;
 use super::{Exec, Job};
 use crate::algo::agg::AggMode;
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
+use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel};
 use crate::backend::Backend;
 use crate::bail_input;
-use crate::batch::{schema, write_json, Batch, Ragged};
+use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
-use crate::model::checkpoint::{ModelDir, SaveOptions};
+use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
 use crate::model::decoder::{Decoder, OptimizerState};
 use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use crate::model::{Config, Weights};
@@ -80,6 +92,28 @@ pub struct UpdateArgs {
     pub rollout_is: Option<RolloutIsLevel>,
     #[arg(long, default_value_t = 2.0)]
     pub rollout_is_threshold: f64,
+    /// Masked importance sampling (MIS, verl's rollout_rs): drop from the loss every token
+    /// (token) or whole sequence (sequence: the product of its ratios; geometric: their
+    /// geometric mean) whose weight exp(old − rollout) is outside [--rollout-rs-threshold-lower,
+    /// --rollout-rs-threshold] (needs old_logprobs and rollout_logprobs).
+    #[arg(long, value_enum)]
+    #[serde(default)]
+    pub rollout_rs: Option<RsLevel>,
+    /// Upper bound of the MIS weights [default: --rollout-is-threshold].
+    #[arg(long)]
+    #[serde(default)]
+    pub rollout_rs_threshold: Option<f64>,
+    /// Lower bound of the MIS weights [default: 1 / the upper bound].
+    #[arg(long)]
+    #[serde(default)]
+    pub rollout_rs_threshold_lower: Option<f64>,
+    /// verl's bypass_mode: the rollout's log-probs are the old ones (no old_logprobs column,
+    /// no old-logprob pass). Only for a batch whose rollout ran batch-invariant (metadata
+    /// tandem.old_logprobs = rollout) with the very policy --model names (same
+    /// policy_version); anything else is refused.
+    #[arg(long)]
+    #[serde(default)]
+    pub bypass_mode: bool,
     /// Passes over the batch.
     #[arg(long, default_value_t = 1)]
     pub ppo_epochs: usize,
@@ -138,6 +172,13 @@ pub struct UpdateArgs {
     #[arg(long)]
     #[serde(default)]
     pub skip_optimizer_state: bool,
+    /// With --daemon: keep the new weights and optimizer state in the daemon's memory only;
+    /// --out-model gets the config, the tokenizer and resident.json (which daemon, which step)
+    /// instead of weight files. Only that daemon can use it; `tandem daemon-ctl save` writes
+    /// the files. The pipeline runner passes it between [checkpoint] steps.
+    #[arg(long)]
+    #[serde(default)]
+    pub resident: bool,
 }
 
 /// A policy as `update` starts from it: the f32 master weights when they sit next to the model
@@ -150,6 +191,8 @@ pub struct Trainable {
     pub optimizer: Option<OptimizerState>,
     /// Training steps (update calls) done before this one.
     pub schedule_step: u64,
+    /// The trainer state found next to the model.
+    pub trainer: Option<TrainerState>,
 }
 
 impl Trainable {
@@ -163,6 +206,7 @@ impl Trainable {
                 from_master: false,
                 optimizer: None,
                 schedule_step: 0,
+                trainer: None,
             });
         };
         if r.master.is_none() {
@@ -178,6 +222,7 @@ impl Trainable {
             from_master,
             optimizer: Some(r.optimizer),
             schedule_step: r.trainer.schedule_step,
+            trainer: Some(r.trainer),
         })
     }
 
@@ -195,6 +240,8 @@ impl Trainable {
 pub struct Train<'a> {
     data: &'a TrainData<'a>,
     train: &'a TrainConfig,
+    /// Bring the weights back to the host (they are written as the new model).
+    export_weights: bool,
     /// Bring the optimizer state back to the host (it is written next to the model).
     export_state: bool,
 }
@@ -202,8 +249,8 @@ pub struct Train<'a> {
 /// The trained policy as the stage writes it.
 pub struct Trained {
     pub report: TrainReport,
-    /// The f32 (master) weights.
-    pub weights: Weights,
+    /// The f32 (master) weights, when the job asked for them.
+    pub weights: Option<Weights>,
     /// The optimizer state, when the job asked for it.
     pub state: Option<OptimizerState>,
     /// AdamW steps taken so far.
@@ -227,7 +274,10 @@ impl Train<'_> {
         })?;
         Ok(Trained {
             report,
-            weights: policy.export_weights()?,
+            weights: match self.export_weights {
+                true => Some(policy.export_weights()?),
+                false => None,
+            },
             state: match self.export_state {
                 true => Some(policy.optimizer_state()?),
                 false => None,
@@ -260,7 +310,39 @@ impl UpdateArgs {
     /// Checks the flags as the stage does before reading its input.
     pub fn check(&self) -> Result<()> {
         let t = self.temperature.unwrap_or(DEFAULT_TEMPERATURE);
-        self.train_config(t).map(|_| ())
+        let cfg = self.train_config(t)?;
+        self.rejection()?;
+        if self.bypass_mode {
+            if !cfg.loss.mode.loss().policy_gradient {
+                bail_input!(
+                    "--bypass-mode: --loss {} reads no old log-probs",
+                    cfg.loss.mode
+                );
+            }
+            if self.rollout_is.is_some() || self.rollout_rs.is_some() {
+                bail_input!(
+                    "--rollout-is and --rollout-rs weigh by exp(old − rollout), which is 1 under --bypass-mode (the old log-probs are the rollout's): drop them, or drop --bypass-mode"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Masked importance sampling as the flags configure it.
+    pub fn rejection(&self) -> Result<Option<RolloutRs>> {
+        let Some(level) = self.rollout_rs else {
+            return Ok(None);
+        };
+        if !self.loss.loss().policy_gradient {
+            bail_input!(
+                "--rollout-rs masks a policy-gradient loss; --loss {} has none",
+                self.loss
+            );
+        }
+        let upper = self
+            .rollout_rs_threshold
+            .unwrap_or(self.rollout_is_threshold);
+        RolloutRs::new(level, upper, self.rollout_rs_threshold_lower).map(Some)
     }
 
     fn loss_config(&self) -> Result<LossConfig> {
@@ -341,7 +423,7 @@ impl UpdateArgs {
 }
 
 /// Columns the options need, with the flag that needs each (for the error message).
-fn required_columns(cfg: &TrainConfig) -> Vec<(&'static str, &'static str)> {
+fn required_columns(args: &UpdateArgs, cfg: &TrainConfig) -> Vec<(&'static str, &'static str)> {
     let mut cols = vec![
         (schema::PROMPT_IDS, "update"),
         (schema::RESPONSE_IDS, "update"),
@@ -358,6 +440,19 @@ fn required_columns(cfg: &TrainConfig) -> Vec<(&'static str, &'static str)> {
     }
     if cfg.loss.rollout_is.is_some() {
         cols.push((schema::ROLLOUT_LOGPROBS, "--rollout-is"));
+    }
+    if args.rollout_rs.is_some() {
+        cols.push((
+            schema::OLD_LOGPROBS,
+            "--rollout-rs (run ref-logprob --column old_logprobs first)",
+        ));
+        cols.push((schema::ROLLOUT_LOGPROBS, "--rollout-rs"));
+    }
+    if args.bypass_mode {
+        cols.push((
+            schema::ROLLOUT_LOGPROBS,
+            "--bypass-mode (the rollout's log-probs are the old ones)",
+        ));
     }
     cols
 }
@@ -378,8 +473,8 @@ pub struct OwnedData {
 }
 
 impl OwnedData {
-    /// Reads what `cfg` needs (and old_logprobs when present) from a batch that holds the
-    /// required columns.
+    /// Reads what `cfg` needs (and old_logprobs and rollout_logprobs when present) from a batch
+    /// that holds the required columns.
     pub fn from_batch(batch: &Batch, cfg: &TrainConfig) -> Result<OwnedData> {
         let opt = |name: &str, wanted: bool| -> Result<Option<Ragged<'static, f32>>> {
             if wanted && batch.has(name) {
@@ -410,7 +505,7 @@ impl OwnedData {
             advantages: opt(schema::ADVANTAGES, cfg.loss.mode != LossMode::Sft)?,
             old: opt(schema::OLD_LOGPROBS, true)?,
             ref_lp: opt(schema::REF_LOGPROBS, cfg.loss.kl_loss.is_some())?,
-            rollout: opt(schema::ROLLOUT_LOGPROBS, cfg.loss.rollout_is.is_some())?,
+            rollout: opt(schema::ROLLOUT_LOGPROBS, true)?,
         })
     }
 
@@ -434,13 +529,110 @@ impl OwnedData {
     }
 }
 
+/// Where `update --resident` leaves the weights: the process that keeps them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Holder {
+    /// The daemon's socket (None: a process without one, e.g. `tandem bench grpo-step`).
+    pub socket: Option<PathBuf>,
+    pub pid: u32,
+}
+
+/// The policy a daemon holds, as `tandem daemon-ctl save` writes it.
+pub struct HeldPolicy {
+    /// A directory with the policy's config and tokenizer files.
+    pub files: PathBuf,
+    /// The f32 (master) weights.
+    pub weights: Weights,
+    /// The optimizer state (None when the policy has none yet).
+    pub state: Option<OptimizerState>,
+    /// The trainer state of its last update (or the one it was loaded with).
+    pub trainer: Option<TrainerState>,
+}
+
+/// Writes a trained policy as `update --out-model` does: the weights (bf16 files) with the
+/// config and tokenizer files of `files_from`, `trainer_state.json`, and
+/// `optimizer.safetensors` when `state` is given.
+pub fn write_checkpoint(
+    out: &Path,
+    files_from: &Path,
+    cfg: &Config,
+    weights: &Weights,
+    state: Option<&OptimizerState>,
+    trainer: &TrainerState,
+) -> Result<()> {
+    let mut extra = vec![(
+        TRAINER_STATE_FILE.to_string(),
+        resume::trainer_state_bytes(trainer)?,
+    )];
+    if let Some(state) = state {
+        extra.push((
+            OPTIMIZER_FILE.to_string(),
+            resume::optimizer_bytes(state, weights)?,
+        ));
+    }
+    ModelDir::save_with(
+        out,
+        cfg,
+        weights,
+        &SaveOptions {
+            tokenizer_from: Some(files_from),
+            config_base: Some(files_from),
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            extra_files: &extra,
+        },
+    )
+}
+
+/// Checks that the rollout's log-probs may stand in for the old ones (`--bypass-mode`): the
+/// rollout ran batch-invariant and with the policy `model` (its policy_version).
+fn check_bypass(batch: &Batch, model: &ModelRef, model_flag: &Path) -> Result<()> {
+    let file = batch.path.display();
+    if batch.has(schema::OLD_LOGPROBS) {
+        bail_input!(
+            "{file}: has an old_logprobs column, but --bypass-mode takes the rollout's log-probs as the old ones; drop --bypass-mode to train against the column (or drop the old-logprob pass)"
+        );
+    }
+    let source = batch.meta.get(meta::OLD_LOGPROBS).map(String::as_str);
+    if source != Some(meta::OLD_LOGPROBS_ROLLOUT) {
+        bail_input!(
+            "{file}: --bypass-mode needs a rollout whose log-probs are the trainer's (batch-invariant kernels: the CPU backend, or TANDEM_BATCH_INVARIANT=1, `batch-invariant = true` in a spec, on the GPU), but this batch's metadata {} is {}; run rollout batch-invariant, or drop --bypass-mode and compute old_logprobs",
+            meta::OLD_LOGPROBS,
+            source.map_or("absent".to_string(), |s| format!("{s:?}"))
+        );
+    }
+    let recorded = batch.meta.get(meta::POLICY_VERSION);
+    let version = recorded.and_then(|v| v.parse::<u64>().ok());
+    if version != Some(model.policy_version) {
+        bail_input!(
+            "{file}: rollout sampled this batch with policy_version {}, but --model {} is policy_version {}; under --bypass-mode the rollout's log-probs are the old ones only for the very policy the update starts from: update from that policy, or drop --bypass-mode and compute old_logprobs",
+            recorded.map_or("(none recorded)", String::as_str),
+            model_flag.display(),
+            model.policy_version
+        );
+    }
+    Ok(())
+}
+
+fn rows_u8<'a>(r: &'a Ragged<'static, u8>) -> Vec<&'a [u8]> {
+    r.rows().collect()
+}
+
 /// The stage with its compute on `exec`.
 pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     args.check()?;
+    // Before anything is read: where resident weights would stay.
+    let holder = match args.resident {
+        false => None,
+        true => Some(exec.holder().ok_or_else(|| {
+            input_error(
+                "--resident keeps the new weights in the warm daemon's memory: it needs --daemon SOCKET (or TANDEM_DAEMON)",
+            )
+        })?),
+    };
     let batch = Batch::read(&args.input, &[])?;
     let cfg = args.train_config(logprob_temperature(&batch, args.temperature)?)?;
-    let needs = required_columns(&cfg);
+    let needs = required_columns(&args, &cfg);
     for (col, who) in &needs {
         if !batch.has(col) {
             bail_input!(
@@ -455,19 +647,50 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         bail_input!("{}: the batch has no rows", batch.path.display());
     }
     let model = resolve_model(&args.model)?;
+    if args.resident && same_path(&model.dir, &args.out_model) {
+        bail_input!(
+            "--resident --out-model {}: would replace the model that --model names with a directory that holds no weights; give another --out-model",
+            args.out_model.display()
+        );
+    }
+    if args.bypass_mode {
+        check_bypass(&batch, &model, &args.model)?;
+    }
     let mcfg = ModelDir::load_config(&model.dir)?;
     check_token_ids(&batch, schema::PROMPT_IDS, mcfg.vocab_size)?;
     check_token_ids(&batch, schema::RESPONSE_IDS, mcfg.vocab_size)?;
 
     let owned = OwnedData::from_batch(&batch, &cfg)?;
-    let data = owned.view();
+    let mut data = owned.view();
+    let rollout = rows_of(&owned.rollout);
+    // Mismatch: measured here from the columns when the old-logprob pass ran; otherwise the
+    // training loop measures it on its first forward (it gets the rollout's log-probs).
+    let from_columns = match (&data.old, &rollout) {
+        (Some(old), Some(roll)) => Some(Mismatch::of_rows(old, roll, &rows_u8(&owned.mask))?),
+        _ => None,
+    };
+    if args.bypass_mode {
+        data.old = rollout.clone();
+    }
+    if from_columns.is_some() && cfg.loss.rollout_is.is_none() {
+        data.rollout = None;
+    }
+    // Masked importance sampling: the rejected tokens leave the response mask.
+    let rejected = match (args.rejection()?, &data.old, &rollout) {
+        (Some(rs), Some(old), Some(roll)) => Some(rs.apply(old, roll, &rows_u8(&owned.mask))?),
+        _ => None,
+    };
+    if let Some((mask, _)) = &rejected {
+        data.mask = mask.iter().map(Vec::as_slice).collect();
+    }
 
     // The policy is loaded (and its optimizer resumed when its state sits next to the model)
     // by `exec`, or already held by the daemon.
     let job = Train {
         data: &data,
         train: &cfg,
-        export_state: !args.skip_optimizer_state,
+        export_weights: !args.resident,
+        export_state: !args.skip_optimizer_state && !args.resident,
     };
     let Trained {
         report,
@@ -485,46 +708,66 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         seed: cfg.seed,
         optimizer_not_saved: state.is_none(),
     };
-    let mut extra = vec![(
-        TRAINER_STATE_FILE.to_string(),
-        resume::trainer_state_bytes(&trainer)?,
-    )];
-    if let Some(state) = &state {
-        extra.push((
-            OPTIMIZER_FILE.to_string(),
-            resume::optimizer_bytes(state, &new_weights)?,
-        ));
-    }
     let save_started = Instant::now();
-    ModelDir::save_with(
-        &args.out_model,
-        &mcfg,
-        &new_weights,
-        &SaveOptions {
-            tokenizer_from: Some(&model.dir),
-            config_base: Some(&model.dir),
-            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-            extra_files: &extra,
-        },
-    )?;
-    exec.saved(&args.out_model)?;
+    match (&holder, &new_weights) {
+        (Some(h), _) => ModelDir::save_resident(
+            &args.out_model,
+            &mcfg,
+            &ResidentMarker {
+                socket: h.socket.clone(),
+                pid: h.pid,
+                step: trainer.schedule_step,
+                from_policy_version: model.policy_version,
+            },
+            &SaveOptions {
+                tokenizer_from: Some(&model.dir),
+                config_base: Some(&model.dir),
+                max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+                extra_files: &[],
+            },
+        )?,
+        (None, Some(w)) => write_checkpoint(
+            &args.out_model,
+            &model.dir,
+            &mcfg,
+            w,
+            state.as_ref(),
+            &trainer,
+        )?,
+        (None, None) => anyhow::bail!("update: the trained weights were not brought back"),
+    }
+    exec.saved(&args.out_model, Some(&trainer))?;
     let mut metrics = report.to_json();
     let m = metrics.as_object_mut().expect("object");
     m.insert("optimizer_step".into(), optimizer_step.into());
     m.insert("optimizer_state_saved".into(), state.is_some().into());
+    m.insert("weights_saved".into(), holder.is_none().into());
     m.insert("schedule_step".into(), trainer.schedule_step.into());
     m.insert("on_policy".into(), report.on_policy.into());
+    m.insert("bypass_mode".into(), args.bypass_mode.into());
     m.insert("device".into(), args.device.to_string().into());
     m.insert("load_seconds".into(), loaded_s.into());
     m.insert(
         "save_seconds".into(),
         save_started.elapsed().as_secs_f64().into(),
     );
+    let mismatch = match (from_columns, &report.mismatch) {
+        (Some(m), _) => Some((m.to_json(), "old_logprobs")),
+        (None, Some((m, source))) => Some((m.to_json(), *source)),
+        (None, None) => None,
+    };
+    if let Some((mut j, source)) = mismatch {
+        j["source"] = source.into();
+        m.insert("mismatch".into(), j);
+    }
+    if let Some((_, stats)) = &rejected {
+        m.insert("rollout_rs".into(), stats.to_json());
+    }
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;
     }
     exec.log(&format!(
-        "update: {} rows, {} optimizer steps ({} skipped), loss {:.5}, grad_norm {}, lr {:.3e}, {:.0} tokens/s -> {} in {:.2}s",
+        "update: {} rows, {} optimizer steps ({} skipped), loss {:.5}, grad_norm {}, lr {:.3e}, {:.0} tokens/s -> {}{} in {:.2}s",
         batch.num_rows(),
         report.steps.len(),
         report.steps.iter().filter(|s| s.skipped).count(),
@@ -533,6 +776,53 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         report.lr,
         metrics["tokens_per_s"].as_f64().unwrap_or(0.0),
         args.out_model.display(),
+        if holder.is_some() { " (weights resident in the daemon)" } else { "" },
+        started.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
+
+/// `tandem daemon-ctl save`: the policy a daemon holds, written as the files `update` writes.
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+pub struct SavePolicyArgs {
+    /// The directory to write (HF layout, with optimizer and trainer state); may be the
+    /// resident directory itself, which it replaces.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Write only if the daemon holds this checkpoint (a directory, resident or not, or a
+    /// sync-weights pointer) [default: whatever policy it holds].
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+}
+
+/// Writes the policy `exec` holds to `args.out`.
+pub fn save_policy(args: SavePolicyArgs, exec: &mut dyn Exec) -> Result<()> {
+    let started = Instant::now();
+    let model = args.model.as_deref().map(resolve_model).transpose()?;
+    let held = exec.held_policy(model.as_ref())?;
+    let cfg = ModelDir::load_config(&held.files)?;
+    match &held.trainer {
+        Some(t) => {
+            let trainer = TrainerState {
+                optimizer_not_saved: held.state.is_none(),
+                ..t.clone()
+            };
+            write_checkpoint(
+                &args.out,
+                &held.files,
+                &cfg,
+                &held.weights,
+                held.state.as_ref(),
+                &trainer,
+            )?;
+        }
+        // Never trained nor resumed: the model as it was loaded.
+        None => ModelDir::save(&args.out, &cfg, &held.weights, Some(&held.files))?,
+    }
+    exec.saved(&args.out, None)?;
+    exec.log(&format!(
+        "save: the daemon's policy -> {} in {:.2}s",
+        args.out.display(),
         started.elapsed().as_secs_f64()
     ));
     Ok(())

@@ -88,6 +88,11 @@ impl Backend for Cpu {
         "cpu".into()
     }
 
+    /// Always: every row is computed on its own, in the same order whatever shares the call.
+    fn batch_invariant(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, n: usize) -> Result<Vec<f32>> {
         Ok(vec![0.0; n])
     }

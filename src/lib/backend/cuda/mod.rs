@@ -75,6 +75,12 @@ impl CudaBuf {
         self.dtype
     }
 
+    /// Device address of element 0, length in elements and element type, for handing the
+    /// buffer to another library on another stream (NCCL in `dist`, ordered by events).
+    pub fn raw(&self) -> (u64, usize, DType) {
+        (self.ptr, self.len, self.dtype)
+    }
+
     /// Device address of element `off`.
     fn at(&self, off: usize) -> u64 {
         self.ptr + (off * esize(self.dtype)) as u64

@@ -65,6 +65,13 @@ pub fn generate_paged(
     let mut flight: Option<Flight> = None;
 
     loop {
+        if crate::engine::cancel::requested() {
+            // Let the step on the device finish before giving up, so nothing is left queued.
+            if let Some(f) = flight.take() {
+                run.apply(f, None, &mut pipe)?;
+            }
+            crate::engine::cancel::check()?;
+        }
         if let Some(f) = flight.take() {
             // Queue the next decode step behind it while the device runs it (its tokens are
             // the draws of `f`, which the model feeds itself), then apply `f`.

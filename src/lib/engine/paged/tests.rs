@@ -751,3 +751,37 @@ fn padded_decode_steps_sample_what_the_eager_steps_sample() {
     assert_eq!((st.replays, st.captures, st.padded_steps), (0, 0, 0));
     assert_eq!(got, want);
 }
+
+#[test]
+fn a_cancelled_generation_stops_between_steps() {
+    use crate::engine::cancel::{is_cancelled, Cancel};
+    let reqs: Vec<Request> = (0..4).map(|i| request(i, vec![1, 2, 3], 2)).collect();
+    let p = params(40, vec![]);
+    for overlap in [true, false] {
+        let cfg = PagedConfig {
+            overlap,
+            ..roomy(&reqs, 40, 2)
+        };
+        let mut full = PagedToy::new(16, &cfg);
+        generate_paged(&mut full, &cfg, &reqs, &p, None, &mut |_| {}).unwrap();
+        // Cancelled once the first sample has finished (two run at a time).
+        let mut toy = PagedToy::new(16, &cfg);
+        let cancel = Cancel::new();
+        let err = cancel
+            .install(|| {
+                generate_paged(&mut toy, &cfg, &reqs, &p, None, &mut |done| {
+                    if done > 0 {
+                        cancel.cancel()
+                    }
+                })
+            })
+            .unwrap_err();
+        assert!(is_cancelled(&err), "{err:#}");
+        assert!(
+            toy.steps.len() < full.steps.len() / 2,
+            "overlap {overlap}: {} of {} steps ran",
+            toy.steps.len(),
+            full.steps.len()
+        );
+    }
+}

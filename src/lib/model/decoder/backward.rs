@@ -82,13 +82,15 @@ impl<B: Backend> Decoder<B> {
 
     /// Forward, the PPO-clip loss on the device ([`Backend::ppo_clip_loss`], knobs in `clip`;
     /// its `tokens` is set here) and backward over packed `seqs`, with no host round trip: the
-    /// loss metrics add up on the device until [`Decoder::take_ppo_stats`].
+    /// loss metrics add up on the device until [`Decoder::take_ppo_stats`]. `logprobs`, when
+    /// given, receives the forward's log-probs of the scored tokens (one download).
     pub fn forward_backward_ppo(
         &mut self,
         seqs: &[SeqRef],
         temperature: f32,
         tok: &PpoTokens,
         clip: PpoShape,
+        logprobs: Option<&mut Vec<f32>>,
     ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
@@ -112,6 +114,10 @@ impl<B: Backend> Decoder<B> {
             return Ok(());
         }
         self.score_device(last, r, temperature, true)?;
+        if let Some(out) = logprobs {
+            out.resize(r, 0.0);
+            self.backend.download(&self.ws.lp, out)?;
+        }
         if self.ppo_stats.is_none() {
             self.ppo_stats = Some(self.backend.alloc(PPO_STATS)?);
         }

@@ -1,0 +1,204 @@
+//! Flattened buckets: a model's tensors, in order, packed into flat buckets of about a given
+//! size, each split evenly over the ranks (the layout of verl's and slime's weight sync and of
+//! ZeRO/FSDP flat parameters). Rank r owns elements `r·shard .. (r+1)·shard` of every bucket;
+//! a bucket is padded at its end so that the shards are equal and `SHARD_ALIGN`-aligned.
+//!
+//! [`WeightSync`] is the weight sync of a sharded trainer: every rank holds its shard of each
+//! bucket and ends with every tensor in full. It all-gathers bucket b into one of two staging
+//! buffers while it copies bucket b − 1 out of the other into the tensors, so the extra memory
+//! is two buckets.
+
+use super::comm::{Collective, Comm};
+use crate::backend::{Backend, DType};
+use anyhow::{bail, Result};
+use std::ops::Range;
+
+/// Elements a shard is a multiple of (256 bytes of bf16: aligned rows for the GPU kernels).
+pub const SHARD_ALIGN: usize = 128;
+
+/// One bucket: consecutive tensors laid end to end.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    /// Indices of its tensors in the model's order.
+    pub tensors: Range<usize>,
+    /// Offset of each of those tensors in the bucket.
+    pub offsets: Vec<usize>,
+    /// Elements of the tensors.
+    pub len: usize,
+    /// Elements of each rank's shard (`shard · world_size ≥ len`).
+    pub shard: usize,
+}
+
+impl Bucket {
+    pub fn padded(&self, world_size: usize) -> usize {
+        self.shard * world_size
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketPlan {
+    pub world_size: usize,
+    /// Elements of each tensor.
+    pub sizes: Vec<usize>,
+    pub buckets: Vec<Bucket>,
+}
+
+impl BucketPlan {
+    /// Packs tensors of `sizes` in order: a bucket is closed before a tensor that would take
+    /// it past `bucket_elems` (a larger tensor gets a bucket of its own).
+    pub fn new(sizes: &[usize], bucket_elems: usize, world_size: usize) -> Result<BucketPlan> {
+        if world_size == 0 || bucket_elems == 0 {
+            bail!("a bucket plan needs a world size and a bucket size above 0");
+        }
+        let mut buckets = Vec::new();
+        let mut start = 0;
+        let mut offsets = Vec::new();
+        let mut len = 0usize;
+        let close = |start: usize, end: usize, offsets: Vec<usize>, len: usize| {
+            let per = len.div_ceil(world_size).max(1);
+            Bucket {
+                tensors: start..end,
+                offsets,
+                len,
+                shard: per.div_ceil(SHARD_ALIGN) * SHARD_ALIGN,
+            }
+        };
+        for (i, &s) in sizes.iter().enumerate() {
+            if !offsets.is_empty() && len + s > bucket_elems {
+                buckets.push(close(start, i, std::mem::take(&mut offsets), len));
+                start = i;
+                len = 0;
+            }
+            offsets.push(len);
+            len += s;
+        }
+        if !offsets.is_empty() {
+            buckets.push(close(start, sizes.len(), offsets, len));
+        }
+        Ok(BucketPlan {
+            world_size,
+            sizes: sizes.to_vec(),
+            buckets,
+        })
+    }
+
+    /// Elements of every tensor together.
+    pub fn total(&self) -> usize {
+        self.sizes.iter().sum()
+    }
+
+    /// The largest padded bucket (what a staging buffer holds).
+    pub fn max_padded(&self) -> usize {
+        self.buckets
+            .iter()
+            .map(|b| b.padded(self.world_size))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Elements of all of one rank's shards.
+    pub fn shard_total(&self) -> usize {
+        self.buckets.iter().map(|b| b.shard).sum()
+    }
+}
+
+/// The bucketed all-gather of every tensor from the ranks' shards (see the module docs).
+pub struct WeightSync<B: Backend> {
+    plan: BucketPlan,
+    staging: [B::Buf; 2],
+    dtype: DType,
+}
+
+impl<B: Backend> WeightSync<B> {
+    /// Two staging buffers of the largest bucket, of `dtype`.
+    pub fn new(backend: &B, plan: BucketPlan, dtype: DType) -> Result<WeightSync<B>> {
+        let n = plan.max_padded();
+        let staging = [backend.alloc_as(n, dtype)?, backend.alloc_as(n, dtype)?];
+        Ok(WeightSync {
+            plan,
+            staging,
+            dtype,
+        })
+    }
+
+    pub fn plan(&self) -> &BucketPlan {
+        &self.plan
+    }
+
+    /// Elements of the two staging buffers (the sync's extra memory).
+    pub fn staging_elems(&self) -> usize {
+        2 * self.plan.max_padded()
+    }
+
+    /// `dests[t]` = tensor t in full, gathered from `shards[b]` (this rank's shard of bucket b)
+    /// of every rank.
+    pub fn run(
+        &mut self,
+        backend: &B,
+        comm: &dyn Comm<B>,
+        shards: &[B::Buf],
+        dests: &mut [B::Buf],
+    ) -> Result<()> {
+        let plan = &self.plan;
+        if shards.len() != plan.buckets.len() || dests.len() != plan.sizes.len() {
+            bail!(
+                "weight sync: {} shards and {} tensors for a plan of {} buckets and {} tensors",
+                shards.len(),
+                dests.len(),
+                plan.buckets.len(),
+                plan.sizes.len()
+            );
+        }
+        let copy_out = |b: usize, staging: &B::Buf, dests: &mut [B::Buf]| -> Result<()> {
+            let bucket = &plan.buckets[b];
+            for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+                backend.copy(&mut dests[t], 0, staging, off, plan.sizes[t])?;
+            }
+            Ok(())
+        };
+        let [even, odd] = &mut self.staging;
+        for (b, bucket) in plan.buckets.iter().enumerate() {
+            let (cur, prev): (&mut B::Buf, &B::Buf) = if b % 2 == 0 {
+                (&mut *even, &*odd)
+            } else {
+                (&mut *odd, &*even)
+            };
+            let c =
+                Collective::all_gather(&shards[b], 0, cur, 0, bucket.shard).as_dtype(self.dtype);
+            let work = comm.start(vec![c])?;
+            if b > 0 {
+                copy_out(b - 1, prev, dests)?;
+            }
+            work.wait()?;
+        }
+        if let Some(last) = plan.buckets.len().checked_sub(1) {
+            let staging = if last % 2 == 0 { &*even } else { &*odd };
+            copy_out(last, staging, dests)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_pack_in_order_and_shards_are_even_and_aligned() {
+        let plan = BucketPlan::new(&[100, 300, 50, 1000, 10], 400, 3).unwrap();
+        let tensors: Vec<Range<usize>> = plan.buckets.iter().map(|b| b.tensors.clone()).collect();
+        // 100+300 fits 400; 50 opens a new bucket; 1000 is larger than a bucket: its own.
+        assert_eq!(tensors, vec![0..2, 2..3, 3..4, 4..5]);
+        assert_eq!(plan.buckets[0].offsets, vec![0, 100]);
+        assert_eq!(plan.buckets[0].len, 400);
+        for b in &plan.buckets {
+            assert!(b.shard * 3 >= b.len);
+            assert_eq!(b.shard % SHARD_ALIGN, 0);
+            assert!(b.shard - b.len.div_ceil(3) < SHARD_ALIGN);
+        }
+        assert_eq!(plan.total(), 1460);
+        assert_eq!(plan.max_padded(), 3 * 384);
+        assert!(BucketPlan::new(&[1], 0, 1).is_err());
+        assert!(BucketPlan::new(&[], 10, 2).unwrap().buckets.is_empty());
+    }
+}

@@ -1,0 +1,350 @@
+//! `tandem launch --nproc-per-node N -- COMMAND...`: starts N ranks of COMMAND on this
+//! machine, like `torchrun --standalone`. Each child gets RANK, WORLD_SIZE, LOCAL_RANK,
+//! LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT (a free port unless given), and
+//! NCCL_NVLS_ENABLE=0 (unless set), plus TANDEM_DIST_TIMEOUT with `--timeout`. The children
+//! inherit stdout and stderr.
+//!
+//! When a rank fails (non-zero exit or a signal), the others are told by the rendezvous store
+//! and normally stop within moments; the launcher gives them a second, then sends SIGTERM, and
+//! SIGKILL after `--grace`. Each rank writes the failure as it saw it to its error file
+//! (TANDEM_DIST_ERROR_FILE, like torchrun's error files), so the launcher can name the rank at
+//! fault even when another rank exited first (a hung rank is the last to go). It exits 2 when
+//! that rank exited with 2 (bad input), else 1. SIGINT or SIGTERM to the launcher stops every
+//! rank the same way; the children die with the launcher if it is killed (Linux).
+
+use super::group::{parse_seconds, TIMEOUT_ENV};
+use super::health::ERROR_FILE_ENV;
+use crate::error::input_error;
+use crate::proc::die_with_parent;
+use anyhow::{anyhow, Result};
+use clap::Args;
+use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct LaunchArgs {
+    /// Ranks to start on this machine (one per GPU for CUDA ranks).
+    #[arg(long)]
+    pub nproc_per_node: usize,
+    /// Address at which the ranks reach rank 0's rendezvous store.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// Port of the rendezvous store (default: a free port).
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// Seconds a rank waits for another (in a collective, at the rendezvous) before the job
+    /// fails; sets TANDEM_DIST_TIMEOUT for the ranks (default 50).
+    #[arg(long)]
+    pub timeout: Option<String>,
+    /// Seconds between SIGTERM and SIGKILL when stopping the remaining ranks.
+    #[arg(long, default_value = "5")]
+    pub grace: String,
+    /// The command every rank runs, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// The signal that asked the launcher to stop (0: none).
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+/// A port nobody listens on now (the store binds it a moment later, like torchrun does).
+fn free_port(addr: &str) -> Result<u16> {
+    let l = TcpListener::bind((addr, 0))
+        .or_else(|_| TcpListener::bind(("0.0.0.0", 0)))
+        .map_err(|e| anyhow!("cannot find a free port: {e}"))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// A bare program name found neither on PATH nor elsewhere resolves to the binary of that
+/// name next to this one, so `tandem launch -- tandem ...` works from target/release.
+fn resolve(program: &str) -> PathBuf {
+    if program.contains('/') {
+        return PathBuf::from(program);
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
+        .unwrap_or(false);
+    if !on_path {
+        if let Some(sibling) = std::env::current_exe()
+            .ok()
+            .and_then(|e| e.parent().map(|d| d.join(program)))
+            .filter(|p| p.is_file())
+        {
+            return sibling;
+        }
+    }
+    PathBuf::from(program)
+}
+
+/// "exited with code 3" / "was killed by signal 9 (SIGKILL)".
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => {
+            let name = match s {
+                libc::SIGKILL => " (SIGKILL)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGINT => " (SIGINT)",
+                libc::SIGSEGV => " (SIGSEGV)",
+                libc::SIGABRT => " (SIGABRT)",
+                libc::SIGBUS => " (SIGBUS)",
+                _ => "",
+            };
+            format!("was killed by signal {s}{name}")
+        }
+        _ => "ended".into(),
+    }
+}
+
+struct Rank {
+    child: Child,
+    done: bool,
+    status: Option<ExitStatus>,
+    error_file: PathBuf,
+}
+
+impl Rank {
+    /// Reaps the child if it has ended.
+    fn poll(&mut self) -> std::io::Result<()> {
+        if !self.done {
+            if let Some(s) = self.child.try_wait()? {
+                self.done = true;
+                self.status = Some(s);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A failure as one rank recorded it (see `health::ERROR_FILE_ENV`).
+#[derive(serde::Deserialize)]
+struct Record {
+    suspect: Option<usize>,
+    reporter: usize,
+    reason: String,
+    time: f64,
+}
+
+/// The rank at fault and why, from the ranks' error files: the earliest failure a rank
+/// noticed itself (a relayed one repeats it).
+fn culprit(ranks: &[Rank]) -> Option<(usize, String)> {
+    let mut records: Vec<(usize, Record)> = ranks
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            let text = std::fs::read_to_string(&r.error_file).ok()?;
+            Some((i, serde_json::from_str(text.trim()).ok()?))
+        })
+        .collect();
+    records.sort_by(|a, b| {
+        let own = |(i, r): &(usize, Record)| (r.reporter != *i) as u8;
+        own(a).cmp(&own(b)).then(a.1.time.total_cmp(&b.1.time))
+    });
+    records
+        .into_iter()
+        .find_map(|(_, r)| Some((r.suspect?, r.reason)))
+}
+
+/// SIGTERM to the ranks still running, SIGKILL after `grace`; reaps them all.
+fn stop_all(ranks: &mut [Rank], grace: Duration) {
+    for r in ranks.iter_mut().filter(|r| !r.done) {
+        // SAFETY: kill(2) of our own child, not yet reaped.
+        unsafe {
+            libc::kill(r.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+    }
+    let t = Instant::now();
+    while ranks.iter().any(|r| !r.done) && t.elapsed() < grace {
+        for r in ranks.iter_mut() {
+            let _ = r.poll();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for r in ranks.iter_mut().filter(|r| !r.done) {
+        let _ = r.child.kill();
+        r.status = r.child.wait().ok();
+        r.done = true;
+    }
+}
+
+/// Lets the other ranks stop by themselves for up to `wait` (they hear of the failure from
+/// the store and say which rank failed), then stops the rest.
+fn wind_down(ranks: &mut [Rank], wait: Duration, grace: Duration) {
+    let t = Instant::now();
+    while ranks.iter().any(|r| !r.done) && t.elapsed() < wait {
+        for r in ranks.iter_mut() {
+            let _ = r.poll();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop_all(ranks, grace);
+}
+
+pub fn run(a: LaunchArgs) -> Result<()> {
+    let n = a.nproc_per_node;
+    if n == 0 {
+        return Err(input_error("--nproc-per-node must be at least 1"));
+    }
+    let grace = parse_seconds(&a.grace)
+        .or((a.grace.trim() == "0").then_some(Duration::ZERO))
+        .ok_or_else(|| input_error(format!("--grace '{}' is not a number of seconds", a.grace)))?;
+    if let Some(t) = &a.timeout {
+        if parse_seconds(t).is_none() {
+            return Err(input_error(format!(
+                "--timeout '{t}' is not a positive number of seconds"
+            )));
+        }
+    }
+    let port = match a.master_port {
+        Some(0) => return Err(input_error("--master-port must be from 1 to 65535")),
+        Some(p) => p,
+        None => free_port(&a.master_addr)?,
+    };
+    let program = resolve(&a.command[0]);
+    let errors = std::env::temp_dir().join(format!("tandem-launch-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&errors)?;
+    let result = launch(&a, n, port, grace, &program, &errors);
+    let _ = std::fs::remove_dir_all(&errors);
+    result
+}
+
+fn launch(
+    a: &LaunchArgs,
+    n: usize,
+    port: u16,
+    grace: Duration,
+    program: &std::path::Path,
+    errors: &std::path::Path,
+) -> Result<()> {
+    // SAFETY: the handler only stores into an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let mut ranks: Vec<Rank> = Vec::with_capacity(n);
+    for i in 0..n {
+        let error_file = errors.join(format!("rank-{i}.json"));
+        let mut cmd = Command::new(program);
+        cmd.args(&a.command[1..])
+            .env("RANK", i.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", i.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("GROUP_RANK", "0")
+            .env("MASTER_ADDR", &a.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .env(ERROR_FILE_ENV, &error_file);
+        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+            cmd.env("NCCL_NVLS_ENABLE", "0");
+        }
+        if let Some(t) = &a.timeout {
+            cmd.env(TIMEOUT_ENV, t.trim());
+        }
+        die_with_parent(&mut cmd);
+        match cmd.spawn() {
+            Ok(child) => ranks.push(Rank {
+                child,
+                done: false,
+                status: None,
+                error_file,
+            }),
+            Err(e) => {
+                stop_all(&mut ranks, grace);
+                return Err(input_error(format!(
+                    "cannot start rank {i}: '{}': {e}",
+                    program.display()
+                )));
+            }
+        }
+    }
+    super::say(&format!(
+        "tandem launch: {n} rank(s) of '{}', rendezvous at {}:{port}",
+        a.command.join(" "),
+        a.master_addr
+    ));
+    loop {
+        let sig = SIGNAL.load(Ordering::SeqCst);
+        if sig != 0 {
+            super::say(&format!(
+                "tandem launch: got signal {sig}; stopping the ranks"
+            ));
+            stop_all(&mut ranks, grace);
+            return Err(anyhow!("stopped by signal {sig}"));
+        }
+        for r in ranks.iter_mut() {
+            r.poll()?;
+        }
+        if let Some(first) = ranks
+            .iter()
+            .position(|r| r.status.is_some_and(|s| !s.success()))
+        {
+            let status = ranks[first].status.unwrap();
+            let left = ranks.iter().filter(|r| !r.done).count();
+            let rest = match left {
+                0 => "no other rank is running".to_string(),
+                _ => format!("stopping the other {left} rank(s)"),
+            };
+            super::say(&format!(
+                "tandem launch: rank {first} (pid {}) {}; {rest}",
+                ranks[first].child.id(),
+                describe(status)
+            ));
+            wind_down(&mut ranks, Duration::from_secs(1), grace);
+            let (rank, what) = match culprit(&ranks) {
+                Some((s, reason)) if s < n => {
+                    let how = ranks[s].status.map(describe).unwrap_or_default();
+                    (s, format!("rank {s} failed ({how}): {reason}"))
+                }
+                _ => (
+                    first,
+                    format!(
+                        "rank {first} (pid {}) {}",
+                        ranks[first].child.id(),
+                        describe(status)
+                    ),
+                ),
+            };
+            return Err(if ranks[rank].status.and_then(|s| s.code()) == Some(2) {
+                input_error(what)
+            } else {
+                anyhow!(what)
+            });
+        }
+        if ranks.iter().all(|r| r.done) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_are_described() {
+        assert_eq!(describe(ExitStatus::from_raw(3 << 8)), "exited with code 3");
+        assert_eq!(
+            describe(ExitStatus::from_raw(libc::SIGKILL)),
+            "was killed by signal 9 (SIGKILL)"
+        );
+    }
+
+    #[test]
+    fn bare_names_resolve_next_to_this_binary_only_when_not_on_path() {
+        assert_eq!(resolve("./x"), PathBuf::from("./x"));
+        assert_eq!(resolve("sh"), PathBuf::from("sh"));
+        assert_eq!(
+            resolve("no-such-program-xyz"),
+            PathBuf::from("no-such-program-xyz")
+        );
+    }
+}

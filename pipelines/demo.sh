@@ -6,7 +6,7 @@
 set -euo pipefail
 bin=$1 work=$2
 shift 2
-spec=$(cd "$(dirname "$0")" && pwd)/demo.toml
+spec=$(cd "$(dirname "$0")" && pwd)/${DEMO_SPEC:-demo.toml}
 mkdir -p "$work"
 cd "$work"
 "$bin/tandem" prepare synth --task add --digits 1 --n 2000 --seed 1 --out data/add-train.parquet

@@ -95,7 +95,7 @@ pub struct ScoreSummary {
 }
 
 /// Whether each row counts as correct: `score_acc` when the reward gives one, else score >= 1.
-fn correct(batch: &Batch, scores: &[f32]) -> Result<Vec<f64>> {
+pub fn correct(batch: &Batch, scores: &[f32]) -> Result<Vec<f64>> {
     let acc_col = format!("{}acc", schema::SCORE_PREFIX);
     Ok(if batch.has(&acc_col) {
         batch.f32s(&acc_col)?.iter().map(|&a| a as f64).collect()

@@ -7,12 +7,14 @@
 //! - `rundir`: the run directory's layout, `state.json`, spec changes, atomic writes.
 //! - `sampler`: the seeded prompt sampler whose cursor is part of the state.
 //! - `runner`: the step loop (stage commands, `commands.sh`, resume).
+//! - `dynamic`: DAPO's dynamic sampling, the rounds of a step that keeps only varied groups.
 //! - `console`: one line per step on the console, the stages' output in `pipeline.log`.
 //! - `metrics`: `metrics.jsonl` and `eval.jsonl` lines.
 //! - `tensorboard`: the same numbers as TensorBoard event files in the run directory.
 //! - `plot`, `inspect`: looking at a run.
 
 pub mod console;
+pub mod dynamic;
 pub mod inspect;
 pub mod metrics;
 pub mod plot;

@@ -5,6 +5,7 @@
 //! killed run continues from the last finished stage and ends where an uninterrupted one would.
 
 use super::console::{short_duration, Console};
+use super::dynamic;
 use super::metrics::{self, StepFiles};
 use super::rundir::{parse_step_name, step_name, RunDir, State, StepProgress};
 use super::sampler::{derive_seed, Cursor, Sampler};
@@ -48,6 +49,10 @@ pub enum Action {
     },
     /// Draw the step's prompts into `step-000K/prompts.parquet`.
     SamplePrompts,
+    /// DAPO's dynamic sampling (`[algorithm] filter-groups`): rounds of prompts, rollout and
+    /// score until enough groups vary, kept into the step's rollout and scored files
+    /// (`super::dynamic`).
+    DynamicSampling,
     /// Copy the previous step's adaptive-KL state so that a rerun of `advantage` starts from
     /// the same coefficient.
     CopyKlState,
@@ -81,6 +86,15 @@ pub fn shell_quote(s: &str) -> String {
 
 fn path_arg(p: &Path) -> String {
     p.display().to_string()
+}
+
+/// Where one sampling pass (prompts -> rollout -> score) reads and writes.
+pub struct SampleFiles {
+    pub prompts: PathBuf,
+    pub rollout: PathBuf,
+    pub scored: PathBuf,
+    pub rollout_metrics: PathBuf,
+    pub score_metrics: PathBuf,
 }
 
 /// The runner of one run directory.
@@ -245,6 +259,11 @@ impl Runner {
             .into_iter()
             .map(|t| (0, t))
             .chain(self.step_tasks(step).into_iter().map(|t| (step, t)))
+            .chain(
+                dynamic::first_round_tasks(self, step)
+                    .into_iter()
+                    .map(|t| (step, t)),
+            )
             .chain(
                 (self.spec.eval.every > 0)
                     .then(|| self.eval_tasks(step))
@@ -514,41 +533,26 @@ impl Runner {
         let b = |name: &str| path_arg(&run.batch(step, name));
         let m = |name: &str| path_arg(&run.stage_metrics(step, name));
         let policy = path_arg(&run.policy());
-        let mut tasks = vec![Task {
-            name: "prompts",
-            action: Action::SamplePrompts,
-        }];
-
-        let mut rollout = vec![
-            "--model".into(),
-            policy.clone(),
-            "--in".into(),
-            b("prompts"),
-            "--out".into(),
-            b("rollout"),
-        ];
-        rollout.extend(self.stages.rollout.argv.iter().cloned());
-        rollout.extend([
-            "--seed".into(),
-            derive_seed(spec.seed, &[step, 1]).to_string(),
-            "--step".into(),
-            step.to_string(),
-            "--metrics".into(),
-            m("rollout"),
-        ]);
-        rollout.extend(self.device_args());
-        tasks.push(Task {
-            name: "rollout",
-            action: self.stage_cmd("rollout", rollout),
-        });
-
-        let mut score = vec!["--in".into(), b("rollout"), "--out".into(), b("scored")];
-        score.extend(self.stages.score.argv.iter().cloned());
-        score.extend(["--metrics".into(), m("score")]);
-        tasks.push(Task {
-            name: "score",
-            action: self.stage_cmd("score", score),
-        });
+        let mut tasks = Vec::new();
+        if spec.filter_groups().is_some() {
+            tasks.push(Task {
+                name: "sample",
+                action: Action::DynamicSampling,
+            });
+        } else {
+            tasks.push(Task {
+                name: "prompts",
+                action: Action::SamplePrompts,
+            });
+            let files = SampleFiles {
+                prompts: run.batch(step, "prompts"),
+                rollout: run.batch(step, "rollout"),
+                scored: run.batch(step, "scored"),
+                rollout_metrics: run.stage_metrics(step, "rollout"),
+                score_metrics: run.stage_metrics(step, "score"),
+            };
+            tasks.extend(self.sample_tasks(step, &files, derive_seed(spec.seed, &[step, 1])));
+        }
         let mut last = "scored";
 
         // Log-probs are taken at the sampling temperature (the spec's stage flags carry it).
@@ -664,6 +668,47 @@ impl Runner {
         tasks
     }
 
+    /// The rollout and score of one sampling pass: `files.prompts` to `files.scored`, the
+    /// rollout seeded with `seed`.
+    pub(super) fn sample_tasks(&self, step: u64, files: &SampleFiles, seed: u64) -> [Task; 2] {
+        let mut rollout = vec![
+            "--model".into(),
+            path_arg(&self.run.policy()),
+            "--in".into(),
+            path_arg(&files.prompts),
+            "--out".into(),
+            path_arg(&files.rollout),
+        ];
+        rollout.extend(self.stages.rollout.argv.iter().cloned());
+        rollout.extend([
+            "--seed".into(),
+            seed.to_string(),
+            "--step".into(),
+            step.to_string(),
+            "--metrics".into(),
+            path_arg(&files.rollout_metrics),
+        ]);
+        rollout.extend(self.device_args());
+        let mut score = vec![
+            "--in".into(),
+            path_arg(&files.rollout),
+            "--out".into(),
+            path_arg(&files.scored),
+        ];
+        score.extend(self.stages.score.argv.iter().cloned());
+        score.extend(["--metrics".into(), path_arg(&files.score_metrics)]);
+        [
+            Task {
+                name: "rollout",
+                action: self.stage_cmd("rollout", rollout),
+            },
+            Task {
+                name: "score",
+                action: self.stage_cmd("score", score),
+            },
+        ]
+    }
+
     /// Whether step `step`'s update writes its checkpoint as files (weights and optimizer
     /// state). Stages run as processes need them every step (the next `update` reads them);
     /// the daemon keeps the policy in memory (`update --resident`: no weight write, no read
@@ -690,6 +735,7 @@ impl Runner {
                 self.spec.data.train.display(),
                 self.run.batch(step, "prompts").display()
             ),
+            Action::DynamicSampling => dynamic::describe(self, step),
             Action::CopyKlState if step <= 1 => format!(
                 "# pipeline: start {} afresh (the controller begins at --kl-coef)",
                 self.kl_state(step).display()
@@ -882,23 +928,14 @@ impl Runner {
             daemon: None,
         };
         sync_weights::run(args, &mut InProcess(crate::stage::common::Device::Cpu))?;
-        let sampler = Sampler {
-            seed: self.spec.seed,
-            len: self.state.train_rows,
-            shuffle: self.spec.data.shuffle,
-        };
-        let mut cursor = Cursor::default();
-        for _ in 0..to {
-            cursor = sampler.draw(cursor, self.spec.data.prompts_per_step).1;
-        }
-        self.state.sampler = cursor;
+        self.state.sampler = dynamic::cursor_after(self, to)?;
         self.state.steps_done = to;
         self.state.current = None;
         self.console.bar.set_position(to);
         self.run.save_state(&self.state)
     }
 
-    fn progress(&mut self, step: u64) -> &mut StepProgress {
+    pub(super) fn progress(&mut self, step: u64) -> &mut StepProgress {
         if self.state.current.as_ref().map(|c| c.step) != Some(step) {
             self.state.current = Some(StepProgress {
                 step,
@@ -916,6 +953,7 @@ impl Runner {
         match &task.action {
             Action::Stage { bin, args } => self.run_stage(step, task.name, bin, args)?,
             Action::SamplePrompts => self.sample_prompts(step)?,
+            Action::DynamicSampling => dynamic::run(self, step)?,
             Action::CopyKlState => self.copy_kl_state(step)?,
             Action::PruneCheckpoints => self.prune(step)?,
             Action::EvalSummary => {
@@ -994,7 +1032,13 @@ impl Runner {
         Ok(())
     }
 
-    fn run_stage(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
+    pub(super) fn run_stage(
+        &mut self,
+        step: u64,
+        task: &str,
+        bin: &str,
+        args: &[String],
+    ) -> Result<()> {
         let via_daemon = self.spec.daemon && stage::def(bin).is_some_and(|d| d.takes("daemon"));
         if !via_daemon {
             return self.run_stage_once(step, task, bin, args);
@@ -1111,11 +1155,31 @@ impl Runner {
     }
 
     fn sample_prompts(&mut self, step: u64) -> Result<()> {
+        let out = self.run.batch(step, "prompts");
+        let count = self.spec.data.prompts_per_step;
+        self.state.sampler = self.draw_prompts(step, self.state.sampler, count, &out)?;
+        Ok(())
+    }
+
+    /// The prompt sampler over the training set.
+    pub(super) fn sampler(&self) -> Sampler {
+        Sampler {
+            seed: self.spec.seed,
+            len: self.state.train_rows,
+            shuffle: self.spec.data.shuffle,
+        }
+    }
+
+    /// Writes `count` prompts drawn from `cursor` to `out`; returns the cursor after them.
+    pub(super) fn draw_prompts(
+        &mut self,
+        step: u64,
+        cursor: Cursor,
+        count: u64,
+        out: &Path,
+    ) -> Result<Cursor> {
         let seed = self.spec.seed;
         let shuffle = self.spec.data.shuffle;
-        let count = self.spec.data.prompts_per_step;
-        let cursor = self.state.sampler;
-        let out = self.run.batch(step, "prompts");
         let train_rows = self.state.train_rows;
         let batch = self.train_batch()?;
         if batch.num_rows() as u64 != train_rows {
@@ -1145,9 +1209,8 @@ impl Runner {
             policy_version: None,
             step: Some(step),
         });
-        crate::batch::write_file(&out, &data, &meta)?;
-        self.state.sampler = next;
-        Ok(())
+        crate::batch::write_file(out, &data, &meta)?;
+        Ok(next)
     }
 
     fn copy_kl_state(&mut self, step: u64) -> Result<()> {
@@ -1214,6 +1277,7 @@ impl Runner {
             stage_metrics: vec![
                 ("rollout", run.stage_metrics(step, "rollout")),
                 ("score", run.stage_metrics(step, "score")),
+                ("sampling", run.stage_metrics(step, "sampling")),
                 ("advantage", run.stage_metrics(step, "advantage")),
                 ("update", run.stage_metrics(step, "update")),
             ],

@@ -2,8 +2,8 @@
 //!
 //! Top-level keys (`seed`, `steps`, `device`, `daemon`, `batch-invariant`) come first, then one
 //! table per concern: `[model]`, `[data]`, one table per stage (`[rollout]`, `[score]`,
-//! `[ref-logprob]`, `[advantage]`, `[update]`, `[sync-weights]`), then `[eval]` and
-//! `[checkpoint]`.
+//! `[ref-logprob]`, `[advantage]`, `[update]`, `[sync-weights]`), `[algorithm]` (what the runner
+//! does between stages: DAPO's dynamic sampling), then `[eval]` and `[checkpoint]`.
 //!
 //! A stage table's keys are that stage's flags without the leading `--`, and nothing here lists
 //! them: each key is looked up by long name in the stage's own clap command
@@ -17,6 +17,7 @@
 //! key is an error naming the line and the closest valid key.
 
 use crate::bail_input;
+use crate::batch::schema::SCORE_PREFIX;
 use crate::error::input_error;
 use crate::stage::advantage::{AdvantageArgs, Ctrl};
 use crate::stage::ref_logprob::RefLogprobArgs;
@@ -127,6 +128,95 @@ fn yes() -> bool {
     true
 }
 
+/// `[algorithm]`: DAPO's dynamic sampling (verl's `algorithm.filter_groups`), run by the runner
+/// between `score` and the next stage (`super::dynamic`). Only what is written is kept, so a
+/// spec without the table resolves as before.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct AlgorithmSpec {
+    /// Drop the prompt groups whose `filter-metric` is equal over all their samples and sample
+    /// more prompts until the step has `[data] prompts-per-step` groups.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub filter_groups: bool,
+    /// `score` (default), `acc` (the accuracy as the metrics count it: `score_acc`, else
+    /// score >= 1) or a sub-score column `score_<key>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filter_metric: Option<String>,
+    /// Rounds of generation a step may take, the first included (0: no cap). Default 10.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_num_gen_batches: Option<u64>,
+    /// Prompts drawn per round (verl's gen_batch_size). Default: `[data] prompts-per-step`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompts_per_round: Option<u64>,
+    /// At the cap with fewer groups than asked: `train` on the groups kept (default; none kept
+    /// stops the run), or `fail` as verl does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_cap: Option<OnCap>,
+}
+
+impl AlgorithmSpec {
+    fn is_empty(&self) -> bool {
+        self == &AlgorithmSpec::default()
+    }
+}
+
+/// What a step does when the generation cap is reached before it has its groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnCap {
+    /// Train on the groups kept so far (fewer than asked).
+    Train,
+    /// Stop the run with an error (verl's behaviour).
+    Fail,
+}
+
+/// The per-sample value whose spread decides whether a group is kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FilterMetric {
+    /// The `score` column (after any overlong shaping).
+    Score,
+    /// Correctness: `score_acc` when present, else score >= 1.
+    Acc,
+    /// A sub-score column `score_<key>`.
+    Column(String),
+}
+
+impl FilterMetric {
+    pub fn parse(s: &str) -> Result<FilterMetric, String> {
+        match s {
+            "score" => Ok(FilterMetric::Score),
+            "acc" => Ok(FilterMetric::Acc),
+            c if c.len() > SCORE_PREFIX.len() && c.starts_with(SCORE_PREFIX) => {
+                Ok(FilterMetric::Column(c.to_string()))
+            }
+            other => Err(format!(
+                "unknown metric \"{other}\": expected \"score\", \"acc\" or a sub-score column \"score_<key>\""
+            )),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        match self {
+            FilterMetric::Score => "score",
+            FilterMetric::Acc => "acc",
+            FilterMetric::Column(c) => c,
+        }
+    }
+}
+
+/// Dynamic sampling as the runner runs it, the defaults filled in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FilterGroups {
+    pub metric: FilterMetric,
+    /// Generation rounds a step may take (0: no cap).
+    pub max_rounds: u64,
+    pub prompts_per_round: u64,
+    pub on_cap: OnCap,
+}
+
+/// verl's DAPO recipe caps a step at 10 generation batches.
+pub const DEFAULT_MAX_NUM_GEN_BATCHES: u64 = 10;
+
 fn one() -> u64 {
     1
 }
@@ -164,6 +254,8 @@ pub struct Spec {
     pub update: toml::Table,
     #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
     pub sync_weights: toml::Table,
+    #[serde(default, skip_serializing_if = "AlgorithmSpec::is_empty")]
+    pub algorithm: AlgorithmSpec,
     #[serde(default)]
     pub eval: EvalSpec,
     #[serde(default)]
@@ -474,11 +566,87 @@ impl Spec {
             Err(e) => return Err(input_error(describe_toml_error(text, origin, &e))),
         };
         spec.validate(origin)?;
-        spec.stages(&Source {
+        let src = Source {
             origin,
             text: Some(text),
-        })?;
+        };
+        let stages = spec.stages(&src)?;
+        spec.check_dapo(&stages, &src)?;
         Ok(spec)
+    }
+
+    /// Dynamic sampling as configured in `[algorithm]`, or None when `filter-groups` is off.
+    pub fn filter_groups(&self) -> Option<FilterGroups> {
+        let a = &self.algorithm;
+        a.filter_groups.then(|| FilterGroups {
+            metric: a
+                .filter_metric
+                .as_deref()
+                .map(|m| FilterMetric::parse(m).expect("checked when the spec was loaded"))
+                .unwrap_or(FilterMetric::Score),
+            max_rounds: a.max_num_gen_batches.unwrap_or(DEFAULT_MAX_NUM_GEN_BATCHES),
+            prompts_per_round: a.prompts_per_round.unwrap_or(self.data.prompts_per_step),
+            on_cap: a.on_cap.unwrap_or(OnCap::Train),
+        })
+    }
+
+    /// `[algorithm]` and the overlong shaping against the stages' flags.
+    fn check_dapo(&self, stages: &Stages, src: &Source) -> Result<()> {
+        let a = &self.algorithm;
+        let set = [
+            ("filter-metric", a.filter_metric.is_some()),
+            ("max-num-gen-batches", a.max_num_gen_batches.is_some()),
+            ("prompts-per-round", a.prompts_per_round.is_some()),
+            ("on-cap", a.on_cap.is_some()),
+        ];
+        if !a.filter_groups {
+            if let Some((key, _)) = set.iter().find(|(_, on)| *on) {
+                bail_input!(
+                    "{}: [algorithm] {key} has no effect without filter-groups = true",
+                    src.at("algorithm", key)
+                );
+            }
+        } else {
+            if let Some(m) = &a.filter_metric {
+                if let Err(e) = FilterMetric::parse(m) {
+                    bail_input!(
+                        "{}: [algorithm] filter-metric = \"{m}\": {e}",
+                        src.at("algorithm", "filter-metric")
+                    );
+                }
+            }
+            if a.prompts_per_round == Some(0) {
+                bail_input!(
+                    "{}: [algorithm] prompts-per-round must be at least 1",
+                    src.at("algorithm", "prompts-per-round")
+                );
+            }
+            let n = stages.rollout.args.n;
+            if n < 2 {
+                bail_input!(
+                    "{}: [algorithm] filter-groups = true needs [rollout] n >= 2 (a group of one sample is never dropped), got n = {n}",
+                    src.at("algorithm", "filter-groups")
+                );
+            }
+        }
+        // The overlong buffer must fit in the length limit of every rollout it scores.
+        let score = &stages.score.args;
+        if score.overlong_buffer_len > 0 && score.max_response_length.is_none() {
+            for (what, r) in [
+                ("the training rollout", &stages.rollout),
+                ("the evaluation", &stages.eval),
+            ] {
+                let max = r.args.max_new_tokens;
+                if score.overlong_buffer_len > max {
+                    bail_input!(
+                        "{}: [score] overlong-buffer-len = {} is longer than max-new-tokens = {max} of {what} (the penalty's length limit)",
+                        src.at("score", "overlong-buffer-len"),
+                        score.overlong_buffer_len
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     fn validate(&self, origin: &str) -> Result<()> {
@@ -860,6 +1028,107 @@ estimator = "grpo"
             msg.contains("t.toml:1:1: unknown key `sed`: did you mean `seed`?"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn algorithm_table_is_checked_before_anything_runs() {
+        // MINIMAL ends on line 11: [algorithm] is line 12, its first key line 13.
+        let with = |keys: &str| format!("{MINIMAL}[algorithm]\n{keys}\n");
+        let s = Spec::parse(&with("filter-groups = true"), "t.toml").unwrap();
+        assert_eq!(
+            s.filter_groups(),
+            Some(FilterGroups {
+                metric: FilterMetric::Score,
+                max_rounds: DEFAULT_MAX_NUM_GEN_BATCHES,
+                prompts_per_round: 4,
+                on_cap: OnCap::Train,
+            })
+        );
+        let s = Spec::parse(
+            &with("filter-groups = true\nfilter-metric = \"score_acc\"\nmax-num-gen-batches = 0\nprompts-per-round = 12\non-cap = \"fail\""),
+            "t.toml",
+        )
+        .unwrap();
+        let fg = s.filter_groups().unwrap();
+        assert_eq!(fg.metric, FilterMetric::Column("score_acc".into()));
+        assert_eq!((fg.max_rounds, fg.prompts_per_round), (0, 12));
+        assert_eq!(fg.on_cap, OnCap::Fail);
+        // The table round-trips through the resolved spec; a spec without it resolves as before.
+        assert_eq!(Spec::parse(&s.to_toml(), "resolved").unwrap(), s);
+        let plain = Spec::parse(MINIMAL, "t.toml").unwrap();
+        assert!(!plain.to_toml().contains("algorithm"));
+        assert_eq!(plain.filter_groups(), None);
+        let off = Spec::parse(&with("filter-groups = false"), "t.toml").unwrap();
+        assert_eq!(off, plain);
+
+        for (text, want) in [
+            (
+                with("filter-group = true"),
+                "t.toml:13:1: unknown key `filter-group`: did you mean `filter-groups`?",
+            ),
+            (
+                with("max-num-gen-batches = 3"),
+                "t.toml:13:1: [algorithm] max-num-gen-batches has no effect without filter-groups = true",
+            ),
+            (
+                with("filter-groups = true\nfilter-metric = \"reward\""),
+                "t.toml:14:1: [algorithm] filter-metric = \"reward\": unknown metric \"reward\": expected \"score\", \"acc\" or a sub-score column \"score_<key>\"",
+            ),
+            (
+                with("filter-groups = true\nfilter-metric = \"score_\""),
+                "unknown metric \"score_\"",
+            ),
+            (
+                with("filter-groups = true\nprompts-per-round = 0"),
+                "t.toml:14:1: [algorithm] prompts-per-round must be at least 1",
+            ),
+            (
+                with("filter-groups = true\non-cap = \"maybe\""),
+                "t.toml:14:10: unknown variant `maybe`, expected `train` or `fail`",
+            ),
+            (
+                with("filter-groups = true\nmax-num-gen-batches = -1"),
+                "t.toml:14:23: invalid value",
+            ),
+            (
+                format!("{}[rollout]\nn = 1\n", with("filter-groups = true")),
+                "t.toml:13:1: [algorithm] filter-groups = true needs [rollout] n >= 2 (a group of one sample is never dropped), got n = 1",
+            ),
+        ] {
+            let msg = error(&text);
+            assert!(msg.contains(want), "{want:?} not in {msg:?}");
+        }
+    }
+
+    #[test]
+    fn overlong_buffer_must_fit_every_rollout_it_scores() {
+        let text = MINIMAL.replace(
+            "reward = \"exact\"",
+            "reward = \"exact\"\noverlong-buffer-len = 64",
+        ) + "[rollout]\nmax-new-tokens = 128\n";
+        let st = stages(&text);
+        assert_eq!(st.score.args.overlong_buffer_len, 64);
+        assert_eq!(
+            st.score.argv,
+            ["--reward", "exact", "--overlong-buffer-len", "64"]
+        );
+        let msg = error(&text.replace("max-new-tokens = 128", "max-new-tokens = 32"));
+        assert!(
+            msg.contains("t.toml:10:1: [score] overlong-buffer-len = 64 is longer than max-new-tokens = 32 of the training rollout"),
+            "{msg}"
+        );
+        // The evaluation's own limit counts too.
+        let msg = error(&format!("{text}[eval]\nmax-new-tokens = 16\n"));
+        assert!(
+            msg.contains("longer than max-new-tokens = 16 of the evaluation"),
+            "{msg}"
+        );
+        // An explicit limit is the stage's to check (a shorter rollout is then fine).
+        let text = text.replace(
+            "overlong-buffer-len = 64",
+            "overlong-buffer-len = 64\nmax-response-length = 100",
+        );
+        stages(&text.replace("max-new-tokens = 128", "max-new-tokens = 32"));
     }
 
     #[test]

@@ -24,10 +24,15 @@
 //! the `acc` sub-score when the reward returns one (verl's math_dapo does). Scoring a batch
 //! that already has a `score` column replaces it; `score_<key>` columns of an earlier run
 //! that this reward does not return are kept as they are.
+//!
+//! Overlong shaping ([`overlong`], DAPO's soft overlong punishment, `--overlong-buffer-len`)
+//! adds a length penalty to `score` after the rule, written as `score_overlong`, with the
+//! unshaped correctness as `score_acc`.
 
 pub mod external;
 pub mod gsm8k;
 pub mod math;
+pub mod overlong;
 pub mod rules;
 pub mod summary;
 
@@ -39,7 +44,7 @@ use arrow_array::cast::AsArray;
 use arrow_array::{Array, ArrayRef, Float32Array};
 use arrow_schema::DataType;
 use rayon::prelude::*;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -370,7 +375,47 @@ pub struct StageConfig {
     /// The `--reward` text as given (recorded in the output's metadata).
     pub reward: String,
     pub options: Options,
+    /// DAPO's overlong shaping, when asked for.
+    pub overlong: Option<OverlongFlags>,
     pub metrics: Option<PathBuf>,
+}
+
+/// `--overlong-buffer-len`, `--overlong-penalty-factor` and `--max-response-length` as given;
+/// the limit is resolved against the batch ([`OverlongFlags::resolve`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OverlongFlags {
+    pub buffer: usize,
+    pub factor: f32,
+    /// L_max; None: the rollout's `max_new_tokens` recorded in the batch.
+    pub max_len: Option<usize>,
+}
+
+impl OverlongFlags {
+    /// The shaping for `batch`: L_max from the flag, else from the rollout's parameters in the
+    /// batch metadata (`tandem.stage.rollout`).
+    pub fn resolve(&self, batch: &Batch) -> Result<overlong::Overlong> {
+        if let Some(max) = self.max_len {
+            return overlong::Overlong::new(max, self.buffer, self.factor, "--max-response-length");
+        }
+        let key = format!("{}rollout", crate::batch::schema::meta::STAGE_PREFIX);
+        let recorded = batch
+            .meta
+            .get(&key)
+            .and_then(|p| serde_json::from_str::<Value>(p).ok())
+            .and_then(|p| p.get("max_new_tokens").and_then(Value::as_u64));
+        match recorded {
+            Some(max) => overlong::Overlong::new(
+                max as usize,
+                self.buffer,
+                self.factor,
+                &format!("{}: the rollout's max_new_tokens", batch.path.display()),
+            ),
+            None => bail_input!(
+                "{}: --overlong-buffer-len needs the response length limit: the batch records no rollout max_new_tokens ({key}); pass --max-response-length",
+                batch.path.display()
+            ),
+        }
+    }
 }
 
 impl StageConfig {
@@ -385,6 +430,9 @@ impl StageConfig {
             "run_timeout_ms": o.run_timeout.map(|d| d.as_millis() as u64),
             "python": o.python,
             "reward_kwargs": o.reward_kwargs,
+            "overlong_buffer_len": self.overlong.map(|f| f.buffer),
+            "overlong_penalty_factor": self.overlong.map(|f| f.factor),
+            "max_response_length": self.overlong.and_then(|f| f.max_len),
         })
     }
 }
@@ -394,15 +442,30 @@ pub fn run_stage(cfg: &StageConfig) -> Result<Summary> {
     let spec = RewardSpec::parse(&cfg.reward)?;
     cfg.options.validate()?;
     let t0 = Instant::now();
-    let batch = Batch::read(&cfg.input, &spec.required_columns())?;
+    let mut required = spec.required_columns();
+    if cfg.overlong.is_some() {
+        required.push(schema::RESPONSE_IDS);
+    }
+    let batch = Batch::read(&cfg.input, &required)?;
+    let shaping = cfg.overlong.map(|f| f.resolve(&batch)).transpose()?;
     let t1 = Instant::now();
-    let scores = score_batch(&batch, &spec, &cfg.options)?;
+    let mut scores = score_batch(&batch, &spec, &cfg.options)?;
+    if let Some(o) = &shaping {
+        let lens: Vec<usize> = batch
+            .ragged_i32(schema::RESPONSE_IDS)?
+            .rows()
+            .map(<[i32]>::len)
+            .collect();
+        o.apply(&mut scores, &lens)
+            .map_err(|e| e.context(batch.path.display().to_string()))?;
+    }
     let sources = if batch.has(schema::DATA_SOURCE) {
         Some(batch.strings(schema::DATA_SOURCE)?)
     } else {
         None
     };
     let summary = Summary::new(&scores, sources.as_deref());
+    let overlong_rows = overlong_rows(&scores);
     let t2 = Instant::now();
 
     let mut cols = NewColumns::new();
@@ -424,10 +487,64 @@ pub fn run_stage(cfg: &StageConfig) -> Result<Summary> {
         write_s: t2.elapsed().as_secs_f64(),
     };
     if let Some(path) = &cfg.metrics {
-        summary::write_metrics(path, &summary.metrics(&timings))?;
+        let mut m = summary.metrics(&timings);
+        insert_overlong_fraction(&mut m, overlong_rows, summary.all.rows);
+        summary::write_metrics(path, &m)?;
     }
     eprint!("{}", summary.report(&spec.label(&cfg.options), &timings));
+    if let (Some(o), Some(n)) = (&shaping, overlong_rows) {
+        eprintln!(
+            "  overlong: {n} of {} responses past {} tokens (L_max {} - buffer {}), penalty factor {}",
+            summary.all.rows,
+            o.max_len - o.buffer,
+            o.max_len,
+            o.buffer,
+            o.factor
+        );
+    }
     Ok(summary)
+}
+
+/// Rows the overlong shaping penalised, when it ran.
+fn overlong_rows(scores: &Scores) -> Option<usize> {
+    scores
+        .sub(overlong::KEY)
+        .map(|p| p.iter().filter(|&&x| x < 0.0).count())
+}
+
+/// `score/overlong_fraction`: verl's `overlong` flag as a fraction of the rows.
+fn insert_overlong_fraction(m: &mut Map<String, Value>, penalised: Option<usize>, rows: usize) {
+    if let Some(n) = penalised {
+        m.insert(
+            "score/overlong_fraction".into(),
+            json!(n as f64 / rows.max(1) as f64),
+        );
+    }
+}
+
+/// What `score --metrics` reports about the rows of an already scored batch (its `score` and
+/// `score_<key>` columns), without the timings: for a batch the runner assembled from scored
+/// files (dynamic sampling).
+pub fn scored_metrics(batch: &Batch) -> Result<Map<String, Value>> {
+    let mut scores = Scores {
+        score: batch.f32s(schema::SCORE)?,
+        subs: Vec::new(),
+    };
+    for f in batch.data.schema().fields() {
+        if let Some(key) = f.name().strip_prefix(schema::SCORE_PREFIX) {
+            scores.subs.push((key.to_string(), batch.f32s(f.name())?));
+        }
+    }
+    let sources = if batch.has(schema::DATA_SOURCE) {
+        Some(batch.strings(schema::DATA_SOURCE)?)
+    } else {
+        None
+    };
+    let summary = Summary::new(&scores, sources.as_deref());
+    let mut m = summary.metrics(&Timings::default());
+    m.retain(|k, _| !k.ends_with("_s"));
+    insert_overlong_fraction(&mut m, overlong_rows(&scores), summary.all.rows);
+    Ok(m)
 }
 
 /// Convenience for callers holding paths (benchmarks, the pipeline runner).
@@ -437,6 +554,7 @@ pub fn score_file(input: &Path, output: &Path, reward: &str, options: Options) -
         output: output.to_path_buf(),
         reward: reward.to_string(),
         options,
+        overlong: None,
         metrics: None,
     })
 }

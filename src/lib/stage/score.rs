@@ -2,8 +2,9 @@
 //! `score_<key>` columns). The rules, the external-program protocol and the summary live in
 //! `crate::reward`; this file holds the stage's flags.
 
+use crate::bail_input;
 use crate::error::input_error;
-use crate::reward::{Gsm8kMethod, Options, RewardSpec, StageConfig};
+use crate::reward::{overlong, Gsm8kMethod, Options, OverlongFlags, RewardSpec, StageConfig};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -42,6 +43,19 @@ pub struct ScoreArgs {
     /// python: extra keyword arguments for the function, as a JSON object (verl's reward_kwargs).
     #[arg(long, default_value = "{}", value_name = "JSON")]
     pub reward_kwargs: String,
+    /// DAPO's soft overlong punishment: the last N tokens before the length limit over which
+    /// the score loses up to --overlong-penalty-factor, linearly (past the limit: all of it).
+    /// The penalty is written as `score_overlong`, the unshaped correctness as `score_acc`.
+    /// 0: off.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub overlong_buffer_len: usize,
+    /// The overlong penalty at (and past) the length limit.
+    #[arg(long, default_value_t = 1.0, value_name = "F")]
+    pub overlong_penalty_factor: f32,
+    /// The length limit L_max of the overlong penalty, in response tokens [default: the
+    /// rollout's --max-new-tokens, recorded in the batch].
+    #[arg(long, value_name = "N")]
+    pub max_response_length: Option<usize>,
     /// Also write the summary as one JSON object to FILE.
     #[arg(long, value_name = "FILE")]
     pub metrics: Option<PathBuf>,
@@ -65,6 +79,11 @@ impl ScoreArgs {
                 python: self.python.clone(),
                 reward_kwargs,
             },
+            overlong: (self.overlong_buffer_len > 0).then_some(OverlongFlags {
+                buffer: self.overlong_buffer_len,
+                factor: self.overlong_penalty_factor,
+                max_len: self.max_response_length,
+            }),
             metrics: self.metrics.clone(),
         })
     }
@@ -74,10 +93,22 @@ impl ScoreArgs {
     pub fn check(&self) -> Result<()> {
         let cfg = self.config()?;
         RewardSpec::parse(&cfg.reward)?;
-        cfg.options.validate()
+        cfg.options.validate()?;
+        overlong::check_factor(self.overlong_penalty_factor)?;
+        match (self.max_response_length, cfg.overlong) {
+            (Some(max), Some(f)) => {
+                overlong::Overlong::new(max, f.buffer, f.factor, "--max-response-length")?;
+            }
+            (Some(_), None) => bail_input!(
+                "--max-response-length is the length limit of the overlong penalty: it needs --overlong-buffer-len N"
+            ),
+            _ => {}
+        }
+        Ok(())
     }
 }
 
 pub fn run(args: ScoreArgs) -> Result<()> {
+    args.check()?;
     crate::reward::run_stage(&args.config()?).map(|_| ())
 }

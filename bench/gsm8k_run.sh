@@ -1,0 +1,219 @@
+#!/bin/bash
+# GSM8K training runs on one lent GPU (docs/GSM8K_RUN.md), for either model, in device calls of
+# under 10 minutes, with a report anyone can compare: greedy accuracy on the whole test set
+# (1,319 questions) at the spec's evaluation steps and at the end, the step-time split from
+# metrics.jsonl, peak GPU memory, and the wall time of every call (evaluations, daemon starts
+# and resumes included).
+#
+# Variables (all steps):
+#   STEP   pack | setup | piece | run | eval | report   (below)
+#   MODEL  0.5b (default) or 1.5b: the GGUF (size, sha256), models/qwen2.5-coder-$MODEL
+#   SPEC   pipeline spec [pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml]; the GRPO one is
+#          pipelines/gsm8k-qwen2.5-coder-0.5b-cuda.toml
+#   RUN    run name [gsm8k-$MODEL]: the run directory is $R/runs/$RUN
+#   D      carried directory with bin.tar.xz and the GSM8K parquets [.device/rl]
+#   P      carried directory with this call's GGUF piece(s) [.device/piece]
+#   R      work directory on the device [/root/rl]
+#
+# Here (the development machine), once per model:
+#   STEP=pack MODEL=1.5b bash bench/gsm8k_run.sh
+#     builds the release binaries, makes data/ and the GGUF (make data model-...), and writes
+#     .device/rl/{bin.tar.xz,train.parquet,test.parquet} and .device/pieces/q.NN (`split -b 50M`
+#     of the GGUF: 10 pieces for 0.5b, 22 for 1.5b). A call carries at most 64 MiB, so each
+#     piece travels in its own call: copy it alone into .device/piece/ before the call.
+# On the device (the device tool's `run`, carry [".device/rl", ".device/piece"]):
+#   STEP=setup  unpack the binaries and data into $R, keep the carried piece (carry the last,
+#               short one here: it fits beside bin.tar.xz)
+#   STEP=piece  keep the carried piece(s) in $R/pieces/ (a repeated call just rewrites them)
+#   STEP=run    join the pieces into the GGUF once all are there and check its size and sha256,
+#               import it (first time), then run or resume the pipeline for at most SECS
+#               seconds [480] up to STEPS steps [the spec's]; EVAL_EVERY=K evaluates every K
+#               steps instead of the spec's [eval] every (set it at the run's first call: a
+#               run continues only with the spec it began with). Appends the call's wall time
+#               to $R/wall-$RUN.tsv and samples GPU memory every 0.5 s.
+#   STEP=eval   greedy evaluation of the run's current policy on the whole test set (the spec's
+#               evaluation flags: EVAL_FLAGS ["--n 1 --top-k 1 --max-new-tokens 512
+#               --max-prompt-tokens 256 --max-num-seqs 768"]), for a run stopped between
+#               evaluations; its wall time is counted too
+#   STEP=report every evaluation rescored with the built-in rules (strict `#### N`, flexible last
+#               number, `\boxed{}`), the step-time split (medians of metrics.jsonl's time/*,
+#               with and without the optimizer-checkpoint steps), dynamic sampling's rounds,
+#               peak GPU memory and the total wall time, into $OUT/report.md with metrics.jsonl,
+#               eval.jsonl, evals.tsv and plot.png
+# The run directory lives on the device only while the machine stays warm, and a machine goes
+# back after 30 minutes held: pieces, setup and the whole run must fit in one lease.
+# Example, 0.5B for 30 minutes of wall time: setup (with q.09), 9 piece calls (q.00..q.08), then
+#   STEP=run SECS=540 (four calls, the first with EVAL_EVERY=10), STEP=report.
+set -u
+MODEL=${MODEL:-0.5b}
+case "$MODEL" in
+0.5b) GGUF_NAME=Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf; BYTES=491400064
+      SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 ;;
+1.5b) GGUF_NAME=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf; BYTES=1117320768
+      SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ;;
+*) echo "MODEL=$MODEL: expected 0.5b or 1.5b"; exit 2 ;;
+esac
+MODEL_DIR=models/qwen2.5-coder-$MODEL
+SPEC=${SPEC:-pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml}
+RUN=${RUN:-gsm8k-$MODEL}
+D=${D:-.device/rl}
+P=${P:-.device/piece}
+R=${R:-/root/rl}
+BINS="tandem pipeline rollout score ref-logprob advantage update sync-weights"
+export TANDEM_CACHE=${TANDEM_CACHE:-/root/tandem-cache} TANDEM_BIN_DIR=$R/bin PYTHONUNBUFFERED=1
+
+# Appends "what seconds steps_done" to the run's wall-time ledger.
+ledger() {
+  local done
+  done=$(python3 -c "import json; print(json.load(open('runs/$RUN/state.json'))['steps_done'])" 2>/dev/null || echo 0)
+  printf '%s\t%s\t%s\n' "$1" "$2" "$done" >> "$R/wall-$RUN.tsv"
+}
+
+# Samples the GPU's used memory (MiB) every 0.5 s into $1 until stop_mem.
+start_mem() {
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >> "$1" 2>/dev/null &
+  MEM_PID=$!
+}
+stop_mem() { kill "$MEM_PID" 2>/dev/null; wait "$MEM_PID" 2>/dev/null; }
+
+case "${STEP:-}" in
+pack)
+  set -e
+  make build data "model-qwen2.5-coder-$MODEL"
+  mkdir -p "$D" .device/pieces .device/piece
+  tmp=$(mktemp -d)
+  for b in $BINS; do cp "target/release/$b" "$tmp/"; strip "$tmp/$b"; done
+  tar -cJf "$D/bin.tar.xz" -C "$tmp" $BINS && rm -rf "$tmp"
+  cp data/gsm8k/train.parquet data/gsm8k/test.parquet "$D/"
+  rm -f .device/pieces/q.*
+  split -b 50M -d -a 2 ".cache/models/$GGUF_NAME" .device/pieces/q.
+  ls -la "$D" .device/pieces
+  echo "pieces: $(ls .device/pieces | wc -l); carry the last with STEP=setup, the others one per STEP=piece call"
+  ;;
+setup)
+  rm -rf "$R" && mkdir -p "$R/bin" "$R/data/gsm8k" "$R/pipelines/rewards" "$R/pieces"
+  tar -xJf "$D/bin.tar.xz" -C "$R/bin" && cp "$D"/train.parquet "$D"/test.parquet "$R/data/gsm8k/" || exit 1
+  cp "$P"/q.* "$R/pieces/" 2>/dev/null
+  ls -la "$R/bin" "$R/pieces"
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+  ;;
+piece)
+  cp "$P"/q.* "$R/pieces/" && ls "$R/pieces" | tr '\n' ' ' && echo
+  ;;
+run)
+  cp pipelines/*.toml "$R/pipelines/" && cp pipelines/rewards/*.py "$R/pipelines/rewards/"
+  cd "$R" || exit 1
+  if [ ! -f model.gguf ]; then
+    have=$(cat pieces/q.* 2>/dev/null | wc -c)
+    [ "$have" = "$BYTES" ] || { echo "pieces hold $have of $BYTES bytes: carry the missing ones (STEP=piece)"; ls pieces; exit 1; }
+    cat pieces/q.* > model.gguf.tmp && mv model.gguf.tmp model.gguf && rm -rf pieces
+  fi
+  echo "$SHA  model.gguf" | sha256sum -c --quiet || exit 1
+  spec=$SPEC
+  if [ -n "${EVAL_EVERY:-}" ]; then
+    spec=pipelines/$RUN.toml
+    [ -f "runs/$RUN/state.json" ] || sed "/^\[eval\]/,/^\[/ s/^every = .*/every = $EVAL_EVERY/" "$SPEC" > "$spec"
+  elif [ -f "pipelines/$RUN.toml" ]; then
+    spec=pipelines/$RUN.toml
+  fi
+  t0=$SECONDS
+  if [ ! -d "$MODEL_DIR" ]; then
+    bin/tandem import-gguf model.gguf --out "$MODEL_DIR" || exit 1
+    ledger import $((SECONDS - t0))
+  fi
+  t0=$SECONDS
+  start_mem "$R/mem-$RUN.csv"
+  steps=()
+  [ -n "${STEPS:-}" ] && steps=(--steps "$STEPS")
+  timeout -s INT "${SECS:-480}" bin/pipeline run "$spec" --run-dir "runs/$RUN" "${steps[@]}" \
+    >> "$R/pipeline-$RUN.log" 2>&1
+  rc=$?
+  stop_mem
+  # The runner's daemon and stages die with it (PR_SET_PDEATHSIG); give the GPU a moment.
+  sleep 2
+  ledger run $((SECONDS - t0))
+  echo "pipeline rc=$rc in $((SECONDS - t0)) s; steps done: $(grep -o '"steps_done": *[0-9]*' "runs/$RUN/state.json")"
+  grep -E '^(step|eval step) ' "$R/pipeline-$RUN.log" | tail -6
+  tail -c 8000 "$R/pipeline-$RUN.log" > "$OUT/pipeline.log"
+  ;;
+eval)
+  cd "$R" || exit 1
+  dir=runs/$RUN/final-eval
+  mkdir -p "$dir"
+  t0=$SECONDS
+  # shellcheck disable=SC2086
+  bin/rollout --model "runs/$RUN/policy" --in data/gsm8k/test.parquet --out "$dir/rollout.parquet" \
+    --device cuda ${EVAL_FLAGS:---n 1 --top-k 1 --max-new-tokens 512 --max-prompt-tokens 256 --max-num-seqs 768} \
+    > "$dir/rollout.log" 2>&1 || { tail -5 "$dir/rollout.log"; exit 1; }
+  ledger eval $((SECONDS - t0))
+  echo "final evaluation of $(python3 -c "import json; print(json.load(open('runs/$RUN/policy'))['policy_version'])") in $((SECONDS - t0)) s"
+  ;;
+report)
+  cd "$R" || exit 1
+  run=runs/$RUN
+  # Every evaluation (and the final one) rescored with the built-in rules.
+  printf 'step\tstrict\tflexible\tboxed\n' > "$OUT/evals.tsv"
+  for d in "$run"/eval/step-* "$run"/final-eval; do
+    [ -f "$d/rollout.parquet" ] || continue
+    row=$(basename "$d")
+    for rule in "gsm8k --gsm8k-method strict" "gsm8k --gsm8k-method flexible" "math"; do
+      # shellcheck disable=SC2086
+      bin/score --in "$d/rollout.parquet" --out /tmp/rescored.parquet --reward $rule \
+        --metrics /tmp/rescored.json > /dev/null 2>&1
+      row="$row\t$(python3 -c "import json; print(json.load(open('/tmp/rescored.json'))['score/accuracy'])")"
+    done
+    printf "$row\n" >> "$OUT/evals.tsv"
+  done
+  cp "$run/metrics.jsonl" "$run/eval.jsonl" "$OUT/" 2>/dev/null
+  bin/tandem plot "$run" --out "$OUT/plot.png" > /dev/null 2>&1
+  python3 - "$run" "$R/wall-$RUN.tsv" "$R/mem-$RUN.csv" "$OUT/evals.tsv" "$MODEL" "$SPEC" > "$OUT/report.md" <<'EOF'
+import json, statistics, sys
+run, wall, mem, evals, model, spec = sys.argv[1:]
+try:
+    lines = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
+except OSError:
+    lines = []
+# The step's time without its evaluation (time/step counts both).
+for l in lines:
+    l["time/train"] = l.get("time/step", 0) - sum(v for k, v in l.items() if k.startswith("time/eval-"))
+print(f"# GSM8K, Qwen2.5-Coder-{model.upper()}-Instruct: {spec}, {len(lines)} steps\n")
+print("## Greedy accuracy, whole test set (1,319 questions)\n")
+print("| eval | strict `#### N` | flexible (last number) | `\\boxed{}` |\n|---|---|---|---|")
+for row in list(open(evals))[1:]:
+    name, *acc = row.split()
+    print(f"| {name} | " + " | ".join(f"{100 * float(a):.1f}%" for a in acc) + " |")
+def median_split(rows, title):
+    keys = sorted({k for l in rows for k in l if k.startswith("time/")})
+    if not rows:
+        print(f"\n{title}: none")
+        return
+    print(f"\n{title} ({len(rows)} steps, median seconds)\n")
+    print("| " + " | ".join(k[5:] for k in keys) + " |\n|" + "---|" * len(keys))
+    print("| " + " | ".join(f"{statistics.median(l[k] for l in rows if k in l):.2f}" for k in keys) + " |")
+print("\n## Step time\n\n`train` is `step` without the evaluation's rollout and score.")
+median_split(lines, "All steps")
+median_split([l for l in lines if not l.get("update/optimizer_state_saved")], "Steps without an optimizer checkpoint")
+if any("sampling/rounds" in l for l in lines):
+    r = [l["sampling/rounds"] for l in lines]
+    print(f"\nDynamic sampling: {statistics.mean(r):.2f} rounds per step (max {max(r)}), "
+          f"{statistics.mean(l['sampling/groups_dropped'] for l in lines):.1f} groups dropped, "
+          f"{sum(l['sampling/capped'] for l in lines)} steps capped, "
+          f"{sum(l['sampling/prompts'] for l in lines)} prompts drawn")
+try:
+    peak = max(int(x) for x in open(mem) if x.strip().isdigit())
+    print(f"\nPeak GPU memory used (nvidia-smi, every 0.5 s): {peak / 1024:.1f} GiB")
+except (OSError, ValueError):
+    pass
+print("\n## Wall time\n\n| call | seconds | steps done after |\n|---|---|---|")
+total = 0
+for row in open(wall):
+    what, secs, done = row.split()
+    total += int(secs)
+    print(f"| {what} | {secs} | {done} |")
+print(f"\nTotal: {total} s = {total / 60:.1f} min (the calls' own time: evaluations, daemon starts and resumes included; the gaps between calls are not)")
+EOF
+  cat "$OUT/report.md"
+  ;;
+*)
+  echo "STEP=pack|setup|piece|run|eval|report (see the top of $0)"; exit 2 ;;
+esac

@@ -1,0 +1,577 @@
+//! DAPO's dynamic sampling (Yu et al. 2025, section 3.2; verl's `algorithm.filter_groups`).
+//!
+//! A prompt group whose samples all get the same reward has zero GRPO advantage and gives no
+//! gradient. With `[algorithm] filter-groups = true` a step samples in rounds: each round
+//! draws `prompts-per-round` prompts from the run's sampler (the same seeded cursor as a plain
+//! step, so a resume draws the same prompts), rolls them out and scores them, and keeps the
+//! groups whose `filter-metric` is not the same for every sample. Rounds go on until
+//! `[data] prompts-per-step` groups are kept; the step then trains on the first that many in
+//! round order (the surplus of the last round is dropped, as verl truncates). At
+//! `max-num-gen-batches` rounds with fewer groups, `on-cap = "train"` (the default) trains on
+//! the groups kept, and `on-cap = "fail"` stops the run as verl does; a step that kept no group
+//! at all stops the run either way (there is nothing to train on).
+//!
+//! Files: every round in `step-000K/round-R/` (`prompts`, `rollout`, `scored` and the stages'
+//! `metrics/`); the kept groups in the step's `rollout.parquet` and `scored.parquet`, which the
+//! rest of the step reads as usual; the step's sampling summary in `metrics/sampling.json`
+//! (`sampling/…` in metrics.jsonl) and `metrics/score.json` (the score summary of the kept
+//! rows); the sampler's cursor after the step in `step-000K/sampling.json`. Each finished
+//! round stage is recorded in `state.json` (`round-R/rollout`...), so a run killed in the
+//! middle of a step continues with the round it was in.
+
+use super::metrics;
+use super::rundir::{step_name, RunDir};
+use super::runner::{Action, Runner, SampleFiles, Task};
+use super::sampler::{derive_seed, Cursor};
+use super::spec::{FilterGroups, FilterMetric, OnCap};
+use crate::algo::advantage::Groups;
+use crate::bail_input;
+use crate::batch::{schema, write_file, write_json, Batch, StageInfo};
+use anyhow::{Context, Result};
+use arrow_array::{RecordBatch, UInt32Array};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The files of round `round` of step `step`: `step-000K/round-R/`.
+pub fn round_files(run: &RunDir, step: u64, round: u64) -> SampleFiles {
+    let dir = run.step_dir(step).join(format!("round-{round}"));
+    SampleFiles {
+        prompts: dir.join("prompts.parquet"),
+        rollout: dir.join("rollout.parquet"),
+        scored: dir.join("scored.parquet"),
+        rollout_metrics: dir.join("metrics").join("rollout.json"),
+        score_metrics: dir.join("metrics").join("score.json"),
+    }
+}
+
+/// The rollout seed of a round. Round 1 uses the plain step's seed, so a step whose first
+/// round keeps enough groups samples exactly what a step without filtering would.
+fn round_seed(seed: u64, step: u64, round: u64) -> u64 {
+    match round {
+        1 => derive_seed(seed, &[step, 1]),
+        r => derive_seed(seed, &[step, 1, r]),
+    }
+}
+
+/// Which groups are kept: those whose value is not the same for every sample. A group of one
+/// sample is kept, as verl does (its spread is undefined, not zero).
+pub fn varied_groups(groups: &Groups, values: &[f64]) -> Vec<bool> {
+    assert_eq!(groups.of_row.len(), values.len(), "one value per row");
+    let mut first: Vec<Option<f64>> = vec![None; groups.count];
+    let mut varied = vec![false; groups.count];
+    for (&g, &v) in groups.of_row.iter().zip(values) {
+        match first[g] {
+            None => first[g] = Some(v),
+            Some(f) if f != v => varied[g] = true,
+            Some(_) => {}
+        }
+    }
+    varied
+        .into_iter()
+        .zip(groups.sizes())
+        .map(|(v, n)| v || n == 1)
+        .collect()
+}
+
+/// The per-row values of `metric` in a scored batch.
+pub fn metric_values(batch: &Batch, metric: &FilterMetric) -> Result<Vec<f64>> {
+    // `f32s` refuses NaN and infinities (naming the row), so the values compare exactly.
+    Ok(match metric {
+        FilterMetric::Score => batch
+            .f32s(schema::SCORE)?
+            .iter()
+            .map(|&x| x as f64)
+            .collect(),
+        FilterMetric::Acc => metrics::correct(batch, &batch.f32s(schema::SCORE)?)?,
+        FilterMetric::Column(c) => {
+            if !batch.has(c) {
+                bail_input!(
+                    "{}: [algorithm] filter-metric = \"{c}\": the scored batch has no column '{c}' (the reward returns no sub-score \"{}\")",
+                    batch.path.display(),
+                    &c[schema::SCORE_PREFIX.len()..]
+                );
+            }
+            batch.f32s(c)?.iter().map(|&x| x as f64).collect()
+        }
+    })
+}
+
+/// One finished round.
+struct Round {
+    files: SampleFiles,
+    scored: Batch,
+    groups: Groups,
+    keep: Vec<bool>,
+}
+
+/// What `step-000K/sampling.json` records: the rounds a step took and where the sampler stood
+/// after them (a rewind to this step continues from there).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Record {
+    rounds: u64,
+    groups: usize,
+    capped: bool,
+    cursor: Cursor,
+}
+
+fn record_path(run: &RunDir, step: u64) -> PathBuf {
+    run.step_dir(step).join("sampling.json")
+}
+
+/// The stage commands of round 1, for the checks before a run starts (nothing without
+/// filter-groups: the plain step's own commands are checked then).
+pub(super) fn first_round_tasks(r: &Runner, step: u64) -> Vec<Task> {
+    if r.spec.filter_groups().is_none() {
+        return Vec::new();
+    }
+    let files = round_files(&r.run, step, 1);
+    r.sample_tasks(step, &files, round_seed(r.spec.seed, step, 1))
+        .into()
+}
+
+/// The dry-run text of the task: what it does, and round 1's stage commands.
+pub(super) fn describe(r: &Runner, step: u64) -> String {
+    let fg = r.spec.filter_groups().expect("a step samples dynamically");
+    let cap = match fg.max_rounds {
+        0 => "no cap on rounds".to_string(),
+        n => format!(
+            "at most {n} rounds, then {}",
+            match fg.on_cap {
+                OnCap::Train => "train on the groups kept",
+                OnCap::Fail => "fail",
+            }
+        ),
+    };
+    let mut text = format!(
+        "# pipeline: dynamic sampling: rounds of {} prompts of {} into {}/round-R/ until {} groups have a varying {} ({cap}); the kept groups go to {} and {}. Round 1:",
+        fg.prompts_per_round,
+        r.spec.data.train.display(),
+        r.run.step_dir(step).display(),
+        r.spec.data.prompts_per_step,
+        fg.metric.name(),
+        r.run.batch(step, "rollout").display(),
+        r.run.batch(step, "scored").display(),
+    );
+    for task in first_round_tasks(r, step) {
+        if let Action::Stage { bin, args } = &task.action {
+            text.push('\n');
+            text.push_str(&r.stage_line(bin, args));
+        }
+    }
+    text
+}
+
+fn is_done(r: &Runner, step: u64, name: &str) -> bool {
+    r.state
+        .current
+        .as_ref()
+        .is_some_and(|c| c.step == step && c.is_done(name))
+}
+
+/// Records a finished part of the task in state.json, adding its seconds to `key`'s.
+fn record(r: &mut Runner, step: u64, name: &str, secs: Option<(&str, f64)>) -> Result<()> {
+    let p = r.progress(step);
+    p.done.push(name.to_string());
+    if let Some((key, s)) = secs {
+        *p.seconds.entry(key.to_string()).or_default() += s;
+    }
+    r.run.save_state(&r.state)
+}
+
+/// Runs the rounds of step `step` and writes its kept batch (see the module docs).
+pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
+    let fg = r.spec.filter_groups().expect("a step samples dynamically");
+    let want = r.spec.data.prompts_per_step as usize;
+    let sampler = r.sampler();
+    let mut cursor = r.state.sampler;
+    let mut rounds: Vec<Round> = Vec::new();
+    let mut varied = 0usize;
+    let capped = loop {
+        let round = rounds.len() as u64 + 1;
+        let files = round_files(&r.run, step, round);
+        let next = sampler.draw(cursor, fg.prompts_per_round).1;
+        let name = format!("round-{round}/prompts");
+        if !is_done(r, step, &name) {
+            r.draw_prompts(step, cursor, fg.prompts_per_round, &files.prompts)?;
+            record(r, step, &name, None)?;
+        }
+        for task in r.sample_tasks(step, &files, round_seed(r.spec.seed, step, round)) {
+            let name = format!("round-{round}/{}", task.name);
+            if is_done(r, step, &name) {
+                continue;
+            }
+            let Action::Stage { bin, args } = &task.action else {
+                unreachable!("a sampling pass is stage commands");
+            };
+            let t0 = Instant::now();
+            r.run_stage(step, &name, bin, args)?;
+            record(
+                r,
+                step,
+                &name,
+                Some((task.name, t0.elapsed().as_secs_f64())),
+            )?;
+        }
+        let scored = Batch::read(
+            &files.scored,
+            &[schema::PROMPT_UID, schema::SCORE, schema::RESPONSE_IDS],
+        )?;
+        let groups = Groups::from_keys(&scored.strings(schema::PROMPT_UID)?);
+        let keep = varied_groups(&groups, &metric_values(&scored, &fg.metric)?);
+        let kept = keep.iter().filter(|&&k| k).count();
+        varied += kept;
+        r.console.detail(&format!(
+            "{} round {round}: {kept} of {} groups have a varying {} ({varied} of {want} kept so far)",
+            step_name(step),
+            groups.count,
+            fg.metric.name()
+        ));
+        rounds.push(Round {
+            files,
+            scored,
+            groups,
+            keep,
+        });
+        cursor = next;
+        if varied >= want {
+            break false;
+        }
+        if fg.max_rounds > 0 && round >= fg.max_rounds {
+            break true;
+        }
+    };
+    let t0 = Instant::now();
+    let n_rounds = rounds.len() as u64;
+    if capped {
+        let what = format!(
+            "{}: dynamic sampling kept {varied} of {want} groups in {n_rounds} round{} ({} prompts; every other group had the same {} for all its samples; [algorithm] max-num-gen-batches = {})",
+            step_name(step),
+            if n_rounds == 1 { "" } else { "s" },
+            n_rounds * fg.prompts_per_round,
+            fg.metric.name(),
+            fg.max_rounds
+        );
+        if fg.on_cap == OnCap::Fail {
+            anyhow::bail!(
+                "{what}; on-cap = \"fail\" stops the run here, as verl does (on-cap = \"train\" trains on the groups kept; a higher max-num-gen-batches samples more)"
+            );
+        }
+        if varied == 0 {
+            anyhow::bail!(
+                "{what}: nothing to train on. The prompts are all too easy or too hard for the policy under this reward: check the reward, or raise max-num-gen-batches"
+            );
+        }
+        r.console
+            .say(&format!("{what}: training on those {varied}"));
+    }
+    let taken = assemble(r, step, &rounds, want, &fg)?;
+
+    // The sampling summary, over every sample the rounds drew.
+    let (mut rows, mut score_sum, mut correct_sum, mut tokens) = (0usize, 0.0, 0.0, 0usize);
+    for round in &rounds {
+        let s = round.scored.f32s(schema::SCORE)?;
+        rows += s.len();
+        score_sum += s.iter().map(|&x| x as f64).sum::<f64>();
+        correct_sum += metrics::correct(&round.scored, &s)?.iter().sum::<f64>();
+        tokens += round.scored.ragged_i32(schema::RESPONSE_IDS)?.values.len();
+    }
+    let groups_all: usize = rounds.iter().map(|r| r.groups.count).sum();
+    let rollout_s = r
+        .state
+        .current
+        .as_ref()
+        .and_then(|c| c.seconds.get("rollout").copied())
+        .unwrap_or(0.0);
+    let mut m = json!({
+        "rounds": n_rounds,
+        "prompts": n_rounds * fg.prompts_per_round,
+        "groups": taken,
+        "groups_dropped": groups_all - varied,
+        "groups_surplus": varied - taken,
+        "capped": u8::from(capped),
+        "samples": rows,
+        "response_tokens": tokens,
+        "score_mean": score_sum / rows.max(1) as f64,
+        "accuracy": correct_sum / rows.max(1) as f64,
+    });
+    if rollout_s > 0.0 {
+        m["rollout_tokens_per_s"] = json!(tokens as f64 / rollout_s);
+    }
+    write_json(&r.run.stage_metrics(step, "sampling"), &m)?;
+    write_json(
+        &record_path(&r.run, step),
+        &Record {
+            rounds: n_rounds,
+            groups: taken,
+            capped,
+            cursor,
+        },
+    )?;
+    r.state.sampler = cursor;
+    let p = r.progress(step);
+    *p.seconds.entry("filter".into()).or_default() += t0.elapsed().as_secs_f64();
+    Ok(())
+}
+
+/// Writes the step's rollout and scored files from the first `want` kept groups, in round
+/// order, with the score summary of those rows. Returns the number of groups.
+fn assemble(
+    r: &Runner,
+    step: u64,
+    rounds: &[Round],
+    want: usize,
+    fg: &FilterGroups,
+) -> Result<usize> {
+    let mut left = want;
+    let mut seen: HashMap<String, u64> = HashMap::new();
+    let mut scored_parts: Vec<(&Path, RecordBatch)> = Vec::new();
+    let mut rollout_parts: Vec<(PathBuf, RecordBatch)> = Vec::new();
+    let mut meta_from: Option<(usize, Batch)> = None;
+    let mut sources = Vec::new();
+    for (i, round) in rounds.iter().enumerate() {
+        // The first `left` kept groups of the round (numbered in order of appearance).
+        let mut take_group = vec![false; round.groups.count];
+        for (g, _) in round.keep.iter().enumerate().filter(|(_, &k)| k).take(left) {
+            take_group[g] = true;
+        }
+        left -= take_group.iter().filter(|&&t| t).count();
+        let rows: Vec<u32> = (0..round.scored.num_rows())
+            .filter(|&row| take_group[round.groups.of_row[row]])
+            .map(|row| row as u32)
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let uids = round.scored.strings(schema::PROMPT_UID)?;
+        for &row in &rows {
+            let uid = uids[row as usize];
+            let round_no = i as u64 + 1;
+            if let Some(&other) = seen.get(uid) {
+                if other != round_no {
+                    anyhow::bail!(
+                        "{}: prompt_uid {uid} is also in round {other}: two rounds' groups would merge",
+                        round.files.scored.display()
+                    );
+                }
+            }
+            seen.insert(uid.to_string(), round_no);
+        }
+        let rows = UInt32Array::from(rows);
+        let rollout = Batch::read(&round.files.rollout, &[])?;
+        if rollout.num_rows() != round.scored.num_rows() {
+            bail_input!(
+                "{}: {} rows, but {} has {}: a round's scored file must hold its rollout's rows",
+                round.files.scored.display(),
+                round.scored.num_rows(),
+                rollout.path.display(),
+                rollout.num_rows()
+            );
+        }
+        scored_parts.push((
+            &round.files.scored,
+            arrow_select::take::take_record_batch(&round.scored.data, &rows)?,
+        ));
+        rollout_parts.push((
+            rollout.path.clone(),
+            arrow_select::take::take_record_batch(&rollout.data, &rows)?,
+        ));
+        sources.push(round.files.scored.display().to_string());
+        if meta_from.is_none() {
+            meta_from = Some((i, rollout));
+        }
+    }
+    let taken = want - left;
+    let (first, first_rollout) = meta_from.expect("at least one group is kept");
+    let info = StageInfo {
+        stage: "filter-groups",
+        params: json!({
+            "metric": fg.metric.name(),
+            "rounds": rounds.len(),
+            "prompts_per_round": fg.prompts_per_round,
+            "groups": taken,
+            "from": sources,
+        }),
+        policy_version: None,
+        step: Some(step),
+    };
+    let scored_out = r.run.batch(step, "scored");
+    let data = concat(scored_parts.iter().map(|(p, b)| (*p, b)))?;
+    write_file(
+        &scored_out,
+        &data,
+        &rounds[first].scored.derived_meta(&info),
+    )?;
+    let data = concat(rollout_parts.iter().map(|(p, b)| (p.as_path(), b)))?;
+    write_file(
+        &r.run.batch(step, "rollout"),
+        &data,
+        &first_rollout.derived_meta(&info),
+    )?;
+    let kept = Batch::read(&scored_out, &[schema::SCORE])?;
+    write_json(
+        &r.run.stage_metrics(step, "score"),
+        &crate::reward::scored_metrics(&kept)?,
+    )?;
+    Ok(taken)
+}
+
+/// The parts as one record batch; every part must have the first one's columns.
+fn concat<'a>(mut parts: impl Iterator<Item = (&'a Path, &'a RecordBatch)>) -> Result<RecordBatch> {
+    let (path0, first) = parts.next().expect("at least one part");
+    let schema = first.schema();
+    let mut all = vec![first.clone()];
+    for (path, b) in parts {
+        if b.schema().fields() != schema.fields() {
+            let names = |s: &arrow_schema::Schema| {
+                s.fields()
+                    .iter()
+                    .map(|f| format!("{} {}", f.name(), f.data_type()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            bail_input!(
+                "{}: its columns ({}) differ from {}'s ({}); the rounds of a step must have the same columns",
+                path.display(),
+                names(&b.schema()),
+                path0.display(),
+                names(&schema)
+            );
+        }
+        all.push(b.clone());
+    }
+    Ok(arrow_select::concat::concat_batches(&schema, &all)?)
+}
+
+/// The sampler's cursor after step `step`: a step that sampled dynamically recorded it (its
+/// rounds drew a number of prompts known only once they ran); a plain step drew
+/// `prompts-per-step` after the step before.
+pub(super) fn cursor_after(r: &Runner, step: u64) -> Result<Cursor> {
+    let sampler = r.sampler();
+    let mut cursor = Cursor::default();
+    for s in 1..=step {
+        let path = record_path(&r.run, s);
+        cursor = match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let rec: Record = serde_json::from_str(&text).with_context(|| {
+                    format!("{}: not a dynamic sampling record", path.display())
+                })?;
+                rec.cursor
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                sampler.draw(cursor, r.spec.data.prompts_per_step).1
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+    }
+    Ok(cursor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_with_equal_values_are_dropped() {
+        // Groups a (3 rows, varied), b (equal), c (one row: kept), d (equal zeros), e (varied
+        // only in its last row).
+        let keys = ["a", "a", "a", "b", "b", "c", "d", "d", "e", "e", "e"];
+        let values = [1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 1.0, 1.0, 0.9];
+        let g = Groups::from_keys(&keys);
+        assert_eq!(varied_groups(&g, &values), [true, false, true, false, true]);
+    }
+
+    fn batch(scores: &[f32], acc: Option<&[f32]>) -> Batch {
+        use arrow_array::{ArrayRef, Float32Array};
+        let mut fields = vec![schema::field(schema::SCORE)];
+        let mut cols: Vec<ArrayRef> =
+            vec![std::sync::Arc::new(Float32Array::from(scores.to_vec()))];
+        if let Some(a) = acc {
+            fields.push(schema::field("score_acc"));
+            cols.push(std::sync::Arc::new(Float32Array::from(a.to_vec())));
+        }
+        let schema = std::sync::Arc::new(arrow_schema::Schema::new(fields));
+        Batch {
+            path: PathBuf::from("s.parquet"),
+            data: RecordBatch::try_new(schema, cols).unwrap(),
+            meta: Default::default(),
+        }
+    }
+
+    #[test]
+    fn metric_values_by_name() {
+        let b = batch(&[1.0, 0.5, -0.25], None);
+        assert_eq!(
+            metric_values(&b, &FilterMetric::Score).unwrap(),
+            [1.0, 0.5, -0.25]
+        );
+        // acc without a score_acc column: score >= 1.
+        assert_eq!(
+            metric_values(&b, &FilterMetric::Acc).unwrap(),
+            [1.0, 0.0, 0.0]
+        );
+        let b = batch(&[0.75, 0.5, -0.25], Some(&[1.0, 1.0, 0.0]));
+        assert_eq!(
+            metric_values(&b, &FilterMetric::Acc).unwrap(),
+            [1.0, 1.0, 0.0]
+        );
+        let col = FilterMetric::Column("score_acc".into());
+        assert_eq!(metric_values(&b, &col).unwrap(), [1.0, 1.0, 0.0]);
+        let err = metric_values(&b, &FilterMetric::Column("score_len".into())).unwrap_err();
+        assert!(crate::error::is_input_error(&err));
+        assert_eq!(
+            err.to_string(),
+            "s.parquet: [algorithm] filter-metric = \"score_len\": the scored batch has no column 'score_len' (the reward returns no sub-score \"len\")"
+        );
+        let err = metric_values(&batch(&[0.0, f32::NAN], None), &FilterMetric::Score).unwrap_err();
+        assert!(crate::error::is_input_error(&err));
+        assert_eq!(
+            err.to_string(),
+            "s.parquet: column 'score', row 1: value NaN is not finite"
+        );
+    }
+
+    #[test]
+    fn cursor_after_reads_the_records_of_dynamic_steps() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "steps = 3\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 4\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[algorithm]\nfilter-groups = true\n";
+        let spec = super::super::spec::Spec::parse(text, "t.toml").unwrap();
+        let state = super::super::rundir::State {
+            train_rows: 10,
+            ..Default::default()
+        };
+        let run = RunDir::new(dir.path());
+        let r = Runner::new(spec, run.clone(), PathBuf::from("bin"), state).unwrap();
+        let sampler = r.sampler();
+        assert_eq!(cursor_after(&r, 0).unwrap(), Cursor::default());
+        // Step 1 took three rounds of 4 prompts; step 2 has no record (a plain step).
+        let after1 = Cursor {
+            epoch: 1,
+            position: 2,
+        };
+        let rec = Record {
+            rounds: 3,
+            groups: 4,
+            capped: false,
+            cursor: after1,
+        };
+        write_json(&record_path(&run, 1), &rec).unwrap();
+        assert_eq!(cursor_after(&r, 1).unwrap(), after1);
+        assert_eq!(cursor_after(&r, 2).unwrap(), sampler.draw(after1, 4).1);
+        std::fs::write(record_path(&run, 1), "{").unwrap();
+        let err = cursor_after(&r, 2).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("not a dynamic sampling record"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
+    fn round_seeds() {
+        assert_eq!(round_seed(7, 3, 1), derive_seed(7, &[3, 1]));
+        assert_ne!(round_seed(7, 3, 2), round_seed(7, 3, 1));
+        assert_ne!(round_seed(7, 3, 2), round_seed(7, 4, 2));
+    }
+}

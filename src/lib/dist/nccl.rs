@@ -37,6 +37,86 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// NCCL's `ncclRedOp_t` as the C int it is: the ops `ncclRedOpCreatePreMulSum` makes are ints
+/// outside cudarc's Rust enum (NCCL 2.28 numbers them far past `ncclNumOps`), and holding one in
+/// that enum would be undefined behaviour, so the calls that take an op go through [`raw`].
+type RawOp = std::ffi::c_int;
+
+/// The NCCL calls that take a reduction op, bound from the library cudarc loaded, with the op
+/// typed as [`RawOp`].
+mod raw {
+    use super::RawOp;
+    use cudarc::nccl::{result::NcclError, sys as ns};
+    use std::ffi::c_void;
+    use std::sync::OnceLock;
+
+    type Reduce = unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        ns::ncclDataType_t,
+        RawOp,
+        ns::ncclComm_t,
+        ns::cudaStream_t,
+    ) -> ns::ncclResult_t;
+    type Destroy = unsafe extern "C" fn(RawOp, ns::ncclComm_t) -> ns::ncclResult_t;
+
+    /// # Safety
+    /// `name` must be the NUL-terminated name of an NCCL function of type `T`.
+    unsafe fn symbol<T: Copy>(name: &[u8]) -> T {
+        // SAFETY: the caller names a function of type T; the library lives for the process.
+        unsafe {
+            *ns::culib()
+                .get::<T>(name)
+                .unwrap_or_else(|e| panic!("NCCL has no {}: {e}", String::from_utf8_lossy(name)))
+        }
+    }
+
+    fn ok(r: ns::ncclResult_t) -> Result<(), NcclError> {
+        r.result().map(|_| ())
+    }
+
+    /// # Safety
+    /// As `ncclAllReduce`.
+    pub unsafe fn all_reduce(
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dt: ns::ncclDataType_t,
+        op: RawOp,
+        comm: ns::ncclComm_t,
+        stream: ns::cudaStream_t,
+    ) -> Result<(), NcclError> {
+        static F: OnceLock<Reduce> = OnceLock::new();
+        let f = *F.get_or_init(|| unsafe { symbol(b"ncclAllReduce\0") });
+        ok(unsafe { f(send, recv, count, dt, op, comm, stream) })
+    }
+
+    /// # Safety
+    /// As `ncclReduceScatter`.
+    pub unsafe fn reduce_scatter(
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dt: ns::ncclDataType_t,
+        op: RawOp,
+        comm: ns::ncclComm_t,
+        stream: ns::cudaStream_t,
+    ) -> Result<(), NcclError> {
+        static F: OnceLock<Reduce> = OnceLock::new();
+        let f = *F.get_or_init(|| unsafe { symbol(b"ncclReduceScatter\0") });
+        ok(unsafe { f(send, recv, count, dt, op, comm, stream) })
+    }
+
+    /// # Safety
+    /// As `ncclRedOpDestroy`.
+    pub unsafe fn reduce_op_destroy(op: RawOp, comm: ns::ncclComm_t) -> Result<(), NcclError> {
+        static F: OnceLock<Destroy> = OnceLock::new();
+        let f = *F.get_or_init(|| unsafe { symbol(b"ncclRedOpDestroy\0") });
+        ok(unsafe { f(op, comm) })
+    }
+}
+
 /// GPUs this process sees (an input error naming the fix when there is no driver).
 pub fn visible_gpus() -> Result<usize> {
     if !unsafe { dsys::is_culib_present() } {
@@ -355,15 +435,15 @@ impl NcclComm {
         &self,
         comm: ns::ncclComm_t,
         c: &Collective<'_, CudaBackend>,
-        custom: &mut Option<(u32, DType, ns::ncclRedOp_t)>,
+        custom: &mut Option<(u32, DType, RawOp)>,
     ) -> Result<()> {
         let stream = self.stream.cu_stream() as ns::cudaStream_t;
         let r = self.rank;
         let fail = |e: nr::NcclError| anyhow!("{}: {}", c.name(), error_text(e.0, Some(comm)));
-        let mut op_of = |op: ReduceOp, d: DType| -> Result<ns::ncclRedOp_t> {
+        let mut op_of = |op: ReduceOp, d: DType| -> Result<RawOp> {
             match op {
-                ReduceOp::Sum => Ok(ns::ncclRedOp_t::ncclSum),
-                ReduceOp::Avg => Ok(ns::ncclRedOp_t::ncclAvg),
+                ReduceOp::Sum => Ok(ns::ncclRedOp_t::ncclSum as RawOp),
+                ReduceOp::Avg => Ok(ns::ncclRedOp_t::ncclAvg as RawOp),
                 ReduceOp::Scaled(s) => {
                     if let Some((bits, dt, made)) = *custom {
                         if bits == s.to_bits() && dt == d {
@@ -377,13 +457,13 @@ impl NcclComm {
                         DType::F32 => &mut value_f32 as *mut f32 as *mut c_void,
                         DType::BF16 => &mut value_bf16 as *mut bf16 as *mut c_void,
                     };
-                    let mut raw = u32::MAX;
-                    // SAFETY: NCCL writes an int op id into `raw` (read as an integer: user ops
-                    // are numbered from ncclNumOps and are not variants of cudarc's enum); the
-                    // host-immediate scalar is read during the call.
+                    let mut raw: RawOp = -1;
+                    // SAFETY: NCCL writes the new op's int id into `raw` (user ops are ints
+                    // outside cudarc's enum, so it is never read as one); the host-immediate
+                    // scalar is read during the call.
                     unsafe {
                         nr::reduce_op_create_pre_mul_sum(
-                            &mut raw as *mut u32 as *mut ns::ncclRedOp_t,
+                            &mut raw as *mut RawOp as *mut ns::ncclRedOp_t,
                             scalar,
                             nccl_type(d),
                             ns::ncclScalarResidence_t::ncclScalarHostImmediate,
@@ -391,12 +471,7 @@ impl NcclComm {
                         )
                     }
                     .map_err(fail)?;
-                    // The first user op of a communicator is numbered ncclNumOps; it is the
-                    // only one alive at a time (destroyed after each group).
-                    if raw != ns::ncclRedOp_t::ncclNumOps as u32 {
-                        bail!("ncclRedOpCreatePreMulSum returned op {raw}, expected the first user op");
-                    }
-                    let made = ns::ncclRedOp_t::ncclNumOps;
+                    let made = raw;
                     *custom = Some((s.to_bits(), d, made));
                     Ok(made)
                 }
@@ -409,7 +484,7 @@ impl NcclComm {
                 let d = self.dtype_of(c, buf)?;
                 if *len > 0 {
                     let (p, o) = (at(buf, *off), op_of(*op, d)?);
-                    unsafe { nr::all_reduce(p, p, *len, nccl_type(d), o, comm, stream) }
+                    unsafe { raw::all_reduce(p, p, *len, nccl_type(d), o, comm, stream) }
                         .map_err(fail)?;
                 }
             }
@@ -467,7 +542,7 @@ impl NcclComm {
                 };
                 if *count > 0 {
                     let o = op_of(*op, d)?;
-                    unsafe { nr::reduce_scatter(src, dst, *count, nccl_type(d), o, comm, stream) }
+                    unsafe { raw::reduce_scatter(src, dst, *count, nccl_type(d), o, comm, stream) }
                         .map_err(fail)?;
                 }
             }
@@ -543,7 +618,7 @@ impl Comm<CudaBackend> for NcclComm {
             // SAFETY: the op was made on this comm; NCCL allows destroying it once the calls
             // that use it returned.
             unsafe {
-                let _ = nr::reduce_op_destroy(op, comm);
+                let _ = raw::reduce_op_destroy(op, comm);
             }
         }
         enqueued?;

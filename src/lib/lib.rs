@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod model;
 pub mod pipeline;
+pub mod process;
 pub mod reward;
 pub mod rng;
 pub mod stage;

@@ -12,6 +12,7 @@ use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
 use crate::engine::resume;
 use crate::error::input_error;
+use crate::process::die_with_parent;
 use crate::stage::sync_weights::{self, SyncWeightsArgs};
 use crate::stage::{self, InProcess};
 use anyhow::{Context, Result};
@@ -1171,29 +1172,6 @@ pub fn kept_checkpoints(
         keep.push(current);
     }
     keep
-}
-
-/// Have the kernel kill the stage when the runner dies (Linux), so that a killed runner
-/// never leaves a stage writing into the run directory behind the resumed one.
-fn die_with_parent(cmd: &mut std::process::Command) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::process::CommandExt;
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) run in the child.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The parent may have died before prctl took effect.
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-    }
 }
 
 #[cfg(test)]

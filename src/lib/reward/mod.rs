@@ -19,11 +19,13 @@
 //! the Python driver also sets `num_turns: None` and `rollout_reward_scores: {}` in it when
 //! missing, as verl's NaiveRewardManager does for single-turn rollouts.
 //!
-//! Columns written: `score` (float32) and `score_<key>` for each sub-score an external reward
-//! returns. Accuracy in the summary is the fraction of rows with score >= 1.0, or the mean of
-//! the `acc` sub-score when the reward returns one (verl's math_dapo does). Scoring a batch
-//! that already has a `score` column replaces it; `score_<key>` columns of an earlier run
-//! that this reward does not return are kept as they are.
+//! Columns written: `score` (float32) and `score_<key>` for each other key of the dicts an
+//! external reward returns: float32 for numbers (sub-scores), utf8 for strings and other
+//! values (verl keeps them all in `reward_extra_info`; a string is never dropped). Accuracy in
+//! the summary is the fraction of rows with score >= 1.0, or the mean of the `acc` sub-score
+//! when the reward returns one (verl's math_dapo does). Scoring a batch that already has a
+//! `score` column replaces it; `score_<key>` columns of an earlier run that this reward does
+//! not return are kept as they are.
 
 pub mod external;
 pub mod gsm8k;
@@ -36,8 +38,8 @@ use crate::batch::schema::{self, Kind};
 use crate::batch::{Batch, NewColumns, StageInfo};
 use anyhow::Result;
 use arrow_array::cast::AsArray;
-use arrow_array::{Array, ArrayRef, Float32Array};
-use arrow_schema::DataType;
+use arrow_array::{Array, ArrayRef, Float32Array, StringArray};
+use arrow_schema::{DataType, Field};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -198,11 +200,14 @@ impl Options {
     }
 }
 
-/// Per-row scores and named sub-scores (keys without the `score_` prefix).
+/// Per-row scores, named sub-scores and text values (keys without the `score_` prefix).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Scores {
     pub score: Vec<f32>,
     pub subs: Vec<(String, Vec<f32>)>,
+    /// Keys whose values are text (a predicted answer, a judge's reason), null where a row
+    /// gave null.
+    pub texts: Vec<(String, Vec<Option<String>>)>,
 }
 
 impl Scores {
@@ -327,14 +332,13 @@ pub fn score_batch(batch: &Batch, spec: &RewardSpec, opts: &Options) -> Result<S
             return score_external(batch, argv, &spec.label(opts), opts)
         }
         RewardSpec::Python { file, func } => {
-            let driver = external::PythonDriver::write()?;
-            let argv = driver.argv(&opts.python, file, func, &opts.reward_kwargs);
+            let argv = external::python_argv(&opts.python, file, func, &opts.reward_kwargs);
             return score_external(batch, &argv, &spec.label(opts), opts);
         }
     };
     Ok(Scores {
         score,
-        subs: Vec::new(),
+        ..Scores::default()
     })
 }
 
@@ -351,11 +355,12 @@ fn score_external(batch: &Batch, argv: &[String], label: &str, opts: &Options) -
     };
     let answers = external::run(argv, label, input, rows, limits, &ctx)?;
     let scores = external::collate(&answers, &ctx, label)?;
-    for (key, _) in &scores.subs {
+    let keys = scores.subs.iter().map(|(k, _)| k);
+    for key in keys.chain(scores.texts.iter().map(|(k, _)| k)) {
         let name = format!("{}{key}", schema::SCORE_PREFIX);
-        if schema::kind_of(&name) != Some(Kind::F32) {
+        if schema::kind_of(&name) != Some(Kind::SubScore) {
             bail_input!(
-                "{ctx}: reward `{label}`: sub-score \"{key}\" would be written as column '{name}', which the batch contract reserves for another type; rename the key"
+                "{ctx}: reward `{label}`: key \"{key}\" would be written as column '{name}', which the batch contract reserves for another type; rename the key"
             );
         }
     }
@@ -395,6 +400,7 @@ pub fn run_stage(cfg: &StageConfig) -> Result<Summary> {
     cfg.options.validate()?;
     let t0 = Instant::now();
     let batch = Batch::read(&cfg.input, &spec.required_columns())?;
+    batch.require_rows()?;
     let t1 = Instant::now();
     let scores = score_batch(&batch, &spec, &cfg.options)?;
     let sources = if batch.has(schema::DATA_SOURCE) {
@@ -409,6 +415,13 @@ pub fn run_stage(cfg: &StageConfig) -> Result<Summary> {
     for (key, values) in &scores.subs {
         let name = format!("{}{key}", schema::SCORE_PREFIX);
         cols.add(&name, Arc::new(Float32Array::from(values.clone())));
+    }
+    for (key, values) in &scores.texts {
+        let name = format!("{}{key}", schema::SCORE_PREFIX);
+        cols.add_field(
+            Field::new(name, DataType::Utf8, true),
+            Arc::new(StringArray::from(values.clone())),
+        );
     }
     cols.add(schema::SCORE, Arc::new(Float32Array::from(scores.score)));
     let info = StageInfo {

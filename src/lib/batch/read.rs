@@ -75,6 +75,18 @@ impl Batch {
         self.data.num_rows()
     }
 
+    /// Every stage refuses a batch without rows the same way: exit 2, this message, nothing
+    /// written (an empty batch is a mistake upstream, not something to pass on).
+    pub fn require_rows(&self) -> Result<()> {
+        if self.num_rows() == 0 {
+            bail_input!(
+                "{}: the batch has no rows (stages need at least one)",
+                self.path.display()
+            );
+        }
+        Ok(())
+    }
+
     pub fn has(&self, name: &str) -> bool {
         self.data.schema().column_with_name(name).is_some()
     }

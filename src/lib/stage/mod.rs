@@ -389,6 +389,12 @@ mod tests {
                 }
                 let text = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
                 assert!(!text.trim().is_empty(), "{name} --{long} has no help");
+                // `[default: X]` is what clap shows for a default one can type; a default
+                // described in words is written "(default: ...)".
+                assert!(
+                    !text.contains("[default:"),
+                    "{name} --{long}: write a described default as (default: ...)"
+                );
                 if !arg.get_action().takes_values() {
                     continue;
                 }

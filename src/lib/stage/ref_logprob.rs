@@ -63,8 +63,8 @@ pub struct RefLogprobArgs {
     /// policy before the update).
     #[arg(long, value_enum)]
     pub column: LogprobColumn,
-    /// Log-probs under softmax(logits / T), T > 0 [default: the temperature `rollout` recorded
-    /// in the batch, else 1]; one that differs from the recorded one is refused.
+    /// Log-probs under softmax(logits / T), T > 0 (default: the temperature `rollout` recorded
+    /// in the batch, else 1); one that differs from the recorded one is refused.
     #[arg(long, value_name = "T", value_parser = above(0.0f32))]
     pub temperature: Option<f32>,
     /// Also write the per-token entropy (column `entropy`).

@@ -49,7 +49,7 @@ pub struct UpdateArgs {
     /// (may equal --model's directory).
     #[arg(long, value_name = "DIR")]
     pub out_model: PathBuf,
-    /// Policy loss (verl's policy_loss.loss_mode); `update --help` gives each one's formula.
+    /// Policy loss (verl's policy_loss.loss_mode).
     #[arg(long, default_value = "vanilla")]
     #[serde(with = "crate::stage::common::as_text")]
     pub loss: LossMode,
@@ -57,12 +57,12 @@ pub struct UpdateArgs {
     /// --clip-ratio-low/-high are given).
     #[arg(long, default_value_t = 0.2, value_parser = at_least(0.0f64))]
     pub clip_ratio: f64,
-    /// Lower clip range ε_low, >= 0 (ratios below 1 − ε_low are clipped) [default:
-    /// --clip-ratio].
+    /// Lower clip range ε_low, >= 0: ratios below 1 − ε_low are clipped (default: the
+    /// --clip-ratio value).
     #[arg(long, value_parser = at_least(0.0f64))]
     pub clip_ratio_low: Option<f64>,
-    /// Upper clip range ε_high, >= 0 (ratios above 1 + ε_high are clipped; DAPO's clip-higher)
-    /// [default: --clip-ratio].
+    /// Upper clip range ε_high, >= 0: ratios above 1 + ε_high are clipped, DAPO's clip-higher
+    /// (default: the --clip-ratio value).
     #[arg(long, value_parser = at_least(0.0f64))]
     pub clip_ratio_high: Option<f64>,
     /// Dual-clip bound for negative advantages, > 1.
@@ -106,8 +106,8 @@ pub struct UpdateArgs {
     /// Tokens (prompt + response) per forward/backward pass, >= 1; gradients accumulate.
     #[arg(long, default_value_t = 8192, value_parser = at_least(1usize))]
     pub micro_batch_tokens: usize,
-    /// Logits are divided by this, > 0 [default: the temperature `rollout` recorded in the
-    /// batch, else 1]; one that differs from the recorded one is refused.
+    /// Logits are divided by this, > 0 (default: the temperature `rollout` recorded in the
+    /// batch, else 1); one that differs from the recorded one is refused.
     #[arg(long, value_name = "T", value_parser = above(0.0f32))]
     pub temperature: Option<f32>,
     /// Peak learning rate of AdamW, >= 0.

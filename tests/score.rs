@@ -635,24 +635,25 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     )
 }
 
-/// Starts `score` with the hanging reward (temporary files go to `tmp`) and waits for the
-/// reward's pids.
-fn start_hanging_score(dir: &Path, tmp: &Path) -> (std::process::Child, u32, u32) {
+/// `score` with the hanging reward on `rows` rows, its temporary files going to `tmp`.
+fn hanging_score(dir: &Path, tmp: &Path, rows: usize) -> Command {
     let file = hanging_reward(dir);
-    let input = simple_batch(dir, &["a", "b"], &["a"; 2], &["s"; 2]);
+    let input = simple_batch(dir, &vec!["a"; rows], &vec!["a"; rows], &vec!["s"; rows]);
     let out = dir.join("out.parquet");
-    let child = Command::new(env!("CARGO_BIN_EXE_score"))
-        .args([
-            "--in",
-            input.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
-        .args(["--reward", &format!("python:{}", file.display())])
-        .env("TMPDIR", tmp)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_score"));
+    cmd.args([
+        "--in",
+        input.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .args(["--reward", &format!("python:{}", file.display())])
+    .env("TMPDIR", tmp);
+    cmd
+}
+
+/// The pids the hanging reward wrote: its own (the driver's) and its `sleep`'s.
+fn reward_pids(dir: &Path) -> (u32, u32) {
     let pids = dir.join("pids");
     let t = Instant::now();
     while !pids.exists() {
@@ -664,7 +665,7 @@ fn start_hanging_score(dir: &Path, tmp: &Path) -> (std::process::Child, u32, u32
     }
     let text = std::fs::read_to_string(&pids).unwrap();
     let (driver, sleeper) = text.split_once(' ').unwrap();
-    (child, driver.parse().unwrap(), sleeper.parse().unwrap())
+    (driver.parse().unwrap(), sleeper.parse().unwrap())
 }
 
 #[test]
@@ -673,7 +674,11 @@ fn a_killed_score_takes_its_reward_program_with_it() {
     for (signal, name) in [(libc::SIGKILL, "SIGKILL"), (libc::SIGTERM, "SIGTERM")] {
         let dir = tempfile::tempdir().unwrap();
         let tmp = tempfile::tempdir().unwrap();
-        let (mut child, driver, sleeper) = start_hanging_score(dir.path(), tmp.path());
+        let mut child = hanging_score(dir.path(), tmp.path(), 2)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (driver, sleeper) = reward_pids(dir.path());
         assert!(running(driver) && running(sleeper));
         // SAFETY: kill(2) on the pid of a child we started and have not reaped.
         unsafe {
@@ -711,27 +716,15 @@ fn a_killed_score_takes_its_reward_program_with_it() {
 fn a_reward_program_that_times_out_goes_with_what_it_started() {
     let dir = tempfile::tempdir().unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let file = hanging_reward(dir.path());
-    let input = simple_batch(dir.path(), &["a"], &["a"], &["s"]);
-    let out = dir.path().join("out.parquet");
-    let o = Command::new(env!("CARGO_BIN_EXE_score"))
-        .args([
-            "--in",
-            input.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
-        .args(["--reward", &format!("python:{}", file.display())])
+    let o = hanging_score(dir.path(), tmp.path(), 1)
         .args(["--timeout-ms", "3000"])
-        .env("TMPDIR", tmp.path())
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("gave no answer within 3000 ms"), "{err}");
-    let text = std::fs::read_to_string(dir.path().join("pids")).unwrap();
-    for pid in text.split(' ') {
-        let pid: u32 = pid.parse().unwrap();
+    let (driver, sleeper) = reward_pids(dir.path());
+    for pid in [driver, sleeper] {
         assert!(
             gone_within(pid, Duration::from_secs(2)),
             "{pid} outlived score"

@@ -880,23 +880,7 @@ fn downstream_stages_take_the_temperature_rollout_recorded() {
 /// The metadata of the Arrow schema embedded in a file (`ARROW:schema`), alone: what pyarrow
 /// shows as `pq.read_table(f).schema.metadata`.
 fn embedded_schema_metadata(path: &Path) -> BTreeMap<String, String> {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
-    let reader = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
-    let fm = reader.metadata().file_metadata();
-    let arrow: Vec<_> = fm
-        .key_value_metadata()
-        .unwrap()
-        .iter()
-        .filter(|kv| kv.key == "ARROW:schema")
-        .cloned()
-        .collect();
-    assert_eq!(arrow.len(), 1, "{}: no ARROW:schema", path.display());
-    parquet::arrow::parquet_to_arrow_schema(fm.schema_descr(), Some(&arrow))
-        .unwrap()
-        .metadata()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect()
+    tandem::batch::Batch::embedded_schema_metadata(path).unwrap()
 }
 
 /// `python3` with pyarrow, when this machine has it.

@@ -394,6 +394,39 @@ impl Batch {
         }
     }
 
+    /// The metadata of the Arrow schema embedded in the file's footer (`ARROW:schema`) alone,
+    /// not merged with the footer's own key/value pairs: what readers that show only the
+    /// schema (pyarrow's `pq.read_table(f).schema.metadata`) see. Empty when the file has no
+    /// Arrow schema (it was not written through Arrow).
+    pub fn embedded_schema_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        let file = File::open(path)
+            .map_err(|e| input_error(format!("{}: cannot open: {e}", path.display())))?;
+        let reader = SerializedFileReader::new(file).map_err(|e| {
+            input_error(format!(
+                "{}: not a readable Parquet file: {e}",
+                path.display()
+            ))
+        })?;
+        let fm = reader.metadata().file_metadata();
+        let arrow: Vec<_> = fm
+            .key_value_metadata()
+            .into_iter()
+            .flatten()
+            .filter(|kv| kv.key == schema::meta::ARROW_SCHEMA)
+            .cloned()
+            .collect();
+        if arrow.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let embedded = parquet::arrow::parquet_to_arrow_schema(fm.schema_descr(), Some(&arrow))?;
+        Ok(embedded
+            .metadata()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect())
+    }
+
     /// Parse a metadata entry as an integer, if present.
     pub fn meta_u64(&self, key: &str) -> Option<u64> {
         self.meta.get(key).and_then(|v| v.parse().ok())

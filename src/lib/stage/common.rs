@@ -346,13 +346,34 @@ pub fn finite<T: FlagNumber>() -> impl Fn(&str) -> Result<T, String> + Clone + S
 }
 
 /// Lets every flag that takes a value take a negative number (`--temperature -1`), so that it
-/// reaches the flag's range check instead of being read as an unknown flag `-1`. Every stage's
-/// `Args` applies it: `#[command(mut_args = negative_numbers)]`.
+/// reaches the flag's range check instead of being read as an unknown flag `-1`. A numeric
+/// flag takes any value that starts with `-` (clap's own test for a negative number misses
+/// `-1e-6`), which its number parser then judges; other flags take negative numbers. Every
+/// stage's `Args` applies it: `#[command(mut_args = negative_numbers)]`.
 pub fn negative_numbers(arg: clap::Arg) -> clap::Arg {
-    match arg.get_action().takes_values() {
-        true => arg.allow_negative_numbers(true),
-        false => arg,
+    if !arg.get_action().takes_values() {
+        return arg;
     }
+    match is_numeric(&arg) {
+        true => arg.allow_hyphen_values(true),
+        false => arg.allow_negative_numbers(true),
+    }
+}
+
+/// Whether a flag's values parse to a number type.
+pub fn is_numeric(arg: &clap::Arg) -> bool {
+    use std::any::TypeId;
+    let parsed = arg.get_value_parser().type_id();
+    [
+        TypeId::of::<f32>(),
+        TypeId::of::<f64>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u64>(),
+        TypeId::of::<usize>(),
+        TypeId::of::<i64>(),
+    ]
+    .iter()
+    .any(|t| parsed == *t)
 }
 
 /// `--model` and `--out` must differ from each other for stages that write a directory.

@@ -399,18 +399,25 @@ mod tests {
                     continue;
                 }
                 // A negative number reaches the flag's parser (and its range check), never
-                // "unexpected argument '-1'".
-                let mut neg = base_argv_without(&cmd, long);
-                neg.extend([format!("--{long}"), "-1".to_string()]);
-                if let Err(e) = cmd.clone().try_get_matches_from(&neg) {
-                    use clap::error::ErrorKind;
-                    assert!(
-                        matches!(
-                            e.kind(),
-                            ErrorKind::ValueValidation | ErrorKind::InvalidValue
-                        ),
-                        "{name} --{long} -1: {e}"
-                    );
+                // "unexpected argument '-1'"; for a numeric flag also in the forms clap does
+                // not take for a number.
+                let negative: &[&str] = match common::is_numeric(arg) {
+                    true => &["-1", "-1e-6", "-.5"],
+                    false => &["-1"],
+                };
+                for value in negative {
+                    let mut neg = base_argv_without(&cmd, long);
+                    neg.extend([format!("--{long}"), value.to_string()]);
+                    if let Err(e) = cmd.clone().try_get_matches_from(&neg) {
+                        use clap::error::ErrorKind;
+                        assert!(
+                            matches!(
+                                e.kind(),
+                                ErrorKind::ValueValidation | ErrorKind::InvalidValue
+                            ),
+                            "{name} --{long} {value}: {e}"
+                        );
+                    }
                 }
                 let defaults: Vec<String> = arg
                     .get_default_values()

@@ -1004,7 +1004,7 @@ fn bad_spec_and_inputs_exit_2_before_anything_runs() {
         (
             "lr = 0.001",
             "lr = 0.001\nloss = \"bogus\"",
-            "spec.toml:29:1: [update] loss = \"bogus\": invalid value 'bogus' for '--loss <LOSS>': unknown loss 'bogus'",
+            "spec.toml:29:1: [update] loss = \"bogus\": invalid value 'bogus' for '--loss <LOSS>' [possible values: vanilla,",
         ),
         (
             "reward = \"exact\"",

@@ -1257,4 +1257,12 @@ fn update_carries_the_tokenizer_and_templates_and_refuses_a_model_without_one() 
         "no tokenizer.json; the model `update` writes would have no tokenizer",
     );
     assert!(!other.exists());
+    // Nor does sync-weights publish such a checkpoint as the policy.
+    let pointer = dir.path().join("policy");
+    input_error(
+        "sync-weights",
+        &["--from", p(&model), "--to", p(&pointer)],
+        "no tokenizer.json; it would become the policy without a tokenizer",
+    );
+    assert!(!pointer.exists());
 }

@@ -175,6 +175,21 @@ pub fn resolve_model(path: &Path) -> Result<ModelRef> {
     })
 }
 
+/// Refuses a model directory without `tokenizer.json` that a stage is about to pass on (train
+/// from, publish): `rollout` would refuse the model it leads to, later and further from the
+/// cause. `what` says what the stage would do with it.
+pub fn require_tokenizer(dir: &Path, what: &str) -> Result<()> {
+    use crate::data::tokenizer::TOKENIZER_FILE;
+    if !dir.join(TOKENIZER_FILE).is_file() {
+        bail_input!(
+            "{}: no {TOKENIZER_FILE}; {what}, and rollout would refuse it (copy the tokenizer files of the model it was made from into {})",
+            dir.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 /// Checks that every id of a list<int32> token column is below `vocab`.
 pub fn check_token_ids(batch: &Batch, column: &str, vocab: usize) -> Result<()> {
     let ids = batch.ragged_i32(column)?;

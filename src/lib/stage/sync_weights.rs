@@ -7,7 +7,7 @@
 //! `rollout --daemon` does not load anything; the pointer is written all the same, so file mode
 //! and resume keep working.
 
-use super::common::{at_least, negative_numbers, Pointer};
+use super::common::{at_least, negative_numbers, require_tokenizer, Pointer};
 use super::Exec;
 use crate::bail_input;
 use crate::batch::write_json;
@@ -61,6 +61,7 @@ pub fn run(args: SyncWeightsArgs, exec: &mut dyn Exec) -> Result<()> {
     }
     // A checkpoint that rollout could not load must not become the policy.
     ModelDir::load_config(&args.from)?;
+    require_tokenizer(&args.from, "it would become the policy without a tokenizer")?;
     if args.to.is_dir() {
         bail_input!(
             "--to {}: is a directory; give the path of the pointer file to write (e.g. RUN/policy)",

@@ -4,7 +4,7 @@
 
 use super::common::{
     above, at_least, between, check_token_ids, finite, logprob_temperature, negative_numbers,
-    range, resolve_model, Device, DEFAULT_TEMPERATURE,
+    range, require_tokenizer, resolve_model, Device, DEFAULT_TEMPERATURE,
 };
 use super::ref_logprob::to_u32;
 use super::{Exec, Job};
@@ -14,7 +14,6 @@ use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutI
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, write_json, Batch, Ragged};
-use crate::data::tokenizer::TOKENIZER_FILE;
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
@@ -475,15 +474,11 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     let batch = Batch::read(&args.input, &names)?;
     let model = resolve_model(&args.model)?;
     let mcfg = ModelDir::load_config(&model.dir)?;
-    // The model written carries --model's tokenizer files; without a tokenizer the next
-    // rollout would refuse it, so refuse it here, before any training.
-    if !model.dir.join(TOKENIZER_FILE).is_file() {
-        bail_input!(
-            "{}: no {TOKENIZER_FILE}; the model `update` writes would have no tokenizer and rollout would refuse it (copy the tokenizer files of the model it was made from into {})",
-            model.dir.display(),
-            model.dir.display()
-        );
-    }
+    // The model written carries --model's tokenizer files: refused before any training.
+    require_tokenizer(
+        &model.dir,
+        "the model `update` writes would have no tokenizer",
+    )?;
     check_token_ids(&batch, schema::PROMPT_IDS, mcfg.vocab_size)?;
     check_token_ids(&batch, schema::RESPONSE_IDS, mcfg.vocab_size)?;
 

@@ -483,7 +483,40 @@ fn bad_input_is_rejected_without_output() {
     rejects(
         &d,
         &["--in", g, "--estimator", "grpo", "--gamma", "1.5"],
-        "--gamma must be in [0, 1], got 1.5",
+        "invalid value '1.5' for '--gamma <GAMMA>': must be a finite number in [0, 1]",
+    );
+    // A negative number reaches the flag's range check (not "unexpected argument '-1'").
+    rejects(
+        &d,
+        &[
+            "--in",
+            g,
+            "--estimator",
+            "grpo",
+            "--kl-in-reward",
+            "--kl-coef",
+            "-1",
+        ],
+        "invalid value '-1' for '--kl-coef <KL_COEF>': must be a finite number >= 0",
+    );
+    rejects(
+        &d,
+        &["--in", g, "--estimator", "grpo", "--epsilon", "-1e-6"],
+        "invalid value '-1e-6' for '--epsilon <EPSILON>': must be a finite number >= 0",
+    );
+    // An empty batch is refused like in every stage.
+    let empty = d.path.join("empty.parquet");
+    Rows {
+        uids: vec![],
+        masks: vec![],
+        scores: vec![],
+        extra: vec![],
+    }
+    .write(&empty);
+    rejects(
+        &d,
+        &["--in", s(&empty), "--estimator", "grpo"],
+        "empty.parquet: the batch has no rows",
     );
     rejects(
         &d,

@@ -1309,7 +1309,7 @@ fn bad_spec_and_inputs_exit_2_before_anything_runs() {
         (
             "temperature = 1.0",
             "temperature = nan",
-            "spec.toml: [rollout]: --temperature must be a finite number >= 0, got NaN",
+            "[rollout] temperature = nan: invalid value 'NaN' for '--temperature <TEMPERATURE>': must be a finite number >= 0",
         ),
         (
             "lr = 0.001",

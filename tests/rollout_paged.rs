@@ -103,12 +103,12 @@ fn bad_scheduler_limits_are_input_errors() {
     input_error(
         "rollout",
         &with(&base, &["--gpu-memory-fraction", "0"]),
-        "--gpu-memory-fraction must be in (0, 1]",
+        "invalid value '0' for '--gpu-memory-fraction <GPU_MEMORY_FRACTION>': must be a finite number in (0, 1]",
     );
     input_error(
         "rollout",
         &with(&base, &["--max-num-seqs", "0"]),
-        "--max-num-seqs must be >= 1",
+        "invalid value '0' for '--max-num-seqs <MAX_NUM_SEQS>': must be an integer >= 1",
     );
     assert!(!out.exists());
 }

@@ -242,7 +242,7 @@ for line in sys.stdin:
     r = json.loads(line)
     ok = r["solution_str"].strip() == r["ground_truth"]
     print(json.dumps({"score": 1.0 if ok else -1.0, "acc": ok, "len": len(r["solution_str"]),
-                      "why": "a string is ignored", "src_ok": r["data_source"] == "s"}), flush=True)
+                      "why": "a string is kept", "src_ok": r["data_source"] == "s"}), flush=True)
 "#,
     );
     let input = simple_batch(
@@ -263,8 +263,9 @@ for line in sys.stdin:
     assert_eq!(read_col(&out, "score_acc"), [1.0, 1.0, 0.0]);
     assert_eq!(read_col(&out, "score_len"), [1.0, 3.0, 1.0]);
     assert_eq!(read_col(&out, "score_src_ok"), [1.0, 1.0, 0.0]);
+    // A string value becomes a text column (verl keeps it in reward_extra_info).
     let b = Batch::read(&out, &[]).unwrap();
-    assert!(!b.has("score_why"));
+    assert_eq!(b.strings("score_why").unwrap(), ["a string is kept"; 3]);
     // Accuracy comes from `acc`, not from score >= 1.
     let m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
@@ -429,7 +430,14 @@ fn python_reward_returning_a_dict_and_named_functions() {
     );
     assert_eq!(read_col(&out, schema::SCORE), [1.0, -1.0, 1.0]);
     assert_eq!(read_col(&out, "score_acc"), [1.0, 0.0, 1.0]);
-    assert!(!Batch::read(&out, &[]).unwrap().has("score_pred"));
+    // The predicted answer (a string) is kept as the text column score_pred, not dropped.
+    assert_eq!(
+        Batch::read(&out, &[])
+            .unwrap()
+            .strings("score_pred")
+            .unwrap(),
+        ["12", "13", "bad"]
+    );
     let m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
     assert!((m["score/accuracy/src"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-9);
@@ -580,4 +588,182 @@ fn rescoring_replaces_the_score_column() {
         .unwrap()
         .as_primitive::<Float32Type>();
     assert_eq!(col.values().to_vec(), [1.0, 0.5]);
+}
+
+/// Whether process `pid` still runs (a zombie waiting to be reaped does not count).
+fn running(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesized command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => false,
+    }
+}
+
+/// Waits up to `limit` for `pid` to stop running.
+fn gone_within(pid: u32, limit: Duration) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if !running(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// A python reward that writes its own pid and the pid of a `sleep` it started to DIR, then
+/// hangs.
+fn hanging_reward(dir: &Path) -> PathBuf {
+    let pids = dir.join("pids");
+    write_script(
+        dir,
+        "hang.py",
+        &format!(
+            r#"
+import os, subprocess, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    child = subprocess.Popen(["sleep", "1000"])
+    with open({pids:?} + ".tmp", "w") as f:
+        f.write(f"{{os.getpid()}} {{child.pid}}")
+    os.rename({pids:?} + ".tmp", {pids:?})
+    time.sleep(1000)
+"#
+        ),
+    )
+}
+
+/// `score` with the hanging reward on `rows` rows, its temporary files going to `tmp`.
+fn hanging_score(dir: &Path, tmp: &Path, rows: usize) -> Command {
+    let file = hanging_reward(dir);
+    let input = simple_batch(dir, &vec!["a"; rows], &vec!["a"; rows], &vec!["s"; rows]);
+    let out = dir.join("out.parquet");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_score"));
+    cmd.args([
+        "--in",
+        input.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .args(["--reward", &format!("python:{}", file.display())])
+    .env("TMPDIR", tmp);
+    cmd
+}
+
+/// The pids the hanging reward wrote: its own (the driver's) and its `sleep`'s.
+fn reward_pids(dir: &Path) -> (u32, u32) {
+    let pids = dir.join("pids");
+    let t = Instant::now();
+    while !pids.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the reward never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = std::fs::read_to_string(&pids).unwrap();
+    let (driver, sleeper) = text.split_once(' ').unwrap();
+    (driver.parse().unwrap(), sleeper.parse().unwrap())
+}
+
+#[test]
+fn a_killed_score_takes_its_reward_program_with_it() {
+    use std::os::unix::process::ExitStatusExt;
+    for (signal, name) in [(libc::SIGKILL, "SIGKILL"), (libc::SIGTERM, "SIGTERM")] {
+        let dir = tempfile::tempdir().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let mut child = hanging_score(dir.path(), tmp.path(), 2)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (driver, sleeper) = reward_pids(dir.path());
+        assert!(running(driver) && running(sleeper));
+        // SAFETY: kill(2) on the pid of a child we started and have not reaped.
+        unsafe {
+            libc::kill(child.id() as i32, signal);
+        }
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(signal), "{name}");
+        // The driver dies with score (PR_SET_PDEATHSIG) within a second or two.
+        assert!(
+            gone_within(driver, Duration::from_secs(2)),
+            "{name}: the Python driver {driver} outlived score"
+        );
+        // On SIGTERM score kills the program's whole group first, what it started included.
+        if signal == libc::SIGTERM {
+            assert!(
+                gone_within(sleeper, Duration::from_secs(2)),
+                "SIGTERM: the reward's own child {sleeper} outlived score"
+            );
+        } else if running(sleeper) {
+            // After SIGKILL nothing in score runs: what the reward started itself is its own
+            // to end (the driver's stdin closed); do not leave it behind in the test.
+            unsafe {
+                libc::kill(sleeper as i32, libc::SIGKILL);
+            }
+        }
+        // Nothing was written to the temporary directory (the driver is passed with -c), and
+        // no output.
+        let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+        assert!(left.is_empty(), "{name}: {left:?} left in TMPDIR");
+        assert!(!dir.path().join("out.parquet").exists());
+    }
+}
+
+#[test]
+fn a_reward_program_that_times_out_goes_with_what_it_started() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let o = hanging_score(dir.path(), tmp.path(), 1)
+        .args(["--timeout-ms", "3000"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("gave no answer within 3000 ms"), "{err}");
+    let (driver, sleeper) = reward_pids(dir.path());
+    for pid in [driver, sleeper] {
+        assert!(
+            gone_within(pid, Duration::from_secs(2)),
+            "{pid} outlived score"
+        );
+    }
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn a_batch_with_no_rows_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = simple_batch(dir.path(), &[], &[], &[]);
+    let out = dir.path().join("out.parquet");
+    for reward in ["exact", "cmd:cat"] {
+        let err = run_bad(&input, &out, &["--reward", reward]);
+        assert!(
+            err.contains("in.parquet: the batch has no rows"),
+            "{reward}: {err}"
+        );
+    }
+}
+
+#[test]
+fn numeric_flags_are_range_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = simple_batch(dir.path(), &["a"], &["a"], &["s"]);
+    let out = dir.path().join("out.parquet");
+    for (flag, value, want) in [
+        ("--timeout-ms", "0", "must be an integer >= 1"),
+        ("--timeout-ms", "-5", "must be an integer >= 1"),
+        ("--run-timeout-ms", "-1", "must be an integer >= 0"),
+        ("--format-score", "nan", "must be a finite number"),
+    ] {
+        let err = run_bad(&input, &out, &["--reward", "exact", flag, value]);
+        assert!(
+            err.contains(&format!("invalid value '{value}' for '{flag}")) && err.contains(want),
+            "{flag} {value}: {err}"
+        );
+    }
+    // A negative value where one is allowed is a number, not a flag.
+    run_ok(&input, &out, &["--reward", "exact", "--format-score", "-1"]);
 }

@@ -876,3 +876,393 @@ fn downstream_stages_take_the_temperature_rollout_recorded() {
     );
     assert!(!out("m-bad").exists());
 }
+
+/// The metadata of the Arrow schema embedded in a file (`ARROW:schema`), alone: what pyarrow
+/// shows as `pq.read_table(f).schema.metadata`.
+fn embedded_schema_metadata(path: &Path) -> BTreeMap<String, String> {
+    tandem::batch::Batch::embedded_schema_metadata(path).unwrap()
+}
+
+/// `python3` with pyarrow, when this machine has it.
+fn pyarrow() -> Option<&'static str> {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import pyarrow"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some("python3")
+}
+
+/// A verl prompt file with a custom `difficulty` column, and a `score` column (named like a
+/// stage's own output).
+fn prompts_with_custom_columns(path: &Path, questions: &[&str]) {
+    use arrow_array::{Float32Array, Int64Array};
+    prompts(path, questions);
+    let b = read(path);
+    let n = b.num_rows() as i64;
+    let mut fields: Vec<Field> = b
+        .data
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
+    let mut cols: Vec<ArrayRef> = b.data.columns().to_vec();
+    fields.push(Field::new(
+        "difficulty",
+        arrow_schema::DataType::Int64,
+        true,
+    ));
+    cols.push(Arc::new(Int64Array::from(
+        (0..n).map(|i| 10 * i + 1).collect::<Vec<_>>(),
+    )));
+    fields.push(Field::new("score", arrow_schema::DataType::Float32, true));
+    cols.push(Arc::new(Float32Array::from(vec![0.5; n as usize])));
+    let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), cols).unwrap();
+    write_file(path, &data, &BTreeMap::new()).unwrap();
+}
+
+#[test]
+fn every_dataset_column_survives_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 3);
+    let prompts_path = dir.path().join("prompts.parquet");
+    prompts_with_custom_columns(&prompts_path, &QUESTIONS);
+    let f = |name: &str| dir.path().join(name);
+    let (rollout, scored, refd, adv) = (
+        f("rollout.parquet"),
+        f("scored.parquet"),
+        f("ref.parquet"),
+        f("adv.parquet"),
+    );
+    let out = ok(
+        "rollout",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&prompts_path),
+            "--out",
+            p(&rollout),
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--step",
+            "9",
+        ],
+    );
+    // The dataset's `score` column names a stage's output: left out, and said so.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("left out the dataset's columns score"),
+        "{err}"
+    );
+    ok(
+        "score",
+        &[
+            "--in",
+            p(&rollout),
+            "--out",
+            p(&scored),
+            "--reward",
+            "exact",
+        ],
+    );
+    ok(
+        "ref-logprob",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&scored),
+            "--out",
+            p(&refd),
+            "--column",
+            "ref_logprobs",
+        ],
+    );
+    ok(
+        "advantage",
+        &["--in", p(&refd), "--out", p(&adv), "--estimator", "grpo"],
+    );
+
+    let source = read(&prompts_path);
+    for file in [&rollout, &scored, &refd, &adv] {
+        let b = read(file);
+        assert_eq!(b.num_rows(), 6, "{}", file.display());
+        // Every dataset column, each row carrying its prompt's value (two samples a prompt).
+        for col in [
+            "data_source",
+            "prompt",
+            "ability",
+            "reward_model",
+            "extra_info",
+            "difficulty",
+        ] {
+            let want = source.json_rows(col);
+            let got = b.json_rows(col);
+            let expected: Vec<_> = (0..6).map(|i| want[i / 2].clone()).collect();
+            assert_eq!(got, expected, "{}: column {col}", file.display());
+        }
+        assert_eq!(strings(&b, schema::GROUND_TRUTH)[3], "answer 1");
+        // The schema metadata is in the footer and in the embedded Arrow schema.
+        let embedded = embedded_schema_metadata(file);
+        for key in [
+            "tandem.schema",
+            "policy_version",
+            "step",
+            "tandem.stage.rollout",
+        ] {
+            assert_eq!(
+                embedded.get(key),
+                b.meta.get(key),
+                "{}: {key}",
+                file.display()
+            );
+            assert!(embedded.contains_key(key), "{}: {key}", file.display());
+        }
+        assert_eq!(embedded["step"], "9");
+    }
+    for (file, stage) in [
+        (&scored, "score"),
+        (&refd, "ref-logprob"),
+        (&adv, "advantage"),
+    ] {
+        let key = format!("tandem.stage.{stage}");
+        assert!(embedded_schema_metadata(file).contains_key(&key), "{key}");
+    }
+    // The scored file's `score` is the reward's, not the dataset's 0.5.
+    assert!(read(&scored)
+        .f32s(schema::SCORE)
+        .unwrap()
+        .iter()
+        .all(|&s| s == 0.0 || s == 1.0));
+
+    // pyarrow (when installed) shows the metadata as the schema's own.
+    if let Some(python) = pyarrow() {
+        let o = std::process::Command::new(python)
+            .args([
+                "-c",
+                "import sys, pyarrow.parquet as pq; m = pq.read_table(sys.argv[1]).schema.metadata; print(m[b'tandem.schema'].decode(), m[b'policy_version'].decode(), m[b'step'].decode(), sorted(pq.read_table(sys.argv[1]).column_names))",
+                p(&adv),
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert!(text.starts_with("1 0 9 "), "{text}");
+        assert!(
+            text.contains("'difficulty'") && text.contains("'reward_model'"),
+            "{text}"
+        );
+    } else {
+        eprintln!("pyarrow is not installed: the pyarrow view of the metadata is not checked");
+    }
+}
+
+#[test]
+fn a_batch_with_no_rows_is_refused_by_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 4);
+    let empty = dir.path().join("empty.parquet");
+    training_batch(&empty, &[1, 2], &[], &[]);
+    // With every column the stages read, so that only the row count is wrong.
+    let b = read(&empty);
+    let mut cols = tandem::batch::NewColumns::new();
+    cols.add(
+        schema::RESPONSE_TEXT,
+        Arc::new(StringArray::from(Vec::<&str>::new())),
+    );
+    cols.add(
+        schema::SCORE,
+        Arc::new(arrow_array::Float32Array::from(Vec::<f32>::new())),
+    );
+    cols.add_field(
+        Field::new(schema::GROUND_TRUTH, arrow_schema::DataType::Utf8, true),
+        Arc::new(StringArray::from(Vec::<&str>::new())),
+    );
+    write_file(&empty, &b.with_columns(cols).unwrap(), &BTreeMap::new()).unwrap();
+    let out = dir.path().join("out.parquet");
+    let new_model = dir.path().join("new");
+    let want = "empty.parquet: the batch has no rows";
+    input_error(
+        "score",
+        &["--in", p(&empty), "--out", p(&out), "--reward", "exact"],
+        want,
+    );
+    input_error(
+        "ref-logprob",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&empty),
+            "--out",
+            p(&out),
+            "--column",
+            "ref_logprobs",
+        ],
+        want,
+    );
+    input_error(
+        "advantage",
+        &["--in", p(&empty), "--out", p(&out), "--estimator", "grpo"],
+        want,
+    );
+    input_error(
+        "update",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&empty),
+            "--out-model",
+            p(&new_model),
+        ],
+        want,
+    );
+    let no_prompts = dir.path().join("none.parquet");
+    prompts(&no_prompts, &[]);
+    input_error(
+        "rollout",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&no_prompts),
+            "--out",
+            p(&out),
+        ],
+        "none.parquet: the dataset has no rows",
+    );
+    assert!(!out.exists() && !new_model.exists());
+}
+
+#[test]
+fn impossible_flag_values_are_refused_with_their_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 5);
+    let input = dir.path().join("p.parquet");
+    prompts(&input, &QUESTIONS[..1]);
+    let out = dir.path().join("out.parquet");
+    let base = ["--model", p(&model), "--in", p(&input), "--out", p(&out)];
+    for (flag, value, want) in [
+        ("--max-new-tokens", "0", "must be an integer >= 1"),
+        ("--temperature", "-1", "must be a finite number >= 0"),
+        ("--top-p", "1.5", "must be a finite number in (0, 1]"),
+        (
+            "--top-k",
+            "-3",
+            "must be -1 (all tokens) or an integer >= 1",
+        ),
+        ("--limit", "0", "must be an integer >= 1"),
+        ("--n", "0", "must be an integer >= 1"),
+    ] {
+        let mut args = base.to_vec();
+        args.extend([flag, value]);
+        let err = input_error("rollout", &args, want);
+        assert!(
+            err.contains(&format!("invalid value '{value}' for '{flag} <")),
+            "{flag} {value}: {err}"
+        );
+        assert!(!err.contains("unexpected argument"), "{err}");
+    }
+    assert!(!out.exists());
+}
+
+#[test]
+fn update_carries_the_tokenizer_and_templates_and_refuses_a_model_without_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 8);
+    // The files HF keeps next to a model besides the weights.
+    let extra = [
+        ("chat_template.jinja", "{{ messages[0].content }}"),
+        ("chat_template.json", "{\"chat_template\": \"x\"}"),
+        ("special_tokens_map.json", "{\"eos_token\": \"<|im_end|>\"}"),
+        ("vocab.json", "{}"),
+        ("merges.txt", "#version: 0.2\n"),
+        ("additional_chat_templates/tool_use.jinja", "{{ tools }}"),
+    ];
+    std::fs::create_dir_all(model.join("additional_chat_templates")).unwrap();
+    for (name, text) in extra {
+        std::fs::write(model.join(name), text).unwrap();
+    }
+    let generation = model.join("generation_config.json");
+    let mut g: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&generation).unwrap()).unwrap();
+    g["top_p"] = serde_json::json!(0.8);
+    std::fs::write(&generation, g.to_string()).unwrap();
+    let batch = dir.path().join("batch.parquet");
+    training_batch(&batch, &[10, 20], &[vec![40, 41], vec![50]], &[1.0, -1.0]);
+    let new_model = dir.path().join("new");
+    ok(
+        "update",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&new_model),
+        ],
+    );
+    for name in ["tokenizer.json", "tokenizer_config.json"]
+        .into_iter()
+        .chain(extra.iter().map(|(n, _)| *n))
+    {
+        assert_eq!(
+            std::fs::read(new_model.join(name)).ok(),
+            std::fs::read(model.join(name)).ok(),
+            "{name}"
+        );
+    }
+    let g2: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(new_model.join("generation_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(g2["top_p"], 0.8);
+    // The written model is usable by rollout as it is.
+    let prompts_path = dir.path().join("p.parquet");
+    prompts(&prompts_path, &QUESTIONS[..1]);
+    let out = dir.path().join("r.parquet");
+    ok(
+        "rollout",
+        &[
+            "--model",
+            p(&new_model),
+            "--in",
+            p(&prompts_path),
+            "--out",
+            p(&out),
+            "--n",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--raw-prompt",
+        ],
+    );
+
+    // Without tokenizer.json: refused before training, nothing written.
+    std::fs::remove_file(model.join("tokenizer.json")).unwrap();
+    let other = dir.path().join("other");
+    input_error(
+        "update",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&other),
+        ],
+        "no tokenizer.json; the model `update` writes would have no tokenizer",
+    );
+    assert!(!other.exists());
+    // Nor does sync-weights publish such a checkpoint as the policy.
+    let pointer = dir.path().join("policy");
+    input_error(
+        "sync-weights",
+        &["--from", p(&model), "--to", p(&pointer)],
+        "no tokenizer.json; it would become the policy without a tokenizer",
+    );
+    assert!(!pointer.exists());
+}

@@ -12,7 +12,7 @@ pub mod engine;
 pub mod error;
 pub mod model;
 pub mod pipeline;
-pub mod proc;
+pub mod process;
 pub mod reward;
 pub mod rng;
 pub mod stage;

@@ -67,6 +67,8 @@ pub fn bin(name: &str) -> &'static str {
         "ref-logprob" => env!("CARGO_BIN_EXE_ref-logprob"),
         "update" => env!("CARGO_BIN_EXE_update"),
         "sync-weights" => env!("CARGO_BIN_EXE_sync-weights"),
+        "score" => env!("CARGO_BIN_EXE_score"),
+        "advantage" => env!("CARGO_BIN_EXE_advantage"),
         other => panic!("no binary {other}"),
     }
 }

@@ -75,6 +75,18 @@ impl Batch {
         self.data.num_rows()
     }
 
+    /// Every stage refuses a batch without rows the same way: exit 2, this message, nothing
+    /// written (an empty batch is a mistake upstream, not something to pass on).
+    pub fn require_rows(&self) -> Result<()> {
+        if self.num_rows() == 0 {
+            bail_input!(
+                "{}: the batch has no rows (stages need at least one)",
+                self.path.display()
+            );
+        }
+        Ok(())
+    }
+
     pub fn has(&self, name: &str) -> bool {
         self.data.schema().column_with_name(name).is_some()
     }
@@ -380,6 +392,39 @@ impl Batch {
                 .collect(),
             None => vec![serde_json::Value::Null; self.num_rows()],
         }
+    }
+
+    /// The metadata of the Arrow schema embedded in the file's footer (`ARROW:schema`) alone,
+    /// not merged with the footer's own key/value pairs: what readers that show only the
+    /// schema (pyarrow's `pq.read_table(f).schema.metadata`) see. Empty when the file has no
+    /// Arrow schema (it was not written through Arrow).
+    pub fn embedded_schema_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        let file = File::open(path)
+            .map_err(|e| input_error(format!("{}: cannot open: {e}", path.display())))?;
+        let reader = SerializedFileReader::new(file).map_err(|e| {
+            input_error(format!(
+                "{}: not a readable Parquet file: {e}",
+                path.display()
+            ))
+        })?;
+        let fm = reader.metadata().file_metadata();
+        let arrow: Vec<_> = fm
+            .key_value_metadata()
+            .into_iter()
+            .flatten()
+            .filter(|kv| kv.key == schema::meta::ARROW_SCHEMA)
+            .cloned()
+            .collect();
+        if arrow.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let embedded = parquet::arrow::parquet_to_arrow_schema(fm.schema_descr(), Some(&arrow))?;
+        Ok(embedded
+            .metadata()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect())
     }
 
     /// Parse a metadata entry as an integer, if present.

@@ -57,6 +57,8 @@ pub const BASELINE_SCORE: &str = "baseline_score";
 pub enum Kind {
     Utf8,
     F32,
+    /// `score_<key>`: a float32 sub-score, or a reward's text value (utf8).
+    SubScore,
     ListI32,
     ListU8,
     ListF32,
@@ -67,6 +69,7 @@ impl Kind {
         match self {
             Kind::Utf8 => "utf8",
             Kind::F32 => "float32",
+            Kind::SubScore => "float32 or utf8",
             Kind::ListI32 => "list<int32>",
             Kind::ListU8 => "list<uint8>",
             Kind::ListF32 => "list<float32>",
@@ -78,7 +81,7 @@ impl Kind {
         let item = |t: DataType| DataType::List(Arc::new(Field::new_list_field(t, false)));
         match self {
             Kind::Utf8 => DataType::Utf8,
-            Kind::F32 => DataType::Float32,
+            Kind::F32 | Kind::SubScore => DataType::Float32,
             Kind::ListI32 => item(DataType::Int32),
             Kind::ListU8 => item(DataType::UInt8),
             Kind::ListF32 => item(DataType::Float32),
@@ -99,6 +102,7 @@ impl Kind {
                 DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
             ),
             Kind::F32 => matches!(dt, DataType::Float32 | DataType::Float64),
+            Kind::SubScore => Kind::F32.accepts(dt) || Kind::Utf8.accepts(dt),
             Kind::ListI32 => list_of(&DataType::Int32) || list_of(&DataType::Int64),
             Kind::ListU8 => list_of(&DataType::UInt8) || list_of(&DataType::Int8),
             Kind::ListF32 => list_of(&DataType::Float32) || list_of(&DataType::Float64),
@@ -116,7 +120,7 @@ pub fn kind_of(name: &str) -> Option<Kind> {
         SCORE | BASELINE_SCORE => Kind::F32,
         TOKEN_REWARDS | ADVANTAGES | RETURNS | VALUES => Kind::ListF32,
         n if n.ends_with("_logprobs") || n == "entropy" || n.ends_with("_entropy") => Kind::ListF32,
-        n if n.starts_with(SCORE_PREFIX) => Kind::F32,
+        n if n.starts_with(SCORE_PREFIX) => Kind::SubScore,
         _ => return None,
     })
 }

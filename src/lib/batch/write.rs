@@ -1,10 +1,14 @@
 //! Writing a batch file: keep every input column, add the stage's columns, record metadata,
 //! zstd-compress, write to `NAME.tmp` and rename so a crash never leaves a half file.
+//!
+//! The key/value metadata goes both into the Parquet footer and into the Arrow schema embedded
+//! in it (`ARROW:schema`), so readers that show only one of them (pyarrow's
+//! `pq.read_table(f).schema.metadata`, arrow-rs, duckdb's `parquet_kv_metadata`) all see it.
 
 use super::read::Batch;
 use super::schema::{self, meta};
 use anyhow::{Context, Result};
-use arrow_array::{ArrayRef, RecordBatch};
+use arrow_array::{ArrayRef, RecordBatch, RecordBatchOptions};
 use arrow_schema::{Field, Schema};
 use parquet::arrow::arrow_writer::{compute_leaves, ArrowColumnChunk};
 use parquet::arrow::ArrowWriter;
@@ -175,6 +179,19 @@ pub fn write_file(out: &Path, data: &RecordBatch, kv: &BTreeMap<String, String>)
 
 fn write_parallel(path: &Path, data: &RecordBatch, kv: &BTreeMap<String, String>) -> Result<()> {
     let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    // The Arrow schema carries the same metadata as the footer (and only it: whatever the input
+    // schema held is already in `kv` when it should be kept).
+    let schema = Schema::new(data.schema().fields().clone()).with_metadata(
+        kv.iter()
+            .filter(|(k, _)| k.as_str() != meta::ARROW_SCHEMA)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<std::collections::HashMap<_, _>>(),
+    );
+    let data = RecordBatch::try_new_with_options(
+        Arc::new(schema),
+        data.columns().to_vec(),
+        &RecordBatchOptions::new().with_row_count(Some(data.num_rows())),
+    )?;
     let kvs = kv
         .iter()
         .map(|(k, v)| KeyValue::new(k.clone(), v.clone()))
@@ -229,4 +246,69 @@ fn write_parallel(path: &Path, data: &RecordBatch, kv: &BTreeMap<String, String>
     inner.flush()?;
     inner.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::Float32Array;
+
+    fn embedded_schema_metadata(path: &Path) -> BTreeMap<String, String> {
+        Batch::embedded_schema_metadata(path).unwrap()
+    }
+
+    #[test]
+    fn metadata_is_in_the_footer_and_in_the_arrow_schema() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("b.parquet");
+        let data = RecordBatch::try_from_iter([(
+            "score",
+            Arc::new(Float32Array::from(vec![1.0, 0.0])) as ArrayRef,
+        )])
+        .unwrap();
+        let info = StageInfo {
+            stage: "score",
+            params: serde_json::json!({"reward": "exact"}),
+            policy_version: Some(3),
+            step: Some(7),
+        };
+        let kv = stage_meta(BTreeMap::new(), &info);
+        write_file(&out, &data, &kv).unwrap();
+        let embedded = embedded_schema_metadata(&out);
+        for (k, v) in [
+            (meta::SCHEMA, schema::SCHEMA_VERSION),
+            (meta::POLICY_VERSION, "3"),
+            (meta::STEP, "7"),
+            ("tandem.stage.score", r#"{"reward":"exact"}"#),
+        ] {
+            assert_eq!(embedded.get(k).map(String::as_str), Some(v), "{k}");
+        }
+        assert!(!embedded.contains_key(meta::ARROW_SCHEMA));
+        // The footer holds the same pairs.
+        let back = Batch::read(&out, &[]).unwrap();
+        assert_eq!(back.meta, kv);
+        // Derived files carry the derived metadata in both places, the input's schema
+        // metadata not left stale.
+        let out2 = dir.path().join("c.parquet");
+        let info2 = StageInfo {
+            stage: "advantage",
+            params: serde_json::json!({}),
+            policy_version: None,
+            step: Some(8),
+        };
+        back.write_derived(&out2, NewColumns::new(), &info2)
+            .unwrap();
+        let embedded = embedded_schema_metadata(&out2);
+        assert_eq!(embedded.get(meta::STEP).map(String::as_str), Some("8"));
+        assert_eq!(
+            embedded.get(meta::POLICY_VERSION).map(String::as_str),
+            Some("3")
+        );
+        assert!(embedded.contains_key("tandem.stage.advantage"));
+        // Zero rows still write a schema with its metadata.
+        let empty = data.slice(0, 0);
+        let out3 = dir.path().join("e.parquet");
+        write_file(&out3, &empty, &kv).unwrap();
+        assert_eq!(embedded_schema_metadata(&out3), kv);
+    }
 }

@@ -125,10 +125,14 @@ impl PromptDataset {
     }
 
     /// The dataset columns an output batch carries, for the given dataset rows (one entry per
-    /// output row, e.g. each prompt's index repeated n times; see [`repeat_each`]):
-    /// `data_source` (utf8), `prompt` (the dataset's own type, under the name `prompt`),
-    /// `ground_truth` (utf8, nullable; when the dataset has answers) and `extra_info` (the
-    /// dataset's own type; when present).
+    /// output row, e.g. each prompt's index repeated n times; see [`repeat_each`]): every
+    /// column of the dataset, with its own type, except those the stages write for each
+    /// response ([`PromptDataset::left_out_columns`]). First `data_source` (utf8; the file's
+    /// stem when the dataset has none), `prompt` (the prompt column, under that name also when
+    /// `--prompt-key` names another one and the dataset has no `prompt`), `ground_truth` (the
+    /// dataset's own column, or utf8 text of verl's `reward_model.ground_truth`, which is kept
+    /// as well), then the others (`ability`, `reward_model`, `extra_info`, any custom column)
+    /// in the dataset's order.
     pub fn take_columns(&self, indices: &[usize]) -> Result<Vec<(Field, ArrayRef)>> {
         let n = self.rows.len();
         if let Some(&bad) = indices.iter().find(|&&i| i >= n) {
@@ -136,6 +140,7 @@ impl PromptDataset {
         }
         let idx = UInt32Array::from_iter_values(indices.iter().map(|&i| i as u32));
         let take = |col: &ArrayRef| arrow_select::take::take(col.as_ref(), &idx, None);
+        let data = &self.batch.data;
         let mut out = Vec::new();
         let sources = StringArray::from_iter_values(
             indices.iter().map(|&i| self.rows[i].data_source.as_str()),
@@ -144,28 +149,61 @@ impl PromptDataset {
             schema::field(schema::DATA_SOURCE),
             Arc::new(sources) as ArrayRef,
         ));
-        let prompt = self.batch.column(&self.prompt_key)?;
+        let prompt_as = match self.batch.has(schema::PROMPT) {
+            true => schema::PROMPT,
+            false => self.prompt_key.as_str(),
+        };
+        let prompt = self.batch.column(prompt_as)?;
         out.push((
             Field::new(schema::PROMPT, prompt.data_type().clone(), true),
             take(prompt)?,
         ));
-        if self.has_ground_truth() {
-            let gts: StringArray = indices
-                .iter()
-                .map(|&i| self.rows[i].ground_truth.as_deref())
-                .collect();
-            out.push((
-                Field::new(schema::GROUND_TRUTH, DataType::Utf8, true),
-                Arc::new(gts),
-            ));
+        match data.column_by_name(schema::GROUND_TRUTH) {
+            Some(gt) => out.push((
+                Field::new(schema::GROUND_TRUTH, gt.data_type().clone(), true),
+                take(gt)?,
+            )),
+            None if self.has_ground_truth() => {
+                let gts: StringArray = indices
+                    .iter()
+                    .map(|&i| self.rows[i].ground_truth.as_deref())
+                    .collect();
+                out.push((
+                    Field::new(schema::GROUND_TRUTH, DataType::Utf8, true),
+                    Arc::new(gts),
+                ));
+            }
+            None => {}
         }
-        if let Some(extra) = self.batch.data.column_by_name(schema::EXTRA_INFO) {
+        let skip = self.left_out_columns();
+        for (field, col) in data.schema().fields().iter().zip(data.columns()) {
+            let name = field.name().as_str();
+            let placed = [schema::DATA_SOURCE, schema::PROMPT, schema::GROUND_TRUTH];
+            if placed.contains(&name) || skip.contains(&name) {
+                continue;
+            }
             out.push((
-                Field::new(schema::EXTRA_INFO, extra.data_type().clone(), true),
-                take(extra)?,
+                Field::new(name, field.data_type().clone(), true)
+                    .with_metadata(field.metadata().clone()),
+                take(col)?,
             ));
         }
         Ok(out)
+    }
+
+    /// Dataset columns that [`PromptDataset::take_columns`] leaves out: those named like a
+    /// column the stages write for each response (`uid`, `response_ids`, `score`,
+    /// `advantages`, `*_logprobs`, ...), which would describe responses other than the new ones
+    /// (the stage writes its own under that name).
+    pub fn left_out_columns(&self) -> Vec<&str> {
+        self.batch
+            .data
+            .schema_ref()
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .filter(|&name| name != schema::DATA_SOURCE && schema::kind_of(name).is_some())
+            .collect()
     }
 }
 
@@ -321,7 +359,14 @@ mod tests {
         let names: Vec<&str> = cols.iter().map(|(f, _)| f.name().as_str()).collect();
         assert_eq!(
             names,
-            ["data_source", "prompt", "ground_truth", "extra_info"]
+            [
+                "data_source",
+                "prompt",
+                "ground_truth",
+                "ability",
+                "reward_model",
+                "extra_info"
+            ]
         );
         let fields: Vec<Field> = cols.iter().map(|(f, _)| f.clone()).collect();
         let arrays: Vec<ArrayRef> = cols.iter().map(|(_, a)| a.clone()).collect();
@@ -377,7 +422,66 @@ mod tests {
         );
         let by_key = PromptDataset::open_with_key(&path, "question").unwrap();
         assert_eq!(by_key.row(0).messages, vec![Message::new("user", "q")]);
-        assert_eq!(by_key.take_columns(&[0]).unwrap()[1].0.name(), "prompt");
+        // The prompt column is also carried under its own name.
+        let names: Vec<String> = by_key
+            .take_columns(&[0])
+            .unwrap()
+            .iter()
+            .map(|(f, _)| f.name().clone())
+            .collect();
+        assert_eq!(names, ["data_source", "prompt", "question"]);
+    }
+
+    #[test]
+    fn every_column_is_taken_but_those_the_stages_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = RecordBatch::try_from_iter([
+            (
+                "difficulty",
+                Arc::new(arrow_array::Int64Array::from(vec![3, 7])) as ArrayRef,
+            ),
+            (
+                "prompt",
+                Arc::new(StringArray::from(vec!["a", "b"])) as ArrayRef,
+            ),
+            (
+                "ground_truth",
+                Arc::new(arrow_array::Int64Array::from(vec![10, 20])) as ArrayRef,
+            ),
+            (
+                "score",
+                Arc::new(arrow_array::Float32Array::from(vec![0.5, 1.0])) as ArrayRef,
+            ),
+            (
+                "uid",
+                Arc::new(StringArray::from(vec!["x", "y"])) as ArrayRef,
+            ),
+            (
+                "tags",
+                Arc::new(StringArray::from(vec![Some("t"), None])) as ArrayRef,
+            ),
+        ])
+        .unwrap();
+        let path = write(dir.path(), "custom.parquet", &data);
+        let ds = PromptDataset::open(&path).unwrap();
+        assert_eq!(ds.left_out_columns(), ["score", "uid"]);
+        let cols = ds.take_columns(&[1, 1, 0]).unwrap();
+        let names: Vec<&str> = cols.iter().map(|(f, _)| f.name().as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "data_source",
+                "prompt",
+                "ground_truth",
+                "difficulty",
+                "tags"
+            ]
+        );
+        // Own types and values, rows taken in order, nulls kept.
+        assert_eq!(cols[2].1.data_type(), &DataType::Int64);
+        assert_eq!(value(cols[2].1.as_ref(), 0), serde_json::json!(20));
+        assert_eq!(value(cols[3].1.as_ref(), 2), serde_json::json!(3));
+        assert!(cols[4].1.is_null(0) && !cols[4].1.is_null(2));
     }
 
     #[test]

@@ -15,7 +15,7 @@
 use super::group::{parse_seconds, TIMEOUT_ENV};
 use super::health::ERROR_FILE_ENV;
 use crate::error::input_error;
-use crate::proc::die_with_parent;
+use crate::process::die_with_parent;
 use anyhow::{anyhow, Result};
 use clap::Args;
 use std::net::TcpListener;

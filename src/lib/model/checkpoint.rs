@@ -58,8 +58,8 @@ impl ResidentMarker {
 }
 
 /// Tokenizer files HF keeps next to a model (`chat_template.jinja` is where transformers 5 puts
-/// the chat template).
-pub const TOKENIZER_FILES: [&str; 8] = [
+/// the chat template, `chat_template.json` where processors kept it).
+pub const TOKENIZER_FILES: [&str; 9] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -68,7 +68,11 @@ pub const TOKENIZER_FILES: [&str; 8] = [
     "merges.txt",
     "tokenizer.model",
     "chat_template.jinja",
+    "chat_template.json",
 ];
+
+/// Folders of tokenizer files: transformers 5's named chat templates (`tool_use.jinja`, ...).
+pub const TOKENIZER_DIRS: [&str; 1] = ["additional_chat_templates"];
 
 /// An HF model directory.
 pub struct ModelDir;
@@ -244,13 +248,7 @@ impl ModelDir {
             cfg.save(&tmp, config_base)?;
             body(&tmp)?;
             if let Some(src) = tokenizer_from {
-                for name in TOKENIZER_FILES {
-                    let from = src.join(name);
-                    if from.is_file() {
-                        std::fs::copy(&from, tmp.join(name))
-                            .with_context(|| format!("copying {}", from.display()))?;
-                    }
-                }
+                copy_tokenizer_files(src, &tmp)?;
             }
             for (name, bytes) in extra_files {
                 let path = tmp.join(name);
@@ -266,6 +264,38 @@ impl ModelDir {
         }
         replace_dir(&tmp, dir)
     }
+}
+
+/// Copies the tokenizer files and folders of `src` that exist into `dst`.
+fn copy_tokenizer_files(src: &Path, dst: &Path) -> Result<()> {
+    let copy = |from: &Path, to: &Path| {
+        std::fs::copy(from, to)
+            .map(|_| ())
+            .with_context(|| format!("copying {}", from.display()))
+    };
+    for name in TOKENIZER_FILES {
+        let from = src.join(name);
+        if from.is_file() {
+            copy(&from, &dst.join(name))?;
+        }
+    }
+    for name in TOKENIZER_DIRS {
+        let from = src.join(name);
+        if !from.is_dir() {
+            continue;
+        }
+        let to = dst.join(name);
+        std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
+        for entry in
+            std::fs::read_dir(&from).with_context(|| format!("listing {}", from.display()))?
+        {
+            let path = entry?.path();
+            if path.is_file() {
+                copy(&path, &to.join(path.file_name().unwrap_or_default()))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_is_dir(path: &Path) -> Result<()> {

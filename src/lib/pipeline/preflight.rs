@@ -25,7 +25,7 @@ use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::safetensors::{INDEX_FILE, SINGLE_FILE};
-use crate::reward::external::PythonDriver;
+use crate::reward::external::python_argv;
 use crate::reward::{Options, RewardSpec};
 use crate::stage::common::resolve_model;
 use crate::stage::rollout::{tokenize_prompts, PromptLimits, RolloutArgs};
@@ -205,8 +205,7 @@ fn find_program(program: &str) -> bool {
 /// function up, then ends at once on its empty input.
 fn import_python(file: &Path, func: &str, opts: &Options, at: &str) -> Result<()> {
     use wait_timeout::ChildExt;
-    let driver = PythonDriver::write()?;
-    let argv = driver.argv(&opts.python, file, func, &opts.reward_kwargs);
+    let argv = python_argv(&opts.python, file, func, &opts.reward_kwargs);
     let mut child = Command::new(&argv[0])
         .args(&argv[1..])
         .stdin(Stdio::null())

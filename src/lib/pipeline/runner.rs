@@ -14,7 +14,7 @@ use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
 use crate::engine::resume;
 use crate::error::input_error;
-use crate::proc::die_with_parent;
+use crate::process::die_with_parent;
 use crate::stage::sync_weights::{self, SyncWeightsArgs};
 use crate::stage::{self, InProcess};
 use anyhow::{Context, Result};
@@ -1386,36 +1386,32 @@ mod tests {
         runner(SPEC).check_commands().unwrap();
         for (text, want) in [
             (
-                format!("{SPEC}[rollout]\ntemperature = nan\n"),
-                "[rollout]: --temperature must be a finite number >= 0, got NaN\n  (`rollout` would refuse the runner's command for step-0001: bin/rollout --model r/policy",
+                format!("{SPEC}stop = [\"ok\"]\n[rollout]\nstop = [\"\"]\n"),
+                "[rollout]: --stop: stop strings must not be empty\n  (`rollout` would refuse the runner's command for step-0001: bin/rollout --model r/policy",
             ),
             (
-                format!("{SPEC}[rollout]\ntop-p = 1.5\n"),
-                "[rollout]: --top-p must be in (0, 1], got 1.5",
+                format!("{SPEC}[rollout]\nmax-num-seqs = 8\nmax-batched-tokens = 4\n"),
+                "--max-batched-tokens (4) must be >= --max-num-seqs (8)",
             ),
             (
-                format!("{SPEC}top-p = 0\n"),
-                "[rollout] or [eval]: --top-p must be in (0, 1], got 0\n  (`rollout` would refuse the runner's command for step-0000: bin/rollout --model r/policy --in v.parquet",
+                format!("{SPEC}max-num-seqs = 8\nmax-batched-tokens = 4\n"),
+                "[rollout] or [eval]: --max-batched-tokens (4) must be >= --max-num-seqs (8): every running sample needs a token per step\n  (`rollout` would refuse the runner's command for step-0000: bin/rollout --model r/policy --in v.parquet",
             ),
             (
-                format!("{SPEC}[update]\nlr = -1.0\n"),
-                "[update]: --lr must be a finite number >= 0, got -1",
+                format!("{SPEC}[update]\nlr-schedule = \"cosine\"\ntotal-steps = 2\nlr-warmup-steps = 5\n"),
+                "[update]: --total-steps (2) must exceed --lr-warmup-steps (5)",
             ),
             (
                 format!("{SPEC}[update]\nbetas = [0.9]\n"),
                 "[update]: --betas takes two numbers in [0, 1)",
             ),
             (
+                format!("{SPEC}[update]\nloss = \"sft\"\nrollout-is = \"token\"\n"),
+                "[update]: --rollout-is weights a policy-gradient loss; --loss sft has none",
+            ),
+            (
                 SPEC.replace("\"exact\"", "\"bogus\""),
                 "[score]: --reward 'bogus': unknown reward; expected gsm8k, math,",
-            ),
-            (
-                SPEC.replace("\"grpo\"", "\"grpo\"\ngamma = 2.0"),
-                "[advantage]: --gamma must be in [0, 1], got 2",
-            ),
-            (
-                format!("{SPEC}[ref-logprob]\nmicro-batch-tokens = 0\n[update]\nuse-kl-loss = true\n"),
-                "[ref-logprob]: --micro-batch-tokens must be >= 1",
             ),
         ] {
             let r = runner(&text);
@@ -1423,6 +1419,37 @@ mod tests {
             assert!(crate::error::is_input_error(&err));
             let msg = format!("{err:#}");
             assert!(msg.starts_with(want) || msg.contains(want), "{want:?} not in {msg:?}");
+        }
+        // A value out of its flag's range is refused earlier still, when the spec is loaded,
+        // with its line (the flag's own value parser).
+        for (text, want) in [
+            (
+                format!("{SPEC}[rollout]\ntemperature = nan\n"),
+                "t.toml:15:1: [rollout] temperature = nan: invalid value 'NaN' for '--temperature <TEMPERATURE>': must be a finite number >= 0",
+            ),
+            (
+                format!("{SPEC}[rollout]\ntop-p = 1.5\n"),
+                "[rollout] top-p = 1.5: invalid value '1.5' for '--top-p <TOP_P>': must be a finite number in (0, 1]",
+            ),
+            (
+                format!("{SPEC}[update]\nlr = -1.0\n"),
+                "[update] lr = -1.0: invalid value '-1' for '--lr <LR>': must be a finite number >= 0",
+            ),
+            (
+                SPEC.replace("\"grpo\"", "\"grpo\"\ngamma = 2.0"),
+                "[advantage] gamma = 2.0: invalid value '2' for '--gamma <GAMMA>': must be a finite number in [0, 1]",
+            ),
+            (
+                format!("{SPEC}[ref-logprob]\nmicro-batch-tokens = 0\n"),
+                "[ref-logprob] micro-batch-tokens = 0: invalid value '0' for '--micro-batch-tokens <MICRO_BATCH_TOKENS>': must be an integer >= 1",
+            ),
+        ] {
+            let Err(err) = Spec::parse(&text, "t.toml") else {
+                panic!("accepted: {want}")
+            };
+            assert!(crate::error::is_input_error(&err));
+            let msg = format!("{err:#}");
+            assert!(msg.contains(want), "{want:?} not in {msg:?}");
         }
     }
 

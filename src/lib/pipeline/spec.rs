@@ -361,8 +361,15 @@ fn value_args(
         toml::Value::Boolean(b) => Ok(b.to_string()),
         _ => Err("takes a string, a number or true/false".to_string()),
     };
-    let hyphen_ok = arg.is_allow_negative_numbers_set() || arg.is_allow_hyphen_values_set();
-    let pair = |x: &str| match x.starts_with('-') && !hyphen_ok {
+    // What clap takes as a value after the flag: any text with allow_hyphen_values, a negative
+    // number with allow_negative_numbers; else `--flag=-x`.
+    let hyphen_ok = |x: &str| {
+        arg.is_allow_hyphen_values_set()
+            || (arg.is_allow_negative_numbers_set()
+                && x[1..].starts_with(|c: char| c.is_ascii_digit())
+                && x.parse::<f64>().is_ok())
+    };
+    let pair = |x: &str| match x.starts_with('-') && !hyphen_ok(x) {
         true => vec![format!("{flag}={x}")],
         false => vec![flag.clone(), x.to_string()],
     };
@@ -1254,17 +1261,18 @@ estimator = "grpo"
 
     #[test]
     fn values_that_look_like_flags_stay_values() {
-        // top-k takes negative numbers; temperature does not, so -1 goes as --temperature=-1
-        // (and reaches the stage's own range check instead of being read as a flag).
+        // Every flag with a value takes negative numbers (they reach the flag's range check);
+        // a text that looks like a flag goes as --stop=-x.
         let st = stages(&format!(
-            "{MINIMAL}[rollout]\ntop-k = -1\ntemperature = -1\nstop = [\"-x\", \"y\"]\n"
+            "{MINIMAL}[rollout]\ntop-k = -1\nstop = [\"-x\", \"y\"]\n"
         ));
-        assert_eq!(
-            st.rollout.argv.join(" "),
-            "--temperature=-1 --top-k -1 --stop=-x --stop y"
-        );
-        assert_eq!(st.rollout.args.temperature, -1.0);
+        assert_eq!(st.rollout.argv.join(" "), "--top-k -1 --stop=-x --stop y");
         assert_eq!(st.rollout.args.stop, ["-x", "y"]);
+        let err = error(&format!("{MINIMAL}[rollout]\ntemperature = -1\n"));
+        assert!(
+            err.contains("[rollout] temperature = -1: invalid value '-1' for '--temperature <TEMPERATURE>': must be a finite number >= 0"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1500,6 +1508,10 @@ estimator = "grpo"
                     let defaults = cli(&context).ok().map(|m| typed(def.name, &m));
                     for v in &candidates {
                         let mut keys = context.clone();
+                        // A cosine schedule needs its horizon (the runner would derive one).
+                        if long == "lr-schedule" {
+                            keys.push(("total-steps", "3".into()));
+                        }
                         keys.push((long, v.clone()));
                         // ref-logprob and update take log-probs at the rollout's temperature.
                         let extra = match (long, def.name) {

@@ -1,14 +1,16 @@
 """tandem's bridge to verl-style Python reward functions (run by `score --reward python:FILE.py[:FUNC]`).
 
-Usage: python3 driver.py FILE.py FUNC KWARGS_JSON
+Usage: python3 -c "$(cat driver.py)" FILE.py FUNC KWARGS_JSON (tandem passes the source with -c:
+no file is written for it).
 
 Reads one JSON request per line on stdin ({"data_source", "solution_str", "ground_truth",
 "extra_info"}), calls FUNC(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
 **KWARGS) as verl's reward manager does, and writes one JSON line per request: a number, or an
-object whose "score" is the score and whose other numeric (or boolean) values are sub-scores.
-Non-numeric values in a returned dict (e.g. a "pred" string) are left out. Anything the reward
-code prints goes to stderr, so it cannot corrupt the answers. An exception ends the run with
-its traceback on stderr; tandem reports it with the row it was scoring.
+object whose "score" is the score and whose other values are kept as verl keeps them in
+reward_extra_info: numbers (and booleans) become sub-scores, strings, None, lists and dicts
+are passed on (tandem writes them as text columns). Anything the reward code prints goes to
+stderr, so it cannot corrupt the answers. An exception ends the run with its traceback on
+stderr; tandem reports it with the row it was scoring.
 """
 
 import asyncio
@@ -23,9 +25,7 @@ import sys
 def load(path, name):
     path = os.path.abspath(path)
     # Like `python -m verl...` run from the working directory: the reward file's folder and the
-    # current directory are importable; the driver's own temp folder is not.
-    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.pop(0)
+    # current directory are importable.
     for p in (os.getcwd(), os.path.dirname(path)):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -54,16 +54,29 @@ def number(v):
     return None
 
 
+def other(value):
+    """A non-numeric value of a returned dict as JSON: strings and None as they are, lists and
+    dicts (numpy arrays through tolist) when JSON holds them, anything else as its repr."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def plain(result):
     """The JSON-ready answer for one row (validation of the score is tandem's job)."""
     if isinstance(result, dict):
         out = {}
         for key, value in result.items():
             v = number(value)
-            if v is not None:
-                out[str(key)] = v
-            elif key == "score":
-                out["score"] = value if isinstance(value, (str, list, type(None))) else repr(value)
+            out[str(key)] = v if v is not None else other(value)
         return out
     v = number(result)
     if v is not None:
@@ -78,7 +91,7 @@ def plain(result):
 
 def main():
     if len(sys.argv) != 4:
-        sys.exit("usage: driver.py FILE.py FUNC KWARGS_JSON")
+        sys.exit("usage: python3 -c DRIVER_SOURCE FILE.py FUNC KWARGS_JSON")
     path, name, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     # The answers travel on the original stdout; fd 1 (and sys.stdout) now point at stderr so
     # that prints of the reward code, from Python or from C, cannot mix with them.

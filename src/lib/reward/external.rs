@@ -3,9 +3,11 @@
 //! Protocol: the program is started once per batch (argv, never a shell) and gets one JSON
 //! line per row on stdin, `{"data_source", "solution_str", "ground_truth", "extra_info"}`.
 //! It answers each with one line on stdout, in order: a number, or an object with a numeric
-//! `score` and any other numeric (or boolean) keys, which become `score_<key>` sub-score
-//! columns; other values (strings, null, lists) are ignored. Every row must give the same
-//! sub-score keys. Blank output lines are skipped.
+//! `score` and any other keys, each of which becomes a `score_<key>` column: float32 for a
+//! number (or boolean), utf8 for a string, null, list or object (lists and objects as their
+//! compact JSON text), as verl keeps every value of a reward's dict (`reward_extra_info`). Every
+//! row must give the same keys, and a key numeric in one row must be numeric in all. Blank
+//! output lines are skipped.
 //!
 //! Limits: each answer must come within the per-row timeout of the previous one (the first
 //! within the timeout of the start, so it includes the program's start-up), and all of them
@@ -15,26 +17,31 @@
 //! from a thread, so a program that answers before reading all its input cannot deadlock.
 //! The program's stderr is passed through, and its last lines are quoted in the error.
 //!
-//! `python:` runs the same protocol through `driver.py` (shipped inside the binary, written
-//! to a temporary folder at run time), which calls a verl-style
-//! `compute_score(data_source, solution_str, ground_truth, extra_info)`.
+//! The program dies with `score`: it runs in its own process group with `PR_SET_PDEATHSIG`
+//! (a `score` killed by any signal, SIGKILL included, takes it down), and that group is
+//! killed when scoring ends in any way, and before `score` ends on SIGTERM, SIGINT or SIGHUP
+//! ([`crate::process`]).
+//!
+//! `python:` runs the same protocol through `driver.py` (shipped inside the binary and given
+//! to the interpreter as `python3 -c SOURCE`, so no file is written for it), which calls a
+//! verl-style `compute_score(data_source, solution_str, ground_truth, extra_info)`.
 
 use super::Scores;
 use crate::error::input_error;
+use crate::process::{die_with_parent, GroupGuard};
 use anyhow::Result;
 use serde_json::Value;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// The Python driver, written next to nothing else in its own temp folder at run time.
+/// The Python driver, run as `python3 -c DRIVER_PY`.
 pub const DRIVER_PY: &str = include_str!("driver.py");
 
 /// How many lines of the program's stderr an error message quotes.
@@ -55,8 +62,18 @@ pub struct Limits {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Answer {
     pub score: f32,
-    /// Sub-scores by key (sorted), without the `score_` prefix.
-    pub subs: Vec<(String, f32)>,
+    /// The other keys (sorted), without the `score_` prefix.
+    pub subs: Vec<(String, SubValue)>,
+}
+
+/// A value of an answer's key other than `score`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SubValue {
+    /// A number or boolean: a float32 sub-score.
+    Number(f32),
+    /// A string, or a list or object as its compact JSON text.
+    Text(String),
+    Null,
 }
 
 /// Split `PROGRAM ARGS...` into words, as a shell would without expanding anything:
@@ -199,12 +216,16 @@ pub fn parse_answer(line: &str) -> Result<Answer, String> {
                 if key == "score" {
                     continue;
                 }
-                if let Some(x) = as_number(v) {
-                    if key.is_empty() {
-                        return Err("answered a sub-score with an empty key".into());
-                    }
-                    subs.push((key.clone(), finite_f32(x, &format!("sub-score \"{key}\""))?));
+                if key.is_empty() {
+                    return Err("answered a key that is empty".into());
                 }
+                let sub = match (as_number(v), v) {
+                    (Some(x), _) => SubValue::Number(finite_f32(x, &format!("\"{key}\""))?),
+                    (None, Value::Null) => SubValue::Null,
+                    (None, Value::String(t)) => SubValue::Text(t.clone()),
+                    (None, other) => SubValue::Text(other.to_string()),
+                };
+                subs.push((key.clone(), sub));
             }
             Ok(Answer { score, subs })
         }
@@ -212,32 +233,65 @@ pub fn parse_answer(line: &str) -> Result<Answer, String> {
     }
 }
 
-/// Scores and sub-score columns from per-row answers. Every row must carry the same keys.
+/// Scores and `score_<key>` columns from per-row answers. Every row must carry the same keys;
+/// a key is a numeric column when some row gives it a number (then every row must), else a
+/// text column (nulls allowed).
 pub fn collate(answers: &[Answer], ctx: &str, label: &str) -> Result<Scores> {
     let score = answers.iter().map(|a| a.score).collect();
     let Some(first) = answers.first() else {
         return Ok(Scores {
             score,
-            subs: Vec::new(),
+            ..Scores::default()
         });
     };
     let keys: Vec<&str> = first.subs.iter().map(|(k, _)| k.as_str()).collect();
-    let mut cols: Vec<Vec<f32>> = vec![Vec::with_capacity(answers.len()); keys.len()];
+    // A key is numeric when any row gives it a number; then every row must.
+    let numeric: Vec<bool> = (0..keys.len())
+        .map(|j| {
+            answers
+                .iter()
+                .any(|a| matches!(a.subs.get(j), Some((_, SubValue::Number(_)))))
+        })
+        .collect();
+    let mut nums: Vec<Vec<f32>> = vec![Vec::with_capacity(answers.len()); keys.len()];
+    let mut texts: Vec<Vec<Option<String>>> = vec![Vec::new(); keys.len()];
     for (row, a) in answers.iter().enumerate() {
         if a.subs.len() != keys.len() || a.subs.iter().zip(&keys).any(|((k, _), want)| k != want) {
             let got: Vec<&str> = a.subs.iter().map(|(k, _)| k.as_str()).collect();
             crate::bail_input!(
-                "{ctx}, row {row}: reward `{label}` gave sub-scores {got:?} but {keys:?} for row 0; every row must return the same numeric keys"
+                "{ctx}, row {row}: reward `{label}` gave the keys {got:?} but {keys:?} for row 0; every row must return the same keys"
             );
         }
-        for (col, (_, v)) in cols.iter_mut().zip(&a.subs) {
-            col.push(*v);
+        for (j, (key, v)) in a.subs.iter().enumerate() {
+            match (numeric[j], v) {
+                (true, SubValue::Number(x)) => nums[j].push(*x),
+                (true, other) => crate::bail_input!(
+                    "{ctx}, row {row}: reward `{label}` gave \"{key}\" = {} where other rows give a number; a key is a number in every row (a float32 column score_{key}) or text in every row",
+                    match other {
+                        SubValue::Text(t) => format!("{t:?}"),
+                        _ => "null".to_string(),
+                    }
+                ),
+                (false, SubValue::Text(t)) => texts[j].push(Some(t.clone())),
+                (false, _) => texts[j].push(None),
+            }
         }
     }
-    Ok(Scores {
+    let mut out = Scores {
         score,
-        subs: keys.into_iter().map(String::from).zip(cols).collect(),
-    })
+        ..Scores::default()
+    };
+    for (j, key) in keys.into_iter().enumerate() {
+        match numeric[j] {
+            true => out
+                .subs
+                .push((key.to_string(), std::mem::take(&mut nums[j]))),
+            false => out
+                .texts
+                .push((key.to_string(), std::mem::take(&mut texts[j]))),
+        }
+    }
+    Ok(out)
 }
 
 /// A started program and the threads that talk to it.
@@ -247,6 +301,8 @@ struct Running {
     lines: Receiver<std::io::Result<String>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     stderr_done: Receiver<()>,
+    /// Kills the program's group on drop and before `score` ends on a signal.
+    group: GroupGuard,
     /// Set once reaped: its pid (and group id) may then belong to someone else.
     status: Option<Option<ExitStatus>>,
 }
@@ -254,20 +310,22 @@ struct Running {
 impl Running {
     fn start(argv: &[String], label: &str, input: Vec<u8>, ctx: &str) -> Result<Running> {
         let label = label.to_string();
-        let mut child = Command::new(&argv[0])
-            .args(&argv[1..])
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             // Its own process group, so that a kill also reaches what it started.
-            .process_group(0)
-            .spawn()
-            .map_err(|e| {
-                input_error(format!(
-                    "{ctx}: reward `{label}`: cannot start `{}`: {e}",
-                    argv[0]
-                ))
-            })?;
+            .process_group(0);
+        // Killed by the kernel if `score` dies without a chance to clean up (SIGKILL).
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn().map_err(|e| {
+            input_error(format!(
+                "{ctx}: reward `{label}`: cannot start `{}`: {e}",
+                argv[0]
+            ))
+        })?;
+        let group = GroupGuard::new(child.id());
 
         let mut stdin = child.stdin.take().expect("piped stdin");
         thread::spawn(move || {
@@ -337,6 +395,7 @@ impl Running {
             lines,
             stderr_tail,
             stderr_done,
+            group,
             status: None,
         })
     }
@@ -373,12 +432,8 @@ impl Running {
         if let Some(status) = self.status {
             return status;
         }
-        if let Ok(pid) = i32::try_from(self.child.id()) {
-            // SAFETY: kill(2) with a negative pid signals that process group; no memory involved.
-            unsafe {
-                libc::kill(-pid, libc::SIGKILL);
-            }
-        }
+        // The group first, while the unreaped leader still holds its id.
+        self.group.kill();
         let _ = self.child.kill();
         let status = self.child.wait().ok();
         self.status = Some(status);
@@ -413,6 +468,13 @@ impl Running {
             self.label,
             self.tail()
         ))
+    }
+}
+
+impl Drop for Running {
+    /// Whatever way scoring ends (an error, a panic), the program and its group go.
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 
@@ -541,58 +603,18 @@ pub fn run(
     Ok(answers)
 }
 
-/// `driver.py` written to a fresh temporary folder, removed again on drop.
-pub struct PythonDriver {
-    dir: PathBuf,
-}
-
-impl PythonDriver {
-    pub fn write() -> Result<PythonDriver> {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let base = std::env::temp_dir();
-        loop {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.subsec_nanos())
-                .unwrap_or(0);
-            let dir = base.join(format!(
-                "tandem-score-{}-{}-{nanos}",
-                std::process::id(),
-                COUNTER.fetch_add(1, Ordering::Relaxed)
-            ));
-            match std::fs::create_dir(&dir) {
-                Ok(()) => {
-                    let driver = PythonDriver { dir };
-                    std::fs::write(driver.path(), DRIVER_PY)
-                        .map_err(|e| anyhow::anyhow!("writing {}: {e}", driver.path().display()))?;
-                    return Ok(driver);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(e) => anyhow::bail!("creating {}: {e}", dir.display()),
-            }
-        }
-    }
-
-    pub fn path(&self) -> PathBuf {
-        self.dir.join("driver.py")
-    }
-
-    /// The argv that runs `func` of `file` through the driver.
-    pub fn argv(&self, python: &str, file: &Path, func: &str, kwargs: &Value) -> Vec<String> {
-        vec![
-            python.to_string(),
-            self.path().display().to_string(),
-            file.display().to_string(),
-            func.to_string(),
-            kwargs.to_string(),
-        ]
-    }
-}
-
-impl Drop for PythonDriver {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// The argv that runs `func` of `file` through the driver: `PYTHON -c DRIVER FILE FUNC KWARGS`.
+/// The driver's source travels in the argv, so nothing is written to disk for it and nothing
+/// is left behind however `score` ends.
+pub fn python_argv(python: &str, file: &Path, func: &str, kwargs: &Value) -> Vec<String> {
+    vec![
+        python.to_string(),
+        "-c".to_string(),
+        DRIVER_PY.to_string(),
+        file.display().to_string(),
+        func.to_string(),
+        kwargs.to_string(),
+    ]
 }
 
 #[cfg(test)]
@@ -621,10 +643,19 @@ mod tests {
             }
         );
         assert_eq!(
-            parse_answer(r#"{"score": 1, "acc": true, "pred": "7", "len": 12}"#).unwrap(),
+            parse_answer(
+                r#"{"score": 1, "acc": true, "pred": "7", "len": 12, "why": null, "l": [1, "a"]}"#
+            )
+            .unwrap(),
             Answer {
                 score: 1.0,
-                subs: vec![("acc".into(), 1.0), ("len".into(), 12.0)]
+                subs: vec![
+                    ("acc".into(), SubValue::Number(1.0)),
+                    ("l".into(), SubValue::Text(r#"[1,"a"]"#.into())),
+                    ("len".into(), SubValue::Number(12.0)),
+                    ("pred".into(), SubValue::Text("7".into())),
+                    ("why".into(), SubValue::Null),
+                ]
             }
         );
         let e = |s: &str| parse_answer(s).unwrap_err();
@@ -650,6 +681,31 @@ mod tests {
         let rows = [a(r#"{"score": 1, "acc": 1}"#), a("0")];
         let err = collate(&rows, "f", "p").unwrap_err().to_string();
         assert!(err.starts_with("f, row 1: "), "{err}");
+        // Text values are kept as text columns, nulls as nulls.
+        let rows = [
+            a(r#"{"score": 1, "pred": "7", "acc": 1}"#),
+            a(r#"{"score": 0, "pred": null, "acc": 0}"#),
+        ];
+        let got = collate(&rows, "f", "p").unwrap();
+        assert_eq!(got.subs, [("acc".to_string(), vec![1.0, 0.0])]);
+        assert_eq!(
+            got.texts,
+            [("pred".to_string(), vec![Some("7".to_string()), None])]
+        );
+        // A key numeric in one row and text in another names the key and the row.
+        let rows = [
+            a(r#"{"score": 1, "acc": 1}"#),
+            a(r#"{"score": 0, "acc": "no"}"#),
+        ];
+        let err = collate(&rows, "f", "p").unwrap_err();
+        assert!(crate::error::is_input_error(&err));
+        let err = err.to_string();
+        assert!(
+            err.starts_with(
+                "f, row 1: reward `p` gave \"acc\" = \"no\" where other rows give a number"
+            ),
+            "{err}"
+        );
     }
 
     fn limits(row_ms: u64) -> Limits {
@@ -721,7 +777,8 @@ mod tests {
         ));
         let got = run(&argv, "prog", input, rows, limits(10_000), "t").unwrap();
         assert_eq!(got.len(), rows);
-        assert!(got.iter().all(|a| a.score == 0.25 && a.subs.is_empty()));
+        let pad = vec![("pad".to_string(), SubValue::Text("p".repeat(120)))];
+        assert!(got.iter().all(|a| a.score == 0.25 && a.subs == pad));
     }
 
     #[test]

@@ -19,11 +19,13 @@
 //! the Python driver also sets `num_turns: None` and `rollout_reward_scores: {}` in it when
 //! missing, as verl's NaiveRewardManager does for single-turn rollouts.
 //!
-//! Columns written: `score` (float32) and `score_<key>` for each sub-score an external reward
-//! returns. Accuracy in the summary is the fraction of rows with score >= 1.0, or the mean of
-//! the `acc` sub-score when the reward returns one (verl's math_dapo does). Scoring a batch
-//! that already has a `score` column replaces it; `score_<key>` columns of an earlier run
-//! that this reward does not return are kept as they are.
+//! Columns written: `score` (float32) and `score_<key>` for each other key of the dicts an
+//! external reward returns: float32 for numbers (sub-scores), utf8 for strings and other
+//! values (verl keeps them all in `reward_extra_info`; a string is never dropped). Accuracy in
+//! the summary is the fraction of rows with score >= 1.0, or the mean of the `acc` sub-score
+//! when the reward returns one (verl's math_dapo does). Scoring a batch that already has a
+//! `score` column replaces it; `score_<key>` columns of an earlier run that this reward does
+//! not return are kept as they are.
 //!
 //! Overlong shaping ([`overlong`], DAPO's soft overlong punishment, `--overlong-buffer-len`)
 //! adds a length penalty to `score` after the rule, written as `score_overlong`, with the
@@ -41,8 +43,8 @@ use crate::batch::schema::{self, Kind};
 use crate::batch::{Batch, NewColumns, StageInfo};
 use anyhow::Result;
 use arrow_array::cast::AsArray;
-use arrow_array::{Array, ArrayRef, Float32Array};
-use arrow_schema::DataType;
+use arrow_array::{Array, ArrayRef, Float32Array, StringArray};
+use arrow_schema::{DataType, Field};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
@@ -203,11 +205,14 @@ impl Options {
     }
 }
 
-/// Per-row scores and named sub-scores (keys without the `score_` prefix).
+/// Per-row scores, named sub-scores and text values (keys without the `score_` prefix).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Scores {
     pub score: Vec<f32>,
     pub subs: Vec<(String, Vec<f32>)>,
+    /// Keys whose values are text (a predicted answer, a judge's reason), null where a row
+    /// gave null.
+    pub texts: Vec<(String, Vec<Option<String>>)>,
 }
 
 impl Scores {
@@ -332,14 +337,13 @@ pub fn score_batch(batch: &Batch, spec: &RewardSpec, opts: &Options) -> Result<S
             return score_external(batch, argv, &spec.label(opts), opts)
         }
         RewardSpec::Python { file, func } => {
-            let driver = external::PythonDriver::write()?;
-            let argv = driver.argv(&opts.python, file, func, &opts.reward_kwargs);
+            let argv = external::python_argv(&opts.python, file, func, &opts.reward_kwargs);
             return score_external(batch, &argv, &spec.label(opts), opts);
         }
     };
     Ok(Scores {
         score,
-        subs: Vec::new(),
+        ..Scores::default()
     })
 }
 
@@ -356,11 +360,12 @@ fn score_external(batch: &Batch, argv: &[String], label: &str, opts: &Options) -
     };
     let answers = external::run(argv, label, input, rows, limits, &ctx)?;
     let scores = external::collate(&answers, &ctx, label)?;
-    for (key, _) in &scores.subs {
+    let keys = scores.subs.iter().map(|(k, _)| k);
+    for key in keys.chain(scores.texts.iter().map(|(k, _)| k)) {
         let name = format!("{}{key}", schema::SCORE_PREFIX);
-        if schema::kind_of(&name) != Some(Kind::F32) {
+        if schema::kind_of(&name) != Some(Kind::SubScore) {
             bail_input!(
-                "{ctx}: reward `{label}`: sub-score \"{key}\" would be written as column '{name}', which the batch contract reserves for another type; rename the key"
+                "{ctx}: reward `{label}`: key \"{key}\" would be written as column '{name}', which the batch contract reserves for another type; rename the key"
             );
         }
     }
@@ -447,6 +452,7 @@ pub fn run_stage(cfg: &StageConfig) -> Result<Summary> {
         required.push(schema::RESPONSE_IDS);
     }
     let batch = Batch::read(&cfg.input, &required)?;
+    batch.require_rows()?;
     let shaping = cfg.overlong.map(|f| f.resolve(&batch)).transpose()?;
     let t1 = Instant::now();
     let mut scores = score_batch(&batch, &spec, &cfg.options)?;
@@ -472,6 +478,13 @@ pub fn run_stage(cfg: &StageConfig) -> Result<Summary> {
     for (key, values) in &scores.subs {
         let name = format!("{}{key}", schema::SCORE_PREFIX);
         cols.add(&name, Arc::new(Float32Array::from(values.clone())));
+    }
+    for (key, values) in &scores.texts {
+        let name = format!("{}{key}", schema::SCORE_PREFIX);
+        cols.add_field(
+            Field::new(name, DataType::Utf8, true),
+            Arc::new(StringArray::from(values.clone())),
+        );
     }
     cols.add(schema::SCORE, Arc::new(Float32Array::from(scores.score)));
     let info = StageInfo {
@@ -529,10 +542,23 @@ pub fn scored_metrics(batch: &Batch) -> Result<Map<String, Value>> {
     let mut scores = Scores {
         score: batch.f32s(schema::SCORE)?,
         subs: Vec::new(),
+        texts: Vec::new(),
     };
     for f in batch.data.schema().fields() {
         if let Some(key) = f.name().strip_prefix(schema::SCORE_PREFIX) {
-            scores.subs.push((key.to_string(), batch.f32s(f.name())?));
+            if matches!(f.data_type(), DataType::Utf8 | DataType::LargeUtf8) {
+                let col = batch
+                    .data
+                    .column_by_name(f.name())
+                    .expect("field of the schema");
+                let text = col.as_string::<i32>();
+                let vals = (0..text.len())
+                    .map(|i| text.is_valid(i).then(|| text.value(i).to_string()))
+                    .collect();
+                scores.texts.push((key.to_string(), vals));
+            } else {
+                scores.subs.push((key.to_string(), batch.f32s(f.name())?));
+            }
         }
     }
     let sources = if batch.has(schema::DATA_SOURCE) {

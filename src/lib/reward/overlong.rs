@@ -130,6 +130,7 @@ mod tests {
         let mut s = Scores {
             score: vec![1.0, 1.0, 0.5, 0.0],
             subs: Vec::new(),
+            texts: Vec::new(),
         };
         o.apply(&mut s, &[3, 8, 10, 12]).unwrap();
         assert_eq!(s.score, [1.0, 0.5, -0.5, -1.0]);
@@ -139,6 +140,7 @@ mod tests {
         let mut s = Scores {
             score: vec![0.25],
             subs: vec![("acc".into(), vec![1.0])],
+            texts: Vec::new(),
         };
         o.apply(&mut s, &[9]).unwrap();
         assert_eq!(s.sub("acc").unwrap(), [1.0]);
@@ -147,6 +149,7 @@ mod tests {
         let mut s = Scores {
             score: vec![0.0],
             subs: vec![("overlong".into(), vec![1.0])],
+            texts: Vec::new(),
         };
         let err = o.apply(&mut s, &[1]).unwrap_err();
         assert!(crate::error::is_input_error(&err));

@@ -172,7 +172,7 @@ mod tests {
     fn accuracy_per_source_by_threshold() {
         let scores = Scores {
             score: vec![1.0, 0.0, 0.1, 1.0],
-            subs: vec![],
+            ..Scores::default()
         };
         let s = Summary::new(&scores, Some(&["a", "b", "a", "a"]));
         assert_eq!(s.all.rows, 4);
@@ -201,6 +201,7 @@ mod tests {
         let scores = Scores {
             score: vec![1.0, -1.0, -1.0],
             subs: vec![("acc".into(), vec![1.0, 0.0, 1.0])],
+            ..Scores::default()
         };
         let s = Summary::new(&scores, None);
         assert!(s.accuracy_from_acc);

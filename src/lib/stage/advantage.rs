@@ -2,6 +2,7 @@
 //! optionally minus β·KL), advantages and returns of a scored batch. The math lives in
 //! `crate::algo`; this file reads flags and columns and writes the result.
 
+use super::common::{above, at_least, between, negative_numbers};
 use crate::algo::advantage::{self as adv, AdvInput, AdvParams, Groups, KlInReward};
 use crate::algo::kl::{KlController, KlCtrl, KlPenalty, KlState};
 use crate::bail_input;
@@ -22,7 +23,8 @@ pub enum Ctrl {
 
 #[derive(Args, Debug, Clone)]
 #[command(
-    about = "Compute token rewards, advantages and returns of a scored batch (verl's estimators)"
+    about = "Compute token rewards, advantages and returns of a scored batch (verl's estimators)",
+    mut_args = negative_numbers
 )]
 pub struct AdvantageArgs {
     /// Input batch (needs response_mask and score, plus what the options below name).
@@ -31,20 +33,20 @@ pub struct AdvantageArgs {
     /// Output batch: the input's columns plus token_rewards, advantages, returns.
     #[arg(long, value_name = "BATCH")]
     pub out: PathBuf,
-    /// Advantage estimator.
+    /// Advantage estimator (verl's adv_estimator).
     #[arg(long, value_parser = PossibleValuesParser::new(adv::names()))]
     pub estimator: String,
-    /// Discount factor (reinforce_plus_plus, gae).
-    #[arg(long, default_value_t = 1.0)]
+    /// Discount factor γ in [0, 1] (reinforce_plus_plus, gae).
+    #[arg(long, default_value_t = 1.0, value_parser = between(0.0f64, 1.0))]
     pub gamma: f64,
-    /// GAE lambda.
-    #[arg(long, default_value_t = 1.0)]
+    /// GAE λ in [0, 1].
+    #[arg(long, default_value_t = 1.0, value_parser = between(0.0f64, 1.0))]
     pub lam: f64,
     /// GRPO: divide by the group's std (false = Dr.GRPO).
     #[arg(long, default_value_t = true, action = ArgAction::Set, value_name = "true|false")]
     pub norm_by_std: bool,
-    /// GRPO: added to the std before dividing.
-    #[arg(long, default_value_t = 1e-6)]
+    /// GRPO: added to the std before dividing, >= 0.
+    #[arg(long, default_value_t = 1e-6, value_parser = at_least(0.0f64))]
     pub epsilon: f64,
     /// Subtract β·kl(old_logprobs, ref_logprobs) from every valid token's reward.
     #[arg(long)]
@@ -52,17 +54,17 @@ pub struct AdvantageArgs {
     /// KL estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl).
     #[arg(long, default_value = "k1", requires = "kl_in_reward")]
     pub kl_penalty: KlPenalty,
-    /// β (the starting β of the adaptive controller).
-    #[arg(long, default_value_t = 0.001, requires = "kl_in_reward")]
+    /// β, the KL coefficient, >= 0 (the starting β of the adaptive controller).
+    #[arg(long, default_value_t = 0.001, requires = "kl_in_reward", value_parser = at_least(0.0f64))]
     pub kl_coef: f64,
     /// Keep β fixed, or adapt it towards --kl-target (state kept in --kl-state).
     #[arg(long, value_enum, default_value_t = Ctrl::Fixed, requires = "kl_in_reward")]
     pub kl_ctrl: Ctrl,
-    /// Adaptive controller: the KL it steers to.
-    #[arg(long, default_value_t = 0.1, requires = "kl_in_reward")]
+    /// Adaptive controller: the KL it steers to, > 0.
+    #[arg(long, default_value_t = 0.1, requires = "kl_in_reward", value_parser = above(0.0f64))]
     pub kl_target: f64,
-    /// Adaptive controller: horizon in samples.
-    #[arg(long, default_value_t = 10000.0, requires = "kl_in_reward")]
+    /// Adaptive controller: horizon in samples, > 0.
+    #[arg(long, default_value_t = 10000.0, requires = "kl_in_reward", value_parser = above(0.0f64))]
     pub kl_horizon: f64,
     /// Adaptive controller: JSON file holding β between steps (read if present, then updated).
     #[arg(long, value_name = "FILE", requires = "kl_in_reward")]
@@ -74,33 +76,12 @@ pub struct AdvantageArgs {
 
 impl AdvantageArgs {
     /// Checks the flags as the stage does before reading its input.
+    /// (Each flag's range is checked by its parser; this checks what spans flags.)
     pub fn check(&self) -> Result<()> {
-        let a = self;
-        for (flag, v) in [("--gamma", a.gamma), ("--lam", a.lam)] {
-            if !(0.0..=1.0).contains(&v) {
-                bail_input!("{flag} must be in [0, 1], got {v}");
-            }
-        }
-        if !(a.epsilon.is_finite() && a.epsilon >= 0.0) {
-            bail_input!("--epsilon must be a finite number >= 0, got {}", a.epsilon);
-        }
-        if a.kl_in_reward {
-            if !(a.kl_coef.is_finite() && a.kl_coef >= 0.0) {
-                bail_input!("--kl-coef must be a finite number >= 0, got {}", a.kl_coef);
-            }
-            if a.kl_ctrl == Ctrl::Adaptive {
-                if !(a.kl_target.is_finite() && a.kl_target > 0.0) {
-                    bail_input!("--kl-target must be > 0, got {}", a.kl_target);
-                }
-                if !(a.kl_horizon.is_finite() && a.kl_horizon > 0.0) {
-                    bail_input!("--kl-horizon must be > 0, got {}", a.kl_horizon);
-                }
-                if a.kl_state.is_none() {
-                    bail_input!(
-                        "--kl-ctrl adaptive needs --kl-state FILE to carry beta from one step to the next"
-                    );
-                }
-            }
+        if self.kl_in_reward && self.kl_ctrl == Ctrl::Adaptive && self.kl_state.is_none() {
+            bail_input!(
+                "--kl-ctrl adaptive needs --kl-state FILE to carry beta from one step to the next"
+            );
         }
         Ok(())
     }
@@ -154,9 +135,7 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
     }
 
     let batch = Batch::read(&a.input, &[])?;
-    if batch.num_rows() == 0 {
-        bail_input!("{}: the batch has no rows", a.input.display());
-    }
+    batch.require_rows()?;
     need(
         &batch,
         schema::RESPONSE_MASK,

@@ -10,6 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::io::IsTerminal;
+use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -174,6 +175,21 @@ pub fn resolve_model(path: &Path) -> Result<ModelRef> {
     })
 }
 
+/// Refuses a model directory without `tokenizer.json` that a stage is about to pass on (train
+/// from, publish): `rollout` would refuse the model it leads to, later and further from the
+/// cause. `what` says what the stage would do with it.
+pub fn require_tokenizer(dir: &Path, what: &str) -> Result<()> {
+    use crate::data::tokenizer::TOKENIZER_FILE;
+    if !dir.join(TOKENIZER_FILE).is_file() {
+        bail_input!(
+            "{}: no {TOKENIZER_FILE}; {what}, and rollout would refuse it (copy the tokenizer files of the model it was made from into {})",
+            dir.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 /// Checks that every id of a list<int32> token column is below `vocab`.
 pub fn check_token_ids(batch: &Batch, column: &str, vocab: usize) -> Result<()> {
     let ids = batch.ragged_i32(column)?;
@@ -231,6 +247,150 @@ pub fn progress_bar(len: usize, what: &str) -> ProgressBar {
     bar
 }
 
+/// A number a flag takes, as its range check sees it.
+pub trait FlagNumber:
+    FromStr<Err: fmt::Display> + PartialOrd + Copy + fmt::Display + Send + Sync + 'static
+{
+    /// "a finite number" or "an integer", for messages.
+    const KIND: &'static str;
+    fn is_finite(self) -> bool;
+}
+
+macro_rules! flag_number {
+    ($kind:literal, $finite:expr, $($t:ty),*) => {$(
+        impl FlagNumber for $t {
+            const KIND: &'static str = $kind;
+            fn is_finite(self) -> bool {
+                $finite(self)
+            }
+        }
+    )*};
+}
+flag_number!("a finite number", |x: f32| x.is_finite(), f32);
+flag_number!("a finite number", |x: f64| x.is_finite(), f64);
+flag_number!("an integer", |_| true, u32, u64, usize, i64);
+
+/// The clap value parser of a numeric flag: the number, finite, within `lo..hi`. Out of range
+/// (a negative count, NaN, a fraction above 1) it is refused by clap, exit 2, with a message
+/// that gives the range ("invalid value '0' for '--n <N>': must be an integer >= 1"). Every
+/// numeric flag of every stage goes through it, so the range is declared with the flag, and the
+/// pipeline spec, which parses keys with the stage's parsers, refuses the same values.
+pub fn range<T: FlagNumber>(
+    lo: Bound<T>,
+    hi: Bound<T>,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    move |text: &str| {
+        let wanted = || {
+            format!("must be {} {}", T::KIND, describe(lo, hi))
+                .trim_end()
+                .to_string()
+        };
+        let x: T = match text.trim().parse() {
+            Ok(x) => x,
+            // A number of the wrong kind (-1 or 0.5 for a count) gets the range.
+            Err(_) if text.trim().parse::<f64>().is_ok() => return Err(wanted()),
+            Err(e) => return Err(e.to_string()),
+        };
+        let above = match lo {
+            Bound::Included(l) => x >= l,
+            Bound::Excluded(l) => x > l,
+            Bound::Unbounded => true,
+        };
+        let below = match hi {
+            Bound::Included(h) => x <= h,
+            Bound::Excluded(h) => x < h,
+            Bound::Unbounded => true,
+        };
+        match x.is_finite() && above && below {
+            true => Ok(x),
+            false => Err(wanted()),
+        }
+    }
+}
+
+/// `>= 1`, `> 0`, `in (0, 1]`; "" for no bound.
+fn describe<T: fmt::Display>(lo: Bound<T>, hi: Bound<T>) -> String {
+    match (lo, hi) {
+        (Bound::Unbounded, Bound::Unbounded) => String::new(),
+        (Bound::Included(l), Bound::Unbounded) => format!(">= {l}"),
+        (Bound::Excluded(l), Bound::Unbounded) => format!("> {l}"),
+        (Bound::Unbounded, Bound::Included(h)) => format!("<= {h}"),
+        (Bound::Unbounded, Bound::Excluded(h)) => format!("< {h}"),
+        (lo, hi) => {
+            let (open, l) = match lo {
+                Bound::Included(l) => ('[', l.to_string()),
+                Bound::Excluded(l) => ('(', l.to_string()),
+                Bound::Unbounded => ('(', "-inf".into()),
+            };
+            let (close, h) = match hi {
+                Bound::Included(h) => (']', h.to_string()),
+                Bound::Excluded(h) => (')', h.to_string()),
+                Bound::Unbounded => (')', "inf".into()),
+            };
+            format!("in {open}{l}, {h}{close}")
+        }
+    }
+}
+
+/// A number `>= lo`.
+pub fn at_least<T: FlagNumber>(
+    lo: T,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    range(Bound::Included(lo), Bound::Unbounded)
+}
+
+/// A number `> lo`.
+pub fn above<T: FlagNumber>(
+    lo: T,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    range(Bound::Excluded(lo), Bound::Unbounded)
+}
+
+/// A number in `[lo, hi]`.
+pub fn between<T: FlagNumber>(
+    lo: T,
+    hi: T,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    range(Bound::Included(lo), Bound::Included(hi))
+}
+
+/// Any finite number.
+pub fn finite<T: FlagNumber>() -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static
+{
+    range(Bound::Unbounded, Bound::Unbounded)
+}
+
+/// Lets every flag that takes a value take a negative number (`--temperature -1`), so that it
+/// reaches the flag's range check instead of being read as an unknown flag `-1`. A numeric
+/// flag takes any value that starts with `-` (clap's own test for a negative number misses
+/// `-1e-6`), which its number parser then judges; other flags take negative numbers. Every
+/// stage's `Args` applies it: `#[command(mut_args = negative_numbers)]`.
+pub fn negative_numbers(arg: clap::Arg) -> clap::Arg {
+    if !arg.get_action().takes_values() {
+        return arg;
+    }
+    match is_numeric(&arg) {
+        true => arg.allow_hyphen_values(true),
+        false => arg.allow_negative_numbers(true),
+    }
+}
+
+/// Whether a flag's values parse to a number type.
+pub fn is_numeric(arg: &clap::Arg) -> bool {
+    use std::any::TypeId;
+    let parsed = arg.get_value_parser().type_id();
+    [
+        TypeId::of::<f32>(),
+        TypeId::of::<f64>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u64>(),
+        TypeId::of::<usize>(),
+        TypeId::of::<i64>(),
+    ]
+    .iter()
+    .any(|t| parsed == *t)
+}
+
 /// `--model` and `--out` must differ from each other for stages that write a directory.
 pub fn same_path(a: &Path, b: &Path) -> bool {
     match (a.canonicalize(), b.canonicalize()) {
@@ -261,6 +421,57 @@ mod tests {
             abs.target(Path::new("/runs/a/policy")),
             PathBuf::from("/models/x")
         );
+    }
+
+    #[test]
+    fn ranges_parse_numbers_and_name_the_range() {
+        assert_eq!(at_least(1usize)("3"), Ok(3));
+        assert_eq!(
+            at_least(1usize)("0").unwrap_err(),
+            "must be an integer >= 1"
+        );
+        assert_eq!(
+            at_least(1usize)("-1").unwrap_err(),
+            "must be an integer >= 1"
+        );
+        assert_eq!(
+            at_least(1usize)("0.5").unwrap_err(),
+            "must be an integer >= 1"
+        );
+        assert_eq!(
+            at_least(1usize)("x").unwrap_err(),
+            "invalid digit found in string"
+        );
+        assert_eq!(at_least(0.0f32)("0"), Ok(0.0));
+        assert_eq!(
+            at_least(0.0f32)("-1").unwrap_err(),
+            "must be a finite number >= 0"
+        );
+        assert_eq!(
+            at_least(0.0f32)("inf").unwrap_err(),
+            "must be a finite number >= 0"
+        );
+        assert_eq!(
+            above(0.0f64)("0").unwrap_err(),
+            "must be a finite number > 0"
+        );
+        let frac = range(Bound::Excluded(0.0f64), Bound::Included(1.0));
+        assert_eq!(frac("1"), Ok(1.0));
+        assert_eq!(frac("0").unwrap_err(), "must be a finite number in (0, 1]");
+        assert_eq!(
+            frac("NaN").unwrap_err(),
+            "must be a finite number in (0, 1]"
+        );
+        assert_eq!(
+            between(0.0f64, 1.0)("1.5").unwrap_err(),
+            "must be a finite number in [0, 1]"
+        );
+        assert_eq!(finite::<f32>()("-3.5"), Ok(-3.5));
+        assert_eq!(
+            finite::<f32>()("nan").unwrap_err(),
+            "must be a finite number"
+        );
+        assert_eq!(finite::<f32>()("x").unwrap_err(), "invalid float literal");
     }
 
     #[test]

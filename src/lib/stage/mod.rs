@@ -357,6 +357,231 @@ mod tests {
         }
     }
 
+    /// Every stage binary's command, and `tandem sft-batch`'s.
+    fn all_commands() -> Vec<Command> {
+        let mut cmds: Vec<Command> = STAGES.iter().map(|d| (d.command)()).collect();
+        cmds.push(command::<sft_batch::SftBatchArgs>("sft-batch"));
+        cmds
+    }
+
+    /// A command line that parses: every required flag with a value clap takes, and every
+    /// switch on (so that flags that require one, like `--kl-coef`, may be given).
+    fn base_argv(cmd: &Command) -> Vec<String> {
+        base_argv_without(cmd, "")
+    }
+
+    /// [`base_argv`] without the flag `--skip` (to give it another value).
+    fn base_argv_without(cmd: &Command, skip: &str) -> Vec<String> {
+        let mut argv = vec![cmd.get_name().to_string()];
+        for a in cmd.get_arguments() {
+            let Some(long) = a.get_long() else { continue };
+            if ["help", "version", skip].contains(&long) {
+                continue;
+            }
+            if !a.get_action().takes_values() {
+                argv.push(format!("--{long}"));
+            } else if a.is_required_set() {
+                let value = match a.get_possible_values().first() {
+                    Some(p) => p.get_name().to_string(),
+                    None if long == "reward" => "exact".to_string(),
+                    None => "x".to_string(),
+                };
+                argv.extend([format!("--{long}"), value]);
+            }
+        }
+        argv
+    }
+
+    fn raw(m: &ArgMatches, id: &str) -> Vec<String> {
+        m.get_raw(id)
+            .map(|v| v.map(|x| x.to_string_lossy().into_owned()).collect())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn every_flag_has_help_and_every_shown_default_parses_as_typed() {
+        for mut cmd in all_commands() {
+            let name = cmd.get_name().to_string();
+            let help = cmd.render_help().to_string();
+            let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+            let base = base_argv(&cmd);
+            let plain = cmd
+                .clone()
+                .try_get_matches_from(&base)
+                .unwrap_or_else(|e| panic!("{name}: {base:?} does not parse: {e}"));
+            for arg in cmd.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                if ["help", "version"].contains(&long) {
+                    continue;
+                }
+                let text = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+                assert!(!text.trim().is_empty(), "{name} --{long} has no help");
+                // `[default: X]` is what clap shows for a default one can type; a default
+                // described in words is written "(default: ...)".
+                assert!(
+                    !text.contains("[default:"),
+                    "{name} --{long}: write a described default as (default: ...)"
+                );
+                if !arg.get_action().takes_values() {
+                    continue;
+                }
+                // A negative number reaches the flag's parser (and its range check), never
+                // "unexpected argument '-1'"; for a numeric flag also in the forms clap does
+                // not take for a number.
+                let negative: &[&str] = match common::is_numeric(arg) {
+                    true => &["-1", "-1e-6", "-.5"],
+                    false => &["-1"],
+                };
+                for value in negative {
+                    let mut neg = base_argv_without(&cmd, long);
+                    neg.extend([format!("--{long}"), value.to_string()]);
+                    if let Err(e) = cmd.clone().try_get_matches_from(&neg) {
+                        use clap::error::ErrorKind;
+                        assert!(
+                            matches!(
+                                e.kind(),
+                                ErrorKind::ValueValidation | ErrorKind::InvalidValue
+                            ),
+                            "{name} --{long} {value}: {e}"
+                        );
+                    }
+                }
+                let defaults: Vec<String> = arg
+                    .get_default_values()
+                    .iter()
+                    .map(|d| d.to_string_lossy().into_owned())
+                    .collect();
+                if defaults.is_empty() {
+                    continue;
+                }
+                // The default as --help shows it, typed after the flag, gives the same values
+                // as leaving the flag out.
+                let shown = defaults.join(" ");
+                assert!(
+                    help.contains(&format!("[default: {shown}]")),
+                    "{name} --{long}: [default: {shown}] not in the help"
+                );
+                let mut typed = base_argv_without(&cmd, long);
+                typed.push(format!("--{long}"));
+                typed.extend(crate::reward::external::split_args(&shown).unwrap());
+                let m = cmd
+                    .clone()
+                    .try_get_matches_from(&typed)
+                    .unwrap_or_else(|e| {
+                        panic!("{name} --{long} {shown} (the default --help shows): {e}")
+                    });
+                let id = arg.get_id().as_str();
+                assert_eq!(raw(&m, id), raw(&plain, id), "{name} --{long} {shown}");
+            }
+        }
+    }
+
+    #[test]
+    fn impossible_values_are_refused_with_their_range() {
+        let with = |name: &str, extra: &[&str]| {
+            let mut cmd = all_commands()
+                .into_iter()
+                .find(|c| c.get_name() == name)
+                .unwrap();
+            let mut argv = base_argv(&cmd);
+            argv.extend(extra.iter().map(|s| s.to_string()));
+            let e = cmd.try_get_matches_from_mut(&argv).unwrap_err();
+            assert_eq!(e.exit_code(), 2);
+            clap_message(&e)
+        };
+        for (stage, flag, value, range) in [
+            (
+                "rollout",
+                "--max-new-tokens",
+                "0",
+                "must be an integer >= 1",
+            ),
+            ("rollout", "--n", "-2", "must be an integer >= 1"),
+            (
+                "rollout",
+                "--temperature",
+                "-1",
+                "must be a finite number >= 0",
+            ),
+            (
+                "rollout",
+                "--top-p",
+                "0",
+                "must be a finite number in (0, 1]",
+            ),
+            (
+                "rollout",
+                "--top-k",
+                "0",
+                "must be -1 (all tokens) or an integer >= 1",
+            ),
+            ("rollout", "--limit", "0", "must be an integer >= 1"),
+            (
+                "rollout",
+                "--gpu-memory-fraction",
+                "1.5",
+                "must be a finite number in (0, 1]",
+            ),
+            (
+                "ref-logprob",
+                "--temperature",
+                "0",
+                "must be a finite number > 0",
+            ),
+            (
+                "advantage",
+                "--gamma",
+                "1.5",
+                "must be a finite number in [0, 1]",
+            ),
+            (
+                "advantage",
+                "--kl-horizon",
+                "0",
+                "must be a finite number > 0",
+            ),
+            (
+                "update",
+                "--betas",
+                "1",
+                "must be a finite number in [0, 1)",
+            ),
+            (
+                "update",
+                "--clip-ratio-c",
+                "1",
+                "must be a finite number > 1",
+            ),
+            ("update", "--lr", "nan", "must be a finite number >= 0"),
+            ("update", "--ppo-epochs", "0", "must be an integer >= 1"),
+            (
+                "update",
+                "--min-lr-ratio",
+                "2",
+                "must be a finite number in [0, 1]",
+            ),
+            ("score", "--timeout-ms", "0", "must be an integer >= 1"),
+            (
+                "sft-batch",
+                "--max-prompt-tokens",
+                "0",
+                "must be an integer >= 1",
+            ),
+        ] {
+            let msg = with(stage, &[flag, value]);
+            assert!(
+                msg.starts_with(&format!("invalid value '{value}' for '{flag} <")),
+                "{stage}: {msg}"
+            );
+            assert!(msg.ends_with(range), "{stage} {flag} {value}: {msg}");
+        }
+        // Names listed to clap show in the error.
+        let msg = with("update", &["--lr-schedule", "linear"]);
+        assert!(msg.contains("[possible values: constant, cosine]"), "{msg}");
+        let msg = with("update", &["--loss-agg-mode", "mean"]);
+        assert!(msg.contains("token-mean, seq-mean-token-sum"), "{msg}");
+    }
+
     #[test]
     fn check_args_parses_and_checks_like_the_binary() {
         let rollout = def("rollout").unwrap();
@@ -373,10 +598,18 @@ mod tests {
             e.to_string(),
             "rollout: invalid value 'x' for '--temperature <TEMPERATURE>': invalid float literal"
         );
-        let e = with(&["--temperature=-1"]);
+        for t in [&["--temperature=-1"][..], &["--temperature", "-1"]] {
+            let e = with(t);
+            assert!(crate::error::is_input_error(&e));
+            assert_eq!(
+                e.to_string(),
+                "rollout: invalid value '-1' for '--temperature <TEMPERATURE>': must be a finite number >= 0"
+            );
+        }
+        let e = with(&["--max-num-seqs", "8", "--max-batched-tokens", "4"]);
         assert!(e
             .to_string()
-            .contains("--temperature must be a finite number >= 0"));
+            .contains("--max-batched-tokens (4) must be >= --max-num-seqs (8)"));
         let e = with(&["--truncate", "middle"]);
         assert!(
             e.to_string().contains("[possible values: left, error]"),

@@ -2,7 +2,9 @@
 //! every response token under a model (the reference for a KL term, or the policy before an
 //! off-policy update), optionally with per-token entropy.
 
-use super::common::{check_token_ids, logprob_temperature, resolve_model, Device};
+use super::common::{
+    above, at_least, check_token_ids, logprob_temperature, negative_numbers, resolve_model, Device,
+};
 use super::{load_policy, Exec, Job};
 use crate::backend::Backend;
 use crate::bail_input;
@@ -43,36 +45,40 @@ impl LogprobColumn {
 pub const ENTROPY: &str = "entropy";
 
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
-#[command(about = "Log-probs of the response tokens under a model (reference or old policy)")]
+#[command(
+    about = "Log-probs of the response tokens under a model (reference or old policy)",
+    mut_args = negative_numbers
+)]
 pub struct RefLogprobArgs {
     /// Model directory (HF layout) or a pointer file written by sync-weights.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// Input batch (needs prompt_ids and response_ids).
-    #[arg(long = "in")]
+    #[arg(long = "in", value_name = "FILE")]
     pub input: PathBuf,
     /// Output batch: the input's columns plus the log-prob column.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
-    /// Column to write.
+    /// Column to write: ref_logprobs (reference model, for a KL term) or old_logprobs (the
+    /// policy before the update).
     #[arg(long, value_enum)]
     pub column: LogprobColumn,
-    /// Log-probs under softmax(logits / T) [default: the temperature `rollout` recorded in the
-    /// batch, else 1]; one that differs from the recorded one is refused.
-    #[arg(long)]
+    /// Log-probs under softmax(logits / T), T > 0 (default: the temperature `rollout` recorded
+    /// in the batch, else 1); one that differs from the recorded one is refused.
+    #[arg(long, value_name = "T", value_parser = above(0.0f32))]
     pub temperature: Option<f32>,
     /// Also write the per-token entropy (column `entropy`).
     #[arg(long)]
     pub entropy: bool,
-    /// Tokens (prompt + response) per forward pass.
-    #[arg(long, default_value_t = 8192)]
+    /// Tokens (prompt + response) per forward pass (>= 1).
+    #[arg(long, default_value_t = 8192, value_parser = at_least(1usize))]
     pub micro_batch_tokens: usize,
-    /// cpu, cuda or cuda:N.
+    /// Where to compute: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// Send the job to the warm daemon listening on this socket instead of loading the model
     /// here (default: $TANDEM_DAEMON).
-    #[arg(long)]
+    #[arg(long, value_name = "SOCKET")]
     pub daemon: Option<PathBuf>,
 }
 
@@ -114,15 +120,8 @@ impl Score<'_> {
 
 impl RefLogprobArgs {
     /// Checks the flags as the stage does before reading its input.
+    /// (Each flag's range is checked by its parser; no two flags constrain each other.)
     pub fn check(&self) -> Result<()> {
-        if let Some(t) = self.temperature {
-            if !(t > 0.0 && t.is_finite()) {
-                bail_input!("--temperature must be > 0, got {t}");
-            }
-        }
-        if self.micro_batch_tokens == 0 {
-            bail_input!("--micro-batch-tokens must be >= 1");
-        }
         Ok(())
     }
 }
@@ -132,6 +131,7 @@ pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     args.check()?;
     let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
+    batch.require_rows()?;
     let temperature = logprob_temperature(&batch, args.temperature)?;
     let model = resolve_model(&args.model)?;
     let cfg = ModelDir::load_config(&model.dir)?;

@@ -5,7 +5,7 @@
 //! repeat of that prompt in the file, sample index), so a prompt gets the same samples whatever
 //! other prompts share the file, the `--limit`, or the `--batch-size`.
 
-use super::common::{resolve_model, Device};
+use super::common::{at_least, negative_numbers, range, resolve_model, Device};
 use super::{load_policy, Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
@@ -30,6 +30,7 @@ use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -97,6 +98,19 @@ pub fn tokenize_prompts(
     Ok((prompts, truncated))
 }
 
+/// Says which dataset columns the output leaves out (named like columns the stages write for
+/// each response), so that no column disappears silently.
+pub fn log_left_out(dataset: &PromptDataset, stage: &str, log: &mut dyn FnMut(&str)) {
+    let left_out = dataset.left_out_columns();
+    if !left_out.is_empty() {
+        log(&format!(
+            "{stage}: {}: left out the dataset's columns {} (the stages write columns of those names for each response)",
+            dataset.path().display(),
+            left_out.join(", ")
+        ));
+    }
+}
+
 /// The columns every batch of sequences starts with, in contract order: uid, prompt_uid, the
 /// dataset's columns, prompt_ids, response_ids, response_mask (all 1), response_text. Ragged
 /// ids come as (offsets, values). Shared by rollout and sft-batch.
@@ -142,66 +156,77 @@ pub fn sequence_columns(
 }
 
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
-#[command(about = "Sample responses to a prompt dataset")]
+#[command(
+    about = "Sample responses to a prompt dataset",
+    mut_args = negative_numbers
+)]
 pub struct RolloutArgs {
     /// Model directory (HF layout) or a pointer file written by sync-weights.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// Prompt dataset (parquet in verl's schema, or any parquet with a prompt column).
-    #[arg(long = "in")]
+    /// Prompt dataset (parquet in verl's schema, or any parquet with a prompt column); every
+    /// column is carried into the output.
+    #[arg(long = "in", value_name = "FILE")]
     pub input: PathBuf,
     /// Output batch: one row per sample.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
-    /// Samples per prompt.
-    #[arg(long, default_value_t = 8)]
+    /// Samples per prompt (verl's rollout.n).
+    #[arg(long, default_value_t = 8, value_parser = at_least(1usize))]
     pub n: usize,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 1.0)]
+    /// Sampling temperature, >= 0; 0 = greedy.
+    #[arg(long, default_value_t = 1.0, value_parser = at_least(0.0f32))]
     pub temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus sampling: keep the most likely tokens whose probabilities add up to this, in
+    /// (0, 1]; 1 = all.
+    #[arg(long, default_value_t = 1.0, value_parser = range(Bound::Excluded(0.0f32), Bound::Included(1.0)))]
     pub top_p: f32,
-    /// Keep the k most likely tokens; -1 = all.
-    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    /// Keep the k most likely tokens, >= 1; -1 = all.
+    #[arg(long, default_value_t = -1, value_parser = top_k)]
     pub top_k: i64,
-    #[arg(long, default_value_t = 512)]
+    /// Longest response, in tokens (>= 1).
+    #[arg(long, default_value_t = 512, value_parser = at_least(1usize))]
     pub max_new_tokens: usize,
-    #[arg(long, default_value_t = 512)]
+    /// Longest prompt after the chat template, in tokens (>= 1); see --truncate.
+    #[arg(long, default_value_t = 512, value_parser = at_least(1usize))]
     pub max_prompt_tokens: usize,
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the samples' random streams (a prompt's samples depend only on it and the
+    /// prompt).
+    #[arg(long, default_value_t = 0, value_parser = at_least(0u64))]
     pub seed: u64,
-    /// Only the first N prompts.
-    #[arg(long)]
+    /// Only the first N prompts (>= 1).
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
     pub limit: Option<usize>,
     /// Feed the prompt text as is (no chat template).
     #[arg(long)]
     pub raw_prompt: bool,
-    /// Prompts over --max-prompt-tokens: `left` keeps their end, `error` (default) stops.
+    /// Prompts over --max-prompt-tokens: `left` keeps their end, `error` stops.
     #[arg(long, value_enum, default_value_t = Truncate::Error)]
     pub truncate: Truncate,
-    /// Stop strings (repeatable); the text is cut before the stop string, its tokens are kept.
-    #[arg(long = "stop")]
+    /// Stop string (repeatable); the text is cut before the stop string, its tokens are kept.
+    #[arg(long = "stop", value_name = "TEXT")]
     pub stop: Vec<String>,
-    /// More stop token ids besides the model's EOS ids (comma-separated).
-    #[arg(long, value_delimiter = ',')]
+    /// More stop token ids besides the model's EOS ids, comma-separated (e.g. 151643,151645).
+    #[arg(long, value_delimiter = ',', value_name = "IDS", value_parser = at_least(0u32))]
     pub stop_token_ids: Vec<u32>,
     /// Do not stop at the model's EOS ids.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// The prompt column of the dataset.
-    #[arg(long, default_value = "prompt")]
+    /// The prompt column of the dataset (verl's data.prompt_key).
+    #[arg(long, default_value = "prompt", value_name = "COLUMN")]
     pub prompt_key: String,
-    /// Samples decoded together at most (vLLM's max_num_seqs; `--batch-size` is an alias).
-    #[arg(long = "max-num-seqs", alias = "batch-size", default_value_t = 256)]
+    /// Samples decoded together at most, >= 1 (vLLM's max_num_seqs; `--batch-size` is an
+    /// alias).
+    #[arg(long = "max-num-seqs", alias = "batch-size", default_value_t = 256, value_parser = at_least(1usize))]
     pub max_num_seqs: usize,
-    /// Tokens run in one step: one per decoding sample plus chunks of prompts being prefilled
-    /// (long prompts are split so they do not stall the decodes). At least --max-num-seqs.
-    #[arg(long, default_value_t = 8192)]
+    /// Tokens run in one step, at least --max-num-seqs: one per decoding sample plus chunks of
+    /// prompts being prefilled (long prompts are split so they do not stall the decodes).
+    #[arg(long, default_value_t = 8192, value_parser = at_least(1usize))]
     pub max_batched_tokens: usize,
-    /// Fraction of the GPU memory still free after the weights and the workspace that the KV
-    /// cache pool takes (never more than --max-num-seqs full-length samples need). On the CPU
-    /// the pool is always that full size.
-    #[arg(long, default_value_t = 0.9)]
+    /// Fraction in (0, 1] of the GPU memory still free after the weights and the workspace
+    /// that the KV cache pool takes (never more than --max-num-seqs full-length samples need).
+    /// On the CPU the pool is always that full size.
+    #[arg(long, default_value_t = 0.9, value_parser = range(Bound::Excluded(0.0f64), Bound::Included(1.0)))]
     pub gpu_memory_fraction: f64,
     /// Replay pure-decode steps as CUDA graphs, one per batch-size bucket (the default on
     /// cuda; no effect on the CPU).
@@ -218,19 +243,27 @@ pub struct RolloutArgs {
     #[arg(long)]
     #[serde(default)]
     pub no_overlap: bool,
-    /// Training step, recorded in the output's metadata.
-    #[arg(long)]
+    /// Training step, recorded in the output's metadata (`step`).
+    #[arg(long, value_parser = at_least(0u64))]
     pub step: Option<u64>,
     /// Write generation metrics as JSON here.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub metrics: Option<PathBuf>,
-    /// cpu, cuda or cuda:N.
+    /// Where to compute: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// Send the job to the warm daemon listening on this socket instead of loading the model
     /// here (default: $TANDEM_DAEMON).
-    #[arg(long)]
+    #[arg(long, value_name = "SOCKET")]
     pub daemon: Option<PathBuf>,
+}
+
+/// `--top-k`: -1 (all tokens) or a count >= 1.
+fn top_k(text: &str) -> Result<i64, String> {
+    match text.trim() {
+        "-1" => Ok(-1),
+        _ => at_least(1i64)(text).map_err(|_| "must be -1 (all tokens) or an integer >= 1".into()),
+    }
 }
 
 /// Load the model and generate every sample.
@@ -359,29 +392,16 @@ impl RolloutArgs {
         }
     }
 
+    /// The sampling parameters, and the checks that span flags (each flag's own range is
+    /// checked by its parser).
     fn sampling(&self) -> Result<SamplingParams> {
         let p = self.params();
         p.validate().map_err(|e| input_error(e.to_string()))?;
-        if self.n == 0 {
-            bail_input!("--n must be >= 1");
-        }
-        if self.max_prompt_tokens == 0 {
-            bail_input!("--max-prompt-tokens must be >= 1");
-        }
-        if self.max_num_seqs == 0 {
-            bail_input!("--max-num-seqs must be >= 1");
-        }
         if self.max_batched_tokens < self.max_num_seqs {
             bail_input!(
                 "--max-batched-tokens ({}) must be >= --max-num-seqs ({}): every running sample needs a token per step",
                 self.max_batched_tokens,
                 self.max_num_seqs
-            );
-        }
-        if !(self.gpu_memory_fraction > 0.0 && self.gpu_memory_fraction <= 1.0) {
-            bail_input!(
-                "--gpu-memory-fraction must be in (0, 1], got {}",
-                self.gpu_memory_fraction
             );
         }
         if self.stop.iter().any(String::is_empty) {
@@ -400,6 +420,7 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     if n_prompts == 0 {
         bail_input!("--limit 0: nothing to generate");
     }
+    log_left_out(&dataset, "rollout", &mut |m| exec.log(m));
     let model = resolve_model(&args.model)?;
     let cfg = ModelDir::load_config(&model.dir)?;
     let tokenizer = Tokenizer::from_dir(&model.dir)?;

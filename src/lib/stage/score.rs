@@ -2,6 +2,7 @@
 //! `score_<key>` columns). The rules, the external-program protocol and the summary live in
 //! `crate::reward`; this file holds the stage's flags.
 
+use super::common::{at_least, finite, negative_numbers};
 use crate::bail_input;
 use crate::error::input_error;
 use crate::reward::{overlong, Gsm8kMethod, Options, OverlongFlags, RewardSpec, StageConfig};
@@ -13,7 +14,8 @@ use std::time::Duration;
 #[derive(Args, Debug, Clone)]
 #[command(
     about = "Score the responses of a batch file with a reward rule or program",
-    after_help = "SPEC: gsm8k | math | exact | regex:PATTERN | cmd:PROGRAM [ARGS] | python:FILE.py[:FUNC]"
+    after_help = "SPEC: gsm8k | math | exact | regex:PATTERN | cmd:PROGRAM [ARGS] | python:FILE.py[:FUNC]",
+    mut_args = negative_numbers
 )]
 pub struct ScoreArgs {
     /// Input batch (Parquet) with response_text and the ground truth.
@@ -25,17 +27,18 @@ pub struct ScoreArgs {
     /// The reward: gsm8k, math, exact, regex:PATTERN, cmd:PROGRAM [ARGS], python:FILE.py[:FUNC].
     #[arg(long, value_name = "SPEC")]
     pub reward: String,
-    /// Score of an answer that was found but is wrong (gsm8k, math, regex).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    /// Score of an answer that was found but is wrong (gsm8k, math, regex); any finite number.
+    #[arg(long, default_value_t = 0.0, value_parser = finite::<f32>())]
     pub format_score: f32,
     /// gsm8k: `strict` takes the last "#### N", `flexible` the last number.
     #[arg(long, value_enum, default_value_t = Gsm8kMethod::Strict)]
     pub gsm8k_method: Gsm8kMethod,
-    /// cmd/python: longest wait for one answer (the first includes the program's start-up).
-    #[arg(long, default_value_t = 30_000, value_name = "N")]
+    /// cmd/python: longest wait for one answer, in milliseconds (>= 1; the first includes the
+    /// program's start-up).
+    #[arg(long, default_value_t = 30_000, value_name = "MS", value_parser = at_least(1u64))]
     pub timeout_ms: u64,
-    /// cmd/python: longest time for the whole batch (0 = no limit).
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    /// cmd/python: longest time for the whole batch, in milliseconds (0 = no limit).
+    #[arg(long, default_value_t = 0, value_name = "MS", value_parser = at_least(0u64))]
     pub run_timeout_ms: u64,
     /// python: the interpreter that runs the driver.
     #[arg(long, default_value = "python3", value_name = "PATH")]

@@ -2,8 +2,8 @@
 //! contract, for `update --loss sft` warm starts. Prompts are tokenized exactly as `rollout`
 //! does, so the warm-started model sees the same inputs it will be sampled on.
 
-use super::common::resolve_model;
-use super::rollout::{sequence_columns, tokenize_prompts, PromptLimits, Truncate};
+use super::common::{at_least, negative_numbers, resolve_model};
+use super::rollout::{log_left_out, sequence_columns, tokenize_prompts, PromptLimits, Truncate};
 use crate::bail_input;
 use crate::batch::schema;
 use crate::batch::{write_file, StageInfo};
@@ -19,29 +19,34 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(Args, Debug, Clone)]
-#[command(about = "Make a batch of reference answers for `update --loss sft`")]
+#[command(
+    about = "Make a batch of reference answers for `update --loss sft`",
+    mut_args = negative_numbers
+)]
 pub struct SftBatchArgs {
     /// Model directory (or sync-weights pointer): its tokenizer, chat template and EOS.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// Prompt dataset with ground truths (ours or verl's parquet).
-    #[arg(long = "in")]
+    /// Prompt dataset with ground truths (ours or verl's parquet); every column is carried.
+    #[arg(long = "in", value_name = "FILE")]
     pub input: PathBuf,
     /// Output batch.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
     /// Use the prompt text as is instead of rendering the chat template.
     #[arg(long)]
     pub raw_prompt: bool,
     /// The dataset's prompt column.
-    #[arg(long, default_value = "prompt")]
+    #[arg(long, default_value = "prompt", value_name = "COLUMN")]
     pub prompt_key: String,
-    #[arg(long, default_value_t = 512)]
+    /// Longest prompt after the chat template, in tokens (>= 1); see --truncate.
+    #[arg(long, default_value_t = 512, value_parser = at_least(1usize))]
     pub max_prompt_tokens: usize,
+    /// Prompts over --max-prompt-tokens: `left` keeps their end, `error` stops.
     #[arg(long, value_enum, default_value_t = Truncate::Error)]
     pub truncate: Truncate,
-    /// Only the first N prompts.
-    #[arg(long)]
+    /// Only the first N prompts (>= 1).
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
     pub limit: Option<usize>,
 }
 
@@ -51,6 +56,7 @@ pub fn run(args: SftBatchArgs) -> Result<()> {
     if n == 0 {
         bail_input!("{}: no prompts", args.input.display());
     }
+    log_left_out(&dataset, "sft-batch", &mut |m| eprintln!("{m}"));
     let model = resolve_model(&args.model)?;
     let cfg = ModelDir::load_config(&model.dir)?;
     let tokenizer = Tokenizer::from_dir(&model.dir)?;

@@ -7,7 +7,7 @@
 //! `rollout --daemon` does not load anything; the pointer is written all the same, so file mode
 //! and resume keep working.
 
-use super::common::Pointer;
+use super::common::{at_least, negative_numbers, require_tokenizer, Pointer};
 use super::Exec;
 use crate::bail_input;
 use crate::batch::write_json;
@@ -19,19 +19,22 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
-#[command(about = "Publish a checkpoint as the current policy (atomic pointer swap)")]
+#[command(
+    about = "Publish a checkpoint as the current policy (atomic pointer swap)",
+    mut_args = negative_numbers
+)]
 pub struct SyncWeightsArgs {
     /// The checkpoint directory (HF layout, e.g. written by `update --out-model`).
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub from: PathBuf,
     /// The pointer file to create or replace (e.g. RUN/policy).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub to: PathBuf,
-    /// Set this policy_version instead of the pointer's previous version + 1.
-    #[arg(long)]
+    /// Set this policy_version (>= 0) instead of the pointer's previous version + 1.
+    #[arg(long, value_parser = at_least(0u64))]
     pub policy_version: Option<u64>,
     /// Also sync the warm daemon listening on this socket (default: $TANDEM_DAEMON).
-    #[arg(long)]
+    #[arg(long, value_name = "SOCKET")]
     pub daemon: Option<PathBuf>,
 }
 
@@ -58,6 +61,7 @@ pub fn run(args: SyncWeightsArgs, exec: &mut dyn Exec) -> Result<()> {
     }
     // A checkpoint that rollout could not load must not become the policy.
     ModelDir::load_config(&args.from)?;
+    require_tokenizer(&args.from, "it would become the policy without a tokenizer")?;
     if args.to.is_dir() {
         bail_input!(
             "--to {}: is a directory; give the path of the pointer file to write (e.g. RUN/policy)",

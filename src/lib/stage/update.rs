@@ -13,12 +13,12 @@
 //! exp(old − rollout); `--bypass-mode` takes the rollout's log-probs as the old ones.
 
 use super::common::{
-    check_token_ids, logprob_temperature, resolve_model, same_path, Device, ModelRef,
-    DEFAULT_TEMPERATURE,
+    above, at_least, between, check_token_ids, finite, logprob_temperature, negative_numbers,
+    range, require_tokenizer, resolve_model, same_path, Device, ModelRef, DEFAULT_TEMPERATURE,
 };
 use super::ref_logprob::to_u32;
 use super::{Exec, Job};
-use crate::algo::agg::AggMode;
+use crate::algo::agg::{AggMode, AGG_MODE_NAMES};
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
 use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel};
@@ -34,63 +34,78 @@ use crate::model::decoder::{Decoder, OptimizerState};
 use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use crate::model::{Config, Weights};
 use anyhow::Result;
+use clap::builder::PossibleValuesParser;
 use clap::Args;
 use serde::{Deserialize, Serialize};
+use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
-#[command(about = "Train the policy on one batch (PPO/GRPO-style losses or SFT)")]
+#[command(
+    about = "Train the policy on one batch (PPO/GRPO-style losses or SFT)",
+    mut_args = negative_numbers
+)]
 pub struct UpdateArgs {
     /// Model directory (HF layout) or a pointer file written by sync-weights. Optimizer state
     /// found next to it (optimizer.safetensors, trainer_state.json) is resumed.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// Batch with prompt_ids, response_ids, response_mask, advantages (old_logprobs,
     /// ref_logprobs, rollout_logprobs as the options need).
-    #[arg(long = "in")]
+    #[arg(long = "in", value_name = "FILE")]
     pub input: PathBuf,
-    /// Where to write the updated model (may equal --model's directory).
-    #[arg(long)]
+    /// Where to write the updated model, with the tokenizer and chat template files of --model
+    /// (may equal --model's directory).
+    #[arg(long, value_name = "DIR")]
     pub out_model: PathBuf,
-    /// Policy loss.
+    /// Policy loss (verl's policy_loss.loss_mode).
     #[arg(long, default_value = "vanilla")]
     #[serde(with = "crate::stage::common::as_text")]
     pub loss: LossMode,
-    /// PPO clip range (both sides unless --clip-ratio-low/-high are given).
-    #[arg(long, default_value_t = 0.2)]
+    /// PPO clip range ε, >= 0: ratios outside [1 − ε, 1 + ε] are clipped (both sides unless
+    /// --clip-ratio-low/-high are given).
+    #[arg(long, default_value_t = 0.2, value_parser = at_least(0.0f64))]
     pub clip_ratio: f64,
-    #[arg(long)]
+    /// Lower clip range ε_low, >= 0: ratios below 1 − ε_low are clipped (default: the
+    /// --clip-ratio value).
+    #[arg(long, value_parser = at_least(0.0f64))]
     pub clip_ratio_low: Option<f64>,
-    #[arg(long)]
+    /// Upper clip range ε_high, >= 0: ratios above 1 + ε_high are clipped, DAPO's clip-higher
+    /// (default: the --clip-ratio value).
+    #[arg(long, value_parser = at_least(0.0f64))]
     pub clip_ratio_high: Option<f64>,
-    /// Dual-clip bound for negative advantages.
-    #[arg(long, default_value_t = 3.0)]
+    /// Dual-clip bound for negative advantages, > 1.
+    #[arg(long, default_value_t = 3.0, value_parser = above(1.0f64))]
     pub clip_ratio_c: f64,
-    #[arg(long, default_value = "token-mean")]
+    /// How per-token losses become one number (verl's loss_agg_mode).
+    #[arg(long, default_value = "token-mean", value_parser = agg_mode())]
     #[serde(with = "crate::stage::common::as_text")]
     pub loss_agg_mode: AggMode,
-    /// Divisor of seq-mean-token-sum-norm (default: the longest response of the mini-batch).
-    #[arg(long)]
+    /// Divisor of seq-mean-token-sum-norm, > 0 (default: the longest response of the
+    /// mini-batch).
+    #[arg(long, value_parser = above(0.0f64))]
     pub loss_scale_factor: Option<f64>,
-    /// loss −= coeff · agg(entropy).
-    #[arg(long, default_value_t = 0.0)]
+    /// Entropy bonus: loss −= coeff · agg(entropy); any finite number.
+    #[arg(long, default_value_t = 0.0, value_parser = finite::<f64>())]
     pub entropy_coeff: f64,
     /// Add coef · KL(policy ‖ ref) to the loss (needs ref_logprobs).
     #[arg(long)]
     pub use_kl_loss: bool,
-    #[arg(long, default_value_t = 0.001)]
+    /// Coefficient of the KL loss, >= 0 (with --use-kl-loss).
+    #[arg(long, default_value_t = 0.001, value_parser = at_least(0.0f64))]
     pub kl_loss_coef: f64,
     /// KL estimator: k1 (kl), abs, k2 (mse), k3 (low_var_kl), optionally with '+'.
     #[arg(long, default_value = "k3")]
     #[serde(with = "crate::stage::common::as_text")]
     pub kl_loss_type: KlPenalty,
-    /// Truncated importance weights exp(old − rollout) per token or per sequence (needs
+    /// Truncated importance weights exp(old − rollout), per token or per sequence (needs
     /// rollout_logprobs).
-    #[arg(long)]
+    #[arg(long, value_name = "token|sequence")]
     #[serde(with = "crate::stage::common::rollout_is_level")]
     pub rollout_is: Option<RolloutIsLevel>,
-    #[arg(long, default_value_t = 2.0)]
+    /// Truncation of the --rollout-is weights, > 0.
+    #[arg(long, default_value_t = 2.0, value_parser = above(0.0f64))]
     pub rollout_is_threshold: f64,
     /// Masked importance sampling (MIS, verl's rollout_rs): drop from the loss every token
     /// (token) or whole sequence (sequence: the product of its ratios; geometric: their
@@ -99,12 +114,12 @@ pub struct UpdateArgs {
     #[arg(long, value_enum)]
     #[serde(default)]
     pub rollout_rs: Option<RsLevel>,
-    /// Upper bound of the MIS weights [default: --rollout-is-threshold].
-    #[arg(long)]
+    /// Upper bound of the MIS weights, > 0 (default: --rollout-is-threshold).
+    #[arg(long, value_parser = above(0.0f64))]
     #[serde(default)]
     pub rollout_rs_threshold: Option<f64>,
-    /// Lower bound of the MIS weights [default: 1 / the upper bound].
-    #[arg(long)]
+    /// Lower bound of the MIS weights, > 0 (default: 1 / the upper bound).
+    #[arg(long, value_parser = above(0.0f64))]
     #[serde(default)]
     pub rollout_rs_threshold_lower: Option<f64>,
     /// verl's bypass_mode: the rollout's log-probs are the old ones (no old_logprobs column,
@@ -114,56 +129,62 @@ pub struct UpdateArgs {
     #[arg(long)]
     #[serde(default)]
     pub bypass_mode: bool,
-    /// Passes over the batch.
-    #[arg(long, default_value_t = 1)]
+    /// Passes over the batch (>= 1).
+    #[arg(long, default_value_t = 1, value_parser = at_least(1usize))]
     pub ppo_epochs: usize,
-    /// Sequences per optimizer step (default: the whole batch, one step per epoch).
-    #[arg(long)]
+    /// Sequences per optimizer step, >= 1 (default: the whole batch, one step per epoch).
+    #[arg(long, value_parser = at_least(1usize))]
     pub mini_batch_size: Option<usize>,
-    /// Tokens (prompt + response) per forward/backward pass; gradients accumulate.
-    #[arg(long, default_value_t = 8192)]
+    /// Tokens (prompt + response) per forward/backward pass, >= 1; gradients accumulate.
+    #[arg(long, default_value_t = 8192, value_parser = at_least(1usize))]
     pub micro_batch_tokens: usize,
-    /// Logits are divided by this [default: the temperature `rollout` recorded in the batch,
-    /// else 1]; one that differs from the recorded one is refused.
-    #[arg(long)]
+    /// Logits are divided by this, > 0 (default: the temperature `rollout` recorded in the
+    /// batch, else 1); one that differs from the recorded one is refused.
+    #[arg(long, value_name = "T", value_parser = above(0.0f32))]
     pub temperature: Option<f32>,
-    #[arg(long, default_value_t = 1e-6)]
+    /// Peak learning rate of AdamW, >= 0.
+    #[arg(long, default_value_t = 1e-6, value_parser = at_least(0.0f64))]
     pub lr: f64,
-    /// Training steps (update calls) of linear warmup.
-    #[arg(long, default_value_t = 0)]
+    /// Training steps (update calls) of linear warmup from 0 to --lr.
+    #[arg(long, default_value_t = 0, value_parser = at_least(0u64))]
     pub lr_warmup_steps: u64,
-    #[arg(long, default_value = "constant")]
+    /// Learning-rate schedule after the warmup: constant (--lr), or cosine down to
+    /// --min-lr-ratio · --lr at --total-steps.
+    #[arg(long, default_value = "constant", value_parser = lr_schedule())]
     pub lr_schedule: LrSchedule,
-    /// Horizon of the cosine schedule, in training steps (update calls).
-    #[arg(long)]
+    /// Horizon of the cosine schedule, in training steps (update calls), >= 1.
+    #[arg(long, value_parser = at_least(1u64))]
     pub total_steps: Option<u64>,
-    /// Cosine floor as a fraction of --lr.
-    #[arg(long, default_value_t = 0.0)]
+    /// Cosine floor as a fraction of --lr, in [0, 1].
+    #[arg(long, default_value_t = 0.0, value_parser = between(0.0f64, 1.0))]
     pub min_lr_ratio: f64,
-    #[arg(long, default_value_t = 0.01)]
+    /// AdamW decoupled weight decay, >= 0.
+    #[arg(long, default_value_t = 0.01, value_parser = at_least(0.0f32))]
     pub weight_decay: f32,
-    /// Clip the global gradient norm to this (0 = no clipping).
-    #[arg(long, default_value_t = 1.0)]
+    /// Clip the global gradient norm to this, >= 0 (0 = no clipping).
+    #[arg(long, default_value_t = 1.0, value_parser = at_least(0.0f32))]
     pub grad_clip: f32,
-    /// AdamW betas, "beta1,beta2".
-    #[arg(long, value_delimiter = ',', default_values_t = [0.9f32, 0.999])]
+    /// AdamW β1,β2: two numbers in [0, 1), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0.9,0.999", value_name = "B1,B2", value_parser = range(Bound::Included(0.0f32), Bound::Excluded(1.0)))]
     pub betas: Vec<f32>,
-    #[arg(long, default_value_t = 1e-8)]
+    /// AdamW ε, > 0.
+    #[arg(long, default_value_t = 1e-8, value_parser = above(0.0f32))]
     pub adam_eps: f32,
     /// Shuffle the rows before splitting them into mini-batches.
     #[arg(long)]
     pub shuffle: bool,
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the shuffle (and of anything random in training).
+    #[arg(long, default_value_t = 0, value_parser = at_least(0u64))]
     pub seed: u64,
     /// Write the metrics JSON here.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub metrics: Option<PathBuf>,
-    /// cpu, cuda or cuda:N.
+    /// Where to compute: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// Send the job to the warm daemon listening on this socket instead of loading the model
     /// here (default: $TANDEM_DAEMON).
-    #[arg(long)]
+    #[arg(long, value_name = "SOCKET")]
     pub daemon: Option<PathBuf>,
     /// Write the weights and trainer state but not optimizer.safetensors (the f32 masters and
     /// Adam moments, ~12 bytes per parameter): for the warm daemon, which keeps them in memory
@@ -179,6 +200,20 @@ pub struct UpdateArgs {
     #[arg(long)]
     #[serde(default)]
     pub resident: bool,
+}
+
+/// `--loss-agg-mode`: its names listed to clap (help, errors, completions).
+fn agg_mode() -> impl clap::builder::TypedValueParser<Value = AggMode> {
+    use clap::builder::TypedValueParser;
+    let names: Vec<&'static str> = AGG_MODE_NAMES.split(", ").collect();
+    PossibleValuesParser::new(names).map(|s| s.parse::<AggMode>().expect("a listed name"))
+}
+
+/// `--lr-schedule`: constant or cosine, listed to clap.
+fn lr_schedule() -> impl clap::builder::TypedValueParser<Value = LrSchedule> {
+    use clap::builder::TypedValueParser;
+    PossibleValuesParser::new(["constant", "cosine"])
+        .map(|s| s.parse::<LrSchedule>().expect("a listed name"))
 }
 
 /// A policy as `update` starts from it: the f32 master weights when they sit next to the model
@@ -369,31 +404,15 @@ impl UpdateArgs {
     /// errors are input errors).
     pub fn train_config(&self, temperature: f32) -> Result<TrainConfig> {
         let loss = self.loss_config()?;
-        if self.ppo_epochs == 0 {
-            bail_input!("--ppo-epochs must be >= 1");
-        }
-        if self.mini_batch_size == Some(0) {
-            bail_input!("--mini-batch-size must be >= 1");
-        }
-        if self.micro_batch_tokens == 0 {
-            bail_input!("--micro-batch-tokens must be >= 1");
-        }
+        // Each flag's range is checked by its parser; the recorded temperature is checked here.
         if !(temperature > 0.0 && temperature.is_finite()) {
             bail_input!("--temperature must be > 0, got {temperature}");
         }
-        if self.betas.len() != 2 || self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+        if self.betas.len() != 2 {
             bail_input!(
                 "--betas takes two numbers in [0, 1), e.g. 0.9,0.999; got {:?}",
                 self.betas
             );
-        }
-        if !(self.adam_eps > 0.0 && self.weight_decay >= 0.0 && self.grad_clip >= 0.0) {
-            bail_input!("--adam-eps must be > 0, --weight-decay and --grad-clip >= 0");
-        }
-        if let Some(f) = self.loss_scale_factor {
-            if !(f.is_finite() && f > 0.0) {
-                bail_input!("--loss-scale-factor must be > 0, got {f}");
-            }
         }
         let lr = LrConfig {
             lr: self.lr,
@@ -631,6 +650,7 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         })?),
     };
     let batch = Batch::read(&args.input, &[])?;
+    batch.require_rows()?;
     let cfg = args.train_config(logprob_temperature(&batch, args.temperature)?)?;
     let needs = required_columns(&args, &cfg);
     for (col, who) in &needs {
@@ -643,9 +663,6 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     }
     let names: Vec<&str> = needs.iter().map(|(c, _)| *c).collect();
     let batch = Batch::read(&args.input, &names)?;
-    if batch.num_rows() == 0 {
-        bail_input!("{}: the batch has no rows", batch.path.display());
-    }
     let model = resolve_model(&args.model)?;
     if args.resident && same_path(&model.dir, &args.out_model) {
         bail_input!(
@@ -657,6 +674,11 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         check_bypass(&batch, &model, &args.model)?;
     }
     let mcfg = ModelDir::load_config(&model.dir)?;
+    // The model written carries --model's tokenizer files: refused before any training.
+    require_tokenizer(
+        &model.dir,
+        "the model `update` writes would have no tokenizer",
+    )?;
     check_token_ids(&batch, schema::PROMPT_IDS, mcfg.vocab_size)?;
     check_token_ids(&batch, schema::RESPONSE_IDS, mcfg.vocab_size)?;
 

@@ -1,0 +1,209 @@
+//! Docs that run: the shell blocks of README.md, docs/BATCH.md and docs/PIPELINE.md marked with
+//! the line `<!-- runs in tests/docs.rs -->` just above their ```sh fence run here, as written,
+//! on the test's binaries and a tiny model, with no network.
+//!
+//! Each document gets a fresh temporary directory, as a reader's checkout would be: the blocks
+//! run there one after the other (`bash -euo pipefail`), so a later block may use what an
+//! earlier one made. `target/release/` holds links to the binaries cargo built for this test
+//! and `pipelines/` is the repository's, so `B=target/release`, `$B/rollout` and
+//! `pipelines/demo.sh` work as typed. Blocks that are not run (they need duckdb, pandas, make,
+//! a GPU or a download) may only read files that the run blocks made: every `*.parquet`,
+//! `*.json`, `*.jsonl` or `*.png` path they name must exist afterwards, so an example command
+//! cannot point at a path the runner does not write.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const MARK: &str = "<!-- runs in tests/docs.rs -->";
+
+/// The binaries the docs call, as `target/release/NAME`.
+const BINARIES: [(&str, &str); 8] = [
+    ("tandem", env!("CARGO_BIN_EXE_tandem")),
+    ("pipeline", env!("CARGO_BIN_EXE_pipeline")),
+    ("rollout", env!("CARGO_BIN_EXE_rollout")),
+    ("score", env!("CARGO_BIN_EXE_score")),
+    ("ref-logprob", env!("CARGO_BIN_EXE_ref-logprob")),
+    ("advantage", env!("CARGO_BIN_EXE_advantage")),
+    ("update", env!("CARGO_BIN_EXE_update")),
+    ("sync-weights", env!("CARGO_BIN_EXE_sync-weights")),
+];
+
+/// One fenced shell block: where it starts (1-based line of the fence), whether it is marked
+/// to run, and its text.
+#[derive(Debug)]
+struct Block {
+    line: usize,
+    runs: bool,
+    text: String,
+}
+
+/// The ```sh blocks of a markdown text.
+fn shell_blocks(markdown: &str) -> Vec<Block> {
+    let lines: Vec<&str> = markdown.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let fence = lines[i].trim_start();
+        if fence == "```sh" || fence == "```bash" {
+            let runs = lines[..i]
+                .iter()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .is_some_and(|l| l.trim() == MARK);
+            let start = i;
+            let mut text = String::new();
+            i += 1;
+            while i < lines.len() && lines[i].trim_start() != "```" {
+                text.push_str(lines[i]);
+                text.push('\n');
+                i += 1;
+            }
+            out.push(Block {
+                line: start + 1,
+                runs,
+                text,
+            });
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Relative paths of data files a command line names (`'runs/x/scored.parquet'`, `adv.json`),
+/// not Python modules (`import pyarrow.parquet`).
+fn file_paths(text: &str) -> Vec<String> {
+    let exts = [".parquet", ".json", ".jsonl", ".png"];
+    let is_path_char = |c: char| c.is_ascii_alphanumeric() || "._/-".contains(c);
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(found) = text[at..].find(is_path_char) {
+        let start = at + found;
+        let len = text[start..]
+            .find(|c| !is_path_char(c))
+            .unwrap_or(text.len() - start);
+        let word = &text[start..start + len];
+        let before = &text[..start];
+        let module = before.ends_with("import ") || before.ends_with("from ");
+        if exts.iter().any(|e| word.ends_with(e)) && !word.starts_with('/') && !module {
+            out.push(word.to_string());
+        }
+        at = start + len;
+    }
+    out
+}
+
+/// A reader's checkout: the binaries under target/release and the repository's pipelines/.
+fn checkout() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("target/release");
+    std::fs::create_dir_all(&bin).unwrap();
+    for (name, path) in BINARIES {
+        std::os::unix::fs::symlink(path, bin.join(name)).unwrap();
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::os::unix::fs::symlink(repo.join("pipelines"), dir.path().join("pipelines")).unwrap();
+    dir
+}
+
+/// Runs the marked blocks of `doc` (relative to the repository) and checks the paths the
+/// other blocks name. Returns the checkout, for checks of what the blocks made.
+fn run_doc(doc: &str, at_least: usize) -> tempfile::TempDir {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(repo.join(doc)).unwrap();
+    let blocks = shell_blocks(&text);
+    let run: Vec<&Block> = blocks.iter().filter(|b| b.runs).collect();
+    assert!(
+        run.len() >= at_least,
+        "{doc}: {} blocks marked `{MARK}`, expected at least {at_least}",
+        run.len()
+    );
+    let dir = checkout();
+    for b in &run {
+        let out = Command::new("bash")
+            .args(["-euo", "pipefail", "-c", &b.text])
+            .current_dir(dir.path())
+            .env("RAYON_NUM_THREADS", "2")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{doc}:{}: the block failed ({:?}):\n{}\n--- stdout:\n{}\n--- stderr:\n{}",
+            b.line,
+            out.status,
+            b.text,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    for b in blocks.iter().filter(|b| !b.runs) {
+        for path in file_paths(&b.text) {
+            assert!(
+                dir.path().join(&path).exists(),
+                "{doc}:{}: names {path}, which the document's runnable blocks do not make:\n{}",
+                b.line,
+                b.text
+            );
+        }
+    }
+    dir
+}
+
+fn exists(dir: &Path, paths: &[&str]) {
+    for p in paths {
+        let full: PathBuf = dir.join(p);
+        assert!(full.exists(), "{} was not made", full.display());
+    }
+}
+
+#[test]
+fn blocks_and_paths_are_found() {
+    let md = "text\n<!-- runs in tests/docs.rs -->\n```sh\na b\n```\n\n```sh\nduckdb -c \"from 'x/y.parquet'\"\npython -c \"import pyarrow.parquet; pd.read_parquet('adv.parquet')\" > out.json\n```\n```\nnot sh\n```\n";
+    let blocks = shell_blocks(md);
+    assert_eq!(blocks.len(), 2);
+    assert!(blocks[0].runs && !blocks[1].runs);
+    assert_eq!((blocks[0].line, blocks[0].text.as_str()), (3, "a b\n"));
+    assert_eq!(
+        file_paths(&blocks[1].text),
+        ["x/y.parquet", "adv.parquet", "out.json"]
+    );
+}
+
+#[test]
+fn readme_blocks_run() {
+    let dir = run_doc("README.md", 1);
+    exists(
+        dir.path(),
+        &[
+            "rollout.parquet",
+            "scored.parquet",
+            "adv.parquet",
+            "m1/tokenizer.json",
+            "policy",
+        ],
+    );
+}
+
+#[test]
+fn batch_md_blocks_run() {
+    let dir = run_doc("docs/BATCH.md", 1);
+    exists(dir.path(), &["runs/demo/run/step-0003/adv.parquet"]);
+}
+
+#[test]
+fn pipeline_md_blocks_run() {
+    let dir = run_doc("docs/PIPELINE.md", 1);
+    exists(
+        dir.path(),
+        &["runs/tiny/metrics.jsonl", "runs/tiny/commands.sh"],
+    );
+    // As the page says: without `lr-schedule` in the spec the learning rate stays at `lr`.
+    let metrics = std::fs::read_to_string(dir.path().join("runs/tiny/metrics.jsonl")).unwrap();
+    let lrs: Vec<f64> = metrics
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["update/lr"].as_f64().expect("update/lr in metrics.jsonl")
+        })
+        .collect();
+    assert_eq!(lrs, [0.001, 0.001]);
+}

@@ -1,5 +1,5 @@
 //! tandem: reinforcement-learning post-training of language models as composable stages that
-//! pass Arrow/Parquet batch files. See docs/ and ../shared/DESIGN.md for the picture.
+//! pass Arrow/Parquet batch files. See docs/ARCHITECTURE.md for the picture.
 
 pub mod algo;
 pub mod backend;

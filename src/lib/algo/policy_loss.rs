@@ -683,6 +683,138 @@ fn compute<T: Real>(
 mod tests {
     use super::*;
 
+    /// The backend's PPO-clip op (checked here, above it, against the one host definition).
+    mod backend_op {
+        use super::*;
+        use crate::algo::agg::{AggMode, LossNorm};
+        use crate::backend::ops::ppo_loss::cpu::ppo_clip_loss;
+        use crate::backend::ops::ppo_loss::{PpoInputs, PpoShape, PPO_STATS};
+        use crate::rng::SplitMix64;
+
+        /// The backend op `ppo_clip_loss` (CPU reference of the fused kernel) with weights from
+        /// `LossNorm` is this module's `policy_loss` (vanilla): same gradient,
+        /// same metrics, for every aggregation, on-policy ties and masked tokens included.
+        #[test]
+        fn matches_the_host_policy_loss() {
+            let mut rng = SplitMix64(5);
+            let offsets = [0usize, 5, 6, 13, 13, 20];
+            let n = 20;
+            let mask: Vec<u8> = (0..n).map(|t| (t % 6 != 2) as u8).collect();
+            let lp: Vec<f32> = (0..n).map(|_| rng.normal() - 2.0).collect();
+            let mut off: Vec<f32> = (0..n)
+                .map(|t| {
+                    if t % 4 == 0 {
+                        lp[t]
+                    } else {
+                        lp[t] + 0.4 * rng.normal()
+                    }
+                })
+                .collect();
+            let mut adv: Vec<f32> = (0..n).map(|_| 2.0 * rng.normal()).collect();
+            // Token 7: ratio e^1.5 > c with A < 0 (the dual clip); token 5: ratio e^0.5 > 1 + ε, A > 0.
+            off[7] = lp[7] - 1.5;
+            adv[7] = -1.0;
+            off[5] = lp[5] - 0.5;
+            adv[5] = 1.0;
+            let ent: Vec<f32> = (0..n).map(|_| rng.normal().abs()).collect();
+            for agg in [
+                AggMode::TokenMean,
+                AggMode::SeqMeanTokenSum,
+                AggMode::SeqMeanTokenMean,
+                AggMode::SeqMeanTokenSumNorm,
+            ] {
+                for on_policy in [true, false] {
+                    let mut cfg = LossConfig::new(LossMode::Vanilla);
+                    cfg.agg = agg;
+                    cfg.clip_ratio_high = Some(0.28);
+                    let old = if on_policy { &lp } else { &off };
+                    let norm = LossNorm::of_mask(&offsets, &mask, None);
+                    let host = policy_loss(
+                        &cfg,
+                        &LossInputs {
+                            offsets: &offsets,
+                            mask: &mask,
+                            lp: &lp,
+                            old: Some(old),
+                            advantages: Some(&adv),
+                            ref_lp: None,
+                            rollout: None,
+                            entropy: Some(&ent),
+                        },
+                        &norm,
+                        1.0,
+                    )
+                    .unwrap();
+                    let mut w = vec![0f32; 3 * n];
+                    for r in offsets.windows(2) {
+                        let valid = mask[r[0]..r[1]].iter().filter(|&&m| m != 0).count();
+                        for t in r[0]..r[1] {
+                            if mask[t] != 0 {
+                                w[t] = norm.row_weight(agg, valid).unwrap() as f32;
+                                w[n + t] = norm.row_weight(AggMode::TokenMean, valid).unwrap() as f32;
+                                w[2 * n + t] = w[t];
+                            }
+                        }
+                    }
+                    let s = PpoShape {
+                        tokens: n,
+                        ratio_low: 1.0 - cfg.clip_low(),
+                        ratio_high: 1.0 + cfg.clip_high(),
+                        dual_clip: cfg.clip_ratio_c,
+                    };
+                    let mut dlp = vec![f32::NAN; n];
+                    let mut stats = [1f32; PPO_STATS];
+                    ppo_clip_loss(
+                        &mut dlp,
+                        &mut stats,
+                        PpoInputs {
+                            lp: &lp,
+                            old: (!on_policy).then_some(&off[..]),
+                            adv: &adv,
+                            w: &w,
+                            ent: Some(&ent),
+                        },
+                        &s,
+                    );
+                    let what = format!("{agg}, on-policy {on_policy}");
+                    for (t, (&a, &b)) in dlp.iter().zip(&host.grad_lp).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
+                            "{what}: dlp[{t}] {a} vs {b}"
+                        );
+                    }
+                    let m = &host.metrics;
+                    // stats started at 1: the op adds.
+                    for (k, want) in [
+                        m.pg_loss,
+                        m.pg_clipfrac,
+                        m.pg_clipfrac_lower,
+                        m.ppo_kl,
+                        m.entropy,
+                        0.0,
+                    ]
+                    .into_iter()
+                    .enumerate()
+                    {
+                        let got = stats[k] as f64 - 1.0;
+                        assert!(
+                            (got - want).abs() < 1e-6,
+                            "{what}: stat {k}: {got} vs {want}"
+                        );
+                    }
+                    if !on_policy {
+                        assert!(
+                            m.pg_clipfrac > 0.0 && m.pg_clipfrac_lower > 0.0,
+                            "{what}: {m:?}"
+                        );
+                    } else {
+                        assert_eq!(m.pg_clipfrac, 0.0);
+                    }
+                }
+            }
+        }
+    }
+
     /// A micro-batch in f64, built row by row.
     #[derive(Clone, Default)]
     struct Case {

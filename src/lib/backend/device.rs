@@ -64,8 +64,8 @@ pub trait Device: Send + Sync {
     fn len(&self, buf: &Self::Buf) -> usize;
     /// Length of an index buffer.
     fn len_idx(&self, buf: &Self::Idx) -> usize;
-    /// Element type of the decoder's compute weights, activations and KV caches (DESIGN.md
-    /// section 4). Master weights, gradients, optimizer moments, norm/softmax statistics and
+    /// Element type of the decoder's compute weights, activations and KV caches (docs/ARCHITECTURE.md,
+    /// "Precision"). Master weights, gradients, optimizer moments, norm/softmax statistics and
     /// log-prob math stay f32 whatever this says.
     fn compute_dtype(&self) -> DType {
         DType::F32

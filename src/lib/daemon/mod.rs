@@ -1,4 +1,4 @@
-//! The warm daemon (DESIGN.md section 5, docs/DAEMON.md): one process per device that keeps
+//! The warm daemon (docs/DAEMON.md, docs/ARCHITECTURE.md): one process per device that keeps
 //! the policy (compute weights, f32 masters, AdamW state) and the reference model in memory
 //! between stages. Stages started with `--daemon PATH` send their job over a unix socket
 //! instead of loading the model; the daemon runs the very same stage code against the models

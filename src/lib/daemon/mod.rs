@@ -14,21 +14,57 @@ pub mod protocol;
 pub mod resident;
 pub mod server;
 
+use crate::dist::exchange::as_local;
+use crate::dist::{group, Exchange, ProcessGroup, World};
+use crate::stage::common::Device;
 use crate::stage::{InProcess, StageJob};
 use anyhow::Result;
 use std::path::PathBuf;
+use std::sync::Arc;
 
-/// Runs a model stage where its flags say: as a job of the warm daemon that `--daemon` (else
-/// `TANDEM_DAEMON`) names, or in this process on `--device`. The one place that decides; the
+/// Runs a model stage where its flags say: as a job of the warm daemon(s) that `--daemon`
+/// (else `TANDEM_DAEMON`) names, or in this process on `--device`, as one rank of several when
+/// a launcher started it (`tandem launch`, torchrun, srun). The one place that decides; the
 /// stage binaries call it.
 pub fn run_stage(job: StageJob) -> Result<()> {
     match daemon_socket(job.daemon()) {
         Some(socket) => client::run_job(&socket, job),
-        None => {
-            let mut here = InProcess(job.device().unwrap_or(crate::stage::common::Device::Cpu));
-            job.run(&mut here)
-        }
+        None => run_here(job),
     }
+}
+
+/// The stage in this process; among several ranks, on this rank's share and its GPU.
+fn run_here(job: StageJob) -> Result<()> {
+    let device = job.device().unwrap_or(Device::Cpu);
+    let world = World::from_env()?;
+    if world.is_single() {
+        return job.run(&mut InProcess::new(device));
+    }
+    if !job.splits_over_ranks() {
+        // Rank 0 runs it as one process would; the other ranks have nothing to do.
+        return match world.rank {
+            0 => job.run(&mut InProcess::new(device.for_rank(&world)?)),
+            r => {
+                eprintln!(
+                    "{}: runs on rank 0 alone; rank {r} of {} has nothing to do",
+                    job.name(),
+                    world.world_size
+                );
+                Ok(())
+            }
+        };
+    }
+    let pg = Arc::new(ProcessGroup::new(world, group::Options::from_env()?)?);
+    let mut here = InProcess {
+        device: device.for_rank(pg.world())?,
+        ranks: Some(Exchange::new(pg.clone(), job.name())),
+    };
+    if let Err(e) = job.run(&mut here) {
+        // The ranks waiting for this one stop with its message.
+        here.ranks.as_ref().expect("set above").fail(&e);
+        return Err(as_local(e));
+    }
+    pg.finish_shared()
 }
 
 /// The daemon socket a stage should use: `--daemon`, else `TANDEM_DAEMON` when set and not

@@ -927,7 +927,7 @@ impl Runner {
             policy_version: Some(to),
             daemon: None,
         };
-        sync_weights::run(args, &mut InProcess(crate::stage::common::Device::Cpu))?;
+        sync_weights::run(args, &mut InProcess::new(crate::stage::common::Device::Cpu))?;
         self.state.sampler = dynamic::cursor_after(self, to)?;
         self.state.steps_done = to;
         self.state.current = None;

@@ -204,3 +204,169 @@ fn bad_input_under_the_launcher_is_exit_2_and_writes_nothing() {
     assert!(err.contains("no-prompts.parquet"), "{err}");
     assert!(!out.exists() && !m.exists());
 }
+
+/// `d/model` (2 layers, hidden 64, vocab 300) and `d/train.parquet` (one-digit additions).
+fn model_and_train_set(d: &Path) {
+    for args in [
+        &[
+            "init-model",
+            "--like",
+            "qwen2",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "128",
+            "--vocab",
+            "300",
+            "--seed",
+            "0",
+            "--out",
+            "model",
+        ][..],
+        &[
+            "prepare",
+            "synth",
+            "--task",
+            "add",
+            "--digits",
+            "1",
+            "--n",
+            "20",
+            "--seed",
+            "1",
+            "--out",
+            "train.parquet",
+        ],
+    ] {
+        let o = Command::new(TANDEM)
+            .args(args)
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
+const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
+
+/// A two-step GRPO pipeline (with the old-logprob pass) at `gpus = 1` and `gpus = 2` on the
+/// CPU: the `gpus = 2` run starts rollout, ref-logprob and update under `tandem launch`, its
+/// rollouts are shared by 2 ranks, and its first step's samples are the 1-rank run's. Bad
+/// `gpus` / `nodes` values are refused naming the key before anything runs.
+#[test]
+fn a_gpus_2_pipeline_runs_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d);
+    let bins = Path::new(TANDEM).parent().unwrap();
+    let spec = |top: &str| {
+        format!(
+            r#"
+seed = 3
+steps = 2
+{top}
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+prompts-per-step = 3
+[rollout]
+n = 2
+max-new-tokens = 6
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.001
+mini-batch-size = 3
+"#
+        )
+    };
+    let run = |name: &str, text: &str, extra: &[&str]| {
+        std::fs::write(d.join(format!("{name}.toml")), text).unwrap();
+        Command::new(PIPELINE)
+            .current_dir(d)
+            .args(["run", &format!("{name}.toml"), "--run-dir", name])
+            .args(extra)
+            .env("TANDEM_BIN_DIR", bins)
+            .env("RAYON_NUM_THREADS", "1")
+            .env_remove("WORLD_SIZE")
+            .env_remove("RANK")
+            .output()
+            .unwrap()
+    };
+    for (name, top) in [("one", ""), ("two", "gpus = 2")] {
+        let o = run(name, &spec(top), &[]);
+        assert!(
+            o.status.success(),
+            "{name}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let commands = std::fs::read_to_string(d.join("two/commands.sh")).unwrap();
+    for stage in ["/rollout ", "/ref-logprob ", "/update "] {
+        let lines: Vec<&str> = commands.lines().filter(|l| l.contains(stage)).collect();
+        assert_eq!(lines.len(), 2, "{stage}: {commands}");
+        assert!(
+            lines
+                .iter()
+                .all(|l| l.contains(" launch --nproc-per-node 2 -- ")),
+            "{stage}: {commands}"
+        );
+    }
+    // score, advantage and sync-weights stay single processes.
+    for stage in ["/score ", "/advantage ", "/sync-weights "] {
+        assert!(
+            commands
+                .lines()
+                .filter(|l| l.contains(stage))
+                .all(|l| !l.contains(" launch ")),
+            "{stage}: {commands}"
+        );
+    }
+    let one_cmds = std::fs::read_to_string(d.join("one/commands.sh")).unwrap();
+    assert!(!one_cmds.contains(" launch "), "{one_cmds}");
+    for step in ["step-0001", "step-0002"] {
+        let m: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(d.join("two").join(step).join("metrics/rollout.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(m["ranks"], 2, "{m}");
+    }
+    // The first step samples from the same model: the same rows.
+    let (a, b) = (
+        read(&d.join("one/step-0001/rollout.parquet")),
+        read(&d.join("two/step-0001/rollout.parquet")),
+    );
+    same_rows(&a, &b, "step 1 rollout");
+    assert!(d.join("two/step-0002/old.parquet").exists());
+
+    for (top, want) in [
+        (
+            "nodes = 2",
+            "nodes = 2: a pipeline runs on one machine for now (nodes = 1)",
+        ),
+        ("gpus = 0", "gpus must be at least 1"),
+        (
+            "gpus = 2\ndaemon = true",
+            "gpus = 2 with daemon = true: one daemon per GPU is not there yet; set daemon = false",
+        ),
+    ] {
+        let o = run("refused", &spec(top), &["--dry-run"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{top}: {err}");
+        assert!(err.contains(want), "{top}: {err}");
+        assert!(!d.join("refused").exists());
+    }
+}

@@ -2,7 +2,8 @@
 //! ranks): every rank generates or scores its contiguous block of prompts (the n samples of a
 //! prompt on one rank) and rank 0 writes one file with the same rows in the same order as one
 //! process writes, for 1, 2 and 3 ranks; one rank under the launcher is the plain path; bad
-//! input under the launcher is exit 2 naming a rank, with no output file.
+//! input under the launcher is exit 2 naming a rank, with no output file; a pipeline with
+//! `gpus = 2` runs end to end on CPU ranks.
 
 mod stage_util;
 
@@ -203,6 +204,17 @@ fn bad_input_under_the_launcher_is_exit_2_and_writes_nothing() {
     assert_eq!(r.status.code(), Some(2), "{err}");
     assert!(err.contains("no-prompts.parquet"), "{err}");
     assert!(!out.exists() && !m.exists());
+    // --daemon under a launcher: every rank would send the job; refused.
+    let mut args = rollout_args(&model, &no_prompts, &out, &m);
+    args.extend(["--daemon", "nowhere.sock"]);
+    let r = launch(2, "rollout", &args);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--daemon nowhere.sock under a launcher"),
+        "{err}"
+    );
+    assert!(!out.exists());
 }
 
 /// `d/model` (2 layers, hidden 64, vocab 300) and `d/train.parquet` (one-digit additions).

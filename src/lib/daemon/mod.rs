@@ -28,7 +28,20 @@ use std::sync::Arc;
 /// stage binaries call it.
 pub fn run_stage(job: StageJob) -> Result<()> {
     match daemon_socket(job.daemon()) {
-        Some(socket) => client::run_job(&socket, job),
+        Some(socket) => {
+            // Every rank would send the same job: one client per daemon.
+            let world = World::from_env()?;
+            if !world.is_single() {
+                crate::bail_input!(
+                    "{}: --daemon {} under a launcher (rank {} of {}): run one client, without tandem launch",
+                    job.name(),
+                    socket.display(),
+                    world.rank,
+                    world.world_size
+                );
+            }
+            client::run_job(&socket, job)
+        }
         None => run_here(job),
     }
 }

@@ -29,6 +29,12 @@ for n in 2 4 8; do
   $T launch --nproc-per-node $n -- $T bench dist --device cuda --json "$OUT/bench_dist_$n.json" \
     > "$OUT/bench_dist_$n.log" 2>&1
   SUMMARY+=("bench dist n=$n rc=$?")
+  # The PyTorch NCCL peer at the same sizes, in the same call (bench/peer_nccl.py).
+  if python3 -c "import torch" 2>/dev/null; then
+    python3 -m torch.distributed.run --standalone --nproc-per-node $n bench/peer_nccl.py \
+      --sizes 64MiB,256MiB,1GiB --json "$OUT/peer_nccl_$n.json" > "$OUT/peer_nccl_$n.log" 2>&1
+    SUMMARY+=("torch peer n=$n rc=$?")
+  fi
   # A rank killed mid-run: every other rank and the launcher must stop, naming it, in < 60 s.
   start=$(date +%s)
   $T launch --nproc-per-node $n -- $T dist-test --device cuda --fail-rank 1 --fail-mode kill \
@@ -40,5 +46,5 @@ for n in 2 4 8; do
   rc=$?; SUMMARY+=("hang rank 1, n=$n: rc=$rc after $(( $(date +%s) - start )) s: $(grep -m1 '^error: rank' "$OUT/hang_$n.log")")
 done
 
-for f in "$OUT"/bench_dist_*.log; do echo "== $f"; grep -v '^{' "$f"; done
+for f in "$OUT"/bench_dist_*.log "$OUT"/peer_nccl_*.log; do [ -f "$f" ] && { echo "== $f"; grep -v '^{' "$f" | tail -40; }; done
 printf '%s\n' "${SUMMARY[@]}"

@@ -192,7 +192,7 @@ fn overlong_shaping_values_by_hand() {
         (
             &input,
             vec!["--overlong-buffer-len", "4", "--overlong-penalty-factor=-1"],
-            "--overlong-penalty-factor must be a finite number >= 0, got -1".to_string(),
+            "invalid value '-1' for '--overlong-penalty-factor <F>': must be a finite number >= 0".to_string(),
         ),
     ] {
         let bad = d.join("bad.parquet");
@@ -696,7 +696,7 @@ fn round_commands_are_checked_and_shown_before_anything_runs() {
     for (bad, want) in [
         (
             good.replace("overlong-penalty-factor = 0.5", "overlong-penalty-factor = -1"),
-            "[score]: --overlong-penalty-factor must be a finite number >= 0, got -1",
+            "[score] overlong-penalty-factor = -1: invalid value '-1' for '--overlong-penalty-factor <F>': must be a finite number >= 0",
         ),
         (
             good.replace("filter-groups = true", "filter-groups = true\nfilter-metric = \"len\""),

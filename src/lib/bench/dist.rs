@@ -47,7 +47,7 @@ pub struct DistBenchArgs {
     #[arg(long, value_delimiter = ',')]
     pub shapes: Vec<String>,
     /// Bucket sizes of the weight sync, in MiB.
-    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 256, 1024])]
+    #[arg(long, value_delimiter = ',', default_values_t = [32usize, 128, 512])]
     pub bucket_mb: Vec<usize>,
     /// Also write everything as JSON to this file (rank 0).
     #[arg(long)]

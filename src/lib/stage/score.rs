@@ -49,15 +49,15 @@ pub struct ScoreArgs {
     /// DAPO's soft overlong punishment: the last N tokens before the length limit over which
     /// the score loses up to --overlong-penalty-factor, linearly (past the limit: all of it).
     /// The penalty is written as `score_overlong`, the unshaped correctness as `score_acc`.
-    /// 0: off.
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    /// In tokens, >= 0 (0: off).
+    #[arg(long, default_value_t = 0, value_name = "N", value_parser = at_least(0usize))]
     pub overlong_buffer_len: usize,
-    /// The overlong penalty at (and past) the length limit.
-    #[arg(long, default_value_t = 1.0, value_name = "F")]
+    /// The overlong penalty at (and past) the length limit, >= 0 (in score units).
+    #[arg(long, default_value_t = 1.0, value_name = "F", value_parser = at_least(0.0f32))]
     pub overlong_penalty_factor: f32,
-    /// The length limit L_max of the overlong penalty, in response tokens [default: the
-    /// rollout's --max-new-tokens, recorded in the batch].
-    #[arg(long, value_name = "N")]
+    /// The length limit L_max of the overlong penalty, in response tokens, >= 1 (default: the
+    /// rollout's --max-new-tokens, recorded in the batch).
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
     pub max_response_length: Option<usize>,
     /// Also write the summary as one JSON object to FILE.
     #[arg(long, value_name = "FILE")]

@@ -382,3 +382,59 @@ mini-batch-size = 3
         assert!(!d.join("refused").exists());
     }
 }
+
+/// The ranks started by hand with torchrun's variables (no `tandem launch`) share the rollout
+/// the same way: rank 0 writes the one-process rows; the other rank writes nothing.
+#[test]
+fn torchrun_variables_share_the_rollout() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 7);
+    let input = d.join("prompts.parquet");
+    prompts(&input, &QUESTIONS);
+    let (one, one_m) = (d.join("one.parquet"), d.join("one.json"));
+    ok("rollout", &rollout_args(&model, &input, &one, &one_m));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let (out, m) = (d.join("two.parquet"), d.join("two.json"));
+    let args = rollout_args(&model, &input, &out, &m);
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(bin("rollout"))
+                .args(&args)
+                .env("RAYON_NUM_THREADS", "1")
+                .env_remove("TANDEM_DAEMON")
+                .envs([
+                    ("RANK", r.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("LOCAL_RANK", r.to_string()),
+                    ("LOCAL_WORLD_SIZE", "2".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "rank {r}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    // Only rank 0 reports the rollout.
+    assert!(String::from_utf8_lossy(&outs[0].stderr).contains("rollout: 5 prompts x 2"));
+    assert!(!String::from_utf8_lossy(&outs[1].stderr).contains("rollout: 5 prompts"));
+    same_rows(&read(&one), &read(&out), "rollout, torchrun variables");
+}

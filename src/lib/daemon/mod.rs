@@ -16,7 +16,7 @@ pub mod server;
 
 use crate::dist::exchange::as_local;
 use crate::dist::{group, Exchange, ProcessGroup, World};
-use crate::stage::common::Device;
+use crate::stage::common::{after_rank0, Device};
 use crate::stage::{InProcess, StageJob};
 use anyhow::Result;
 use std::path::PathBuf;
@@ -72,7 +72,10 @@ fn run_here(job: StageJob) -> Result<()> {
         device: device.for_rank(pg.world())?,
         ranks: Some(Exchange::new(pg.clone(), job.name())),
     };
-    if let Err(e) = job.run(&mut here) {
+    // The other ranks wait (as long as it takes, a failure aside) until rank 0 has written the
+    // output: the group's finish only allows its timeout between the ranks' ends.
+    let done = job.run(&mut here).and_then(|()| after_rank0(&here));
+    if let Err(e) = done {
         // The ranks waiting for this one stop with its message.
         here.ranks.as_ref().expect("set above").fail(&e);
         return Err(as_local(e));

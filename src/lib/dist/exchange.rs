@@ -2,7 +2,8 @@
 //! that is split by rows rather than by tensors: rank 0 gathers every rank's part (the samples
 //! each rank generated, the log-probs it scored) and writes the job's one output file, or
 //! hands every rank a value once it has written it. (Collectives on device buffers are
-//! [`super::Comm`]; these payloads are host data of a few megabytes at most.)
+//! [`super::Comm`]; these payloads are host data: token ids, log-probs and texts, about 8 bytes a token
+//! plus the text, sent hex-encoded.)
 //!
 //! The exchange points of a job are numbered in the order the ranks reach them (every rank
 //! runs the same code, so they agree). A rank whose part of the job fails marks the job failed

@@ -58,8 +58,17 @@ for part in $PARTS; do
       echo "rollout n=$n rc=$?"; tail -1 "$OUT/rollout_$n.log"
     done
     if [ -f "$W/rollout_$N.parquet" ] && [ "$N" -gt 1 ]; then
-      python3 bench/compare_rollouts.py "$W/rollout_1.parquet" "$W/rollout_$N.parquet" \
-        > "$OUT/rollout_compare.txt" 2>&1
+      python3 - "$W/rollout_1.parquet" "$W/rollout_$N.parquet" > "$OUT/rollout_compare.txt" 2>&1 <<'PY'
+import sys
+import pyarrow.parquet as pq
+a, b = (pq.read_table(p) for p in sys.argv[1:3])
+ids_a, ids_b = a.column("response_ids").to_pylist(), b.column("response_ids").to_pylist()
+same = sum(x == y for x, y in zip(ids_a, ids_b))
+print(f"rows {len(ids_a)} vs {len(ids_b)}; identical response_ids in {same}")
+la, lb = a.column("rollout_logprobs").to_pylist(), b.column("rollout_logprobs").to_pylist()
+d = [abs(u - v) for x, y, i, j in zip(la, lb, ids_a, ids_b) if i == j for u, v in zip(x, y)]
+print(f"max |rollout_logprobs 1 - N| over identical rows: {max(d) if d else float('nan'):.3g}")
+PY
       echo "rows 1 vs $N ranks rc=$?"; tail -3 "$OUT/rollout_compare.txt"
     fi
     ;;

@@ -182,6 +182,29 @@ fn rollout_and_ref_logprob_rows_do_not_depend_on_the_number_of_ranks() {
     }
 }
 
+/// Fewer prompts than ranks: a rank with no prompt loads nothing and hands over no rows.
+#[test]
+fn ranks_without_a_prompt_take_part_all_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 7);
+    let input = d.join("prompts.parquet");
+    prompts(&input, &QUESTIONS[..2]);
+    let (one, one_m) = (d.join("one.parquet"), d.join("one.json"));
+    ok("rollout", &rollout_args(&model, &input, &one, &one_m));
+    let (three, m) = (d.join("three.parquet"), d.join("three.json"));
+    launch_ok(3, "rollout", &rollout_args(&model, &input, &three, &m));
+    same_rows(&read(&one), &read(&three), "rollout, 2 prompts on 3 ranks");
+    let (ref1, ref3) = (d.join("ref1.parquet"), d.join("ref3.parquet"));
+    ok("ref-logprob", &ref_args(&model, &one, &ref1));
+    launch_ok(3, "ref-logprob", &ref_args(&model, &one, &ref3));
+    same_rows(
+        &read(&ref1),
+        &read(&ref3),
+        "ref-logprob, 2 prompts on 3 ranks",
+    );
+}
+
 #[test]
 fn bad_input_under_the_launcher_is_exit_2_and_writes_nothing() {
     let dir = tempfile::tempdir().unwrap();

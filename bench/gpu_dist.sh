@@ -4,6 +4,7 @@
 # GPU). Expects the stripped release `tandem` in $D (make gpu-test copies it to .device/);
 # writes logs and JSON under $OUT and prints a short summary last.
 #   D=.device bench/gpu_dist.sh            (OUT defaults to /tmp/dist)
+#   NS="2" DIST_ARGS="--shapes qwen7b" ...  only these world sizes past 1; extra `bench dist` flags
 set -u
 D=${D:-.device}
 T=$D/tandem
@@ -18,15 +19,15 @@ SUMMARY=()
 # World size 1: real NCCL calls on one rank.
 $T dist-test --device cuda --json "$OUT/dist_test_1.json" > "$OUT/dist_test_1.log" 2>&1
 rc=$?; SUMMARY+=("dist-test n=1 rc=$rc $(grep -c '^  ok' "$OUT/dist_test_1.log") ok, $(grep -c '^  FAIL' "$OUT/dist_test_1.log") failed")
-$T bench dist --device cuda --max-size 1GiB --json "$OUT/bench_dist_1.json" > "$OUT/bench_dist_1.log" 2>&1
+$T bench dist --device cuda --max-size 1GiB ${DIST_ARGS:-} --json "$OUT/bench_dist_1.json" > "$OUT/bench_dist_1.log" 2>&1
 SUMMARY+=("bench dist n=1 rc=$?")
 
-for n in 2 4 8; do
+for n in ${NS:-2 4 8}; do
   [ "$n" -le "$GPUS" ] || continue
   $T launch --nproc-per-node $n -- $T dist-test --device cuda --json "$OUT/dist_test_$n.json" \
     > "$OUT/dist_test_$n.log" 2>&1
   rc=$?; SUMMARY+=("dist-test n=$n rc=$rc $(grep -c '^  ok' "$OUT/dist_test_$n.log") ok, $(grep -c '^  FAIL' "$OUT/dist_test_$n.log") failed")
-  $T launch --nproc-per-node $n -- $T bench dist --device cuda --json "$OUT/bench_dist_$n.json" \
+  $T launch --nproc-per-node $n -- $T bench dist --device cuda ${DIST_ARGS:-} --json "$OUT/bench_dist_$n.json" \
     > "$OUT/bench_dist_$n.log" 2>&1
   SUMMARY+=("bench dist n=$n rc=$?")
   # The PyTorch NCCL peer at the same sizes, in the same call (bench/peer_nccl.py).

@@ -269,7 +269,7 @@ pub fn run(a: GrpoStepArgs) -> Result<()> {
     for mode in &a.modes {
         match mode.as_str() {
             "in-process" => {
-                let mut exec = InProcess(a.device);
+                let mut exec = InProcess::new(a.device);
                 results.extend(steps(
                     &a,
                     &a.work.join("in-process"),

@@ -14,21 +14,73 @@ pub mod protocol;
 pub mod resident;
 pub mod server;
 
+use crate::dist::exchange::as_local;
+use crate::dist::{group, Exchange, ProcessGroup, World};
+use crate::stage::common::{after_rank0, Device};
 use crate::stage::{InProcess, StageJob};
 use anyhow::Result;
 use std::path::PathBuf;
+use std::sync::Arc;
 
-/// Runs a model stage where its flags say: as a job of the warm daemon that `--daemon` (else
-/// `TANDEM_DAEMON`) names, or in this process on `--device`. The one place that decides; the
+/// Runs a model stage where its flags say: as a job of the warm daemon(s) that `--daemon`
+/// (else `TANDEM_DAEMON`) names, or in this process on `--device`, as one rank of several when
+/// a launcher started it (`tandem launch`, torchrun, srun). The one place that decides; the
 /// stage binaries call it.
 pub fn run_stage(job: StageJob) -> Result<()> {
     match daemon_socket(job.daemon()) {
-        Some(socket) => client::run_job(&socket, job),
-        None => {
-            let mut here = InProcess(job.device().unwrap_or(crate::stage::common::Device::Cpu));
-            job.run(&mut here)
+        Some(socket) => {
+            // Every rank would send the same job: one client per daemon.
+            let world = World::from_env()?;
+            if !world.is_single() {
+                crate::bail_input!(
+                    "{}: --daemon {} under a launcher (rank {} of {}): run one client, without tandem launch",
+                    job.name(),
+                    socket.display(),
+                    world.rank,
+                    world.world_size
+                );
+            }
+            client::run_job(&socket, job)
         }
+        None => run_here(job),
     }
+}
+
+/// The stage in this process; among several ranks, on this rank's share and its GPU.
+fn run_here(job: StageJob) -> Result<()> {
+    let device = job.device().unwrap_or(Device::Cpu);
+    let world = World::from_env()?;
+    if world.is_single() {
+        return job.run(&mut InProcess::new(device));
+    }
+    if !job.splits_over_ranks() {
+        // Rank 0 runs it as one process would; the other ranks have nothing to do.
+        return match world.rank {
+            0 => job.run(&mut InProcess::new(device.for_rank(&world)?)),
+            r => {
+                eprintln!(
+                    "{}: runs on rank 0 alone; rank {r} of {} has nothing to do",
+                    job.name(),
+                    world.world_size
+                );
+                Ok(())
+            }
+        };
+    }
+    let pg = Arc::new(ProcessGroup::new(world, group::Options::from_env()?)?);
+    let mut here = InProcess {
+        device: device.for_rank(pg.world())?,
+        ranks: Some(Exchange::new(pg.clone(), job.name())),
+    };
+    // The other ranks wait (as long as it takes, a failure aside) until rank 0 has written the
+    // output: the group's finish only allows its timeout between the ranks' ends.
+    let done = job.run(&mut here).and_then(|()| after_rank0(&here));
+    if let Err(e) = done {
+        // The ranks waiting for this one stop with its message.
+        here.ranks.as_ref().expect("set above").fail(&e);
+        return Err(as_local(e));
+    }
+    pg.finish_shared()
 }
 
 /// The daemon socket a stage should use: `--daemon`, else `TANDEM_DAEMON` when set and not

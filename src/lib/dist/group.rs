@@ -171,6 +171,12 @@ impl ProcessGroup {
 
     /// Waits until every rank has finished (so that no rank's exit looks like a crash).
     pub fn finish(self) -> Result<()> {
+        self.finish_shared()
+    }
+
+    /// [`ProcessGroup::finish`] for a group shared behind an `Arc` (a daemon's, a stage's
+    /// exchanges'): the group ends when its last holder drops it.
+    pub fn finish_shared(&self) -> Result<()> {
         match &self.client {
             Some(store) => store.finish(),
             None => Ok(()),

@@ -8,6 +8,8 @@
 //! - [`comm`]: the [`Comm`] trait (all-reduce, all-gather, reduce-scatter, broadcast, barrier
 //!   on backend buffers, grouped and asynchronous); [`host`]: the CPU implementation over TCP
 //!   (deterministic rank-order reductions); [`nccl`]: NCCL for CUDA ranks.
+//! - [`exchange`]: byte payloads among the ranks of one job through the store (rank 0
+//!   gathers the rows each rank generated or scored), and the block of rows each rank takes.
 //! - [`bucket`]: flattened buckets of tensors, sharded over the ranks, and the bucketed
 //!   all-gather of a weight sync; [`bench`]: collective and weight-sync timings
 //!   (`tandem bench dist`); [`check`]: every collective against host-computed values
@@ -20,6 +22,7 @@ pub mod bench;
 pub mod bucket;
 pub mod check;
 pub mod comm;
+pub mod exchange;
 pub mod group;
 pub mod health;
 pub mod host;
@@ -29,6 +32,7 @@ pub mod store;
 pub mod world;
 
 pub use comm::{Collective, Comm, ReduceOp, Work};
+pub use exchange::Exchange;
 pub use group::{run_job, DeviceKind, Job, Options, ProcessGroup};
 pub use host::HostComm;
 pub use nccl::NcclComm;

@@ -70,6 +70,20 @@ enum Msg {
         id: u64,
         value: String,
     },
+    /// Wait until one of `keys` is set; answered with `KeyValue` (the first set, in order).
+    GetAny {
+        keys: Vec<String>,
+        id: u64,
+    },
+    KeyValue {
+        id: u64,
+        index: usize,
+        value: String,
+    },
+    /// Forget these keys (a value read by its one reader).
+    Delete {
+        keys: Vec<String>,
+    },
     Heartbeat {
         seq: u64,
     },
@@ -117,16 +131,30 @@ fn read_msg(r: &mut impl BufRead) -> Option<Msg> {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = Vec::with_capacity(2 * bytes.len());
+    for b in bytes {
+        out.push(DIGITS[(b >> 4) as usize]);
+        out.push(DIGITS[(b & 15) as usize]);
+    }
+    String::from_utf8(out).expect("hex digits are ASCII")
 }
 
 fn unhex(s: &str) -> Result<Vec<u8>> {
     if !s.len().is_multiple_of(2) {
         bail!("store value of odd hex length");
     }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|e| anyhow!("store value: {e}")))
+    let digit = |c: u8| -> Result<u8> {
+        match c {
+            b'0'..=b'9' => Ok(c - b'0'),
+            b'a'..=b'f' => Ok(c - b'a' + 10),
+            b'A'..=b'F' => Ok(c - b'A' + 10),
+            _ => bail!("store value: invalid hex digit {:?}", c as char),
+        }
+    };
+    s.as_bytes()
+        .chunks_exact(2)
+        .map(|p| Ok(digit(p[0])? << 4 | digit(p[1])?))
         .collect()
 }
 
@@ -160,6 +188,8 @@ impl Peer {
 struct Inner {
     kv: HashMap<String, String>,
     waiters: HashMap<String, Vec<(usize, u64)>>,
+    /// `GetAny` requests not answered yet: (rank, id, keys).
+    any_waiters: Vec<(usize, u64, Vec<String>)>,
     peers: Vec<Option<Peer>>,
     welcomed: bool,
     failed: bool,
@@ -382,7 +412,44 @@ impl Server {
                         );
                     }
                 }
+                let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut inner.any_waiters)
+                    .into_iter()
+                    .partition(|(_, _, keys)| keys.contains(&key));
+                inner.any_waiters = waiting;
+                for (r, id, keys) in ready {
+                    let index = keys.iter().position(|k| *k == key).expect("partitioned");
+                    if let Some(p) = inner.peers[r].as_ref() {
+                        let msg = Msg::KeyValue {
+                            id,
+                            index,
+                            value: value.clone(),
+                        };
+                        let _ = send(&p.out, &msg);
+                    }
+                }
                 inner.kv.insert(key, value);
+            }
+            Msg::GetAny { keys, id } => {
+                match keys
+                    .iter()
+                    .enumerate()
+                    .find_map(|(i, k)| Some((i, inner.kv.get(k)?)))
+                {
+                    Some((index, v)) => {
+                        let msg = Msg::KeyValue {
+                            id,
+                            index,
+                            value: v.clone(),
+                        };
+                        let _ = send(out, &msg);
+                    }
+                    None => inner.any_waiters.push((rank, id, keys)),
+                }
+            }
+            Msg::Delete { keys } => {
+                for k in keys {
+                    inner.kv.remove(&k);
+                }
             }
             Msg::Get { key, id } => match inner.kv.get(&key) {
                 Some(v) => {
@@ -680,6 +747,43 @@ impl StoreClient {
         self.prober().progress()
     }
 
+    /// The first of `keys` that some rank sets (its index and value), waiting at most `wait`
+    /// (None: as long as every rank is alive; a failure of the job ends the wait with its
+    /// message), or until `stop` says to give up (then None).
+    pub fn get_any(
+        &self,
+        keys: &[String],
+        wait: Option<Duration>,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<(usize, Vec<u8>)>> {
+        let what = format!("one of {keys:?}");
+        let reply = self.client.request_until(
+            |id| Msg::GetAny {
+                keys: keys.to_vec(),
+                id,
+            },
+            wait,
+            stop,
+            &what,
+        )?;
+        match reply {
+            None => Ok(None),
+            Some(Msg::KeyValue { index, value, .. }) => Ok(Some((index, unhex(&value)?))),
+            Some(other) => bail!("rendezvous store: unexpected reply {other:?}"),
+        }
+    }
+
+    /// Forgets `keys` (values read by their only reader), so the store does not keep them.
+    pub fn delete(&self, keys: &[String]) -> Result<()> {
+        send(
+            &self.client.out,
+            &Msg::Delete {
+                keys: keys.to_vec(),
+            },
+        )
+        .map_err(|e| anyhow!("rendezvous store at {}: {e}", self.client.addr))
+    }
+
     /// A handle that asks the store for progress from another thread (a watchdog); it does
     /// not keep the connection open.
     pub fn prober(&self) -> Prober {
@@ -789,24 +893,42 @@ impl Prober {
 
 impl Client {
     fn request(&self, make: impl FnOnce(u64) -> Msg, wait: Duration, what: &str) -> Result<Msg> {
+        let reply = self.request_until(make, Some(wait), &|| false, what)?;
+        Ok(reply.expect("never stopped"))
+    }
+
+    /// Sends a request and waits for its reply: at most `wait` (None: as long as the job is
+    /// healthy), or until `stop` says to give up (then None).
+    fn request_until(
+        &self,
+        make: impl FnOnce(u64) -> Msg,
+        wait: Option<Duration>,
+        stop: &dyn Fn() -> bool,
+        what: &str,
+    ) -> Result<Option<Msg>> {
         self.health.check()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = channel();
         self.replies.lock().unwrap().insert(id, tx);
         send(&self.out, &make(id))
             .map_err(|e| anyhow!("rendezvous store at {}: {e}", self.addr))?;
-        let deadline = Instant::now() + wait;
+        let deadline = wait.map(|w| Instant::now() + w);
         loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(m) => return Ok(m),
+                Ok(m) => return Ok(Some(m)),
                 Err(RecvTimeoutError::Disconnected) => bail!("rendezvous store connection closed"),
                 Err(RecvTimeoutError::Timeout) => {
                     self.health.check()?;
-                    if Instant::now() >= deadline {
+                    if stop() {
+                        self.replies.lock().unwrap().remove(&id);
+                        return Ok(None);
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
                         self.replies.lock().unwrap().remove(&id);
                         bail!(
-                            "rank {}: timed out after {wait:?} waiting for {what} in the rendezvous store",
-                            self.rank
+                            "rank {}: timed out after {:?} waiting for {what} in the rendezvous store",
+                            self.rank,
+                            wait.unwrap_or_default()
                         );
                     }
                 }
@@ -831,7 +953,9 @@ impl Client {
                     self.state.lock().unwrap().all_done = true;
                     self.changed.notify_all();
                 }
-                Msg::Value { id, .. } | Msg::ProgressReply { id, .. } => {
+                Msg::Value { id, .. }
+                | Msg::KeyValue { id, .. }
+                | Msg::ProgressReply { id, .. } => {
                     if let Some(tx) = self.replies.lock().unwrap().remove(&id) {
                         let _ = tx.send(msg);
                     }

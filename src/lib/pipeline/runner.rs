@@ -765,12 +765,35 @@ impl Runner {
 
     /// A stage command as a shell line.
     pub fn stage_line(&self, bin: &str, args: &[String]) -> String {
-        let mut line = shell_quote(&path_arg(&self.bins.join(bin)));
+        let mut line = String::new();
+        for a in self.launch_prefix(bin) {
+            line.push_str(&shell_quote(&a));
+            line.push(' ');
+        }
+        line.push_str(&shell_quote(&path_arg(&self.bins.join(bin))));
         for a in args {
             line.push(' ');
             line.push_str(&shell_quote(a));
         }
         line
+    }
+
+    /// `tandem launch --nproc-per-node N --` before a model stage when the spec has `gpus = N`
+    /// (N > 1, no daemon): its ranks share the work (rollout, ref-logprob) or rank 0 runs it
+    /// alone (`update` until it is rank-aware: `StageJob::splits_over_ranks`). Nothing
+    /// otherwise: one process, as before.
+    fn launch_prefix(&self, bin: &str) -> Vec<String> {
+        let model_stage = matches!(bin, "rollout" | "ref-logprob" | "update");
+        if self.spec.gpus <= 1 || self.spec.daemon || !model_stage {
+            return Vec::new();
+        }
+        vec![
+            path_arg(&self.bins.join("tandem")),
+            "launch".into(),
+            "--nproc-per-node".into(),
+            self.spec.gpus.to_string(),
+            "--".into(),
+        ]
     }
 
     /// Every remaining task of the run, in order, with its step.
@@ -927,7 +950,7 @@ impl Runner {
             policy_version: Some(to),
             daemon: None,
         };
-        sync_weights::run(args, &mut InProcess(crate::stage::common::Device::Cpu))?;
+        sync_weights::run(args, &mut InProcess::new(crate::stage::common::Device::Cpu))?;
         self.state.sampler = dynamic::cursor_after(self, to)?;
         self.state.steps_done = to;
         self.state.current = None;
@@ -1080,7 +1103,15 @@ impl Runner {
             }
         }
         let program = self.bins.join(bin);
-        let mut cmd = std::process::Command::new(&program);
+        let launch = self.launch_prefix(bin);
+        let mut cmd = match launch.split_first() {
+            Some((tandem, rest)) => {
+                let mut c = std::process::Command::new(tandem);
+                c.args(rest).arg(&program);
+                c
+            }
+            None => std::process::Command::new(&program),
+        };
         if self.spec.batch_invariant {
             cmd.env("TANDEM_BATCH_INVARIANT", "1");
         }

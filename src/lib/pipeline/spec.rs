@@ -1,6 +1,6 @@
 //! The pipeline spec: `pipelines/NAME.toml`.
 //!
-//! Top-level keys (`seed`, `steps`, `device`, `daemon`, `batch-invariant`) come first, then one
+//! Top-level keys (`seed`, `steps`, `device`, `gpus`, `nodes`, `daemon`, `batch-invariant`) come first, then one
 //! table per concern: `[model]`, `[data]`, one table per stage (`[rollout]`, `[score]`,
 //! `[ref-logprob]`, `[advantage]`, `[update]`, `[sync-weights]`), `[algorithm]` (what the runner
 //! does between stages: DAPO's dynamic sampling), then `[eval]` and `[checkpoint]`.
@@ -221,6 +221,10 @@ fn one() -> u64 {
     1
 }
 
+fn is_one(v: &u64) -> bool {
+    *v == 1
+}
+
 /// A whole pipeline spec, as written. Stage tables hold flag names and TOML values;
 /// [`Spec::stages`] checks them against the stages and turns them into arguments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -236,6 +240,14 @@ pub struct Spec {
     /// Run GPU stages as clients of a warm daemon.
     #[serde(default)]
     pub daemon: bool,
+    /// Ranks of the model stages on this machine: with `gpus = N > 1` the runner runs rollout,
+    /// ref-logprob and update under `tandem launch --nproc-per-node N` (one rank per GPU, or N
+    /// CPU processes on the CPU); needs `daemon = false` for now.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub gpus: u64,
+    /// Machines: 1 only for now.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub nodes: u64,
     /// Batch-invariant GPU kernels in every stage and the daemon (TANDEM_BATCH_INVARIANT=1):
     /// rollout log-probs equal the training forward's for the same tokens, at a rollout
     /// throughput cost (docs/ROLLOUT.md).
@@ -662,6 +674,22 @@ impl Spec {
         }
         if self.data.prompts_per_step == 0 {
             bail_input!("{origin}: [data] prompts-per-step must be at least 1");
+        }
+        if self.gpus == 0 {
+            bail_input!("{origin}: gpus must be at least 1");
+        }
+        if self.nodes != 1 {
+            bail_input!(
+                "{origin}: nodes = {}: a pipeline runs on one machine for now (nodes = 1); several machines need a launcher across them (srun or torchrun running the stages)",
+                self.nodes
+            );
+        }
+        if self.gpus > 1 && self.daemon {
+            bail_input!(
+                "{origin}: gpus = {} with daemon = true: one daemon per GPU is not there yet; set daemon = false (the model stages then run as {} ranks under `tandem launch`)",
+                self.gpus,
+                self.gpus
+            );
         }
         if self.eval.every > 0 && self.data.val.is_none() {
             bail_input!(

@@ -1,16 +1,19 @@
 //! What the model stages share: `--device`, `--model` (a directory or a sync-weights pointer),
-//! token-id checks against the vocabulary, progress bars, small atomic file writes.
+//! token-id checks against the vocabulary, progress bars, small atomic file writes, and which
+//! share of the rows a rank computes when several run a stage together.
 
 use crate::bail_input;
 use crate::batch::schema::meta;
 use crate::batch::Batch;
 use crate::error::input_error;
+use crate::stage::Exec;
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::io::IsTerminal;
 use std::ops::Bound;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -41,6 +44,17 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl Device {
+    /// The device of one rank of several: a CUDA rank computes on the GPU of its local rank
+    /// (or the one GPU the launcher shows it), whatever `cuda:N` says; the CPU stays the CPU.
+    pub fn for_rank(self, world: &crate::dist::World) -> Result<Device> {
+        match self {
+            Device::Cpu => Ok(Device::Cpu),
+            Device::Cuda(_) => Ok(Device::Cuda(crate::dist::group::gpu_for_rank(world)?)),
         }
     }
 }
@@ -231,6 +245,52 @@ pub fn logprob_temperature(batch: &Batch, flag: Option<f32>) -> Result<f32> {
         (Some(r), _) => Ok(r),
         (None, t) => Ok(t.unwrap_or(DEFAULT_TEMPERATURE)),
     }
+}
+
+/// The contiguous block of `items` (prompts, prompt groups) this process computes: all of them
+/// alone, else its rank's balanced share (`dist::exchange::block`).
+pub fn my_block(exec: &dyn Exec, items: usize) -> Range<usize> {
+    match exec.ranks() {
+        Some(x) => x.block(items),
+        None => 0..items,
+    }
+}
+
+/// Whether this process writes the stage's files and metrics: the only one, or rank 0.
+pub fn writes_files(exec: &dyn Exec) -> bool {
+    exec.ranks().is_none_or(|x| x.is_root())
+}
+
+/// Rank 0 gets every rank's result in rank order (its own `mine` first, the others decoded
+/// from what `encode` made of theirs); the other ranks get None once theirs is handed over.
+/// Alone: `[mine]`, nothing encoded.
+pub fn gather_results<T>(
+    exec: &dyn Exec,
+    mine: T,
+    encode: impl Fn(&T) -> Vec<u8>,
+    decode: impl Fn(&[u8]) -> Result<T>,
+) -> Result<Option<Vec<T>>> {
+    let Some(x) = exec.ranks() else {
+        return Ok(Some(vec![mine]));
+    };
+    let Some(parts) = x.gather(&encode(&mine))? else {
+        return Ok(None);
+    };
+    let mut all = Vec::with_capacity(parts.len());
+    all.push(mine);
+    for p in &parts[1..] {
+        all.push(decode(p)?);
+    }
+    Ok(Some(all))
+}
+
+/// Waits (on the ranks other than 0) until rank 0 has passed this point, e.g. written the
+/// files that the next step reads; alone, nothing to wait for.
+pub fn after_rank0(exec: &dyn Exec) -> Result<()> {
+    if let Some(x) = exec.ranks() {
+        x.broadcast(x.is_root().then_some(&[][..]))?;
+    }
+    Ok(())
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal (logs, tests, pipelines).

@@ -12,6 +12,12 @@
 //! `--device` for the one call; the warm daemon is the other `Exec`, on the models it keeps.
 //! The daemon imports the stages, never the reverse: `crate::daemon::run_stage` is the one place
 //! that decides where a [`StageJob`] runs.
+//!
+//! Several ranks (`tandem launch`, torchrun, srun, or the daemons of `gpus = N`) run a stage
+//! together: every rank reads and checks the same input, `rollout` and `ref-logprob` each
+//! compute their block of the prompts ([`Exec::ranks`]), rank 0 gathers the rows and writes the
+//! one output file, the same rows in the same order as one rank writes. The other stages
+//! (`update`, `sync-weights`) run on rank 0 alone ([`StageJob::splits_over_ranks`]).
 
 pub mod advantage;
 pub mod common;
@@ -26,6 +32,7 @@ use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
+use crate::dist::Exchange;
 use crate::engine::resume::TrainerState;
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
@@ -89,10 +96,29 @@ pub trait Exec {
     fn progress_bar(&mut self, len: usize, what: &str) -> indicatif::ProgressBar;
     /// A message line for the user (stderr of the stage).
     fn log(&mut self, line: &str);
+    /// The ranks that run this stage together, when there are several (None: this process
+    /// alone, which then computes everything and writes the files).
+    fn ranks(&self) -> Option<&Exchange> {
+        None
+    }
 }
 
-/// The stage computes here: loads the model onto `--device`, computes, drops it.
-pub struct InProcess(pub Device);
+/// The stage computes here: loads the model onto `device`, computes, drops it. Among several
+/// ranks (`ranks`), on this rank's share.
+pub struct InProcess {
+    pub device: Device,
+    pub ranks: Option<Exchange>,
+}
+
+impl InProcess {
+    /// This process alone on `device`.
+    pub fn new(device: Device) -> InProcess {
+        InProcess {
+            device,
+            ranks: None,
+        }
+    }
+}
 
 impl Exec for InProcess {
     fn generate(
@@ -100,7 +126,7 @@ impl Exec for InProcess {
         _model: &ModelRef,
         job: rollout::Generate<'_>,
     ) -> Result<rollout::Generated> {
-        on_device(self.0, job)
+        on_device(self.device, job)
     }
 
     fn score(
@@ -108,14 +134,14 @@ impl Exec for InProcess {
         _model: &ModelRef,
         job: ref_logprob::Score<'_>,
     ) -> Result<Vec<crate::model::decoder::TokenStats>> {
-        on_device(self.0, job)
+        on_device(self.device, job)
     }
 
     fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained> {
         let started = std::time::Instant::now();
         let loaded = update::Trainable::load(&model.dir, &mut |m| self.log(m))?;
         let load_seconds = started.elapsed().as_secs_f64();
-        let mut out = on_device(self.0, update::TrainFresh { loaded, job })?;
+        let mut out = on_device(self.device, update::TrainFresh { loaded, job })?;
         out.load_seconds = load_seconds;
         Ok(out)
     }
@@ -149,6 +175,10 @@ impl Exec for InProcess {
     fn log(&mut self, line: &str) {
         eprintln!("{line}");
     }
+
+    fn ranks(&self) -> Option<&Exchange> {
+        self.ranks.as_ref()
+    }
 }
 
 /// A model stage with the flags its command line parsed: what its binary runs, here or sent as
@@ -173,6 +203,13 @@ impl StageJob {
             StageJob::SyncWeights(_) => "sync-weights",
             StageJob::SavePolicy(_) => "save",
         }
+    }
+
+    /// Whether the stage shares its work among several ranks ([`Exec::ranks`]): rollout and
+    /// ref-logprob (old-logprob is ref-logprob on the policy). The others run on rank 0 alone
+    /// under a launcher (`update` until the sharded trainer makes it rank-aware).
+    pub fn splits_over_ranks(&self) -> bool {
+        matches!(self, StageJob::Rollout(_) | StageJob::RefLogprob(_))
     }
 
     /// The `--metrics` file the stage writes, if any.

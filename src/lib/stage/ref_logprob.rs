@@ -3,12 +3,14 @@
 //! off-policy update), optionally with per-token entropy.
 
 use super::common::{
-    above, at_least, check_token_ids, logprob_temperature, negative_numbers, resolve_model, Device,
+    above, at_least, check_token_ids, gather_results, logprob_temperature, my_block,
+    negative_numbers, resolve_model, Device,
 };
 use super::{load_policy, Exec, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{list_array, schema, Batch, NewColumns, StageInfo};
+use crate::dist::exchange::{Reader, Writer};
 use crate::engine::logprob::{score, PromptResponse};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
@@ -155,16 +157,28 @@ pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
             response: r,
         })
         .collect();
-    let bar = exec.progress_bar(rows.len(), "ref-logprob");
+    // This process's rows: all of them alone, its block of prompt groups among several ranks.
+    let groups = prompt_groups(&p32);
+    let mine = my_block(exec, groups.len() - 1);
+    let mine = groups[mine.start]..groups[mine.end];
+    let bar = exec.progress_bar(mine.len(), "ref-logprob");
     let job = Score {
         dir: &model.dir,
-        rows: &rows,
+        rows: &rows[mine.clone()],
         args: &args,
         temperature,
         bar: &bar,
     };
-    let stats = exec.score(&model, job)?;
+    let stats = match mine.is_empty() {
+        true => Vec::new(),
+        false => exec.score(&model, job)?,
+    };
     bar.finish_and_clear();
+    // Rank 0 gets every rank's rows, in order; the other ranks are done.
+    let Some(parts) = gather_results(exec, stats, |s| encode_stats(s), decode_stats)? else {
+        return Ok(());
+    };
+    let stats: Vec<TokenStats> = parts.into_iter().flatten().collect();
 
     let offsets = &responses.offsets;
     let lp: Vec<f32> = stats
@@ -204,6 +218,43 @@ pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
         started.elapsed().as_secs_f64()
     ));
     Ok(())
+}
+
+/// Where each run of rows with the same prompt starts, and the end: `[0, .., rows]`.
+fn prompt_groups(prompts: &[Vec<u32>]) -> Vec<usize> {
+    let mut starts: Vec<usize> = (0..prompts.len())
+        .filter(|&i| i == 0 || prompts[i] != prompts[i - 1])
+        .collect();
+    starts.push(prompts.len());
+    starts
+}
+
+fn encode_stats(stats: &[TokenStats]) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(stats.len() as u64);
+    for s in stats {
+        w.f32s(&s.logprobs);
+        match &s.entropy {
+            Some(e) => w.u64(1).f32s(e),
+            None => w.u64(0),
+        };
+    }
+    w.finish()
+}
+
+fn decode_stats(bytes: &[u8]) -> Result<Vec<TokenStats>> {
+    let mut r = Reader::new(bytes);
+    (0..r.u64()?)
+        .map(|_| {
+            Ok(TokenStats {
+                logprobs: r.f32s()?,
+                entropy: match r.u64()? {
+                    1 => Some(r.f32s()?),
+                    _ => None,
+                },
+            })
+        })
+        .collect()
 }
 
 pub(crate) fn to_u32(row: &[i32]) -> Vec<u32> {

@@ -3,9 +3,16 @@
 //!
 //! Reproducibility: the random stream of a sample is keyed by (seed, prompt tokens, which
 //! repeat of that prompt in the file, sample index), so a prompt gets the same samples whatever
-//! other prompts share the file, the `--limit`, or the `--batch-size`.
+//! other prompts share the file, the `--limit`, the `--batch-size`, or the number of ranks.
+//!
+//! Several ranks: every rank tokenizes every prompt (the keys count repeats over the whole
+//! file), generates the n samples of its contiguous block of prompts, and rank 0 gathers the
+//! samples in rank order, which is prompt order, and writes the file and the metrics.
 
-use super::common::{at_least, negative_numbers, range, resolve_model, Device};
+use super::common::{
+    at_least, gather_results, my_block, negative_numbers, range, resolve_model, writes_files,
+    Device,
+};
 use super::{load_policy, Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
@@ -14,9 +21,10 @@ use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
+use crate::dist::exchange::{Reader, Writer};
 use crate::engine::paged::{
-    generate_paged, pool_blocks, Completion, Detokenize, GenParams, GraphMode, GraphStats,
-    PagedConfig, PagedDecoder, PagedStats, Request, DEFAULT_BLOCK_SIZE,
+    generate_paged, pool_blocks, Completion, Detokenize, FinishReason, GenParams, GraphMode,
+    GraphStats, PagedConfig, PagedDecoder, PagedStats, Request, DEFAULT_BLOCK_SIZE,
 };
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
@@ -281,6 +289,7 @@ pub struct Generate<'a> {
 }
 
 /// What a generation did, for the metrics.
+#[derive(Default)]
 pub struct Generated {
     pub completions: Vec<Vec<Completion>>,
     pub stats: PagedStats,
@@ -295,6 +304,164 @@ pub struct Generated {
     pub graphs: GraphStats,
     /// The kernels were batch-invariant: the log-probs are the trainer's for these weights.
     pub batch_invariant: bool,
+}
+
+impl Generated {
+    /// This rank's samples and counters as a payload for rank 0 ([`Generated::decode`]).
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.completions.len() as u64);
+        for samples in &self.completions {
+            w.u64(samples.len() as u64);
+            for c in samples {
+                w.u32s(&c.tokens)
+                    .f32s(&c.logprobs)
+                    .u64((c.finish == FinishReason::Stop) as u64)
+                    .str(&c.text);
+            }
+        }
+        let s = &self.stats;
+        let g = &self.graphs;
+        for v in [
+            s.gen.prefill_tokens,
+            s.gen.generated_tokens,
+            s.gen.decode_steps,
+            s.gen.prefills,
+            s.preemptions,
+            s.peak_blocks_in_use,
+            s.blocks_in_use_at_end,
+            s.overlapped_steps,
+            s.overlap_discarded,
+            s.num_blocks,
+            s.block_size,
+            self.kv_pool_bytes,
+            g.replays,
+            g.padded_steps,
+            g.eager_steps,
+            g.captures,
+            g.padding_rows,
+            g.graph_bytes,
+            g.capture_us as usize,
+            g.drops,
+            self.batch_invariant as usize,
+        ] {
+            w.u64(v as u64);
+        }
+        for v in [self.free_with_pool, self.free_after_release] {
+            w.u64(v.map_or(u64::MAX, |b| b as u64));
+        }
+        w.f64(self.load_s).f64(self.gen_s);
+        w.finish()
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Generated> {
+        let mut r = Reader::new(bytes);
+        let prompts = r.u64()? as usize;
+        let mut completions = Vec::with_capacity(prompts);
+        for _ in 0..prompts {
+            let n = r.u64()? as usize;
+            let mut samples = Vec::with_capacity(n);
+            for _ in 0..n {
+                samples.push(Completion {
+                    tokens: r.u32s()?,
+                    logprobs: r.f32s()?,
+                    finish: match r.u64()? {
+                        1 => FinishReason::Stop,
+                        _ => FinishReason::Length,
+                    },
+                    text: r.str()?,
+                });
+            }
+            completions.push(samples);
+        }
+        let mut v = [0usize; 21];
+        for x in v.iter_mut() {
+            *x = r.u64()? as usize;
+        }
+        let mut free = [None; 2];
+        for f in free.iter_mut() {
+            let b = r.u64()?;
+            *f = (b != u64::MAX).then_some(b as usize);
+        }
+        let (load_s, gen_s) = (r.f64()?, r.f64()?);
+        let mut g = Generated {
+            completions,
+            load_s,
+            gen_s,
+            kv_pool_bytes: v[11],
+            free_with_pool: free[0],
+            free_after_release: free[1],
+            batch_invariant: v[20] != 0,
+            ..Generated::default()
+        };
+        let s = &mut g.stats;
+        s.gen.prefill_tokens = v[0];
+        s.gen.generated_tokens = v[1];
+        s.gen.decode_steps = v[2];
+        s.gen.prefills = v[3];
+        s.preemptions = v[4];
+        s.peak_blocks_in_use = v[5];
+        s.blocks_in_use_at_end = v[6];
+        s.overlapped_steps = v[7];
+        s.overlap_discarded = v[8];
+        s.num_blocks = v[9];
+        s.block_size = v[10];
+        let gr = &mut g.graphs;
+        gr.replays = v[12];
+        gr.padded_steps = v[13];
+        gr.eager_steps = v[14];
+        gr.captures = v[15];
+        gr.padding_rows = v[16];
+        gr.graph_bytes = v[17];
+        gr.capture_us = v[18] as u64;
+        gr.drops = v[19];
+        Ok(g)
+    }
+
+    /// The ranks' generations (in rank order) as one: the samples in order, work summed, the
+    /// seconds and peaks of the slowest rank (they ran at the same time), the least memory any
+    /// rank had free; batch-invariant only if every rank was.
+    fn merge(parts: Vec<Generated>) -> Generated {
+        let mut out = Generated {
+            batch_invariant: true,
+            ..Generated::default()
+        };
+        let min = |a: Option<usize>, b: Option<usize>| match (a, b) {
+            (Some(x), Some(y)) => Some(x.min(y)),
+            (x, y) => x.or(y),
+        };
+        for p in parts {
+            out.completions.extend(p.completions);
+            let (s, t) = (&mut out.stats, &p.stats);
+            s.gen.prefill_tokens += t.gen.prefill_tokens;
+            s.gen.generated_tokens += t.gen.generated_tokens;
+            s.gen.decode_steps += t.gen.decode_steps;
+            s.gen.prefills += t.gen.prefills;
+            s.preemptions += t.preemptions;
+            s.peak_blocks_in_use = s.peak_blocks_in_use.max(t.peak_blocks_in_use);
+            s.blocks_in_use_at_end += t.blocks_in_use_at_end;
+            s.overlapped_steps += t.overlapped_steps;
+            s.overlap_discarded += t.overlap_discarded;
+            s.num_blocks = s.num_blocks.max(t.num_blocks);
+            s.block_size = s.block_size.max(t.block_size);
+            let (g, h) = (&mut out.graphs, &p.graphs);
+            g.replays += h.replays;
+            g.padded_steps += h.padded_steps;
+            g.eager_steps += h.eager_steps;
+            g.captures += h.captures;
+            g.padding_rows += h.padding_rows;
+            g.graph_bytes = g.graph_bytes.max(h.graph_bytes);
+            g.capture_us = g.capture_us.max(h.capture_us);
+            g.drops += h.drops;
+            out.load_s = out.load_s.max(p.load_s);
+            out.gen_s = out.gen_s.max(p.gen_s);
+            out.kv_pool_bytes = out.kv_pool_bytes.max(p.kv_pool_bytes);
+            out.free_with_pool = min(out.free_with_pool, p.free_with_pool);
+            out.free_after_release = min(out.free_after_release, p.free_after_release);
+            out.batch_invariant &= p.batch_invariant;
+        }
+        out
+    }
 }
 
 impl Job for Generate<'_> {
@@ -420,7 +587,10 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     if n_prompts == 0 {
         bail_input!("--limit 0: nothing to generate");
     }
-    log_left_out(&dataset, "rollout", &mut |m| exec.log(m));
+    let root = writes_files(exec);
+    if root {
+        log_left_out(&dataset, "rollout", &mut |m| exec.log(m));
+    }
     let model = resolve_model(&args.model)?;
     let cfg = ModelDir::load_config(&model.dir)?;
     let tokenizer = Tokenizer::from_dir(&model.dir)?;
@@ -483,10 +653,12 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let total = n_prompts * args.n;
-    let bar = exec.progress_bar(total, "rollout");
+    // This process's prompts (all of them alone, its block among several ranks).
+    let block = my_block(exec, n_prompts);
+    let bar = exec.progress_bar(block.len() * args.n, "rollout");
     let job = Generate {
         dir: &model.dir,
-        requests: &requests,
+        requests: &requests[block.clone()],
         params: &params,
         detok: &detok,
         bar: &bar,
@@ -496,6 +668,21 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         cuda_graphs: !args.no_cuda_graphs,
         overlap: !args.no_overlap,
     };
+    let generated = match block.is_empty() {
+        // A rank with no prompt (fewer prompts than ranks) loads nothing.
+        true => Generated {
+            batch_invariant: true,
+            ..Generated::default()
+        },
+        false => exec.generate(&model, job)?,
+    };
+    bar.finish_and_clear();
+    // Rank 0 gets every rank's samples, in prompt order; the other ranks are done.
+    let Some(mut parts) = gather_results(exec, generated, Generated::encode, Generated::decode)?
+    else {
+        return Ok(());
+    };
+    let ranks = parts.len();
     let Generated {
         completions,
         stats,
@@ -506,8 +693,10 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         free_after_release,
         graphs,
         batch_invariant,
-    } = exec.generate(&model, job)?;
-    bar.finish_and_clear();
+    } = match ranks {
+        1 => parts.pop().expect("one part"),
+        _ => Generated::merge(parts),
+    };
 
     // One row per sample, the n samples of a prompt side by side.
     let prompt_rows: Vec<usize> = (0..n_prompts).collect();
@@ -626,6 +815,7 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         "seconds": total_s,
         "policy_version": model.policy_version,
         "batch_invariant": batch_invariant,
+        "ranks": ranks,
     });
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;

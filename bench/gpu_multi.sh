@@ -1,0 +1,180 @@
+#!/bin/bash
+# Issue 22 on one host with N GPUs (N = 1 works too, for a dry run on one GPU). NCCL_NVLS_ENABLE=0
+# everywhere (tandem launch also sets it in every rank's environment).
+#   check    `gpu-test` on GPU 0 (GPUTEST_ONLY narrows it), and bench/gpu_dist.sh at 1 and N
+#            ranks: dist-test (every collective against host values), `bench dist` (collectives
+#            up to 1 GiB, weight sync of the 0.5B/1.5B/7B shapes at 32-512 MB buckets), the
+#            PyTorch NCCL peer (bench/peer_nccl.py, when python3 imports torch; N >= 2) and the
+#            SIGKILL / hang fault checks of one rank
+#   rollout  data-parallel rollout tokens/s at 1 and N ranks on the same prompts (random
+#            Qwen2.5-0.5B shape, n = 8, 512 tokens, --ignore-eos), and the rows of both compared
+#   grpo     whole GRPO steps (64 prompts x 8 x 512 tokens per GPU, random 0.5B shape, old-logprob
+#            pass, in-process stages) through the pipeline at gpus = 1 and gpus = N: rollout and
+#            log-probs data parallel; `update` runs on rank 0 alone until it is rank-aware
+#   fault    SIGKILL of rank 1 of a data-parallel rollout mid-generation: the launcher and the
+#            other ranks stop within 60 s naming it, and no output file is written (N >= 2)
+# Expects the stripped release binaries (tandem, pipeline, rollout, score, advantage,
+# ref-logprob, update, sync-weights) and prompts.parquet (`tandem prepare gsm8k`) in $D.
+#   D=.device N=2 bench/gpu_multi.sh                 (OUT defaults to /tmp/gpu_multi)
+#   PARTS="check rollout" N=1 ...                    a subset
+# Ends with one table: part, ranks, metric, value.
+set -u
+D=${D:-.device}
+T=$D/tandem
+N=${N:-2}
+PARTS=${PARTS:-check rollout grpo fault}
+OUT=${OUT:-/tmp/gpu_multi}
+W=${W:-/tmp/gpu_multi_work}
+mkdir -p "$OUT" "$W"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TANDEM_CACHE=${TANDEM_CACHE:-/root/tandem-cache}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+GPUS=$(nvidia-smi -L | wc -l)
+[ "$N" -le "$GPUS" ] || { echo "N=$N but $GPUS GPU(s)"; exit 2; }
+t0=$SECONDS
+q05() {
+  [ -f "$W/q05/config.json" ] || $T init-model --like qwen2 --layers 24 --hidden 896 --heads 14 \
+    --kv-heads 2 --ffn 4864 --vocab 151936 --tie true --rope-theta 1000000 --rms-norm-eps 1e-6 \
+    --seed 1 --out "$W/q05" > /dev/null
+}
+# The ranks of a world of n: the plain binary at 1 (the one-process path), tandem launch above.
+ranks() { local n=$1; shift; if [ "$n" = 1 ]; then "$@"; else $T launch --nproc-per-node "$n" -- "$@"; fi; }
+
+for part in $PARTS; do
+  case $part in
+  check)
+    $T gpu-test ${GPUTEST_ONLY:+--only "$GPUTEST_ONLY"} --json "$OUT/gpu_test.json" > "$OUT/gpu_test.log" 2>&1
+    echo "gpu-test rc=$? $(grep -E 'checks' "$OUT/gpu_test.log" | tail -1)"
+    NS=$([ "$N" -gt 1 ] && echo "$N") D=$D OUT=$OUT/dist \
+      DIST_ARGS="--shapes qwen0.5b,qwen1.5b,qwen7b --bucket-mb 32 64 128 256 512" \
+      bash bench/gpu_dist.sh > "$OUT/gpu_dist.log" 2>&1
+    echo "gpu_dist.sh rc=$?"; tail -8 "$OUT/gpu_dist.log"
+    ;;
+  rollout)
+    q05
+    for n in 1 $([ "$N" -gt 1 ] && echo "$N"); do
+      ranks "$n" $D/rollout --model "$W/q05" --in "$D/prompts.parquet" --limit $((64 * N)) --raw-prompt \
+        --n 8 --max-new-tokens 512 --ignore-eos --seed 7 --device cuda \
+        --out "$W/rollout_$n.parquet" --metrics "$OUT/rollout_$n.json" > "$OUT/rollout_$n.log" 2>&1
+      echo "rollout n=$n rc=$?"; tail -1 "$OUT/rollout_$n.log"
+    done
+    if [ -f "$W/rollout_$N.parquet" ] && [ "$N" -gt 1 ]; then
+      python3 - "$W/rollout_1.parquet" "$W/rollout_$N.parquet" > "$OUT/rollout_compare.txt" 2>&1 <<'PY'
+import sys
+import pyarrow.parquet as pq
+a, b = (pq.read_table(p) for p in sys.argv[1:3])
+ids_a, ids_b = a.column("response_ids").to_pylist(), b.column("response_ids").to_pylist()
+same = sum(x == y for x, y in zip(ids_a, ids_b))
+print(f"rows {len(ids_a)} vs {len(ids_b)}; identical response_ids in {same}")
+la, lb = a.column("rollout_logprobs").to_pylist(), b.column("rollout_logprobs").to_pylist()
+d = [abs(u - v) for x, y, i, j in zip(la, lb, ids_a, ids_b) if i == j for u, v in zip(x, y)]
+print(f"max |rollout_logprobs 1 - N| over identical rows: {max(d) if d else float('nan'):.3g}")
+PY
+      echo "rows 1 vs $N ranks rc=$?"; tail -3 "$OUT/rollout_compare.txt"
+    fi
+    ;;
+  grpo)
+    q05
+    [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
+      --out "$W/add.parquet" > /dev/null
+    for n in 1 $([ "$N" -gt 1 ] && echo "$N"); do
+      cat > "$W/grpo_$n.toml" <<EOF
+seed = 1
+steps = ${GRPO_STEPS:-3}
+device = "cuda"
+gpus = $n
+[model]
+path = "$W/q05"
+[data]
+train = "$W/add.parquet"
+prompts-per-step = $((64 * n))
+[rollout]
+n = 8
+max-new-tokens = 512
+ignore-eos = true
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.000001
+mini-batch-size = $((128 * n))
+micro-batch-tokens = 16384
+EOF
+      rm -rf "$W/grpo_run_$n"
+      TANDEM_BIN_DIR=$D $D/pipeline run "$W/grpo_$n.toml" --run-dir "$W/grpo_run_$n" \
+        > "$OUT/grpo_$n.log" 2>&1
+      echo "pipeline gpus=$n rc=$?"
+      cp "$W/grpo_run_$n/metrics.jsonl" "$OUT/grpo_$n.jsonl" 2> /dev/null
+    done
+    ;;
+  fault)
+    if [ "$N" -lt 2 ]; then echo "fault: needs N >= 2"; continue; fi
+    q05
+    rm -f "$W/fault.parquet"
+    start=$SECONDS
+    $T launch --nproc-per-node "$N" -- $D/rollout --model "$W/q05" --in "$D/prompts.parquet" \
+      --limit $((64 * N)) --raw-prompt --n 8 --max-new-tokens 512 --ignore-eos --device cuda \
+      --out "$W/fault.parquet" > "$OUT/fault.log" 2>&1 &
+    launcher=$!
+    victim=""
+    for _ in $(seq 120); do
+      sleep 1
+      for p in $(pgrep -P "$launcher"); do
+        tr '\0' '\n' < /proc/$p/environ 2> /dev/null | grep -qx RANK=1 && victim=$p
+      done
+      [ -n "$victim" ] && [ $((SECONDS - start)) -ge 20 ] && break
+    done
+    [ -n "$victim" ] && kill -9 "$victim"
+    killed=$SECONDS
+    wait "$launcher"; rc=$?
+    echo "fault: SIGKILL rank 1 (pid ${victim:-none}) after $((killed - start)) s; launcher rc=$rc after $((SECONDS - killed)) s more; output file: $([ -e "$W/fault.parquet" ] && echo WRITTEN || echo none)"
+    grep -m2 -E '^error: rank|rank 1' "$OUT/fault.log"
+    ;;
+  esac
+done
+
+python3 - "$OUT" "$N" <<'PY'
+import glob, json, os, sys
+out, N = sys.argv[1], int(sys.argv[2])
+rows = []
+def load(path):
+    try:
+        return json.load(open(path))
+    except (OSError, ValueError):
+        return None
+for path in sorted(glob.glob(f"{out}/dist/bench_dist_*.json")):
+    n = path.rsplit("_", 1)[1].split(".")[0]
+    j = load(path) or {}
+    for c in j.get("collectives", []) if isinstance(j, dict) else []:
+        if c.get("bytes", 0) >= 1 << 30:
+            rows.append(("dist", n, f"{c['op']} {c['dtype']} 1 GiB busbw GB/s", f"{c['busbw_gbs']:.1f}"))
+    for w in j.get("weight_sync", []) if isinstance(j, dict) else []:
+        for t in w["timing"] if isinstance(w["timing"], list) else [w["timing"]]:
+            rows.append(("sync", n, f"{w['shape']} {t['bucket_mb']:.0f} MB ms / busbw GB/s", f"{t['median_ms']:.1f} / {t['busbw_gbs']:.1f}"))
+for path in sorted(glob.glob(f"{out}/dist/peer_nccl_*.json")):
+    n = path.rsplit("_", 1)[1].split(".")[0]
+    j = load(path)
+    rows.append(("peer", n, "torch.distributed (bench/peer_nccl.py)", json.dumps(j)[:100] if j else "?"))
+base = None
+for n in sorted({1, N}):
+    m = load(f"{out}/rollout_{n}.json")
+    if m:
+        tps = m["response_tokens"] / max(m["generation_seconds"], 1e-9)
+        base = base or tps
+        rows.append(("rollout", str(n), "response tok/s (all ranks) / per GPU vs 1", f"{tps:.0f} / {100 * tps / n / base:.0f}%"))
+    try:
+        lines = [json.loads(l) for l in open(f"{out}/grpo_{n}.jsonl") if l.strip()]
+    except (OSError, ValueError):
+        lines = []
+    later = [l for l in lines if l.get("step", 0) >= 2] or lines
+    for k in ("time/rollout", "time/old", "time/ref", "time/update", "time/step", "perf/tokens_per_s", "perf/rollout_tokens_per_s"):
+        v = sorted(l[k] for l in later if k in l)
+        if v:
+            rows.append(("grpo", str(n), f"median {k} (steps 2+)", f"{v[len(v) // 2]:.3f}"))
+print(f"{'part':8} {'ranks':5} {'metric':48} value")
+for r in rows:
+    print(f"{r[0]:8} {r[1]:5} {r[2]:48} {r[3]}")
+PY
+echo "done in $((SECONDS - t0)) s"

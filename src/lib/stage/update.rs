@@ -25,8 +25,10 @@ use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
+use crate::dist::{run_rank_job, Comm, DeviceKind, Options, ProcessGroup, RankJob, World};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
+use crate::engine::shard::{train_sharded, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
@@ -200,6 +202,11 @@ pub struct UpdateArgs {
     #[arg(long)]
     #[serde(default)]
     pub resident: bool,
+    /// Under `tandem launch`: elements per bucket of the data-parallel trainer's gradient
+    /// reduce-scatter and weight sync (>= 1; default 26214400, 100 MB of f32).
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
+    #[serde(default)]
+    pub bucket_elems: Option<usize>,
 }
 
 /// `--loss-agg-mode`: its names listed to clap (help, errors, completions).
@@ -307,6 +314,16 @@ impl Train<'_> {
         let report = train(policy, self.data, self.train, schedule_step, &mut |msg| {
             log(&format!("update: {msg}"))
         })?;
+        self.finish(policy, report, schedule_step)
+    }
+
+    /// What `policy` holds after training, as the stage writes it.
+    fn finish<B: Backend>(
+        self,
+        policy: &Decoder<B>,
+        report: TrainReport,
+        schedule_step: u64,
+    ) -> Result<Trained> {
         Ok(Trained {
             report,
             weights: match self.export_weights {
@@ -339,6 +356,59 @@ impl Job for TrainFresh<'_> {
         self.job
             .train_on(&mut policy, step, &mut |msg| eprintln!("{msg}"))
     }
+}
+
+/// One rank of a data-parallel update (under `tandem launch`): builds the loaded policy on
+/// the rank's backend and trains it with the sharded optimizer over the rank's communicator.
+/// Only rank 0 brings the weights and optimizer state back (it writes them).
+struct TrainRank<'a> {
+    loaded: Trainable,
+    job: Train<'a>,
+    bucket_elems: usize,
+}
+
+impl RankJob for TrainRank<'_> {
+    type Out = Trained;
+    fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<Trained> {
+        let mut policy = self.loaded.build(backend)?;
+        let step = self.loaded.schedule_step;
+        drop(self.loaded);
+        let rank = comm.rank();
+        let report = train_sharded(
+            &mut policy,
+            comm.as_ref(),
+            self.bucket_elems,
+            self.job.data,
+            self.job.train,
+            step,
+            &mut |msg| {
+                if rank == 0 {
+                    eprintln!("update: {msg}")
+                }
+            },
+        )?;
+        let mut job = self.job;
+        if rank != 0 {
+            job.export_weights = false;
+            job.export_state = false;
+        }
+        job.finish(&policy, report, step)
+    }
+}
+
+/// The process group of a data-parallel `update` when a launcher started this process (None:
+/// the single-process path). The ranks train in-process, not on a daemon.
+fn data_parallel_group(exec: &dyn Exec) -> Result<Option<ProcessGroup>> {
+    let world = World::from_env()?;
+    if !world.launched() {
+        return Ok(None);
+    }
+    if exec.holder().is_some() {
+        bail_input!(
+            "update under a launcher (RANK/WORLD_SIZE set) trains in-process on every rank: drop --daemon (and TANDEM_DAEMON)"
+        );
+    }
+    Ok(Some(ProcessGroup::new(world, Options::from_env()?)?))
 }
 
 impl UpdateArgs {
@@ -721,7 +791,36 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         optimizer_step,
         schedule_step,
         load_seconds: loaded_s,
-    } = exec.train(&model, job)?;
+    } = match data_parallel_group(&*exec)? {
+        None => exec.train(&model, job)?,
+        Some(pg) => {
+            let started = Instant::now();
+            let loaded = Trainable::load(&model.dir, &mut |m| {
+                if pg.rank() == 0 {
+                    eprintln!("{m}")
+                }
+            })?;
+            let load_seconds = started.elapsed().as_secs_f64();
+            let device = match args.device {
+                Device::Cpu => DeviceKind::Cpu,
+                Device::Cuda(_) => DeviceKind::Cuda,
+            };
+            let rank_job = TrainRank {
+                loaded,
+                job,
+                bucket_elems: args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS),
+            };
+            let mut out = run_rank_job(device, &pg, rank_job)?;
+            out.load_seconds = load_seconds;
+            let rank = pg.rank();
+            pg.finish()?;
+            // Rank 0 writes the outputs; the others are done.
+            if rank != 0 {
+                return Ok(());
+            }
+            out
+        }
+    };
     let trainer = TrainerState {
         optimizer_step,
         schedule_step: schedule_step + 1,

@@ -1,0 +1,273 @@
+//! Data-parallel `update` through the real binaries: `tandem launch --nproc-per-node N --
+//! update ...` on the CPU backend and the CPU communicator trains with the sharded optimizer
+//! (rows shared out by token count, global loss normalisation, gradients reduce-scattered,
+//! AdamW on 1/N of the masters and moments, weights all-gathered). After 3 optimizer steps
+//! the f32 masters and Adam moments of 2 and 3 ranks equal one process's, and so do the
+//! metrics; rank 0 alone writes the outputs; a bad --bucket-elems is refused.
+
+mod stage_util;
+
+use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_schema::{Field, Schema};
+use serde_json::Value;
+use stage_util::*;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use tandem::batch::{list_array, schema, write_file};
+use tandem::model::Weights;
+
+const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
+
+/// Launcher and rendezvous variables a test environment might carry.
+const LAUNCH_VARS: [&str; 14] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TANDEM_DIST_TIMEOUT",
+    "TANDEM_DIST_ERROR_FILE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_ID",
+];
+
+/// Rows of varied lengths with varied advantages (prompt ids, response ids, advantage).
+fn batch(path: &Path) {
+    let rows: Vec<(Vec<i32>, Vec<i32>, f32)> = vec![
+        (vec![10, 20, 30], vec![40, 41, 42, 43, 44, 45], 1.0),
+        (vec![11, 21], vec![50, 51], -1.0),
+        (vec![12, 22, 32, 42], vec![60, 61, 62], 0.5),
+        (vec![13], vec![70, 71, 72, 73, 74, 75, 76, 77, 78], -0.5),
+        (vec![14, 24, 34], vec![80], 2.0),
+        (vec![15, 25], vec![90, 91, 92, 93], -1.5),
+        (vec![16, 26, 36], vec![100, 101, 102, 103, 104], 0.25),
+    ];
+    let n = rows.len();
+    let (mut p_off, mut p_ids, mut r_off, mut r_ids, mut adv) =
+        (vec![0], vec![], vec![0], vec![], vec![]);
+    for (p, r, a) in &rows {
+        p_ids.extend_from_slice(p);
+        p_off.push(p_ids.len());
+        r_ids.extend_from_slice(r);
+        r_off.push(r_ids.len());
+        adv.extend(std::iter::repeat_n(*a, r.len()));
+    }
+    let total = r_ids.len();
+    // The last token of row 3 is masked out: the counts the normalisation needs differ from
+    // the token counts.
+    let mut mask = vec![1u8; total];
+    mask[r_off[4] - 1] = 0;
+    let cols: Vec<(Field, ArrayRef)> = vec![
+        (
+            schema::field(schema::UID),
+            Arc::new(StringArray::from_iter_values(
+                (0..n).map(|i| format!("u{i}")),
+            )),
+        ),
+        (
+            schema::field(schema::PROMPT_UID),
+            Arc::new(StringArray::from_iter_values(
+                (0..n).map(|i| format!("p{}", i / 2)),
+            )),
+        ),
+        (
+            schema::field(schema::PROMPT_IDS),
+            list_array::<Int32Type>(&p_off, p_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_IDS),
+            list_array::<Int32Type>(&r_off, r_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_MASK),
+            list_array::<UInt8Type>(&r_off, mask),
+        ),
+        (
+            schema::field(schema::ADVANTAGES),
+            list_array::<Float32Type>(&r_off, adv),
+        ),
+    ];
+    let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
+    let rb = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap();
+    write_file(path, &rb, &Default::default()).unwrap();
+}
+
+/// `update` of `model` on `input` into `out` with `extra` flags: one process (`ranks` 0) or
+/// `ranks` ranks under `tandem launch`. Returns the metrics.
+fn update(ranks: usize, model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Value {
+    let metrics = out.with_extension("json");
+    let mut args: Vec<String> = [
+        "--model",
+        p(model),
+        "--in",
+        p(input),
+        "--out-model",
+        p(out),
+        "--metrics",
+        p(&metrics),
+        "--lr",
+        "1e-3",
+        "--mini-batch-size",
+        "3",
+        "--micro-batch-tokens",
+        "12",
+        "--grad-clip",
+        "0.5",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut cmd = match ranks {
+        0 => Command::new(bin("update")),
+        n => {
+            let mut c = Command::new(TANDEM);
+            c.args(["launch", "--nproc-per-node", &n.to_string(), "--"])
+                .arg(bin("update"));
+            c
+        }
+    };
+    for k in LAUNCH_VARS {
+        cmd.env_remove(k);
+    }
+    let o = cmd
+        .args(&args)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "update on {ranks} ranks failed ({:?}):\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap()
+}
+
+/// The f32 masters, exp_avg and exp_avg_sq written next to the model.
+fn state(dir: &Path) -> [Weights; 3] {
+    let (_, weights) = tandem::model::ModelDir::load(dir).unwrap();
+    let r = tandem::engine::resume::load(dir, &weights)
+        .unwrap()
+        .expect("optimizer state");
+    [
+        r.master.expect("f32 masters"),
+        r.optimizer.exp_avg,
+        r.optimizer.exp_avg_sq,
+    ]
+}
+
+/// ‖a − b‖ / ‖b‖ over every tensor.
+fn rel_err(a: &Weights, b: &Weights) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let (mut d, mut n) = (0f64, 0f64);
+    for (k, t) in b {
+        let u = &a[k];
+        assert_eq!(u.shape, t.shape, "{k}");
+        for (x, y) in u.data.iter().zip(&t.data) {
+            d += ((x - y) as f64).powi(2);
+            n += (*y as f64).powi(2);
+        }
+    }
+    (d / n.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+fn close(a: &Value, b: &Value, what: &str) {
+    let (x, y) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+    assert!(
+        (x - y).abs() <= 1e-5 * y.abs().max(1e-3),
+        "{what}: {x} vs one rank's {y}"
+    );
+}
+
+fn same_training(one: &Value, many: &Value, ranks: usize) {
+    for k in [
+        "loss",
+        "pg_loss",
+        "pg_clipfrac",
+        "pg_clipfrac_lower",
+        "ppo_kl",
+        "entropy",
+        "grad_norm",
+    ] {
+        close(&many[k], &one[k], &format!("{ranks} ranks: {k}"));
+    }
+    for k in ["optimizer_steps", "tokens", "lr"] {
+        assert_eq!(many[k], one[k], "{ranks} ranks: {k}");
+    }
+    assert!(one.get("shard").is_none(), "one process: {one}");
+    let s = &many["shard"];
+    assert_eq!(s["world_size"], ranks, "{many}");
+    assert!(s["buckets"].as_u64().unwrap() > 1, "{s}");
+    assert!(s["weight_sync_bytes"].as_u64().unwrap() > 0, "{s}");
+    assert!(s["weight_sync_seconds"].as_f64().unwrap() > 0.0, "{s}");
+}
+
+#[test]
+fn two_and_three_ranks_train_as_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 21);
+    let input = dir.path().join("batch.parquet");
+    batch(&input);
+    for (name, extra) in [
+        ("token-mean", vec!["--bucket-elems", "5000"]),
+        (
+            "seq-mean-token-sum",
+            vec![
+                "--loss-agg-mode",
+                "seq-mean-token-sum",
+                "--bucket-elems",
+                "3000",
+            ],
+        ),
+    ] {
+        let out = |r: usize| dir.path().join(format!("{name}-{r}"));
+        let one = update(0, &model, &input, &out(1), &extra);
+        assert_eq!(one["optimizer_steps"], 3, "{one}");
+        let want = state(&out(1));
+        let ranks: &[usize] = if name == "token-mean" { &[2, 3] } else { &[2] };
+        for &n in ranks {
+            let many = update(n, &model, &input, &out(n), &extra);
+            same_training(&one, &many, n);
+            let got = state(&out(n));
+            for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+                let e = rel_err(&got[i], &want[i]);
+                eprintln!("{name}, {n} ranks: {what} relative error {e:.2e}");
+                assert!(e <= 1e-6, "{name}, {n} ranks: {what} relative error {e}");
+            }
+            // The weights moved: the comparison is not of untouched models.
+            let (_, start) = tandem::model::ModelDir::load(&model).unwrap();
+            let moved = rel_err(&got[0], &start);
+            assert!(
+                moved > 1e-2,
+                "{name}: training moved the weights by {moved} only"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_bad_bucket_size_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    input_error(
+        "update",
+        &[
+            "--model",
+            "m",
+            "--in",
+            "b.parquet",
+            "--out-model",
+            p(&dir.path().join("o")),
+            "--bucket-elems",
+            "0",
+        ],
+        "--bucket-elems",
+    );
+}

@@ -52,6 +52,7 @@ fn registry(only: Option<&str>) -> Vec<Case> {
     ops::op_cases()
         .into_iter()
         .chain(check::CASES.iter().copied())
+        .chain(crate::engine::shard::check::CASES.iter().copied())
         .filter(|c| only.is_none_or(|o| c.name.contains(o)))
         .collect()
 }

@@ -14,6 +14,7 @@
 //! the shards between calls.
 
 pub mod balance;
+pub mod check;
 
 use super::train::{train, TrainConfig, TrainData, TrainReport};
 use super::Policy;

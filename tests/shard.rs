@@ -3,7 +3,9 @@
 //! (rows shared out by token count, global loss normalisation, gradients reduce-scattered,
 //! AdamW on 1/N of the masters and moments, weights all-gathered). After 3 optimizer steps
 //! the f32 masters and Adam moments of 2 and 3 ranks equal one process's, and so do the
-//! metrics; rank 0 alone writes the outputs; a bad --bucket-elems is refused.
+//! metrics; rank 0 alone writes the outputs; a bad --bucket-elems is refused. A rank killed
+//! (SIGKILL) in the middle of an update stops the other within 60 s, naming it, with nothing
+//! written; the rerun, undisturbed, ends where one process does.
 
 mod stage_util;
 
@@ -270,4 +272,120 @@ fn a_bad_bucket_size_is_refused() {
         ],
         "--bucket-elems",
     );
+}
+
+#[test]
+fn a_killed_rank_stops_the_others_naming_it_and_the_rerun_trains_as_one() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 22);
+    let input = dir.path().join("batch.parquet");
+    batch(&input);
+    // Enough optimizer steps that the update is still running when rank 1 is killed.
+    let long = ["--ppo-epochs", "100", "--bucket-elems", "5000"];
+    let killed = dir.path().join("killed");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let mut c = Command::new(bin("update"));
+            for k in LAUNCH_VARS {
+                c.env_remove(k);
+            }
+            c.args([
+                "--model",
+                p(&model),
+                "--in",
+                p(&input),
+                "--out-model",
+                p(&killed),
+                "--lr",
+                "1e-3",
+                "--mini-batch-size",
+                "3",
+                "--micro-batch-tokens",
+                "12",
+            ])
+            .args(long)
+            .envs([
+                ("RANK", r.to_string()),
+                ("WORLD_SIZE", "2".into()),
+                ("LOCAL_RANK", r.to_string()),
+                ("LOCAL_WORLD_SIZE", "2".into()),
+                ("MASTER_ADDR", "127.0.0.1".into()),
+                ("MASTER_PORT", port.to_string()),
+                ("TANDEM_DIST_TIMEOUT", "50".into()),
+                ("RAYON_NUM_THREADS", "1".into()),
+            ])
+            .stderr(Stdio::piped());
+            let mut child = c.spawn().unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let err = child.stderr.take().unwrap();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+            (child, rx)
+        })
+        .collect();
+    // Rank 0 says when the training loop starts (it computes the old log-probs first).
+    let t = Instant::now();
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|l: &String| l.contains("old_logprobs absent"))
+    {
+        assert!(t.elapsed() < Duration::from_secs(60), "{seen:?}");
+        seen.extend(ranks[0].1.try_iter());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        ranks[1].0.try_wait().unwrap().is_none(),
+        "rank 1 finished before it was killed: make the update longer"
+    );
+    ranks[1].0.kill().unwrap(); // SIGKILL
+    ranks[1].0.wait().unwrap();
+    let at = Instant::now();
+    let status = loop {
+        if let Some(s) = ranks[0].0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            at.elapsed() < Duration::from_secs(60),
+            "rank 0 still running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    seen.extend(ranks[0].1.try_iter());
+    let err = seen.join("\n");
+    assert!(!status.success(), "rank 0 succeeded: {err}");
+    assert!(err.contains("rank 1"), "rank 0 does not name rank 1: {err}");
+    assert!(
+        !killed.exists(),
+        "a killed update wrote {}",
+        killed.display()
+    );
+    eprintln!("rank 0 stopped {:?} after the kill", at.elapsed());
+
+    // The rerun of the same update, undisturbed, ends where one process does.
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    let t = Instant::now();
+    let j1 = update(0, &model, &input, &one, &long);
+    eprintln!("one process: {:?}", t.elapsed());
+    let j2 = update(2, &model, &input, &two, &long);
+    assert_eq!(j2["optimizer_steps"], j1["optimizer_steps"]);
+    let (a, b) = (state(&two), state(&one));
+    for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+        let e = rel_err(&a[i], &b[i]);
+        eprintln!("rerun: {what} relative error {e:.2e}");
+        assert!(e <= 1e-5, "rerun: {what} relative error {e}");
+    }
 }

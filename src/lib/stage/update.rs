@@ -28,7 +28,7 @@ use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
 use crate::dist::{run_rank_job, Comm, DeviceKind, Options, ProcessGroup, RankJob, World};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
-use crate::engine::shard::{train_sharded, DEFAULT_BUCKET_ELEMS};
+use crate::engine::shard::{train_sharded_to_host, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
@@ -360,7 +360,7 @@ impl Job for TrainFresh<'_> {
 
 /// One rank of a data-parallel update (under `tandem launch`): builds the loaded policy on
 /// the rank's backend and trains it with the sharded optimizer over the rank's communicator.
-/// Only rank 0 brings the weights and optimizer state back (it writes them).
+/// Only rank 0 brings the weights and optimizer state back, to host memory (it writes them).
 struct TrainRank<'a> {
     loaded: Trainable,
     job: Train<'a>,
@@ -374,7 +374,7 @@ impl RankJob for TrainRank<'_> {
         let step = self.loaded.schedule_step;
         drop(self.loaded);
         let rank = comm.rank();
-        let report = train_sharded(
+        let (report, state) = train_sharded_to_host(
             &mut policy,
             comm.as_ref(),
             self.bucket_elems,
@@ -386,13 +386,20 @@ impl RankJob for TrainRank<'_> {
                     eprintln!("update: {msg}")
                 }
             },
+            0,
         )?;
-        let mut job = self.job;
-        if rank != 0 {
-            job.export_weights = false;
-            job.export_state = false;
-        }
-        job.finish(&policy, report, step)
+        let (weights, state) = match state {
+            Some((w, s)) => (Some(w), Some(s)),
+            None => (None, None),
+        };
+        Ok(Trained {
+            report,
+            weights: weights.filter(|_| self.job.export_weights),
+            state: state.filter(|_| self.job.export_state),
+            optimizer_step: policy.optimizer_steps(),
+            schedule_step: step,
+            load_seconds: 0.0,
+        })
     }
 }
 

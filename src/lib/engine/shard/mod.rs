@@ -21,9 +21,10 @@ use super::Policy;
 use crate::backend::{Backend, PpoShape, PPO_STATS};
 use crate::dist::{Comm, ReduceOp};
 use crate::model::decoder::{
-    AdamWParams, Decoder, PpoTokens, SeqRef, ShardStats, ShardedOptim, StepReport, TokenGrads,
-    TokenStats,
+    AdamWParams, Decoder, OptimizerState, PpoTokens, SeqRef, ShardStats, ShardedOptim, StepReport,
+    TokenGrads, TokenStats,
 };
+use crate::model::Weights;
 use anyhow::Result;
 
 /// Default bucket size of the reduce-scatter and the weight sync, in elements (25 M, as
@@ -102,6 +103,33 @@ pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Re
         *x = host[i] as f64 + host[n + i] as f64;
     }
     Ok(())
+}
+
+/// One `update` call on this rank, as [`train_sharded`], but the f32 masters and the optimizer
+/// state come back to rank `root`'s host memory (bucket by bucket: no rank's device holds the
+/// whole state) instead of into the decoder; the other ranks get None. What `update` under a
+/// launcher runs: rank 0 writes the checkpoint.
+#[allow(clippy::too_many_arguments)]
+pub fn train_sharded_to_host<B: Backend>(
+    decoder: &mut Decoder<B>,
+    comm: &dyn Comm<B>,
+    bucket_elems: usize,
+    data: &TrainData,
+    cfg: &TrainConfig,
+    schedule_step: u64,
+    log: &mut dyn FnMut(&str),
+    root: usize,
+) -> Result<(TrainReport, Option<(Weights, OptimizerState)>)> {
+    let optim = decoder.shard_optimizer(comm, bucket_elems)?;
+    let mut policy = ShardedPolicy {
+        decoder,
+        comm,
+        optim,
+    };
+    let mut report = train(&mut policy, data, cfg, schedule_step, log)?;
+    let state = policy.decoder.gather_state(&policy.optim, comm, root)?;
+    report.shard = Some(policy.optim.stats.clone());
+    Ok((report, state))
 }
 
 /// One `update` call on this rank: shards the optimizer (over buckets of `bucket_elems`),

@@ -13,11 +13,12 @@ use anyhow::{ensure, Result};
 use std::time::Instant;
 
 use super::optim::{adamw_step, check_hyper, clip_scale};
-use super::{AdamWParams, Decoder, StepReport};
+use super::{AdamWParams, Decoder, OptimizerState, StepReport};
 use crate::backend::{Backend, DType};
 use crate::dist::bucket::{BucketPlan, WeightSync};
 use crate::dist::comm::dtype_bytes;
 use crate::dist::{Collective, Comm, ReduceOp};
+use crate::model::{Tensor, Weights};
 
 /// What the sharded optimizer did so far (the update metrics' `shard` object).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -256,6 +257,51 @@ impl<B: Backend> Decoder<B> {
             work.wait()?;
         }
         Ok(())
+    }
+
+    /// The f32 masters and the optimizer state, gathered bucket by bucket into rank `root`'s
+    /// host memory (the other ranks take part and get None). Device memory grows by one
+    /// staging bucket only, unlike [`Decoder::unshard_optimizer`]. Collective.
+    pub fn gather_state(
+        &self,
+        st: &ShardedOptim<B>,
+        comm: &dyn Comm<B>,
+        root: usize,
+    ) -> Result<Option<(Weights, OptimizerState)>> {
+        let b = &self.backend;
+        let plan = &st.plan;
+        let mut staging = b.alloc(plan.max_padded())?;
+        let mine = comm.rank() == root;
+        let mut gather = |shards: &[B::Buf]| -> Result<Weights> {
+            let mut out = Weights::new();
+            for (k, bucket) in plan.buckets.iter().enumerate() {
+                comm.all_gather(&shards[k], 0, &mut staging, 0, bucket.shard)?;
+                if !mine {
+                    continue;
+                }
+                let mut host = vec![0f32; bucket.len];
+                b.download(&staging, &mut host)?;
+                for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+                    let data = host[off..off + plan.sizes[t]].to_vec();
+                    let shape = self.shapes[t].clone();
+                    out.insert(self.names[t].clone(), Tensor { shape, data });
+                }
+            }
+            Ok(out)
+        };
+        let masters = gather(&st.master)?;
+        let state = match st.moments {
+            true => OptimizerState {
+                step: self.step,
+                exp_avg: gather(&st.m)?,
+                exp_avg_sq: gather(&st.v)?,
+            },
+            false => OptimizerState {
+                step: self.step,
+                ..OptimizerState::default()
+            },
+        };
+        Ok(mine.then_some((masters, state)))
     }
 
     /// Gathers the masters and moments back into the decoder's full buffers (every rank), so

@@ -389,3 +389,52 @@ fn a_killed_rank_stops_the_others_naming_it_and_the_rerun_trains_as_one() {
         assert!(e <= 1e-5, "rerun: {what} relative error {e}");
     }
 }
+
+#[test]
+fn bench_update_under_launch_reports_per_gpu_numbers_and_the_weight_sync() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let mut c = Command::new(TANDEM);
+    for k in LAUNCH_VARS {
+        c.env_remove(k);
+    }
+    let o = c
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            TANDEM,
+            "bench",
+            "update",
+        ])
+        .args(["--device", "cpu", "--shape", "tiny", "--seq-len", "24"])
+        .args([
+            "--prompt-len",
+            "8",
+            "--micro-batch",
+            "2",
+            "--micro-batches",
+            "2",
+        ])
+        .args(["--warmup", "1", "--steps", "2", "--json", p(&json)])
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let j: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(j["world_size"], 2, "{j}");
+    // Each GPU does the one-GPU workload; the step trained on both ranks' tokens.
+    assert_eq!(j["tokens_per_step"], 2 * 2 * 24);
+    assert_eq!(j["last_step_metrics"]["tokens"], 2 * 2 * 2 * 24);
+    let dp = &j["data_parallel"];
+    let tps = j["tokens_per_s"].as_f64().unwrap();
+    assert!((dp["tokens_per_s_per_gpu"].as_f64().unwrap() - tps).abs() < 1e-9);
+    assert!((dp["tokens_per_s_all_gpus"].as_f64().unwrap() - 2.0 * tps).abs() < 1e-6);
+    assert!(dp["weight_sync_bytes"].as_u64().unwrap() > 0, "{dp}");
+    assert!(dp["weight_sync_ms"].as_f64().unwrap() > 0.0, "{dp}");
+    assert_eq!(dp["reduce_scatter_overlapped"], false);
+    // Rank 0 alone reports.
+    assert_eq!(err.matches("step 1").count(), 1, "{err}");
+}

@@ -2,7 +2,7 @@
 //! update ...` on the CPU backend and the CPU communicator trains with the sharded optimizer
 //! (rows shared out by token count, global loss normalisation, gradients reduce-scattered,
 //! AdamW on 1/N of the masters and moments, weights all-gathered). After 3 optimizer steps
-//! the f32 masters and Adam moments of 2 and 3 ranks equal one process's, and so do the
+//! the f32 masters and Adam moments of 1 (launched), 2 and 3 ranks equal one process's, and so do the
 //! metrics; rank 0 alone writes the outputs; a bad --bucket-elems is refused. A rank killed
 //! (SIGKILL) in the middle of an update stops the other within 60 s, naming it, with nothing
 //! written; the rerun, undisturbed, ends where one process does.
@@ -208,6 +208,13 @@ fn same_training(one: &Value, many: &Value, ranks: usize) {
     let s = &many["shard"];
     assert_eq!(s["world_size"], ranks, "{many}");
     assert!(s["buckets"].as_u64().unwrap() > 1, "{s}");
+    // Each rank receives every bucket, padded, in f32 (the CPU's compute type), per step.
+    let padded = s["shard_elems"].as_u64().unwrap() * ranks as u64;
+    assert_eq!(
+        s["weight_sync_bytes"].as_u64().unwrap(),
+        3 * 4 * padded,
+        "{s}"
+    );
     assert!(s["weight_sync_bytes"].as_u64().unwrap() > 0, "{s}");
     assert!(s["weight_sync_seconds"].as_f64().unwrap() > 0.0, "{s}");
 }
@@ -234,7 +241,12 @@ fn two_and_three_ranks_train_as_one() {
         let one = update(0, &model, &input, &out(1), &extra);
         assert_eq!(one["optimizer_steps"], 3, "{one}");
         let want = state(&out(1));
-        let ranks: &[usize] = if name == "token-mean" { &[2, 3] } else { &[2] };
+        // One rank under the launcher runs the data-parallel path too (a world of one).
+        let ranks: &[usize] = if name == "token-mean" {
+            &[1, 2, 3]
+        } else {
+            &[2]
+        };
         for &n in ranks {
             let many = update(n, &model, &input, &out(n), &extra);
             same_training(&one, &many, n);

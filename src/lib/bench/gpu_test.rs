@@ -150,9 +150,11 @@ mod tests {
     #[test]
     fn the_registry_holds_every_check_and_only_filters_by_name() {
         let all = names(None);
-        assert_eq!(all.len(), 27);
-        // Op-level checks come first, then the decoder and engine ones.
-        assert_eq!((all[0], all[all.len() - 1]), ("memory", "fused_decode"));
+        assert_eq!(all.len(), 28);
+        // Op-level checks come first, then the decoder and engine ones, then the sharded
+        // trainer's.
+        assert_eq!((all[0], all[all.len() - 1]), ("memory", "sharded_update"));
+        assert_eq!(names(Some("sharded")), ["sharded_update"]);
         assert_eq!(
             names(Some("paged")),
             [

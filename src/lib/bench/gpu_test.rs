@@ -1,6 +1,7 @@
 //! `tandem gpu-test`: the CUDA parity suite. Every op of the CUDA backend against the CPU
 //! backend (the op families' cases, `backend::ops::op_cases`), then the decoder and the
-//! generation engine whole (`engine::check::CASES`), in f32 and in bf16 storage, as one table
+//! generation engine whole (`engine::check::CASES`), then the sharded optimizer against the
+//! plain one (`engine::shard::check::CASES`), in f32 and in bf16 storage, as one table
 //! (harness: `backend::check::gpu`); `--time` then times each op (the families' timing shapes,
 //! `backend::check::timing`), `--compile-only` compiles every kernel with NVRTC and needs no
 //! GPU (`make kernels-check`). It lives above the engine because its cases do.

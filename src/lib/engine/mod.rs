@@ -75,6 +75,10 @@ pub trait Policy {
         let _ = v;
         Ok(())
     }
+    /// Every rank's `v` (all of the same length), in rank order (a single process: `v`).
+    fn gather_over_ranks(&mut self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
 }
 
 impl<B: Backend> Policy for Decoder<B> {

@@ -19,7 +19,7 @@
 //!   optimizer step (its mini-batch: the whole batch when on-policy).
 
 use super::logprob::{micro_batches, score, PromptResponse};
-use super::shard::balance::micro_schedule;
+use super::shard::balance::{balance, micro_schedule};
 use super::Policy;
 use crate::algo::agg::{AggMode, LossNorm};
 use crate::algo::policy_loss::{
@@ -308,15 +308,20 @@ fn train_with(
     // Off-policy without old log-probs: freeze the current policy's before any step.
     let recomputed: Option<Vec<Vec<f32>>> = if data.old.is_none() && !on_policy {
         log("old_logprobs absent and several optimizer steps: computing them with the current weights first");
-        let stats = score(
-            policy,
-            &data.rows,
-            cfg.temperature,
-            false,
-            cfg.micro_batch_tokens,
-            &mut |_| {},
-        )?;
-        Some(stats.into_iter().map(|s| s.logprobs).collect())
+        Some(match dp {
+            None => score(
+                policy,
+                &data.rows,
+                cfg.temperature,
+                false,
+                cfg.micro_batch_tokens,
+                &mut |_| {},
+            )?
+            .into_iter()
+            .map(|s| s.logprobs)
+            .collect(),
+            Some((rank, world)) => score_shared(policy, data, cfg, rank, world)?,
+        })
     } else {
         None
     };
@@ -581,6 +586,53 @@ fn train_with(
         mismatch,
         shard: None,
     })
+}
+
+/// The log-probs of every row's response, data-parallel: each rank scores its share (by token
+/// count, [`balance`]) and the shares are all-gathered (padded to the largest).
+fn score_shared(
+    policy: &mut dyn Policy,
+    data: &TrainData,
+    cfg: &TrainConfig,
+    rank: usize,
+    world: usize,
+) -> Result<Vec<Vec<f32>>> {
+    let lens: Vec<usize> = data.rows.iter().map(|r| r.len()).collect();
+    let shares = balance(&lens, world);
+    let mine: Vec<PromptResponse> = shares[rank].iter().map(|&i| data.rows[i]).collect();
+    let stats = score(
+        policy,
+        &mine,
+        cfg.temperature,
+        false,
+        cfg.micro_batch_tokens,
+        &mut |_| {},
+    )?;
+    let resp = |i: usize| data.rows[i].response.len();
+    let most = shares
+        .iter()
+        .map(|s| s.iter().map(|&i| resp(i)).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    let mut send = Vec::with_capacity(most);
+    for s in &stats {
+        send.extend_from_slice(&s.logprobs);
+    }
+    ensure!(send.len() <= most, "scored more tokens than the share has");
+    send.resize(most, 0.0);
+    let all = match most {
+        0 => vec![0.0; 0],
+        _ => policy.gather_over_ranks(&send)?,
+    };
+    let mut out = vec![Vec::new(); data.rows.len()];
+    for (r, share) in shares.iter().enumerate() {
+        let mut off = r * most;
+        for &i in share {
+            out[i] = all[off..off + resp(i)].to_vec();
+            off += resp(i);
+        }
+    }
+    Ok(out)
 }
 
 /// Adds the trainer's log-probs of rows `idx` (`lp(k, offset, len)`: the k-th row's, at

@@ -87,6 +87,17 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
     fn sum_over_ranks(&mut self, v: &mut [f64]) -> Result<()> {
         sum_f64(self.decoder.backend(), self.comm, v)
     }
+    fn gather_over_ranks(&mut self, v: &[f32]) -> Result<Vec<f32>> {
+        let b = self.decoder.backend();
+        let n = v.len();
+        let mut send = b.alloc(n)?;
+        b.upload(&mut send, v)?;
+        let mut recv = b.alloc(n * self.comm.world_size())?;
+        self.comm.all_gather(&send, 0, &mut recv, 0, n)?;
+        let mut out = vec![0f32; n * self.comm.world_size()];
+        b.download(&recv, &mut out)?;
+        Ok(out)
+    }
 }
 
 /// `v` = Σ over the ranks, each f64 carried as two f32 (hi + lo) through the f32 collective.

@@ -10,7 +10,7 @@
 #            Qwen2.5-0.5B shape, n = 8, 512 tokens, --ignore-eos), and the rows of both compared
 #   grpo     whole GRPO steps (64 prompts x 8 x 512 tokens per GPU, random 0.5B shape, old-logprob
 #            pass, in-process stages) through the pipeline at gpus = 1 and gpus = N: rollout and
-#            log-probs data parallel; `update` runs on rank 0 alone until it is rank-aware
+#            log-probs and update (sharded optimizer) data parallel
 #   fault    SIGKILL of rank 1 of a data-parallel rollout mid-generation: the launcher and the
 #            other ranks stop within 60 s naming it, and no output file is written (N >= 2)
 # Expects the stripped release binaries (tandem, pipeline, rollout, score, advantage,

@@ -8,7 +8,9 @@
 
 use crate::algo::policy_loss::{LossConfig, LossMode};
 use crate::backend::{Backend, DType, MatmulShape};
+use crate::dist::{run_rank_job, Comm, DeviceKind, Options, ProcessGroup, RankJob, World};
 use crate::engine::logprob::PromptResponse;
+use crate::engine::shard::{ShardedPolicy, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, TrainConfig, TrainData};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
@@ -244,59 +246,115 @@ impl Job for UpdateJob {
     type Out = (Vec<Vec<String>>, Value);
 
     fn run<B: Backend>(self, b: B) -> Result<Self::Out> {
-        let w = self.0;
-        let gpu = matches!(w.device, Device::Cuda(_));
-        let mut meter = Meter::new(&b, gpu)?;
-        let (mut dec, cfg) = build(b, &w)?;
-        let params = param_count(&cfg);
-        let synth = Synth::new(&w, cfg.vocab_size);
-        let data = TrainData {
-            rows: synth.rows(),
-            mask: synth.masks.iter().map(Vec::as_slice).collect(),
-            advantages: Some(synth.adv.iter().map(Vec::as_slice).collect()),
-            old: None,
-            ref_lp: None,
-            rollout: None,
+        bench_update(self.0, b, None)
+    }
+}
+
+/// One rank of `bench update` under a launcher: the data-parallel trainer of `update`.
+struct UpdateRankJob(Workload);
+
+impl RankJob for UpdateRankJob {
+    type Out = (Vec<Vec<String>>, Value);
+
+    fn run<B: Backend>(self, b: B, comm: Box<dyn Comm<B>>) -> Result<Self::Out> {
+        bench_update(self.0, b, Some(comm.as_ref()))
+    }
+}
+
+/// The timed loop; with `comm`, each rank trains on its share of a batch of `world` times the
+/// workload's sequences (so each GPU does the 1-GPU work) with the sharded optimizer.
+fn bench_update<B: Backend>(
+    w: Workload,
+    b: B,
+    comm: Option<&dyn Comm<B>>,
+) -> Result<(Vec<Vec<String>>, Value)> {
+    let gpu = matches!(w.device, Device::Cuda(_));
+    let world = comm.map_or(1, |c| c.world_size());
+    let mut meter = Meter::new(&b, gpu)?;
+    let (mut dec, cfg) = build(b, &w)?;
+    let params = param_count(&cfg);
+    let global = Workload {
+        micro_batches: w.micro_batches * world,
+        ..w.clone()
+    };
+    let synth = Synth::new(&global, cfg.vocab_size);
+    let mut optim = match comm {
+        Some(c) => Some(dec.shard_optimizer(c, DEFAULT_BUCKET_ELEMS)?),
+        None => None,
+    };
+    let data = TrainData {
+        rows: synth.rows(),
+        mask: synth.masks.iter().map(Vec::as_slice).collect(),
+        advantages: Some(synth.adv.iter().map(Vec::as_slice).collect()),
+        old: None,
+        ref_lp: None,
+        rollout: None,
+    };
+    let tc = TrainConfig {
+        loss: LossConfig::new(LossMode::Vanilla),
+        loss_scale_factor: None,
+        ppo_epochs: 1,
+        mini_batch_size: None,
+        micro_batch_tokens: w.micro_batch * w.seq_len,
+        temperature: 1.0,
+        lr: LrConfig::constant(1e-6),
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        grad_clip: Some(1.0),
+        shuffle: false,
+        seed: w.seed,
+    };
+    let mut step_s = Vec::new();
+    let mut micro_s = Vec::new();
+    let mut wait_s = Vec::new();
+    let mut opt_s = Vec::new();
+    let mut device_loss = false;
+    let mut last = Value::Null;
+    let (mut sync_s, mut sync_bytes, mut rs_s) = (Vec::new(), 0u64, Vec::new());
+    let rank0 = comm.is_none_or(|c| c.rank() == 0);
+    let mut log = |m: &str| {
+        if rank0 {
+            eprintln!("{m}")
+        }
+    };
+    for i in 0..w.warmup + w.steps {
+        let t = Instant::now();
+        let report = match (comm, optim.take()) {
+            (Some(comm), Some(o)) => {
+                let before = o.stats.clone();
+                let mut p = ShardedPolicy {
+                    decoder: &mut dec,
+                    comm,
+                    optim: o,
+                };
+                let r = train(&mut p, &data, &tc, i as u64, &mut log)?;
+                let after = &p.optim.stats;
+                if i >= w.warmup {
+                    sync_s.push(after.sync_seconds - before.sync_seconds);
+                    sync_bytes = after.sync_bytes - before.sync_bytes;
+                    rs_s.push(after.reduce_scatter_seconds - before.reduce_scatter_seconds);
+                }
+                optim = Some(p.optim);
+                r
+            }
+            _ => train(&mut dec, &data, &tc, i as u64, &mut log)?,
         };
-        let tc = TrainConfig {
-            loss: LossConfig::new(LossMode::Vanilla),
-            loss_scale_factor: None,
-            ppo_epochs: 1,
-            mini_batch_size: None,
-            micro_batch_tokens: w.micro_batch * w.seq_len,
-            temperature: 1.0,
-            lr: LrConfig::constant(1e-6),
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-            grad_clip: Some(1.0),
-            shuffle: false,
-            seed: w.seed,
-        };
-        let mut step_s = Vec::new();
-        let mut micro_s = Vec::new();
-        let mut wait_s = Vec::new();
-        let mut opt_s = Vec::new();
-        let mut device_loss = false;
-        let mut last = Value::Null;
-        for i in 0..w.warmup + w.steps {
-            let t = Instant::now();
-            let report = train(&mut dec, &data, &tc, i as u64, &mut |m| eprintln!("{m}"))?;
-            dec.backend().synchronize()?;
-            let secs = t.elapsed().as_secs_f64();
-            meter.sample(dec.backend());
-            let s = &report.steps[0];
-            if report.steps.len() != 1 || report.tokens != w.tokens_per_step() || s.skipped {
-                bail!(
+        dec.backend().synchronize()?;
+        let secs = t.elapsed().as_secs_f64();
+        meter.sample(dec.backend());
+        let s = &report.steps[0];
+        if report.steps.len() != 1 || report.tokens != global.tokens_per_step() || s.skipped {
+            bail!(
                     "bench update: expected one optimizer step over {} tokens, got {} steps over {} (skipped: {})",
-                    w.tokens_per_step(),
+                    global.tokens_per_step(),
                     report.steps.len(),
                     report.tokens,
                     s.skipped
                 );
-            }
-            eprintln!(
+        }
+        log(&format!(
                 "step {i}{}: {secs:.3} s (queue micro-batches {:.3} s, wait {:.3} s, optimizer {:.3} s), loss {:.6}, grad norm {:.4}",
                 if i < w.warmup { " (warm-up)" } else { "" },
                 s.micro_seconds,
@@ -304,56 +362,71 @@ impl Job for UpdateJob {
                 s.optimizer_seconds,
                 s.loss,
                 s.grad_norm
-            );
-            if i >= w.warmup {
-                step_s.push(secs);
-                micro_s.push(s.micro_seconds);
-                wait_s.push(s.wait_seconds);
-                opt_s.push(s.optimizer_seconds);
-                device_loss = s.device_loss;
-                last = report.to_json();
-            }
+            ));
+        if i >= w.warmup {
+            step_s.push(secs);
+            micro_s.push(s.micro_seconds);
+            wait_s.push(s.wait_seconds);
+            opt_s.push(s.optimizer_seconds);
+            device_loss = s.device_loss;
+            last = report.to_json();
         }
-        let tokens = w.tokens_per_step();
-        let step = median(&step_s);
-        let tps = tokens as f64 / step;
-        let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
-        let mem = meter.json(dec.backend());
-        let rows = vec![row(
-            "update",
-            &w,
-            tps,
-            mfu,
-            step,
-            [median(&micro_s), median(&wait_s), median(&opt_s)].map(Some),
-            &mem,
-        )];
-        let out = json!({
-            "bench": "update",
-            "device": w.device.to_string(),
-            "shape": w.shape,
-            "params": params,
-            "seq_len": w.seq_len,
-            "prompt_len": w.prompt_len,
-            "micro_batch": w.micro_batch,
-            "micro_batches": w.micro_batches,
-            "tokens_per_step": tokens,
-            "warmup_steps": w.warmup,
-            "timed_steps": w.steps,
-            "logprob_chunk": dec.logprob_chunk,
-            "device_loss": device_loss,
-            "step_s": step_s,
-            "micro_batches_s": micro_s,
-            "wait_s": wait_s,
-            "optimizer_s": opt_s,
-            "step_median_s": step,
-            "tokens_per_s": tps,
-            "mfu": mfu,
-            "memory": mem,
-            "last_step_metrics": last,
-        });
-        Ok((rows, out))
     }
+    // Per GPU: each rank's share of the batch is the 1-GPU workload.
+    let tokens = w.tokens_per_step();
+    let step = median(&step_s);
+    let tps = tokens as f64 / step;
+    let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
+    let mem = meter.json(dec.backend());
+    let rows = vec![row(
+        "update",
+        &w,
+        tps,
+        mfu,
+        step,
+        [median(&micro_s), median(&wait_s), median(&opt_s)].map(Some),
+        &mem,
+    )];
+    let mut out = json!({
+        "bench": "update",
+        "device": w.device.to_string(),
+        "world_size": world,
+        "shape": w.shape,
+        "params": params,
+        "seq_len": w.seq_len,
+        "prompt_len": w.prompt_len,
+        "micro_batch": w.micro_batch,
+        "micro_batches": w.micro_batches,
+        "tokens_per_step": tokens,
+        "warmup_steps": w.warmup,
+        "timed_steps": w.steps,
+        "logprob_chunk": dec.logprob_chunk,
+        "device_loss": device_loss,
+        "step_s": step_s,
+        "micro_batches_s": micro_s,
+        "wait_s": wait_s,
+        "optimizer_s": opt_s,
+        "step_median_s": step,
+        "tokens_per_s": tps,
+        "mfu": mfu,
+        "memory": mem,
+        "last_step_metrics": last,
+    });
+    if comm.is_some() {
+        let sync = median(&sync_s);
+        out["data_parallel"] = json!({
+            "tokens_per_s_per_gpu": tps,
+            "tokens_per_s_all_gpus": tps * world as f64,
+            "weight_sync_ms": 1e3 * sync,
+            "weight_sync_bytes": sync_bytes,
+            "weight_sync_gb_per_s": if sync > 0.0 { sync_bytes as f64 / sync / 1e9 } else { 0.0 },
+            "reduce_scatter_ms": 1e3 * median(&rs_s),
+            // The reduce-scatter runs after the step's backward, not during it.
+            "reduce_scatter_overlapped": false,
+            "bucket_elems": DEFAULT_BUCKET_ELEMS,
+        });
+    }
+    Ok((rows, out))
 }
 
 /// The table's columns (shared with `bench logprob`).
@@ -421,8 +494,25 @@ pub fn run(a: UpdateArgs) -> Result<()> {
         w.shape, w.device, w.micro_batch, w.seq_len, w.prompt_len, w.micro_batches, w.warmup, w.steps
     );
     let json_path = w.json.clone();
-    let (rows, out) = on_device(w.device, UpdateJob(w))?;
-    finish(&title, rows, out, json_path.as_ref())
+    let world = World::from_env()?;
+    if !world.launched() {
+        let (rows, out) = on_device(w.device, UpdateJob(w))?;
+        return finish(&title, rows, out, json_path.as_ref());
+    }
+    // Under a launcher: every rank trains its share; rank 0 reports (tokens/s per GPU).
+    let pg = ProcessGroup::new(world, Options::from_env()?)?;
+    let device = match w.device {
+        Device::Cpu => DeviceKind::Cpu,
+        Device::Cuda(_) => DeviceKind::Cuda,
+    };
+    let title = format!("{title}, {} ranks (tokens/s per GPU)", pg.world_size());
+    let (rows, out) = run_rank_job(device, &pg, UpdateRankJob(w))?;
+    let rank = pg.rank();
+    pg.finish()?;
+    match rank {
+        0 => finish(&title, rows, out, json_path.as_ref()),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -50,7 +50,8 @@ pub fn run_stage(job: StageJob) -> Result<()> {
 fn run_here(job: StageJob) -> Result<()> {
     let device = job.device().unwrap_or(Device::Cpu);
     let world = World::from_env()?;
-    if world.is_single() {
+    // A launched world of one runs the data-parallel path too (through NCCL on a GPU).
+    if !world.launched() {
         return job.run(&mut InProcess::new(device));
     }
     if !job.splits_over_ranks() {

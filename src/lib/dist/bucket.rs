@@ -47,6 +47,17 @@ impl BucketPlan {
     /// Packs tensors of `sizes` in order: a bucket is closed before a tensor that would take
     /// it past `bucket_elems` (a larger tensor gets a bucket of its own).
     pub fn new(sizes: &[usize], bucket_elems: usize, world_size: usize) -> Result<BucketPlan> {
+        Self::with_breaks(sizes, bucket_elems, world_size, &[])
+    }
+
+    /// [`BucketPlan::new`] where a bucket also starts at each tensor index in `breaks` (the
+    /// first tensor of each layer, say: then no bucket holds parts of two layers).
+    pub fn with_breaks(
+        sizes: &[usize],
+        bucket_elems: usize,
+        world_size: usize,
+        breaks: &[usize],
+    ) -> Result<BucketPlan> {
         if world_size == 0 || bucket_elems == 0 {
             bail!("a bucket plan needs a world size and a bucket size above 0");
         }
@@ -64,7 +75,7 @@ impl BucketPlan {
             }
         };
         for (i, &s) in sizes.iter().enumerate() {
-            if !offsets.is_empty() && len + s > bucket_elems {
+            if !offsets.is_empty() && (len + s > bucket_elems || breaks.contains(&i)) {
                 buckets.push(close(start, i, std::mem::take(&mut offsets), len));
                 start = i;
                 len = 0;
@@ -99,6 +110,23 @@ impl BucketPlan {
     /// Elements of all of one rank's shards.
     pub fn shard_total(&self) -> usize {
         self.buckets.iter().map(|b| b.shard).sum()
+    }
+
+    /// The bucket that holds tensor `t`.
+    pub fn bucket_of(&self, t: usize) -> usize {
+        self.buckets.partition_point(|b| b.tensors.end <= t)
+    }
+
+    /// The part of rank `rank`'s shard of bucket `b` that tensor `t` covers:
+    /// (offset in the tensor, offset in the shard, elements); None when the shard holds none
+    /// of it.
+    pub fn shard_part(&self, b: usize, t: usize, rank: usize) -> Option<(usize, usize, usize)> {
+        let bucket = &self.buckets[b];
+        let k = t.checked_sub(bucket.tensors.start)?;
+        let start = *bucket.offsets.get(k)?;
+        let (lo, hi) = (rank * bucket.shard, (rank + 1) * bucket.shard);
+        let (a, z) = (start.max(lo), (start + self.sizes[t]).min(hi));
+        (a < z).then(|| (a - start, a - lo, z - a))
     }
 }
 
@@ -199,6 +227,26 @@ mod tests {
         assert_eq!(plan.total(), 1460);
         assert_eq!(plan.max_padded(), 3 * 384);
         assert!(BucketPlan::new(&[1], 0, 1).is_err());
+        assert_eq!(plan.bucket_of(0), 0);
+        assert_eq!(plan.bucket_of(1), 0);
+        assert_eq!(plan.bucket_of(3), 2);
+        assert_eq!(plan.bucket_of(4), 3);
+        // Bucket 0 (400 elements) over 3 ranks of 256: tensor 1 (100..400) is elements
+        // 100..256 of rank 0's shard and 0..144 of rank 1's.
+        assert_eq!(plan.buckets[0].shard, 256);
+        assert_eq!(plan.shard_part(0, 1, 0), Some((0, 100, 156)));
+        assert_eq!(plan.shard_part(0, 1, 1), Some((156, 0, 144)));
+        assert_eq!(plan.shard_part(0, 1, 2), None);
+        assert_eq!(plan.shard_part(0, 0, 1), None);
+        assert_eq!(
+            plan.shard_part(1, 0, 0),
+            None,
+            "tensor 0 is not in bucket 1"
+        );
+        // A break starts a bucket even where the tensor would fit.
+        let split = BucketPlan::with_breaks(&[100, 100, 100], 1000, 2, &[2]).unwrap();
+        let t: Vec<Range<usize>> = split.buckets.iter().map(|b| b.tensors.clone()).collect();
+        assert_eq!(t, vec![0..2, 2..3]);
         assert!(BucketPlan::new(&[], 10, 2).unwrap().buckets.is_empty());
     }
 }

@@ -219,18 +219,39 @@ pub trait Job {
     fn run<B: Backend>(self, backend: &B, comm: &dyn Comm<B>) -> Result<Self::Out>;
 }
 
+/// A computation of one rank that keeps its backend and communicator (a trainer that owns
+/// them, a daemon that holds such a trainer between requests).
+pub trait RankJob {
+    type Out;
+    fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<Self::Out>;
+}
+
 /// Runs `job` on this rank's backend with the group's communicator of that backend: the CPU
 /// with [`HostComm`], or GPU [`gpu_for_rank`] with [`NcclComm`].
 pub fn run_job<J: Job>(device: DeviceKind, pg: &ProcessGroup, job: J) -> Result<J::Out> {
+    struct Borrowed<J>(J);
+    impl<J: Job> RankJob for Borrowed<J> {
+        type Out = J::Out;
+        fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<J::Out> {
+            self.0.run(&backend, comm.as_ref())
+        }
+    }
+    run_rank_job(device, pg, Borrowed(job))
+}
+
+/// [`run_job`] for a job that takes its backend and communicator over. The communicator is
+/// made from the backend (NCCL orders its stream against the backend's), before the job gets
+/// both.
+pub fn run_rank_job<J: RankJob>(device: DeviceKind, pg: &ProcessGroup, job: J) -> Result<J::Out> {
     match device {
         DeviceKind::Cpu => {
             let comm = HostComm::new(pg)?;
-            job.run(&Cpu, &comm)
+            job.run(Cpu, Box::new(comm))
         }
         DeviceKind::Cuda => {
             let backend = CudaBackend::new(gpu_for_rank(pg.world())?)?;
             let comm = NcclComm::new(&backend, pg)?;
-            job.run(&backend, &comm)
+            job.run(backend, Box::new(comm))
         }
     }
 }

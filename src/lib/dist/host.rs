@@ -700,32 +700,7 @@ fn connect_mesh(pg: &ProcessGroup) -> Result<Vec<Option<TcpStream>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::group::Options;
-    use crate::dist::world::World;
-
-    /// Runs `f` on `n` ranks as threads of this process, each with its own process group.
-    fn ranks<T: Send + 'static>(
-        n: usize,
-        timeout: Duration,
-        f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
-    ) -> Vec<T> {
-        let port = {
-            let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
-        let f = Arc::new(f);
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let f = f.clone();
-                std::thread::spawn(move || {
-                    let world = World::local(rank, n, port);
-                    let pg = ProcessGroup::new(world, Options::in_process(timeout)).unwrap();
-                    f(pg)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
+    use crate::dist::testing::ranks;
 
     #[test]
     fn collectives_on_three_ranks_match_a_rank_order_host_loop() {

@@ -29,11 +29,13 @@ pub mod host;
 pub mod launch;
 pub mod nccl;
 pub mod store;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod world;
 
 pub use comm::{Collective, Comm, ReduceOp, Work};
 pub use exchange::Exchange;
-pub use group::{run_job, DeviceKind, Job, Options, ProcessGroup};
+pub use group::{run_job, run_rank_job, DeviceKind, Job, Options, ProcessGroup, RankJob};
 pub use host::HostComm;
 pub use nccl::NcclComm;
 pub use world::World;

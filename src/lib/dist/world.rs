@@ -93,6 +93,12 @@ impl World {
         self.world_size == 1
     }
 
+    /// Whether a launcher started this process (its variables are set), even as a world of
+    /// one: such a process runs the data-parallel code paths.
+    pub fn launched(&self) -> bool {
+        self.launcher != Launcher::Single
+    }
+
     fn validate(&self) -> Result<()> {
         if self.world_size == 0 {
             bail_input!("the world size must be at least 1 (WORLD_SIZE / SLURM_NTASKS is 0)");

@@ -8,6 +8,7 @@ pub mod check;
 pub mod logprob;
 pub mod paged;
 pub mod resume;
+pub mod shard;
 #[cfg(test)]
 mod testing;
 pub mod train;
@@ -63,6 +64,21 @@ pub trait Policy {
         hp: &AdamWParams,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport>;
+    /// (rank, world size) when this policy is one rank of a data-parallel trainer
+    /// ([`shard::ShardedPolicy`]): the loop then trains on this rank's share of each
+    /// mini-batch and sums its numbers over the ranks with [`Policy::sum_over_ranks`].
+    fn data_parallel(&self) -> Option<(usize, usize)> {
+        None
+    }
+    /// `v` = the sum of every rank's `v` (a single process: unchanged).
+    fn sum_over_ranks(&mut self, v: &mut [f64]) -> Result<()> {
+        let _ = v;
+        Ok(())
+    }
+    /// Every rank's `v` (all of the same length), in rank order (a single process: `v`).
+    fn gather_over_ranks(&mut self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
 }
 
 impl<B: Backend> Policy for Decoder<B> {

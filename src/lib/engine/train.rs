@@ -19,6 +19,7 @@
 //!   optimizer step (its mini-batch: the whole batch when on-policy).
 
 use super::logprob::{micro_batches, score, PromptResponse};
+use super::shard::balance::{balance, micro_schedule};
 use super::Policy;
 use crate::algo::agg::{AggMode, LossNorm};
 use crate::algo::policy_loss::{
@@ -27,7 +28,7 @@ use crate::algo::policy_loss::{
 use crate::algo::rollout_corr::Mismatch;
 use crate::backend::ops::sample::uniform;
 use crate::backend::PpoShape;
-use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
+use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, ShardStats, TokenGrads, TokenStats};
 use crate::rng::mix_key;
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
@@ -207,6 +208,8 @@ pub struct TrainReport {
     /// Rollout vs trainer log-probs (when the batch has rollout_logprobs), and over which
     /// tokens: "recomputed_old" or "first_step".
     pub mismatch: Option<(Mismatch, &'static str)>,
+    /// The data-parallel optimizer's numbers, when it trained as one of several ranks.
+    pub shard: Option<ShardStats>,
 }
 
 impl TrainReport {
@@ -245,6 +248,9 @@ impl TrainReport {
             "skipped_steps": self.steps.len() - taken.len(),
             "seconds": self.seconds,
         });
+        if let Some(s) = &self.shard {
+            out["shard"] = s.to_json();
+        }
         if self.rollout_is {
             out["rollout_is"] = serde_json::json!({
                 "weight_mean": mean(sum.is_weight),
@@ -297,19 +303,25 @@ fn train_with(
     let minibatches = n.div_ceil(mbs);
     let on_policy = data.old.is_none() && cfg.ppo_epochs == 1 && minibatches == 1;
     let started = Instant::now();
+    let dp = policy.data_parallel();
 
     // Off-policy without old log-probs: freeze the current policy's before any step.
     let recomputed: Option<Vec<Vec<f32>>> = if data.old.is_none() && !on_policy {
         log("old_logprobs absent and several optimizer steps: computing them with the current weights first");
-        let stats = score(
-            policy,
-            &data.rows,
-            cfg.temperature,
-            false,
-            cfg.micro_batch_tokens,
-            &mut |_| {},
-        )?;
-        Some(stats.into_iter().map(|s| s.logprobs).collect())
+        Some(match dp {
+            None => score(
+                policy,
+                &data.rows,
+                cfg.temperature,
+                false,
+                cfg.micro_batch_tokens,
+                &mut |_| {},
+            )?
+            .into_iter()
+            .map(|s| s.logprobs)
+            .collect(),
+            Some((rank, world)) => score_shared(policy, data, cfg, rank, world)?,
+        })
     } else {
         None
     };
@@ -323,6 +335,10 @@ fn train_with(
                 m.add_row(&old[i], roll[i], data.mask[i])?;
             }
             Some((m, "recomputed_old"))
+        }
+        (Some(_), None) if dp.is_some() => {
+            log("rollout mismatch: not measured on the first step's forward when data-parallel (each rank sees only its rows); give old_logprobs to measure it from the columns");
+            None
         }
         (Some(_), None) => Some((Mismatch::default(), "first_step")),
     };
@@ -384,9 +400,28 @@ fn train_with(
                 _ => None,
             };
             let mut measure = measure.map(|m| (m, Vec::new()));
-            for group in micro_batches(&lens, cfg.micro_batch_tokens.max(1)) {
+            let budget = cfg.micro_batch_tokens.max(1);
+            // Rows of each micro-batch; data-parallel: this rank's share of the mini-batch
+            // (by token count), cut the same way.
+            let groups: Vec<Vec<usize>> = match dp {
+                None => micro_batches(&lens, budget)
+                    .into_iter()
+                    .map(|g| live[g].to_vec())
+                    .collect(),
+                Some((rank, world)) => {
+                    let (shares, micro) = micro_schedule(&lens, world, budget);
+                    let mine = &shares[rank];
+                    micro[rank]
+                        .iter()
+                        .filter(|g| !g.is_empty())
+                        .map(|g| mine[g.clone()].iter().map(|&k| live[k]).collect())
+                        .collect()
+                }
+            };
+            let mut step_tokens = 0usize;
+            for idx in &groups {
                 super::cancel::check()?;
-                let idx = &live[group];
+                let idx = &idx[..];
                 let joined: Vec<Vec<u32>> = idx.iter().map(|&i| data.rows[i].joined()).collect();
                 let seqs: Vec<SeqRef> = idx
                     .iter()
@@ -396,7 +431,7 @@ fn train_with(
                         start: data.rows[i].prompt.len(),
                     })
                     .collect();
-                tokens += joined.iter().map(Vec::len).sum::<usize>();
+                step_tokens += joined.iter().map(Vec::len).sum::<usize>();
                 if device_loss {
                     let t = ppo_tokens(cfg, data, idx, old_rows.as_deref(), &norm, want_entropy)?;
                     let pt = PpoTokens {
@@ -462,6 +497,39 @@ fn train_with(
                     loss_total += loss;
                 }
             }
+            if dp.is_some() {
+                // The loss was normalised by the whole mini-batch's counts (every rank has
+                // them), so the ranks' sums add up to the one-rank values.
+                let m = &mut metrics;
+                let mut v = [
+                    loss_total,
+                    m.pg_loss,
+                    m.pg_clipfrac,
+                    m.pg_clipfrac_lower,
+                    m.ppo_kl,
+                    m.entropy,
+                    m.kl_loss,
+                    m.is_weight,
+                    m.is_truncated,
+                    nonfinite as u8 as f64,
+                    step_tokens as f64,
+                ];
+                policy.sum_over_ranks(&mut v)?;
+                [
+                    loss_total,
+                    m.pg_loss,
+                    m.pg_clipfrac,
+                    m.pg_clipfrac_lower,
+                    m.ppo_kl,
+                    m.entropy,
+                    m.kl_loss,
+                    m.is_weight,
+                    m.is_truncated,
+                ] = [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]];
+                nonfinite = v[9] > 0.0;
+                step_tokens = v[10].round() as usize;
+            }
+            tokens += step_tokens;
             let wait_seconds = step_start.elapsed().as_secs_f64() - micro_seconds;
             let opt_start = Instant::now();
             let report = if nonfinite {
@@ -516,7 +584,55 @@ fn train_with(
         recomputed_old: recomputed.is_some(),
         rollout_is: cfg.loss.rollout_is.is_some(),
         mismatch,
+        shard: None,
     })
+}
+
+/// The log-probs of every row's response, data-parallel: each rank scores its share (by token
+/// count, [`balance`]) and the shares are all-gathered (padded to the largest).
+fn score_shared(
+    policy: &mut dyn Policy,
+    data: &TrainData,
+    cfg: &TrainConfig,
+    rank: usize,
+    world: usize,
+) -> Result<Vec<Vec<f32>>> {
+    let lens: Vec<usize> = data.rows.iter().map(|r| r.len()).collect();
+    let shares = balance(&lens, world);
+    let mine: Vec<PromptResponse> = shares[rank].iter().map(|&i| data.rows[i]).collect();
+    let stats = score(
+        policy,
+        &mine,
+        cfg.temperature,
+        false,
+        cfg.micro_batch_tokens,
+        &mut |_| {},
+    )?;
+    let resp = |i: usize| data.rows[i].response.len();
+    let most = shares
+        .iter()
+        .map(|s| s.iter().map(|&i| resp(i)).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    let mut send = Vec::with_capacity(most);
+    for s in &stats {
+        send.extend_from_slice(&s.logprobs);
+    }
+    ensure!(send.len() <= most, "scored more tokens than the share has");
+    send.resize(most, 0.0);
+    let all = match most {
+        0 => vec![0.0; 0],
+        _ => policy.gather_over_ranks(&send)?,
+    };
+    let mut out = vec![Vec::new(); data.rows.len()];
+    for (r, share) in shares.iter().enumerate() {
+        let mut off = r * most;
+        for &i in share {
+            out[i] = all[off..off + resp(i)].to_vec();
+            off += resp(i);
+        }
+    }
+    Ok(out)
 }
 
 /// Adds the trainer's log-probs of rows `idx` (`lp(k, offset, len)`: the k-th row's, at

@@ -779,9 +779,8 @@ impl Runner {
     }
 
     /// `tandem launch --nproc-per-node N --` before a model stage when the spec has `gpus = N`
-    /// (N > 1, no daemon): its ranks share the work (rollout, ref-logprob) or rank 0 runs it
-    /// alone (`update` until it is rank-aware: `StageJob::splits_over_ranks`). Nothing
-    /// otherwise: one process, as before.
+    /// (N > 1, no daemon): its ranks share the work (rollout and ref-logprob by prompts, update
+    /// by rows: `StageJob::splits_over_ranks`). Nothing otherwise: one process, as before.
     fn launch_prefix(&self, bin: &str) -> Vec<String> {
         let model_stage = matches!(bin, "rollout" | "ref-logprob" | "update");
         if self.spec.gpus <= 1 || self.spec.daemon || !model_stage {

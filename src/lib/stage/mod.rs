@@ -16,8 +16,9 @@
 //! Several ranks (`tandem launch`, torchrun, srun, or the daemons of `gpus = N`) run a stage
 //! together: every rank reads and checks the same input, `rollout` and `ref-logprob` each
 //! compute their block of the prompts ([`Exec::ranks`]), rank 0 gathers the rows and writes the
-//! one output file, the same rows in the same order as one rank writes. The other stages
-//! (`update`, `sync-weights`) run on rank 0 alone ([`StageJob::splits_over_ranks`]).
+//! one output file, the same rows in the same order as one rank writes; `update` trains on
+//! each rank's share of the rows with the sharded optimizer and rank 0 writes the model.
+//! `sync-weights` runs on rank 0 alone ([`StageJob::splits_over_ranks`]).
 
 pub mod advantage;
 pub mod common;
@@ -206,10 +207,13 @@ impl StageJob {
     }
 
     /// Whether the stage shares its work among several ranks ([`Exec::ranks`]): rollout and
-    /// ref-logprob (old-logprob is ref-logprob on the policy). The others run on rank 0 alone
-    /// under a launcher (`update` until the sharded trainer makes it rank-aware).
+    /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
+    /// the sharded optimizer. `sync-weights` runs on rank 0 alone under a launcher.
     pub fn splits_over_ranks(&self) -> bool {
-        matches!(self, StageJob::Rollout(_) | StageJob::RefLogprob(_))
+        matches!(
+            self,
+            StageJob::Rollout(_) | StageJob::RefLogprob(_) | StageJob::Update(_)
+        )
     }
 
     /// The `--metrics` file the stage writes, if any.

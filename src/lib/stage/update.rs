@@ -25,8 +25,10 @@ use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
+use crate::dist::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
+use crate::engine::shard::{train_sharded_to_host, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
@@ -200,6 +202,11 @@ pub struct UpdateArgs {
     #[arg(long)]
     #[serde(default)]
     pub resident: bool,
+    /// Under `tandem launch`: elements per bucket of the data-parallel trainer's gradient
+    /// reduce-scatter and weight sync (>= 1; default 26214400, 100 MB of f32).
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
+    #[serde(default)]
+    pub bucket_elems: Option<usize>,
 }
 
 /// `--loss-agg-mode`: its names listed to clap (help, errors, completions).
@@ -307,6 +314,16 @@ impl Train<'_> {
         let report = train(policy, self.data, self.train, schedule_step, &mut |msg| {
             log(&format!("update: {msg}"))
         })?;
+        self.finish(policy, report, schedule_step)
+    }
+
+    /// What `policy` holds after training, as the stage writes it.
+    fn finish<B: Backend>(
+        self,
+        policy: &Decoder<B>,
+        report: TrainReport,
+        schedule_step: u64,
+    ) -> Result<Trained> {
         Ok(Trained {
             report,
             weights: match self.export_weights {
@@ -339,6 +356,57 @@ impl Job for TrainFresh<'_> {
         self.job
             .train_on(&mut policy, step, &mut |msg| eprintln!("{msg}"))
     }
+}
+
+/// One rank of a data-parallel update (under `tandem launch`): builds the loaded policy on
+/// the rank's backend and trains it with the sharded optimizer over the rank's communicator.
+/// Only rank 0 brings the weights and optimizer state back, to host memory (it writes them).
+struct TrainRank<'a> {
+    loaded: Trainable,
+    job: Train<'a>,
+    bucket_elems: usize,
+}
+
+impl RankJob for TrainRank<'_> {
+    type Out = Trained;
+    fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<Trained> {
+        let mut policy = self.loaded.build(backend)?;
+        let step = self.loaded.schedule_step;
+        drop(self.loaded);
+        let rank = comm.rank();
+        let (report, state) = train_sharded_to_host(
+            &mut policy,
+            comm.as_ref(),
+            self.bucket_elems,
+            self.job.data,
+            self.job.train,
+            step,
+            &mut |msg| {
+                if rank == 0 {
+                    eprintln!("update: {msg}")
+                }
+            },
+            0,
+        )?;
+        let (weights, state) = match state {
+            Some((w, s)) => (Some(w), Some(s)),
+            None => (None, None),
+        };
+        Ok(Trained {
+            report,
+            weights: weights.filter(|_| self.job.export_weights),
+            state: state.filter(|_| self.job.export_state),
+            optimizer_step: policy.optimizer_steps(),
+            schedule_step: step,
+            load_seconds: 0.0,
+        })
+    }
+}
+
+/// The process group of a data-parallel `update` when a launcher started this process (None:
+/// the single-process path): the ranks `daemon::run_stage` runs the stage on.
+fn data_parallel_group(exec: &dyn Exec) -> Option<std::sync::Arc<ProcessGroup>> {
+    exec.ranks().map(|x| x.group().clone())
 }
 
 impl UpdateArgs {
@@ -721,7 +789,35 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         optimizer_step,
         schedule_step,
         load_seconds: loaded_s,
-    } = exec.train(&model, job)?;
+    } = match data_parallel_group(&*exec) {
+        None => exec.train(&model, job)?,
+        Some(pg) => {
+            let started = Instant::now();
+            let loaded = Trainable::load(&model.dir, &mut |m| {
+                if pg.rank() == 0 {
+                    eprintln!("{m}")
+                }
+            })?;
+            let load_seconds = started.elapsed().as_secs_f64();
+            let device = match args.device {
+                Device::Cpu => DeviceKind::Cpu,
+                Device::Cuda(_) => DeviceKind::Cuda,
+            };
+            let rank_job = TrainRank {
+                loaded,
+                job,
+                bucket_elems: args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS),
+            };
+            let mut out = run_rank_job(device, &pg, rank_job)?;
+            out.load_seconds = load_seconds;
+            let rank = pg.rank();
+            // Rank 0 writes the outputs; the others are done (run_stage ends the group).
+            if rank != 0 {
+                return Ok(());
+            }
+            out
+        }
+    };
     let trainer = TrainerState {
         optimizer_step,
         schedule_step: schedule_step + 1,

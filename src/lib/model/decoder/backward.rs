@@ -12,7 +12,7 @@ use crate::backend::{
 };
 
 impl<B: Backend> Decoder<B> {
-    fn ensure_grads(&mut self) -> Result<()> {
+    pub(super) fn ensure_grads(&mut self) -> Result<()> {
         if self.g.is_empty() {
             for s in &self.shapes {
                 self.g.push(self.backend.alloc(s.iter().product())?);

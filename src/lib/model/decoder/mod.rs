@@ -34,10 +34,12 @@ mod backward;
 mod forward;
 mod head;
 mod optim;
+mod shard;
 mod step;
 mod workspace;
 
 pub use optim::{AdamWParams, OptimizerState, StepReport};
+pub use shard::{ShardStats, ShardedOptim};
 pub use step::{PagedAttn, StepRows};
 
 use anyhow::{bail, Result};

@@ -50,6 +50,48 @@ pub struct OptimizerState {
     pub exp_avg_sq: Weights,
 }
 
+/// The AdamW kernel's arguments of step `step` (1-based).
+pub(super) fn adamw_step(hp: &AdamWParams, step: u64, grad_scale: f32) -> AdamWStep {
+    let t = step as i32;
+    AdamWStep {
+        lr: hp.lr,
+        beta1: hp.beta1,
+        beta2: hp.beta2,
+        eps: hp.eps,
+        weight_decay: hp.weight_decay,
+        bias_correction1: (1.0 - (hp.beta1 as f64).powi(t)) as f32,
+        bias_correction2: (1.0 - (hp.beta2 as f64).powi(t)) as f32,
+        grad_scale,
+    }
+}
+
+/// torch.nn.utils.clip_grad_norm_'s factor: max / (norm + 1e-6), clamped to 1.
+pub(super) fn clip_scale(grad_norm: f32, max_grad_norm: Option<f32>) -> f32 {
+    max_grad_norm.map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0))
+}
+
+/// Refuses hyper-parameters AdamW or clipping cannot use (input errors).
+pub(super) fn check_hyper(hp: &AdamWParams, max_grad_norm: Option<f32>) -> Result<()> {
+    let finite_nonneg = |x: f32| x.is_finite() && x >= 0.0;
+    if !(finite_nonneg(hp.lr)
+        && finite_nonneg(hp.weight_decay)
+        && (0.0..1.0).contains(&hp.beta1)
+        && (0.0..1.0).contains(&hp.beta2)
+        && hp.eps.is_finite()
+        && hp.eps > 0.0)
+    {
+        bail!(input_error(format!(
+            "AdamW: need lr >= 0, weight_decay >= 0, betas in [0, 1) and eps > 0, got {hp:?}"
+        )));
+    }
+    if let Some(c) = max_grad_norm {
+        if !(c.is_finite() && c > 0.0) {
+            bail!(input_error(format!("grad clip must be positive, got {c}")));
+        }
+    }
+    Ok(())
+}
+
 impl<B: Backend> Decoder<B> {
     /// Sets every gradient to zero (start of an optimizer step's accumulation).
     pub fn zero_grads(&mut self) -> Result<()> {
@@ -83,23 +125,7 @@ impl<B: Backend> Decoder<B> {
         hp: &AdamWParams,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport> {
-        let finite_nonneg = |x: f32| x.is_finite() && x >= 0.0;
-        if !(finite_nonneg(hp.lr)
-            && finite_nonneg(hp.weight_decay)
-            && (0.0..1.0).contains(&hp.beta1)
-            && (0.0..1.0).contains(&hp.beta2)
-            && hp.eps.is_finite()
-            && hp.eps > 0.0)
-        {
-            bail!(input_error(format!(
-                "AdamW: need lr >= 0, weight_decay >= 0, betas in [0, 1) and eps > 0, got {hp:?}"
-            )));
-        }
-        if let Some(c) = max_grad_norm {
-            if !(c.is_finite() && c > 0.0) {
-                bail!(input_error(format!("grad clip must be positive, got {c}")));
-            }
-        }
+        check_hyper(hp, max_grad_norm)?;
         ensure!(
             !self.g.is_empty(),
             "optimizer_step before any forward_backward"
@@ -111,8 +137,7 @@ impl<B: Backend> Decoder<B> {
                 skipped: true,
             });
         }
-        // torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), clamped to 1.
-        let grad_scale = max_grad_norm.map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0));
+        let grad_scale = clip_scale(grad_norm, max_grad_norm);
         if self.m.is_empty() {
             for s in &self.shapes {
                 let n = s.iter().product();
@@ -121,17 +146,7 @@ impl<B: Backend> Decoder<B> {
             }
         }
         self.step += 1;
-        let t = self.step as i32;
-        let st = AdamWStep {
-            lr: hp.lr,
-            beta1: hp.beta1,
-            beta2: hp.beta2,
-            eps: hp.eps,
-            weight_decay: hp.weight_decay,
-            bias_correction1: (1.0 - (hp.beta1 as f64).powi(t)) as f32,
-            bias_correction2: (1.0 - (hp.beta2 as f64).powi(t)) as f32,
-            grad_scale,
-        };
+        let st = adamw_step(hp, self.step, grad_scale);
         for i in 0..self.w.len() {
             let n = self.backend.len(&self.w[i]);
             let p = if self.master.is_empty() {

@@ -1,0 +1,172 @@
+//! Data-parallel training with a sharded optimizer (ZeRO-2-like; see docs/DISTRIBUTED.md).
+//!
+//! Every rank holds the whole decoder and the whole batch. [`train_sharded`] runs the ordinary
+//! training loop ([`crate::engine::train::train`]) on a [`ShardedPolicy`]: each mini-batch's
+//! rows are shared out to the ranks by token count ([`balance`]), the loss is normalised by the
+//! whole mini-batch's counts (every rank computes them from the batch), the ranks' loss metrics
+//! are summed, and the optimizer step is [`Decoder::sharded_step`]: gradients reduce-scattered,
+//! global-norm clipping, AdamW on this rank's 1/N of the f32 masters and moments, weights
+//! all-gathered. The result is the one-rank result up to the order of the floating-point sums.
+//!
+//! The entry points for a caller that holds a rank's decoder (the `update` stage under
+//! `tandem launch`, a per-rank daemon): [`train_sharded`] for one update call, or
+//! [`Decoder::shard_optimizer`] / [`ShardedPolicy`] / [`Decoder::unshard_optimizer`] to keep
+//! the shards between calls.
+
+pub mod balance;
+pub mod check;
+
+use super::train::{train, TrainConfig, TrainData, TrainReport};
+use super::Policy;
+use crate::backend::{Backend, PpoShape, PPO_STATS};
+use crate::dist::{Comm, ReduceOp};
+use crate::model::decoder::{
+    AdamWParams, Decoder, OptimizerState, PpoTokens, SeqRef, ShardStats, ShardedOptim, StepReport,
+    TokenGrads, TokenStats,
+};
+use crate::model::Weights;
+use anyhow::Result;
+
+/// Default bucket size of the reduce-scatter and the weight sync, in elements (25 M, as
+/// PyTorch DDP's 25 MB buckets are counted in bytes; the flag takes MB of f32).
+pub const DEFAULT_BUCKET_ELEMS: usize = 25 << 20;
+
+/// One rank's decoder with its optimizer shards and the communicator of the ranks.
+pub struct ShardedPolicy<'a, B: Backend> {
+    pub decoder: &'a mut Decoder<B>,
+    pub comm: &'a dyn Comm<B>,
+    pub optim: ShardedOptim<B>,
+}
+
+impl<B: Backend> Policy for ShardedPolicy<'_, B> {
+    fn logprobs(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        entropy: bool,
+    ) -> Result<Vec<TokenStats>> {
+        self.decoder.logprobs(seqs, temperature, entropy)
+    }
+    fn forward_backward(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
+    ) -> Result<()> {
+        self.decoder.forward_backward(seqs, temperature, loss)
+    }
+    fn forward_backward_ppo(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        tokens: &PpoTokens,
+        clip: PpoShape,
+        logprobs: Option<&mut Vec<f32>>,
+    ) -> Result<bool> {
+        self.decoder
+            .forward_backward_ppo(seqs, temperature, tokens, clip, logprobs)?;
+        Ok(true)
+    }
+    fn take_ppo_stats(&mut self) -> Result<[f64; PPO_STATS]> {
+        self.decoder.take_ppo_stats()
+    }
+    fn zero_grads(&mut self) -> Result<()> {
+        self.decoder.zero_grads()
+    }
+    fn optimizer_step(
+        &mut self,
+        hp: &AdamWParams,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport> {
+        self.decoder
+            .sharded_step(&mut self.optim, self.comm, hp, max_grad_norm)
+    }
+    fn data_parallel(&self) -> Option<(usize, usize)> {
+        Some((self.comm.rank(), self.comm.world_size()))
+    }
+    fn sum_over_ranks(&mut self, v: &mut [f64]) -> Result<()> {
+        sum_f64(self.decoder.backend(), self.comm, v)
+    }
+    fn gather_over_ranks(&mut self, v: &[f32]) -> Result<Vec<f32>> {
+        let b = self.decoder.backend();
+        let n = v.len();
+        let mut send = b.alloc(n)?;
+        b.upload(&mut send, v)?;
+        let mut recv = b.alloc(n * self.comm.world_size())?;
+        self.comm.all_gather(&send, 0, &mut recv, 0, n)?;
+        let mut out = vec![0f32; n * self.comm.world_size()];
+        b.download(&recv, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// `v` = Σ over the ranks, each f64 carried as two f32 (hi + lo) through the f32 collective.
+pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Result<()> {
+    let n = v.len();
+    let mut host = Vec::with_capacity(2 * n);
+    host.extend(v.iter().map(|&x| x as f32));
+    host.extend(v.iter().map(|&x| (x - x as f32 as f64) as f32));
+    let mut buf = backend.alloc(2 * n)?;
+    backend.upload(&mut buf, &host)?;
+    comm.all_reduce(&mut buf, 0, 2 * n, ReduceOp::Sum)?;
+    backend.download(&buf, &mut host)?;
+    for (i, x) in v.iter_mut().enumerate() {
+        *x = host[i] as f64 + host[n + i] as f64;
+    }
+    Ok(())
+}
+
+/// One `update` call on this rank, as [`train_sharded`], but the f32 masters and the optimizer
+/// state come back to rank `root`'s host memory (bucket by bucket: no rank's device holds the
+/// whole state) instead of into the decoder; the other ranks get None. What `update` under a
+/// launcher runs: rank 0 writes the checkpoint.
+#[allow(clippy::too_many_arguments)]
+pub fn train_sharded_to_host<B: Backend>(
+    decoder: &mut Decoder<B>,
+    comm: &dyn Comm<B>,
+    bucket_elems: usize,
+    data: &TrainData,
+    cfg: &TrainConfig,
+    schedule_step: u64,
+    log: &mut dyn FnMut(&str),
+    root: usize,
+) -> Result<(TrainReport, Option<(Weights, OptimizerState)>)> {
+    let optim = decoder.shard_optimizer(comm, bucket_elems)?;
+    let mut policy = ShardedPolicy {
+        decoder,
+        comm,
+        optim,
+    };
+    let mut report = train(&mut policy, data, cfg, schedule_step, log)?;
+    let state = policy.decoder.gather_state(&policy.optim, comm, root)?;
+    report.shard = Some(policy.optim.stats.clone());
+    Ok((report, state))
+}
+
+/// One `update` call on this rank: shards the optimizer (over buckets of `bucket_elems`),
+/// trains, and gathers the masters and moments back into `decoder`, so that every rank's
+/// decoder then holds what one rank training on the whole batch would (its `export_weights`
+/// and `optimizer_state` are the checkpoint's). Every rank of `comm` must call it.
+pub fn train_sharded<B: Backend>(
+    decoder: &mut Decoder<B>,
+    comm: &dyn Comm<B>,
+    bucket_elems: usize,
+    data: &TrainData,
+    cfg: &TrainConfig,
+    schedule_step: u64,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let optim = decoder.shard_optimizer(comm, bucket_elems)?;
+    let mut policy = ShardedPolicy {
+        decoder,
+        comm,
+        optim,
+    };
+    let trained = train(&mut policy, data, cfg, schedule_step, log);
+    let ShardedPolicy { decoder, optim, .. } = policy;
+    // Gathered even after a failed step, so the decoder is whole again; the first error wins.
+    let stats: Result<ShardStats> = decoder.unshard_optimizer(optim, comm);
+    let mut report = trained?;
+    report.shard = Some(stats?);
+    Ok(report)
+}

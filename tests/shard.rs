@@ -1,0 +1,452 @@
+//! Data-parallel `update` through the real binaries: `tandem launch --nproc-per-node N --
+//! update ...` on the CPU backend and the CPU communicator trains with the sharded optimizer
+//! (rows shared out by token count, global loss normalisation, gradients reduce-scattered,
+//! AdamW on 1/N of the masters and moments, weights all-gathered). After 3 optimizer steps
+//! the f32 masters and Adam moments of 1 (launched), 2 and 3 ranks equal one process's, and so do the
+//! metrics; rank 0 alone writes the outputs; a bad --bucket-elems is refused. A rank killed
+//! (SIGKILL) in the middle of an update stops the other within 60 s, naming it, with nothing
+//! written; the rerun, undisturbed, ends where one process does.
+
+mod stage_util;
+
+use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_schema::{Field, Schema};
+use serde_json::Value;
+use stage_util::*;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use tandem::batch::{list_array, schema, write_file};
+use tandem::model::Weights;
+
+const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
+
+/// Launcher and rendezvous variables a test environment might carry.
+const LAUNCH_VARS: [&str; 14] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TANDEM_DIST_TIMEOUT",
+    "TANDEM_DIST_ERROR_FILE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_ID",
+];
+
+/// Rows of varied lengths with varied advantages (prompt ids, response ids, advantage).
+fn batch(path: &Path) {
+    let rows: Vec<(Vec<i32>, Vec<i32>, f32)> = vec![
+        (vec![10, 20, 30], vec![40, 41, 42, 43, 44, 45], 1.0),
+        (vec![11, 21], vec![50, 51], -1.0),
+        (vec![12, 22, 32, 42], vec![60, 61, 62], 0.5),
+        (vec![13], vec![70, 71, 72, 73, 74, 75, 76, 77, 78], -0.5),
+        (vec![14, 24, 34], vec![80], 2.0),
+        (vec![15, 25], vec![90, 91, 92, 93], -1.5),
+        (vec![16, 26, 36], vec![100, 101, 102, 103, 104], 0.25),
+    ];
+    let n = rows.len();
+    let (mut p_off, mut p_ids, mut r_off, mut r_ids, mut adv) =
+        (vec![0], vec![], vec![0], vec![], vec![]);
+    for (p, r, a) in &rows {
+        p_ids.extend_from_slice(p);
+        p_off.push(p_ids.len());
+        r_ids.extend_from_slice(r);
+        r_off.push(r_ids.len());
+        adv.extend(std::iter::repeat_n(*a, r.len()));
+    }
+    let total = r_ids.len();
+    // The last token of row 3 is masked out: the counts the normalisation needs differ from
+    // the token counts.
+    let mut mask = vec![1u8; total];
+    mask[r_off[4] - 1] = 0;
+    let cols: Vec<(Field, ArrayRef)> = vec![
+        (
+            schema::field(schema::UID),
+            Arc::new(StringArray::from_iter_values(
+                (0..n).map(|i| format!("u{i}")),
+            )),
+        ),
+        (
+            schema::field(schema::PROMPT_UID),
+            Arc::new(StringArray::from_iter_values(
+                (0..n).map(|i| format!("p{}", i / 2)),
+            )),
+        ),
+        (
+            schema::field(schema::PROMPT_IDS),
+            list_array::<Int32Type>(&p_off, p_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_IDS),
+            list_array::<Int32Type>(&r_off, r_ids),
+        ),
+        (
+            schema::field(schema::RESPONSE_MASK),
+            list_array::<UInt8Type>(&r_off, mask),
+        ),
+        (
+            schema::field(schema::ADVANTAGES),
+            list_array::<Float32Type>(&r_off, adv),
+        ),
+    ];
+    let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
+    let rb = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap();
+    write_file(path, &rb, &Default::default()).unwrap();
+}
+
+/// `update` of `model` on `input` into `out` with `extra` flags: one process (`ranks` 0) or
+/// `ranks` ranks under `tandem launch`. Returns the metrics.
+fn update(ranks: usize, model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Value {
+    let metrics = out.with_extension("json");
+    let mut args: Vec<String> = [
+        "--model",
+        p(model),
+        "--in",
+        p(input),
+        "--out-model",
+        p(out),
+        "--metrics",
+        p(&metrics),
+        "--lr",
+        "1e-3",
+        "--mini-batch-size",
+        "3",
+        "--micro-batch-tokens",
+        "12",
+        "--grad-clip",
+        "0.5",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut cmd = match ranks {
+        0 => Command::new(bin("update")),
+        n => {
+            let mut c = Command::new(TANDEM);
+            c.args(["launch", "--nproc-per-node", &n.to_string(), "--"])
+                .arg(bin("update"));
+            c
+        }
+    };
+    for k in LAUNCH_VARS {
+        cmd.env_remove(k);
+    }
+    let o = cmd
+        .args(&args)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "update on {ranks} ranks failed ({:?}):\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap()
+}
+
+/// The f32 masters, exp_avg and exp_avg_sq written next to the model.
+fn state(dir: &Path) -> [Weights; 3] {
+    let (_, weights) = tandem::model::ModelDir::load(dir).unwrap();
+    let r = tandem::engine::resume::load(dir, &weights)
+        .unwrap()
+        .expect("optimizer state");
+    [
+        r.master.expect("f32 masters"),
+        r.optimizer.exp_avg,
+        r.optimizer.exp_avg_sq,
+    ]
+}
+
+/// ‖a − b‖ / ‖b‖ over every tensor.
+fn rel_err(a: &Weights, b: &Weights) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let (mut d, mut n) = (0f64, 0f64);
+    for (k, t) in b {
+        let u = &a[k];
+        assert_eq!(u.shape, t.shape, "{k}");
+        for (x, y) in u.data.iter().zip(&t.data) {
+            d += ((x - y) as f64).powi(2);
+            n += (*y as f64).powi(2);
+        }
+    }
+    (d / n.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+fn close(a: &Value, b: &Value, what: &str) {
+    let (x, y) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+    assert!(
+        (x - y).abs() <= 1e-5 * y.abs().max(1e-3),
+        "{what}: {x} vs one rank's {y}"
+    );
+}
+
+fn same_training(one: &Value, many: &Value, ranks: usize) {
+    for k in [
+        "loss",
+        "pg_loss",
+        "pg_clipfrac",
+        "pg_clipfrac_lower",
+        "ppo_kl",
+        "entropy",
+        "grad_norm",
+    ] {
+        close(&many[k], &one[k], &format!("{ranks} ranks: {k}"));
+    }
+    for k in ["optimizer_steps", "tokens", "lr"] {
+        assert_eq!(many[k], one[k], "{ranks} ranks: {k}");
+    }
+    assert!(one.get("shard").is_none(), "one process: {one}");
+    let s = &many["shard"];
+    assert_eq!(s["world_size"], ranks, "{many}");
+    assert!(s["buckets"].as_u64().unwrap() > 1, "{s}");
+    // Each rank receives every bucket, padded, in f32 (the CPU's compute type), per step.
+    let padded = s["shard_elems"].as_u64().unwrap() * ranks as u64;
+    assert_eq!(
+        s["weight_sync_bytes"].as_u64().unwrap(),
+        3 * 4 * padded,
+        "{s}"
+    );
+    assert!(s["weight_sync_bytes"].as_u64().unwrap() > 0, "{s}");
+    assert!(s["weight_sync_seconds"].as_f64().unwrap() > 0.0, "{s}");
+}
+
+#[test]
+fn two_and_three_ranks_train_as_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 21);
+    let input = dir.path().join("batch.parquet");
+    batch(&input);
+    for (name, extra) in [
+        ("token-mean", vec!["--bucket-elems", "5000"]),
+        (
+            "seq-mean-token-sum",
+            vec![
+                "--loss-agg-mode",
+                "seq-mean-token-sum",
+                "--bucket-elems",
+                "3000",
+            ],
+        ),
+    ] {
+        let out = |r: usize| dir.path().join(format!("{name}-{r}"));
+        let one = update(0, &model, &input, &out(1), &extra);
+        assert_eq!(one["optimizer_steps"], 3, "{one}");
+        let want = state(&out(1));
+        // One rank under the launcher runs the data-parallel path too (a world of one).
+        let ranks: &[usize] = if name == "token-mean" {
+            &[1, 2, 3]
+        } else {
+            &[2]
+        };
+        for &n in ranks {
+            let many = update(n, &model, &input, &out(n), &extra);
+            same_training(&one, &many, n);
+            let got = state(&out(n));
+            for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+                let e = rel_err(&got[i], &want[i]);
+                eprintln!("{name}, {n} ranks: {what} relative error {e:.2e}");
+                assert!(e <= 1e-6, "{name}, {n} ranks: {what} relative error {e}");
+            }
+            // The weights moved: the comparison is not of untouched models.
+            let (_, start) = tandem::model::ModelDir::load(&model).unwrap();
+            let moved = rel_err(&got[0], &start);
+            assert!(
+                moved > 1e-2,
+                "{name}: training moved the weights by {moved} only"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_bad_bucket_size_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    input_error(
+        "update",
+        &[
+            "--model",
+            "m",
+            "--in",
+            "b.parquet",
+            "--out-model",
+            p(&dir.path().join("o")),
+            "--bucket-elems",
+            "0",
+        ],
+        "--bucket-elems",
+    );
+}
+
+#[test]
+fn a_killed_rank_stops_the_others_naming_it_and_the_rerun_trains_as_one() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 22);
+    let input = dir.path().join("batch.parquet");
+    batch(&input);
+    // Enough optimizer steps that the update is still running when rank 1 is killed.
+    let long = ["--ppo-epochs", "100", "--bucket-elems", "5000"];
+    let killed = dir.path().join("killed");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let mut c = Command::new(bin("update"));
+            for k in LAUNCH_VARS {
+                c.env_remove(k);
+            }
+            c.args([
+                "--model",
+                p(&model),
+                "--in",
+                p(&input),
+                "--out-model",
+                p(&killed),
+                "--lr",
+                "1e-3",
+                "--mini-batch-size",
+                "3",
+                "--micro-batch-tokens",
+                "12",
+            ])
+            .args(long)
+            .envs([
+                ("RANK", r.to_string()),
+                ("WORLD_SIZE", "2".into()),
+                ("LOCAL_RANK", r.to_string()),
+                ("LOCAL_WORLD_SIZE", "2".into()),
+                ("MASTER_ADDR", "127.0.0.1".into()),
+                ("MASTER_PORT", port.to_string()),
+                ("TANDEM_DIST_TIMEOUT", "50".into()),
+                ("RAYON_NUM_THREADS", "1".into()),
+            ])
+            .stderr(Stdio::piped());
+            let mut child = c.spawn().unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let err = child.stderr.take().unwrap();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+            (child, rx)
+        })
+        .collect();
+    // Rank 0 says when the training loop starts (it computes the old log-probs first).
+    let t = Instant::now();
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|l: &String| l.contains("old_logprobs absent"))
+    {
+        assert!(t.elapsed() < Duration::from_secs(60), "{seen:?}");
+        seen.extend(ranks[0].1.try_iter());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        ranks[1].0.try_wait().unwrap().is_none(),
+        "rank 1 finished before it was killed: make the update longer"
+    );
+    ranks[1].0.kill().unwrap(); // SIGKILL
+    ranks[1].0.wait().unwrap();
+    let at = Instant::now();
+    let status = loop {
+        if let Some(s) = ranks[0].0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            at.elapsed() < Duration::from_secs(60),
+            "rank 0 still running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    seen.extend(ranks[0].1.try_iter());
+    let err = seen.join("\n");
+    assert!(!status.success(), "rank 0 succeeded: {err}");
+    assert!(err.contains("rank 1"), "rank 0 does not name rank 1: {err}");
+    assert!(
+        !killed.exists(),
+        "a killed update wrote {}",
+        killed.display()
+    );
+    eprintln!("rank 0 stopped {:?} after the kill", at.elapsed());
+
+    // The rerun of the same update, undisturbed, ends where one process does.
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    let t = Instant::now();
+    let j1 = update(0, &model, &input, &one, &long);
+    eprintln!("one process: {:?}", t.elapsed());
+    let j2 = update(2, &model, &input, &two, &long);
+    assert_eq!(j2["optimizer_steps"], j1["optimizer_steps"]);
+    let (a, b) = (state(&two), state(&one));
+    for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+        let e = rel_err(&a[i], &b[i]);
+        eprintln!("rerun: {what} relative error {e:.2e}");
+        assert!(e <= 1e-5, "rerun: {what} relative error {e}");
+    }
+}
+
+#[test]
+fn bench_update_under_launch_reports_per_gpu_numbers_and_the_weight_sync() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let mut c = Command::new(TANDEM);
+    for k in LAUNCH_VARS {
+        c.env_remove(k);
+    }
+    let o = c
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            TANDEM,
+            "bench",
+            "update",
+        ])
+        .args(["--device", "cpu", "--shape", "tiny", "--seq-len", "24"])
+        .args([
+            "--prompt-len",
+            "8",
+            "--micro-batch",
+            "2",
+            "--micro-batches",
+            "2",
+        ])
+        .args(["--warmup", "1", "--steps", "2", "--json", p(&json)])
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let j: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(j["world_size"], 2, "{j}");
+    // Each GPU does the one-GPU workload; the step trained on both ranks' tokens.
+    assert_eq!(j["tokens_per_step"], 2 * 2 * 24);
+    assert_eq!(j["last_step_metrics"]["tokens"], 2 * 2 * 2 * 24);
+    let dp = &j["data_parallel"];
+    let tps = j["tokens_per_s"].as_f64().unwrap();
+    assert!((dp["tokens_per_s_per_gpu"].as_f64().unwrap() - tps).abs() < 1e-9);
+    assert!((dp["tokens_per_s_all_gpus"].as_f64().unwrap() - 2.0 * tps).abs() < 1e-6);
+    assert!(dp["weight_sync_bytes"].as_u64().unwrap() > 0, "{dp}");
+    assert!(dp["weight_sync_ms"].as_f64().unwrap() > 0.0, "{dp}");
+    assert_eq!(dp["reduce_scatter_overlapped"], false);
+    // Rank 0 alone reports.
+    assert_eq!(err.matches("step 1").count(), 1, "{err}");
+}

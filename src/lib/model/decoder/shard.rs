@@ -135,9 +135,6 @@ impl<B: Backend> Decoder<B> {
         for ly in &mut self.layers {
             (ly.qkv, ly.qkv_b, ly.gate_up) = (None, None, None);
         }
-        for w in &mut self.w {
-            *w = b.alloc_as(0, cd)?;
-        }
         self.g = (0..self.w.len())
             .map(|_| b.alloc(0))
             .collect::<Result<_>>()?;
@@ -171,14 +168,8 @@ impl<B: Backend> Decoder<B> {
         } else {
             &self.master
         })?;
-        let moments = !self.m.is_empty();
-        let (m, v) = match moments {
-            true => (cut(&self.m)?, cut(&self.v)?),
-            false => (cut_zeros(b, &plan)?, cut_zeros(b, &plan)?),
-        };
-        let grad = cut_zeros(b, &plan)?;
         let dtype = b.compute_dtype();
-        let compute = match dtype {
+        let mut compute: Vec<B::Buf> = match dtype {
             DType::F32 => Vec::new(),
             _ => plan
                 .buckets
@@ -186,6 +177,30 @@ impl<B: Backend> Decoder<B> {
                 .map(|k| b.alloc_as(k.shard, dtype))
                 .collect::<Result<_>>()?,
         };
+        // Each full copy is freed as soon as its shard is cut, so the peak is the full state
+        // plus one kind of shard, not plus all of them.
+        self.master.clear();
+        if full {
+            // The passes gather the compute weights from these shards from the first one on.
+            for (k, c) in compute.iter_mut().enumerate() {
+                b.copy(c, 0, &master[k], 0, plan.buckets[k].shard)?;
+            }
+            for w in &mut self.w {
+                *w = b.alloc_as(0, dtype)?;
+            }
+        }
+        let moments = !self.m.is_empty();
+        let (m, v) = match moments {
+            true => {
+                let m = cut(&self.m)?;
+                self.m.clear();
+                let v = cut(&self.v)?;
+                self.v.clear();
+                (m, v)
+            }
+            false => (cut_zeros(b, &plan)?, cut_zeros(b, &plan)?),
+        };
+        let grad = cut_zeros(b, &plan)?;
         let padded = plan.max_padded();
         let (pack, sync) = match full {
             false => (
@@ -203,9 +218,6 @@ impl<B: Backend> Decoder<B> {
             full,
             ..ShardStats::default()
         };
-        self.master.clear();
-        self.m.clear();
-        self.v.clear();
         Ok(ShardedOptim {
             rank,
             plan,

@@ -328,6 +328,22 @@ fn full_sharding_on_two_and_three_ranks_trains_as_one() {
                 "{name}: the weights did not move"
             );
         }
+        // Resumed from a checkpoint with optimizer state: each rank uploads its shards of the
+        // masters and moments, and goes on as one process does.
+        let again = |r: usize| dir.path().join(format!("full-{name}-{r}-again"));
+        let one = update(0, &out(1), &input, &again(1), &[]);
+        let many = update(2, &out(1), &input, &again(2), &["--shard", "full"]);
+        assert_eq!(many["optimizer_step"], 6, "{many}");
+        assert_eq!(many["optimizer_step"], one["optimizer_step"], "{many}");
+        let (got, want) = (state(&again(2)), state(&again(1)));
+        for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+            let e = rel_err(&got[i], &want[i]);
+            eprintln!("{name}, full, resumed: {what} relative error {e:.2e}");
+            assert!(
+                e <= 1e-6,
+                "{name}, full, resumed: {what} relative error {e}"
+            );
+        }
     }
 }
 

@@ -385,15 +385,29 @@ struct TrainRank<'a> {
 impl RankJob for TrainRank<'_> {
     type Out = Trained;
     fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<Trained> {
-        let mut policy = self.loaded.build(backend)?;
+        let comm = comm.as_ref();
+        let (mut policy, optim) = match self.mode {
+            ShardMode::Zero2 => {
+                let mut policy = self.loaded.build(backend)?;
+                let optim = policy.shard_optimizer(comm, self.bucket_elems)?;
+                (policy, optim)
+            }
+            // The state is never whole on a device: each rank uploads its shards.
+            ShardMode::Full => Decoder::new_full(
+                backend,
+                &self.loaded.cfg,
+                &self.loaded.weights,
+                self.loaded.optimizer.as_ref(),
+                comm,
+            )?,
+        };
         let step = self.loaded.schedule_step;
         drop(self.loaded);
         let rank = comm.rank();
         let (report, state) = train_sharded_to_host(
             &mut policy,
-            comm.as_ref(),
-            self.mode,
-            self.bucket_elems,
+            optim,
+            comm,
             self.job.data,
             self.job.train,
             step,

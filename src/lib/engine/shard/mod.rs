@@ -185,27 +185,23 @@ pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Re
     Ok(())
 }
 
-/// One `update` call on this rank, as [`train_sharded`] (sharded as `mode` says; `bucket_elems`
-/// is zero2's: full sharding has one bucket per unit), but the f32 masters and the optimizer
-/// state come back to rank `root`'s host memory (bucket by bucket: no rank's device holds the
-/// whole state) instead of into the decoder; the other ranks get None. What `update` under a
-/// launcher runs: rank 0 writes the checkpoint.
+/// One `update` call on this rank with the optimizer `optim` (from
+/// [`Decoder::shard_optimizer`], [`Decoder::shard_full`] or [`Decoder::new_full`]), as
+/// [`train_sharded`], but the f32 masters and the optimizer state come back to rank `root`'s
+/// host memory (bucket by bucket: no rank's device holds the whole state) instead of into the
+/// decoder; the other ranks get None. What `update` under a launcher runs: rank 0 writes the
+/// checkpoint.
 #[allow(clippy::too_many_arguments)]
 pub fn train_sharded_to_host<B: Backend>(
     decoder: &mut Decoder<B>,
+    optim: ShardedOptim<B>,
     comm: &dyn Comm<B>,
-    mode: ShardMode,
-    bucket_elems: usize,
     data: &TrainData,
     cfg: &TrainConfig,
     schedule_step: u64,
     log: &mut dyn FnMut(&str),
     root: usize,
 ) -> Result<(TrainReport, Option<(Weights, OptimizerState)>)> {
-    let optim = match mode {
-        ShardMode::Zero2 => decoder.shard_optimizer(comm, bucket_elems)?,
-        ShardMode::Full => decoder.shard_full(comm)?,
-    };
     let mut policy = ShardedPolicy {
         decoder,
         comm,

@@ -18,7 +18,7 @@ use crate::backend::{Backend, DType};
 use crate::dist::bucket::{BucketPlan, WeightSync};
 use crate::dist::comm::dtype_bytes;
 use crate::dist::{Collective, Comm, ReduceOp};
-use crate::model::{Tensor, Weights};
+use crate::model::{Config, Tensor, Weights};
 
 /// What the sharded optimizer did so far (the update metrics' `shard` object).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -110,30 +110,94 @@ impl<B: Backend> Decoder<B> {
     /// [`Holding`] gather each unit before its forward and its backward and reduce-scatter its
     /// gradients as soon as its backward is done. [`Decoder::unshard_optimizer`] undoes it.
     pub fn shard_full(&mut self, comm: &dyn Comm<B>) -> Result<ShardedOptim<B>> {
+        let plan = self.unit_plan(comm.world_size())?;
+        let st = self.shard_over(comm, plan, true)?;
+        self.hold_units(st)
+    }
+
+    /// A decoder under `shard = "full"` built from host weights (and a loaded optimizer
+    /// state) without ever holding them whole on the device: this rank's shards are cut on
+    /// the host and uploaded; as [`Decoder::new`] then [`Decoder::shard_full`] otherwise.
+    pub fn new_full(
+        backend: B,
+        cfg: &Config,
+        weights: &Weights,
+        state: Option<&OptimizerState>,
+        comm: &dyn Comm<B>,
+    ) -> Result<(Decoder<B>, ShardedOptim<B>)> {
+        let mut dec = Decoder::build(backend, cfg, weights, false)?;
+        let plan = dec.unit_plan(comm.world_size())?;
+        let rank = comm.rank();
+        let moments = match state {
+            Some(st) => dec.state_moments(st)?,
+            None => None,
+        };
+        let b = &dec.backend;
+        let cut = |src: &[&[f32]]| -> Result<Vec<B::Buf>> {
+            let mut out = Vec::with_capacity(plan.buckets.len());
+            for (k, bucket) in plan.buckets.iter().enumerate() {
+                let mut host = vec![0f32; bucket.shard];
+                for t in bucket.tensors.clone() {
+                    if let Some((toff, soff, n)) = plan.shard_part(k, t, rank) {
+                        host[soff..soff + n].copy_from_slice(&src[t][toff..toff + n]);
+                    }
+                }
+                let mut buf = b.alloc(bucket.shard)?;
+                b.upload(&mut buf, &host)?;
+                out.push(buf);
+            }
+            Ok(out)
+        };
+        // Every name was checked by `build`.
+        let w: Vec<&[f32]> = dec.names.iter().map(|n| &weights[n].data[..]).collect();
+        let master = cut(&w)?;
+        let mv = match &moments {
+            Some(mv) => {
+                let m: Vec<&[f32]> = mv.iter().map(|p| &p.0.data[..]).collect();
+                let v: Vec<&[f32]> = mv.iter().map(|p| &p.1.data[..]).collect();
+                Some((cut(&m)?, cut(&v)?))
+            }
+            None => None,
+        };
+        dec.step = state.map_or(0, |s| s.step);
+        let st = dec.assemble(rank, plan, master, mv, true)?;
+        let st = dec.hold_units(st)?;
+        Ok((dec, st))
+    }
+
+    /// One bucket per unit: the embedding, each layer, the final norm (and untied head).
+    fn unit_plan(&self, world: usize) -> Result<BucketPlan> {
         let sizes: Vec<usize> = self.shapes.iter().map(|s| s.iter().product()).collect();
         let mut breaks: Vec<usize> = self.layers.iter().map(|l| l.in_norm).collect();
         breaks.push(self.final_norm);
-        let plan = BucketPlan::with_breaks(&sizes, usize::MAX, comm.world_size(), &breaks)?;
+        let plan = BucketPlan::with_breaks(&sizes, usize::MAX, world, &breaks)?;
         ensure!(
             plan.buckets.len() == self.layers.len() + 2,
             "full sharding: the parameters are not laid out unit by unit"
         );
-        let mut st = self.shard_over(comm, plan, true)?;
+        Ok(plan)
+    }
+
+    /// The staging of full sharding; the decoder drops its fused buffers and keeps empty
+    /// gradient buffers (a unit's are allocated for its backward).
+    fn hold_units(&mut self, mut st: ShardedOptim<B>) -> Result<ShardedOptim<B>> {
         let b = &self.backend;
         let cd = b.compute_dtype();
         let padded = st.plan.max_padded();
         let max_shard = st.plan.buckets.iter().map(|k| k.shard).max().unwrap_or(0);
-        let full = FullShard {
+        st.full = Some(FullShard {
             gathered: b.alloc_as(padded, cd)?,
             reduced: b.alloc(max_shard)?,
             tied: self.head == self.embed,
-        };
+        });
         st.stats.staging_bytes = (padded * 4 + padded * dtype_bytes(cd) + max_shard * 4) as u64;
-        st.full = Some(full);
         // The fused projections are parts of the full weights: training runs the split GEMMs.
         self.fused.clear();
         for ly in &mut self.layers {
             (ly.qkv, ly.qkv_b, ly.gate_up) = (None, None, None);
+        }
+        for w in &mut self.w {
+            *w = b.alloc_as(0, cd)?;
         }
         self.g = (0..self.w.len())
             .map(|_| b.alloc(0))
@@ -148,7 +212,7 @@ impl<B: Backend> Decoder<B> {
         plan: BucketPlan,
         full: bool,
     ) -> Result<ShardedOptim<B>> {
-        let (rank, world) = (comm.rank(), comm.world_size());
+        let rank = comm.rank();
         let b = &self.backend;
         let cut = |full: &[B::Buf]| -> Result<Vec<B::Buf>> {
             let mut out = Vec::with_capacity(plan.buckets.len());
@@ -168,6 +232,34 @@ impl<B: Backend> Decoder<B> {
         } else {
             &self.master
         })?;
+        // Each full copy is freed as soon as its shard is cut, so the peak is the full state
+        // plus one kind of shard, not plus all of them.
+        self.master.clear();
+        let mv = match self.m.is_empty() {
+            false => {
+                let m = cut(&self.m)?;
+                self.m.clear();
+                let v = cut(&self.v)?;
+                self.v.clear();
+                Some((m, v))
+            }
+            true => None,
+        };
+        self.assemble(rank, plan, master, mv, full)
+    }
+
+    /// This rank's optimizer from its master shards and its moments' (None: zeros); under
+    /// `full`, the compute shards start from the masters.
+    fn assemble(
+        &mut self,
+        rank: usize,
+        plan: BucketPlan,
+        master: Vec<B::Buf>,
+        mv: Option<(Vec<B::Buf>, Vec<B::Buf>)>,
+        full: bool,
+    ) -> Result<ShardedOptim<B>> {
+        let b = &self.backend;
+        let world = plan.world_size;
         let dtype = b.compute_dtype();
         let mut compute: Vec<B::Buf> = match dtype {
             DType::F32 => Vec::new(),
@@ -177,28 +269,16 @@ impl<B: Backend> Decoder<B> {
                 .map(|k| b.alloc_as(k.shard, dtype))
                 .collect::<Result<_>>()?,
         };
-        // Each full copy is freed as soon as its shard is cut, so the peak is the full state
-        // plus one kind of shard, not plus all of them.
-        self.master.clear();
         if full {
             // The passes gather the compute weights from these shards from the first one on.
             for (k, c) in compute.iter_mut().enumerate() {
                 b.copy(c, 0, &master[k], 0, plan.buckets[k].shard)?;
             }
-            for w in &mut self.w {
-                *w = b.alloc_as(0, dtype)?;
-            }
         }
-        let moments = !self.m.is_empty();
-        let (m, v) = match moments {
-            true => {
-                let m = cut(&self.m)?;
-                self.m.clear();
-                let v = cut(&self.v)?;
-                self.v.clear();
-                (m, v)
-            }
-            false => (cut_zeros(b, &plan)?, cut_zeros(b, &plan)?),
+        let moments = mv.is_some();
+        let (m, v) = match mv {
+            Some(mv) => mv,
+            None => (cut_zeros(b, &plan)?, cut_zeros(b, &plan)?),
         };
         let grad = cut_zeros(b, &plan)?;
         let padded = plan.max_padded();

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use super::optim::{adamw_step, check_hyper, clip_scale};
 use super::{AdamWParams, Decoder, OptimizerState, StepReport};
-use crate::backend::{Backend, DType};
+use crate::backend::{Backend, DType, Device};
 use crate::dist::bucket::{BucketPlan, WeightSync};
 use crate::dist::comm::dtype_bytes;
 use crate::dist::{Collective, Comm, ReduceOp};
@@ -255,7 +255,7 @@ impl<B: Backend> Decoder<B> {
         rank: usize,
         plan: BucketPlan,
         master: Vec<B::Buf>,
-        mv: Option<(Vec<B::Buf>, Vec<B::Buf>)>,
+        mv: Option<Moments<B>>,
         full: bool,
     ) -> Result<ShardedOptim<B>> {
         let b = &self.backend;
@@ -541,6 +541,9 @@ impl<B: Backend> ShardedOptim<B> {
         Ok(())
     }
 }
+
+/// The shards of Adam's first and second moments, one buffer per bucket each.
+type Moments<B> = (Vec<<B as Device>::Buf>, Vec<<B as Device>::Buf>);
 
 /// Zero shards of every bucket of `plan`.
 fn cut_zeros<B: Backend>(b: &B, plan: &BucketPlan) -> Result<Vec<B::Buf>> {

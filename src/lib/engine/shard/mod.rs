@@ -7,6 +7,10 @@
 //! are summed, and the optimizer step is [`Decoder::sharded_step`]: gradients reduce-scattered,
 //! global-norm clipping, AdamW on this rank's 1/N of the f32 masters and moments, weights
 //! all-gathered. The result is the one-rank result up to the order of the floating-point sums.
+//! [`ShardMode::Full`] (FSDP / ZeRO-3) shards the compute weights too: the optimizer from
+//! [`Decoder::shard_full`] or [`Decoder::new_full`] makes the policy's passes gather each unit
+//! before it runs and reduce-scatter its gradients as soon as its backward is done
+//! ([`Holding`]); every rank then runs the same passes ([`Policy::lockstep`]).
 //!
 //! The entry points for a caller that holds a rank's decoder (the `update` stage under
 //! `tandem launch`, a per-rank daemon): [`train_sharded`] for one update call, or

@@ -751,7 +751,8 @@ mod tests {
                         for t in r[0]..r[1] {
                             if mask[t] != 0 {
                                 w[t] = norm.row_weight(agg, valid).unwrap() as f32;
-                                w[n + t] = norm.row_weight(AggMode::TokenMean, valid).unwrap() as f32;
+                                w[n + t] =
+                                    norm.row_weight(AggMode::TokenMean, valid).unwrap() as f32;
                                 w[2 * n + t] = w[t];
                             }
                         }

@@ -112,14 +112,25 @@ impl Exchange {
         if index == 0 {
             return Ok(value);
         }
-        let v: serde_json::Value = serde_json::from_slice(&value)
-            .map_err(|e| anyhow!("rank {rank}'s failure report is not JSON: {e}"))?;
-        Err(RankFailed {
-            rank: v["rank"].as_u64().map_or(rank, |r| r as usize),
-            message: v["message"].as_str().unwrap_or("failed").to_string(),
-            input: v["input"].as_bool().unwrap_or(false),
+        Err(failure_report(rank, &value)?.into())
+    }
+
+    /// Waits until a rank other than this one marks the job failed (its failure), or until
+    /// `stop` says to give up (None): a daemon rank stops its own part of a job at once when
+    /// another rank's part failed or was cancelled.
+    pub fn watch_others(&self, stop: &dyn Fn() -> bool) -> Result<Option<RankFailed>> {
+        let store = self
+            .pg
+            .store()
+            .expect("a group of several ranks has a store");
+        let others: Vec<usize> = (0..self.world_size())
+            .filter(|&r| r != self.rank())
+            .collect();
+        let keys: Vec<String> = others.iter().map(|&r| self.fail_key(r)).collect();
+        match store.get_any(&keys, None, stop)? {
+            None => Ok(None),
+            Some((index, value)) => failure_report(others[index], &value).map(Some),
         }
-        .into())
     }
 
     /// Rank 0 gets every rank's `part` in rank order (its own first); the others get None once
@@ -177,6 +188,17 @@ impl Exchange {
             let _ = store.set(&self.fail_key(self.rank()), v.to_string().as_bytes());
         }
     }
+}
+
+/// Reads the failure report `rank` left in the store.
+fn failure_report(rank: usize, value: &[u8]) -> Result<RankFailed> {
+    let v: serde_json::Value = serde_json::from_slice(value)
+        .map_err(|e| anyhow!("rank {rank}'s failure report is not JSON: {e}"))?;
+    Ok(RankFailed {
+        rank: v["rank"].as_u64().map_or(rank, |r| r as usize),
+        message: v["message"].as_str().unwrap_or("failed").to_string(),
+        input: v["input"].as_bool().unwrap_or(false),
+    })
 }
 
 /// An error another rank reported, as this rank's error: an input error stays one (exit 2).

@@ -209,7 +209,13 @@ impl StageJob {
     /// ref-logprob (old-logprob is ref-logprob on the policy). The others run on rank 0 alone
     /// under a launcher (`update` until the sharded trainer makes it rank-aware).
     pub fn splits_over_ranks(&self) -> bool {
-        matches!(self, StageJob::Rollout(_) | StageJob::RefLogprob(_))
+        StageJob::stage_splits_over_ranks(self.name())
+    }
+
+    /// [`StageJob::splits_over_ranks`] by the stage's name: the one list of the stages the
+    /// ranks (of a launch or of a daemon group) share; the others run on rank 0 alone.
+    pub fn stage_splits_over_ranks(name: &str) -> bool {
+        matches!(name, "rollout" | "ref-logprob")
     }
 
     /// The `--metrics` file the stage writes, if any.

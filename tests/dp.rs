@@ -531,6 +531,31 @@ impl Drop for DaemonGroup {
     }
 }
 
+/// Polls `daemon-ctl status` of a group until its ranks' statuses satisfy `done` (30 s at
+/// most); returns them.
+fn wait_ranks(
+    socket: &Path,
+    what: &str,
+    done: impl Fn(&[serde_json::Value]) -> bool,
+) -> Vec<serde_json::Value> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let st = ctl(socket, "status");
+        assert!(
+            st.status.success(),
+            "{}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+        let status: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+        let ranks = status["ranks"].as_array().unwrap().clone();
+        if done(&ranks) {
+            return ranks;
+        }
+        assert!(t0.elapsed().as_secs() < 30, "waiting for {what}: {status}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 fn ctl(socket: &Path, what: &str) -> Output {
     Command::new(TANDEM)
         .args(["daemon-ctl", "--socket", p(socket), what])
@@ -541,7 +566,8 @@ fn ctl(socket: &Path, what: &str) -> Output {
 /// Two daemons under the launcher serve rollout and ref-logprob together: the same rows as
 /// one process, rank 0 at the socket the stages name, rank 1 at SOCKET.rank1 (both 0600),
 /// `status` shows both ranks and the jobs each ran, a job sent to rank 1 is refused, bad
-/// input is exit 2 with no output, and `shutdown` ends the group with exit 0.
+/// input is exit 2 with no output, a client killed mid-rollout cancels the job on both ranks,
+/// and `shutdown` on rank 1's socket ends the group with exit 0.
 #[test]
 fn a_daemon_group_serves_rollout_and_ref_logprob_data_parallel() {
     use std::os::unix::fs::PermissionsExt;
@@ -593,22 +619,35 @@ fn a_daemon_group_serves_rollout_and_ref_logprob_data_parallel() {
     args.extend(["--daemon", p(&rank1)]);
     input_error("rollout", &args, "this daemon is rank 1 of a group of 2");
 
-    let st = ctl(&socket, "status");
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    let status: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
-    let ranks = status["ranks"].as_array().unwrap();
-    assert_eq!(ranks.len(), 2, "{status}");
+    // A client killed mid-rollout cancels the job on both ranks; nothing is written.
+    let long = d.join("long.parquet");
+    let mut client = Command::new(bin("rollout"))
+        .args(["--model", p(&model), "--in", p(&input), "--out", p(&long)])
+        .args(["--n", "16", "--max-new-tokens", "1500", "--ignore-eos"])
+        .args(["--daemon", p(&socket)])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_ranks(&socket, "rank 1 to run the rollout", |r| {
+        r[1]["running"] == "rollout"
+    });
+    client.kill().unwrap();
+    client.wait().unwrap();
+    let t0 = std::time::Instant::now();
+    let ranks = wait_ranks(&socket, "both ranks to cancel the job", |r| {
+        r.iter()
+            .all(|s| s["running"].is_null() && s["jobs_cancelled"] == 1)
+    });
+    eprintln!("cancelled on both ranks {:?} after the kill", t0.elapsed());
+    assert!(!long.exists());
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
     for (r, s) in ranks.iter().enumerate() {
-        assert_eq!(s["rank"], r, "{status}");
-        assert_eq!(s["world_size"], 2, "{status}");
-        assert_eq!(s["jobs_done"], 2, "{status}");
-        assert_eq!(s["jobs_failed"], 1, "{status}");
+        assert_eq!(s["rank"], r, "{ranks:?}");
+        assert_eq!(s["world_size"], 2, "{ranks:?}");
+        assert_eq!(s["jobs_done"], 2, "{ranks:?}");
+        assert_eq!(s["jobs_failed"], 1, "{ranks:?}");
     }
-    assert_ne!(ranks[0]["pid"], ranks[1]["pid"], "{status}");
+    assert_ne!(ranks[0]["pid"], ranks[1]["pid"], "{ranks:?}");
 
     // shutdown on rank 1's socket ends the whole group, cleanly.
     assert!(ctl(&rank1, "shutdown").status.success());

@@ -732,10 +732,15 @@ fn run_job<B: Backend>(
             )),
         }
     });
-    // Cancelled because another rank's part failed: that failure is this part's error too;
-    // every rank waiting for this one stops with it.
+    // Stopped because another rank's part failed: that failure is this part's error too
+    // (every rank waiting for this one stops with it); a part cancelled because rank 0's
+    // client went away stays a cancelled job.
     let result = match (result, peer_failed.into_inner().expect("peer")) {
-        (Err(e), Some(f)) if cancel::is_cancelled(&e) => Err(f.into()),
+        (Err(e), Some(f))
+            if cancel::is_cancelled(&e) && f.message != cancel::Cancelled.to_string() =>
+        {
+            Err(f.into())
+        }
         (r, _) => r,
     };
     let result = match (result, ranks) {
@@ -763,8 +768,12 @@ fn run_job<B: Backend>(
         s.resident = resident.status();
     }
     if cancelled {
+        let whose = match reply {
+            Some(_) => "its client",
+            None => "rank 0's client",
+        };
         eprintln!(
-            "daemon: the {name} job was cancelled after {:.1} s: its client went away; nothing was written",
+            "daemon: the {name} job was cancelled after {:.1} s: {whose} went away; nothing was written",
             started.elapsed().as_secs_f64()
         );
     } else if let (Err(e), None) = (&result, &reply) {

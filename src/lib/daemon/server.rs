@@ -55,6 +55,8 @@ pub struct DaemonArgs {
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// The unix socket to listen on (created with mode 0600; put it in the run directory).
+    /// Under a launcher (one daemon per GPU) rank 0 listens here and takes the jobs, rank r on
+    /// SOCKET.rank<r>.
     #[arg(long)]
     pub socket: PathBuf,
     /// The policy to load at start: a model directory or a sync-weights pointer file.

@@ -152,6 +152,9 @@ EOF
       --n 8 --max-new-tokens 512 --ignore-eos --device cuda --daemon "$W/fault_d.sock" \
       --out "$W/fault_d.parquet" > "$OUT/fault_client.log" 2>&1
     crc=$?
+    # The group should be gone by itself; stopped here after 90 s if not.
+    for _ in $(seq 90); do kill -0 "$group" 2> /dev/null || break; sleep 1; done
+    kill "$group" 2> /dev/null
     wait "$group"; grc=$?
     echo "fault (daemon group): client rc=$crc, group launcher rc=$grc, $((SECONDS - start)) s after the job was sent; output file: $([ -e "$W/fault_d.parquet" ] && echo WRITTEN || echo none)"
     grep -m1 'error' "$OUT/fault_client.log"

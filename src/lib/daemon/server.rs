@@ -366,7 +366,12 @@ fn serve<B: Backend>(
     let _ = acceptor.join();
     // Jobs that were queued behind the last one are refused, not dropped silently.
     while let Ok(w) = rx.try_recv() {
-        refuse(w, "the daemon is shutting down; the job did not run", false);
+        refuse(
+            w,
+            &shared,
+            "the daemon is shutting down; the job did not run",
+            false,
+        );
     }
     std::fs::remove_file(&socket).ok();
     // Every rank of a group ends together, so that no rank's exit looks like a crash.
@@ -378,8 +383,12 @@ fn serve<B: Backend>(
     served.and(finished)
 }
 
-/// Answers a job that will not run.
-fn refuse(w: Work, message: &str, input_error: bool) {
+/// Answers a job that will not run (and takes it off the queued count).
+fn refuse(w: Work, shared: &Mutex<Shared>, message: &str, input_error: bool) {
+    {
+        let mut s = shared.lock().expect("shared");
+        s.queued = s.queued.saturating_sub(1);
+    }
     if let Some(reply) = &w.reply {
         reply.send(&Response::Error {
             message: message.into(),
@@ -423,9 +432,13 @@ fn lead<B: Backend>(
             Err(mpsc::RecvTimeoutError::Timeout) => continue,
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
-        let Some(pg) = group else {
-            run_job(resident, work, shared, home, None);
-            continue;
+        // Alone, or a job whose client left while it waited (dropped without running).
+        let pg = match group {
+            Some(pg) if !work.cancel.is_cancelled() => pg,
+            _ => {
+                run_job(resident, work, shared, home, None);
+                continue;
+            }
         };
         if !work.job.splits_over_ranks() {
             if let StageJob::Update(a) = &*work.job {
@@ -434,7 +447,7 @@ fn lead<B: Backend>(
                         "update --resident on a daemon group of {} ranks: update runs on rank 0 alone until it is rank-aware, and the other ranks could not read weights kept in rank 0's memory; drop --resident (the pipeline runner does at gpus > 1)",
                         pg.world_size()
                     );
-                    refuse(work, &msg, true);
+                    refuse(work, shared, &msg, true);
                     continue;
                 }
             }
@@ -449,7 +462,7 @@ fn lead<B: Backend>(
         };
         let store = pg.store().expect("a group of several ranks has a store");
         if let Err(e) = store.set(&job_key(n), serde_json::to_string(&req)?.as_bytes()) {
-            refuse(work, &format!("{e:#}"), false);
+            refuse(work, shared, &format!("{e:#}"), false);
             continue;
         }
         let x = Exchange::new(pg.clone(), format!("{}-{n}", work.job.name()));

@@ -410,4 +410,42 @@ mod tests {
         assert!(is_input_error(e), "{e:#}");
         assert_eq!(format!("{e:#}"), "rank 2: bad row 3");
     }
+
+    /// `watch_others` gives up when told to, and returns another rank's failure (not its
+    /// own) once that rank marks the job failed.
+    #[test]
+    fn watch_others_sees_another_ranks_failure() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let opts = Options::in_process(std::time::Duration::from_secs(20));
+        let handles: Vec<_> = (0..2)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let pg = Arc::new(ProcessGroup::new(World::local(r, 2, port), opts).unwrap());
+                    let x = Exchange::new(pg.clone(), "job7");
+                    let seen = if r == 0 {
+                        // Nothing failed yet: a watch that is told to stop returns None.
+                        assert!(x.watch_others(&|| true).unwrap().is_none());
+                        x.broadcast(Some(b"go")).unwrap();
+                        // Its own failure is not another rank's.
+                        x.fail(&anyhow!("mine"));
+                        x.watch_others(&|| false).unwrap()
+                    } else {
+                        // Rank 1 fails once rank 0 has watched in vain.
+                        x.broadcast(None).unwrap();
+                        x.fail(&crate::error::input_error("bad row 1"));
+                        None
+                    };
+                    pg.finish_shared().unwrap();
+                    seen
+                })
+            })
+            .collect();
+        let seen: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let f = seen[0].as_ref().expect("rank 0 saw rank 1's failure");
+        assert_eq!((f.rank, f.input), (1, true));
+        assert_eq!(f.to_string(), "rank 1: bad row 1");
+    }
 }

@@ -331,9 +331,7 @@ fn serve<B: Backend>(
             let reason = health.failure().map(|f| f.reason).unwrap_or_default();
             if let Some(reply) = shared.lock().ok().and_then(|s| s.current.clone()) {
                 reply.send(&Response::Error {
-                    message: format!(
-                        "the daemon group failed: {reason}; the job stopped and nothing was written"
-                    ),
+                    message: format!("{:#}", group_failed(&reason)),
                     input_error: false,
                 });
             }
@@ -381,6 +379,11 @@ fn serve<B: Backend>(
     };
     eprintln!("daemon: stopped, {} removed", socket.display());
     served.and(finished)
+}
+
+/// What the client of a job hears when the daemon group fails under it.
+fn group_failed(reason: &str) -> anyhow::Error {
+    anyhow::anyhow!("the daemon group failed: {reason}; the job stopped and nothing was written")
 }
 
 /// Answers a job that will not run (and takes it off the queued count).
@@ -794,6 +797,18 @@ fn run_job<B: Backend>(
     } else if let (Err(e), None) = (&result, &reply) {
         eprintln!("daemon: the {name} job failed: {e:#}");
     }
+    // The group failed under the job (a rank died): the message the failure hook sends too,
+    // whichever reaches the client first.
+    let group_failure = shared
+        .lock()
+        .expect("shared")
+        .group
+        .as_ref()
+        .and_then(|g| g.health.failure());
+    let result = match (result, group_failure) {
+        (Err(_), Some(f)) => Err(group_failed(&f.reason)),
+        (r, _) => r,
+    };
     if let Some(reply) = &reply {
         match result {
             Ok(()) => reply.send(&Response::Done { metrics }),

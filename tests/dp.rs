@@ -619,6 +619,25 @@ fn a_daemon_group_serves_rollout_and_ref_logprob_data_parallel() {
     args.extend(["--daemon", p(&rank1)]);
     input_error("rollout", &args, "this daemon is rank 1 of a group of 2");
 
+    // update runs on rank 0 alone for now: weights kept in its memory only are refused.
+    let kept = d.join("kept");
+    let args = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&one),
+        "--out-model",
+        p(&kept),
+        "--resident",
+        "--daemon",
+        p(&socket),
+    ];
+    input_error(
+        "update",
+        &args,
+        "update --resident on a daemon group of 2 ranks",
+    );
+    assert!(!kept.exists());
     // A client killed mid-rollout cancels the job on both ranks; nothing is written.
     let long = d.join("long.parquet");
     let mut client = Command::new(bin("rollout"))

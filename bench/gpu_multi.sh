@@ -11,8 +11,11 @@
 #   grpo     whole GRPO steps (64 prompts x 8 x 512 tokens per GPU, random 0.5B shape, old-logprob
 #            pass, in-process stages) through the pipeline at gpus = 1 and gpus = N: rollout and
 #            log-probs and update (sharded optimizer) data parallel
+#   grpod    the same steps with daemon = true: one warm daemon at gpus = 1, a daemon group (one
+#            daemon per GPU under tandem launch) at gpus = N
 #   fault    SIGKILL of rank 1 of a data-parallel rollout mid-generation: the launcher and the
-#            other ranks stop within 60 s naming it, and no output file is written (N >= 2)
+#            other ranks stop within 60 s naming it, and no output file is written (N >= 2);
+#            the same for rank 1 of a daemon group serving a rollout (the client says so)
 # Expects the stripped release binaries (tandem, pipeline, rollout, score, advantage,
 # ref-logprob, update, sync-weights) and prompts.parquet (`tandem prepare gsm8k`) in $D.
 #   D=.device N=2 bench/gpu_multi.sh                 (OUT defaults to /tmp/gpu_multi)
@@ -22,7 +25,7 @@ set -u
 D=${D:-.device}
 T=$D/tandem
 N=${N:-2}
-PARTS=${PARTS:-check rollout grpo fault}
+PARTS=${PARTS:-check rollout grpo grpod fault}
 OUT=${OUT:-/tmp/gpu_multi}
 W=${W:-/tmp/gpu_multi_work}
 mkdir -p "$OUT" "$W"
@@ -72,16 +75,18 @@ PY
       echo "rows 1 vs $N ranks rc=$?"; tail -3 "$OUT/rollout_compare.txt"
     fi
     ;;
-  grpo)
+  grpo|grpod)
     q05
+    dm=$([ "$part" = grpod ] && echo true || echo false)
     [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
       --out "$W/add.parquet" > /dev/null
     for n in 1 $([ "$N" -gt 1 ] && echo "$N"); do
-      cat > "$W/grpo_$n.toml" <<EOF
+      cat > "$W/${part}_$n.toml" <<EOF
 seed = 1
 steps = ${GRPO_STEPS:-3}
 device = "cuda"
 gpus = $n
+daemon = $dm
 [model]
 path = "$W/q05"
 [data]
@@ -102,11 +107,12 @@ lr = 0.000001
 mini-batch-size = $((128 * n))
 micro-batch-tokens = 16384
 EOF
-      rm -rf "$W/grpo_run_$n"
-      TANDEM_BIN_DIR=$D $D/pipeline run "$W/grpo_$n.toml" --run-dir "$W/grpo_run_$n" \
-        > "$OUT/grpo_$n.log" 2>&1
-      echo "pipeline gpus=$n rc=$?"
-      cp "$W/grpo_run_$n/metrics.jsonl" "$OUT/grpo_$n.jsonl" 2> /dev/null
+      rm -rf "$W/${part}_run_$n"
+      TANDEM_BIN_DIR=$D $D/pipeline run "$W/${part}_$n.toml" --run-dir "$W/${part}_run_$n" \
+        > "$OUT/${part}_$n.log" 2>&1
+      echo "pipeline $part gpus=$n rc=$?"
+      cp "$W/${part}_run_$n/metrics.jsonl" "$OUT/${part}_$n.jsonl" 2> /dev/null
+      cp "$W/${part}_run_$n/daemon.log" "$OUT/${part}_daemon_$n.log" 2> /dev/null
     done
     ;;
   fault)
@@ -131,6 +137,28 @@ EOF
     wait "$launcher"; rc=$?
     echo "fault: SIGKILL rank 1 (pid ${victim:-none}) after $((killed - start)) s; launcher rc=$rc after $((SECONDS - killed)) s more; output file: $([ -e "$W/fault.parquet" ] && echo WRITTEN || echo none)"
     grep -m2 -E '^error: rank|rank 1' "$OUT/fault.log"
+    # The same on a daemon group: rank 1's daemon SIGKILLs itself after generating its share.
+    rm -f "$W/fault_d.parquet" "$W/fault_d.marker" "$W/fault_d.sock"*
+    TANDEM_DAEMON_KILL_IN_ROLLOUT="$W/fault_d.marker" TANDEM_DAEMON_KILL_RANK=1 \
+      $T launch --nproc-per-node "$N" -- $T daemon --device cuda --socket "$W/fault_d.sock" \
+      --policy "$W/q05" > "$OUT/fault_daemon.log" 2>&1 &
+    group=$!
+    for _ in $(seq 600); do
+      $T daemon-ctl --socket "$W/fault_d.sock" health > /dev/null 2>&1 && break
+      sleep 1
+    done
+    start=$SECONDS
+    $D/rollout --model "$W/q05" --in "$D/prompts.parquet" --limit $((64 * N)) --raw-prompt \
+      --n 8 --max-new-tokens 512 --ignore-eos --device cuda --daemon "$W/fault_d.sock" \
+      --out "$W/fault_d.parquet" > "$OUT/fault_client.log" 2>&1
+    crc=$?
+    # The group should be gone by itself; stopped here after 90 s if not.
+    for _ in $(seq 90); do kill -0 "$group" 2> /dev/null || break; sleep 1; done
+    kill "$group" 2> /dev/null
+    wait "$group"; grc=$?
+    echo "fault (daemon group): client rc=$crc, group launcher rc=$grc, $((SECONDS - start)) s after the job was sent; output file: $([ -e "$W/fault_d.parquet" ] && echo WRITTEN || echo none)"
+    grep -m1 'error' "$OUT/fault_client.log"
+    grep -m2 -E 'stopping: rank 1|^error: rank 1' "$OUT/fault_daemon.log"
     ;;
   esac
 done
@@ -164,15 +192,16 @@ for n in sorted({1, N}):
         tps = m["response_tokens"] / max(m["generation_seconds"], 1e-9)
         base = base or tps
         rows.append(("rollout", str(n), "response tok/s (all ranks) / per GPU vs 1", f"{tps:.0f} / {100 * tps / n / base:.0f}%"))
-    try:
-        lines = [json.loads(l) for l in open(f"{out}/grpo_{n}.jsonl") if l.strip()]
-    except (OSError, ValueError):
-        lines = []
-    later = [l for l in lines if l.get("step", 0) >= 2] or lines
-    for k in ("time/rollout", "time/old", "time/ref", "time/update", "time/step", "perf/tokens_per_s", "perf/rollout_tokens_per_s"):
-        v = sorted(l[k] for l in later if k in l)
-        if v:
-            rows.append(("grpo", str(n), f"median {k} (steps 2+)", f"{v[len(v) // 2]:.3f}"))
+    for part in ("grpo", "grpod"):
+        try:
+            lines = [json.loads(l) for l in open(f"{out}/{part}_{n}.jsonl") if l.strip()]
+        except (OSError, ValueError):
+            lines = []
+        later = [l for l in lines if l.get("step", 0) >= 2] or lines
+        for k in ("time/rollout", "time/old", "time/ref", "time/update", "time/step", "perf/tokens_per_s", "perf/rollout_tokens_per_s"):
+            v = sorted(l[k] for l in later if k in l)
+            if v:
+                rows.append((part, str(n), f"median {k} (steps 2+)", f"{v[len(v) // 2]:.3f}"))
 print(f"{'part':8} {'ranks':5} {'metric':48} value")
 for r in rows:
     print(f"{r[0]:8} {r[1]:5} {r[2]:48} {r[3]}")

@@ -294,15 +294,10 @@ const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
 /// CPU: the `gpus = 2` run starts rollout, ref-logprob and update under `tandem launch`, its
 /// rollouts are shared by 2 ranks, and its first step's samples are the 1-rank run's. Bad
 /// `gpus` / `nodes` values are refused naming the key before anything runs.
-#[test]
-fn a_gpus_2_pipeline_runs_end_to_end() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    model_and_train_set(d);
-    let bins = Path::new(TANDEM).parent().unwrap();
-    let spec = |top: &str| {
-        format!(
-            r#"
+/// The two-step GRPO spec of the pipeline tests, with `top` at its top level.
+fn spec(top: &str) -> String {
+    format!(
+        r#"
 seed = 3
 steps = 2
 {top}
@@ -324,29 +319,45 @@ estimator = "grpo"
 lr = 0.001
 mini-batch-size = 3
 "#
-        )
-    };
-    let run = |name: &str, text: &str, extra: &[&str]| {
-        std::fs::write(d.join(format!("{name}.toml")), text).unwrap();
-        Command::new(PIPELINE)
-            .current_dir(d)
-            .args(["run", &format!("{name}.toml"), "--run-dir", name])
-            .args(extra)
-            .env("TANDEM_BIN_DIR", bins)
-            .env("RAYON_NUM_THREADS", "1")
-            .env_remove("WORLD_SIZE")
-            .env_remove("RANK")
-            .output()
-            .unwrap()
-    };
+    )
+}
+
+/// `pipeline run NAME.toml --run-dir NAME` in `d` with `text` as the spec.
+fn run_pipeline(d: &Path, name: &str, text: &str, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let bins = Path::new(TANDEM).parent().unwrap();
+    std::fs::write(d.join(format!("{name}.toml")), text).unwrap();
+    Command::new(PIPELINE)
+        .current_dir(d)
+        .args(["run", &format!("{name}.toml"), "--run-dir", name])
+        .args(extra)
+        .env("TANDEM_BIN_DIR", bins)
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("WORLD_SIZE")
+        .env_remove("RANK")
+        .env_remove("TANDEM_DAEMON")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
+fn pipeline_ok(d: &Path, name: &str, top: &str, env: &[(&str, &str)]) -> Output {
+    let o = run_pipeline(d, name, &spec(top), &[], env);
+    assert!(
+        o.status.success(),
+        "{name}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+#[test]
+fn a_gpus_2_pipeline_runs_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d);
     for (name, top) in [("one", ""), ("two", "gpus = 2")] {
-        let o = run(name, &spec(top), &[]);
-        assert!(
-            o.status.success(),
-            "{name}: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
+        pipeline_ok(d, name, top, &[]);
     }
     let commands = std::fs::read_to_string(d.join("two/commands.sh")).unwrap();
     for stage in ["/rollout ", "/ref-logprob ", "/update "] {
@@ -393,12 +404,8 @@ mini-batch-size = 3
             "nodes = 2: a pipeline runs on one machine for now (nodes = 1)",
         ),
         ("gpus = 0", "gpus must be at least 1"),
-        (
-            "gpus = 2\ndaemon = true",
-            "gpus = 2 with daemon = true: one daemon per GPU is not there yet; set daemon = false",
-        ),
     ] {
-        let o = run("refused", &spec(top), &["--dry-run"]);
+        let o = run_pipeline(d, "refused", &spec(top), &["--dry-run"], &[]);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "{top}: {err}");
         assert!(err.contains(want), "{top}: {err}");
@@ -460,4 +467,343 @@ fn torchrun_variables_share_the_rollout() {
     assert!(String::from_utf8_lossy(&outs[0].stderr).contains("rollout: 5 prompts x 2"));
     assert!(!String::from_utf8_lossy(&outs[1].stderr).contains("rollout: 5 prompts"));
     same_rows(&read(&one), &read(&out), "rollout, torchrun variables");
+}
+
+/// A daemon group: `tandem launch --nproc-per-node n -- tandem daemon ...` on CPU ranks.
+/// Dropping it stops the launcher (and with it every rank).
+struct DaemonGroup {
+    launcher: std::process::Child,
+    socket: std::path::PathBuf,
+}
+
+impl DaemonGroup {
+    fn start(cwd: &Path, n: usize, socket: &Path, policy: &Path, extra: &[&str]) -> DaemonGroup {
+        use std::os::unix::process::CommandExt;
+        let mut c = Command::new(TANDEM);
+        for k in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ] {
+            c.env_remove(k);
+        }
+        // SAFETY: prctl only; a killed test takes its daemons down with it.
+        unsafe {
+            c.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let launcher = c
+            .current_dir(cwd)
+            .env("RAYON_NUM_THREADS", "1")
+            .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
+            .args(["tandem", "daemon", "--device", "cpu", "--socket"])
+            .arg(socket)
+            .arg("--policy")
+            .arg(policy)
+            .args(extra)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let g = DaemonGroup {
+            launcher,
+            socket: socket.to_path_buf(),
+        };
+        let t0 = std::time::Instant::now();
+        while ctl(&g.socket, "health").status.code() != Some(0) {
+            assert!(
+                t0.elapsed().as_secs() < 60,
+                "the daemon group did not come up"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        g
+    }
+}
+
+impl Drop for DaemonGroup {
+    fn drop(&mut self) {
+        let _ = self.launcher.kill();
+        let _ = self.launcher.wait();
+    }
+}
+
+/// Polls `daemon-ctl status` of a group until its ranks' statuses satisfy `done` (30 s at
+/// most); returns them.
+fn wait_ranks(
+    socket: &Path,
+    what: &str,
+    done: impl Fn(&[serde_json::Value]) -> bool,
+) -> Vec<serde_json::Value> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let st = ctl(socket, "status");
+        assert!(
+            st.status.success(),
+            "{}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+        let status: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+        let ranks = status["ranks"].as_array().unwrap().clone();
+        if done(&ranks) {
+            return ranks;
+        }
+        assert!(t0.elapsed().as_secs() < 30, "waiting for {what}: {status}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+fn ctl(socket: &Path, what: &str) -> Output {
+    Command::new(TANDEM)
+        .args(["daemon-ctl", "--socket", p(socket), what])
+        .output()
+        .unwrap()
+}
+
+/// Two daemons under the launcher serve rollout and ref-logprob together: the same rows as
+/// one process, rank 0 at the socket the stages name, rank 1 at SOCKET.rank1 (both 0600),
+/// `status` shows both ranks and the jobs each ran, a job sent to rank 1 is refused, bad
+/// input is exit 2 with no output, a client killed mid-rollout cancels the job on both ranks,
+/// and `shutdown` on rank 1's socket ends the group with exit 0.
+#[test]
+fn a_daemon_group_serves_rollout_and_ref_logprob_data_parallel() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 7);
+    let input = d.join("prompts.parquet");
+    prompts(&input, &QUESTIONS);
+    let (one, one_m) = (d.join("one.parquet"), d.join("one.json"));
+    ok("rollout", &rollout_args(&model, &input, &one, &one_m));
+    let one_ref = d.join("one-ref.parquet");
+    ok("ref-logprob", &ref_args(&model, &one, &one_ref));
+
+    let socket = d.join("g.sock");
+    let mut group = DaemonGroup::start(d, 2, &socket, &model, &[]);
+    for s in [socket.clone(), d.join("g.sock.rank1")] {
+        let mode = std::fs::metadata(&s).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{}: {mode:o}", s.display());
+    }
+    let (two, two_m) = (d.join("two.parquet"), d.join("two.json"));
+    let mut args = rollout_args(&model, &input, &two, &two_m);
+    args.extend(["--daemon", p(&socket)]);
+    ok("rollout", &args);
+    same_rows(&read(&one), &read(&two), "rollout on a 2-daemon group");
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&two_m).unwrap()).unwrap();
+    assert_eq!(m["ranks"], 2, "{m}");
+    assert_eq!(m["daemon"]["phase"], "rollout", "{m}");
+    let scored = d.join("two-ref.parquet");
+    let mut args = ref_args(&model, &one, &scored);
+    args.extend(["--daemon", p(&socket)]);
+    ok("ref-logprob", &args);
+    same_rows(
+        &read(&one_ref),
+        &read(&scored),
+        "ref-logprob on a 2-daemon group",
+    );
+
+    // Bad input: refused by every rank, exit 2, nothing written; the group serves on.
+    let missing = d.join("missing.parquet");
+    let bad_out = d.join("bad.parquet");
+    let mut args = ref_args(&model, &missing, &bad_out);
+    args.extend(["--daemon", p(&socket)]);
+    let err = input_error("ref-logprob", &args, "missing.parquet");
+    assert!(!bad_out.exists(), "{err}");
+    // Jobs go to rank 0; rank 1's socket takes status and shutdown only.
+    let mut args = rollout_args(&model, &input, &bad_out, &two_m);
+    let rank1 = d.join("g.sock.rank1");
+    args.extend(["--daemon", p(&rank1)]);
+    input_error("rollout", &args, "this daemon is rank 1 of a group of 2");
+
+    // update runs on rank 0 alone for now: weights kept in its memory only are refused.
+    let kept = d.join("kept");
+    let args = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&one),
+        "--out-model",
+        p(&kept),
+        "--resident",
+        "--daemon",
+        p(&socket),
+    ];
+    input_error(
+        "update",
+        &args,
+        "update --resident on a daemon group of 2 ranks",
+    );
+    assert!(!kept.exists());
+    // A client killed mid-rollout cancels the job on both ranks; nothing is written.
+    let long = d.join("long.parquet");
+    let mut client = Command::new(bin("rollout"))
+        .args(["--model", p(&model), "--in", p(&input), "--out", p(&long)])
+        .args(["--n", "16", "--max-new-tokens", "1500", "--ignore-eos"])
+        .args(["--daemon", p(&socket)])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_ranks(&socket, "rank 1 to run the rollout", |r| {
+        r[1]["running"] == "rollout"
+    });
+    client.kill().unwrap();
+    client.wait().unwrap();
+    let t0 = std::time::Instant::now();
+    let ranks = wait_ranks(&socket, "both ranks to cancel the job", |r| {
+        r.iter()
+            .all(|s| s["running"].is_null() && s["jobs_cancelled"] == 1)
+    });
+    eprintln!("cancelled on both ranks {:?} after the kill", t0.elapsed());
+    assert!(!long.exists());
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    for (r, s) in ranks.iter().enumerate() {
+        assert_eq!(s["rank"], r, "{ranks:?}");
+        assert_eq!(s["world_size"], 2, "{ranks:?}");
+        assert_eq!(s["jobs_done"], 2, "{ranks:?}");
+        assert_eq!(s["jobs_failed"], 1, "{ranks:?}");
+    }
+    assert_ne!(ranks[0]["pid"], ranks[1]["pid"], "{ranks:?}");
+
+    // shutdown on rank 1's socket ends the whole group, cleanly.
+    assert!(ctl(&rank1, "shutdown").status.success());
+    let t0 = std::time::Instant::now();
+    let code = loop {
+        if let Some(s) = group.launcher.try_wait().unwrap() {
+            break s.code();
+        }
+        assert!(t0.elapsed().as_secs() < 30, "the group did not stop");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(code, Some(0));
+    assert!(!socket.exists() && !rank1.exists());
+}
+
+/// Every file under `dir` (relative path, bytes), sorted.
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let path = e.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+            } else {
+                let rel = path.strip_prefix(dir).unwrap().display().to_string();
+                out.push((rel, std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// `gpus = 2` with `daemon = true`: the runner starts two daemons under the launcher and the
+/// model stages are their clients; the run ends with the same checkpoint and batches as the
+/// in-process `gpus = 2` run. Then the same run whose rank 1 daemon SIGKILLs itself in step
+/// 2's rollout: rank 0 stops naming rank 1 within the bound, the client says the group
+/// failed, the runner starts a new group and reruns the stage, and the run ends with the
+/// undisturbed run's files.
+#[test]
+fn a_gpus_2_daemon_pipeline_runs_and_survives_a_killed_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d);
+    pipeline_ok(d, "launch", "gpus = 2", &[]);
+    let t0 = std::time::Instant::now();
+    pipeline_ok(d, "group", "gpus = 2\ndaemon = true", &[]);
+    let undisturbed = t0.elapsed();
+    let commands = std::fs::read_to_string(d.join("group/commands.sh")).unwrap();
+    assert!(
+        commands.contains(" launch --nproc-per-node 2 -- "),
+        "{commands}"
+    );
+    for stage in ["/rollout ", "/ref-logprob ", "/update "] {
+        let lines: Vec<&str> = commands.lines().filter(|l| l.contains(stage)).collect();
+        assert_eq!(lines.len(), 2, "{stage}: {commands}");
+        // The stages are clients of the group: no launcher around them.
+        assert!(
+            lines
+                .iter()
+                .all(|l| l.contains("--daemon") && !l.contains(" launch ")),
+            "{stage}: {commands}"
+        );
+    }
+    for step in ["step-0001", "step-0002"] {
+        let m: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(d.join("group").join(step).join("metrics/rollout.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(m["ranks"], 2, "{m}");
+        assert!(m["daemon"].is_object(), "{m}");
+    }
+    // update runs on rank 0 alone and writes its files every step (the other rank reads the
+    // new policy from them): never --resident.
+    assert!(!commands.contains("--resident"), "{commands}");
+    let log = std::fs::read_to_string(d.join("group/daemon.log")).unwrap();
+    assert!(log.contains("(rank 1 of 2)"), "{log}");
+    let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0002"));
+    assert_eq!(final_files("launch"), final_files("group"));
+    for batch in ["rollout", "old", "adv"] {
+        let f = format!("step-0002/{batch}.parquet");
+        same_rows(
+            &read(&d.join("launch").join(&f)),
+            &read(&d.join("group").join(&f)),
+            &f,
+        );
+    }
+
+    // Rank 1 dies in step 2's rollout.
+    let marker = d.join("kill-marker");
+    let t0 = std::time::Instant::now();
+    let o = pipeline_ok(
+        d,
+        "killed",
+        "gpus = 2\ndaemon = true",
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+        ],
+    );
+    let disturbed = t0.elapsed();
+    assert!(marker.exists());
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let log = std::fs::read_to_string(d.join("killed/daemon.log")).unwrap();
+    assert!(
+        log.contains("rank 0: stopping: rank 1 (pid"),
+        "rank 0 names rank 1: {log}"
+    );
+    assert!(
+        log.contains("error: rank 1 failed (was killed by signal 9"),
+        "{log}"
+    );
+    assert!(out.contains("rollout failed with the daemon gone"), "{out}");
+    assert!(out.contains("the daemon group failed: rank 1"), "{out}");
+    // The group went down and a new one came up well inside a minute.
+    assert!(
+        disturbed < undisturbed + std::time::Duration::from_secs(60),
+        "{disturbed:?} vs {undisturbed:?}"
+    );
+    assert_eq!(final_files("group"), final_files("killed"));
+    for batch in ["rollout", "old", "adv"] {
+        let f = format!("step-0002/{batch}.parquet");
+        // Every column bit for bit (the files' metadata names their run directory).
+        let (a, b) = (
+            read(&d.join("group").join(&f)),
+            read(&d.join("killed").join(&f)),
+        );
+        assert_eq!(a.data.schema().fields(), b.data.schema().fields(), "{f}");
+        for (x, y) in a.data.columns().iter().zip(b.data.columns()) {
+            assert_eq!(x.to_data(), y.to_data(), "{f}");
+        }
+    }
 }

@@ -84,6 +84,20 @@ fn run_here(job: StageJob) -> Result<()> {
     pg.finish_shared()
 }
 
+/// The socket rank `rank` of a daemon group listens on (`tandem daemon` under a launcher, one
+/// per GPU): rank 0 on `socket` itself, which is what the stages' `--daemon` names, and rank
+/// r > 0 on `SOCKET.rank<r>` (for `daemon-ctl`; jobs go to rank 0, which hands them on).
+pub fn rank_socket(socket: &std::path::Path, rank: usize) -> PathBuf {
+    match rank {
+        0 => socket.to_path_buf(),
+        r => {
+            let mut s = socket.as_os_str().to_os_string();
+            s.push(format!(".rank{r}"));
+            PathBuf::from(s)
+        }
+    }
+}
+
 /// The daemon socket a stage should use: `--daemon`, else `TANDEM_DAEMON` when set and not
 /// empty.
 pub fn daemon_socket(flag: Option<&std::path::Path>) -> Option<PathBuf> {

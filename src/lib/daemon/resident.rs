@@ -39,6 +39,31 @@ pub const KILL_IN_UPDATE_ENV: &str = "TANDEM_DAEMON_KILL_IN_UPDATE";
 /// With [`KILL_IN_UPDATE_ENV`]: only in the update that makes this many update calls of the run
 /// (the `schedule_step` it saves), i.e. training step N of a pipeline.
 pub const KILL_AT_STEP_ENV: &str = "TANDEM_DAEMON_KILL_AT_STEP";
+/// Env var of the daemon-group fault test: like [`KILL_IN_UPDATE_ENV`], in a `rollout` job
+/// after this rank generated its share (before rank 0 writes anything); with
+/// [`KILL_AT_STEP_ENV`] only in the rollout of training step N (the policy of version N - 1),
+/// and with [`KILL_RANK_ENV`] only on that rank.
+pub const KILL_IN_ROLLOUT_ENV: &str = "TANDEM_DAEMON_KILL_IN_ROLLOUT";
+/// The rank (`RANK`, as the launcher sets it) that [`KILL_IN_ROLLOUT_ENV`] kills.
+pub const KILL_RANK_ENV: &str = "TANDEM_DAEMON_KILL_RANK";
+
+/// SIGKILLs this process when the marker file `marker_env` names does not exist yet (creating
+/// it, so that the fault happens once) and `when` holds: the restart tests' crash.
+fn kill_once(marker_env: &str, when: bool) {
+    let Some(marker) = std::env::var_os(marker_env).map(PathBuf::from) else {
+        return;
+    };
+    if when && !marker.exists() && std::fs::write(&marker, b"killed\n").is_ok() {
+        // SAFETY: kill(2) of this very process; nothing after it runs.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok())
+}
 
 /// A checkpoint as the daemon recognises it: its canonical directory and the size and
 /// modification time of each file in it, so a directory rewritten by someone else is reloaded.
@@ -520,6 +545,11 @@ impl<B: Backend> Exec for Resident<B> {
     fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<Generated> {
         let decoder = self.generation(model)?;
         let mut out = job.generate_on(decoder)?;
+        kill_once(
+            KILL_IN_ROLLOUT_ENV,
+            env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == model.policy_version + 1)
+                && env_u64(KILL_RANK_ENV).is_none_or(|r| Some(r) == env_u64("RANK")),
+        );
         out.load_s = self
             .job
             .get("load_seconds")
@@ -593,21 +623,10 @@ impl<B: Backend> Exec for Resident<B> {
             park_optimizer(slot, out.state.clone(), masters)?;
         }
         slot.decoder.backend().trim()?;
-        let at_step = std::env::var(KILL_AT_STEP_ENV)
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok());
-        if let Some(marker) = std::env::var_os(KILL_IN_UPDATE_ENV) {
-            let marker = PathBuf::from(marker);
-            if at_step.is_none_or(|s| s == slot.schedule_step)
-                && !marker.exists()
-                && std::fs::write(&marker, b"killed\n").is_ok()
-            {
-                // SAFETY: kill(2) of this very process; nothing after it runs.
-                unsafe {
-                    libc::kill(libc::getpid(), libc::SIGKILL);
-                }
-            }
-        }
+        kill_once(
+            KILL_IN_UPDATE_ENV,
+            env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step),
+        );
         out.load_seconds = load_s;
         Ok(out)
     }

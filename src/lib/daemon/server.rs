@@ -12,6 +12,15 @@
 //! [`Cancel`] flag. The engine's loops stop at their next step, the stage writes nothing, the
 //! half-trained policy is forgotten (reloaded from files by the next job), and the daemon serves
 //! the next client.
+//!
+//! A daemon group (`tandem launch --nproc-per-node N -- tandem daemon ...`, one rank per GPU):
+//! the ranks form one [`ProcessGroup`] that lives as long as they do. Rank 0 listens on
+//! `--socket` and takes the jobs; a job the stages split over ranks
+//! ([`StageJob::splits_over_ranks`]) it hands to every rank through the rendezvous store, in
+//! its order, and the ranks run the stage's code together (each its share, rank 0 writes the
+//! files), as the ranks of an in-process launch do; the other jobs rank 0 runs alone. Rank r > 0
+//! listens on `SOCKET.rank<r>` for `status`/`shutdown` only. A failed or cancelled part stops
+//! every rank's part; a rank that dies stops the whole group (`dist` failure handling).
 
 use super::protocol::{Reply, Request, Response};
 use super::resident::{Options, Resident};
@@ -19,9 +28,12 @@ use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
+use crate::dist::exchange::{as_local, RankFailed};
+use crate::dist::health::Health;
+use crate::dist::{Exchange, ProcessGroup, World};
 use crate::engine::cancel::{self, Cancel};
 use crate::error::is_input_error;
-use crate::stage::common::{resolve_model, Device, ModelRef};
+use crate::stage::common::{after_rank0, resolve_model, Device, ModelRef};
 use crate::stage::{ref_logprob, rollout, update, Exec, StageJob};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -43,6 +55,8 @@ pub struct DaemonArgs {
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// The unix socket to listen on (created with mode 0600; put it in the run directory).
+    /// Under a launcher (one daemon per GPU) rank 0 listens here and takes the jobs, rank r on
+    /// SOCKET.rank<r>.
     #[arg(long)]
     pub socket: PathBuf,
     /// The policy to load at start: a model directory or a sync-weights pointer file.
@@ -66,14 +80,37 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
-/// A job handed from a connection thread to the main thread.
+/// Store keys of a daemon group: job N as rank 0 hands it on (a `Request`: a job, or
+/// `shutdown` for the group's end), a rank's "loaded and listening", another rank's stop asked
+/// of rank 0.
+fn job_key(n: u64) -> String {
+    format!("daemon/job/{n}")
+}
+fn ready_key(rank: usize) -> String {
+    format!("daemon/ready/{rank}")
+}
+const STOP_REQUEST_KEY: &str = "daemon/stop-request";
+
+/// A job handed from a connection thread to the main thread (or, on a rank > 0 of a group,
+/// from rank 0: no client, its lines go to the daemon's log).
 struct Work {
     cwd: PathBuf,
     job: Box<StageJob>,
-    reply: Reply,
+    reply: Option<Reply>,
     done: mpsc::Sender<()>,
     /// Set by the connection's thread when the client goes away.
     cancel: Cancel,
+}
+
+/// This daemon's place in a daemon group.
+#[derive(Clone)]
+struct GroupInfo {
+    world: World,
+    rank: usize,
+    world_size: usize,
+    /// The group's socket (rank 0's), absolute.
+    base: PathBuf,
+    health: Arc<Health>,
 }
 
 /// What connection threads report without waiting for the main thread.
@@ -88,11 +125,14 @@ struct Shared {
     jobs_cancelled: u64,
     /// The models' part, refreshed by the main thread after each job.
     resident: Value,
+    group: Option<GroupInfo>,
+    /// The client of the running job (told when the group fails under it).
+    current: Option<Reply>,
 }
 
 impl Shared {
     fn snapshot(&self) -> Value {
-        json!({
+        let mut v = json!({
             "ok": true,
             "pid": std::process::id(),
             "socket": self.socket.display().to_string(),
@@ -103,8 +143,35 @@ impl Shared {
             "jobs_failed": self.jobs_failed,
             "jobs_cancelled": self.jobs_cancelled,
             "resident": self.resident,
-        })
+        });
+        if let Some(g) = &self.group {
+            v["rank"] = g.rank.into();
+            v["world_size"] = g.world_size.into();
+        }
+        v
     }
+}
+
+/// `status` of a group's rank 0: every rank's status in rank order (a rank that does not
+/// answer is shown with its error).
+fn group_status(mine: Value, g: &GroupInfo) -> Value {
+    let mut ranks = vec![mine.clone()];
+    for r in 1..g.world_size {
+        let socket = super::rank_socket(&g.base, r);
+        ranks.push(match super::client::request(&socket, &Request::Status) {
+            Ok(Response::Status { status }) => status,
+            Ok(Response::Error { message, .. }) => {
+                json!({"ok": false, "rank": r, "error": message})
+            }
+            Ok(other) => {
+                json!({"ok": false, "rank": r, "error": format!("unexpected answer {other:?}")})
+            }
+            Err(e) => json!({"ok": false, "rank": r, "error": format!("{e:#}")}),
+        });
+    }
+    let mut v = mine;
+    v["ranks"] = Value::Array(ranks);
+    v
 }
 
 pub fn run(args: DaemonArgs) -> Result<()> {
@@ -112,16 +179,30 @@ pub fn run(args: DaemonArgs) -> Result<()> {
         offload_optimizer: args.offload_optimizer,
         offload_ref: args.offload_ref,
     };
-    match args.device {
+    // Under a launcher: one rank of a daemon group, on the GPU of its local rank.
+    let world = World::from_env()?;
+    let group = match world.is_single() {
+        true => None,
+        false => Some(Arc::new(ProcessGroup::new(
+            world,
+            crate::dist::Options::from_env()?,
+        )?)),
+    };
+    let device = match &group {
+        Some(pg) => args.device.for_rank(pg.world())?,
+        None => args.device,
+    };
+    match device {
         Device::Cpu => serve(
             &args,
-            Resident::new(Box::new(|| Ok(Cpu)), args.device, opts),
+            Resident::new(Box::new(|| Ok(Cpu)), device, opts),
+            group,
         ),
         Device::Cuda(n) => {
             // Open the device once now so that a missing GPU is reported before anything else.
             CudaBackend::new(n)?;
             let make = Box::new(move || CudaBackend::new(n));
-            serve(&args, Resident::new(make, args.device, opts))
+            serve(&args, Resident::new(make, device, opts), group)
         }
     }
 }
@@ -183,8 +264,15 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
     Ok(cred.uid)
 }
 
-fn serve<B: Backend>(args: &DaemonArgs, mut resident: Resident<B>) -> Result<()> {
-    claim_socket(&args.socket)?;
+fn serve<B: Backend>(
+    args: &DaemonArgs,
+    mut resident: Resident<B>,
+    group: Option<Arc<ProcessGroup>>,
+) -> Result<()> {
+    let rank = group.as_ref().map_or(0, |pg| pg.rank());
+    let base = std::path::absolute(&args.socket)?;
+    let path = super::rank_socket(&base, rank);
+    claim_socket(&path)?;
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
@@ -196,8 +284,22 @@ fn serve<B: Backend>(args: &DaemonArgs, mut resident: Resident<B>) -> Result<()>
     if let Some(r) = &args.reference {
         resident.preload_ref(&resolve_model(r)?.dir)?;
     }
-    let listener = bind_private(&args.socket)?;
-    let socket = args.socket.canonicalize()?;
+    // A group answers on rank 0's socket once every rank has loaded and listens.
+    let listener = match group.as_ref().and_then(|pg| pg.store()) {
+        Some(store) if rank > 0 => {
+            let l = bind_private(&path)?;
+            store.set(&ready_key(rank), b"1")?;
+            l
+        }
+        Some(store) => {
+            for r in 1..group.as_ref().map_or(1, |pg| pg.world_size()) {
+                store.get_any(&[ready_key(r)], None, &|| false)?;
+            }
+            bind_private(&path)?
+        }
+        None => bind_private(&path)?,
+    };
+    let socket = path.canonicalize()?;
     resident.set_socket(&socket);
     let home = std::env::current_dir()?;
     let shared = Arc::new(Mutex::new(Shared {
@@ -209,11 +311,40 @@ fn serve<B: Backend>(args: &DaemonArgs, mut resident: Resident<B>) -> Result<()>
         jobs_failed: 0,
         jobs_cancelled: 0,
         resident: resident.status(),
+        group: group.as_ref().map(|pg| GroupInfo {
+            world: pg.world().clone(),
+            rank,
+            world_size: pg.world_size(),
+            base: base.clone(),
+            health: pg.health().clone(),
+        }),
+        current: None,
     }));
+    if let Some(pg) = &group {
+        // The group failed (a rank died or hung): the running job's client hears why before
+        // this process ends (the failure handling ends it after its grace period).
+        let (weak, health) = (Arc::downgrade(&shared), Arc::downgrade(pg.health()));
+        pg.health().on_failure(move || {
+            let (Some(shared), Some(health)) = (weak.upgrade(), health.upgrade()) else {
+                return;
+            };
+            let reason = health.failure().map(|f| f.reason).unwrap_or_default();
+            if let Some(reply) = shared.lock().ok().and_then(|s| s.current.clone()) {
+                reply.send(&Response::Error {
+                    message: format!("{:#}", group_failed(&reason)),
+                    input_error: false,
+                });
+            }
+        });
+    }
+    let ranks_note = match &group {
+        Some(pg) => format!(" (rank {rank} of {})", pg.world_size()),
+        None => String::new(),
+    };
     eprintln!(
-        "daemon: {} on {} (pid {}), policy {} (policy_version {})",
+        "daemon: {}{ranks_note} on {} (pid {}), policy {} (policy_version {})",
         socket.display(),
-        args.device,
+        resident.device,
         std::process::id(),
         policy.dir.display(),
         policy.policy_version
@@ -225,26 +356,177 @@ fn serve<B: Backend>(args: &DaemonArgs, mut resident: Resident<B>) -> Result<()>
         std::thread::spawn(move || accept_loop(listener, tx, shared))
     };
 
+    let served = match &group {
+        Some(pg) if rank > 0 => follow(&mut resident, pg, &shared, &home),
+        _ => lead(&mut resident, group.as_ref(), &rx, &shared, &home),
+    };
+    STOP.store(true, Ordering::SeqCst);
+    let _ = acceptor.join();
+    // Jobs that were queued behind the last one are refused, not dropped silently.
+    while let Ok(w) = rx.try_recv() {
+        refuse(
+            w,
+            &shared,
+            "the daemon is shutting down; the job did not run",
+            false,
+        );
+    }
+    std::fs::remove_file(&socket).ok();
+    // Every rank of a group ends together, so that no rank's exit looks like a crash.
+    let finished = match (&served, &group) {
+        (Ok(()), Some(pg)) => pg.finish_shared(),
+        _ => Ok(()),
+    };
+    eprintln!("daemon: stopped, {} removed", socket.display());
+    served.and(finished)
+}
+
+/// What the client of a job hears when the daemon group fails under it.
+fn group_failed(reason: &str) -> anyhow::Error {
+    anyhow::anyhow!("the daemon group failed: {reason}; the job stopped and nothing was written")
+}
+
+/// Answers a job that will not run (and takes it off the queued count).
+fn refuse(w: Work, shared: &Mutex<Shared>, message: &str, input_error: bool) {
+    {
+        let mut s = shared.lock().expect("shared");
+        s.queued = s.queued.saturating_sub(1);
+    }
+    if let Some(reply) = &w.reply {
+        reply.send(&Response::Error {
+            message: message.into(),
+            input_error,
+        });
+    }
+    let _ = w.done.send(());
+}
+
+/// The main loop of a lone daemon or of a group's rank 0: runs the jobs of its clients in
+/// arrival order; in a group, hands each job the stages split over ranks to every rank first.
+fn lead<B: Backend>(
+    resident: &mut Resident<B>,
+    group: Option<&Arc<ProcessGroup>>,
+    rx: &mpsc::Receiver<Work>,
+    shared: &Arc<Mutex<Shared>>,
+    home: &Path,
+) -> Result<()> {
+    // Another rank's signal or `shutdown` stops the group here, after the running job.
+    let asked = group.cloned().map(|pg| {
+        std::thread::spawn(move || {
+            let store = pg.store().expect("a group of several ranks has a store");
+            let keys = [STOP_REQUEST_KEY.to_string()];
+            if let Ok(Some(_)) = store.get_any(&keys, None, &|| STOP.load(Ordering::SeqCst)) {
+                STOP.store(true, Ordering::SeqCst);
+            }
+        })
+    });
+    let mut next = 0u64;
+    let mut result = Ok(());
     while !STOP.load(Ordering::SeqCst) {
+        if let Some(pg) = group {
+            // The group failed (a rank died or hung): stop, naming it.
+            if let Err(e) = pg.health().check() {
+                result = Err(e);
+                break;
+            }
+        }
         let work = match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(w) => w,
             Err(mpsc::RecvTimeoutError::Timeout) => continue,
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
-        run_job(&mut resident, work, &shared, &home);
+        // Alone, or a job whose client left while it waited (dropped without running).
+        let pg = match group {
+            Some(pg) if !work.cancel.is_cancelled() => pg,
+            _ => {
+                run_job(resident, work, shared, home, None);
+                continue;
+            }
+        };
+        if let StageJob::Update(a) = &*work.job {
+            if a.resident {
+                let msg = format!(
+                    "update --resident on a daemon group of {} ranks: the sharded update trains from the model files and rank 0 writes the new ones (no rank holds the whole optimizer state); drop --resident (the pipeline runner does at gpus > 1)",
+                    pg.world_size()
+                );
+                refuse(work, shared, &msg, true);
+                continue;
+            }
+        }
+        if !work.job.splits_over_ranks() {
+            run_job(resident, work, shared, home, None);
+            continue;
+        }
+        let n = next;
+        next += 1;
+        let req = Request::Job {
+            cwd: work.cwd.clone(),
+            job: work.job.clone(),
+        };
+        let store = pg.store().expect("a group of several ranks has a store");
+        if let Err(e) = store.set(&job_key(n), serde_json::to_string(&req)?.as_bytes()) {
+            refuse(work, shared, &format!("{e:#}"), false);
+            continue;
+        }
+        let x = Exchange::new(pg.clone(), format!("{}-{n}", work.job.name()));
+        run_job(resident, work, shared, home, Some(&x));
     }
     STOP.store(true, Ordering::SeqCst);
-    let _ = acceptor.join();
-    // Jobs that were queued behind the last one are refused, not dropped silently.
-    while let Ok(w) = rx.try_recv() {
-        w.reply.send(&Response::Error {
-            message: "the daemon is shutting down; the job did not run".into(),
-            input_error: false,
-        });
-        let _ = w.done.send(());
+    if let Some(pg) = group {
+        if result.is_ok() {
+            // The other ranks end at this marker, after the jobs before it.
+            let end = serde_json::to_string(&Request::Shutdown)?;
+            let store = pg.store().expect("a group of several ranks has a store");
+            result = store.set(&job_key(next), end.as_bytes());
+        }
     }
-    std::fs::remove_file(&socket).ok();
-    eprintln!("daemon: stopped, {} removed", socket.display());
+    if let Some(t) = asked {
+        let _ = t.join();
+    }
+    result
+}
+
+/// The main loop of a group's rank r > 0: runs the jobs rank 0 hands on, in its order, until
+/// rank 0 ends the group. Its own signal or `shutdown` asks rank 0 to end it.
+fn follow<B: Backend>(
+    resident: &mut Resident<B>,
+    pg: &Arc<ProcessGroup>,
+    shared: &Arc<Mutex<Shared>>,
+    home: &Path,
+) -> Result<()> {
+    {
+        let pg = pg.clone();
+        std::thread::spawn(move || {
+            while !STOP.load(Ordering::SeqCst) {
+                if pg.health().failure().is_some() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if let Some(store) = pg.store() {
+                let _ = store.set(STOP_REQUEST_KEY, b"1");
+            }
+        });
+    }
+    let store = pg.store().expect("a group of several ranks has a store");
+    for n in 0.. {
+        let (_, value) = store
+            .get_any(&[job_key(n)], None, &|| false)?
+            .expect("never stopped");
+        let Request::Job { cwd, job } = serde_json::from_slice(&value)? else {
+            return Ok(());
+        };
+        let (done, _) = mpsc::channel();
+        let x = Exchange::new(pg.clone(), format!("{}-{n}", job.name()));
+        let work = Work {
+            cwd,
+            job,
+            reply: None,
+            done,
+            cancel: Cancel::new(),
+        };
+        run_job(resident, work, shared, home, Some(&x));
+    }
     Ok(())
 }
 
@@ -314,7 +596,27 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shar
         };
         match req {
             Request::Health | Request::Status => {
-                let status = shared.lock().expect("shared").snapshot();
+                let full = matches!(req, Request::Status);
+                let (status, group) = {
+                    let s = shared.lock().expect("shared");
+                    (s.snapshot(), s.group.clone())
+                };
+                let status = match &group {
+                    Some(g) => {
+                        if let Some(f) = g.health.failure() {
+                            reply.send(&Response::Error {
+                                message: format!("the daemon group failed: {}", f.reason),
+                                input_error: false,
+                            });
+                            continue;
+                        }
+                        match full && g.rank == 0 {
+                            true => group_status(status, g),
+                            false => status,
+                        }
+                    }
+                    None => status,
+                };
                 reply.send(&Response::Status { status });
             }
             Request::Shutdown => {
@@ -322,6 +624,23 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shar
                 reply.send(&Response::ShuttingDown);
             }
             Request::Job { cwd, job } => {
+                let follower = shared
+                    .lock()
+                    .expect("shared")
+                    .group
+                    .as_ref()
+                    .filter(|g| g.rank > 0)
+                    .map(|g| (g.rank, g.world_size, g.base.clone()));
+                if let Some((rank, world, base)) = follower {
+                    reply.send(&Response::Error {
+                        message: format!(
+                            "this daemon is rank {rank} of a group of {world}: send jobs to the group's socket {} (rank 0)",
+                            base.display()
+                        ),
+                        input_error: true,
+                    });
+                    continue;
+                }
                 if STOP.load(Ordering::SeqCst) {
                     reply.send(&Response::Error {
                         message: "the daemon is shutting down; the job did not run".into(),
@@ -335,7 +654,7 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shar
                 let sent = tx.send(Work {
                     cwd,
                     job,
-                    reply: reply.clone(),
+                    reply: Some(reply.clone()),
                     done,
                     cancel: cancel.clone(),
                 });
@@ -364,12 +683,14 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shar
 }
 
 /// Runs one job on the main thread: in the client's working directory, with a ticker that
-/// streams the stage's progress bars.
+/// streams the stage's progress bars. `ranks`: the job's exchanges when the ranks of a group
+/// run it together.
 fn run_job<B: Backend>(
     resident: &mut Resident<B>,
     work: Work,
     shared: &Arc<Mutex<Shared>>,
     home: &Path,
+    ranks: Option<&Exchange>,
 ) {
     let Work {
         cwd,
@@ -379,7 +700,7 @@ fn run_job<B: Backend>(
         cancel,
     } = work;
     let name = job.name();
-    if cancel.is_cancelled() {
+    if cancel.is_cancelled() && ranks.is_none() {
         let mut s = shared.lock().expect("shared");
         s.queued = s.queued.saturating_sub(1);
         s.jobs_cancelled += 1;
@@ -392,15 +713,34 @@ fn run_job<B: Backend>(
         let mut s = shared.lock().expect("shared");
         s.queued = s.queued.saturating_sub(1);
         s.running = Some(name);
+        s.current = reply.clone();
     }
+    let world = shared
+        .lock()
+        .expect("shared")
+        .group
+        .as_ref()
+        .map(|g| g.world.clone());
     let started = Instant::now();
-    resident.begin(name, Some(reply.clone()));
+    resident.begin(name, reply.clone());
     let finished = AtomicBool::new(false);
     let bars = resident.bars.clone();
+    // The first failure of another rank's part: this rank's part stops too (cancelled).
+    let peer_failed: Mutex<Option<RankFailed>> = Mutex::new(None);
     let result = std::thread::scope(|scope| {
-        scope.spawn(|| ticker(&bars, &reply, &finished));
+        if let Some(reply) = &reply {
+            scope.spawn(|| ticker(&bars, reply, &finished));
+        }
+        if let Some(x) = ranks {
+            scope.spawn(|| {
+                if let Ok(Some(f)) = x.watch_others(&|| finished.load(Ordering::SeqCst)) {
+                    *peer_failed.lock().expect("peer") = Some(f);
+                    cancel.cancel();
+                }
+            });
+        }
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            cancel.install(|| run_in(&mut Watched(resident), cwd, *job))
+            cancel.install(|| run_in(&mut Watched(resident, ranks), cwd, *job, world.as_ref()))
         }));
         finished.store(true, Ordering::SeqCst);
         match r {
@@ -410,6 +750,24 @@ fn run_job<B: Backend>(
             )),
         }
     });
+    // Stopped because another rank's part failed: that failure is this part's error too
+    // (every rank waiting for this one stops with it); a part cancelled because rank 0's
+    // client went away stays a cancelled job.
+    let result = match (result, peer_failed.into_inner().expect("peer")) {
+        (Err(e), Some(f))
+            if cancel::is_cancelled(&e) && f.message != cancel::Cancelled.to_string() =>
+        {
+            Err(f.into())
+        }
+        (r, _) => r,
+    };
+    let result = match (result, ranks) {
+        (Err(e), Some(x)) => {
+            x.fail(&e);
+            Err(as_local(e))
+        }
+        (r, _) => r,
+    };
     let _ = std::env::set_current_dir(home);
     let mut metrics = resident.end(name, result.is_ok());
     if let Some(m) = metrics.as_object_mut() {
@@ -419,6 +777,7 @@ fn run_job<B: Backend>(
     {
         let mut s = shared.lock().expect("shared");
         s.running = None;
+        s.current = None;
         match (&result, cancelled) {
             (Ok(()), _) => s.jobs_done += 1,
             (Err(_), true) => s.jobs_cancelled += 1,
@@ -427,17 +786,37 @@ fn run_job<B: Backend>(
         s.resident = resident.status();
     }
     if cancelled {
+        let whose = match reply {
+            Some(_) => "its client",
+            None => "rank 0's client",
+        };
         eprintln!(
-            "daemon: the {name} job was cancelled after {:.1} s: its client went away; nothing was written",
+            "daemon: the {name} job was cancelled after {:.1} s: {whose} went away; nothing was written",
             started.elapsed().as_secs_f64()
         );
+    } else if let (Err(e), None) = (&result, &reply) {
+        eprintln!("daemon: the {name} job failed: {e:#}");
     }
-    match result {
-        Ok(()) => reply.send(&Response::Done { metrics }),
-        Err(e) => reply.send(&Response::Error {
-            message: format!("{e:#}"),
-            input_error: is_input_error(&e),
-        }),
+    // The group failed under the job (a rank died): the message the failure hook sends too,
+    // whichever reaches the client first.
+    let group_failure = shared
+        .lock()
+        .expect("shared")
+        .group
+        .as_ref()
+        .and_then(|g| g.health.failure());
+    let result = match (result, group_failure) {
+        (Err(_), Some(f)) => Err(group_failed(&f.reason)),
+        (r, _) => r,
+    };
+    if let Some(reply) = &reply {
+        match result {
+            Ok(()) => reply.send(&Response::Done { metrics }),
+            Err(e) => reply.send(&Response::Error {
+                message: format!("{e:#}"),
+                input_error: is_input_error(&e),
+            }),
+        }
     }
     let _ = done.send(());
 }
@@ -445,7 +824,7 @@ fn run_job<B: Backend>(
 /// The resident models as a stage's [`Exec`], checking the job's cancel flag before and after
 /// each compute: a job whose client went away stops there, before the stage writes anything
 /// (the engine's loops also check it between their steps).
-struct Watched<'a, B: Backend>(&'a mut Resident<B>);
+struct Watched<'a, B: Backend>(&'a mut Resident<B>, Option<&'a Exchange>);
 
 impl<B: Backend> Exec for Watched<'_, B> {
     fn generate(
@@ -506,11 +885,20 @@ impl<B: Backend> Exec for Watched<'_, B> {
     fn log(&mut self, line: &str) {
         self.0.log(line)
     }
+
+    fn ranks(&self) -> Option<&Exchange> {
+        self.1
+    }
 }
 
 /// Runs the stage's own code in the client's working directory, with the resident models as
 /// its [`crate::stage::Exec`].
-fn run_in<B: Backend>(resident: &mut Watched<B>, cwd: PathBuf, job: StageJob) -> Result<()> {
+fn run_in<B: Backend>(
+    resident: &mut Watched<B>,
+    cwd: PathBuf,
+    job: StageJob,
+    world: Option<&World>,
+) -> Result<()> {
     std::env::set_current_dir(&cwd).map_err(|e| {
         crate::error::input_error(format!(
             "the client's working directory {} is not usable by the daemon: {e}",
@@ -518,9 +906,16 @@ fn run_in<B: Backend>(resident: &mut Watched<B>, cwd: PathBuf, job: StageJob) ->
         ))
     })?;
     if let Some(asked) = job.device() {
+        // In a group each rank computes on its own GPU, as the ranks of a launch do.
+        let asked = match world {
+            Some(w) => asked.for_rank(w)?,
+            None => asked,
+        };
         resident.0.check_device(asked)?;
     }
-    job.run(resident)
+    job.run(resident)?;
+    // The other ranks wait until rank 0 has written the files.
+    after_rank0(resident)
 }
 
 /// Streams the position of the job's progress bars every 100 ms while they move.

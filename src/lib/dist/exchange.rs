@@ -112,14 +112,25 @@ impl Exchange {
         if index == 0 {
             return Ok(value);
         }
-        let v: serde_json::Value = serde_json::from_slice(&value)
-            .map_err(|e| anyhow!("rank {rank}'s failure report is not JSON: {e}"))?;
-        Err(RankFailed {
-            rank: v["rank"].as_u64().map_or(rank, |r| r as usize),
-            message: v["message"].as_str().unwrap_or("failed").to_string(),
-            input: v["input"].as_bool().unwrap_or(false),
+        Err(failure_report(rank, &value)?.into())
+    }
+
+    /// Waits until a rank other than this one marks the job failed (its failure), or until
+    /// `stop` says to give up (None): a daemon rank stops its own part of a job at once when
+    /// another rank's part failed or was cancelled.
+    pub fn watch_others(&self, stop: &dyn Fn() -> bool) -> Result<Option<RankFailed>> {
+        let store = self
+            .pg
+            .store()
+            .expect("a group of several ranks has a store");
+        let others: Vec<usize> = (0..self.world_size())
+            .filter(|&r| r != self.rank())
+            .collect();
+        let keys: Vec<String> = others.iter().map(|&r| self.fail_key(r)).collect();
+        match store.get_any(&keys, None, stop)? {
+            None => Ok(None),
+            Some((index, value)) => failure_report(others[index], &value).map(Some),
         }
-        .into())
     }
 
     /// Rank 0 gets every rank's `part` in rank order (its own first); the others get None once
@@ -184,6 +195,17 @@ impl Exchange {
             let _ = store.set(&self.fail_key(self.rank()), v.to_string().as_bytes());
         }
     }
+}
+
+/// Reads the failure report `rank` left in the store.
+fn failure_report(rank: usize, value: &[u8]) -> Result<RankFailed> {
+    let v: serde_json::Value = serde_json::from_slice(value)
+        .map_err(|e| anyhow!("rank {rank}'s failure report is not JSON: {e}"))?;
+    Ok(RankFailed {
+        rank: v["rank"].as_u64().map_or(rank, |r| r as usize),
+        message: v["message"].as_str().unwrap_or("failed").to_string(),
+        input: v["input"].as_bool().unwrap_or(false),
+    })
 }
 
 /// An error another rank reported, as this rank's error: an input error stays one (exit 2).
@@ -394,5 +416,43 @@ mod tests {
         let e = results[0].1.as_ref().unwrap_err();
         assert!(is_input_error(e), "{e:#}");
         assert_eq!(format!("{e:#}"), "rank 2: bad row 3");
+    }
+
+    /// `watch_others` gives up when told to, and returns another rank's failure (not its
+    /// own) once that rank marks the job failed.
+    #[test]
+    fn watch_others_sees_another_ranks_failure() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let opts = Options::in_process(std::time::Duration::from_secs(20));
+        let handles: Vec<_> = (0..2)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let pg = Arc::new(ProcessGroup::new(World::local(r, 2, port), opts).unwrap());
+                    let x = Exchange::new(pg.clone(), "job7");
+                    let seen = if r == 0 {
+                        // Nothing failed yet: a watch that is told to stop returns None.
+                        assert!(x.watch_others(&|| true).unwrap().is_none());
+                        x.broadcast(Some(b"go")).unwrap();
+                        // Its own failure is not another rank's.
+                        x.fail(&anyhow!("mine"));
+                        x.watch_others(&|| false).unwrap()
+                    } else {
+                        // Rank 1 fails once rank 0 has watched in vain.
+                        x.broadcast(None).unwrap();
+                        x.fail(&crate::error::input_error("bad row 1"));
+                        None
+                    };
+                    pg.finish_shared().unwrap();
+                    seen
+                })
+            })
+            .collect();
+        let seen: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let f = seen[0].as_ref().expect("rank 0 saw rank 1's failure");
+        assert_eq!((f.rank, f.input), (1, true));
+        assert_eq!(f.to_string(), "rank 1: bad row 1");
     }
 }

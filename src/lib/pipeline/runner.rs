@@ -147,8 +147,12 @@ impl std::error::Error for Rewind {}
 /// A daemon process started by the runner. Dropping it stops it (shutdown by SIGTERM, SIGKILL
 /// after a grace period) and removes its socket, so no run leaves one behind.
 struct DaemonProc {
+    /// The daemon, or the launcher of a daemon group (its ranks die with it).
     child: std::process::Child,
+    /// The socket the stages use (rank 0's in a group).
     socket: PathBuf,
+    /// Every rank's socket, removed when it stops.
+    sockets: Vec<PathBuf>,
 }
 
 impl DaemonProc {
@@ -175,7 +179,20 @@ impl Drop for DaemonProc {
                 let _ = self.child.wait();
             }
         }
-        let _ = std::fs::remove_file(&self.socket);
+        for s in &self.sockets {
+            let _ = std::fs::remove_file(s);
+        }
+    }
+}
+
+/// The daemon's answer to `health` when it is up and well (a daemon group whose rank failed
+/// answers with an error: it is as good as gone).
+fn daemon_health(socket: &Path) -> Result<()> {
+    use crate::daemon::protocol::{Request, Response};
+    match crate::daemon::client::request(socket, &Request::Health)? {
+        Response::Status { .. } => Ok(()),
+        Response::Error { message, .. } => anyhow::bail!("{message}"),
+        other => anyhow::bail!("unexpected answer to health: {other:?}"),
     }
 }
 
@@ -305,15 +322,40 @@ impl Runner {
         }
     }
 
+    /// Every rank's socket: the run's socket, and with `gpus = N > 1` the other ranks'.
+    fn daemon_sockets(&self) -> Vec<PathBuf> {
+        (0..self.spec.gpus.max(1) as usize)
+            .map(|r| crate::daemon::rank_socket(&self.daemon_socket(), r))
+            .collect()
+    }
+
+    /// `tandem launch --nproc-per-node N --` before `tandem daemon` when `gpus = N > 1`: one
+    /// daemon per GPU, a daemon group that serves the stages together.
+    fn daemon_launch_prefix(&self) -> Vec<String> {
+        if self.spec.gpus <= 1 {
+            return Vec::new();
+        }
+        vec![
+            "launch".into(),
+            "--nproc-per-node".into(),
+            self.spec.gpus.to_string(),
+            "--".into(),
+            path_arg(&self.bins.join("tandem")),
+        ]
+    }
+
     /// Starts the daemon (policy: the run's current policy pointer once there is one, so a
     /// restart resumes from the last synced checkpoint) and waits until it answers `health`.
+    /// With `gpus = N > 1`, N daemons under `tandem launch` (rank 0 answers once all are up).
     fn start_daemon(&mut self) -> Result<()> {
         let socket = self.daemon_socket();
+        let sockets = self.daemon_sockets();
+        let longest = sockets.last().expect("one socket at least");
         // sun_path holds 108 bytes with its NUL.
-        if socket.as_os_str().len() > 100 {
+        if longest.as_os_str().len() > 100 {
             bail_input!(
                 "daemon = true: the socket path {} is too long for a unix socket; use a shorter --run-dir (a relative one)",
-                socket.display()
+                longest.display()
             );
         }
         let policy = if self.run.policy().exists() {
@@ -326,7 +368,8 @@ impl Runner {
         if self.spec.batch_invariant {
             cmd.env("TANDEM_BATCH_INVARIANT", "1");
         }
-        cmd.args(["daemon", "--device", self.spec.device.as_str(), "--socket"])
+        cmd.args(self.daemon_launch_prefix())
+            .args(["daemon", "--device", self.spec.device.as_str(), "--socket"])
             .arg(&socket)
             .arg("--policy")
             .arg(&policy);
@@ -349,11 +392,11 @@ impl Runner {
         let mut proc = DaemonProc {
             child,
             socket: socket.clone(),
+            sockets,
         };
         let t0 = Instant::now();
         loop {
-            let health =
-                crate::daemon::client::request(&socket, &crate::daemon::protocol::Request::Health);
+            let health = daemon_health(&socket);
             if health.is_ok() {
                 break;
             }
@@ -413,9 +456,7 @@ impl Runner {
         if !d.alive() {
             return true;
         }
-        let health =
-            crate::daemon::client::request(&d.socket, &crate::daemon::protocol::Request::Health);
-        if health.is_ok() {
+        if daemon_health(&d.socket).is_ok() {
             return false;
         }
         // The socket closes a moment before the process is reapable.
@@ -715,9 +756,14 @@ impl Runner {
     /// back) and writes it on the checkpoint cadence and at the last step, as verl's save_freq
     /// does (the optimizer state alone is ~12 bytes per parameter: 6 GB at 0.5B). A dead
     /// daemon is restarted from the newest checkpoint written as files ([`Runner::rewind`]).
+    /// With `gpus > 1` every step's update writes files: the sharded update trains from the
+    /// model files and rank 0 writes the new ones, which every rank then reads.
     fn writes_checkpoint(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
-        !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
+        !self.spec.daemon
+            || self.spec.gpus > 1
+            || step == self.spec.steps
+            || (every > 0 && step.is_multiple_of(every))
     }
 
     fn kl_state(&self, step: u64) -> PathBuf {
@@ -1031,8 +1077,12 @@ impl Runner {
             );
             if self.spec.daemon {
                 text += &format!(
-                    "# The model stages are clients of the run's daemon (--daemon); to replay them start one\n# first: {} daemon --device {} --socket {} --policy {}\n",
+                    "# The model stages are clients of the run's daemon (--daemon); to replay them start one\n# first: {} {}daemon --device {} --socket {} --policy {}\n",
                     shell_quote(&path_arg(&self.bins.join("tandem"))),
+                    self.daemon_launch_prefix()
+                        .iter()
+                        .map(|a| shell_quote(a) + " ")
+                        .collect::<String>(),
                     self.spec.device.as_str(),
                     shell_quote(&path_arg(&self.daemon_socket())),
                     shell_quote(&path_arg(&self.spec.model.path)),

@@ -242,7 +242,8 @@ pub struct Spec {
     pub daemon: bool,
     /// Ranks of the model stages on this machine: with `gpus = N > 1` the runner runs rollout,
     /// ref-logprob and update under `tandem launch --nproc-per-node N` (one rank per GPU, or N
-    /// CPU processes on the CPU); needs `daemon = false` for now.
+    /// CPU processes on the CPU), or, with `daemon = true`, starts N daemons under it (a
+    /// daemon group) and sends those stages to it.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub gpus: u64,
     /// Machines: 1 only for now.
@@ -682,13 +683,6 @@ impl Spec {
             bail_input!(
                 "{origin}: nodes = {}: a pipeline runs on one machine for now (nodes = 1); several machines need a launcher across them (srun or torchrun running the stages)",
                 self.nodes
-            );
-        }
-        if self.gpus > 1 && self.daemon {
-            bail_input!(
-                "{origin}: gpus = {} with daemon = true: one daemon per GPU is not there yet; set daemon = false (the model stages then run as {} ranks under `tandem launch`)",
-                self.gpus,
-                self.gpus
             );
         }
         if self.eval.every > 0 && self.data.val.is_none() {

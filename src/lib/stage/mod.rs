@@ -208,12 +208,15 @@ impl StageJob {
 
     /// Whether the stage shares its work among several ranks ([`Exec::ranks`]): rollout and
     /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
-    /// the sharded optimizer. `sync-weights` runs on rank 0 alone under a launcher.
+    /// the sharded optimizer. `sync-weights` runs on rank 0 alone.
     pub fn splits_over_ranks(&self) -> bool {
-        matches!(
-            self,
-            StageJob::Rollout(_) | StageJob::RefLogprob(_) | StageJob::Update(_)
-        )
+        StageJob::stage_splits_over_ranks(self.name())
+    }
+
+    /// [`StageJob::splits_over_ranks`] by the stage's name: the one list of the stages the
+    /// ranks (of a launch or of a daemon group) share; the others run on rank 0 alone.
+    pub fn stage_splits_over_ranks(name: &str) -> bool {
+        matches!(name, "rollout" | "ref-logprob" | "update")
     }
 
     /// The `--metrics` file the stage writes, if any.

@@ -70,6 +70,12 @@ pub trait Policy {
     fn data_parallel(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Whether every rank must run the same passes (`logprobs`, `forward_backward`...) in the
+    /// same order, an empty one where it has no rows: the passes run collectives (full
+    /// sharding gathers each unit's weights).
+    fn lockstep(&self) -> bool {
+        false
+    }
     /// `v` = the sum of every rank's `v` (a single process: unchanged).
     fn sum_over_ranks(&mut self, v: &mut [f64]) -> Result<()> {
         let _ = v;

@@ -411,9 +411,10 @@ fn train_with(
                 Some((rank, world)) => {
                     let (shares, micro) = micro_schedule(&lens, world, budget);
                     let mine = &shares[rank];
+                    let lockstep = policy.lockstep();
                     micro[rank]
                         .iter()
-                        .filter(|g| !g.is_empty())
+                        .filter(|g| lockstep || !g.is_empty())
                         .map(|g| mine[g.clone()].iter().map(|&k| live[k]).collect())
                         .collect()
                 }
@@ -608,6 +609,21 @@ fn score_shared(
         cfg.micro_batch_tokens,
         &mut |_| {},
     )?;
+    if policy.lockstep() {
+        // Every rank runs as many scoring passes as the busiest: empty ones where it has none.
+        let passes = |share: &[usize]| {
+            let lens: Vec<usize> = share
+                .iter()
+                .filter(|&&i| !data.rows[i].response.is_empty())
+                .map(|&i| data.rows[i].len())
+                .collect();
+            micro_batches(&lens, cfg.micro_batch_tokens.max(1)).len()
+        };
+        let most = shares.iter().map(|s| passes(s)).max().unwrap_or(0);
+        for _ in passes(&shares[rank])..most {
+            policy.logprobs(&[], cfg.temperature, false)?;
+        }
+    }
     let resp = |i: usize| data.rows[i].response.len();
     let most = shares
         .iter()

@@ -28,7 +28,7 @@ use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
 use crate::dist::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
-use crate::engine::shard::{train_sharded_to_host, DEFAULT_BUCKET_ELEMS};
+use crate::engine::shard::{train_sharded_to_host, ShardMode, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
@@ -207,6 +207,20 @@ pub struct UpdateArgs {
     #[arg(long, value_name = "N", value_parser = at_least(1usize))]
     #[serde(default)]
     pub bucket_elems: Option<usize>,
+    /// Under `tandem launch`: what the data-parallel trainer shards: zero2 (the optimizer
+    /// state and gradients; default) or full (FSDP / ZeRO-3: the compute weights too, each
+    /// unit gathered before its forward and its backward; for a model whose training state
+    /// does not fit one device).
+    #[arg(long, value_name = "MODE", value_parser = shard_mode())]
+    #[serde(default)]
+    pub shard: Option<ShardMode>,
+}
+
+/// `--shard`: its names listed to clap.
+fn shard_mode() -> impl clap::builder::TypedValueParser<Value = ShardMode> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(ShardMode::NAMES)
+        .map(|s| s.parse::<ShardMode>().expect("a listed name"))
 }
 
 /// `--loss-agg-mode`: its names listed to clap (help, errors, completions).
@@ -364,20 +378,36 @@ impl Job for TrainFresh<'_> {
 struct TrainRank<'a> {
     loaded: Trainable,
     job: Train<'a>,
+    mode: ShardMode,
     bucket_elems: usize,
 }
 
 impl RankJob for TrainRank<'_> {
     type Out = Trained;
     fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<Trained> {
-        let mut policy = self.loaded.build(backend)?;
+        let comm = comm.as_ref();
+        let (mut policy, optim) = match self.mode {
+            ShardMode::Zero2 => {
+                let mut policy = self.loaded.build(backend)?;
+                let optim = policy.shard_optimizer(comm, self.bucket_elems)?;
+                (policy, optim)
+            }
+            // The state is never whole on a device: each rank uploads its shards.
+            ShardMode::Full => Decoder::new_full(
+                backend,
+                &self.loaded.cfg,
+                &self.loaded.weights,
+                self.loaded.optimizer.as_ref(),
+                comm,
+            )?,
+        };
         let step = self.loaded.schedule_step;
         drop(self.loaded);
         let rank = comm.rank();
         let (report, state) = train_sharded_to_host(
             &mut policy,
-            comm.as_ref(),
-            self.bucket_elems,
+            optim,
+            comm,
             self.job.data,
             self.job.train,
             step,
@@ -806,6 +836,7 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
             let rank_job = TrainRank {
                 loaded,
                 job,
+                mode: args.shard.unwrap_or_default(),
                 bucket_elems: args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS),
             };
             let mut out = run_rank_job(device, &pg, rank_job)?;

@@ -8,7 +8,7 @@ use crate::backend::check::gpu::{dname, Case, Ctx, Row};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType};
 use crate::dist::{Comm, NcclComm, Options, ProcessGroup, World};
-use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads};
+use crate::model::decoder::{AdamWParams, Decoder, Holding, SeqRef, TokenGrads, TokenStats};
 use crate::model::{init, Arch, Config, Weights};
 
 /// The gpu-test case.
@@ -43,7 +43,8 @@ fn small_config() -> Config {
 /// `comm` (in buckets of `bucket_elems`) for 3 clipped AdamW steps on `seqs`, with fixed
 /// upstream gradients `up` of the log-probs (this rank adds 1/world of them, so the sum over
 /// the ranks is the plain gradient). Returns the relative errors of the sharded masters,
-/// exp_avg and exp_avg_sq against the plain ones.
+/// exp_avg and exp_avg_sq against the plain ones. `full`: sharded as `shard = "full"`
+/// (`bucket_elems` unused), the passes gathering each unit.
 pub fn sharded_vs_plain<B: Backend>(
     plain: &mut Decoder<B>,
     sharded: &mut Decoder<B>,
@@ -51,6 +52,7 @@ pub fn sharded_vs_plain<B: Backend>(
     seqs: &[SeqRef],
     up: &[Vec<f32>],
     bucket_elems: usize,
+    full: bool,
 ) -> Result<[f64; 3]> {
     let hp = AdamWParams {
         lr: 1e-3,
@@ -58,19 +60,34 @@ pub fn sharded_vs_plain<B: Backend>(
     };
     let clip = Some(0.5);
     let share = 1.0 / comm.world_size() as f32;
-    let mut optim = sharded.shard_optimizer(comm, bucket_elems)?;
+    let mut optim = match full {
+        false => sharded.shard_optimizer(comm, bucket_elems)?,
+        true => sharded.shard_full(comm)?,
+    };
+    let grads = |scale: f32| {
+        move |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
+            Ok(up
+                .iter()
+                .map(|u| TokenGrads {
+                    dlogprobs: u.iter().map(|x| x * scale).collect(),
+                    dentropy: None,
+                })
+                .collect())
+        }
+    };
     for _ in 0..3 {
-        for (dec, scale) in [(&mut *plain, 1.0), (&mut *sharded, share)] {
-            dec.zero_grads()?;
-            dec.forward_backward(seqs, 1.0, &mut |_| {
-                Ok(up
-                    .iter()
-                    .map(|u| TokenGrads {
-                        dlogprobs: u.iter().map(|x| x * scale).collect(),
-                        dentropy: None,
-                    })
-                    .collect())
-            })?;
+        plain.zero_grads()?;
+        plain.forward_backward(seqs, 1.0, &mut grads(1.0))?;
+        if full {
+            optim.zero_grads(sharded.backend())?;
+            let mut hold = Holding {
+                comm,
+                st: &mut optim,
+            };
+            sharded.forward_backward_held(seqs, 1.0, &mut grads(share), &mut hold)?;
+        } else {
+            sharded.zero_grads()?;
+            sharded.forward_backward(seqs, 1.0, &mut grads(share))?;
         }
         plain.optimizer_step(&hp, clip)?;
         sharded.sharded_step(&mut optim, comm, &hp, clip)?;
@@ -142,10 +159,29 @@ fn sharded_update(s: &mut Ctx, d: DType) -> Result<()> {
     let mut plain = Decoder::new(ga, &cfg, &w)?;
     let mut sharded = Decoder::new(gb, &cfg, &w)?;
     // Small buckets: several per tensor group, one tensor (the embeddings) alone.
-    let errs = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, 20_000)?;
-    for (what, e) in ["masters", "exp_avg", "exp_avg_sq"].iter().zip(errs) {
+    let errs = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, 20_000, false)?;
+    // Full sharding (FSDP): a fresh pair, each unit gathered before its passes.
+    let (ga, gc) = (CudaBackend::new(s.ordinal)?, CudaBackend::new(s.ordinal)?);
+    ga.set_compute_dtype(d);
+    gc.set_compute_dtype(d);
+    let mut plain = Decoder::new(ga, &cfg, &w)?;
+    let comm = NcclComm::new(&gc, &pg)?;
+    let mut sharded = Decoder::new(gc, &cfg, &w)?;
+    let full = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, 0, true)?;
+    let names = ["masters", "exp_avg", "exp_avg_sq"];
+    let rows = names
+        .iter()
+        .zip(errs)
+        .map(|(w, e)| (format!("{w} (nccl, world 1)"), e))
+        .chain(
+            names
+                .iter()
+                .zip(full)
+                .map(|(w, e)| (format!("{w} (full, nccl, world 1)"), e)),
+        );
+    for (what, e) in rows {
         s.rows.push(Row {
-            op: format!("sharded_update {what} (nccl, world 1)"),
+            op: format!("sharded_update {what}"),
             dtype: dname(d),
             max_abs: f64::NAN,
             max_rel: e,
@@ -167,8 +203,8 @@ mod tests {
 
     #[test]
     fn sharded_update_equals_the_plain_one_on_one_and_two_ranks() {
-        for n in [1, 2] {
-            let errs = ranks(n, Duration::from_secs(60), |pg| {
+        for (n, full) in [(1, false), (2, false), (1, true), (2, true)] {
+            let errs = ranks(n, Duration::from_secs(60), move |pg| {
                 let cfg = small_config();
                 let w = init::random_weights(&cfg, 7, 0.05);
                 let (toks, starts, up) = inputs(11, cfg.vocab_size);
@@ -176,14 +212,17 @@ mod tests {
                 let comm = HostComm::new(&pg).unwrap();
                 let mut plain = Decoder::new(Cpu, &cfg, &w).unwrap();
                 let mut sharded = Decoder::new(Cpu, &cfg, &w).unwrap();
-                let e = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, 5_000);
+                let e = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, 5_000, full);
                 drop(comm);
                 pg.finish().unwrap();
                 e.unwrap()
             });
             for (r, e) in errs.iter().enumerate() {
                 for (what, x) in ["masters", "exp_avg", "exp_avg_sq"].iter().zip(e) {
-                    assert!(*x <= 1e-6, "{n} ranks, rank {r}: {what} relative error {x}");
+                    assert!(
+                        *x <= 1e-6,
+                        "{n} ranks (full: {full}), rank {r}: {what} relative error {x}"
+                    );
                 }
                 // Every rank ends with the same state.
                 assert_eq!(e, &errs[0], "{n} ranks, rank {r}");

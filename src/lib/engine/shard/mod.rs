@@ -7,6 +7,10 @@
 //! are summed, and the optimizer step is [`Decoder::sharded_step`]: gradients reduce-scattered,
 //! global-norm clipping, AdamW on this rank's 1/N of the f32 masters and moments, weights
 //! all-gathered. The result is the one-rank result up to the order of the floating-point sums.
+//! [`ShardMode::Full`] (FSDP / ZeRO-3) shards the compute weights too: the optimizer from
+//! [`Decoder::shard_full`] or [`Decoder::new_full`] makes the policy's passes gather each unit
+//! before it runs and reduce-scatter its gradients as soon as its backward is done
+//! ([`Holding`]); every rank then runs the same passes ([`Policy::lockstep`]).
 //!
 //! The entry points for a caller that holds a rank's decoder (the `update` stage under
 //! `tandem launch`, a per-rank daemon): [`train_sharded`] for one update call, or
@@ -21,8 +25,8 @@ use super::Policy;
 use crate::backend::{Backend, PpoShape, PPO_STATS};
 use crate::dist::{Comm, ReduceOp};
 use crate::model::decoder::{
-    AdamWParams, Decoder, OptimizerState, PpoTokens, SeqRef, ShardStats, ShardedOptim, StepReport,
-    TokenGrads, TokenStats,
+    AdamWParams, Decoder, Holding, OptimizerState, PpoTokens, SeqRef, ShardStats, ShardedOptim,
+    StepReport, TokenGrads, TokenStats,
 };
 use crate::model::Weights;
 use anyhow::Result;
@@ -30,6 +34,35 @@ use anyhow::Result;
 /// Default bucket size of the reduce-scatter and the weight sync, in elements (25 M, as
 /// PyTorch DDP's 25 MB buckets are counted in bytes; the flag takes MB of f32).
 pub const DEFAULT_BUCKET_ELEMS: usize = 25 << 20;
+
+/// What a data-parallel update shards (`update --shard`, a pipeline's `[update] shard`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardMode {
+    /// ZeRO-2: the f32 masters, Adam moments and gradients 1/N; the compute weights whole on
+    /// every rank (all-gathered after each step: the weight sync).
+    #[default]
+    Zero2,
+    /// FSDP / ZeRO-3: the compute weights 1/N too, each unit (embedding, layer, head)
+    /// gathered before its forward and its backward and freed after; gradients reduce-scattered
+    /// unit by unit during the backward.
+    Full,
+}
+
+impl ShardMode {
+    pub const NAMES: [&'static str; 2] = ["zero2", "full"];
+}
+
+impl std::str::FromStr for ShardMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "zero2" => Ok(ShardMode::Zero2),
+            "full" => Ok(ShardMode::Full),
+            _ => Err(format!("unknown shard mode '{s}' (zero2, full)")),
+        }
+    }
+}
 
 /// One rank's decoder with its optimizer shards and the communicator of the ranks.
 pub struct ShardedPolicy<'a, B: Backend> {
@@ -45,6 +78,15 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         temperature: f32,
         entropy: bool,
     ) -> Result<Vec<TokenStats>> {
+        if self.optim.is_full() {
+            let mut hold = Holding {
+                comm: self.comm,
+                st: &mut self.optim,
+            };
+            return self
+                .decoder
+                .logprobs_held(seqs, temperature, entropy, &mut hold);
+        }
         self.decoder.logprobs(seqs, temperature, entropy)
     }
     fn forward_backward(
@@ -53,6 +95,15 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
+        if self.optim.is_full() {
+            let mut hold = Holding {
+                comm: self.comm,
+                st: &mut self.optim,
+            };
+            return self
+                .decoder
+                .forward_backward_held(seqs, temperature, loss, &mut hold);
+        }
         self.decoder.forward_backward(seqs, temperature, loss)
     }
     fn forward_backward_ppo(
@@ -63,6 +114,21 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
     ) -> Result<bool> {
+        if self.optim.is_full() {
+            let mut hold = Holding {
+                comm: self.comm,
+                st: &mut self.optim,
+            };
+            self.decoder.forward_backward_ppo_held(
+                seqs,
+                temperature,
+                tokens,
+                clip,
+                logprobs,
+                &mut hold,
+            )?;
+            return Ok(true);
+        }
         self.decoder
             .forward_backward_ppo(seqs, temperature, tokens, clip, logprobs)?;
         Ok(true)
@@ -71,6 +137,10 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         self.decoder.take_ppo_stats()
     }
     fn zero_grads(&mut self) -> Result<()> {
+        if self.optim.is_full() {
+            // The passes add into the gradient shards; the decoder holds none.
+            return self.optim.zero_grads(self.decoder.backend());
+        }
         self.decoder.zero_grads()
     }
     fn optimizer_step(
@@ -83,6 +153,9 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
     }
     fn data_parallel(&self) -> Option<(usize, usize)> {
         Some((self.comm.rank(), self.comm.world_size()))
+    }
+    fn lockstep(&self) -> bool {
+        self.optim.is_full()
     }
     fn sum_over_ranks(&mut self, v: &mut [f64]) -> Result<()> {
         sum_f64(self.decoder.backend(), self.comm, v)
@@ -116,22 +189,23 @@ pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Re
     Ok(())
 }
 
-/// One `update` call on this rank, as [`train_sharded`], but the f32 masters and the optimizer
-/// state come back to rank `root`'s host memory (bucket by bucket: no rank's device holds the
-/// whole state) instead of into the decoder; the other ranks get None. What `update` under a
-/// launcher runs: rank 0 writes the checkpoint.
+/// One `update` call on this rank with the optimizer `optim` (from
+/// [`Decoder::shard_optimizer`], [`Decoder::shard_full`] or [`Decoder::new_full`]), as
+/// [`train_sharded`], but the f32 masters and the optimizer state come back to rank `root`'s
+/// host memory (bucket by bucket: no rank's device holds the whole state) instead of into the
+/// decoder; the other ranks get None. What `update` under a launcher runs: rank 0 writes the
+/// checkpoint.
 #[allow(clippy::too_many_arguments)]
 pub fn train_sharded_to_host<B: Backend>(
     decoder: &mut Decoder<B>,
+    optim: ShardedOptim<B>,
     comm: &dyn Comm<B>,
-    bucket_elems: usize,
     data: &TrainData,
     cfg: &TrainConfig,
     schedule_step: u64,
     log: &mut dyn FnMut(&str),
     root: usize,
 ) -> Result<(TrainReport, Option<(Weights, OptimizerState)>)> {
-    let optim = decoder.shard_optimizer(comm, bucket_elems)?;
     let mut policy = ShardedPolicy {
         decoder,
         comm,

@@ -5,6 +5,7 @@
 use anyhow::{ensure, Result};
 
 use super::forward::{AttnMode, LayerShapes};
+use super::shard::{Holding, Unit};
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::backend::{
     AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
@@ -30,13 +31,39 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
+        self.forward_backward_in(seqs, temperature, loss, None)
+    }
+
+    /// [`Decoder::forward_backward`] under full sharding (see [`Holding`]): the gradients go
+    /// to the rank's gradient shards. Every rank calls it the same number of times (with no
+    /// sequences where it has none).
+    pub fn forward_backward_held(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
+        hold: &mut Holding<B>,
+    ) -> Result<()> {
+        self.forward_backward_in(seqs, temperature, loss, Some(hold))
+    }
+
+    fn forward_backward_in(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
+        mut hold: Option<&mut Holding<B>>,
+    ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
         if seqs.is_empty() {
+            if let Some(h) = hold {
+                h.idle(&self.backend, &mut self.w, &mut self.g, true)?;
+            }
             return Ok(());
         }
         let (n, r) = self.pack(seqs, true)?;
-        let last = self.forward(n, seqs.len(), true, AttnMode::Packed)?;
+        let last = self.forward_in(n, seqs.len(), true, AttnMode::Packed, hold.as_deref_mut())?;
         let stats = self.score_rows(last, seqs, r, temperature, true)?;
         let grads = loss(&stats)?;
         ensure!(
@@ -71,6 +98,9 @@ impl<B: Backend> Decoder<B> {
         }
         if r == 0 {
             // Nothing scored: the loss does not depend on the weights.
+            if let Some(h) = hold {
+                h.skip_backward(&self.backend, &mut self.w, &mut self.g)?;
+            }
             return Ok(());
         }
         {
@@ -80,7 +110,7 @@ impl<B: Backend> Decoder<B> {
                 self.backend.upload(&mut gw.dent, &dent)?;
             }
         }
-        self.backward(n, seqs.len(), r, temperature, any_dent)
+        self.backward(n, seqs.len(), r, temperature, any_dent, hold)
     }
 
     /// Forward, the PPO-clip loss on the device ([`crate::backend::PpoLossOps::ppo_clip_loss`], knobs in `clip`;
@@ -95,9 +125,37 @@ impl<B: Backend> Decoder<B> {
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
     ) -> Result<()> {
+        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, None)
+    }
+
+    /// [`Decoder::forward_backward_ppo`] under full sharding (see [`Holding`]).
+    pub fn forward_backward_ppo_held(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        tok: &PpoTokens,
+        clip: PpoShape,
+        logprobs: Option<&mut Vec<f32>>,
+        hold: &mut Holding<B>,
+    ) -> Result<()> {
+        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, Some(hold))
+    }
+
+    fn forward_backward_ppo_in(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        tok: &PpoTokens,
+        clip: PpoShape,
+        logprobs: Option<&mut Vec<f32>>,
+        mut hold: Option<&mut Holding<B>>,
+    ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
         if seqs.is_empty() {
+            if let Some(h) = hold {
+                h.idle(&self.backend, &mut self.w, &mut self.g, true)?;
+            }
             return Ok(());
         }
         let (n, r) = self.pack(seqs, true)?;
@@ -112,8 +170,11 @@ impl<B: Backend> Decoder<B> {
             tok.old.map(<[f32]>::len),
             tok.dentropy.map(<[f32]>::len)
         );
-        let last = self.forward(n, seqs.len(), true, AttnMode::Packed)?;
+        let last = self.forward_in(n, seqs.len(), true, AttnMode::Packed, hold.as_deref_mut())?;
         if r == 0 {
+            if let Some(h) = hold {
+                h.skip_backward(&self.backend, &mut self.w, &mut self.g)?;
+            }
             return Ok(());
         }
         self.score_device(last, r, temperature, true)?;
@@ -146,7 +207,7 @@ impl<B: Backend> Decoder<B> {
             },
             PpoShape { tokens: r, ..clip },
         )?;
-        self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some())
+        self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some(), hold)
     }
 
     /// The PPO loss metric sums ([`crate::backend::PPO_STATS`] slots) since the last call, and
@@ -161,6 +222,8 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Backward from dL/dlp (and dL/dentropy when `dent`) already in the gradient workspace.
+    /// With `hold` (full sharding; the head is gathered) each unit is gathered before its
+    /// backward, and its gradients reduce-scattered and freed after.
     fn backward(
         &mut self,
         n: usize,
@@ -168,6 +231,7 @@ impl<B: Backend> Decoder<B> {
         r: usize,
         temperature: f32,
         dent: bool,
+        mut hold: Option<&mut Holding<B>>,
     ) -> Result<()> {
         let chunk = self.chunk_rows(r);
         let Decoder {
@@ -202,6 +266,9 @@ impl<B: Backend> Decoder<B> {
             temperature,
             chunk,
         };
+        if let Some(h) = hold.as_deref_mut() {
+            h.grads(b, g, Unit::Head)?;
+        }
         b.logprob_backward(
             &mut gw.dxf,
             &mut g[*head],
@@ -231,10 +298,18 @@ impl<B: Backend> Decoder<B> {
             RmsNormShape { rows: r, ..ls.norm },
             false,
         )?;
+        if let Some(h) = hold.as_deref_mut() {
+            h.reduce(b, g, Unit::Head)?;
+            h.release(b, w, Unit::Head)?;
+        }
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
         b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
         let lowp = b.compute_dtype() != DType::F32;
         for (l, ly) in layers.iter().enumerate().rev() {
+            if let Some(h) = hold.as_deref_mut() {
+                h.gather(b, w, Unit::Layer(l))?;
+                h.grads(b, g, Unit::Layer(l))?;
+            }
             let a = &ws.acts[l];
             // MLP (h kept from the forward pass).
             let dres = if lowp {
@@ -342,7 +417,17 @@ impl<B: Backend> Decoder<B> {
                 ls.norm,
                 true,
             )?;
+            if let Some(h) = hold.as_deref_mut() {
+                h.reduce(b, g, Unit::Layer(l))?;
+                h.release(b, w, Unit::Layer(l))?;
+            }
         }
-        b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d)
+        let Some(h) = hold else {
+            return b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d);
+        };
+        // The embedding's backward reads no weight: nothing to gather.
+        h.grads(b, g, Unit::Embed)?;
+        b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d)?;
+        h.reduce(b, g, Unit::Embed)
     }
 }

@@ -3,6 +3,7 @@
 
 use anyhow::{bail, ensure, Result};
 
+use super::shard::{Holding, Unit};
 use super::step::PagedAttn;
 use super::workspace::{Acts, Caps};
 use super::{check_temperature, pair, Decoder, SeqRef, TokenStats};
@@ -149,6 +150,27 @@ impl<B: Backend> Decoder<B> {
         self.score_rows(last, seqs, r, temperature, entropy)
     }
 
+    /// [`Decoder::logprobs`] under full sharding (see [`Holding`]); every rank calls it the
+    /// same number of times (with no sequences where it has none).
+    pub fn logprobs_held(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        entropy: bool,
+        hold: &mut Holding<B>,
+    ) -> Result<Vec<TokenStats>> {
+        check_temperature(temperature)?;
+        if seqs.is_empty() {
+            hold.idle(&self.backend, &mut self.w, &mut self.g, false)?;
+            return Ok(Vec::new());
+        }
+        let (n, r) = self.pack(seqs, false)?;
+        let last = self.forward_in(n, seqs.len(), false, AttnMode::Packed, Some(&mut *hold))?;
+        let stats = self.score_rows(last, seqs, r, temperature, entropy)?;
+        hold.release(&self.backend, &mut self.w, Unit::Head)?;
+        Ok(stats)
+    }
+
     /// Embedding and every layer for `n` tokens whose ids/positions (and offsets or cache rows)
     /// are uploaded. `train` keeps each layer's activations. Returns the index of the residual
     /// buffer that holds the last hidden state.
@@ -157,7 +179,20 @@ impl<B: Backend> Decoder<B> {
         n: usize,
         seqs: usize,
         train: bool,
+        mode: AttnMode<B>,
+    ) -> Result<usize> {
+        self.forward_in(n, seqs, train, mode, None)
+    }
+
+    /// [`Decoder::forward`]; with `hold` (full sharding) each unit is gathered before it runs
+    /// and freed after, and the head is left gathered for the scoring that follows.
+    pub(super) fn forward_in(
+        &mut self,
+        n: usize,
+        seqs: usize,
+        train: bool,
         mut mode: AttnMode<B>,
+        mut hold: Option<&mut Holding<B>>,
     ) -> Result<usize> {
         // The rollout engine's (paged) steps run the fused projections; training
         // and scoring (packed) keep the split GEMMs, so `update` and `ref-logprob` agree.
@@ -185,8 +220,17 @@ impl<B: Backend> Decoder<B> {
             "decoder: fused step without its workspace"
         );
         let ls = LayerShapes::new(cfg, n);
+        if let Some(h) = hold.as_deref_mut() {
+            h.gather(b, w, Unit::Embed)?;
+        }
         b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
+        if let Some(h) = hold.as_deref_mut() {
+            h.release(b, w, Unit::Embed)?;
+        }
         for (l, ly) in layers.iter().enumerate() {
+            if let Some(h) = hold.as_deref_mut() {
+                h.gather(b, w, Unit::Layer(l))?;
+            }
             let (ri, rm, ro) = if train {
                 (2 * l, 2 * l + 1, 2 * l + 2)
             } else {
@@ -354,6 +398,12 @@ impl<B: Backend> Decoder<B> {
                     true,
                 )?;
             }
+            if let Some(h) = hold.as_deref_mut() {
+                h.release(b, w, Unit::Layer(l))?;
+            }
+        }
+        if let Some(h) = hold {
+            h.gather(b, w, Unit::Head)?;
         }
         Ok(if train { 2 * layers.len() } else { 0 })
     }

@@ -39,7 +39,7 @@ mod step;
 mod workspace;
 
 pub use optim::{AdamWParams, OptimizerState, StepReport};
-pub use shard::{ShardStats, ShardedOptim};
+pub use shard::{Holding, ShardStats, ShardedOptim};
 pub use step::{PagedAttn, StepRows};
 
 use anyhow::{bail, Result};
@@ -244,6 +244,13 @@ impl<B: Backend> Decoder<B> {
     /// non-finite values are input errors; tensors the config does not use are ignored (e.g. a
     /// saved `lm_head.weight` of a tied model, or old `rotary_emb.inv_freq` buffers).
     pub fn new(backend: B, cfg: &Config, weights: &Weights) -> Result<Self> {
+        Self::build(backend, cfg, weights, true)
+    }
+
+    /// [`Decoder::new`]; without `upload`, the weights are checked but the decoder holds
+    /// none (empty buffers, no fused ones): what full sharding starts from
+    /// ([`Decoder::new_full`] cuts each rank's shards from the host weights).
+    fn build(backend: B, cfg: &Config, weights: &Weights, upload: bool) -> Result<Self> {
         check_config(cfg)?;
         let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qd, kd) = (
@@ -271,6 +278,12 @@ impl<B: Backend> Decoder<B> {
                     "model weights: tensor '{name}' holds a non-finite value at flat index {i}"
                 )));
             }
+            if !upload {
+                names.push(name);
+                shapes.push(shape);
+                bufs.push(backend.alloc_as(0, cd)?);
+                return Ok(bufs.len() - 1);
+            }
             let mut buf = match into {
                 Some(b) => b,
                 None => backend.alloc_as(t.numel(), cd)?,
@@ -294,7 +307,7 @@ impl<B: Backend> Decoder<B> {
             // q/k/v (with their biases) and gate/up as parts of one buffer each where the
             // backend can share memory: paged steps run each group as one GEMM.
             // Qwen3's per-head norm sits between the projections and rope: q/k/v stay apart.
-            let qkv_w = if cfg.qk_norm {
+            let qkv_w = if cfg.qk_norm || !upload {
                 None
             } else {
                 contiguous_parts(&backend, &[qd * d, kd * d, kd * d], cd)?
@@ -310,7 +323,11 @@ impl<B: Backend> Decoder<B> {
             };
             let (qkv_all, [wq, wk, wv]) = split_parts(qkv_w);
             let (qkv_b_all, [bq, bk, bv]) = split_parts(qkv_b);
-            let (gu_all, [wg, wu]) = split_parts(contiguous_parts(&backend, &[f * d, f * d], cd)?);
+            let gu = match upload {
+                true => contiguous_parts(&backend, &[f * d, f * d], cd)?,
+                false => None,
+            };
+            let (gu_all, [wg, wu]) = split_parts(gu);
             let bias =
                 |add: &mut dyn FnMut(String, Vec<usize>, Option<B::Buf>) -> Result<usize>,
                  name: &str,

@@ -7,7 +7,7 @@ use anyhow::{bail, ensure, Result};
 use super::Decoder;
 use crate::backend::{AdamWStep, Backend, DType};
 use crate::error::input_error;
-use crate::model::Weights;
+use crate::model::{Tensor, Weights};
 
 /// AdamW hyper-parameters of one optimizer step (torch.optim.AdamW semantics; the weight decay
 /// applies to every parameter, as verl's FSDP actor does).
@@ -186,19 +186,46 @@ impl<B: Backend> Decoder<B> {
     /// Restores what `optimizer_state` returned, so training resumes exactly. Every parameter
     /// must have both moments with its shape (input errors otherwise).
     pub fn load_optimizer_state(&mut self, state: &OptimizerState) -> Result<()> {
-        if state.exp_avg.is_empty() && state.exp_avg_sq.is_empty() {
+        let Some(moments) = self.state_moments(state)? else {
             self.m.clear();
             self.v.clear();
             self.step = state.step;
             return Ok(());
-        }
+        };
         let mut m = Vec::with_capacity(self.names.len());
         let mut v = Vec::with_capacity(self.names.len());
+        for (tm, tv) in moments {
+            for (t, out) in [(tm, &mut m), (tv, &mut v)] {
+                let mut buf = self.backend.alloc(t.numel())?;
+                self.backend.upload(&mut buf, &t.data)?;
+                out.push(buf);
+            }
+        }
+        self.m = m;
+        self.v = v;
+        self.step = state.step;
+        Ok(())
+    }
+
+    /// Each parameter's (exp_avg, exp_avg_sq) in `state`, checked against the model (input
+    /// errors); None when the state has no moments (no step taken yet).
+    pub(super) fn state_moments<'s>(
+        &self,
+        state: &'s OptimizerState,
+    ) -> Result<Option<Vec<(&'s Tensor, &'s Tensor)>>> {
+        if state.exp_avg.is_empty() && state.exp_avg_sq.is_empty() {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(self.names.len());
         for (name, shape) in self.names.iter().zip(&self.shapes) {
-            for (map, what, out) in [
-                (&state.exp_avg, "exp_avg", &mut m),
-                (&state.exp_avg_sq, "exp_avg_sq", &mut v),
-            ] {
+            let mut pair = [None, None];
+            for (k, (map, what)) in [
+                (&state.exp_avg, "exp_avg"),
+                (&state.exp_avg_sq, "exp_avg_sq"),
+            ]
+            .into_iter()
+            .enumerate()
+            {
                 let t = map.get(name).ok_or_else(|| {
                     input_error(format!("optimizer state: {what} of '{name}' is missing"))
                 })?;
@@ -208,10 +235,12 @@ impl<B: Backend> Decoder<B> {
                         t.shape
                     )));
                 }
-                let mut buf = self.backend.alloc(t.numel())?;
-                self.backend.upload(&mut buf, &t.data)?;
-                out.push(buf);
+                pair[k] = Some(t);
             }
+            let [Some(m), Some(v)] = pair else {
+                unreachable!("both moments were found")
+            };
+            out.push((m, v));
         }
         for (what, map) in [
             ("exp_avg", &state.exp_avg),
@@ -223,10 +252,7 @@ impl<B: Backend> Decoder<B> {
                 )));
             }
         }
-        self.m = m;
-        self.v = v;
-        self.step = state.step;
-        Ok(())
+        Ok(Some(out))
     }
 
     /// Frees the gradients (the next backward pass allocates them again): the hybrid engine's

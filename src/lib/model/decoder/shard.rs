@@ -14,11 +14,11 @@ use std::time::Instant;
 
 use super::optim::{adamw_step, check_hyper, clip_scale};
 use super::{AdamWParams, Decoder, OptimizerState, StepReport};
-use crate::backend::{Backend, DType};
+use crate::backend::{Backend, DType, Device};
 use crate::dist::bucket::{BucketPlan, WeightSync};
 use crate::dist::comm::dtype_bytes;
 use crate::dist::{Collective, Comm, ReduceOp};
-use crate::model::{Tensor, Weights};
+use crate::model::{Config, Tensor, Weights};
 
 /// What the sharded optimizer did so far (the update metrics' `shard` object).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -35,6 +35,12 @@ pub struct ShardStats {
     pub sync_bytes: u64,
     /// Bytes of the staging buffers the reduce-scatter and the weight sync add.
     pub staging_bytes: u64,
+    /// `shard = "full"`: the units' all-gathers (before each forward and backward), their
+    /// wall seconds and the bytes each rank received.
+    pub full: bool,
+    pub unit_gathers: u64,
+    pub unit_gather_seconds: f64,
+    pub unit_gather_bytes: u64,
 }
 
 impl ShardStats {
@@ -52,6 +58,10 @@ impl ShardStats {
             "weight_sync_bytes": self.sync_bytes,
             "weight_sync_gb_per_s": gbs,
             "staging_bytes": self.staging_bytes,
+            "mode": if self.full { "full" } else { "zero2" },
+            "unit_gathers": self.unit_gathers,
+            "unit_gather_seconds": self.unit_gather_seconds,
+            "unit_gather_bytes": self.unit_gather_bytes,
         })
     }
 }
@@ -68,9 +78,13 @@ pub struct ShardedOptim<B: Backend> {
     /// The shard in the compute dtype (what the weight sync gathers); empty when that is f32
     /// (then it gathers the masters).
     compute: Vec<B::Buf>,
+    /// `shard = "full"`: the compute weights are sharded too (one bucket per unit, see
+    /// [`Holding`]); the decoder holds a unit's weights and gradients only while it runs.
+    full: Option<FullShard<B>>,
     /// Two f32 buffers of the largest padded bucket: one is packed while the other is reduced.
     pack: [B::Buf; 2],
-    sync: WeightSync<B>,
+    /// The weight sync (zero2); None under `shard = "full"` (the units are gathered instead).
+    sync: Option<WeightSync<B>>,
     /// Whether the moments hold a state (loaded, or a step was taken).
     moments: bool,
     pub stats: ShardStats,
@@ -85,9 +99,120 @@ impl<B: Backend> Decoder<B> {
         comm: &dyn Comm<B>,
         bucket_elems: usize,
     ) -> Result<ShardedOptim<B>> {
-        let (rank, world) = (comm.rank(), comm.world_size());
         let sizes: Vec<usize> = self.shapes.iter().map(|s| s.iter().product()).collect();
-        let plan = BucketPlan::new(&sizes, bucket_elems, world)?;
+        let plan = BucketPlan::new(&sizes, bucket_elems, comm.world_size())?;
+        self.shard_over(comm, plan, false)
+    }
+
+    /// `shard = "full"` (FSDP / ZeRO-3): as [`Decoder::shard_optimizer`] with one bucket per
+    /// unit (the embedding, each layer, the final norm and untied head), and the compute
+    /// weights sharded too: the decoder frees its full weights and gradients; the passes of
+    /// [`Holding`] gather each unit before its forward and its backward and reduce-scatter its
+    /// gradients as soon as its backward is done. [`Decoder::unshard_optimizer`] undoes it.
+    pub fn shard_full(&mut self, comm: &dyn Comm<B>) -> Result<ShardedOptim<B>> {
+        let plan = self.unit_plan(comm.world_size())?;
+        let st = self.shard_over(comm, plan, true)?;
+        self.hold_units(st)
+    }
+
+    /// A decoder under `shard = "full"` built from host weights (and a loaded optimizer
+    /// state) without ever holding them whole on the device: this rank's shards are cut on
+    /// the host and uploaded; as [`Decoder::new`] then [`Decoder::shard_full`] otherwise.
+    pub fn new_full(
+        backend: B,
+        cfg: &Config,
+        weights: &Weights,
+        state: Option<&OptimizerState>,
+        comm: &dyn Comm<B>,
+    ) -> Result<(Decoder<B>, ShardedOptim<B>)> {
+        let mut dec = Decoder::build(backend, cfg, weights, false)?;
+        let plan = dec.unit_plan(comm.world_size())?;
+        let rank = comm.rank();
+        let moments = match state {
+            Some(st) => dec.state_moments(st)?,
+            None => None,
+        };
+        let b = &dec.backend;
+        let cut = |src: &[&[f32]]| -> Result<Vec<B::Buf>> {
+            let mut out = Vec::with_capacity(plan.buckets.len());
+            for (k, bucket) in plan.buckets.iter().enumerate() {
+                let mut host = vec![0f32; bucket.shard];
+                for t in bucket.tensors.clone() {
+                    if let Some((toff, soff, n)) = plan.shard_part(k, t, rank) {
+                        host[soff..soff + n].copy_from_slice(&src[t][toff..toff + n]);
+                    }
+                }
+                let mut buf = b.alloc(bucket.shard)?;
+                b.upload(&mut buf, &host)?;
+                out.push(buf);
+            }
+            Ok(out)
+        };
+        // Every name was checked by `build`.
+        let w: Vec<&[f32]> = dec.names.iter().map(|n| &weights[n].data[..]).collect();
+        let master = cut(&w)?;
+        let mv = match &moments {
+            Some(mv) => {
+                let m: Vec<&[f32]> = mv.iter().map(|p| &p.0.data[..]).collect();
+                let v: Vec<&[f32]> = mv.iter().map(|p| &p.1.data[..]).collect();
+                Some((cut(&m)?, cut(&v)?))
+            }
+            None => None,
+        };
+        dec.step = state.map_or(0, |s| s.step);
+        let st = dec.assemble(rank, plan, master, mv, true)?;
+        let st = dec.hold_units(st)?;
+        Ok((dec, st))
+    }
+
+    /// One bucket per unit: the embedding, each layer, the final norm (and untied head).
+    fn unit_plan(&self, world: usize) -> Result<BucketPlan> {
+        let sizes: Vec<usize> = self.shapes.iter().map(|s| s.iter().product()).collect();
+        let mut breaks: Vec<usize> = self.layers.iter().map(|l| l.in_norm).collect();
+        breaks.push(self.final_norm);
+        let plan = BucketPlan::with_breaks(&sizes, usize::MAX, world, &breaks)?;
+        ensure!(
+            plan.buckets.len() == self.layers.len() + 2,
+            "full sharding: the parameters are not laid out unit by unit"
+        );
+        Ok(plan)
+    }
+
+    /// The staging of full sharding; the decoder drops its fused buffers and keeps empty
+    /// gradient buffers (a unit's are allocated for its backward).
+    fn hold_units(&mut self, mut st: ShardedOptim<B>) -> Result<ShardedOptim<B>> {
+        let b = &self.backend;
+        let cd = b.compute_dtype();
+        let padded = st.plan.max_padded();
+        let max_shard = st.plan.buckets.iter().map(|k| k.shard).max().unwrap_or(0);
+        st.full = Some(FullShard {
+            gathered: b.alloc_as(padded, cd)?,
+            reduced: b.alloc(max_shard)?,
+            tied: self.head == self.embed,
+        });
+        st.stats.staging_bytes = (padded * 4 + padded * dtype_bytes(cd) + max_shard * 4) as u64;
+        // The fused projections are parts of the full weights: training runs the split GEMMs.
+        self.fused.clear();
+        for ly in &mut self.layers {
+            (ly.qkv, ly.qkv_b, ly.gate_up) = (None, None, None);
+        }
+        for w in &mut self.w {
+            *w = b.alloc_as(0, cd)?;
+        }
+        self.g = (0..self.w.len())
+            .map(|_| b.alloc(0))
+            .collect::<Result<_>>()?;
+        self.ws_epoch += 1;
+        Ok(st)
+    }
+
+    fn shard_over(
+        &mut self,
+        comm: &dyn Comm<B>,
+        plan: BucketPlan,
+        full: bool,
+    ) -> Result<ShardedOptim<B>> {
+        let rank = comm.rank();
         let b = &self.backend;
         let cut = |full: &[B::Buf]| -> Result<Vec<B::Buf>> {
             let mut out = Vec::with_capacity(plan.buckets.len());
@@ -107,14 +232,36 @@ impl<B: Backend> Decoder<B> {
         } else {
             &self.master
         })?;
-        let moments = !self.m.is_empty();
-        let (m, v) = match moments {
-            true => (cut(&self.m)?, cut(&self.v)?),
-            false => (cut_zeros(b, &plan)?, cut_zeros(b, &plan)?),
+        // Each full copy is freed as soon as its shard is cut, so the peak is the full state
+        // plus one kind of shard, not plus all of them.
+        self.master.clear();
+        let mv = match self.m.is_empty() {
+            false => {
+                let m = cut(&self.m)?;
+                self.m.clear();
+                let v = cut(&self.v)?;
+                self.v.clear();
+                Some((m, v))
+            }
+            true => None,
         };
-        let grad = cut_zeros(b, &plan)?;
+        self.assemble(rank, plan, master, mv, full)
+    }
+
+    /// This rank's optimizer from its master shards and its moments' (None: zeros); under
+    /// `full`, the compute shards start from the masters.
+    fn assemble(
+        &mut self,
+        rank: usize,
+        plan: BucketPlan,
+        master: Vec<B::Buf>,
+        mv: Option<Moments<B>>,
+        full: bool,
+    ) -> Result<ShardedOptim<B>> {
+        let b = &self.backend;
+        let world = plan.world_size;
         let dtype = b.compute_dtype();
-        let compute = match dtype {
+        let mut compute: Vec<B::Buf> = match dtype {
             DType::F32 => Vec::new(),
             _ => plan
                 .buckets
@@ -122,19 +269,35 @@ impl<B: Backend> Decoder<B> {
                 .map(|k| b.alloc_as(k.shard, dtype))
                 .collect::<Result<_>>()?,
         };
+        if full {
+            // The passes gather the compute weights from these shards from the first one on.
+            for (k, c) in compute.iter_mut().enumerate() {
+                b.copy(c, 0, &master[k], 0, plan.buckets[k].shard)?;
+            }
+        }
+        let moments = mv.is_some();
+        let (m, v) = match mv {
+            Some(mv) => mv,
+            None => (cut_zeros(b, &plan)?, cut_zeros(b, &plan)?),
+        };
+        let grad = cut_zeros(b, &plan)?;
         let padded = plan.max_padded();
-        let pack = [b.alloc(padded)?, b.alloc(padded)?];
-        let sync = WeightSync::new(b, plan.clone(), dtype)?;
+        let (pack, sync) = match full {
+            false => (
+                [b.alloc(padded)?, b.alloc(padded)?],
+                Some(WeightSync::new(b, plan.clone(), dtype)?),
+            ),
+            true => ([b.alloc(padded)?, b.alloc(0)?], None),
+        };
+        let sync_elems = sync.as_ref().map_or(0, WeightSync::staging_elems);
         let stats = ShardStats {
             world_size: world,
             buckets: plan.buckets.len(),
             shard_elems: plan.shard_total(),
-            staging_bytes: (2 * padded * 4 + sync.staging_elems() * dtype_bytes(dtype)) as u64,
+            staging_bytes: (2 * padded * 4 + sync_elems * dtype_bytes(dtype)) as u64,
+            full,
             ..ShardStats::default()
         };
-        self.master.clear();
-        self.m.clear();
-        self.v.clear();
         Ok(ShardedOptim {
             rank,
             plan,
@@ -143,6 +306,7 @@ impl<B: Backend> Decoder<B> {
             m,
             v,
             compute,
+            full: None,
             pack,
             sync,
             moments,
@@ -164,11 +328,13 @@ impl<B: Backend> Decoder<B> {
             comm.rank() == st.rank && comm.world_size() == st.plan.world_size,
             "sharded step: the communicator is not the one the optimizer was sharded over"
         );
-        // A rank without rows this step has no gradients yet: it adds zeros.
-        self.ensure_grads()?;
-        let started = Instant::now();
-        self.reduce_scatter_grads(st, comm)?;
-        st.stats.reduce_scatter_seconds += started.elapsed().as_secs_f64();
+        if st.full.is_none() {
+            // A rank without rows this step has no gradients yet: it adds zeros.
+            self.ensure_grads()?;
+            let started = Instant::now();
+            self.reduce_scatter_grads(st, comm)?;
+            st.stats.reduce_scatter_seconds += started.elapsed().as_secs_f64();
+        }
 
         // ‖g‖² = Σ_ranks Σ shard², in f64 carried as two f32 (hi + lo) through the sum.
         let b = &self.backend;
@@ -204,12 +370,19 @@ impl<B: Backend> Decoder<B> {
             }
         }
         st.moments = true;
+        let Some(sync) = st.sync.as_mut() else {
+            // Full sharding: the next pass gathers the units from the new shards.
+            return Ok(StepReport {
+                grad_norm,
+                skipped: false,
+            });
+        };
         let started = Instant::now();
         let shards = match st.compute.is_empty() {
             true => &st.master,
             false => &st.compute,
         };
-        st.sync.run(b, comm, shards, &mut self.w)?;
+        sync.run(b, comm, shards, &mut self.w)?;
         b.synchronize()?;
         st.stats.sync_seconds += started.elapsed().as_secs_f64();
         let dtype = b.compute_dtype();
@@ -312,6 +485,25 @@ impl<B: Backend> Decoder<B> {
         comm: &dyn Comm<B>,
     ) -> Result<ShardStats> {
         let b = &self.backend;
+        if st.full.is_some() {
+            // Every rank gets the whole compute weights back (fresh buffers: no fused ones);
+            // the gradients are allocated again by the next backward.
+            let cd = b.compute_dtype();
+            let mut w: Vec<B::Buf> = st
+                .plan
+                .sizes
+                .iter()
+                .map(|&n| b.alloc_as(n, cd))
+                .collect::<Result<_>>()?;
+            let shards = match st.compute.is_empty() {
+                true => &st.master,
+                false => &st.compute,
+            };
+            WeightSync::new(b, st.plan.clone(), cd)?.run(b, comm, shards, &mut w)?;
+            self.w = w;
+            self.g.clear();
+            self.ws_epoch += 1;
+        }
         let mut gather = WeightSync::new(b, st.plan.clone(), DType::F32)?;
         let mut full = |shards: &[B::Buf]| -> Result<Vec<B::Buf>> {
             let mut out: Vec<B::Buf> = st
@@ -334,7 +526,216 @@ impl<B: Backend> Decoder<B> {
     }
 }
 
+impl<B: Backend> ShardedOptim<B> {
+    /// Whether the compute weights are sharded too (`shard = "full"`).
+    pub fn is_full(&self) -> bool {
+        self.full.is_some()
+    }
+
+    /// Zeroes this rank's gradient shards (the start of a step's accumulation under full
+    /// sharding, where the passes add into them).
+    pub fn zero_grads(&mut self, b: &B) -> Result<()> {
+        for (k, g) in self.grad.iter_mut().enumerate() {
+            b.fill(g, self.plan.buckets[k].shard, 0.0)?;
+        }
+        Ok(())
+    }
+}
+
+/// The shards of Adam's first and second moments, one buffer per bucket each.
+type Moments<B> = (Vec<<B as Device>::Buf>, Vec<<B as Device>::Buf>);
+
 /// Zero shards of every bucket of `plan`.
 fn cut_zeros<B: Backend>(b: &B, plan: &BucketPlan) -> Result<Vec<B::Buf>> {
     plan.buckets.iter().map(|k| b.alloc(k.shard)).collect()
+}
+
+/// The staging buffers of `shard = "full"`.
+struct FullShard<B: Backend> {
+    /// One unit's bucket all-gathered (compute dtype, padded).
+    gathered: B::Buf,
+    /// One bucket's reduced gradient shard, before it is added to the rank's.
+    reduced: B::Buf,
+    /// Whether the LM head is the embedding (the head unit gathers the embedding's bucket too,
+    /// and the embedding's gradient is reduced after the embedding's backward only).
+    tied: bool,
+}
+
+/// A unit of the full-shard passes: what is gathered, run and freed at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Unit {
+    Embed,
+    Layer(usize),
+    /// The final norm and the LM head.
+    Head,
+}
+
+/// A full-shard pass's hold on this rank's shards: [`Decoder::logprobs_held`],
+/// [`Decoder::forward_backward_held`] and [`Decoder::forward_backward_ppo_held`] gather each
+/// unit before its forward and its backward, free it after, and reduce-scatter each unit's
+/// gradients into the rank's f32 gradient shard (added up over the step's passes) as soon as
+/// its backward is done. Every rank runs the same passes (an empty one runs the same
+/// collectives on no rows), in the same unit order.
+pub struct Holding<'a, B: Backend> {
+    pub comm: &'a dyn Comm<B>,
+    pub st: &'a mut ShardedOptim<B>,
+}
+
+impl<B: Backend> Holding<'_, B> {
+    fn units(&self) -> usize {
+        self.st.plan.buckets.len() - 2
+    }
+
+    /// The buckets whose weights unit `u` reads.
+    fn weight_buckets(&self, u: Unit) -> Vec<usize> {
+        let last = self.units() + 1;
+        match u {
+            Unit::Embed => vec![0],
+            Unit::Layer(l) => vec![l + 1],
+            Unit::Head if self.tied() => vec![last, 0],
+            Unit::Head => vec![last],
+        }
+    }
+
+    /// The buckets whose gradients are final once unit `u`'s backward is done.
+    fn grad_bucket(&self, u: Unit) -> usize {
+        match u {
+            Unit::Embed => 0,
+            Unit::Layer(l) => l + 1,
+            Unit::Head => self.units() + 1,
+        }
+    }
+
+    fn tied(&self) -> bool {
+        self.st.full.as_ref().is_some_and(|f| f.tied)
+    }
+
+    /// All-gathers unit `u`'s compute weights into `w` (freshly allocated buffers).
+    pub(super) fn gather(&mut self, b: &B, w: &mut [B::Buf], u: Unit) -> Result<()> {
+        let started = Instant::now();
+        let cd = b.compute_dtype();
+        for k in self.weight_buckets(u) {
+            let st = &mut *self.st;
+            let full = st.full.as_mut().expect("full sharding");
+            let bucket = &st.plan.buckets[k];
+            let shard = match st.compute.is_empty() {
+                true => &st.master[k],
+                false => &st.compute[k],
+            };
+            let c =
+                Collective::all_gather(shard, 0, &mut full.gathered, 0, bucket.shard).as_dtype(cd);
+            self.comm.start(vec![c])?.wait()?;
+            for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+                let n = st.plan.sizes[t];
+                w[t] = b.alloc_as(n, cd)?;
+                b.copy(&mut w[t], 0, &full.gathered, off, n)?;
+            }
+            st.stats.unit_gathers += 1;
+            st.stats.unit_gather_bytes +=
+                (bucket.padded(st.plan.world_size) * dtype_bytes(cd)) as u64;
+        }
+        self.st.stats.unit_gather_seconds += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Frees unit `u`'s gathered weights.
+    pub(super) fn release(&mut self, b: &B, w: &mut [B::Buf], u: Unit) -> Result<()> {
+        for k in self.weight_buckets(u) {
+            for t in self.st.plan.buckets[k].tensors.clone() {
+                w[t] = b.alloc_as(0, b.compute_dtype())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero gradient buffers for unit `u`'s backward (a tied head's, the embedding's, is
+    /// already there at the embedding's backward and keeps what the head added).
+    pub(super) fn grads(&mut self, b: &B, g: &mut [B::Buf], u: Unit) -> Result<()> {
+        for k in self.weight_buckets(u) {
+            for t in self.st.plan.buckets[k].tensors.clone() {
+                if b.len(&g[t]) == 0 {
+                    g[t] = b.alloc(self.st.plan.sizes[t])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters unit `u`'s gradients, adds this rank's part to its gradient shard and
+    /// frees the full gradients.
+    pub(super) fn reduce(&mut self, b: &B, g: &mut [B::Buf], u: Unit) -> Result<()> {
+        let started = Instant::now();
+        let k = self.grad_bucket(u);
+        let st = &mut *self.st;
+        let full = st.full.as_mut().expect("full sharding");
+        let bucket = &st.plan.buckets[k];
+        let pack = &mut st.pack[0];
+        b.fill(pack, bucket.padded(st.plan.world_size), 0.0)?;
+        for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+            b.copy(pack, off, &g[t], 0, st.plan.sizes[t])?;
+        }
+        let rs =
+            Collective::reduce_scatter(pack, 0, &mut full.reduced, 0, bucket.shard, ReduceOp::Sum)
+                .as_dtype(DType::F32);
+        self.comm.start(vec![rs])?.wait()?;
+        b.add_assign(&mut st.grad[k], &full.reduced, bucket.shard)?;
+        for t in bucket.tensors.clone() {
+            g[t] = b.alloc(0)?;
+        }
+        st.stats.reduce_scatter_seconds += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The collectives of a pass over no rows (a rank with fewer micro-batches than another):
+    /// every unit gathered and freed, and with `train` zero gradients reduced, in the order
+    /// of a real pass.
+    pub(super) fn idle(
+        &mut self,
+        b: &B,
+        w: &mut [B::Buf],
+        g: &mut [B::Buf],
+        train: bool,
+    ) -> Result<()> {
+        let layers = self.units();
+        let forward = std::iter::once(Unit::Embed).chain((0..layers).map(Unit::Layer));
+        for u in forward {
+            self.gather(b, w, u)?;
+            self.release(b, w, u)?;
+        }
+        self.gather(b, w, Unit::Head)?;
+        match train {
+            true => self.skip_backward(b, w, g),
+            false => self.release(b, w, Unit::Head),
+        }
+    }
+
+    /// The backward's collectives on zero gradients, from the gathered head on (a pass whose
+    /// rows score no token).
+    pub(super) fn skip_backward(
+        &mut self,
+        b: &B,
+        w: &mut [B::Buf],
+        g: &mut [B::Buf],
+    ) -> Result<()> {
+        self.grads(b, g, Unit::Head)?;
+        self.reduce(b, g, Unit::Head)?;
+        self.release(b, w, Unit::Head)?;
+        self.idle_backward(b, w, g)
+    }
+
+    /// The backward's collectives after the head, on zero gradients.
+    fn idle_backward(&mut self, b: &B, w: &mut [B::Buf], g: &mut [B::Buf]) -> Result<()> {
+        let layers = self.units();
+        let backward = (0..layers).rev().map(Unit::Layer).chain([Unit::Embed]);
+        for u in backward {
+            // As the real backward: the embedding's reads no weight.
+            if u != Unit::Embed {
+                self.gather(b, w, u)?;
+            }
+            self.grads(b, g, u)?;
+            self.reduce(b, g, u)?;
+            self.release(b, w, u)?;
+        }
+        Ok(())
+    }
 }

@@ -1,7 +1,8 @@
 //! `tandem gpu-test`: the CUDA parity suite. Every op of the CUDA backend against the CPU
 //! backend (the op families' cases, `backend::ops::op_cases`), then the decoder and the
 //! generation engine whole (`engine::check::CASES`), then the sharded optimizer against the
-//! plain one (`engine::shard::check::CASES`), in f32 and in bf16 storage, as one table
+//! plain one (`engine::shard::check::CASES`), and the communicator at world size 1 through NCCL
+//! (`dist::check::GPU_CASES`), in f32 and in bf16 storage, as one table
 //! (harness: `backend::check::gpu`); `--time` then times each op (the families' timing shapes,
 //! `backend::check::timing`), `--compile-only` compiles every kernel with NVRTC and needs no
 //! GPU (`make kernels-check`). It lives above the engine because its cases do.
@@ -54,6 +55,7 @@ fn registry(only: Option<&str>) -> Vec<Case> {
         .into_iter()
         .chain(check::CASES.iter().copied())
         .chain(crate::engine::shard::check::CASES.iter().copied())
+        .chain(crate::dist::check::GPU_CASES.iter().copied())
         .filter(|c| only.is_none_or(|o| c.name.contains(o)))
         .collect()
 }
@@ -151,10 +153,10 @@ mod tests {
     #[test]
     fn the_registry_holds_every_check_and_only_filters_by_name() {
         let all = names(None);
-        assert_eq!(all.len(), 28);
+        assert_eq!(all.len(), 29);
         // Op-level checks come first, then the decoder and engine ones, then the sharded
-        // trainer's.
-        assert_eq!((all[0], all[all.len() - 1]), ("memory", "sharded_update"));
+        // trainer's, then the communicator's.
+        assert_eq!((all[0], all[all.len() - 1]), ("memory", "communicator"));
         assert_eq!(names(Some("sharded")), ["sharded_update"]);
         assert_eq!(
             names(Some("paged")),

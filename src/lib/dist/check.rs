@@ -18,6 +18,7 @@ use super::comm::{dtype_name, round_to, Collective, Comm, ReduceOp};
 use super::group::{run_job, DeviceKind, Job, Options, ProcessGroup};
 use super::nccl::NcclComm;
 use super::world::World;
+use crate::backend::check::gpu::{Case, Ctx, Row};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType};
 use crate::rng::SplitMix64;
@@ -682,6 +683,32 @@ pub fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
         });
     }
     Ok(rows)
+}
+
+/// The `communicator` case of `tandem gpu-test`: [`gpu_rows`] as rows of its table. The rows
+/// carry their own element types, so the case runs once (in the f32 pass).
+pub const GPU_CASES: &[Case] = &[Case {
+    name: "communicator",
+    run: communicator_case,
+}];
+
+fn communicator_case(ctx: &mut Ctx<'_>, d: DType) -> Result<()> {
+    if d != DType::F32 {
+        return Ok(());
+    }
+    let seed = ctx.rng.next_u64();
+    for r in gpu_rows(ctx.ordinal, seed)? {
+        ctx.rows.push(Row {
+            op: format!("communicator {} (nccl, world 1)", r.name),
+            dtype: r.dtype,
+            max_abs: r.max_abs,
+            max_rel: f64::NAN,
+            tol: f64::NAN,
+            pass: r.pass,
+            note: r.note,
+        });
+    }
+    Ok(())
 }
 
 /// How `--fail-rank` fails.

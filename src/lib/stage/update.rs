@@ -28,7 +28,7 @@ use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
 use crate::dist::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
-use crate::engine::shard::{train_sharded_to_host, ShardMode, DEFAULT_BUCKET_ELEMS};
+use crate::engine::shard::{ShardMode, ShardedPolicy, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
@@ -404,10 +404,12 @@ impl RankJob for TrainRank<'_> {
         let step = self.loaded.schedule_step;
         drop(self.loaded);
         let rank = comm.rank();
-        let (report, state) = train_sharded_to_host(
-            &mut policy,
-            optim,
+        let sharded = ShardedPolicy {
+            decoder: &mut policy,
             comm,
+            optim,
+        };
+        let (report, state) = sharded.train_to_host(
             self.job.data,
             self.job.train,
             step,

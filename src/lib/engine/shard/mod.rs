@@ -189,32 +189,26 @@ pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Re
     Ok(())
 }
 
-/// One `update` call on this rank with the optimizer `optim` (from
-/// [`Decoder::shard_optimizer`], [`Decoder::shard_full`] or [`Decoder::new_full`]), as
-/// [`train_sharded`], but the f32 masters and the optimizer state come back to rank `root`'s
-/// host memory (bucket by bucket: no rank's device holds the whole state) instead of into the
-/// decoder; the other ranks get None. What `update` under a launcher runs: rank 0 writes the
-/// checkpoint.
-#[allow(clippy::too_many_arguments)]
-pub fn train_sharded_to_host<B: Backend>(
-    decoder: &mut Decoder<B>,
-    optim: ShardedOptim<B>,
-    comm: &dyn Comm<B>,
-    data: &TrainData,
-    cfg: &TrainConfig,
-    schedule_step: u64,
-    log: &mut dyn FnMut(&str),
-    root: usize,
-) -> Result<(TrainReport, Option<(Weights, OptimizerState)>)> {
-    let mut policy = ShardedPolicy {
-        decoder,
-        comm,
-        optim,
-    };
-    let mut report = train(&mut policy, data, cfg, schedule_step, log)?;
-    let state = policy.decoder.gather_state(&policy.optim, comm, root)?;
-    report.shard = Some(policy.optim.stats.clone());
-    Ok((report, state))
+impl<B: Backend> ShardedPolicy<'_, B> {
+    /// One `update` call on this rank with the policy's optimizer (from
+    /// [`Decoder::shard_optimizer`], [`Decoder::shard_full`] or [`Decoder::new_full`]), as
+    /// [`train_sharded`], but the f32 masters and the optimizer state come back to rank
+    /// `root`'s host memory (bucket by bucket: no rank's device holds the whole state) instead
+    /// of into the decoder; the other ranks get None. What `update` under a launcher runs:
+    /// rank 0 writes the checkpoint.
+    pub fn train_to_host(
+        mut self,
+        data: &TrainData,
+        cfg: &TrainConfig,
+        schedule_step: u64,
+        log: &mut dyn FnMut(&str),
+        root: usize,
+    ) -> Result<(TrainReport, Option<(Weights, OptimizerState)>)> {
+        let mut report = train(&mut self, data, cfg, schedule_step, log)?;
+        let state = self.decoder.gather_state(&self.optim, self.comm, root)?;
+        report.shard = Some(self.optim.stats.clone());
+        Ok((report, state))
+    }
 }
 
 /// One `update` call on this rank: shards the optimizer (over buckets of `bucket_elems`),

@@ -25,6 +25,22 @@ use crate::backend::{Backend, DType};
 use anyhow::{bail, Result};
 use std::time::Duration;
 
+/// `v` = Σ over the ranks, each f64 carried as two f32 (hi + lo) through the f32 collective.
+pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Result<()> {
+    let n = v.len();
+    let mut host = Vec::with_capacity(2 * n);
+    host.extend(v.iter().map(|&x| x as f32));
+    host.extend(v.iter().map(|&x| (x - x as f32 as f64) as f32));
+    let mut buf = backend.alloc(2 * n)?;
+    backend.upload(&mut buf, &host)?;
+    comm.all_reduce(&mut buf, 0, 2 * n, ReduceOp::Sum)?;
+    backend.download(&buf, &mut host)?;
+    for (i, x) in v.iter_mut().enumerate() {
+        *x = host[i] as f64 + host[n + i] as f64;
+    }
+    Ok(())
+}
+
 /// "f32" or "bf16".
 pub fn dtype_name(d: DType) -> &'static str {
     match d {

@@ -16,7 +16,7 @@ use super::optim::{adamw_step, check_hyper, clip_scale};
 use super::{AdamWParams, Decoder, OptimizerState, StepReport};
 use crate::backend::{Backend, DType, Device};
 use crate::dist::bucket::{BucketPlan, WeightSync};
-use crate::dist::comm::dtype_bytes;
+use crate::dist::comm::{dtype_bytes, sum_f64};
 use crate::dist::{Collective, Comm, ReduceOp};
 use crate::model::{Config, Tensor, Weights};
 
@@ -336,17 +336,12 @@ impl<B: Backend> Decoder<B> {
             st.stats.reduce_scatter_seconds += started.elapsed().as_secs_f64();
         }
 
-        // ‖g‖² = Σ_ranks Σ shard², in f64 carried as two f32 (hi + lo) through the sum.
+        // ‖g‖² = Σ_ranks Σ shard².
         let b = &self.backend;
         let parts: Vec<(&B::Buf, usize)> = st.grad.iter().map(|g| (g, b.len(g))).collect();
-        let local = b.sum_squares_all(&parts)?;
-        let hi = local as f32;
-        let mut both = b.alloc(2)?;
-        b.upload(&mut both, &[hi, (local - hi as f64) as f32])?;
-        comm.all_reduce(&mut both, 0, 2, ReduceOp::Sum)?;
-        let mut sums = [0f32; 2];
-        b.download(&both, &mut sums)?;
-        let grad_norm = (sums[0] as f64 + sums[1] as f64).max(0.0).sqrt() as f32;
+        let mut sq = [b.sum_squares_all(&parts)?];
+        sum_f64(b, comm, &mut sq)?;
+        let grad_norm = sq[0].max(0.0).sqrt() as f32;
         if !grad_norm.is_finite() {
             return Ok(StepReport {
                 grad_norm,

@@ -13,6 +13,10 @@
 #            log-probs and update (sharded optimizer) data parallel
 #   grpod    the same steps with daemon = true: one warm daemon at gpus = 1, a daemon group (one
 #            daemon per GPU under tandem launch) at gpus = N
+#   equal    one `update` (sft loss, 512 rows of a random 0.5B shape, bf16 compute, f32 masters) on
+#            the same batch in one process and at N ranks, zero2 and --shard full: loss, grad
+#            norm, and every tensor of the f32 masters compared (relative error of the weights,
+#            and of the step itself, w_after - w_before)
 #   fault    SIGKILL of rank 1 of a data-parallel rollout mid-generation: the launcher and the
 #            other ranks stop within 60 s naming it, and no output file is written (N >= 2);
 #            the same for rank 1 of a daemon group serving a rollout (the client says so)
@@ -25,7 +29,7 @@ set -u
 D=${D:-.device}
 T=$D/tandem
 N=${N:-2}
-PARTS=${PARTS:-check rollout grpo grpod fault}
+PARTS=${PARTS:-check equal rollout grpo grpod fault}
 OUT=${OUT:-/tmp/gpu_multi}
 W=${W:-/tmp/gpu_multi_work}
 mkdir -p "$OUT" "$W"
@@ -48,7 +52,7 @@ for part in $PARTS; do
     $T gpu-test ${GPUTEST_ONLY:+--only "$GPUTEST_ONLY"} --json "$OUT/gpu_test.json" > "$OUT/gpu_test.log" 2>&1
     echo "gpu-test rc=$? $(grep -E 'checks' "$OUT/gpu_test.log" | tail -1)"
     NS=$([ "$N" -gt 1 ] && echo "$N") D=$D OUT=$OUT/dist \
-      DIST_ARGS="--shapes qwen0.5b,qwen1.5b,qwen7b --bucket-mb 32 64 128 256 512" \
+      DIST_ARGS="--shapes qwen0.5b,qwen1.5b,qwen7b --bucket-mb 32,64,128,256,512" \
       bash bench/gpu_dist.sh > "$OUT/gpu_dist.log" 2>&1
     echo "gpu_dist.sh rc=$?"; tail -8 "$OUT/gpu_dist.log"
     ;;
@@ -114,6 +118,63 @@ EOF
       cp "$W/${part}_run_$n/metrics.jsonl" "$OUT/${part}_$n.jsonl" 2> /dev/null
       cp "$W/${part}_run_$n/daemon.log" "$OUT/${part}_daemon_$n.log" 2> /dev/null
     done
+    ;;
+  equal)
+    q05
+    [ -f "$W/sft.parquet" ] || $D/rollout --model "$W/q05" --in "$D/prompts.parquet" --limit 512 \
+      --raw-prompt --n 1 --max-new-tokens 256 --ignore-eos --seed 3 --device cuda \
+      --out "$W/sft.parquet" > "$OUT/equal_rollout.log" 2>&1
+    for mode in one zero2 full; do
+      rm -rf "$W/eq_$mode"
+      case $mode in
+      one) pre=(); extra=() ;;
+      zero2) pre=($T launch --nproc-per-node "$N" --); extra=(--shard zero2) ;;
+      full) pre=($T launch --nproc-per-node "$N" --); extra=(--shard full) ;;
+      esac
+      [ "$N" -gt 1 ] || [ "$mode" = one ] || continue
+      "${pre[@]}" $D/update --model "$W/q05" --in "$W/sft.parquet" --loss sft --lr 1e-5 \
+        --device cuda "${extra[@]}" --out-model "$W/eq_$mode" --metrics "$OUT/equal_$mode.json" \
+        > "$OUT/equal_$mode.log" 2>&1
+      echo "update $mode rc=$? $(grep -m1 '^update:' "$OUT/equal_$mode.log")"
+    done
+    python3 - "$W/q05" "$W/eq_one" "$W/eq_zero2" "$W/eq_full" > "$OUT/equal_compare.txt" 2>&1 <<'PY'
+import sys
+from safetensors.torch import load_file
+base, one, *others = sys.argv[1:]
+w0 = load_file(f"{base}/model.safetensors")
+ref = load_file(f"{one}/optimizer.safetensors")
+def masters(d):
+    return {k[len("master."):]: v for k, v in d.items() if k.startswith("master.")}
+m1 = masters(ref)
+for other in others:
+    try:
+        m2 = masters(load_file(f"{other}/optimizer.safetensors"))
+    except Exception as e:
+        print(other, "no optimizer state:", e)
+        continue
+    rows = []
+    for k, a in m1.items():
+        if k not in m2:
+            continue
+        a, b = a.double(), m2[k].double()
+        w = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
+        d = None
+        if k in w0 and w0[k].shape == a.shape:
+            s1 = a - w0[k].double()
+            d = ((a - b).norm() / s1.norm().clamp_min(1e-30)).item()
+        rows.append((k, w, d))
+    zero_grad = [r for r in rows if r[0].endswith("k_proj.bias")]
+    rest = [r for r in rows if not r[0].endswith("k_proj.bias")]
+    ws = sorted(r[1] for r in rest)
+    ds = sorted(r[2] for r in rest if r[2] is not None)
+    print(f"{other}: {len(rows)} tensors compared ({len(zero_grad)} k_proj.bias apart: zero gradient in exact arithmetic)")
+    print(f"  weights, relative error: max {ws[-1]:.3e} ({max(rest, key=lambda r: r[1])[0]}), median {ws[len(ws)//2]:.3e}")
+    if ds:
+        print(f"  the step w1-w0, relative error: max {ds[-1]:.3e}, p90 {ds[int(0.9*len(ds))]:.3e}, median {ds[len(ds)//2]:.3e}")
+    if zero_grad:
+        print(f"  k_proj.bias weights: max {max(r[1] for r in zero_grad):.3e}")
+PY
+    cat "$OUT/equal_compare.txt"
     ;;
   fault)
     if [ "$N" -lt 2 ]; then echo "fault: needs N >= 2"; continue; fi

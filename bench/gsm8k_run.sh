@@ -14,6 +14,8 @@
 #   D      carried directory with bin.tar.xz and the GSM8K parquets [.device/rl]
 #   P      carried directory with this call's GGUF piece(s) [.device/piece]
 #   R      work directory on the device [/root/rl]
+#   GPU    the GPU this run uses (CUDA_VISIBLE_DEVICES) [all; one-GPU specs take GPU 0]: two runs
+#          of different specs go side by side on a machine of two GPUs (import first, below)
 #
 # Here (the development machine), once per model:
 #   STEP=pack MODEL=1.5b bash bench/gsm8k_run.sh
@@ -25,8 +27,9 @@
 #   STEP=setup  unpack the binaries and data into $R, keep the carried piece (carry the last,
 #               short one here: it fits beside bin.tar.xz)
 #   STEP=piece  keep the carried piece(s) in $R/pieces/ (a repeated call just rewrites them)
-#   STEP=run    join the pieces into the GGUF once all are there and check its size and sha256,
-#               import it (first time), then run or resume the pipeline for at most SECS
+#   STEP=import join the pieces into the GGUF once all are there, check its size and sha256 and
+#               import it (done by STEP=run too; call it once before starting runs side by side)
+#   STEP=run    import (above) if not done, then run or resume the pipeline for at most SECS
 #               seconds [480] up to STEPS steps [the spec's]; EVAL_EVERY=K evaluates every K
 #               steps instead of the spec's [eval] every (set it at the run's first call: a
 #               run continues only with the spec it began with). Appends the call's wall time
@@ -35,7 +38,7 @@
 #               evaluation flags: EVAL_FLAGS ["--n 1 --top-k 1 --max-new-tokens 512
 #               --max-prompt-tokens 256 --max-num-seqs 768"]), for a run stopped between
 #               evaluations; its wall time is counted too
-#   STEP=report every evaluation rescored with the built-in rules (strict `#### N`, flexible last
+#   STEP=report (into $OUT/report-$RUN.tgz; report.md printed) every evaluation rescored with the built-in rules (strict `#### N`, flexible last
 #               number, `\boxed{}`), the step-time split (medians of metrics.jsonl's time/*,
 #               with and without the optimizer-checkpoint steps), dynamic sampling's rounds,
 #               peak GPU memory and the total wall time, into $OUT/report.md with metrics.jsonl,
@@ -61,6 +64,8 @@ P=${P:-.device/piece}
 R=${R:-/root/rl}
 BINS="tandem pipeline rollout score ref-logprob advantage update sync-weights"
 export TANDEM_CACHE=${TANDEM_CACHE:-/root/tandem-cache} TANDEM_BIN_DIR=$R/bin PYTHONUNBUFFERED=1
+SMI_GPU=()
+if [ -n "${GPU:-}" ]; then export CUDA_VISIBLE_DEVICES=$GPU; SMI_GPU=(-i "$GPU"); fi
 
 # Appends "what seconds steps_done" to the run's wall-time ledger.
 ledger() {
@@ -71,7 +76,7 @@ ledger() {
 
 # Samples the GPU's used memory (MiB) every 0.5 s into $1 until stop_mem.
 start_mem() {
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >> "$1" 2>/dev/null &
+  nvidia-smi "${SMI_GPU[@]}" --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >> "$1" 2>/dev/null &
   MEM_PID=$!
 }
 stop_mem() { kill "$MEM_PID" 2>/dev/null; wait "$MEM_PID" 2>/dev/null; }
@@ -100,7 +105,7 @@ setup)
 piece)
   cp "$P"/q.* "$R/pieces/" && ls "$R/pieces" | tr '\n' ' ' && echo
   ;;
-run)
+import|run)
   cp pipelines/*.toml "$R/pipelines/" && cp pipelines/rewards/*.py "$R/pipelines/rewards/"
   cd "$R" || exit 1
   if [ ! -f model.gguf ]; then
@@ -109,17 +114,18 @@ run)
     cat pieces/q.* > model.gguf.tmp && mv model.gguf.tmp model.gguf && rm -rf pieces
   fi
   echo "$SHA  model.gguf" | sha256sum -c --quiet || exit 1
+  if [ ! -d "$MODEL_DIR" ]; then
+    t0=$SECONDS
+    bin/tandem import-gguf model.gguf --out "$MODEL_DIR" || exit 1
+    ledger import $((SECONDS - t0))
+  fi
+  [ "$STEP" = import ] && exit 0
   spec=$SPEC
   if [ -n "${EVAL_EVERY:-}" ]; then
     spec=pipelines/$RUN.toml
     [ -f "runs/$RUN/state.json" ] || sed "/^\[eval\]/,/^\[/ s/^every = .*/every = $EVAL_EVERY/" "$SPEC" > "$spec"
   elif [ -f "pipelines/$RUN.toml" ]; then
     spec=pipelines/$RUN.toml
-  fi
-  t0=$SECONDS
-  if [ ! -d "$MODEL_DIR" ]; then
-    bin/tandem import-gguf model.gguf --out "$MODEL_DIR" || exit 1
-    ledger import $((SECONDS - t0))
   fi
   t0=$SECONDS
   start_mem "$R/mem-$RUN.csv"
@@ -134,7 +140,7 @@ run)
   ledger run $((SECONDS - t0))
   echo "pipeline rc=$rc in $((SECONDS - t0)) s; steps done: $(grep -o '"steps_done": *[0-9]*' "runs/$RUN/state.json")"
   grep -E '^(step|eval step) ' "$R/pipeline-$RUN.log" | tail -6
-  tail -c 8000 "$R/pipeline-$RUN.log" > "$OUT/pipeline.log"
+  tail -c 8000 "$R/pipeline-$RUN.log" > "$OUT/pipeline-$RUN.log"
   ;;
 eval)
   cd "$R" || exit 1
@@ -151,6 +157,8 @@ eval)
 report)
   cd "$R" || exit 1
   run=runs/$RUN
+  FINAL_OUT=$OUT
+  OUT=$(mktemp -d)
   # Every evaluation (and the final one) rescored with the built-in rules.
   printf 'step\tstrict\tflexible\tboxed\n' > "$OUT/evals.tsv"
   for d in "$run"/eval/step-* "$run"/final-eval; do
@@ -212,7 +220,9 @@ for row in open(wall):
     print(f"| {what} | {secs} | {done} |")
 print(f"\nTotal: {total} s = {total / 60:.1f} min (the calls' own time: evaluations, daemon starts and resumes included; the gaps between calls are not)")
 EOF
-  cat "$OUT/report.md"
+  cp "$R/pipeline-$RUN.log" "$R/wall-$RUN.tsv" "$OUT/" 2>/dev/null
+  tar -czf "$FINAL_OUT/report-$RUN.tgz" -C "$OUT" . && rm -rf "$OUT"
+  tar -xzOf "$FINAL_OUT/report-$RUN.tgz" ./report.md
   ;;
 *)
   echo "STEP=pack|setup|piece|run|eval|report (see the top of $0)"; exit 2 ;;

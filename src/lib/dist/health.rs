@@ -92,17 +92,19 @@ impl Health {
             reason: reason.into(),
         };
         if self.record(&f) {
+            self.arm_exit();
             if let Some(report) = self.reporter.lock().unwrap().as_ref() {
                 report(&f);
             }
-            self.stop();
+            self.run_hooks();
         }
     }
 
     /// Records a failure another rank reported (through the store): stops without echoing it.
     pub fn relayed(&self, f: Failure) {
         if self.record(&f) {
-            self.stop();
+            self.arm_exit();
+            self.run_hooks();
         }
     }
 
@@ -130,16 +132,21 @@ impl Health {
         true
     }
 
-    fn stop(&self) {
-        let hooks = std::mem::take(&mut *self.hooks.lock().unwrap());
-        for h in hooks {
-            h();
-        }
+    /// Ends the process after the grace period. Armed before the report and the hooks run:
+    /// either may block (the store gone, ncclCommAbort while the main thread is inside NCCL).
+    fn arm_exit(&self) {
         if let Some(grace) = self.exit_after {
             std::thread::spawn(move || {
                 std::thread::sleep(grace);
                 std::process::exit(EXIT_FAILED);
             });
+        }
+    }
+
+    fn run_hooks(&self) {
+        let hooks = std::mem::take(&mut *self.hooks.lock().unwrap());
+        for h in hooks {
+            h();
         }
     }
 }

@@ -189,6 +189,10 @@ struct Shared {
     /// Held around every NCCL call of the main thread.
     calls: Mutex<()>,
     pending: Mutex<VecDeque<Watched>>,
+    /// The group the main thread is enqueueing (first collective, name, since): NCCL's first
+    /// collective of a kind connects to the peers inside `ncclGroupEnd`, which blocks until
+    /// they take part, before there is an event to watch.
+    enqueueing: Mutex<Option<(u64, String, Instant)>>,
     timeout_ms: AtomicU64,
     stop: AtomicBool,
     health: Arc<Health>,
@@ -273,6 +277,14 @@ impl Shared {
                 .filter(|w| w.started.elapsed() > self.timeout())
                 .map(|w| (w.first, w.what.clone()));
             drop(pending);
+            let late = late.or_else(|| {
+                self.enqueueing
+                    .lock()
+                    .unwrap()
+                    .as_ref()
+                    .filter(|(_, _, since)| since.elapsed() > self.timeout())
+                    .map(|(first, what, _)| (*first, format!("{what} (enqueueing)")))
+            });
             if let Some((first, what)) = late {
                 self.fail_late(first, &what);
                 return;
@@ -345,6 +357,7 @@ impl NcclComm {
             comm: AtomicPtr::new(std::ptr::null_mut()),
             calls: Mutex::new(()),
             pending: Mutex::new(VecDeque::new()),
+            enqueueing: Mutex::new(None),
             timeout_ms: AtomicU64::new(pg.timeout().as_millis() as u64),
             stop: AtomicBool::new(false),
             health: pg.health().clone(),
@@ -610,10 +623,12 @@ impl Comm<CudaBackend> for NcclComm {
         let mut custom = None;
         nr::group_start()
             .map_err(|e| anyhow!("ncclGroupStart: {}", error_text(e.0, Some(comm))))?;
+        *sh.enqueueing.lock().unwrap() = Some((first, what.clone(), Instant::now()));
         let enqueued: Result<()> = ops
             .iter()
             .try_for_each(|c| self.enqueue(comm, c, &mut custom));
         let ended = nr::group_end();
+        *sh.enqueueing.lock().unwrap() = None;
         if let Some((_, _, op)) = custom {
             // SAFETY: the op was made on this comm; NCCL allows destroying it once the calls
             // that use it returned.

@@ -38,11 +38,13 @@ for n in ${NS:-2 4 8}; do
   fi
   # A rank killed mid-run: every other rank and the launcher must stop, naming it, in < 60 s.
   start=$(date +%s)
-  $T launch --nproc-per-node $n -- $T dist-test --device cuda --fail-rank 1 --fail-mode kill \
+  # Each bounded by 120 s, so a rank that does not stop is reported (rc 124) instead of
+  # holding the lease.
+  timeout -s KILL 120 $T launch --nproc-per-node $n -- $T dist-test --device cuda --fail-rank 1 --fail-mode kill \
     > "$OUT/kill_$n.log" 2>&1
   rc=$?; SUMMARY+=("kill rank 1, n=$n: rc=$rc after $(( $(date +%s) - start )) s: $(grep -m1 '^error: rank' "$OUT/kill_$n.log")")
   start=$(date +%s)
-  $T launch --nproc-per-node $n --timeout 10 -- $T dist-test --device cuda --fail-rank 1 \
+  timeout -s KILL 120 $T launch --nproc-per-node $n --timeout 10 -- $T dist-test --device cuda --fail-rank 1 \
     --fail-mode hang > "$OUT/hang_$n.log" 2>&1
   rc=$?; SUMMARY+=("hang rank 1, n=$n: rc=$rc after $(( $(date +%s) - start )) s: $(grep -m1 '^error: rank' "$OUT/hang_$n.log")")
 done

@@ -29,7 +29,7 @@ use crate::dist::comm::sum_f64;
 use crate::dist::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{self, RankResume, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
-use crate::engine::shard::{ShardMode, ShardedPolicy, DEFAULT_BUCKET_ELEMS};
+use crate::engine::shard::{ShardMode, ShardedPolicy, StateTo, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
@@ -494,7 +494,11 @@ impl RankJob for TrainRank<'_> {
             comm,
             optim,
         };
-        let whole = world == 1;
+        let state_to = match (self.job.export_state, world) {
+            (false, _) => StateTo::Nowhere,
+            (true, 1) => StateTo::Root,
+            (true, _) => StateTo::EachRank,
+        };
         let out = sharded.train_to_host(
             self.job.data,
             self.job.train,
@@ -505,10 +509,10 @@ impl RankJob for TrainRank<'_> {
                 }
             },
             0,
-            whole && self.job.export_state,
+            state_to,
         )?;
         let mut shard_files = Vec::new();
-        if let (Some(shard), true) = (&out.shard, self.job.export_state) {
+        if let Some(shard) = &out.shard {
             // Every rank writes its file, then all learn whether all did (so that no rank
             // goes on to a checkpoint with a shard missing).
             let written = resume::write_shard(&self.staging, shard);

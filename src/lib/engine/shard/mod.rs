@@ -174,15 +174,25 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
     }
 }
 
+/// Where [`ShardedPolicy::train_to_host`] brings the optimizer state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateTo {
+    /// Nowhere (it is not written).
+    Nowhere,
+    /// Gathered whole on rank `root`.
+    Root,
+    /// Each rank its own shard (what it writes as its shard file).
+    EachRank,
+}
+
 /// What [`ShardedPolicy::train_to_host`] brings back.
 pub struct ToHost {
     pub report: TrainReport,
     /// The f32 masters (rank `root` only).
     pub weights: Option<Weights>,
-    /// The whole optimizer state (rank `root` only, when asked for).
+    /// The whole optimizer state (rank `root` only, [`StateTo::Root`]).
     pub state: Option<OptimizerState>,
-    /// This rank's shard of the masters and moments (every rank, when the whole state was not
-    /// asked for): what it writes as its own file.
+    /// This rank's shard of the masters and moments ([`StateTo::EachRank`]).
     pub shard: Option<HostShard>,
 }
 
@@ -190,10 +200,10 @@ impl<B: Backend> ShardedPolicy<'_, B> {
     /// One `update` call on this rank with the policy's optimizer (from
     /// [`Decoder::shard_optimizer`], [`Decoder::shard_full`] or [`Decoder::new_full`]), as
     /// [`train_sharded`], but the f32 masters come back to rank `root`'s host memory (bucket
-    /// by bucket: no rank's device holds them whole) instead of into the decoder. With
-    /// `whole_state` the moments are gathered there too; otherwise every rank brings its own
-    /// shard of masters and moments to its host (no gather: what a rank writes as its shard
-    /// file). What `update` under a launcher runs: rank 0 writes the model.
+    /// by bucket: no rank's device holds them whole) instead of into the decoder, and the
+    /// optimizer state where `state` says: gathered there too, or each rank's own shard of
+    /// masters and moments to its host (no gather: what a rank writes as its shard file).
+    /// What `update` under a launcher runs: rank 0 writes the model.
     pub fn train_to_host(
         mut self,
         data: &TrainData,
@@ -201,15 +211,15 @@ impl<B: Backend> ShardedPolicy<'_, B> {
         schedule_step: u64,
         log: &mut dyn FnMut(&str),
         root: usize,
-        whole_state: bool,
+        state: StateTo,
     ) -> Result<ToHost> {
         let mut report = train(&mut self, data, cfg, schedule_step, log)?;
-        let gathered = self
-            .decoder
-            .gather_state(&self.optim, self.comm, root, whole_state)?;
-        let shard = match whole_state {
-            true => None,
-            false => Some(self.decoder.download_shard(&self.optim)?),
+        let gathered =
+            self.decoder
+                .gather_state(&self.optim, self.comm, root, state == StateTo::Root)?;
+        let shard = match state {
+            StateTo::EachRank => Some(self.decoder.download_shard(&self.optim)?),
+            _ => None,
         };
         report.shard = Some(self.optim.stats.clone());
         let (weights, state) = match gathered {

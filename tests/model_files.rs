@@ -197,6 +197,7 @@ fn sharded_save_writes_the_index_transformers_writes() {
         config_base: Some(&src),
         max_shard_bytes: 60_000,
         extra_files: &[],
+        move_in: &[],
     };
     ModelDir::save_with(&out, &cfg, &weights, &opts).unwrap();
     let ours = std::fs::read_to_string(out.join(INDEX_FILE)).unwrap();
@@ -255,6 +256,7 @@ fn small_shard_limit_round_trips_and_indexes_every_tensor() {
         config_base: None,
         max_shard_bytes: 20_000,
         extra_files: &[],
+        move_in: &[],
     };
     ModelDir::save_with(&out, &cfg, &weights, &opts).unwrap();
     let map = st::read_index(&out.join(INDEX_FILE)).unwrap();
@@ -288,6 +290,7 @@ fn save_replaces_an_existing_model_whole() {
         config_base: None,
         max_shard_bytes: 20_000,
         extra_files: &[],
+        move_in: &[],
     };
     ModelDir::save_with(&out, &cfg, &weights, &opts).unwrap();
     // Saving unsharded over a sharded model leaves no stale shards behind.

@@ -107,6 +107,21 @@ fn batch(path: &Path) {
 /// `ranks` ranks under `tandem launch`. Returns the metrics.
 fn update(ranks: usize, model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Value {
     let metrics = out.with_extension("json");
+    let o = update_cmd(ranks, model, input, out, extra)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "update on {ranks} ranks failed ({:?}):\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap()
+}
+
+/// The command [`update`] runs.
+fn update_cmd(ranks: usize, model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Command {
+    let metrics = out.with_extension("json");
     let mut args: Vec<String> = [
         "--model",
         p(model),
@@ -141,22 +156,17 @@ fn update(ranks: usize, model: &Path, input: &Path, out: &Path, extra: &[&str]) 
     for k in LAUNCH_VARS {
         cmd.env_remove(k);
     }
-    let o = cmd
-        .args(&args)
-        .env("RAYON_NUM_THREADS", "1")
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "update on {ranks} ranks failed ({:?}):\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap()
+    cmd.args(&args).env("RAYON_NUM_THREADS", "1");
+    cmd
 }
 
-/// The f32 masters, exp_avg and exp_avg_sq written next to the model.
+/// The f32 masters, exp_avg and exp_avg_sq written next to the model (put back together from
+/// the ranks' shard files of a sharded checkpoint).
 fn state(dir: &Path) -> [Weights; 3] {
+    if !dir.join("optimizer.safetensors").exists() {
+        let (master, st) = tandem::engine::resume::whole_from_shards(dir).unwrap();
+        return [master, st.exp_avg, st.exp_avg_sq];
+    }
     let (_, weights) = tandem::model::ModelDir::load(dir).unwrap();
     let r = tandem::engine::resume::load(dir, &weights)
         .unwrap()
@@ -549,4 +559,166 @@ fn bench_update_under_launch_reports_per_gpu_numbers_and_the_weight_sync() {
     assert_eq!(dp["reduce_scatter_overlapped"], false);
     // Rank 0 alone reports.
     assert_eq!(err.matches("step 1").count(), 1, "{err}");
+}
+
+/// The names of the optimizer files in `dir`, sorted.
+fn optimizer_files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("optimizer"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Runs `cmd` expecting exit code 2; returns its stderr.
+fn exits_2(mut cmd: Command, what: &str) -> String {
+    let o = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{what}: expected exit 2:\n{err}");
+    err
+}
+
+/// With N > 1 ranks each rank writes its own optimizer shard and no rank gathers the state:
+/// N shard files, no optimizer.safetensors, `optimizer_shards: N` in trainer_state.json. A
+/// run resumed from such checkpoints (1 update call, then 2 more, each on N ranks reading its
+/// own shard) ends where 3 calls in a row of one process do (zero2 with 2 and 3 ranks, full
+/// with 2).
+#[test]
+fn sharded_checkpoints_are_written_per_rank_and_resume_as_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 25);
+    let input = dir.path().join("batch.parquet");
+    batch(&input);
+    let chain = |name: &str, ranks: usize, extra: &[&str]| -> Vec<std::path::PathBuf> {
+        let mut from = model.clone();
+        (1..=3)
+            .map(|i| {
+                let out = dir.path().join(format!("{name}-{i}"));
+                let m = update(ranks, &from, &input, &out, extra);
+                assert_eq!(m["optimizer_step"], 3 * i as u64, "{name} call {i}: {m}");
+                let shards = if ranks > 1 { ranks } else { 0 };
+                assert_eq!(m["optimizer_shards"], shards, "{name} call {i}: {m}");
+                assert_eq!(m["optimizer_state_saved"], true, "{name} call {i}: {m}");
+                from = out.clone();
+                out
+            })
+            .collect()
+    };
+    let one = chain("one", 0, &[]);
+    let want = state(&one[2]);
+    for (name, ranks, extra) in [
+        ("zero2-2", 2, &["--bucket-elems", "5000"][..]),
+        ("zero2-3", 3, &["--bucket-elems", "3000"][..]),
+        ("full-2", 2, &["--shard", "full"][..]),
+    ] {
+        let outs = chain(name, ranks, extra);
+        for out in &outs {
+            let files: Vec<String> = (0..ranks)
+                .map(|r| format!("optimizer.rank{r:05}-of-{ranks:05}.safetensors"))
+                .collect();
+            assert_eq!(optimizer_files(out), files, "{}", out.display());
+            let ts: Value =
+                serde_json::from_slice(&std::fs::read(out.join("trainer_state.json")).unwrap())
+                    .unwrap();
+            assert_eq!(ts["optimizer_shards"], ranks, "{ts}");
+            assert!(tandem::engine::resume::resumable(out).unwrap());
+            // The staging directory is gone once the shards are moved in.
+            let mut staging = out.clone().into_os_string();
+            staging.push(".shards");
+            assert!(!Path::new(&staging).exists());
+        }
+        // Each shard holds about 1/N of the state: the files together are the whole.
+        let sizes: Vec<u64> = optimizer_files(&outs[0])
+            .iter()
+            .map(|f| std::fs::metadata(outs[0].join(f)).unwrap().len())
+            .collect();
+        let one_size = std::fs::metadata(one[0].join("optimizer.safetensors"))
+            .unwrap()
+            .len();
+        for s in &sizes {
+            assert!(
+                *s < one_size / ranks as u64 + one_size / 5,
+                "{name}: a shard of {s} bytes, the whole state {one_size}"
+            );
+        }
+        let got = state(&outs[2]);
+        for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+            let e = rel_err(&got[i], &want[i]);
+            eprintln!("{name}, resumed twice: {what} relative error {e:.2e}");
+            assert!(
+                e <= 1e-5,
+                "{name}, resumed twice: {what} relative error {e}"
+            );
+        }
+        // The model files are the HF layout of the same weights.
+        let (_, a) = tandem::model::ModelDir::load(&outs[2]).unwrap();
+        let (_, b) = tandem::model::ModelDir::load(&one[2]).unwrap();
+        assert!(rel_err(&a, &b) <= 1e-2, "{name}: model files differ");
+        let (_, start) = tandem::model::ModelDir::load(&model).unwrap();
+        assert!(
+            rel_err(&got[0], &start) > 1e-2,
+            "{name}: the weights did not move"
+        );
+    }
+}
+
+/// A sharded checkpoint loads only with the world size that wrote it: 3 ranks, or one
+/// process, reading a 2-rank checkpoint exit 2 naming the shard file and both sizes; its
+/// model files still load anywhere. A missing shard makes the checkpoint not resumable and
+/// its load an input error naming the file.
+#[test]
+fn a_sharded_checkpoint_loads_only_with_its_world_size_and_every_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 26);
+    let input = dir.path().join("batch.parquet");
+    batch(&input);
+    let two = dir.path().join("two");
+    update(2, &model, &input, &two, &[]);
+    let err = exits_2(
+        update_cmd(3, &two, &input, &dir.path().join("x3"), &[]),
+        "3 ranks from a 2-rank checkpoint",
+    );
+    assert!(
+        err.contains("-of-00002.safetensors")
+            && err.contains("sharded over 2 ranks")
+            && err.contains("runs on 3")
+            && err.contains(&two.display().to_string()),
+        "{err}"
+    );
+    let err = exits_2(
+        update_cmd(0, &two, &input, &dir.path().join("x1"), &[]),
+        "one process from a 2-rank checkpoint",
+    );
+    assert!(
+        err.contains("optimizer.rank00000-of-00002.safetensors")
+            && err.contains("sharded over 2 ranks"),
+        "{err}"
+    );
+    assert!(!dir.path().join("x3").exists() && !dir.path().join("x1").exists());
+    // The model files alone (no trainer state, no optimizer files) load with any N.
+    let bare = dir.path().join("bare");
+    std::fs::create_dir(&bare).unwrap();
+    for e in std::fs::read_dir(&two).unwrap() {
+        let name = e.unwrap().file_name();
+        let n = name.to_string_lossy();
+        if !n.starts_with("optimizer") && n != "trainer_state.json" {
+            std::fs::copy(two.join(&name), bare.join(&name)).unwrap();
+        }
+    }
+    let m = update(3, &bare, &input, &dir.path().join("bare3"), &[]);
+    assert_eq!(m["optimizer_step"], 3, "{m}");
+    // A shard missing: not resumable, and loading it names the file.
+    assert!(tandem::engine::resume::resumable(&two).unwrap());
+    std::fs::remove_file(two.join("optimizer.rank00001-of-00002.safetensors")).unwrap();
+    assert!(!tandem::engine::resume::resumable(&two).unwrap());
+    let err = exits_2(
+        update_cmd(2, &two, &input, &dir.path().join("x2"), &[]),
+        "2 ranks with a shard missing",
+    );
+    assert!(
+        err.contains("optimizer.rank00001-of-00002.safetensors") && err.contains("missing"),
+        "{err}"
+    );
 }

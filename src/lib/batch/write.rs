@@ -134,6 +134,26 @@ pub fn temp_path(out: &Path) -> PathBuf {
     out.with_file_name(name)
 }
 
+/// Write a file through `NAME.tmp` and a rename, so readers and a resumed run never see half
+/// of it.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = temp_path(path);
+    let result = (|| -> Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut f, bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("writing {}", path.display()))
+}
+
 /// Write `value` as pretty JSON to `path` atomically (`path.tmp`, then rename): metrics files,
 /// controller state, run state. Creates the parent directory.
 pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {

@@ -377,7 +377,7 @@ impl<B: Backend> Resident<B> {
             self.policy = None;
             let started = Instant::now();
             let reply = self.reply.clone();
-            let loaded = Trainable::load(&model.dir, &mut |m| match &reply {
+            let loaded = Trainable::load_weights(&model.dir, &mut |m| match &reply {
                 Some(r) => r.send(&Response::Log { line: m.into() }),
                 None => eprintln!("{m}"),
             })?;
@@ -603,6 +603,19 @@ impl<B: Backend> Exec for Resident<B> {
             .and_then(Value::as_f64)
             .unwrap_or(0.0);
         let slot = self.policy.as_mut().expect("loaded above");
+        if let Some(n) = slot
+            .trainer
+            .as_ref()
+            .map(|t| t.optimizer_shards)
+            .filter(|&n| n > 0)
+        {
+            // Loaded for generation only: its optimizer state is in N ranks' files.
+            crate::bail_input!(
+                "{}: its optimizer state is sharded over {n} ranks ({} ...); one process cannot continue it: train it with {n} ranks (a daemon group, or update under tandem launch --nproc-per-node {n}), or start from its model files without optimizer state",
+                model.dir.display(),
+                model.dir.join(crate::engine::resume::shard_file_name(0, n)).display()
+            );
+        }
         unpark(slot)?;
         // From here the decoder is ahead of every file until `saved`.
         slot.keys.clear();

@@ -7,14 +7,21 @@
 //! - `trainer_state.json`: Adam's step count, the learning-rate schedule position (training
 //!   steps done) and its settings, the seed.
 //!
+//! `update` on N > 1 ranks writes no `optimizer.safetensors`: each rank writes its own shard
+//! of the masters and moments (the flat bucket layout it owns) as
+//! `optimizer.rankRRRRR-of-NNNNN.safetensors` ([`shard_file_name`]), and `trainer_state.json`
+//! records `optimizer_shards: N`. Such a checkpoint is complete only with every shard, and
+//! loads only with the same N and layout ([`load_rank`]); its model files load with any N.
+//!
 //! A model directory without these files starts a fresh optimizer (e.g. a downloaded base
 //! model). Master weights are used only when they round to exactly the model's bf16 weights,
 //! so a model edited by someone else is never silently replaced by stale master weights.
 
 use super::train::LrConfig;
+use crate::batch::write::write_atomic;
 use crate::error::input_error;
-use crate::model::decoder::OptimizerState;
-use crate::model::safetensors::{load_file, round_bf16};
+use crate::model::decoder::{HostShard, OptimizerState, ShardLayout};
+use crate::model::safetensors::{load_file, load_file_with_meta, round_bf16};
 use crate::model::{Tensor, Weights};
 use anyhow::{Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
@@ -43,6 +50,150 @@ pub struct TrainerState {
     /// in the daemon that trained this checkpoint.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub optimizer_not_saved: bool,
+    /// The optimizer state is in this many per-rank shard files instead of
+    /// `optimizer.safetensors` (0: not sharded).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub optimizer_shards: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// The file of rank `rank`'s optimizer shard in a checkpoint written by `world` ranks.
+pub fn shard_file_name(rank: usize, world: usize) -> String {
+    format!("optimizer.rank{rank:05}-of-{world:05}.safetensors")
+}
+
+const SHARD_META: &str = "tandem_optimizer_shard";
+
+/// A rank's shard file: its masters and moments bucket by bucket (1-D f32, `master.K`,
+/// `exp_avg.K`, `exp_avg_sq.K`), with the rank, the step and the layout in the metadata.
+pub fn shard_bytes(shard: &HostShard) -> Result<Vec<u8>> {
+    let mut groups: Vec<(&str, &[Vec<f32>])> = vec![(MASTER, &shard.master)];
+    if let Some((m, v)) = &shard.moments {
+        groups.push((EXP_AVG, m));
+        groups.push((EXP_AVG_SQ, v));
+    }
+    let mut views: Vec<(String, TensorView)> = Vec::new();
+    for (prefix, bufs) in groups {
+        for (k, b) in bufs.iter().enumerate() {
+            let bytes: &[u8] = bytemuck::cast_slice(b);
+            views.push((
+                format!("{prefix}{k:05}"),
+                TensorView::new(Dtype::F32, vec![b.len()], bytes)?,
+            ));
+        }
+    }
+    // One metadata entry: a map of several would be written in a random order, and the same
+    // shard must give the same bytes.
+    let head = ShardHead {
+        rank: shard.rank,
+        world_size: shard.layout.world_size,
+        optimizer_step: shard.step,
+        layout: shard.layout.clone(),
+    };
+    let meta = HashMap::from([(SHARD_META.to_string(), serde_json::to_string(&head)?)]);
+    Ok(safetensors::serialize(views, Some(meta))?)
+}
+
+/// A shard file's metadata.
+#[derive(Serialize, Deserialize)]
+struct ShardHead {
+    rank: usize,
+    world_size: usize,
+    optimizer_step: u64,
+    layout: ShardLayout,
+}
+
+/// Writes `shard` into `dir` under its name (through a temporary file and a rename).
+pub fn write_shard(dir: &Path, shard: &HostShard) -> Result<()> {
+    let path = dir.join(shard_file_name(shard.rank, shard.layout.world_size));
+    write_atomic(&path, &shard_bytes(shard)?)
+}
+
+/// Reads one shard file.
+pub fn read_shard(path: &Path) -> Result<HostShard> {
+    let (tensors, meta) = load_file_with_meta(path)?;
+    let bad = |what: &str| {
+        input_error(format!(
+            "{}: not an optimizer shard: {what}",
+            path.display()
+        ))
+    };
+    let head: ShardHead = meta
+        .get(SHARD_META)
+        .and_then(|h| serde_json::from_str(h).ok())
+        .ok_or_else(|| bad(&format!("metadata '{SHARD_META}' missing or malformed")))?;
+    let ShardHead {
+        rank,
+        world_size,
+        optimizer_step: step,
+        layout,
+    } = head;
+    if world_size != layout.world_size {
+        return Err(bad("its world size is not its layout's"));
+    }
+    let buckets = layout.buckets.len();
+    let mut groups: [Vec<Option<Vec<f32>>>; 3] = std::array::from_fn(|_| vec![None; buckets]);
+    for (name, t, dtype) in tensors {
+        let (g, k) = [(0, MASTER), (1, EXP_AVG), (2, EXP_AVG_SQ)]
+            .iter()
+            .find_map(|&(g, p)| Some((g, name.strip_prefix(p)?.parse::<usize>().ok()?)))
+            .ok_or_else(|| bad(&format!("unexpected tensor '{name}'")))?;
+        if dtype != Dtype::F32 || k >= buckets || t.data.len() != layout.buckets[k].4 {
+            return Err(bad(&format!(
+                "tensor '{name}' is not the layout's f32 shard"
+            )));
+        }
+        groups[g][k] = Some(t.data);
+    }
+    let [master, m, v] = groups.map(|g| g.into_iter().collect::<Option<Vec<_>>>());
+    let master = master.ok_or_else(|| bad("a master bucket is missing"))?;
+    let moments = match (m, v) {
+        (Some(m), Some(v)) => Some((m, v)),
+        _ if step == 0 => None,
+        _ => return Err(bad("a moment bucket is missing")),
+    };
+    Ok(HostShard {
+        rank,
+        layout,
+        step,
+        master,
+        moments,
+    })
+}
+
+/// The whole masters and optimizer state put back together from every rank's shard file of a
+/// sharded checkpoint (for checks and tools: `update` itself never gathers them).
+pub fn whole_from_shards(dir: &Path) -> Result<(Weights, OptimizerState)> {
+    let trainer = read_trainer_state(&dir.join(TRAINER_STATE_FILE))?;
+    let n = trainer.optimizer_shards;
+    if n == 0 {
+        crate::bail_input!("{}: its optimizer state is not sharded", dir.display());
+    }
+    let shards: Vec<HostShard> = (0..n)
+        .map(|r| read_shard(&dir.join(shard_file_name(r, n))))
+        .collect::<Result<_>>()?;
+    let layout = &shards[0].layout;
+    let part = |f: &dyn Fn(&HostShard) -> Option<&[Vec<f32>]>| -> Result<Weights> {
+        let parts: Vec<&[Vec<f32>]> = shards
+            .iter()
+            .map(|s| {
+                f(s).ok_or_else(|| {
+                    input_error(format!("{}: a shard has no moments", dir.display()))
+                })
+            })
+            .collect::<Result<_>>()?;
+        layout.unflatten(&parts)
+    };
+    let master = part(&|s| Some(&s.master[..]))?;
+    let state = OptimizerState {
+        step: shards[0].step,
+        exp_avg: part(&|s| s.moments.as_ref().map(|m| &m.0[..]))?,
+        exp_avg_sq: part(&|s| s.moments.as_ref().map(|m| &m.1[..]))?,
+    };
+    Ok((master, state))
 }
 
 /// The optimizer file's bytes: moments and master weights, f32. The views borrow the f32 data
@@ -81,6 +232,15 @@ fn read_trainer_state(path: &Path) -> Result<TrainerState> {
         .map_err(|e| input_error(format!("{}: malformed: {e}", path.display())))
 }
 
+/// The trainer state next to a model (None when there is none).
+pub fn trainer_state(dir: &Path) -> Result<Option<TrainerState>> {
+    let path = dir.join(TRAINER_STATE_FILE);
+    match path.is_file() {
+        true => read_trainer_state(&path).map(Some),
+        false => Ok(None),
+    }
+}
+
 /// Whether a training run can continue from `dir` on a fresh process: the directory holds no
 /// trainer state (a fresh optimizer starts, as it did the first time) or holds the optimizer
 /// file beside it; false for a checkpoint whose optimizer (or, in a resident directory, whose
@@ -93,7 +253,74 @@ pub fn resumable(dir: &Path) -> Result<bool> {
     if !ts_path.is_file() {
         return Ok(true);
     }
-    Ok(!read_trainer_state(&ts_path)?.optimizer_not_saved || dir.join(OPTIMIZER_FILE).is_file())
+    let ts = read_trainer_state(&ts_path)?;
+    if ts.optimizer_shards > 0 {
+        let n = ts.optimizer_shards;
+        return Ok((0..n).all(|r| dir.join(shard_file_name(r, n)).is_file()));
+    }
+    Ok(!ts.optimizer_not_saved || dir.join(OPTIMIZER_FILE).is_file())
+}
+
+/// What one rank of a data-parallel update resumes from.
+pub enum RankResume {
+    /// An unsharded checkpoint (any number of ranks loads it).
+    Whole(Resume),
+    /// This rank's shard of a checkpoint written by as many ranks.
+    Shard {
+        shard: HostShard,
+        trainer: TrainerState,
+    },
+}
+
+/// The state next to a model for rank `rank` of `world` ranks (see [`load`]; None when the
+/// directory has none): a sharded checkpoint must have been written by `world` ranks, and
+/// this rank reads only its own shard file.
+pub fn load_rank(
+    dir: &Path,
+    weights: &Weights,
+    rank: usize,
+    world: usize,
+) -> Result<Option<RankResume>> {
+    let ts_path = dir.join(TRAINER_STATE_FILE);
+    let sharded = match ts_path.is_file() {
+        true => read_trainer_state(&ts_path)?.optimizer_shards,
+        false => 0,
+    };
+    if sharded == 0 {
+        return Ok(load(dir, weights)?.map(RankResume::Whole));
+    }
+    let trainer = read_trainer_state(&ts_path)?;
+    let path = dir.join(shard_file_name(rank.min(sharded - 1), sharded));
+    if sharded != world {
+        crate::bail_input!(
+            "{}: its optimizer state is sharded over {sharded} ranks ({} and the others), but this update runs on {world}; a sharded checkpoint loads only with the number of ranks that wrote it (and the same --shard and --bucket-elems): run on {sharded} ranks, or start from its model files without optimizer state (a copy of the directory without {TRAINER_STATE_FILE} and the optimizer.rank*.safetensors files)",
+            dir.display(),
+            path.display()
+        );
+    }
+    if !path.is_file() {
+        crate::bail_input!(
+            "{}: the checkpoint is incomplete: {} (rank {rank}'s optimizer shard of {sharded}) is missing; continue from a complete checkpoint, or from the model files without optimizer state",
+            dir.display(),
+            path.display()
+        );
+    }
+    let shard = read_shard(&path)?;
+    if shard.rank != rank
+        || shard.layout.world_size != world
+        || shard.step != trainer.optimizer_step
+    {
+        crate::bail_input!(
+            "{}: is rank {} of {} at optimizer step {}, expected rank {rank} of {world} at step {} ({})",
+            path.display(),
+            shard.rank,
+            shard.layout.world_size,
+            shard.step,
+            trainer.optimizer_step,
+            ts_path.display()
+        );
+    }
+    Ok(Some(RankResume::Shard { shard, trainer }))
 }
 
 /// The state found next to a model.
@@ -108,6 +335,16 @@ pub struct Resume {
 /// directory has no optimizer state.
 pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
     let (opt_path, ts_path) = (dir.join(OPTIMIZER_FILE), dir.join(TRAINER_STATE_FILE));
+    if ts_path.is_file() {
+        let n = read_trainer_state(&ts_path)?.optimizer_shards;
+        if n > 0 {
+            crate::bail_input!(
+                "{}: its optimizer state is sharded over {n} ranks ({} ...), written by `update` under `tandem launch`; load it with {n} ranks (tandem launch --nproc-per-node {n} -- update ...), or start from its model files without optimizer state (a copy of the directory without {TRAINER_STATE_FILE} and the optimizer.rank*.safetensors files)",
+                dir.display(),
+                dir.join(shard_file_name(0, n)).display()
+            );
+        }
+    }
     match (opt_path.is_file(), ts_path.is_file()) {
         (false, false) => return Ok(None),
         (true, true) => {}
@@ -229,6 +466,7 @@ mod tests {
             },
             seed: 9,
             optimizer_not_saved: false,
+            optimizer_shards: 0,
         };
         std::fs::write(
             dir.path().join(OPTIMIZER_FILE),

@@ -88,6 +88,9 @@ pub struct SaveOptions<'a> {
     pub max_shard_bytes: u64,
     /// More files to write into the directory (name, contents), e.g. a generated tokenizer.
     pub extra_files: &'a [(String, Vec<u8>)],
+    /// Files written elsewhere (by other processes) that are moved into the directory under
+    /// their names before it is put in place: it is never there without them.
+    pub move_in: &'a [PathBuf],
 }
 
 /// Everything [`ModelDir::inspect`] learns about a directory.
@@ -148,6 +151,7 @@ impl ModelDir {
             config_base: tokenizer_from,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             extra_files: &[],
+            move_in: &[],
         };
         Self::save_with(dir, cfg, weights, &opts)
     }
@@ -224,6 +228,7 @@ impl ModelDir {
             tokenizer_from,
             config_base,
             extra_files,
+            move_in,
             ..
         } = *opts;
         for src in tokenizer_from.iter().chain(config_base.iter()) {
@@ -254,6 +259,11 @@ impl ModelDir {
                 let path = tmp.join(name);
                 std::fs::write(&path, bytes)
                     .with_context(|| format!("writing {}", path.display()))?;
+            }
+            for from in move_in {
+                let to = tmp.join(from.file_name().unwrap_or_default());
+                std::fs::rename(from, &to)
+                    .with_context(|| format!("moving {} to {}", from.display(), to.display()))?;
             }
             Ok(())
         };

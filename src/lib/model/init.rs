@@ -328,6 +328,7 @@ pub fn run(args: InitModelArgs) -> Result<()> {
         config_base: None,
         max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
         extra_files: &generated,
+        move_in: &[],
     };
     ModelDir::save_with(&args.out, &cfg, &weights, &opts)?;
     let params = param_count(&cfg);

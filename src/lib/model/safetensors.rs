@@ -59,6 +59,11 @@ fn to_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
 
 /// Reads every tensor of one safetensors file as f32, in the file's order.
 pub fn load_file(path: &Path) -> Result<Vec<(String, Tensor, Dtype)>> {
+    Ok(load_file_with_meta(path)?.0)
+}
+
+/// [`load_file`] with the header's `__metadata__` (empty when there is none).
+pub fn load_file_with_meta(path: &Path) -> Result<FileTensors> {
     let bytes = std::fs::read(path)
         .map_err(|e| input_error(format!("{}: cannot read: {e}", path.display())))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
@@ -89,8 +94,15 @@ pub fn load_file(path: &Path) -> Result<Vec<(String, Tensor, Dtype)>> {
             dtype,
         ));
     }
-    Ok(out)
+    let meta = SafeTensors::read_metadata(&bytes)
+        .ok()
+        .and_then(|(_, m)| m.metadata().clone())
+        .unwrap_or_default();
+    Ok((out, meta))
 }
+
+/// A file's tensors (name, f32 data, stored dtype) and its metadata.
+pub type FileTensors = (Vec<(String, Tensor, Dtype)>, HashMap<String, String>);
 
 /// Loads `dir/model.safetensors`, or the shards that `dir/model.safetensors.index.json` lists.
 pub fn load_dir(dir: &Path) -> Result<Loaded> {

@@ -22,7 +22,6 @@ use crate::error::input_error;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Version of the state.json layout.
@@ -215,25 +214,7 @@ pub fn parse_step_name(name: &str) -> Option<u64> {
     name.strip_prefix("step-")?.parse().ok()
 }
 
-/// Write a file through `NAME.tmp` and a rename, so readers and a resumed run never see half
-/// of it.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let tmp = crate::batch::write::temp_path(path);
-    let result = (|| -> Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.with_context(|| format!("writing {}", path.display()))
-}
+pub use crate::batch::write::write_atomic;
 
 /// Replace the lines of a JSON-lines file whose `step` is `step` (or later: a resumed run
 /// rewrites them) by `line`, atomically, so a crash between writing and recording never

@@ -25,14 +25,15 @@ use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
+use crate::dist::comm::sum_f64;
 use crate::dist::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
 use crate::engine::logprob::PromptResponse;
-use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
-use crate::engine::shard::{ShardMode, ShardedPolicy, DEFAULT_BUCKET_ELEMS};
+use crate::engine::resume::{self, RankResume, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
+use crate::engine::shard::{ShardMode, ShardedPolicy, StateTo, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
-use crate::model::decoder::{Decoder, OptimizerState};
+use crate::model::decoder::{Decoder, HostShard, OptimizerState};
 use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use crate::model::{Config, Weights};
 use anyhow::Result;
@@ -249,6 +250,9 @@ pub struct Trainable {
     pub schedule_step: u64,
     /// The trainer state found next to the model.
     pub trainer: Option<TrainerState>,
+    /// This rank's optimizer shard (a data-parallel update resuming a sharded checkpoint;
+    /// `weights` are then the model files' and `optimizer` is None).
+    pub shard: Option<HostShard>,
 }
 
 impl Trainable {
@@ -263,8 +267,74 @@ impl Trainable {
                 optimizer: None,
                 schedule_step: 0,
                 trainer: None,
+                shard: None,
             });
         };
+        Ok(Self::resumed(dir, cfg, weights, r, log))
+    }
+
+    /// As [`Trainable::load`] for a process that only generates or scores with the policy (a
+    /// daemon of a group, which trains from the files under the ranks): a sharded checkpoint
+    /// gives its model files' weights, no optimizer state, and its trainer state (whose
+    /// `optimizer_shards` says so) instead of being refused.
+    pub fn load_weights(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
+        match resume::trainer_state(dir)? {
+            Some(t) if t.optimizer_shards > 0 => {
+                let (cfg, weights) = ModelDir::load(dir)?;
+                Ok(Trainable {
+                    cfg,
+                    weights,
+                    from_master: false,
+                    optimizer: None,
+                    schedule_step: t.schedule_step,
+                    trainer: Some(t),
+                    shard: None,
+                })
+            }
+            _ => Self::load(dir, log),
+        }
+    }
+
+    /// Rank `rank` of `world` reads a model directory and its part of the optimizer state
+    /// next to it: a sharded checkpoint's own shard file (written by as many ranks), or the
+    /// whole state of an unsharded one.
+    pub fn load_rank(
+        dir: &Path,
+        rank: usize,
+        world: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Trainable> {
+        let (cfg, weights) = ModelDir::load(dir)?;
+        Ok(match resume::load_rank(dir, &weights, rank, world)? {
+            None => Trainable {
+                cfg,
+                weights,
+                from_master: false,
+                optimizer: None,
+                schedule_step: 0,
+                trainer: None,
+                shard: None,
+            },
+            Some(RankResume::Whole(r)) => Self::resumed(dir, cfg, weights, r, log),
+            Some(RankResume::Shard { shard, trainer }) => Trainable {
+                cfg,
+                weights,
+                from_master: false,
+                optimizer: None,
+                schedule_step: trainer.schedule_step,
+                trainer: Some(trainer),
+                shard: Some(shard),
+            },
+        })
+    }
+
+    fn resumed(
+        dir: &Path,
+        cfg: Config,
+        weights: Weights,
+        r: resume::Resume,
+        log: &mut dyn FnMut(&str),
+    ) -> Trainable {
         if r.master.is_none() {
             log(&format!(
                 "update: {}: f32 master weights absent or not matching the model files; continuing from the bf16 weights",
@@ -272,14 +342,15 @@ impl Trainable {
             ));
         }
         let from_master = r.master.is_some();
-        Ok(Trainable {
+        Trainable {
             cfg,
             weights: r.master.unwrap_or(weights),
             from_master,
             optimizer: Some(r.optimizer),
             schedule_step: r.trainer.schedule_step,
             trainer: Some(r.trainer),
-        })
+            shard: None,
+        }
     }
 
     /// The decoder, with the optimizer state loaded.
@@ -314,6 +385,9 @@ pub struct Trained {
     /// Training steps done before this call.
     pub schedule_step: u64,
     pub load_seconds: f64,
+    /// The ranks' optimizer shard files (data-parallel, N > 1), staged beside the output
+    /// directory: the writer moves them into it.
+    pub shard_files: Vec<PathBuf>,
 }
 
 impl Train<'_> {
@@ -351,6 +425,7 @@ impl Train<'_> {
             optimizer_step: policy.optimizer_steps(),
             schedule_step,
             load_seconds: 0.0,
+            shard_files: Vec::new(),
         })
     }
 }
@@ -374,19 +449,24 @@ impl Job for TrainFresh<'_> {
 
 /// One rank of a data-parallel update (under `tandem launch`): builds the loaded policy on
 /// the rank's backend and trains it with the sharded optimizer over the rank's communicator.
-/// Only rank 0 brings the weights and optimizer state back, to host memory (it writes them).
+/// Rank 0 brings the weights back to host memory (it writes the model). With N > 1 ranks each
+/// rank writes its own optimizer shard into `staging` (no rank gathers the state), and all
+/// wait for all before rank 0 moves the files into the new checkpoint; with one rank the
+/// whole state comes to its host (an ordinary `optimizer.safetensors`).
 struct TrainRank<'a> {
     loaded: Trainable,
     job: Train<'a>,
     mode: ShardMode,
     bucket_elems: usize,
+    staging: PathBuf,
 }
 
 impl RankJob for TrainRank<'_> {
     type Out = Trained;
     fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<Trained> {
         let comm = comm.as_ref();
-        let (mut policy, optim) = match self.mode {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let (mut policy, mut optim) = match self.mode {
             ShardMode::Zero2 => {
                 let mut policy = self.loaded.build(backend)?;
                 let optim = policy.shard_optimizer(comm, self.bucket_elems)?;
@@ -401,15 +481,25 @@ impl RankJob for TrainRank<'_> {
                 comm,
             )?,
         };
+        if let Some(shard) = &self.loaded.shard {
+            let took = policy.load_shard(&mut optim, shard, &self.loaded.weights, comm)?;
+            if !took && rank == 0 {
+                eprintln!("update: the f32 master shards do not match the model files; continuing from the bf16 weights");
+            }
+        }
         let step = self.loaded.schedule_step;
         drop(self.loaded);
-        let rank = comm.rank();
         let sharded = ShardedPolicy {
             decoder: &mut policy,
             comm,
             optim,
         };
-        let (report, state) = sharded.train_to_host(
+        let state_to = match (self.job.export_state, world) {
+            (false, _) => StateTo::Nowhere,
+            (true, 1) => StateTo::Root,
+            (true, _) => StateTo::EachRank,
+        };
+        let out = sharded.train_to_host(
             self.job.data,
             self.job.train,
             step,
@@ -419,18 +509,31 @@ impl RankJob for TrainRank<'_> {
                 }
             },
             0,
+            state_to,
         )?;
-        let (weights, state) = match state {
-            Some((w, s)) => (Some(w), Some(s)),
-            None => (None, None),
-        };
+        let mut shard_files = Vec::new();
+        if let Some(shard) = &out.shard {
+            // Every rank writes its file, then all learn whether all did (so that no rank
+            // goes on to a checkpoint with a shard missing).
+            let written = resume::write_shard(&self.staging, shard);
+            let mut failed = [written.is_err() as u8 as f64];
+            sum_f64(policy.backend(), comm, &mut failed)?;
+            written?;
+            if failed[0] != 0.0 {
+                anyhow::bail!("update: another rank failed to write its optimizer shard");
+            }
+            shard_files = (0..world)
+                .map(|r| self.staging.join(resume::shard_file_name(r, world)))
+                .collect();
+        }
         Ok(Trained {
-            report,
-            weights: weights.filter(|_| self.job.export_weights),
-            state: state.filter(|_| self.job.export_state),
+            report: out.report,
+            weights: out.weights.filter(|_| self.job.export_weights),
+            state: out.state.filter(|_| self.job.export_state),
             optimizer_step: policy.optimizer_steps(),
             schedule_step: step,
             load_seconds: 0.0,
+            shard_files,
         })
     }
 }
@@ -668,15 +771,26 @@ pub struct HeldPolicy {
     pub trainer: Option<TrainerState>,
 }
 
+/// Where the ranks of a data-parallel update write their optimizer shards before rank 0
+/// moves them into `out` (a sibling: the same file system, and `out` itself is replaced
+/// whole).
+fn shard_staging(out: &Path) -> PathBuf {
+    let mut name = out.file_name().unwrap_or_default().to_os_string();
+    name.push(".shards");
+    out.with_file_name(name)
+}
+
 /// Writes a trained policy as `update --out-model` does: the weights (bf16 files) with the
 /// config and tokenizer files of `files_from`, `trainer_state.json`, and
-/// `optimizer.safetensors` when `state` is given.
+/// `optimizer.safetensors` when `state` is given; `shard_files` (the ranks' optimizer shards)
+/// are moved in.
 pub fn write_checkpoint(
     out: &Path,
     files_from: &Path,
     cfg: &Config,
     weights: &Weights,
     state: Option<&OptimizerState>,
+    shard_files: &[PathBuf],
     trainer: &TrainerState,
 ) -> Result<()> {
     let mut extra = vec![(
@@ -698,6 +812,7 @@ pub fn write_checkpoint(
             config_base: Some(files_from),
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             extra_files: &extra,
+            move_in: shard_files,
         },
     )
 }
@@ -821,11 +936,12 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         optimizer_step,
         schedule_step,
         load_seconds: loaded_s,
+        shard_files,
     } = match data_parallel_group(&*exec) {
         None => exec.train(&model, job)?,
         Some(pg) => {
             let started = Instant::now();
-            let loaded = Trainable::load(&model.dir, &mut |m| {
+            let loaded = Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |m| {
                 if pg.rank() == 0 {
                     eprintln!("{m}")
                 }
@@ -840,6 +956,7 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
                 job,
                 mode: args.shard.unwrap_or_default(),
                 bucket_elems: args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS),
+                staging: shard_staging(&args.out_model),
             };
             let mut out = run_rank_job(device, &pg, rank_job)?;
             out.load_seconds = load_seconds;
@@ -857,7 +974,8 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         lr: report.lr,
         lr_schedule: cfg.lr,
         seed: cfg.seed,
-        optimizer_not_saved: state.is_none(),
+        optimizer_not_saved: state.is_none() && shard_files.is_empty(),
+        optimizer_shards: shard_files.len(),
     };
     let save_started = Instant::now();
     match (&holder, &new_weights) {
@@ -875,23 +993,35 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
                 config_base: Some(&model.dir),
                 max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
                 extra_files: &[],
+                move_in: &[],
             },
         )?,
-        (None, Some(w)) => write_checkpoint(
-            &args.out_model,
-            &model.dir,
-            &mcfg,
-            w,
-            state.as_ref(),
-            &trainer,
-        )?,
+        (None, Some(w)) => {
+            write_checkpoint(
+                &args.out_model,
+                &model.dir,
+                &mcfg,
+                w,
+                state.as_ref(),
+                &shard_files,
+                &trainer,
+            )?;
+            if !shard_files.is_empty() {
+                // Emptied by the move; anything left is a stale shard of another world size.
+                let _ = std::fs::remove_dir_all(shard_staging(&args.out_model));
+            }
+        }
         (None, None) => anyhow::bail!("update: the trained weights were not brought back"),
     }
     exec.saved(&args.out_model, Some(&trainer))?;
     let mut metrics = report.to_json();
     let m = metrics.as_object_mut().expect("object");
     m.insert("optimizer_step".into(), optimizer_step.into());
-    m.insert("optimizer_state_saved".into(), state.is_some().into());
+    m.insert(
+        "optimizer_state_saved".into(),
+        (state.is_some() || !shard_files.is_empty()).into(),
+    );
+    m.insert("optimizer_shards".into(), shard_files.len().into());
     m.insert("weights_saved".into(), holder.is_none().into());
     m.insert("schedule_step".into(), trainer.schedule_step.into());
     m.insert("on_policy".into(), report.on_policy.into());
@@ -954,8 +1084,10 @@ pub fn save_policy(args: SavePolicyArgs, exec: &mut dyn Exec) -> Result<()> {
     let cfg = ModelDir::load_config(&held.files)?;
     match &held.trainer {
         Some(t) => {
+            // The files written are all there is: never the shards of another checkpoint.
             let trainer = TrainerState {
                 optimizer_not_saved: held.state.is_none(),
+                optimizer_shards: 0,
                 ..t.clone()
             };
             write_checkpoint(
@@ -964,6 +1096,7 @@ pub fn save_policy(args: SavePolicyArgs, exec: &mut dyn Exec) -> Result<()> {
                 &cfg,
                 &held.weights,
                 held.state.as_ref(),
+                &[],
                 &trainer,
             )?;
         }

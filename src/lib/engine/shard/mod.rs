@@ -26,8 +26,8 @@ use crate::backend::{Backend, PpoShape, PPO_STATS};
 use crate::dist::comm::sum_f64;
 use crate::dist::Comm;
 use crate::model::decoder::{
-    AdamWParams, Decoder, Holding, OptimizerState, PpoTokens, SeqRef, ShardStats, ShardedOptim,
-    StepReport, TokenGrads, TokenStats,
+    AdamWParams, Decoder, Holding, HostShard, OptimizerState, PpoTokens, SeqRef, ShardStats,
+    ShardedOptim, StepReport, TokenGrads, TokenStats,
 };
 use crate::model::Weights;
 use anyhow::Result;
@@ -174,13 +174,36 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
     }
 }
 
+/// Where [`ShardedPolicy::train_to_host`] brings the optimizer state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateTo {
+    /// Nowhere (it is not written).
+    Nowhere,
+    /// Gathered whole on rank `root`.
+    Root,
+    /// Each rank its own shard (what it writes as its shard file).
+    EachRank,
+}
+
+/// What [`ShardedPolicy::train_to_host`] brings back.
+pub struct ToHost {
+    pub report: TrainReport,
+    /// The f32 masters (rank `root` only).
+    pub weights: Option<Weights>,
+    /// The whole optimizer state (rank `root` only, [`StateTo::Root`]).
+    pub state: Option<OptimizerState>,
+    /// This rank's shard of the masters and moments ([`StateTo::EachRank`]).
+    pub shard: Option<HostShard>,
+}
+
 impl<B: Backend> ShardedPolicy<'_, B> {
     /// One `update` call on this rank with the policy's optimizer (from
     /// [`Decoder::shard_optimizer`], [`Decoder::shard_full`] or [`Decoder::new_full`]), as
-    /// [`train_sharded`], but the f32 masters and the optimizer state come back to rank
-    /// `root`'s host memory (bucket by bucket: no rank's device holds the whole state) instead
-    /// of into the decoder; the other ranks get None. What `update` under a launcher runs:
-    /// rank 0 writes the checkpoint.
+    /// [`train_sharded`], but the f32 masters come back to rank `root`'s host memory (bucket
+    /// by bucket: no rank's device holds them whole) instead of into the decoder, and the
+    /// optimizer state where `state` says: gathered there too, or each rank's own shard of
+    /// masters and moments to its host (no gather: what a rank writes as its shard file).
+    /// What `update` under a launcher runs: rank 0 writes the model.
     pub fn train_to_host(
         mut self,
         data: &TrainData,
@@ -188,11 +211,27 @@ impl<B: Backend> ShardedPolicy<'_, B> {
         schedule_step: u64,
         log: &mut dyn FnMut(&str),
         root: usize,
-    ) -> Result<(TrainReport, Option<(Weights, OptimizerState)>)> {
+        state: StateTo,
+    ) -> Result<ToHost> {
         let mut report = train(&mut self, data, cfg, schedule_step, log)?;
-        let state = self.decoder.gather_state(&self.optim, self.comm, root)?;
+        let gathered =
+            self.decoder
+                .gather_state(&self.optim, self.comm, root, state == StateTo::Root)?;
+        let shard = match state {
+            StateTo::EachRank => Some(self.decoder.download_shard(&self.optim)?),
+            _ => None,
+        };
         report.shard = Some(self.optim.stats.clone());
-        Ok((report, state))
+        let (weights, state) = match gathered {
+            Some((w, s)) => (Some(w), s),
+            None => (None, None),
+        };
+        Ok(ToHost {
+            report,
+            weights,
+            state,
+            shard,
+        })
     }
 }
 

@@ -18,6 +18,7 @@ use crate::backend::{Backend, DType, Device};
 use crate::dist::bucket::{BucketPlan, WeightSync};
 use crate::dist::comm::{dtype_bytes, sum_f64};
 use crate::dist::{Collective, Comm, ReduceOp};
+use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
 
 /// What the sharded optimizer did so far (the update metrics' `shard` object).
@@ -427,15 +428,16 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// The f32 masters and the optimizer state, gathered bucket by bucket into rank `root`'s
-    /// host memory (the other ranks take part and get None). Device memory grows by one
+    /// The f32 masters and (with `moments`) the optimizer state, gathered bucket by bucket into
+    /// rank `root`'s host memory (the other ranks take part and get None). Device memory grows by one
     /// staging bucket only, unlike [`Decoder::unshard_optimizer`]. Collective.
     pub fn gather_state(
         &self,
         st: &ShardedOptim<B>,
         comm: &dyn Comm<B>,
         root: usize,
-    ) -> Result<Option<(Weights, OptimizerState)>> {
+        moments: bool,
+    ) -> Result<Option<(Weights, Option<OptimizerState>)>> {
         let b = &self.backend;
         let plan = &st.plan;
         let mut staging = b.alloc(plan.max_padded())?;
@@ -458,16 +460,17 @@ impl<B: Backend> Decoder<B> {
             Ok(out)
         };
         let masters = gather(&st.master)?;
-        let state = match st.moments {
-            true => OptimizerState {
+        let state = match (moments, st.moments) {
+            (false, _) => None,
+            (true, true) => Some(OptimizerState {
                 step: self.step,
                 exp_avg: gather(&st.m)?,
                 exp_avg_sq: gather(&st.v)?,
-            },
-            false => OptimizerState {
+            }),
+            (true, false) => Some(OptimizerState {
                 step: self.step,
                 ..OptimizerState::default()
-            },
+            }),
         };
         Ok(mine.then_some((masters, state)))
     }
@@ -518,6 +521,179 @@ impl<B: Backend> Decoder<B> {
             self.v = full(&st.v)?;
         }
         Ok(st.stats)
+    }
+}
+
+/// Where a rank's shard lies in the parameters: the bucket plan over the decoder's tensors
+/// (names and shapes in its order). A shard file records it, so that one written with another
+/// world size, bucket size, shard mode or model is refused rather than misread, and so that
+/// the shards of all ranks can be put back together.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ShardLayout {
+    pub world_size: usize,
+    pub names: Vec<String>,
+    pub shapes: Vec<Vec<usize>>,
+    /// Per bucket: its first tensor, one past its last, each tensor's offset in it, its
+    /// length and one rank's (padded) shard length.
+    pub buckets: Vec<(usize, usize, Vec<usize>, usize, usize)>,
+}
+
+impl ShardLayout {
+    /// Whole tensors (by name) from every rank's shard of every bucket (`shards[rank][bucket]`).
+    pub fn unflatten(&self, shards: &[&[Vec<f32>]]) -> Result<Weights> {
+        ensure!(
+            shards.len() == self.world_size,
+            "{} shards for a world of {}",
+            shards.len(),
+            self.world_size
+        );
+        let mut out = Weights::new();
+        for (k, (first, end, offsets, len, shard)) in self.buckets.iter().enumerate() {
+            let mut flat = Vec::with_capacity(shard * self.world_size);
+            for s in shards {
+                ensure!(
+                    s.len() == self.buckets.len() && s[k].len() == *shard,
+                    "bad shard size"
+                );
+                flat.extend_from_slice(&s[k]);
+            }
+            ensure!(flat.len() >= *len, "bucket {k} is short");
+            for (t, &off) in (*first..*end).zip(offsets) {
+                let shape = self.shapes[t].clone();
+                let n: usize = shape.iter().product();
+                let data = flat[off..off + n].to_vec();
+                out.insert(self.names[t].clone(), Tensor { shape, data });
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// One rank's optimizer shards on the host, bucket by bucket, as its shard file holds them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostShard {
+    pub rank: usize,
+    pub layout: ShardLayout,
+    /// AdamW steps taken.
+    pub step: u64,
+    pub master: Vec<Vec<f32>>,
+    /// Adam's moments (None before the first step).
+    pub moments: Option<(Buckets, Buckets)>,
+}
+
+/// One host vector per bucket.
+pub type Buckets = Vec<Vec<f32>>;
+
+impl<B: Backend> Decoder<B> {
+    /// The layout of `st`'s shards.
+    pub fn shard_layout(&self, st: &ShardedOptim<B>) -> ShardLayout {
+        ShardLayout {
+            world_size: st.plan.world_size,
+            names: self.names.clone(),
+            shapes: self.shapes.clone(),
+            buckets: st
+                .plan
+                .buckets
+                .iter()
+                .map(|k| {
+                    let t = k.tensors.clone();
+                    (t.start, t.end, k.offsets.clone(), k.len, k.shard)
+                })
+                .collect(),
+        }
+    }
+
+    /// This rank's masters and moments brought to the host (no collective): what it writes
+    /// as its shard of a checkpoint.
+    pub fn download_shard(&self, st: &ShardedOptim<B>) -> Result<HostShard> {
+        let b = &self.backend;
+        let down = |bufs: &[B::Buf]| -> Result<Vec<Vec<f32>>> {
+            let mut out = Vec::with_capacity(bufs.len());
+            for (k, buf) in bufs.iter().enumerate() {
+                let mut host = vec![0f32; st.plan.buckets[k].shard];
+                b.download(buf, &mut host)?;
+                out.push(host);
+            }
+            Ok(out)
+        };
+        Ok(HostShard {
+            rank: st.rank,
+            layout: self.shard_layout(st),
+            step: self.step,
+            master: down(&st.master)?,
+            moments: match st.moments {
+                true => Some((down(&st.m)?, down(&st.v)?)),
+                false => None,
+            },
+        })
+    }
+
+    /// Puts a loaded shard (this rank's, of a checkpoint written with the same layout) in
+    /// place of the shards `st` was cut with from `weights` (the model files' weights,
+    /// widened). As one process does, the masters are taken only when every one rounds to the
+    /// model's bf16 weight, on every rank (agreed by a collective, so that all ranks take the
+    /// same choice); the moments and the step always. Returns whether the masters were taken.
+    /// Collective.
+    pub fn load_shard(
+        &mut self,
+        st: &mut ShardedOptim<B>,
+        shard: &HostShard,
+        weights: &Weights,
+        comm: &dyn Comm<B>,
+    ) -> Result<bool> {
+        let layout = self.shard_layout(st);
+        ensure!(
+            shard.layout == layout && shard.rank == st.rank,
+            "the optimizer shard of rank {} does not have this rank's layout (rank {})",
+            shard.rank,
+            st.rank
+        );
+        let plan = &st.plan;
+        let mut differs = false;
+        for (k, bucket) in plan.buckets.iter().enumerate() {
+            for t in bucket.tensors.clone() {
+                if let Some((toff, soff, n)) = plan.shard_part(k, t, st.rank) {
+                    let w = &weights[&self.names[t]].data[toff..toff + n];
+                    let m = &shard.master[k][soff..soff + n];
+                    differs |= m
+                        .iter()
+                        .zip(w)
+                        .any(|(&a, &b)| round_bf16(a).to_bits() != b.to_bits());
+                }
+            }
+        }
+        let b = &self.backend;
+        let mut votes = [differs as u8 as f64];
+        sum_f64(b, comm, &mut votes)?;
+        let take = votes[0] == 0.0;
+        let up = |host: &[Vec<f32>], bufs: &mut [B::Buf]| -> Result<()> {
+            for (h, buf) in host.iter().zip(bufs.iter_mut()) {
+                b.upload(buf, h)?;
+            }
+            Ok(())
+        };
+        if take {
+            up(&shard.master, &mut st.master)?;
+            for (k, c) in st.compute.iter_mut().enumerate() {
+                b.copy(c, 0, &st.master[k], 0, plan.buckets[k].shard)?;
+            }
+            // zero2's compute weights are whole on every rank: they come from the masters
+            // (on an f32 backend they are the masters, finer than the files' bf16).
+            if let Some(sync) = st.sync.as_mut() {
+                let shards = match st.compute.is_empty() {
+                    true => &st.master,
+                    false => &st.compute,
+                };
+                sync.run(b, comm, shards, &mut self.w)?;
+            }
+        }
+        if let Some((m, v)) = &shard.moments {
+            up(m, &mut st.m)?;
+            up(v, &mut st.v)?;
+            st.moments = true;
+        }
+        self.step = shard.step;
+        Ok(take)
     }
 }
 

@@ -13,8 +13,9 @@
 //! exp(old − rollout); `--bypass-mode` takes the rollout's log-probs as the old ones.
 
 use super::common::{
-    above, at_least, between, check_token_ids, finite, logprob_temperature, negative_numbers,
-    range, require_tokenizer, resolve_model, same_path, Device, ModelRef, DEFAULT_TEMPERATURE,
+    above, after_rank0, at_least, between, check_token_ids, finite, logprob_temperature,
+    negative_numbers, range, require_tokenizer, resolve_model, same_path, Device, ModelRef,
+    DEFAULT_TEMPERATURE,
 };
 use super::ref_logprob::to_u32;
 use super::{Exec, Job};
@@ -331,6 +332,37 @@ impl Train<'_> {
         self.finish(policy, report, schedule_step)
     }
 
+    /// One rank's part of a sharded update on a policy whose optimizer shards stay with the
+    /// caller (a daemon group's rank keeps them between calls): trains, and when the job
+    /// brings the state back (a checkpoint is written), gathers it to rank 0's host as
+    /// `update` under a launcher does. Every rank of `policy.comm` calls it.
+    pub fn train_sharded_on<B: Backend>(
+        self,
+        policy: &mut ShardedPolicy<'_, B>,
+        schedule_step: u64,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Trained> {
+        let mut log = |msg: &str| log(&format!("update: {msg}"));
+        let (report, state) = match self.export_weights || self.export_state {
+            true => policy.train_to_host(self.data, self.train, schedule_step, &mut log, 0)?,
+            false => {
+                let mut report =
+                    train(&mut *policy, self.data, self.train, schedule_step, &mut log)?;
+                report.shard = Some(policy.optim.stats.clone());
+                (report, None)
+            }
+        };
+        let (weights, state) = state.unzip();
+        Ok(Trained {
+            report,
+            weights: weights.filter(|_| self.export_weights),
+            state: state.filter(|_| self.export_state),
+            optimizer_step: policy.decoder.optimizer_steps(),
+            schedule_step,
+            load_seconds: 0.0,
+        })
+    }
+
     /// What `policy` holds after training, as the stage writes it.
     fn finish<B: Backend>(
         self,
@@ -404,7 +436,7 @@ impl RankJob for TrainRank<'_> {
         let step = self.loaded.schedule_step;
         drop(self.loaded);
         let rank = comm.rank();
-        let sharded = ShardedPolicy {
+        let mut sharded = ShardedPolicy {
             decoder: &mut policy,
             comm,
             optim,
@@ -435,10 +467,44 @@ impl RankJob for TrainRank<'_> {
     }
 }
 
-/// The process group of a data-parallel `update` when a launcher started this process (None:
-/// the single-process path): the ranks `daemon::run_stage` runs the stage on.
-fn data_parallel_group(exec: &dyn Exec) -> Option<std::sync::Arc<ProcessGroup>> {
-    exec.ranks().map(|x| x.group().clone())
+/// How the ranks of a data-parallel update shard the training state (`--shard`,
+/// `--bucket-elems`) and where they compute (`--device`).
+#[derive(Clone, Copy, Debug)]
+pub struct Sharding {
+    pub mode: ShardMode,
+    pub bucket_elems: usize,
+    pub device: Device,
+}
+
+/// One rank's part of a data-parallel update whose policy is loaded from the model files for
+/// this call on every rank (the ranks of `pg`); rank 0 gets the new weights and state to
+/// write. What `update` under a launcher runs (and a daemon group under `--shard full`).
+pub fn train_ranks_from_files(
+    pg: &ProcessGroup,
+    model: &ModelRef,
+    job: Train<'_>,
+    sharding: Sharding,
+) -> Result<Trained> {
+    let started = Instant::now();
+    let loaded = Trainable::load(&model.dir, &mut |m| {
+        if pg.rank() == 0 {
+            eprintln!("{m}")
+        }
+    })?;
+    let load_seconds = started.elapsed().as_secs_f64();
+    let device = match sharding.device {
+        Device::Cpu => DeviceKind::Cpu,
+        Device::Cuda(_) => DeviceKind::Cuda,
+    };
+    let rank_job = TrainRank {
+        loaded,
+        job,
+        mode: sharding.mode,
+        bucket_elems: sharding.bucket_elems,
+    };
+    let mut out = run_rank_job(device, pg, rank_job)?;
+    out.load_seconds = load_seconds;
+    Ok(out)
 }
 
 impl UpdateArgs {
@@ -821,34 +887,15 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         optimizer_step,
         schedule_step,
         load_seconds: loaded_s,
-    } = match data_parallel_group(&*exec) {
+    } = match exec.ranks() {
         None => exec.train(&model, job)?,
-        Some(pg) => {
-            let started = Instant::now();
-            let loaded = Trainable::load(&model.dir, &mut |m| {
-                if pg.rank() == 0 {
-                    eprintln!("{m}")
-                }
-            })?;
-            let load_seconds = started.elapsed().as_secs_f64();
-            let device = match args.device {
-                Device::Cpu => DeviceKind::Cpu,
-                Device::Cuda(_) => DeviceKind::Cuda,
-            };
-            let rank_job = TrainRank {
-                loaded,
-                job,
+        Some(_) => {
+            let sharding = Sharding {
                 mode: args.shard.unwrap_or_default(),
                 bucket_elems: args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS),
+                device: args.device,
             };
-            let mut out = run_rank_job(device, &pg, rank_job)?;
-            out.load_seconds = load_seconds;
-            let rank = pg.rank();
-            // Rank 0 writes the outputs; the others are done (run_stage ends the group).
-            if rank != 0 {
-                return Ok(());
-            }
-            out
+            exec.train_sharded(&model, job, sharding)?
         }
     };
     let trainer = TrainerState {
@@ -859,6 +906,21 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         seed: cfg.seed,
         optimizer_not_saved: state.is_none(),
     };
+    // Rank 0 writes the outputs. A daemon group's other ranks hold the same new state in
+    // memory: they name it by the directory once rank 0 has written it.
+    let group_holds = exec.ranks().is_some() && exec.holder().is_some();
+    if exec.ranks().is_some_and(|x| !x.is_root()) {
+        if group_holds {
+            after_rank0(exec)?;
+            // Rank 0 alone brings the state back; what it wrote is what the job asked.
+            let trainer = TrainerState {
+                optimizer_not_saved: args.skip_optimizer_state || args.resident,
+                ..trainer
+            };
+            exec.saved(&args.out_model, Some(&trainer))?;
+        }
+        return Ok(());
+    }
     let save_started = Instant::now();
     match (&holder, &new_weights) {
         (Some(h), _) => ModelDir::save_resident(
@@ -886,6 +948,9 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
             &trainer,
         )?,
         (None, None) => anyhow::bail!("update: the trained weights were not brought back"),
+    }
+    if group_holds {
+        after_rank0(exec)?;
     }
     exec.saved(&args.out_model, Some(&trainer))?;
     let mut metrics = report.to_json();

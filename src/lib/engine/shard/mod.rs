@@ -182,14 +182,14 @@ impl<B: Backend> ShardedPolicy<'_, B> {
     /// of into the decoder; the other ranks get None. What `update` under a launcher runs:
     /// rank 0 writes the checkpoint.
     pub fn train_to_host(
-        mut self,
+        &mut self,
         data: &TrainData,
         cfg: &TrainConfig,
         schedule_step: u64,
         log: &mut dyn FnMut(&str),
         root: usize,
     ) -> Result<(TrainReport, Option<(Weights, OptimizerState)>)> {
-        let mut report = train(&mut self, data, cfg, schedule_step, log)?;
+        let mut report = train(self, data, cfg, schedule_step, log)?;
         let state = self.decoder.gather_state(&self.optim, self.comm, root)?;
         report.shard = Some(self.optim.stats.clone());
         Ok((report, state))

@@ -20,7 +20,9 @@
 //! its order, and the ranks run the stage's code together (each its share, rank 0 writes the
 //! files), as the ranks of an in-process launch do; the other jobs rank 0 runs alone. Rank r > 0
 //! listens on `SOCKET.rank<r>` for `status`/`shutdown` only. A failed or cancelled part stops
-//! every rank's part; a rank that dies stops the whole group (`dist` failure handling).
+//! every rank's part; a rank that dies stops the whole group (`dist` failure handling). An
+//! update trains the policy every rank keeps, with the optimizer shards it keeps
+//! ([`Resident::train_group`]), over a communicator made for that job.
 
 use super::protocol::{Reply, Request, Response};
 use super::resident::{Options, Resident};

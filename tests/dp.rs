@@ -972,3 +972,146 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
     assert_eq!(final_files("group"), final_files("killed"));
     assert_eq!(ckpts("killed"), ["step-0002", "step-0004"]);
 }
+
+/// `update --resident` on a 2-daemon group, by hand: every rank keeps its optimizer shard
+/// (status), the directory holds no weights, the group's rollout from it gives the rows of a
+/// rollout from the files of the same update run in-process under the launcher, `daemon-ctl
+/// save` is refused while the state is in shards, and the next (non-resident) update trains
+/// on from memory and writes the in-process second update's files bit for bit.
+#[test]
+fn update_resident_on_a_daemon_group_trains_from_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 7);
+    let input = d.join("prompts.parquet");
+    prompts(&input, &QUESTIONS);
+    let (batch, batch_m) = (d.join("batch.parquet"), d.join("batch.json"));
+    ok("rollout", &rollout_args(&model, &input, &batch, &batch_m));
+    let update = |from: &Path, out: &Path| -> Vec<String> {
+        [
+            "--model",
+            p(from),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(out),
+            "--loss",
+            "sft",
+            "--lr",
+            "0.01",
+            "--mini-batch-size",
+            "4",
+            "--seed",
+            "5",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let (m1, m2) = (d.join("m1"), d.join("m2"));
+    for (from, out) in [(&model, &m1), (&m1, &m2)] {
+        let a = update(from, out);
+        launch_ok(
+            2,
+            "update",
+            &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+    }
+    let (r1, r1_m) = (d.join("r1.parquet"), d.join("r1.json"));
+    ok("rollout", &rollout_args(&m1, &input, &r1, &r1_m));
+    // The update moved the policy: the initial model's rollout (same seed) differs from it.
+    let moved = f32_rows(&read(&batch), schema::ROLLOUT_LOGPROBS)
+        .iter()
+        .flatten()
+        .zip(
+            f32_rows(&read(&r1), schema::ROLLOUT_LOGPROBS)
+                .iter()
+                .flatten(),
+        )
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(moved > 1e-2, "{moved}");
+
+    let socket = d.join("g.sock");
+    let _group = DaemonGroup::start(d, 2, &socket, &model, &[]);
+    let kept = d.join("kept");
+    let mut a = update(&model, &kept);
+    a.extend(["--resident", "--daemon", p(&socket)].map(String::from));
+    ok("update", &a);
+    assert!(kept.join("resident.json").is_file());
+    assert!(!kept.join("model.safetensors").exists());
+    assert!(!kept.join("optimizer.safetensors").exists());
+    let ranks = wait_ranks(&socket, "both ranks to hold the trained policy", |r| {
+        r.iter()
+            .all(|s| s["resident"]["policy"]["optimizer_sharded"] == true)
+    });
+    for s in &ranks {
+        let policy = &s["resident"]["policy"];
+        assert!(
+            policy["dir"].as_str().unwrap().ends_with("/kept"),
+            "{ranks:?}"
+        );
+        assert_eq!(policy["schedule_step"], 1, "{ranks:?}");
+        assert_eq!(policy["in_files"], false, "{ranks:?}");
+    }
+    // The group generates from the weights in memory: the rows of a rollout from m1's files.
+    let (r1g, r1g_m) = (d.join("r1g.parquet"), d.join("r1g.json"));
+    let mut a = rollout_args(&kept, &input, &r1g, &r1g_m);
+    a.extend(["--daemon", p(&socket)]);
+    ok("rollout", &a);
+    same_rows(&read(&r1), &read(&r1g), "rollout from the resident policy");
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&r1g_m).unwrap()).unwrap();
+    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+
+    let saved = d.join("saved");
+    let o = Command::new(TANDEM)
+        .args([
+            "daemon-ctl",
+            "--socket",
+            p(&socket),
+            "save",
+            "--out",
+            p(&saved),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("hold the policy's optimizer state in shards"),
+        "{err}"
+    );
+    assert!(!saved.exists());
+
+    let m2g = d.join("m2g");
+    let mut a = update(&kept, &m2g);
+    a.extend(["--daemon", p(&socket)].map(String::from));
+    ok("update", &a);
+    assert_eq!(files(&m2), files(&m2g));
+
+    // --shard full keeps nothing: the update loads m2's files on every rank, rank 0 writes
+    // m3, and the ranks drop what they held, so the next rollout loads m3's files.
+    let (m3, m3g) = (d.join("m3"), d.join("m3g"));
+    let mut a = update(&m2, &m3);
+    a.extend(["--shard", "full"].map(String::from));
+    launch_ok(
+        2,
+        "update",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let mut a = update(&m2g, &m3g);
+    a.extend(["--shard", "full", "--daemon", p(&socket)].map(String::from));
+    ok("update", &a);
+    assert_eq!(files(&m3), files(&m3g));
+    let (r3, r3_m) = (d.join("r3.parquet"), d.join("r3.json"));
+    ok("rollout", &rollout_args(&m3, &input, &r3, &r3_m));
+    let (r3g, r3g_m) = (d.join("r3g.parquet"), d.join("r3g.json"));
+    let mut a = rollout_args(&m3g, &input, &r3g, &r3g_m);
+    a.extend(["--daemon", p(&socket)]);
+    ok("rollout", &a);
+    same_rows(
+        &read(&r3),
+        &read(&r3g),
+        "rollout after a --shard full update",
+    );
+}

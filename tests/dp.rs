@@ -619,7 +619,8 @@ fn a_daemon_group_serves_rollout_and_ref_logprob_data_parallel() {
     args.extend(["--daemon", p(&rank1)]);
     input_error("rollout", &args, "this daemon is rank 1 of a group of 2");
 
-    // update runs on rank 0 alone for now: weights kept in its memory only are refused.
+    // --shard full keeps nothing between updates: --resident with it is refused before any
+    // rank runs anything.
     let kept = d.join("kept");
     let args = [
         "--model",
@@ -629,14 +630,17 @@ fn a_daemon_group_serves_rollout_and_ref_logprob_data_parallel() {
         "--out-model",
         p(&kept),
         "--resident",
+        "--shard",
+        "full",
         "--daemon",
         p(&socket),
     ];
-    input_error(
+    let err = input_error(
         "update",
         &args,
-        "update --resident on a daemon group of 2 ranks",
+        "update --resident --shard full on a daemon group of 2 ranks",
     );
+    assert!(err.contains("use --shard zero2 (the default)"), "{err}");
     assert!(!kept.exists());
     // A client killed mid-rollout cancels the job on both ranks; nothing is written.
     let long = d.join("long.parquet");
@@ -741,9 +745,13 @@ fn a_gpus_2_daemon_pipeline_runs_and_survives_a_killed_rank() {
         assert_eq!(m["ranks"], 2, "{m}");
         assert!(m["daemon"].is_object(), "{m}");
     }
-    // update runs on rank 0 alone and writes its files every step (the other rank reads the
-    // new policy from them): never --resident.
-    assert!(!commands.contains("--resident"), "{commands}");
+    // Between checkpoints (every = 0: the last step only) the group keeps the policy resident.
+    let updates: Vec<&str> = commands
+        .lines()
+        .filter(|l| l.contains("/update "))
+        .collect();
+    assert!(updates[0].contains("--resident"), "{commands}");
+    assert!(!updates[1].contains("--resident"), "{commands}");
     let log = std::fs::read_to_string(d.join("group/daemon.log")).unwrap();
     assert!(log.contains("(rank 1 of 2)"), "{log}");
     let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0002"));
@@ -806,4 +814,324 @@ fn a_gpus_2_daemon_pipeline_runs_and_survives_a_killed_rank() {
             assert_eq!(x.to_data(), y.to_data(), "{f}");
         }
     }
+}
+
+/// The JSON of `run/step-000K/metrics/update.json`.
+fn update_metrics(d: &Path, run: &str, step: u64) -> serde_json::Value {
+    let path = d
+        .join(run)
+        .join(format!("step-{step:04}/metrics/update.json"));
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// `gpus = 2`, `daemon = true`, 4 steps with `[checkpoint] every = 2`: the group keeps the
+/// policy resident in steps 1 and 3 (every rank its shards: no weight or optimizer file
+/// written, the ranks train on from memory) and writes files in steps 2 and 4 only; the
+/// final checkpoint equals the in-process `gpus = 2` run's (which writes and reads files every
+/// step) bit for bit. Then rank 1's daemon SIGKILLs itself in step 3's resident update: the
+/// runner starts a new group, goes back to step 2 (the last checkpoint written as files) and
+/// ends with the same final checkpoint.
+#[test]
+fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d);
+    // A reward that varies within a prompt's samples (any letter is a found answer), so every
+    // step has real gradients and the moments matter.
+    let text = |top: &str| {
+        let s = spec(top).replace(
+            "reward = \"exact\"",
+            "reward = \"regex:[a-z]\"\nformat-score = 1.0",
+        );
+        format!("{s}[checkpoint]\nevery = 2\nkeep-last = 2\n")
+    };
+    let run = |name: &str, top: &str, env: &[(&str, &str)]| {
+        let o = run_pipeline(d, name, &text(top), &["--steps", "4"], env);
+        let out = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(o.status.success(), "{name}: {out}");
+        out
+    };
+    run("files", "gpus = 2", &[]);
+    run("group", "gpus = 2\ndaemon = true", &[]);
+
+    let commands = std::fs::read_to_string(d.join("group/commands.sh")).unwrap();
+    let updates: Vec<&str> = commands
+        .lines()
+        .filter(|l| l.contains("/update "))
+        .collect();
+    assert_eq!(updates.len(), 4, "{commands}");
+    for (i, line) in updates.iter().enumerate() {
+        assert_eq!(
+            line.contains("--resident"),
+            i % 2 == 0,
+            "step {}: {line}",
+            i + 1
+        );
+    }
+    for step in 1..=4u64 {
+        let m = update_metrics(d, "group", step);
+        let files = step % 2 == 0;
+        assert_eq!(m["weights_saved"], files, "step {step}: {m}");
+        assert_eq!(m["optimizer_state_saved"], files, "step {step}: {m}");
+        assert_eq!(m["schedule_step"], step, "step {step}: {m}");
+        assert_eq!(m["shard"]["world_size"], 2, "step {step}: {m}");
+        assert_eq!(m["shard"]["mode"], "zero2", "step {step}: {m}");
+        // No file is read after the group started: the ranks train what they hold.
+        assert_eq!(m["daemon"]["reloaded"], false, "step {step}: {m}");
+        // The same training as the files run, step by step.
+        let f = update_metrics(d, "files", step);
+        for key in ["loss", "grad_norm", "optimizer_step"] {
+            assert_eq!(m[key], f[key], "step {step}: {key}");
+        }
+        assert!(m["grad_norm"].as_f64().unwrap() > 0.1, "step {step}: {m}");
+    }
+    // Only the cadence's checkpoints are left, and they hold files; the resident steps left
+    // no weights anywhere.
+    let ckpts = |run: &str| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d.join(run).join("ckpt"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(ckpts("group"), ["step-0002", "step-0004"]);
+    for step in ["step-0002", "step-0004"] {
+        let ck = d.join("group/ckpt").join(step);
+        assert!(ck.join("model.safetensors").is_file(), "{step}");
+        // Each rank wrote its optimizer shard; no rank gathered the whole state.
+        for r in 0..2 {
+            let f = format!("optimizer.rank{r:05}-of-00002.safetensors");
+            assert!(ck.join(&f).is_file(), "{step}: {f}");
+        }
+        assert!(!ck.join("optimizer.safetensors").exists(), "{step}");
+        assert!(!ck.join("resident.json").exists(), "{step}");
+    }
+    let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0004"));
+    assert_eq!(final_files("files"), final_files("group"));
+    for batch in ["rollout", "adv"] {
+        let f = format!("step-0004/{batch}.parquet");
+        same_rows(
+            &read(&d.join("files").join(&f)),
+            &read(&d.join("group").join(&f)),
+            &f,
+        );
+    }
+
+    // Rank 1 dies in step 3's update (resident): the group goes down, the run goes on from
+    // step 2's files on a new group (the frontier is a file checkpoint: nothing to go back to).
+    let marker = d.join("kill-update");
+    let out = run(
+        "killed-update",
+        "gpus = 2\ndaemon = true",
+        &[
+            ("TANDEM_DAEMON_KILL_IN_UPDATE", p(&marker)),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "3"),
+        ],
+    );
+    assert!(marker.exists());
+    let log = std::fs::read_to_string(d.join("killed-update/daemon.log")).unwrap();
+    assert!(log.contains("rank 0: stopping: rank 1 (pid"), "{log}");
+    assert!(out.contains("update failed with the daemon gone"), "{out}");
+    assert!(out.contains("the daemon group failed: rank 1"), "{out}");
+    assert!(!out.contains("going back"), "{out}");
+    assert_eq!(final_files("group"), final_files("killed-update"));
+
+    // Rank 1 dies in step 4's rollout, whose policy (after step 3) was only in the group's
+    // memory: the runner starts a new group, goes back to step 2 and runs steps 3 and 4 again.
+    let marker = d.join("kill-rollout");
+    let out = run(
+        "killed",
+        "gpus = 2\ndaemon = true",
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "4"),
+        ],
+    );
+    assert!(marker.exists());
+    let log = std::fs::read_to_string(d.join("killed/daemon.log")).unwrap();
+    assert!(log.contains("rank 0: stopping: rank 1 (pid"), "{log}");
+    assert!(out.contains("rollout failed with the daemon gone"), "{out}");
+    assert!(
+        out.contains("the policy after step 3 (weights and optimizer state) was only in the daemon's memory; going back to step 2"),
+        "{out}"
+    );
+    let commands = std::fs::read_to_string(d.join("killed/commands.sh")).unwrap();
+    let updates: Vec<&str> = commands
+        .lines()
+        .filter(|l| l.contains("/update "))
+        .collect();
+    assert_eq!(
+        updates.len(),
+        5,
+        "steps 1-4, then 3 and 4 again: {commands}"
+    );
+    assert!(updates[3].contains("ckpt/step-0003 ") && updates[3].contains("--resident"));
+    assert!(updates[4].contains("ckpt/step-0004 ") && !updates[4].contains("--resident"));
+    assert_eq!(final_files("group"), final_files("killed"));
+    assert_eq!(ckpts("killed"), ["step-0002", "step-0004"]);
+}
+
+/// `update --resident` on a 2-daemon group, by hand: every rank keeps its optimizer shard
+/// (status), the directory holds no weights, the group's rollout from it gives the rows of a
+/// rollout from the files of the same update run in-process under the launcher, `daemon-ctl
+/// save` is refused while the state is in shards, and the next (non-resident) update trains
+/// on from memory and writes the in-process second update's files bit for bit.
+#[test]
+fn update_resident_on_a_daemon_group_trains_from_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 7);
+    let input = d.join("prompts.parquet");
+    prompts(&input, &QUESTIONS);
+    let (batch, batch_m) = (d.join("batch.parquet"), d.join("batch.json"));
+    ok("rollout", &rollout_args(&model, &input, &batch, &batch_m));
+    let update = |from: &Path, out: &Path| -> Vec<String> {
+        [
+            "--model",
+            p(from),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(out),
+            "--loss",
+            "sft",
+            "--lr",
+            "0.01",
+            "--mini-batch-size",
+            "4",
+            "--seed",
+            "5",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let (m1, m2) = (d.join("m1"), d.join("m2"));
+    for (from, out) in [(&model, &m1), (&m1, &m2)] {
+        let a = update(from, out);
+        launch_ok(
+            2,
+            "update",
+            &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+    }
+    let (r1, r1_m) = (d.join("r1.parquet"), d.join("r1.json"));
+    ok("rollout", &rollout_args(&m1, &input, &r1, &r1_m));
+    // The update moved the policy: the initial model's rollout (same seed) differs from it.
+    let moved = f32_rows(&read(&batch), schema::ROLLOUT_LOGPROBS)
+        .iter()
+        .flatten()
+        .zip(
+            f32_rows(&read(&r1), schema::ROLLOUT_LOGPROBS)
+                .iter()
+                .flatten(),
+        )
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(moved > 1e-2, "{moved}");
+
+    let socket = d.join("g.sock");
+    let _group = DaemonGroup::start(d, 2, &socket, &model, &[]);
+    let kept = d.join("kept");
+    let mut a = update(&model, &kept);
+    a.extend(["--resident", "--daemon", p(&socket)].map(String::from));
+    ok("update", &a);
+    assert!(kept.join("resident.json").is_file());
+    assert!(!kept.join("model.safetensors").exists());
+    assert!(!kept.join("optimizer.safetensors").exists());
+    let ranks = wait_ranks(&socket, "both ranks to hold the trained policy", |r| {
+        r.iter()
+            .all(|s| s["resident"]["policy"]["optimizer_sharded"] == true)
+    });
+    for s in &ranks {
+        let policy = &s["resident"]["policy"];
+        assert!(
+            policy["dir"].as_str().unwrap().ends_with("/kept"),
+            "{ranks:?}"
+        );
+        assert_eq!(policy["schedule_step"], 1, "{ranks:?}");
+        assert_eq!(policy["in_files"], false, "{ranks:?}");
+    }
+    // The group generates from the weights in memory: the rows of a rollout from m1's files.
+    let (r1g, r1g_m) = (d.join("r1g.parquet"), d.join("r1g.json"));
+    let mut a = rollout_args(&kept, &input, &r1g, &r1g_m);
+    a.extend(["--daemon", p(&socket)]);
+    ok("rollout", &a);
+    same_rows(&read(&r1), &read(&r1g), "rollout from the resident policy");
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&r1g_m).unwrap()).unwrap();
+    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+
+    let saved = d.join("saved");
+    let o = Command::new(TANDEM)
+        .args([
+            "daemon-ctl",
+            "--socket",
+            p(&socket),
+            "save",
+            "--out",
+            p(&saved),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("hold the policy's optimizer state in shards"),
+        "{err}"
+    );
+    assert!(!saved.exists());
+
+    let m2g = d.join("m2g");
+    let mut a = update(&kept, &m2g);
+    a.extend(["--daemon", p(&socket)].map(String::from));
+    ok("update", &a);
+    assert_eq!(files(&m2), files(&m2g));
+
+    // m2's optimizer state is in per-rank shards of zero2's layout: --shard full (another
+    // layout) is refused, exit 2, naming what works.
+    let mut a = update(&m2, &d.join("m2full"));
+    a.extend(["--shard", "full"].map(String::from));
+    let o = launch(
+        2,
+        "update",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("another shard layout"), "{err}");
+    assert!(!d.join("m2full").exists());
+
+    // --shard full keeps nothing: the update loads the files on every rank (here the initial
+    // model's, whose optimizer is fresh), rank 0 writes m3, and the ranks drop what they held,
+    // so the next rollout loads m3's files.
+    let (m3, m3g) = (d.join("m3"), d.join("m3g"));
+    let mut a = update(&model, &m3);
+    a.extend(["--shard", "full"].map(String::from));
+    launch_ok(
+        2,
+        "update",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let mut a = update(&model, &m3g);
+    a.extend(["--shard", "full", "--daemon", p(&socket)].map(String::from));
+    ok("update", &a);
+    assert_eq!(files(&m3), files(&m3g));
+    let (r3, r3_m) = (d.join("r3.parquet"), d.join("r3.json"));
+    ok("rollout", &rollout_args(&m3, &input, &r3, &r3_m));
+    let (r3g, r3g_m) = (d.join("r3g.parquet"), d.join("r3g.json"));
+    let mut a = rollout_args(&m3g, &input, &r3g, &r3g_m);
+    a.extend(["--daemon", p(&socket)]);
+    ok("rollout", &a);
+    same_rows(
+        &read(&r3),
+        &read(&r3g),
+        "rollout after a --shard full update",
+    );
 }

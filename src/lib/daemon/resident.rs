@@ -11,24 +11,35 @@
 //! `resident.json`): the policy then exists only here, and the directory names it as long as
 //! this daemon holds that state. `daemon-ctl save` writes it as the files `update` would have
 //! ([`Exec::held_policy`]).
+//!
+//! In a daemon group (one daemon per GPU) every rank keeps its part of the sharded training
+//! state (zero2) between updates: the whole compute weights, which the weight sync leaves on
+//! every rank, and its 1/N of the masters and moments ([`Resident::train_group`]). An update
+//! that writes a checkpoint gathers the state to rank 0, which writes the files as `update`
+//! under a launcher does; `--resident` writes nothing but the marked directory.
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
-use crate::engine::resume::TrainerState;
+use crate::dist::{Comm, ProcessGroup};
+use crate::engine::resume::{self, TrainerState};
+use crate::engine::shard::{ShardMode, ShardedPolicy};
 use crate::model::checkpoint::ModelDir;
-use crate::model::decoder::{Decoder, OptimizerState, TokenStats};
+use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim, TokenStats};
 use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Weights};
 use crate::stage::common::{Device, ModelRef};
 use crate::stage::ref_logprob::{LogprobColumn, Score};
 use crate::stage::rollout::{Generate, Generated};
-use crate::stage::update::{HeldPolicy, Holder, Train, Trainable, Trained};
+use crate::stage::update::{
+    train_ranks_from_files, HeldPolicy, Holder, Sharding, Train, Trainable, Trained,
+};
 use crate::stage::Exec;
 use anyhow::Result;
 use indicatif::ProgressBar;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
@@ -44,7 +55,8 @@ pub const KILL_AT_STEP_ENV: &str = "TANDEM_DAEMON_KILL_AT_STEP";
 /// [`KILL_AT_STEP_ENV`] only in the rollout of training step N (the policy of version N - 1),
 /// and with [`KILL_RANK_ENV`] only on that rank.
 pub const KILL_IN_ROLLOUT_ENV: &str = "TANDEM_DAEMON_KILL_IN_ROLLOUT";
-/// The rank (`RANK`, as the launcher sets it) that [`KILL_IN_ROLLOUT_ENV`] kills.
+/// The rank (`RANK`, as the launcher sets it) that [`KILL_IN_ROLLOUT_ENV`] kills, and in a
+/// daemon group [`KILL_IN_UPDATE_ENV`] too.
 pub const KILL_RANK_ENV: &str = "TANDEM_DAEMON_KILL_RANK";
 
 /// SIGKILLs this process when the marker file `marker_env` names does not exist yet (creating
@@ -128,6 +140,9 @@ struct PolicySlot<B: Backend> {
     gen: Option<Decoder<B>>,
     /// Optimizer state parked in host memory (`--offload-optimizer`).
     parked: Option<Parked>,
+    /// In a daemon group: this rank's optimizer shards (zero2), kept between updates; the
+    /// decoder then holds no whole masters or moments.
+    sharded: Option<ShardedOptim<B>>,
 }
 
 /// What `--offload-optimizer` keeps in host memory between updates.
@@ -155,9 +170,14 @@ struct Phase {
     in_use_after: usize,
 }
 
+/// Makes the group's communicator on the backend a rank's policy lives on.
+pub type MakeComm<B> = Rc<dyn Fn(&B, &ProcessGroup) -> Result<Box<dyn Comm<B>>>>;
+
 /// The daemon's models and per-job bookkeeping.
 pub struct Resident<B: Backend> {
     make: Box<dyn Fn() -> Result<B>>,
+    /// In a daemon group: the communicator of a sharded update (None: a lone daemon).
+    make_comm: Option<MakeComm<B>>,
     pub device: Device,
     /// The socket the daemon serves (named in resident directories).
     socket: Option<PathBuf>,
@@ -179,6 +199,7 @@ impl<B: Backend> Resident<B> {
     pub fn new(make: Box<dyn Fn() -> Result<B>>, device: Device, opts: Options) -> Self {
         Resident {
             make,
+            make_comm: None,
             device,
             socket: None,
             opts,
@@ -190,6 +211,12 @@ impl<B: Backend> Resident<B> {
             bars: Arc::new(Mutex::new(Vec::new())),
             job: Map::new(),
         }
+    }
+
+    /// A rank of a daemon group: its updates keep their optimizer shards, made over
+    /// communicators from `make_comm`.
+    pub fn set_comm_maker(&mut self, make_comm: MakeComm<B>) {
+        self.make_comm = Some(make_comm);
     }
 
     /// The socket the daemon listens on, named in the resident directories it writes.
@@ -332,6 +359,7 @@ impl<B: Backend> Resident<B> {
                 "optimizer_step": p.decoder.optimizer_steps(),
                 "generation_copy": p.gen.is_some(),
                 "optimizer_offloaded": p.parked.is_some(),
+                "optimizer_sharded": p.sharded.is_some(),
             })),
             "reference": self.reference.as_ref().map(|r| json!({
                 "dir": r.key.dir.display().to_string(),
@@ -393,6 +421,7 @@ impl<B: Backend> Resident<B> {
                 from_master: loaded.from_master,
                 gen: None,
                 parked: None,
+                sharded: None,
             };
             if self.opts.offload_optimizer {
                 park_optimizer(&mut slot, None, None)?;
@@ -500,6 +529,127 @@ impl<B: Backend> Resident<B> {
         }
         Ok(())
     }
+
+    /// The update phase (no generation copy, no idle reference on the device, no cached free
+    /// blocks) with the policy `model` loaded; returns the seconds its load took.
+    fn update_phase(&mut self, model: &ModelRef) -> Result<f64> {
+        self.observe();
+        if let Some(p) = &mut self.policy {
+            p.gen = None;
+        }
+        if self.opts.offload_ref {
+            if let Some(r) = &mut self.reference {
+                r.decoder = None;
+            }
+        }
+        self.trim()?;
+        self.policy_slot(model)?;
+        Ok(self
+            .job
+            .get("load_seconds")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0))
+    }
+
+    /// This rank's part of a daemon group's sharded update (every rank runs it, on the ranks
+    /// of `pg`). zero2: the policy this rank holds trains with the optimizer shards it keeps
+    /// (cut from the loaded state at the first update), so no file is read; rank 0 gets the
+    /// gathered state when the job writes a checkpoint. `--shard full` keeps nothing here: it
+    /// loads the files for each update, and the policy held goes (the next job loads the new
+    /// files).
+    pub fn train_group(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &ModelRef,
+        job: Train<'_>,
+        sharding: Sharding,
+    ) -> Result<Trained> {
+        let make_comm = match (&self.make_comm, sharding.mode) {
+            (Some(m), ShardMode::Zero2) => m.clone(),
+            _ => {
+                self.observe();
+                self.policy = None;
+                self.trim()?;
+                return train_ranks_from_files(pg, model, job, sharding);
+            }
+        };
+        let load_s = self.update_phase(model)?;
+        let reply = self.reply.clone();
+        let slot = self.policy.as_mut().expect("loaded above");
+        unpark(slot)?;
+        // Made for this update, as a launched update makes its own: nothing of the group's
+        // communication stays open between jobs.
+        let comm = make_comm(slot.decoder.backend(), pg)?;
+        let mut optim = match slot.sharded.take() {
+            Some(o) => o,
+            None => {
+                let mut o = slot
+                    .decoder
+                    .shard_optimizer(comm.as_ref(), sharding.bucket_elems)?;
+                if slot
+                    .trainer
+                    .as_ref()
+                    .is_some_and(|t| t.optimizer_shards > 0)
+                {
+                    // Loaded for generation (the weights only): this rank's part of the
+                    // optimizer state is in its own shard file of the checkpoint.
+                    let (_, weights) = ModelDir::load(&model.dir)?;
+                    match resume::load_rank(&model.dir, &weights, pg.rank(), pg.world_size())? {
+                        Some(resume::RankResume::Shard { shard, .. }) => {
+                            slot.decoder
+                                .load_shard(&mut o, &shard, &weights, comm.as_ref())?;
+                        }
+                        _ => anyhow::bail!(
+                            "{}: trainer_state.json says the optimizer state is sharded, but rank {} found no shard of it",
+                            model.dir.display(),
+                            pg.rank()
+                        ),
+                    }
+                }
+                o
+            }
+        };
+        // The metrics are this update's (the shard layout stays; the timings start over).
+        optim.stats = ShardStats {
+            world_size: optim.stats.world_size,
+            buckets: optim.stats.buckets,
+            shard_elems: optim.stats.shard_elems,
+            staging_bytes: optim.stats.staging_bytes,
+            ..ShardStats::default()
+        };
+        // From here the decoder is ahead of every file until `saved`.
+        slot.keys.clear();
+        slot.from_master = true;
+        let step = slot.schedule_step;
+        let mut policy = ShardedPolicy {
+            decoder: &mut slot.decoder,
+            comm: comm.as_ref(),
+            optim,
+        };
+        let trained =
+            job.train_sharded_on(
+                &mut policy,
+                step,
+                &sharding.staging,
+                &mut |m| match &reply {
+                    Some(r) => r.send(&Response::Log { line: m.into() }),
+                    None => eprintln!("{m}"),
+                },
+            );
+        slot.sharded = Some(policy.optim);
+        let mut out = trained?;
+        slot.schedule_step = step + 1;
+        slot.decoder.release_workspace()?;
+        slot.decoder.release_grads();
+        slot.decoder.backend().trim()?;
+        kill_once(
+            KILL_IN_UPDATE_ENV,
+            env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step)
+                && env_u64(KILL_RANK_ENV).is_none_or(|r| Some(r) == env_u64("RANK")),
+        );
+        out.load_seconds = load_s;
+        Ok(out)
+    }
 }
 
 /// Moves the AdamW moments and the f32 masters (where they are apart from the compute weights)
@@ -583,25 +733,8 @@ impl<B: Backend> Exec for Resident<B> {
     }
 
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
-        // The update phase: no generation copy, no idle reference on the device, no cached
-        // free blocks.
-        self.observe();
-        if let Some(p) = &mut self.policy {
-            p.gen = None;
-        }
-        if self.opts.offload_ref {
-            if let Some(r) = &mut self.reference {
-                r.decoder = None;
-            }
-        }
-        self.trim()?;
+        let load_s = self.update_phase(model)?;
         let reply = self.reply.clone();
-        self.policy_slot(model)?;
-        let load_s = self
-            .job
-            .get("load_seconds")
-            .and_then(Value::as_f64)
-            .unwrap_or(0.0);
         let slot = self.policy.as_mut().expect("loaded above");
         if let Some(n) = slot
             .trainer
@@ -613,7 +746,7 @@ impl<B: Backend> Exec for Resident<B> {
             crate::bail_input!(
                 "{}: its optimizer state is sharded over {n} ranks ({} ...); one process cannot continue it: train it with {n} ranks (a daemon group, or update under tandem launch --nproc-per-node {n}), or start from its model files without optimizer state",
                 model.dir.display(),
-                model.dir.join(crate::engine::resume::shard_file_name(0, n)).display()
+                model.dir.join(resume::shard_file_name(0, n)).display()
             );
         }
         unpark(slot)?;
@@ -673,6 +806,11 @@ impl<B: Backend> Exec for Resident<B> {
                 None => crate::bail_input!("the daemon holds no policy"),
             },
         };
+        if slot.sharded.is_some() {
+            crate::bail_input!(
+                "this daemon group's ranks hold the policy's optimizer state in shards (1/N each); saving it from rank 0 alone is not built: write it with a non-resident update (the pipeline does on its [checkpoint] cadence and at the last step)"
+            );
+        }
         // Offloaded state is the host copy; otherwise it comes back from the device.
         let (weights, state) = match &slot.parked {
             Some(p) => (

@@ -20,7 +20,9 @@
 //! its order, and the ranks run the stage's code together (each its share, rank 0 writes the
 //! files), as the ranks of an in-process launch do; the other jobs rank 0 runs alone. Rank r > 0
 //! listens on `SOCKET.rank<r>` for `status`/`shutdown` only. A failed or cancelled part stops
-//! every rank's part; a rank that dies stops the whole group (`dist` failure handling).
+//! every rank's part; a rank that dies stops the whole group (`dist` failure handling). An
+//! update trains the policy every rank keeps, with the optimizer shards it keeps
+//! ([`Resident::train_group`]), over a communicator made for that job.
 
 use super::protocol::{Reply, Request, Response};
 use super::resident::{Options, Resident};
@@ -30,8 +32,9 @@ use crate::backend::Backend;
 use crate::bail_input;
 use crate::dist::exchange::{as_local, RankFailed};
 use crate::dist::health::Health;
-use crate::dist::{Exchange, ProcessGroup, World};
+use crate::dist::{Comm, Exchange, HostComm, NcclComm, ProcessGroup, World};
 use crate::engine::cancel::{self, Cancel};
+use crate::engine::shard::ShardMode;
 use crate::error::is_input_error;
 use crate::stage::common::{after_rank0, resolve_model, Device, ModelRef};
 use crate::stage::{ref_logprob, rollout, update, Exec, StageJob};
@@ -43,6 +46,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -193,16 +197,22 @@ pub fn run(args: DaemonArgs) -> Result<()> {
         None => args.device,
     };
     match device {
-        Device::Cpu => serve(
-            &args,
-            Resident::new(Box::new(|| Ok(Cpu)), device, opts),
-            group,
-        ),
+        Device::Cpu => {
+            let mut resident = Resident::new(Box::new(|| Ok(Cpu)), device, opts);
+            resident.set_comm_maker(Rc::new(|_: &Cpu, pg: &ProcessGroup| {
+                Ok(Box::new(HostComm::new(pg)?) as Box<dyn Comm<Cpu>>)
+            }));
+            serve(&args, resident, group)
+        }
         Device::Cuda(n) => {
             // Open the device once now so that a missing GPU is reported before anything else.
             CudaBackend::new(n)?;
             let make = Box::new(move || CudaBackend::new(n));
-            serve(&args, Resident::new(make, device, opts), group)
+            let mut resident = Resident::new(make, device, opts);
+            resident.set_comm_maker(Rc::new(|b: &CudaBackend, pg: &ProcessGroup| {
+                Ok(Box::new(NcclComm::new(b, pg)?) as Box<dyn Comm<CudaBackend>>)
+            }));
+            serve(&args, resident, group)
         }
     }
 }
@@ -444,9 +454,9 @@ fn lead<B: Backend>(
             }
         };
         if let StageJob::Update(a) = &*work.job {
-            if a.resident {
+            if a.resident && a.shard == Some(ShardMode::Full) {
                 let msg = format!(
-                    "update --resident on a daemon group of {} ranks: the sharded update trains from the model files and rank 0 writes the new ones (no rank holds the whole optimizer state); drop --resident (the pipeline runner does at gpus > 1)",
+                    "update --resident --shard full on a daemon group of {} ranks: under --shard full every update loads the model files and rank 0 writes the new ones, so nothing stays resident; drop --resident (the pipeline runner does under shard = \"full\"), or use --shard zero2 (the default), whose ranks keep their state between updates",
                     pg.world_size()
                 );
                 refuse(work, shared, &msg, true);
@@ -852,6 +862,21 @@ impl<B: Backend> Exec for Watched<'_, B> {
     fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained> {
         cancel::check()?;
         let out = self.0.train(model, job)?;
+        cancel::check()?;
+        Ok(out)
+    }
+
+    fn train_sharded(
+        &mut self,
+        model: &ModelRef,
+        job: update::Train<'_>,
+        sharding: update::Sharding,
+    ) -> Result<update::Trained> {
+        cancel::check()?;
+        let x = self
+            .1
+            .expect("a sharded update runs among the group's ranks");
+        let out = self.0.train_group(x.group(), model, job, sharding)?;
         cancel::check()?;
         Ok(out)
     }

@@ -13,6 +13,7 @@ use super::spec::{Device, Source, Spec, Stages};
 use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
 use crate::engine::resume;
+use crate::engine::shard::ShardMode;
 use crate::error::input_error;
 use crate::process::die_with_parent;
 use crate::stage::sync_weights::{self, SyncWeightsArgs};
@@ -756,12 +757,13 @@ impl Runner {
     /// back) and writes it on the checkpoint cadence and at the last step, as verl's save_freq
     /// does (the optimizer state alone is ~12 bytes per parameter: 6 GB at 0.5B). A dead
     /// daemon is restarted from the newest checkpoint written as files ([`Runner::rewind`]).
-    /// With `gpus > 1` every step's update writes files: the sharded update trains from the
-    /// model files and rank 0 writes the new ones, which every rank then reads.
+    /// A daemon group (`gpus > 1`) does the same, each rank keeping its shards of the state;
+    /// only under `[update] shard = "full"` does every update load and write files.
     fn writes_checkpoint(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
+        let full = self.spec.gpus > 1 && self.stages.update.args.shard == Some(ShardMode::Full);
         !self.spec.daemon
-            || self.spec.gpus > 1
+            || full
             || step == self.spec.steps
             || (every > 0 && step.is_multiple_of(every))
     }
@@ -1459,6 +1461,25 @@ mod tests {
             ]
         );
         r.check_commands().unwrap();
+    }
+
+    /// Which updates write files: every one in-process; with the daemon (one, or a group at
+    /// `gpus > 1`) the cadence and the last step; a group under `shard = "full"` every one.
+    #[test]
+    fn updates_write_files_on_the_cadence_with_a_daemon() {
+        let steps = |top: &str, update: &str| -> Vec<bool> {
+            let text = SPEC.replace("steps = 2", &format!("steps = 5\n{top}"));
+            let r = runner(&format!("{text}[checkpoint]\nevery = 2\n{update}"));
+            (1..=5).map(|s| r.writes_checkpoint(s)).collect()
+        };
+        let cadence = [false, true, false, true, true];
+        assert_eq!(steps("", ""), [true; 5]);
+        assert_eq!(steps("gpus = 2", ""), [true; 5]);
+        assert_eq!(steps("daemon = true", ""), cadence);
+        assert_eq!(steps("daemon = true\ngpus = 2", ""), cadence);
+        let full = "[update]\nshard = \"full\"\n";
+        assert_eq!(steps("daemon = true\ngpus = 2", full), [true; 5]);
+        assert_eq!(steps("daemon = true", full), cadence);
     }
 
     #[test]

@@ -84,6 +84,22 @@ pub trait Exec {
     ) -> Result<Vec<crate::model::decoder::TokenStats>>;
     /// One `update` call on the policy `model`, resuming the optimizer state next to it.
     fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained>;
+    /// One rank's part of a data-parallel `update` among [`Exec::ranks`] (the sharded
+    /// optimizer); rank 0's result carries what the job brings back. Here the policy is loaded
+    /// from the model files for this call; a daemon group's rank trains the one it keeps.
+    fn train_sharded(
+        &mut self,
+        model: &ModelRef,
+        job: update::Train<'_>,
+        sharding: update::Sharding,
+    ) -> Result<update::Trained> {
+        let pg = self
+            .ranks()
+            .expect("a data-parallel update runs among ranks")
+            .group()
+            .clone();
+        update::train_ranks_from_files(&pg, model, job, sharding)
+    }
     /// `update` (with its trainer state) or `daemon-ctl save` wrote the policy it holds to
     /// `dir` (as files, or as a resident directory).
     fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()>;

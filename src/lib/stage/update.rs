@@ -13,8 +13,9 @@
 //! exp(old − rollout); `--bypass-mode` takes the rollout's log-probs as the old ones.
 
 use super::common::{
-    above, at_least, between, check_token_ids, finite, logprob_temperature, negative_numbers,
-    range, require_tokenizer, resolve_model, same_path, Device, ModelRef, DEFAULT_TEMPERATURE,
+    above, after_rank0, at_least, between, check_token_ids, finite, logprob_temperature,
+    negative_numbers, range, require_tokenizer, resolve_model, same_path, Device, ModelRef,
+    DEFAULT_TEMPERATURE,
 };
 use super::ref_logprob::to_u32;
 use super::{Exec, Job};
@@ -405,6 +406,54 @@ impl Train<'_> {
         self.finish(policy, report, schedule_step)
     }
 
+    /// One rank's part of a sharded update on a policy whose optimizer shards stay with the
+    /// caller (a daemon group's rank keeps them between calls): trains, and when the job
+    /// writes a checkpoint, rank 0 gets the masters for the model files and every rank writes
+    /// its optimizer shard into `staging`, as `update` under a launcher does. Every rank of
+    /// `policy.comm` calls it.
+    pub fn train_sharded_on<B: Backend>(
+        self,
+        policy: &mut ShardedPolicy<'_, B>,
+        schedule_step: u64,
+        staging: &Path,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Trained> {
+        let mut log = |msg: &str| log(&format!("update: {msg}"));
+        let (report, weights, state, shard_files) = match self.export_weights || self.export_state {
+            true => {
+                let to = match (self.export_state, policy.comm.world_size()) {
+                    (false, _) => StateTo::Nowhere,
+                    (true, 1) => StateTo::Root,
+                    (true, _) => StateTo::EachRank,
+                };
+                let out =
+                    policy.train_to_host(self.data, self.train, schedule_step, &mut log, 0, to)?;
+                let files = match &out.shard {
+                    Some(shard) => {
+                        write_rank_shards(policy.decoder.backend(), policy.comm, staging, shard)?
+                    }
+                    None => Vec::new(),
+                };
+                (out.report, out.weights, out.state, files)
+            }
+            false => {
+                let mut report =
+                    train(&mut *policy, self.data, self.train, schedule_step, &mut log)?;
+                report.shard = Some(policy.optim.stats.clone());
+                (report, None, None, Vec::new())
+            }
+        };
+        Ok(Trained {
+            report,
+            weights: weights.filter(|_| self.export_weights),
+            state: state.filter(|_| self.export_state),
+            optimizer_step: policy.decoder.optimizer_steps(),
+            schedule_step,
+            load_seconds: 0.0,
+            shard_files,
+        })
+    }
+
     /// What `policy` holds after training, as the stage writes it.
     fn finish<B: Backend>(
         self,
@@ -489,7 +538,7 @@ impl RankJob for TrainRank<'_> {
         }
         let step = self.loaded.schedule_step;
         drop(self.loaded);
-        let sharded = ShardedPolicy {
+        let mut sharded = ShardedPolicy {
             decoder: &mut policy,
             comm,
             optim,
@@ -511,21 +560,10 @@ impl RankJob for TrainRank<'_> {
             0,
             state_to,
         )?;
-        let mut shard_files = Vec::new();
-        if let Some(shard) = &out.shard {
-            // Every rank writes its file, then all learn whether all did (so that no rank
-            // goes on to a checkpoint with a shard missing).
-            let written = resume::write_shard(&self.staging, shard);
-            let mut failed = [written.is_err() as u8 as f64];
-            sum_f64(policy.backend(), comm, &mut failed)?;
-            written?;
-            if failed[0] != 0.0 {
-                anyhow::bail!("update: another rank failed to write its optimizer shard");
-            }
-            shard_files = (0..world)
-                .map(|r| self.staging.join(resume::shard_file_name(r, world)))
-                .collect();
-        }
+        let shard_files = match &out.shard {
+            Some(shard) => write_rank_shards(policy.backend(), comm, &self.staging, shard)?,
+            None => Vec::new(),
+        };
         Ok(Trained {
             report: out.report,
             weights: out.weights.filter(|_| self.job.export_weights),
@@ -538,10 +576,48 @@ impl RankJob for TrainRank<'_> {
     }
 }
 
-/// The process group of a data-parallel `update` when a launcher started this process (None:
-/// the single-process path): the ranks `daemon::run_stage` runs the stage on.
-fn data_parallel_group(exec: &dyn Exec) -> Option<std::sync::Arc<ProcessGroup>> {
-    exec.ranks().map(|x| x.group().clone())
+/// How the ranks of a data-parallel update shard the training state (`--shard`,
+/// `--bucket-elems`) and where they compute (`--device`).
+#[derive(Clone, Debug)]
+pub struct Sharding {
+    pub mode: ShardMode,
+    pub bucket_elems: usize,
+    pub device: Device,
+    /// Where the ranks write their optimizer shards before rank 0 moves them into the
+    /// checkpoint (`shard_staging` of the output directory).
+    pub staging: PathBuf,
+}
+
+/// One rank's part of a data-parallel update whose policy is loaded from the model files for
+/// this call on every rank (the ranks of `pg`); rank 0 gets the new weights and state to
+/// write. What `update` under a launcher runs (and a daemon group under `--shard full`).
+pub fn train_ranks_from_files(
+    pg: &ProcessGroup,
+    model: &ModelRef,
+    job: Train<'_>,
+    sharding: Sharding,
+) -> Result<Trained> {
+    let started = Instant::now();
+    let loaded = Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |m| {
+        if pg.rank() == 0 {
+            eprintln!("{m}")
+        }
+    })?;
+    let load_seconds = started.elapsed().as_secs_f64();
+    let device = match sharding.device {
+        Device::Cpu => DeviceKind::Cpu,
+        Device::Cuda(_) => DeviceKind::Cuda,
+    };
+    let rank_job = TrainRank {
+        loaded,
+        job,
+        mode: sharding.mode,
+        bucket_elems: sharding.bucket_elems,
+        staging: sharding.staging,
+    };
+    let mut out = run_rank_job(device, pg, rank_job)?;
+    out.load_seconds = load_seconds;
+    Ok(out)
 }
 
 impl UpdateArgs {
@@ -771,6 +847,27 @@ pub struct HeldPolicy {
     pub trainer: Option<TrainerState>,
 }
 
+/// Every rank writes its optimizer shard into `staging`, then all learn whether all did (so
+/// that no rank goes on to a checkpoint with a shard missing). Returns every rank's file.
+fn write_rank_shards<B: Backend>(
+    b: &B,
+    comm: &dyn Comm<B>,
+    staging: &Path,
+    shard: &HostShard,
+) -> Result<Vec<PathBuf>> {
+    let written = resume::write_shard(staging, shard);
+    let mut failed = [written.is_err() as u8 as f64];
+    sum_f64(b, comm, &mut failed)?;
+    written?;
+    if failed[0] != 0.0 {
+        anyhow::bail!("update: another rank failed to write its optimizer shard");
+    }
+    let world = comm.world_size();
+    Ok((0..world)
+        .map(|r| staging.join(resume::shard_file_name(r, world)))
+        .collect())
+}
+
 /// Where the ranks of a data-parallel update write their optimizer shards before rank 0
 /// moves them into `out` (a sibling: the same file system, and `out` itself is replaced
 /// whole).
@@ -937,35 +1034,16 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         schedule_step,
         load_seconds: loaded_s,
         shard_files,
-    } = match data_parallel_group(&*exec) {
+    } = match exec.ranks() {
         None => exec.train(&model, job)?,
-        Some(pg) => {
-            let started = Instant::now();
-            let loaded = Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |m| {
-                if pg.rank() == 0 {
-                    eprintln!("{m}")
-                }
-            })?;
-            let load_seconds = started.elapsed().as_secs_f64();
-            let device = match args.device {
-                Device::Cpu => DeviceKind::Cpu,
-                Device::Cuda(_) => DeviceKind::Cuda,
-            };
-            let rank_job = TrainRank {
-                loaded,
-                job,
+        Some(_) => {
+            let sharding = Sharding {
                 mode: args.shard.unwrap_or_default(),
                 bucket_elems: args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS),
+                device: args.device,
                 staging: shard_staging(&args.out_model),
             };
-            let mut out = run_rank_job(device, &pg, rank_job)?;
-            out.load_seconds = load_seconds;
-            let rank = pg.rank();
-            // Rank 0 writes the outputs; the others are done (run_stage ends the group).
-            if rank != 0 {
-                return Ok(());
-            }
-            out
+            exec.train_sharded(&model, job, sharding)?
         }
     };
     let trainer = TrainerState {
@@ -977,6 +1055,21 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         optimizer_not_saved: state.is_none() && shard_files.is_empty(),
         optimizer_shards: shard_files.len(),
     };
+    // Rank 0 writes the outputs. A daemon group's other ranks hold the same new state in
+    // memory: they name it by the directory once rank 0 has written it.
+    let group_holds = exec.ranks().is_some() && exec.holder().is_some();
+    if exec.ranks().is_some_and(|x| !x.is_root()) {
+        if group_holds {
+            after_rank0(exec)?;
+            // Rank 0 alone brings the state back; what it wrote is what the job asked.
+            let trainer = TrainerState {
+                optimizer_not_saved: args.skip_optimizer_state || args.resident,
+                ..trainer
+            };
+            exec.saved(&args.out_model, Some(&trainer))?;
+        }
+        return Ok(());
+    }
     let save_started = Instant::now();
     match (&holder, &new_weights) {
         (Some(h), _) => ModelDir::save_resident(
@@ -1012,6 +1105,9 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
             }
         }
         (None, None) => anyhow::bail!("update: the trained weights were not brought back"),
+    }
+    if group_holds {
+        after_rank0(exec)?;
     }
     exec.saved(&args.out_model, Some(&trainer))?;
     let mut metrics = report.to_json();

@@ -205,7 +205,7 @@ impl<B: Backend> ShardedPolicy<'_, B> {
     /// masters and moments to its host (no gather: what a rank writes as its shard file).
     /// What `update` under a launcher runs: rank 0 writes the model.
     pub fn train_to_host(
-        mut self,
+        &mut self,
         data: &TrainData,
         cfg: &TrainConfig,
         schedule_step: u64,
@@ -213,7 +213,7 @@ impl<B: Backend> ShardedPolicy<'_, B> {
         root: usize,
         state: StateTo,
     ) -> Result<ToHost> {
-        let mut report = train(&mut self, data, cfg, schedule_step, log)?;
+        let mut report = train(self, data, cfg, schedule_step, log)?;
         let gathered =
             self.decoder
                 .gather_state(&self.optim, self.comm, root, state == StateTo::Root)?;

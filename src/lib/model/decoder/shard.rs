@@ -642,12 +642,13 @@ impl<B: Backend> Decoder<B> {
         comm: &dyn Comm<B>,
     ) -> Result<bool> {
         let layout = self.shard_layout(st);
-        ensure!(
-            shard.layout == layout && shard.rank == st.rank,
-            "the optimizer shard of rank {} does not have this rank's layout (rank {})",
-            shard.rank,
-            st.rank
-        );
+        if shard.layout != layout || shard.rank != st.rank {
+            crate::bail_input!(
+                "the optimizer shard of rank {} was written with another shard layout than this update's (rank {}: another --shard mode or --bucket-elems); continue with the --shard, --bucket-elems and number of ranks that wrote it, or start from the model files without its optimizer state",
+                shard.rank,
+                st.rank
+            );
+        }
         let plan = &st.plan;
         let mut differs = false;
         for (k, bucket) in plan.buckets.iter().enumerate() {

@@ -503,4 +503,83 @@ mod tests {
             .unwrap()
             .is_none());
     }
+
+    /// Two ranks' shards of a layout of two buckets: the files round-trip, give the same bytes
+    /// each time, put the tensors back together, and the checkpoint is resumable only with
+    /// both; another world size or a single process is refused naming the file.
+    #[test]
+    fn shard_files_round_trip_and_need_every_rank() {
+        let dir = tempfile::tempdir().unwrap();
+        // Tensors a (3 elements) and b (2) in bucket 0, c (1) in bucket 1; 2 ranks, shards of 3
+        // and 1 (no alignment here: the layout is what it says).
+        let layout = ShardLayout {
+            world_size: 2,
+            names: vec!["a".into(), "b".into(), "c".into()],
+            shapes: vec![vec![3], vec![2], vec![1]],
+            buckets: vec![(0, 2, vec![0, 3], 5, 3), (2, 3, vec![0], 1, 1)],
+        };
+        let shard = |rank: usize, base: f32| HostShard {
+            rank,
+            layout: layout.clone(),
+            step: 4,
+            master: vec![vec![base, base + 1.0, base + 2.0], vec![base + 3.0]],
+            moments: Some((
+                vec![vec![base * 10.0; 3], vec![base * 10.0]],
+                vec![vec![base * 100.0; 3], vec![base * 100.0]],
+            )),
+        };
+        let (s0, s1) = (shard(0, 1.0), shard(1, 5.0));
+        assert_eq!(shard_bytes(&s0).unwrap(), shard_bytes(&s0).unwrap());
+        write_shard(dir.path(), &s0).unwrap();
+        let ts = TrainerState {
+            optimizer_step: 4,
+            schedule_step: 2,
+            lr: 1e-3,
+            lr_schedule: LrConfig {
+                lr: 1e-3,
+                warmup_steps: 0,
+                schedule: LrSchedule::Constant,
+                total_steps: None,
+                min_lr_ratio: 0.0,
+            },
+            seed: 1,
+            optimizer_not_saved: false,
+            optimizer_shards: 2,
+        };
+        std::fs::write(
+            dir.path().join(TRAINER_STATE_FILE),
+            trainer_state_bytes(&ts).unwrap(),
+        )
+        .unwrap();
+        assert!(!resumable(dir.path()).unwrap(), "one shard of two");
+        write_shard(dir.path(), &s1).unwrap();
+        assert!(resumable(dir.path()).unwrap());
+        let back = read_shard(&dir.path().join(shard_file_name(1, 2))).unwrap();
+        assert_eq!(back, s1);
+        let (master, state) = whole_from_shards(dir.path()).unwrap();
+        // Bucket 0 is [1, 2, 3 | 5, 6, 7]: a = 1 2 3, b = 5 6; bucket 1 is [4 | 8]: c = 4.
+        assert_eq!(master["a"].data, vec![1.0, 2.0, 3.0]);
+        assert_eq!(master["b"].data, vec![5.0, 6.0]);
+        assert_eq!(master["c"].data, vec![4.0]);
+        assert_eq!(state.exp_avg["b"].data, vec![50.0, 50.0]);
+        assert_eq!(state.exp_avg_sq["c"].data, vec![100.0]);
+        assert_eq!(state.step, 4);
+        let weights: Weights = master.clone();
+        match load_rank(dir.path(), &weights, 1, 2).unwrap() {
+            Some(RankResume::Shard { shard, trainer }) => {
+                assert_eq!(shard, s1);
+                assert_eq!(trainer, ts);
+            }
+            _ => panic!("expected rank 1's shard"),
+        }
+        let err = load_rank(dir.path(), &weights, 0, 3).err().unwrap();
+        assert!(crate::error::is_input_error(&err));
+        let msg = err.to_string();
+        assert!(
+            msg.contains("optimizer.rank00000-of-00002.safetensors") && msg.contains("runs on 3"),
+            "{msg}"
+        );
+        let err = load(dir.path(), &weights).err().unwrap();
+        assert!(err.to_string().contains("sharded over 2 ranks"), "{err}");
+    }
 }

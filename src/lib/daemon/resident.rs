@@ -592,19 +592,19 @@ impl<B: Backend> Resident<B> {
                     .is_some_and(|t| t.optimizer_shards > 0)
                 {
                     // Loaded for generation (the weights only): this rank's part of the
-                    // optimizer state is in its own shard file of the checkpoint.
-                    let (_, weights) = ModelDir::load(&model.dir)?;
-                    match resume::load_rank(&model.dir, &weights, pg.rank(), pg.world_size())? {
-                        Some(resume::RankResume::Shard { shard, .. }) => {
-                            slot.decoder
-                                .load_shard(&mut o, &shard, &weights, comm.as_ref())?;
-                        }
-                        _ => anyhow::bail!(
+                    // optimizer state is in its own shard file of the checkpoint, read as a
+                    // launched update's rank reads it.
+                    let files =
+                        Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |_| {})?;
+                    let Some(shard) = &files.shard else {
+                        anyhow::bail!(
                             "{}: trainer_state.json says the optimizer state is sharded, but rank {} found no shard of it",
                             model.dir.display(),
                             pg.rank()
-                        ),
-                    }
+                        );
+                    };
+                    slot.decoder
+                        .load_shard(&mut o, shard, &files.weights, comm.as_ref())?;
                 }
                 o
             }

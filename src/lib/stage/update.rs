@@ -261,17 +261,29 @@ impl Trainable {
     pub fn load(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
         let (cfg, weights) = ModelDir::load(dir)?;
         let Some(r) = resume::load(dir, &weights)? else {
-            return Ok(Trainable {
-                cfg,
-                weights,
-                from_master: false,
-                optimizer: None,
-                schedule_step: 0,
-                trainer: None,
-                shard: None,
-            });
+            return Ok(Self::without_optimizer(cfg, weights, None, None));
         };
         Ok(Self::resumed(dir, cfg, weights, r, log))
+    }
+
+    /// The model files' weights with no optimizer state here: a fresh optimizer, or (with
+    /// `trainer`) a sharded checkpoint's, whose state is in the ranks' files (`shard`: this
+    /// rank's).
+    fn without_optimizer(
+        cfg: Config,
+        weights: Weights,
+        trainer: Option<TrainerState>,
+        shard: Option<HostShard>,
+    ) -> Trainable {
+        Trainable {
+            cfg,
+            weights,
+            from_master: false,
+            optimizer: None,
+            schedule_step: trainer.as_ref().map_or(0, |t| t.schedule_step),
+            trainer,
+            shard,
+        }
     }
 
     /// As [`Trainable::load`] for a process that only generates or scores with the policy (a
@@ -282,15 +294,7 @@ impl Trainable {
         match resume::trainer_state(dir)? {
             Some(t) if t.optimizer_shards > 0 => {
                 let (cfg, weights) = ModelDir::load(dir)?;
-                Ok(Trainable {
-                    cfg,
-                    weights,
-                    from_master: false,
-                    optimizer: None,
-                    schedule_step: t.schedule_step,
-                    trainer: Some(t),
-                    shard: None,
-                })
+                Ok(Self::without_optimizer(cfg, weights, Some(t), None))
             }
             _ => Self::load(dir, log),
         }
@@ -307,25 +311,11 @@ impl Trainable {
     ) -> Result<Trainable> {
         let (cfg, weights) = ModelDir::load(dir)?;
         Ok(match resume::load_rank(dir, &weights, rank, world)? {
-            None => Trainable {
-                cfg,
-                weights,
-                from_master: false,
-                optimizer: None,
-                schedule_step: 0,
-                trainer: None,
-                shard: None,
-            },
+            None => Self::without_optimizer(cfg, weights, None, None),
             Some(RankResume::Whole(r)) => Self::resumed(dir, cfg, weights, r, log),
-            Some(RankResume::Shard { shard, trainer }) => Trainable {
-                cfg,
-                weights,
-                from_master: false,
-                optimizer: None,
-                schedule_step: trainer.schedule_step,
-                trainer: Some(trainer),
-                shard: Some(shard),
-            },
+            Some(RankResume::Shard { shard, trainer }) => {
+                Self::without_optimizer(cfg, weights, Some(trainer), Some(shard))
+            }
         })
     }
 

@@ -34,6 +34,12 @@
 #               steps instead of the spec's [eval] every (set it at the run's first call: a
 #               run continues only with the spec it began with). Appends the call's wall time
 #               to $R/wall-$RUN.tsv and samples GPU memory every 0.5 s.
+#   STEP=start  STEP=run detached (setsid): it goes on after the call returns, while the machine
+#               stays warm, so one run of up to ~25 minutes needs no restarts (each restart
+#               costs the daemon's start and a checkpoint); SECS bounds it [480]
+#   STEP=wait   wait up to WAIT seconds [540] while any run of RUNS ["$RUN"] is running, then
+#               print each one's last steps and evaluations (keep the machine warm with
+#               back-to-back wait calls, then STEP=report)
 #   STEP=eval   greedy evaluation of the run's current policy on the whole test set (the spec's
 #               evaluation flags: EVAL_FLAGS ["--n 1 --top-k 1 --max-new-tokens 512
 #               --max-prompt-tokens 256 --max-num-seqs 768"]), for a run stopped between
@@ -140,7 +146,31 @@ import|run)
   ledger run $((SECONDS - t0))
   echo "pipeline rc=$rc in $((SECONDS - t0)) s; steps done: $(grep -o '"steps_done": *[0-9]*' "runs/$RUN/state.json")"
   grep -E '^(step|eval step) ' "$R/pipeline-$RUN.log" | tail -6
-  tail -c 8000 "$R/pipeline-$RUN.log" > "$OUT/pipeline-$RUN.log"
+  [ -d "${OUT:-}" ] && tail -c 8000 "$R/pipeline-$RUN.log" > "$OUT/pipeline-$RUN.log"
+  ;;
+start)
+  mkdir -p "$R"
+  STEP=run OUT= setsid nohup bash "$(readlink -f "$0")" > "$R/start-$RUN.log" 2>&1 < /dev/null &
+  echo "started $RUN (pid $!, at most ${SECS:-480} s): $R/pipeline-$RUN.log"
+  ;;
+wait)
+  cd "$R" || exit 1
+  live() {
+    local r
+    for r in ${RUNS:-$RUN}; do
+      [ -f "runs/$r/lock" ] && kill -0 "$(cat "runs/$r/lock")" 2>/dev/null && return 0
+    done
+    return 1
+  }
+  t0=$SECONDS
+  # A run's lock appears a moment after its start.
+  sleep 5
+  while live && [ $((SECONDS - t0)) -lt "${WAIT:-540}" ]; do sleep 5; done
+  for r in ${RUNS:-$RUN}; do
+    echo "== $r: $(live && echo running || echo stopped) after $((SECONDS - t0)) s"
+    grep -E '^(step|eval step) ' "$R/pipeline-$r.log" | tail -4
+    grep -E '^eval step ' "$R/pipeline-$r.log" | tail -12 | cut -c1-160
+  done
   ;;
 eval)
   cd "$R" || exit 1

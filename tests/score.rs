@@ -196,6 +196,76 @@ fn gsm8k_flexible_on_a_verl_schema_batch() {
 }
 
 #[test]
+fn gsm8k_flexible_score_is_the_python_format_reward() {
+    // `--flexible-score 0.5 --format-score 0.1` is the rule of
+    // pipelines/rewards/gsm8k_format.py, built in: the same scores on the same rows.
+    let dir = tempfile::tempdir().unwrap();
+    let texts = [
+        "3 + 4 = 7\n#### 7",
+        "#### 1,200",
+        "#### 8",
+        "I think it is 7",
+        "so \\boxed{9}.",
+        "#### 5 and then 6",
+        "it is 1,200 eggs",
+        "nothing",
+    ];
+    let gts = ["7", "1200", "9", "7", "9", "6", "1200", "3"];
+    let input = indexed_batch(dir.path(), &texts, &gts);
+    let (ours, python) = (dir.path().join("a.parquet"), dir.path().join("b.parquet"));
+    let metrics = dir.path().join("m.json");
+    let m = metrics.to_str().unwrap();
+    let args = [
+        "--reward",
+        "gsm8k",
+        "--format-score",
+        "0.1",
+        "--flexible-score",
+        "0.5",
+    ];
+    run_ok(&input, &ours, &[&args[..], &["--metrics", m]].concat());
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/pipelines/rewards/gsm8k_format.py"
+    );
+    run_ok(&input, &python, &["--reward", &format!("python:{file}")]);
+    let want = [1.0, 1.0, 0.1, 0.5, 0.5, 0.1, 0.0, 0.0];
+    assert_eq!(read_col(&ours, schema::SCORE), want);
+    assert_eq!(read_col(&python, schema::SCORE), want);
+    // Accuracy (score >= 1) stays the strict one.
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+    assert_eq!(m["score/accuracy"], 0.25);
+    let b = Batch::read(&ours, &[schema::SCORE]).unwrap();
+    let params: serde_json::Value = serde_json::from_str(&b.meta["tandem.stage.score"]).unwrap();
+    assert!((params["flexible_score"].as_f64().unwrap() - 0.5).abs() < 1e-6);
+
+    // It is a tier of the strict method only.
+    let err = run_bad(
+        &input,
+        &dir.path().join("c.parquet"),
+        &[
+            "--reward",
+            "gsm8k",
+            "--gsm8k-method",
+            "flexible",
+            "--flexible-score",
+            "0.5",
+        ],
+    );
+    assert!(
+        err.contains("--flexible-score is the tier below --gsm8k-method strict"),
+        "{err}"
+    );
+    let err = run_bad(
+        &input,
+        &dir.path().join("c.parquet"),
+        &["--reward", "gsm8k", "--flexible-score", "nan"],
+    );
+    assert!(err.contains("--flexible-score"), "{err}");
+}
+
+#[test]
 fn math_exact_and_regex() {
     let dir = tempfile::tempdir().unwrap();
     let texts = [

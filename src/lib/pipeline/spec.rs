@@ -920,6 +920,21 @@ pub fn leaves(value: &toml::Value, prefix: &str, out: &mut Vec<(String, String)>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_shipped_spec_parses() {
+        // The specs a user copies from pipelines/ pass every check that needs no files.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let path = e.unwrap().path();
+            if path.extension().is_some_and(|x| x == "toml") {
+                Spec::load(&path).unwrap_or_else(|e| panic!("{e:#}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 8, "{n} specs in {}", dir.display());
+    }
     use clap::ArgMatches;
 
     const MINIMAL: &str = r#"

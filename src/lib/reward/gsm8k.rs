@@ -5,7 +5,9 @@
 //! drops `,` and `$`; `flexible` takes the last match of `(\-?[0-9\.\,]+)` that is not `.`
 //! (verl's quirk kept: when every match is `.`, the answer is `.`). The answer is compared to
 //! the ground truth as a string: equal gives 1.0, found but different gives the format score,
-//! nothing found gives 0.0.
+//! nothing found gives 0.0. [`score_with_fallback`] adds one tier to `strict`: no `#### N`, but
+//! the last number is right, gives a fallback score (pays a model for the right number before
+//! it learns the format).
 
 use regex::Regex;
 use std::sync::OnceLock;
@@ -93,6 +95,24 @@ pub fn score(text: &str, ground_truth: &str, method: Method, format_score: f32) 
         Some(a) if answer_matches(a, method, ground_truth) => 1.0,
         Some(_) => format_score,
     }
+}
+
+/// [`score`], then for `strict` a response with no `#### N` whose last number (`flexible`) is
+/// right scores `fallback_score` instead of 0.0. A fallback of 0.0 is verl's rule.
+pub fn score_with_fallback(
+    text: &str,
+    ground_truth: &str,
+    method: Method,
+    format_score: f32,
+    fallback_score: f32,
+) -> f32 {
+    if method == Method::Strict && fallback_score != 0.0 && raw_answer(text, method).is_none() {
+        return match raw_answer(text, Method::Flexible) {
+            Some(a) if answer_matches(a, Method::Flexible, ground_truth) => fallback_score,
+            _ => 0.0,
+        };
+    }
+    score(text, ground_truth, method, format_score)
 }
 
 #[cfg(test)]
@@ -190,5 +210,38 @@ mod tests {
         assert_eq!(score(&format!("#### 72{tail}"), "72", Strict, 0.1), 0.0);
         // Short strings are kept whole.
         assert_eq!(clip("añ"), "añ");
+    }
+
+    #[test]
+    fn fallback_tier() {
+        // The rule of pipelines/rewards/gsm8k_format.py: 1.0 / 0.1 on `#### N`, else 0.5 for a
+        // right last number, else 0.0.
+        let cases: &[(&str, &str, f32)] = &[
+            ("so\n#### 72", "72", 1.0),
+            ("#### 1,234", "1234", 1.0),
+            ("#### 71", "72", 0.1),
+            // A wrong `#### N` is not rescued by a right number after it.
+            ("#### 71, so 72", "72", 0.1),
+            ("The answer is \\boxed{72}.", "72", 0.5),
+            ("The answer is 72.", "72", 0.0),
+            ("It is 72 apples", "72", 0.5),
+            ("It is 1,234 apples", "1234", 0.0),
+            ("no number", "72", 0.0),
+            ("", "72", 0.0),
+        ];
+        for &(text, gt, want) in cases {
+            assert_eq!(
+                score_with_fallback(text, gt, Strict, 0.1, 0.5),
+                want,
+                "{text:?} vs {gt:?}"
+            );
+            // A fallback of 0 is verl's strict rule.
+            assert_eq!(
+                score_with_fallback(text, gt, Strict, 0.1, 0.0),
+                score(text, gt, Strict, 0.1)
+            );
+        }
+        // flexible has no tier below it.
+        assert_eq!(score_with_fallback("x 72", "72", Flexible, 0.1, 0.5), 1.0);
     }
 }

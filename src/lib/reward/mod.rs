@@ -161,6 +161,8 @@ impl RewardSpec {
 pub struct Options {
     pub format_score: f32,
     pub gsm8k_method: gsm8k::Method,
+    /// gsm8k strict: the score of a response without `#### N` whose last number is right.
+    pub flexible_score: f32,
     /// Per-row answer timeout of external programs.
     pub timeout: Duration,
     /// Whole-run timeout of external programs.
@@ -176,6 +178,7 @@ impl Default for Options {
         Options {
             format_score: 0.0,
             gsm8k_method: gsm8k::Method::Strict,
+            flexible_score: 0.0,
             timeout: Duration::from_secs(30),
             run_timeout: None,
             python: "python3".into(),
@@ -190,6 +193,17 @@ impl Options {
             bail_input!(
                 "--format-score {}: must be a finite number",
                 self.format_score
+            );
+        }
+        if !self.flexible_score.is_finite() {
+            bail_input!(
+                "--flexible-score {}: must be a finite number",
+                self.flexible_score
+            );
+        }
+        if self.flexible_score != 0.0 && self.gsm8k_method != gsm8k::Method::Strict {
+            bail_input!(
+                "--flexible-score is the tier below --gsm8k-method strict (no `#### N`, but the last number is right); --gsm8k-method flexible already scores the last number"
             );
         }
         if self.timeout.is_zero() {
@@ -315,8 +329,10 @@ pub fn score_batch(batch: &Batch, spec: &RewardSpec, opts: &Options) -> Result<S
         RewardSpec::Gsm8k => {
             let texts = batch.strings(schema::RESPONSE_TEXT)?;
             let gts = ground_truth_texts(batch)?;
-            let m = opts.gsm8k_method;
-            par_score(&texts, &gts, |t, g| gsm8k::score(t, g, m, fs))
+            let (m, flex) = (opts.gsm8k_method, opts.flexible_score);
+            par_score(&texts, &gts, |t, g| {
+                gsm8k::score_with_fallback(t, g, m, fs, flex)
+            })
         }
         RewardSpec::Math => {
             let texts = batch.strings(schema::RESPONSE_TEXT)?;
@@ -431,6 +447,7 @@ impl StageConfig {
             "reward": self.reward,
             "format_score": o.format_score,
             "gsm8k_method": o.gsm8k_method,
+            "flexible_score": o.flexible_score,
             "timeout_ms": o.timeout.as_millis() as u64,
             "run_timeout_ms": o.run_timeout.map(|d| d.as_millis() as u64),
             "python": o.python,

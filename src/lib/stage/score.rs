@@ -33,6 +33,10 @@ pub struct ScoreArgs {
     /// gsm8k: `strict` takes the last "#### N", `flexible` the last number.
     #[arg(long, value_enum, default_value_t = Gsm8kMethod::Strict)]
     pub gsm8k_method: Gsm8kMethod,
+    /// gsm8k strict: the score of a response without "#### N" whose last number is right
+    /// (e.g. 0.5 pays for the right number before the model learns the format; 0: verl's rule).
+    #[arg(long, default_value_t = 0.0, value_parser = finite::<f32>())]
+    pub flexible_score: f32,
     /// cmd/python: longest wait for one answer, in milliseconds (>= 1; the first includes the
     /// program's start-up).
     #[arg(long, default_value_t = 30_000, value_name = "MS", value_parser = at_least(1u64))]
@@ -76,6 +80,7 @@ impl ScoreArgs {
             options: Options {
                 format_score: self.format_score,
                 gsm8k_method: self.gsm8k_method,
+                flexible_score: self.flexible_score,
                 timeout: Duration::from_millis(self.timeout_ms),
                 run_timeout: (self.run_timeout_ms > 0)
                     .then(|| Duration::from_millis(self.run_timeout_ms)),

@@ -8,8 +8,9 @@
 //!   inputs are ready), enqueues the group between `ncclGroupStart`/`ncclGroupEnd`, and records
 //!   an event after it; `Work::wait` makes the compute stream wait for that event (the host
 //!   does not block). Kernels queued between the two overlap the communication.
-//! - Failures: a watchdog thread polls `ncclCommGetAsyncError` and the pending events. A
-//!   collective older than the timeout fails the job, naming the ranks that have not started
+//! - Failures: a watchdog thread polls `ncclCommGetAsyncError` and the pending events; a
+//!   timer thread that makes no CUDA or NCCL call (those can block behind the main thread's
+//!   sync) times them. A collective older than the timeout fails the job, naming the ranks that have not started
 //!   it (from the store's heartbeat counts); the failure (or one relayed by the store) calls
 //!   `ncclCommAbort`, which releases kernels spinning on a dead peer, and the process ends
 //!   within the grace period even if the main thread is stuck in a device sync.
@@ -224,8 +225,10 @@ impl Shared {
         }
     }
 
-    /// Fails the job when NCCL reports an asynchronous error, a pending collective's event
-    /// reports a CUDA error, or the oldest one is older than the timeout.
+    /// Fails the job when NCCL reports an asynchronous error or a pending collective's event
+    /// reports a CUDA error; pops the collectives seen complete. Never holds `pending` while it
+    /// calls into CUDA or NCCL: such a call can block behind the main thread's (a synchronous
+    /// copy waiting on a collective a peer never joins), and [`Shared::time`] must still run.
     fn watch(&self) {
         loop {
             std::thread::sleep(Duration::from_millis(50));
@@ -256,27 +259,52 @@ impl Shared {
                     return;
                 }
             }
-            let mut pending = self.pending.lock().unwrap();
-            while let Some(w) = pending.front() {
-                match w.done.try_is_complete() {
+            loop {
+                let front = self.pending.lock().unwrap().front().map(|w| w.done.clone());
+                let Some(done) = front else { break };
+                match done.try_is_complete() {
                     Ok(true) => {
-                        pending.pop_front();
+                        let mut pending = self.pending.lock().unwrap();
+                        if pending.front().is_some_and(|w| Arc::ptr_eq(&w.done, &done)) {
+                            pending.pop_front();
+                        }
                     }
                     Ok(false) => break,
                     Err(e) => {
-                        let msg =
-                            format!("rank {}: {} failed on the device: {e:?}", self.rank, w.what);
-                        drop(pending);
+                        let what = self.pending.lock().unwrap().front().map(|w| w.what.clone());
+                        let msg = format!(
+                            "rank {}: {} failed on the device: {e:?}",
+                            self.rank,
+                            what.unwrap_or_default()
+                        );
                         self.health.fail(None, msg);
                         return;
                     }
                 }
             }
-            let late = pending
-                .front()
-                .filter(|w| w.started.elapsed() > self.timeout())
-                .map(|w| (w.first, w.what.clone()));
-            drop(pending);
+        }
+    }
+
+    /// Fails the job when the oldest pending collective, or a group still being enqueued, is
+    /// older than the timeout. Host clocks and locks only (no CUDA or NCCL call), so it runs
+    /// whatever the driver is blocked on. The failure names the newest pending collective:
+    /// when the poller is stuck in the driver, older ones may have completed unseen, and a rank
+    /// that has not started the newest is the one behind.
+    fn time(&self) {
+        loop {
+            std::thread::sleep(Duration::from_millis(50));
+            if self.stop.load(Ordering::SeqCst) || self.health.failure().is_some() {
+                return;
+            }
+            let late = {
+                let pending = self.pending.lock().unwrap();
+                match (pending.front(), pending.back()) {
+                    (Some(old), Some(new)) if old.started.elapsed() > self.timeout() => {
+                        Some((new.first, new.what.clone()))
+                    }
+                    _ => None,
+                }
+            };
             let late = late.or_else(|| {
                 self.enqueueing
                     .lock()
@@ -319,7 +347,8 @@ pub struct NcclComm {
     next_seq: AtomicU64,
     progress: Arc<AtomicU64>,
     scratch: Mutex<CudaBuf>,
-    watchdog: Mutex<Option<JoinHandle<()>>>,
+    /// The device poller ([`Shared::watch`]) and the timer ([`Shared::time`]).
+    watchdog: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl NcclComm {
@@ -412,6 +441,10 @@ impl NcclComm {
                 let _ = c.bind_to_thread();
                 s.watch()
             })?;
+        let s = shared.clone();
+        let timer = std::thread::Builder::new()
+            .name("dist-nccl-time".into())
+            .spawn(move || s.time())?;
         Ok(NcclComm {
             rank,
             n,
@@ -422,7 +455,7 @@ impl NcclComm {
             next_seq: AtomicU64::new(0),
             progress: pg.seq().clone(),
             scratch: Mutex::new(scratch),
-            watchdog: Mutex::new(Some(watchdog)),
+            watchdog: Mutex::new(vec![watchdog, timer]),
         })
     }
 
@@ -687,7 +720,7 @@ impl Drop for NcclComm {
             let _ = self.stream.synchronize();
         }
         self.shared.stop.store(true, Ordering::SeqCst);
-        if let Some(w) = self.watchdog.lock().unwrap().take() {
+        for w in self.watchdog.lock().unwrap().drain(..) {
             let _ = w.join();
         }
         self.shared.abort();

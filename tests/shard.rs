@@ -722,3 +722,81 @@ fn a_sharded_checkpoint_loads_only_with_its_world_size_and_every_shard() {
         "{err}"
     );
 }
+
+/// `tandem merge-shards` makes a sharded checkpoint one optimizer.safetensors holding the same
+/// state, bit for bit; it then loads in one process and on another number of ranks, and both
+/// continue as one process that never sharded. Bad input (not sharded, a shard missing, an
+/// existing --out) exits 2 with nothing written.
+#[test]
+fn merged_shards_load_with_any_number_of_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 27);
+    let input = dir.path().join("batch.parquet");
+    batch(&input);
+    let merge = |from: &Path, out: &Path| {
+        let mut c = Command::new(TANDEM);
+        c.arg("merge-shards").arg(from).arg("--out").arg(out);
+        c
+    };
+    let one1 = dir.path().join("one-1");
+    update(0, &model, &input, &one1, &[]);
+    let one2 = dir.path().join("one-2");
+    update(0, &one1, &input, &one2, &[]);
+    let want = state(&one2);
+
+    let two = dir.path().join("two");
+    update(2, &model, &input, &two, &["--bucket-elems", "5000"]);
+    let merged = dir.path().join("merged");
+    let o = merge(&two, &merged).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(optimizer_files(&merged), ["optimizer.safetensors"]);
+    assert!(!dir.path().join("merged.merging").exists());
+    let ts: Value =
+        serde_json::from_slice(&std::fs::read(merged.join("trainer_state.json")).unwrap()).unwrap();
+    assert!(ts.get("optimizer_shards").is_none(), "{ts}");
+    assert_eq!(ts["optimizer_step"], 3, "{ts}");
+    // The same state as the shards, bit for bit, and the masters are the model files' (they
+    // are used only when they round to them).
+    let (a, b) = (state(&merged), state(&two));
+    for i in 0..3 {
+        assert_eq!(rel_err(&a[i], &b[i]), 0.0, "tensor group {i}");
+    }
+    let (_, weights) = tandem::model::ModelDir::load(&merged).unwrap();
+    let r = tandem::engine::resume::load(&merged, &weights)
+        .unwrap()
+        .unwrap();
+    assert!(
+        r.master.is_some(),
+        "the merged masters do not round to the model"
+    );
+
+    // Continued in one process, on 3 ranks (zero2) and on 2 with --shard full: where one
+    // process that never sharded gets.
+    for (name, ranks, extra) in [
+        ("merged-1", 0, &[][..]),
+        ("merged-3", 3, &["--bucket-elems", "3000"][..]),
+        ("merged-full-2", 2, &["--shard", "full"][..]),
+    ] {
+        let out = dir.path().join(name);
+        let m = update(ranks, &merged, &input, &out, extra);
+        assert_eq!(m["optimizer_step"], 6, "{name}: {m}");
+        let got = state(&out);
+        for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+            let e = rel_err(&got[i], &want[i]);
+            assert!(e <= 1e-5, "{name}: {what} relative error {e}");
+        }
+    }
+
+    // Bad input: exit 2, named, nothing written.
+    let err = exits_2(merge(&one1, &dir.path().join("x")), "not sharded");
+    assert!(err.contains("is not sharded"), "{err}");
+    let err = exits_2(merge(&two, &merged), "existing --out");
+    assert!(err.contains("already exists"), "{err}");
+    std::fs::remove_file(two.join("optimizer.rank00001-of-00002.safetensors")).unwrap();
+    let err = exits_2(merge(&two, &dir.path().join("y")), "a shard missing");
+    assert!(
+        err.contains("optimizer.rank00001-of-00002.safetensors") && err.contains("missing"),
+        "{err}"
+    );
+    assert!(!dir.path().join("x").exists() && !dir.path().join("y").exists());
+}

@@ -44,6 +44,8 @@ enum Cmd {
     Launch(tandem::dist::launch::LaunchArgs),
     /// Communicator checks: every collective against host-computed values, on each rank.
     DistTest(tandem::dist::check::DistTestArgs),
+    /// Merge a checkpoint's per-rank optimizer shards into one file (loads with any N ranks).
+    MergeShards(tandem::engine::resume::MergeShardsArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,5 +64,6 @@ fn main() -> ExitCode {
         Cmd::DaemonCtl(a) => tandem::daemon::ctl::run_ctl(a),
         Cmd::Launch(a) => tandem::dist::launch::run(a),
         Cmd::DistTest(a) => tandem::dist::check::run(a),
+        Cmd::MergeShards(a) => tandem::engine::resume::merge_shards(a),
     })
 }

@@ -11,7 +11,9 @@
 //! of the masters and moments (the flat bucket layout it owns) as
 //! `optimizer.rankRRRRR-of-NNNNN.safetensors` ([`shard_file_name`]), and `trainer_state.json`
 //! records `optimizer_shards: N`. Such a checkpoint is complete only with every shard, and
-//! loads only with the same N and layout ([`load_rank`]); its model files load with any N.
+//! loads only with the same N and layout ([`load_rank`]); its model files load with any N, and
+//! `tandem merge-shards` ([`merge_shards`]) makes it one `optimizer.safetensors` that loads
+//! with any N.
 //!
 //! A model directory without these files starts a fresh optimizer (e.g. a downloaded base
 //! model). Master weights are used only when they round to exactly the model's bf16 weights,
@@ -293,9 +295,10 @@ pub fn load_rank(
     let path = dir.join(shard_file_name(rank.min(sharded - 1), sharded));
     if sharded != world {
         crate::bail_input!(
-            "{}: its optimizer state is sharded over {sharded} ranks ({} and the others), but this update runs on {world}; a sharded checkpoint loads only with the number of ranks that wrote it (and the same --shard and --bucket-elems): run on {sharded} ranks, or start from its model files without optimizer state (a copy of the directory without {TRAINER_STATE_FILE} and the optimizer.rank*.safetensors files)",
+            "{}: its optimizer state is sharded over {sharded} ranks ({} and the others), but this update runs on {world}; a sharded checkpoint loads only with the number of ranks that wrote it (and the same --shard and --bucket-elems): run on {sharded} ranks, or merge its shards first (`tandem merge-shards {} --out DIR`: loads with any number of ranks), or start from its model files without optimizer state",
             dir.display(),
-            path.display()
+            path.display(),
+            dir.display()
         );
     }
     if !path.is_file() {
@@ -339,9 +342,10 @@ pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
         let n = read_trainer_state(&ts_path)?.optimizer_shards;
         if n > 0 {
             crate::bail_input!(
-                "{}: its optimizer state is sharded over {n} ranks ({} ...), written by `update` under `tandem launch`; load it with {n} ranks (tandem launch --nproc-per-node {n} -- update ...), or start from its model files without optimizer state (a copy of the directory without {TRAINER_STATE_FILE} and the optimizer.rank*.safetensors files)",
+                "{}: its optimizer state is sharded over {n} ranks ({} ...), written by `update` under `tandem launch`; load it with {n} ranks (tandem launch --nproc-per-node {n} -- update ...), or merge its shards first (`tandem merge-shards {} --out DIR`: loads in one process too), or start from its model files without optimizer state",
                 dir.display(),
-                dir.join(shard_file_name(0, n)).display()
+                dir.join(shard_file_name(0, n)).display(),
+                dir.display()
             );
         }
     }
@@ -412,6 +416,103 @@ pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
         trainer,
         master: matches.then_some(master),
     }))
+}
+
+/// `tandem merge-shards`: a sharded checkpoint as one that loads with any number of ranks.
+#[derive(clap::Args, Debug)]
+pub struct MergeShardsArgs {
+    /// The checkpoint whose optimizer state is in per-rank shard files (written by `update`
+    /// on N > 1 ranks).
+    pub checkpoint: std::path::PathBuf,
+    /// The new checkpoint: the same model files, the optimizer state as one
+    /// optimizer.safetensors (must not exist).
+    #[arg(long = "out", value_name = "DIR")]
+    pub out: std::path::PathBuf,
+}
+
+/// Writes `a.out`: `a.checkpoint`'s files with its shards merged into `optimizer.safetensors`
+/// (the format of one process, which `update` loads on any number of ranks and slices into its
+/// own layout). Written under a temporary name and renamed.
+pub fn merge_shards(a: MergeShardsArgs) -> Result<()> {
+    let (dir, out) = (&a.checkpoint, &a.out);
+    let ts_path = dir.join(TRAINER_STATE_FILE);
+    if !ts_path.is_file() {
+        crate::bail_input!(
+            "{}: has no {TRAINER_STATE_FILE}: not a checkpoint written by `update`",
+            dir.display()
+        );
+    }
+    let mut trainer = read_trainer_state(&ts_path)?;
+    let n = trainer.optimizer_shards;
+    if n == 0 {
+        crate::bail_input!(
+            "{}: its optimizer state is not sharded (optimizer_shards is 0 in {}): it already loads with any number of ranks",
+            dir.display(),
+            ts_path.display()
+        );
+    }
+    if out.exists() {
+        crate::bail_input!("--out {}: already exists", out.display());
+    }
+    for r in 0..n {
+        let f = dir.join(shard_file_name(r, n));
+        if !f.is_file() {
+            crate::bail_input!(
+                "{}: the checkpoint is incomplete: {} (rank {r}'s optimizer shard of {n}) is missing",
+                dir.display(),
+                f.display()
+            );
+        }
+    }
+    let (master, state) = whole_from_shards(dir)?;
+    if state.step != trainer.optimizer_step {
+        crate::bail_input!(
+            "{}: the shards are at optimizer step {}, {} says {}",
+            dir.display(),
+            state.step,
+            ts_path.display(),
+            trainer.optimizer_step
+        );
+    }
+    trainer.optimizer_shards = 0;
+    let mut tmp = out.clone().into_os_string();
+    tmp.push(".merging");
+    let tmp = std::path::PathBuf::from(tmp);
+    let _ = std::fs::remove_dir_all(&tmp);
+    let written = (|| -> Result<()> {
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let e = e?;
+            let name = e.file_name();
+            let s = name.to_string_lossy();
+            if s.starts_with("optimizer.rank") || s == TRAINER_STATE_FILE || !e.path().is_file() {
+                continue;
+            }
+            std::fs::copy(e.path(), tmp.join(&name))
+                .with_context(|| format!("copying {}", e.path().display()))?;
+        }
+        write_atomic(
+            &tmp.join(OPTIMIZER_FILE),
+            &optimizer_bytes(&state, &master)?,
+        )?;
+        write_atomic(
+            &tmp.join(TRAINER_STATE_FILE),
+            &trainer_state_bytes(&trainer)?,
+        )?;
+        std::fs::rename(&tmp, out)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written?;
+    eprintln!(
+        "merge-shards: {} ({n} shards, optimizer step {}) -> {} ({OPTIMIZER_FILE}: loads with any number of ranks)",
+        dir.display(),
+        state.step,
+        out.display()
+    );
+    Ok(())
 }
 
 #[cfg(test)]

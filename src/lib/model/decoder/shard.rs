@@ -644,7 +644,7 @@ impl<B: Backend> Decoder<B> {
         let layout = self.shard_layout(st);
         if shard.layout != layout || shard.rank != st.rank {
             crate::bail_input!(
-                "the optimizer shard of rank {} was written with another shard layout than this update's (rank {}: another --shard mode or --bucket-elems); continue with the --shard, --bucket-elems and number of ranks that wrote it, or start from the model files without its optimizer state",
+                "the optimizer shard of rank {} was written with another shard layout than this update's (rank {}: another --shard mode or --bucket-elems); continue with the --shard, --bucket-elems and number of ranks that wrote it, or merge the checkpoint's shards first (`tandem merge-shards CKPT --out DIR`: loads with any layout), or start from the model files without its optimizer state",
                 shard.rank,
                 st.rank
             );

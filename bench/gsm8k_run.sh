@@ -51,8 +51,9 @@
 #               eval.jsonl, evals.tsv and plot.png
 # The run directory lives on the device only while the machine stays warm, and a machine goes
 # back after 30 minutes held: pieces, setup and the whole run must fit in one lease.
-# Example, 0.5B for 30 minutes of wall time: setup (with q.09), 9 piece calls (q.00..q.08), then
-#   STEP=run SECS=540 (four calls, the first with EVAL_EVERY=10), STEP=report.
+# Example, 0.5B for 25 minutes of wall time: setup (with q.09), 9 piece calls (q.00..q.08),
+#   STEP=import, then STEP=start STEPS=400 SECS=1500 EVAL_EVERY=20, back-to-back STEP=wait
+#   calls, STEP=report.
 set -u
 MODEL=${MODEL:-0.5b}
 case "$MODEL" in

@@ -981,8 +981,9 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
 /// `update --resident` on a 2-daemon group, by hand: every rank keeps its optimizer shard
 /// (status), the directory holds no weights, the group's rollout from it gives the rows of a
 /// rollout from the files of the same update run in-process under the launcher, `daemon-ctl
-/// save` is refused while the state is in shards, and the next (non-resident) update trains
-/// on from memory and writes the in-process second update's files bit for bit.
+/// save` writes that update's files (per-rank optimizer shards included) bit for bit, and the
+/// next (non-resident) update trains on from memory and writes the in-process second
+/// update's files bit for bit.
 #[test]
 fn update_resident_on_a_daemon_group_trains_from_memory() {
     let dir = tempfile::tempdir().unwrap();
@@ -1068,6 +1069,8 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
         serde_json::from_str(&std::fs::read_to_string(&r1g_m).unwrap()).unwrap();
     assert_eq!(m["daemon"]["reloaded"], false, "{m}");
 
+    // `daemon-ctl save` while the state is in shards: every rank writes its own shard, rank 0
+    // the model files from the gathered masters: m1's files (the launched update) bit for bit.
     let saved = d.join("saved");
     let o = Command::new(TANDEM)
         .args([
@@ -1081,12 +1084,20 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(
-        err.contains("hold the policy's optimizer state in shards"),
-        "{err}"
-    );
-    assert!(!saved.exists());
+    assert!(o.status.success(), "{err}");
+    assert_eq!(files(&m1), files(&saved));
+    assert!(saved
+        .join("optimizer.rank00001-of-00002.safetensors")
+        .is_file());
+    assert!(!d.join("saved.shards").exists());
+    // Both ranks now name the policy by the saved directory.
+    wait_ranks(&socket, "both ranks to name the saved directory", |r| {
+        r.iter().all(|s| {
+            s["resident"]["policy"]["dir"]
+                .as_str()
+                .is_some_and(|d| d.ends_with("/saved"))
+        })
+    });
 
     let m2g = d.join("m2g");
     let mut a = update(&kept, &m2g);

@@ -31,7 +31,8 @@ use crate::stage::common::{Device, ModelRef};
 use crate::stage::ref_logprob::{LogprobColumn, Score};
 use crate::stage::rollout::{Generate, Generated};
 use crate::stage::update::{
-    train_ranks_from_files, HeldPolicy, Holder, Sharding, Train, Trainable, Trained,
+    train_ranks_from_files, write_rank_shards, HeldPolicy, Holder, SavedShards, Sharding, Train,
+    Trainable, Trained,
 };
 use crate::stage::Exec;
 use anyhow::Result;
@@ -652,6 +653,53 @@ impl<B: Backend> Resident<B> {
     }
 }
 
+impl<B: Backend> Resident<B> {
+    /// This rank's part of `daemon-ctl save` on a daemon group (every rank runs it, on the
+    /// ranks of `pg`): when the policy held keeps its optimizer in shards (zero2 resident
+    /// updates), rank 0 gathers the f32 masters and every rank writes its shard into `staging`,
+    /// as a checkpointing update does. None when it keeps none (rank 0 then saves it alone).
+    pub fn save_group(
+        &mut self,
+        pg: &ProcessGroup,
+        model: Option<&ModelRef>,
+        staging: &Path,
+    ) -> Result<Option<SavedShards>> {
+        let Some(make_comm) = self.make_comm.clone() else {
+            return Ok(None);
+        };
+        let slot = match model {
+            Some(m) => self.policy_slot(m)?,
+            None => match self.policy.as_mut() {
+                Some(p) => p,
+                None => crate::bail_input!("the daemon holds no policy"),
+            },
+        };
+        let Some(optim) = slot.sharded.take() else {
+            return Ok(None);
+        };
+        let trainer = slot.trainer.clone();
+        let comm = make_comm(slot.decoder.backend(), pg);
+        let saved = (|| -> Result<(Option<Weights>, Vec<PathBuf>)> {
+            let comm = comm?;
+            let masters = slot.decoder.gather_state(&optim, comm.as_ref(), 0, false)?;
+            let shard = slot.decoder.download_shard(&optim)?;
+            let files = write_rank_shards(slot.decoder.backend(), comm.as_ref(), staging, &shard)?;
+            Ok((masters.map(|(w, _)| w), files))
+        })();
+        slot.sharded = Some(optim);
+        let (masters, shard_files) = saved?;
+        let Some(trainer) = trainer else {
+            anyhow::bail!("the daemon group's sharded policy has no trainer state");
+        };
+        Ok(Some(SavedShards {
+            files: slot.files.clone(),
+            masters,
+            shard_files,
+            trainer,
+        }))
+    }
+}
+
 /// Moves the AdamW moments and the f32 masters (where they are apart from the compute weights)
 /// to host memory; `unpark` brings them back for the next optimizer step. `state` and
 /// `masters` are the host copies when the caller has them already.
@@ -808,7 +856,7 @@ impl<B: Backend> Exec for Resident<B> {
         };
         if slot.sharded.is_some() {
             crate::bail_input!(
-                "this daemon group's ranks hold the policy's optimizer state in shards (1/N each); saving it from rank 0 alone is not built: write it with a non-resident update (the pipeline does on its [checkpoint] cadence and at the last step)"
+                "this daemon group's ranks hold the policy's optimizer state in shards (1/N each): every rank saves its own (`tandem daemon-ctl save` to the group's socket), not rank 0 alone"
             );
         }
         // Offloaded state is the host copy; otherwise it comes back from the device.

@@ -893,6 +893,18 @@ impl<B: Backend> Exec for Watched<'_, B> {
         self.0.holder()
     }
 
+    fn save_sharded(
+        &mut self,
+        model: Option<&ModelRef>,
+        staging: &Path,
+    ) -> Result<Option<update::SavedShards>> {
+        cancel::check()?;
+        match self.1 {
+            Some(x) => self.0.save_group(x.group(), model, staging),
+            None => Ok(None),
+        }
+    }
+
     fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<update::HeldPolicy> {
         cancel::check()?;
         self.0.held_policy(model)

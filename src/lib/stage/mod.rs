@@ -107,6 +107,16 @@ pub trait Exec {
     fn holder(&self) -> Option<update::Holder>;
     /// The policy held (the one `model` names, when given), for `daemon-ctl save`.
     fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<update::HeldPolicy>;
+    /// `daemon-ctl save` on a rank of a daemon group whose policy keeps its optimizer state in
+    /// shards over the ranks: writes this rank's shard into `staging` (and on rank 0 gathers
+    /// the masters). None when the policy held is not sharded. Every rank calls it.
+    fn save_sharded(
+        &mut self,
+        _model: Option<&ModelRef>,
+        _staging: &Path,
+    ) -> Result<Option<update::SavedShards>> {
+        Ok(None)
+    }
     /// `sync-weights` made the checkpoint `dir` the policy, as `policy_version`.
     fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()>;
     /// A progress bar of `len` steps.
@@ -224,7 +234,8 @@ impl StageJob {
 
     /// Whether the stage shares its work among several ranks ([`Exec::ranks`]): rollout and
     /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
-    /// the sharded optimizer. `sync-weights` runs on rank 0 alone.
+    /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's).
+    /// `sync-weights` runs on rank 0 alone.
     pub fn splits_over_ranks(&self) -> bool {
         StageJob::stage_splits_over_ranks(self.name())
     }
@@ -232,7 +243,7 @@ impl StageJob {
     /// [`StageJob::splits_over_ranks`] by the stage's name: the one list of the stages the
     /// ranks (of a launch or of a daemon group) share; the others run on rank 0 alone.
     pub fn stage_splits_over_ranks(name: &str) -> bool {
-        matches!(name, "rollout" | "ref-logprob" | "update")
+        matches!(name, "rollout" | "ref-logprob" | "update" | "save")
     }
 
     /// The `--metrics` file the stage writes, if any.

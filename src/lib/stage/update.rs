@@ -837,9 +837,22 @@ pub struct HeldPolicy {
     pub trainer: Option<TrainerState>,
 }
 
+/// What one rank of a daemon group brings to `daemon-ctl save` of a policy whose optimizer
+/// state is sharded over the group ([`Exec::save_sharded`]).
+pub struct SavedShards {
+    /// A directory with the policy's config and tokenizer files.
+    pub files: PathBuf,
+    /// The f32 masters, gathered on rank 0 (None on the other ranks).
+    pub masters: Option<Weights>,
+    /// Every rank's optimizer shard file, written into the staging directory.
+    pub shard_files: Vec<PathBuf>,
+    /// The trainer state of its last update.
+    pub trainer: TrainerState,
+}
+
 /// Every rank writes its optimizer shard into `staging`, then all learn whether all did (so
 /// that no rank goes on to a checkpoint with a shard missing). Returns every rank's file.
-fn write_rank_shards<B: Backend>(
+pub fn write_rank_shards<B: Backend>(
     b: &B,
     comm: &dyn Comm<B>,
     staging: &Path,
@@ -1162,10 +1175,62 @@ pub struct SavePolicyArgs {
     pub model: Option<PathBuf>,
 }
 
+/// The sharded policy of a daemon group as files, as a checkpointing update of the group writes
+/// them: rank 0 the model files from the gathered masters and `trainer_state.json`, every
+/// rank its `optimizer.rankRRRRR-of-NNNNN.safetensors` (moved in by rank 0).
+fn save_group_shards(
+    args: &SavePolicyArgs,
+    exec: &mut dyn Exec,
+    s: SavedShards,
+    staging: &Path,
+    started: Instant,
+) -> Result<()> {
+    let trainer = TrainerState {
+        optimizer_not_saved: false,
+        optimizer_shards: s.shard_files.len(),
+        ..s.trainer
+    };
+    if let Some(masters) = &s.masters {
+        let cfg = ModelDir::load_config(&s.files)?;
+        write_checkpoint(
+            &args.out,
+            &s.files,
+            &cfg,
+            masters,
+            None,
+            &s.shard_files,
+            &trainer,
+        )?;
+        let _ = std::fs::remove_dir_all(staging);
+    }
+    after_rank0(exec)?;
+    exec.saved(&args.out, Some(&trainer))?;
+    if s.masters.is_some() {
+        exec.log(&format!(
+            "save: the daemon group's policy ({} optimizer shards) -> {} in {:.2}s",
+            s.shard_files.len(),
+            args.out.display(),
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    Ok(())
+}
+
 /// Writes the policy `exec` holds to `args.out`.
 pub fn save_policy(args: SavePolicyArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let model = args.model.as_deref().map(resolve_model).transpose()?;
+    if exec.ranks().is_some() {
+        // A daemon group: every rank runs this job.
+        let staging = shard_staging(&args.out);
+        if let Some(s) = exec.save_sharded(model.as_ref(), &staging)? {
+            return save_group_shards(&args, exec, s, &staging, started);
+        }
+        if exec.ranks().is_some_and(|x| !x.is_root()) {
+            // Not sharded: rank 0 holds all of it and saves it alone.
+            return Ok(());
+        }
+    }
     let held = exec.held_policy(model.as_ref())?;
     let cfg = ModelDir::load_config(&held.files)?;
     match &held.trainer {

@@ -389,6 +389,18 @@ impl<B: Backend> Resident<B> {
 
     /// The policy slot for `model`, loading it when the daemon holds another checkpoint (or a
     /// state newer than any file).
+    /// The policy `model` names (loaded if need be), or the one held: what `daemon-ctl save`
+    /// writes.
+    fn held_slot(&mut self, model: Option<&ModelRef>) -> Result<&mut PolicySlot<B>> {
+        match model {
+            Some(m) => self.policy_slot(m),
+            None => match self.policy.as_mut() {
+                Some(p) => Ok(p),
+                None => crate::bail_input!("the daemon holds no policy"),
+            },
+        }
+    }
+
     fn policy_slot(&mut self, model: &ModelRef) -> Result<&mut PolicySlot<B>> {
         let key = ModelKey::of(&model.dir)?;
         let held = self.policy.as_ref().is_some_and(|p| p.keys.contains(&key));
@@ -667,17 +679,14 @@ impl<B: Backend> Resident<B> {
         let Some(make_comm) = self.make_comm.clone() else {
             return Ok(None);
         };
-        let slot = match model {
-            Some(m) => self.policy_slot(m)?,
-            None => match self.policy.as_mut() {
-                Some(p) => p,
-                None => crate::bail_input!("the daemon holds no policy"),
-            },
-        };
-        let Some(optim) = slot.sharded.take() else {
+        let slot = self.held_slot(model)?;
+        if slot.sharded.is_none() {
             return Ok(None);
+        }
+        let Some(trainer) = slot.trainer.clone() else {
+            anyhow::bail!("the daemon group's sharded policy has no trainer state");
         };
-        let trainer = slot.trainer.clone();
+        let optim = slot.sharded.take().expect("checked above");
         let comm = make_comm(slot.decoder.backend(), pg);
         let saved = (|| -> Result<(Option<Weights>, Vec<PathBuf>)> {
             let comm = comm?;
@@ -688,9 +697,6 @@ impl<B: Backend> Resident<B> {
         })();
         slot.sharded = Some(optim);
         let (masters, shard_files) = saved?;
-        let Some(trainer) = trainer else {
-            anyhow::bail!("the daemon group's sharded policy has no trainer state");
-        };
         Ok(Some(SavedShards {
             files: slot.files.clone(),
             masters,
@@ -847,13 +853,7 @@ impl<B: Backend> Exec for Resident<B> {
     }
 
     fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<HeldPolicy> {
-        let slot = match model {
-            Some(m) => self.policy_slot(m)?,
-            None => match self.policy.as_mut() {
-                Some(p) => p,
-                None => crate::bail_input!("the daemon holds no policy"),
-            },
-        };
+        let slot = self.held_slot(model)?;
         if slot.sharded.is_some() {
             crate::bail_input!(
                 "this daemon group's ranks hold the policy's optimizer state in shards (1/N each): every rank saves its own (`tandem daemon-ctl save` to the group's socket), not rank 0 alone"

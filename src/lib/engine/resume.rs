@@ -166,17 +166,47 @@ pub fn read_shard(path: &Path) -> Result<HostShard> {
     })
 }
 
+/// The file of rank `rank`'s optimizer shard of the `n` in checkpoint `dir`; an input error
+/// naming it when it is missing.
+fn shard_path(dir: &Path, rank: usize, n: usize) -> Result<std::path::PathBuf> {
+    let path = dir.join(shard_file_name(rank, n));
+    if !path.is_file() {
+        crate::bail_input!(
+            "{}: the checkpoint is incomplete: {} (rank {rank}'s optimizer shard of {n}) is missing; continue from a complete checkpoint, or from the model files without optimizer state",
+            dir.display(),
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
 /// The whole masters and optimizer state put back together from every rank's shard file of a
-/// sharded checkpoint (for checks and tools: `update` itself never gathers them).
+/// sharded checkpoint (for checks and `tandem merge-shards`: `update` itself never gathers
+/// them). Every shard must be there, at the trainer state's optimizer step.
 pub fn whole_from_shards(dir: &Path) -> Result<(Weights, OptimizerState)> {
-    let trainer = read_trainer_state(&dir.join(TRAINER_STATE_FILE))?;
+    let ts_path = dir.join(TRAINER_STATE_FILE);
+    let trainer = read_trainer_state(&ts_path)?;
     let n = trainer.optimizer_shards;
     if n == 0 {
-        crate::bail_input!("{}: its optimizer state is not sharded", dir.display());
+        crate::bail_input!(
+            "{}: its optimizer state is not sharded (optimizer_shards is 0 in {}): it loads with any number of ranks as it is",
+            dir.display(),
+            ts_path.display()
+        );
     }
-    let shards: Vec<HostShard> = (0..n)
-        .map(|r| read_shard(&dir.join(shard_file_name(r, n))))
+    let paths: Vec<_> = (0..n)
+        .map(|r| shard_path(dir, r, n))
         .collect::<Result<_>>()?;
+    let shards: Vec<HostShard> = paths.iter().map(|p| read_shard(p)).collect::<Result<_>>()?;
+    if let Some(s) = shards.iter().find(|s| s.step != trainer.optimizer_step) {
+        crate::bail_input!(
+            "{}: a shard is at optimizer step {}, {} says {}",
+            dir.display(),
+            s.step,
+            ts_path.display(),
+            trainer.optimizer_step
+        );
+    }
     let layout = &shards[0].layout;
     let part = |f: &dyn Fn(&HostShard) -> Option<&[Vec<f32>]>| -> Result<Weights> {
         let parts: Vec<&[Vec<f32>]> = shards
@@ -284,14 +314,14 @@ pub fn load_rank(
     world: usize,
 ) -> Result<Option<RankResume>> {
     let ts_path = dir.join(TRAINER_STATE_FILE);
-    let sharded = match ts_path.is_file() {
-        true => read_trainer_state(&ts_path)?.optimizer_shards,
-        false => 0,
+    let trainer = match ts_path.is_file() {
+        true => Some(read_trainer_state(&ts_path)?),
+        false => None,
     };
-    if sharded == 0 {
+    let Some(trainer) = trainer.filter(|t| t.optimizer_shards > 0) else {
         return Ok(load(dir, weights)?.map(RankResume::Whole));
-    }
-    let trainer = read_trainer_state(&ts_path)?;
+    };
+    let sharded = trainer.optimizer_shards;
     let path = dir.join(shard_file_name(rank.min(sharded - 1), sharded));
     if sharded != world {
         crate::bail_input!(
@@ -301,14 +331,7 @@ pub fn load_rank(
             dir.display()
         );
     }
-    if !path.is_file() {
-        crate::bail_input!(
-            "{}: the checkpoint is incomplete: {} (rank {rank}'s optimizer shard of {sharded}) is missing; continue from a complete checkpoint, or from the model files without optimizer state",
-            dir.display(),
-            path.display()
-        );
-    }
-    let shard = read_shard(&path)?;
+    let shard = read_shard(&shard_path(dir, rank, sharded)?)?;
     if shard.rank != rank
         || shard.layout.world_size != world
         || shard.step != trainer.optimizer_step
@@ -435,45 +458,17 @@ pub struct MergeShardsArgs {
 /// own layout). Written under a temporary name and renamed.
 pub fn merge_shards(a: MergeShardsArgs) -> Result<()> {
     let (dir, out) = (&a.checkpoint, &a.out);
-    let ts_path = dir.join(TRAINER_STATE_FILE);
-    if !ts_path.is_file() {
+    let Some(mut trainer) = trainer_state(dir)? else {
         crate::bail_input!(
             "{}: has no {TRAINER_STATE_FILE}: not a checkpoint written by `update`",
             dir.display()
         );
-    }
-    let mut trainer = read_trainer_state(&ts_path)?;
-    let n = trainer.optimizer_shards;
-    if n == 0 {
-        crate::bail_input!(
-            "{}: its optimizer state is not sharded (optimizer_shards is 0 in {}): it already loads with any number of ranks",
-            dir.display(),
-            ts_path.display()
-        );
-    }
+    };
     if out.exists() {
         crate::bail_input!("--out {}: already exists", out.display());
     }
-    for r in 0..n {
-        let f = dir.join(shard_file_name(r, n));
-        if !f.is_file() {
-            crate::bail_input!(
-                "{}: the checkpoint is incomplete: {} (rank {r}'s optimizer shard of {n}) is missing",
-                dir.display(),
-                f.display()
-            );
-        }
-    }
+    let n = trainer.optimizer_shards;
     let (master, state) = whole_from_shards(dir)?;
-    if state.step != trainer.optimizer_step {
-        crate::bail_input!(
-            "{}: the shards are at optimizer step {}, {} says {}",
-            dir.display(),
-            state.step,
-            ts_path.display(),
-            trainer.optimizer_step
-        );
-    }
     trainer.optimizer_shards = 0;
     let mut tmp = out.clone().into_os_string();
     tmp.push(".merging");

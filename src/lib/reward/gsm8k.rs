@@ -90,14 +90,10 @@ fn answer_matches(answer: &str, method: Method, ground_truth: &str) -> bool {
 
 /// verl's `compute_score(solution_str, ground_truth, method, format_score, score=1.0)`.
 pub fn score(text: &str, ground_truth: &str, method: Method, format_score: f32) -> f32 {
-    match raw_answer(text, method) {
-        None => 0.0,
-        Some(a) if answer_matches(a, method, ground_truth) => 1.0,
-        Some(_) => format_score,
-    }
+    score_with_fallback(text, ground_truth, method, format_score, 0.0)
 }
 
-/// [`score`], then for `strict` a response with no `#### N` whose last number (`flexible`) is
+/// [`score`], where for `strict` a response with no `#### N` whose last number (`flexible`) is
 /// right scores `fallback_score` instead of 0.0. A fallback of 0.0 is verl's rule.
 pub fn score_with_fallback(
     text: &str,
@@ -106,13 +102,17 @@ pub fn score_with_fallback(
     format_score: f32,
     fallback_score: f32,
 ) -> f32 {
-    if method == Method::Strict && fallback_score != 0.0 && raw_answer(text, method).is_none() {
-        return match raw_answer(text, Method::Flexible) {
-            Some(a) if answer_matches(a, Method::Flexible, ground_truth) => fallback_score,
-            _ => 0.0,
-        };
+    match raw_answer(text, method) {
+        Some(a) if answer_matches(a, method, ground_truth) => 1.0,
+        Some(_) => format_score,
+        None if method == Method::Strict && fallback_score != 0.0 => {
+            match raw_answer(text, Method::Flexible) {
+                Some(a) if answer_matches(a, Method::Flexible, ground_truth) => fallback_score,
+                _ => 0.0,
+            }
+        }
+        None => 0.0,
     }
-    score(text, ground_truth, method, format_score)
 }
 
 #[cfg(test)]

@@ -290,10 +290,22 @@ fn model_and_train_set(d: &Path) {
 
 const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
 
-/// A two-step GRPO pipeline (with the old-logprob pass) at `gpus = 1` and `gpus = 2` on the
-/// CPU: the `gpus = 2` run starts rollout, ref-logprob and update under `tandem launch`, its
-/// rollouts are shared by 2 ranks, and its first step's samples are the 1-rank run's. Bad
-/// `gpus` / `nodes` values are refused naming the key before anything runs.
+/// Rank 0 of a group whose rank 1 died stopped naming it: from the launcher's word that rank
+/// 1's process is gone, or from its own collective whose connection to rank 1 closed, whichever
+/// it saw first.
+fn stopped_naming_rank_1(log: &str) -> bool {
+    log.lines().any(|l| {
+        l.contains("rank 0: stopping: rank 1 (pid")
+            || (l.contains("rank 0: stopping: ") && l.contains("the connection to rank 1 closed"))
+    })
+}
+
+/// A two-step GRPO pipeline (mini-batches: several optimizer steps a batch) at `gpus = 1` and
+/// `gpus = 2` on the CPU: the `gpus = 2` run starts rollout and update under `tandem launch`
+/// (update computes the old log-probs itself, its ranks sharing the rows: no old-logprob
+/// stage), its rollouts are shared by 2 ranks, and its first step's samples are the 1-rank
+/// run's. With `[update] rollout-rs` the old-logprob stage (ref-logprob) runs under the
+/// launcher too. Bad `gpus` / `nodes` values are refused naming the key before anything runs.
 /// The two-step GRPO spec of the pipeline tests, with `top` at its top level.
 fn spec(top: &str) -> String {
     format!(
@@ -360,7 +372,7 @@ fn a_gpus_2_pipeline_runs_end_to_end() {
         pipeline_ok(d, name, top, &[]);
     }
     let commands = std::fs::read_to_string(d.join("two/commands.sh")).unwrap();
-    for stage in ["/rollout ", "/ref-logprob ", "/update "] {
+    for stage in ["/rollout ", "/update "] {
         let lines: Vec<&str> = commands.lines().filter(|l| l.contains(stage)).collect();
         assert_eq!(lines.len(), 2, "{stage}: {commands}");
         assert!(
@@ -370,6 +382,8 @@ fn a_gpus_2_pipeline_runs_end_to_end() {
             "{stage}: {commands}"
         );
     }
+    // Mini-batches alone run no old-logprob stage: update computes the old log-probs.
+    assert!(!commands.contains("/ref-logprob "), "{commands}");
     // score, advantage and sync-weights stay single processes.
     for stage in ["/score ", "/advantage ", "/sync-weights "] {
         assert!(
@@ -396,7 +410,44 @@ fn a_gpus_2_pipeline_runs_end_to_end() {
         read(&d.join("two/step-0001/rollout.parquet")),
     );
     same_rows(&a, &b, "step 1 rollout");
-    assert!(d.join("two/step-0002/old.parquet").exists());
+    assert!(!d.join("two/step-0002/old.parquet").exists());
+    for step in 1..=2 {
+        let m = update_metrics(d, "two", step);
+        assert_eq!(m["on_policy"], false, "step {step}: {m}");
+        assert_eq!(
+            m["mismatch"]["source"], "recomputed_old",
+            "step {step}: {m}"
+        );
+    }
+    // [update] rollout-rs needs the old_logprobs column: the old-logprob stage runs, under
+    // the launcher like the other model stages.
+    let rs = spec("gpus = 2").replace(
+        "mini-batch-size = 3",
+        "mini-batch-size = 3\nrollout-rs = \"token\"",
+    );
+    let o = run_pipeline(d, "rs", &rs, &["--steps", "1"], &[]);
+    assert!(
+        o.status.success(),
+        "rs: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let commands = std::fs::read_to_string(d.join("rs/commands.sh")).unwrap();
+    let old: Vec<&str> = commands
+        .lines()
+        .filter(|l| l.contains("/ref-logprob "))
+        .collect();
+    assert_eq!(old.len(), 1, "{commands}");
+    assert!(
+        old[0].contains(" launch --nproc-per-node 2 -- ")
+            && old[0].contains("--column old_logprobs"),
+        "{commands}"
+    );
+    assert!(d.join("rs/step-0001/old.parquet").exists());
+    assert_eq!(
+        update_metrics(d, "rs", 1)["mismatch"]["source"],
+        "old_logprobs"
+    );
 
     for (top, want) in [
         (
@@ -725,7 +776,7 @@ fn a_gpus_2_daemon_pipeline_runs_and_survives_a_killed_rank() {
         commands.contains(" launch --nproc-per-node 2 -- "),
         "{commands}"
     );
-    for stage in ["/rollout ", "/ref-logprob ", "/update "] {
+    for stage in ["/rollout ", "/update "] {
         let lines: Vec<&str> = commands.lines().filter(|l| l.contains(stage)).collect();
         assert_eq!(lines.len(), 2, "{stage}: {commands}");
         // The stages are clients of the group: no launcher around them.
@@ -754,9 +805,34 @@ fn a_gpus_2_daemon_pipeline_runs_and_survives_a_killed_rank() {
     assert!(!updates[1].contains("--resident"), "{commands}");
     let log = std::fs::read_to_string(d.join("group/daemon.log")).unwrap();
     assert!(log.contains("(rank 1 of 2)"), "{log}");
+    // Mini-batches alone run no old-logprob stage (update computes the old log-probs on the
+    // group's ranks); with [update] rollout-rs it runs, a client of the group too.
+    assert!(!commands.contains("/ref-logprob "), "{commands}");
+    let rs = spec("gpus = 2\ndaemon = true").replace(
+        "mini-batch-size = 3",
+        "mini-batch-size = 3\nrollout-rs = \"token\"",
+    );
+    let o = run_pipeline(d, "rs", &rs, &["--dry-run"], &[]);
+    let plan = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{plan}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let old: Vec<&str> = plan
+        .lines()
+        .filter(|l| l.contains("/ref-logprob "))
+        .collect();
+    assert_eq!(old.len(), 2, "{plan}");
+    assert!(
+        old.iter().all(|l| l.contains("--column old_logprobs")
+            && l.contains("--daemon")
+            && !l.contains(" launch ")),
+        "{plan}"
+    );
     let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0002"));
     assert_eq!(final_files("launch"), final_files("group"));
-    for batch in ["rollout", "old", "adv"] {
+    for batch in ["rollout", "adv"] {
         let f = format!("step-0002/{batch}.parquet");
         same_rows(
             &read(&d.join("launch").join(&f)),
@@ -786,10 +862,7 @@ fn a_gpus_2_daemon_pipeline_runs_and_survives_a_killed_rank() {
         String::from_utf8_lossy(&o.stderr)
     );
     let log = std::fs::read_to_string(d.join("killed/daemon.log")).unwrap();
-    assert!(
-        log.contains("rank 0: stopping: rank 1 (pid"),
-        "rank 0 names rank 1: {log}"
-    );
+    assert!(stopped_naming_rank_1(&log), "rank 0 names rank 1: {log}");
     assert!(
         log.contains("error: rank 1 failed (was killed by signal 9"),
         "{log}"
@@ -802,7 +875,7 @@ fn a_gpus_2_daemon_pipeline_runs_and_survives_a_killed_rank() {
         "{disturbed:?} vs {undisturbed:?}"
     );
     assert_eq!(final_files("group"), final_files("killed"));
-    for batch in ["rollout", "old", "adv"] {
+    for batch in ["rollout", "adv"] {
         let f = format!("step-0002/{batch}.parquet");
         // Every column bit for bit (the files' metadata names their run directory).
         let (a, b) = (
@@ -936,7 +1009,7 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
     );
     assert!(marker.exists());
     let log = std::fs::read_to_string(d.join("killed-update/daemon.log")).unwrap();
-    assert!(log.contains("rank 0: stopping: rank 1 (pid"), "{log}");
+    assert!(stopped_naming_rank_1(&log), "{log}");
     assert!(out.contains("update failed with the daemon gone"), "{out}");
     assert!(out.contains("the daemon group failed: rank 1"), "{out}");
     assert!(!out.contains("going back"), "{out}");
@@ -956,7 +1029,7 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
     );
     assert!(marker.exists());
     let log = std::fs::read_to_string(d.join("killed/daemon.log")).unwrap();
-    assert!(log.contains("rank 0: stopping: rank 1 (pid"), "{log}");
+    assert!(stopped_naming_rank_1(&log), "{log}");
     assert!(out.contains("rollout failed with the daemon gone"), "{out}");
     assert!(
         out.contains("the policy after step 3 (weights and optimizer state) was only in the daemon's memory; going back to step 2"),

@@ -1723,11 +1723,14 @@ keep-last = 1
     );
 }
 
-/// `[update] bypass-mode = true` on the CPU (batch-invariant): the runner skips the
-/// old-logprob pass that the mini-batches would otherwise need, `update` takes the rollout's
-/// log-probs as the old ones, and every step's metrics line carries the rollout-vs-trainer
-/// mismatch (from the old-logprob pass without bypass, from update's first forward with it).
-/// On the GPU the spec must ask for the batch-invariant kernels.
+/// `[update] bypass-mode = true` on the CPU (batch-invariant): `update` takes the rollout's
+/// log-probs as the old ones and skips the old-logprob pass that the mini-batches would
+/// otherwise need. Without bypass that pass is `update`'s own (no stage, no batch file: it
+/// scores the rows outside the first mini-batch before the steps), or, with `[update]
+/// rollout-rs` (which bypass refuses), the runner's old-logprob stage. Every step's metrics
+/// line carries the rollout-vs-trainer mismatch: from update's recomputed old log-probs, from
+/// the stage's column, or (bypass) from update's first forward. On the GPU the spec must ask
+/// for the batch-invariant kernels.
 #[test]
 fn bypass_mode_skips_the_old_logprob_pass() {
     let bins = real_bins();
@@ -1775,8 +1778,13 @@ mini-batch-size = 8
         "mini-batch-size = 8",
         "mini-batch-size = 8\nbypass-mode = true",
     );
+    let with_stage = plain.replace(
+        "mini-batch-size = 8",
+        "mini-batch-size = 8\nrollout-rs = \"token\"",
+    );
     for (name, spec_text, source) in [
-        ("with-pass", &plain, "old_logprobs"),
+        ("in-update", &plain, "recomputed_old"),
+        ("with-stage", &with_stage, "old_logprobs"),
         ("bypass", &bypass, "first_step"),
     ] {
         let o = run(name, spec_text, &[]);
@@ -1788,17 +1796,24 @@ mini-batch-size = 8
             .collect();
         assert_eq!(updates.len(), 2, "{commands}");
         let bypassed = name == "bypass";
+        let staged = name == "with-stage";
+        // Mini-batches alone leave the old log-probs to update: the stage runs for
+        // rollout-rs only.
         assert_eq!(
             commands.contains("--column old_logprobs"),
-            !bypassed,
+            staged,
             "{commands}"
         );
         assert!(updates
             .iter()
             .all(|l| l.contains("--bypass-mode") == bypassed));
+        assert_eq!(d.join(name).join("step-0001/old.parquet").exists(), staged);
+        // update scores the rows itself only where neither the column nor bypass gives them.
+        let plog = std::fs::read_to_string(d.join(name).join("pipeline.log")).unwrap();
         assert_eq!(
-            d.join(name).join("step-0001/old.parquet").exists(),
-            !bypassed
+            plog.contains("old_logprobs absent and several optimizer steps"),
+            name == "in-update",
+            "{plog}"
         );
         for line in jsonl_sans_time(&d.join(name).join("metrics.jsonl")) {
             assert_eq!(line["mismatch/source"], source, "{line}");

@@ -11,6 +11,8 @@ pub struct Bigram {
     pub grad: Vec<f64>,
     /// forward_backward calls and the sequences each saw.
     pub fb_calls: Vec<usize>,
+    /// Sequences scored without a backward pass (logprobs calls).
+    pub scored: usize,
     pub steps: usize,
     /// Make every log-prob NaN (to exercise the skip path).
     pub poison: bool,
@@ -29,6 +31,7 @@ impl Bigram {
             theta,
             grad: vec![0.0; vocab * vocab],
             fb_calls: vec![],
+            scored: 0,
             steps: 0,
             poison: false,
         }
@@ -70,6 +73,7 @@ impl Bigram {
 
 impl Policy for Bigram {
     fn logprobs(&mut self, seqs: &[SeqRef], t: f32, entropy: bool) -> Result<Vec<TokenStats>> {
+        self.scored += seqs.len();
         Ok(self.stats(seqs, t, entropy))
     }
 

@@ -305,33 +305,49 @@ fn train_with(
     let started = Instant::now();
     let dp = policy.data_parallel();
 
-    // Off-policy without old log-probs: freeze the current policy's before any step.
+    // Off-policy without old log-probs: freeze the current policy's before any step. With one
+    // epoch on one rank the first mini-batch's are its own first forward (same weights: taken
+    // as on-policy there), so only the other rows are scored first.
+    let first_own = data.old.is_none() && !on_policy && cfg.ppo_epochs == 1 && dp.is_none();
+    let mut in_first = vec![false; n];
+    if first_own {
+        for &i in &epoch_order(cfg, n, schedule_step, 0)[..mbs] {
+            in_first[i] = true;
+        }
+    }
     let recomputed: Option<Vec<Vec<f32>>> = if data.old.is_none() && !on_policy {
         log("old_logprobs absent and several optimizer steps: computing them with the current weights first");
         Some(match dp {
-            None => score(
-                policy,
-                &data.rows,
-                cfg.temperature,
-                false,
-                cfg.micro_batch_tokens,
-                &mut |_| {},
-            )?
-            .into_iter()
-            .map(|s| s.logprobs)
-            .collect(),
+            None => {
+                let rest: Vec<usize> = (0..n).filter(|&i| !in_first[i]).collect();
+                let rows: Vec<PromptResponse> = rest.iter().map(|&i| data.rows[i]).collect();
+                let stats = score(
+                    policy,
+                    &rows,
+                    cfg.temperature,
+                    false,
+                    cfg.micro_batch_tokens,
+                    &mut |_| {},
+                )?;
+                let mut out = vec![Vec::new(); n];
+                for (&i, s) in rest.iter().zip(stats) {
+                    out[i] = s.logprobs;
+                }
+                out
+            }
             Some((rank, world)) => score_shared(policy, data, cfg, rank, world)?,
         })
     } else {
         None
     };
-    // The trainer's log-probs before any step: the recomputed old ones, else those of the
-    // first optimizer step's forward.
+    // The trainer's log-probs before any step: the recomputed old ones (and the first
+    // mini-batch's forward where that one was not recomputed), else those of the first
+    // optimizer step's forward.
     let mut mismatch = match (&data.rollout, &recomputed) {
         (None, _) => None,
         (Some(roll), Some(old)) => {
             let mut m = Mismatch::default();
-            for i in 0..n {
+            for i in (0..n).filter(|&i| !in_first[i]) {
                 m.add_row(&old[i], roll[i], data.mask[i])?;
             }
             Some((m, "recomputed_old"))
@@ -375,13 +391,11 @@ fn train_with(
     let mut steps = Vec::new();
     let mut tokens = 0usize;
     for epoch in 0..cfg.ppo_epochs {
-        let mut order: Vec<usize> = (0..n).collect();
-        if cfg.shuffle {
-            let key = mix_key(&[cfg.seed, schedule_step, epoch as u64]);
-            let r: Vec<f64> = (0..n).map(|i| uniform(key, i as u64)).collect();
-            order.sort_by(|&a, &b| r[a].total_cmp(&r[b]));
-        }
+        let order = epoch_order(cfg, n, schedule_step, epoch);
         for mb in order.chunks(mbs) {
+            // The first mini-batch whose old log-probs were not recomputed: on-policy.
+            let own = first_own && steps.is_empty();
+            let old_mb = if own { None } else { old_rows.as_deref() };
             let norm = LossNorm::of_rows(mb.iter().map(|&i| data.mask[i]), cfg.loss_scale_factor);
             policy.zero_grads()?;
             let step_start = Instant::now();
@@ -397,6 +411,7 @@ fn train_with(
             let lens: Vec<usize> = live.iter().map(|&i| data.rows[i].len()).collect();
             let measure = match &mut mismatch {
                 Some((m, "first_step")) if steps.is_empty() => Some(m),
+                Some((m, _)) if own => Some(m),
                 _ => None,
             };
             let mut measure = measure.map(|m| (m, Vec::new()));
@@ -434,7 +449,7 @@ fn train_with(
                     .collect();
                 step_tokens += joined.iter().map(Vec::len).sum::<usize>();
                 if device_loss {
-                    let t = ppo_tokens(cfg, data, idx, old_rows.as_deref(), &norm, want_entropy)?;
+                    let t = ppo_tokens(cfg, data, idx, old_mb, &norm, want_entropy)?;
                     let pt = PpoTokens {
                         old: t.old.as_deref(),
                         advantages: &t.adv,
@@ -456,15 +471,8 @@ fn train_with(
                     if let Some((m, _)) = measure.as_mut() {
                         add_mismatch(m, data, idx, |k, _, _| &stats[k].logprobs[..])?;
                     }
-                    let (out, offsets) = micro_loss(
-                        cfg,
-                        data,
-                        idx,
-                        stats,
-                        old_rows.as_deref(),
-                        &norm,
-                        want_entropy,
-                    )?;
+                    let (out, offsets) =
+                        micro_loss(cfg, data, idx, stats, old_mb, &norm, want_entropy)?;
                     if !out.loss.is_finite() {
                         nonfinite = true;
                     } else {
@@ -587,6 +595,18 @@ fn train_with(
         mismatch,
         shard: None,
     })
+}
+
+/// The rows of `epoch` in the order they are cut into mini-batches: as they come, or a
+/// permutation keyed by seed, training step and epoch.
+fn epoch_order(cfg: &TrainConfig, n: usize, schedule_step: u64, epoch: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if cfg.shuffle {
+        let key = mix_key(&[cfg.seed, schedule_step, epoch as u64]);
+        let r: Vec<f64> = (0..n).map(|i| uniform(key, i as u64)).collect();
+        order.sort_by(|&a, &b| r[a].total_cmp(&r[b]));
+    }
+    order
 }
 
 /// The log-probs of every row's response, data-parallel: each rank scores its share (by token
@@ -1065,6 +1085,64 @@ mod tests {
         let j = r.to_json();
         assert_eq!(j["optimizer_steps"], 6);
         assert_eq!(j["skipped_steps"], 0);
+    }
+
+    #[test]
+    fn one_epoch_scores_only_the_rows_after_the_first_mini_batch() {
+        // One epoch, shuffled mini-batches of 2: the first mini-batch's old log-probs are its
+        // own first forward, so only the other rows (3 of 5) are scored before the steps, and
+        // every step equals the one given the starting weights' log-probs as a column.
+        let owned = batch();
+        let mut c = cfg(LossMode::Vanilla);
+        c.mini_batch_size = Some(2);
+        c.shuffle = true;
+        c.seed = 11;
+        let start = Bigram::random(6, 3);
+        let mut a = Bigram::random(6, 3);
+        let ra = train(&mut a, &owned.data(), &c, 4, &mut |_| {}).unwrap();
+        assert!(ra.recomputed_old && !ra.on_policy);
+        let first = epoch_order(&c, 5, 4, 0)[..2].to_vec();
+        let first_tokens: usize = first.iter().map(|&i| owned.responses[i].len()).sum();
+        assert!(
+            first_tokens > 0,
+            "the test needs a first mini-batch with tokens"
+        );
+        // Scored: the rows outside the first mini-batch that have a response (row 3 has none).
+        let rest = (0..5)
+            .filter(|i| !first.contains(i) && !owned.responses[*i].is_empty())
+            .count();
+        assert_eq!(a.scored, rest);
+        let mut b = Bigram::random(6, 3);
+        let d0 = owned.data();
+        let old: Vec<Vec<f32>> = score(&mut b, &d0.rows, 1.0, false, 100, &mut |_| {})
+            .unwrap()
+            .into_iter()
+            .map(|s| s.logprobs)
+            .collect();
+        let mut d = owned.data();
+        d.old = Some(old.iter().map(Vec::as_slice).collect());
+        let rb = train(&mut b, &d, &c, 4, &mut |_| {}).unwrap();
+        assert!(!rb.recomputed_old);
+        assert_eq!(ra.steps.len(), 3);
+        for (x, y) in ra.steps.iter().zip(&rb.steps) {
+            assert_eq!(x.sequences, y.sequences);
+            assert!((x.loss - y.loss).abs() < 1e-9, "{} {}", x.loss, y.loss);
+            assert!((x.metrics.ppo_kl - y.metrics.ppo_kl).abs() < 1e-9);
+            assert!((x.grad_norm - y.grad_norm).abs() < 1e-6);
+        }
+        assert!(
+            ra.steps[2].metrics.ppo_kl.abs() > 1e-6,
+            "later steps are off-policy"
+        );
+        for (k, (x, y)) in a.theta.iter().zip(&b.theta).enumerate() {
+            assert!((x - y).abs() < 1e-9, "θ[{k}]: {x} vs {y}");
+        }
+        assert_ne!(a.theta, start.theta);
+        // Two epochs need the first mini-batch's old log-probs again later: every row scored.
+        let mut e = Bigram::random(6, 3);
+        c.ppo_epochs = 2;
+        train(&mut e, &owned.data(), &c, 4, &mut |_| {}).unwrap();
+        assert_eq!(e.scored, 4, "the four rows with a response");
     }
 
     #[test]

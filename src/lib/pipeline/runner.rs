@@ -229,21 +229,16 @@ impl Runner {
             || self.spec.model.reference.is_some()
     }
 
-    /// Whether `update` takes more than one optimizer step per batch (several epochs or
-    /// mini-batches), the reward's KL or masked importance sampling (`[update] rollout-rs`)
-    /// needs them: then the policy's own log-probs before the update are computed as
-    /// `old_logprobs`, as verl does. Never in bypass mode (`[update] bypass-mode`): the
-    /// rollout's log-probs are the old ones.
+    /// Whether the old-logprob pass runs as a stage (an `old_logprobs` column before
+    /// `advantage`): when the reward's KL or masked importance sampling (`[update] rollout-rs`)
+    /// needs the column. Several optimizer steps per batch (epochs, mini-batches) need the old
+    /// log-probs too, but `update` computes those itself, and with one epoch takes the first
+    /// mini-batch's from its own first forward: a pass over the other rows only, and no batch
+    /// file. Never in bypass mode (`[update] bypass-mode`): the rollout's log-probs are the
+    /// old ones.
     pub fn needs_old(&self) -> bool {
         let u = &self.stages.update.args;
-        if u.bypass_mode {
-            return false;
-        }
-        let rows = self.spec.data.prompts_per_step as usize * self.stages.rollout.args.n;
-        u.ppo_epochs > 1
-            || u.mini_batch_size.is_some_and(|m| m < rows)
-            || self.stages.advantage.args.kl_in_reward
-            || u.rollout_rs.is_some()
+        !u.bypass_mode && (self.stages.advantage.args.kl_in_reward || u.rollout_rs.is_some())
     }
 
     /// Bypass mode's conditions, which hold for the whole run: the rollout's log-probs are the
@@ -1423,17 +1418,17 @@ mod tests {
     fn what_a_step_runs_comes_from_the_parsed_flags() {
         let r = runner(SPEC);
         assert!(!r.needs_ref() && !r.needs_old());
-        // rollout's own default n is 8: 4 prompts x 8 samples = 32 rows, two mini-batches of 16.
+        // Mini-batches and epochs: update computes the old log-probs itself, no stage.
         let r = runner(&format!("{SPEC}[update]\nmini-batch-size = 16\n"));
-        assert!(r.needs_old());
-        let r = runner(&format!(
-            "{SPEC}[rollout]\nn = 4\n[update]\nmini-batch-size = 16\n"
-        ));
         assert!(!r.needs_old());
         let r = runner(&format!(
             "{SPEC}[update]\nuse-kl-loss = true\nppo-epochs = 2\n"
         ));
-        assert!(r.needs_ref() && r.needs_old());
+        assert!(r.needs_ref() && !r.needs_old());
+        let r = runner(&format!(
+            "{SPEC}[update]\nrollout-rs = \"token\"\nmini-batch-size = 16\n"
+        ));
+        assert!(r.needs_old());
         let text = SPEC.replace(
             "estimator = \"grpo\"",
             "estimator = \"grpo\"\nkl-in-reward = true\nkl-ctrl = \"adaptive\"",

@@ -20,6 +20,15 @@
 #   fault    SIGKILL of rank 1 of a data-parallel rollout mid-generation: the launcher and the
 #            other ranks stop within 60 s naming it, and no output file is written (N >= 2);
 #            the same for rank 1 of a daemon group serving a rollout (the client says so)
+#   pfault   a 4-step GRPO pipeline on a daemon group (gpus = N, daemon = true, files every 2
+#            steps), then the same with rank 1's daemon SIGKILLed in step 3's update: the seconds
+#            from the kill until the runner reports the group failed, and the final checkpoints
+#            of both runs compared (N >= 2)
+#   hang     rank 1 of `dist-test` stops answering: every rank and the launcher stop within
+#            the launcher's --timeout 10, and the message names the collective (N >= 2)
+#   g7b      whole GRPO steps of a random Qwen2.5-7B shape at gpus = N (in-process stages,
+#            update --shard full, 64 prompts x 8 x 512 tokens per GPU): seconds per stage,
+#            tokens/s per GPU and peak memory per GPU (nvidia-smi every 0.5 s)
 # Expects the stripped release binaries (tandem, pipeline, rollout, score, advantage,
 # ref-logprob, update, sync-weights) and prompts.parquet (`tandem prepare gsm8k`) in $D.
 #   D=.device N=2 bench/gpu_multi.sh                 (OUT defaults to /tmp/gpu_multi)
@@ -136,6 +145,12 @@ EOF
         --device cuda "${extra[@]}" --out-model "$W/eq_$mode" --metrics "$OUT/equal_$mode.json" \
         > "$OUT/equal_$mode.log" 2>&1
       echo "update $mode rc=$? $(grep -m1 '^update:' "$OUT/equal_$mode.log")"
+      # N ranks write their optimizer shards: merged into one optimizer.safetensors to compare.
+      if [ "$mode" != one ] && [ ! -f "$W/eq_$mode/optimizer.safetensors" ]; then
+        rm -rf "$W/eq_${mode}_merged"
+        $T merge-shards "$W/eq_$mode" --out "$W/eq_${mode}_merged" > "$OUT/equal_merge_$mode.log" 2>&1 \
+          && rm -rf "$W/eq_$mode" && mv "$W/eq_${mode}_merged" "$W/eq_$mode"
+      fi
     done
     python3 - "$W/q05" "$W/eq_one" "$W/eq_zero2" "$W/eq_full" > "$OUT/equal_compare.txt" 2>&1 <<'PY'
 import sys
@@ -221,6 +236,134 @@ PY
     grep -m1 'error' "$OUT/fault_client.log"
     grep -m2 -E 'stopping: rank 1|^error: rank 1' "$OUT/fault_daemon.log"
     ;;
+  pfault)
+    if [ "$N" -lt 2 ]; then echo "pfault: needs N >= 2"; continue; fi
+    q05
+    [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
+      --out "$W/add.parquet" > /dev/null
+    cat > "$W/pfault.toml" <<EOF
+seed = 1
+steps = 4
+device = "cuda"
+gpus = $N
+daemon = true
+[model]
+path = "$W/q05"
+[data]
+train = "$W/add.parquet"
+prompts-per-step = $((16 * N))
+[rollout]
+n = 8
+max-new-tokens = 128
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+# Any letter scores: the samples of a prompt differ, so every step has gradients.
+reward = "regex:[a-z]"
+format-score = 1.0
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.00001
+mini-batch-size = $((64 * N))
+[checkpoint]
+every = 2
+keep-last = 2
+EOF
+    for run in group killed; do
+      rm -rf "$W/pf_$run" "$W/pf_marker"
+      env=()
+      [ $run = killed ] && env=(TANDEM_DAEMON_KILL_IN_UPDATE="$W/pf_marker" TANDEM_DAEMON_KILL_RANK=1 TANDEM_DAEMON_KILL_AT_STEP=3)
+      # Every output line with its time, to time the failure against the kill.
+      env "${env[@]}" TANDEM_BIN_DIR=$D $D/pipeline run "$W/pfault.toml" --run-dir "$W/pf_$run" 2>&1 \
+        | while IFS= read -r l; do printf '%s %s\n' "$(date +%s.%N)" "$l"; done > "$OUT/pfault_$run.log"
+      echo "pipeline pfault $run rc=${PIPESTATUS[0]}"
+    done
+    cp "$W/pf_killed/daemon.log" "$OUT/pfault_daemon.log" 2> /dev/null
+    if [ -f "$W/pf_marker" ]; then
+      python3 - "$W/pf_marker" "$OUT/pfault_killed.log" <<'PY'
+import os, sys
+kill = os.path.getmtime(sys.argv[1])
+for line in open(sys.argv[2]):
+    t, _, text = line.partition(" ")
+    if "daemon group failed" in text or "failed with the daemon gone" in text:
+        print(f"pfault: rank 1 SIGKILLed; the runner reported it {float(t) - kill:.1f} s later: {text.strip()[:200]}")
+        break
+else:
+    print("pfault: no failure reported by the runner")
+PY
+    else
+      echo "pfault: the kill hook did not fire"
+    fi
+    grep -m2 -E 'stopping: ' "$OUT/pfault_daemon.log"
+    # Every file of the final checkpoint (model, per-rank optimizer shards, trainer state).
+    for f in $(cd "$W/pf_group/ckpt/step-0004" && find . -type f | sort); do
+      a=$(sha256sum < "$W/pf_group/ckpt/step-0004/$f" | cut -c1-16)
+      b=$(sha256sum < "$W/pf_killed/ckpt/step-0004/$f" 2> /dev/null | cut -c1-16)
+      echo "pfault final $f: $([ "$a" = "$b" ] && echo IDENTICAL || echo "DIFFERENT ($a vs ${b:-missing})")"
+    done
+    ;;
+  hang)
+    if [ "$N" -lt 2 ]; then echo "hang: needs N >= 2"; continue; fi
+    start=$SECONDS
+    timeout -s KILL 120 $T launch --nproc-per-node "$N" --timeout 10 -- $T dist-test --device cuda \
+      --fail-rank 1 --fail-mode hang > "$OUT/hang.log" 2>&1
+    echo "hang rank 1: rc=$? after $((SECONDS - start)) s"
+    grep -E 'stopping|^error' "$OUT/hang.log" | head -4 | cut -c1-300
+    ;;
+  g7b)
+    [ -f "$W/q7/config.json" ] || $T init-model --like qwen2 --layers 28 --hidden 3584 --heads 28 \
+      --kv-heads 4 --ffn 18944 --vocab 152064 --tie false --rope-theta 1000000 --rms-norm-eps 1e-6 \
+      --seed 1 --out "$W/q7" > "$OUT/g7b_init.log" 2>&1
+    [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
+      --out "$W/add.parquet" > /dev/null
+    cat > "$W/g7b.toml" <<EOF
+seed = 1
+steps = ${G7B_STEPS:-2}
+device = "cuda"
+gpus = $N
+[model]
+path = "$W/q7"
+[data]
+train = "$W/add.parquet"
+prompts-per-step = $((64 * N))
+[rollout]
+n = 8
+max-new-tokens = 512
+ignore-eos = true
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.000001
+shard = "full"
+micro-batch-tokens = ${G7B_MICRO:-8192}
+EOF
+    rm -rf "$W/g7b_run"
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/g7b_mem.csv" &
+    smi=$!
+    start=$SECONDS
+    timeout -s INT "${G7B_SECS:-420}" env TANDEM_BIN_DIR=$D $D/pipeline run "$W/g7b.toml" \
+      --run-dir "$W/g7b_run" > "$OUT/g7b.log" 2>&1
+    echo "pipeline g7b gpus=$N rc=$? in $((SECONDS - start)) s"
+    kill $smi
+    cp "$W/g7b_run/metrics.jsonl" "$OUT/g7b.jsonl" 2> /dev/null
+    tail -3 "$OUT/g7b.log"
+    python3 - "$OUT/g7b_mem.csv" <<'PY'
+import sys, collections
+peak = collections.defaultdict(int)
+for line in open(sys.argv[1]):
+    try:
+        i, m = (int(x) for x in line.split(","))
+    except ValueError:
+        continue
+    peak[i] = max(peak[i], m)
+print("g7b peak memory per GPU (MiB):", dict(peak))
+PY
+    ;;
   esac
 done
 
@@ -253,13 +396,13 @@ for n in sorted({1, N}):
         tps = m["response_tokens"] / max(m["generation_seconds"], 1e-9)
         base = base or tps
         rows.append(("rollout", str(n), "response tok/s (all ranks) / per GPU vs 1", f"{tps:.0f} / {100 * tps / n / base:.0f}%"))
-    for part in ("grpo", "grpod"):
+    for part in ("grpo", "grpod", "g7b"):
         try:
             lines = [json.loads(l) for l in open(f"{out}/{part}_{n}.jsonl") if l.strip()]
         except (OSError, ValueError):
             lines = []
         later = [l for l in lines if l.get("step", 0) >= 2] or lines
-        for k in ("time/rollout", "time/old", "time/ref", "time/update", "time/step", "perf/tokens_per_s", "perf/rollout_tokens_per_s"):
+        for k in ("time/rollout", "time/old", "time/ref", "time/update", "time/step", "perf/tokens_per_s", "perf/rollout_tokens_per_s", "update/tokens_per_s"):
             v = sorted(l[k] for l in later if k in l)
             if v:
                 rows.append((part, str(n), f"median {k} (steps 2+)", f"{v[len(v) // 2]:.3f}"))

@@ -328,7 +328,7 @@ impl Shared {
         self.health.fail(
             ranks.first().copied(),
             format!(
-                "rank {}: {what} did not complete within {:?}; {who}",
+                "rank {}: {what} (the group's collective #{first}) did not complete within {:?}; {who}",
                 self.rank,
                 self.timeout()
             ),

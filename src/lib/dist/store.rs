@@ -872,7 +872,7 @@ impl Prober {
                 } else {
                     let who: Vec<String> = late
                         .iter()
-                        .map(|r| format!("rank {} (at collective #{})", r.rank, r.seq))
+                        .map(|r| format!("rank {} (at the group's collective #{})", r.rank, r.seq))
                         .collect();
                     format!(
                         "{} not started it: hung, failed, busy elsewhere for longer than the \

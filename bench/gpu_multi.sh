@@ -13,7 +13,8 @@
 #            log-probs and update (sharded optimizer) data parallel
 #   grpod    the same steps with daemon = true: one warm daemon at gpus = 1, a daemon group (one
 #            daemon per GPU under tandem launch) at gpus = N
-#   equal    one `update` (sft loss, 512 rows of a random 0.5B shape, bf16 compute, f32 masters) on
+#   equal    one `update` (sft loss, 512 rows of a random 0.5B shape, bf16 compute, f32 masters,
+#            EQ_FLAGS ["--lr 0.1 --adam-eps 1": a step proportional to the gradient]) on
 #            the same batch in one process and at N ranks, zero2 and --shard full: loss, grad
 #            norm, and every tensor of the f32 masters compared (relative error of the weights,
 #            and of the step itself, w_after - w_before)
@@ -141,7 +142,11 @@ EOF
       full) pre=($T launch --nproc-per-node "$N" --); extra=(--shard full) ;;
       esac
       [ "$N" -gt 1 ] || [ "$mode" = one ] || continue
-      "${pre[@]}" $D/update --model "$W/q05" --in "$W/sft.parquet" --loss sft --lr 1e-5 \
+      # Adam's first step is lr·g/(|g| + eps): with eps = 1 it is proportional to g, so the
+      # step's relative error measures the gradient's (with a small eps it is ~lr·sign(g), and
+      # a rounding-level gradient flips a whole step).
+      # shellcheck disable=SC2086
+      "${pre[@]}" $D/update --model "$W/q05" --in "$W/sft.parquet" --loss sft ${EQ_FLAGS:---lr 0.1 --adam-eps 1} \
         --device cuda "${extra[@]}" --out-model "$W/eq_$mode" --metrics "$OUT/equal_$mode.json" \
         > "$OUT/equal_$mode.log" 2>&1
       echo "update $mode rc=$? $(grep -m1 '^update:' "$OUT/equal_$mode.log")"

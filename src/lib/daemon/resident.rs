@@ -609,15 +609,16 @@ impl<B: Backend> Resident<B> {
                     // launched update's rank reads it.
                     let files =
                         Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |_| {})?;
-                    let Some(shard) = &files.shard else {
+                    let Some(source) = &files.shard else {
                         anyhow::bail!(
                             "{}: trainer_state.json says the optimizer state is sharded, but rank {} found no shard of it",
                             model.dir.display(),
                             pg.rank()
                         );
                     };
+                    let shard = source.for_layout(&slot.decoder.shard_layout(&o), pg.rank())?;
                     slot.decoder
-                        .load_shard(&mut o, shard, &files.weights, comm.as_ref())?;
+                        .load_shard(&mut o, &shard, &files.weights, comm.as_ref())?;
                 }
                 o
             }
@@ -798,9 +799,10 @@ impl<B: Backend> Exec for Resident<B> {
         {
             // Loaded for generation only: its optimizer state is in N ranks' files.
             crate::bail_input!(
-                "{}: its optimizer state is sharded over {n} ranks ({} ...); one process cannot continue it: train it with {n} ranks (a daemon group, or update under tandem launch --nproc-per-node {n}), or start from its model files without optimizer state",
+                "{}: its optimizer state is sharded over {n} ranks ({} ...), which a daemon of one process does not load: train it on ranks (a daemon group, or update under tandem launch, with any number of ranks), with `update` without the daemon (it puts the shards together), after `tandem merge-shards {} --out DIR`, or start from its model files without optimizer state",
                 model.dir.display(),
-                model.dir.join(resume::shard_file_name(0, n)).display()
+                model.dir.join(resume::shard_file_name(0, n)).display(),
+                model.dir.display()
             );
         }
         unpark(slot)?;

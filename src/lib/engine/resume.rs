@@ -10,10 +10,12 @@
 //! `update` on N > 1 ranks writes no `optimizer.safetensors`: each rank writes its own shard
 //! of the masters and moments (the flat bucket layout it owns) as
 //! `optimizer.rankRRRRR-of-NNNNN.safetensors` ([`shard_file_name`]), and `trainer_state.json`
-//! records `optimizer_shards: N`. Such a checkpoint is complete only with every shard, and
-//! loads only with the same N and layout ([`load_rank`]); its model files load with any N, and
-//! `tandem merge-shards` ([`merge_shards`]) makes it one `optimizer.safetensors` that loads
-//! with any N.
+//! records `optimizer_shards: N`. Such a checkpoint is complete only with every shard. It
+//! loads with any number of ranks and any layout: with the same N and layout each rank reads
+//! its own file ([`load_rank`]), otherwise each rank cuts its shard from every file, one file
+//! at a time ([`reshard`]), and one process puts the whole state back together
+//! ([`whole_from_shards`]). `tandem merge-shards` ([`merge_shards`]) makes it one
+//! `optimizer.safetensors`.
 //!
 //! A model directory without these files starts a fresh optimizer (e.g. a downloaded base
 //! model). Master weights are used only when they round to exactly the model's bf16 weights,
@@ -22,7 +24,7 @@
 use super::train::LrConfig;
 use crate::batch::write::write_atomic;
 use crate::error::input_error;
-use crate::model::decoder::{HostShard, OptimizerState, ShardLayout};
+use crate::model::decoder::{Buckets, HostShard, OptimizerState, ShardLayout};
 use crate::model::safetensors::{load_file, load_file_with_meta, round_bf16};
 use crate::model::{Tensor, Weights};
 use anyhow::{Context, Result};
@@ -297,16 +299,17 @@ pub fn resumable(dir: &Path) -> Result<bool> {
 pub enum RankResume {
     /// An unsharded checkpoint (any number of ranks loads it).
     Whole(Resume),
-    /// This rank's shard of a checkpoint written by as many ranks.
+    /// A sharded checkpoint: where this rank's shard comes from.
     Shard {
-        shard: HostShard,
+        source: ShardSource,
         trainer: TrainerState,
     },
 }
 
 /// The state next to a model for rank `rank` of `world` ranks (see [`load`]; None when the
-/// directory has none): a sharded checkpoint must have been written by `world` ranks, and
-/// this rank reads only its own shard file.
+/// directory has none). Of a sharded checkpoint written by as many ranks this rank reads only
+/// its own shard file; written by another number, it reads none here: [`ShardSource`] cuts
+/// its shard from the files once the update knows its layout.
 pub fn load_rank(
     dir: &Path,
     weights: &Weights,
@@ -322,31 +325,32 @@ pub fn load_rank(
         return Ok(load(dir, weights)?.map(RankResume::Whole));
     };
     let sharded = trainer.optimizer_shards;
-    let path = dir.join(shard_file_name(rank.min(sharded - 1), sharded));
-    if sharded != world {
-        crate::bail_input!(
-            "{}: its optimizer state is sharded over {sharded} ranks ({} and the others), but this update runs on {world}; a sharded checkpoint loads only with the number of ranks that wrote it (and the same --shard and --bucket-elems): run on {sharded} ranks, or merge its shards first (`tandem merge-shards {} --out DIR`: loads with any number of ranks), or start from its model files without optimizer state",
-            dir.display(),
-            path.display(),
-            dir.display()
-        );
-    }
-    let shard = read_shard(&shard_path(dir, rank, sharded)?)?;
-    if shard.rank != rank
-        || shard.layout.world_size != world
-        || shard.step != trainer.optimizer_step
-    {
-        crate::bail_input!(
-            "{}: is rank {} of {} at optimizer step {}, expected rank {rank} of {world} at step {} ({})",
-            path.display(),
-            shard.rank,
-            shard.layout.world_size,
-            shard.step,
-            trainer.optimizer_step,
-            ts_path.display()
-        );
-    }
-    Ok(Some(RankResume::Shard { shard, trainer }))
+    let own = match sharded == world {
+        true => {
+            let path = shard_path(dir, rank, sharded)?;
+            let shard = read_shard(&path)?;
+            if shard.rank != rank || shard.step != trainer.optimizer_step {
+                crate::bail_input!(
+                    "{}: is rank {} of {} at optimizer step {}, expected rank {rank} of {world} at step {} ({})",
+                    path.display(),
+                    shard.rank,
+                    shard.layout.world_size,
+                    shard.step,
+                    trainer.optimizer_step,
+                    ts_path.display()
+                );
+            }
+            Some(shard)
+        }
+        false => None,
+    };
+    Ok(Some(RankResume::Shard {
+        source: ShardSource {
+            dir: dir.to_path_buf(),
+            own,
+        },
+        trainer,
+    }))
 }
 
 /// The state found next to a model.
@@ -362,14 +366,22 @@ pub struct Resume {
 pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
     let (opt_path, ts_path) = (dir.join(OPTIMIZER_FILE), dir.join(TRAINER_STATE_FILE));
     if ts_path.is_file() {
-        let n = read_trainer_state(&ts_path)?.optimizer_shards;
-        if n > 0 {
-            crate::bail_input!(
-                "{}: its optimizer state is sharded over {n} ranks ({} ...), written by `update` under `tandem launch`; load it with {n} ranks (tandem launch --nproc-per-node {n} -- update ...), or merge its shards first (`tandem merge-shards {} --out DIR`: loads in one process too), or start from its model files without optimizer state",
-                dir.display(),
-                dir.join(shard_file_name(0, n)).display(),
-                dir.display()
-            );
+        let trainer = read_trainer_state(&ts_path)?;
+        if trainer.optimizer_shards > 0 {
+            // Written by N ranks: the whole state put back together from their files.
+            let (master, optimizer) = whole_from_shards(dir)?;
+            for (what, w) in [
+                ("exp_avg", &optimizer.exp_avg),
+                ("exp_avg_sq", &optimizer.exp_avg_sq),
+            ] {
+                check_moments(&dir.display().to_string(), what, w, weights)?;
+            }
+            let matches = masters_match(&master, weights);
+            return Ok(Some(Resume {
+                optimizer,
+                trainer,
+                master: matches.then_some(master),
+            }));
         }
     }
     match (opt_path.is_file(), ts_path.is_file()) {
@@ -405,31 +417,11 @@ pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
         groups[g].insert(rest.to_string(), t);
     }
     let [exp_avg, exp_avg_sq, master] = groups;
+    let file = opt_path.display().to_string();
     for (what, w) in [("exp_avg", &exp_avg), ("exp_avg_sq", &exp_avg_sq)] {
-        for (name, t) in weights {
-            match w.get(name) {
-                Some(m) if m.shape == t.shape => {}
-                Some(m) => crate::bail_input!(
-                    "{}: {what} of '{name}' has shape {:?}, the model's is {:?}",
-                    opt_path.display(),
-                    m.shape,
-                    t.shape
-                ),
-                None => crate::bail_input!("{}: {what} of '{name}' is missing", opt_path.display()),
-            }
-        }
+        check_moments(&file, what, w, weights)?;
     }
-    let matches = !master.is_empty()
-        && master.len() == weights.len()
-        && weights.iter().all(|(name, t)| {
-            master.get(name).is_some_and(|m| {
-                m.shape == t.shape
-                    && m.data
-                        .iter()
-                        .zip(&t.data)
-                        .all(|(&a, &b)| round_bf16(a).to_bits() == b.to_bits())
-            })
-        });
+    let matches = masters_match(&master, weights);
     Ok(Some(Resume {
         optimizer: OptimizerState {
             step: trainer.optimizer_step,
@@ -439,6 +431,150 @@ pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
         trainer,
         master: matches.then_some(master),
     }))
+}
+
+/// Every parameter of the model has its moment `what` in `w`, of its shape (`file` names where
+/// they were read).
+fn check_moments(file: &str, what: &str, w: &Weights, weights: &Weights) -> Result<()> {
+    for (name, t) in weights {
+        match w.get(name) {
+            Some(m) if m.shape == t.shape => {}
+            Some(m) => crate::bail_input!(
+                "{file}: {what} of '{name}' has shape {:?}, the model's is {:?}",
+                m.shape,
+                t.shape
+            ),
+            None => crate::bail_input!("{file}: {what} of '{name}' is missing"),
+        }
+    }
+    Ok(())
+}
+
+/// Whether the saved f32 masters round to exactly the model's bf16 weights (only then are
+/// they used: a model edited since is not replaced by stale masters).
+fn masters_match(master: &Weights, weights: &Weights) -> bool {
+    !master.is_empty()
+        && master.len() == weights.len()
+        && weights.iter().all(|(name, t)| {
+            master.get(name).is_some_and(|m| {
+                m.shape == t.shape
+                    && m.data
+                        .iter()
+                        .zip(&t.data)
+                        .all(|(&a, &b)| round_bf16(a).to_bits() == b.to_bits())
+            })
+        })
+}
+
+/// Rank `rank`'s shard in `layout` (its world size, shard mode and buckets) of the optimizer
+/// state of sharded checkpoint `dir`, written with another layout (another number of ranks,
+/// `--shard` mode or `--bucket-elems`): each tensor's elements are copied from where the
+/// checkpoint's buckets hold them to where `layout` puts this rank's part of them. The shard
+/// files are read one at a time, so a rank holds its own shard and one file, never the whole
+/// state.
+pub fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<HostShard> {
+    let ts_path = dir.join(TRAINER_STATE_FILE);
+    let trainer = read_trainer_state(&ts_path)?;
+    let n = trainer.optimizer_shards;
+    anyhow::ensure!(n > 0, "{}: not a sharded checkpoint", dir.display());
+    // Where each tensor starts in `layout`: its bucket and offset there.
+    let mut place = vec![(0usize, 0usize); layout.names.len()];
+    for (k, (first, end, offsets, _, _)) in layout.buckets.iter().enumerate() {
+        for (t, &off) in (*first..*end).zip(offsets) {
+            place[t] = (k, off);
+        }
+    }
+    let zeros = || -> Buckets { layout.buckets.iter().map(|b| vec![0.0; b.4]).collect() };
+    let mut master = zeros();
+    let mut moments: Option<(Buckets, Buckets)> = None;
+    for q in 0..n {
+        let path = shard_path(dir, q, n)?;
+        let old = read_shard(&path)?;
+        if old.rank != q || old.layout.world_size != n || old.step != trainer.optimizer_step {
+            crate::bail_input!(
+                "{}: is rank {} of {} at optimizer step {}, expected rank {q} of {n} at step {} ({})",
+                path.display(),
+                old.rank,
+                old.layout.world_size,
+                old.step,
+                trainer.optimizer_step,
+                ts_path.display()
+            );
+        }
+        if old.layout.names != layout.names || old.layout.shapes != layout.shapes {
+            crate::bail_input!(
+                "{}: holds the optimizer state of another model (its tensors' names or shapes are not this model's)",
+                path.display()
+            );
+        }
+        match (&old.moments, q) {
+            (Some(_), 0) => moments = Some((zeros(), zeros())),
+            (None, 0) => {}
+            (m, _) if m.is_some() != moments.is_some() => crate::bail_input!(
+                "{}: has {} moments where rank 0's shard has {}",
+                path.display(),
+                if m.is_some() { "" } else { "no" },
+                if moments.is_some() { "them" } else { "none" }
+            ),
+            _ => {}
+        }
+        for (k, (first, end, offsets, _, slen)) in old.layout.buckets.iter().enumerate() {
+            // This file holds elements [lo, lo + slen) of old bucket k.
+            let lo = q * slen;
+            for (t, &off) in (*first..*end).zip(offsets) {
+                let numel: usize = layout.shapes[t].iter().product();
+                let (a, b) = (lo.max(off), (lo + slen).min(off + numel));
+                if a >= b {
+                    continue;
+                }
+                // The same tensor elements [a - off, b - off) in this rank's part of `layout`.
+                let (k2, off2) = place[t];
+                let s2 = layout.buckets[k2].4;
+                let lo2 = rank * s2;
+                let (a2, b2) = ((off2 + a - off).max(lo2), (off2 + b - off).min(lo2 + s2));
+                if a2 >= b2 {
+                    continue;
+                }
+                let src = off + (a2 - off2) - lo;
+                let (dst, len) = (a2 - lo2, b2 - a2);
+                master[k2][dst..dst + len].copy_from_slice(&old.master[k][src..src + len]);
+                if let (Some((m, v)), Some((om, ov))) = (moments.as_mut(), old.moments.as_ref()) {
+                    m[k2][dst..dst + len].copy_from_slice(&om[k][src..src + len]);
+                    v[k2][dst..dst + len].copy_from_slice(&ov[k][src..src + len]);
+                }
+            }
+        }
+    }
+    Ok(HostShard {
+        rank,
+        layout: layout.clone(),
+        step: trainer.optimizer_step,
+        master,
+        moments,
+    })
+}
+
+/// Where a rank of a data-parallel update takes its optimizer shard from: a sharded
+/// checkpoint's files.
+pub struct ShardSource {
+    pub dir: std::path::PathBuf,
+    /// The rank's own shard file, when the checkpoint was written by as many ranks.
+    pub own: Option<HostShard>,
+}
+
+impl ShardSource {
+    /// This rank's shard in `layout`: its own file when that was written with this layout,
+    /// else cut from every shard file of the checkpoint ([`reshard`]).
+    pub fn for_layout(
+        &self,
+        layout: &ShardLayout,
+        rank: usize,
+    ) -> Result<std::borrow::Cow<'_, HostShard>> {
+        Ok(match &self.own {
+            Some(s) if s.layout == *layout && s.rank == rank => std::borrow::Cow::Borrowed(s),
+            _ => std::borrow::Cow::Owned(reshard(&self.dir, layout, rank)?),
+        })
+    }
 }
 
 /// `tandem merge-shards`: a sharded checkpoint as one that loads with any number of ranks.
@@ -662,20 +798,59 @@ mod tests {
         assert_eq!(state.step, 4);
         let weights: Weights = master.clone();
         match load_rank(dir.path(), &weights, 1, 2).unwrap() {
-            Some(RankResume::Shard { shard, trainer }) => {
-                assert_eq!(shard, s1);
+            Some(RankResume::Shard { source, trainer }) => {
+                assert_eq!(source.own.as_ref(), Some(&s1));
                 assert_eq!(trainer, ts);
+                // Its own layout: the file as read, no copy.
+                let got = source.for_layout(&layout, 1).unwrap();
+                assert!(matches!(got, std::borrow::Cow::Borrowed(_)));
             }
             _ => panic!("expected rank 1's shard"),
         }
-        let err = load_rank(dir.path(), &weights, 0, 3).err().unwrap();
-        assert!(crate::error::is_input_error(&err));
-        let msg = err.to_string();
+        // 3 ranks, one bucket of a b c: flat 1 2 3 5 6 4, shards of 2.
+        let three = ShardLayout {
+            world_size: 3,
+            names: layout.names.clone(),
+            shapes: layout.shapes.clone(),
+            buckets: vec![(0, 3, vec![0, 3, 5], 6, 2)],
+        };
+        let source = match load_rank(dir.path(), &weights, 2, 3).unwrap() {
+            Some(RankResume::Shard { source, .. }) => source,
+            _ => panic!("expected a shard source"),
+        };
         assert!(
-            msg.contains("optimizer.rank00000-of-00002.safetensors") && msg.contains("runs on 3"),
-            "{msg}"
+            source.own.is_none(),
+            "another world size reads no file up front"
         );
-        let err = load(dir.path(), &weights).err().unwrap();
-        assert!(err.to_string().contains("sharded over 2 ranks"), "{err}");
+        for (rank, master, m) in [
+            (0, [1.0, 2.0], [10.0, 10.0]),
+            (1, [3.0, 5.0], [10.0, 50.0]),
+            (2, [6.0, 4.0], [50.0, 10.0]),
+        ] {
+            let got = reshard(dir.path(), &three, rank).unwrap();
+            assert_eq!((got.rank, got.step), (rank, 4));
+            assert_eq!(got.layout, three);
+            assert_eq!(got.master, vec![master.to_vec()], "rank {rank}");
+            let (gm, gv) = got.moments.clone().unwrap();
+            assert_eq!(gm, vec![m.to_vec()], "rank {rank}");
+            assert_eq!(gv, vec![m.map(|x| x * 10.0).to_vec()], "rank {rank}");
+            assert_eq!(*source.for_layout(&three, rank).unwrap(), got);
+        }
+        // Another model's layout is refused naming the file.
+        let mut other = three.clone();
+        other.shapes[2] = vec![2];
+        let err = reshard(dir.path(), &other, 0).err().unwrap();
+        assert!(crate::error::is_input_error(&err));
+        assert!(
+            err.to_string()
+                .contains("optimizer.rank00000-of-00002.safetensors")
+                && err.to_string().contains("another model"),
+            "{err}"
+        );
+        // One process: the whole state, put back together.
+        let r = load(dir.path(), &weights).unwrap().unwrap();
+        assert_eq!(r.master.as_ref(), Some(&master));
+        assert_eq!(r.optimizer.exp_avg["b"].data, vec![50.0, 50.0]);
+        assert_eq!((r.optimizer.step, r.trainer.optimizer_shards), (4, 2));
     }
 }

@@ -29,7 +29,9 @@ use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
 use crate::dist::comm::sum_f64;
 use crate::dist::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
 use crate::engine::logprob::PromptResponse;
-use crate::engine::resume::{self, RankResume, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
+use crate::engine::resume::{
+    self, RankResume, ShardSource, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE,
+};
 use crate::engine::shard::{ShardMode, ShardedPolicy, StateTo, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
@@ -251,9 +253,9 @@ pub struct Trainable {
     pub schedule_step: u64,
     /// The trainer state found next to the model.
     pub trainer: Option<TrainerState>,
-    /// This rank's optimizer shard (a data-parallel update resuming a sharded checkpoint;
-    /// `weights` are then the model files' and `optimizer` is None).
-    pub shard: Option<HostShard>,
+    /// Where this rank's optimizer shard comes from (a data-parallel update resuming a sharded
+    /// checkpoint; `weights` are then the model files' and `optimizer` is None).
+    pub shard: Option<ShardSource>,
 }
 
 impl Trainable {
@@ -267,13 +269,13 @@ impl Trainable {
     }
 
     /// The model files' weights with no optimizer state here: a fresh optimizer, or (with
-    /// `trainer`) a sharded checkpoint's, whose state is in the ranks' files (`shard`: this
-    /// rank's).
+    /// `trainer`) a sharded checkpoint's, whose state is in the ranks' files (`shard`: where
+    /// this rank's comes from).
     fn without_optimizer(
         cfg: Config,
         weights: Weights,
         trainer: Option<TrainerState>,
-        shard: Option<HostShard>,
+        shard: Option<ShardSource>,
     ) -> Trainable {
         Trainable {
             cfg,
@@ -301,7 +303,8 @@ impl Trainable {
     }
 
     /// Rank `rank` of `world` reads a model directory and its part of the optimizer state
-    /// next to it: a sharded checkpoint's own shard file (written by as many ranks), or the
+    /// next to it: a sharded checkpoint's own shard file (written by as many ranks; by
+    /// another number, the shard is cut from the files once the layout is known), or the
     /// whole state of an unsharded one.
     pub fn load_rank(
         dir: &Path,
@@ -313,8 +316,8 @@ impl Trainable {
         Ok(match resume::load_rank(dir, &weights, rank, world)? {
             None => Self::without_optimizer(cfg, weights, None, None),
             Some(RankResume::Whole(r)) => Self::resumed(dir, cfg, weights, r, log),
-            Some(RankResume::Shard { shard, trainer }) => {
-                Self::without_optimizer(cfg, weights, Some(trainer), Some(shard))
+            Some(RankResume::Shard { source, trainer }) => {
+                Self::without_optimizer(cfg, weights, Some(trainer), Some(source))
             }
         })
     }
@@ -520,8 +523,9 @@ impl RankJob for TrainRank<'_> {
                 comm,
             )?,
         };
-        if let Some(shard) = &self.loaded.shard {
-            let took = policy.load_shard(&mut optim, shard, &self.loaded.weights, comm)?;
+        if let Some(source) = &self.loaded.shard {
+            let shard = source.for_layout(&policy.shard_layout(&optim), rank)?;
+            let took = policy.load_shard(&mut optim, &shard, &self.loaded.weights, comm)?;
             if !took && rank == 0 {
                 eprintln!("update: the f32 master shards do not match the model files; continuing from the bf16 weights");
             }

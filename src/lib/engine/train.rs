@@ -306,9 +306,9 @@ fn train_with(
     let dp = policy.data_parallel();
 
     // Off-policy without old log-probs: freeze the current policy's before any step. With one
-    // epoch on one rank the first mini-batch's are its own first forward (same weights: taken
-    // as on-policy there), so only the other rows are scored first.
-    let first_own = data.old.is_none() && !on_policy && cfg.ppo_epochs == 1 && dp.is_none();
+    // epoch the first mini-batch's are its own first forward (same weights: taken as
+    // on-policy there, on every rank), so only the other rows are scored first.
+    let first_own = data.old.is_none() && !on_policy && cfg.ppo_epochs == 1;
     let mut in_first = vec![false; n];
     if first_own {
         for &i in &epoch_order(cfg, n, schedule_step, 0)[..mbs] {
@@ -317,9 +317,9 @@ fn train_with(
     }
     let recomputed: Option<Vec<Vec<f32>>> = if data.old.is_none() && !on_policy {
         log("old_logprobs absent and several optimizer steps: computing them with the current weights first");
+        let rest: Vec<usize> = (0..n).filter(|&i| !in_first[i]).collect();
         Some(match dp {
             None => {
-                let rest: Vec<usize> = (0..n).filter(|&i| !in_first[i]).collect();
                 let rows: Vec<PromptResponse> = rest.iter().map(|&i| data.rows[i]).collect();
                 let stats = score(
                     policy,
@@ -335,7 +335,7 @@ fn train_with(
                 }
                 out
             }
-            Some((rank, world)) => score_shared(policy, data, cfg, rank, world)?,
+            Some((rank, world)) => score_shared(policy, data, &rest, cfg, rank, world)?,
         })
     } else {
         None
@@ -411,7 +411,9 @@ fn train_with(
             let lens: Vec<usize> = live.iter().map(|&i| data.rows[i].len()).collect();
             let measure = match &mut mismatch {
                 Some((m, "first_step")) if steps.is_empty() => Some(m),
-                Some((m, _)) if own => Some(m),
+                // Data-parallel, each rank's first forward sees only its share: the mismatch
+                // stays that of the recomputed rows, the same on every rank.
+                Some((m, _)) if own && dp.is_none() => Some(m),
                 _ => None,
             };
             let mut measure = measure.map(|m| (m, Vec::new()));
@@ -609,17 +611,23 @@ fn epoch_order(cfg: &TrainConfig, n: usize, schedule_step: u64, epoch: usize) ->
     order
 }
 
-/// The log-probs of every row's response, data-parallel: each rank scores its share (by token
-/// count, [`balance`]) and the shares are all-gathered (padded to the largest).
+/// The log-probs of the responses of rows `rows`, data-parallel: each rank scores its share
+/// (by token count, [`balance`]) and the shares are all-gathered (padded to the largest). One
+/// entry per row of the batch; the rows not asked for stay empty.
 fn score_shared(
     policy: &mut dyn Policy,
     data: &TrainData,
+    rows: &[usize],
     cfg: &TrainConfig,
     rank: usize,
     world: usize,
 ) -> Result<Vec<Vec<f32>>> {
-    let lens: Vec<usize> = data.rows.iter().map(|r| r.len()).collect();
-    let shares = balance(&lens, world);
+    let lens: Vec<usize> = rows.iter().map(|&i| data.rows[i].len()).collect();
+    // Each rank's rows, as indices into the batch.
+    let shares: Vec<Vec<usize>> = balance(&lens, world)
+        .into_iter()
+        .map(|s| s.into_iter().map(|k| rows[k]).collect())
+        .collect();
     let mine: Vec<PromptResponse> = shares[rank].iter().map(|&i| data.rows[i]).collect();
     let stats = score(
         policy,

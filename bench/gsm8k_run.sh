@@ -32,7 +32,8 @@
 #   STEP=run    import (above) if not done, then run or resume the pipeline for at most SECS
 #               seconds [480] up to STEPS steps [the spec's]; EVAL_EVERY=K evaluates every K
 #               steps instead of the spec's [eval] every (set it at the run's first call: a
-#               run continues only with the spec it began with). Appends the call's wall time
+#               run continues only with the spec it began with); GPUS=N runs it on N GPUs of
+#               the machine (the spec with gpus = N, same global batch; same rule). Appends the call's wall time
 #               to $R/wall-$RUN.tsv and samples GPU memory every 0.5 s.
 #   STEP=start  STEP=run detached (setsid): it goes on after the call returns, while the machine
 #               stays warm, so one run of up to ~25 minutes needs no restarts (each restart
@@ -128,9 +129,14 @@ import|run)
   fi
   [ "$STEP" = import ] && exit 0
   spec=$SPEC
-  if [ -n "${EVAL_EVERY:-}" ]; then
+  if [ -n "${EVAL_EVERY:-}${GPUS:-}" ]; then
     spec=pipelines/$RUN.toml
-    [ -f "runs/$RUN/state.json" ] || sed "/^\[eval\]/,/^\[/ s/^every = .*/every = $EVAL_EVERY/" "$SPEC" > "$spec"
+    if [ ! -f "runs/$RUN/state.json" ]; then
+      cp "$SPEC" "$spec"
+      [ -z "${EVAL_EVERY:-}" ] || sed -i "/^\[eval\]/,/^\[/ s/^every = .*/every = $EVAL_EVERY/" "$spec"
+      # gpus = N at the top level (before the first table): data-parallel stages on a daemon group.
+      [ -z "${GPUS:-}" ] || sed -i "0,/^\[/ s/^\[/gpus = $GPUS\n[/" "$spec"
+    fi
   elif [ -f "pipelines/$RUN.toml" ]; then
     spec=pipelines/$RUN.toml
   fi

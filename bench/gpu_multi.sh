@@ -27,9 +27,10 @@
 #            of both runs compared (N >= 2)
 #   hang     rank 1 of `dist-test` stops answering: every rank and the launcher stop within
 #            the launcher's --timeout 10, and the message names the collective (N >= 2)
-#   g7b      whole GRPO steps of a random Qwen2.5-7B shape at gpus = N (in-process stages,
-#            update --shard full, 64 prompts x 8 x 512 tokens per GPU): seconds per stage,
-#            tokens/s per GPU and peak memory per GPU (nvidia-smi every 0.5 s)
+#   g7b      one whole GRPO step of a random Qwen2.5-7B shape on N ranks, stage by stage
+#            (rollout and update under tandem launch, update --shard full without an optimizer
+#            file; 64 prompts x 8 x 512 tokens per GPU): seconds per stage, tokens/s per GPU and
+#            peak memory per GPU (nvidia-smi every 0.5 s)
 # Expects the stripped release binaries (tandem, pipeline, rollout, score, advantage,
 # ref-logprob, update, sync-weights) and prompts.parquet (`tandem prepare gsm8k`) in $D.
 #   D=.device N=2 bench/gpu_multi.sh                 (OUT defaults to /tmp/gpu_multi)
@@ -322,51 +323,48 @@ PY
       --seed 1 --out "$W/q7" > "$OUT/g7b_init.log" 2>&1
     [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
       --out "$W/add.parquet" > /dev/null
-    cat > "$W/g7b.toml" <<EOF
-seed = 1
-steps = ${G7B_STEPS:-2}
-device = "cuda"
-gpus = $N
-[model]
-path = "$W/q7"
-[data]
-train = "$W/add.parquet"
-prompts-per-step = $((64 * N))
-[rollout]
-n = 8
-max-new-tokens = 512
-ignore-eos = true
-max-prompt-tokens = 64
-raw-prompt = true
-[score]
-reward = "exact"
-[advantage]
-estimator = "grpo"
-[update]
-lr = 0.000001
-shard = "full"
-micro-batch-tokens = ${G7B_MICRO:-8192}
-EOF
-    rm -rf "$W/g7b_run"
+    # One GRPO step stage by stage (the pipeline's in-process stages, as commands.sh shows them),
+    # each model stage on N ranks; update keeps no optimizer file (a 7B checkpoint with its f32
+    # masters and moments is ~106 GB, more than some machines' disks).
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/g7b_mem.csv" &
     smi=$!
-    start=$SECONDS
-    timeout -s INT "${G7B_SECS:-420}" env TANDEM_BIN_DIR=$D $D/pipeline run "$W/g7b.toml" \
-      --run-dir "$W/g7b_run" > "$OUT/g7b.log" 2>&1
-    echo "pipeline g7b gpus=$N rc=$? in $((SECONDS - start)) s"
+    rm -rf "$W/g7b_u"
+    t_step=$SECONDS
+    timeout -s INT "${G7B_SECS:-420}" bash -c '
+      set -e
+      t=$SECONDS
+      $0 launch --nproc-per-node $2 -- $1/rollout --model $3/q7 --in $3/add.parquet --limit $((64 * $2)) \
+        --raw-prompt --n 8 --max-new-tokens 512 --ignore-eos --max-prompt-tokens 64 --seed 1 --device cuda \
+        --out $3/g7b_r.parquet --metrics $4/g7b_rollout.json > $4/g7b_rollout.log 2>&1
+      echo "rollout $((SECONDS - t)) s"; t=$SECONDS
+      $1/score --in $3/g7b_r.parquet --out $3/g7b_s.parquet --reward exact > /dev/null
+      $1/advantage --in $3/g7b_s.parquet --out $3/g7b_a.parquet --estimator grpo > /dev/null
+      echo "score+advantage $((SECONDS - t)) s"; t=$SECONDS
+      $0 launch --nproc-per-node $2 -- $1/update --model $3/q7 --in $3/g7b_a.parquet --out-model $3/g7b_u \
+        --shard full --skip-optimizer-state --lr 1e-6 --micro-batch-tokens ${5:-8192} --device cuda \
+        --metrics $4/g7b_update.json > $4/g7b_update.log 2>&1
+      echo "update $((SECONDS - t)) s"
+    ' "$T" "$D" "$N" "$W" "$OUT" "${G7B_MICRO:-8192}"
+    echo "g7b step rc=$? in $((SECONDS - t_step)) s (stages started one after another; files, no daemon)"
     kill $smi
-    cp "$W/g7b_run/metrics.jsonl" "$OUT/g7b.jsonl" 2> /dev/null
-    tail -3 "$OUT/g7b.log"
-    python3 - "$OUT/g7b_mem.csv" <<'PY'
-import sys, collections
+    tail -1 "$OUT/g7b_rollout.log"; grep -m1 '^update: [0-9]' "$OUT/g7b_update.log" || tail -3 "$OUT/g7b_update.log"
+    python3 - "$OUT" "$N" $((SECONDS - t_step)) <<'PY'
+import collections, json, sys
+out, n, step = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 peak = collections.defaultdict(int)
-for line in open(sys.argv[1]):
+for line in open(f"{out}/g7b_mem.csv"):
     try:
         i, m = (int(x) for x in line.split(","))
     except ValueError:
         continue
     peak[i] = max(peak[i], m)
 print("g7b peak memory per GPU (MiB):", dict(peak))
+try:
+    r = json.load(open(f"{out}/g7b_rollout.json"))
+    toks = r["prompt_tokens"] + r["response_tokens"]
+    print(f"g7b: {toks} tokens (prompt + response) in a {step:.0f} s step: {toks / step / n:.0f} tok/s per GPU (verl's 7B GSM8K GRPO: 1,085 tok/s/GPU on 8 GPUs)")
+except (OSError, KeyError, ValueError) as e:
+    print("g7b: no rollout metrics:", e)
 PY
     ;;
   esac
@@ -401,7 +399,7 @@ for n in sorted({1, N}):
         tps = m["response_tokens"] / max(m["generation_seconds"], 1e-9)
         base = base or tps
         rows.append(("rollout", str(n), "response tok/s (all ranks) / per GPU vs 1", f"{tps:.0f} / {100 * tps / n / base:.0f}%"))
-    for part in ("grpo", "grpod", "g7b"):
+    for part in ("grpo", "grpod"):
         try:
             lines = [json.loads(l) for l in open(f"{out}/{part}_{n}.jsonl") if l.strip()]
         except (OSError, ValueError):

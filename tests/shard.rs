@@ -692,9 +692,9 @@ fn continues_like_one_process(
 }
 
 /// A sharded checkpoint continues with any number of ranks and any layout, straight from its
-/// shard files: one process (the whole state put back together), 3 ranks of another bucket
-/// size and 2 ranks under `--shard full` (each rank cuts its shard from the files) all get
-/// where one process that never sharded gets. Its model files alone load anywhere. A missing
+/// shard files: one process and a lone daemon (the whole state put back together), 3 ranks of
+/// another bucket size and 2 ranks under `--shard full` (each rank cuts its shard from the
+/// files) all get where one process that never sharded gets. Its model files alone load anywhere. A missing
 /// shard makes the checkpoint not resumable and its load an input error naming the file.
 #[test]
 fn a_sharded_checkpoint_loads_with_any_world_size_and_needs_every_shard() {
@@ -710,6 +710,42 @@ fn a_sharded_checkpoint_loads_with_any_world_size_and_needs_every_shard() {
     let two = dir.path().join("two");
     update(2, &model, &input, &two, &["--bucket-elems", "5000"]);
     continues_like_one_process(dir.path(), &two, &input, &want, "direct");
+    // A lone daemon continues it too: it puts the shards together, as plain update does.
+    let socket = dir.path().join("d.sock");
+    let mut daemon = Command::new(TANDEM)
+        .args([
+            "daemon",
+            "--device",
+            "cpu",
+            "--socket",
+            p(&socket),
+            "--policy",
+            p(&two),
+        ])
+        .env("RAYON_NUM_THREADS", "1")
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while !Command::new(TANDEM)
+        .args(["daemon-ctl", "--socket", p(&socket), "health"])
+        .output()
+        .unwrap()
+        .status
+        .success()
+    {
+        assert!(t.elapsed().as_secs() < 60, "the daemon never answered");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let lone = dir.path().join("direct-daemon");
+    let m = update(0, &two, &input, &lone, &["--daemon", p(&socket)]);
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    assert_eq!(m["optimizer_step"], 6, "{m}");
+    let got = state(&lone);
+    for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+        let e = rel_err(&got[i], &want[i]);
+        assert!(e <= 1e-5, "lone daemon: {what} relative error {e}");
+    }
     // The model files alone (no trainer state, no optimizer files) load with any N.
     let bare = dir.path().join("bare");
     std::fs::create_dir(&bare).unwrap();

@@ -21,7 +21,7 @@
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
 use crate::dist::{Comm, ProcessGroup};
-use crate::engine::resume::{self, TrainerState};
+use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedPolicy};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim, TokenStats};
@@ -177,8 +177,10 @@ pub type MakeComm<B> = Rc<dyn Fn(&B, &ProcessGroup) -> Result<Box<dyn Comm<B>>>>
 /// The daemon's models and per-job bookkeeping.
 pub struct Resident<B: Backend> {
     make: Box<dyn Fn() -> Result<B>>,
-    /// In a daemon group: the communicator of a sharded update (None: a lone daemon).
+    /// The communicator of a sharded update (a daemon group's; None: none set).
     make_comm: Option<MakeComm<B>>,
+    /// A rank of a daemon group (not a lone daemon).
+    in_group: bool,
     pub device: Device,
     /// The socket the daemon serves (named in resident directories).
     socket: Option<PathBuf>,
@@ -201,6 +203,7 @@ impl<B: Backend> Resident<B> {
         Resident {
             make,
             make_comm: None,
+            in_group: false,
             device,
             socket: None,
             opts,
@@ -214,10 +217,16 @@ impl<B: Backend> Resident<B> {
         }
     }
 
-    /// A rank of a daemon group: its updates keep their optimizer shards, made over
-    /// communicators from `make_comm`.
+    /// The communicators of sharded updates: a daemon group's ranks keep their optimizer
+    /// shards between updates, made over communicators from `make_comm`.
     pub fn set_comm_maker(&mut self, make_comm: MakeComm<B>) {
         self.make_comm = Some(make_comm);
+    }
+
+    /// This daemon is a rank of a daemon group: a sharded checkpoint's optimizer state is
+    /// read per rank at the group's first update, not whole at load.
+    pub fn set_in_group(&mut self) {
+        self.in_group = true;
     }
 
     /// The socket the daemon listens on, named in the resident directories it writes.
@@ -418,10 +427,22 @@ impl<B: Backend> Resident<B> {
             self.policy = None;
             let started = Instant::now();
             let reply = self.reply.clone();
-            let loaded = Trainable::load_weights(&model.dir, &mut |m| match &reply {
+            let mut log = |m: &str| match &reply {
                 Some(r) => r.send(&Response::Log { line: m.into() }),
                 None => eprintln!("{m}"),
-            })?;
+            };
+            // A group's rank reads its optimizer shard at its first update; a lone daemon holds
+            // the whole state (a sharded checkpoint's put back together from its files).
+            let loaded = match self.in_group {
+                true => Trainable::load_weights(&model.dir, &mut log)?,
+                false => {
+                    let mut t = Trainable::load(&model.dir, &mut log)?;
+                    if let Some(tr) = t.trainer.as_mut() {
+                        tr.optimizer_shards = 0;
+                    }
+                    t
+                }
+            };
             let decoder = loaded.build((self.make)()?)?;
             self.note("reloaded", true);
             self.note("load_seconds", started.elapsed().as_secs_f64());
@@ -791,20 +812,14 @@ impl<B: Backend> Exec for Resident<B> {
         let load_s = self.update_phase(model)?;
         let reply = self.reply.clone();
         let slot = self.policy.as_mut().expect("loaded above");
-        if let Some(n) = slot
-            .trainer
-            .as_ref()
-            .map(|t| t.optimizer_shards)
-            .filter(|&n| n > 0)
-        {
-            // Loaded for generation only: its optimizer state is in N ranks' files.
-            crate::bail_input!(
-                "{}: its optimizer state is sharded over {n} ranks ({} ...), which a daemon of one process does not load: train it on ranks (a daemon group, or update under tandem launch, with any number of ranks), with `update` without the daemon (it puts the shards together), after `tandem merge-shards {} --out DIR`, or start from its model files without optimizer state",
-                model.dir.display(),
-                model.dir.join(resume::shard_file_name(0, n)).display(),
-                model.dir.display()
-            );
-        }
+        // A lone daemon loads a sharded checkpoint's whole state (update_phase).
+        anyhow::ensure!(
+            slot.trainer
+                .as_ref()
+                .is_none_or(|t| t.optimizer_shards == 0),
+            "{}: the policy held has no optimizer state of its sharded checkpoint",
+            model.dir.display()
+        );
         unpark(slot)?;
         // From here the decoder is ahead of every file until `saved`.
         slot.keys.clear();

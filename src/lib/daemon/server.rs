@@ -288,6 +288,9 @@ fn serve<B: Backend>(
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
+    if group.is_some() {
+        resident.set_in_group();
+    }
     // Load before listening: a daemon that answers `health` is ready for jobs.
     let policy = resolve_model(&args.policy)?;
     resident.preload_policy(&policy)?;

@@ -664,6 +664,33 @@ fn sharded_checkpoints_are_written_per_rank_and_resume_as_one() {
     }
 }
 
+/// A tiny model and batch in `dir`, trained by one process (`one-1`, then `one-2` from it:
+/// `want` is its state after 6 optimizer steps) and by 2 ranks (`two`, sharded, 3 steps).
+struct Trained {
+    input: std::path::PathBuf,
+    one1: std::path::PathBuf,
+    two: std::path::PathBuf,
+    want: [Weights; 3],
+}
+
+fn trained(dir: &Path, seed: u64) -> Trained {
+    let model = tiny_model(dir, seed);
+    let input = dir.join("batch.parquet");
+    batch(&input);
+    let one1 = dir.join("one-1");
+    update(0, &model, &input, &one1, &[]);
+    let one2 = dir.join("one-2");
+    update(0, &one1, &input, &one2, &[]);
+    let two = dir.join("two");
+    update(2, &model, &input, &two, &["--bucket-elems", "5000"]);
+    Trained {
+        want: state(&one2),
+        input,
+        one1,
+        two,
+    }
+}
+
 /// Continues checkpoint `from` (3 optimizer steps in) in one process, on 3 ranks (zero2, another
 /// bucket size) and on 2 with --shard full, into `dir/NAME-…`: each gets where one process that
 /// never sharded gets (`want`, 6 steps), masters and moments within 1e-5.
@@ -694,21 +721,15 @@ fn continues_like_one_process(
 /// A sharded checkpoint continues with any number of ranks and any layout, straight from its
 /// shard files: one process and a lone daemon (the whole state put back together), 3 ranks of
 /// another bucket size and 2 ranks under `--shard full` (each rank cuts its shard from the
-/// files) all get where one process that never sharded gets. Its model files alone load anywhere. A missing
-/// shard makes the checkpoint not resumable and its load an input error naming the file.
+/// files) all get where one process that never sharded gets. Its model files alone load
+/// anywhere. A missing shard makes the checkpoint not resumable and its load an input error
+/// naming the file.
 #[test]
 fn a_sharded_checkpoint_loads_with_any_world_size_and_needs_every_shard() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path(), 26);
-    let input = dir.path().join("batch.parquet");
-    batch(&input);
-    let one1 = dir.path().join("one-1");
-    update(0, &model, &input, &one1, &[]);
-    let one2 = dir.path().join("one-2");
-    update(0, &one1, &input, &one2, &[]);
-    let want = state(&one2);
-    let two = dir.path().join("two");
-    update(2, &model, &input, &two, &["--bucket-elems", "5000"]);
+    let Trained {
+        input, two, want, ..
+    } = trained(dir.path(), 26);
     continues_like_one_process(dir.path(), &two, &input, &want, "direct");
     // A lone daemon continues it too: it puts the shards together, as plain update does.
     let socket = dir.path().join("d.sock");
@@ -779,22 +800,18 @@ fn a_sharded_checkpoint_loads_with_any_world_size_and_needs_every_shard() {
 #[test]
 fn merged_shards_load_with_any_number_of_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path(), 27);
-    let input = dir.path().join("batch.parquet");
-    batch(&input);
+    let Trained {
+        input,
+        one1,
+        two,
+        want,
+        ..
+    } = trained(dir.path(), 27);
     let merge = |from: &Path, out: &Path| {
         let mut c = Command::new(TANDEM);
         c.arg("merge-shards").arg(from).arg("--out").arg(out);
         c
     };
-    let one1 = dir.path().join("one-1");
-    update(0, &model, &input, &one1, &[]);
-    let one2 = dir.path().join("one-2");
-    update(0, &one1, &input, &one2, &[]);
-    let want = state(&one2);
-
-    let two = dir.path().join("two");
-    update(2, &model, &input, &two, &["--bucket-elems", "5000"]);
     let merged = dir.path().join("merged");
     let o = merge(&two, &merged).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -177,10 +177,8 @@ pub type MakeComm<B> = Rc<dyn Fn(&B, &ProcessGroup) -> Result<Box<dyn Comm<B>>>>
 /// The daemon's models and per-job bookkeeping.
 pub struct Resident<B: Backend> {
     make: Box<dyn Fn() -> Result<B>>,
-    /// The communicator of a sharded update (a daemon group's; None: none set).
+    /// In a daemon group: the communicator of a sharded update (None: a lone daemon).
     make_comm: Option<MakeComm<B>>,
-    /// A rank of a daemon group (not a lone daemon).
-    in_group: bool,
     pub device: Device,
     /// The socket the daemon serves (named in resident directories).
     socket: Option<PathBuf>,
@@ -203,7 +201,6 @@ impl<B: Backend> Resident<B> {
         Resident {
             make,
             make_comm: None,
-            in_group: false,
             device,
             socket: None,
             opts,
@@ -217,16 +214,10 @@ impl<B: Backend> Resident<B> {
         }
     }
 
-    /// The communicators of sharded updates: a daemon group's ranks keep their optimizer
-    /// shards between updates, made over communicators from `make_comm`.
+    /// A rank of a daemon group: its updates keep their optimizer shards, made over
+    /// communicators from `make_comm`.
     pub fn set_comm_maker(&mut self, make_comm: MakeComm<B>) {
         self.make_comm = Some(make_comm);
-    }
-
-    /// This daemon is a rank of a daemon group: a sharded checkpoint's optimizer state is
-    /// read per rank at the group's first update, not whole at load.
-    pub fn set_in_group(&mut self) {
-        self.in_group = true;
     }
 
     /// The socket the daemon listens on, named in the resident directories it writes.
@@ -433,7 +424,7 @@ impl<B: Backend> Resident<B> {
             };
             // A group's rank reads its optimizer shard at its first update; a lone daemon holds
             // the whole state (a sharded checkpoint's put back together from its files).
-            let loaded = match self.in_group {
+            let loaded = match self.make_comm.is_some() {
                 true => Trainable::load_weights(&model.dir, &mut log)?,
                 false => {
                     let mut t = Trainable::load(&model.dir, &mut log)?;

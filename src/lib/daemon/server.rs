@@ -199,9 +199,11 @@ pub fn run(args: DaemonArgs) -> Result<()> {
     match device {
         Device::Cpu => {
             let mut resident = Resident::new(Box::new(|| Ok(Cpu)), device, opts);
-            resident.set_comm_maker(Rc::new(|_: &Cpu, pg: &ProcessGroup| {
-                Ok(Box::new(HostComm::new(pg)?) as Box<dyn Comm<Cpu>>)
-            }));
+            if group.is_some() {
+                resident.set_comm_maker(Rc::new(|_: &Cpu, pg: &ProcessGroup| {
+                    Ok(Box::new(HostComm::new(pg)?) as Box<dyn Comm<Cpu>>)
+                }));
+            }
             serve(&args, resident, group)
         }
         Device::Cuda(n) => {
@@ -209,9 +211,11 @@ pub fn run(args: DaemonArgs) -> Result<()> {
             CudaBackend::new(n)?;
             let make = Box::new(move || CudaBackend::new(n));
             let mut resident = Resident::new(make, device, opts);
-            resident.set_comm_maker(Rc::new(|b: &CudaBackend, pg: &ProcessGroup| {
-                Ok(Box::new(NcclComm::new(b, pg)?) as Box<dyn Comm<CudaBackend>>)
-            }));
+            if group.is_some() {
+                resident.set_comm_maker(Rc::new(|b: &CudaBackend, pg: &ProcessGroup| {
+                    Ok(Box::new(NcclComm::new(b, pg)?) as Box<dyn Comm<CudaBackend>>)
+                }));
+            }
             serve(&args, resident, group)
         }
     }
@@ -287,9 +291,6 @@ fn serve<B: Backend>(
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-    }
-    if group.is_some() {
-        resident.set_in_group();
     }
     // Load before listening: a daemon that answers `health` is ready for jobs.
     let policy = resolve_model(&args.policy)?;

@@ -365,29 +365,22 @@ pub struct Resume {
 /// directory has no optimizer state.
 pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
     let (opt_path, ts_path) = (dir.join(OPTIMIZER_FILE), dir.join(TRAINER_STATE_FILE));
-    if ts_path.is_file() {
-        let trainer = read_trainer_state(&ts_path)?;
-        if trainer.optimizer_shards > 0 {
-            // Written by N ranks: the whole state put back together from their files.
+    let trainer = match ts_path.is_file() {
+        true => Some(read_trainer_state(&ts_path)?),
+        false => None,
+    };
+    let (trainer, master, optimizer, source) = match (trainer, opt_path.is_file()) {
+        (None, false) => return Ok(None),
+        // Written by N ranks: the whole state put back together from their files.
+        (Some(t), _) if t.optimizer_shards > 0 => {
             let (master, optimizer) = whole_from_shards(dir)?;
-            for (what, w) in [
-                ("exp_avg", &optimizer.exp_avg),
-                ("exp_avg_sq", &optimizer.exp_avg_sq),
-            ] {
-                check_moments(&dir.display().to_string(), what, w, weights)?;
-            }
-            let matches = masters_match(&master, weights);
-            return Ok(Some(Resume {
-                optimizer,
-                trainer,
-                master: matches.then_some(master),
-            }));
+            (t, master, optimizer, dir.display().to_string())
         }
-    }
-    match (opt_path.is_file(), ts_path.is_file()) {
-        (false, false) => return Ok(None),
-        (true, true) => {}
-        (false, true) if read_trainer_state(&ts_path)?.optimizer_not_saved => crate::bail_input!(
+        (Some(t), true) => {
+            let (master, optimizer) = read_optimizer_file(&opt_path, t.optimizer_step)?;
+            (t, master, optimizer, opt_path.display().to_string())
+        }
+        (Some(t), false) if t.optimizer_not_saved => crate::bail_input!(
             "{}: its optimizer state was kept in the memory of the daemon that trained it and not saved (update --skip-optimizer-state); continue from a checkpoint that has {OPTIMIZER_FILE} (a pipeline with a daemon saves one every [checkpoint] every steps)",
             dir.display()
         ),
@@ -395,65 +388,26 @@ pub fn load(dir: &Path, weights: &Weights) -> Result<Option<Resume>> {
             "{}: has only one of {OPTIMIZER_FILE} and {TRAINER_STATE_FILE}; both are needed to resume (remove the other to start a fresh optimizer)",
             dir.display()
         ),
-    }
-    let trainer = read_trainer_state(&ts_path)?;
-    let mut groups: [BTreeMap<String, Tensor>; 3] = Default::default();
-    for (name, t, dtype) in load_file(&opt_path)? {
-        if dtype != Dtype::F32 {
-            crate::bail_input!(
-                "{}: tensor '{name}' is {dtype:?}, expected F32",
-                opt_path.display()
-            );
-        }
-        let (g, rest) = if let Some(r) = name.strip_prefix(EXP_AVG_SQ) {
-            (1, r)
-        } else if let Some(r) = name.strip_prefix(EXP_AVG) {
-            (0, r)
-        } else if let Some(r) = name.strip_prefix(MASTER) {
-            (2, r)
-        } else {
-            crate::bail_input!("{}: unexpected tensor '{name}'", opt_path.display());
-        };
-        groups[g].insert(rest.to_string(), t);
-    }
-    let [exp_avg, exp_avg_sq, master] = groups;
-    let file = opt_path.display().to_string();
-    for (what, w) in [("exp_avg", &exp_avg), ("exp_avg_sq", &exp_avg_sq)] {
-        check_moments(&file, what, w, weights)?;
-    }
-    let matches = masters_match(&master, weights);
-    Ok(Some(Resume {
-        optimizer: OptimizerState {
-            step: trainer.optimizer_step,
-            exp_avg,
-            exp_avg_sq,
-        },
-        trainer,
-        master: matches.then_some(master),
-    }))
-}
-
-/// Every parameter of the model has its moment `what` in `w`, of its shape (`file` names where
-/// they were read).
-fn check_moments(file: &str, what: &str, w: &Weights, weights: &Weights) -> Result<()> {
-    for (name, t) in weights {
-        match w.get(name) {
-            Some(m) if m.shape == t.shape => {}
-            Some(m) => crate::bail_input!(
-                "{file}: {what} of '{name}' has shape {:?}, the model's is {:?}",
-                m.shape,
-                t.shape
-            ),
-            None => crate::bail_input!("{file}: {what} of '{name}' is missing"),
+    };
+    for (what, w) in [
+        ("exp_avg", &optimizer.exp_avg),
+        ("exp_avg_sq", &optimizer.exp_avg_sq),
+    ] {
+        for (name, t) in weights {
+            match w.get(name) {
+                Some(m) if m.shape == t.shape => {}
+                Some(m) => crate::bail_input!(
+                    "{source}: {what} of '{name}' has shape {:?}, the model's is {:?}",
+                    m.shape,
+                    t.shape
+                ),
+                None => crate::bail_input!("{source}: {what} of '{name}' is missing"),
+            }
         }
     }
-    Ok(())
-}
-
-/// Whether the saved f32 masters round to exactly the model's bf16 weights (only then are
-/// they used: a model edited since is not replaced by stale masters).
-fn masters_match(master: &Weights, weights: &Weights) -> bool {
-    !master.is_empty()
+    // The saved f32 masters are used only when they round to exactly the model's bf16 weights:
+    // a model edited since is not replaced by stale masters.
+    let matches = !master.is_empty()
         && master.len() == weights.len()
         && weights.iter().all(|(name, t)| {
             master.get(name).is_some_and(|m| {
@@ -463,7 +417,44 @@ fn masters_match(master: &Weights, weights: &Weights) -> bool {
                         .zip(&t.data)
                         .all(|(&a, &b)| round_bf16(a).to_bits() == b.to_bits())
             })
-        })
+        });
+    Ok(Some(Resume {
+        optimizer,
+        trainer,
+        master: matches.then_some(master),
+    }))
+}
+
+/// `optimizer.safetensors`: the f32 masters and Adam's moments, at optimizer step `step`.
+fn read_optimizer_file(path: &Path, step: u64) -> Result<(Weights, OptimizerState)> {
+    let mut groups: [BTreeMap<String, Tensor>; 3] = Default::default();
+    for (name, t, dtype) in load_file(path)? {
+        if dtype != Dtype::F32 {
+            crate::bail_input!(
+                "{}: tensor '{name}' is {dtype:?}, expected F32",
+                path.display()
+            );
+        }
+        let (g, rest) = if let Some(r) = name.strip_prefix(EXP_AVG_SQ) {
+            (1, r)
+        } else if let Some(r) = name.strip_prefix(EXP_AVG) {
+            (0, r)
+        } else if let Some(r) = name.strip_prefix(MASTER) {
+            (2, r)
+        } else {
+            crate::bail_input!("{}: unexpected tensor '{name}'", path.display());
+        };
+        groups[g].insert(rest.to_string(), t);
+    }
+    let [exp_avg, exp_avg_sq, master] = groups;
+    Ok((
+        master,
+        OptimizerState {
+            step,
+            exp_avg,
+            exp_avg_sq,
+        },
+    ))
 }
 
 /// Rank `rank`'s shard in `layout` (its world size, shard mode and buckets) of the optimizer

@@ -6,16 +6,17 @@
 #            up to 1 GiB, weight sync of the 0.5B/1.5B/7B shapes at 32-512 MB buckets), the
 #            PyTorch NCCL peer (bench/peer_nccl.py, when python3 imports torch; N >= 2) and the
 #            SIGKILL / hang fault checks of one rank
-#   rollout  data-parallel rollout tokens/s at 1 and N ranks on the same prompts (random
-#            Qwen2.5-0.5B shape, n = 8, 512 tokens, --ignore-eos), and the rows of both compared
-#   grpo     whole GRPO steps (64 prompts x 8 x 512 tokens per GPU, random 0.5B shape, old-logprob
-#            pass, in-process stages) through the pipeline at gpus = 1 and gpus = N: rollout and
-#            log-probs and update (sharded optimizer) data parallel
+#   rollout  data-parallel rollout tokens/s at 1 rank and at each world size of NS on the same
+#            prompts (64 per GPU, random Qwen2.5 shapes of SHAPES, n = 8, 512 tokens,
+#            --ignore-eos), and the rows of 1 and N ranks compared
+#   grpo     whole GRPO steps (64 prompts x 8 x 512 tokens per GPU, random shapes of SHAPES,
+#            in-process stages) through the pipeline at gpus = 1 and at each of NS: rollout and
+#            update (sharded optimizer, two mini-batches) data parallel
 #   grpod    the same steps with daemon = true: one warm daemon at gpus = 1, a daemon group (one
 #            daemon per GPU under tandem launch) at gpus = N
 #   equal    one `update` (sft loss, 512 rows of a random 0.5B shape, bf16 compute, f32 masters,
 #            EQ_FLAGS ["--lr 0.1 --adam-eps 1": a step proportional to the gradient]) on
-#            the same batch in one process and at N ranks, zero2 and --shard full: loss, grad
+#            the same batch in one process and at each of NS ranks, zero2 and --shard full: loss, grad
 #            norm, and every tensor of the f32 masters compared (relative error of the weights,
 #            and of the step itself, w_after - w_before)
 #   fault    SIGKILL of rank 1 of a data-parallel rollout mid-generation: the launcher and the
@@ -35,11 +36,15 @@
 # ref-logprob, update, sync-weights) and prompts.parquet (`tandem prepare gsm8k`) in $D.
 #   D=.device N=2 bench/gpu_multi.sh                 (OUT defaults to /tmp/gpu_multi)
 #   PARTS="check rollout" N=1 ...                    a subset
+#   N=4 NS="2 4" SHAPES="0.5b 1.5b" PARTS="rollout grpod"   scaling at 1, 2 and 4 GPUs
+# NS: the world sizes past 1 of check, rollout, grpo, grpod and equal [N]; N: that of the others.
 # Ends with one table: part, ranks, metric, value.
 set -u
 D=${D:-.device}
 T=$D/tandem
 N=${N:-2}
+NS=${NS:-$N}
+SHAPES=${SHAPES:-0.5b}
 PARTS=${PARTS:-check equal rollout grpo grpod fault}
 OUT=${OUT:-/tmp/gpu_multi}
 W=${W:-/tmp/gpu_multi_work}
@@ -54,6 +59,21 @@ q05() {
     --kv-heads 2 --ffn 4864 --vocab 151936 --tie true --rope-theta 1000000 --rms-norm-eps 1e-6 \
     --seed 1 --out "$W/q05" > /dev/null
 }
+q15() {
+  [ -f "$W/q15/config.json" ] || $T init-model --like qwen2 --layers 28 --hidden 1536 --heads 12 \
+    --kv-heads 2 --ffn 8960 --vocab 151936 --tie true --rope-theta 1000000 --rms-norm-eps 1e-6 \
+    --seed 1 --out "$W/q15" > /dev/null
+}
+# The random model of a shape (0.5b or 1.5b), made on first use; its directory is printed.
+shape_model() {
+  case $1 in
+  0.5b) q05; echo "$W/q05" ;;
+  1.5b) q15; echo "$W/q15" ;;
+  *) echo "SHAPES: unknown shape $1 (0.5b or 1.5b)" >&2; exit 2 ;;
+  esac
+}
+# The world sizes of a scaling part: 1, then those of NS this machine has.
+sizes() { echo 1; for n in $NS; do [ "$n" -gt 1 ] && [ "$n" -le "$GPUS" ] && echo "$n"; done; }
 # The ranks of a world of n: the plain binary at 1 (the one-process path), tandem launch above.
 ranks() { local n=$1; shift; if [ "$n" = 1 ]; then "$@"; else $T launch --nproc-per-node "$n" -- "$@"; fi; }
 
@@ -62,48 +82,54 @@ for part in $PARTS; do
   check)
     $T gpu-test ${GPUTEST_ONLY:+--only "$GPUTEST_ONLY"} --json "$OUT/gpu_test.json" > "$OUT/gpu_test.log" 2>&1
     echo "gpu-test rc=$? $(grep -E 'checks' "$OUT/gpu_test.log" | tail -1)"
-    NS=$([ "$N" -gt 1 ] && echo "$N") D=$D OUT=$OUT/dist \
+    NS=$(sizes | grep -vx 1 | tr '\n' ' ') D=$D OUT=$OUT/dist \
       DIST_ARGS="--shapes qwen0.5b,qwen1.5b,qwen7b --bucket-mb 32,64,128,256,512" \
       bash bench/gpu_dist.sh > "$OUT/gpu_dist.log" 2>&1
     echo "gpu_dist.sh rc=$?"; tail -8 "$OUT/gpu_dist.log"
     ;;
   rollout)
-    q05
-    for n in 1 $([ "$N" -gt 1 ] && echo "$N"); do
-      ranks "$n" $D/rollout --model "$W/q05" --in "$D/prompts.parquet" --limit $((64 * N)) --raw-prompt \
-        --n 8 --max-new-tokens 512 --ignore-eos --seed 7 --device cuda \
-        --out "$W/rollout_$n.parquet" --metrics "$OUT/rollout_$n.json" > "$OUT/rollout_$n.log" 2>&1
-      echo "rollout n=$n rc=$?"; tail -1 "$OUT/rollout_$n.log"
-    done
-    if [ -f "$W/rollout_$N.parquet" ] && [ "$N" -gt 1 ]; then
-      python3 - "$W/rollout_1.parquet" "$W/rollout_$N.parquet" > "$OUT/rollout_compare.txt" 2>&1 <<'PY'
+    for shape in $SHAPES; do
+      m=$(shape_model "$shape") || exit 2
+      for n in $(sizes); do
+        ranks "$n" $D/rollout --model "$m" --in "$D/prompts.parquet" --limit $((64 * n)) --raw-prompt \
+          --n 8 --max-new-tokens 512 --ignore-eos --seed 7 --device cuda \
+          --out "$W/rollout_${shape}_$n.parquet" --metrics "$OUT/rollout_${shape}_$n.json" > "$OUT/rollout_${shape}_$n.log" 2>&1
+        echo "rollout $shape n=$n rc=$?"; tail -1 "$OUT/rollout_${shape}_$n.log"
+      done
+      # The first 64 prompts' rows (one rank's) against those of every larger world.
+      for n in $(sizes | grep -vx 1); do
+        [ -f "$W/rollout_${shape}_$n.parquet" ] || continue
+        python3 - "$W/rollout_${shape}_1.parquet" "$W/rollout_${shape}_$n.parquet" > "$OUT/rollout_compare_${shape}_$n.txt" 2>&1 <<'PY'
 import sys
 import pyarrow.parquet as pq
 a, b = (pq.read_table(p) for p in sys.argv[1:3])
 ids_a, ids_b = a.column("response_ids").to_pylist(), b.column("response_ids").to_pylist()
 same = sum(x == y for x, y in zip(ids_a, ids_b))
-print(f"rows {len(ids_a)} vs {len(ids_b)}; identical response_ids in {same}")
+print(f"rows {len(ids_a)} vs {len(ids_b)}; identical response_ids in {same} of the first {min(len(ids_a), len(ids_b))}")
 la, lb = a.column("rollout_logprobs").to_pylist(), b.column("rollout_logprobs").to_pylist()
 d = [abs(u - v) for x, y, i, j in zip(la, lb, ids_a, ids_b) if i == j for u, v in zip(x, y)]
 print(f"max |rollout_logprobs 1 - N| over identical rows: {max(d) if d else float('nan'):.3g}")
 PY
-      echo "rows 1 vs $N ranks rc=$?"; tail -3 "$OUT/rollout_compare.txt"
-    fi
+        echo "rows 1 vs $n ranks ($shape) rc=$?"; tail -2 "$OUT/rollout_compare_${shape}_$n.txt"
+      done
+    done
     ;;
   grpo|grpod)
-    q05
     dm=$([ "$part" = grpod ] && echo true || echo false)
     [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
       --out "$W/add.parquet" > /dev/null
-    for n in 1 $([ "$N" -gt 1 ] && echo "$N"); do
-      cat > "$W/${part}_$n.toml" <<EOF
+    for shape in $SHAPES; do
+      m=$(shape_model "$shape") || exit 2
+      mbt=$([ "$shape" = 0.5b ] && echo 16384 || echo 8192)
+      for n in $(sizes); do
+        cat > "$W/${part}_${shape}_$n.toml" <<EOF
 seed = 1
 steps = ${GRPO_STEPS:-3}
 device = "cuda"
 gpus = $n
 daemon = $dm
 [model]
-path = "$W/q05"
+path = "$m"
 [data]
 train = "$W/add.parquet"
 prompts-per-step = $((64 * n))
@@ -119,15 +145,17 @@ reward = "exact"
 estimator = "grpo"
 [update]
 lr = 0.000001
-mini-batch-size = $((128 * n))
-micro-batch-tokens = 16384
+mini-batch-size = $((256 * n))
+micro-batch-tokens = $mbt
 EOF
-      rm -rf "$W/${part}_run_$n"
-      TANDEM_BIN_DIR=$D $D/pipeline run "$W/${part}_$n.toml" --run-dir "$W/${part}_run_$n" \
-        > "$OUT/${part}_$n.log" 2>&1
-      echo "pipeline $part gpus=$n rc=$?"
-      cp "$W/${part}_run_$n/metrics.jsonl" "$OUT/${part}_$n.jsonl" 2> /dev/null
-      cp "$W/${part}_run_$n/daemon.log" "$OUT/${part}_daemon_$n.log" 2> /dev/null
+        rm -rf "$W/${part}_run_${shape}_$n"
+        TANDEM_BIN_DIR=$D $D/pipeline run "$W/${part}_${shape}_$n.toml" --run-dir "$W/${part}_run_${shape}_$n" \
+          > "$OUT/${part}_${shape}_$n.log" 2>&1
+        echo "pipeline $part $shape gpus=$n rc=$?"
+        cp "$W/${part}_run_${shape}_$n/metrics.jsonl" "$OUT/${part}_${shape}_$n.jsonl" 2> /dev/null
+        cp "$W/${part}_run_${shape}_$n/daemon.log" "$OUT/${part}_daemon_${shape}_$n.log" 2> /dev/null
+        rm -rf "$W/${part}_run_${shape}_$n"
+      done
     done
     ;;
   equal)
@@ -135,14 +163,13 @@ EOF
     [ -f "$W/sft.parquet" ] || $D/rollout --model "$W/q05" --in "$D/prompts.parquet" --limit 512 \
       --raw-prompt --n 1 --max-new-tokens 256 --ignore-eos --seed 3 --device cuda \
       --out "$W/sft.parquet" > "$OUT/equal_rollout.log" 2>&1
-    for mode in one zero2 full; do
+    # One process, then zero2 and full sharding at each world size of NS.
+    for mode in one $(for n in $(sizes | grep -vx 1); do echo "zero2_$n full_$n"; done); do
       rm -rf "$W/eq_$mode"
       case $mode in
       one) pre=(); extra=() ;;
-      zero2) pre=($T launch --nproc-per-node "$N" --); extra=(--shard zero2) ;;
-      full) pre=($T launch --nproc-per-node "$N" --); extra=(--shard full) ;;
+      *) pre=($T launch --nproc-per-node "${mode#*_}" --); extra=(--shard "${mode%_*}") ;;
       esac
-      [ "$N" -gt 1 ] || [ "$mode" = one ] || continue
       # Adam's first step is lr·g/(|g| + eps): with eps = 1 it is proportional to g, so the
       # step's relative error measures the gradient's (with a small eps it is ~lr·sign(g), and
       # a rounding-level gradient flips a whole step).
@@ -150,7 +177,7 @@ EOF
       "${pre[@]}" $D/update --model "$W/q05" --in "$W/sft.parquet" --loss sft ${EQ_FLAGS:---lr 0.1 --adam-eps 1} \
         --device cuda "${extra[@]}" --out-model "$W/eq_$mode" --metrics "$OUT/equal_$mode.json" \
         > "$OUT/equal_$mode.log" 2>&1
-      echo "update $mode rc=$? $(grep -m1 '^update:' "$OUT/equal_$mode.log")"
+      echo "update $mode rc=$? $(grep -m1 '^update: [0-9]' "$OUT/equal_$mode.log")"
       # N ranks write their optimizer shards: merged into one optimizer.safetensors to compare.
       if [ "$mode" != one ] && [ ! -f "$W/eq_$mode/optimizer.safetensors" ]; then
         rm -rf "$W/eq_${mode}_merged"
@@ -158,7 +185,7 @@ EOF
           && rm -rf "$W/eq_$mode" && mv "$W/eq_${mode}_merged" "$W/eq_$mode"
       fi
     done
-    python3 - "$W/q05" "$W/eq_one" "$W/eq_zero2" "$W/eq_full" > "$OUT/equal_compare.txt" 2>&1 <<'PY'
+    python3 - "$W/q05" "$W/eq_one" $(for n in $(sizes | grep -vx 1); do echo "$W/eq_zero2_$n $W/eq_full_$n"; done) > "$OUT/equal_compare.txt" 2>&1 <<'PY'
 import sys
 from safetensors.torch import load_file
 base, one, *others = sys.argv[1:]
@@ -392,23 +419,36 @@ for path in sorted(glob.glob(f"{out}/dist/peer_nccl_*.json")):
     n = path.rsplit("_", 1)[1].split(".")[0]
     j = load(path)
     rows.append(("peer", n, "torch.distributed (bench/peer_nccl.py)", json.dumps(j)[:100] if j else "?"))
-base = None
-for n in sorted({1, N}):
-    m = load(f"{out}/rollout_{n}.json")
-    if m:
-        tps = m["response_tokens"] / max(m["generation_seconds"], 1e-9)
-        base = base or tps
-        rows.append(("rollout", str(n), "response tok/s (all ranks) / per GPU vs 1", f"{tps:.0f} / {100 * tps / n / base:.0f}%"))
+import re
+for shape in sorted({re.sub(r"^(rollout|grpod?)_(.*)_\d+\.(json|jsonl)$", r"\2", os.path.basename(p))
+                     for p in glob.glob(f"{out}/rollout_*_*.json") + glob.glob(f"{out}/grpo*_*_*.jsonl")}):
+    base = None
+    sizes = sorted({int(p.rsplit("_", 1)[1].split(".")[0]) for p in glob.glob(f"{out}/*_{shape}_*.json*")})
+    for n in sizes:
+        m = load(f"{out}/rollout_{shape}_{n}.json")
+        if m:
+            tps = m["response_tokens"] / max(m["generation_seconds"], 1e-9)
+            base = base or tps
+            rows.append(("rollout", str(n), f"{shape} response tok/s (all ranks) / per GPU vs 1", f"{tps:.0f} / {100 * tps / n / base:.0f}%"))
     for part in ("grpo", "grpod"):
-        try:
-            lines = [json.loads(l) for l in open(f"{out}/{part}_{n}.jsonl") if l.strip()]
-        except (OSError, ValueError):
-            lines = []
-        later = [l for l in lines if l.get("step", 0) >= 2] or lines
-        for k in ("time/rollout", "time/old", "time/ref", "time/update", "time/step", "perf/tokens_per_s", "perf/rollout_tokens_per_s", "update/tokens_per_s"):
-            v = sorted(l[k] for l in later if k in l)
-            if v:
-                rows.append((part, str(n), f"median {k} (steps 2+)", f"{v[len(v) // 2]:.3f}"))
+        base_t = {}
+        for n in sizes:
+            try:
+                lines = [json.loads(l) for l in open(f"{out}/{part}_{shape}_{n}.jsonl") if l.strip()]
+            except (OSError, ValueError):
+                continue
+            later = [l for l in lines if l.get("step", 0) >= 2] or lines
+            for k in ("time/rollout", "time/update", "time/sync", "time/step", "perf/rollout_tokens_per_s", "update/tokens_per_s"):
+                v = sorted(l[k] for l in later if k in l)
+                if not v:
+                    continue
+                med = v[len(v) // 2]
+                extra = ""
+                # The work per GPU is the same at every size: efficiency = t(1) / t(n).
+                if k.startswith("time/"):
+                    base_t.setdefault(k, med)
+                    extra = f" ({100 * base_t[k] / max(med, 1e-9):.0f}% of 1 GPU's per GPU)"
+                rows.append((part, str(n), f"{shape} median {k} (steps 2+)", f"{med:.3f}{extra}"))
 print(f"{'part':8} {'ranks':5} {'metric':48} value")
 for r in rows:
     print(f"{r[0]:8} {r[1]:5} {r[2]:48} {r[3]}")

@@ -36,6 +36,8 @@
 # ref-logprob, update, sync-weights) and prompts.parquet (`tandem prepare gsm8k`) in $D.
 #   D=.device N=2 bench/gpu_multi.sh                 (OUT defaults to /tmp/gpu_multi)
 #   PARTS="check rollout" N=1 ...                    a subset
+#   PACK=1 ...                                       $OUT packed into $OUT.tgz at the end (a device
+#                                                    call returns a limited number of files)
 #   N=4 NS="2 4" SHAPES="0.5b 1.5b" PARTS="rollout grpod"   scaling at 1, 2 and 4 GPUs
 # NS: the world sizes past 1 of check, rollout, grpo, grpod and equal [N]; N: that of the others.
 # Ends with one table: part, ranks, metric, value.
@@ -217,6 +219,11 @@ for other in others:
     ds = sorted(r[2] for r in rest if r[2] is not None)
     print(f"{other}: {len(rows)} tensors compared ({len(zero_grad)} k_proj.bias apart: zero gradient in exact arithmetic)")
     print(f"  weights, relative error: max {ws[-1]:.3e} ({max(rest, key=lambda r: r[1])[0]}), median {ws[len(ws)//2]:.3e}")
+    over = [r[0] for r in rest if r[1] > 1e-3]
+    print(f"  tensors over 1e-3: {len(over)} of {len(rest)} ({sum(k.endswith('.bias') for k in over)} of them zero-initialised biases)")
+    num = sum(((m1[k].double() - m2[k].double()) ** 2).sum().item() for k in m1 if k in m2)
+    den = sum((m1[k].double() ** 2).sum().item() for k in m1 if k in m2)
+    print(f"  all weights together, relative error: {(num / max(den, 1e-300)) ** 0.5:.3e}")
     if ds:
         print(f"  the step w1-w0, relative error: max {ds[-1]:.3e}, p90 {ds[int(0.9*len(ds))]:.3e}, median {ds[len(ds)//2]:.3e}")
     if zero_grad:
@@ -454,3 +461,7 @@ for r in rows:
     print(f"{r[0]:8} {r[1]:5} {r[2]:48} {r[3]}")
 PY
 echo "done in $((SECONDS - t0)) s"
+# The device tool returns a limited number of files: PACK=1 leaves $OUT as one $OUT.tgz.
+if [ "${PACK:-0}" = 1 ]; then
+  tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
+fi

@@ -144,6 +144,10 @@ struct PolicySlot<B: Backend> {
     /// In a daemon group: this rank's optimizer shards (zero2), kept between updates; the
     /// decoder then holds no whole masters or moments.
     sharded: Option<ShardedOptim<B>>,
+    /// In a daemon group: the group's communicator on this decoder's backend, made at the first
+    /// sharded job and kept, since making one (an NCCL init) cost about 1 s per update at 2-4
+    /// ranks. A failed job drops it on every rank, so the next job starts from a fresh one.
+    comm: Option<Box<dyn Comm<B>>>,
 }
 
 /// What `--offload-optimizer` keeps in host memory between updates.
@@ -447,6 +451,7 @@ impl<B: Backend> Resident<B> {
                 gen: None,
                 parked: None,
                 sharded: None,
+                comm: None,
             };
             if self.opts.offload_optimizer {
                 park_optimizer(&mut slot, None, None)?;
@@ -601,81 +606,99 @@ impl<B: Backend> Resident<B> {
         let load_s = self.update_phase(model)?;
         let reply = self.reply.clone();
         let slot = self.policy.as_mut().expect("loaded above");
-        unpark(slot)?;
-        // Made for this update, as a launched update makes its own: nothing of the group's
-        // communication stays open between jobs.
-        let comm = make_comm(slot.decoder.backend(), pg)?;
-        let mut optim = match slot.sharded.take() {
-            Some(o) => o,
-            None => {
-                let mut o = slot
-                    .decoder
-                    .shard_optimizer(comm.as_ref(), sharding.bucket_elems)?;
-                if slot
-                    .trainer
-                    .as_ref()
-                    .is_some_and(|t| t.optimizer_shards > 0)
-                {
-                    // Loaded for generation (the weights only): this rank's part of the
-                    // optimizer state is in its own shard file of the checkpoint, read as a
-                    // launched update's rank reads it.
-                    let files =
-                        Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |_| {})?;
-                    let Some(source) = &files.shard else {
-                        anyhow::bail!(
-                            "{}: trainer_state.json says the optimizer state is sharded, but rank {} found no shard of it",
-                            model.dir.display(),
-                            pg.rank()
-                        );
-                    };
-                    let shard = source.for_layout(&slot.decoder.shard_layout(&o), pg.rank())?;
-                    slot.decoder
-                        .load_shard(&mut o, &shard, &files.weights, comm.as_ref())?;
-                }
-                o
-            }
-        };
-        // The metrics are this update's (the shard layout stays; the timings start over).
-        optim.stats = ShardStats {
-            world_size: optim.stats.world_size,
-            buckets: optim.stats.buckets,
-            shard_elems: optim.stats.shard_elems,
-            staging_bytes: optim.stats.staging_bytes,
-            ..ShardStats::default()
-        };
-        // From here the decoder is ahead of every file until `saved`.
-        slot.keys.clear();
-        slot.from_master = true;
-        let step = slot.schedule_step;
-        let mut policy = ShardedPolicy {
-            decoder: &mut slot.decoder,
-            comm: comm.as_ref(),
-            optim,
-        };
-        let trained =
-            job.train_sharded_on(
-                &mut policy,
-                step,
-                &sharding.staging,
-                &mut |m| match &reply {
-                    Some(r) => r.send(&Response::Log { line: m.into() }),
-                    None => eprintln!("{m}"),
-                },
-            );
-        slot.sharded = Some(policy.optim);
+        let fresh = slot.comm.is_none();
+        let trained = train_resident(slot, pg, &make_comm, model, job, sharding, reply);
+        if trained.is_err() {
+            slot.comm = None;
+        }
         let mut out = trained?;
-        slot.schedule_step = step + 1;
-        slot.decoder.release_workspace()?;
-        slot.decoder.release_grads();
-        slot.decoder.backend().trim()?;
         kill_once(
             KILL_IN_UPDATE_ENV,
             env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step)
                 && env_u64(KILL_RANK_ENV).is_none_or(|r| Some(r) == env_u64("RANK")),
         );
+        self.note("new_communicator", fresh);
         out.load_seconds = load_s;
         Ok(out)
     }
+}
+
+/// The body of [`Resident::train_group`]'s zero2 update on the policy held in `slot`.
+fn train_resident<B: Backend>(
+    slot: &mut PolicySlot<B>,
+    pg: &ProcessGroup,
+    make_comm: &MakeComm<B>,
+    model: &ModelRef,
+    job: Train<'_>,
+    sharding: Sharding,
+    reply: Option<Reply>,
+) -> Result<Trained> {
+    unpark(slot)?;
+    if slot.comm.is_none() {
+        slot.comm = Some(make_comm(slot.decoder.backend(), pg)?);
+    }
+    let comm = slot.comm.as_deref().expect("made above");
+    let mut optim = match slot.sharded.take() {
+        Some(o) => o,
+        None => {
+            let mut o = slot.decoder.shard_optimizer(comm, sharding.bucket_elems)?;
+            if slot
+                .trainer
+                .as_ref()
+                .is_some_and(|t| t.optimizer_shards > 0)
+            {
+                // Loaded for generation (the weights only): this rank's part of the
+                // optimizer state is in its own shard file of the checkpoint, read as a
+                // launched update's rank reads it.
+                let files =
+                    Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |_| {})?;
+                let Some(source) = &files.shard else {
+                    anyhow::bail!(
+                            "{}: trainer_state.json says the optimizer state is sharded, but rank {} found no shard of it",
+                            model.dir.display(),
+                            pg.rank()
+                        );
+                };
+                let shard = source.for_layout(&slot.decoder.shard_layout(&o), pg.rank())?;
+                slot.decoder
+                    .load_shard(&mut o, &shard, &files.weights, comm)?;
+            }
+            o
+        }
+    };
+    // The metrics are this update's (the shard layout stays; the timings start over).
+    optim.stats = ShardStats {
+        world_size: optim.stats.world_size,
+        buckets: optim.stats.buckets,
+        shard_elems: optim.stats.shard_elems,
+        staging_bytes: optim.stats.staging_bytes,
+        ..ShardStats::default()
+    };
+    // From here the decoder is ahead of every file until `saved`.
+    slot.keys.clear();
+    slot.from_master = true;
+    let step = slot.schedule_step;
+    let mut policy = ShardedPolicy {
+        decoder: &mut slot.decoder,
+        comm,
+        optim,
+    };
+    let trained = job.train_sharded_on(
+        &mut policy,
+        step,
+        &sharding.staging,
+        &mut |m| match &reply {
+            Some(r) => r.send(&Response::Log { line: m.into() }),
+            None => eprintln!("{m}"),
+        },
+    );
+    slot.sharded = Some(policy.optim);
+    let out = trained?;
+    slot.schedule_step = step + 1;
+    slot.decoder.release_workspace()?;
+    slot.decoder.release_grads();
+    slot.decoder.backend().trim()?;
+    Ok(out)
 }
 
 impl<B: Backend> Resident<B> {
@@ -700,15 +723,20 @@ impl<B: Backend> Resident<B> {
             anyhow::bail!("the daemon group's sharded policy has no trainer state");
         };
         let optim = slot.sharded.take().expect("checked above");
-        let comm = make_comm(slot.decoder.backend(), pg);
         let saved = (|| -> Result<(Option<Weights>, Vec<PathBuf>)> {
-            let comm = comm?;
-            let masters = slot.decoder.gather_state(&optim, comm.as_ref(), 0, false)?;
+            if slot.comm.is_none() {
+                slot.comm = Some(make_comm(slot.decoder.backend(), pg)?);
+            }
+            let comm = slot.comm.as_deref().expect("made above");
+            let masters = slot.decoder.gather_state(&optim, comm, 0, false)?;
             let shard = slot.decoder.download_shard(&optim)?;
-            let files = write_rank_shards(slot.decoder.backend(), comm.as_ref(), staging, &shard)?;
+            let files = write_rank_shards(slot.decoder.backend(), comm, staging, &shard)?;
             Ok((masters.map(|(w, _)| w), files))
         })();
         slot.sharded = Some(optim);
+        if saved.is_err() {
+            slot.comm = None;
+        }
         let (masters, shard_files) = saved?;
         Ok(Some(SavedShards {
             files: slot.files.clone(),

@@ -22,7 +22,7 @@
 //! listens on `SOCKET.rank<r>` for `status`/`shutdown` only. A failed or cancelled part stops
 //! every rank's part; a rank that dies stops the whole group (`dist` failure handling). An
 //! update trains the policy every rank keeps, with the optimizer shards it keeps
-//! ([`Resident::train_group`]), over a communicator made for that job.
+//! ([`Resident::train_group`]), over the group's communicator that its policy keeps.
 
 use super::protocol::{Reply, Request, Response};
 use super::resident::{Options, Resident};

@@ -966,7 +966,11 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
         // No file is read after the group started: the ranks train what they hold.
         assert_eq!(m["daemon"]["reloaded"], false, "step {step}: {m}");
         // The group's communicator is made at the first update and kept with the policy.
-        assert_eq!(m["daemon"]["new_communicator"], step == 1, "step {step}: {m}");
+        assert_eq!(
+            m["daemon"]["new_communicator"],
+            step == 1,
+            "step {step}: {m}"
+        );
         // The same training as the files run, step by step.
         let f = update_metrics(d, "files", step);
         for key in ["loss", "grad_norm", "optimizer_step"] {

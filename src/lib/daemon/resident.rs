@@ -146,7 +146,8 @@ struct PolicySlot<B: Backend> {
     sharded: Option<ShardedOptim<B>>,
     /// In a daemon group: the group's communicator on this decoder's backend, made at the first
     /// sharded job and kept: an NCCL init for every update was the likely part of the 1.0-1.5 s
-    /// a group's update spent outside training at 2-4 ranks. A failed job drops it on every rank, so the next job starts from a fresh one.
+    /// a group's update spent outside training at 2-4 ranks. A failed job drops it on every
+    /// rank, so the next job starts from a fresh one.
     comm: Option<Box<dyn Comm<B>>>,
 }
 

@@ -32,6 +32,9 @@
 #            (rollout and update under tandem launch, update --shard full without an optimizer
 #            file; 64 prompts x 8 x 512 tokens per GPU): seconds per stage, tokens/s per GPU and
 #            peak memory per GPU (nvidia-smi every 0.5 s)
+#   g7bd     whole GRPO steps of the same 7B shape on a daemon group (gpus = N, daemon = true,
+#            shard = "full"; G7B_STEPS [3], G7B_MICRO [8192: 4096 on 80 GB GPUs]): seconds per
+#            stage and step, tokens/s per GPU against verl's 1,085, peak memory per GPU
 # Expects the stripped release binaries (tandem, pipeline, rollout, score, advantage,
 # ref-logprob, update, sync-weights) and prompts.parquet (`tandem prepare gsm8k`) in $D.
 #   D=.device N=2 bench/gpu_multi.sh                 (OUT defaults to /tmp/gpu_multi)
@@ -399,6 +402,73 @@ try:
     print(f"g7b: {toks} tokens (prompt + response) in a {step:.0f} s step: {toks / step / n:.0f} tok/s per GPU (verl's 7B GSM8K GRPO: 1,085 tok/s/GPU on 8 GPUs)")
 except (OSError, KeyError, ValueError) as e:
     print("g7b: no rollout metrics:", e)
+PY
+    ;;
+  g7bd)
+    # Whole GRPO steps of the 7B shape on a daemon group (gpus = N, daemon = true,
+    # shard = "full"): the warm steps, without the files the stage processes of g7b load and
+    # write. Step 1 builds the sharded state; the last step writes the checkpoint.
+    [ -f "$W/q7/config.json" ] || $T init-model --like qwen2 --layers 28 --hidden 3584 --heads 28 \
+      --kv-heads 4 --ffn 18944 --vocab 152064 --tie false --rope-theta 1000000 --rms-norm-eps 1e-6 \
+      --seed 1 --out "$W/q7" > "$OUT/g7b_init.log" 2>&1
+    [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
+      --out "$W/add.parquet" > /dev/null
+    cat > "$W/g7bd.toml" <<EOF
+seed = 1
+steps = ${G7B_STEPS:-3}
+device = "cuda"
+gpus = $N
+daemon = true
+[model]
+path = "$W/q7"
+[data]
+train = "$W/add.parquet"
+prompts-per-step = $((64 * N))
+[rollout]
+n = 8
+max-new-tokens = 512
+ignore-eos = true
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.000001
+shard = "full"
+micro-batch-tokens = ${G7B_MICRO:-8192}
+EOF
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/g7bd_mem.csv" &
+    smi=$!
+    rm -rf "$W/g7bd_run"
+    t_run=$SECONDS
+    TANDEM_BIN_DIR=$D timeout -s INT "${G7B_SECS:-480}" $D/pipeline run "$W/g7bd.toml" \
+      --run-dir "$W/g7bd_run" > "$OUT/g7bd.log" 2>&1
+    echo "pipeline g7bd gpus=$N rc=$? in $((SECONDS - t_run)) s"
+    kill $smi
+    cp "$W/g7bd_run/metrics.jsonl" "$OUT/g7bd.jsonl" 2> /dev/null
+    cp "$W/g7bd_run/daemon.log" "$OUT/g7bd_daemon.log" 2> /dev/null
+    rm -rf "$W/g7bd_run/ckpt"
+    python3 - "$OUT" "$N" <<'PY'
+import collections, json, sys
+out, n = sys.argv[1], int(sys.argv[2])
+peak = collections.defaultdict(int)
+for line in open(f"{out}/g7bd_mem.csv"):
+    try:
+        i, m = (int(x) for x in line.split(","))
+    except ValueError:
+        continue
+    peak[i] = max(peak[i], m)
+print("g7bd peak memory per GPU (MiB):", dict(peak))
+try:
+    lines = [json.loads(l) for l in open(f"{out}/g7bd.jsonl") if l.strip()]
+except OSError:
+    lines = []
+for l in lines:
+    t = {k[5:]: round(v, 2) for k, v in l.items() if k.startswith("time/")}
+    tps = l.get("perf/tokens_per_s", 0) / n
+    print(f"g7bd step {l['step']}: {t}; {tps:.0f} tok/s per GPU ({tps / 1085:.2f}x verl's 1,085 tok/s/GPU)")
 PY
     ;;
   esac

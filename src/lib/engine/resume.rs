@@ -12,8 +12,8 @@
 //! `optimizer.rankRRRRR-of-NNNNN.safetensors` ([`shard_file_name`]), and `trainer_state.json`
 //! records `optimizer_shards: N`. Such a checkpoint is complete only with every shard. It
 //! loads with any number of ranks and any layout: with the same N and layout each rank reads
-//! its own file ([`load_rank`]), otherwise each rank cuts its shard from every file, one file
-//! at a time ([`reshard`]), and one process puts the whole state back together
+//! its own file ([`load_rank`]), otherwise each rank cuts its shard from the files, reading
+//! only the spans that hold its elements ([`reshard`]), and one process puts the whole state back together
 //! ([`whole_from_shards`]). `tandem merge-shards` ([`merge_shards`]) makes it one
 //! `optimizer.safetensors`.
 //!
@@ -25,7 +25,7 @@ use super::train::LrConfig;
 use crate::batch::write::write_atomic;
 use crate::error::input_error;
 use crate::model::decoder::{Buckets, HostShard, OptimizerState, ShardLayout};
-use crate::model::safetensors::{load_file, load_file_with_meta, round_bf16};
+use crate::model::safetensors::{load_file, round_bf16, PartialFile};
 use crate::model::{Tensor, Weights};
 use anyhow::{Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
@@ -118,54 +118,78 @@ pub fn write_shard(dir: &Path, shard: &HostShard) -> Result<()> {
 
 /// Reads one shard file.
 pub fn read_shard(path: &Path) -> Result<HostShard> {
-    let (tensors, meta) = load_file_with_meta(path)?;
+    let (head, mut file, moments) = open_shard(path)?;
+    let mut read = |prefix: &str| -> Result<Buckets> {
+        let mut out = Vec::with_capacity(head.layout.buckets.len());
+        for (k, b) in head.layout.buckets.iter().enumerate() {
+            out.push(file.read_f32(&format!("{prefix}{k:05}"), 0, b.4)?);
+        }
+        Ok(out)
+    };
+    let master = read(MASTER)?;
+    let moments = match moments {
+        true => Some((read(EXP_AVG)?, read(EXP_AVG_SQ)?)),
+        false => None,
+    };
+    Ok(HostShard {
+        rank: head.rank,
+        step: head.optimizer_step,
+        layout: head.layout,
+        master,
+        moments,
+    })
+}
+
+/// A shard file's header, checked against its tensors (every bucket's f32 master shard, and
+/// its moments unless at step 0), with the file open to read any part of its buckets; true
+/// when it holds the moments.
+fn open_shard(path: &Path) -> Result<(ShardHead, PartialFile, bool)> {
+    let file = PartialFile::open(path)?;
     let bad = |what: &str| {
         input_error(format!(
             "{}: not an optimizer shard: {what}",
             path.display()
         ))
     };
-    let head: ShardHead = meta
+    let head: ShardHead = file
+        .meta
         .get(SHARD_META)
         .and_then(|h| serde_json::from_str(h).ok())
         .ok_or_else(|| bad(&format!("metadata '{SHARD_META}' missing or malformed")))?;
-    let ShardHead {
-        rank,
-        world_size,
-        optimizer_step: step,
-        layout,
-    } = head;
-    if world_size != layout.world_size {
+    if head.world_size != head.layout.world_size {
         return Err(bad("its world size is not its layout's"));
     }
-    let buckets = layout.buckets.len();
-    let mut groups: [Vec<Option<Vec<f32>>>; 3] = std::array::from_fn(|_| vec![None; buckets]);
-    for (name, t, dtype) in tensors {
+    let buckets = head.layout.buckets.len();
+    let mut seen = [
+        vec![false; buckets],
+        vec![false; buckets],
+        vec![false; buckets],
+    ];
+    for (name, dtype, shape) in file.tensors() {
         let (g, k) = [(0, MASTER), (1, EXP_AVG), (2, EXP_AVG_SQ)]
             .iter()
             .find_map(|&(g, p)| Some((g, name.strip_prefix(p)?.parse::<usize>().ok()?)))
             .ok_or_else(|| bad(&format!("unexpected tensor '{name}'")))?;
-        if dtype != Dtype::F32 || k >= buckets || t.data.len() != layout.buckets[k].4 {
+        if dtype != Dtype::F32
+            || k >= buckets
+            || shape.iter().product::<usize>() != head.layout.buckets[k].4
+        {
             return Err(bad(&format!(
                 "tensor '{name}' is not the layout's f32 shard"
             )));
         }
-        groups[g][k] = Some(t.data);
+        seen[g][k] = true;
     }
-    let [master, m, v] = groups.map(|g| g.into_iter().collect::<Option<Vec<_>>>());
-    let master = master.ok_or_else(|| bad("a master bucket is missing"))?;
+    let [master, m, v] = seen.map(|g| g.iter().all(|&x| x));
+    if !master {
+        return Err(bad("a master bucket is missing"));
+    }
     let moments = match (m, v) {
-        (Some(m), Some(v)) => Some((m, v)),
-        _ if step == 0 => None,
+        (true, true) => true,
+        _ if head.optimizer_step == 0 => false,
         _ => return Err(bad("a moment bucket is missing")),
     };
-    Ok(HostShard {
-        rank,
-        layout,
-        step,
-        master,
-        moments,
-    })
+    Ok((head, file, moments))
 }
 
 /// The file of rank `rank`'s optimizer shard of the `n` in checkpoint `dir`; an input error
@@ -460,9 +484,9 @@ fn read_optimizer_file(path: &Path, step: u64) -> Result<(Weights, OptimizerStat
 /// Rank `rank`'s shard in `layout` (its world size, shard mode and buckets) of the optimizer
 /// state of sharded checkpoint `dir`, written with another layout (another number of ranks,
 /// `--shard` mode or `--bucket-elems`): each tensor's elements are copied from where the
-/// checkpoint's buckets hold them to where `layout` puts this rank's part of them. The shard
-/// files are read one at a time, so a rank holds its own shard and one file, never the whole
-/// state.
+/// checkpoint's buckets hold them to where `layout` puts this rank's part of them. Of each
+/// shard file only the span of each bucket that holds this rank's elements is read (about 1/M
+/// of the state at M ranks), and a rank holds only its own shard.
 pub fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<HostShard> {
     let ts_path = dir.join(TRAINER_STATE_FILE);
     let trainer = read_trainer_state(&ts_path)?;
@@ -480,14 +504,17 @@ pub fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<HostShar
     let mut moments: Option<(Buckets, Buckets)> = None;
     for q in 0..n {
         let path = shard_path(dir, q, n)?;
-        let old = read_shard(&path)?;
-        if old.rank != q || old.layout.world_size != n || old.step != trainer.optimizer_step {
+        let (old, mut file, has_moments) = open_shard(&path)?;
+        if old.rank != q
+            || old.layout.world_size != n
+            || old.optimizer_step != trainer.optimizer_step
+        {
             crate::bail_input!(
                 "{}: is rank {} of {} at optimizer step {}, expected rank {q} of {n} at step {} ({})",
                 path.display(),
                 old.rank,
                 old.layout.world_size,
-                old.step,
+                old.optimizer_step,
                 trainer.optimizer_step,
                 ts_path.display()
             );
@@ -498,20 +525,23 @@ pub fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<HostShar
                 path.display()
             );
         }
-        match (&old.moments, q) {
-            (Some(_), 0) => moments = Some((zeros(), zeros())),
-            (None, 0) => {}
-            (m, _) if m.is_some() != moments.is_some() => crate::bail_input!(
+        match (has_moments, q) {
+            (true, 0) => moments = Some((zeros(), zeros())),
+            (false, 0) => {}
+            (m, _) if m != moments.is_some() => crate::bail_input!(
                 "{}: has {} moments where rank 0's shard has {}",
                 path.display(),
-                if m.is_some() { "" } else { "no" },
+                if m { "" } else { "no" },
                 if moments.is_some() { "them" } else { "none" }
             ),
             _ => {}
         }
         for (k, (first, end, offsets, _, slen)) in old.layout.buckets.iter().enumerate() {
-            // This file holds elements [lo, lo + slen) of old bucket k.
+            // This file holds elements [lo, lo + slen) of old bucket k; the pieces of it in
+            // this rank's part of `layout`: (element of the file's bucket, bucket there,
+            // element there, length).
             let lo = q * slen;
+            let mut pieces = Vec::new();
             for (t, &off) in (*first..*end).zip(offsets) {
                 let numel: usize = layout.shapes[t].iter().product();
                 let (a, b) = (lo.max(off), (lo + slen).min(off + numel));
@@ -526,13 +556,26 @@ pub fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<HostShar
                 if a2 >= b2 {
                     continue;
                 }
-                let src = off + (a2 - off2) - lo;
-                let (dst, len) = (a2 - lo2, b2 - a2);
-                master[k2][dst..dst + len].copy_from_slice(&old.master[k][src..src + len]);
-                if let (Some((m, v)), Some((om, ov))) = (moments.as_mut(), old.moments.as_ref()) {
-                    m[k2][dst..dst + len].copy_from_slice(&om[k][src..src + len]);
-                    v[k2][dst..dst + len].copy_from_slice(&ov[k][src..src + len]);
+                pieces.push((off + (a2 - off2) - lo, k2, a2 - lo2, b2 - a2));
+            }
+            // Only the span of the file's bucket that holds the pieces is read.
+            let (Some(from), Some(to)) = (
+                pieces.iter().map(|p| p.0).min(),
+                pieces.iter().map(|p| p.0 + p.3).max(),
+            ) else {
+                continue;
+            };
+            let mut read =
+                |prefix: &str| file.read_f32(&format!("{prefix}{k:05}"), from, to - from);
+            let put = |dst: &mut Buckets, src: &[f32]| {
+                for &(s, k2, d, len) in &pieces {
+                    dst[k2][d..d + len].copy_from_slice(&src[s - from..s - from + len]);
                 }
+            };
+            put(&mut master, &read(MASTER)?);
+            if let Some((m, v)) = moments.as_mut() {
+                put(m, &read(EXP_AVG)?);
+                put(v, &read(EXP_AVG_SQ)?);
             }
         }
     }
@@ -837,6 +880,33 @@ mod tests {
                 .contains("optimizer.rank00000-of-00002.safetensors")
                 && err.to_string().contains("another model"),
             "{err}"
+        );
+        // Of each file only the span a rank needs is read: NaNs where rank 0 of three needs
+        // nothing (file 1's bucket, file 0's last element) leave its shard as it was, and stop
+        // rank 1, which needs them, naming the file and the tensor.
+        let bad = tempfile::tempdir().unwrap();
+        let (mut b0, mut b1) = (s0.clone(), s1.clone());
+        b0.master[0][2] = f32::NAN;
+        b1.master[0][0] = f32::NAN;
+        write_shard(bad.path(), &b0).unwrap();
+        write_shard(bad.path(), &b1).unwrap();
+        std::fs::copy(
+            dir.path().join(TRAINER_STATE_FILE),
+            bad.path().join(TRAINER_STATE_FILE),
+        )
+        .unwrap();
+        assert_eq!(
+            reshard(bad.path(), &three, 0).unwrap(),
+            reshard(dir.path(), &three, 0).unwrap()
+        );
+        let err = reshard(bad.path(), &three, 1).err().unwrap();
+        assert!(crate::error::is_input_error(&err));
+        let msg = err.to_string();
+        assert!(
+            msg.contains("optimizer.rank00000-of-00002.safetensors")
+                && msg.contains("'master.00000'")
+                && msg.contains("non-finite value (NaN) at flat index 2"),
+            "{msg}"
         );
         // One process: the whole state, put back together.
         let r = load(dir.path(), &weights).unwrap().unwrap();

@@ -8,7 +8,7 @@ use crate::error::input_error;
 use anyhow::{Context, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
-use safetensors::tensor::{Dtype, SafeTensors, View};
+use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo, View};
 use serde_json::{Map, Value};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -103,6 +103,113 @@ pub fn load_file_with_meta(path: &Path) -> Result<FileTensors> {
 
 /// A file's tensors (name, f32 data, stored dtype) and its metadata.
 pub type FileTensors = (Vec<(String, Tensor, Dtype)>, HashMap<String, String>);
+
+/// One safetensors file opened for reading parts of its tensors: only the header is read at
+/// open; [`PartialFile::read_f32`] reads a range of one tensor's elements (a rank resuming
+/// from another layout's optimizer shards needs about 1/N of each file).
+pub struct PartialFile {
+    path: PathBuf,
+    file: std::fs::File,
+    /// Where the data starts: after the 8-byte length and the header.
+    data_start: u64,
+    /// Each tensor's dtype, shape and byte range in the data.
+    tensors: HashMap<String, TensorInfo>,
+    pub meta: HashMap<String, String>,
+}
+
+impl PartialFile {
+    pub fn open(path: &Path) -> Result<PartialFile> {
+        use std::io::Read;
+        let cannot =
+            |e: std::io::Error| input_error(format!("{}: cannot read: {e}", path.display()));
+        let mut file = std::fs::File::open(path).map_err(cannot)?;
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len).map_err(cannot)?;
+        let n = u64::from_le_bytes(len);
+        let size = file.metadata().map_err(cannot)?.len();
+        if n > size.saturating_sub(8) || n > 100 << 20 {
+            crate::bail_input!(
+                "{}: not a valid safetensors file: a header of {n} bytes in a file of {size}",
+                path.display()
+            );
+        }
+        let mut head = len.to_vec();
+        head.resize(8 + n as usize, 0);
+        file.read_exact(&mut head[8..]).map_err(cannot)?;
+        // The header alone (SafeTensors::read_metadata wants the whole file); each tensor's
+        // byte range is checked against its shape and the file's size here.
+        let m: Metadata = serde_json::from_slice(&head[8..]).map_err(|e| {
+            input_error(format!(
+                "{}: not a valid safetensors file: {e}",
+                path.display()
+            ))
+        })?;
+        let data_len = size - 8 - n;
+        let mut tensors = HashMap::new();
+        for (name, info) in m.tensors() {
+            let (a, b) = info.data_offsets;
+            let bytes = info
+                .shape
+                .iter()
+                .try_fold(info.dtype.bitsize(), |x, &d| x.checked_mul(d))
+                .map(|bits| bits / 8);
+            if a > b || b as u64 > data_len || bytes != Some(b - a) {
+                crate::bail_input!(
+                    "{}: not a valid safetensors file: tensor '{name}' has bytes [{a}, {b}) of {data_len} for shape {:?} of {:?}",
+                    path.display(),
+                    info.shape,
+                    info.dtype
+                );
+            }
+            tensors.insert(name, info.clone());
+        }
+        Ok(PartialFile {
+            path: path.to_path_buf(),
+            file,
+            data_start: 8 + n,
+            tensors,
+            meta: m.metadata().clone().unwrap_or_default(),
+        })
+    }
+
+    /// The tensors' names, dtypes and shapes.
+    pub fn tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize])> {
+        self.tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice()))
+    }
+
+    /// Elements [start, start + len) of f32 tensor `name`, checked finite.
+    pub fn read_f32(&mut self, name: &str, start: usize, len: usize) -> Result<Vec<f32>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let path = self.path.display();
+        let Some(t) = self.tensors.get(name) else {
+            crate::bail_input!("{path}: has no tensor '{name}'");
+        };
+        let (a, b) = t.data_offsets;
+        if t.dtype != Dtype::F32 || start + len > (b - a) / 4 {
+            crate::bail_input!(
+                "{path}: tensor '{name}' is not an f32 tensor of at least {} elements",
+                start + len
+            );
+        }
+        let at = self.data_start + (a + 4 * start) as u64;
+        let mut bytes = vec![0u8; 4 * len];
+        self.file
+            .seek(SeekFrom::Start(at))
+            .and_then(|_| self.file.read_exact(&mut bytes))
+            .map_err(|e| input_error(format!("{path}: cannot read: {e}")))?;
+        let data = to_f32(&bytes, Dtype::F32).expect("f32");
+        if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+            crate::bail_input!(
+                "{path}: tensor '{name}' has a non-finite value ({}) at flat index {}",
+                data[i],
+                start + i
+            );
+        }
+        Ok(data)
+    }
+}
 
 /// Loads `dir/model.safetensors`, or the shards that `dir/model.safetensors.index.json` lists.
 pub fn load_dir(dir: &Path) -> Result<Loaded> {

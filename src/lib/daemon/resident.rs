@@ -13,10 +13,13 @@
 //! ([`Exec::held_policy`]).
 //!
 //! In a daemon group (one daemon per GPU) every rank keeps its part of the sharded training
-//! state (zero2) between updates: the whole compute weights, which the weight sync leaves on
-//! every rank, and its 1/N of the masters and moments ([`Resident::train_group`]). An update
-//! that writes a checkpoint gathers the state to rank 0, which writes the files as `update`
-//! under a launcher does; `--resident` writes nothing but the marked directory.
+//! state between updates ([`Resident::train_group`]): under zero2 the whole compute weights,
+//! which the weight sync leaves on every rank, and its 1/N of the masters and moments; under
+//! `--shard full` its 1/N of the compute weights too, plus a whole copy of the compute weights
+//! for generation that each update drops before training and builds again after (all-gathered
+//! from the ranks' shards). An update that writes a checkpoint gathers the state to rank 0,
+//! which writes the files as `update` under a launcher does; `--resident` writes nothing but
+//! the marked directory.
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
@@ -25,7 +28,6 @@ use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedPolicy};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim, TokenStats};
-use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Weights};
 use crate::stage::common::{Device, ModelRef};
 use crate::stage::ref_logprob::{LogprobColumn, Score};
@@ -141,8 +143,9 @@ struct PolicySlot<B: Backend> {
     gen: Option<Decoder<B>>,
     /// Optimizer state parked in host memory (`--offload-optimizer`).
     parked: Option<Parked>,
-    /// In a daemon group: this rank's optimizer shards (zero2), kept between updates; the
-    /// decoder then holds no whole masters or moments.
+    /// In a daemon group: this rank's optimizer shards, kept between updates; the decoder
+    /// then holds no whole masters or moments (zero2), nor whole compute weights (`--shard
+    /// full`: `gen` is the whole copy that generates).
     sharded: Option<ShardedOptim<B>>,
 }
 
@@ -361,6 +364,7 @@ impl<B: Backend> Resident<B> {
                 "generation_copy": p.gen.is_some(),
                 "optimizer_offloaded": p.parked.is_some(),
                 "optimizer_sharded": p.sharded.is_some(),
+                "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
             })),
             "reference": self.reference.as_ref().map(|r| json!({
                 "dir": r.key.dir.display().to_string(),
@@ -460,10 +464,19 @@ impl<B: Backend> Resident<B> {
     /// itself, whose compute weights are the bf16 rounding of the masters, exactly the weights
     /// a rollout loads from the checkpoint files. Only on a backend that computes in f32 are
     /// the compute weights the unrounded masters; there a bf16-rounded copy is built once per
-    /// policy (the CPU oracle path, where memory is not the constraint).
+    /// policy (the CPU oracle path, where memory is not the constraint). A group rank under
+    /// `--shard full` holds 1/N of the compute weights: it generates with the whole copy its
+    /// last update built ([`Resident::train_group`]).
     fn generation(&mut self, model: &ModelRef) -> Result<&mut Decoder<B>> {
         let make_copy = {
             let slot = self.policy_slot(model)?;
+            if slot.gen.is_none() && slot.sharded.as_ref().is_some_and(ShardedOptim::is_full) {
+                // Every `--shard full` update builds it (train_group); only a failed one has
+                // not, and that one forgot the policy.
+                anyhow::bail!(
+                    "the daemon group's policy is sharded (--shard full) and has no generation copy"
+                );
+            }
             slot.from_master
                 && slot.gen.is_none()
                 && slot.decoder.backend().compute_dtype() == DType::F32
@@ -472,12 +485,9 @@ impl<B: Backend> Resident<B> {
             let started = Instant::now();
             let backend = (self.make)()?;
             let slot = self.policy.as_mut().expect("loaded above");
-            let mut w = slot.decoder.export_weights()?;
-            for t in w.values_mut() {
-                t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
-            }
+            let w = slot.decoder.export_weights()?;
             let cfg = slot.decoder.config().clone();
-            slot.gen = Some(Decoder::new(backend, &cfg, &w)?);
+            slot.gen = Some(Decoder::for_generation(backend, &cfg, w)?);
             self.note("generation_copy_seconds", started.elapsed().as_secs_f64());
         }
         let slot = self.policy.as_mut().expect("loaded above");
@@ -577,11 +587,11 @@ impl<B: Backend> Resident<B> {
     }
 
     /// This rank's part of a daemon group's sharded update (every rank runs it, on the ranks
-    /// of `pg`). zero2: the policy this rank holds trains with the optimizer shards it keeps
-    /// (cut from the loaded state at the first update), so no file is read; rank 0 gets the
-    /// gathered state when the job writes a checkpoint. `--shard full` keeps nothing here: it
-    /// loads the files for each update, and the policy held goes (the next job loads the new
-    /// files).
+    /// of `pg`): the policy this rank holds trains with the optimizer shards it keeps (cut
+    /// from the loaded state at the first update: zero2's masters and moments, or under
+    /// `--shard full` the compute weights too), so no file is read; rank 0 gets the gathered
+    /// state when the job writes a checkpoint. Under `--shard full` the rank then builds the
+    /// whole decoder that generates until the next update ([`Resident::generation`]).
     pub fn train_group(
         &mut self,
         pg: &ProcessGroup,
@@ -589,15 +599,13 @@ impl<B: Backend> Resident<B> {
         job: Train<'_>,
         sharding: Sharding,
     ) -> Result<Trained> {
-        let make_comm = match (&self.make_comm, sharding.mode) {
-            (Some(m), ShardMode::Zero2) => m.clone(),
-            _ => {
-                self.observe();
-                self.policy = None;
-                self.trim()?;
-                return train_ranks_from_files(pg, model, job, sharding);
-            }
+        let Some(make_comm) = self.make_comm.clone() else {
+            self.observe();
+            self.policy = None;
+            self.trim()?;
+            return train_ranks_from_files(pg, model, job, sharding);
         };
+        let full = sharding.mode == ShardMode::Full;
         let load_s = self.update_phase(model)?;
         let reply = self.reply.clone();
         let slot = self.policy.as_mut().expect("loaded above");
@@ -606,11 +614,25 @@ impl<B: Backend> Resident<B> {
         // communication stays open between jobs.
         let comm = make_comm(slot.decoder.backend(), pg)?;
         let mut optim = match slot.sharded.take() {
-            Some(o) => o,
+            Some(o) if o.is_full() == full => o,
+            Some(o) => {
+                // Another --shard than the last update's: the state comes back together on
+                // every rank (from memory, not from the files) and is sharded as asked.
+                slot.decoder.unshard_optimizer(o, comm.as_ref())?;
+                match full {
+                    true => slot.decoder.shard_full(comm.as_ref())?,
+                    false => slot
+                        .decoder
+                        .shard_optimizer(comm.as_ref(), sharding.bucket_elems)?,
+                }
+            }
             None => {
-                let mut o = slot
-                    .decoder
-                    .shard_optimizer(comm.as_ref(), sharding.bucket_elems)?;
+                let mut o = match full {
+                    true => slot.decoder.shard_full(comm.as_ref())?,
+                    false => slot
+                        .decoder
+                        .shard_optimizer(comm.as_ref(), sharding.bucket_elems)?,
+                };
                 if slot
                     .trainer
                     .as_ref()
@@ -668,6 +690,20 @@ impl<B: Backend> Resident<B> {
         slot.decoder.release_workspace()?;
         slot.decoder.release_grads();
         slot.decoder.backend().trim()?;
+        if full {
+            // Built here, where every rank runs the job, rather than at the first rollout or
+            // score: a rank with no rows of those does not reach the policy, and sync-weights
+            // runs on rank 0 alone. Training's workspace and gradients are gone by now; the
+            // copy lives with the shards until the next update drops it (update_phase).
+            let started = Instant::now();
+            let held = slot.sharded.as_ref().expect("kept above");
+            let weights = slot.decoder.gather_compute(held, comm.as_ref())?;
+            let cfg = slot.decoder.config().clone();
+            slot.gen = Some(Decoder::for_generation((self.make)()?, &cfg, weights)?);
+            let copy_s = started.elapsed().as_secs_f64();
+            self.note("generation_copy_seconds", copy_s);
+        }
+        let slot = self.policy.as_mut().expect("loaded above");
         kill_once(
             KILL_IN_UPDATE_ENV,
             env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step)

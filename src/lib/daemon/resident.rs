@@ -663,6 +663,7 @@ impl<B: Backend> Resident<B> {
             buckets: optim.stats.buckets,
             shard_elems: optim.stats.shard_elems,
             staging_bytes: optim.stats.staging_bytes,
+            full: optim.stats.full,
             ..ShardStats::default()
         };
         // From here the decoder is ahead of every file until `saved`.

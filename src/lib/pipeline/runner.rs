@@ -755,9 +755,7 @@ impl Runner {
     /// (under `[update] shard = "full"` its shards of the compute weights too).
     fn writes_checkpoint(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
-        !self.spec.daemon
-            || step == self.spec.steps
-            || (every > 0 && step.is_multiple_of(every))
+        !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
     }
 
     fn kl_state(&self, step: u64) -> PathBuf {

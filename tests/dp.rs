@@ -1038,6 +1038,77 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
     assert_eq!(ckpts("killed"), ["step-0002", "step-0004"]);
 }
 
+/// `gpus = 2`, `daemon = true` under `[update] shard = "full"`, 4 steps with `[checkpoint]
+/// every = 2`: as under zero2, steps 1 and 3 update with `--resident` (no file written, none
+/// read: the ranks keep their shards of the compute weights, masters and moments, and generate
+/// from the copy gathered after each update), and the final checkpoint equals the in-process
+/// `gpus = 2` run's (files written and read every step) bit for bit.
+#[test]
+fn a_daemon_group_keeps_full_shards_resident_between_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d);
+    let text = |top: &str| {
+        let s = spec(top)
+            .replace(
+                "reward = \"exact\"",
+                "reward = \"regex:[a-z]\"\nformat-score = 1.0",
+            )
+            .replace(
+                "mini-batch-size = 3\n",
+                "mini-batch-size = 3\nshard = \"full\"\n",
+            );
+        format!("{s}[checkpoint]\nevery = 2\nkeep-last = 2\n")
+    };
+    for (name, top) in [("files", "gpus = 2"), ("group", "gpus = 2\ndaemon = true")] {
+        let o = run_pipeline(d, name, &text(top), &["--steps", "4"], &[]);
+        assert!(
+            o.status.success(),
+            "{name}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let commands = std::fs::read_to_string(d.join("group/commands.sh")).unwrap();
+    let updates: Vec<&str> = commands
+        .lines()
+        .filter(|l| l.contains("/update "))
+        .collect();
+    assert_eq!(updates.len(), 4, "{commands}");
+    for (i, line) in updates.iter().enumerate() {
+        assert_eq!(
+            line.contains("--resident"),
+            i % 2 == 0,
+            "step {}: {line}",
+            i + 1
+        );
+    }
+    for step in 1..=4u64 {
+        let m = update_metrics(d, "group", step);
+        let files = step % 2 == 0;
+        assert_eq!(m["weights_saved"], files, "step {step}: {m}");
+        assert_eq!(m["shard"]["mode"], "full", "step {step}: {m}");
+        assert_eq!(m["daemon"]["reloaded"], false, "step {step}: {m}");
+        let f = update_metrics(d, "files", step);
+        for key in ["loss", "grad_norm", "optimizer_step"] {
+            assert_eq!(m[key], f[key], "step {step}: {key}");
+        }
+    }
+    for step in ["step-0001", "step-0003"] {
+        assert!(!d.join("group/ckpt").join(step).exists(), "{step}");
+    }
+    let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0004"));
+    assert_eq!(final_files("files"), final_files("group"));
+    for batch in ["rollout", "adv"] {
+        let f = format!("step-0004/{batch}.parquet");
+        same_rows(
+            &read(&d.join("files").join(&f)),
+            &read(&d.join("group").join(&f)),
+            &f,
+        );
+    }
+}
+
 /// `update --resident` on a 2-daemon group, by hand: every rank keeps its optimizer shard
 /// (status), the directory holds no weights, the group's rollout from it gives the rows of a
 /// rollout from the files of the same update run in-process under the launcher, `daemon-ctl

@@ -1297,8 +1297,9 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
 /// group's rollout between the two updates gives the rows of a rollout from the files of the
 /// first update run under the launcher; the second update reads no file; `daemon-ctl save`
 /// writes the launched second update's files (per-rank optimizer shards of full sharding's
-/// layout included) bit for bit; and a non-resident update on the group writes its checkpoint
-/// as the launched one does.
+/// layout included) bit for bit; a non-resident update on the group writes its checkpoint
+/// as the launched one does; and a zero2 update after them re-shards the state held in memory
+/// and writes the launched zero2 update's files.
 #[test]
 fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
     let dir = tempfile::tempdir().unwrap();
@@ -1308,7 +1309,7 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
     prompts(&input, &QUESTIONS);
     let (batch, batch_m) = (d.join("batch.parquet"), d.join("batch.json"));
     ok("rollout", &rollout_args(&model, &input, &batch, &batch_m));
-    let update = |from: &Path, out: &Path| -> Vec<String> {
+    let update = |from: &Path, out: &Path, mode: &str| -> Vec<String> {
         [
             "--model",
             p(from),
@@ -1325,14 +1326,14 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
             "--seed",
             "5",
             "--shard",
-            "full",
+            mode,
         ]
         .map(String::from)
         .to_vec()
     };
     let (m1, m2, m3) = (d.join("m1"), d.join("m2"), d.join("m3"));
     for (from, out) in [(&model, &m1), (&m1, &m2), (&m2, &m3)] {
-        let a = update(from, out);
+        let a = update(from, out, "full");
         launch_ok(
             2,
             "update",
@@ -1348,7 +1349,7 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
         serde_json::from_str(&std::fs::read_to_string(d.join(name)).unwrap()).unwrap()
     };
     let (k1, k2) = (d.join("k1"), d.join("k2"));
-    let mut a = update(&model, &k1);
+    let mut a = update(&model, &k1, "full");
     a.extend(["--resident", "--daemon", p(&socket), "--metrics"].map(String::from));
     a.push(p(&d.join("k1.json")).into());
     ok("update", &a);
@@ -1382,7 +1383,7 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
     assert_eq!(m["daemon"]["reloaded"], false, "{m}");
 
     // The second resident update trains the shards in memory: no file read.
-    let mut a = update(&k1, &k2);
+    let mut a = update(&k1, &k2, "full");
     a.extend(["--resident", "--daemon", p(&socket), "--metrics"].map(String::from));
     a.push(p(&d.join("k2.json")).into());
     ok("update", &a);
@@ -1415,11 +1416,35 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
 
     // A checkpointing update on the group trains on from memory and writes m3's files.
     let m3g = d.join("m3g");
-    let mut a = update(&saved, &m3g);
+    let mut a = update(&saved, &m3g, "full");
     a.extend(["--daemon", p(&socket), "--metrics"].map(String::from));
     a.push(p(&d.join("m3g.json")).into());
     ok("update", &a);
     let m = metrics("m3g.json");
     assert_eq!(m["daemon"]["reloaded"], false, "{m}");
     assert_eq!(files(&m3), files(&m3g));
+
+    // --shard zero2 next: the ranks put the state held in full shards back together (from
+    // memory) and shard it as zero2, as a launched zero2 update cuts its shards from m3's files.
+    let (m4, m4g) = (d.join("m4"), d.join("m4g"));
+    let a = update(&m3, &m4, "zero2");
+    launch_ok(
+        2,
+        "update",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let mut a = update(&m3g, &m4g, "zero2");
+    a.extend(["--daemon", p(&socket)].map(String::from));
+    ok("update", &a);
+    assert_eq!(files(&m4), files(&m4g));
+    let ranks = wait_ranks(&socket, "both ranks to hold zero2 shards", |r| {
+        r.iter()
+            .all(|s| s["resident"]["policy"]["weights_sharded"] == false)
+    });
+    assert!(
+        ranks
+            .iter()
+            .all(|s| s["resident"]["policy"]["optimizer_sharded"] == true),
+        "{ranks:?}"
+    );
 }

@@ -615,28 +615,24 @@ impl<B: Backend> Resident<B> {
         let comm = make_comm(slot.decoder.backend(), pg)?;
         let mut optim = match slot.sharded.take() {
             Some(o) if o.is_full() == full => o,
-            Some(o) => {
-                // Another --shard than the last update's: the state comes back together on
-                // every rank (from memory, not from the files) and is sharded as asked.
-                slot.decoder.unshard_optimizer(o, comm.as_ref())?;
-                match full {
-                    true => slot.decoder.shard_full(comm.as_ref())?,
-                    false => slot
-                        .decoder
-                        .shard_optimizer(comm.as_ref(), sharding.bucket_elems)?,
+            held => {
+                let loaded = held.is_none();
+                if let Some(o) = held {
+                    // Another --shard than the last update's: the state comes back together
+                    // on every rank (from memory, not from the files) and is sharded as asked.
+                    slot.decoder.unshard_optimizer(o, comm.as_ref())?;
                 }
-            }
-            None => {
                 let mut o = match full {
                     true => slot.decoder.shard_full(comm.as_ref())?,
                     false => slot
                         .decoder
                         .shard_optimizer(comm.as_ref(), sharding.bucket_elems)?,
                 };
-                if slot
-                    .trainer
-                    .as_ref()
-                    .is_some_and(|t| t.optimizer_shards > 0)
+                if loaded
+                    && slot
+                        .trainer
+                        .as_ref()
+                        .is_some_and(|t| t.optimizer_shards > 0)
                 {
                     // Loaded for generation (the weights only): this rank's part of the
                     // optimizer state is in its own shard file of the checkpoint, read as a

@@ -680,29 +680,6 @@ fn a_daemon_group_serves_rollout_and_ref_logprob_data_parallel() {
     args.extend(["--daemon", p(&rank1)]);
     input_error("rollout", &args, "this daemon is rank 1 of a group of 2");
 
-    // --shard full keeps nothing between updates: --resident with it is refused before any
-    // rank runs anything.
-    let kept = d.join("kept");
-    let args = [
-        "--model",
-        p(&model),
-        "--in",
-        p(&one),
-        "--out-model",
-        p(&kept),
-        "--resident",
-        "--shard",
-        "full",
-        "--daemon",
-        p(&socket),
-    ];
-    let err = input_error(
-        "update",
-        &args,
-        "update --resident --shard full on a daemon group of 2 ranks",
-    );
-    assert!(err.contains("use --shard zero2 (the default)"), "{err}");
-    assert!(!kept.exists());
     // A client killed mid-rollout cancels the job on both ranks; nothing is written.
     let long = d.join("long.parquet");
     let mut client = Command::new(bin("rollout"))
@@ -1067,6 +1044,77 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
     assert_eq!(ckpts("killed"), ["step-0002", "step-0004"]);
 }
 
+/// `gpus = 2`, `daemon = true` under `[update] shard = "full"`, 4 steps with `[checkpoint]
+/// every = 2`: as under zero2, steps 1 and 3 update with `--resident` (no file written, none
+/// read: the ranks keep their shards of the compute weights, masters and moments, and generate
+/// from the copy gathered after each update), and the final checkpoint equals the in-process
+/// `gpus = 2` run's (files written and read every step) bit for bit.
+#[test]
+fn a_daemon_group_keeps_full_shards_resident_between_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d);
+    let text = |top: &str| {
+        let s = spec(top)
+            .replace(
+                "reward = \"exact\"",
+                "reward = \"regex:[a-z]\"\nformat-score = 1.0",
+            )
+            .replace(
+                "mini-batch-size = 3\n",
+                "mini-batch-size = 3\nshard = \"full\"\n",
+            );
+        format!("{s}[checkpoint]\nevery = 2\nkeep-last = 2\n")
+    };
+    for (name, top) in [("files", "gpus = 2"), ("group", "gpus = 2\ndaemon = true")] {
+        let o = run_pipeline(d, name, &text(top), &["--steps", "4"], &[]);
+        assert!(
+            o.status.success(),
+            "{name}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let commands = std::fs::read_to_string(d.join("group/commands.sh")).unwrap();
+    let updates: Vec<&str> = commands
+        .lines()
+        .filter(|l| l.contains("/update "))
+        .collect();
+    assert_eq!(updates.len(), 4, "{commands}");
+    for (i, line) in updates.iter().enumerate() {
+        assert_eq!(
+            line.contains("--resident"),
+            i % 2 == 0,
+            "step {}: {line}",
+            i + 1
+        );
+    }
+    for step in 1..=4u64 {
+        let m = update_metrics(d, "group", step);
+        let files = step % 2 == 0;
+        assert_eq!(m["weights_saved"], files, "step {step}: {m}");
+        assert_eq!(m["shard"]["mode"], "full", "step {step}: {m}");
+        assert_eq!(m["daemon"]["reloaded"], false, "step {step}: {m}");
+        let f = update_metrics(d, "files", step);
+        for key in ["loss", "grad_norm", "optimizer_step"] {
+            assert_eq!(m[key], f[key], "step {step}: {key}");
+        }
+    }
+    for step in ["step-0001", "step-0003"] {
+        assert!(!d.join("group/ckpt").join(step).exists(), "{step}");
+    }
+    let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0004"));
+    assert_eq!(final_files("files"), final_files("group"));
+    for batch in ["rollout", "adv"] {
+        let f = format!("step-0004/{batch}.parquet");
+        same_rows(
+            &read(&d.join("files").join(&f)),
+            &read(&d.join("group").join(&f)),
+            &f,
+        );
+    }
+}
+
 /// `update --resident` on a 2-daemon group, by hand: every rank keeps its optimizer shard
 /// (status), the directory holds no weights, the group's rollout from it gives the rows of a
 /// rollout from the files of the same update run in-process under the launcher, `daemon-ctl
@@ -1222,9 +1270,9 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
     );
     assert_eq!(after["optimizer_shards"], 2, "{after}");
 
-    // --shard full keeps nothing: the update loads the files on every rank (here the initial
-    // model's, whose optimizer is fresh), rank 0 writes m3, and the ranks drop what they held,
-    // so the next rollout loads m3's files.
+    // An update of another checkpoint under --shard full (here the initial model's, whose
+    // optimizer is fresh): the ranks load it, shard it unit by unit, rank 0 writes m3, and the
+    // next rollout generates from the copy gathered from the ranks' shards.
     let (m3, m3g) = (d.join("m3"), d.join("m3g"));
     let mut a = update(&model, &m3);
     a.extend(["--shard", "full"].map(String::from));
@@ -1247,5 +1295,162 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
         &read(&r3),
         &read(&r3g),
         "rollout after a --shard full update",
+    );
+}
+
+/// `update --resident --shard full` on a 2-daemon group, by hand: every rank keeps its shards
+/// of the compute weights, masters and moments (status) and a whole copy for generation; the
+/// group's rollout between the two updates gives the rows of a rollout from the files of the
+/// first update run under the launcher; the second update reads no file; `daemon-ctl save`
+/// writes the launched second update's files (per-rank optimizer shards of full sharding's
+/// layout included) bit for bit; a non-resident update on the group writes its checkpoint
+/// as the launched one does; and a zero2 update after them re-shards the state held in memory
+/// and writes the launched zero2 update's files.
+#[test]
+fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 7);
+    let input = d.join("prompts.parquet");
+    prompts(&input, &QUESTIONS);
+    let (batch, batch_m) = (d.join("batch.parquet"), d.join("batch.json"));
+    ok("rollout", &rollout_args(&model, &input, &batch, &batch_m));
+    let update = |from: &Path, out: &Path, mode: &str| -> Vec<String> {
+        [
+            "--model",
+            p(from),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(out),
+            "--loss",
+            "sft",
+            "--lr",
+            "0.01",
+            "--mini-batch-size",
+            "4",
+            "--seed",
+            "5",
+            "--shard",
+            mode,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let (m1, m2, m3) = (d.join("m1"), d.join("m2"), d.join("m3"));
+    for (from, out) in [(&model, &m1), (&m1, &m2), (&m2, &m3)] {
+        let a = update(from, out, "full");
+        launch_ok(
+            2,
+            "update",
+            &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+    }
+    let (r1, r1_m) = (d.join("r1.parquet"), d.join("r1.json"));
+    ok("rollout", &rollout_args(&m1, &input, &r1, &r1_m));
+
+    let socket = d.join("g.sock");
+    let _group = DaemonGroup::start(d, 2, &socket, &model, &[]);
+    let metrics = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join(name)).unwrap()).unwrap()
+    };
+    let (k1, k2) = (d.join("k1"), d.join("k2"));
+    let mut a = update(&model, &k1, "full");
+    a.extend(["--resident", "--daemon", p(&socket), "--metrics"].map(String::from));
+    a.push(p(&d.join("k1.json")).into());
+    ok("update", &a);
+    assert!(k1.join("resident.json").is_file());
+    assert!(!k1.join("model.safetensors").exists());
+    let m = metrics("k1.json");
+    assert_eq!(m["shard"]["mode"], "full", "{m}");
+    assert_eq!(m["weights_saved"], false, "{m}");
+    let ranks = wait_ranks(&socket, "both ranks to hold the trained shards", |r| {
+        r.iter()
+            .all(|s| s["resident"]["policy"]["weights_sharded"] == true)
+    });
+    for s in &ranks {
+        let policy = &s["resident"]["policy"];
+        assert_eq!(policy["optimizer_sharded"], true, "{ranks:?}");
+        assert_eq!(policy["generation_copy"], true, "{ranks:?}");
+        assert_eq!(policy["schedule_step"], 1, "{ranks:?}");
+        assert_eq!(policy["in_files"], false, "{ranks:?}");
+    }
+    // The group generates from the gathered copy: the rows of a rollout from m1's files.
+    let (r1g, r1g_m) = (d.join("r1g.parquet"), d.join("r1g.json"));
+    let mut a = rollout_args(&k1, &input, &r1g, &r1g_m);
+    a.extend(["--daemon", p(&socket)]);
+    ok("rollout", &a);
+    same_rows(
+        &read(&r1),
+        &read(&r1g),
+        "rollout from the resident full shards",
+    );
+    let m = metrics("r1g.json");
+    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+
+    // The second resident update trains the shards in memory: no file read.
+    let mut a = update(&k1, &k2, "full");
+    a.extend(["--resident", "--daemon", p(&socket), "--metrics"].map(String::from));
+    a.push(p(&d.join("k2.json")).into());
+    ok("update", &a);
+    let m = metrics("k2.json");
+    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+    assert_eq!(m["daemon"]["load_seconds"], 0.0, "{m}");
+    assert_eq!(m["schedule_step"], 2, "{m}");
+    assert!(m["shard"]["unit_gathers"].as_u64().unwrap() > 0, "{m}");
+
+    // `daemon-ctl save`: rank 0 writes the model files from the gathered masters, every rank
+    // its optimizer shard: m2's files (two launched updates) bit for bit.
+    let saved = d.join("saved");
+    let o = Command::new(TANDEM)
+        .args([
+            "daemon-ctl",
+            "--socket",
+            p(&socket),
+            "save",
+            "--out",
+            p(&saved),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(files(&m2), files(&saved));
+    assert!(saved
+        .join("optimizer.rank00001-of-00002.safetensors")
+        .is_file());
+
+    // A checkpointing update on the group trains on from memory and writes m3's files.
+    let m3g = d.join("m3g");
+    let mut a = update(&saved, &m3g, "full");
+    a.extend(["--daemon", p(&socket), "--metrics"].map(String::from));
+    a.push(p(&d.join("m3g.json")).into());
+    ok("update", &a);
+    let m = metrics("m3g.json");
+    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+    assert_eq!(files(&m3), files(&m3g));
+
+    // --shard zero2 next: the ranks put the state held in full shards back together (from
+    // memory) and shard it as zero2, as a launched zero2 update cuts its shards from m3's files.
+    let (m4, m4g) = (d.join("m4"), d.join("m4g"));
+    let a = update(&m3, &m4, "zero2");
+    launch_ok(
+        2,
+        "update",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let mut a = update(&m3g, &m4g, "zero2");
+    a.extend(["--daemon", p(&socket)].map(String::from));
+    ok("update", &a);
+    assert_eq!(files(&m4), files(&m4g));
+    let ranks = wait_ranks(&socket, "both ranks to hold zero2 shards", |r| {
+        r.iter()
+            .all(|s| s["resident"]["policy"]["weights_sharded"] == false)
+    });
+    assert!(
+        ranks
+            .iter()
+            .all(|s| s["resident"]["policy"]["optimizer_sharded"] == true),
+        "{ranks:?}"
     );
 }

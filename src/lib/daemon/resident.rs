@@ -13,10 +13,13 @@
 //! ([`Exec::held_policy`]).
 //!
 //! In a daemon group (one daemon per GPU) every rank keeps its part of the sharded training
-//! state (zero2) between updates: the whole compute weights, which the weight sync leaves on
-//! every rank, and its 1/N of the masters and moments ([`Resident::train_group`]). An update
-//! that writes a checkpoint gathers the state to rank 0, which writes the files as `update`
-//! under a launcher does; `--resident` writes nothing but the marked directory.
+//! state between updates ([`Resident::train_group`]): under zero2 the whole compute weights,
+//! which the weight sync leaves on every rank, and its 1/N of the masters and moments; under
+//! `--shard full` its 1/N of the compute weights too, plus a whole copy of the compute weights
+//! for generation that each update drops before training and builds again after (all-gathered
+//! from the ranks' shards). An update that writes a checkpoint gathers the state to rank 0,
+//! which writes the files as `update` under a launcher does; `--resident` writes nothing but
+//! the marked directory.
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
@@ -25,7 +28,6 @@ use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedPolicy};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim, TokenStats};
-use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Weights};
 use crate::stage::common::{Device, ModelRef};
 use crate::stage::ref_logprob::{LogprobColumn, Score};
@@ -141,8 +143,9 @@ struct PolicySlot<B: Backend> {
     gen: Option<Decoder<B>>,
     /// Optimizer state parked in host memory (`--offload-optimizer`).
     parked: Option<Parked>,
-    /// In a daemon group: this rank's optimizer shards (zero2), kept between updates; the
-    /// decoder then holds no whole masters or moments.
+    /// In a daemon group: this rank's optimizer shards, kept between updates; the decoder
+    /// then holds no whole masters or moments (zero2), nor whole compute weights (`--shard
+    /// full`: `gen` is the whole copy that generates).
     sharded: Option<ShardedOptim<B>>,
     /// In a daemon group: the group's communicator on this decoder's backend, made at the first
     /// sharded job and kept: an NCCL init for every update was the likely part of the 1.0-1.5 s
@@ -366,6 +369,7 @@ impl<B: Backend> Resident<B> {
                 "generation_copy": p.gen.is_some(),
                 "optimizer_offloaded": p.parked.is_some(),
                 "optimizer_sharded": p.sharded.is_some(),
+                "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
             })),
             "reference": self.reference.as_ref().map(|r| json!({
                 "dir": r.key.dir.display().to_string(),
@@ -466,10 +470,19 @@ impl<B: Backend> Resident<B> {
     /// itself, whose compute weights are the bf16 rounding of the masters, exactly the weights
     /// a rollout loads from the checkpoint files. Only on a backend that computes in f32 are
     /// the compute weights the unrounded masters; there a bf16-rounded copy is built once per
-    /// policy (the CPU oracle path, where memory is not the constraint).
+    /// policy (the CPU oracle path, where memory is not the constraint). A group rank under
+    /// `--shard full` holds 1/N of the compute weights: it generates with the whole copy its
+    /// last update built ([`Resident::train_group`]).
     fn generation(&mut self, model: &ModelRef) -> Result<&mut Decoder<B>> {
         let make_copy = {
             let slot = self.policy_slot(model)?;
+            if slot.gen.is_none() && slot.sharded.as_ref().is_some_and(ShardedOptim::is_full) {
+                // Every `--shard full` update builds it (train_group); only a failed one has
+                // not, and that one forgot the policy.
+                anyhow::bail!(
+                    "the daemon group's policy is sharded (--shard full) and has no generation copy"
+                );
+            }
             slot.from_master
                 && slot.gen.is_none()
                 && slot.decoder.backend().compute_dtype() == DType::F32
@@ -478,12 +491,9 @@ impl<B: Backend> Resident<B> {
             let started = Instant::now();
             let backend = (self.make)()?;
             let slot = self.policy.as_mut().expect("loaded above");
-            let mut w = slot.decoder.export_weights()?;
-            for t in w.values_mut() {
-                t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
-            }
+            let w = slot.decoder.export_weights()?;
             let cfg = slot.decoder.config().clone();
-            slot.gen = Some(Decoder::new(backend, &cfg, &w)?);
+            slot.gen = Some(Decoder::for_generation(backend, &cfg, w)?);
             self.note("generation_copy_seconds", started.elapsed().as_secs_f64());
         }
         let slot = self.policy.as_mut().expect("loaded above");
@@ -583,11 +593,11 @@ impl<B: Backend> Resident<B> {
     }
 
     /// This rank's part of a daemon group's sharded update (every rank runs it, on the ranks
-    /// of `pg`). zero2: the policy this rank holds trains with the optimizer shards it keeps
-    /// (cut from the loaded state at the first update), so no file is read; rank 0 gets the
-    /// gathered state when the job writes a checkpoint. `--shard full` keeps nothing here: it
-    /// loads the files for each update, and the policy held goes (the next job loads the new
-    /// files).
+    /// of `pg`): the policy this rank holds trains with the optimizer shards it keeps (cut
+    /// from the loaded state at the first update: zero2's masters and moments, or under
+    /// `--shard full` the compute weights too), so no file is read; rank 0 gets the gathered
+    /// state when the job writes a checkpoint. Under `--shard full` the rank then builds the
+    /// whole decoder that generates until the next update ([`Resident::generation`]).
     pub fn train_group(
         &mut self,
         pg: &ProcessGroup,
@@ -595,20 +605,36 @@ impl<B: Backend> Resident<B> {
         job: Train<'_>,
         sharding: Sharding,
     ) -> Result<Trained> {
-        let make_comm = match (&self.make_comm, sharding.mode) {
-            (Some(m), ShardMode::Zero2) => m.clone(),
-            _ => {
-                self.observe();
-                self.policy = None;
-                self.trim()?;
-                return train_ranks_from_files(pg, model, job, sharding);
-            }
+        let Some(make_comm) = self.make_comm.clone() else {
+            self.observe();
+            self.policy = None;
+            self.trim()?;
+            return train_ranks_from_files(pg, model, job, sharding);
         };
+        let full = sharding.mode == ShardMode::Full;
         let load_s = self.update_phase(model)?;
         let reply = self.reply.clone();
         let slot = self.policy.as_mut().expect("loaded above");
         let fresh = slot.comm.is_none();
-        let trained = train_resident(slot, pg, &make_comm, model, job, sharding, reply);
+        let mut copy_s = None;
+        let trained =
+            train_resident(slot, pg, &make_comm, model, job, sharding, reply).and_then(|out| {
+                if full {
+                    // Built here, where every rank runs the job, rather than at the first
+                    // rollout or score: a rank with no rows of those does not reach the
+                    // policy, and sync-weights runs on rank 0 alone. Training's workspace and
+                    // gradients are gone by now; the copy lives with the shards until the next
+                    // update drops it (update_phase).
+                    let started = Instant::now();
+                    let held = slot.sharded.as_ref().expect("kept by the update");
+                    let comm = slot.comm.as_deref().expect("made by the update");
+                    let weights = slot.decoder.gather_compute(held, comm)?;
+                    let cfg = slot.decoder.config().clone();
+                    slot.gen = Some(Decoder::for_generation((self.make)()?, &cfg, weights)?);
+                    copy_s = Some(started.elapsed().as_secs_f64());
+                }
+                Ok(out)
+            });
         if trained.is_err() {
             slot.comm = None;
         }
@@ -618,13 +644,16 @@ impl<B: Backend> Resident<B> {
             env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step)
                 && env_u64(KILL_RANK_ENV).is_none_or(|r| Some(r) == env_u64("RANK")),
         );
+        if let Some(secs) = copy_s {
+            self.note("generation_copy_seconds", secs);
+        }
         self.note("new_communicator", fresh);
         out.load_seconds = load_s;
         Ok(out)
     }
 }
 
-/// The body of [`Resident::train_group`]'s zero2 update on the policy held in `slot`.
+/// The body of [`Resident::train_group`]'s update on the policy held in `slot`.
 fn train_resident<B: Backend>(
     slot: &mut PolicySlot<B>,
     pg: &ProcessGroup,
@@ -639,14 +668,25 @@ fn train_resident<B: Backend>(
         slot.comm = Some(make_comm(slot.decoder.backend(), pg)?);
     }
     let comm = slot.comm.as_deref().expect("made above");
+    let full = sharding.mode == ShardMode::Full;
     let mut optim = match slot.sharded.take() {
-        Some(o) => o,
-        None => {
-            let mut o = slot.decoder.shard_optimizer(comm, sharding.bucket_elems)?;
-            if slot
-                .trainer
-                .as_ref()
-                .is_some_and(|t| t.optimizer_shards > 0)
+        Some(o) if o.is_full() == full => o,
+        held => {
+            let loaded = held.is_none();
+            if let Some(o) = held {
+                // Another --shard than the last update's: the state comes back together on
+                // every rank (from memory, not from the files) and is sharded as asked.
+                slot.decoder.unshard_optimizer(o, comm)?;
+            }
+            let mut o = match full {
+                true => slot.decoder.shard_full(comm)?,
+                false => slot.decoder.shard_optimizer(comm, sharding.bucket_elems)?,
+            };
+            if loaded
+                && slot
+                    .trainer
+                    .as_ref()
+                    .is_some_and(|t| t.optimizer_shards > 0)
             {
                 // Loaded for generation (the weights only): this rank's part of the
                 // optimizer state is in its own shard file of the checkpoint, read as a
@@ -673,6 +713,7 @@ fn train_resident<B: Backend>(
         buckets: optim.stats.buckets,
         shard_elems: optim.stats.shard_elems,
         staging_bytes: optim.stats.staging_bytes,
+        full: optim.stats.full,
         ..ShardStats::default()
     };
     // From here the decoder is ahead of every file until `saved`.

@@ -34,7 +34,6 @@ use crate::dist::exchange::{as_local, RankFailed};
 use crate::dist::health::Health;
 use crate::dist::{Comm, Exchange, HostComm, NcclComm, ProcessGroup, World};
 use crate::engine::cancel::{self, Cancel};
-use crate::engine::shard::ShardMode;
 use crate::error::is_input_error;
 use crate::stage::common::{after_rank0, resolve_model, Device, ModelRef};
 use crate::stage::{ref_logprob, rollout, update, Exec, StageJob};
@@ -457,16 +456,6 @@ fn lead<B: Backend>(
                 continue;
             }
         };
-        if let StageJob::Update(a) = &*work.job {
-            if a.resident && a.shard == Some(ShardMode::Full) {
-                let msg = format!(
-                    "update --resident --shard full on a daemon group of {} ranks: under --shard full every update loads the model files and rank 0 writes the new ones, so nothing stays resident; drop --resident (the pipeline runner does under shard = \"full\"), or use --shard zero2 (the default), whose ranks keep their state between updates",
-                    pg.world_size()
-                );
-                refuse(work, shared, &msg, true);
-                continue;
-            }
-        }
         if !work.job.splits_over_ranks() {
             run_job(resident, work, shared, home, None);
             continue;

@@ -13,7 +13,6 @@ use super::spec::{Device, Source, Spec, Stages};
 use crate::bail_input;
 use crate::batch::{Batch, StageInfo};
 use crate::engine::resume;
-use crate::engine::shard::ShardMode;
 use crate::error::input_error;
 use crate::process::die_with_parent;
 use crate::stage::sync_weights::{self, SyncWeightsArgs};
@@ -752,15 +751,11 @@ impl Runner {
     /// back) and writes it on the checkpoint cadence and at the last step, as verl's save_freq
     /// does (the optimizer state alone is ~12 bytes per parameter: 6 GB at 0.5B). A dead
     /// daemon is restarted from the newest checkpoint written as files ([`Runner::rewind`]).
-    /// A daemon group (`gpus > 1`) does the same, each rank keeping its shards of the state;
-    /// only under `[update] shard = "full"` does every update load and write files.
+    /// A daemon group (`gpus > 1`) does the same, each rank keeping its shards of the state
+    /// (under `[update] shard = "full"` its shards of the compute weights too).
     fn writes_checkpoint(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
-        let full = self.spec.gpus > 1 && self.stages.update.args.shard == Some(ShardMode::Full);
-        !self.spec.daemon
-            || full
-            || step == self.spec.steps
-            || (every > 0 && step.is_multiple_of(every))
+        !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
     }
 
     fn kl_state(&self, step: u64) -> PathBuf {
@@ -1459,7 +1454,7 @@ mod tests {
     }
 
     /// Which updates write files: every one in-process; with the daemon (one, or a group at
-    /// `gpus > 1`) the cadence and the last step; a group under `shard = "full"` every one.
+    /// `gpus > 1`, under either shard mode) the cadence and the last step.
     #[test]
     fn updates_write_files_on_the_cadence_with_a_daemon() {
         let steps = |top: &str, update: &str| -> Vec<bool> {
@@ -1473,7 +1468,7 @@ mod tests {
         assert_eq!(steps("daemon = true", ""), cadence);
         assert_eq!(steps("daemon = true\ngpus = 2", ""), cadence);
         let full = "[update]\nshard = \"full\"\n";
-        assert_eq!(steps("daemon = true\ngpus = 2", full), [true; 5]);
+        assert_eq!(steps("daemon = true\ngpus = 2", full), cadence);
         assert_eq!(steps("daemon = true", full), cadence);
     }
 

@@ -584,7 +584,7 @@ pub struct Sharding {
 
 /// One rank's part of a data-parallel update whose policy is loaded from the model files for
 /// this call on every rank (the ranks of `pg`); rank 0 gets the new weights and state to
-/// write. What `update` under a launcher runs (and a daemon group under `--shard full`).
+/// write. What `update` under a launcher runs.
 pub fn train_ranks_from_files(
     pg: &ProcessGroup,
     model: &ModelRef,

@@ -46,6 +46,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::{Backend, DType, Parts};
 use crate::error::input_error;
+use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
 use workspace::Work;
 
@@ -85,6 +86,17 @@ pub struct PpoTokens<'a> {
     pub weights: &'a [f32],
     /// dL/dentropy per token (the entropy bonus), when there is one.
     pub dentropy: Option<&'a [f32]>,
+}
+
+/// What [`Decoder::build`] puts on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hold {
+    /// Nothing (the names and shapes only).
+    Nothing,
+    /// The compute weights.
+    Compute,
+    /// The compute weights and the f32 masters apart from them (when they are not f32).
+    Trainable,
 }
 
 /// Parameter indices of one layer (into the decoder's parameter lists).
@@ -244,13 +256,28 @@ impl<B: Backend> Decoder<B> {
     /// non-finite values are input errors; tensors the config does not use are ignored (e.g. a
     /// saved `lm_head.weight` of a tied model, or old `rotary_emb.inv_freq` buffers).
     pub fn new(backend: B, cfg: &Config, weights: &Weights) -> Result<Self> {
-        Self::build(backend, cfg, weights, true)
+        Self::build(backend, cfg, weights, Hold::Trainable)
     }
 
-    /// [`Decoder::new`]; without `upload`, the weights are checked but the decoder holds
-    /// none (empty buffers, no fused ones): what full sharding starts from
-    /// ([`Decoder::new_full`] cuts each rank's shards from the host weights).
-    fn build(backend: B, cfg: &Config, weights: &Weights, upload: bool) -> Result<Self> {
+    /// A decoder that only generates and scores: the compute weights of `weights` as a
+    /// rollout from checkpoint files has them (bf16-rounded even where the backend computes
+    /// in f32, as the files store them), and no f32 masters (where they would be apart from
+    /// the compute weights: a bf16 model's f32 copy is twice its size).
+    pub fn for_generation(backend: B, cfg: &Config, mut weights: Weights) -> Result<Self> {
+        if backend.compute_dtype() == DType::F32 {
+            for t in weights.values_mut() {
+                t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
+            }
+        }
+        Self::build(backend, cfg, &weights, Hold::Compute)
+    }
+
+    /// [`Decoder::new`] or [`Decoder::for_generation`] by `hold`; under [`Hold::Nothing`]
+    /// the weights are checked but the decoder holds none (empty buffers, no fused ones): what
+    /// full sharding starts from ([`Decoder::new_full`] cuts each rank's shards from the host
+    /// weights).
+    fn build(backend: B, cfg: &Config, weights: &Weights, hold: Hold) -> Result<Self> {
+        let upload = hold != Hold::Nothing;
         check_config(cfg)?;
         let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qd, kd) = (
@@ -289,7 +316,7 @@ impl<B: Backend> Decoder<B> {
                 None => backend.alloc_as(t.numel(), cd)?,
             };
             backend.upload(&mut buf, &t.data)?;
-            if cd != DType::F32 {
+            if cd != DType::F32 && hold == Hold::Trainable {
                 let mut m = backend.alloc(t.numel())?;
                 backend.upload(&mut m, &t.data)?;
                 masters.push(m);

@@ -126,7 +126,7 @@ impl<B: Backend> Decoder<B> {
         state: Option<&OptimizerState>,
         comm: &dyn Comm<B>,
     ) -> Result<(Decoder<B>, ShardedOptim<B>)> {
-        let mut dec = Decoder::build(backend, cfg, weights, false)?;
+        let mut dec = Decoder::build(backend, cfg, weights, super::Hold::Nothing)?;
         let plan = dec.unit_plan(comm.world_size())?;
         let rank = comm.rank();
         let moments = match state {
@@ -438,27 +438,8 @@ impl<B: Backend> Decoder<B> {
         root: usize,
         moments: bool,
     ) -> Result<Option<(Weights, Option<OptimizerState>)>> {
-        let b = &self.backend;
-        let plan = &st.plan;
-        let mut staging = b.alloc(plan.max_padded())?;
         let mine = comm.rank() == root;
-        let mut gather = |shards: &[B::Buf]| -> Result<Weights> {
-            let mut out = Weights::new();
-            for (k, bucket) in plan.buckets.iter().enumerate() {
-                comm.all_gather(&shards[k], 0, &mut staging, 0, bucket.shard)?;
-                if !mine {
-                    continue;
-                }
-                let mut host = vec![0f32; bucket.len];
-                b.download(&staging, &mut host)?;
-                for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
-                    let data = host[off..off + plan.sizes[t]].to_vec();
-                    let shape = self.shapes[t].clone();
-                    out.insert(self.names[t].clone(), Tensor { shape, data });
-                }
-            }
-            Ok(out)
-        };
+        let gather = |shards: &[B::Buf]| self.gather_host(st, shards, DType::F32, comm, mine);
         let masters = gather(&st.master)?;
         let state = match (moments, st.moments) {
             (false, _) => None,
@@ -473,6 +454,53 @@ impl<B: Backend> Decoder<B> {
             }),
         };
         Ok(mine.then_some((masters, state)))
+    }
+
+    /// The whole compute weights (widened to f32: the bf16 rounding of the masters, or the f32
+    /// masters themselves on a backend that computes in f32) in every rank's host memory,
+    /// gathered bucket by bucket from this rank's compute shards: what a decoder that
+    /// generates with the policy is built from. Device memory grows by one staging bucket of
+    /// the compute dtype. Collective.
+    pub fn gather_compute(&self, st: &ShardedOptim<B>, comm: &dyn Comm<B>) -> Result<Weights> {
+        let shards = match st.compute.is_empty() {
+            true => &st.master,
+            false => &st.compute,
+        };
+        let cd = self.backend.compute_dtype();
+        self.gather_host(st, shards, cd, comm, true)
+    }
+
+    /// Whole tensors (by name) from every rank's `shards` (of `dtype`, one per bucket of `st`'s
+    /// plan), all-gathered bucket by bucket through one staging buffer; downloaded only where
+    /// `keep` (the other ranks take part and get an empty map). Collective.
+    fn gather_host(
+        &self,
+        st: &ShardedOptim<B>,
+        shards: &[B::Buf],
+        dtype: DType,
+        comm: &dyn Comm<B>,
+        keep: bool,
+    ) -> Result<Weights> {
+        let b = &self.backend;
+        let plan = &st.plan;
+        let mut staging = b.alloc_as(plan.max_padded(), dtype)?;
+        let mut out = Weights::new();
+        for (k, bucket) in plan.buckets.iter().enumerate() {
+            let c = Collective::all_gather(&shards[k], 0, &mut staging, 0, bucket.shard)
+                .as_dtype(dtype);
+            comm.run(vec![c])?;
+            if !keep {
+                continue;
+            }
+            let mut host = vec![0f32; bucket.len];
+            b.download(&staging, &mut host)?;
+            for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+                let data = host[off..off + plan.sizes[t]].to_vec();
+                let shape = self.shapes[t].clone();
+                out.insert(self.names[t].clone(), Tensor { shape, data });
+            }
+        }
+        Ok(out)
     }
 
     /// Gathers the masters and moments back into the decoder's full buffers (every rank), so

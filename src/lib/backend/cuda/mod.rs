@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{result as dr, sys as dsys, CudaContext, CudaFunction, CudaGraph, CudaStream};
 use half::bf16;
+use rayon::prelude::*;
 
 use self::gemm::{Gemm, GemmCall, Operand};
 use self::nvrtc::{Family, KernelCache};
@@ -137,6 +138,9 @@ pub(crate) const THREADS: u32 = 256;
 pub(crate) fn i32_of(n: usize, what: &str) -> Result<i32> {
     i32::try_from(n).map_err(|_| anyhow!("cuda backend: {what} = {n} does not fit in 32 bits"))
 }
+
+/// Host-side bf16 conversions of at least this many elements run on all cores.
+const PAR_CONVERT: usize = 1 << 20;
 
 /// An error unless a buffer of `have` elements holds the `n` an op needs.
 pub(crate) fn need(have: usize, n: usize, what: &str) -> Result<()> {
@@ -718,7 +722,11 @@ impl Device for CudaBackend {
         let r = match dst.dtype {
             DType::F32 => unsafe { dr::memcpy_htod_async(dst.ptr, src, self.stream.cu_stream()) },
             DType::BF16 => {
-                let h: Vec<bf16> = src.iter().map(|&v| bf16::from_f32(v)).collect();
+                // On all cores above a size: a 7B model is 7.6 G conversions per load.
+                let h: Vec<bf16> = match src.len() >= PAR_CONVERT {
+                    true => src.par_iter().map(|&v| bf16::from_f32(v)).collect(),
+                    false => src.iter().map(|&v| bf16::from_f32(v)).collect(),
+                };
                 // The staging copy of pageable memory is done when the call returns.
                 unsafe { dr::memcpy_htod_async(dst.ptr, &h, self.stream.cu_stream()) }
             }
@@ -753,7 +761,13 @@ impl Device for CudaBackend {
                 unsafe { dr::memcpy_dtoh_async(&mut h, src.ptr, self.stream.cu_stream()) }
                     .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
                 self.check_errors()?;
-                dst.iter_mut().zip(&h).for_each(|(d, s)| *d = s.to_f32());
+                match dst.len() >= PAR_CONVERT {
+                    true => dst
+                        .par_iter_mut()
+                        .zip(h.par_iter())
+                        .for_each(|(d, s)| *d = s.to_f32()),
+                    false => dst.iter_mut().zip(&h).for_each(|(d, s)| *d = s.to_f32()),
+                }
                 Ok(())
             }
         }

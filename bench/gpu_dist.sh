@@ -5,6 +5,8 @@
 # writes logs and JSON under $OUT and prints a short summary last.
 #   D=.device bench/gpu_dist.sh            (OUT defaults to /tmp/dist)
 #   NS="2" DIST_ARGS="--shapes qwen7b" ...  only these world sizes past 1; extra `bench dist` flags
+#   DIST_ARGS_1="..."                       other flags at world size 1 [DIST_ARGS] (there a
+#                                           collective is a copy and the bus bandwidth is 0)
 set -u
 D=${D:-.device}
 T=$D/tandem
@@ -19,7 +21,8 @@ SUMMARY=()
 # World size 1: real NCCL calls on one rank.
 $T dist-test --device cuda --json "$OUT/dist_test_1.json" > "$OUT/dist_test_1.log" 2>&1
 rc=$?; SUMMARY+=("dist-test n=1 rc=$rc $(grep -c '^  ok' "$OUT/dist_test_1.log") ok, $(grep -c '^  FAIL' "$OUT/dist_test_1.log") failed")
-$T bench dist --device cuda --max-size 1GiB ${DIST_ARGS:-} --json "$OUT/bench_dist_1.json" > "$OUT/bench_dist_1.log" 2>&1
+# shellcheck disable=SC2086
+$T bench dist --device cuda --max-size 1GiB ${DIST_ARGS_1-${DIST_ARGS:-}} --json "$OUT/bench_dist_1.json" > "$OUT/bench_dist_1.log" 2>&1
 SUMMARY+=("bench dist n=1 rc=$?")
 
 for n in ${NS:-2 4 8}; do

@@ -89,6 +89,7 @@ for part in $PARTS; do
     echo "gpu-test rc=$? $(grep -E 'checks' "$OUT/gpu_test.log" | tail -1)"
     NS=$(sizes | grep -vx 1 | tr '\n' ' ') D=$D OUT=$OUT/dist \
       DIST_ARGS="--shapes qwen0.5b,qwen1.5b,qwen7b --bucket-mb 32,64,128,256,512" \
+      DIST_ARGS_1="--shapes qwen0.5b --bucket-mb 128" \
       bash bench/gpu_dist.sh > "$OUT/gpu_dist.log" 2>&1
     echo "gpu_dist.sh rc=$?"; tail -8 "$OUT/gpu_dist.log"
     ;;

@@ -69,6 +69,55 @@ q15() {
     --kv-heads 2 --ffn 8960 --vocab 151936 --tie true --rope-theta 1000000 --rms-norm-eps 1e-6 \
     --seed 1 --out "$W/q15" > /dev/null
 }
+q7() {
+  [ -f "$W/q7/config.json" ] || $T init-model --like qwen2 --layers 28 --hidden 3584 --heads 28 \
+    --kv-heads 4 --ffn 18944 --vocab 152064 --tie false --rope-theta 1000000 --rms-norm-eps 1e-6 \
+    --seed 1 --out "$W/q7" > "$OUT/g7b_init.log" 2>&1
+}
+# The prompts of the GRPO parts (3-digit additions), made on first use.
+add_set() {
+  [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
+    --out "$W/add.parquet" > /dev/null
+}
+# The spec of the GRPO parts' steps: FILE STEPS GPUS DAEMON MODEL PROMPTS-PER-GPU
+# MAX-NEW-TOKENS, then the [update] lines after the learning rate.
+grpo_spec() {
+  cat > "$1" <<EOF
+seed = 1
+steps = $2
+device = "cuda"
+gpus = $3
+daemon = $4
+[model]
+path = "$5"
+[data]
+train = "$W/add.parquet"
+prompts-per-step = $(($6 * $3))
+[rollout]
+n = 8
+max-new-tokens = $7
+ignore-eos = true
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.000001
+$8
+EOF
+}
+# Every GPU's used memory (MiB) into file $1 every 0.5 s, in the background until
+# `kill $SMI`; mem_peak prints each GPU's peak of such a file.
+mem_start() {
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$1" &
+  SMI=$!
+}
+mem_peak() {
+  awk -F', *' '$2 ~ /^[0-9]+$/ && $2 + 0 > p[$1] { p[$1] = $2 + 0 }
+    END { for (i in p) printf "GPU %s %d  ", i, p[i]; print "" }' "$1"
+}
 # The random model of a shape (0.5b or 1.5b), made on first use; its directory is printed.
 shape_model() {
   case $1 in
@@ -122,13 +171,14 @@ PY
     ;;
   grpo|grpod)
     dm=$([ "$part" = grpod ] && echo true || echo false)
-    [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
-      --out "$W/add.parquet" > /dev/null
+    add_set
     for shape in $SHAPES; do
       m=$(shape_model "$shape") || exit 2
       mbt=$([ "$shape" = 0.5b ] && echo 16384 || echo 8192)
       for n in $(sizes); do
-        cat > "$W/${part}_${shape}_$n.toml" <<EOF
+        grpo_spec "$W/${part}_${shape}_$n.toml" "${GRPO_STEPS:-3}" "$n" "$dm" "$m" 64 512 \
+          "mini-batch-size = $((256 * n))
+micro-batch-tokens = $mbt"
 seed = 1
 steps = ${GRPO_STEPS:-3}
 device = "cuda"
@@ -283,8 +333,7 @@ PY
   pfault)
     if [ "$N" -lt 2 ]; then echo "pfault: needs N >= 2"; continue; fi
     q05
-    [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
-      --out "$W/add.parquet" > /dev/null
+    add_set
     cat > "$W/pfault.toml" <<EOF
 seed = 1
 steps = 4
@@ -356,16 +405,12 @@ PY
     grep -E 'stopping|^error' "$OUT/hang.log" | head -4 | cut -c1-300
     ;;
   g7b)
-    [ -f "$W/q7/config.json" ] || $T init-model --like qwen2 --layers 28 --hidden 3584 --heads 28 \
-      --kv-heads 4 --ffn 18944 --vocab 152064 --tie false --rope-theta 1000000 --rms-norm-eps 1e-6 \
-      --seed 1 --out "$W/q7" > "$OUT/g7b_init.log" 2>&1
-    [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
-      --out "$W/add.parquet" > /dev/null
+    q7
+    add_set
     # One GRPO step stage by stage (the pipeline's in-process stages, as commands.sh shows them),
     # each model stage on N ranks; update keeps no optimizer file (a 7B checkpoint with its f32
     # masters and moments is ~106 GB, more than some machines' disks).
-    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/g7b_mem.csv" &
-    smi=$!
+    mem_start "$OUT/g7b_mem.csv"
     rm -rf "$W/g7b_u"
     t_step=$SECONDS
     timeout -s INT "${G7B_SECS:-420}" bash -c '
@@ -384,19 +429,12 @@ PY
       echo "update $((SECONDS - t)) s"
     ' "$T" "$D" "$N" "$W" "$OUT" "${G7B_MICRO:-8192}"
     echo "g7b step rc=$? in $((SECONDS - t_step)) s (stages started one after another; files, no daemon)"
-    kill $smi
+    kill $SMI
     tail -1 "$OUT/g7b_rollout.log"; grep -m1 '^update: [0-9]' "$OUT/g7b_update.log" || tail -3 "$OUT/g7b_update.log"
+    echo "g7b peak memory per GPU (MiB): $(mem_peak "$OUT/g7b_mem.csv")"
     python3 - "$OUT" "$N" $((SECONDS - t_step)) <<'PY'
-import collections, json, sys
+import json, sys
 out, n, step = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-peak = collections.defaultdict(int)
-for line in open(f"{out}/g7b_mem.csv"):
-    try:
-        i, m = (int(x) for x in line.split(","))
-    except ValueError:
-        continue
-    peak[i] = max(peak[i], m)
-print("g7b peak memory per GPU (MiB):", dict(peak))
 try:
     r = json.load(open(f"{out}/g7b_rollout.json"))
     toks = r["prompt_tokens"] + r["response_tokens"]
@@ -409,12 +447,11 @@ PY
     # Whole GRPO steps of the 7B shape on a daemon group (gpus = N, daemon = true,
     # shard = "full"): the warm steps, without the files the stage processes of g7b load and
     # write. Step 1 builds the sharded state; the last step writes the checkpoint.
-    [ -f "$W/q7/config.json" ] || $T init-model --like qwen2 --layers 28 --hidden 3584 --heads 28 \
-      --kv-heads 4 --ffn 18944 --vocab 152064 --tie false --rope-theta 1000000 --rms-norm-eps 1e-6 \
-      --seed 1 --out "$W/q7" > "$OUT/g7b_init.log" 2>&1
-    [ -f "$W/add.parquet" ] || $T prepare synth --task add --digits 3 --n 4096 --seed 1 \
-      --out "$W/add.parquet" > /dev/null
-    cat > "$W/g7bd.toml" <<EOF
+    q7
+    add_set
+    grpo_spec "$W/g7bd.toml" "${G7B_STEPS:-3}" "$N" true "$W/q7" 64 512 \
+      "shard = \"full\"
+micro-batch-tokens = ${G7B_MICRO:-8192}"
 seed = 1
 steps = ${G7B_STEPS:-3}
 device = "cuda"
@@ -440,28 +477,20 @@ lr = 0.000001
 shard = "full"
 micro-batch-tokens = ${G7B_MICRO:-8192}
 EOF
-    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/g7bd_mem.csv" &
-    smi=$!
+    mem_start "$OUT/g7bd_mem.csv"
     rm -rf "$W/g7bd_run"
     t_run=$SECONDS
     TANDEM_BIN_DIR=$D timeout -s INT "${G7B_SECS:-480}" $D/pipeline run "$W/g7bd.toml" \
       --run-dir "$W/g7bd_run" > "$OUT/g7bd.log" 2>&1
     echo "pipeline g7bd gpus=$N rc=$? in $((SECONDS - t_run)) s"
-    kill $smi
+    kill $SMI
     cp "$W/g7bd_run/metrics.jsonl" "$OUT/g7bd.jsonl" 2> /dev/null
     cp "$W/g7bd_run/daemon.log" "$OUT/g7bd_daemon.log" 2> /dev/null
     rm -rf "$W/g7bd_run/ckpt"
+    echo "g7bd peak memory per GPU (MiB): $(mem_peak "$OUT/g7bd_mem.csv")"
     python3 - "$OUT" "$N" <<'PY'
-import collections, json, sys
+import json, sys
 out, n = sys.argv[1], int(sys.argv[2])
-peak = collections.defaultdict(int)
-for line in open(f"{out}/g7bd_mem.csv"):
-    try:
-        i, m = (int(x) for x in line.split(","))
-    except ValueError:
-        continue
-    peak[i] = max(peak[i], m)
-print("g7bd peak memory per GPU (MiB):", dict(peak))
 try:
     lines = [json.loads(l) for l in open(f"{out}/g7bd.jsonl") if l.strip()]
 except OSError:
@@ -515,7 +544,10 @@ for shape in sorted({re.sub(r"^(rollout|grpod?)_(.*)_\d+\.(json|jsonl)$", r"\2",
                 lines = [json.loads(l) for l in open(f"{out}/{part}_{shape}_{n}.jsonl") if l.strip()]
             except (OSError, ValueError):
                 continue
-            later = [l for l in lines if l.get("step", 0) >= 2] or lines
+            # Steps that wrote no checkpoint (the last one writes the model and optimizer
+            # files), past the first where there are several.
+            later = [l for l in lines if not l.get("update/weights_saved")]
+            later = later[1:] if len(later) > 1 else later
             for k in ("time/rollout", "time/update", "time/sync", "time/step", "perf/rollout_tokens_per_s", "update/tokens_per_s"):
                 v = sorted(l[k] for l in later if k in l)
                 if not v:
@@ -526,7 +558,7 @@ for shape in sorted({re.sub(r"^(rollout|grpod?)_(.*)_\d+\.(json|jsonl)$", r"\2",
                 if k.startswith("time/"):
                     base_t.setdefault(k, med)
                     extra = f" ({100 * base_t[k] / max(med, 1e-9):.0f}% of 1 GPU's per GPU)"
-                rows.append((part, str(n), f"{shape} median {k} (steps 2+)", f"{med:.3f}{extra}"))
+                rows.append((part, str(n), f"{shape} median {k} (warm steps)", f"{med:.3f}{extra}"))
 print(f"{'part':8} {'ranks':5} {'metric':48} value")
 for r in rows:
     print(f"{r[0]:8} {r[1]:5} {r[2]:48} {r[3]}")

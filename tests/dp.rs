@@ -884,40 +884,38 @@ fn update_metrics(d: &Path, run: &str, step: u64) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-/// `gpus = 2`, `daemon = true`, 4 steps with `[checkpoint] every = 2`: the group keeps the
-/// policy resident in steps 1 and 3 (every rank its shards: no weight or optimizer file
-/// written, the ranks train on from memory) and writes files in steps 2 and 4 only; the
-/// final checkpoint equals the in-process `gpus = 2` run's (which writes and reads files every
-/// step) bit for bit. Then rank 1's daemon SIGKILLs itself in step 3's resident update: the
-/// runner starts a new group, goes back to step 2 (the last checkpoint written as files) and
-/// ends with the same final checkpoint.
-#[test]
-fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    model_and_train_set(d);
-    // A reward that varies within a prompt's samples (any letter is a found answer), so every
-    // step has real gradients and the moments matter.
-    let text = |top: &str| {
-        let s = spec(top).replace(
-            "reward = \"exact\"",
-            "reward = \"regex:[a-z]\"\nformat-score = 1.0",
+/// The 4-step `gpus = 2` spec of the resident-group tests: a reward that varies within a
+/// prompt's samples (any letter is a found answer), so every step has real gradients and the
+/// moments matter; files every 2 steps; under `full`, `[update] shard = "full"`.
+fn resident_spec(top: &str, full: bool) -> String {
+    let mut s = spec(top).replace(
+        "reward = \"exact\"",
+        "reward = \"regex:[a-z]\"\nformat-score = 1.0",
+    );
+    if full {
+        s = s.replace(
+            "mini-batch-size = 3\n",
+            "mini-batch-size = 3\nshard = \"full\"\n",
         );
-        format!("{s}[checkpoint]\nevery = 2\nkeep-last = 2\n")
-    };
-    let run = |name: &str, top: &str, env: &[(&str, &str)]| {
-        let o = run_pipeline(d, name, &text(top), &["--steps", "4"], env);
-        let out = format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        assert!(o.status.success(), "{name}: {out}");
-        out
-    };
-    run("files", "gpus = 2", &[]);
-    run("group", "gpus = 2\ndaemon = true", &[]);
+    }
+    format!("{s}[checkpoint]\nevery = 2\nkeep-last = 2\n")
+}
 
+/// The checkpoints a run left, sorted.
+fn ckpts(d: &Path, run: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d.join(run).join("ckpt"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Runs `files` (in-process stages) and `group` (a daemon group) of [`resident_spec`] in `d`
+/// compared: the group updates with `--resident` in steps 1 and 3 and writes files in 2 and 4,
+/// reads no file after it started, keeps its communicator from step 1 on, trains as the files
+/// run step by step (shard mode `mode`), and ends with its checkpoint and step-4 batches.
+fn same_as_files_with_resident_steps(d: &Path, mode: &str) {
     let commands = std::fs::read_to_string(d.join("group/commands.sh")).unwrap();
     let updates: Vec<&str> = commands
         .lines()
@@ -939,7 +937,7 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
         assert_eq!(m["optimizer_state_saved"], files, "step {step}: {m}");
         assert_eq!(m["schedule_step"], step, "step {step}: {m}");
         assert_eq!(m["shard"]["world_size"], 2, "step {step}: {m}");
-        assert_eq!(m["shard"]["mode"], "zero2", "step {step}: {m}");
+        assert_eq!(m["shard"]["mode"], mode, "step {step}: {m}");
         // No file is read after the group started: the ranks train what they hold.
         assert_eq!(m["daemon"]["reloaded"], false, "step {step}: {m}");
         // The group's communicator is made at the first update and kept with the policy.
@@ -955,17 +953,45 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
         }
         assert!(m["grad_norm"].as_f64().unwrap() > 0.1, "step {step}: {m}");
     }
-    // Only the cadence's checkpoints are left, and they hold files; the resident steps left
-    // no weights anywhere.
-    let ckpts = |run: &str| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(d.join(run).join("ckpt"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
+    // Only the cadence's checkpoints are left; the resident steps left no weights anywhere.
+    assert_eq!(ckpts(d, "group"), ["step-0002", "step-0004"]);
+    let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0004"));
+    assert_eq!(final_files("files"), final_files("group"));
+    for batch in ["rollout", "adv"] {
+        let f = format!("step-0004/{batch}.parquet");
+        same_rows(
+            &read(&d.join("files").join(&f)),
+            &read(&d.join("group").join(&f)),
+            &f,
+        );
+    }
+}
+
+/// `gpus = 2`, `daemon = true`, 4 steps with `[checkpoint] every = 2`: the group keeps the
+/// policy resident in steps 1 and 3 (every rank its shards: no weight or optimizer file
+/// written, the ranks train on from memory) and writes files in steps 2 and 4 only; the
+/// final checkpoint equals the in-process `gpus = 2` run's (which writes and reads files every
+/// step) bit for bit. Then rank 1's daemon SIGKILLs itself in step 3's resident update: the
+/// runner starts a new group, goes back to step 2 (the last checkpoint written as files) and
+/// ends with the same final checkpoint.
+#[test]
+fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d);
+    let run = |name: &str, top: &str, env: &[(&str, &str)]| {
+        let o = run_pipeline(d, name, &resident_spec(top, false), &["--steps", "4"], env);
+        let out = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(o.status.success(), "{name}: {out}");
+        out
     };
-    assert_eq!(ckpts("group"), ["step-0002", "step-0004"]);
+    run("files", "gpus = 2", &[]);
+    run("group", "gpus = 2\ndaemon = true", &[]);
+    same_as_files_with_resident_steps(d, "zero2");
     for step in ["step-0002", "step-0004"] {
         let ck = d.join("group/ckpt").join(step);
         assert!(ck.join("model.safetensors").is_file(), "{step}");
@@ -978,15 +1004,6 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
         assert!(!ck.join("resident.json").exists(), "{step}");
     }
     let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0004"));
-    assert_eq!(final_files("files"), final_files("group"));
-    for batch in ["rollout", "adv"] {
-        let f = format!("step-0004/{batch}.parquet");
-        same_rows(
-            &read(&d.join("files").join(&f)),
-            &read(&d.join("group").join(&f)),
-            &f,
-        );
-    }
 
     // Rank 1 dies in step 3's update (resident): the group goes down, the run goes on from
     // step 2's files on a new group (the frontier is a file checkpoint: nothing to go back to).
@@ -1041,7 +1058,7 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
     assert!(updates[3].contains("ckpt/step-0003 ") && updates[3].contains("--resident"));
     assert!(updates[4].contains("ckpt/step-0004 ") && !updates[4].contains("--resident"));
     assert_eq!(final_files("group"), final_files("killed"));
-    assert_eq!(ckpts("killed"), ["step-0002", "step-0004"]);
+    assert_eq!(ckpts(d, "killed"), ["step-0002", "step-0004"]);
 }
 
 /// `gpus = 2`, `daemon = true` under `[update] shard = "full"`, 4 steps with `[checkpoint]
@@ -1054,20 +1071,8 @@ fn a_daemon_group_keeps_full_shards_resident_between_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     model_and_train_set(d);
-    let text = |top: &str| {
-        let s = spec(top)
-            .replace(
-                "reward = \"exact\"",
-                "reward = \"regex:[a-z]\"\nformat-score = 1.0",
-            )
-            .replace(
-                "mini-batch-size = 3\n",
-                "mini-batch-size = 3\nshard = \"full\"\n",
-            );
-        format!("{s}[checkpoint]\nevery = 2\nkeep-last = 2\n")
-    };
     for (name, top) in [("files", "gpus = 2"), ("group", "gpus = 2\ndaemon = true")] {
-        let o = run_pipeline(d, name, &text(top), &["--steps", "4"], &[]);
+        let o = run_pipeline(d, name, &resident_spec(top, true), &["--steps", "4"], &[]);
         assert!(
             o.status.success(),
             "{name}: {}{}",
@@ -1075,44 +1080,7 @@ fn a_daemon_group_keeps_full_shards_resident_between_checkpoints() {
             String::from_utf8_lossy(&o.stderr)
         );
     }
-    let commands = std::fs::read_to_string(d.join("group/commands.sh")).unwrap();
-    let updates: Vec<&str> = commands
-        .lines()
-        .filter(|l| l.contains("/update "))
-        .collect();
-    assert_eq!(updates.len(), 4, "{commands}");
-    for (i, line) in updates.iter().enumerate() {
-        assert_eq!(
-            line.contains("--resident"),
-            i % 2 == 0,
-            "step {}: {line}",
-            i + 1
-        );
-    }
-    for step in 1..=4u64 {
-        let m = update_metrics(d, "group", step);
-        let files = step % 2 == 0;
-        assert_eq!(m["weights_saved"], files, "step {step}: {m}");
-        assert_eq!(m["shard"]["mode"], "full", "step {step}: {m}");
-        assert_eq!(m["daemon"]["reloaded"], false, "step {step}: {m}");
-        let f = update_metrics(d, "files", step);
-        for key in ["loss", "grad_norm", "optimizer_step"] {
-            assert_eq!(m[key], f[key], "step {step}: {key}");
-        }
-    }
-    for step in ["step-0001", "step-0003"] {
-        assert!(!d.join("group/ckpt").join(step).exists(), "{step}");
-    }
-    let final_files = |run: &str| files(&d.join(run).join("ckpt/step-0004"));
-    assert_eq!(final_files("files"), final_files("group"));
-    for batch in ["rollout", "adv"] {
-        let f = format!("step-0004/{batch}.parquet");
-        same_rows(
-            &read(&d.join("files").join(&f)),
-            &read(&d.join("group").join(&f)),
-            &f,
-        );
-    }
+    same_as_files_with_resident_steps(d, "full");
 }
 
 /// `update --resident` on a 2-daemon group, by hand: every rank keeps its optimizer shard

@@ -33,8 +33,7 @@ use crate::stage::common::{Device, ModelRef};
 use crate::stage::ref_logprob::{LogprobColumn, Score};
 use crate::stage::rollout::{Generate, Generated};
 use crate::stage::update::{
-    train_ranks_from_files, write_rank_shards, HeldPolicy, Holder, SavedShards, Sharding, Train,
-    Trainable, Trained,
+    write_rank_shards, HeldPolicy, Holder, SavedShards, Sharding, Train, Trainable, Trained,
 };
 use crate::stage::Exec;
 use anyhow::Result;
@@ -605,12 +604,8 @@ impl<B: Backend> Resident<B> {
         job: Train<'_>,
         sharding: Sharding,
     ) -> Result<Trained> {
-        let Some(make_comm) = self.make_comm.clone() else {
-            self.observe();
-            self.policy = None;
-            self.trim()?;
-            return train_ranks_from_files(pg, model, job, sharding);
-        };
+        // Every rank of a group has the maker (server.rs), and only a group runs this.
+        let make_comm = self.make_comm.clone().expect("a daemon group's rank");
         let full = sharding.mode == ShardMode::Full;
         let load_s = self.update_phase(model)?;
         let reply = self.reply.clone();

@@ -452,31 +452,6 @@ PY
     grpo_spec "$W/g7bd.toml" "${G7B_STEPS:-3}" "$N" true "$W/q7" 64 512 \
       "shard = \"full\"
 micro-batch-tokens = ${G7B_MICRO:-8192}"
-seed = 1
-steps = ${G7B_STEPS:-3}
-device = "cuda"
-gpus = $N
-daemon = true
-[model]
-path = "$W/q7"
-[data]
-train = "$W/add.parquet"
-prompts-per-step = $((64 * N))
-[rollout]
-n = 8
-max-new-tokens = 512
-ignore-eos = true
-max-prompt-tokens = 64
-raw-prompt = true
-[score]
-reward = "exact"
-[advantage]
-estimator = "grpo"
-[update]
-lr = 0.000001
-shard = "full"
-micro-batch-tokens = ${G7B_MICRO:-8192}
-EOF
     mem_start "$OUT/g7bd_mem.csv"
     rm -rf "$W/g7bd_run"
     t_run=$SECONDS

@@ -20,8 +20,8 @@
 # Here (the development machine), once per model:
 #   STEP=pack MODEL=1.5b bash bench/gsm8k_run.sh
 #     builds the release binaries, makes data/ and the GGUF (make data model-...), and writes
-#     .device/rl/{bin.tar.xz,train.parquet,test.parquet} and .device/pieces/q.NN (`split -b 50M`
-#     of the GGUF: 10 pieces for 0.5b, 22 for 1.5b). A call carries at most 64 MiB, so each
+#     .device/rl/{bin.tar.xz,train.parquet,test.parquet} and .device/pieces/q.NN (`split` of the
+#     GGUF: 10 pieces of 50 MiB for 0.5b, 20 of 56 MiB for 1.5b). A call carries at most 64 MiB, so each
 #     piece travels in its own call: copy it alone into .device/piece/ before the call.
 # On the device (the device tool's `run`, carry [".device/rl", ".device/piece"]):
 #   STEP=setup  unpack the binaries and data into $R, keep the carried piece (carry the last,
@@ -58,9 +58,9 @@
 set -u
 MODEL=${MODEL:-0.5b}
 case "$MODEL" in
-0.5b) GGUF_NAME=Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf; BYTES=491400064
+0.5b) GGUF_NAME=Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf; BYTES=491400064; PIECE=50M
       SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 ;;
-1.5b) GGUF_NAME=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf; BYTES=1117320768
+1.5b) GGUF_NAME=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf; BYTES=1117320768; PIECE=56M
       SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ;;
 *) echo "MODEL=$MODEL: expected 0.5b or 1.5b"; exit 2 ;;
 esac
@@ -99,7 +99,7 @@ pack)
   tar -cJf "$D/bin.tar.xz" -C "$tmp" $BINS && rm -rf "$tmp"
   cp data/gsm8k/train.parquet data/gsm8k/test.parquet "$D/"
   rm -f .device/pieces/q.*
-  split -b 50M -d -a 2 ".cache/models/$GGUF_NAME" .device/pieces/q.
+  split -b "$PIECE" -d -a 2 ".cache/models/$GGUF_NAME" .device/pieces/q.
   ls -la "$D" .device/pieces
   echo "pieces: $(ls .device/pieces | wc -l); carry the last with STEP=setup, the others one per STEP=piece call"
   ;;

@@ -80,10 +80,7 @@ pub fn sharded_vs_plain<B: Backend>(
         plain.forward_backward(seqs, 1.0, &mut grads(1.0))?;
         if full {
             optim.zero_grads(sharded.backend())?;
-            let mut hold = Holding {
-                comm,
-                st: &mut optim,
-            };
+            let mut hold = Holding::new(comm, &mut optim);
             sharded.forward_backward_held(seqs, 1.0, &mut grads(share), &mut hold)?;
         } else {
             sharded.zero_grads()?;

@@ -80,10 +80,7 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         entropy: bool,
     ) -> Result<Vec<TokenStats>> {
         if self.optim.is_full() {
-            let mut hold = Holding {
-                comm: self.comm,
-                st: &mut self.optim,
-            };
+            let mut hold = Holding::new(self.comm, &mut self.optim);
             return self
                 .decoder
                 .logprobs_held(seqs, temperature, entropy, &mut hold);
@@ -97,10 +94,7 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
         if self.optim.is_full() {
-            let mut hold = Holding {
-                comm: self.comm,
-                st: &mut self.optim,
-            };
+            let mut hold = Holding::new(self.comm, &mut self.optim);
             return self
                 .decoder
                 .forward_backward_held(seqs, temperature, loss, &mut hold);
@@ -116,10 +110,7 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         logprobs: Option<&mut Vec<f32>>,
     ) -> Result<bool> {
         if self.optim.is_full() {
-            let mut hold = Holding {
-                comm: self.comm,
-                st: &mut self.optim,
-            };
+            let mut hold = Holding::new(self.comm, &mut self.optim);
             self.decoder.forward_backward_ppo_held(
                 seqs,
                 temperature,

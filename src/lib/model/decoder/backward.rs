@@ -5,7 +5,7 @@
 use anyhow::{ensure, Result};
 
 use super::forward::{AttnMode, LayerShapes};
-use super::shard::{Holding, Unit};
+use super::shard::{Holding, Pass, Unit};
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::backend::{
     AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
@@ -307,7 +307,7 @@ impl<B: Backend> Decoder<B> {
         let lowp = b.compute_dtype() != DType::F32;
         for (l, ly) in layers.iter().enumerate().rev() {
             if let Some(h) = hold.as_deref_mut() {
-                h.gather(b, w, Unit::Layer(l))?;
+                h.gather(b, w, Unit::Layer(l), Pass::Backward)?;
                 h.grads(b, g, Unit::Layer(l))?;
             }
             let a = &ws.acts[l];

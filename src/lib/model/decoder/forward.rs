@@ -3,7 +3,7 @@
 
 use anyhow::{bail, ensure, Result};
 
-use super::shard::{Holding, Unit};
+use super::shard::{Holding, Pass, Unit};
 use super::step::PagedAttn;
 use super::workspace::{Acts, Caps};
 use super::{check_temperature, pair, Decoder, SeqRef, TokenStats};
@@ -221,7 +221,7 @@ impl<B: Backend> Decoder<B> {
         );
         let ls = LayerShapes::new(cfg, n);
         if let Some(h) = hold.as_deref_mut() {
-            h.gather(b, w, Unit::Embed)?;
+            h.gather(b, w, Unit::Embed, Pass::Forward)?;
         }
         b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
         if let Some(h) = hold.as_deref_mut() {
@@ -229,7 +229,7 @@ impl<B: Backend> Decoder<B> {
         }
         for (l, ly) in layers.iter().enumerate() {
             if let Some(h) = hold.as_deref_mut() {
-                h.gather(b, w, Unit::Layer(l))?;
+                h.gather(b, w, Unit::Layer(l), Pass::Forward)?;
             }
             let (ri, rm, ro) = if train {
                 (2 * l, 2 * l + 1, 2 * l + 2)
@@ -403,7 +403,7 @@ impl<B: Backend> Decoder<B> {
             }
         }
         if let Some(h) = hold {
-            h.gather(b, w, Unit::Head)?;
+            h.gather(b, w, Unit::Head, Pass::Forward)?;
         }
         Ok(if train { 2 * layers.len() } else { 0 })
     }

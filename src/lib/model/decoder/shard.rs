@@ -8,8 +8,14 @@
 //!
 //! AdamW is elementwise, so a rank's shard gets exactly the update the unsharded optimizer
 //! gives those elements from the same summed gradients.
+//!
+//! `shard = "full"` (FSDP / ZeRO-3, [`Decoder::shard_full`]) shards the compute weights too,
+//! one bucket per unit: the passes ([`Holding`]) all-gather each unit before its forward and
+//! its backward, with the next unit's all-gather prefetched while it computes (into a second
+//! staging buffer), free it after, and reduce-scatter its gradients as soon as its backward
+//! is done; the step then has no weight sync.
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use std::time::Instant;
 
 use super::optim::{adamw_step, check_hyper, clip_scale};
@@ -17,7 +23,7 @@ use super::{AdamWParams, Decoder, OptimizerState, StepReport};
 use crate::backend::{Backend, DType, Device};
 use crate::dist::bucket::{BucketPlan, WeightSync};
 use crate::dist::comm::{dtype_bytes, sum_f64};
-use crate::dist::{Collective, Comm, ReduceOp};
+use crate::dist::{Collective, Comm, ReduceOp, Work};
 use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
 
@@ -42,6 +48,9 @@ pub struct ShardStats {
     pub unit_gathers: u64,
     pub unit_gather_seconds: f64,
     pub unit_gather_bytes: u64,
+    /// `shard = "full"`: the units' all-gathers started ahead (prefetched), while the unit
+    /// before them computes.
+    pub unit_prefetches: u64,
 }
 
 impl ShardStats {
@@ -63,6 +72,7 @@ impl ShardStats {
             "unit_gathers": self.unit_gathers,
             "unit_gather_seconds": self.unit_gather_seconds,
             "unit_gather_bytes": self.unit_gather_bytes,
+            "unit_prefetches": self.unit_prefetches,
         })
     }
 }
@@ -187,11 +197,14 @@ impl<B: Backend> Decoder<B> {
         let padded = st.plan.max_padded();
         let max_shard = st.plan.buckets.iter().map(|k| k.shard).max().unwrap_or(0);
         st.full = Some(FullShard {
-            gathered: b.alloc_as(padded, cd)?,
+            gathered: [
+                Box::new(b.alloc_as(padded, cd)?),
+                Box::new(b.alloc_as(padded, cd)?),
+            ],
             reduced: b.alloc(max_shard)?,
             tied: self.head == self.embed,
         });
-        st.stats.staging_bytes = (padded * 4 + padded * dtype_bytes(cd) + max_shard * 4) as u64;
+        st.stats.staging_bytes = (padded * 4 + 2 * padded * dtype_bytes(cd) + max_shard * 4) as u64;
         // The fused projections are parts of the full weights: training runs the split GEMMs.
         self.fused.clear();
         for ly in &mut self.layers {
@@ -752,8 +765,11 @@ fn cut_zeros<B: Backend>(b: &B, plan: &BucketPlan) -> Result<Vec<B::Buf>> {
 
 /// The staging buffers of `shard = "full"`.
 struct FullShard<B: Backend> {
-    /// One unit's bucket all-gathered (compute dtype, padded).
-    gathered: B::Buf,
+    /// Two buffers of one unit's bucket all-gathered (compute dtype, padded): a unit is copied
+    /// out of one while the next unit's all-gather (its prefetch) lands in the other. Each is
+    /// boxed, so that the buffer a pending prefetch writes is a heap allocation of its own
+    /// that no access to this struct reaches (see the SAFETY notes at [`Holding`]).
+    gathered: [Box<B::Buf>; 2],
     /// One bucket's reduced gradient shard, before it is added to the rank's.
     reduced: B::Buf,
     /// Whether the LM head is the embedding (the head unit gathers the embedding's bucket too,
@@ -770,15 +786,94 @@ pub(super) enum Unit {
     Head,
 }
 
+/// Which way a full-shard pass goes: it says which unit is gathered after which.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// The embedding, the layers in order, the head.
+    Forward,
+    /// The layers in reverse order (the head stays gathered from the forward, and the
+    /// embedding's backward reads no weight).
+    Backward,
+}
+
+/// The all-gather of a unit's first bucket, started while the unit before it computes.
+struct Ahead {
+    bucket: usize,
+    /// The staging buffer it writes (`FullShard::gathered[slot]`).
+    slot: usize,
+    /// The started group, its borrows (the communicator, the source shard, the staging
+    /// buffer) erased to `'static`: see the SAFETY notes at [`Holding`].
+    work: Work<'static>,
+}
+
 /// A full-shard pass's hold on this rank's shards: [`Decoder::logprobs_held`],
 /// [`Decoder::forward_backward_held`] and [`Decoder::forward_backward_ppo_held`] gather each
 /// unit before its forward and its backward, free it after, and reduce-scatter each unit's
 /// gradients into the rank's f32 gradient shard (added up over the step's passes) as soon as
 /// its backward is done. Every rank runs the same passes (an empty one runs the same
 /// collectives on no rows), in the same unit order.
+///
+/// Prefetch: the gather of a unit starts the all-gather of the next unit of its pass
+/// (forward: embedding, layers, head; backward: the layers in reverse) into the other staging
+/// buffer before it waits for its own (which the gather before started; a pass's first unit
+/// is gathered first, then the next one started), so the next unit's all-gather runs on the
+/// communication stream while this unit computes. Nothing is started after a pass's last unit (the head of the forward, layer 0 of
+/// the backward), so no collective is left pending between passes and the empty passes'
+/// collectives ([`Holding::idle`]) come in the same order as a real pass's.
+///
+/// SAFETY of the pending prefetch ([`Ahead`], a [`Work`] whose borrows are erased so that it
+/// outlives the call that started it): it borrows `comm`, the source shard (an element of
+/// `st.compute` or `st.master`) and one staging buffer (`st.full.gathered[slot]`, boxed).
+/// - It never leaves this struct, and is waited for before the borrows of `'a` end: by the
+///   gather of the unit it fetched, or when it is dropped (a [`Work`] waits on drop), at the
+///   latest in `Holding`'s `Drop` (a pass that failed midway). Until then `comm` and `*st`
+///   are borrowed by this struct (`st` exclusively), and its fields are private, so nothing
+///   outside can move, replace, resize or free what the group reads and writes.
+/// - Inside, nothing touches them meanwhile: no method writes or resizes `st.compute`,
+///   `st.master` or `st.full`'s boxes, and the staging buffer of a pending prefetch is not
+///   read or written (the gathers use the other one) until the prefetch is waited for. The
+///   buffers do not move: `*st` cannot while it is borrowed, and each buffer is a heap
+///   allocation of its own, which a move of the box pointers would not move either.
+/// - Leaked (`mem::forget` of the `Holding`), the `Work` leaks with it and is never waited
+///   for, so its erased borrows are never used from the host again (the CPU communicator
+///   writes its results into the buffer only in `wait`; NCCL's pending group holds no
+///   borrow, only events, and on the device the group still runs before any later collective
+///   on the communication stream).
 pub struct Holding<'a, B: Backend> {
-    pub comm: &'a dyn Comm<B>,
-    pub st: &'a mut ShardedOptim<B>,
+    comm: &'a dyn Comm<B>,
+    st: &'a mut ShardedOptim<B>,
+    /// Whether gathers start the next unit's ahead (off only in tests, as their reference:
+    /// the collectives then come in another order, so every rank must agree).
+    prefetch: bool,
+    ahead: Option<Ahead>,
+}
+
+impl<'a, B: Backend> Holding<'a, B> {
+    /// The hold of a full-shard pass on `st` (sharded with `shard = "full"` over `comm`).
+    pub fn new(comm: &'a dyn Comm<B>, st: &'a mut ShardedOptim<B>) -> Self {
+        Holding {
+            comm,
+            st,
+            prefetch: true,
+            ahead: None,
+        }
+    }
+
+    /// The same passes without the prefetch: each unit's all-gather started and waited for
+    /// when the unit needs it (the tests' reference; every rank must use it).
+    #[cfg(test)]
+    pub(crate) fn without_prefetch(mut self) -> Self {
+        self.prefetch = false;
+        self
+    }
+}
+
+impl<B: Backend> Drop for Holding<'_, B> {
+    fn drop(&mut self) {
+        // A pass that failed after starting a prefetch: it is waited for (dropping a `Work`
+        // waits and prints a failure) before the borrows it erased end.
+        drop(self.ahead.take());
+    }
 }
 
 impl<B: Backend> Holding<'_, B> {
@@ -786,14 +881,27 @@ impl<B: Backend> Holding<'_, B> {
         self.st.plan.buckets.len() - 2
     }
 
-    /// The buckets whose weights unit `u` reads.
+    /// The buckets whose weights unit `u` reads; the first is the one a prefetch gathers (a
+    /// tied head's: the embedding's, much larger than the final norm's).
     fn weight_buckets(&self, u: Unit) -> Vec<usize> {
         let last = self.units() + 1;
         match u {
             Unit::Embed => vec![0],
             Unit::Layer(l) => vec![l + 1],
-            Unit::Head if self.tied() => vec![last, 0],
+            Unit::Head if self.tied() => vec![0, last],
             Unit::Head => vec![last],
+        }
+    }
+
+    /// The unit gathered after `u` in a pass of `pass` (None: `u` is its last).
+    fn after(&self, u: Unit, pass: Pass) -> Option<Unit> {
+        let layers = self.units();
+        match (pass, u) {
+            (Pass::Forward, Unit::Embed) if layers > 0 => Some(Unit::Layer(0)),
+            (Pass::Forward, Unit::Layer(l)) if l + 1 < layers => Some(Unit::Layer(l + 1)),
+            (Pass::Forward, Unit::Embed | Unit::Layer(_)) => Some(Unit::Head),
+            (Pass::Backward, Unit::Layer(l)) if l > 0 => Some(Unit::Layer(l - 1)),
+            _ => None,
         }
     }
 
@@ -810,31 +918,81 @@ impl<B: Backend> Holding<'_, B> {
         self.st.full.as_ref().is_some_and(|f| f.tied)
     }
 
-    /// All-gathers unit `u`'s compute weights into `w` (freshly allocated buffers).
-    pub(super) fn gather(&mut self, b: &B, w: &mut [B::Buf], u: Unit) -> Result<()> {
+    /// All-gathers unit `u`'s compute weights into `w` (freshly allocated buffers). Before it
+    /// waits for `u`'s all-gather it starts the next one of `pass`, for the next call to wait
+    /// for (see the type's docs).
+    pub(super) fn gather(&mut self, b: &B, w: &mut [B::Buf], u: Unit, pass: Pass) -> Result<()> {
         let started = Instant::now();
         let cd = b.compute_dtype();
-        for k in self.weight_buckets(u) {
-            let st = &mut *self.st;
-            let full = st.full.as_mut().expect("full sharding");
-            let bucket = &st.plan.buckets[k];
-            let shard = match st.compute.is_empty() {
-                true => &st.master[k],
-                false => &st.compute[k],
-            };
-            let c =
-                Collective::all_gather(shard, 0, &mut full.gathered, 0, bucket.shard).as_dtype(cd);
-            self.comm.start(vec![c])?.wait()?;
-            for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
-                let n = st.plan.sizes[t];
-                w[t] = b.alloc_as(n, cd)?;
-                b.copy(&mut w[t], 0, &full.gathered, off, n)?;
-            }
-            st.stats.unit_gathers += 1;
-            st.stats.unit_gather_bytes +=
-                (bucket.padded(st.plan.world_size) * dtype_bytes(cd)) as u64;
+        let buckets = self.weight_buckets(u);
+        let ahead = self.ahead.take();
+        if let Some(a) = &ahead {
+            // Every pass starts with nothing pending, and gathers its units in order.
+            let k = a.bucket;
+            ensure!(
+                k == buckets[0],
+                "full sharding: bucket {k} was prefetched but unit {u:?} is gathered"
+            );
+        }
+        // Without a pending prefetch both staging buffers are free.
+        let slot = ahead.as_ref().map_or(0, |a| a.slot);
+        if ahead.is_none() {
+            self.start(buckets[0], slot, cd)?.wait()?;
+        }
+        if let Some(next) = self.after(u, pass).filter(|_| self.prefetch) {
+            let k = self.weight_buckets(next)[0];
+            let work = self.start(k, 1 - slot, cd)?;
+            // SAFETY: kept in `self.ahead` and waited for before the borrows end; nothing
+            // touches the source shard or staging buffer `1 - slot` meanwhile (see the
+            // SAFETY notes at `Holding`).
+            let work = unsafe { std::mem::transmute::<Work<'_>, Work<'static>>(work) };
+            self.ahead = Some(Ahead {
+                bucket: k,
+                slot: 1 - slot,
+                work,
+            });
+            self.st.stats.unit_prefetches += 1;
+        }
+        if let Some(a) = ahead {
+            a.work
+                .wait()
+                .with_context(|| format!("the all-gather of {u:?} (prefetched)"))?;
+        }
+        self.copy_out(b, w, buckets[0], slot)?;
+        for &k in &buckets[1..] {
+            self.start(k, slot, cd)?.wait()?;
+            self.copy_out(b, w, k, slot)?;
         }
         self.st.stats.unit_gather_seconds += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Starts the all-gather of bucket `k` of the compute shards into staging buffer `slot`.
+    fn start(&mut self, k: usize, slot: usize, cd: DType) -> Result<Work<'_>> {
+        let st = &mut *self.st;
+        let full = st.full.as_mut().expect("full sharding");
+        let shard = match st.compute.is_empty() {
+            true => &st.master[k],
+            false => &st.compute[k],
+        };
+        let count = st.plan.buckets[k].shard;
+        let c = Collective::all_gather(shard, 0, &mut *full.gathered[slot], 0, count).as_dtype(cd);
+        self.comm.start(vec![c])
+    }
+
+    /// Copies bucket `k`'s tensors out of staging buffer `slot` (waited for) into `w`.
+    fn copy_out(&mut self, b: &B, w: &mut [B::Buf], k: usize, slot: usize) -> Result<()> {
+        let cd = b.compute_dtype();
+        let st = &mut *self.st;
+        let full = st.full.as_ref().expect("full sharding");
+        let bucket = &st.plan.buckets[k];
+        for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+            let n = st.plan.sizes[t];
+            w[t] = b.alloc_as(n, cd)?;
+            b.copy(&mut w[t], 0, &full.gathered[slot], off, n)?;
+        }
+        st.stats.unit_gathers += 1;
+        st.stats.unit_gather_bytes += (bucket.padded(st.plan.world_size) * dtype_bytes(cd)) as u64;
         Ok(())
     }
 
@@ -887,8 +1045,8 @@ impl<B: Backend> Holding<'_, B> {
     }
 
     /// The collectives of a pass over no rows (a rank with fewer micro-batches than another):
-    /// every unit gathered and freed, and with `train` zero gradients reduced, in the order
-    /// of a real pass.
+    /// every unit gathered (and the next prefetched) and freed, and with `train` zero
+    /// gradients reduced, in the order of a real pass.
     pub(super) fn idle(
         &mut self,
         b: &B,
@@ -899,10 +1057,10 @@ impl<B: Backend> Holding<'_, B> {
         let layers = self.units();
         let forward = std::iter::once(Unit::Embed).chain((0..layers).map(Unit::Layer));
         for u in forward {
-            self.gather(b, w, u)?;
+            self.gather(b, w, u, Pass::Forward)?;
             self.release(b, w, u)?;
         }
-        self.gather(b, w, Unit::Head)?;
+        self.gather(b, w, Unit::Head, Pass::Forward)?;
         match train {
             true => self.skip_backward(b, w, g),
             false => self.release(b, w, Unit::Head),
@@ -930,7 +1088,7 @@ impl<B: Backend> Holding<'_, B> {
         for u in backward {
             // As the real backward: the embedding's reads no weight.
             if u != Unit::Embed {
-                self.gather(b, w, u)?;
+                self.gather(b, w, u, Pass::Backward)?;
             }
             self.grads(b, g, u)?;
             self.reduce(b, g, u)?;

@@ -323,6 +323,27 @@ fn full_sharding_on_two_and_three_ranks_trains_as_one() {
             assert_eq!(s["weight_sync_bytes"], 0, "{s}");
             assert!(s["unit_gathers"].as_u64().unwrap() >= 3 * 2 * 4, "{s}");
             assert!(s["unit_gather_bytes"].as_u64().unwrap() > 0, "{s}");
+            // The next unit's all-gather prefetched: a forward pass gathers the embedding, the
+            // 2 layers and the head (its buckets: 1, or 2 when tied) and prefetches units − 1
+            // = 3; a backward gathers the layers and prefetches 1. Rank 0's F forward and K
+            // backward passes (empty ones included: a rank with no rows in a pass runs the
+            // same collectives) follow from its gathers G = (4 + tied)·F + 2K and prefetches
+            // P = 3F + K.
+            let tied = matches!(like, Like::Qwen2) as i64;
+            let g = s["unit_gathers"].as_i64().unwrap();
+            let p = s["unit_prefetches"].as_i64().unwrap();
+            assert_eq!((2 * p - g) % (2 - tied), 0, "{s}");
+            let f = (2 * p - g) / (2 - tied);
+            let k = p - 3 * f;
+            eprintln!(
+                "{name}, full, {n} ranks: {p} prefetches in {f} forward, {k} backward passes"
+            );
+            // A backward per training pass (3 optimizer steps: at least 3), each after a
+            // forward.
+            assert!(
+                k >= 3 && f >= k,
+                "{name}, {n} ranks: {f} forward, {k} backward: {s}"
+            );
             let got = state(&out(n));
             for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
                 let e = rel_err(&got[i], &want[i]);

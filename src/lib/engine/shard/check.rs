@@ -1,6 +1,7 @@
 //! The sharded optimizer against the plain one on the same gradients: the `sharded_update`
 //! case of `tandem gpu-test` (world size 1 through NCCL), and the same comparison on the CPU
-//! with 1 and 2 ranks of the CPU communicator in the unit tests.
+//! with 1 and 2 ranks of the CPU communicator in the unit tests, where full sharding's passes
+//! with the next unit's all-gather prefetched are also checked against the same passes without.
 
 use anyhow::Result;
 
@@ -18,7 +19,7 @@ pub const CASES: &[Case] = &[Case {
 }];
 
 /// A 2-layer Qwen2 shape (vocabulary 256, hidden 64) for the comparison.
-fn small_config() -> Config {
+pub(crate) fn small_config() -> Config {
     Config {
         arch: Arch::Qwen2,
         vocab_size: 256,
@@ -224,6 +225,112 @@ mod tests {
                 // Every rank ends with the same state.
                 assert_eq!(e, &errs[0], "{n} ranks, rank {r}");
             }
+        }
+    }
+
+    /// One rank's end of [`full_sharding_prefetches_and_trains_as_without`]: its shard
+    /// metrics, its masters and moments (bits) and the log-probs it scored.
+    type FullRun = (crate::model::decoder::ShardStats, Vec<Vec<u32>>, Vec<u32>);
+
+    /// 2 steps of 3 training passes and a scoring pass each under `shard = "full"` on 2 ranks,
+    /// rank 1 with rows in the first pass only, none in the second (an empty pass) and rows
+    /// that score no token in the third; with or without the prefetch.
+    fn full_run(tied: bool, prefetch: bool) -> Vec<FullRun> {
+        ranks(2, Duration::from_secs(60), move |pg| {
+            let cfg = Config {
+                tie_word_embeddings: tied,
+                ..small_config()
+            };
+            let w = init::random_weights(&cfg, 7, 0.05);
+            let (toks, starts, _) = inputs(11, cfg.vocab_size);
+            let seqs = seq_refs(&toks, &starts);
+            let unscored = [SeqRef {
+                tokens: &toks[1],
+                start: toks[1].len(),
+            }];
+            let comm = HostComm::new(&pg).unwrap();
+            let rank = comm.rank();
+            let mut dec = Decoder::new(Cpu, &cfg, &w).unwrap();
+            let mut optim = dec.shard_full(&comm).unwrap();
+            let hp = AdamWParams {
+                lr: 1e-3,
+                ..AdamWParams::default()
+            };
+            let mut loss = |stats: &[TokenStats]| -> Result<Vec<TokenGrads>> {
+                Ok(stats
+                    .iter()
+                    .map(|s| TokenGrads {
+                        dlogprobs: (0..s.logprobs.len())
+                            .map(|i| (i % 5) as f32 * 0.1 - 0.2)
+                            .collect(),
+                        dentropy: None,
+                    })
+                    .collect())
+            };
+            let mut scored = Vec::new();
+            for _ in 0..2 {
+                optim.zero_grads(&Cpu).unwrap();
+                for pass in 0..3 {
+                    let mine: &[SeqRef] = match (rank, pass) {
+                        (0, _) => &seqs,
+                        (_, 0) => &seqs[..2],
+                        (_, 1) => &[],
+                        _ => &unscored,
+                    };
+                    let mut hold = Holding::new(&comm, &mut optim);
+                    if !prefetch {
+                        hold = hold.without_prefetch();
+                    }
+                    dec.forward_backward_held(mine, 1.0, &mut loss, &mut hold)
+                        .unwrap();
+                }
+                let mut hold = Holding::new(&comm, &mut optim);
+                if !prefetch {
+                    hold = hold.without_prefetch();
+                }
+                let mine = if rank == 0 { &seqs[..] } else { &[] };
+                for s in dec.logprobs_held(mine, 1.0, false, &mut hold).unwrap() {
+                    scored.extend(s.logprobs.iter().map(|x| x.to_bits()));
+                }
+                drop(hold);
+                dec.sharded_step(&mut optim, &comm, &hp, Some(0.5)).unwrap();
+            }
+            let shard = dec.download_shard(&optim).unwrap();
+            let (m, v) = shard.moments.expect("moments after a step");
+            let bits = [shard.master, m, v]
+                .concat()
+                .iter()
+                .map(|b| b.iter().map(|x| x.to_bits()).collect())
+                .collect();
+            drop(comm);
+            pg.finish().unwrap();
+            (optim.stats.clone(), bits, scored)
+        })
+    }
+
+    /// The next unit's all-gather started while a unit computes changes no bit: on 2 ranks,
+    /// one of them idle in some passes, the masters, moments and log-probs equal those of the
+    /// same passes without the prefetch, with a tied and an untied head; each forward pass
+    /// prefetches all units but its first (units − 1: 3 of the embedding, 2 layers, head) and
+    /// each backward all layers but its first (1), on every rank, empty passes included.
+    #[test]
+    fn full_sharding_prefetches_and_trains_as_without() {
+        for tied in [true, false] {
+            let (with, without) = (full_run(tied, true), full_run(tied, false));
+            for (r, (a, b)) in with.iter().zip(&without).enumerate() {
+                // 2 steps × (3 training passes × (3 + 1) + 1 scoring pass × 3).
+                assert_eq!(
+                    a.0.unit_prefetches,
+                    2 * (3 * 4 + 3),
+                    "tied {tied}, rank {r}"
+                );
+                assert_eq!(b.0.unit_prefetches, 0, "tied {tied}, rank {r}");
+                assert_eq!(a.0.unit_gathers, b.0.unit_gathers, "tied {tied}, rank {r}");
+                assert_eq!(a.0.unit_gather_bytes, b.0.unit_gather_bytes);
+                assert!(a.1 == b.1, "tied {tied}, rank {r}: the shards differ");
+                assert!(a.2 == b.2, "tied {tied}, rank {r}: the log-probs differ");
+            }
+            assert!(!with[0].2.is_empty() && with[1].2.is_empty());
         }
     }
 }

@@ -1097,3 +1097,77 @@ impl<B: Backend> Holding<'_, B> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Cpu;
+    use crate::dist::testing::ranks;
+    use crate::dist::HostComm;
+    use crate::engine::shard::check::small_config;
+    use crate::model::decoder::SeqRef;
+    use crate::model::init;
+    use std::time::Duration;
+
+    /// A prefetch left pending by a pass that stopped midway is waited for when its hold is
+    /// dropped, and one that is not the next unit's is refused, naming both: on every rank
+    /// alike, the collectives stay in step, and the next pass scores as the unsharded
+    /// decoder does. The second staging buffer is counted.
+    #[test]
+    fn a_pending_prefetch_is_waited_for_when_its_hold_ends() {
+        let out = ranks(2, Duration::from_secs(60), |pg| {
+            let cfg = small_config();
+            let w = init::random_weights(&cfg, 5, 0.05);
+            let toks: Vec<u32> = (0..17).map(|i| (i * 37 % 256) as u32).collect();
+            let seqs = [SeqRef {
+                tokens: &toks,
+                start: 4,
+            }];
+            let mut plain = Decoder::new(Cpu, &cfg, &w).unwrap();
+            let want = plain.logprobs(&seqs, 1.0, false).unwrap();
+            let comm = HostComm::new(&pg).unwrap();
+            let mut dec = Decoder::new(Cpu, &cfg, &w).unwrap();
+            let mut st = dec.shard_full(&comm).unwrap();
+            let padded = st.plan.max_padded();
+            let max_shard = st.plan.buckets.iter().map(|k| k.shard).max().unwrap();
+            // The f32 pack buffer, two staging buffers of the compute dtype, the reduced shard.
+            assert_eq!(
+                st.stats.staging_bytes,
+                (padded * 4 + 2 * padded * 4 + max_shard * 4) as u64
+            );
+            {
+                let mut hold = Holding::new(&comm, &mut st);
+                hold.gather(&Cpu, &mut dec.w, Unit::Embed, Pass::Forward)
+                    .unwrap();
+                assert_eq!(hold.ahead.as_ref().map(|a| a.bucket), Some(1));
+                // The pass stops here: the hold's drop waits for layer 0's all-gather.
+            }
+            assert_eq!(st.stats.unit_prefetches, 1);
+            let err = {
+                let mut hold = Holding::new(&comm, &mut st);
+                hold.gather(&Cpu, &mut dec.w, Unit::Embed, Pass::Forward)
+                    .unwrap();
+                hold.gather(&Cpu, &mut dec.w, Unit::Layer(1), Pass::Forward)
+                    .unwrap_err()
+            };
+            let got = {
+                let mut hold = Holding::new(&comm, &mut st);
+                dec.logprobs_held(&seqs, 1.0, false, &mut hold).unwrap()
+            };
+            drop(comm);
+            pg.finish().unwrap();
+            (format!("{err:#}"), got, want, st.stats.unit_prefetches)
+        });
+        for (err, got, want, prefetches) in out {
+            assert!(
+                err.contains("bucket 1 was prefetched") && err.contains("Layer(1)"),
+                "{err}"
+            );
+            // 1 + 1 + the scoring pass's 3.
+            assert_eq!(prefetches, 5);
+            for (a, b) in got[0].logprobs.iter().zip(&want[0].logprobs) {
+                assert!((a - b).abs() <= 1e-6, "{a} vs {b}");
+            }
+        }
+    }
+}

@@ -119,29 +119,22 @@ fn update(ranks: usize, model: &Path, input: &Path, out: &Path, extra: &[&str]) 
     serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap()
 }
 
-/// The command [`update`] runs.
+/// The command [`update`] runs (a flag of `extra` replaces its default here).
 fn update_cmd(ranks: usize, model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Command {
     let metrics = out.with_extension("json");
     let mut args: Vec<String> = [
-        "--model",
-        p(model),
-        "--in",
-        p(input),
-        "--out-model",
-        p(out),
-        "--metrics",
-        p(&metrics),
-        "--lr",
-        "1e-3",
-        "--mini-batch-size",
-        "3",
-        "--micro-batch-tokens",
-        "12",
-        "--grad-clip",
-        "0.5",
+        ("--model", p(model)),
+        ("--in", p(input)),
+        ("--out-model", p(out)),
+        ("--metrics", p(&metrics)),
+        ("--lr", "1e-3"),
+        ("--mini-batch-size", "3"),
+        ("--micro-batch-tokens", "12"),
+        ("--grad-clip", "0.5"),
     ]
-    .iter()
-    .map(|s| s.to_string())
+    .into_iter()
+    .filter(|(flag, _)| !extra.contains(flag))
+    .flat_map(|(flag, v)| [flag.to_string(), v.to_string()])
     .collect();
     args.extend(extra.iter().map(|s| s.to_string()));
     let mut cmd = match ranks {
@@ -229,6 +222,14 @@ fn same_training(one: &Value, many: &Value, ranks: usize) {
     );
     assert!(s["weight_sync_bytes"].as_u64().unwrap() > 0, "{s}");
     assert!(s["weight_sync_seconds"].as_f64().unwrap() > 0.0, "{s}");
+    // Rank 0 (whose metrics these are) has rows in every step (the longest row goes to it):
+    // each step's last backward started every bucket's reduce-scatter.
+    let buckets = s["buckets"].as_u64().unwrap();
+    assert_eq!(
+        s["overlapped_buckets"].as_u64().unwrap(),
+        3 * buckets,
+        "{s}"
+    );
 }
 
 #[test]
@@ -279,6 +280,39 @@ fn two_and_three_ranks_train_as_one() {
     }
 }
 
+/// zero2's reduce-scatter overlapped with the backward of each rank's last pass, where the
+/// ranks have different numbers of passes: with 8-token micro-batches on 2 ranks, rank 0 has
+/// one pass in each of the first two steps and rank 1 two (rank 0 reduces during its first
+/// pass, rank 1 during its second), and in the third step rank 1 has no row (it reduces
+/// zeros after its passes, none). Buckets of 9000 elements span units (a layer's down
+/// projection with the next layer's input norm, the last one's with the final norm), so a
+/// bucket started before all its gradients are final would change the result. The untied
+/// head (Llama) is final with the final norm. The masters and moments are one process's.
+#[test]
+fn ranks_with_different_numbers_of_passes_overlap_the_reduce_scatter() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("batch.parquet");
+    batch(&input);
+    let model = tiny_model_like(dir.path(), 25, Like::Llama, 0.02);
+    let extra = ["--micro-batch-tokens", "8", "--bucket-elems", "9000"];
+    let out = |r: usize| dir.path().join(format!("passes-{r}"));
+    let one = update(0, &model, &input, &out(1), &extra);
+    assert_eq!(one["optimizer_steps"], 3, "{one}");
+    let many = update(2, &model, &input, &out(2), &extra);
+    same_training(&one, &many, 2);
+    let s = &many["shard"];
+    // 2 layers: [in_norm, q, k, v], [o, post_norm], [gate], [up], [down, next in_norm...].
+    assert!(s["buckets"].as_u64().unwrap() >= 10, "{s}");
+    let (want, got) = (state(&out(1)), state(&out(2)));
+    for (i, what) in ["masters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+        let e = rel_err(&got[i], &want[i]);
+        eprintln!("uneven passes, 2 ranks: {what} relative error {e:.2e}");
+        assert!(e <= 1e-6, "uneven passes: {what} relative error {e}");
+    }
+    let (_, start) = tandem::model::ModelDir::load(&model).unwrap();
+    assert!(rel_err(&got[0], &start) > 1e-2, "the weights did not move");
+}
+
 /// `--shard full` (FSDP): the compute weights sharded too, each unit gathered before its
 /// forward and its backward, gradients reduce-scattered unit by unit; the same masters,
 /// moments and metrics as one process, with a tied head (Qwen2) and an untied one (Llama).
@@ -321,6 +355,7 @@ fn full_sharding_on_two_and_three_ranks_trains_as_one() {
             // One bucket per unit: the embedding, 2 layers, the final norm (and head).
             assert_eq!(s["buckets"], 4, "{s}");
             assert_eq!(s["weight_sync_bytes"], 0, "{s}");
+            assert_eq!(s["overlapped_buckets"], 0, "{s}");
             assert!(s["unit_gathers"].as_u64().unwrap() >= 3 * 2 * 4, "{s}");
             assert!(s["unit_gather_bytes"].as_u64().unwrap() > 0, "{s}");
             // The next unit's all-gather prefetched: a forward pass gathers the embedding, the
@@ -577,7 +612,9 @@ fn bench_update_under_launch_reports_per_gpu_numbers_and_the_weight_sync() {
     assert!((dp["tokens_per_s_all_gpus"].as_f64().unwrap() - 2.0 * tps).abs() < 1e-6);
     assert!(dp["weight_sync_bytes"].as_u64().unwrap() > 0, "{dp}");
     assert!(dp["weight_sync_ms"].as_f64().unwrap() > 0.0, "{dp}");
-    assert_eq!(dp["reduce_scatter_overlapped"], false);
+    // The step's backward started the reduce-scatter (one bucket of the default size here).
+    assert_eq!(dp["reduce_scatter_overlapped"], true, "{dp}");
+    assert_eq!(dp["overlapped_buckets"], 1, "{dp}");
     // Rank 0 alone reports.
     assert_eq!(err.matches("step 1").count(), 1, "{err}");
 }

@@ -313,6 +313,7 @@ fn bench_update<B: Backend>(
     let mut device_loss = false;
     let mut last = Value::Null;
     let (mut sync_s, mut sync_bytes, mut rs_s) = (Vec::new(), 0u64, Vec::new());
+    let mut overlapped = 0u64;
     let rank0 = comm.is_none_or(|c| c.rank() == 0);
     let mut log = |m: &str| {
         if rank0 {
@@ -335,6 +336,7 @@ fn bench_update<B: Backend>(
                     sync_s.push(after.sync_seconds - before.sync_seconds);
                     sync_bytes = after.sync_bytes - before.sync_bytes;
                     rs_s.push(after.reduce_scatter_seconds - before.reduce_scatter_seconds);
+                    overlapped = after.overlapped_buckets - before.overlapped_buckets;
                 }
                 optim = Some(p.optim);
                 r
@@ -420,9 +422,12 @@ fn bench_update<B: Backend>(
             "weight_sync_ms": 1e3 * sync,
             "weight_sync_bytes": sync_bytes,
             "weight_sync_gb_per_s": if sync > 0.0 { sync_bytes as f64 / sync / 1e9 } else { 0.0 },
+            // Outside its overlap with the backward (see ShardStats::reduce_scatter_seconds).
             "reduce_scatter_ms": 1e3 * median(&rs_s),
-            // The reduce-scatter runs after the step's backward, not during it.
-            "reduce_scatter_overlapped": false,
+            // The step's last backward starts the buckets' reduce-scatters (this rank's, in
+            // the last timed step).
+            "reduce_scatter_overlapped": overlapped > 0,
+            "overlapped_buckets": overlapped,
             "bucket_elems": DEFAULT_BUCKET_ELEMS,
         });
     }

@@ -58,6 +58,16 @@ pub trait Policy {
         Ok([0.0; PPO_STATS])
     }
     fn zero_grads(&mut self) -> Result<()>;
+    /// The next pass (`forward_backward` or `forward_backward_ppo`) is the last of this
+    /// optimizer step on this rank: a data-parallel policy starts reducing the gradients
+    /// during its backward.
+    fn last_pass_next(&mut self) {}
+    /// This rank's passes of the step are done. Every rank of a data-parallel policy calls it
+    /// before any other collective of the step: it reduces the gradients its passes did not
+    /// (a rank with no rows: zeros), so that every rank starts the same collectives.
+    fn passes_done(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Clips to `max_grad_norm`, steps AdamW, and skips the step when the norm is not finite.
     fn optimizer_step(
         &mut self,

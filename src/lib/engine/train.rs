@@ -184,8 +184,10 @@ pub struct StepMetrics {
     pub grad_norm: f32,
     pub skipped: bool,
     /// Wall seconds of the step: its micro-batches' forward/loss/backward calls (with the loss
-    /// on a GPU: the time to queue them), the wait for the device to finish them (reading the
-    /// loss metrics), and the optimizer step.
+    /// on a GPU: the time to queue them; data-parallel: the last one's gradient reduce-scatter
+    /// overlapped with its backward), the wait for the device to finish them (reading the
+    /// loss metrics) and for the other ranks (data-parallel: the reduce-scatter of gradients
+    /// not started during a backward, the sum of the metrics), and the optimizer step.
     pub micro_seconds: f64,
     pub wait_seconds: f64,
     pub optimizer_seconds: f64,
@@ -437,8 +439,11 @@ fn train_with(
                 }
             };
             let mut step_tokens = 0usize;
-            for idx in &groups {
+            for (g, idx) in groups.iter().enumerate() {
                 super::cancel::check()?;
+                if g + 1 == groups.len() {
+                    policy.last_pass_next();
+                }
                 let idx = &idx[..];
                 let joined: Vec<Vec<u32>> = idx.iter().map(|&i| data.rows[i].joined()).collect();
                 let seqs: Vec<SeqRef> = idx
@@ -490,6 +495,9 @@ fn train_with(
                 })?;
             }
             let micro_seconds = step_start.elapsed().as_secs_f64();
+            // Data-parallel: the gradients not reduced during the last backward (all of them
+            // on a rank without rows), before the collectives below.
+            policy.passes_done()?;
             if used_device_loss {
                 let s = policy.take_ppo_stats()?;
                 let m = LossMetrics {

@@ -3,7 +3,7 @@
 //! with 1 and 2 ranks of the CPU communicator in the unit tests, where full sharding's passes
 //! with the next unit's all-gather prefetched are also checked against the same passes without.
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 
 use crate::backend::check::gpu::{dname, Case, Ctx, Row};
 use crate::backend::cuda::CudaBackend;
@@ -45,7 +45,9 @@ pub(crate) fn small_config() -> Config {
 /// upstream gradients `up` of the log-probs (this rank adds 1/world of them, so the sum over
 /// the ranks is the plain gradient). Returns the relative errors of the sharded masters,
 /// exp_avg and exp_avg_sq against the plain ones. `full`: sharded as `shard = "full"`
-/// (`bucket_elems` unused), the passes gathering each unit.
+/// (`bucket_elems` unused), the passes gathering each unit. Otherwise (zero2) the pass of the
+/// first and last steps reduce-scatters the buckets during its backward
+/// ([`crate::model::decoder::Overlap`]), the middle step after the pass.
 pub fn sharded_vs_plain<B: Backend>(
     plain: &mut Decoder<B>,
     sharded: &mut Decoder<B>,
@@ -76,21 +78,33 @@ pub fn sharded_vs_plain<B: Backend>(
                 .collect())
         }
     };
-    for _ in 0..3 {
+    for step in 0..3 {
         plain.zero_grads()?;
         plain.forward_backward(seqs, 1.0, &mut grads(1.0))?;
         if full {
             optim.zero_grads(sharded.backend())?;
             let mut hold = Holding::new(comm, &mut optim);
             sharded.forward_backward_held(seqs, 1.0, &mut grads(share), &mut hold)?;
+        } else if step != 1 {
+            sharded.zero_grads()?;
+            optim.begin_step();
+            let mut ov = optim.overlap(comm);
+            sharded.forward_backward_overlapped(seqs, 1.0, &mut grads(share), &mut ov)?;
         } else {
             sharded.zero_grads()?;
+            optim.begin_step();
             sharded.forward_backward(seqs, 1.0, &mut grads(share))?;
         }
         plain.optimizer_step(&hp, clip)?;
         sharded.sharded_step(&mut optim, comm, &hp, clip)?;
     }
-    sharded.unshard_optimizer(optim, comm)?;
+    let stats = sharded.unshard_optimizer(optim, comm)?;
+    let overlapped = if full { 0 } else { 2 * stats.buckets as u64 };
+    ensure!(
+        stats.overlapped_buckets == overlapped,
+        "{} buckets reduced during the backward, expected {overlapped}",
+        stats.overlapped_buckets
+    );
     let (a, b) = (sharded.optimizer_state()?, plain.optimizer_state()?);
     Ok([
         rel_err(&sharded.export_weights()?, &plain.export_weights()?),

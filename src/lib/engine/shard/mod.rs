@@ -4,8 +4,9 @@
 //! training loop ([`crate::engine::train::train`]) on a [`ShardedPolicy`]: each mini-batch's
 //! rows are shared out to the ranks by token count ([`balance`]), the loss is normalised by the
 //! whole mini-batch's counts (every rank computes them from the batch), the ranks' loss metrics
-//! are summed, and the optimizer step is [`Decoder::sharded_step`]: gradients reduce-scattered,
-//! global-norm clipping, AdamW on this rank's 1/N of the f32 masters and moments, weights
+//! are summed, and the optimizer step is [`Decoder::sharded_step`]: gradients reduce-scattered
+//! (during the backward of each rank's last pass of the step: [`Policy::last_pass_next`],
+//! [`Policy::passes_done`]), global-norm clipping, AdamW on this rank's 1/N of the f32 masters and moments, weights
 //! all-gathered. The result is the one-rank result up to the order of the floating-point sums.
 //! [`ShardMode::Full`] (FSDP / ZeRO-3) shards the compute weights too: the optimizer from
 //! [`Decoder::shard_full`] or [`Decoder::new_full`] makes the policy's passes gather each unit
@@ -99,6 +100,12 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
                 .decoder
                 .forward_backward_held(seqs, temperature, loss, &mut hold);
         }
+        if self.optim.take_pass()? {
+            let mut ov = self.optim.overlap(self.comm);
+            return self
+                .decoder
+                .forward_backward_overlapped(seqs, temperature, loss, &mut ov);
+        }
         self.decoder.forward_backward(seqs, temperature, loss)
     }
     fn forward_backward_ppo(
@@ -121,6 +128,18 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
             )?;
             return Ok(true);
         }
+        if self.optim.take_pass()? {
+            let mut ov = self.optim.overlap(self.comm);
+            self.decoder.forward_backward_ppo_overlapped(
+                seqs,
+                temperature,
+                tokens,
+                clip,
+                logprobs,
+                &mut ov,
+            )?;
+            return Ok(true);
+        }
         self.decoder
             .forward_backward_ppo(seqs, temperature, tokens, clip, logprobs)?;
         Ok(true)
@@ -133,7 +152,17 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
             // The passes add into the gradient shards; the decoder holds none.
             return self.optim.zero_grads(self.decoder.backend());
         }
+        self.optim.begin_step();
         self.decoder.zero_grads()
+    }
+    fn last_pass_next(&mut self) {
+        self.optim.arm_overlap();
+    }
+    fn passes_done(&mut self) -> Result<()> {
+        match self.optim.is_full() {
+            true => Ok(()),
+            false => self.decoder.reduce_grads(&mut self.optim, self.comm),
+        }
     }
     fn optimizer_step(
         &mut self,

@@ -5,7 +5,7 @@
 use anyhow::{ensure, Result};
 
 use super::forward::{AttnMode, LayerShapes};
-use super::shard::{Holding, Pass, Unit};
+use super::shard::{Holding, Overlap, Pass, Unit};
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::backend::{
     AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
@@ -31,7 +31,7 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, None)
+        self.forward_backward_in(seqs, temperature, loss, None, None)
     }
 
     /// [`Decoder::forward_backward`] under full sharding (see [`Holding`]): the gradients go
@@ -44,7 +44,22 @@ impl<B: Backend> Decoder<B> {
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
         hold: &mut Holding<B>,
     ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, Some(hold))
+        self.forward_backward_in(seqs, temperature, loss, Some(hold), None)
+    }
+
+    /// [`Decoder::forward_backward`] as a zero2 rank's last pass of a step (see [`Overlap`]):
+    /// its backward starts each bucket's reduce-scatter as soon as the bucket's gradients are
+    /// final, and waits for them before it returns. A pass with no backward (no sequences, or
+    /// none scored) starts none.
+    pub fn forward_backward_overlapped(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
+        ov: &mut Overlap<B>,
+    ) -> Result<()> {
+        self.forward_backward_in(seqs, temperature, loss, None, Some(ov))?;
+        ov.drain()
     }
 
     fn forward_backward_in(
@@ -53,6 +68,7 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
         mut hold: Option<&mut Holding<B>>,
+        ov: Option<&mut Overlap<B>>,
     ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
@@ -110,7 +126,7 @@ impl<B: Backend> Decoder<B> {
                 self.backend.upload(&mut gw.dent, &dent)?;
             }
         }
-        self.backward(n, seqs.len(), r, temperature, any_dent, hold)
+        self.backward(n, seqs.len(), r, temperature, any_dent, hold, ov)
     }
 
     /// Forward, the PPO-clip loss on the device ([`crate::backend::PpoLossOps::ppo_clip_loss`], knobs in `clip`;
@@ -125,7 +141,7 @@ impl<B: Backend> Decoder<B> {
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
     ) -> Result<()> {
-        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, None)
+        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, None, None)
     }
 
     /// [`Decoder::forward_backward_ppo`] under full sharding (see [`Holding`]).
@@ -138,9 +154,25 @@ impl<B: Backend> Decoder<B> {
         logprobs: Option<&mut Vec<f32>>,
         hold: &mut Holding<B>,
     ) -> Result<()> {
-        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, Some(hold))
+        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, Some(hold), None)
     }
 
+    /// [`Decoder::forward_backward_ppo`] as a zero2 rank's last pass of a step (see
+    /// [`Decoder::forward_backward_overlapped`]).
+    pub fn forward_backward_ppo_overlapped(
+        &mut self,
+        seqs: &[SeqRef],
+        temperature: f32,
+        tok: &PpoTokens,
+        clip: PpoShape,
+        logprobs: Option<&mut Vec<f32>>,
+        ov: &mut Overlap<B>,
+    ) -> Result<()> {
+        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, None, Some(ov))?;
+        ov.drain()
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn forward_backward_ppo_in(
         &mut self,
         seqs: &[SeqRef],
@@ -149,6 +181,7 @@ impl<B: Backend> Decoder<B> {
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
         mut hold: Option<&mut Holding<B>>,
+        ov: Option<&mut Overlap<B>>,
     ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
@@ -207,7 +240,15 @@ impl<B: Backend> Decoder<B> {
             },
             PpoShape { tokens: r, ..clip },
         )?;
-        self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some(), hold)
+        self.backward(
+            n,
+            seqs.len(),
+            r,
+            temperature,
+            tok.dentropy.is_some(),
+            hold,
+            ov,
+        )
     }
 
     /// The PPO loss metric sums ([`crate::backend::PPO_STATS`] slots) since the last call, and
@@ -223,7 +264,10 @@ impl<B: Backend> Decoder<B> {
 
     /// Backward from dL/dlp (and dL/dentropy when `dent`) already in the gradient workspace.
     /// With `hold` (full sharding; the head is gathered) each unit is gathered before its
-    /// backward, and its gradients reduce-scattered and freed after.
+    /// backward, and its gradients reduce-scattered and freed after. With `ov` (zero2, the
+    /// step's last pass) the buckets whose gradients are final after a unit's backward start
+    /// their reduce-scatter.
+    #[allow(clippy::too_many_arguments)]
     fn backward(
         &mut self,
         n: usize,
@@ -232,6 +276,7 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         dent: bool,
         mut hold: Option<&mut Holding<B>>,
+        mut ov: Option<&mut Overlap<B>>,
     ) -> Result<()> {
         let chunk = self.chunk_rows(r);
         let Decoder {
@@ -301,6 +346,9 @@ impl<B: Backend> Decoder<B> {
         if let Some(h) = hold.as_deref_mut() {
             h.reduce(b, g, Unit::Head)?;
             h.release(b, w, Unit::Head)?;
+        }
+        if let Some(o) = ov.as_deref_mut() {
+            o.done(b, g, Unit::Head)?;
         }
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
         b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
@@ -421,9 +469,16 @@ impl<B: Backend> Decoder<B> {
                 h.reduce(b, g, Unit::Layer(l))?;
                 h.release(b, w, Unit::Layer(l))?;
             }
+            if let Some(o) = ov.as_deref_mut() {
+                o.done(b, g, Unit::Layer(l))?;
+            }
         }
         let Some(h) = hold else {
-            return b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d);
+            b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d)?;
+            return match ov {
+                Some(o) => o.done(b, g, Unit::Embed),
+                None => Ok(()),
+            };
         };
         // The embedding's backward reads no weight: nothing to gather.
         h.grads(b, g, Unit::Embed)?;

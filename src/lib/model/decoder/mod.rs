@@ -39,7 +39,7 @@ mod step;
 mod workspace;
 
 pub use optim::{AdamWParams, OptimizerState, StepReport};
-pub use shard::{Buckets, Holding, HostShard, ShardLayout, ShardStats, ShardedOptim};
+pub use shard::{Buckets, Holding, HostShard, Overlap, ShardLayout, ShardStats, ShardedOptim};
 pub use step::{PagedAttn, StepRows};
 
 use anyhow::{bail, Result};

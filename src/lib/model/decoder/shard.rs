@@ -1,10 +1,19 @@
 //! The data-parallel optimizer (ZeRO-2-like): every rank keeps the compute weights in full, and
 //! 1/N of the f32 master weights, Adam moments and reduced gradients, over the flat bucket
-//! layout of [`BucketPlan`]. A step reduce-scatters the gradients the backward passes added up
-//! (bucket by bucket, after the last backward of the step: no overlap with the backward yet),
-//! clips by the global norm (the shards' sums of squares, all-reduced), updates this rank's
-//! shard with AdamW and all-gathers the compute weights back into every rank's decoder
-//! ([`WeightSync`], the weight sync).
+//! layout of [`BucketPlan`]. The backward passes of a step add the gradients up in full; the
+//! backward of the rank's last pass of the step ([`ShardedOptim::arm_overlap`]) reduce-scatters
+//! each bucket as soon as all its gradients are final, while the rest of the backward runs
+//! ([`Overlap`], DeepSpeed ZeRO-2's `overlap_comm` under gradient accumulation; earlier passes
+//! do not communicate). The step then reduces any bucket not started yet, clips by the global
+//! norm (the shards' sums of squares, all-reduced), updates this rank's shard with AdamW and
+//! all-gathers the compute weights back into every rank's decoder ([`WeightSync`], the weight
+//! sync).
+//!
+//! Every rank starts the same reduce-scatters in the same order ([`ShardedOptim`]'s `order`,
+//! fixed by the model), whatever its passes: a rank with fewer passes starts them in its own
+//! last backward (no other collective runs between the passes under zero2), a rank with no
+//! rows (or whose last pass scored nothing) at [`Decoder::reduce_grads`], which every rank
+//! calls after its passes, before any other collective of the step.
 //!
 //! AdamW is elementwise, so a rank's shard gets exactly the update the unsharded optimizer
 //! gives those elements from the same summed gradients.
@@ -16,6 +25,9 @@
 //! is done; the step then has no weight sync.
 
 use anyhow::{ensure, Context, Result};
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
 use std::time::Instant;
 
 use super::optim::{adamw_step, check_hyper, clip_scale};
@@ -34,8 +46,14 @@ pub struct ShardStats {
     pub buckets: usize,
     /// Elements of this rank's shards (of every bucket together).
     pub shard_elems: usize,
-    /// Wall seconds of the gradients' reduce-scatter (packing the buckets included).
+    /// Wall seconds the host spent on the gradients' reduce-scatter outside its overlap with
+    /// the backward: packing and reducing the buckets started after the backward (all of them
+    /// on a rank with no rows), and waiting for those started during it (for a pack buffer, or
+    /// at the end of the backward; a GPU's wait does not block the host). Under full sharding:
+    /// the units' reduce-scatters in the backward, whole.
     pub reduce_scatter_seconds: f64,
+    /// Buckets whose reduce-scatter this rank started during a backward (zero2's overlap).
+    pub overlapped_buckets: u64,
     /// Wall seconds of the weight sync (the all-gather of the compute weights, copies
     /// included) and the bytes each rank received in it.
     pub sync_seconds: f64,
@@ -64,6 +82,7 @@ impl ShardStats {
             "buckets": self.buckets,
             "shard_elems": self.shard_elems,
             "reduce_scatter_seconds": self.reduce_scatter_seconds,
+            "overlapped_buckets": self.overlapped_buckets,
             "weight_sync_seconds": self.sync_seconds,
             "weight_sync_bytes": self.sync_bytes,
             "weight_sync_gb_per_s": gbs,
@@ -94,6 +113,16 @@ pub struct ShardedOptim<B: Backend> {
     full: Option<FullShard<B>>,
     /// Two f32 buffers of the largest padded bucket: one is packed while the other is reduced.
     pack: [B::Buf; 2],
+    /// zero2: the order every rank starts the buckets' reduce-scatters in (as their gradients
+    /// become final in the backward: the head's first, the embedding's last), the backward
+    /// step ([`backward_step`]) after which each bucket's gradients are final, how many of
+    /// `order` this step has started, and whether the next pass is the step's last here.
+    order: Vec<usize>,
+    ready: Vec<usize>,
+    started: usize,
+    armed: bool,
+    /// The decoder's layers (for [`backward_step`]).
+    layers: usize,
     /// The weight sync (zero2); None under `shard = "full"` (the units are gathered instead).
     sync: Option<WeightSync<B>>,
     /// Whether the moments hold a state (loaded, or a step was taken).
@@ -304,6 +333,9 @@ impl<B: Backend> Decoder<B> {
             true => ([b.alloc(padded)?, b.alloc(0)?], None),
         };
         let sync_elems = sync.as_ref().map_or(0, WeightSync::staging_elems);
+        let ready = self.grads_final_at(&plan);
+        let mut order: Vec<usize> = (0..plan.buckets.len()).rev().collect();
+        order.sort_by_key(|&k| ready[k]);
         let stats = ShardStats {
             world_size: world,
             buckets: plan.buckets.len(),
@@ -322,10 +354,49 @@ impl<B: Backend> Decoder<B> {
             compute,
             full: None,
             pack,
+            order,
+            ready,
+            started: 0,
+            armed: false,
+            layers: self.layers.len(),
             sync,
             moments,
             stats,
         })
+    }
+
+    /// For each bucket of `plan`, the backward step ([`backward_step`]) after which all its
+    /// gradients are final: the final norm's and an untied head's after the head's, a layer's
+    /// after its own, the embedding's (a tied head's) after the embedding's. A tensor of no
+    /// unit would count as the embedding's (the last).
+    fn grads_final_at(&self, plan: &BucketPlan) -> Vec<usize> {
+        let layers = self.layers.len();
+        let mut at = vec![backward_step(Unit::Embed, layers); plan.sizes.len()];
+        at[self.final_norm] = backward_step(Unit::Head, layers);
+        at[self.head] = backward_step(Unit::Head, layers);
+        at[self.embed] = backward_step(Unit::Embed, layers);
+        for (l, ly) in self.layers.iter().enumerate() {
+            let step = backward_step(Unit::Layer(l), layers);
+            let fixed = [
+                ly.in_norm,
+                ly.q,
+                ly.k,
+                ly.v,
+                ly.o,
+                ly.post_norm,
+                ly.gate,
+                ly.up,
+                ly.down,
+            ];
+            let optional = [ly.q_b, ly.k_b, ly.v_b, ly.q_norm, ly.k_norm];
+            for t in fixed.into_iter().chain(optional.into_iter().flatten()) {
+                at[t] = step;
+            }
+        }
+        plan.buckets
+            .iter()
+            .map(|k| k.tensors.clone().map(|t| at[t]).max().unwrap_or(0))
+            .collect()
     }
 
     /// One data-parallel optimizer step (see the module docs): the same result on every rank
@@ -343,11 +414,11 @@ impl<B: Backend> Decoder<B> {
             "sharded step: the communicator is not the one the optimizer was sharded over"
         );
         if st.full.is_none() {
-            // A rank without rows this step has no gradients yet: it adds zeros.
-            self.ensure_grads()?;
-            let started = Instant::now();
-            self.reduce_scatter_grads(st, comm)?;
-            st.stats.reduce_scatter_seconds += started.elapsed().as_secs_f64();
+            // Those not started during the backward (or at `reduce_grads`); the next step's
+            // accumulation starts with none started, skipped or not.
+            let reduced = self.reduce_grads(st, comm);
+            (st.started, st.armed) = (0, false);
+            reduced?;
         }
 
         // ‖g‖² = Σ_ranks Σ shard².
@@ -408,37 +479,28 @@ impl<B: Backend> Decoder<B> {
         })
     }
 
-    /// `st.grad[b]` = this rank's shard of bucket b of the gradients summed over the ranks.
-    /// Bucket b + 1 is packed while bucket b is reduced.
-    fn reduce_scatter_grads(&self, st: &mut ShardedOptim<B>, comm: &dyn Comm<B>) -> Result<()> {
-        let b = &self.backend;
-        let plan = &st.plan;
-        let pack = |k: usize, buf: &mut B::Buf| -> Result<()> {
-            let bucket = &plan.buckets[k];
-            b.fill(buf, bucket.padded(plan.world_size), 0.0)?;
-            for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
-                b.copy(buf, off, &self.g[t], 0, plan.sizes[t])?;
-            }
-            Ok(())
-        };
-        let [even, odd] = &mut st.pack;
-        if !plan.buckets.is_empty() {
-            pack(0, even)?;
+    /// zero2: starts the reduce-scatters of the step's gradients that its backward did not
+    /// start, in the ranks' common order, and waits for them: then `st.grad[k]` = this rank's
+    /// shard of bucket k of the gradients summed over the ranks. Every rank calls it once its
+    /// step's passes are done, before any other collective of the step (a rank with no rows
+    /// reduces zeros); [`Decoder::sharded_step`] calls it too (then a no-op).
+    pub fn reduce_grads(&mut self, st: &mut ShardedOptim<B>, comm: &dyn Comm<B>) -> Result<()> {
+        ensure!(
+            !st.is_full(),
+            "reduce_grads: full sharding reduces unit by unit"
+        );
+        if st.started == st.order.len() {
+            return Ok(());
         }
-        for (k, (bucket, grad)) in plan.buckets.iter().zip(st.grad.iter_mut()).enumerate() {
-            let (cur, next): (&B::Buf, &mut B::Buf) = match k % 2 {
-                0 => (&*even, &mut *odd),
-                _ => (&*odd, &mut *even),
-            };
-            let rs = Collective::reduce_scatter(cur, 0, grad, 0, bucket.shard, ReduceOp::Sum)
-                .as_dtype(DType::F32);
-            let work = comm.start(vec![rs])?;
-            if k + 1 < plan.buckets.len() {
-                pack(k + 1, next)?;
-            }
-            work.wait()?;
-        }
-        Ok(())
+        let started = Instant::now();
+        self.ensure_grads()?;
+        let mut ov = st.overlap(comm);
+        let done = ov.start_ready(&self.backend, &self.g, usize::MAX);
+        let done = done.and_then(|()| ov.drain());
+        let seconds = started.elapsed().as_secs_f64();
+        // Its waits were counted already.
+        ov.stats.reduce_scatter_seconds += seconds - std::mem::take(&mut ov.waited);
+        done
     }
 
     /// The f32 masters and (with `moments`) the optimizer state, gathered bucket by bucket into
@@ -752,6 +814,192 @@ impl<B: Backend> ShardedOptim<B> {
             b.fill(g, self.plan.buckets[k].shard, 0.0)?;
         }
         Ok(())
+    }
+
+    /// zero2: a new step's accumulation (nothing reduced, no pass marked the last).
+    pub fn begin_step(&mut self) {
+        (self.started, self.armed) = (0, false);
+    }
+
+    /// zero2: the next pass is this rank's last of the step: its backward starts the
+    /// reduce-scatters ([`ShardedOptim::take_pass`]). No-op under full sharding.
+    pub fn arm_overlap(&mut self) {
+        self.armed = !self.is_full();
+    }
+
+    /// zero2, before a pass: whether it is the step's last here (see
+    /// [`ShardedOptim::arm_overlap`]; then it runs with [`ShardedOptim::overlap`]). Fails when
+    /// the step's gradients were reduced already (a pass after [`Decoder::reduce_grads`]).
+    pub fn take_pass(&mut self) -> Result<bool> {
+        ensure!(
+            self.started == 0,
+            "a training pass after this step's gradients were reduced (start a step with begin_step)"
+        );
+        Ok(std::mem::take(&mut self.armed))
+    }
+
+    /// The reduce-scatters of this step's buckets not started yet, on `comm` (the one the
+    /// optimizer was sharded over), for [`Decoder::forward_backward_overlapped`] and
+    /// [`Decoder::forward_backward_ppo_overlapped`]. Dropping it waits for those in flight.
+    pub fn overlap<'a>(&'a mut self, comm: &'a dyn Comm<B>) -> Overlap<'a, B> {
+        let ShardedOptim {
+            plan,
+            grad,
+            pack: [p0, p1],
+            order,
+            ready,
+            started,
+            layers,
+            stats,
+            ..
+        } = self;
+        Overlap {
+            comm,
+            plan,
+            order,
+            ready,
+            started,
+            layers,
+            stats,
+            waited: 0.0,
+            grad: grad.iter_mut().map(Some).collect(),
+            pack: [NonNull::from(p0), NonNull::from(p1)],
+            inflight: VecDeque::with_capacity(2),
+            _pack: PhantomData,
+        }
+    }
+}
+
+/// The step of the backward after which unit `u`'s gradients are final (of a decoder of
+/// `layers` layers): the head (final norm and LM head) 0, then the layers from the top, then
+/// the embedding.
+fn backward_step(u: Unit, layers: usize) -> usize {
+    match u {
+        Unit::Head => 0,
+        Unit::Layer(l) => layers - l,
+        Unit::Embed => layers + 1,
+    }
+}
+
+/// zero2's reduce-scatter of a step's gradients overlapped with the backward of the rank's
+/// last pass (from [`ShardedOptim::overlap`]): after each unit's backward, every bucket whose
+/// gradients are all final (and all before it in the ranks' common order) is packed into a
+/// free one of the two pack buffers and its reduce-scatter started on the communication
+/// stream; it runs while the backward goes on. At most two are in flight (the staging memory
+/// stays the two pack buffers): the third waits for the first. Everything started is waited
+/// for before the pass returns (dropping the `Overlap` waits too): on a GPU that wait only
+/// orders the compute stream after the collectives, which whatever follows the backward (the
+/// step) needs anyway, and no collective outlives the borrows of the communicator and buffers.
+pub struct Overlap<'a, B: Backend> {
+    comm: &'a dyn Comm<B>,
+    plan: &'a BucketPlan,
+    order: &'a [usize],
+    ready: &'a [usize],
+    /// The optimizer's count of `order` started this step.
+    started: &'a mut usize,
+    layers: &'a usize,
+    stats: &'a mut ShardStats,
+    /// Seconds waited on collectives through this `Overlap` (also added to the stats).
+    waited: f64,
+    /// Each bucket's gradient shard, lent to its reduce-scatter (once a step).
+    grad: Vec<Option<&'a mut B::Buf>>,
+    /// The optimizer's two pack buffers, borrowed mutably for `'a` (`_pack`). Each is either
+    /// free (no reference to it lives) or read by exactly one reduce-scatter of `inflight`
+    /// through a shared reference made from it; see `start` for why that is sound.
+    pack: [NonNull<B::Buf>; 2],
+    /// Reduce-scatters in flight, oldest first, with the pack buffer each reads.
+    inflight: VecDeque<(usize, Work<'a>)>,
+    _pack: PhantomData<&'a mut [B::Buf; 2]>,
+}
+
+impl<'a, B: Backend> Overlap<'a, B> {
+    /// After unit `u`'s backward (the gradients `g` of this pass added): starts the buckets
+    /// whose gradients are now final.
+    pub(super) fn done(&mut self, b: &B, g: &[B::Buf], u: Unit) -> Result<()> {
+        let before = *self.started;
+        let step = backward_step(u, *self.layers);
+        let r = self.start_ready(b, g, step);
+        self.stats.overlapped_buckets += (*self.started - before) as u64;
+        r
+    }
+
+    /// Starts, in the common order, the buckets not started yet whose gradients are final
+    /// after backward step `step` (`usize::MAX`: all of them).
+    pub(super) fn start_ready(&mut self, b: &B, g: &[B::Buf], step: usize) -> Result<()> {
+        while let Some(&k) = self.order.get(*self.started) {
+            if self.ready[k] > step {
+                break;
+            }
+            self.start(b, g, k)?;
+        }
+        Ok(())
+    }
+
+    /// Packs bucket `k` of `g` and starts its reduce-scatter into the rank's gradient shard.
+    fn start(&mut self, b: &B, g: &[B::Buf], k: usize) -> Result<()> {
+        if self.inflight.len() == 2 {
+            self.wait_oldest()?;
+        }
+        let slot = match self.inflight.front() {
+            Some(&(busy, _)) => 1 - busy,
+            None => 0,
+        };
+        let bucket = &self.plan.buckets[k];
+        // SAFETY: `pack[slot]` points into the optimizer, which `self` borrows mutably for
+        // 'a, so it is valid and nothing else reaches it until 'a ends. No reference made from
+        // it lives now: the only one ever made outside this function is the shared one a
+        // reduce-scatter of `inflight` holds, and the one of this slot (if any) was waited for
+        // and dropped (at most one other is in flight, and it uses the other slot). This
+        // mutable one ends with the packing, before the shared one below is made.
+        let buf = unsafe { self.pack[slot].as_mut() };
+        b.fill(buf, bucket.padded(self.plan.world_size), 0.0)?;
+        for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+            b.copy(buf, off, &g[t], 0, self.plan.sizes[t])?;
+        }
+        // SAFETY: as above, the slot stays valid for 'a; this shared reference goes into the
+        // reduce-scatter's `Work`, which is waited for (consumed) before the slot is packed
+        // again (`wait_oldest`, `drain`), or when `self` drops, within 'a. So the lifetime 'a
+        // it claims is longer than its use, never than the buffer's.
+        let src: &'a B::Buf = unsafe { self.pack[slot].as_ref() };
+        let dst = self.grad[k]
+            .take()
+            .expect("each bucket is reduced once a step");
+        let rs = Collective::reduce_scatter(src, 0, dst, 0, bucket.shard, ReduceOp::Sum)
+            .as_dtype(DType::F32);
+        let work = self.comm.start(vec![rs])?;
+        self.inflight.push_back((slot, work));
+        *self.started += 1;
+        Ok(())
+    }
+
+    fn wait_oldest(&mut self) -> Result<()> {
+        let Some((_, work)) = self.inflight.pop_front() else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let r = work.wait();
+        let s = started.elapsed().as_secs_f64();
+        self.waited += s;
+        self.stats.reduce_scatter_seconds += s;
+        r
+    }
+
+    /// Waits for every reduce-scatter in flight.
+    pub(super) fn drain(&mut self) -> Result<()> {
+        while !self.inflight.is_empty() {
+            self.wait_oldest()?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Drop for Overlap<'_, B> {
+    /// Waits for the reduce-scatters in flight (oldest first; after an error only, the pass
+    /// drains them otherwise), so none outlives the borrows.
+    fn drop(&mut self) {
+        while let Some((_, work)) = self.inflight.pop_front() {
+            drop(work);
+        }
     }
 }
 

@@ -194,6 +194,29 @@ fn push_unique(ids: &mut Vec<u32>, more: impl IntoIterator<Item = u32>) {
 }
 
 impl Config {
+    /// A 2-layer Qwen2 shape (vocabulary 256, hidden 64, tied head, q/k/v biases): the model
+    /// of the sharded optimizer's checks.
+    pub(crate) fn small_qwen2() -> Config {
+        Config {
+            arch: Arch::Qwen2,
+            vocab_size: 256,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            qk_norm: false,
+            max_position_embeddings: 512,
+            bos_token_id: None,
+            eos_token_ids: vec![0],
+        }
+    }
+
     /// Reads `DIR/config.json` and, when present, `DIR/generation_config.json` (whose eos ids are
     /// added to [`Config::eos_token_ids`], as HF generation uses both).
     pub fn load(dir: &Path) -> Result<Config> {

@@ -10,35 +10,13 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType};
 use crate::dist::{Comm, NcclComm, Options, ProcessGroup, World};
 use crate::model::decoder::{AdamWParams, Decoder, Holding, SeqRef, TokenGrads, TokenStats};
-use crate::model::{init, Arch, Config, Weights};
+use crate::model::{init, Config, Weights};
 
 /// The gpu-test case.
 pub const CASES: &[Case] = &[Case {
     name: "sharded_update",
     run: sharded_update,
 }];
-
-/// A 2-layer Qwen2 shape (vocabulary 256, hidden 64) for the comparison.
-pub(crate) fn small_config() -> Config {
-    Config {
-        arch: Arch::Qwen2,
-        vocab_size: 256,
-        hidden_size: 64,
-        intermediate_size: 128,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-        rope_theta: 10_000.0,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: true,
-        qkv_bias: true,
-        qk_norm: false,
-        max_position_embeddings: 512,
-        bos_token_id: None,
-        eos_token_ids: vec![0],
-    }
-}
 
 /// Trains `plain` with the ordinary optimizer and `sharded` with the optimizer sharded over
 /// `comm` (in buckets of `bucket_elems`) for 3 clipped AdamW steps on `seqs`, with fixed
@@ -159,7 +137,7 @@ fn sharded_update(s: &mut Ctx, d: DType) -> Result<()> {
         DType::F32 => 1e-6,
         DType::BF16 => 1e-3,
     };
-    let cfg = small_config();
+    let cfg = Config::small_qwen2();
     let w = init::random_weights(&cfg, s.rng.next_u64(), 0.05);
     let (toks, starts, up) = inputs(s.rng.next_u64(), cfg.vocab_size);
     let seqs = seq_refs(&toks, &starts);
@@ -217,7 +195,7 @@ mod tests {
     fn sharded_update_equals_the_plain_one_on_one_and_two_ranks() {
         for (n, full) in [(1, false), (2, false), (1, true), (2, true)] {
             let errs = ranks(n, Duration::from_secs(60), move |pg| {
-                let cfg = small_config();
+                let cfg = Config::small_qwen2();
                 let w = init::random_weights(&cfg, 7, 0.05);
                 let (toks, starts, up) = inputs(11, cfg.vocab_size);
                 let seqs = seq_refs(&toks, &starts);
@@ -253,7 +231,7 @@ mod tests {
         ranks(2, Duration::from_secs(60), move |pg| {
             let cfg = Config {
                 tie_word_embeddings: tied,
-                ..small_config()
+                ..Config::small_qwen2()
             };
             let w = init::random_weights(&cfg, 7, 0.05);
             let (toks, starts, _) = inputs(11, cfg.vocab_size);

@@ -1352,7 +1352,6 @@ mod tests {
     use crate::backend::cpu::Cpu;
     use crate::dist::testing::ranks;
     use crate::dist::HostComm;
-    use crate::engine::shard::check::small_config;
     use crate::model::decoder::SeqRef;
     use crate::model::init;
     use std::time::Duration;
@@ -1364,7 +1363,7 @@ mod tests {
     #[test]
     fn a_pending_prefetch_is_waited_for_when_its_hold_ends() {
         let out = ranks(2, Duration::from_secs(60), |pg| {
-            let cfg = small_config();
+            let cfg = Config::small_qwen2();
             let w = init::random_weights(&cfg, 5, 0.05);
             let toks: Vec<u32> = (0..17).map(|i| (i * 37 % 256) as u32).collect();
             let seqs = [SeqRef {

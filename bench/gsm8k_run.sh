@@ -39,7 +39,8 @@
 #               stays warm, so one run of up to ~25 minutes needs no restarts (each restart
 #               costs the daemon's start and a checkpoint); SECS bounds it [480]
 #   STEP=wait   wait up to WAIT seconds [540] while any run of RUNS ["$RUN"] is running, then
-#               print each one's last steps and evaluations (keep the machine warm with
+#               print each one's last steps and evaluations, and write each one's report (below)
+#               into $OUT, so that every call brings the results so far home (keep the machine warm with
 #               back-to-back wait calls, then STEP=report)
 #   STEP=eval   greedy evaluation of the run's current policy on the whole test set (the spec's
 #               evaluation flags: EVAL_FLAGS ["--n 1 --top-k 1 --max-new-tokens 512
@@ -70,6 +71,7 @@ RUN=${RUN:-gsm8k-$MODEL}
 D=${D:-.device/rl}
 P=${P:-.device/piece}
 R=${R:-/root/rl}
+SELF=$(readlink -f "$0")
 BINS="tandem pipeline rollout score ref-logprob advantage update sync-weights"
 export TANDEM_CACHE=${TANDEM_CACHE:-/root/tandem-cache} TANDEM_BIN_DIR=$R/bin PYTHONUNBUFFERED=1
 SMI_GPU=()
@@ -157,7 +159,7 @@ import|run)
   ;;
 start)
   mkdir -p "$R"
-  STEP=run OUT= setsid nohup bash "$(readlink -f "$0")" > "$R/start-$RUN.log" 2>&1 < /dev/null &
+  STEP=run OUT= setsid nohup bash "$SELF" > "$R/start-$RUN.log" 2>&1 < /dev/null &
   echo "started $RUN (pid $!, at most ${SECS:-480} s): $R/pipeline-$RUN.log"
   ;;
 wait)
@@ -176,7 +178,10 @@ wait)
   for r in ${RUNS:-$RUN}; do
     echo "== $r: $(live && echo running || echo stopped) after $((SECONDS - t0)) s"
     grep -E '^(step|eval step) ' "$R/pipeline-$r.log" | tail -4
-    grep -E '^eval step ' "$R/pipeline-$r.log" | tail -12 | cut -c1-160
+    grep -E 'eval acc' "$R/pipeline-$r.log" | tail -12 | cut -c1-160
+    # Each call brings the report home: a machine that goes back between calls (30 s without
+    # one) takes the run directory with it.
+    [ -d "${OUT:-}" ] && STEP=report RUN=$r bash "$SELF" > "$OUT/report-$r.log" 2>&1
   done
   ;;
 eval)

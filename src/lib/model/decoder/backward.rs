@@ -5,7 +5,7 @@
 use anyhow::{ensure, Result};
 
 use super::forward::{AttnMode, LayerShapes};
-use super::shard::{Holding, Overlap, Pass, Unit};
+use super::shard::{Holding, Overlap, PassComm, Unit};
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::backend::{
     AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
@@ -31,7 +31,7 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, None, None)
+        self.forward_backward_in(seqs, temperature, loss, PassComm::Local)
     }
 
     /// [`Decoder::forward_backward`] under full sharding (see [`Holding`]): the gradients go
@@ -44,7 +44,7 @@ impl<B: Backend> Decoder<B> {
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
         hold: &mut Holding<B>,
     ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, Some(hold), None)
+        self.forward_backward_in(seqs, temperature, loss, PassComm::Held(hold))
     }
 
     /// [`Decoder::forward_backward`] as a zero2 rank's last pass of a step (see [`Overlap`]):
@@ -58,7 +58,7 @@ impl<B: Backend> Decoder<B> {
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
         ov: &mut Overlap<B>,
     ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, None, Some(ov))?;
+        self.forward_backward_in(seqs, temperature, loss, PassComm::Overlapped(ov))?;
         ov.drain()
     }
 
@@ -67,19 +67,18 @@ impl<B: Backend> Decoder<B> {
         seqs: &[SeqRef],
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
-        mut hold: Option<&mut Holding<B>>,
-        ov: Option<&mut Overlap<B>>,
+        mut comm: PassComm<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
         if seqs.is_empty() {
-            if let Some(h) = hold {
+            if let Some(h) = comm.hold() {
                 h.idle(&self.backend, &mut self.w, &mut self.g, true)?;
             }
             return Ok(());
         }
         let (n, r) = self.pack(seqs, true)?;
-        let last = self.forward_in(n, seqs.len(), true, AttnMode::Packed, hold.as_deref_mut())?;
+        let last = self.forward_in(n, seqs.len(), true, AttnMode::Packed, comm.hold())?;
         let stats = self.score_rows(last, seqs, r, temperature, true)?;
         let grads = loss(&stats)?;
         ensure!(
@@ -114,7 +113,7 @@ impl<B: Backend> Decoder<B> {
         }
         if r == 0 {
             // Nothing scored: the loss does not depend on the weights.
-            if let Some(h) = hold {
+            if let Some(h) = comm.hold() {
                 h.skip_backward(&self.backend, &mut self.w, &mut self.g)?;
             }
             return Ok(());
@@ -126,7 +125,7 @@ impl<B: Backend> Decoder<B> {
                 self.backend.upload(&mut gw.dent, &dent)?;
             }
         }
-        self.backward(n, seqs.len(), r, temperature, any_dent, hold, ov)
+        self.backward(n, seqs.len(), r, temperature, any_dent, comm)
     }
 
     /// Forward, the PPO-clip loss on the device ([`crate::backend::PpoLossOps::ppo_clip_loss`], knobs in `clip`;
@@ -141,7 +140,7 @@ impl<B: Backend> Decoder<B> {
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
     ) -> Result<()> {
-        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, None, None)
+        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, PassComm::Local)
     }
 
     /// [`Decoder::forward_backward_ppo`] under full sharding (see [`Holding`]).
@@ -154,7 +153,7 @@ impl<B: Backend> Decoder<B> {
         logprobs: Option<&mut Vec<f32>>,
         hold: &mut Holding<B>,
     ) -> Result<()> {
-        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, Some(hold), None)
+        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, PassComm::Held(hold))
     }
 
     /// [`Decoder::forward_backward_ppo`] as a zero2 rank's last pass of a step (see
@@ -168,11 +167,17 @@ impl<B: Backend> Decoder<B> {
         logprobs: Option<&mut Vec<f32>>,
         ov: &mut Overlap<B>,
     ) -> Result<()> {
-        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, None, Some(ov))?;
+        self.forward_backward_ppo_in(
+            seqs,
+            temperature,
+            tok,
+            clip,
+            logprobs,
+            PassComm::Overlapped(ov),
+        )?;
         ov.drain()
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn forward_backward_ppo_in(
         &mut self,
         seqs: &[SeqRef],
@@ -180,13 +185,12 @@ impl<B: Backend> Decoder<B> {
         tok: &PpoTokens,
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
-        mut hold: Option<&mut Holding<B>>,
-        ov: Option<&mut Overlap<B>>,
+        mut comm: PassComm<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
         if seqs.is_empty() {
-            if let Some(h) = hold {
+            if let Some(h) = comm.hold() {
                 h.idle(&self.backend, &mut self.w, &mut self.g, true)?;
             }
             return Ok(());
@@ -203,9 +207,9 @@ impl<B: Backend> Decoder<B> {
             tok.old.map(<[f32]>::len),
             tok.dentropy.map(<[f32]>::len)
         );
-        let last = self.forward_in(n, seqs.len(), true, AttnMode::Packed, hold.as_deref_mut())?;
+        let last = self.forward_in(n, seqs.len(), true, AttnMode::Packed, comm.hold())?;
         if r == 0 {
-            if let Some(h) = hold {
+            if let Some(h) = comm.hold() {
                 h.skip_backward(&self.backend, &mut self.w, &mut self.g)?;
             }
             return Ok(());
@@ -240,15 +244,7 @@ impl<B: Backend> Decoder<B> {
             },
             PpoShape { tokens: r, ..clip },
         )?;
-        self.backward(
-            n,
-            seqs.len(),
-            r,
-            temperature,
-            tok.dentropy.is_some(),
-            hold,
-            ov,
-        )
+        self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some(), comm)
     }
 
     /// The PPO loss metric sums ([`crate::backend::PPO_STATS`] slots) since the last call, and
@@ -262,12 +258,9 @@ impl<B: Backend> Decoder<B> {
         Ok(out.map(f64::from))
     }
 
-    /// Backward from dL/dlp (and dL/dentropy when `dent`) already in the gradient workspace.
-    /// With `hold` (full sharding; the head is gathered) each unit is gathered before its
-    /// backward, and its gradients reduce-scattered and freed after. With `ov` (zero2, the
-    /// step's last pass) the buckets whose gradients are final after a unit's backward start
-    /// their reduce-scatter.
-    #[allow(clippy::too_many_arguments)]
+    /// Backward from dL/dlp (and dL/dentropy when `dent`) already in the gradient workspace,
+    /// with `comm`'s hooks around each unit's backward ([`PassComm::before_backward`],
+    /// [`PassComm::after_backward`]; under full sharding the head is gathered already).
     fn backward(
         &mut self,
         n: usize,
@@ -275,8 +268,7 @@ impl<B: Backend> Decoder<B> {
         r: usize,
         temperature: f32,
         dent: bool,
-        mut hold: Option<&mut Holding<B>>,
-        mut ov: Option<&mut Overlap<B>>,
+        mut comm: PassComm<B>,
     ) -> Result<()> {
         let chunk = self.chunk_rows(r);
         let Decoder {
@@ -311,9 +303,7 @@ impl<B: Backend> Decoder<B> {
             temperature,
             chunk,
         };
-        if let Some(h) = hold.as_deref_mut() {
-            h.grads(b, g, Unit::Head)?;
-        }
+        comm.before_backward(b, w, g, Unit::Head)?;
         b.logprob_backward(
             &mut gw.dxf,
             &mut g[*head],
@@ -343,21 +333,12 @@ impl<B: Backend> Decoder<B> {
             RmsNormShape { rows: r, ..ls.norm },
             false,
         )?;
-        if let Some(h) = hold.as_deref_mut() {
-            h.reduce(b, g, Unit::Head)?;
-            h.release(b, w, Unit::Head)?;
-        }
-        if let Some(o) = ov.as_deref_mut() {
-            o.done(b, g, Unit::Head)?;
-        }
+        comm.after_backward(b, w, g, Unit::Head)?;
         b.fill(&mut gw.d_resid, n * d, 0.0)?;
         b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
         let lowp = b.compute_dtype() != DType::F32;
         for (l, ly) in layers.iter().enumerate().rev() {
-            if let Some(h) = hold.as_deref_mut() {
-                h.gather(b, w, Unit::Layer(l), Pass::Backward)?;
-                h.grads(b, g, Unit::Layer(l))?;
-            }
+            comm.before_backward(b, w, g, Unit::Layer(l))?;
             let a = &ws.acts[l];
             // MLP (h kept from the forward pass).
             let dres = if lowp {
@@ -465,24 +446,10 @@ impl<B: Backend> Decoder<B> {
                 ls.norm,
                 true,
             )?;
-            if let Some(h) = hold.as_deref_mut() {
-                h.reduce(b, g, Unit::Layer(l))?;
-                h.release(b, w, Unit::Layer(l))?;
-            }
-            if let Some(o) = ov.as_deref_mut() {
-                o.done(b, g, Unit::Layer(l))?;
-            }
+            comm.after_backward(b, w, g, Unit::Layer(l))?;
         }
-        let Some(h) = hold else {
-            b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d)?;
-            return match ov {
-                Some(o) => o.done(b, g, Unit::Embed),
-                None => Ok(()),
-            };
-        };
-        // The embedding's backward reads no weight: nothing to gather.
-        h.grads(b, g, Unit::Embed)?;
+        comm.before_backward(b, w, g, Unit::Embed)?;
         b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d)?;
-        h.reduce(b, g, Unit::Embed)
+        comm.after_backward(b, w, g, Unit::Embed)
     }
 }

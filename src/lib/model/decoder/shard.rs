@@ -1003,6 +1003,67 @@ impl<B: Backend> Drop for Overlap<'_, B> {
     }
 }
 
+/// How a training pass talks to the other ranks: not at all (one process, or a zero2 pass
+/// before the step's last), under full sharding through its [`Holding`], or as zero2's last
+/// pass of a step through its [`Overlap`].
+pub(super) enum PassComm<'s, 'a, B: Backend> {
+    Local,
+    Held(&'s mut Holding<'a, B>),
+    Overlapped(&'s mut Overlap<'a, B>),
+}
+
+impl<'a, B: Backend> PassComm<'_, 'a, B> {
+    /// The full-shard hold, if any (the forward gathers through it).
+    pub(super) fn hold(&mut self) -> Option<&mut Holding<'a, B>> {
+        match self {
+            PassComm::Held(h) => Some(&mut **h),
+            _ => None,
+        }
+    }
+
+    /// Before unit `u`'s backward, under full sharding: its weights gathered (a layer's; the
+    /// head stays gathered from the forward, and the embedding's backward reads none) and its
+    /// gradient buffers made.
+    pub(super) fn before_backward(
+        &mut self,
+        b: &B,
+        w: &mut [B::Buf],
+        g: &mut [B::Buf],
+        u: Unit,
+    ) -> Result<()> {
+        if let PassComm::Held(h) = self {
+            if let Unit::Layer(_) = u {
+                h.gather(b, w, u, Pass::Backward)?;
+            }
+            h.grads(b, g, u)?;
+        }
+        Ok(())
+    }
+
+    /// After unit `u`'s backward: under full sharding its gradients reduce-scattered and its
+    /// weights freed (the embedding has none gathered); as zero2's last pass, the buckets whose
+    /// gradients are now final started.
+    pub(super) fn after_backward(
+        &mut self,
+        b: &B,
+        w: &mut [B::Buf],
+        g: &mut [B::Buf],
+        u: Unit,
+    ) -> Result<()> {
+        match self {
+            PassComm::Local => Ok(()),
+            PassComm::Held(h) => {
+                h.reduce(b, g, u)?;
+                match u {
+                    Unit::Embed => Ok(()),
+                    _ => h.release(b, w, u),
+                }
+            }
+            PassComm::Overlapped(o) => o.done(b, g, u),
+        }
+    }
+}
+
 /// The shards of Adam's first and second moments, one buffer per bucket each.
 type Moments<B> = (Vec<<B as Device>::Buf>, Vec<<B as Device>::Buf>);
 

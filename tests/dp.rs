@@ -8,7 +8,7 @@
 mod stage_util;
 
 use stage_util::*;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use tandem::batch::{schema, Batch};
 
@@ -534,7 +534,7 @@ fn torchrun_variables_share_the_rollout() {
 /// Dropping it stops the launcher (and with it every rank).
 struct DaemonGroup {
     launcher: std::process::Child,
-    socket: std::path::PathBuf,
+    socket: PathBuf,
 }
 
 impl DaemonGroup {
@@ -618,8 +618,14 @@ fn wait_ranks(
 }
 
 fn ctl(socket: &Path, what: &str) -> Output {
+    ctl_with(socket, &[what])
+}
+
+/// `daemon-ctl --socket SOCKET ARGS...`.
+fn ctl_with(socket: &Path, args: &[&str]) -> Output {
     Command::new(TANDEM)
-        .args(["daemon-ctl", "--socket", p(socket), what])
+        .args(["daemon-ctl", "--socket", p(socket)])
+        .args(args)
         .output()
         .unwrap()
 }
@@ -1083,6 +1089,79 @@ fn a_daemon_group_keeps_full_shards_resident_between_checkpoints() {
     same_as_files_with_resident_steps(d, "full");
 }
 
+/// The by-hand resident tests' setup: a tiny model, prompts and a rollout of them (the
+/// batch the updates train on, with sft). Returns (model, prompts, batch).
+fn sft_setup(d: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let model = tiny_model(d, 7);
+    let input = d.join("prompts.parquet");
+    prompts(&input, &QUESTIONS);
+    let (batch, batch_m) = (d.join("batch.parquet"), d.join("batch.json"));
+    ok("rollout", &rollout_args(&model, &input, &batch, &batch_m));
+    (model, input, batch)
+}
+
+/// `update` arguments of the resident tests: sft on `batch` from `from` into `out`, then `extra`.
+fn sft_update(batch: &Path, from: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a = [
+        "--model",
+        p(from),
+        "--in",
+        p(batch),
+        "--out-model",
+        p(out),
+        "--loss",
+        "sft",
+        "--lr",
+        "0.01",
+        "--mini-batch-size",
+        "4",
+        "--seed",
+        "5",
+    ]
+    .map(String::from)
+    .to_vec();
+    a.extend(extra.iter().map(|x| x.to_string()));
+    a
+}
+
+/// `update ARGS` on 2 ranks under the launcher.
+fn launch_update(args: &[String]) {
+    launch_ok(
+        2,
+        "update",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+}
+
+/// `daemon-ctl save --out OUT` on the group at `socket`: the files the group writes.
+fn group_save(socket: &Path, out: &Path) {
+    let o = ctl_with(socket, &["save", "--out", p(out)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out
+        .join("optimizer.rank00001-of-00002.safetensors")
+        .is_file());
+}
+
+/// A rollout of `input` served by the group at `socket` for the policy `model` (into `out`,
+/// metrics beside it) has `reference`'s rows, from the policy in memory; returns its metrics.
+fn group_rollout_rows(
+    socket: &Path,
+    model: &Path,
+    input: &Path,
+    out: &Path,
+    reference: &Path,
+    what: &str,
+) -> serde_json::Value {
+    let m = out.with_extension("json");
+    let mut a = rollout_args(model, input, out, &m);
+    a.extend(["--daemon", p(socket)]);
+    ok("rollout", &a);
+    same_rows(&read(reference), &read(out), what);
+    let m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&m).unwrap()).unwrap();
+    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+    m
+}
+
 /// `update --resident` on a 2-daemon group, by hand: every rank keeps its optimizer shard
 /// (status), the directory holds no weights, the group's rollout from it gives the rows of a
 /// rollout from the files of the same update run in-process under the launcher, `daemon-ctl
@@ -1093,39 +1172,11 @@ fn a_daemon_group_keeps_full_shards_resident_between_checkpoints() {
 fn update_resident_on_a_daemon_group_trains_from_memory() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let model = tiny_model(d, 7);
-    let input = d.join("prompts.parquet");
-    prompts(&input, &QUESTIONS);
-    let (batch, batch_m) = (d.join("batch.parquet"), d.join("batch.json"));
-    ok("rollout", &rollout_args(&model, &input, &batch, &batch_m));
-    let update = |from: &Path, out: &Path| -> Vec<String> {
-        [
-            "--model",
-            p(from),
-            "--in",
-            p(&batch),
-            "--out-model",
-            p(out),
-            "--loss",
-            "sft",
-            "--lr",
-            "0.01",
-            "--mini-batch-size",
-            "4",
-            "--seed",
-            "5",
-        ]
-        .map(String::from)
-        .to_vec()
-    };
+    let (model, input, batch) = sft_setup(d);
+    let update = |from: &Path, out: &Path, extra: &[&str]| sft_update(&batch, from, out, extra);
     let (m1, m2) = (d.join("m1"), d.join("m2"));
     for (from, out) in [(&model, &m1), (&m1, &m2)] {
-        let a = update(from, out);
-        launch_ok(
-            2,
-            "update",
-            &a.iter().map(String::as_str).collect::<Vec<_>>(),
-        );
+        launch_update(&update(from, out, &[]));
     }
     let (r1, r1_m) = (d.join("r1.parquet"), d.join("r1.json"));
     ok("rollout", &rollout_args(&m1, &input, &r1, &r1_m));
@@ -1145,9 +1196,10 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
     let socket = d.join("g.sock");
     let _group = DaemonGroup::start(d, 2, &socket, &model, &[]);
     let kept = d.join("kept");
-    let mut a = update(&model, &kept);
-    a.extend(["--resident", "--daemon", p(&socket)].map(String::from));
-    ok("update", &a);
+    ok(
+        "update",
+        &update(&model, &kept, &["--resident", "--daemon", p(&socket)]),
+    );
     assert!(kept.join("resident.json").is_file());
     assert!(!kept.join("model.safetensors").exists());
     assert!(!kept.join("optimizer.safetensors").exists());
@@ -1165,35 +1217,20 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
         assert_eq!(policy["in_files"], false, "{ranks:?}");
     }
     // The group generates from the weights in memory: the rows of a rollout from m1's files.
-    let (r1g, r1g_m) = (d.join("r1g.parquet"), d.join("r1g.json"));
-    let mut a = rollout_args(&kept, &input, &r1g, &r1g_m);
-    a.extend(["--daemon", p(&socket)]);
-    ok("rollout", &a);
-    same_rows(&read(&r1), &read(&r1g), "rollout from the resident policy");
-    let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&r1g_m).unwrap()).unwrap();
-    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+    group_rollout_rows(
+        &socket,
+        &kept,
+        &input,
+        &d.join("r1g.parquet"),
+        &r1,
+        "rollout from the resident policy",
+    );
 
     // `daemon-ctl save` while the state is in shards: every rank writes its own shard, rank 0
     // the model files from the gathered masters: m1's files (the launched update) bit for bit.
     let saved = d.join("saved");
-    let o = Command::new(TANDEM)
-        .args([
-            "daemon-ctl",
-            "--socket",
-            p(&socket),
-            "save",
-            "--out",
-            p(&saved),
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    group_save(&socket, &saved);
     assert_eq!(files(&m1), files(&saved));
-    assert!(saved
-        .join("optimizer.rank00001-of-00002.safetensors")
-        .is_file());
     assert!(!d.join("saved.shards").exists());
     // Both ranks now name the policy by the saved directory.
     wait_ranks(&socket, "both ranks to name the saved directory", |r| {
@@ -1205,23 +1242,13 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
     });
 
     let m2g = d.join("m2g");
-    let mut a = update(&kept, &m2g);
-    a.extend(["--daemon", p(&socket)].map(String::from));
-    ok("update", &a);
+    ok("update", &update(&kept, &m2g, &["--daemon", p(&socket)]));
     assert_eq!(files(&m2), files(&m2g));
 
     // m2's optimizer state is in per-rank shards of zero2's layout: --shard full (another
     // layout) continues from them, each rank cutting its shard from the files (tests/shard.rs
     // compares such continuations with one process).
-    let mut a = update(&m2, &d.join("m2full"));
-    a.extend(["--shard", "full"].map(String::from));
-    let o = launch(
-        2,
-        "update",
-        &a.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    launch_update(&update(&m2, &d.join("m2full"), &["--shard", "full"]));
     let ts = |dir: &Path| -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(dir.join("trainer_state.json")).unwrap()).unwrap()
     };
@@ -1242,26 +1269,18 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
     // optimizer is fresh): the ranks load it, shard it unit by unit, rank 0 writes m3, and the
     // next rollout generates from the copy gathered from the ranks' shards.
     let (m3, m3g) = (d.join("m3"), d.join("m3g"));
-    let mut a = update(&model, &m3);
-    a.extend(["--shard", "full"].map(String::from));
-    launch_ok(
-        2,
-        "update",
-        &a.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    let mut a = update(&model, &m3g);
-    a.extend(["--shard", "full", "--daemon", p(&socket)].map(String::from));
+    launch_update(&update(&model, &m3, &["--shard", "full"]));
+    let a = update(&model, &m3g, &["--shard", "full", "--daemon", p(&socket)]);
     ok("update", &a);
     assert_eq!(files(&m3), files(&m3g));
     let (r3, r3_m) = (d.join("r3.parquet"), d.join("r3.json"));
     ok("rollout", &rollout_args(&m3, &input, &r3, &r3_m));
-    let (r3g, r3g_m) = (d.join("r3g.parquet"), d.join("r3g.json"));
-    let mut a = rollout_args(&m3g, &input, &r3g, &r3g_m);
-    a.extend(["--daemon", p(&socket)]);
-    ok("rollout", &a);
-    same_rows(
-        &read(&r3),
-        &read(&r3g),
+    group_rollout_rows(
+        &socket,
+        &m3g,
+        &input,
+        &d.join("r3g.parquet"),
+        &r3,
         "rollout after a --shard full update",
     );
 }
@@ -1278,41 +1297,14 @@ fn update_resident_on_a_daemon_group_trains_from_memory() {
 fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let model = tiny_model(d, 7);
-    let input = d.join("prompts.parquet");
-    prompts(&input, &QUESTIONS);
-    let (batch, batch_m) = (d.join("batch.parquet"), d.join("batch.json"));
-    ok("rollout", &rollout_args(&model, &input, &batch, &batch_m));
-    let update = |from: &Path, out: &Path, mode: &str| -> Vec<String> {
-        [
-            "--model",
-            p(from),
-            "--in",
-            p(&batch),
-            "--out-model",
-            p(out),
-            "--loss",
-            "sft",
-            "--lr",
-            "0.01",
-            "--mini-batch-size",
-            "4",
-            "--seed",
-            "5",
-            "--shard",
-            mode,
-        ]
-        .map(String::from)
-        .to_vec()
+    let (model, input, batch) = sft_setup(d);
+    // `update --shard MODE` arguments, then `extra`.
+    let update = |from: &Path, out: &Path, mode: &str, extra: &[&str]| {
+        sft_update(&batch, from, out, &[&["--shard", mode], extra].concat())
     };
     let (m1, m2, m3) = (d.join("m1"), d.join("m2"), d.join("m3"));
     for (from, out) in [(&model, &m1), (&m1, &m2), (&m2, &m3)] {
-        let a = update(from, out, "full");
-        launch_ok(
-            2,
-            "update",
-            &a.iter().map(String::as_str).collect::<Vec<_>>(),
-        );
+        launch_update(&update(from, out, "full", &[]));
     }
     let (r1, r1_m) = (d.join("r1.parquet"), d.join("r1.json"));
     ok("rollout", &rollout_args(&m1, &input, &r1, &r1_m));
@@ -1323,10 +1315,12 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
         serde_json::from_str(&std::fs::read_to_string(d.join(name)).unwrap()).unwrap()
     };
     let (k1, k2) = (d.join("k1"), d.join("k2"));
-    let mut a = update(&model, &k1, "full");
-    a.extend(["--resident", "--daemon", p(&socket), "--metrics"].map(String::from));
-    a.push(p(&d.join("k1.json")).into());
-    ok("update", &a);
+    let resident = ["--resident", "--daemon", p(&socket), "--metrics"];
+    let k1m = d.join("k1.json");
+    ok(
+        "update",
+        &update(&model, &k1, "full", &[&resident[..], &[p(&k1m)]].concat()),
+    );
     assert!(k1.join("resident.json").is_file());
     assert!(!k1.join("model.safetensors").exists());
     let m = metrics("k1.json");
@@ -1344,23 +1338,21 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
         assert_eq!(policy["in_files"], false, "{ranks:?}");
     }
     // The group generates from the gathered copy: the rows of a rollout from m1's files.
-    let (r1g, r1g_m) = (d.join("r1g.parquet"), d.join("r1g.json"));
-    let mut a = rollout_args(&k1, &input, &r1g, &r1g_m);
-    a.extend(["--daemon", p(&socket)]);
-    ok("rollout", &a);
-    same_rows(
-        &read(&r1),
-        &read(&r1g),
+    group_rollout_rows(
+        &socket,
+        &k1,
+        &input,
+        &d.join("r1g.parquet"),
+        &r1,
         "rollout from the resident full shards",
     );
-    let m = metrics("r1g.json");
-    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
 
     // The second resident update trains the shards in memory: no file read.
-    let mut a = update(&k1, &k2, "full");
-    a.extend(["--resident", "--daemon", p(&socket), "--metrics"].map(String::from));
-    a.push(p(&d.join("k2.json")).into());
-    ok("update", &a);
+    let k2m = d.join("k2.json");
+    ok(
+        "update",
+        &update(&k1, &k2, "full", &[&resident[..], &[p(&k2m)]].concat()),
+    );
     let m = metrics("k2.json");
     assert_eq!(m["daemon"]["reloaded"], false, "{m}");
     assert_eq!(m["daemon"]["load_seconds"], 0.0, "{m}");
@@ -1370,29 +1362,18 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
     // `daemon-ctl save`: rank 0 writes the model files from the gathered masters, every rank
     // its optimizer shard: m2's files (two launched updates) bit for bit.
     let saved = d.join("saved");
-    let o = Command::new(TANDEM)
-        .args([
-            "daemon-ctl",
-            "--socket",
-            p(&socket),
-            "save",
-            "--out",
-            p(&saved),
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    group_save(&socket, &saved);
     assert_eq!(files(&m2), files(&saved));
-    assert!(saved
-        .join("optimizer.rank00001-of-00002.safetensors")
-        .is_file());
 
     // A checkpointing update on the group trains on from memory and writes m3's files.
     let m3g = d.join("m3g");
-    let mut a = update(&saved, &m3g, "full");
-    a.extend(["--daemon", p(&socket), "--metrics"].map(String::from));
-    a.push(p(&d.join("m3g.json")).into());
+    let m3gm = d.join("m3g.json");
+    let a = update(
+        &saved,
+        &m3g,
+        "full",
+        &["--daemon", p(&socket), "--metrics", p(&m3gm)],
+    );
     ok("update", &a);
     let m = metrics("m3g.json");
     assert_eq!(m["daemon"]["reloaded"], false, "{m}");
@@ -1401,15 +1382,11 @@ fn update_resident_shard_full_on_a_daemon_group_trains_from_memory() {
     // --shard zero2 next: the ranks put the state held in full shards back together (from
     // memory) and shard it as zero2, as a launched zero2 update cuts its shards from m3's files.
     let (m4, m4g) = (d.join("m4"), d.join("m4g"));
-    let a = update(&m3, &m4, "zero2");
-    launch_ok(
-        2,
+    launch_update(&update(&m3, &m4, "zero2", &[]));
+    ok(
         "update",
-        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        &update(&m3g, &m4g, "zero2", &["--daemon", p(&socket)]),
     );
-    let mut a = update(&m3g, &m4g, "zero2");
-    a.extend(["--daemon", p(&socket)].map(String::from));
-    ok("update", &a);
     assert_eq!(files(&m4), files(&m4g));
     let ranks = wait_ranks(&socket, "both ranks to hold zero2 shards", |r| {
         r.iter()

@@ -179,31 +179,6 @@ PY
         grpo_spec "$W/${part}_${shape}_$n.toml" "${GRPO_STEPS:-3}" "$n" "$dm" "$m" 64 512 \
           "mini-batch-size = $((256 * n))
 micro-batch-tokens = $mbt"
-seed = 1
-steps = ${GRPO_STEPS:-3}
-device = "cuda"
-gpus = $n
-daemon = $dm
-[model]
-path = "$m"
-[data]
-train = "$W/add.parquet"
-prompts-per-step = $((64 * n))
-[rollout]
-n = 8
-max-new-tokens = 512
-ignore-eos = true
-max-prompt-tokens = 64
-raw-prompt = true
-[score]
-reward = "exact"
-[advantage]
-estimator = "grpo"
-[update]
-lr = 0.000001
-mini-batch-size = $((256 * n))
-micro-batch-tokens = $mbt
-EOF
         rm -rf "$W/${part}_run_${shape}_$n"
         TANDEM_BIN_DIR=$D $D/pipeline run "$W/${part}_${shape}_$n.toml" --run-dir "$W/${part}_run_${shape}_$n" \
           > "$OUT/${part}_${shape}_$n.log" 2>&1

@@ -9,7 +9,9 @@ use crate::backend::check::gpu::{dname, Case, Ctx, Row};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType};
 use crate::dist::{Comm, NcclComm, Options, ProcessGroup, World};
-use crate::model::decoder::{AdamWParams, Decoder, Holding, SeqRef, TokenGrads, TokenStats};
+use crate::model::decoder::{
+    AdamWParams, Decoder, Holding, PassComm, SeqRef, TokenGrads, TokenStats,
+};
 use crate::model::{init, Config, Weights};
 
 /// The gpu-test case.
@@ -62,12 +64,18 @@ pub fn sharded_vs_plain<B: Backend>(
         if full {
             optim.zero_grads(sharded.backend())?;
             let mut hold = Holding::new(comm, &mut optim);
-            sharded.forward_backward_held(seqs, 1.0, &mut grads(share), &mut hold)?;
+            sharded.forward_backward_with(
+                seqs,
+                1.0,
+                &mut grads(share),
+                PassComm::Held(&mut hold),
+            )?;
         } else if step != 1 {
             sharded.zero_grads()?;
             optim.begin_step();
             let mut ov = optim.overlap(comm);
-            sharded.forward_backward_overlapped(seqs, 1.0, &mut grads(share), &mut ov)?;
+            let comm = PassComm::Overlapped(&mut ov);
+            sharded.forward_backward_with(seqs, 1.0, &mut grads(share), comm)?;
         } else {
             sharded.zero_grads()?;
             optim.begin_step();
@@ -273,7 +281,7 @@ mod tests {
                     if !prefetch {
                         hold = hold.without_prefetch();
                     }
-                    dec.forward_backward_held(mine, 1.0, &mut loss, &mut hold)
+                    dec.forward_backward_with(mine, 1.0, &mut loss, PassComm::Held(&mut hold))
                         .unwrap();
                 }
                 let mut hold = Holding::new(&comm, &mut optim);

@@ -27,8 +27,8 @@ use crate::backend::{Backend, PpoShape, PPO_STATS};
 use crate::dist::comm::sum_f64;
 use crate::dist::Comm;
 use crate::model::decoder::{
-    AdamWParams, Decoder, Holding, HostShard, OptimizerState, PpoTokens, SeqRef, ShardStats,
-    ShardedOptim, StepReport, TokenGrads, TokenStats,
+    AdamWParams, Decoder, Holding, HostShard, OptimizerState, PassComm, PpoTokens, SeqRef,
+    ShardStats, ShardedOptim, StepReport, TokenGrads, TokenStats,
 };
 use crate::model::Weights;
 use anyhow::Result;
@@ -94,19 +94,7 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
-        if self.optim.is_full() {
-            let mut hold = Holding::new(self.comm, &mut self.optim);
-            return self
-                .decoder
-                .forward_backward_held(seqs, temperature, loss, &mut hold);
-        }
-        if self.optim.take_pass()? {
-            let mut ov = self.optim.overlap(self.comm);
-            return self
-                .decoder
-                .forward_backward_overlapped(seqs, temperature, loss, &mut ov);
-        }
-        self.decoder.forward_backward(seqs, temperature, loss)
+        self.pass(|d, comm| d.forward_backward_with(seqs, temperature, loss, comm))
     }
     fn forward_backward_ppo(
         &mut self,
@@ -116,32 +104,9 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
     ) -> Result<bool> {
-        if self.optim.is_full() {
-            let mut hold = Holding::new(self.comm, &mut self.optim);
-            self.decoder.forward_backward_ppo_held(
-                seqs,
-                temperature,
-                tokens,
-                clip,
-                logprobs,
-                &mut hold,
-            )?;
-            return Ok(true);
-        }
-        if self.optim.take_pass()? {
-            let mut ov = self.optim.overlap(self.comm);
-            self.decoder.forward_backward_ppo_overlapped(
-                seqs,
-                temperature,
-                tokens,
-                clip,
-                logprobs,
-                &mut ov,
-            )?;
-            return Ok(true);
-        }
-        self.decoder
-            .forward_backward_ppo(seqs, temperature, tokens, clip, logprobs)?;
+        self.pass(|d, comm| {
+            d.forward_backward_ppo_with(seqs, temperature, tokens, clip, logprobs, comm)
+        })?;
         Ok(true)
     }
     fn take_ppo_stats(&mut self) -> Result<[f64; PPO_STATS]> {
@@ -217,6 +182,20 @@ pub struct ToHost {
 }
 
 impl<B: Backend> ShardedPolicy<'_, B> {
+    /// Runs training pass `f` with the communication this rank's pass needs: the full-shard
+    /// hold, zero2's overlap on the step's last pass, or none.
+    fn pass<T>(&mut self, f: impl FnOnce(&mut Decoder<B>, PassComm<B>) -> Result<T>) -> Result<T> {
+        if self.optim.is_full() {
+            let mut hold = Holding::new(self.comm, &mut self.optim);
+            return f(self.decoder, PassComm::Held(&mut hold));
+        }
+        if self.optim.take_pass()? {
+            let mut ov = self.optim.overlap(self.comm);
+            return f(self.decoder, PassComm::Overlapped(&mut ov));
+        }
+        f(self.decoder, PassComm::Local)
+    }
+
     /// One `update` call on this rank with the policy's optimizer (from
     /// [`Decoder::shard_optimizer`], [`Decoder::shard_full`] or [`Decoder::new_full`]), as
     /// [`train_sharded`], but the f32 masters come back to rank `root`'s host memory (bucket

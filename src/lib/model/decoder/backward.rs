@@ -5,7 +5,7 @@
 use anyhow::{ensure, Result};
 
 use super::forward::{AttnMode, LayerShapes};
-use super::shard::{Holding, Overlap, PassComm, Unit};
+use super::shard::{PassComm, Unit};
 use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::backend::{
     AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
@@ -31,35 +31,23 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, PassComm::Local)
+        self.forward_backward_with(seqs, temperature, loss, PassComm::Local)
     }
 
-    /// [`Decoder::forward_backward`] under full sharding (see [`Holding`]): the gradients go
-    /// to the rank's gradient shards. Every rank calls it the same number of times (with no
-    /// sequences where it has none).
-    pub fn forward_backward_held(
+    /// [`Decoder::forward_backward`] with `comm`'s communication (see [`PassComm`]): under
+    /// full sharding the gradients go to the rank's gradient shards, and every rank calls it
+    /// the same number of times (with no sequences where it has none); as zero2's last pass
+    /// of a step its backward starts each bucket's reduce-scatter as soon as the bucket's
+    /// gradients are final (a pass with no backward starts none).
+    pub fn forward_backward_with(
         &mut self,
         seqs: &[SeqRef],
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
-        hold: &mut Holding<B>,
+        mut comm: PassComm<B>,
     ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, PassComm::Held(hold))
-    }
-
-    /// [`Decoder::forward_backward`] as a zero2 rank's last pass of a step (see [`Overlap`]):
-    /// its backward starts each bucket's reduce-scatter as soon as the bucket's gradients are
-    /// final, and waits for them before it returns. A pass with no backward (no sequences, or
-    /// none scored) starts none.
-    pub fn forward_backward_overlapped(
-        &mut self,
-        seqs: &[SeqRef],
-        temperature: f32,
-        loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
-        ov: &mut Overlap<B>,
-    ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, PassComm::Overlapped(ov))?;
-        ov.drain()
+        self.forward_backward_in(seqs, temperature, loss, &mut comm)?;
+        comm.finish()
     }
 
     fn forward_backward_in(
@@ -67,7 +55,7 @@ impl<B: Backend> Decoder<B> {
         seqs: &[SeqRef],
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
-        mut comm: PassComm<B>,
+        comm: &mut PassComm<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
@@ -140,42 +128,22 @@ impl<B: Backend> Decoder<B> {
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
     ) -> Result<()> {
-        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, PassComm::Local)
+        self.forward_backward_ppo_with(seqs, temperature, tok, clip, logprobs, PassComm::Local)
     }
 
-    /// [`Decoder::forward_backward_ppo`] under full sharding (see [`Holding`]).
-    pub fn forward_backward_ppo_held(
+    /// [`Decoder::forward_backward_ppo`] with `comm`'s communication (see
+    /// [`Decoder::forward_backward_with`]).
+    pub fn forward_backward_ppo_with(
         &mut self,
         seqs: &[SeqRef],
         temperature: f32,
         tok: &PpoTokens,
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
-        hold: &mut Holding<B>,
+        mut comm: PassComm<B>,
     ) -> Result<()> {
-        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, PassComm::Held(hold))
-    }
-
-    /// [`Decoder::forward_backward_ppo`] as a zero2 rank's last pass of a step (see
-    /// [`Decoder::forward_backward_overlapped`]).
-    pub fn forward_backward_ppo_overlapped(
-        &mut self,
-        seqs: &[SeqRef],
-        temperature: f32,
-        tok: &PpoTokens,
-        clip: PpoShape,
-        logprobs: Option<&mut Vec<f32>>,
-        ov: &mut Overlap<B>,
-    ) -> Result<()> {
-        self.forward_backward_ppo_in(
-            seqs,
-            temperature,
-            tok,
-            clip,
-            logprobs,
-            PassComm::Overlapped(ov),
-        )?;
-        ov.drain()
+        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, &mut comm)?;
+        comm.finish()
     }
 
     fn forward_backward_ppo_in(
@@ -185,7 +153,7 @@ impl<B: Backend> Decoder<B> {
         tok: &PpoTokens,
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
-        mut comm: PassComm<B>,
+        comm: &mut PassComm<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
         self.ensure_grads()?;
@@ -268,7 +236,7 @@ impl<B: Backend> Decoder<B> {
         r: usize,
         temperature: f32,
         dent: bool,
-        mut comm: PassComm<B>,
+        comm: &mut PassComm<B>,
     ) -> Result<()> {
         let chunk = self.chunk_rows(r);
         let Decoder {

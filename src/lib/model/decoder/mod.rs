@@ -39,7 +39,9 @@ mod step;
 mod workspace;
 
 pub use optim::{AdamWParams, OptimizerState, StepReport};
-pub use shard::{Buckets, Holding, HostShard, Overlap, ShardLayout, ShardStats, ShardedOptim};
+pub use shard::{
+    Buckets, Holding, HostShard, Overlap, PassComm, ShardLayout, ShardStats, ShardedOptim,
+};
 pub use step::{PagedAttn, StepRows};
 
 use anyhow::{bail, Result};

@@ -839,8 +839,8 @@ impl<B: Backend> ShardedOptim<B> {
     }
 
     /// The reduce-scatters of this step's buckets not started yet, on `comm` (the one the
-    /// optimizer was sharded over), for [`Decoder::forward_backward_overlapped`] and
-    /// [`Decoder::forward_backward_ppo_overlapped`]. Dropping it waits for those in flight.
+    /// optimizer was sharded over), for a pass's [`PassComm::Overlapped`]. Dropping it waits
+    /// for those in flight.
     pub fn overlap<'a>(&'a mut self, comm: &'a dyn Comm<B>) -> Overlap<'a, B> {
         let ShardedOptim {
             plan,
@@ -1003,10 +1003,12 @@ impl<B: Backend> Drop for Overlap<'_, B> {
     }
 }
 
-/// How a training pass talks to the other ranks: not at all (one process, or a zero2 pass
-/// before the step's last), under full sharding through its [`Holding`], or as zero2's last
-/// pass of a step through its [`Overlap`].
-pub(super) enum PassComm<'s, 'a, B: Backend> {
+/// How a training pass ([`Decoder::forward_backward_with`],
+/// [`Decoder::forward_backward_ppo_with`]) talks to the other ranks: not at all (one process,
+/// or a zero2 pass before the step's last), under full sharding through its [`Holding`], or as
+/// zero2's last pass of a step through its [`Overlap`] (its reduce-scatters are waited for
+/// before the pass returns).
+pub enum PassComm<'s, 'a, B: Backend> {
     Local,
     Held(&'s mut Holding<'a, B>),
     Overlapped(&'s mut Overlap<'a, B>),
@@ -1018,6 +1020,14 @@ impl<'a, B: Backend> PassComm<'_, 'a, B> {
         match self {
             PassComm::Held(h) => Some(&mut **h),
             _ => None,
+        }
+    }
+
+    /// After the pass: zero2's reduce-scatters in flight waited for.
+    pub(super) fn finish(&mut self) -> Result<()> {
+        match self {
+            PassComm::Overlapped(o) => o.drain(),
+            _ => Ok(()),
         }
     }
 
@@ -1116,7 +1126,7 @@ struct Ahead {
 }
 
 /// A full-shard pass's hold on this rank's shards: [`Decoder::logprobs_held`],
-/// [`Decoder::forward_backward_held`] and [`Decoder::forward_backward_ppo_held`] gather each
+/// and the training passes ([`PassComm::Held`]) gather each
 /// unit before its forward and its backward, free it after, and reduce-scatter each unit's
 /// gradients into the rank's f32 gradient shard (added up over the step's passes) as soon as
 /// its backward is done. Every rank runs the same passes (an empty one runs the same

@@ -623,9 +623,8 @@ impl<B: Backend> Resident<B> {
                     let started = Instant::now();
                     let held = slot.sharded.as_ref().expect("kept by the update");
                     let comm = slot.comm.as_deref().expect("made by the update");
-                    let weights = slot.decoder.gather_compute(held, comm)?;
-                    let cfg = slot.decoder.config().clone();
-                    slot.gen = Some(Decoder::for_generation((self.make)()?, &cfg, weights)?);
+                    let backend = (self.make)()?;
+                    slot.gen = Some(slot.decoder.gather_generation(held, comm, backend)?);
                     copy_s = Some(started.elapsed().as_secs_f64());
                 }
                 Ok(out)

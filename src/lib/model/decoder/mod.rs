@@ -44,7 +44,7 @@ pub use shard::{
 };
 pub use step::{PagedAttn, StepRows};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 
 use crate::backend::{Backend, DType, Parts};
 use crate::error::input_error;
@@ -258,7 +258,7 @@ impl<B: Backend> Decoder<B> {
     /// non-finite values are input errors; tensors the config does not use are ignored (e.g. a
     /// saved `lm_head.weight` of a tied model, or old `rotary_emb.inv_freq` buffers).
     pub fn new(backend: B, cfg: &Config, weights: &Weights) -> Result<Self> {
-        Self::build(backend, cfg, weights, Hold::Trainable)
+        Self::build(backend, cfg, Some(weights), Hold::Trainable)
     }
 
     /// A decoder that only generates and scores: the compute weights of `weights` as a
@@ -271,15 +271,22 @@ impl<B: Backend> Decoder<B> {
                 t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
             }
         }
-        Self::build(backend, cfg, &weights, Hold::Compute)
+        Self::build(backend, cfg, Some(&weights), Hold::Compute)
     }
 
     /// [`Decoder::new`] or [`Decoder::for_generation`] by `hold`; under [`Hold::Nothing`]
     /// the weights are checked but the decoder holds none (empty buffers, no fused ones): what
     /// full sharding starts from ([`Decoder::new_full`] cuts each rank's shards from the host
     /// weights).
-    fn build(backend: B, cfg: &Config, weights: &Weights, hold: Hold) -> Result<Self> {
+    /// `weights` None: the buffers of `hold` are allocated (fused parts included) but not
+    /// filled, for a caller that writes them on the device ([`Decoder::gather_generation`]).
+    fn build(backend: B, cfg: &Config, weights: Option<&Weights>, hold: Hold) -> Result<Self> {
         let upload = hold != Hold::Nothing;
+        // Masters are copies of the host weights: nothing to copy without them.
+        ensure!(
+            weights.is_some() || hold != Hold::Trainable,
+            "a trainable decoder needs weights"
+        );
         check_config(cfg)?;
         let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qd, kd) = (
@@ -293,19 +300,21 @@ impl<B: Backend> Decoder<B> {
         let cd = backend.compute_dtype();
         // `into`: the buffer to upload into (a part of a fused buffer); None allocates one.
         let mut add = |name: String, shape: Vec<usize>, into: Option<B::Buf>| -> Result<usize> {
-            let t = weights
-                .get(&name)
-                .ok_or_else(|| input_error(format!("model weights: tensor '{name}' is missing")))?;
-            if t.shape != shape {
-                bail!(input_error(format!(
-                    "model weights: tensor '{name}' has shape {:?}, config.json implies {shape:?}",
-                    t.shape
-                )));
-            }
-            if let Some(i) = t.data.iter().position(|x| !x.is_finite()) {
-                bail!(input_error(format!(
-                    "model weights: tensor '{name}' holds a non-finite value at flat index {i}"
-                )));
+            if let Some(weights) = weights {
+                let t = weights.get(&name).ok_or_else(|| {
+                    input_error(format!("model weights: tensor '{name}' is missing"))
+                })?;
+                if t.shape != shape {
+                    bail!(input_error(format!(
+                        "model weights: tensor '{name}' has shape {:?}, config.json implies {shape:?}",
+                        t.shape
+                    )));
+                }
+                if let Some(i) = t.data.iter().position(|x| !x.is_finite()) {
+                    bail!(input_error(format!(
+                        "model weights: tensor '{name}' holds a non-finite value at flat index {i}"
+                    )));
+                }
             }
             if !upload {
                 names.push(name);
@@ -313,15 +322,18 @@ impl<B: Backend> Decoder<B> {
                 bufs.push(backend.alloc_as(0, cd)?);
                 return Ok(bufs.len() - 1);
             }
+            let n = shape.iter().product();
             let mut buf = match into {
                 Some(b) => b,
-                None => backend.alloc_as(t.numel(), cd)?,
+                None => backend.alloc_as(n, cd)?,
             };
-            backend.upload(&mut buf, &t.data)?;
-            if cd != DType::F32 && hold == Hold::Trainable {
-                let mut m = backend.alloc(t.numel())?;
-                backend.upload(&mut m, &t.data)?;
-                masters.push(m);
+            if let Some(t) = weights.and_then(|w| w.get(&name)) {
+                backend.upload(&mut buf, &t.data)?;
+                if cd != DType::F32 && hold == Hold::Trainable {
+                    let mut m = backend.alloc(n)?;
+                    backend.upload(&mut m, &t.data)?;
+                    masters.push(m);
+                }
             }
             names.push(name);
             shapes.push(shape);

@@ -165,7 +165,7 @@ impl<B: Backend> Decoder<B> {
         state: Option<&OptimizerState>,
         comm: &dyn Comm<B>,
     ) -> Result<(Decoder<B>, ShardedOptim<B>)> {
-        let mut dec = Decoder::build(backend, cfg, weights, super::Hold::Nothing)?;
+        let mut dec = Decoder::build(backend, cfg, Some(weights), super::Hold::Nothing)?;
         let plan = dec.unit_plan(comm.world_size())?;
         let rank = comm.rank();
         let moments = match state {
@@ -531,18 +531,39 @@ impl<B: Backend> Decoder<B> {
         Ok(mine.then_some((masters, state)))
     }
 
-    /// The whole compute weights (widened to f32: the bf16 rounding of the masters, or the f32
-    /// masters themselves on a backend that computes in f32) in every rank's host memory,
-    /// gathered bucket by bucket from this rank's compute shards: what a decoder that
-    /// generates with the policy is built from. Device memory grows by one staging bucket of
-    /// the compute dtype. Collective.
-    pub fn gather_compute(&self, st: &ShardedOptim<B>, comm: &dyn Comm<B>) -> Result<Weights> {
+    /// A decoder that generates with the policy, on `backend` (as [`Decoder::for_generation`]
+    /// builds from the whole weights, fused projections included): its compute weights
+    /// all-gathered from every rank's compute shards straight into its own buffers by the
+    /// bucketed weight sync, without a trip through host memory; on a backend that computes
+    /// in f32 (the masters are the shards there) then rounded to bf16, as the files store
+    /// them. Device memory grows by the copy and the sync's two staging buckets. Collective.
+    pub fn gather_generation(
+        &self,
+        st: &ShardedOptim<B>,
+        comm: &dyn Comm<B>,
+        backend: B,
+    ) -> Result<Decoder<B>> {
+        let mut gen = Decoder::build(backend, &self.cfg, None, super::Hold::Compute)?;
+        ensure!(
+            gen.names == self.names,
+            "generation copy: its tensors differ from the trained decoder's"
+        );
         let shards = match st.compute.is_empty() {
             true => &st.master,
             false => &st.compute,
         };
-        let cd = self.backend.compute_dtype();
-        self.gather_host(st, shards, cd, comm, true)
+        let b = &gen.backend;
+        let cd = b.compute_dtype();
+        WeightSync::new(b, st.plan.clone(), cd)?.run(b, comm, shards, &mut gen.w)?;
+        if cd == DType::F32 {
+            for (w, &n) in gen.w.iter_mut().zip(&st.plan.sizes) {
+                let mut host = vec![0f32; n];
+                b.download(w, &mut host)?;
+                host.iter_mut().for_each(|x| *x = round_bf16(*x));
+                b.upload(w, &host)?;
+            }
+        }
+        Ok(gen)
     }
 
     /// Whole tensors (by name) from every rank's `shards` (of `dtype`, one per bucket of `st`'s

@@ -12,6 +12,7 @@ use crate::dist::{Comm, NcclComm, Options, ProcessGroup, World};
 use crate::model::decoder::{
     AdamWParams, Decoder, Holding, PassComm, SeqRef, TokenGrads, TokenStats,
 };
+use crate::model::safetensors::round_bf16;
 use crate::model::{init, Config, Weights};
 
 /// The gpu-test case.
@@ -20,32 +21,40 @@ pub const CASES: &[Case] = &[Case {
     run: sharded_update,
 }];
 
+/// How [`sharded_vs_plain`] shards the optimizer.
+pub enum Sharded<B> {
+    /// zero2, in buckets of this many elements.
+    Zero2(usize),
+    /// `shard = "full"`; with a backend, the generation copy of a daemon group's rank is then
+    /// built on it from the shards ([`Decoder::gather_generation`]) and compared too.
+    Full(Option<B>),
+}
+
 /// Trains `plain` with the ordinary optimizer and `sharded` with the optimizer sharded over
-/// `comm` (in buckets of `bucket_elems`) for 3 clipped AdamW steps on `seqs`, with fixed
-/// upstream gradients `up` of the log-probs (this rank adds 1/world of them, so the sum over
-/// the ranks is the plain gradient). Returns the relative errors of the sharded masters,
-/// exp_avg and exp_avg_sq against the plain ones. `full`: sharded as `shard = "full"`
-/// (`bucket_elems` unused), the passes gathering each unit. Otherwise (zero2) the pass of the
-/// first and last steps reduce-scatters the buckets during its backward
-/// ([`crate::model::decoder::Overlap`]), the middle step after the pass.
+/// `comm` as `how` says for 3 clipped AdamW steps on `seqs`, with fixed upstream gradients
+/// `up` of the log-probs (this rank adds 1/world of them, so the sum over the ranks is the
+/// plain gradient). Returns the relative errors of the sharded masters, exp_avg and exp_avg_sq
+/// against the plain ones, and of the generation copy against the bf16 rounding of the plain
+/// weights (NaN where none is built). Full sharding's passes gather each unit; zero2's pass of
+/// the first and last steps reduce-scatters the buckets during its backward
+/// ([`crate::model::decoder::Overlap`]), the middle step's after the pass.
 pub fn sharded_vs_plain<B: Backend>(
     plain: &mut Decoder<B>,
     sharded: &mut Decoder<B>,
     comm: &dyn Comm<B>,
     seqs: &[SeqRef],
     up: &[Vec<f32>],
-    bucket_elems: usize,
-    full: bool,
-) -> Result<[f64; 3]> {
+    how: Sharded<B>,
+) -> Result<[f64; 4]> {
     let hp = AdamWParams {
         lr: 1e-3,
         ..AdamWParams::default()
     };
     let clip = Some(0.5);
     let share = 1.0 / comm.world_size() as f32;
-    let mut optim = match full {
-        false => sharded.shard_optimizer(comm, bucket_elems)?,
-        true => sharded.shard_full(comm)?,
+    let (mut optim, full, gen) = match how {
+        Sharded::Zero2(bucket_elems) => (sharded.shard_optimizer(comm, bucket_elems)?, false, None),
+        Sharded::Full(gen) => (sharded.shard_full(comm)?, true, gen),
     };
     let grads = |scale: f32| {
         move |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
@@ -84,6 +93,17 @@ pub fn sharded_vs_plain<B: Backend>(
         plain.optimizer_step(&hp, clip)?;
         sharded.sharded_step(&mut optim, comm, &hp, clip)?;
     }
+    let gen_err = match gen {
+        Some(backend) => {
+            let copy = sharded.gather_generation(&optim, comm, backend)?;
+            let mut want = plain.export_weights()?;
+            for t in want.values_mut() {
+                t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
+            }
+            rel_err(&copy.export_weights()?, &want)
+        }
+        None => f64::NAN,
+    };
     let stats = sharded.unshard_optimizer(optim, comm)?;
     let overlapped = if full { 0 } else { 2 * stats.buckets as u64 };
     ensure!(
@@ -96,6 +116,7 @@ pub fn sharded_vs_plain<B: Backend>(
         rel_err(&sharded.export_weights()?, &plain.export_weights()?),
         rel_err(&a.exp_avg, &b.exp_avg),
         rel_err(&a.exp_avg_sq, &b.exp_avg_sq),
+        gen_err,
     ])
 }
 
@@ -157,7 +178,15 @@ fn sharded_update(s: &mut Ctx, d: DType) -> Result<()> {
     let mut plain = Decoder::new(ga, &cfg, &w)?;
     let mut sharded = Decoder::new(gb, &cfg, &w)?;
     // Small buckets: several per tensor group, one tensor (the embeddings) alone.
-    let errs = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, 20_000, false)?;
+    let [m, v1, v2, _] = sharded_vs_plain(
+        &mut plain,
+        &mut sharded,
+        &comm,
+        &seqs,
+        &up,
+        Sharded::Zero2(20_000),
+    )?;
+    let errs = [m, v1, v2];
     // Full sharding (FSDP): a fresh pair, each unit gathered before its passes.
     let (ga, gc) = (CudaBackend::new(s.ordinal)?, CudaBackend::new(s.ordinal)?);
     ga.set_compute_dtype(d);
@@ -165,19 +194,28 @@ fn sharded_update(s: &mut Ctx, d: DType) -> Result<()> {
     let mut plain = Decoder::new(ga, &cfg, &w)?;
     let comm = NcclComm::new(&gc, &pg)?;
     let mut sharded = Decoder::new(gc, &cfg, &w)?;
-    let full = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, 0, true)?;
-    let names = ["masters", "exp_avg", "exp_avg_sq"];
+    // The generation copy a daemon group's rank builds from its shards after an update.
+    let gd = CudaBackend::new(s.ordinal)?;
+    gd.set_compute_dtype(d);
+    let how = Sharded::Full(Some(gd));
+    let full = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, how)?;
+    let names = ["masters", "exp_avg", "exp_avg_sq", "generation copy"];
+    // The copy is the bf16 rounding of masters a hair from the plain ones: an element may
+    // round to the neighbouring bf16 value (2^-8 relative), whatever the compute dtype.
+    let tols = [tol, tol, tol, 1e-3];
     let rows = names
         .iter()
         .zip(errs)
-        .map(|(w, e)| (format!("{w} (nccl, world 1)"), e))
+        .zip(tols)
+        .map(|((w, e), tol)| (format!("{w} (nccl, world 1)"), e, tol))
         .chain(
             names
                 .iter()
                 .zip(full)
-                .map(|(w, e)| (format!("{w} (full, nccl, world 1)"), e)),
+                .zip(tols)
+                .map(|((w, e), tol)| (format!("{w} (full, nccl, world 1)"), e, tol)),
         );
-    for (what, e) in rows {
+    for (what, e, tol) in rows {
         s.rows.push(Row {
             op: format!("sharded_update {what}"),
             dtype: dname(d),
@@ -210,7 +248,17 @@ mod tests {
                 let comm = HostComm::new(&pg).unwrap();
                 let mut plain = Decoder::new(Cpu, &cfg, &w).unwrap();
                 let mut sharded = Decoder::new(Cpu, &cfg, &w).unwrap();
-                let e = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, 5_000, full);
+                let e = sharded_vs_plain(
+                    &mut plain,
+                    &mut sharded,
+                    &comm,
+                    &seqs,
+                    &up,
+                    match full {
+                        false => Sharded::Zero2(5_000),
+                        true => Sharded::Full(Some(Cpu)),
+                    },
+                );
                 drop(comm);
                 pg.finish().unwrap();
                 e.unwrap()
@@ -222,8 +270,22 @@ mod tests {
                         "{n} ranks (full: {full}), rank {r}: {what} relative error {x}"
                     );
                 }
-                // Every rank ends with the same state.
-                assert_eq!(e, &errs[0], "{n} ranks, rank {r}");
+                // The generation copy: the bf16 rounding of the weights (a master a hair
+                // from the plain one may round to the neighbouring bf16 value).
+                match full {
+                    true => assert!(
+                        e[3] <= 1e-4,
+                        "{n} ranks, rank {r}: generation copy {}",
+                        e[3]
+                    ),
+                    false => assert!(e[3].is_nan()),
+                }
+                // Every rank ends with the same state (NaN where no copy is built).
+                assert_eq!(
+                    e.map(f64::to_bits),
+                    errs[0].map(f64::to_bits),
+                    "{n} ranks, rank {r}"
+                );
             }
         }
     }

@@ -455,6 +455,12 @@ for l in lines:
           "unit_gather_seconds", "reduce_scatter_seconds", "overlapped_buckets", "staging_bytes")}
     if sh:
         print(f"g7bd step {l['step']} shard: {sh}")
+    # Rank 0's update phase: device memory in use (before, peak, after) and the generation copy.
+    dm = {k[14:]: (round(v / 2**30, 1) if "memory" in k or "peak" in k else round(v, 3))
+          for k, v in l.items() if k.startswith("update/daemon/") and isinstance(v, (int, float))
+          and not isinstance(v, bool) and any(w in k for w in ("memory_in_use", "phase_peak", "copy_seconds"))}
+    if dm:
+        print(f"g7bd step {l['step']} update memory GiB / copy s: {dm}")
 PY
     ;;
   esac

@@ -552,15 +552,25 @@ impl<B: Backend> Decoder<B> {
             true => &st.master,
             false => &st.compute,
         };
-        let b = &gen.backend;
+        let b = &self.backend;
         let cd = b.compute_dtype();
+        ensure!(
+            gen.backend.compute_dtype() == cd,
+            "generation copy: its backend computes in another dtype"
+        );
+        // The copy's buffers were zeroed on its backend's stream, and the collectives are
+        // ordered with this decoder's: the one finishes before the other writes them, and
+        // the copy is complete before its own stream reads it.
+        gen.backend.synchronize()?;
         WeightSync::new(b, st.plan.clone(), cd)?.run(b, comm, shards, &mut gen.w)?;
+        b.synchronize()?;
         if cd == DType::F32 {
+            let g = &gen.backend;
             for (w, &n) in gen.w.iter_mut().zip(&st.plan.sizes) {
                 let mut host = vec![0f32; n];
-                b.download(w, &mut host)?;
+                g.download(w, &mut host)?;
                 host.iter_mut().for_each(|x| *x = round_bf16(*x));
-                b.upload(w, &host)?;
+                g.upload(w, &host)?;
             }
         }
         Ok(gen)

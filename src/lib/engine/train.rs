@@ -1251,22 +1251,11 @@ mod tests {
         // several micro-batches, a masked token, seq-mean-token-mean, an entropy bonus.
         // The `bench update --shape tiny` model (2 layers, hidden 64, 4/2 heads, vocab 512).
         let cfg = crate::model::Config {
-            arch: crate::model::Arch::Qwen2,
             vocab_size: 512,
-            hidden_size: 64,
-            intermediate_size: 128,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 16,
             rope_theta: 1_000_000.0,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: true,
-            qkv_bias: true,
-            qk_norm: false,
             max_position_embeddings: 32768,
-            bos_token_id: None,
             eos_token_ids: vec![],
+            ..crate::model::Config::small_qwen2()
         };
         let weights = crate::model::init::random_weights(&cfg, 3, 0.5);
         let mut owned = batch();

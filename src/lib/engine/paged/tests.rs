@@ -11,7 +11,7 @@ use crate::backend::cpu::Cpu;
 use crate::backend::ops::sample::{sample, sample_key, uniform, Scratch};
 use crate::model::decoder::{Decoder, SeqRef};
 use crate::model::init::random_weights;
-use crate::model::{Arch, Config};
+use crate::model::Config;
 use crate::rng::SplitMix64;
 
 fn toy_logits(vocab: usize, ctx: &[u32]) -> Vec<f32> {
@@ -555,22 +555,12 @@ fn prompt_tokens_outside_the_vocabulary_are_rejected() {
 
 fn tiny_config() -> Config {
     Config {
-        arch: Arch::Qwen2,
         vocab_size: 97,
         hidden_size: 32,
         intermediate_size: 64,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
         head_dim: 8,
-        rope_theta: 10_000.0,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: true,
-        qkv_bias: true,
-        qk_norm: false,
-        max_position_embeddings: 512,
-        bos_token_id: None,
         eos_token_ids: vec![],
+        ..Config::small_qwen2()
     }
 }
 

@@ -339,17 +339,11 @@ mod tests {
                         (_, 1) => &[],
                         _ => &unscored,
                     };
-                    let mut hold = Holding::new(&comm, &mut optim);
-                    if !prefetch {
-                        hold = hold.without_prefetch();
-                    }
+                    let mut hold = Holding::new(&comm, &mut optim).with_prefetch(prefetch);
                     dec.forward_backward_with(mine, 1.0, &mut loss, PassComm::Held(&mut hold))
                         .unwrap();
                 }
-                let mut hold = Holding::new(&comm, &mut optim);
-                if !prefetch {
-                    hold = hold.without_prefetch();
-                }
+                let mut hold = Holding::new(&comm, &mut optim).with_prefetch(prefetch);
                 let mine = if rank == 0 { &seqs[..] } else { &[] };
                 for s in dec.logprobs_held(mine, 1.0, false, &mut hold).unwrap() {
                     scored.extend(s.logprobs.iter().map(|x| x.to_bits()));

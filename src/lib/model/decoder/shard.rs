@@ -1072,13 +1072,10 @@ impl<'a, B: Backend> PassComm<'_, 'a, B> {
         g: &mut [B::Buf],
         u: Unit,
     ) -> Result<()> {
-        if let PassComm::Held(h) = self {
-            if let Unit::Layer(_) = u {
-                h.gather(b, w, u, Pass::Backward)?;
-            }
-            h.grads(b, g, u)?;
+        match self {
+            PassComm::Held(h) => h.before_backward(b, w, g, u),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// After unit `u`'s backward: under full sharding its gradients reduce-scattered and its
@@ -1093,13 +1090,7 @@ impl<'a, B: Backend> PassComm<'_, 'a, B> {
     ) -> Result<()> {
         match self {
             PassComm::Local => Ok(()),
-            PassComm::Held(h) => {
-                h.reduce(b, g, u)?;
-                match u {
-                    Unit::Embed => Ok(()),
-                    _ => h.release(b, w, u),
-                }
-            }
+            PassComm::Held(h) => h.after_backward(b, w, g, u),
             PassComm::Overlapped(o) => o.done(b, g, u),
         }
     }
@@ -1209,11 +1200,11 @@ impl<'a, B: Backend> Holding<'a, B> {
         }
     }
 
-    /// The same passes without the prefetch: each unit's all-gather started and waited for
-    /// when the unit needs it (the tests' reference; every rank must use it).
+    /// `false`: the same passes without the prefetch, each unit's all-gather started and
+    /// waited for when the unit needs it (the tests' reference; every rank must agree).
     #[cfg(test)]
-    pub(crate) fn without_prefetch(mut self) -> Self {
-        self.prefetch = false;
+    pub(crate) fn with_prefetch(mut self, prefetch: bool) -> Self {
+        self.prefetch = prefetch;
         self
     }
 }
@@ -1346,6 +1337,31 @@ impl<B: Backend> Holding<'_, B> {
         Ok(())
     }
 
+    /// Before unit `u`'s backward: a layer's weights gathered (the head stays gathered from
+    /// the forward, and the embedding's backward reads none) and its gradient buffers made.
+    fn before_backward(
+        &mut self,
+        b: &B,
+        w: &mut [B::Buf],
+        g: &mut [B::Buf],
+        u: Unit,
+    ) -> Result<()> {
+        if let Unit::Layer(_) = u {
+            self.gather(b, w, u, Pass::Backward)?;
+        }
+        self.grads(b, g, u)
+    }
+
+    /// After unit `u`'s backward: its gradients reduce-scattered and its weights freed (the
+    /// embedding has none gathered).
+    fn after_backward(&mut self, b: &B, w: &mut [B::Buf], g: &mut [B::Buf], u: Unit) -> Result<()> {
+        self.reduce(b, g, u)?;
+        match u {
+            Unit::Embed => Ok(()),
+            _ => self.release(b, w, u),
+        }
+    }
+
     /// Frees unit `u`'s gathered weights.
     pub(super) fn release(&mut self, b: &B, w: &mut [B::Buf], u: Unit) -> Result<()> {
         for k in self.weight_buckets(u) {
@@ -1425,9 +1441,8 @@ impl<B: Backend> Holding<'_, B> {
         w: &mut [B::Buf],
         g: &mut [B::Buf],
     ) -> Result<()> {
-        self.grads(b, g, Unit::Head)?;
-        self.reduce(b, g, Unit::Head)?;
-        self.release(b, w, Unit::Head)?;
+        self.before_backward(b, w, g, Unit::Head)?;
+        self.after_backward(b, w, g, Unit::Head)?;
         self.idle_backward(b, w, g)
     }
 
@@ -1436,13 +1451,8 @@ impl<B: Backend> Holding<'_, B> {
         let layers = self.units();
         let backward = (0..layers).rev().map(Unit::Layer).chain([Unit::Embed]);
         for u in backward {
-            // As the real backward: the embedding's reads no weight.
-            if u != Unit::Embed {
-                self.gather(b, w, u, Pass::Backward)?;
-            }
-            self.grads(b, g, u)?;
-            self.reduce(b, g, u)?;
-            self.release(b, w, u)?;
+            self.before_backward(b, w, g, u)?;
+            self.after_backward(b, w, g, u)?;
         }
         Ok(())
     }

@@ -514,7 +514,7 @@ impl<B: Backend> Decoder<B> {
         moments: bool,
     ) -> Result<Option<(Weights, Option<OptimizerState>)>> {
         let mine = comm.rank() == root;
-        let gather = |shards: &[B::Buf]| self.gather_host(st, shards, DType::F32, comm, mine);
+        let gather = |shards: &[B::Buf]| self.gather_host(st, shards, comm, mine);
         let masters = gather(&st.master)?;
         let state = match (moments, st.moments) {
             (false, _) => None,
@@ -576,24 +576,23 @@ impl<B: Backend> Decoder<B> {
         Ok(gen)
     }
 
-    /// Whole tensors (by name) from every rank's `shards` (of `dtype`, one per bucket of `st`'s
-    /// plan), all-gathered bucket by bucket through one staging buffer; downloaded only where
-    /// `keep` (the other ranks take part and get an empty map). Collective.
+    /// Whole tensors (by name) from every rank's f32 `shards` (one per bucket of `st`'s plan),
+    /// all-gathered bucket by bucket through one staging buffer; downloaded only where `keep`
+    /// (the other ranks take part and get an empty map). Collective.
     fn gather_host(
         &self,
         st: &ShardedOptim<B>,
         shards: &[B::Buf],
-        dtype: DType,
         comm: &dyn Comm<B>,
         keep: bool,
     ) -> Result<Weights> {
         let b = &self.backend;
         let plan = &st.plan;
-        let mut staging = b.alloc_as(plan.max_padded(), dtype)?;
+        let mut staging = b.alloc(plan.max_padded())?;
         let mut out = Weights::new();
         for (k, bucket) in plan.buckets.iter().enumerate() {
             let c = Collective::all_gather(&shards[k], 0, &mut staging, 0, bucket.shard)
-                .as_dtype(dtype);
+                .as_dtype(DType::F32);
             comm.run(vec![c])?;
             if !keep {
                 continue;

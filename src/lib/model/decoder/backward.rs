@@ -13,10 +13,14 @@ use crate::backend::{
 };
 
 impl<B: Backend> Decoder<B> {
-    pub(super) fn ensure_grads(&mut self) -> Result<()> {
+    /// The gradient buffers, after `release_grads` left none: whole f32 ones, or under full
+    /// sharding (`per_unit`) empty ones, which each unit's backward fills and its
+    /// reduce-scatter frees (whole ones there would hold 4 bytes a parameter for nothing).
+    pub(super) fn ensure_grads(&mut self, per_unit: bool) -> Result<()> {
         if self.g.is_empty() {
             for s in &self.shapes {
-                self.g.push(self.backend.alloc(s.iter().product())?);
+                let n = if per_unit { 0 } else { s.iter().product() };
+                self.g.push(self.backend.alloc(n)?);
             }
         }
         Ok(())
@@ -58,7 +62,7 @@ impl<B: Backend> Decoder<B> {
         comm: &mut PassComm<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
-        self.ensure_grads()?;
+        self.ensure_grads(comm.hold().is_some())?;
         if seqs.is_empty() {
             if let Some(h) = comm.hold() {
                 h.idle(&self.backend, &mut self.w, &mut self.g, true)?;
@@ -156,7 +160,7 @@ impl<B: Backend> Decoder<B> {
         comm: &mut PassComm<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
-        self.ensure_grads()?;
+        self.ensure_grads(comm.hold().is_some())?;
         if seqs.is_empty() {
             if let Some(h) = comm.hold() {
                 h.idle(&self.backend, &mut self.w, &mut self.g, true)?;

@@ -242,9 +242,8 @@ impl<B: Backend> Decoder<B> {
         for w in &mut self.w {
             *w = b.alloc_as(0, cd)?;
         }
-        self.g = (0..self.w.len())
-            .map(|_| b.alloc(0))
-            .collect::<Result<_>>()?;
+        self.g.clear();
+        self.ensure_grads(true)?;
         self.ws_epoch += 1;
         Ok(st)
     }
@@ -493,7 +492,7 @@ impl<B: Backend> Decoder<B> {
             return Ok(());
         }
         let started = Instant::now();
-        self.ensure_grads()?;
+        self.ensure_grads(false)?;
         let mut ov = st.overlap(comm);
         let done = ov.start_ready(&self.backend, &self.g, usize::MAX);
         let done = done.and_then(|()| ov.drain());

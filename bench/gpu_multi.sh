@@ -449,10 +449,12 @@ for l in lines:
     t = {k[5:]: round(v, 2) for k, v in l.items() if k.startswith("time/")}
     tps = l.get("perf/tokens_per_s", 0) / n
     print(f"g7bd step {l['step']}: {t}; {tps:.0f} tok/s per GPU ({tps / 1085:.2f}x verl's 1,085 tok/s/GPU)")
-    # Where the sharded update's communication went (rank 0): gathers, prefetches, reduce-scatters.
+    # Where the sharded update's communication went (rank 0): gathers, prefetches, reduce-scatters
+    # (and a checkpointing step's state gather and shard write).
     sh = {k[13:]: (round(v, 3) if isinstance(v, float) else v) for k, v in l.items()
           if k.startswith("update/shard/") and k[13:] in ("unit_gathers", "unit_prefetches",
-          "unit_gather_seconds", "reduce_scatter_seconds", "overlapped_buckets", "staging_bytes")}
+          "unit_gather_seconds", "reduce_scatter_seconds", "overlapped_buckets", "staging_bytes",
+          "state_gather_seconds", "shard_write_seconds")}
     if sh:
         print(f"g7bd step {l['step']} shard: {sh}")
     # Rank 0's update phase: device memory in use (before, peak, after) and the generation copy.

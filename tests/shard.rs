@@ -358,6 +358,14 @@ fn full_sharding_on_two_and_three_ranks_trains_as_one() {
             assert_eq!(s["overlapped_buckets"], 0, "{s}");
             assert!(s["unit_gathers"].as_u64().unwrap() >= 3 * 2 * 4, "{s}");
             assert!(s["unit_gather_bytes"].as_u64().unwrap() > 0, "{s}");
+            // The checkpoint's state came to the hosts, and past one rank each rank wrote its
+            // optimizer shard file (one rank writes the whole state with the model instead).
+            assert!(s["state_gather_seconds"].as_f64().unwrap() > 0.0, "{s}");
+            assert_eq!(
+                s["shard_write_seconds"].as_f64().unwrap() > 0.0,
+                n > 1,
+                "{s}"
+            );
             // The next unit's all-gather prefetched: a forward pass gathers the embedding, the
             // 2 layers and the head (its buckets: 1, or 2 when tied) and prefetches units − 1
             // = 3; a backward gathers the layers and prefetches 1. Rank 0's F forward and K

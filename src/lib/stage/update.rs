@@ -32,7 +32,7 @@ use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{
     self, RankResume, ShardSource, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE,
 };
-use crate::engine::shard::{ShardMode, ShardedPolicy, StateTo, DEFAULT_BUCKET_ELEMS};
+use crate::engine::shard::{ShardMode, ShardedPolicy, StateTo, ToHost, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
@@ -419,14 +419,10 @@ impl Train<'_> {
                     (true, 1) => StateTo::Root,
                     (true, _) => StateTo::EachRank,
                 };
-                let out =
+                let mut out =
                     policy.train_to_host(self.data, self.train, schedule_step, &mut log, 0, to)?;
-                let files = match &out.shard {
-                    Some(shard) => {
-                        write_rank_shards(policy.decoder.backend(), policy.comm, staging, shard)?
-                    }
-                    None => Vec::new(),
-                };
+                let files =
+                    write_own_shard(&mut out, policy.decoder.backend(), policy.comm, staging)?;
                 (out.report, out.weights, out.state, files)
             }
             false => {
@@ -542,7 +538,7 @@ impl RankJob for TrainRank<'_> {
             (true, 1) => StateTo::Root,
             (true, _) => StateTo::EachRank,
         };
-        let out = sharded.train_to_host(
+        let mut out = sharded.train_to_host(
             self.job.data,
             self.job.train,
             step,
@@ -554,10 +550,7 @@ impl RankJob for TrainRank<'_> {
             0,
             state_to,
         )?;
-        let shard_files = match &out.shard {
-            Some(shard) => write_rank_shards(policy.backend(), comm, &self.staging, shard)?,
-            None => Vec::new(),
-        };
+        let shard_files = write_own_shard(&mut out, policy.backend(), comm, &self.staging)?;
         Ok(Trained {
             report: out.report,
             weights: out.weights.filter(|_| self.job.export_weights),
@@ -873,6 +866,25 @@ pub fn write_rank_shards<B: Backend>(
     Ok((0..world)
         .map(|r| staging.join(resume::shard_file_name(r, world)))
         .collect())
+}
+
+/// [`write_rank_shards`] of the shard a checkpointing update brought to this rank's host (no
+/// files where it brought none), timed into the update's shard metrics.
+fn write_own_shard<B: Backend>(
+    out: &mut ToHost,
+    b: &B,
+    comm: &dyn Comm<B>,
+    staging: &Path,
+) -> Result<Vec<PathBuf>> {
+    let Some(shard) = &out.shard else {
+        return Ok(Vec::new());
+    };
+    let started = Instant::now();
+    let files = write_rank_shards(b, comm, staging, shard)?;
+    if let Some(stats) = &mut out.report.shard {
+        stats.shard_write_seconds = started.elapsed().as_secs_f64();
+    }
+    Ok(files)
 }
 
 /// Where the ranks of a data-parallel update write their optimizer shards before rank 0

@@ -32,6 +32,7 @@ use crate::model::decoder::{
 };
 use crate::model::Weights;
 use anyhow::Result;
+use std::time::Instant;
 
 /// Default bucket size of the reduce-scatter and the weight sync, in elements (25 M, as
 /// PyTorch DDP's 25 MB buckets are counted in bytes; the flag takes MB of f32).
@@ -213,6 +214,7 @@ impl<B: Backend> ShardedPolicy<'_, B> {
         state: StateTo,
     ) -> Result<ToHost> {
         let mut report = train(self, data, cfg, schedule_step, log)?;
+        let started = Instant::now();
         let gathered =
             self.decoder
                 .gather_state(&self.optim, self.comm, root, state == StateTo::Root)?;
@@ -220,6 +222,7 @@ impl<B: Backend> ShardedPolicy<'_, B> {
             StateTo::EachRank => Some(self.decoder.download_shard(&self.optim)?),
             _ => None,
         };
+        self.optim.stats.state_gather_seconds = started.elapsed().as_secs_f64();
         report.shard = Some(self.optim.stats.clone());
         let (weights, state) = match gathered {
             Some((w, s)) => (Some(w), s),

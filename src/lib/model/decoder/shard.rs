@@ -69,6 +69,11 @@ pub struct ShardStats {
     /// `shard = "full"`: the units' all-gathers started ahead (prefetched), while the unit
     /// before them computes.
     pub unit_prefetches: u64,
+    /// A checkpointing update: wall seconds of bringing the state to the hosts (the masters
+    /// gathered on rank 0, and each rank's own shard downloaded), and of writing this rank's
+    /// optimizer shard file.
+    pub state_gather_seconds: f64,
+    pub shard_write_seconds: f64,
 }
 
 impl ShardStats {
@@ -92,6 +97,8 @@ impl ShardStats {
             "unit_gather_seconds": self.unit_gather_seconds,
             "unit_gather_bytes": self.unit_gather_bytes,
             "unit_prefetches": self.unit_prefetches,
+            "state_gather_seconds": self.state_gather_seconds,
+            "shard_write_seconds": self.shard_write_seconds,
         })
     }
 }

@@ -14,7 +14,8 @@
 #   sleep, print $G/lease.log and bring $G home.
 # Variables: C [/root/rl-carry] the carried directory; G [/root/lease]; R [/root/rl]; N [all
 # GPUs], NS ["2 4"], SHAPES [0.5b] for gpu_multi.sh (in a MULTI word, commas separate parts);
-# G7B_MICRO [8192; 4096 on GPUs under 100 GB]; GSM_RUN [dp2], GSM_MODEL [0.5b], GSM_SPEC [the
+# G7B_MICRO [8192; 4096 on GPUs under 100 GB]; MULTI words may add settings of their own run
+# (g7bd:N=2:G7B_MICRO=4096); GSM_RUN [dp2], GSM_MODEL [0.5b], GSM_SPEC [the
 # model's fast DAPO spec], GSM_GPUS [2], GSM_STEPS [120], GSM_SECS [480].
 set -u
 C=${C:-/root/rl-carry}
@@ -32,13 +33,18 @@ mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 micro=${G7B_MICRO:-$([ "$mem" -lt 100000 ] && echo 4096 || echo 8192)}
 gpus=$(nvidia-smi -L | wc -l)
 k=0
-for parts in ${MULTI:-}; do
+# A MULTI word: the parts (commas between), then optionally :VAR=value settings of that run
+# alone, e.g. g7bd:N=2:G7B_MICRO=4096.
+for word in ${MULTI:-}; do
   k=$((k + 1))
-  D=$B N=${N:-$gpus} NS=${NS:-"2 4"} SHAPES=${SHAPES:-0.5b} PARTS=${parts//,/ } G7B_MICRO=$micro \
-    OUT=$G/multi$k bash bench/gpu_multi.sh > "$G/multi$k.log" 2>&1
-  log "gpu_multi.sh PARTS=\"${parts//,/ }\" rc=$?"
+  parts=${word%%:*}
+  extra=()
+  [ "$word" = "$parts" ] || IFS=: read -ra extra <<< "${word#*:}"
+  env D=$B N=${N:-$gpus} NS="${NS:-2 4}" SHAPES=${SHAPES:-0.5b} PARTS="${parts//,/ }" \
+    G7B_MICRO=$micro "${extra[@]}" OUT=$G/multi$k bash bench/gpu_multi.sh > "$G/multi$k.log" 2>&1
+  log "gpu_multi.sh $word rc=$?"
 done
-[ -n "${GSM_RUN-dp2}" ] || exit 0
+[ -n "${GSM_RUN-dp2}" ] || { log done; exit 0; }
 model=${GSM_MODEL:-0.5b}
 # STEP=import fails until every piece is in (then joins, checks and imports them); 20 minutes
 # at most (a lease lasts 30).

@@ -25,7 +25,8 @@
 #   pfault   a 4-step GRPO pipeline on a daemon group (gpus = N, daemon = true, files every 2
 #            steps), then the same with rank 1's daemon SIGKILLed in step 3's update: the seconds
 #            from the kill until the runner reports the group failed, and the final checkpoints
-#            of both runs compared (N >= 2)
+#            compared (files by sha256; the optimizer state numerically, against a second
+#            undisturbed run's as the run-to-run noise) (N >= 2)
 #   hang     rank 1 of `dist-test` stops answering: every rank and the launcher stop within
 #            the launcher's --timeout 10, and the message names the collective (N >= 2)
 #   g7b      one whole GRPO step of a random Qwen2.5-7B shape on N ranks, stage by stage
@@ -338,10 +339,12 @@ mini-batch-size = $((64 * N))
 every = 2
 keep-last = 2
 EOF
-    for run in group killed; do
-      rm -rf "$W/pf_$run" "$W/pf_marker"
+    # group2: the undisturbed run again, to tell run-to-run noise from what the kill changed.
+    for run in group killed group2; do
+      rm -rf "$W/pf_$run"
       env=()
-      [ $run = killed ] && env=(TANDEM_DAEMON_KILL_IN_UPDATE="$W/pf_marker" TANDEM_DAEMON_KILL_RANK=1 TANDEM_DAEMON_KILL_AT_STEP=3)
+      # The marker's time is the kill's (read after the runs).
+      [ $run = killed ] && rm -f "$W/pf_marker" && env=(TANDEM_DAEMON_KILL_IN_UPDATE="$W/pf_marker" TANDEM_DAEMON_KILL_RANK=1 TANDEM_DAEMON_KILL_AT_STEP=3)
       # Every output line with its time, to time the failure against the kill.
       env "${env[@]}" TANDEM_BIN_DIR=$D $D/pipeline run "$W/pfault.toml" --run-dir "$W/pf_$run" 2>&1 \
         | while IFS= read -r l; do printf '%s %s\n' "$(date +%s.%N)" "$l"; done > "$OUT/pfault_$run.log"
@@ -370,6 +373,34 @@ PY
       b=$(sha256sum < "$W/pf_killed/ckpt/step-0004/$f" 2> /dev/null | cut -c1-16)
       echo "pfault final $f: $([ "$a" = "$b" ] && echo IDENTICAL || echo "DIFFERENT ($a vs ${b:-missing})")"
     done
+    # The optimizer state (per-rank shards merged) of the killed and the second run against the
+    # first, relative error over all tensors.
+    for run in group killed group2; do
+      rm -rf "$W/pf_${run}_merged"
+      $T merge-shards "$W/pf_$run/ckpt/step-0004" --out "$W/pf_${run}_merged" > /dev/null 2>&1 \
+        || echo "pfault: merge-shards of $run failed"
+    done
+    python3 - "$W" <<'PY'
+import sys
+from safetensors.torch import load_file
+w = sys.argv[1]
+def load(run):
+    return load_file(f"{w}/pf_{run}_merged/optimizer.safetensors")
+ref = load("group")
+for run in ("killed", "group2"):
+    try:
+        other = load(run)
+    except Exception as e:
+        print(f"pfault optimizer {run}: not loaded: {e}")
+        continue
+    same = sum(bool((ref[k] == other[k]).all()) for k in ref if k in other)
+    for kind in ("master.", "exp_avg.", "exp_avg_sq."):
+        keys = [k for k in ref if k.startswith(kind) and k in other]
+        num = sum(((ref[k].double() - other[k].double()) ** 2).sum().item() for k in keys)
+        den = sum((ref[k].double() ** 2).sum().item() for k in keys)
+        print(f"pfault optimizer {run} vs group, {kind[:-1]}: relative error {(num / max(den, 1e-300)) ** 0.5:.3e} over {len(keys)} tensors")
+    print(f"pfault optimizer {run} vs group: {same} of {len(ref)} tensors bit for bit")
+PY
     ;;
   hang)
     if [ "$N" -lt 2 ]; then echo "hang: needs N >= 2"; continue; fi

@@ -1,17 +1,26 @@
-//! Memory of a full-sharded (`shard = "full"`) training pass, counted by this binary's global
-//! allocator on the CPU backend (whose buffers are heap allocations). A daemon group frees its
-//! gradients after each update (`release_grads`); the next update's passes must still
-//! allocate each unit's gradients only for its backward, not the whole model's f32 gradients
-//! (4 bytes a parameter: 30 GB at 7B, what made the second 7B step run out of memory on 80 GB
-//! GPUs). One test in this binary, so nothing else allocates while it measures.
+//! Host memory, counted by this binary's global allocator (the CPU backend's buffers are heap
+//! allocations too), of what grows with the model under sharding:
+//! - a full-sharded (`shard = "full"`) training pass: a daemon group frees its gradients after
+//!   each update (`release_grads`); the next update's passes must still allocate each unit's
+//!   gradients only for its backward, not the whole model's f32 gradients (4 bytes a parameter:
+//!   30 GB at 7B, what made the second 7B step run out of memory on 80 GB GPUs);
+//! - writing an optimizer shard or the whole optimizer file: streamed from the tensors, with
+//!   no copy of the file in memory (a 7B shape's optimizer state is 91 GB).
+//!
+//! The tests take one lock, so nothing else allocates while one measures.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Mutex;
 
 use tandem::backend::cpu::Cpu;
 use tandem::dist::{HostComm, Options, ProcessGroup, World};
-use tandem::model::decoder::{Decoder, Holding, PassComm, SeqRef, TokenGrads, TokenStats};
-use tandem::model::{init, Arch, Config};
+use tandem::engine::resume::{shard_file_name, write_optimizer, write_shard};
+use tandem::model::decoder::{
+    Decoder, Holding, HostShard, OptimizerState, PassComm, SeqRef, ShardLayout, TokenGrads,
+    TokenStats,
+};
+use tandem::model::{init, Arch, Config, Tensor, Weights};
 
 struct Counting;
 static NOW: AtomicUsize = AtomicUsize::new(0);
@@ -40,6 +49,8 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static COUNTING: Counting = Counting;
 
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 /// Bytes allocated at the peak of `f` above what was held when it started.
 fn peak_of(f: impl FnOnce()) -> usize {
     let base = NOW.load(SeqCst);
@@ -50,6 +61,7 @@ fn peak_of(f: impl FnOnce()) -> usize {
 
 #[test]
 fn a_full_shard_pass_after_release_grads_holds_no_whole_gradients() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     // Many layers and few tokens: a unit is small against the whole model, so whole f32
     // gradients would show.
     let cfg = Config {
@@ -116,4 +128,57 @@ fn a_full_shard_pass_after_release_grads_holds_no_whole_gradients() {
     );
     drop(comm);
     pg.finish().unwrap();
+}
+
+#[test]
+fn optimizer_files_are_written_without_a_copy_in_memory() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    // 3 buckets of 1 Mi floats: 12 MiB of masters and moments each, 36 MiB in all.
+    let n = 1 << 20;
+    let buckets = |base: f32| -> Vec<Vec<f32>> {
+        (0..3)
+            .map(|k| (0..n).map(|i| base + (k * n + i) as f32).collect())
+            .collect()
+    };
+    let shard = HostShard {
+        rank: 0,
+        layout: ShardLayout {
+            world_size: 1,
+            names: vec!["w".into()],
+            shapes: vec![vec![3 * n]],
+            buckets: (0..3).map(|k| (0, 1, vec![k * n], n, n)).collect(),
+        },
+        step: 1,
+        master: buckets(0.0),
+        moments: Some((buckets(1.0), buckets(2.0))),
+    };
+    let file_bytes = 9 * n * 4;
+    let peak = peak_of(|| write_shard(dir.path(), &shard).unwrap());
+    assert!(
+        peak < file_bytes / 8,
+        "writing a {file_bytes} B shard file held {peak} B more at its peak"
+    );
+    let written = std::fs::metadata(dir.path().join(shard_file_name(0, 1)))
+        .unwrap()
+        .len() as usize;
+    assert!(written > file_bytes, "{written} B written");
+
+    let tensor = |base: f32| Tensor {
+        data: (0..3 * n).map(|i| base + i as f32).collect(),
+        shape: vec![3 * n],
+    };
+    let master: Weights = [("w".to_string(), tensor(0.0))].into_iter().collect();
+    let state = OptimizerState {
+        step: 1,
+        exp_avg: [("w".to_string(), tensor(1.0))].into_iter().collect(),
+        exp_avg_sq: [("w".to_string(), tensor(2.0))].into_iter().collect(),
+    };
+    let path = dir.path().join("optimizer.safetensors");
+    let peak = peak_of(|| write_optimizer(&path, &state, &master).unwrap());
+    assert!(
+        peak < file_bytes / 8,
+        "writing a {file_bytes} B optimizer file held {peak} B more at its peak"
+    );
+    assert!(std::fs::metadata(&path).unwrap().len() as usize > file_bytes);
 }

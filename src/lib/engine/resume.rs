@@ -25,7 +25,7 @@ use super::train::LrConfig;
 use crate::batch::write::write_atomic;
 use crate::error::input_error;
 use crate::model::decoder::{Buckets, HostShard, OptimizerState, ShardLayout};
-use crate::model::safetensors::{load_file, round_bf16, PartialFile};
+use crate::model::safetensors::{self as st, load_file, round_bf16, PartialFile};
 use crate::model::{Tensor, Weights};
 use anyhow::{Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
@@ -73,7 +73,7 @@ const SHARD_META: &str = "tandem_optimizer_shard";
 
 /// A rank's shard file: its masters and moments bucket by bucket (1-D f32, `master.K`,
 /// `exp_avg.K`, `exp_avg_sq.K`), with the rank, the step and the layout in the metadata.
-pub fn shard_bytes(shard: &HostShard) -> Result<Vec<u8>> {
+fn shard_tensors(shard: &HostShard) -> Result<Tensors<'_>> {
     let mut groups: Vec<(&str, &[Vec<f32>])> = vec![(MASTER, &shard.master)];
     if let Some((m, v)) = &shard.moments {
         groups.push((EXP_AVG, m));
@@ -82,11 +82,7 @@ pub fn shard_bytes(shard: &HostShard) -> Result<Vec<u8>> {
     let mut views: Vec<(String, TensorView)> = Vec::new();
     for (prefix, bufs) in groups {
         for (k, b) in bufs.iter().enumerate() {
-            let bytes: &[u8] = bytemuck::cast_slice(b);
-            views.push((
-                format!("{prefix}{k:05}"),
-                TensorView::new(Dtype::F32, vec![b.len()], bytes)?,
-            ));
+            views.push((format!("{prefix}{k:05}"), f32_view(b, vec![b.len()])?));
         }
     }
     // One metadata entry: a map of several would be written in a random order, and the same
@@ -98,7 +94,21 @@ pub fn shard_bytes(shard: &HostShard) -> Result<Vec<u8>> {
         layout: shard.layout.clone(),
     };
     let meta = HashMap::from([(SHARD_META.to_string(), serde_json::to_string(&head)?)]);
-    Ok(safetensors::serialize(views, Some(meta))?)
+    Ok((views, meta))
+}
+
+/// Safetensors views of f32 data and the file's metadata.
+type Tensors<'a> = (Vec<(String, TensorView<'a>)>, HashMap<String, String>);
+
+/// A view of f32 data as the file's bytes (safetensors is little-endian, as every target we
+/// build for), borrowed: no copy is made.
+fn f32_view(data: &[f32], shape: Vec<usize>) -> Result<TensorView<'_>> {
+    const _: () = assert!(cfg!(target_endian = "little"));
+    Ok(TensorView::new(
+        Dtype::F32,
+        shape,
+        bytemuck::cast_slice(data),
+    )?)
 }
 
 /// A shard file's metadata.
@@ -110,10 +120,12 @@ struct ShardHead {
     layout: ShardLayout,
 }
 
-/// Writes `shard` into `dir` under its name (through a temporary file and a rename).
+/// Writes `shard` into `dir` under its name, streamed from its buffers (a temporary file renamed
+/// into place, as the model files; the checkpoint directory is moved into place whole).
 pub fn write_shard(dir: &Path, shard: &HostShard) -> Result<()> {
     let path = dir.join(shard_file_name(shard.rank, shard.layout.world_size));
-    write_atomic(&path, &shard_bytes(shard)?)
+    let (views, meta) = shard_tensors(shard)?;
+    st::write_file(&path, views, Some(meta))
 }
 
 /// Reads one shard file.
@@ -254,11 +266,9 @@ pub fn whole_from_shards(dir: &Path) -> Result<(Weights, OptimizerState)> {
     Ok((master, state))
 }
 
-/// The optimizer file's bytes: moments and master weights, f32. The views borrow the f32 data
-/// as bytes (safetensors is little-endian, as every target we build for): at the 0.5B shape
-/// this is ~6 GB, so no intermediate byte copy is made.
-pub fn optimizer_bytes(state: &OptimizerState, master: &Weights) -> Result<Vec<u8>> {
-    const _: () = assert!(cfg!(target_endian = "little"));
+/// Writes the optimizer file (moments and master weights, f32) to `path`, streamed from the
+/// tensors (at the 7B shape it is 91 GB: no copy of it is made in memory).
+pub fn write_optimizer(path: &Path, state: &OptimizerState, master: &Weights) -> Result<()> {
     let mut views: Vec<(String, TensorView)> = Vec::new();
     for (prefix, w) in [
         (EXP_AVG, &state.exp_avg),
@@ -266,15 +276,14 @@ pub fn optimizer_bytes(state: &OptimizerState, master: &Weights) -> Result<Vec<u
         (MASTER, master),
     ] {
         for (name, t) in w {
-            let bytes: &[u8] = bytemuck::cast_slice(&t.data);
             views.push((
                 format!("{prefix}{name}"),
-                TensorView::new(Dtype::F32, t.shape.clone(), bytes)?,
+                f32_view(&t.data, t.shape.clone())?,
             ));
         }
     }
     let meta = HashMap::from([("optimizer_step".to_string(), state.step.to_string())]);
-    Ok(safetensors::serialize(views, Some(meta))?)
+    st::write_file(path, views, Some(meta))
 }
 
 pub fn trainer_state_bytes(s: &TrainerState) -> Result<Vec<u8>> {
@@ -656,10 +665,7 @@ pub fn merge_shards(a: MergeShardsArgs) -> Result<()> {
             std::fs::copy(e.path(), tmp.join(&name))
                 .with_context(|| format!("copying {}", e.path().display()))?;
         }
-        write_atomic(
-            &tmp.join(OPTIMIZER_FILE),
-            &optimizer_bytes(&state, &master)?,
-        )?;
+        write_optimizer(&tmp.join(OPTIMIZER_FILE), &state, &master)?;
         write_atomic(
             &tmp.join(TRAINER_STATE_FILE),
             &trainer_state_bytes(&trainer)?,
@@ -734,11 +740,7 @@ mod tests {
             optimizer_not_saved: false,
             optimizer_shards: 0,
         };
-        std::fs::write(
-            dir.path().join(OPTIMIZER_FILE),
-            optimizer_bytes(&state, &master).unwrap(),
-        )
-        .unwrap();
+        write_optimizer(&dir.path().join(OPTIMIZER_FILE), &state, &master).unwrap();
         std::fs::write(
             dir.path().join(TRAINER_STATE_FILE),
             trainer_state_bytes(&ts).unwrap(),
@@ -795,8 +797,12 @@ mod tests {
             )),
         };
         let (s0, s1) = (shard(0, 1.0), shard(1, 5.0));
-        assert_eq!(shard_bytes(&s0).unwrap(), shard_bytes(&s0).unwrap());
+        // The same shard gives the same bytes.
+        let again = tempfile::tempdir().unwrap();
         write_shard(dir.path(), &s0).unwrap();
+        write_shard(again.path(), &s0).unwrap();
+        let bytes = |d: &Path| std::fs::read(d.join(shard_file_name(0, 2))).unwrap();
+        assert_eq!(bytes(dir.path()), bytes(again.path()));
         let ts = TrainerState {
             optimizer_step: 4,
             schedule_step: 2,

@@ -368,6 +368,40 @@ pub fn plan_shards(sizes: &[u64], max_shard_bytes: u64) -> Vec<Vec<usize>> {
     shards
 }
 
+/// Writes `tensors` as one safetensors file at `path` (its directory made if missing), streamed
+/// from their buffers: no copy of the whole file is made in memory (a 7B shape's optimizer
+/// state is 91 GB). The crate writes a temporary file and renames it into place, so `path` is
+/// either whole or untouched; the file gets the permissions a plainly created one does (umask),
+/// as HF's files have, not the temporary file's 0600.
+pub fn write_file<S, V, I>(
+    path: &Path,
+    tensors: I,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()>
+where
+    S: AsRef<str> + Ord + std::fmt::Display,
+    V: View,
+    I: IntoIterator<Item = (S, V)>,
+{
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    // A probe beside it learns the umask's permissions without touching `path` itself.
+    let mut probe = path.as_os_str().to_owned();
+    probe.push(".perms");
+    let probe = PathBuf::from(probe);
+    let perms = std::fs::File::create(&probe)
+        .and_then(|f| f.metadata())
+        .with_context(|| format!("creating {}", probe.display()))?
+        .permissions();
+    let _ = std::fs::remove_file(&probe);
+    safetensors::serialize_to_file(tensors, metadata, path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    std::fs::set_permissions(path, perms)
+        .with_context(|| format!("setting permissions of {}", path.display()))
+}
+
 /// Writes `tensors` (in HF state-dict order) into `dir` as bf16: one `model.safetensors`, or
 /// `model-0000k-of-0000n.safetensors` shards plus `model.safetensors.index.json` when they do not
 /// fit in `max_shard_bytes`. Returns the files written.
@@ -394,20 +428,11 @@ pub fn save_dir(
             .map(|&i| (tensors[i].0, Bf16Tensor::new(tensors[i].1)))
             .collect();
         let path = dir.join(&file);
-        // The crate writes a 0600 temp file and renames it; give the result the permissions a
-        // plainly created file gets (umask), as HF's files have.
-        let perms = std::fs::File::create(&path)
-            .and_then(|f| f.metadata())
-            .with_context(|| format!("creating {}", path.display()))?
-            .permissions();
-        safetensors::serialize_to_file(
+        write_file(
+            &path,
             converted.iter().map(|(name, t)| (*name, t)),
             Some(metadata.clone()),
-            &path,
-        )
-        .with_context(|| format!("writing {}", path.display()))?;
-        std::fs::set_permissions(&path, perms)
-            .with_context(|| format!("setting permissions of {}", path.display()))?;
+        )?;
         for (name, _) in &converted {
             weight_map.insert(name.to_string(), Value::from(file.clone()));
         }

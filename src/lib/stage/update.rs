@@ -909,28 +909,38 @@ pub fn write_checkpoint(
     shard_files: &[PathBuf],
     trainer: &TrainerState,
 ) -> Result<()> {
-    let mut extra = vec![(
+    let extra = [(
         TRAINER_STATE_FILE.to_string(),
         resume::trainer_state_bytes(trainer)?,
     )];
-    if let Some(state) = state {
-        extra.push((
-            OPTIMIZER_FILE.to_string(),
-            resume::optimizer_bytes(state, weights)?,
-        ));
+    // The optimizer file is streamed to the staging directory beside `out` (where the ranks'
+    // shards are written) and moved in with them.
+    let staging = shard_staging(out);
+    let mut move_in = shard_files.to_vec();
+    let saved = (|| -> Result<()> {
+        if let Some(state) = state {
+            let path = staging.join(OPTIMIZER_FILE);
+            resume::write_optimizer(&path, state, weights)?;
+            move_in.push(path);
+        }
+        ModelDir::save_with(
+            out,
+            cfg,
+            weights,
+            &SaveOptions {
+                tokenizer_from: Some(files_from),
+                config_base: Some(files_from),
+                max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+                extra_files: &extra,
+                move_in: &move_in,
+            },
+        )
+    })();
+    if !move_in.is_empty() || saved.is_err() {
+        // Emptied by the move; anything left is a stale shard of another world size.
+        let _ = std::fs::remove_dir_all(&staging);
     }
-    ModelDir::save_with(
-        out,
-        cfg,
-        weights,
-        &SaveOptions {
-            tokenizer_from: Some(files_from),
-            config_base: Some(files_from),
-            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-            extra_files: &extra,
-            move_in: shard_files,
-        },
-    )
+    saved
 }
 
 /// Checks that the rollout's log-probs may stand in for the old ones (`--bypass-mode`): the
@@ -1118,10 +1128,6 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
                 &shard_files,
                 &trainer,
             )?;
-            if !shard_files.is_empty() {
-                // Emptied by the move; anything left is a stale shard of another world size.
-                let _ = std::fs::remove_dir_all(shard_staging(&args.out_model));
-            }
         }
         (None, None) => anyhow::bail!("update: the trained weights were not brought back"),
     }
@@ -1198,7 +1204,6 @@ fn save_group_shards(
     args: &SavePolicyArgs,
     exec: &mut dyn Exec,
     s: SavedShards,
-    staging: &Path,
     started: Instant,
 ) -> Result<()> {
     let trainer = TrainerState {
@@ -1217,7 +1222,6 @@ fn save_group_shards(
             &s.shard_files,
             &trainer,
         )?;
-        let _ = std::fs::remove_dir_all(staging);
     }
     after_rank0(exec)?;
     exec.saved(&args.out, Some(&trainer))?;
@@ -1240,7 +1244,7 @@ pub fn save_policy(args: SavePolicyArgs, exec: &mut dyn Exec) -> Result<()> {
         // A daemon group: every rank runs this job.
         let staging = shard_staging(&args.out);
         if let Some(s) = exec.save_sharded(model.as_ref(), &staging)? {
-            return save_group_shards(&args, exec, s, &staging, started);
+            return save_group_shards(&args, exec, s, started);
         }
         if exec.ranks().is_some_and(|x| !x.is_root()) {
             // Not sharded: rank 0 holds all of it and saves it alone.

@@ -71,35 +71,6 @@ pub fn shard_file_name(rank: usize, world: usize) -> String {
 
 const SHARD_META: &str = "tandem_optimizer_shard";
 
-/// A rank's shard file: its masters and moments bucket by bucket (1-D f32, `master.K`,
-/// `exp_avg.K`, `exp_avg_sq.K`), with the rank, the step and the layout in the metadata.
-fn shard_tensors(shard: &HostShard) -> Result<Tensors<'_>> {
-    let mut groups: Vec<(&str, &[Vec<f32>])> = vec![(MASTER, &shard.master)];
-    if let Some((m, v)) = &shard.moments {
-        groups.push((EXP_AVG, m));
-        groups.push((EXP_AVG_SQ, v));
-    }
-    let mut views: Vec<(String, TensorView)> = Vec::new();
-    for (prefix, bufs) in groups {
-        for (k, b) in bufs.iter().enumerate() {
-            views.push((format!("{prefix}{k:05}"), f32_view(b, vec![b.len()])?));
-        }
-    }
-    // One metadata entry: a map of several would be written in a random order, and the same
-    // shard must give the same bytes.
-    let head = ShardHead {
-        rank: shard.rank,
-        world_size: shard.layout.world_size,
-        optimizer_step: shard.step,
-        layout: shard.layout.clone(),
-    };
-    let meta = HashMap::from([(SHARD_META.to_string(), serde_json::to_string(&head)?)]);
-    Ok((views, meta))
-}
-
-/// Safetensors views of f32 data and the file's metadata.
-type Tensors<'a> = (Vec<(String, TensorView<'a>)>, HashMap<String, String>);
-
 /// A view of f32 data as the file's bytes (safetensors is little-endian, as every target we
 /// build for), borrowed: no copy is made.
 fn f32_view(data: &[f32], shape: Vec<usize>) -> Result<TensorView<'_>> {
@@ -120,11 +91,32 @@ struct ShardHead {
     layout: ShardLayout,
 }
 
-/// Writes `shard` into `dir` under its name, streamed from its buffers (a temporary file renamed
-/// into place, as the model files; the checkpoint directory is moved into place whole).
+/// Writes `shard` into `dir` under its name: its masters and moments bucket by bucket (1-D
+/// f32, `master.K`, `exp_avg.K`, `exp_avg_sq.K`), with the rank, the step and the layout in the
+/// metadata; streamed from its buffers (a temporary file renamed into place, as the model
+/// files; the checkpoint directory is moved into place whole).
 pub fn write_shard(dir: &Path, shard: &HostShard) -> Result<()> {
+    let mut groups: Vec<(&str, &[Vec<f32>])> = vec![(MASTER, &shard.master)];
+    if let Some((m, v)) = &shard.moments {
+        groups.push((EXP_AVG, m));
+        groups.push((EXP_AVG_SQ, v));
+    }
+    let mut views: Vec<(String, TensorView)> = Vec::new();
+    for (prefix, bufs) in groups {
+        for (k, b) in bufs.iter().enumerate() {
+            views.push((format!("{prefix}{k:05}"), f32_view(b, vec![b.len()])?));
+        }
+    }
+    // One metadata entry: a map of several would be written in a random order, and the same
+    // shard must give the same bytes.
+    let head = ShardHead {
+        rank: shard.rank,
+        world_size: shard.layout.world_size,
+        optimizer_step: shard.step,
+        layout: shard.layout.clone(),
+    };
+    let meta = HashMap::from([(SHARD_META.to_string(), serde_json::to_string(&head)?)]);
     let path = dir.join(shard_file_name(shard.rank, shard.layout.world_size));
-    let (views, meta) = shard_tensors(shard)?;
     st::write_file(&path, views, Some(meta))
 }
 

@@ -936,10 +936,8 @@ pub fn write_checkpoint(
             },
         )
     })();
-    if !move_in.is_empty() || saved.is_err() {
-        // Emptied by the move; anything left is a stale shard of another world size.
-        let _ = std::fs::remove_dir_all(&staging);
-    }
+    // Emptied by the move; anything left is a stale shard of another world size.
+    let _ = std::fs::remove_dir_all(&staging);
     saved
 }
 

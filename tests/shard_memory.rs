@@ -14,13 +14,13 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Mutex;
 
 use tandem::backend::cpu::Cpu;
-use tandem::dist::{HostComm, Options, ProcessGroup, World};
 use tandem::engine::resume::{shard_file_name, write_optimizer, write_shard};
 use tandem::model::decoder::{
     Decoder, Holding, HostShard, OptimizerState, PassComm, SeqRef, ShardLayout, TokenGrads,
     TokenStats,
 };
 use tandem::model::{init, Arch, Config, Tensor, Weights};
+use tandem::parallel::{HostComm, Options, ProcessGroup, World};
 
 struct Counting;
 static NOW: AtomicUsize = AtomicUsize::new(0);

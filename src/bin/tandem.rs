@@ -41,9 +41,9 @@ enum Cmd {
     /// Ask a running daemon for its health or status, save its policy, or stop it.
     DaemonCtl(tandem::daemon::ctl::DaemonCtlArgs),
     /// Start N ranks of a command on this machine (like `torchrun --standalone`).
-    Launch(tandem::dist::launch::LaunchArgs),
+    Launch(tandem::parallel::launch::LaunchArgs),
     /// Communicator checks: every collective against host-computed values, on each rank.
-    DistTest(tandem::dist::check::DistTestArgs),
+    DistTest(tandem::parallel::check::DistTestArgs),
     /// Merge a checkpoint's per-rank optimizer shards into one file (loads with any N ranks).
     MergeShards(tandem::engine::resume::MergeShardsArgs),
 }
@@ -62,8 +62,8 @@ fn main() -> ExitCode {
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
         Cmd::Daemon(a) => tandem::daemon::server::run(a),
         Cmd::DaemonCtl(a) => tandem::daemon::ctl::run_ctl(a),
-        Cmd::Launch(a) => tandem::dist::launch::run(a),
-        Cmd::DistTest(a) => tandem::dist::check::run(a),
+        Cmd::Launch(a) => tandem::parallel::launch::run(a),
+        Cmd::DistTest(a) => tandem::parallel::check::run(a),
         Cmd::MergeShards(a) => tandem::engine::resume::merge_shards(a),
     })
 }

@@ -1,16 +1,18 @@
 //! `tandem bench dist`: the communicator's bandwidth (each collective at sizes up to 1 GiB,
 //! algorithm and bus bandwidth as nccl-tests computes them) and the bucketed weight sync of the
 //! Qwen2.5 shapes, at whatever world size it runs (`tandem launch --nproc-per-node N -- tandem
-//! bench dist`, srun, or alone). The measurements are `dist::bench`'s; this file picks the
+//! bench dist`, srun, or alone). The measurements are `parallel::bench`'s; this file picks the
 //! sizes and shapes and prints rank 0's table and JSON.
 
 use super::cpu_engine::shape;
 use super::report;
 use crate::backend::{Backend, DType};
-use crate::dist::bench::{time_collective, time_weight_sync, CollectiveTiming, SyncTiming, OPS};
-use crate::dist::{run_job, Comm, DeviceKind, Job, ProcessGroup};
 use crate::error::input_error;
 use crate::model::names::expected_tensors;
+use crate::parallel::bench::{
+    time_collective, time_weight_sync, CollectiveTiming, SyncTiming, OPS,
+};
+use crate::parallel::{run_job, Comm, DeviceKind, Job, ProcessGroup};
 use anyhow::Result;
 use clap::Args;
 use serde_json::json;

@@ -2,7 +2,7 @@
 //! backend (the op families' cases, `backend::ops::op_cases`), then the decoder and the
 //! generation engine whole (`engine::check::CASES`), then the sharded optimizer against the
 //! plain one (`engine::shard::check::CASES`), and the communicator at world size 1 through NCCL
-//! (`dist::check::GPU_CASES`), in f32 and in bf16 storage, as one table
+//! (`parallel::check::GPU_CASES`), in f32 and in bf16 storage, as one table
 //! (harness: `backend::check::gpu`); `--time` then times each op (the families' timing shapes,
 //! `backend::check::timing`), `--compile-only` compiles every kernel with NVRTC and needs no
 //! GPU (`make kernels-check`). It lives above the engine because its cases do.
@@ -55,7 +55,7 @@ fn registry(only: Option<&str>) -> Vec<Case> {
         .into_iter()
         .chain(check::CASES.iter().copied())
         .chain(crate::engine::shard::check::CASES.iter().copied())
-        .chain(crate::dist::check::GPU_CASES.iter().copied())
+        .chain(crate::parallel::check::GPU_CASES.iter().copied())
         .filter(|c| only.is_none_or(|o| c.name.contains(o)))
         .collect()
 }

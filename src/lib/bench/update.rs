@@ -8,7 +8,6 @@
 
 use crate::algo::policy_loss::{LossConfig, LossMode};
 use crate::backend::{Backend, DType, MatmulShape};
-use crate::dist::{run_rank_job, Comm, DeviceKind, Options, ProcessGroup, RankJob, World};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::shard::{ShardedPolicy, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, TrainConfig, TrainData};
@@ -16,6 +15,7 @@ use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::names::param_count;
 use crate::model::Config;
+use crate::parallel::{run_rank_job, Comm, DeviceKind, Options, ProcessGroup, RankJob, World};
 use crate::rng::SplitMix64;
 use crate::stage::common::Device;
 use crate::stage::{on_device, Job};

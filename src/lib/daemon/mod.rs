@@ -14,8 +14,8 @@ pub mod protocol;
 pub mod resident;
 pub mod server;
 
-use crate::dist::exchange::as_local;
-use crate::dist::{group, Exchange, ProcessGroup, World};
+use crate::parallel::exchange::as_local;
+use crate::parallel::{group, Exchange, ProcessGroup, World};
 use crate::stage::common::{after_rank0, Device};
 use crate::stage::{InProcess, StageJob};
 use anyhow::Result;

@@ -23,12 +23,12 @@
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
-use crate::dist::{Comm, ProcessGroup};
 use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedPolicy};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim, TokenStats};
 use crate::model::{Config, Weights};
+use crate::parallel::{Comm, ProcessGroup};
 use crate::stage::common::{Device, ModelRef};
 use crate::stage::ref_logprob::{LogprobColumn, Score};
 use crate::stage::rollout::{Generate, Generated};

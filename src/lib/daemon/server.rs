@@ -30,11 +30,11 @@ use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
-use crate::dist::exchange::{as_local, RankFailed};
-use crate::dist::health::Health;
-use crate::dist::{Comm, Exchange, HostComm, NcclComm, ProcessGroup, World};
 use crate::engine::cancel::{self, Cancel};
 use crate::error::is_input_error;
+use crate::parallel::exchange::{as_local, RankFailed};
+use crate::parallel::health::Health;
+use crate::parallel::{Comm, Exchange, HostComm, NcclComm, ProcessGroup, World};
 use crate::stage::common::{after_rank0, resolve_model, Device, ModelRef};
 use crate::stage::{ref_logprob, rollout, update, Exec, StageJob};
 use anyhow::{Context, Result};
@@ -188,7 +188,7 @@ pub fn run(args: DaemonArgs) -> Result<()> {
         true => None,
         false => Some(Arc::new(ProcessGroup::new(
             world,
-            crate::dist::Options::from_env()?,
+            crate::parallel::Options::from_env()?,
         )?)),
     };
     let device = match &group {

@@ -51,10 +51,10 @@ impl fmt::Display for Device {
 impl Device {
     /// The device of one rank of several: a CUDA rank computes on the GPU of its local rank
     /// (or the one GPU the launcher shows it), whatever `cuda:N` says; the CPU stays the CPU.
-    pub fn for_rank(self, world: &crate::dist::World) -> Result<Device> {
+    pub fn for_rank(self, world: &crate::parallel::World) -> Result<Device> {
         match self {
             Device::Cpu => Ok(Device::Cpu),
-            Device::Cuda(_) => Ok(Device::Cuda(crate::dist::group::gpu_for_rank(world)?)),
+            Device::Cuda(_) => Ok(Device::Cuda(crate::parallel::group::gpu_for_rank(world)?)),
         }
     }
 }
@@ -248,7 +248,7 @@ pub fn logprob_temperature(batch: &Batch, flag: Option<f32>) -> Result<f32> {
 }
 
 /// The contiguous block of `items` (prompts, prompt groups) this process computes: all of them
-/// alone, else its rank's balanced share (`dist::exchange::block`).
+/// alone, else its rank's balanced share (`parallel::exchange::block`).
 pub fn my_block(exec: &dyn Exec, items: usize) -> Range<usize> {
     match exec.ranks() {
         Some(x) => x.block(items),

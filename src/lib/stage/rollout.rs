@@ -21,7 +21,6 @@ use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
-use crate::dist::exchange::{Reader, Writer};
 use crate::engine::paged::{
     generate_paged, pool_blocks, Completion, Detokenize, FinishReason, GenParams, GraphMode,
     GraphStats, PagedConfig, PagedDecoder, PagedStats, Request, DEFAULT_BLOCK_SIZE,
@@ -29,6 +28,7 @@ use crate::engine::paged::{
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
+use crate::parallel::exchange::{Reader, Writer};
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};

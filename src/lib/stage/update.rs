@@ -26,8 +26,6 @@ use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
-use crate::dist::comm::sum_f64;
-use crate::dist::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{
     self, RankResume, ShardSource, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE,
@@ -39,6 +37,8 @@ use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
 use crate::model::decoder::{Decoder, HostShard, OptimizerState};
 use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use crate::model::{Config, Weights};
+use crate::parallel::comm::sum_f64;
+use crate::parallel::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
 use anyhow::Result;
 use clap::builder::PossibleValuesParser;
 use clap::Args;

@@ -8,12 +8,12 @@ use anyhow::{ensure, Result};
 use crate::backend::check::gpu::{dname, Case, Ctx, Row};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType};
-use crate::dist::{Comm, NcclComm, Options, ProcessGroup, World};
 use crate::model::decoder::{
     AdamWParams, Decoder, Holding, PassComm, SeqRef, TokenGrads, TokenStats,
 };
 use crate::model::safetensors::round_bf16;
 use crate::model::{init, Config, Weights};
+use crate::parallel::{Comm, NcclComm, Options, ProcessGroup, World};
 
 /// The gpu-test case.
 pub const CASES: &[Case] = &[Case {
@@ -233,8 +233,8 @@ fn sharded_update(s: &mut Ctx, d: DType) -> Result<()> {
 mod tests {
     use super::*;
     use crate::backend::cpu::Cpu;
-    use crate::dist::testing::ranks;
-    use crate::dist::HostComm;
+    use crate::parallel::testing::ranks;
+    use crate::parallel::HostComm;
     use std::time::Duration;
 
     #[test]

@@ -24,13 +24,13 @@ pub mod check;
 use super::train::{train, TrainConfig, TrainData, TrainReport};
 use super::Policy;
 use crate::backend::{Backend, PpoShape, PPO_STATS};
-use crate::dist::comm::sum_f64;
-use crate::dist::Comm;
 use crate::model::decoder::{
     AdamWParams, Decoder, Holding, HostShard, OptimizerState, PassComm, PpoTokens, SeqRef,
     ShardStats, ShardedOptim, StepReport, TokenGrads, TokenStats,
 };
 use crate::model::Weights;
+use crate::parallel::comm::sum_f64;
+use crate::parallel::Comm;
 use anyhow::Result;
 use std::time::Instant;
 

@@ -33,11 +33,11 @@ use std::time::Instant;
 use super::optim::{adamw_step, check_hyper, clip_scale};
 use super::{AdamWParams, Decoder, OptimizerState, StepReport};
 use crate::backend::{Backend, DType, Device};
-use crate::dist::bucket::{BucketPlan, WeightSync};
-use crate::dist::comm::{dtype_bytes, sum_f64};
-use crate::dist::{Collective, Comm, ReduceOp, Work};
 use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
+use crate::parallel::bucket::{BucketPlan, WeightSync};
+use crate::parallel::comm::{dtype_bytes, sum_f64};
+use crate::parallel::{Collective, Comm, ReduceOp, Work};
 
 /// What the sharded optimizer did so far (the update metrics' `shard` object).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -1467,10 +1467,10 @@ impl<B: Backend> Holding<'_, B> {
 mod tests {
     use super::*;
     use crate::backend::cpu::Cpu;
-    use crate::dist::testing::ranks;
-    use crate::dist::HostComm;
     use crate::model::decoder::SeqRef;
     use crate::model::init;
+    use crate::parallel::testing::ranks;
+    use crate::parallel::HostComm;
     use std::time::Duration;
 
     /// A prefetch left pending by a pass that stopped midway is waited for when its hold is

@@ -700,7 +700,7 @@ fn connect_mesh(pg: &ProcessGroup) -> Result<Vec<Option<TcpStream>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::testing::ranks;
+    use crate::parallel::testing::ranks;
 
     #[test]
     fn collectives_on_three_ranks_match_a_rank_order_host_loop() {

@@ -328,8 +328,8 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::group::Options;
-    use crate::dist::world::World;
+    use crate::parallel::group::Options;
+    use crate::parallel::world::World;
 
     #[test]
     fn blocks_cover_the_items_in_order_and_balanced() {

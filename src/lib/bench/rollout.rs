@@ -11,8 +11,8 @@ use super::report;
 use crate::backend::ops::sample::{sample_key, uniform, Sampled, SamplingParams};
 use crate::backend::{Backend, BlockTables, DType, Draws, KvCache, MatmulShape, PagedAttnShape};
 use crate::engine::paged::{
-    generate_paged, Chunk, GenParams, GraphMode, PagedConfig, PagedDecoder, PagedModel, Request,
-    SampleRow, DEFAULT_BLOCK_SIZE,
+    generate_paged, Chunk, Completion, GenParams, GraphMode, GraphStats, Limits, PagedDecoder,
+    PagedModel, PagedStats, Request, SampleRow, DEFAULT_BLOCK_SIZE,
 };
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
@@ -174,18 +174,34 @@ fn breakdown<B: Backend>(
     rows: usize,
     ctx: usize,
 ) -> Result<Vec<(String, f64)>> {
-    let cfg = dec.config().clone();
-    let bs = DEFAULT_BLOCK_SIZE;
-    let per = ctx.div_ceil(bs);
+    let per = ctx.div_ceil(DEFAULT_BLOCK_SIZE);
     let tables: Vec<Vec<u32>> = (0..rows)
         .map(|r| (0..per).map(|j| (r * per + j) as u32).collect())
         .collect();
-    let tokens = vec![1u32; rows];
     let sampling = SamplingParams {
         temperature: 1.0,
         top_k: -1,
         top_p: 1.0,
     };
+    let mut out = decode_steps(dec, ctx, &tables, &sampling)?;
+    let (b, cfg) = (dec.backend(), dec.config());
+    out.push(sample_op(b, cfg, rows, &sampling)?);
+    out.push(paged_attention(b, cfg, ctx, &tables)?);
+    out.extend(gemms(b, cfg, rows)?);
+    Ok(out)
+}
+
+/// A whole decode step of one sequence per table at context `ctx`, eager and (where the
+/// backend has them) replayed from a graph, and the replay alone.
+fn decode_steps<B: Backend>(
+    dec: &mut Decoder<B>,
+    ctx: usize,
+    tables: &[Vec<u32>],
+    sampling: &SamplingParams,
+) -> Result<Vec<(String, f64)>> {
+    let (rows, bs) = (tables.len(), DEFAULT_BLOCK_SIZE);
+    let per = ctx.div_ceil(bs);
+    let tokens = vec![1u32; rows];
     let mut out = Vec::new();
     let graphs = dec.backend().graphs_supported();
     for mode in [GraphMode::Eager, GraphMode::Graphs] {
@@ -210,11 +226,11 @@ fn breakdown<B: Backend>(
             .collect();
         // The first steps plan the GEMMs and capture the graph (at the bucket's third step).
         for _ in 0..3 {
-            engine.run_step(&chunks, &srows, &sampling)?;
+            engine.run_step(&chunks, &srows, sampling)?;
         }
         let t = Instant::now();
         for _ in 0..10 {
-            engine.run_step(&chunks, &srows, &sampling)?;
+            engine.run_step(&chunks, &srows, sampling)?;
         }
         let how = if mode == GraphMode::Graphs {
             "graph replay"
@@ -235,14 +251,23 @@ fn breakdown<B: Backend>(
             ));
         }
     }
-    let b = dec.backend();
-    let (v, d) = (cfg.vocab_size, cfg.hidden_size);
+    Ok(out)
+}
+
+/// The sampling op alone over `rows` rows of logits.
+fn sample_op<B: Backend>(
+    b: &B,
+    cfg: &Config,
+    rows: usize,
+    sampling: &SamplingParams,
+) -> Result<(String, f64)> {
+    let v = cfg.vocab_size;
     let logits = b.alloc(rows * v)?;
     let keys = b.alloc_idx(2 * rows)?;
     let pos = b.alloc_idx(rows)?;
     let mut toks = b.alloc_idx(rows)?;
     let mut lps = b.alloc(rows)?;
-    out.push((
+    Ok((
         format!("sample op [{rows} x {v}]"),
         ms(b, || {
             b.sample(
@@ -254,11 +279,22 @@ fn breakdown<B: Backend>(
                     keys: &keys,
                     positions: &pos,
                     rows,
-                    sampling: &sampling,
+                    sampling,
                 },
             )
         })?,
-    ));
+    ))
+}
+
+/// One layer's paged attention over the tables at context `ctx`.
+fn paged_attention<B: Backend>(
+    b: &B,
+    cfg: &Config,
+    ctx: usize,
+    tables: &[Vec<u32>],
+) -> Result<(String, f64)> {
+    let (rows, bs) = (tables.len(), DEFAULT_BLOCK_SIZE);
+    let per = ctx.div_ceil(bs);
     let cd = b.compute_dtype();
     let kvd = cfg.num_kv_heads * cfg.head_dim;
     let kc = b.alloc_as(rows * per * bs * kvd, cd)?;
@@ -279,7 +315,7 @@ fn breakdown<B: Backend>(
         block_size: bs,
         max_blocks: per,
     };
-    out.push((
+    Ok((
         "attention_paged, one layer".into(),
         ms(b, || {
             b.attention_paged(
@@ -294,7 +330,14 @@ fn breakdown<B: Backend>(
                 shape,
             )
         })?,
-    ));
+    ))
+}
+
+/// The step's GEMMs alone: LM head, MLP up, and the projections as they are and fused.
+fn gemms<B: Backend>(b: &B, cfg: &Config, rows: usize) -> Result<Vec<(String, f64)>> {
+    let (v, d) = (cfg.vocab_size, cfg.hidden_size);
+    let cd = b.compute_dtype();
+    let mut out = Vec::new();
     let x = b.alloc_as(rows * d, cd)?;
     let w = b.alloc_as(v * d, cd)?;
     // A GEMM of the step's rows from the hidden size to `n` outputs.
@@ -346,32 +389,10 @@ impl Job for Bench<'_> {
         let weights = random_weights(cfg, self.args.seed, 0.02);
         let mut dec = Decoder::new(backend, cfg, &weights)?;
         drop(weights);
-        let bs = DEFAULT_BLOCK_SIZE;
-        let params = param_count(cfg) as f64;
-        let esize = match dec.backend().compute_dtype() {
-            DType::F32 => 4.0,
-            DType::BF16 => 2.0,
-        };
-        let kv_per_pos = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim) as f64 * esize;
+        let roof = Roofline::new(cfg, dec.backend().compute_dtype());
         let mut out = Vec::new();
         // Warm-up: kernel compilation and the workspace, outside the timings.
-        let warm = Case {
-            name: "warm-up".into(),
-            requests: vec![Request {
-                prompt: vec![1; 16],
-                sample_keys: vec![1, 2],
-            }],
-            params: GenParams {
-                sampling: SamplingParams {
-                    temperature: 1.0,
-                    top_k: -1,
-                    top_p: 1.0,
-                },
-                max_new_tokens: 4,
-                stop_token_ids: vec![],
-                stop_strings: vec![],
-            },
-        };
+        let warm = warm_up();
         let graphs = dec.backend().graphs_supported();
         let reps = self.args.runs.max(1);
         let runs = self.args.modes.iter().flat_map(|&m| {
@@ -385,98 +406,11 @@ impl Job for Bench<'_> {
             if mode == StepMode::Graphs && !graphs {
                 continue;
             }
-            let samples: usize = case.requests.iter().map(|r| r.sample_keys.len()).sum();
-            let longest = case
-                .requests
-                .iter()
-                .map(|r| r.prompt.len())
-                .max()
-                .unwrap_or(1);
-            let seqs = self.args.max_num_seqs.min(samples);
-            // Enough blocks that every running sample fits at its longest (no preemption).
-            let num_blocks = seqs * ((longest + case.params.max_new_tokens).div_ceil(bs) + 1);
-            let pc = PagedConfig {
-                block_size: bs,
-                num_blocks,
-                max_num_seqs: self.args.max_num_seqs,
-                max_batched_tokens: self.args.max_batched_tokens,
-                overlap: !self.args.no_overlap,
-            };
-            let mut engine = PagedDecoder::new(&mut dec, num_blocks, bs)?;
-            if mode == StepMode::Graphs {
-                let width = (longest + case.params.max_new_tokens).div_ceil(bs);
-                engine.set_graphs(GraphMode::Graphs, seqs, width)?;
-            }
-            engine.decoder.backend().synchronize()?;
-            let plans0 = engine.decoder.backend().gemm_planning();
-            let t = Instant::now();
-            let mut timed = Timed {
-                inner: &mut engine,
-                split: StepSplit::default(),
-                queued: Default::default(),
-            };
-            let (done, stats) = generate_paged(
-                &mut timed,
-                &pc,
-                &case.requests,
-                &case.params,
-                None,
-                &mut |_| {},
-            )?;
-            let split = timed.split;
-            engine.decoder.backend().synchronize()?;
-            let seconds = t.elapsed().as_secs_f64();
-            let planning = match (plans0, engine.decoder.backend().gemm_planning()) {
-                (Some((n0, s0)), Some((n1, s1))) => (n1 - n0, s1 - s0),
-                _ => (0, 0.0),
-            };
-            let gs = engine.release_graphs()?;
-            drop(engine);
+            let timed = self.time_case(&mut dec, case, mode)?;
             if case.name == warm.name {
                 continue;
             }
-            // Roofline work: every step reads all weights; each generated token after the
-            // first reads the keys and values of its context; every token fed costs 2·params
-            // FLOPs plus 4·context·heads·head_dim per layer of attention.
-            let (mut kv_bytes, mut attn_flops, mut fed, mut new_tokens) = (0f64, 0f64, 0f64, 0);
-            let attn_per_pos = (4 * cfg.num_layers * cfg.num_heads * cfg.head_dim) as f64;
-            for (r, cs) in case.requests.iter().zip(&done) {
-                let p = r.prompt.len() as f64;
-                // The prompt is prefilled once for its samples.
-                attn_flops += attn_per_pos * p * (p + 1.0) / 2.0;
-                fed += p;
-                for c in cs {
-                    let l = c.tokens.len() as f64;
-                    new_tokens += c.tokens.len();
-                    // Decode steps feed tokens at positions p .. p+l−2, each reading ctx = pos+1.
-                    let ctx_sum = (l - 1.0).max(0.0) * p + (l - 1.0).max(0.0) * l / 2.0;
-                    kv_bytes += ctx_sum * kv_per_pos;
-                    attn_flops += ctx_sum * attn_per_pos;
-                    fed += (l - 1.0).max(0.0);
-                }
-            }
-            let bytes = stats.gen.decode_steps as f64 * params * esize + kv_bytes;
-            out.push(Measured {
-                name: case.name.clone(),
-                run,
-                mode: match mode {
-                    StepMode::Graphs => "graphs",
-                    StepMode::Eager => "eager",
-                },
-                replays: gs.replays,
-                captures: gs.captures,
-                capture_s: gs.capture_us as f64 * 1e-6,
-                drops: gs.drops,
-                samples,
-                new_tokens,
-                seconds,
-                steps: stats.gen.decode_steps,
-                preemptions: stats.preemptions,
-                bytes,
-                flops: 2.0 * params * fed + attn_flops,
-                split,
-                planning,
-            });
+            out.push(roof.measured(case, mode, run, timed));
         }
         let parts = breakdown(
             &mut dec,
@@ -484,6 +418,160 @@ impl Job for Bench<'_> {
             256,
         )?;
         Ok((out, bw, peak, name, parts))
+    }
+}
+
+/// The case that runs first in each mode, untimed: kernel compilation and the workspace.
+fn warm_up() -> Case {
+    Case {
+        name: "warm-up".into(),
+        requests: vec![Request {
+            prompt: vec![1; 16],
+            sample_keys: vec![1, 2],
+        }],
+        params: GenParams {
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_k: -1,
+                top_p: 1.0,
+            },
+            max_new_tokens: 4,
+            stop_token_ids: vec![],
+            stop_strings: vec![],
+        },
+    }
+}
+
+/// One run of a case: what it generated and how long it took.
+struct CaseRun {
+    done: Vec<Vec<Completion>>,
+    stats: PagedStats,
+    graphs: GraphStats,
+    seconds: f64,
+    split: StepSplit,
+    planning: (u64, f64),
+}
+
+impl Bench<'_> {
+    /// Generates `case` once with its decode steps run as `mode` says, on an engine sized for
+    /// it (a pool where every running sample fits at its longest: no preemption).
+    fn time_case<B: Backend>(
+        &self,
+        dec: &mut Decoder<B>,
+        case: &Case,
+        mode: StepMode,
+    ) -> Result<CaseRun> {
+        let limits = Limits {
+            max_num_seqs: self.args.max_num_seqs,
+            max_batched_tokens: self.args.max_batched_tokens,
+            gpu_memory_fraction: None,
+            graphs: mode == StepMode::Graphs,
+            overlap: !self.args.no_overlap,
+        };
+        let (mut engine, plan) = PagedDecoder::sized(dec, &case.requests, &case.params, &limits)?;
+        engine.decoder.backend().synchronize()?;
+        let plans0 = engine.decoder.backend().gemm_planning();
+        let t = Instant::now();
+        let mut timed = Timed {
+            inner: &mut engine,
+            split: StepSplit::default(),
+            queued: Default::default(),
+        };
+        let (done, stats) = generate_paged(
+            &mut timed,
+            &plan.config,
+            &case.requests,
+            &case.params,
+            None,
+            &mut |_| {},
+        )?;
+        let split = timed.split;
+        engine.decoder.backend().synchronize()?;
+        let seconds = t.elapsed().as_secs_f64();
+        let planning = match (plans0, engine.decoder.backend().gemm_planning()) {
+            (Some((n0, s0)), Some((n1, s1))) => (n1 - n0, s1 - s0),
+            _ => (0, 0.0),
+        };
+        let graphs = engine.release_graphs()?;
+        Ok(CaseRun {
+            done,
+            stats,
+            graphs,
+            seconds,
+            split,
+            planning,
+        })
+    }
+}
+
+/// What the roofline counts per unit of work for one model.
+struct Roofline {
+    params: f64,
+    /// Bytes of one element of the compute dtype.
+    esize: f64,
+    /// Bytes of the keys and values of one position over every layer.
+    kv_per_pos: f64,
+    /// Attention FLOPs per position of context over every layer.
+    attn_per_pos: f64,
+}
+
+impl Roofline {
+    fn new(cfg: &Config, dtype: DType) -> Roofline {
+        let esize = match dtype {
+            DType::F32 => 4.0,
+            DType::BF16 => 2.0,
+        };
+        Roofline {
+            params: param_count(cfg) as f64,
+            esize,
+            kv_per_pos: (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim) as f64 * esize,
+            attn_per_pos: (4 * cfg.num_layers * cfg.num_heads * cfg.head_dim) as f64,
+        }
+    }
+
+    /// A run's measurements with its roofline work: every step reads all weights; each
+    /// generated token after the first reads the keys and values of its context; every token
+    /// fed costs 2·params FLOPs plus 4·context·heads·head_dim per layer of attention.
+    fn measured(&self, case: &Case, mode: StepMode, run: usize, r: CaseRun) -> Measured {
+        let (mut kv_bytes, mut attn_flops, mut fed, mut new_tokens) = (0f64, 0f64, 0f64, 0);
+        for (req, cs) in case.requests.iter().zip(&r.done) {
+            let p = req.prompt.len() as f64;
+            // The prompt is prefilled once for its samples.
+            attn_flops += self.attn_per_pos * p * (p + 1.0) / 2.0;
+            fed += p;
+            for c in cs {
+                let l = c.tokens.len() as f64;
+                new_tokens += c.tokens.len();
+                // Decode steps feed tokens at positions p .. p+l−2, each reading ctx = pos+1.
+                let ctx_sum = (l - 1.0).max(0.0) * p + (l - 1.0).max(0.0) * l / 2.0;
+                kv_bytes += ctx_sum * self.kv_per_pos;
+                attn_flops += ctx_sum * self.attn_per_pos;
+                fed += (l - 1.0).max(0.0);
+            }
+        }
+        let bytes = r.stats.gen.decode_steps as f64 * self.params * self.esize + kv_bytes;
+        let gs = r.graphs;
+        Measured {
+            name: case.name.clone(),
+            run,
+            mode: match mode {
+                StepMode::Graphs => "graphs",
+                StepMode::Eager => "eager",
+            },
+            replays: gs.replays,
+            captures: gs.captures,
+            capture_s: gs.capture_us as f64 * 1e-6,
+            drops: gs.drops,
+            samples: case.requests.iter().map(|r| r.sample_keys.len()).sum(),
+            new_tokens,
+            seconds: r.seconds,
+            steps: r.stats.gen.decode_steps,
+            preemptions: r.stats.preemptions,
+            bytes,
+            flops: 2.0 * self.params * fed + attn_flops,
+            split: r.split,
+            planning: r.planning,
+        }
     }
 }
 
@@ -577,7 +665,18 @@ fn random_prompt(len: usize, vocab: usize, key: u64) -> Vec<u32> {
 
 pub fn run(args: RolloutBenchArgs) -> Result<()> {
     let cfg = shape(&args.model)?;
-    let vocab = cfg.vocab_size;
+    let bench = Bench {
+        args: &args,
+        cfg: cfg.clone(),
+        cases: cases(&args, cfg.vocab_size)?,
+    };
+    let (rows, bw, peak, device, parts) = on_device(args.device, bench)?;
+    print_report(&args, &rows, (bw, peak), &device, &parts);
+    Ok(())
+}
+
+/// The cases the flags ask for: the forced-length batches, then the GRPO-shaped one.
+fn cases(args: &RolloutBenchArgs, vocab: usize) -> Result<Vec<Case>> {
     let sampling = SamplingParams {
         temperature: 1.0,
         top_k: -1,
@@ -610,113 +709,61 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
         });
     }
     if !args.skip_grpo {
-        let [prompts, n, mean_len, max_new] = args.grpo[..] else {
-            anyhow::bail!("--grpo takes 4 numbers: prompts, n, mean prompt tokens, max new tokens");
-        };
-        let requests = (0..prompts)
-            .map(|i| {
-                let key = args.seed.wrapping_add(1_000_003 * (i as u64 + 1));
-                // Prompt lengths uniform in mean ± 20%.
-                let spread = (mean_len / 5).max(1);
-                let len =
-                    mean_len - spread + (uniform(key, u64::MAX) * (2 * spread) as f64) as usize;
-                let prompt = random_prompt(len.max(1), vocab, key);
-                let keys = (0..n as u64)
-                    .map(|s| sample_key(args.seed, &prompt, i as u64, s))
-                    .collect();
-                Request {
-                    prompt,
-                    sample_keys: keys,
-                }
-            })
-            .collect();
-        // Random stops: one id in 300 ends a sample (near-uniform random-weight logits: a mean
-        // length of ~250 of the 512 allowed).
-        let stop_token_ids = (0..vocab as u32).filter(|t| t % 300 == 7).collect();
-        cases.push(Case {
-            name: format!("GRPO {prompts} x n={n}, prompt ~{mean_len}, <= {max_new} new"),
-            requests,
-            params: GenParams {
-                sampling,
-                max_new_tokens: max_new,
-                stop_token_ids,
-                stop_strings: vec![],
-            },
-        });
+        cases.push(grpo_case(args, vocab, sampling)?);
     }
-    let bench = Bench {
-        args: &args,
-        cfg: cfg.clone(),
-        cases,
+    Ok(cases)
+}
+
+/// The GRPO-shaped case: prompts of random lengths around the mean, n samples each, random
+/// stops.
+fn grpo_case(args: &RolloutBenchArgs, vocab: usize, sampling: SamplingParams) -> Result<Case> {
+    let [prompts, n, mean_len, max_new] = args.grpo[..] else {
+        anyhow::bail!("--grpo takes 4 numbers: prompts, n, mean prompt tokens, max new tokens");
     };
-    let (rows, bw, peak, device, parts) = on_device(args.device, bench)?;
-    for (what, t) in &parts {
+    let requests = (0..prompts)
+        .map(|i| {
+            let key = args.seed.wrapping_add(1_000_003 * (i as u64 + 1));
+            // Prompt lengths uniform in mean ± 20%.
+            let spread = (mean_len / 5).max(1);
+            let len = mean_len - spread + (uniform(key, u64::MAX) * (2 * spread) as f64) as usize;
+            let prompt = random_prompt(len.max(1), vocab, key);
+            let keys = (0..n as u64)
+                .map(|s| sample_key(args.seed, &prompt, i as u64, s))
+                .collect();
+            Request {
+                prompt,
+                sample_keys: keys,
+            }
+        })
+        .collect();
+    // Random stops: one id in 300 ends a sample (near-uniform random-weight logits: a mean
+    // length of ~250 of the 512 allowed).
+    let stop_token_ids = (0..vocab as u32).filter(|t| t % 300 == 7).collect();
+    Ok(Case {
+        name: format!("GRPO {prompts} x n={n}, prompt ~{mean_len}, <= {max_new} new"),
+        requests,
+        params: GenParams {
+            sampling,
+            max_new_tokens: max_new,
+            stop_token_ids,
+            stop_strings: vec![],
+        },
+    })
+}
+
+/// Prints the breakdown and the table of runs, and writes the JSON report.
+fn print_report(
+    args: &RolloutBenchArgs,
+    rows: &[Measured],
+    (bw, peak): (f64, f64),
+    device: &str,
+    parts: &[(String, f64)],
+) {
+    for (what, t) in parts {
         println!("{what:>48}: {t:8.3} ms");
     }
-    let mut table = Vec::new();
-    let mut js = Vec::new();
-    for m in &rows {
-        let tps = m.new_tokens as f64 / m.seconds;
-        let bw_frac = m.bytes / m.seconds / bw;
-        let fl_frac = m.flops / m.seconds / peak;
-        table.push(vec![
-            m.name.clone(),
-            m.mode.into(),
-            m.run.to_string(),
-            m.samples.to_string(),
-            m.new_tokens.to_string(),
-            format!("{:.2}", m.seconds),
-            format!("{tps:.0}"),
-            m.steps.to_string(),
-            format!("{:.0}", m.bytes / m.steps.max(1) as f64 / 1e6),
-            format!("{:.1}%", 100.0 * bw_frac),
-            format!("{:.1}%", 100.0 * fl_frac),
-            m.preemptions.to_string(),
-            format!(
-                "{}/{} ({:.0} ms, {} drops)",
-                m.replays,
-                m.captures,
-                1e3 * m.capture_s,
-                m.drops
-            ),
-            format!(
-                "{:.0} / {:.0}",
-                1e3 * m.split.decode_s,
-                1e3 * m.split.other_s
-            ),
-            format!(
-                "{:.2}",
-                1e3 * m.split.decode_s / m.split.decode_steps.max(1) as f64
-            ),
-            format!("{} ({:.0} ms)", m.planning.0, 1e3 * m.planning.1),
-        ]);
-        js.push(json!({
-            "case": m.name,
-            "run": m.run,
-            "samples": m.samples,
-            "new_tokens": m.new_tokens,
-            "seconds": m.seconds,
-            "tokens_per_s": tps,
-            "steps": m.steps,
-            "roofline_bytes": m.bytes,
-            "bandwidth_fraction": bw_frac,
-            "flops": m.flops,
-            "gemm_peak_fraction": fl_frac,
-            "preemptions": m.preemptions,
-            "mode": m.mode,
-            "graph_replays": m.replays,
-            "graph_captures": m.captures,
-            "graph_capture_s": m.capture_s,
-            "graph_drops": m.drops,
-            "decode_steps_s": m.split.decode_s,
-            "decode_steps": m.split.decode_steps,
-            "other_steps_s": m.split.other_s,
-            "other_steps": m.split.other_steps,
-            "slowest_decode_step_s": m.split.slowest_decode_s,
-            "gemm_plans": m.planning.0,
-            "gemm_planning_s": m.planning.1,
-        }));
-    }
+    let (table, js): (Vec<Vec<String>>, Vec<serde_json::Value>) =
+        rows.iter().map(|m| run_row(m, bw, peak)).unzip();
     report(
         &format!(
             "bench rollout ({}, {device}; measured copy {:.0} GB/s, bf16 GEMM {:.1} TFLOP/s)",
@@ -753,5 +800,69 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
             "decode_step_breakdown_ms": parts.iter().map(|(w, t)| json!({"part": w, "ms": t})).collect::<Vec<_>>(),
         }),
     );
-    Ok(())
+}
+
+/// A run's row of the table and its JSON record.
+fn run_row(m: &Measured, bw: f64, peak: f64) -> (Vec<String>, serde_json::Value) {
+    let tps = m.new_tokens as f64 / m.seconds;
+    let bw_frac = m.bytes / m.seconds / bw;
+    let fl_frac = m.flops / m.seconds / peak;
+    let row = vec![
+        m.name.clone(),
+        m.mode.into(),
+        m.run.to_string(),
+        m.samples.to_string(),
+        m.new_tokens.to_string(),
+        format!("{:.2}", m.seconds),
+        format!("{tps:.0}"),
+        m.steps.to_string(),
+        format!("{:.0}", m.bytes / m.steps.max(1) as f64 / 1e6),
+        format!("{:.1}%", 100.0 * bw_frac),
+        format!("{:.1}%", 100.0 * fl_frac),
+        m.preemptions.to_string(),
+        format!(
+            "{}/{} ({:.0} ms, {} drops)",
+            m.replays,
+            m.captures,
+            1e3 * m.capture_s,
+            m.drops
+        ),
+        format!(
+            "{:.0} / {:.0}",
+            1e3 * m.split.decode_s,
+            1e3 * m.split.other_s
+        ),
+        format!(
+            "{:.2}",
+            1e3 * m.split.decode_s / m.split.decode_steps.max(1) as f64
+        ),
+        format!("{} ({:.0} ms)", m.planning.0, 1e3 * m.planning.1),
+    ];
+    let js = json!({
+        "case": m.name,
+        "run": m.run,
+        "samples": m.samples,
+        "new_tokens": m.new_tokens,
+        "seconds": m.seconds,
+        "tokens_per_s": tps,
+        "steps": m.steps,
+        "roofline_bytes": m.bytes,
+        "bandwidth_fraction": bw_frac,
+        "flops": m.flops,
+        "gemm_peak_fraction": fl_frac,
+        "preemptions": m.preemptions,
+        "mode": m.mode,
+        "graph_replays": m.replays,
+        "graph_captures": m.captures,
+        "graph_capture_s": m.capture_s,
+        "graph_drops": m.drops,
+        "decode_steps_s": m.split.decode_s,
+        "decode_steps": m.split.decode_steps,
+        "other_steps_s": m.split.other_s,
+        "other_steps": m.split.other_steps,
+        "slowest_decode_step_s": m.split.slowest_decode_s,
+        "gemm_plans": m.planning.0,
+        "gemm_planning_s": m.planning.1,
+    });
+    (row, js)
 }

@@ -115,109 +115,32 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
     let t0 = Instant::now();
     a.check()?;
     let est = adv::estimator(&a.estimator).expect("clap checked the name");
-    let mut ctrl = KlController {
-        beta: a.kl_coef,
-        ctrl: match a.kl_ctrl {
-            Ctrl::Fixed => KlCtrl::Fixed,
-            Ctrl::Adaptive => KlCtrl::Adaptive {
-                target: a.kl_target,
-                horizon: a.kl_horizon,
-            },
-        },
-    };
-    let adaptive = a.kl_in_reward && a.kl_ctrl == Ctrl::Adaptive;
-    let state = match (&a.kl_state, adaptive) {
-        (Some(p), true) => KlState::load(p)?,
-        _ => None,
-    };
-    if let Some(s) = &state {
-        ctrl.beta = s.beta;
-    }
-
-    let batch = Batch::read(&a.input, &[])?;
-    batch.require_rows()?;
-    need(
-        &batch,
-        schema::RESPONSE_MASK,
-        "every estimator needs the mask of model tokens (written by rollout)",
-    )?;
-    need(
-        &batch,
-        schema::SCORE,
-        "every estimator needs the sequence score; run `score` first",
-    )?;
-    for (col, why) in est.needs {
-        need(
-            &batch,
-            col,
-            &format!("--estimator {} needs it ({why})", est.name),
-        )?;
-    }
-    if a.kl_in_reward {
-        need(
-            &batch,
-            schema::OLD_LOGPROBS,
-            "--kl-in-reward needs it; run `ref-logprob --column old_logprobs` with the policy first",
-        )?;
-        need(
-            &batch,
-            schema::REF_LOGPROBS,
-            "--kl-in-reward needs it; run `ref-logprob --column ref_logprobs` with the reference model first",
-        )?;
-    }
-    let mask = batch.ragged_u8(schema::RESPONSE_MASK)?;
-    let scores = batch.f32s(schema::SCORE)?;
-    // What the estimator reads besides mask and score comes from its registry entry.
-    let needs = |col: &str| est.needs.iter().any(|(c, _)| *c == col);
-    let groups = match needs(schema::PROMPT_UID) {
-        true => Some(Groups::from_keys(&batch.strings(schema::PROMPT_UID)?)),
-        false => None,
-    };
-    let values = match needs(schema::VALUES) {
-        true => Some(batch.ragged_f32(schema::VALUES)?),
-        false => None,
-    };
-    let baseline = match needs(schema::BASELINE_SCORE) {
-        true => Some(batch.f32s(schema::BASELINE_SCORE)?),
-        false => None,
-    };
-    let kl_cols = match a.kl_in_reward {
-        true => Some((
-            batch.ragged_f32(schema::OLD_LOGPROBS)?,
-            batch.ragged_f32(schema::REF_LOGPROBS)?,
-        )),
-        false => None,
-    };
-    if let Some(v) = &values {
-        aligned(&batch, schema::VALUES, v, &mask)?;
-    }
-    if let Some((old, r)) = &kl_cols {
-        aligned(&batch, schema::OLD_LOGPROBS, old, &mask)?;
-        aligned(&batch, schema::REF_LOGPROBS, r, &mask)?;
-    }
+    let (mut ctrl, state) = a.controller()?;
+    let inp = Inputs::read(a, est)?;
     let t_read = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
+    let mask = &inp.mask;
     let offsets = &mask.offsets;
-    let kl = kl_cols.as_ref().map(|(old, r)| KlInReward {
+    let kl = inp.kl_cols.as_ref().map(|(old, r)| KlInReward {
         old: &old.values,
         ref_lp: &r.values,
         penalty: a.kl_penalty,
         beta: ctrl.beta,
     });
-    let rewards = adv::token_rewards(offsets, &mask.values, &scores, kl.as_ref());
+    let rewards = adv::token_rewards(offsets, &mask.values, &inp.scores, kl.as_ref());
     let beta_used = ctrl.beta;
     if let Some(current_kl) = rewards.kl {
-        ctrl.update(current_kl, batch.num_rows());
+        ctrl.update(current_kl, inp.batch.num_rows());
     }
     let input = AdvInput {
         offsets,
         mask: &mask.values,
         token_rewards: &rewards.token_rewards,
         outcome: &rewards.outcome,
-        groups: groups.as_ref(),
-        values: values.as_ref().map(|v| &v.values[..]),
-        baseline: baseline.as_deref(),
+        groups: inp.groups.as_ref(),
+        values: inp.values.as_ref().map(|v| &v.values[..]),
+        baseline: inp.baseline.as_deref(),
     };
     let params = AdvParams {
         gamma: a.gamma,
@@ -226,9 +149,14 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
         epsilon: a.epsilon,
     };
     let out = (est.run)(&input, &params)?;
-    let adv_stats = adv::masked_stats(&mask.values, &out.advantages);
-    let ret_stats = adv::masked_stats(&mask.values, &out.returns);
-    let score_mean = scores.iter().map(|&s| s as f64).sum::<f64>() / scores.len() as f64;
+    let stats = Stats {
+        adv: adv::masked_stats(&mask.values, &out.advantages),
+        ret: adv::masked_stats(&mask.values, &out.returns),
+        score_mean: inp.scores.iter().map(|&s| s as f64).sum::<f64>() / inp.scores.len() as f64,
+        kl: rewards.kl,
+        beta_used,
+        beta_next: ctrl.beta,
+    };
     let t_compute = t1.elapsed().as_secs_f64();
 
     let t2 = Instant::now();
@@ -245,27 +173,16 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
         schema::RETURNS,
         list_array::<Float32Type>(offsets, out.returns),
     );
-    let params_json = serde_json::json!({
-        "estimator": est.name,
-        "gamma": a.gamma,
-        "lam": a.lam,
-        "norm_by_std": a.norm_by_std,
-        "epsilon": a.epsilon,
-        "kl_in_reward": a.kl_in_reward,
-        "kl_penalty": a.kl_in_reward.then(|| a.kl_penalty.to_string()),
-        "kl_ctrl": a.kl_in_reward.then(|| format!("{:?}", a.kl_ctrl).to_lowercase()),
-        "kl_beta": a.kl_in_reward.then_some(beta_used),
-    });
     let info = StageInfo {
         stage: "advantage",
-        params: params_json,
+        params: a.params_json(est, beta_used),
         policy_version: None,
         step: None,
     };
-    batch.write_derived(&a.out, cols, &info)?;
+    inp.batch.write_derived(&a.out, cols, &info)?;
     // The output is in place before β moves, so a crash in between leaves a step that re-runs
     // with the same β.
-    if let (Some(path), true) = (&a.kl_state, adaptive) {
+    if let (Some(path), true) = (&a.kl_state, a.adaptive()) {
         KlState {
             beta: ctrl.beta,
             updates: state.as_ref().map_or(0, |s| s.updates) + 1,
@@ -275,16 +192,166 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
         .save(path)?;
     }
     let t_write = t2.elapsed().as_secs_f64();
-    let total = t0.elapsed().as_secs_f64();
+    let times = [t_read, t_compute, t_write, t0.elapsed().as_secs_f64()];
+    report(a, est.name, &inp, &stats, times)
+}
 
-    let rows = batch.num_rows();
+/// The columns the estimator reads, checked against the mask.
+struct Inputs {
+    batch: Batch,
+    mask: Ragged<'static, u8>,
+    scores: Vec<f32>,
+    groups: Option<Groups>,
+    values: Option<Ragged<'static, f32>>,
+    baseline: Option<Vec<f32>>,
+    /// (old, ref) log-probs, with --kl-in-reward.
+    kl_cols: Option<(Ragged<'static, f32>, Ragged<'static, f32>)>,
+}
+
+impl Inputs {
+    /// Reads the batch and the columns `est` and the options need; a missing one is an error
+    /// that says which stage writes it.
+    fn read(a: &AdvantageArgs, est: &adv::Estimator) -> Result<Inputs> {
+        let batch = Batch::read(&a.input, &[])?;
+        batch.require_rows()?;
+        need(
+            &batch,
+            schema::RESPONSE_MASK,
+            "every estimator needs the mask of model tokens (written by rollout)",
+        )?;
+        need(
+            &batch,
+            schema::SCORE,
+            "every estimator needs the sequence score; run `score` first",
+        )?;
+        for (col, why) in est.needs {
+            need(
+                &batch,
+                col,
+                &format!("--estimator {} needs it ({why})", est.name),
+            )?;
+        }
+        if a.kl_in_reward {
+            need(
+                &batch,
+                schema::OLD_LOGPROBS,
+                "--kl-in-reward needs it; run `ref-logprob --column old_logprobs` with the policy first",
+            )?;
+            need(
+                &batch,
+                schema::REF_LOGPROBS,
+                "--kl-in-reward needs it; run `ref-logprob --column ref_logprobs` with the reference model first",
+            )?;
+        }
+        let mask = batch.ragged_u8(schema::RESPONSE_MASK)?;
+        let scores = batch.f32s(schema::SCORE)?;
+        // What the estimator reads besides mask and score comes from its registry entry.
+        let needs = |col: &str| est.needs.iter().any(|(c, _)| *c == col);
+        let groups = match needs(schema::PROMPT_UID) {
+            true => Some(Groups::from_keys(&batch.strings(schema::PROMPT_UID)?)),
+            false => None,
+        };
+        let values = match needs(schema::VALUES) {
+            true => Some(batch.ragged_f32(schema::VALUES)?),
+            false => None,
+        };
+        let baseline = match needs(schema::BASELINE_SCORE) {
+            true => Some(batch.f32s(schema::BASELINE_SCORE)?),
+            false => None,
+        };
+        let kl_cols = match a.kl_in_reward {
+            true => Some((
+                batch.ragged_f32(schema::OLD_LOGPROBS)?,
+                batch.ragged_f32(schema::REF_LOGPROBS)?,
+            )),
+            false => None,
+        };
+        if let Some(v) = &values {
+            aligned(&batch, schema::VALUES, v, &mask)?;
+        }
+        if let Some((old, r)) = &kl_cols {
+            aligned(&batch, schema::OLD_LOGPROBS, old, &mask)?;
+            aligned(&batch, schema::REF_LOGPROBS, r, &mask)?;
+        }
+        Ok(Inputs {
+            batch,
+            mask,
+            scores,
+            groups,
+            values,
+            baseline,
+            kl_cols,
+        })
+    }
+}
+
+/// What the metrics and the log report of the result.
+struct Stats {
+    adv: adv::MaskedStats,
+    ret: adv::MaskedStats,
+    score_mean: f64,
+    kl: Option<f64>,
+    beta_used: f64,
+    beta_next: f64,
+}
+
+impl AdvantageArgs {
+    /// β moves between steps (the adaptive controller, with a KL term in the reward).
+    fn adaptive(&self) -> bool {
+        self.kl_in_reward && self.kl_ctrl == Ctrl::Adaptive
+    }
+
+    /// The KL controller, with β from --kl-state when adaptive (and the state read).
+    fn controller(&self) -> Result<(KlController, Option<KlState>)> {
+        let mut ctrl = KlController {
+            beta: self.kl_coef,
+            ctrl: match self.kl_ctrl {
+                Ctrl::Fixed => KlCtrl::Fixed,
+                Ctrl::Adaptive => KlCtrl::Adaptive {
+                    target: self.kl_target,
+                    horizon: self.kl_horizon,
+                },
+            },
+        };
+        let state = match (&self.kl_state, self.adaptive()) {
+            (Some(p), true) => KlState::load(p)?,
+            _ => None,
+        };
+        if let Some(s) = &state {
+            ctrl.beta = s.beta;
+        }
+        Ok((ctrl, state))
+    }
+
+    /// The parameters recorded in the output's metadata (β as used on this batch).
+    fn params_json(&self, est: &adv::Estimator, beta_used: f64) -> serde_json::Value {
+        serde_json::json!({
+            "estimator": est.name,
+            "gamma": self.gamma,
+            "lam": self.lam,
+            "norm_by_std": self.norm_by_std,
+            "epsilon": self.epsilon,
+            "kl_in_reward": self.kl_in_reward,
+            "kl_penalty": self.kl_in_reward.then(|| self.kl_penalty.to_string()),
+            "kl_ctrl": self.kl_in_reward.then(|| format!("{:?}", self.kl_ctrl).to_lowercase()),
+            "kl_beta": self.kl_in_reward.then_some(beta_used),
+        })
+    }
+}
+
+/// Logs the result and writes the metrics; `times` are the read, compute, write and total
+/// seconds.
+fn report(a: &AdvantageArgs, name: &str, inp: &Inputs, s: &Stats, times: [f64; 4]) -> Result<()> {
+    let [t_read, t_compute, t_write, total] = times;
+    let (rows, tokens) = (inp.batch.num_rows(), inp.mask.values.len());
+    let (adv_stats, ret_stats, beta_used) = (&s.adv, &s.ret, s.beta_used);
     let metrics = serde_json::json!({
         "stage": "advantage",
-        "estimator": est.name,
+        "estimator": name,
         "rows": rows,
-        "tokens": mask.values.len(),
+        "tokens": tokens,
         "valid_tokens": adv_stats.count,
-        "score_mean": score_mean,
+        "score_mean": s.score_mean,
         "advantage_mean": adv_stats.mean,
         "advantage_std": adv_stats.std,
         "advantage_min": adv_stats.min,
@@ -293,27 +360,27 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
         "returns_std": ret_stats.std,
         "returns_min": ret_stats.min,
         "returns_max": ret_stats.max,
-        "kl": rewards.kl,
+        "kl": s.kl,
         "kl_beta": a.kl_in_reward.then_some(beta_used),
-        "kl_beta_next": a.kl_in_reward.then_some(ctrl.beta),
+        "kl_beta_next": a.kl_in_reward.then_some(s.beta_next),
         "read_s": t_read,
         "compute_s": t_compute,
         "write_s": t_write,
         "total_s": total,
         "rows_per_s": rows as f64 / total,
-        "tokens_per_s": mask.values.len() as f64 / total,
+        "tokens_per_s": tokens as f64 / total,
     });
     eprintln!(
         "advantage {}: {rows} rows, {} tokens; advantage mean {:.4} std {:.4} min {:.4} max {:.4}{}; \
          {:.0} rows/s (read {t_read:.2}s, compute {t_compute:.2}s, write {t_write:.2}s)",
-        est.name,
-        mask.values.len(),
+        name,
+        tokens,
         adv_stats.mean,
         adv_stats.std,
         adv_stats.min,
         adv_stats.max,
-        match rewards.kl {
-            Some(k) => format!("; kl {k:.5} beta {beta_used:.6} -> {:.6}", ctrl.beta),
+        match s.kl {
+            Some(k) => format!("; kl {k:.5} beta {beta_used:.6} -> {:.6}", s.beta_next),
             None => String::new(),
         },
         rows as f64 / total,

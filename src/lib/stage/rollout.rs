@@ -11,7 +11,7 @@
 
 use super::common::{
     at_least, gather_results, my_block, negative_numbers, range, resolve_model, writes_files,
-    Device,
+    Device, ModelRef,
 };
 use super::{load_policy, Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
@@ -22,8 +22,8 @@ use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
 use crate::engine::paged::{
-    generate_paged, pool_blocks, Completion, Detokenize, FinishReason, GenParams, GraphMode,
-    GraphStats, PagedConfig, PagedDecoder, PagedStats, Request, DEFAULT_BLOCK_SIZE,
+    generate_paged, Completion, Detokenize, FinishReason, GenParams, GraphStats, Limits,
+    PagedDecoder, PagedStats, Request,
 };
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
@@ -281,11 +281,7 @@ pub struct Generate<'a> {
     params: &'a GenParams,
     detok: Detokenize<'a>,
     bar: &'a ProgressBar,
-    max_num_seqs: usize,
-    max_batched_tokens: usize,
-    gpu_memory_fraction: f64,
-    cuda_graphs: bool,
-    overlap: bool,
+    limits: Limits,
 }
 
 /// What a generation did, for the metrics.
@@ -479,40 +475,12 @@ impl Job for Generate<'_> {
 impl Generate<'_> {
     /// Generates with a policy already loaded (the load time it reports is 0).
     pub fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {
-        let bs = DEFAULT_BLOCK_SIZE;
-        let samples: usize = self.requests.iter().map(|r| r.sample_keys.len()).sum();
-        let seqs = self.max_num_seqs.min(samples).max(1);
-        let longest = self
-            .requests
-            .iter()
-            .map(|r| r.prompt.len())
-            .max()
-            .unwrap_or(1);
-        let prompt_tokens: usize = self.requests.iter().map(|r| r.prompt.len()).sum();
-        // Every running sample at full length, plus a partial prompt block copy each.
-        let cap = seqs * ((longest + self.params.max_new_tokens).div_ceil(bs) + 1);
-        // The workspace of the largest step first, so the pool is sized from what is left.
-        let most = prompt_tokens + seqs * (self.params.max_new_tokens + 1);
-        policy.reserve_paged(self.max_batched_tokens.min(most), seqs)?;
-        let free = policy.backend().device_memory()?.map(|(f, _)| f);
-        let block_bytes = PagedDecoder::block_bytes(policy, bs);
-        let num_blocks = pool_blocks(free, self.gpu_memory_fraction, block_bytes, cap).max(1);
-        let cfg = PagedConfig {
-            block_size: bs,
-            num_blocks,
-            max_num_seqs: self.max_num_seqs,
-            max_batched_tokens: self.max_batched_tokens,
-            overlap: self.overlap,
-        };
-        let mut engine = PagedDecoder::new(policy, num_blocks, bs)?;
-        if self.cuda_graphs {
-            let width = (longest + self.params.max_new_tokens).div_ceil(bs);
-            engine.set_graphs(GraphMode::Graphs, seqs, width)?;
-        }
+        let (mut engine, plan) =
+            PagedDecoder::sized(policy, self.requests, self.params, &self.limits)?;
         let gen_started = Instant::now();
         let (completions, stats) = generate_paged(
             &mut engine,
-            &cfg,
+            &plan.config,
             self.requests,
             self.params,
             Some(self.detok),
@@ -531,7 +499,7 @@ impl Generate<'_> {
             stats,
             load_s: 0.0,
             gen_s,
-            kv_pool_bytes: num_blocks * block_bytes,
+            kv_pool_bytes: plan.kv_pool_bytes(),
             free_with_pool,
             free_after_release,
             graphs,
@@ -556,6 +524,38 @@ impl RolloutArgs {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
+        }
+    }
+
+    /// What to generate: the sampling, the length, the stop ids (the model's EOS ids `eos`
+    /// unless --ignore-eos, then --stop-token-ids) and the stop strings.
+    fn gen_params(&self, sampling: SamplingParams, eos: &[u32]) -> GenParams {
+        let mut stop_ids = if self.ignore_eos {
+            vec![]
+        } else {
+            eos.to_vec()
+        };
+        for &t in &self.stop_token_ids {
+            if !stop_ids.contains(&t) {
+                stop_ids.push(t);
+            }
+        }
+        GenParams {
+            sampling,
+            max_new_tokens: self.max_new_tokens,
+            stop_token_ids: stop_ids,
+            stop_strings: self.stop.clone(),
+        }
+    }
+
+    /// What the engine may take.
+    fn limits(&self) -> Limits {
+        Limits {
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            gpu_memory_fraction: Some(self.gpu_memory_fraction),
+            graphs: !self.no_cuda_graphs,
+            overlap: !self.no_overlap,
         }
     }
 
@@ -612,47 +612,11 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
             truncate: args.truncate,
         },
     )?;
-
-    // Random keys: a repeated prompt is told apart by its occurrence number.
-    let mut seen: HashMap<&[u32], u64> = HashMap::new();
-    let mut prompt_uids = Vec::with_capacity(n_prompts);
-    let mut requests = Vec::with_capacity(n_prompts);
-    for ids in &prompts {
-        let occ = seen.entry(ids).or_insert(0);
-        let keys: Vec<u64> = (0..args.n as u64)
-            .map(|s| sample_key(args.seed, ids, *occ, s))
-            .collect();
-        prompt_uids.push(format!(
-            "{:016x}",
-            sample_key(args.seed, ids, *occ, u64::MAX)
-        ));
-        *occ += 1;
-        requests.push(Request {
-            prompt: ids.clone(),
-            sample_keys: keys,
-        });
-    }
-
-    let mut stop_ids = if args.ignore_eos {
-        vec![]
-    } else {
-        cfg.eos_token_ids.clone()
-    };
-    for &t in &args.stop_token_ids {
-        if !stop_ids.contains(&t) {
-            stop_ids.push(t);
-        }
-    }
-    let params = GenParams {
-        sampling,
-        max_new_tokens: args.max_new_tokens,
-        stop_token_ids: stop_ids.clone(),
-        stop_strings: args.stop.clone(),
-    };
+    let (prompt_uids, requests) = keyed_requests(&prompts, args.n, args.seed);
+    let params = args.gen_params(sampling, &cfg.eos_token_ids);
 
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
-    let total = n_prompts * args.n;
     // This process's prompts (all of them alone, its block among several ranks).
     let block = my_block(exec, n_prompts);
     let bar = exec.progress_bar(block.len() * args.n, "rollout");
@@ -662,11 +626,7 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         params: &params,
         detok: &detok,
         bar: &bar,
-        max_num_seqs: args.max_num_seqs,
-        max_batched_tokens: args.max_batched_tokens,
-        gpu_memory_fraction: args.gpu_memory_fraction,
-        cuda_graphs: !args.no_cuda_graphs,
-        overlap: !args.no_overlap,
+        limits: args.limits(),
     };
     let generated = match block.is_empty() {
         // A rank with no prompt (fewer prompts than ranks) loads nothing.
@@ -683,149 +643,256 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         return Ok(());
     };
     let ranks = parts.len();
-    let Generated {
-        completions,
-        stats,
-        load_s: loaded_s,
-        gen_s,
-        kv_pool_bytes,
-        free_with_pool,
-        free_after_release,
-        graphs,
-        batch_invariant,
-    } = match ranks {
+    let generated = match ranks {
         1 => parts.pop().expect("one part"),
         _ => Generated::merge(parts),
     };
 
-    // One row per sample, the n samples of a prompt side by side.
-    let prompt_rows: Vec<usize> = (0..n_prompts).collect();
-    let take = repeat_each(&prompt_rows, args.n);
-    let mut uids = Vec::with_capacity(total);
-    let mut puids = Vec::with_capacity(total);
-    let (mut p_off, mut p_ids) = (vec![0usize], Vec::new());
-    let (mut r_off, mut r_ids, mut lps) = (vec![0usize], Vec::new(), Vec::new());
-    let mut texts = Vec::with_capacity(total);
-    let mut reasons = Vec::with_capacity(total);
-    for (i, samples) in completions.iter().enumerate() {
-        for (j, c) in samples.iter().enumerate() {
-            uids.push(format!("{}-{j}", prompt_uids[i]));
-            puids.push(prompt_uids[i].clone());
-            p_ids.extend(prompts[i].iter().map(|&t| t as i32));
-            p_off.push(p_ids.len());
-            r_ids.extend(c.tokens.iter().map(|&t| t as i32));
-            lps.extend_from_slice(&c.logprobs);
-            r_off.push(r_ids.len());
-            texts.push(c.text.clone());
-            reasons.push(c.finish.as_str());
-        }
-    }
-    let response_tokens = r_ids.len();
-    let n_stop = reasons.iter().filter(|r| **r == "stop").count();
-    let mut cols = sequence_columns(
-        uids,
-        puids,
-        dataset.take_columns(&take)?,
-        (&p_off, p_ids),
-        (&r_off, r_ids),
-        texts,
-    );
-    cols.extend([
-        (
-            schema::field(schema::FINISH_REASON),
-            Arc::new(StringArray::from(reasons)) as ArrayRef,
-        ),
-        (
-            schema::field(schema::ROLLOUT_LOGPROBS),
-            list_array::<Float32Type>(&r_off, lps),
-        ),
-    ]);
-    let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
-    let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays)?;
-    let info = StageInfo {
-        stage: "rollout",
-        params: json!({
-            "model": model.dir.display().to_string(),
-            "input": args.input.display().to_string(),
-            "n": args.n,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k,
-            "max_new_tokens": args.max_new_tokens,
-            "max_prompt_tokens": args.max_prompt_tokens,
-            "seed": args.seed,
-            "limit": args.limit,
-            "raw_prompt": args.raw_prompt,
-            "truncate": format!("{:?}", args.truncate).to_lowercase(),
-            "stop": args.stop,
-            "stop_token_ids": stop_ids,
-            "logprob_temperature": sampling.logprob_temperature(),
-            "device": args.device.to_string(),
-            "batch_invariant": batch_invariant,
-        }),
-        policy_version: Some(model.policy_version),
-        step: args.step,
+    let rows = SampleRows::new(&generated.completions, &prompts, &prompt_uids);
+    let out = Output {
+        args: &args,
+        model: &model,
+        sampling,
+        stop_ids: &params.stop_token_ids,
+        generated: &generated,
     };
-    let mut kv = stage_meta(BTreeMap::new(), &info);
-    kv.insert("model".into(), model.dir.display().to_string());
-    kv.insert(
-        meta::LOGPROB_TEMPERATURE.into(),
-        sampling.logprob_temperature().to_string(),
-    );
-    if batch_invariant {
-        // What update --bypass-mode checks before it takes these log-probs as the old ones.
-        kv.insert(meta::OLD_LOGPROBS.into(), meta::OLD_LOGPROBS_ROLLOUT.into());
-    }
-    debug_assert!(kv.contains_key(meta::POLICY_VERSION));
-    write_file(&args.out, &data, &kv)?;
-
+    let take = repeat_each(&(0..n_prompts).collect::<Vec<_>>(), args.n);
+    let summary = out.write(rows, dataset.take_columns(&take)?)?;
     let total_s = started.elapsed().as_secs_f64();
-    let metrics = json!({
-        "stage": "rollout",
-        "prompts": n_prompts,
-        "samples": total,
-        "truncated_prompts": truncated,
-        "prompt_tokens": prompts.iter().map(Vec::len).sum::<usize>() * args.n,
-        "prefill_tokens": stats.gen.prefill_tokens,
-        "prefills": stats.gen.prefills,
-        "engine_steps": stats.gen.decode_steps,
-        "overlapped_steps": stats.overlapped_steps,
-        "overlap_discarded_tokens": stats.overlap_discarded,
-        "preemptions": stats.preemptions,
-        "kv_block_size": stats.block_size,
-        "kv_blocks": stats.num_blocks,
-        "kv_blocks_peak": stats.peak_blocks_in_use,
-        "kv_pool_bytes": kv_pool_bytes,
-        "device_free_bytes_with_pool": free_with_pool,
-        "device_free_bytes_after_release": free_after_release,
-        "cuda_graphs": json!({
-            "replays": graphs.replays,
-            "captures": graphs.captures,
-            "eager_steps": graphs.eager_steps,
-            "padding_rows": graphs.padding_rows,
-            "graph_bytes_released": graphs.graph_bytes,
-        }),
-        "response_tokens": response_tokens,
-        "response_length_mean": response_tokens as f64 / total as f64,
-        "response_length_max": r_off.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
-        "finish_stop_fraction": n_stop as f64 / total as f64,
-        "generation_tokens_per_s": response_tokens as f64 / gen_s.max(1e-9),
-        "generation_seconds": gen_s,
-        "load_seconds": loaded_s,
-        "seconds": total_s,
-        "policy_version": model.policy_version,
-        "batch_invariant": batch_invariant,
-        "ranks": ranks,
-    });
+    let metrics = out.metrics(&summary, &prompts, truncated, ranks, total_s);
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;
     }
+    let (total, response_tokens) = (n_prompts * args.n, summary.response_tokens);
     exec.log(&format!(
         "rollout: {n_prompts} prompts x {} = {total} samples, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",
         args.n,
-        response_tokens as f64 / gen_s.max(1e-9),
-        100.0 * n_stop as f64 / total as f64,
+        response_tokens as f64 / generated.gen_s.max(1e-9),
+        100.0 * summary.n_stop as f64 / total as f64,
         args.out.display()
     ));
     Ok(())
+}
+
+/// The requests of the prompts, `n` samples each, with their random keys, and the prompts'
+/// uids. A repeated prompt is told apart by its occurrence number.
+fn keyed_requests(prompts: &[Vec<u32>], n: usize, seed: u64) -> (Vec<String>, Vec<Request>) {
+    let mut seen: HashMap<&[u32], u64> = HashMap::new();
+    let mut prompt_uids = Vec::with_capacity(prompts.len());
+    let mut requests = Vec::with_capacity(prompts.len());
+    for ids in prompts {
+        let occ = seen.entry(ids).or_insert(0);
+        let keys: Vec<u64> = (0..n as u64)
+            .map(|s| sample_key(seed, ids, *occ, s))
+            .collect();
+        prompt_uids.push(format!("{:016x}", sample_key(seed, ids, *occ, u64::MAX)));
+        *occ += 1;
+        requests.push(Request {
+            prompt: ids.clone(),
+            sample_keys: keys,
+        });
+    }
+    (prompt_uids, requests)
+}
+
+/// The rows of the output, one per sample, the n samples of a prompt side by side: uids,
+/// prompt and response ids (ragged, as offsets and values), log-probs, texts, finish reasons.
+struct SampleRows {
+    uids: Vec<String>,
+    puids: Vec<String>,
+    prompts: (Vec<usize>, Vec<i32>),
+    responses: (Vec<usize>, Vec<i32>),
+    logprobs: Vec<f32>,
+    texts: Vec<String>,
+    reasons: Vec<&'static str>,
+}
+
+impl SampleRows {
+    fn new(completions: &[Vec<Completion>], prompts: &[Vec<u32>], prompt_uids: &[String]) -> Self {
+        let total = completions.iter().map(Vec::len).sum();
+        let mut uids = Vec::with_capacity(total);
+        let mut puids = Vec::with_capacity(total);
+        let (mut p_off, mut p_ids) = (vec![0usize], Vec::new());
+        let (mut r_off, mut r_ids, mut lps) = (vec![0usize], Vec::new(), Vec::new());
+        let mut texts = Vec::with_capacity(total);
+        let mut reasons = Vec::with_capacity(total);
+        for (i, samples) in completions.iter().enumerate() {
+            for (j, c) in samples.iter().enumerate() {
+                uids.push(format!("{}-{j}", prompt_uids[i]));
+                puids.push(prompt_uids[i].clone());
+                p_ids.extend(prompts[i].iter().map(|&t| t as i32));
+                p_off.push(p_ids.len());
+                r_ids.extend(c.tokens.iter().map(|&t| t as i32));
+                lps.extend_from_slice(&c.logprobs);
+                r_off.push(r_ids.len());
+                texts.push(c.text.clone());
+                reasons.push(c.finish.as_str());
+            }
+        }
+        SampleRows {
+            uids,
+            puids,
+            prompts: (p_off, p_ids),
+            responses: (r_off, r_ids),
+            logprobs: lps,
+            texts,
+            reasons,
+        }
+    }
+}
+
+/// What the output's writing found, for the metrics and the log.
+struct Summary {
+    response_tokens: usize,
+    response_length_max: usize,
+    n_stop: usize,
+    samples: usize,
+}
+
+/// The output of rank 0: the batch file with its metadata, and the metrics.
+struct Output<'a> {
+    args: &'a RolloutArgs,
+    model: &'a ModelRef,
+    sampling: SamplingParams,
+    stop_ids: &'a [u32],
+    generated: &'a Generated,
+}
+
+impl Output<'_> {
+    /// Writes the batch: the sequence columns (with the dataset's columns of each row's
+    /// prompt), finish reasons and log-probs, and the metadata.
+    fn write(&self, rows: SampleRows, dataset_columns: Vec<(Field, ArrayRef)>) -> Result<Summary> {
+        let SampleRows {
+            uids,
+            puids,
+            prompts,
+            responses,
+            logprobs,
+            texts,
+            reasons,
+        } = rows;
+        let r_off = responses.0.clone();
+        let summary = Summary {
+            response_tokens: responses.1.len(),
+            response_length_max: r_off.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
+            n_stop: reasons.iter().filter(|r| **r == "stop").count(),
+            samples: uids.len(),
+        };
+        let mut cols = sequence_columns(
+            uids,
+            puids,
+            dataset_columns,
+            (&prompts.0, prompts.1),
+            (&responses.0, responses.1),
+            texts,
+        );
+        cols.extend([
+            (
+                schema::field(schema::FINISH_REASON),
+                Arc::new(StringArray::from(reasons)) as ArrayRef,
+            ),
+            (
+                schema::field(schema::ROLLOUT_LOGPROBS),
+                list_array::<Float32Type>(&r_off, logprobs),
+            ),
+        ]);
+        let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
+        let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays)?;
+        write_file(&self.args.out, &data, &self.meta())?;
+        Ok(summary)
+    }
+
+    /// The output's metadata: the stage's parameters, the model, the log-probs' temperature,
+    /// and whether they may stand for the old log-probs.
+    fn meta(&self) -> BTreeMap<String, String> {
+        let (args, model, sampling) = (self.args, self.model, self.sampling);
+        let batch_invariant = self.generated.batch_invariant;
+        let info = StageInfo {
+            stage: "rollout",
+            params: json!({
+                "model": model.dir.display().to_string(),
+                "input": args.input.display().to_string(),
+                "n": args.n,
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "top_k": args.top_k,
+                "max_new_tokens": args.max_new_tokens,
+                "max_prompt_tokens": args.max_prompt_tokens,
+                "seed": args.seed,
+                "limit": args.limit,
+                "raw_prompt": args.raw_prompt,
+                "truncate": format!("{:?}", args.truncate).to_lowercase(),
+                "stop": args.stop,
+                "stop_token_ids": self.stop_ids,
+                "logprob_temperature": sampling.logprob_temperature(),
+                "device": args.device.to_string(),
+                "batch_invariant": batch_invariant,
+            }),
+            policy_version: Some(model.policy_version),
+            step: args.step,
+        };
+        let mut kv = stage_meta(BTreeMap::new(), &info);
+        kv.insert("model".into(), model.dir.display().to_string());
+        kv.insert(
+            meta::LOGPROB_TEMPERATURE.into(),
+            sampling.logprob_temperature().to_string(),
+        );
+        if batch_invariant {
+            // What update --bypass-mode checks before it takes these log-probs as the old ones.
+            kv.insert(meta::OLD_LOGPROBS.into(), meta::OLD_LOGPROBS_ROLLOUT.into());
+        }
+        debug_assert!(kv.contains_key(meta::POLICY_VERSION));
+        kv
+    }
+
+    /// The generation metrics.
+    fn metrics(
+        &self,
+        s: &Summary,
+        prompts: &[Vec<u32>],
+        truncated: usize,
+        ranks: usize,
+        total_s: f64,
+    ) -> serde_json::Value {
+        let (args, g) = (self.args, self.generated);
+        let (stats, graphs) = (&g.stats, &g.graphs);
+        let total = s.samples;
+        json!({
+            "stage": "rollout",
+            "prompts": prompts.len(),
+            "samples": total,
+            "truncated_prompts": truncated,
+            "prompt_tokens": prompts.iter().map(Vec::len).sum::<usize>() * args.n,
+            "prefill_tokens": stats.gen.prefill_tokens,
+            "prefills": stats.gen.prefills,
+            "engine_steps": stats.gen.decode_steps,
+            "overlapped_steps": stats.overlapped_steps,
+            "overlap_discarded_tokens": stats.overlap_discarded,
+            "preemptions": stats.preemptions,
+            "kv_block_size": stats.block_size,
+            "kv_blocks": stats.num_blocks,
+            "kv_blocks_peak": stats.peak_blocks_in_use,
+            "kv_pool_bytes": g.kv_pool_bytes,
+            "device_free_bytes_with_pool": g.free_with_pool,
+            "device_free_bytes_after_release": g.free_after_release,
+            "cuda_graphs": json!({
+                "replays": graphs.replays,
+                "captures": graphs.captures,
+                "eager_steps": graphs.eager_steps,
+                "padding_rows": graphs.padding_rows,
+                "graph_bytes_released": graphs.graph_bytes,
+            }),
+            "response_tokens": s.response_tokens,
+            "response_length_mean": s.response_tokens as f64 / total as f64,
+            "response_length_max": s.response_length_max,
+            "finish_stop_fraction": s.n_stop as f64 / total as f64,
+            "generation_tokens_per_s": s.response_tokens as f64 / g.gen_s.max(1e-9),
+            "generation_seconds": g.gen_s,
+            "load_seconds": g.load_s,
+            "seconds": total_s,
+            "policy_version": self.model.policy_version,
+            "batch_invariant": g.batch_invariant,
+            "ranks": ranks,
+        })
+    }
 }

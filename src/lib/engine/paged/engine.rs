@@ -1,5 +1,6 @@
 //! The step loop (nano-vllm's `LLMEngine.step`): schedule, hand the step to the model, apply its
-//! draws (tokens appended, prompts forked into their samples, finished samples written out).
+//! draws (the scheduler's `postprocess`: tokens appended, prompts forked into their samples;
+//! here the finished samples are written out).
 //! With overlap scheduling the next decode step is handed to the model before the draws of
 //! the one running are applied (`Scheduler::lookahead`), so the host's work hides behind the
 //! device's; the completions are the same either way.
@@ -8,8 +9,7 @@ use anyhow::{ensure, Result};
 use std::collections::VecDeque;
 
 use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
-use super::scheduler::{Batch, Flight, Scheduler};
-use super::sequence::{Kind, Seq};
+use super::scheduler::{Batch, Flight, Scheduler, StopRule};
 use super::{Chunk, PagedConfig, PagedModel, PagedStats, SampleRow};
 use crate::backend::ops::sample::{Sampled, SamplingParams};
 
@@ -40,90 +40,18 @@ pub fn generate_paged(
             finished: 0,
             progress,
         },
-        params,
-        detok,
+        rule: StopRule { params, detok },
     };
     if params.max_new_tokens == 0 {
-        let done = &mut run.done;
-        for o in done.out.iter_mut().flatten() {
-            *o = Some(Completion {
-                tokens: vec![],
-                logprobs: vec![],
-                finish: FinishReason::Length,
-                text: String::new(),
-            });
-            done.finished += 1;
-        }
-        (done.progress)(done.finished);
+        run.done.end_every_sample();
         run.sched.clear_waiting();
     }
     let mut pipe = Pipe {
         model,
         draws: VecDeque::new(),
     };
-    // The step handed to the model whose draws have not been applied yet.
-    let mut flight: Option<Flight> = None;
-
-    loop {
-        if crate::engine::cancel::requested() {
-            // Let the step on the device finish before giving up, so nothing is left queued.
-            if let Some(f) = flight.take() {
-                run.apply(f, None, &mut pipe)?;
-            }
-            crate::engine::cancel::check()?;
-        }
-        if let Some(f) = flight.take() {
-            // Queue the next decode step behind it while the device runs it (its tokens are
-            // the draws of `f`, which the model feeds itself), then apply `f`.
-            let next = if cfg.overlap {
-                run.sched.lookahead(&f, params)
-            } else {
-                None
-            };
-            if let Some(n) = &next {
-                pipe.submit(&run.sched.lookahead_batch(n, &f)?, &params.sampling)?;
-                let st = &mut run.stats;
-                st.gen.decode_steps += 1;
-                st.overlapped_steps += 1;
-                st.peak_blocks_in_use = st.peak_blocks_in_use.max(run.sched.pool.in_use());
-            }
-            let keep = run.apply(f, next.as_ref().map(|n| n.want.as_slice()), &mut pipe)?;
-            if let Some(n) = next {
-                flight = Some(n.retain(&keep));
-                continue;
-            }
-        }
-        let want = run.sched.schedule(&mut run.stats);
-        if want.iter().all(|&n| n == 0) {
-            if run.sched.is_done() {
-                break;
-            }
-            return Err(run.sched.stalled());
-        }
-        let (batch, f) = run.sched.batch(want, &mut run.stats);
-        pipe.submit(&batch, &params.sampling)?;
-        run.stats.gen.decode_steps += 1;
-        flight = Some(f);
-    }
-
-    let Run {
-        sched,
-        mut stats,
-        done,
-        ..
-    } = run;
-    debug_assert_eq!(sched.pool.in_use(), 0, "every block returned");
-    stats.blocks_in_use_at_end = sched.pool.in_use();
-    let out = done
-        .out
-        .into_iter()
-        .map(|v| {
-            v.into_iter()
-                .map(|c| c.expect("every sample finished"))
-                .collect()
-        })
-        .collect();
-    Ok((out, stats))
+    run.drive(&mut pipe, cfg.overlap)?;
+    Ok(run.finish())
 }
 
 /// One generation's state: the scheduler, the counters, the finished samples, and what every
@@ -132,8 +60,107 @@ struct Run<'r, 'p> {
     sched: Scheduler<'r>,
     stats: PagedStats,
     done: Done<'p>,
-    params: &'r GenParams,
-    detok: Option<Detokenize<'r>>,
+    rule: StopRule<'r>,
+}
+
+impl Run<'_, '_> {
+    /// The step loop: schedule, hand the step to the model, apply its draws, until nothing
+    /// runs or waits.
+    fn drive(&mut self, pipe: &mut Pipe, overlap: bool) -> Result<()> {
+        // The step handed to the model whose draws have not been applied yet.
+        let mut flight: Option<Flight> = None;
+        loop {
+            if crate::engine::cancel::requested() {
+                // Let the step on the device finish before giving up, so nothing is left queued.
+                if let Some(f) = flight.take() {
+                    self.apply(f, None, pipe)?;
+                }
+                crate::engine::cancel::check()?;
+            }
+            if let Some(f) = flight.take() {
+                flight = self.land(f, pipe, overlap)?;
+                if flight.is_some() {
+                    continue;
+                }
+            }
+            let want = self.sched.schedule(&mut self.stats);
+            if want.iter().all(|&n| n == 0) {
+                if self.sched.is_done() {
+                    return Ok(());
+                }
+                return Err(self.sched.stalled());
+            }
+            let (batch, f) = self.sched.batch(want, &mut self.stats);
+            pipe.submit(&batch, &self.rule.params.sampling)?;
+            self.stats.gen.decode_steps += 1;
+            flight = Some(f);
+        }
+    }
+
+    /// Applies flight `f`. With overlap, first queues the next decode step behind it while the
+    /// device runs it (its tokens are the draws of `f`, which the model feeds itself), and
+    /// returns that step.
+    fn land(&mut self, f: Flight, pipe: &mut Pipe, overlap: bool) -> Result<Option<Flight>> {
+        let next = if overlap {
+            self.sched.lookahead(&f, self.rule.params)
+        } else {
+            None
+        };
+        if let Some(n) = &next {
+            pipe.submit(
+                &self.sched.lookahead_batch(n, &f)?,
+                &self.rule.params.sampling,
+            )?;
+            let st = &mut self.stats;
+            st.gen.decode_steps += 1;
+            st.overlapped_steps += 1;
+            st.peak_blocks_in_use = st.peak_blocks_in_use.max(self.sched.blocks_in_use());
+        }
+        let keep = self.apply(f, next.as_ref(), pipe)?;
+        Ok(next.map(|n| n.retain(&keep)))
+    }
+
+    /// Collects flight `f`'s draws and has the scheduler apply them (`Scheduler::postprocess`;
+    /// `queued` is the step handed to the model since, if any), writing the finished samples
+    /// out and copying the blocks the forks need. Returns which running entries stay.
+    fn apply(&mut self, f: Flight, queued: Option<&Flight>, pipe: &mut Pipe) -> Result<Vec<bool>> {
+        let drawn = pipe.collect()?;
+        let done = &mut self.done;
+        let applied = self.sched.postprocess(
+            f,
+            &drawn,
+            queued,
+            &self.rule,
+            &mut self.stats,
+            &mut |req, sample, c| done.put(req, sample, c),
+        )?;
+        if !applied.copies.is_empty() {
+            pipe.model.copy_blocks(&applied.copies)?;
+        }
+        Ok(applied.keep)
+    }
+
+    /// The completions in request and sample order, and the counters.
+    fn finish(self) -> (Vec<Vec<Completion>>, PagedStats) {
+        let Run {
+            sched,
+            mut stats,
+            done,
+            ..
+        } = self;
+        debug_assert_eq!(sched.blocks_in_use(), 0, "every block returned");
+        stats.blocks_in_use_at_end = sched.blocks_in_use();
+        let out = done
+            .out
+            .into_iter()
+            .map(|v| {
+                v.into_iter()
+                    .map(|c| c.expect("every sample finished"))
+                    .collect()
+            })
+            .collect();
+        (out, stats)
+    }
 }
 
 /// The model behind the loop. A model without a queue of its own (`asynchronous` false: the
@@ -200,130 +227,25 @@ struct Done<'p> {
     progress: &'p mut dyn FnMut(usize),
 }
 
-impl Run<'_, '_> {
-    /// Collects flight `f`'s draws and applies them to the running sequences (aligned with `f`):
-    /// tokens appended, prompts forked into their samples, finished samples written out and their
-    /// blocks released, unless `queued` (the step already handed to the model, aligned the same
-    /// way) feeds them: those become zombies until it is applied. Returns which running entries
-    /// stay (when a step is queued nothing is forked, so the survivors keep their order).
-    fn apply(&mut self, f: Flight, queued: Option<&[usize]>, pipe: &mut Pipe) -> Result<Vec<bool>> {
-        let Run {
-            sched,
-            stats,
-            done,
-            params,
-            detok,
-        } = self;
-        let (params, detok) = (*params, *detok);
-        let drawn = pipe.collect()?;
-        ensure!(
-            drawn.len() == f.rows,
-            "paged model drew {} tokens for {} rows",
-            drawn.len(),
-            f.rows
-        );
-        let block_size = sched.pool.block_size();
-        let pool = &mut sched.pool;
-        let mut copies: Vec<(u32, u32)> = Vec::new();
-        let mut next: Vec<Seq> = Vec::with_capacity(sched.running.len());
-        let mut keep = Vec::with_capacity(sched.running.len());
-        let running = sched.running.drain(..).zip(f.want).zip(f.drawn_rows);
-        for (i, ((mut s, n), rows)) in running.enumerate() {
-            let fed_next = queued.is_some_and(|q| q[i] > 0);
-            if s.zombie {
-                // Its draw was computed for nobody; no later step feeds it.
-                debug_assert!(!fed_next);
-                stats.overlap_discarded += 1;
-                pool.release(&s.blocks);
-                keep.push(false);
-                continue;
-            }
-            s.computed += n;
-            let Some(rows) = rows else {
-                next.push(s);
-                keep.push(true);
-                continue;
-            };
-            stats.gen.generated_tokens += rows.len();
-            let mut ended: Vec<(Seq, FinishReason)> = Vec::new();
-            // Whether entry i stays in `running` (a prompt leaves: its samples are new entries).
-            let mut stays = false;
-            match s.kind {
-                Kind::Prompt { samples, spare } => {
-                    stats.gen.prefills += 1;
-                    let full = s.prompt_len / block_size;
-                    let mut spare = spare.into_iter();
-                    for (k, (j, d)) in samples.zip(&drawn[rows]).enumerate() {
-                        let blocks = if k == 0 {
-                            s.blocks.clone()
-                        } else {
-                            for &b in &s.blocks[..full] {
-                                pool.share(b);
-                            }
-                            let mut t = s.blocks[..full].to_vec();
-                            if full < s.blocks.len() {
-                                let copy = spare.next().expect("a spare block per extra sample");
-                                copies.push((s.blocks[full], copy));
-                                t.push(copy);
-                            }
-                            t
-                        };
-                        let mut c = Seq {
-                            req: s.req,
-                            kind: Kind::Sample {
-                                sample: j,
-                                stopped_text: None,
-                            },
-                            tokens: s.tokens.clone(),
-                            prompt_len: s.prompt_len,
-                            computed: s.computed,
-                            blocks,
-                            logprobs: vec![],
-                            order: (s.order.0, k),
-                            zombie: false,
-                        };
-                        match c.accept(*d, params, detok)? {
-                            Some(reason) => ended.push((c, reason)),
-                            None => next.push(c),
-                        }
-                    }
-                }
-                Kind::Sample { .. } => {
-                    let d = drawn[rows.start];
-                    match s.accept(d, params, detok)? {
-                        Some(reason) => ended.push((s, reason)),
-                        None => {
-                            next.push(s);
-                            stays = true;
-                        }
-                    }
-                }
-            }
-            for (mut c, reason) in ended {
-                let (req, sample, text) = c.completion_text(detok)?;
-                let tokens = std::mem::take(&mut c.tokens);
-                done.out[req][sample] = Some(Completion {
-                    tokens: tokens[c.prompt_len..].to_vec(),
-                    logprobs: std::mem::take(&mut c.logprobs),
-                    finish: reason,
-                    text,
-                });
-                done.finished += 1;
-                (done.progress)(done.finished);
-                if fed_next {
-                    c.zombie = true;
-                    next.push(c);
-                    stays = true;
-                } else {
-                    pool.release(&c.blocks);
-                }
-            }
-            keep.push(stays);
+impl Done<'_> {
+    /// Sample `sample` of request `req` is finished.
+    fn put(&mut self, req: usize, sample: usize, c: Completion) {
+        self.out[req][sample] = Some(c);
+        self.finished += 1;
+        (self.progress)(self.finished);
+    }
+
+    /// Every sample finished empty, by length (no token may be generated).
+    fn end_every_sample(&mut self) {
+        for o in self.out.iter_mut().flatten() {
+            *o = Some(Completion {
+                tokens: vec![],
+                logprobs: vec![],
+                finish: FinishReason::Length,
+                text: String::new(),
+            });
+            self.finished += 1;
         }
-        sched.running = next;
-        if !copies.is_empty() {
-            pipe.model.copy_blocks(&copies)?;
-        }
-        Ok(keep)
+        (self.progress)(self.finished);
     }
 }

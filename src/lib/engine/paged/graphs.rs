@@ -1,16 +1,12 @@
 //! Decode graphs: pure-decode steps (every chunk one token) padded to a bucket of rows and a
 //! fixed table width, so that their kernels have fixed shapes and read fixed buffers, and
 //! captured once per (bucket, sampling) as a CUDA graph, then replayed. A padded step run
-//! eagerly (`GraphMode::Padded`) is the reference a replay must equal bit for bit.
+//! eagerly (`GraphMode::Padded`) is the reference a replay must equal bit for bit. This file
+//! keeps the graphs' state and decides how each padded step runs; the runner builds, uploads,
+//! captures and replays the steps (`runner::PagedDecoder::submit_padded`).
 
-use anyhow::{ensure, Result};
-
-use super::blocks::cache_row;
-use super::runner::PagedDecoder;
 use super::{Chunk, SampleRow};
 use crate::backend::ops::sample::SamplingParams;
-use crate::backend::{Backend, FEED_NONE};
-use crate::model::decoder::StepRows;
 
 /// How the pure-decode steps of a paged cache run (every chunk one token).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -46,7 +42,7 @@ pub struct GraphStats {
 }
 
 /// Key of a captured graph: (bucket, temperature bits, top_k, top_p bits).
-type GraphKey = (usize, u32, i64, u32);
+pub(super) type GraphKey = (usize, u32, i64, u32);
 
 /// The decode graphs of one paged cache and how its pure-decode steps run.
 #[derive(Debug, Default)]
@@ -57,7 +53,7 @@ pub(super) struct DecodeGraphs {
     /// Largest bucket: steps with more rows run eagerly.
     max_rows: usize,
     /// Captured graphs by key → graph id.
-    pub(super) captured: Vec<(GraphKey, usize)>,
+    captured: Vec<(GraphKey, usize)>,
     /// Pure-decode steps run so far per key: a bucket is captured at its CAPTURE_AT-th step.
     uses: Vec<(GraphKey, usize)>,
     /// (workspace epoch, cache epoch) the fixed buffers were sized at (None: not yet).
@@ -99,198 +95,98 @@ impl DecodeGraphs {
     }
 }
 
-impl<B: Backend> PagedDecoder<'_, B> {
-    /// Pure-decode steps of up to `max_rows` sequences whose tables have at most
-    /// `max_blocks` blocks run as `mode` says: `max_blocks` is the longest block table the
-    /// engine will build (the fixed width of a padded step). `Graphs` on a backend without
-    /// graphs is `Eager`. Graphs captured before are released.
-    pub fn set_graphs(
-        &mut self,
-        mode: GraphMode,
-        max_rows: usize,
-        max_blocks: usize,
-    ) -> Result<()> {
-        self.release_graph_memory()?;
-        let mode = if mode == GraphMode::Graphs && !self.decoder.backend().graphs_supported() {
-            GraphMode::Eager
-        } else {
-            mode
+/// How the device part of a padded decode step runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PaddedRun {
+    /// Eagerly: padding only (`GraphMode::Padded`), or a bucket's steps before its capture.
+    Eager,
+    /// Captured now as the graph of this key, then replayed.
+    Capture(GraphKey),
+    /// Replayed from this graph.
+    Replay(usize),
+}
+
+impl DecodeGraphs {
+    /// Pure-decode steps of up to `max_rows` sequences whose tables have at most `max_blocks`
+    /// blocks run as `mode` says (the graphs captured before must be released).
+    pub(super) fn configure(&mut self, mode: GraphMode, max_rows: usize, max_blocks: usize) {
+        self.mode = mode;
+        self.max_rows = decode_bucket(max_rows.max(1));
+        self.width = max_blocks.max(1);
+        self.epochs = None;
+    }
+
+    /// Largest bucket and table width of a padded step.
+    pub(super) fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+    pub(super) fn width(&self) -> usize {
+        self.width
+    }
+
+    /// The graph captured first, if any.
+    pub(super) fn first(&self) -> Option<usize> {
+        self.captured.first().map(|&(_, id)| id)
+    }
+
+    /// Forgets the captured graphs (the caller gives their memory back); whether there were any.
+    pub(super) fn forget(&mut self) -> bool {
+        let any = !self.captured.is_empty();
+        self.captured.clear();
+        any
+    }
+
+    /// Whether the buffers a padded step reads moved since the graphs were captured (`now`:
+    /// the workspace and cache epochs): then the graphs must be released, and are counted as
+    /// dropped.
+    pub(super) fn moved(&mut self, now: (u64, u64)) -> bool {
+        if self.epochs == Some(now) {
+            return false;
+        }
+        if !self.captured.is_empty() {
+            self.stats.drops += 1;
+        }
+        self.epochs = Some(now);
+        true
+    }
+
+    /// How the next padded step of `bucket` rows drawing with `sampling` runs; counts it.
+    pub(super) fn next_run(&mut self, bucket: usize, sampling: &SamplingParams) -> PaddedRun {
+        if self.mode != GraphMode::Graphs {
+            return PaddedRun::Eager;
+        }
+        let key = (
+            bucket,
+            sampling.temperature.to_bits(),
+            sampling.top_k,
+            sampling.top_p.to_bits(),
+        );
+        let found = self
+            .captured
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|&(_, id)| id);
+        let uses = match self.uses.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, u)) => {
+                *u += 1;
+                *u
+            }
+            None => {
+                self.uses.push((key, 1));
+                1
+            }
         };
-        let g = &mut self.cache.graphs;
-        g.mode = mode;
-        g.max_rows = decode_bucket(max_rows.max(1));
-        g.width = max_blocks.max(1);
-        g.epochs = None;
-        Ok(())
+        match found {
+            Some(id) => PaddedRun::Replay(id),
+            None if uses < CAPTURE_AT => PaddedRun::Eager,
+            None => PaddedRun::Capture(key),
+        }
     }
 
-    /// Destroys the decode graphs and gives their memory back to the pool (to the driver on
-    /// the next `trim`); the stats with the bytes the graphs held.
-    pub fn release_graphs(&mut self) -> Result<GraphStats> {
-        self.release_graph_memory()?;
-        Ok(self.cache.graph_stats())
-    }
-
-    /// Destroys the decode graphs; returns the bytes they held.
-    pub(super) fn release_graph_memory(&mut self) -> Result<usize> {
-        let g = &mut self.cache.graphs;
-        if g.captured.is_empty() {
-            return Ok(0);
-        }
-        g.captured.clear();
-        let bytes = self.decoder.backend().graph_release()?;
-        g.stats.graph_bytes = g.stats.graph_bytes.max(bytes);
-        Ok(bytes)
-    }
-
-    /// Sizes every buffer a padded step reads or writes for the largest bucket, once; when
-    /// any of them moved since the graphs were captured, the graphs are released (they would
-    /// read the old addresses) and get captured again.
-    fn prepare_padded(&mut self) -> Result<()> {
-        let (rows, width) = (self.cache.graphs.max_rows, self.cache.graphs.width);
-        self.decoder.reserve_paged(rows, rows)?;
-        self.cache
-            .grow_step_buffers(self.decoder.backend(), rows, rows * width)?;
-        let now = (self.decoder.workspace_epoch(), self.cache.epoch);
-        if self.cache.graphs.epochs != Some(now) {
-            if !self.cache.graphs.captured.is_empty() {
-                self.cache.graphs.stats.drops += 1;
-            }
-            self.release_graph_memory()?;
-            self.cache.graphs.epochs = Some(now);
-        }
-        Ok(())
-    }
-
-    /// The part of a padded decode step that runs on the device (and is captured): the fed
-    /// tokens, the forward of `rows` tokens, final norm and LM head of every row, the draws.
-    fn decode_body(&mut self, rows: usize, sampling: &SamplingParams) -> Result<()> {
-        let PagedDecoder { decoder, cache } = self;
-        // Rows of a queued step take their tokens from the draws of the step before.
-        decoder.feed_tokens(&cache.tokens, &cache.feed, rows)?;
-        let (kv, draws) = cache.step_views(rows, sampling);
-        decoder.forward_paged(rows, kv, Some(draws))
-    }
-
-    /// A pure-decode step padded to `bucket` rows: padding rows feed token 0 at position 0
-    /// into the spare block and sample from their own logits; every table is `width` wide
-    /// (the rest pointing at the spare block). With `GraphMode::Graphs` the device part is a
-    /// graph replay (captured at the bucket's CAPTURE_AT-th step, after eager runs that
-    /// compile the kernels, plan the GEMMs and cache the temporaries).
-    pub(super) fn submit_padded(
-        &mut self,
-        chunks: &[Chunk],
-        feed: &[Option<u32>],
-        rows: &[SampleRow],
-        sampling: &SamplingParams,
-        bucket: usize,
-    ) -> Result<()> {
-        let cache = &self.cache;
-        let (bs, width) = (cache.block_size(), cache.graphs.width);
-        let spare = cache.num_blocks() as u32;
-        let n = chunks.len();
-        let mut fed = vec![FEED_NONE; bucket];
-        for (f, &s) in fed.iter_mut().zip(feed) {
-            *f = s.unwrap_or(FEED_NONE);
-        }
-        let mut ids = vec![0u32; bucket];
-        let mut pos = vec![0u32; bucket];
-        let mut kv_rows = vec![spare * bs as u32; bucket];
-        let seq: Vec<u32> = (0..bucket as u32).collect();
-        let mut len = vec![1u32; bucket];
-        let mut tables = vec![spare; bucket * width];
-        for (c, ch) in chunks.iter().enumerate() {
-            cache.check_chunk(c, ch)?;
-            let p = ch.start;
-            tables[c * width..c * width + ch.table.len()].copy_from_slice(ch.table);
-            ids[c] = ch.tokens[0];
-            pos[c] = p as u32;
-            kv_rows[c] = cache_row(ch.table, bs, p) as u32;
-            len[c] = p as u32 + 1;
-        }
-        let mut out = seq.clone();
-        let mut keys = vec![0u32; 2 * bucket];
-        let mut positions = vec![0u32; bucket];
-        for (i, r) in rows.iter().enumerate() {
-            ensure!(r.chunk < n, "sample row names chunk {}", r.chunk);
-            out[i] = r.chunk as u32;
-            keys[2 * i] = r.key as u32;
-            keys[2 * i + 1] = (r.key >> 32) as u32;
-            positions[i] = r.position as u32;
-        }
-        self.prepare_padded()?;
-        self.decoder.upload_step(&StepRows {
-            ids: &ids,
-            positions: &pos,
-            cache_rows: &kv_rows,
-            table_rows: &seq,
-            context: &len,
-            sample: &out,
-        })?;
-        {
-            let (b, cache) = (self.decoder.backend(), &mut self.cache);
-            b.upload_idx(&mut cache.tables, &tables)?;
-            b.upload_idx(&mut cache.keys, &keys)?;
-            b.upload_idx(&mut cache.positions, &positions)?;
-            cache.upload_feed(b, &fed)?;
-        }
-        let cache = &mut self.cache;
-        cache.max_blocks = width;
-        cache.n_tiles = 0;
-        cache.decode_rows = bucket;
-        let g = &mut cache.graphs;
-        g.stats.padding_rows += bucket - n.max(rows.len());
-        if g.mode == GraphMode::Graphs {
-            let key = (
-                bucket,
-                sampling.temperature.to_bits(),
-                sampling.top_k,
-                sampling.top_p.to_bits(),
-            );
-            let found = g
-                .captured
-                .iter()
-                .find(|(k, _)| *k == key)
-                .map(|&(_, id)| id);
-            let uses = match g.uses.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, u)) => {
-                    *u += 1;
-                    *u
-                }
-                None => {
-                    g.uses.push((key, 1));
-                    1
-                }
-            };
-            if found.is_none() && uses < CAPTURE_AT {
-                self.decode_body(bucket, sampling)?;
-                self.cache.graphs.stats.padded_steps += 1;
-                return self.cache.start_draws(self.decoder.backend(), rows.len());
-            }
-            let id = match found {
-                Some(id) => id,
-                None => {
-                    let t0 = std::time::Instant::now();
-                    let b = self.decoder.backend();
-                    b.synchronize()?;
-                    b.graph_begin()?;
-                    let body = self.decode_body(bucket, sampling);
-                    let id = self.decoder.backend().graph_end();
-                    body?;
-                    let id = id?;
-                    let g = &mut self.cache.graphs;
-                    g.captured.push((key, id));
-                    g.stats.captures += 1;
-                    g.stats.capture_us += t0.elapsed().as_micros() as u64;
-                    id
-                }
-            };
-            self.decoder.backend().graph_launch(id)?;
-            self.cache.graphs.stats.replays += 1;
-        } else {
-            self.decode_body(bucket, sampling)?;
-            self.cache.graphs.stats.padded_steps += 1;
-        }
-        self.cache.start_draws(self.decoder.backend(), rows.len())
+    /// Graph `id` was captured for `key` in `us` microseconds.
+    pub(super) fn captured_as(&mut self, key: GraphKey, id: usize, us: u64) {
+        self.captured.push((key, id));
+        self.stats.captures += 1;
+        self.stats.capture_us += us;
     }
 }

@@ -4,7 +4,8 @@
 //! preemption by recompute (`scheduler`, over the sequences of `sequence`); the step loop
 //! (`engine`); and the model runner (`runner`, `graphs`), whose step runs the decoder's forward
 //! pass *and* the sampling on the backend, so only token ids and log-probs come back to the
-//! host. `request` holds what it is asked for, the one check of it and the one stop rule.
+//! host. `sizing` sizes the engine for a set of requests and limits; `request` holds what it
+//! is asked for, the one check of it and the one stop rule.
 //!
 //! The same engine runs on every backend: on the CPU it is the reference that CI tests (against
 //! toy models whose logits hash the context, and against the training forward's log-probs), on
@@ -13,15 +14,19 @@
 pub mod blocks;
 mod engine;
 mod graphs;
+mod kv;
 mod request;
 mod runner;
 mod scheduler;
 mod sequence;
+mod sizing;
 
 pub use engine::generate_paged;
 pub use graphs::{decode_bucket, GraphMode, GraphStats};
+pub use kv::PagedKv;
 pub use request::{Completion, Detokenize, FinishReason, GenParams, Request};
-pub use runner::{PagedDecoder, PagedKv};
+pub use runner::PagedDecoder;
+pub use sizing::{Limits, Need, Plan};
 
 use crate::backend::ops::sample::{Sampled, SamplingParams};
 use anyhow::{bail, Result};
@@ -148,22 +153,6 @@ pub trait PagedModel {
     /// The draws of the oldest queued step, waiting for it to finish.
     fn collect(&mut self) -> Result<Vec<Sampled>> {
         bail!("this paged model runs its steps in `step`")
-    }
-}
-
-/// Blocks a pool gets: `fraction` of the free device memory when the backend reports it (the
-/// GPU), divided by the bytes of one block over every layer, never more than `cap` (what every
-/// sequence at its longest needs at once: more could not be used). Without device memory
-/// figures (the CPU) the pool is `cap`.
-pub fn pool_blocks(
-    free_bytes: Option<usize>,
-    fraction: f64,
-    bytes_per_block: usize,
-    cap: usize,
-) -> usize {
-    match free_bytes {
-        Some(free) => (((free as f64) * fraction) as usize / bytes_per_block.max(1)).min(cap),
-        None => cap,
     }
 }
 

@@ -1,228 +1,21 @@
-//! The model runner (nano-vllm's `ModelRunner`): the decoder over a KV pool of its own. It
-//! allocates the pool (keys and values of every block, per layer, plus one spare block) and
-//! the device side of a step (block tables, prefill tiles, sampling keys and positions, fed
-//! rows, drawn tokens and log-probs); it turns the scheduler's chunks and sample rows into the
-//! rows of a step (positions, cache rows, table rows, context lengths), runs the decoder's
-//! forward and draw, and brings the draws back behind the device (at most two steps in
-//! flight). Pure-decode steps may be padded and replayed from CUDA graphs (`graphs`).
+//! The model runner (nano-vllm's `ModelRunner`): the decoder over a KV pool of its own (`kv`:
+//! keys and values of every block, per layer, plus one spare block, and the device side of a
+//! step). It turns the scheduler's chunks and sample rows into the rows of a step (positions,
+//! cache rows, table rows, context lengths), runs the decoder's forward and draw, and brings
+//! the draws back behind the device (at most two steps in flight). Pure-decode steps may be
+//! padded and replayed from CUDA graphs, captured here (`graphs` keeps their state and says
+//! when).
 
-use anyhow::{bail, ensure, Result};
-use std::collections::VecDeque;
+use anyhow::{ensure, Result};
+use std::time::Instant;
 
 use super::blocks::cache_row;
-use super::graphs::DecodeGraphs;
-use super::{Chunk, GraphStats, PagedModel, SampleRow};
+use super::graphs::PaddedRun;
+use super::kv::{grow_idx, PagedKv};
+use super::{Chunk, GraphMode, GraphStats, PagedModel, SampleRow};
 use crate::backend::ops::sample::{Sampled, SamplingParams};
-use crate::backend::{Backend, DType, Draws, FEED_NONE, PAGED_TILE_ROWS};
-use crate::model::decoder::{Decoder, PagedAttn, StepRows};
-use crate::model::Config;
-
-/// A paged KV cache: `num_blocks` blocks of `block_size` positions per layer; row
-/// `block · block_size + offset` of a layer's buffer holds the key (value) of one position.
-/// It also holds the device-side inputs and outputs of a paged step (block tables, sampling
-/// keys, drawn tokens), so a step allocates nothing once they have grown.
-pub struct PagedKv<B: Backend> {
-    /// One block more than `num_blocks`: the last one is where the padding rows of a
-    /// graph-replayed decode step write and read (never given to a sequence).
-    k: Vec<B::Buf>,
-    v: Vec<B::Buf>,
-    num_blocks: usize,
-    block_size: usize,
-    pub(super) tables: B::Idx,
-    pub(super) max_blocks: usize,
-    /// The step's prefill tiles (see `PagedAttentionOps::attention_paged_tiled`): `n_tiles` pairs (first
-    /// row, rows) after its `decode_rows` single-token rows; none in a pure-decode step.
-    tiles: B::Idx,
-    pub(super) n_tiles: usize,
-    pub(super) decode_rows: usize,
-    pub(super) keys: B::Idx,
-    pub(super) positions: B::Idx,
-    /// Per row of a step, the row of the step before whose draw it feeds (`FEED_NONE`: the
-    /// token uploaded for it); see `PagedDecoder::submit`.
-    pub(super) feed: B::Idx,
-    pub(super) tokens: B::Idx,
-    logprobs: B::Buf,
-    /// Bumped whenever one of the buffers above is reallocated (see
-    /// `Decoder::workspace_epoch`).
-    pub(super) epoch: u64,
-    pub(super) graphs: DecodeGraphs,
-    /// Draws of submitted steps not yet collected, oldest first (at most two).
-    pending: VecDeque<Pending>,
-    /// Steps submitted so far (their draws alternate between two landing slots).
-    submitted: usize,
-}
-
-/// A submitted step's draws: already on the host, or on their way through a slot.
-enum Pending {
-    Ready(Vec<Sampled>),
-    Slot(usize, usize),
-}
-
-impl<B: Backend> PagedKv<B> {
-    /// A pool of `num_blocks` blocks of `block_size` positions for the decoder `cfg` on `b`.
-    pub fn new(b: &B, cfg: &Config, num_blocks: usize, block_size: usize) -> Result<Self> {
-        ensure!(
-            num_blocks > 0 && block_size > 0,
-            "paged cache: {num_blocks} blocks of {block_size}"
-        );
-        // One spare block for the padding rows of graph-replayed decode steps.
-        let n = (num_blocks + 1) * block_size * cfg.num_kv_heads * cfg.head_dim;
-        let mut k = Vec::with_capacity(cfg.num_layers);
-        let mut v = Vec::with_capacity(cfg.num_layers);
-        for _ in 0..cfg.num_layers {
-            k.push(b.alloc_as(n, b.compute_dtype())?);
-            v.push(b.alloc_as(n, b.compute_dtype())?);
-        }
-        Ok(PagedKv {
-            k,
-            v,
-            num_blocks,
-            block_size,
-            tables: b.alloc_idx(0)?,
-            max_blocks: 0,
-            tiles: b.alloc_idx(0)?,
-            n_tiles: 0,
-            decode_rows: 0,
-            keys: b.alloc_idx(0)?,
-            positions: b.alloc_idx(0)?,
-            feed: b.alloc_idx(0)?,
-            tokens: b.alloc_idx(0)?,
-            logprobs: b.alloc(0)?,
-            epoch: 0,
-            graphs: DecodeGraphs::default(),
-            pending: VecDeque::new(),
-            submitted: 0,
-        })
-    }
-
-    pub fn num_blocks(&self) -> usize {
-        self.num_blocks
-    }
-    pub fn block_size(&self) -> usize {
-        self.block_size
-    }
-    pub fn graph_stats(&self) -> GraphStats {
-        self.graphs.stats
-    }
-    /// The graph of a decode step captured first, if any (for timing its replay alone).
-    pub fn first_graph(&self) -> Option<usize> {
-        self.graphs.captured.first().map(|&(_, id)| id)
-    }
-
-    /// Chunk `c` must feed positions its table covers, through blocks of this cache.
-    pub(super) fn check_chunk(&self, c: usize, ch: &Chunk) -> Result<()> {
-        let end = ch.start + ch.tokens.len();
-        ensure!(
-            !ch.tokens.is_empty() && end <= ch.table.len() * self.block_size,
-            "paged step: chunk {c} feeds positions {}..{end} but its table covers {}",
-            ch.start,
-            ch.table.len() * self.block_size
-        );
-        if let Some(&b) = ch.table.iter().find(|&&b| b as usize >= self.num_blocks) {
-            bail!(
-                "paged step: chunk {c} names block {b} of {}",
-                self.num_blocks
-            );
-        }
-        Ok(())
-    }
-
-    /// Grows the step's device inputs and outputs to `rows` sample rows and `table_entries`
-    /// block-table entries; a reallocation bumps `epoch` (graphs read the old addresses).
-    pub(super) fn grow_step_buffers(
-        &mut self,
-        b: &B,
-        rows: usize,
-        table_entries: usize,
-    ) -> Result<()> {
-        let mut moved = grow_idx(b, &mut self.tables, table_entries)?;
-        moved |= grow_idx(b, &mut self.keys, 2 * rows)?;
-        moved |= grow_idx(b, &mut self.positions, rows)?;
-        moved |= grow_idx(b, &mut self.feed, rows)?;
-        moved |= grow_idx(b, &mut self.tokens, rows)?;
-        if b.len(&self.logprobs) < rows {
-            self.logprobs = b.alloc(rows.next_power_of_two())?;
-            moved = true;
-        }
-        if moved {
-            self.epoch += 1;
-        }
-        Ok(())
-    }
-
-    /// The cache as the step's attention reads it, and where its first `rows` draws go.
-    pub(super) fn step_views<'s>(
-        &'s mut self,
-        rows: usize,
-        sampling: &'s SamplingParams,
-    ) -> (PagedAttn<'s, B>, Draws<'s, B>) {
-        let PagedKv {
-            k,
-            v,
-            block_size,
-            tables,
-            max_blocks,
-            tiles,
-            n_tiles,
-            decode_rows,
-            keys,
-            positions,
-            tokens,
-            logprobs,
-            ..
-        } = self;
-        (
-            PagedAttn {
-                k,
-                v,
-                block_size: *block_size,
-                tables,
-                max_blocks: *max_blocks,
-                tiles,
-                n_tiles: *n_tiles,
-                decode_rows: *decode_rows,
-            },
-            Draws {
-                tokens,
-                logprobs,
-                keys,
-                positions,
-                rows,
-                sampling,
-            },
-        )
-    }
-
-    /// Sets the draws of the step just run (its first `rows` sample rows) on their way to the
-    /// host, behind it; `collect` returns them.
-    pub(super) fn start_draws(&mut self, b: &B, rows: usize) -> Result<()> {
-        let slot = self.submitted % 2;
-        self.submitted += 1;
-        let p = match b.draws_start(slot, &self.tokens, &self.logprobs, rows)? {
-            Some((t, l)) => Pending::Ready(sampled(t, l)),
-            None => Pending::Slot(slot, rows),
-        };
-        self.pending.push_back(p);
-        Ok(())
-    }
-
-    /// The draws of the oldest submitted step not yet collected.
-    fn collect(&mut self, b: &B) -> Result<Vec<Sampled>> {
-        match self.pending.pop_front() {
-            Some(Pending::Ready(d)) => Ok(d),
-            Some(Pending::Slot(slot, rows)) => {
-                let (t, l) = b.draws_wait(slot, rows)?;
-                Ok(sampled(t, l))
-            }
-            None => bail!("paged step: nothing submitted to collect"),
-        }
-    }
-
-    /// The per-row feed sources of a step (`FEED_NONE` where a row keeps its own token).
-    pub(super) fn upload_feed(&mut self, b: &B, feed: &[u32]) -> Result<()> {
-        b.upload_idx(&mut self.feed, feed)
-    }
-}
+use crate::backend::{Backend, DType, FEED_NONE, PAGED_TILE_ROWS};
+use crate::model::decoder::{Decoder, StepRows};
 
 /// The decoder over a paged cache of its own. Dropping it releases the decode graphs with the
 /// cache (`release_graphs` does it and says how much they held).
@@ -308,7 +101,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
         sampling: &SamplingParams,
     ) -> Result<Vec<Sampled>> {
         ensure!(
-            self.cache.pending.is_empty(),
+            self.cache.in_flight() == 0,
             "paged step: a submitted step was not collected"
         );
         self.submit(chunks, &[], rows, sampling)?;
@@ -336,7 +129,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
     ) -> Result<()> {
         let cache = &mut self.cache;
         ensure!(
-            cache.pending.len() < 2,
+            cache.in_flight() < 2,
             "paged step: two steps are in flight already"
         );
         ensure!(
@@ -348,7 +141,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
         for (c, f) in feed.iter().enumerate() {
             if let Some(r) = f {
                 ensure!(
-                    chunks[c].tokens.len() == 1 && !cache.pending.is_empty(),
+                    chunks[c].tokens.len() == 1 && cache.in_flight() > 0,
                     "paged step: chunk {c} feeds draw {r} of no step before it"
                 );
             }
@@ -357,95 +150,44 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
             return self.submit_padded(chunks, feed, rows, sampling, bucket);
         }
         cache.graphs.stats.eager_steps += 1;
-        let bs = cache.block_size;
-        let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
-        ensure!(n > 0, "paged step without tokens");
-        let max_blocks = chunks.iter().map(|c| c.table.len()).max().unwrap_or(0);
-        let (mut ids, mut pos) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut kv_rows, mut seq, mut len) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        let mut tables = vec![0u32; chunks.len() * max_blocks];
-        let mut last = vec![0u32; chunks.len()];
-        // Single-token chunks first, then the prefill chunks in tiles of consecutive rows
-        // (the attention runs those as blocks of queries).
-        let (single, multi): (Vec<usize>, Vec<usize>) =
-            (0..chunks.len()).partition(|&c| chunks[c].tokens.len() == 1);
-        let mut tiles = Vec::new();
-        let mut fed = Vec::new();
-        for &c in single.iter().chain(&multi) {
-            let ch = &chunks[c];
-            if !feed.is_empty() && ch.tokens.len() == 1 {
-                fed.push(feed[c].unwrap_or(FEED_NONE));
-            }
-            cache.check_chunk(c, ch)?;
-            tables[c * max_blocks..c * max_blocks + ch.table.len()].copy_from_slice(ch.table);
-            if ch.tokens.len() > 1 {
-                for t0 in (0..ch.tokens.len()).step_by(PAGED_TILE_ROWS) {
-                    let rows = PAGED_TILE_ROWS.min(ch.tokens.len() - t0);
-                    tiles.extend([(ids.len() + t0) as u32, rows as u32]);
-                }
-            }
-            for (i, &t) in ch.tokens.iter().enumerate() {
-                let p = ch.start + i;
-                ids.push(t);
-                pos.push(p as u32);
-                kv_rows.push(cache_row(ch.table, bs, p) as u32);
-                seq.push(c as u32);
-                len.push(p as u32 + 1);
-            }
-            last[c] = ids.len() as u32 - 1;
-        }
-        let out: Vec<u32> = rows
-            .iter()
-            .map(|r| {
-                last.get(r.chunk)
-                    .copied()
-                    .ok_or_else(|| anyhow::anyhow!("sample row names chunk {}", r.chunk))
-            })
-            .collect::<Result<_>>()?;
-        let r = out.len();
-        let keys: Vec<u32> = rows
-            .iter()
-            .flat_map(|s| [s.key as u32, (s.key >> 32) as u32])
-            .collect();
-        let positions: Vec<u32> = rows.iter().map(|s| s.position as u32).collect();
-        self.decoder.upload_step(&StepRows {
-            ids: &ids,
-            positions: &pos,
-            cache_rows: &kv_rows,
-            table_rows: &seq,
-            context: &len,
-            sample: &out,
-        })?;
+        let step = HostStep::eager(cache, chunks, feed, rows)?;
+        self.upload_eager(&step)?;
+        let (decoder, cache) = (&mut *self.decoder, &mut self.cache);
+        let r = step.sample.len();
+        let (kv, draws) = cache.step_views(r, sampling);
+        decoder.forward_paged(step.ids.len(), kv, (r > 0).then_some(draws))?;
+        cache.start_draws(decoder.backend(), r)
+    }
+
+    /// Uploads the rows of an eager step and sets the cache's view of it; the fed rows take
+    /// their tokens from the draws of the step before.
+    fn upload_eager(&mut self, step: &HostStep) -> Result<()> {
+        self.decoder.upload_step(&step.rows())?;
         let (decoder, cache) = (&mut *self.decoder, &mut self.cache);
         let b = decoder.backend();
-        cache.grow_step_buffers(b, r, tables.len())?;
-        b.upload_idx(&mut cache.tables, &tables)?;
-        cache.max_blocks = max_blocks;
-        if !tiles.is_empty() {
+        cache.grow_step_buffers(b, step.sample.len(), step.tables.len())?;
+        b.upload_idx(&mut cache.tables, &step.tables)?;
+        cache.max_blocks = step.width;
+        if !step.tiles.is_empty() {
             // Not read by graphs: a reallocation need not bump the epoch.
-            grow_idx(b, &mut cache.tiles, tiles.len())?;
-            b.upload_idx(&mut cache.tiles, &tiles)?;
+            grow_idx(b, &mut cache.tiles, step.tiles.len())?;
+            b.upload_idx(&mut cache.tiles, &step.tiles)?;
         }
-        cache.n_tiles = tiles.len() / 2;
-        cache.decode_rows = single.len();
-        b.upload_idx(&mut cache.keys, &keys)?;
-        b.upload_idx(&mut cache.positions, &positions)?;
+        cache.n_tiles = step.tiles.len() / 2;
+        cache.decode_rows = step.decode_rows;
+        b.upload_idx(&mut cache.keys, &step.keys)?;
+        b.upload_idx(&mut cache.positions, &step.positions)?;
+        let fed = &step.fed;
         if fed.iter().any(|&f| f != FEED_NONE) {
             // Fed rows are single tokens, which come first: `fed` covers them. The graphs
             // read this buffer too: a reallocation must drop them (the epoch).
             if grow_idx(b, &mut cache.feed, fed.len())? {
                 cache.epoch += 1;
             }
-            cache.upload_feed(b, &fed)?;
+            cache.upload_feed(b, fed)?;
             decoder.feed_tokens(&cache.tokens, &cache.feed, fed.len())?;
         }
-        let (kv, draws) = cache.step_views(r, sampling);
-        decoder.forward_paged(n, kv, (r > 0).then_some(draws))?;
-        cache.start_draws(decoder.backend(), r)
+        Ok(())
     }
 
     /// Copies whole blocks `(src, dst)` of every layer's keys and values.
@@ -470,6 +212,132 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
                 )?;
             }
         }
+        Ok(())
+    }
+
+    /// Pure-decode steps of up to `max_rows` sequences whose tables have at most
+    /// `max_blocks` blocks run as `mode` says: `max_blocks` is the longest block table the
+    /// engine will build (the fixed width of a padded step). `Graphs` on a backend without
+    /// graphs is `Eager`. Graphs captured before are released.
+    pub fn set_graphs(
+        &mut self,
+        mode: GraphMode,
+        max_rows: usize,
+        max_blocks: usize,
+    ) -> Result<()> {
+        self.release_graph_memory()?;
+        let mode = if mode == GraphMode::Graphs && !self.decoder.backend().graphs_supported() {
+            GraphMode::Eager
+        } else {
+            mode
+        };
+        self.cache.graphs.configure(mode, max_rows, max_blocks);
+        Ok(())
+    }
+
+    /// Destroys the decode graphs and gives their memory back to the pool (to the driver on
+    /// the next `trim`); the stats with the bytes the graphs held.
+    pub fn release_graphs(&mut self) -> Result<GraphStats> {
+        self.release_graph_memory()?;
+        Ok(self.cache.graph_stats())
+    }
+
+    /// Destroys the decode graphs; returns the bytes they held.
+    fn release_graph_memory(&mut self) -> Result<usize> {
+        if !self.cache.graphs.forget() {
+            return Ok(0);
+        }
+        let bytes = self.decoder.backend().graph_release()?;
+        let g = &mut self.cache.graphs;
+        g.stats.graph_bytes = g.stats.graph_bytes.max(bytes);
+        Ok(bytes)
+    }
+
+    /// Sizes every buffer a padded step reads or writes for the largest bucket, once; when
+    /// any of them moved since the graphs were captured, the graphs are released (they would
+    /// read the old addresses) and get captured again.
+    fn prepare_padded(&mut self) -> Result<()> {
+        let (rows, width) = (self.cache.graphs.max_rows(), self.cache.graphs.width());
+        self.decoder.reserve_paged(rows, rows)?;
+        self.cache
+            .grow_step_buffers(self.decoder.backend(), rows, rows * width)?;
+        let now = (self.decoder.workspace_epoch(), self.cache.epoch);
+        if self.cache.graphs.moved(now) {
+            self.release_graph_memory()?;
+        }
+        Ok(())
+    }
+
+    /// The part of a padded decode step that runs on the device (and is captured): the fed
+    /// tokens, the forward of `rows` tokens, final norm and LM head of every row, the draws.
+    fn decode_body(&mut self, rows: usize, sampling: &SamplingParams) -> Result<()> {
+        let PagedDecoder { decoder, cache } = self;
+        // Rows of a queued step take their tokens from the draws of the step before.
+        decoder.feed_tokens(&cache.tokens, &cache.feed, rows)?;
+        let (kv, draws) = cache.step_views(rows, sampling);
+        decoder.forward_paged(rows, kv, Some(draws))
+    }
+
+    /// A pure-decode step padded to `bucket` rows (`HostStep::padded`). With
+    /// `GraphMode::Graphs` the device part is a graph replay (captured at the bucket's
+    /// CAPTURE_AT-th step, after eager runs that compile the kernels, plan the GEMMs and cache
+    /// the temporaries).
+    fn submit_padded(
+        &mut self,
+        chunks: &[Chunk],
+        feed: &[Option<u32>],
+        rows: &[SampleRow],
+        sampling: &SamplingParams,
+        bucket: usize,
+    ) -> Result<()> {
+        let step = HostStep::padded(&self.cache, chunks, feed, rows, bucket)?;
+        self.prepare_padded()?;
+        self.decoder.upload_step(&step.rows())?;
+        {
+            let (b, cache) = (self.decoder.backend(), &mut self.cache);
+            b.upload_idx(&mut cache.tables, &step.tables)?;
+            b.upload_idx(&mut cache.keys, &step.keys)?;
+            b.upload_idx(&mut cache.positions, &step.positions)?;
+            cache.upload_feed(b, &step.fed)?;
+        }
+        let cache = &mut self.cache;
+        cache.max_blocks = step.width;
+        cache.n_tiles = 0;
+        cache.decode_rows = bucket;
+        let g = &mut cache.graphs;
+        g.stats.padding_rows += bucket - chunks.len().max(rows.len());
+        match g.next_run(bucket, sampling) {
+            PaddedRun::Eager => {
+                self.decode_body(bucket, sampling)?;
+                self.cache.graphs.stats.padded_steps += 1;
+            }
+            PaddedRun::Capture(key) => {
+                let t0 = Instant::now();
+                let id = self.capture(bucket, sampling)?;
+                let us = t0.elapsed().as_micros() as u64;
+                self.cache.graphs.captured_as(key, id, us);
+                self.replay(id)?;
+            }
+            PaddedRun::Replay(id) => self.replay(id)?,
+        }
+        self.cache.start_draws(self.decoder.backend(), rows.len())
+    }
+
+    /// Captures the device part of a padded step of `bucket` rows as a graph; its id.
+    fn capture(&mut self, bucket: usize, sampling: &SamplingParams) -> Result<usize> {
+        let b = self.decoder.backend();
+        b.synchronize()?;
+        b.graph_begin()?;
+        let body = self.decode_body(bucket, sampling);
+        let id = self.decoder.backend().graph_end();
+        body?;
+        id
+    }
+
+    /// Launches graph `id`.
+    fn replay(&mut self, id: usize) -> Result<()> {
+        self.decoder.backend().graph_launch(id)?;
+        self.cache.graphs.stats.replays += 1;
         Ok(())
     }
 }
@@ -513,21 +381,173 @@ impl<B: Backend> PagedModel for PagedDecoder<'_, B> {
     }
 }
 
-/// Draws as `Sampled` rows.
-fn sampled(tokens: Vec<u32>, logprobs: Vec<f32>) -> Vec<Sampled> {
-    tokens
-        .into_iter()
-        .zip(logprobs)
-        .map(|(token, logprob)| Sampled { token, logprob })
-        .collect()
+/// The host side of a step: per token row its id, position, cache row, table row (its chunk)
+/// and context length; the block tables, `width` entries per chunk; per sample row the token
+/// row it draws from, its key (two words) and its position; the fed rows' sources (`FEED_NONE`
+/// where a row keeps its own token); the prefill tiles (first row, rows) after the
+/// `decode_rows` single-token rows.
+struct HostStep {
+    ids: Vec<u32>,
+    pos: Vec<u32>,
+    kv_rows: Vec<u32>,
+    seq: Vec<u32>,
+    len: Vec<u32>,
+    tables: Vec<u32>,
+    width: usize,
+    sample: Vec<u32>,
+    keys: Vec<u32>,
+    positions: Vec<u32>,
+    fed: Vec<u32>,
+    tiles: Vec<u32>,
+    decode_rows: usize,
 }
 
-/// Grows an index buffer to hold at least `n` entries (to the next power of two, so that a
-/// growing batch reallocates rarely); true when it was reallocated.
-pub(super) fn grow_idx<B: Backend>(b: &B, buf: &mut B::Idx, n: usize) -> Result<bool> {
-    if b.len_idx(buf) < n {
-        *buf = b.alloc_idx(n.next_power_of_two())?;
-        return Ok(true);
+impl HostStep {
+    fn rows(&self) -> StepRows<'_> {
+        StepRows {
+            ids: &self.ids,
+            positions: &self.pos,
+            cache_rows: &self.kv_rows,
+            table_rows: &self.seq,
+            context: &self.len,
+            sample: &self.sample,
+        }
     }
-    Ok(false)
+
+    /// A step as it is: single-token chunks first, then the prefill chunks in tiles of
+    /// consecutive rows (the attention runs those as blocks of queries); tables as wide as the
+    /// widest.
+    fn eager<B: Backend>(
+        cache: &PagedKv<B>,
+        chunks: &[Chunk],
+        feed: &[Option<u32>],
+        rows: &[SampleRow],
+    ) -> Result<HostStep> {
+        let bs = cache.block_size;
+        let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        ensure!(n > 0, "paged step without tokens");
+        let max_blocks = chunks.iter().map(|c| c.table.len()).max().unwrap_or(0);
+        let (mut ids, mut pos) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut kv_rows, mut seq, mut len) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let mut tables = vec![0u32; chunks.len() * max_blocks];
+        let mut last = vec![0u32; chunks.len()];
+        let (single, multi): (Vec<usize>, Vec<usize>) =
+            (0..chunks.len()).partition(|&c| chunks[c].tokens.len() == 1);
+        let mut tiles = Vec::new();
+        let mut fed = Vec::new();
+        for &c in single.iter().chain(&multi) {
+            let ch = &chunks[c];
+            if !feed.is_empty() && ch.tokens.len() == 1 {
+                fed.push(feed[c].unwrap_or(FEED_NONE));
+            }
+            cache.check_chunk(c, ch)?;
+            tables[c * max_blocks..c * max_blocks + ch.table.len()].copy_from_slice(ch.table);
+            if ch.tokens.len() > 1 {
+                for t0 in (0..ch.tokens.len()).step_by(PAGED_TILE_ROWS) {
+                    let rows = PAGED_TILE_ROWS.min(ch.tokens.len() - t0);
+                    tiles.extend([(ids.len() + t0) as u32, rows as u32]);
+                }
+            }
+            for (i, &t) in ch.tokens.iter().enumerate() {
+                let p = ch.start + i;
+                ids.push(t);
+                pos.push(p as u32);
+                kv_rows.push(cache_row(ch.table, bs, p) as u32);
+                seq.push(c as u32);
+                len.push(p as u32 + 1);
+            }
+            last[c] = ids.len() as u32 - 1;
+        }
+        let sample: Vec<u32> = rows
+            .iter()
+            .map(|r| {
+                last.get(r.chunk)
+                    .copied()
+                    .ok_or_else(|| anyhow::anyhow!("sample row names chunk {}", r.chunk))
+            })
+            .collect::<Result<_>>()?;
+        let keys: Vec<u32> = rows
+            .iter()
+            .flat_map(|s| [s.key as u32, (s.key >> 32) as u32])
+            .collect();
+        let positions: Vec<u32> = rows.iter().map(|s| s.position as u32).collect();
+        Ok(HostStep {
+            ids,
+            pos,
+            kv_rows,
+            seq,
+            len,
+            tables,
+            width: max_blocks,
+            sample,
+            keys,
+            positions,
+            fed,
+            tiles,
+            decode_rows: single.len(),
+        })
+    }
+
+    /// A pure-decode step padded to `bucket` rows: padding rows feed token 0 at position 0
+    /// into the spare block and sample from their own logits; every table is the graphs' fixed
+    /// width (the rest pointing at the spare block).
+    fn padded<B: Backend>(
+        cache: &PagedKv<B>,
+        chunks: &[Chunk],
+        feed: &[Option<u32>],
+        rows: &[SampleRow],
+        bucket: usize,
+    ) -> Result<HostStep> {
+        let (bs, width) = (cache.block_size(), cache.graphs.width());
+        let spare = cache.num_blocks() as u32;
+        let n = chunks.len();
+        let mut fed = vec![FEED_NONE; bucket];
+        for (f, &s) in fed.iter_mut().zip(feed) {
+            *f = s.unwrap_or(FEED_NONE);
+        }
+        let mut ids = vec![0u32; bucket];
+        let mut pos = vec![0u32; bucket];
+        let mut kv_rows = vec![spare * bs as u32; bucket];
+        let seq: Vec<u32> = (0..bucket as u32).collect();
+        let mut len = vec![1u32; bucket];
+        let mut tables = vec![spare; bucket * width];
+        for (c, ch) in chunks.iter().enumerate() {
+            cache.check_chunk(c, ch)?;
+            let p = ch.start;
+            tables[c * width..c * width + ch.table.len()].copy_from_slice(ch.table);
+            ids[c] = ch.tokens[0];
+            pos[c] = p as u32;
+            kv_rows[c] = cache_row(ch.table, bs, p) as u32;
+            len[c] = p as u32 + 1;
+        }
+        let mut sample = seq.clone();
+        let mut keys = vec![0u32; 2 * bucket];
+        let mut positions = vec![0u32; bucket];
+        for (i, r) in rows.iter().enumerate() {
+            ensure!(r.chunk < n, "sample row names chunk {}", r.chunk);
+            sample[i] = r.chunk as u32;
+            keys[2 * i] = r.key as u32;
+            keys[2 * i + 1] = (r.key >> 32) as u32;
+            positions[i] = r.position as u32;
+        }
+        Ok(HostStep {
+            ids,
+            pos,
+            kv_rows,
+            seq,
+            len,
+            tables,
+            width,
+            sample,
+            keys,
+            positions,
+            fed,
+            tiles: Vec::new(),
+            decode_rows: bucket,
+        })
+    }
 }

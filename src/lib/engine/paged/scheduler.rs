@@ -8,7 +8,8 @@
 //! were preempted, then prompts in input order. A prompt runs once as a "prompt sequence" that
 //! holds the seats of its samples; when its last chunk has run, every sample draws its first
 //! token from the prompt's last logits and the prompt's blocks are shared: the full blocks by
-//! reference, the partial last block copied once per extra sample (`engine::apply`).
+//! reference, the partial last block copied once per extra sample (`postprocess`, which also
+//! appends the drawn tokens and releases the blocks of finished samples).
 //!
 //! When a decoding sequence needs a new block and none is free, the newest running sequences
 //! are preempted (their blocks released, their tokens kept) and recomputed later by a prefill of
@@ -17,22 +18,23 @@
 //! the blocks of every newer one, and one sequence alone always fits (checked up front by
 //! `GenParams::check`), so the loop never deadlocks.
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, ensure, Result};
 use std::collections::VecDeque;
 use std::ops::Range;
 
 use super::blocks::BlockPool;
-use super::request::{GenParams, Request};
+use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
 use super::sequence::{Kind, Seq};
 use super::{Chunk, PagedConfig, PagedStats, SampleRow};
+use crate::backend::ops::sample::Sampled;
 
 /// The waiting and running sequences and the block pool they share.
 pub(super) struct Scheduler<'r> {
     cfg: PagedConfig,
     requests: &'r [Request],
-    pub(super) pool: BlockPool,
+    pool: BlockPool,
     /// Admitted sequences, in the order their steps list them.
-    pub(super) running: Vec<Seq>,
+    running: Vec<Seq>,
     /// Samples of prompts not yet admitted: (request, sample range), in input order.
     waiting: VecDeque<(usize, Range<usize>)>,
     /// Preempted samples, oldest first (admitted before any waiting prompt).
@@ -44,12 +46,12 @@ pub(super) struct Scheduler<'r> {
 /// `running` as it was when the step was built.
 pub(super) struct Flight {
     /// Tokens fed per sequence.
-    pub(super) want: Vec<usize>,
+    want: Vec<usize>,
     /// Per sequence, the rows it drew.
-    pub(super) drawn_rows: Vec<Option<Range<usize>>>,
-    pub(super) rows: usize,
+    drawn_rows: Vec<Option<Range<usize>>>,
+    rows: usize,
     /// Every fed sequence is a sample feeding one token and drawing one.
-    pub(super) pure_decode: bool,
+    pure_decode: bool,
 }
 
 impl Flight {
@@ -68,6 +70,20 @@ impl Flight {
             ..self
         }
     }
+}
+
+/// What every draw is checked against: the stop rule's parameters and the detokenizer.
+pub(super) struct StopRule<'a> {
+    pub(super) params: &'a GenParams,
+    pub(super) detok: Option<Detokenize<'a>>,
+}
+
+/// What applying a step's draws leaves to the engine: per running entry (aligned with the
+/// flight) whether it stays running, and the block copies of the forks (`(src, dst)`, for the
+/// model to make before the next step).
+pub(super) struct Applied {
+    pub(super) keep: Vec<bool>,
+    pub(super) copies: Vec<(u32, u32)>,
 }
 
 /// One step's model inputs (they borrow the running sequences' tokens and tables): chunk c
@@ -102,6 +118,11 @@ impl<'r> Scheduler<'r> {
         self.waiting.clear();
     }
 
+    /// Blocks held by the running sequences.
+    pub(super) fn blocks_in_use(&self) -> usize {
+        self.pool.in_use()
+    }
+
     /// Nothing runs and nothing waits.
     pub(super) fn is_done(&self) -> bool {
         self.running.is_empty() && self.waiting.is_empty() && self.preempted.is_empty()
@@ -110,9 +131,19 @@ impl<'r> Scheduler<'r> {
     /// Decides the next step: the tokens each running sequence feeds (aligned with `running`,
     /// which may shrink by preemption and grow by admission).
     pub(super) fn schedule(&mut self, stats: &mut PagedStats) -> Vec<usize> {
-        // ---- running sequences first, oldest first ----------------------------------------
-        let mut budget = self.cfg.max_batched_tokens;
         let mut want: Vec<usize> = Vec::with_capacity(self.running.len());
+        let budget = self.schedule_running(&mut want, stats);
+        self.admit(&mut want, budget);
+        debug_assert_eq!(want.len(), self.running.len());
+        stats.peak_blocks_in_use = stats.peak_blocks_in_use.max(self.pool.in_use());
+        want
+    }
+
+    /// The running sequences first, oldest first: each gets the tokens it still has to run
+    /// within the budget, and the blocks for them, preempting the newest when none are free.
+    /// Returns the budget left.
+    fn schedule_running(&mut self, want: &mut Vec<usize>, stats: &mut PagedStats) -> usize {
+        let mut budget = self.cfg.max_batched_tokens;
         let mut i = 0;
         while i < self.running.len() {
             let n = self.running[i].pending().min(budget);
@@ -141,69 +172,79 @@ impl<'r> Scheduler<'r> {
             stats.preemptions += 1;
             self.preempt(v);
         }
+        budget
+    }
 
-        // ---- admit: preempted sequences, then prompts in order ----------------------------
+    /// Admits waiting work while seats, `budget` and blocks allow: preempted sequences, then
+    /// prompts in order.
+    fn admit(&mut self, want: &mut Vec<usize>, mut budget: usize) {
         let mut seats: usize = self.running.iter().map(Seq::seats).sum();
         while budget > 0 && seats < self.cfg.max_num_seqs {
-            if let Some(s) = self.preempted.front() {
-                let Some(b) = self.pool.alloc(self.pool.blocks_for(s.tokens.len())) else {
-                    break;
-                };
-                let mut s = self.preempted.pop_front().expect("front");
-                s.blocks = b;
-                let n = s.pending().min(budget);
-                budget -= n;
-                seats += 1;
-                want.push(n);
-                self.running.push(s);
-                continue;
-            }
-            let Some((req, range)) = self.waiting.front().cloned() else {
+            let admitted = match self.preempted.is_empty() {
+                false => self.admit_preempted(budget),
+                true => self.admit_prompt(budget, seats),
+            };
+            let Some((n, taken)) = admitted else {
                 break;
             };
-            let prompt = &self.requests[req].prompt;
-            let pb = self.pool.blocks_for(prompt.len());
-            let partial = usize::from(!prompt.len().is_multiple_of(self.cfg.block_size));
-            let mut take = range.len().min(self.cfg.max_num_seqs - seats);
-            while take > 0 && pb + (take - 1) * partial > self.pool.num_free() {
-                take -= 1;
-            }
-            // Part of a prompt's samples only when nothing else runs (n > seats, or a pool too
-            // small for all): otherwise wait for the seats, since each part is prefilled again.
-            if take == 0 || (take < range.len() && !self.running.is_empty()) {
-                break;
-            }
-            let blocks = self.pool.alloc(pb).expect("checked free blocks");
-            let spare = self
-                .pool
-                .alloc((take - 1) * partial)
-                .expect("checked free blocks");
-            let samples = range.start..range.start + take;
-            if take == range.len() {
-                self.waiting.pop_front();
-            } else {
-                self.waiting.front_mut().expect("front").1.start = samples.end;
-            }
-            let n = prompt.len().min(budget);
             budget -= n;
-            seats += take;
+            seats += taken;
             want.push(n);
-            self.running.push(Seq {
-                req,
-                kind: Kind::Prompt { samples, spare },
-                tokens: prompt.clone(),
-                prompt_len: prompt.len(),
-                computed: 0,
-                blocks,
-                logprobs: vec![],
-                order: (self.admitted, 0),
-                zombie: false,
-            });
-            self.admitted += 1;
         }
-        debug_assert_eq!(want.len(), self.running.len());
-        stats.peak_blocks_in_use = stats.peak_blocks_in_use.max(self.pool.in_use());
-        want
+    }
+
+    /// The oldest preempted sequence, if its blocks are free: (tokens it feeds, seats it takes).
+    fn admit_preempted(&mut self, budget: usize) -> Option<(usize, usize)> {
+        let s = self.preempted.front()?;
+        let b = self.pool.alloc(self.pool.blocks_for(s.tokens.len()))?;
+        let mut s = self.preempted.pop_front().expect("front");
+        s.blocks = b;
+        let n = s.pending().min(budget);
+        self.running.push(s);
+        Some((n, 1))
+    }
+
+    /// The first waiting prompt with as many of its samples as fit `seats` taken and the free
+    /// blocks: (tokens it feeds, seats it takes).
+    fn admit_prompt(&mut self, budget: usize, seats: usize) -> Option<(usize, usize)> {
+        let (req, range) = self.waiting.front().cloned()?;
+        let prompt = &self.requests[req].prompt;
+        let pb = self.pool.blocks_for(prompt.len());
+        let partial = usize::from(!prompt.len().is_multiple_of(self.cfg.block_size));
+        let mut take = range.len().min(self.cfg.max_num_seqs - seats);
+        while take > 0 && pb + (take - 1) * partial > self.pool.num_free() {
+            take -= 1;
+        }
+        // Part of a prompt's samples only when nothing else runs (n > seats, or a pool too
+        // small for all): otherwise wait for the seats, since each part is prefilled again.
+        if take == 0 || (take < range.len() && !self.running.is_empty()) {
+            return None;
+        }
+        let blocks = self.pool.alloc(pb).expect("checked free blocks");
+        let spare = self
+            .pool
+            .alloc((take - 1) * partial)
+            .expect("checked free blocks");
+        let samples = range.start..range.start + take;
+        if take == range.len() {
+            self.waiting.pop_front();
+        } else {
+            self.waiting.front_mut().expect("front").1.start = samples.end;
+        }
+        let n = prompt.len().min(budget);
+        self.running.push(Seq {
+            req,
+            kind: Kind::Prompt { samples, spare },
+            tokens: prompt.clone(),
+            prompt_len: prompt.len(),
+            computed: 0,
+            blocks,
+            logprobs: vec![],
+            order: (self.admitted, 0),
+            zombie: false,
+        });
+        self.admitted += 1;
+        Some((n, take))
     }
 
     /// Why a schedule that runs nothing while work waits cannot go on.
@@ -382,6 +423,149 @@ impl<'r> Scheduler<'r> {
         Ok(Batch { chunks, feed, rows })
     }
 
+    /// Applies the draws of flight `f` to the running sequences (nano-vllm's
+    /// `Scheduler.postprocess`): tokens appended, prompts forked into their samples, finished
+    /// samples handed to `done` as (request, sample, completion) and their blocks released,
+    /// unless `queued` (the step handed to the model since, aligned the same way) feeds them:
+    /// those become zombies until it is applied. When a step is queued nothing is forked, so
+    /// the entries that stay keep their order.
+    pub(super) fn postprocess(
+        &mut self,
+        f: Flight,
+        drawn: &[Sampled],
+        queued: Option<&Flight>,
+        rule: &StopRule,
+        stats: &mut PagedStats,
+        done: &mut dyn FnMut(usize, usize, Completion),
+    ) -> Result<Applied> {
+        ensure!(
+            drawn.len() == f.rows,
+            "paged model drew {} tokens for {} rows",
+            drawn.len(),
+            f.rows
+        );
+        let running = std::mem::take(&mut self.running);
+        let mut post = Post {
+            rule,
+            done,
+            next: Vec::with_capacity(running.len()),
+            copies: Vec::new(),
+        };
+        let mut keep = Vec::with_capacity(running.len());
+        let entries = running.into_iter().zip(f.want).zip(f.drawn_rows);
+        for (i, ((mut s, n), rows)) in entries.enumerate() {
+            let fed_next = queued.is_some_and(|q| q.want[i] > 0);
+            if s.zombie {
+                // Its draw was computed for nobody; no later step feeds it.
+                debug_assert!(!fed_next);
+                stats.overlap_discarded += 1;
+                self.pool.release(&s.blocks);
+                keep.push(false);
+                continue;
+            }
+            s.computed += n;
+            let Some(rows) = rows else {
+                post.next.push(s);
+                keep.push(true);
+                continue;
+            };
+            stats.gen.generated_tokens += rows.len();
+            let stays = match &mut s.kind {
+                Kind::Prompt { samples, spare } => {
+                    // A prompt's last chunk is no decode step: nothing was queued behind it.
+                    debug_assert!(!fed_next);
+                    stats.gen.prefills += 1;
+                    let (samples, spare) = (samples.clone(), std::mem::take(spare));
+                    self.fork(&s, samples, spare, &drawn[rows], &mut post)?;
+                    false
+                }
+                Kind::Sample { .. } => self.settle(s, drawn[rows.start], fed_next, &mut post)?,
+            };
+            keep.push(stays);
+        }
+        self.running = post.next;
+        Ok(Applied {
+            keep,
+            copies: post.copies,
+        })
+    }
+
+    /// Forks prompt sequence `p`, whose last chunk just ran, into its `samples`, each taking
+    /// its first draw from `drawn`: the first takes the prompt's blocks, every other shares its
+    /// full blocks and gets a copy of its partial last block (one of the `spare` blocks).
+    fn fork(
+        &mut self,
+        p: &Seq,
+        samples: Range<usize>,
+        spare: Vec<u32>,
+        drawn: &[Sampled],
+        post: &mut Post,
+    ) -> Result<()> {
+        let full = p.prompt_len / self.pool.block_size();
+        let mut spare = spare.into_iter();
+        let mut ended = Vec::new();
+        for (k, (j, d)) in samples.zip(drawn).enumerate() {
+            let blocks = if k == 0 {
+                p.blocks.clone()
+            } else {
+                for &b in &p.blocks[..full] {
+                    self.pool.share(b);
+                }
+                let mut t = p.blocks[..full].to_vec();
+                if full < p.blocks.len() {
+                    let copy = spare.next().expect("a spare block per extra sample");
+                    post.copies.push((p.blocks[full], copy));
+                    t.push(copy);
+                }
+                t
+            };
+            let mut c = p.sample(j, k, blocks);
+            match c.accept(*d, post.rule.params, post.rule.detok)? {
+                Some(reason) => ended.push((c, reason)),
+                None => post.next.push(c),
+            }
+        }
+        // Released once every sample holds its shares. The prompt leaves `running` (its
+        // samples are new entries), and nothing is queued behind its step.
+        for (c, reason) in ended {
+            self.finish(c, reason, false, post)?;
+        }
+        Ok(())
+    }
+
+    /// Appends draw `d` to sample `s`; one that goes on stays running, a finished one is
+    /// finished (`finish`). Returns whether it stays.
+    fn settle(&mut self, mut s: Seq, d: Sampled, fed_next: bool, post: &mut Post) -> Result<bool> {
+        match s.accept(d, post.rule.params, post.rule.detok)? {
+            Some(reason) => self.finish(s, reason, fed_next, post),
+            None => {
+                post.next.push(s);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Hands finished sample `s` to `done` and releases its blocks, unless the queued step
+    /// feeds it (`fed_next`): then it stays as a zombie until that step is applied. Returns
+    /// whether it stays.
+    fn finish(
+        &mut self,
+        mut s: Seq,
+        reason: FinishReason,
+        fed_next: bool,
+        post: &mut Post,
+    ) -> Result<bool> {
+        let (req, sample, completion) = s.take_completion(reason, post.rule.detok)?;
+        (post.done)(req, sample, completion);
+        if fed_next {
+            s.zombie = true;
+            post.next.push(s);
+            return Ok(true);
+        }
+        self.pool.release(&s.blocks);
+        Ok(false)
+    }
+
     /// Releases a sequence's blocks and queues it again: a prompt goes back to the front of
     /// the waiting prompts, a sample to the preempted queue (recomputed before new prompts are
     /// admitted).
@@ -409,3 +593,12 @@ impl<'r> Scheduler<'r> {
 
 /// The placeholder token of a chunk whose token the model takes from the previous draws.
 const FED: [u32; 1] = [0];
+
+/// One `postprocess` as it is built: the rule and the sink of finished samples, the sequences
+/// running after it, the block copies of the forks.
+struct Post<'a, 'r> {
+    rule: &'a StopRule<'r>,
+    done: &'a mut dyn FnMut(usize, usize, Completion),
+    next: Vec<Seq>,
+    copies: Vec<(u32, u32)>,
+}

@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use std::ops::Range;
 
-use super::request::{Detokenize, FinishReason, GenParams};
+use super::request::{Completion, Detokenize, FinishReason, GenParams};
 use crate::backend::ops::sample::Sampled;
 
 pub(super) enum Kind {
@@ -77,11 +77,45 @@ impl Seq {
         Ok(Some(reason))
     }
 
-    /// (request, sample index, response text) of a finished sample.
-    pub(super) fn completion_text(
-        &self,
+    /// Sample `sample` of this prompt, the `k`-th forked from it, over `blocks`: the prompt's
+    /// tokens, all in the cache.
+    pub(super) fn sample(&self, sample: usize, k: usize, blocks: Vec<u32>) -> Seq {
+        Seq {
+            req: self.req,
+            kind: Kind::Sample {
+                sample,
+                stopped_text: None,
+            },
+            tokens: self.tokens.clone(),
+            prompt_len: self.prompt_len,
+            computed: self.computed,
+            blocks,
+            logprobs: vec![],
+            order: (self.order.0, k),
+            zombie: false,
+        }
+    }
+
+    /// (request, sample index, completion) of a sample finished for `reason`; its tokens and
+    /// log-probs are taken out (it keeps its blocks).
+    pub(super) fn take_completion(
+        &mut self,
+        reason: FinishReason,
         detok: Option<Detokenize>,
-    ) -> Result<(usize, usize, String)> {
+    ) -> Result<(usize, usize, Completion)> {
+        let (req, sample, text) = self.completion_text(detok)?;
+        let tokens = std::mem::take(&mut self.tokens);
+        let completion = Completion {
+            tokens: tokens[self.prompt_len..].to_vec(),
+            logprobs: std::mem::take(&mut self.logprobs),
+            finish: reason,
+            text,
+        };
+        Ok((req, sample, completion))
+    }
+
+    /// (request, sample index, response text) of a finished sample.
+    fn completion_text(&self, detok: Option<Detokenize>) -> Result<(usize, usize, String)> {
         let Kind::Sample {
             sample,
             stopped_text,

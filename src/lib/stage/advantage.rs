@@ -160,19 +160,7 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
     let t_compute = t1.elapsed().as_secs_f64();
 
     let t2 = Instant::now();
-    let mut cols = NewColumns::new();
-    cols.add(
-        schema::TOKEN_REWARDS,
-        list_array::<Float32Type>(offsets, rewards.token_rewards),
-    );
-    cols.add(
-        schema::ADVANTAGES,
-        list_array::<Float32Type>(offsets, out.advantages),
-    );
-    cols.add(
-        schema::RETURNS,
-        list_array::<Float32Type>(offsets, out.returns),
-    );
+    let cols = columns(offsets, rewards.token_rewards, out);
     let info = StageInfo {
         stage: "advantage",
         params: a.params_json(est, beta_used),
@@ -194,6 +182,24 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
     let t_write = t2.elapsed().as_secs_f64();
     let times = [t_read, t_compute, t_write, t0.elapsed().as_secs_f64()];
     report(a, est.name, &inp, &stats, times)
+}
+
+/// The columns the stage adds: token rewards, advantages, returns.
+fn columns(offsets: &[usize], token_rewards: Vec<f32>, out: adv::AdvOutput) -> NewColumns {
+    let mut cols = NewColumns::new();
+    cols.add(
+        schema::TOKEN_REWARDS,
+        list_array::<Float32Type>(offsets, token_rewards),
+    );
+    cols.add(
+        schema::ADVANTAGES,
+        list_array::<Float32Type>(offsets, out.advantages),
+    );
+    cols.add(
+        schema::RETURNS,
+        list_array::<Float32Type>(offsets, out.returns),
+    );
+    cols
 }
 
 /// The columns the estimator reads, checked against the mask.

@@ -28,6 +28,7 @@ use crate::engine::paged::{
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
+use crate::model::Config;
 use crate::parallel::exchange::{Reader, Writer};
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
@@ -591,27 +592,13 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     if root {
         log_left_out(&dataset, "rollout", &mut |m| exec.log(m));
     }
-    let model = resolve_model(&args.model)?;
-    let cfg = ModelDir::load_config(&model.dir)?;
-    let tokenizer = Tokenizer::from_dir(&model.dir)?;
-    let template = if args.raw_prompt {
-        None
-    } else {
-        Some(ChatTemplate::from_dir(&model.dir)?)
-    };
-
-    let (prompts, truncated) = tokenize_prompts(
-        &dataset,
-        n_prompts,
-        &tokenizer,
-        template.as_ref(),
-        cfg.vocab_size,
-        &PromptLimits {
-            prompt_key: &args.prompt_key,
-            max_prompt_tokens: args.max_prompt_tokens,
-            truncate: args.truncate,
-        },
-    )?;
+    let Prepared {
+        model,
+        cfg,
+        tokenizer,
+        prompts,
+        truncated,
+    } = Prepared::load(&args, &dataset, n_prompts)?;
     let (prompt_uids, requests) = keyed_requests(&prompts, args.n, args.seed);
     let params = args.gen_params(sampling, &cfg.eos_token_ids);
 
@@ -672,6 +659,50 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         args.out.display()
     ));
     Ok(())
+}
+
+/// The model the stage runs and its prompts as token ids.
+struct Prepared {
+    model: ModelRef,
+    cfg: Config,
+    tokenizer: Tokenizer,
+    prompts: Vec<Vec<u32>>,
+    /// Prompts cut to --max-prompt-tokens.
+    truncated: usize,
+}
+
+impl Prepared {
+    /// Resolves the model and tokenizes the first `n_prompts` prompts with its chat template
+    /// (unless --raw-prompt).
+    fn load(args: &RolloutArgs, dataset: &PromptDataset, n_prompts: usize) -> Result<Prepared> {
+        let model = resolve_model(&args.model)?;
+        let cfg = ModelDir::load_config(&model.dir)?;
+        let tokenizer = Tokenizer::from_dir(&model.dir)?;
+        let template = if args.raw_prompt {
+            None
+        } else {
+            Some(ChatTemplate::from_dir(&model.dir)?)
+        };
+        let (prompts, truncated) = tokenize_prompts(
+            dataset,
+            n_prompts,
+            &tokenizer,
+            template.as_ref(),
+            cfg.vocab_size,
+            &PromptLimits {
+                prompt_key: &args.prompt_key,
+                max_prompt_tokens: args.max_prompt_tokens,
+                truncate: args.truncate,
+            },
+        )?;
+        Ok(Prepared {
+            model,
+            cfg,
+            tokenizer,
+            prompts,
+            truncated,
+        })
+    }
 }
 
 /// The requests of the prompts, `n` samples each, with their random keys, and the prompts'

@@ -1,7 +1,7 @@
-//! The step loop (nano-vllm's `LLMEngine.step`): schedule, hand the step to the model, apply its
-//! draws (the scheduler's `postprocess`: tokens appended, prompts forked into their samples;
-//! here the finished samples are written out).
-//! With overlap scheduling the next decode step is handed to the model before the draws of
+//! The step loop (nano-vllm's `LLMEngine.step`): schedule, hand the step to the model, have the
+//! scheduler apply its draws (`Scheduler::postprocess`: tokens appended, prompts forked into
+//! their samples, finished samples released), write the finished samples out. With overlap
+//! scheduling the next decode step is handed to the model before the draws of
 //! the one running are applied (`Scheduler::lookahead`), so the host's work hides behind the
 //! device's; the completions are the same either way.
 

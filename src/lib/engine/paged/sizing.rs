@@ -69,7 +69,7 @@ impl Plan {
 
 /// Blocks every running sample needs at its longest, plus a copy of a partial prompt block each
 /// (more could not be used).
-pub fn cap_blocks(need: &Need, seqs: usize, block_size: usize) -> usize {
+fn cap_blocks(need: &Need, seqs: usize, block_size: usize) -> usize {
     seqs * (width(need, block_size) + 1)
 }
 
@@ -85,7 +85,7 @@ fn seats(need: &Need, limits: &Limits) -> usize {
 
 /// Tokens of the largest step the engine can run: every prompt and every sample's tokens at
 /// once, never more than --max-batched-tokens.
-pub fn workspace_tokens(need: &Need, limits: &Limits) -> usize {
+fn workspace_tokens(need: &Need, limits: &Limits) -> usize {
     let most = need.prompt_tokens + seats(need, limits) * (need.max_new_tokens + 1);
     limits.max_batched_tokens.min(most)
 }
@@ -94,7 +94,7 @@ pub fn workspace_tokens(need: &Need, limits: &Limits) -> usize {
 /// GPU), divided by the bytes of one block over every layer, never more than `cap` (what every
 /// sequence at its longest needs at once: more could not be used). Without device memory
 /// figures (the CPU) the pool is `cap`.
-pub fn pool_blocks(
+fn pool_blocks(
     free_bytes: Option<usize>,
     fraction: f64,
     bytes_per_block: usize,

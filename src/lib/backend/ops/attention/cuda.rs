@@ -183,15 +183,15 @@ impl AttentionOps for CudaBackend {
             self.fill(dx.k, kn, 0.0)?;
             return self.fill(dx.v, kn, 0.0);
         }
+        let seqs = Seqs::new(s, cu_seqlens)?;
         let dd = backward_prep(self, dout, o, s)?;
-        let mma = self.use_mma(hd, &[dx.q, dx.k, dx.v, dout, q, k, v]);
         let saved = Saved {
             dout,
             x: Qkv { q, k, v },
             lse,
             dd: &dd,
-            seqs: Seqs::new(s, cu_seqlens)?,
-            mma,
+            seqs,
+            mma: self.use_mma(hd, &[dx.q, dx.k, dx.v, dout, q, k, v]),
         };
         launch_backward(self, dx, &saved, s)
     }

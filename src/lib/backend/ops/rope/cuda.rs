@@ -162,21 +162,14 @@ impl RopeOps for CudaBackend {
         cache: KvCache<&mut CudaBuf>,
         s: RopeKvShape,
     ) -> Result<()> {
-        let RopeKvShape {
-            tokens,
-            heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = s;
-        check_head_dim(head_dim)?;
-        let kd = kv_heads * head_dim;
-        need(q.len, tokens * heads * head_dim, "rope_store_kv q")?;
-        need(k.len, tokens * kd, "rope_store_kv k")?;
-        need(v.len, tokens * kd, "rope_store_kv v")?;
-        need(slots.pos.len, tokens, "rope_store_kv pos")?;
-        need(slots.rows.len, tokens, "rope_store_kv rows")?;
-        if tokens == 0 || kd == 0 {
+        check_head_dim(s.head_dim)?;
+        let (t, qd, kd) = (s.tokens, s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        need(q.len, t * qd, "rope_store_kv q")?;
+        need(k.len, t * kd, "rope_store_kv k")?;
+        need(v.len, t * kd, "rope_store_kv v")?;
+        need(slots.pos.len, t, "rope_store_kv pos")?;
+        need(slots.rows.len, t, "rope_store_kv rows")?;
+        if t == 0 || kd == 0 {
             return Ok(());
         }
         let store = Store::new(self, slots, cache.read(), s)?;
@@ -190,20 +183,13 @@ impl RopeOps for CudaBackend {
         s: RopeKvShape,
     ) -> Result<()> {
         let PackedQkv { qkv, q: q_out } = x;
-        let RopeKvShape {
-            tokens,
-            heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = s;
-        check_head_dim(head_dim)?;
-        let (qd, kd) = (heads * head_dim, kv_heads * head_dim);
-        need(qkv.len, tokens * (qd + 2 * kd), "rope_store_kv_packed qkv")?;
-        need(q_out.len, tokens * qd, "rope_store_kv_packed q")?;
-        need(slots.pos.len, tokens, "rope_store_kv_packed pos")?;
-        need(slots.rows.len, tokens, "rope_store_kv_packed rows")?;
-        if tokens == 0 || kd == 0 {
+        check_head_dim(s.head_dim)?;
+        let (t, qd, kd) = (s.tokens, s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        need(qkv.len, t * (qd + 2 * kd), "rope_store_kv_packed qkv")?;
+        need(q_out.len, t * qd, "rope_store_kv_packed q")?;
+        need(slots.pos.len, t, "rope_store_kv_packed pos")?;
+        need(slots.rows.len, t, "rope_store_kv_packed rows")?;
+        if t == 0 || kd == 0 {
             return Ok(());
         }
         let store = Store::new(self, slots, cache.read(), s)?;

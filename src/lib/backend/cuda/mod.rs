@@ -76,7 +76,7 @@ impl CudaBuf {
     }
 
     /// Device address of element 0, length in elements and element type, for handing the
-    /// buffer to another library on another stream (NCCL in `dist`, ordered by events).
+    /// buffer to another library on another stream (NCCL in `parallel`, ordered by events).
     pub fn raw(&self) -> (u64, usize, DType) {
         (self.ptr, self.len, self.dtype)
     }

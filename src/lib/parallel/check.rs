@@ -15,7 +15,8 @@
 //! hang) to test that every other rank stops, naming it.
 
 use super::comm::{dtype_name, round_to, Collective, Comm, ReduceOp};
-use super::group::{run_job, DeviceKind, Job, Options, ProcessGroup};
+use super::group::{Options, ProcessGroup};
+use super::job::{run_job, DeviceKind, Job};
 use super::nccl::NcclComm;
 use super::world::World;
 use crate::backend::check::gpu::{Case, Ctx, Row};

@@ -1,17 +1,11 @@
 //! A process group: this rank's [`World`], its connection to the rendezvous store (and, on
 //! rank 0, the store itself), the job's [`Health`], and the options every communicator of the
-//! group shares. Communicators are made from it ([`HostComm::new`], [`NcclComm::new`]), and
-//! [`run_job`] runs a computation on the backend `--device` names with the matching one.
+//! group shares. Communicators are made from it (`HostComm::new`, `NcclComm::new`), and
+//! `job::run_job` runs a computation on the backend `--device` names with the matching one.
 
-use super::comm::Comm;
 use super::health::Health;
-use super::host::HostComm;
-use super::nccl::NcclComm;
 use super::store::{StoreClient, StoreServer};
 use super::world::World;
-use crate::backend::cpu::Cpu;
-use crate::backend::cuda::CudaBackend;
-use crate::backend::Backend;
 use crate::error::input_error;
 use anyhow::Result;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -193,80 +187,4 @@ fn bind_address(world: &World) -> Result<SocketAddr> {
         .unwrap_or(false);
     let ip = if loopback { "127.0.0.1" } else { "0.0.0.0" };
     Ok(format!("{ip}:{}", world.master_port).parse()?)
-}
-
-/// The backend a rank computes on: every rank of a job uses the same kind; a CUDA rank uses
-/// the GPU of its local rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DeviceKind {
-    Cpu,
-    Cuda,
-}
-
-impl std::fmt::Display for DeviceKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DeviceKind::Cpu => "cpu",
-            DeviceKind::Cuda => "cuda",
-        })
-    }
-}
-
-/// A computation of one rank, written once for any backend and its communicator.
-pub trait Job {
-    type Out;
-    fn run<B: Backend>(self, backend: &B, comm: &dyn Comm<B>) -> Result<Self::Out>;
-}
-
-/// A computation of one rank that keeps its backend and communicator (a trainer that owns
-/// them, a daemon that holds such a trainer between requests).
-pub trait RankJob {
-    type Out;
-    fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<Self::Out>;
-}
-
-/// Runs `job` on this rank's backend with the group's communicator of that backend: the CPU
-/// with [`HostComm`], or GPU [`gpu_for_rank`] with [`NcclComm`].
-pub fn run_job<J: Job>(device: DeviceKind, pg: &ProcessGroup, job: J) -> Result<J::Out> {
-    struct Borrowed<J>(J);
-    impl<J: Job> RankJob for Borrowed<J> {
-        type Out = J::Out;
-        fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<J::Out> {
-            self.0.run(&backend, comm.as_ref())
-        }
-    }
-    run_rank_job(device, pg, Borrowed(job))
-}
-
-/// [`run_job`] for a job that takes its backend and communicator over. The communicator is
-/// made from the backend (NCCL orders its stream against the backend's), before the job gets
-/// both.
-pub fn run_rank_job<J: RankJob>(device: DeviceKind, pg: &ProcessGroup, job: J) -> Result<J::Out> {
-    match device {
-        DeviceKind::Cpu => {
-            let comm = HostComm::new(pg)?;
-            job.run(Cpu, Box::new(comm))
-        }
-        DeviceKind::Cuda => {
-            let backend = CudaBackend::new(gpu_for_rank(pg.world())?)?;
-            let comm = NcclComm::new(&backend, pg)?;
-            job.run(backend, Box::new(comm))
-        }
-    }
-}
-
-/// The GPU a rank uses: its local rank, or GPU 0 where the launcher shows each rank only its
-/// own GPU (Slurm's `--gpus-per-task=1` sets CUDA_VISIBLE_DEVICES per task).
-pub fn gpu_for_rank(world: &World) -> Result<usize> {
-    let visible = super::nccl::visible_gpus()?;
-    match visible {
-        1 => Ok(0),
-        n if world.local_rank < n => Ok(world.local_rank),
-        n => Err(input_error(format!(
-            "local rank {} has no GPU: {n} visible (start at most one rank per GPU: \
-             --nproc-per-node {n})",
-            world.local_rank
-        ))),
-    }
 }

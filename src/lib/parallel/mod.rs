@@ -3,8 +3,8 @@
 //! - [`world`]: a rank's place in the job, from `tandem launch` / torchrun / Slurm variables.
 //! - [`store`]: the rendezvous store rank 0 serves over TCP (hand-outs such as the NCCL id,
 //!   heartbeats, failure relay, finish); [`health`]: the first failure and what it stops.
-//! - [`group`]: a [`ProcessGroup`] ties them together and makes communicators; [`run_job`]
-//!   runs a computation on the CPU or a GPU with the matching one.
+//! - [`group`]: a [`ProcessGroup`] ties them together and makes communicators; [`job`]:
+//!   [`run_job`] runs a computation on the CPU or a GPU with the matching one.
 //! - [`comm`]: the [`Comm`] trait (all-reduce, all-gather, reduce-scatter, broadcast, barrier
 //!   on backend buffers, grouped and asynchronous); [`host`]: the CPU implementation over TCP
 //!   (deterministic rank-order reductions); [`nccl`]: NCCL for CUDA ranks.
@@ -26,6 +26,7 @@ pub mod exchange;
 pub mod group;
 pub mod health;
 pub mod host;
+pub mod job;
 pub mod launch;
 pub mod nccl;
 pub mod store;
@@ -35,8 +36,9 @@ pub mod world;
 
 pub use comm::{Collective, Comm, ReduceOp, Work};
 pub use exchange::Exchange;
-pub use group::{run_job, run_rank_job, DeviceKind, Job, Options, ProcessGroup, RankJob};
+pub use group::{Options, ProcessGroup};
 pub use host::HostComm;
+pub use job::{run_job, run_rank_job, DeviceKind, Job, RankJob};
 pub use nccl::NcclComm;
 pub use world::World;
 

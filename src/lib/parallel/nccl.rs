@@ -89,7 +89,9 @@ mod raw {
         stream: ns::cudaStream_t,
     ) -> Result<(), NcclError> {
         static F: OnceLock<Reduce> = OnceLock::new();
+        // SAFETY: ncclAllReduce has the `Reduce` signature (nccl.h of NCCL 2.x).
         let f = *F.get_or_init(|| unsafe { symbol(b"ncclAllReduce\0") });
+        // SAFETY: the caller keeps ncclAllReduce's contract (this function's # Safety).
         ok(unsafe { f(send, recv, count, dt, op, comm, stream) })
     }
 
@@ -105,7 +107,9 @@ mod raw {
         stream: ns::cudaStream_t,
     ) -> Result<(), NcclError> {
         static F: OnceLock<Reduce> = OnceLock::new();
+        // SAFETY: ncclReduceScatter has the `Reduce` signature (nccl.h of NCCL 2.x).
         let f = *F.get_or_init(|| unsafe { symbol(b"ncclReduceScatter\0") });
+        // SAFETY: the caller keeps ncclReduceScatter's contract (this function's # Safety).
         ok(unsafe { f(send, recv, count, dt, op, comm, stream) })
     }
 
@@ -113,13 +117,16 @@ mod raw {
     /// As `ncclRedOpDestroy`.
     pub unsafe fn reduce_op_destroy(op: RawOp, comm: ns::ncclComm_t) -> Result<(), NcclError> {
         static F: OnceLock<Destroy> = OnceLock::new();
+        // SAFETY: ncclRedOpDestroy has the `Destroy` signature (nccl.h of NCCL 2.x).
         let f = *F.get_or_init(|| unsafe { symbol(b"ncclRedOpDestroy\0") });
+        // SAFETY: the caller keeps ncclRedOpDestroy's contract (this function's # Safety).
         ok(unsafe { f(op, comm) })
     }
 }
 
 /// GPUs this process sees (an input error naming the fix when there is no driver).
 pub fn visible_gpus() -> Result<usize> {
+    // SAFETY: is_culib_present only tries to load the driver library; it has no preconditions.
     if !unsafe { dsys::is_culib_present() } {
         return Err(input_error(NO_DRIVER));
     }
@@ -131,6 +138,7 @@ pub fn visible_gpus() -> Result<usize> {
 
 /// NCCL's version as (major, minor, patch); an input error when libnccl cannot be loaded.
 pub fn nccl_version() -> Result<(i32, i32, i32)> {
+    // SAFETY: is_culib_present only tries to load libnccl; it has no preconditions.
     if !unsafe { ns::is_culib_present() } {
         return Err(input_error(
             "libnccl not found: CUDA ranks communicate through NCCL 2.x, which must be on the \
@@ -147,12 +155,14 @@ pub fn nccl_version() -> Result<(i32, i32, i32)> {
 }
 
 fn error_text(code: ns::ncclResult_t, comm: Option<ns::ncclComm_t>) -> String {
-    // SAFETY: NCCL returns static or per-thread C strings (or null).
     let cstr = |p: *const std::ffi::c_char| {
+        // SAFETY: NCCL returns static or per-thread NUL-terminated C strings (or null, skipped).
         (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
     };
+    // SAFETY: ncclGetErrorString takes any result code and returns a static string.
     let what = cstr(unsafe { ns::ncclGetErrorString(code) }).unwrap_or_default();
     let last = comm
+        // SAFETY: `c` is the caller's live communicator (the one whose call failed).
         .and_then(|c| cstr(unsafe { ns::ncclGetLastError(c) }))
         .filter(|s| !s.is_empty())
         .map(|s| format!(": {s}"))
@@ -486,50 +496,15 @@ impl NcclComm {
         let stream = self.stream.cu_stream() as ns::cudaStream_t;
         let r = self.rank;
         let fail = |e: nr::NcclError| anyhow!("{}: {}", c.name(), error_text(e.0, Some(comm)));
-        let mut op_of = |op: ReduceOp, d: DType| -> Result<RawOp> {
-            match op {
-                ReduceOp::Sum => Ok(ns::ncclRedOp_t::ncclSum as RawOp),
-                ReduceOp::Avg => Ok(ns::ncclRedOp_t::ncclAvg as RawOp),
-                ReduceOp::Scaled(s) => {
-                    if let Some((bits, dt, made)) = *custom {
-                        if bits == s.to_bits() && dt == d {
-                            return Ok(made);
-                        }
-                        bail!("the NCCL communicator takes one scale (ReduceOp::Scaled) per group");
-                    }
-                    let mut value_f32 = s;
-                    let mut value_bf16 = bf16::from_f32(s);
-                    let scalar = match d {
-                        DType::F32 => &mut value_f32 as *mut f32 as *mut c_void,
-                        DType::BF16 => &mut value_bf16 as *mut bf16 as *mut c_void,
-                    };
-                    let mut raw: RawOp = -1;
-                    // SAFETY: NCCL writes the new op's int id into `raw` (user ops are ints
-                    // outside cudarc's enum, so it is never read as one); the host-immediate
-                    // scalar is read during the call.
-                    unsafe {
-                        nr::reduce_op_create_pre_mul_sum(
-                            &mut raw as *mut RawOp as *mut ns::ncclRedOp_t,
-                            scalar,
-                            nccl_type(d),
-                            ns::ncclScalarResidence_t::ncclScalarHostImmediate,
-                            comm,
-                        )
-                    }
-                    .map_err(fail)?;
-                    let made = raw;
-                    *custom = Some((s.to_bits(), d, made));
-                    Ok(made)
-                }
-            }
-        };
-        // SAFETY (every call below): addresses are inside the buffers (validated), which stay
-        // borrowed until the group is waited for; the stream belongs to the comm's context.
+        let mut op_of = |op: ReduceOp, d: DType| raw_op(comm, c.name(), op, d, custom);
+        // Every call below: addresses are inside the buffers (validated), which stay borrowed
+        // until the group is waited for; the stream belongs to the comm's context.
         match &c.kind {
             Kind::AllReduce { buf, off, len, op } => {
                 let d = self.dtype_of(c, buf)?;
                 if *len > 0 {
                     let (p, o) = (at(buf, *off), op_of(*op, d)?);
+                    // SAFETY: `len` elements of type d at `p` lie in `buf` (see above); in place.
                     unsafe { raw::all_reduce(p, p, *len, nccl_type(d), o, comm, stream) }
                         .map_err(fail)?;
                 }
@@ -543,6 +518,7 @@ impl NcclComm {
                 let d = self.dtype_of(c, buf)?;
                 if *len > 0 {
                     let p = at(buf, *off);
+                    // SAFETY: `len` elements of type d at `p` lie in `buf` (see above); in place.
                     unsafe { nr::broadcast(p, p, *len, nccl_type(d), *root as i32, comm, stream) }
                         .map_err(fail)?;
                 }
@@ -565,6 +541,8 @@ impl NcclComm {
                 };
                 if *count > 0 {
                     let dst = at(recv, *off);
+                    // SAFETY: `count` elements at `src` and ranks × `count` at `dst` lie in their
+                    // buffers of type d (see above).
                     unsafe { nr::all_gather(src, dst, *count, nccl_type(d), comm, stream) }
                         .map_err(fail)?;
                 }
@@ -588,12 +566,61 @@ impl NcclComm {
                 };
                 if *count > 0 {
                     let o = op_of(*op, d)?;
+                    // SAFETY: ranks × `count` elements at `src` and `count` at `dst` lie in their
+                    // buffers of type d (see above).
                     unsafe { raw::reduce_scatter(src, dst, *count, nccl_type(d), o, comm, stream) }
                         .map_err(fail)?;
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// NCCL's op for `op` on `d`: a built-in one, or the group's pre-multiplied sum (`custom`),
+/// made on first use; `what` names the collective in errors.
+fn raw_op(
+    comm: ns::ncclComm_t,
+    what: &str,
+    op: ReduceOp,
+    d: DType,
+    custom: &mut Option<(u32, DType, RawOp)>,
+) -> Result<RawOp> {
+    let fail = |e: nr::NcclError| anyhow!("{what}: {}", error_text(e.0, Some(comm)));
+    match op {
+        ReduceOp::Sum => Ok(ns::ncclRedOp_t::ncclSum as RawOp),
+        ReduceOp::Avg => Ok(ns::ncclRedOp_t::ncclAvg as RawOp),
+        ReduceOp::Scaled(s) => {
+            if let Some((bits, dt, made)) = *custom {
+                if bits == s.to_bits() && dt == d {
+                    return Ok(made);
+                }
+                bail!("the NCCL communicator takes one scale (ReduceOp::Scaled) per group");
+            }
+            let mut value_f32 = s;
+            let mut value_bf16 = bf16::from_f32(s);
+            let scalar = match d {
+                DType::F32 => &mut value_f32 as *mut f32 as *mut c_void,
+                DType::BF16 => &mut value_bf16 as *mut bf16 as *mut c_void,
+            };
+            let mut raw: RawOp = -1;
+            // SAFETY: NCCL writes the new op's int id into `raw` (user ops are ints
+            // outside cudarc's enum, so it is never read as one); the host-immediate
+            // scalar is read during the call.
+            unsafe {
+                nr::reduce_op_create_pre_mul_sum(
+                    &mut raw as *mut RawOp as *mut ns::ncclRedOp_t,
+                    scalar,
+                    nccl_type(d),
+                    ns::ncclScalarResidence_t::ncclScalarHostImmediate,
+                    comm,
+                )
+            }
+            .map_err(fail)?;
+            let made = raw;
+            *custom = Some((s.to_bits(), d, made));
+            Ok(made)
+        }
     }
 }
 

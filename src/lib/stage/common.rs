@@ -54,7 +54,7 @@ impl Device {
     pub fn for_rank(self, world: &crate::parallel::World) -> Result<Device> {
         match self {
             Device::Cpu => Ok(Device::Cpu),
-            Device::Cuda(_) => Ok(Device::Cuda(crate::parallel::group::gpu_for_rank(world)?)),
+            Device::Cuda(_) => Ok(Device::Cuda(crate::parallel::job::gpu_for_rank(world)?)),
         }
     }
 }

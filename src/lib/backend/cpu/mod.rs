@@ -28,6 +28,8 @@ pub(crate) struct SharedMut {
 // SAFETY: the pointer is only dereferenced through `slice`, whose callers guarantee that
 // concurrent tasks access disjoint ranges while the owning `&mut [f32]` is borrowed.
 unsafe impl Send for SharedMut {}
+// SAFETY: as for Send: a shared `SharedMut` reaches the memory only through `slice`, under the
+// same rule of disjoint ranges.
 unsafe impl Sync for SharedMut {}
 
 impl SharedMut {

@@ -40,6 +40,8 @@ impl CudaBackend {
     fn new_slot(&self, cap: usize) -> Result<Slot> {
         let cap = cap.max(256);
         // Plain page-locked memory (not write-combined): the host reads it.
+        // SAFETY: flags 0 asks for plain page-locked memory (a valid flag set); the contents start
+        // uninitialised, and are read only after copies into them (`wait_draws`).
         let (tokens, logprobs, err) = unsafe {
             (
                 self.ctx.alloc_pinned_with_flags::<u32>(cap, 0),
@@ -97,6 +99,11 @@ impl CudaBackend {
         let s = s.as_mut().expect("made above");
         let stream = self.stream.cu_stream();
         let e = |e| anyhow!("cuda: draws to the host: {e:?}");
+        // SAFETY: the slot holds at least `rows` (made or checked above) and the buffers as many
+        // (checked above); these copies into page-locked memory run later on the stream, and the
+        // host reads the slot only after its event (`wait_draws`), and writes it again only after
+        // that event too (above). Device blocks freed meanwhile are reused only by later stream
+        // work.
         unsafe {
             if rows > 0 {
                 dr::memcpy_dtoh_async(host(&mut s.tokens, rows)?, tokens.ptr, stream).map_err(e)?;

@@ -75,6 +75,9 @@ struct Plan {
 
 impl Drop for Plan {
     fn drop(&mut self) {
+        // SAFETY: the plan owns its descriptor and layouts and frees each once (a null one, left
+        // by a failed build, is passed as is and the error ignored); cuBLASLt reads them only
+        // during the calls that take them, so queued GEMMs do not need them.
         unsafe {
             let _ = lr::destroy_matmul_desc(self.desc);
             let _ = lr::destroy_matrix_layout(self.a);
@@ -124,6 +127,11 @@ fn err(what: &str) -> impl Fn(lr::CublasError) -> anyhow::Error + '_ {
     move |e| anyhow!("cuBLASLt {what}: {e:?}")
 }
 
+/// Sets one attribute of a matmul descriptor to `v`.
+///
+/// # Safety
+/// `desc` is a live descriptor not used by another thread meanwhile, and `T` is the type
+/// cuBLASLt documents for `attr` (it reads `size_of::<T>()` bytes at `v`).
 unsafe fn set_desc<T>(
     desc: ls::cublasLtMatmulDesc_t,
     attr: ls::cublasLtMatmulDescAttributes_t,
@@ -133,8 +141,105 @@ unsafe fn set_desc<T>(
         .map_err(err("set descriptor attribute"))
 }
 
+/// A column-major layout of `r`×`c` elements of `t` with leading dimension `ld`.
+fn layout(t: DType, r: usize, c: usize, ld: usize) -> Result<ls::cublasLtMatrixLayout_t> {
+    lr::create_matrix_layout(cuda_type(t), r as u64, c as u64, ld as i64)
+        .map_err(err("create layout"))
+}
+
+/// Sets a plan descriptor's transposes and epilogue (bias or none) for `key`.
+///
+/// # Safety
+/// `desc` is a live matmul descriptor not used by another thread meanwhile.
+unsafe fn set_operation(desc: ls::cublasLtMatmulDesc_t, key: &Key) -> Result<()> {
+    use ls::cublasLtMatmulDescAttributes_t as A;
+    set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &(key.transa as i32))?;
+    set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &(key.transb as i32))?;
+    let epi = if key.bias {
+        ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+    } else {
+        ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT
+    };
+    set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
+    if key.bias {
+        // The heuristic needs a bias pointer set; the real one is set per call.
+        let dummy: u64 = 256;
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &dummy)?;
+    }
+    Ok(())
+}
+
+/// The heuristic's algorithm for `plan` with B and D laid out as `probe` (the plan's own, or
+/// the batch-invariant row count's, when the algorithm must also pass the check on the real
+/// shape).
+///
+/// # Safety
+/// `handle`, the plan's descriptor and layouts and the probe layouts are live.
+unsafe fn pick_algo(
+    handle: ls::cublasLtHandle_t,
+    plan: &Plan,
+    key: &Key,
+    ws: usize,
+    probe: (ls::cublasLtMatrixLayout_t, ls::cublasLtMatrixLayout_t),
+) -> Result<ls::cublasLtMatmulHeuristicResult_t> {
+    use ls::cublasLtMatmulPreferenceAttributes_t as P;
+    let canonical = key.invariant && key.n != INVARIANT_TOKENS;
+    let pref = lr::create_matmul_pref().map_err(err("create preference"))?;
+    let res = (|| -> Result<ls::cublasLtMatmulHeuristicResult_t> {
+        let setp = |attr, v: u64| {
+            lr::set_matmul_pref_attribute(
+                pref,
+                attr,
+                &v as *const u64 as *const c_void,
+                size_of::<u64>(),
+            )
+            .map_err(err("set preference"))
+        };
+        let ws_pref = if key.invariant { 0 } else { ws as u64 };
+        setp(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws_pref)?;
+        let setal = |attr, v: u32| {
+            lr::set_matmul_pref_attribute(
+                pref,
+                attr,
+                &v as *const u32 as *const c_void,
+                size_of::<u32>(),
+            )
+            .map_err(err("set preference"))
+        };
+        setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0])?;
+        setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1])?;
+        setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2])?;
+        setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2])?;
+        let (hb, hd) = probe;
+        let r = lr::get_matmul_algo_heuristic(handle, plan.desc, plan.a, hb, hd, hd, pref)
+            .map_err(|e| {
+                anyhow!(
+                    "cuBLASLt found no algorithm for {key:?} ({e:?}); \
+                     check the operand types and alignment"
+                )
+            })?;
+        if canonical {
+            let mut check = std::mem::zeroed::<ls::cublasLtMatmulHeuristicResult_t>();
+            let ok = ls::cublasLtMatmulAlgoCheck(
+                handle, plan.desc, plan.a, plan.b, plan.d, plan.d, &r.algo, &mut check,
+            );
+            if ok != ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS || check.workspaceSize > ws {
+                bail!(
+                    "cuBLASLt: the batch-invariant algorithm for {key:?} cannot run \
+                     {} rows ({ok:?})",
+                    key.n
+                );
+            }
+        }
+        Ok(r)
+    })();
+    let _ = lr::destroy_matmul_pref(pref);
+    res
+}
+
 impl Gemm {
     pub fn new(stream: Arc<CudaStream>, pool: &Arc<Pool>) -> Result<Self> {
+        // SAFETY: is_culib_present only tries to load libcublasLt; it has no preconditions.
         if !unsafe { ls::is_culib_present() } {
             bail!("libcublasLt not found: install the CUDA toolkit's cuBLAS (libcublasLt.so.13)");
         }
@@ -179,8 +284,40 @@ impl Gemm {
         self.invariant.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The descriptor, layouts and heuristic algorithm of one GEMM shape.
     fn plan(handle: ls::cublasLtHandle_t, key: &Key, ws: usize) -> Result<Plan> {
-        use ls::cublasLtMatmulDescAttributes_t as A;
+        let mut plan = Self::layouts(key)?;
+        // Batch-invariant forward GEMMs (Aᵀ·B, n = tokens): the heuristic sees INVARIANT_TOKENS
+        // columns; the algorithm must then also run the real shape (checked in `pick_algo`).
+        // No workspace: an algorithm picked with some (split-K) may need more than there is at
+        // another row count.
+        let canonical = key.invariant && key.n != INVARIANT_TOKENS;
+        let probe = if canonical {
+            (
+                layout(key.ab, key.k, INVARIANT_TOKENS, key.ldb)?,
+                layout(key.d, key.m, INVARIANT_TOKENS, key.ldd)?,
+            )
+        } else {
+            (plan.b, plan.d)
+        };
+        // SAFETY: `plan.desc` is the live descriptor just made, and the probe layouts are live
+        // (the plan's own, or the two made above, destroyed below and nowhere else).
+        let res = unsafe {
+            set_operation(plan.desc, key).and_then(|()| pick_algo(handle, &plan, key, ws, probe))
+        };
+        if canonical {
+            // SAFETY: the two probe layouts were made above for this query alone, which is done.
+            unsafe {
+                let _ = lr::destroy_matrix_layout(probe.0);
+                let _ = lr::destroy_matrix_layout(probe.1);
+            }
+        }
+        plan.algo = res?.algo;
+        Ok(plan)
+    }
+
+    /// A plan's descriptor and the layouts of A, B and D (the algorithm still empty).
+    fn layouts(key: &Key) -> Result<Plan> {
         let desc = lr::create_matmul_desc(
             ls::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             ls::cudaDataType::CUDA_R_32F,
@@ -196,10 +333,6 @@ impl Gemm {
         } else {
             (key.k, key.n)
         };
-        let layout = |t, r: usize, c: usize, ld: usize| {
-            lr::create_matrix_layout(cuda_type(t), r as u64, c as u64, ld as i64)
-                .map_err(err("create layout"))
-        };
         // Build the plan piecewise so Drop frees whatever was made if a later step fails.
         let mut plan = Plan {
             desc,
@@ -211,94 +344,6 @@ impl Gemm {
         plan.a = layout(key.ab, ar, ac, key.lda)?;
         plan.b = layout(key.ab, br, bc, key.ldb)?;
         plan.d = layout(key.d, key.m, key.n, key.ldd)?;
-        // Batch-invariant forward GEMMs (Aᵀ·B, n = tokens): the heuristic sees INVARIANT_TOKENS
-        // columns; the algorithm must then also run the real shape (checked below).
-        // No workspace: an algorithm picked with some (split-K) may need more than there is at
-        // another row count.
-        let invariant = key.invariant;
-        let canonical = invariant && key.n != INVARIANT_TOKENS;
-        let (hb, hd) = if canonical {
-            (
-                layout(key.ab, key.k, INVARIANT_TOKENS, key.ldb)?,
-                layout(key.d, key.m, INVARIANT_TOKENS, key.ldd)?,
-            )
-        } else {
-            (plan.b, plan.d)
-        };
-        unsafe {
-            set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &(key.transa as i32))?;
-            set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &(key.transb as i32))?;
-            let epi = if key.bias {
-                ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
-            } else {
-                ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT
-            };
-            set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
-            if key.bias {
-                // The heuristic needs a bias pointer set; the real one is set per call.
-                let dummy: u64 = 256;
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &dummy)?;
-            }
-            let pref = lr::create_matmul_pref().map_err(err("create preference"))?;
-            let res = (|| -> Result<ls::cublasLtMatmulHeuristicResult_t> {
-                use ls::cublasLtMatmulPreferenceAttributes_t as P;
-                let setp = |attr, v: u64| {
-                    lr::set_matmul_pref_attribute(
-                        pref,
-                        attr,
-                        &v as *const u64 as *const c_void,
-                        size_of::<u64>(),
-                    )
-                    .map_err(err("set preference"))
-                };
-                let ws_pref = if invariant { 0 } else { ws as u64 };
-                setp(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws_pref)?;
-                let setal = |attr, v: u32| {
-                    lr::set_matmul_pref_attribute(
-                        pref,
-                        attr,
-                        &v as *const u32 as *const c_void,
-                        size_of::<u32>(),
-                    )
-                    .map_err(err("set preference"))
-                };
-                setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0])?;
-                setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1])?;
-                setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2])?;
-                setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2])?;
-                let heuristic = |b, d| {
-                    lr::get_matmul_algo_heuristic(handle, desc, plan.a, b, d, d, pref).map_err(
-                        |e| {
-                            anyhow!(
-                                "cuBLASLt found no algorithm for {key:?} ({e:?}); \
-                             check the operand types and alignment"
-                            )
-                        },
-                    )
-                };
-                let r = heuristic(hb, hd)?;
-                if canonical {
-                    let mut check = std::mem::zeroed::<ls::cublasLtMatmulHeuristicResult_t>();
-                    let ok = ls::cublasLtMatmulAlgoCheck(
-                        handle, desc, plan.a, plan.b, plan.d, plan.d, &r.algo, &mut check,
-                    );
-                    if ok != ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS || check.workspaceSize > ws {
-                        bail!(
-                            "cuBLASLt: the batch-invariant algorithm for {key:?} cannot run \
-                             {} rows ({ok:?})",
-                            key.n
-                        );
-                    }
-                }
-                Ok(r)
-            })();
-            let _ = lr::destroy_matmul_pref(pref);
-            if canonical {
-                let _ = lr::destroy_matrix_layout(hb);
-                let _ = lr::destroy_matrix_layout(hd);
-            }
-            plan.algo = res?.algo;
-        }
         Ok(plan)
     }
 
@@ -364,6 +409,9 @@ impl Gemm {
             }
         };
         let (alpha, beta) = (1.0f32, c.beta);
+        // SAFETY: the handle, the plan and the workspace are live and used under the state's lock;
+        // the operand addresses come from live buffers of the types and layouts the plan was made
+        // for (the key holds them), and the work is queued on the stream their writers use.
         unsafe {
             if let Some(b) = c.bias {
                 set_desc(
@@ -399,6 +447,7 @@ impl Drop for Gemm {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         st.plans.clear();
+        // SAFETY: no plan refers to the handle any more (cleared above) and nothing else uses it.
         unsafe {
             let _ = lr::destroy_handle(st.handle);
         }

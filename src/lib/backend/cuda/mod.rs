@@ -16,13 +16,13 @@
 //!   they raise a bit in a device error word, which `synchronize` (and every download) reads
 //!   and reports as an error naming the op.
 
+mod args;
 mod draws;
 pub mod gemm;
 pub mod nvrtc;
 pub mod pool;
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,6 +32,7 @@ use cudarc::driver::{result as dr, sys as dsys, CudaContext, CudaFunction, CudaG
 use half::bf16;
 use rayon::prelude::*;
 
+pub(crate) use self::args::{ArgGroup, Args, ByValue};
 use self::gemm::{Gemm, GemmCall, Operand};
 use self::nvrtc::{Family, KernelCache};
 use self::pool::{Block, Pool};
@@ -75,7 +76,7 @@ impl CudaBuf {
     }
 
     /// Device address of element 0, length in elements and element type, for handing the
-    /// buffer to another library on another stream (NCCL in `dist`, ordered by events).
+    /// buffer to another library on another stream (NCCL in `parallel`, ordered by events).
     pub fn raw(&self) -> (u64, usize, DType) {
         (self.ptr, self.len, self.dtype)
     }
@@ -111,25 +112,6 @@ pub(crate) fn esize(t: DType) -> usize {
         DType::BF16 => 2,
     }
 }
-
-/// A kernel argument: the address of a value whose bytes match the kernel's parameter.
-/// Implemented only for the exact types the kernels take (no usize slips through).
-pub(crate) trait KArg {
-    fn addr(&self) -> *mut c_void;
-}
-
-/// Implements [`KArg`] for plain values passed by address.
-macro_rules! karg {
-    ($($t:ty),*) => {$(
-        impl $crate::backend::cuda::KArg for $t {
-            fn addr(&self) -> *mut ::std::ffi::c_void {
-                self as *const $t as *mut ::std::ffi::c_void
-            }
-        }
-    )*};
-}
-pub(crate) use karg;
-karg!(u64, i32, i64, f32, f64);
 
 /// Threads per block of the row and elementwise kernels.
 pub(crate) const THREADS: u32 = 256;
@@ -206,6 +188,7 @@ impl CudaBackend {
     /// Opens GPU `ordinal`. Without a driver, a device or NVRTC this is an input error that
     /// tells the user to pick the CPU; it never panics.
     pub fn new(ordinal: usize) -> Result<Self> {
+        // SAFETY: is_culib_present only tries to load the driver library; it has no preconditions.
         if !unsafe { dsys::is_culib_present() } {
             return Err(input_error(NO_DRIVER));
         }
@@ -325,6 +308,8 @@ impl CudaBackend {
             return Ok(());
         }
         self.bind()?;
+        // SAFETY: `ptr..ptr + bytes` lies in a live pool block (callers pass a buffer's own range);
+        // the memset is ordered on the stream before any later use of it.
         unsafe { dr::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: memset: {e:?}"))
     }
@@ -364,6 +349,8 @@ impl CudaBackend {
             .load_function(name)
             .map_err(|e| anyhow!("cuda: kernel {name} in {}.cu: {e:?}", fam.name))?;
         if smem > 0 {
+            // SAFETY: `f` was just loaded from a live module of this context; the attribute is a
+            // plain integer setting of it.
             unsafe {
                 dr::function::set_function_attribute(
                     f.cu_function(),
@@ -377,19 +364,24 @@ impl CudaBackend {
         Ok(f)
     }
 
+    /// Launches `f` on the stream with `args` (nothing for an empty grid).
     pub(crate) fn launch(
         &self,
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
-        args: &[&dyn KArg],
+        args: &Args,
     ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
         self.bind()?;
-        let mut ptrs: Vec<*mut c_void> = args.iter().map(|a| a.addr()).collect();
+        let (mut ptrs, n) = args.pointers()?;
+        // SAFETY: `ptrs[..n]` address the values of `args` (borrowed for this call) in the order
+        // and C widths of `f`'s parameters: each launcher builds them from its kernel's signature.
+        // The driver copies them before it returns. The device buffers they name are held by the
+        // launcher; one reused by the pool later is touched only by later work on this stream.
         unsafe {
             dr::launch_kernel(
                 f.cu_function(),
@@ -397,7 +389,7 @@ impl CudaBackend {
                 (block, 1, 1),
                 smem,
                 self.stream.cu_stream(),
-                &mut ptrs,
+                &mut ptrs[..n],
             )
         }
         .map_err(|e| anyhow!("cuda: launch failed: {e:?}"))
@@ -413,7 +405,7 @@ impl CudaBackend {
         fam: Family,
         name: &'static str,
         n: usize,
-        args: &[&dyn KArg],
+        args: &Args,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -440,8 +432,13 @@ impl CudaBackend {
 
     /// dst[..n] = src[..n] converting between types (the device pointers may be offsets).
     pub(crate) fn convert(&self, dst: u64, dbf: i32, src: u64, sbf: i32, n: usize) -> Result<()> {
-        let n64 = n as i64;
-        self.elementwise(KERNELS, "convert_k", n, &[&dst, &dbf, &src, &sbf, &n64])
+        let args = Args::new()
+            .raw(dst)
+            .i32(dbf)
+            .raw(src)
+            .i32(sbf)
+            .i64(n as i64);
+        self.elementwise(KERNELS, "convert_k", n, &args)
     }
 
     /// `op` as bf16: itself when it already is, else a converted pooled copy of n elements.
@@ -604,6 +601,9 @@ impl CudaBackend {
     ) -> Result<Vec<T>> {
         let mut host = vec![T::default(); n];
         self.bind()?;
+        // SAFETY: `host` holds `n` values of T and `src` addresses at least `n` of them in a live
+        // block (the caller's buffer); a copy into pageable memory is complete when the call
+        // returns.
         unsafe { dr::memcpy_dtoh_async(&mut host, src, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
         self.check_errors()?;
@@ -614,6 +614,8 @@ impl CudaBackend {
     pub(crate) fn check_errors(&self) -> Result<()> {
         let mut bits = [0u32];
         self.bind()?;
+        // SAFETY: `bits` is one u32 and the error word a live 4-byte block; a copy into pageable
+        // memory is complete when the call returns.
         unsafe { dr::memcpy_dtoh_async(&mut bits, self.err_word.ptr(), self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: read error word: {e:?}"))?;
         self.stream
@@ -720,6 +722,8 @@ impl Device for CudaBackend {
         }
         self.bind()?;
         let r = match dst.dtype {
+            // SAFETY: `dst` holds at least `src.len()` f32 (checked above); the pageable source is
+            // staged before the call returns.
             DType::F32 => unsafe { dr::memcpy_htod_async(dst.ptr, src, self.stream.cu_stream()) },
             DType::BF16 => {
                 // On all cores above a size: a 7B model is 7.6 G conversions per load.
@@ -727,7 +731,8 @@ impl Device for CudaBackend {
                     true => src.par_iter().map(|&v| bf16::from_f32(v)).collect(),
                     false => src.iter().map(|&v| bf16::from_f32(v)).collect(),
                 };
-                // The staging copy of pageable memory is done when the call returns.
+                // SAFETY: `dst` holds at least `h.len()` bf16 (checked above); the staging copy
+                // of pageable memory is done when the call returns, so `h` may drop after it.
                 unsafe { dr::memcpy_htod_async(dst.ptr, &h, self.stream.cu_stream()) }
             }
         };
@@ -740,6 +745,8 @@ impl Device for CudaBackend {
             return Ok(());
         }
         self.bind()?;
+        // SAFETY: `dst` holds at least `src.len()` u32 (checked above); the pageable source is
+        // staged before the call returns.
         unsafe { dr::memcpy_htod_async(dst.ptr, src, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: upload: {e:?}"))
     }
@@ -752,12 +759,16 @@ impl Device for CudaBackend {
         self.bind()?;
         match src.dtype {
             DType::F32 => {
+                // SAFETY: `src` holds at least `dst.len()` f32 (checked above); a copy into
+                // pageable memory is complete when the call returns.
                 unsafe { dr::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }
                     .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
                 self.check_errors()
             }
             DType::BF16 => {
                 let mut h = vec![bf16::ZERO; dst.len()];
+                // SAFETY: `src` holds at least `dst.len()` bf16 (checked above) and `h` as many; a
+                // copy into pageable memory is complete when the call returns.
                 unsafe { dr::memcpy_dtoh_async(&mut h, src.ptr, self.stream.cu_stream()) }
                     .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
                 self.check_errors()?;
@@ -780,9 +791,13 @@ impl Device for CudaBackend {
         }
         self.bind()?;
         let r = match buf.dtype {
+            // SAFETY: `buf` holds at least `n` f32 (checked above); the memset is ordered on the
+            // stream.
             DType::F32 => unsafe {
                 dsys::cuMemsetD32Async(buf.ptr, value.to_bits(), n, self.stream.cu_stream())
             },
+            // SAFETY: `buf` holds at least `n` bf16 (checked above); the memset is ordered on the
+            // stream.
             DType::BF16 => unsafe {
                 dsys::cuMemsetD16Async(
                     buf.ptr,
@@ -810,6 +825,8 @@ impl Device for CudaBackend {
         }
         if dst.dtype == src.dtype {
             self.bind()?;
+            // SAFETY: both ranges lie inside their buffers (checked above) and have one element
+            // size; the copy is ordered on the stream after the writes of both.
             unsafe {
                 dr::memcpy_dtod_async(
                     dst.at(dst_off),
@@ -839,6 +856,8 @@ impl Device for CudaBackend {
             return Ok(());
         }
         self.bind()?;
+        // SAFETY: both ranges lie inside the buffer (checked above) and do not overlap (refused
+        // above).
         unsafe {
             dr::memcpy_dtod_async(
                 buf.at(dst_off),
@@ -921,6 +940,8 @@ impl Device for CudaBackend {
             return self.check_errors();
         }
         self.bind()?;
+        // SAFETY: `src` holds at least `dst.len()` u32 (checked above); a copy into pageable memory
+        // is complete when the call returns.
         unsafe { dr::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
         self.check_errors()
@@ -939,14 +960,14 @@ impl Device for CudaBackend {
             return Ok(());
         }
         let f = self.func(KERNELS, 0, "feed_tokens_k")?;
-        let (nn, pn, err) = (i32_of(n, "feed rows")?, prev.len as i64, self.err_ptr());
-        self.launch(
-            &f,
-            (n.div_ceil(256) as u32, 1, 1),
-            256,
-            0,
-            &[&ids.ptr, &prev.ptr, &src.ptr, &nn, &pn, &err],
-        )
+        let args = Args::new()
+            .idx(ids)
+            .idx(prev)
+            .idx(src)
+            .i32(i32_of(n, "feed rows")?)
+            .i64(prev.len as i64)
+            .raw(self.err_ptr());
+        self.launch(&f, (n.div_ceil(256) as u32, 1, 1), 256, 0, &args)
     }
 
     fn draws_start(
@@ -989,6 +1010,7 @@ mod tests {
     /// input error that points the user at the CPU, and does not panic.
     #[test]
     fn no_driver_is_a_clear_input_error() {
+        // SAFETY: is_culib_present only tries to load the driver library; it has no preconditions.
         if unsafe { dsys::is_culib_present() } {
             eprintln!("libcuda is present here: the no-driver path cannot be exercised");
             return;

@@ -49,6 +49,7 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// Whether libnvrtc can be loaded (checked before the first call: cudarc panics otherwise).
 pub fn present() -> bool {
+    // SAFETY: is_culib_present only tries to load libnvrtc; it has no preconditions.
     unsafe { ns::is_culib_present() }
 }
 
@@ -58,6 +59,7 @@ pub fn version() -> Result<(i32, i32)> {
         bail!("libnvrtc not found (it ships with the CUDA toolkit or the nvidia-cuda-nvrtc wheel)");
     }
     let (mut ma, mut mi) = (0i32, 0i32);
+    // SAFETY: libnvrtc is present (checked above); the two out-pointers are live locals.
     unsafe { ns::nvrtcVersion(&mut ma, &mut mi) }
         .result()
         .map_err(|e| anyhow!("nvrtcVersion: {e:?}"))?;
@@ -80,9 +82,15 @@ pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
         let prog = nr::create_program(&csrc, Some(&cname))
             .map_err(|e| anyhow!("nvrtcCreateProgram: {e:?}"))?;
         let out = (|| {
+            // SAFETY: `prog` is a live program (created above, destroyed only after this closure)
+            // and `opts` outlives the call.
             if let Err(e) = unsafe { nr::compile_program(prog, &opts) } {
+                // SAFETY: `prog` is live and has been compiled (the log exists after a failed
+                // compile).
                 let log = unsafe { nr::get_program_log(prog) }
                     .map(|l| {
+                        // SAFETY: NVRTC's log is NUL-terminated and `l` owns it for this
+                        // expression.
                         unsafe { CStr::from_ptr(l.as_ptr()) }
                             .to_string_lossy()
                             .into_owned()
@@ -91,15 +99,18 @@ pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
                 bail!("NVRTC failed to compile {name}.cu for {arch} ({e:?}):\n{log}");
             }
             let mut size = 0usize;
+            // SAFETY: `prog` compiled (above); `size` is a live local.
             unsafe { ns::nvrtcGetCUBINSize(prog, &mut size) }
                 .result()
                 .map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
             let mut cubin = vec![0u8; size];
+            // SAFETY: `cubin` holds the `size` bytes nvrtcGetCUBINSize reported for this program.
             unsafe { ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _) }
                 .result()
                 .map_err(|e| anyhow!("nvrtcGetCUBIN: {e:?}"))?;
             Ok(cubin)
         })();
+        // SAFETY: `prog` is live and not used after this; the closure that used it has returned.
         let _ = unsafe { nr::destroy_program(prog) };
         out
     }));

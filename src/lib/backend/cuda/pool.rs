@@ -172,6 +172,8 @@ impl Pool {
 
     fn driver_alloc(&self, bytes: usize) -> Result<dsys::CUdeviceptr> {
         self.ctx.bind_to_thread()?;
+        // SAFETY: the context is bound to this thread (above); the new allocation is owned by the
+        // returned pointer, which only a `Block` or `trim` frees.
         unsafe { dr::malloc_sync(bytes) }.map_err(|e| {
             let (free, total) = dr::mem_get_info().unwrap_or((0, 0));
             anyhow!(
@@ -212,6 +214,9 @@ impl Pool {
         let mut first_err = None;
         for (bytes, ptrs) in blocks {
             for p in ptrs {
+                // SAFETY: `p` came from `malloc_sync` and sat in the free list, so no `Block`
+                // refers to it; the caller has synchronised the stream, so no queued work reads it
+                // (cuMemFree waits too).
                 match unsafe { dr::free_sync(p) } {
                     Ok(()) => freed += bytes,
                     Err(e) => {

@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 
 use super::{AttentionOps, AttnOut, AttnShape, Qkv};
 use crate::backend::cuda::nvrtc::{attention_tile, Family};
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx, THREADS};
+use crate::backend::cuda::{i32_of, need, ArgGroup, Args, CudaBackend, CudaBuf, CudaIdx, THREADS};
 use crate::backend::{DType, Device};
 
 pub const KERNELS: Family = Family {
@@ -53,13 +53,60 @@ pub(crate) fn check_attn(heads: usize, kv_heads: usize, head_dim: usize) -> Resu
     Ok((head_dim, heads / kv_heads))
 }
 
-fn shape_args(s: AttnShape) -> Result<(i32, i32, i32, i32)> {
-    Ok((
-        i32_of(s.tokens, "tokens")?,
-        i32_of(s.seqs, "seqs")?,
-        i32_of(s.heads, "heads")?,
-        i32_of(s.kv_heads, "kv_heads")?,
-    ))
+/// The arguments every training attention kernel ends with: `const u32* cu, int tokens,
+/// int seqs, int heads, int kv_heads, float scale`.
+struct Seqs<'a> {
+    cu: &'a CudaIdx,
+    tokens: i32,
+    seqs: i32,
+    heads: i32,
+    kv_heads: i32,
+    scale: f32,
+}
+
+impl<'a> Seqs<'a> {
+    fn new(s: AttnShape, cu: &'a CudaIdx) -> Result<Self> {
+        Ok(Seqs {
+            cu,
+            tokens: i32_of(s.tokens, "tokens")?,
+            seqs: i32_of(s.seqs, "seqs")?,
+            heads: i32_of(s.heads, "heads")?,
+            kv_heads: i32_of(s.kv_heads, "kv_heads")?,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+        })
+    }
+}
+
+impl ArgGroup for Seqs<'_> {
+    fn push<'a>(&'a self, a: Args<'a>) -> Args<'a> {
+        a.idx(self.cu)
+            .i32(self.tokens)
+            .i32(self.seqs)
+            .i32(self.heads)
+            .i32(self.kv_heads)
+            .f32(self.scale)
+    }
+}
+
+/// What the backward kernels read after their outputs: dout, q, k, v (each with its type tag
+/// for the scalar kernels, bf16 by address for the tensor-core ones), lse with its tag, dd,
+/// then [`Seqs`].
+struct Saved<'a> {
+    dout: &'a CudaBuf,
+    x: Qkv<&'a CudaBuf>,
+    lse: &'a CudaBuf,
+    dd: &'a CudaBuf,
+    seqs: Seqs<'a>,
+    mma: bool,
+}
+
+impl ArgGroup for Saved<'_> {
+    fn push<'a>(&'a self, a: Args<'a>) -> Args<'a> {
+        let Qkv { q, k, v } = self.x;
+        let ins = [self.dout, q, k, v];
+        let a = if self.mma { a.ptrs(&ins) } else { a.bufs(&ins) };
+        a.buf(self.lse).ptr(self.dd).with(&self.seqs)
+    }
 }
 
 impl AttentionOps for CudaBackend {
@@ -71,8 +118,7 @@ impl AttentionOps for CudaBackend {
         s: AttnShape,
     ) -> Result<()> {
         let (AttnOut { o, lse }, Qkv { q, k, v }) = (out, x);
-        let (hd, group) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
-        let _ = group;
+        let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
         let (qn, kn) = (
             s.tokens * s.heads * s.head_dim,
             s.tokens * s.kv_heads * s.head_dim,
@@ -86,59 +132,23 @@ impl AttentionOps for CudaBackend {
         if s.tokens == 0 || s.seqs == 0 {
             return Ok(());
         }
-        let (obf, lbf, qbf, kbf, vbf) = (o.bf(), lse.bf(), q.bf(), k.bf(), v.bf());
-        let (t, sq, h, kh) = shape_args(s)?;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let seqs = Seqs::new(s, cu_seqlens)?;
         if self.use_mma(hd, &[o, q, k, v]) {
-            let f = self.func_smem(KERNELS, hd, "attn_fwd_mma_k", attention_mma_smem(hd).0)?;
-            return self.launch(
-                &f,
-                (s.tokens.div_ceil(64) as u32, s.heads as u32, 1),
-                128,
-                attention_mma_smem(hd).0,
-                &[
-                    &o.ptr,
-                    &lse.ptr,
-                    &lbf,
-                    &q.ptr,
-                    &k.ptr,
-                    &v.ptr,
-                    &cu_seqlens.ptr,
-                    &t,
-                    &sq,
-                    &h,
-                    &kh,
-                    &scale,
-                ],
-            );
+            let smem = attention_mma_smem(hd).0;
+            let f = self.func_smem(KERNELS, hd, "attn_fwd_mma_k", smem)?;
+            let args = Args::new().ptr(o).buf(lse).ptrs(&[q, k, v]).with(&seqs);
+            let grid = (s.tokens.div_ceil(64) as u32, s.heads as u32, 1);
+            return self.launch(&f, grid, 128, smem, &args);
         }
-        let tile = attention_tile(hd);
         let (smem, _, _) = attention_smem(hd);
         let f = self.func_smem(KERNELS, hd, "attn_fwd_k", smem)?;
-        self.launch(
-            &f,
-            (s.tokens.div_ceil(tile) as u32, s.heads as u32, 1),
-            256,
-            smem,
-            &[
-                &o.ptr,
-                &obf,
-                &lse.ptr,
-                &lbf,
-                &q.ptr,
-                &qbf,
-                &k.ptr,
-                &kbf,
-                &v.ptr,
-                &vbf,
-                &cu_seqlens.ptr,
-                &t,
-                &sq,
-                &h,
-                &kh,
-                &scale,
-            ],
-        )
+        let args = Args::new().bufs(&[o, lse, q, k, v]).with(&seqs);
+        let grid = (
+            s.tokens.div_ceil(attention_tile(hd)) as u32,
+            s.heads as u32,
+            1,
+        );
+        self.launch(&f, grid, 256, smem, &args)
     }
     fn attention_backward(
         &self,
@@ -149,20 +159,15 @@ impl AttentionOps for CudaBackend {
         cu_seqlens: &CudaIdx,
         s: AttnShape,
     ) -> Result<()> {
-        let Qkv {
-            q: dq,
-            k: dk,
-            v: dv,
-        } = dx;
         let (Qkv { q, k, v }, AttnOut { o, lse }) = (x, out);
         let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
         let (qn, kn) = (
             s.tokens * s.heads * s.head_dim,
             s.tokens * s.kv_heads * s.head_dim,
         );
-        need(dq.len, qn, "attention dq")?;
-        need(dk.len, kn, "attention dk")?;
-        need(dv.len, kn, "attention dv")?;
+        need(dx.q.len, qn, "attention dq")?;
+        need(dx.k.len, kn, "attention dk")?;
+        need(dx.v.len, kn, "attention dv")?;
         need(dout.len, qn, "attention dout")?;
         need(q.len, qn, "attention q")?;
         need(k.len, kn, "attention k")?;
@@ -174,150 +179,85 @@ impl AttentionOps for CudaBackend {
             return Ok(());
         }
         if s.seqs == 0 {
-            self.fill(dq, qn, 0.0)?;
-            self.fill(dk, kn, 0.0)?;
-            return self.fill(dv, kn, 0.0);
+            self.fill(dx.q, qn, 0.0)?;
+            self.fill(dx.k, kn, 0.0)?;
+            return self.fill(dx.v, kn, 0.0);
         }
-        let tile = attention_tile(hd);
-        let (_, smem_dkdv, smem_dq) = attention_smem(hd);
-        let (t, sq, h, kh) = shape_args(s)?;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let rows = s.tokens * s.heads;
-        let dd = self.temp(rows, DType::F32)?;
-        let (dobf, obf, qbf, kbf, vbf, lbf) = (dout.bf(), o.bf(), q.bf(), k.bf(), v.bf(), lse.bf());
-        let f = self.func(KERNELS, hd, "attn_bwd_prep_k")?;
-        self.launch(
-            &f,
-            ((rows * 32).div_ceil(THREADS as usize) as u32, 1, 1),
-            THREADS,
-            0,
-            &[&dd.ptr, &dout.ptr, &dobf, &o.ptr, &obf, &t, &h],
-        )?;
-        if self.use_mma(hd, &[dq, dk, dv, dout, q, k, v]) {
-            let (_, smem_dkdv, smem_dq) = attention_mma_smem(hd);
-            let tiles = s.tokens.div_ceil(64) as u32;
-            // Per query head dK/dV in f32, then summed over each kv head's group.
-            let (dkp, dvp) = (self.temp(qn, DType::F32)?, self.temp(qn, DType::F32)?);
-            let f = self.func_smem(KERNELS, hd, "attn_bwd_dkdv_mma_k", smem_dkdv)?;
-            self.launch(
-                &f,
-                (tiles, s.heads as u32, 1),
-                128,
-                smem_dkdv,
-                &[
-                    &dkp.ptr,
-                    &dvp.ptr,
-                    &dout.ptr,
-                    &q.ptr,
-                    &k.ptr,
-                    &v.ptr,
-                    &lse.ptr,
-                    &lbf,
-                    &dd.ptr,
-                    &cu_seqlens.ptr,
-                    &t,
-                    &sq,
-                    &h,
-                    &kh,
-                    &scale,
-                ],
-            )?;
-            let f = self.func(KERNELS, hd, "attn_bwd_group_sum_k")?;
-            let (dkbf, dvbf) = (dk.bf(), dv.bf());
-            self.launch(
-                &f,
-                (self.stride_blocks(kn), 1, 1),
-                THREADS,
-                0,
-                &[
-                    &dk.ptr, &dkbf, &dv.ptr, &dvbf, &dkp.ptr, &dvp.ptr, &t, &h, &kh,
-                ],
-            )?;
-            let f = self.func_smem(KERNELS, hd, "attn_bwd_dq_mma_k", smem_dq)?;
-            return self.launch(
-                &f,
-                (tiles, s.heads as u32, 1),
-                128,
-                smem_dq,
-                &[
-                    &dq.ptr,
-                    &dout.ptr,
-                    &q.ptr,
-                    &k.ptr,
-                    &v.ptr,
-                    &lse.ptr,
-                    &lbf,
-                    &dd.ptr,
-                    &cu_seqlens.ptr,
-                    &t,
-                    &sq,
-                    &h,
-                    &kh,
-                    &scale,
-                ],
-            );
-        }
-        let tiles = s.tokens.div_ceil(tile) as u32;
-        let f = self.func_smem(KERNELS, hd, "attn_bwd_dkdv_k", smem_dkdv)?;
-        let (dkbf, dvbf, dqbf) = (dk.bf(), dv.bf(), dq.bf());
-        self.launch(
-            &f,
-            (tiles, s.kv_heads as u32, 1),
-            256,
-            smem_dkdv,
-            &[
-                &dk.ptr,
-                &dkbf,
-                &dv.ptr,
-                &dvbf,
-                &dout.ptr,
-                &dobf,
-                &q.ptr,
-                &qbf,
-                &k.ptr,
-                &kbf,
-                &v.ptr,
-                &vbf,
-                &lse.ptr,
-                &lbf,
-                &dd.ptr,
-                &cu_seqlens.ptr,
-                &t,
-                &sq,
-                &h,
-                &kh,
-                &scale,
-            ],
-        )?;
-        let f = self.func_smem(KERNELS, hd, "attn_bwd_dq_k", smem_dq)?;
-        self.launch(
-            &f,
-            (tiles, s.heads as u32, 1),
-            256,
-            smem_dq,
-            &[
-                &dq.ptr,
-                &dqbf,
-                &dout.ptr,
-                &dobf,
-                &q.ptr,
-                &qbf,
-                &k.ptr,
-                &kbf,
-                &v.ptr,
-                &vbf,
-                &lse.ptr,
-                &lbf,
-                &dd.ptr,
-                &cu_seqlens.ptr,
-                &t,
-                &sq,
-                &h,
-                &kh,
-                &scale,
-            ],
-        )
+        let seqs = Seqs::new(s, cu_seqlens)?;
+        let dd = backward_prep(self, dout, o, s)?;
+        let saved = Saved {
+            dout,
+            x: Qkv { q, k, v },
+            lse,
+            dd: &dd,
+            seqs,
+            mma: self.use_mma(hd, &[dx.q, dx.k, dx.v, dout, q, k, v]),
+        };
+        launch_backward(self, dx, &saved, s)
     }
+}
+
+/// dd = rowsum(dO∘O) per query and head (f32), which both backward kernels read.
+fn backward_prep(be: &CudaBackend, dout: &CudaBuf, o: &CudaBuf, s: AttnShape) -> Result<CudaBuf> {
+    let rows = s.tokens * s.heads;
+    let dd = be.temp(rows, DType::F32)?;
+    let f = be.func(KERNELS, s.head_dim, "attn_bwd_prep_k")?;
+    let args = Args::new()
+        .ptr(&dd)
+        .buf(dout)
+        .buf(o)
+        .i32(i32_of(s.tokens, "tokens")?)
+        .i32(i32_of(s.heads, "heads")?);
+    let grid = ((rows * 32).div_ceil(THREADS as usize) as u32, 1, 1);
+    be.launch(&f, grid, THREADS, 0, &args)?;
+    Ok(dd)
+}
+
+/// The backward's kernels: on the tensor cores dK/dV per query head in f32, summed over each
+/// kv head's group, then dQ; with the scalar tiles dK/dV per kv head, then dQ.
+fn launch_backward(
+    be: &CudaBackend,
+    dx: Qkv<&mut CudaBuf>,
+    saved: &Saved,
+    s: AttnShape,
+) -> Result<()> {
+    let hd = s.head_dim;
+    if !saved.mma {
+        let (_, smem_dkdv, smem_dq) = attention_smem(hd);
+        let tiles = s.tokens.div_ceil(attention_tile(hd)) as u32;
+        let f = be.func_smem(KERNELS, hd, "attn_bwd_dkdv_k", smem_dkdv)?;
+        let args = Args::new().buf(dx.k).buf(dx.v).with(saved);
+        be.launch(&f, (tiles, s.kv_heads as u32, 1), 256, smem_dkdv, &args)?;
+        let f = be.func_smem(KERNELS, hd, "attn_bwd_dq_k", smem_dq)?;
+        let args = Args::new().buf(dx.q).with(saved);
+        return be.launch(&f, (tiles, s.heads as u32, 1), 256, smem_dq, &args);
+    }
+    let (_, smem_dkdv, smem_dq) = attention_mma_smem(hd);
+    let grid = (s.tokens.div_ceil(64) as u32, s.heads as u32, 1);
+    let qn = s.tokens * s.heads * hd;
+    let (dkp, dvp) = (be.temp(qn, DType::F32)?, be.temp(qn, DType::F32)?);
+    let f = be.func_smem(KERNELS, hd, "attn_bwd_dkdv_mma_k", smem_dkdv)?;
+    let args = Args::new().ptr(&dkp).ptr(&dvp).with(saved);
+    be.launch(&f, grid, 128, smem_dkdv, &args)?;
+    let f = be.func(KERNELS, hd, "attn_bwd_group_sum_k")?;
+    let Seqs {
+        tokens,
+        heads,
+        kv_heads,
+        ..
+    } = saved.seqs;
+    let args = Args::new()
+        .buf(dx.k)
+        .buf(dx.v)
+        .ptr(&dkp)
+        .ptr(&dvp)
+        .i32(tokens)
+        .i32(heads)
+        .i32(kv_heads);
+    let kn = s.tokens * s.kv_heads * hd;
+    be.launch(&f, (be.stride_blocks(kn), 1, 1), THREADS, 0, &args)?;
+    let f = be.func_smem(KERNELS, hd, "attn_bwd_dq_mma_k", smem_dq)?;
+    be.launch(&f, grid, 128, smem_dq, &Args::new().ptr(dx.q).with(saved))
 }
 
 #[cfg(test)]

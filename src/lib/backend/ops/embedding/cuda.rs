@@ -4,7 +4,8 @@ use anyhow::Result;
 
 use super::EmbeddingOps;
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx};
+use crate::backend::cuda::{need, Args, CudaBackend, CudaBuf, CudaIdx};
+use crate::backend::ops::memory::cuda::rows_args;
 
 pub const KERNELS: Family = Family {
     name: "embedding",
@@ -27,22 +28,9 @@ impl EmbeddingOps for CudaBackend {
             return Ok(());
         }
         let f = self.func(KERNELS, 0, "embedding_fwd_k")?;
-        let (obf, tbf) = (out.bf(), table.bf());
-        let (t, d, vocab) = (
-            i32_of(tokens, "tokens")?,
-            i32_of(dim, "dim")?,
-            (table.len / dim) as i64,
-        );
-        let err = self.err_ptr();
-        self.launch(
-            &f,
-            (tokens as u32, 1, 1),
-            Self::row_threads(dim),
-            0,
-            &[
-                &out.ptr, &obf, &table.ptr, &tbf, &ids.ptr, &t, &d, &vocab, &err,
-            ],
-        )
+        let args = Args::new().bufs(&[out, table]);
+        let args = rows_args(self, args, ids, tokens, dim, table.len / dim)?;
+        self.launch(&f, (tokens as u32, 1, 1), Self::row_threads(dim), 0, &args)
     }
     fn embedding_backward(
         &self,
@@ -58,29 +46,8 @@ impl EmbeddingOps for CudaBackend {
             return Ok(());
         }
         let f = self.func(KERNELS, 0, "embedding_bwd_k")?;
-        let (dbf, obf) = (dtable.bf(), dout.bf());
-        let (t, d, vocab) = (
-            i32_of(tokens, "tokens")?,
-            i32_of(dim, "dim")?,
-            (dtable.len / dim) as i64,
-        );
-        let err = self.err_ptr();
-        self.launch(
-            &f,
-            (tokens as u32, 1, 1),
-            Self::row_threads(dim),
-            0,
-            &[
-                &dtable.ptr,
-                &dbf,
-                &dout.ptr,
-                &obf,
-                &ids.ptr,
-                &t,
-                &d,
-                &vocab,
-                &err,
-            ],
-        )
+        let args = Args::new().bufs(&[dtable, dout]);
+        let args = rows_args(self, args, ids, tokens, dim, dtable.len / dim)?;
+        self.launch(&f, (tokens as u32, 1, 1), Self::row_threads(dim), 0, &args)
     }
 }

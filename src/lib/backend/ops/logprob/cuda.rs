@@ -6,7 +6,7 @@ use anyhow::Result;
 use super::{LogprobGrad, LogprobInput, LogprobOps, LogprobShape};
 use crate::backend::cuda::gemm::Operand;
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{esize, i32_of, need, CudaBackend, CudaBuf, CudaIdx, THREADS};
+use crate::backend::cuda::{esize, i32_of, need, Args, CudaBackend, CudaBuf, CudaIdx, THREADS};
 use crate::backend::DType;
 
 pub const KERNELS: Family = Family {
@@ -54,11 +54,7 @@ impl LogprobOps for CudaBackend {
         let (xo, _tx) = self.operand_for(x, s.rows * s.hidden, bf)?;
         let (wo, _tw) = self.operand_for(w, s.vocab * s.hidden, bf)?;
         let f = self.func(KERNELS, 0, "logprob_reduce_k")?;
-        let inv_t = 1.0 / s.temperature;
-        let v = i32_of(s.vocab, "vocab")?;
-        let err = self.err_ptr();
-        let (ent_ptr, ent_bf) = ent.as_ref().map_or((0u64, 0), |e| (e.ptr, e.bf()));
-        let ent_esize = ent.as_ref().map_or(4, |e| esize(e.dtype));
+        let (v, ent) = (i32_of(s.vocab, "vocab")?, ent.as_deref());
         for c0 in (0..s.rows).step_by(s.chunk) {
             let cn = s.chunk.min(s.rows - c0);
             let xc = Operand {
@@ -66,34 +62,17 @@ impl LogprobOps for CudaBackend {
                 dtype: xo.dtype,
             };
             self.gemm_xwt(scratch.operand(0), xc, wo, None, s.gemm(cn), false)?;
-            let (lpp, lsep, tp) = (lp.at(c0), lse.at(c0), targets.at(c0));
-            let entp = if ent_ptr == 0 {
-                0u64
-            } else {
-                ent_ptr + (c0 * ent_esize) as u64
-            };
-            let (lpbf, lsebf, zbf, rows) = (lp.bf(), lse.bf(), scratch.bf(), cn as i32);
-            self.launch(
-                &f,
-                (cn as u32, 1, 1),
-                THREADS,
-                0,
-                &[
-                    &lpp,
-                    &lpbf,
-                    &entp,
-                    &ent_bf,
-                    &lsep,
-                    &lsebf,
-                    &scratch.ptr,
-                    &zbf,
-                    &tp,
-                    &rows,
-                    &v,
-                    &inv_t,
-                    &err,
-                ],
-            )?;
+            let args = Args::new()
+                .buf_at(lp, c0)
+                .opt_buf_at(ent, c0)
+                .buf_at(lse, c0)
+                .buf(scratch)
+                .idx_at(targets, c0)
+                .i32(cn as i32)
+                .i32(v)
+                .f32(1.0 / s.temperature)
+                .raw(self.err_ptr());
+            self.launch(&f, (cn as u32, 1, 1), THREADS, 0, &args)?;
         }
         Ok(())
     }
@@ -145,9 +124,7 @@ impl LogprobOps for CudaBackend {
         };
         let dl = dl_tmp.as_ref().map_or(scratch.operand(0), |t| t.operand(0));
         let f = self.func(KERNELS, 0, "logprob_dlogits_k")?;
-        let inv_t = 1.0 / s.temperature;
         let v = i32_of(s.vocab, "vocab")?;
-        let (dent_ptr, dent_bf) = dent.map_or((0u64, 0), |d| (d.ptr, d.bf()));
         for c0 in (0..s.rows).step_by(s.chunk) {
             let cn = s.chunk.min(s.rows - c0);
             let xc = Operand {
@@ -155,39 +132,19 @@ impl LogprobOps for CudaBackend {
                 dtype: xo.dtype,
             };
             self.gemm_xwt(scratch.operand(0), xc, wo, None, s.gemm(cn), false)?;
-            let dlbf = (dl.dtype == DType::BF16) as i32;
-            let (zbf, lsebf, entbf, dlpbf, rows) =
-                (scratch.bf(), lse.bf(), ent.bf(), dlp.bf(), cn as i32);
-            let (tp, lsep, entp, dlpp) = (targets.at(c0), lse.at(c0), ent.at(c0), dlp.at(c0));
-            let dentp = if dent_ptr == 0 {
-                0u64
-            } else {
-                dent_ptr + (c0 * esize(dent.map_or(DType::F32, |d| d.dtype))) as u64
-            };
-            self.launch(
-                &f,
-                (cn as u32, 1, 1),
-                THREADS,
-                0,
-                &[
-                    &dl.ptr,
-                    &dlbf,
-                    &scratch.ptr,
-                    &zbf,
-                    &tp,
-                    &lsep,
-                    &lsebf,
-                    &entp,
-                    &entbf,
-                    &dlpp,
-                    &dlpbf,
-                    &dentp,
-                    &dent_bf,
-                    &rows,
-                    &v,
-                    &inv_t,
-                ],
-            )?;
+            let args = Args::new()
+                .raw(dl.ptr)
+                .i32((dl.dtype == DType::BF16) as i32)
+                .buf(scratch)
+                .idx_at(targets, c0)
+                .buf_at(lse, c0)
+                .buf_at(ent, c0)
+                .buf_at(dlp, c0)
+                .opt_buf_at(dent, c0)
+                .i32(cn as i32)
+                .i32(v)
+                .f32(1.0 / s.temperature);
+            self.launch(&f, (cn as u32, 1, 1), THREADS, 0, &args)?;
             self.gemm_dyw(dx.operand(c0 * s.hidden), dl, wo, s.gemm(cn), false)?;
             self.gemm_dytx(dw.operand(0), dl, xc, s.gemm(cn))?;
         }

@@ -6,8 +6,8 @@ use anyhow::Result;
 use super::{MatmulOps, MatmulShape};
 use crate::backend::cuda::gemm::GemmCall;
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, THREADS};
-use crate::backend::ops::memory::cuda::add_raw;
+use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf, THREADS};
+use crate::backend::ops::memory::cuda::add_at;
 use crate::backend::{DType, Device};
 
 pub const KERNELS: Family = Family {
@@ -20,38 +20,39 @@ pub const KERNELS: Family = Family {
 fn colsum_add(
     be: &CudaBackend,
     dst: &CudaBuf,
-    a: u64,
-    abf: i32,
+    a: &CudaBuf,
     rows: usize,
     cols: usize,
 ) -> Result<()> {
     const ROWS_PER_BLOCK: usize = 64;
     let blocks = rows.div_ceil(ROWS_PER_BLOCK).max(1);
     let part = be.temp(blocks * cols, DType::F32)?;
-    let (r, c, rpb, b) = (
-        i32_of(rows, "rows")?,
-        i32_of(cols, "cols")?,
-        ROWS_PER_BLOCK as i32,
-        blocks as i32,
-    );
+    let c = i32_of(cols, "cols")?;
     let f = be.func(KERNELS, 0, "colsum_partial_k")?;
+    let args = Args::new()
+        .ptr(&part)
+        .buf(a)
+        .i32(i32_of(rows, "rows")?)
+        .i32(c)
+        .i32(ROWS_PER_BLOCK as i32);
     let gx = cols.div_ceil(THREADS as usize) as u32;
-    be.launch(
-        &f,
-        (gx, blocks as u32, 1),
-        THREADS,
-        0,
-        &[&part.ptr, &a, &abf, &r, &c, &rpb],
-    )?;
+    be.launch(&f, (gx, blocks as u32, 1), THREADS, 0, &args)?;
+    colsum_finish(be, dst, &part, blocks, c)
+}
+
+/// dst[c] += Σ_b part[b,c] in a fixed order (`colsum_finish_k`, which the RMSNorm weight
+/// gradient's column sum ends with too).
+pub(crate) fn colsum_finish(
+    be: &CudaBackend,
+    dst: &CudaBuf,
+    part: &CudaBuf,
+    blocks: usize,
+    cols: i32,
+) -> Result<()> {
     let f = be.func(KERNELS, 0, "colsum_finish_k")?;
-    let dbf = dst.bf();
-    be.launch(
-        &f,
-        (gx, 1, 1),
-        THREADS,
-        0,
-        &[&dst.ptr, &dbf, &part.ptr, &b, &c],
-    )
+    let args = Args::new().buf(dst).ptr(part).i32(blocks as i32).i32(cols);
+    let gx = (cols as usize).div_ceil(THREADS as usize) as u32;
+    be.launch(&f, (gx, 1, 1), THREADS, 0, &args)
 }
 
 impl MatmulOps for CudaBackend {
@@ -78,7 +79,7 @@ impl MatmulOps for CudaBackend {
             }
             if let Some(b) = b {
                 for r in 0..m {
-                    add_raw(self, y.at(r * n), y.bf(), b.ptr, b.bf(), n)?;
+                    add_at(self, y, r * n, b, n)?;
                 }
             }
             return Ok(());
@@ -173,7 +174,7 @@ impl MatmulOps for CudaBackend {
         }
         if let Some(db) = db {
             need(db.len, n, "matmul db")?;
-            colsum_add(self, db, dy.ptr, dy.bf(), m, n)?;
+            colsum_add(self, db, dy, m, n)?;
         }
         Ok(())
     }

@@ -4,7 +4,7 @@ use anyhow::Result;
 
 use super::{KvCache, MemoryOps};
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx};
+use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf, CudaIdx};
 
 pub const KERNELS: Family = Family {
     name: "memory",
@@ -12,24 +12,40 @@ pub const KERNELS: Family = Family {
     per_head_dim: false,
 };
 
-/// y[..n] += x[..n] on device addresses (offsets into buffers; callers checked the sizes).
-pub(crate) fn add_raw(
+/// y[y_off..y_off + n] += x[..n] (callers checked the sizes).
+pub(crate) fn add_at(
     be: &CudaBackend,
-    y: u64,
-    ybf: i32,
-    x: u64,
-    xbf: i32,
+    y: &CudaBuf,
+    y_off: usize,
+    x: &CudaBuf,
     n: usize,
 ) -> Result<()> {
-    let n64 = n as i64;
-    be.elementwise(KERNELS, "add_assign_k", n, &[&y, &ybf, &x, &xbf, &n64])
+    let args = Args::new().buf_at(y, y_off).buf(x).i64(n as i64);
+    be.elementwise(KERNELS, "add_assign_k", n, &args)
+}
+
+/// The tail of the row kernels (here and the embedding's): `const u32* rows, int n, int dim,
+/// i64 buffer_rows, u32* err`.
+pub(crate) fn rows_args<'a>(
+    be: &CudaBackend,
+    a: Args<'a>,
+    rows: &CudaIdx,
+    n: usize,
+    dim: usize,
+    buf_rows: usize,
+) -> Result<Args<'a>> {
+    Ok(a.idx(rows)
+        .i32(i32_of(n, "n")?)
+        .i32(i32_of(dim, "dim")?)
+        .i64(buf_rows as i64)
+        .raw(be.err_ptr()))
 }
 
 impl MemoryOps for CudaBackend {
     fn add_assign(&self, y: &mut CudaBuf, x: &CudaBuf, n: usize) -> Result<()> {
         need(y.len, n, "y")?;
         need(x.len, n, "x")?;
-        add_raw(self, y.ptr, y.bf(), x.ptr, x.bf(), n)
+        add_at(self, y, 0, x, n)
     }
 
     fn gather_rows(
@@ -46,16 +62,8 @@ impl MemoryOps for CudaBackend {
             return Ok(());
         }
         let f = self.func(KERNELS, 0, "gather_rows_k")?;
-        let (obf, xbf) = (out.bf(), x.bf());
-        let (nn, d, xr) = (i32_of(n, "n")?, i32_of(dim, "dim")?, (x.len / dim) as i64);
-        let err = self.err_ptr();
-        self.launch(
-            &f,
-            (n as u32, 1, 1),
-            Self::row_threads(dim),
-            0,
-            &[&out.ptr, &obf, &x.ptr, &xbf, &rows.ptr, &nn, &d, &xr, &err],
-        )
+        let args = rows_args(self, Args::new().bufs(&[out, x]), rows, n, dim, x.len / dim)?;
+        self.launch(&f, (n as u32, 1, 1), Self::row_threads(dim), 0, &args)
     }
 
     fn scatter_add_rows(
@@ -72,18 +80,15 @@ impl MemoryOps for CudaBackend {
             return Ok(());
         }
         let f = self.func(KERNELS, 0, "scatter_add_rows_k")?;
-        let (dbf, obf) = (dx.bf(), dout.bf());
-        let (nn, d, xr) = (i32_of(n, "n")?, i32_of(dim, "dim")?, (dx.len / dim) as i64);
-        let err = self.err_ptr();
-        self.launch(
-            &f,
-            (n as u32, 1, 1),
-            Self::row_threads(dim),
-            0,
-            &[
-                &dx.ptr, &dbf, &dout.ptr, &obf, &rows.ptr, &nn, &d, &xr, &err,
-            ],
-        )
+        let args = rows_args(
+            self,
+            Args::new().bufs(&[dx, dout]),
+            rows,
+            n,
+            dim,
+            dx.len / dim,
+        )?;
+        self.launch(&f, (n as u32, 1, 1), Self::row_threads(dim), 0, &args)
     }
 
     fn kv_store(
@@ -106,30 +111,9 @@ impl MemoryOps for CudaBackend {
             return Ok(());
         }
         let f = self.func(KERNELS, 0, "kv_store_k")?;
-        let (kcbf, vcbf, kbf, vbf) = (k_cache.bf(), v_cache.bf(), k.bf(), v.bf());
-        let (nn, rd) = (i32_of(n, "n")?, i32_of(row_dim, "row_dim")?);
-        let cache_rows = (k_cache.len.min(v_cache.len) / row_dim) as i64;
-        let err = self.err_ptr();
-        self.launch(
-            &f,
-            (n as u32, 1, 1),
-            Self::row_threads(row_dim),
-            0,
-            &[
-                &k_cache.ptr,
-                &kcbf,
-                &v_cache.ptr,
-                &vcbf,
-                &k.ptr,
-                &kbf,
-                &v.ptr,
-                &vbf,
-                &rows.ptr,
-                &nn,
-                &rd,
-                &cache_rows,
-                &err,
-            ],
-        )
+        let cache_rows = k_cache.len.min(v_cache.len) / row_dim;
+        let args = Args::new().bufs(&[k_cache, v_cache, k, v]);
+        let args = rows_args(self, args, rows, n, row_dim, cache_rows)?;
+        self.launch(&f, (n as u32, 1, 1), Self::row_threads(row_dim), 0, &args)
     }
 }

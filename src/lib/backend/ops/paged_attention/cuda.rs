@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 
 use super::{BlockTables, PagedAttentionOps, PagedAttnShape, PagedRopeShape, PrefillTiles};
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, CudaIdx, KArg};
+use crate::backend::cuda::{i32_of, need, ArgGroup, Args, CudaBackend, CudaBuf, CudaIdx};
 use crate::backend::ops::attention::{
     self,
     cuda::{attention_mma_smem, check_attn, paged_inv_smem},
@@ -32,21 +32,71 @@ struct PagedRope<'a> {
     fr: Freqs,
 }
 
-/// A paged attention's kernel arguments from its shape: the blocks in the pool, heads, kv
-/// heads, block size and table width.
-fn paged_dims(
+/// The arguments the paged kernels take after the block tables: `int heads, int kv_heads,
+/// int block_size, int max_blocks, i64 num_blocks` (the blocks in the pool).
+struct PagedDims {
+    heads: i32,
+    kv_heads: i32,
+    block_size: i32,
+    max_blocks: i32,
+    num_blocks: i64,
+}
+
+impl ArgGroup for PagedDims {
+    fn push<'a>(&'a self, a: Args<'a>) -> Args<'a> {
+        a.i32(self.heads)
+            .i32(self.kv_heads)
+            .i32(self.block_size)
+            .i32(self.max_blocks)
+            .i64(self.num_blocks)
+    }
+}
+
+/// `const u32* tables, const u32* seq, const u32* len`.
+impl ArgGroup for BlockTables<&CudaIdx> {
+    fn push<'a>(&'a self, a: Args<'a>) -> Args<'a> {
+        a.idx(self.tables).idx(self.seq).idx(self.len)
+    }
+}
+
+/// What every paged attention kernel reads besides its queries and output: the cache, the
+/// block tables, the dims, the scale and the error word.
+struct Paged<'a> {
+    k_cache: &'a CudaBuf,
+    v_cache: &'a CudaBuf,
+    blocks: BlockTables<&'a CudaIdx>,
     s: PagedAttnShape,
-    k_cache: &CudaBuf,
-    v_cache: &CudaBuf,
-) -> Result<(i64, i32, i32, i32, i32)> {
-    let row = s.kv_heads * s.head_dim;
-    Ok((
-        (k_cache.len.min(v_cache.len) / (row * s.block_size)) as i64,
-        s.heads as i32,
-        s.kv_heads as i32,
-        i32_of(s.block_size, "block_size")?,
-        i32_of(s.max_blocks, "max_blocks")?,
-    ))
+    dims: PagedDims,
+    scale: f32,
+    err: u64,
+}
+
+impl<'a> Paged<'a> {
+    fn new(
+        be: &CudaBackend,
+        cache: KvCache<&'a CudaBuf>,
+        blocks: BlockTables<&'a CudaIdx>,
+        s: PagedAttnShape,
+    ) -> Result<Self> {
+        let KvCache { k, v } = cache;
+        let row = s.kv_heads * s.head_dim;
+        let dims = PagedDims {
+            heads: s.heads as i32,
+            kv_heads: s.kv_heads as i32,
+            block_size: i32_of(s.block_size, "block_size")?,
+            max_blocks: i32_of(s.max_blocks, "max_blocks")?,
+            num_blocks: (k.len.min(v.len) / (row * s.block_size)) as i64,
+        };
+        Ok(Paged {
+            k_cache: k,
+            v_cache: v,
+            blocks,
+            s,
+            dims,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+            err: be.err_ptr(),
+        })
+    }
 }
 
 /// `attention_paged`, or with `rope` the decode step's rope + kv_store fused in (`q` is then
@@ -60,21 +110,14 @@ fn launch_paged(
     s: PagedAttnShape,
     rope: Option<PagedRope>,
 ) -> Result<()> {
-    let (
-        KvCache {
-            k: k_cache,
-            v: v_cache,
-        },
-        BlockTables { tables, seq, len },
-    ) = (cache, blocks);
     let (hd, _) = check_attn(s.heads, s.kv_heads, s.head_dim)?;
     let qn = s.queries * s.heads * s.head_dim;
     need(o.len, qn, "attention_paged o")?;
     if rope.is_none() {
         need(q.len, qn, "attention_paged q")?;
     }
-    need(seq.len, s.queries, "attention_paged seq")?;
-    need(len.len, s.queries, "attention_paged len")?;
+    need(blocks.seq.len, s.queries, "attention_paged seq")?;
+    need(blocks.len.len, s.queries, "attention_paged len")?;
     if s.queries == 0 {
         return Ok(());
     }
@@ -85,82 +128,83 @@ fn launch_paged(
             s.max_blocks
         );
     }
-    // One block per (query, kv head) serving its whole GQA group when the group is small
-    // enough (every key/value row read once): on the tensor cores when q and the cache are
-    // bf16 and head_dim is 64 or 128, else with scalar math; otherwise one block per
-    // (query, head).
-    let group = s.heads / s.kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let err = be.err_ptr();
-    let (num_blocks, h, kh, bsz, mb) = paged_dims(s, k_cache, v_cache)?;
+    let p = Paged::new(be, cache, blocks, s)?;
     if rope.is_none()
         && be.batch_invariant()
-        && group <= 16
-        && be.use_mma(hd, &[o, q, k_cache, v_cache])
+        && s.heads / s.kv_heads <= 16
+        && be.use_mma(hd, &[o, q, p.k_cache, p.v_cache])
     {
         // Batch invariance: the training forward's tiles and arithmetic per (query, head).
-        let f = be.func_smem(
-            attention::cuda::KERNELS,
-            hd,
-            "paged_attn_inv_k",
-            paged_inv_smem(hd),
-        )?;
+        let smem = paged_inv_smem(hd);
+        let f = be.func_smem(attention::cuda::KERNELS, hd, "paged_attn_inv_k", smem)?;
+        let args = Args::new()
+            .ptrs(&[o, q, p.k_cache, p.v_cache])
+            .with(&p.blocks)
+            .with(&p.dims)
+            .f32(p.scale)
+            .raw(p.err);
         return be.launch(
             &f,
             (s.queries as u32, s.kv_heads as u32, 1),
             128,
-            paged_inv_smem(hd),
-            &[
-                &o.ptr,
-                &q.ptr,
-                &k_cache.ptr,
-                &v_cache.ptr,
-                &tables.ptr,
-                &seq.ptr,
-                &len.ptr,
-                &h,
-                &kh,
-                &bsz,
-                &mb,
-                &num_blocks,
-                &scale,
-                &err,
-            ],
+            smem,
+            &args,
         );
     }
-    let mma = group <= 16 && hd.is_multiple_of(64) && be.use_mma(hd, &[q, k_cache, v_cache]);
-    if rope.is_some() && !mma {
-        bail!("attention_paged: the fused rope needs the tensor-core kernel");
-    }
-    let gqa = hd.is_multiple_of(8) && group <= 8;
-    let (name, blocks_y, threshold) = if mma {
-        (
-            // Fewer blocks before splitting than the scalar kernels: a split costs a merge
-            // pass (at 256 queries, 23 µs per layer with 2·SMs against 33 µs with 4·SMs).
-            if rope.is_some() {
-                "paged_attn_mma_rope_k"
-            } else {
-                "paged_attn_mma_k"
-            },
-            s.kv_heads,
-            2 * be.sms() as usize,
-        )
+    launch_decode(be, o, q, &p, rope)
+}
+
+/// The flash-decoding kernel of a paged attention: its name, the grid's y extent, and the
+/// blocks below which the context is split.
+fn decode_kernel(be: &CudaBackend, s: PagedAttnShape, mma: bool) -> (&'static str, usize, usize) {
+    let gqa = s.head_dim.is_multiple_of(8) && s.heads / s.kv_heads <= 8;
+    if mma {
+        // Fewer blocks before splitting than the scalar kernels: a split costs a merge
+        // pass (at 256 queries, 23 µs per layer with 2·SMs against 33 µs with 4·SMs).
+        ("paged_attn_mma_k", s.kv_heads, 2 * be.sms() as usize)
     } else if gqa {
         ("paged_attn_gqa_k", s.kv_heads, 4 * be.sms() as usize)
     } else {
         ("paged_attn_k", s.heads, 2 * be.sms() as usize)
+    }
+}
+
+/// One block per (query, kv head) serving its whole GQA group when the group is small enough
+/// (every key/value row read once): on the tensor cores when q and the cache are bf16 and
+/// head_dim is 64 or 128, else with scalar math; otherwise one block per (query, head). The
+/// context is split when there are too few blocks to fill the GPU, and the splits combined.
+fn launch_decode(
+    be: &CudaBackend,
+    o: &mut CudaBuf,
+    q: &CudaBuf,
+    p: &Paged,
+    rope: Option<PagedRope>,
+) -> Result<()> {
+    let (s, hd) = (p.s, p.s.head_dim);
+    let mma = s.heads / s.kv_heads <= 16
+        && hd.is_multiple_of(64)
+        && be.use_mma(hd, &[q, p.k_cache, p.v_cache]);
+    if rope.is_some() && !mma {
+        bail!("attention_paged: the fused rope needs the tensor-core kernel");
+    }
+    let (name, blocks_y, threshold) = decode_kernel(be, s, mma);
+    // paged_attn_mma_rope_k: paged_attn_mma_k's arguments, then the rope's.
+    let name = if rope.is_some() {
+        "paged_attn_mma_rope_k"
+    } else {
+        name
     };
     let f = be.func(KERNELS, hd, name)?;
-    // Flash-decoding: split the context when there are too few blocks to fill the GPU.
-    // Each row cuts its own context into even splits of at least 64 positions (split_len
-    // 0, see `row_split` in the kernel), so the split count depends on the number of
-    // queries alone and a row's result does not depend on the table width: a decode step
-    // replayed from a CUDA graph (tables padded to a fixed width) gives the eager bits.
+    // Flash-decoding: each row cuts its own context into even splits of at least 64
+    // positions (split_len 0, see `row_split` in the kernel), so the split count depends on
+    // the number of queries alone and a row's result does not depend on the table width: a
+    // decode step replayed from a CUDA graph (tables padded to a fixed width) gives the
+    // eager bits.
     let pairs = s.queries * s.heads;
     let splits = threshold
         .div_ceil(s.queries * blocks_y)
         .clamp(1, MAX_PAGED_SPLITS);
-    let split_len = 0usize;
+    let split_len = 0i32;
     let (part_o, part_ml) = if splits > 1 {
         (
             be.temp(pairs * splits * hd, DType::F32)?,
@@ -169,76 +213,37 @@ fn launch_paged(
     } else {
         (be.temp(1, DType::F32)?, be.temp(2, DType::F32)?)
     };
-    let (obf, qbf, kbf, vbf) = (o.bf(), q.bf(), k_cache.bf(), v_cache.bf());
-    let sl = i32_of(split_len, "split_len")?;
-    let grid = (s.queries as u32, blocks_y as u32, splits as u32);
-    if mma {
-        let mut args: Vec<&dyn KArg> = vec![
-            &o.ptr,
-            &obf,
-            &q.ptr,
-            &k_cache.ptr,
-            &v_cache.ptr,
-            &tables.ptr,
-            &seq.ptr,
-            &len.ptr,
-            &h,
-            &kh,
-            &bsz,
-            &mb,
-            &num_blocks,
-            &sl,
-            &scale,
-            &part_o.ptr,
-            &part_ml.ptr,
-            &err,
-        ];
-        // paged_attn_mma_rope_k: the same, then the rope's.
-        if let Some(r) = &rope {
-            args.extend([&r.pos.ptr as &dyn KArg, &r.rows.ptr, &r.cache_rows, &r.fr]);
-        }
-        be.launch(&f, grid, 128, 0, &args)?;
-    } else {
-        be.launch(
-            &f,
-            grid,
-            128,
-            0,
-            &[
-                &o.ptr,
-                &obf,
-                &q.ptr,
-                &qbf,
-                &k_cache.ptr,
-                &kbf,
-                &v_cache.ptr,
-                &vbf,
-                &tables.ptr,
-                &seq.ptr,
-                &len.ptr,
-                &h,
-                &kh,
-                &bsz,
-                &mb,
-                &num_blocks,
-                &sl,
-                &scale,
-                &part_o.ptr,
-                &part_ml.ptr,
-                &err,
-            ],
-        )?;
+    let head = match mma {
+        true => Args::new().buf(o).ptrs(&[q, p.k_cache, p.v_cache]),
+        false => Args::new().bufs(&[o, q, p.k_cache, p.v_cache]),
+    };
+    let mut args = head
+        .with(&p.blocks)
+        .with(&p.dims)
+        .i32(split_len)
+        .f32(p.scale)
+        .ptr(&part_o)
+        .ptr(&part_ml)
+        .raw(p.err);
+    if let Some(r) = &rope {
+        args = args
+            .idx(r.pos)
+            .idx(r.rows)
+            .i64(r.cache_rows)
+            .by_value(&r.fr);
     }
+    let grid = (s.queries as u32, blocks_y as u32, splits as u32);
+    be.launch(&f, grid, 128, 0, &args)?;
     if splits > 1 {
         let c = be.func(KERNELS, hd, "paged_combine_k")?;
-        let sp = splits as i32;
-        be.launch(
-            &c,
-            (s.queries as u32, s.heads as u32, 1),
-            CudaBackend::row_threads(hd),
-            0,
-            &[&o.ptr, &obf, &part_o.ptr, &part_ml.ptr, &h, &sp],
-        )?;
+        let args = Args::new()
+            .buf(o)
+            .ptr(&part_o)
+            .ptr(&part_ml)
+            .i32(p.dims.heads)
+            .i32(splits as i32);
+        let grid = (s.queries as u32, s.heads as u32, 1);
+        be.launch(&c, grid, CudaBackend::row_threads(hd), 0, &args)?;
     }
     Ok(())
 }
@@ -258,7 +263,7 @@ impl PagedAttentionOps for CudaBackend {
                 k: k_cache,
                 v: v_cache,
             },
-            BlockTables { tables, seq, len },
+            BlockTables { seq, len, .. },
         ) = (cache, blocks);
         let PrefillTiles {
             tiles,
@@ -292,38 +297,17 @@ impl PagedAttentionOps for CudaBackend {
         }
         // The prefill tiles: each block's rows share its key tiles (and get the training
         // forward's bits, in either mode).
-        let f = self.func_smem(
-            attention::cuda::KERNELS,
-            hd,
-            "paged_prefill_mma_k",
-            attention_mma_smem(hd).0,
-        )?;
-        let (num_blocks, h, kh, bsz, mb) = paged_dims(s, k_cache, v_cache)?;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let err = self.err_ptr();
-        self.launch(
-            &f,
-            (n_tiles as u32, s.heads as u32, 1),
-            128,
-            attention_mma_smem(hd).0,
-            &[
-                &o.ptr,
-                &q.ptr,
-                &k_cache.ptr,
-                &v_cache.ptr,
-                &tables.ptr,
-                &seq.ptr,
-                &len.ptr,
-                &tiles.ptr,
-                &h,
-                &kh,
-                &bsz,
-                &mb,
-                &num_blocks,
-                &scale,
-                &err,
-            ],
-        )
+        let smem = attention_mma_smem(hd).0;
+        let f = self.func_smem(attention::cuda::KERNELS, hd, "paged_prefill_mma_k", smem)?;
+        let p = Paged::new(self, cache, blocks, s)?;
+        let args = Args::new()
+            .ptrs(&[o, q, k_cache, v_cache])
+            .with(&p.blocks)
+            .idx(tiles)
+            .with(&p.dims)
+            .f32(p.scale)
+            .raw(p.err);
+        self.launch(&f, (n_tiles as u32, s.heads as u32, 1), 128, smem, &args)
     }
     fn attention_paged(
         &self,

@@ -4,7 +4,7 @@ use anyhow::{bail, Result};
 
 use super::{PpoInputs, PpoLossOps, PpoShape, PPO_STATS};
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf};
+use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf};
 use crate::backend::DType;
 
 pub const KERNELS: Family = Family {
@@ -46,35 +46,18 @@ impl PpoLossOps for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let (old_ptr, old_bf) = old.map_or((0u64, 0), |o| (o.ptr, o.bf()));
-        let (ent_ptr, ent_bf) = ent.map_or((0u64, 0), |e| (e.ptr, e.bf()));
-        let (dlpbf, lpbf, advbf, wbf, n32) =
-            (dlp.bf(), lp.bf(), adv.bf(), w.bf(), i32_of(n, "tokens")?);
+        let args = Args::new()
+            .buf(dlp)
+            .ptr(stats)
+            .buf(lp)
+            .opt_buf_at(old, 0)
+            .bufs(&[adv, w])
+            .opt_buf_at(ent, 0)
+            .i32(i32_of(n, "tokens")?)
+            .f64(s.ratio_low)
+            .f64(s.ratio_high)
+            .f64(s.dual_clip);
         let f = self.func(KERNELS, 0, "ppo_clip_k")?;
-        self.launch(
-            &f,
-            (1, 1, 1),
-            1024,
-            0,
-            &[
-                &dlp.ptr,
-                &dlpbf,
-                &stats.ptr,
-                &lp.ptr,
-                &lpbf,
-                &old_ptr,
-                &old_bf,
-                &adv.ptr,
-                &advbf,
-                &w.ptr,
-                &wbf,
-                &ent_ptr,
-                &ent_bf,
-                &n32,
-                &s.ratio_low,
-                &s.ratio_high,
-                &s.dual_clip,
-            ],
-        )
+        self.launch(&f, (1, 1, 1), 1024, 0, &args)
     }
 }

@@ -5,8 +5,8 @@ use anyhow::Result;
 
 use super::{RmsNormOps, RmsNormSaved, RmsNormShape};
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf, THREADS};
-use crate::backend::ops::matmul;
+use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf, THREADS};
+use crate::backend::ops::matmul::cuda::colsum_finish;
 use crate::backend::DType;
 
 pub const KERNELS: Family = Family {
@@ -41,19 +41,16 @@ impl RmsNormOps for CudaBackend {
         } else {
             Some(self.temp(rows, DType::F32)?)
         };
-        let rs_ptr = rs.as_ref().map_or(rstd.ptr, |t| t.ptr);
-        let (ybf, xbf, wbf) = (y.bf(), x.bf(), w.bf());
-        let (r, d) = (i32_of(rows, "rows")?, i32_of(dim, "dim")?);
         let f = self.func(KERNELS, 0, "rmsnorm_fwd_k")?;
-        self.launch(
-            &f,
-            (rows.div_ceil(RMSNORM_ROWS_PER_BLOCK) as u32, 1, 1),
-            32 * RMSNORM_ROWS_PER_BLOCK as u32,
-            0,
-            &[
-                &y.ptr, &ybf, &rs_ptr, &x.ptr, &xbf, &w.ptr, &wbf, &r, &d, &eps,
-            ],
-        )?;
+        let args = Args::new()
+            .buf(y)
+            .ptr(rs.as_ref().unwrap_or(&*rstd))
+            .bufs(&[x, w])
+            .i32(i32_of(rows, "rows")?)
+            .i32(i32_of(dim, "dim")?)
+            .f32(eps);
+        let grid = (rows.div_ceil(RMSNORM_ROWS_PER_BLOCK) as u32, 1, 1);
+        self.launch(&f, grid, 32 * RMSNORM_ROWS_PER_BLOCK as u32, 0, &args)?;
         if let Some(t) = rs {
             self.convert(rstd.ptr, rstd.bf(), t.ptr, 0, rows)?;
         }
@@ -85,46 +82,30 @@ impl RmsNormOps for CudaBackend {
             self.convert(t.ptr, 0, rstd.ptr, 1, rows)?;
             Some(t)
         };
-        let rs_ptr = rs.as_ref().map_or(rstd.ptr, |t| t.ptr);
-        let (dxbf, dybf, xbf, wbf) = (dx.bf(), dy.bf(), x.bf(), w.bf());
-        let (r, d, acc) = (
-            i32_of(rows, "rows")?,
-            i32_of(dim, "dim")?,
-            accumulate as i32,
-        );
+        let rs = rs.as_ref().unwrap_or(rstd);
+        let (r, d) = (i32_of(rows, "rows")?, i32_of(dim, "dim")?);
         let f = self.func(KERNELS, 0, "rmsnorm_bwd_dx_k")?;
-        self.launch(
-            &f,
-            (rows as u32, 1, 1),
-            Self::row_threads(dim),
-            0,
-            &[
-                &dx.ptr, &dxbf, &dy.ptr, &dybf, &x.ptr, &xbf, &w.ptr, &wbf, &rs_ptr, &r, &d, &acc,
-            ],
-        )?;
+        let args = Args::new()
+            .bufs(&[dx, dy, x, w])
+            .ptr(rs)
+            .i32(r)
+            .i32(d)
+            .i32(accumulate as i32);
+        self.launch(&f, (rows as u32, 1, 1), Self::row_threads(dim), 0, &args)?;
+        // dw: per-block partial column sums, then their fixed-order sum.
         const ROWS_PER_BLOCK: usize = 64;
         let blocks = rows.div_ceil(ROWS_PER_BLOCK);
         let part = self.temp(blocks * dim, DType::F32)?;
-        let rpb = ROWS_PER_BLOCK as i32;
         let f = self.func(KERNELS, 0, "rmsnorm_bwd_dw_partial_k")?;
+        let args = Args::new()
+            .ptr(&part)
+            .bufs(&[dy, x])
+            .ptr(rs)
+            .i32(r)
+            .i32(d)
+            .i32(ROWS_PER_BLOCK as i32);
         let gx = dim.div_ceil(THREADS as usize) as u32;
-        self.launch(
-            &f,
-            (gx, blocks as u32, 1),
-            THREADS,
-            0,
-            &[
-                &part.ptr, &dy.ptr, &dybf, &x.ptr, &xbf, &rs_ptr, &r, &d, &rpb,
-            ],
-        )?;
-        let f = self.func(matmul::cuda::KERNELS, 0, "colsum_finish_k")?;
-        let (dwbf, b) = (dw.bf(), blocks as i32);
-        self.launch(
-            &f,
-            (gx, 1, 1),
-            THREADS,
-            0,
-            &[&dw.ptr, &dwbf, &part.ptr, &b, &d],
-        )
+        self.launch(&f, (gx, blocks as u32, 1), THREADS, 0, &args)?;
+        colsum_finish(self, dw, &part, blocks, d)
     }
 }

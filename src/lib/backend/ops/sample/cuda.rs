@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 
 use super::{Draws, SampleOps};
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf};
+use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf};
 use crate::backend::DType;
 
 pub const KERNELS: Family = Family {
@@ -42,7 +42,6 @@ impl SampleOps for CudaBackend {
         if vocab == 0 {
             bail!("cannot sample from an empty vocabulary");
         }
-        let lbf = logits.bf();
         let v = i32_of(vocab, "vocab")?;
         let top_k = if params.top_k > 0 && (params.top_k as usize) < vocab {
             params.top_k as i32
@@ -60,63 +59,37 @@ impl SampleOps for CudaBackend {
             // f64 segment sums, 8 per chunk, in a buffer of twice as many f32 words.
             let ssum = self.temp(rows * chunks * 8 * 2, DType::F32)?;
             let f = self.func(KERNELS, 0, "sample_chunk_k")?;
-            self.launch(
-                &f,
-                (chunks as u32, rows as u32, 1),
-                256,
-                0,
-                &[
-                    &cmax.ptr,
-                    &carg.ptr,
-                    &ssum.ptr,
-                    &logits.ptr,
-                    &lbf,
-                    &v,
-                    &params.temperature,
-                ],
-            )?;
+            let args = Args::new()
+                .ptrs(&[&cmax, &carg, &ssum])
+                .buf(logits)
+                .i32(v)
+                .f32(params.temperature);
+            self.launch(&f, (chunks as u32, rows as u32, 1), 256, 0, &args)?;
             let f = self.func(KERNELS, 0, "sample_pick_k")?;
-            return self.launch(
-                &f,
-                (rows as u32, 1, 1),
-                512,
-                0,
-                &[
-                    &tokens.ptr,
-                    &logprobs.ptr,
-                    &cmax.ptr,
-                    &carg.ptr,
-                    &ssum.ptr,
-                    &logits.ptr,
-                    &lbf,
-                    &keys.ptr,
-                    &positions.ptr,
-                    &v,
-                    &c,
-                    &params.temperature,
-                    &err,
-                ],
-            );
+            let args = Args::new()
+                .idx(tokens)
+                .ptrs(&[logprobs, &cmax, &carg, &ssum])
+                .buf(logits)
+                .idx(keys)
+                .idx(positions)
+                .i32(v)
+                .i32(c)
+                .f32(params.temperature)
+                .raw(err);
+            return self.launch(&f, (rows as u32, 1, 1), 512, 0, &args);
         }
         let f = self.func(KERNELS, 0, "sample_k")?;
-        self.launch(
-            &f,
-            (rows as u32, 1, 1),
-            1024,
-            0,
-            &[
-                &tokens.ptr,
-                &logprobs.ptr,
-                &logits.ptr,
-                &lbf,
-                &keys.ptr,
-                &positions.ptr,
-                &v,
-                &params.temperature,
-                &top_k,
-                &params.top_p,
-                &err,
-            ],
-        )
+        let args = Args::new()
+            .idx(tokens)
+            .ptr(logprobs)
+            .buf(logits)
+            .idx(keys)
+            .idx(positions)
+            .i32(v)
+            .f32(params.temperature)
+            .i32(top_k)
+            .f32(params.top_p)
+            .raw(err);
+        self.launch(&f, (rows as u32, 1, 1), 1024, 0, &args)
     }
 }

@@ -4,7 +4,7 @@ use anyhow::Result;
 
 use super::SwigluOps;
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, CudaBackend, CudaBuf};
+use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf};
 use crate::backend::DType;
 
 pub const KERNELS: Family = Family {
@@ -29,21 +29,13 @@ impl SwigluOps for CudaBackend {
         need(h.len, n, "swiglu h")?;
         need(g.len, n, "swiglu g")?;
         need(u.len, n, "swiglu u")?;
-        if let Some(n8) = vec8(n, &[h, g, u]) {
-            return self.elementwise(
-                KERNELS,
-                "swiglu_fwd_v8_k",
-                n8 as usize,
-                &[&h.ptr, &g.ptr, &u.ptr, &n8],
-            );
+        let bufs = [&*h, g, u];
+        if let Some(n8) = vec8(n, &bufs) {
+            let args = Args::new().ptrs(&bufs).i64(n8);
+            return self.elementwise(KERNELS, "swiglu_fwd_v8_k", n8 as usize, &args);
         }
-        let (hbf, gbf, ubf, n64) = (h.bf(), g.bf(), u.bf(), n as i64);
-        self.elementwise(
-            KERNELS,
-            "swiglu_fwd_k",
-            n,
-            &[&h.ptr, &hbf, &g.ptr, &gbf, &u.ptr, &ubf, &n64],
-        )
+        let args = Args::new().bufs(&bufs).i64(n as i64);
+        self.elementwise(KERNELS, "swiglu_fwd_k", n, &args)
     }
     fn swiglu_packed(&self, h: &mut CudaBuf, gu: &CudaBuf, n: usize, f: usize) -> Result<()> {
         need(h.len, n * f, "swiglu_packed h")?;
@@ -53,28 +45,21 @@ impl SwigluOps for CudaBackend {
         }
         // Whole 8-element groups per half row: f a multiple of 8 (vec8 checks n·f and 2·n·f).
         if vec8(n * f, &[h, gu]).is_some() && f.is_multiple_of(8) {
-            let (f8, rows) = (i32_of(f / 8, "f")?, i32_of(n, "rows")?);
+            let args = Args::new()
+                .ptrs(&[h, gu])
+                .i32(i32_of(f / 8, "f")?)
+                .i32(i32_of(n, "rows")?);
             let threads = 128u32;
             let fn_ = self.func(KERNELS, 0, "swiglu_packed_v8_k")?;
-            return self.launch(
-                &fn_,
-                (
-                    (f / 8).div_ceil(threads as usize) as u32,
-                    n.min(65535) as u32,
-                    1,
-                ),
-                threads,
-                0,
-                &[&h.ptr, &gu.ptr, &f8, &rows],
+            let grid = (
+                (f / 8).div_ceil(threads as usize) as u32,
+                n.min(65535) as u32,
+                1,
             );
+            return self.launch(&fn_, grid, threads, 0, &args);
         }
-        let (hbf, gbf, ff, n64) = (h.bf(), gu.bf(), f as i64, (n * f) as i64);
-        self.elementwise(
-            KERNELS,
-            "swiglu_packed_k",
-            n * f,
-            &[&h.ptr, &hbf, &gu.ptr, &gbf, &ff, &n64],
-        )
+        let args = Args::new().bufs(&[h, gu]).i64(f as i64).i64((n * f) as i64);
+        self.elementwise(KERNELS, "swiglu_packed_k", n * f, &args)
     }
     fn swiglu_backward(
         &self,
@@ -90,23 +75,12 @@ impl SwigluOps for CudaBackend {
         need(dh.len, n, "swiglu dh")?;
         need(g.len, n, "swiglu g")?;
         need(u.len, n, "swiglu u")?;
-        if let Some(n8) = vec8(n, &[dg, du, dh, g, u]) {
-            return self.elementwise(
-                KERNELS,
-                "swiglu_bwd_v8_k",
-                n8 as usize,
-                &[&dg.ptr, &du.ptr, &dh.ptr, &g.ptr, &u.ptr, &n8],
-            );
+        let bufs = [&*dg, &*du, dh, g, u];
+        if let Some(n8) = vec8(n, &bufs) {
+            let args = Args::new().ptrs(&bufs).i64(n8);
+            return self.elementwise(KERNELS, "swiglu_bwd_v8_k", n8 as usize, &args);
         }
-        let (dgbf, dubf, dhbf, gbf, ubf, n64) =
-            (dg.bf(), du.bf(), dh.bf(), g.bf(), u.bf(), n as i64);
-        self.elementwise(
-            KERNELS,
-            "swiglu_bwd_k",
-            n,
-            &[
-                &dg.ptr, &dgbf, &du.ptr, &dubf, &dh.ptr, &dhbf, &g.ptr, &gbf, &u.ptr, &ubf, &n64,
-            ],
-        )
+        let args = Args::new().bufs(&bufs).i64(n as i64);
+        self.elementwise(KERNELS, "swiglu_bwd_k", n, &args)
     }
 }

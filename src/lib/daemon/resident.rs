@@ -1,5 +1,5 @@
 //! What the daemon keeps between jobs: the policy decoder (compute weights, f32 masters, AdamW
-//! state) and the reference decoder, on one backend. It is the stages' [`Exec`] inside the
+//! state) and the reference decoder, on one backend. It is the stages' `Exec` inside the
 //! daemon: a stage asks for the model its `--model` names, and the daemon uses the one it holds
 //! when that is the same checkpoint (same directory, same files), and loads it otherwise.
 //!
@@ -10,7 +10,7 @@
 //! With `update --resident` nothing is written but a resident directory (config, tokenizer,
 //! `resident.json`): the policy then exists only here, and the directory names it as long as
 //! this daemon holds that state. `daemon-ctl save` writes it as the files `update` would have
-//! ([`Exec::held_policy`]).
+//! ([`Hold::held_policy`]).
 //!
 //! In a daemon group (one daemon per GPU) every rank keeps its part of the sharded training
 //! state between updates ([`Resident::train_group`]): under zero2 the whole compute weights,
@@ -23,19 +23,20 @@
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
+use crate::engine::policy::{
+    write_rank_shards, HeldPolicy, Holder, ModelRef, SavedShards, Sharding, Train, Trainable,
+    Trained,
+};
 use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedPolicy};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim, TokenStats};
 use crate::model::{Config, Weights};
 use crate::parallel::{Comm, ProcessGroup};
-use crate::stage::common::{Device, ModelRef};
+use crate::stage::common::Device;
 use crate::stage::ref_logprob::{LogprobColumn, Score};
 use crate::stage::rollout::{Generate, Generated};
-use crate::stage::update::{
-    write_rank_shards, HeldPolicy, Holder, SavedShards, Sharding, Train, Trainable, Trained,
-};
-use crate::stage::Exec;
+use crate::stage::{Compute, Console, Hold, Topology};
 use anyhow::Result;
 use indicatif::ProgressBar;
 use serde_json::{json, Map, Value};
@@ -822,7 +823,7 @@ fn unpark<B: Backend>(slot: &mut PolicySlot<B>) -> Result<()> {
     Ok(())
 }
 
-impl<B: Backend> Exec for Resident<B> {
+impl<B: Backend> Compute for Resident<B> {
     fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<Generated> {
         let decoder = self.generation(model)?;
         let mut out = job.generate_on(decoder)?;
@@ -902,7 +903,9 @@ impl<B: Backend> Exec for Resident<B> {
         out.load_seconds = load_s;
         Ok(out)
     }
+}
 
+impl<B: Backend> Hold for Resident<B> {
     fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()> {
         let key = ModelKey::of(dir)?;
         if let Some(p) = &mut self.policy {
@@ -975,7 +978,9 @@ impl<B: Backend> Exec for Resident<B> {
         self.note("synced_dir", dir.display().to_string());
         Ok(())
     }
+}
 
+impl<B: Backend> Console for Resident<B> {
     fn progress_bar(&mut self, len: usize, what: &str) -> ProgressBar {
         let bar = ProgressBar::hidden();
         bar.set_length(len as u64);
@@ -990,3 +995,6 @@ impl<B: Backend> Exec for Resident<B> {
         self.send(&Response::Log { line: line.into() });
     }
 }
+
+/// A daemon runs a stage alone; the ranks of a group's job are the server's (`Watched`).
+impl<B: Backend> Topology for Resident<B> {}

@@ -284,6 +284,41 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
     Ok(cred.uid)
 }
 
+/// Binds the daemon's socket at `path`. A group answers on rank 0's socket once every rank has
+/// loaded and listens: a rank > 0 says so in the store once bound, rank 0 binds after all did.
+fn listen(path: &Path, group: Option<&ProcessGroup>) -> Result<UnixListener> {
+    let Some((pg, store)) = group.and_then(|pg| Some((pg, pg.store()?))) else {
+        return bind_private(path);
+    };
+    if pg.rank() > 0 {
+        let l = bind_private(path)?;
+        store.set(&ready_key(pg.rank()), b"1")?;
+        return Ok(l);
+    }
+    for r in 1..pg.world_size() {
+        store.get_any(&[ready_key(r)], None, &|| false)?;
+    }
+    bind_private(path)
+}
+
+/// When the group fails (a rank died or hung), the running job's client hears why before this
+/// process ends (the failure handling ends it after its grace period).
+fn tell_client_on_failure(pg: &ProcessGroup, shared: &Arc<Mutex<Shared>>) {
+    let (weak, health) = (Arc::downgrade(shared), Arc::downgrade(pg.health()));
+    pg.health().on_failure(move || {
+        let (Some(shared), Some(health)) = (weak.upgrade(), health.upgrade()) else {
+            return;
+        };
+        let reason = health.failure().map(|f| f.reason).unwrap_or_default();
+        if let Some(reply) = shared.lock().ok().and_then(|s| s.current.clone()) {
+            reply.send(&Response::Error {
+                message: format!("{:#}", group_failed(&reason)),
+                input_error: false,
+            });
+        }
+    });
+}
+
 fn serve<B: Backend>(
     args: &DaemonArgs,
     mut resident: Resident<B>,
@@ -305,21 +340,7 @@ fn serve<B: Backend>(
     if let Some(r) = &args.reference {
         resident.preload_ref(&resolve_model(r)?.dir)?;
     }
-    // A group answers on rank 0's socket once every rank has loaded and listens.
-    let listener = match group.as_ref().and_then(|pg| pg.store()) {
-        Some(store) if rank > 0 => {
-            let l = bind_private(&path)?;
-            store.set(&ready_key(rank), b"1")?;
-            l
-        }
-        Some(store) => {
-            for r in 1..group.as_ref().map_or(1, |pg| pg.world_size()) {
-                store.get_any(&[ready_key(r)], None, &|| false)?;
-            }
-            bind_private(&path)?
-        }
-        None => bind_private(&path)?,
-    };
+    let listener = listen(&path, group.as_deref())?;
     let socket = path.canonicalize()?;
     resident.set_socket(&socket);
     let home = std::env::current_dir()?;
@@ -342,21 +363,7 @@ fn serve<B: Backend>(
         current: None,
     }));
     if let Some(pg) = &group {
-        // The group failed (a rank died or hung): the running job's client hears why before
-        // this process ends (the failure handling ends it after its grace period).
-        let (weak, health) = (Arc::downgrade(&shared), Arc::downgrade(pg.health()));
-        pg.health().on_failure(move || {
-            let (Some(shared), Some(health)) = (weak.upgrade(), health.upgrade()) else {
-                return;
-            };
-            let reason = health.failure().map(|f| f.reason).unwrap_or_default();
-            if let Some(reply) = shared.lock().ok().and_then(|s| s.current.clone()) {
-                reply.send(&Response::Error {
-                    message: format!("{:#}", group_failed(&reason)),
-                    input_error: false,
-                });
-            }
-        });
+        tell_client_on_failure(pg, &shared);
     }
     let ranks_note = match &group {
         Some(pg) => format!(" (rank {rank} of {})", pg.world_size()),
@@ -609,90 +616,106 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shar
         };
         match req {
             Request::Health | Request::Status => {
-                let full = matches!(req, Request::Status);
-                let (status, group) = {
-                    let s = shared.lock().expect("shared");
-                    (s.snapshot(), s.group.clone())
-                };
-                let status = match &group {
-                    Some(g) => {
-                        if let Some(f) = g.health.failure() {
-                            reply.send(&Response::Error {
-                                message: format!("the daemon group failed: {}", f.reason),
-                                input_error: false,
-                            });
-                            continue;
-                        }
-                        match full && g.rank == 0 {
-                            true => group_status(status, g),
-                            false => status,
-                        }
-                    }
-                    None => status,
-                };
-                reply.send(&Response::Status { status });
+                reply.send(&status(&shared, matches!(req, Request::Status)));
             }
             Request::Shutdown => {
                 STOP.store(true, Ordering::SeqCst);
                 reply.send(&Response::ShuttingDown);
             }
             Request::Job { cwd, job } => {
-                let follower = shared
-                    .lock()
-                    .expect("shared")
-                    .group
-                    .as_ref()
-                    .filter(|g| g.rank > 0)
-                    .map(|g| (g.rank, g.world_size, g.base.clone()));
-                if let Some((rank, world, base)) = follower {
-                    reply.send(&Response::Error {
-                        message: format!(
-                            "this daemon is rank {rank} of a group of {world}: send jobs to the group's socket {} (rank 0)",
-                            base.display()
-                        ),
-                        input_error: true,
-                    });
-                    continue;
-                }
-                if STOP.load(Ordering::SeqCst) {
-                    reply.send(&Response::Error {
-                        message: "the daemon is shutting down; the job did not run".into(),
-                        input_error: false,
-                    });
-                    continue;
-                }
-                let (done, wait) = mpsc::channel();
-                shared.lock().expect("shared").queued += 1;
-                let cancel = Cancel::new();
-                let sent = tx.send(Work {
-                    cwd,
-                    job,
-                    reply: Some(reply.clone()),
-                    done,
-                    cancel: cancel.clone(),
-                });
-                if sent.is_err() {
-                    return;
-                }
-                // The next request of this client waits for this job; meanwhile the job is
-                // cancelled as soon as its client is gone.
-                loop {
-                    match wait.recv_timeout(Duration::from_millis(100)) {
-                        Ok(()) => break,
-                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                        Err(mpsc::RecvTimeoutError::Timeout) => {
-                            if !cancel.is_cancelled() && client_gone(&watch) {
-                                cancel.cancel();
-                            }
-                        }
-                    }
-                }
-                if cancel.is_cancelled() {
+                if !queue_job(cwd, job, &reply, &watch, &tx, &shared) {
                     return;
                 }
             }
         }
     }
+}
+
+/// `health` or `status` (`full`: a group's rank 0 adds every rank's): the snapshot, or the
+/// group's failure.
+fn status(shared: &Mutex<Shared>, full: bool) -> Response {
+    let (status, group) = {
+        let s = shared.lock().expect("shared");
+        (s.snapshot(), s.group.clone())
+    };
+    let Some(g) = &group else {
+        return Response::Status { status };
+    };
+    if let Some(f) = g.health.failure() {
+        return Response::Error {
+            message: format!("the daemon group failed: {}", f.reason),
+            input_error: false,
+        };
+    }
+    let status = match full && g.rank == 0 {
+        true => group_status(status, g),
+        false => status,
+    };
+    Response::Status { status }
+}
+
+/// Queues a client's job for the main thread and waits until it has run, cancelling it as
+/// soon as the client is gone (`watch`: the client's socket). False when the connection is
+/// done (the client went away, or the daemon's queue closed).
+fn queue_job(
+    cwd: PathBuf,
+    job: Box<StageJob>,
+    reply: &Reply,
+    watch: &UnixStream,
+    tx: &mpsc::Sender<Work>,
+    shared: &Mutex<Shared>,
+) -> bool {
+    let follower = shared
+        .lock()
+        .expect("shared")
+        .group
+        .as_ref()
+        .filter(|g| g.rank > 0)
+        .map(|g| (g.rank, g.world_size, g.base.clone()));
+    if let Some((rank, world, base)) = follower {
+        reply.send(&Response::Error {
+            message: format!(
+                "this daemon is rank {rank} of a group of {world}: send jobs to the group's socket {} (rank 0)",
+                base.display()
+            ),
+            input_error: true,
+        });
+        return true;
+    }
+    if STOP.load(Ordering::SeqCst) {
+        reply.send(&Response::Error {
+            message: "the daemon is shutting down; the job did not run".into(),
+            input_error: false,
+        });
+        return true;
+    }
+    let (done, wait) = mpsc::channel();
+    shared.lock().expect("shared").queued += 1;
+    let cancel = Cancel::new();
+    let sent = tx.send(Work {
+        cwd,
+        job,
+        reply: Some(reply.clone()),
+        done,
+        cancel: cancel.clone(),
+    });
+    if sent.is_err() {
+        return false;
+    }
+    // The next request of this client waits for this job; meanwhile the job is cancelled as
+    // soon as its client is gone.
+    loop {
+        match wait.recv_timeout(Duration::from_millis(100)) {
+            Ok(()) => break,
+            Err(mpsc::RecvTimeoutError::Disconnected) => return false,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if !cancel.is_cancelled() && client_gone(watch) {
+                    cancel.cancel();
+                }
+            }
+        }
+    }
+    !cancel.is_cancelled()
 }
 
 /// Runs one job on the main thread: in the client's working directory, with a ticker that

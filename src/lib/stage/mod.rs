@@ -35,13 +35,13 @@ use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
+pub use crate::engine::policy::load_policy;
 use crate::engine::policy::{
     train_ranks_from_files, HeldPolicy, Holder, SavedShards, Sharding, Train, Trainable, Trained,
 };
 use crate::engine::resume::TrainerState;
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
-use crate::model::decoder::Decoder;
 use crate::parallel::Exchange;
 use anyhow::Result;
 use clap::{ArgMatches, Command, FromArgMatches};
@@ -62,12 +62,6 @@ pub fn on_device<J: Job>(device: Device, job: J) -> Result<J::Out> {
         Device::Cpu => job.run(Cpu),
         Device::Cuda(n) => job.run(CudaBackend::new(n)?),
     }
-}
-
-/// Loads a model directory onto a backend.
-pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
-    let (cfg, weights) = ModelDir::load(dir)?;
-    Decoder::new(backend, &cfg, &weights)
 }
 
 /// Where a model stage's compute runs: [`InProcess`] on `--device` (the model is loaded for this

@@ -27,7 +27,7 @@ pub struct HeldPolicy {
 }
 
 /// What one rank of a daemon group brings to `daemon-ctl save` of a policy whose optimizer
-/// state is sharded over the group (`crate::stage::Hold::save_sharded`).
+/// state is sharded over the group (a daemon group's `daemon-ctl save`).
 pub struct SavedShards {
     /// A directory with the policy's config and tokenizer files.
     pub files: PathBuf,

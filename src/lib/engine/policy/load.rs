@@ -9,6 +9,13 @@ use crate::model::{Config, Weights};
 use anyhow::Result;
 use std::path::Path;
 
+/// Loads a model directory's weights onto a backend (to generate or score with: no optimizer
+/// state).
+pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
+    let (cfg, weights) = ModelDir::load(dir)?;
+    Decoder::new(backend, &cfg, &weights)
+}
+
 /// A policy as `update` starts from it: the f32 master weights when they sit next to the model
 /// (else the model's weights), the optimizer state and the schedule position.
 pub struct Trainable {

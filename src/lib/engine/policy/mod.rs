@@ -1,5 +1,5 @@
 //! The policy store: a policy read from its files or a pointer file ([`resolve_model`],
-//! [`Trainable`]), trained in place for one update call ([`Train`]), kept by a process between
+//! [`Trainable`], [`load_policy`]), trained in place for one update call ([`Train`]), kept by a process between
 //! calls ([`Holder`], [`HeldPolicy`], [`SavedShards`]), and written back as a checkpoint
 //! ([`write_checkpoint`], [`write_resident`], the ranks' shard files [`write_rank_shards`]).
 //! The files' formats are below it: the model in `crate::model::checkpoint`, the optimizer and
@@ -16,7 +16,7 @@ mod train;
 
 pub use checkpoint::{shard_staging, write_checkpoint, write_resident};
 pub use held::{HeldPolicy, Holder, SavedShards};
-pub use load::Trainable;
+pub use load::{load_policy, Trainable};
 pub use pointer::{resolve_model, ModelRef, Pointer};
 pub use shards::write_rank_shards;
 pub use train::{train_ranks_from_files, Sharding, Train, Trained};

@@ -1,7 +1,8 @@
 //! The policy store: a policy read from its files or a pointer file ([`resolve_model`],
-//! [`Trainable`], [`load_policy`]), trained in place for one update call ([`Train`]), kept by a process between
-//! calls ([`Holder`], [`HeldPolicy`], [`SavedShards`]), and written back as a checkpoint
-//! ([`write_checkpoint`], [`write_resident`], the ranks' shard files [`write_rank_shards`]).
+//! [`Trainable`], [`load_policy`]), trained in place for one update call ([`Train`]), kept in
+//! memory between calls (`kept`, the warm daemon's; [`Holder`], [`HeldPolicy`],
+//! [`SavedShards`]), and written back as a checkpoint ([`write_checkpoint`], [`write_resident`],
+//! the ranks' shard files [`write_rank_shards`]).
 //! The files' formats are below it: the model in `crate::model::checkpoint`, the optimizer and
 //! trainer state in `crate::engine::resume`, the shard files in `crate::engine::shard::files`.
 //!
@@ -9,6 +10,7 @@
 
 mod checkpoint;
 mod held;
+pub(crate) mod kept;
 mod load;
 mod pointer;
 mod shards;

@@ -68,7 +68,9 @@ pub(crate) struct PolicySlot<B: Backend> {
     pub(crate) schedule_step: u64,
     /// The decoder's weights are f32 masters (resumed or trained) rather than the files'.
     pub(crate) from_master: bool,
-    /// See [`Resident::generation`].
+    /// The whole bf16 weights that generate, where the decoder's compute weights are not
+    /// them (a backend that computes in f32, or `--shard full`); the daemon builds it
+    /// (`Resident::generation`).
     pub(crate) gen: Option<Decoder<B>>,
     /// Optimizer state parked in host memory (`--offload-optimizer`).
     pub(crate) parked: Option<Parked>,

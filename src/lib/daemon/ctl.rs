@@ -3,7 +3,7 @@
 
 use super::client::{request, run_job};
 use super::protocol::{Request, Response};
-use crate::stage::update::SavePolicyArgs;
+use crate::stage::save::SavePolicyArgs;
 use crate::stage::StageJob;
 use anyhow::Result;
 use clap::{Args, ValueEnum};

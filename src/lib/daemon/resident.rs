@@ -1,5 +1,6 @@
 //! What the daemon keeps between jobs: the policy decoder (compute weights, f32 masters, AdamW
-//! state) and the reference decoder, on one backend. It is the stages' [`Exec`] inside the
+//! state; the policy store's `crate::engine::policy::kept`) and the reference decoder, on one
+//! backend, with each job's memory phases and metrics. It is the stages' `Exec` inside the
 //! daemon: a stage asks for the model its `--model` names, and the daemon uses the one it holds
 //! when that is the same checkpoint (same directory, same files), and loads it otherwise.
 //!
@@ -10,7 +11,7 @@
 //! With `update --resident` nothing is written but a resident directory (config, tokenizer,
 //! `resident.json`): the policy then exists only here, and the directory names it as long as
 //! this daemon holds that state. `daemon-ctl save` writes it as the files `update` would have
-//! ([`Exec::held_policy`]).
+//! ([`Hold::held_policy`]).
 //!
 //! In a daemon group (one daemon per GPU) every rank keeps its part of the sharded training
 //! state between updates ([`Resident::train_group`]): under zero2 the whole compute weights,
@@ -23,27 +24,29 @@
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
+use crate::engine::policy::kept::{park_optimizer, train_resident, unpark, PolicySlot};
+use crate::engine::policy::kept::{MakeComm, ModelKey};
+use crate::engine::policy::{
+    write_rank_shards, HeldPolicy, Holder, ModelRef, SavedShards, Sharding, Train, Trainable,
+    Trained,
+};
 use crate::engine::resume::TrainerState;
-use crate::engine::shard::{ShardMode, ShardedPolicy};
+use crate::engine::shard::ShardMode;
 use crate::model::checkpoint::ModelDir;
-use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim, TokenStats};
+use crate::model::decoder::{Decoder, ShardedOptim, TokenStats};
 use crate::model::{Config, Weights};
-use crate::parallel::{Comm, ProcessGroup};
-use crate::stage::common::{Device, ModelRef};
+use crate::parallel::ProcessGroup;
+use crate::stage::common::Device;
 use crate::stage::ref_logprob::{LogprobColumn, Score};
 use crate::stage::rollout::{Generate, Generated};
-use crate::stage::update::{
-    write_rank_shards, HeldPolicy, Holder, SavedShards, Sharding, Train, Trainable, Trained,
-};
-use crate::stage::Exec;
+use crate::stage::{Compute, Console, Hold, Topology};
 use anyhow::Result;
 use indicatif::ProgressBar;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 /// Env var of the restart test: when set to a path that does not exist yet, the daemon creates
 /// it and kills itself with SIGKILL in the middle of its next `update` (after training, before
@@ -79,41 +82,6 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok())
 }
 
-/// A checkpoint as the daemon recognises it: its canonical directory and the size and
-/// modification time of each file in it, so a directory rewritten by someone else is reloaded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ModelKey {
-    pub dir: PathBuf,
-    files: Vec<(String, u64, Option<SystemTime>)>,
-}
-
-impl ModelKey {
-    pub fn of(dir: &Path) -> Result<ModelKey> {
-        let dir = dir.canonicalize()?;
-        let mut files = Vec::new();
-        for entry in std::fs::read_dir(&dir)? {
-            let entry = entry?;
-            let meta = entry.metadata()?;
-            if meta.is_file() {
-                files.push((
-                    entry.file_name().to_string_lossy().into_owned(),
-                    meta.len(),
-                    meta.modified().ok(),
-                ));
-            }
-        }
-        files.sort();
-        Ok(ModelKey { dir, files })
-    }
-
-    /// Whether the directory is a resident one (weights in a daemon's memory).
-    pub fn resident(&self) -> bool {
-        self.files
-            .iter()
-            .any(|(name, _, _)| name == crate::model::checkpoint::RESIDENT_FILE)
-    }
-}
-
 /// Flags of `tandem daemon` that shape what stays in device memory.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Options {
@@ -122,42 +90,6 @@ pub struct Options {
     /// Keep the reference weights in host memory; build the reference decoder for each
     /// ref-logprob job and drop it after.
     pub offload_ref: bool,
-}
-
-struct PolicySlot<B: Backend> {
-    /// The checkpoints (files or resident directories) this state equals; empty while it is
-    /// ahead of every file (after training, until `update` has saved it).
-    keys: Vec<ModelKey>,
-    /// A directory with the policy's config and tokenizer files (the last one it was loaded
-    /// from or saved to).
-    files: PathBuf,
-    /// The trainer state of its last update (or the one it was loaded with).
-    trainer: Option<TrainerState>,
-    decoder: Decoder<B>,
-    /// Update calls done (the learning-rate schedule position).
-    schedule_step: u64,
-    /// The decoder's weights are f32 masters (resumed or trained) rather than the files'.
-    from_master: bool,
-    /// See [`Resident::generation`].
-    gen: Option<Decoder<B>>,
-    /// Optimizer state parked in host memory (`--offload-optimizer`).
-    parked: Option<Parked>,
-    /// In a daemon group: this rank's optimizer shards, kept between updates; the decoder
-    /// then holds no whole masters or moments (zero2), nor whole compute weights (`--shard
-    /// full`: `gen` is the whole copy that generates).
-    sharded: Option<ShardedOptim<B>>,
-    /// In a daemon group: the group's communicator on this decoder's backend, made at the first
-    /// sharded job and kept: an NCCL init for every update was the likely part of the 1.0-1.5 s
-    /// a group's update spent outside training at 2-4 ranks. A failed job drops it on every
-    /// rank, so the next job starts from a fresh one.
-    comm: Option<Box<dyn Comm<B>>>,
-}
-
-/// What `--offload-optimizer` keeps in host memory between updates.
-struct Parked {
-    state: OptimizerState,
-    /// The f32 masters, where the decoder keeps them apart from its compute weights.
-    masters: Option<Weights>,
 }
 
 struct RefSlot<B: Backend> {
@@ -177,9 +109,6 @@ struct Phase {
     held_after: usize,
     in_use_after: usize,
 }
-
-/// Makes the group's communicator on the backend a rank's policy lives on.
-pub type MakeComm<B> = Rc<dyn Fn(&B, &ProcessGroup) -> Result<Box<dyn Comm<B>>>>;
 
 /// The daemon's models and per-job bookkeeping.
 pub struct Resident<B: Backend> {
@@ -426,10 +355,7 @@ impl<B: Backend> Resident<B> {
             self.policy = None;
             let started = Instant::now();
             let reply = self.reply.clone();
-            let mut log = |m: &str| match &reply {
-                Some(r) => r.send(&Response::Log { line: m.into() }),
-                None => eprintln!("{m}"),
-            };
+            let mut log = |m: &str| log_to(&reply, m);
             // A group's rank reads its optimizer shard at its first update; a lone daemon holds
             // the whole state (a sharded checkpoint's put back together from its files).
             let loaded = match self.make_comm.is_some() {
@@ -612,23 +538,25 @@ impl<B: Backend> Resident<B> {
         let slot = self.policy.as_mut().expect("loaded above");
         let fresh = slot.comm.is_none();
         let mut copy_s = None;
-        let trained =
-            train_resident(slot, pg, &make_comm, model, job, sharding, reply).and_then(|out| {
-                if full {
-                    // Built here, where every rank runs the job, rather than at the first
-                    // rollout or score: a rank with no rows of those does not reach the
-                    // policy, and sync-weights runs on rank 0 alone. Training's workspace and
-                    // gradients are gone by now; the copy lives with the shards until the next
-                    // update drops it (update_phase).
-                    let started = Instant::now();
-                    let held = slot.sharded.as_ref().expect("kept by the update");
-                    let comm = slot.comm.as_deref().expect("made by the update");
-                    let backend = (self.make)()?;
-                    slot.gen = Some(slot.decoder.gather_generation(held, comm, backend)?);
-                    copy_s = Some(started.elapsed().as_secs_f64());
-                }
-                Ok(out)
-            });
+        let trained = train_resident(slot, pg, &make_comm, model, job, sharding, &mut |m| {
+            log_to(&reply, m)
+        })
+        .and_then(|out| {
+            if full {
+                // Built here, where every rank runs the job, rather than at the first
+                // rollout or score: a rank with no rows of those does not reach the
+                // policy, and sync-weights runs on rank 0 alone. Training's workspace and
+                // gradients are gone by now; the copy lives with the shards until the next
+                // update drops it (update_phase).
+                let started = Instant::now();
+                let held = slot.sharded.as_ref().expect("kept by the update");
+                let comm = slot.comm.as_deref().expect("made by the update");
+                let backend = (self.make)()?;
+                slot.gen = Some(slot.decoder.gather_generation(held, comm, backend)?);
+                copy_s = Some(started.elapsed().as_secs_f64());
+            }
+            Ok(out)
+        });
         if trained.is_err() {
             slot.comm = None;
         }
@@ -645,96 +573,6 @@ impl<B: Backend> Resident<B> {
         out.load_seconds = load_s;
         Ok(out)
     }
-}
-
-/// The body of [`Resident::train_group`]'s update on the policy held in `slot`.
-fn train_resident<B: Backend>(
-    slot: &mut PolicySlot<B>,
-    pg: &ProcessGroup,
-    make_comm: &MakeComm<B>,
-    model: &ModelRef,
-    job: Train<'_>,
-    sharding: Sharding,
-    reply: Option<Reply>,
-) -> Result<Trained> {
-    unpark(slot)?;
-    if slot.comm.is_none() {
-        slot.comm = Some(make_comm(slot.decoder.backend(), pg)?);
-    }
-    let comm = slot.comm.as_deref().expect("made above");
-    let full = sharding.mode == ShardMode::Full;
-    let mut optim = match slot.sharded.take() {
-        Some(o) if o.is_full() == full => o,
-        held => {
-            let loaded = held.is_none();
-            if let Some(o) = held {
-                // Another --shard than the last update's: the state comes back together on
-                // every rank (from memory, not from the files) and is sharded as asked.
-                slot.decoder.unshard_optimizer(o, comm)?;
-            }
-            let mut o = match full {
-                true => slot.decoder.shard_full(comm)?,
-                false => slot.decoder.shard_optimizer(comm, sharding.bucket_elems)?,
-            };
-            if loaded
-                && slot
-                    .trainer
-                    .as_ref()
-                    .is_some_and(|t| t.optimizer_shards > 0)
-            {
-                // Loaded for generation (the weights only): this rank's part of the
-                // optimizer state is in its own shard file of the checkpoint, read as a
-                // launched update's rank reads it.
-                let files =
-                    Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |_| {})?;
-                let Some(source) = &files.shard else {
-                    anyhow::bail!(
-                            "{}: trainer_state.json says the optimizer state is sharded, but rank {} found no shard of it",
-                            model.dir.display(),
-                            pg.rank()
-                        );
-                };
-                let shard = source.for_layout(&slot.decoder.shard_layout(&o), pg.rank())?;
-                slot.decoder
-                    .load_shard(&mut o, &shard, &files.weights, comm)?;
-            }
-            o
-        }
-    };
-    // The metrics are this update's (the shard layout stays; the timings start over).
-    optim.stats = ShardStats {
-        world_size: optim.stats.world_size,
-        buckets: optim.stats.buckets,
-        shard_elems: optim.stats.shard_elems,
-        staging_bytes: optim.stats.staging_bytes,
-        full: optim.stats.full,
-        ..ShardStats::default()
-    };
-    // From here the decoder is ahead of every file until `saved`.
-    slot.keys.clear();
-    slot.from_master = true;
-    let step = slot.schedule_step;
-    let mut policy = ShardedPolicy {
-        decoder: &mut slot.decoder,
-        comm,
-        optim,
-    };
-    let trained = job.train_sharded_on(
-        &mut policy,
-        step,
-        &sharding.staging,
-        &mut |m| match &reply {
-            Some(r) => r.send(&Response::Log { line: m.into() }),
-            None => eprintln!("{m}"),
-        },
-    );
-    slot.sharded = Some(policy.optim);
-    let out = trained?;
-    slot.schedule_step = step + 1;
-    slot.decoder.release_workspace()?;
-    slot.decoder.release_grads();
-    slot.decoder.backend().trim()?;
-    Ok(out)
 }
 
 impl<B: Backend> Resident<B> {
@@ -783,46 +621,7 @@ impl<B: Backend> Resident<B> {
     }
 }
 
-/// Moves the AdamW moments and the f32 masters (where they are apart from the compute weights)
-/// to host memory; `unpark` brings them back for the next optimizer step. `state` and
-/// `masters` are the host copies when the caller has them already.
-fn park_optimizer<B: Backend>(
-    slot: &mut PolicySlot<B>,
-    state: Option<OptimizerState>,
-    masters: Option<Weights>,
-) -> Result<()> {
-    if slot.parked.is_some() {
-        return Ok(());
-    }
-    let state = match state {
-        Some(s) => s,
-        None => slot.decoder.optimizer_state()?,
-    };
-    let separate = slot.decoder.backend().compute_dtype() != DType::F32;
-    let masters = match (separate, masters) {
-        (false, _) => None,
-        (true, Some(m)) => Some(m),
-        (true, None) => Some(slot.decoder.export_weights()?),
-    };
-    slot.decoder.release_optimizer_state();
-    if masters.is_some() {
-        slot.decoder.release_masters();
-    }
-    slot.parked = Some(Parked { state, masters });
-    Ok(())
-}
-
-fn unpark<B: Backend>(slot: &mut PolicySlot<B>) -> Result<()> {
-    if let Some(p) = slot.parked.take() {
-        if let Some(m) = &p.masters {
-            slot.decoder.restore_masters(m)?;
-        }
-        slot.decoder.load_optimizer_state(&p.state)?;
-    }
-    Ok(())
-}
-
-impl<B: Backend> Exec for Resident<B> {
+impl<B: Backend> Compute for Resident<B> {
     fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<Generated> {
         let decoder = self.generation(model)?;
         let mut out = job.generate_on(decoder)?;
@@ -880,10 +679,7 @@ impl<B: Backend> Exec for Resident<B> {
         slot.keys.clear();
         slot.from_master = true;
         let step = slot.schedule_step;
-        let mut out = job.train_on(&mut slot.decoder, step, &mut |m| match &reply {
-            Some(r) => r.send(&Response::Log { line: m.into() }),
-            None => eprintln!("{m}"),
-        })?;
+        let mut out = job.train_on(&mut slot.decoder, step, &mut |m| log_to(&reply, m))?;
         slot.schedule_step = step + 1;
         slot.decoder.release_workspace()?;
         slot.decoder.release_grads();
@@ -902,7 +698,9 @@ impl<B: Backend> Exec for Resident<B> {
         out.load_seconds = load_s;
         Ok(out)
     }
+}
 
+impl<B: Backend> Hold for Resident<B> {
     fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()> {
         let key = ModelKey::of(dir)?;
         if let Some(p) = &mut self.policy {
@@ -975,7 +773,9 @@ impl<B: Backend> Exec for Resident<B> {
         self.note("synced_dir", dir.display().to_string());
         Ok(())
     }
+}
 
+impl<B: Backend> Console for Resident<B> {
     fn progress_bar(&mut self, len: usize, what: &str) -> ProgressBar {
         let bar = ProgressBar::hidden();
         bar.set_length(len as u64);
@@ -988,5 +788,16 @@ impl<B: Backend> Exec for Resident<B> {
 
     fn log(&mut self, line: &str) {
         self.send(&Response::Log { line: line.into() });
+    }
+}
+
+/// A daemon runs a stage alone; the ranks of a group's job are the server's (`Watched`).
+impl<B: Backend> Topology for Resident<B> {}
+
+/// Sends a log line of the running job to its client (to stderr without one).
+fn log_to(reply: &Option<Reply>, line: &str) {
+    match reply {
+        Some(r) => r.send(&Response::Log { line: line.into() }),
+        None => eprintln!("{line}"),
     }
 }

@@ -31,12 +31,16 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::engine::cancel::{self, Cancel};
+use crate::engine::policy::{
+    resolve_model, HeldPolicy, Holder, ModelRef, SavedShards, Sharding, Train, Trained,
+};
+use crate::engine::resume::TrainerState;
 use crate::error::is_input_error;
 use crate::parallel::exchange::{as_local, RankFailed};
 use crate::parallel::health::Health;
 use crate::parallel::{Comm, Exchange, HostComm, NcclComm, ProcessGroup, World};
-use crate::stage::common::{after_rank0, resolve_model, Device, ModelRef};
-use crate::stage::{ref_logprob, rollout, update, Exec, StageJob};
+use crate::stage::common::{after_rank0, Device};
+use crate::stage::{ref_logprob, rollout, Compute, Console, Hold, StageJob, Topology};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
@@ -244,9 +248,11 @@ fn claim_socket(path: &Path) -> Result<()> {
 
 /// Binds with mode 0600: the umask covers the window between bind and chmod.
 fn bind_private(path: &Path) -> Result<UnixListener> {
-    // SAFETY: umask(2) only swaps the process's file-mode mask.
+    // SAFETY: umask(2) only swaps the process's file-mode mask (no memory is passed); the
+    // old mask is put back below.
     let old = unsafe { libc::umask(0o177) };
     let bound = UnixListener::bind(path);
+    // SAFETY: umask(2) puts back the mask it returned above; it cannot fail.
     unsafe { libc::umask(old) };
     let listener = bound.with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
@@ -261,7 +267,8 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
         gid: 0,
     };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`.
+    // SAFETY: `cred` is a live ucred and `len` its size, so getsockopt writes at most `len`
+    // bytes into it; the descriptor is `stream`'s, open for the call.
     let rc = unsafe {
         libc::getsockopt(
             stream.as_raw_fd(),
@@ -277,6 +284,41 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
     Ok(cred.uid)
 }
 
+/// Binds the daemon's socket at `path`. A group answers on rank 0's socket once every rank has
+/// loaded and listens: a rank > 0 says so in the store once bound, rank 0 binds after all did.
+fn listen(path: &Path, group: Option<&ProcessGroup>) -> Result<UnixListener> {
+    let Some((pg, store)) = group.and_then(|pg| Some((pg, pg.store()?))) else {
+        return bind_private(path);
+    };
+    if pg.rank() > 0 {
+        let l = bind_private(path)?;
+        store.set(&ready_key(pg.rank()), b"1")?;
+        return Ok(l);
+    }
+    for r in 1..pg.world_size() {
+        store.get_any(&[ready_key(r)], None, &|| false)?;
+    }
+    bind_private(path)
+}
+
+/// When the group fails (a rank died or hung), the running job's client hears why before this
+/// process ends (the failure handling ends it after its grace period).
+fn tell_client_on_failure(pg: &ProcessGroup, shared: &Arc<Mutex<Shared>>) {
+    let (weak, health) = (Arc::downgrade(shared), Arc::downgrade(pg.health()));
+    pg.health().on_failure(move || {
+        let (Some(shared), Some(health)) = (weak.upgrade(), health.upgrade()) else {
+            return;
+        };
+        let reason = health.failure().map(|f| f.reason).unwrap_or_default();
+        if let Some(reply) = shared.lock().ok().and_then(|s| s.current.clone()) {
+            reply.send(&Response::Error {
+                message: format!("{:#}", group_failed(&reason)),
+                input_error: false,
+            });
+        }
+    });
+}
+
 fn serve<B: Backend>(
     args: &DaemonArgs,
     mut resident: Resident<B>,
@@ -286,7 +328,8 @@ fn serve<B: Backend>(
     let base = std::path::absolute(&args.socket)?;
     let path = super::rank_socket(&base, rank);
     claim_socket(&path)?;
-    // SAFETY: the handler only stores to an atomic.
+    // SAFETY: `on_signal` is an extern "C" fn that only stores to an atomic, which is
+    // async-signal-safe; signal(2) is given valid signal numbers.
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
@@ -297,21 +340,7 @@ fn serve<B: Backend>(
     if let Some(r) = &args.reference {
         resident.preload_ref(&resolve_model(r)?.dir)?;
     }
-    // A group answers on rank 0's socket once every rank has loaded and listens.
-    let listener = match group.as_ref().and_then(|pg| pg.store()) {
-        Some(store) if rank > 0 => {
-            let l = bind_private(&path)?;
-            store.set(&ready_key(rank), b"1")?;
-            l
-        }
-        Some(store) => {
-            for r in 1..group.as_ref().map_or(1, |pg| pg.world_size()) {
-                store.get_any(&[ready_key(r)], None, &|| false)?;
-            }
-            bind_private(&path)?
-        }
-        None => bind_private(&path)?,
-    };
+    let listener = listen(&path, group.as_deref())?;
     let socket = path.canonicalize()?;
     resident.set_socket(&socket);
     let home = std::env::current_dir()?;
@@ -334,21 +363,7 @@ fn serve<B: Backend>(
         current: None,
     }));
     if let Some(pg) = &group {
-        // The group failed (a rank died or hung): the running job's client hears why before
-        // this process ends (the failure handling ends it after its grace period).
-        let (weak, health) = (Arc::downgrade(&shared), Arc::downgrade(pg.health()));
-        pg.health().on_failure(move || {
-            let (Some(shared), Some(health)) = (weak.upgrade(), health.upgrade()) else {
-                return;
-            };
-            let reason = health.failure().map(|f| f.reason).unwrap_or_default();
-            if let Some(reply) = shared.lock().ok().and_then(|s| s.current.clone()) {
-                reply.send(&Response::Error {
-                    message: format!("{:#}", group_failed(&reason)),
-                    input_error: false,
-                });
-            }
-        });
+        tell_client_on_failure(pg, &shared);
     }
     let ranks_note = match &group {
         Some(pg) => format!(" (rank {rank} of {})", pg.world_size()),
@@ -534,6 +549,7 @@ fn follow<B: Backend>(
 }
 
 fn accept_loop(listener: UnixListener, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shared>>) {
+    // SAFETY: geteuid(2) takes no arguments, touches no memory and always succeeds.
     let me = unsafe { libc::geteuid() };
     while !STOP.load(Ordering::SeqCst) {
         match listener.accept() {
@@ -570,7 +586,8 @@ fn client_gone(stream: &UnixStream) -> bool {
         events: libc::POLLIN,
         revents: 0,
     };
-    // SAFETY: poll(2) on one valid descriptor, no wait.
+    // SAFETY: `pfd` is one live pollfd (nfds = 1) on `stream`'s open descriptor; timeout 0
+    // returns at once.
     let n = unsafe { libc::poll(&mut pfd, 1, 0) };
     // A unix stream socket reports POLLHUP once the peer's end is closed for good.
     n > 0 && pfd.revents & (libc::POLLHUP | libc::POLLERR) != 0
@@ -599,90 +616,106 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Work>, shared: Arc<Mutex<Shar
         };
         match req {
             Request::Health | Request::Status => {
-                let full = matches!(req, Request::Status);
-                let (status, group) = {
-                    let s = shared.lock().expect("shared");
-                    (s.snapshot(), s.group.clone())
-                };
-                let status = match &group {
-                    Some(g) => {
-                        if let Some(f) = g.health.failure() {
-                            reply.send(&Response::Error {
-                                message: format!("the daemon group failed: {}", f.reason),
-                                input_error: false,
-                            });
-                            continue;
-                        }
-                        match full && g.rank == 0 {
-                            true => group_status(status, g),
-                            false => status,
-                        }
-                    }
-                    None => status,
-                };
-                reply.send(&Response::Status { status });
+                reply.send(&status(&shared, matches!(req, Request::Status)));
             }
             Request::Shutdown => {
                 STOP.store(true, Ordering::SeqCst);
                 reply.send(&Response::ShuttingDown);
             }
             Request::Job { cwd, job } => {
-                let follower = shared
-                    .lock()
-                    .expect("shared")
-                    .group
-                    .as_ref()
-                    .filter(|g| g.rank > 0)
-                    .map(|g| (g.rank, g.world_size, g.base.clone()));
-                if let Some((rank, world, base)) = follower {
-                    reply.send(&Response::Error {
-                        message: format!(
-                            "this daemon is rank {rank} of a group of {world}: send jobs to the group's socket {} (rank 0)",
-                            base.display()
-                        ),
-                        input_error: true,
-                    });
-                    continue;
-                }
-                if STOP.load(Ordering::SeqCst) {
-                    reply.send(&Response::Error {
-                        message: "the daemon is shutting down; the job did not run".into(),
-                        input_error: false,
-                    });
-                    continue;
-                }
-                let (done, wait) = mpsc::channel();
-                shared.lock().expect("shared").queued += 1;
-                let cancel = Cancel::new();
-                let sent = tx.send(Work {
-                    cwd,
-                    job,
-                    reply: Some(reply.clone()),
-                    done,
-                    cancel: cancel.clone(),
-                });
-                if sent.is_err() {
-                    return;
-                }
-                // The next request of this client waits for this job; meanwhile the job is
-                // cancelled as soon as its client is gone.
-                loop {
-                    match wait.recv_timeout(Duration::from_millis(100)) {
-                        Ok(()) => break,
-                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                        Err(mpsc::RecvTimeoutError::Timeout) => {
-                            if !cancel.is_cancelled() && client_gone(&watch) {
-                                cancel.cancel();
-                            }
-                        }
-                    }
-                }
-                if cancel.is_cancelled() {
+                if !queue_job(cwd, job, &reply, &watch, &tx, &shared) {
                     return;
                 }
             }
         }
     }
+}
+
+/// `health` or `status` (`full`: a group's rank 0 adds every rank's): the snapshot, or the
+/// group's failure.
+fn status(shared: &Mutex<Shared>, full: bool) -> Response {
+    let (status, group) = {
+        let s = shared.lock().expect("shared");
+        (s.snapshot(), s.group.clone())
+    };
+    let Some(g) = &group else {
+        return Response::Status { status };
+    };
+    if let Some(f) = g.health.failure() {
+        return Response::Error {
+            message: format!("the daemon group failed: {}", f.reason),
+            input_error: false,
+        };
+    }
+    let status = match full && g.rank == 0 {
+        true => group_status(status, g),
+        false => status,
+    };
+    Response::Status { status }
+}
+
+/// Queues a client's job for the main thread and waits until it has run, cancelling it as
+/// soon as the client is gone (`watch`: the client's socket). False when the connection is
+/// done (the client went away, or the daemon's queue closed).
+fn queue_job(
+    cwd: PathBuf,
+    job: Box<StageJob>,
+    reply: &Reply,
+    watch: &UnixStream,
+    tx: &mpsc::Sender<Work>,
+    shared: &Mutex<Shared>,
+) -> bool {
+    let follower = shared
+        .lock()
+        .expect("shared")
+        .group
+        .as_ref()
+        .filter(|g| g.rank > 0)
+        .map(|g| (g.rank, g.world_size, g.base.clone()));
+    if let Some((rank, world, base)) = follower {
+        reply.send(&Response::Error {
+            message: format!(
+                "this daemon is rank {rank} of a group of {world}: send jobs to the group's socket {} (rank 0)",
+                base.display()
+            ),
+            input_error: true,
+        });
+        return true;
+    }
+    if STOP.load(Ordering::SeqCst) {
+        reply.send(&Response::Error {
+            message: "the daemon is shutting down; the job did not run".into(),
+            input_error: false,
+        });
+        return true;
+    }
+    let (done, wait) = mpsc::channel();
+    shared.lock().expect("shared").queued += 1;
+    let cancel = Cancel::new();
+    let sent = tx.send(Work {
+        cwd,
+        job,
+        reply: Some(reply.clone()),
+        done,
+        cancel: cancel.clone(),
+    });
+    if sent.is_err() {
+        return false;
+    }
+    // The next request of this client waits for this job; meanwhile the job is cancelled as
+    // soon as its client is gone.
+    loop {
+        match wait.recv_timeout(Duration::from_millis(100)) {
+            Ok(()) => break,
+            Err(mpsc::RecvTimeoutError::Disconnected) => return false,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if !cancel.is_cancelled() && client_gone(watch) {
+                    cancel.cancel();
+                }
+            }
+        }
+    }
+    !cancel.is_cancelled()
 }
 
 /// Runs one job on the main thread: in the client's working directory, with a ticker that
@@ -712,106 +745,28 @@ fn run_job<B: Backend>(
         let _ = done.send(());
         return;
     }
-    {
+    let world = {
         let mut s = shared.lock().expect("shared");
         s.queued = s.queued.saturating_sub(1);
         s.running = Some(name);
         s.current = reply.clone();
-    }
-    let world = shared
-        .lock()
-        .expect("shared")
-        .group
-        .as_ref()
-        .map(|g| g.world.clone());
+        s.group.as_ref().map(|g| g.world.clone())
+    };
     let started = Instant::now();
     resident.begin(name, reply.clone());
-    let finished = AtomicBool::new(false);
-    let bars = resident.bars.clone();
-    // The first failure of another rank's part: this rank's part stops too (cancelled).
-    let peer_failed: Mutex<Option<RankFailed>> = Mutex::new(None);
-    let result = std::thread::scope(|scope| {
-        if let Some(reply) = &reply {
-            scope.spawn(|| ticker(&bars, reply, &finished));
-        }
-        if let Some(x) = ranks {
-            scope.spawn(|| {
-                if let Ok(Some(f)) = x.watch_others(&|| finished.load(Ordering::SeqCst)) {
-                    *peer_failed.lock().expect("peer") = Some(f);
-                    cancel.cancel();
-                }
-            });
-        }
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            cancel.install(|| run_in(&mut Watched(resident, ranks), cwd, *job, world.as_ref()))
-        }));
-        finished.store(true, Ordering::SeqCst);
-        match r {
-            Ok(r) => r,
-            Err(_) => Err(anyhow::anyhow!(
-                "the daemon's {name} job panicked (a bug; its message is in the daemon's log)"
-            )),
-        }
-    });
-    // Stopped because another rank's part failed: that failure is this part's error too
-    // (every rank waiting for this one stops with it); a part cancelled because rank 0's
-    // client went away stays a cancelled job.
-    let result = match (result, peer_failed.into_inner().expect("peer")) {
-        (Err(e), Some(f))
-            if cancel::is_cancelled(&e) && f.message != cancel::Cancelled.to_string() =>
-        {
-            Err(f.into())
-        }
-        (r, _) => r,
+    let run = Running {
+        name,
+        reply: reply.as_ref(),
+        cancel: &cancel,
+        ranks,
     };
-    let result = match (result, ranks) {
-        (Err(e), Some(x)) => {
-            x.fail(&e);
-            Err(as_local(e))
-        }
-        (r, _) => r,
-    };
+    let result = run.execute(resident, cwd, *job, world.as_ref());
     let _ = std::env::set_current_dir(home);
     let mut metrics = resident.end(name, result.is_ok());
     if let Some(m) = metrics.as_object_mut() {
         m.insert("seconds".into(), started.elapsed().as_secs_f64().into());
     }
-    let cancelled = matches!(&result, Err(e) if cancel::is_cancelled(e));
-    {
-        let mut s = shared.lock().expect("shared");
-        s.running = None;
-        s.current = None;
-        match (&result, cancelled) {
-            (Ok(()), _) => s.jobs_done += 1,
-            (Err(_), true) => s.jobs_cancelled += 1,
-            (Err(_), false) => s.jobs_failed += 1,
-        }
-        s.resident = resident.status();
-    }
-    if cancelled {
-        let whose = match reply {
-            Some(_) => "its client",
-            None => "rank 0's client",
-        };
-        eprintln!(
-            "daemon: the {name} job was cancelled after {:.1} s: {whose} went away; nothing was written",
-            started.elapsed().as_secs_f64()
-        );
-    } else if let (Err(e), None) = (&result, &reply) {
-        eprintln!("daemon: the {name} job failed: {e:#}");
-    }
-    // The group failed under the job (a rank died): the message the failure hook sends too,
-    // whichever reaches the client first.
-    let group_failure = shared
-        .lock()
-        .expect("shared")
-        .group
-        .as_ref()
-        .and_then(|g| g.health.failure());
-    let result = match (result, group_failure) {
-        (Err(_), Some(f)) => Err(group_failed(&f.reason)),
-        (r, _) => r,
-    };
+    let result = run.record(result, resident, shared, started);
     if let Some(reply) = &reply {
         match result {
             Ok(()) => reply.send(&Response::Done { metrics }),
@@ -824,12 +779,123 @@ fn run_job<B: Backend>(
     let _ = done.send(());
 }
 
-/// The resident models as a stage's [`Exec`], checking the job's cancel flag before and after
+/// A job as it runs on the main thread.
+struct Running<'a> {
+    name: &'static str,
+    /// Its client (None on a group's rank > 0).
+    reply: Option<&'a Reply>,
+    cancel: &'a Cancel,
+    ranks: Option<&'a Exchange>,
+}
+
+impl Running<'_> {
+    /// Runs the stage, with the ticker and (in a group) the watch on the other ranks' parts
+    /// beside it; a panic is the job's error. A part stopped because another rank's failed
+    /// fails with that rank's error, and a failed part stops every rank's.
+    fn execute<B: Backend>(
+        &self,
+        resident: &mut Resident<B>,
+        cwd: PathBuf,
+        job: StageJob,
+        world: Option<&World>,
+    ) -> Result<()> {
+        let (name, cancel, ranks) = (self.name, self.cancel, self.ranks);
+        let finished = AtomicBool::new(false);
+        let bars = resident.bars.clone();
+        // The first failure of another rank's part: this rank's part stops too (cancelled).
+        let peer_failed: Mutex<Option<RankFailed>> = Mutex::new(None);
+        let result = std::thread::scope(|scope| {
+            if let Some(reply) = self.reply {
+                scope.spawn(|| ticker(&bars, reply, &finished));
+            }
+            if let Some(x) = ranks {
+                scope.spawn(|| {
+                    if let Ok(Some(f)) = x.watch_others(&|| finished.load(Ordering::SeqCst)) {
+                        *peer_failed.lock().expect("peer") = Some(f);
+                        cancel.cancel();
+                    }
+                });
+            }
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                cancel.install(|| run_in(&mut Watched(resident, ranks), cwd, job, world))
+            }));
+            finished.store(true, Ordering::SeqCst);
+            match r {
+                Ok(r) => r,
+                Err(_) => Err(anyhow::anyhow!(
+                    "the daemon's {name} job panicked (a bug; its message is in the daemon's log)"
+                )),
+            }
+        });
+        // Stopped because another rank's part failed: that failure is this part's error too
+        // (every rank waiting for this one stops with it); a part cancelled because rank 0's
+        // client went away stays a cancelled job.
+        let result = match (result, peer_failed.into_inner().expect("peer")) {
+            (Err(e), Some(f))
+                if cancel::is_cancelled(&e) && f.message != cancel::Cancelled.to_string() =>
+            {
+                Err(f.into())
+            }
+            (r, _) => r,
+        };
+        match (result, ranks) {
+            (Err(e), Some(x)) => {
+                x.fail(&e);
+                Err(as_local(e))
+            }
+            (r, _) => r,
+        }
+    }
+
+    /// Counts the finished job in `shared`, logs a cancelled or (without a client) failed one,
+    /// and returns what its client hears: the group's failure when the group failed under it
+    /// (the message the failure hook sends too, whichever reaches the client first).
+    fn record<B: Backend>(
+        &self,
+        result: Result<()>,
+        resident: &Resident<B>,
+        shared: &Mutex<Shared>,
+        started: Instant,
+    ) -> Result<()> {
+        let name = self.name;
+        let cancelled = matches!(&result, Err(e) if cancel::is_cancelled(e));
+        let group_failure = {
+            let mut s = shared.lock().expect("shared");
+            s.running = None;
+            s.current = None;
+            match (&result, cancelled) {
+                (Ok(()), _) => s.jobs_done += 1,
+                (Err(_), true) => s.jobs_cancelled += 1,
+                (Err(_), false) => s.jobs_failed += 1,
+            }
+            s.resident = resident.status();
+            s.group.as_ref().map(|g| g.health.clone())
+        };
+        if cancelled {
+            let whose = match self.reply {
+                Some(_) => "its client",
+                None => "rank 0's client",
+            };
+            eprintln!(
+                "daemon: the {name} job was cancelled after {:.1} s: {whose} went away; nothing was written",
+                started.elapsed().as_secs_f64()
+            );
+        } else if let (Err(e), None) = (&result, self.reply) {
+            eprintln!("daemon: the {name} job failed: {e:#}");
+        }
+        match (result, group_failure.and_then(|h| h.failure())) {
+            (Err(_), Some(f)) => Err(group_failed(&f.reason)),
+            (r, _) => r,
+        }
+    }
+}
+
+/// The resident models as a stage's `Exec`, checking the job's cancel flag before and after
 /// each compute: a job whose client went away stops there, before the stage writes anything
 /// (the engine's loops also check it between their steps).
 struct Watched<'a, B: Backend>(&'a mut Resident<B>, Option<&'a Exchange>);
 
-impl<B: Backend> Exec for Watched<'_, B> {
+impl<B: Backend> Compute for Watched<'_, B> {
     fn generate(
         &mut self,
         model: &ModelRef,
@@ -852,7 +918,7 @@ impl<B: Backend> Exec for Watched<'_, B> {
         Ok(out)
     }
 
-    fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained> {
+    fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
         cancel::check()?;
         let out = self.0.train(model, job)?;
         cancel::check()?;
@@ -862,9 +928,9 @@ impl<B: Backend> Exec for Watched<'_, B> {
     fn train_sharded(
         &mut self,
         model: &ModelRef,
-        job: update::Train<'_>,
-        sharding: update::Sharding,
-    ) -> Result<update::Trained> {
+        job: Train<'_>,
+        sharding: Sharding,
+    ) -> Result<Trained> {
         cancel::check()?;
         let x = self
             .1
@@ -873,16 +939,14 @@ impl<B: Backend> Exec for Watched<'_, B> {
         cancel::check()?;
         Ok(out)
     }
+}
 
-    fn saved(
-        &mut self,
-        dir: &Path,
-        trainer: Option<&crate::engine::resume::TrainerState>,
-    ) -> Result<()> {
+impl<B: Backend> Hold for Watched<'_, B> {
+    fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()> {
         self.0.saved(dir, trainer)
     }
 
-    fn holder(&self) -> Option<update::Holder> {
+    fn holder(&self) -> Option<Holder> {
         self.0.holder()
     }
 
@@ -890,7 +954,7 @@ impl<B: Backend> Exec for Watched<'_, B> {
         &mut self,
         model: Option<&ModelRef>,
         staging: &Path,
-    ) -> Result<Option<update::SavedShards>> {
+    ) -> Result<Option<SavedShards>> {
         cancel::check()?;
         match self.1 {
             Some(x) => self.0.save_group(x.group(), model, staging),
@@ -898,7 +962,7 @@ impl<B: Backend> Exec for Watched<'_, B> {
         }
     }
 
-    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<update::HeldPolicy> {
+    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<HeldPolicy> {
         cancel::check()?;
         self.0.held_policy(model)
     }
@@ -907,7 +971,9 @@ impl<B: Backend> Exec for Watched<'_, B> {
         cancel::check()?;
         self.0.publish(dir, policy_version)
     }
+}
 
+impl<B: Backend> Console for Watched<'_, B> {
     fn progress_bar(&mut self, len: usize, what: &str) -> indicatif::ProgressBar {
         self.0.progress_bar(len, what)
     }
@@ -915,14 +981,16 @@ impl<B: Backend> Exec for Watched<'_, B> {
     fn log(&mut self, line: &str) {
         self.0.log(line)
     }
+}
 
+impl<B: Backend> Topology for Watched<'_, B> {
     fn ranks(&self) -> Option<&Exchange> {
         self.1
     }
 }
 
 /// Runs the stage's own code in the client's working directory, with the resident models as
-/// its [`crate::stage::Exec`].
+/// its `crate::stage::Exec`.
 fn run_in<B: Backend>(
     resident: &mut Watched<B>,
     cwd: PathBuf,

@@ -7,6 +7,7 @@ pub mod cancel;
 pub mod check;
 pub mod logprob;
 pub mod paged;
+pub mod policy;
 pub mod resume;
 pub mod shard;
 #[cfg(test)]

@@ -5,8 +5,10 @@
 use crate::bail_input;
 use crate::batch::schema::meta;
 use crate::batch::Batch;
+pub use crate::engine::policy::{resolve_model, ModelRef, Pointer};
 use crate::error::input_error;
-use crate::stage::Exec;
+use crate::parallel::DeviceKind;
+use crate::stage::Topology;
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -14,7 +16,7 @@ use std::fmt;
 use std::io::IsTerminal;
 use std::ops::Bound;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::str::FromStr;
 
 /// Where a stage computes: `cpu`, `cuda` (GPU 0) or `cuda:N`.
@@ -22,6 +24,16 @@ use std::str::FromStr;
 pub enum Device {
     Cpu,
     Cuda(usize),
+}
+
+impl Device {
+    /// The kind of device, as the launcher's ranks take it (each rank on its own GPU).
+    pub fn kind(self) -> DeviceKind {
+        match self {
+            Device::Cpu => DeviceKind::Cpu,
+            Device::Cuda(_) => DeviceKind::Cuda,
+        }
+    }
 }
 
 impl FromStr for Device {
@@ -117,78 +129,6 @@ pub mod rollout_is_level {
     }
 }
 
-/// The file `sync-weights` writes: which checkpoint is the current policy, and its version.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Pointer {
-    /// The checkpoint directory; relative paths are relative to the pointer file's directory.
-    pub model: String,
-    pub policy_version: u64,
-}
-
-impl Pointer {
-    pub fn read(path: &Path) -> Result<Pointer> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            input_error(format!("{}: cannot read pointer file: {e}", path.display()))
-        })?;
-        serde_json::from_str(&text).map_err(|e| {
-            input_error(format!(
-                "{}: not a model directory nor a sync-weights pointer file (JSON with 'model' and 'policy_version'): {e}",
-                path.display()
-            ))
-        })
-    }
-
-    /// The checkpoint directory this pointer names, as a usable path.
-    pub fn target(&self, pointer_path: &Path) -> PathBuf {
-        let p = PathBuf::from(&self.model);
-        if p.is_absolute() {
-            p
-        } else {
-            pointer_path.parent().unwrap_or(Path::new("")).join(p)
-        }
-    }
-}
-
-/// A resolved `--model`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ModelRef {
-    pub dir: PathBuf,
-    /// From the pointer, or 0 for a plain directory.
-    pub policy_version: u64,
-    pub pointer: Option<PathBuf>,
-}
-
-/// `--model` is a model directory or a pointer file written by `sync-weights`.
-pub fn resolve_model(path: &Path) -> Result<ModelRef> {
-    if path.is_dir() {
-        return Ok(ModelRef {
-            dir: path.to_path_buf(),
-            policy_version: 0,
-            pointer: None,
-        });
-    }
-    if !path.exists() {
-        bail_input!(
-            "--model {}: no such model directory or pointer file",
-            path.display()
-        );
-    }
-    let ptr = Pointer::read(path)?;
-    let dir = ptr.target(path);
-    if !dir.is_dir() {
-        bail_input!(
-            "{}: the pointer names {}, which is not a directory",
-            path.display(),
-            dir.display()
-        );
-    }
-    Ok(ModelRef {
-        dir,
-        policy_version: ptr.policy_version,
-        pointer: Some(path.to_path_buf()),
-    })
-}
-
 /// Refuses a model directory without `tokenizer.json` that a stage is about to pass on (train
 /// from, publish): `rollout` would refuse the model it leads to, later and further from the
 /// cause. `what` says what the stage would do with it.
@@ -249,7 +189,7 @@ pub fn logprob_temperature(batch: &Batch, flag: Option<f32>) -> Result<f32> {
 
 /// The contiguous block of `items` (prompts, prompt groups) this process computes: all of them
 /// alone, else its rank's balanced share (`parallel::exchange::block`).
-pub fn my_block(exec: &dyn Exec, items: usize) -> Range<usize> {
+pub fn my_block(exec: &(impl Topology + ?Sized), items: usize) -> Range<usize> {
     match exec.ranks() {
         Some(x) => x.block(items),
         None => 0..items,
@@ -257,7 +197,7 @@ pub fn my_block(exec: &dyn Exec, items: usize) -> Range<usize> {
 }
 
 /// Whether this process writes the stage's files and metrics: the only one, or rank 0.
-pub fn writes_files(exec: &dyn Exec) -> bool {
+pub fn writes_files(exec: &(impl Topology + ?Sized)) -> bool {
     exec.ranks().is_none_or(|x| x.is_root())
 }
 
@@ -265,7 +205,7 @@ pub fn writes_files(exec: &dyn Exec) -> bool {
 /// from what `encode` made of theirs); the other ranks get None once theirs is handed over.
 /// Alone: `[mine]`, nothing encoded.
 pub fn gather_results<T>(
-    exec: &dyn Exec,
+    exec: &(impl Topology + ?Sized),
     mine: T,
     encode: impl Fn(&T) -> Vec<u8>,
     decode: impl Fn(&[u8]) -> Result<T>,
@@ -286,7 +226,7 @@ pub fn gather_results<T>(
 
 /// Waits (on the ranks other than 0) until rank 0 has passed this point, e.g. written the
 /// files that the next step reads; alone, nothing to wait for.
-pub fn after_rank0(exec: &dyn Exec) -> Result<()> {
+pub fn after_rank0(exec: &(impl Topology + ?Sized)) -> Result<()> {
     if let Some(x) = exec.ranks() {
         x.broadcast(x.is_root().then_some(&[][..]))?;
     }
@@ -464,26 +404,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pointer_paths_resolve_relative_to_the_pointer() {
-        let p = Pointer {
-            model: "ckpt/step-3".into(),
-            policy_version: 3,
-        };
-        assert_eq!(
-            p.target(Path::new("/runs/a/policy")),
-            PathBuf::from("/runs/a/ckpt/step-3")
-        );
-        let abs = Pointer {
-            model: "/models/x".into(),
-            policy_version: 1,
-        };
-        assert_eq!(
-            abs.target(Path::new("/runs/a/policy")),
-            PathBuf::from("/models/x")
-        );
-    }
-
-    #[test]
     fn ranges_parse_numbers_and_name_the_range() {
         assert_eq!(at_least(1usize)("3"), Ok(3));
         assert_eq!(
@@ -535,21 +455,7 @@ mod tests {
     }
 
     #[test]
-    fn model_refs() {
-        let dir = tempfile::tempdir().unwrap();
-        let m = resolve_model(dir.path()).unwrap();
-        assert_eq!((m.policy_version, m.pointer), (0, None));
-        let ptr = dir.path().join("policy");
-        std::fs::create_dir(dir.path().join("ck")).unwrap();
-        std::fs::write(&ptr, br#"{"model": "ck", "policy_version": 7}"#).unwrap();
-        let m = resolve_model(&ptr).unwrap();
-        assert_eq!(m.dir, dir.path().join("ck"));
-        assert_eq!(m.policy_version, 7);
-        let missing = resolve_model(&dir.path().join("nope")).unwrap_err();
-        assert!(crate::error::is_input_error(&missing));
-        std::fs::write(&ptr, b"garbage").unwrap();
-        let bad = resolve_model(&ptr).unwrap_err();
-        assert!(bad.to_string().contains("pointer file"), "{bad}");
+    fn devices_parse_and_print() {
         assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
         assert_eq!("cuda".parse::<Device>(), Ok(Device::Cuda(0)));
         assert_eq!("cuda:3".parse::<Device>(), Ok(Device::Cuda(3)));

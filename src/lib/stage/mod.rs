@@ -1,5 +1,6 @@
 //! The stages, one module per binary: `rollout`, `score`, `ref_logprob`, `advantage`, `update`,
-//! `sync_weights`, and `sft_batch` (`tandem sft-batch`); `common` holds what they share.
+//! `sync_weights`, and `sft_batch` (`tandem sft-batch`); `save` is the daemon's `daemon-ctl
+//! save` job; `common` holds what they share.
 //!
 //! Each stage declares its flags once, as a clap `Args` struct with their help: the binary's
 //! command line, the pipeline spec's `[stage]` table (`crate::pipeline::spec` looks every key up
@@ -15,7 +16,7 @@
 //!
 //! Several ranks (`tandem launch`, torchrun, srun, or the daemons of `gpus = N`) run a stage
 //! together: every rank reads and checks the same input, `rollout` and `ref-logprob` each
-//! compute their block of the prompts ([`Exec::ranks`]), rank 0 gathers the rows and writes the
+//! compute their block of the prompts ([`Topology::ranks`]), rank 0 gathers the rows and writes the
 //! one output file, the same rows in the same order as one rank writes; `update` trains on
 //! each rank's share of the rows with the sharded optimizer and rank 0 writes the model.
 //! `sync-weights` runs on rank 0 alone ([`StageJob::splits_over_ranks`]).
@@ -24,6 +25,7 @@ pub mod advantage;
 pub mod common;
 pub mod ref_logprob;
 pub mod rollout;
+pub mod save;
 pub mod score;
 pub mod sft_batch;
 pub mod sync_weights;
@@ -33,10 +35,13 @@ use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
+pub use crate::engine::policy::load_policy;
+use crate::engine::policy::{
+    train_ranks_from_files, HeldPolicy, Holder, SavedShards, Sharding, Train, Trainable, Trained,
+};
 use crate::engine::resume::TrainerState;
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
-use crate::model::decoder::Decoder;
 use crate::parallel::Exchange;
 use anyhow::Result;
 use clap::{ArgMatches, Command, FromArgMatches};
@@ -59,17 +64,21 @@ pub fn on_device<J: Job>(device: Device, job: J) -> Result<J::Out> {
     }
 }
 
-/// Loads a model directory onto a backend.
-pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
-    let (cfg, weights) = ModelDir::load(dir)?;
-    Decoder::new(backend, &cfg, &weights)
-}
-
 /// Where a model stage's compute runs: [`InProcess`] on `--device` (the model is loaded for this
 /// one call), or inside the warm daemon on the models it keeps between calls
 /// (`crate::daemon`). Reading, checking and writing the batch files is the stage's own code
 /// either way, so both give the same files.
-pub trait Exec {
+///
+/// An `Exec` is its four roles: [`Compute`] (the models' work), [`Hold`] (the policy kept
+/// between calls), [`Console`] (the user's lines and bars) and [`Topology`] (the ranks). A
+/// stage that needs only some of them asks for those (`sync-weights`: [`Hold`] and
+/// [`Console`]); every type with all four is an `Exec`.
+pub trait Exec: Compute + Hold + Console + Topology {}
+
+impl<T: Compute + Hold + Console + Topology + ?Sized> Exec for T {}
+
+/// The models' work: generation, scoring, training.
+pub trait Compute: Topology {
     /// Every sample of a rollout, with the policy `model`.
     fn generate(
         &mut self,
@@ -83,30 +92,35 @@ pub trait Exec {
         job: ref_logprob::Score<'_>,
     ) -> Result<Vec<crate::model::decoder::TokenStats>>;
     /// One `update` call on the policy `model`, resuming the optimizer state next to it.
-    fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained>;
-    /// One rank's part of a data-parallel `update` among [`Exec::ranks`] (the sharded
+    fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained>;
+    /// One rank's part of a data-parallel `update` among [`Topology::ranks`] (the sharded
     /// optimizer); rank 0's result carries what the job brings back. Here the policy is loaded
     /// from the model files for this call; a daemon group's rank trains the one it keeps.
     fn train_sharded(
         &mut self,
         model: &ModelRef,
-        job: update::Train<'_>,
-        sharding: update::Sharding,
-    ) -> Result<update::Trained> {
+        job: Train<'_>,
+        sharding: Sharding,
+    ) -> Result<Trained> {
         let pg = self
             .ranks()
             .expect("a data-parallel update runs among ranks")
             .group()
             .clone();
-        update::train_ranks_from_files(&pg, model, job, sharding)
+        train_ranks_from_files(&pg, model, job, sharding)
     }
+}
+
+/// The policy kept between calls (by the daemon; nothing in-process): who holds it, what was
+/// written of it, and the policy itself for `daemon-ctl save`.
+pub trait Hold {
     /// `update` (with its trainer state) or `daemon-ctl save` wrote the policy it holds to
     /// `dir` (as files, or as a resident directory).
     fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()>;
     /// Who keeps the weights of `update --resident` (None: nobody here, in-process).
-    fn holder(&self) -> Option<update::Holder>;
+    fn holder(&self) -> Option<Holder>;
     /// The policy held (the one `model` names, when given), for `daemon-ctl save`.
-    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<update::HeldPolicy>;
+    fn held_policy(&mut self, model: Option<&ModelRef>) -> Result<HeldPolicy>;
     /// `daemon-ctl save` on a rank of a daemon group whose policy keeps its optimizer state in
     /// shards over the ranks: writes this rank's shard into `staging` (and on rank 0 gathers
     /// the masters). None when the policy held is not sharded. Every rank calls it.
@@ -114,15 +128,23 @@ pub trait Exec {
         &mut self,
         _model: Option<&ModelRef>,
         _staging: &Path,
-    ) -> Result<Option<update::SavedShards>> {
+    ) -> Result<Option<SavedShards>> {
         Ok(None)
     }
     /// `sync-weights` made the checkpoint `dir` the policy, as `policy_version`.
     fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()>;
+}
+
+/// What the user sees of a stage while it runs.
+pub trait Console {
     /// A progress bar of `len` steps.
     fn progress_bar(&mut self, len: usize, what: &str) -> indicatif::ProgressBar;
     /// A message line for the user (stderr of the stage).
     fn log(&mut self, line: &str);
+}
+
+/// The ranks that run a stage together.
+pub trait Topology {
     /// The ranks that run this stage together, when there are several (None: this process
     /// alone, which then computes everything and writes the files).
     fn ranks(&self) -> Option<&Exchange> {
@@ -147,7 +169,7 @@ impl InProcess {
     }
 }
 
-impl Exec for InProcess {
+impl Compute for InProcess {
     fn generate(
         &mut self,
         _model: &ModelRef,
@@ -164,24 +186,26 @@ impl Exec for InProcess {
         on_device(self.device, job)
     }
 
-    fn train(&mut self, model: &ModelRef, job: update::Train<'_>) -> Result<update::Trained> {
+    fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
         let started = std::time::Instant::now();
-        let loaded = update::Trainable::load(&model.dir, &mut |m| self.log(m))?;
+        let loaded = Trainable::load(&model.dir, &mut |m| self.log(m))?;
         let load_seconds = started.elapsed().as_secs_f64();
         let mut out = on_device(self.device, update::TrainFresh { loaded, job })?;
         out.load_seconds = load_seconds;
         Ok(out)
     }
+}
 
+impl Hold for InProcess {
     fn saved(&mut self, _dir: &Path, _trainer: Option<&TrainerState>) -> Result<()> {
         Ok(())
     }
 
-    fn holder(&self) -> Option<update::Holder> {
+    fn holder(&self) -> Option<Holder> {
         None
     }
 
-    fn held_policy(&mut self, _model: Option<&ModelRef>) -> Result<update::HeldPolicy> {
+    fn held_policy(&mut self, _model: Option<&ModelRef>) -> Result<HeldPolicy> {
         bail_input!(
             "saving the policy a daemon holds needs the daemon: `tandem daemon-ctl save --socket SOCKET --out DIR`"
         )
@@ -194,7 +218,9 @@ impl Exec for InProcess {
         }
         Ok(())
     }
+}
 
+impl Console for InProcess {
     fn progress_bar(&mut self, len: usize, what: &str) -> indicatif::ProgressBar {
         common::progress_bar(len, what)
     }
@@ -202,7 +228,9 @@ impl Exec for InProcess {
     fn log(&mut self, line: &str) {
         eprintln!("{line}");
     }
+}
 
+impl Topology for InProcess {
     fn ranks(&self) -> Option<&Exchange> {
         self.ranks.as_ref()
     }
@@ -218,7 +246,7 @@ pub enum StageJob {
     Update(update::UpdateArgs),
     SyncWeights(sync_weights::SyncWeightsArgs),
     /// `tandem daemon-ctl save`: not a stage binary, a job only a daemon runs.
-    SavePolicy(update::SavePolicyArgs),
+    SavePolicy(save::SavePolicyArgs),
 }
 
 impl StageJob {
@@ -232,7 +260,7 @@ impl StageJob {
         }
     }
 
-    /// Whether the stage shares its work among several ranks ([`Exec::ranks`]): rollout and
+    /// Whether the stage shares its work among several ranks ([`Topology::ranks`]): rollout and
     /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
     /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's).
     /// `sync-weights` runs on rank 0 alone.
@@ -283,7 +311,7 @@ impl StageJob {
             StageJob::RefLogprob(a) => ref_logprob::run(a, exec),
             StageJob::Update(a) => update::run(a, exec),
             StageJob::SyncWeights(a) => sync_weights::run(a, exec),
-            StageJob::SavePolicy(a) => update::save_policy(a, exec),
+            StageJob::SavePolicy(a) => save::save_policy(a, exec),
         }
     }
 }

@@ -8,7 +8,7 @@
 //! and resume keep working.
 
 use super::common::{at_least, negative_numbers, require_tokenizer, Pointer};
-use super::Exec;
+use super::{Console, Hold};
 use crate::bail_input;
 use crate::batch::write_json;
 use crate::model::checkpoint::ModelDir;
@@ -54,7 +54,7 @@ fn pointer_target(from: &Path, to: &Path) -> Result<String> {
 }
 
 /// The stage; `exec` (the daemon) takes the new policy into memory.
-pub fn run(args: SyncWeightsArgs, exec: &mut dyn Exec) -> Result<()> {
+pub fn run<E: Hold + Console + ?Sized>(args: SyncWeightsArgs, exec: &mut E) -> Result<()> {
     let started = Instant::now();
     if !args.from.is_dir() {
         bail_input!("--from {}: not a directory", args.from.display());

@@ -5,7 +5,9 @@
 //! On the warm daemon, `--resident` keeps the new weights and optimizer state in the daemon's
 //! memory instead: DIR2 then holds the config, the tokenizer and `resident.json` (the daemon's
 //! socket, the step), which only that daemon serves; `tandem daemon-ctl save` writes the files
-//! ([`save_policy`]) as this stage would have.
+//! (`super::save`) as this stage would have. Loading, holding and writing the policy is the
+//! policy store's (`crate::engine::policy`); this stage reads the batch, trains on its `Exec`
+//! and reports.
 //!
 //! Rollout correction (verl's `rollout_corr`): the mismatch between the rollout's and the
 //! trainer's log-probs is measured on every call that has rollout_logprobs (`mismatch` in the
@@ -22,23 +24,20 @@ use super::{Exec, Job};
 use crate::algo::agg::{AggMode, AGG_MODE_NAMES};
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
-use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel};
+use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel, RsStats};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
 use crate::engine::logprob::PromptResponse;
-use crate::engine::resume::{
-    self, RankResume, ShardSource, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE,
+use crate::engine::policy::{
+    shard_staging, write_checkpoint, write_resident, Holder, Sharding, Train, Trainable, Trained,
 };
-use crate::engine::shard::{ShardMode, ShardedPolicy, StateTo, ToHost, DEFAULT_BUCKET_ELEMS};
-use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
+use crate::engine::resume::TrainerState;
+use crate::engine::shard::{ShardMode, DEFAULT_BUCKET_ELEMS};
+use crate::engine::train::{LrConfig, LrSchedule, TrainConfig, TrainData};
 use crate::error::input_error;
-use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
-use crate::model::decoder::{Decoder, HostShard, OptimizerState};
-use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
-use crate::model::{Config, Weights};
-use crate::parallel::comm::sum_f64;
-use crate::parallel::{run_rank_job, Comm, DeviceKind, ProcessGroup, RankJob};
+use crate::model::checkpoint::{ModelDir, ResidentMarker};
+use crate::model::Config;
 use anyhow::Result;
 use clap::builder::PossibleValuesParser;
 use clap::Args;
@@ -241,233 +240,6 @@ fn lr_schedule() -> impl clap::builder::TypedValueParser<Value = LrSchedule> {
         .map(|s| s.parse::<LrSchedule>().expect("a listed name"))
 }
 
-/// A policy as `update` starts from it: the f32 master weights when they sit next to the model
-/// (else the model's weights), the optimizer state and the schedule position.
-pub struct Trainable {
-    pub cfg: Config,
-    pub weights: Weights,
-    /// Whether `weights` are the saved f32 masters rather than the model files' weights.
-    pub from_master: bool,
-    pub optimizer: Option<OptimizerState>,
-    /// Training steps (update calls) done before this one.
-    pub schedule_step: u64,
-    /// The trainer state found next to the model.
-    pub trainer: Option<TrainerState>,
-    /// Where this rank's optimizer shard comes from (a data-parallel update resuming a sharded
-    /// checkpoint; `weights` are then the model files' and `optimizer` is None).
-    pub shard: Option<ShardSource>,
-}
-
-impl Trainable {
-    /// Reads a model directory and the optimizer state next to it.
-    pub fn load(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
-        let (cfg, weights) = ModelDir::load(dir)?;
-        let Some(r) = resume::load(dir, &weights)? else {
-            return Ok(Self::without_optimizer(cfg, weights, None, None));
-        };
-        Ok(Self::resumed(dir, cfg, weights, r, log))
-    }
-
-    /// The model files' weights with no optimizer state here: a fresh optimizer, or (with
-    /// `trainer`) a sharded checkpoint's, whose state is in the ranks' files (`shard`: where
-    /// this rank's comes from).
-    fn without_optimizer(
-        cfg: Config,
-        weights: Weights,
-        trainer: Option<TrainerState>,
-        shard: Option<ShardSource>,
-    ) -> Trainable {
-        Trainable {
-            cfg,
-            weights,
-            from_master: false,
-            optimizer: None,
-            schedule_step: trainer.as_ref().map_or(0, |t| t.schedule_step),
-            trainer,
-            shard,
-        }
-    }
-
-    /// As [`Trainable::load`] for a process that only generates or scores with the policy (a
-    /// daemon of a group, which trains from the files under the ranks): a sharded checkpoint
-    /// gives its model files' weights, no optimizer state, and its trainer state (whose
-    /// `optimizer_shards` says so) instead of being refused.
-    pub fn load_weights(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
-        match resume::trainer_state(dir)? {
-            Some(t) if t.optimizer_shards > 0 => {
-                let (cfg, weights) = ModelDir::load(dir)?;
-                Ok(Self::without_optimizer(cfg, weights, Some(t), None))
-            }
-            _ => Self::load(dir, log),
-        }
-    }
-
-    /// Rank `rank` of `world` reads a model directory and its part of the optimizer state
-    /// next to it: a sharded checkpoint's own shard file (written by as many ranks; by
-    /// another number, the shard is cut from the files once the layout is known), or the
-    /// whole state of an unsharded one.
-    pub fn load_rank(
-        dir: &Path,
-        rank: usize,
-        world: usize,
-        log: &mut dyn FnMut(&str),
-    ) -> Result<Trainable> {
-        let (cfg, weights) = ModelDir::load(dir)?;
-        Ok(match resume::load_rank(dir, &weights, rank, world)? {
-            None => Self::without_optimizer(cfg, weights, None, None),
-            Some(RankResume::Whole(r)) => Self::resumed(dir, cfg, weights, r, log),
-            Some(RankResume::Shard { source, trainer }) => {
-                Self::without_optimizer(cfg, weights, Some(trainer), Some(source))
-            }
-        })
-    }
-
-    fn resumed(
-        dir: &Path,
-        cfg: Config,
-        weights: Weights,
-        r: resume::Resume,
-        log: &mut dyn FnMut(&str),
-    ) -> Trainable {
-        if r.master.is_none() {
-            log(&format!(
-                "update: {}: f32 master weights absent or not matching the model files; continuing from the bf16 weights",
-                dir.display()
-            ));
-        }
-        let from_master = r.master.is_some();
-        Trainable {
-            cfg,
-            weights: r.master.unwrap_or(weights),
-            from_master,
-            optimizer: Some(r.optimizer),
-            schedule_step: r.trainer.schedule_step,
-            trainer: Some(r.trainer),
-            shard: None,
-        }
-    }
-
-    /// The decoder, with the optimizer state loaded.
-    pub fn build<B: Backend>(&self, backend: B) -> Result<Decoder<B>> {
-        let mut policy = Decoder::new(backend, &self.cfg, &self.weights)?;
-        if let Some(state) = &self.optimizer {
-            policy.load_optimizer_state(state)?;
-        }
-        Ok(policy)
-    }
-}
-
-/// What one update call trains on.
-pub struct Train<'a> {
-    data: &'a TrainData<'a>,
-    train: &'a TrainConfig,
-    /// Bring the weights back to the host (they are written as the new model).
-    export_weights: bool,
-    /// Bring the optimizer state back to the host (it is written next to the model).
-    export_state: bool,
-}
-
-/// The trained policy as the stage writes it.
-pub struct Trained {
-    pub report: TrainReport,
-    /// The f32 (master) weights, when the job asked for them.
-    pub weights: Option<Weights>,
-    /// The optimizer state, when the job asked for it.
-    pub state: Option<OptimizerState>,
-    /// AdamW steps taken so far.
-    pub optimizer_step: u64,
-    /// Training steps done before this call.
-    pub schedule_step: u64,
-    pub load_seconds: f64,
-    /// The ranks' optimizer shard files (data-parallel, N > 1), staged beside the output
-    /// directory: the writer moves them into it.
-    pub shard_files: Vec<PathBuf>,
-}
-
-impl Train<'_> {
-    /// Trains `policy` (whose schedule position is `schedule_step`) in place and brings back the
-    /// new weights and optimizer state.
-    pub fn train_on<B: Backend>(
-        self,
-        policy: &mut Decoder<B>,
-        schedule_step: u64,
-        log: &mut dyn FnMut(&str),
-    ) -> Result<Trained> {
-        let report = train(policy, self.data, self.train, schedule_step, &mut |msg| {
-            log(&format!("update: {msg}"))
-        })?;
-        self.finish(policy, report, schedule_step)
-    }
-
-    /// One rank's part of a sharded update on a policy whose optimizer shards stay with the
-    /// caller (a daemon group's rank keeps them between calls): trains, and when the job
-    /// writes a checkpoint, rank 0 gets the masters for the model files and every rank writes
-    /// its optimizer shard into `staging`, as `update` under a launcher does. Every rank of
-    /// `policy.comm` calls it.
-    pub fn train_sharded_on<B: Backend>(
-        self,
-        policy: &mut ShardedPolicy<'_, B>,
-        schedule_step: u64,
-        staging: &Path,
-        log: &mut dyn FnMut(&str),
-    ) -> Result<Trained> {
-        let mut log = |msg: &str| log(&format!("update: {msg}"));
-        let (report, weights, state, shard_files) = match self.export_weights || self.export_state {
-            true => {
-                let to = match (self.export_state, policy.comm.world_size()) {
-                    (false, _) => StateTo::Nowhere,
-                    (true, 1) => StateTo::Root,
-                    (true, _) => StateTo::EachRank,
-                };
-                let mut out =
-                    policy.train_to_host(self.data, self.train, schedule_step, &mut log, 0, to)?;
-                let files =
-                    write_own_shard(&mut out, policy.decoder.backend(), policy.comm, staging)?;
-                (out.report, out.weights, out.state, files)
-            }
-            false => {
-                let mut report =
-                    train(&mut *policy, self.data, self.train, schedule_step, &mut log)?;
-                report.shard = Some(policy.optim.stats.clone());
-                (report, None, None, Vec::new())
-            }
-        };
-        Ok(Trained {
-            report,
-            weights: weights.filter(|_| self.export_weights),
-            state: state.filter(|_| self.export_state),
-            optimizer_step: policy.decoder.optimizer_steps(),
-            schedule_step,
-            load_seconds: 0.0,
-            shard_files,
-        })
-    }
-
-    /// What `policy` holds after training, as the stage writes it.
-    fn finish<B: Backend>(
-        self,
-        policy: &Decoder<B>,
-        report: TrainReport,
-        schedule_step: u64,
-    ) -> Result<Trained> {
-        Ok(Trained {
-            report,
-            weights: match self.export_weights {
-                true => Some(policy.export_weights()?),
-                false => None,
-            },
-            state: match self.export_state {
-                true => Some(policy.optimizer_state()?),
-                false => None,
-            },
-            optimizer_step: policy.optimizer_steps(),
-            schedule_step,
-            load_seconds: 0.0,
-            shard_files: Vec::new(),
-        })
-    }
-}
-
 /// In-process update: build the loaded policy on the backend and train it.
 pub(crate) struct TrainFresh<'a> {
     pub loaded: Trainable,
@@ -483,128 +255,6 @@ impl Job for TrainFresh<'_> {
         self.job
             .train_on(&mut policy, step, &mut |msg| eprintln!("{msg}"))
     }
-}
-
-/// One rank of a data-parallel update (under `tandem launch`): builds the loaded policy on
-/// the rank's backend and trains it with the sharded optimizer over the rank's communicator.
-/// Rank 0 brings the weights back to host memory (it writes the model). With N > 1 ranks each
-/// rank writes its own optimizer shard into `staging` (no rank gathers the state), and all
-/// wait for all before rank 0 moves the files into the new checkpoint; with one rank the
-/// whole state comes to its host (an ordinary `optimizer.safetensors`).
-struct TrainRank<'a> {
-    loaded: Trainable,
-    job: Train<'a>,
-    mode: ShardMode,
-    bucket_elems: usize,
-    staging: PathBuf,
-}
-
-impl RankJob for TrainRank<'_> {
-    type Out = Trained;
-    fn run<B: Backend>(self, backend: B, comm: Box<dyn Comm<B>>) -> Result<Trained> {
-        let comm = comm.as_ref();
-        let (rank, world) = (comm.rank(), comm.world_size());
-        let (mut policy, mut optim) = match self.mode {
-            ShardMode::Zero2 => {
-                let mut policy = self.loaded.build(backend)?;
-                let optim = policy.shard_optimizer(comm, self.bucket_elems)?;
-                (policy, optim)
-            }
-            // The state is never whole on a device: each rank uploads its shards.
-            ShardMode::Full => Decoder::new_full(
-                backend,
-                &self.loaded.cfg,
-                &self.loaded.weights,
-                self.loaded.optimizer.as_ref(),
-                comm,
-            )?,
-        };
-        if let Some(source) = &self.loaded.shard {
-            let shard = source.for_layout(&policy.shard_layout(&optim), rank)?;
-            let took = policy.load_shard(&mut optim, &shard, &self.loaded.weights, comm)?;
-            if !took && rank == 0 {
-                eprintln!("update: the f32 master shards do not match the model files; continuing from the bf16 weights");
-            }
-        }
-        let step = self.loaded.schedule_step;
-        drop(self.loaded);
-        let mut sharded = ShardedPolicy {
-            decoder: &mut policy,
-            comm,
-            optim,
-        };
-        let state_to = match (self.job.export_state, world) {
-            (false, _) => StateTo::Nowhere,
-            (true, 1) => StateTo::Root,
-            (true, _) => StateTo::EachRank,
-        };
-        let mut out = sharded.train_to_host(
-            self.job.data,
-            self.job.train,
-            step,
-            &mut |msg| {
-                if rank == 0 {
-                    eprintln!("update: {msg}")
-                }
-            },
-            0,
-            state_to,
-        )?;
-        let shard_files = write_own_shard(&mut out, policy.backend(), comm, &self.staging)?;
-        Ok(Trained {
-            report: out.report,
-            weights: out.weights.filter(|_| self.job.export_weights),
-            state: out.state.filter(|_| self.job.export_state),
-            optimizer_step: policy.optimizer_steps(),
-            schedule_step: step,
-            load_seconds: 0.0,
-            shard_files,
-        })
-    }
-}
-
-/// How the ranks of a data-parallel update shard the training state (`--shard`,
-/// `--bucket-elems`) and where they compute (`--device`).
-#[derive(Clone, Debug)]
-pub struct Sharding {
-    pub mode: ShardMode,
-    pub bucket_elems: usize,
-    pub device: Device,
-    /// Where the ranks write their optimizer shards before rank 0 moves them into the
-    /// checkpoint (`shard_staging` of the output directory).
-    pub staging: PathBuf,
-}
-
-/// One rank's part of a data-parallel update whose policy is loaded from the model files for
-/// this call on every rank (the ranks of `pg`); rank 0 gets the new weights and state to
-/// write. What `update` under a launcher runs.
-pub fn train_ranks_from_files(
-    pg: &ProcessGroup,
-    model: &ModelRef,
-    job: Train<'_>,
-    sharding: Sharding,
-) -> Result<Trained> {
-    let started = Instant::now();
-    let loaded = Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |m| {
-        if pg.rank() == 0 {
-            eprintln!("{m}")
-        }
-    })?;
-    let load_seconds = started.elapsed().as_secs_f64();
-    let device = match sharding.device {
-        Device::Cpu => DeviceKind::Cpu,
-        Device::Cuda(_) => DeviceKind::Cuda,
-    };
-    let rank_job = TrainRank {
-        loaded,
-        job,
-        mode: sharding.mode,
-        bucket_elems: sharding.bucket_elems,
-        staging: sharding.staging,
-    };
-    let mut out = run_rank_job(device, pg, rank_job)?;
-    out.load_seconds = load_seconds;
-    Ok(out)
 }
 
 impl UpdateArgs {
@@ -814,133 +464,6 @@ impl OwnedData {
     }
 }
 
-/// Where `update --resident` leaves the weights: the process that keeps them.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Holder {
-    /// The daemon's socket (None: a process without one, e.g. `tandem bench grpo-step`).
-    pub socket: Option<PathBuf>,
-    pub pid: u32,
-}
-
-/// The policy a daemon holds, as `tandem daemon-ctl save` writes it.
-pub struct HeldPolicy {
-    /// A directory with the policy's config and tokenizer files.
-    pub files: PathBuf,
-    /// The f32 (master) weights.
-    pub weights: Weights,
-    /// The optimizer state (None when the policy has none yet).
-    pub state: Option<OptimizerState>,
-    /// The trainer state of its last update (or the one it was loaded with).
-    pub trainer: Option<TrainerState>,
-}
-
-/// What one rank of a daemon group brings to `daemon-ctl save` of a policy whose optimizer
-/// state is sharded over the group ([`Exec::save_sharded`]).
-pub struct SavedShards {
-    /// A directory with the policy's config and tokenizer files.
-    pub files: PathBuf,
-    /// The f32 masters, gathered on rank 0 (None on the other ranks).
-    pub masters: Option<Weights>,
-    /// Every rank's optimizer shard file, written into the staging directory.
-    pub shard_files: Vec<PathBuf>,
-    /// The trainer state of its last update.
-    pub trainer: TrainerState,
-}
-
-/// Every rank writes its optimizer shard into `staging`, then all learn whether all did (so
-/// that no rank goes on to a checkpoint with a shard missing). Returns every rank's file.
-pub fn write_rank_shards<B: Backend>(
-    b: &B,
-    comm: &dyn Comm<B>,
-    staging: &Path,
-    shard: &HostShard,
-) -> Result<Vec<PathBuf>> {
-    let written = resume::write_shard(staging, shard);
-    let mut failed = [written.is_err() as u8 as f64];
-    sum_f64(b, comm, &mut failed)?;
-    written?;
-    if failed[0] != 0.0 {
-        anyhow::bail!("update: another rank failed to write its optimizer shard");
-    }
-    let world = comm.world_size();
-    Ok((0..world)
-        .map(|r| staging.join(resume::shard_file_name(r, world)))
-        .collect())
-}
-
-/// [`write_rank_shards`] of the shard a checkpointing update brought to this rank's host (no
-/// files where it brought none), timed into the update's shard metrics.
-fn write_own_shard<B: Backend>(
-    out: &mut ToHost,
-    b: &B,
-    comm: &dyn Comm<B>,
-    staging: &Path,
-) -> Result<Vec<PathBuf>> {
-    let Some(shard) = &out.shard else {
-        return Ok(Vec::new());
-    };
-    let started = Instant::now();
-    let files = write_rank_shards(b, comm, staging, shard)?;
-    if let Some(stats) = &mut out.report.shard {
-        stats.shard_write_seconds = started.elapsed().as_secs_f64();
-    }
-    Ok(files)
-}
-
-/// Where the ranks of a data-parallel update write their optimizer shards before rank 0
-/// moves them into `out` (a sibling: the same file system, and `out` itself is replaced
-/// whole).
-fn shard_staging(out: &Path) -> PathBuf {
-    let mut name = out.file_name().unwrap_or_default().to_os_string();
-    name.push(".shards");
-    out.with_file_name(name)
-}
-
-/// Writes a trained policy as `update --out-model` does: the weights (bf16 files) with the
-/// config and tokenizer files of `files_from`, `trainer_state.json`, and
-/// `optimizer.safetensors` when `state` is given; `shard_files` (the ranks' optimizer shards)
-/// are moved in.
-pub fn write_checkpoint(
-    out: &Path,
-    files_from: &Path,
-    cfg: &Config,
-    weights: &Weights,
-    state: Option<&OptimizerState>,
-    shard_files: &[PathBuf],
-    trainer: &TrainerState,
-) -> Result<()> {
-    let extra = [(
-        TRAINER_STATE_FILE.to_string(),
-        resume::trainer_state_bytes(trainer)?,
-    )];
-    // The optimizer file is streamed to the staging directory beside `out` (where the ranks'
-    // shards are written) and moved in with them.
-    let staging = shard_staging(out);
-    let mut move_in = shard_files.to_vec();
-    let saved = (|| -> Result<()> {
-        if let Some(state) = state {
-            let path = staging.join(OPTIMIZER_FILE);
-            resume::write_optimizer(&path, state, weights)?;
-            move_in.push(path);
-        }
-        ModelDir::save_with(
-            out,
-            cfg,
-            weights,
-            &SaveOptions {
-                tokenizer_from: Some(files_from),
-                config_base: Some(files_from),
-                max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-                extra_files: &extra,
-                move_in: &move_in,
-            },
-        )
-    })();
-    // Emptied by the move; anything left is a stale shard of another world size.
-    let _ = std::fs::remove_dir_all(&staging);
-    saved
-}
-
 /// Checks that the rollout's log-probs may stand in for the old ones (`--bypass-mode`): the
 /// rollout ran batch-invariant and with the policy `model` (its policy_version).
 fn check_bypass(batch: &Batch, model: &ModelRef, model_flag: &Path) -> Result<()> {
@@ -988,99 +511,21 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
             )
         })?),
     };
-    let batch = Batch::read(&args.input, &[])?;
-    batch.require_rows()?;
-    let cfg = args.train_config(logprob_temperature(&batch, args.temperature)?)?;
-    let needs = required_columns(&args, &cfg);
-    for (col, who) in &needs {
-        if !batch.has(col) {
-            bail_input!(
-                "{}: column '{col}' is missing; it is needed by {who}",
-                batch.path.display()
-            );
-        }
-    }
-    let names: Vec<&str> = needs.iter().map(|(c, _)| *c).collect();
-    let batch = Batch::read(&args.input, &names)?;
-    let model = resolve_model(&args.model)?;
-    if args.resident && same_path(&model.dir, &args.out_model) {
-        bail_input!(
-            "--resident --out-model {}: would replace the model that --model names with a directory that holds no weights; give another --out-model",
-            args.out_model.display()
-        );
-    }
-    if args.bypass_mode {
-        check_bypass(&batch, &model, &args.model)?;
-    }
-    let mcfg = ModelDir::load_config(&model.dir)?;
-    // The model written carries --model's tokenizer files: refused before any training.
-    require_tokenizer(
-        &model.dir,
-        "the model `update` writes would have no tokenizer",
-    )?;
-    check_token_ids(&batch, schema::PROMPT_IDS, mcfg.vocab_size)?;
-    check_token_ids(&batch, schema::RESPONSE_IDS, mcfg.vocab_size)?;
-
-    let owned = OwnedData::from_batch(&batch, &cfg)?;
-    let mut data = owned.view();
-    let rollout = rows_of(&owned.rollout);
-    // Mismatch: measured here from the columns when the old-logprob pass ran; otherwise the
-    // training loop measures it on its first forward (it gets the rollout's log-probs).
-    let from_columns = match (&data.old, &rollout) {
-        (Some(old), Some(roll)) => Some(Mismatch::of_rows(old, roll, &rows_u8(&owned.mask))?),
-        _ => None,
-    };
-    if args.bypass_mode {
-        data.old = rollout.clone();
-    }
-    if from_columns.is_some() && cfg.loss.rollout_is.is_none() {
-        data.rollout = None;
-    }
-    // Masked importance sampling: the rejected tokens leave the response mask.
-    let rejected = match (args.rejection()?, &data.old, &rollout) {
-        (Some(rs), Some(old), Some(roll)) => Some(rs.apply(old, roll, &rows_u8(&owned.mask))?),
-        _ => None,
-    };
-    if let Some((mask, _)) = &rejected {
-        data.mask = mask.iter().map(Vec::as_slice).collect();
-    }
-
+    let input = Input::read(&args)?;
+    let owned = OwnedData::from_batch(&input.batch, &input.cfg)?;
+    let correction = Correction::of(&args, &owned)?;
+    let data = correction.data(&args, &owned);
     // The policy is loaded (and its optimizer resumed when its state sits next to the model)
     // by `exec`, or already held by the daemon.
-    let job = Train {
-        data: &data,
-        train: &cfg,
-        export_weights: !args.resident,
-        export_state: !args.skip_optimizer_state && !args.resident,
-    };
-    let Trained {
-        report,
-        weights: new_weights,
-        state,
-        optimizer_step,
-        schedule_step,
-        load_seconds: loaded_s,
-        shard_files,
-    } = match exec.ranks() {
-        None => exec.train(&model, job)?,
-        Some(_) => {
-            let sharding = Sharding {
-                mode: args.shard.unwrap_or_default(),
-                bucket_elems: args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS),
-                device: args.device,
-                staging: shard_staging(&args.out_model),
-            };
-            exec.train_sharded(&model, job, sharding)?
-        }
-    };
+    let trained = train_on(&args, exec, &input, &data)?;
     let trainer = TrainerState {
-        optimizer_step,
-        schedule_step: schedule_step + 1,
-        lr: report.lr,
-        lr_schedule: cfg.lr,
-        seed: cfg.seed,
-        optimizer_not_saved: state.is_none() && shard_files.is_empty(),
-        optimizer_shards: shard_files.len(),
+        optimizer_step: trained.optimizer_step,
+        schedule_step: trained.schedule_step + 1,
+        lr: trained.report.lr,
+        lr_schedule: input.cfg.lr,
+        seed: input.cfg.seed,
+        optimizer_not_saved: trained.state.is_none() && trained.shard_files.is_empty(),
+        optimizer_shards: trained.shard_files.len(),
     };
     // Rank 0 writes the outputs. A daemon group's other ranks hold the same new state in
     // memory: they name it by the directory once rank 0 has written it.
@@ -1098,77 +543,20 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         return Ok(());
     }
     let save_started = Instant::now();
-    match (&holder, &new_weights) {
-        (Some(h), _) => ModelDir::save_resident(
-            &args.out_model,
-            &mcfg,
-            &ResidentMarker {
-                socket: h.socket.clone(),
-                pid: h.pid,
-                step: trainer.schedule_step,
-                from_policy_version: model.policy_version,
-            },
-            &SaveOptions {
-                tokenizer_from: Some(&model.dir),
-                config_base: Some(&model.dir),
-                max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-                extra_files: &[],
-                move_in: &[],
-            },
-        )?,
-        (None, Some(w)) => {
-            write_checkpoint(
-                &args.out_model,
-                &model.dir,
-                &mcfg,
-                w,
-                state.as_ref(),
-                &shard_files,
-                &trainer,
-            )?;
-        }
-        (None, None) => anyhow::bail!("update: the trained weights were not brought back"),
-    }
+    write_outputs(&args, &input, holder.as_ref(), &trained, &trainer)?;
     if group_holds {
         after_rank0(exec)?;
     }
     exec.saved(&args.out_model, Some(&trainer))?;
-    let mut metrics = report.to_json();
-    let m = metrics.as_object_mut().expect("object");
-    m.insert("optimizer_step".into(), optimizer_step.into());
-    m.insert(
-        "optimizer_state_saved".into(),
-        (state.is_some() || !shard_files.is_empty()).into(),
-    );
-    m.insert("optimizer_shards".into(), shard_files.len().into());
-    m.insert("weights_saved".into(), holder.is_none().into());
-    m.insert("schedule_step".into(), trainer.schedule_step.into());
-    m.insert("on_policy".into(), report.on_policy.into());
-    m.insert("bypass_mode".into(), args.bypass_mode.into());
-    m.insert("device".into(), args.device.to_string().into());
-    m.insert("load_seconds".into(), loaded_s.into());
-    m.insert(
-        "save_seconds".into(),
-        save_started.elapsed().as_secs_f64().into(),
-    );
-    let mismatch = match (from_columns, &report.mismatch) {
-        (Some(m), _) => Some((m.to_json(), "old_logprobs")),
-        (None, Some((m, source))) => Some((m.to_json(), *source)),
-        (None, None) => None,
-    };
-    if let Some((mut j, source)) = mismatch {
-        j["source"] = source.into();
-        m.insert("mismatch".into(), j);
-    }
-    if let Some((_, stats)) = &rejected {
-        m.insert("rollout_rs".into(), stats.to_json());
-    }
+    let save_seconds = save_started.elapsed().as_secs_f64();
+    let metrics = metrics(&args, &trained, &trainer, &correction, save_seconds);
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;
     }
+    let report = &trained.report;
     exec.log(&format!(
         "update: {} rows, {} optimizer steps ({} skipped), loss {:.5}, grad_norm {}, lr {:.3e}, {:.0} tokens/s -> {}{} in {:.2}s",
-        batch.num_rows(),
+        input.batch.num_rows(),
         report.steps.len(),
         report.steps.iter().filter(|s| s.skipped).count(),
         metrics["loss"].as_f64().unwrap_or(f64::NAN),
@@ -1182,101 +570,202 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     Ok(())
 }
 
-/// `tandem daemon-ctl save`: the policy a daemon holds, written as the files `update` writes.
-#[derive(Args, Debug, Clone, Serialize, Deserialize)]
-pub struct SavePolicyArgs {
-    /// The directory to write (HF layout, with optimizer and trainer state); may be the
-    /// resident directory itself, which it replaces.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Write only if the daemon holds this checkpoint (a directory, resident or not, or a
-    /// sync-weights pointer) [default: whatever policy it holds].
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+/// What the stage reads and checks before training: the batch (the columns the options
+/// need), the training configuration, the policy `--model` names and its config.
+struct Input {
+    batch: Batch,
+    cfg: TrainConfig,
+    model: ModelRef,
+    mcfg: Config,
 }
 
-/// The sharded policy of a daemon group as files, as a checkpointing update of the group writes
-/// them: rank 0 the model files from the gathered masters and `trainer_state.json`, every
-/// rank its `optimizer.rankRRRRR-of-NNNNN.safetensors` (moved in by rank 0).
-fn save_group_shards(
-    args: &SavePolicyArgs,
-    exec: &mut dyn Exec,
-    s: SavedShards,
-    started: Instant,
-) -> Result<()> {
-    let trainer = TrainerState {
-        optimizer_not_saved: false,
-        optimizer_shards: s.shard_files.len(),
-        ..s.trainer
-    };
-    if let Some(masters) = &s.masters {
-        let cfg = ModelDir::load_config(&s.files)?;
-        write_checkpoint(
-            &args.out,
-            &s.files,
-            &cfg,
-            masters,
-            None,
-            &s.shard_files,
-            &trainer,
+impl Input {
+    fn read(args: &UpdateArgs) -> Result<Input> {
+        let batch = Batch::read(&args.input, &[])?;
+        batch.require_rows()?;
+        let cfg = args.train_config(logprob_temperature(&batch, args.temperature)?)?;
+        let needs = required_columns(args, &cfg);
+        for (col, who) in &needs {
+            if !batch.has(col) {
+                bail_input!(
+                    "{}: column '{col}' is missing; it is needed by {who}",
+                    batch.path.display()
+                );
+            }
+        }
+        let names: Vec<&str> = needs.iter().map(|(c, _)| *c).collect();
+        let batch = Batch::read(&args.input, &names)?;
+        let model = resolve_model(&args.model)?;
+        if args.resident && same_path(&model.dir, &args.out_model) {
+            bail_input!(
+                "--resident --out-model {}: would replace the model that --model names with a directory that holds no weights; give another --out-model",
+                args.out_model.display()
+            );
+        }
+        if args.bypass_mode {
+            check_bypass(&batch, &model, &args.model)?;
+        }
+        let mcfg = ModelDir::load_config(&model.dir)?;
+        // The model written carries --model's tokenizer files: refused before any training.
+        require_tokenizer(
+            &model.dir,
+            "the model `update` writes would have no tokenizer",
         )?;
+        check_token_ids(&batch, schema::PROMPT_IDS, mcfg.vocab_size)?;
+        check_token_ids(&batch, schema::RESPONSE_IDS, mcfg.vocab_size)?;
+        Ok(Input {
+            batch,
+            cfg,
+            model,
+            mcfg,
+        })
     }
-    after_rank0(exec)?;
-    exec.saved(&args.out, Some(&trainer))?;
-    if s.masters.is_some() {
-        exec.log(&format!(
-            "save: the daemon group's policy ({} optimizer shards) -> {} in {:.2}s",
-            s.shard_files.len(),
-            args.out.display(),
-            started.elapsed().as_secs_f64()
-        ));
-    }
-    Ok(())
 }
 
-/// Writes the policy `exec` holds to `args.out`.
-pub fn save_policy(args: SavePolicyArgs, exec: &mut dyn Exec) -> Result<()> {
-    let started = Instant::now();
-    let model = args.model.as_deref().map(resolve_model).transpose()?;
-    if exec.ranks().is_some() {
-        // A daemon group: every rank runs this job.
-        let staging = shard_staging(&args.out);
-        if let Some(s) = exec.save_sharded(model.as_ref(), &staging)? {
-            return save_group_shards(&args, exec, s, started);
-        }
-        if exec.ranks().is_some_and(|x| !x.is_root()) {
-            // Not sharded: rank 0 holds all of it and saves it alone.
-            return Ok(());
-        }
+/// Rollout correction before training: the mismatch measured from the columns, and the mask
+/// with the tokens masked importance sampling rejects.
+struct Correction {
+    /// Measured here when the old-logprob pass ran; otherwise the training loop measures it on
+    /// its first forward (it gets the rollout's log-probs).
+    from_columns: Option<Mismatch>,
+    /// `--rollout-rs`: the response mask without the rejected tokens, and what was rejected.
+    rejected: Option<(Vec<Vec<u8>>, RsStats)>,
+}
+
+impl Correction {
+    fn of(args: &UpdateArgs, owned: &OwnedData) -> Result<Correction> {
+        let mask = rows_u8(&owned.mask);
+        let (old, rollout) = (rows_of(&owned.old), rows_of(&owned.rollout));
+        let from_columns = match (&old, &rollout) {
+            (Some(old), Some(roll)) => Some(Mismatch::of_rows(old, roll, &mask)?),
+            _ => None,
+        };
+        // Under --bypass-mode the rollout's log-probs are the old ones.
+        let old = if args.bypass_mode { &rollout } else { &old };
+        let rejected = match (args.rejection()?, old, &rollout) {
+            (Some(rs), Some(old), Some(roll)) => Some(rs.apply(old, roll, &mask)?),
+            _ => None,
+        };
+        Ok(Correction {
+            from_columns,
+            rejected,
+        })
     }
-    let held = exec.held_policy(model.as_ref())?;
-    let cfg = ModelDir::load_config(&held.files)?;
-    match &held.trainer {
-        Some(t) => {
-            // The files written are all there is: never the shards of another checkpoint.
-            let trainer = TrainerState {
-                optimizer_not_saved: held.state.is_none(),
-                optimizer_shards: 0,
-                ..t.clone()
+
+    /// What training reads: `owned` with the old log-probs, the rollout's and the mask as the
+    /// options and this correction make them.
+    fn data<'a>(&'a self, args: &UpdateArgs, owned: &'a OwnedData) -> TrainData<'a> {
+        let mut data = owned.view();
+        if args.bypass_mode {
+            data.old = data.rollout.clone();
+        }
+        // The loop needs the rollout's log-probs only to measure the mismatch or to weigh.
+        if self.from_columns.is_some() && args.rollout_is.is_none() {
+            data.rollout = None;
+        }
+        if let Some((mask, _)) = &self.rejected {
+            data.mask = mask.iter().map(Vec::as_slice).collect();
+        }
+        data
+    }
+}
+
+/// Trains on `exec`: alone, or this rank's part among the ranks with the sharded optimizer.
+fn train_on(
+    args: &UpdateArgs,
+    exec: &mut dyn Exec,
+    input: &Input,
+    data: &TrainData<'_>,
+) -> Result<Trained> {
+    let job = Train {
+        data,
+        train: &input.cfg,
+        export_weights: !args.resident,
+        export_state: !args.skip_optimizer_state && !args.resident,
+    };
+    match exec.ranks() {
+        None => exec.train(&input.model, job),
+        Some(_) => {
+            let sharding = Sharding {
+                mode: args.shard.unwrap_or_default(),
+                bucket_elems: args.bucket_elems.unwrap_or(DEFAULT_BUCKET_ELEMS),
+                device: args.device.kind(),
+                staging: shard_staging(&args.out_model),
             };
-            write_checkpoint(
-                &args.out,
-                &held.files,
-                &cfg,
-                &held.weights,
-                held.state.as_ref(),
-                &[],
-                &trainer,
-            )?;
+            exec.train_sharded(&input.model, job, sharding)
         }
-        // Never trained nor resumed: the model as it was loaded.
-        None => ModelDir::save(&args.out, &cfg, &held.weights, Some(&held.files))?,
     }
-    exec.saved(&args.out, None)?;
-    exec.log(&format!(
-        "save: the daemon's policy -> {} in {:.2}s",
-        args.out.display(),
-        started.elapsed().as_secs_f64()
-    ));
-    Ok(())
+}
+
+/// Rank 0 writes the trained policy to `--out-model`: a resident directory (the weights stay
+/// with `holder`), or the checkpoint files.
+fn write_outputs(
+    args: &UpdateArgs,
+    input: &Input,
+    holder: Option<&Holder>,
+    trained: &Trained,
+    trainer: &TrainerState,
+) -> Result<()> {
+    match (holder, &trained.weights) {
+        (Some(h), _) => write_resident(
+            &args.out_model,
+            &input.model.dir,
+            &input.mcfg,
+            &ResidentMarker {
+                socket: h.socket.clone(),
+                pid: h.pid,
+                step: trainer.schedule_step,
+                from_policy_version: input.model.policy_version,
+            },
+        ),
+        (None, Some(w)) => write_checkpoint(
+            &args.out_model,
+            &input.model.dir,
+            &input.mcfg,
+            w,
+            trained.state.as_ref(),
+            &trained.shard_files,
+            trainer,
+        ),
+        (None, None) => anyhow::bail!("update: the trained weights were not brought back"),
+    }
+}
+
+/// The `--metrics` JSON: the training report with what was saved and the rollout correction.
+fn metrics(
+    args: &UpdateArgs,
+    trained: &Trained,
+    trainer: &TrainerState,
+    correction: &Correction,
+    save_seconds: f64,
+) -> serde_json::Value {
+    let report = &trained.report;
+    let mut metrics = report.to_json();
+    let m = metrics.as_object_mut().expect("object");
+    m.insert("optimizer_step".into(), trained.optimizer_step.into());
+    m.insert(
+        "optimizer_state_saved".into(),
+        (trained.state.is_some() || !trained.shard_files.is_empty()).into(),
+    );
+    m.insert("optimizer_shards".into(), trained.shard_files.len().into());
+    m.insert("weights_saved".into(), (!args.resident).into());
+    m.insert("schedule_step".into(), trainer.schedule_step.into());
+    m.insert("on_policy".into(), report.on_policy.into());
+    m.insert("bypass_mode".into(), args.bypass_mode.into());
+    m.insert("device".into(), args.device.to_string().into());
+    m.insert("load_seconds".into(), trained.load_seconds.into());
+    m.insert("save_seconds".into(), save_seconds.into());
+    let mismatch = match (&correction.from_columns, &report.mismatch) {
+        (Some(m), _) => Some((m.to_json(), "old_logprobs")),
+        (None, Some((m, source))) => Some((m.to_json(), *source)),
+        (None, None) => None,
+    };
+    if let Some((mut j, source)) = mismatch {
+        j["source"] = source.into();
+        m.insert("mismatch".into(), j);
+    }
+    if let Some((_, stats)) = &correction.rejected {
+        m.insert("rollout_rs".into(), stats.to_json());
+    }
+    metrics
 }

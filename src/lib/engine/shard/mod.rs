@@ -20,6 +20,7 @@
 
 pub mod balance;
 pub mod check;
+pub mod files;
 
 use super::train::{train, TrainConfig, TrainData, TrainReport};
 use super::Policy;

@@ -1,0 +1,133 @@
+//! A policy read from its files: the model, and the optimizer and trainer state next to it
+//! (`crate::engine::resume`), whole or one rank's part.
+
+use crate::backend::Backend;
+use crate::engine::resume::{self, RankResume, ShardSource, TrainerState};
+use crate::model::checkpoint::ModelDir;
+use crate::model::decoder::{Decoder, OptimizerState};
+use crate::model::{Config, Weights};
+use anyhow::Result;
+use std::path::Path;
+
+/// Loads a model directory's weights onto a backend (to generate or score with: no optimizer
+/// state).
+pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
+    let (cfg, weights) = ModelDir::load(dir)?;
+    Decoder::new(backend, &cfg, &weights)
+}
+
+/// A policy as `update` starts from it: the f32 master weights when they sit next to the model
+/// (else the model's weights), the optimizer state and the schedule position.
+pub struct Trainable {
+    pub cfg: Config,
+    pub weights: Weights,
+    /// Whether `weights` are the saved f32 masters rather than the model files' weights.
+    pub from_master: bool,
+    pub optimizer: Option<OptimizerState>,
+    /// Training steps (update calls) done before this one.
+    pub schedule_step: u64,
+    /// The trainer state found next to the model.
+    pub trainer: Option<TrainerState>,
+    /// Where this rank's optimizer shard comes from (a data-parallel update resuming a sharded
+    /// checkpoint; `weights` are then the model files' and `optimizer` is None).
+    pub shard: Option<ShardSource>,
+}
+
+impl Trainable {
+    /// Reads a model directory and the optimizer state next to it.
+    pub fn load(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
+        let (cfg, weights) = ModelDir::load(dir)?;
+        let Some(r) = resume::load(dir, &weights)? else {
+            return Ok(Self::without_optimizer(cfg, weights, None, None));
+        };
+        Ok(Self::resumed(dir, cfg, weights, r, log))
+    }
+
+    /// The model files' weights with no optimizer state here: a fresh optimizer, or (with
+    /// `trainer`) a sharded checkpoint's, whose state is in the ranks' files (`shard`: where
+    /// this rank's comes from).
+    fn without_optimizer(
+        cfg: Config,
+        weights: Weights,
+        trainer: Option<TrainerState>,
+        shard: Option<ShardSource>,
+    ) -> Trainable {
+        Trainable {
+            cfg,
+            weights,
+            from_master: false,
+            optimizer: None,
+            schedule_step: trainer.as_ref().map_or(0, |t| t.schedule_step),
+            trainer,
+            shard,
+        }
+    }
+
+    /// As [`Trainable::load`] for a process that only generates or scores with the policy (a
+    /// daemon of a group, which trains from the files under the ranks): a sharded checkpoint
+    /// gives its model files' weights, no optimizer state, and its trainer state (whose
+    /// `optimizer_shards` says so) instead of being refused.
+    pub fn load_weights(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
+        match resume::trainer_state(dir)? {
+            Some(t) if t.optimizer_shards > 0 => {
+                let (cfg, weights) = ModelDir::load(dir)?;
+                Ok(Self::without_optimizer(cfg, weights, Some(t), None))
+            }
+            _ => Self::load(dir, log),
+        }
+    }
+
+    /// Rank `rank` of `world` reads a model directory and its part of the optimizer state
+    /// next to it: a sharded checkpoint's own shard file (written by as many ranks; by
+    /// another number, the shard is cut from the files once the layout is known), or the
+    /// whole state of an unsharded one.
+    pub fn load_rank(
+        dir: &Path,
+        rank: usize,
+        world: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Trainable> {
+        let (cfg, weights) = ModelDir::load(dir)?;
+        Ok(match resume::load_rank(dir, &weights, rank, world)? {
+            None => Self::without_optimizer(cfg, weights, None, None),
+            Some(RankResume::Whole(r)) => Self::resumed(dir, cfg, weights, r, log),
+            Some(RankResume::Shard { source, trainer }) => {
+                Self::without_optimizer(cfg, weights, Some(trainer), Some(source))
+            }
+        })
+    }
+
+    fn resumed(
+        dir: &Path,
+        cfg: Config,
+        weights: Weights,
+        r: resume::Resume,
+        log: &mut dyn FnMut(&str),
+    ) -> Trainable {
+        if r.master.is_none() {
+            log(&format!(
+                "update: {}: f32 master weights absent or not matching the model files; continuing from the bf16 weights",
+                dir.display()
+            ));
+        }
+        let from_master = r.master.is_some();
+        Trainable {
+            cfg,
+            weights: r.master.unwrap_or(weights),
+            from_master,
+            optimizer: Some(r.optimizer),
+            schedule_step: r.trainer.schedule_step,
+            trainer: Some(r.trainer),
+            shard: None,
+        }
+    }
+
+    /// The decoder, with the optimizer state loaded.
+    pub fn build<B: Backend>(&self, backend: B) -> Result<Decoder<B>> {
+        let mut policy = Decoder::new(backend, &self.cfg, &self.weights)?;
+        if let Some(state) = &self.optimizer {
+            policy.load_optimizer_state(state)?;
+        }
+        Ok(policy)
+    }
+}

@@ -482,6 +482,9 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
     })
 }
 
+/// What drawing on a `DB` area returns.
+type Drawn<T, DB> = Result<T, DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
 /// A panel's chart: steps on x, values on y.
 type Chart<'a, DB> = ChartContext<
     'a,
@@ -494,7 +497,7 @@ type Chart<'a, DB> = ChartContext<
 fn draw_heading<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     p: &Panel,
-) -> Result<(Option<Rect>, DrawingArea<DB, Shift>), DrawingAreaErrorKind<DB::ErrorType>> {
+) -> Drawn<(Option<Rect>, DrawingArea<DB, Shift>), DB> {
     let (w, _) = area.dim_in_pixel();
     let labels: Vec<&str> = p.series.iter().map(|s| s.label.as_str()).collect();
     let layout = legend_layout(area, &labels, 70, w as i32 - 10);
@@ -537,7 +540,7 @@ fn draw_mesh<DB: DrawingBackend>(
     chart: &mut Chart<'_, DB>,
     x_range: &Range<f64>,
     has_data: bool,
-) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+) -> Drawn<(), DB> {
     // Steps are whole numbers: no label on a fractional tick (a short run's axis would read
     // 1 2 2 3 otherwise).
     let step_label = |x: &f64| {
@@ -566,7 +569,7 @@ fn draw_series<DB: DrawingBackend>(
     p: &Panel,
     x_range: &Range<f64>,
     columns: usize,
-) -> Result<Vec<DrawnSeries>, DrawingAreaErrorKind<DB::ErrorType>> {
+) -> Drawn<Vec<DrawnSeries>, DB> {
     let mut out = vec![];
     for (i, s) in p.series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];

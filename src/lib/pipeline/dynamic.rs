@@ -351,44 +351,14 @@ fn assemble(
     let mut meta_from: Option<(usize, Batch)> = None;
     let mut sources = Vec::new();
     for (i, round) in rounds.iter().enumerate() {
-        // The first `left` kept groups of the round (numbered in order of appearance).
-        let mut take_group = vec![false; round.groups.count];
-        for (g, _) in round.keep.iter().enumerate().filter(|(_, &k)| k).take(left) {
-            take_group[g] = true;
-        }
-        left -= take_group.iter().filter(|&&t| t).count();
-        let rows: Vec<u32> = (0..round.scored.num_rows())
-            .filter(|&row| take_group[round.groups.of_row[row]])
-            .map(|row| row as u32)
-            .collect();
+        let (rows, groups) = kept_rows(round, left);
+        left -= groups;
         if rows.is_empty() {
             continue;
         }
-        let uids = round.scored.strings(schema::PROMPT_UID)?;
-        for &row in &rows {
-            let uid = uids[row as usize];
-            let round_no = i as u64 + 1;
-            if let Some(&other) = seen.get(uid) {
-                if other != round_no {
-                    anyhow::bail!(
-                        "{}: prompt_uid {uid} is also in round {other}: two rounds' groups would merge",
-                        round.files.scored.display()
-                    );
-                }
-            }
-            seen.insert(uid.to_string(), round_no);
-        }
+        check_uids(round, i as u64 + 1, &rows, &mut seen)?;
         let rows = UInt32Array::from(rows);
-        let rollout = Batch::read(&round.files.rollout, &[])?;
-        if rollout.num_rows() != round.scored.num_rows() {
-            bail_input!(
-                "{}: {} rows, but {} has {}: a round's scored file must hold its rollout's rows",
-                round.files.scored.display(),
-                round.scored.num_rows(),
-                rollout.path.display(),
-                rollout.num_rows()
-            );
-        }
+        let rollout = round_rollout(round)?;
         scored_parts.push((
             &round.files.scored,
             arrow_select::take::take_record_batch(&round.scored.data, &rows)?,
@@ -435,6 +405,60 @@ fn assemble(
         &crate::reward::scored_metrics(&kept)?,
     )?;
     Ok(taken)
+}
+
+/// The rows of the first `left` kept groups of a round (groups numbered in order of
+/// appearance), and how many groups that is.
+fn kept_rows(round: &Round, left: usize) -> (Vec<u32>, usize) {
+    let mut take_group = vec![false; round.groups.count];
+    for (g, _) in round.keep.iter().enumerate().filter(|(_, &k)| k).take(left) {
+        take_group[g] = true;
+    }
+    let groups = take_group.iter().filter(|&&t| t).count();
+    let rows = (0..round.scored.num_rows())
+        .filter(|&row| take_group[round.groups.of_row[row]])
+        .map(|row| row as u32)
+        .collect();
+    (rows, groups)
+}
+
+/// Refuses a prompt uid of round `round_no`'s `rows` that an earlier round kept too (their
+/// groups would merge); records the round's uids in `seen`.
+fn check_uids(
+    round: &Round,
+    round_no: u64,
+    rows: &[u32],
+    seen: &mut HashMap<String, u64>,
+) -> Result<()> {
+    let uids = round.scored.strings(schema::PROMPT_UID)?;
+    for &row in rows {
+        let uid = uids[row as usize];
+        if let Some(&other) = seen.get(uid) {
+            if other != round_no {
+                anyhow::bail!(
+                    "{}: prompt_uid {uid} is also in round {other}: two rounds' groups would merge",
+                    round.files.scored.display()
+                );
+            }
+        }
+        seen.insert(uid.to_string(), round_no);
+    }
+    Ok(())
+}
+
+/// The round's rollout file, which must hold a row for each of its scored rows.
+fn round_rollout(round: &Round) -> Result<Batch> {
+    let rollout = Batch::read(&round.files.rollout, &[])?;
+    if rollout.num_rows() != round.scored.num_rows() {
+        bail_input!(
+            "{}: {} rows, but {} has {}: a round's scored file must hold its rollout's rows",
+            round.files.scored.display(),
+            round.scored.num_rows(),
+            rollout.path.display(),
+            rollout.num_rows()
+        );
+    }
+    Ok(rollout)
 }
 
 /// The parts as one record batch; every part must have the first one's columns.

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use std::path::PathBuf;
 
 /// Copies the previous step's adaptive-KL state to step `step`'s.
-pub fn copy_kl_state(plan: &Plan, step: u64) -> Result<()> {
+pub(super) fn copy_kl_state(plan: &Plan, step: u64) -> Result<()> {
     let dst = plan.kl_state(step);
     let src = plan.kl_state(step - 1);
     if src.exists() {
@@ -24,7 +24,7 @@ pub fn copy_kl_state(plan: &Plan, step: u64) -> Result<()> {
 }
 
 /// Keep the current policy's checkpoint and the newest `keep-last` of the cadence ones.
-pub fn prune(plan: &Plan, step: u64) -> Result<()> {
+pub(super) fn prune(plan: &Plan, step: u64) -> Result<()> {
     let root = plan.run.ckpt_root();
     let Ok(entries) = std::fs::read_dir(&root) else {
         return Ok(());
@@ -74,7 +74,11 @@ pub fn kept_checkpoints(
 
 /// Appends step `step`'s evaluation to eval.jsonl. Returns the note for its step line; step 0
 /// has no step line, so its evaluation is said on the console as its own line.
-pub fn eval_summary(plan: &Plan, console: &mut Console, step: u64) -> Result<Option<String>> {
+pub(super) fn eval_summary(
+    plan: &Plan,
+    console: &mut Console,
+    step: u64,
+) -> Result<Option<String>> {
     let run = &plan.run;
     let line = metrics::eval_line(step, &run.eval_dir(step).join("scored.parquet"))?;
     metrics::put_line(
@@ -94,7 +98,7 @@ pub fn eval_summary(plan: &Plan, console: &mut Console, step: u64) -> Result<Opt
 
 /// Appends step `step`'s line to metrics.jsonl and says it on the console, with the step's
 /// evaluation note (taken) and the ETA.
-pub fn step_metrics(
+pub(super) fn step_metrics(
     plan: &Plan,
     state: &State,
     console: &mut Console,

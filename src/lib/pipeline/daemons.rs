@@ -11,7 +11,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// How often a dead daemon is restarted for one stage before the run gives up.
-pub const MAX_DAEMON_RESTARTS: u32 = 3;
+pub(super) const MAX_DAEMON_RESTARTS: u32 = 3;
 
 /// A daemon process started by the runner. Dropping it stops it (shutdown by SIGTERM, SIGKILL
 /// after a grace period) and removes its socket, so no run leaves one behind.
@@ -68,7 +68,7 @@ fn daemon_health(socket: &Path) -> Result<()> {
 /// The run's daemon: none until a stage needs it, then the process (or group) serving the
 /// model stages.
 #[derive(Default)]
-pub struct Daemon {
+pub(super) struct Daemon {
     /// The warm daemon the model stages are sent to, once started.
     proc: Option<DaemonProc>,
     /// Whether this runner started a daemon before (a missing one was then lost).
@@ -130,7 +130,7 @@ impl Daemon {
 
     /// Makes sure the daemon runs before a stage that uses it: starts it the first time,
     /// restarts it when it died. Returns whether it was (re)started.
-    pub fn ensure(
+    pub(super) fn ensure(
         &mut self,
         plan: &Plan,
         console: &mut Console,
@@ -169,7 +169,7 @@ impl Daemon {
 
     /// Whether the daemon is dead or no longer answers (after a stage failed). A daemon that
     /// is still there but silent is stopped, so that `ensure` starts a new one.
-    pub fn gone(&mut self) -> bool {
+    pub(super) fn gone(&mut self) -> bool {
         let Some(d) = &mut self.proc else {
             return false;
         };
@@ -191,7 +191,7 @@ impl Daemon {
     }
 
     /// Stops the daemon (at the end of the run).
-    pub fn stop(&mut self) {
+    pub(super) fn stop(&mut self) {
         self.proc = None;
     }
 }

@@ -73,7 +73,7 @@ fn stage_cmd(bin: &'static str, args: Vec<String>) -> Action {
 }
 
 /// The files of round `round` of step `step` of dynamic sampling: `step-000K/round-R/`.
-pub fn round_files(run: &RunDir, step: u64, round: u64) -> SampleFiles {
+pub(super) fn round_files(run: &RunDir, step: u64, round: u64) -> SampleFiles {
     let dir = run.step_dir(step).join(format!("round-{round}"));
     SampleFiles {
         prompts: dir.join("prompts.parquet"),
@@ -520,7 +520,7 @@ impl Plan {
     /// The stage commands of dynamic sampling's round 1, for the checks before a run starts
     /// and the dry run (nothing without filter-groups: the plain step's own commands are
     /// checked then).
-    pub fn first_round_tasks(&self, step: u64) -> Vec<Task> {
+    pub(super) fn first_round_tasks(&self, step: u64) -> Vec<Task> {
         if self.spec.filter_groups().is_none() {
             return Vec::new();
         }
@@ -639,7 +639,7 @@ impl Plan {
     /// `tandem launch --nproc-per-node N --` before a model stage when the spec has `gpus = N`
     /// (N > 1, no daemon): its ranks share the work (rollout and ref-logprob by prompts, update
     /// by rows: `StageJob::splits_over_ranks`). Nothing otherwise: one process, as before.
-    pub fn launch_prefix(&self, bin: &str) -> Vec<String> {
+    pub(super) fn launch_prefix(&self, bin: &str) -> Vec<String> {
         let model_stage = matches!(bin, "rollout" | "ref-logprob" | "update");
         if self.spec.gpus <= 1 || self.spec.daemon || !model_stage {
             return Vec::new();
@@ -656,7 +656,7 @@ impl Plan {
     /// Every remaining task of the run after `state`, in order, with its step: step 0's until
     /// it is done, then every step up to the spec's last, less the tasks the state records as
     /// finished in the step in progress.
-    pub fn remaining(&self, state: &State) -> Vec<(u64, Task)> {
+    pub(super) fn remaining(&self, state: &State) -> Vec<(u64, Task)> {
         let init = (!state.init_done).then(|| (0, self.init_tasks()));
         let steps = (state.steps_done + 1..=self.spec.steps).map(|s| (s, self.step_tasks(s)));
         init.into_iter()
@@ -667,13 +667,13 @@ impl Plan {
     }
 
     /// Whether `task` of step `step` is the last of its step (its end is recorded then).
-    pub fn ends_step(&self, step: u64, task: &Task) -> bool {
+    pub(super) fn ends_step(&self, step: u64, task: &Task) -> bool {
         matches!(task.action, Action::StepMetrics)
             || (step == 0 && self.init_tasks().last().map(|t| t.name) == Some(task.name))
     }
 
     /// The binaries the tasks run (`tandem` too for the daemon).
-    pub fn bins_needed<'a>(&self, tasks: &'a [(u64, Task)]) -> Vec<&'a str> {
+    pub(super) fn bins_needed<'a>(&self, tasks: &'a [(u64, Task)]) -> Vec<&'a str> {
         let daemon = self.spec.daemon.then_some("tandem");
         tasks
             .iter()

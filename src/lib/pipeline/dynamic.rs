@@ -19,10 +19,11 @@
 //! round stage is recorded in `state.json` (`round-R/rollout`...), so a run killed in the
 //! middle of a step continues with the round it was in.
 
+use super::console::Console;
 use super::metrics;
-use super::rundir::{step_name, RunDir};
-use super::runner::{Action, Runner, SampleFiles, Task};
-use super::sampler::{derive_seed, Cursor};
+use super::plan::{round_files, round_seed, Action, Plan, SampleFiles};
+use super::rundir::{step_name, RunDir, State};
+use super::sampler::Cursor;
 use super::spec::{FilterGroups, FilterMetric, OnCap};
 use crate::algo::advantage::Groups;
 use crate::bail_input;
@@ -35,25 +36,20 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// The files of round `round` of step `step`: `step-000K/round-R/`.
-pub fn round_files(run: &RunDir, step: u64, round: u64) -> SampleFiles {
-    let dir = run.step_dir(step).join(format!("round-{round}"));
-    SampleFiles {
-        prompts: dir.join("prompts.parquet"),
-        rollout: dir.join("rollout.parquet"),
-        scored: dir.join("scored.parquet"),
-        rollout_metrics: dir.join("metrics").join("rollout.json"),
-        score_metrics: dir.join("metrics").join("score.json"),
-    }
-}
-
-/// The rollout seed of a round. Round 1 uses the plain step's seed, so a step whose first
-/// round keeps enough groups samples exactly what a step without filtering would.
-fn round_seed(seed: u64, step: u64, round: u64) -> u64 {
-    match round {
-        1 => derive_seed(seed, &[step, 1]),
-        r => derive_seed(seed, &[step, 1, r]),
-    }
+/// What the rounds need from the step loop (`runner::Runner` implements it): the plan, the
+/// run's state and console, and running a stage and drawing prompts as the loop does.
+pub(super) trait Rounds {
+    fn plan(&self) -> &Plan;
+    fn state(&mut self) -> &mut State;
+    /// Writes the state to state.json.
+    fn save_state(&mut self) -> Result<()>;
+    fn console(&mut self) -> &mut Console;
+    /// Runs a stage command as task `task` of step `step` (on a restarted daemon when the
+    /// daemon died under it).
+    fn run_stage(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()>;
+    /// Writes `count` prompts drawn from `cursor` to `out`; returns the cursor after them.
+    fn draw_prompts(&mut self, step: u64, cursor: Cursor, count: u64, out: &Path)
+        -> Result<Cursor>;
 }
 
 /// Which groups are kept: those whose value is not the same for every sample. A group of one
@@ -121,120 +117,72 @@ fn record_path(run: &RunDir, step: u64) -> PathBuf {
     run.step_dir(step).join("sampling.json")
 }
 
-/// The stage commands of round 1, for the checks before a run starts (nothing without
-/// filter-groups: the plain step's own commands are checked then).
-pub(super) fn first_round_tasks(r: &Runner, step: u64) -> Vec<Task> {
-    if r.spec.filter_groups().is_none() {
-        return Vec::new();
-    }
-    let files = round_files(&r.run, step, 1);
-    r.sample_tasks(step, &files, round_seed(r.spec.seed, step, 1))
-        .into()
-}
-
-/// The dry-run text of the task: what it does, and round 1's stage commands.
-pub(super) fn describe(r: &Runner, step: u64) -> String {
-    let fg = r.spec.filter_groups().expect("a step samples dynamically");
-    let cap = match fg.max_rounds {
-        0 => "no cap on rounds".to_string(),
-        n => format!(
-            "at most {n} rounds, then {}",
-            match fg.on_cap {
-                OnCap::Train => "train on the groups kept",
-                OnCap::Fail => "fail",
-            }
-        ),
-    };
-    let mut text = format!(
-        "# pipeline: dynamic sampling: rounds of {} prompts of {} into {}/round-R/ until {} groups have a varying {} ({cap}); the kept groups go to {} and {}. Round 1:",
-        fg.prompts_per_round,
-        r.spec.data.train.display(),
-        r.run.step_dir(step).display(),
-        r.spec.data.prompts_per_step,
-        fg.metric.name(),
-        r.run.batch(step, "rollout").display(),
-        r.run.batch(step, "scored").display(),
-    );
-    for task in first_round_tasks(r, step) {
-        if let Action::Stage { bin, args } = &task.action {
-            text.push('\n');
-            text.push_str(&r.stage_line(bin, args));
-        }
-    }
-    text
-}
-
-fn is_done(r: &Runner, step: u64, name: &str) -> bool {
-    r.state
-        .current
-        .as_ref()
-        .is_some_and(|c| c.step == step && c.is_done(name))
-}
-
 /// Records a finished part of the task in state.json, adding its seconds to `key`'s.
-fn record(r: &mut Runner, step: u64, name: &str, secs: Option<(&str, f64)>) -> Result<()> {
-    let p = r.progress(step);
+fn record(r: &mut impl Rounds, step: u64, name: &str, secs: Option<(&str, f64)>) -> Result<()> {
+    let p = r.state().progress(step);
     p.done.push(name.to_string());
     if let Some((key, s)) = secs {
         *p.seconds.entry(key.to_string()).or_default() += s;
     }
-    r.run.save_state(&r.state)
+    r.save_state()
+}
+
+/// The rounds a step sampled, and where the sampler stands after them.
+struct Sampled {
+    rounds: Vec<Round>,
+    cursor: Cursor,
+    /// Groups kept over all rounds (the surplus of the last round included).
+    varied: usize,
+    /// Whether the rounds stopped at `max-num-gen-batches` with fewer than wanted.
+    capped: bool,
 }
 
 /// Runs the rounds of step `step` and writes its kept batch (see the module docs).
-pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
-    let fg = r.spec.filter_groups().expect("a step samples dynamically");
-    let want = r.spec.data.prompts_per_step as usize;
-    let sampler = r.sampler();
-    let mut cursor = r.state.sampler;
+pub(super) fn run(r: &mut impl Rounds, step: u64) -> Result<()> {
+    let fg = r
+        .plan()
+        .spec
+        .filter_groups()
+        .expect("a step samples dynamically");
+    let want = r.plan().spec.data.prompts_per_step as usize;
+    let sampled = sample_rounds(r, step, &fg, want)?;
+    let t0 = Instant::now();
+    if sampled.capped {
+        at_cap(r, step, &fg, &sampled, want)?;
+    }
+    let taken = assemble(&r.plan().run, step, &sampled.rounds, want, &fg)?;
+    write_summary(r, step, &fg, &sampled, taken)?;
+    r.state().sampler = sampled.cursor;
+    let p = r.state().progress(step);
+    *p.seconds.entry("filter".into()).or_default() += t0.elapsed().as_secs_f64();
+    Ok(())
+}
+
+/// Samples rounds until `want` groups vary, or the cap on rounds.
+fn sample_rounds(
+    r: &mut impl Rounds,
+    step: u64,
+    fg: &FilterGroups,
+    want: usize,
+) -> Result<Sampled> {
+    let train_rows = r.state().train_rows;
+    let sampler = r.plan().sampler(train_rows);
+    let mut cursor = r.state().sampler;
     let mut rounds: Vec<Round> = Vec::new();
     let mut varied = 0usize;
     let capped = loop {
         let round = rounds.len() as u64 + 1;
-        let files = round_files(&r.run, step, round);
         let next = sampler.draw(cursor, fg.prompts_per_round).1;
-        let name = format!("round-{round}/prompts");
-        if !is_done(r, step, &name) {
-            r.draw_prompts(step, cursor, fg.prompts_per_round, &files.prompts)?;
-            record(r, step, &name, None)?;
-        }
-        for task in r.sample_tasks(step, &files, round_seed(r.spec.seed, step, round)) {
-            let name = format!("round-{round}/{}", task.name);
-            if is_done(r, step, &name) {
-                continue;
-            }
-            let Action::Stage { bin, args } = &task.action else {
-                unreachable!("a sampling pass is stage commands");
-            };
-            let t0 = Instant::now();
-            r.run_stage(step, &name, bin, args)?;
-            record(
-                r,
-                step,
-                &name,
-                Some((task.name, t0.elapsed().as_secs_f64())),
-            )?;
-        }
-        let scored = Batch::read(
-            &files.scored,
-            &[schema::PROMPT_UID, schema::SCORE, schema::RESPONSE_IDS],
-        )?;
-        let groups = Groups::from_keys(&scored.strings(schema::PROMPT_UID)?);
-        let keep = varied_groups(&groups, &metric_values(&scored, &fg.metric)?);
-        let kept = keep.iter().filter(|&&k| k).count();
+        let done = run_round(r, step, round, cursor, fg)?;
+        let kept = done.keep.iter().filter(|&&k| k).count();
         varied += kept;
-        r.console.detail(&format!(
+        r.console().detail(&format!(
             "{} round {round}: {kept} of {} groups have a varying {} ({varied} of {want} kept so far)",
             step_name(step),
-            groups.count,
+            done.groups.count,
             fg.metric.name()
         ));
-        rounds.push(Round {
-            files,
-            scored,
-            groups,
-            keep,
-        });
+        rounds.push(done);
         cursor = next;
         if varied >= want {
             break false;
@@ -243,35 +191,109 @@ pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
             break true;
         }
     };
-    let t0 = Instant::now();
-    let n_rounds = rounds.len() as u64;
-    if capped {
-        let what = format!(
-            "{}: dynamic sampling kept {varied} of {want} groups in {n_rounds} round{} ({} prompts; every other group had the same {} for all its samples; [algorithm] max-num-gen-batches = {})",
-            step_name(step),
-            if n_rounds == 1 { "" } else { "s" },
-            n_rounds * fg.prompts_per_round,
-            fg.metric.name(),
-            fg.max_rounds
-        );
-        if fg.on_cap == OnCap::Fail {
-            anyhow::bail!(
-                "{what}; on-cap = \"fail\" stops the run here, as verl does (on-cap = \"train\" trains on the groups kept; a higher max-num-gen-batches samples more)"
-            );
-        }
-        if varied == 0 {
-            anyhow::bail!(
-                "{what}: nothing to train on. The prompts are all too easy or too hard for the policy under this reward: check the reward, or raise max-num-gen-batches"
-            );
-        }
-        r.console
-            .say(&format!("{what}: training on those {varied}"));
-    }
-    let taken = assemble(r, step, &rounds, want, &fg)?;
+    Ok(Sampled {
+        rounds,
+        cursor,
+        varied,
+        capped,
+    })
+}
 
-    // The sampling summary, over every sample the rounds drew.
+/// Round `round`: its prompts drawn from `cursor`, rolled out and scored (each part skipped
+/// when the state records it done), and the groups it keeps.
+fn run_round(
+    r: &mut impl Rounds,
+    step: u64,
+    round: u64,
+    cursor: Cursor,
+    fg: &FilterGroups,
+) -> Result<Round> {
+    let files = round_files(&r.plan().run, step, round);
+    let name = format!("round-{round}/prompts");
+    if !r.state().is_done(step, &name) {
+        r.draw_prompts(step, cursor, fg.prompts_per_round, &files.prompts)?;
+        record(r, step, &name, None)?;
+    }
+    let seed = round_seed(r.plan().spec.seed, step, round);
+    let tasks = r.plan().sample_tasks(step, &files, seed);
+    for task in tasks {
+        let name = format!("round-{round}/{}", task.name);
+        if r.state().is_done(step, &name) {
+            continue;
+        }
+        let Action::Stage { bin, args } = &task.action else {
+            unreachable!("a sampling pass is stage commands");
+        };
+        let t0 = Instant::now();
+        r.run_stage(step, &name, bin, args)?;
+        record(
+            r,
+            step,
+            &name,
+            Some((task.name, t0.elapsed().as_secs_f64())),
+        )?;
+    }
+    let scored = Batch::read(
+        &files.scored,
+        &[schema::PROMPT_UID, schema::SCORE, schema::RESPONSE_IDS],
+    )?;
+    let groups = Groups::from_keys(&scored.strings(schema::PROMPT_UID)?);
+    let keep = varied_groups(&groups, &metric_values(&scored, &fg.metric)?);
+    Ok(Round {
+        files,
+        scored,
+        groups,
+        keep,
+    })
+}
+
+/// At the cap on rounds with fewer groups than wanted: stops the run (`on-cap = "fail"`, or
+/// no group kept at all), or says that the step trains on the groups kept.
+fn at_cap(
+    r: &mut impl Rounds,
+    step: u64,
+    fg: &FilterGroups,
+    sampled: &Sampled,
+    want: usize,
+) -> Result<()> {
+    let n_rounds = sampled.rounds.len() as u64;
+    let varied = sampled.varied;
+    let what = format!(
+        "{}: dynamic sampling kept {varied} of {want} groups in {n_rounds} round{} ({} prompts; every other group had the same {} for all its samples; [algorithm] max-num-gen-batches = {})",
+        step_name(step),
+        if n_rounds == 1 { "" } else { "s" },
+        n_rounds * fg.prompts_per_round,
+        fg.metric.name(),
+        fg.max_rounds
+    );
+    if fg.on_cap == OnCap::Fail {
+        anyhow::bail!(
+            "{what}; on-cap = \"fail\" stops the run here, as verl does (on-cap = \"train\" trains on the groups kept; a higher max-num-gen-batches samples more)"
+        );
+    }
+    if varied == 0 {
+        anyhow::bail!(
+            "{what}: nothing to train on. The prompts are all too easy or too hard for the policy under this reward: check the reward, or raise max-num-gen-batches"
+        );
+    }
+    r.console()
+        .say(&format!("{what}: training on those {varied}"));
+    Ok(())
+}
+
+/// Writes the step's sampling summary (over every sample the rounds drew) and its record
+/// (`sampling.json`: the rounds, and the sampler's cursor after them).
+fn write_summary(
+    r: &mut impl Rounds,
+    step: u64,
+    fg: &FilterGroups,
+    sampled: &Sampled,
+    taken: usize,
+) -> Result<()> {
+    let rounds = &sampled.rounds;
+    let n_rounds = rounds.len() as u64;
     let (mut rows, mut score_sum, mut correct_sum, mut tokens) = (0usize, 0.0, 0.0, 0usize);
-    for round in &rounds {
+    for round in rounds {
         let s = round.scored.f32s(schema::SCORE)?;
         rows += s.len();
         score_sum += s.iter().map(|&x| x as f64).sum::<f64>();
@@ -280,7 +302,7 @@ pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
     }
     let groups_all: usize = rounds.iter().map(|r| r.groups.count).sum();
     let rollout_s = r
-        .state
+        .state()
         .current
         .as_ref()
         .and_then(|c| c.seconds.get("rollout").copied())
@@ -289,9 +311,9 @@ pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
         "rounds": n_rounds,
         "prompts": n_rounds * fg.prompts_per_round,
         "groups": taken,
-        "groups_dropped": groups_all - varied,
-        "groups_surplus": varied - taken,
-        "capped": u8::from(capped),
+        "groups_dropped": groups_all - sampled.varied,
+        "groups_surplus": sampled.varied - taken,
+        "capped": u8::from(sampled.capped),
         "samples": rows,
         "response_tokens": tokens,
         "score_mean": score_sum / rows.max(1) as f64,
@@ -300,26 +322,23 @@ pub(super) fn run(r: &mut Runner, step: u64) -> Result<()> {
     if rollout_s > 0.0 {
         m["rollout_tokens_per_s"] = json!(tokens as f64 / rollout_s);
     }
-    write_json(&r.run.stage_metrics(step, "sampling"), &m)?;
+    let run = &r.plan().run;
+    write_json(&run.stage_metrics(step, "sampling"), &m)?;
     write_json(
-        &record_path(&r.run, step),
+        &record_path(run, step),
         &Record {
             rounds: n_rounds,
             groups: taken,
-            capped,
-            cursor,
+            capped: sampled.capped,
+            cursor: sampled.cursor,
         },
-    )?;
-    r.state.sampler = cursor;
-    let p = r.progress(step);
-    *p.seconds.entry("filter".into()).or_default() += t0.elapsed().as_secs_f64();
-    Ok(())
+    )
 }
 
 /// Writes the step's rollout and scored files from the first `want` kept groups, in round
 /// order, with the score summary of those rows. Returns the number of groups.
 fn assemble(
-    r: &Runner,
+    run: &RunDir,
     step: u64,
     rounds: &[Round],
     want: usize,
@@ -332,44 +351,14 @@ fn assemble(
     let mut meta_from: Option<(usize, Batch)> = None;
     let mut sources = Vec::new();
     for (i, round) in rounds.iter().enumerate() {
-        // The first `left` kept groups of the round (numbered in order of appearance).
-        let mut take_group = vec![false; round.groups.count];
-        for (g, _) in round.keep.iter().enumerate().filter(|(_, &k)| k).take(left) {
-            take_group[g] = true;
-        }
-        left -= take_group.iter().filter(|&&t| t).count();
-        let rows: Vec<u32> = (0..round.scored.num_rows())
-            .filter(|&row| take_group[round.groups.of_row[row]])
-            .map(|row| row as u32)
-            .collect();
+        let (rows, groups) = kept_rows(round, left);
+        left -= groups;
         if rows.is_empty() {
             continue;
         }
-        let uids = round.scored.strings(schema::PROMPT_UID)?;
-        for &row in &rows {
-            let uid = uids[row as usize];
-            let round_no = i as u64 + 1;
-            if let Some(&other) = seen.get(uid) {
-                if other != round_no {
-                    anyhow::bail!(
-                        "{}: prompt_uid {uid} is also in round {other}: two rounds' groups would merge",
-                        round.files.scored.display()
-                    );
-                }
-            }
-            seen.insert(uid.to_string(), round_no);
-        }
+        check_uids(round, i as u64 + 1, &rows, &mut seen)?;
         let rows = UInt32Array::from(rows);
-        let rollout = Batch::read(&round.files.rollout, &[])?;
-        if rollout.num_rows() != round.scored.num_rows() {
-            bail_input!(
-                "{}: {} rows, but {} has {}: a round's scored file must hold its rollout's rows",
-                round.files.scored.display(),
-                round.scored.num_rows(),
-                rollout.path.display(),
-                rollout.num_rows()
-            );
-        }
+        let rollout = round_rollout(round)?;
         scored_parts.push((
             &round.files.scored,
             arrow_select::take::take_record_batch(&round.scored.data, &rows)?,
@@ -397,7 +386,7 @@ fn assemble(
         policy_version: None,
         step: Some(step),
     };
-    let scored_out = r.run.batch(step, "scored");
+    let scored_out = run.batch(step, "scored");
     let data = concat(scored_parts.iter().map(|(p, b)| (*p, b)))?;
     write_file(
         &scored_out,
@@ -406,16 +395,70 @@ fn assemble(
     )?;
     let data = concat(rollout_parts.iter().map(|(p, b)| (p.as_path(), b)))?;
     write_file(
-        &r.run.batch(step, "rollout"),
+        &run.batch(step, "rollout"),
         &data,
         &first_rollout.derived_meta(&info),
     )?;
     let kept = Batch::read(&scored_out, &[schema::SCORE])?;
     write_json(
-        &r.run.stage_metrics(step, "score"),
+        &run.stage_metrics(step, "score"),
         &crate::reward::scored_metrics(&kept)?,
     )?;
     Ok(taken)
+}
+
+/// The rows of the first `left` kept groups of a round (groups numbered in order of
+/// appearance), and how many groups that is.
+fn kept_rows(round: &Round, left: usize) -> (Vec<u32>, usize) {
+    let mut take_group = vec![false; round.groups.count];
+    for (g, _) in round.keep.iter().enumerate().filter(|(_, &k)| k).take(left) {
+        take_group[g] = true;
+    }
+    let groups = take_group.iter().filter(|&&t| t).count();
+    let rows = (0..round.scored.num_rows())
+        .filter(|&row| take_group[round.groups.of_row[row]])
+        .map(|row| row as u32)
+        .collect();
+    (rows, groups)
+}
+
+/// Refuses a prompt uid of round `round_no`'s `rows` that an earlier round kept too (their
+/// groups would merge); records the round's uids in `seen`.
+fn check_uids(
+    round: &Round,
+    round_no: u64,
+    rows: &[u32],
+    seen: &mut HashMap<String, u64>,
+) -> Result<()> {
+    let uids = round.scored.strings(schema::PROMPT_UID)?;
+    for &row in rows {
+        let uid = uids[row as usize];
+        if let Some(&other) = seen.get(uid) {
+            if other != round_no {
+                anyhow::bail!(
+                    "{}: prompt_uid {uid} is also in round {other}: two rounds' groups would merge",
+                    round.files.scored.display()
+                );
+            }
+        }
+        seen.insert(uid.to_string(), round_no);
+    }
+    Ok(())
+}
+
+/// The round's rollout file, which must hold a row for each of its scored rows.
+fn round_rollout(round: &Round) -> Result<Batch> {
+    let rollout = Batch::read(&round.files.rollout, &[])?;
+    if rollout.num_rows() != round.scored.num_rows() {
+        bail_input!(
+            "{}: {} rows, but {} has {}: a round's scored file must hold its rollout's rows",
+            round.files.scored.display(),
+            round.scored.num_rows(),
+            rollout.path.display(),
+            rollout.num_rows()
+        );
+    }
+    Ok(rollout)
 }
 
 /// The parts as one record batch; every part must have the first one's columns.
@@ -448,11 +491,11 @@ fn concat<'a>(mut parts: impl Iterator<Item = (&'a Path, &'a RecordBatch)>) -> R
 /// The sampler's cursor after step `step`: a step that sampled dynamically recorded it (its
 /// rounds drew a number of prompts known only once they ran); a plain step drew
 /// `prompts-per-step` after the step before.
-pub(super) fn cursor_after(r: &Runner, step: u64) -> Result<Cursor> {
-    let sampler = r.sampler();
+pub(super) fn cursor_after(plan: &Plan, train_rows: u64, step: u64) -> Result<Cursor> {
+    let sampler = plan.sampler(train_rows);
     let mut cursor = Cursor::default();
     for s in 1..=step {
-        let path = record_path(&r.run, s);
+        let path = record_path(&plan.run, s);
         cursor = match std::fs::read_to_string(&path) {
             Ok(text) => {
                 let rec: Record = serde_json::from_str(&text).with_context(|| {
@@ -461,7 +504,7 @@ pub(super) fn cursor_after(r: &Runner, step: u64) -> Result<Cursor> {
                 rec.cursor
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                sampler.draw(cursor, r.spec.data.prompts_per_step).1
+                sampler.draw(cursor, plan.spec.data.prompts_per_step).1
             }
             Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
         };
@@ -538,14 +581,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let text = "steps = 3\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 4\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[algorithm]\nfilter-groups = true\n";
         let spec = super::super::spec::Spec::parse(text, "t.toml").unwrap();
-        let state = super::super::rundir::State {
-            train_rows: 10,
-            ..Default::default()
-        };
         let run = RunDir::new(dir.path());
-        let r = Runner::new(spec, run.clone(), PathBuf::from("bin"), state).unwrap();
-        let sampler = r.sampler();
-        assert_eq!(cursor_after(&r, 0).unwrap(), Cursor::default());
+        let plan = Plan::new(spec, run.clone(), PathBuf::from("bin")).unwrap();
+        let sampler = plan.sampler(10);
+        let cursor_after = |step| cursor_after(&plan, 10, step);
+        assert_eq!(cursor_after(0).unwrap(), Cursor::default());
         // Step 1 took three rounds of 4 prompts; step 2 has no record (a plain step).
         let after1 = Cursor {
             epoch: 1,
@@ -558,20 +598,13 @@ mod tests {
             cursor: after1,
         };
         write_json(&record_path(&run, 1), &rec).unwrap();
-        assert_eq!(cursor_after(&r, 1).unwrap(), after1);
-        assert_eq!(cursor_after(&r, 2).unwrap(), sampler.draw(after1, 4).1);
+        assert_eq!(cursor_after(1).unwrap(), after1);
+        assert_eq!(cursor_after(2).unwrap(), sampler.draw(after1, 4).1);
         std::fs::write(record_path(&run, 1), "{").unwrap();
-        let err = cursor_after(&r, 2).unwrap_err();
+        let err = cursor_after(2).unwrap_err();
         assert!(
             format!("{err:#}").contains("not a dynamic sampling record"),
             "{err:#}"
         );
-    }
-
-    #[test]
-    fn round_seeds() {
-        assert_eq!(round_seed(7, 3, 1), derive_seed(7, &[3, 1]));
-        assert_ne!(round_seed(7, 3, 2), round_seed(7, 3, 1));
-        assert_ne!(round_seed(7, 3, 2), round_seed(7, 4, 2));
     }
 }

@@ -120,6 +120,20 @@ fn numeric(name: &str, values: Vec<f64>) -> Col {
 pub fn render(args: &InspectArgs) -> Result<String> {
     let batch = Batch::read(&args.file, &[])?;
     let n = batch.num_rows();
+    let cols = columns(&batch, args)?;
+    let mut order = row_order(&batch, &cols, args)?;
+    order.truncate(args.rows);
+    let mut out = heading(&batch, args);
+    out += &aligned(&cols, &order);
+    if order.len() < n {
+        out += &format!("({} of {n} rows shown; --rows N for more)\n", order.len());
+    }
+    Ok(out)
+}
+
+/// The columns shown, those of the batch's schema that it has: source, prompt, response,
+/// length, score, advantage, logprob.
+fn columns(batch: &Batch, args: &InspectArgs) -> Result<Vec<Col>> {
     let mut cols: Vec<Col> = Vec::new();
     if batch.has(schema::DATA_SOURCE) {
         let v = batch.strings(schema::DATA_SOURCE)?;
@@ -166,15 +180,21 @@ pub fn render(args: &InspectArgs) -> Result<String> {
         cols.push(numeric("score", v.iter().map(|&x| x as f64).collect()));
     }
     if batch.has(schema::ADVANTAGES) {
-        cols.push(numeric("advantage", row_means(&batch, schema::ADVANTAGES)?));
+        cols.push(numeric("advantage", row_means(batch, schema::ADVANTAGES)?));
     }
     let lp = [schema::OLD_LOGPROBS, schema::ROLLOUT_LOGPROBS]
         .into_iter()
         .find(|c| batch.has(c));
     if let Some(c) = lp {
-        cols.push(numeric("logprob", row_means(&batch, c)?));
+        cols.push(numeric("logprob", row_means(batch, c)?));
     }
+    Ok(cols)
+}
 
+/// The rows in the order shown: as stored, or by `--sort` (a shown numeric column, or any
+/// float column of the batch).
+fn row_order(batch: &Batch, cols: &[Col], args: &InspectArgs) -> Result<Vec<usize>> {
+    let n = batch.num_rows();
     let mut order: Vec<usize> = (0..n).collect();
     if let Some(key) = &args.sort {
         let keys: Vec<f64> = match cols.iter().find(|c| c.name == *key && c.keys.is_some()) {
@@ -183,7 +203,7 @@ pub fn render(args: &InspectArgs) -> Result<String> {
                 batch.f32s(key)?.iter().map(|&x| x as f64).collect()
             }
             None if batch.has(key) => match batch.ragged_f32(key) {
-                Ok(_) => row_means(&batch, key)?,
+                Ok(_) => row_means(batch, key)?,
                 Err(_) => batch.f32s(key)?.iter().map(|&x| x as f64).collect(),
             },
             None => {
@@ -211,8 +231,12 @@ pub fn render(args: &InspectArgs) -> Result<String> {
             }
         });
     }
-    order.truncate(args.rows);
+    Ok(order)
+}
 
+/// The file's line (rows, columns) and its metadata's step and policy version.
+fn heading(batch: &Batch, args: &InspectArgs) -> String {
+    let n = batch.num_rows();
     let mut out = String::new();
     let names: Vec<String> = batch
         .data
@@ -233,11 +257,17 @@ pub fn render(args: &InspectArgs) -> Result<String> {
     if !meta.is_empty() {
         out += &format!("{}\n", meta.join(" "));
     }
+    out
+}
+
+/// The rows `order` of `cols` as aligned text (numbers to the right).
+fn aligned(cols: &[Col], order: &[usize]) -> String {
+    let mut out = String::new();
     let mut table: Vec<Vec<String>> = Vec::new();
     let mut header = vec!["row".to_string()];
     header.extend(cols.iter().map(|c| c.name.clone()));
     table.push(header);
-    for &r in &order {
+    for &r in order {
         let mut line = vec![r.to_string()];
         line.extend(cols.iter().map(|c| c.cells[r].clone()));
         table.push(line);
@@ -270,10 +300,7 @@ pub fn render(args: &InspectArgs) -> Result<String> {
         out += cells.join("  ").trim_end();
         out.push('\n');
     }
-    if order.len() < n {
-        out += &format!("({} of {n} rows shown; --rows N for more)\n", order.len());
-    }
-    Ok(out)
+    out
 }
 
 /// `tandem inspect`.

@@ -6,17 +6,24 @@
 //! - `preflight`: what is checked before anything runs (reward, models, datasets).
 //! - `rundir`: the run directory's layout, `state.json`, spec changes, atomic writes.
 //! - `sampler`: the seeded prompt sampler whose cursor is part of the state.
-//! - `runner`: the step loop (stage commands, `commands.sh`, resume).
+//! - `plan`: a step's tasks (stage command lines, the runner's own tasks) from the spec and
+//!   the state, as plain data.
+//! - `runner`: the step loop with its state (stage commands, `commands.sh`, resume, rewinds).
+//! - `daemons`: the run's warm daemon or daemon group (`daemon = true`).
+//! - `chores`: pruning checkpoints, the adaptive-KL state, the eval and step lines.
 //! - `dynamic`: DAPO's dynamic sampling, the rounds of a step that keeps only varied groups.
 //! - `console`: one line per step on the console, the stages' output in `pipeline.log`.
 //! - `metrics`: `metrics.jsonl` and `eval.jsonl` lines.
 //! - `tensorboard`: the same numbers as TensorBoard event files in the run directory.
 //! - `plot`, `inspect`: looking at a run.
 
+pub mod chores;
 pub mod console;
+pub mod daemons;
 pub mod dynamic;
 pub mod inspect;
 pub mod metrics;
+pub mod plan;
 pub mod plot;
 pub mod preflight;
 pub mod rundir;
@@ -28,8 +35,9 @@ pub mod tensorboard;
 use crate::bail_input;
 use anyhow::Result;
 use clap::Args;
+use plan::shell_quote;
 use rundir::{RunDir, State, STATE_VERSION};
-use runner::{shell_quote, Runner};
+use runner::Runner;
 use spec::{Spec, SpecChange};
 use std::path::{Path, PathBuf};
 
@@ -70,53 +78,13 @@ const SAMPLER_KEYS: [&str; 3] = ["seed", "data.prompts-per-step", "data.shuffle"
 
 /// `pipeline run`.
 pub fn run(args: RunArgs) -> Result<()> {
-    let mut spec = Spec::load(&args.spec)?;
-    if let Some(n) = args.steps {
-        if n == 0 {
-            bail_input!("--steps must be at least 1");
-        }
-        spec.steps = n;
-    }
-    if let Some(d) = args.device {
-        spec.device = d;
-    }
-    let root = match &args.run_dir {
-        Some(d) => d.clone(),
-        None => {
-            let stem = args.spec.file_stem().unwrap_or_default();
-            Path::new("runs").join(stem)
-        }
-    };
-    let run = RunDir::new(root);
+    let spec = load_spec(&args)?;
+    let run = RunDir::new(run_root(&args));
     let existing = run.exists();
-    let state = if existing {
-        run.load_state()?
-    } else {
-        if args.resume {
-            bail_input!(
-                "--resume: {} holds no run (no state.json); leave out --resume to start one",
-                run.root.display()
-            );
-        }
-        if run.root.is_dir() && std::fs::read_dir(&run.root)?.next().is_some() {
-            bail_input!(
-                "{}: exists, is not empty and holds no run (no state.json); pick another --run-dir",
-                run.root.display()
-            );
-        }
-        fresh_state(0)
-    };
+    let state = open_state(&args, &run, existing)?;
     let done = state.steps_done;
     if existing && done >= spec.steps {
-        let asked = match args.steps {
-            Some(n) if n < done => format!(" (--steps {n} asks for fewer)"),
-            _ => String::new(),
-        };
-        eprintln!(
-            "pipeline: {} is complete: {done} steps done{asked}; nothing to do. To run more steps: {} --steps N (N > {done})",
-            run.root.display(),
-            command_line(&args, &run.root, false)
-        );
+        say_complete(&args, &run, done);
         return Ok(());
     }
     let changes = match existing {
@@ -130,57 +98,149 @@ pub fn run(args: RunArgs) -> Result<()> {
     let bins = runner::bin_dir()?;
     let spec_path = args.spec.display().to_string();
     let mut runner = Runner::new(spec, run, bins, state)?;
-    runner.rerun = command_line(&args, &runner.run.root, true);
+    runner.rerun = command_line(&args, &runner.plan.run.root, true);
     runner.console = console::Console::new(args.verbose);
     // Every stage command is checked by its stage, then the files the spec names, before the
     // run directory is touched.
     runner
         .check_commands()
         .map_err(|e| e.context(spec_path.clone()))?;
-    let train = preflight::check(&runner).map_err(|e| e.context(spec_path))?;
+    let train = preflight::check(&runner.plan).map_err(|e| e.context(spec_path))?;
     if args.dry_run {
-        for (step, task) in runner.plan() {
-            println!("{}", runner.describe(step, &task));
+        for (step, task) in runner.remaining() {
+            println!("{}", runner.plan.describe(step, &task));
         }
         return Ok(());
     }
 
     if !existing {
         runner.state.train_rows = train.num_rows() as u64;
-        let run = &runner.run;
+        let run = &runner.plan.run;
         std::fs::create_dir_all(&run.root)?;
-        rundir::write_atomic(&run.spec_path(), spec_for_file(&runner.spec).as_bytes())?;
+        rundir::write_atomic(
+            &run.spec_path(),
+            spec_for_file(&runner.plan.spec).as_bytes(),
+        )?;
         run.save_state(&runner.state)?;
     }
     runner.set_train_set(train);
-    let run = runner.run.clone();
+    let run = runner.plan.run.clone();
     let _lock = run.lock()?;
     runner.console.open_log(&run.log_path())?;
     if !changes.is_empty() {
-        let step = runner.state.steps_done + 1;
-        let finished = runner
-            .state
-            .current
-            .as_ref()
-            .filter(|c| c.step == step)
-            .map(|c| c.done.clone())
-            .unwrap_or_default();
-        run.record_spec_change(&args.spec, step, &finished, &changes)?;
-        runner.console.say(&format!(
-            "pipeline: continuing {} under the changed spec from step {step} (recorded in {}): {}",
-            run.root.display(),
-            run.spec_changes_path().display(),
-            spec::describe_changes(&changes)
-        ));
+        record_changes(&runner, &args, &changes)?;
     }
     // The resolved spec is the one the run continues under (a new step count, a change).
-    rundir::write_atomic(&run.spec_path(), spec_for_file(&runner.spec).as_bytes())?;
+    rundir::write_atomic(
+        &run.spec_path(),
+        spec_for_file(&runner.plan.spec).as_bytes(),
+    )?;
+    say_start(&runner, existing.then_some(done));
+    runner.run()?;
+    runner.console.say(&format!(
+        "pipeline: finished {} steps in {}\n  metrics: {}\n  eval:    {}\n  log:     {}\n  plot:    tandem plot {}",
+        runner.plan.spec.steps,
+        run.root.display(),
+        run.metrics_path().display(),
+        run.eval_path().display(),
+        run.log_path().display(),
+        run.root.display()
+    ));
+    Ok(())
+}
+
+/// The spec with the command line's overrides (`--steps`, `--device`).
+fn load_spec(args: &RunArgs) -> Result<Spec> {
+    let mut spec = Spec::load(&args.spec)?;
+    if let Some(n) = args.steps {
+        if n == 0 {
+            bail_input!("--steps must be at least 1");
+        }
+        spec.steps = n;
+    }
+    if let Some(d) = args.device {
+        spec.device = d;
+    }
+    Ok(spec)
+}
+
+/// The run directory: `--run-dir`, else `runs/<spec file name>`.
+fn run_root(args: &RunArgs) -> PathBuf {
+    match &args.run_dir {
+        Some(d) => d.clone(),
+        None => {
+            let stem = args.spec.file_stem().unwrap_or_default();
+            Path::new("runs").join(stem)
+        }
+    }
+}
+
+/// The state of an existing run, or a fresh one where a run may begin (no `--resume`, an empty
+/// or missing directory).
+fn open_state(args: &RunArgs, run: &RunDir, existing: bool) -> Result<State> {
+    if existing {
+        return run.load_state();
+    }
+    if args.resume {
+        bail_input!(
+            "--resume: {} holds no run (no state.json); leave out --resume to start one",
+            run.root.display()
+        );
+    }
+    if run.root.is_dir() && std::fs::read_dir(&run.root)?.next().is_some() {
+        bail_input!(
+            "{}: exists, is not empty and holds no run (no state.json); pick another --run-dir",
+            run.root.display()
+        );
+    }
+    Ok(fresh_state(0))
+}
+
+/// A run whose every step is done: nothing to do, and how to run more steps.
+fn say_complete(args: &RunArgs, run: &RunDir, done: u64) {
+    let asked = match args.steps {
+        Some(n) if n < done => format!(" (--steps {n} asks for fewer)"),
+        _ => String::new(),
+    };
+    eprintln!(
+        "pipeline: {} is complete: {done} steps done{asked}; nothing to do. To run more steps: {} --steps N (N > {done})",
+        run.root.display(),
+        command_line(args, &run.root, false)
+    );
+}
+
+/// Records the spec's changes in RUN/spec-changes.jsonl (from the next step, after its
+/// finished tasks) and says so.
+fn record_changes(runner: &Runner, args: &RunArgs, changes: &[SpecChange]) -> Result<()> {
+    let run = &runner.plan.run;
+    let step = runner.state.steps_done + 1;
+    let finished = runner
+        .state
+        .current
+        .as_ref()
+        .filter(|c| c.step == step)
+        .map(|c| c.done.clone())
+        .unwrap_or_default();
+    run.record_spec_change(&args.spec, step, &finished, changes)?;
+    runner.console.say(&format!(
+        "pipeline: continuing {} under the changed spec from step {step} (recorded in {}): {}",
+        run.root.display(),
+        run.spec_changes_path().display(),
+        spec::describe_changes(changes)
+    ));
+    Ok(())
+}
+
+/// The run's first line: how many steps (a new run) or after which step it continues, and
+/// where the stages' output goes.
+fn say_start(runner: &Runner, continued_after: Option<u64>) {
+    let run = &runner.plan.run;
     let shown = match runner.console.verbose {
         true => "also shown here (-v)",
         false => "-v shows it here",
     };
     let log = run.log_path();
-    if existing {
+    if let Some(done) = continued_after {
         runner.console.say(&format!(
             "pipeline: continuing {} after step {done}; stage output in {} ({shown})",
             run.root.display(),
@@ -189,22 +249,11 @@ pub fn run(args: RunArgs) -> Result<()> {
     } else {
         runner.console.say(&format!(
             "pipeline: {} steps in {}; stage output in {} ({shown})",
-            runner.spec.steps,
+            runner.plan.spec.steps,
             run.root.display(),
             log.display()
         ));
     }
-    runner.run()?;
-    runner.console.say(&format!(
-        "pipeline: finished {} steps in {}\n  metrics: {}\n  eval:    {}\n  log:     {}\n  plot:    tandem plot {}",
-        runner.spec.steps,
-        run.root.display(),
-        run.metrics_path().display(),
-        run.eval_path().display(),
-        log.display(),
-        run.root.display()
-    ));
-    Ok(())
 }
 
 /// The `pipeline run` command line that continues this run (`with_steps`: with the `--steps`

@@ -435,47 +435,10 @@ fn legend_layout<DB: DrawingBackend>(
         .collect()
 }
 
+/// Draws a panel: its title and legend above, the mesh, a note (or "no data"), the series.
 fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> Result<DrawnPanel> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("drawing panel '{}': {e}", p.title);
-    let (w, _) = area.dim_in_pixel();
-    let labels: Vec<&str> = p.series.iter().map(|s| s.label.as_str()).collect();
-    let layout = legend_layout(area, &labels, 70, w as i32 - 10);
-    let rows = layout.iter().map(|l| l.0 + 1).max().unwrap_or(0);
-    let top = CAPTION_H + rows * LEGEND_ROW_H + 4;
-    let (head, body) = area.split_vertically(top);
-    let gray = RGBColor(120, 120, 120);
-    head.draw(&Text::new(
-        p.title.clone(),
-        (w as i32 / 2, 4),
-        ("sans-serif", 18)
-            .into_font()
-            .color(&BLACK)
-            .pos(plotters::style::text_anchor::Pos::new(
-                plotters::style::text_anchor::HPos::Center,
-                plotters::style::text_anchor::VPos::Top,
-            )),
-    ))
-    .map_err(err)?;
-    for ((row, x), (i, s)) in layout.iter().zip(p.series.iter().enumerate()) {
-        let color = COLORS[i % COLORS.len()];
-        let y = CAPTION_H + row * LEGEND_ROW_H + LEGEND_ROW_H / 2;
-        head.draw(&PathElement::new(
-            vec![(*x, y), (x + 22, y)],
-            color.stroke_width(3),
-        ))
-        .map_err(err)?;
-        head.draw(&Text::new(
-            s.label.clone(),
-            (x + 28, y - 7),
-            ("sans-serif", 13).into_font(),
-        ))
-        .map_err(err)?;
-    }
-    let legend = (!layout.is_empty()).then(|| {
-        let (x, y) = head.get_base_pixel();
-        (x..x + w as i32, y + CAPTION_H..y + top)
-    });
-
+    let (legend, body) = draw_heading(area, p).map_err(err)?;
     let has_data = p.series.iter().any(|s| s.range().is_some());
     let x_range = if has_data { step_range(p) } else { 0.0..1.0 };
     let y_range = if has_data {
@@ -491,6 +454,93 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
         .y_label_area_size(55)
         .build_cartesian_2d(x_range.clone(), y_range.clone())
         .map_err(err)?;
+    draw_mesh(&mut chart, &x_range, has_data).map_err(err)?;
+    let plot = chart.plotting_area().get_pixel_range();
+    let note = p
+        .note
+        .clone()
+        .or_else(|| (!has_data).then(|| "no data".to_string()));
+    if let Some(note) = note {
+        let gray = RGBColor(120, 120, 120);
+        let (cx, cy) = (
+            (plot.0.start + plot.0.end) / 2,
+            (plot.1.start + plot.1.end) / 2,
+        );
+        for (k, line) in note.lines().enumerate() {
+            root_text(area, line, (cx, cy - 10 + 18 * k as i32), gray).map_err(err)?;
+        }
+    }
+    let columns = (plot.0.end - plot.0.start).max(1) as usize;
+    let series = draw_series(&mut chart, p, &x_range, columns).map_err(err)?;
+    Ok(DrawnPanel {
+        title: p.title.clone(),
+        plot,
+        legend,
+        x_range,
+        y_range,
+        series,
+    })
+}
+
+/// What drawing on a `DB` area returns.
+type Drawn<T, DB> = Result<T, DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+/// A panel's chart: steps on x, values on y.
+type Chart<'a, DB> = ChartContext<
+    'a,
+    DB,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// The panel's title and legend above its chart; returns the legend's pixels and the area
+/// left for the chart.
+fn draw_heading<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    p: &Panel,
+) -> Drawn<(Option<Rect>, DrawingArea<DB, Shift>), DB> {
+    let (w, _) = area.dim_in_pixel();
+    let labels: Vec<&str> = p.series.iter().map(|s| s.label.as_str()).collect();
+    let layout = legend_layout(area, &labels, 70, w as i32 - 10);
+    let rows = layout.iter().map(|l| l.0 + 1).max().unwrap_or(0);
+    let top = CAPTION_H + rows * LEGEND_ROW_H + 4;
+    let (head, body) = area.split_vertically(top);
+    head.draw(&Text::new(
+        p.title.clone(),
+        (w as i32 / 2, 4),
+        ("sans-serif", 18)
+            .into_font()
+            .color(&BLACK)
+            .pos(plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Center,
+                plotters::style::text_anchor::VPos::Top,
+            )),
+    ))?;
+    for ((row, x), (i, s)) in layout.iter().zip(p.series.iter().enumerate()) {
+        let color = COLORS[i % COLORS.len()];
+        let y = CAPTION_H + row * LEGEND_ROW_H + LEGEND_ROW_H / 2;
+        head.draw(&PathElement::new(
+            vec![(*x, y), (x + 22, y)],
+            color.stroke_width(3),
+        ))?;
+        head.draw(&Text::new(
+            s.label.clone(),
+            (x + 28, y - 7),
+            ("sans-serif", 13).into_font(),
+        ))?;
+    }
+    let legend = (!layout.is_empty()).then(|| {
+        let (x, y) = head.get_base_pixel();
+        (x..x + w as i32, y + CAPTION_H..y + top)
+    });
+    Ok((legend, body))
+}
+
+/// The mesh and axes; none without data.
+fn draw_mesh<DB: DrawingBackend>(
+    chart: &mut Chart<'_, DB>,
+    x_range: &Range<f64>,
+    has_data: bool,
+) -> Drawn<(), DB> {
     // Steps are whole numbers: no label on a fractional tick (a short run's axis would read
     // 1 2 2 3 otherwise).
     let step_label = |x: &f64| {
@@ -510,23 +560,16 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
     if !has_data {
         mesh.disable_mesh().x_labels(0).y_labels(0);
     }
-    mesh.draw().map_err(err)?;
-    let plot = chart.plotting_area().get_pixel_range();
-    let note = p
-        .note
-        .clone()
-        .or_else(|| (!has_data).then(|| "no data".to_string()));
-    if let Some(note) = note {
-        let (cx, cy) = (
-            (plot.0.start + plot.0.end) / 2,
-            (plot.1.start + plot.1.end) / 2,
-        );
-        for (k, line) in note.lines().enumerate() {
-            root_text(area, line, (cx, cy - 10 + 18 * k as i32), gray).map_err(err)?;
-        }
-    }
+    mesh.draw()
+}
 
-    let columns = (plot.0.end - plot.0.start).max(1) as usize;
+/// Each series as lines (and dots when they are few), decimated to the plot's `columns`.
+fn draw_series<DB: DrawingBackend>(
+    chart: &mut Chart<'_, DB>,
+    p: &Panel,
+    x_range: &Range<f64>,
+    columns: usize,
+) -> Drawn<Vec<DrawnSeries>, DB> {
     let mut out = vec![];
     for (i, s) in p.series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
@@ -544,11 +587,9 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
                 .zip(px.windows(2))
                 .filter(|(_, q)| q[0] != q[1])
                 .map(|(d, _)| PathElement::new(vec![d[0], d[1]], color.stroke_width(2)));
-            chart.draw_series(segments).map_err(err)?;
+            chart.draw_series(segments)?;
             if line.len() == 1 || s.data.len() <= 60 {
-                chart
-                    .draw_series(line.iter().map(|&pt| Circle::new(pt, 3, color.filled())))
-                    .map_err(err)?;
+                chart.draw_series(line.iter().map(|&pt| Circle::new(pt, 3, color.filled())))?;
             }
             pixels.push(px);
         }
@@ -559,14 +600,7 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
             pixels,
         });
     }
-    Ok(DrawnPanel {
-        title: p.title.clone(),
-        plot,
-        legend,
-        x_range,
-        y_range,
-        series: out,
-    })
+    Ok(out)
 }
 
 /// Centred gray text at backend pixel `(x, y)`.

@@ -1,5 +1,5 @@
 //! What `pipeline run` checks before anything runs, after every stage command went through its
-//! stage's own flag checks ([`Runner::check_commands`]): that what the spec names is there and
+//! stage's own flag checks ([`Plan::check_commands`]): that what the spec names is there and
 //! holds what the stages will read, so a run does not load a model, start a daemon and evaluate
 //! step 0 only to fail at its first `score` or `rollout`.
 //!
@@ -18,7 +18,7 @@
 //!
 //! Every problem is an input error (exit 2) naming the spec key and the file, column or row.
 
-use super::runner::Runner;
+use super::plan::Plan;
 use crate::bail_input;
 use crate::batch::Batch;
 use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
@@ -37,11 +37,11 @@ use std::process::{Command, Stdio};
 /// Lines of a failed import's stderr shown in the message.
 const STDERR_TAIL: usize = 12;
 
-/// Checks the reward, the models and the datasets of `runner`'s spec; returns the training set
+/// Checks the reward, the models and the datasets of `plan`'s spec; returns the training set
 /// (read once here, sampled from by the runner).
-pub fn check(runner: &Runner) -> Result<Batch> {
-    let spec = &runner.spec;
-    let st = &runner.stages;
+pub fn check(plan: &Plan) -> Result<Batch> {
+    let spec = &plan.spec;
+    let st = &plan.stages;
 
     let score = &st.score.args;
     let reward = RewardSpec::parse(&score.reward)?;
@@ -61,7 +61,7 @@ pub fn check(runner: &Runner) -> Result<Batch> {
         })?),
         false => None,
     };
-    if runner.needs_ref() {
+    if plan.needs_ref() {
         if let Some(r) = &spec.model.reference {
             let key = "[model] ref";
             let dir = model_dir(key, r)?;

@@ -44,6 +44,27 @@ pub struct State {
     pub train_rows: u64,
 }
 
+impl State {
+    /// Whether the state records task `name` of step `step` as finished (in the step in
+    /// progress).
+    pub fn is_done(&self, step: u64, name: &str) -> bool {
+        self.current
+            .as_ref()
+            .is_some_and(|c| c.step == step && c.is_done(name))
+    }
+
+    /// The progress of step `step`, begun afresh when another step was in progress.
+    pub fn progress(&mut self, step: u64) -> &mut StepProgress {
+        if self.current.as_ref().map(|c| c.step) != Some(step) {
+            self.current = Some(StepProgress {
+                step,
+                ..StepProgress::default()
+            });
+        }
+        self.current.as_mut().expect("set above")
+    }
+}
+
 /// The finished stages of the step in progress, and how long each took.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepProgress {

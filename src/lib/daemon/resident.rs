@@ -24,9 +24,9 @@
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
 use crate::engine::resume::TrainerState;
-use crate::engine::shard::{ShardMode, ShardedPolicy};
+use crate::engine::shard::{ShardMode, ShardStats, ShardedOptim, ShardedPolicy};
 use crate::model::checkpoint::ModelDir;
-use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim, TokenStats};
+use crate::model::decoder::{Decoder, OptimizerState, TokenStats};
 use crate::model::{Config, Weights};
 use crate::parallel::{Comm, ProcessGroup};
 use crate::stage::common::{Device, ModelRef};
@@ -624,7 +624,7 @@ impl<B: Backend> Resident<B> {
                     let held = slot.sharded.as_ref().expect("kept by the update");
                     let comm = slot.comm.as_deref().expect("made by the update");
                     let backend = (self.make)()?;
-                    slot.gen = Some(slot.decoder.gather_generation(held, comm, backend)?);
+                    slot.gen = Some(held.gather_generation(&slot.decoder, comm, backend)?);
                     copy_s = Some(started.elapsed().as_secs_f64());
                 }
                 Ok(out)
@@ -670,11 +670,11 @@ fn train_resident<B: Backend>(
             if let Some(o) = held {
                 // Another --shard than the last update's: the state comes back together on
                 // every rank (from memory, not from the files) and is sharded as asked.
-                slot.decoder.unshard_optimizer(o, comm)?;
+                o.unshard(&mut slot.decoder, comm)?;
             }
             let mut o = match full {
-                true => slot.decoder.shard_full(comm)?,
-                false => slot.decoder.shard_optimizer(comm, sharding.bucket_elems)?,
+                true => ShardedOptim::full(&mut slot.decoder, comm)?,
+                false => ShardedOptim::zero2(&mut slot.decoder, comm, sharding.bucket_elems)?,
             };
             if loaded
                 && slot
@@ -694,9 +694,8 @@ fn train_resident<B: Backend>(
                             pg.rank()
                         );
                 };
-                let shard = source.for_layout(&slot.decoder.shard_layout(&o), pg.rank())?;
-                slot.decoder
-                    .load_shard(&mut o, &shard, &files.weights, comm)?;
+                let shard = source.for_layout(&o.layout(&slot.decoder), pg.rank())?;
+                o.load(&mut slot.decoder, &shard, &files.weights, comm)?;
             }
             o
         }
@@ -764,8 +763,8 @@ impl<B: Backend> Resident<B> {
                 slot.comm = Some(make_comm(slot.decoder.backend(), pg)?);
             }
             let comm = slot.comm.as_deref().expect("made above");
-            let masters = slot.decoder.gather_state(&optim, comm, 0, false)?;
-            let shard = slot.decoder.download_shard(&optim)?;
+            let masters = optim.gather_state(&slot.decoder, comm, 0, false)?;
+            let shard = optim.download(&slot.decoder)?;
             let files = write_rank_shards(slot.decoder.backend(), comm, staging, &shard)?;
             Ok((masters.map(|(w, _)| w), files))
         })();

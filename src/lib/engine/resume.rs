@@ -23,8 +23,9 @@
 
 use super::train::LrConfig;
 use crate::batch::write::write_atomic;
+use crate::engine::shard::{Buckets, HostShard, ShardLayout};
 use crate::error::input_error;
-use crate::model::decoder::{Buckets, HostShard, OptimizerState, ShardLayout};
+use crate::model::decoder::OptimizerState;
 use crate::model::safetensors::{self as st, load_file, round_bf16, PartialFile};
 use crate::model::{Tensor, Weights};
 use anyhow::{Context, Result};

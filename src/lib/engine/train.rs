@@ -18,8 +18,8 @@
 //!   optimizer step: the recomputed old log-probs (every row), else the forward of the first
 //!   optimizer step (its mini-batch: the whole batch when on-policy).
 
+use super::balance::{balance, micro_schedule};
 use super::logprob::{micro_batches, score, PromptResponse};
-use super::shard::balance::{balance, micro_schedule};
 use super::Policy;
 use crate::algo::agg::{AggMode, LossNorm};
 use crate::algo::policy_loss::{
@@ -28,7 +28,7 @@ use crate::algo::policy_loss::{
 use crate::algo::rollout_corr::Mismatch;
 use crate::backend::ops::sample::uniform;
 use crate::backend::PpoShape;
-use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, ShardStats, TokenGrads, TokenStats};
+use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::rng::mix_key;
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
@@ -260,6 +260,70 @@ impl TrainReport {
             });
         }
         out
+    }
+}
+
+/// What the sharded optimizer did so far (the update metrics' `shard` object).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ShardStats {
+    pub world_size: usize,
+    pub buckets: usize,
+    /// Elements of this rank's shards (of every bucket together).
+    pub shard_elems: usize,
+    /// Wall seconds the host spent on the gradients' reduce-scatter outside its overlap with
+    /// the backward: packing and reducing the buckets started after the backward (all of them
+    /// on a rank with no rows), and waiting for those started during it (for a pack buffer, or
+    /// at the end of the backward; a GPU's wait does not block the host). Under full sharding:
+    /// the units' reduce-scatters in the backward, whole.
+    pub reduce_scatter_seconds: f64,
+    /// Buckets whose reduce-scatter this rank started during a backward (zero2's overlap).
+    pub overlapped_buckets: u64,
+    /// Wall seconds of the weight sync (the all-gather of the compute weights, copies
+    /// included) and the bytes each rank received in it.
+    pub sync_seconds: f64,
+    pub sync_bytes: u64,
+    /// Bytes of the staging buffers the reduce-scatter and the weight sync add.
+    pub staging_bytes: u64,
+    /// `shard = "full"`: the units' all-gathers (before each forward and backward), their
+    /// wall seconds and the bytes each rank received.
+    pub full: bool,
+    pub unit_gathers: u64,
+    pub unit_gather_seconds: f64,
+    pub unit_gather_bytes: u64,
+    /// `shard = "full"`: the units' all-gathers started ahead (prefetched), while the unit
+    /// before them computes.
+    pub unit_prefetches: u64,
+    /// A checkpointing update: wall seconds of bringing the state to the hosts (the masters
+    /// gathered on rank 0, and each rank's own shard downloaded), and of writing this rank's
+    /// optimizer shard file.
+    pub state_gather_seconds: f64,
+    pub shard_write_seconds: f64,
+}
+
+impl ShardStats {
+    pub fn to_json(&self) -> serde_json::Value {
+        let gbs = match self.sync_seconds > 0.0 {
+            true => self.sync_bytes as f64 / self.sync_seconds / 1e9,
+            false => 0.0,
+        };
+        serde_json::json!({
+            "world_size": self.world_size,
+            "buckets": self.buckets,
+            "shard_elems": self.shard_elems,
+            "reduce_scatter_seconds": self.reduce_scatter_seconds,
+            "overlapped_buckets": self.overlapped_buckets,
+            "weight_sync_seconds": self.sync_seconds,
+            "weight_sync_bytes": self.sync_bytes,
+            "weight_sync_gb_per_s": gbs,
+            "staging_bytes": self.staging_bytes,
+            "mode": if self.full { "full" } else { "zero2" },
+            "unit_gathers": self.unit_gathers,
+            "unit_gather_seconds": self.unit_gather_seconds,
+            "unit_gather_bytes": self.unit_gather_bytes,
+            "unit_prefetches": self.unit_prefetches,
+            "state_gather_seconds": self.state_gather_seconds,
+            "shard_write_seconds": self.shard_write_seconds,
+        })
     }
 }
 

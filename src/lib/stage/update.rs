@@ -30,11 +30,12 @@ use crate::engine::logprob::PromptResponse;
 use crate::engine::resume::{
     self, RankResume, ShardSource, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE,
 };
+use crate::engine::shard::{HostShard, ShardedOptim};
 use crate::engine::shard::{ShardMode, ShardedPolicy, StateTo, ToHost, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, LrSchedule, TrainConfig, TrainData, TrainReport};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
-use crate::model::decoder::{Decoder, HostShard, OptimizerState};
+use crate::model::decoder::{Decoder, OptimizerState};
 use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use crate::model::{Config, Weights};
 use crate::parallel::comm::sum_f64;
@@ -507,11 +508,11 @@ impl RankJob for TrainRank<'_> {
         let (mut policy, mut optim) = match self.mode {
             ShardMode::Zero2 => {
                 let mut policy = self.loaded.build(backend)?;
-                let optim = policy.shard_optimizer(comm, self.bucket_elems)?;
+                let optim = ShardedOptim::zero2(&mut policy, comm, self.bucket_elems)?;
                 (policy, optim)
             }
             // The state is never whole on a device: each rank uploads its shards.
-            ShardMode::Full => Decoder::new_full(
+            ShardMode::Full => ShardedOptim::new_full(
                 backend,
                 &self.loaded.cfg,
                 &self.loaded.weights,
@@ -520,8 +521,8 @@ impl RankJob for TrainRank<'_> {
             )?,
         };
         if let Some(source) = &self.loaded.shard {
-            let shard = source.for_layout(&policy.shard_layout(&optim), rank)?;
-            let took = policy.load_shard(&mut optim, &shard, &self.loaded.weights, comm)?;
+            let shard = source.for_layout(&optim.layout(&policy), rank)?;
+            let took = optim.load(&mut policy, &shard, &self.loaded.weights, comm)?;
             if !took && rank == 0 {
                 eprintln!("update: the f32 master shards do not match the model files; continuing from the bf16 weights");
             }

@@ -305,6 +305,7 @@ fn bench_update<B: Backend>(
         grad_clip: Some(1.0),
         shuffle: false,
         seed: w.seed,
+        device_loss: TrainConfig::device_loss_from_env(),
     };
     let mut step_s = Vec::new();
     let mut micro_s = Vec::new();

@@ -29,9 +29,9 @@
 
 use anyhow::{ensure, Result};
 
-use crate::backend::{Backend, DType, Device};
+use crate::backend::{Backend, DType};
 use crate::engine::train::ShardStats;
-use crate::model::decoder::{Decoder, Unit};
+use crate::model::decoder::{Decoder, Moments, Unit};
 use crate::parallel::bucket::{BucketPlan, WeightSync};
 use crate::parallel::comm::dtype_bytes;
 use crate::parallel::Comm;
@@ -262,9 +262,6 @@ pub(super) fn backward_step(u: Unit, layers: usize) -> usize {
         Unit::Embed => layers + 1,
     }
 }
-
-/// The shards of Adam's first and second moments, one buffer per bucket each.
-pub(super) type Moments<B> = (Vec<<B as Device>::Buf>, Vec<<B as Device>::Buf>);
 
 /// Zero shards of every bucket of `plan`.
 pub(super) fn cut_zeros<B: Backend>(b: &B, plan: &BucketPlan) -> Result<Vec<B::Buf>> {

@@ -194,11 +194,6 @@ impl<B: Backend> Drop for Overlap<'_, B> {
     }
 }
 
-/// How a training pass ([`Decoder::forward_backward_with`],
-/// [`Decoder::forward_backward_ppo_with`]) talks to the other ranks: not at all (one process,
-/// or a zero2 pass before the step's last), under full sharding through its [`Holding`], or as
-/// zero2's last pass of a step through its [`Overlap`] (its reduce-scatters are waited for
-
 /// The hooks of zero2's last pass of a step: after each unit's backward, the buckets whose
 /// gradients are now final are started.
 impl<B: Backend> UnitHooks<B> for Overlap<'_, B> {

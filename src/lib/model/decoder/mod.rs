@@ -297,6 +297,12 @@ struct Loader<'a, B: Backend> {
 /// A fused group's whole buffer and its N parts (Nones where not fused).
 type Group<B, const N: usize> = (Option<<B as Device>::Buf>, [Option<<B as Device>::Buf>; N]);
 
+/// A layer's fused groups: q/k/v weights, q/k/v biases, gate/up weights.
+type Groups<B> = (Group<B, 3>, Group<B, 3>, Group<B, 2>);
+
+/// Adam's first and second moments, one buffer per parameter (or per bucket) each.
+pub(crate) type Moments<B> = (Vec<<B as Device>::Buf>, Vec<<B as Device>::Buf>);
+
 impl<B: Backend> Loader<'_, B> {
     /// Checks tensor `name` of the weights (present, of `shape`, finite), then adds the next
     /// parameter: uploaded into `into` (a part of a fused buffer) or a buffer of its own, with
@@ -344,8 +350,7 @@ impl<B: Backend> Loader<'_, B> {
     /// The fused q/k/v weights (and biases) and gate/up weights of a layer, where the backend
     /// can share memory (paged steps run each group as one GEMM). Qwen3's per-head norm sits
     /// between the projections and rope: q/k/v stay apart there.
-    #[allow(clippy::type_complexity)]
-    fn fused_groups(&self, cfg: &Config) -> Result<(Group<B, 3>, Group<B, 3>, Group<B, 2>)> {
+    fn fused_groups(&self, cfg: &Config) -> Result<Groups<B>> {
         let b = self.backend;
         let cd = b.compute_dtype();
         let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
@@ -665,7 +670,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// The Adam moments, taken out of the decoder (None before any step or load).
-    pub(crate) fn take_moments(&mut self) -> Option<(Vec<B::Buf>, Vec<B::Buf>)> {
+    pub(crate) fn take_moments(&mut self) -> Option<Moments<B>> {
         match self.m.is_empty() {
             true => None,
             false => Some((std::mem::take(&mut self.m), std::mem::take(&mut self.v))),
@@ -673,11 +678,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Puts whole f32 masters (where the compute dtype is not f32) and moments back.
-    pub(crate) fn put_state(
-        &mut self,
-        master: Option<Vec<B::Buf>>,
-        moments: Option<(Vec<B::Buf>, Vec<B::Buf>)>,
-    ) {
+    pub(crate) fn put_state(&mut self, master: Option<Vec<B::Buf>>, moments: Option<Moments<B>>) {
         if let Some(master) = master {
             self.master = master;
         }

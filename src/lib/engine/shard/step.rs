@@ -91,7 +91,7 @@ impl<B: Backend> ShardedOptim<B> {
     }
 
     /// The shards of the compute weights (the masters where the compute dtype is f32).
-    pub(super) fn compute_shards(&self) -> &[B::Buf] {
+    fn compute_shards(&self) -> &[B::Buf] {
         match self.compute.is_empty() {
             true => &self.master,
             false => &self.compute,

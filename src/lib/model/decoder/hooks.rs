@@ -6,12 +6,13 @@
 //! `engine::shard`). The decoder itself knows no more than the order of its units; every
 //! method is a no-op by default ([`NoHooks`], the plain passes).
 //!
-//! The order, every pass alike, with or without rows ([`Decoder::idle_pass`] calls the same
-//! hooks on none):
+//! The order, every pass alike, with or without rows (a pass over none calls the same hooks,
+//! `idle_pass`):
 //! ```text
-//! scoring:  before(Embed, F) after(Embed, F)  before(Layer l, F) after(Layer l, F) ...  before(Head, F) after(Head, F)
-//! training: before(Embed, F) after(Embed, F)  ... before(Head, F)
-//!           then backward, for u in Head, layers top down, Embed:  before(u, B) grads_ready(u) after(u, B)
+//! scoring:   before(Embed, F) after(Embed, F), for each layer l: before(Layer l, F)
+//!            after(Layer l, F), then before(Head, F) after(Head, F)
+//! training:  the same up to before(Head, F), then for u in Head, the layers top down, Embed:
+//!            before(u, B) grads_ready(u) after(u, B)
 //! ```
 //! In a training pass the head's forward runs on into its backward: its only `after` is the
 //! backward's.

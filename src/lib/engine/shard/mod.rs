@@ -2,12 +2,13 @@
 //!
 //! Every rank holds the whole decoder and the whole batch. [`train_sharded`] runs the ordinary
 //! training loop ([`crate::engine::train::train`]) on a [`ShardedPolicy`]: each mini-batch's
-//! rows are shared out to the ranks by token count ([`balance`]), the loss is normalised by the
-//! whole mini-batch's counts (every rank computes them from the batch), the ranks' loss metrics
-//! are summed, and the optimizer step is [`ShardedOptim::step`]: gradients reduce-scattered
-//! (during the backward of each rank's last pass of the step: [`Policy::last_pass_next`],
-//! [`Policy::passes_done`]), global-norm clipping, AdamW on this rank's 1/N of the f32 masters and moments, weights
-//! all-gathered. The result is the one-rank result up to the order of the floating-point sums.
+//! rows are shared out to the ranks by token count ([`crate::engine::balance`]), the loss is
+//! normalised by the whole mini-batch's counts (every rank computes them from the batch), the
+//! ranks' loss metrics are summed, and the optimizer step is [`ShardedOptim::step`]: gradients
+//! reduce-scattered (during the backward of each rank's last pass of the step:
+//! [`Policy::last_pass_next`], [`Policy::passes_done`]), global-norm clipping, AdamW on this
+//! rank's 1/N of the f32 masters and moments, weights all-gathered. The result is the one-rank
+//! result up to the order of the floating-point sums.
 //! [`ShardMode::Full`] (FSDP / ZeRO-3) shards the compute weights too: the optimizer from
 //! [`ShardedOptim::full`] or [`ShardedOptim::new_full`] makes the policy's passes gather each
 //! unit before it runs and reduce-scatter its gradients as soon as its backward is done

@@ -15,10 +15,8 @@ use std::sync::Mutex;
 
 use tandem::backend::cpu::Cpu;
 use tandem::engine::resume::{shard_file_name, write_optimizer, write_shard};
-use tandem::model::decoder::{
-    Decoder, Holding, HostShard, OptimizerState, PassComm, SeqRef, ShardLayout, TokenGrads,
-    TokenStats,
-};
+use tandem::engine::shard::{Holding, HostShard, ShardLayout, ShardedOptim};
+use tandem::model::decoder::{Decoder, OptimizerState, SeqRef, TokenGrads, TokenStats};
 use tandem::model::{init, Arch, Config, Tensor, Weights};
 use tandem::parallel::{HostComm, Options, ProcessGroup, World};
 
@@ -91,7 +89,7 @@ fn a_full_shard_pass_after_release_grads_holds_no_whole_gradients() {
     drop(weights);
     // One chunk of logits for 32 rows (the backend's default is sized for the GPU).
     dec.logprob_chunk = 32;
-    let mut st = dec.shard_full(&comm).unwrap();
+    let mut st = ShardedOptim::full(&mut dec, &comm).unwrap();
     st.zero_grads(&Cpu).unwrap();
     let toks: Vec<Vec<u32>> = (0..2)
         .map(|s| (0..16).map(|i| ((i * 7 + s) % 256) as u32).collect())
@@ -113,7 +111,7 @@ fn a_full_shard_pass_after_release_grads_holds_no_whole_gradients() {
                 .collect())
         };
         let mut hold = Holding::new(&comm, &mut st);
-        dec.forward_backward_with(&seqs, 1.0, &mut loss, PassComm::Held(&mut hold))
+        dec.forward_backward_with(&seqs, 1.0, &mut loss, &mut hold)
             .unwrap();
     };
     // The first pass also builds the workspace; the second is the steady state.

@@ -206,6 +206,7 @@ fn bench_update(
         grad_clip: Some(1.0),
         shuffle: false,
         seed: a.seed,
+        device_loss: TrainConfig::device_loss_from_env(),
     };
     let t = Instant::now();
     let report = train(dec, &data, &tc, 0, &mut |m| eprintln!("{m}"))?;

@@ -9,7 +9,7 @@
 use crate::algo::policy_loss::{LossConfig, LossMode};
 use crate::backend::{Backend, DType, MatmulShape};
 use crate::engine::logprob::PromptResponse;
-use crate::engine::shard::{ShardedPolicy, DEFAULT_BUCKET_ELEMS};
+use crate::engine::shard::{ShardedOptim, ShardedPolicy, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, TrainConfig, TrainData};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
@@ -279,7 +279,7 @@ fn bench_update<B: Backend>(
     };
     let synth = Synth::new(&global, cfg.vocab_size);
     let mut optim = match comm {
-        Some(c) => Some(dec.shard_optimizer(c, DEFAULT_BUCKET_ELEMS)?),
+        Some(c) => Some(ShardedOptim::zero2(&mut dec, c, DEFAULT_BUCKET_ELEMS)?),
         None => None,
     };
     let data = TrainData {
@@ -305,6 +305,7 @@ fn bench_update<B: Backend>(
         grad_clip: Some(1.0),
         shuffle: false,
         seed: w.seed,
+        device_loss: TrainConfig::device_loss_from_env(),
     };
     let mut step_s = Vec::new();
     let mut micro_s = Vec::new();

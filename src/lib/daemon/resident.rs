@@ -31,9 +31,9 @@ use crate::engine::policy::{
     Trained,
 };
 use crate::engine::resume::TrainerState;
-use crate::engine::shard::ShardMode;
+use crate::engine::shard::{ShardMode, ShardedOptim};
 use crate::model::checkpoint::ModelDir;
-use crate::model::decoder::{Decoder, ShardedOptim, TokenStats};
+use crate::model::decoder::{Decoder, TokenStats};
 use crate::model::{Config, Weights};
 use crate::parallel::ProcessGroup;
 use crate::stage::common::Device;
@@ -552,7 +552,7 @@ impl<B: Backend> Resident<B> {
                 let held = slot.sharded.as_ref().expect("kept by the update");
                 let comm = slot.comm.as_deref().expect("made by the update");
                 let backend = (self.make)()?;
-                slot.gen = Some(slot.decoder.gather_generation(held, comm, backend)?);
+                slot.gen = Some(held.gather_generation(&slot.decoder, comm, backend)?);
                 copy_s = Some(started.elapsed().as_secs_f64());
             }
             Ok(out)
@@ -602,8 +602,8 @@ impl<B: Backend> Resident<B> {
                 slot.comm = Some(make_comm(slot.decoder.backend(), pg)?);
             }
             let comm = slot.comm.as_deref().expect("made above");
-            let masters = slot.decoder.gather_state(&optim, comm, 0, false)?;
-            let shard = slot.decoder.download_shard(&optim)?;
+            let masters = optim.gather_state(&slot.decoder, comm, 0, false)?;
+            let shard = optim.download(&slot.decoder)?;
             let files = write_rank_shards(slot.decoder.backend(), comm, staging, &shard)?;
             Ok((masters.map(|(w, _)| w), files))
         })();

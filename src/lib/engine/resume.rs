@@ -26,8 +26,9 @@ use super::shard::files::{f32_view, shard_path, ShardSet, EXP_AVG, EXP_AVG_SQ, M
 pub use super::shard::files::{read_shard, shard_file_name, write_shard};
 use super::train::LrConfig;
 use crate::batch::write::write_atomic;
+use crate::engine::shard::{HostShard, ShardLayout};
 use crate::error::input_error;
-use crate::model::decoder::{HostShard, OptimizerState, ShardLayout};
+use crate::model::decoder::OptimizerState;
 use crate::model::safetensors::{self as st, load_file, round_bf16};
 use crate::model::{Tensor, Weights};
 use anyhow::{Context, Result};

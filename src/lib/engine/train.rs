@@ -18,8 +18,8 @@
 //!   optimizer step: the recomputed old log-probs (every row), else the forward of the first
 //!   optimizer step (its mini-batch: the whole batch when on-policy).
 
+use super::balance::{balance, micro_schedule};
 use super::logprob::{micro_batches, score, PromptResponse};
-use super::shard::balance::{balance, micro_schedule};
 use super::Policy;
 use crate::algo::agg::{AggMode, LossNorm};
 use crate::algo::policy_loss::{
@@ -28,7 +28,7 @@ use crate::algo::policy_loss::{
 use crate::algo::rollout_corr::Mismatch;
 use crate::backend::ops::sample::uniform;
 use crate::backend::PpoShape;
-use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, ShardStats, TokenGrads, TokenStats};
+use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
 use crate::rng::mix_key;
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
@@ -162,6 +162,17 @@ pub struct TrainConfig {
     /// step and epoch).
     pub shuffle: bool,
     pub seed: u64,
+    /// Run the PPO-clip loss on the device where the loss and the policy allow (no host round
+    /// trip per micro-batch); false: always on the host ([`TrainConfig::device_loss_from_env`]).
+    pub device_loss: bool,
+}
+
+impl TrainConfig {
+    /// The default of [`TrainConfig::device_loss`]: on, unless the environment sets
+    /// `TANDEM_HOST_LOSS` (to compare the two paths, or to measure the host one).
+    pub fn device_loss_from_env() -> bool {
+        std::env::var_os("TANDEM_HOST_LOSS").is_none()
+    }
 }
 
 /// The batch, one entry per row; per-token columns are aligned with the response.
@@ -263,8 +274,72 @@ impl TrainReport {
     }
 }
 
+/// What the sharded optimizer did so far (the update metrics' `shard` object).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ShardStats {
+    pub world_size: usize,
+    pub buckets: usize,
+    /// Elements of this rank's shards (of every bucket together).
+    pub shard_elems: usize,
+    /// Wall seconds the host spent on the gradients' reduce-scatter outside its overlap with
+    /// the backward: packing and reducing the buckets started after the backward (all of them
+    /// on a rank with no rows), and waiting for those started during it (for a pack buffer, or
+    /// at the end of the backward; a GPU's wait does not block the host). Under full sharding:
+    /// the units' reduce-scatters in the backward, whole.
+    pub reduce_scatter_seconds: f64,
+    /// Buckets whose reduce-scatter this rank started during a backward (zero2's overlap).
+    pub overlapped_buckets: u64,
+    /// Wall seconds of the weight sync (the all-gather of the compute weights, copies
+    /// included) and the bytes each rank received in it.
+    pub sync_seconds: f64,
+    pub sync_bytes: u64,
+    /// Bytes of the staging buffers the reduce-scatter and the weight sync add.
+    pub staging_bytes: u64,
+    /// `shard = "full"`: the units' all-gathers (before each forward and backward), their
+    /// wall seconds and the bytes each rank received.
+    pub full: bool,
+    pub unit_gathers: u64,
+    pub unit_gather_seconds: f64,
+    pub unit_gather_bytes: u64,
+    /// `shard = "full"`: the units' all-gathers started ahead (prefetched), while the unit
+    /// before them computes.
+    pub unit_prefetches: u64,
+    /// A checkpointing update: wall seconds of bringing the state to the hosts (the masters
+    /// gathered on rank 0, and each rank's own shard downloaded), and of writing this rank's
+    /// optimizer shard file.
+    pub state_gather_seconds: f64,
+    pub shard_write_seconds: f64,
+}
+
+impl ShardStats {
+    pub fn to_json(&self) -> serde_json::Value {
+        let gbs = match self.sync_seconds > 0.0 {
+            true => self.sync_bytes as f64 / self.sync_seconds / 1e9,
+            false => 0.0,
+        };
+        serde_json::json!({
+            "world_size": self.world_size,
+            "buckets": self.buckets,
+            "shard_elems": self.shard_elems,
+            "reduce_scatter_seconds": self.reduce_scatter_seconds,
+            "overlapped_buckets": self.overlapped_buckets,
+            "weight_sync_seconds": self.sync_seconds,
+            "weight_sync_bytes": self.sync_bytes,
+            "weight_sync_gb_per_s": gbs,
+            "staging_bytes": self.staging_bytes,
+            "mode": if self.full { "full" } else { "zero2" },
+            "unit_gathers": self.unit_gathers,
+            "unit_gather_seconds": self.unit_gather_seconds,
+            "unit_gather_bytes": self.unit_gather_bytes,
+            "unit_prefetches": self.unit_prefetches,
+            "state_gather_seconds": self.state_gather_seconds,
+            "shard_write_seconds": self.shard_write_seconds,
+        })
+    }
+}
+
 /// Runs one `update` call: `schedule_step` is the number of training steps before this one.
-/// The PPO-clip loss runs on the device when the policy can (TANDEM_HOST_LOSS=1: on the host).
+/// The PPO-clip loss runs on the device when the policy can and `cfg.device_loss` allows.
 pub fn train(
     policy: &mut dyn Policy,
     data: &TrainData,
@@ -272,18 +347,69 @@ pub fn train(
     schedule_step: u64,
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
-    let device_loss = std::env::var_os("TANDEM_HOST_LOSS").is_none();
-    train_with(policy, data, cfg, schedule_step, log, device_loss)
+    check_batch(data, cfg)?;
+    let n = data.rows.len();
+    let mbs = cfg.mini_batch_size.unwrap_or(n).clamp(1, n);
+    let on_policy = data.old.is_none() && cfg.ppo_epochs == 1 && n.div_ceil(mbs) == 1;
+    let started = Instant::now();
+    let dp = policy.data_parallel();
+    // Off-policy without old log-probs: freeze the current policy's before any step. With one
+    // epoch the first mini-batch's are its own first forward (same weights: taken as
+    // on-policy there, on every rank), so only the other rows are scored first.
+    let first_own = data.old.is_none() && !on_policy && cfg.ppo_epochs == 1;
+    let mut in_first = vec![false; n];
+    if first_own {
+        for &i in &epoch_order(cfg, n, schedule_step, 0)[..mbs] {
+            in_first[i] = true;
+        }
+    }
+    let recomputed = match data.old.is_none() && !on_policy {
+        true => Some(recompute_old(policy, data, cfg, &in_first, log)?),
+        false => None,
+    };
+    let mut mismatch = first_mismatch(data, recomputed.as_deref(), &in_first, dp, log)?;
+    let old_rows: Option<Vec<&[f32]>> = match (&data.old, &recomputed) {
+        (Some(o), _) => Some(o.clone()),
+        (None, Some(r)) => Some(r.iter().map(Vec::as_slice).collect()),
+        (None, None) => None,
+    };
+    let lr = cfg.lr.at(schedule_step);
+    let mut t = Trainer::new(policy, data, cfg, lr, log)?;
+    let mut steps = Vec::new();
+    let mut tokens = 0usize;
+    for epoch in 0..cfg.ppo_epochs {
+        let order = epoch_order(cfg, n, schedule_step, epoch);
+        for mb in order.chunks(mbs) {
+            // The first mini-batch whose old log-probs were not recomputed: on-policy.
+            let own = first_own && steps.is_empty();
+            let old_mb = if own { None } else { old_rows.as_deref() };
+            let measure = match &mut mismatch {
+                Some((m, "first_step")) if steps.is_empty() => Some(m),
+                // Data-parallel, each rank's first forward sees only its share: the mismatch
+                // stays that of the recomputed rows, the same on every rank.
+                Some((m, _)) if own && dp.is_none() => Some(m),
+                _ => None,
+            };
+            let (step, step_tokens) = t.step(epoch, mb, old_mb, measure)?;
+            tokens += step_tokens;
+            steps.push(step);
+        }
+    }
+    Ok(TrainReport {
+        steps,
+        lr,
+        tokens,
+        seconds: started.elapsed().as_secs_f64(),
+        on_policy,
+        recomputed_old: recomputed.is_some(),
+        rollout_is: cfg.loss.rollout_is.is_some(),
+        mismatch,
+        shard: None,
+    })
 }
 
-fn train_with(
-    policy: &mut dyn Policy,
-    data: &TrainData,
-    cfg: &TrainConfig,
-    schedule_step: u64,
-    log: &mut dyn FnMut(&str),
-    allow_device_loss: bool,
-) -> Result<TrainReport> {
+/// Refuses a batch the loss cannot train on.
+fn check_batch(data: &TrainData, cfg: &TrainConfig) -> Result<()> {
     let n = data.rows.len();
     ensure!(n > 0, "the batch has no rows");
     ensure!(cfg.ppo_epochs > 0, "ppo_epochs must be >= 1");
@@ -301,55 +427,51 @@ fn train_with(
         cfg.loss.rollout_is.is_none() || data.rollout.is_some(),
         "rollout IS needs rollout log-probs"
     );
-    let mbs = cfg.mini_batch_size.unwrap_or(n).clamp(1, n);
-    let minibatches = n.div_ceil(mbs);
-    let on_policy = data.old.is_none() && cfg.ppo_epochs == 1 && minibatches == 1;
-    let started = Instant::now();
-    let dp = policy.data_parallel();
+    Ok(())
+}
 
-    // Off-policy without old log-probs: freeze the current policy's before any step. With one
-    // epoch the first mini-batch's are its own first forward (same weights: taken as
-    // on-policy there, on every rank), so only the other rows are scored first.
-    let first_own = data.old.is_none() && !on_policy && cfg.ppo_epochs == 1;
-    let mut in_first = vec![false; n];
-    if first_own {
-        for &i in &epoch_order(cfg, n, schedule_step, 0)[..mbs] {
-            in_first[i] = true;
-        }
+/// The old log-probs of the rows not `in_first`, with the current weights (one entry per row
+/// of the batch; those of the first mini-batch stay empty): scored here, or data-parallel
+/// each rank its share ([`score_shared`]).
+fn recompute_old(
+    policy: &mut dyn Policy,
+    data: &TrainData,
+    cfg: &TrainConfig,
+    in_first: &[bool],
+    log: &mut dyn FnMut(&str),
+) -> Result<Vec<Vec<f32>>> {
+    log("old_logprobs absent and several optimizer steps: computing them with the current weights first");
+    let n = data.rows.len();
+    let rest: Vec<usize> = (0..n).filter(|&i| !in_first[i]).collect();
+    if let Some((rank, world)) = policy.data_parallel() {
+        return score_shared(policy, data, &rest, cfg, rank, world);
     }
-    let recomputed: Option<Vec<Vec<f32>>> = if data.old.is_none() && !on_policy {
-        log("old_logprobs absent and several optimizer steps: computing them with the current weights first");
-        let rest: Vec<usize> = (0..n).filter(|&i| !in_first[i]).collect();
-        Some(match dp {
-            None => {
-                let rows: Vec<PromptResponse> = rest.iter().map(|&i| data.rows[i]).collect();
-                let stats = score(
-                    policy,
-                    &rows,
-                    cfg.temperature,
-                    false,
-                    cfg.micro_batch_tokens,
-                    &mut |_| {},
-                )?;
-                let mut out = vec![Vec::new(); n];
-                for (&i, s) in rest.iter().zip(stats) {
-                    out[i] = s.logprobs;
-                }
-                out
-            }
-            Some((rank, world)) => score_shared(policy, data, &rest, cfg, rank, world)?,
-        })
-    } else {
-        None
-    };
-    // The trainer's log-probs before any step: the recomputed old ones (and the first
-    // mini-batch's forward where that one was not recomputed), else those of the first
-    // optimizer step's forward.
-    let mut mismatch = match (&data.rollout, &recomputed) {
+    let rows: Vec<PromptResponse> = rest.iter().map(|&i| data.rows[i]).collect();
+    let t = cfg.temperature;
+    let stats = score(policy, &rows, t, false, cfg.micro_batch_tokens, &mut |_| {})?;
+    let mut out = vec![Vec::new(); n];
+    for (&i, s) in rest.iter().zip(stats) {
+        out[i] = s.logprobs;
+    }
+    Ok(out)
+}
+
+/// Where the rollout-vs-trainer mismatch is measured (the batch has rollout log-probs): the
+/// trainer's log-probs before any step are the recomputed old ones (measured here, every row
+/// outside the first mini-batch), else those of the first optimizer step's forward (measured
+/// there, not when data-parallel).
+fn first_mismatch(
+    data: &TrainData,
+    recomputed: Option<&[Vec<f32>]>,
+    in_first: &[bool],
+    dp: Option<(usize, usize)>,
+    log: &mut dyn FnMut(&str),
+) -> Result<Option<(Mismatch, &'static str)>> {
+    Ok(match (&data.rollout, recomputed) {
         (None, _) => None,
         (Some(roll), Some(old)) => {
             let mut m = Mismatch::default();
-            for i in (0..n).filter(|&i| !in_first[i]) {
+            for i in (0..data.rows.len()).filter(|&i| !in_first[i]) {
                 m.add_row(&old[i], roll[i], data.mask[i])?;
             }
             Some((m, "recomputed_old"))
@@ -359,252 +481,302 @@ fn train_with(
             None
         }
         (Some(_), None) => Some((Mismatch::default(), "first_step")),
-    };
-    let old_rows: Option<Vec<&[f32]>> = match (&data.old, &recomputed) {
-        (Some(o), _) => Some(o.clone()),
-        (None, Some(r)) => Some(r.iter().map(Vec::as_slice).collect()),
-        (None, None) => None,
-    };
+    })
+}
 
-    let lr = cfg.lr.at(schedule_step);
-    let hp = AdamWParams {
-        lr: lr as f32,
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        eps: cfg.eps,
-        weight_decay: cfg.weight_decay,
-    };
-    let want_entropy = cfg.loss.entropy_coeff != 0.0;
-    // The PPO-clip loss can run on the device (metrics summed there, read once per step):
-    // vanilla mode without KL loss or rollout IS.
-    let mut device_loss = allow_device_loss
-        && cfg.loss.mode == LossMode::Vanilla
-        && cfg.loss.kl_loss.is_none()
-        && cfg.loss.rollout_is.is_none();
-    let clip = PpoShape {
-        tokens: 0,
-        ratio_low: 1.0 - cfg.loss.clip_low(),
-        ratio_high: 1.0 + cfg.loss.clip_high(),
-        dual_clip: cfg.loss.clip_ratio_c,
-    };
-    if device_loss {
-        cfg.loss.validate()?;
+/// The training loop's state across its optimizer steps.
+struct Trainer<'a, 'd> {
+    policy: &'a mut dyn Policy,
+    data: &'a TrainData<'d>,
+    cfg: &'a TrainConfig,
+    log: &'a mut dyn FnMut(&str),
+    dp: Option<(usize, usize)>,
+    hp: AdamWParams,
+    want_entropy: bool,
+    /// The PPO-clip loss runs on the device (metrics summed there, read once per step):
+    /// vanilla mode without KL loss or rollout IS, while the policy has the path.
+    device_loss: bool,
+    clip: PpoShape,
+}
+
+/// What one optimizer step's micro-batches add up.
+#[derive(Default)]
+struct StepSums {
+    metrics: LossMetrics,
+    loss: f64,
+    nonfinite: bool,
+    /// A pass ran the loss on the device (its metrics are read after the passes).
+    device_loss: bool,
+    tokens: usize,
+}
+
+impl<'a, 'd> Trainer<'a, 'd> {
+    fn new(
+        policy: &'a mut dyn Policy,
+        data: &'a TrainData<'d>,
+        cfg: &'a TrainConfig,
+        lr: f64,
+        log: &'a mut dyn FnMut(&str),
+    ) -> Result<Self> {
+        let device_loss = cfg.device_loss
+            && cfg.loss.mode == LossMode::Vanilla
+            && cfg.loss.kl_loss.is_none()
+            && cfg.loss.rollout_is.is_none();
+        if device_loss {
+            cfg.loss.validate()?;
+        }
+        Ok(Trainer {
+            dp: policy.data_parallel(),
+            policy,
+            data,
+            cfg,
+            log,
+            hp: AdamWParams {
+                lr: lr as f32,
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: cfg.eps,
+                weight_decay: cfg.weight_decay,
+            },
+            want_entropy: cfg.loss.entropy_coeff != 0.0,
+            device_loss,
+            clip: PpoShape {
+                tokens: 0,
+                ratio_low: 1.0 - cfg.loss.clip_low(),
+                ratio_high: 1.0 + cfg.loss.clip_high(),
+                dual_clip: cfg.loss.clip_ratio_c,
+            },
+        })
     }
-    let mut steps = Vec::new();
-    let mut tokens = 0usize;
-    for epoch in 0..cfg.ppo_epochs {
-        let order = epoch_order(cfg, n, schedule_step, epoch);
-        for mb in order.chunks(mbs) {
-            // The first mini-batch whose old log-probs were not recomputed: on-policy.
-            let own = first_own && steps.is_empty();
-            let old_mb = if own { None } else { old_rows.as_deref() };
-            let norm = LossNorm::of_rows(mb.iter().map(|&i| data.mask[i]), cfg.loss_scale_factor);
-            policy.zero_grads()?;
-            let step_start = Instant::now();
-            let mut metrics = LossMetrics::default();
-            let mut loss_total = 0.0;
-            let mut nonfinite = false;
-            let mut used_device_loss = false;
-            let live: Vec<usize> = mb
-                .iter()
-                .copied()
-                .filter(|&i| !data.rows[i].response.is_empty())
-                .collect();
-            let lens: Vec<usize> = live.iter().map(|&i| data.rows[i].len()).collect();
-            let measure = match &mut mismatch {
-                Some((m, "first_step")) if steps.is_empty() => Some(m),
-                // Data-parallel, each rank's first forward sees only its share: the mismatch
-                // stays that of the recomputed rows, the same on every rank.
-                Some((m, _)) if own && dp.is_none() => Some(m),
-                _ => None,
-            };
-            let mut measure = measure.map(|m| (m, Vec::new()));
-            let budget = cfg.micro_batch_tokens.max(1);
-            // Rows of each micro-batch; data-parallel: this rank's share of the mini-batch
-            // (by token count), cut the same way.
-            let groups: Vec<Vec<usize>> = match dp {
-                None => micro_batches(&lens, budget)
-                    .into_iter()
-                    .map(|g| live[g].to_vec())
-                    .collect(),
-                Some((rank, world)) => {
-                    let (shares, micro) = micro_schedule(&lens, world, budget);
-                    let mine = &shares[rank];
-                    let lockstep = policy.lockstep();
-                    micro[rank]
-                        .iter()
-                        .filter(|g| lockstep || !g.is_empty())
-                        .map(|g| mine[g.clone()].iter().map(|&k| live[k]).collect())
-                        .collect()
-                }
-            };
-            let mut step_tokens = 0usize;
-            for (g, idx) in groups.iter().enumerate() {
-                super::cancel::check()?;
-                if g + 1 == groups.len() {
-                    policy.last_pass_next();
-                }
-                let idx = &idx[..];
-                let joined: Vec<Vec<u32>> = idx.iter().map(|&i| data.rows[i].joined()).collect();
-                let seqs: Vec<SeqRef> = idx
+
+    /// One optimizer step on mini-batch `mb` (rows of the batch): its micro-batches'
+    /// passes, their sums (over the ranks too), the step. `measure`: the mismatch this step's
+    /// forward adds to. Returns the step's metrics and its tokens.
+    fn step(
+        &mut self,
+        epoch: usize,
+        mb: &[usize],
+        old_mb: Option<&[&[f32]]>,
+        measure: Option<&mut Mismatch>,
+    ) -> Result<(StepMetrics, usize)> {
+        let (data, cfg) = (self.data, self.cfg);
+        let norm = LossNorm::of_rows(mb.iter().map(|&i| data.mask[i]), cfg.loss_scale_factor);
+        self.policy.zero_grads()?;
+        let step_start = Instant::now();
+        let mut sums = StepSums::default();
+        let mut measure = measure.map(|m| (m, Vec::new()));
+        let groups = self.groups(mb);
+        for (g, idx) in groups.iter().enumerate() {
+            super::cancel::check()?;
+            if g + 1 == groups.len() {
+                self.policy.last_pass_next();
+            }
+            self.pass(idx, old_mb, &norm, measure.as_mut(), &mut sums)?;
+        }
+        let micro_seconds = step_start.elapsed().as_secs_f64();
+        // Data-parallel: the gradients not reduced during the last backward (all of them
+        // on a rank without rows), before the collectives below.
+        self.policy.passes_done()?;
+        if sums.device_loss {
+            self.add_device_metrics(&mut sums)?;
+        }
+        if self.dp.is_some() {
+            self.sum_over_ranks(&mut sums)?;
+        }
+        let wait_seconds = step_start.elapsed().as_secs_f64() - micro_seconds;
+        let opt_start = Instant::now();
+        let (grad_norm, skipped) = self.optimizer_step(epoch, mb.len(), sums.nonfinite)?;
+        let step = StepMetrics {
+            epoch,
+            sequences: mb.len(),
+            loss: if sums.nonfinite { f64::NAN } else { sums.loss },
+            metrics: sums.metrics,
+            grad_norm,
+            skipped,
+            micro_seconds,
+            wait_seconds,
+            optimizer_seconds: opt_start.elapsed().as_secs_f64(),
+            device_loss: sums.device_loss,
+        };
+        Ok((step, sums.tokens))
+    }
+
+    /// The rows of each micro-batch of mini-batch `mb` (those with a response), cut by the
+    /// token budget; data-parallel: this rank's share of the mini-batch (by token count), cut
+    /// the same way (empty ones kept where the passes run in lockstep).
+    fn groups(&self, mb: &[usize]) -> Vec<Vec<usize>> {
+        let data = self.data;
+        let live: Vec<usize> = mb
+            .iter()
+            .copied()
+            .filter(|&i| !data.rows[i].response.is_empty())
+            .collect();
+        let lens: Vec<usize> = live.iter().map(|&i| data.rows[i].len()).collect();
+        let budget = self.cfg.micro_batch_tokens.max(1);
+        match self.dp {
+            None => micro_batches(&lens, budget)
+                .into_iter()
+                .map(|g| live[g].to_vec())
+                .collect(),
+            Some((rank, world)) => {
+                let (shares, micro) = micro_schedule(&lens, world, budget);
+                let mine = &shares[rank];
+                let lockstep = self.policy.lockstep();
+                micro[rank]
                     .iter()
-                    .zip(&joined)
-                    .map(|(&i, t)| SeqRef {
-                        tokens: t,
-                        start: data.rows[i].prompt.len(),
-                    })
-                    .collect();
-                step_tokens += joined.iter().map(Vec::len).sum::<usize>();
-                if device_loss {
-                    let t = ppo_tokens(cfg, data, idx, old_mb, &norm, want_entropy)?;
-                    let pt = PpoTokens {
-                        old: t.old.as_deref(),
-                        advantages: &t.adv,
-                        weights: &t.weights,
-                        dentropy: t.dent.as_deref(),
-                    };
-                    let lp_out = measure.as_mut().map(|(_, buf)| buf);
-                    if policy.forward_backward_ppo(&seqs, cfg.temperature, &pt, clip, lp_out)? {
-                        used_device_loss = true;
-                        if let Some((m, buf)) = measure.as_mut() {
-                            add_mismatch(m, data, idx, |_, off, len| &buf[off..off + len])?;
-                        }
-                        continue;
-                    }
-                    // This policy has no device path: the host loss from here on.
-                    device_loss = false;
-                }
-                policy.forward_backward(&seqs, cfg.temperature, &mut |stats| {
-                    if let Some((m, _)) = measure.as_mut() {
-                        add_mismatch(m, data, idx, |k, _, _| &stats[k].logprobs[..])?;
-                    }
-                    let (out, offsets) =
-                        micro_loss(cfg, data, idx, stats, old_mb, &norm, want_entropy)?;
-                    if !out.loss.is_finite() {
-                        nonfinite = true;
-                    } else {
-                        metrics.add(&out.metrics);
-                        loss_total += out.loss;
-                    }
-                    Ok(split_grads(
-                        &out.grad_lp,
-                        out.grad_entropy.as_deref(),
-                        &offsets,
-                        nonfinite,
-                    ))
-                })?;
+                    .filter(|g| lockstep || !g.is_empty())
+                    .map(|g| mine[g.clone()].iter().map(|&k| live[k]).collect())
+                    .collect()
             }
-            let micro_seconds = step_start.elapsed().as_secs_f64();
-            // Data-parallel: the gradients not reduced during the last backward (all of them
-            // on a rank without rows), before the collectives below.
-            policy.passes_done()?;
-            if used_device_loss {
-                let s = policy.take_ppo_stats()?;
-                let m = LossMetrics {
-                    pg_loss: s[0],
-                    pg_clipfrac: s[1],
-                    pg_clipfrac_lower: s[2],
-                    ppo_kl: s[3],
-                    entropy: s[4],
-                    ..LossMetrics::default()
-                };
-                let loss = m.pg_loss - cfg.loss.entropy_coeff * m.entropy;
-                if s[5] > 0.0 || !loss.is_finite() {
-                    nonfinite = true;
-                } else {
-                    metrics.add(&m);
-                    loss_total += loss;
-                }
-            }
-            if dp.is_some() {
-                // The loss was normalised by the whole mini-batch's counts (every rank has
-                // them), so the ranks' sums add up to the one-rank values.
-                let m = &mut metrics;
-                let mut v = [
-                    loss_total,
-                    m.pg_loss,
-                    m.pg_clipfrac,
-                    m.pg_clipfrac_lower,
-                    m.ppo_kl,
-                    m.entropy,
-                    m.kl_loss,
-                    m.is_weight,
-                    m.is_truncated,
-                    nonfinite as u8 as f64,
-                    step_tokens as f64,
-                ];
-                policy.sum_over_ranks(&mut v)?;
-                [
-                    loss_total,
-                    m.pg_loss,
-                    m.pg_clipfrac,
-                    m.pg_clipfrac_lower,
-                    m.ppo_kl,
-                    m.entropy,
-                    m.kl_loss,
-                    m.is_weight,
-                    m.is_truncated,
-                ] = [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]];
-                nonfinite = v[9] > 0.0;
-                step_tokens = v[10].round() as usize;
-            }
-            tokens += step_tokens;
-            let wait_seconds = step_start.elapsed().as_secs_f64() - micro_seconds;
-            let opt_start = Instant::now();
-            let report = if nonfinite {
-                policy.zero_grads()?;
-                log(&format!(
-                    "epoch {epoch}, mini-batch of {} sequences: non-finite loss, optimizer step skipped",
-                    mb.len()
-                ));
-                StepMetrics {
-                    epoch,
-                    sequences: mb.len(),
-                    loss: f64::NAN,
-                    metrics,
-                    grad_norm: f32::NAN,
-                    skipped: true,
-                    micro_seconds,
-                    wait_seconds,
-                    optimizer_seconds: opt_start.elapsed().as_secs_f64(),
-                    device_loss: used_device_loss,
-                }
-            } else {
-                let r = policy.optimizer_step(&hp, cfg.grad_clip)?;
-                if r.skipped {
-                    log(&format!(
-                        "epoch {epoch}, mini-batch of {} sequences: gradient norm {} is not finite, optimizer step skipped",
-                        mb.len(),
-                        r.grad_norm
-                    ));
-                }
-                StepMetrics {
-                    epoch,
-                    sequences: mb.len(),
-                    loss: loss_total,
-                    metrics,
-                    grad_norm: r.grad_norm,
-                    skipped: r.skipped,
-                    micro_seconds,
-                    wait_seconds,
-                    optimizer_seconds: opt_start.elapsed().as_secs_f64(),
-                    device_loss: used_device_loss,
-                }
-            };
-            steps.push(report);
         }
     }
-    Ok(TrainReport {
-        steps,
-        lr,
-        tokens,
-        seconds: started.elapsed().as_secs_f64(),
-        on_policy,
-        recomputed_old: recomputed.is_some(),
-        rollout_is: cfg.loss.rollout_is.is_some(),
-        mismatch,
-        shard: None,
-    })
+
+    /// One micro-batch's forward, loss and backward (rows `idx`): the loss on the device where
+    /// it can run, else on the host; its numbers added to `sums`, its log-probs to `measure`.
+    fn pass(
+        &mut self,
+        idx: &[usize],
+        old_mb: Option<&[&[f32]]>,
+        norm: &LossNorm,
+        mut measure: Option<&mut (&mut Mismatch, Vec<f32>)>,
+        sums: &mut StepSums,
+    ) -> Result<()> {
+        let (data, cfg) = (self.data, self.cfg);
+        let joined: Vec<Vec<u32>> = idx.iter().map(|&i| data.rows[i].joined()).collect();
+        let seqs: Vec<SeqRef> = idx
+            .iter()
+            .zip(&joined)
+            .map(|(&i, t)| SeqRef {
+                tokens: t,
+                start: data.rows[i].prompt.len(),
+            })
+            .collect();
+        sums.tokens += joined.iter().map(Vec::len).sum::<usize>();
+        if self.device_loss {
+            let t = ppo_tokens(cfg, data, idx, old_mb, norm, self.want_entropy)?;
+            let pt = PpoTokens {
+                old: t.old.as_deref(),
+                advantages: &t.adv,
+                weights: &t.weights,
+                dentropy: t.dent.as_deref(),
+            };
+            let lp_out = measure.as_mut().map(|m| &mut m.1);
+            let temp = cfg.temperature;
+            if self
+                .policy
+                .forward_backward_ppo(&seqs, temp, &pt, self.clip, lp_out)?
+            {
+                sums.device_loss = true;
+                if let Some((m, buf)) = measure {
+                    add_mismatch(m, data, idx, |_, off, len| &buf[off..off + len])?;
+                }
+                return Ok(());
+            }
+            // This policy has no device path: the host loss from here on.
+            self.device_loss = false;
+        }
+        let want_entropy = self.want_entropy;
+        self.policy
+            .forward_backward(&seqs, cfg.temperature, &mut |stats| {
+                if let Some((m, _)) = measure.as_mut() {
+                    add_mismatch(m, data, idx, |k, _, _| &stats[k].logprobs[..])?;
+                }
+                let (out, offsets) = micro_loss(cfg, data, idx, stats, old_mb, norm, want_entropy)?;
+                if !out.loss.is_finite() {
+                    sums.nonfinite = true;
+                } else {
+                    sums.metrics.add(&out.metrics);
+                    sums.loss += out.loss;
+                }
+                Ok(split_grads(
+                    &out.grad_lp,
+                    out.grad_entropy.as_deref(),
+                    &offsets,
+                    sums.nonfinite,
+                ))
+            })
+    }
+
+    /// The device loss's metric sums of the step's passes, added to `sums`.
+    fn add_device_metrics(&mut self, sums: &mut StepSums) -> Result<()> {
+        let s = self.policy.take_ppo_stats()?;
+        let m = LossMetrics {
+            pg_loss: s[0],
+            pg_clipfrac: s[1],
+            pg_clipfrac_lower: s[2],
+            ppo_kl: s[3],
+            entropy: s[4],
+            ..LossMetrics::default()
+        };
+        let loss = m.pg_loss - self.cfg.loss.entropy_coeff * m.entropy;
+        if s[5] > 0.0 || !loss.is_finite() {
+            sums.nonfinite = true;
+        } else {
+            sums.metrics.add(&m);
+            sums.loss += loss;
+        }
+        Ok(())
+    }
+
+    /// Data-parallel: the step's sums over the ranks. The loss was normalised by the whole
+    /// mini-batch's counts (every rank has them), so the ranks' sums add up to the one-rank
+    /// values.
+    fn sum_over_ranks(&mut self, sums: &mut StepSums) -> Result<()> {
+        let m = &mut sums.metrics;
+        let mut v = [
+            sums.loss,
+            m.pg_loss,
+            m.pg_clipfrac,
+            m.pg_clipfrac_lower,
+            m.ppo_kl,
+            m.entropy,
+            m.kl_loss,
+            m.is_weight,
+            m.is_truncated,
+            sums.nonfinite as u8 as f64,
+            sums.tokens as f64,
+        ];
+        self.policy.sum_over_ranks(&mut v)?;
+        [
+            sums.loss,
+            m.pg_loss,
+            m.pg_clipfrac,
+            m.pg_clipfrac_lower,
+            m.ppo_kl,
+            m.entropy,
+            m.kl_loss,
+            m.is_weight,
+            m.is_truncated,
+        ] = [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]];
+        sums.nonfinite = v[9] > 0.0;
+        sums.tokens = v[10].round() as usize;
+        Ok(())
+    }
+
+    /// The optimizer step of a mini-batch of `seqs` sequences, skipped after a non-finite
+    /// loss (the gradients zeroed) or gradient norm. Returns (gradient norm, skipped).
+    fn optimizer_step(
+        &mut self,
+        epoch: usize,
+        seqs: usize,
+        nonfinite: bool,
+    ) -> Result<(f32, bool)> {
+        if nonfinite {
+            self.policy.zero_grads()?;
+            (self.log)(&format!(
+                "epoch {epoch}, mini-batch of {seqs} sequences: non-finite loss, optimizer step skipped"
+            ));
+            return Ok((f32::NAN, true));
+        }
+        let r = self.policy.optimizer_step(&self.hp, self.cfg.grad_clip)?;
+        if r.skipped {
+            (self.log)(&format!(
+                "epoch {epoch}, mini-batch of {seqs} sequences: gradient norm {} is not finite, optimizer step skipped",
+                r.grad_norm
+            ));
+        }
+        Ok((r.grad_norm, r.skipped))
+    }
 }
 
 /// The rows of `epoch` in the order they are cut into mini-batches: as they come, or a
@@ -909,6 +1081,7 @@ mod tests {
             grad_clip: None,
             shuffle: false,
             seed: 0,
+            device_loss: true,
         }
     }
 
@@ -1278,7 +1451,11 @@ mod tests {
             let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
             let mut d = owned.data();
             d.old = Some(old.iter().map(Vec::as_slice).collect());
-            let r = train_with(&mut dec, &d, &c, 0, &mut |_| {}, device).unwrap();
+            let c = TrainConfig {
+                device_loss: device,
+                ..c.clone()
+            };
+            let r = train(&mut dec, &d, &c, 0, &mut |_| {}).unwrap();
             (r, dec.export_weights().unwrap())
         };
         let (rh, wh) = run(false);

@@ -353,6 +353,7 @@ impl UpdateArgs {
             grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
             shuffle: self.shuffle,
             seed: self.seed,
+            device_loss: TrainConfig::device_loss_from_env(),
         })
     }
 }

@@ -9,7 +9,8 @@ use super::train::{Sharding, Train, Trained};
 use crate::backend::{Backend, DType};
 use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedPolicy};
-use crate::model::decoder::{Decoder, OptimizerState, ShardStats, ShardedOptim};
+use crate::engine::shard::{ShardStats, ShardedOptim};
+use crate::model::decoder::{Decoder, OptimizerState};
 use crate::model::Weights;
 use crate::parallel::{Comm, ProcessGroup};
 use anyhow::Result;
@@ -120,11 +121,11 @@ pub(crate) fn train_resident<B: Backend>(
             if let Some(o) = held {
                 // Another --shard than the last update's: the state comes back together on
                 // every rank (from memory, not from the files) and is sharded as asked.
-                slot.decoder.unshard_optimizer(o, comm)?;
+                o.unshard(&mut slot.decoder, comm)?;
             }
             let mut o = match full {
-                true => slot.decoder.shard_full(comm)?,
-                false => slot.decoder.shard_optimizer(comm, sharding.bucket_elems)?,
+                true => ShardedOptim::full(&mut slot.decoder, comm)?,
+                false => ShardedOptim::zero2(&mut slot.decoder, comm, sharding.bucket_elems)?,
             };
             if loaded
                 && slot
@@ -144,9 +145,8 @@ pub(crate) fn train_resident<B: Backend>(
                             pg.rank()
                         );
                 };
-                let shard = source.for_layout(&slot.decoder.shard_layout(&o), pg.rank())?;
-                slot.decoder
-                    .load_shard(&mut o, &shard, &files.weights, comm)?;
+                let shard = source.for_layout(&o.layout(&slot.decoder), pg.rank())?;
+                o.load(&mut slot.decoder, &shard, &files.weights, comm)?;
             }
             o
         }

@@ -2,8 +2,8 @@
 
 use crate::backend::Backend;
 use crate::engine::shard::files::{shard_file_name, write_shard};
+use crate::engine::shard::HostShard;
 use crate::engine::shard::ToHost;
-use crate::model::decoder::HostShard;
 use crate::parallel::comm::sum_f64;
 use crate::parallel::Comm;
 use anyhow::Result;

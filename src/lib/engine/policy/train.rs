@@ -6,7 +6,7 @@ use super::load::Trainable;
 use super::pointer::ModelRef;
 use super::shards::write_own_shard;
 use crate::backend::Backend;
-use crate::engine::shard::{ShardMode, ShardedPolicy, StateTo};
+use crate::engine::shard::{ShardMode, ShardedOptim, ShardedPolicy, StateTo};
 use crate::engine::train::{train, TrainConfig, TrainData, TrainReport};
 use crate::model::decoder::{Decoder, OptimizerState};
 use crate::model::Weights;
@@ -154,11 +154,11 @@ impl RankJob for TrainRank<'_> {
         let (mut policy, mut optim) = match self.mode {
             ShardMode::Zero2 => {
                 let mut policy = self.loaded.build(backend)?;
-                let optim = policy.shard_optimizer(comm, self.bucket_elems)?;
+                let optim = ShardedOptim::zero2(&mut policy, comm, self.bucket_elems)?;
                 (policy, optim)
             }
             // The state is never whole on a device: each rank uploads its shards.
-            ShardMode::Full => Decoder::new_full(
+            ShardMode::Full => ShardedOptim::new_full(
                 backend,
                 &self.loaded.cfg,
                 &self.loaded.weights,
@@ -167,8 +167,8 @@ impl RankJob for TrainRank<'_> {
             )?,
         };
         if let Some(source) = &self.loaded.shard {
-            let shard = source.for_layout(&policy.shard_layout(&optim), rank)?;
-            let took = policy.load_shard(&mut optim, &shard, &self.loaded.weights, comm)?;
+            let shard = source.for_layout(&optim.layout(&policy), rank)?;
+            let took = optim.load(&mut policy, &shard, &self.loaded.weights, comm)?;
             if !took && rank == 0 {
                 eprintln!("update: the f32 master shards do not match the model files; continuing from the bf16 weights");
             }

@@ -5,12 +5,11 @@
 
 use anyhow::{ensure, Result};
 
+use super::{Holding, ShardedOptim};
 use crate::backend::check::gpu::{dname, Case, Ctx, Row};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType};
-use crate::model::decoder::{
-    AdamWParams, Decoder, Holding, PassComm, SeqRef, TokenGrads, TokenStats,
-};
+use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
 use crate::model::safetensors::round_bf16;
 use crate::model::{init, Config, Weights};
 use crate::parallel::{Comm, NcclComm, Options, ProcessGroup, World};
@@ -26,7 +25,7 @@ pub enum Sharded<B> {
     /// zero2, in buckets of this many elements.
     Zero2(usize),
     /// `shard = "full"`; with a backend, the generation copy of a daemon group's rank is then
-    /// built on it from the shards ([`Decoder::gather_generation`]) and compared too.
+    /// built on it from the shards ([`ShardedOptim::gather_generation`]) and compared too.
     Full(Option<B>),
 }
 
@@ -37,7 +36,7 @@ pub enum Sharded<B> {
 /// against the plain ones, and of the generation copy against the bf16 rounding of the plain
 /// weights (NaN where none is built). Full sharding's passes gather each unit; zero2's pass of
 /// the first and last steps reduce-scatters the buckets during its backward
-/// ([`crate::model::decoder::Overlap`]), the middle step's after the pass.
+/// ([`super::Overlap`]), the middle step's after the pass.
 pub fn sharded_vs_plain<B: Backend>(
     plain: &mut Decoder<B>,
     sharded: &mut Decoder<B>,
@@ -53,8 +52,12 @@ pub fn sharded_vs_plain<B: Backend>(
     let clip = Some(0.5);
     let share = 1.0 / comm.world_size() as f32;
     let (mut optim, full, gen) = match how {
-        Sharded::Zero2(bucket_elems) => (sharded.shard_optimizer(comm, bucket_elems)?, false, None),
-        Sharded::Full(gen) => (sharded.shard_full(comm)?, true, gen),
+        Sharded::Zero2(bucket_elems) => (
+            ShardedOptim::zero2(sharded, comm, bucket_elems)?,
+            false,
+            None,
+        ),
+        Sharded::Full(gen) => (ShardedOptim::full(sharded, comm)?, true, gen),
     };
     let grads = |scale: f32| {
         move |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
@@ -73,29 +76,24 @@ pub fn sharded_vs_plain<B: Backend>(
         if full {
             optim.zero_grads(sharded.backend())?;
             let mut hold = Holding::new(comm, &mut optim);
-            sharded.forward_backward_with(
-                seqs,
-                1.0,
-                &mut grads(share),
-                PassComm::Held(&mut hold),
-            )?;
+            sharded.forward_backward_with(seqs, 1.0, &mut grads(share), &mut hold)?;
         } else if step != 1 {
             sharded.zero_grads()?;
             optim.begin_step();
             let mut ov = optim.overlap(comm);
-            let comm = PassComm::Overlapped(&mut ov);
-            sharded.forward_backward_with(seqs, 1.0, &mut grads(share), comm)?;
+            sharded.forward_backward_with(seqs, 1.0, &mut grads(share), &mut ov)?;
+            ov.finish()?;
         } else {
             sharded.zero_grads()?;
             optim.begin_step();
             sharded.forward_backward(seqs, 1.0, &mut grads(share))?;
         }
         plain.optimizer_step(&hp, clip)?;
-        sharded.sharded_step(&mut optim, comm, &hp, clip)?;
+        optim.step(sharded, comm, &hp, clip)?;
     }
     let gen_err = match gen {
         Some(backend) => {
-            let copy = sharded.gather_generation(&optim, comm, backend)?;
+            let copy = optim.gather_generation(sharded, comm, backend)?;
             let mut want = plain.export_weights()?;
             for t in want.values_mut() {
                 t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
@@ -104,7 +102,7 @@ pub fn sharded_vs_plain<B: Backend>(
         }
         None => f64::NAN,
     };
-    let stats = sharded.unshard_optimizer(optim, comm)?;
+    let stats = optim.unshard(sharded, comm)?;
     let overlapped = if full { 0 } else { 2 * stats.buckets as u64 };
     ensure!(
         stats.overlapped_buckets == overlapped,
@@ -292,7 +290,7 @@ mod tests {
 
     /// One rank's end of [`full_sharding_prefetches_and_trains_as_without`]: its shard
     /// metrics, its masters and moments (bits) and the log-probs it scored.
-    type FullRun = (crate::model::decoder::ShardStats, Vec<Vec<u32>>, Vec<u32>);
+    type FullRun = (super::super::ShardStats, Vec<Vec<u32>>, Vec<u32>);
 
     /// 2 steps of 3 training passes and a scoring pass each under `shard = "full"` on 2 ranks,
     /// rank 1 with rows in the first pass only, none in the second (an empty pass) and rows
@@ -313,7 +311,7 @@ mod tests {
             let comm = HostComm::new(&pg).unwrap();
             let rank = comm.rank();
             let mut dec = Decoder::new(Cpu, &cfg, &w).unwrap();
-            let mut optim = dec.shard_full(&comm).unwrap();
+            let mut optim = ShardedOptim::full(&mut dec, &comm).unwrap();
             let hp = AdamWParams {
                 lr: 1e-3,
                 ..AdamWParams::default()
@@ -340,18 +338,18 @@ mod tests {
                         _ => &unscored,
                     };
                     let mut hold = Holding::new(&comm, &mut optim).with_prefetch(prefetch);
-                    dec.forward_backward_with(mine, 1.0, &mut loss, PassComm::Held(&mut hold))
+                    dec.forward_backward_with(mine, 1.0, &mut loss, &mut hold)
                         .unwrap();
                 }
                 let mut hold = Holding::new(&comm, &mut optim).with_prefetch(prefetch);
                 let mine = if rank == 0 { &seqs[..] } else { &[] };
-                for s in dec.logprobs_held(mine, 1.0, false, &mut hold).unwrap() {
+                for s in dec.logprobs_with(mine, 1.0, false, &mut hold).unwrap() {
                     scored.extend(s.logprobs.iter().map(|x| x.to_bits()));
                 }
                 drop(hold);
-                dec.sharded_step(&mut optim, &comm, &hp, Some(0.5)).unwrap();
+                optim.step(&mut dec, &comm, &hp, Some(0.5)).unwrap();
             }
-            let shard = dec.download_shard(&optim).unwrap();
+            let shard = optim.download(&dec).unwrap();
             let (m, v) = shard.moments.expect("moments after a step");
             let bits = [shard.master, m, v]
                 .concat()

@@ -5,8 +5,9 @@
 //! ([`ShardSet::whole`]). What a checkpoint's trainer state says about them (how many, at
 //! which step) is read by `crate::engine::resume`, which builds on this file.
 
+use super::{Buckets, HostShard, ShardLayout};
 use crate::error::input_error;
-use crate::model::decoder::{Buckets, HostShard, OptimizerState, ShardLayout};
+use crate::model::decoder::OptimizerState;
 use crate::model::safetensors::{self as st, PartialFile};
 use crate::model::Weights;
 use anyhow::Result;

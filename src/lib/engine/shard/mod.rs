@@ -2,32 +2,51 @@
 //!
 //! Every rank holds the whole decoder and the whole batch. [`train_sharded`] runs the ordinary
 //! training loop ([`crate::engine::train::train`]) on a [`ShardedPolicy`]: each mini-batch's
-//! rows are shared out to the ranks by token count ([`balance`]), the loss is normalised by the
-//! whole mini-batch's counts (every rank computes them from the batch), the ranks' loss metrics
-//! are summed, and the optimizer step is [`Decoder::sharded_step`]: gradients reduce-scattered
-//! (during the backward of each rank's last pass of the step: [`Policy::last_pass_next`],
-//! [`Policy::passes_done`]), global-norm clipping, AdamW on this rank's 1/N of the f32 masters and moments, weights
-//! all-gathered. The result is the one-rank result up to the order of the floating-point sums.
+//! rows are shared out to the ranks by token count ([`crate::engine::balance`]), the loss is
+//! normalised by the whole mini-batch's counts (every rank computes them from the batch), the
+//! ranks' loss metrics are summed, and the optimizer step is [`ShardedOptim::step`]: gradients
+//! reduce-scattered (during the backward of each rank's last pass of the step:
+//! [`Policy::last_pass_next`], [`Policy::passes_done`]), global-norm clipping, AdamW on this
+//! rank's 1/N of the f32 masters and moments, weights all-gathered. The result is the one-rank
+//! result up to the order of the floating-point sums.
 //! [`ShardMode::Full`] (FSDP / ZeRO-3) shards the compute weights too: the optimizer from
-//! [`Decoder::shard_full`] or [`Decoder::new_full`] makes the policy's passes gather each unit
-//! before it runs and reduce-scatter its gradients as soon as its backward is done
+//! [`ShardedOptim::full`] or [`ShardedOptim::new_full`] makes the policy's passes gather each
+//! unit before it runs and reduce-scatter its gradients as soon as its backward is done
 //! ([`Holding`]); every rank then runs the same passes ([`Policy::lockstep`]).
+//!
+//! The decoder knows nothing of the ranks: the passes reach the communicator through their
+//! per-unit hooks ([`crate::model::decoder::UnitHooks`]), which [`Holding`] (full sharding) and
+//! [`Overlap`] (zero2's last pass of a step) implement.
 //!
 //! The entry points for a caller that holds a rank's decoder (the `update` stage under
 //! `tandem launch`, a per-rank daemon): [`train_sharded`] for one update call, or
-//! [`Decoder::shard_optimizer`] / [`ShardedPolicy`] / [`Decoder::unshard_optimizer`] to keep
-//! the shards between calls.
+//! [`ShardedOptim::zero2`] / [`ShardedPolicy`] / [`ShardedOptim::unshard`] to keep the shards
+//! between calls.
+//!
+//! Files: `optim` (the sharded state and its cut), `overlap` (zero2's reduce-scatter during
+//! the backward), `full` (full sharding's hold and prefetch), `step` (the optimizer step, the
+//! weights brought back whole), `layout` (the shards on the hosts).
 
-pub mod balance;
 pub mod check;
 pub mod files;
+mod full;
+mod layout;
+mod optim;
+mod overlap;
+mod step;
+
+pub use super::train::ShardStats;
+pub use full::Holding;
+pub use layout::{Buckets, HostShard, ShardLayout};
+pub use optim::ShardedOptim;
+pub use overlap::Overlap;
 
 use super::train::{train, TrainConfig, TrainData, TrainReport};
 use super::Policy;
 use crate::backend::{Backend, PpoShape, PPO_STATS};
 use crate::model::decoder::{
-    AdamWParams, Decoder, Holding, HostShard, OptimizerState, PassComm, PpoTokens, SeqRef,
-    ShardStats, ShardedOptim, StepReport, TokenGrads, TokenStats,
+    AdamWParams, Decoder, NoHooks, OptimizerState, PpoTokens, SeqRef, StepReport, TokenGrads,
+    TokenStats, UnitHooks,
 };
 use crate::model::Weights;
 use crate::parallel::comm::sum_f64;
@@ -86,7 +105,7 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
             let mut hold = Holding::new(self.comm, &mut self.optim);
             return self
                 .decoder
-                .logprobs_held(seqs, temperature, entropy, &mut hold);
+                .logprobs_with(seqs, temperature, entropy, &mut hold);
         }
         self.decoder.logprobs(seqs, temperature, entropy)
     }
@@ -128,7 +147,7 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
     fn passes_done(&mut self) -> Result<()> {
         match self.optim.is_full() {
             true => Ok(()),
-            false => self.decoder.reduce_grads(&mut self.optim, self.comm),
+            false => self.optim.reduce_grads(self.decoder, self.comm),
         }
     }
     fn optimizer_step(
@@ -136,8 +155,7 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
         hp: &AdamWParams,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport> {
-        self.decoder
-            .sharded_step(&mut self.optim, self.comm, hp, max_grad_norm)
+        self.optim.step(self.decoder, self.comm, hp, max_grad_norm)
     }
     fn data_parallel(&self) -> Option<(usize, usize)> {
         Some((self.comm.rank(), self.comm.world_size()))
@@ -184,22 +202,28 @@ pub struct ToHost {
 }
 
 impl<B: Backend> ShardedPolicy<'_, B> {
-    /// Runs training pass `f` with the communication this rank's pass needs: the full-shard
-    /// hold, zero2's overlap on the step's last pass, or none.
-    fn pass<T>(&mut self, f: impl FnOnce(&mut Decoder<B>, PassComm<B>) -> Result<T>) -> Result<T> {
+    /// Runs training pass `f` with the hooks this rank's pass needs: the full-shard hold,
+    /// zero2's overlap on the step's last pass (its reduce-scatters waited for when the pass
+    /// returns), or none.
+    fn pass<T>(
+        &mut self,
+        f: impl FnOnce(&mut Decoder<B>, &mut dyn UnitHooks<B>) -> Result<T>,
+    ) -> Result<T> {
         if self.optim.is_full() {
             let mut hold = Holding::new(self.comm, &mut self.optim);
-            return f(self.decoder, PassComm::Held(&mut hold));
+            return f(self.decoder, &mut hold);
         }
         if self.optim.take_pass()? {
             let mut ov = self.optim.overlap(self.comm);
-            return f(self.decoder, PassComm::Overlapped(&mut ov));
+            let out = f(self.decoder, &mut ov)?;
+            ov.finish()?;
+            return Ok(out);
         }
-        f(self.decoder, PassComm::Local)
+        f(self.decoder, &mut NoHooks)
     }
 
     /// One `update` call on this rank with the policy's optimizer (from
-    /// [`Decoder::shard_optimizer`], [`Decoder::shard_full`] or [`Decoder::new_full`]), as
+    /// [`ShardedOptim::zero2`], [`ShardedOptim::full`] or [`ShardedOptim::new_full`]), as
     /// [`train_sharded`], but the f32 masters come back to rank `root`'s host memory (bucket
     /// by bucket: no rank's device holds them whole) instead of into the decoder, and the
     /// optimizer state where `state` says: gathered there too, or each rank's own shard of
@@ -217,10 +241,10 @@ impl<B: Backend> ShardedPolicy<'_, B> {
         let mut report = train(self, data, cfg, schedule_step, log)?;
         let started = Instant::now();
         let gathered =
-            self.decoder
-                .gather_state(&self.optim, self.comm, root, state == StateTo::Root)?;
+            self.optim
+                .gather_state(self.decoder, self.comm, root, state == StateTo::Root)?;
         let shard = match state {
-            StateTo::EachRank => Some(self.decoder.download_shard(&self.optim)?),
+            StateTo::EachRank => Some(self.optim.download(self.decoder)?),
             _ => None,
         };
         self.optim.stats.state_gather_seconds = started.elapsed().as_secs_f64();
@@ -251,7 +275,7 @@ pub fn train_sharded<B: Backend>(
     schedule_step: u64,
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
-    let optim = decoder.shard_optimizer(comm, bucket_elems)?;
+    let optim = ShardedOptim::zero2(decoder, comm, bucket_elems)?;
     let mut policy = ShardedPolicy {
         decoder,
         comm,
@@ -260,7 +284,7 @@ pub fn train_sharded<B: Backend>(
     let trained = train(&mut policy, data, cfg, schedule_step, log);
     let ShardedPolicy { decoder, optim, .. } = policy;
     // Gathered even after a failed step, so the decoder is whole again; the first error wins.
-    let stats: Result<ShardStats> = decoder.unshard_optimizer(optim, comm);
+    let stats: Result<ShardStats> = optim.unshard(decoder, comm);
     let mut report = trained?;
     report.shard = Some(stats?);
     Ok(report)

@@ -4,22 +4,27 @@
 
 use anyhow::{ensure, Result};
 
-use super::forward::{AttnMode, LayerShapes};
-use super::shard::{PassComm, Unit};
-use super::{check_temperature, two_mut, Decoder, PpoTokens, SeqRef, TokenGrads, TokenStats};
+use super::forward::LayerShapes;
+use super::hooks::{NoHooks, Pass, Unit, UnitHooks};
+use super::workspace::{GradWork, Work};
+use super::{
+    check_temperature, two_mut, Decoder, Layer, PpoTokens, SeqRef, TokenGrads, TokenStats,
+};
 use crate::backend::{
     AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
     RmsNormSaved, RmsNormShape, PPO_STATS,
 };
+use crate::model::Config;
 
 impl<B: Backend> Decoder<B> {
-    /// The gradient buffers, after `release_grads` left none: whole f32 ones, or under full
-    /// sharding (`per_unit`) empty ones, which each unit's backward fills and its
-    /// reduce-scatter frees (whole ones there would hold 4 bytes a parameter for nothing).
-    pub(super) fn ensure_grads(&mut self, per_unit: bool) -> Result<()> {
+    /// The gradient buffers, after `release_grads` left none: whole f32 ones, or where the
+    /// hooks hold the units (`Decoder::hold_per_unit`) empty ones, which the hooks make for
+    /// each unit's backward and take away after (whole ones there would hold 4 bytes a
+    /// parameter for nothing).
+    pub(crate) fn ensure_grads(&mut self) -> Result<()> {
         if self.g.is_empty() {
             for s in &self.shapes {
-                let n = if per_unit { 0 } else { s.iter().product() };
+                let n = if self.per_unit { 0 } else { s.iter().product() };
                 self.g.push(self.backend.alloc(n)?);
             }
         }
@@ -35,42 +40,26 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
     ) -> Result<()> {
-        self.forward_backward_with(seqs, temperature, loss, PassComm::Local)
+        self.forward_backward_with(seqs, temperature, loss, &mut NoHooks)
     }
 
-    /// [`Decoder::forward_backward`] with `comm`'s communication (see [`PassComm`]): under
-    /// full sharding the gradients go to the rank's gradient shards, and every rank calls it
-    /// the same number of times (with no sequences where it has none); as zero2's last pass
-    /// of a step its backward starts each bucket's reduce-scatter as soon as the bucket's
-    /// gradients are final (a pass with no backward starts none).
+    /// [`Decoder::forward_backward`] telling `hooks` of each unit (see [`UnitHooks`]); with no
+    /// sequences the hooks of a pass over none are called all the same, and with no scored
+    /// token those of the backward on no gradients.
     pub fn forward_backward_with(
         &mut self,
         seqs: &[SeqRef],
         temperature: f32,
         loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
-        mut comm: PassComm<B>,
-    ) -> Result<()> {
-        self.forward_backward_in(seqs, temperature, loss, &mut comm)?;
-        comm.finish()
-    }
-
-    fn forward_backward_in(
-        &mut self,
-        seqs: &[SeqRef],
-        temperature: f32,
-        loss: &mut dyn FnMut(&[TokenStats]) -> Result<Vec<TokenGrads>>,
-        comm: &mut PassComm<B>,
+        hooks: &mut dyn UnitHooks<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
-        self.ensure_grads(comm.hold().is_some())?;
+        self.ensure_grads()?;
         if seqs.is_empty() {
-            if let Some(h) = comm.hold() {
-                h.idle(&self.backend, &mut self.w, &mut self.g, true)?;
-            }
-            return Ok(());
+            return self.idle_pass(hooks, true);
         }
         let (n, r) = self.pack(seqs, true)?;
-        let last = self.forward_in(n, seqs.len(), true, AttnMode::Packed, comm.hold())?;
+        let last = self.forward_to_head(n, seqs.len(), true, hooks)?;
         let stats = self.score_rows(last, seqs, r, temperature, true)?;
         let grads = loss(&stats)?;
         ensure!(
@@ -79,45 +68,19 @@ impl<B: Backend> Decoder<B> {
             grads.len(),
             seqs.len()
         );
-        let mut dlp = Vec::with_capacity(r);
-        let mut dent = Vec::with_capacity(r);
-        let mut any_dent = false;
-        for (s, (gr, st)) in grads.iter().zip(&stats).enumerate() {
-            let c = st.logprobs.len();
-            ensure!(
-                gr.dlogprobs.len() == c,
-                "loss callback: sequence {s} has {c} scored tokens but {} dlogprobs",
-                gr.dlogprobs.len()
-            );
-            dlp.extend_from_slice(&gr.dlogprobs);
-            match &gr.dentropy {
-                Some(de) => {
-                    ensure!(
-                        de.len() == c,
-                        "loss callback: sequence {s} has {c} scored tokens but {} dentropy",
-                        de.len()
-                    );
-                    any_dent = true;
-                    dent.extend_from_slice(de);
-                }
-                None => dent.extend(std::iter::repeat_n(0.0, c)),
-            }
-        }
+        let (dlp, dent) = concat_grads(&grads, &stats, r)?;
         if r == 0 {
             // Nothing scored: the loss does not depend on the weights.
-            if let Some(h) = comm.hold() {
-                h.skip_backward(&self.backend, &mut self.w, &mut self.g)?;
-            }
-            return Ok(());
+            return self.idle_backward(hooks);
         }
         {
             let gw = self.ws.grad.as_mut().expect("training workspace");
             self.backend.upload(&mut gw.dlp, &dlp)?;
-            if any_dent {
-                self.backend.upload(&mut gw.dent, &dent)?;
+            if let Some(dent) = &dent {
+                self.backend.upload(&mut gw.dent, dent)?;
             }
         }
-        self.backward(n, seqs.len(), r, temperature, any_dent, comm)
+        self.backward(n, seqs.len(), r, temperature, dent.is_some(), hooks)
     }
 
     /// Forward, the PPO-clip loss on the device ([`crate::backend::PpoLossOps::ppo_clip_loss`], knobs in `clip`;
@@ -132,10 +95,10 @@ impl<B: Backend> Decoder<B> {
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
     ) -> Result<()> {
-        self.forward_backward_ppo_with(seqs, temperature, tok, clip, logprobs, PassComm::Local)
+        self.forward_backward_ppo_with(seqs, temperature, tok, clip, logprobs, &mut NoHooks)
     }
 
-    /// [`Decoder::forward_backward_ppo`] with `comm`'s communication (see
+    /// [`Decoder::forward_backward_ppo`] telling `hooks` of each unit (as
     /// [`Decoder::forward_backward_with`]).
     pub fn forward_backward_ppo_with(
         &mut self,
@@ -144,28 +107,12 @@ impl<B: Backend> Decoder<B> {
         tok: &PpoTokens,
         clip: PpoShape,
         logprobs: Option<&mut Vec<f32>>,
-        mut comm: PassComm<B>,
-    ) -> Result<()> {
-        self.forward_backward_ppo_in(seqs, temperature, tok, clip, logprobs, &mut comm)?;
-        comm.finish()
-    }
-
-    fn forward_backward_ppo_in(
-        &mut self,
-        seqs: &[SeqRef],
-        temperature: f32,
-        tok: &PpoTokens,
-        clip: PpoShape,
-        logprobs: Option<&mut Vec<f32>>,
-        comm: &mut PassComm<B>,
+        hooks: &mut dyn UnitHooks<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
-        self.ensure_grads(comm.hold().is_some())?;
+        self.ensure_grads()?;
         if seqs.is_empty() {
-            if let Some(h) = comm.hold() {
-                h.idle(&self.backend, &mut self.w, &mut self.g, true)?;
-            }
-            return Ok(());
+            return self.idle_pass(hooks, true);
         }
         let (n, r) = self.pack(seqs, true)?;
         ensure!(
@@ -179,18 +126,22 @@ impl<B: Backend> Decoder<B> {
             tok.old.map(<[f32]>::len),
             tok.dentropy.map(<[f32]>::len)
         );
-        let last = self.forward_in(n, seqs.len(), true, AttnMode::Packed, comm.hold())?;
+        let last = self.forward_to_head(n, seqs.len(), true, hooks)?;
         if r == 0 {
-            if let Some(h) = comm.hold() {
-                h.skip_backward(&self.backend, &mut self.w, &mut self.g)?;
-            }
-            return Ok(());
+            return self.idle_backward(hooks);
         }
         self.score_device(last, r, temperature, true)?;
         if let Some(out) = logprobs {
             out.resize(r, 0.0);
             self.backend.download(&self.ws.lp, out)?;
         }
+        self.ppo_loss(tok, clip, r)?;
+        self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some(), hooks)
+    }
+
+    /// dL/dlp of the PPO-clip loss on the device, from the `r` scored tokens' log-probs of the
+    /// forward, its metrics added to `ppo_stats`.
+    fn ppo_loss(&mut self, tok: &PpoTokens, clip: PpoShape, r: usize) -> Result<()> {
         if self.ppo_stats.is_none() {
             self.ppo_stats = Some(self.backend.alloc(PPO_STATS)?);
         }
@@ -215,8 +166,7 @@ impl<B: Backend> Decoder<B> {
                 ent: Some(&ws.ent),
             },
             PpoShape { tokens: r, ..clip },
-        )?;
-        self.backward(n, seqs.len(), r, temperature, tok.dentropy.is_some(), comm)
+        )
     }
 
     /// The PPO loss metric sums ([`crate::backend::PPO_STATS`] slots) since the last call, and
@@ -231,8 +181,8 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Backward from dL/dlp (and dL/dentropy when `dent`) already in the gradient workspace,
-    /// with `comm`'s hooks around each unit's backward ([`PassComm::before_backward`],
-    /// [`PassComm::after_backward`]; under full sharding the head is gathered already).
+    /// telling `hooks` before each unit's backward, when its gradients are added and after
+    /// (the head's weights are there from its forward).
     fn backward(
         &mut self,
         n: usize,
@@ -240,42 +190,66 @@ impl<B: Backend> Decoder<B> {
         r: usize,
         temperature: f32,
         dent: bool,
-        comm: &mut PassComm<B>,
+        hooks: &mut dyn UnitHooks<B>,
     ) -> Result<()> {
+        hooks.before(Unit::Head, Pass::Backward, self.unit_bufs())?;
+        self.head_backward(r, temperature, dent)?;
+        hooks.grads_ready(Unit::Head, self.unit_bufs())?;
+        hooks.after(Unit::Head, Pass::Backward, self.unit_bufs())?;
+        let d = self.cfg.hidden_size;
+        let (b, ws) = (&self.backend, &mut self.ws);
+        let gw = ws.grad.as_mut().expect("training workspace");
+        b.fill(&mut gw.d_resid, n * d, 0.0)?;
+        b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
+        let ls = LayerShapes::new(&self.cfg, n);
+        let lowp = self.backend.compute_dtype() != DType::F32;
+        for l in (0..self.layers.len()).rev() {
+            hooks.before(Unit::Layer(l), Pass::Backward, self.unit_bufs())?;
+            let run = LayerBack {
+                b: &self.backend,
+                cfg: &self.cfg,
+                w: &self.w,
+                ly: &self.layers[l],
+                ls,
+                n,
+                l,
+                seqs,
+                lowp,
+            };
+            run.backward(&mut self.g, &mut self.ws)?;
+            hooks.grads_ready(Unit::Layer(l), self.unit_bufs())?;
+            hooks.after(Unit::Layer(l), Pass::Backward, self.unit_bufs())?;
+        }
+        hooks.before(Unit::Embed, Pass::Backward, self.unit_bufs())?;
+        let (b, ws) = (&self.backend, &self.ws);
+        let gw = ws.grad.as_ref().expect("training workspace");
+        b.embedding_backward(&mut self.g[self.embed], &gw.d_resid, &ws.ids, n, d)?;
+        hooks.grads_ready(Unit::Embed, self.unit_bufs())?;
+        hooks.after(Unit::Embed, Pass::Backward, self.unit_bufs())
+    }
+
+    /// The head's backward over the `r` scored rows: the fused log-prob's (dxf, and the LM
+    /// head's gradient) and the final norm's (dxg).
+    fn head_backward(&mut self, r: usize, temperature: f32, dent: bool) -> Result<()> {
         let chunk = self.chunk_rows(r);
         let Decoder {
             backend: b,
             cfg,
             w,
             g,
-            layers,
             ws,
-            embed,
             final_norm,
             head,
             ..
         } = self;
-        let gw = ws
-            .grad
-            .as_mut()
-            .expect("training workspace has gradient buffers");
-        let (d, f, hh, kh, hd) = (
-            cfg.hidden_size,
-            cfg.intermediate_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        );
-        let (qd, kd) = (hh * hd, kh * hd);
-        let ls = LayerShapes::new(cfg, n);
+        let gw = ws.grad.as_mut().expect("training workspace");
         let shape = LogprobShape {
             rows: r,
-            hidden: d,
+            hidden: cfg.hidden_size,
             vocab: cfg.vocab_size,
             temperature,
             chunk,
         };
-        comm.before_backward(b, w, g, Unit::Head)?;
         b.logprob_backward(
             &mut gw.dxf,
             &mut g[*head],
@@ -302,126 +276,196 @@ impl<B: Backend> Decoder<B> {
                 w: &w[*final_norm],
                 rstd: &ws.rstd_f,
             },
-            RmsNormShape { rows: r, ..ls.norm },
+            RmsNormShape {
+                rows: r,
+                dim: cfg.hidden_size,
+                eps: cfg.rms_norm_eps,
+            },
             false,
-        )?;
-        comm.after_backward(b, w, g, Unit::Head)?;
-        b.fill(&mut gw.d_resid, n * d, 0.0)?;
-        b.scatter_add_rows(&mut gw.d_resid, &gw.dxg, &ws.rows, r, d)?;
-        let lowp = b.compute_dtype() != DType::F32;
-        for (l, ly) in layers.iter().enumerate().rev() {
-            comm.before_backward(b, w, g, Unit::Layer(l))?;
-            let a = &ws.acts[l];
-            // MLP (h kept from the forward pass).
-            let dres = if lowp {
-                b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n * d)?;
-                &gw.d_resid_c
-            } else {
-                &gw.d_resid
-            };
-            b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, ls.gemm(f, d))?;
-            b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], ls.gemm(f, d), false)?;
-            b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
-            b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, ls.gemm(d, f))?;
-            b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, ls.gemm(d, f))?;
-            b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], ls.gemm(d, f), false)?;
-            b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], ls.gemm(d, f), true)?;
-            b.rmsnorm_backward(
-                &mut gw.d_resid,
-                &mut g[ly.post_norm],
-                &gw.d_xn,
-                RmsNormSaved {
-                    x: &ws.resid[2 * l + 1],
-                    w: &w[ly.post_norm],
-                    rstd: &a.rstd2,
-                },
-                ls.norm,
-                true,
-            )?;
-            // Attention.
-            let dres = if lowp {
-                b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n * d)?;
-                &gw.d_resid_c
-            } else {
-                &gw.d_resid
-            };
-            b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, ls.gemm(qd, d))?;
-            b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], ls.gemm(qd, d), false)?;
-            b.attention_backward(
-                Qkv {
-                    q: &mut gw.dq,
-                    k: &mut gw.dk,
-                    v: &mut gw.dv,
-                },
-                &gw.d_o,
-                Qkv {
-                    q: &a.q,
-                    k: &a.k,
-                    v: &a.v,
-                },
-                AttnOut {
-                    o: &a.o,
-                    lse: &a.lse,
-                },
-                &ws.cu,
-                ls.attn(seqs),
-            )?;
-            b.rope_backward(&mut gw.dq, &ws.pos, ls.rope.q())?;
-            b.rope_backward(&mut gw.dk, &ws.pos, ls.rope.k())?;
-            let (dq, dk) = if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
-                b.rmsnorm_backward(
-                    &mut gw.dq_raw,
-                    &mut g[qn],
-                    &gw.dq,
-                    RmsNormSaved {
-                        x: &a.q_raw,
-                        w: &w[qn],
-                        rstd: &a.rstd_q,
-                    },
-                    ls.q_norm,
-                    false,
-                )?;
-                b.rmsnorm_backward(
-                    &mut gw.dk_raw,
-                    &mut g[kn],
-                    &gw.dk,
-                    RmsNormSaved {
-                        x: &a.k_raw,
-                        w: &w[kn],
-                        rstd: &a.rstd_k,
-                    },
-                    ls.k_norm,
-                    false,
-                )?;
-                (&gw.dq_raw, &gw.dk_raw)
-            } else {
-                (&gw.dq, &gw.dk)
-            };
-            for (p, pb, dy, m, first) in [
-                (ly.q, ly.q_b, dq, qd, true),
-                (ly.k, ly.k_b, dk, kd, false),
-                (ly.v, ly.v_b, &gw.dv, kd, false),
-            ] {
-                let (gp, gb) = two_mut(g, p, pb);
-                b.matmul_backward_w(gp, gb, dy, &a.xn1, ls.gemm(d, m))?;
-                b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], ls.gemm(d, m), !first)?;
+        )
+    }
+}
+
+/// The loss callback's per-sequence gradients laid end to end over the `r` scored tokens:
+/// (dL/dlogprob, dL/dentropy where any sequence has one, zeros for the others).
+fn concat_grads(
+    grads: &[TokenGrads],
+    stats: &[TokenStats],
+    r: usize,
+) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+    let mut dlp = Vec::with_capacity(r);
+    let mut dent = Vec::with_capacity(r);
+    let mut any_dent = false;
+    for (s, (gr, st)) in grads.iter().zip(stats).enumerate() {
+        let c = st.logprobs.len();
+        ensure!(
+            gr.dlogprobs.len() == c,
+            "loss callback: sequence {s} has {c} scored tokens but {} dlogprobs",
+            gr.dlogprobs.len()
+        );
+        dlp.extend_from_slice(&gr.dlogprobs);
+        match &gr.dentropy {
+            Some(de) => {
+                ensure!(
+                    de.len() == c,
+                    "loss callback: sequence {s} has {c} scored tokens but {} dentropy",
+                    de.len()
+                );
+                any_dent = true;
+                dent.extend_from_slice(de);
             }
-            b.rmsnorm_backward(
-                &mut gw.d_resid,
-                &mut g[ly.in_norm],
-                &gw.d_xn,
-                RmsNormSaved {
-                    x: &ws.resid[2 * l],
-                    w: &w[ly.in_norm],
-                    rstd: &a.rstd1,
-                },
-                ls.norm,
-                true,
-            )?;
-            comm.after_backward(b, w, g, Unit::Layer(l))?;
+            None => dent.extend(std::iter::repeat_n(0.0, c)),
         }
-        comm.before_backward(b, w, g, Unit::Embed)?;
-        b.embedding_backward(&mut g[*embed], &gw.d_resid, &ws.ids, n, d)?;
-        comm.after_backward(b, w, g, Unit::Embed)
+    }
+    Ok((dlp, any_dent.then_some(dent)))
+}
+
+/// One layer's backward: what it reads besides the gradients and the workspace.
+struct LayerBack<'a, B: Backend> {
+    b: &'a B,
+    cfg: &'a Config,
+    w: &'a [B::Buf],
+    ly: &'a Layer,
+    ls: LayerShapes,
+    n: usize,
+    l: usize,
+    seqs: usize,
+    /// The compute dtype is not f32: the residual's gradient is rounded to it for the GEMMs.
+    lowp: bool,
+}
+
+impl<B: Backend> LayerBack<'_, B> {
+    /// The MLP's, the attention's and the projections' backward, adding into `g` and leaving
+    /// the residual's gradient at the layer's input in `ws`'s `d_resid`.
+    fn backward(&self, g: &mut [B::Buf], ws: &mut Work<B>) -> Result<()> {
+        self.mlp(g, ws)?;
+        self.attention(g, ws)?;
+        self.qkv(g, ws)
+    }
+
+    /// (hidden, intermediate, q features, k/v features).
+    fn dims(&self) -> (usize, usize, usize, usize) {
+        let c = self.cfg;
+        let (qd, kd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        (c.hidden_size, c.intermediate_size, qd, kd)
+    }
+
+    /// The residual's gradient as the GEMMs read it: rounded to the compute dtype once (into
+    /// `d_resid_c`) where that is not f32.
+    fn round_resid_grad(&self, gw: &mut GradWork<B>) -> Result<()> {
+        match self.lowp {
+            true => {
+                let n = self.n * self.cfg.hidden_size;
+                self.b.copy(&mut gw.d_resid_c, 0, &gw.d_resid, 0, n)
+            }
+            false => Ok(()),
+        }
+    }
+
+    /// The MLP block (h kept from the forward pass) and its norm.
+    fn mlp(&self, g: &mut [B::Buf], ws: &mut Work<B>) -> Result<()> {
+        let (b, w, ly, ls) = (self.b, self.w, self.ly, self.ls);
+        let (d, f, _, _) = self.dims();
+        let a = &ws.acts[self.l];
+        let gw = ws.grad.as_mut().expect("training workspace");
+        self.round_resid_grad(gw)?;
+        let dres = if self.lowp {
+            &gw.d_resid_c
+        } else {
+            &gw.d_resid
+        };
+        b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, ls.gemm(f, d))?;
+        b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], ls.gemm(f, d), false)?;
+        let n = self.n;
+        b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
+        b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, ls.gemm(d, f))?;
+        b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, ls.gemm(d, f))?;
+        b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], ls.gemm(d, f), false)?;
+        b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], ls.gemm(d, f), true)?;
+        let saved = RmsNormSaved {
+            x: &ws.resid[2 * self.l + 1],
+            w: &w[ly.post_norm],
+            rstd: &a.rstd2,
+        };
+        let (gn, dx) = (&mut g[ly.post_norm], &gw.d_xn);
+        b.rmsnorm_backward(&mut gw.d_resid, gn, dx, saved, ls.norm, true)
+    }
+
+    /// The output projection, the attention and the rope: dq, dk, dv in the workspace.
+    fn attention(&self, g: &mut [B::Buf], ws: &mut Work<B>) -> Result<()> {
+        let (b, w, ly, ls) = (self.b, self.w, self.ly, self.ls);
+        let (d, _, qd, _) = self.dims();
+        let a = &ws.acts[self.l];
+        let gw = ws.grad.as_mut().expect("training workspace");
+        self.round_resid_grad(gw)?;
+        let dres = if self.lowp {
+            &gw.d_resid_c
+        } else {
+            &gw.d_resid
+        };
+        b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, ls.gemm(qd, d))?;
+        b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], ls.gemm(qd, d), false)?;
+        b.attention_backward(
+            Qkv {
+                q: &mut gw.dq,
+                k: &mut gw.dk,
+                v: &mut gw.dv,
+            },
+            &gw.d_o,
+            Qkv {
+                q: &a.q,
+                k: &a.k,
+                v: &a.v,
+            },
+            AttnOut {
+                o: &a.o,
+                lse: &a.lse,
+            },
+            &ws.cu,
+            ls.attn(self.seqs),
+        )?;
+        b.rope_backward(&mut gw.dq, &ws.pos, ls.rope.q())?;
+        b.rope_backward(&mut gw.dk, &ws.pos, ls.rope.k())
+    }
+
+    /// Qwen3's q/k norms, the q/k/v projections (and biases) and the input norm.
+    fn qkv(&self, g: &mut [B::Buf], ws: &mut Work<B>) -> Result<()> {
+        let (b, w, ly, ls) = (self.b, self.w, self.ly, self.ls);
+        let (d, _, qd, kd) = self.dims();
+        let a = &ws.acts[self.l];
+        let gw = ws.grad.as_mut().expect("training workspace");
+        let (dq, dk) = if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
+            let saved = RmsNormSaved {
+                x: &a.q_raw,
+                w: &w[qn],
+                rstd: &a.rstd_q,
+            };
+            b.rmsnorm_backward(&mut gw.dq_raw, &mut g[qn], &gw.dq, saved, ls.q_norm, false)?;
+            let saved = RmsNormSaved {
+                x: &a.k_raw,
+                w: &w[kn],
+                rstd: &a.rstd_k,
+            };
+            b.rmsnorm_backward(&mut gw.dk_raw, &mut g[kn], &gw.dk, saved, ls.k_norm, false)?;
+            (&gw.dq_raw, &gw.dk_raw)
+        } else {
+            (&gw.dq, &gw.dk)
+        };
+        for (p, pb, dy, m, first) in [
+            (ly.q, ly.q_b, dq, qd, true),
+            (ly.k, ly.k_b, dk, kd, false),
+            (ly.v, ly.v_b, &gw.dv, kd, false),
+        ] {
+            let (gp, gb) = two_mut(g, p, pb);
+            b.matmul_backward_w(gp, gb, dy, &a.xn1, ls.gemm(d, m))?;
+            b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], ls.gemm(d, m), !first)?;
+        }
+        let saved = RmsNormSaved {
+            x: &ws.resid[2 * self.l],
+            w: &w[ly.in_norm],
+            rstd: &a.rstd1,
+        };
+        let (gn, dx) = (&mut g[ly.in_norm], &gw.d_xn);
+        b.rmsnorm_backward(&mut gw.d_resid, gn, dx, saved, ls.norm, true)
     }
 }

@@ -3,26 +3,16 @@
 
 use anyhow::{bail, ensure, Result};
 
-use super::shard::{Holding, Pass, Unit};
-use super::step::PagedAttn;
-use super::workspace::{Acts, Caps};
-use super::{check_temperature, pair, Decoder, SeqRef, TokenStats};
+use super::attn::{AttnMode, PagedAttn};
+use super::hooks::{NoHooks, Pass, Unit, UnitHooks};
+use super::workspace::{Acts, Caps, Work};
+use super::{check_temperature, pair, Decoder, Layer, SeqRef, TokenStats};
 use crate::backend::{
     AttnOut, AttnShape, Backend, BlockTables, KvCache, MatmulShape, PackedQkv, PagedAttnShape,
     PagedRopeShape, PrefillTiles, Qkv, RmsNormShape, RopeKvShape, Slots,
 };
 use crate::error::input_error;
 use crate::model::Config;
-
-/// How the attention of a forward pass gets its keys.
-pub(super) enum AttnMode<'a, B: Backend> {
-    /// Packed sequences, keys from this call only.
-    Packed,
-    /// Keys and values are stored into a paged cache first, then read from it through block
-    /// tables (`kv_rows` are the cache rows of the new tokens, `kv_base` the table row of each
-    /// query, `kv_len` its context length).
-    Paged(PagedAttn<'a, B>),
-}
 
 /// The shapes of a layer's ops over `n` rows (the forward and backward passes share them).
 #[derive(Clone, Copy, Debug)]
@@ -141,33 +131,28 @@ impl<B: Backend> Decoder<B> {
         temperature: f32,
         entropy: bool,
     ) -> Result<Vec<TokenStats>> {
-        check_temperature(temperature)?;
-        if seqs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (n, r) = self.pack(seqs, false)?;
-        let last = self.forward(n, seqs.len(), false, AttnMode::Packed)?;
-        self.score_rows(last, seqs, r, temperature, entropy)
+        self.logprobs_with(seqs, temperature, entropy, &mut NoHooks)
     }
 
-    /// [`Decoder::logprobs`] under full sharding (see [`Holding`]); every rank calls it the
-    /// same number of times (with no sequences where it has none).
-    pub fn logprobs_held(
+    /// [`Decoder::logprobs`] telling `hooks` of each unit (see [`UnitHooks`]); with no
+    /// sequences the hooks of a pass over none are called all the same (a rank of a sharded
+    /// group with no rows keeps its collectives in step with the others').
+    pub fn logprobs_with(
         &mut self,
         seqs: &[SeqRef],
         temperature: f32,
         entropy: bool,
-        hold: &mut Holding<B>,
+        hooks: &mut dyn UnitHooks<B>,
     ) -> Result<Vec<TokenStats>> {
         check_temperature(temperature)?;
         if seqs.is_empty() {
-            hold.idle(&self.backend, &mut self.w, &mut self.g, false)?;
+            self.idle_pass(hooks, false)?;
             return Ok(Vec::new());
         }
         let (n, r) = self.pack(seqs, false)?;
-        let last = self.forward_in(n, seqs.len(), false, AttnMode::Packed, Some(&mut *hold))?;
+        let last = self.forward_to_head(n, seqs.len(), false, hooks)?;
         let stats = self.score_rows(last, seqs, r, temperature, entropy)?;
-        hold.release(&self.backend, &mut self.w, Unit::Head)?;
+        hooks.after(Unit::Head, Pass::Forward, self.unit_bufs())?;
         Ok(stats)
     }
 
@@ -181,231 +166,261 @@ impl<B: Backend> Decoder<B> {
         train: bool,
         mode: AttnMode<B>,
     ) -> Result<usize> {
-        self.forward_in(n, seqs, train, mode, None)
+        self.forward_in(n, seqs, train, mode, &mut NoHooks)
     }
 
-    /// [`Decoder::forward`]; with `hold` (full sharding) each unit is gathered before it runs
-    /// and freed after, and the head is left gathered for the scoring that follows.
-    pub(super) fn forward_in(
+    /// The packed forward of `n` tokens in `seqs` sequences with `hooks`, up to the head's
+    /// `before` (its weights there for the scoring that follows).
+    pub(super) fn forward_to_head(
+        &mut self,
+        n: usize,
+        seqs: usize,
+        train: bool,
+        hooks: &mut dyn UnitHooks<B>,
+    ) -> Result<usize> {
+        let last = self.forward_in(n, seqs, train, AttnMode::Packed, hooks)?;
+        hooks.before(Unit::Head, Pass::Forward, self.unit_bufs())?;
+        Ok(last)
+    }
+
+    /// [`Decoder::forward`] telling `hooks` before and after each unit (the embedding and the
+    /// layers; the head is the caller's).
+    fn forward_in(
         &mut self,
         n: usize,
         seqs: usize,
         train: bool,
         mut mode: AttnMode<B>,
-        mut hold: Option<&mut Holding<B>>,
+        hooks: &mut dyn UnitHooks<B>,
     ) -> Result<usize> {
         // The rollout engine's (paged) steps run the fused projections; training
         // and scoring (packed) keep the split GEMMs, so `update` and `ref-logprob` agree.
         let fuse = self.fuses() && !matches!(mode, AttnMode::Packed);
-        let Decoder {
-            backend: b,
-            cfg,
-            w,
-            layers,
-            ws,
-            embed,
-            fused,
-            ..
-        } = self;
-        let (d, f, hh, kh, hd) = (
-            cfg.hidden_size,
-            cfg.intermediate_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        );
-        let (qd, kd, theta) = (hh * hd, kh * hd, cfg.rope_theta);
         ensure!(
-            !fuse || ws.caps.fused,
+            !fuse || self.ws.caps.fused,
             "decoder: fused step without its workspace"
         );
-        let ls = LayerShapes::new(cfg, n);
-        if let Some(h) = hold.as_deref_mut() {
-            h.gather(b, w, Unit::Embed, Pass::Forward)?;
-        }
-        b.embedding(&mut ws.resid[0], &w[*embed], &ws.ids, n, d)?;
-        if let Some(h) = hold.as_deref_mut() {
-            h.release(b, w, Unit::Embed)?;
-        }
-        for (l, ly) in layers.iter().enumerate() {
-            if let Some(h) = hold.as_deref_mut() {
-                h.gather(b, w, Unit::Layer(l), Pass::Forward)?;
-            }
-            let (ri, rm, ro) = if train {
-                (2 * l, 2 * l + 1, 2 * l + 2)
-            } else {
-                (0, 0, 0)
+        hooks.before(Unit::Embed, Pass::Forward, self.unit_bufs())?;
+        let d = self.cfg.hidden_size;
+        let (b, ws) = (&self.backend, &mut self.ws);
+        b.embedding(&mut ws.resid[0], &self.w[self.embed], &ws.ids, n, d)?;
+        hooks.after(Unit::Embed, Pass::Forward, self.unit_bufs())?;
+        let ls = LayerShapes::new(&self.cfg, n);
+        for l in 0..self.layers.len() {
+            hooks.before(Unit::Layer(l), Pass::Forward, self.unit_bufs())?;
+            let run = LayerRun {
+                b: &self.backend,
+                cfg: &self.cfg,
+                w: &self.w,
+                fused: &self.fused,
+                ly: &self.layers[l],
+                ls,
+                l,
+                train,
+                fuse,
             };
-            let a = &mut ws.acts[if train { l } else { 0 }];
-            let x = &ws.resid[ri];
-            b.rmsnorm(&mut a.xn1, &mut a.rstd1, x, &w[ly.in_norm], ls.norm)?;
-            // x·[Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]) as one GEMM into ws.qkv, whose parts the
-            // cache write reads; or the three GEMMs into a.q, a.k, a.v.
-            let qkv = ly.qkv.filter(|_| fuse);
-            if let Some(wi) = qkv {
-                let bias = ly.qkv_b.map(|i| &fused[i]);
-                let s = ls.gemm(d, qd + 2 * kd);
-                b.matmul(&mut ws.qkv, &a.xn1, &fused[wi], bias, s, false)?;
-            } else {
-                let (q_dst, k_dst) = if cfg.qk_norm {
-                    (&mut a.q_raw, &mut a.k_raw)
-                } else {
-                    (&mut a.q, &mut a.k)
-                };
-                let x = &a.xn1;
-                b.matmul(
-                    q_dst,
-                    x,
-                    &w[ly.q],
-                    ly.q_b.map(|i| &w[i]),
-                    ls.gemm(d, qd),
-                    false,
-                )?;
-                b.matmul(
-                    k_dst,
-                    x,
-                    &w[ly.k],
-                    ly.k_b.map(|i| &w[i]),
-                    ls.gemm(d, kd),
-                    false,
-                )?;
-                b.matmul(
-                    &mut a.v,
-                    x,
-                    &w[ly.v],
-                    ly.v_b.map(|i| &w[i]),
-                    ls.gemm(d, kd),
-                    false,
-                )?;
-                if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
-                    b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], ls.q_norm)?;
-                    b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], ls.k_norm)?;
-                }
-            }
-            match &mut mode {
-                AttnMode::Packed => {
-                    b.rope(&mut a.q, &ws.pos, ls.rope.q())?;
-                    b.rope(&mut a.k, &ws.pos, ls.rope.k())?;
-                    let shape = ls.attn(seqs);
-                    let out = AttnOut {
-                        o: &mut a.o,
-                        lse: &mut a.lse,
-                    };
-                    let x = Qkv {
-                        q: &a.q,
-                        k: &a.k,
-                        v: &a.v,
-                    };
-                    b.attention(out, x, &ws.cu, shape)?;
-                }
-                AttnMode::Paged(kv) => {
-                    let mut cache = KvCache {
-                        k: &mut kv.k[l],
-                        v: &mut kv.v[l],
-                    };
-                    let slots = Slots {
-                        pos: &ws.pos,
-                        rows: &ws.kv_rows,
-                    };
-                    let blocks = BlockTables {
-                        tables: kv.tables,
-                        seq: &ws.kv_base,
-                        len: &ws.kv_len,
-                    };
-                    let shape = PagedAttnShape {
-                        queries: n,
-                        heads: hh,
-                        kv_heads: kh,
-                        head_dim: hd,
-                        block_size: kv.block_size,
-                        max_blocks: kv.max_blocks,
-                    };
-                    if qkv.is_some() && kv.n_tiles == 0 {
-                        // A decode step: rope + kv_store + attention, one kernel on the GPU.
-                        let x = PackedQkv {
-                            qkv: &ws.qkv,
-                            q: &mut a.q,
-                        };
-                        let s = PagedRopeShape { attn: shape, theta };
-                        b.attention_paged_rope(&mut a.o, x, slots, cache, blocks, s)?;
-                    } else {
-                        let fused_qkv = qkv.map(|_| &ws.qkv);
-                        rope_store(b, fused_qkv, a, slots, cache.reborrow(), ls.rope)?;
-                        let tiles = PrefillTiles {
-                            tiles: kv.tiles,
-                            n_tiles: kv.n_tiles,
-                            decode_rows: kv.decode_rows,
-                        };
-                        b.attention_paged_tiled(
-                            &mut a.o,
-                            &a.q,
-                            cache.read(),
-                            blocks,
-                            tiles,
-                            shape,
-                        )?;
-                    }
-                }
-            }
-            if train {
-                // Training keeps the block's input: the output goes to the next snapshot.
-                let (src, dst) = pair(&mut ws.resid, ri, rm);
-                b.matmul_residual(dst, src, &a.o, &w[ly.o], ls.gemm(qd, d))?;
-            } else {
-                b.matmul(
-                    &mut ws.resid[rm],
-                    &a.o,
-                    &w[ly.o],
-                    None,
-                    ls.gemm(qd, d),
-                    true,
-                )?;
-            }
-            b.rmsnorm(
-                &mut a.xn2,
-                &mut a.rstd2,
-                &ws.resid[rm],
-                &w[ly.post_norm],
-                ls.norm,
-            )?;
-            // x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two GEMMs into a.g, a.u.
-            if let Some(wi) = ly.gate_up.filter(|_| fuse) {
-                b.matmul(
-                    &mut ws.gu,
-                    &a.xn2,
-                    &fused[wi],
-                    None,
-                    ls.gemm(d, 2 * f),
-                    false,
-                )?;
-                b.swiglu_packed(&mut ws.h, &ws.gu, n, f)?;
-            } else {
-                b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, ls.gemm(d, f), false)?;
-                b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, ls.gemm(d, f), false)?;
-                let h = if train { &mut a.h } else { &mut ws.h };
-                b.swiglu(h, &a.g, &a.u, n * f)?;
-            }
-            if train {
-                let (src, dst) = pair(&mut ws.resid, rm, ro);
-                b.matmul_residual(dst, src, &a.h, &w[ly.down], ls.gemm(f, d))?;
-            } else {
-                b.matmul(
-                    &mut ws.resid[ro],
-                    &ws.h,
-                    &w[ly.down],
-                    None,
-                    ls.gemm(f, d),
-                    true,
-                )?;
-            }
-            if let Some(h) = hold.as_deref_mut() {
-                h.release(b, w, Unit::Layer(l))?;
-            }
+            run.forward(&mut self.ws, &mut mode, seqs)?;
+            hooks.after(Unit::Layer(l), Pass::Forward, self.unit_bufs())?;
         }
-        if let Some(h) = hold {
-            h.gather(b, w, Unit::Head, Pass::Forward)?;
+        Ok(if train { 2 * self.layers.len() } else { 0 })
+    }
+}
+
+/// One layer's forward: what it reads besides the workspace.
+struct LayerRun<'a, B: Backend> {
+    b: &'a B,
+    cfg: &'a Config,
+    w: &'a [B::Buf],
+    /// The fused projections' whole buffers (`Layer::qkv`...), read when `fuse`.
+    fused: &'a [B::Buf],
+    ly: &'a Layer,
+    ls: LayerShapes,
+    l: usize,
+    /// Keep this layer's activations and residual snapshots (else one set, reused).
+    train: bool,
+    fuse: bool,
+}
+
+impl<B: Backend> LayerRun<'_, B> {
+    fn forward(&self, ws: &mut Work<B>, mode: &mut AttnMode<B>, seqs: usize) -> Result<()> {
+        let fused_qkv = self.qkv(ws)?;
+        match mode {
+            AttnMode::Packed => self.attend_packed(ws, seqs)?,
+            AttnMode::Paged(kv) => self.attend_paged(ws, kv, fused_qkv)?,
         }
-        Ok(if train { 2 * layers.len() } else { 0 })
+        self.attn_out(ws)?;
+        self.mlp(ws)
+    }
+
+    /// The activations this layer writes: its own when training, else the shared set.
+    fn act(&self) -> usize {
+        if self.train {
+            self.l
+        } else {
+            0
+        }
+    }
+
+    /// The residual snapshots the layer reads, its attention writes and its MLP writes:
+    /// `2l`, `2l+1`, `2l+2` when training, else one buffer updated in place.
+    fn resid(&self) -> (usize, usize, usize) {
+        let l = self.l;
+        if self.train {
+            (2 * l, 2 * l + 1, 2 * l + 2)
+        } else {
+            (0, 0, 0)
+        }
+    }
+
+    /// (hidden, intermediate, q features, k/v features).
+    fn dims(&self) -> (usize, usize, usize, usize) {
+        let c = self.cfg;
+        let (qd, kd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        (c.hidden_size, c.intermediate_size, qd, kd)
+    }
+
+    /// xn1 = rmsnorm(x), then x·[Wq; Wk; Wv]ᵀ (+ [bq; bk; bv]) as one GEMM into ws.qkv, whose
+    /// parts the cache write reads; or the three GEMMs into a.q, a.k, a.v (through Qwen3's
+    /// q/k norms). Returns whether it ran the fused GEMM.
+    fn qkv(&self, ws: &mut Work<B>) -> Result<bool> {
+        let (b, w, ly, ls) = (self.b, self.w, self.ly, self.ls);
+        let (d, _, qd, kd) = self.dims();
+        let a = &mut ws.acts[self.act()];
+        let x = &ws.resid[self.resid().0];
+        b.rmsnorm(&mut a.xn1, &mut a.rstd1, x, &w[ly.in_norm], ls.norm)?;
+        if let Some(wi) = ly.qkv.filter(|_| self.fuse) {
+            let bias = ly.qkv_b.map(|i| &self.fused[i]);
+            let s = ls.gemm(d, qd + 2 * kd);
+            b.matmul(&mut ws.qkv, &a.xn1, &self.fused[wi], bias, s, false)?;
+            return Ok(true);
+        }
+        let (q_dst, k_dst) = if self.cfg.qk_norm {
+            (&mut a.q_raw, &mut a.k_raw)
+        } else {
+            (&mut a.q, &mut a.k)
+        };
+        let x = &a.xn1;
+        let bias = |i: Option<usize>| i.map(|i| &w[i]);
+        b.matmul(q_dst, x, &w[ly.q], bias(ly.q_b), ls.gemm(d, qd), false)?;
+        b.matmul(k_dst, x, &w[ly.k], bias(ly.k_b), ls.gemm(d, kd), false)?;
+        b.matmul(&mut a.v, x, &w[ly.v], bias(ly.v_b), ls.gemm(d, kd), false)?;
+        if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
+            b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], ls.q_norm)?;
+            b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], ls.k_norm)?;
+        }
+        Ok(false)
+    }
+
+    /// Rope, then causal attention within each of the `seqs` packed sequences.
+    fn attend_packed(&self, ws: &mut Work<B>, seqs: usize) -> Result<()> {
+        let (b, ls) = (self.b, self.ls);
+        let a = &mut ws.acts[self.act()];
+        b.rope(&mut a.q, &ws.pos, ls.rope.q())?;
+        b.rope(&mut a.k, &ws.pos, ls.rope.k())?;
+        let out = AttnOut {
+            o: &mut a.o,
+            lse: &mut a.lse,
+        };
+        let x = Qkv {
+            q: &a.q,
+            k: &a.k,
+            v: &a.v,
+        };
+        b.attention(out, x, &ws.cu, ls.attn(seqs))
+    }
+
+    /// Rope, the new keys and values stored at their cache rows, and attention through the
+    /// step's block tables: one kernel for a decode step from the fused projection.
+    fn attend_paged(&self, ws: &mut Work<B>, kv: &mut PagedAttn<B>, fused_qkv: bool) -> Result<()> {
+        let (b, c, ls) = (self.b, self.cfg, self.ls);
+        let a = &mut ws.acts[self.act()];
+        let mut cache = KvCache {
+            k: &mut kv.k[self.l],
+            v: &mut kv.v[self.l],
+        };
+        let slots = Slots {
+            pos: &ws.pos,
+            rows: &ws.kv_rows,
+        };
+        let blocks = BlockTables {
+            tables: kv.tables,
+            seq: &ws.kv_base,
+            len: &ws.kv_len,
+        };
+        let shape = PagedAttnShape {
+            queries: ls.n,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: kv.block_size,
+            max_blocks: kv.max_blocks,
+        };
+        if fused_qkv && kv.n_tiles == 0 {
+            // A decode step: rope + kv_store + attention, one kernel on the GPU.
+            let x = PackedQkv {
+                qkv: &ws.qkv,
+                q: &mut a.q,
+            };
+            let theta = c.rope_theta;
+            let s = PagedRopeShape { attn: shape, theta };
+            return b.attention_paged_rope(&mut a.o, x, slots, cache, blocks, s);
+        }
+        let qkv = fused_qkv.then_some(&ws.qkv);
+        rope_store(b, qkv, a, slots, cache.reborrow(), ls.rope)?;
+        let tiles = PrefillTiles {
+            tiles: kv.tiles,
+            n_tiles: kv.n_tiles,
+            decode_rows: kv.decode_rows,
+        };
+        b.attention_paged_tiled(&mut a.o, &a.q, cache.read(), blocks, tiles, shape)
+    }
+
+    /// The attention's output projection added to the residual: into the next snapshot when
+    /// training (which keeps the block's input), else in place.
+    fn attn_out(&self, ws: &mut Work<B>) -> Result<()> {
+        let (b, w, ls) = (self.b, self.w, self.ls);
+        let (d, _, qd, _) = self.dims();
+        let (ri, rm, _) = self.resid();
+        let (a, wo) = (&ws.acts[self.act()], &w[self.ly.o]);
+        if self.train {
+            let (src, dst) = pair(&mut ws.resid, ri, rm);
+            b.matmul_residual(dst, src, &a.o, wo, ls.gemm(qd, d))
+        } else {
+            b.matmul(&mut ws.resid[rm], &a.o, wo, None, ls.gemm(qd, d), true)
+        }
+    }
+
+    /// The MLP block added to the residual: x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two
+    /// GEMMs into a.g, a.u; swiglu; the down projection.
+    fn mlp(&self, ws: &mut Work<B>) -> Result<()> {
+        let (b, w, ly, ls) = (self.b, self.w, self.ly, self.ls);
+        let (d, f, _, _) = self.dims();
+        let (_, rm, ro) = self.resid();
+        let a = &mut ws.acts[self.act()];
+        b.rmsnorm(
+            &mut a.xn2,
+            &mut a.rstd2,
+            &ws.resid[rm],
+            &w[ly.post_norm],
+            ls.norm,
+        )?;
+        if let Some(wi) = ly.gate_up.filter(|_| self.fuse) {
+            let s = ls.gemm(d, 2 * f);
+            b.matmul(&mut ws.gu, &a.xn2, &self.fused[wi], None, s, false)?;
+            b.swiglu_packed(&mut ws.h, &ws.gu, ls.n, f)?;
+        } else {
+            b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, ls.gemm(d, f), false)?;
+            b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, ls.gemm(d, f), false)?;
+            let h = if self.train { &mut a.h } else { &mut ws.h };
+            b.swiglu(h, &a.g, &a.u, ls.n * f)?;
+        }
+        if self.train {
+            let (src, dst) = pair(&mut ws.resid, rm, ro);
+            b.matmul_residual(dst, src, &a.h, &w[ly.down], ls.gemm(f, d))
+        } else {
+            let s = ls.gemm(f, d);
+            b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, s, true)
+        }
     }
 }
 

@@ -26,27 +26,33 @@
 //! so paged steps run x·[Wq; Wk; Wv]ᵀ and x·[Wg; Wu]ᵀ as one GEMM each (fewer, wider GEMMs at
 //! decode batch sizes). Packed calls (training, scoring) keep the split GEMMs.
 //!
-//! Files: `forward` (the layer loop, packing, scoring), `head` (final norm, LM head, fused
-//! log-prob), `backward` (training passes), `optim` (AdamW and its state), `step` (paged
-//! steps), `workspace` (activation and gradient buffers).
+//! The passes go unit by unit (embedding, layers, head) and tell a caller's [`UnitHooks`] as
+//! they go; the decoder knows nothing of other ranks: the engine's sharded training brings a
+//! unit's weights and sends its gradients through the hooks (`hooks`).
+//!
+//! Files: `forward` (the layer loop, packing, scoring), `attn` (packed or paged keys), `head`
+//! (final norm, LM head, fused log-prob), `backward` (training passes), `hooks` (the per-unit
+//! hooks), `optim` (AdamW and its state), `step` (paged steps), `workspace` (activation and
+//! gradient buffers).
 
+mod attn;
 mod backward;
 mod forward;
 mod head;
+mod hooks;
 mod optim;
-mod shard;
 mod step;
 mod workspace;
 
+pub use attn::PagedAttn;
+pub use hooks::{NoHooks, Pass, Unit, UnitBufs, UnitHooks};
+pub(crate) use optim::{adamw_step, check_hyper, clip_scale};
 pub use optim::{AdamWParams, OptimizerState, StepReport};
-pub use shard::{
-    Buckets, Holding, HostShard, Overlap, PassComm, ShardLayout, ShardStats, ShardedOptim,
-};
-pub use step::{PagedAttn, StepRows};
+pub use step::StepRows;
 
 use anyhow::{bail, ensure, Result};
 
-use crate::backend::{Backend, DType, Parts};
+use crate::backend::{Backend, DType, Device, Parts};
 use crate::error::input_error;
 use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
@@ -124,6 +130,25 @@ struct Layer {
     gate_up: Option<usize>,
 }
 
+impl Layer {
+    /// The indices of every parameter of the layer.
+    fn params(&self) -> impl Iterator<Item = usize> {
+        let fixed = [
+            self.in_norm,
+            self.q,
+            self.k,
+            self.v,
+            self.o,
+            self.post_norm,
+            self.gate,
+            self.up,
+            self.down,
+        ];
+        let optional = [self.q_b, self.k_b, self.v_b, self.q_norm, self.k_norm];
+        fixed.into_iter().chain(optional.into_iter().flatten())
+    }
+}
+
 /// The decoder: weights, gradients, optimizer state and workspaces on one backend.
 pub struct Decoder<B: Backend> {
     backend: B,
@@ -160,6 +185,9 @@ pub struct Decoder<B: Backend> {
     fused: Vec<B::Buf>,
     /// Whether paged steps use `fused` (`set_fused_projections`).
     fuse: bool,
+    /// The passes' hooks hold the weights and gradients unit by unit (`hold_per_unit`): between
+    /// passes the decoder holds none (empty buffers).
+    per_unit: bool,
 }
 
 fn check_config(cfg: &Config) -> Result<()> {
@@ -253,6 +281,179 @@ fn two_mut<T>(v: &mut [T], i: usize, j: Option<usize>) -> (&mut T, Option<&mut T
     }
 }
 
+/// The parameters as [`Decoder::build`] checks, allocates and uploads them, in order.
+struct Loader<'a, B: Backend> {
+    backend: &'a B,
+    weights: Option<&'a Weights>,
+    hold: Hold,
+    names: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    bufs: Vec<B::Buf>,
+    masters: Vec<B::Buf>,
+    /// The whole buffers of the fused projections (`Decoder::fused`).
+    fused: Vec<B::Buf>,
+}
+
+/// A fused group's whole buffer and its N parts (Nones where not fused).
+type Group<B, const N: usize> = (Option<<B as Device>::Buf>, [Option<<B as Device>::Buf>; N]);
+
+/// A layer's fused groups: q/k/v weights, q/k/v biases, gate/up weights.
+type Groups<B> = (Group<B, 3>, Group<B, 3>, Group<B, 2>);
+
+/// Adam's first and second moments, one buffer per parameter (or per bucket) each.
+pub(crate) type Moments<B> = (Vec<<B as Device>::Buf>, Vec<<B as Device>::Buf>);
+
+impl<B: Backend> Loader<'_, B> {
+    /// Checks tensor `name` of the weights (present, of `shape`, finite), then adds the next
+    /// parameter: uploaded into `into` (a part of a fused buffer) or a buffer of its own, with
+    /// its f32 master apart where the decoder is trainable and computes in another dtype.
+    /// Returns its index.
+    fn add(&mut self, name: String, shape: Vec<usize>, into: Option<B::Buf>) -> Result<usize> {
+        let b = self.backend;
+        let cd = b.compute_dtype();
+        let t = match self.weights {
+            Some(weights) => Some(check_tensor(weights, &name, &shape)?),
+            None => None,
+        };
+        let buf = if self.hold == Hold::Nothing {
+            b.alloc_as(0, cd)?
+        } else {
+            let n = shape.iter().product();
+            let mut buf = match into {
+                Some(b) => b,
+                None => b.alloc_as(n, cd)?,
+            };
+            if let Some(t) = t {
+                b.upload(&mut buf, &t.data)?;
+                if cd != DType::F32 && self.hold == Hold::Trainable {
+                    let mut m = b.alloc(n)?;
+                    b.upload(&mut m, &t.data)?;
+                    self.masters.push(m);
+                }
+            }
+            buf
+        };
+        self.names.push(name);
+        self.shapes.push(shape);
+        self.bufs.push(buf);
+        Ok(self.bufs.len() - 1)
+    }
+
+    /// Keeps a fused group's whole buffer; its index into `fused`.
+    fn keep(&mut self, whole: Option<B::Buf>) -> Option<usize> {
+        whole.map(|b| {
+            self.fused.push(b);
+            self.fused.len() - 1
+        })
+    }
+
+    /// The fused q/k/v weights (and biases) and gate/up weights of a layer, where the backend
+    /// can share memory (paged steps run each group as one GEMM). Qwen3's per-head norm sits
+    /// between the projections and rope: q/k/v stay apart there.
+    fn fused_groups(&self, cfg: &Config) -> Result<Groups<B>> {
+        let b = self.backend;
+        let cd = b.compute_dtype();
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let (qd, kd) = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        );
+        let upload = self.hold != Hold::Nothing;
+        let qkv_w = if cfg.qk_norm || !upload {
+            None
+        } else {
+            contiguous_parts(b, &[qd * d, kd * d, kd * d], cd)?
+        };
+        let qkv_b = match (&qkv_w, cfg.qkv_bias) {
+            (Some(_), true) => contiguous_parts(b, &[qd, kd, kd], cd)?,
+            _ => None,
+        };
+        let qkv_w = if cfg.qkv_bias && qkv_b.is_none() {
+            None
+        } else {
+            qkv_w
+        };
+        let gu = match upload {
+            true => contiguous_parts(b, &[f * d, f * d], cd)?,
+            false => None,
+        };
+        Ok((split_parts(qkv_w), split_parts(qkv_b), split_parts(gu)))
+    }
+
+    /// Adds layer `l`'s parameters.
+    fn layer(&mut self, cfg: &Config, l: usize) -> Result<Layer> {
+        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (qd, kd) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let p = format!("model.layers.{l}.");
+        let ((qkv_all, [wq, wk, wv]), (qkv_b_all, [bq, bk, bv]), (gu_all, [wg, wu])) =
+            self.fused_groups(cfg)?;
+        let bias = |me: &mut Self, name: &str, n: usize, into: Option<B::Buf>| {
+            let name = format!("{p}self_attn.{name}.bias");
+            cfg.qkv_bias
+                .then(|| me.add(name, vec![n], into))
+                .transpose()
+        };
+        let in_norm = self.add(format!("{p}input_layernorm.weight"), vec![d], None)?;
+        let q = self.add(format!("{p}self_attn.q_proj.weight"), vec![qd, d], wq)?;
+        let q_b = bias(self, "q_proj", qd, bq)?;
+        let k = self.add(format!("{p}self_attn.k_proj.weight"), vec![kd, d], wk)?;
+        let k_b = bias(self, "k_proj", kd, bk)?;
+        let v = self.add(format!("{p}self_attn.v_proj.weight"), vec![kd, d], wv)?;
+        let v_b = bias(self, "v_proj", kd, bv)?;
+        let norm = |me: &mut Self, name: &str| {
+            let name = format!("{p}self_attn.{name}.weight");
+            cfg.qk_norm
+                .then(|| me.add(name, vec![hd], None))
+                .transpose()
+        };
+        let q_norm = norm(self, "q_norm")?;
+        let k_norm = norm(self, "k_norm")?;
+        let o = self.add(format!("{p}self_attn.o_proj.weight"), vec![d, qd], None)?;
+        let post_norm = self.add(format!("{p}post_attention_layernorm.weight"), vec![d], None)?;
+        let gate = self.add(format!("{p}mlp.gate_proj.weight"), vec![f, d], wg)?;
+        let up = self.add(format!("{p}mlp.up_proj.weight"), vec![f, d], wu)?;
+        let down = self.add(format!("{p}mlp.down_proj.weight"), vec![d, f], None)?;
+        Ok(Layer {
+            in_norm,
+            q,
+            k,
+            v,
+            q_b,
+            k_b,
+            v_b,
+            q_norm,
+            k_norm,
+            o,
+            post_norm,
+            gate,
+            up,
+            down,
+            qkv: self.keep(qkv_all),
+            qkv_b: self.keep(qkv_b_all),
+            gate_up: self.keep(gu_all),
+        })
+    }
+}
+
+/// Tensor `name` of `weights`, checked: present, of `shape`, finite (input errors).
+fn check_tensor<'w>(weights: &'w Weights, name: &str, shape: &[usize]) -> Result<&'w Tensor> {
+    let t = weights
+        .get(name)
+        .ok_or_else(|| input_error(format!("model weights: tensor '{name}' is missing")))?;
+    if t.shape != shape {
+        bail!(input_error(format!(
+            "model weights: tensor '{name}' has shape {:?}, config.json implies {shape:?}",
+            t.shape
+        )));
+    }
+    if let Some(i) = t.data.iter().position(|x| !x.is_finite()) {
+        bail!(input_error(format!(
+            "model weights: tensor '{name}' holds a non-finite value at flat index {i}"
+        )));
+    }
+    Ok(t)
+}
+
 impl<B: Backend> Decoder<B> {
     /// Builds the decoder from weights keyed by HF name. Missing tensors, wrong shapes and
     /// non-finite values are input errors; tensors the config does not use are ignored (e.g. a
@@ -276,171 +477,45 @@ impl<B: Backend> Decoder<B> {
 
     /// [`Decoder::new`] or [`Decoder::for_generation`] by `hold`; under [`Hold::Nothing`]
     /// the weights are checked but the decoder holds none (empty buffers, no fused ones): what
-    /// full sharding starts from ([`Decoder::new_full`] cuts each rank's shards from the host
-    /// weights).
+    /// full sharding starts from (the engine cuts each rank's shards from the host weights).
     /// `weights` None: the buffers of `hold` are allocated (fused parts included) but not
-    /// filled, for a caller that writes them on the device ([`Decoder::gather_generation`]).
+    /// filled, for a caller that writes them on the device (a sharded group's generation copy).
     fn build(backend: B, cfg: &Config, weights: Option<&Weights>, hold: Hold) -> Result<Self> {
-        let upload = hold != Hold::Nothing;
         // Masters are copies of the host weights: nothing to copy without them.
         ensure!(
             weights.is_some() || hold != Hold::Trainable,
             "a trainable decoder needs weights"
         );
         check_config(cfg)?;
-        let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let (qd, kd) = (
-            cfg.num_heads * cfg.head_dim,
-            cfg.num_kv_heads * cfg.head_dim,
-        );
-        let mut names = Vec::new();
-        let mut shapes = Vec::new();
-        let mut bufs = Vec::new();
-        let mut masters = Vec::new();
-        let cd = backend.compute_dtype();
-        // `into`: the buffer to upload into (a part of a fused buffer); None allocates one.
-        let mut add = |name: String, shape: Vec<usize>, into: Option<B::Buf>| -> Result<usize> {
-            if let Some(weights) = weights {
-                let t = weights.get(&name).ok_or_else(|| {
-                    input_error(format!("model weights: tensor '{name}' is missing"))
-                })?;
-                if t.shape != shape {
-                    bail!(input_error(format!(
-                        "model weights: tensor '{name}' has shape {:?}, config.json implies {shape:?}",
-                        t.shape
-                    )));
-                }
-                if let Some(i) = t.data.iter().position(|x| !x.is_finite()) {
-                    bail!(input_error(format!(
-                        "model weights: tensor '{name}' holds a non-finite value at flat index {i}"
-                    )));
-                }
-            }
-            if !upload {
-                names.push(name);
-                shapes.push(shape);
-                bufs.push(backend.alloc_as(0, cd)?);
-                return Ok(bufs.len() - 1);
-            }
-            let n = shape.iter().product();
-            let mut buf = match into {
-                Some(b) => b,
-                None => backend.alloc_as(n, cd)?,
-            };
-            if let Some(t) = weights.and_then(|w| w.get(&name)) {
-                backend.upload(&mut buf, &t.data)?;
-                if cd != DType::F32 && hold == Hold::Trainable {
-                    let mut m = backend.alloc(n)?;
-                    backend.upload(&mut m, &t.data)?;
-                    masters.push(m);
-                }
-            }
-            names.push(name);
-            shapes.push(shape);
-            bufs.push(buf);
-            Ok(bufs.len() - 1)
+        let (d, v) = (cfg.hidden_size, cfg.vocab_size);
+        let mut p = Loader {
+            backend: &backend,
+            weights,
+            hold,
+            names: Vec::new(),
+            shapes: Vec::new(),
+            bufs: Vec::new(),
+            masters: Vec::new(),
+            fused: Vec::new(),
         };
-        let embed = add("model.embed_tokens.weight".into(), vec![v, d], None)?;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        let mut fused = Vec::new();
-        for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}.");
-            // q/k/v (with their biases) and gate/up as parts of one buffer each where the
-            // backend can share memory: paged steps run each group as one GEMM.
-            // Qwen3's per-head norm sits between the projections and rope: q/k/v stay apart.
-            let qkv_w = if cfg.qk_norm || !upload {
-                None
-            } else {
-                contiguous_parts(&backend, &[qd * d, kd * d, kd * d], cd)?
-            };
-            let qkv_b = match (&qkv_w, cfg.qkv_bias) {
-                (Some(_), true) => contiguous_parts(&backend, &[qd, kd, kd], cd)?,
-                _ => None,
-            };
-            let qkv_w = if cfg.qkv_bias && qkv_b.is_none() {
-                None
-            } else {
-                qkv_w
-            };
-            let (qkv_all, [wq, wk, wv]) = split_parts(qkv_w);
-            let (qkv_b_all, [bq, bk, bv]) = split_parts(qkv_b);
-            let gu = match upload {
-                true => contiguous_parts(&backend, &[f * d, f * d], cd)?,
-                false => None,
-            };
-            let (gu_all, [wg, wu]) = split_parts(gu);
-            let bias =
-                |add: &mut dyn FnMut(String, Vec<usize>, Option<B::Buf>) -> Result<usize>,
-                 name: &str,
-                 n: usize,
-                 into: Option<B::Buf>| {
-                    if cfg.qkv_bias {
-                        add(format!("{p}self_attn.{name}.bias"), vec![n], into).map(Some)
-                    } else {
-                        Ok(None)
-                    }
-                };
-            let in_norm = add(format!("{p}input_layernorm.weight"), vec![d], None)?;
-            let q = add(format!("{p}self_attn.q_proj.weight"), vec![qd, d], wq)?;
-            let q_b = bias(&mut add, "q_proj", qd, bq)?;
-            let k = add(format!("{p}self_attn.k_proj.weight"), vec![kd, d], wk)?;
-            let k_b = bias(&mut add, "k_proj", kd, bk)?;
-            let vv = add(format!("{p}self_attn.v_proj.weight"), vec![kd, d], wv)?;
-            let v_b = bias(&mut add, "v_proj", kd, bv)?;
-            let (q_norm, k_norm) = if cfg.qk_norm {
-                (
-                    Some(add(
-                        format!("{p}self_attn.q_norm.weight"),
-                        vec![cfg.head_dim],
-                        None,
-                    )?),
-                    Some(add(
-                        format!("{p}self_attn.k_norm.weight"),
-                        vec![cfg.head_dim],
-                        None,
-                    )?),
-                )
-            } else {
-                (None, None)
-            };
-            let o = add(format!("{p}self_attn.o_proj.weight"), vec![d, qd], None)?;
-            let post_norm = add(format!("{p}post_attention_layernorm.weight"), vec![d], None)?;
-            let gate = add(format!("{p}mlp.gate_proj.weight"), vec![f, d], wg)?;
-            let up = add(format!("{p}mlp.up_proj.weight"), vec![f, d], wu)?;
-            let down = add(format!("{p}mlp.down_proj.weight"), vec![d, f], None)?;
-            let mut keep = |b: Option<B::Buf>| {
-                b.map(|b| {
-                    fused.push(b);
-                    fused.len() - 1
-                })
-            };
-            let (qkv, qkv_b, gate_up) = (keep(qkv_all), keep(qkv_b_all), keep(gu_all));
-            layers.push(Layer {
-                in_norm,
-                q,
-                k,
-                v: vv,
-                q_b,
-                k_b,
-                v_b,
-                q_norm,
-                k_norm,
-                o,
-                post_norm,
-                gate,
-                up,
-                down,
-                qkv,
-                qkv_b,
-                gate_up,
-            });
-        }
-        let final_norm = add("model.norm.weight".into(), vec![d], None)?;
+        let embed = p.add("model.embed_tokens.weight".into(), vec![v, d], None)?;
+        let layers = (0..cfg.num_layers)
+            .map(|l| p.layer(cfg, l))
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = p.add("model.norm.weight".into(), vec![d], None)?;
         let head = if cfg.tie_word_embeddings {
             embed
         } else {
-            add("lm_head.weight".into(), vec![v, d], None)?
+            p.add("lm_head.weight".into(), vec![v, d], None)?
         };
+        let Loader {
+            names,
+            shapes,
+            bufs,
+            masters,
+            fused,
+            ..
+        } = p;
         let ws = Work::empty(&backend, cfg)?;
         let logprob_chunk = (backend.logprob_chunk_floats() / v).clamp(1, 4096);
         Ok(Decoder {
@@ -464,6 +539,7 @@ impl<B: Backend> Decoder<B> {
             ws_epoch: 0,
             fused,
             fuse: true,
+            per_unit: false,
         })
     }
 
@@ -501,7 +577,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// The f32 weights the optimizer updates.
-    fn masters(&self) -> &[B::Buf] {
+    pub(crate) fn masters(&self) -> &[B::Buf] {
         if self.master.is_empty() {
             &self.w
         } else {
@@ -550,5 +626,102 @@ impl<B: Backend> Decoder<B> {
             )));
         }
         Ok(())
+    }
+}
+
+/// What the engine's sharded training (`engine::shard`) reaches of the decoder: the parameters'
+/// names and shapes, their buffers (compute weights, masters, moments, gradients) and the step
+/// count, and the holding of the weights unit by unit.
+impl<B: Backend> Decoder<B> {
+    /// A decoder that holds no weights (the names and shapes only), from checked `weights`.
+    pub(crate) fn unloaded(backend: B, cfg: &Config, weights: &Weights) -> Result<Self> {
+        Self::build(backend, cfg, Some(weights), Hold::Nothing)
+    }
+
+    /// [`Decoder::for_generation`]'s buffers (fused parts included), not filled.
+    pub(crate) fn unfilled_for_generation(backend: B, cfg: &Config) -> Result<Self> {
+        Self::build(backend, cfg, None, Hold::Compute)
+    }
+
+    /// The parameters' HF names, in order.
+    pub(crate) fn param_names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The parameters' shapes, in order.
+    pub(crate) fn param_shapes(&self) -> &[Vec<usize>] {
+        &self.shapes
+    }
+
+    /// The parameters' element counts, in order.
+    pub(crate) fn param_sizes(&self) -> Vec<usize> {
+        self.shapes.iter().map(|s| s.iter().product()).collect()
+    }
+
+    /// The backend and the compute weights, for a caller that writes them whole (a weight
+    /// sync).
+    pub(crate) fn weights_mut(&mut self) -> (&B, &mut [B::Buf]) {
+        (&self.backend, &mut self.w)
+    }
+
+    /// The gradient buffers.
+    pub(crate) fn grads(&self) -> &[B::Buf] {
+        &self.g
+    }
+
+    /// The Adam moments, taken out of the decoder (None before any step or load).
+    pub(crate) fn take_moments(&mut self) -> Option<Moments<B>> {
+        match self.m.is_empty() {
+            true => None,
+            false => Some((std::mem::take(&mut self.m), std::mem::take(&mut self.v))),
+        }
+    }
+
+    /// Puts whole f32 masters (where the compute dtype is not f32) and moments back.
+    pub(crate) fn put_state(&mut self, master: Option<Vec<B::Buf>>, moments: Option<Moments<B>>) {
+        if let Some(master) = master {
+            self.master = master;
+        }
+        if let Some((m, v)) = moments {
+            (self.m, self.v) = (m, v);
+        }
+    }
+
+    /// Counts one more optimizer step; returns the new count (AdamW's bias correction).
+    pub(crate) fn count_step(&mut self) -> u64 {
+        self.step += 1;
+        self.step
+    }
+
+    pub(crate) fn set_optimizer_steps(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// From now on the passes' hooks hold the weights and gradients unit by unit: the
+    /// decoder frees its compute weights, its fused projections (parts of the whole weights:
+    /// the passes run the split GEMMs) and its gradients, and keeps empty buffers.
+    pub(crate) fn hold_per_unit(&mut self) -> Result<()> {
+        let cd = self.backend.compute_dtype();
+        self.fused.clear();
+        for ly in &mut self.layers {
+            (ly.qkv, ly.qkv_b, ly.gate_up) = (None, None, None);
+        }
+        for w in &mut self.w {
+            *w = self.backend.alloc_as(0, cd)?;
+        }
+        self.per_unit = true;
+        self.g.clear();
+        self.ensure_grads()?;
+        self.ws_epoch += 1;
+        Ok(())
+    }
+
+    /// The whole compute weights `w` back (fresh buffers: no fused ones), after
+    /// [`Decoder::hold_per_unit`]; the next backward allocates the gradients again.
+    pub(crate) fn hold_whole(&mut self, w: Vec<B::Buf>) {
+        self.w = w;
+        self.per_unit = false;
+        self.g.clear();
+        self.ws_epoch += 1;
     }
 }

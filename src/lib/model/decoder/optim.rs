@@ -51,7 +51,7 @@ pub struct OptimizerState {
 }
 
 /// The AdamW kernel's arguments of step `step` (1-based).
-pub(super) fn adamw_step(hp: &AdamWParams, step: u64, grad_scale: f32) -> AdamWStep {
+pub(crate) fn adamw_step(hp: &AdamWParams, step: u64, grad_scale: f32) -> AdamWStep {
     let t = step as i32;
     AdamWStep {
         lr: hp.lr,
@@ -66,12 +66,12 @@ pub(super) fn adamw_step(hp: &AdamWParams, step: u64, grad_scale: f32) -> AdamWS
 }
 
 /// torch.nn.utils.clip_grad_norm_'s factor: max / (norm + 1e-6), clamped to 1.
-pub(super) fn clip_scale(grad_norm: f32, max_grad_norm: Option<f32>) -> f32 {
+pub(crate) fn clip_scale(grad_norm: f32, max_grad_norm: Option<f32>) -> f32 {
     max_grad_norm.map_or(1.0, |c| (c / (grad_norm + 1e-6)).min(1.0))
 }
 
 /// Refuses hyper-parameters AdamW or clipping cannot use (input errors).
-pub(super) fn check_hyper(hp: &AdamWParams, max_grad_norm: Option<f32>) -> Result<()> {
+pub(crate) fn check_hyper(hp: &AdamWParams, max_grad_norm: Option<f32>) -> Result<()> {
     let finite_nonneg = |x: f32| x.is_finite() && x >= 0.0;
     if !(finite_nonneg(hp.lr)
         && finite_nonneg(hp.weight_decay)
@@ -209,7 +209,7 @@ impl<B: Backend> Decoder<B> {
 
     /// Each parameter's (exp_avg, exp_avg_sq) in `state`, checked against the model (input
     /// errors); None when the state has no moments (no step taken yet).
-    pub(super) fn state_moments<'s>(
+    pub(crate) fn state_moments<'s>(
         &self,
         state: &'s OptimizerState,
     ) -> Result<Option<Vec<(&'s Tensor, &'s Tensor)>>> {

@@ -8,7 +8,7 @@
 
 use anyhow::{ensure, Result};
 
-use super::forward::AttnMode;
+use super::attn::{AttnMode, PagedAttn};
 use super::Decoder;
 use crate::backend::{Backend, Draws};
 
@@ -25,22 +25,6 @@ pub struct StepRows<'a> {
     pub context: &'a [u32],
     /// The token rows whose logits are drawn from, in draw order (a row may repeat).
     pub sample: &'a [u32],
-}
-
-/// The paged KV cache as a step's attention reads and writes it: per layer, the keys and
-/// values of every block (cache row `block · block_size + offset`); the step's block tables
-/// (row s holds `max_blocks` entries, the blocks of table row s in order); and its prefill
-/// tiles (`PagedAttentionOps::attention_paged_tiled`: `n_tiles` (first row, rows) pairs after the
-/// `decode_rows` single-token rows).
-pub struct PagedAttn<'a, B: Backend> {
-    pub k: &'a mut [B::Buf],
-    pub v: &'a mut [B::Buf],
-    pub block_size: usize,
-    pub tables: &'a B::Idx,
-    pub max_blocks: usize,
-    pub tiles: &'a B::Idx,
-    pub n_tiles: usize,
-    pub decode_rows: usize,
 }
 
 impl<B: Backend> Decoder<B> {

@@ -16,3 +16,4 @@ pub mod process;
 pub mod reward;
 pub mod rng;
 pub mod stage;
+pub mod tokenizer;

@@ -1,10 +1,9 @@
-//! Prompt datasets, tokenizer and chat templates.
+//! Prompt datasets and chat templates (the tokenizer is `crate::tokenizer`).
 //!
 //! - `prepare`: the `tandem prepare gsm8k|jsonl` imports, writing verl's prompt schema
 //!   (`gsm8k`, `jsonl` hold the per-format parsing).
 //! - `dataset`: [`PromptDataset`] reads a prompt file (ours, verl's, or a jsonl of prompts) for
 //!   `rollout`.
-//! - `tokenizer`: HF `tokenizer.json` through the `tokenizers` crate.
 //! - `chat`: `tokenizer_config.json`'s chat template rendered with minijinja the way HF
 //!   transformers' `apply_chat_template` does.
 
@@ -14,11 +13,9 @@ pub mod gsm8k;
 pub mod jsonl;
 pub mod prepare;
 pub mod synth;
-pub mod tokenizer;
 
 pub use chat::ChatTemplate;
 pub use dataset::{PromptDataset, PromptRow};
-pub use tokenizer::Tokenizer;
 
 use arrow_array::builder::{Int64Builder, ListBuilder, StringBuilder, StructBuilder};
 use arrow_array::{ArrayRef, RecordBatch};

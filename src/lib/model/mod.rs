@@ -1,6 +1,5 @@
 //! Model files and the decoder: config.json, safetensors load/save (HF layout), random init.
 
-pub mod bytetok;
 pub mod checkpoint;
 pub mod config;
 pub mod decoder;

@@ -199,6 +199,24 @@ pub fn build(vocab: usize) -> Result<ByteTokenizer> {
         vocab_map.insert(format!("{a}{b}"), Value::from(MIN_VOCAB + i));
         merge_strings.push(Value::from(format!("{a} {b}")));
     }
+    let tokenizer = tokenizer_json(vocab_map, merge_strings);
+    let config = tokenizer_config();
+    let as_map = |v: Value| match v {
+        Value::Object(m) => m,
+        _ => unreachable!("json! object literal"),
+    };
+    Ok(ByteTokenizer {
+        len: MIN_VOCAB + merges.len(),
+        endoftext_id: FIRST_SPECIAL_ID,
+        im_start_id: FIRST_SPECIAL_ID + 1,
+        im_end_id: FIRST_SPECIAL_ID + 2,
+        tokenizer_json: as_map(tokenizer),
+        tokenizer_config: as_map(config),
+    })
+}
+
+/// `tokenizer.json`: byte-level BPE over `vocab` and `merges`, the specials as added tokens.
+fn tokenizer_json(vocab: Map<String, Value>, merges: Vec<Value>) -> Value {
     let added: Vec<Value> = SPECIALS
         .iter()
         .enumerate()
@@ -214,7 +232,7 @@ pub fn build(vocab: usize) -> Result<ByteTokenizer> {
             })
         })
         .collect();
-    let tokenizer = json!({
+    json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
@@ -242,10 +260,14 @@ pub fn build(vocab: usize) -> Result<ByteTokenizer> {
             "fuse_unk": false,
             "byte_fallback": false,
             "ignore_merges": false,
-            "vocab": vocab_map,
-            "merges": merge_strings
+            "vocab": vocab,
+            "merges": merges
         }
-    });
+    })
+}
+
+/// `tokenizer_config.json`: ChatML, `<|im_end|>` ends a turn, `<|endoftext|>` pads.
+fn tokenizer_config() -> Value {
     let mut decoder = Map::new();
     for (i, s) in SPECIALS.iter().enumerate() {
         decoder.insert(
@@ -260,7 +282,7 @@ pub fn build(vocab: usize) -> Result<ByteTokenizer> {
             }),
         );
     }
-    let config = json!({
+    json!({
         "add_bos_token": false,
         "add_prefix_space": false,
         "added_tokens_decoder": decoder,
@@ -275,18 +297,6 @@ pub fn build(vocab: usize) -> Result<ByteTokenizer> {
         "split_special_tokens": false,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": null
-    });
-    let as_map = |v: Value| match v {
-        Value::Object(m) => m,
-        _ => unreachable!("json! object literal"),
-    };
-    Ok(ByteTokenizer {
-        len: MIN_VOCAB + merges.len(),
-        endoftext_id: FIRST_SPECIAL_ID,
-        im_start_id: FIRST_SPECIAL_ID + 1,
-        im_end_id: FIRST_SPECIAL_ID + 2,
-        tokenizer_json: as_map(tokenizer),
-        tokenizer_config: as_map(config),
     })
 }
 

@@ -534,6 +534,46 @@ fn compute<T: Real>(
     scale: f64,
 ) -> Result<LossOutput<T>> {
     cfg.validate()?;
+    let n_tok = check_lengths(x, anchor)?;
+    let mut pass = Pass {
+        cfg,
+        x,
+        anchor,
+        inputs: Needed::of(cfg, x)?,
+        token_loss: cfg.mode.loss().token,
+        clip: Clip {
+            low: 1.0 - cfg.clip_low(),
+            high: 1.0 + cfg.clip_high(),
+            dual: cfg.clip_ratio_c,
+        },
+        scale,
+        grad_lp: vec![T::from_f64(0.0); n_tok],
+        grad_entropy: x.entropy.map(|_| vec![T::from_f64(0.0); n_tok]),
+        m: LossMetrics::default(),
+    };
+    for w in x.offsets.windows(2) {
+        let valid: Vec<usize> = (w[0]..w[1]).filter(|&t| x.mask[t] != 0).collect();
+        if !valid.is_empty() {
+            pass.row(&valid, norm)?;
+        }
+    }
+    let m = pass.m;
+    let kl_term = cfg.kl_loss.map_or(0.0, |k| k.coef * m.kl_loss);
+    let loss = scale * (m.pg_loss - cfg.entropy_coeff * m.entropy + kl_term);
+    Ok(LossOutput {
+        loss,
+        grad_lp: pass.grad_lp,
+        grad_entropy: pass.grad_entropy,
+        metrics: m,
+    })
+}
+
+fn at<T: Real>(v: &[T], t: usize) -> f64 {
+    v[t].to_f64()
+}
+
+/// The number of tokens the offsets give, which every per-token input must have.
+fn check_lengths<T>(x: &LossInputs<T>, anchor: &[T]) -> Result<usize> {
     let n_tok = *x.offsets.last().unwrap_or(&0);
     ensure!(
         x.offsets.first() == Some(&0) && x.offsets.windows(2).all(|w| w[0] <= w[1]),
@@ -556,55 +596,86 @@ fn compute<T: Real>(
             );
         }
     }
-    let mode = cfg.mode;
-    let pg = mode.loss();
-    let need = |what: &str, why: &str| {
-        crate::error::input_error(format!("policy loss: {why} needs {what}"))
-    };
-    let old = match (pg.policy_gradient, x.old) {
-        (true, None) => return Err(need("old log-probs", &format!("--loss {mode}"))),
-        (_, o) => o,
-    };
-    let adv = match (pg.policy_gradient, x.advantages) {
-        (true, None) => return Err(need("advantages", &format!("--loss {mode}"))),
-        (_, a) => a,
-    };
-    let ref_lp = match (cfg.kl_loss, x.ref_lp) {
-        (Some(_), None) => return Err(need("reference log-probs", "--use-kl-loss")),
-        (_, r) => r,
-    };
-    let rollout = match (cfg.rollout_is, x.rollout) {
-        (Some(_), None) => return Err(need("rollout log-probs", "--rollout-is")),
-        (_, r) => r,
-    };
-    if cfg.entropy_coeff != 0.0 && x.entropy.is_none() {
-        return Err(need("per-token entropies", "--entropy-coeff"));
-    }
+    Ok(n_tok)
+}
 
-    let clip = Clip {
-        low: 1.0 - cfg.clip_low(),
-        high: 1.0 + cfg.clip_high(),
-        dual: cfg.clip_ratio_c,
-    };
-    let mut grad_lp = vec![T::from_f64(0.0); n_tok];
-    let mut grad_entropy = x.entropy.map(|_| vec![T::from_f64(0.0); n_tok]);
-    let mut m = LossMetrics::default();
-    let at = |v: &[T], t: usize| v[t].to_f64();
+/// The optional inputs, each checked present when the configuration needs it.
+struct Needed<'a, T> {
+    old: Option<&'a [T]>,
+    adv: Option<&'a [T]>,
+    ref_lp: Option<&'a [T]>,
+    rollout: Option<&'a [T]>,
+}
 
-    for w in x.offsets.windows(2) {
-        let (a, b) = (w[0], w[1]);
-        let valid: Vec<usize> = (a..b).filter(|&t| x.mask[t] != 0).collect();
-        let n = valid.len();
-        if n == 0 {
-            continue;
+impl<'a, T> Needed<'a, T> {
+    fn of(cfg: &LossConfig, x: &LossInputs<'a, T>) -> Result<Needed<'a, T>> {
+        let mode = cfg.mode;
+        let pg = mode.loss();
+        let need = |what: &str, why: &str| {
+            crate::error::input_error(format!("policy loss: {why} needs {what}"))
+        };
+        let old = match (pg.policy_gradient, x.old) {
+            (true, None) => return Err(need("old log-probs", &format!("--loss {mode}"))),
+            (_, o) => o,
+        };
+        let adv = match (pg.policy_gradient, x.advantages) {
+            (true, None) => return Err(need("advantages", &format!("--loss {mode}"))),
+            (_, a) => a,
+        };
+        let ref_lp = match (cfg.kl_loss, x.ref_lp) {
+            (Some(_), None) => return Err(need("reference log-probs", "--use-kl-loss")),
+            (_, r) => r,
+        };
+        let rollout = match (cfg.rollout_is, x.rollout) {
+            (Some(_), None) => return Err(need("rollout log-probs", "--rollout-is")),
+            (_, r) => r,
+        };
+        if cfg.entropy_coeff != 0.0 && x.entropy.is_none() {
+            return Err(need("per-token entropies", "--entropy-coeff"));
         }
-        let w_pg = norm.row_weight(cfg.pg_agg(), n)?;
-        let w_agg = norm.row_weight(cfg.agg, n)?;
-        let w_tok = norm.row_weight(AggMode::TokenMean, n)?;
+        Ok(Needed {
+            old,
+            adv,
+            ref_lp,
+            rollout,
+        })
+    }
+}
 
+/// One micro-batch's pass: what its rows share, and the gradients and metrics they add to.
+struct Pass<'a, T> {
+    cfg: &'a LossConfig,
+    x: &'a LossInputs<'a, T>,
+    anchor: &'a [T],
+    inputs: Needed<'a, T>,
+    /// The loss's per-token function.
+    token_loss: TokenLossFn,
+    clip: Clip,
+    scale: f64,
+    grad_lp: Vec<T>,
+    grad_entropy: Option<Vec<T>>,
+    m: LossMetrics,
+}
+
+/// What is constant within one row: its aggregation weights, its sequence-level rollout
+/// importance weight (untruncated) with its threshold, and GSPO's log sequence ratio.
+struct Row {
+    w_pg: f64,
+    w_agg: f64,
+    w_tok: f64,
+    seq_is: (f64, f64),
+    seq_log_ratio: f64,
+}
+
+impl<T: Real> Pass<'_, T> {
+    /// Adds the row of the `valid` (unmasked, at least one) tokens.
+    fn row(&mut self, valid: &[usize], norm: &LossNorm) -> Result<()> {
+        let cfg = self.cfg;
+        let n = valid.len();
+        let old = self.inputs.old;
         // Sequence-level quantities, constant within the row: the untruncated weight and its
         // threshold.
-        let seq_is = match (cfg.rollout_is, rollout, old) {
+        let seq_is = match (cfg.rollout_is, self.inputs.rollout, old) {
             (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Sequence => {
                 // w_i = min(exp(clamp(Σ_t (old − rollout), ±20)), threshold)
                 let s: f64 = valid.iter().map(|&t| at(old, t) - at(roll, t)).sum();
@@ -617,66 +688,79 @@ fn compute<T: Real>(
             Some(old) => {
                 valid
                     .iter()
-                    .map(|&t| at(anchor, t) - at(old, t))
+                    .map(|&t| at(self.anchor, t) - at(old, t))
                     .sum::<f64>()
                     / n as f64
             }
             None => 0.0,
         };
-
-        for &t in &valid {
-            let tok = TokenIn {
-                lp: at(x.lp, t),
-                old: old.map_or(f64::NAN, |o| at(o, t)),
-                adv: adv.map_or(f64::NAN, |v| at(v, t)),
-                anchor: at(anchor, t),
-                seq_log_ratio,
-            };
-            let l = (pg.token)(&tok, &clip);
-            // Truncated rollout importance weight (detached): token min(exp(clamp(old −
-            // rollout, ±20)), threshold), or the row's sequence weight.
-            let (raw_w, threshold) = match (cfg.rollout_is, rollout, old) {
-                (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => (
-                    (at(old, t) - at(roll, t)).clamp(-20.0, 20.0).exp(),
-                    r.threshold,
-                ),
-                _ => seq_is,
-            };
-            let is_w = raw_w.min(threshold);
-            if cfg.rollout_is.is_some() {
-                m.is_weight += w_tok * is_w;
-                m.is_truncated += w_tok * f64::from(u8::from(raw_w > threshold));
-            }
-            m.pg_loss += w_pg * (l.loss * is_w);
-            let mut g = w_pg * (l.dloss * is_w);
-            m.pg_clipfrac += w_tok * l.clipped as u8 as f64;
-            m.pg_clipfrac_lower += w_tok * l.clipped_lower as u8 as f64;
-            if old.is_some() {
-                // ppo_kl = mean(old − lp)
-                m.ppo_kl += w_tok * -l.log_ratio;
-            }
-            if let (Some(ent), Some(ge)) = (x.entropy, grad_entropy.as_mut()) {
-                // loss −= coeff·agg(H)
-                m.entropy += w_agg * at(ent, t);
-                ge[t] = T::from_f64(-scale * cfg.entropy_coeff * w_agg);
-            }
-            if let (Some(k), Some(r)) = (cfg.kl_loss, ref_lp) {
-                // loss += coef·agg(kl(lp, ref))
-                let (v, dv) = k.penalty.value_grad(tok.lp, at(r, t));
-                m.kl_loss += w_agg * v;
-                g += k.coef * w_agg * dv;
-            }
-            grad_lp[t] = T::from_f64(scale * g);
+        let row = Row {
+            w_pg: norm.row_weight(cfg.pg_agg(), n)?,
+            w_agg: norm.row_weight(cfg.agg, n)?,
+            w_tok: norm.row_weight(AggMode::TokenMean, n)?,
+            seq_is,
+            seq_log_ratio,
+        };
+        for &t in valid {
+            self.token(t, &row);
         }
+        Ok(())
     }
-    let kl_term = cfg.kl_loss.map_or(0.0, |k| k.coef * m.kl_loss);
-    let loss = scale * (m.pg_loss - cfg.entropy_coeff * m.entropy + kl_term);
-    Ok(LossOutput {
-        loss,
-        grad_lp,
-        grad_entropy,
-        metrics: m,
-    })
+
+    /// Adds token `t` of `row`: its policy loss (weighted by the rollout importance weight),
+    /// entropy bonus and KL loss, their gradients and metrics.
+    fn token(&mut self, t: usize, row: &Row) {
+        let (cfg, x, m) = (self.cfg, self.x, &mut self.m);
+        let Needed {
+            old,
+            adv,
+            ref_lp,
+            rollout,
+        } = self.inputs;
+        let tok = TokenIn {
+            lp: at(x.lp, t),
+            old: old.map_or(f64::NAN, |o| at(o, t)),
+            adv: adv.map_or(f64::NAN, |v| at(v, t)),
+            anchor: at(self.anchor, t),
+            seq_log_ratio: row.seq_log_ratio,
+        };
+        let l = (self.token_loss)(&tok, &self.clip);
+        // Truncated rollout importance weight (detached): token min(exp(clamp(old −
+        // rollout, ±20)), threshold), or the row's sequence weight.
+        let (raw_w, threshold) = match (cfg.rollout_is, rollout, old) {
+            (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => (
+                (at(old, t) - at(roll, t)).clamp(-20.0, 20.0).exp(),
+                r.threshold,
+            ),
+            _ => row.seq_is,
+        };
+        let is_w = raw_w.min(threshold);
+        let (w_pg, w_agg, w_tok) = (row.w_pg, row.w_agg, row.w_tok);
+        if cfg.rollout_is.is_some() {
+            m.is_weight += w_tok * is_w;
+            m.is_truncated += w_tok * f64::from(u8::from(raw_w > threshold));
+        }
+        m.pg_loss += w_pg * (l.loss * is_w);
+        let mut g = w_pg * (l.dloss * is_w);
+        m.pg_clipfrac += w_tok * l.clipped as u8 as f64;
+        m.pg_clipfrac_lower += w_tok * l.clipped_lower as u8 as f64;
+        if old.is_some() {
+            // ppo_kl = mean(old − lp)
+            m.ppo_kl += w_tok * -l.log_ratio;
+        }
+        if let (Some(ent), Some(ge)) = (x.entropy, self.grad_entropy.as_mut()) {
+            // loss −= coeff·agg(H)
+            m.entropy += w_agg * at(ent, t);
+            ge[t] = T::from_f64(-self.scale * cfg.entropy_coeff * w_agg);
+        }
+        if let (Some(k), Some(r)) = (cfg.kl_loss, ref_lp) {
+            // loss += coef·agg(kl(lp, ref))
+            let (v, dv) = k.penalty.value_grad(tok.lp, at(r, t));
+            m.kl_loss += w_agg * v;
+            g += k.coef * w_agg * dv;
+        }
+        self.grad_lp[t] = T::from_f64(self.scale * g);
+    }
 }
 
 #[cfg(test)]

@@ -139,18 +139,57 @@ impl Job for Plan {
 }
 
 pub fn run(a: DistBenchArgs) -> Result<()> {
-    let cuda = a.device == DeviceKind::Cuda;
-    let dtype = match a.dtype.as_deref() {
-        None if cuda => DType::BF16,
-        None => DType::F32,
-        Some("bf16") => DType::BF16,
-        Some("f32") => DType::F32,
-        Some(other) => {
-            return Err(input_error(format!(
-                "--dtype '{other}': expected bf16 or f32"
-            )))
+    let plan = Plan::of(&a)?;
+    let pg = ProcessGroup::init()?;
+    let m = run_job(a.device, &pg, plan)?;
+    if pg.rank() == 0 {
+        m.report(&a, pg.world_size())?;
+    }
+    pg.finish()
+}
+
+impl Plan {
+    /// The plan of the flags, checked (input errors name the flag).
+    fn of(a: &DistBenchArgs) -> Result<Plan> {
+        let cuda = a.device == DeviceKind::Cuda;
+        let dtype = match a.dtype.as_deref() {
+            None if cuda => DType::BF16,
+            None => DType::F32,
+            Some("bf16") => DType::BF16,
+            Some("f32") => DType::F32,
+            Some(other) => {
+                return Err(input_error(format!(
+                    "--dtype '{other}': expected bf16 or f32"
+                )))
+            }
+        };
+        let sizes = sizes(a, cuda)?;
+        for op in &a.ops {
+            if !OPS.contains(&op.as_str()) {
+                return Err(input_error(format!(
+                    "--ops: unknown collective '{op}' (expected {})",
+                    OPS.join(", ")
+                )));
+            }
         }
-    };
+        let shapes = shapes(a, cuda)?;
+        if a.bucket_mb.contains(&0) {
+            return Err(input_error("--bucket-mb: sizes must be at least 1"));
+        }
+        Ok(Plan {
+            dtype,
+            ops: a.ops.clone(),
+            sizes,
+            shapes,
+            bucket_mb: a.bucket_mb.clone(),
+            warmup: a.warmup,
+            iters: a.iters,
+        })
+    }
+}
+
+/// The buffer sizes: from --min-size to --max-size, each --factor times the one before.
+fn sizes(a: &DistBenchArgs, cuda: bool) -> Result<Vec<usize>> {
     let bytes = |flag: &str, v: &str| {
         parse_bytes(v).filter(|&b| b > 0).ok_or_else(|| {
             input_error(format!(
@@ -167,20 +206,17 @@ pub fn run(a: DistBenchArgs) -> Result<()> {
     if a.iters == 0 {
         return Err(input_error("--iters must be at least 1"));
     }
-    for op in &a.ops {
-        if !OPS.contains(&op.as_str()) {
-            return Err(input_error(format!(
-                "--ops: unknown collective '{op}' (expected {})",
-                OPS.join(", ")
-            )));
-        }
-    }
     let mut sizes = Vec::new();
     let mut s = min;
     while s <= max {
         sizes.push(s);
         s = s.saturating_mul(a.factor);
     }
+    Ok(sizes)
+}
+
+/// The model shapes of --shapes: each name with its tensors' element counts.
+fn shapes(a: &DistBenchArgs, cuda: bool) -> Result<Vec<(String, Vec<usize>)>> {
     let names: Vec<String> = match a.shapes.as_slice() {
         [] if cuda => vec!["qwen0.5b".into(), "qwen1.5b".into(), "qwen7b".into()],
         [] => vec!["small".into()],
@@ -196,27 +232,36 @@ pub fn run(a: DistBenchArgs) -> Result<()> {
             .collect();
         shapes.push((name, tensors));
     }
-    if a.bucket_mb.contains(&0) {
-        return Err(input_error("--bucket-mb: sizes must be at least 1"));
+    Ok(shapes)
+}
+
+impl Measured {
+    /// Rank 0's tables (collectives, then weight syncs) and the --json file; `n` ranks.
+    fn report(&self, a: &DistBenchArgs, n: usize) -> Result<()> {
+        self.report_collectives(a, n);
+        if !self.syncs.is_empty() {
+            self.report_syncs(n);
+        }
+        if let Some(path) = &a.json {
+            let all = json!({
+                "bench": "dist",
+                "world": n,
+                "device": a.device,
+                "comm": self.comm,
+                "collectives": self.collectives,
+                "weight_sync": self.syncs.iter().map(|(name, t)| json!({"shape": name, "timing": t})).collect::<Vec<_>>(),
+            });
+            std::fs::write(path, serde_json::to_string_pretty(&all)?)?;
+        }
+        Ok(())
     }
-    let pg = ProcessGroup::init()?;
-    let n = pg.world_size();
-    let plan = Plan {
-        dtype,
-        ops: a.ops.clone(),
-        sizes,
-        shapes,
-        bucket_mb: a.bucket_mb.clone(),
-        warmup: a.warmup,
-        iters: a.iters,
-    };
-    let m = run_job(a.device, &pg, plan)?;
-    if pg.rank() == 0 {
+
+    fn report_collectives(&self, a: &DistBenchArgs, n: usize) {
         let title = format!(
             "bench dist: {} ranks, {} ({} communicator), median of {} runs",
-            n, a.device, m.comm, a.iters
+            n, a.device, self.comm, a.iters
         );
-        let rows: Vec<Vec<String>> = m
+        let rows: Vec<Vec<String>> = self
             .collectives
             .iter()
             .map(|c| {
@@ -242,60 +287,49 @@ pub fn run(a: DistBenchArgs) -> Result<()> {
             &title,
             &header,
             &rows,
-            &json!({"collectives": m.collectives}),
+            &json!({"collectives": self.collectives}),
         );
-        if !m.syncs.is_empty() {
-            let rows: Vec<Vec<String>> = m
-                .syncs
-                .iter()
-                .map(|(name, t)| {
-                    vec![
-                        name.clone(),
-                        format!("{}", t.bucket_mb),
-                        t.buckets.to_string(),
-                        human(t.model_bytes),
-                        human(t.staging_bytes),
-                        format!("{:.2}", t.median_ms),
-                        format!("{:.2}", t.algbw_gbs),
-                        format!("{:.2}", t.busbw_gbs),
-                    ]
-                })
-                .collect();
-            let header = [
-                "shape",
-                "bucket MiB",
-                "buckets",
-                "model",
-                "extra",
-                "sync ms",
-                "algbw GB/s",
-                "busbw GB/s",
-            ];
-            let json: Vec<_> = m
-                .syncs
-                .iter()
-                .map(|(name, t)| json!({"shape": name, "timing": t}))
-                .collect();
-            report(
-                &format!("weight sync (bucketed all-gather of every tensor, {n} ranks)"),
-                &header,
-                &rows,
-                &json!({"weight_sync": json}),
-            );
-        }
-        if let Some(path) = &a.json {
-            let all = json!({
-                "bench": "dist",
-                "world": n,
-                "device": a.device,
-                "comm": m.comm,
-                "collectives": m.collectives,
-                "weight_sync": m.syncs.iter().map(|(name, t)| json!({"shape": name, "timing": t})).collect::<Vec<_>>(),
-            });
-            std::fs::write(path, serde_json::to_string_pretty(&all)?)?;
-        }
     }
-    pg.finish()
+
+    fn report_syncs(&self, n: usize) {
+        let rows: Vec<Vec<String>> = self
+            .syncs
+            .iter()
+            .map(|(name, t)| {
+                vec![
+                    name.clone(),
+                    format!("{}", t.bucket_mb),
+                    t.buckets.to_string(),
+                    human(t.model_bytes),
+                    human(t.staging_bytes),
+                    format!("{:.2}", t.median_ms),
+                    format!("{:.2}", t.algbw_gbs),
+                    format!("{:.2}", t.busbw_gbs),
+                ]
+            })
+            .collect();
+        let header = [
+            "shape",
+            "bucket MiB",
+            "buckets",
+            "model",
+            "extra",
+            "sync ms",
+            "algbw GB/s",
+            "busbw GB/s",
+        ];
+        let json: Vec<_> = self
+            .syncs
+            .iter()
+            .map(|(name, t)| json!({"shape": name, "timing": t}))
+            .collect();
+        report(
+            &format!("weight sync (bucketed all-gather of every tensor, {n} ranks)"),
+            &header,
+            &rows,
+            &json!({"weight_sync": json}),
+        );
+    }
 }
 
 #[cfg(test)]

@@ -290,30 +290,8 @@ fn bench_update<B: Backend>(
         ref_lp: None,
         rollout: None,
     };
-    let tc = TrainConfig {
-        loss: LossConfig::new(LossMode::Vanilla),
-        loss_scale_factor: None,
-        ppo_epochs: 1,
-        mini_batch_size: None,
-        micro_batch_tokens: w.micro_batch * w.seq_len,
-        temperature: 1.0,
-        lr: LrConfig::constant(1e-6),
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
-        grad_clip: Some(1.0),
-        shuffle: false,
-        seed: w.seed,
-    };
-    let mut step_s = Vec::new();
-    let mut micro_s = Vec::new();
-    let mut wait_s = Vec::new();
-    let mut opt_s = Vec::new();
-    let mut device_loss = false;
-    let mut last = Value::Null;
-    let (mut sync_s, mut sync_bytes, mut rs_s) = (Vec::new(), 0u64, Vec::new());
-    let mut overlapped = 0u64;
+    let tc = train_config(&w);
+    let mut times = Times::default();
     let rank0 = comm.is_none_or(|c| c.rank() == 0);
     let mut log = |m: &str| {
         if rank0 {
@@ -322,6 +300,7 @@ fn bench_update<B: Backend>(
     };
     for i in 0..w.warmup + w.steps {
         let t = Instant::now();
+        let timed = i >= w.warmup;
         let report = match (comm, optim.take()) {
             (Some(comm), Some(o)) => {
                 let before = o.stats.clone();
@@ -332,11 +311,13 @@ fn bench_update<B: Backend>(
                 };
                 let r = train(&mut p, &data, &tc, i as u64, &mut log)?;
                 let after = &p.optim.stats;
-                if i >= w.warmup {
-                    sync_s.push(after.sync_seconds - before.sync_seconds);
-                    sync_bytes = after.sync_bytes - before.sync_bytes;
-                    rs_s.push(after.reduce_scatter_seconds - before.reduce_scatter_seconds);
-                    overlapped = after.overlapped_buckets - before.overlapped_buckets;
+                if timed {
+                    times.sync_s.push(after.sync_seconds - before.sync_seconds);
+                    times.sync_bytes = after.sync_bytes - before.sync_bytes;
+                    times
+                        .rs_s
+                        .push(after.reduce_scatter_seconds - before.reduce_scatter_seconds);
+                    times.overlapped = after.overlapped_buckets - before.overlapped_buckets;
                 }
                 optim = Some(p.optim);
                 r
@@ -358,80 +339,138 @@ fn bench_update<B: Backend>(
         }
         log(&format!(
                 "step {i}{}: {secs:.3} s (queue micro-batches {:.3} s, wait {:.3} s, optimizer {:.3} s), loss {:.6}, grad norm {:.4}",
-                if i < w.warmup { " (warm-up)" } else { "" },
+                if timed { "" } else { " (warm-up)" },
                 s.micro_seconds,
                 s.wait_seconds,
                 s.optimizer_seconds,
                 s.loss,
                 s.grad_norm
             ));
-        if i >= w.warmup {
-            step_s.push(secs);
-            micro_s.push(s.micro_seconds);
-            wait_s.push(s.wait_seconds);
-            opt_s.push(s.optimizer_seconds);
-            device_loss = s.device_loss;
-            last = report.to_json();
+        if timed {
+            times.step_s.push(secs);
+            times.micro_s.push(s.micro_seconds);
+            times.wait_s.push(s.wait_seconds);
+            times.opt_s.push(s.optimizer_seconds);
+            times.device_loss = s.device_loss;
+            times.last = report.to_json();
         }
     }
-    // Per GPU: each rank's share of the batch is the 1-GPU workload.
-    let tokens = w.tokens_per_step();
-    let step = median(&step_s);
-    let tps = tokens as f64 / step;
-    let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
-    let mem = meter.json(dec.backend());
-    let rows = vec![row(
-        "update",
-        &w,
-        tps,
-        mfu,
-        step,
-        [median(&micro_s), median(&wait_s), median(&opt_s)].map(Some),
-        &mem,
-    )];
-    let mut out = json!({
-        "bench": "update",
-        "device": w.device.to_string(),
-        "world_size": world,
-        "shape": w.shape,
-        "params": params,
-        "seq_len": w.seq_len,
-        "prompt_len": w.prompt_len,
-        "micro_batch": w.micro_batch,
-        "micro_batches": w.micro_batches,
-        "tokens_per_step": tokens,
-        "warmup_steps": w.warmup,
-        "timed_steps": w.steps,
-        "logprob_chunk": dec.logprob_chunk,
-        "device_loss": device_loss,
-        "step_s": step_s,
-        "micro_batches_s": micro_s,
-        "wait_s": wait_s,
-        "optimizer_s": opt_s,
-        "step_median_s": step,
-        "tokens_per_s": tps,
-        "mfu": mfu,
-        "memory": mem,
-        "last_step_metrics": last,
-    });
-    if comm.is_some() {
-        let sync = median(&sync_s);
-        out["data_parallel"] = json!({
-            "tokens_per_s_per_gpu": tps,
-            "tokens_per_s_all_gpus": tps * world as f64,
-            "weight_sync_ms": 1e3 * sync,
-            "weight_sync_bytes": sync_bytes,
-            "weight_sync_gb_per_s": if sync > 0.0 { sync_bytes as f64 / sync / 1e9 } else { 0.0 },
-            // Outside its overlap with the backward (see ShardStats::reduce_scatter_seconds).
-            "reduce_scatter_ms": 1e3 * median(&rs_s),
-            // The step's last backward starts the buckets' reduce-scatters (this rank's, in
-            // the last timed step).
-            "reduce_scatter_overlapped": overlapped > 0,
-            "overlapped_buckets": overlapped,
-            "bucket_elems": DEFAULT_BUCKET_ELEMS,
-        });
+    let sharded = comm.is_some();
+    Ok(times.summary(&w, world, params, &meter, &dec, sharded))
+}
+
+/// The update of the bench: vanilla PPO-clip, one optimizer step of the whole batch, AdamW.
+fn train_config(w: &Workload) -> TrainConfig {
+    TrainConfig {
+        loss: LossConfig::new(LossMode::Vanilla),
+        loss_scale_factor: None,
+        ppo_epochs: 1,
+        mini_batch_size: None,
+        micro_batch_tokens: w.micro_batch * w.seq_len,
+        temperature: 1.0,
+        lr: LrConfig::constant(1e-6),
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        grad_clip: Some(1.0),
+        shuffle: false,
+        seed: w.seed,
     }
-    Ok((rows, out))
+}
+
+/// What the timed steps measured: seconds per step and per part, and with the sharded
+/// optimizer its weight sync and reduce-scatter.
+#[derive(Default)]
+struct Times {
+    step_s: Vec<f64>,
+    micro_s: Vec<f64>,
+    wait_s: Vec<f64>,
+    opt_s: Vec<f64>,
+    device_loss: bool,
+    last: Value,
+    sync_s: Vec<f64>,
+    sync_bytes: u64,
+    rs_s: Vec<f64>,
+    overlapped: u64,
+}
+
+impl Times {
+    /// The table's row and the JSON record; `sharded` adds the data-parallel numbers.
+    fn summary<B: Backend>(
+        self,
+        w: &Workload,
+        world: usize,
+        params: usize,
+        meter: &Meter,
+        dec: &Decoder<B>,
+        sharded: bool,
+    ) -> (Vec<Vec<String>>, Value) {
+        // Per GPU: each rank's share of the batch is the 1-GPU workload.
+        let tokens = w.tokens_per_step();
+        let step = median(&self.step_s);
+        let tps = tokens as f64 / step;
+        let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
+        let mem = meter.json(dec.backend());
+        let rows = vec![row(
+            "update",
+            w,
+            tps,
+            mfu,
+            step,
+            [
+                median(&self.micro_s),
+                median(&self.wait_s),
+                median(&self.opt_s),
+            ]
+            .map(Some),
+            &mem,
+        )];
+        let mut out = json!({
+            "bench": "update",
+            "device": w.device.to_string(),
+            "world_size": world,
+            "shape": w.shape,
+            "params": params,
+            "seq_len": w.seq_len,
+            "prompt_len": w.prompt_len,
+            "micro_batch": w.micro_batch,
+            "micro_batches": w.micro_batches,
+            "tokens_per_step": tokens,
+            "warmup_steps": w.warmup,
+            "timed_steps": w.steps,
+            "logprob_chunk": dec.logprob_chunk,
+            "device_loss": self.device_loss,
+            "step_s": self.step_s,
+            "micro_batches_s": self.micro_s,
+            "wait_s": self.wait_s,
+            "optimizer_s": self.opt_s,
+            "step_median_s": step,
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "memory": mem,
+            "last_step_metrics": self.last,
+        });
+        if sharded {
+            let sync = median(&self.sync_s);
+            let sync_bytes = self.sync_bytes;
+            out["data_parallel"] = json!({
+                "tokens_per_s_per_gpu": tps,
+                "tokens_per_s_all_gpus": tps * world as f64,
+                "weight_sync_ms": 1e3 * sync,
+                "weight_sync_bytes": sync_bytes,
+                "weight_sync_gb_per_s": if sync > 0.0 { sync_bytes as f64 / sync / 1e9 } else { 0.0 },
+                // Outside its overlap with the backward (see ShardStats::reduce_scatter_seconds).
+                "reduce_scatter_ms": 1e3 * median(&self.rs_s),
+                // The step's last backward starts the buckets' reduce-scatters (this rank's, in
+                // the last timed step).
+                "reduce_scatter_overlapped": self.overlapped > 0,
+                "overlapped_buckets": self.overlapped,
+                "bucket_elems": DEFAULT_BUCKET_ELEMS,
+            });
+        }
+        (rows, out)
+    }
 }
 
 /// The table's columns (shared with `bench logprob`).

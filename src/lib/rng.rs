@@ -7,7 +7,7 @@
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -50,7 +50,7 @@ pub fn mix(mut z: u64) -> u64 {
 }
 
 /// A key from several numbers (e.g. seed, step, epoch).
-pub fn mix_key(parts: &[u64]) -> u64 {
+pub(crate) fn mix_key(parts: &[u64]) -> u64 {
     parts
         .iter()
         .fold(mix(0x006b_6579_5f6d_6978), |h, &p| mix(h ^ p))

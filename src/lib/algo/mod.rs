@@ -38,7 +38,7 @@ impl Real for f64 {
 }
 
 /// Split `values` into one mutable slice per row, so rows can be filled in parallel.
-pub fn rows_mut<'a, T>(mut values: &'a mut [T], offsets: &[usize]) -> Vec<&'a mut [T]> {
+pub(crate) fn rows_mut<'a, T>(mut values: &'a mut [T], offsets: &[usize]) -> Vec<&'a mut [T]> {
     let mut rows = Vec::with_capacity(offsets.len().saturating_sub(1));
     for w in offsets.windows(2) {
         let (row, rest) = values.split_at_mut(w[1] - w[0]);

@@ -43,17 +43,17 @@ pub enum LossMode {
 
 /// What a policy loss sees of one valid token.
 #[derive(Clone, Copy, Debug)]
-pub struct TokenIn {
+pub(crate) struct TokenIn {
     /// Current log-prob: the derivative is taken with respect to it.
-    pub lp: f64,
+    pub(crate) lp: f64,
     /// Log-prob under the policy that sampled (NaN when the batch has none: sft).
-    pub old: f64,
+    pub(crate) old: f64,
     /// Advantage (NaN when the batch has none: sft).
-    pub adv: f64,
+    pub(crate) adv: f64,
     /// The log-prob at which stop-gradient terms are evaluated (`lp`, except in gradient checks).
-    pub anchor: f64,
+    pub(crate) anchor: f64,
     /// The row's mean of (anchor − old) over its valid tokens: GSPO's log sequence ratio.
-    pub seq_log_ratio: f64,
+    pub(crate) seq_log_ratio: f64,
 }
 
 /// The clip knobs as bounds of the ratio.
@@ -70,15 +70,15 @@ pub struct Clip {
 /// One token's loss ℓ, dℓ/d lp, whether it was clipped (upper, lower), and the log-ratio
 /// lp − old that the `ppo_kl` metric averages (clamped where the loss clamps it).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct TokenLoss {
-    pub loss: f64,
-    pub dloss: f64,
-    pub clipped: bool,
-    pub clipped_lower: bool,
-    pub log_ratio: f64,
+pub(crate) struct TokenLoss {
+    pub(crate) loss: f64,
+    pub(crate) dloss: f64,
+    pub(crate) clipped: bool,
+    pub(crate) clipped_lower: bool,
+    pub(crate) log_ratio: f64,
 }
 
-pub type TokenLossFn = fn(&TokenIn, &Clip) -> TokenLoss;
+pub(crate) type TokenLossFn = fn(&TokenIn, &Clip) -> TokenLoss;
 
 /// One registered policy loss (verl's `register_policy_loss`).
 pub struct PolicyLoss {
@@ -91,7 +91,7 @@ pub struct PolicyLoss {
     pub policy_gradient: bool,
     /// The aggregation it always uses, whatever --loss-agg-mode says.
     pub agg: Option<AggMode>,
-    pub token: TokenLossFn,
+    pub(crate) token: TokenLossFn,
 }
 
 /// The registry, by name: `--loss`'s values, its help and its error come from here.
@@ -137,13 +137,13 @@ pub fn names() -> Vec<&'static str> {
 }
 
 /// The loss registered as `name`.
-pub fn by_name(name: &str) -> Option<&'static PolicyLoss> {
+pub(crate) fn by_name(name: &str) -> Option<&'static PolicyLoss> {
     LOSSES.iter().find(|l| l.name == name)
 }
 
 impl LossMode {
     /// Its registry entry.
-    pub fn loss(self) -> &'static PolicyLoss {
+    pub(crate) fn loss(self) -> &'static PolicyLoss {
         LOSSES
             .iter()
             .find(|l| l.mode == self)
@@ -285,40 +285,40 @@ impl FromStr for RolloutIsLevel {
 
 /// Truncated importance sampling between the rollout engine and the trainer.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RolloutIs {
-    pub level: RolloutIsLevel,
+pub(crate) struct RolloutIs {
+    pub(crate) level: RolloutIsLevel,
     /// Weights are truncated to at most this (verl's rollout_is_threshold, default 2.0).
-    pub threshold: f64,
+    pub(crate) threshold: f64,
 }
 
 /// KL loss against the reference model (verl's use_kl_loss).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct KlLoss {
-    pub coef: f64,
-    pub penalty: KlPenalty,
+pub(crate) struct KlLoss {
+    pub(crate) coef: f64,
+    pub(crate) penalty: KlPenalty,
 }
 
 /// The loss knobs, named as in verl's actor config.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossConfig {
-    pub mode: LossMode,
-    pub clip_ratio: f64,
+    pub(crate) mode: LossMode,
+    pub(crate) clip_ratio: f64,
     /// Defaults to clip_ratio.
-    pub clip_ratio_low: Option<f64>,
+    pub(crate) clip_ratio_low: Option<f64>,
     /// Defaults to clip_ratio.
-    pub clip_ratio_high: Option<f64>,
+    pub(crate) clip_ratio_high: Option<f64>,
     /// Dual-clip bound for negative advantages (vanilla), > 1.
-    pub clip_ratio_c: f64,
-    pub agg: AggMode,
+    pub(crate) clip_ratio_c: f64,
+    pub(crate) agg: AggMode,
     /// loss −= entropy_coeff · agg(entropy)
-    pub entropy_coeff: f64,
-    pub kl_loss: Option<KlLoss>,
-    pub rollout_is: Option<RolloutIs>,
+    pub(crate) entropy_coeff: f64,
+    pub(crate) kl_loss: Option<KlLoss>,
+    pub(crate) rollout_is: Option<RolloutIs>,
 }
 
 impl LossConfig {
     /// verl's defaults: clip 0.2, dual clip 3.0, token-mean, no entropy bonus, no KL loss.
-    pub fn new(mode: LossMode) -> LossConfig {
+    pub(crate) fn new(mode: LossMode) -> LossConfig {
         LossConfig {
             mode,
             clip_ratio: 0.2,
@@ -332,16 +332,16 @@ impl LossConfig {
         }
     }
 
-    pub fn clip_low(&self) -> f64 {
+    pub(crate) fn clip_low(&self) -> f64 {
         self.clip_ratio_low.unwrap_or(self.clip_ratio)
     }
 
-    pub fn clip_high(&self) -> f64 {
+    pub(crate) fn clip_high(&self) -> f64 {
         self.clip_ratio_high.unwrap_or(self.clip_ratio)
     }
 
     /// Check the knobs; errors name the flag.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         for (flag, v) in [
             ("--clip-ratio", self.clip_ratio),
             ("--clip-ratio-low", self.clip_low()),
@@ -393,36 +393,36 @@ impl LossConfig {
 }
 
 /// One micro-batch: ragged rows (one per sequence) of per-token values.
-pub struct LossInputs<'a, T> {
-    pub offsets: &'a [usize],
-    pub mask: &'a [u8],
+pub(crate) struct LossInputs<'a, T> {
+    pub(crate) offsets: &'a [usize],
+    pub(crate) mask: &'a [u8],
     /// Current log-probs (what the gradient is taken with respect to).
-    pub lp: &'a [T],
+    pub(crate) lp: &'a [T],
     /// Log-probs of the policy that sampled (for on-policy, the current ones).
-    pub old: Option<&'a [T]>,
-    pub advantages: Option<&'a [T]>,
-    pub ref_lp: Option<&'a [T]>,
-    pub rollout: Option<&'a [T]>,
-    pub entropy: Option<&'a [T]>,
+    pub(crate) old: Option<&'a [T]>,
+    pub(crate) advantages: Option<&'a [T]>,
+    pub(crate) ref_lp: Option<&'a [T]>,
+    pub(crate) rollout: Option<&'a [T]>,
+    pub(crate) entropy: Option<&'a [T]>,
 }
 
 /// This micro-batch's share of each mini-batch metric: add them up over micro-batches.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LossMetrics {
-    pub pg_loss: f64,
-    pub pg_clipfrac: f64,
-    pub pg_clipfrac_lower: f64,
-    pub ppo_kl: f64,
-    pub entropy: f64,
-    pub kl_loss: f64,
+    pub(crate) pg_loss: f64,
+    pub(crate) pg_clipfrac: f64,
+    pub(crate) pg_clipfrac_lower: f64,
+    pub(crate) ppo_kl: f64,
+    pub(crate) entropy: f64,
+    pub(crate) kl_loss: f64,
     /// Rollout importance sampling (`--rollout-is`): the token mean of the truncated weight
     /// and the fraction of tokens whose weight the threshold truncated (0 without it).
-    pub is_weight: f64,
-    pub is_truncated: f64,
+    pub(crate) is_weight: f64,
+    pub(crate) is_truncated: f64,
 }
 
 impl LossMetrics {
-    pub fn add(&mut self, o: &LossMetrics) {
+    pub(crate) fn add(&mut self, o: &LossMetrics) {
         self.pg_loss += o.pg_loss;
         self.pg_clipfrac += o.pg_clipfrac;
         self.pg_clipfrac_lower += o.pg_clipfrac_lower;
@@ -432,33 +432,20 @@ impl LossMetrics {
         self.is_weight += o.is_weight;
         self.is_truncated += o.is_truncated;
     }
-
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "pg_loss": self.pg_loss,
-            "pg_clipfrac": self.pg_clipfrac,
-            "pg_clipfrac_lower": self.pg_clipfrac_lower,
-            "ppo_kl": self.ppo_kl,
-            "entropy": self.entropy,
-            "kl_loss": self.kl_loss,
-            "is_weight": self.is_weight,
-            "is_truncated": self.is_truncated,
-        })
-    }
 }
 
 /// The micro-batch's loss (scaled), d loss / d lp per token, d loss / d entropy per token (when
 /// entropies were given), and metrics.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LossOutput<T> {
-    pub loss: f64,
-    pub grad_lp: Vec<T>,
-    pub grad_entropy: Option<Vec<T>>,
-    pub metrics: LossMetrics,
+pub(crate) struct LossOutput<T> {
+    pub(crate) loss: f64,
+    pub(crate) grad_lp: Vec<T>,
+    pub(crate) grad_entropy: Option<Vec<T>>,
+    pub(crate) metrics: LossMetrics,
 }
 
 /// Compute the loss of one micro-batch and its gradient.
-pub fn policy_loss<T: Real>(
+pub(crate) fn policy_loss<T: Real>(
     cfg: &LossConfig,
     x: &LossInputs<T>,
     norm: &LossNorm,

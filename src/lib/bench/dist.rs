@@ -22,42 +22,42 @@ use std::path::PathBuf;
 pub struct DistBenchArgs {
     /// Backend of every rank: cuda (NCCL; the GPU of the rank's local rank) or cpu.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cuda)]
-    pub device: DeviceKind,
+    pub(crate) device: DeviceKind,
     /// Element type, bf16 or f32 (default: bf16 on cuda, f32 on cpu).
     #[arg(long)]
-    pub dtype: Option<String>,
+    pub(crate) dtype: Option<String>,
     /// Collectives to time.
     #[arg(long, value_delimiter = ',', default_values_t = OPS.map(String::from))]
-    pub ops: Vec<String>,
+    pub(crate) ops: Vec<String>,
     /// Smallest buffer, in bytes (suffixes KiB, MiB, GiB).
     #[arg(long, default_value = "1MiB")]
-    pub min_size: String,
+    pub(crate) min_size: String,
     /// Largest buffer (default 1GiB on cuda, 64MiB on cpu).
     #[arg(long)]
-    pub max_size: Option<String>,
+    pub(crate) max_size: Option<String>,
     /// Each size is this many times the one before.
     #[arg(long, default_value_t = 4)]
-    pub factor: usize,
+    pub(crate) factor: usize,
     /// Untimed runs before the timed ones, per size.
     #[arg(long, default_value_t = 5)]
-    pub warmup: usize,
+    pub(crate) warmup: usize,
     /// Timed runs per size (the median is reported).
     #[arg(long, default_value_t = 20)]
-    pub iters: usize,
+    pub(crate) iters: usize,
     /// Model shapes whose weight sync to time (qwen0.5b, qwen1.5b, qwen7b, qwen14b, small),
     /// or none (default: qwen0.5b,qwen1.5b,qwen7b on cuda, small on cpu).
     #[arg(long, value_delimiter = ',')]
-    pub shapes: Vec<String>,
+    pub(crate) shapes: Vec<String>,
     /// Bucket sizes of the weight sync, in MiB.
     #[arg(long, value_delimiter = ',', default_values_t = [32usize, 128, 512])]
-    pub bucket_mb: Vec<usize>,
+    pub(crate) bucket_mb: Vec<usize>,
     /// Also write everything as JSON to this file (rank 0).
     #[arg(long)]
-    pub json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
 }
 
 /// Bytes from "4096", "512KiB", "64MiB", "1GiB" (K/M/G and KB/MB/GB mean the same powers of 2).
-pub fn parse_bytes(s: &str) -> Option<usize> {
+pub(crate) fn parse_bytes(s: &str) -> Option<usize> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);

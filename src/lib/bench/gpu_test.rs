@@ -31,7 +31,7 @@ pub struct GpuTestArgs {
     pub seed: Option<u64>,
     /// Only compile every kernel with NVRTC for --arch (needs libnvrtc, not a GPU).
     #[arg(long)]
-    pub compile_only: bool,
+    pub(crate) compile_only: bool,
     /// Target of --compile-only.
     #[arg(long, default_value = "sm_90")]
     pub arch: String,

@@ -21,43 +21,43 @@ use std::time::Instant;
 pub struct GrpoStepArgs {
     /// The policy (and reference) model directory.
     #[arg(long)]
-    pub model: PathBuf,
+    pub(crate) model: PathBuf,
     /// Prompt dataset (verl parquet).
     #[arg(long)]
-    pub prompts: PathBuf,
+    pub(crate) prompts: PathBuf,
     /// Scratch directory for batches and checkpoints (made if missing).
     #[arg(long)]
-    pub work: PathBuf,
+    pub(crate) work: PathBuf,
     #[arg(long, default_value = "cpu")]
-    pub device: Device,
+    pub(crate) device: Device,
     #[arg(long, default_value_t = 64)]
-    pub prompts_per_step: usize,
+    pub(crate) prompts_per_step: usize,
     #[arg(long, default_value_t = 8)]
-    pub n: usize,
+    pub(crate) n: usize,
     #[arg(long, default_value_t = 512)]
-    pub max_new_tokens: usize,
+    pub(crate) max_new_tokens: usize,
     /// Optimizer steps per update (mini-batches).
     #[arg(long, default_value_t = 4)]
-    pub mini_batches: usize,
+    pub(crate) mini_batches: usize,
     /// Steps per mode (the first includes loading; the table reports each).
     #[arg(long, default_value_t = 2)]
-    pub steps: u64,
+    pub(crate) steps: u64,
     /// Feed the prompt text as is (no chat template).
     #[arg(long)]
-    pub raw_prompt: bool,
+    pub(crate) raw_prompt: bool,
     /// Which modes to run.
     #[arg(long, value_delimiter = ',', default_values_t = ["in-process".to_string(), "daemon".to_string()])]
-    pub modes: Vec<String>,
+    pub(crate) modes: Vec<String>,
     /// Daemon with --offload-optimizer and --offload-ref.
     #[arg(long)]
-    pub offload: bool,
+    pub(crate) offload: bool,
     /// In daemon mode, write the checkpoint (weights and optimizer state) only every this many
     /// steps, as a pipeline with a daemon does on its `[checkpoint] every` cadence (0: never
     /// within the bench); the other updates keep the policy resident (`update --resident`),
     /// except the last, which writes the weights (not the optimizer state) to compare modes.
     /// In-process steps always write everything: the next process needs it.
     #[arg(long, default_value_t = 0)]
-    pub checkpoint_every: u64,
+    pub(crate) checkpoint_every: u64,
 }
 
 /// Parses a stage's flags as its binary would.

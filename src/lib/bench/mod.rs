@@ -2,11 +2,11 @@
 //! `tandem gpu-test` (`gpu_test`), the GPU parity suite, which sits up here because its
 //! whole-engine checks do.
 
-pub mod cpu_engine;
-pub mod cpu_stages;
+pub(crate) mod cpu_engine;
+pub(crate) mod cpu_stages;
 pub mod dist;
 pub mod gpu_test;
-pub mod grpo_step;
+pub(crate) mod grpo_step;
 pub mod logprob;
 pub mod rollout;
 pub mod synth;

@@ -27,45 +27,45 @@ use std::time::Instant;
 
 /// The workload flags `bench update` and `bench logprob` share.
 #[derive(Args, Clone, Debug)]
-pub struct Workload {
+pub(crate) struct Workload {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cuda")]
-    pub device: Device,
+    pub(crate) device: Device,
     /// Model shape: qwen0.5b (the issue-6 shape) or tiny (2 layers, hidden 64, vocab 512).
     #[arg(long, default_value = "qwen0.5b")]
-    pub shape: String,
+    pub(crate) shape: String,
     /// Tokens per sequence (prompt + response).
     #[arg(long, default_value_t = 640)]
-    pub seq_len: usize,
+    pub(crate) seq_len: usize,
     /// Prompt tokens per sequence (not scored).
     #[arg(long, default_value_t = 128)]
-    pub prompt_len: usize,
+    pub(crate) prompt_len: usize,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 8)]
-    pub micro_batch: usize,
+    pub(crate) micro_batch: usize,
     /// Micro-batches per optimizer step (bench logprob: per pass).
     #[arg(long, default_value_t = 8)]
-    pub micro_batches: usize,
+    pub(crate) micro_batches: usize,
     /// Untimed steps first (kernel compiles, GEMM plans, pool growth).
     #[arg(long, default_value_t = 1)]
-    pub warmup: usize,
+    pub(crate) warmup: usize,
     /// Timed steps.
     #[arg(long, default_value_t = 3)]
-    pub steps: usize,
+    pub(crate) steps: usize,
     /// Rows per LM-head chunk (default: the backend's choice).
     #[arg(long)]
-    pub logprob_chunk: Option<usize>,
+    pub(crate) logprob_chunk: Option<usize>,
     #[arg(long, default_value_t = 1)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Also write the JSON result here.
     #[arg(long)]
-    pub json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
 pub struct UpdateArgs {
     #[command(flatten)]
-    pub w: Workload,
+    pub(crate) w: Workload,
 }
 
 /// The benchmark model shapes.
@@ -88,7 +88,7 @@ pub fn shape(name: &str) -> Result<Config> {
 }
 
 impl Workload {
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         if self.prompt_len == 0 || self.prompt_len >= self.seq_len {
             bail!(
                 "--prompt-len must be in 1..{} (--seq-len), got {}",
@@ -102,26 +102,26 @@ impl Workload {
         Ok(())
     }
 
-    pub fn sequences(&self) -> usize {
+    pub(crate) fn sequences(&self) -> usize {
         self.micro_batch * self.micro_batches
     }
 
-    pub fn tokens_per_step(&self) -> usize {
+    pub(crate) fn tokens_per_step(&self) -> usize {
         self.sequences() * self.seq_len
     }
 }
 
 /// Random prompts and responses (uniform token ids), one advantage per sequence (standard
 /// normal, as GRPO gives one per response), all response tokens valid.
-pub struct Synth {
-    pub prompts: Vec<Vec<u32>>,
-    pub responses: Vec<Vec<u32>>,
-    pub masks: Vec<Vec<u8>>,
-    pub adv: Vec<Vec<f32>>,
+pub(crate) struct Synth {
+    pub(crate) prompts: Vec<Vec<u32>>,
+    pub(crate) responses: Vec<Vec<u32>>,
+    pub(crate) masks: Vec<Vec<u8>>,
+    pub(crate) adv: Vec<Vec<f32>>,
 }
 
 impl Synth {
-    pub fn new(w: &Workload, vocab: usize) -> Synth {
+    pub(crate) fn new(w: &Workload, vocab: usize) -> Synth {
         let mut rng = SplitMix64(w.seed ^ 0x5eed_ba7c);
         let resp = w.seq_len - w.prompt_len;
         let mut ids =
@@ -138,7 +138,7 @@ impl Synth {
         }
     }
 
-    pub fn rows(&self) -> Vec<PromptResponse<'_>> {
+    pub(crate) fn rows(&self) -> Vec<PromptResponse<'_>> {
         self.prompts
             .iter()
             .zip(&self.responses)
@@ -151,16 +151,16 @@ impl Synth {
 }
 
 /// Memory and the MFU denominator, measured the same way by both benchmarks.
-pub struct Meter {
+pub(crate) struct Meter {
     /// Device bytes in use before the model was loaded (context, other processes).
-    pub device_base: Option<usize>,
-    pub device_peak: Option<usize>,
+    pub(crate) device_base: Option<usize>,
+    pub(crate) device_peak: Option<usize>,
     /// Measured bf16 GEMM FLOP/s (GPU only).
-    pub peak_flops: Option<f64>,
+    pub(crate) peak_flops: Option<f64>,
 }
 
 impl Meter {
-    pub fn new<B: Backend>(b: &B, gpu: bool) -> Result<Meter> {
+    pub(crate) fn new<B: Backend>(b: &B, gpu: bool) -> Result<Meter> {
         let used = b.device_memory()?.map(|(free, total)| total - free);
         let peak_flops = if gpu { Some(gemm_peak(b)?) } else { None };
         Ok(Meter {
@@ -172,14 +172,14 @@ impl Meter {
 
     /// Samples the device's used memory (the pool keeps what it took, so a sample after a
     /// step sees the step's peak holding).
-    pub fn sample<B: Backend>(&mut self, b: &B) {
+    pub(crate) fn sample<B: Backend>(&mut self, b: &B) {
         if let Ok(Some((free, total))) = b.device_memory() {
             let used = total - free;
             self.device_peak = Some(self.device_peak.map_or(used, |p| p.max(used)));
         }
     }
 
-    pub fn json<B: Backend>(&self, b: &B) -> Value {
+    pub(crate) fn json<B: Backend>(&self, b: &B) -> Value {
         let m = b.memory_stats();
         let gib = |x: usize| x as f64 / (1u64 << 30) as f64;
         json!({
@@ -194,7 +194,7 @@ impl Meter {
 
 /// bf16 GEMM FLOP/s of an 8192³ product through the backend's matmul (cuBLASLt on the GPU):
 /// median of 10 after 3 warm-up runs, each timed to a synchronize.
-pub fn gemm_peak<B: Backend>(b: &B) -> Result<f64> {
+pub(crate) fn gemm_peak<B: Backend>(b: &B) -> Result<f64> {
     let n = 8192;
     let mut rng = SplitMix64(7);
     let host: Vec<f32> = (0..n * n).map(|_| rng.normal()).collect();
@@ -229,7 +229,7 @@ pub fn median(v: &[f64]) -> f64 {
 }
 
 /// Builds the random-weight decoder of the workload's shape on `b`.
-pub fn build<B: Backend>(b: B, w: &Workload) -> Result<(Decoder<B>, Config)> {
+pub(crate) fn build<B: Backend>(b: B, w: &Workload) -> Result<(Decoder<B>, Config)> {
     w.check()?;
     let cfg = shape(&w.shape)?;
     let weights = random_weights(&cfg, w.seed, 0.02);
@@ -476,7 +476,7 @@ impl Times {
 /// The table's columns (shared with `bench logprob`).
 /// One row of the table under [`HEADER`]: tokens/s, MFU, the step (or pass) median and its
 /// split where the bench has one, the memory peaks of [`Meter::json`].
-pub fn row(
+pub(crate) fn row(
     bench: &str,
     w: &Workload,
     tps: f64,
@@ -503,7 +503,7 @@ pub fn row(
     r
 }
 
-pub const HEADER: [&str; 10] = [
+pub(crate) const HEADER: [&str; 10] = [
     "bench",
     "device",
     "tok/s",

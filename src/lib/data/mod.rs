@@ -60,11 +60,11 @@ pub struct ExtraInfo {
 
 /// Field names of verl's nested columns, in the order verl's script creates them (pyarrow
 /// keeps dict insertion order when it infers a struct).
-pub const MESSAGE_FIELDS: [&str; 2] = ["role", "content"];
-pub const REWARD_MODEL_FIELDS: [&str; 2] = ["style", "ground_truth"];
-pub const EXTRA_INFO_FIELDS: [&str; 4] = ["split", "index", "answer", "question"];
+pub(crate) const MESSAGE_FIELDS: [&str; 2] = ["role", "content"];
+pub(crate) const REWARD_MODEL_FIELDS: [&str; 2] = ["style", "ground_truth"];
+pub(crate) const EXTRA_INFO_FIELDS: [&str; 4] = ["split", "index", "answer", "question"];
 /// verl's `reward_model.style` for answers checked by a rule (all of tandem's imports).
-pub const STYLE_RULE: &str = "rule";
+pub(crate) const STYLE_RULE: &str = "rule";
 
 fn utf8_fields(names: &[&str]) -> Fields {
     names
@@ -86,7 +86,7 @@ fn extra_info_fields() -> Fields {
 /// list<struct<role, content>>, `ability`, `reward_model` struct<style, ground_truth>,
 /// `extra_info` struct<split, index: int64, answer, question>. Every field nullable, as pyarrow
 /// writes them.
-pub fn verl_schema() -> Schema {
+pub(crate) fn verl_schema() -> Schema {
     use crate::batch::schema as col;
     let message = DataType::Struct(utf8_fields(&MESSAGE_FIELDS));
     Schema::new(vec![

@@ -44,15 +44,15 @@ use serde_json::{Map, Value};
 use std::path::Path;
 
 /// The HF architectures tandem can load, as written in config.json's `architectures`.
-pub const SUPPORTED_ARCHITECTURES: [&str; 3] =
+pub(crate) const SUPPORTED_ARCHITECTURES: [&str; 3] =
     ["Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"];
 
-pub const CONFIG_FILE: &str = "config.json";
-pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+pub(crate) const CONFIG_FILE: &str = "config.json";
+pub(crate) const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 
 impl Arch {
     /// The `architectures` entry of config.json.
-    pub fn hf_architecture(self) -> &'static str {
+    pub(crate) fn hf_architecture(self) -> &'static str {
         match self {
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Llama => "LlamaForCausalLM",
@@ -61,7 +61,7 @@ impl Arch {
     }
 
     /// The `model_type` of config.json.
-    pub fn model_type(self) -> &'static str {
+    pub(crate) fn model_type(self) -> &'static str {
         match self {
             Arch::Qwen2 => "qwen2",
             Arch::Llama => "llama",
@@ -425,7 +425,7 @@ impl Config {
     /// The config.json object HF writes for this model (keys sorted, as `save_pretrained` does).
     /// Keys of `base` (the config.json of the model this one came from) that we do not own are
     /// kept, so a checkpoint written after training still carries e.g. `transformers_version`.
-    pub fn to_hf_json(&self, base: Option<&Map<String, Value>>) -> Map<String, Value> {
+    pub(crate) fn to_hf_json(&self, base: Option<&Map<String, Value>>) -> Map<String, Value> {
         let mut m = base.cloned().unwrap_or_default();
         // Replaced by rope_theta below; keeping a stale copy would contradict it.
         m.remove("rope_parameters");
@@ -478,7 +478,10 @@ impl Config {
     }
 
     /// The generation_config.json object: eos/bos ids over the keys of `base`.
-    pub fn to_generation_json(&self, base: Option<&Map<String, Value>>) -> Map<String, Value> {
+    pub(crate) fn to_generation_json(
+        &self,
+        base: Option<&Map<String, Value>>,
+    ) -> Map<String, Value> {
         let mut m = base.cloned().unwrap_or_default();
         if let Some(bos) = self.bos_token_id {
             m.insert("bos_token_id".into(), bos.into());
@@ -524,7 +527,7 @@ fn ids_json(ids: &[u32]) -> Value {
 }
 
 /// Writes a JSON object the way HF's `json.dumps(obj, indent=2, sort_keys=True) + "\n"` does.
-pub fn write_json(path: &Path, obj: &Map<String, Value>) -> Result<()> {
+pub(crate) fn write_json(path: &Path, obj: &Map<String, Value>) -> Result<()> {
     let mut text = serde_json::to_string_pretty(obj)?;
     text.push('\n');
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))

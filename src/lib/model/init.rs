@@ -36,7 +36,7 @@ fn stream_seed(seed: u64, name: &str) -> u64 {
 const CHUNK: usize = 1 << 16;
 
 /// Fills `out` with normal(0, std) draws from the stream of (seed, name).
-pub fn fill_normal(out: &mut [f32], seed: u64, name: &str, std: f32) {
+pub(crate) fn fill_normal(out: &mut [f32], seed: u64, name: &str, std: f32) {
     let base = stream_seed(seed, name);
     out.par_chunks_mut(CHUNK)
         .enumerate()

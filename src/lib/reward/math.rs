@@ -15,11 +15,11 @@ use std::sync::OnceLock;
 
 /// Where verl's Python code raises (IndexError, AssertionError) while normalising.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Raises;
+pub(crate) struct Raises;
 
 /// verl's `last_boxed_only_string` then `remove_boxed`: the content of the last box.
 /// None when there is no box or verl's `remove_boxed` would assert (e.g. `\fbox{..}`).
-pub fn last_boxed(text: &str) -> Option<&str> {
+pub(crate) fn last_boxed(text: &str) -> Option<&str> {
     const SPACED: &str = "\\boxed ";
     if let Some(pos) = text.rfind(SPACED) {
         // `\boxed 5$`: up to the next dollar.
@@ -211,12 +211,12 @@ fn normalize(s: &str, rules: Rules) -> Result<String, Raises> {
 }
 
 /// verl's `strip_string` (Err where it raises).
-pub fn verl_strip(s: &str) -> Result<String, Raises> {
+pub(crate) fn verl_strip(s: &str) -> Result<String, Raises> {
     normalize(s, Rules::Verl)
 }
 
 /// verl's `strip_string` plus the extra normalisations (Err where verl's raises).
-pub fn strip(s: &str) -> Result<String, Raises> {
+pub(crate) fn strip(s: &str) -> Result<String, Raises> {
     normalize(s, Rules::Extended)
 }
 

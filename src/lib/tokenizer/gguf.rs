@@ -9,12 +9,12 @@ use serde_json::{json, Map, Value as Json};
 
 /// llama.cpp's token types (`enum llama_token_type`).
 mod token_type {
-    pub const NORMAL: i64 = 1;
-    pub const UNKNOWN: i64 = 2;
+    pub(crate) const NORMAL: i64 = 1;
+    pub(crate) const UNKNOWN: i64 = 2;
     pub const CONTROL: i64 = 3;
     pub const USER_DEFINED: i64 = 4;
     pub const UNUSED: i64 = 5;
-    pub const BYTE: i64 = 6;
+    pub(crate) const BYTE: i64 = 6;
 }
 
 /// The type of a token when the file gives none.
@@ -29,28 +29,28 @@ const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const SUPPORTED_PRE: [&str; 5] = ["qwen2", "smollm", "llama-bpe", "gpt-2", "default"];
 
 /// The rebuilt tokenizer files.
-pub struct RebuiltTokenizer {
-    pub tokenizer_json: Map<String, Json>,
-    pub tokenizer_config: Map<String, Json>,
+pub(crate) struct RebuiltTokenizer {
+    pub(crate) tokenizer_json: Map<String, Json>,
+    pub(crate) tokenizer_config: Map<String, Json>,
 }
 
 /// The `tokenizer.*` metadata of a GGUF file, read and type-checked by `model::gguf`.
 pub(crate) struct GgufVocab<'a> {
     /// The file, for messages.
-    pub file: &'a str,
-    pub family: Family,
-    pub tokens: Vec<&'a str>,
+    pub(crate) file: &'a str,
+    pub(crate) family: Family,
+    pub(crate) tokens: Vec<&'a str>,
     /// llama.cpp's token type of each token.
-    pub types: Vec<i64>,
+    pub(crate) types: Vec<i64>,
     /// "a b" per merge, unchecked.
-    pub merges: Vec<&'a str>,
-    pub add_bos: bool,
+    pub(crate) merges: Vec<&'a str>,
+    pub(crate) add_bos: bool,
     /// The ids the file names (each below `tokens.len()`).
-    pub bos: Option<usize>,
-    pub eos: Option<usize>,
-    pub pad: Option<usize>,
-    pub unk: Option<usize>,
-    pub chat_template: Option<&'a str>,
+    pub(crate) bos: Option<usize>,
+    pub(crate) eos: Option<usize>,
+    pub(crate) pad: Option<usize>,
+    pub(crate) unk: Option<usize>,
+    pub(crate) chat_template: Option<&'a str>,
 }
 
 /// A tokenizer family: its normalizer and pre-tokenizer as its HF tokenizer.json has them, and

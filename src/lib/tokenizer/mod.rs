@@ -10,4 +10,5 @@ pub mod bytes;
 pub mod gguf;
 pub mod hf;
 
-pub use hf::{Tokenizer, TOKENIZER_FILE};
+pub use hf::Tokenizer;
+pub(crate) use hf::TOKENIZER_FILE;

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OutDtype {
+pub(crate) enum OutDtype {
     Bf16,
     F32,
 }
@@ -31,7 +31,7 @@ pub struct ImportGgufArgs {
     pub out: PathBuf,
     /// Dtype of the written weights.
     #[arg(long, value_enum, default_value_t = OutDtype::Bf16)]
-    pub dtype: OutDtype,
+    pub(crate) dtype: OutDtype,
 }
 
 pub fn run(args: ImportGgufArgs) -> Result<()> {
@@ -56,16 +56,16 @@ pub fn run(args: ImportGgufArgs) -> Result<()> {
 }
 
 /// A GGUF model in HF terms.
-pub struct Imported {
-    pub config: Config,
-    pub weights: Weights,
-    pub tokenizer: RebuiltTokenizer,
+pub(crate) struct Imported {
+    pub(crate) config: Config,
+    pub(crate) weights: Weights,
+    pub(crate) tokenizer: RebuiltTokenizer,
     /// "Q4_K x12" per tensor type, for the summary line.
-    pub type_counts: Vec<String>,
+    pub(crate) type_counts: Vec<String>,
 }
 
 /// The HF name of a llama.cpp tensor name (`blk.N.attn_q.weight` ...).
-pub fn hf_name(gguf_name: &str) -> Option<String> {
+pub(crate) fn hf_name(gguf_name: &str) -> Option<String> {
     match gguf_name {
         "token_embd.weight" => return Some(names::EMBED.into()),
         "output_norm.weight" => return Some(names::FINAL_NORM.into()),
@@ -98,7 +98,7 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
 
 /// Undoes llama.cpp's Q/K row order for `llama` (convert_hf_to_gguf's `permute`): within each head
 /// of `rows / n_head` rows, GGUF row `2i + j` is HF row `j * rows_per_head / 2 + i`.
-pub fn unpermute_rows(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+pub(crate) fn unpermute_rows(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
     let per_head = rows / n_head;
     let half = per_head / 2;
     let mut out = vec![0f32; data.len()];
@@ -254,7 +254,7 @@ fn refuse_scaled_rope(g: &GgufFile, file: &str, scaling_key: &str) -> Result<()>
 
 /// Reads and checks the whole model: config, every tensor dequantized under its HF name, the
 /// tokenizer.
-pub fn convert(g: &GgufFile) -> Result<Imported> {
+pub(crate) fn convert(g: &GgufFile) -> Result<Imported> {
     let file = g.path.display().to_string();
     let (config, _) = config_of(g, &file)?;
     let specs = expected_tensors(&config);
@@ -490,7 +490,7 @@ fn write_text(path: &Path, obj: &Map<String, Json>) -> Result<()> {
 
 /// Writes the model directory: everything into `OUT.tmp`, then renamed to `OUT` (an existing
 /// `OUT` is replaced only once the new one is complete).
-pub fn write_model_dir(out: &Path, m: &Imported, dtype: OutDtype) -> Result<()> {
+pub(crate) fn write_model_dir(out: &Path, m: &Imported, dtype: OutDtype) -> Result<()> {
     if out.file_name().is_none() {
         crate::bail_input!(
             "{}: give the model a directory name of its own",

@@ -8,10 +8,10 @@ use anyhow::Result;
 use std::path::{Path, PathBuf};
 
 /// "GGUF" read as a little-endian u32.
-pub const MAGIC: u32 = 0x4655_4747;
-pub const DEFAULT_ALIGNMENT: u64 = 32;
+pub(crate) const MAGIC: u32 = 0x4655_4747;
+pub(crate) const DEFAULT_ALIGNMENT: u64 = 32;
 /// ggml tensors have at most 4 dimensions.
-pub const MAX_DIMS: u32 = 4;
+pub(crate) const MAX_DIMS: u32 = 4;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -72,7 +72,7 @@ impl Value {
         }
     }
 
-    pub fn as_bool(&self) -> Option<bool> {
+    pub(crate) fn as_bool(&self) -> Option<bool> {
         match *self {
             Value::Bool(b) => Some(b),
             _ => None,
@@ -374,7 +374,7 @@ impl GgufFile {
     }
 
     /// The stored bytes of a tensor (bounds checked at parse time).
-    pub fn tensor_bytes(&self, t: &TensorInfo) -> &[u8] {
+    pub(crate) fn tensor_bytes(&self, t: &TensorInfo) -> &[u8] {
         let size = t.numel() as usize / t.ggml_type.block_elems() * t.ggml_type.block_bytes();
         let start = self.data_start + t.offset as usize;
         &self.bytes[start..start + size]

@@ -21,7 +21,7 @@ impl fmt::Display for InputError {
 impl std::error::Error for InputError {}
 
 /// Build an input error from a message.
-pub fn input_error(msg: impl Into<String>) -> anyhow::Error {
+pub(crate) fn input_error(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(InputError(msg.into()))
 }
 

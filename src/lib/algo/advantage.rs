@@ -51,7 +51,7 @@ impl Default for AdvParams {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Groups {
     pub(crate) of_row: Vec<usize>,
-    pub count: usize,
+    pub(crate) count: usize,
 }
 
 impl Groups {
@@ -71,7 +71,7 @@ impl Groups {
     }
 
     /// Group sizes.
-    pub fn sizes(&self) -> Vec<usize> {
+    pub(crate) fn sizes(&self) -> Vec<usize> {
         let mut n = vec![0usize; self.count];
         for &g in &self.of_row {
             n[g] += 1;
@@ -202,7 +202,7 @@ pub(crate) fn estimator(name: &str) -> Option<&'static Estimator> {
     ESTIMATORS.iter().find(|e| e.name == name)
 }
 
-pub fn names() -> Vec<&'static str> {
+pub(crate) fn names() -> Vec<&'static str> {
     ESTIMATORS.iter().map(|e| e.name).collect()
 }
 
@@ -273,7 +273,7 @@ pub(crate) fn token_rewards(
 }
 
 /// A per-row scalar on every valid token of its row, 0 elsewhere.
-pub fn broadcast(offsets: &[usize], mask: &[u8], per_row: &[f64]) -> Vec<f32> {
+pub(crate) fn broadcast(offsets: &[usize], mask: &[u8], per_row: &[f64]) -> Vec<f32> {
     let mut out = vec![0f32; mask.len()];
     rows_mut(&mut out, offsets)
         .into_par_iter()

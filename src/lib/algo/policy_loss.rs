@@ -58,13 +58,13 @@ pub(crate) struct TokenIn {
 
 /// The clip knobs as bounds of the ratio.
 #[derive(Clone, Copy, Debug)]
-pub struct Clip {
+pub(crate) struct Clip {
     /// 1 − ε_low
-    pub low: f64,
+    pub(crate) low: f64,
     /// 1 + ε_high
-    pub high: f64,
+    pub(crate) high: f64,
     /// Dual-clip bound c (> 1) for negative advantages.
-    pub dual: f64,
+    pub(crate) dual: f64,
 }
 
 /// One token's loss ℓ, dℓ/d lp, whether it was clipped (upper, lower), and the log-ratio
@@ -82,7 +82,7 @@ pub(crate) type TokenLossFn = fn(&TokenIn, &Clip) -> TokenLoss;
 
 /// One registered policy loss (verl's `register_policy_loss`).
 pub struct PolicyLoss {
-    pub mode: LossMode,
+    pub(crate) mode: LossMode,
     pub name: &'static str,
     /// Its formula in one line (shown by `update --help`).
     pub about: &'static str,
@@ -90,7 +90,7 @@ pub struct PolicyLoss {
     /// weights can weight it.
     pub policy_gradient: bool,
     /// The aggregation it always uses, whatever --loss-agg-mode says.
-    pub agg: Option<AggMode>,
+    pub(crate) agg: Option<AggMode>,
     pub(crate) token: TokenLossFn,
 }
 
@@ -132,7 +132,7 @@ pub const LOSSES: &[PolicyLoss] = &[
 ];
 
 /// The registered names, in table order.
-pub fn names() -> Vec<&'static str> {
+pub(crate) fn names() -> Vec<&'static str> {
     LOSSES.iter().map(|l| l.name).collect()
 }
 

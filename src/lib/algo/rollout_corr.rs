@@ -99,7 +99,8 @@ impl Mismatch {
     }
 
     /// Valid tokens measured.
-    pub fn tokens(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn tokens(&self) -> usize {
         self.tokens
     }
 

@@ -3,12 +3,12 @@
 
 pub mod json;
 pub(crate) mod ragged;
-pub mod read;
+pub(crate) mod read;
 pub mod schema;
 pub mod write;
 
 pub use ragged::list_array;
-pub use ragged::Ragged;
+pub(crate) use ragged::Ragged;
 pub use read::Batch;
 pub(crate) use write::{stage_meta, write_json};
 pub use write::{write_file, NewColumns, StageInfo};

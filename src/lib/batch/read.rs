@@ -102,7 +102,7 @@ impl Batch {
     }
 
     /// "FILE: column 'NAME'" for messages.
-    pub fn at(&self, name: &str) -> String {
+    pub(crate) fn at(&self, name: &str) -> String {
         format!("{}: column '{name}'", self.path.display())
     }
 

@@ -11,7 +11,7 @@ pub const SCHEMA_VERSION: &str = "1";
 pub mod meta {
     pub(crate) const SCHEMA: &str = "tandem.schema";
     pub const POLICY_VERSION: &str = "policy_version";
-    pub const STEP: &str = "step";
+    pub(crate) const STEP: &str = "step";
     /// The temperature of the samples' log-probs, written by `rollout` (its `--temperature`, 1
     /// when greedy): `ref-logprob` and `update` take log-probs at it and refuse another one.
     pub const LOGPROB_TEMPERATURE: &str = "tandem.logprob_temperature";

@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::Instant;
 
 #[derive(Args, Debug)]
-pub struct CpuStagesArgs {
+pub(crate) struct CpuStagesArgs {
     #[arg(long, default_value_t = 32_768)]
     pub(crate) rows: usize,
     #[arg(long, default_value_t = 1_024)]

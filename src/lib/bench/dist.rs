@@ -19,7 +19,7 @@ use serde_json::json;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
-pub struct DistBenchArgs {
+pub(crate) struct DistBenchArgs {
     /// Backend of every rank: cuda (NCCL; the GPU of the rank's local rank) or cpu.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cuda)]
     pub(crate) device: DeviceKind,

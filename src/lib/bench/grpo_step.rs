@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Args, Debug, Clone)]
-pub struct GrpoStepArgs {
+pub(crate) struct GrpoStepArgs {
     /// The policy (and reference) model directory.
     #[arg(long)]
     pub(crate) model: PathBuf,

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use std::time::Instant;
 
 #[derive(Args, Debug)]
-pub struct LogprobArgs {
+pub(crate) struct LogprobArgs {
     #[command(flatten)]
     pub(crate) w: Workload,
     /// Also compute per-token entropies (as `ref-logprob --entropy`).

@@ -63,7 +63,7 @@ pub(crate) struct Workload {
 }
 
 #[derive(Args, Debug)]
-pub struct UpdateArgs {
+pub(crate) struct UpdateArgs {
     #[command(flatten)]
     pub(crate) w: Workload,
 }
@@ -218,7 +218,7 @@ pub(crate) fn gemm_peak<B: Backend>(b: &B) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) / times[times.len() / 2])
 }
 
-pub fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     if s.is_empty() {
@@ -516,7 +516,7 @@ pub(crate) const HEADER: [&str; 10] = [
     "device GiB",
 ];
 
-pub fn finish(
+pub(crate) fn finish(
     title: &str,
     rows: Vec<Vec<String>>,
     out: Value,

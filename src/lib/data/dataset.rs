@@ -22,7 +22,7 @@ pub struct PromptRow {
     /// The chat messages; a plain-text prompt is one user message.
     pub messages: Vec<Message>,
     /// The prompt as given when the column holds plain text (used as is by `--raw-prompt`).
-    pub text: Option<String>,
+    pub(crate) text: Option<String>,
     /// `ground_truth`, or verl's `reward_model.ground_truth` (non-strings as JSON text); None
     /// when the dataset has neither or the cell is null.
     pub ground_truth: Option<String>,
@@ -69,7 +69,7 @@ impl PromptDataset {
         })
     }
 
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.batch.path
     }
 
@@ -90,7 +90,7 @@ impl PromptDataset {
     }
 
     /// The file's columns and metadata as read.
-    pub fn batch(&self) -> &Batch {
+    pub(crate) fn batch(&self) -> &Batch {
         &self.batch
     }
 

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 pub const DATA_SOURCE: &str = "openai/gsm8k";
 pub(crate) const ABILITY: &str = "math";
 /// Appended to each question after one space, as verl does.
-pub const INSTRUCTION: &str =
+pub(crate) const INSTRUCTION: &str =
     "Let's think step by step and output the final answer after \"####\".";
 
 /// The final answer of a GSM8K solution: the FIRST `#### NUMBER` (verl uses `re.search`), with

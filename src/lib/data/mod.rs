@@ -9,12 +9,12 @@
 
 pub mod chat;
 pub mod dataset;
-pub mod gsm8k;
-pub mod jsonl;
+pub(crate) mod gsm8k;
+pub(crate) mod jsonl;
 pub mod prepare;
-pub mod synth;
+pub(crate) mod synth;
 
-pub use chat::ChatTemplate;
+pub(crate) use chat::ChatTemplate;
 pub use dataset::{PromptDataset, PromptRow};
 
 use arrow_array::builder::{Int64Builder, ListBuilder, StringBuilder, StructBuilder};
@@ -26,7 +26,7 @@ use std::sync::Arc;
 /// One chat message, as in HF `messages` and verl's `prompt` column.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
-    pub role: String,
+    pub(crate) role: String,
     pub content: String,
 }
 

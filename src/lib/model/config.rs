@@ -346,7 +346,7 @@ impl Config {
 
     /// Reads `DIR/config.json` and, when present, `DIR/generation_config.json` (whose eos ids are
     /// added to [`Config::eos_token_ids`], as HF generation uses both).
-    pub fn load(dir: &Path) -> Result<Config> {
+    pub(crate) fn load(dir: &Path) -> Result<Config> {
         let path = dir.join(CONFIG_FILE);
         if !path.is_file() {
             crate::bail_input!(
@@ -373,7 +373,7 @@ impl Config {
     }
 
     /// Parses the object of an HF config.json; `file` names it in error messages.
-    pub fn from_hf_json(map: &Map<String, Value>, file: &str) -> Result<Config> {
+    pub(crate) fn from_hf_json(map: &Map<String, Value>, file: &str) -> Result<Config> {
         let f = Fields { file, map };
         let arch = f.arch()?;
         f.refuse_unsupported(arch)?;
@@ -492,7 +492,7 @@ impl Config {
 
     /// Writes `dir/config.json` and `dir/generation_config.json` (2-space indent, sorted keys,
     /// as HF does), keeping the foreign keys of `base_dir`'s files when given.
-    pub fn save(&self, dir: &Path, base_dir: Option<&Path>) -> Result<()> {
+    pub(crate) fn save(&self, dir: &Path, base_dir: Option<&Path>) -> Result<()> {
         let base = |name: &str| -> Result<Option<Map<String, Value>>> {
             match base_dir.map(|d| d.join(name)) {
                 Some(p) if p.is_file() => Ok(Some(read_json_object(&p)?)),

@@ -22,7 +22,7 @@ pub(crate) enum Role {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorSpec {
     pub name: String,
-    pub shape: Vec<usize>,
+    pub(crate) shape: Vec<usize>,
     pub(crate) role: Role,
 }
 

@@ -26,9 +26,9 @@ pub struct Loaded {
     /// The dtype each tensor had on disk.
     pub dtypes: BTreeMap<String, Dtype>,
     /// The file each tensor came from (for error messages that name it).
-    pub file_of: BTreeMap<String, PathBuf>,
+    pub(crate) file_of: BTreeMap<String, PathBuf>,
     /// The weight files read, in order.
-    pub files: Vec<PathBuf>,
+    pub(crate) files: Vec<PathBuf>,
 }
 
 /// Converts one stored tensor to f32. bf16 and f16 widen exactly.

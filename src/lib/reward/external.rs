@@ -60,8 +60,8 @@ pub(crate) struct Limits {
 
 /// One row's answer.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Answer {
-    pub score: f32,
+pub(crate) struct Answer {
+    pub(crate) score: f32,
     /// The other keys (sorted), without the `score_` prefix.
     pub(crate) subs: Vec<(String, SubValue)>,
 }

@@ -36,7 +36,7 @@ fn number_re() -> &'static Regex {
 }
 
 /// The last `CLIP_CHARS` characters of `s` (all of it when shorter).
-pub fn clip(s: &str) -> &str {
+pub(crate) fn clip(s: &str) -> &str {
     // Walking back from the end touches at most 300 chars, whatever the length of `s`.
     match s.char_indices().rev().nth(CLIP_CHARS - 1) {
         Some((i, _)) => &s[i..],
@@ -90,7 +90,8 @@ fn answer_matches(answer: &str, method: Method, ground_truth: &str) -> bool {
 }
 
 /// verl's `compute_score(solution_str, ground_truth, method, format_score, score=1.0)`.
-pub fn score(text: &str, ground_truth: &str, method: Method, format_score: f32) -> f32 {
+#[cfg(test)]
+pub(crate) fn score(text: &str, ground_truth: &str, method: Method, format_score: f32) -> f32 {
     score_with_fallback(text, ground_truth, method, format_score, 0.0)
 }
 

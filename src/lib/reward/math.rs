@@ -229,14 +229,14 @@ fn equiv_with(a: &str, b: &str, norm: fn(&str) -> Result<String, Raises>) -> boo
 }
 
 /// Whether the boxed answer `answer` matches `ground_truth` (see the module doc).
-pub fn is_equiv(answer: &str, ground_truth: &str) -> bool {
+pub(crate) fn is_equiv(answer: &str, ground_truth: &str) -> bool {
     // The extra rules may empty a string (`\boxed{%}`); nothing empty matches through them.
     let extended = || matches!((strip(answer), strip(ground_truth)), (Ok(a), Ok(b)) if a == b && !a.is_empty());
     equiv_with(answer, ground_truth, verl_strip) || extended()
 }
 
 /// 1.0 for a correct last box, the format score for a wrong one, 0.0 when there is no box.
-pub fn score(text: &str, ground_truth: &str, format_score: f32) -> f32 {
+pub(crate) fn score(text: &str, ground_truth: &str, format_score: f32) -> f32 {
     match last_boxed(text) {
         None => 0.0,
         Some(a) if is_equiv(a, ground_truth) => 1.0,

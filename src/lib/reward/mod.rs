@@ -31,12 +31,12 @@
 //! adds a length penalty to `score` after the rule, written as `score_overlong`, with the
 //! unshaped correctness as `score_acc`.
 
-pub mod external;
-pub mod gsm8k;
-pub mod math;
-pub mod overlong;
-pub mod rules;
-pub mod summary;
+pub(crate) mod external;
+pub(crate) mod gsm8k;
+pub(crate) mod math;
+pub(crate) mod overlong;
+pub(crate) mod rules;
+pub(crate) mod summary;
 
 use crate::bail_input;
 use crate::batch::schema::{self, Kind};
@@ -52,7 +52,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub(crate) use gsm8k::Method as Gsm8kMethod;
-pub use summary::Summary;
+pub(crate) use summary::Summary;
 pub(crate) use summary::Timings;
 
 /// A parsed `--reward SPEC`.
@@ -159,19 +159,19 @@ impl RewardSpec {
 
 /// Options that tune the rules and the external programs.
 #[derive(Clone, Debug)]
-pub struct Options {
-    pub format_score: f32,
-    pub gsm8k_method: gsm8k::Method,
+pub(crate) struct Options {
+    pub(crate) format_score: f32,
+    pub(crate) gsm8k_method: gsm8k::Method,
     /// gsm8k strict: the score of a response without `#### N` whose last number is right.
-    pub flexible_score: f32,
+    pub(crate) flexible_score: f32,
     /// Per-row answer timeout of external programs.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Whole-run timeout of external programs.
     pub(crate) run_timeout: Option<Duration>,
     /// Interpreter for `python:`.
-    pub python: String,
+    pub(crate) python: String,
     /// Extra keyword arguments for a `python:` function (verl's `reward_kwargs`).
-    pub reward_kwargs: Value,
+    pub(crate) reward_kwargs: Value,
 }
 
 impl Default for Options {
@@ -461,7 +461,7 @@ impl StageConfig {
 }
 
 /// The `score` stage: read, score, write the batch (and the metrics file), print the summary.
-pub fn run_stage(cfg: &StageConfig) -> Result<Summary> {
+pub(crate) fn run_stage(cfg: &StageConfig) -> Result<Summary> {
     let spec = RewardSpec::parse(&cfg.reward)?;
     cfg.options.validate()?;
     let t0 = Instant::now();

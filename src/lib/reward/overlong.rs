@@ -24,13 +24,13 @@ pub(crate) const KEY: &str = "overlong";
 
 /// The shaping's parameters, with the limit resolved.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Overlong {
+pub(crate) struct Overlong {
     /// L_max: the response length limit in tokens.
     pub(crate) max_len: usize,
     /// L_cache: the tokens before the limit over which the penalty grows (>= 1, <= max_len).
-    pub buffer: usize,
+    pub(crate) buffer: usize,
     /// The penalty at the limit (>= 0).
-    pub factor: f32,
+    pub(crate) factor: f32,
 }
 
 impl Overlong {
@@ -53,7 +53,7 @@ impl Overlong {
     }
 
     /// factor * r_len for a response of `len` tokens (0 or negative).
-    pub fn penalty(&self, len: usize) -> f32 {
+    pub(crate) fn penalty(&self, len: usize) -> f32 {
         let expected = self.max_len - self.buffer;
         let r_len = if len <= expected {
             0.0

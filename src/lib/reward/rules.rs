@@ -11,7 +11,7 @@
 use regex::Regex;
 
 /// `exact`: trimmed equality.
-pub fn exact(text: &str, ground_truth: &str) -> f32 {
+pub(crate) fn exact(text: &str, ground_truth: &str) -> f32 {
     if text.trim() == ground_truth.trim() {
         1.0
     } else {

@@ -27,18 +27,18 @@ impl Timings {
 
 /// Count, mean score and accuracy of a set of rows.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct Group {
-    pub rows: usize,
-    pub mean: f64,
-    pub accuracy: f64,
+pub(crate) struct Group {
+    pub(crate) rows: usize,
+    pub(crate) mean: f64,
+    pub(crate) accuracy: f64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub struct Summary {
-    pub all: Group,
-    pub std: f64,
-    pub min: f64,
-    pub max: f64,
+pub(crate) struct Summary {
+    pub(crate) all: Group,
+    pub(crate) std: f64,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
     /// Whether accuracy is the mean of the `acc` sub-score (else: fraction of score >= 1).
     pub(crate) accuracy_from_acc: bool,
     /// Per data_source, sorted by name (empty when the batch has no data_source).

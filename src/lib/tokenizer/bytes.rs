@@ -13,7 +13,7 @@ pub(crate) const ENDOFTEXT: &str = "<|endoftext|>";
 pub(crate) const IM_START: &str = "<|im_start|>";
 pub(crate) const IM_END: &str = "<|im_end|>";
 /// The special tokens in id order, starting at [`FIRST_SPECIAL_ID`].
-pub const SPECIALS: [&str; 3] = [ENDOFTEXT, IM_START, IM_END];
+pub(crate) const SPECIALS: [&str; 3] = [ENDOFTEXT, IM_START, IM_END];
 pub(crate) const FIRST_SPECIAL_ID: u32 = 256;
 /// Bytes + specials: the smallest vocabulary this tokenizer can have.
 pub(crate) const MIN_VOCAB: usize = 256 + SPECIALS.len();

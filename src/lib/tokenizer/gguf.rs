@@ -11,9 +11,9 @@ use serde_json::{json, Map, Value as Json};
 mod token_type {
     pub(crate) const NORMAL: i64 = 1;
     pub(crate) const UNKNOWN: i64 = 2;
-    pub const CONTROL: i64 = 3;
-    pub const USER_DEFINED: i64 = 4;
-    pub const UNUSED: i64 = 5;
+    pub(crate) const CONTROL: i64 = 3;
+    pub(crate) const USER_DEFINED: i64 = 4;
+    pub(crate) const UNUSED: i64 = 5;
     pub(crate) const BYTE: i64 = 6;
 }
 

@@ -54,10 +54,6 @@ impl Tokenizer {
         }
     }
 
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
-    }
-
     /// Number of ids the tokenizer can produce or decode (highest id + 1). A model's
     /// embedding table may be larger (padded); never smaller.
     pub fn vocab_size(&self) -> usize {

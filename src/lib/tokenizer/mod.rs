@@ -8,7 +8,7 @@
 
 pub mod bytes;
 pub mod gguf;
-pub mod hf;
+pub(crate) mod hf;
 
 pub use hf::Tokenizer;
 pub(crate) use hf::TOKENIZER_FILE;

@@ -25,10 +25,10 @@ pub(crate) enum OutDtype {
 #[derive(clap::Args, Debug)]
 pub struct ImportGgufArgs {
     /// The GGUF file (llama.cpp format, v2 or v3).
-    pub file: PathBuf,
+    pub(crate) file: PathBuf,
     /// Model directory to write (HF layout); replaced if it exists.
     #[arg(long)]
-    pub out: PathBuf,
+    pub(crate) out: PathBuf,
     /// Dtype of the written weights.
     #[arg(long, value_enum, default_value_t = OutDtype::Bf16)]
     pub(crate) dtype: OutDtype,

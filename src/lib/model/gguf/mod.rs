@@ -1,9 +1,9 @@
 //! GGUF (llama.cpp) model files: reading, dequantizing, and importing them as HF model
 //! directories (the tokenizer rebuilt by `tokenizer::gguf`).
 
-pub mod import;
+pub(crate) mod import;
 pub mod quant;
-pub mod reader;
+pub(crate) mod reader;
 
 pub use import::{run, ImportGgufArgs};
 pub use reader::GgufFile;

@@ -71,7 +71,7 @@ pub(crate) const SUPPORTED: [GgmlType; 13] = [
 ];
 
 impl GgmlType {
-    pub fn id(self) -> u32 {
+    pub(crate) fn id(self) -> u32 {
         match self {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,
@@ -108,7 +108,7 @@ impl GgmlType {
     }
 
     /// ggml's name of the type.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             GgmlType::F32 => "F32",
             GgmlType::F16 => "F16",

@@ -47,7 +47,7 @@ impl Value {
         }
     }
 
-    pub fn as_i64(&self) -> Option<i64> {
+    pub(crate) fn as_i64(&self) -> Option<i64> {
         match *self {
             Value::I8(x) => Some(x as i64),
             Value::I16(x) => Some(x as i64),
@@ -57,7 +57,7 @@ impl Value {
         }
     }
 
-    pub fn as_f64(&self) -> Option<f64> {
+    pub(crate) fn as_f64(&self) -> Option<f64> {
         match *self {
             Value::F32(x) => Some(x as f64),
             Value::F64(x) => Some(x),
@@ -65,7 +65,7 @@ impl Value {
         }
     }
 
-    pub fn as_str(&self) -> Option<&str> {
+    pub(crate) fn as_str(&self) -> Option<&str> {
         match self {
             Value::Str(s) => Some(s),
             _ => None,
@@ -79,7 +79,7 @@ impl Value {
         }
     }
 
-    pub fn as_array(&self) -> Option<&[Value]> {
+    pub(crate) fn as_array(&self) -> Option<&[Value]> {
         match self {
             Value::Array(a) => Some(a),
             _ => None,
@@ -90,12 +90,12 @@ impl Value {
 /// One tensor's header entry.
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
-    pub name: String,
+    pub(crate) name: String,
     /// ggml order: `dims[0]` is the innermost (contiguous) dimension, the reverse of torch's shape.
-    pub dims: Vec<u64>,
+    pub(crate) dims: Vec<u64>,
     pub ggml_type: GgmlType,
     /// Byte offset from the start of the data section.
-    pub offset: u64,
+    pub(crate) offset: u64,
 }
 
 impl TensorInfo {
@@ -111,11 +111,11 @@ impl TensorInfo {
 
 /// A parsed GGUF file, its bytes in memory.
 pub struct GgufFile {
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     pub version: u32,
     /// Metadata in file order.
     pub metadata: Vec<(String, Value)>,
-    pub tensors: Vec<TensorInfo>,
+    pub(crate) tensors: Vec<TensorInfo>,
     pub alignment: u64,
     data_start: usize,
     bytes: Vec<u8>,

@@ -8,13 +8,13 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use tandem::data::chat::ChatTemplate;
-use tandem::data::tokenizer::Tokenizer;
 use tandem::data::Message;
-use tandem::model::bytetok::byte_to_char;
 use tandem::model::gguf::quant::{dequantize, GgmlType};
 use tandem::model::gguf::GgufFile;
 use tandem::model::safetensors::load_dir;
 use tandem::model::{Arch, ModelDir};
+use tandem::tokenizer::bytes::byte_to_char;
+use tandem::tokenizer::Tokenizer;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf")

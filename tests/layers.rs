@@ -11,6 +11,7 @@ const LAYERS: &[&[&str]] = &[
     &["batch", "process"],
     &["backend"],
     &["parallel"],
+    &["tokenizer"],
     &["model", "data", "reward", "algo"],
     &["engine"],
     &["stage"],

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use tandem::batch::{list_array, schema, write_file};
-use tandem::data::Tokenizer;
+use tandem::tokenizer::Tokenizer;
 
 const QUESTIONS: [&str; 3] = ["What is 2 + 3?", "Name a colour.", "Count to three."];
 

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 /// A problem with what the user gave us. The message says where (file, column, row) and,
 /// where it can, what to do.
 #[derive(Debug)]
-pub struct InputError(pub String);
+pub(crate) struct InputError(pub String);
 
 impl fmt::Display for InputError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -21,7 +21,7 @@ impl fmt::Display for InputError {
 impl std::error::Error for InputError {}
 
 /// Build an input error from a message.
-pub fn input_error(msg: impl Into<String>) -> anyhow::Error {
+pub(crate) fn input_error(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(InputError(msg.into()))
 }
 

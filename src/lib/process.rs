@@ -16,7 +16,7 @@ use std::sync::Once;
 ///
 /// The signal is sent when the thread that spawned the child exits: spawn from a thread that
 /// outlives the child (the main thread, or the one that waits for it).
-pub fn die_with_parent(cmd: &mut Command) {
+pub(crate) fn die_with_parent(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;
@@ -88,14 +88,14 @@ fn install_handlers() {
 
 /// Kills the process group `pgid` when dropped, or before this process ends on SIGTERM,
 /// SIGINT or SIGHUP.
-pub struct GroupGuard {
+pub(crate) struct GroupGuard {
     pgid: i32,
     slot: Option<usize>,
 }
 
 impl GroupGuard {
     /// Guards the group led by the child `pid` (started with `process_group(0)`).
-    pub fn new(pid: u32) -> GroupGuard {
+    pub(crate) fn new(pid: u32) -> GroupGuard {
         install_handlers();
         let pgid = i32::try_from(pid).unwrap_or(0);
         let slot = GROUPS.iter().position(|g| {
@@ -106,7 +106,7 @@ impl GroupGuard {
     }
 
     /// Kills the group now (it may already be gone) and stops guarding it.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(i) = self.slot.take() {
             GROUPS[i].store(0, Ordering::SeqCst);
         }

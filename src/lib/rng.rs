@@ -4,10 +4,10 @@
 
 /// SplitMix64: a well-mixed 64-bit generator whose whole state is one u64.
 #[derive(Clone, Debug)]
-pub struct SplitMix64(pub u64);
+pub(crate) struct SplitMix64(pub u64);
 
 impl SplitMix64 {
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -16,7 +16,7 @@ impl SplitMix64 {
     }
 
     /// Uniform in 0..n (n > 0), by rejection so that no value is favoured.
-    pub fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         let zone = u64::MAX - u64::MAX % n;
         loop {
             let x = self.next_u64();
@@ -27,12 +27,12 @@ impl SplitMix64 {
     }
 
     /// Uniform in [0, 1) with 53 random bits.
-    pub fn uniform(&mut self) -> f64 {
+    pub(crate) fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// Standard normal (Box-Muller, one of the pair).
-    pub fn normal(&mut self) -> f32 {
+    pub(crate) fn normal(&mut self) -> f32 {
         let u1 = self.uniform().max(1e-300);
         let u2 = self.uniform();
         ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
@@ -42,7 +42,7 @@ impl SplitMix64 {
 /// SplitMix64's output function as a pure hash of one word (`mix(z)` is the first number of
 /// `SplitMix64(z)`): a bijective mixer with full avalanche, the core of the counter-based
 /// streams (`backend::ops::sample::uniform`, sample keys, shuffles).
-pub fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -50,7 +50,7 @@ pub fn mix(mut z: u64) -> u64 {
 }
 
 /// A key from several numbers (e.g. seed, step, epoch).
-pub fn mix_key(parts: &[u64]) -> u64 {
+pub(crate) fn mix_key(parts: &[u64]) -> u64 {
     parts
         .iter()
         .fold(mix(0x006b_6579_5f6d_6978), |h, &p| mix(h ^ p))

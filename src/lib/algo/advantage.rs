@@ -27,12 +27,12 @@ use std::collections::HashMap;
 
 /// The knobs estimators read (verl's `algorithm` config).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdvParams {
-    pub gamma: f64,
-    pub lam: f64,
+pub(crate) struct AdvParams {
+    pub(crate) gamma: f64,
+    pub(crate) lam: f64,
     /// GRPO divides by the group std (false = Dr.GRPO).
-    pub norm_by_std: bool,
-    pub epsilon: f64,
+    pub(crate) norm_by_std: bool,
+    pub(crate) epsilon: f64,
 }
 
 impl Default for AdvParams {
@@ -50,12 +50,12 @@ impl Default for AdvParams {
 /// order of first appearance.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Groups {
-    pub of_row: Vec<usize>,
-    pub count: usize,
+    pub(crate) of_row: Vec<usize>,
+    pub(crate) count: usize,
 }
 
 impl Groups {
-    pub fn from_keys<S: AsRef<str>>(keys: &[S]) -> Groups {
+    pub(crate) fn from_keys<S: AsRef<str>>(keys: &[S]) -> Groups {
         let mut ids: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
         let of_row = keys
             .iter()
@@ -71,7 +71,7 @@ impl Groups {
     }
 
     /// Group sizes.
-    pub fn sizes(&self) -> Vec<usize> {
+    pub(crate) fn sizes(&self) -> Vec<usize> {
         let mut n = vec![0usize; self.count];
         for &g in &self.of_row {
             n[g] += 1;
@@ -80,7 +80,7 @@ impl Groups {
     }
 
     /// Per-group mean of `x` (n = 1 gives mean 0, as verl) and unbiased std (n = 1 gives 1).
-    pub fn mean_std(&self, x: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    pub(crate) fn mean_std(&self, x: &[f64]) -> (Vec<f64>, Vec<f64>) {
         let n = self.sizes();
         let mut sum = vec![0.0; self.count];
         for (&g, &v) in self.of_row.iter().zip(x) {
@@ -107,20 +107,20 @@ impl Groups {
 }
 
 /// What an estimator reads. `outcome` is the per-row sequence reward (see the module docs).
-pub struct AdvInput<'a> {
-    pub offsets: &'a [usize],
-    pub mask: &'a [u8],
-    pub token_rewards: &'a [f32],
-    pub outcome: &'a [f64],
-    pub groups: Option<&'a Groups>,
+pub(crate) struct AdvInput<'a> {
+    pub(crate) offsets: &'a [usize],
+    pub(crate) mask: &'a [u8],
+    pub(crate) token_rewards: &'a [f32],
+    pub(crate) outcome: &'a [f64],
+    pub(crate) groups: Option<&'a Groups>,
     /// The critic's value per token (gae).
-    pub values: Option<&'a [f32]>,
+    pub(crate) values: Option<&'a [f32]>,
     /// The greedy baseline's score per row (remax).
-    pub baseline: Option<&'a [f32]>,
+    pub(crate) baseline: Option<&'a [f32]>,
 }
 
 impl AdvInput<'_> {
-    pub fn num_rows(&self) -> usize {
+    pub(crate) fn num_rows(&self) -> usize {
         self.offsets.len() - 1
     }
 
@@ -134,25 +134,25 @@ impl AdvInput<'_> {
 
 /// Advantages and returns per token, 0 on masked positions.
 #[derive(Clone, Debug, PartialEq)]
-pub struct AdvOutput {
-    pub advantages: Vec<f32>,
-    pub returns: Vec<f32>,
+pub(crate) struct AdvOutput {
+    pub(crate) advantages: Vec<f32>,
+    pub(crate) returns: Vec<f32>,
 }
 
-pub type AdvFn = fn(&AdvInput, &AdvParams) -> Result<AdvOutput>;
+pub(crate) type AdvFn = fn(&AdvInput, &AdvParams) -> Result<AdvOutput>;
 
 /// One registered estimator.
-pub struct Estimator {
-    pub name: &'static str,
+pub(crate) struct Estimator {
+    pub(crate) name: &'static str,
     /// Columns it needs besides `response_mask` and `score`, and why (for error messages).
-    pub needs: &'static [(&'static str, &'static str)],
-    pub run: AdvFn,
+    pub(crate) needs: &'static [(&'static str, &'static str)],
+    pub(crate) run: AdvFn,
 }
 
 const GROUPED: &[(&str, &str)] = &[(schema::PROMPT_UID, "it groups the samples of one prompt")];
 
 /// The registry, by name.
-pub const ESTIMATORS: &[Estimator] = &[
+pub(crate) const ESTIMATORS: &[Estimator] = &[
     Estimator {
         name: "grpo",
         needs: GROUPED,
@@ -198,33 +198,33 @@ pub const ESTIMATORS: &[Estimator] = &[
     },
 ];
 
-pub fn estimator(name: &str) -> Option<&'static Estimator> {
+pub(crate) fn estimator(name: &str) -> Option<&'static Estimator> {
     ESTIMATORS.iter().find(|e| e.name == name)
 }
 
-pub fn names() -> Vec<&'static str> {
+pub(crate) fn names() -> Vec<&'static str> {
     ESTIMATORS.iter().map(|e| e.name).collect()
 }
 
 /// The KL penalty put into the reward: r_t −= β·kl(old_t, ref_t) on valid tokens.
-pub struct KlInReward<'a> {
-    pub old: &'a [f32],
-    pub ref_lp: &'a [f32],
-    pub penalty: KlPenalty,
-    pub beta: f64,
+pub(crate) struct KlInReward<'a> {
+    pub(crate) old: &'a [f32],
+    pub(crate) ref_lp: &'a [f32],
+    pub(crate) penalty: KlPenalty,
+    pub(crate) beta: f64,
 }
 
 /// Token rewards and per-row outcomes.
-pub struct Rewards {
-    pub token_rewards: Vec<f32>,
-    pub outcome: Vec<f64>,
+pub(crate) struct Rewards {
+    pub(crate) token_rewards: Vec<f32>,
+    pub(crate) outcome: Vec<f64>,
     /// With a KL penalty: the batch mean over rows of each row's mean KL on its valid tokens
     /// (verl's `current_kl`, what the adaptive controller sees).
-    pub kl: Option<f64>,
+    pub(crate) kl: Option<f64>,
 }
 
 /// Place each row's score on its last valid token and subtract β·kl on every valid token.
-pub fn token_rewards(
+pub(crate) fn token_rewards(
     offsets: &[usize],
     mask: &[u8],
     scores: &[f32],
@@ -273,7 +273,7 @@ pub fn token_rewards(
 }
 
 /// A per-row scalar on every valid token of its row, 0 elsewhere.
-pub fn broadcast(offsets: &[usize], mask: &[u8], per_row: &[f64]) -> Vec<f32> {
+pub(crate) fn broadcast(offsets: &[usize], mask: &[u8], per_row: &[f64]) -> Vec<f32> {
     let mut out = vec![0f32; mask.len()];
     rows_mut(&mut out, offsets)
         .into_par_iter()
@@ -311,7 +311,7 @@ fn masked_sum(mask: &[u8], x: &[f32], f: impl Fn(f64) -> f64 + Sync) -> (usize, 
 
 /// verl's `masked_whiten`: x ← (x − mean)/sqrt(var + 1e-8) with mean = Σx/(n + 1e-8) and the
 /// unbiased var = Σ(x − mean)²/(n + 1e-8)·n/(n − 1), over valid tokens; masked positions ← 0.
-pub fn masked_whiten(x: &mut [f32], mask: &[u8], who: &str) -> Result<()> {
+pub(crate) fn masked_whiten(x: &mut [f32], mask: &[u8], who: &str) -> Result<()> {
     let (n, sum) = masked_sum(mask, x, |y| y);
     if n < 2 {
         bail_input!(
@@ -530,15 +530,15 @@ fn gae(x: &AdvInput, p: &AdvParams) -> Result<AdvOutput> {
 
 /// Mean, std (unbiased), min and max of `x` over valid tokens.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MaskedStats {
-    pub count: usize,
-    pub mean: f64,
-    pub std: f64,
-    pub min: f64,
-    pub max: f64,
+pub(crate) struct MaskedStats {
+    pub(crate) count: usize,
+    pub(crate) mean: f64,
+    pub(crate) std: f64,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
 }
 
-pub fn masked_stats(mask: &[u8], x: &[f32]) -> MaskedStats {
+pub(crate) fn masked_stats(mask: &[u8], x: &[f32]) -> MaskedStats {
     let (count, sum) = masked_sum(mask, x, |y| y);
     let mean = if count > 0 { sum / count as f64 } else { 0.0 };
     let (_, sq) = masked_sum(mask, x, |y| (y - mean) * (y - mean));

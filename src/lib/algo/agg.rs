@@ -22,7 +22,7 @@ pub enum AggMode {
     SeqMeanTokenSumNorm,
 }
 
-pub const AGG_MODE_NAMES: &str =
+pub(crate) const AGG_MODE_NAMES: &str =
     "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm";
 
 impl FromStr for AggMode {
@@ -56,13 +56,13 @@ impl fmt::Display for AggMode {
 /// The denominators of a mini-batch, computed once over all its rows and passed to every
 /// micro-batch.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LossNorm {
+pub(crate) struct LossNorm {
     /// Valid (mask = 1) tokens in the mini-batch.
-    pub tokens: f64,
+    pub(crate) tokens: f64,
     /// Sequences with at least one valid token (fully masked ones are left out, as in verl).
-    pub seqs: f64,
+    pub(crate) seqs: f64,
     /// The seq-mean-token-sum-norm divisor.
-    pub norm: f64,
+    pub(crate) norm: f64,
 }
 
 impl LossNorm {
@@ -70,7 +70,7 @@ impl LossNorm {
     /// seq-mean-token-sum-norm divisor (verl's `loss_scale_factor`; Dr.GRPO uses the generation
     /// budget); without it the longest response of the mini-batch stands in for verl's padded
     /// width.
-    pub fn of_rows<'a>(
+    pub(crate) fn of_rows<'a>(
         rows: impl IntoIterator<Item = &'a [u8]>,
         loss_scale_factor: Option<f64>,
     ) -> LossNorm {
@@ -89,7 +89,12 @@ impl LossNorm {
     }
 
     /// Totals of a ragged mask (offsets + values).
-    pub fn of_mask(offsets: &[usize], mask: &[u8], loss_scale_factor: Option<f64>) -> LossNorm {
+    #[cfg(test)]
+    pub(crate) fn of_mask(
+        offsets: &[usize],
+        mask: &[u8],
+        loss_scale_factor: Option<f64>,
+    ) -> LossNorm {
         Self::of_rows(
             offsets.windows(2).map(|w| &mask[w[0]..w[1]]),
             loss_scale_factor,
@@ -97,7 +102,7 @@ impl LossNorm {
     }
 
     /// The weight of each valid token of a row with `n_valid` valid tokens.
-    pub fn row_weight(&self, mode: AggMode, n_valid: usize) -> Result<f64> {
+    pub(crate) fn row_weight(&self, mode: AggMode, n_valid: usize) -> Result<f64> {
         if n_valid == 0 {
             return Ok(0.0);
         }
@@ -118,7 +123,8 @@ impl LossNorm {
 }
 
 /// Aggregate per-token values (e.g. entropies) under a mask: Σ_i Σ_t mask·w_i·x_it.
-pub fn agg(
+#[cfg(test)]
+pub(crate) fn agg(
     mode: AggMode,
     offsets: &[usize],
     mask: &[u8],

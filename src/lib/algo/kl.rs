@@ -15,7 +15,7 @@ use std::str::FromStr;
 
 /// Which KL estimator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KlKind {
+pub(crate) enum KlKind {
     K1,
     Abs,
     K2,
@@ -26,12 +26,13 @@ pub enum KlKind {
 /// optional `+` suffix (straight-through: the value of the estimator, the gradient of k2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KlPenalty {
-    pub kind: KlKind,
-    pub straight_through: bool,
+    pub(crate) kind: KlKind,
+    pub(crate) straight_through: bool,
 }
 
 /// The names accepted on the command line, for help texts and errors.
-pub const KL_PENALTY_NAMES: &str = "k1 (kl), abs, k2 (mse), k3 (low_var_kl), optionally with '+'";
+pub(crate) const KL_PENALTY_NAMES: &str =
+    "k1 (kl), abs, k2 (mse), k3 (low_var_kl), optionally with '+'";
 
 impl FromStr for KlPenalty {
     type Err = String;
@@ -73,13 +74,13 @@ impl fmt::Display for KlPenalty {
 impl KlPenalty {
     /// The penalty of one token with log-prob `lp` under the policy and `ref_lp` under the
     /// reference.
-    pub fn value(self, lp: f64, ref_lp: f64) -> f64 {
+    pub(crate) fn value(self, lp: f64, ref_lp: f64) -> f64 {
         self.value_grad(lp, ref_lp).0
     }
 
     /// The penalty and its derivative with respect to `lp` (clamps pass the gradient on their
     /// closed interval and stop it outside, as torch.clamp does).
-    pub fn value_grad(self, lp: f64, ref_lp: f64) -> (f64, f64) {
+    pub(crate) fn value_grad(self, lp: f64, ref_lp: f64) -> (f64, f64) {
         let d = lp - ref_lp;
         let (v, g) = match self.kind {
             // k1 = lp − ref
@@ -125,7 +126,7 @@ fn sign(x: f64) -> f64 {
 
 /// How β moves between steps.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum KlCtrl {
+pub(crate) enum KlCtrl {
     Fixed,
     /// Ziegler et al. 2019 (arXiv:1909.08593): β ← β·(1 + clip(kl/target − 1, ±0.2)·n/horizon).
     Adaptive {
@@ -136,14 +137,14 @@ pub enum KlCtrl {
 
 /// The β controller (verl's FixedKLController / AdaptiveKLController).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct KlController {
-    pub beta: f64,
-    pub ctrl: KlCtrl,
+pub(crate) struct KlController {
+    pub(crate) beta: f64,
+    pub(crate) ctrl: KlCtrl,
 }
 
 impl KlController {
     /// Move β after a step whose mean KL was `current_kl`, over `n_steps` samples.
-    pub fn update(&mut self, current_kl: f64, n_steps: usize) {
+    pub(crate) fn update(&mut self, current_kl: f64, n_steps: usize) {
         if let KlCtrl::Adaptive { target, horizon } = self.ctrl {
             // β ← β·(1 + clip(kl/target − 1, −0.2, 0.2)·n_steps/horizon)
             let err = (current_kl / target - 1.0).clamp(-0.2, 0.2);
@@ -154,19 +155,19 @@ impl KlController {
 
 /// What `--kl-state` holds between steps.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct KlState {
+pub(crate) struct KlState {
     /// β for the next step.
-    pub beta: f64,
+    pub(crate) beta: f64,
     /// How many updates produced this β.
-    pub updates: u64,
+    pub(crate) updates: u64,
     /// The mean KL of the last step, and the β that step used.
-    pub last_kl: Option<f64>,
-    pub last_beta: Option<f64>,
+    pub(crate) last_kl: Option<f64>,
+    pub(crate) last_beta: Option<f64>,
 }
 
 impl KlState {
     /// Read a state file; `Ok(None)` when it does not exist yet (the first step).
-    pub fn load(path: &Path) -> Result<Option<KlState>> {
+    pub(crate) fn load(path: &Path) -> Result<Option<KlState>> {
         let text = match std::fs::read_to_string(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -190,7 +191,7 @@ impl KlState {
     }
 
     /// Write the state to `PATH.tmp`, then rename over `path`.
-    pub fn save(&self, path: &Path) -> Result<()> {
+    pub(crate) fn save(&self, path: &Path) -> Result<()> {
         let tmp = crate::batch::write::temp_path(path);
         let text = serde_json::to_string_pretty(self)? + "\n";
         std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;

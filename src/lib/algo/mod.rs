@@ -7,14 +7,14 @@
 //! Estimators are registered by name in [`advantage::ESTIMATORS`] (verl's `register_adv_est`),
 //! policy losses in [`policy_loss::LOSSES`] (verl's `register_policy_loss`).
 
-pub mod advantage;
-pub mod agg;
-pub mod kl;
+pub(crate) mod advantage;
+pub(crate) mod agg;
+pub(crate) mod kl;
 pub mod policy_loss;
-pub mod rollout_corr;
+pub(crate) mod rollout_corr;
 
 /// The float types the loss math runs in: f32 for training, f64 for gradient checks.
-pub trait Real: Copy + Send + Sync + 'static {
+pub(crate) trait Real: Copy + Send + Sync + 'static {
     fn to_f64(self) -> f64;
     fn from_f64(v: f64) -> Self;
 }
@@ -38,7 +38,7 @@ impl Real for f64 {
 }
 
 /// Split `values` into one mutable slice per row, so rows can be filled in parallel.
-pub fn rows_mut<'a, T>(mut values: &'a mut [T], offsets: &[usize]) -> Vec<&'a mut [T]> {
+pub(crate) fn rows_mut<'a, T>(mut values: &'a mut [T], offsets: &[usize]) -> Vec<&'a mut [T]> {
     let mut rows = Vec::with_capacity(offsets.len().saturating_sub(1));
     for w in offsets.windows(2) {
         let (row, rest) = values.split_at_mut(w[1] - w[0]);

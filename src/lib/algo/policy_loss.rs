@@ -43,46 +43,46 @@ pub enum LossMode {
 
 /// What a policy loss sees of one valid token.
 #[derive(Clone, Copy, Debug)]
-pub struct TokenIn {
+pub(crate) struct TokenIn {
     /// Current log-prob: the derivative is taken with respect to it.
-    pub lp: f64,
+    pub(crate) lp: f64,
     /// Log-prob under the policy that sampled (NaN when the batch has none: sft).
-    pub old: f64,
+    pub(crate) old: f64,
     /// Advantage (NaN when the batch has none: sft).
-    pub adv: f64,
+    pub(crate) adv: f64,
     /// The log-prob at which stop-gradient terms are evaluated (`lp`, except in gradient checks).
-    pub anchor: f64,
+    pub(crate) anchor: f64,
     /// The row's mean of (anchor − old) over its valid tokens: GSPO's log sequence ratio.
-    pub seq_log_ratio: f64,
+    pub(crate) seq_log_ratio: f64,
 }
 
 /// The clip knobs as bounds of the ratio.
 #[derive(Clone, Copy, Debug)]
-pub struct Clip {
+pub(crate) struct Clip {
     /// 1 − ε_low
-    pub low: f64,
+    pub(crate) low: f64,
     /// 1 + ε_high
-    pub high: f64,
+    pub(crate) high: f64,
     /// Dual-clip bound c (> 1) for negative advantages.
-    pub dual: f64,
+    pub(crate) dual: f64,
 }
 
 /// One token's loss ℓ, dℓ/d lp, whether it was clipped (upper, lower), and the log-ratio
 /// lp − old that the `ppo_kl` metric averages (clamped where the loss clamps it).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct TokenLoss {
-    pub loss: f64,
-    pub dloss: f64,
-    pub clipped: bool,
-    pub clipped_lower: bool,
-    pub log_ratio: f64,
+pub(crate) struct TokenLoss {
+    pub(crate) loss: f64,
+    pub(crate) dloss: f64,
+    pub(crate) clipped: bool,
+    pub(crate) clipped_lower: bool,
+    pub(crate) log_ratio: f64,
 }
 
-pub type TokenLossFn = fn(&TokenIn, &Clip) -> TokenLoss;
+pub(crate) type TokenLossFn = fn(&TokenIn, &Clip) -> TokenLoss;
 
 /// One registered policy loss (verl's `register_policy_loss`).
 pub struct PolicyLoss {
-    pub mode: LossMode,
+    pub(crate) mode: LossMode,
     pub name: &'static str,
     /// Its formula in one line (shown by `update --help`).
     pub about: &'static str,
@@ -90,8 +90,8 @@ pub struct PolicyLoss {
     /// weights can weight it.
     pub policy_gradient: bool,
     /// The aggregation it always uses, whatever --loss-agg-mode says.
-    pub agg: Option<AggMode>,
-    pub token: TokenLossFn,
+    pub(crate) agg: Option<AggMode>,
+    pub(crate) token: TokenLossFn,
 }
 
 /// The registry, by name: `--loss`'s values, its help and its error come from here.
@@ -132,18 +132,18 @@ pub const LOSSES: &[PolicyLoss] = &[
 ];
 
 /// The registered names, in table order.
-pub fn names() -> Vec<&'static str> {
+pub(crate) fn names() -> Vec<&'static str> {
     LOSSES.iter().map(|l| l.name).collect()
 }
 
 /// The loss registered as `name`.
-pub fn by_name(name: &str) -> Option<&'static PolicyLoss> {
+pub(crate) fn by_name(name: &str) -> Option<&'static PolicyLoss> {
     LOSSES.iter().find(|l| l.name == name)
 }
 
 impl LossMode {
     /// Its registry entry.
-    pub fn loss(self) -> &'static PolicyLoss {
+    pub(crate) fn loss(self) -> &'static PolicyLoss {
         LOSSES
             .iter()
             .find(|l| l.mode == self)
@@ -285,40 +285,40 @@ impl FromStr for RolloutIsLevel {
 
 /// Truncated importance sampling between the rollout engine and the trainer.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RolloutIs {
-    pub level: RolloutIsLevel,
+pub(crate) struct RolloutIs {
+    pub(crate) level: RolloutIsLevel,
     /// Weights are truncated to at most this (verl's rollout_is_threshold, default 2.0).
-    pub threshold: f64,
+    pub(crate) threshold: f64,
 }
 
 /// KL loss against the reference model (verl's use_kl_loss).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct KlLoss {
-    pub coef: f64,
-    pub penalty: KlPenalty,
+pub(crate) struct KlLoss {
+    pub(crate) coef: f64,
+    pub(crate) penalty: KlPenalty,
 }
 
 /// The loss knobs, named as in verl's actor config.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossConfig {
-    pub mode: LossMode,
-    pub clip_ratio: f64,
+    pub(crate) mode: LossMode,
+    pub(crate) clip_ratio: f64,
     /// Defaults to clip_ratio.
-    pub clip_ratio_low: Option<f64>,
+    pub(crate) clip_ratio_low: Option<f64>,
     /// Defaults to clip_ratio.
-    pub clip_ratio_high: Option<f64>,
+    pub(crate) clip_ratio_high: Option<f64>,
     /// Dual-clip bound for negative advantages (vanilla), > 1.
-    pub clip_ratio_c: f64,
-    pub agg: AggMode,
+    pub(crate) clip_ratio_c: f64,
+    pub(crate) agg: AggMode,
     /// loss −= entropy_coeff · agg(entropy)
-    pub entropy_coeff: f64,
-    pub kl_loss: Option<KlLoss>,
-    pub rollout_is: Option<RolloutIs>,
+    pub(crate) entropy_coeff: f64,
+    pub(crate) kl_loss: Option<KlLoss>,
+    pub(crate) rollout_is: Option<RolloutIs>,
 }
 
 impl LossConfig {
     /// verl's defaults: clip 0.2, dual clip 3.0, token-mean, no entropy bonus, no KL loss.
-    pub fn new(mode: LossMode) -> LossConfig {
+    pub(crate) fn new(mode: LossMode) -> LossConfig {
         LossConfig {
             mode,
             clip_ratio: 0.2,
@@ -332,16 +332,16 @@ impl LossConfig {
         }
     }
 
-    pub fn clip_low(&self) -> f64 {
+    pub(crate) fn clip_low(&self) -> f64 {
         self.clip_ratio_low.unwrap_or(self.clip_ratio)
     }
 
-    pub fn clip_high(&self) -> f64 {
+    pub(crate) fn clip_high(&self) -> f64 {
         self.clip_ratio_high.unwrap_or(self.clip_ratio)
     }
 
     /// Check the knobs; errors name the flag.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         for (flag, v) in [
             ("--clip-ratio", self.clip_ratio),
             ("--clip-ratio-low", self.clip_low()),
@@ -393,36 +393,36 @@ impl LossConfig {
 }
 
 /// One micro-batch: ragged rows (one per sequence) of per-token values.
-pub struct LossInputs<'a, T> {
-    pub offsets: &'a [usize],
-    pub mask: &'a [u8],
+pub(crate) struct LossInputs<'a, T> {
+    pub(crate) offsets: &'a [usize],
+    pub(crate) mask: &'a [u8],
     /// Current log-probs (what the gradient is taken with respect to).
-    pub lp: &'a [T],
+    pub(crate) lp: &'a [T],
     /// Log-probs of the policy that sampled (for on-policy, the current ones).
-    pub old: Option<&'a [T]>,
-    pub advantages: Option<&'a [T]>,
-    pub ref_lp: Option<&'a [T]>,
-    pub rollout: Option<&'a [T]>,
-    pub entropy: Option<&'a [T]>,
+    pub(crate) old: Option<&'a [T]>,
+    pub(crate) advantages: Option<&'a [T]>,
+    pub(crate) ref_lp: Option<&'a [T]>,
+    pub(crate) rollout: Option<&'a [T]>,
+    pub(crate) entropy: Option<&'a [T]>,
 }
 
 /// This micro-batch's share of each mini-batch metric: add them up over micro-batches.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LossMetrics {
-    pub pg_loss: f64,
-    pub pg_clipfrac: f64,
-    pub pg_clipfrac_lower: f64,
-    pub ppo_kl: f64,
-    pub entropy: f64,
-    pub kl_loss: f64,
+    pub(crate) pg_loss: f64,
+    pub(crate) pg_clipfrac: f64,
+    pub(crate) pg_clipfrac_lower: f64,
+    pub(crate) ppo_kl: f64,
+    pub(crate) entropy: f64,
+    pub(crate) kl_loss: f64,
     /// Rollout importance sampling (`--rollout-is`): the token mean of the truncated weight
     /// and the fraction of tokens whose weight the threshold truncated (0 without it).
-    pub is_weight: f64,
-    pub is_truncated: f64,
+    pub(crate) is_weight: f64,
+    pub(crate) is_truncated: f64,
 }
 
 impl LossMetrics {
-    pub fn add(&mut self, o: &LossMetrics) {
+    pub(crate) fn add(&mut self, o: &LossMetrics) {
         self.pg_loss += o.pg_loss;
         self.pg_clipfrac += o.pg_clipfrac;
         self.pg_clipfrac_lower += o.pg_clipfrac_lower;
@@ -432,33 +432,20 @@ impl LossMetrics {
         self.is_weight += o.is_weight;
         self.is_truncated += o.is_truncated;
     }
-
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "pg_loss": self.pg_loss,
-            "pg_clipfrac": self.pg_clipfrac,
-            "pg_clipfrac_lower": self.pg_clipfrac_lower,
-            "ppo_kl": self.ppo_kl,
-            "entropy": self.entropy,
-            "kl_loss": self.kl_loss,
-            "is_weight": self.is_weight,
-            "is_truncated": self.is_truncated,
-        })
-    }
 }
 
 /// The micro-batch's loss (scaled), d loss / d lp per token, d loss / d entropy per token (when
 /// entropies were given), and metrics.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LossOutput<T> {
-    pub loss: f64,
-    pub grad_lp: Vec<T>,
-    pub grad_entropy: Option<Vec<T>>,
-    pub metrics: LossMetrics,
+pub(crate) struct LossOutput<T> {
+    pub(crate) loss: f64,
+    pub(crate) grad_lp: Vec<T>,
+    pub(crate) grad_entropy: Option<Vec<T>>,
+    pub(crate) metrics: LossMetrics,
 }
 
 /// Compute the loss of one micro-batch and its gradient.
-pub fn policy_loss<T: Real>(
+pub(crate) fn policy_loss<T: Real>(
     cfg: &LossConfig,
     x: &LossInputs<T>,
     norm: &LossNorm,
@@ -534,6 +521,46 @@ fn compute<T: Real>(
     scale: f64,
 ) -> Result<LossOutput<T>> {
     cfg.validate()?;
+    let n_tok = check_lengths(x, anchor)?;
+    let mut pass = Pass {
+        cfg,
+        x,
+        anchor,
+        inputs: Needed::of(cfg, x)?,
+        token_loss: cfg.mode.loss().token,
+        clip: Clip {
+            low: 1.0 - cfg.clip_low(),
+            high: 1.0 + cfg.clip_high(),
+            dual: cfg.clip_ratio_c,
+        },
+        scale,
+        grad_lp: vec![T::from_f64(0.0); n_tok],
+        grad_entropy: x.entropy.map(|_| vec![T::from_f64(0.0); n_tok]),
+        m: LossMetrics::default(),
+    };
+    for w in x.offsets.windows(2) {
+        let valid: Vec<usize> = (w[0]..w[1]).filter(|&t| x.mask[t] != 0).collect();
+        if !valid.is_empty() {
+            pass.row(&valid, norm)?;
+        }
+    }
+    let m = pass.m;
+    let kl_term = cfg.kl_loss.map_or(0.0, |k| k.coef * m.kl_loss);
+    let loss = scale * (m.pg_loss - cfg.entropy_coeff * m.entropy + kl_term);
+    Ok(LossOutput {
+        loss,
+        grad_lp: pass.grad_lp,
+        grad_entropy: pass.grad_entropy,
+        metrics: m,
+    })
+}
+
+fn at<T: Real>(v: &[T], t: usize) -> f64 {
+    v[t].to_f64()
+}
+
+/// The number of tokens the offsets give, which every per-token input must have.
+fn check_lengths<T>(x: &LossInputs<T>, anchor: &[T]) -> Result<usize> {
     let n_tok = *x.offsets.last().unwrap_or(&0);
     ensure!(
         x.offsets.first() == Some(&0) && x.offsets.windows(2).all(|w| w[0] <= w[1]),
@@ -556,55 +583,86 @@ fn compute<T: Real>(
             );
         }
     }
-    let mode = cfg.mode;
-    let pg = mode.loss();
-    let need = |what: &str, why: &str| {
-        crate::error::input_error(format!("policy loss: {why} needs {what}"))
-    };
-    let old = match (pg.policy_gradient, x.old) {
-        (true, None) => return Err(need("old log-probs", &format!("--loss {mode}"))),
-        (_, o) => o,
-    };
-    let adv = match (pg.policy_gradient, x.advantages) {
-        (true, None) => return Err(need("advantages", &format!("--loss {mode}"))),
-        (_, a) => a,
-    };
-    let ref_lp = match (cfg.kl_loss, x.ref_lp) {
-        (Some(_), None) => return Err(need("reference log-probs", "--use-kl-loss")),
-        (_, r) => r,
-    };
-    let rollout = match (cfg.rollout_is, x.rollout) {
-        (Some(_), None) => return Err(need("rollout log-probs", "--rollout-is")),
-        (_, r) => r,
-    };
-    if cfg.entropy_coeff != 0.0 && x.entropy.is_none() {
-        return Err(need("per-token entropies", "--entropy-coeff"));
-    }
+    Ok(n_tok)
+}
 
-    let clip = Clip {
-        low: 1.0 - cfg.clip_low(),
-        high: 1.0 + cfg.clip_high(),
-        dual: cfg.clip_ratio_c,
-    };
-    let mut grad_lp = vec![T::from_f64(0.0); n_tok];
-    let mut grad_entropy = x.entropy.map(|_| vec![T::from_f64(0.0); n_tok]);
-    let mut m = LossMetrics::default();
-    let at = |v: &[T], t: usize| v[t].to_f64();
+/// The optional inputs, each checked present when the configuration needs it.
+struct Needed<'a, T> {
+    old: Option<&'a [T]>,
+    adv: Option<&'a [T]>,
+    ref_lp: Option<&'a [T]>,
+    rollout: Option<&'a [T]>,
+}
 
-    for w in x.offsets.windows(2) {
-        let (a, b) = (w[0], w[1]);
-        let valid: Vec<usize> = (a..b).filter(|&t| x.mask[t] != 0).collect();
-        let n = valid.len();
-        if n == 0 {
-            continue;
+impl<'a, T> Needed<'a, T> {
+    fn of(cfg: &LossConfig, x: &LossInputs<'a, T>) -> Result<Needed<'a, T>> {
+        let mode = cfg.mode;
+        let pg = mode.loss();
+        let need = |what: &str, why: &str| {
+            crate::error::input_error(format!("policy loss: {why} needs {what}"))
+        };
+        let old = match (pg.policy_gradient, x.old) {
+            (true, None) => return Err(need("old log-probs", &format!("--loss {mode}"))),
+            (_, o) => o,
+        };
+        let adv = match (pg.policy_gradient, x.advantages) {
+            (true, None) => return Err(need("advantages", &format!("--loss {mode}"))),
+            (_, a) => a,
+        };
+        let ref_lp = match (cfg.kl_loss, x.ref_lp) {
+            (Some(_), None) => return Err(need("reference log-probs", "--use-kl-loss")),
+            (_, r) => r,
+        };
+        let rollout = match (cfg.rollout_is, x.rollout) {
+            (Some(_), None) => return Err(need("rollout log-probs", "--rollout-is")),
+            (_, r) => r,
+        };
+        if cfg.entropy_coeff != 0.0 && x.entropy.is_none() {
+            return Err(need("per-token entropies", "--entropy-coeff"));
         }
-        let w_pg = norm.row_weight(cfg.pg_agg(), n)?;
-        let w_agg = norm.row_weight(cfg.agg, n)?;
-        let w_tok = norm.row_weight(AggMode::TokenMean, n)?;
+        Ok(Needed {
+            old,
+            adv,
+            ref_lp,
+            rollout,
+        })
+    }
+}
 
+/// One micro-batch's pass: what its rows share, and the gradients and metrics they add to.
+struct Pass<'a, T> {
+    cfg: &'a LossConfig,
+    x: &'a LossInputs<'a, T>,
+    anchor: &'a [T],
+    inputs: Needed<'a, T>,
+    /// The loss's per-token function.
+    token_loss: TokenLossFn,
+    clip: Clip,
+    scale: f64,
+    grad_lp: Vec<T>,
+    grad_entropy: Option<Vec<T>>,
+    m: LossMetrics,
+}
+
+/// What is constant within one row: its aggregation weights, its sequence-level rollout
+/// importance weight (untruncated) with its threshold, and GSPO's log sequence ratio.
+struct Row {
+    w_pg: f64,
+    w_agg: f64,
+    w_tok: f64,
+    seq_is: (f64, f64),
+    seq_log_ratio: f64,
+}
+
+impl<T: Real> Pass<'_, T> {
+    /// Adds the row of the `valid` (unmasked, at least one) tokens.
+    fn row(&mut self, valid: &[usize], norm: &LossNorm) -> Result<()> {
+        let cfg = self.cfg;
+        let n = valid.len();
+        let old = self.inputs.old;
         // Sequence-level quantities, constant within the row: the untruncated weight and its
         // threshold.
-        let seq_is = match (cfg.rollout_is, rollout, old) {
+        let seq_is = match (cfg.rollout_is, self.inputs.rollout, old) {
             (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Sequence => {
                 // w_i = min(exp(clamp(Σ_t (old − rollout), ±20)), threshold)
                 let s: f64 = valid.iter().map(|&t| at(old, t) - at(roll, t)).sum();
@@ -617,66 +675,79 @@ fn compute<T: Real>(
             Some(old) => {
                 valid
                     .iter()
-                    .map(|&t| at(anchor, t) - at(old, t))
+                    .map(|&t| at(self.anchor, t) - at(old, t))
                     .sum::<f64>()
                     / n as f64
             }
             None => 0.0,
         };
-
-        for &t in &valid {
-            let tok = TokenIn {
-                lp: at(x.lp, t),
-                old: old.map_or(f64::NAN, |o| at(o, t)),
-                adv: adv.map_or(f64::NAN, |v| at(v, t)),
-                anchor: at(anchor, t),
-                seq_log_ratio,
-            };
-            let l = (pg.token)(&tok, &clip);
-            // Truncated rollout importance weight (detached): token min(exp(clamp(old −
-            // rollout, ±20)), threshold), or the row's sequence weight.
-            let (raw_w, threshold) = match (cfg.rollout_is, rollout, old) {
-                (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => (
-                    (at(old, t) - at(roll, t)).clamp(-20.0, 20.0).exp(),
-                    r.threshold,
-                ),
-                _ => seq_is,
-            };
-            let is_w = raw_w.min(threshold);
-            if cfg.rollout_is.is_some() {
-                m.is_weight += w_tok * is_w;
-                m.is_truncated += w_tok * f64::from(u8::from(raw_w > threshold));
-            }
-            m.pg_loss += w_pg * (l.loss * is_w);
-            let mut g = w_pg * (l.dloss * is_w);
-            m.pg_clipfrac += w_tok * l.clipped as u8 as f64;
-            m.pg_clipfrac_lower += w_tok * l.clipped_lower as u8 as f64;
-            if old.is_some() {
-                // ppo_kl = mean(old − lp)
-                m.ppo_kl += w_tok * -l.log_ratio;
-            }
-            if let (Some(ent), Some(ge)) = (x.entropy, grad_entropy.as_mut()) {
-                // loss −= coeff·agg(H)
-                m.entropy += w_agg * at(ent, t);
-                ge[t] = T::from_f64(-scale * cfg.entropy_coeff * w_agg);
-            }
-            if let (Some(k), Some(r)) = (cfg.kl_loss, ref_lp) {
-                // loss += coef·agg(kl(lp, ref))
-                let (v, dv) = k.penalty.value_grad(tok.lp, at(r, t));
-                m.kl_loss += w_agg * v;
-                g += k.coef * w_agg * dv;
-            }
-            grad_lp[t] = T::from_f64(scale * g);
+        let row = Row {
+            w_pg: norm.row_weight(cfg.pg_agg(), n)?,
+            w_agg: norm.row_weight(cfg.agg, n)?,
+            w_tok: norm.row_weight(AggMode::TokenMean, n)?,
+            seq_is,
+            seq_log_ratio,
+        };
+        for &t in valid {
+            self.token(t, &row);
         }
+        Ok(())
     }
-    let kl_term = cfg.kl_loss.map_or(0.0, |k| k.coef * m.kl_loss);
-    let loss = scale * (m.pg_loss - cfg.entropy_coeff * m.entropy + kl_term);
-    Ok(LossOutput {
-        loss,
-        grad_lp,
-        grad_entropy,
-        metrics: m,
-    })
+
+    /// Adds token `t` of `row`: its policy loss (weighted by the rollout importance weight),
+    /// entropy bonus and KL loss, their gradients and metrics.
+    fn token(&mut self, t: usize, row: &Row) {
+        let (cfg, x, m) = (self.cfg, self.x, &mut self.m);
+        let Needed {
+            old,
+            adv,
+            ref_lp,
+            rollout,
+        } = self.inputs;
+        let tok = TokenIn {
+            lp: at(x.lp, t),
+            old: old.map_or(f64::NAN, |o| at(o, t)),
+            adv: adv.map_or(f64::NAN, |v| at(v, t)),
+            anchor: at(self.anchor, t),
+            seq_log_ratio: row.seq_log_ratio,
+        };
+        let l = (self.token_loss)(&tok, &self.clip);
+        // Truncated rollout importance weight (detached): token min(exp(clamp(old −
+        // rollout, ±20)), threshold), or the row's sequence weight.
+        let (raw_w, threshold) = match (cfg.rollout_is, rollout, old) {
+            (Some(r), Some(roll), Some(old)) if r.level == RolloutIsLevel::Token => (
+                (at(old, t) - at(roll, t)).clamp(-20.0, 20.0).exp(),
+                r.threshold,
+            ),
+            _ => row.seq_is,
+        };
+        let is_w = raw_w.min(threshold);
+        let (w_pg, w_agg, w_tok) = (row.w_pg, row.w_agg, row.w_tok);
+        if cfg.rollout_is.is_some() {
+            m.is_weight += w_tok * is_w;
+            m.is_truncated += w_tok * f64::from(u8::from(raw_w > threshold));
+        }
+        m.pg_loss += w_pg * (l.loss * is_w);
+        let mut g = w_pg * (l.dloss * is_w);
+        m.pg_clipfrac += w_tok * l.clipped as u8 as f64;
+        m.pg_clipfrac_lower += w_tok * l.clipped_lower as u8 as f64;
+        if old.is_some() {
+            // ppo_kl = mean(old − lp)
+            m.ppo_kl += w_tok * -l.log_ratio;
+        }
+        if let (Some(ent), Some(ge)) = (x.entropy, self.grad_entropy.as_mut()) {
+            // loss −= coeff·agg(H)
+            m.entropy += w_agg * at(ent, t);
+            ge[t] = T::from_f64(-self.scale * cfg.entropy_coeff * w_agg);
+        }
+        if let (Some(k), Some(r)) = (cfg.kl_loss, ref_lp) {
+            // loss += coef·agg(kl(lp, ref))
+            let (v, dv) = k.penalty.value_grad(tok.lp, at(r, t));
+            m.kl_loss += w_agg * v;
+            g += k.coef * w_agg * dv;
+        }
+        self.grad_lp[t] = T::from_f64(self.scale * g);
+    }
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 
 /// Bounds of the importance ratio exp(Δ) within which a token counts as matching (verl's and
 /// the engine docs' 1% band).
-pub const RATIO_BAND: (f64, f64) = (0.99, 1.01);
+pub(crate) const RATIO_BAND: (f64, f64) = (0.99, 1.01);
 
 /// Safety bound of a log importance ratio before exponentiating (verl's ±20).
 const LOG_RATIO_BOUND: f64 = 20.0;
@@ -43,7 +43,7 @@ impl Mismatch {
     /// Adds one sequence: the trainer's and the rollout's log-probs of its response tokens and
     /// its response_mask (tokens with mask 0 are not counted; a row without valid tokens adds
     /// nothing).
-    pub fn add_row(&mut self, trainer: &[f32], rollout: &[f32], mask: &[u8]) -> Result<()> {
+    pub(crate) fn add_row(&mut self, trainer: &[f32], rollout: &[f32], mask: &[u8]) -> Result<()> {
         ensure!(
             trainer.len() == mask.len() && rollout.len() == mask.len(),
             "mismatch: {} trainer and {} rollout log-probs for {} tokens",
@@ -79,7 +79,11 @@ impl Mismatch {
     }
 
     /// The mismatch of whole columns (one row per sequence).
-    pub fn of_rows(trainer: &[&[f32]], rollout: &[&[f32]], mask: &[&[u8]]) -> Result<Mismatch> {
+    pub(crate) fn of_rows(
+        trainer: &[&[f32]],
+        rollout: &[&[f32]],
+        mask: &[&[u8]],
+    ) -> Result<Mismatch> {
         ensure!(
             trainer.len() == mask.len() && rollout.len() == mask.len(),
             "mismatch: {} trainer rows, {} rollout rows, {} mask rows",
@@ -95,7 +99,8 @@ impl Mismatch {
     }
 
     /// Valid tokens measured.
-    pub fn tokens(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn tokens(&self) -> usize {
         self.tokens
     }
 
@@ -104,7 +109,7 @@ impl Mismatch {
     /// = mean(−Δ) and `kl_k3` = mean(e^Δ − Δ − 1) (estimates of KL(π_rollout ‖ π_train)),
     /// `chi2_token` = mean(e^{2Δ}) − 1, and per sequence of S = Σ_t Δ_t:
     /// `seq_log_ratio_abs_mean|max` of |S| and `seq_kl_k3` = mean(e^S − S − 1) (S within ±20).
-    pub fn to_json(&self) -> Value {
+    pub(crate) fn to_json(&self) -> Value {
         let t = self.tokens.max(1) as f64;
         let s = self.seqs.max(1) as f64;
         json!({
@@ -140,23 +145,23 @@ pub enum RsLevel {
 /// loss, its denominators included (verl modifies the response mask the same way).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RolloutRs {
-    pub level: RsLevel,
-    pub lower: f64,
-    pub upper: f64,
+    pub(crate) level: RsLevel,
+    pub(crate) lower: f64,
+    pub(crate) upper: f64,
 }
 
 /// How many tokens and sequences [`RolloutRs::apply`] dropped.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct RsStats {
-    pub tokens: usize,
-    pub masked_tokens: usize,
-    pub seqs: usize,
+pub(crate) struct RsStats {
+    pub(crate) tokens: usize,
+    pub(crate) masked_tokens: usize,
+    pub(crate) seqs: usize,
     /// Sequences with at least one valid token dropped.
-    pub masked_seqs: usize,
+    pub(crate) masked_seqs: usize,
 }
 
 impl RsStats {
-    pub fn to_json(&self) -> Value {
+    pub(crate) fn to_json(self) -> Value {
         json!({
             "masked_token_frac": self.masked_tokens as f64 / self.tokens.max(1) as f64,
             "masked_seq_frac": self.masked_seqs as f64 / self.seqs.max(1) as f64,
@@ -168,7 +173,7 @@ impl RsStats {
 
 impl RolloutRs {
     /// `upper` and `lower` (default 1/upper, as verl) as the flags give them.
-    pub fn new(level: RsLevel, upper: f64, lower: Option<f64>) -> Result<RolloutRs> {
+    pub(crate) fn new(level: RsLevel, upper: f64, lower: Option<f64>) -> Result<RolloutRs> {
         if !(upper.is_finite() && upper > 0.0) {
             bail_input!("--rollout-rs-threshold must be a finite number > 0, got {upper}");
         }
@@ -189,7 +194,7 @@ impl RolloutRs {
     /// and geometric levels) set to 0, given the old and the rollout log-probs:
     /// token r_t = exp(clamp(old_t − roll_t, ±20)); sequence r = exp(clamp(Σ_t, ±20));
     /// geometric r = exp(clamp(mean_t, ±20)); kept when lower ≤ r ≤ upper.
-    pub fn apply(
+    pub(crate) fn apply(
         &self,
         old: &[&[f32]],
         rollout: &[&[f32]],

@@ -51,7 +51,7 @@ fn list(items: &dyn Array) -> Value {
 }
 
 /// The value as text: strings as they are, everything else as compact JSON.
-pub fn value_text(col: &dyn Array, row: usize) -> String {
+pub(crate) fn value_text(col: &dyn Array, row: usize) -> String {
     match value(col, row) {
         Value::String(s) => s,
         Value::Null => String::new(),

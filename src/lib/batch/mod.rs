@@ -2,11 +2,13 @@
 //! metadata and atomic rename. Every stage goes through this module to touch a batch file.
 
 pub mod json;
-pub mod ragged;
-pub mod read;
+pub(crate) mod ragged;
+pub(crate) mod read;
 pub mod schema;
 pub mod write;
 
-pub use ragged::{list_array, Ragged};
+pub use ragged::list_array;
+pub(crate) use ragged::Ragged;
 pub use read::Batch;
-pub use write::{stage_meta, write_file, write_json, NewColumns, StageInfo};
+pub(crate) use write::{stage_meta, write_json};
+pub use write::{write_file, NewColumns, StageInfo};

@@ -25,27 +25,6 @@ impl<T: Clone> Ragged<'_, T> {
     pub fn rows(&self) -> impl Iterator<Item = &[T]> {
         (0..self.num_rows()).map(move |i| self.row(i))
     }
-
-    /// A new ragged array of the same shape filled with `v`.
-    pub fn same_shape<U: Clone>(&self, v: U) -> Ragged<'static, U> {
-        Ragged {
-            offsets: self.offsets.clone(),
-            values: Cow::Owned(vec![v; self.values.len()]),
-        }
-    }
-
-    pub fn from_rows(rows: impl IntoIterator<Item = Vec<T>>) -> Ragged<'static, T> {
-        let mut offsets = vec![0];
-        let mut values = Vec::new();
-        for r in rows {
-            values.extend(r);
-            offsets.push(values.len());
-        }
-        Ragged {
-            offsets,
-            values: Cow::Owned(values),
-        }
-    }
 }
 
 /// Build an Arrow list column (non-null rows and items) from ragged values.

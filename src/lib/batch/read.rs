@@ -77,7 +77,7 @@ impl Batch {
 
     /// Every stage refuses a batch without rows the same way: exit 2, this message, nothing
     /// written (an empty batch is a mistake upstream, not something to pass on).
-    pub fn require_rows(&self) -> Result<()> {
+    pub(crate) fn require_rows(&self) -> Result<()> {
         if self.num_rows() == 0 {
             bail_input!(
                 "{}: the batch has no rows (stages need at least one)",
@@ -102,7 +102,7 @@ impl Batch {
     }
 
     /// "FILE: column 'NAME'" for messages.
-    pub fn at(&self, name: &str) -> String {
+    pub(crate) fn at(&self, name: &str) -> String {
         format!("{}: column '{name}'", self.path.display())
     }
 

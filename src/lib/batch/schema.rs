@@ -9,9 +9,9 @@ pub const SCHEMA_VERSION: &str = "1";
 
 /// Metadata keys every stage writes.
 pub mod meta {
-    pub const SCHEMA: &str = "tandem.schema";
+    pub(crate) const SCHEMA: &str = "tandem.schema";
     pub const POLICY_VERSION: &str = "policy_version";
-    pub const STEP: &str = "step";
+    pub(crate) const STEP: &str = "step";
     /// The temperature of the samples' log-probs, written by `rollout` (its `--temperature`, 1
     /// when greedy): `ref-logprob` and `update` take log-probs at it and refuse another one.
     pub const LOGPROB_TEMPERATURE: &str = "tandem.logprob_temperature";
@@ -19,9 +19,9 @@ pub mod meta {
     /// its rollout_logprobs are then the trainer's log-probs of policy_version's weights, the
     /// old log-probs that `update --bypass-mode` takes.
     pub const OLD_LOGPROBS: &str = "tandem.old_logprobs";
-    pub const OLD_LOGPROBS_ROLLOUT: &str = "rollout";
+    pub(crate) const OLD_LOGPROBS_ROLLOUT: &str = "rollout";
     /// The stage's parameters as JSON live under `tandem.stage.<name>`.
-    pub const STAGE_PREFIX: &str = "tandem.stage.";
+    pub(crate) const STAGE_PREFIX: &str = "tandem.stage.";
     /// Arrow's own schema blob; never copied from input to output by hand.
     pub const ARROW_SCHEMA: &str = "ARROW:schema";
 }
@@ -32,7 +32,7 @@ pub const DATA_SOURCE: &str = "data_source";
 pub const PROMPT: &str = "prompt";
 pub const GROUND_TRUTH: &str = "ground_truth";
 /// verl keeps the ground truth inside this struct column.
-pub const REWARD_MODEL: &str = "reward_model";
+pub(crate) const REWARD_MODEL: &str = "reward_model";
 pub const EXTRA_INFO: &str = "extra_info";
 pub const PROMPT_IDS: &str = "prompt_ids";
 pub const RESPONSE_IDS: &str = "response_ids";
@@ -42,7 +42,7 @@ pub const FINISH_REASON: &str = "finish_reason";
 pub const ROLLOUT_LOGPROBS: &str = "rollout_logprobs";
 pub const SCORE: &str = "score";
 /// Sub-scores are `score_<name>`.
-pub const SCORE_PREFIX: &str = "score_";
+pub(crate) const SCORE_PREFIX: &str = "score_";
 pub const OLD_LOGPROBS: &str = "old_logprobs";
 pub const REF_LOGPROBS: &str = "ref_logprobs";
 pub const TOKEN_REWARDS: &str = "token_rewards";
@@ -54,7 +54,7 @@ pub const BASELINE_SCORE: &str = "baseline_score";
 
 /// The physical kinds of column the contract uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Utf8,
     F32,
     /// `score_<key>`: a float32 sub-score, or a reward's text value (utf8).
@@ -65,7 +65,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub fn describe(self) -> &'static str {
+    pub(crate) fn describe(self) -> &'static str {
         match self {
             Kind::Utf8 => "utf8",
             Kind::F32 => "float32",
@@ -77,7 +77,7 @@ impl Kind {
     }
 
     /// The Arrow type we write for this kind.
-    pub fn data_type(self) -> DataType {
+    pub(crate) fn data_type(self) -> DataType {
         let item = |t: DataType| DataType::List(Arc::new(Field::new_list_field(t, false)));
         match self {
             Kind::Utf8 => DataType::Utf8,
@@ -91,7 +91,7 @@ impl Kind {
     /// Whether an Arrow type found in a file is acceptable for this kind. Readers are lenient
     /// about representation (large/view strings, large lists, child names, nullability) since
     /// pandas, polars and pyarrow each pick their own.
-    pub fn accepts(self, dt: &DataType) -> bool {
+    pub(crate) fn accepts(self, dt: &DataType) -> bool {
         let list_of = |want: &DataType| match dt {
             DataType::List(f) | DataType::LargeList(f) => f.data_type() == want,
             _ => false,
@@ -112,7 +112,7 @@ impl Kind {
 
 /// The kind of a contract column, or None for columns the contract does not type
 /// (dataset columns such as `prompt` or `extra_info`, which are kept as they come).
-pub fn kind_of(name: &str) -> Option<Kind> {
+pub(crate) fn kind_of(name: &str) -> Option<Kind> {
     Some(match name {
         UID | PROMPT_UID | DATA_SOURCE | RESPONSE_TEXT | FINISH_REASON => Kind::Utf8,
         PROMPT_IDS | RESPONSE_IDS => Kind::ListI32,
@@ -127,7 +127,7 @@ pub fn kind_of(name: &str) -> Option<Kind> {
 
 /// Columns that hold one value per response token and must have as many entries as
 /// `response_ids` in every row.
-pub fn is_token_aligned(name: &str) -> bool {
+pub(crate) fn is_token_aligned(name: &str) -> bool {
     name != RESPONSE_IDS && matches!(kind_of(name), Some(Kind::ListF32 | Kind::ListU8))
 }
 

@@ -96,7 +96,7 @@ impl Batch {
     }
 
     /// Metadata for an output derived from this batch.
-    pub fn derived_meta(&self, info: &StageInfo) -> BTreeMap<String, String> {
+    pub(crate) fn derived_meta(&self, info: &StageInfo) -> BTreeMap<String, String> {
         stage_meta(self.meta.clone(), info)
     }
 
@@ -108,7 +108,10 @@ impl Batch {
 }
 
 /// Add the stage's keys to inherited metadata.
-pub fn stage_meta(mut m: BTreeMap<String, String>, info: &StageInfo) -> BTreeMap<String, String> {
+pub(crate) fn stage_meta(
+    mut m: BTreeMap<String, String>,
+    info: &StageInfo,
+) -> BTreeMap<String, String> {
     m.remove(meta::ARROW_SCHEMA);
     m.insert(meta::SCHEMA.into(), schema::SCHEMA_VERSION.into());
     m.insert(
@@ -156,7 +159,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Write `value` as pretty JSON to `path` atomically (`path.tmp`, then rename): metrics files,
 /// controller state, run state. Creates the parent directory.
-pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
+pub(crate) fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }

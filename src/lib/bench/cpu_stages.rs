@@ -13,21 +13,21 @@ use std::process::Command;
 use std::time::Instant;
 
 #[derive(Args, Debug)]
-pub struct CpuStagesArgs {
+pub(crate) struct CpuStagesArgs {
     #[arg(long, default_value_t = 32_768)]
-    pub rows: usize,
+    pub(crate) rows: usize,
     #[arg(long, default_value_t = 1_024)]
-    pub tokens: usize,
+    pub(crate) tokens: usize,
     /// Samples per prompt (GRPO group size).
     #[arg(long, default_value_t = 8)]
-    pub group: usize,
+    pub(crate) group: usize,
     /// Where the batch files go (default: a temp dir, removed afterwards).
     #[arg(long)]
-    pub dir: Option<PathBuf>,
+    pub(crate) dir: Option<PathBuf>,
 }
 
 /// A sibling binary of the running one (target/release/score next to target/release/tandem).
-pub fn sibling_binary(name: &str) -> Result<PathBuf> {
+pub(crate) fn sibling_binary(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let path = exe.with_file_name(name);
     anyhow::ensure!(

@@ -19,45 +19,45 @@ use serde_json::json;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
-pub struct DistBenchArgs {
+pub(crate) struct DistBenchArgs {
     /// Backend of every rank: cuda (NCCL; the GPU of the rank's local rank) or cpu.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cuda)]
-    pub device: DeviceKind,
+    pub(crate) device: DeviceKind,
     /// Element type, bf16 or f32 (default: bf16 on cuda, f32 on cpu).
     #[arg(long)]
-    pub dtype: Option<String>,
+    pub(crate) dtype: Option<String>,
     /// Collectives to time.
     #[arg(long, value_delimiter = ',', default_values_t = OPS.map(String::from))]
-    pub ops: Vec<String>,
+    pub(crate) ops: Vec<String>,
     /// Smallest buffer, in bytes (suffixes KiB, MiB, GiB).
     #[arg(long, default_value = "1MiB")]
-    pub min_size: String,
+    pub(crate) min_size: String,
     /// Largest buffer (default 1GiB on cuda, 64MiB on cpu).
     #[arg(long)]
-    pub max_size: Option<String>,
+    pub(crate) max_size: Option<String>,
     /// Each size is this many times the one before.
     #[arg(long, default_value_t = 4)]
-    pub factor: usize,
+    pub(crate) factor: usize,
     /// Untimed runs before the timed ones, per size.
     #[arg(long, default_value_t = 5)]
-    pub warmup: usize,
+    pub(crate) warmup: usize,
     /// Timed runs per size (the median is reported).
     #[arg(long, default_value_t = 20)]
-    pub iters: usize,
+    pub(crate) iters: usize,
     /// Model shapes whose weight sync to time (qwen0.5b, qwen1.5b, qwen7b, qwen14b, small),
     /// or none (default: qwen0.5b,qwen1.5b,qwen7b on cuda, small on cpu).
     #[arg(long, value_delimiter = ',')]
-    pub shapes: Vec<String>,
+    pub(crate) shapes: Vec<String>,
     /// Bucket sizes of the weight sync, in MiB.
     #[arg(long, value_delimiter = ',', default_values_t = [32usize, 128, 512])]
-    pub bucket_mb: Vec<usize>,
+    pub(crate) bucket_mb: Vec<usize>,
     /// Also write everything as JSON to this file (rank 0).
     #[arg(long)]
-    pub json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
 }
 
 /// Bytes from "4096", "512KiB", "64MiB", "1GiB" (K/M/G and KB/MB/GB mean the same powers of 2).
-pub fn parse_bytes(s: &str) -> Option<usize> {
+pub(crate) fn parse_bytes(s: &str) -> Option<usize> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
@@ -139,18 +139,57 @@ impl Job for Plan {
 }
 
 pub fn run(a: DistBenchArgs) -> Result<()> {
-    let cuda = a.device == DeviceKind::Cuda;
-    let dtype = match a.dtype.as_deref() {
-        None if cuda => DType::BF16,
-        None => DType::F32,
-        Some("bf16") => DType::BF16,
-        Some("f32") => DType::F32,
-        Some(other) => {
-            return Err(input_error(format!(
-                "--dtype '{other}': expected bf16 or f32"
-            )))
+    let plan = Plan::of(&a)?;
+    let pg = ProcessGroup::init()?;
+    let m = run_job(a.device, &pg, plan)?;
+    if pg.rank() == 0 {
+        m.report(&a, pg.world_size())?;
+    }
+    pg.finish()
+}
+
+impl Plan {
+    /// The plan of the flags, checked (input errors name the flag).
+    fn of(a: &DistBenchArgs) -> Result<Plan> {
+        let cuda = a.device == DeviceKind::Cuda;
+        let dtype = match a.dtype.as_deref() {
+            None if cuda => DType::BF16,
+            None => DType::F32,
+            Some("bf16") => DType::BF16,
+            Some("f32") => DType::F32,
+            Some(other) => {
+                return Err(input_error(format!(
+                    "--dtype '{other}': expected bf16 or f32"
+                )))
+            }
+        };
+        let sizes = sizes(a, cuda)?;
+        for op in &a.ops {
+            if !OPS.contains(&op.as_str()) {
+                return Err(input_error(format!(
+                    "--ops: unknown collective '{op}' (expected {})",
+                    OPS.join(", ")
+                )));
+            }
         }
-    };
+        let shapes = shapes(a, cuda)?;
+        if a.bucket_mb.contains(&0) {
+            return Err(input_error("--bucket-mb: sizes must be at least 1"));
+        }
+        Ok(Plan {
+            dtype,
+            ops: a.ops.clone(),
+            sizes,
+            shapes,
+            bucket_mb: a.bucket_mb.clone(),
+            warmup: a.warmup,
+            iters: a.iters,
+        })
+    }
+}
+
+/// The buffer sizes: from --min-size to --max-size, each --factor times the one before.
+fn sizes(a: &DistBenchArgs, cuda: bool) -> Result<Vec<usize>> {
     let bytes = |flag: &str, v: &str| {
         parse_bytes(v).filter(|&b| b > 0).ok_or_else(|| {
             input_error(format!(
@@ -167,20 +206,17 @@ pub fn run(a: DistBenchArgs) -> Result<()> {
     if a.iters == 0 {
         return Err(input_error("--iters must be at least 1"));
     }
-    for op in &a.ops {
-        if !OPS.contains(&op.as_str()) {
-            return Err(input_error(format!(
-                "--ops: unknown collective '{op}' (expected {})",
-                OPS.join(", ")
-            )));
-        }
-    }
     let mut sizes = Vec::new();
     let mut s = min;
     while s <= max {
         sizes.push(s);
         s = s.saturating_mul(a.factor);
     }
+    Ok(sizes)
+}
+
+/// The model shapes of --shapes: each name with its tensors' element counts.
+fn shapes(a: &DistBenchArgs, cuda: bool) -> Result<Vec<(String, Vec<usize>)>> {
     let names: Vec<String> = match a.shapes.as_slice() {
         [] if cuda => vec!["qwen0.5b".into(), "qwen1.5b".into(), "qwen7b".into()],
         [] => vec!["small".into()],
@@ -196,27 +232,36 @@ pub fn run(a: DistBenchArgs) -> Result<()> {
             .collect();
         shapes.push((name, tensors));
     }
-    if a.bucket_mb.contains(&0) {
-        return Err(input_error("--bucket-mb: sizes must be at least 1"));
+    Ok(shapes)
+}
+
+impl Measured {
+    /// Rank 0's tables (collectives, then weight syncs) and the --json file; `n` ranks.
+    fn report(&self, a: &DistBenchArgs, n: usize) -> Result<()> {
+        self.report_collectives(a, n);
+        if !self.syncs.is_empty() {
+            self.report_syncs(n);
+        }
+        if let Some(path) = &a.json {
+            let all = json!({
+                "bench": "dist",
+                "world": n,
+                "device": a.device,
+                "comm": self.comm,
+                "collectives": self.collectives,
+                "weight_sync": self.syncs.iter().map(|(name, t)| json!({"shape": name, "timing": t})).collect::<Vec<_>>(),
+            });
+            std::fs::write(path, serde_json::to_string_pretty(&all)?)?;
+        }
+        Ok(())
     }
-    let pg = ProcessGroup::init()?;
-    let n = pg.world_size();
-    let plan = Plan {
-        dtype,
-        ops: a.ops.clone(),
-        sizes,
-        shapes,
-        bucket_mb: a.bucket_mb.clone(),
-        warmup: a.warmup,
-        iters: a.iters,
-    };
-    let m = run_job(a.device, &pg, plan)?;
-    if pg.rank() == 0 {
+
+    fn report_collectives(&self, a: &DistBenchArgs, n: usize) {
         let title = format!(
             "bench dist: {} ranks, {} ({} communicator), median of {} runs",
-            n, a.device, m.comm, a.iters
+            n, a.device, self.comm, a.iters
         );
-        let rows: Vec<Vec<String>> = m
+        let rows: Vec<Vec<String>> = self
             .collectives
             .iter()
             .map(|c| {
@@ -242,60 +287,49 @@ pub fn run(a: DistBenchArgs) -> Result<()> {
             &title,
             &header,
             &rows,
-            &json!({"collectives": m.collectives}),
+            &json!({"collectives": self.collectives}),
         );
-        if !m.syncs.is_empty() {
-            let rows: Vec<Vec<String>> = m
-                .syncs
-                .iter()
-                .map(|(name, t)| {
-                    vec![
-                        name.clone(),
-                        format!("{}", t.bucket_mb),
-                        t.buckets.to_string(),
-                        human(t.model_bytes),
-                        human(t.staging_bytes),
-                        format!("{:.2}", t.median_ms),
-                        format!("{:.2}", t.algbw_gbs),
-                        format!("{:.2}", t.busbw_gbs),
-                    ]
-                })
-                .collect();
-            let header = [
-                "shape",
-                "bucket MiB",
-                "buckets",
-                "model",
-                "extra",
-                "sync ms",
-                "algbw GB/s",
-                "busbw GB/s",
-            ];
-            let json: Vec<_> = m
-                .syncs
-                .iter()
-                .map(|(name, t)| json!({"shape": name, "timing": t}))
-                .collect();
-            report(
-                &format!("weight sync (bucketed all-gather of every tensor, {n} ranks)"),
-                &header,
-                &rows,
-                &json!({"weight_sync": json}),
-            );
-        }
-        if let Some(path) = &a.json {
-            let all = json!({
-                "bench": "dist",
-                "world": n,
-                "device": a.device,
-                "comm": m.comm,
-                "collectives": m.collectives,
-                "weight_sync": m.syncs.iter().map(|(name, t)| json!({"shape": name, "timing": t})).collect::<Vec<_>>(),
-            });
-            std::fs::write(path, serde_json::to_string_pretty(&all)?)?;
-        }
     }
-    pg.finish()
+
+    fn report_syncs(&self, n: usize) {
+        let rows: Vec<Vec<String>> = self
+            .syncs
+            .iter()
+            .map(|(name, t)| {
+                vec![
+                    name.clone(),
+                    format!("{}", t.bucket_mb),
+                    t.buckets.to_string(),
+                    human(t.model_bytes),
+                    human(t.staging_bytes),
+                    format!("{:.2}", t.median_ms),
+                    format!("{:.2}", t.algbw_gbs),
+                    format!("{:.2}", t.busbw_gbs),
+                ]
+            })
+            .collect();
+        let header = [
+            "shape",
+            "bucket MiB",
+            "buckets",
+            "model",
+            "extra",
+            "sync ms",
+            "algbw GB/s",
+            "busbw GB/s",
+        ];
+        let json: Vec<_> = self
+            .syncs
+            .iter()
+            .map(|(name, t)| json!({"shape": name, "timing": t}))
+            .collect();
+        report(
+            &format!("weight sync (bucketed all-gather of every tensor, {n} ranks)"),
+            &header,
+            &rows,
+            &json!({"weight_sync": json}),
+        );
+    }
 }
 
 #[cfg(test)]

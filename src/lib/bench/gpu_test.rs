@@ -22,31 +22,31 @@ use crate::engine::check;
 pub struct GpuTestArgs {
     /// GPU ordinal to test.
     #[arg(long, default_value_t = 0)]
-    pub device: usize,
+    pub(crate) device: usize,
     /// Run only the checks (and with --time, time only the ops) whose name contains this text.
     #[arg(long)]
-    pub only: Option<String>,
+    pub(crate) only: Option<String>,
     /// Seed of the random inputs (default: a fresh one, printed so a run can be replayed).
     #[arg(long)]
-    pub seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
     /// Only compile every kernel with NVRTC for --arch (needs libnvrtc, not a GPU).
     #[arg(long)]
-    pub compile_only: bool,
+    pub(crate) compile_only: bool,
     /// Target of --compile-only.
     #[arg(long, default_value = "sm_90")]
-    pub arch: String,
+    pub(crate) arch: String,
     /// Also write the table as JSON to this file.
     #[arg(long)]
-    pub json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
     /// After the checks, time each op at the Qwen2.5-0.5B training shape (CUDA events).
     #[arg(long)]
-    pub time: bool,
+    pub(crate) time: bool,
     /// Timed runs per op (the median is reported).
     #[arg(long, default_value_t = 10)]
-    pub iters: usize,
+    pub(crate) iters: usize,
     /// The tiny HF models with transformers' log-probs (the `hf_fixtures` check).
     #[arg(long, default_value = "tests/fixtures/hf")]
-    pub hf_fixtures: PathBuf,
+    pub(crate) hf_fixtures: PathBuf,
 }
 
 /// Every check, op-level first, kept where `only` is in the name.

@@ -18,46 +18,46 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Args, Debug, Clone)]
-pub struct GrpoStepArgs {
+pub(crate) struct GrpoStepArgs {
     /// The policy (and reference) model directory.
     #[arg(long)]
-    pub model: PathBuf,
+    pub(crate) model: PathBuf,
     /// Prompt dataset (verl parquet).
     #[arg(long)]
-    pub prompts: PathBuf,
+    pub(crate) prompts: PathBuf,
     /// Scratch directory for batches and checkpoints (made if missing).
     #[arg(long)]
-    pub work: PathBuf,
+    pub(crate) work: PathBuf,
     #[arg(long, default_value = "cpu")]
-    pub device: Device,
+    pub(crate) device: Device,
     #[arg(long, default_value_t = 64)]
-    pub prompts_per_step: usize,
+    pub(crate) prompts_per_step: usize,
     #[arg(long, default_value_t = 8)]
-    pub n: usize,
+    pub(crate) n: usize,
     #[arg(long, default_value_t = 512)]
-    pub max_new_tokens: usize,
+    pub(crate) max_new_tokens: usize,
     /// Optimizer steps per update (mini-batches).
     #[arg(long, default_value_t = 4)]
-    pub mini_batches: usize,
+    pub(crate) mini_batches: usize,
     /// Steps per mode (the first includes loading; the table reports each).
     #[arg(long, default_value_t = 2)]
-    pub steps: u64,
+    pub(crate) steps: u64,
     /// Feed the prompt text as is (no chat template).
     #[arg(long)]
-    pub raw_prompt: bool,
+    pub(crate) raw_prompt: bool,
     /// Which modes to run.
     #[arg(long, value_delimiter = ',', default_values_t = ["in-process".to_string(), "daemon".to_string()])]
-    pub modes: Vec<String>,
+    pub(crate) modes: Vec<String>,
     /// Daemon with --offload-optimizer and --offload-ref.
     #[arg(long)]
-    pub offload: bool,
+    pub(crate) offload: bool,
     /// In daemon mode, write the checkpoint (weights and optimizer state) only every this many
     /// steps, as a pipeline with a daemon does on its `[checkpoint] every` cadence (0: never
     /// within the bench); the other updates keep the policy resident (`update --resident`),
     /// except the last, which writes the weights (not the optimizer state) to compare modes.
     /// In-process steps always write everything: the next process needs it.
     #[arg(long, default_value_t = 0)]
-    pub checkpoint_every: u64,
+    pub(crate) checkpoint_every: u64,
 }
 
 /// Parses a stage's flags as its binary would.
@@ -132,44 +132,71 @@ impl<B: Backend> Phases for Resident<B> {
 
 fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result<Vec<Value>> {
     std::fs::create_dir_all(dir)?;
-    let policy = dir.join("policy");
-    let mut out = Vec::new();
-    let run = |t: &mut dyn Phases,
-               name: &'static str,
-               f: &mut dyn FnMut(&mut dyn Exec) -> Result<()>|
-     -> Result<(f64, Value)> {
+    let b = Steps {
+        a,
+        dir,
+        policy: dir.join("policy"),
+        mode,
+        dev: a.device.to_string(),
+    };
+    let args0 = b.sync_args(&a.model, 0)?;
+    b.timed(t, "sync-weights", &mut |e| {
+        sync_weights::run(args0.clone(), e)
+    })?;
+    (1..=a.steps).map(|step| b.step(t, step)).collect()
+}
+
+/// One mode's steps: the flags, its scratch directory and the policy it trains.
+struct Steps<'a> {
+    a: &'a GrpoStepArgs,
+    dir: &'a Path,
+    policy: PathBuf,
+    mode: &'a str,
+    dev: String,
+}
+
+impl Steps<'_> {
+    /// Runs one job as phase `name`: its seconds and the daemon's bookkeeping of it.
+    fn timed(
+        &self,
+        t: &mut dyn Phases,
+        name: &'static str,
+        f: &mut dyn FnMut(&mut dyn Exec) -> Result<()>,
+    ) -> Result<(f64, Value)> {
         t.begin(name);
         let t0 = Instant::now();
         let r = f(t.exec());
         let secs = t0.elapsed().as_secs_f64();
         let m = t.end(name, r.is_ok());
-        r.with_context(|| format!("{mode}: {name}"))?;
+        r.with_context(|| format!("{}: {name}", self.mode))?;
         Ok((secs, m))
-    };
-    let sync = |from: &Path, v: u64| -> Result<sync_weights::SyncWeightsArgs> {
+    }
+
+    fn sync_args(&self, from: &Path, v: u64) -> Result<sync_weights::SyncWeightsArgs> {
         parse(&[
             "--from".into(),
             s(from),
             "--to".into(),
-            s(&policy),
+            s(&self.policy),
             "--policy-version".into(),
             v.to_string(),
         ])
-    };
-    let args0 = sync(&a.model, 0)?;
-    run(t, "sync-weights", &mut |e| {
-        sync_weights::run(args0.clone(), e)
-    })?;
-    let dev = a.device.to_string();
-    for step in 1..=a.steps {
-        let f = |n: &str| s(&dir.join(format!("{n}-{step}.parquet")));
+    }
+
+    /// The batch file `NAME-STEP.parquet`.
+    fn file(&self, name: &str, step: u64) -> String {
+        s(&self.dir.join(format!("{name}-{step}.parquet")))
+    }
+
+    fn rollout_args(&self, step: u64) -> Result<rollout::RolloutArgs> {
+        let a = self.a;
         let mut ro = vec![
             "--model".into(),
-            s(&policy),
+            s(&self.policy),
             "--in".into(),
             s(&a.prompts),
             "--out".into(),
-            f("rollout"),
+            self.file("rollout", step),
             "--n".into(),
             a.n.to_string(),
             "--limit".into(),
@@ -181,74 +208,88 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
             "--batch-size".into(),
             (a.prompts_per_step * a.n).to_string(),
             "--device".into(),
-            dev.clone(),
+            self.dev.clone(),
         ];
         if a.raw_prompt {
             ro.push("--raw-prompt".into());
         }
-        let ro: rollout::RolloutArgs = parse(&ro)?;
-        let (t_roll, m_roll) = run(t, "rollout", &mut |e| rollout::run(ro.clone(), e))?;
-        let rl: ref_logprob::RefLogprobArgs = parse(&[
+        parse(&ro)
+    }
+
+    /// `ref-logprob` of `model` on `input`, adding `column` into `out`.
+    fn logprob_args(
+        &self,
+        model: &Path,
+        input: String,
+        out: String,
+        column: &str,
+    ) -> Result<ref_logprob::RefLogprobArgs> {
+        parse(&[
             "--model".into(),
-            s(&a.model),
+            s(model),
             "--in".into(),
-            f("rollout"),
+            input,
             "--out".into(),
-            f("ref"),
+            out,
             "--column".into(),
-            "ref_logprobs".into(),
+            column.into(),
             "--device".into(),
-            dev.clone(),
-        ])?;
-        let (t_ref, m_ref) = run(t, "ref-logprob", &mut |e| ref_logprob::run(rl.clone(), e))?;
-        // Old log-probs of the policy (the update then runs its mini-batches off-policy
-        // against them, as verl and the PyTorch peer do).
-        let ol: ref_logprob::RefLogprobArgs = parse(&[
+            self.dev.clone(),
+        ])
+    }
+
+    fn update_args(&self, step: u64, ckpt: &Path) -> Result<update::UpdateArgs> {
+        let rows = self.a.prompts_per_step * self.a.n;
+        parse(&[
             "--model".into(),
-            s(&policy),
+            s(&self.policy),
             "--in".into(),
-            f("ref"),
-            "--out".into(),
-            f("old"),
-            "--column".into(),
-            "old_logprobs".into(),
-            "--device".into(),
-            dev.clone(),
-        ])?;
-        let (t_old, m_old) = run(t, "ref-logprob", &mut |e| ref_logprob::run(ol.clone(), e))?;
-        add_advantages(Path::new(&f("old")), Path::new(&f("adv")))?;
-        let rows = a.prompts_per_step * a.n;
-        let ckpt = dir.join(format!("ckpt-{step}"));
-        let cadence = a.checkpoint_every > 0 && step.is_multiple_of(a.checkpoint_every);
-        let save_optimizer = mode != "daemon" || cadence;
-        let resident = mode == "daemon" && !cadence && step != a.steps;
-        let mut up: update::UpdateArgs = parse(&[
-            "--model".into(),
-            s(&policy),
-            "--in".into(),
-            f("adv"),
+            self.file("adv", step),
             "--out-model".into(),
-            s(&ckpt),
+            s(ckpt),
             "--use-kl-loss".into(),
             "--lr".into(),
             "1e-6".into(),
             "--mini-batch-size".into(),
-            rows.div_ceil(a.mini_batches.max(1)).to_string(),
+            rows.div_ceil(self.a.mini_batches.max(1)).to_string(),
             "--device".into(),
-            dev.clone(),
-        ])?;
+            self.dev.clone(),
+        ])
+    }
+
+    /// One GRPO step: its seconds per stage and the daemon's bookkeeping, as a JSON record.
+    fn step(&self, t: &mut dyn Phases, step: u64) -> Result<Value> {
+        let (a, mode) = (self.a, self.mode);
+        let f = |n: &str| self.file(n, step);
+        let ro = self.rollout_args(step)?;
+        let (t_roll, m_roll) = self.timed(t, "rollout", &mut |e| rollout::run(ro.clone(), e))?;
+        let rl = self.logprob_args(&a.model, f("rollout"), f("ref"), "ref_logprobs")?;
+        let (t_ref, m_ref) =
+            self.timed(t, "ref-logprob", &mut |e| ref_logprob::run(rl.clone(), e))?;
+        // Old log-probs of the policy (the update then runs its mini-batches off-policy
+        // against them, as verl and the PyTorch peer do).
+        let ol = self.logprob_args(&self.policy, f("ref"), f("old"), "old_logprobs")?;
+        let (t_old, m_old) =
+            self.timed(t, "ref-logprob", &mut |e| ref_logprob::run(ol.clone(), e))?;
+        add_advantages(Path::new(&f("old")), Path::new(&f("adv")))?;
+        let ckpt = self.dir.join(format!("ckpt-{step}"));
+        let cadence = a.checkpoint_every > 0 && step.is_multiple_of(a.checkpoint_every);
+        let save_optimizer = mode != "daemon" || cadence;
+        let resident = mode == "daemon" && !cadence && step != a.steps;
+        let mut up = self.update_args(step, &ckpt)?;
         up.skip_optimizer_state = !save_optimizer;
         up.resident = resident;
-        let (t_up, m_up) = run(t, "update", &mut |e| update::run(up.clone(), e))?;
-        let sy = sync(&ckpt, step)?;
-        let (t_sync, m_sync) = run(t, "sync-weights", &mut |e| sync_weights::run(sy.clone(), e))?;
+        let (t_up, m_up) = self.timed(t, "update", &mut |e| update::run(up.clone(), e))?;
+        let sy = self.sync_args(&ckpt, step)?;
+        let (t_sync, m_sync) =
+            self.timed(t, "sync-weights", &mut |e| sync_weights::run(sy.clone(), e))?;
         let tokens: usize = Batch::read(Path::new(&f("rollout")), &[])?
             .ragged_i32(crate::batch::schema::RESPONSE_IDS)?
             .offsets
             .last()
             .copied()
             .unwrap_or(0);
-        out.push(json!({
+        Ok(json!({
             "mode": mode,
             "step": step,
             "response_tokens": tokens,
@@ -259,9 +300,8 @@ fn steps(a: &GrpoStepArgs, dir: &Path, t: &mut dyn Phases, mode: &str) -> Result
                         "step": t_roll + t_ref + t_old + t_up + t_sync},
             "daemon": {"rollout": m_roll, "ref_logprob": m_ref, "old_logprob": m_old,
                        "update": m_up, "sync": m_sync},
-        }));
+        }))
     }
-    Ok(out)
 }
 
 pub fn run(a: GrpoStepArgs) -> Result<()> {

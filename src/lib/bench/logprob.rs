@@ -15,12 +15,12 @@ use serde_json::{json, Value};
 use std::time::Instant;
 
 #[derive(Args, Debug)]
-pub struct LogprobArgs {
+pub(crate) struct LogprobArgs {
     #[command(flatten)]
-    pub w: Workload,
+    pub(crate) w: Workload,
     /// Also compute per-token entropies (as `ref-logprob --entropy`).
     #[arg(long)]
-    pub entropy: bool,
+    pub(crate) entropy: bool,
 }
 
 struct LogprobJob(Workload, bool);

@@ -2,26 +2,26 @@
 //! `tandem gpu-test` (`gpu_test`), the GPU parity suite, which sits up here because its
 //! whole-engine checks do.
 
-pub mod cpu_engine;
-pub mod cpu_stages;
-pub mod dist;
+pub(crate) mod cpu_engine;
+pub(crate) mod cpu_stages;
+pub(crate) mod dist;
 pub mod gpu_test;
-pub mod grpo_step;
-pub mod logprob;
-pub mod rollout;
-pub mod synth;
-pub mod update;
+pub(crate) mod grpo_step;
+pub(crate) mod logprob;
+pub(crate) mod rollout;
+pub(crate) mod synth;
+pub(crate) mod update;
 
 use clap::{Args, Subcommand};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     #[command(subcommand)]
-    pub which: Which,
+    pub(crate) which: Which,
 }
 
 #[derive(Subcommand, Debug)]
-pub enum Which {
+pub(crate) enum Which {
     /// `score --reward gsm8k` and `advantage --estimator grpo` on a large synthetic batch.
     CpuStages(cpu_stages::CpuStagesArgs),
     /// Generation and update tokens/s of the CPU engine on a ~10M model and the Qwen2.5-0.5B shape.
@@ -54,7 +54,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 }
 
 /// Print a result table (aligned columns) and then the same rows as one JSON line.
-pub fn report(title: &str, header: &[&str], rows: &[Vec<String>], json: &serde_json::Value) {
+pub(crate) fn report(title: &str, header: &[&str], rows: &[Vec<String>], json: &serde_json::Value) {
     let widths: Vec<usize> = (0..header.len())
         .map(|c| {
             rows.iter()

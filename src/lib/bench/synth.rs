@@ -10,18 +10,18 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Shape of a synthetic batch.
-pub struct SynthSpec {
-    pub rows: usize,
-    pub response_tokens: usize,
-    pub prompt_tokens: usize,
+pub(crate) struct SynthSpec {
+    pub(crate) rows: usize,
+    pub(crate) response_tokens: usize,
+    pub(crate) prompt_tokens: usize,
     /// Samples per prompt (rows sharing a prompt_uid).
-    pub group: usize,
-    pub seed: u64,
+    pub(crate) group: usize,
+    pub(crate) seed: u64,
 }
 
 /// A batch as `rollout` would write it: ids, mask, logprobs, text with a `#### N` answer that is
 /// right for about half of the rows.
-pub fn rollout_batch(spec: &SynthSpec) -> RecordBatch {
+pub(crate) fn rollout_batch(spec: &SynthSpec) -> RecordBatch {
     let n = spec.rows;
     let rows: Vec<(Vec<i32>, Vec<f32>, String, String)> = (0..n)
         .into_par_iter()

@@ -27,45 +27,45 @@ use std::time::Instant;
 
 /// The workload flags `bench update` and `bench logprob` share.
 #[derive(Args, Clone, Debug)]
-pub struct Workload {
+pub(crate) struct Workload {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cuda")]
-    pub device: Device,
+    pub(crate) device: Device,
     /// Model shape: qwen0.5b (the issue-6 shape) or tiny (2 layers, hidden 64, vocab 512).
     #[arg(long, default_value = "qwen0.5b")]
-    pub shape: String,
+    pub(crate) shape: String,
     /// Tokens per sequence (prompt + response).
     #[arg(long, default_value_t = 640)]
-    pub seq_len: usize,
+    pub(crate) seq_len: usize,
     /// Prompt tokens per sequence (not scored).
     #[arg(long, default_value_t = 128)]
-    pub prompt_len: usize,
+    pub(crate) prompt_len: usize,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 8)]
-    pub micro_batch: usize,
+    pub(crate) micro_batch: usize,
     /// Micro-batches per optimizer step (bench logprob: per pass).
     #[arg(long, default_value_t = 8)]
-    pub micro_batches: usize,
+    pub(crate) micro_batches: usize,
     /// Untimed steps first (kernel compiles, GEMM plans, pool growth).
     #[arg(long, default_value_t = 1)]
-    pub warmup: usize,
+    pub(crate) warmup: usize,
     /// Timed steps.
     #[arg(long, default_value_t = 3)]
-    pub steps: usize,
+    pub(crate) steps: usize,
     /// Rows per LM-head chunk (default: the backend's choice).
     #[arg(long)]
-    pub logprob_chunk: Option<usize>,
+    pub(crate) logprob_chunk: Option<usize>,
     #[arg(long, default_value_t = 1)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Also write the JSON result here.
     #[arg(long)]
-    pub json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
-pub struct UpdateArgs {
+pub(crate) struct UpdateArgs {
     #[command(flatten)]
-    pub w: Workload,
+    pub(crate) w: Workload,
 }
 
 /// The benchmark model shapes.
@@ -88,7 +88,7 @@ pub fn shape(name: &str) -> Result<Config> {
 }
 
 impl Workload {
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         if self.prompt_len == 0 || self.prompt_len >= self.seq_len {
             bail!(
                 "--prompt-len must be in 1..{} (--seq-len), got {}",
@@ -102,26 +102,26 @@ impl Workload {
         Ok(())
     }
 
-    pub fn sequences(&self) -> usize {
+    pub(crate) fn sequences(&self) -> usize {
         self.micro_batch * self.micro_batches
     }
 
-    pub fn tokens_per_step(&self) -> usize {
+    pub(crate) fn tokens_per_step(&self) -> usize {
         self.sequences() * self.seq_len
     }
 }
 
 /// Random prompts and responses (uniform token ids), one advantage per sequence (standard
 /// normal, as GRPO gives one per response), all response tokens valid.
-pub struct Synth {
-    pub prompts: Vec<Vec<u32>>,
-    pub responses: Vec<Vec<u32>>,
-    pub masks: Vec<Vec<u8>>,
-    pub adv: Vec<Vec<f32>>,
+pub(crate) struct Synth {
+    pub(crate) prompts: Vec<Vec<u32>>,
+    pub(crate) responses: Vec<Vec<u32>>,
+    pub(crate) masks: Vec<Vec<u8>>,
+    pub(crate) adv: Vec<Vec<f32>>,
 }
 
 impl Synth {
-    pub fn new(w: &Workload, vocab: usize) -> Synth {
+    pub(crate) fn new(w: &Workload, vocab: usize) -> Synth {
         let mut rng = SplitMix64(w.seed ^ 0x5eed_ba7c);
         let resp = w.seq_len - w.prompt_len;
         let mut ids =
@@ -138,7 +138,7 @@ impl Synth {
         }
     }
 
-    pub fn rows(&self) -> Vec<PromptResponse<'_>> {
+    pub(crate) fn rows(&self) -> Vec<PromptResponse<'_>> {
         self.prompts
             .iter()
             .zip(&self.responses)
@@ -151,16 +151,16 @@ impl Synth {
 }
 
 /// Memory and the MFU denominator, measured the same way by both benchmarks.
-pub struct Meter {
+pub(crate) struct Meter {
     /// Device bytes in use before the model was loaded (context, other processes).
-    pub device_base: Option<usize>,
-    pub device_peak: Option<usize>,
+    pub(crate) device_base: Option<usize>,
+    pub(crate) device_peak: Option<usize>,
     /// Measured bf16 GEMM FLOP/s (GPU only).
-    pub peak_flops: Option<f64>,
+    pub(crate) peak_flops: Option<f64>,
 }
 
 impl Meter {
-    pub fn new<B: Backend>(b: &B, gpu: bool) -> Result<Meter> {
+    pub(crate) fn new<B: Backend>(b: &B, gpu: bool) -> Result<Meter> {
         let used = b.device_memory()?.map(|(free, total)| total - free);
         let peak_flops = if gpu { Some(gemm_peak(b)?) } else { None };
         Ok(Meter {
@@ -172,14 +172,14 @@ impl Meter {
 
     /// Samples the device's used memory (the pool keeps what it took, so a sample after a
     /// step sees the step's peak holding).
-    pub fn sample<B: Backend>(&mut self, b: &B) {
+    pub(crate) fn sample<B: Backend>(&mut self, b: &B) {
         if let Ok(Some((free, total))) = b.device_memory() {
             let used = total - free;
             self.device_peak = Some(self.device_peak.map_or(used, |p| p.max(used)));
         }
     }
 
-    pub fn json<B: Backend>(&self, b: &B) -> Value {
+    pub(crate) fn json<B: Backend>(&self, b: &B) -> Value {
         let m = b.memory_stats();
         let gib = |x: usize| x as f64 / (1u64 << 30) as f64;
         json!({
@@ -194,7 +194,7 @@ impl Meter {
 
 /// bf16 GEMM FLOP/s of an 8192³ product through the backend's matmul (cuBLASLt on the GPU):
 /// median of 10 after 3 warm-up runs, each timed to a synchronize.
-pub fn gemm_peak<B: Backend>(b: &B) -> Result<f64> {
+pub(crate) fn gemm_peak<B: Backend>(b: &B) -> Result<f64> {
     let n = 8192;
     let mut rng = SplitMix64(7);
     let host: Vec<f32> = (0..n * n).map(|_| rng.normal()).collect();
@@ -218,7 +218,7 @@ pub fn gemm_peak<B: Backend>(b: &B) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) / times[times.len() / 2])
 }
 
-pub fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     if s.is_empty() {
@@ -229,7 +229,7 @@ pub fn median(v: &[f64]) -> f64 {
 }
 
 /// Builds the random-weight decoder of the workload's shape on `b`.
-pub fn build<B: Backend>(b: B, w: &Workload) -> Result<(Decoder<B>, Config)> {
+pub(crate) fn build<B: Backend>(b: B, w: &Workload) -> Result<(Decoder<B>, Config)> {
     w.check()?;
     let cfg = shape(&w.shape)?;
     let weights = random_weights(&cfg, w.seed, 0.02);
@@ -290,31 +290,8 @@ fn bench_update<B: Backend>(
         ref_lp: None,
         rollout: None,
     };
-    let tc = TrainConfig {
-        loss: LossConfig::new(LossMode::Vanilla),
-        loss_scale_factor: None,
-        ppo_epochs: 1,
-        mini_batch_size: None,
-        micro_batch_tokens: w.micro_batch * w.seq_len,
-        temperature: 1.0,
-        lr: LrConfig::constant(1e-6),
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
-        grad_clip: Some(1.0),
-        shuffle: false,
-        seed: w.seed,
-        device_loss: TrainConfig::device_loss_from_env(),
-    };
-    let mut step_s = Vec::new();
-    let mut micro_s = Vec::new();
-    let mut wait_s = Vec::new();
-    let mut opt_s = Vec::new();
-    let mut device_loss = false;
-    let mut last = Value::Null;
-    let (mut sync_s, mut sync_bytes, mut rs_s) = (Vec::new(), 0u64, Vec::new());
-    let mut overlapped = 0u64;
+    let tc = train_config(&w);
+    let mut times = Times::default();
     let rank0 = comm.is_none_or(|c| c.rank() == 0);
     let mut log = |m: &str| {
         if rank0 {
@@ -323,6 +300,7 @@ fn bench_update<B: Backend>(
     };
     for i in 0..w.warmup + w.steps {
         let t = Instant::now();
+        let timed = i >= w.warmup;
         let report = match (comm, optim.take()) {
             (Some(comm), Some(o)) => {
                 let before = o.stats.clone();
@@ -333,11 +311,13 @@ fn bench_update<B: Backend>(
                 };
                 let r = train(&mut p, &data, &tc, i as u64, &mut log)?;
                 let after = &p.optim.stats;
-                if i >= w.warmup {
-                    sync_s.push(after.sync_seconds - before.sync_seconds);
-                    sync_bytes = after.sync_bytes - before.sync_bytes;
-                    rs_s.push(after.reduce_scatter_seconds - before.reduce_scatter_seconds);
-                    overlapped = after.overlapped_buckets - before.overlapped_buckets;
+                if timed {
+                    times.sync_s.push(after.sync_seconds - before.sync_seconds);
+                    times.sync_bytes = after.sync_bytes - before.sync_bytes;
+                    times
+                        .rs_s
+                        .push(after.reduce_scatter_seconds - before.reduce_scatter_seconds);
+                    times.overlapped = after.overlapped_buckets - before.overlapped_buckets;
                 }
                 optim = Some(p.optim);
                 r
@@ -359,86 +339,145 @@ fn bench_update<B: Backend>(
         }
         log(&format!(
                 "step {i}{}: {secs:.3} s (queue micro-batches {:.3} s, wait {:.3} s, optimizer {:.3} s), loss {:.6}, grad norm {:.4}",
-                if i < w.warmup { " (warm-up)" } else { "" },
+                if timed { "" } else { " (warm-up)" },
                 s.micro_seconds,
                 s.wait_seconds,
                 s.optimizer_seconds,
                 s.loss,
                 s.grad_norm
             ));
-        if i >= w.warmup {
-            step_s.push(secs);
-            micro_s.push(s.micro_seconds);
-            wait_s.push(s.wait_seconds);
-            opt_s.push(s.optimizer_seconds);
-            device_loss = s.device_loss;
-            last = report.to_json();
+        if timed {
+            times.step_s.push(secs);
+            times.micro_s.push(s.micro_seconds);
+            times.wait_s.push(s.wait_seconds);
+            times.opt_s.push(s.optimizer_seconds);
+            times.device_loss = s.device_loss;
+            times.last = report.to_json();
         }
     }
-    // Per GPU: each rank's share of the batch is the 1-GPU workload.
-    let tokens = w.tokens_per_step();
-    let step = median(&step_s);
-    let tps = tokens as f64 / step;
-    let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
-    let mem = meter.json(dec.backend());
-    let rows = vec![row(
-        "update",
-        &w,
-        tps,
-        mfu,
-        step,
-        [median(&micro_s), median(&wait_s), median(&opt_s)].map(Some),
-        &mem,
-    )];
-    let mut out = json!({
-        "bench": "update",
-        "device": w.device.to_string(),
-        "world_size": world,
-        "shape": w.shape,
-        "params": params,
-        "seq_len": w.seq_len,
-        "prompt_len": w.prompt_len,
-        "micro_batch": w.micro_batch,
-        "micro_batches": w.micro_batches,
-        "tokens_per_step": tokens,
-        "warmup_steps": w.warmup,
-        "timed_steps": w.steps,
-        "logprob_chunk": dec.logprob_chunk,
-        "device_loss": device_loss,
-        "step_s": step_s,
-        "micro_batches_s": micro_s,
-        "wait_s": wait_s,
-        "optimizer_s": opt_s,
-        "step_median_s": step,
-        "tokens_per_s": tps,
-        "mfu": mfu,
-        "memory": mem,
-        "last_step_metrics": last,
-    });
-    if comm.is_some() {
-        let sync = median(&sync_s);
-        out["data_parallel"] = json!({
-            "tokens_per_s_per_gpu": tps,
-            "tokens_per_s_all_gpus": tps * world as f64,
-            "weight_sync_ms": 1e3 * sync,
-            "weight_sync_bytes": sync_bytes,
-            "weight_sync_gb_per_s": if sync > 0.0 { sync_bytes as f64 / sync / 1e9 } else { 0.0 },
-            // Outside its overlap with the backward (see ShardStats::reduce_scatter_seconds).
-            "reduce_scatter_ms": 1e3 * median(&rs_s),
-            // The step's last backward starts the buckets' reduce-scatters (this rank's, in
-            // the last timed step).
-            "reduce_scatter_overlapped": overlapped > 0,
-            "overlapped_buckets": overlapped,
-            "bucket_elems": DEFAULT_BUCKET_ELEMS,
-        });
+    let sharded = comm.is_some();
+    Ok(times.summary(&w, world, params, &meter, &dec, sharded))
+}
+
+/// The update of the bench: vanilla PPO-clip, one optimizer step of the whole batch, AdamW.
+fn train_config(w: &Workload) -> TrainConfig {
+    TrainConfig {
+        loss: LossConfig::new(LossMode::Vanilla),
+        loss_scale_factor: None,
+        ppo_epochs: 1,
+        mini_batch_size: None,
+        micro_batch_tokens: w.micro_batch * w.seq_len,
+        temperature: 1.0,
+        lr: LrConfig::constant(1e-6),
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        grad_clip: Some(1.0),
+        shuffle: false,
+        seed: w.seed,
+        device_loss: TrainConfig::device_loss_from_env(),
     }
-    Ok((rows, out))
+}
+
+/// What the timed steps measured: seconds per step and per part, and with the sharded
+/// optimizer its weight sync and reduce-scatter.
+#[derive(Default)]
+struct Times {
+    step_s: Vec<f64>,
+    micro_s: Vec<f64>,
+    wait_s: Vec<f64>,
+    opt_s: Vec<f64>,
+    device_loss: bool,
+    last: Value,
+    sync_s: Vec<f64>,
+    sync_bytes: u64,
+    rs_s: Vec<f64>,
+    overlapped: u64,
+}
+
+impl Times {
+    /// The table's row and the JSON record; `sharded` adds the data-parallel numbers.
+    fn summary<B: Backend>(
+        self,
+        w: &Workload,
+        world: usize,
+        params: usize,
+        meter: &Meter,
+        dec: &Decoder<B>,
+        sharded: bool,
+    ) -> (Vec<Vec<String>>, Value) {
+        // Per GPU: each rank's share of the batch is the 1-GPU workload.
+        let tokens = w.tokens_per_step();
+        let step = median(&self.step_s);
+        let tps = tokens as f64 / step;
+        let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
+        let mem = meter.json(dec.backend());
+        let rows = vec![row(
+            "update",
+            w,
+            tps,
+            mfu,
+            step,
+            [
+                median(&self.micro_s),
+                median(&self.wait_s),
+                median(&self.opt_s),
+            ]
+            .map(Some),
+            &mem,
+        )];
+        let mut out = json!({
+            "bench": "update",
+            "device": w.device.to_string(),
+            "world_size": world,
+            "shape": w.shape,
+            "params": params,
+            "seq_len": w.seq_len,
+            "prompt_len": w.prompt_len,
+            "micro_batch": w.micro_batch,
+            "micro_batches": w.micro_batches,
+            "tokens_per_step": tokens,
+            "warmup_steps": w.warmup,
+            "timed_steps": w.steps,
+            "logprob_chunk": dec.logprob_chunk,
+            "device_loss": self.device_loss,
+            "step_s": self.step_s,
+            "micro_batches_s": self.micro_s,
+            "wait_s": self.wait_s,
+            "optimizer_s": self.opt_s,
+            "step_median_s": step,
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "memory": mem,
+            "last_step_metrics": self.last,
+        });
+        if sharded {
+            let sync = median(&self.sync_s);
+            let sync_bytes = self.sync_bytes;
+            out["data_parallel"] = json!({
+                "tokens_per_s_per_gpu": tps,
+                "tokens_per_s_all_gpus": tps * world as f64,
+                "weight_sync_ms": 1e3 * sync,
+                "weight_sync_bytes": sync_bytes,
+                "weight_sync_gb_per_s": if sync > 0.0 { sync_bytes as f64 / sync / 1e9 } else { 0.0 },
+                // Outside its overlap with the backward (see ShardStats::reduce_scatter_seconds).
+                "reduce_scatter_ms": 1e3 * median(&self.rs_s),
+                // The step's last backward starts the buckets' reduce-scatters (this rank's, in
+                // the last timed step).
+                "reduce_scatter_overlapped": self.overlapped > 0,
+                "overlapped_buckets": self.overlapped,
+                "bucket_elems": DEFAULT_BUCKET_ELEMS,
+            });
+        }
+        (rows, out)
+    }
 }
 
 /// The table's columns (shared with `bench logprob`).
 /// One row of the table under [`HEADER`]: tokens/s, MFU, the step (or pass) median and its
 /// split where the bench has one, the memory peaks of [`Meter::json`].
-pub fn row(
+pub(crate) fn row(
     bench: &str,
     w: &Workload,
     tps: f64,
@@ -465,7 +504,7 @@ pub fn row(
     r
 }
 
-pub const HEADER: [&str; 10] = [
+pub(crate) const HEADER: [&str; 10] = [
     "bench",
     "device",
     "tok/s",
@@ -478,7 +517,7 @@ pub const HEADER: [&str; 10] = [
     "device GiB",
 ];
 
-pub fn finish(
+pub(crate) fn finish(
     title: &str,
     rows: Vec<Vec<String>>,
     out: Value,

@@ -19,13 +19,13 @@ use minijinja::{Environment, Error, ErrorKind, Output, State, Value};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 
-pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+pub(crate) const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 /// transformers >= 4.43 saves the default template in its own file; it wins over the config.
-pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+pub(crate) const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 /// ...and named extra templates as `additional_chat_templates/NAME.jinja`.
-pub const CHAT_TEMPLATE_DIR: &str = "additional_chat_templates";
+pub(crate) const CHAT_TEMPLATE_DIR: &str = "additional_chat_templates";
 /// transformers' named special tokens, passed to the template when set.
-pub const SPECIAL_TOKEN_NAMES: [&str; 7] = [
+pub(crate) const SPECIAL_TOKEN_NAMES: [&str; 7] = [
     "bos_token",
     "eos_token",
     "unk_token",
@@ -63,7 +63,7 @@ impl ChatTemplate {
     /// A chat template of a model directory by name (`tool_use`, ...), or its default one.
     /// Templates in `chat_template.jinja` / `additional_chat_templates/` take priority over
     /// `tokenizer_config.json`'s `chat_template` (a string, or a list of `{name, template}`).
-    pub fn from_dir_named(dir: &Path, name: Option<&str>) -> Result<ChatTemplate> {
+    pub(crate) fn from_dir_named(dir: &Path, name: Option<&str>) -> Result<ChatTemplate> {
         let shown = dir.display();
         let config_path = dir.join(TOKENIZER_CONFIG_FILE);
         let config: Json = if config_path.is_file() {
@@ -138,7 +138,7 @@ impl ChatTemplate {
 
     /// As [`render`](Self::render), with extra template variables (transformers' `**kwargs`,
     /// e.g. `{"enable_thinking": false}` for Qwen3).
-    pub fn render_with(
+    pub(crate) fn render_with(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,

@@ -22,7 +22,7 @@ pub struct PromptRow {
     /// The chat messages; a plain-text prompt is one user message.
     pub messages: Vec<Message>,
     /// The prompt as given when the column holds plain text (used as is by `--raw-prompt`).
-    pub text: Option<String>,
+    pub(crate) text: Option<String>,
     /// `ground_truth`, or verl's `reward_model.ground_truth` (non-strings as JSON text); None
     /// when the dataset has neither or the cell is null.
     pub ground_truth: Option<String>,
@@ -45,7 +45,7 @@ impl PromptDataset {
     }
 
     /// Open a prompt parquet whose prompt is in column `prompt_key`.
-    pub fn open_with_key(path: &Path, prompt_key: &str) -> Result<PromptDataset> {
+    pub(crate) fn open_with_key(path: &Path, prompt_key: &str) -> Result<PromptDataset> {
         let is_json = matches!(
             path.extension().and_then(|e| e.to_str()),
             Some("jsonl" | "json")
@@ -69,7 +69,7 @@ impl PromptDataset {
         })
     }
 
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.batch.path
     }
 
@@ -90,18 +90,18 @@ impl PromptDataset {
     }
 
     /// The file's columns and metadata as read.
-    pub fn batch(&self) -> &Batch {
+    pub(crate) fn batch(&self) -> &Batch {
         &self.batch
     }
 
     /// Whether the dataset carries reference answers.
-    pub fn has_ground_truth(&self) -> bool {
+    pub(crate) fn has_ground_truth(&self) -> bool {
         has_ground_truth(&self.batch)
     }
 
     /// The text `--raw-prompt` feeds the model as is: a plain-text prompt, or the content of a
     /// chat prompt made of a single message.
-    pub fn raw_prompt(&self, i: usize) -> Result<&str> {
+    pub(crate) fn raw_prompt(&self, i: usize) -> Result<&str> {
         let row = &self.rows[i];
         match (&row.text, row.messages.as_slice()) {
             (Some(t), _) => Ok(t),
@@ -117,7 +117,7 @@ impl PromptDataset {
     /// The text rollout tokenizes for row `i`: the chat messages rendered by `template` with the
     /// generation prompt (`apply_chat_template(add_generation_prompt=True)`), or with no template
     /// (`--raw-prompt`) the prompt as is.
-    pub fn prompt_text(&self, i: usize, template: Option<&ChatTemplate>) -> Result<String> {
+    pub(crate) fn prompt_text(&self, i: usize, template: Option<&ChatTemplate>) -> Result<String> {
         match template {
             Some(t) => t.render(&self.rows[i].messages, true),
             None => self.raw_prompt(i).map(str::to_string),
@@ -195,7 +195,7 @@ impl PromptDataset {
     /// column the stages write for each response (`uid`, `response_ids`, `score`,
     /// `advantages`, `*_logprobs`, ...), which would describe responses other than the new ones
     /// (the stage writes its own under that name).
-    pub fn left_out_columns(&self) -> Vec<&str> {
+    pub(crate) fn left_out_columns(&self) -> Vec<&str> {
         self.batch
             .data
             .schema_ref()

@@ -10,14 +10,14 @@ use std::sync::OnceLock;
 
 /// verl's `data_source` for GSM8K (its reward dispatch keys on it).
 pub const DATA_SOURCE: &str = "openai/gsm8k";
-pub const ABILITY: &str = "math";
+pub(crate) const ABILITY: &str = "math";
 /// Appended to each question after one space, as verl does.
-pub const INSTRUCTION: &str =
+pub(crate) const INSTRUCTION: &str =
     "Let's think step by step and output the final answer after \"####\".";
 
 /// The final answer of a GSM8K solution: the FIRST `#### NUMBER` (verl uses `re.search`), with
 /// thousands separators removed. None when the solution has no such line.
-pub fn extract_solution(answer: &str) -> Option<String> {
+pub(crate) fn extract_solution(answer: &str) -> Option<String> {
     static RE: OnceLock<Regex> = OnceLock::new();
     let re = RE.get_or_init(|| Regex::new(r"#### (\-?[0-9\.\,]+)").expect("valid regex"));
     re.captures(answer).map(|c| c[1].replace(',', ""))

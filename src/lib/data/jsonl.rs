@@ -9,19 +9,19 @@ use std::path::Path;
 
 /// How to turn each record into a prompt row.
 #[derive(Clone, Debug)]
-pub struct JsonlOptions {
+pub(crate) struct JsonlOptions {
     /// Key of the prompt: a string (becomes one user message) or a list of `{role, content}`.
     /// A dotted path (`a.b`) reaches into nested objects when no key has the dotted name.
-    pub prompt_key: String,
+    pub(crate) prompt_key: String,
     /// Key of the reference answer (string; numbers and other values are kept as JSON text).
-    pub answer_key: String,
-    pub data_source: String,
-    pub split: String,
-    pub ability: Option<String>,
+    pub(crate) answer_key: String,
+    pub(crate) data_source: String,
+    pub(crate) split: String,
+    pub(crate) ability: Option<String>,
     /// A system message put before text prompts.
-    pub system: Option<String>,
+    pub(crate) system: Option<String>,
     /// Text appended to text prompts after one space (verl's scripts add their instruction so).
-    pub instruction: Option<String>,
+    pub(crate) instruction: Option<String>,
 }
 
 /// `key` in `obj`, or the dotted path `a.b.c` through nested objects.
@@ -69,7 +69,7 @@ pub(crate) fn messages_from_json(items: &[Value]) -> std::result::Result<Vec<Mes
 }
 
 /// Read a jsonl file into verl rows. Bad records are input errors naming file and line.
-pub fn read(path: &Path, opts: &JsonlOptions) -> Result<Vec<VerlRow>> {
+pub(crate) fn read(path: &Path, opts: &JsonlOptions) -> Result<Vec<VerlRow>> {
     let shown = path.display();
     let mut rows = Vec::new();
     for (line_no, line) in jsonl_lines(path)? {

@@ -1,24 +1,21 @@
-//! Prompt datasets, tokenizer and chat templates.
+//! Prompt datasets and chat templates (the tokenizer is `crate::tokenizer`).
 //!
 //! - `prepare`: the `tandem prepare gsm8k|jsonl` imports, writing verl's prompt schema
 //!   (`gsm8k`, `jsonl` hold the per-format parsing).
 //! - `dataset`: [`PromptDataset`] reads a prompt file (ours, verl's, or a jsonl of prompts) for
 //!   `rollout`.
-//! - `tokenizer`: HF `tokenizer.json` through the `tokenizers` crate.
 //! - `chat`: `tokenizer_config.json`'s chat template rendered with minijinja the way HF
 //!   transformers' `apply_chat_template` does.
 
 pub mod chat;
 pub mod dataset;
-pub mod gsm8k;
-pub mod jsonl;
+pub(crate) mod gsm8k;
+pub(crate) mod jsonl;
 pub mod prepare;
-pub mod synth;
-pub mod tokenizer;
+pub(crate) mod synth;
 
-pub use chat::ChatTemplate;
+pub(crate) use chat::ChatTemplate;
 pub use dataset::{PromptDataset, PromptRow};
-pub use tokenizer::Tokenizer;
 
 use arrow_array::builder::{Int64Builder, ListBuilder, StringBuilder, StructBuilder};
 use arrow_array::{ArrayRef, RecordBatch};
@@ -29,7 +26,7 @@ use std::sync::Arc;
 /// One chat message, as in HF `messages` and verl's `prompt` column.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
-    pub role: String,
+    pub(crate) role: String,
     pub content: String,
 }
 
@@ -63,11 +60,11 @@ pub struct ExtraInfo {
 
 /// Field names of verl's nested columns, in the order verl's script creates them (pyarrow
 /// keeps dict insertion order when it infers a struct).
-pub const MESSAGE_FIELDS: [&str; 2] = ["role", "content"];
-pub const REWARD_MODEL_FIELDS: [&str; 2] = ["style", "ground_truth"];
-pub const EXTRA_INFO_FIELDS: [&str; 4] = ["split", "index", "answer", "question"];
+pub(crate) const MESSAGE_FIELDS: [&str; 2] = ["role", "content"];
+pub(crate) const REWARD_MODEL_FIELDS: [&str; 2] = ["style", "ground_truth"];
+pub(crate) const EXTRA_INFO_FIELDS: [&str; 4] = ["split", "index", "answer", "question"];
 /// verl's `reward_model.style` for answers checked by a rule (all of tandem's imports).
-pub const STYLE_RULE: &str = "rule";
+pub(crate) const STYLE_RULE: &str = "rule";
 
 fn utf8_fields(names: &[&str]) -> Fields {
     names
@@ -89,7 +86,7 @@ fn extra_info_fields() -> Fields {
 /// list<struct<role, content>>, `ability`, `reward_model` struct<style, ground_truth>,
 /// `extra_info` struct<split, index: int64, answer, question>. Every field nullable, as pyarrow
 /// writes them.
-pub fn verl_schema() -> Schema {
+pub(crate) fn verl_schema() -> Schema {
     use crate::batch::schema as col;
     let message = DataType::Struct(utf8_fields(&MESSAGE_FIELDS));
     Schema::new(vec![

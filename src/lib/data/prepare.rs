@@ -14,11 +14,11 @@ use std::path::{Path, PathBuf};
 #[command(about = "Import a dataset as a prompt parquet file in verl's schema")]
 pub struct PrepareArgs {
     #[command(subcommand)]
-    pub dataset: PrepareCmd,
+    pub(crate) dataset: PrepareCmd,
 }
 
 #[derive(Subcommand, Debug)]
-pub enum PrepareCmd {
+pub(crate) enum PrepareCmd {
     /// GSM8K jsonl (`{"question", "answer"}` per line) -> verl's GSM8K parquet.
     Gsm8k(Gsm8kArgs),
     /// Any jsonl with a prompt and an answer per line -> verl's prompt parquet.
@@ -28,48 +28,48 @@ pub enum PrepareCmd {
 }
 
 #[derive(Args, Debug)]
-pub struct Gsm8kArgs {
+pub(crate) struct Gsm8kArgs {
     /// The openai/gsm8k jsonl file (e.g. ../shared/data/gsm8k/train.jsonl).
     #[arg(long = "in")]
-    pub input: PathBuf,
+    pub(crate) input: PathBuf,
     /// Output parquet file.
     #[arg(long)]
-    pub out: PathBuf,
+    pub(crate) out: PathBuf,
     /// Split recorded in extra_info.split [default: the input's file stem when it is train or
     /// test].
     #[arg(long, value_parser = ["train", "test"])]
-    pub split: Option<String>,
+    pub(crate) split: Option<String>,
 }
 
 #[derive(Args, Debug)]
-pub struct JsonlArgs {
+pub(crate) struct JsonlArgs {
     /// Input jsonl file, one JSON object per line.
     #[arg(long = "in")]
-    pub input: PathBuf,
+    pub(crate) input: PathBuf,
     /// Output parquet file.
     #[arg(long)]
-    pub out: PathBuf,
+    pub(crate) out: PathBuf,
     /// Key of the prompt: a string or a list of {role, content} messages (`a.b` for nested).
     #[arg(long)]
-    pub prompt_key: String,
+    pub(crate) prompt_key: String,
     /// Key of the reference answer, stored as reward_model.ground_truth (`a.b` for nested).
     #[arg(long)]
-    pub answer_key: String,
+    pub(crate) answer_key: String,
     /// data_source of every row [default: the input's file stem].
     #[arg(long)]
-    pub data_source: Option<String>,
+    pub(crate) data_source: Option<String>,
     /// Split recorded in extra_info.split.
     #[arg(long, default_value = "train")]
-    pub split: String,
+    pub(crate) split: String,
     /// Value of the `ability` column (left null when not given).
     #[arg(long)]
-    pub ability: Option<String>,
+    pub(crate) ability: Option<String>,
     /// System message put before each text prompt.
     #[arg(long)]
-    pub system: Option<String>,
+    pub(crate) system: Option<String>,
     /// Instruction appended to each text prompt after one space.
     #[arg(long)]
-    pub instruction: Option<String>,
+    pub(crate) instruction: Option<String>,
 }
 
 pub fn run(args: PrepareArgs) -> Result<()> {

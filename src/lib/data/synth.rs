@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Task {
+pub(crate) enum Task {
     Add,
     Copy,
     Reverse,
@@ -40,7 +40,7 @@ impl Task {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum AnswerFormat {
+pub(crate) enum AnswerFormat {
     /// The answer alone (checked by `--reward exact`).
     Plain,
     /// The answer after "#### " (checked by `--reward gsm8k`).
@@ -48,35 +48,35 @@ pub enum AnswerFormat {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct SynthArgs {
+pub(crate) struct SynthArgs {
     #[arg(long, value_enum)]
-    pub task: Task,
+    pub(crate) task: Task,
     /// Number of rows.
     #[arg(long)]
-    pub n: usize,
+    pub(crate) n: usize,
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Output parquet file.
     #[arg(long)]
-    pub out: PathBuf,
+    pub(crate) out: PathBuf,
     /// Digits of each operand (add).
     #[arg(long, default_value_t = 2)]
-    pub digits: u32,
+    pub(crate) digits: u32,
     /// Shortest string (copy, reverse).
     #[arg(long, default_value_t = 3)]
-    pub min_len: usize,
+    pub(crate) min_len: usize,
     /// Longest string (copy, reverse).
     #[arg(long, default_value_t = 6)]
-    pub max_len: usize,
+    pub(crate) max_len: usize,
     /// Split recorded in extra_info.split.
     #[arg(long, default_value = "train")]
-    pub split: String,
+    pub(crate) split: String,
     #[arg(long, value_enum, default_value_t = AnswerFormat::Plain)]
-    pub answer_format: AnswerFormat,
+    pub(crate) answer_format: AnswerFormat,
 }
 
 /// One problem: the question text and its answer.
-pub fn problem(task: Task, rng: &mut SplitMix64, args: &SynthArgs) -> (String, String) {
+pub(crate) fn problem(task: Task, rng: &mut SplitMix64, args: &SynthArgs) -> (String, String) {
     match task {
         Task::Add => {
             let lo = if args.digits == 1 {
@@ -105,7 +105,7 @@ pub fn problem(task: Task, rng: &mut SplitMix64, args: &SynthArgs) -> (String, S
 }
 
 /// The rows of a synthetic dataset.
-pub fn rows(args: &SynthArgs) -> Result<Vec<VerlRow>> {
+pub(crate) fn rows(args: &SynthArgs) -> Result<Vec<VerlRow>> {
     if args.n == 0 {
         bail_input!("--n must be at least 1");
     }
@@ -153,7 +153,7 @@ pub fn rows(args: &SynthArgs) -> Result<Vec<VerlRow>> {
 }
 
 /// `tandem prepare synth`.
-pub fn run(args: SynthArgs) -> Result<()> {
+pub(crate) fn run(args: SynthArgs) -> Result<()> {
     let rows = rows(&args)?;
     let data = super::verl_record_batch(&rows)?;
     let meta = stage_meta(

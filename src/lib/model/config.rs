@@ -44,15 +44,15 @@ use serde_json::{Map, Value};
 use std::path::Path;
 
 /// The HF architectures tandem can load, as written in config.json's `architectures`.
-pub const SUPPORTED_ARCHITECTURES: [&str; 3] =
+pub(crate) const SUPPORTED_ARCHITECTURES: [&str; 3] =
     ["Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"];
 
-pub const CONFIG_FILE: &str = "config.json";
-pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+pub(crate) const CONFIG_FILE: &str = "config.json";
+pub(crate) const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 
 impl Arch {
     /// The `architectures` entry of config.json.
-    pub fn hf_architecture(self) -> &'static str {
+    pub(crate) fn hf_architecture(self) -> &'static str {
         match self {
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Llama => "LlamaForCausalLM",
@@ -61,7 +61,7 @@ impl Arch {
     }
 
     /// The `model_type` of config.json.
-    pub fn model_type(self) -> &'static str {
+    pub(crate) fn model_type(self) -> &'static str {
         match self {
             Arch::Qwen2 => "qwen2",
             Arch::Llama => "llama",
@@ -166,6 +166,133 @@ impl Fields<'_> {
             Some(v) => Ok(vec![one(v)?]),
         }
     }
+
+    /// The architecture, from `architectures` (its first entry) or else `model_type`.
+    fn arch(&self) -> Result<Arch> {
+        let file = self.file;
+        let supported = SUPPORTED_ARCHITECTURES.join(", ");
+        Ok(match self.get("architectures") {
+            Some(Value::Array(list)) if !list.is_empty() => {
+                let name = match &list[0] {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                Arch::from_architecture(&name).ok_or_else(|| {
+                    input_error(format!(
+                        "{file}: architecture '{name}' is not supported (supported: {supported})"
+                    ))
+                })?
+            }
+            Some(v) if !v.is_array() => {
+                crate::bail_input!("{file}: field 'architectures' must be a list, found {v}")
+            }
+            _ => match self.str_opt("model_type")? {
+                Some(mt) => Arch::from_model_type(mt).ok_or_else(|| {
+                    input_error(format!(
+                        "{file}: model_type '{mt}' is not supported (supported: {supported})"
+                    ))
+                })?,
+                None => crate::bail_input!(
+                    "{file}: neither 'architectures' nor 'model_type' is set (supported: {supported})"
+                ),
+            },
+        })
+    }
+
+    /// Features HF supports for these classes that the decoder does not implement: refuse them
+    /// rather than compute something else.
+    fn refuse_unsupported(&self, arch: Arch) -> Result<()> {
+        let file = self.file;
+        if let Some(act) = self.str_opt("hidden_act")? {
+            if act != "silu" {
+                crate::bail_input!("{file}: hidden_act '{act}' is not supported (only 'silu')");
+            }
+        }
+        if self.bool_opt("use_sliding_window")? == Some(true) {
+            crate::bail_input!("{file}: use_sliding_window=true is not supported");
+        }
+        if let Some(Value::Array(types)) = self.get("layer_types") {
+            if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+                crate::bail_input!(
+                    "{file}: layer_types entry {t} is not supported (only \"full_attention\")"
+                );
+            }
+        }
+        if arch != Arch::Qwen2 && self.bool_opt("attention_bias")? == Some(true) {
+            crate::bail_input!(
+                "{file}: attention_bias=true is not supported for {}",
+                arch.hf_architecture()
+            );
+        }
+        if self.bool_opt("mlp_bias")? == Some(true) {
+            crate::bail_input!("{file}: mlp_bias=true is not supported");
+        }
+        Ok(())
+    }
+
+    /// `rope_theta`, when set. Transformers 5 writes rope_parameters {rope_theta, rope_type};
+    /// 4.x wrote rope_theta and rope_scaling at the top level. Only plain RoPE is accepted.
+    fn rope_theta(&self) -> Result<Option<f32>> {
+        let file = self.file;
+        let mut rope_theta = self.f32_opt("rope_theta")?;
+        for key in ["rope_parameters", "rope_scaling"] {
+            let Some(v) = self.get(key) else { continue };
+            let Some(obj) = v.as_object() else {
+                crate::bail_input!("{file}: field '{key}' must be an object, found {v}");
+            };
+            let sub_file = format!("{file}: {key}");
+            let sub = Fields {
+                file: &sub_file,
+                map: obj,
+            };
+            let kind = sub
+                .str_opt("rope_type")?
+                .or(sub.str_opt("type")?)
+                .unwrap_or("default");
+            if kind != "default" {
+                crate::bail_input!(
+                    "{file}: {key} of type '{kind}' is not supported (only plain RoPE)"
+                );
+            }
+            if let Some(theta) = sub.f32_opt("rope_theta")? {
+                rope_theta = Some(theta);
+            }
+        }
+        Ok(rope_theta)
+    }
+
+    /// `head_dim`, or the architecture's default; checked against the head counts.
+    fn head_dim(
+        &self,
+        arch: Arch,
+        hidden_size: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+    ) -> Result<usize> {
+        let file = self.file;
+        let head_dim = match self.usize_opt("head_dim")? {
+            Some(d) => d,
+            // Qwen3Config's default is 128; the others derive it.
+            None if arch == Arch::Qwen3 => 128,
+            None => {
+                if !hidden_size.is_multiple_of(num_heads) {
+                    crate::bail_input!(
+                        "{file}: hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads} (set head_dim)"
+                    );
+                }
+                hidden_size / num_heads
+            }
+        };
+        if !num_heads.is_multiple_of(num_kv_heads) {
+            crate::bail_input!(
+                "{file}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            );
+        }
+        if head_dim % 2 != 0 {
+            crate::bail_input!("{file}: head_dim {head_dim} must be even for RoPE");
+        }
+        Ok(head_dim)
+    }
 }
 
 fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
@@ -219,7 +346,7 @@ impl Config {
 
     /// Reads `DIR/config.json` and, when present, `DIR/generation_config.json` (whose eos ids are
     /// added to [`Config::eos_token_ids`], as HF generation uses both).
-    pub fn load(dir: &Path) -> Result<Config> {
+    pub(crate) fn load(dir: &Path) -> Result<Config> {
         let path = dir.join(CONFIG_FILE);
         if !path.is_file() {
             crate::bail_input!(
@@ -240,127 +367,21 @@ impl Config {
             if cfg.bos_token_id.is_none() {
                 cfg.bos_token_id = fields.token_ids("bos_token_id")?.first().copied();
             }
-            for id in cfg.bos_token_id.iter().chain(&cfg.eos_token_ids) {
-                if *id as usize >= cfg.vocab_size {
-                    crate::bail_input!(
-                        "{file}: special token id {id} is outside the vocabulary (vocab_size {})",
-                        cfg.vocab_size
-                    );
-                }
-            }
+            cfg.check_special_ids(&file)?;
         }
         Ok(cfg)
     }
 
     /// Parses the object of an HF config.json; `file` names it in error messages.
-    pub fn from_hf_json(map: &Map<String, Value>, file: &str) -> Result<Config> {
+    pub(crate) fn from_hf_json(map: &Map<String, Value>, file: &str) -> Result<Config> {
         let f = Fields { file, map };
-        let supported = SUPPORTED_ARCHITECTURES.join(", ");
-        let arch = match f.get("architectures") {
-            Some(Value::Array(list)) if !list.is_empty() => {
-                let name = match &list[0] {
-                    Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                };
-                Arch::from_architecture(&name).ok_or_else(|| {
-                    input_error(format!(
-                        "{file}: architecture '{name}' is not supported (supported: {supported})"
-                    ))
-                })?
-            }
-            Some(v) if !v.is_array() => {
-                crate::bail_input!("{file}: field 'architectures' must be a list, found {v}")
-            }
-            _ => match f.str_opt("model_type")? {
-                Some(mt) => Arch::from_model_type(mt).ok_or_else(|| {
-                    input_error(format!(
-                        "{file}: model_type '{mt}' is not supported (supported: {supported})"
-                    ))
-                })?,
-                None => crate::bail_input!(
-                    "{file}: neither 'architectures' nor 'model_type' is set (supported: {supported})"
-                ),
-            },
-        };
-
-        if let Some(act) = f.str_opt("hidden_act")? {
-            if act != "silu" {
-                crate::bail_input!("{file}: hidden_act '{act}' is not supported (only 'silu')");
-            }
-        }
-        // Features HF supports for these classes that the decoder does not implement: refuse them
-        // rather than compute something else.
-        if f.bool_opt("use_sliding_window")? == Some(true) {
-            crate::bail_input!("{file}: use_sliding_window=true is not supported");
-        }
-        if let Some(Value::Array(types)) = f.get("layer_types") {
-            if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
-                crate::bail_input!(
-                    "{file}: layer_types entry {t} is not supported (only \"full_attention\")"
-                );
-            }
-        }
-        if arch != Arch::Qwen2 && f.bool_opt("attention_bias")? == Some(true) {
-            crate::bail_input!(
-                "{file}: attention_bias=true is not supported for {}",
-                arch.hf_architecture()
-            );
-        }
-        if f.bool_opt("mlp_bias")? == Some(true) {
-            crate::bail_input!("{file}: mlp_bias=true is not supported");
-        }
-
-        // Transformers 5 writes rope_parameters {rope_theta, rope_type}; 4.x wrote rope_theta and
-        // rope_scaling at the top level.
-        let mut rope_theta = f.f32_opt("rope_theta")?;
-        for key in ["rope_parameters", "rope_scaling"] {
-            let Some(v) = f.get(key) else { continue };
-            let Some(obj) = v.as_object() else {
-                crate::bail_input!("{file}: field '{key}' must be an object, found {v}");
-            };
-            let sub_file = format!("{file}: {key}");
-            let sub = Fields {
-                file: &sub_file,
-                map: obj,
-            };
-            let kind = sub
-                .str_opt("rope_type")?
-                .or(sub.str_opt("type")?)
-                .unwrap_or("default");
-            if kind != "default" {
-                crate::bail_input!(
-                    "{file}: {key} of type '{kind}' is not supported (only plain RoPE)"
-                );
-            }
-            if let Some(theta) = sub.f32_opt("rope_theta")? {
-                rope_theta = Some(theta);
-            }
-        }
-
+        let arch = f.arch()?;
+        f.refuse_unsupported(arch)?;
+        let rope_theta = f.rope_theta()?;
         let hidden_size = f.usize_req("hidden_size")?;
         let num_heads = f.usize_req("num_attention_heads")?;
         let num_kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
-        let head_dim = match f.usize_opt("head_dim")? {
-            Some(d) => d,
-            // Qwen3Config's default is 128; the others derive it.
-            None if arch == Arch::Qwen3 => 128,
-            None => {
-                if hidden_size % num_heads != 0 {
-                    crate::bail_input!(
-                        "{file}: hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads} (set head_dim)"
-                    );
-                }
-                hidden_size / num_heads
-            }
-        };
-        if num_heads % num_kv_heads != 0 {
-            crate::bail_input!(
-                "{file}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-            );
-        }
-        if head_dim % 2 != 0 {
-            crate::bail_input!("{file}: head_dim {head_dim} must be even for RoPE");
-        }
+        let head_dim = f.head_dim(arch, hidden_size, num_heads, num_kv_heads)?;
         let max_position_default = if arch == Arch::Llama { 2048 } else { 32768 };
         let mut eos_token_ids = vec![];
         push_unique(&mut eos_token_ids, f.token_ids("eos_token_id")?);
@@ -384,21 +405,27 @@ impl Config {
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids,
         };
-        for id in cfg.bos_token_id.iter().chain(&cfg.eos_token_ids) {
-            if *id as usize >= cfg.vocab_size {
+        cfg.check_special_ids(file)?;
+        Ok(cfg)
+    }
+
+    /// Bos and eos ids must be inside the vocabulary.
+    fn check_special_ids(&self, file: &str) -> Result<()> {
+        for id in self.bos_token_id.iter().chain(&self.eos_token_ids) {
+            if *id as usize >= self.vocab_size {
                 crate::bail_input!(
                     "{file}: special token id {id} is outside the vocabulary (vocab_size {})",
-                    cfg.vocab_size
+                    self.vocab_size
                 );
             }
         }
-        Ok(cfg)
+        Ok(())
     }
 
     /// The config.json object HF writes for this model (keys sorted, as `save_pretrained` does).
     /// Keys of `base` (the config.json of the model this one came from) that we do not own are
     /// kept, so a checkpoint written after training still carries e.g. `transformers_version`.
-    pub fn to_hf_json(&self, base: Option<&Map<String, Value>>) -> Map<String, Value> {
+    pub(crate) fn to_hf_json(&self, base: Option<&Map<String, Value>>) -> Map<String, Value> {
         let mut m = base.cloned().unwrap_or_default();
         // Replaced by rope_theta below; keeping a stale copy would contradict it.
         m.remove("rope_parameters");
@@ -451,7 +478,10 @@ impl Config {
     }
 
     /// The generation_config.json object: eos/bos ids over the keys of `base`.
-    pub fn to_generation_json(&self, base: Option<&Map<String, Value>>) -> Map<String, Value> {
+    pub(crate) fn to_generation_json(
+        &self,
+        base: Option<&Map<String, Value>>,
+    ) -> Map<String, Value> {
         let mut m = base.cloned().unwrap_or_default();
         if let Some(bos) = self.bos_token_id {
             m.insert("bos_token_id".into(), bos.into());
@@ -462,7 +492,7 @@ impl Config {
 
     /// Writes `dir/config.json` and `dir/generation_config.json` (2-space indent, sorted keys,
     /// as HF does), keeping the foreign keys of `base_dir`'s files when given.
-    pub fn save(&self, dir: &Path, base_dir: Option<&Path>) -> Result<()> {
+    pub(crate) fn save(&self, dir: &Path, base_dir: Option<&Path>) -> Result<()> {
         let base = |name: &str| -> Result<Option<Map<String, Value>>> {
             match base_dir.map(|d| d.join(name)) {
                 Some(p) if p.is_file() => Ok(Some(read_json_object(&p)?)),
@@ -497,7 +527,7 @@ fn ids_json(ids: &[u32]) -> Value {
 }
 
 /// Writes a JSON object the way HF's `json.dumps(obj, indent=2, sort_keys=True) + "\n"` does.
-pub fn write_json(path: &Path, obj: &Map<String, Value>) -> Result<()> {
+pub(crate) fn write_json(path: &Path, obj: &Map<String, Value>) -> Result<()> {
     let mut text = serde_json::to_string_pretty(obj)?;
     text.push('\n');
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))

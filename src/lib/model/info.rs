@@ -13,10 +13,10 @@ use std::path::PathBuf;
 #[derive(Args, Debug, Clone)]
 pub struct ModelInfoArgs {
     /// The model directory (config.json, safetensors weights, tokenizer files).
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// List every tensor instead of one line per tensor kind.
     #[arg(long)]
-    pub tensors: bool,
+    pub(crate) tensors: bool,
 }
 
 /// `model.layers.7.mlp.up_proj.weight` -> `model.layers.*.mlp.up_proj.weight`.
@@ -33,7 +33,7 @@ fn layer_pattern(name: &str) -> String {
 }
 
 /// The summary text of a model directory.
-pub fn summary(args: &ModelInfoArgs) -> Result<String> {
+pub(crate) fn summary(args: &ModelInfoArgs) -> Result<String> {
     let info = ModelDir::inspect(&args.dir)?;
     let cfg = &info.config;
     let loaded = &info.loaded;

@@ -5,7 +5,6 @@
 //! (seed, tensor name, chunk), so the same seed gives byte-identical files whatever the thread
 //! count, and adding a layer does not change the others.
 
-use super::bytetok;
 use super::checkpoint::{ModelDir, SaveOptions};
 use super::config::{Arch, Config, CONFIG_FILE, GENERATION_CONFIG_FILE};
 use super::names::{expected_tensors, param_count, Role};
@@ -37,7 +36,7 @@ fn stream_seed(seed: u64, name: &str) -> u64 {
 const CHUNK: usize = 1 << 16;
 
 /// Fills `out` with normal(0, std) draws from the stream of (seed, name).
-pub fn fill_normal(out: &mut [f32], seed: u64, name: &str, std: f32) {
+pub(crate) fn fill_normal(out: &mut [f32], seed: u64, name: &str, std: f32) {
     let base = stream_seed(seed, name);
     out.par_chunks_mut(CHUNK)
         .enumerate()
@@ -311,7 +310,7 @@ pub fn run(args: InitModelArgs) -> Result<()> {
             let Some(vocab) = args.vocab else {
                 crate::bail_input!("--vocab is required when no --tokenizer is given");
             };
-            let tok = bytetok::build(vocab)?;
+            let tok = crate::tokenizer::bytes::build(vocab)?;
             let mut cfg = config_from_args(&args, vocab)?;
             cfg.eos_token_ids = vec![tok.im_end_id, tok.endoftext_id];
             generated = tok.files()?;

@@ -1,15 +1,14 @@
 //! Model files and the decoder: config.json, safetensors load/save (HF layout), random init.
 
-pub mod bytetok;
-pub mod checkpoint;
-pub mod config;
+pub(crate) mod checkpoint;
+pub(crate) mod config;
 pub mod decoder;
 pub mod gguf;
 pub mod info;
 pub mod init;
 pub mod names;
 pub mod safetensors;
-pub mod tensor;
+pub(crate) mod tensor;
 
 pub use checkpoint::{ModelDir, SaveOptions};
 pub use config::{Arch, Config};

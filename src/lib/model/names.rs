@@ -7,7 +7,7 @@ use super::config::Config;
 
 /// What a tensor is, which decides how it is initialised and checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
+pub(crate) enum Role {
     /// Token embedding table `[vocab, hidden]`.
     Embedding,
     /// A linear layer's weight `[out, in]` (HF/torch layout).
@@ -22,8 +22,8 @@ pub enum Role {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorSpec {
     pub name: String,
-    pub shape: Vec<usize>,
-    pub role: Role,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) role: Role,
 }
 
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -31,7 +31,7 @@ pub const FINAL_NORM: &str = "model.norm.weight";
 pub const LM_HEAD: &str = "lm_head.weight";
 
 /// Prefix of layer `i`'s tensors: `model.layers.{i}.`
-pub fn layer_prefix(i: usize) -> String {
+pub(crate) fn layer_prefix(i: usize) -> String {
     format!("model.layers.{i}.")
 }
 
@@ -87,12 +87,12 @@ pub fn expected_tensors(cfg: &Config) -> Vec<TensorSpec> {
 
 /// Tensors that HF checkpoints may carry but that no model needs: HF drops them on load too
 /// (`lm_head.weight` of a tied model, old Llama checkpoints' rotary `inv_freq` buffers).
-pub fn is_ignorable(cfg: &Config, name: &str) -> bool {
+pub(crate) fn is_ignorable(cfg: &Config, name: &str) -> bool {
     (cfg.tie_word_embeddings && name == LM_HEAD) || name.ends_with(".rotary_emb.inv_freq")
 }
 
 /// Number of parameters the config implies (tied embeddings counted once).
-pub fn param_count(cfg: &Config) -> usize {
+pub(crate) fn param_count(cfg: &Config) -> usize {
     expected_tensors(cfg)
         .iter()
         .map(|t| t.shape.iter().product::<usize>())

@@ -14,10 +14,10 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-pub const SINGLE_FILE: &str = "model.safetensors";
+pub(crate) const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// `save_pretrained`'s default `max_shard_size` in transformers 4.x ("5GB" = 5e9 bytes).
-pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+pub(crate) const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
 /// The weights of a model directory, with where each tensor came from.
 #[derive(Debug, Default)]
@@ -26,9 +26,9 @@ pub struct Loaded {
     /// The dtype each tensor had on disk.
     pub dtypes: BTreeMap<String, Dtype>,
     /// The file each tensor came from (for error messages that name it).
-    pub file_of: BTreeMap<String, PathBuf>,
+    pub(crate) file_of: BTreeMap<String, PathBuf>,
     /// The weight files read, in order.
-    pub files: Vec<PathBuf>,
+    pub(crate) files: Vec<PathBuf>,
 }
 
 /// Converts one stored tensor to f32. bf16 and f16 widen exactly.
@@ -58,12 +58,12 @@ fn to_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
 }
 
 /// Reads every tensor of one safetensors file as f32, in the file's order.
-pub fn load_file(path: &Path) -> Result<Vec<(String, Tensor, Dtype)>> {
+pub(crate) fn load_file(path: &Path) -> Result<Vec<(String, Tensor, Dtype)>> {
     Ok(load_file_with_meta(path)?.0)
 }
 
 /// [`load_file`] with the header's `__metadata__` (empty when there is none).
-pub fn load_file_with_meta(path: &Path) -> Result<FileTensors> {
+pub(crate) fn load_file_with_meta(path: &Path) -> Result<FileTensors> {
     let bytes = std::fs::read(path)
         .map_err(|e| input_error(format!("{}: cannot read: {e}", path.display())))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
@@ -102,23 +102,23 @@ pub fn load_file_with_meta(path: &Path) -> Result<FileTensors> {
 }
 
 /// A file's tensors (name, f32 data, stored dtype) and its metadata.
-pub type FileTensors = (Vec<(String, Tensor, Dtype)>, HashMap<String, String>);
+pub(crate) type FileTensors = (Vec<(String, Tensor, Dtype)>, HashMap<String, String>);
 
 /// One safetensors file opened for reading parts of its tensors: only the header is read at
 /// open; [`PartialFile::read_f32`] reads a range of one tensor's elements (a rank resuming
 /// from another layout's optimizer shards needs about 1/N of each file).
-pub struct PartialFile {
+pub(crate) struct PartialFile {
     path: PathBuf,
     file: std::fs::File,
     /// Where the data starts: after the 8-byte length and the header.
     data_start: u64,
     /// Each tensor's dtype, shape and byte range in the data.
     tensors: HashMap<String, TensorInfo>,
-    pub meta: HashMap<String, String>,
+    pub(crate) meta: HashMap<String, String>,
 }
 
 impl PartialFile {
-    pub fn open(path: &Path) -> Result<PartialFile> {
+    pub(crate) fn open(path: &Path) -> Result<PartialFile> {
         use std::io::Read;
         let cannot =
             |e: std::io::Error| input_error(format!("{}: cannot read: {e}", path.display()));
@@ -173,14 +173,14 @@ impl PartialFile {
     }
 
     /// The tensors' names, dtypes and shapes.
-    pub fn tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize])> {
+    pub(crate) fn tensors(&self) -> impl Iterator<Item = (&str, Dtype, &[usize])> {
         self.tensors
             .iter()
             .map(|(n, t)| (n.as_str(), t.dtype, t.shape.as_slice()))
     }
 
     /// Elements [start, start + len) of f32 tensor `name`, checked finite.
-    pub fn read_f32(&mut self, name: &str, start: usize, len: usize) -> Result<Vec<f32>> {
+    pub(crate) fn read_f32(&mut self, name: &str, start: usize, len: usize) -> Result<Vec<f32>> {
         use std::io::{Read, Seek, SeekFrom};
         let path = self.path.display();
         let Some(t) = self.tensors.get(name) else {
@@ -346,7 +346,7 @@ impl View for &Bf16Tensor {
 /// HF's split (huggingface_hub `split_state_dict_into_shards_factory`): walk the tensors in order,
 /// start a new shard when the next one would push the current shard over the limit; a tensor
 /// larger than the limit gets a shard of its own.
-pub fn plan_shards(sizes: &[u64], max_shard_bytes: u64) -> Vec<Vec<usize>> {
+pub(crate) fn plan_shards(sizes: &[u64], max_shard_bytes: u64) -> Vec<Vec<usize>> {
     let mut shards = Vec::new();
     let mut current = Vec::new();
     let mut current_size = 0u64;

@@ -21,7 +21,7 @@
 use super::plan::Plan;
 use crate::bail_input;
 use crate::batch::Batch;
-use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
+use crate::data::{ChatTemplate, PromptDataset};
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::safetensors::{INDEX_FILE, SINGLE_FILE};
@@ -29,6 +29,7 @@ use crate::reward::external::python_argv;
 use crate::reward::{Options, RewardSpec};
 use crate::stage::common::resolve_model;
 use crate::stage::rollout::{tokenize_prompts, PromptLimits, RolloutArgs};
+use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use std::io::Read;
 use std::path::Path;

@@ -42,7 +42,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 /// The Python driver, run as `python3 -c DRIVER_PY`.
-pub const DRIVER_PY: &str = include_str!("driver.py");
+pub(crate) const DRIVER_PY: &str = include_str!("driver.py");
 
 /// How many lines of the program's stderr an error message quotes.
 const STDERR_TAIL_LINES: usize = 20;
@@ -51,24 +51,24 @@ const MAX_KEPT_LINE: usize = 4096;
 
 /// Time limits for one run of the program.
 #[derive(Clone, Copy, Debug)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// Longest wait for one answer (from the previous answer, or from the start for row 0).
-    pub row: Duration,
+    pub(crate) row: Duration,
     /// Longest time for the whole run, if any.
-    pub run: Option<Duration>,
+    pub(crate) run: Option<Duration>,
 }
 
 /// One row's answer.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Answer {
-    pub score: f32,
+pub(crate) struct Answer {
+    pub(crate) score: f32,
     /// The other keys (sorted), without the `score_` prefix.
-    pub subs: Vec<(String, SubValue)>,
+    pub(crate) subs: Vec<(String, SubValue)>,
 }
 
 /// A value of an answer's key other than `score`.
 #[derive(Clone, Debug, PartialEq)]
-pub enum SubValue {
+pub(crate) enum SubValue {
     /// A number or boolean: a float32 sub-score.
     Number(f32),
     /// A string, or a list or object as its compact JSON text.
@@ -79,7 +79,7 @@ pub enum SubValue {
 /// Split `PROGRAM ARGS...` into words, as a shell would without expanding anything:
 /// whitespace separates, '...' is literal, "..." allows \" and \\, a backslash outside
 /// quotes escapes the next character.
-pub fn split_args(s: &str) -> Result<Vec<String>, String> {
+pub(crate) fn split_args(s: &str) -> Result<Vec<String>, String> {
     let mut words = Vec::new();
     let mut cur = String::new();
     let mut in_word = false;
@@ -166,7 +166,7 @@ fn finite_f32(x: f64, what: &str) -> Result<f32, String> {
 }
 
 /// Parse one answer line. The error says what was wrong, without the row.
-pub fn parse_answer(line: &str) -> Result<Answer, String> {
+pub(crate) fn parse_answer(line: &str) -> Result<Answer, String> {
     const EXPECTED: &str = "expected a number or an object with a numeric \"score\"";
     let value: Value = match serde_json::from_str(line) {
         Ok(v) => v,
@@ -236,7 +236,7 @@ pub fn parse_answer(line: &str) -> Result<Answer, String> {
 /// Scores and `score_<key>` columns from per-row answers. Every row must carry the same keys;
 /// a key is a numeric column when some row gives it a number (then every row must), else a
 /// text column (nulls allowed).
-pub fn collate(answers: &[Answer], ctx: &str, label: &str) -> Result<Scores> {
+pub(crate) fn collate(answers: &[Answer], ctx: &str, label: &str) -> Result<Scores> {
     let score = answers.iter().map(|a| a.score).collect();
     let Some(first) = answers.first() else {
         return Ok(Scores {
@@ -493,7 +493,7 @@ fn ms(d: Duration) -> u128 {
 
 /// Run `argv` on `input` (one request line per row) and collect `rows` answers.
 /// `ctx` starts every error message (the batch file); `label` names the program in them.
-pub fn run(
+pub(crate) fn run(
     argv: &[String],
     label: &str,
     input: Vec<u8>,
@@ -606,7 +606,7 @@ pub fn run(
 /// The argv that runs `func` of `file` through the driver: `PYTHON -c DRIVER FILE FUNC KWARGS`.
 /// The driver's source travels in the argv, so nothing is written to disk for it and nothing
 /// is left behind however `score` ends.
-pub fn python_argv(python: &str, file: &Path, func: &str, kwargs: &Value) -> Vec<String> {
+pub(crate) fn python_argv(python: &str, file: &Path, func: &str, kwargs: &Value) -> Vec<String> {
     vec![
         python.to_string(),
         "-c".to_string(),

@@ -13,7 +13,7 @@ use regex::Regex;
 use std::sync::OnceLock;
 
 /// verl's `_SOLUTION_CLIP_CHARS`.
-pub const CLIP_CHARS: usize = 300;
+pub(crate) const CLIP_CHARS: usize = 300;
 
 /// How the answer is pulled out of the response.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -36,7 +36,7 @@ fn number_re() -> &'static Regex {
 }
 
 /// The last `CLIP_CHARS` characters of `s` (all of it when shorter).
-pub fn clip(s: &str) -> &str {
+pub(crate) fn clip(s: &str) -> &str {
     // Walking back from the end touches at most 300 chars, whatever the length of `s`.
     match s.char_indices().rev().nth(CLIP_CHARS - 1) {
         Some((i, _)) => &s[i..],
@@ -70,7 +70,8 @@ fn raw_answer(text: &str, method: Method) -> Option<&str> {
 }
 
 /// The answer verl's `extract_solution` returns.
-pub fn extract(text: &str, method: Method) -> Option<String> {
+#[cfg(test)]
+fn extract(text: &str, method: Method) -> Option<String> {
     raw_answer(text, method).map(|a| match method {
         Method::Strict => a.replace([',', '$'], ""),
         Method::Flexible => a.to_string(),
@@ -89,13 +90,14 @@ fn answer_matches(answer: &str, method: Method, ground_truth: &str) -> bool {
 }
 
 /// verl's `compute_score(solution_str, ground_truth, method, format_score, score=1.0)`.
-pub fn score(text: &str, ground_truth: &str, method: Method, format_score: f32) -> f32 {
+#[cfg(test)]
+pub(crate) fn score(text: &str, ground_truth: &str, method: Method, format_score: f32) -> f32 {
     score_with_fallback(text, ground_truth, method, format_score, 0.0)
 }
 
 /// [`score`], where for `strict` a response with no `#### N` whose last number (`flexible`) is
 /// right scores `fallback_score` instead of 0.0. A fallback of 0.0 is verl's rule.
-pub fn score_with_fallback(
+pub(crate) fn score_with_fallback(
     text: &str,
     ground_truth: &str,
     method: Method,

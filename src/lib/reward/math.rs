@@ -15,11 +15,11 @@ use std::sync::OnceLock;
 
 /// Where verl's Python code raises (IndexError, AssertionError) while normalising.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Raises;
+pub(crate) struct Raises;
 
 /// verl's `last_boxed_only_string` then `remove_boxed`: the content of the last box.
 /// None when there is no box or verl's `remove_boxed` would assert (e.g. `\fbox{..}`).
-pub fn last_boxed(text: &str) -> Option<&str> {
+pub(crate) fn last_boxed(text: &str) -> Option<&str> {
     const SPACED: &str = "\\boxed ";
     if let Some(pos) = text.rfind(SPACED) {
         // `\boxed 5$`: up to the next dollar.
@@ -211,12 +211,12 @@ fn normalize(s: &str, rules: Rules) -> Result<String, Raises> {
 }
 
 /// verl's `strip_string` (Err where it raises).
-pub fn verl_strip(s: &str) -> Result<String, Raises> {
+pub(crate) fn verl_strip(s: &str) -> Result<String, Raises> {
     normalize(s, Rules::Verl)
 }
 
 /// verl's `strip_string` plus the extra normalisations (Err where verl's raises).
-pub fn strip(s: &str) -> Result<String, Raises> {
+pub(crate) fn strip(s: &str) -> Result<String, Raises> {
     normalize(s, Rules::Extended)
 }
 
@@ -229,14 +229,14 @@ fn equiv_with(a: &str, b: &str, norm: fn(&str) -> Result<String, Raises>) -> boo
 }
 
 /// Whether the boxed answer `answer` matches `ground_truth` (see the module doc).
-pub fn is_equiv(answer: &str, ground_truth: &str) -> bool {
+pub(crate) fn is_equiv(answer: &str, ground_truth: &str) -> bool {
     // The extra rules may empty a string (`\boxed{%}`); nothing empty matches through them.
     let extended = || matches!((strip(answer), strip(ground_truth)), (Ok(a), Ok(b)) if a == b && !a.is_empty());
     equiv_with(answer, ground_truth, verl_strip) || extended()
 }
 
 /// 1.0 for a correct last box, the format score for a wrong one, 0.0 when there is no box.
-pub fn score(text: &str, ground_truth: &str, format_score: f32) -> f32 {
+pub(crate) fn score(text: &str, ground_truth: &str, format_score: f32) -> f32 {
     match last_boxed(text) {
         None => 0.0,
         Some(a) if is_equiv(a, ground_truth) => 1.0,

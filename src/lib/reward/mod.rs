@@ -31,12 +31,12 @@
 //! adds a length penalty to `score` after the rule, written as `score_overlong`, with the
 //! unshaped correctness as `score_acc`.
 
-pub mod external;
-pub mod gsm8k;
-pub mod math;
-pub mod overlong;
-pub mod rules;
-pub mod summary;
+pub(crate) mod external;
+pub(crate) mod gsm8k;
+pub(crate) mod math;
+pub(crate) mod overlong;
+pub(crate) mod rules;
+pub(crate) mod summary;
 
 use crate::bail_input;
 use crate::batch::schema::{self, Kind};
@@ -47,16 +47,17 @@ use arrow_array::{Array, ArrayRef, Float32Array, StringArray};
 use arrow_schema::{DataType, Field};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use gsm8k::Method as Gsm8kMethod;
-pub use summary::{Summary, Timings};
+pub(crate) use gsm8k::Method as Gsm8kMethod;
+pub(crate) use summary::Summary;
+pub(crate) use summary::Timings;
 
 /// A parsed `--reward SPEC`.
 #[derive(Clone, Debug)]
-pub enum RewardSpec {
+pub(crate) enum RewardSpec {
     Gsm8k,
     Math,
     Exact,
@@ -81,7 +82,7 @@ fn is_identifier(s: &str) -> bool {
 
 impl RewardSpec {
     /// Parse a `--reward` value. Errors are input errors that list the accepted forms.
-    pub fn parse(spec: &str) -> Result<RewardSpec> {
+    pub(crate) fn parse(spec: &str) -> Result<RewardSpec> {
         const FORMS: &str =
             "expected gsm8k, math, exact, regex:PATTERN, cmd:PROGRAM [ARGS] or python:FILE.py[:FUNC]";
         Ok(match spec {
@@ -130,7 +131,7 @@ impl RewardSpec {
     }
 
     /// The spec as shown in messages and the summary.
-    pub fn label(&self, o: &Options) -> String {
+    pub(crate) fn label(&self, o: &Options) -> String {
         match self {
             RewardSpec::Gsm8k => format!("gsm8k ({:?})", o.gsm8k_method).to_lowercase(),
             RewardSpec::Math => "math".into(),
@@ -141,13 +142,13 @@ impl RewardSpec {
         }
     }
 
-    pub fn is_external(&self) -> bool {
+    pub(crate) fn is_external(&self) -> bool {
         matches!(self, RewardSpec::Cmd { .. } | RewardSpec::Python { .. })
     }
 
     /// Columns `Batch::read` must find (the ground truth is checked separately: it may live
     /// inside `reward_model`).
-    pub fn required_columns(&self) -> Vec<&'static str> {
+    pub(crate) fn required_columns(&self) -> Vec<&'static str> {
         if self.is_external() {
             vec![schema::RESPONSE_TEXT, schema::DATA_SOURCE]
         } else {
@@ -158,19 +159,19 @@ impl RewardSpec {
 
 /// Options that tune the rules and the external programs.
 #[derive(Clone, Debug)]
-pub struct Options {
-    pub format_score: f32,
-    pub gsm8k_method: gsm8k::Method,
+pub(crate) struct Options {
+    pub(crate) format_score: f32,
+    pub(crate) gsm8k_method: gsm8k::Method,
     /// gsm8k strict: the score of a response without `#### N` whose last number is right.
-    pub flexible_score: f32,
+    pub(crate) flexible_score: f32,
     /// Per-row answer timeout of external programs.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Whole-run timeout of external programs.
-    pub run_timeout: Option<Duration>,
+    pub(crate) run_timeout: Option<Duration>,
     /// Interpreter for `python:`.
-    pub python: String,
+    pub(crate) python: String,
     /// Extra keyword arguments for a `python:` function (verl's `reward_kwargs`).
-    pub reward_kwargs: Value,
+    pub(crate) reward_kwargs: Value,
 }
 
 impl Default for Options {
@@ -188,7 +189,7 @@ impl Default for Options {
 }
 
 impl Options {
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if !self.format_score.is_finite() {
             bail_input!(
                 "--format-score {}: must be a finite number",
@@ -221,16 +222,16 @@ impl Options {
 
 /// Per-row scores, named sub-scores and text values (keys without the `score_` prefix).
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct Scores {
-    pub score: Vec<f32>,
-    pub subs: Vec<(String, Vec<f32>)>,
+pub(crate) struct Scores {
+    pub(crate) score: Vec<f32>,
+    pub(crate) subs: Vec<(String, Vec<f32>)>,
     /// Keys whose values are text (a predicted answer, a judge's reason), null where a row
     /// gave null.
-    pub texts: Vec<(String, Vec<Option<String>>)>,
+    pub(crate) texts: Vec<(String, Vec<Option<String>>)>,
 }
 
 impl Scores {
-    pub fn sub(&self, key: &str) -> Option<&[f32]> {
+    pub(crate) fn sub(&self, key: &str) -> Option<&[f32]> {
         self.subs
             .iter()
             .find(|(k, _)| k == key)
@@ -322,7 +323,7 @@ fn request_lines(batch: &Batch) -> Result<Vec<u8>> {
 }
 
 /// Score every row of `batch` with `spec`.
-pub fn score_batch(batch: &Batch, spec: &RewardSpec, opts: &Options) -> Result<Scores> {
+pub(crate) fn score_batch(batch: &Batch, spec: &RewardSpec, opts: &Options) -> Result<Scores> {
     opts.validate()?;
     let fs = opts.format_score;
     let score = match spec {
@@ -391,30 +392,30 @@ fn score_external(batch: &Batch, argv: &[String], label: &str, opts: &Options) -
 /// Everything one run of the `score` stage needs.
 #[derive(Clone, Debug)]
 pub struct StageConfig {
-    pub input: PathBuf,
-    pub output: PathBuf,
+    pub(crate) input: PathBuf,
+    pub(crate) output: PathBuf,
     /// The `--reward` text as given (recorded in the output's metadata).
-    pub reward: String,
-    pub options: Options,
+    pub(crate) reward: String,
+    pub(crate) options: Options,
     /// DAPO's overlong shaping, when asked for.
-    pub overlong: Option<OverlongFlags>,
-    pub metrics: Option<PathBuf>,
+    pub(crate) overlong: Option<OverlongFlags>,
+    pub(crate) metrics: Option<PathBuf>,
 }
 
 /// `--overlong-buffer-len`, `--overlong-penalty-factor` and `--max-response-length` as given;
 /// the limit is resolved against the batch ([`OverlongFlags::resolve`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct OverlongFlags {
-    pub buffer: usize,
-    pub factor: f32,
+pub(crate) struct OverlongFlags {
+    pub(crate) buffer: usize,
+    pub(crate) factor: f32,
     /// L_max; None: the rollout's `max_new_tokens` recorded in the batch.
-    pub max_len: Option<usize>,
+    pub(crate) max_len: Option<usize>,
 }
 
 impl OverlongFlags {
     /// The shaping for `batch`: L_max from the flag, else from the rollout's parameters in the
     /// batch metadata (`tandem.stage.rollout`).
-    pub fn resolve(&self, batch: &Batch) -> Result<overlong::Overlong> {
+    pub(crate) fn resolve(&self, batch: &Batch) -> Result<overlong::Overlong> {
         if let Some(max) = self.max_len {
             return overlong::Overlong::new(max, self.buffer, self.factor, "--max-response-length");
         }
@@ -441,7 +442,7 @@ impl OverlongFlags {
 
 impl StageConfig {
     /// The stage's parameters as recorded under `tandem.stage.score`.
-    pub fn params(&self) -> Value {
+    pub(crate) fn params(&self) -> Value {
         let o = &self.options;
         json!({
             "reward": self.reward,
@@ -460,7 +461,7 @@ impl StageConfig {
 }
 
 /// The `score` stage: read, score, write the batch (and the metrics file), print the summary.
-pub fn run_stage(cfg: &StageConfig) -> Result<Summary> {
+pub(crate) fn run_stage(cfg: &StageConfig) -> Result<Summary> {
     let spec = RewardSpec::parse(&cfg.reward)?;
     cfg.options.validate()?;
     let t0 = Instant::now();
@@ -555,7 +556,7 @@ fn insert_overlong_fraction(m: &mut Map<String, Value>, penalised: Option<usize>
 /// What `score --metrics` reports about the rows of an already scored batch (its `score` and
 /// `score_<key>` columns), without the timings: for a batch the runner assembled from scored
 /// files (dynamic sampling).
-pub fn scored_metrics(batch: &Batch) -> Result<Map<String, Value>> {
+pub(crate) fn scored_metrics(batch: &Batch) -> Result<Map<String, Value>> {
     let mut scores = Scores {
         score: batch.f32s(schema::SCORE)?,
         subs: Vec::new(),
@@ -588,18 +589,6 @@ pub fn scored_metrics(batch: &Batch) -> Result<Map<String, Value>> {
     m.retain(|k, _| !k.ends_with("_s"));
     insert_overlong_fraction(&mut m, overlong_rows(&scores), summary.all.rows);
     Ok(m)
-}
-
-/// Convenience for callers holding paths (benchmarks, the pipeline runner).
-pub fn score_file(input: &Path, output: &Path, reward: &str, options: Options) -> Result<Summary> {
-    run_stage(&StageConfig {
-        input: input.to_path_buf(),
-        output: output.to_path_buf(),
-        reward: reward.to_string(),
-        options,
-        overlong: None,
-        metrics: None,
-    })
 }
 
 #[cfg(test)]

@@ -20,17 +20,17 @@ use crate::bail_input;
 use anyhow::Result;
 
 /// The sub-score key of the penalty (`score_overlong`).
-pub const KEY: &str = "overlong";
+pub(crate) const KEY: &str = "overlong";
 
 /// The shaping's parameters, with the limit resolved.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Overlong {
+pub(crate) struct Overlong {
     /// L_max: the response length limit in tokens.
-    pub max_len: usize,
+    pub(crate) max_len: usize,
     /// L_cache: the tokens before the limit over which the penalty grows (>= 1, <= max_len).
-    pub buffer: usize,
+    pub(crate) buffer: usize,
     /// The penalty at the limit (>= 0).
-    pub factor: f32,
+    pub(crate) factor: f32,
 }
 
 impl Overlong {
@@ -53,7 +53,7 @@ impl Overlong {
     }
 
     /// factor * r_len for a response of `len` tokens (0 or negative).
-    pub fn penalty(&self, len: usize) -> f32 {
+    pub(crate) fn penalty(&self, len: usize) -> f32 {
         let expected = self.max_len - self.buffer;
         let r_len = if len <= expected {
             0.0
@@ -67,7 +67,7 @@ impl Overlong {
 
     /// Adds the penalty of each row (response lengths `lens`) to `scores`, records it as the
     /// `overlong` sub-score and keeps the unshaped correctness as `acc`.
-    pub fn apply(&self, scores: &mut Scores, lens: &[usize]) -> Result<()> {
+    pub(crate) fn apply(&self, scores: &mut Scores, lens: &[usize]) -> Result<()> {
         assert_eq!(scores.score.len(), lens.len(), "one length per row");
         if scores.sub(KEY).is_some() {
             bail_input!(
@@ -92,7 +92,7 @@ impl Overlong {
 }
 
 /// `--overlong-penalty-factor` must be a finite number >= 0.
-pub fn check_factor(factor: f32) -> Result<()> {
+pub(crate) fn check_factor(factor: f32) -> Result<()> {
     if !factor.is_finite() || factor < 0.0 {
         bail_input!("--overlong-penalty-factor must be a finite number >= 0, got {factor}");
     }

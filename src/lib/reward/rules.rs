@@ -11,7 +11,7 @@
 use regex::Regex;
 
 /// `exact`: trimmed equality.
-pub fn exact(text: &str, ground_truth: &str) -> f32 {
+pub(crate) fn exact(text: &str, ground_truth: &str) -> f32 {
     if text.trim() == ground_truth.trim() {
         1.0
     } else {
@@ -21,14 +21,14 @@ pub fn exact(text: &str, ground_truth: &str) -> f32 {
 
 /// A compiled `regex:PATTERN` rule.
 #[derive(Clone, Debug)]
-pub struct RegexRule {
+pub(crate) struct RegexRule {
     re: Regex,
     group: usize,
 }
 
 impl RegexRule {
     /// Compile the pattern; the error text is the regex crate's explanation.
-    pub fn new(pattern: &str) -> Result<RegexRule, String> {
+    pub(crate) fn new(pattern: &str) -> Result<RegexRule, String> {
         let re = Regex::new(pattern).map_err(|e| e.to_string())?;
         let group = re
             .capture_names()
@@ -37,12 +37,12 @@ impl RegexRule {
         Ok(RegexRule { re, group })
     }
 
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         self.re.as_str()
     }
 
     /// The answer the rule extracts from `text`, if any.
-    pub fn extract<'t>(&self, text: &'t str) -> Option<&'t str> {
+    pub(crate) fn extract<'t>(&self, text: &'t str) -> Option<&'t str> {
         if self.group == 0 {
             return self.re.find_iter(text).last().map(|m| m.as_str());
         }
@@ -53,7 +53,7 @@ impl RegexRule {
             .map(|c| c.get(self.group).map_or("", |m| m.as_str()))
     }
 
-    pub fn score(&self, text: &str, ground_truth: &str, format_score: f32) -> f32 {
+    pub(crate) fn score(&self, text: &str, ground_truth: &str, format_score: f32) -> f32 {
         match self.extract(text) {
             None => 0.0,
             Some(a) if a.trim() == ground_truth.trim() => 1.0,

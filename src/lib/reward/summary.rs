@@ -9,42 +9,42 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 /// Sub-score that, when a reward returns it, is the accuracy (verl's math_dapo returns `acc`).
-pub const ACC_KEY: &str = "acc";
+pub(crate) const ACC_KEY: &str = "acc";
 
 /// Wall time of the stage's parts, in seconds.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Timings {
-    pub read_s: f64,
-    pub score_s: f64,
-    pub write_s: f64,
+pub(crate) struct Timings {
+    pub(crate) read_s: f64,
+    pub(crate) score_s: f64,
+    pub(crate) write_s: f64,
 }
 
 impl Timings {
-    pub fn total_s(&self) -> f64 {
+    pub(crate) fn total_s(&self) -> f64 {
         self.read_s + self.score_s + self.write_s
     }
 }
 
 /// Count, mean score and accuracy of a set of rows.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct Group {
-    pub rows: usize,
-    pub mean: f64,
-    pub accuracy: f64,
+pub(crate) struct Group {
+    pub(crate) rows: usize,
+    pub(crate) mean: f64,
+    pub(crate) accuracy: f64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub struct Summary {
-    pub all: Group,
-    pub std: f64,
-    pub min: f64,
-    pub max: f64,
+pub(crate) struct Summary {
+    pub(crate) all: Group,
+    pub(crate) std: f64,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
     /// Whether accuracy is the mean of the `acc` sub-score (else: fraction of score >= 1).
-    pub accuracy_from_acc: bool,
+    pub(crate) accuracy_from_acc: bool,
     /// Per data_source, sorted by name (empty when the batch has no data_source).
-    pub per_source: BTreeMap<String, Group>,
+    pub(crate) per_source: BTreeMap<String, Group>,
     /// Mean of each sub-score.
-    pub sub_means: Vec<(String, f64)>,
+    pub(crate) sub_means: Vec<(String, f64)>,
 }
 
 fn mean(values: impl Iterator<Item = f64>) -> (usize, f64) {
@@ -53,7 +53,7 @@ fn mean(values: impl Iterator<Item = f64>) -> (usize, f64) {
 }
 
 impl Summary {
-    pub fn new(scores: &Scores, sources: Option<&[&str]>) -> Summary {
+    pub(crate) fn new(scores: &Scores, sources: Option<&[&str]>) -> Summary {
         let s = &scores.score;
         let acc_col = scores.sub(ACC_KEY);
         let correct = |i: usize| -> f64 {
@@ -98,7 +98,7 @@ impl Summary {
     }
 
     /// The flat metrics object. Means of an empty batch are null.
-    pub fn metrics(&self, t: &Timings) -> Map<String, Value> {
+    pub(crate) fn metrics(&self, t: &Timings) -> Map<String, Value> {
         let num = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
         let mut m = Map::new();
         m.insert("score/rows".into(), json!(self.all.rows));
@@ -127,7 +127,7 @@ impl Summary {
     }
 
     /// The human summary, a few lines for stderr.
-    pub fn report(&self, reward: &str, t: &Timings) -> String {
+    pub(crate) fn report(&self, reward: &str, t: &Timings) -> String {
         let acc_kind = if self.accuracy_from_acc {
             "mean of 'acc'"
         } else {
@@ -160,7 +160,7 @@ impl Summary {
 }
 
 /// Write the metrics object to `path` atomically (`path.tmp`, then rename).
-pub fn write_metrics(path: &Path, metrics: &Map<String, Value>) -> Result<()> {
+pub(crate) fn write_metrics(path: &Path, metrics: &Map<String, Value>) -> Result<()> {
     crate::batch::write_json(path, metrics)
 }
 

@@ -133,7 +133,7 @@ pub mod rollout_is_level {
 /// from, publish): `rollout` would refuse the model it leads to, later and further from the
 /// cause. `what` says what the stage would do with it.
 pub fn require_tokenizer(dir: &Path, what: &str) -> Result<()> {
-    use crate::data::tokenizer::TOKENIZER_FILE;
+    use crate::tokenizer::TOKENIZER_FILE;
     if !dir.join(TOKENIZER_FILE).is_file() {
         bail_input!(
             "{}: no {TOKENIZER_FILE}; {what}, and rollout would refuse it (copy the tokenizer files of the model it was made from into {})",

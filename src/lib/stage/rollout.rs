@@ -20,7 +20,7 @@ use crate::bail_input;
 use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::data::dataset::repeat_each;
-use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
+use crate::data::{ChatTemplate, PromptDataset};
 use crate::engine::paged::{
     generate_paged, Completion, Detokenize, FinishReason, GenParams, GraphStats, Limits,
     PagedDecoder, PagedStats, Request,
@@ -30,6 +30,7 @@ use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
 use crate::model::Config;
 use crate::parallel::exchange::{Reader, Writer};
+use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};

@@ -7,8 +7,9 @@ use super::rollout::{log_left_out, sequence_columns, tokenize_prompts, PromptLim
 use crate::bail_input;
 use crate::batch::schema;
 use crate::batch::{write_file, StageInfo};
-use crate::data::{ChatTemplate, PromptDataset, Tokenizer};
+use crate::data::{ChatTemplate, PromptDataset};
 use crate::model::checkpoint::ModelDir;
+use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{Field, Schema};

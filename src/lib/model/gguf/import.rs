@@ -2,11 +2,11 @@
 //! generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
 
 use super::reader::{GgufFile, TensorInfo, Value};
-use super::tokenizer;
 use crate::error::input_error;
 use crate::model::config::{write_json, Arch, Config};
 use crate::model::names::{self, expected_tensors};
 use crate::model::tensor::{Tensor, Weights};
+use crate::tokenizer::gguf::{self as tokenizer, GgufVocab, RebuiltTokenizer};
 use anyhow::{Context, Result};
 use half::bf16;
 use rayon::prelude::*;
@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OutDtype {
+pub(crate) enum OutDtype {
     Bf16,
     F32,
 }
@@ -25,13 +25,13 @@ pub enum OutDtype {
 #[derive(clap::Args, Debug)]
 pub struct ImportGgufArgs {
     /// The GGUF file (llama.cpp format, v2 or v3).
-    pub file: PathBuf,
+    pub(crate) file: PathBuf,
     /// Model directory to write (HF layout); replaced if it exists.
     #[arg(long)]
-    pub out: PathBuf,
+    pub(crate) out: PathBuf,
     /// Dtype of the written weights.
     #[arg(long, value_enum, default_value_t = OutDtype::Bf16)]
-    pub dtype: OutDtype,
+    pub(crate) dtype: OutDtype,
 }
 
 pub fn run(args: ImportGgufArgs) -> Result<()> {
@@ -56,16 +56,16 @@ pub fn run(args: ImportGgufArgs) -> Result<()> {
 }
 
 /// A GGUF model in HF terms.
-pub struct Imported {
-    pub config: Config,
-    pub weights: Weights,
-    pub tokenizer: tokenizer::RebuiltTokenizer,
+pub(crate) struct Imported {
+    pub(crate) config: Config,
+    pub(crate) weights: Weights,
+    pub(crate) tokenizer: RebuiltTokenizer,
     /// "Q4_K x12" per tensor type, for the summary line.
-    pub type_counts: Vec<String>,
+    pub(crate) type_counts: Vec<String>,
 }
 
 /// The HF name of a llama.cpp tensor name (`blk.N.attn_q.weight` ...).
-pub fn hf_name(gguf_name: &str) -> Option<String> {
+pub(crate) fn hf_name(gguf_name: &str) -> Option<String> {
     match gguf_name {
         "token_embd.weight" => return Some(names::EMBED.into()),
         "output_norm.weight" => return Some(names::FINAL_NORM.into()),
@@ -98,7 +98,7 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
 
 /// Undoes llama.cpp's Q/K row order for `llama` (convert_hf_to_gguf's `permute`): within each head
 /// of `rows / n_head` rows, GGUF row `2i + j` is HF row `j * rows_per_head / 2 + i`.
-pub fn unpermute_rows(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+pub(crate) fn unpermute_rows(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
     let per_head = rows / n_head;
     let half = per_head / 2;
     let mut out = vec![0f32; data.len()];
@@ -162,17 +162,7 @@ fn config_of(g: &GgufFile, file: &str) -> Result<(Config, Map<String, Json>)> {
             }),
         }
     };
-    if let Some(v) = g.get(&key("rope.scaling.type")) {
-        if !matches!(v.as_str(), Some("none") | Some("")) {
-            crate::bail_input!(
-                "{file}: {} = {v:?} is not supported (only plain RoPE)",
-                key("rope.scaling.type")
-            );
-        }
-    }
-    if g.tensor("rope_freqs.weight").is_some() {
-        crate::bail_input!("{file}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported");
-    }
+    refuse_scaled_rope(g, file, &key("rope.scaling.type"))?;
     let Some(embd) = g.tensor("token_embd.weight") else {
         crate::bail_input!("{file}: tensor 'token_embd.weight' is missing");
     };
@@ -218,6 +208,13 @@ fn config_of(g: &GgufFile, file: &str) -> Result<(Config, Map<String, Json>)> {
         "tie_word_embeddings".into(),
         g.tensor("output.weight").is_none().into(),
     );
+    insert_special_ids(g, &mut m);
+    let cfg = Config::from_hf_json(&m, file)?;
+    Ok((cfg, m))
+}
+
+/// config.json's bos and eos ids from the tokenizer's keys.
+fn insert_special_ids(g: &GgufFile, m: &mut Map<String, Json>) {
     let tok_id = |k: &str| g.get(k).and_then(Value::as_u64);
     if let Some(b) = tok_id("tokenizer.ggml.bos_token_id") {
         m.insert("bos_token_id".into(), b.into());
@@ -240,13 +237,24 @@ fn config_of(g: &GgufFile, file: &str) -> Result<(Config, Map<String, Json>)> {
             m.insert("eos_token_id".into(), json!(many));
         }
     }
-    let cfg = Config::from_hf_json(&m, file)?;
-    Ok((cfg, m))
+}
+
+/// Only plain RoPE: no scaling type, no `rope_freqs.weight`.
+fn refuse_scaled_rope(g: &GgufFile, file: &str, scaling_key: &str) -> Result<()> {
+    if let Some(v) = g.get(scaling_key) {
+        if !matches!(v.as_str(), Some("none") | Some("")) {
+            crate::bail_input!("{file}: {scaling_key} = {v:?} is not supported (only plain RoPE)");
+        }
+    }
+    if g.tensor("rope_freqs.weight").is_some() {
+        crate::bail_input!("{file}: tensor 'rope_freqs.weight' (scaled RoPE) is not supported");
+    }
+    Ok(())
 }
 
 /// Reads and checks the whole model: config, every tensor dequantized under its HF name, the
 /// tokenizer.
-pub fn convert(g: &GgufFile) -> Result<Imported> {
+pub(crate) fn convert(g: &GgufFile) -> Result<Imported> {
     let file = g.path.display().to_string();
     let (config, _) = config_of(g, &file)?;
     let specs = expected_tensors(&config);
@@ -288,13 +296,122 @@ pub fn convert(g: &GgufFile) -> Result<Imported> {
             missing.name
         );
     }
-    let tokenizer = tokenizer::rebuild(g, config.max_position_embeddings)?;
+    let tokenizer = tokenizer::rebuild(&tokenizer_keys(g, &file)?, config.max_position_embeddings)?;
     Ok(Imported {
         config,
         weights,
         tokenizer,
         type_counts: counts.iter().map(|(n, c)| format!("{n} x{c}")).collect(),
     })
+}
+
+/// The file's `tokenizer.*` keys, read for [`tokenizer::rebuild`]: a missing key or a value of
+/// the wrong type is an input error naming the key.
+fn tokenizer_keys<'a>(g: &'a GgufFile, file: &'a str) -> Result<GgufVocab<'a>> {
+    let k = Keys { g, file };
+    let model = k.req("tokenizer.ggml.model")?.as_str().unwrap_or("");
+    let pre = match g.get("tokenizer.ggml.pre") {
+        None => "default",
+        Some(v) => v.as_str().unwrap_or(""),
+    };
+    let family = tokenizer::family(file, model, pre)?;
+    let tokens = k.strings("tokenizer.ggml.tokens")?;
+    let n = tokens.len();
+    let types = k.token_types(n)?;
+    let merges = k.strings("tokenizer.ggml.merges")?;
+    let add_bos = g
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok(GgufVocab {
+        file,
+        family,
+        types,
+        merges,
+        add_bos,
+        bos: k.id("tokenizer.ggml.bos_token_id", n)?,
+        chat_template: k.chat_template()?,
+        eos: k.id("tokenizer.ggml.eos_token_id", n)?,
+        pad: k.id("tokenizer.ggml.padding_token_id", n)?,
+        unk: k.id("tokenizer.ggml.unknown_token_id", n)?,
+        tokens,
+    })
+}
+
+/// Typed access to the tokenizer's keys, with messages naming the file.
+struct Keys<'a> {
+    g: &'a GgufFile,
+    file: &'a str,
+}
+
+impl<'a> Keys<'a> {
+    fn req(&self, key: &str) -> Result<&'a Value> {
+        self.g.get(key).ok_or_else(|| {
+            input_error(format!(
+                "{}: metadata '{key}' is missing (needed to rebuild the tokenizer)",
+                self.file
+            ))
+        })
+    }
+
+    fn strings(&self, key: &str) -> Result<Vec<&'a str>> {
+        let bad = || {
+            input_error(format!(
+                "{}: metadata '{key}' must be an array of strings",
+                self.file
+            ))
+        };
+        self.req(key)?
+            .as_array()
+            .ok_or_else(bad)?
+            .iter()
+            .map(|v| v.as_str().ok_or_else(bad))
+            .collect()
+    }
+
+    fn id(&self, key: &str, n_tokens: usize) -> Result<Option<usize>> {
+        match self.g.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(id) if (id as usize) < n_tokens => Ok(Some(id as usize)),
+                _ => Err(input_error(format!(
+                    "{}: metadata '{key}' = {v:?} is not a token id (the vocabulary has {n_tokens})",
+                    self.file
+                ))),
+            },
+        }
+    }
+
+    /// `tokenizer.ggml.token_type`: one integer per token; all normal when absent.
+    fn token_types(&self, n: usize) -> Result<Vec<i64>> {
+        let Some(v) = self.g.get("tokenizer.ggml.token_type") else {
+            return Ok(vec![tokenizer::NORMAL_TOKEN; n]);
+        };
+        let bad = || {
+            input_error(format!(
+                "{}: metadata 'tokenizer.ggml.token_type' must be {n} integers (one per token)",
+                self.file
+            ))
+        };
+        let arr = v.as_array().ok_or_else(bad)?;
+        if arr.len() != n {
+            return Err(bad());
+        }
+        arr.iter().map(|t| t.as_i64().ok_or_else(bad)).collect()
+    }
+
+    fn chat_template(&self) -> Result<Option<&'a str>> {
+        match self.g.get("tokenizer.chat_template") {
+            None => Ok(None),
+            Some(t) => match t.as_str() {
+                Some(t) => Ok(Some(t)),
+                None => crate::bail_input!(
+                    "{}: metadata 'tokenizer.chat_template' must be a string",
+                    self.file
+                ),
+            },
+        }
+    }
 }
 
 fn load_tensor(g: &GgufFile, t: &TensorInfo, cfg: &Config, file: &str) -> Result<Vec<f32>> {
@@ -373,7 +490,7 @@ fn write_text(path: &Path, obj: &Map<String, Json>) -> Result<()> {
 
 /// Writes the model directory: everything into `OUT.tmp`, then renamed to `OUT` (an existing
 /// `OUT` is replaced only once the new one is complete).
-pub fn write_model_dir(out: &Path, m: &Imported, dtype: OutDtype) -> Result<()> {
+pub(crate) fn write_model_dir(out: &Path, m: &Imported, dtype: OutDtype) -> Result<()> {
     if out.file_name().is_none() {
         crate::bail_input!(
             "{}: give the model a directory name of its own",

@@ -1,10 +1,9 @@
 //! GGUF (llama.cpp) model files: reading, dequantizing, and importing them as HF model
-//! directories with a rebuilt tokenizer.
+//! directories (the tokenizer rebuilt by `tokenizer::gguf`).
 
-pub mod import;
+pub(crate) mod import;
 pub mod quant;
-pub mod reader;
-pub mod tokenizer;
+pub(crate) mod reader;
 
 pub use import::{run, ImportGgufArgs};
 pub use reader::GgufFile;

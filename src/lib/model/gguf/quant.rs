@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Elements per super-block of the k-quants.
-pub const QK_K: usize = 256;
+pub(crate) const QK_K: usize = 256;
 
 /// The ggml tensor types tandem can read (ids as in ggml.h's `enum ggml_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,7 +54,7 @@ fn unsupported_name(id: u32) -> Option<&'static str> {
     })
 }
 
-pub const SUPPORTED: [GgmlType; 13] = [
+pub(crate) const SUPPORTED: [GgmlType; 13] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -71,7 +71,7 @@ pub const SUPPORTED: [GgmlType; 13] = [
 ];
 
 impl GgmlType {
-    pub fn id(self) -> u32 {
+    pub(crate) fn id(self) -> u32 {
         match self {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,
@@ -90,7 +90,7 @@ impl GgmlType {
     }
 
     /// The type of a tensor-info type id; an unknown or undecodable id is an error naming it.
-    pub fn from_id(id: u32) -> Result<GgmlType> {
+    pub(crate) fn from_id(id: u32) -> Result<GgmlType> {
         if let Some(t) = SUPPORTED.iter().find(|t| t.id() == id) {
             return Ok(*t);
         }
@@ -108,7 +108,7 @@ impl GgmlType {
     }
 
     /// ggml's name of the type.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             GgmlType::F32 => "F32",
             GgmlType::F16 => "F16",
@@ -131,7 +131,7 @@ impl GgmlType {
     }
 
     /// Elements per block.
-    pub fn block_elems(self) -> usize {
+    pub(crate) fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
@@ -142,7 +142,7 @@ impl GgmlType {
     }
 
     /// Bytes per block (ggml's `type_size`).
-    pub fn block_bytes(self) -> usize {
+    pub(crate) fn block_bytes(self) -> usize {
         match self {
             GgmlType::F32 => 4,
             GgmlType::F16 | GgmlType::BF16 => 2,

@@ -8,10 +8,10 @@ use anyhow::Result;
 use std::path::{Path, PathBuf};
 
 /// "GGUF" read as a little-endian u32.
-pub const MAGIC: u32 = 0x4655_4747;
-pub const DEFAULT_ALIGNMENT: u64 = 32;
+pub(crate) const MAGIC: u32 = 0x4655_4747;
+pub(crate) const DEFAULT_ALIGNMENT: u64 = 32;
 /// ggml tensors have at most 4 dimensions.
-pub const MAX_DIMS: u32 = 4;
+pub(crate) const MAX_DIMS: u32 = 4;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,7 +47,7 @@ impl Value {
         }
     }
 
-    pub fn as_i64(&self) -> Option<i64> {
+    pub(crate) fn as_i64(&self) -> Option<i64> {
         match *self {
             Value::I8(x) => Some(x as i64),
             Value::I16(x) => Some(x as i64),
@@ -57,7 +57,7 @@ impl Value {
         }
     }
 
-    pub fn as_f64(&self) -> Option<f64> {
+    pub(crate) fn as_f64(&self) -> Option<f64> {
         match *self {
             Value::F32(x) => Some(x as f64),
             Value::F64(x) => Some(x),
@@ -65,21 +65,21 @@ impl Value {
         }
     }
 
-    pub fn as_str(&self) -> Option<&str> {
+    pub(crate) fn as_str(&self) -> Option<&str> {
         match self {
             Value::Str(s) => Some(s),
             _ => None,
         }
     }
 
-    pub fn as_bool(&self) -> Option<bool> {
+    pub(crate) fn as_bool(&self) -> Option<bool> {
         match *self {
             Value::Bool(b) => Some(b),
             _ => None,
         }
     }
 
-    pub fn as_array(&self) -> Option<&[Value]> {
+    pub(crate) fn as_array(&self) -> Option<&[Value]> {
         match self {
             Value::Array(a) => Some(a),
             _ => None,
@@ -90,12 +90,12 @@ impl Value {
 /// One tensor's header entry.
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
-    pub name: String,
+    pub(crate) name: String,
     /// ggml order: `dims[0]` is the innermost (contiguous) dimension, the reverse of torch's shape.
-    pub dims: Vec<u64>,
+    pub(crate) dims: Vec<u64>,
     pub ggml_type: GgmlType,
     /// Byte offset from the start of the data section.
-    pub offset: u64,
+    pub(crate) offset: u64,
 }
 
 impl TensorInfo {
@@ -111,11 +111,11 @@ impl TensorInfo {
 
 /// A parsed GGUF file, its bytes in memory.
 pub struct GgufFile {
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     pub version: u32,
     /// Metadata in file order.
     pub metadata: Vec<(String, Value)>,
-    pub tensors: Vec<TensorInfo>,
+    pub(crate) tensors: Vec<TensorInfo>,
     pub alignment: u64,
     data_start: usize,
     bytes: Vec<u8>,
@@ -168,6 +168,56 @@ impl Cursor<'_> {
         }
     }
 
+    /// `n_kv` metadata key/values; a key may appear once.
+    fn metadata(&mut self, n_kv: u64) -> Result<Vec<(String, Value)>> {
+        let file = self.file;
+        let mut metadata: Vec<(String, Value)> = Vec::new();
+        for i in 0..n_kv {
+            let key = self.string(&format!("metadata key #{i}"))?;
+            let ty = self.u32(&format!("the type of metadata '{key}'"))?;
+            let value = self.value(ty, &format!("metadata '{key}'"), 0)?;
+            if metadata.iter().any(|(k, _)| k == &key) {
+                crate::bail_input!("{file}: metadata key '{key}' appears twice");
+            }
+            metadata.push((key, value));
+        }
+        Ok(metadata)
+    }
+
+    /// `n_tensors` tensor infos; a name may appear once.
+    fn tensor_infos(&mut self, n_tensors: u64) -> Result<Vec<TensorInfo>> {
+        let file = self.file;
+        let mut tensors: Vec<TensorInfo> = Vec::new();
+        for i in 0..n_tensors {
+            let name = self.string(&format!("the name of tensor #{i}"))?;
+            let what = format!("tensor '{name}'");
+            let n_dims = self.u32(&what)?;
+            if n_dims == 0 || n_dims > MAX_DIMS {
+                crate::bail_input!(
+                    "{file}: {what} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
+                );
+            }
+            let mut dims = Vec::with_capacity(n_dims as usize);
+            for _ in 0..n_dims {
+                dims.push(self.u64(&what)?);
+            }
+            let type_id = self.u32(&what)?;
+            let ggml_type = GgmlType::from_id(type_id)
+                .map_err(|e| input_error(format!("{file}: {what}: {e}")))?;
+            let offset = self.u64(&what)?;
+            if tensors.iter().any(|t| t.name == name) {
+                crate::bail_input!("{file}: tensor '{name}' appears twice");
+            }
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ggml_type,
+                offset,
+            });
+        }
+        Ok(tensors)
+    }
+
     fn value(&mut self, ty: u32, what: &str, depth: usize) -> Result<Value> {
         Ok(match ty {
             0 => Value::U8(self.u8(what)?),
@@ -216,6 +266,49 @@ impl Cursor<'_> {
     }
 }
 
+/// A tensor info against the data section of `data_len` bytes: no zero dimension, whole blocks
+/// per row, aligned, and inside the section.
+fn check_tensor(t: &TensorInfo, file: &str, alignment: u64, data_len: u64) -> Result<()> {
+    if t.dims.contains(&0) {
+        crate::bail_input!(
+            "{file}: tensor '{}' has a zero dimension {:?}",
+            t.name,
+            t.dims
+        );
+    }
+    let numel = t
+        .dims
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| input_error(format!("{file}: tensor '{}' is too large", t.name)))?;
+    let block = t.ggml_type.block_elems() as u64;
+    if !t.dims[0].is_multiple_of(block) {
+        crate::bail_input!(
+            "{file}: tensor '{}' of type {} has rows of {} elements, not a multiple of its block size {block}",
+            t.name,
+            t.ggml_type.name(),
+            t.dims[0]
+        );
+    }
+    if !t.offset.is_multiple_of(alignment) {
+        crate::bail_input!(
+            "{file}: tensor '{}' starts at data offset {}, not a multiple of the alignment {alignment}",
+            t.name,
+            t.offset
+        );
+    }
+    let size = numel / block * t.ggml_type.block_bytes() as u64;
+    if t.offset.checked_add(size).is_none_or(|end| end > data_len) {
+        crate::bail_input!(
+            "{file}: truncated: tensor '{}' needs bytes {}..{} of the data section, which has {data_len}",
+            t.name,
+            t.offset,
+            t.offset.saturating_add(size)
+        );
+    }
+    Ok(())
+}
+
 impl GgufFile {
     /// Reads and parses a whole file.
     pub fn open(path: &Path) -> Result<GgufFile> {
@@ -245,44 +338,8 @@ impl GgufFile {
         }
         let n_tensors = c.u64("the tensor count")?;
         let n_kv = c.u64("the metadata count")?;
-        let mut metadata = Vec::new();
-        for i in 0..n_kv {
-            let key = c.string(&format!("metadata key #{i}"))?;
-            let ty = c.u32(&format!("the type of metadata '{key}'"))?;
-            let value = c.value(ty, &format!("metadata '{key}'"), 0)?;
-            if metadata.iter().any(|(k, _)| k == &key) {
-                crate::bail_input!("{file}: metadata key '{key}' appears twice");
-            }
-            metadata.push((key, value));
-        }
-        let mut tensors: Vec<TensorInfo> = Vec::new();
-        for i in 0..n_tensors {
-            let name = c.string(&format!("the name of tensor #{i}"))?;
-            let what = format!("tensor '{name}'");
-            let n_dims = c.u32(&what)?;
-            if n_dims == 0 || n_dims > MAX_DIMS {
-                crate::bail_input!(
-                    "{file}: {what} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
-                );
-            }
-            let mut dims = Vec::with_capacity(n_dims as usize);
-            for _ in 0..n_dims {
-                dims.push(c.u64(&what)?);
-            }
-            let type_id = c.u32(&what)?;
-            let ggml_type = GgmlType::from_id(type_id)
-                .map_err(|e| input_error(format!("{file}: {what}: {e}")))?;
-            let offset = c.u64(&what)?;
-            if tensors.iter().any(|t| t.name == name) {
-                crate::bail_input!("{file}: tensor '{name}' appears twice");
-            }
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                ggml_type,
-                offset,
-            });
-        }
+        let metadata = c.metadata(n_kv)?;
+        let tensors = c.tensor_infos(n_tensors)?;
         let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
             None => DEFAULT_ALIGNMENT,
             Some((_, v)) => match v.as_u64() {
@@ -295,43 +352,7 @@ impl GgufFile {
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
         let data_len = (bytes.len() as u64).saturating_sub(data_start);
         for t in &tensors {
-            if t.dims.contains(&0) {
-                crate::bail_input!(
-                    "{file}: tensor '{}' has a zero dimension {:?}",
-                    t.name,
-                    t.dims
-                );
-            }
-            let numel = t
-                .dims
-                .iter()
-                .try_fold(1u64, |a, &d| a.checked_mul(d))
-                .ok_or_else(|| input_error(format!("{file}: tensor '{}' is too large", t.name)))?;
-            let block = t.ggml_type.block_elems() as u64;
-            if t.dims[0] % block != 0 {
-                crate::bail_input!(
-                    "{file}: tensor '{}' of type {} has rows of {} elements, not a multiple of its block size {block}",
-                    t.name,
-                    t.ggml_type.name(),
-                    t.dims[0]
-                );
-            }
-            if t.offset % alignment != 0 {
-                crate::bail_input!(
-                    "{file}: tensor '{}' starts at data offset {}, not a multiple of the alignment {alignment}",
-                    t.name,
-                    t.offset
-                );
-            }
-            let size = numel / block * t.ggml_type.block_bytes() as u64;
-            if t.offset.checked_add(size).is_none_or(|end| end > data_len) {
-                crate::bail_input!(
-                    "{file}: truncated: tensor '{}' needs bytes {}..{} of the data section, which has {data_len}",
-                    t.name,
-                    t.offset,
-                    t.offset.saturating_add(size)
-                );
-            }
+            check_tensor(t, &file, alignment, data_len)?;
         }
         Ok(GgufFile {
             path: path.to_path_buf(),
@@ -353,7 +374,7 @@ impl GgufFile {
     }
 
     /// The stored bytes of a tensor (bounds checked at parse time).
-    pub fn tensor_bytes(&self, t: &TensorInfo) -> &[u8] {
+    pub(crate) fn tensor_bytes(&self, t: &TensorInfo) -> &[u8] {
         let size = t.numel() as usize / t.ggml_type.block_elems() * t.ggml_type.block_bytes();
         let start = self.data_start + t.offset as usize;
         &self.bytes[start..start + size]

@@ -9,7 +9,7 @@ use crate::bail_input;
 use anyhow::Result;
 use std::path::{Path, PathBuf};
 
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub(crate) const TOKENIZER_FILE: &str = "tokenizer.json";
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -41,7 +41,7 @@ impl Tokenizer {
     }
 
     /// Wrap a tokenizer built in code (tests, `init-model`). `origin` names it in messages.
-    pub fn from_tokenizer(inner: tokenizers::Tokenizer, origin: &Path) -> Tokenizer {
+    pub(crate) fn from_tokenizer(inner: tokenizers::Tokenizer, origin: &Path) -> Tokenizer {
         let vocab_size = inner
             .get_vocab(true)
             .values()
@@ -52,10 +52,6 @@ impl Tokenizer {
             origin: origin.to_path_buf(),
             vocab_size,
         }
-    }
-
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
     }
 
     /// Number of ids the tokenizer can produce or decode (highest id + 1). A model's
@@ -71,7 +67,7 @@ impl Tokenizer {
 
     /// Token ids of `text`; with `add_special` the tokenizer's post-processor adds its tokens
     /// (BOS for Llama, nothing for Qwen).
-    pub fn encode_with_special(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+    pub(crate) fn encode_with_special(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         match self.inner.encode_fast(text, add_special) {
             Ok(enc) => Ok(enc.get_ids().to_vec()),
             Err(e) => anyhow::bail!("{}: cannot encode text: {e}", self.origin.display()),
@@ -99,11 +95,6 @@ impl Tokenizer {
     /// The id of a token (vocabulary or added token), e.g. `<|im_end|>`.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
-    }
-
-    /// The token string of an id.
-    pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
     }
 
     /// The id of a token that must exist, or an input error naming the tokenizer.

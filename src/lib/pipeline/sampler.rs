@@ -25,7 +25,7 @@ pub fn derive_seed(base: u64, labels: &[u64]) -> u64 {
 
 /// The prompt sampler over a dataset of `len` rows.
 #[derive(Clone, Debug)]
-pub struct Sampler {
+pub(crate) struct Sampler {
     pub seed: u64,
     pub len: u64,
     pub shuffle: bool,

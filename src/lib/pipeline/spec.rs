@@ -53,7 +53,7 @@ impl Device {
 /// `[model]`: the initial policy and an optional separate reference model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct ModelSpec {
+pub(crate) struct ModelSpec {
     /// HF model directory the run starts from (also the reference when `ref` is not set).
     pub path: PathBuf,
     /// A different reference model for `ref-logprob`.
@@ -64,7 +64,7 @@ pub struct ModelSpec {
 /// `[data]`: prompt datasets and how many prompts each step takes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct DataSpec {
+pub(crate) struct DataSpec {
     pub train: PathBuf,
     /// Validation prompts for `[eval]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -81,7 +81,7 @@ pub struct DataSpec {
 /// set); the other keys default to `[rollout]`'s.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub struct EvalSpec {
+pub(crate) struct EvalSpec {
     /// Evaluate after every `every` steps (0: never).
     #[serde(default)]
     pub every: u64,
@@ -106,7 +106,7 @@ impl Default for EvalSpec {
 /// `[checkpoint]`: which step checkpoints stay on disk under `ckpt/`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct CheckpointSpec {
+pub(crate) struct CheckpointSpec {
     /// Keep the checkpoint of every `every`-th step (0: only the current policy's).
     #[serde(default)]
     pub every: u64,
@@ -133,7 +133,7 @@ fn yes() -> bool {
 /// spec without the table resolves as before.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct AlgorithmSpec {
+pub(crate) struct AlgorithmSpec {
     /// Drop the prompt groups whose `filter-metric` is equal over all their samples and sample
     /// more prompts until the step has `[data] prompts-per-step` groups.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -163,7 +163,7 @@ impl AlgorithmSpec {
 /// What a step does when the generation cap is reached before it has its groups.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum OnCap {
+pub(crate) enum OnCap {
     /// Train on the groups kept so far (fewer than asked).
     Train,
     /// Stop the run with an error (verl's behaviour).
@@ -172,7 +172,7 @@ pub enum OnCap {
 
 /// The per-sample value whose spread decides whether a group is kept.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum FilterMetric {
+pub(crate) enum FilterMetric {
     /// The `score` column (after any overlong shaping).
     Score,
     /// Correctness: `score_acc` when present, else score >= 1.
@@ -206,7 +206,7 @@ impl FilterMetric {
 
 /// Dynamic sampling as the runner runs it, the defaults filled in.
 #[derive(Clone, Debug, PartialEq)]
-pub struct FilterGroups {
+pub(crate) struct FilterGroups {
     pub metric: FilterMetric,
     /// Generation rounds a step may take (0: no cap).
     pub max_rounds: u64,
@@ -215,7 +215,7 @@ pub struct FilterGroups {
 }
 
 /// verl's DAPO recipe caps a step at 10 generation batches.
-pub const DEFAULT_MAX_NUM_GEN_BATCHES: u64 = 10;
+pub(crate) const DEFAULT_MAX_NUM_GEN_BATCHES: u64 = 10;
 
 fn one() -> u64 {
     1
@@ -229,7 +229,7 @@ fn is_one(v: &u64) -> bool {
 /// [`Spec::stages`] checks them against the stages and turns them into arguments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct Spec {
+pub(crate) struct Spec {
     /// Seed of the prompt sampler and of every stage's `--seed`.
     #[serde(default)]
     pub seed: u64,
@@ -303,7 +303,7 @@ pub struct Stages {
 
 impl Stages {
     /// Whether `advantage` adapts its KL coefficient (kept in a state file from step to step).
-    pub fn adaptive_kl(&self) -> bool {
+    pub(crate) fn adaptive_kl(&self) -> bool {
         let a = &self.advantage.args;
         a.kl_in_reward && a.kl_ctrl == Ctrl::Adaptive
     }
@@ -315,7 +315,7 @@ const EVAL_SAMPLING: [&str; 4] = ["n", "temperature", "top-p", "top-k"];
 
 /// Where a spec comes from, for messages: `FILE:LINE:COL` of a key when the text is at hand.
 #[derive(Clone, Copy)]
-pub struct Source<'a> {
+pub(crate) struct Source<'a> {
     pub origin: &'a str,
     pub text: Option<&'a str>,
 }
@@ -596,7 +596,7 @@ impl Spec {
     }
 
     /// Dynamic sampling as configured in `[algorithm]`, or None when `filter-groups` is off.
-    pub fn filter_groups(&self) -> Option<FilterGroups> {
+    pub(crate) fn filter_groups(&self) -> Option<FilterGroups> {
         let a = &self.algorithm;
         a.filter_groups.then(|| FilterGroups {
             metric: a
@@ -770,12 +770,12 @@ impl Spec {
     }
 
     /// The reference model: `[model] ref`, else the initial policy.
-    pub fn reference_model(&self) -> &Path {
+    pub(crate) fn reference_model(&self) -> &Path {
         self.model.reference.as_deref().unwrap_or(&self.model.path)
     }
 
     /// The spec as TOML, every runner default written out.
-    pub fn to_toml(&self) -> String {
+    pub(crate) fn to_toml(&self) -> String {
         toml::to_string(self).expect("a spec always serializes")
     }
 }
@@ -820,7 +820,7 @@ fn unknown_field(msg: &str) -> Option<(String, Vec<String>)> {
 }
 
 /// Levenshtein distance over chars, with `_` and `-` taken as equal (TOML users write both).
-pub fn edit_distance(a: &str, b: &str) -> usize {
+pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
     let norm = |c: char| {
         if c == '_' {
             '-'
@@ -844,7 +844,7 @@ pub fn edit_distance(a: &str, b: &str) -> usize {
 
 /// The valid key closest to `key`, if it is close enough to be a likely typo (at most a third
 /// of the longer name's letters differ).
-pub fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
+pub(crate) fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
     valid
         .iter()
         .map(|v| (edit_distance(key, v), v))
@@ -855,7 +855,7 @@ pub fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
 
 /// One key whose value differs between two specs (`None`: not set).
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct SpecChange {
+pub(crate) struct SpecChange {
     /// `table.key`, e.g. `update.lr` (top-level keys bare: `seed`).
     pub key: String,
     pub from: Option<String>,
@@ -865,7 +865,7 @@ pub struct SpecChange {
 impl Spec {
     /// What differs from `old`, key by key (TOML text of the values), ignoring `steps` (a run
     /// may be extended).
-    pub fn changes_from(&self, old: &Spec) -> Vec<SpecChange> {
+    pub(crate) fn changes_from(&self, old: &Spec) -> Vec<SpecChange> {
         let as_table = |s: &Spec| {
             let mut s = s.clone();
             s.steps = 0;
@@ -891,7 +891,7 @@ impl Spec {
 }
 
 /// `update.lr: 0.001 -> 0.01; eval.limit: (unset) -> 8`.
-pub fn describe_changes(changes: &[SpecChange]) -> String {
+pub(crate) fn describe_changes(changes: &[SpecChange]) -> String {
     let v = |x: &Option<String>| x.clone().unwrap_or_else(|| "(unset)".into());
     changes
         .iter()

@@ -22,7 +22,7 @@ const WORKSPACE: usize = 32 << 20;
 
 /// A device matrix operand: its address and element type.
 #[derive(Clone, Copy, Debug)]
-pub struct Operand {
+pub(crate) struct Operand {
     pub ptr: u64,
     pub dtype: DType,
 }
@@ -30,7 +30,7 @@ pub struct Operand {
 /// One column-major GEMM: D[m,n] = op(A)·op(B) + beta·C (+ bias[m] along the rows of D), where
 /// C is D unless `c` names another matrix of D's type and layout.
 #[derive(Clone, Copy, Debug)]
-pub struct GemmCall {
+pub(crate) struct GemmCall {
     pub transa: bool,
     pub transb: bool,
     pub m: usize,
@@ -95,7 +95,7 @@ struct State {
 // SAFETY: the handle and descriptors are only used under the mutex, on one stream.
 unsafe impl Send for State {}
 
-pub struct Gemm {
+pub(crate) struct Gemm {
     state: Mutex<State>,
     workspace: Block,
     stream: Arc<CudaStream>,

@@ -41,7 +41,7 @@ use crate::error::input_error;
 
 /// The device's own kernels: type conversion (copies between f32 and bf16, GEMM operands) and
 /// the token feed of queued decode steps.
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "device",
     src: include_str!("device.cu"),
     per_head_dim: false,
@@ -49,7 +49,7 @@ pub const KERNELS: Family = Family {
 
 /// Byte alignment of the parts of an `alloc_parts` (what the pool's blocks have): cuBLASLt
 /// plans for 256-byte aligned operands and the kernels' 16-byte vector loads need 16.
-pub const PART_ALIGN: usize = 256;
+pub(crate) const PART_ALIGN: usize = 256;
 
 /// The message a user sees on a machine without a usable GPU.
 pub const NO_DRIVER: &str = "no CUDA driver found; use --device cpu";
@@ -988,7 +988,7 @@ impl Device for CudaBackend {
 
 /// Element offsets of the parts of an `alloc_parts`: each starts where the previous one ends,
 /// rounded up to [`PART_ALIGN`] bytes.
-pub fn part_offsets(sizes: &[usize], dtype: DType) -> Vec<usize> {
+pub(crate) fn part_offsets(sizes: &[usize], dtype: DType) -> Vec<usize> {
     let step = PART_ALIGN / esize(dtype);
     let mut end = 0usize;
     sizes

@@ -40,7 +40,7 @@ use crate::backend::check::timing::Timing;
 use crate::backend::cuda::nvrtc::{self, Family};
 
 /// Every kernel source NVRTC compiles: the device's own and each family's.
-pub const KERNELS: [Family; 13] = [
+pub(crate) const KERNELS: [Family; 13] = [
     crate::backend::cuda::KERNELS,
     memory::cuda::KERNELS,
     matmul::cuda::KERNELS,
@@ -82,7 +82,7 @@ pub fn op_cases() -> Vec<Case> {
 }
 
 /// The op families' timing shapes, in the order `gpu-test --time` runs them.
-pub fn timing_cases() -> Vec<Timing> {
+pub(crate) fn timing_cases() -> Vec<Timing> {
     [
         matmul::check::TIMINGS,
         attention::check::TIMINGS,

@@ -23,7 +23,7 @@ pub const CASES: &[Case] = &[
     },
 ];
 
-pub const TIMINGS: &[Timing] = &[
+pub(crate) const TIMINGS: &[Timing] = &[
     Timing {
         name: "rope",
         run: time_train,

@@ -22,8 +22,7 @@ mod sequence;
 mod sizing;
 
 pub use engine::generate_paged;
-pub use graphs::{decode_bucket, GraphMode, GraphStats};
-pub use kv::PagedKv;
+pub use graphs::{GraphMode, GraphStats};
 pub use request::{Completion, Detokenize, FinishReason, GenParams, Request};
 pub use runner::PagedDecoder;
 pub use sizing::{Limits, Need, Plan};

@@ -21,7 +21,7 @@ use crate::model::decoder::{Decoder, StepRows};
 /// cache (`release_graphs` does it and says how much they held).
 pub struct PagedDecoder<'a, B: Backend> {
     pub decoder: &'a mut Decoder<B>,
-    pub cache: PagedKv<B>,
+    pub(crate) cache: PagedKv<B>,
 }
 
 impl<'a, B: Backend> PagedDecoder<'a, B> {
@@ -41,13 +41,8 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
         2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * esize
     }
 
-    /// How the decode steps ran so far.
-    pub fn graph_stats(&self) -> GraphStats {
-        self.cache.graph_stats()
-    }
-
     /// The logits the last step drew its first `rows` rows from, `[rows, vocab]` (checks).
-    pub fn last_logits(&self, rows: usize) -> Result<Vec<f32>> {
+    pub(crate) fn last_logits(&self, rows: usize) -> Result<Vec<f32>> {
         self.decoder.step_logits(rows)
     }
 

@@ -62,7 +62,7 @@ impl Train<'_> {
     /// writes a checkpoint, rank 0 gets the masters for the model files and every rank writes
     /// its optimizer shard into `staging`, as `update` under a launcher does. Every rank of
     /// `policy.comm` calls it.
-    pub fn train_sharded_on<B: Backend>(
+    pub(crate) fn train_sharded_on<B: Backend>(
         self,
         policy: &mut ShardedPolicy<'_, B>,
         schedule_step: u64,

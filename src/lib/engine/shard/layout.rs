@@ -28,7 +28,7 @@ pub struct ShardLayout {
 
 impl ShardLayout {
     /// Whole tensors (by name) from every rank's shard of every bucket (`shards[rank][bucket]`).
-    pub fn unflatten(&self, shards: &[&[Vec<f32>]]) -> Result<Weights> {
+    pub(crate) fn unflatten(&self, shards: &[&[Vec<f32>]]) -> Result<Weights> {
         ensure!(
             shards.len() == self.world_size,
             "{} shards for a world of {}",

@@ -23,7 +23,7 @@ use std::time::Instant;
 pub const OPS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
 
 /// busbw / algbw for `op` on `n` ranks (nccl-tests).
-pub fn bus_factor(op: &str, n: usize) -> f64 {
+pub(crate) fn bus_factor(op: &str, n: usize) -> f64 {
     let n = n as f64;
     match op {
         "all_reduce" => 2.0 * (n - 1.0) / n,

@@ -14,7 +14,7 @@ use anyhow::{bail, Result};
 use std::ops::Range;
 
 /// Elements a shard is a multiple of (256 bytes of bf16: aligned rows for the GPU kernels).
-pub const SHARD_ALIGN: usize = 128;
+pub(crate) const SHARD_ALIGN: usize = 128;
 
 /// One bucket: consecutive tensors laid end to end.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -113,7 +113,8 @@ impl BucketPlan {
     }
 
     /// The bucket that holds tensor `t`.
-    pub fn bucket_of(&self, t: usize) -> usize {
+    #[cfg(test)]
+    pub(crate) fn bucket_of(&self, t: usize) -> usize {
         self.buckets.partition_point(|b| b.tensors.end <= t)
     }
 

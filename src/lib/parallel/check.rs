@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 /// One check's outcome.
 #[derive(Clone, Debug, Serialize)]
-pub struct CheckRow {
+pub(crate) struct CheckRow {
     pub name: String,
     pub dtype: &'static str,
     pub world: usize,
@@ -559,7 +559,11 @@ impl<B: Backend> Checker<'_, B> {
 }
 
 /// Every check on `comm` (a collective call: every rank runs it).
-pub fn run_checks<B: Backend>(backend: &B, comm: &dyn Comm<B>, seed: u64) -> Result<Vec<CheckRow>> {
+pub(crate) fn run_checks<B: Backend>(
+    backend: &B,
+    comm: &dyn Comm<B>,
+    seed: u64,
+) -> Result<Vec<CheckRow>> {
     let mut c = Checker {
         backend,
         comm,
@@ -590,7 +594,10 @@ pub fn run_checks<B: Backend>(backend: &B, comm: &dyn Comm<B>, seed: u64) -> Res
 }
 
 /// Small cases whose results the tests work out by hand (`dist-test` prints them).
-pub fn hand_cases<B: Backend>(backend: &B, comm: &dyn Comm<B>) -> Result<Vec<(String, Vec<f32>)>> {
+pub(crate) fn hand_cases<B: Backend>(
+    backend: &B,
+    comm: &dyn Comm<B>,
+) -> Result<Vec<(String, Vec<f32>)>> {
     let (n, r) = (comm.world_size(), comm.rank());
     let rf = r as f32;
     let mut out = Vec::new();
@@ -653,7 +660,7 @@ pub fn hand_cases<B: Backend>(backend: &B, comm: &dyn Comm<B>) -> Result<Vec<(St
 
 /// The communicator checks at world size 1 on GPU `ordinal` (NCCL, real calls), for
 /// `gpu-test`.
-pub fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
+pub(crate) fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
     let pg = ProcessGroup::new(World::single(), Options::from_env()?)?;
     let backend = CudaBackend::new(ordinal)?;
     let comm = NcclComm::new(&backend, &pg)?;

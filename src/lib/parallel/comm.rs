@@ -42,7 +42,7 @@ pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Re
 }
 
 /// "f32" or "bf16".
-pub fn dtype_name(d: DType) -> &'static str {
+pub(crate) fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
@@ -58,7 +58,7 @@ pub fn dtype_bytes(d: DType) -> usize {
 }
 
 /// `v` as a buffer of `d` stores it (bf16: rounded to nearest even).
-pub fn round_to(v: f32, d: DType) -> f32 {
+pub(crate) fn round_to(v: f32, d: DType) -> f32 {
     match d {
         DType::F32 => v,
         DType::BF16 => half::bf16::from_f32(v).to_f32(),
@@ -78,7 +78,7 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// The factor each rank's value is multiplied by before the sum (None: 1).
-    pub fn premul(self, world_size: usize) -> Option<f32> {
+    pub(crate) fn premul(self, world_size: usize) -> Option<f32> {
         match self {
             ReduceOp::Sum => None,
             ReduceOp::Avg => Some(1.0 / world_size as f32),
@@ -153,7 +153,7 @@ impl<'a, B: Backend> Collective<'a, B> {
     }
 
     /// All-gather where this rank's piece already sits at `buf[off + rank·count..]`.
-    pub fn all_gather_in_place(buf: &'a mut B::Buf, off: usize, count: usize) -> Self {
+    pub(crate) fn all_gather_in_place(buf: &'a mut B::Buf, off: usize, count: usize) -> Self {
         Self::of(Kind::AllGather {
             send: None,
             recv: buf,
@@ -181,7 +181,7 @@ impl<'a, B: Backend> Collective<'a, B> {
     }
 
     /// Reduce-scatter of `buf[off..off + n·count]` whose result stays at `buf[off + rank·count..]`.
-    pub fn reduce_scatter_in_place(
+    pub(crate) fn reduce_scatter_in_place(
         buf: &'a mut B::Buf,
         off: usize,
         count: usize,

@@ -270,7 +270,7 @@ impl StageJob {
 
     /// [`StageJob::splits_over_ranks`] by the stage's name: the one list of the stages the
     /// ranks (of a launch or of a daemon group) share; the others run on rank 0 alone.
-    pub fn stage_splits_over_ranks(name: &str) -> bool {
+    pub(crate) fn stage_splits_over_ranks(name: &str) -> bool {
         matches!(name, "rollout" | "ref-logprob" | "update" | "save")
     }
 
@@ -414,7 +414,7 @@ pub fn def(name: &str) -> Option<&'static StageDef> {
 }
 
 /// The typed flags of parsed matches (an input error when they do not fit).
-pub fn parse_args<A: FromArgMatches>(m: &ArgMatches) -> Result<A> {
+pub(crate) fn parse_args<A: FromArgMatches>(m: &ArgMatches) -> Result<A> {
     A::from_arg_matches(m).map_err(|e| input_error(clap_message(&e)))
 }
 

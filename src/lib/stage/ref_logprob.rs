@@ -44,7 +44,7 @@ impl LogprobColumn {
 }
 
 /// Name of the per-token entropy column `--entropy` adds.
-pub const ENTROPY: &str = "entropy";
+pub(crate) const ENTROPY: &str = "entropy";
 
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[command(

@@ -109,7 +109,7 @@ pub fn tokenize_prompts(
 
 /// Says which dataset columns the output leaves out (named like columns the stages write for
 /// each response), so that no column disappears silently.
-pub fn log_left_out(dataset: &PromptDataset, stage: &str, log: &mut dyn FnMut(&str)) {
+pub(crate) fn log_left_out(dataset: &PromptDataset, stage: &str, log: &mut dyn FnMut(&str)) {
     let left_out = dataset.left_out_columns();
     if !left_out.is_empty() {
         log(&format!(
@@ -123,7 +123,7 @@ pub fn log_left_out(dataset: &PromptDataset, stage: &str, log: &mut dyn FnMut(&s
 /// The columns every batch of sequences starts with, in contract order: uid, prompt_uid, the
 /// dataset's columns, prompt_ids, response_ids, response_mask (all 1), response_text. Ragged
 /// ids come as (offsets, values). Shared by rollout and sft-batch.
-pub fn sequence_columns(
+pub(crate) fn sequence_columns(
     uids: Vec<String>,
     prompt_uids: Vec<String>,
     dataset_columns: Vec<(Field, ArrayRef)>,

@@ -34,7 +34,7 @@ pub struct Console {
 }
 
 /// What a captured stage command did.
-pub struct Captured {
+pub(crate) struct Captured {
     pub status: ExitStatus,
     /// Its last output lines (stdout and stderr, in the order they came).
     pub tail: Vec<String>,
@@ -74,7 +74,7 @@ impl Console {
     }
 
     /// Whether the console is a terminal (a progress bar is drawn).
-    pub fn is_terminal() -> bool {
+    pub(crate) fn is_terminal() -> bool {
         std::io::stderr().is_terminal()
     }
 

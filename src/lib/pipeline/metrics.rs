@@ -200,7 +200,7 @@ pub(crate) fn masked_mean_diff(batch: &Batch, a: &str, b: &str) -> Result<Option
 }
 
 /// Mean of a per-token column over model tokens.
-pub fn masked_mean(batch: &Batch, col: &str) -> Result<Option<f64>> {
+pub(crate) fn masked_mean(batch: &Batch, col: &str) -> Result<Option<f64>> {
     if !batch.has(col) {
         return Ok(None);
     }

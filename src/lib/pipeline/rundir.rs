@@ -29,7 +29,7 @@ pub(crate) const STATE_VERSION: u64 = 1;
 
 /// What has finished in a run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct State {
+pub(crate) struct State {
     pub version: u64,
     /// Steps whose every stage (and metrics line) is done; step 0 is initialisation.
     pub steps_done: u64,
@@ -47,7 +47,7 @@ pub struct State {
 impl State {
     /// Whether the state records task `name` of step `step` as finished (in the step in
     /// progress).
-    pub fn is_done(&self, step: u64, name: &str) -> bool {
+    pub(crate) fn is_done(&self, step: u64, name: &str) -> bool {
         self.current
             .as_ref()
             .is_some_and(|c| c.step == step && c.is_done(name))
@@ -74,7 +74,7 @@ pub(crate) struct StepProgress {
 }
 
 impl StepProgress {
-    pub fn is_done(&self, stage: &str) -> bool {
+    pub(crate) fn is_done(&self, stage: &str) -> bool {
         self.done.iter().any(|s| s == stage)
     }
 }
@@ -105,7 +105,7 @@ impl RunDir {
     pub(crate) fn spec_changes_path(&self) -> PathBuf {
         self.root.join("spec-changes.jsonl")
     }
-    pub fn metrics_path(&self) -> PathBuf {
+    pub(crate) fn metrics_path(&self) -> PathBuf {
         self.root.join("metrics.jsonl")
     }
     pub(crate) fn eval_path(&self) -> PathBuf {

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 /// Where the sampler stands: the next prompt is `order(seed, epoch)[position]`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cursor {
+pub(crate) struct Cursor {
     pub epoch: u64,
     pub position: u64,
 }

@@ -20,7 +20,7 @@ use serde::Serialize;
 use std::time::Instant;
 
 /// The collectives `time_collective` knows.
-pub const OPS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
+pub(crate) const OPS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
 
 /// busbw / algbw for `op` on `n` ranks (nccl-tests).
 pub(crate) fn bus_factor(op: &str, n: usize) -> f64 {
@@ -34,7 +34,7 @@ pub(crate) fn bus_factor(op: &str, n: usize) -> f64 {
 
 /// One row of the collective table.
 #[derive(Clone, Debug, Serialize)]
-pub struct CollectiveTiming {
+pub(crate) struct CollectiveTiming {
     pub op: String,
     pub dtype: &'static str,
     pub world: usize,
@@ -103,7 +103,7 @@ fn filled<B: Backend>(backend: &B, n: usize, d: DType, value: f32) -> Result<B::
 /// Times `op` on a buffer of about `bytes` bytes of `d` (rounded down to n equal pieces):
 /// `warmup` untimed runs, then `iters` timed ones. Rank r's input is r + 1 everywhere, so the
 /// checked results are small integers, exact in bf16.
-pub fn time_collective<B: Backend>(
+pub(crate) fn time_collective<B: Backend>(
     backend: &B,
     comm: &dyn Comm<B>,
     op: &str,
@@ -198,7 +198,7 @@ pub fn time_collective<B: Backend>(
 
 /// One row of the weight-sync table.
 #[derive(Clone, Debug, Serialize)]
-pub struct SyncTiming {
+pub(crate) struct SyncTiming {
     pub bucket_mb: f64,
     pub buckets: usize,
     pub world: usize,
@@ -224,7 +224,7 @@ fn sync_value(b: usize, i: usize) -> f32 {
 /// Times [`WeightSync`] of tensors of `sizes` with buckets of `bucket_bytes`: allocates every
 /// rank's shards and the full tensors, checks the first and last elements of every tensor
 /// after one sync, then times `iters` syncs after `warmup`.
-pub fn time_weight_sync<B: Backend>(
+pub(crate) fn time_weight_sync<B: Backend>(
     backend: &B,
     comm: &dyn Comm<B>,
     sizes: &[usize],

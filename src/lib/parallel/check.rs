@@ -695,7 +695,7 @@ pub(crate) fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
 
 /// The `communicator` case of `tandem gpu-test`: [`gpu_rows`] as rows of its table. The rows
 /// carry their own element types, so the case runs once (in the f32 pass).
-pub const GPU_CASES: &[Case] = &[Case {
+pub(crate) const GPU_CASES: &[Case] = &[Case {
     name: "communicator",
     run: communicator_case,
 }];

@@ -26,7 +26,7 @@ use anyhow::{bail, Result};
 use std::time::Duration;
 
 /// `v` = Σ over the ranks, each f64 carried as two f32 (hi + lo) through the f32 collective.
-pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Result<()> {
+pub(crate) fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Result<()> {
     let n = v.len();
     let mut host = Vec::with_capacity(2 * n);
     host.extend(v.iter().map(|&x| x as f32));
@@ -50,7 +50,7 @@ pub(crate) fn dtype_name(d: DType) -> &'static str {
 }
 
 /// Bytes of one element of `d`.
-pub fn dtype_bytes(d: DType) -> usize {
+pub(crate) fn dtype_bytes(d: DType) -> usize {
     match d {
         DType::F32 => 4,
         DType::BF16 => 2,
@@ -88,7 +88,7 @@ impl ReduceOp {
 }
 
 /// What a collective does and where (see the module docs for each kind's semantics).
-pub enum Kind<'a, B: Backend> {
+pub(crate) enum Kind<'a, B: Backend> {
     AllReduce {
         buf: &'a mut B::Buf,
         off: usize,
@@ -121,7 +121,7 @@ pub enum Kind<'a, B: Backend> {
 
 /// One collective of a group.
 pub struct Collective<'a, B: Backend> {
-    pub kind: Kind<'a, B>,
+    pub(crate) kind: Kind<'a, B>,
     /// Element type when it differs from the buffer's (the CPU emulating bf16).
     pub dtype: Option<DType>,
 }
@@ -232,7 +232,11 @@ impl<'a, B: Backend> Collective<'a, B> {
     }
 
     /// Checks ranges and the root against the buffers' lengths (`len_of`) and the world.
-    pub fn validate(&self, world_size: usize, len_of: impl Fn(&B::Buf) -> usize) -> Result<()> {
+    pub(crate) fn validate(
+        &self,
+        world_size: usize,
+        len_of: impl Fn(&B::Buf) -> usize,
+    ) -> Result<()> {
         let name = self.name();
         let fits = |what: &str, have: usize, off: usize, n: usize| -> Result<()> {
             if off.checked_add(n).is_none_or(|end| end > have) {
@@ -287,7 +291,7 @@ impl<'a, B: Backend> Collective<'a, B> {
 }
 
 /// What an implementation keeps of a started group until it is waited for.
-pub trait Pending {
+pub(crate) trait Pending {
     /// Orders later backend work after the group (and delivers its results); the error of
     /// any collective of the group.
     fn wait(self: Box<Self>) -> Result<()>;
@@ -300,7 +304,7 @@ pub struct Work<'a> {
 }
 
 impl<'a> Work<'a> {
-    pub fn new(pending: Box<dyn Pending + 'a>) -> Work<'a> {
+    pub(crate) fn new(pending: Box<dyn Pending + 'a>) -> Work<'a> {
         Work {
             pending: Some(pending),
         }

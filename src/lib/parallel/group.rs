@@ -131,7 +131,7 @@ impl ProcessGroup {
         self.opts.timeout
     }
 
-    pub fn health(&self) -> &Arc<Health> {
+    pub(crate) fn health(&self) -> &Arc<Health> {
         &self.health
     }
 
@@ -171,7 +171,7 @@ impl ProcessGroup {
 
     /// [`ProcessGroup::finish`] for a group shared behind an `Arc` (a daemon's, a stage's
     /// exchanges'): the group ends when its last holder drops it.
-    pub fn finish_shared(&self) -> Result<()> {
+    pub(crate) fn finish_shared(&self) -> Result<()> {
         match &self.client {
             Some(store) => store.finish(),
             None => Ok(()),

@@ -33,7 +33,7 @@ type Hook = Box<dyn Fn() + Send + Sync>;
 type Reporter = Box<dyn Fn(&Failure) + Send + Sync>;
 
 /// Shared by the store client, the communicators and the process group of one rank.
-pub struct Health {
+pub(crate) struct Health {
     rank: usize,
     failure: Mutex<Option<Failure>>,
     hooks: Mutex<Vec<Hook>>,
@@ -53,10 +53,6 @@ impl Health {
         })
     }
 
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
     /// The first failure, if any.
     pub(crate) fn failure(&self) -> Option<Failure> {
         self.failure.lock().unwrap().clone()
@@ -71,7 +67,7 @@ impl Health {
     }
 
     /// Runs `hook` when the job fails (at once if it already has).
-    pub fn on_failure(&self, hook: impl Fn() + Send + Sync + 'static) {
+    pub(crate) fn on_failure(&self, hook: impl Fn() + Send + Sync + 'static) {
         if self.failure().is_some() {
             hook();
         } else {

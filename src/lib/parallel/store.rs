@@ -756,7 +756,7 @@ impl StoreClient {
     /// The first of `keys` that some rank sets (its index and value), waiting at most `wait`
     /// (None: as long as every rank is alive; a failure of the job ends the wait with its
     /// message), or until `stop` says to give up (then None).
-    pub fn get_any(
+    pub(crate) fn get_any(
         &self,
         keys: &[String],
         wait: Option<Duration>,

@@ -89,7 +89,7 @@ impl World {
         Ok(world)
     }
 
-    pub fn is_single(&self) -> bool {
+    pub(crate) fn is_single(&self) -> bool {
         self.world_size == 1
     }
 

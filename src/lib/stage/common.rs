@@ -63,7 +63,7 @@ impl fmt::Display for Device {
 impl Device {
     /// The device of one rank of several: a CUDA rank computes on the GPU of its local rank
     /// (or the one GPU the launcher shows it), whatever `cuda:N` says; the CPU stays the CPU.
-    pub fn for_rank(self, world: &crate::parallel::World) -> Result<Device> {
+    pub(crate) fn for_rank(self, world: &crate::parallel::World) -> Result<Device> {
         match self {
             Device::Cpu => Ok(Device::Cpu),
             Device::Cuda(_) => Ok(Device::Cuda(crate::parallel::job::gpu_for_rank(world)?)),
@@ -92,11 +92,11 @@ pub(crate) mod as_text {
     use std::fmt::Display;
     use std::str::FromStr;
 
-    pub fn serialize<T: Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<T: Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(v)
     }
 
-    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    pub(crate) fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
     where
         T: FromStr,
         T::Err: Display,
@@ -112,7 +112,10 @@ pub(crate) mod rollout_is_level {
     use crate::algo::policy_loss::RolloutIsLevel;
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(v: &Option<RolloutIsLevel>, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(
+        v: &Option<RolloutIsLevel>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
         match v {
             None => s.serialize_none(),
             Some(RolloutIsLevel::Token) => s.serialize_some("token"),
@@ -120,7 +123,7 @@ pub(crate) mod rollout_is_level {
         }
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
         d: D,
     ) -> Result<Option<RolloutIsLevel>, D::Error> {
         Option::<String>::deserialize(d)?
@@ -226,7 +229,7 @@ pub(crate) fn gather_results<T>(
 
 /// Waits (on the ranks other than 0) until rank 0 has passed this point, e.g. written the
 /// files that the next step reads; alone, nothing to wait for.
-pub fn after_rank0(exec: &(impl Topology + ?Sized)) -> Result<()> {
+pub(crate) fn after_rank0(exec: &(impl Topology + ?Sized)) -> Result<()> {
     if let Some(x) = exec.ranks() {
         x.broadcast(x.is_root().then_some(&[][..]))?;
     }
@@ -234,7 +237,7 @@ pub fn after_rank0(exec: &(impl Topology + ?Sized)) -> Result<()> {
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal (logs, tests, pipelines).
-pub fn progress_bar(len: usize, what: &str) -> ProgressBar {
+pub(crate) fn progress_bar(len: usize, what: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
@@ -376,7 +379,7 @@ pub(crate) fn negative_numbers(arg: clap::Arg) -> clap::Arg {
 }
 
 /// Whether a flag's values parse to a number type.
-pub fn is_numeric(arg: &clap::Arg) -> bool {
+pub(crate) fn is_numeric(arg: &clap::Arg) -> bool {
     use std::any::TypeId;
     let parsed = arg.get_value_parser().type_id();
     [

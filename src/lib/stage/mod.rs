@@ -264,7 +264,7 @@ impl StageJob {
     /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
     /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's).
     /// `sync-weights` runs on rank 0 alone.
-    pub fn splits_over_ranks(&self) -> bool {
+    pub(crate) fn splits_over_ranks(&self) -> bool {
         StageJob::stage_splits_over_ranks(self.name())
     }
 
@@ -275,7 +275,7 @@ impl StageJob {
     }
 
     /// The `--metrics` file the stage writes, if any.
-    pub fn metrics_path(&self) -> Option<&PathBuf> {
+    pub(crate) fn metrics_path(&self) -> Option<&PathBuf> {
         match self {
             StageJob::Rollout(a) => a.metrics.as_ref(),
             StageJob::Update(a) => a.metrics.as_ref(),
@@ -339,7 +339,7 @@ impl StageDef {
     }
 
     /// Parses and checks `argv` as the stage binary would before reading its input.
-    pub fn check_args(&self, argv: &[String]) -> Result<()> {
+    pub(crate) fn check_args(&self, argv: &[String]) -> Result<()> {
         (self.check)(&self.matches(argv)?)
     }
 
@@ -427,7 +427,7 @@ pub fn parse_cli<A: FromArgMatches>(name: &str) -> A {
 }
 
 /// A clap error as one line: its message and hints without the usage block.
-pub fn clap_message(e: &clap::Error) -> String {
+pub(crate) fn clap_message(e: &clap::Error) -> String {
     let text = e.render().to_string();
     let text = text.split("\n\nUsage:").next().unwrap_or_default();
     let text = text

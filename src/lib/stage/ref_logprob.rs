@@ -108,7 +108,7 @@ impl Score<'_> {
     }
 
     /// Scores with a model already loaded.
-    pub fn score_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Vec<TokenStats>> {
+    pub(crate) fn score_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Vec<TokenStats>> {
         score(
             policy,
             self.rows,

@@ -56,7 +56,7 @@ pub enum Truncate {
 }
 
 /// How prompts are cut to fit (shared by rollout and sft-batch).
-pub struct PromptLimits<'a> {
+pub(crate) struct PromptLimits<'a> {
     pub prompt_key: &'a str,
     pub max_prompt_tokens: usize,
     pub truncate: Truncate,
@@ -65,7 +65,7 @@ pub struct PromptLimits<'a> {
 /// The first `n` prompts of a dataset as token ids: rendered with the chat template (or raw
 /// text when `template` is None), truncated or refused when too long, checked against the
 /// vocabulary. Returns the ids and how many prompts were truncated.
-pub fn tokenize_prompts(
+pub(crate) fn tokenize_prompts(
     dataset: &PromptDataset,
     n: usize,
     tokenizer: &Tokenizer,
@@ -475,7 +475,7 @@ impl Job for Generate<'_> {
 
 impl Generate<'_> {
     /// Generates with a policy already loaded (the load time it reports is 0).
-    pub fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {
+    pub(crate) fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {
         let (mut engine, plan) =
             PagedDecoder::sized(policy, self.requests, self.params, &self.limits)?;
         let gen_started = Instant::now();

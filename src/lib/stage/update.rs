@@ -280,7 +280,7 @@ impl UpdateArgs {
     }
 
     /// Masked importance sampling as the flags configure it.
-    pub fn rejection(&self) -> Result<Option<RolloutRs>> {
+    pub(crate) fn rejection(&self) -> Result<Option<RolloutRs>> {
         let Some(level) = self.rollout_rs else {
             return Ok(None);
         };

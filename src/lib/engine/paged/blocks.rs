@@ -23,7 +23,7 @@ impl BlockPool {
         }
     }
 
-    pub fn block_size(&self) -> usize {
+    pub(crate) fn block_size(&self) -> usize {
         self.block_size
     }
 
@@ -36,7 +36,7 @@ impl BlockPool {
     }
 
     /// Blocks held by at least one sequence.
-    pub fn in_use(&self) -> usize {
+    pub(crate) fn in_use(&self) -> usize {
         self.refs.len() - self.free.len()
     }
 

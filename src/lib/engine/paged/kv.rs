@@ -95,14 +95,14 @@ impl<B: Backend> PagedKv<B> {
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
-    pub fn block_size(&self) -> usize {
+    pub(crate) fn block_size(&self) -> usize {
         self.block_size
     }
     pub(crate) fn graph_stats(&self) -> GraphStats {
         self.graphs.stats
     }
     /// The graph of a decode step captured first, if any (for timing its replay alone).
-    pub fn first_graph(&self) -> Option<usize> {
+    pub(crate) fn first_graph(&self) -> Option<usize> {
         self.graphs.first()
     }
 

@@ -51,7 +51,7 @@ pub struct PagedConfig {
 
 impl PagedConfig {
     /// Checks the limits; the messages name the flags.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.block_size == 0 || self.num_blocks == 0 {
             bail!(
                 "the KV pool is empty ({} blocks of {} tokens)",

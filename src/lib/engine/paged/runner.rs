@@ -32,7 +32,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
 
     /// Bytes one KV block of `block_size` positions takes for `decoder` over every layer, keys
     /// and values in its compute dtype (to size a pool).
-    pub fn block_bytes(decoder: &Decoder<B>, block_size: usize) -> usize {
+    pub(crate) fn block_bytes(decoder: &Decoder<B>, block_size: usize) -> usize {
         let cfg = decoder.config();
         let esize = match decoder.backend().compute_dtype() {
             DType::F32 => 4,
@@ -214,7 +214,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
     /// `max_blocks` blocks run as `mode` says: `max_blocks` is the longest block table the
     /// engine will build (the fixed width of a padded step). `Graphs` on a backend without
     /// graphs is `Eager`. Graphs captured before are released.
-    pub fn set_graphs(
+    pub(crate) fn set_graphs(
         &mut self,
         mode: GraphMode,
         max_rows: usize,
@@ -232,7 +232,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
 
     /// Destroys the decode graphs and gives their memory back to the pool (to the driver on
     /// the next `trim`); the stats with the bytes the graphs held.
-    pub fn release_graphs(&mut self) -> Result<GraphStats> {
+    pub(crate) fn release_graphs(&mut self) -> Result<GraphStats> {
         self.release_graph_memory()?;
         Ok(self.cache.graph_stats())
     }

@@ -45,7 +45,7 @@ pub struct Trained {
 impl Train<'_> {
     /// Trains `policy` (whose schedule position is `schedule_step`) in place and brings back the
     /// new weights and optimizer state.
-    pub fn train_on<B: Backend>(
+    pub(crate) fn train_on<B: Backend>(
         self,
         policy: &mut Decoder<B>,
         schedule_step: u64,

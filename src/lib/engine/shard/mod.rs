@@ -72,7 +72,7 @@ pub enum ShardMode {
 }
 
 impl ShardMode {
-    pub const NAMES: [&'static str; 2] = ["zero2", "full"];
+    pub(crate) const NAMES: [&'static str; 2] = ["zero2", "full"];
 }
 
 impl std::str::FromStr for ShardMode {

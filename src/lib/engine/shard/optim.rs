@@ -180,7 +180,7 @@ impl<B: Backend> ShardedOptim<B> {
     }
 
     /// Whether the compute weights are sharded too (`shard = "full"`).
-    pub fn is_full(&self) -> bool {
+    pub(crate) fn is_full(&self) -> bool {
         self.full.is_some()
     }
 

@@ -51,9 +51,9 @@ pub struct Row {
 pub(crate) const TAIL: usize = 5;
 
 /// The storage types every case runs in, in order.
-pub const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+pub(crate) const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 
-pub fn dname(d: DType) -> &'static str {
+pub(crate) fn dname(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
@@ -69,7 +69,7 @@ pub fn round(v: f32, d: DType) -> f32 {
 }
 
 /// Tolerances by dtype: (single-pass op, op with a longer chain of roundings).
-pub fn tols(d: DType) -> (f64, f64) {
+pub(crate) fn tols(d: DType) -> (f64, f64) {
     match d {
         DType::F32 => (1e-4, 3e-4),
         DType::BF16 => (1e-2, 2e-2),
@@ -84,7 +84,7 @@ impl CaseRng {
         CaseRng(SplitMix64(seed))
     }
 
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0.next_u64()
     }
 
@@ -276,7 +276,7 @@ fn fmt_err(v: f64) -> String {
 }
 
 /// Prints the pass/fail table; returns the number of failures.
-pub fn print_table(rows: &[Row]) -> usize {
+pub(crate) fn print_table(rows: &[Row]) -> usize {
     let w = rows.iter().map(|r| r.op.len()).max().unwrap_or(2).max(2);
     println!(
         "{:<w$}  {:<5}  {:>11}  {:>11}  {:>8}  result",

@@ -266,13 +266,13 @@ impl Gemm {
     /// sequences and a training micro-batch of 5120 tokens round alike). Off by default: the
     /// heuristic's own choice is faster at small row counts. The environment variable
     /// TANDEM_BATCH_INVARIANT turns it on.
-    pub fn set_batch_invariant(&self, on: bool) {
+    pub(crate) fn set_batch_invariant(&self, on: bool) {
         self.invariant
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Plans made so far and the seconds they took (a new row count costs a heuristic query).
-    pub fn planning(&self) -> (u64, f64) {
+    pub(crate) fn planning(&self) -> (u64, f64) {
         use std::sync::atomic::Ordering::Relaxed;
         (
             self.plans_made.load(Relaxed),
@@ -280,7 +280,7 @@ impl Gemm {
         )
     }
 
-    pub fn batch_invariant(&self) -> bool {
+    pub(crate) fn batch_invariant(&self) -> bool {
         self.invariant.load(std::sync::atomic::Ordering::Relaxed)
     }
 

@@ -52,7 +52,7 @@ pub(crate) const KERNELS: Family = Family {
 pub(crate) const PART_ALIGN: usize = 256;
 
 /// The message a user sees on a machine without a usable GPU.
-pub const NO_DRIVER: &str = "no CUDA driver found; use --device cpu";
+pub(crate) const NO_DRIVER: &str = "no CUDA driver found; use --device cpu";
 
 /// A device buffer of `len` elements of `dtype`: its own block, or a part of a block shared
 /// with the other parts of an `alloc_parts` (`ptr` then points into it).
@@ -249,12 +249,12 @@ impl CudaBackend {
 
     /// Whether bf16 attention may use the tensor-core kernels (default on; the environment
     /// variable TANDEM_ATTN_SCALAR turns them off). The parity suite tests both paths.
-    pub fn set_tensor_core_attention(&self, on: bool) {
+    pub(crate) fn set_tensor_core_attention(&self, on: bool) {
         self.tensor_cores.store(on, Ordering::Relaxed);
     }
 
     /// Batch-invariant forward GEMMs (see `Gemm::set_batch_invariant`).
-    pub fn set_batch_invariant(&self, on: bool) {
+    pub(crate) fn set_batch_invariant(&self, on: bool) {
         self.gemm.set_batch_invariant(on);
     }
 
@@ -275,7 +275,7 @@ impl CudaBackend {
     }
 
     /// The GPU's name, e.g. "NVIDIA H100 80GB HBM3".
-    pub fn device_name(&self) -> &str {
+    pub(crate) fn device_name(&self) -> &str {
         &self.device_name
     }
 
@@ -284,7 +284,7 @@ impl CudaBackend {
         self.kernels.arch()
     }
 
-    pub fn nvrtc_version(&self) -> (i32, i32) {
+    pub(crate) fn nvrtc_version(&self) -> (i32, i32) {
         self.kernels.nvrtc_version()
     }
 

@@ -145,7 +145,7 @@ impl KernelCache {
         &self.arch
     }
 
-    pub fn nvrtc_version(&self) -> (i32, i32) {
+    pub(crate) fn nvrtc_version(&self) -> (i32, i32) {
         self.nvrtc
     }
 

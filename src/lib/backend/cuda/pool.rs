@@ -157,7 +157,7 @@ impl Pool {
 
     /// The graphs were destroyed: their private blocks return to the cache (and to the driver
     /// on the next `trim`). Returns the bytes the graphs held.
-    pub fn release_graph_memory(&self) -> usize {
+    pub(crate) fn release_graph_memory(&self) -> usize {
         let mut g = self.lock();
         let bytes = g.graph_bytes;
         let blocks: Vec<(usize, Vec<dsys::CUdeviceptr>)> = g.graph_free.drain().collect();

@@ -35,9 +35,9 @@ pub struct Console {
 
 /// What a captured stage command did.
 pub(crate) struct Captured {
-    pub status: ExitStatus,
+    pub(crate) status: ExitStatus,
     /// Its last output lines (stdout and stderr, in the order they came).
-    pub tail: Vec<String>,
+    pub(crate) tail: Vec<String>,
 }
 
 impl Console {

@@ -87,11 +87,11 @@ fn num(v: f64) -> Value {
 
 /// Score summary of a scored batch: mean, std, accuracy overall and per data_source.
 pub(crate) struct ScoreSummary {
-    pub mean: f64,
-    pub std: f64,
-    pub accuracy: f64,
-    pub by_source: BTreeMap<String, f64>,
-    pub rows: usize,
+    pub(crate) mean: f64,
+    pub(crate) std: f64,
+    pub(crate) accuracy: f64,
+    pub(crate) by_source: BTreeMap<String, f64>,
+    pub(crate) rows: usize,
 }
 
 /// Whether each row counts as correct: `score_acc` when the reward gives one, else score >= 1.
@@ -221,13 +221,13 @@ pub(crate) fn masked_mean(batch: &Batch, col: &str) -> Result<Option<f64>> {
 
 /// Everything the runner knows about one finished step.
 pub(crate) struct StepFiles<'a> {
-    pub step: u64,
-    pub scored: &'a Path,
+    pub(crate) step: u64,
+    pub(crate) scored: &'a Path,
     /// The batch holding ref_logprobs, when computed.
-    pub with_ref: Option<&'a Path>,
+    pub(crate) with_ref: Option<&'a Path>,
     /// Each stage's `--metrics` file.
-    pub stage_metrics: Vec<(&'static str, std::path::PathBuf)>,
-    pub seconds: &'a BTreeMap<String, f64>,
+    pub(crate) stage_metrics: Vec<(&'static str, std::path::PathBuf)>,
+    pub(crate) seconds: &'a BTreeMap<String, f64>,
 }
 
 /// The flat metrics line of a step.

@@ -39,8 +39,8 @@ pub struct PlotArgs {
 /// (`None` where the line lacks the key or holds a non-number).
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Series {
-    pub label: String,
-    pub data: Vec<(f64, Option<f64>)>,
+    pub(crate) label: String,
+    pub(crate) data: Vec<(f64, Option<f64>)>,
 }
 
 impl Series {
@@ -77,9 +77,9 @@ impl Series {
 /// One panel: a title, its curves, and a note drawn in it (why it is empty).
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Panel {
-    pub title: String,
-    pub series: Vec<Series>,
-    pub note: Option<String>,
+    pub(crate) title: String,
+    pub(crate) series: Vec<Series>,
+    pub(crate) note: Option<String>,
 }
 
 impl Panel {
@@ -332,21 +332,21 @@ pub(crate) type Rect = (Range<i32>, Range<i32>);
 #[derive(Clone, Debug)]
 #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests only"))]
 pub(crate) struct DrawnSeries {
-    pub color: (u8, u8, u8),
-    pub lines: Vec<Vec<(f64, f64)>>,
-    pub pixels: Vec<Vec<(i32, i32)>>,
+    pub(crate) color: (u8, u8, u8),
+    pub(crate) lines: Vec<Vec<(f64, f64)>>,
+    pub(crate) pixels: Vec<Vec<(i32, i32)>>,
 }
 
 /// What was drawn of one panel: where its plot area and legend are, and its series.
 #[derive(Clone, Debug)]
 #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests only"))]
 pub(crate) struct DrawnPanel {
-    pub title: String,
-    pub plot: Rect,
-    pub legend: Option<Rect>,
-    pub x_range: Range<f64>,
-    pub y_range: Range<f64>,
-    pub series: Vec<DrawnSeries>,
+    pub(crate) title: String,
+    pub(crate) plot: Rect,
+    pub(crate) legend: Option<Rect>,
+    pub(crate) x_range: Range<f64>,
+    pub(crate) y_range: Range<f64>,
+    pub(crate) series: Vec<DrawnSeries>,
 }
 
 static FONT: Once = Once::new();

@@ -30,18 +30,18 @@ pub(crate) const STATE_VERSION: u64 = 1;
 /// What has finished in a run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub(crate) struct State {
-    pub version: u64,
+    pub(crate) version: u64,
     /// Steps whose every stage (and metrics line) is done; step 0 is initialisation.
-    pub steps_done: u64,
+    pub(crate) steps_done: u64,
     /// Whether step 0 (publishing the initial policy, the first eval) is done.
-    pub init_done: bool,
+    pub(crate) init_done: bool,
     /// The step in progress and its finished stages.
     #[serde(default)]
-    pub current: Option<StepProgress>,
+    pub(crate) current: Option<StepProgress>,
     /// The sampler's cursor for the next draw.
-    pub sampler: Cursor,
+    pub(crate) sampler: Cursor,
     /// Rows in the training set when the run began (a changed dataset is refused on resume).
-    pub train_rows: u64,
+    pub(crate) train_rows: u64,
 }
 
 impl State {
@@ -68,9 +68,9 @@ impl State {
 /// The finished stages of the step in progress, and how long each took.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub(crate) struct StepProgress {
-    pub step: u64,
-    pub done: Vec<String>,
-    pub seconds: BTreeMap<String, f64>,
+    pub(crate) step: u64,
+    pub(crate) done: Vec<String>,
+    pub(crate) seconds: BTreeMap<String, f64>,
 }
 
 impl StepProgress {
@@ -82,7 +82,7 @@ impl StepProgress {
 /// Paths inside one run directory.
 #[derive(Clone, Debug)]
 pub(crate) struct RunDir {
-    pub root: PathBuf,
+    pub(crate) root: PathBuf,
 }
 
 impl RunDir {

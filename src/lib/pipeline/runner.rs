@@ -46,16 +46,16 @@ pub(crate) fn bin_dir() -> Result<PathBuf> {
 /// The runner of one run directory.
 pub(crate) struct Runner {
     /// The spec, its stages' flags, the run directory and the binaries the tasks derive from.
-    pub plan: Plan,
-    pub state: State,
+    pub(crate) plan: Plan,
+    pub(crate) state: State,
     /// The training set, read on first use.
     train: Option<Batch>,
     /// Steps whose header comment was already written to commands.sh by this process.
     announced: Option<u64>,
     /// The console (one line per step, a progress bar) and the run's log.
-    pub console: Console,
+    pub(crate) console: Console,
     /// The `pipeline run` command that continues this run, for the message of a failed stage.
-    pub rerun: String,
+    pub(crate) rerun: String,
     /// The evaluation summary of the step in progress, for its step line.
     eval_note: Option<String>,
     /// The warm daemon the model stages are sent to (`daemon = true`).

@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 /// Where the sampler stands: the next prompt is `order(seed, epoch)[position]`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Cursor {
-    pub epoch: u64,
-    pub position: u64,
+    pub(crate) epoch: u64,
+    pub(crate) position: u64,
 }
 
 use crate::rng::SplitMix64;
@@ -26,9 +26,9 @@ pub fn derive_seed(base: u64, labels: &[u64]) -> u64 {
 /// The prompt sampler over a dataset of `len` rows.
 #[derive(Clone, Debug)]
 pub(crate) struct Sampler {
-    pub seed: u64,
-    pub len: u64,
-    pub shuffle: bool,
+    pub(crate) seed: u64,
+    pub(crate) len: u64,
+    pub(crate) shuffle: bool,
 }
 
 impl Sampler {

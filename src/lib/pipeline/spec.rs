@@ -55,24 +55,24 @@ impl Device {
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub(crate) struct ModelSpec {
     /// HF model directory the run starts from (also the reference when `ref` is not set).
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// A different reference model for `ref-logprob`.
     #[serde(rename = "ref", default, skip_serializing_if = "Option::is_none")]
-    pub reference: Option<PathBuf>,
+    pub(crate) reference: Option<PathBuf>,
 }
 
 /// `[data]`: prompt datasets and how many prompts each step takes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub(crate) struct DataSpec {
-    pub train: PathBuf,
+    pub(crate) train: PathBuf,
     /// Validation prompts for `[eval]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub val: Option<PathBuf>,
-    pub prompts_per_step: u64,
+    pub(crate) val: Option<PathBuf>,
+    pub(crate) prompts_per_step: u64,
     /// Reshuffle the training prompts every epoch (seeded); false keeps the file's order.
     #[serde(default = "yes")]
-    pub shuffle: bool,
+    pub(crate) shuffle: bool,
 }
 
 /// `[eval]`: cadence of evaluation on `data.val`, and the evaluation rollout's flags: `limit`
@@ -84,13 +84,13 @@ pub(crate) struct DataSpec {
 pub(crate) struct EvalSpec {
     /// Evaluate after every `every` steps (0: never).
     #[serde(default)]
-    pub every: u64,
+    pub(crate) every: u64,
     /// Also evaluate the initial model (step 0) when `every` > 0.
     #[serde(default = "yes")]
-    pub at_start: bool,
+    pub(crate) at_start: bool,
     /// The rollout flags (checked by [`Spec::stages`]).
     #[serde(flatten)]
-    pub rollout: toml::Table,
+    pub(crate) rollout: toml::Table,
 }
 
 impl Default for EvalSpec {
@@ -109,10 +109,10 @@ impl Default for EvalSpec {
 pub(crate) struct CheckpointSpec {
     /// Keep the checkpoint of every `every`-th step (0: only the current policy's).
     #[serde(default)]
-    pub every: u64,
+    pub(crate) every: u64,
     /// How many of those to keep (the newest); the current policy is always kept.
     #[serde(default = "one")]
-    pub keep_last: u64,
+    pub(crate) keep_last: u64,
 }
 
 impl Default for CheckpointSpec {
@@ -137,21 +137,21 @@ pub(crate) struct AlgorithmSpec {
     /// Drop the prompt groups whose `filter-metric` is equal over all their samples and sample
     /// more prompts until the step has `[data] prompts-per-step` groups.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub filter_groups: bool,
+    pub(crate) filter_groups: bool,
     /// `score` (default), `acc` (the accuracy as the metrics count it: `score_acc`, else
     /// score >= 1) or a sub-score column `score_<key>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub filter_metric: Option<String>,
+    pub(crate) filter_metric: Option<String>,
     /// Rounds of generation a step may take, the first included (0: no cap). Default 10.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_num_gen_batches: Option<u64>,
+    pub(crate) max_num_gen_batches: Option<u64>,
     /// Prompts drawn per round (verl's gen_batch_size). Default: `[data] prompts-per-step`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompts_per_round: Option<u64>,
+    pub(crate) prompts_per_round: Option<u64>,
     /// At the cap with fewer groups than asked: `train` on the groups kept (default; none kept
     /// stops the run), or `fail` as verl does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_cap: Option<OnCap>,
+    pub(crate) on_cap: Option<OnCap>,
 }
 
 impl AlgorithmSpec {
@@ -207,11 +207,11 @@ impl FilterMetric {
 /// Dynamic sampling as the runner runs it, the defaults filled in.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct FilterGroups {
-    pub metric: FilterMetric,
+    pub(crate) metric: FilterMetric,
     /// Generation rounds a step may take (0: no cap).
-    pub max_rounds: u64,
-    pub prompts_per_round: u64,
-    pub on_cap: OnCap,
+    pub(crate) max_rounds: u64,
+    pub(crate) prompts_per_round: u64,
+    pub(crate) on_cap: OnCap,
 }
 
 /// verl's DAPO recipe caps a step at 10 generation batches.
@@ -232,47 +232,47 @@ fn is_one(v: &u64) -> bool {
 pub(crate) struct Spec {
     /// Seed of the prompt sampler and of every stage's `--seed`.
     #[serde(default)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Number of training steps.
-    pub steps: u64,
+    pub(crate) steps: u64,
     #[serde(default)]
-    pub device: Device,
+    pub(crate) device: Device,
     /// Run GPU stages as clients of a warm daemon.
     #[serde(default)]
-    pub daemon: bool,
+    pub(crate) daemon: bool,
     /// Ranks of the model stages on this machine: with `gpus = N > 1` the runner runs rollout,
     /// ref-logprob and update under `tandem launch --nproc-per-node N` (one rank per GPU, or N
     /// CPU processes on the CPU), or, with `daemon = true`, starts N daemons under it (a
     /// daemon group) and sends those stages to it.
     #[serde(default = "one", skip_serializing_if = "is_one")]
-    pub gpus: u64,
+    pub(crate) gpus: u64,
     /// Machines: 1 only for now.
     #[serde(default = "one", skip_serializing_if = "is_one")]
-    pub nodes: u64,
+    pub(crate) nodes: u64,
     /// Batch-invariant GPU kernels in every stage and the daemon (TANDEM_BATCH_INVARIANT=1):
     /// rollout log-probs equal the training forward's for the same tokens, at a rollout
     /// throughput cost (docs/ROLLOUT.md).
     #[serde(default)]
-    pub batch_invariant: bool,
-    pub model: ModelSpec,
-    pub data: DataSpec,
+    pub(crate) batch_invariant: bool,
+    pub(crate) model: ModelSpec,
+    pub(crate) data: DataSpec,
     #[serde(default)]
-    pub rollout: toml::Table,
-    pub score: toml::Table,
+    pub(crate) rollout: toml::Table,
+    pub(crate) score: toml::Table,
     #[serde(default)]
-    pub ref_logprob: toml::Table,
+    pub(crate) ref_logprob: toml::Table,
     #[serde(default)]
-    pub advantage: toml::Table,
+    pub(crate) advantage: toml::Table,
     #[serde(default)]
-    pub update: toml::Table,
+    pub(crate) update: toml::Table,
     #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
-    pub sync_weights: toml::Table,
+    pub(crate) sync_weights: toml::Table,
     #[serde(default, skip_serializing_if = "AlgorithmSpec::is_empty")]
-    pub algorithm: AlgorithmSpec,
+    pub(crate) algorithm: AlgorithmSpec,
     #[serde(default)]
-    pub eval: EvalSpec,
+    pub(crate) eval: EvalSpec,
     #[serde(default)]
-    pub checkpoint: CheckpointSpec,
+    pub(crate) checkpoint: CheckpointSpec,
 }
 
 /// A stage's flags from the spec: the arguments the runner passes it (in the stage's
@@ -316,8 +316,8 @@ const EVAL_SAMPLING: [&str; 4] = ["n", "temperature", "top-p", "top-k"];
 /// Where a spec comes from, for messages: `FILE:LINE:COL` of a key when the text is at hand.
 #[derive(Clone, Copy)]
 pub(crate) struct Source<'a> {
-    pub origin: &'a str,
-    pub text: Option<&'a str>,
+    pub(crate) origin: &'a str,
+    pub(crate) text: Option<&'a str>,
 }
 
 impl Source<'_> {
@@ -857,9 +857,9 @@ pub(crate) fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub(crate) struct SpecChange {
     /// `table.key`, e.g. `update.lr` (top-level keys bare: `seed`).
-    pub key: String,
-    pub from: Option<String>,
-    pub to: Option<String>,
+    pub(crate) key: String,
+    pub(crate) from: Option<String>,
+    pub(crate) to: Option<String>,
 }
 
 impl Spec {

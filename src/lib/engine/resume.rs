@@ -334,9 +334,9 @@ pub(crate) fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<H
 /// Where a rank of a data-parallel update takes its optimizer shard from: a sharded
 /// checkpoint's files.
 pub(crate) struct ShardSource {
-    pub dir: std::path::PathBuf,
+    pub(crate) dir: std::path::PathBuf,
     /// The rank's own shard file, when the checkpoint was written by as many ranks.
-    pub own: Option<HostShard>,
+    pub(crate) own: Option<HostShard>,
 }
 
 impl ShardSource {

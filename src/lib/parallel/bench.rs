@@ -35,14 +35,14 @@ pub(crate) fn bus_factor(op: &str, n: usize) -> f64 {
 /// One row of the collective table.
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct CollectiveTiming {
-    pub op: String,
-    pub dtype: &'static str,
-    pub world: usize,
+    pub(crate) op: String,
+    pub(crate) dtype: &'static str,
+    pub(crate) world: usize,
     /// S: bytes of the whole buffer (see the module docs).
-    pub bytes: usize,
-    pub median_us: f64,
-    pub algbw_gbs: f64,
-    pub busbw_gbs: f64,
+    pub(crate) bytes: usize,
+    pub(crate) median_us: f64,
+    pub(crate) algbw_gbs: f64,
+    pub(crate) busbw_gbs: f64,
 }
 
 /// The median of the slowest rank: every rank's median, gathered, the largest.
@@ -199,21 +199,21 @@ pub(crate) fn time_collective<B: Backend>(
 /// One row of the weight-sync table.
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct SyncTiming {
-    pub bucket_mb: f64,
-    pub buckets: usize,
-    pub world: usize,
-    pub dtype: &'static str,
+    pub(crate) bucket_mb: f64,
+    pub(crate) buckets: usize,
+    pub(crate) world: usize,
+    pub(crate) dtype: &'static str,
     /// Bytes of every tensor in full.
-    pub model_bytes: usize,
+    pub(crate) model_bytes: usize,
     /// Bytes of this rank's shards.
-    pub shard_bytes: usize,
+    pub(crate) shard_bytes: usize,
     /// Extra memory of the sync: its two staging buckets.
-    pub staging_bytes: usize,
-    pub median_ms: f64,
+    pub(crate) staging_bytes: usize,
+    pub(crate) median_ms: f64,
     /// model_bytes / t.
-    pub algbw_gbs: f64,
+    pub(crate) algbw_gbs: f64,
     /// algbw · (n−1)/n (an all-gather's bus bandwidth).
-    pub busbw_gbs: f64,
+    pub(crate) busbw_gbs: f64,
 }
 
 /// Value of element `i` of bucket `b` (small integers: exact in bf16).

@@ -20,13 +20,13 @@ pub(crate) const SHARD_ALIGN: usize = 128;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Bucket {
     /// Indices of its tensors in the model's order.
-    pub tensors: Range<usize>,
+    pub(crate) tensors: Range<usize>,
     /// Offset of each of those tensors in the bucket.
-    pub offsets: Vec<usize>,
+    pub(crate) offsets: Vec<usize>,
     /// Elements of the tensors.
-    pub len: usize,
+    pub(crate) len: usize,
     /// Elements of each rank's shard (`shard · world_size ≥ len`).
-    pub shard: usize,
+    pub(crate) shard: usize,
 }
 
 impl Bucket {

@@ -32,13 +32,13 @@ use std::time::{Duration, Instant};
 /// One check's outcome.
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct CheckRow {
-    pub name: String,
-    pub dtype: &'static str,
-    pub world: usize,
+    pub(crate) name: String,
+    pub(crate) dtype: &'static str,
+    pub(crate) world: usize,
     /// Largest |got − expected| over the checked elements.
-    pub max_abs: f64,
-    pub pass: bool,
-    pub note: String,
+    pub(crate) max_abs: f64,
+    pub(crate) pass: bool,
+    pub(crate) note: String,
 }
 
 /// Value outside every view: a view's neighbours must keep it.

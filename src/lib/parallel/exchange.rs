@@ -32,10 +32,10 @@ pub fn block(items: usize, world: usize, rank: usize) -> Range<usize> {
 #[derive(Debug)]
 pub(crate) struct RankFailed {
     /// The rank whose part failed first.
-    pub rank: usize,
-    pub message: String,
+    pub(crate) rank: usize,
+    pub(crate) message: String,
     /// Bad input (exit code 2).
-    pub input: bool,
+    pub(crate) input: bool,
 }
 
 impl std::fmt::Display for RankFailed {

@@ -22,11 +22,11 @@ pub(crate) const ERROR_FILE_ENV: &str = "TANDEM_DIST_ERROR_FILE";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Failure {
     /// The rank at fault, when known (the one that died, hung or reported bad input).
-    pub suspect: Option<usize>,
+    pub(crate) suspect: Option<usize>,
     /// The rank that noticed it.
-    pub reporter: usize,
+    pub(crate) reporter: usize,
     /// What happened, naming the suspect.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 type Hook = Box<dyn Fn() + Send + Sync>;

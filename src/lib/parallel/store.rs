@@ -36,13 +36,13 @@ pub(crate) fn heartbeat_interval(timeout: Duration) -> Duration {
 /// Where one rank is, as the store last heard.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub(crate) struct RankProgress {
-    pub rank: usize,
-    pub joined: bool,
+    pub(crate) rank: usize,
+    pub(crate) joined: bool,
     /// Collectives the rank has started.
-    pub seq: u64,
+    pub(crate) seq: u64,
     /// Milliseconds since the store last heard from it.
-    pub silent_ms: u64,
-    pub done: bool,
+    pub(crate) silent_ms: u64,
+    pub(crate) done: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

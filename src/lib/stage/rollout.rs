@@ -57,9 +57,9 @@ pub enum Truncate {
 
 /// How prompts are cut to fit (shared by rollout and sft-batch).
 pub(crate) struct PromptLimits<'a> {
-    pub prompt_key: &'a str,
-    pub max_prompt_tokens: usize,
-    pub truncate: Truncate,
+    pub(crate) prompt_key: &'a str,
+    pub(crate) max_prompt_tokens: usize,
+    pub(crate) truncate: Truncate,
 }
 
 /// The first `n` prompts of a dataset as token ids: rendered with the chat template (or raw

@@ -37,18 +37,18 @@ pub mod shape {
 /// One op family's timing shapes: `run` times its ops with `Timer::time` / `time_graph`.
 #[derive(Clone, Copy)]
 pub(crate) struct Timing {
-    pub name: &'static str,
-    pub run: fn(&mut Timer<'_>) -> Result<()>,
+    pub(crate) name: &'static str,
+    pub(crate) run: fn(&mut Timer<'_>) -> Result<()>,
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct TimeRow {
-    pub op: String,
-    pub shape: String,
-    pub ms: f64,
+    pub(crate) op: String,
+    pub(crate) shape: String,
+    pub(crate) ms: f64,
     /// TFLOP/s for matrix work, GB/s for memory-bound ops.
-    pub rate: f64,
-    pub unit: &'static str,
+    pub(crate) rate: f64,
+    pub(crate) unit: &'static str,
 }
 
 /// Uniform values in [-scale, scale): cheap to make in the millions, and never zero runs.
@@ -68,8 +68,8 @@ fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 /// Times ops on one GPU and keeps the table.
 pub(crate) struct Timer<'a> {
-    pub gpu: &'a CudaBackend,
-    pub rows: Vec<TimeRow>,
+    pub(crate) gpu: &'a CudaBackend,
+    pub(crate) rows: Vec<TimeRow>,
     iters: usize,
     seed: u64,
     /// Time only the ops whose name contains this (gpu-test's --only).

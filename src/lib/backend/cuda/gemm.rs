@@ -23,28 +23,28 @@ const WORKSPACE: usize = 32 << 20;
 /// A device matrix operand: its address and element type.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Operand {
-    pub ptr: u64,
-    pub dtype: DType,
+    pub(crate) ptr: u64,
+    pub(crate) dtype: DType,
 }
 
 /// One column-major GEMM: D[m,n] = op(A)·op(B) + beta·C (+ bias[m] along the rows of D), where
 /// C is D unless `c` names another matrix of D's type and layout.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GemmCall {
-    pub transa: bool,
-    pub transb: bool,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub a: Operand,
-    pub lda: usize,
-    pub b: Operand,
-    pub ldb: usize,
-    pub d: Operand,
-    pub ldd: usize,
-    pub beta: f32,
-    pub bias: Option<Operand>,
-    pub c: Option<Operand>,
+    pub(crate) transa: bool,
+    pub(crate) transb: bool,
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) a: Operand,
+    pub(crate) lda: usize,
+    pub(crate) b: Operand,
+    pub(crate) ldb: usize,
+    pub(crate) d: Operand,
+    pub(crate) ldd: usize,
+    pub(crate) beta: f32,
+    pub(crate) bias: Option<Operand>,
+    pub(crate) c: Option<Operand>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

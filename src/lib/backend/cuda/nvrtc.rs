@@ -20,9 +20,9 @@ pub(crate) const COMMON: &str = include_str!("common.cuh");
 /// it is compiled once per attention head dim (`HD` and `TILE` defines).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Family {
-    pub name: &'static str,
-    pub src: &'static str,
-    pub per_head_dim: bool,
+    pub(crate) name: &'static str,
+    pub(crate) src: &'static str,
+    pub(crate) per_head_dim: bool,
 }
 
 /// The full source NVRTC sees: defines, the common helpers, the family.

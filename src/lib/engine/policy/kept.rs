@@ -22,7 +22,7 @@ use std::time::SystemTime;
 /// modification time of each file in it, so a directory rewritten by someone else is reloaded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ModelKey {
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     files: Vec<(String, u64, Option<SystemTime>)>,
 }
 

@@ -170,13 +170,13 @@ pub(crate) fn shard_path(dir: &Path, rank: usize, n: usize) -> Result<PathBuf> {
 /// The shard files of one sharded checkpoint, as its trainer state describes them.
 pub(crate) struct ShardSet<'a> {
     /// The checkpoint directory.
-    pub dir: &'a Path,
+    pub(crate) dir: &'a Path,
     /// How many ranks wrote it (one file each).
-    pub n: usize,
+    pub(crate) n: usize,
     /// The optimizer step every shard must be at.
-    pub step: u64,
+    pub(crate) step: u64,
     /// The file that says so (named in errors).
-    pub told_by: &'a Path,
+    pub(crate) told_by: &'a Path,
 }
 
 impl ShardSet<'_> {

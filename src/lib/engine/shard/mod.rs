@@ -191,13 +191,13 @@ pub(crate) enum StateTo {
 
 /// What [`ShardedPolicy::train_to_host`] brings back.
 pub(crate) struct ToHost {
-    pub report: TrainReport,
+    pub(crate) report: TrainReport,
     /// The f32 masters (rank `root` only).
-    pub weights: Option<Weights>,
+    pub(crate) weights: Option<Weights>,
     /// The whole optimizer state (rank `root` only, [`StateTo::Root`]).
-    pub state: Option<OptimizerState>,
+    pub(crate) state: Option<OptimizerState>,
     /// This rank's shard of the masters and moments ([`StateTo::EachRank`]).
-    pub shard: Option<HostShard>,
+    pub(crate) shard: Option<HostShard>,
 }
 
 impl<B: Backend> ShardedPolicy<'_, B> {

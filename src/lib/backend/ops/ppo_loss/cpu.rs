@@ -10,11 +10,11 @@ use crate::backend::cpu::{get, get_mut, Cpu};
 /// One token's loss, its derivative with respect to lp, and whether it was clipped
 /// (upper, lower) and the clamped log-ratio.
 pub(crate) struct PpoToken {
-    pub loss: f64,
-    pub dloss: f64,
-    pub clipped: bool,
-    pub clipped_lower: bool,
-    pub log_ratio: f64,
+    pub(crate) loss: f64,
+    pub(crate) dloss: f64,
+    pub(crate) clipped: bool,
+    pub(crate) clipped_lower: bool,
+    pub(crate) log_ratio: f64,
 }
 
 /// max with torch's subgradient: the derivative is split at a tie.

@@ -8,7 +8,7 @@
 //! [`crate::stage::Exec`] inside the daemon, and [`run_stage`] decides where a stage runs;
 //! `ctl` is `tandem daemon-ctl`.
 
-pub mod client;
+pub(crate) mod client;
 pub mod ctl;
 pub mod protocol;
 pub mod resident;

@@ -29,7 +29,7 @@ pub(crate) mod preflight;
 pub(crate) mod rundir;
 pub(crate) mod runner;
 pub mod sampler;
-pub mod spec;
+pub(crate) mod spec;
 pub mod tensorboard;
 
 use crate::bail_input;

@@ -5,7 +5,7 @@
 //! (`backend::ops::<family>::check`), listed by `backend::ops::op_cases` / `timing_cases`.
 
 pub mod gpu;
-pub mod timing;
+pub(crate) mod timing;
 
 use crate::rng::SplitMix64;
 

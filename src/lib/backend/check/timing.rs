@@ -13,7 +13,7 @@ use crate::backend::cuda::{CudaBackend, CudaBuf, CudaIdx};
 use crate::backend::{DType, Device};
 
 /// The Qwen2.5-0.5B shapes the ops are timed at.
-pub mod shape {
+pub(crate) mod shape {
     /// Sequences and tokens per sequence of a training micro-batch.
     pub(crate) const SEQS: usize = 8;
     pub(crate) const LEN: usize = 640;

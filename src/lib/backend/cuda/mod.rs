@@ -18,9 +18,9 @@
 
 mod args;
 mod draws;
-pub mod gemm;
-pub mod nvrtc;
-pub mod pool;
+pub(crate) mod gemm;
+pub(crate) mod nvrtc;
+pub(crate) mod pool;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -20,18 +20,18 @@
 //! | `adamw` | sum_squares, sum_squares_all, adamw |
 //! | `sample` | sample |
 
-pub mod adamw;
-pub mod attention;
-pub mod embedding;
+pub(crate) mod adamw;
+pub(crate) mod attention;
+pub(crate) mod embedding;
 pub mod logprob;
-pub mod matmul;
-pub mod memory;
+pub(crate) mod matmul;
+pub(crate) mod memory;
 pub mod paged_attention;
-pub mod ppo_loss;
-pub mod rmsnorm;
-pub mod rope;
+pub(crate) mod ppo_loss;
+pub(crate) mod rmsnorm;
+pub(crate) mod rope;
 pub mod sample;
-pub mod swiglu;
+pub(crate) mod swiglu;
 
 use anyhow::Result;
 

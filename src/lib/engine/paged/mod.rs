@@ -11,7 +11,7 @@
 //! toy models whose logits hash the context, and against the training forward's log-probs), on
 //! the GPU it is what `rollout --device cuda` uses.
 
-pub mod blocks;
+pub(crate) mod blocks;
 mod engine;
 mod graphs;
 mod kv;

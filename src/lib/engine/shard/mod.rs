@@ -28,7 +28,7 @@
 //! weights brought back whole), `layout` (the shards on the hosts).
 
 pub mod check;
-pub mod files;
+pub(crate) mod files;
 mod full;
 mod layout;
 mod optim;

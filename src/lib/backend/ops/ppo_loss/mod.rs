@@ -7,7 +7,7 @@
 
 pub mod check;
 pub mod cpu;
-pub mod cuda;
+pub(crate) mod cuda;
 
 pub(crate) use cpu::ppo_token;
 

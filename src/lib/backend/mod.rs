@@ -26,8 +26,8 @@
 
 pub mod check;
 pub mod cpu;
-pub mod cuda;
-pub mod device;
+pub(crate) mod cuda;
+pub(crate) mod device;
 pub mod ops;
 
 pub use device::{DType, Device, MemoryStats, Parts, FEED_NONE};

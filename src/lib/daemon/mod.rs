@@ -8,7 +8,7 @@
 //! [`crate::stage::Exec`] inside the daemon, and [`run_stage`] decides where a stage runs;
 //! `ctl` is `tandem daemon-ctl`.
 
-pub mod client;
+pub(crate) mod client;
 pub mod ctl;
 pub mod protocol;
 pub mod resident;
@@ -87,7 +87,7 @@ fn run_here(job: StageJob) -> Result<()> {
 /// The socket rank `rank` of a daemon group listens on (`tandem daemon` under a launcher, one
 /// per GPU): rank 0 on `socket` itself, which is what the stages' `--daemon` names, and rank
 /// r > 0 on `SOCKET.rank<r>` (for `daemon-ctl`; jobs go to rank 0, which hands them on).
-pub fn rank_socket(socket: &std::path::Path, rank: usize) -> PathBuf {
+pub(crate) fn rank_socket(socket: &std::path::Path, rank: usize) -> PathBuf {
     match rank {
         0 => socket.to_path_buf(),
         r => {
@@ -100,7 +100,7 @@ pub fn rank_socket(socket: &std::path::Path, rank: usize) -> PathBuf {
 
 /// The daemon socket a stage should use: `--daemon`, else `TANDEM_DAEMON` when set and not
 /// empty.
-pub fn daemon_socket(flag: Option<&std::path::Path>) -> Option<PathBuf> {
+pub(crate) fn daemon_socket(flag: Option<&std::path::Path>) -> Option<PathBuf> {
     flag.map(PathBuf::from).or_else(|| {
         std::env::var_os("TANDEM_DAEMON")
             .filter(|v| !v.is_empty())

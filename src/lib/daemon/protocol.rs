@@ -54,7 +54,7 @@ pub enum Response {
 
 /// The write half of a client connection, shared by a job's log and progress lines.
 #[derive(Clone)]
-pub struct Reply(pub Arc<Mutex<UnixStream>>);
+pub(crate) struct Reply(pub Arc<Mutex<UnixStream>>);
 
 impl Reply {
     /// Sends one line; a client that went away is not an error of the job.

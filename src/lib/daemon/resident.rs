@@ -59,10 +59,10 @@ pub const KILL_AT_STEP_ENV: &str = "TANDEM_DAEMON_KILL_AT_STEP";
 /// after this rank generated its share (before rank 0 writes anything); with
 /// [`KILL_AT_STEP_ENV`] only in the rollout of training step N (the policy of version N - 1),
 /// and with [`KILL_RANK_ENV`] only on that rank.
-pub const KILL_IN_ROLLOUT_ENV: &str = "TANDEM_DAEMON_KILL_IN_ROLLOUT";
+pub(crate) const KILL_IN_ROLLOUT_ENV: &str = "TANDEM_DAEMON_KILL_IN_ROLLOUT";
 /// The rank (`RANK`, as the launcher sets it) that [`KILL_IN_ROLLOUT_ENV`] kills, and in a
 /// daemon group [`KILL_IN_UPDATE_ENV`] too.
-pub const KILL_RANK_ENV: &str = "TANDEM_DAEMON_KILL_RANK";
+pub(crate) const KILL_RANK_ENV: &str = "TANDEM_DAEMON_KILL_RANK";
 
 /// SIGKILLs this process when the marker file `marker_env` names does not exist yet (creating
 /// it, so that the fault happens once) and `when` holds: the restart tests' crash.
@@ -152,24 +152,24 @@ impl<B: Backend> Resident<B> {
 
     /// A rank of a daemon group: its updates keep their optimizer shards, made over
     /// communicators from `make_comm`.
-    pub fn set_comm_maker(&mut self, make_comm: MakeComm<B>) {
+    pub(crate) fn set_comm_maker(&mut self, make_comm: MakeComm<B>) {
         self.make_comm = Some(make_comm);
     }
 
     /// The socket the daemon listens on, named in the resident directories it writes.
-    pub fn set_socket(&mut self, socket: &Path) {
+    pub(crate) fn set_socket(&mut self, socket: &Path) {
         self.socket = Some(socket.to_path_buf());
     }
 
     /// Loads the policy at startup (`--policy`, a directory or a pointer file).
-    pub fn preload_policy(&mut self, model: &ModelRef) -> Result<()> {
+    pub(crate) fn preload_policy(&mut self, model: &ModelRef) -> Result<()> {
         self.policy_slot(model)?;
         self.policy_version = model.policy_version;
         Ok(())
     }
 
     /// Loads the reference at startup (`--ref`).
-    pub fn preload_ref(&mut self, dir: &Path) -> Result<()> {
+    pub(crate) fn preload_ref(&mut self, dir: &Path) -> Result<()> {
         self.ref_decoder(dir).map(|_| ())
     }
 
@@ -202,7 +202,7 @@ impl<B: Backend> Resident<B> {
     }
 
     /// Starts a job of kind `phase`: its output lines go to `reply` (to stderr without one).
-    pub fn begin(&mut self, phase: &'static str, reply: Option<Reply>) {
+    pub(crate) fn begin(&mut self, phase: &'static str, reply: Option<Reply>) {
         self.reply = reply;
         self.job = Map::new();
         self.job.insert("phase".into(), phase.into());
@@ -485,7 +485,7 @@ impl<B: Backend> Resident<B> {
     }
 
     /// Refuses a job whose `--device` is not the daemon's.
-    pub fn check_device(&self, asked: Device) -> Result<()> {
+    pub(crate) fn check_device(&self, asked: Device) -> Result<()> {
         if asked != self.device {
             crate::bail_input!(
                 "--device {asked}: the daemon runs on {}; pass --device {} (or drop --daemon to compute in this process)",
@@ -523,7 +523,7 @@ impl<B: Backend> Resident<B> {
     /// `--shard full` the compute weights too), so no file is read; rank 0 gets the gathered
     /// state when the job writes a checkpoint. Under `--shard full` the rank then builds the
     /// whole decoder that generates until the next update ([`Resident::generation`]).
-    pub fn train_group(
+    pub(crate) fn train_group(
         &mut self,
         pg: &ProcessGroup,
         model: &ModelRef,
@@ -580,7 +580,7 @@ impl<B: Backend> Resident<B> {
     /// ranks of `pg`): when the policy held keeps its optimizer in shards (zero2 resident
     /// updates), rank 0 gathers the f32 masters and every rank writes its shard into `staging`,
     /// as a checkpointing update does. None when it keeps none (rank 0 then saves it alone).
-    pub fn save_group(
+    pub(crate) fn save_group(
         &mut self,
         pg: &ProcessGroup,
         model: Option<&ModelRef>,

@@ -10,7 +10,7 @@ use crate::engine::logprob::micro_batches;
 /// their original order, so consecutive micro-batches cut from them are as on one rank. Every
 /// rank computes the same shares from the same lengths; a world of one keeps every item in
 /// order.
-pub fn balance(lens: &[usize], world: usize) -> Vec<Vec<usize>> {
+pub(crate) fn balance(lens: &[usize], world: usize) -> Vec<Vec<usize>> {
     let world = world.max(1);
     let mut order: Vec<usize> = (0..lens.len()).collect();
     order.sort_by(|&a, &b| lens[b].cmp(&lens[a]).then(a.cmp(&b)));
@@ -31,7 +31,7 @@ pub fn balance(lens: &[usize], world: usize) -> Vec<Vec<usize>> {
 /// [`balance`] does, each cut by `budget` tokens ([`micro_batches`]), as ranges into the rank's
 /// share; every rank's list is padded with empty ranges to the longest, so that every rank runs
 /// the same number of passes. Returns (shares, micro-batches per rank).
-pub fn micro_schedule(
+pub(crate) fn micro_schedule(
     lens: &[usize],
     world: usize,
     budget: usize,

@@ -31,13 +31,13 @@ impl Cancel {
         self.0.store(true, Ordering::SeqCst);
     }
 
-    pub fn is_cancelled(&self) -> bool {
+    pub(crate) fn is_cancelled(&self) -> bool {
         self.0.load(Ordering::SeqCst)
     }
 
     /// Runs `f` with this flag as the current thread's: [`check`] inside it fails once the
     /// flag is set. The previous flag (if any) is restored after.
-    pub fn install<R>(&self, f: impl FnOnce() -> R) -> R {
+    pub(crate) fn install<R>(&self, f: impl FnOnce() -> R) -> R {
         struct Restore(Option<Cancel>);
         impl Drop for Restore {
             fn drop(&mut self) {
@@ -78,7 +78,7 @@ impl fmt::Display for Cancelled {
 impl std::error::Error for Cancelled {}
 
 /// Whether an error (or anything in its chain) is a cancellation.
-pub fn is_cancelled(err: &anyhow::Error) -> bool {
+pub(crate) fn is_cancelled(err: &anyhow::Error) -> bool {
     err.chain().any(|e| e.is::<Cancelled>())
 }
 

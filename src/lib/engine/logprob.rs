@@ -23,7 +23,7 @@ impl PromptResponse<'_> {
     }
 
     /// prompt ++ response.
-    pub fn joined(&self) -> Vec<u32> {
+    pub(crate) fn joined(&self) -> Vec<u32> {
         let mut v = Vec::with_capacity(self.len());
         v.extend_from_slice(self.prompt);
         v.extend_from_slice(self.response);
@@ -33,7 +33,7 @@ impl PromptResponse<'_> {
 
 /// Splits items of the given token counts, in order, into consecutive groups of at most
 /// `budget` tokens; an item larger than the budget forms a group of its own.
-pub fn micro_batches(tokens: &[usize], budget: usize) -> Vec<Range<usize>> {
+pub(crate) fn micro_batches(tokens: &[usize], budget: usize) -> Vec<Range<usize>> {
     let mut groups = Vec::new();
     let (mut start, mut used) = (0, 0);
     for (i, &n) in tokens.iter().enumerate() {

@@ -3,7 +3,7 @@
 //! GPU checks (`check`, run by `tandem gpu-test`); the stages' command lines are in `crate::stage`.
 //! Their loops poll `cancel` between steps, so the daemon can stop a job whose client is gone.
 
-pub mod balance;
+pub(crate) mod balance;
 pub mod cancel;
 pub mod check;
 pub mod logprob;

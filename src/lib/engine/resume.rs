@@ -22,8 +22,9 @@
 //! model). Master weights are used only when they round to exactly the model's bf16 weights,
 //! so a model edited by someone else is never silently replaced by stale master weights.
 
+pub(crate) use super::shard::files::read_shard;
 use super::shard::files::{f32_view, shard_path, ShardSet, EXP_AVG, EXP_AVG_SQ, MASTER};
-pub use super::shard::files::{read_shard, shard_file_name, write_shard};
+pub use super::shard::files::{shard_file_name, write_shard};
 use super::train::LrConfig;
 use crate::batch::write::write_atomic;
 use crate::engine::shard::{HostShard, ShardLayout};
@@ -37,8 +38,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
+pub(crate) const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub(crate) const TRAINER_STATE_FILE: &str = "trainer_state.json";
 
 /// `trainer_state.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -112,7 +113,7 @@ pub fn write_optimizer(path: &Path, state: &OptimizerState, master: &Weights) ->
     st::write_file(path, views, Some(meta))
 }
 
-pub fn trainer_state_bytes(s: &TrainerState) -> Result<Vec<u8>> {
+pub(crate) fn trainer_state_bytes(s: &TrainerState) -> Result<Vec<u8>> {
     let mut text = serde_json::to_string_pretty(s)?;
     text.push('\n');
     Ok(text.into_bytes())
@@ -155,7 +156,7 @@ pub fn resumable(dir: &Path) -> Result<bool> {
 }
 
 /// What one rank of a data-parallel update resumes from.
-pub enum RankResume {
+pub(crate) enum RankResume {
     /// An unsharded checkpoint (any number of ranks loads it).
     Whole(Resume),
     /// A sharded checkpoint: where this rank's shard comes from.
@@ -169,7 +170,7 @@ pub enum RankResume {
 /// directory has none). Of a sharded checkpoint written by as many ranks this rank reads only
 /// its own shard file; written by another number, it reads none here: [`ShardSource`] cuts
 /// its shard from the files once the update knows its layout.
-pub fn load_rank(
+pub(crate) fn load_rank(
     dir: &Path,
     weights: &Weights,
     rank: usize,
@@ -319,7 +320,7 @@ fn read_optimizer_file(path: &Path, step: u64) -> Result<(Weights, OptimizerStat
 /// Rank `rank`'s shard in `layout` of the optimizer state of sharded checkpoint `dir`, written
 /// with another layout (another number of ranks, `--shard` mode or `--bucket-elems`); see
 /// [`ShardSet::reshard`].
-pub fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<HostShard> {
+pub(crate) fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<HostShard> {
     let ts_path = dir.join(TRAINER_STATE_FILE);
     let trainer = read_trainer_state(&ts_path)?;
     anyhow::ensure!(
@@ -332,16 +333,16 @@ pub fn reshard(dir: &Path, layout: &ShardLayout, rank: usize) -> Result<HostShar
 
 /// Where a rank of a data-parallel update takes its optimizer shard from: a sharded
 /// checkpoint's files.
-pub struct ShardSource {
-    pub dir: std::path::PathBuf,
+pub(crate) struct ShardSource {
+    pub(crate) dir: std::path::PathBuf,
     /// The rank's own shard file, when the checkpoint was written by as many ranks.
-    pub own: Option<HostShard>,
+    pub(crate) own: Option<HostShard>,
 }
 
 impl ShardSource {
     /// This rank's shard in `layout`: its own file when that was written with this layout,
     /// else cut from every shard file of the checkpoint ([`reshard`]).
-    pub fn for_layout(
+    pub(crate) fn for_layout(
         &self,
         layout: &ShardLayout,
         rank: usize,

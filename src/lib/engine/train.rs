@@ -89,7 +89,7 @@ impl LrConfig {
         }
     }
 
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             bail!("--lr must be a finite number >= 0, got {}", self.lr);
         }
@@ -170,7 +170,7 @@ pub struct TrainConfig {
 impl TrainConfig {
     /// The default of [`TrainConfig::device_loss`]: on, unless the environment sets
     /// `TANDEM_HOST_LOSS` (to compare the two paths, or to measure the host one).
-    pub fn device_loss_from_env() -> bool {
+    pub(crate) fn device_loss_from_env() -> bool {
         std::env::var_os("TANDEM_HOST_LOSS").is_none()
     }
 }
@@ -228,7 +228,7 @@ pub struct TrainReport {
 impl TrainReport {
     /// The metrics JSON of `update --metrics` (means over optimizer steps; grad_norm over the
     /// steps taken).
-    pub fn to_json(&self) -> serde_json::Value {
+    pub(crate) fn to_json(&self) -> serde_json::Value {
         let n = self.steps.len().max(1) as f64;
         let mut sum = LossMetrics::default();
         let mut loss = 0.0;
@@ -312,7 +312,7 @@ pub struct ShardStats {
 }
 
 impl ShardStats {
-    pub fn to_json(&self) -> serde_json::Value {
+    pub(crate) fn to_json(&self) -> serde_json::Value {
         let gbs = match self.sync_seconds > 0.0 {
             true => self.sync_bytes as f64 / self.sync_seconds / 1e9,
             false => 0.0,

@@ -20,10 +20,10 @@ use serde::Serialize;
 use std::time::Instant;
 
 /// The collectives `time_collective` knows.
-pub const OPS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
+pub(crate) const OPS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
 
 /// busbw / algbw for `op` on `n` ranks (nccl-tests).
-pub fn bus_factor(op: &str, n: usize) -> f64 {
+pub(crate) fn bus_factor(op: &str, n: usize) -> f64 {
     let n = n as f64;
     match op {
         "all_reduce" => 2.0 * (n - 1.0) / n,
@@ -34,15 +34,15 @@ pub fn bus_factor(op: &str, n: usize) -> f64 {
 
 /// One row of the collective table.
 #[derive(Clone, Debug, Serialize)]
-pub struct CollectiveTiming {
-    pub op: String,
-    pub dtype: &'static str,
-    pub world: usize,
+pub(crate) struct CollectiveTiming {
+    pub(crate) op: String,
+    pub(crate) dtype: &'static str,
+    pub(crate) world: usize,
     /// S: bytes of the whole buffer (see the module docs).
-    pub bytes: usize,
-    pub median_us: f64,
-    pub algbw_gbs: f64,
-    pub busbw_gbs: f64,
+    pub(crate) bytes: usize,
+    pub(crate) median_us: f64,
+    pub(crate) algbw_gbs: f64,
+    pub(crate) busbw_gbs: f64,
 }
 
 /// The median of the slowest rank: every rank's median, gathered, the largest.
@@ -103,7 +103,7 @@ fn filled<B: Backend>(backend: &B, n: usize, d: DType, value: f32) -> Result<B::
 /// Times `op` on a buffer of about `bytes` bytes of `d` (rounded down to n equal pieces):
 /// `warmup` untimed runs, then `iters` timed ones. Rank r's input is r + 1 everywhere, so the
 /// checked results are small integers, exact in bf16.
-pub fn time_collective<B: Backend>(
+pub(crate) fn time_collective<B: Backend>(
     backend: &B,
     comm: &dyn Comm<B>,
     op: &str,
@@ -198,22 +198,22 @@ pub fn time_collective<B: Backend>(
 
 /// One row of the weight-sync table.
 #[derive(Clone, Debug, Serialize)]
-pub struct SyncTiming {
-    pub bucket_mb: f64,
-    pub buckets: usize,
-    pub world: usize,
-    pub dtype: &'static str,
+pub(crate) struct SyncTiming {
+    pub(crate) bucket_mb: f64,
+    pub(crate) buckets: usize,
+    pub(crate) world: usize,
+    pub(crate) dtype: &'static str,
     /// Bytes of every tensor in full.
-    pub model_bytes: usize,
+    pub(crate) model_bytes: usize,
     /// Bytes of this rank's shards.
-    pub shard_bytes: usize,
+    pub(crate) shard_bytes: usize,
     /// Extra memory of the sync: its two staging buckets.
-    pub staging_bytes: usize,
-    pub median_ms: f64,
+    pub(crate) staging_bytes: usize,
+    pub(crate) median_ms: f64,
     /// model_bytes / t.
-    pub algbw_gbs: f64,
+    pub(crate) algbw_gbs: f64,
     /// algbw · (n−1)/n (an all-gather's bus bandwidth).
-    pub busbw_gbs: f64,
+    pub(crate) busbw_gbs: f64,
 }
 
 /// Value of element `i` of bucket `b` (small integers: exact in bf16).
@@ -224,7 +224,7 @@ fn sync_value(b: usize, i: usize) -> f32 {
 /// Times [`WeightSync`] of tensors of `sizes` with buckets of `bucket_bytes`: allocates every
 /// rank's shards and the full tensors, checks the first and last elements of every tensor
 /// after one sync, then times `iters` syncs after `warmup`.
-pub fn time_weight_sync<B: Backend>(
+pub(crate) fn time_weight_sync<B: Backend>(
     backend: &B,
     comm: &dyn Comm<B>,
     sizes: &[usize],

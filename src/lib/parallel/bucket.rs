@@ -14,19 +14,19 @@ use anyhow::{bail, Result};
 use std::ops::Range;
 
 /// Elements a shard is a multiple of (256 bytes of bf16: aligned rows for the GPU kernels).
-pub const SHARD_ALIGN: usize = 128;
+pub(crate) const SHARD_ALIGN: usize = 128;
 
 /// One bucket: consecutive tensors laid end to end.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Bucket {
+pub(crate) struct Bucket {
     /// Indices of its tensors in the model's order.
-    pub tensors: Range<usize>,
+    pub(crate) tensors: Range<usize>,
     /// Offset of each of those tensors in the bucket.
-    pub offsets: Vec<usize>,
+    pub(crate) offsets: Vec<usize>,
     /// Elements of the tensors.
-    pub len: usize,
+    pub(crate) len: usize,
     /// Elements of each rank's shard (`shard · world_size ≥ len`).
-    pub shard: usize,
+    pub(crate) shard: usize,
 }
 
 impl Bucket {
@@ -40,7 +40,7 @@ pub struct BucketPlan {
     pub world_size: usize,
     /// Elements of each tensor.
     pub sizes: Vec<usize>,
-    pub buckets: Vec<Bucket>,
+    pub(crate) buckets: Vec<Bucket>,
 }
 
 impl BucketPlan {
@@ -99,7 +99,7 @@ impl BucketPlan {
     }
 
     /// The largest padded bucket (what a staging buffer holds).
-    pub fn max_padded(&self) -> usize {
+    pub(crate) fn max_padded(&self) -> usize {
         self.buckets
             .iter()
             .map(|b| b.padded(self.world_size))
@@ -108,19 +108,25 @@ impl BucketPlan {
     }
 
     /// Elements of all of one rank's shards.
-    pub fn shard_total(&self) -> usize {
+    pub(crate) fn shard_total(&self) -> usize {
         self.buckets.iter().map(|b| b.shard).sum()
     }
 
     /// The bucket that holds tensor `t`.
-    pub fn bucket_of(&self, t: usize) -> usize {
+    #[cfg(test)]
+    pub(crate) fn bucket_of(&self, t: usize) -> usize {
         self.buckets.partition_point(|b| b.tensors.end <= t)
     }
 
     /// The part of rank `rank`'s shard of bucket `b` that tensor `t` covers:
     /// (offset in the tensor, offset in the shard, elements); None when the shard holds none
     /// of it.
-    pub fn shard_part(&self, b: usize, t: usize, rank: usize) -> Option<(usize, usize, usize)> {
+    pub(crate) fn shard_part(
+        &self,
+        b: usize,
+        t: usize,
+        rank: usize,
+    ) -> Option<(usize, usize, usize)> {
         let bucket = &self.buckets[b];
         let k = t.checked_sub(bucket.tensors.start)?;
         let start = *bucket.offsets.get(k)?;
@@ -154,7 +160,7 @@ impl<B: Backend> WeightSync<B> {
     }
 
     /// Elements of the two staging buffers (the sync's extra memory).
-    pub fn staging_elems(&self) -> usize {
+    pub(crate) fn staging_elems(&self) -> usize {
         2 * self.plan.max_padded()
     }
 

@@ -31,14 +31,14 @@ use std::time::{Duration, Instant};
 
 /// One check's outcome.
 #[derive(Clone, Debug, Serialize)]
-pub struct CheckRow {
-    pub name: String,
-    pub dtype: &'static str,
-    pub world: usize,
+pub(crate) struct CheckRow {
+    pub(crate) name: String,
+    pub(crate) dtype: &'static str,
+    pub(crate) world: usize,
     /// Largest |got − expected| over the checked elements.
-    pub max_abs: f64,
-    pub pass: bool,
-    pub note: String,
+    pub(crate) max_abs: f64,
+    pub(crate) pass: bool,
+    pub(crate) note: String,
 }
 
 /// Value outside every view: a view's neighbours must keep it.
@@ -559,7 +559,11 @@ impl<B: Backend> Checker<'_, B> {
 }
 
 /// Every check on `comm` (a collective call: every rank runs it).
-pub fn run_checks<B: Backend>(backend: &B, comm: &dyn Comm<B>, seed: u64) -> Result<Vec<CheckRow>> {
+pub(crate) fn run_checks<B: Backend>(
+    backend: &B,
+    comm: &dyn Comm<B>,
+    seed: u64,
+) -> Result<Vec<CheckRow>> {
     let mut c = Checker {
         backend,
         comm,
@@ -590,7 +594,10 @@ pub fn run_checks<B: Backend>(backend: &B, comm: &dyn Comm<B>, seed: u64) -> Res
 }
 
 /// Small cases whose results the tests work out by hand (`dist-test` prints them).
-pub fn hand_cases<B: Backend>(backend: &B, comm: &dyn Comm<B>) -> Result<Vec<(String, Vec<f32>)>> {
+pub(crate) fn hand_cases<B: Backend>(
+    backend: &B,
+    comm: &dyn Comm<B>,
+) -> Result<Vec<(String, Vec<f32>)>> {
     let (n, r) = (comm.world_size(), comm.rank());
     let rf = r as f32;
     let mut out = Vec::new();
@@ -653,7 +660,7 @@ pub fn hand_cases<B: Backend>(backend: &B, comm: &dyn Comm<B>) -> Result<Vec<(St
 
 /// The communicator checks at world size 1 on GPU `ordinal` (NCCL, real calls), for
 /// `gpu-test`.
-pub fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
+pub(crate) fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
     let pg = ProcessGroup::new(World::single(), Options::from_env()?)?;
     let backend = CudaBackend::new(ordinal)?;
     let comm = NcclComm::new(&backend, &pg)?;
@@ -688,7 +695,7 @@ pub fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
 
 /// The `communicator` case of `tandem gpu-test`: [`gpu_rows`] as rows of its table. The rows
 /// carry their own element types, so the case runs once (in the f32 pass).
-pub const GPU_CASES: &[Case] = &[Case {
+pub(crate) const GPU_CASES: &[Case] = &[Case {
     name: "communicator",
     run: communicator_case,
 }];

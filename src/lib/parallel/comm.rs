@@ -26,7 +26,7 @@ use anyhow::{bail, Result};
 use std::time::Duration;
 
 /// `v` = Σ over the ranks, each f64 carried as two f32 (hi + lo) through the f32 collective.
-pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Result<()> {
+pub(crate) fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Result<()> {
     let n = v.len();
     let mut host = Vec::with_capacity(2 * n);
     host.extend(v.iter().map(|&x| x as f32));
@@ -42,7 +42,7 @@ pub fn sum_f64<B: Backend>(backend: &B, comm: &dyn Comm<B>, v: &mut [f64]) -> Re
 }
 
 /// "f32" or "bf16".
-pub fn dtype_name(d: DType) -> &'static str {
+pub(crate) fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
@@ -50,7 +50,7 @@ pub fn dtype_name(d: DType) -> &'static str {
 }
 
 /// Bytes of one element of `d`.
-pub fn dtype_bytes(d: DType) -> usize {
+pub(crate) fn dtype_bytes(d: DType) -> usize {
     match d {
         DType::F32 => 4,
         DType::BF16 => 2,
@@ -58,7 +58,7 @@ pub fn dtype_bytes(d: DType) -> usize {
 }
 
 /// `v` as a buffer of `d` stores it (bf16: rounded to nearest even).
-pub fn round_to(v: f32, d: DType) -> f32 {
+pub(crate) fn round_to(v: f32, d: DType) -> f32 {
     match d {
         DType::F32 => v,
         DType::BF16 => half::bf16::from_f32(v).to_f32(),
@@ -78,7 +78,7 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// The factor each rank's value is multiplied by before the sum (None: 1).
-    pub fn premul(self, world_size: usize) -> Option<f32> {
+    pub(crate) fn premul(self, world_size: usize) -> Option<f32> {
         match self {
             ReduceOp::Sum => None,
             ReduceOp::Avg => Some(1.0 / world_size as f32),
@@ -88,7 +88,7 @@ impl ReduceOp {
 }
 
 /// What a collective does and where (see the module docs for each kind's semantics).
-pub enum Kind<'a, B: Backend> {
+pub(crate) enum Kind<'a, B: Backend> {
     AllReduce {
         buf: &'a mut B::Buf,
         off: usize,
@@ -121,7 +121,7 @@ pub enum Kind<'a, B: Backend> {
 
 /// One collective of a group.
 pub struct Collective<'a, B: Backend> {
-    pub kind: Kind<'a, B>,
+    pub(crate) kind: Kind<'a, B>,
     /// Element type when it differs from the buffer's (the CPU emulating bf16).
     pub dtype: Option<DType>,
 }
@@ -153,7 +153,7 @@ impl<'a, B: Backend> Collective<'a, B> {
     }
 
     /// All-gather where this rank's piece already sits at `buf[off + rank·count..]`.
-    pub fn all_gather_in_place(buf: &'a mut B::Buf, off: usize, count: usize) -> Self {
+    pub(crate) fn all_gather_in_place(buf: &'a mut B::Buf, off: usize, count: usize) -> Self {
         Self::of(Kind::AllGather {
             send: None,
             recv: buf,
@@ -181,7 +181,7 @@ impl<'a, B: Backend> Collective<'a, B> {
     }
 
     /// Reduce-scatter of `buf[off..off + n·count]` whose result stays at `buf[off + rank·count..]`.
-    pub fn reduce_scatter_in_place(
+    pub(crate) fn reduce_scatter_in_place(
         buf: &'a mut B::Buf,
         off: usize,
         count: usize,
@@ -232,7 +232,11 @@ impl<'a, B: Backend> Collective<'a, B> {
     }
 
     /// Checks ranges and the root against the buffers' lengths (`len_of`) and the world.
-    pub fn validate(&self, world_size: usize, len_of: impl Fn(&B::Buf) -> usize) -> Result<()> {
+    pub(crate) fn validate(
+        &self,
+        world_size: usize,
+        len_of: impl Fn(&B::Buf) -> usize,
+    ) -> Result<()> {
         let name = self.name();
         let fits = |what: &str, have: usize, off: usize, n: usize| -> Result<()> {
             if off.checked_add(n).is_none_or(|end| end > have) {
@@ -287,7 +291,7 @@ impl<'a, B: Backend> Collective<'a, B> {
 }
 
 /// What an implementation keeps of a started group until it is waited for.
-pub trait Pending {
+pub(crate) trait Pending {
     /// Orders later backend work after the group (and delivers its results); the error of
     /// any collective of the group.
     fn wait(self: Box<Self>) -> Result<()>;
@@ -300,7 +304,7 @@ pub struct Work<'a> {
 }
 
 impl<'a> Work<'a> {
-    pub fn new(pending: Box<dyn Pending + 'a>) -> Work<'a> {
+    pub(crate) fn new(pending: Box<dyn Pending + 'a>) -> Work<'a> {
         Work {
             pending: Some(pending),
         }

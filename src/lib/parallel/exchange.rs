@@ -30,12 +30,12 @@ pub fn block(items: usize, world: usize, rank: usize) -> Range<usize> {
 
 /// The failure of one rank's part of a job, as another rank learns it.
 #[derive(Debug)]
-pub struct RankFailed {
+pub(crate) struct RankFailed {
     /// The rank whose part failed first.
-    pub rank: usize,
-    pub message: String,
+    pub(crate) rank: usize,
+    pub(crate) message: String,
     /// Bad input (exit code 2).
-    pub input: bool,
+    pub(crate) input: bool,
 }
 
 impl std::fmt::Display for RankFailed {
@@ -78,7 +78,7 @@ impl Exchange {
     }
 
     /// Rank 0, which writes the job's files.
-    pub fn is_root(&self) -> bool {
+    pub(crate) fn is_root(&self) -> bool {
         self.rank() == 0
     }
 
@@ -118,7 +118,7 @@ impl Exchange {
     /// Waits until a rank other than this one marks the job failed (its failure), or until
     /// `stop` says to give up (None): a daemon rank stops its own part of a job at once when
     /// another rank's part failed or was cancelled.
-    pub fn watch_others(&self, stop: &dyn Fn() -> bool) -> Result<Option<RankFailed>> {
+    pub(crate) fn watch_others(&self, stop: &dyn Fn() -> bool) -> Result<Option<RankFailed>> {
         let store = self
             .pg
             .store()
@@ -209,7 +209,7 @@ fn failure_report(rank: usize, value: &[u8]) -> Result<RankFailed> {
 }
 
 /// An error another rank reported, as this rank's error: an input error stays one (exit 2).
-pub fn as_local(e: anyhow::Error) -> anyhow::Error {
+pub(crate) fn as_local(e: anyhow::Error) -> anyhow::Error {
     match e.downcast_ref::<RankFailed>() {
         Some(f) if f.input => input_error(f.to_string()),
         _ => e,
@@ -218,7 +218,7 @@ pub fn as_local(e: anyhow::Error) -> anyhow::Error {
 
 /// A little-endian encoder of the payloads ([`Reader`] reads them back).
 #[derive(Default)]
-pub struct Writer(Vec<u8>);
+pub(crate) struct Writer(Vec<u8>);
 
 impl Writer {
     pub fn u64(&mut self, v: u64) -> &mut Self {
@@ -230,7 +230,7 @@ impl Writer {
         self.u64(v.to_bits())
     }
 
-    pub fn u32s(&mut self, v: &[u32]) -> &mut Self {
+    pub(crate) fn u32s(&mut self, v: &[u32]) -> &mut Self {
         self.u64(v.len() as u64);
         for x in v {
             self.0.extend_from_slice(&x.to_le_bytes());
@@ -259,7 +259,7 @@ impl Writer {
 }
 
 /// Reads what a [`Writer`] wrote, in the same order; a short or malformed payload is an error.
-pub struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
 }
@@ -301,7 +301,7 @@ impl<'a> Reader<'a> {
         Ok(n)
     }
 
-    pub fn u32s(&mut self) -> Result<Vec<u32>> {
+    pub(crate) fn u32s(&mut self) -> Result<Vec<u32>> {
         let n = self.len(4)?;
         Ok(self
             .take(4 * n)?
@@ -320,6 +320,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Whether everything was read.
+    #[cfg(test)]
     pub fn done(&self) -> bool {
         self.pos == self.buf.len()
     }

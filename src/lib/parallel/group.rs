@@ -15,12 +15,12 @@ use std::time::Duration;
 
 /// Seconds a collective (or the rendezvous) may wait for another rank before the job fails;
 /// `tandem launch --timeout` sets it for its ranks.
-pub const TIMEOUT_ENV: &str = "TANDEM_DIST_TIMEOUT";
+pub(crate) const TIMEOUT_ENV: &str = "TANDEM_DIST_TIMEOUT";
 /// The default of [`TIMEOUT_ENV`]: with the grace period below, every rank is gone within a
 /// minute of a rank hanging.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(50);
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(50);
 /// How long a rank may take to end itself after a failure before it is ended.
-pub const EXIT_GRACE: Duration = Duration::from_secs(3);
+pub(crate) const EXIT_GRACE: Duration = Duration::from_secs(3);
 
 /// What every communicator of a group shares.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -49,7 +49,8 @@ impl Options {
     }
 
     /// Ranks that are threads of one process (tests): failures are reported, never `exit`.
-    pub fn in_process(timeout: Duration) -> Options {
+    #[cfg(test)]
+    pub(crate) fn in_process(timeout: Duration) -> Options {
         Options {
             timeout,
             exit_grace: None,
@@ -58,7 +59,7 @@ impl Options {
 }
 
 /// Positive seconds, fractions allowed ("2.5").
-pub fn parse_seconds(s: &str) -> Option<Duration> {
+pub(crate) fn parse_seconds(s: &str) -> Option<Duration> {
     let v: f64 = s.trim().parse().ok()?;
     (v.is_finite() && v > 0.0).then(|| Duration::from_secs_f64(v))
 }
@@ -130,12 +131,12 @@ impl ProcessGroup {
         self.opts.timeout
     }
 
-    pub fn health(&self) -> &Arc<Health> {
+    pub(crate) fn health(&self) -> &Arc<Health> {
         &self.health
     }
 
     /// The connection to the rendezvous store (None in a world of one).
-    pub fn store(&self) -> Option<&StoreClient> {
+    pub(crate) fn store(&self) -> Option<&StoreClient> {
         self.client.as_ref()
     }
 
@@ -146,7 +147,7 @@ impl ProcessGroup {
 
     /// Numbers the communicators made from this group (the same on every rank, since every
     /// rank makes them in the same order): keeps their store keys apart.
-    pub fn next_comm_id(&self) -> u64 {
+    pub(crate) fn next_comm_id(&self) -> u64 {
         self.next_comm.fetch_add(1, Ordering::Relaxed)
     }
 
@@ -170,7 +171,7 @@ impl ProcessGroup {
 
     /// [`ProcessGroup::finish`] for a group shared behind an `Arc` (a daemon's, a stage's
     /// exchanges'): the group ends when its last holder drops it.
-    pub fn finish_shared(&self) -> Result<()> {
+    pub(crate) fn finish_shared(&self) -> Result<()> {
         match &self.client {
             Some(store) => store.finish(),
             None => Ok(()),

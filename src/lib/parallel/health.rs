@@ -12,28 +12,28 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Exit code of a rank stopped because the job failed (the same as any other error).
-pub const EXIT_FAILED: i32 = 1;
+pub(crate) const EXIT_FAILED: i32 = 1;
 
 /// Where a rank writes the job's first failure as it saw it (one JSON line: suspect, reporter,
 /// reason, time); `tandem launch` sets it per rank and names the failed rank from these.
-pub const ERROR_FILE_ENV: &str = "TANDEM_DIST_ERROR_FILE";
+pub(crate) const ERROR_FILE_ENV: &str = "TANDEM_DIST_ERROR_FILE";
 
 /// A failure of the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Failure {
+pub(crate) struct Failure {
     /// The rank at fault, when known (the one that died, hung or reported bad input).
-    pub suspect: Option<usize>,
+    pub(crate) suspect: Option<usize>,
     /// The rank that noticed it.
-    pub reporter: usize,
+    pub(crate) reporter: usize,
     /// What happened, naming the suspect.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 type Hook = Box<dyn Fn() + Send + Sync>;
 type Reporter = Box<dyn Fn(&Failure) + Send + Sync>;
 
 /// Shared by the store client, the communicators and the process group of one rank.
-pub struct Health {
+pub(crate) struct Health {
     rank: usize,
     failure: Mutex<Option<Failure>>,
     hooks: Mutex<Vec<Hook>>,
@@ -53,12 +53,8 @@ impl Health {
         })
     }
 
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
     /// The first failure, if any.
-    pub fn failure(&self) -> Option<Failure> {
+    pub(crate) fn failure(&self) -> Option<Failure> {
         self.failure.lock().unwrap().clone()
     }
 
@@ -71,7 +67,7 @@ impl Health {
     }
 
     /// Runs `hook` when the job fails (at once if it already has).
-    pub fn on_failure(&self, hook: impl Fn() + Send + Sync + 'static) {
+    pub(crate) fn on_failure(&self, hook: impl Fn() + Send + Sync + 'static) {
         if self.failure().is_some() {
             hook();
         } else {
@@ -80,7 +76,7 @@ impl Health {
     }
 
     /// Where a failure this rank notices is reported (the store client).
-    pub fn set_reporter(&self, report: impl Fn(&Failure) + Send + Sync + 'static) {
+    pub(crate) fn set_reporter(&self, report: impl Fn(&Failure) + Send + Sync + 'static) {
         *self.reporter.lock().unwrap() = Some(Box::new(report));
     }
 
@@ -101,7 +97,7 @@ impl Health {
     }
 
     /// Records a failure another rank reported (through the store): stops without echoing it.
-    pub fn relayed(&self, f: Failure) {
+    pub(crate) fn relayed(&self, f: Failure) {
         if self.record(&f) {
             self.arm_exit();
             self.run_hooks();

@@ -77,7 +77,7 @@ pub fn run_rank_job<J: RankJob>(device: DeviceKind, pg: &ProcessGroup, job: J) -
 
 /// The GPU a rank uses: its local rank, or GPU 0 where the launcher shows each rank only its
 /// own GPU (Slurm's `--gpus-per-task=1` sets CUDA_VISIBLE_DEVICES per task).
-pub fn gpu_for_rank(world: &World) -> Result<usize> {
+pub(crate) fn gpu_for_rank(world: &World) -> Result<usize> {
     let visible = super::nccl::visible_gpus()?;
     match visible {
         1 => Ok(0),

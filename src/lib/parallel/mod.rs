@@ -21,18 +21,18 @@
 pub mod bench;
 pub mod bucket;
 pub mod check;
-pub mod comm;
+pub(crate) mod comm;
 pub mod exchange;
-pub mod group;
-pub mod health;
-pub mod host;
-pub mod job;
+pub(crate) mod group;
+pub(crate) mod health;
+pub(crate) mod host;
+pub(crate) mod job;
 pub mod launch;
-pub mod nccl;
-pub mod store;
+pub(crate) mod nccl;
+pub(crate) mod store;
 #[cfg(test)]
 pub(crate) mod testing;
-pub mod world;
+pub(crate) mod world;
 
 pub use comm::{Collective, Comm, ReduceOp, Work};
 pub use exchange::Exchange;

@@ -115,7 +115,10 @@ mod raw {
 
     /// # Safety
     /// As `ncclRedOpDestroy`.
-    pub unsafe fn reduce_op_destroy(op: RawOp, comm: ns::ncclComm_t) -> Result<(), NcclError> {
+    pub(crate) unsafe fn reduce_op_destroy(
+        op: RawOp,
+        comm: ns::ncclComm_t,
+    ) -> Result<(), NcclError> {
         static F: OnceLock<Destroy> = OnceLock::new();
         // SAFETY: ncclRedOpDestroy has the `Destroy` signature (nccl.h of NCCL 2.x).
         let f = *F.get_or_init(|| unsafe { symbol(b"ncclRedOpDestroy\0") });
@@ -125,7 +128,7 @@ mod raw {
 }
 
 /// GPUs this process sees (an input error naming the fix when there is no driver).
-pub fn visible_gpus() -> Result<usize> {
+pub(crate) fn visible_gpus() -> Result<usize> {
     // SAFETY: is_culib_present only tries to load the driver library; it has no preconditions.
     if !unsafe { dsys::is_culib_present() } {
         return Err(input_error(NO_DRIVER));
@@ -137,7 +140,7 @@ pub fn visible_gpus() -> Result<usize> {
 }
 
 /// NCCL's version as (major, minor, patch); an input error when libnccl cannot be loaded.
-pub fn nccl_version() -> Result<(i32, i32, i32)> {
+pub(crate) fn nccl_version() -> Result<(i32, i32, i32)> {
     // SAFETY: is_culib_present only tries to load libnccl; it has no preconditions.
     if !unsafe { ns::is_culib_present() } {
         return Err(input_error(

@@ -29,20 +29,20 @@ use std::time::{Duration, Instant};
 
 /// How often clients send heartbeats and the server pings: often enough that a silent rank is
 /// noticed close to the timeout, rarely enough to cost nothing.
-pub fn heartbeat_interval(timeout: Duration) -> Duration {
+pub(crate) fn heartbeat_interval(timeout: Duration) -> Duration {
     (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(2))
 }
 
 /// Where one rank is, as the store last heard.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct RankProgress {
-    pub rank: usize,
-    pub joined: bool,
+pub(crate) struct RankProgress {
+    pub(crate) rank: usize,
+    pub(crate) joined: bool,
     /// Collectives the rank has started.
-    pub seq: u64,
+    pub(crate) seq: u64,
     /// Milliseconds since the store last heard from it.
-    pub silent_ms: u64,
-    pub done: bool,
+    pub(crate) silent_ms: u64,
+    pub(crate) done: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -207,8 +207,9 @@ struct Server {
 
 /// The store, served by rank 0. Dropping it before every rank finished fails the job
 /// (naming rank 0), so the other ranks stop instead of waiting for a store that is gone.
-pub struct StoreServer {
+pub(crate) struct StoreServer {
     server: Arc<Server>,
+    #[cfg(test)]
     port: u16,
 }
 
@@ -240,9 +241,14 @@ impl StoreServer {
         std::thread::Builder::new()
             .name("dist-store-monitor".into())
             .spawn(move || s.monitor())?;
-        Ok(StoreServer { server, port })
+        Ok(StoreServer {
+            server,
+            #[cfg(test)]
+            port,
+        })
     }
 
+    #[cfg(test)]
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -584,7 +590,7 @@ struct Client {
 }
 
 /// One rank's connection to the store.
-pub struct StoreClient {
+pub(crate) struct StoreClient {
     client: Arc<Client>,
     local_ip: IpAddr,
 }
@@ -710,7 +716,7 @@ impl StoreClient {
     }
 
     /// This machine's address on the network that reaches rank 0 (what other ranks can dial).
-    pub fn local_ip(&self) -> IpAddr {
+    pub(crate) fn local_ip(&self) -> IpAddr {
         self.local_ip
     }
 
@@ -750,7 +756,7 @@ impl StoreClient {
     /// The first of `keys` that some rank sets (its index and value), waiting at most `wait`
     /// (None: as long as every rank is alive; a failure of the job ends the wait with its
     /// message), or until `stop` says to give up (then None).
-    pub fn get_any(
+    pub(crate) fn get_any(
         &self,
         keys: &[String],
         wait: Option<Duration>,
@@ -774,7 +780,7 @@ impl StoreClient {
     }
 
     /// Forgets `keys` (values read by their only reader), so the store does not keep them.
-    pub fn delete(&self, keys: &[String]) -> Result<()> {
+    pub(crate) fn delete(&self, keys: &[String]) -> Result<()> {
         send(
             &self.client.out,
             &Msg::Delete {
@@ -786,7 +792,7 @@ impl StoreClient {
 
     /// A handle that asks the store for progress from another thread (a watchdog); it does
     /// not keep the connection open.
-    pub fn prober(&self) -> Prober {
+    pub(crate) fn prober(&self) -> Prober {
         Prober(self.client.clone())
     }
 
@@ -844,7 +850,7 @@ impl Drop for StoreClient {
 
 /// See [`StoreClient::prober`].
 #[derive(Clone)]
-pub struct Prober(Arc<Client>);
+pub(crate) struct Prober(Arc<Client>);
 
 impl Prober {
     /// Every rank's progress as the store last heard.
@@ -1021,7 +1027,7 @@ impl Client {
 }
 
 /// This machine's name, for messages.
-pub fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into buf.
     let ok = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0;

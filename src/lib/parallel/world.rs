@@ -9,7 +9,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 /// Port of the rendezvous store when MASTER_PORT is not set (torchrun's default).
-pub const DEFAULT_PORT: u16 = 29500;
+pub(crate) const DEFAULT_PORT: u16 = 29500;
 
 /// What started the ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -76,7 +76,7 @@ impl World {
 
     /// The world that the variables `var` returns describe (RANK/WORLD_SIZE first, then
     /// SLURM_*, else one rank). Bad values are input errors naming the variable.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<World> {
+    pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<World> {
         let get = |k: &str| var(k).filter(|v| !v.trim().is_empty());
         let world = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
             from_torchrun_vars(&get)?
@@ -89,7 +89,7 @@ impl World {
         Ok(world)
     }
 
-    pub fn is_single(&self) -> bool {
+    pub(crate) fn is_single(&self) -> bool {
         self.world_size == 1
     }
 
@@ -301,7 +301,7 @@ fn expand_ranges(body: &str, list: &str) -> Result<Vec<String>> {
 
 /// Every host of a Slurm node list, in order: `gpu[03-05,7],cpu1` -> gpu03 gpu04 gpu05 gpu7
 /// cpu1. Several brackets in one name expand to their product (`r[1-2]n[1-2]`).
-pub fn expand_nodelist(list: &str) -> Result<Vec<String>> {
+pub(crate) fn expand_nodelist(list: &str) -> Result<Vec<String>> {
     let mut hosts = Vec::new();
     for item in split_top(list.trim())? {
         if item.is_empty() {
@@ -328,7 +328,7 @@ pub fn expand_nodelist(list: &str) -> Result<Vec<String>> {
 }
 
 /// The first host of a Slurm node list (where task 0 runs).
-pub fn first_host(list: &str) -> Result<String> {
+pub(crate) fn first_host(list: &str) -> Result<String> {
     expand_nodelist(list)?
         .into_iter()
         .next()
@@ -336,7 +336,7 @@ pub fn first_host(list: &str) -> Result<String> {
 }
 
 /// Slurm's tasks-per-node list: `2(x3),1` -> [2, 2, 2, 1].
-pub fn expand_tasks_per_node(spec: &str) -> Result<Vec<usize>> {
+pub(crate) fn expand_tasks_per_node(spec: &str) -> Result<Vec<usize>> {
     let mut out = Vec::new();
     for part in spec.trim().split(',') {
         let bad = || input_error(format!("tasks per node '{spec}': bad entry '{part}'"));

@@ -54,7 +54,7 @@ pub(super) fn prune(plan: &Plan, step: u64) -> Result<()> {
 
 /// Which checkpoint steps survive at `current`: the current one, and the newest `keep_last`
 /// of those on the cadence (`every` > 0).
-pub fn kept_checkpoints(
+pub(crate) fn kept_checkpoints(
     present: impl Iterator<Item = u64>,
     current: u64,
     every: u64,

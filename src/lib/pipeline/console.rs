@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Output lines of a stage kept for its error message.
-pub const TAIL_LINES: usize = 12;
+pub(crate) const TAIL_LINES: usize = 12;
 
 /// The runner's console and log file.
 pub struct Console {
@@ -34,10 +34,10 @@ pub struct Console {
 }
 
 /// What a captured stage command did.
-pub struct Captured {
-    pub status: ExitStatus,
+pub(crate) struct Captured {
+    pub(crate) status: ExitStatus,
     /// Its last output lines (stdout and stderr, in the order they came).
-    pub tail: Vec<String>,
+    pub(crate) tail: Vec<String>,
 }
 
 impl Console {
@@ -51,7 +51,7 @@ impl Console {
     }
 
     /// Appends to `path` from now on, starting with a line saying who runs.
-    pub fn open_log(&mut self, path: &Path) -> Result<()> {
+    pub(crate) fn open_log(&mut self, path: &Path) -> Result<()> {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -69,12 +69,12 @@ impl Console {
         Ok(())
     }
 
-    pub fn log_path(&self) -> Option<&Path> {
+    pub(crate) fn log_path(&self) -> Option<&Path> {
         self.log.as_ref().map(|(p, _)| p.as_path())
     }
 
     /// Whether the console is a terminal (a progress bar is drawn).
-    pub fn is_terminal() -> bool {
+    pub(crate) fn is_terminal() -> bool {
         std::io::stderr().is_terminal()
     }
 
@@ -97,7 +97,7 @@ impl Console {
     }
 
     /// A line for the log, and the console with `-v`: a stage's command and output.
-    pub fn detail(&self, line: &str) {
+    pub(crate) fn detail(&self, line: &str) {
         if self.verbose {
             self.to_console(line);
         }
@@ -167,7 +167,7 @@ impl Console {
 
     /// Notes that step `done` has just finished (`total` in the run) and returns the expected
     /// time to the end, from the pace of the steps this process ran.
-    pub fn eta(&mut self, done: u64, total: u64) -> Option<Duration> {
+    pub(crate) fn eta(&mut self, done: u64, total: u64) -> Option<Duration> {
         let (t0, first) = *self.since.get_or_insert((Instant::now(), done));
         let ran = done.checked_sub(first).filter(|&n| n > 0)?;
         let left = total.checked_sub(done).filter(|&n| n > 0)?;
@@ -176,13 +176,13 @@ impl Console {
 
     /// Starts the ETA clock at `done` finished steps (when the first step of this process
     /// begins), unless it runs already.
-    pub fn start_clock(&mut self, done: u64) {
+    pub(crate) fn start_clock(&mut self, done: u64) {
         self.since.get_or_insert((Instant::now(), done));
     }
 }
 
 /// `1h02m`, `3m05s`, `12s`.
-pub fn short_duration(d: Duration) -> String {
+pub(crate) fn short_duration(d: Duration) -> String {
     let s = d.as_secs();
     match s {
         0..60 => format!("{s}s"),

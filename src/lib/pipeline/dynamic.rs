@@ -54,7 +54,7 @@ pub(super) trait Rounds {
 
 /// Which groups are kept: those whose value is not the same for every sample. A group of one
 /// sample is kept, as verl does (its spread is undefined, not zero).
-pub fn varied_groups(groups: &Groups, values: &[f64]) -> Vec<bool> {
+pub(crate) fn varied_groups(groups: &Groups, values: &[f64]) -> Vec<bool> {
     assert_eq!(groups.of_row.len(), values.len(), "one value per row");
     let mut first: Vec<Option<f64>> = vec![None; groups.count];
     let mut varied = vec![false; groups.count];
@@ -73,7 +73,7 @@ pub fn varied_groups(groups: &Groups, values: &[f64]) -> Vec<bool> {
 }
 
 /// The per-row values of `metric` in a scored batch.
-pub fn metric_values(batch: &Batch, metric: &FilterMetric) -> Result<Vec<f64>> {
+pub(crate) fn metric_values(batch: &Batch, metric: &FilterMetric) -> Result<Vec<f64>> {
     // `f32s` refuses NaN and infinities (naming the row), so the values compare exactly.
     Ok(match metric {
         FilterMetric::Score => batch

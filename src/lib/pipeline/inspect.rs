@@ -78,7 +78,7 @@ fn prompt_text(v: serde_json::Value) -> String {
 }
 
 /// One line, control characters made visible, cut to `max` characters with an ellipsis.
-pub fn cell_text(s: &str, max: usize) -> String {
+pub(crate) fn cell_text(s: &str, max: usize) -> String {
     let flat: String = s
         .chars()
         .flat_map(|c| match c {

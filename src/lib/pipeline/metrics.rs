@@ -50,7 +50,7 @@ pub fn flatten(prefix: &str, v: &Value, out: &mut Map<String, Value>) {
 }
 
 /// A stage's `--metrics` file flattened under its name, or nothing when the stage wrote none.
-pub fn stage_file(stage: &str, path: &Path, out: &mut Map<String, Value>) -> Result<()> {
+pub(crate) fn stage_file(stage: &str, path: &Path, out: &mut Map<String, Value>) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
     };
@@ -86,12 +86,12 @@ fn num(v: f64) -> Value {
 }
 
 /// Score summary of a scored batch: mean, std, accuracy overall and per data_source.
-pub struct ScoreSummary {
-    pub mean: f64,
-    pub std: f64,
-    pub accuracy: f64,
-    pub by_source: BTreeMap<String, f64>,
-    pub rows: usize,
+pub(crate) struct ScoreSummary {
+    pub(crate) mean: f64,
+    pub(crate) std: f64,
+    pub(crate) accuracy: f64,
+    pub(crate) by_source: BTreeMap<String, f64>,
+    pub(crate) rows: usize,
 }
 
 /// Whether each row counts as correct: `score_acc` when the reward gives one, else score >= 1.
@@ -107,7 +107,7 @@ pub fn correct(batch: &Batch, scores: &[f32]) -> Result<Vec<f64>> {
     })
 }
 
-pub fn score_summary(batch: &Batch) -> Result<ScoreSummary> {
+pub(crate) fn score_summary(batch: &Batch) -> Result<ScoreSummary> {
     let scores = batch.f32s(schema::SCORE)?;
     let ok = correct(batch, &scores)?;
     let m = mean(scores.iter().map(|&s| s as f64)).unwrap_or(0.0);
@@ -179,7 +179,7 @@ pub fn lengths(batch: &Batch) -> Result<Lengths> {
 
 /// Mean over model tokens (response_mask 1, or all tokens without a mask) of
 /// `a − b` for two log-prob columns: with a = policy, b = reference, the k1 KL estimate.
-pub fn masked_mean_diff(batch: &Batch, a: &str, b: &str) -> Result<Option<f64>> {
+pub(crate) fn masked_mean_diff(batch: &Batch, a: &str, b: &str) -> Result<Option<f64>> {
     if !batch.has(a) || !batch.has(b) {
         return Ok(None);
     }
@@ -200,7 +200,7 @@ pub fn masked_mean_diff(batch: &Batch, a: &str, b: &str) -> Result<Option<f64>> 
 }
 
 /// Mean of a per-token column over model tokens.
-pub fn masked_mean(batch: &Batch, col: &str) -> Result<Option<f64>> {
+pub(crate) fn masked_mean(batch: &Batch, col: &str) -> Result<Option<f64>> {
     if !batch.has(col) {
         return Ok(None);
     }
@@ -220,18 +220,18 @@ pub fn masked_mean(batch: &Batch, col: &str) -> Result<Option<f64>> {
 }
 
 /// Everything the runner knows about one finished step.
-pub struct StepFiles<'a> {
-    pub step: u64,
-    pub scored: &'a Path,
+pub(crate) struct StepFiles<'a> {
+    pub(crate) step: u64,
+    pub(crate) scored: &'a Path,
     /// The batch holding ref_logprobs, when computed.
-    pub with_ref: Option<&'a Path>,
+    pub(crate) with_ref: Option<&'a Path>,
     /// Each stage's `--metrics` file.
-    pub stage_metrics: Vec<(&'static str, std::path::PathBuf)>,
-    pub seconds: &'a BTreeMap<String, f64>,
+    pub(crate) stage_metrics: Vec<(&'static str, std::path::PathBuf)>,
+    pub(crate) seconds: &'a BTreeMap<String, f64>,
 }
 
 /// The flat metrics line of a step.
-pub fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
+pub(crate) fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
     let mut m = Map::new();
     m.insert("step".into(), Value::from(f.step));
 
@@ -309,7 +309,7 @@ pub fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
 }
 
 /// The eval.jsonl line of one evaluation.
-pub fn eval_line(step: u64, scored: &Path) -> Result<Map<String, Value>> {
+pub(crate) fn eval_line(step: u64, scored: &Path) -> Result<Map<String, Value>> {
     let b = Batch::read(scored, &[schema::SCORE, schema::RESPONSE_IDS])?;
     let s = score_summary(&b)?;
     let l = lengths(&b)?;
@@ -345,7 +345,7 @@ pub fn put_line(path: &Path, step: u64, line: &Value) -> Result<()> {
 }
 
 /// One console line for a finished step.
-pub fn summary_text(m: &Map<String, Value>, steps: u64) -> String {
+pub(crate) fn summary_text(m: &Map<String, Value>, steps: u64) -> String {
     let f = |k: &str| m.get(k).and_then(Value::as_f64);
     let mut s = format!(
         "step {}/{steps}",

@@ -17,19 +17,19 @@
 //! - `tensorboard`: the same numbers as TensorBoard event files in the run directory.
 //! - `plot`, `inspect`: looking at a run.
 
-pub mod chores;
-pub mod console;
-pub mod daemons;
-pub mod dynamic;
+pub(crate) mod chores;
+pub(crate) mod console;
+pub(crate) mod daemons;
+pub(crate) mod dynamic;
 pub mod inspect;
 pub mod metrics;
-pub mod plan;
+pub(crate) mod plan;
 pub mod plot;
-pub mod preflight;
-pub mod rundir;
-pub mod runner;
+pub(crate) mod preflight;
+pub(crate) mod rundir;
+pub(crate) mod runner;
 pub mod sampler;
-pub mod spec;
+pub(crate) mod spec;
 pub mod tensorboard;
 
 use crate::bail_input;

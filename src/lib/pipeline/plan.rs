@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 /// What a task does.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Action {
+pub(crate) enum Action {
     /// Run a stage binary with these arguments.
     Stage {
         bin: &'static str,
@@ -37,23 +37,23 @@ pub enum Action {
 
 /// One unit of recorded progress.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Task {
+pub(crate) struct Task {
     /// The name recorded in state.json (unique within a step).
-    pub name: &'static str,
-    pub action: Action,
+    pub(crate) name: &'static str,
+    pub(crate) action: Action,
 }
 
 /// Where one sampling pass (prompts -> rollout -> score) reads and writes.
-pub struct SampleFiles {
-    pub prompts: PathBuf,
-    pub rollout: PathBuf,
-    pub scored: PathBuf,
-    pub rollout_metrics: PathBuf,
-    pub score_metrics: PathBuf,
+pub(crate) struct SampleFiles {
+    pub(crate) prompts: PathBuf,
+    pub(crate) rollout: PathBuf,
+    pub(crate) scored: PathBuf,
+    pub(crate) rollout_metrics: PathBuf,
+    pub(crate) score_metrics: PathBuf,
 }
 
 /// Quote an argument for a POSIX shell when it needs it.
-pub fn shell_quote(s: &str) -> String {
+pub(crate) fn shell_quote(s: &str) -> String {
     let plain = !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "_-./:=,+@%".contains(c));
@@ -95,18 +95,18 @@ pub(super) fn round_seed(seed: u64, step: u64, round: u64) -> u64 {
 
 /// What a run's tasks derive from: the spec, its stages' flags, the run directory and where
 /// the stage binaries are.
-pub struct Plan {
-    pub spec: Spec,
+pub(crate) struct Plan {
+    pub(crate) spec: Spec,
     /// The stages' flags from the spec, parsed by the stages.
-    pub stages: Stages,
-    pub run: RunDir,
-    pub bins: PathBuf,
+    pub(crate) stages: Stages,
+    pub(crate) run: RunDir,
+    pub(crate) bins: PathBuf,
 }
 
 impl Plan {
     /// The plan of `spec` (the stage tables are parsed again here: `--steps` may have changed
     /// what the runner derives from them).
-    pub fn new(spec: Spec, run: RunDir, bins: PathBuf) -> Result<Plan> {
+    pub(crate) fn new(spec: Spec, run: RunDir, bins: PathBuf) -> Result<Plan> {
         let stages = spec.stages(&Source {
             origin: "the spec",
             text: None,
@@ -121,7 +121,7 @@ impl Plan {
 
     /// Whether the step needs reference log-probs: a KL term in the reward or the loss, or a
     /// separate reference model.
-    pub fn needs_ref(&self) -> bool {
+    pub(crate) fn needs_ref(&self) -> bool {
         self.stages.advantage.args.kl_in_reward
             || self.stages.update.args.use_kl_loss
             || self.spec.model.reference.is_some()
@@ -134,7 +134,7 @@ impl Plan {
     /// mini-batch's from its own first forward: a pass over the other rows only, and no batch
     /// file. Never in bypass mode (`[update] bypass-mode`): the rollout's log-probs are the
     /// old ones.
-    pub fn needs_old(&self) -> bool {
+    pub(crate) fn needs_old(&self) -> bool {
         let u = &self.stages.update.args;
         !u.bypass_mode && (self.stages.advantage.args.kl_in_reward || u.rollout_rs.is_some())
     }
@@ -162,7 +162,7 @@ impl Plan {
     /// Checks every stage command of step `step` (with step 0's and an evaluation's) with the
     /// stage's own parser and flag checks, before anything runs: a value the stage would refuse
     /// stops the run here, not at its stage.
-    pub fn check_commands(&self, step: u64) -> Result<()> {
+    pub(crate) fn check_commands(&self, step: u64) -> Result<()> {
         self.check_bypass()?;
         let tasks = self
             .init_tasks()
@@ -198,7 +198,7 @@ impl Plan {
     }
 
     /// The prompt sampler over the training set of `train_rows` rows.
-    pub fn sampler(&self, train_rows: u64) -> Sampler {
+    pub(crate) fn sampler(&self, train_rows: u64) -> Sampler {
         Sampler {
             seed: self.spec.seed,
             len: train_rows,
@@ -207,7 +207,7 @@ impl Plan {
     }
 
     /// The socket of the run's daemon.
-    pub fn daemon_socket(&self) -> PathBuf {
+    pub(crate) fn daemon_socket(&self) -> PathBuf {
         self.run.root.join("daemon.sock")
     }
 
@@ -253,7 +253,7 @@ impl Plan {
     }
 
     /// The tasks of step 0: publish the initial model as the policy, then evaluate it.
-    pub fn init_tasks(&self) -> Vec<Task> {
+    pub(crate) fn init_tasks(&self) -> Vec<Task> {
         let mut t = vec![self.sync_task(&self.spec.model.path, 0)];
         if self.spec.eval.every > 0 && self.spec.eval.at_start {
             t.extend(self.eval_tasks(0));
@@ -338,7 +338,7 @@ impl Plan {
 
     /// The tasks of training step `step` (1-based): sampling, the log-prob passes, advantage,
     /// update, sync, then the chores (prune, an evaluation, the metrics line).
-    pub fn step_tasks(&self, step: u64) -> Vec<Task> {
+    pub(crate) fn step_tasks(&self, step: u64) -> Vec<Task> {
         let mut tasks = self.sampling_tasks(step);
         let last = self.logprob_tasks(step, &mut tasks);
         self.advantage_tasks(step, last, &mut tasks);
@@ -478,7 +478,7 @@ impl Plan {
 
     /// The rollout and score of one sampling pass: `files.prompts` to `files.scored`, the
     /// rollout seeded with `seed`.
-    pub fn sample_tasks(&self, step: u64, files: &SampleFiles, seed: u64) -> [Task; 2] {
+    pub(crate) fn sample_tasks(&self, step: u64, files: &SampleFiles, seed: u64) -> [Task; 2] {
         let mut rollout = vec![
             "--model".into(),
             path_arg(&self.run.policy()),
@@ -537,19 +537,19 @@ impl Plan {
     /// daemon is restarted from the newest checkpoint written as files (the runner's rewind).
     /// A daemon group (`gpus > 1`) does the same, each rank keeping its shards of the state
     /// (under `[update] shard = "full"` its shards of the compute weights too).
-    pub fn writes_checkpoint(&self, step: u64) -> bool {
+    pub(crate) fn writes_checkpoint(&self, step: u64) -> bool {
         let every = self.spec.checkpoint.every;
         !self.spec.daemon || step == self.spec.steps || (every > 0 && step.is_multiple_of(every))
     }
 
     /// The adaptive-KL controller's state of step `step`.
-    pub fn kl_state(&self, step: u64) -> PathBuf {
+    pub(crate) fn kl_state(&self, step: u64) -> PathBuf {
         self.run.step_dir(step).join("kl-state.json")
     }
 
     /// A task as the shell line a user could type (stage commands) or a comment saying what
     /// the runner does itself.
-    pub fn describe(&self, step: u64, task: &Task) -> String {
+    pub(crate) fn describe(&self, step: u64, task: &Task) -> String {
         match &task.action {
             Action::Stage { bin, args } => self.stage_line(bin, args),
             Action::SamplePrompts => format!(
@@ -622,7 +622,7 @@ impl Plan {
     }
 
     /// A stage command as a shell line.
-    pub fn stage_line(&self, bin: &str, args: &[String]) -> String {
+    pub(crate) fn stage_line(&self, bin: &str, args: &[String]) -> String {
         let mut line = String::new();
         for a in self.launch_prefix(bin) {
             line.push_str(&shell_quote(&a));

@@ -38,9 +38,9 @@ pub struct PlotArgs {
 /// One curve: a label and, for each line of its file in step order, the step and the value
 /// (`None` where the line lacks the key or holds a non-number).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Series {
-    pub label: String,
-    pub data: Vec<(f64, Option<f64>)>,
+pub(crate) struct Series {
+    pub(crate) label: String,
+    pub(crate) data: Vec<(f64, Option<f64>)>,
 }
 
 impl Series {
@@ -76,10 +76,10 @@ impl Series {
 
 /// One panel: a title, its curves, and a note drawn in it (why it is empty).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Panel {
-    pub title: String,
-    pub series: Vec<Series>,
-    pub note: Option<String>,
+pub(crate) struct Panel {
+    pub(crate) title: String,
+    pub(crate) series: Vec<Series>,
+    pub(crate) note: Option<String>,
 }
 
 impl Panel {
@@ -198,7 +198,7 @@ fn kl_panel(metrics: &[Map<String, Value>], spec: Option<&toml::Table>) -> Panel
 }
 
 /// The six panels of a run; `spec` is the run's spec.resolved.toml (what the KL panel shows).
-pub fn panels(
+pub(crate) fn panels(
     metrics: &[Map<String, Value>],
     evals: &[Map<String, Value>],
     spec: Option<&toml::Table>,
@@ -259,7 +259,7 @@ pub fn panels(
 /// point when there are few, else per column its first, lowest, highest and last point, in
 /// step order. Every vertex is a data point, and the line through them covers each column's
 /// whole range of values.
-pub fn decimate(run: &[(f64, f64)], x0: f64, x1: f64, columns: usize) -> Vec<(f64, f64)> {
+pub(crate) fn decimate(run: &[(f64, f64)], x0: f64, x1: f64, columns: usize) -> Vec<(f64, f64)> {
     if run.len() <= 2 * columns || columns == 0 {
         return run.to_vec();
     }
@@ -326,26 +326,27 @@ fn step_range(panel: &Panel) -> Range<f64> {
 }
 
 /// Pixel rectangle: x0..x1, y0..y1 (ends excluded).
-pub type Rect = (Range<i32>, Range<i32>);
+pub(crate) type Rect = (Range<i32>, Range<i32>);
 
 /// What was drawn of one series: its polylines (data coordinates) and their pixels.
 #[derive(Clone, Debug)]
-pub struct DrawnSeries {
-    pub label: String,
-    pub color: (u8, u8, u8),
-    pub lines: Vec<Vec<(f64, f64)>>,
-    pub pixels: Vec<Vec<(i32, i32)>>,
+#[cfg_attr(not(test), allow(dead_code, reason = "read by the tests only"))]
+pub(crate) struct DrawnSeries {
+    pub(crate) color: (u8, u8, u8),
+    pub(crate) lines: Vec<Vec<(f64, f64)>>,
+    pub(crate) pixels: Vec<Vec<(i32, i32)>>,
 }
 
 /// What was drawn of one panel: where its plot area and legend are, and its series.
 #[derive(Clone, Debug)]
-pub struct DrawnPanel {
-    pub title: String,
-    pub plot: Rect,
-    pub legend: Option<Rect>,
-    pub x_range: Range<f64>,
-    pub y_range: Range<f64>,
-    pub series: Vec<DrawnSeries>,
+#[cfg_attr(not(test), allow(dead_code, reason = "read by the tests only"))]
+pub(crate) struct DrawnPanel {
+    pub(crate) title: String,
+    pub(crate) plot: Rect,
+    pub(crate) legend: Option<Rect>,
+    pub(crate) x_range: Range<f64>,
+    pub(crate) y_range: Range<f64>,
+    pub(crate) series: Vec<DrawnSeries>,
 }
 
 static FONT: Once = Once::new();
@@ -361,7 +362,7 @@ fn register_font() {
     });
 }
 
-pub const COLORS: [RGBColor; 5] = [
+pub(crate) const COLORS: [RGBColor; 5] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -370,14 +371,14 @@ pub const COLORS: [RGBColor; 5] = [
 ];
 
 /// Image size in pixels.
-pub const SIZE: (u32, u32) = (1500, 900);
+pub(crate) const SIZE: (u32, u32) = (1500, 900);
 
 const CAPTION_H: i32 = 26;
 const LEGEND_ROW_H: i32 = 17;
 
 /// Draw the panels into a PNG at `out` (written whole, then renamed into place); returns what
 /// was drawn.
-pub fn draw(panels: &[Panel], title: &str, out: &Path) -> Result<Vec<DrawnPanel>> {
+pub(crate) fn draw(panels: &[Panel], title: &str, out: &Path) -> Result<Vec<DrawnPanel>> {
     register_font();
     // The encoder picks the format from the extension, so the temp name keeps `.png`.
     let tmp = out.with_extension("tmp.png");
@@ -392,7 +393,7 @@ pub fn draw(panels: &[Panel], title: &str, out: &Path) -> Result<Vec<DrawnPanel>
 }
 
 /// Draw the figure on any backend (a PNG file, or an RGB buffer in tests).
-pub fn render<DB: DrawingBackend>(
+pub(crate) fn render<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     panels: &[Panel],
     title: &str,
@@ -594,7 +595,6 @@ fn draw_series<DB: DrawingBackend>(
             pixels.push(px);
         }
         out.push(DrawnSeries {
-            label: s.label.clone(),
             color: (color.0, color.1, color.2),
             lines,
             pixels,

@@ -25,29 +25,29 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Version of the state.json layout.
-pub const STATE_VERSION: u64 = 1;
+pub(crate) const STATE_VERSION: u64 = 1;
 
 /// What has finished in a run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct State {
-    pub version: u64,
+pub(crate) struct State {
+    pub(crate) version: u64,
     /// Steps whose every stage (and metrics line) is done; step 0 is initialisation.
-    pub steps_done: u64,
+    pub(crate) steps_done: u64,
     /// Whether step 0 (publishing the initial policy, the first eval) is done.
-    pub init_done: bool,
+    pub(crate) init_done: bool,
     /// The step in progress and its finished stages.
     #[serde(default)]
-    pub current: Option<StepProgress>,
+    pub(crate) current: Option<StepProgress>,
     /// The sampler's cursor for the next draw.
-    pub sampler: Cursor,
+    pub(crate) sampler: Cursor,
     /// Rows in the training set when the run began (a changed dataset is refused on resume).
-    pub train_rows: u64,
+    pub(crate) train_rows: u64,
 }
 
 impl State {
     /// Whether the state records task `name` of step `step` as finished (in the step in
     /// progress).
-    pub fn is_done(&self, step: u64, name: &str) -> bool {
+    pub(crate) fn is_done(&self, step: u64, name: &str) -> bool {
         self.current
             .as_ref()
             .is_some_and(|c| c.step == step && c.is_done(name))
@@ -67,22 +67,22 @@ impl State {
 
 /// The finished stages of the step in progress, and how long each took.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct StepProgress {
-    pub step: u64,
-    pub done: Vec<String>,
-    pub seconds: BTreeMap<String, f64>,
+pub(crate) struct StepProgress {
+    pub(crate) step: u64,
+    pub(crate) done: Vec<String>,
+    pub(crate) seconds: BTreeMap<String, f64>,
 }
 
 impl StepProgress {
-    pub fn is_done(&self, stage: &str) -> bool {
+    pub(crate) fn is_done(&self, stage: &str) -> bool {
         self.done.iter().any(|s| s == stage)
     }
 }
 
 /// Paths inside one run directory.
 #[derive(Clone, Debug)]
-pub struct RunDir {
-    pub root: PathBuf,
+pub(crate) struct RunDir {
+    pub(crate) root: PathBuf,
 }
 
 impl RunDir {
@@ -90,31 +90,31 @@ impl RunDir {
         RunDir { root: root.into() }
     }
 
-    pub fn state_path(&self) -> PathBuf {
+    pub(crate) fn state_path(&self) -> PathBuf {
         self.root.join("state.json")
     }
-    pub fn spec_path(&self) -> PathBuf {
+    pub(crate) fn spec_path(&self) -> PathBuf {
         self.root.join("spec.resolved.toml")
     }
-    pub fn commands_path(&self) -> PathBuf {
+    pub(crate) fn commands_path(&self) -> PathBuf {
         self.root.join("commands.sh")
     }
-    pub fn log_path(&self) -> PathBuf {
+    pub(crate) fn log_path(&self) -> PathBuf {
         self.root.join("pipeline.log")
     }
-    pub fn spec_changes_path(&self) -> PathBuf {
+    pub(crate) fn spec_changes_path(&self) -> PathBuf {
         self.root.join("spec-changes.jsonl")
     }
-    pub fn metrics_path(&self) -> PathBuf {
+    pub(crate) fn metrics_path(&self) -> PathBuf {
         self.root.join("metrics.jsonl")
     }
-    pub fn eval_path(&self) -> PathBuf {
+    pub(crate) fn eval_path(&self) -> PathBuf {
         self.root.join("eval.jsonl")
     }
     pub fn policy(&self) -> PathBuf {
         self.root.join("policy")
     }
-    pub fn lock_path(&self) -> PathBuf {
+    pub(crate) fn lock_path(&self) -> PathBuf {
         self.root.join("lock")
     }
     pub fn step_dir(&self, step: u64) -> PathBuf {
@@ -125,15 +125,15 @@ impl RunDir {
         self.step_dir(step).join(format!("{name}.parquet"))
     }
     /// A stage's `--metrics` file: `step-000K/metrics/NAME.json`.
-    pub fn stage_metrics(&self, step: u64, name: &str) -> PathBuf {
+    pub(crate) fn stage_metrics(&self, step: u64, name: &str) -> PathBuf {
         self.step_dir(step)
             .join("metrics")
             .join(format!("{name}.json"))
     }
-    pub fn eval_dir(&self, step: u64) -> PathBuf {
+    pub(crate) fn eval_dir(&self, step: u64) -> PathBuf {
         self.root.join("eval").join(step_name(step))
     }
-    pub fn ckpt_root(&self) -> PathBuf {
+    pub(crate) fn ckpt_root(&self) -> PathBuf {
         self.root.join("ckpt")
     }
     pub fn ckpt(&self, step: u64) -> PathBuf {
@@ -144,7 +144,7 @@ impl RunDir {
         self.state_path().exists()
     }
 
-    pub fn load_state(&self) -> Result<State> {
+    pub(crate) fn load_state(&self) -> Result<State> {
         let path = self.state_path();
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
@@ -164,13 +164,13 @@ impl RunDir {
         Ok(state)
     }
 
-    pub fn save_state(&self, state: &State) -> Result<()> {
+    pub(crate) fn save_state(&self, state: &State) -> Result<()> {
         crate::batch::write_json(&self.state_path(), state)
     }
 
     /// Appends to spec-changes.jsonl that the run continues under a changed spec (read from
     /// `spec`) from step `step`, whose tasks `finished` are not run again.
-    pub fn record_spec_change(
+    pub(crate) fn record_spec_change(
         &self,
         spec: &Path,
         step: u64,
@@ -215,7 +215,7 @@ impl RunDir {
 }
 
 /// Removes the lock file when the runner ends normally.
-pub struct RunLock {
+pub(crate) struct RunLock {
     path: PathBuf,
 }
 
@@ -226,12 +226,12 @@ impl Drop for RunLock {
 }
 
 /// `step-000K`: four digits, more when a run is longer.
-pub fn step_name(step: u64) -> String {
+pub(crate) fn step_name(step: u64) -> String {
     format!("step-{step:04}")
 }
 
 /// The step of a `step-000K` name.
-pub fn parse_step_name(name: &str) -> Option<u64> {
+pub(crate) fn parse_step_name(name: &str) -> Option<u64> {
     name.strip_prefix("step-")?.parse().ok()
 }
 
@@ -240,7 +240,7 @@ pub use crate::batch::write::write_atomic;
 /// Replace the lines of a JSON-lines file whose `step` is `step` (or later: a resumed run
 /// rewrites them) by `line`, atomically, so a crash between writing and recording never
 /// leaves a step twice.
-pub fn put_jsonl_step(path: &Path, step: u64, line: &serde_json::Value) -> Result<()> {
+pub(crate) fn put_jsonl_step(path: &Path, step: u64, line: &serde_json::Value) -> Result<()> {
     let mut out = String::new();
     if let Ok(text) = std::fs::read_to_string(path) {
         for l in text.lines().filter(|l| !l.trim().is_empty()) {
@@ -260,7 +260,7 @@ pub fn put_jsonl_step(path: &Path, step: u64, line: &serde_json::Value) -> Resul
 }
 
 /// Read a JSON-lines file into objects (a missing file is empty).
-pub fn read_jsonl(path: &Path) -> Result<Vec<serde_json::Map<String, serde_json::Value>>> {
+pub(crate) fn read_jsonl(path: &Path) -> Result<Vec<serde_json::Map<String, serde_json::Value>>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),

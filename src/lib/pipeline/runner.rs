@@ -32,7 +32,7 @@ use std::time::Instant;
 
 /// Where the stage binaries are: `TANDEM_BIN_DIR` when set, else the directory of the running
 /// `pipeline` binary (cargo puts all of a package's binaries side by side).
-pub fn bin_dir() -> Result<PathBuf> {
+pub(crate) fn bin_dir() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("TANDEM_BIN_DIR") {
         return Ok(PathBuf::from(dir));
     }
@@ -44,18 +44,18 @@ pub fn bin_dir() -> Result<PathBuf> {
 }
 
 /// The runner of one run directory.
-pub struct Runner {
+pub(crate) struct Runner {
     /// The spec, its stages' flags, the run directory and the binaries the tasks derive from.
-    pub plan: Plan,
-    pub state: State,
+    pub(crate) plan: Plan,
+    pub(crate) state: State,
     /// The training set, read on first use.
     train: Option<Batch>,
     /// Steps whose header comment was already written to commands.sh by this process.
     announced: Option<u64>,
     /// The console (one line per step, a progress bar) and the run's log.
-    pub console: Console,
+    pub(crate) console: Console,
     /// The `pipeline run` command that continues this run, for the message of a failed stage.
-    pub rerun: String,
+    pub(crate) rerun: String,
     /// The evaluation summary of the step in progress, for its step line.
     eval_note: Option<String>,
     /// The warm daemon the model stages are sent to (`daemon = true`).
@@ -100,7 +100,7 @@ impl Runner {
 
     /// Checks every stage command of the next step (with step 0's and an evaluation's) with the
     /// stage's own parser and flag checks (`Plan::check_commands`).
-    pub fn check_commands(&self) -> Result<()> {
+    pub(crate) fn check_commands(&self) -> Result<()> {
         self.plan.check_commands(self.state.steps_done + 1)
     }
 
@@ -416,7 +416,7 @@ impl Runner {
     }
 
     /// The training set as `preflight::check` read it (sampled from without reading it again).
-    pub fn set_train_set(&mut self, batch: Batch) {
+    pub(crate) fn set_train_set(&mut self, batch: Batch) {
         self.train = Some(batch);
     }
 

@@ -6,9 +6,9 @@ use serde::{Deserialize, Serialize};
 
 /// Where the sampler stands: the next prompt is `order(seed, epoch)[position]`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cursor {
-    pub epoch: u64,
-    pub position: u64,
+pub(crate) struct Cursor {
+    pub(crate) epoch: u64,
+    pub(crate) position: u64,
 }
 
 use crate::rng::SplitMix64;
@@ -25,10 +25,10 @@ pub fn derive_seed(base: u64, labels: &[u64]) -> u64 {
 
 /// The prompt sampler over a dataset of `len` rows.
 #[derive(Clone, Debug)]
-pub struct Sampler {
-    pub seed: u64,
-    pub len: u64,
-    pub shuffle: bool,
+pub(crate) struct Sampler {
+    pub(crate) seed: u64,
+    pub(crate) len: u64,
+    pub(crate) shuffle: bool,
 }
 
 impl Sampler {

@@ -53,26 +53,26 @@ impl Device {
 /// `[model]`: the initial policy and an optional separate reference model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct ModelSpec {
+pub(crate) struct ModelSpec {
     /// HF model directory the run starts from (also the reference when `ref` is not set).
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// A different reference model for `ref-logprob`.
     #[serde(rename = "ref", default, skip_serializing_if = "Option::is_none")]
-    pub reference: Option<PathBuf>,
+    pub(crate) reference: Option<PathBuf>,
 }
 
 /// `[data]`: prompt datasets and how many prompts each step takes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct DataSpec {
-    pub train: PathBuf,
+pub(crate) struct DataSpec {
+    pub(crate) train: PathBuf,
     /// Validation prompts for `[eval]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub val: Option<PathBuf>,
-    pub prompts_per_step: u64,
+    pub(crate) val: Option<PathBuf>,
+    pub(crate) prompts_per_step: u64,
     /// Reshuffle the training prompts every epoch (seeded); false keeps the file's order.
     #[serde(default = "yes")]
-    pub shuffle: bool,
+    pub(crate) shuffle: bool,
 }
 
 /// `[eval]`: cadence of evaluation on `data.val`, and the evaluation rollout's flags: `limit`
@@ -81,16 +81,16 @@ pub struct DataSpec {
 /// set); the other keys default to `[rollout]`'s.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub struct EvalSpec {
+pub(crate) struct EvalSpec {
     /// Evaluate after every `every` steps (0: never).
     #[serde(default)]
-    pub every: u64,
+    pub(crate) every: u64,
     /// Also evaluate the initial model (step 0) when `every` > 0.
     #[serde(default = "yes")]
-    pub at_start: bool,
+    pub(crate) at_start: bool,
     /// The rollout flags (checked by [`Spec::stages`]).
     #[serde(flatten)]
-    pub rollout: toml::Table,
+    pub(crate) rollout: toml::Table,
 }
 
 impl Default for EvalSpec {
@@ -106,13 +106,13 @@ impl Default for EvalSpec {
 /// `[checkpoint]`: which step checkpoints stay on disk under `ckpt/`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct CheckpointSpec {
+pub(crate) struct CheckpointSpec {
     /// Keep the checkpoint of every `every`-th step (0: only the current policy's).
     #[serde(default)]
-    pub every: u64,
+    pub(crate) every: u64,
     /// How many of those to keep (the newest); the current policy is always kept.
     #[serde(default = "one")]
-    pub keep_last: u64,
+    pub(crate) keep_last: u64,
 }
 
 impl Default for CheckpointSpec {
@@ -133,25 +133,25 @@ fn yes() -> bool {
 /// spec without the table resolves as before.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct AlgorithmSpec {
+pub(crate) struct AlgorithmSpec {
     /// Drop the prompt groups whose `filter-metric` is equal over all their samples and sample
     /// more prompts until the step has `[data] prompts-per-step` groups.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub filter_groups: bool,
+    pub(crate) filter_groups: bool,
     /// `score` (default), `acc` (the accuracy as the metrics count it: `score_acc`, else
     /// score >= 1) or a sub-score column `score_<key>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub filter_metric: Option<String>,
+    pub(crate) filter_metric: Option<String>,
     /// Rounds of generation a step may take, the first included (0: no cap). Default 10.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_num_gen_batches: Option<u64>,
+    pub(crate) max_num_gen_batches: Option<u64>,
     /// Prompts drawn per round (verl's gen_batch_size). Default: `[data] prompts-per-step`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompts_per_round: Option<u64>,
+    pub(crate) prompts_per_round: Option<u64>,
     /// At the cap with fewer groups than asked: `train` on the groups kept (default; none kept
     /// stops the run), or `fail` as verl does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_cap: Option<OnCap>,
+    pub(crate) on_cap: Option<OnCap>,
 }
 
 impl AlgorithmSpec {
@@ -163,7 +163,7 @@ impl AlgorithmSpec {
 /// What a step does when the generation cap is reached before it has its groups.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum OnCap {
+pub(crate) enum OnCap {
     /// Train on the groups kept so far (fewer than asked).
     Train,
     /// Stop the run with an error (verl's behaviour).
@@ -172,7 +172,7 @@ pub enum OnCap {
 
 /// The per-sample value whose spread decides whether a group is kept.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum FilterMetric {
+pub(crate) enum FilterMetric {
     /// The `score` column (after any overlong shaping).
     Score,
     /// Correctness: `score_acc` when present, else score >= 1.
@@ -206,16 +206,16 @@ impl FilterMetric {
 
 /// Dynamic sampling as the runner runs it, the defaults filled in.
 #[derive(Clone, Debug, PartialEq)]
-pub struct FilterGroups {
-    pub metric: FilterMetric,
+pub(crate) struct FilterGroups {
+    pub(crate) metric: FilterMetric,
     /// Generation rounds a step may take (0: no cap).
-    pub max_rounds: u64,
-    pub prompts_per_round: u64,
-    pub on_cap: OnCap,
+    pub(crate) max_rounds: u64,
+    pub(crate) prompts_per_round: u64,
+    pub(crate) on_cap: OnCap,
 }
 
 /// verl's DAPO recipe caps a step at 10 generation batches.
-pub const DEFAULT_MAX_NUM_GEN_BATCHES: u64 = 10;
+pub(crate) const DEFAULT_MAX_NUM_GEN_BATCHES: u64 = 10;
 
 fn one() -> u64 {
     1
@@ -229,50 +229,50 @@ fn is_one(v: &u64) -> bool {
 /// [`Spec::stages`] checks them against the stages and turns them into arguments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct Spec {
+pub(crate) struct Spec {
     /// Seed of the prompt sampler and of every stage's `--seed`.
     #[serde(default)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Number of training steps.
-    pub steps: u64,
+    pub(crate) steps: u64,
     #[serde(default)]
-    pub device: Device,
+    pub(crate) device: Device,
     /// Run GPU stages as clients of a warm daemon.
     #[serde(default)]
-    pub daemon: bool,
+    pub(crate) daemon: bool,
     /// Ranks of the model stages on this machine: with `gpus = N > 1` the runner runs rollout,
     /// ref-logprob and update under `tandem launch --nproc-per-node N` (one rank per GPU, or N
     /// CPU processes on the CPU), or, with `daemon = true`, starts N daemons under it (a
     /// daemon group) and sends those stages to it.
     #[serde(default = "one", skip_serializing_if = "is_one")]
-    pub gpus: u64,
+    pub(crate) gpus: u64,
     /// Machines: 1 only for now.
     #[serde(default = "one", skip_serializing_if = "is_one")]
-    pub nodes: u64,
+    pub(crate) nodes: u64,
     /// Batch-invariant GPU kernels in every stage and the daemon (TANDEM_BATCH_INVARIANT=1):
     /// rollout log-probs equal the training forward's for the same tokens, at a rollout
     /// throughput cost (docs/ROLLOUT.md).
     #[serde(default)]
-    pub batch_invariant: bool,
-    pub model: ModelSpec,
-    pub data: DataSpec,
+    pub(crate) batch_invariant: bool,
+    pub(crate) model: ModelSpec,
+    pub(crate) data: DataSpec,
     #[serde(default)]
-    pub rollout: toml::Table,
-    pub score: toml::Table,
+    pub(crate) rollout: toml::Table,
+    pub(crate) score: toml::Table,
     #[serde(default)]
-    pub ref_logprob: toml::Table,
+    pub(crate) ref_logprob: toml::Table,
     #[serde(default)]
-    pub advantage: toml::Table,
+    pub(crate) advantage: toml::Table,
     #[serde(default)]
-    pub update: toml::Table,
+    pub(crate) update: toml::Table,
     #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
-    pub sync_weights: toml::Table,
+    pub(crate) sync_weights: toml::Table,
     #[serde(default, skip_serializing_if = "AlgorithmSpec::is_empty")]
-    pub algorithm: AlgorithmSpec,
+    pub(crate) algorithm: AlgorithmSpec,
     #[serde(default)]
-    pub eval: EvalSpec,
+    pub(crate) eval: EvalSpec,
     #[serde(default)]
-    pub checkpoint: CheckpointSpec,
+    pub(crate) checkpoint: CheckpointSpec,
 }
 
 /// A stage's flags from the spec: the arguments the runner passes it (in the stage's
@@ -303,7 +303,7 @@ pub struct Stages {
 
 impl Stages {
     /// Whether `advantage` adapts its KL coefficient (kept in a state file from step to step).
-    pub fn adaptive_kl(&self) -> bool {
+    pub(crate) fn adaptive_kl(&self) -> bool {
         let a = &self.advantage.args;
         a.kl_in_reward && a.kl_ctrl == Ctrl::Adaptive
     }
@@ -315,9 +315,9 @@ const EVAL_SAMPLING: [&str; 4] = ["n", "temperature", "top-p", "top-k"];
 
 /// Where a spec comes from, for messages: `FILE:LINE:COL` of a key when the text is at hand.
 #[derive(Clone, Copy)]
-pub struct Source<'a> {
-    pub origin: &'a str,
-    pub text: Option<&'a str>,
+pub(crate) struct Source<'a> {
+    pub(crate) origin: &'a str,
+    pub(crate) text: Option<&'a str>,
 }
 
 impl Source<'_> {
@@ -596,7 +596,7 @@ impl Spec {
     }
 
     /// Dynamic sampling as configured in `[algorithm]`, or None when `filter-groups` is off.
-    pub fn filter_groups(&self) -> Option<FilterGroups> {
+    pub(crate) fn filter_groups(&self) -> Option<FilterGroups> {
         let a = &self.algorithm;
         a.filter_groups.then(|| FilterGroups {
             metric: a
@@ -770,12 +770,12 @@ impl Spec {
     }
 
     /// The reference model: `[model] ref`, else the initial policy.
-    pub fn reference_model(&self) -> &Path {
+    pub(crate) fn reference_model(&self) -> &Path {
         self.model.reference.as_deref().unwrap_or(&self.model.path)
     }
 
     /// The spec as TOML, every runner default written out.
-    pub fn to_toml(&self) -> String {
+    pub(crate) fn to_toml(&self) -> String {
         toml::to_string(self).expect("a spec always serializes")
     }
 }
@@ -820,7 +820,7 @@ fn unknown_field(msg: &str) -> Option<(String, Vec<String>)> {
 }
 
 /// Levenshtein distance over chars, with `_` and `-` taken as equal (TOML users write both).
-pub fn edit_distance(a: &str, b: &str) -> usize {
+pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
     let norm = |c: char| {
         if c == '_' {
             '-'
@@ -844,7 +844,7 @@ pub fn edit_distance(a: &str, b: &str) -> usize {
 
 /// The valid key closest to `key`, if it is close enough to be a likely typo (at most a third
 /// of the longer name's letters differ).
-pub fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
+pub(crate) fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
     valid
         .iter()
         .map(|v| (edit_distance(key, v), v))
@@ -855,17 +855,17 @@ pub fn closest<'a>(key: &str, valid: &'a [String]) -> Option<&'a str> {
 
 /// One key whose value differs between two specs (`None`: not set).
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct SpecChange {
+pub(crate) struct SpecChange {
     /// `table.key`, e.g. `update.lr` (top-level keys bare: `seed`).
-    pub key: String,
-    pub from: Option<String>,
-    pub to: Option<String>,
+    pub(crate) key: String,
+    pub(crate) from: Option<String>,
+    pub(crate) to: Option<String>,
 }
 
 impl Spec {
     /// What differs from `old`, key by key (TOML text of the values), ignoring `steps` (a run
     /// may be extended).
-    pub fn changes_from(&self, old: &Spec) -> Vec<SpecChange> {
+    pub(crate) fn changes_from(&self, old: &Spec) -> Vec<SpecChange> {
         let as_table = |s: &Spec| {
             let mut s = s.clone();
             s.steps = 0;
@@ -891,7 +891,7 @@ impl Spec {
 }
 
 /// `update.lr: 0.001 -> 0.01; eval.limit: (unset) -> 8`.
-pub fn describe_changes(changes: &[SpecChange]) -> String {
+pub(crate) fn describe_changes(changes: &[SpecChange]) -> String {
     let v = |x: &Option<String>| x.clone().unwrap_or_else(|| "(unset)".into());
     changes
         .iter()

@@ -25,10 +25,10 @@ use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The first record of every event file says which format follows.
-pub const FILE_VERSION: &str = "brain.Event:2";
+pub(crate) const FILE_VERSION: &str = "brain.Event:2";
 
 /// Prefix of event file names (TensorBoard loads files whose name contains "tfevents").
-pub const FILE_PREFIX: &str = "events.out.tfevents.";
+pub(crate) const FILE_PREFIX: &str = "events.out.tfevents.";
 
 /// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) table, built at compile time.
 const CRC_TABLE: [u32; 256] = {
@@ -61,7 +61,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 }
 
 /// TFRecord's masked CRC: ((c >> 15) | (c << 17)) + 0xa282ead8.
-pub fn masked_crc32c(data: &[u8]) -> u32 {
+pub(crate) fn masked_crc32c(data: &[u8]) -> u32 {
     crc32c(data).rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
@@ -98,14 +98,14 @@ fn bytes_field(field: u64, data: &[u8], out: &mut Vec<u8>) {
 }
 
 /// What an event carries besides its time and step.
-pub enum Body<'a> {
+pub(crate) enum Body<'a> {
     FileVersion(&'a str),
     /// (tag, simple_value) pairs of one Summary.
     Scalars(&'a [(String, f32)]),
 }
 
 /// An `Event` protobuf.
-pub fn event(wall_time: f64, step: i64, body: &Body) -> Vec<u8> {
+pub(crate) fn event(wall_time: f64, step: i64, body: &Body) -> Vec<u8> {
     let mut out = Vec::new();
     key(1, 1, &mut out);
     out.extend_from_slice(&wall_time.to_le_bytes());
@@ -203,7 +203,12 @@ fn now() -> f64 {
 static FILES: Mutex<Option<HashMap<PathBuf, EventFile>>> = Mutex::new(None);
 
 /// Append one line's numbers to this process's event file in `dir` (made on first use).
-pub fn append_line(dir: &Path, step: u64, line: &Map<String, Value>, prefix: &str) -> Result<()> {
+pub(crate) fn append_line(
+    dir: &Path,
+    step: u64,
+    line: &Map<String, Value>,
+    prefix: &str,
+) -> Result<()> {
     let values = scalars(line, prefix);
     let mut files = FILES.lock().unwrap_or_else(|e| e.into_inner());
     let files = files.get_or_insert_with(HashMap::new);

@@ -63,7 +63,7 @@ impl fmt::Display for Device {
 impl Device {
     /// The device of one rank of several: a CUDA rank computes on the GPU of its local rank
     /// (or the one GPU the launcher shows it), whatever `cuda:N` says; the CPU stays the CPU.
-    pub fn for_rank(self, world: &crate::parallel::World) -> Result<Device> {
+    pub(crate) fn for_rank(self, world: &crate::parallel::World) -> Result<Device> {
         match self {
             Device::Cpu => Ok(Device::Cpu),
             Device::Cuda(_) => Ok(Device::Cuda(crate::parallel::job::gpu_for_rank(world)?)),
@@ -87,16 +87,16 @@ impl<'de> Deserialize<'de> for Device {
 
 /// Serde of a flag value as its flag text, through `Display` and `FromStr` (the algorithm
 /// enums), so stage arguments travel to the daemon as they are typed.
-pub mod as_text {
+pub(crate) mod as_text {
     use serde::{Deserialize, Deserializer, Serializer};
     use std::fmt::Display;
     use std::str::FromStr;
 
-    pub fn serialize<T: Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<T: Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(v)
     }
 
-    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    pub(crate) fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
     where
         T: FromStr,
         T::Err: Display,
@@ -108,11 +108,14 @@ pub mod as_text {
 }
 
 /// Serde of `--rollout-is` (`token` | `sequence`).
-pub mod rollout_is_level {
+pub(crate) mod rollout_is_level {
     use crate::algo::policy_loss::RolloutIsLevel;
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(v: &Option<RolloutIsLevel>, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(
+        v: &Option<RolloutIsLevel>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
         match v {
             None => s.serialize_none(),
             Some(RolloutIsLevel::Token) => s.serialize_some("token"),
@@ -120,7 +123,7 @@ pub mod rollout_is_level {
         }
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
         d: D,
     ) -> Result<Option<RolloutIsLevel>, D::Error> {
         Option::<String>::deserialize(d)?
@@ -132,7 +135,7 @@ pub mod rollout_is_level {
 /// Refuses a model directory without `tokenizer.json` that a stage is about to pass on (train
 /// from, publish): `rollout` would refuse the model it leads to, later and further from the
 /// cause. `what` says what the stage would do with it.
-pub fn require_tokenizer(dir: &Path, what: &str) -> Result<()> {
+pub(crate) fn require_tokenizer(dir: &Path, what: &str) -> Result<()> {
     use crate::tokenizer::TOKENIZER_FILE;
     if !dir.join(TOKENIZER_FILE).is_file() {
         bail_input!(
@@ -145,7 +148,7 @@ pub fn require_tokenizer(dir: &Path, what: &str) -> Result<()> {
 }
 
 /// Checks that every id of a list<int32> token column is below `vocab`.
-pub fn check_token_ids(batch: &Batch, column: &str, vocab: usize) -> Result<()> {
+pub(crate) fn check_token_ids(batch: &Batch, column: &str, vocab: usize) -> Result<()> {
     let ids = batch.ragged_i32(column)?;
     for row in 0..ids.num_rows() {
         if let Some(&t) = ids.row(row).iter().find(|&&t| t as usize >= vocab) {
@@ -160,7 +163,7 @@ pub fn check_token_ids(batch: &Batch, column: &str, vocab: usize) -> Result<()> 
 
 /// The log-prob temperature of a batch that records none (`sft-batch`'s, files from before the
 /// key): softmax of the plain logits.
-pub const DEFAULT_TEMPERATURE: f32 = 1.0;
+pub(crate) const DEFAULT_TEMPERATURE: f32 = 1.0;
 
 /// The temperature to take a batch's log-probs at: the one `rollout` sampled it at (recorded in
 /// the batch's metadata), which an explicit `--temperature` must equal, since log-probs at
@@ -189,7 +192,7 @@ pub fn logprob_temperature(batch: &Batch, flag: Option<f32>) -> Result<f32> {
 
 /// The contiguous block of `items` (prompts, prompt groups) this process computes: all of them
 /// alone, else its rank's balanced share (`parallel::exchange::block`).
-pub fn my_block(exec: &(impl Topology + ?Sized), items: usize) -> Range<usize> {
+pub(crate) fn my_block(exec: &(impl Topology + ?Sized), items: usize) -> Range<usize> {
     match exec.ranks() {
         Some(x) => x.block(items),
         None => 0..items,
@@ -197,14 +200,14 @@ pub fn my_block(exec: &(impl Topology + ?Sized), items: usize) -> Range<usize> {
 }
 
 /// Whether this process writes the stage's files and metrics: the only one, or rank 0.
-pub fn writes_files(exec: &(impl Topology + ?Sized)) -> bool {
+pub(crate) fn writes_files(exec: &(impl Topology + ?Sized)) -> bool {
     exec.ranks().is_none_or(|x| x.is_root())
 }
 
 /// Rank 0 gets every rank's result in rank order (its own `mine` first, the others decoded
 /// from what `encode` made of theirs); the other ranks get None once theirs is handed over.
 /// Alone: `[mine]`, nothing encoded.
-pub fn gather_results<T>(
+pub(crate) fn gather_results<T>(
     exec: &(impl Topology + ?Sized),
     mine: T,
     encode: impl Fn(&T) -> Vec<u8>,
@@ -226,7 +229,7 @@ pub fn gather_results<T>(
 
 /// Waits (on the ranks other than 0) until rank 0 has passed this point, e.g. written the
 /// files that the next step reads; alone, nothing to wait for.
-pub fn after_rank0(exec: &(impl Topology + ?Sized)) -> Result<()> {
+pub(crate) fn after_rank0(exec: &(impl Topology + ?Sized)) -> Result<()> {
     if let Some(x) = exec.ranks() {
         x.broadcast(x.is_root().then_some(&[][..]))?;
     }
@@ -234,7 +237,7 @@ pub fn after_rank0(exec: &(impl Topology + ?Sized)) -> Result<()> {
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal (logs, tests, pipelines).
-pub fn progress_bar(len: usize, what: &str) -> ProgressBar {
+pub(crate) fn progress_bar(len: usize, what: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
@@ -248,7 +251,7 @@ pub fn progress_bar(len: usize, what: &str) -> ProgressBar {
 }
 
 /// A number a flag takes, as its range check sees it.
-pub trait FlagNumber:
+pub(crate) trait FlagNumber:
     FromStr<Err: fmt::Display> + PartialOrd + Copy + fmt::Display + Send + Sync + 'static
 {
     /// "a finite number" or "an integer", for messages.
@@ -275,7 +278,7 @@ flag_number!("an integer", |_| true, u32, u64, usize, i64);
 /// that gives the range ("invalid value '0' for '--n <N>': must be an integer >= 1"). Every
 /// numeric flag of every stage goes through it, so the range is declared with the flag, and the
 /// pipeline spec, which parses keys with the stage's parsers, refuses the same values.
-pub fn range<T: FlagNumber>(
+pub(crate) fn range<T: FlagNumber>(
     lo: Bound<T>,
     hi: Bound<T>,
 ) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
@@ -333,21 +336,21 @@ fn describe<T: fmt::Display>(lo: Bound<T>, hi: Bound<T>) -> String {
 }
 
 /// A number `>= lo`.
-pub fn at_least<T: FlagNumber>(
+pub(crate) fn at_least<T: FlagNumber>(
     lo: T,
 ) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
     range(Bound::Included(lo), Bound::Unbounded)
 }
 
 /// A number `> lo`.
-pub fn above<T: FlagNumber>(
+pub(crate) fn above<T: FlagNumber>(
     lo: T,
 ) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
     range(Bound::Excluded(lo), Bound::Unbounded)
 }
 
 /// A number in `[lo, hi]`.
-pub fn between<T: FlagNumber>(
+pub(crate) fn between<T: FlagNumber>(
     lo: T,
     hi: T,
 ) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
@@ -355,8 +358,8 @@ pub fn between<T: FlagNumber>(
 }
 
 /// Any finite number.
-pub fn finite<T: FlagNumber>() -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static
-{
+pub(crate) fn finite<T: FlagNumber>(
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
     range(Bound::Unbounded, Bound::Unbounded)
 }
 
@@ -365,7 +368,7 @@ pub fn finite<T: FlagNumber>() -> impl Fn(&str) -> Result<T, String> + Clone + S
 /// flag takes any value that starts with `-` (clap's own test for a negative number misses
 /// `-1e-6`), which its number parser then judges; other flags take negative numbers. Every
 /// stage's `Args` applies it: `#[command(mut_args = negative_numbers)]`.
-pub fn negative_numbers(arg: clap::Arg) -> clap::Arg {
+pub(crate) fn negative_numbers(arg: clap::Arg) -> clap::Arg {
     if !arg.get_action().takes_values() {
         return arg;
     }
@@ -376,7 +379,7 @@ pub fn negative_numbers(arg: clap::Arg) -> clap::Arg {
 }
 
 /// Whether a flag's values parse to a number type.
-pub fn is_numeric(arg: &clap::Arg) -> bool {
+pub(crate) fn is_numeric(arg: &clap::Arg) -> bool {
     use std::any::TypeId;
     let parsed = arg.get_value_parser().type_id();
     [
@@ -392,7 +395,7 @@ pub fn is_numeric(arg: &clap::Arg) -> bool {
 }
 
 /// `--model` and `--out` must differ from each other for stages that write a directory.
-pub fn same_path(a: &Path, b: &Path) -> bool {
+pub(crate) fn same_path(a: &Path, b: &Path) -> bool {
     match (a.canonicalize(), b.canonicalize()) {
         (Ok(x), Ok(y)) => x == y,
         _ => a == b,

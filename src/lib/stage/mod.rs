@@ -264,18 +264,18 @@ impl StageJob {
     /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
     /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's).
     /// `sync-weights` runs on rank 0 alone.
-    pub fn splits_over_ranks(&self) -> bool {
+    pub(crate) fn splits_over_ranks(&self) -> bool {
         StageJob::stage_splits_over_ranks(self.name())
     }
 
     /// [`StageJob::splits_over_ranks`] by the stage's name: the one list of the stages the
     /// ranks (of a launch or of a daemon group) share; the others run on rank 0 alone.
-    pub fn stage_splits_over_ranks(name: &str) -> bool {
+    pub(crate) fn stage_splits_over_ranks(name: &str) -> bool {
         matches!(name, "rollout" | "ref-logprob" | "update" | "save")
     }
 
     /// The `--metrics` file the stage writes, if any.
-    pub fn metrics_path(&self) -> Option<&PathBuf> {
+    pub(crate) fn metrics_path(&self) -> Option<&PathBuf> {
         match self {
             StageJob::Rollout(a) => a.metrics.as_ref(),
             StageJob::Update(a) => a.metrics.as_ref(),
@@ -339,7 +339,7 @@ impl StageDef {
     }
 
     /// Parses and checks `argv` as the stage binary would before reading its input.
-    pub fn check_args(&self, argv: &[String]) -> Result<()> {
+    pub(crate) fn check_args(&self, argv: &[String]) -> Result<()> {
         (self.check)(&self.matches(argv)?)
     }
 
@@ -414,7 +414,7 @@ pub fn def(name: &str) -> Option<&'static StageDef> {
 }
 
 /// The typed flags of parsed matches (an input error when they do not fit).
-pub fn parse_args<A: FromArgMatches>(m: &ArgMatches) -> Result<A> {
+pub(crate) fn parse_args<A: FromArgMatches>(m: &ArgMatches) -> Result<A> {
     A::from_arg_matches(m).map_err(|e| input_error(clap_message(&e)))
 }
 
@@ -427,7 +427,7 @@ pub fn parse_cli<A: FromArgMatches>(name: &str) -> A {
 }
 
 /// A clap error as one line: its message and hints without the usage block.
-pub fn clap_message(e: &clap::Error) -> String {
+pub(crate) fn clap_message(e: &clap::Error) -> String {
     let text = e.render().to_string();
     let text = text.split("\n\nUsage:").next().unwrap_or_default();
     let text = text

@@ -44,7 +44,7 @@ impl LogprobColumn {
 }
 
 /// Name of the per-token entropy column `--entropy` adds.
-pub const ENTROPY: &str = "entropy";
+pub(crate) const ENTROPY: &str = "entropy";
 
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
 #[command(
@@ -108,7 +108,7 @@ impl Score<'_> {
     }
 
     /// Scores with a model already loaded.
-    pub fn score_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Vec<TokenStats>> {
+    pub(crate) fn score_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Vec<TokenStats>> {
         score(
             policy,
             self.rows,

@@ -57,16 +57,16 @@ pub enum Truncate {
 }
 
 /// How prompts are cut to fit (shared by rollout and sft-batch).
-pub struct PromptLimits<'a> {
-    pub prompt_key: &'a str,
-    pub max_prompt_tokens: usize,
-    pub truncate: Truncate,
+pub(crate) struct PromptLimits<'a> {
+    pub(crate) prompt_key: &'a str,
+    pub(crate) max_prompt_tokens: usize,
+    pub(crate) truncate: Truncate,
 }
 
 /// The first `n` prompts of a dataset as token ids: rendered with the chat template (or raw
 /// text when `template` is None), truncated or refused when too long, checked against the
 /// vocabulary. Returns the ids and how many prompts were truncated.
-pub fn tokenize_prompts(
+pub(crate) fn tokenize_prompts(
     dataset: &PromptDataset,
     n: usize,
     tokenizer: &Tokenizer,
@@ -110,7 +110,7 @@ pub fn tokenize_prompts(
 
 /// Says which dataset columns the output leaves out (named like columns the stages write for
 /// each response), so that no column disappears silently.
-pub fn log_left_out(dataset: &PromptDataset, stage: &str, log: &mut dyn FnMut(&str)) {
+pub(crate) fn log_left_out(dataset: &PromptDataset, stage: &str, log: &mut dyn FnMut(&str)) {
     let left_out = dataset.left_out_columns();
     if !left_out.is_empty() {
         log(&format!(
@@ -124,7 +124,7 @@ pub fn log_left_out(dataset: &PromptDataset, stage: &str, log: &mut dyn FnMut(&s
 /// The columns every batch of sequences starts with, in contract order: uid, prompt_uid, the
 /// dataset's columns, prompt_ids, response_ids, response_mask (all 1), response_text. Ragged
 /// ids come as (offsets, values). Shared by rollout and sft-batch.
-pub fn sequence_columns(
+pub(crate) fn sequence_columns(
     uids: Vec<String>,
     prompt_uids: Vec<String>,
     dataset_columns: Vec<(Field, ArrayRef)>,
@@ -476,7 +476,7 @@ impl Job for Generate<'_> {
 
 impl Generate<'_> {
     /// Generates with a policy already loaded (the load time it reports is 0).
-    pub fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {
+    pub(crate) fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {
         let (mut engine, plan) =
             PagedDecoder::sized(policy, self.requests, self.params, &self.limits)?;
         let gen_started = Instant::now();

@@ -66,7 +66,7 @@ fn save_group_shards<E: Hold + Console + Topology + ?Sized>(
 }
 
 /// Writes the policy `exec` holds to `args.out`.
-pub fn save_policy<E: Hold + Console + Topology + ?Sized>(
+pub(crate) fn save_policy<E: Hold + Console + Topology + ?Sized>(
     args: SavePolicyArgs,
     exec: &mut E,
 ) -> Result<()> {

@@ -242,8 +242,8 @@ fn lr_schedule() -> impl clap::builder::TypedValueParser<Value = LrSchedule> {
 
 /// In-process update: build the loaded policy on the backend and train it.
 pub(crate) struct TrainFresh<'a> {
-    pub loaded: Trainable,
-    pub job: Train<'a>,
+    pub(crate) loaded: Trainable,
+    pub(crate) job: Train<'a>,
 }
 
 impl Job for TrainFresh<'_> {
@@ -280,7 +280,7 @@ impl UpdateArgs {
     }
 
     /// Masked importance sampling as the flags configure it.
-    pub fn rejection(&self) -> Result<Option<RolloutRs>> {
+    pub(crate) fn rejection(&self) -> Result<Option<RolloutRs>> {
         let Some(level) = self.rollout_rs else {
             return Ok(None);
         };

@@ -48,12 +48,12 @@ pub struct Row {
 }
 
 /// Extra elements past each GPU output's extent, poisoned, that must stay NaN.
-pub const TAIL: usize = 5;
+pub(crate) const TAIL: usize = 5;
 
 /// The storage types every case runs in, in order.
-pub const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+pub(crate) const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 
-pub fn dname(d: DType) -> &'static str {
+pub(crate) fn dname(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
@@ -69,7 +69,7 @@ pub fn round(v: f32, d: DType) -> f32 {
 }
 
 /// Tolerances by dtype: (single-pass op, op with a longer chain of roundings).
-pub fn tols(d: DType) -> (f64, f64) {
+pub(crate) fn tols(d: DType) -> (f64, f64) {
     match d {
         DType::F32 => (1e-4, 3e-4),
         DType::BF16 => (1e-2, 2e-2),
@@ -77,14 +77,14 @@ pub fn tols(d: DType) -> (f64, f64) {
 }
 
 /// The cases' inputs: the shared SplitMix64 seeded with the run's seed; ranges are usize.
-pub struct CaseRng(SplitMix64);
+pub(crate) struct CaseRng(SplitMix64);
 
 impl CaseRng {
     pub fn new(seed: u64) -> Self {
         CaseRng(SplitMix64(seed))
     }
 
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0.next_u64()
     }
 
@@ -138,7 +138,7 @@ pub fn compare(gpu: &[f32], cpu: &[f32], tail: &[f32]) -> (f64, f64, Option<Stri
 pub struct Ctx<'a> {
     pub cpu: Cpu,
     pub gpu: &'a CudaBackend,
-    pub rng: CaseRng,
+    pub(crate) rng: CaseRng,
     pub rows: Vec<Row>,
     /// GPU ordinal (cases that build a second backend open it on the same GPU).
     pub ordinal: usize,
@@ -181,7 +181,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// A GPU output of n elements (plus the poisoned tail), all NaN.
-    pub fn poisoned(&self, n: usize, d: DType) -> Result<CudaBuf> {
+    pub(crate) fn poisoned(&self, n: usize, d: DType) -> Result<CudaBuf> {
         self.dev(&vec![f32::NAN; n + TAIL], d)
     }
 
@@ -228,7 +228,7 @@ impl<'a> Ctx<'a> {
 
     /// Flags `op` as passed when every named comparison held ("bit-identical"), else lists
     /// the ones that differ.
-    pub fn flag_same(&mut self, op: &str, d: DType, same: &[(&str, bool)]) {
+    pub(crate) fn flag_same(&mut self, op: &str, d: DType, same: &[(&str, bool)]) {
         let differ: Vec<&str> = same.iter().filter(|x| !x.1).map(|x| x.0).collect();
         let note = if differ.is_empty() {
             "bit-identical".into()
@@ -276,7 +276,7 @@ fn fmt_err(v: f64) -> String {
 }
 
 /// Prints the pass/fail table; returns the number of failures.
-pub fn print_table(rows: &[Row]) -> usize {
+pub(crate) fn print_table(rows: &[Row]) -> usize {
     let w = rows.iter().map(|r| r.op.len()).max().unwrap_or(2).max(2);
     println!(
         "{:<w$}  {:<5}  {:>11}  {:>11}  {:>8}  result",
@@ -305,7 +305,8 @@ pub fn print_table(rows: &[Row]) -> usize {
 
 /// A family's cases from `cargo test`: on GPU 0 in f32 and bf16 (seed 1), failing on any
 /// failed row; without a usable GPU it says so and passes.
-pub fn run_for_test(cases: &[Case]) {
+#[cfg(test)]
+pub(crate) fn run_for_test(cases: &[Case]) {
     let gpu = match CudaBackend::new(0) {
         Ok(g) => g,
         Err(e) => {

@@ -5,7 +5,7 @@
 //! (`backend::ops::<family>::check`), listed by `backend::ops::op_cases` / `timing_cases`.
 
 pub mod gpu;
-pub mod timing;
+pub(crate) mod timing;
 
 use crate::rng::SplitMix64;
 
@@ -16,10 +16,6 @@ pub struct Rng(SplitMix64);
 impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(SplitMix64(seed ^ 0x9E37_79B9_7F4A_7C15))
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0.next_u64()
     }
 
     /// Uniform in [0, 1).
@@ -59,7 +55,8 @@ pub fn scaled_max_diff(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Panics with `what` when [`scaled_max_diff`] exceeds `tol`.
-pub fn assert_close(a: &[f32], b: &[f32], tol: f64, what: &str) {
+#[cfg(test)]
+pub(crate) fn assert_close(a: &[f32], b: &[f32], tol: f64, what: &str) {
     let d = scaled_max_diff(a, b);
     assert!(d <= tol, "{what}: scaled max difference {d:e} > {tol:e}");
 }

@@ -13,42 +13,42 @@ use crate::backend::cuda::{CudaBackend, CudaBuf, CudaIdx};
 use crate::backend::{DType, Device};
 
 /// The Qwen2.5-0.5B shapes the ops are timed at.
-pub mod shape {
+pub(crate) mod shape {
     /// Sequences and tokens per sequence of a training micro-batch.
-    pub const SEQS: usize = 8;
-    pub const LEN: usize = 640;
-    pub const TOKENS: usize = SEQS * LEN;
+    pub(crate) const SEQS: usize = 8;
+    pub(crate) const LEN: usize = 640;
+    pub(crate) const TOKENS: usize = SEQS * LEN;
     pub const HIDDEN: usize = 896;
     pub const HEADS: usize = 14;
     pub const KV_HEADS: usize = 2;
     pub const HEAD_DIM: usize = 64;
     pub const FFN: usize = 4864;
-    pub const VOCAB: usize = 151_936;
-    pub const ROPE_THETA: f32 = 1e6;
+    pub(crate) const VOCAB: usize = 151_936;
+    pub(crate) const ROPE_THETA: f32 = 1e6;
     /// Parameters (the optimizer's buffers).
-    pub const PARAMS: usize = 494_032_768;
+    pub(crate) const PARAMS: usize = 494_032_768;
     /// A decode step: sequences, and the context each attends to.
-    pub const DECODE_ROWS: usize = 256;
-    pub const DECODE_CTX: usize = 256;
+    pub(crate) const DECODE_ROWS: usize = 256;
+    pub(crate) const DECODE_CTX: usize = 256;
     /// Positions per block of the paged KV cache.
-    pub const BLOCK: usize = 16;
+    pub(crate) const BLOCK: usize = 16;
 }
 
 /// One op family's timing shapes: `run` times its ops with `Timer::time` / `time_graph`.
 #[derive(Clone, Copy)]
-pub struct Timing {
-    pub name: &'static str,
-    pub run: fn(&mut Timer<'_>) -> Result<()>,
+pub(crate) struct Timing {
+    pub(crate) name: &'static str,
+    pub(crate) run: fn(&mut Timer<'_>) -> Result<()>,
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub struct TimeRow {
-    pub op: String,
-    pub shape: String,
-    pub ms: f64,
+pub(crate) struct TimeRow {
+    pub(crate) op: String,
+    pub(crate) shape: String,
+    pub(crate) ms: f64,
     /// TFLOP/s for matrix work, GB/s for memory-bound ops.
-    pub rate: f64,
-    pub unit: &'static str,
+    pub(crate) rate: f64,
+    pub(crate) unit: &'static str,
 }
 
 /// Uniform values in [-scale, scale): cheap to make in the millions, and never zero runs.
@@ -67,9 +67,9 @@ fn uniform(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 }
 
 /// Times ops on one GPU and keeps the table.
-pub struct Timer<'a> {
-    pub gpu: &'a CudaBackend,
-    pub rows: Vec<TimeRow>,
+pub(crate) struct Timer<'a> {
+    pub(crate) gpu: &'a CudaBackend,
+    pub(crate) rows: Vec<TimeRow>,
     iters: usize,
     seed: u64,
     /// Time only the ops whose name contains this (gpu-test's --only).
@@ -149,7 +149,7 @@ impl<'a> Timer<'a> {
     /// Like `time`, for ops of a few microseconds: `GRAPH_REPS` calls captured as one CUDA
     /// graph and replayed, so the figure is GPU time without the host's launch gaps (as in a
     /// decode step, which replays a graph).
-    pub fn time_graph(
+    pub(crate) fn time_graph(
         &mut self,
         op: &str,
         shape: String,
@@ -182,7 +182,7 @@ impl<'a> Timer<'a> {
 
 /// Runs `timings` in order (only the ops whose name contains `only`, if given); prints the
 /// table and returns its rows.
-pub fn run(
+pub(crate) fn run(
     gpu: &CudaBackend,
     iters: usize,
     only: Option<&str>,

@@ -10,7 +10,7 @@ use cudarc::driver::{result as dr, sys as dsys, CudaEvent, PinnedHostSlice};
 use super::{describe_errors, CudaBackend, CudaBuf, CudaIdx};
 
 /// One slot: page-locked room for `cap` draws, the error word, and the arrival event.
-pub struct Slot {
+pub(crate) struct Slot {
     tokens: PinnedHostSlice<u32>,
     logprobs: PinnedHostSlice<f32>,
     err: PinnedHostSlice<u32>,

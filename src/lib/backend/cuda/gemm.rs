@@ -22,29 +22,29 @@ const WORKSPACE: usize = 32 << 20;
 
 /// A device matrix operand: its address and element type.
 #[derive(Clone, Copy, Debug)]
-pub struct Operand {
-    pub ptr: u64,
-    pub dtype: DType,
+pub(crate) struct Operand {
+    pub(crate) ptr: u64,
+    pub(crate) dtype: DType,
 }
 
 /// One column-major GEMM: D[m,n] = op(A)·op(B) + beta·C (+ bias[m] along the rows of D), where
 /// C is D unless `c` names another matrix of D's type and layout.
 #[derive(Clone, Copy, Debug)]
-pub struct GemmCall {
-    pub transa: bool,
-    pub transb: bool,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub a: Operand,
-    pub lda: usize,
-    pub b: Operand,
-    pub ldb: usize,
-    pub d: Operand,
-    pub ldd: usize,
-    pub beta: f32,
-    pub bias: Option<Operand>,
-    pub c: Option<Operand>,
+pub(crate) struct GemmCall {
+    pub(crate) transa: bool,
+    pub(crate) transb: bool,
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) a: Operand,
+    pub(crate) lda: usize,
+    pub(crate) b: Operand,
+    pub(crate) ldb: usize,
+    pub(crate) d: Operand,
+    pub(crate) ldd: usize,
+    pub(crate) beta: f32,
+    pub(crate) bias: Option<Operand>,
+    pub(crate) c: Option<Operand>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -95,7 +95,7 @@ struct State {
 // SAFETY: the handle and descriptors are only used under the mutex, on one stream.
 unsafe impl Send for State {}
 
-pub struct Gemm {
+pub(crate) struct Gemm {
     state: Mutex<State>,
     workspace: Block,
     stream: Arc<CudaStream>,
@@ -266,13 +266,13 @@ impl Gemm {
     /// sequences and a training micro-batch of 5120 tokens round alike). Off by default: the
     /// heuristic's own choice is faster at small row counts. The environment variable
     /// TANDEM_BATCH_INVARIANT turns it on.
-    pub fn set_batch_invariant(&self, on: bool) {
+    pub(crate) fn set_batch_invariant(&self, on: bool) {
         self.invariant
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Plans made so far and the seconds they took (a new row count costs a heuristic query).
-    pub fn planning(&self) -> (u64, f64) {
+    pub(crate) fn planning(&self) -> (u64, f64) {
         use std::sync::atomic::Ordering::Relaxed;
         (
             self.plans_made.load(Relaxed),
@@ -280,7 +280,7 @@ impl Gemm {
         )
     }
 
-    pub fn batch_invariant(&self) -> bool {
+    pub(crate) fn batch_invariant(&self) -> bool {
         self.invariant.load(std::sync::atomic::Ordering::Relaxed)
     }
 

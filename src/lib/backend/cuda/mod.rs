@@ -18,9 +18,9 @@
 
 mod args;
 mod draws;
-pub mod gemm;
-pub mod nvrtc;
-pub mod pool;
+pub(crate) mod gemm;
+pub(crate) mod nvrtc;
+pub(crate) mod pool;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -41,7 +41,7 @@ use crate::error::input_error;
 
 /// The device's own kernels: type conversion (copies between f32 and bf16, GEMM operands) and
 /// the token feed of queued decode steps.
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "device",
     src: include_str!("device.cu"),
     per_head_dim: false,
@@ -49,10 +49,10 @@ pub const KERNELS: Family = Family {
 
 /// Byte alignment of the parts of an `alloc_parts` (what the pool's blocks have): cuBLASLt
 /// plans for 256-byte aligned operands and the kernels' 16-byte vector loads need 16.
-pub const PART_ALIGN: usize = 256;
+pub(crate) const PART_ALIGN: usize = 256;
 
 /// The message a user sees on a machine without a usable GPU.
-pub const NO_DRIVER: &str = "no CUDA driver found; use --device cpu";
+pub(crate) const NO_DRIVER: &str = "no CUDA driver found; use --device cpu";
 
 /// A device buffer of `len` elements of `dtype`: its own block, or a part of a block shared
 /// with the other parts of an `alloc_parts` (`ptr` then points into it).
@@ -249,12 +249,12 @@ impl CudaBackend {
 
     /// Whether bf16 attention may use the tensor-core kernels (default on; the environment
     /// variable TANDEM_ATTN_SCALAR turns them off). The parity suite tests both paths.
-    pub fn set_tensor_core_attention(&self, on: bool) {
+    pub(crate) fn set_tensor_core_attention(&self, on: bool) {
         self.tensor_cores.store(on, Ordering::Relaxed);
     }
 
     /// Batch-invariant forward GEMMs (see `Gemm::set_batch_invariant`).
-    pub fn set_batch_invariant(&self, on: bool) {
+    pub(crate) fn set_batch_invariant(&self, on: bool) {
         self.gemm.set_batch_invariant(on);
     }
 
@@ -275,7 +275,7 @@ impl CudaBackend {
     }
 
     /// The GPU's name, e.g. "NVIDIA H100 80GB HBM3".
-    pub fn device_name(&self) -> &str {
+    pub(crate) fn device_name(&self) -> &str {
         &self.device_name
     }
 
@@ -284,7 +284,7 @@ impl CudaBackend {
         self.kernels.arch()
     }
 
-    pub fn nvrtc_version(&self) -> (i32, i32) {
+    pub(crate) fn nvrtc_version(&self) -> (i32, i32) {
         self.kernels.nvrtc_version()
     }
 
@@ -988,7 +988,7 @@ impl Device for CudaBackend {
 
 /// Element offsets of the parts of an `alloc_parts`: each starts where the previous one ends,
 /// rounded up to [`PART_ALIGN`] bytes.
-pub fn part_offsets(sizes: &[usize], dtype: DType) -> Vec<usize> {
+pub(crate) fn part_offsets(sizes: &[usize], dtype: DType) -> Vec<usize> {
     let step = PART_ALIGN / esize(dtype);
     let mut end = 0usize;
     sizes

@@ -14,19 +14,19 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::{result as nr, sys as ns};
 
 /// Helpers every kernel file uses; prepended to each source.
-pub const COMMON: &str = include_str!("common.cuh");
+pub(crate) const COMMON: &str = include_str!("common.cuh");
 
 /// One kernel family: a name (for the cache file and messages), its CUDA C source, and whether
 /// it is compiled once per attention head dim (`HD` and `TILE` defines).
 #[derive(Clone, Copy, Debug)]
-pub struct Family {
-    pub name: &'static str,
-    pub src: &'static str,
-    pub per_head_dim: bool,
+pub(crate) struct Family {
+    pub(crate) name: &'static str,
+    pub(crate) src: &'static str,
+    pub(crate) per_head_dim: bool,
 }
 
 /// The full source NVRTC sees: defines, the common helpers, the family.
-pub fn full_source(fam: Family, defines: &[(&str, usize)]) -> String {
+pub(crate) fn full_source(fam: Family, defines: &[(&str, usize)]) -> String {
     let mut s = String::new();
     for (k, v) in defines {
         s.push_str(&format!("#define {k} {v}\n"));
@@ -38,7 +38,7 @@ pub fn full_source(fam: Family, defines: &[(&str, usize)]) -> String {
 }
 
 /// FNV-1a: a stable 64-bit hash (std's hasher may change between Rust releases).
-pub fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in bytes {
         h ^= b as u64;
@@ -67,7 +67,7 @@ pub fn version() -> Result<(i32, i32)> {
 }
 
 /// Compiles `src` to a cubin for `arch` ("sm_90").
-pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
+pub(crate) fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
     if !present() {
         bail!("libnvrtc not found: cannot compile the CUDA kernels");
     }
@@ -118,7 +118,7 @@ pub fn compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>> {
 }
 
 /// Where compiled kernels are kept: `$TANDEM_CACHE/kernels`, else `~/.cache/tandem/kernels`.
-pub fn default_cache_dir() -> Option<PathBuf> {
+pub(crate) fn default_cache_dir() -> Option<PathBuf> {
     if let Some(d) = std::env::var_os("TANDEM_CACHE") {
         return Some(PathBuf::from(d).join("kernels"));
     }
@@ -126,7 +126,7 @@ pub fn default_cache_dir() -> Option<PathBuf> {
 }
 
 /// Compiles on first use and keeps cubins on disk.
-pub struct KernelCache {
+pub(crate) struct KernelCache {
     dir: Option<PathBuf>,
     arch: String,
     nvrtc: (i32, i32),
@@ -145,12 +145,12 @@ impl KernelCache {
         &self.arch
     }
 
-    pub fn nvrtc_version(&self) -> (i32, i32) {
+    pub(crate) fn nvrtc_version(&self) -> (i32, i32) {
         self.nvrtc
     }
 
     /// The cache file of a source: `NAME-HASH-ARCH-nvrtcMAJ.MIN.cubin`.
-    pub fn path_for(&self, name: &str, src: &str) -> Option<PathBuf> {
+    pub(crate) fn path_for(&self, name: &str, src: &str) -> Option<PathBuf> {
         let (ma, mi) = self.nvrtc;
         self.dir.as_ref().map(|d| {
             d.join(format!(
@@ -190,7 +190,7 @@ impl KernelCache {
 }
 
 /// Attention tile rows for a head dim: 64 up to 128 (shared memory of the backward fits), 32 above.
-pub fn attention_tile(head_dim: usize) -> usize {
+pub(crate) fn attention_tile(head_dim: usize) -> usize {
     if head_dim <= 128 {
         64
     } else {
@@ -200,7 +200,7 @@ pub fn attention_tile(head_dim: usize) -> usize {
 
 /// Compiles `families` (the per-head-dim ones for the common head dims) for `arch`; returns
 /// (family, cubin bytes) per program. `backend::ops::compile_all` passes every family.
-pub fn compile_all(families: &[Family], arch: &str) -> Result<Vec<(String, usize)>> {
+pub(crate) fn compile_all(families: &[Family], arch: &str) -> Result<Vec<(String, usize)>> {
     let mut out = Vec::new();
     for &fam in families {
         if fam.per_head_dim {

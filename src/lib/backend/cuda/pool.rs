@@ -41,7 +41,7 @@ struct Inner {
     graph_bytes: usize,
 }
 
-pub struct Pool {
+pub(crate) struct Pool {
     ctx: Arc<CudaContext>,
     inner: Mutex<Inner>,
 }
@@ -147,7 +147,7 @@ impl Pool {
     }
 
     /// Starts or ends a capture: blocks handed out in between are kept for the graphs.
-    pub fn set_capturing(&self, on: bool) {
+    pub(crate) fn set_capturing(&self, on: bool) {
         let mut g = self.lock();
         if on && g.graph_gen == 0 {
             g.graph_gen = 1;
@@ -157,7 +157,7 @@ impl Pool {
 
     /// The graphs were destroyed: their private blocks return to the cache (and to the driver
     /// on the next `trim`). Returns the bytes the graphs held.
-    pub fn release_graph_memory(&self) -> usize {
+    pub(crate) fn release_graph_memory(&self) -> usize {
         let mut g = self.lock();
         let bytes = g.graph_bytes;
         let blocks: Vec<(usize, Vec<dsys::CUdeviceptr>)> = g.graph_free.drain().collect();
@@ -235,7 +235,7 @@ impl Pool {
     }
 
     /// Starts a new peak window at the current use (one phase of the hybrid engine).
-    pub fn reset_peak(&self) {
+    pub(crate) fn reset_peak(&self) {
         let mut g = self.lock();
         g.peak_in_use = g.in_use;
     }

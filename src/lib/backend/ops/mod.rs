@@ -20,18 +20,18 @@
 //! | `adamw` | sum_squares, sum_squares_all, adamw |
 //! | `sample` | sample |
 
-pub mod adamw;
-pub mod attention;
-pub mod embedding;
+pub(crate) mod adamw;
+pub(crate) mod attention;
+pub(crate) mod embedding;
 pub mod logprob;
-pub mod matmul;
-pub mod memory;
+pub(crate) mod matmul;
+pub(crate) mod memory;
 pub mod paged_attention;
-pub mod ppo_loss;
-pub mod rmsnorm;
-pub mod rope;
+pub(crate) mod ppo_loss;
+pub(crate) mod rmsnorm;
+pub(crate) mod rope;
 pub mod sample;
-pub mod swiglu;
+pub(crate) mod swiglu;
 
 use anyhow::Result;
 
@@ -40,7 +40,7 @@ use crate::backend::check::timing::Timing;
 use crate::backend::cuda::nvrtc::{self, Family};
 
 /// Every kernel source NVRTC compiles: the device's own and each family's.
-pub const KERNELS: [Family; 13] = [
+pub(crate) const KERNELS: [Family; 13] = [
     crate::backend::cuda::KERNELS,
     memory::cuda::KERNELS,
     matmul::cuda::KERNELS,
@@ -82,7 +82,7 @@ pub fn op_cases() -> Vec<Case> {
 }
 
 /// The op families' timing shapes, in the order `gpu-test --time` runs them.
-pub fn timing_cases() -> Vec<Timing> {
+pub(crate) fn timing_cases() -> Vec<Timing> {
     [
         matmul::check::TIMINGS,
         attention::check::TIMINGS,

@@ -4,7 +4,7 @@
 
 /// Fixed-size KV blocks with reference counts.
 #[derive(Clone, Debug)]
-pub struct BlockPool {
+pub(crate) struct BlockPool {
     block_size: usize,
     refs: Vec<u32>,
     free: Vec<u32>,
@@ -23,7 +23,7 @@ impl BlockPool {
         }
     }
 
-    pub fn block_size(&self) -> usize {
+    pub(crate) fn block_size(&self) -> usize {
         self.block_size
     }
 
@@ -31,17 +31,17 @@ impl BlockPool {
         self.refs.len()
     }
 
-    pub fn num_free(&self) -> usize {
+    pub(crate) fn num_free(&self) -> usize {
         self.free.len()
     }
 
     /// Blocks held by at least one sequence.
-    pub fn in_use(&self) -> usize {
+    pub(crate) fn in_use(&self) -> usize {
         self.refs.len() - self.free.len()
     }
 
     /// Blocks that `tokens` positions occupy.
-    pub fn blocks_for(&self, tokens: usize) -> usize {
+    pub(crate) fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
 
@@ -66,6 +66,7 @@ impl BlockPool {
     }
 
     /// Holders of `block`.
+    #[cfg(test)]
     pub fn refs(&self, block: u32) -> u32 {
         self.refs[block as usize]
     }
@@ -84,7 +85,7 @@ impl BlockPool {
 }
 
 /// Cache row of position `pos` of a sequence with block table `table`.
-pub fn cache_row(table: &[u32], block_size: usize, pos: usize) -> usize {
+pub(crate) fn cache_row(table: &[u32], block_size: usize, pos: usize) -> usize {
     table[pos / block_size] as usize * block_size + pos % block_size
 }
 

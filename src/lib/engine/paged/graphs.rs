@@ -68,7 +68,7 @@ const CAPTURE_AT: usize = 3;
 
 /// Row counts a decode step is padded to: powers of two up to 16, then also 1.5× each power
 /// of two (at most a third of a step is padding past 16 rows).
-pub fn decode_bucket(rows: usize) -> usize {
+pub(crate) fn decode_bucket(rows: usize) -> usize {
     let p = rows.max(1).next_power_of_two();
     if p >= 32 && rows <= p / 4 * 3 {
         p / 4 * 3

@@ -18,7 +18,7 @@ use crate::model::Config;
 /// `block · block_size + offset` of a layer's buffer holds the key (value) of one position.
 /// It also holds the device-side inputs and outputs of a paged step (block tables, sampling
 /// keys, drawn tokens), so a step allocates nothing once they have grown.
-pub struct PagedKv<B: Backend> {
+pub(crate) struct PagedKv<B: Backend> {
     /// One block more than `num_blocks`: the last one is where the padding rows of a
     /// graph-replayed decode step write and read (never given to a sequence).
     pub(super) k: Vec<B::Buf>,
@@ -95,14 +95,14 @@ impl<B: Backend> PagedKv<B> {
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
-    pub fn block_size(&self) -> usize {
+    pub(crate) fn block_size(&self) -> usize {
         self.block_size
     }
-    pub fn graph_stats(&self) -> GraphStats {
+    pub(crate) fn graph_stats(&self) -> GraphStats {
         self.graphs.stats
     }
     /// The graph of a decode step captured first, if any (for timing its replay alone).
-    pub fn first_graph(&self) -> Option<usize> {
+    pub(crate) fn first_graph(&self) -> Option<usize> {
         self.graphs.first()
     }
 

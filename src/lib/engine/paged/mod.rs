@@ -11,7 +11,7 @@
 //! toy models whose logits hash the context, and against the training forward's log-probs), on
 //! the GPU it is what `rollout --device cuda` uses.
 
-pub mod blocks;
+pub(crate) mod blocks;
 mod engine;
 mod graphs;
 mod kv;
@@ -22,8 +22,7 @@ mod sequence;
 mod sizing;
 
 pub use engine::generate_paged;
-pub use graphs::{decode_bucket, GraphMode, GraphStats};
-pub use kv::PagedKv;
+pub use graphs::{GraphMode, GraphStats};
 pub use request::{Completion, Detokenize, FinishReason, GenParams, Request};
 pub use runner::PagedDecoder;
 pub use sizing::{Limits, Need, Plan};
@@ -52,7 +51,7 @@ pub struct PagedConfig {
 
 impl PagedConfig {
     /// Checks the limits; the messages name the flags.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.block_size == 0 || self.num_blocks == 0 {
             bail!(
                 "the KV pool is empty ({} blocks of {} tokens)",

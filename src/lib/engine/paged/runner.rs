@@ -21,7 +21,7 @@ use crate::model::decoder::{Decoder, StepRows};
 /// cache (`release_graphs` does it and says how much they held).
 pub struct PagedDecoder<'a, B: Backend> {
     pub decoder: &'a mut Decoder<B>,
-    pub cache: PagedKv<B>,
+    pub(crate) cache: PagedKv<B>,
 }
 
 impl<'a, B: Backend> PagedDecoder<'a, B> {
@@ -32,7 +32,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
 
     /// Bytes one KV block of `block_size` positions takes for `decoder` over every layer, keys
     /// and values in its compute dtype (to size a pool).
-    pub fn block_bytes(decoder: &Decoder<B>, block_size: usize) -> usize {
+    pub(crate) fn block_bytes(decoder: &Decoder<B>, block_size: usize) -> usize {
         let cfg = decoder.config();
         let esize = match decoder.backend().compute_dtype() {
             DType::F32 => 4,
@@ -41,13 +41,8 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
         2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * esize
     }
 
-    /// How the decode steps ran so far.
-    pub fn graph_stats(&self) -> GraphStats {
-        self.cache.graph_stats()
-    }
-
     /// The logits the last step drew its first `rows` rows from, `[rows, vocab]` (checks).
-    pub fn last_logits(&self, rows: usize) -> Result<Vec<f32>> {
+    pub(crate) fn last_logits(&self, rows: usize) -> Result<Vec<f32>> {
         self.decoder.step_logits(rows)
     }
 
@@ -219,7 +214,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
     /// `max_blocks` blocks run as `mode` says: `max_blocks` is the longest block table the
     /// engine will build (the fixed width of a padded step). `Graphs` on a backend without
     /// graphs is `Eager`. Graphs captured before are released.
-    pub fn set_graphs(
+    pub(crate) fn set_graphs(
         &mut self,
         mode: GraphMode,
         max_rows: usize,
@@ -237,7 +232,7 @@ impl<'a, B: Backend> PagedDecoder<'a, B> {
 
     /// Destroys the decode graphs and gives their memory back to the pool (to the driver on
     /// the next `trim`); the stats with the bytes the graphs held.
-    pub fn release_graphs(&mut self) -> Result<GraphStats> {
+    pub(crate) fn release_graphs(&mut self) -> Result<GraphStats> {
         self.release_graph_memory()?;
         Ok(self.cache.graph_stats())
     }

@@ -62,7 +62,7 @@ pub struct Plan {
 
 impl Plan {
     /// Bytes the KV pool takes.
-    pub fn kv_pool_bytes(&self) -> usize {
+    pub(crate) fn kv_pool_bytes(&self) -> usize {
         self.config.num_blocks * self.block_bytes
     }
 }

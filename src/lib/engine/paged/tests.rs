@@ -6,6 +6,7 @@
 //! (preemption, chunked prefill), and the real decoder on the CPU backend against the training
 //! forward's log-probs.
 
+use super::graphs::decode_bucket;
 use super::*;
 use crate::backend::cpu::Cpu;
 use crate::backend::ops::sample::{sample, sample_key, uniform, Scratch};

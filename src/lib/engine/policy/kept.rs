@@ -21,8 +21,8 @@ use std::time::SystemTime;
 /// A checkpoint as the daemon recognises it: its canonical directory and the size and
 /// modification time of each file in it, so a directory rewritten by someone else is reloaded.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ModelKey {
-    pub dir: PathBuf,
+pub(crate) struct ModelKey {
+    pub(crate) dir: PathBuf,
     files: Vec<(String, u64, Option<SystemTime>)>,
 }
 
@@ -94,7 +94,7 @@ pub(crate) struct Parked {
 }
 
 /// Makes the group's communicator on the backend a rank's policy lives on.
-pub type MakeComm<B> = Rc<dyn Fn(&B, &ProcessGroup) -> Result<Box<dyn Comm<B>>>>;
+pub(crate) type MakeComm<B> = Rc<dyn Fn(&B, &ProcessGroup) -> Result<Box<dyn Comm<B>>>>;
 
 /// One rank's part of a daemon group's sharded update on the policy kept in `slot`, with the
 /// optimizer shards it keeps (cut from its state at the first update; read from its shard

@@ -30,7 +30,7 @@ pub struct Trainable {
     pub trainer: Option<TrainerState>,
     /// Where this rank's optimizer shard comes from (a data-parallel update resuming a sharded
     /// checkpoint; `weights` are then the model files' and `optimizer` is None).
-    pub shard: Option<ShardSource>,
+    pub(crate) shard: Option<ShardSource>,
 }
 
 impl Trainable {
@@ -81,7 +81,7 @@ impl Trainable {
     /// next to it: a sharded checkpoint's own shard file (written by as many ranks; by
     /// another number, the shard is cut from the files once the layout is known), or the
     /// whole state of an unsharded one.
-    pub fn load_rank(
+    pub(crate) fn load_rank(
         dir: &Path,
         rank: usize,
         world: usize,

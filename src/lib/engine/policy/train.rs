@@ -45,7 +45,7 @@ pub struct Trained {
 impl Train<'_> {
     /// Trains `policy` (whose schedule position is `schedule_step`) in place and brings back the
     /// new weights and optimizer state.
-    pub fn train_on<B: Backend>(
+    pub(crate) fn train_on<B: Backend>(
         self,
         policy: &mut Decoder<B>,
         schedule_step: u64,
@@ -62,7 +62,7 @@ impl Train<'_> {
     /// writes a checkpoint, rank 0 gets the masters for the model files and every rank writes
     /// its optimizer shard into `staging`, as `update` under a launcher does. Every rank of
     /// `policy.comm` calls it.
-    pub fn train_sharded_on<B: Backend>(
+    pub(crate) fn train_sharded_on<B: Backend>(
         self,
         policy: &mut ShardedPolicy<'_, B>,
         schedule_step: u64,

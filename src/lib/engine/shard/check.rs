@@ -21,7 +21,7 @@ pub const CASES: &[Case] = &[Case {
 }];
 
 /// How [`sharded_vs_plain`] shards the optimizer.
-pub enum Sharded<B> {
+pub(crate) enum Sharded<B> {
     /// zero2, in buckets of this many elements.
     Zero2(usize),
     /// `shard = "full"`; with a backend, the generation copy of a daemon group's rank is then
@@ -37,7 +37,7 @@ pub enum Sharded<B> {
 /// weights (NaN where none is built). Full sharding's passes gather each unit; zero2's pass of
 /// the first and last steps reduce-scatters the buckets during its backward
 /// ([`super::Overlap`]), the middle step's after the pass.
-pub fn sharded_vs_plain<B: Backend>(
+pub(crate) fn sharded_vs_plain<B: Backend>(
     plain: &mut Decoder<B>,
     sharded: &mut Decoder<B>,
     comm: &dyn Comm<B>,

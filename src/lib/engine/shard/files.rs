@@ -78,7 +78,7 @@ pub fn write_shard(dir: &Path, shard: &HostShard) -> Result<()> {
 }
 
 /// Reads one shard file.
-pub fn read_shard(path: &Path) -> Result<HostShard> {
+pub(crate) fn read_shard(path: &Path) -> Result<HostShard> {
     let (head, mut file, moments) = open_shard(path)?;
     let mut read = |prefix: &str| -> Result<Buckets> {
         let mut out = Vec::with_capacity(head.layout.buckets.len());
@@ -155,7 +155,7 @@ fn open_shard(path: &Path) -> Result<(ShardHead, PartialFile, bool)> {
 
 /// The file of rank `rank`'s optimizer shard of the `n` in checkpoint `dir`; an input error
 /// naming it when it is missing.
-pub fn shard_path(dir: &Path, rank: usize, n: usize) -> Result<PathBuf> {
+pub(crate) fn shard_path(dir: &Path, rank: usize, n: usize) -> Result<PathBuf> {
     let path = dir.join(shard_file_name(rank, n));
     if !path.is_file() {
         crate::bail_input!(
@@ -168,15 +168,15 @@ pub fn shard_path(dir: &Path, rank: usize, n: usize) -> Result<PathBuf> {
 }
 
 /// The shard files of one sharded checkpoint, as its trainer state describes them.
-pub struct ShardSet<'a> {
+pub(crate) struct ShardSet<'a> {
     /// The checkpoint directory.
-    pub dir: &'a Path,
+    pub(crate) dir: &'a Path,
     /// How many ranks wrote it (one file each).
-    pub n: usize,
+    pub(crate) n: usize,
     /// The optimizer step every shard must be at.
-    pub step: u64,
+    pub(crate) step: u64,
     /// The file that says so (named in errors).
-    pub told_by: &'a Path,
+    pub(crate) told_by: &'a Path,
 }
 
 impl ShardSet<'_> {
@@ -225,7 +225,7 @@ impl ShardSet<'_> {
     /// checkpoint's buckets hold them to where `layout` puts this rank's part of them. Of each
     /// shard file only the span of each bucket that holds this rank's elements is read (about 1/M
     /// of the state at M ranks), and a rank holds only its own shard.
-    pub fn reshard(&self, layout: &ShardLayout, rank: usize) -> Result<HostShard> {
+    pub(crate) fn reshard(&self, layout: &ShardLayout, rank: usize) -> Result<HostShard> {
         let (dir, n) = (self.dir, self.n);
         // Where each tensor starts in `layout`: its bucket and offset there.
         let mut place = vec![(0usize, 0usize); layout.names.len()];

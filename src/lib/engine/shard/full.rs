@@ -30,7 +30,7 @@ impl<B: Backend> ShardedOptim<B> {
     /// A decoder under `shard = "full"` built from host weights (and a loaded optimizer
     /// state) without ever holding them whole on the device: this rank's shards are cut on
     /// the host and uploaded; as [`Decoder::new`] then [`ShardedOptim::full`] otherwise.
-    pub fn new_full(
+    pub(crate) fn new_full(
         backend: B,
         cfg: &Config,
         weights: &Weights,

@@ -28,7 +28,7 @@ pub struct ShardLayout {
 
 impl ShardLayout {
     /// Whole tensors (by name) from every rank's shard of every bucket (`shards[rank][bucket]`).
-    pub fn unflatten(&self, shards: &[&[Vec<f32>]]) -> Result<Weights> {
+    pub(crate) fn unflatten(&self, shards: &[&[Vec<f32>]]) -> Result<Weights> {
         ensure!(
             shards.len() == self.world_size,
             "{} shards for a world of {}",
@@ -195,7 +195,7 @@ impl<B: Backend> ShardedOptim<B> {
     /// The f32 masters and (with `moments`) the optimizer state, gathered bucket by bucket into
     /// rank `root`'s host memory (the other ranks take part and get None). Device memory grows
     /// by one staging bucket only, unlike [`ShardedOptim::unshard`]. Collective.
-    pub fn gather_state(
+    pub(crate) fn gather_state(
         &self,
         dec: &Decoder<B>,
         comm: &dyn Comm<B>,

@@ -28,7 +28,7 @@
 //! weights brought back whole), `layout` (the shards on the hosts).
 
 pub mod check;
-pub mod files;
+pub(crate) mod files;
 mod full;
 mod layout;
 mod optim;
@@ -39,7 +39,6 @@ pub use super::train::ShardStats;
 pub use full::Holding;
 pub use layout::{Buckets, HostShard, ShardLayout};
 pub use optim::ShardedOptim;
-pub use overlap::Overlap;
 
 use super::train::{train, TrainConfig, TrainData, TrainReport};
 use super::Policy;
@@ -73,7 +72,7 @@ pub enum ShardMode {
 }
 
 impl ShardMode {
-    pub const NAMES: [&'static str; 2] = ["zero2", "full"];
+    pub(crate) const NAMES: [&'static str; 2] = ["zero2", "full"];
 }
 
 impl std::str::FromStr for ShardMode {
@@ -181,7 +180,7 @@ impl<B: Backend> Policy for ShardedPolicy<'_, B> {
 
 /// Where [`ShardedPolicy::train_to_host`] brings the optimizer state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StateTo {
+pub(crate) enum StateTo {
     /// Nowhere (it is not written).
     Nowhere,
     /// Gathered whole on rank `root`.
@@ -191,14 +190,14 @@ pub enum StateTo {
 }
 
 /// What [`ShardedPolicy::train_to_host`] brings back.
-pub struct ToHost {
-    pub report: TrainReport,
+pub(crate) struct ToHost {
+    pub(crate) report: TrainReport,
     /// The f32 masters (rank `root` only).
-    pub weights: Option<Weights>,
+    pub(crate) weights: Option<Weights>,
     /// The whole optimizer state (rank `root` only, [`StateTo::Root`]).
-    pub state: Option<OptimizerState>,
+    pub(crate) state: Option<OptimizerState>,
     /// This rank's shard of the masters and moments ([`StateTo::EachRank`]).
-    pub shard: Option<HostShard>,
+    pub(crate) shard: Option<HostShard>,
 }
 
 impl<B: Backend> ShardedPolicy<'_, B> {
@@ -229,7 +228,7 @@ impl<B: Backend> ShardedPolicy<'_, B> {
     /// optimizer state where `state` says: gathered there too, or each rank's own shard of
     /// masters and moments to its host (no gather: what a rank writes as its shard file).
     /// What `update` under a launcher runs: rank 0 writes the model.
-    pub fn train_to_host(
+    pub(crate) fn train_to_host(
         &mut self,
         data: &TrainData,
         cfg: &TrainConfig,

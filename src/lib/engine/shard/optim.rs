@@ -180,7 +180,7 @@ impl<B: Backend> ShardedOptim<B> {
     }
 
     /// Whether the compute weights are sharded too (`shard = "full"`).
-    pub fn is_full(&self) -> bool {
+    pub(crate) fn is_full(&self) -> bool {
         self.full.is_some()
     }
 
@@ -194,20 +194,20 @@ impl<B: Backend> ShardedOptim<B> {
     }
 
     /// zero2: a new step's accumulation (nothing reduced, no pass marked the last).
-    pub fn begin_step(&mut self) {
+    pub(crate) fn begin_step(&mut self) {
         (self.started, self.armed) = (0, false);
     }
 
     /// zero2: the next pass is this rank's last of the step: its backward starts the
     /// reduce-scatters ([`ShardedOptim::take_pass`]). No-op under full sharding.
-    pub fn arm_overlap(&mut self) {
+    pub(crate) fn arm_overlap(&mut self) {
         self.armed = !self.is_full();
     }
 
     /// zero2, before a pass: whether it is the step's last here (see
     /// [`ShardedOptim::arm_overlap`]; then it runs with [`ShardedOptim::overlap`]). Fails when
     /// the step's gradients were reduced already (a pass after [`ShardedOptim::reduce_grads`]).
-    pub fn take_pass(&mut self) -> Result<bool> {
+    pub(crate) fn take_pass(&mut self) -> Result<bool> {
         ensure!(
             self.started == 0,
             "a training pass after this step's gradients were reduced (start a step with begin_step)"

@@ -18,7 +18,7 @@ use crate::parallel::{Collective, Comm, ReduceOp, Work};
 impl<B: Backend> ShardedOptim<B> {
     /// optimizer was sharded over), for the hooks of a pass ([`Overlap`]). Dropping it waits
     /// for those in flight.
-    pub fn overlap<'a>(&'a mut self, comm: &'a dyn Comm<B>) -> Overlap<'a, B> {
+    pub(crate) fn overlap<'a>(&'a mut self, comm: &'a dyn Comm<B>) -> Overlap<'a, B> {
         let ShardedOptim {
             plan,
             grad,
@@ -51,7 +51,7 @@ impl<B: Backend> ShardedOptim<B> {
     /// shard of bucket k of the gradients summed over the ranks. Every rank calls it once its
     /// step's passes are done, before any other collective of the step (a rank with no rows
     /// reduces zeros); [`ShardedOptim::step`] calls it too (then a no-op).
-    pub fn reduce_grads(&mut self, dec: &mut Decoder<B>, comm: &dyn Comm<B>) -> Result<()> {
+    pub(crate) fn reduce_grads(&mut self, dec: &mut Decoder<B>, comm: &dyn Comm<B>) -> Result<()> {
         ensure!(
             !self.is_full(),
             "reduce_grads: full sharding reduces unit by unit"
@@ -81,7 +81,7 @@ impl<B: Backend> ShardedOptim<B> {
 /// a GPU that wait only
 /// orders the compute stream after the collectives, which whatever follows the backward (the
 /// step) needs anyway, and no collective outlives the borrows of the communicator and buffers.
-pub struct Overlap<'a, B: Backend> {
+pub(crate) struct Overlap<'a, B: Backend> {
     comm: &'a dyn Comm<B>,
     plan: &'a BucketPlan,
     order: &'a [usize],

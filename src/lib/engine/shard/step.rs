@@ -143,7 +143,7 @@ impl<B: Backend> ShardedOptim<B> {
 
     /// Gathers the masters and moments back into `dec`'s full buffers (every rank), so that
     /// `export_weights` and `optimizer_state` give what the unsharded optimizer would.
-    pub fn unshard(self, dec: &mut Decoder<B>, comm: &dyn Comm<B>) -> Result<ShardStats> {
+    pub(crate) fn unshard(self, dec: &mut Decoder<B>, comm: &dyn Comm<B>) -> Result<ShardStats> {
         let b = dec.backend();
         let plan = &self.plan;
         let alloc = |dtype: DType| -> Result<Vec<B::Buf>> {

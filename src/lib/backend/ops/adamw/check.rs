@@ -11,7 +11,7 @@ pub const CASES: &[Case] = &[Case {
     run: optim,
 }];
 
-pub const TIMINGS: &[Timing] = &[Timing {
+pub(crate) const TIMINGS: &[Timing] = &[Timing {
     name: "adamw",
     run: time,
 }];

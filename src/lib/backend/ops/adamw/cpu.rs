@@ -7,7 +7,7 @@ use super::{AdamWOps, AdamWStep};
 use crate::backend::cpu::{get, get_mut, Cpu, ELEMWISE_GRAIN};
 
 /// Σ x² in f64.
-pub fn sum_squares(x: &[f32]) -> f64 {
+pub(crate) fn sum_squares(x: &[f32]) -> f64 {
     x.par_chunks(ELEMWISE_GRAIN)
         .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
         .sum()

@@ -7,7 +7,7 @@ use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::pool::Block;
 use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf, THREADS};
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "adamw",
     src: include_str!("adamw.cu"),
     per_head_dim: false,

@@ -12,7 +12,7 @@ pub const CASES: &[Case] = &[Case {
     run: attention,
 }];
 
-pub const TIMINGS: &[Timing] = &[Timing {
+pub(crate) const TIMINGS: &[Timing] = &[Timing {
     name: "attention",
     run: time_train,
 }];

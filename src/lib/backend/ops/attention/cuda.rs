@@ -9,7 +9,7 @@ use crate::backend::cuda::nvrtc::{attention_tile, Family};
 use crate::backend::cuda::{i32_of, need, ArgGroup, Args, CudaBackend, CudaBuf, CudaIdx, THREADS};
 use crate::backend::{DType, Device};
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "attention",
     src: include_str!("attention.cu"),
     per_head_dim: true,

@@ -8,7 +8,7 @@
 
 pub mod check;
 pub mod cpu;
-pub mod cuda;
+pub(crate) mod cuda;
 
 use anyhow::Result;
 

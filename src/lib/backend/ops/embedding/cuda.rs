@@ -7,7 +7,7 @@ use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{need, Args, CudaBackend, CudaBuf, CudaIdx};
 use crate::backend::ops::memory::cuda::rows_args;
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "embedding",
     src: include_str!("embedding.cu"),
     per_head_dim: false,

@@ -12,7 +12,7 @@ pub const CASES: &[Case] = &[Case {
     run: logprob,
 }];
 
-pub const TIMINGS: &[Timing] = &[Timing {
+pub(crate) const TIMINGS: &[Timing] = &[Timing {
     name: "logprob",
     run: time,
 }];

@@ -9,7 +9,7 @@ use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{esize, i32_of, need, Args, CudaBackend, CudaBuf, CudaIdx, THREADS};
 use crate::backend::DType;
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "logprob",
     src: include_str!("logprob.cu"),
     per_head_dim: false,

@@ -19,7 +19,7 @@ pub const CASES: &[Case] = &[
     },
 ];
 
-pub const TIMINGS: &[Timing] = &[
+pub(crate) const TIMINGS: &[Timing] = &[
     Timing {
         name: "matmul",
         run: time_train,

@@ -74,7 +74,7 @@ pub fn forward(
 }
 
 /// dx[m,k] (= or +=) dy[m,n] · w[n,k].
-pub fn backward_x(dx: &mut [f32], dy: &[f32], w: &[f32], s: MatmulShape, accumulate: bool) {
+pub(crate) fn backward_x(dx: &mut [f32], dy: &[f32], w: &[f32], s: MatmulShape, accumulate: bool) {
     let MatmulShape { m, k, n } = s;
     assert!(dx.len() == m * k && dy.len() == m * n && w.len() == n * k);
     if m == 0 || k == 0 {
@@ -113,7 +113,13 @@ pub fn backward_x(dx: &mut [f32], dy: &[f32], w: &[f32], s: MatmulShape, accumul
 }
 
 /// dw[n,k] += dy[m,n]ᵀ · x[m,k];  db[n] += Σ_m dy[m,n].
-pub fn backward_w(dw: &mut [f32], db: Option<&mut [f32]>, dy: &[f32], x: &[f32], s: MatmulShape) {
+pub(crate) fn backward_w(
+    dw: &mut [f32],
+    db: Option<&mut [f32]>,
+    dy: &[f32],
+    x: &[f32],
+    s: MatmulShape,
+) {
     let MatmulShape { m, k, n } = s;
     assert!(dw.len() == n * k && dy.len() == m * n && x.len() == m * k);
     if let Some(db) = db {

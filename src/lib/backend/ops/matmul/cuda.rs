@@ -10,7 +10,7 @@ use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf, THREADS};
 use crate::backend::ops::memory::cuda::add_at;
 use crate::backend::{DType, Device};
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "matmul",
     src: include_str!("matmul.cu"),
     per_head_dim: false,

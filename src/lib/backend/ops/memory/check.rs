@@ -27,7 +27,7 @@ pub const CASES: &[Case] = &[
     },
 ];
 
-pub const TIMINGS: &[Timing] = &[Timing {
+pub(crate) const TIMINGS: &[Timing] = &[Timing {
     name: "memory",
     run: time,
 }];

@@ -6,7 +6,7 @@ use super::{KvCache, MemoryOps};
 use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf, CudaIdx};
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "memory",
     src: include_str!("memory.cu"),
     per_head_dim: false,

@@ -10,7 +10,7 @@
 
 pub mod check;
 pub mod cpu;
-pub mod cuda;
+pub(crate) mod cuda;
 
 use anyhow::Result;
 
@@ -34,7 +34,7 @@ impl<T> KvCache<&mut T> {
     }
 
     /// The same buffers, borrowed mutably for one call (the pair stays usable after it).
-    pub fn reborrow(&mut self) -> KvCache<&mut T> {
+    pub(crate) fn reborrow(&mut self) -> KvCache<&mut T> {
         KvCache {
             k: &mut *self.k,
             v: &mut *self.v,

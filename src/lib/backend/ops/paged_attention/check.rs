@@ -28,7 +28,7 @@ pub const CASES: &[Case] = &[
     },
 ];
 
-pub const TIMINGS: &[Timing] = &[Timing {
+pub(crate) const TIMINGS: &[Timing] = &[Timing {
     name: "decode attention_paged",
     run: time_decode,
 }];

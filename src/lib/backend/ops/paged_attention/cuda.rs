@@ -14,7 +14,7 @@ use crate::backend::ops::attention::{
 use crate::backend::ops::rope::cuda::{freqs, Freqs};
 use crate::backend::{DType, Device, KvCache, PackedQkv, RopeOps, Slots};
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "paged_attention",
     src: include_str!("paged_attention.cu"),
     per_head_dim: true,

@@ -9,12 +9,12 @@ use crate::backend::cpu::{get, get_mut, Cpu};
 
 /// One token's loss, its derivative with respect to lp, and whether it was clipped
 /// (upper, lower) and the clamped log-ratio.
-pub struct PpoToken {
-    pub loss: f64,
-    pub dloss: f64,
-    pub clipped: bool,
-    pub clipped_lower: bool,
-    pub log_ratio: f64,
+pub(crate) struct PpoToken {
+    pub(crate) loss: f64,
+    pub(crate) dloss: f64,
+    pub(crate) clipped: bool,
+    pub(crate) clipped_lower: bool,
+    pub(crate) log_ratio: f64,
 }
 
 /// max with torch's subgradient: the derivative is split at a tie.
@@ -35,7 +35,7 @@ fn maximum(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
 /// r = exp(clamp(lp − old, ±20)); ℓ = max(−A·r, −A·clip(r, lo, hi)), and for A < 0 the dual
 /// clip min(ℓ, −A·c). dℓ/dlp splits at ties of max/min and passes clamps on their closed
 /// interval (torch's subgradients).
-pub fn ppo_token(lp: f64, old: f64, a: f64, s: &PpoShape) -> PpoToken {
+pub(crate) fn ppo_token(lp: f64, old: f64, a: f64, s: &PpoShape) -> PpoToken {
     let d = lp - old;
     let (dc, ddc) = if d < -20.0 {
         (-20.0, 0.0)

@@ -7,9 +7,9 @@
 
 pub mod check;
 pub mod cpu;
-pub mod cuda;
+pub(crate) mod cuda;
 
-pub use cpu::{ppo_token, PpoToken};
+pub(crate) use cpu::ppo_token;
 
 use anyhow::Result;
 

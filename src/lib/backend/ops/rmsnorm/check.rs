@@ -12,7 +12,7 @@ pub const CASES: &[Case] = &[Case {
     run: rmsnorm,
 }];
 
-pub const TIMINGS: &[Timing] = &[
+pub(crate) const TIMINGS: &[Timing] = &[
     Timing {
         name: "rmsnorm",
         run: time_train,

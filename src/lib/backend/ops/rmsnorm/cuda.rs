@@ -9,7 +9,7 @@ use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf, THREADS};
 use crate::backend::ops::matmul::cuda::colsum_finish;
 use crate::backend::DType;
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "rmsnorm",
     src: include_str!("rmsnorm.cu"),
     per_head_dim: false,

@@ -23,7 +23,7 @@ pub const CASES: &[Case] = &[
     },
 ];
 
-pub const TIMINGS: &[Timing] = &[
+pub(crate) const TIMINGS: &[Timing] = &[
     Timing {
         name: "rope",
         run: time_train,
@@ -128,13 +128,13 @@ fn time_train(t: &mut Timer) -> Result<()> {
 /// new token, the q it is rotated into, and the bf16 paged caches (each sequence's blocks in
 /// order, `per` blocks of `BLOCK` positions) with the token's position and cache row.
 pub(crate) struct DecodeKv {
-    pub qkv: CudaBuf,
-    pub q: CudaBuf,
-    pub kc: CudaBuf,
-    pub vc: CudaBuf,
-    pub pos: CudaIdx,
-    pub rows: CudaIdx,
-    pub per: usize,
+    pub(crate) qkv: CudaBuf,
+    pub(crate) q: CudaBuf,
+    pub(crate) kc: CudaBuf,
+    pub(crate) vc: CudaBuf,
+    pub(crate) pos: CudaIdx,
+    pub(crate) rows: CudaIdx,
+    pub(crate) per: usize,
 }
 
 /// [`DecodeKv`] for `DECODE_ROWS` sequences at context `DECODE_CTX`.

@@ -8,7 +8,7 @@ use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, ArgGroup, Args, ByValue, CudaBackend, CudaBuf, CudaIdx};
 use crate::backend::KvCache;
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "rope",
     src: include_str!("rope.cu"),
     per_head_dim: false,

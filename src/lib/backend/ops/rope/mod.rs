@@ -9,14 +9,14 @@
 
 pub mod check;
 pub mod cpu;
-pub mod cuda;
+pub(crate) mod cuda;
 
 use anyhow::Result;
 
 use crate::backend::{KvCache, MemoryOps};
 
 /// Largest head_dim the rope kernels and the CPU's stack buffers take.
-pub const MAX_HEAD_DIM: usize = 1024;
+pub(crate) const MAX_HEAD_DIM: usize = 1024;
 
 /// inv_freq_i = 1 / theta^(2i/d), in f32 exactly as HF builds it (both backends use these bits).
 pub fn inv_freq(i: usize, head_dim: usize, theta: f32) -> f32 {

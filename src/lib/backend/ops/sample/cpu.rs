@@ -8,7 +8,7 @@ use super::{sample, uniform, Draws, SampleOps, SamplingParams, Scratch};
 use crate::backend::cpu::{get, get_mut, Cpu};
 
 /// tokens[r], logprobs[r] = [`sample`](logits row r, u = uniform(key_r, pos_r)).
-pub fn sample_rows(
+pub(crate) fn sample_rows(
     tokens: &mut [u32],
     logprobs: &mut [f32],
     logits: &[f32],

@@ -8,7 +8,7 @@ use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf};
 use crate::backend::DType;
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "sample",
     src: include_str!("sample.cu"),
     per_head_dim: false,

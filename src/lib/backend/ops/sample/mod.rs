@@ -9,7 +9,7 @@
 
 pub mod check;
 pub mod cpu;
-pub mod cuda;
+pub(crate) mod cuda;
 
 use anyhow::{bail, Result};
 
@@ -67,7 +67,7 @@ impl SamplingParams {
     }
 
     /// Checks ranges; the message names the flag.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             bail!(
                 "--temperature must be a finite number >= 0, got {}",
@@ -95,7 +95,7 @@ pub struct Sampled {
 /// The random key of one sample: a hash of the run seed, the prompt's tokens, which repeat of
 /// that same prompt in the input this is (so duplicated prompts still differ), and the sample's
 /// index among the n of its prompt.
-pub fn sample_key(seed: u64, prompt: &[u32], occurrence: u64, sample: u64) -> u64 {
+pub(crate) fn sample_key(seed: u64, prompt: &[u32], occurrence: u64, sample: u64) -> u64 {
     let mut h = mix(seed ^ 0x7461_6e64_656d);
     for &t in prompt {
         h = mix(h ^ t as u64);

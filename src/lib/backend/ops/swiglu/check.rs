@@ -18,7 +18,7 @@ pub const CASES: &[Case] = &[
     },
 ];
 
-pub const TIMINGS: &[Timing] = &[
+pub(crate) const TIMINGS: &[Timing] = &[
     Timing {
         name: "swiglu",
         run: time_train,

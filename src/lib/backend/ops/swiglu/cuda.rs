@@ -7,7 +7,7 @@ use crate::backend::cuda::nvrtc::Family;
 use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf};
 use crate::backend::DType;
 
-pub const KERNELS: Family = Family {
+pub(crate) const KERNELS: Family = Family {
     name: "swiglu",
     src: include_str!("swiglu.cu"),
     per_head_dim: false,

@@ -22,7 +22,8 @@ start)
   rm -rf "$B" "$G" /root/ab-src
   mkdir -p "$B/base" "$G" /root/ab-src
   tar -xJf "$C/bin.tar.xz" -C "$B" && tar -xJf "$C/base.tar.xz" -C "$B/base" \
-    && cp "$C/prompts.parquet" "$B/" && cp -r bench /root/ab-src/ || exit 1
+    && cp "$C/prompts.parquet" "$B/" && cp -r bench /root/ab-src/ \
+    && mkdir -p /root/ab-src/tests && cp -r tests/fixtures /root/ab-src/tests/ || exit 1
   (cd /root/ab-src && setsid nohup env B="$B" G="$G" STEP=plan bash bench/ab_lease.sh \
     > "$G/plan.out" 2>&1 < /dev/null &)
   echo "started: $G/ab.log"
@@ -35,6 +36,26 @@ plan)
   log "gpu-test rc=$? $(grep -E 'checks' "$G/gpu_test.log" | tail -1)"
   D=$B BASE=$B/base PARTS="rollout update" PEERS=0 OUT=$G/bench bash bench/gpu_bench.sh > "$G/bench.log" 2>&1
   log "gpu_bench rc=$?"
+  # More alternations of `bench rollout` (REPEATS [3]), then each case's median of the later
+  # runs per build over every rollout run of the plan.
+  for i in $(seq "${REPEATS:-3}"); do
+    "$B/base/tandem" bench rollout --device cuda --modes graphs --runs 3 > "$G/rollout_base_$i.txt" 2>&1
+    "$B/tandem" bench rollout --device cuda --modes graphs --runs 3 > "$G/rollout_new_$i.txt" 2>&1
+  done
+  python3 - "$G" >> "$G/ab.log" <<'PY'
+import glob, json, statistics, sys
+g = sys.argv[1]
+tok = {}
+for build in ("base", "new"):
+    for path in glob.glob(f"{g}/rollout_{build}_*.txt") + glob.glob(f"{g}/bench/rollout_{build}.txt"):
+        lines = [l for l in open(path).read().splitlines() if l.startswith("{")]
+        for c in json.loads(lines[-1])["cases"] if lines else []:
+            if c["run"] >= 2:
+                tok.setdefault(c["case"], {}).setdefault(build, []).append(c["tokens_per_s"])
+for case, by in tok.items():
+    b, n = (statistics.median(by.get(k, [0.0])) for k in ("base", "new"))
+    print(f"rollout {case}: base {b:.0f} new {n:.0f} tok/s (median of {len(by.get('new', []))}), new/base {n / max(b, 1e-9):.3f}")
+PY
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     D=$B N=2 NS=2 PARTS=equal OUT=$G/multi W=/tmp/ab_multi bash bench/gpu_multi.sh > "$G/multi.log" 2>&1
     log "gpu_multi equal rc=$?"

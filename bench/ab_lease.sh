@@ -3,7 +3,8 @@
 # setsid so that the plan outlives the device call that starts it:
 #   1. the new build's whole `tandem gpu-test`;
 #   2. `bench rollout`, `bench update` and `bench logprob` of both builds, alternately
-#      (bench/gpu_bench.sh with BASE, no peers);
+#      (bench/gpu_bench.sh with BASE, no peers), then REPEATS [3] more alternations of
+#      `bench rollout`; ab.log gets each rollout case's median per build;
 #   3. on a machine of 2 GPUs or more, `bench/gpu_multi.sh PARTS=equal` at 2 ranks (one update
 #      in one process against zero2 and full sharding, every f32 master tensor compared).
 # Carry C [.device/ab] holding bin.tar.xz (the new build's release binaries: tandem and the

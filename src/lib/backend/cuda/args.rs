@@ -215,7 +215,7 @@ mod tests {
     }
 
     #[test]
-    fn too_many_arguments_is_an_error_not_a_panic() {
+    fn a_launch_past_max_args_is_an_error_not_a_panic() {
         let a = (0..MAX_ARGS + 1).fold(Args::new(), |a, i| a.i32(i as i32));
         assert!(a.pointers().is_err());
         let a = (0..MAX_ARGS).fold(Args::new(), |a, i| a.i32(i as i32));

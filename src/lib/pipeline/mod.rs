@@ -137,16 +137,25 @@ pub fn run(args: RunArgs) -> Result<()> {
     )?;
     say_start(&runner, existing.then_some(done));
     runner.run()?;
-    runner.console.say(&format!(
-        "pipeline: finished {} steps in {}\n  metrics: {}\n  eval:    {}\n  log:     {}\n  plot:    tandem plot {}",
-        runner.plan.spec.steps,
-        run.root.display(),
-        run.metrics_path().display(),
-        run.eval_path().display(),
-        run.log_path().display(),
-        run.root.display()
-    ));
+    runner
+        .console
+        .say(&finished_message(&run, runner.plan.spec.steps));
     Ok(())
+}
+
+/// The last words of a run: where its results are, naming only the files it wrote (a run
+/// without `[eval]` has no eval.jsonl).
+fn finished_message(run: &RunDir, steps: u64) -> String {
+    let mut msg = format!("pipeline: finished {steps} steps in {}", run.root.display());
+    let files = [
+        ("metrics", run.metrics_path()),
+        ("eval", run.eval_path()),
+        ("log", run.log_path()),
+    ];
+    for (what, path) in files.iter().filter(|(_, p)| p.is_file()) {
+        msg += &format!("\n  {:<8} {}", format!("{what}:"), path.display());
+    }
+    msg + &format!("\n  plot:    tandem plot {}", run.root.display())
 }
 
 /// The spec with the command line's overrides (`--steps`, `--device`).
@@ -319,4 +328,27 @@ fn spec_for_file(spec: &Spec) -> String {
         "# The spec of this run with the runner's defaults written out (stage flags left out\n# here take the stage's own defaults).\n{}",
         spec.to_toml()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_finished_message_names_only_files_that_exist() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        std::fs::write(run.metrics_path(), "{}\n").unwrap();
+        std::fs::write(run.log_path(), "").unwrap();
+        let msg = finished_message(&run, 3);
+        let root = dir.path().display();
+        assert_eq!(
+            msg,
+            format!(
+                "pipeline: finished 3 steps in {root}\n  metrics: {root}/metrics.jsonl\n  log:     {root}/pipeline.log\n  plot:    tandem plot {root}"
+            )
+        );
+        std::fs::write(run.eval_path(), "{}\n").unwrap();
+        assert!(finished_message(&run, 3).contains(&format!("\n  eval:    {root}/eval.jsonl\n")));
+    }
 }

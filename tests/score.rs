@@ -837,3 +837,41 @@ fn numeric_flags_are_range_checked() {
     // A negative value where one is allowed is a number, not a flag.
     run_ok(&input, &out, &["--reward", "exact", "--format-score", "-1"]);
 }
+
+/// Stages never write in place: `--out` naming the `--in` file (also through another spelling
+/// of the path) is refused with exit 2, and the input is left byte for byte as it was.
+#[test]
+fn an_output_that_names_the_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = simple_batch(dir.path(), &["#### 1"], &["1"], &["s"]);
+    let before = std::fs::read(&input).unwrap();
+    let other_spelling = dir.path().join(".").join(input.file_name().unwrap());
+    for out in [&input, &other_spelling] {
+        let o = score(&[
+            "--in",
+            input.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--reward",
+            "gsm8k",
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("--out names the --in file"), "{stderr}");
+        assert_eq!(std::fs::read(&input).unwrap(), before);
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_advantage"))
+        .args([
+            "--in",
+            input.to_str().unwrap(),
+            "--out",
+            input.to_str().unwrap(),
+        ])
+        .args(["--estimator", "grpo"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--out names the --in file"), "{stderr}");
+    assert_eq!(std::fs::read(&input).unwrap(), before);
+}

@@ -114,6 +114,7 @@ fn need(batch: &Batch, col: &str, why: &str) -> Result<()> {
 pub fn run(a: &AdvantageArgs) -> Result<()> {
     let t0 = Instant::now();
     a.check()?;
+    super::common::refuse_in_place(&a.input, &a.out, "out")?;
     let est = adv::estimator(&a.estimator).expect("clap checked the name");
     let (mut ctrl, state) = a.controller()?;
     let inp = Inputs::read(a, est)?;

@@ -132,6 +132,22 @@ pub(crate) mod rollout_is_level {
     }
 }
 
+/// Refuses an output path that names the input file (`--OUT_FLAG` = `--in`): stages never
+/// write in place (docs/BATCH.md), so a stage that fails leaves its input as it was.
+pub(crate) fn refuse_in_place(input: &Path, out: &Path, out_flag: &str) -> Result<()> {
+    let same = match (input.canonicalize(), out.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => input == out,
+    };
+    if same {
+        bail_input!(
+            "{}: --{out_flag} names the --in file; stages never write in place: write to a new file",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
 /// Refuses a model directory without `tokenizer.json` that a stage is about to pass on (train
 /// from, publish): `rollout` would refuse the model it leads to, later and further from the
 /// cause. `what` says what the stage would do with it.

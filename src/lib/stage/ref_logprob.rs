@@ -132,6 +132,7 @@ impl RefLogprobArgs {
 pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     args.check()?;
+    super::common::refuse_in_place(&args.input, &args.out, "out")?;
     let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
     batch.require_rows()?;
     let temperature = logprob_temperature(&batch, args.temperature)?;

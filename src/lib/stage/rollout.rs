@@ -583,6 +583,7 @@ impl RolloutArgs {
 /// The stage with its compute on `exec`.
 pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
+    super::common::refuse_in_place(&args.input, &args.out, "out")?;
     let sampling = args.sampling()?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
     let n_prompts = args.limit.unwrap_or(dataset.len()).min(dataset.len());

@@ -118,5 +118,6 @@ impl ScoreArgs {
 
 pub fn run(args: ScoreArgs) -> Result<()> {
     args.check()?;
+    super::common::refuse_in_place(&args.input, &args.output, "out")?;
     crate::reward::run_stage(&args.config()?).map(|_| ())
 }

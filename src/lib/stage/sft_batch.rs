@@ -52,6 +52,7 @@ pub struct SftBatchArgs {
 }
 
 pub fn run(args: SftBatchArgs) -> Result<()> {
+    super::common::refuse_in_place(&args.input, &args.out, "out")?;
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
     let n = args.limit.unwrap_or(dataset.len()).min(dataset.len());
     if n == 0 {

@@ -503,6 +503,9 @@ fn rows_u8<'a>(r: &'a Ragged<'static, u8>) -> Vec<&'a [u8]> {
 pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     args.check()?;
+    if let Some(m) = &args.metrics {
+        super::common::refuse_in_place(&args.input, m, "metrics")?;
+    }
     // Before anything is read: where resident weights would stay.
     let holder = match args.resident {
         false => None,

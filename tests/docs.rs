@@ -207,3 +207,49 @@ fn pipeline_md_blocks_run() {
         .collect();
     assert_eq!(lrs, [0.001, 0.001]);
 }
+
+/// The `bench/NAME.sh|py` paths a text names (not `src/lib/bench/…`).
+fn bench_scripts(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, _) in text.match_indices("bench/") {
+        let before = text[..i].chars().last();
+        if before.is_some_and(|c| c == '/' || c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let name: String = text[i..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || "_./-".contains(*c))
+            .collect();
+        let name = name.trim_end_matches('.');
+        if name.ends_with(".sh") || name.ends_with(".py") {
+            out.push(name.to_string());
+        }
+    }
+    out
+}
+
+/// The docs name only device scripts that exist: every `bench/….sh|py` path in README.md and
+/// docs/*.md is a file of the tree.
+#[test]
+fn the_docs_name_only_bench_scripts_that_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut docs = vec![root.join("README.md"), root.join("bench/README.md")];
+    for e in std::fs::read_dir(root.join("docs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "md") {
+            docs.push(p);
+        }
+    }
+    let mut missing = Vec::new();
+    for doc in &docs {
+        for name in bench_scripts(&std::fs::read_to_string(doc).unwrap()) {
+            if !root.join(&name).is_file() {
+                missing.push(format!("{}: {name}", doc.display()));
+            }
+        }
+    }
+    assert!(docs.len() > 5);
+    assert!(missing.is_empty(), "{}", missing.join("\n"));
+    let got = bench_scripts("run `bench/gpu_bench.sh`, src/lib/bench/rollout.rs, bench/x.py.");
+    assert_eq!(got, ["bench/gpu_bench.sh", "bench/x.py"]);
+}

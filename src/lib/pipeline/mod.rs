@@ -136,11 +136,27 @@ pub fn run(args: RunArgs) -> Result<()> {
         spec_for_file(&runner.plan.spec).as_bytes(),
     )?;
     say_start(&runner, existing.then_some(done));
+    let data = &runner.plan.spec.data;
+    if let Some(w) = repeats_warning(data.prompts_per_step, runner.state.train_rows, &data.train) {
+        runner.console.say(&w);
+    }
     runner.run()?;
     runner
         .console
         .say(&finished_message(&run, runner.plan.spec.steps));
     Ok(())
+}
+
+/// A warning when a step asks for more prompts than the training set has: the sampler then
+/// draws some prompts more than once in the same step.
+fn repeats_warning(per_step: u64, rows: u64, train: &Path) -> Option<String> {
+    (per_step > rows).then(|| {
+        format!(
+            "pipeline: warning: prompts-per-step = {per_step} but {} has {rows} rows: each step repeats prompts (about {:.1} times each)",
+            train.display(),
+            per_step as f64 / rows.max(1) as f64
+        )
+    })
 }
 
 /// The last words of a run: where its results are, naming only the files it wrote (a run
@@ -333,6 +349,16 @@ fn spec_for_file(spec: &Spec) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn more_prompts_per_step_than_rows_is_a_warning() {
+        let train = Path::new("data/train.parquet");
+        assert_eq!(repeats_warning(2000, 2000, train), None);
+        assert_eq!(
+            repeats_warning(5000, 2000, train).unwrap(),
+            "pipeline: warning: prompts-per-step = 5000 but data/train.parquet has 2000 rows: each step repeats prompts (about 2.5 times each)"
+        );
+    }
 
     #[test]
     fn the_finished_message_names_only_files_that_exist() {

@@ -723,31 +723,23 @@ impl<'a, 'd> Trainer<'a, 'd> {
     /// values.
     fn sum_over_ranks(&mut self, sums: &mut StepSums) -> Result<()> {
         let m = &mut sums.metrics;
-        let mut v = [
-            sums.loss,
-            m.pg_loss,
-            m.pg_clipfrac,
-            m.pg_clipfrac_lower,
-            m.ppo_kl,
-            m.entropy,
-            m.kl_loss,
-            m.is_weight,
-            m.is_truncated,
-            sums.nonfinite as u8 as f64,
-            sums.tokens as f64,
+        let mut fields = [
+            &mut sums.loss,
+            &mut m.pg_loss,
+            &mut m.pg_clipfrac,
+            &mut m.pg_clipfrac_lower,
+            &mut m.ppo_kl,
+            &mut m.entropy,
+            &mut m.kl_loss,
+            &mut m.is_weight,
+            &mut m.is_truncated,
         ];
+        let mut v: Vec<f64> = fields.iter().map(|f| **f).collect();
+        v.extend([sums.nonfinite as u8 as f64, sums.tokens as f64]);
         self.policy.sum_over_ranks(&mut v)?;
-        [
-            sums.loss,
-            m.pg_loss,
-            m.pg_clipfrac,
-            m.pg_clipfrac_lower,
-            m.ppo_kl,
-            m.entropy,
-            m.kl_loss,
-            m.is_weight,
-            m.is_truncated,
-        ] = [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]];
+        for (f, x) in fields.iter_mut().zip(&v) {
+            **f = *x;
+        }
         sums.nonfinite = v[9] > 0.0;
         sums.tokens = v[10].round() as usize;
         Ok(())

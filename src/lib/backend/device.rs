@@ -144,6 +144,11 @@ pub trait Device: Send + Sync {
         None
     }
 
+    /// Starts compiling, in the background, the kernels a decoder of head dim `head_dim` runs
+    /// (with `training`, the backward's too), so that their first use does not wait for each
+    /// in turn (the CUDA backend; nothing to do elsewhere).
+    fn prepare_kernels(&self, _head_dim: usize, _training: bool) {}
+
     // ---- graphs -------------------------------------------------------------------------
 
     /// Whether steps can be captured and replayed as graphs (CUDA graphs; not the CPU).

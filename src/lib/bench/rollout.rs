@@ -65,6 +65,14 @@ pub struct RolloutBenchArgs {
     /// Wait for every step's tokens before scheduling the next (no overlap scheduling).
     #[arg(long)]
     pub no_overlap: bool,
+    /// The GRPO-shaped case without its random stops: every sample runs to its max new
+    /// tokens (how a peer engine with `ignore_eos` is compared).
+    #[arg(long)]
+    pub fixed_lengths: bool,
+    /// Writes the model's HF config.json and every case's prompt ids, samples per prompt and
+    /// new tokens to this JSON file, so a peer engine (bench/peer_vllm.py) runs the same work.
+    #[arg(long)]
+    pub cases_out: Option<std::path::PathBuf>,
 }
 
 /// How a bench case runs its decode steps.
@@ -670,6 +678,9 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
         cfg: cfg.clone(),
         cases: cases(&args, cfg.vocab_size)?,
     };
+    if let Some(path) = &args.cases_out {
+        write_cases(path, &bench)?;
+    }
     let (rows, bw, peak, device, parts) = on_device(args.device, bench)?;
     print_report(&args, &rows, (bw, peak), &device, &parts);
     Ok(())
@@ -738,7 +749,11 @@ fn grpo_case(args: &RolloutBenchArgs, vocab: usize, sampling: SamplingParams) ->
         .collect();
     // Random stops: one id in 300 ends a sample (near-uniform random-weight logits: a mean
     // length of ~250 of the 512 allowed).
-    let stop_token_ids = (0..vocab as u32).filter(|t| t % 300 == 7).collect();
+    let stop_token_ids = if args.fixed_lengths {
+        vec![]
+    } else {
+        (0..vocab as u32).filter(|t| t % 300 == 7).collect()
+    };
     Ok(Case {
         name: format!("GRPO {prompts} x n={n}, prompt ~{mean_len}, <= {max_new} new"),
         requests,
@@ -749,6 +764,31 @@ fn grpo_case(args: &RolloutBenchArgs, vocab: usize, sampling: SamplingParams) ->
             stop_strings: vec![],
         },
     })
+}
+
+/// The work of every case as a peer engine needs it: the HF config of the shape, and per case
+/// its prompts' ids, samples per prompt, most new tokens and whether random stops apply.
+fn write_cases(path: &std::path::Path, bench: &Bench) -> Result<()> {
+    let cases: Vec<serde_json::Value> = bench
+        .cases
+        .iter()
+        .map(|c| {
+            json!({
+                "case": c.name,
+                "prompts": c.requests.iter().map(|r| &r.prompt).collect::<Vec<_>>(),
+                "n": c.requests.first().map_or(1, |r| r.sample_keys.len()),
+                "max_new_tokens": c.params.max_new_tokens,
+                "stops": !c.params.stop_token_ids.is_empty(),
+            })
+        })
+        .collect();
+    let doc = json!({
+        "model": bench.args.model,
+        "config": bench.cfg.to_hf_json(None),
+        "max_num_seqs": bench.args.max_num_seqs,
+        "cases": cases,
+    });
+    crate::batch::write::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())
 }
 
 /// Prints the breakdown and the table of runs, and writes the JSON report.

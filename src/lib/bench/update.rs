@@ -31,7 +31,8 @@ pub(crate) struct Workload {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cuda")]
     pub(crate) device: Device,
-    /// Model shape: qwen0.5b (the issue-6 shape) or tiny (2 layers, hidden 64, vocab 512).
+    /// Model shape: qwen0.5b (the issue-6 shape), qwen1.5b, qwen7b, qwen14b, or tiny (2 layers,
+    /// hidden 64, vocab 512).
     #[arg(long, default_value = "qwen0.5b")]
     pub(crate) shape: String,
     /// Tokens per sequence (prompt + response).
@@ -71,7 +72,6 @@ pub(crate) struct UpdateArgs {
 /// The benchmark model shapes.
 pub fn shape(name: &str) -> Result<Config> {
     match name {
-        "qwen0.5b" => super::cpu_engine::shape("qwen0.5b"),
         "tiny" => {
             let mut c = super::cpu_engine::shape("small")?;
             c.num_layers = 2;
@@ -83,7 +83,12 @@ pub fn shape(name: &str) -> Result<Config> {
             c.vocab_size = 512;
             Ok(c)
         }
-        other => bail!("unknown bench shape '{other}' (expected qwen0.5b or tiny)"),
+        "small" => bail!("unknown bench shape 'small' (expected tiny, qwen0.5b, qwen1.5b, qwen7b or qwen14b)"),
+        other => super::cpu_engine::shape(other).map_err(|_| {
+            anyhow::anyhow!(
+                "unknown bench shape '{other}' (expected tiny, qwen0.5b, qwen1.5b, qwen7b or qwen14b)"
+            )
+        }),
     }
 }
 

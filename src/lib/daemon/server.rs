@@ -212,7 +212,7 @@ pub fn run(args: DaemonArgs) -> Result<()> {
         Device::Cuda(n) => {
             // Open the device once now so that a missing GPU is reported before anything else.
             CudaBackend::new(n)?;
-            let make = Box::new(move || CudaBackend::new(n));
+            let make = Box::new(move || crate::backend::ops::open_cuda(n));
             let mut resident = Resident::new(make, device, opts);
             if group.is_some() {
                 resident.set_comm_maker(Rc::new(|b: &CudaBackend, pg: &ProcessGroup| {

@@ -9,7 +9,6 @@ use super::host::HostComm;
 use super::nccl::NcclComm;
 use super::world::World;
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::error::input_error;
 use anyhow::Result;
@@ -68,7 +67,7 @@ pub fn run_rank_job<J: RankJob>(device: DeviceKind, pg: &ProcessGroup, job: J) -
             job.run(Cpu, Box::new(comm))
         }
         DeviceKind::Cuda => {
-            let backend = CudaBackend::new(gpu_for_rank(pg.world())?)?;
+            let backend = crate::backend::ops::open_cuda(gpu_for_rank(pg.world())?)?;
             let comm = NcclComm::new(&backend, pg)?;
             job.run(backend, Box::new(comm))
         }

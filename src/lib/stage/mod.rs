@@ -32,7 +32,6 @@ pub mod sync_weights;
 pub mod update;
 
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
 pub use crate::engine::policy::load_policy;
@@ -60,7 +59,7 @@ pub trait Job {
 pub fn on_device<J: Job>(device: Device, job: J) -> Result<J::Out> {
     match device {
         Device::Cpu => job.run(Cpu),
-        Device::Cuda(n) => job.run(CudaBackend::new(n)?),
+        Device::Cuda(n) => job.run(crate::backend::ops::open_cuda(n)?),
     }
 }
 

@@ -25,7 +25,7 @@ pub(crate) mod pool;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{result as dr, sys as dsys, CudaContext, CudaFunction, CudaGraph, CudaStream};
@@ -45,6 +45,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "device",
     src: include_str!("device.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 /// Byte alignment of the parts of an `alloc_parts` (what the pool's blocks have): cuBLASLt
@@ -161,7 +162,7 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     pool: Arc<Pool>,
     gemm: Gemm,
-    kernels: KernelCache,
+    kernels: Arc<KernelCache>,
     funcs: Mutex<HashMap<(&'static str, usize, &'static str), CudaFunction>>,
     err_word: Block,
     /// Route bf16 attention with head_dim % 16 == 0 (≤ 128) to the tensor-core kernels.
@@ -175,6 +176,27 @@ pub struct CudaBackend {
     graphs: Mutex<Vec<Option<Graph>>>,
     /// Page-locked landing places of steps' draws (`Device::draws_start`), made on first use.
     draw_slots: Mutex<[Option<draws::Slot>; 2]>,
+    /// The kernel families `prepare_kernels` compiles ahead (set by `ops::open_cuda`).
+    families: OnceLock<&'static [Family]>,
+    /// Head dims (and whether for training) whose programs were started ahead.
+    prepared: Mutex<Vec<(usize, bool)>>,
+    /// Threads compiling programs ahead; joined when the backend is dropped.
+    prefetching: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+/// A lock that survives a panic of another holder (the data are plain lists).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // A process that exits while NVRTC compiles on another thread corrupts the heap; the
+        // compiles still running finish here (each program is one NVRTC call).
+        for t in lock(&self.prefetching).drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 /// A captured and instantiated graph. cudarc's handle is not `Send`; every use goes through
@@ -225,7 +247,10 @@ impl CudaBackend {
             .map_err(|e| anyhow!("cuda: create stream: {e:?}"))?;
         let pool = Pool::new(ctx.clone());
         let gemm = Gemm::new(stream.clone(), &pool).map_err(|e| input_error(format!("{e:#}")))?;
-        let kernels = KernelCache::new(&format!("sm_{maj}{min}"), nvrtc::default_cache_dir())?;
+        let kernels = Arc::new(KernelCache::new(
+            &format!("sm_{maj}{min}"),
+            nvrtc::default_cache_dir(),
+        )?);
         let err_word = pool.alloc(4)?;
         let be = CudaBackend {
             ctx,
@@ -242,6 +267,9 @@ impl CudaBackend {
             sms,
             graphs: Mutex::new(Vec::new()),
             draw_slots: Mutex::new([None, None]),
+            families: OnceLock::new(),
+            prepared: Mutex::new(Vec::new()),
+            prefetching: Mutex::new(Vec::new()),
         };
         be.memset(be.err_word.ptr(), 0, 4)?;
         Ok(be)
@@ -312,6 +340,18 @@ impl CudaBackend {
         // the memset is ordered on the stream before any later use of it.
         unsafe { dr::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
             .map_err(|e| anyhow!("cuda: memset: {e:?}"))
+    }
+
+    /// Starts compiling the plain programs of `families` in the background (`ops::open_cuda`);
+    /// `prepare_kernels` starts the per-head-dim ones of the same families.
+    pub(crate) fn prefetch_kernels(&self, families: &'static [Family]) {
+        let _ = self.families.set(families);
+        self.spawn_prefetch(nvrtc::plain_programs(families));
+    }
+
+    fn spawn_prefetch(&self, programs: Vec<nvrtc::Program>) {
+        let threads = self.kernels.prefetch(programs);
+        lock(&self.prefetching).extend(threads);
     }
 
     /// The kernel `name` of `fam` (a per-head-dim family: compiled for head dim `hd`), compiled
@@ -635,6 +675,20 @@ impl Device for CudaBackend {
 
     fn name(&self) -> String {
         format!("cuda:{}", self.ordinal)
+    }
+
+    fn prepare_kernels(&self, head_dim: usize, training: bool) {
+        let Some(families) = self.families.get() else {
+            return;
+        };
+        {
+            let mut done = lock(&self.prepared);
+            if done.contains(&(head_dim, training)) {
+                return;
+            }
+            done.push((head_dim, training));
+        }
+        self.spawn_prefetch(nvrtc::head_dim_programs(families, head_dim, training));
     }
 
     fn alloc(&self, n: usize) -> Result<CudaBuf> {

@@ -6,9 +6,12 @@
 //! Compiling needs only libnvrtc, not a GPU: `tandem gpu-test --compile-only` checks every
 //! kernel on a machine without one.
 
+use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::{result as nr, sys as ns};
@@ -23,6 +26,9 @@ pub(crate) struct Family {
     pub(crate) name: &'static str,
     pub(crate) src: &'static str,
     pub(crate) per_head_dim: bool,
+    /// Only training runs it (the attention backward): a process that only generates or
+    /// scores does not compile it ahead of use.
+    pub(crate) training_only: bool,
 }
 
 /// The full source NVRTC sees: defines, the common helpers, the family.
@@ -125,11 +131,18 @@ pub(crate) fn default_cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tandem/kernels"))
 }
 
+/// A program's cubin (and whether it came from the disk cache), or why it could not be had;
+/// filled once, by whichever thread gets to it first.
+type Slot = Arc<OnceLock<Result<(Vec<u8>, bool), String>>>;
+
 /// Compiles on first use and keeps cubins on disk.
 pub(crate) struct KernelCache {
     dir: Option<PathBuf>,
     arch: String,
     nvrtc: (i32, i32),
+    /// One slot per program (family name and source hash): a caller that needs a program
+    /// whose compilation `prefetch` started waits for it instead of compiling it again.
+    slots: Mutex<HashMap<(&'static str, u64), Slot>>,
 }
 
 impl KernelCache {
@@ -138,6 +151,7 @@ impl KernelCache {
             dir,
             arch: arch.to_string(),
             nvrtc: version()?,
+            slots: Mutex::new(HashMap::new()),
         })
     }
 
@@ -165,7 +179,44 @@ impl KernelCache {
     /// Returns the binary and whether it came from the cache.
     pub fn get(&self, fam: Family, defines: &[(&str, usize)]) -> Result<(Vec<u8>, bool)> {
         let src = full_source(fam, defines);
-        let path = self.path_for(fam.name, &src);
+        let slot = {
+            let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            let key = (fam.name, fnv1a(src.as_bytes()));
+            slots.entry(key).or_default().clone()
+        };
+        slot.get_or_init(|| {
+            self.load_or_compile(fam.name, &src)
+                .map_err(|e| format!("{e:#}"))
+        })
+        .clone()
+        .map_err(|e| anyhow!(e))
+    }
+
+    /// Starts compiling these programs (a family and its defines each) on threads of their
+    /// own, so that a process's first use of each kernel finds it compiled: on a machine
+    /// without the disk cache NVRTC takes seconds per family, one after the other otherwise.
+    /// Errors are kept for the `get` that needs the program.
+    /// The threads are returned: a process must join them before it exits, since exiting
+    /// while NVRTC compiles on another thread corrupts the heap.
+    pub(crate) fn prefetch(self: &Arc<Self>, programs: Vec<Program>) -> Vec<JoinHandle<()>> {
+        programs
+            .into_iter()
+            .filter_map(|(fam, defines)| {
+                let cache = Arc::clone(self);
+                // Without a thread the program is compiled on first use, as before.
+                std::thread::Builder::new()
+                    .name(format!("nvrtc-{}", fam.name))
+                    .spawn(move || {
+                        let _ = cache.get(fam, &defines);
+                    })
+                    .ok()
+            })
+            .collect()
+    }
+
+    /// The cubin from the disk cache, else compiled and written there.
+    fn load_or_compile(&self, name: &str, src: &str) -> Result<(Vec<u8>, bool)> {
+        let path = self.path_for(name, src);
         if let Some(p) = &path {
             if let Ok(bin) = std::fs::read(p) {
                 if !bin.is_empty() {
@@ -173,12 +224,16 @@ impl KernelCache {
                 }
             }
         }
-        let bin = compile_cubin(fam.name, &src, &self.arch)?;
+        let bin = compile_cubin(name, src, &self.arch)?;
         if let Some(p) = &path {
             // Best effort: a read-only or missing home only costs a recompile next time.
             if let Some(dir) = p.parent() {
                 if std::fs::create_dir_all(dir).is_ok() {
-                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                    let tmp = p.with_extension(format!(
+                        "tmp{}-{:?}",
+                        std::process::id(),
+                        std::thread::current().id()
+                    ));
                     if std::fs::write(&tmp, &bin).is_ok() {
                         let _ = std::fs::rename(&tmp, p);
                     }
@@ -187,6 +242,28 @@ impl KernelCache {
         }
         Ok((bin, false))
     }
+}
+
+/// A program: a family and the defines it is compiled with.
+pub(crate) type Program = (Family, Vec<(&'static str, usize)>);
+
+/// The programs of the families without a head dim.
+pub(crate) fn plain_programs(families: &[Family]) -> Vec<Program> {
+    families
+        .iter()
+        .filter(|f| !f.per_head_dim)
+        .map(|&f| (f, vec![]))
+        .collect()
+}
+
+/// The programs of the per-head-dim families for head dim `hd`, the training-only ones
+/// (attention backward) only when `training`.
+pub(crate) fn head_dim_programs(families: &[Family], hd: usize, training: bool) -> Vec<Program> {
+    families
+        .iter()
+        .filter(|f| f.per_head_dim && (training || !f.training_only))
+        .map(|&f| (f, vec![("HD", hd), ("TILE", attention_tile(hd))]))
+        .collect()
 }
 
 /// Attention tile rows for a head dim: 64 up to 128 (shared memory of the backward fits), 32 above.
@@ -198,23 +275,36 @@ pub(crate) fn attention_tile(head_dim: usize) -> usize {
     }
 }
 
-/// Compiles `families` (the per-head-dim ones for the common head dims) for `arch`; returns
-/// (family, cubin bytes) per program. `backend::ops::compile_all` passes every family.
-pub(crate) fn compile_all(families: &[Family], arch: &str) -> Result<Vec<(String, usize)>> {
-    let mut out = Vec::new();
-    for &fam in families {
-        if fam.per_head_dim {
-            for hd in [64usize, 128, 256] {
-                let defs = [("HD", hd), ("TILE", attention_tile(hd))];
-                let bin = compile_cubin(fam.name, &full_source(fam, &defs), arch)?;
-                out.push((format!("{} (HD={hd})", fam.name), bin.len()));
-            }
-        } else {
-            let bin = compile_cubin(fam.name, &full_source(fam, &[]), arch)?;
-            out.push((fam.name.to_string(), bin.len()));
-        }
+/// Compiles `families` (the per-head-dim ones for the common head dims) for `arch`, each
+/// program on a thread of its own; returns (program, cubin bytes, seconds) per program.
+/// `backend::ops::compile_all` passes every family.
+pub(crate) fn compile_all(families: &[Family], arch: &str) -> Result<Vec<(String, usize, f64)>> {
+    let mut progs = plain_programs(families);
+    for hd in [64, 128, 256] {
+        progs.extend(head_dim_programs(families, hd, true));
     }
-    Ok(out)
+    std::thread::scope(|s| {
+        let jobs: Vec<_> = progs
+            .iter()
+            .map(|(fam, defs)| {
+                s.spawn(move || {
+                    let t = std::time::Instant::now();
+                    let bin = compile_cubin(fam.name, &full_source(*fam, defs), arch)?;
+                    let name = match defs.first() {
+                        Some((_, hd)) => format!("{} (HD={hd})", fam.name),
+                        None => fam.name.to_string(),
+                    };
+                    Ok((name, bin.len(), t.elapsed().as_secs_f64()))
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err(anyhow!("a compile thread panicked")))
+            })
+            .collect()
+    })
 }
 
 #[cfg(test)]
@@ -235,6 +325,7 @@ mod tests {
             name: "attention",
             src: "extern \"C\" __global__ void k() {}",
             per_head_dim: true,
+            training_only: false,
         };
         let a = full_source(fam, &[("HD", 64), ("TILE", 64)]);
         let b = full_source(fam, &[("HD", 128), ("TILE", 64)]);
@@ -244,10 +335,53 @@ mod tests {
             dir: Some(PathBuf::from("/c")),
             arch: "sm_90".into(),
             nvrtc: (13, 0),
+            slots: Mutex::new(HashMap::new()),
         };
         let p = cache.path_for("attention", &a).unwrap();
         let name = p.file_name().unwrap().to_str().unwrap();
         assert!(name.starts_with("attention-") && name.ends_with("-sm_90-nvrtc13.0.cubin"));
         assert_ne!(p, cache.path_for("attention", &b).unwrap());
+    }
+
+    /// A prefetched program is read once and handed to every later `get`: several threads ask
+    /// for it at once and all see the disk cache's bytes (no NVRTC needed for that).
+    #[test]
+    fn prefetched_programs_come_from_one_slot() {
+        let dir = std::env::temp_dir().join(format!("tandem-kc-{}", std::process::id()));
+        let fam = Family {
+            name: "probe",
+            src: "extern \"C\" __global__ void k() {}",
+            per_head_dim: true,
+            training_only: false,
+        };
+        let cache = Arc::new(KernelCache {
+            dir: Some(dir.clone()),
+            arch: "sm_90".into(),
+            nvrtc: (13, 0),
+            slots: Mutex::new(HashMap::new()),
+        });
+        let progs = [64, 128]
+            .into_iter()
+            .flat_map(|hd| head_dim_programs(&[fam], hd, false))
+            .collect::<Vec<_>>();
+        assert_eq!(progs.len(), 2);
+        for (i, (f, defs)) in progs.iter().enumerate() {
+            let p = cache.path_for(f.name, &full_source(*f, defs)).unwrap();
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, [i as u8 + 1; 8]).unwrap();
+        }
+        let threads = cache.prefetch(progs.clone());
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    let (bin, cached) = cache.get(fam, &progs[1].1).unwrap();
+                    assert_eq!((bin, cached), (vec![2u8; 8], true));
+                });
+            }
+        });
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        assert_eq!(cache.get(fam, &progs[0].1).unwrap(), (vec![1u8; 8], true));
+        assert_eq!(cache.slots.lock().unwrap().len(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

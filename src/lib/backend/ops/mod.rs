@@ -38,9 +38,10 @@ use anyhow::Result;
 use crate::backend::check::gpu::Case;
 use crate::backend::check::timing::Timing;
 use crate::backend::cuda::nvrtc::{self, Family};
+use crate::backend::cuda::CudaBackend;
 
 /// Every kernel source NVRTC compiles: the device's own and each family's.
-pub(crate) const KERNELS: [Family; 13] = [
+pub(crate) const KERNELS: [Family; 14] = [
     crate::backend::cuda::KERNELS,
     memory::cuda::KERNELS,
     matmul::cuda::KERNELS,
@@ -49,6 +50,7 @@ pub(crate) const KERNELS: [Family; 13] = [
     rope::cuda::KERNELS,
     swiglu::cuda::KERNELS,
     attention::cuda::KERNELS,
+    attention::cuda::BWD_KERNELS,
     paged_attention::cuda::KERNELS,
     logprob::cuda::KERNELS,
     ppo_loss::cuda::KERNELS,
@@ -57,9 +59,20 @@ pub(crate) const KERNELS: [Family; 13] = [
 ];
 
 /// Compiles every kernel for `arch` (`tandem gpu-test --compile-only`, `make kernels-check`):
-/// (program, cubin bytes) per program.
-pub fn compile_all(arch: &str) -> Result<Vec<(String, usize)>> {
+/// (program, cubin bytes, seconds) per program, compiled in parallel.
+pub fn compile_all(arch: &str) -> Result<Vec<(String, usize, f64)>> {
     nvrtc::compile_all(&KERNELS, arch)
+}
+
+/// Opens GPU `ordinal` and starts compiling (or reading from the disk cache) every kernel
+/// family without a head dim in the background; a decoder built on it starts those of its
+/// head dim (`Device::prepare_kernels`). A fresh machine's first process then waits for the
+/// slowest program while it loads its model, rather than for each program in turn at its
+/// first use.
+pub fn open_cuda(ordinal: usize) -> Result<CudaBackend> {
+    let b = CudaBackend::new(ordinal)?;
+    b.prefetch_kernels(&KERNELS);
+    Ok(b)
 }
 
 /// The op families' GPU parity cases, in the order `gpu-test` runs them.
@@ -170,6 +183,6 @@ mod tests {
         let built = compile_all("sm_90").unwrap_or_else(|e| panic!("{e:#}"));
         let per_hd = KERNELS.iter().filter(|k| k.per_head_dim).count();
         assert_eq!(built.len(), KERNELS.len() + 2 * per_hd);
-        assert!(built.iter().all(|(_, n)| *n > 0));
+        assert!(built.iter().all(|(_, n, _)| *n > 0));
     }
 }

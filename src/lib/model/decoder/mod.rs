@@ -487,6 +487,7 @@ impl<B: Backend> Decoder<B> {
             "a trainable decoder needs weights"
         );
         check_config(cfg)?;
+        backend.prepare_kernels(cfg.head_dim, hold == Hold::Trainable);
         let (d, v) = (cfg.hidden_size, cfg.vocab_size);
         let mut p = Loader {
             backend: &backend,

@@ -11,6 +11,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "adamw",
     src: include_str!("adamw.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 /// The sum of `blocks` partial sums of squares in `part` (f64), by one block, read back.

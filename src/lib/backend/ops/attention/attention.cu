@@ -24,6 +24,10 @@
 #ifndef TILE
 #define TILE 64
 #endif
+// ATTN_PART 1: the forward kernels only (generation and scoring), 2: the backward only, 0: all.
+#ifndef ATTN_PART
+#define ATTN_PART 0
+#endif
 #define NT 256               // threads per block: a 16×16 grid (ty, tx)
 #define RPT (TILE / 16)      // tile rows per thread
 #define CPT ((HD + 15) / 16) // head-dim columns per thread
@@ -87,6 +91,7 @@ DEVI void tile_acc(float acc[RPT][CPT], const float* W, const float* M, int n, b
     }
 }
 
+#if ATTN_PART != 2
 // o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j; lse[i,h] = log Σ_j exp(q_i·k_j/√d).
 // Grid: (query tiles, heads).
 extern "C" __global__ void __launch_bounds__(NT) attn_fwd_k(
@@ -172,7 +177,9 @@ extern "C" __global__ void __launch_bounds__(NT) attn_fwd_k(
         if (tx == 0) st(lse, lbf, i * heads + h, m[a] + logf(l[a]));
     }
 }
+#endif
 
+#if ATTN_PART != 1
 // dd[i,h] = Σ_d dO[i,h,d]·O[i,h,d] (the rowsum(dO∘O) term of dS). One warp per (row, head).
 extern "C" __global__ void attn_bwd_prep_k(float* dd, const void* dout, int dobf, const void* o, int obf,
                                            int tokens, int heads) {
@@ -184,6 +191,7 @@ extern "C" __global__ void attn_bwd_prep_k(float* dd, const void* dout, int dobf
     s = warp_sum(s);
     if (lane == 0) dd[w] = s;
 }
+#endif
 
 // Per query-row statistics of a tile: lse, D = rowsum(dO∘O), and the start of the row's sequence.
 DEVI void load_row_stats(float* lse_s, float* dd_s, int* start_s, const void* lse, int lbf, const float* dd,
@@ -219,6 +227,7 @@ DEVI void tile_p_ds(float* Ps, float* dSs, const float* Qs, const float* dOs, co
     }
 }
 
+#if ATTN_PART != 1
 // dV_j = Σ_i P_ij dO_i, dK_j = Σ_i dS_ij Q_i / √d over the query heads of kv head kh and the
 // query rows that see key j. Grid: (key tiles, kv heads); dk and dv are overwritten.
 extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dkdv_k(
@@ -278,7 +287,9 @@ extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dkdv_k(
         }
     }
 }
+#endif
 
+#if ATTN_PART != 1
 // dQ_i = Σ_j dS_ij K_j / √d over the keys row i sees. Grid: (query tiles, heads); dq is overwritten.
 extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dq_k(
     void* dq, int dqbf, const void* dout, int dobf, const void* q, int qbf, const void* k, int kbf,
@@ -330,6 +341,7 @@ extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dq_k(
         }
     }
 }
+#endif
 
 // ---- tensor-core path (bf16 q/k/v/o, head_dim a multiple of 16 up to 128) -----------------
 // The same math with mma.sync m16n8k16 (bf16 inputs, f32 accumulators). Each warp owns 16 rows
@@ -480,6 +492,7 @@ DEVI void store_fwd_rows(bf16_t* o, i64 qstride, int h, i64 q0, int qn, const in
     }
 }
 
+#if ATTN_PART != 2
 // o_i = Σ_{j≤i, same seq} softmax_j(q_i·k_j/√d) v_j; lse[i,h] (tensor cores). Grid: (query tiles
 // of TQ, heads), 128 threads, dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
@@ -536,6 +549,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_mma_k(
     for (int hi = 0; hi < 2; hi++)
         if (rl[hi] < qn && t == 0) st(lse, lbf, (i64)(q0 + rl[hi]) * heads + h, m[hi] + logf(l[hi]));
 }
+#endif
 
 #define PGU 4 // 16-byte pieces of K and V each thread has in flight while gathering a tile
 
@@ -581,6 +595,7 @@ DEVI void gather_paged_tile(bf16_t* Ks, bf16_t* Vt, const bf16_t* kc, const bf16
     }
 }
 
+#if ATTN_PART != 2
 // Batch-invariant decode/prefill attention over a paged KV cache (engine::paged; the host uses
 // it when batch invariance is on): query i of sequence seq[i] attends to its positions p <
 // len[i] (cache row tables[seq[i]·max_blocks + p/bs]·bs + p%bs). One warp per (query, kv head)
@@ -657,7 +672,9 @@ extern "C" __global__ void __launch_bounds__(128) paged_attn_inv_k(
                 pack2(oc[n][2 * r] * inv, oc[n][2 * r + 1] * inv);
     }
 }
+#endif
 
+#if ATTN_PART != 2
 // Paged prefill: tile j is rows tiles[2j] .. tiles[2j] + tiles[2j+1] − 1 (at most TQ) of one
 // sequence at consecutive positions (a chunk of the engine's step; row r sees len[r] positions,
 // len rising by one per row). One block per (tile, query head), as attn_fwd_mma_k with the keys
@@ -718,7 +735,9 @@ extern "C" __global__ void __launch_bounds__(128) paged_prefill_mma_k(
     }
     store_fwd_rows(o, qstride, h, q0, qn, rl, l, oc);
 }
+#endif
 
+#if ATTN_PART != 1
 // dV_j = Σ_i P_ij dO_i, dK_j = Σ_i dS_ij Q_i / √d for one query head (tensor cores). Each warp
 // owns 16 keys of the block's TKB; query tiles of TQB rows stream through shared memory.
 // Transposed computation: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, so P and dS come out as A fragments of
@@ -822,7 +841,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_mma_k(
         }
     }
 }
+#endif
 
+#if ATTN_PART != 1
 // dk[t, kh, :] = Σ_{h in kh's group} dkp[t, h, :] (same for dv), stored in dk's type.
 extern "C" __global__ void attn_bwd_group_sum_k(void* dk, int dkbf, void* dv, int dvbf, const float* dkp,
                                                 const float* dvp, int tokens, int heads, int kv_heads) {
@@ -841,7 +862,9 @@ extern "C" __global__ void attn_bwd_group_sum_k(void* dk, int dkbf, void* dv, in
         st(dv, dvbf, e, sv);
     }
 }
+#endif
 
+#if ATTN_PART != 1
 // dQ_i = Σ_j dS_ij K_j / √d (tensor cores). Each warp owns 16 query rows; key tiles of TKQ.
 // Grid: (query tiles of TQ, heads), 128 threads, dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_mma_k(
@@ -929,4 +952,5 @@ extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_mma_k(
             *(u32*)(dq + base + nn * 8 + 2 * t) = pack2(dqc[nn][2 * hi] * scale, dqc[nn][2 * hi + 1] * scale);
     }
 }
+#endif
 #endif

@@ -9,10 +9,21 @@ use crate::backend::cuda::nvrtc::{attention_tile, Family};
 use crate::backend::cuda::{i32_of, need, ArgGroup, Args, CudaBackend, CudaBuf, CudaIdx, THREADS};
 use crate::backend::{DType, Device};
 
+/// The forward kernels (packed, tensor-core and paged): what generation and scoring run.
 pub(crate) const KERNELS: Family = Family {
     name: "attention",
-    src: include_str!("attention.cu"),
+    src: concat!("#define ATTN_PART 1\n", include_str!("attention.cu")),
     per_head_dim: true,
+    training_only: false,
+};
+
+/// The backward kernels, a program of their own: a process that only generates never waits
+/// for them to compile (they take most of the file's NVRTC time).
+pub(crate) const BWD_KERNELS: Family = Family {
+    name: "attention_bwd",
+    src: concat!("#define ATTN_PART 2\n", include_str!("attention.cu")),
+    per_head_dim: true,
+    training_only: true,
 };
 
 /// Bytes of dynamic shared memory of the attention kernels for a head dim.
@@ -201,7 +212,7 @@ impl AttentionOps for CudaBackend {
 fn backward_prep(be: &CudaBackend, dout: &CudaBuf, o: &CudaBuf, s: AttnShape) -> Result<CudaBuf> {
     let rows = s.tokens * s.heads;
     let dd = be.temp(rows, DType::F32)?;
-    let f = be.func(KERNELS, s.head_dim, "attn_bwd_prep_k")?;
+    let f = be.func(BWD_KERNELS, s.head_dim, "attn_bwd_prep_k")?;
     let args = Args::new()
         .ptr(&dd)
         .buf(dout)
@@ -225,10 +236,10 @@ fn launch_backward(
     if !saved.mma {
         let (_, smem_dkdv, smem_dq) = attention_smem(hd);
         let tiles = s.tokens.div_ceil(attention_tile(hd)) as u32;
-        let f = be.func_smem(KERNELS, hd, "attn_bwd_dkdv_k", smem_dkdv)?;
+        let f = be.func_smem(BWD_KERNELS, hd, "attn_bwd_dkdv_k", smem_dkdv)?;
         let args = Args::new().buf(dx.k).buf(dx.v).with(saved);
         be.launch(&f, (tiles, s.kv_heads as u32, 1), 256, smem_dkdv, &args)?;
-        let f = be.func_smem(KERNELS, hd, "attn_bwd_dq_k", smem_dq)?;
+        let f = be.func_smem(BWD_KERNELS, hd, "attn_bwd_dq_k", smem_dq)?;
         let args = Args::new().buf(dx.q).with(saved);
         return be.launch(&f, (tiles, s.heads as u32, 1), 256, smem_dq, &args);
     }
@@ -236,10 +247,10 @@ fn launch_backward(
     let grid = (s.tokens.div_ceil(64) as u32, s.heads as u32, 1);
     let qn = s.tokens * s.heads * hd;
     let (dkp, dvp) = (be.temp(qn, DType::F32)?, be.temp(qn, DType::F32)?);
-    let f = be.func_smem(KERNELS, hd, "attn_bwd_dkdv_mma_k", smem_dkdv)?;
+    let f = be.func_smem(BWD_KERNELS, hd, "attn_bwd_dkdv_mma_k", smem_dkdv)?;
     let args = Args::new().ptr(&dkp).ptr(&dvp).with(saved);
     be.launch(&f, grid, 128, smem_dkdv, &args)?;
-    let f = be.func(KERNELS, hd, "attn_bwd_group_sum_k")?;
+    let f = be.func(BWD_KERNELS, hd, "attn_bwd_group_sum_k")?;
     let Seqs {
         tokens,
         heads,
@@ -256,7 +267,7 @@ fn launch_backward(
         .i32(kv_heads);
     let kn = s.tokens * s.kv_heads * hd;
     be.launch(&f, (be.stride_blocks(kn), 1, 1), THREADS, 0, &args)?;
-    let f = be.func_smem(KERNELS, hd, "attn_bwd_dq_mma_k", smem_dq)?;
+    let f = be.func_smem(BWD_KERNELS, hd, "attn_bwd_dq_mma_k", smem_dq)?;
     be.launch(&f, grid, 128, smem_dq, &Args::new().ptr(dx.q).with(saved))
 }
 

@@ -11,6 +11,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "embedding",
     src: include_str!("embedding.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 impl EmbeddingOps for CudaBackend {

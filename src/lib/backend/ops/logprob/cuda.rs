@@ -13,6 +13,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "logprob",
     src: include_str!("logprob.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 impl LogprobOps for CudaBackend {

@@ -14,6 +14,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "matmul",
     src: include_str!("matmul.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 /// dst[c] += Σ_r a[r,c] (deterministic: per-block partial sums, then a fixed-order sum).

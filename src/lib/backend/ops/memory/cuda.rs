@@ -10,6 +10,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "memory",
     src: include_str!("memory.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 /// y[y_off..y_off + n] += x[..n] (callers checked the sizes).

@@ -18,6 +18,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "paged_attention",
     src: include_str!("paged_attention.cu"),
     per_head_dim: true,
+    training_only: false,
 };
 
 /// Most context splits of one paged-attention row (the partial states a combine reads).

@@ -11,6 +11,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "ppo_loss",
     src: include_str!("ppo_loss.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 impl PpoLossOps for CudaBackend {

@@ -13,6 +13,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "rmsnorm",
     src: include_str!("rmsnorm.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 /// Rows per block of `rmsnorm_fwd_k` (a warp each; the kernel derives it from blockDim).

@@ -12,6 +12,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "rope",
     src: include_str!("rope.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 /// Tokens per block of `rope_store_kv_packed_k` (RPB in rope.cu).

@@ -12,6 +12,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "sample",
     src: include_str!("sample.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 /// Logits per chunk of the greedy and plain sampling kernels (SCH in sample.cu).

@@ -11,6 +11,7 @@ pub(crate) const KERNELS: Family = Family {
     name: "swiglu",
     src: include_str!("swiglu.cu"),
     per_head_dim: false,
+    training_only: false,
 };
 
 /// n / 8 when every buffer is bf16 and 16-byte aligned and 8 divides n: the elementwise

@@ -30,7 +30,8 @@ start)
   rm -rf "$B" "$G" /root/vl-src
   mkdir -p "$B/base" "$G" /root/vl-src /root/vb
   tar -xJf "$C/bin.tar.xz" -C "$B" && tar -xJf "$C/base.tar.xz" -C "$B/base" \
-    && cp "$C/prompts.parquet" "$B/" && cp -r bench /root/vl-src/ || exit 1
+    && cp "$C/prompts.parquet" "$B/" && cp -r bench /root/vl-src/ \
+    && mkdir -p /root/vl-src/tests && cp -r tests/fixtures /root/vl-src/tests/ || exit 1
   (cd /root/vl-src && setsid nohup env B="$B" G="$G" STEP=plan bash bench/vllm_lease.sh \
     > "$G/plan.out" 2>&1 < /dev/null &)
   echo "started: $G/vl.log"

@@ -906,3 +906,67 @@ fn run_row(m: &Measured, bw: f64, peak: f64) -> (Vec<String>, serde_json::Value)
     });
     (row, js)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: RolloutBenchArgs,
+    }
+
+    /// `--cases-out` hands a peer the same work: the shape's HF config, and per case the prompt
+    /// ids the engine runs, the samples per prompt and the new tokens; `--fixed-lengths` drops
+    /// the GRPO case's random stops.
+    #[test]
+    fn cases_out_holds_the_cases_the_engine_runs() {
+        let flags = "x --device cpu --model small --batches 3 --prompt-tokens 5 --new-tokens 7 \
+                     --grpo 2,4,10,9 --fixed-lengths";
+        let args = Cli::parse_from(flags.split_whitespace()).args;
+        let cfg = shape(&args.model).unwrap();
+        let bench = Bench {
+            args: &args,
+            cfg: cfg.clone(),
+            cases: cases(&args, cfg.vocab_size).unwrap(),
+        };
+        let path = std::env::temp_dir().join(format!("cases-{}.json", std::process::id()));
+        write_cases(&path, &bench).unwrap();
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(doc["config"]["hidden_size"], 256);
+        assert_eq!(doc["config"]["num_hidden_layers"], 4);
+        let cs = doc["cases"].as_array().unwrap();
+        assert_eq!(cs.len(), 2);
+        let (batch, grpo) = (&cs[0], &cs[1]);
+        assert_eq!(
+            (batch["n"].as_u64(), batch["max_new_tokens"].as_u64()),
+            (Some(1), Some(7))
+        );
+        let prompts = batch["prompts"].as_array().unwrap();
+        assert_eq!(prompts.len(), 3);
+        assert!(prompts.iter().all(|p| p.as_array().unwrap().len() == 5));
+        let ids: Vec<u64> = prompts[1]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        let want: Vec<u64> = bench.cases[0].requests[1]
+            .prompt
+            .iter()
+            .map(|&t| t as u64)
+            .collect();
+        assert_eq!(ids, want);
+        assert_eq!(
+            (grpo["n"].as_u64(), grpo["max_new_tokens"].as_u64()),
+            (Some(4), Some(9))
+        );
+        assert_eq!(grpo["prompts"].as_array().unwrap().len(), 2);
+        assert_eq!(grpo["stops"], false);
+        assert!(bench.cases[1].params.stop_token_ids.is_empty());
+    }
+}

@@ -56,6 +56,24 @@ DEVI void split2(u32& hi, u32& lo, float a, float b) {
     lo = pack2(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
 }
 
+// Eight bf16 (one 16-byte load) to f32 and back (round to nearest even, as f2bf).
+DEVI void unpack8(uint4 v, float* f) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+    for (int k = 0; k < 4; k++) {
+        f[2 * k] = __uint_as_float(w[k] << 16);
+        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+
+DEVI uint4 pack8(const float* f) {
+    uint4 v;
+    v.x = (u32)f2bf(f[0]) | ((u32)f2bf(f[1]) << 16);
+    v.y = (u32)f2bf(f[2]) | ((u32)f2bf(f[3]) << 16);
+    v.z = (u32)f2bf(f[4]) | ((u32)f2bf(f[5]) << 16);
+    v.w = (u32)f2bf(f[6]) | ((u32)f2bf(f[7]) << 16);
+    return v;
+}
+
 DEVI float ld(const void* p, int bf, i64 i) {
     return bf ? bf2f(((const bf16_t*)p)[i]) : ((const float*)p)[i];
 }

@@ -122,6 +122,17 @@ pub(crate) fn i32_of(n: usize, what: &str) -> Result<i32> {
     i32::try_from(n).map_err(|_| anyhow!("cuda backend: {what} = {n} does not fit in 32 bits"))
 }
 
+/// n / 8 when every buffer is bf16 and 16-byte aligned and 8 divides n: the elementwise
+/// kernels' vectorized form applies (TANDEM_NO_VEC=1 keeps the scalar kernels, for checks).
+pub(crate) fn vec8(n: usize, bufs: &[&CudaBuf]) -> Option<i64> {
+    let ok = n.is_multiple_of(8)
+        && bufs
+            .iter()
+            .all(|b| b.dtype == DType::BF16 && b.ptr.is_multiple_of(16))
+        && std::env::var_os("TANDEM_NO_VEC").is_none();
+    ok.then_some((n / 8) as i64)
+}
+
 /// Host-side bf16 conversions of at least this many elements run on all cores.
 const PAR_CONVERT: usize = 1 << 20;
 

@@ -1,11 +1,11 @@
 //! The RMSNorm launchers (kernels in `rmsnorm.cu`; dw's second pass is the matmul family's
 //! column sum).
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use super::{RmsNormOps, RmsNormSaved, RmsNormShape};
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf, THREADS};
+use crate::backend::cuda::{i32_of, need, vec8, Args, CudaBackend, CudaBuf, THREADS};
 use crate::backend::ops::matmul::cuda::colsum_finish;
 use crate::backend::DType;
 
@@ -18,6 +18,61 @@ pub(crate) const KERNELS: Family = Family {
 
 /// Rows per block of `rmsnorm_fwd_k` (a warp each; the kernel derives it from blockDim).
 const RMSNORM_ROWS_PER_BLOCK: usize = 4;
+
+/// Longest row `rmsnorm_fwd_k` keeps in registers (32 lanes × RMS_LANE); longer bf16 rows go
+/// to `rmsnorm_fwd_v8_k`, a block per row.
+const RMSNORM_WARP_DIM: usize = 32 * 32;
+
+/// 16-byte pieces each thread of `rmsnorm_fwd_v8_k` keeps (RMS_V8 in rmsnorm.cu).
+const RMSNORM_V8_PIECES: usize = 4;
+
+impl CudaBackend {
+    /// y = rmsnorm(x)·w with a warp per row (`rmsnorm_fwd_k`); `rstd` is f32.
+    fn rmsnorm_warp(
+        &self,
+        y: &mut CudaBuf,
+        rstd: &CudaBuf,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        s: RmsNormShape,
+    ) -> Result<()> {
+        let f = self.func(KERNELS, 0, "rmsnorm_fwd_k")?;
+        let args = Args::new()
+            .buf(y)
+            .ptr(rstd)
+            .bufs(&[x, w])
+            .i32(i32_of(s.rows, "rows")?)
+            .i32(i32_of(s.dim, "dim")?)
+            .f32(s.eps);
+        let grid = (s.rows.div_ceil(RMSNORM_ROWS_PER_BLOCK) as u32, 1, 1);
+        self.launch(&f, grid, 32 * RMSNORM_ROWS_PER_BLOCK as u32, 0, &args)
+    }
+
+    /// The same with a block per row over 16-byte pieces (`rmsnorm_fwd_v8_k`): all bf16,
+    /// aligned, `dim8` = dim / 8 pieces a row; the block is as wide as the row needs.
+    fn rmsnorm_v8(
+        &self,
+        y: &mut CudaBuf,
+        rstd: &CudaBuf,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        (rows, dim8, eps): (usize, usize, f32),
+    ) -> Result<()> {
+        let threads = dim8.div_ceil(RMSNORM_V8_PIECES).next_multiple_of(32);
+        if threads > 1024 {
+            bail!(
+                "cuda rmsnorm: rows of {} elements are longer than the kernel holds",
+                8 * dim8
+            );
+        }
+        let f = self.func(KERNELS, 0, "rmsnorm_fwd_v8_k")?;
+        let args = Args::new()
+            .ptrs(&[y, rstd, x, w])
+            .i32(i32_of(dim8, "dim / 8")?)
+            .f32(eps);
+        self.launch(&f, (rows as u32, 1, 1), threads as u32, 0, &args)
+    }
+}
 
 impl RmsNormOps for CudaBackend {
     fn rmsnorm(
@@ -42,16 +97,17 @@ impl RmsNormOps for CudaBackend {
         } else {
             Some(self.temp(rows, DType::F32)?)
         };
-        let f = self.func(KERNELS, 0, "rmsnorm_fwd_k")?;
-        let args = Args::new()
-            .buf(y)
-            .ptr(rs.as_ref().unwrap_or(&*rstd))
-            .bufs(&[x, w])
-            .i32(i32_of(rows, "rows")?)
-            .i32(i32_of(dim, "dim")?)
-            .f32(eps);
-        let grid = (rows.div_ceil(RMSNORM_ROWS_PER_BLOCK) as u32, 1, 1);
-        self.launch(&f, grid, 32 * RMSNORM_ROWS_PER_BLOCK as u32, 0, &args)?;
+        if let Some(dim8) = vec8(dim, &[y, x, w]).filter(|_| dim > RMSNORM_WARP_DIM) {
+            self.rmsnorm_v8(
+                y,
+                rs.as_ref().unwrap_or(&*rstd),
+                x,
+                w,
+                (rows, dim8 as usize, eps),
+            )?;
+        } else {
+            self.rmsnorm_warp(y, rs.as_ref().unwrap_or(&*rstd), x, w, s)?;
+        }
         if let Some(t) = rs {
             self.convert(rstd.ptr, rstd.bf(), t.ptr, 0, rows)?;
         }

@@ -4,8 +4,7 @@ use anyhow::Result;
 
 use super::SwigluOps;
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, Args, CudaBackend, CudaBuf};
-use crate::backend::DType;
+use crate::backend::cuda::{i32_of, need, vec8, Args, CudaBackend, CudaBuf};
 
 pub(crate) const KERNELS: Family = Family {
     name: "swiglu",
@@ -13,17 +12,6 @@ pub(crate) const KERNELS: Family = Family {
     per_head_dim: false,
     training_only: false,
 };
-
-/// n / 8 when every buffer is bf16 and 16-byte aligned and 8 divides n: the elementwise
-/// kernels' vectorized form applies (TANDEM_NO_VEC=1 keeps the scalar kernels, for checks).
-fn vec8(n: usize, bufs: &[&CudaBuf]) -> Option<i64> {
-    let ok = n.is_multiple_of(8)
-        && bufs
-            .iter()
-            .all(|b| b.dtype == DType::BF16 && b.ptr.is_multiple_of(16))
-        && std::env::var_os("TANDEM_NO_VEC").is_none();
-    ok.then_some((n / 8) as i64)
-}
 
 impl SwigluOps for CudaBackend {
     fn swiglu(&self, h: &mut CudaBuf, g: &CudaBuf, u: &CudaBuf, n: usize) -> Result<()> {

@@ -40,24 +40,7 @@ extern "C" __global__ void swiglu_bwd_k(void* dg, int dgbf, void* du, int dubf, 
 
 // The same two ops on all-bf16 buffers, 8 elements per thread through 16-byte loads and stores
 // (the scalar kernels above move 2 bytes per access and reach about half the bandwidth).
-// n8 = n / 8; every pointer is 16-byte aligned (checked on the host).
-DEVI void unpack8(uint4 v, float* f) {
-    u32 w[4] = {v.x, v.y, v.z, v.w};
-    for (int k = 0; k < 4; k++) {
-        f[2 * k] = __uint_as_float(w[k] << 16);
-        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-}
-
-DEVI uint4 pack8(const float* f) {
-    uint4 v;
-    v.x = (u32)f2bf(f[0]) | ((u32)f2bf(f[1]) << 16);
-    v.y = (u32)f2bf(f[2]) | ((u32)f2bf(f[3]) << 16);
-    v.z = (u32)f2bf(f[4]) | ((u32)f2bf(f[5]) << 16);
-    v.w = (u32)f2bf(f[6]) | ((u32)f2bf(f[7]) << 16);
-    return v;
-}
-
+// n8 = n / 8; every pointer is 16-byte aligned (checked on the host). unpack8/pack8: common.cuh.
 extern "C" __global__ void swiglu_fwd_v8_k(uint4* h, const uint4* g, const uint4* u, i64 n8) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n8; i += (i64)gridDim.x * blockDim.x) {
         float gv[8], uv[8], hv[8];

@@ -144,18 +144,19 @@ impl Config {
             ("", lhs)
         };
         let valid = !key.is_empty()
-            && key
-                .split('.')
-                .all(|p| !p.is_empty() && p.chars().all(|c| c.is_alphanumeric() || "_-@".contains(c)));
+            && key.split('.').all(|p| {
+                !p.is_empty() && p.chars().all(|c| c.is_alphanumeric() || "_-@".contains(c))
+            });
         if !valid {
             bail_input!("override `{arg}`: `{key}` is not a dotted key (expected key=value, +key=value, ++key=value or ~key)");
         }
-        let parsed = match value {
-            Some(v) => Some(override_value(v).map_err(|e| {
-                crate::error::input_error(format!("override `{arg}`: {key}: {e}"))
-            })?),
-            None => None,
-        };
+        let parsed =
+            match value {
+                Some(v) => Some(override_value(v).map_err(|e| {
+                    crate::error::input_error(format!("override `{arg}`: {key}: {e}"))
+                })?),
+                None => None,
+            };
         match (op, parsed) {
             ("~", None) => {
                 if !self.has(key) {
@@ -265,9 +266,15 @@ actor_rollout_ref:
         let c = config();
         assert_eq!(c.leaves["data.train_batch_size"], json!(1024));
         assert_eq!(c.leaves["actor_rollout_ref.actor.optim.lr"], json!(1e-6));
-        assert_eq!(c.leaves["actor_rollout_ref.actor.optim.betas"], json!([0.9, 0.999]));
+        assert_eq!(
+            c.leaves["actor_rollout_ref.actor.optim.betas"],
+            json!([0.9, 0.999])
+        );
         assert_eq!(c.leaves["actor_rollout_ref.rollout.n"], json!(1));
-        assert_eq!(c.leaves["actor_rollout_ref.rollout.engine_kwargs.vllm"], json!({}));
+        assert_eq!(
+            c.leaves["actor_rollout_ref.rollout.engine_kwargs.vllm"],
+            json!({})
+        );
         assert_eq!(c.leaves.len(), 8);
     }
 
@@ -300,11 +307,17 @@ actor_rollout_ref:
     fn bad_overrides_name_the_key() {
         let mut c = config();
         for (o, want) in [
-            ("+data.max_response_length=1", "data.max_response_length is already in the config"),
+            (
+                "+data.max_response_length=1",
+                "data.max_response_length is already in the config",
+            ),
             ("~data.nope", "cannot delete data.nope"),
             ("~data.max_response_length=7", "its value is 512, not 7"),
             ("data..x=1", "`data..x` is not a dotted key"),
-            ("data.train_batch_size", "data.train_batch_size needs a value"),
+            (
+                "data.train_batch_size",
+                "data.train_batch_size needs a value",
+            ),
             ("data.x=[1, 2", "data.x: not a value"),
         ] {
             let e = c.apply_override(o).unwrap_err();
@@ -322,7 +335,9 @@ actor_rollout_ref:
         assert_eq!(c.get(key).unwrap(), Some(json!(1024)));
         c.apply_override("~data.max_response_length").unwrap();
         assert_eq!(c.get(key).unwrap(), Some(json!(512)), "oc.select's default");
-        let e = c.get("actor_rollout_ref.rollout.prompt_length").unwrap_err();
+        let e = c
+            .get("actor_rollout_ref.rollout.prompt_length")
+            .unwrap_err();
         assert!(e.contains("no key data.max_prompt_length"), "{e}");
     }
 
@@ -330,7 +345,10 @@ actor_rollout_ref:
     fn bad_yaml_is_an_input_error() {
         let e = Config::parse("a: [1, 2\n", "bad.yaml").unwrap_err();
         assert!(crate::error::is_input_error(&e));
-        assert!(format!("{e:#}").starts_with("bad.yaml: not valid YAML"), "{e:#}");
+        assert!(
+            format!("{e:#}").starts_with("bad.yaml: not valid YAML"),
+            "{e:#}"
+        );
         let e = Config::parse("- 1\n- 2\n", "list.yaml").unwrap_err();
         assert!(format!("{e:#}").contains("a mapping of keys"), "{e:#}");
     }

@@ -75,7 +75,11 @@ fn run_from_verl(args: FromVerlArgs) -> Result<()> {
     match &args.out {
         Some(p) => {
             crate::batch::write::write_atomic(p, converted.text.as_bytes())?;
-            eprintln!("tandem spec from-verl: wrote {} ({} keys from verl)", p.display(), converted.keys);
+            eprintln!(
+                "tandem spec from-verl: wrote {} ({} keys from verl)",
+                p.display(),
+                converted.keys
+            );
         }
         None => print!("{}", converted.text),
     }
@@ -155,7 +159,11 @@ impl Out {
             let (_, key) = split_key(k);
             format!("{key} = {}  # {}", e.value, e.from)
         };
-        for (k, e) in self.entries.iter().filter(|(k, _)| split_key(k).0.is_empty()) {
+        for (k, e) in self
+            .entries
+            .iter()
+            .filter(|(k, _)| split_key(k).0.is_empty())
+        {
             lines.push((line(k, e), Some(k.clone())));
         }
         for table in TABLES {
@@ -445,7 +453,9 @@ mod tests {
     use std::path::Path;
 
     fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name)
     }
 
     /// verl's defaults with `overrides` applied.
@@ -524,11 +534,18 @@ mod tests {
         assert_eq!(at(&s, "device").as_str(), Some("cuda"));
         assert_eq!(at(&s, "model.path").as_str(), Some("models/qwen2-7b"));
         assert_eq!(at(&s, "score.reward").as_str(), Some("gsm8k"));
-        assert!(s["advantage"].get("kl-in-reward").is_none(), "false: left out");
+        assert!(
+            s["advantage"].get("kl-in-reward").is_none(),
+            "false: left out"
+        );
         // verl's top_k -1 (all tokens) and top_p 1 are tandem's too.
         assert_eq!(int("rollout.top-k"), -1);
         // Each key's comment names its verl key.
-        assert!(conv.text.contains("n = 5  # actor_rollout_ref.rollout.n\n"), "{}", conv.text);
+        assert!(
+            conv.text.contains("n = 5  # actor_rollout_ref.rollout.n\n"),
+            "{}",
+            conv.text
+        );
         // The spec passes the loader `pipeline run` uses.
         Spec::parse(&conv.text, "t.toml").unwrap();
     }
@@ -540,8 +557,14 @@ mod tests {
         let critic = find("critic.*").expect("critic reported");
         assert!(critic.why.contains("no critic yet (issue 36)"));
         assert!(critic.keys.contains(&"critic.optim.lr".to_string()));
-        assert!(find("trainer.logger").unwrap().why.contains("metrics.jsonl and TensorBoard"));
-        assert!(find("data.filter_overlong_prompts").is_some(), "set to True by the overrides");
+        assert!(find("trainer.logger")
+            .unwrap()
+            .why
+            .contains("metrics.jsonl and TensorBoard"));
+        assert!(
+            find("data.filter_overlong_prompts").is_some(),
+            "set to True by the overrides"
+        );
         assert!(find("actor_rollout_ref.rollout.gpu_memory_utilization").is_some());
         assert!(find("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu").is_some());
         // Off in verl's defaults, so tandem does the same: not reported.
@@ -554,21 +577,43 @@ mod tests {
             assert!(find(off).is_none(), "{off} reported");
         }
         let text = report(&conv.unmapped);
-        assert!(text.contains("  trainer.logger: tandem logs to metrics.jsonl"), "{text}");
+        assert!(
+            text.contains("  trainer.logger: tandem logs to metrics.jsonl"),
+            "{text}"
+        );
         let n = critic.keys.len();
-        assert!(text.contains(&format!("  critic.* ({n} keys): tandem has no critic yet (issue 36)")), "{text}");
+        assert!(
+            text.contains(&format!(
+                "  critic.* ({n} keys): tandem has no critic yet (issue 36)"
+            )),
+            "{text}"
+        );
         // Every leaf is accounted for: written, built in, reported or a Hydra class name.
         let mut lora = verl(GRPO);
-        lora.apply_override("actor_rollout_ref.model.lora_rank=32").unwrap();
+        lora.apply_override("actor_rollout_ref.model.lora_rank=32")
+            .unwrap();
         let (_, conv) = spec_of(&lora, Some("gsm8k"));
         let reported: Vec<&str> = conv.unmapped.iter().map(|u| u.pattern.as_str()).collect();
-        assert!(reported.contains(&"actor_rollout_ref.model.lora_rank"), "{reported:?}");
-        assert!(reported.contains(&"actor_rollout_ref.model.lora_alpha"), "{reported:?}");
+        assert!(
+            reported.contains(&"actor_rollout_ref.model.lora_rank"),
+            "{reported:?}"
+        );
+        assert!(
+            reported.contains(&"actor_rollout_ref.model.lora_alpha"),
+            "{reported:?}"
+        );
         // A key no rule knows is reported as such.
         lora.apply_override("+trainer.brand_new.knob=1").unwrap();
         let (_, conv) = spec_of(&lora, Some("gsm8k"));
-        let u = conv.unmapped.iter().find(|u| u.pattern == "trainer.*").unwrap();
-        assert!(u.keys.contains(&"trainer.brand_new.knob".to_string()), "{u:?}");
+        let u = conv
+            .unmapped
+            .iter()
+            .find(|u| u.pattern == "trainer.*")
+            .unwrap();
+        assert!(
+            u.keys.contains(&"trainer.brand_new.knob".to_string()),
+            "{u:?}"
+        );
     }
 
     #[test]
@@ -599,11 +644,18 @@ mod tests {
         let train = fixture("verl_gsm8k/train.parquet");
         let mut o = GRPO.to_vec();
         let files = format!("data.train_files={}", train.display());
-        o.extend([files.as_str(), "data.train_batch_size=2", "trainer.total_epochs=3", "trainer.total_training_steps=null"]);
+        o.extend([
+            files.as_str(),
+            "data.train_batch_size=2",
+            "trainer.total_epochs=3",
+            "trainer.total_training_steps=null",
+        ]);
         let (s, conv) = spec_of(&verl(&o), None);
         assert_eq!(at(&s, "steps").as_integer(), Some(6));
         assert_eq!(at(&s, "score.reward").as_str(), Some("gsm8k"));
-        assert!(conv.text.contains("reward = \"gsm8k\"  # data_source (verl's default reward)"));
+        assert!(conv
+            .text
+            .contains("reward = \"gsm8k\"  # data_source (verl's default reward)"));
         // A custom reward function is carried as a python: reward.
         let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/rewards/gsm8k_format.py");
         let path = format!("custom_reward_function.path={}", py.display());
@@ -615,27 +667,61 @@ mod tests {
         let mut o = GRPO.to_vec();
         o.push("trainer.total_training_steps=null");
         let e = convert(&verl(&o), Some("gsm8k"), "t.toml").unwrap_err();
-        assert!(format!("{e:#}").contains("trainer.total_epochs = 15: trainer.total_training_steps is null"), "{e:#}");
+        assert!(
+            format!("{e:#}")
+                .contains("trainer.total_epochs = 15: trainer.total_training_steps is null"),
+            "{e:#}"
+        );
         let e = convert(&verl(GRPO), None, "t.toml").unwrap_err();
-        assert!(format!("{e:#}").contains("custom_reward_function.path is null"), "{e:#}");
+        assert!(
+            format!("{e:#}").contains("custom_reward_function.path is null"),
+            "{e:#}"
+        );
         assert!(format!("{e:#}").contains("--reward"), "{e:#}");
     }
 
     #[test]
     fn values_tandem_refuses_name_the_verl_key() {
         for (bad, want) in [
-            ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n = 0: "),
-            ("actor_rollout_ref.rollout.temperature=-1", "actor_rollout_ref.rollout.temperature = -1: "),
-            ("data.train_batch_size=abc", "data.train_batch_size = \"abc\": "),
+            (
+                "actor_rollout_ref.rollout.n=0",
+                "actor_rollout_ref.rollout.n = 0: ",
+            ),
+            (
+                "actor_rollout_ref.rollout.temperature=-1",
+                "actor_rollout_ref.rollout.temperature = -1: ",
+            ),
+            (
+                "data.train_batch_size=abc",
+                "data.train_batch_size = \"abc\": ",
+            ),
             ("data.train_batch_size=0", "data.train_batch_size = 0: "),
-            ("algorithm.adv_estimator=grpo_passk", "algorithm.adv_estimator = \"grpo_passk\": "),
-            ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "loss_mode = \"clip_cov\": "),
-            ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr = \"fast\": "),
+            (
+                "algorithm.adv_estimator=grpo_passk",
+                "algorithm.adv_estimator = \"grpo_passk\": ",
+            ),
+            (
+                "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+                "loss_mode = \"clip_cov\": ",
+            ),
+            (
+                "actor_rollout_ref.actor.optim.lr=fast",
+                "actor_rollout_ref.actor.optim.lr = \"fast\": ",
+            ),
             ("trainer.nnodes=2", "trainer.nnodes = 2: "),
             ("data.truncation=middle", "data.truncation = \"middle\": "),
-            ("actor_rollout_ref.actor.use_kl_loss=maybe", "actor_rollout_ref.actor.use_kl_loss = \"maybe\": expected true or false"),
-            ("data.train_files=[a.parquet,b.parquet]", "data.train_files = [\"a.parquet\",\"b.parquet\"]: 2 files"),
-            ("actor_rollout_ref.actor.optim.lr_scheduler_type=wsd", "lr_scheduler_type = \"wsd\": "),
+            (
+                "actor_rollout_ref.actor.use_kl_loss=maybe",
+                "actor_rollout_ref.actor.use_kl_loss = \"maybe\": expected true or false",
+            ),
+            (
+                "data.train_files=[a.parquet,b.parquet]",
+                "data.train_files = [\"a.parquet\",\"b.parquet\"]: 2 files",
+            ),
+            (
+                "actor_rollout_ref.actor.optim.lr_scheduler_type=wsd",
+                "lr_scheduler_type = \"wsd\": ",
+            ),
         ] {
             let mut o = GRPO.to_vec();
             o.push(bad);
@@ -646,14 +732,20 @@ mod tests {
         let mut o = GRPO.to_vec();
         o.push("~actor_rollout_ref.model.path");
         let e = convert(&verl(&o), Some("gsm8k"), "t.toml").unwrap_err();
-        assert!(format!("{e:#}").starts_with("actor_rollout_ref.model.path: not set"), "{e:#}");
+        assert!(
+            format!("{e:#}").starts_with("actor_rollout_ref.model.path: not set"),
+            "{e:#}"
+        );
     }
 
     #[test]
     fn the_doc_table_is_the_rules() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/FROM_VERL.md");
         let doc = std::fs::read_to_string(&path).unwrap();
-        let (start, end) = ("<!-- config table: generated from src/lib/pipeline/from_verl/rules.rs -->\n", "<!-- end of the config table -->");
+        let (start, end) = (
+            "<!-- config table: generated from src/lib/pipeline/from_verl/rules.rs -->\n",
+            "<!-- end of the config table -->",
+        );
         let a = doc.find(start).expect("the start marker") + start.len();
         let b = doc[a..].find(end).expect("the end marker") + a;
         let want = doc_table();

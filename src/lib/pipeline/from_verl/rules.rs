@@ -62,7 +62,11 @@ impl Rule {
         let pat: Vec<&str> = self.verl.split('.').collect();
         let segs: Vec<&str> = key.split('.').collect();
         let rest = pat.last() == Some(&"*") && pat.len() > 1;
-        let fixed = if rest { &pat[..pat.len() - 1] } else { &pat[..] };
+        let fixed = if rest {
+            &pat[..pat.len() - 1]
+        } else {
+            &pat[..]
+        };
         let len_ok = if rest {
             segs.len() > fixed.len()
         } else {
@@ -171,7 +175,9 @@ fn path(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
 /// `~/x` as `$HOME/x` (verl's paths are expanded by Python; a tandem spec's are not).
 pub(crate) fn expand_home(s: &str) -> String {
     match (s.strip_prefix("~/"), std::env::var("HOME")) {
-        (Some(rest), Ok(home)) if !home.is_empty() => Path::new(&home).join(rest).display().to_string(),
+        (Some(rest), Ok(home)) if !home.is_empty() => {
+            Path::new(&home).join(rest).display().to_string()
+        }
         _ => s.to_string(),
     }
 }
@@ -186,7 +192,7 @@ fn epochs_to_steps(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> 
     let batch = ctx
         .get("data.train_batch_size")
         .ok_or("needs data.train_batch_size to count the steps of an epoch")?;
-    let batch = int(&batch)?;
+    let batch = int(&batch).map_err(|e| format!("data.train_batch_size = {batch}: {e}"))?;
     let Some(rows) = ctx.train_rows else {
         return Err("trainer.total_training_steps is null and data.train_files cannot be read here to count an epoch's steps: set trainer.total_training_steps=N".into());
     };
@@ -195,7 +201,9 @@ fn epochs_to_steps(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> 
         _ => rows,
     };
     if batch <= 0 || epochs <= 0 {
-        return Err(format!("total_epochs = {epochs} with data.train_batch_size = {batch}: both must be at least 1"));
+        return Err(format!(
+            "total_epochs = {epochs} with data.train_batch_size = {batch}: both must be at least 1"
+        ));
     }
     let per_epoch = rows as i64 / batch;
     if per_epoch == 0 {
@@ -208,7 +216,11 @@ fn epochs_to_steps(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> 
 /// does before splitting it over the ranks).
 fn mini_batch(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
     let prompts = int(v)?;
-    let n = ctx.get("actor_rollout_ref.rollout.n").map(|n| int(&n)).transpose()?.unwrap_or(1);
+    let n = ctx
+        .get("actor_rollout_ref.rollout.n")
+        .map(|n| int(&n))
+        .transpose()?
+        .unwrap_or(1);
     Ok(Some(toml::Value::Integer(prompts * n)))
 }
 
@@ -231,7 +243,9 @@ fn ref_tokens(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
 fn truncation(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
     match v.as_str() {
         Some("error" | "left") => same(v, ctx),
-        _ => Err(format!("{v}: tandem's rollout truncates a long prompt on the left or stops (error, left)")),
+        _ => Err(format!(
+            "{v}: tandem's rollout truncates a long prompt on the left or stops (error, left)"
+        )),
     }
 }
 
@@ -276,7 +290,10 @@ fn python_reward(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
         .get("custom_reward_function.name")
         .and_then(|f| f.as_str().map(str::to_string))
         .unwrap_or_else(|| "compute_score".into());
-    Ok(Some(toml::Value::String(format!("python:{}:{func}", expand_home(file)))))
+    Ok(Some(toml::Value::String(format!(
+        "python:{}:{func}",
+        expand_home(file)
+    ))))
 }
 
 fn json_text(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
@@ -284,7 +301,10 @@ fn json_text(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
         Value::Object(o) if o.is_empty() => Ok(None),
         Value::Object(_) => Ok(Some(toml::Value::String(v.to_string()))),
         Value::Null => Ok(None),
-        _ => Err(format!("expected a mapping of keyword arguments, got {} {v}", kind(v))),
+        _ => Err(format!(
+            "expected a mapping of keyword arguments, got {} {v}",
+            kind(v)
+        )),
     }
 }
 
@@ -331,12 +351,17 @@ fn warmup_ratio(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
         .get("actor_rollout_ref.actor.optim.lr_warmup_steps")
         .and_then(|s| s.as_i64())
         .is_some_and(|s| s >= 0);
-    let ratio = v.as_f64().ok_or_else(|| format!("expected a number, got {} {v}", kind(v)))?;
+    let ratio = v
+        .as_f64()
+        .ok_or_else(|| format!("expected a number, got {} {v}", kind(v)))?;
     if explicit || ratio == 0.0 {
         return Ok(None);
     }
     let Some(steps) = total_steps(ctx)? else {
-        return Err("needs the run's steps (trainer.total_training_steps) to turn the ratio into steps".into());
+        return Err(
+            "needs the run's steps (trainer.total_training_steps) to turn the ratio into steps"
+                .into(),
+        );
     };
     Ok(Some(toml::Value::Integer((ratio * steps as f64) as i64)))
 }
@@ -360,14 +385,18 @@ fn positive_total(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
 fn lr_schedule(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
     match v.as_str() {
         Some("constant" | "cosine") => same(v, ctx),
-        _ => Err(format!("{v}: tandem's schedules are constant and cosine (after a linear warmup)")),
+        _ => Err(format!(
+            "{v}: tandem's schedules are constant and cosine (after a linear warmup)"
+        )),
     }
 }
 
 fn half_cycle(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
     match v.as_f64() {
         Some(x) if x == 0.5 => Ok(None),
-        _ => Err(format!("{v}: tandem's cosine decays over half a cycle (num_cycles = 0.5) only")),
+        _ => Err(format!(
+            "{v}: tandem's cosine decays over half a cycle (num_cycles = 0.5) only"
+        )),
     }
 }
 
@@ -381,7 +410,9 @@ fn adamw(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
 fn ppo_clip(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
     match v.as_str() {
         Some("ppo_clip") => Ok(None),
-        _ => Err(format!("{v}: tandem's bypass mode keeps the PPO-clip loss (ppo_clip)")),
+        _ => Err(format!(
+            "{v}: tandem's bypass mode keeps the PPO-clip loss (ppo_clip)"
+        )),
     }
 }
 
@@ -407,7 +438,6 @@ const fn key_how(key: &'static str, how: &'static str, conv: Conv) -> To {
 const fn rule(verl: &'static str, to: To) -> Rule {
     Rule { verl, to }
 }
-
 
 /// Every verl key the converter knows, by section (the order of the doc's table).
 pub(crate) static RULES: &[Rule] = &[
@@ -456,7 +486,7 @@ pub(crate) static RULES: &[Rule] = &[
     rule("actor_rollout_ref.actor.optim.total_training_steps", key_how("update.total-steps", "-1: the runner's `steps`", positive_total)),
     rule("actor_rollout_ref.actor.optim.optimizer", key_how("update", "AdamW only", adamw)),
     rule("actor_rollout_ref.actor.optim.optimizer_impl", To::Builtin("tandem's own AdamW")),
-    rule("actor_rollout_ref.actor.optim.*", To::None("optimizer options tandem's AdamW does not have")),
+    rule("actor_rollout_ref.actor.optim.*", To::WhenOn { switch: "", why: "optimizer options tandem's AdamW does not have" }),
     rule("actor_rollout_ref.actor.ppo_mini_batch_size", key_how("update.mini-batch-size", "× `rollout.n`: tandem counts sequences", mini_batch)),
     rule("actor_rollout_ref.actor.ppo_epochs", key("update.ppo-epochs")),
     rule("actor_rollout_ref.actor.shuffle", key("update.shuffle")),
@@ -477,7 +507,7 @@ pub(crate) static RULES: &[Rule] = &[
     rule("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", To::WhenOn { switch: "", why: "tandem's micro-batches are by tokens ([update] micro-batch-tokens); use_dynamic_bsz=True with ppo_max_token_len_per_gpu carries over" }),
     rule("actor_rollout_ref.actor.calculate_entropy", To::Builtin("update always reports the entropy")),
     rule("actor_rollout_ref.actor.rollout_n", To::Builtin("the rollout's `n`")),
-    rule("actor_rollout_ref.actor.policy_loss.*", To::WhenOn { switch: "", why: "options of verl's other policy losses (clip-cov, kl-cov, gpg)" }),
+    rule("actor_rollout_ref.actor.policy_loss.*", To::None("options of verl's clip-cov and kl-cov losses, which tandem does not have (the loss modes above ignore them)")),
     rule("actor_rollout_ref.actor.checkpoint.*", To::Builtin("a checkpoint holds the weights, optimizer and trainer state")),
     rule("actor_rollout_ref.actor.*", To::None("verl's FSDP/Megatron actor (strategy, fsdp_config, sequence parallelism, offload, profiler, torch.compile): tandem's trainer runs data parallel over `gpus`, sharding with [update] shard = zero2|full")),
     // actor_rollout_ref.rollout.*
@@ -545,7 +575,7 @@ pub(crate) static RULES: &[Rule] = &[
     rule("reward_model.overlong_buffer.log", To::Builtin("score always writes `score_overlong`")),
     rule("reward_model.enable", To::WhenOn { switch: "", why: "no reward model: rewards are rules or programs ([score] reward)" }),
     rule("reward_model.reward_manager", To::None("score calls the reward per row (verl's naive manager); batched managers have no counterpart")),
-    rule("reward_model.*", To::None("the reward model's worker: tandem has no reward model ([score] reward is a rule or a program)")),
+    rule("reward_model.*", To::WhenOn { switch: "reward_model.enable", why: "the reward model's worker: tandem has no reward model ([score] reward is a rule or a program)" }),
     rule("reward_manager.*", To::None("score calls the reward per row (verl's naive manager); a program reward (cmd:) can batch")),
     // critic.*
     rule("critic.*", To::None("tandem has no critic yet (issue 36): `gae` needs a `values` column from elsewhere")),

@@ -393,7 +393,7 @@ fn lr_schedule(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
 
 fn half_cycle(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
     match v.as_f64() {
-        Some(x) if x == 0.5 => Ok(None),
+        Some(0.5) => Ok(None),
         _ => Err(format!(
             "{v}: tandem's cosine decays over half a cycle (num_cycles = 0.5) only"
         )),

@@ -739,6 +739,58 @@ mod tests {
     }
 
     #[test]
+    fn the_doc_batch_table_names_real_columns() {
+        use crate::batch::schema as c;
+        let known = [
+            c::UID,
+            c::PROMPT_UID,
+            c::DATA_SOURCE,
+            c::PROMPT,
+            c::GROUND_TRUTH,
+            c::REWARD_MODEL,
+            c::EXTRA_INFO,
+            c::PROMPT_IDS,
+            c::RESPONSE_IDS,
+            c::RESPONSE_MASK,
+            c::RESPONSE_TEXT,
+            c::FINISH_REASON,
+            c::ROLLOUT_LOGPROBS,
+            c::SCORE,
+            c::OLD_LOGPROBS,
+            c::REF_LOGPROBS,
+            c::TOKEN_REWARDS,
+            c::ADVANTAGES,
+            c::RETURNS,
+            c::VALUES,
+            c::BASELINE_SCORE,
+            crate::stage::ref_logprob::ENTROPY,
+            "score_<name>",
+        ];
+        let doc = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/FROM_VERL.md"),
+        )
+        .unwrap();
+        let table = doc
+            .split("| verl (`batch[...]`")
+            .nth(1)
+            .expect("the batch table");
+        let mut n = 0;
+        for row in table.lines().skip(2).take_while(|l| l.starts_with('|')) {
+            let cells: Vec<&str> = row.split(" | ").collect();
+            // Our column names in the second cell (the first backticked words of the third).
+            let ours: Vec<&str> = cells[1].split('`').skip(1).step_by(2).collect();
+            for name in ours {
+                assert!(
+                    known.contains(&name),
+                    "docs/FROM_VERL.md names a column `{name}` that the contract has not"
+                );
+                n += 1;
+            }
+        }
+        assert!(n >= 15, "{n} columns found");
+    }
+
+    #[test]
     fn the_doc_table_is_the_rules() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/FROM_VERL.md");
         let doc = std::fs::read_to_string(&path).unwrap();

@@ -610,3 +610,49 @@ pub(crate) static RULES: &[Rule] = &[
     rule("ray_init.*", To::None("no Ray: the runner starts the stages as processes")),
     rule("transfer_queue.*", To::None("no transfer queue: stages pass parquet files")),
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_match_whole_segments() {
+        let r = |verl| Rule {
+            verl,
+            to: To::Builtin(""),
+        };
+        assert!(r("critic.*").matches("critic.optim.lr"));
+        assert!(r("critic.*").matches("critic.strategy"));
+        assert!(!r("critic.*").matches("critic"));
+        assert!(!r("critic.*").matches("critical.x"));
+        assert!(r("a.*_parallel_size").matches("a.tensor_model_parallel_size"));
+        assert!(!r("a.*_parallel_size").matches("a.tensor_model_parallel_size.x"));
+        assert!(r("a.log_prob_*").matches("a.log_prob_micro_batch_size"));
+        assert!(r("data.seed").matches("data.seed") && !r("data.seed").matches("data.seeds"));
+        // Every rule's key is matched by itself first or by an earlier, more specific rule:
+        // no exact rule is shadowed by a pattern listed before it.
+        for (i, rule) in RULES
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !r.verl.contains('*'))
+        {
+            let first = RULES.iter().position(|r| r.matches(rule.verl)).unwrap();
+            assert_eq!(
+                first, i,
+                "{} is shadowed by {}",
+                rule.verl, RULES[first].verl
+            );
+        }
+    }
+
+    #[test]
+    fn home_is_expanded_in_paths() {
+        let home = std::env::var("HOME").unwrap();
+        let want = Path::new(&home)
+            .join("data/x.parquet")
+            .display()
+            .to_string();
+        assert_eq!(expand_home("~/data/x.parquet"), want);
+        assert_eq!(expand_home("data/~/x"), "data/~/x");
+    }
+}

@@ -617,6 +617,53 @@ mod tests {
     }
 
     #[test]
+    fn dapo_recipe_keys_map_to_the_dapo_spec_keys() {
+        let mut o = GRPO.to_vec();
+        o.extend([
+            "+algorithm.filter_groups.enable=True",
+            "+algorithm.filter_groups.metric=acc",
+            "+algorithm.filter_groups.max_num_gen_batches=0",
+            "+data.gen_batch_size=384",
+            "+reward_model.overlong_buffer.enable=True",
+            "+reward_model.overlong_buffer.len=256",
+            "+reward_model.overlong_buffer.penalty_factor=1.0",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "actor_rollout_ref.actor.use_kl_loss=False",
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold=3.0",
+        ]);
+        let (s, conv) = spec_of(&verl(&o), Some("gsm8k"));
+        assert_eq!(at(&s, "algorithm.filter-groups").as_bool(), Some(true));
+        assert_eq!(at(&s, "algorithm.filter-metric").as_str(), Some("acc"));
+        assert_eq!(
+            at(&s, "algorithm.max-num-gen-batches").as_integer(),
+            Some(0),
+            "<= 0: no cap"
+        );
+        assert_eq!(
+            at(&s, "algorithm.prompts-per-round").as_integer(),
+            Some(384)
+        );
+        assert_eq!(at(&s, "score.overlong-buffer-len").as_integer(), Some(256));
+        assert_eq!(
+            at(&s, "score.overlong-penalty-factor").as_float(),
+            Some(1.0)
+        );
+        assert_eq!(at(&s, "update.clip-ratio-high").as_float(), Some(0.28));
+        assert_eq!(at(&s, "update.rollout-is").as_str(), Some("token"));
+        assert_eq!(at(&s, "update.rollout-is-threshold").as_float(), Some(3.0));
+        assert!(s["update"].get("use-kl-loss").is_none());
+        // Off, the same keys write nothing.
+        let (s, _) = spec_of(&verl(GRPO), Some("gsm8k"));
+        assert!(s.get("algorithm").is_none() && s["score"].get("overlong-buffer-len").is_none());
+        assert!(
+            s["update"].get("rollout-is-threshold").is_none(),
+            "without rollout_is"
+        );
+        Spec::parse(&conv.text, "t.toml").unwrap();
+    }
+
+    #[test]
     fn overrides_apply_in_order_over_the_yaml() {
         let mut o = GRPO.to_vec();
         o.extend([

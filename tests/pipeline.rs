@@ -1854,3 +1854,202 @@ mini-batch-size = 8
     assert_ok(&o);
     assert!(!text(&o).contains("--column old_logprobs"), "{}", text(&o));
 }
+
+// ---------------------------------------------------------------------------------------------
+// tandem spec from-verl
+
+/// verl's GRPO quick start (examples/grpo_trainer/run_qwen2-7b.sh) as command-line overrides,
+/// on this machine: the CPU, one process, the files of `verl_dir`.
+const VERL_GRPO: &[&str] = &[
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=data/train.parquet",
+    "data.val_files=data/test.parquet",
+    "data.train_batch_size=2",
+    "data.max_prompt_length=512",
+    "data.max_response_length=64",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "actor_rollout_ref.model.path=models/tiny",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=5",
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    "trainer.logger=[\"console\",\"wandb\"]",
+    "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+    "trainer.save_freq=20",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=3",
+];
+
+/// `d/models/tiny` (a random model with a chat template) and verl's GSM8K rows as
+/// `d/data/{train,test}.parquet`.
+fn verl_dir() -> tempfile::TempDir {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path();
+    tandem_ok(
+        d,
+        &[
+            "init-model",
+            "--like",
+            "qwen2",
+            "--layers",
+            "1",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "128",
+            "--vocab",
+            "512",
+            "--seed",
+            "0",
+            "--out",
+            "models/tiny",
+        ],
+    );
+    let gsm8k =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/verl_gsm8k/train.parquet");
+    std::fs::create_dir_all(d.join("data")).unwrap();
+    for name in ["train", "test"] {
+        std::fs::copy(&gsm8k, d.join(format!("data/{name}.parquet"))).unwrap();
+    }
+    t
+}
+
+fn from_verl(d: &Path, extra: &[&str]) -> Output {
+    let yaml = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/verl/ppo_trainer.yaml");
+    Command::new(TANDEM)
+        .args(["spec", "from-verl"])
+        .arg(yaml)
+        .args(VERL_GRPO)
+        .args(extra)
+        .current_dir(d)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_verl_config_becomes_a_spec_that_pipeline_runs() {
+    let t = verl_dir();
+    let d = t.path();
+    let o = from_verl(d, &["--out", "grpo.toml"]);
+    assert_ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    // The keys without a counterpart, by rule, with the reason.
+    assert!(err.contains("tandem has no critic yet (issue 36)"), "{err}");
+    assert!(
+        err.contains("  trainer.logger: tandem logs to metrics.jsonl and TensorBoard"),
+        "{err}"
+    );
+    assert!(
+        err.contains("  actor_rollout_ref.rollout.gpu_memory_utilization: vLLM's share"),
+        "{err}"
+    );
+    assert!(err.contains("wrote grpo.toml"), "{err}");
+    assert!(o.stdout.is_empty());
+    let spec: toml::Table =
+        toml::from_str(&std::fs::read_to_string(d.join("grpo.toml")).unwrap()).unwrap();
+    // 5 training rows, 2 prompts a step: 2 full batches an epoch, 3 epochs.
+    assert_eq!(spec["steps"].as_integer(), Some(6));
+    assert_eq!(spec["rollout"]["n"].as_integer(), Some(5));
+    // verl's mini-batch of 1 prompt is its 5 samples.
+    assert_eq!(spec["update"]["mini-batch-size"].as_integer(), Some(5));
+    assert_eq!(
+        spec["score"]["reward"].as_str(),
+        Some("gsm8k"),
+        "data_source openai/gsm8k"
+    );
+    // The spec passes every check `pipeline run` makes (the stages' flags, the model, the
+    // datasets, the reward) and plans verl's step: rollout, score, reference, GRPO, update.
+    let o = Command::new(PIPELINE)
+        .args(["run", "grpo.toml", "--dry-run"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let plan = String::from_utf8_lossy(&o.stdout);
+    for want in [
+        "rollout --model runs/grpo/policy --in runs/grpo/step-0001/prompts.parquet",
+        "--n 5",
+        "--max-new-tokens 64",
+        "--column ref_logprobs",
+        "--estimator grpo",
+        "--use-kl-loss",
+        "--mini-batch-size 5",
+    ] {
+        assert!(plan.contains(want), "{want}: {plan}");
+    }
+    // Without --out the spec goes to stdout, the same text.
+    let o = from_verl(d, &[]);
+    assert_ok(&o);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        std::fs::read_to_string(d.join("grpo.toml")).unwrap()
+    );
+}
+
+#[test]
+fn from_verl_refuses_bad_values_and_writes_nothing() {
+    let t = verl_dir();
+    let d = t.path();
+    for (extra, want) in [
+        (
+            &["actor_rollout_ref.rollout.n=0"][..],
+            "actor_rollout_ref.rollout.n = 0: ",
+        ),
+        (
+            &["data.train_batch_size=abc"][..],
+            "data.train_batch_size = \"abc\": ",
+        ),
+        (
+            &["algorithm.adv_estimator=ppo"][..],
+            "algorithm.adv_estimator = \"ppo\": ",
+        ),
+        (&["data..x=1"][..], "override `data..x=1`"),
+        (
+            &["+data.train_batch_size=4"][..],
+            "data.train_batch_size is already in the config",
+        ),
+        (
+            &["data.train_batch_size=100"][..],
+            "fewer than data.train_batch_size = 100",
+        ),
+    ] {
+        let mut args = extra.to_vec();
+        args.extend(["--out", "bad.toml"]);
+        let o = from_verl(d, &args);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", text(&o));
+        assert!(text(&o).contains(want), "{extra:?}: {}", text(&o));
+        assert!(!d.join("bad.toml").exists() && !d.join("bad.toml.tmp").exists());
+    }
+    // Not YAML: the file named.
+    std::fs::write(d.join("broken.yaml"), "data: [1, 2\n").unwrap();
+    let o = Command::new(TANDEM)
+        .args(["spec", "from-verl", "broken.yaml", "--out", "bad.toml"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("broken.yaml: not valid YAML"),
+        "{}",
+        text(&o)
+    );
+    assert!(!d.join("bad.toml").exists());
+}

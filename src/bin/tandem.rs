@@ -36,6 +36,8 @@ enum Cmd {
     Plot(tandem::pipeline::plot::PlotArgs),
     /// Show a batch file as a table.
     Inspect(tandem::pipeline::inspect::InspectArgs),
+    /// Write a pipeline spec from another tool's config (`spec from-verl CONFIG.yaml [key=value ...]`).
+    Spec(tandem::pipeline::from_verl::SpecArgs),
     /// Keep a device's models warm; stages run with `--daemon SOCKET` send their jobs to it.
     Daemon(tandem::daemon::server::DaemonArgs),
     /// Ask a running daemon for its health or status, save its policy, or stop it.
@@ -60,6 +62,7 @@ fn main() -> ExitCode {
         Cmd::SftBatch(a) => tandem::stage::sft_batch::run(a),
         Cmd::Plot(a) => tandem::pipeline::plot::run(a),
         Cmd::Inspect(a) => tandem::pipeline::inspect::run(a),
+        Cmd::Spec(a) => tandem::pipeline::from_verl::run(a),
         Cmd::Daemon(a) => tandem::daemon::server::run(a),
         Cmd::DaemonCtl(a) => tandem::daemon::ctl::run_ctl(a),
         Cmd::Launch(a) => tandem::parallel::launch::run(a),

@@ -16,11 +16,13 @@
 //! - `metrics`: `metrics.jsonl` and `eval.jsonl` lines.
 //! - `tensorboard`: the same numbers as TensorBoard event files in the run directory.
 //! - `plot`, `inspect`: looking at a run.
+//! - `from_verl`: `tandem spec from-verl`, a spec from a verl config and its overrides.
 
 pub(crate) mod chores;
 pub(crate) mod console;
 pub(crate) mod daemons;
 pub(crate) mod dynamic;
+pub mod from_verl;
 pub mod inspect;
 pub mod metrics;
 pub(crate) mod plan;

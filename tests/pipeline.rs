@@ -1236,6 +1236,36 @@ fn the_whole_spec_is_checked_before_anything_runs() {
     assert_ok(&w.run("r", &["--dry-run"]));
 }
 
+/// `device = "cuda"` (or `--device cuda`) where the driver shows no GPU is refused by the
+/// up-front checks: exit 2 naming the key, no run directory, no stage started.
+#[test]
+fn cuda_without_a_gpu_is_refused_before_anything_runs() {
+    // The NVIDIA kernel driver lists each GPU here; without one, CUDA cannot open a device.
+    let gpus = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
+    if gpus > 0 {
+        eprintln!("{gpus} GPU(s) here: the no-GPU refusal cannot be exercised");
+        return;
+    }
+    let w = Work::new(&format!("device = \"cuda\"\n{SPEC}"));
+    let w_flag = Work::new(SPEC);
+    for (w, extra) in [
+        (&w, &[][..]),
+        (&w, &["--dry-run"][..]),
+        (&w_flag, &["--device", "cuda"][..]),
+    ] {
+        let o = w.run("r", extra);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{t}");
+        assert!(
+            t.contains("device = \"cuda\": no CUDA driver found; use --device cpu")
+                || t.contains("device = \"cuda\": the CUDA driver shows no GPU; use --device cpu"),
+            "{t}"
+        );
+        assert!(!w.path("r").exists());
+        assert!(std::fs::read_dir(w.path("marks")).unwrap().next().is_none());
+    }
+}
+
 #[test]
 fn dry_run_prints_commands_and_writes_nothing() {
     let w = Work::new(

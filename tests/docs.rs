@@ -1,6 +1,6 @@
-//! Docs that run: the shell blocks of README.md, docs/BATCH.md and docs/PIPELINE.md marked with
-//! the line `<!-- runs in tests/docs.rs -->` just above their ```sh fence run here, as written,
-//! on the test's binaries and a tiny model, with no network.
+//! Docs that run: the shell blocks of README.md, docs/BATCH.md, docs/PIPELINE.md and
+//! docs/DAEMON.md marked with the line `<!-- runs in tests/docs.rs -->` just above their ```sh
+//! fence run here, as written, on the test's binaries and a tiny model, with no network.
 //!
 //! Each document gets a fresh temporary directory, as a reader's checkout would be: the blocks
 //! run there one after the other (`bash -euo pipefail`), so a later block may use what an
@@ -168,11 +168,26 @@ fn blocks_and_paths_are_found() {
     );
 }
 
+/// A model directory's bf16 weights, tensor by tensor.
+fn weights(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| (name, t.data().to_vec()))
+        .collect();
+    out.sort();
+    out
+}
+
 #[test]
 fn readme_blocks_run() {
     let dir = run_doc("README.md", 1);
+    // "Stages by hand" works in its scratch directory and leaves nothing at the top.
+    let hand = dir.path().join("runs/by-hand");
     exists(
-        dir.path(),
+        &hand,
         &[
             "rollout.parquet",
             "scored.parquet",
@@ -181,6 +196,22 @@ fn readme_blocks_run() {
             "policy",
         ],
     );
+    let top: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !["target", "pipelines", "runs"].contains(&n.as_str()))
+        .collect();
+    assert!(top.is_empty(), "the README's blocks left {top:?} at the top");
+    // Its update learns something: rewards that differ within a group, a gradient, new weights.
+    let json = |f: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(hand.join(f)).unwrap()).unwrap()
+    };
+    let grad_norm = json("update.json")["grad_norm"].as_f64().unwrap();
+    assert!(grad_norm > 0.0, "grad norm {grad_norm}");
+    let (m0, m1) = (weights(&hand.join("m0")), weights(&hand.join("m1")));
+    assert_eq!(m0.len(), m1.len());
+    let changed = m0.iter().zip(&m1).filter(|(a, b)| a.1 != b.1).count();
+    assert!(changed > 0, "no tensor of m1 differs from m0's");
 }
 
 #[test]
@@ -206,6 +237,20 @@ fn pipeline_md_blocks_run() {
         })
         .collect();
     assert_eq!(lrs, [0.001, 0.001]);
+}
+
+#[test]
+fn daemon_md_blocks_run() {
+    // The first example: a daemon, every model stage as its client, save and shutdown.
+    let dir = run_doc("docs/DAEMON.md", 1);
+    let work = dir.path().join("runs/daemon-by-hand");
+    let ckpt = work.join("run/ckpt/step-1");
+    exists(
+        &ckpt,
+        &["model.safetensors", "optimizer.safetensors", "trainer_state.json"],
+    );
+    assert!(!ckpt.join("resident.json").exists(), "save wrote the files");
+    assert!(!work.join("run/daemon.sock").exists(), "the daemon stopped");
 }
 
 /// The `bench/NAME.sh|py` paths a text names (not `src/lib/bench/…`).

@@ -201,7 +201,10 @@ fn readme_blocks_run() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| !["target", "pipelines", "runs"].contains(&n.as_str()))
         .collect();
-    assert!(top.is_empty(), "the README's blocks left {top:?} at the top");
+    assert!(
+        top.is_empty(),
+        "the README's blocks left {top:?} at the top"
+    );
     // Its update learns something: rewards that differ within a group, a gradient, new weights.
     let json = |f: &str| -> serde_json::Value {
         serde_json::from_str(&std::fs::read_to_string(hand.join(f)).unwrap()).unwrap()
@@ -247,7 +250,11 @@ fn daemon_md_blocks_run() {
     let ckpt = work.join("run/ckpt/step-1");
     exists(
         &ckpt,
-        &["model.safetensors", "optimizer.safetensors", "trainer_state.json"],
+        &[
+            "model.safetensors",
+            "optimizer.safetensors",
+            "trainer_state.json",
+        ],
     );
     assert!(!ckpt.join("resident.json").exists(), "save wrote the files");
     assert!(!work.join("run/daemon.sock").exists(), "the daemon stopped");

@@ -1884,3 +1884,227 @@ mini-batch-size = 8
     assert_ok(&o);
     assert!(!text(&o).contains("--column old_logprobs"), "{}", text(&o));
 }
+
+// ---------------------------------------------------------------------------------------------
+// The shipped specs
+
+/// The Makefile's targets and each one's recipe.
+fn make_targets(makefile: &str) -> BTreeMap<String, String> {
+    let mut out: BTreeMap<String, String> = BTreeMap::new();
+    let mut current: Vec<String> = Vec::new();
+    for line in makefile.lines() {
+        if let Some(cmd) = line.strip_prefix('\t') {
+            for t in &current {
+                let recipe = out.get_mut(t).unwrap();
+                recipe.push_str(cmd);
+                recipe.push('\n');
+            }
+            continue;
+        }
+        current.clear();
+        let Some((names, _)) = line.split_once(':') else {
+            continue;
+        };
+        if line.starts_with('#') || line.contains('=') || names.starts_with('.') {
+            continue;
+        }
+        for t in names.split_whitespace() {
+            out.entry(t.to_string()).or_default();
+            current.push(t.to_string());
+        }
+    }
+    out
+}
+
+/// The targets each `make ` of `text` names: the words after it up to the first that is no
+/// target name, or that ends the command (a closing quote or bracket, a comma).
+fn make_words(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, _) in text.match_indices("make ") {
+        if text[..i].ends_with(|c: char| c.is_alphanumeric() || c == '-') {
+            continue;
+        }
+        for word in text[i + 5..].split_whitespace() {
+            let w = word.trim_end_matches([')', ',', '`', ';', ':', '.']);
+            if w.is_empty()
+                || !w
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            {
+                break;
+            }
+            out.push(w.to_string());
+            if w.len() < word.len() {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Every spec in pipelines/ says in its header how to run it, and what it names exists: its
+/// `make` targets in the Makefile (one of them, or a `pipeline run` of the spec, runs this very
+/// spec), `tandem` subcommands in `tandem --help`, scripts in the tree. Then each runs through
+/// `pipeline run --dry-run` (on the CPU: no GPU here) with tiny stand-ins at the model and data
+/// paths it names, as the header's commands would have made them.
+#[test]
+fn every_shipped_spec_runs_after_the_command_its_header_names() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let targets = make_targets(&std::fs::read_to_string(repo.join("Makefile")).unwrap());
+    let help = Command::new(TANDEM).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let subcommands: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(subcommands.contains(&"init-model"), "{help}");
+
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path();
+    std::os::unix::fs::symlink(repo.join("pipelines"), w.join("pipelines")).unwrap();
+    let mut specs: Vec<PathBuf> = std::fs::read_dir(repo.join("pipelines"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    specs.sort();
+    assert!(specs.len() >= 8, "{} specs", specs.len());
+    for spec in &specs {
+        let name = spec.file_name().unwrap().to_str().unwrap();
+        let text = std::fs::read_to_string(spec).unwrap();
+        let header: String = text
+            .lines()
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| format!("{}\n", l.trim_start_matches('#')))
+            .collect();
+        // What the header names exists.
+        let makes = make_words(&header);
+        for t in &makes {
+            assert!(
+                targets.contains_key(t),
+                "{name}: `make {t}`: no such target"
+            );
+        }
+        for (i, _) in header.match_indices("tandem ") {
+            let sub = header[i + 7..].split_whitespace().next().unwrap_or("");
+            let sub = sub.trim_end_matches(['`', ')', ',']);
+            if sub.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !sub.is_empty() {
+                assert!(
+                    subcommands.contains(&sub),
+                    "{name}: `tandem {sub}`: no such subcommand"
+                );
+            }
+        }
+        for word in header.split_whitespace() {
+            let word = word.trim_matches(['`', '(', ')', ',', ':']);
+            if let Some(at) = word.find("pipelines/") {
+                let path = &word[at..];
+                if path.ends_with(".sh") || path.ends_with(".py") {
+                    assert!(repo.join(path).is_file(), "{name}: {path} does not exist");
+                }
+            }
+        }
+        // ...and one of its commands runs this spec.
+        let runs_itself = header.lines().any(|l| {
+            l.split_once("pipeline run ")
+                .and_then(|(_, r)| r.split_whitespace().next())
+                .is_some_and(|p| p.ends_with(&format!("pipelines/{name}")))
+        }) || makes.iter().any(|t| {
+            let recipe = &targets[t];
+            recipe.contains(&format!("={name}"))
+                || (name == "demo.toml"
+                    && recipe.contains("pipelines/demo.sh")
+                    && !recipe.contains("DEMO_SPEC="))
+        });
+        assert!(
+            runs_itself,
+            "{name}: the header names no command that runs it:\n{header}"
+        );
+
+        // Stand-ins where the header's commands put the model and the data.
+        let t: toml::Table = toml::from_str(&text).unwrap();
+        let model = t["model"]["path"].as_str().unwrap();
+        if !w.join(model).exists() {
+            tandem_ok(
+                w,
+                &[
+                    "init-model",
+                    "--like",
+                    "qwen2",
+                    "--layers",
+                    "1",
+                    "--hidden",
+                    "32",
+                    "--heads",
+                    "2",
+                    "--ffn",
+                    "64",
+                    "--vocab",
+                    "300",
+                    "--out",
+                    model,
+                ],
+            );
+        }
+        for key in ["train", "val"] {
+            let Some(p) = t["data"].get(key).and_then(|v| v.as_str()) else {
+                continue;
+            };
+            if !w.join(p).exists() {
+                tandem_ok(
+                    w,
+                    &[
+                        "prepare",
+                        "synth",
+                        "--task",
+                        "add",
+                        "--digits",
+                        "1",
+                        "--n",
+                        "16",
+                        "--answer-format",
+                        "gsm8k",
+                        "--out",
+                        p,
+                    ],
+                );
+            }
+        }
+        let run = format!("r-{name}");
+        let o = Command::new(PIPELINE)
+            .current_dir(w)
+            .args([
+                "run",
+                &format!("pipelines/{name}"),
+                "--dry-run",
+                "--device",
+                "cpu",
+            ])
+            .args(["--run-dir", &run])
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("rollout --model"),
+            "{name}"
+        );
+        assert!(!w.join(&run).exists(), "{name}: the dry run wrote {run}");
+    }
+}
+
+#[test]
+fn make_words_and_targets_are_read() {
+    assert_eq!(
+        make_words("run `make model-x data` first (or make demo-dapo), then make"),
+        ["model-x", "data", "demo-dapo"]
+    );
+    let t = make_targets(".PHONY: a b\nV := 1\n# c: d\na: b\n\techo a\nb c: x\n\techo bc\n");
+    assert_eq!(t.keys().collect::<Vec<_>>(), ["a", "b", "c"]);
+    assert_eq!(
+        (t["a"].as_str(), t["c"].as_str()),
+        ("echo a\n", "echo bc\n")
+    );
+}

@@ -14,8 +14,8 @@
 //! rank the same way; the children die with the launcher if it is killed (Linux).
 
 use super::group::{parse_seconds, TIMEOUT_ENV};
-use crate::error::ERROR_FILE_ENV;
 use crate::error::input_error;
+use crate::error::ERROR_FILE_ENV;
 use crate::process::die_with_parent;
 use anyhow::{anyhow, Result};
 use clap::Args;
@@ -146,7 +146,11 @@ fn read_records(ranks: &[Rank]) -> Vec<(usize, Vec<Record>)> {
             .filter_map(|l| serde_json::from_str(l).ok())
             .collect()
     };
-    ranks.iter().enumerate().map(|(i, r)| (i, lines(r))).collect()
+    ranks
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (i, lines(r)))
+        .collect()
 }
 
 /// The rank at fault and why: the earliest first failure of a rank that it noticed itself
@@ -159,7 +163,9 @@ fn culprit(records: &[(usize, Vec<Record>)]) -> Option<(usize, String)> {
         .collect();
     firsts.sort_by(|a, b| {
         let relayed = |(i, r): &(usize, &Record)| (r.reporter != *i) as u8;
-        relayed(a).cmp(&relayed(b)).then(a.1.time.total_cmp(&b.1.time))
+        relayed(a)
+            .cmp(&relayed(b))
+            .then(a.1.time.total_cmp(&b.1.time))
     });
     firsts
         .into_iter()
@@ -397,7 +403,10 @@ mod tests {
         assert!(exit_errors(&records, cause).is_empty());
         // Another error than the cause is kept, once.
         let mut more = records;
-        more.push((2, vec![rec(2, 2, "other", 5.0, true), rec(2, 2, "other", 6.0, true)]));
+        more.push((
+            2,
+            vec![rec(2, 2, "other", 5.0, true), rec(2, 2, "other", 6.0, true)],
+        ));
         assert_eq!(exit_errors(&more, cause), [(2, "other")]);
         // A relayed failure counts only when nobody noticed one.
         let relayed = vec![(1, vec![rec(0, 0, "told", 1.0, false)])];

@@ -305,3 +305,39 @@ fn the_docs_name_only_bench_scripts_that_exist() {
     let got = bench_scripts("run `bench/gpu_bench.sh`, src/lib/bench/rollout.rs, bench/x.py.");
     assert_eq!(got, ["bench/gpu_bench.sh", "bench/x.py"]);
 }
+
+/// `bench/gsm8k_run.sh STEP=report` titles the report with the spec the run started with
+/// (recorded by STEP=run in the run directory), not the default of the call.
+#[test]
+fn gsm8k_report_names_the_spec_that_ran() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let t = tempfile::tempdir().unwrap();
+    let (r, out) = (t.path().join("r"), t.path().join("out"));
+    std::fs::create_dir_all(r.join("runs/x")).unwrap();
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(r.join("runs/x/spec-source.txt"), "pipelines/my-spec.toml\n").unwrap();
+    std::fs::write(
+        r.join("runs/x/metrics.jsonl"),
+        "{\"step\": 1, \"time/step\": 1.0}\n",
+    )
+    .unwrap();
+    std::fs::write(r.join("wall-x.tsv"), "").unwrap();
+    std::fs::write(r.join("mem-x.csv"), "").unwrap();
+    let o = Command::new("bash")
+        .arg(repo.join("bench/gsm8k_run.sh"))
+        .env("STEP", "report")
+        .env("R", &r)
+        .env("OUT", &out)
+        .env("RUN", "x")
+        .env_remove("SPEC")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    let first = text.lines().next().unwrap_or_default();
+    assert_eq!(
+        first,
+        "# GSM8K, Qwen2.5-Coder-0.5B-Instruct: pipelines/my-spec.toml, 1 steps",
+        "{text}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

@@ -1845,11 +1845,27 @@ mini-batch-size = 8
             name == "in-update",
             "{plog}"
         );
-        for line in jsonl_sans_time(&d.join(name).join("metrics.jsonl")) {
+        let lines = jsonl_sans_time(&d.join(name).join("metrics.jsonl"));
+        let at = |i: usize, k: &str| lines[i][format!("mismatch/{k}")].as_f64().unwrap();
+        eprintln!(
+            "{name}: mismatch abs_diff_max step 1 {:.2e}, step 2 {:.2e}; ratio_outside_frac step 2 {:.4}",
+            at(0, "abs_diff_max"),
+            at(1, "abs_diff_max"),
+            at(1, "ratio_outside_frac")
+        );
+        // The CPU rollout computes with the trainer's kernels; at step 1 both have the model's
+        // weights and agree to f32 rounding. From step 2 the rollout samples with the bf16
+        // checkpoint, the trainer computes with its f32 masters (docs/PIPELINE.md): the
+        // difference is that rounding of the weights.
+        assert!(at(0, "abs_diff_max") < 1e-5, "{:?}", lines[0]);
+        if name != "with-stage" {
+            // (the old-logprob stage reads the bf16 checkpoint, as the rollout does)
+            assert!(at(1, "abs_diff_max") > 1e-6, "{:?}", lines);
+        }
+        for line in lines {
             assert_eq!(line["mismatch/source"], source, "{line}");
             let mean = line["mismatch/abs_diff_mean"].as_f64().unwrap();
-            // The CPU rollout's log-probs are the trainer's up to f32 rounding.
-            assert!((0.0..1e-4).contains(&mean), "{line}");
+            assert!((0.0..1e-3).contains(&mean), "{line}");
             assert!(line["mismatch/tokens"].as_u64().unwrap() > 0, "{line}");
             assert!(
                 line.get("update/mismatch/abs_diff_mean").is_none(),
@@ -1875,14 +1891,22 @@ mini-batch-size = 8
         assert!(text(&o).contains(want), "{}", text(&o));
         assert!(!d.join("refused").exists());
     }
-    // With batch-invariant kernels the GPU spec passes the checks (a dry run prints the plan).
+    // With batch-invariant kernels the GPU spec passes the spec's checks: a dry run prints
+    // the plan where there is a GPU, and gets as far as the check of the device where there
+    // is none (after the commands' checks that refuse bypass-mode).
     let gpu = bypass.replace(
         "seed = 3",
         "seed = 3\ndevice = \"cuda\"\nbatch-invariant = true",
     );
     let o = run("gpu", &gpu, &["--dry-run"]);
-    assert_ok(&o);
-    assert!(!text(&o).contains("--column old_logprobs"), "{}", text(&o));
+    if std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count()) > 0 {
+        assert_ok(&o);
+        assert!(!text(&o).contains("--column old_logprobs"), "{}", text(&o));
+    } else {
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains("device = \"cuda\": "), "{}", text(&o));
+        assert!(!text(&o).contains("bypass-mode"), "{}", text(&o));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -150,6 +150,8 @@ import|run)
     >> "$R/pipeline-$RUN.log" 2>&1
   rc=$?
   stop_mem
+  # The spec this run started with, for STEP=report's title (a later call may not pass SPEC).
+  [ -d "runs/$RUN" ] && [ ! -f "runs/$RUN/spec-source.txt" ] && echo "$SPEC" > "runs/$RUN/spec-source.txt"
   # The runner's daemon and stages die with it (PR_SET_PDEATHSIG); give the GPU a moment.
   sleep 2
   ledger run $((SECONDS - t0))
@@ -216,7 +218,8 @@ report)
   done
   cp "$run/metrics.jsonl" "$run/eval.jsonl" "$OUT/" 2>/dev/null
   bin/tandem plot "$run" --out "$OUT/plot.png" > /dev/null 2>&1
-  python3 - "$run" "$R/wall-$RUN.tsv" "$R/mem-$RUN.csv" "$OUT/evals.tsv" "$MODEL" "$SPEC" > "$OUT/report.md" <<'EOF'
+  spec_ran=$(cat "$run/spec-source.txt" 2>/dev/null || echo "$SPEC")
+  python3 - "$run" "$R/wall-$RUN.tsv" "$R/mem-$RUN.csv" "$OUT/evals.tsv" "$MODEL" "$spec_ran" > "$OUT/report.md" <<'EOF'
 import json, statistics, sys
 run, wall, mem, evals, model, spec = sys.argv[1:]
 try:

@@ -475,6 +475,17 @@ fn dapo_demo_spec_runs_end_to_end() {
     let evals = jsonl(&run.join("eval.jsonl"));
     assert!(evals.len() >= 2 && evals.iter().all(|e| e["accuracy"].is_number()));
     assert!(run.join("plot.png").exists());
+    // The starting point docs/PIPELINE.md ("DAPO") quotes: the SFT model's greedy accuracy on
+    // the 128 held-out prompts at step 0 (the same with 1 or 2 threads).
+    assert_eq!(evals[0]["step"], 0);
+    let start = format!("from {:.1}% to", 100.0 * f(&evals[0], "accuracy"));
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/PIPELINE.md"))
+            .unwrap();
+    assert!(
+        doc.contains(&start),
+        "docs/PIPELINE.md does not say {start:?}"
+    );
 }
 
 #[test]

@@ -1,6 +1,6 @@
-//! Docs that run: the shell blocks of README.md, docs/BATCH.md and docs/PIPELINE.md marked with
-//! the line `<!-- runs in tests/docs.rs -->` just above their ```sh fence run here, as written,
-//! on the test's binaries and a tiny model, with no network.
+//! Docs that run: the shell blocks of README.md, docs/BATCH.md, docs/PIPELINE.md and
+//! docs/DAEMON.md marked with the line `<!-- runs in tests/docs.rs -->` just above their ```sh
+//! fence run here, as written, on the test's binaries and a tiny model, with no network.
 //!
 //! Each document gets a fresh temporary directory, as a reader's checkout would be: the blocks
 //! run there one after the other (`bash -euo pipefail`), so a later block may use what an
@@ -168,11 +168,26 @@ fn blocks_and_paths_are_found() {
     );
 }
 
+/// A model directory's bf16 weights, tensor by tensor.
+fn weights(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| (name, t.data().to_vec()))
+        .collect();
+    out.sort();
+    out
+}
+
 #[test]
 fn readme_blocks_run() {
     let dir = run_doc("README.md", 1);
+    // "Stages by hand" works in its scratch directory and leaves nothing at the top.
+    let hand = dir.path().join("runs/by-hand");
     exists(
-        dir.path(),
+        &hand,
         &[
             "rollout.parquet",
             "scored.parquet",
@@ -181,6 +196,25 @@ fn readme_blocks_run() {
             "policy",
         ],
     );
+    let top: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !["target", "pipelines", "runs"].contains(&n.as_str()))
+        .collect();
+    assert!(
+        top.is_empty(),
+        "the README's blocks left {top:?} at the top"
+    );
+    // Its update learns something: rewards that differ within a group, a gradient, new weights.
+    let json = |f: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(hand.join(f)).unwrap()).unwrap()
+    };
+    let grad_norm = json("update.json")["grad_norm"].as_f64().unwrap();
+    assert!(grad_norm > 0.0, "grad norm {grad_norm}");
+    let (m0, m1) = (weights(&hand.join("m0")), weights(&hand.join("m1")));
+    assert_eq!(m0.len(), m1.len());
+    let changed = m0.iter().zip(&m1).filter(|(a, b)| a.1 != b.1).count();
+    assert!(changed > 0, "no tensor of m1 differs from m0's");
 }
 
 #[test]
@@ -206,6 +240,24 @@ fn pipeline_md_blocks_run() {
         })
         .collect();
     assert_eq!(lrs, [0.001, 0.001]);
+}
+
+#[test]
+fn daemon_md_blocks_run() {
+    // The first example: a daemon, every model stage as its client, save and shutdown.
+    let dir = run_doc("docs/DAEMON.md", 1);
+    let work = dir.path().join("runs/daemon-by-hand");
+    let ckpt = work.join("run/ckpt/step-1");
+    exists(
+        &ckpt,
+        &[
+            "model.safetensors",
+            "optimizer.safetensors",
+            "trainer_state.json",
+        ],
+    );
+    assert!(!ckpt.join("resident.json").exists(), "save wrote the files");
+    assert!(!work.join("run/daemon.sock").exists(), "the daemon stopped");
 }
 
 /// The `bench/NAME.sh|py` paths a text names (not `src/lib/bench/…`).
@@ -252,4 +304,40 @@ fn the_docs_name_only_bench_scripts_that_exist() {
     assert!(missing.is_empty(), "{}", missing.join("\n"));
     let got = bench_scripts("run `bench/gpu_bench.sh`, src/lib/bench/rollout.rs, bench/x.py.");
     assert_eq!(got, ["bench/gpu_bench.sh", "bench/x.py"]);
+}
+
+/// `bench/gsm8k_run.sh STEP=report` titles the report with the spec the run started with
+/// (recorded by STEP=run in the run directory), not the default of the call.
+#[test]
+fn gsm8k_report_names_the_spec_that_ran() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let t = tempfile::tempdir().unwrap();
+    let (r, out) = (t.path().join("r"), t.path().join("out"));
+    std::fs::create_dir_all(r.join("runs/x")).unwrap();
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(r.join("runs/x/spec-source.txt"), "pipelines/my-spec.toml\n").unwrap();
+    std::fs::write(
+        r.join("runs/x/metrics.jsonl"),
+        "{\"step\": 1, \"time/step\": 1.0}\n",
+    )
+    .unwrap();
+    std::fs::write(r.join("wall-x.tsv"), "").unwrap();
+    std::fs::write(r.join("mem-x.csv"), "").unwrap();
+    let o = Command::new("bash")
+        .arg(repo.join("bench/gsm8k_run.sh"))
+        .env("STEP", "report")
+        .env("R", &r)
+        .env("OUT", &out)
+        .env("RUN", "x")
+        .env_remove("SPEC")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    let first = text.lines().next().unwrap_or_default();
+    assert_eq!(
+        first,
+        "# GSM8K, Qwen2.5-Coder-0.5B-Instruct: pipelines/my-spec.toml, 1 steps",
+        "{text}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }

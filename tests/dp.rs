@@ -211,13 +211,24 @@ fn bad_input_under_the_launcher_is_exit_2_and_writes_nothing() {
     let model = tiny_model(dir.path(), 7);
     let d = dir.path();
     let missing = d.join("missing.parquet");
-    let out = d.join("out.parquet");
-    let r = launch(2, "ref-logprob", &ref_args(&model, &missing, &out));
-    let err = String::from_utf8_lossy(&r.stderr);
-    assert_eq!(r.status.code(), Some(2), "{err}");
-    assert!(err.contains("missing.parquet"), "{err}");
-    assert!(err.contains("error: rank"), "{err}");
-    assert!(!out.exists());
+    let (m, out) = (d.join("m.json"), d.join("out.parquet"));
+    for (stage, args) in [
+        ("ref-logprob", ref_args(&model, &missing, &out)),
+        ("rollout", rollout_args(&model, &missing, &out, &m)),
+    ] {
+        // The cause once, as the last line, naming the rank (every rank fails on the file;
+        // the launcher prints the error, the ranks do not).
+        let r = launch(2, stage, &args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{err}");
+        let cause = format!("{}: cannot open batch file", missing.display());
+        assert_eq!(err.matches(&cause).count(), 1, "{err}");
+        let last = err.lines().last().unwrap_or_default();
+        assert!(last.starts_with("error: rank "), "{err}");
+        assert!(last.contains(" failed (exited with code 2): "), "{err}");
+        assert!(last.contains(&cause), "{err}");
+        assert!(!out.exists() && !m.exists());
+    }
     // A prompt file that is no Parquet file: every rank refuses it before generating.
     let no_prompts = d.join("no-prompts.parquet");
     std::fs::write(&no_prompts, "not parquet").unwrap();

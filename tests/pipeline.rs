@@ -1236,6 +1236,36 @@ fn the_whole_spec_is_checked_before_anything_runs() {
     assert_ok(&w.run("r", &["--dry-run"]));
 }
 
+/// `device = "cuda"` (or `--device cuda`) where the driver shows no GPU is refused by the
+/// up-front checks: exit 2 naming the key, no run directory, no stage started.
+#[test]
+fn cuda_without_a_gpu_is_refused_before_anything_runs() {
+    // The NVIDIA kernel driver lists each GPU here; without one, CUDA cannot open a device.
+    let gpus = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
+    if gpus > 0 {
+        eprintln!("{gpus} GPU(s) here: the no-GPU refusal cannot be exercised");
+        return;
+    }
+    let w = Work::new(&format!("device = \"cuda\"\n{SPEC}"));
+    let w_flag = Work::new(SPEC);
+    for (w, extra) in [
+        (&w, &[][..]),
+        (&w, &["--dry-run"][..]),
+        (&w_flag, &["--device", "cuda"][..]),
+    ] {
+        let o = w.run("r", extra);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{t}");
+        assert!(
+            t.contains("device = \"cuda\": no CUDA driver found; use --device cpu")
+                || t.contains("device = \"cuda\": the CUDA driver shows no GPU; use --device cpu"),
+            "{t}"
+        );
+        assert!(!w.path("r").exists());
+        assert!(std::fs::read_dir(w.path("marks")).unwrap().next().is_none());
+    }
+}
+
 #[test]
 fn dry_run_prints_commands_and_writes_nothing() {
     let w = Work::new(
@@ -1815,11 +1845,27 @@ mini-batch-size = 8
             name == "in-update",
             "{plog}"
         );
-        for line in jsonl_sans_time(&d.join(name).join("metrics.jsonl")) {
+        let lines = jsonl_sans_time(&d.join(name).join("metrics.jsonl"));
+        let at = |i: usize, k: &str| lines[i][format!("mismatch/{k}")].as_f64().unwrap();
+        eprintln!(
+            "{name}: mismatch abs_diff_max step 1 {:.2e}, step 2 {:.2e}; ratio_outside_frac step 2 {:.4}",
+            at(0, "abs_diff_max"),
+            at(1, "abs_diff_max"),
+            at(1, "ratio_outside_frac")
+        );
+        // The CPU rollout computes with the trainer's kernels; at step 1 both have the model's
+        // weights and agree to f32 rounding. From step 2 the rollout samples with the bf16
+        // checkpoint, the trainer computes with its f32 masters (docs/PIPELINE.md): the
+        // difference is that rounding of the weights.
+        assert!(at(0, "abs_diff_max") < 1e-5, "{:?}", lines[0]);
+        if name != "with-stage" {
+            // (the old-logprob stage reads the bf16 checkpoint, as the rollout does)
+            assert!(at(1, "abs_diff_max") > 1e-6, "{:?}", lines);
+        }
+        for line in lines {
             assert_eq!(line["mismatch/source"], source, "{line}");
             let mean = line["mismatch/abs_diff_mean"].as_f64().unwrap();
-            // The CPU rollout's log-probs are the trainer's up to f32 rounding.
-            assert!((0.0..1e-4).contains(&mean), "{line}");
+            assert!((0.0..1e-3).contains(&mean), "{line}");
             assert!(line["mismatch/tokens"].as_u64().unwrap() > 0, "{line}");
             assert!(
                 line.get("update/mismatch/abs_diff_mean").is_none(),
@@ -1845,14 +1891,246 @@ mini-batch-size = 8
         assert!(text(&o).contains(want), "{}", text(&o));
         assert!(!d.join("refused").exists());
     }
-    // With batch-invariant kernels the GPU spec passes the checks (a dry run prints the plan).
+    // With batch-invariant kernels the GPU spec passes the spec's checks: a dry run prints
+    // the plan where there is a GPU, and gets as far as the check of the device where there
+    // is none (after the commands' checks that refuse bypass-mode).
     let gpu = bypass.replace(
         "seed = 3",
         "seed = 3\ndevice = \"cuda\"\nbatch-invariant = true",
     );
     let o = run("gpu", &gpu, &["--dry-run"]);
-    assert_ok(&o);
-    assert!(!text(&o).contains("--column old_logprobs"), "{}", text(&o));
+    if std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count()) > 0 {
+        assert_ok(&o);
+        assert!(!text(&o).contains("--column old_logprobs"), "{}", text(&o));
+    } else {
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains("device = \"cuda\": "), "{}", text(&o));
+        assert!(!text(&o).contains("bypass-mode"), "{}", text(&o));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shipped specs
+
+/// The Makefile's targets and each one's recipe.
+fn make_targets(makefile: &str) -> BTreeMap<String, String> {
+    let mut out: BTreeMap<String, String> = BTreeMap::new();
+    let mut current: Vec<String> = Vec::new();
+    for line in makefile.lines() {
+        if let Some(cmd) = line.strip_prefix('\t') {
+            for t in &current {
+                let recipe = out.get_mut(t).unwrap();
+                recipe.push_str(cmd);
+                recipe.push('\n');
+            }
+            continue;
+        }
+        current.clear();
+        let Some((names, _)) = line.split_once(':') else {
+            continue;
+        };
+        if line.starts_with('#') || line.contains('=') || names.starts_with('.') {
+            continue;
+        }
+        for t in names.split_whitespace() {
+            out.entry(t.to_string()).or_default();
+            current.push(t.to_string());
+        }
+    }
+    out
+}
+
+/// The targets each `make ` of `text` names: the words after it up to the first that is no
+/// target name, or that ends the command (a closing quote or bracket, a comma).
+fn make_words(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, _) in text.match_indices("make ") {
+        if text[..i].ends_with(|c: char| c.is_alphanumeric() || c == '-') {
+            continue;
+        }
+        for word in text[i + 5..].split_whitespace() {
+            let w = word.trim_end_matches([')', ',', '`', ';', ':', '.']);
+            if w.is_empty()
+                || !w
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            {
+                break;
+            }
+            out.push(w.to_string());
+            if w.len() < word.len() {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Every spec in pipelines/ says in its header how to run it, and what it names exists: its
+/// `make` targets in the Makefile (one of them, or a `pipeline run` of the spec, runs this very
+/// spec), `tandem` subcommands in `tandem --help`, scripts in the tree. Then each runs through
+/// `pipeline run --dry-run` (on the CPU: no GPU here) with tiny stand-ins at the model and data
+/// paths it names, as the header's commands would have made them.
+#[test]
+fn every_shipped_spec_runs_after_the_command_its_header_names() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let targets = make_targets(&std::fs::read_to_string(repo.join("Makefile")).unwrap());
+    let help = Command::new(TANDEM).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let subcommands: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(subcommands.contains(&"init-model"), "{help}");
+
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path();
+    std::os::unix::fs::symlink(repo.join("pipelines"), w.join("pipelines")).unwrap();
+    let mut specs: Vec<PathBuf> = std::fs::read_dir(repo.join("pipelines"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    specs.sort();
+    assert!(specs.len() >= 8, "{} specs", specs.len());
+    for spec in &specs {
+        let name = spec.file_name().unwrap().to_str().unwrap();
+        let text = std::fs::read_to_string(spec).unwrap();
+        let header: String = text
+            .lines()
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| format!("{}\n", l.trim_start_matches('#')))
+            .collect();
+        // What the header names exists.
+        let makes = make_words(&header);
+        for t in &makes {
+            assert!(
+                targets.contains_key(t),
+                "{name}: `make {t}`: no such target"
+            );
+        }
+        for (i, _) in header.match_indices("tandem ") {
+            let sub = header[i + 7..].split_whitespace().next().unwrap_or("");
+            let sub = sub.trim_end_matches(['`', ')', ',']);
+            if sub.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !sub.is_empty() {
+                assert!(
+                    subcommands.contains(&sub),
+                    "{name}: `tandem {sub}`: no such subcommand"
+                );
+            }
+        }
+        for word in header.split_whitespace() {
+            let word = word.trim_matches(['`', '(', ')', ',', ':']);
+            if let Some(at) = word.find("pipelines/") {
+                let path = &word[at..];
+                if path.ends_with(".sh") || path.ends_with(".py") {
+                    assert!(repo.join(path).is_file(), "{name}: {path} does not exist");
+                }
+            }
+        }
+        // ...and one of its commands runs this spec.
+        let runs_itself = header.lines().any(|l| {
+            l.split_once("pipeline run ")
+                .and_then(|(_, r)| r.split_whitespace().next())
+                .is_some_and(|p| p.ends_with(&format!("pipelines/{name}")))
+        }) || makes.iter().any(|t| {
+            let recipe = &targets[t];
+            recipe.contains(&format!("={name}"))
+                || (name == "demo.toml"
+                    && recipe.contains("pipelines/demo.sh")
+                    && !recipe.contains("DEMO_SPEC="))
+        });
+        assert!(
+            runs_itself,
+            "{name}: the header names no command that runs it:\n{header}"
+        );
+
+        // Stand-ins where the header's commands put the model and the data.
+        let t: toml::Table = toml::from_str(&text).unwrap();
+        let model = t["model"]["path"].as_str().unwrap();
+        if !w.join(model).exists() {
+            tandem_ok(
+                w,
+                &[
+                    "init-model",
+                    "--like",
+                    "qwen2",
+                    "--layers",
+                    "1",
+                    "--hidden",
+                    "32",
+                    "--heads",
+                    "2",
+                    "--ffn",
+                    "64",
+                    "--vocab",
+                    "300",
+                    "--out",
+                    model,
+                ],
+            );
+        }
+        for key in ["train", "val"] {
+            let Some(p) = t["data"].get(key).and_then(|v| v.as_str()) else {
+                continue;
+            };
+            if !w.join(p).exists() {
+                tandem_ok(
+                    w,
+                    &[
+                        "prepare",
+                        "synth",
+                        "--task",
+                        "add",
+                        "--digits",
+                        "1",
+                        "--n",
+                        "16",
+                        "--answer-format",
+                        "gsm8k",
+                        "--out",
+                        p,
+                    ],
+                );
+            }
+        }
+        let run = format!("r-{name}");
+        let o = Command::new(PIPELINE)
+            .current_dir(w)
+            .args([
+                "run",
+                &format!("pipelines/{name}"),
+                "--dry-run",
+                "--device",
+                "cpu",
+            ])
+            .args(["--run-dir", &run])
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("rollout --model"),
+            "{name}"
+        );
+        assert!(!w.join(&run).exists(), "{name}: the dry run wrote {run}");
+    }
+}
+
+#[test]
+fn make_words_and_targets_are_read() {
+    assert_eq!(
+        make_words("run `make model-x data` first (or make demo-dapo), then make"),
+        ["model-x", "data", "demo-dapo"]
+    );
+    let t = make_targets(".PHONY: a b\nV := 1\n# c: d\na: b\n\techo a\nb c: x\n\techo bc\n");
+    assert_eq!(t.keys().collect::<Vec<_>>(), ["a", "b", "c"]);
+    assert_eq!(
+        (t["a"].as_str(), t["c"].as_str()),
+        ("echo a\n", "echo bc\n")
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

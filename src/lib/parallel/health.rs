@@ -14,10 +14,6 @@ use std::time::Duration;
 /// Exit code of a rank stopped because the job failed (the same as any other error).
 pub(crate) const EXIT_FAILED: i32 = 1;
 
-/// Where a rank writes the job's first failure as it saw it (one JSON line: suspect, reporter,
-/// reason, time); `tandem launch` sets it per rank and names the failed rank from these.
-pub(crate) const ERROR_FILE_ENV: &str = "TANDEM_DIST_ERROR_FILE";
-
 /// A failure of the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Failure {
@@ -115,16 +111,8 @@ impl Health {
             "tandem dist: rank {}: stopping: {}",
             self.rank, f.reason
         ));
-        if let Some(path) = std::env::var_os(ERROR_FILE_ENV) {
-            let time = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs_f64())
-                .unwrap_or(0.0);
-            let line = serde_json::json!({
-                "suspect": f.suspect, "reporter": f.reporter, "reason": f.reason, "time": time,
-            });
-            let _ = std::fs::write(path, format!("{line}\n"));
-        }
+        // Under `tandem launch`: the job's first failure as this rank saw it.
+        crate::error::append_rank_error(f.suspect, f.reporter, &f.reason, false);
         true
     }
 

@@ -6,15 +6,16 @@
 //!
 //! When a rank fails (non-zero exit or a signal), the others are told by the rendezvous store
 //! and normally stop within moments; the launcher gives them a second, then sends SIGTERM, and
-//! SIGKILL after `--grace`. Each rank writes the failure as it saw it to its error file
-//! (TANDEM_DIST_ERROR_FILE, like torchrun's error files), so the launcher can name the rank at
-//! fault even when another rank exited first (a hung rank is the last to go). It exits 2 when
+//! SIGKILL after `--grace`. Each rank writes the failure as it saw it, and the error its `main`
+//! ended with, to its error file (TANDEM_DIST_ERROR_FILE, like torchrun's error files), so the
+//! launcher can name the rank at fault even when another rank exited first (a hung rank is the
+//! last to go), and print its error once, as the last line (the ranks do not print theirs). It exits 2 when
 //! that rank exited with 2 (bad input), else 1. SIGINT or SIGTERM to the launcher stops every
 //! rank the same way; the children die with the launcher if it is killed (Linux).
 
 use super::group::{parse_seconds, TIMEOUT_ENV};
-use super::health::ERROR_FILE_ENV;
 use crate::error::input_error;
+use crate::error::ERROR_FILE_ENV;
 use crate::process::die_with_parent;
 use anyhow::{anyhow, Result};
 use clap::Args;
@@ -124,33 +125,64 @@ impl Rank {
     }
 }
 
-/// A failure as one rank recorded it (see `health::ERROR_FILE_ENV`).
+/// A failure as one rank recorded it (see `error::ERROR_FILE_ENV`).
 #[derive(serde::Deserialize)]
 struct Record {
     suspect: Option<usize>,
     reporter: usize,
     reason: String,
     time: f64,
+    /// The error the rank's `main` ended with (else a failure of the job it noticed or was
+    /// told of).
+    #[serde(default)]
+    exit: bool,
 }
 
-/// The rank at fault and why, from the ranks' error files: the earliest failure a rank
-/// noticed itself (a relayed one repeats it).
-fn culprit(ranks: &[Rank]) -> Option<(usize, String)> {
-    let mut records: Vec<(usize, Record)> = ranks
+/// Every rank's records, as (rank, its records in the order written).
+fn read_records(ranks: &[Rank]) -> Vec<(usize, Vec<Record>)> {
+    let lines = |r: &Rank| {
+        let text = std::fs::read_to_string(&r.error_file).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    };
+    ranks
         .iter()
         .enumerate()
-        .filter_map(|(i, r)| {
-            let text = std::fs::read_to_string(&r.error_file).ok()?;
-            Some((i, serde_json::from_str(text.trim()).ok()?))
-        })
+        .map(|(i, r)| (i, lines(r)))
+        .collect()
+}
+
+/// The rank at fault and why: the earliest first failure of a rank that it noticed itself
+/// (its own error, or another rank's death or silence); a relayed one, which repeats it, only
+/// when there is none. A rank's later lines follow from its first and are not causes.
+fn culprit(records: &[(usize, Vec<Record>)]) -> Option<(usize, String)> {
+    let mut firsts: Vec<(usize, &Record)> = records
+        .iter()
+        .filter_map(|(i, rs)| Some((*i, rs.first()?)))
         .collect();
-    records.sort_by(|a, b| {
-        let own = |(i, r): &(usize, Record)| (r.reporter != *i) as u8;
-        own(a).cmp(&own(b)).then(a.1.time.total_cmp(&b.1.time))
+    firsts.sort_by(|a, b| {
+        let relayed = |(i, r): &(usize, &Record)| (r.reporter != *i) as u8;
+        relayed(a)
+            .cmp(&relayed(b))
+            .then(a.1.time.total_cmp(&b.1.time))
     });
-    records
+    firsts
         .into_iter()
-        .find_map(|(_, r)| Some((r.suspect?, r.reason)))
+        .find_map(|(_, r)| Some((r.suspect?, r.reason.clone())))
+}
+
+/// The errors the ranks' `main`s ended with, once each, leaving out `shown` (printed last).
+fn exit_errors<'a>(records: &'a [(usize, Vec<Record>)], shown: &str) -> Vec<(usize, &'a str)> {
+    let mut out: Vec<(usize, &str)> = Vec::new();
+    for (i, rs) in records {
+        for r in rs.iter().filter(|r| r.exit && r.reason != shown) {
+            if !out.iter().any(|(_, seen)| *seen == r.reason) {
+                out.push((*i, &r.reason));
+            }
+        }
+    }
+    out
 }
 
 /// SIGTERM to the ranks still running, SIGKILL after `grace`; reaps them all.
@@ -298,13 +330,16 @@ fn launch(
                 describe(status)
             ));
             wind_down(&mut ranks, Duration::from_secs(1), grace);
-            let (rank, what) = match culprit(&ranks) {
+            let records = read_records(&ranks);
+            let (rank, reason, what) = match culprit(&records) {
                 Some((s, reason)) if s < n => {
                     let how = ranks[s].status.map(describe).unwrap_or_default();
-                    (s, format!("rank {s} failed ({how}): {reason}"))
+                    let what = format!("rank {s} failed ({how}): {reason}");
+                    (s, reason, what)
                 }
                 _ => (
                     first,
+                    String::new(),
                     format!(
                         "rank {first} (pid {}) {}",
                         ranks[first].child.id(),
@@ -312,6 +347,11 @@ fn launch(
                     ),
                 ),
             };
+            // The ranks' own errors were not printed (run_main wrote them to their files):
+            // the cause comes last, once; any other rank's different error above it.
+            for (i, e) in exit_errors(&records, &reason) {
+                super::say(&format!("tandem launch: rank {i}: error: {e}"));
+            }
             return Err(if ranks[rank].status.and_then(|s| s.code()) == Some(2) {
                 input_error(what)
             } else {
@@ -336,6 +376,41 @@ mod tests {
             describe(ExitStatus::from_raw(libc::SIGKILL)),
             "was killed by signal 9 (SIGKILL)"
         );
+    }
+
+    #[test]
+    fn the_cause_is_the_earliest_first_failure_and_printed_once() {
+        let rec = |suspect: usize, reporter: usize, reason: &str, time: f64, exit: bool| Record {
+            suspect: Some(suspect),
+            reporter,
+            reason: reason.into(),
+            time,
+            exit,
+        };
+        let cause = "in.parquet: cannot open batch file";
+        // Rank 0 fails on its input; rank 1 sees rank 0 go, then ends with the same error.
+        let records = vec![
+            (0, vec![rec(0, 0, cause, 2.0, true)]),
+            (
+                1,
+                vec![
+                    rec(0, 1, "rank 0 stopped before finishing", 3.0, false),
+                    rec(1, 1, cause, 4.0, true),
+                ],
+            ),
+        ];
+        assert_eq!(culprit(&records), Some((0, cause.to_string())));
+        assert!(exit_errors(&records, cause).is_empty());
+        // Another error than the cause is kept, once.
+        let mut more = records;
+        more.push((
+            2,
+            vec![rec(2, 2, "other", 5.0, true), rec(2, 2, "other", 6.0, true)],
+        ));
+        assert_eq!(exit_errors(&more, cause), [(2, "other")]);
+        // A relayed failure counts only when nobody noticed one.
+        let relayed = vec![(1, vec![rec(0, 0, "told", 1.0, false)])];
+        assert_eq!(culprit(&relayed), Some((0, "told".to_string())));
     }
 
     #[test]

@@ -16,15 +16,20 @@
 //!   past the model's vocabulary), and a ground truth in every row when the reward is a
 //!   built-in rule.
 //!
+//! - `device = "cuda"` (or `--device cuda`): the CUDA driver loads and shows a GPU, and at
+//!   least `gpus` of them.
+//!
 //! Every problem is an input error (exit 2) naming the spec key and the file, column or row.
 
 use super::plan::Plan;
+use super::spec::Device;
 use crate::bail_input;
 use crate::batch::Batch;
 use crate::data::{ChatTemplate, PromptDataset};
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::safetensors::{INDEX_FILE, SINGLE_FILE};
+use crate::parallel::nccl::visible_gpus;
 use crate::reward::external::python_argv;
 use crate::reward::{Options, RewardSpec};
 use crate::stage::common::resolve_model;
@@ -43,6 +48,7 @@ const STDERR_TAIL: usize = 12;
 pub fn check(plan: &Plan) -> Result<Batch> {
     let spec = &plan.spec;
     let st = &plan.stages;
+    check_device(spec.device, spec.gpus)?;
 
     let score = &st.score.args;
     let reward = RewardSpec::parse(&score.reward)?;
@@ -97,6 +103,23 @@ pub fn check(plan: &Plan) -> Result<Batch> {
         data: b.data.clone(),
         meta: b.meta.clone(),
     })
+}
+
+/// With `device = "cuda"`, the GPUs the model stages will open are there (the driver is asked
+/// for its device count only: no context is made in the runner).
+fn check_device(device: Device, gpus: u64) -> Result<()> {
+    if device != Device::Cuda {
+        return Ok(());
+    }
+    let key = "device = \"cuda\"";
+    let n = visible_gpus().map_err(|e| input_error(format!("{key}: {e:#}")))?;
+    if n == 0 {
+        bail_input!("{key}: the CUDA driver shows no GPU; use --device cpu");
+    }
+    if (n as u64) < gpus {
+        bail_input!("{key} with gpus = {gpus}: only {n} GPU(s) visible");
+    }
+    Ok(())
 }
 
 /// A model directory (or sync-weights pointer) the stages will load: it resolves to a

@@ -351,6 +351,27 @@ fn key_position(text: &str, table: &str, key: &str) -> Option<(usize, usize)> {
     None
 }
 
+/// The key whose value starts at byte `offset`, as "[table] key" (bare at the top level): the
+/// text before the first `=` of that line, under the last `[table]` header above it. None when
+/// the offset is not on a `key = value` line (a missing key points at its table).
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let before = text.get(..offset)?;
+    let start = before.rfind('\n').map_or(0, |i| i + 1);
+    let (key, _) = before[start..].split_once('=')?;
+    let key = key.trim().trim_matches('"');
+    if key.is_empty() || key.starts_with('[') {
+        return None;
+    }
+    let table = before[..start].lines().rev().find_map(|l| {
+        let t = l.split('#').next().unwrap_or_default().trim();
+        t.strip_prefix('[').and_then(|r| r.strip_suffix(']'))
+    });
+    Some(match table {
+        Some(t) => format!("[{}] {key}", t.trim()),
+        None => key.to_string(),
+    })
+}
+
 /// The command-line arguments for `--long` with a spec value, as the flag takes it, and the
 /// scalar values its parser reads. A value starting with `-` goes as `--long=VALUE` where the
 /// flag does not take negative numbers, so that it is not read as a flag.
@@ -780,9 +801,10 @@ impl Spec {
     }
 }
 
-/// A TOML/serde error as "FILE:LINE:COL: message", with a suggestion for unknown keys.
+/// A TOML/serde error as "FILE:LINE:COL: [table] key = value: message" (the key where the
+/// error points at one), with a suggestion for unknown keys.
 fn describe_toml_error(text: &str, origin: &str, e: &toml::de::Error) -> String {
-    let location = match e.span() {
+    let mut location = match e.span() {
         Some(span) => {
             let before = &text[..span.start.min(text.len())];
             let line = before.matches('\n').count() + 1;
@@ -791,6 +813,12 @@ fn describe_toml_error(text: &str, origin: &str, e: &toml::de::Error) -> String 
         }
         None => origin.to_string(),
     };
+    if let Some(span) = e.span() {
+        if let Some(key) = key_at(text, span.start) {
+            let value = text.get(span).unwrap_or_default().trim();
+            location = format!("{location}: {key} = {value}");
+        }
+    }
     let msg = e.message().trim();
     match unknown_field(msg) {
         Some((key, expected)) => {
@@ -1128,11 +1156,11 @@ estimator = "grpo"
             ),
             (
                 with("filter-groups = true\non-cap = \"maybe\""),
-                "t.toml:14:10: unknown variant `maybe`, expected `train` or `fail`",
+                "t.toml:14:10: [algorithm] on-cap = \"maybe\": unknown variant `maybe`, expected `train` or `fail`",
             ),
             (
                 with("filter-groups = true\nmax-num-gen-batches = -1"),
-                "t.toml:14:23: invalid value",
+                "t.toml:14:23: [algorithm] max-num-gen-batches = -1: invalid value",
             ),
             (
                 format!("{}[rollout]\nn = 1\n", with("filter-groups = true")),
@@ -1184,7 +1212,15 @@ estimator = "grpo"
             ),
             (
                 MINIMAL.replace("steps = 3", "steps = \"3\""),
-                "t.toml:2:9: invalid type",
+                "t.toml:2:9: steps = \"3\": invalid type: string \"3\", expected u64",
+            ),
+            (
+                MINIMAL.replace("prompts-per-step = 4", "prompts-per-step = 4.5"),
+                "t.toml:7:20: [data] prompts-per-step = 4.5: invalid type: floating point",
+            ),
+            (
+                MINIMAL.replace("path = \"models/tiny\"", "path = 7"),
+                "t.toml:4:8: [model] path = 7: invalid type: integer `7`",
             ),
             (
                 MINIMAL.replace("reward = \"exact\"", ""),
@@ -1196,7 +1232,7 @@ estimator = "grpo"
             ),
             (
                 format!("device = \"tpu\"\n{MINIMAL}"),
-                "unknown variant `tpu`",
+                "t.toml:1:10: device = \"tpu\": unknown variant `tpu`",
             ),
             (format!("{MINIMAL}[eval]\nevery = 2\n"), "needs [data] val"),
             (

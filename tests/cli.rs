@@ -236,3 +236,67 @@ fn version_names_the_git_commit() {
         assert!(["-dirty)", ")"].contains(&rest), "{name}: {line:?}");
     }
 }
+
+/// A run directory with `steps` metrics lines (no KL term) and an evaluation every 5 steps.
+fn fake_run(dir: &Path, steps: u32, slope: f64) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut metrics = String::new();
+    let mut evals = String::new();
+    for s in 1..=steps {
+        let acc = (0.1 + slope * s as f64).min(1.0);
+        metrics += &format!(
+            "{{\"step\":{s},\"reward/mean\":{acc},\"accuracy\":{acc},\"entropy\":1.0,\"response_length/mean\":4.0,\"time/step\":0.5}}\n"
+        );
+        if s % 5 == 0 {
+            evals += &format!("{{\"step\":{s},\"accuracy\":{acc}}}\n");
+        }
+    }
+    std::fs::write(dir.join("metrics.jsonl"), metrics).unwrap();
+    std::fs::write(dir.join("eval.jsonl"), evals).unwrap();
+}
+
+#[test]
+fn plot_overlays_runs_and_refuses_a_bad_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("runs/a"), dir.path().join("runs/b"));
+    fake_run(&a, 20, 0.02);
+    fake_run(&b, 30, 0.03);
+    let out = dir.path().join("both.png");
+    let o = tandem(&["plot", p(&a), p(&b), "--out", p(&out)]);
+    assert_eq!(stdout_ok(&o, "plot a b").trim(), p(&out));
+    assert_eq!(&std::fs::read(&out).unwrap()[..8], b"\x89PNG\r\n\x1a\n");
+    // Without --out: plot.png in the current directory.
+    let o = Command::new(TANDEM)
+        .args(["plot", "runs/a", "runs/b"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    stdout_ok(&o, "plot runs/a runs/b");
+    assert!(dir.path().join("plot.png").exists());
+
+    // A directory that is not a run: exit 2 naming it, nothing written.
+    let bad = dir.path().join("runs/typo");
+    let out = dir.path().join("none.png");
+    let o = tandem(&["plot", p(&a), p(&bad), "--out", p(&out)]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "{}: no metrics.jsonl or eval.jsonl lines",
+            p(&bad)
+        )),
+        "{err}"
+    );
+    assert!(!out.exists());
+    let junk = dir.path().join("runs/junk");
+    std::fs::create_dir_all(&junk).unwrap();
+    std::fs::write(junk.join("metrics.jsonl"), "{\"step\":1}\nnot json\n").unwrap();
+    let o = tandem(&["plot", p(&junk), p(&a), "--out", p(&out)]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("junk/metrics.jsonl:2: not a JSON object"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}

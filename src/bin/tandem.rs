@@ -33,7 +33,7 @@ enum Cmd {
     GpuTest(tandem::bench::gpu_test::GpuTestArgs),
     /// Make a batch of reference answers (prompt + ground truth + EOS) for `update --loss sft`.
     SftBatch(tandem::stage::sft_batch::SftBatchArgs),
-    /// Plot a run's metrics and evaluations into one PNG.
+    /// Plot a run's metrics and evaluations into one PNG (several runs: overlaid).
     Plot(tandem::pipeline::plot::PlotArgs),
     /// Show a batch file as a table.
     Inspect(tandem::pipeline::inspect::InspectArgs),

@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// The layers, bottom first. A module may use the modules of the layers below its own.
 const LAYERS: &[&[&str]] = &[
-    &["error", "rng"],
+    &["error", "rng", "version"],
     &["batch", "process"],
     &["backend"],
     &["parallel"],
@@ -18,6 +18,7 @@ const LAYERS: &[&[&str]] = &[
     &["daemon"],
     &["pipeline"],
     &["bench"],
+    &["cli"],
 ];
 
 /// Macros exported at the crate root, and the module that defines them.

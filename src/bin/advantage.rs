@@ -1,6 +1,5 @@
-//! `advantage`: see `tandem::stage::advantage`.
+//! `advantage`: see `tandem::stage::advantage`; its command line is `tandem::cli::BINARIES`' entry.
 
 fn main() -> std::process::ExitCode {
-    let args = tandem::stage::parse_cli("advantage");
-    tandem::error::run_main(|| tandem::stage::advantage::run(&args))
+    tandem::cli::binary_main("advantage")
 }

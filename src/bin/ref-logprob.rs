@@ -1,7 +1,6 @@
-//! `ref-logprob`: see `tandem::stage::ref_logprob`; `tandem::daemon::run_stage` decides whether it
-//! computes here or on the warm daemon.
+//! `ref-logprob`: see `tandem::stage::ref_logprob`; its command line and what it runs (here or on the warm
+//! daemon) are `tandem::cli::BINARIES`' entry.
 
 fn main() -> std::process::ExitCode {
-    let args = tandem::stage::parse_cli("ref-logprob");
-    tandem::error::run_main(|| tandem::daemon::run_stage(tandem::stage::StageJob::RefLogprob(args)))
+    tandem::cli::binary_main("ref-logprob")
 }

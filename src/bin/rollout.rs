@@ -1,7 +1,6 @@
-//! `rollout`: see `tandem::stage::rollout`; `tandem::daemon::run_stage` decides whether it
-//! computes here or on the warm daemon.
+//! `rollout`: see `tandem::stage::rollout`; its command line and what it runs (here or on the warm
+//! daemon) are `tandem::cli::BINARIES`' entry.
 
 fn main() -> std::process::ExitCode {
-    let args = tandem::stage::parse_cli("rollout");
-    tandem::error::run_main(|| tandem::daemon::run_stage(tandem::stage::StageJob::Rollout(args)))
+    tandem::cli::binary_main("rollout")
 }

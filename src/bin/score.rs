@@ -1,6 +1,5 @@
-//! `score`: see `tandem::stage::score`.
+//! `score`: see `tandem::stage::score`; its command line is `tandem::cli::BINARIES`' entry.
 
 fn main() -> std::process::ExitCode {
-    let args = tandem::stage::parse_cli("score");
-    tandem::error::run_main(|| tandem::stage::score::run(args))
+    tandem::cli::binary_main("score")
 }

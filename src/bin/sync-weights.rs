@@ -1,9 +1,6 @@
-//! `sync-weights`: see `tandem::stage::sync_weights`; `tandem::daemon::run_stage` decides whether it
-//! computes here or on the warm daemon.
+//! `sync-weights`: see `tandem::stage::sync_weights`; its command line and what it runs (here or on the warm
+//! daemon) are `tandem::cli::BINARIES`' entry.
 
 fn main() -> std::process::ExitCode {
-    let args = tandem::stage::parse_cli("sync-weights");
-    tandem::error::run_main(|| {
-        tandem::daemon::run_stage(tandem::stage::StageJob::SyncWeights(args))
-    })
+    tandem::cli::binary_main("sync-weights")
 }

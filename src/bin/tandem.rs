@@ -1,14 +1,15 @@
-//! `tandem`: utilities around the stages (prepare datasets, make and inspect models, benchmarks).
-//! Each subcommand's options and logic live in the library; this file only dispatches.
+//! `tandem`: utilities around the stages (prepare datasets, make and inspect models, benchmarks),
+//! and every other binary as a subcommand (`tandem rollout …`), shell completions and man pages
+//! (`tandem::cli`). Each subcommand's options and logic live in the library; this file only
+//! dispatches.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(
     name = "tandem",
-    version,
-    about = "RL post-training of LLMs as Parquet stages: utilities"
+    about = "RL post-training of LLMs as Parquet stages: the stages, the pipeline and utilities"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -32,7 +33,7 @@ enum Cmd {
     GpuTest(tandem::bench::gpu_test::GpuTestArgs),
     /// Make a batch of reference answers (prompt + ground truth + EOS) for `update --loss sft`.
     SftBatch(tandem::stage::sft_batch::SftBatchArgs),
-    /// Plot a run's metrics and evaluations into one PNG.
+    /// Plot a run's metrics and evaluations into one PNG (several runs: overlaid).
     Plot(tandem::pipeline::plot::PlotArgs),
     /// Show a batch file as a table.
     Inspect(tandem::pipeline::inspect::InspectArgs),
@@ -51,7 +52,12 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cmd = tandem::cli::with_binaries(Cli::command());
+    let matches = cmd.clone().get_matches();
+    if let Some(result) = tandem::cli::run_builtin(&cmd, &matches) {
+        return tandem::error::run_main(|| result);
+    }
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     tandem::error::run_main(|| match cli.cmd {
         Cmd::Bench(a) => tandem::bench::run(a),
         Cmd::Prepare(args) => tandem::data::prepare::run(args),

@@ -1,7 +1,6 @@
-//! `update`: see `tandem::stage::update`; `tandem::daemon::run_stage` decides whether it
-//! computes here or on the warm daemon.
+//! `update`: see `tandem::stage::update`; its command line and what it runs (here or on the warm
+//! daemon) are `tandem::cli::BINARIES`' entry.
 
 fn main() -> std::process::ExitCode {
-    let args = tandem::stage::parse_cli("update");
-    tandem::error::run_main(|| tandem::daemon::run_stage(tandem::stage::StageJob::Update(args)))
+    tandem::cli::binary_main("update")
 }

@@ -27,11 +27,25 @@ pub fn connect(socket: &Path) -> Result<UnixStream> {
     })
 }
 
+/// Sends the request. A daemon that refuses the connection (another user's) answers and closes
+/// it at once, maybe before the request is written: writing then fails, and the answer is still
+/// there to read, so a closed connection is not an error here (reading says what happened).
 fn send(stream: &mut UnixStream, req: &Request) -> Result<()> {
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
-    stream.write_all(line.as_bytes())?;
-    Ok(())
+    match stream.write_all(line.as_bytes()) {
+        Err(e) if peer_closed(&e) => Ok(()),
+        r => Ok(r?),
+    }
+}
+
+/// Whether an I/O error says the daemon's end of the connection is closed.
+fn peer_closed(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
+    )
 }
 
 fn parse(line: &str, socket: &Path) -> Result<Response> {
@@ -73,26 +87,16 @@ pub fn run_job(socket: &Path, job: StageJob) -> Result<()> {
             socket.display()
         )
     };
-    let gone = |e: &std::io::Error| {
-        use std::io::ErrorKind::*;
-        matches!(
-            e.kind(),
-            ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
-        )
-    };
     let mut stream = connect(socket)?;
     let req = Request::Job {
         cwd,
         job: Box::new(job),
     };
-    match send(&mut stream, &req) {
-        Err(e) if e.downcast_ref().is_some_and(gone) => return Err(closed()),
-        r => r?,
-    }
+    send(&mut stream, &req)?;
     let mut bar: Option<ProgressBar> = None;
     for line in BufReader::new(stream).lines() {
         let line = match line {
-            Err(e) if gone(&e) => return Err(closed()),
+            Err(e) if peer_closed(&e) => return Err(closed()),
             r => r.with_context(|| format!("reading from {}", socket.display()))?,
         };
         match parse(&line, socket)? {

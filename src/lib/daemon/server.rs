@@ -552,6 +552,10 @@ fn accept_loop(listener: UnixListener, tx: mpsc::Sender<Work>, shared: Arc<Mutex
     // SAFETY: geteuid(2) takes no arguments, touches no memory and always succeeds.
     let me = unsafe { libc::geteuid() };
     while !STOP.load(Ordering::SeqCst) {
+        // Woken by a client's connect; looks at STOP every 100 ms meanwhile.
+        if poll_one(listener.as_raw_fd(), libc::POLLIN, 100) == 0 {
+            continue;
+        }
         match listener.accept() {
             Ok((stream, _)) => {
                 let _ = stream.set_nonblocking(false);
@@ -566,9 +570,8 @@ fn accept_loop(listener: UnixListener, tx: mpsc::Sender<Work>, shared: Arc<Mutex
                 let (tx, shared) = (tx.clone(), shared.clone());
                 std::thread::spawn(move || connection(stream, tx, shared));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            // The client gave up between the poll and the accept.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => {
                 eprintln!("daemon: accept: {e}");
                 std::thread::sleep(Duration::from_millis(100));
@@ -581,16 +584,26 @@ fn accept_loop(listener: UnixListener, tx: mpsc::Sender<Work>, shared: Arc<Mutex
 /// (the process exited or was killed). A client that only shut down its writing half is still
 /// there (it may be reading the answer).
 fn client_gone(stream: &UnixStream) -> bool {
+    // A unix stream socket reports POLLHUP once the peer's end is closed for good.
+    poll_one(stream.as_raw_fd(), libc::POLLIN, 0) & (libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// poll(2) on the open descriptor `fd` for `events`, waiting up to `timeout_ms` (0: a look
+/// without waiting): the events reported, 0 when none came in time.
+fn poll_one(fd: std::os::unix::io::RawFd, events: libc::c_short, timeout_ms: i32) -> libc::c_short {
     let mut pfd = libc::pollfd {
-        fd: stream.as_raw_fd(),
-        events: libc::POLLIN,
+        fd,
+        events,
         revents: 0,
     };
-    // SAFETY: `pfd` is one live pollfd (nfds = 1) on `stream`'s open descriptor; timeout 0
-    // returns at once.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    // A unix stream socket reports POLLHUP once the peer's end is closed for good.
-    n > 0 && pfd.revents & (libc::POLLHUP | libc::POLLERR) != 0
+    // SAFETY: `pfd` is one live pollfd (nfds = 1) on a descriptor the caller keeps open for
+    // the call; poll writes only its `revents`.
+    let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    if n > 0 {
+        pfd.revents
+    } else {
+        0
+    }
 }
 
 /// Serves one client: any number of requests, one line each, in order.
@@ -801,12 +814,15 @@ impl Running<'_> {
     ) -> Result<()> {
         let (name, cancel, ranks) = (self.name, self.cancel, self.ranks);
         let finished = AtomicBool::new(false);
+        // Dropped when the job ends: wakes the ticker at once (the scope waits for it).
+        let (job_over, over) = mpsc::channel::<()>();
         let bars = resident.bars.clone();
         // The first failure of another rank's part: this rank's part stops too (cancelled).
         let peer_failed: Mutex<Option<RankFailed>> = Mutex::new(None);
         let result = std::thread::scope(|scope| {
             if let Some(reply) = self.reply {
-                scope.spawn(|| ticker(&bars, reply, &finished));
+                let bars = &bars;
+                scope.spawn(move || ticker(bars, reply, over, TICK));
             }
             if let Some(x) = ranks {
                 scope.spawn(|| {
@@ -820,6 +836,7 @@ impl Running<'_> {
                 cancel.install(|| run_in(&mut Watched(resident, ranks), cwd, job, world))
             }));
             finished.store(true, Ordering::SeqCst);
+            drop(job_over);
             match r {
                 Ok(r) => r,
                 Err(_) => Err(anyhow::anyhow!(
@@ -1016,11 +1033,24 @@ fn run_in<B: Backend>(
     after_rank0(resident)
 }
 
-/// Streams the position of the job's progress bars every 100 ms while they move.
-fn ticker(bars: &Mutex<Vec<(String, indicatif::ProgressBar)>>, reply: &Reply, stop: &AtomicBool) {
+/// How often the ticker sends the progress bars' positions.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Streams the position of the job's progress bars every `tick` while they move, until `over`
+/// says the job ended (its sender dropped): the ticker wakes then, not at its next tick, since
+/// the job's answer waits for it (a sleeping ticker added up to a tick to every job).
+fn ticker(
+    bars: &Mutex<Vec<(String, indicatif::ProgressBar)>>,
+    reply: &Reply,
+    over: mpsc::Receiver<()>,
+    tick: Duration,
+) {
     let mut last: Vec<(u64, u64)> = Vec::new();
     loop {
-        let done = stop.load(Ordering::SeqCst);
+        let done = !matches!(
+            over.recv_timeout(tick),
+            Err(mpsc::RecvTimeoutError::Timeout)
+        );
         let now: Vec<(String, u64, u64)> = bars
             .lock()
             .map(|b| {
@@ -1042,6 +1072,57 @@ fn ticker(bars: &Mutex<Vec<(String, indicatif::ProgressBar)>>, reply: &Reply, st
         if done {
             return;
         }
-        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ticker ends when the job does, woken by the end rather than at its next tick: with
+    /// a tick of an hour it still returns at once, after sending the bars' last positions.
+    #[test]
+    fn the_ticker_is_woken_by_the_end_of_the_job() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let reply = Reply(Arc::new(Mutex::new(ours)));
+        let bar = indicatif::ProgressBar::hidden();
+        bar.set_length(4);
+        bar.set_position(3);
+        let bars = Mutex::new(vec![("samples".to_string(), bar)]);
+        let (job_over, over) = mpsc::channel::<()>();
+        let (returned, ticker_done) = mpsc::channel();
+        // Not joined: a ticker that sleeps its tick fails the test instead of hanging it.
+        std::thread::spawn(move || {
+            ticker(&bars, &reply, over, Duration::from_secs(3600));
+            returned.send(()).unwrap();
+        });
+        drop(job_over);
+        ticker_done
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the ticker still sleeps after the job ended");
+        let mut line = String::new();
+        BufReader::new(theirs).read_line(&mut line).unwrap();
+        let sent: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(sent["type"], "progress", "{line}");
+        assert_eq!(
+            (sent["pos"].as_u64(), sent["len"].as_u64()),
+            (Some(3), Some(4))
+        );
+    }
+
+    /// A connection is taken as soon as it comes: the listener's poll wakes for it (a look at
+    /// it without waiting sees the client before `accept`).
+    #[test]
+    fn poll_one_sees_a_waiting_client_and_a_closed_peer() {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = UnixListener::bind(dir.path().join("s")).unwrap();
+        let fd = listener.as_raw_fd();
+        assert_eq!(poll_one(fd, libc::POLLIN, 0), 0);
+        let client = UnixStream::connect(dir.path().join("s")).unwrap();
+        assert_ne!(poll_one(fd, libc::POLLIN, 0) & libc::POLLIN, 0);
+        let (served, _) = listener.accept().unwrap();
+        assert!(!client_gone(&served));
+        drop(client);
+        assert!(client_gone(&served));
     }
 }

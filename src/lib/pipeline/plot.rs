@@ -1,5 +1,8 @@
-//! `tandem plot RUN [--out FILE.png]`: one PNG of a run's curves against step: reward and
+//! `tandem plot RUN... [--out FILE.png]`: one PNG of a run's curves against step: reward and
 //! accuracy, eval accuracy, the KL term in use, entropy, response length, seconds per step.
+//! A panel without data (no KL term configured, no evaluation) is left out and the others take
+//! its space ([`with_data`], [`grid`]); a footnote names what was left out. Several runs are
+//! drawn over each other ([`overlay`]): each run in its own colour, its name in the legends.
 //!
 //! What is drawn is computed first, by pure functions the tests check: [`panels`] reads the
 //! curves (one value per metrics line, `None` where a line lacks it), [`Series::runs`] splits
@@ -26,21 +29,26 @@ use std::path::{Path, PathBuf};
 use std::sync::Once;
 
 #[derive(Args, Debug, Clone)]
-#[command(about = "Plot a run's metrics and evaluations into one PNG")]
+#[command(about = "Plot a run's metrics and evaluations into one PNG (several runs: overlaid)")]
 pub struct PlotArgs {
-    /// The run directory (holding metrics.jsonl and eval.jsonl).
-    pub run: PathBuf,
-    /// Output PNG [default: RUN/plot.png].
-    #[arg(long)]
+    /// Run directories (holding metrics.jsonl and eval.jsonl); several are drawn over each
+    /// other, one colour per run (at most 10).
+    #[arg(required = true, value_name = "RUN")]
+    pub runs: Vec<PathBuf>,
+    /// Output PNG (default: RUN/plot.png for one run, plot.png in the current directory for
+    /// several).
+    #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
 }
 
 /// One curve: a label and, for each line of its file in step order, the step and the value
-/// (`None` where the line lacks the key or holds a non-number).
+/// (`None` where the line lacks the key or holds a non-number); its colour when several runs
+/// are overlaid (None: the panel's palette, by the curve's place).
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Series {
     pub(crate) label: String,
     pub(crate) data: Vec<(f64, Option<f64>)>,
+    pub(crate) color: Option<RGBColor>,
 }
 
 impl Series {
@@ -115,6 +123,7 @@ fn series(rows: &[Map<String, Value>], key: &str, label: &str) -> Option<Series>
     data.iter().any(|p| p.1.is_some()).then(|| Series {
         label: label.to_string(),
         data,
+        color: None,
     })
 }
 
@@ -222,7 +231,7 @@ pub(crate) fn panels(
     ) {
         (Some(r), Some(a)) if r.data == a.data => vec![Series {
             label: "reward mean = accuracy".into(),
-            data: r.data,
+            ..r
         }],
         (r, a) => r.into_iter().chain(a).collect(),
     };
@@ -253,6 +262,70 @@ pub(crate) fn panels(
                 .collect(),
         ),
     ]
+}
+
+/// Several runs' panels as one set: panel by panel, every run's curves, labelled `NAME: curve`,
+/// in the run's colour (a panel's second and later curves of a run in lighter shades of it).
+/// A panel's note is the first run's.
+pub(crate) fn overlay(runs: &[(String, Vec<Panel>)]) -> Vec<Panel> {
+    let Some((_, first)) = runs.first() else {
+        return vec![];
+    };
+    let mut out: Vec<Panel> = first
+        .iter()
+        .map(|p| Panel {
+            series: vec![],
+            ..p.clone()
+        })
+        .collect();
+    for (r, (name, panels)) in runs.iter().enumerate() {
+        for (merged, panel) in out.iter_mut().zip(panels) {
+            merged
+                .series
+                .extend(panel.series.iter().enumerate().map(|(k, s)| Series {
+                    label: format!("{name}: {}", s.label),
+                    data: s.data.clone(),
+                    color: Some(shade(COLORS[r % COLORS.len()], k)),
+                }));
+        }
+    }
+    out
+}
+
+/// `color` for a run's `k`-th curve of a panel: itself, then lighter (mixed with white).
+fn shade(color: RGBColor, k: usize) -> RGBColor {
+    let white = 1.0 - 0.6f64.powi(k as i32);
+    let mix = |c: u8| (c as f64 + (255.0 - c as f64) * white).round() as u8;
+    RGBColor(mix(color.0), mix(color.1), mix(color.2))
+}
+
+/// The panels that have data, and the footnote that names the others (with why, where the
+/// panel says), so they give their space to the rest. When no panel has data, all of them (each
+/// says why it is empty).
+pub(crate) fn with_data(panels: Vec<Panel>) -> (Vec<Panel>, Option<String>) {
+    let has_data = |p: &Panel| p.series.iter().any(|s| s.range().is_some());
+    if !panels.iter().any(has_data) {
+        return (panels, None);
+    }
+    let (kept, empty): (Vec<Panel>, Vec<Panel>) = panels.into_iter().partition(has_data);
+    let names: Vec<String> = empty
+        .iter()
+        .map(|p| match &p.note {
+            Some(note) => format!("{}: {}", p.title, note.replace('\n', " ")),
+            None => p.title.clone(),
+        })
+        .collect();
+    let footnote = (!names.is_empty()).then(|| format!("no data: {}", names.join("; ")));
+    (kept, footnote)
+}
+
+/// How `n` panels fill the figure: the number of panels in each row, at most 3 a row, the
+/// rows as even as can be (5: 3 then 2, each row's panels sharing its whole width).
+pub(crate) fn grid(n: usize) -> Vec<usize> {
+    let rows = n.div_ceil(3).max(1);
+    (0..rows)
+        .map(|r| n / rows + usize::from(r < n % rows))
+        .collect()
 }
 
 /// The vertices drawn for one run of points when `columns` pixel columns span x0..=x1: every
@@ -337,11 +410,13 @@ pub(crate) struct DrawnSeries {
     pub(crate) pixels: Vec<Vec<(i32, i32)>>,
 }
 
-/// What was drawn of one panel: where its plot area and legend are, and its series.
+/// What was drawn of one panel: its share of the figure, where its plot area and legend are,
+/// and its series.
 #[derive(Clone, Debug)]
 #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests only"))]
 pub(crate) struct DrawnPanel {
     pub(crate) title: String,
+    pub(crate) area: Rect,
     pub(crate) plot: Rect,
     pub(crate) legend: Option<Rect>,
     pub(crate) x_range: Range<f64>,
@@ -362,12 +437,18 @@ fn register_font() {
     });
 }
 
-pub(crate) const COLORS: [RGBColor; 5] = [
+/// A panel's curves, or the runs overlaid, in this order (matplotlib's tab10).
+pub(crate) const COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
     RGBColor(214, 39, 40),
     RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
 ];
 
 /// Image size in pixels.
@@ -375,16 +456,22 @@ pub(crate) const SIZE: (u32, u32) = (1500, 900);
 
 const CAPTION_H: i32 = 26;
 const LEGEND_ROW_H: i32 = 17;
+const FOOTNOTE_H: u32 = 22;
 
-/// Draw the panels into a PNG at `out` (written whole, then renamed into place); returns what
-/// was drawn.
-pub(crate) fn draw(panels: &[Panel], title: &str, out: &Path) -> Result<Vec<DrawnPanel>> {
+/// Draw the panels into a PNG at `out` (written whole, then renamed into place), with a gray
+/// `footnote` under them; returns what was drawn.
+pub(crate) fn draw(
+    panels: &[Panel],
+    title: &str,
+    footnote: Option<&str>,
+    out: &Path,
+) -> Result<Vec<DrawnPanel>> {
     register_font();
     // The encoder picks the format from the extension, so the temp name keeps `.png`.
     let tmp = out.with_extension("tmp.png");
     let drawn = {
         let root = BitMapBackend::new(&tmp, SIZE).into_drawing_area();
-        let drawn = render(&root, panels, title)?;
+        let drawn = render(&root, panels, title, footnote)?;
         root.present().map_err(|e| anyhow!("{e}"))?;
         drawn
     };
@@ -392,17 +479,31 @@ pub(crate) fn draw(panels: &[Panel], title: &str, out: &Path) -> Result<Vec<Draw
     Ok(drawn)
 }
 
-/// Draw the figure on any backend (a PNG file, or an RGB buffer in tests).
+/// Draw the figure on any backend (a PNG file, or an RGB buffer in tests): the panels fill it
+/// row by row ([`grid`]).
 pub(crate) fn render<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     panels: &[Panel],
     title: &str,
+    footnote: Option<&str>,
 ) -> Result<Vec<DrawnPanel>> {
     register_font();
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("drawing the plot: {e}");
     root.fill(&WHITE).map_err(err)?;
-    let root = root.titled(title, ("sans-serif", 24)).map_err(err)?;
-    let areas = root.split_evenly((2, 3));
+    let mut body = root.titled(title, ("sans-serif", 24)).map_err(err)?;
+    if let Some(text) = footnote {
+        let (w, h) = body.dim_in_pixel();
+        let (top, foot) = body.split_vertically(h.saturating_sub(FOOTNOTE_H));
+        let (x, y) = foot.get_base_pixel();
+        let at = (x + w as i32 / 2, y + FOOTNOTE_H as i32 / 2);
+        root_text(&foot, text, at, RGBColor(120, 120, 120)).map_err(err)?;
+        body = top;
+    }
+    let counts = grid(panels.len());
+    let mut areas = vec![];
+    for (row, &n) in body.split_evenly((counts.len(), 1)).iter().zip(&counts) {
+        areas.extend(row.split_evenly((1, n)));
+    }
     let mut drawn = vec![];
     for (area, panel) in areas.iter().zip(panels) {
         drawn.push(draw_panel(area, panel)?);
@@ -475,6 +576,7 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
     let series = draw_series(&mut chart, p, &x_range, columns).map_err(err)?;
     Ok(DrawnPanel {
         title: p.title.clone(),
+        area: area.get_pixel_range(),
         plot,
         legend,
         x_range,
@@ -517,7 +619,7 @@ fn draw_heading<DB: DrawingBackend>(
             )),
     ))?;
     for ((row, x), (i, s)) in layout.iter().zip(p.series.iter().enumerate()) {
-        let color = COLORS[i % COLORS.len()];
+        let color = s.color.unwrap_or(COLORS[i % COLORS.len()]);
         let y = CAPTION_H + row * LEGEND_ROW_H + LEGEND_ROW_H / 2;
         head.draw(&PathElement::new(
             vec![(*x, y), (x + 22, y)],
@@ -573,7 +675,7 @@ fn draw_series<DB: DrawingBackend>(
 ) -> Drawn<Vec<DrawnSeries>, DB> {
     let mut out = vec![];
     for (i, s) in p.series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
+        let color = s.color.unwrap_or(COLORS[i % COLORS.len()]);
         let lines: Vec<Vec<(f64, f64)>> = s
             .runs()
             .iter()
@@ -624,18 +726,44 @@ fn root_text<DB: DrawingBackend>(
     ))
 }
 
-/// "tandem · demo/run · grpo, vanilla · 400 steps": the run's directory (its last two parts),
-/// estimator and loss from its spec, and the last step.
-pub fn title(run: &Path, spec: Option<&toml::Table>, metrics: &[Map<String, Value>]) -> String {
+/// The last `n` parts of the run directory's full path, as `a/b`.
+fn path_tail(run: &Path, n: usize) -> String {
     let full = std::fs::canonicalize(run).unwrap_or_else(|_| run.to_path_buf());
     let parts: Vec<String> = full
         .components()
         .rev()
-        .take(2)
+        .take(n)
         .map(|c| c.as_os_str().to_string_lossy().into_owned())
         .collect();
     let name: Vec<&str> = parts.iter().rev().map(String::as_str).collect();
-    let mut t = format!("tandem · {}", name.join("/"));
+    name.join("/")
+}
+
+/// The runs' names in legends: the fewest last parts of their paths that tell them apart
+/// (`a`, `b` for runs/a and runs/b; `a/run`, `b/run` for runs/a/run and runs/b/run).
+pub(crate) fn run_names(runs: &[PathBuf]) -> Vec<String> {
+    let most = runs
+        .iter()
+        .map(|r| r.components().count())
+        .max()
+        .unwrap_or(1);
+    let mut names = vec![];
+    for n in 1..=most.max(1) {
+        names = runs.iter().map(|r| path_tail(r, n)).collect();
+        let mut distinct = names.clone();
+        distinct.sort();
+        distinct.dedup();
+        if distinct.len() == names.len() {
+            break;
+        }
+    }
+    names
+}
+
+/// "tandem · demo/run · grpo, vanilla · 400 steps": the run's directory (its last two parts),
+/// estimator and loss from its spec, and the last step.
+pub fn title(run: &Path, spec: Option<&toml::Table>, metrics: &[Map<String, Value>]) -> String {
+    let mut t = format!("tandem · {}", path_tail(run, 2));
     if spec.is_some() {
         t += &format!(
             " · {}, {}",
@@ -649,23 +777,72 @@ pub fn title(run: &Path, spec: Option<&toml::Table>, metrics: &[Map<String, Valu
     t
 }
 
-/// `tandem plot`.
+/// What `tandem plot` reads of a run directory.
+struct RunData {
+    metrics: Vec<Map<String, Value>>,
+    evals: Vec<Map<String, Value>>,
+    spec: Option<toml::Table>,
+}
+
+impl RunData {
+    fn read(dir: &Path) -> Result<RunData> {
+        let run = RunDir::new(dir);
+        let metrics = read_jsonl(&run.metrics_path())?;
+        let evals = read_jsonl(&run.eval_path())?;
+        if metrics.is_empty() && evals.is_empty() {
+            bail_input!(
+                "{}: no metrics.jsonl or eval.jsonl lines: not a run directory, or no step has finished yet",
+                dir.display()
+            );
+        }
+        let spec = std::fs::read_to_string(run.spec_path())
+            .ok()
+            .and_then(|t| t.parse().ok());
+        Ok(RunData {
+            metrics,
+            evals,
+            spec,
+        })
+    }
+
+    fn panels(&self) -> Vec<Panel> {
+        panels(&self.metrics, &self.evals, self.spec.as_ref())
+    }
+}
+
+/// `tandem plot`: every run is read (and checked) before anything is drawn.
 pub fn run(args: PlotArgs) -> Result<()> {
-    let run = RunDir::new(&args.run);
-    let metrics = read_jsonl(&run.metrics_path())?;
-    let evals = read_jsonl(&run.eval_path())?;
-    if metrics.is_empty() && evals.is_empty() {
+    if args.runs.len() > COLORS.len() {
         bail_input!(
-            "{}: no metrics.jsonl or eval.jsonl lines: not a run directory, or no step has finished yet",
-            args.run.display()
+            "plot: {} runs given; at most {} in one plot (one colour each)",
+            args.runs.len(),
+            COLORS.len()
         );
     }
-    let spec: Option<toml::Table> = std::fs::read_to_string(run.spec_path())
-        .ok()
-        .and_then(|t| t.parse().ok());
-    let out = args.out.unwrap_or_else(|| run.root.join("plot.png"));
-    let title = title(&args.run, spec.as_ref(), &metrics);
-    draw(&panels(&metrics, &evals, spec.as_ref()), &title, &out)?;
+    let runs: Vec<RunData> = args
+        .runs
+        .iter()
+        .map(|r| RunData::read(r))
+        .collect::<Result<_>>()?;
+    let (panels, title, out) = match (&runs[..], &args.runs[..]) {
+        ([one], [dir]) => (
+            one.panels(),
+            title(dir, one.spec.as_ref(), &one.metrics),
+            RunDir::new(dir).root.join("plot.png"),
+        ),
+        _ => {
+            let names = run_names(&args.runs);
+            let title = format!("tandem · {}", names.join(" vs "));
+            let named: Vec<(String, Vec<Panel>)> = names
+                .into_iter()
+                .zip(runs.iter().map(RunData::panels))
+                .collect();
+            (overlay(&named), title, PathBuf::from("plot.png"))
+        }
+    };
+    let out = args.out.unwrap_or(out);
+    let (panels, footnote) = with_data(panels);
+    draw(&panels, &title, footnote.as_deref(), &out)?;
     println!("{}", out.display());
     Ok(())
 }
@@ -754,6 +931,7 @@ mod tests {
     fn runs_break_only_where_a_value_is_missing() {
         let s = Series {
             label: "x".into(),
+            color: None,
             data: vec![
                 (1.0, None),
                 (2.0, Some(1.0)),
@@ -893,7 +1071,7 @@ mod tests {
         let mut buf = vec![0u8; (w * h * 3) as usize];
         let drawn = {
             let root = BitMapBackend::with_buffer(&mut buf, SIZE).into_drawing_area();
-            let d = render(&root, &panels, "synthetic").unwrap();
+            let d = render(&root, &panels, "synthetic", None).unwrap();
             root.present().unwrap();
             d
         };
@@ -959,7 +1137,7 @@ mod tests {
         // The PNG (kept where TANDEM_TEST_PLOT says, to look at).
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("plot.png");
-        draw(&panels, "synthetic", &out).unwrap();
+        draw(&panels, "synthetic", None, &out).unwrap();
         assert_eq!(&std::fs::read(&out).unwrap()[..8], b"\x89PNG\r\n\x1a\n");
         if let Ok(keep) = std::env::var("TANDEM_TEST_PLOT") {
             std::fs::copy(&out, keep).unwrap();
@@ -987,12 +1165,158 @@ mod tests {
         assert!(counted > 10_000, "{counted} series pixels");
     }
 
+    /// Renders into an RGB buffer: the buffer and what was drawn.
+    fn render_rgb(panels: &[Panel], footnote: Option<&str>) -> (Vec<u8>, Vec<DrawnPanel>) {
+        let (w, h) = SIZE;
+        let mut buf = vec![0u8; (w * h * 3) as usize];
+        let drawn = {
+            let root = BitMapBackend::with_buffer(&mut buf, SIZE).into_drawing_area();
+            let d = render(&root, panels, "t", footnote).unwrap();
+            root.present().unwrap();
+            d
+        };
+        (buf, drawn)
+    }
+
+    fn pixel(buf: &[u8], (x, y): (i32, i32)) -> (u8, u8, u8) {
+        let i = ((y as u32 * SIZE.0 + x as u32) * 3) as usize;
+        (buf[i], buf[i + 1], buf[i + 2])
+    }
+
+    /// Whether a pixel of `color` is drawn inside `r`.
+    fn has_color(buf: &[u8], r: &Rect, color: RGBColor) -> bool {
+        r.1.clone().any(|y| {
+            r.0.clone()
+                .any(|x| pixel(buf, (x, y)) == (color.0, color.1, color.2))
+        })
+    }
+
+    #[test]
+    fn grids_fill_their_rows() {
+        let got: Vec<Vec<usize>> = (1..=6).map(grid).collect();
+        assert_eq!(
+            got,
+            [
+                vec![1],
+                vec![2],
+                vec![3],
+                vec![2, 2],
+                vec![3, 2],
+                vec![3, 3]
+            ]
+        );
+    }
+
+    #[test]
+    fn a_panel_without_data_gives_its_space_to_the_others() {
+        let (mut metrics, evals, _) = synthetic_run(40);
+        for m in &mut metrics {
+            m.remove("advantage/kl");
+        }
+        let none = spec("[advantage]\nestimator = \"grpo\"\n[update]\nloss = \"vanilla\"\n");
+        let (kept, footnote) = with_data(panels(&metrics, &evals, Some(&none)));
+        let titles: Vec<&str> = kept.iter().map(|p| p.title.as_str()).collect();
+        assert_eq!(
+            titles,
+            [
+                "reward and accuracy (train)",
+                "eval accuracy",
+                "entropy",
+                "response length (tokens)",
+                "seconds per step"
+            ]
+        );
+        let footnote = footnote.unwrap();
+        assert_eq!(
+            footnote,
+            "no data: KL to the reference: no KL term configured (use-kl-loss and kl-in-reward are off)"
+        );
+        let (buf, drawn) = render_rgb(&kept, Some(&footnote));
+        assert_eq!(drawn.len(), 5);
+        // Three panels on the first row, two on the second, each row's panels sharing its
+        // whole width; the rows stacked without a gap down to the footnote.
+        let (w, h) = (SIZE.0 as i32, SIZE.1 as i32);
+        let rows = [&drawn[..3], &drawn[3..]];
+        for row in rows {
+            assert_eq!(row[0].area.0.start, 0);
+            assert_eq!(row.last().unwrap().area.0.end, w);
+            for pair in row.windows(2) {
+                assert_eq!(pair[0].area.0.end, pair[1].area.0.start);
+                assert_eq!(pair[0].area.1, pair[1].area.1);
+            }
+        }
+        let width = |d: &DrawnPanel| d.area.0.end - d.area.0.start;
+        assert!((width(&drawn[3]) - w / 2).abs() <= 1);
+        assert!((width(&drawn[0]) - w / 3).abs() <= 1);
+        assert_eq!(drawn[0].area.1.end, drawn[3].area.1.start);
+        assert_eq!(drawn[3].area.1.end, h - FOOTNOTE_H as i32);
+        // The footnote is drawn under them.
+        let foot: Rect = (0..w, h - FOOTNOTE_H as i32..h);
+        assert!(has_color(&buf, &foot, RGBColor(120, 120, 120)));
+        // Every panel with data: nothing left out, no footnote.
+        let (all, none) = with_data(panels(&synthetic_run(40).0, &evals, None));
+        assert_eq!((all.len(), none), (6, None));
+    }
+
+    #[test]
+    fn runs_overlay_in_every_panel_one_colour_each() {
+        let (ma, ea, sa) = synthetic_run(40);
+        let (mut mb, eb, sb) = synthetic_run(30);
+        // Run b learns faster: its curves differ from a's.
+        for m in &mut mb {
+            let acc = m["accuracy"].as_f64().map(|a| (a + 0.2).min(1.0));
+            m.insert("accuracy".into(), json!(acc));
+        }
+        let runs = vec![
+            ("a".to_string(), panels(&ma, &ea, Some(&sa))),
+            ("b".to_string(), panels(&mb, &eb, Some(&sb))),
+        ];
+        let merged = overlay(&runs);
+        assert_eq!(merged.len(), 6);
+        for (i, p) in merged.iter().enumerate() {
+            for (r, (name, own)) in runs.iter().enumerate() {
+                let mine: Vec<&Series> = p
+                    .series
+                    .iter()
+                    .filter(|s| s.label.starts_with(&format!("{name}: ")))
+                    .collect();
+                assert_eq!(mine.len(), own[i].series.len(), "{}: {name}", p.title);
+                assert!(!mine.is_empty(), "{}: {name}", p.title);
+                for (k, (s, o)) in mine.iter().zip(&own[i].series).enumerate() {
+                    assert_eq!(s.label, format!("{name}: {}", o.label));
+                    assert_eq!(s.data, o.data);
+                    assert_eq!(s.color, Some(shade(COLORS[r], k)));
+                }
+            }
+        }
+        assert_eq!(shade(COLORS[0], 0), COLORS[0]);
+        assert_eq!(shade(RGBColor(0, 100, 255), 1), RGBColor(102, 162, 255));
+        // Both runs' lines in every panel's plot area.
+        let (buf, drawn) = render_rgb(&merged, None);
+        for d in &drawn {
+            for color in [COLORS[0], COLORS[1]] {
+                assert!(has_color(&buf, &d.plot, color), "{}: {color:?}", d.title);
+            }
+        }
+    }
+
+    #[test]
+    fn run_names_are_the_shortest_distinct_tails() {
+        let paths = |ps: &[&str]| ps.iter().map(PathBuf::from).collect::<Vec<_>>();
+        assert_eq!(run_names(&paths(&["runs/a", "runs/b"])), ["a", "b"]);
+        assert_eq!(
+            run_names(&paths(&["x/a/run", "x/b/run"])),
+            ["a/run", "b/run"]
+        );
+        assert_eq!(run_names(&paths(&["runs/a"])), ["a"]);
+    }
+
     #[test]
     fn draws_a_png() {
         let dir = tempfile::tempdir().unwrap();
         let m = rows(json!([{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.4}]));
         let out = dir.path().join("p.png");
-        draw(&panels(&m, &[], None), "t", &out).unwrap();
+        draw(&panels(&m, &[], None), "t", None, &out).unwrap();
         let bytes = std::fs::read(&out).unwrap();
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
         assert!(!dir.path().join("p.tmp.png").exists());

@@ -352,7 +352,7 @@ impl StageDef {
 
 /// The command of a stage whose flags are the `Args` type `A`.
 fn command<A: clap::Args>(name: &'static str) -> Command {
-    A::augment_args(Command::new(name).version(env!("CARGO_PKG_VERSION")))
+    A::augment_args(Command::new(name).version(crate::version::VERSION))
 }
 
 /// The stage binaries the pipeline runs, in the order of a step.
@@ -415,14 +415,6 @@ pub fn def(name: &str) -> Option<&'static StageDef> {
 /// The typed flags of parsed matches (an input error when they do not fit).
 pub(crate) fn parse_args<A: FromArgMatches>(m: &ArgMatches) -> Result<A> {
     A::from_arg_matches(m).map_err(|e| input_error(clap_message(&e)))
-}
-
-/// This process's command line parsed by the stage `name`'s command (prints help, version, or
-/// the parse error and exits 2, as clap does).
-pub fn parse_cli<A: FromArgMatches>(name: &str) -> A {
-    let def = def(name).unwrap_or_else(|| panic!("{name} is not in STAGES"));
-    let m = (def.command)().get_matches();
-    A::from_arg_matches(&m).unwrap_or_else(|e| e.exit())
 }
 
 /// A clap error as one line: its message and hints without the usage block.

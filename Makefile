@@ -4,11 +4,17 @@ CARGO ?= cargo
 SHARED ?= ../shared
 GSM8K ?= $(SHARED)/data/gsm8k
 BIN := target/release
+# `make demo` runs the dev-profile binaries, the ones `make test` builds too: a fresh clone
+# compiles the crate and its dependencies once for both (Cargo.toml's [profile.dev]).
+DEV_BIN := target/debug
 
-.PHONY: build test data bench fmt lint gpu-test nvrtc kernels-check demo demo-dapo model-smollm2-135m model-qwen2.5-coder-0.5b model-qwen2.5-coder-1.5b
+.PHONY: build build-dev test data bench fmt lint gpu-test nvrtc kernels-check demo demo-dapo model-smollm2-135m model-qwen2.5-coder-0.5b model-qwen2.5-coder-1.5b
 
 build:
 	$(CARGO) build --release
+
+build-dev:
+	$(CARGO) build
 
 # The test command of a fresh machine (and of CI).
 test:
@@ -16,15 +22,15 @@ test:
 
 # The main job: GRPO on one-digit addition with a small random model, on CPU, no download
 # (pipelines/demo.sh: data, random model, SFT warm start, pipelines/demo.toml, plot), in runs/demo.
-demo: build
+demo: build-dev
 	rm -rf runs/demo/run
-	pipelines/demo.sh $(CURDIR)/$(BIN) runs/demo $(DEMO_ARGS)
+	pipelines/demo.sh $(CURDIR)/$(DEV_BIN) runs/demo $(DEMO_ARGS)
 
 # The same job with DAPO (pipelines/demo-dapo.toml: dynamic sampling, overlong shaping,
 # clip-higher), in runs/demo-dapo.
-demo-dapo: build
+demo-dapo: build-dev
 	rm -rf runs/demo-dapo/run
-	DEMO_SPEC=demo-dapo.toml pipelines/demo.sh $(CURDIR)/$(BIN) runs/demo-dapo $(DEMO_ARGS)
+	DEMO_SPEC=demo-dapo.toml pipelines/demo.sh $(CURDIR)/$(DEV_BIN) runs/demo-dapo $(DEMO_ARGS)
 
 data: data/gsm8k/train.parquet data/gsm8k/test.parquet
 

@@ -579,8 +579,9 @@ fn bad_input_is_rejected_without_output() {
 }
 
 /// The size of `tandem bench cpu-stages`: 32,768 rows x 1,024 response tokens, groups of 8.
-/// A benchmark, not a timed test: `cargo test --test advantage -- --ignored --nocapture`
-/// prints the stage's own read/compute/write split.
+/// A benchmark, not a timed test:
+/// `cargo test --test integration advantage:: -- --ignored --nocapture` prints
+/// the stage's own read/compute/write split.
 #[test]
 #[ignore]
 fn bench_grpo_32768_rows_1024_tokens() {

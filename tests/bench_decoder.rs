@@ -1,13 +1,13 @@
 //! Throughput of the CPU decoder (not a timed test: run it by hand with a release build)
 //!
-//!     cargo test --release --test bench_decoder -- --ignored --nocapture
+//!     cargo test --release --test integration bench_decoder:: -- --ignored --nocapture
 //!
 //! Random weights; a ~12M-parameter config and the Qwen2.5-0.5B shape (24 layers, hidden 896,
 //! 14/2 heads, ffn 4864, vocab 151,936, tied). Forward = packed scoring of `batch` sequences;
 //! decode = one greedy token per sequence per step of the paged engine's runner (forward over
 //! the paged KV cache and the draw), after a short prefill.
 
-mod common;
+use crate::common;
 
 use std::time::Instant;
 

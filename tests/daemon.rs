@@ -3,7 +3,7 @@
 //! without the offload options), bad input fails the same way, and the daemon survives
 //! malformed requests and stops cleanly on `shutdown` and SIGTERM.
 
-mod stage_util;
+use crate::stage_util;
 
 use stage_util::{add_advantages, prompts, tiny_model};
 use std::io::{BufRead, BufReader, Write};

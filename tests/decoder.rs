@@ -2,7 +2,7 @@
 //! invariance, steps over the paged KV cache against packed scoring, the optimizer (clipping,
 //! skipping, exact resume), and the errors of bad input.
 
-mod common;
+use crate::common;
 
 use common::{random_weights, tiny, tokens};
 use tandem::backend::check::{randn, Rng};

@@ -5,7 +5,7 @@
 //! input under the launcher is exit 2 naming a rank, with no output file; a pipeline with
 //! `gpus = 2` runs end to end on CPU ranks.
 
-mod stage_util;
+use crate::stage_util;
 
 use stage_util::*;
 use std::path::{Path, PathBuf};

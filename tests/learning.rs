@@ -2,7 +2,7 @@
 //! advantages favouring one response raise its probability; `--loss sft` lowers the NLL; every
 //! registered loss runs by its name.
 
-mod stage_util;
+use crate::stage_util;
 
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch};

@@ -8,7 +8,7 @@
 //! the batch into it. So a resumed run must end with the same weights, checkpoints, metrics
 //! and evaluations as an uninterrupted one, which is what the real stages are held to.
 
-mod stage_util;
+use crate::stage_util;
 
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, Float32Array, RecordBatch, StringArray, UInt64Array};
@@ -306,9 +306,12 @@ fn fake_bins(dir: &Path) -> PathBuf {
     let bins = dir.join("bin");
     std::fs::create_dir_all(&bins).unwrap();
     let exe = std::env::current_exe().unwrap();
+    // The test's name as the harness knows it: its module path without the crate's name.
+    let path = concat!(module_path!(), "::fake_stage");
+    let test = path.split_once("::").unwrap().1;
     for stage in STAGES {
         let script = format!(
-            "#!/bin/sh\nFAKE_STAGE={stage} FAKE_ARGS=\"$(printf '%s\\037' \"$@\")\" exec '{}' fake_stage --exact --ignored --nocapture --test-threads 1 >/dev/null\n",
+            "#!/bin/sh\nFAKE_STAGE={stage} FAKE_ARGS=\"$(printf '%s\\037' \"$@\")\" exec '{}' {test} --exact --ignored --nocapture --test-threads 1 >/dev/null\n",
             exe.display()
         );
         let p = bins.join(stage);

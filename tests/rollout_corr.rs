@@ -4,7 +4,7 @@
 //! `update` writes against values computed from the columns, truncated (TIS) and masked (MIS)
 //! importance sampling.
 
-mod stage_util;
+use crate::stage_util;
 
 use stage_util::{
     add_advantages, f32_rows, i32_rows, input_error, ok, p, prompts, read, run, tiny_model,

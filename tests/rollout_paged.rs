@@ -3,7 +3,7 @@
 //! scheduling (--no-overlap) do not change the samples, the metrics report the KV pool and the
 //! queued steps, and bad limits are input errors.
 
-mod stage_util;
+use crate::stage_util;
 
 use stage_util::*;
 use tandem::batch::{schema, Batch};

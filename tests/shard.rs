@@ -8,7 +8,7 @@
 //! (SIGKILL) in the middle of an update stops the other within 60 s, naming it, with nothing
 //! written; the rerun, undisturbed, ends where one process does.
 
-mod stage_util;
+use crate::stage_util;
 
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};

@@ -1,7 +1,7 @@
 //! End-to-end runs of the model stages' real binaries on a tiny random model: rollout,
 //! ref-logprob, update, sync-weights; their agreement, reproducibility, resume, and bad input.
 
-mod stage_util;
+use crate::stage_util;
 
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, RecordBatch, StringArray};

@@ -2,7 +2,7 @@
 //! runs the stage, completions and man pages come from the stages' flags, and `--version` names
 //! the git commit.
 
-mod stage_util;
+use crate::stage_util;
 
 use stage_util::*;
 use std::path::Path;

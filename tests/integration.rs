@@ -15,6 +15,7 @@ mod stage_util;
 mod advantage;
 mod batch;
 mod bench_decoder;
+mod cli;
 mod daemon;
 mod dapo;
 mod decoder;

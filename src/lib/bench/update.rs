@@ -83,12 +83,16 @@ pub fn shape(name: &str) -> Result<Config> {
             c.vocab_size = 512;
             Ok(c)
         }
-        "small" => bail!("unknown bench shape 'small' (expected tiny, qwen0.5b, qwen1.5b, qwen7b or qwen14b)"),
-        other => super::cpu_engine::shape(other).map_err(|_| {
-            anyhow::anyhow!(
-                "unknown bench shape '{other}' (expected tiny, qwen0.5b, qwen1.5b, qwen7b or qwen14b)"
-            )
-        }),
+        // `small` is the CPU engine bench's shape, not one of these.
+        other => super::cpu_engine::shape(other)
+            .ok()
+            .filter(|_| other != "small")
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "unknown bench shape '{other}' (expected tiny, qwen0.5b, qwen1.5b, qwen7b or \
+                     qwen14b)"
+                )
+            }),
     }
 }
 

@@ -53,6 +53,14 @@ fn first_char(s: &str) -> Option<(char, &str)> {
     Some((c, &s[c.len_utf8()..]))
 }
 
+/// The opening brace as a char (named: one spelling for the comparisons below).
+const OPEN: char = '{';
+
+/// `{c}` onto `out`.
+fn push_braced(out: &mut String, c: char) {
+    out.extend([OPEN, c, '}']);
+}
+
 /// verl's `fix_fracs`: `\frac12` -> `\frac{1}{2}`, `\frac1{2}` -> `\frac{1}{2}`.
 /// Err where Python raises IndexError (`\frac` at the end).
 fn fix_fracs(s: &str) -> Result<String, Raises> {
@@ -62,7 +70,7 @@ fn fix_fracs(s: &str) -> Result<String, Raises> {
     for sub in parts {
         out.push_str("\\frac");
         let (a, rest) = first_char(sub).ok_or(Raises)?;
-        if a == '{' {
+        if a == OPEN {
             out.push_str(sub);
             continue;
         }
@@ -70,13 +78,9 @@ fn fix_fracs(s: &str) -> Result<String, Raises> {
             // verl: `assert len(substr) >= 2` fails -> the input comes back unchanged.
             return Ok(s.to_string());
         };
-        out.push('{');
-        out.push(a);
-        out.push('}');
-        if b != '{' {
-            out.push('{');
-            out.push(b);
-            out.push('}');
+        push_braced(&mut out, a);
+        if b != OPEN {
+            push_braced(&mut out, b);
         } else {
             out.push(b);
         }
@@ -126,12 +130,10 @@ fn fix_sqrt(s: &str) -> Result<String, Raises> {
     for part in parts {
         let (a, rest) = first_char(part).ok_or(Raises)?;
         out.push_str("\\sqrt");
-        if a == '{' {
+        if a == OPEN {
             out.push_str(part);
         } else {
-            out.push('{');
-            out.push(a);
-            out.push('}');
+            push_braced(&mut out, a);
             out.push_str(rest);
         }
     }

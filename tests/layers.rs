@@ -12,7 +12,7 @@ const LAYERS: &[&[&str]] = &[
     &["backend"],
     &["parallel"],
     &["tokenizer"],
-    &["model", "data", "reward", "algo"],
+    &["model", "data", "reward", "algo", "tool"],
     &["engine"],
     &["stage"],
     &["daemon"],

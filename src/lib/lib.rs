@@ -37,4 +37,5 @@ pub mod reward;
 pub mod rng;
 pub mod stage;
 pub mod tokenizer;
+pub mod tool;
 pub mod version;

@@ -1,0 +1,137 @@
+//! Tools an agent calls during a multi-turn rollout: the call the model writes (Hermes / Qwen2.5
+//! `<tool_call>{"name": …, "arguments": {…}}</tool_call>`), what comes back, and the `Tools`
+//! trait the engine calls them through. A failed call is never an error of the stage: it comes
+//! back as content the model reads, with `error` set for the metrics.
+
+use serde_json::Value;
+
+/// One call parsed from the model's text.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    pub arguments: Value,
+}
+
+/// What a call gave: `content` is what the model reads next (on failure, the error's text,
+/// e.g. `error: tool timed out after 10 s`); `error` is set when the call failed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolResult {
+    pub content: String,
+    pub seconds: f64,
+    pub error: Option<String>,
+}
+
+impl ToolResult {
+    /// A failed call: the model reads `error: MESSAGE`.
+    pub fn failed(message: impl Into<String>, seconds: f64) -> ToolResult {
+        let message = message.into();
+        ToolResult {
+            content: format!("error: {message}"),
+            seconds,
+            error: Some(message),
+        }
+    }
+}
+
+/// The tools offered to a rollout. Called from several threads at once (`--tool-concurrency`).
+pub trait Tools: Send + Sync {
+    /// One OpenAI function schema per tool (`{"type": "function", "function": {…}}`), in the
+    /// order the chat template's `tools` lists them.
+    fn schemas(&self) -> Vec<Value>;
+    /// Runs one call; never fails (an unknown tool, a crash or a timeout is a `ToolResult::failed`).
+    fn call(&self, call: &ToolCall) -> ToolResult;
+}
+
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
+
+/// Every `<tool_call>…</tool_call>` in an assistant turn, in order: `Ok` for a call with a
+/// string `name` and an object `arguments` (absent = `{}`), `Err` with the reason for one the
+/// model wrote badly (the reason becomes the observation). An opening tag left unclosed is a
+/// malformed call.
+pub fn parse_calls(text: &str) -> Vec<Result<ToolCall, String>> {
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(OPEN) {
+        let after = &rest[start + OPEN.len()..];
+        let Some(end) = after.find(CLOSE) else {
+            calls.push(Err(format!("{OPEN} without {CLOSE}")));
+            break;
+        };
+        calls.push(parse_one(after[..end].trim()));
+        rest = &after[end + CLOSE.len()..];
+    }
+    calls
+}
+
+fn parse_one(body: &str) -> Result<ToolCall, String> {
+    let value: Value =
+        serde_json::from_str(body).map_err(|e| format!("tool call is not JSON: {e}"))?;
+    let name = value
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or("tool call has no string \"name\"")?;
+    let arguments = match value.get("arguments") {
+        None => Value::Object(Default::default()),
+        Some(Value::Object(m)) => Value::Object(m.clone()),
+        // Some models write the arguments as a JSON string; accept it when it holds an object.
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+            Ok(v @ Value::Object(_)) => v,
+            _ => return Err("tool call \"arguments\" is not an object".into()),
+        },
+        Some(_) => return Err("tool call \"arguments\" is not an object".into()),
+    };
+    Ok(ToolCall {
+        name: name.to_string(),
+        arguments,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn calls_are_parsed_in_order_with_their_errors() {
+        let text = "think\n<tool_call>\n{\"name\": \"python\", \"arguments\": {\"code\": \"print(1)\"}}\n</tool_call>\
+                    <tool_call>{\"name\": \"f\"}</tool_call><tool_call>{bad}</tool_call>\
+                    <tool_call>{\"name\": \"g\", \"arguments\": \"{\\\"x\\\": 2}\"}</tool_call><tool_call>{\"name\"";
+        let calls = parse_calls(text);
+        assert_eq!(calls.len(), 5);
+        assert_eq!(
+            calls[0],
+            Ok(ToolCall {
+                name: "python".into(),
+                arguments: json!({"code": "print(1)"})
+            })
+        );
+        assert_eq!(
+            calls[1],
+            Ok(ToolCall {
+                name: "f".into(),
+                arguments: json!({})
+            })
+        );
+        assert!(calls[2]
+            .as_ref()
+            .unwrap_err()
+            .starts_with("tool call is not JSON"));
+        assert_eq!(
+            calls[3],
+            Ok(ToolCall {
+                name: "g".into(),
+                arguments: json!({"x": 2})
+            })
+        );
+        assert_eq!(calls[4], Err("<tool_call> without </tool_call>".into()));
+        assert!(parse_calls("no calls here").is_empty());
+    }
+
+    #[test]
+    fn a_failed_call_reads_as_an_error_observation() {
+        let r = ToolResult::failed("tool timed out after 10 s", 10.0);
+        assert_eq!(r.content, "error: tool timed out after 10 s");
+        assert_eq!(r.error.as_deref(), Some("tool timed out after 10 s"));
+    }
+}

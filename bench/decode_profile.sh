@@ -11,6 +11,6 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head 
 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
   --launch-count "${COUNT:-6000}" "$D/tandem" bench rollout --model "${MODEL:-qwen7b}" \
   --batches "${ROWS:-256}" --new-tokens 8 --skip-grpo --modes eager --runs 1 \
-  > "$OUT/ncu_${MODEL:-qwen7b}.csv" 2> "$OUT/ncu_${MODEL:-qwen7b}.err"
+  > "$OUT/ncu_${MODEL:-qwen7b}_${ROWS:-256}.csv" 2> "$OUT/ncu_${MODEL:-qwen7b}_${ROWS:-256}.err"
 echo "ncu rc=$?"
-python3 "$(dirname "$0")/decode_profile.py" "$OUT/ncu_${MODEL:-qwen7b}.csv"
+python3 "$(dirname "$0")/decode_profile.py" "$OUT/ncu_${MODEL:-qwen7b}_${ROWS:-256}.csv"

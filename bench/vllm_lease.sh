@@ -11,7 +11,8 @@
 #   4. once the vLLM parts are all in /root/vb: install, then bench/peer_vllm.py on each shape's
 #      cases (same prompt ids, ignore_eos);
 #   5. bench/peer_update.py (SDPA, torch.compile, fused AdamW, chunked log-prob) at 0.5B and 1.5B.
-# PARTS [first rollout update vllm peers] picks and orders them; also `gputest` (the new build's
+# PARTS [first rollout update vllm peers] picks and orders them (RBUILDS [new] = `base new`
+# also runs step 2 with the base build); also `gputest` (the new build's
 # whole `tandem gpu-test`) and `profile` (bench/decode_profile.sh on the 7B shape at 256 rows).
 # Carry C [.device/vl] holding bin.tar.xz (new build: tandem, rollout), base.tar.xz (base build:
 # tandem, rollout) and prompts.parquet (`tandem prepare gsm8k`).
@@ -74,12 +75,17 @@ plan)
     "$B/tandem" init-model --like qwen2 $a --vocab 151936 --rope-theta 1000000 --rms-norm-eps 1e-6 \
       --seed 1 --out "$2" > /dev/null
   }
+  # RBUILDS [new]: with `base new`, the base build's bench first, into rollout_base_$s.txt.
   tandem_rollout() {
     for s in ${SHAPES:-0.5b 1.5b 7b}; do
-      "$B/tandem" bench rollout --model qwen$s --batches 64,256 --prompt-tokens 128 --new-tokens 256 \
-        --grpo 128,8,131,512 --fixed-lengths --max-num-seqs 1024 --modes graphs --runs 2 \
-        --cases-out "$G/cases_$s.json" > "$G/rollout_$s.txt" 2>&1
-      log "bench rollout $s rc=$?"
+      for build in ${RBUILDS:-new}; do
+        local tb=$B/tandem out=$G/rollout_$s.txt
+        [ "$build" = base ] && tb=$B/base/tandem out=$G/rollout_base_$s.txt
+        "$tb" bench rollout --model qwen$s --batches 64,256 --prompt-tokens 128 --new-tokens 256 \
+          --grpo 128,8,131,512 --fixed-lengths --max-num-seqs 1024 --modes graphs --runs 2 \
+          --cases-out "$G/cases_$s.json" > "$out" 2>&1
+        log "bench rollout $s $build rc=$?"
+      done
     done
   }
   tandem_update() {
@@ -118,8 +124,10 @@ plan)
       "$B/tandem" gpu-test --json "$G/gpu_test.json" > "$G/gpu_test.log" 2>&1
       log "gpu-test rc=$? $(grep -E 'checks' "$G/gpu_test.log" | tail -1)" ;;
     profile)
-      D=$B MODEL=qwen7b ROWS=256 OUT=$G bash bench/decode_profile.sh > "$G/profile_7b.txt" 2>&1
-      log "decode profile rc=$?" ;;
+      for r in ${PROFILE_ROWS:-256}; do
+        D=$B MODEL=qwen7b ROWS=$r OUT=$G bash bench/decode_profile.sh > "$G/profile_7b_$r.txt" 2>&1
+        log "decode profile $r rc=$?"
+      done ;;
     rollout) tandem_rollout ;;
     update) tandem_update ;;
     vllm) peer_vllm ;;

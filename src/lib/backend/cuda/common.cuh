@@ -74,6 +74,25 @@ DEVI uint4 pack8(const float* f) {
     return v;
 }
 
+// Elements 8i..8i+7 of a bf16 (bf = 1) or f32 buffer whose base is 16-byte aligned.
+DEVI void ld8(const void* p, int bf, i64 i, float* f) {
+    if (bf) {
+        unpack8(((const uint4*)p)[i], f);
+        return;
+    }
+    float4 a = ((const float4*)p)[2 * i], b = ((const float4*)p)[2 * i + 1];
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+DEVI void st8(void* p, int bf, i64 i, const float* f) {
+    if (bf) {
+        ((uint4*)p)[i] = pack8(f);
+        return;
+    }
+    ((float4*)p)[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
+    ((float4*)p)[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
 DEVI float ld(const void* p, int bf, i64 i) {
     return bf ? bf2f(((const bf16_t*)p)[i]) : ((const float*)p)[i];
 }

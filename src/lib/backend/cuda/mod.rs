@@ -133,6 +133,18 @@ pub(crate) fn vec8(n: usize, bufs: &[&CudaBuf]) -> Option<i64> {
     ok.then_some((n / 8) as i64)
 }
 
+/// `n / 8` when 8-element pieces of every buffer are whole 16-byte-aligned loads: `n` a
+/// multiple of 8, each buffer bf16 or f32 with a 16-byte-aligned base (kernels read them with
+/// `ld8` / `st8`); `TANDEM_NO_VEC` turns it off.
+pub(crate) fn pieces8(n: usize, bufs: &[&CudaBuf]) -> Option<i64> {
+    let ok = n.is_multiple_of(8)
+        && bufs
+            .iter()
+            .all(|b| matches!(b.dtype, DType::BF16 | DType::F32) && b.ptr.is_multiple_of(16))
+        && std::env::var_os("TANDEM_NO_VEC").is_none();
+    ok.then_some((n / 8) as i64)
+}
+
 /// Host-side bf16 conversions of at least this many elements run on all cores.
 const PAR_CONVERT: usize = 1 << 20;
 

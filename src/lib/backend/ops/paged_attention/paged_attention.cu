@@ -157,24 +157,6 @@ extern "C" __global__ void paged_combine_k(void* o, int obf, const float* part_o
 #define GMAX 8
 #if HD % 8 == 0
 
-// out[0..8] = p[off..off+8] widened to f32 (off a multiple of 8: 16-byte aligned for bf16).
-DEVI void load8(const void* p, int bf, i64 off, float out[8]) {
-    if (bf) {
-        uint4 v = *(const uint4*)((const bf16_t*)p + off);
-        u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            out[2 * j] = __uint_as_float(w[j] << 16);
-            out[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-        }
-    } else {
-        const float4* f = (const float4*)((const float*)p + off);
-        float4 a = f[0], b = f[1];
-        out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-        out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
     void* o, int obf, const void* q, int qbf, const void* kc, int kcbf, const void* vc, int vcbf,
     const u32* tables, const u32* seq, const u32* len, int heads, int kv_heads, int block_size,
@@ -221,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
         if (valid) {
             for (int d = 0; d < HD; d += 8) {
                 float kv8[8];
-                load8(kc, kcbf, roff + d, kv8);
+                ld8(kc, kcbf, (roff + d) / 8, kv8); // roff and d are multiples of 8
 #pragma unroll
                 for (int g = 0; g < GMAX; g++) {
                     if (g < group) {
@@ -345,6 +327,10 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
 #if HD % 64 == 0 && HD <= 128
 #define PKS (HD / 16) // k-steps of q·k
 #define PNT (HD / 8)  // n-tiles (8 dims each) of p·v
+// Blocks per SM the registers must allow: at HD 128 the kernels want ~172 registers, two
+// blocks (8 warps) per SM, and a 7B decode step's attention was latency-bound at 81 µs a layer;
+// 168 registers let three fit (no spills in the fused kernel; HD 64 fits four as it is).
+#define PMINB (HD > 64 ? 3 : 1)
 
 // 8·n consecutive bf16 (16-byte aligned) into 32-bit words; zeros when !ok.
 template <int N> DEVI void ld16(u32* w, const bf16_t* p, bool ok) {
@@ -452,8 +438,10 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
     // the tile's first cache row.
     const int lr[6] = {g, 8 + g, 2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
     for (i64 T = p0 + 16 * w; !bad && T < p1; T += 16 * PNW) {
-        // Cache row offsets of rows T + lr[x] (-1 past the split); 32-bit row tests within the tile:
-        // rows below rem exist, row last (if below 16) is the new token.
+        // Cache row offsets of rows T + lr[x]; a row past the split reads the tile's first row
+        // instead (loads need no zero-fill: its score is masked to −∞, so its P is 0 and the
+        // finite V it reads adds nothing). 32-bit row tests within the tile: rows below rem
+        // exist, row last (if below 16) is the new token.
         i64 rk[2], rv[4];
         int rem = (int)min((i64)16, p1 - T), last = (int)min(L - 1 - T, (i64)16);
         if (whole) {
@@ -465,14 +453,17 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
             i64 base = ((i64)blk * block_size + ((int)T - bi * block_size)) * kstride + (i64)kh * HD;
 #pragma unroll
             for (int x = 0; x < 6; x++) {
-                i64 r = lr[x] < rem && !bad ? base + (i64)(lr[x] * (int)kstride) : -1;
+                i64 r = lr[x] < rem ? base + (i64)(lr[x] * (int)kstride) : base;
                 if (x < 2) rk[x] = r;
                 else rv[x - 2] = r;
             }
         } else {
+            u32 b0 = table[T / block_size];
+            if ((i64)b0 >= num_blocks) bad = 1;
+            i64 r0 = ((i64)b0 * block_size + T % block_size) * kstride + (i64)kh * HD;
 #pragma unroll
             for (int x = 0; x < 6; x++) {
-                i64 p = T + lr[x], r = -1;
+                i64 p = T + lr[x], r = r0;
                 if (lr[x] < rem) {
                     u32 blk = table[p / block_size];
                     if ((i64)blk >= num_blocks) bad = 1;
@@ -483,18 +474,19 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
             }
         }
         bad = __any_sync(0xffffffffu, bad); // leave the tile loop together (mma.sync needs the warp)
+        if (bad) break;
         u32 kw[2][HD / 8], vw[4][PNT / 2];
         // With ROPE the new token (position L − 1) comes from shared memory: the first split's
         // block may not have stored it yet.
 #pragma unroll
         for (int n = 0; n < 2; n++) {
             const bf16_t* kp = ROPE && lr[n] == last ? kn_s : kc + rk[n];
-            ld_qk(kw[n], kp, t, rk[n] >= 0);
+            ld_qk(kw[n], kp, t, true);
         }
 #pragma unroll
         for (int x = 0; x < 4; x++) {
             const bf16_t* vp = ROPE && lr[2 + x] == last ? vn_s : vc + rv[x];
-            ld16<HD / 64>(vw[x], vp + g * PNT, rv[x] >= 0);
+            ld16<HD / 64>(vw[x], vp + g * PNT, true);
         }
         // S: two n-tiles of 8 positions (T+n, T+8+n); rows g, g+8 are heads h0+g, h0+g+8.
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -581,31 +573,50 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
         }
     }
     __syncthreads();
-    for (int x = threadIdx.x; x < group * HD; x += PNW * 32) {
-        int gr = x / HD, d = x % HD;
-        float mm = NEG_INF;
+    // Per head row, once (not per dim: that was a fifth of the kernel's instructions at HD 128):
+    // M = max of the warps' maxima, each warp's weight e^{m_w − M} (0 for a warp that saw no
+    // position) and the total l = Σ_w l_w·e^{m_w − M}.
+    __shared__ float f_s[PNW][16], mm_s[16], tot_s[16];
+    if (threadIdx.x < group) {
+        int gr = threadIdx.x;
+        float mm = NEG_INF, tot = 0.0f;
         for (int y = 0; y < PNW; y++) mm = fmaxf(mm, m_s[y][gr]);
-        float tot = 0.0f, sum = 0.0f;
         for (int y = 0; y < PNW; y++) {
-            if (m_s[y][gr] == NEG_INF) continue;
-            float e = expf(m_s[y][gr] - mm);
+            float e = m_s[y][gr] == NEG_INF ? 0.0f : expf(m_s[y][gr] - mm);
+            f_s[y][gr] = e;
             tot += l_s[y][gr] * e;
-            sum += acc_s[y][gr][d] * e;
+        }
+        mm_s[gr] = mm;
+        tot_s[gr] = tot;
+    }
+    __syncthreads();
+    // Four dims per thread: o[d..d+4] = Σ_w acc_w·f_w / l (rows of acc_s are 16-byte aligned).
+    for (int x = threadIdx.x; x < group * HD / 4; x += PNW * 32) {
+        int gr = x / (HD / 4), d = 4 * (x % (HD / 4));
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int y = 0; y < PNW; y++) {
+            float4 a = *(const float4*)&acc_s[y][gr][d];
+            float e = f_s[y][gr];
+            sum.x += a.x * e, sum.y += a.y * e, sum.z += a.z * e, sum.w += a.w * e;
         }
         i64 hh = (i64)i * heads + h0 + gr;
         if (splits == 1) {
-            st(o, obf, hh * HD + d, sum / tot);
+            float tot = tot_s[gr];
+            st(o, obf, hh * HD + d, sum.x / tot);
+            st(o, obf, hh * HD + d + 1, sum.y / tot);
+            st(o, obf, hh * HD + d + 2, sum.z / tot);
+            st(o, obf, hh * HD + d + 3, sum.w / tot);
         } else {
-            part_o[(hh * splits + sp) * HD + d] = sum;
+            *(float4*)&part_o[(hh * splits + sp) * HD + d] = sum;
             if (d == 0) {
-                part_ml[2 * (hh * splits + sp)] = mm;
-                part_ml[2 * (hh * splits + sp) + 1] = tot;
+                part_ml[2 * (hh * splits + sp)] = mm_s[gr];
+                part_ml[2 * (hh * splits + sp) + 1] = tot_s[gr];
             }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
+extern "C" __global__ void __launch_bounds__(PNW * 32, PMINB) paged_attn_mma_k(
     void* o, int obf, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
     const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
     i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err) {
@@ -615,7 +626,7 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_k(
 }
 
 // paged_attn_mma_k's parameters (x, the fused projection, in q's place), then the rope's.
-extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_mma_rope_k(
+extern "C" __global__ void __launch_bounds__(PNW * 32, PMINB) paged_attn_mma_rope_k(
     void* o, int obf, const bf16_t* x, bf16_t* kc, bf16_t* vc, const u32* tables, const u32* seq,
     const u32* len, int heads, int kv_heads, int block_size, int max_blocks, i64 num_blocks,
     int split_len, float scale, float* part_o, float* part_ml, u32* err, const u32* pos,

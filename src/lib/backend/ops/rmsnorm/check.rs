@@ -110,33 +110,47 @@ fn rmsnorm(c: &mut Ctx, d: DType) -> Result<()> {
 }
 
 /// Rows past what a warp keeps in registers (the 1.5B, 7B and 14B hidden sizes take the
-/// block-per-row kernel in bf16; 1,100 is not a multiple of 8 and takes the warp's loop), against
-/// the CPU; and a row's output does not depend on how many rows the call has.
+/// block-per-row kernel; 1,100 is not a multiple of 8 and takes the warp's loop), with x in the
+/// case's dtype and in f32 (the decoder's residual stream), against the CPU; and a row's output
+/// does not depend on how many rows the call has.
 fn rmsnorm_long(c: &mut Ctx, d: DType) -> Result<()> {
-    let (t1, _) = tols(d);
     for dim in [1536, 3584, 5120, 1100] {
-        let (rows, eps) = (37, 1e-6);
-        let x = c.randn(rows * dim, 1.0, d);
-        let w = c.randn(dim, 1.0, d);
-        let (mut yc, mut rc) = (vec![0.0; rows * dim], vec![0.0; rows]);
-        let s = RmsNormShape { rows, dim, eps };
-        c.cpu.rmsnorm(&mut yc, &mut rc, &x, &w, s)?;
-        let (gx, gw) = (c.dev(&x, d)?, c.dev(&w, d)?);
-        let (mut gy, mut gr) = (c.poisoned(rows * dim, d)?, c.poisoned(rows, DType::F32)?);
-        c.gpu.rmsnorm(&mut gy, &mut gr, &gx, &gw, s)?;
-        c.check(&format!("rmsnorm y, dim {dim}"), d, &gy, &yc, true, t1)?;
-        c.check(&format!("rmsnorm rstd, dim {dim}"), d, &gr, &rc, true, 1e-5)?;
-        let few = RmsNormShape { rows: 5, ..s };
-        let (mut gy5, mut gr5) = (c.poisoned(5 * dim, d)?, c.poisoned(5, DType::F32)?);
-        c.gpu.rmsnorm(&mut gy5, &mut gr5, &gx, &gw, few)?;
-        let y_same = bits(c.gpu, &gy, 5 * dim)? == bits(c.gpu, &gy5, 5 * dim)?;
-        let r_same = bits(c.gpu, &gr, 5)? == bits(c.gpu, &gr5, 5)?;
-        c.flag_same(
-            &format!("rmsnorm dim {dim}: 5 rows alone = the same rows of 37"),
-            d,
-            &[("y", y_same), ("rstd", r_same)],
-        );
+        let xds: &[DType] = if d == DType::F32 {
+            &[d]
+        } else {
+            &[d, DType::F32]
+        };
+        for &xd in xds {
+            rmsnorm_long_one(c, d, xd, dim)?;
+        }
     }
+    Ok(())
+}
+
+fn rmsnorm_long_one(c: &mut Ctx, d: DType, xd: DType, dim: usize) -> Result<()> {
+    let (t1, _) = tols(d);
+    let (rows, eps) = (37, 1e-6);
+    let x = c.randn(rows * dim, 1.0, xd);
+    let w = c.randn(dim, 1.0, d);
+    let (mut yc, mut rc) = (vec![0.0; rows * dim], vec![0.0; rows]);
+    let s = RmsNormShape { rows, dim, eps };
+    c.cpu.rmsnorm(&mut yc, &mut rc, &x, &w, s)?;
+    let (gx, gw) = (c.dev(&x, xd)?, c.dev(&w, d)?);
+    let (mut gy, mut gr) = (c.poisoned(rows * dim, d)?, c.poisoned(rows, DType::F32)?);
+    c.gpu.rmsnorm(&mut gy, &mut gr, &gx, &gw, s)?;
+    let x_is = format!("dim {dim}, x {xd:?}");
+    c.check(&format!("rmsnorm y, {x_is}"), d, &gy, &yc, true, t1)?;
+    c.check(&format!("rmsnorm rstd, {x_is}"), d, &gr, &rc, true, 1e-5)?;
+    let few = RmsNormShape { rows: 5, ..s };
+    let (mut gy5, mut gr5) = (c.poisoned(5 * dim, d)?, c.poisoned(5, DType::F32)?);
+    c.gpu.rmsnorm(&mut gy5, &mut gr5, &gx, &gw, few)?;
+    let y_same = bits(c.gpu, &gy, 5 * dim)? == bits(c.gpu, &gy5, 5 * dim)?;
+    let r_same = bits(c.gpu, &gr, 5)? == bits(c.gpu, &gr5, 5)?;
+    c.flag_same(
+        &format!("rmsnorm {x_is}: 5 rows alone = the same rows of 37"),
+        d,
+        &[("y", y_same), ("rstd", r_same)],
+    );
     Ok(())
 }
 

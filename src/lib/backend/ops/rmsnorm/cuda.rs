@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 
 use super::{RmsNormOps, RmsNormSaved, RmsNormShape};
 use crate::backend::cuda::nvrtc::Family;
-use crate::backend::cuda::{i32_of, need, vec8, Args, CudaBackend, CudaBuf, THREADS};
+use crate::backend::cuda::{i32_of, need, pieces8, Args, CudaBackend, CudaBuf, THREADS};
 use crate::backend::ops::matmul::cuda::colsum_finish;
 use crate::backend::DType;
 
@@ -19,8 +19,8 @@ pub(crate) const KERNELS: Family = Family {
 /// Rows per block of `rmsnorm_fwd_k` (a warp each; the kernel derives it from blockDim).
 const RMSNORM_ROWS_PER_BLOCK: usize = 4;
 
-/// Longest row `rmsnorm_fwd_k` keeps in registers (32 lanes × RMS_LANE); longer bf16 rows go
-/// to `rmsnorm_fwd_v8_k`, a block per row.
+/// Longest row `rmsnorm_fwd_k` keeps in registers (32 lanes × RMS_LANE); longer rows go to
+/// `rmsnorm_fwd_v8_k`, a block per row, when their buffers allow 16-byte loads.
 const RMSNORM_WARP_DIM: usize = 32 * 32;
 
 /// 16-byte pieces each thread of `rmsnorm_fwd_v8_k` keeps (RMS_V8 in rmsnorm.cu).
@@ -48,8 +48,8 @@ impl CudaBackend {
         self.launch(&f, grid, 32 * RMSNORM_ROWS_PER_BLOCK as u32, 0, &args)
     }
 
-    /// The same with a block per row over 16-byte pieces (`rmsnorm_fwd_v8_k`): all bf16,
-    /// aligned, `dim8` = dim / 8 pieces a row; the block is as wide as the row needs.
+    /// The same with a block per row over 8-element pieces (`rmsnorm_fwd_v8_k`): bf16 or f32,
+    /// 16-byte aligned, `dim8` = dim / 8 pieces a row; the block is as wide as the row needs.
     fn rmsnorm_v8(
         &self,
         y: &mut CudaBuf,
@@ -67,7 +67,9 @@ impl CudaBackend {
         }
         let f = self.func(KERNELS, 0, "rmsnorm_fwd_v8_k")?;
         let args = Args::new()
-            .ptrs(&[y, rstd, x, w])
+            .buf(y)
+            .ptr(rstd)
+            .bufs(&[x, w])
             .i32(i32_of(dim8, "dim / 8")?)
             .f32(eps);
         self.launch(&f, (rows as u32, 1, 1), threads as u32, 0, &args)
@@ -97,7 +99,7 @@ impl RmsNormOps for CudaBackend {
         } else {
             Some(self.temp(rows, DType::F32)?)
         };
-        if let Some(dim8) = vec8(dim, &[y, x, w]).filter(|_| dim > RMSNORM_WARP_DIM) {
+        if let Some(dim8) = pieces8(dim, &[y, x, w]).filter(|_| dim > RMSNORM_WARP_DIM) {
             self.rmsnorm_v8(
                 y,
                 rs.as_ref().unwrap_or(&*rstd),

@@ -3,7 +3,7 @@
 // Layout: x, y, dy, dx are [rows, dim] row-major; w is [dim]; rstd is [rows] f32; the dw partial
 // sums are [row blocks, dim] f32.
 // Launch: forward, one warp per row, 4 rows per block of 128 threads; rows longer than a warp
-// keeps in registers (past 1,024), all bf16 and 8-aligned: rmsnorm_fwd_v8_k, a block per row. dx: one block per row,
+// keeps in registers (past 1,024), 8-aligned: rmsnorm_fwd_v8_k, a block per row. dx: one block per row,
 // threads striding over dim (dim rounded up to a warp, at most 256). dw: rmsnorm_bwd_dw_partial_k
 // over blocks of 64 rows (grid (⌈dim/256⌉, ⌈rows/64⌉), one column per thread), then the matmul
 // family's colsum_finish_k adds the blocks in order.
@@ -55,14 +55,15 @@ extern "C" __global__ void rmsnorm_fwd_k(void* y, int ybf, float* rstd, const vo
     for (int c = lane; c < dim; c += 32) st(y, ybf, base + c, ld(w, wbf, c) * (ld(x, xbf, base + c) * rs));
 }
 
-// The same for long bf16 rows (dim % 8 == 0, 16-byte aligned, dim <= 8·RMS_V8·blockDim): one
-// block per row, each thread keeps its 16-byte pieces c = tid, tid + blockDim, ... in registers;
-// its sum in piece order, then block_sum (warps in order): a fixed order per dim, whatever the
-// row count (batch invariance). A warp per row left a decode step's few hundred rows of 3,584 on
-// a quarter of the SMs, latency-bound: ~40 µs a call against ~3 µs here.
+// The same for long rows (dim % 8 == 0, every buffer 16-byte aligned, bf16 or f32 each,
+// dim <= 8·RMS_V8·blockDim): one block per row, each thread keeps its 8-element pieces c = tid,
+// tid + blockDim, ... in registers; its sum in piece order, then block_sum (warps in order): a
+// fixed order per dim, whatever the row count (batch invariance). A warp per row left a decode
+// step's few hundred rows of 3,584 on a quarter of the SMs, latency-bound: ~40 µs a call
+// against ~3 µs here.
 #define RMS_V8 4
-extern "C" __global__ void rmsnorm_fwd_v8_k(uint4* y, float* rstd, const uint4* x, const uint4* w, int dim8,
-                                            float eps) {
+extern "C" __global__ void rmsnorm_fwd_v8_k(void* y, int ybf, float* rstd, const void* x, int xbf,
+                                            const void* w, int wbf, int dim8, float eps) {
     __shared__ float sh[32];
     i64 base = (i64)blockIdx.x * dim8;
     float xv[RMS_V8][8];
@@ -71,7 +72,7 @@ extern "C" __global__ void rmsnorm_fwd_v8_k(uint4* y, float* rstd, const uint4* 
     for (int k = 0; k < RMS_V8; k++) {
         int c = threadIdx.x + k * blockDim.x;
         if (c < dim8) {
-            unpack8(x[base + c], xv[k]);
+            ld8(x, xbf, base + c, xv[k]);
 #pragma unroll
             for (int j = 0; j < 8; j++) ss += xv[k][j] * xv[k][j];
         }
@@ -84,10 +85,10 @@ extern "C" __global__ void rmsnorm_fwd_v8_k(uint4* y, float* rstd, const uint4* 
         int c = threadIdx.x + k * blockDim.x;
         if (c < dim8) {
             float wv[8], o[8];
-            unpack8(w[c], wv);
+            ld8(w, wbf, c, wv);
 #pragma unroll
             for (int j = 0; j < 8; j++) o[j] = wv[j] * (xv[k][j] * rs);
-            y[base + c] = pack8(o);
+            st8(y, ybf, base + c, o);
         }
     }
 }

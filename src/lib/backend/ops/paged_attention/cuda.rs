@@ -162,7 +162,13 @@ fn decode_kernel(be: &CudaBackend, s: PagedAttnShape, mma: bool) -> (&'static st
     if mma {
         // Fewer blocks before splitting than the scalar kernels: a split costs a merge
         // pass (at 256 queries, 23 µs per layer with 2·SMs against 33 µs with 4·SMs).
-        ("paged_attn_mma_k", s.kv_heads, 2 * be.sms() as usize)
+        // Groups of at most 8 put the heads on the MMA's n side (`paged_attn_mmat_k`).
+        let name = if gqa {
+            "paged_attn_mmat_k"
+        } else {
+            "paged_attn_mma_k"
+        };
+        (name, s.kv_heads, 2 * be.sms() as usize)
     } else if gqa {
         ("paged_attn_gqa_k", s.kv_heads, 4 * be.sms() as usize)
     } else {
@@ -189,11 +195,11 @@ fn launch_decode(
         bail!("attention_paged: the fused rope needs the tensor-core kernel");
     }
     let (name, blocks_y, threshold) = decode_kernel(be, s, mma);
-    // paged_attn_mma_rope_k: paged_attn_mma_k's arguments, then the rope's.
-    let name = if rope.is_some() {
-        "paged_attn_mma_rope_k"
-    } else {
-        name
+    // paged_attn_mma(t)_rope_k: paged_attn_mma(t)_k's arguments, then the rope's.
+    let name = match (rope.is_some(), name) {
+        (true, "paged_attn_mmat_k") => "paged_attn_mmat_rope_k",
+        (true, _) => "paged_attn_mma_rope_k",
+        (false, name) => name,
     };
     let f = be.func(KERNELS, hd, name)?;
     // Flash-decoding: each row cuts its own context into even splits of at least 64

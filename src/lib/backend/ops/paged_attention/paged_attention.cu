@@ -327,10 +327,19 @@ extern "C" __global__ void __launch_bounds__(PNW * 32) paged_attn_gqa_k(
 #if HD % 64 == 0 && HD <= 128
 #define PKS (HD / 16) // k-steps of q·k
 #define PNT (HD / 8)  // n-tiles (8 dims each) of p·v
+// HN (heads on n): the same with the MMA operands swapped, for GQA groups of at most 8 (every
+// Qwen2.5 size): S^T[pos × head] = K · Q^T puts a tile's 16 positions on m and the group on
+// n = 8 (m = 16 above pads a group of 7 to 16: half its MMAs and accumulators were padding), and
+// O^T[dim × head] += V^T · P^T, 16 dims per m-tile. Lane (g, t): K rows g, g+8 and Q row
+// (head) g, dims as in ld_qk; scores of heads 2t, 2t+1 at positions g, g+8; P moves from that C
+// layout to the B layout of the second product by movmatrix (an 8 × 8 transpose in registers);
+// V rows 2t, 2t+1, 2t+8, 2t+9 at dims [g·HD/8, (g+1)·HD/8) as above; m-tile j's rows g, g+8 are
+// dims g·HD/8 + 2j and + 2j + 1.
 // Blocks per SM the registers must allow: at HD 128 the kernels want ~172 registers, two
 // blocks (8 warps) per SM, and a 7B decode step's attention was latency-bound at 81 µs a layer;
 // 168 registers let three fit (no spills in the fused kernel; HD 64 fits four as it is).
 #define PMINB (HD > 64 ? 3 : 1)
+#define PMINB_HN 4 // HN at HD 128: 128 registers, four blocks (16 warps) per SM
 
 // 8·n consecutive bf16 (16-byte aligned) into 32-bit words; zeros when !ok.
 template <int N> DEVI void ld16(u32* w, const bf16_t* p, bool ok) {
@@ -357,7 +366,86 @@ DEVI void ld_qk(u32* w, const bf16_t* row, int t, bool ok) {
 // rounding to bf16), uses the new key and value for position len − 1 from shared memory, and
 // the first split's block stores them at cache row rows[i]. Without ROPE, q is rotated and the
 // cache holds the new token already.
-template <bool ROPE>
+// An 8 × 8 bf16 matrix in the m8n8 fragment layout (lane l: row l/4, columns 2(l%4), +1),
+// transposed.
+DEVI u32 movtrans(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// One tile of the HN kernel: S^T = K·Q^T (positions g, g+8 of the tile × heads 2t, 2t+1 in
+// this lane), the online softmax per head over the tile's 16 positions (lanes of one t share a
+// head: shuffles over g), then O^T += V^T·(P_hi + P_lo)^T.
+DEVI void tile_hn(float acc[HD / 16][4], float m[2], float l[2], const u32* qw, const u32 kw[2][HD / 8],
+                  const u32 vw[4][PNT / 2], const int* lr, int rem, float scale) {
+    float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int ks = 0; ks < PKS; ks++) {
+        u32 a[4] = {kw[0][2 * ks], kw[1][2 * ks], kw[0][2 * ks + 1], kw[1][2 * ks + 1]};
+        mma16816(st, a, qw[2 * ks], qw[2 * ks + 1]);
+    }
+    // st: (position g, head 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+    float pr[4];
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        float x0 = lr[0] < rem ? st[hh] * scale : NEG_INF;
+        float x1 = lr[1] < rem ? st[2 + hh] * scale : NEG_INF;
+        float mx = fmaxf(x0, x1);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        float mnew = fmaxf(m[hh], mx);
+        float corr = m[hh] == NEG_INF ? 0.0f : expf(m[hh] - mnew);
+        pr[hh] = x0 == NEG_INF ? 0.0f : expf(x0 - mnew);
+        pr[2 + hh] = x1 == NEG_INF ? 0.0f : expf(x1 - mnew);
+        l[hh] = l[hh] * corr + (pr[hh] + pr[2 + hh]);
+        m[hh] = mnew;
+#pragma unroll
+        for (int j = 0; j < HD / 16; j++) {
+            acc[j][hh] *= corr;
+            acc[j][2 + hh] *= corr;
+        }
+    }
+    // P^T's B fragments: the 8 × 8 blocks of positions 0..7 and 8..15, transposed.
+    u32 h0, l0, h1, l1;
+    split2(h0, l0, pr[0], pr[1]);
+    split2(h1, l1, pr[2], pr[3]);
+    u32 bh0 = movtrans(h0), bh1 = movtrans(h1), bl0 = movtrans(l0), bl1 = movtrans(l1);
+#pragma unroll
+    for (int j = 0; j < HD / 16; j++) {
+        u32 a[4] = {__byte_perm(vw[0][j], vw[1][j], 0x5410u), __byte_perm(vw[0][j], vw[1][j], 0x7632u),
+                    __byte_perm(vw[2][j], vw[3][j], 0x5410u), __byte_perm(vw[2][j], vw[3][j], 0x7632u)};
+        mma16816(acc[j], a, bh0, bh1);
+        mma16816(acc[j], a, bl0, bl1);
+    }
+}
+
+// The HN kernel's per-warp state for the merge: l summed over the lanes of a head, m and l per
+// head, and O^T's C values (m-tile j: dims g·HD/8 + 2j, + 1) as rows of heads.
+DEVI void store_state_hn(float (*acc_s)[HD + 4], float* m_s, float* l_s, float acc[HD / 16][4],
+                         const float m[2], float l[2], int group) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 4);
+        l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 8);
+        l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 16);
+        int h = 2 * t + hh;
+        if (h >= group) continue;
+        if (g == 0) {
+            m_s[h] = m[hh];
+            l_s[h] = l[hh];
+        }
+#pragma unroll
+        for (int j = 0; j < HD / 16; j++) {
+            acc_s[h][g * PNT + 2 * j] = acc[j][hh];
+            acc_s[h][g * PNT + 2 * j + 1] = acc[j][2 + hh];
+        }
+    }
+}
+
+template <bool ROPE, bool HN>
 DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, const u32* tables,
                     const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
                     i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err,
@@ -365,8 +453,9 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
     __shared__ float m_s[PNW][16], l_s[PNW][16];
     // Rows padded by 4 floats: the lanes of a warp write columns 16t + j of rows g, which
     // would otherwise fall in two banks (16-way conflicts).
-    __shared__ float acc_s[PNW][16][HD + 4];
-    __shared__ __align__(16) bf16_t qr_s[ROPE ? 16 : 1][HD];
+    constexpr int QR = HN ? 8 : 16; // q rows of the group (zero past it): n or m of q·k
+    __shared__ float acc_s[PNW][QR][HD + 4];
+    __shared__ __align__(16) bf16_t qr_s[ROPE ? QR : 1][HD];
     __shared__ __align__(16) bf16_t kn_s[ROPE ? HD : 1], vn_s[ROPE ? HD : 1];
     __shared__ float sn_s[ROPE ? HD / 2 : 1], cs_s[ROPE ? HD / 2 : 1];
     int i = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
@@ -383,31 +472,32 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
     // The cache block of the warp's next tile is read a tile ahead, so that the table's latency
     // overlaps the current tile's loads instead of preceding them.
     u32 next_blk = whole && !bad && p0 + 16 * w < p1 ? table[(int)(p0 + 16 * w) / block_size] : 0;
-    // Q rows g and g+8 of the group (zero past it), this lane's HD/4 dims: A fragments per k-step.
-    u32 qw[2][HD / 8];
+    // Q rows g and g+8 of the group (zero past it), this lane's HD/4 dims: A fragments per
+    // k-step (HN: row g alone, B fragments).
+    u32 qw[HN ? 1 : 2][HD / 8];
     if (ROPE) {
         const int half = HD / 2, qd = heads * HD;
         i64 row = (i64)i * (qd + 2 * kstride);
         float p = (float)pos[i];
         for (int e = threadIdx.x; e < half; e += PNW * 32) sincosf(p * fr->f[e], &sn_s[e], &cs_s[e]);
         __syncthreads();
-        // Rows 0..15: the group's q heads (zero past the group); row 16: the kv head's k.
+        // Rows 0..QR−1: the group's q heads (zero past the group); row QR: the kv head's k.
         // A fixed trip count, unrolled: every load of x is issued before the first is used.
-        constexpr int RU = (17 * (HD / 2) + PNW * 32 - 1) / (PNW * 32);
+        constexpr int RU = ((QR + 1) * (HD / 2) + PNW * 32 - 1) / (PNW * 32);
 #pragma unroll
         for (int u = 0; u < RU; u++) {
             int j = threadIdx.x + u * PNW * 32;
-            if (j >= 17 * half) break;
+            if (j >= (QR + 1) * half) break;
             int r = j / half, e = j - r * half;
             float s = sn_s[e], c = cs_s[e];
-            if (r < 16 && r >= group) {
+            if (r < QR && r >= group) {
                 qr_s[r][e] = qr_s[r][e + half] = 0;
                 continue;
             }
-            i64 ia = row + (r < 16 ? (i64)(h0 + r) * HD : qd + (i64)kh * HD) + e;
+            i64 ia = row + (r < QR ? (i64)(h0 + r) * HD : qd + (i64)kh * HD) + e;
             float a = bf2f(x[ia]), b = bf2f(x[ia + half]);
             float ra = a * c - b * s, rb = b * c + a * s;
-            bf16_t* dst = r < 16 ? qr_s[r] : kn_s;
+            bf16_t* dst = r < QR ? qr_s[r] : kn_s;
             dst[e] = f2bf(ra);
             dst[e + half] = f2bf(rb);
         }
@@ -425,15 +515,17 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
             }
         }
         ld_qk(qw[0], qr_s[g], t, true);
-        ld_qk(qw[1], qr_s[g + 8], t, true);
+        if constexpr (!HN) ld_qk(qw[HN ? 0 : 1], qr_s[g + 8], t, true);
     } else {
         ld_qk(qw[0], q + ((i64)i * heads + h0 + g) * HD, t, g < group);
-        ld_qk(qw[1], q + ((i64)i * heads + h0 + g + 8) * HD, t, g + 8 < group);
+        if constexpr (!HN) ld_qk(qw[HN ? 0 : 1], q + ((i64)i * heads + h0 + g + 8) * HD, t, g + 8 < group);
     }
+    // m, l: head rows g, g+8 (HN: heads 2t, 2t+1; l is this lane's part until the end).
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    float acc[PNT][4];
+    constexpr int NACC = HN ? HD / 16 : PNT; // C fragments of the output
+    float acc[NACC][4];
 #pragma unroll
-    for (int j = 0; j < PNT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int j = 0; j < NACC; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     // This lane's rows of a tile (K: g, 8+g; V: 2t, 2t+1, 8+2t, 9+2t) and their offsets from
     // the tile's first cache row.
     const int lr[6] = {g, 8 + g, 2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
@@ -488,56 +580,60 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
             const bf16_t* vp = ROPE && lr[2 + x] == last ? vn_s : vc + rv[x];
             ld16<HD / 64>(vw[x], vp + g * PNT, true);
         }
-        // S: two n-tiles of 8 positions (T+n, T+8+n); rows g, g+8 are heads h0+g, h0+g+8.
-        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-        for (int ks = 0; ks < PKS; ks++) {
-            u32 a[4] = {qw[0][2 * ks], qw[1][2 * ks], qw[0][2 * ks + 1], qw[1][2 * ks + 1]};
-#pragma unroll
-            for (int n = 0; n < 2; n++) mma16816(s[n], a, kw[n][2 * ks], kw[n][2 * ks + 1]);
-        }
-        // Online softmax per head row (this lane: positions T+2t, T+2t+1, T+8+2t, T+9+2t).
-        float pr[2][4];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float x[4] = {s[0][2 * r], s[0][2 * r + 1], s[1][2 * r], s[1][2 * r + 1]};
-            float mx = NEG_INF;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                x[c] = lr[2 + c] < rem ? x[c] * scale : NEG_INF;
-                mx = fmaxf(mx, x[c]);
+        if constexpr (HN) {
+            tile_hn(acc, m, l, qw[0], kw, vw, lr, rem, scale);
+        } else {
+            // S: two n-tiles of 8 positions (T+n, T+8+n); rows g, g+8 are heads h0+g, h0+g+8.
+            float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    #pragma unroll
+            for (int ks = 0; ks < PKS; ks++) {
+                u32 a[4] = {qw[0][2 * ks], qw[1][2 * ks], qw[0][2 * ks + 1], qw[1][2 * ks + 1]};
+    #pragma unroll
+                for (int n = 0; n < 2; n++) mma16816(s[n], a, kw[n][2 * ks], kw[n][2 * ks + 1]);
             }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            float mnew = fmaxf(m[r], mx);
-            float corr = m[r] == NEG_INF ? 0.0f : expf(m[r] - mnew);
-            float sum = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                pr[r][c] = x[c] == NEG_INF ? 0.0f : expf(x[c] - mnew);
-                sum += pr[r][c];
+            // Online softmax per head row (this lane: positions T+2t, T+2t+1, T+8+2t, T+9+2t).
+            float pr[2][4];
+    #pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float x[4] = {s[0][2 * r], s[0][2 * r + 1], s[1][2 * r], s[1][2 * r + 1]};
+                float mx = NEG_INF;
+    #pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    x[c] = lr[2 + c] < rem ? x[c] * scale : NEG_INF;
+                    mx = fmaxf(mx, x[c]);
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                float mnew = fmaxf(m[r], mx);
+                float corr = m[r] == NEG_INF ? 0.0f : expf(m[r] - mnew);
+                float sum = 0.0f;
+    #pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    pr[r][c] = x[c] == NEG_INF ? 0.0f : expf(x[c] - mnew);
+                    sum += pr[r][c];
+                }
+                l[r] = l[r] * corr + sum;
+                m[r] = mnew;
+    #pragma unroll
+                for (int j = 0; j < PNT; j++) {
+                    acc[j][2 * r] *= corr;
+                    acc[j][2 * r + 1] *= corr;
+                }
             }
-            l[r] = l[r] * corr + sum;
-            m[r] = mnew;
-#pragma unroll
+            // P = hi + lo, both bf16 (p − hi is exact in f32): two products keep P to ~16 bits, as
+            // accurate as the scalar kernel's f32 P, so greedy decoding follows the CPU.
+            u32 pa[4], pl[4];
+    #pragma unroll
+            for (int x = 0; x < 4; x++) split2(pa[x], pl[x], pr[x & 1][(x >> 1) * 2], pr[x & 1][(x >> 1) * 2 + 1]);
+            // O += P·V: B of n-tile j = element j of this lane's V pieces, rows paired along k.
+    #pragma unroll
             for (int j = 0; j < PNT; j++) {
-                acc[j][2 * r] *= corr;
-                acc[j][2 * r + 1] *= corr;
+                u32 sel = (j & 1) ? 0x7632u : 0x5410u;
+                u32 b0 = __byte_perm(vw[0][j / 2], vw[1][j / 2], sel);
+                u32 b1 = __byte_perm(vw[2][j / 2], vw[3][j / 2], sel);
+                mma16816(acc[j], pa, b0, b1);
+                mma16816(acc[j], pl, b0, b1);
             }
-        }
-        // P = hi + lo, both bf16 (p − hi is exact in f32): two products keep P to ~16 bits, as
-        // accurate as the scalar kernel's f32 P, so greedy decoding follows the CPU.
-        u32 pa[4], pl[4];
-#pragma unroll
-        for (int x = 0; x < 4; x++) split2(pa[x], pl[x], pr[x & 1][(x >> 1) * 2], pr[x & 1][(x >> 1) * 2 + 1]);
-        // O += P·V: B of n-tile j = element j of this lane's V pieces, rows paired along k.
-#pragma unroll
-        for (int j = 0; j < PNT; j++) {
-            u32 sel = (j & 1) ? 0x7632u : 0x5410u;
-            u32 b0 = __byte_perm(vw[0][j / 2], vw[1][j / 2], sel);
-            u32 b1 = __byte_perm(vw[2][j / 2], vw[3][j / 2], sel);
-            mma16816(acc[j], pa, b0, b1);
-            mma16816(acc[j], pl, b0, b1);
         }
     }
     bad = __syncthreads_or(bad);
@@ -555,6 +651,9 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
         }
         return;
     }
+    if constexpr (HN) {
+        store_state_hn(acc_s[w], m_s[w], l_s[w], acc, m, l, group);
+    } else {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -571,6 +670,7 @@ DEVI void paged_mma(void* o, int obf, const bf16_t* q, bf16_t* kc, bf16_t* vc, c
                 acc_s[w][gr][(2 * t + 1) * PNT + j] = acc[j][2 * r + 1];
             }
         }
+    }
     }
     __syncthreads();
     // Per head row, once (not per dim: that was a fifth of the kernel's instructions at HD 128):
@@ -620,7 +720,7 @@ extern "C" __global__ void __launch_bounds__(PNW * 32, PMINB) paged_attn_mma_k(
     void* o, int obf, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
     const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
     i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err) {
-    paged_mma<false>(o, obf, q, (bf16_t*)kc, (bf16_t*)vc, tables, seq, len, heads, kv_heads, block_size,
+    paged_mma<false, false>(o, obf, q, (bf16_t*)kc, (bf16_t*)vc, tables, seq, len, heads, kv_heads, block_size,
                      max_blocks, num_blocks, split_len, scale, part_o, part_ml, err, nullptr, nullptr, nullptr, 0,
                      nullptr);
 }
@@ -631,7 +731,25 @@ extern "C" __global__ void __launch_bounds__(PNW * 32, PMINB) paged_attn_mma_rop
     const u32* len, int heads, int kv_heads, int block_size, int max_blocks, i64 num_blocks,
     int split_len, float scale, float* part_o, float* part_ml, u32* err, const u32* pos,
     const u32* rows, i64 cache_rows, Freqs fr) {
-    paged_mma<true>(o, obf, nullptr, kc, vc, tables, seq, len, heads, kv_heads, block_size, max_blocks,
+    paged_mma<true, false>(o, obf, nullptr, kc, vc, tables, seq, len, heads, kv_heads, block_size, max_blocks,
                     num_blocks, split_len, scale, part_o, part_ml, err, x, pos, rows, cache_rows, &fr);
+}
+// The HN kernels (group <= 8): the same parameters as the two above.
+extern "C" __global__ void __launch_bounds__(PNW * 32, PMINB_HN) paged_attn_mmat_k(
+    void* o, int obf, const bf16_t* q, const bf16_t* kc, const bf16_t* vc, const u32* tables,
+    const u32* seq, const u32* len, int heads, int kv_heads, int block_size, int max_blocks,
+    i64 num_blocks, int split_len, float scale, float* part_o, float* part_ml, u32* err) {
+    paged_mma<false, true>(o, obf, q, (bf16_t*)kc, (bf16_t*)vc, tables, seq, len, heads, kv_heads, block_size,
+                           max_blocks, num_blocks, split_len, scale, part_o, part_ml, err, nullptr, nullptr,
+                           nullptr, 0, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(PNW * 32, PMINB_HN) paged_attn_mmat_rope_k(
+    void* o, int obf, const bf16_t* x, bf16_t* kc, bf16_t* vc, const u32* tables, const u32* seq,
+    const u32* len, int heads, int kv_heads, int block_size, int max_blocks, i64 num_blocks,
+    int split_len, float scale, float* part_o, float* part_ml, u32* err, const u32* pos,
+    const u32* rows, i64 cache_rows, Freqs fr) {
+    paged_mma<true, true>(o, obf, nullptr, kc, vc, tables, seq, len, heads, kv_heads, block_size, max_blocks,
+                          num_blocks, split_len, scale, part_o, part_ml, err, x, pos, rows, cache_rows, &fr);
 }
 #endif

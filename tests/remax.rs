@@ -63,7 +63,10 @@ fn rollout_adds_one_greedy_row_per_prompt() {
     assert_eq!(with.num_rows(), 12);
     let is_b = bools(&with);
     assert_eq!(is_b, [false, false, false, true].repeat(3));
-    let (uids, puids) = (strings(&with, schema::UID), strings(&with, schema::PROMPT_UID));
+    let (uids, puids) = (
+        strings(&with, schema::UID),
+        strings(&with, schema::PROMPT_UID),
+    );
     for g in 0..3 {
         assert!(puids[4 * g..4 * g + 4].iter().all(|u| *u == puids[4 * g]));
         assert_eq!(uids[4 * g + 3], format!("{}-greedy", puids[4 * g]));
@@ -75,7 +78,10 @@ fn rollout_adds_one_greedy_row_per_prompt() {
     assert_eq!(samples, plain_ids.iter().collect::<Vec<_>>());
     assert_eq!(
         strings(&plain, schema::PROMPT_UID),
-        (0..12).filter(|i| !is_b[*i]).map(|i| puids[i].clone()).collect::<Vec<_>>()
+        (0..12)
+            .filter(|i| !is_b[*i])
+            .map(|i| puids[i].clone())
+            .collect::<Vec<_>>()
     );
     // ...and the baselines are a temperature-0 rollout's responses.
     let baselines: Vec<_> = (0..12).filter(|i| is_b[*i]).map(|i| &ids[i]).collect();
@@ -92,7 +98,10 @@ fn rollout_adds_one_greedy_row_per_prompt() {
     assert_eq!(m["response_tokens"], resp(&samples), "{m}");
     let base_mean = resp(&baselines) as f64 / 3.0;
     assert!((m["baseline_response_length_mean"].as_f64().unwrap() - base_mean).abs() < 1e-12);
-    assert_eq!(with.meta["tandem.stage.rollout"].contains("\"baseline\":\"greedy\""), true);
+    assert_eq!(
+        with.meta["tandem.stage.rollout"].contains("\"baseline\":\"greedy\""),
+        true
+    );
     // Without --baseline there is no column.
     assert!(!plain.has(schema::IS_BASELINE));
     input_error(
@@ -249,14 +258,29 @@ fn remax_advantages_take_each_groups_baseline_row_by_hand() {
     assert_eq!(m["rows"], 3, "{m}");
     assert_eq!(m["baseline_rows_dropped"], 2, "{m}");
     // mean over the 7 valid tokens: (1 - 1.5 - 2) / 7
-    assert!((m["advantage_mean"].as_f64().unwrap() + 2.5 / 7.0).abs() < 1e-6, "{m}");
+    assert!(
+        (m["advantage_mean"].as_f64().unwrap() + 2.5 / 7.0).abs() < 1e-6,
+        "{m}"
+    );
 
     // With the KL in the reward (k1, β = 0.5): row 1's tokens have kl 0.5 and 0, the others 0.
     // Token rewards [-0.25, 1]: returns [0.75, 1], advantages [0.25, 0.5]; the greedy
     // baseline is its score (verl's reward_fn, no KL).
     let mut rows = two_groups();
-    let old: [&[f32]; 5] = [&[-1.0, -1.0], &[-2.0], &[-1.0; 3], &[-3.0, -1.0], &[-1.0; 3]];
-    let rf: [&[f32]; 5] = [&[-1.5, -1.0], &[-1.0], &[-1.0; 3], &[-1.0, -1.0], &[-1.0; 3]];
+    let old: [&[f32]; 5] = [
+        &[-1.0, -1.0],
+        &[-2.0],
+        &[-1.0; 3],
+        &[-3.0, -1.0],
+        &[-1.0; 3],
+    ];
+    let rf: [&[f32]; 5] = [
+        &[-1.5, -1.0],
+        &[-1.0],
+        &[-1.0; 3],
+        &[-1.0, -1.0],
+        &[-1.0; 3],
+    ];
     rows.extra = vec![
         rows.ragged_f32(schema::OLD_LOGPROBS, &old),
         rows.ragged_f32(schema::REF_LOGPROBS, &rf),
@@ -311,7 +335,10 @@ fn remax_refuses_a_group_without_its_baseline_or_with_two() {
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert!(err.contains(needle), "{needle}: {err}");
-        assert!(err.contains(&format!("{}: column 'prompt_uid'", p(&input))), "{err}");
+        assert!(
+            err.contains(&format!("{}: column 'prompt_uid'", p(&input))),
+            "{err}"
+        );
         assert!(!out.exists(), "no output");
     };
     let mut missing = two_groups();
@@ -356,7 +383,14 @@ fn baseline_rows_are_never_samples() {
     for (input, out) in [(&with, "a.parquet"), (&without, "b.parquet")] {
         ok(
             "advantage",
-            &["--in", p(input), "--out", p(&d.join(out)), "--estimator", "grpo"],
+            &[
+                "--in",
+                p(input),
+                "--out",
+                p(&d.join(out)),
+                "--estimator",
+                "grpo",
+            ],
         );
     }
     let (a, b) = (read(&d.join("a.parquet")), read(&d.join("b.parquet")));
@@ -451,7 +485,11 @@ fn score_scores_baseline_rows_and_counts_samples() {
 /// A 2-step ReMax spec on the tiny model (a reward that varies: any letter is a found answer
 /// worth 1), with `top` at its top level.
 fn spec(top: &str, baseline: bool) -> String {
-    let baseline = if baseline { "baseline = \"greedy\"\n" } else { "" };
+    let baseline = if baseline {
+        "baseline = \"greedy\"\n"
+    } else {
+        ""
+    };
     format!(
         r#"
 seed = 3
@@ -486,12 +524,39 @@ limit = 4
 fn setup(d: &Path) {
     for args in [
         &[
-            "init-model", "--like", "qwen2", "--layers", "2", "--hidden", "64", "--heads", "4",
-            "--kv-heads", "2", "--ffn", "128", "--vocab", "300", "--seed", "0", "--out", "model",
+            "init-model",
+            "--like",
+            "qwen2",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "128",
+            "--vocab",
+            "300",
+            "--seed",
+            "0",
+            "--out",
+            "model",
         ][..],
         &[
-            "prepare", "synth", "--task", "add", "--digits", "1", "--n", "20", "--seed", "1",
-            "--out", "train.parquet",
+            "prepare",
+            "synth",
+            "--task",
+            "add",
+            "--digits",
+            "1",
+            "--n",
+            "20",
+            "--seed",
+            "1",
+            "--out",
+            "train.parquet",
         ],
     ] {
         let o = Command::new(TANDEM)
@@ -594,7 +659,11 @@ fn remax_pipeline_runs_in_process_on_the_daemon_and_on_two_ranks() {
                 .iter()
                 .map(|u| greedy(u).unwrap())
                 .collect();
-            assert_eq!(adv.f32s(schema::BASELINE_SCORE).unwrap(), want, "{run} {step}");
+            assert_eq!(
+                adv.f32s(schema::BASELINE_SCORE).unwrap(),
+                want,
+                "{run} {step}"
+            );
             let m = json(&r.join(step).join("metrics/score.json"));
             assert_eq!(m["score/rows"], 6, "{run} {step}: {m}");
             assert_eq!(m["score/baseline_rows"], 3, "{run} {step}: {m}");
@@ -623,5 +692,72 @@ fn remax_pipeline_runs_in_process_on_the_daemon_and_on_two_ranks() {
     assert_eq!(
         i32_rows(&a, schema::RESPONSE_IDS),
         i32_rows(&b, schema::RESPONSE_IDS)
+    );
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len() as f64
+}
+
+/// pipelines/demo-remax.toml as pipelines/demo.sh runs it, shortened to 50 steps: ReMax
+/// raises the reward and the greedy accuracy on held-out prompts. Measured (seed 0, CPU, dev
+/// build): reward 0.075 over the first 10 steps -> 0.210 over the last 10; greedy accuracy
+/// 0.094 at step 0 -> 0.289 at step 50 (GRPO's demo.toml, same 50 steps: 0.086 -> 0.238,
+/// 0.094 -> 0.195). The thresholds are about half the measured gains.
+#[test]
+fn shortened_remax_demo_learns() {
+    let bin = Path::new(PIPELINE).parent().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/demo.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(bin)
+        .arg(work.path())
+        .args(["--steps", "50"])
+        .env("DEMO_SPEC", "demo-remax.toml")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "demo-remax failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = work.path().join("run");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 50);
+    for m in &lines {
+        // 64 prompts x 8 samples are the samples; the 64 greedy rows are counted apart.
+        assert_eq!(m["score/rows"], 512, "{m}");
+        assert_eq!(m["score/baseline_rows"], 64, "{m}");
+        assert_eq!(m["advantage/rows"], 512, "{m}");
+    }
+    let rewards: Vec<f64> = lines
+        .iter()
+        .map(|m| m["reward/mean"].as_f64().unwrap())
+        .collect();
+    let (first, last) = (mean(&rewards[..10]), mean(&rewards[40..]));
+    let eval: Vec<f64> = std::fs::read_to_string(run.join("eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["accuracy"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    eprintln!("reward: first 10 steps {first:.3}, last 10 {last:.3}; greedy accuracy {eval:?}");
+    assert!(
+        last > first + 0.07,
+        "reward did not rise: first 10 steps {first:.3}, last 10 {last:.3}"
+    );
+    assert_eq!(eval.len(), 3, "steps 0, 25, 50");
+    assert!(
+        eval[2] > eval[0] + 0.1,
+        "greedy accuracy did not rise: {eval:?}"
     );
 }

@@ -819,11 +819,12 @@ mod tests {
         let err = group_baselines(&["a", "c"], &[1.0, 0.0], &[true, false]).unwrap_err();
         assert!(crate::error::is_input_error(&err));
         assert!(
-            err.to_string().starts_with("prompt_uid c has no baseline row"),
+            err.to_string()
+                .starts_with("prompt_uid c has no baseline row"),
             "{err}"
         );
-        let err = group_baselines(&["a", "a", "a"], &[1.0, 0.0, 1.0], &[true, false, true])
-            .unwrap_err();
+        let err =
+            group_baselines(&["a", "a", "a"], &[1.0, 0.0, 1.0], &[true, false, true]).unwrap_err();
         assert_eq!(
             err.to_string(),
             "prompt_uid a has 2 baseline rows (is_baseline = true); a group has one"

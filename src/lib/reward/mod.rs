@@ -592,7 +592,11 @@ pub(crate) fn scored_metrics(batch: &Batch) -> Result<Map<String, Value>> {
     let summary = Summary::new(&scores, sources.as_deref(), Some(&is_baseline));
     let mut m = summary.metrics(&Timings::default());
     m.retain(|k, _| !k.ends_with("_s"));
-    insert_overlong_fraction(&mut m, overlong_rows(&scores, &is_baseline), summary.all.rows);
+    insert_overlong_fraction(
+        &mut m,
+        overlong_rows(&scores, &is_baseline),
+        summary.all.rows,
+    );
     Ok(m)
 }
 

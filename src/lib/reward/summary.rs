@@ -79,7 +79,8 @@ impl Summary {
             }
         };
         let baseline = |i: usize| is_baseline.is_some_and(|b| b[i]);
-        let (base_rows, all_rows): (Vec<usize>, Vec<usize>) = (0..s.len()).partition(|&i| baseline(i));
+        let (base_rows, all_rows): (Vec<usize>, Vec<usize>) =
+            (0..s.len()).partition(|&i| baseline(i));
         let all = group(&all_rows);
         let of = |i: &usize| s[*i] as f64;
         let var = mean(all_rows.iter().map(|i| (of(i) - all.mean).powi(2))).1;

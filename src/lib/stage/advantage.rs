@@ -10,10 +10,10 @@ use crate::batch::{list_array, schema, Batch, NewColumns, Ragged, StageInfo};
 use anyhow::Result;
 use arrow_array::types::Float32Type;
 use arrow_array::Float32Array;
-use std::sync::Arc;
 use clap::builder::PossibleValuesParser;
 use clap::{ArgAction, Args, ValueEnum};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// How β moves between steps.
@@ -166,7 +166,10 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
     let mut cols = columns(offsets, rewards.token_rewards, out);
     if let (Some(b), true) = (&inp.baseline, inp.baselines_dropped > 0) {
         // The baseline each row's advantage subtracted, taken from its group's baseline row.
-        cols.add(schema::BASELINE_SCORE, Arc::new(Float32Array::from(b.clone())));
+        cols.add(
+            schema::BASELINE_SCORE,
+            Arc::new(Float32Array::from(b.clone())),
+        );
     }
     let info = StageInfo {
         stage: "advantage",
@@ -387,7 +390,12 @@ impl AdvantageArgs {
     }
 
     /// The parameters recorded in the output's metadata (β as used on this batch).
-    fn params_json(&self, est: &adv::Estimator, beta_used: f64, dropped: usize) -> serde_json::Value {
+    fn params_json(
+        &self,
+        est: &adv::Estimator,
+        beta_used: f64,
+        dropped: usize,
+    ) -> serde_json::Value {
         serde_json::json!({
             "baseline_rows_dropped": dropped,
             "estimator": est.name,

@@ -248,7 +248,11 @@ pub(crate) fn convert(config: &Config, reward: Option<&str>, origin: &str) -> Re
     let remax = out.entries.get("advantage.estimator");
     if remax.is_some_and(|e| e.value.as_str() == Some("remax")) {
         let greedy = toml::Value::String("greedy".into());
-        out.set("rollout.baseline", greedy, "algorithm.adv_estimator = remax");
+        out.set(
+            "rollout.baseline",
+            greedy,
+            "algorithm.adv_estimator = remax",
+        );
     }
     match reward {
         Some(r) => out.set("score.reward", toml::Value::String(r.into()), "--reward"),

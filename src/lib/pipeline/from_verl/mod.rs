@@ -839,6 +839,7 @@ mod tests {
             c::RETURNS,
             c::VALUES,
             c::BASELINE_SCORE,
+            c::IS_BASELINE,
             crate::stage::ref_logprob::ENTROPY,
             "score_<name>",
         ];

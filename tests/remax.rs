@@ -98,10 +98,8 @@ fn rollout_adds_one_greedy_row_per_prompt() {
     assert_eq!(m["response_tokens"], resp(&samples), "{m}");
     let base_mean = resp(&baselines) as f64 / 3.0;
     assert!((m["baseline_response_length_mean"].as_f64().unwrap() - base_mean).abs() < 1e-12);
-    assert_eq!(
-        with.meta["tandem.stage.rollout"].contains("\"baseline\":\"greedy\""),
-        true
-    );
+    let params = &with.meta["tandem.stage.rollout"];
+    assert!(params.contains("\"baseline\":\"greedy\""), "{params}");
     // Without --baseline there is no column.
     assert!(!plain.has(schema::IS_BASELINE));
     input_error(

@@ -100,6 +100,22 @@ fn rollout_adds_one_greedy_row_per_prompt() {
     assert!((m["baseline_response_length_mean"].as_f64().unwrap() - base_mean).abs() < 1e-12);
     let params = &with.meta["tandem.stage.rollout"];
     assert!(params.contains("\"baseline\":\"greedy\""), "{params}");
+    // `tandem inspect` marks the greedy rows.
+    let shown = Command::new(TANDEM)
+        .args(["inspect", p(&d.join("with.parquet")), "--rows", "4"])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&shown.stdout);
+    let header = table.lines().find(|l| l.starts_with("row ")).unwrap();
+    assert!(header.contains("  baseline  "), "{table}");
+    let marked: Vec<bool> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("row "))
+        .skip(1)
+        .take(4)
+        .map(|l| l.contains(" greedy "))
+        .collect();
+    assert_eq!(marked, [false, false, false, true], "{table}");
     // Without --baseline there is no column.
     assert!(!plain.has(schema::IS_BASELINE));
     input_error(

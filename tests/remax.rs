@@ -623,9 +623,9 @@ fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 /// `estimator = "remax"` runs end to end in-process, on the daemon and with `gpus = 2` CPU
 /// ranks: every step's rollout holds one greedy row per prompt, the advantage batch only the
 /// samples (each with its group's baseline), the metrics count samples, the evaluation adds
-/// no baseline; the daemon's run ends with the in-process run's weights bit for bit, and the
-/// 2-rank run's first rollout is the 1-process one's. Without `[rollout] baseline` the spec
-/// is refused before anything runs.
+/// no baseline, and dynamic sampling keeps each kept group's baseline row; the daemon's run
+/// ends with the in-process run's weights bit for bit, and the 2-rank run's first rollout is
+/// the 1-process one's. Without `[rollout] baseline` the spec is refused before anything runs.
 #[test]
 fn remax_pipeline_runs_in_process_on_the_daemon_and_on_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
@@ -692,6 +692,27 @@ fn remax_pipeline_runs_in_process_on_the_daemon_and_on_two_ranks() {
             assert_eq!(m["advantage/baseline_rows_dropped"], 3, "{run}: {m}");
             assert!(m["grad_norm"].as_f64().unwrap() > 0.0, "{run}: {m}");
         }
+    }
+    // Dynamic sampling keeps each kept group's baseline row with it and counts samples only.
+    let dynamic = format!("{}[algorithm]\nfilter-groups = true\n", spec("", true));
+    pipeline_ok(d, "dynamic", &dynamic);
+    for step in ["step-0001", "step-0002"] {
+        let r = d.join("dynamic").join(step);
+        let scored = read(&r.join("scored.parquet"));
+        let (puid, is_b) = (strings(&scored, schema::PROMPT_UID), bools(&scored));
+        let groups: std::collections::BTreeSet<&String> = puid.iter().collect();
+        for g in &groups {
+            let rows: Vec<usize> = (0..puid.len()).filter(|&i| puid[i] == **g).collect();
+            assert_eq!(rows.len(), 3, "{step}: {g}");
+            assert_eq!(rows.iter().filter(|&&i| is_b[i]).count(), 1, "{step}: {g}");
+        }
+        let m = json(&r.join("metrics/sampling.json"));
+        assert_eq!(
+            m["samples"],
+            2 * m["prompts"].as_u64().unwrap(),
+            "{step}: {m}"
+        );
+        assert_eq!(read(&r.join("adv.parquet")).num_rows(), 2 * groups.len());
     }
     let last = |run: &str| files(&d.join(run).join("ckpt/step-0002"));
     assert_eq!(last("one"), last("daemon"), "daemon vs in-process weights");

@@ -621,11 +621,11 @@ fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 }
 
 /// `estimator = "remax"` runs end to end in-process, on the daemon and with `gpus = 2` CPU
-/// ranks: every step's rollout holds one greedy row per prompt, the advantage batch only the
+/// ranks (in-process and on a daemon group): every step's rollout holds one greedy row per prompt, the advantage batch only the
 /// samples (each with its group's baseline), the metrics count samples, the evaluation adds
 /// no baseline, and dynamic sampling keeps each kept group's baseline row; the daemon's run
-/// ends with the in-process run's weights bit for bit, and the 2-rank run's first rollout is
-/// the 1-process one's. Without `[rollout] baseline` the spec is refused before anything runs.
+/// (group) ends with the in-process run's weights bit for bit, and the 2-rank run's first
+/// rollout is the 1-process one's. Without `[rollout] baseline` the spec is refused before anything runs.
 #[test]
 fn remax_pipeline_runs_in_process_on_the_daemon_and_on_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
@@ -643,7 +643,8 @@ fn remax_pipeline_runs_in_process_on_the_daemon_and_on_two_ranks() {
     pipeline_ok(d, "one", &spec("", true));
     pipeline_ok(d, "daemon", &spec("daemon = true", true));
     pipeline_ok(d, "two", &spec("gpus = 2", true));
-    for run in ["one", "daemon", "two"] {
+    pipeline_ok(d, "group", &spec("gpus = 2\ndaemon = true", true));
+    for run in ["one", "daemon", "two", "group"] {
         let r = d.join(run);
         let commands = std::fs::read_to_string(r.join("commands.sh")).unwrap();
         let rollouts: Vec<&str> = commands
@@ -716,6 +717,11 @@ fn remax_pipeline_runs_in_process_on_the_daemon_and_on_two_ranks() {
     }
     let last = |run: &str| files(&d.join(run).join("ckpt/step-0002"));
     assert_eq!(last("one"), last("daemon"), "daemon vs in-process weights");
+    assert_eq!(
+        last("two"),
+        last("group"),
+        "daemon group vs in-process 2 ranks"
+    );
     let (a, b) = (
         read(&d.join("one/step-0001/rollout.parquet")),
         read(&d.join("two/step-0001/rollout.parquet")),

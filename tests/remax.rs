@@ -740,11 +740,10 @@ fn mean(xs: &[f64]) -> f64 {
     xs.iter().sum::<f64>() / xs.len() as f64
 }
 
-/// pipelines/demo-remax.toml as pipelines/demo.sh runs it, shortened to 50 steps: ReMax
+/// pipelines/demo-remax.toml as pipelines/demo.sh runs it, shortened to 75 steps: ReMax
 /// raises the reward and the greedy accuracy on held-out prompts. Measured (seed 0, CPU, dev
-/// build): reward 0.075 over the first 10 steps -> 0.210 over the last 10; greedy accuracy
-/// 0.094 at step 0 -> 0.289 at step 50 (GRPO's demo.toml, same 50 steps: 0.086 -> 0.238,
-/// 0.094 -> 0.195). The thresholds are about half the measured gains.
+/// build): reward 0.069 over the first 10 steps -> 0.242 over the last 10; greedy accuracy
+/// 0.094 at step 0 -> 0.484 at step 75. The thresholds are under half the measured gains.
 #[test]
 fn shortened_remax_demo_learns() {
     let bin = Path::new(PIPELINE).parent().unwrap();
@@ -754,7 +753,7 @@ fn shortened_remax_demo_learns() {
         .arg(&script)
         .arg(bin)
         .arg(work.path())
-        .args(["--steps", "50"])
+        .args(["--steps", "75"])
         .env("DEMO_SPEC", "demo-remax.toml")
         .output()
         .unwrap();
@@ -770,7 +769,7 @@ fn shortened_remax_demo_learns() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 50);
+    assert_eq!(lines.len(), 75);
     for m in &lines {
         // 64 prompts x 8 samples are the samples; the 64 greedy rows are counted apart.
         assert_eq!(m["score/rows"], 512, "{m}");
@@ -781,7 +780,7 @@ fn shortened_remax_demo_learns() {
         .iter()
         .map(|m| m["reward/mean"].as_f64().unwrap())
         .collect();
-    let (first, last) = (mean(&rewards[..10]), mean(&rewards[40..]));
+    let (first, last) = (mean(&rewards[..10]), mean(&rewards[65..]));
     let eval: Vec<f64> = std::fs::read_to_string(run.join("eval.jsonl"))
         .unwrap()
         .lines()
@@ -793,12 +792,12 @@ fn shortened_remax_demo_learns() {
         .collect();
     eprintln!("reward: first 10 steps {first:.3}, last 10 {last:.3}; greedy accuracy {eval:?}");
     assert!(
-        last > first + 0.07,
+        last > first + 0.08,
         "reward did not rise: first 10 steps {first:.3}, last 10 {last:.3}"
     );
-    assert_eq!(eval.len(), 3, "steps 0, 25, 50");
+    assert_eq!(eval.len(), 4, "steps 0, 25, 50, 75");
     assert!(
-        eval[2] > eval[0] + 0.1,
+        eval[3] > eval[0] + 0.15,
         "greedy accuracy did not rise: {eval:?}"
     );
 }

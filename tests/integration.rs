@@ -31,6 +31,7 @@ mod learning;
 mod model_files;
 mod pipeline;
 mod prepare;
+mod remax;
 mod rollout_corr;
 mod rollout_paged;
 mod score;

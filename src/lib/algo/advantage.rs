@@ -187,7 +187,7 @@ pub(crate) const ESTIMATORS: &[Estimator] = &[
         name: "remax",
         needs: &[(
             schema::BASELINE_SCORE,
-            "it subtracts the greedy sample's score",
+            "it subtracts the score of the prompt's greedy sample: run rollout with --baseline greedy, whose baseline rows give it",
         )],
         run: remax,
     },
@@ -464,6 +464,40 @@ fn gpg(x: &AdvInput, _: &AdvParams) -> Result<AdvOutput> {
         .map(|i| alpha * (x.outcome[i] - mean[g.of_row[i]]))
         .collect();
     Ok(outcome_output(x, &a))
+}
+
+/// ReMax's baseline of every sample row: the score of its group's baseline row (verl scores one
+/// greedy response per prompt and broadcasts it to the prompt's samples). `keys` are the rows'
+/// prompt_uids; the result has one entry per row that is not a baseline, in order. A group of
+/// samples without a baseline row, or with two, is an input error naming its prompt_uid.
+pub(crate) fn group_baselines(
+    keys: &[&str],
+    scores: &[f32],
+    is_baseline: &[bool],
+) -> Result<Vec<f32>> {
+    let mut of_group: HashMap<&str, (f32, usize)> = HashMap::new();
+    for ((&k, &s), _) in keys.iter().zip(scores).zip(is_baseline).filter(|(_, &b)| b) {
+        let e = of_group.entry(k).or_insert((s, 0));
+        e.1 += 1;
+        if e.1 > 1 {
+            bail_input!(
+                "prompt_uid {k} has {} baseline rows ({} = true); a group has one",
+                e.1,
+                schema::IS_BASELINE
+            );
+        }
+    }
+    let mut out = Vec::with_capacity(keys.len() - of_group.len());
+    for (&k, _) in keys.iter().zip(is_baseline).filter(|(_, &b)| !b) {
+        match of_group.get(k) {
+            Some(&(s, _)) => out.push(s),
+            None => bail_input!(
+                "prompt_uid {k} has no baseline row ({} = true) among its rows: `rollout --baseline greedy` adds one to every prompt's group",
+                schema::IS_BASELINE
+            ),
+        }
+    }
+    Ok(out)
 }
 
 // G_t = Σ_{u ≥ t} mask_u·r_u; A_t = G_t − b_i with b_i the greedy sample's score.
@@ -771,6 +805,30 @@ mod tests {
         #[rustfmt::skip]
         let adv = [0.5, 0.5, 0.5,  -0.5, -0.5,  0.0, 0.0, 0.0, 0.0,  -1.0, -1.0,  0.0, 0.0,  1.0];
         close(&out.advantages, &adv, 0.0);
+    }
+
+    #[test]
+    fn group_baselines_take_each_groups_baseline_row() {
+        // Groups a (two samples, baseline 0.5 written between them) and b (baseline first).
+        let keys = ["a", "a", "b", "a", "b", "b"];
+        let scores = [1.0, 0.5, 2.0, 0.0, -1.0, 7.0];
+        let is_b = [false, true, true, false, false, false];
+        let b = group_baselines(&keys, &scores, &is_b).unwrap();
+        assert_eq!(b, vec![0.5, 0.5, 2.0, 2.0]);
+        // A group without its baseline row, and a group with two, name their prompt_uid.
+        let err = group_baselines(&["a", "c"], &[1.0, 0.0], &[true, false]).unwrap_err();
+        assert!(crate::error::is_input_error(&err));
+        assert!(
+            err.to_string()
+                .starts_with("prompt_uid c has no baseline row"),
+            "{err}"
+        );
+        let err =
+            group_baselines(&["a", "a", "a"], &[1.0, 0.0, 1.0], &[true, false, true]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "prompt_uid a has 2 baseline rows (is_baseline = true); a group has one"
+        );
     }
 
     #[test]

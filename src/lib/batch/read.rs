@@ -215,6 +215,36 @@ impl Batch {
         Ok(values)
     }
 
+    /// A bool column (nulls are an error).
+    pub fn bools(&self, name: &str) -> Result<Vec<bool>> {
+        let col = self.column(name)?;
+        self.null_row(name, col.as_ref())?;
+        match col.data_type() {
+            DataType::Boolean => Ok(col.as_boolean().iter().map(|b| b == Some(true)).collect()),
+            dt => bail_input!("{}: expected bool, found {dt}", self.at(name)),
+        }
+    }
+
+    /// Which rows are ReMax baseline rows (`is_baseline`; none when the column is absent).
+    pub fn baseline_rows(&self) -> Result<Vec<bool>> {
+        match self.has(schema::IS_BASELINE) {
+            true => self.bools(schema::IS_BASELINE),
+            false => Ok(vec![false; self.num_rows()]),
+        }
+    }
+
+    /// The batch without its baseline rows: the samples, which every count over samples
+    /// (score means, accuracy, lengths, groups kept) is taken over.
+    pub fn samples_only(self) -> Result<Batch> {
+        let baseline = self.baseline_rows()?;
+        if !baseline.contains(&true) {
+            return Ok(self);
+        }
+        let keep: arrow_array::BooleanArray = baseline.iter().map(|&b| Some(!b)).collect();
+        let data = arrow_select::filter::filter_record_batch(&self.data, &keep)?;
+        Ok(Batch { data, ..self })
+    }
+
     fn check_finite(&self, name: &str, values: &[f32], offsets: Option<&[usize]>) -> Result<()> {
         if let Some(i) = values.iter().position(|v| !v.is_finite()) {
             let row = match offsets {

@@ -51,12 +51,16 @@ pub const RETURNS: &str = "returns";
 pub const VALUES: &str = "values";
 /// ReMax's greedy-baseline score.
 pub const BASELINE_SCORE: &str = "baseline_score";
+/// True on the greedy sample `rollout --baseline greedy` adds to each prompt's group (ReMax's
+/// baseline): scored like any row, then taken out by `advantage`; never a training sample.
+pub const IS_BASELINE: &str = "is_baseline";
 
 /// The physical kinds of column the contract uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Utf8,
     F32,
+    Bool,
     /// `score_<key>`: a float32 sub-score, or a reward's text value (utf8).
     SubScore,
     ListI32,
@@ -69,6 +73,7 @@ impl Kind {
         match self {
             Kind::Utf8 => "utf8",
             Kind::F32 => "float32",
+            Kind::Bool => "bool",
             Kind::SubScore => "float32 or utf8",
             Kind::ListI32 => "list<int32>",
             Kind::ListU8 => "list<uint8>",
@@ -82,6 +87,7 @@ impl Kind {
         match self {
             Kind::Utf8 => DataType::Utf8,
             Kind::F32 | Kind::SubScore => DataType::Float32,
+            Kind::Bool => DataType::Boolean,
             Kind::ListI32 => item(DataType::Int32),
             Kind::ListU8 => item(DataType::UInt8),
             Kind::ListF32 => item(DataType::Float32),
@@ -102,6 +108,7 @@ impl Kind {
                 DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
             ),
             Kind::F32 => matches!(dt, DataType::Float32 | DataType::Float64),
+            Kind::Bool => matches!(dt, DataType::Boolean),
             Kind::SubScore => Kind::F32.accepts(dt) || Kind::Utf8.accepts(dt),
             Kind::ListI32 => list_of(&DataType::Int32) || list_of(&DataType::Int64),
             Kind::ListU8 => list_of(&DataType::UInt8) || list_of(&DataType::Int8),
@@ -118,6 +125,7 @@ pub(crate) fn kind_of(name: &str) -> Option<Kind> {
         PROMPT_IDS | RESPONSE_IDS => Kind::ListI32,
         RESPONSE_MASK => Kind::ListU8,
         SCORE | BASELINE_SCORE => Kind::F32,
+        IS_BASELINE => Kind::Bool,
         TOKEN_REWARDS | ADVANTAGES | RETURNS | VALUES => Kind::ListF32,
         n if n.ends_with("_logprobs") || n == "entropy" || n.ends_with("_entropy") => Kind::ListF32,
         n if n.starts_with(SCORE_PREFIX) => Kind::SubScore,

@@ -53,12 +53,22 @@ pub(super) trait Rounds {
 }
 
 /// Which groups are kept: those whose value is not the same for every sample. A group of one
-/// sample is kept, as verl does (its spread is undefined, not zero).
-pub(crate) fn varied_groups(groups: &Groups, values: &[f64]) -> Vec<bool> {
+/// sample is kept, as verl does (its spread is undefined, not zero). Rows marked in
+/// `is_baseline` (ReMax's greedy baselines) are not samples: they go with their group but do
+/// not count.
+pub(crate) fn varied_groups(groups: &Groups, values: &[f64], is_baseline: &[bool]) -> Vec<bool> {
     assert_eq!(groups.of_row.len(), values.len(), "one value per row");
     let mut first: Vec<Option<f64>> = vec![None; groups.count];
     let mut varied = vec![false; groups.count];
-    for (&g, &v) in groups.of_row.iter().zip(values) {
+    let mut samples = vec![0usize; groups.count];
+    for ((&g, &v), _) in groups
+        .of_row
+        .iter()
+        .zip(values)
+        .zip(is_baseline)
+        .filter(|(_, &b)| !b)
+    {
+        samples[g] += 1;
         match first[g] {
             None => first[g] = Some(v),
             Some(f) if f != v => varied[g] = true,
@@ -67,7 +77,7 @@ pub(crate) fn varied_groups(groups: &Groups, values: &[f64]) -> Vec<bool> {
     }
     varied
         .into_iter()
-        .zip(groups.sizes())
+        .zip(samples)
         .map(|(v, n)| v || n == 1)
         .collect()
 }
@@ -238,7 +248,8 @@ fn run_round(
         &[schema::PROMPT_UID, schema::SCORE, schema::RESPONSE_IDS],
     )?;
     let groups = Groups::from_keys(&scored.strings(schema::PROMPT_UID)?);
-    let keep = varied_groups(&groups, &metric_values(&scored, &fg.metric)?);
+    let values = metric_values(&scored, &fg.metric)?;
+    let keep = varied_groups(&groups, &values, &scored.baseline_rows()?);
     Ok(Round {
         files,
         scored,
@@ -294,11 +305,19 @@ fn write_summary(
     let n_rounds = rounds.len() as u64;
     let (mut rows, mut score_sum, mut correct_sum, mut tokens) = (0usize, 0.0, 0.0, 0usize);
     for round in rounds {
-        let s = round.scored.f32s(schema::SCORE)?;
-        rows += s.len();
-        score_sum += s.iter().map(|&x| x as f64).sum::<f64>();
-        correct_sum += metrics::correct(&round.scored, &s)?.iter().sum::<f64>();
-        tokens += round.scored.ragged_i32(schema::RESPONSE_IDS)?.values.len();
+        // Over the samples: baseline rows (ReMax) are not counted.
+        let b = &round.scored;
+        let s = b.f32s(schema::SCORE)?;
+        let ok = metrics::correct(b, &s)?;
+        let ids = b.ragged_i32(schema::RESPONSE_IDS)?;
+        for (i, base) in b.baseline_rows()?.into_iter().enumerate() {
+            if !base {
+                rows += 1;
+                score_sum += s[i] as f64;
+                correct_sum += ok[i];
+                tokens += ids.row(i).len();
+            }
+        }
     }
     let groups_all: usize = rounds.iter().map(|r| r.groups.count).sum();
     let rollout_s = r
@@ -523,7 +542,22 @@ mod tests {
         let keys = ["a", "a", "a", "b", "b", "c", "d", "d", "e", "e", "e"];
         let values = [1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 1.0, 1.0, 0.9];
         let g = Groups::from_keys(&keys);
-        assert_eq!(varied_groups(&g, &values), [true, false, true, false, true]);
+        let none = [false; 11];
+        let want = [true, false, true, false, true];
+        assert_eq!(varied_groups(&g, &values, &none), want);
+        // Baseline rows go with their group but do not count: a's and b's samples are equal
+        // (their baselines differ), c has one sample, e's differing row is its baseline.
+        let keys = ["a", "a", "a", "b", "b", "b", "c", "c", "e", "e", "e"];
+        let values = [9.0, 1.0, 1.0, 0.5, 0.5, 0.0, 0.3, 0.0, 1.0, 1.0, 0.9];
+        let base = [
+            true, false, false, false, false, true, false, true, false, false, true,
+        ];
+        let g = Groups::from_keys(&keys);
+        assert_eq!(varied_groups(&g, &values, &none), [true; 4]);
+        assert_eq!(
+            varied_groups(&g, &values, &base),
+            [false, false, true, false]
+        );
     }
 
     fn batch(scores: &[f32], acc: Option<&[f32]>) -> Batch {

@@ -132,7 +132,7 @@ pub fn render(args: &InspectArgs) -> Result<String> {
 }
 
 /// The columns shown, those of the batch's schema that it has: source, prompt, response,
-/// length, score, advantage, logprob.
+/// baseline (when some rows are ReMax's greedy baselines), length, score, advantage, logprob.
 fn columns(batch: &Batch, args: &InspectArgs) -> Result<Vec<Col>> {
     let mut cols: Vec<Col> = Vec::new();
     if batch.has(schema::DATA_SOURCE) {
@@ -162,6 +162,19 @@ fn columns(batch: &Batch, args: &InspectArgs) -> Result<Vec<Col>> {
         cols.push(Col {
             name: "response".into(),
             cells: v.iter().map(|s| cell_text(s, args.chars)).collect(),
+            keys: None,
+            numeric: false,
+        });
+    }
+    let baseline = batch.baseline_rows()?;
+    if baseline.contains(&true) {
+        // ReMax's greedy rows: scored, but not samples.
+        cols.push(Col {
+            name: "baseline".into(),
+            cells: baseline
+                .iter()
+                .map(|&b| if b { "greedy" } else { "" }.into())
+                .collect(),
             keys: None,
             numeric: false,
         });

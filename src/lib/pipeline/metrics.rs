@@ -2,6 +2,8 @@
 //!
 //! One flat JSON object per line. The runner computes the keys it can read off the batch files
 //! itself, so they mean the same whatever the stages print:
+//! Every count is over the samples: rows marked `is_baseline` (ReMax's greedy baselines) are
+//! left out.
 //! - `reward/mean`, `reward/std` (population), `accuracy` (rows with score >= 1, or the mean
 //!   of a `score_acc` sub-score, as `score` counts it), `accuracy/<data_source>`;
 //! - `response_length/mean|max|min` (response tokens), `prompt_length/mean`,
@@ -235,7 +237,8 @@ pub(crate) fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
     let mut m = Map::new();
     m.insert("step".into(), Value::from(f.step));
 
-    let scored = Batch::read(f.scored, &[schema::SCORE, schema::RESPONSE_IDS])?;
+    // Counts over samples: ReMax's greedy baseline rows are not samples.
+    let scored = Batch::read(f.scored, &[schema::SCORE, schema::RESPONSE_IDS])?.samples_only()?;
     let s = score_summary(&scored)?;
     m.insert("reward/mean".into(), num(s.mean));
     m.insert("reward/std".into(), num(s.std));
@@ -252,7 +255,7 @@ pub(crate) fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
         m.insert("response_clip_ratio".into(), num(c));
     }
     if let Some(path) = f.with_ref {
-        let b = Batch::read(path, &[])?;
+        let b = Batch::read(path, &[])?.samples_only()?;
         if let Some(kl) = masked_mean_diff(&b, schema::ROLLOUT_LOGPROBS, schema::REF_LOGPROBS)? {
             m.insert("kl".into(), num(kl));
         }
@@ -310,7 +313,7 @@ pub(crate) fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
 
 /// The eval.jsonl line of one evaluation.
 pub(crate) fn eval_line(step: u64, scored: &Path) -> Result<Map<String, Value>> {
-    let b = Batch::read(scored, &[schema::SCORE, schema::RESPONSE_IDS])?;
+    let b = Batch::read(scored, &[schema::SCORE, schema::RESPONSE_IDS])?.samples_only()?;
     let s = score_summary(&b)?;
     let l = lengths(&b)?;
     let mut m = Map::new();

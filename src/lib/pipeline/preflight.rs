@@ -16,6 +16,9 @@
 //!   past the model's vocabulary), and a ground truth in every row when the reward is a
 //!   built-in rule.
 //!
+//! - `[advantage] estimator = "remax"`: the training rollout adds the greedy baseline it
+//!   subtracts (`[rollout] baseline = "greedy"`).
+//!
 //! - `device = "cuda"` (or `--device cuda`): the CUDA driver loads and shows a GPU, and at
 //!   least `gpus` of them.
 //!
@@ -49,6 +52,7 @@ pub fn check(plan: &Plan) -> Result<Batch> {
     let spec = &plan.spec;
     let st = &plan.stages;
     check_device(spec.device, spec.gpus)?;
+    check_baseline(plan)?;
 
     let score = &st.score.args;
     let reward = RewardSpec::parse(&score.reward)?;
@@ -103,6 +107,18 @@ pub fn check(plan: &Plan) -> Result<Batch> {
         data: b.data.clone(),
         meta: b.meta.clone(),
     })
+}
+
+/// ReMax subtracts the score of each prompt's greedy response, which only the rollout can add
+/// (without it the run would stop at step 1's `advantage`).
+fn check_baseline(plan: &Plan) -> Result<()> {
+    let estimator = &plan.stages.advantage.args.estimator;
+    if estimator == "remax" && plan.stages.rollout.args.baseline.is_none() {
+        bail_input!(
+            "[advantage] estimator = \"remax\" subtracts the score of each prompt's greedy response, which the rollout adds as a baseline row: add baseline = \"greedy\" to [rollout]"
+        );
+    }
+    Ok(())
 }
 
 /// With `device = "cuda"`, the GPUs the model stages will open are there (the driver is asked

@@ -310,8 +310,8 @@ impl Stages {
 }
 
 /// The rollout flags the evaluation does not take from `[rollout]`: it decodes greedily unless
-/// `[eval]` says otherwise.
-const EVAL_SAMPLING: [&str; 4] = ["n", "temperature", "top-p", "top-k"];
+/// `[eval]` says otherwise, and adds no ReMax baseline (its rows are what is evaluated).
+const EVAL_SAMPLING: [&str; 5] = ["n", "temperature", "top-p", "top-k", "baseline"];
 
 /// Where a spec comes from, for messages: `FILE:LINE:COL` of a key when the text is at hand.
 #[derive(Clone, Copy)]

@@ -488,8 +488,9 @@ pub(crate) fn run_stage(cfg: &StageConfig) -> Result<Summary> {
     } else {
         None
     };
-    let summary = Summary::new(&scores, sources.as_deref());
-    let overlong_rows = overlong_rows(&scores);
+    let is_baseline = batch.baseline_rows()?;
+    let summary = Summary::new(&scores, sources.as_deref(), Some(&is_baseline));
+    let overlong_rows = overlong_rows(&scores, &is_baseline);
     let t2 = Instant::now();
 
     let mut cols = NewColumns::new();
@@ -536,11 +537,14 @@ pub(crate) fn run_stage(cfg: &StageConfig) -> Result<Summary> {
     Ok(summary)
 }
 
-/// Rows the overlong shaping penalised, when it ran.
-fn overlong_rows(scores: &Scores) -> Option<usize> {
-    scores
-        .sub(overlong::KEY)
-        .map(|p| p.iter().filter(|&&x| x < 0.0).count())
+/// Sample rows (baseline rows apart) the overlong shaping penalised, when it ran.
+fn overlong_rows(scores: &Scores, is_baseline: &[bool]) -> Option<usize> {
+    scores.sub(overlong::KEY).map(|p| {
+        p.iter()
+            .zip(is_baseline)
+            .filter(|(&x, &b)| x < 0.0 && !b)
+            .count()
+    })
 }
 
 /// `score/overlong_fraction`: verl's `overlong` flag as a fraction of the rows.
@@ -584,10 +588,15 @@ pub(crate) fn scored_metrics(batch: &Batch) -> Result<Map<String, Value>> {
     } else {
         None
     };
-    let summary = Summary::new(&scores, sources.as_deref());
+    let is_baseline = batch.baseline_rows()?;
+    let summary = Summary::new(&scores, sources.as_deref(), Some(&is_baseline));
     let mut m = summary.metrics(&Timings::default());
     m.retain(|k, _| !k.ends_with("_s"));
-    insert_overlong_fraction(&mut m, overlong_rows(&scores), summary.all.rows);
+    insert_overlong_fraction(
+        &mut m,
+        overlong_rows(&scores, &is_baseline),
+        summary.all.rows,
+    );
     Ok(m)
 }
 

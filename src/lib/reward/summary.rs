@@ -45,6 +45,8 @@ pub(crate) struct Summary {
     pub(crate) per_source: BTreeMap<String, Group>,
     /// Mean of each sub-score.
     pub(crate) sub_means: Vec<(String, f64)>,
+    /// The greedy baseline rows (`is_baseline`), counted apart from the samples above.
+    pub(crate) baselines: Option<Group>,
 }
 
 fn mean(values: impl Iterator<Item = f64>) -> (usize, f64) {
@@ -53,7 +55,13 @@ fn mean(values: impl Iterator<Item = f64>) -> (usize, f64) {
 }
 
 impl Summary {
-    pub(crate) fn new(scores: &Scores, sources: Option<&[&str]>) -> Summary {
+    /// The summary of the samples; rows marked in `is_baseline` (ReMax's greedy baselines)
+    /// are not samples and are summarised apart.
+    pub(crate) fn new(
+        scores: &Scores,
+        sources: Option<&[&str]>,
+        is_baseline: Option<&[bool]>,
+    ) -> Summary {
         let s = &scores.score;
         let acc_col = scores.sub(ACC_KEY);
         let correct = |i: usize| -> f64 {
@@ -70,20 +78,23 @@ impl Summary {
                 accuracy: mean(rows.iter().map(|&i| correct(i))).1,
             }
         };
-        let all_rows: Vec<usize> = (0..s.len()).collect();
+        let baseline = |i: usize| is_baseline.is_some_and(|b| b[i]);
+        let (base_rows, all_rows): (Vec<usize>, Vec<usize>) =
+            (0..s.len()).partition(|&i| baseline(i));
         let all = group(&all_rows);
-        let var = mean(s.iter().map(|&v| (v as f64 - all.mean).powi(2))).1;
+        let of = |i: &usize| s[*i] as f64;
+        let var = mean(all_rows.iter().map(|i| (of(i) - all.mean).powi(2))).1;
         let mut by_source: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
         if let Some(src) = sources {
-            for (i, name) in src.iter().enumerate() {
-                by_source.entry(name).or_default().push(i);
+            for &i in &all_rows {
+                by_source.entry(src[i]).or_default().push(i);
             }
         }
         Summary {
             all,
             std: var.sqrt(),
-            min: s.iter().fold(f64::NAN, |m, &v| m.min(v as f64)),
-            max: s.iter().fold(f64::NAN, |m, &v| m.max(v as f64)),
+            min: all_rows.iter().fold(f64::NAN, |m, i| m.min(of(i))),
+            max: all_rows.iter().fold(f64::NAN, |m, i| m.max(of(i))),
             accuracy_from_acc: acc_col.is_some(),
             per_source: by_source
                 .into_iter()
@@ -92,8 +103,9 @@ impl Summary {
             sub_means: scores
                 .subs
                 .iter()
-                .map(|(k, v)| (k.clone(), mean(v.iter().map(|&x| x as f64)).1))
+                .map(|(k, v)| (k.clone(), mean(all_rows.iter().map(|&i| v[i] as f64)).1))
                 .collect(),
+            baselines: (!base_rows.is_empty()).then(|| group(&base_rows)),
         }
     }
 
@@ -114,6 +126,11 @@ impl Summary {
         }
         for (key, v) in &self.sub_means {
             m.insert(format!("score_{key}/mean"), num(*v));
+        }
+        if let Some(b) = &self.baselines {
+            m.insert("score/baseline_rows".into(), json!(b.rows));
+            m.insert("score/baseline_mean".into(), num(b.mean));
+            m.insert("score/baseline_accuracy".into(), num(b.accuracy));
         }
         m.insert("score/read_s".into(), json!(t.read_s));
         m.insert("score/score_s".into(), json!(t.score_s));
@@ -147,6 +164,13 @@ impl Summary {
         for (key, v) in &self.sub_means {
             let _ = writeln!(out, "  score_{key}: mean {v:.4}");
         }
+        if let Some(b) = &self.baselines {
+            let _ = writeln!(
+                out,
+                "  and {} greedy baseline rows (not counted above): mean {:.4}, accuracy {:.4}",
+                b.rows, b.mean, b.accuracy
+            );
+        }
         let _ = writeln!(
             out,
             "  {:.0} rows/s (read {:.3} s, score {:.3} s, write {:.3} s)",
@@ -174,7 +198,7 @@ mod tests {
             score: vec![1.0, 0.0, 0.1, 1.0],
             ..Scores::default()
         };
-        let s = Summary::new(&scores, Some(&["a", "b", "a", "a"]));
+        let s = Summary::new(&scores, Some(&["a", "b", "a", "a"]), None);
         assert_eq!(s.all.rows, 4);
         assert!((s.all.mean - 0.525).abs() < 1e-6);
         assert_eq!(s.all.accuracy, 0.5);
@@ -203,7 +227,7 @@ mod tests {
             subs: vec![("acc".into(), vec![1.0, 0.0, 1.0])],
             ..Scores::default()
         };
-        let s = Summary::new(&scores, None);
+        let s = Summary::new(&scores, None, None);
         assert!(s.accuracy_from_acc);
         assert!((s.all.accuracy - 2.0 / 3.0).abs() < 1e-12);
         assert!(s.per_source.is_empty());
@@ -211,8 +235,33 @@ mod tests {
     }
 
     #[test]
+    fn baseline_rows_are_summarised_apart() {
+        // Rows 1 and 3 are greedy baselines: the samples are 1.0 (a), 0.0 (b), 0.25 (a).
+        let scores = Scores {
+            score: vec![1.0, 1.0, 0.0, 2.0, 0.25],
+            subs: vec![("len".into(), vec![2.0, 9.0, 4.0, 9.0, 6.0])],
+            ..Scores::default()
+        };
+        let is_b = [false, true, false, true, false];
+        let s = Summary::new(&scores, Some(&["a", "a", "b", "b", "a"]), Some(&is_b));
+        assert_eq!(s.all.rows, 3);
+        assert!((s.all.mean - 1.25 / 3.0).abs() < 1e-12);
+        assert!((s.all.accuracy - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!((s.min, s.max), (0.0, 1.0));
+        assert_eq!(s.per_source["a"].rows, 2);
+        assert_eq!(s.per_source["b"].rows, 1);
+        assert_eq!(s.sub_means, [("len".to_string(), 4.0)]);
+        let b = s.baselines.as_ref().unwrap();
+        assert_eq!((b.rows, b.mean, b.accuracy), (2, 1.5, 1.0));
+        let m = s.metrics(&Timings::default());
+        assert_eq!(m["score/rows"], json!(3));
+        assert_eq!(m["score/baseline_rows"], json!(2));
+        assert_eq!(m["score/baseline_mean"], json!(1.5));
+    }
+
+    #[test]
     fn empty_batch_gives_null_means() {
-        let s = Summary::new(&Scores::default(), Some(&[]));
+        let s = Summary::new(&Scores::default(), Some(&[]), None);
         let m = s.metrics(&Timings::default());
         assert_eq!(m["score/rows"], json!(0));
         assert_eq!(m["score/mean"], Value::Null);

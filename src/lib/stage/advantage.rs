@@ -9,9 +9,11 @@ use crate::bail_input;
 use crate::batch::{list_array, schema, Batch, NewColumns, Ragged, StageInfo};
 use anyhow::Result;
 use arrow_array::types::Float32Type;
+use arrow_array::Float32Array;
 use clap::builder::PossibleValuesParser;
 use clap::{ArgAction, Args, ValueEnum};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// How β moves between steps.
@@ -161,10 +163,17 @@ pub fn run(a: &AdvantageArgs) -> Result<()> {
     let t_compute = t1.elapsed().as_secs_f64();
 
     let t2 = Instant::now();
-    let cols = columns(offsets, rewards.token_rewards, out);
+    let mut cols = columns(offsets, rewards.token_rewards, out);
+    if let (Some(b), true) = (&inp.baseline, inp.baselines_dropped > 0) {
+        // The baseline each row's advantage subtracted, taken from its group's baseline row.
+        cols.add(
+            schema::BASELINE_SCORE,
+            Arc::new(Float32Array::from(b.clone())),
+        );
+    }
     let info = StageInfo {
         stage: "advantage",
-        params: a.params_json(est, beta_used),
+        params: a.params_json(est, beta_used, inp.baselines_dropped),
         policy_version: None,
         step: None,
     };
@@ -205,7 +214,10 @@ fn columns(offsets: &[usize], token_rewards: Vec<f32>, out: adv::AdvOutput) -> N
 
 /// The columns the estimator reads, checked against the mask.
 struct Inputs {
+    /// The input's samples: its baseline rows (`is_baseline`) are left out.
     batch: Batch,
+    /// How many baseline rows the input had.
+    baselines_dropped: usize,
     mask: Ragged<'static, u8>,
     scores: Vec<f32>,
     groups: Option<Groups>,
@@ -221,6 +233,7 @@ impl Inputs {
     fn read(a: &AdvantageArgs, est: &adv::Estimator) -> Result<Inputs> {
         let batch = Batch::read(&a.input, &[])?;
         batch.require_rows()?;
+        let (batch, from_rows, baselines_dropped) = take_baselines(batch, est)?;
         need(
             &batch,
             schema::RESPONSE_MASK,
@@ -232,6 +245,9 @@ impl Inputs {
             "every estimator needs the sequence score; run `score` first",
         )?;
         for (col, why) in est.needs {
+            if *col == schema::BASELINE_SCORE && from_rows.is_some() {
+                continue;
+            }
             need(
                 &batch,
                 col,
@@ -262,9 +278,10 @@ impl Inputs {
             true => Some(batch.ragged_f32(schema::VALUES)?),
             false => None,
         };
-        let baseline = match needs(schema::BASELINE_SCORE) {
-            true => Some(batch.f32s(schema::BASELINE_SCORE)?),
-            false => None,
+        let baseline = match (needs(schema::BASELINE_SCORE), from_rows) {
+            (true, Some(b)) => Some(b),
+            (true, None) => Some(batch.f32s(schema::BASELINE_SCORE)?),
+            (false, _) => None,
         };
         let kl_cols = match a.kl_in_reward {
             true => Some((
@@ -282,6 +299,7 @@ impl Inputs {
         }
         Ok(Inputs {
             batch,
+            baselines_dropped,
             mask,
             scores,
             groups,
@@ -290,6 +308,47 @@ impl Inputs {
             kl_cols,
         })
     }
+}
+
+/// The batch without its baseline rows (they are not samples: no advantage, no update), the
+/// baseline of every sample row taken from them when `est` subtracts one and the batch has no
+/// `baseline_score` column of its own, and how many baseline rows there were.
+fn take_baselines(batch: Batch, est: &adv::Estimator) -> Result<(Batch, Option<Vec<f32>>, usize)> {
+    let is_baseline = batch.baseline_rows()?;
+    let dropped = is_baseline.iter().filter(|&&b| b).count();
+    if dropped == 0 {
+        return Ok((batch, None, 0));
+    }
+    let wants = est.needs.iter().any(|(c, _)| *c == schema::BASELINE_SCORE);
+    let baseline = match wants && !batch.has(schema::BASELINE_SCORE) {
+        true => {
+            need(
+                &batch,
+                schema::PROMPT_UID,
+                "the baseline rows' scores go to the samples of their prompt_uid",
+            )?;
+            need(
+                &batch,
+                schema::SCORE,
+                "every estimator needs the sequence score; run `score` first",
+            )?;
+            let keys = batch.strings(schema::PROMPT_UID)?;
+            let scores = batch.f32s(schema::SCORE)?;
+            let b = adv::group_baselines(&keys, &scores, &is_baseline)
+                .map_err(|e| e.context(batch.at(schema::PROMPT_UID)))?;
+            Some(b)
+        }
+        false => None,
+    };
+    let samples = batch.samples_only()?;
+    if samples.num_rows() == 0 {
+        bail_input!(
+            "{}: every row is a baseline row ({} = true): no sample to compute advantages for",
+            samples.path.display(),
+            schema::IS_BASELINE
+        );
+    }
+    Ok((samples, baseline, dropped))
 }
 
 /// What the metrics and the log report of the result.
@@ -331,8 +390,14 @@ impl AdvantageArgs {
     }
 
     /// The parameters recorded in the output's metadata (β as used on this batch).
-    fn params_json(&self, est: &adv::Estimator, beta_used: f64) -> serde_json::Value {
+    fn params_json(
+        &self,
+        est: &adv::Estimator,
+        beta_used: f64,
+        dropped: usize,
+    ) -> serde_json::Value {
         serde_json::json!({
+            "baseline_rows_dropped": dropped,
             "estimator": est.name,
             "gamma": self.gamma,
             "lam": self.lam,
@@ -356,6 +421,7 @@ fn report(a: &AdvantageArgs, name: &str, inp: &Inputs, s: &Stats, times: [f64; 4
         "stage": "advantage",
         "estimator": name,
         "rows": rows,
+        "baseline_rows_dropped": inp.baselines_dropped,
         "tokens": tokens,
         "valid_tokens": adv_stats.count,
         "score_mean": s.score_mean,

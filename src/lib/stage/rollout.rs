@@ -33,7 +33,7 @@ use crate::parallel::exchange::{Reader, Writer};
 use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
-use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use arrow_array::{ArrayRef, BooleanArray, RecordBatch, StringArray};
 use arrow_schema::{Field, Schema};
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
@@ -54,6 +54,14 @@ pub enum Truncate {
     Left,
     /// Stop with an error naming the row (the default).
     Error,
+}
+
+/// An extra sample per prompt that is not trained on but stands for its group's baseline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Baseline {
+    /// One greedy (temperature 0) response per prompt, ReMax's baseline.
+    Greedy,
 }
 
 /// How prompts are cut to fit (shared by rollout and sft-batch).
@@ -253,6 +261,12 @@ pub struct RolloutArgs {
     #[arg(long)]
     #[serde(default)]
     pub no_overlap: bool,
+    /// ReMax's baseline: `greedy` adds one greedy (temperature 0) response per prompt after
+    /// its n samples, with the same prompt_uid and `is_baseline` = true; `advantage --estimator
+    /// remax` takes its score as the group's baseline and leaves the row out of training.
+    #[arg(long, value_enum, value_name = "KIND")]
+    #[serde(default)]
+    pub baseline: Option<Baseline>,
     /// Training step, recorded in the output's metadata (`step`).
     #[arg(long, value_parser = at_least(0u64))]
     pub step: Option<u64>,
@@ -281,6 +295,8 @@ pub struct Generate<'a> {
     dir: &'a Path,
     requests: &'a [Request],
     params: &'a GenParams,
+    /// Also one greedy response per request, appended to its samples (`--baseline greedy`).
+    baseline: bool,
     detok: Detokenize<'a>,
     bar: &'a ProgressBar,
     limits: Limits,
@@ -302,6 +318,9 @@ pub struct Generated {
     pub graphs: GraphStats,
     /// The kernels were batch-invariant: the log-probs are the trainer's for these weights.
     pub batch_invariant: bool,
+    /// Seconds generating the greedy baselines (their responses are the last of each
+    /// prompt's completions).
+    pub baseline_s: f64,
 }
 
 impl Generated {
@@ -348,7 +367,7 @@ impl Generated {
         for v in [self.free_with_pool, self.free_after_release] {
             w.u64(v.map_or(u64::MAX, |b| b as u64));
         }
-        w.f64(self.load_s).f64(self.gen_s);
+        w.f64(self.load_s).f64(self.gen_s).f64(self.baseline_s);
         w.finish()
     }
 
@@ -381,11 +400,12 @@ impl Generated {
             let b = r.u64()?;
             *f = (b != u64::MAX).then_some(b as usize);
         }
-        let (load_s, gen_s) = (r.f64()?, r.f64()?);
+        let (load_s, gen_s, baseline_s) = (r.f64()?, r.f64()?, r.f64()?);
         let mut g = Generated {
             completions,
             load_s,
             gen_s,
+            baseline_s,
             kv_pool_bytes: v[11],
             free_with_pool: free[0],
             free_after_release: free[1],
@@ -453,6 +473,7 @@ impl Generated {
             g.drops += h.drops;
             out.load_s = out.load_s.max(p.load_s);
             out.gen_s = out.gen_s.max(p.gen_s);
+            out.baseline_s = out.baseline_s.max(p.baseline_s);
             out.kv_pool_bytes = out.kv_pool_bytes.max(p.kv_pool_bytes);
             out.free_with_pool = min(out.free_with_pool, p.free_with_pool);
             out.free_after_release = min(out.free_after_release, p.free_after_release);
@@ -477,16 +498,54 @@ impl Job for Generate<'_> {
 impl Generate<'_> {
     /// Generates with a policy already loaded (the load time it reports is 0).
     pub(crate) fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {
-        let (mut engine, plan) =
-            PagedDecoder::sized(policy, self.requests, self.params, &self.limits)?;
+        let bar = self.bar;
+        let mut out = self.pass(policy, self.requests, self.params, &mut |done| {
+            bar.set_position(done as u64)
+        })?;
+        if self.baseline {
+            // A pass of its own: the engine samples a whole batch under one set of parameters.
+            // Greedy decoding draws nothing, so the requests' keys do not matter.
+            let started = Instant::now();
+            let greedy = GenParams {
+                sampling: SamplingParams::greedy(),
+                ..self.params.clone()
+            };
+            let one: Vec<Request> = self
+                .requests
+                .iter()
+                .map(|r| Request {
+                    prompt: r.prompt.clone(),
+                    sample_keys: r.sample_keys[..1].to_vec(),
+                })
+                .collect();
+            let b = self.pass(policy, &one, &greedy, &mut |_| {})?;
+            for (samples, mut greedy) in out.completions.iter_mut().zip(b.completions) {
+                samples.push(greedy.pop().expect("one greedy response per prompt"));
+            }
+            out.baseline_s = started.elapsed().as_secs_f64();
+        }
+        out.free_after_release = policy.backend().device_memory()?.map(|(f, _)| f);
+        out.batch_invariant = policy.backend().batch_invariant();
+        Ok(out)
+    }
+
+    /// One generation of `requests` under `params`, its KV pool and graphs released after.
+    fn pass<B: Backend>(
+        &self,
+        policy: &mut Decoder<B>,
+        requests: &[Request],
+        params: &GenParams,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<Generated> {
+        let (mut engine, plan) = PagedDecoder::sized(policy, requests, params, &self.limits)?;
         let gen_started = Instant::now();
         let (completions, stats) = generate_paged(
             &mut engine,
             &plan.config,
-            self.requests,
-            self.params,
+            requests,
+            params,
             Some(self.detok),
-            &mut |done| self.bar.set_position(done as u64),
+            progress,
         )?;
         let gen_s = gen_started.elapsed().as_secs_f64();
         let free_with_pool = engine.decoder.backend().device_memory()?.map(|(f, _)| f);
@@ -494,18 +553,14 @@ impl Generate<'_> {
         let graphs = engine.release_graphs()?;
         drop(engine);
         policy.backend().trim()?;
-        let free_after_release = policy.backend().device_memory()?.map(|(f, _)| f);
-        let batch_invariant = policy.backend().batch_invariant();
         Ok(Generated {
             completions,
             stats,
-            load_s: 0.0,
             gen_s,
             kv_pool_bytes: plan.kv_pool_bytes(),
             free_with_pool,
-            free_after_release,
             graphs,
-            batch_invariant,
+            ..Generated::default()
         })
     }
 }
@@ -613,6 +668,7 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         dir: &model.dir,
         requests: &requests[block.clone()],
         params: &params,
+        baseline: args.baseline.is_some(),
         detok: &detok,
         bar: &bar,
         limits: args.limits(),
@@ -637,7 +693,12 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         _ => Generated::merge(parts),
     };
 
-    let rows = SampleRows::new(&generated.completions, &prompts, &prompt_uids);
+    let rows = SampleRows::new(
+        &generated.completions,
+        &prompts,
+        &prompt_uids,
+        args.baseline.is_some(),
+    );
     let out = Output {
         args: &args,
         model: &model,
@@ -645,7 +706,9 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         stop_ids: &params.stop_token_ids,
         generated: &generated,
     };
-    let take = repeat_each(&(0..n_prompts).collect::<Vec<_>>(), args.n);
+    // Each prompt's dataset row for its n samples and its baseline.
+    let rows_per_prompt = args.n + usize::from(args.baseline.is_some());
+    let take = repeat_each(&(0..n_prompts).collect::<Vec<_>>(), rows_per_prompt);
     let summary = out.write(rows, dataset.take_columns(&take)?)?;
     let total_s = started.elapsed().as_secs_f64();
     let metrics = out.metrics(&summary, &prompts, truncated, ranks, total_s);
@@ -653,8 +716,12 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         write_json(path, &metrics)?;
     }
     let (total, response_tokens) = (n_prompts * args.n, summary.response_tokens);
+    let baselines = match summary.baselines {
+        0 => String::new(),
+        b => format!(" + {b} greedy baselines ({:.2}s)", generated.baseline_s),
+    };
     exec.log(&format!(
-        "rollout: {n_prompts} prompts x {} = {total} samples, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",
+        "rollout: {n_prompts} prompts x {} = {total} samples{baselines}, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",
         args.n,
         response_tokens as f64 / generated.gen_s.max(1e-9),
         100.0 * summary.n_stop as f64 / total as f64,
@@ -728,8 +795,10 @@ fn keyed_requests(prompts: &[Vec<u32>], n: usize, seed: u64) -> (Vec<String>, Ve
     (prompt_uids, requests)
 }
 
-/// The rows of the output, one per sample, the n samples of a prompt side by side: uids,
-/// prompt and response ids (ragged, as offsets and values), log-probs, texts, finish reasons.
+/// The rows of the output, one per sample, the n samples of a prompt side by side (then its
+/// greedy baseline, with --baseline): uids, prompt and response ids (ragged, as offsets and
+/// values), log-probs, texts, finish reasons, and which rows are baselines (None without
+/// --baseline: no column).
 struct SampleRows {
     uids: Vec<String>,
     puids: Vec<String>,
@@ -738,10 +807,17 @@ struct SampleRows {
     logprobs: Vec<f32>,
     texts: Vec<String>,
     reasons: Vec<&'static str>,
+    baseline: Option<Vec<bool>>,
 }
 
 impl SampleRows {
-    fn new(completions: &[Vec<Completion>], prompts: &[Vec<u32>], prompt_uids: &[String]) -> Self {
+    /// With `baseline`, the last completion of each prompt is its greedy baseline.
+    fn new(
+        completions: &[Vec<Completion>],
+        prompts: &[Vec<u32>],
+        prompt_uids: &[String],
+        baseline: bool,
+    ) -> Self {
         let total = completions.iter().map(Vec::len).sum();
         let mut uids = Vec::with_capacity(total);
         let mut puids = Vec::with_capacity(total);
@@ -749,9 +825,15 @@ impl SampleRows {
         let (mut r_off, mut r_ids, mut lps) = (vec![0usize], Vec::new(), Vec::new());
         let mut texts = Vec::with_capacity(total);
         let mut reasons = Vec::with_capacity(total);
+        let mut is_baseline = Vec::with_capacity(total);
         for (i, samples) in completions.iter().enumerate() {
             for (j, c) in samples.iter().enumerate() {
-                uids.push(format!("{}-{j}", prompt_uids[i]));
+                let b = baseline && j + 1 == samples.len();
+                is_baseline.push(b);
+                uids.push(match b {
+                    true => format!("{}-greedy", prompt_uids[i]),
+                    false => format!("{}-{j}", prompt_uids[i]),
+                });
                 puids.push(prompt_uids[i].clone());
                 p_ids.extend(prompts[i].iter().map(|&t| t as i32));
                 p_off.push(p_ids.len());
@@ -770,16 +852,49 @@ impl SampleRows {
             logprobs: lps,
             texts,
             reasons,
+            baseline: baseline.then_some(is_baseline),
         }
     }
 }
 
-/// What the output's writing found, for the metrics and the log.
+/// What the output's writing found, for the metrics and the log: counts over the samples
+/// (baseline rows apart).
 struct Summary {
     response_tokens: usize,
     response_length_max: usize,
     n_stop: usize,
     samples: usize,
+    /// Greedy baselines: how many, and their response tokens.
+    baselines: usize,
+    baseline_tokens: usize,
+}
+
+impl Summary {
+    /// Over the rows of response offsets `r_off` and finish `reasons`, `baseline` rows apart.
+    fn new(r_off: &[usize], reasons: &[&str], baseline: Option<&[bool]>) -> Summary {
+        let is_baseline = |i: usize| baseline.is_some_and(|b| b[i]);
+        let mut s = Summary {
+            response_tokens: 0,
+            response_length_max: 0,
+            n_stop: 0,
+            samples: 0,
+            baselines: 0,
+            baseline_tokens: 0,
+        };
+        for (i, w) in r_off.windows(2).enumerate() {
+            let len = w[1] - w[0];
+            if is_baseline(i) {
+                s.baselines += 1;
+                s.baseline_tokens += len;
+                continue;
+            }
+            s.samples += 1;
+            s.response_tokens += len;
+            s.response_length_max = s.response_length_max.max(len);
+            s.n_stop += usize::from(reasons[i] == "stop");
+        }
+        s
+    }
 }
 
 /// The output of rank 0: the batch file with its metadata, and the metrics.
@@ -803,14 +918,10 @@ impl Output<'_> {
             logprobs,
             texts,
             reasons,
+            baseline,
         } = rows;
         let r_off = responses.0.clone();
-        let summary = Summary {
-            response_tokens: responses.1.len(),
-            response_length_max: r_off.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
-            n_stop: reasons.iter().filter(|r| **r == "stop").count(),
-            samples: uids.len(),
-        };
+        let summary = Summary::new(&r_off, &reasons, baseline.as_deref());
         let mut cols = sequence_columns(
             uids,
             puids,
@@ -829,6 +940,12 @@ impl Output<'_> {
                 list_array::<Float32Type>(&r_off, logprobs),
             ),
         ]);
+        if let Some(b) = baseline {
+            cols.push((
+                schema::field(schema::IS_BASELINE),
+                Arc::new(BooleanArray::from(b)) as ArrayRef,
+            ));
+        }
         let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();
         let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays)?;
         write_file(&self.args.out, &data, &self.meta())?;
@@ -860,6 +977,7 @@ impl Output<'_> {
                 "logprob_temperature": sampling.logprob_temperature(),
                 "device": args.device.to_string(),
                 "batch_invariant": batch_invariant,
+                "baseline": args.baseline.map(|_| "greedy"),
             }),
             policy_version: Some(model.policy_version),
             step: args.step,
@@ -926,6 +1044,10 @@ impl Output<'_> {
             "policy_version": self.model.policy_version,
             "batch_invariant": g.batch_invariant,
             "ranks": ranks,
+            "baseline_samples": s.baselines,
+            "baseline_response_length_mean": (s.baselines > 0)
+                .then(|| s.baseline_tokens as f64 / s.baselines as f64),
+            "baseline_seconds": g.baseline_s,
         })
     }
 }

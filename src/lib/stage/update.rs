@@ -599,6 +599,13 @@ impl Input {
         }
         let names: Vec<&str> = needs.iter().map(|(c, _)| *c).collect();
         let batch = Batch::read(&args.input, &names)?;
+        if let Some(row) = batch.baseline_rows()?.iter().position(|&b| b) {
+            bail_input!(
+                "{}, row {row}: a greedy baseline row ({} = true) is not a sample to train on; `advantage` takes the baseline rows out of the batch it writes",
+                batch.at(schema::IS_BASELINE),
+                schema::IS_BASELINE
+            );
+        }
         let model = resolve_model(&args.model)?;
         if args.resident && same_path(&model.dir, &args.out_model) {
             bail_input!(

@@ -244,6 +244,16 @@ pub(crate) fn convert(config: &Config, reward: Option<&str>, origin: &str) -> Re
     ctx.train_rows = train.as_ref().map(|d| d.len());
     let mut out = Out::default();
     let unmapped = apply_rules(&ctx, &mut out)?;
+    // verl's trainer generates ReMax's greedy baseline itself; in tandem the rollout does.
+    let remax = out.entries.get("advantage.estimator");
+    if remax.is_some_and(|e| e.value.as_str() == Some("remax")) {
+        let greedy = toml::Value::String("greedy".into());
+        out.set(
+            "rollout.baseline",
+            greedy,
+            "algorithm.adv_estimator = remax",
+        );
+    }
     match reward {
         Some(r) => out.set("score.reward", toml::Value::String(r.into()), "--reward"),
         None if !out.has("score.reward") => {
@@ -551,6 +561,25 @@ mod tests {
     }
 
     #[test]
+    fn remax_brings_the_rollouts_greedy_baseline() {
+        let mut keys = GRPO.to_vec();
+        keys.retain(|k| !k.starts_with("algorithm.adv_estimator="));
+        keys.push("algorithm.adv_estimator=remax");
+        let (s, conv) = spec_of(&verl(&keys), Some("gsm8k"));
+        assert_eq!(at(&s, "advantage.estimator").as_str(), Some("remax"));
+        assert_eq!(at(&s, "rollout.baseline").as_str(), Some("greedy"));
+        assert!(
+            conv.text
+                .contains("baseline = \"greedy\"  # algorithm.adv_estimator = remax\n"),
+            "{}",
+            conv.text
+        );
+        // GRPO has no baseline rows.
+        let (s, _) = spec_of(&verl(GRPO), Some("gsm8k"));
+        assert!(s["rollout"].get("baseline").is_none());
+    }
+
+    #[test]
     fn keys_without_counterpart_are_reported_by_rule() {
         let (_, conv) = spec_of(&verl(GRPO), Some("gsm8k"));
         let find = |p: &str| conv.unmapped.iter().find(|u| u.pattern == p);
@@ -810,6 +839,7 @@ mod tests {
             c::RETURNS,
             c::VALUES,
             c::BASELINE_SCORE,
+            c::IS_BASELINE,
             crate::stage::ref_logprob::ENTROPY,
             "score_<name>",
         ];

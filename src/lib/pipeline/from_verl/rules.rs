@@ -542,7 +542,7 @@ pub(crate) static RULES: &[Rule] = &[
     rule("actor_rollout_ref.ref.*", To::None("the reference worker's FSDP options and micro-batches in sequences: [ref-logprob] micro-batch-tokens sets its batching")),
     rule("actor_rollout_ref.*", To::None("verl's hybrid engine (one process group for actor, rollout and reference)")),
     // algorithm.*
-    rule("algorithm.adv_estimator", key("advantage.estimator")),
+    rule("algorithm.adv_estimator", key_how("advantage.estimator", "`remax` also writes `[rollout] baseline = \"greedy\"`", same)),
     rule("algorithm.gamma", key("advantage.gamma")),
     rule("algorithm.lam", key("advantage.lam")),
     rule("algorithm.norm_adv_by_std_in_grpo", key("advantage.norm-by-std")),

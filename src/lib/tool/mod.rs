@@ -5,6 +5,11 @@
 
 use serde_json::Value;
 
+mod confine;
+mod protocol;
+pub mod sandbox;
+pub mod serve;
+
 /// One call parsed from the model's text.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ToolCall {

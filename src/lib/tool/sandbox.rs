@@ -298,7 +298,7 @@ fn command(python: &Path, dir: &Path, hook: bool, processes_contained: bool) -> 
 }
 
 /// Whether the child has ended, without reaping it (its pid stays the group's id).
-fn exited(child: &Child) -> bool {
+pub(crate) fn exited(child: &Child) -> bool {
     // SAFETY: waitid with WNOWAIT on our own child writes only into `info`.
     unsafe {
         let mut info: libc::siginfo_t = std::mem::zeroed();

@@ -101,10 +101,20 @@ fn processes_with(marker: &str) -> usize {
 }
 
 fn server() -> Server {
-    let limits = ["--timeout", "2", "--memory-mib", "1024", "--processes", "16"];
+    let limits = [
+        "--timeout",
+        "2",
+        "--memory-mib",
+        "1024",
+        "--processes",
+        "16",
+    ];
     let (s, schema) = Server::start(&[&limits[..], &["--output-bytes", "4096"]].concat());
     assert_eq!(schema["function"]["name"], "python");
-    assert_eq!(schema["function"]["parameters"]["required"], json!(["code"]));
+    assert_eq!(
+        schema["function"]["parameters"]["required"],
+        json!(["code"])
+    );
     s
 }
 
@@ -112,8 +122,13 @@ fn server() -> Server {
 fn python_runs_code_in_its_own_directory_and_shows_errors() {
     let mut s = server();
     let (c, e, _) = s.run("x = 3\nx * 2");
-    assert_eq!((c.as_str(), e), ("6\n", None), "a last expression is printed");
-    let (c, e, _) = s.run("import os\nopen('f.txt', 'w').write('ok')\nprint(open('f.txt').read())\nos.getcwd()");
+    assert_eq!(
+        (c.as_str(), e),
+        ("6\n", None),
+        "a last expression is printed"
+    );
+    let (c, e, _) = s
+        .run("import os\nopen('f.txt', 'w').write('ok')\nprint(open('f.txt').read())\nos.getcwd()");
     assert!(c.starts_with("ok\n'"), "{c}");
     assert_eq!(e, None);
     let dir = c.lines().nth(1).unwrap().trim_matches('\'').to_string();
@@ -148,7 +163,11 @@ fn python_survives_every_attack_and_answers_the_next_request() {
     let (c, _, took) = s.run(&bomb);
     assert_eq!(c, "fork refused\n");
     assert!(took < 3.0, "the fork bomb took {took} s");
-    assert_eq!(processes_with(&format!("sleep\0{marker}")), 0, "a process of the bomb survived");
+    assert_eq!(
+        processes_with(&format!("sleep\0{marker}")),
+        0,
+        "a process of the bomb survived"
+    );
     s.still_answers("a fork bomb");
 
     let (c, e, took) = s.run("x = bytearray(10 * 1024**3)\nprint('allocated')");
@@ -158,12 +177,21 @@ fn python_survives_every_attack_and_answers_the_next_request() {
     s.still_answers("a 10 GB allocation");
 
     let (c, _, _) = s.run("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)");
-    assert!(c.ends_with("PermissionError: tandem sandbox: network access is not allowed\n"), "{c}");
+    assert!(
+        c.ends_with("PermissionError: tandem sandbox: network access is not allowed\n"),
+        "{c}"
+    );
     s.still_answers("a socket connection");
 
     let outside = std::env::temp_dir().join(unique("x"));
-    let (c, _, _) = s.run(&format!("open({:?}, 'w').write('x')", outside.display().to_string()));
-    assert!(c.contains("PermissionError: tandem sandbox: writing"), "{c}");
+    let (c, _, _) = s.run(&format!(
+        "open({:?}, 'w').write('x')",
+        outside.display().to_string()
+    ));
+    assert!(
+        c.contains("PermissionError: tandem sandbox: writing"),
+        "{c}"
+    );
     assert!(!outside.exists(), "{} was written", outside.display());
     s.still_answers("a write outside its directory");
 
@@ -175,7 +203,10 @@ fn python_survives_every_attack_and_answers_the_next_request() {
         &c[c.len() - 200..]
     );
     assert_eq!(c.len(), 4096 + "\n[output truncated at 4096 bytes]\nerror: printed more than 4096 bytes and was stopped".len());
-    assert_eq!(e.as_deref(), Some("printed more than 4096 bytes and was stopped"));
+    assert_eq!(
+        e.as_deref(),
+        Some("printed more than 4096 bytes and was stopped")
+    );
     assert!(took < 1.5, "printing 100 MB took {took} s");
     s.still_answers("printing 100 MB");
 }
@@ -185,12 +216,30 @@ fn malformed_requests_get_an_error_answer() {
     let mut s = server();
     let (a, _) = s.raw("not json");
     assert_eq!(a["id"], Value::Null);
-    assert!(a["error"].as_str().unwrap().starts_with("the request is not JSON"), "{a}");
-    assert!(a["content"].as_str().unwrap().starts_with("error: the request is not JSON"), "{a}");
+    assert!(
+        a["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("the request is not JSON"),
+        "{a}"
+    );
+    assert!(
+        a["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("error: the request is not JSON"),
+        "{a}"
+    );
     let (a, _) = s.raw(r#"{"id": "a", "arguments": {"code": 5}}"#);
-    assert_eq!(a, json!({"id": "a", "content": "error: the arguments have no string \"code\"", "error": "the arguments have no string \"code\""}));
+    assert_eq!(
+        a,
+        json!({"id": "a", "content": "error: the arguments have no string \"code\"", "error": "the arguments have no string \"code\""})
+    );
     let (a, _) = s.raw(r#"{"id": 9, "name": "calc", "arguments": {}}"#);
-    assert_eq!(a["error"], "unknown tool `calc`: this program serves `python`");
+    assert_eq!(
+        a["error"],
+        "unknown tool `calc`: this program serves `python`"
+    );
     s.still_answers("malformed requests");
 }
 
@@ -203,6 +252,9 @@ fn bad_limits_are_input_errors() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--timeout 0 must be a number of seconds above 0"), "{err}");
+    assert!(
+        err.contains("--timeout 0 must be a number of seconds above 0"),
+        "{err}"
+    );
     assert!(out.stdout.is_empty());
 }

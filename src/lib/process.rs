@@ -12,8 +12,8 @@
 //!   the code that holds it (return, error, panic) takes the group down.
 
 use std::process::{Child, Command};
-use std::sync::mpsc::{self, Sender};
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::{self, Sender};
 use std::sync::Once;
 
 /// Have the kernel kill the child started by `cmd` when this process dies (Linux).

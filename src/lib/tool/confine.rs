@@ -65,7 +65,11 @@ impl Layers {
                 .map_or("off".to_string(), |v| format!("on (ABI {v})")),
             on(self.seccomp),
             on(self.cgroup.is_some()),
-            if self.root { "not enforced (root)" } else { "on" },
+            if self.root {
+                "not enforced (root)"
+            } else {
+                "on"
+            },
             if self.processes_contained() {
                 "allowed up to the cap"
             } else {
@@ -182,9 +186,7 @@ pub(crate) struct Prepared {
 
 impl Prepared {
     pub(crate) fn new(dir: &Path, cgroup: Option<&Path>, rlimits: Rlimits) -> io::Result<Prepared> {
-        let c = |p: &Path| {
-            CString::new(p.as_os_str().as_encoded_bytes()).map_err(io::Error::other)
-        };
+        let c = |p: &Path| CString::new(p.as_os_str().as_encoded_bytes()).map_err(io::Error::other);
         Ok(Prepared {
             layers: Layers::get().clone(),
             rlimits,
@@ -446,19 +448,19 @@ fn seccomp_program() -> [libc::sock_filter; 13] {
     // seccomp_data: nr at 0, arch at 4, args[0] at 16 (its low half: little endian). A jump's
     // targets count from the next instruction.
     [
-        load(4),                                        // 0
-        eq(AUDIT_ARCH, 1, 0),                           // 1: native -> 3
-        ret(eperm),                                     // 2
-        load(0),                                        // 3
-        op(BPF_JMP | BPF_JGE | BPF_K, X32_BIT, 0, 1),   // 4: x32 -> 5, else 6
-        ret(eperm),                                     // 5
-        eq(libc::SYS_io_uring_setup as u32, 0, 1),      // 6
-        ret(eperm),                                     // 7
-        eq(libc::SYS_socket as u32, 0, 3),              // 8: socket -> 9, else 12
-        load(16),                                       // 9
-        eq(libc::AF_UNIX as u32, 1, 0),                 // 10: AF_UNIX -> 12
-        ret(eacces),                                    // 11
-        ret(libc::SECCOMP_RET_ALLOW),                   // 12
+        load(4),                                      // 0
+        eq(AUDIT_ARCH, 1, 0),                         // 1: native -> 3
+        ret(eperm),                                   // 2
+        load(0),                                      // 3
+        op(BPF_JMP | BPF_JGE | BPF_K, X32_BIT, 0, 1), // 4: x32 -> 5, else 6
+        ret(eperm),                                   // 5
+        eq(libc::SYS_io_uring_setup as u32, 0, 1),    // 6
+        ret(eperm),                                   // 7
+        eq(libc::SYS_socket as u32, 0, 3),            // 8: socket -> 9, else 12
+        load(16),                                     // 9
+        eq(libc::AF_UNIX as u32, 1, 0),               // 10: AF_UNIX -> 12
+        ret(eacces),                                  // 11
+        ret(libc::SECCOMP_RET_ALLOW),                 // 12
     ]
 }
 

@@ -36,7 +36,11 @@ pub(crate) struct Program {
 impl Program {
     /// Starts the first process and reads its schema. The error says why the program cannot
     /// serve as tool `name`.
-    pub(crate) fn start(name: &str, argv: Vec<String>, timeout: Duration) -> Result<Program, String> {
+    pub(crate) fn start(
+        name: &str,
+        argv: Vec<String>,
+        timeout: Duration,
+    ) -> Result<Program, String> {
         let spawner = Spawner::new();
         let (worker, line) = Worker::start(&spawner, &argv, timeout)?;
         let schema = parse_schema(&line, name).map_err(|e| format!("`{}`: {e}", argv[0]))?;
@@ -81,7 +85,11 @@ struct Worker {
 
 impl Worker {
     /// Starts a process; returns it with its schema line.
-    fn start(spawner: &Spawner, argv: &[String], timeout: Duration) -> Result<(Worker, String), String> {
+    fn start(
+        spawner: &Spawner,
+        argv: &[String],
+        timeout: Duration,
+    ) -> Result<(Worker, String), String> {
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..])
             .stdin(Stdio::piped())
@@ -118,7 +126,12 @@ impl Worker {
     }
 
     /// Sends one request line, reads its answer.
-    fn ask(&mut self, line: &str, id: u64, timeout: Duration) -> Result<Result<String, String>, String> {
+    fn ask(
+        &mut self,
+        line: &str,
+        id: u64,
+        timeout: Duration,
+    ) -> Result<Result<String, String>, String> {
         let sent = writeln!(self.stdin, "{line}").and_then(|_| self.stdin.flush());
         if sent.is_err() {
             return Err(self.end_message());

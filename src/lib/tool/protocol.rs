@@ -54,7 +54,10 @@ pub(crate) fn parse_answer(line: &str, id: u64) -> Result<Result<String, String>
     let value: Value = serde_json::from_str(line)
         .map_err(|_| format!("answered `{}`, which is not JSON", shown()))?;
     if value.get("id").and_then(Value::as_u64) != Some(id) {
-        return Err(format!("answered `{}` to request {id}: the id differs", shown()));
+        return Err(format!(
+            "answered `{}` to request {id}: the id differs",
+            shown()
+        ));
     }
     if let Some(e) = value.get("error").filter(|e| !e.is_null()) {
         return Ok(Err(match e {
@@ -95,10 +98,7 @@ pub(crate) fn parse_schema(line: &str, name: &str) -> Result<Value, String> {
             ))
         }
     }
-    if !function
-        .get("parameters")
-        .is_none_or(|p| p.is_object())
-    {
+    if !function.get("parameters").is_none_or(|p| p.is_object()) {
         return Err("its schema's \"parameters\" is not an object".into());
     }
     Ok(json!({"type": "function", "function": function}))
@@ -112,13 +112,19 @@ mod tests {
     fn requests_and_answers_round_trip() {
         let line = request(7, "calc", &json!({"x": 1}));
         let (id, name, args) = parse_request(&line).unwrap();
-        assert_eq!((id, name.as_deref(), args), (json!(7), Some("calc"), json!({"x": 1})));
+        assert_eq!(
+            (id, name.as_deref(), args),
+            (json!(7), Some("calc"), json!({"x": 1}))
+        );
         let ok = ToolResult {
             content: "42\n".into(),
             seconds: 0.1,
             error: None,
         };
-        assert_eq!(parse_answer(&answer(&json!(7), &ok), 7), Ok(Ok("42\n".into())));
+        assert_eq!(
+            parse_answer(&answer(&json!(7), &ok), 7),
+            Ok(Ok("42\n".into()))
+        );
         let failed = ToolResult::failed("timed out after 2 s", 2.0);
         assert_eq!(
             parse_answer(&answer(&json!(7), &failed), 7),
@@ -136,7 +142,10 @@ mod tests {
             parse_request(r#"{"id": 3, "arguments": 5}"#).unwrap_err(),
             (json!(3), "the request has no \"arguments\" object".into())
         );
-        assert!(parse_request("{").unwrap_err().1.starts_with("the request is not JSON"));
+        assert!(parse_request("{")
+            .unwrap_err()
+            .1
+            .starts_with("the request is not JSON"));
         assert!(parse_answer("hello", 1).unwrap_err().contains("not JSON"));
         assert!(parse_answer(r#"{"id": 2, "content": "x"}"#, 1)
             .unwrap_err()
@@ -155,8 +164,14 @@ mod tests {
         assert_eq!(parse_schema(&wrapped, "calc").unwrap(), want);
         let unnamed = parse_schema(r#"{"description": "d"}"#, "f").unwrap();
         assert_eq!(unnamed["function"]["name"], "f");
-        assert!(parse_schema("[1, 2]", "f").unwrap_err().contains("not a JSON object"));
-        assert!(parse_schema(bare, "other").unwrap_err().contains("not \"other\""));
-        assert!(parse_schema(r#"{"parameters": 3}"#, "f").unwrap_err().contains("parameters"));
+        assert!(parse_schema("[1, 2]", "f")
+            .unwrap_err()
+            .contains("not a JSON object"));
+        assert!(parse_schema(bare, "other")
+            .unwrap_err()
+            .contains("not \"other\""));
+        assert!(parse_schema(r#"{"parameters": 3}"#, "f")
+            .unwrap_err()
+            .contains("parameters"));
     }
 }

@@ -18,6 +18,7 @@ without the frames of this file and exits with status 1.
 
 import ast
 import os
+import signal
 import sys
 import traceback
 
@@ -78,6 +79,10 @@ def main():
         elif no_processes and event in PROCESS_EVENTS:
             refuse("starting a process")
 
+    # Python is the first process of its PID namespace, to which the kernel delivers no
+    # signal it has no handler for: end as SIGXCPU (the CPU limit) would, in a way tandem
+    # can tell (status 128 + SIGXCPU).
+    signal.signal(signal.SIGXCPU, lambda *_: os._exit(128 + signal.SIGXCPU))
     sys.addaudithook(hook)
     run(source)
 

@@ -179,8 +179,8 @@ impl Call {
         let layers = Layers::get();
         let n = CALLS.fetch_add(1, Ordering::Relaxed);
         let name = format!("tandem-python-{}-{n}", std::process::id());
-        let dir = WorkDir::new(&name)
-            .map_err(|e| format!("cannot make the sandbox's directory: {e}"))?;
+        let dir =
+            WorkDir::new(&name).map_err(|e| format!("cannot make the sandbox's directory: {e}"))?;
         // The process that relays Python's status (PID namespace) counts too.
         let cap = limits.processes + 1;
         let cgroup = match &layers.cgroup {
@@ -220,8 +220,10 @@ impl Call {
         let out = child.stdout.take().expect("piped stdout");
         let err = child.stderr.take().expect("piped stderr");
         let cap = limits.output_bytes;
-        for (stream, is_err) in [(Box::new(out) as Box<dyn Read + Send>, false), (Box::new(err), true)]
-        {
+        for (stream, is_err) in [
+            (Box::new(out) as Box<dyn Read + Send>, false),
+            (Box::new(err), true),
+        ] {
             let (capture, tx) = (Arc::clone(&capture), tx.clone());
             thread::spawn(move || {
                 read_capped(stream, &capture, is_err, cap);
@@ -348,11 +350,18 @@ fn result(
         }
         content.push_str(&format!("[output truncated at {cap} bytes]"));
     }
-    let signal = status.and_then(|s| s.signal());
+    // sandbox.py ends with 128 + SIGXCPU on SIGXCPU (see there).
+    let signal = match status.and_then(|s| s.code()) {
+        Some(code) if code == 128 + libc::SIGXCPU => Some(libc::SIGXCPU),
+        _ => status.and_then(|s| s.signal()),
+    };
     let (error, shown) = if timed_out {
         (format!("timed out after {} s", secs(limits.wall)), true)
     } else if capture.overflow {
-        (format!("printed more than {cap} bytes and was stopped"), true)
+        (
+            format!("printed more than {cap} bytes and was stopped"),
+            true,
+        )
     } else if signal == Some(libc::SIGXCPU) {
         let cpu = limits.cpu_seconds;
         (format!("stopped by the CPU time limit ({cpu} s)"), true)
@@ -362,7 +371,13 @@ fn result(
         (format!("python was killed by signal {sig}"), true)
     } else {
         match status.and_then(|s| s.code()) {
-            Some(0) => return ToolResult { content, seconds, error: None },
+            Some(0) => {
+                return ToolResult {
+                    content,
+                    seconds,
+                    error: None,
+                }
+            }
             Some(code) => (format!("python exited with status {code}"), false),
             None => ("python's status is unknown".to_string(), true),
         }
@@ -377,5 +392,120 @@ fn result(
         content,
         seconds,
         error: Some(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(wall_ms: u64) -> Limits {
+        let mut l = Limits::with_wall(Duration::from_millis(wall_ms));
+        l.memory_bytes = 1 << 30;
+        l.processes = 4;
+        l.file_bytes = 1 << 20;
+        l.output_bytes = 1000;
+        l
+    }
+
+    #[test]
+    fn output_is_stdout_then_stderr_cut_at_the_cap() {
+        let code = "import sys\nsys.stderr.write('err\\n')\nprint('out')";
+        let r = run(code, &limits(5000));
+        assert_eq!((r.content.as_str(), r.error), ("out\nerr\n", None));
+        // 600 two-byte characters: the cap falls inside one; it is cut to whole characters.
+        let r = run("print('é' * 600)", &limits(5000));
+        let kept = r.content.split('\n').next().unwrap();
+        assert!(kept.chars().all(|c| c == 'é'), "{kept}");
+        assert!(kept.len() >= 998 && kept.len() <= 1000, "{}", kept.len());
+        assert!(r.content.ends_with(
+            "[output truncated at 1000 bytes]\nerror: printed more than 1000 bytes and was stopped"
+        ));
+        let r = run("print(", &limits(5000));
+        assert!(r.content.contains("SyntaxError"), "{}", r.content);
+        assert!(
+            !r.content.contains("<string>"),
+            "the sandbox's own frames show: {}",
+            r.content
+        );
+    }
+
+    #[test]
+    fn cpu_and_file_size_limits_hold() {
+        let mut l = limits(8000);
+        l.cpu_seconds = 1;
+        let t = Instant::now();
+        let r = run("while True:\n    pass", &l);
+        assert_eq!(
+            r.error.as_deref(),
+            Some("stopped by the CPU time limit (1 s)")
+        );
+        assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+        let r = run("open('big', 'wb').write(b'x' * (2 << 20))", &limits(5000));
+        assert!(
+            r.content.contains("OSError: [Errno 27] File too large"),
+            "{}",
+            r.content
+        );
+    }
+
+    /// The kernel's layers alone (no audit hook), each where this machine has it: what
+    /// Python code could do through C is stopped there.
+    #[test]
+    fn the_kernel_layers_hold_without_the_audit_hook() {
+        let layers = Layers::get();
+        eprintln!("sandbox layers here: {}", layers.describe());
+        let no_hook = |code: &str| run_with(code, &limits(5000), false);
+        if layers.seccomp {
+            let r = no_hook("import socket\nsocket.socket()");
+            assert!(
+                r.content.contains("PermissionError: [Errno 13]"),
+                "{}",
+                r.content
+            );
+            let r = no_hook("import socket\nprint(len(socket.socketpair()))");
+            assert_eq!(r.content, "2\n", "AF_UNIX stays allowed");
+        }
+        if layers.namespaces {
+            let code = "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\nexcept OSError as e:\n    print(type(e).__name__)";
+            // Without seccomp the socket is made, but no interface leads anywhere.
+            let r = no_hook(code);
+            assert!(
+                r.content == "PermissionError\n" || r.content == "OSError\n",
+                "{}",
+                r.content
+            );
+        }
+        if layers.landlock.is_some() {
+            let outside =
+                std::env::temp_dir().join(format!("tandem-landlock-{}", std::process::id()));
+            let code = format!(
+                "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n\
+                 print(libc.open({:?}.encode(), 0o101, 0o644), ctypes.get_errno())\n\
+                 open('inside', 'w').write('ok')\nprint(open('inside').read())",
+                outside.display().to_string()
+            );
+            let r = no_hook(&code);
+            assert_eq!(r.content, format!("-1 {}\nok\n", libc::EACCES));
+            assert!(!outside.exists());
+        }
+        if layers.processes_contained() {
+            // 4 processes at most: Python and 3 children (the relay is counted apart).
+            let code = "import os, time\nn = 0\nfor i in range(20):\n    try:\n        if os.fork() == 0:\n            time.sleep(30)\n            os._exit(0)\n        n += 1\n    except OSError:\n        break\nprint(n)";
+            let t = Instant::now();
+            let r = no_hook(code);
+            assert_eq!(r.content, "3\n");
+            assert!(
+                t.elapsed() < Duration::from_secs(3),
+                "the sleeping children were not killed"
+            );
+        } else {
+            let r = run("import os\nos.fork()", &limits(5000));
+            assert!(
+                r.content.contains("starting a process is not allowed"),
+                "{}",
+                r.content
+            );
+        }
     }
 }

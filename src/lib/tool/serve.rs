@@ -123,7 +123,10 @@ fn answer_python(line: &str, limits: &Limits) -> String {
 fn python_request(line: &str) -> Result<(Value, String), (Value, String)> {
     let (id, name, args) = protocol::parse_request(line)?;
     if let Some(name) = name.filter(|n| n != "python") {
-        return Err((id, format!("unknown tool `{name}`: this program serves `python`")));
+        return Err((
+            id,
+            format!("unknown tool `{name}`: this program serves `python`"),
+        ));
     }
     match args.get("code") {
         Some(Value::String(code)) => Ok((id, code.clone())),

@@ -135,7 +135,9 @@ fn python_argv(file_class: &str) -> Result<Vec<String>, String> {
         return Err("expected `NAME=python:FILE.py:CLASS` (the class is missing)".into());
     };
     let ident = |s: &str| {
-        s.chars().next().is_some_and(|c| c.is_alphabetic() || c == '_')
+        s.chars()
+            .next()
+            .is_some_and(|c| c.is_alphabetic() || c == '_')
             && s.chars().all(|c| c.is_alphanumeric() || c == '_')
     };
     if !ident(class) {
@@ -236,7 +238,10 @@ class Plain:
     fn programs_are_pooled_and_a_bad_process_is_replaced() {
         let dir = tempfile::tempdir().unwrap();
         let echo_py = write(dir.path(), "echo.py", ECHO);
-        let specs = ["python".to_string(), format!("echo=cmd:python3 {}", echo_py.display())];
+        let specs = [
+            "python".to_string(),
+            format!("echo=cmd:python3 {}", echo_py.display()),
+        ];
         let tools = Toolbox::from_specs(&specs, Duration::from_millis(1500)).unwrap();
         assert_eq!(tools.names(), ["python", "echo"]);
         let schemas = tools.schemas();
@@ -248,20 +253,34 @@ class Plain:
         assert_eq!(text, "HI");
         assert_eq!(echo(&tools, "again").1, pid, "the process is reused");
         let r = call(&tools, "echo", json!({"text": "fail"}));
-        assert_eq!((r.content.as_str(), r.error.as_deref()), ("error: bad text", Some("bad text")));
-        assert_eq!(echo(&tools, "x").1, pid, "a tool's own error keeps the process");
+        assert_eq!(
+            (r.content.as_str(), r.error.as_deref()),
+            ("error: bad text", Some("bad text"))
+        );
+        assert_eq!(
+            echo(&tools, "x").1,
+            pid,
+            "a tool's own error keeps the process"
+        );
 
         let mut last = pid;
         for (bad, why) in [
             ("crash", "tool `echo` exited (exit status: 3)"),
             ("slow", "tool `echo` timed out after 1.5 s"),
-            ("garbage", "tool `echo` answered `not json`, which is not JSON"),
+            (
+                "garbage",
+                "tool `echo` answered `not json`, which is not JSON",
+            ),
         ] {
             let t = Instant::now();
             let r = call(&tools, "echo", json!({"text": bad}));
             assert_eq!(r.error.as_deref(), Some(why), "{bad}");
             assert_eq!(r.content, format!("error: {why}"));
-            assert!(t.elapsed() < Duration::from_secs(3), "{bad} took {:?}", t.elapsed());
+            assert!(
+                t.elapsed() < Duration::from_secs(3),
+                "{bad} took {:?}",
+                t.elapsed()
+            );
             let (text, pid) = echo(&tools, "next");
             assert_eq!(text, "NEXT", "after {bad}");
             assert_ne!(pid, last, "after {bad}, a new process serves");
@@ -269,11 +288,17 @@ class Plain:
         }
 
         let r = call(&tools, "nope", json!({}));
-        assert_eq!(r.error.as_deref(), Some("unknown tool `nope`; the tools are: python, echo"));
+        assert_eq!(
+            r.error.as_deref(),
+            Some("unknown tool `nope`; the tools are: python, echo")
+        );
         let r = call(&tools, "python", json!({"code": "print(6*7)"}));
         assert_eq!((r.content.as_str(), r.error), ("42\n", None));
         let r = call(&tools, "python", json!({"source": "print(1)"}));
-        assert_eq!(r.error.as_deref(), Some("tool `python` needs a string argument \"code\""));
+        assert_eq!(
+            r.error.as_deref(),
+            Some("tool `python` needs a string argument \"code\"")
+        );
     }
 
     #[test]
@@ -297,11 +322,18 @@ class Plain:
                     })
                 })
                 .collect();
-            handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect()
         });
         let distinct: std::collections::BTreeSet<_> = pids.iter().collect();
         assert_eq!(pids.len(), 24);
-        assert!((1..=6).contains(&distinct.len()), "{} processes for 6 threads", distinct.len());
+        assert!(
+            (1..=6).contains(&distinct.len()),
+            "{} processes for 6 threads",
+            distinct.len()
+        );
     }
 
     #[test]
@@ -334,23 +366,51 @@ class Plain:
         let dir = tempfile::tempdir().unwrap();
         let file = write(dir.path(), "my_tools.py", CLASSES);
         let list = write(dir.path(), "list.py", "print('[1, 2]', flush=True)\n");
-        let other = write(dir.path(), "other.py", "print('{\"name\": \"other\"}', flush=True)\n");
+        let other = write(
+            dir.path(),
+            "other.py",
+            "print('{\"name\": \"other\"}', flush=True)\n",
+        );
         let f = |p: &Path| p.display().to_string();
         let cases = [
             ("pyton".to_string(), FORMS.to_string()),
             ("x=foo:bar".into(), FORMS.into()),
             ("x=cmd:".into(), "no program after `cmd:`".into()),
-            ("x=cmd:/nonexistent/prog --flag".into(), "cannot start `/nonexistent/prog`".into()),
-            ("bad name=cmd:true".into(), "the name `bad name` must be".into()),
-            ("x=python:missing.py:C".into(), "missing.py does not exist".into()),
-            (format!("x=python:{}", f(&file)), "(the class is missing)".into()),
-            (format!("x=python:{}:9a", f(&file)), "`9a` is not a Python class name".into()),
-            (format!("x=python:{}:Nope", f(&file)), "`python3` exited (exit status: 1) before printing its schema line".into()),
-            (format!("x=cmd:python3 {}", f(&list)), "its schema is [1,2], not a JSON object".into()),
-            (format!("x=cmd:python3 {}", f(&other)), "names the function \"other\", not \"x\"".into()),
+            (
+                "x=cmd:/nonexistent/prog --flag".into(),
+                "cannot start `/nonexistent/prog`".into(),
+            ),
+            (
+                "bad name=cmd:true".into(),
+                "the name `bad name` must be".into(),
+            ),
+            (
+                "x=python:missing.py:C".into(),
+                "missing.py does not exist".into(),
+            ),
+            (
+                format!("x=python:{}", f(&file)),
+                "(the class is missing)".into(),
+            ),
+            (
+                format!("x=python:{}:9a", f(&file)),
+                "`9a` is not a Python class name".into(),
+            ),
+            (
+                format!("x=python:{}:Nope", f(&file)),
+                "`python3` exited (exit status: 1) before printing its schema line".into(),
+            ),
+            (
+                format!("x=cmd:python3 {}", f(&list)),
+                "its schema is [1,2], not a JSON object".into(),
+            ),
+            (
+                format!("x=cmd:python3 {}", f(&other)),
+                "names the function \"other\", not \"x\"".into(),
+            ),
         ];
         for (spec, want) in cases {
-            let err = Toolbox::from_specs(&[spec.clone()], Duration::from_secs(10))
+            let err = Toolbox::from_specs(std::slice::from_ref(&spec), Duration::from_secs(10))
                 .err()
                 .unwrap_or_else(|| panic!("{spec} was accepted"));
             assert!(crate::error::is_input_error(&err), "{spec}: {err:#}");
@@ -359,7 +419,12 @@ class Plain:
             assert!(msg.contains(&want), "{spec}: {msg}");
         }
         let twice = ["python".to_string(), "python".to_string()];
-        let err = Toolbox::from_specs(&twice, Duration::from_secs(10)).err().unwrap();
-        assert_eq!(format!("{err:#}"), "--tool `python`: a tool named `python` is given twice");
+        let err = Toolbox::from_specs(&twice, Duration::from_secs(10))
+            .err()
+            .unwrap();
+        assert_eq!(
+            format!("{err:#}"),
+            "--tool `python`: a tool named `python` is given twice"
+        );
     }
 }

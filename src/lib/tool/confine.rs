@@ -150,18 +150,33 @@ unsafe fn fork_and_wait() -> bool {
     }
 }
 
-/// A folder where this process may make pids cgroups: the v1 `pids` hierarchy, or the v2
-/// root when it offers the pids controller.
+/// A folder where this process may make pids cgroups and move a child into one: the v1
+/// `pids` hierarchy, or the v2 root when it offers the pids controller.
 fn probe_cgroup() -> Option<PathBuf> {
     let candidates = ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"];
     candidates.into_iter().map(PathBuf::from).find(|base| {
-        let test = base.join(format!("tandem-probe-{}", std::process::id()));
-        if std::fs::create_dir(&test).is_err() {
+        let name = format!("tandem-probe-{}", std::process::id());
+        let Ok(cgroup) = Cgroup::new(base, &name, 8) else {
             return false;
+        };
+        let Ok(procs) = CString::new(
+            cgroup
+                .path
+                .join("cgroup.procs")
+                .into_os_string()
+                .into_encoded_bytes(),
+        ) else {
+            return false;
+        };
+        // SAFETY: the child only joins the cgroup (open, write, close) and `_exit`s.
+        unsafe {
+            let pid = libc::fork();
+            if pid == 0 {
+                libc::_exit(if join_cgroup(&procs).is_ok() { 0 } else { 1 });
+            }
+            let mut status = 0;
+            pid > 0 && libc::waitpid(pid, &mut status, 0) == pid && status == 0
         }
-        let ok = std::fs::write(test.join("pids.max"), "8").is_ok();
-        let _ = std::fs::remove_dir(&test);
-        ok
     })
 }
 
@@ -205,11 +220,15 @@ impl Prepared {
         if let Some(procs) = &self.cgroup_procs {
             join_cgroup(procs)?;
         }
-        set_rlimits(&self.rlimits, false)?;
+        set_rlimits(&self.rlimits)?;
         if self.layers.namespaces {
             check(libc::unshare(self.layers.unshare_flags()))?;
-            // The count in a new user namespace starts from zero: the cap applies there.
-            set_rlimits(&self.rlimits, true)?;
+        }
+        // Only after `unshare`: a new user namespace takes the creator's RLIMIT_NPROC as the
+        // cap of the user's processes outside it, and the count inside starts from zero.
+        let nproc = self.rlimits.processes;
+        set_rlimit(libc::RLIMIT_NPROC, nproc, nproc)?;
+        if self.layers.namespaces {
             // SAFETY: the caller guarantees we are a child before exec.
             unsafe { fork_into_namespace()? };
         }
@@ -249,25 +268,22 @@ fn join_cgroup(procs: &CString) -> io::Result<()> {
     Ok(())
 }
 
-/// Sets every limit; `nproc_only` sets just `RLIMIT_NPROC` (again, after `unshare`).
-fn set_rlimits(r: &Rlimits, nproc_only: bool) -> io::Result<()> {
-    let set = |res, soft: u64, hard: u64| {
-        let lim = libc::rlimit {
-            rlim_cur: soft,
-            rlim_max: hard,
-        };
-        // SAFETY: setrlimit reads a valid struct.
-        check(unsafe { libc::setrlimit(res, &lim) })
+fn set_rlimit(resource: libc::__rlimit_resource_t, soft: u64, hard: u64) -> io::Result<()> {
+    let lim = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
     };
-    set(libc::RLIMIT_NPROC, r.processes, r.processes)?;
-    if nproc_only {
-        return Ok(());
-    }
+    // SAFETY: setrlimit reads a valid struct.
+    check(unsafe { libc::setrlimit(resource, &lim) })
+}
+
+/// Every limit but `RLIMIT_NPROC`.
+fn set_rlimits(r: &Rlimits) -> io::Result<()> {
     // SIGXCPU at the soft limit, SIGKILL a second later.
-    set(libc::RLIMIT_CPU, r.cpu_seconds, r.cpu_seconds + 1)?;
-    set(libc::RLIMIT_AS, r.address_space, r.address_space)?;
-    set(libc::RLIMIT_FSIZE, r.file_size, r.file_size)?;
-    set(libc::RLIMIT_CORE, 0, 0)
+    set_rlimit(libc::RLIMIT_CPU, r.cpu_seconds, r.cpu_seconds + 1)?;
+    set_rlimit(libc::RLIMIT_AS, r.address_space, r.address_space)?;
+    set_rlimit(libc::RLIMIT_FSIZE, r.file_size, r.file_size)?;
+    set_rlimit(libc::RLIMIT_CORE, 0, 0)
 }
 
 /// After `unshare(CLONE_NEWPID)`: forks; the parent waits for the child (the namespace's
@@ -283,6 +299,7 @@ unsafe fn fork_into_namespace() -> io::Result<()> {
     }
     if pid == 0 {
         // Python dies with the process that relays its status.
+        // SAFETY: prctl takes no pointer here.
         check(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) })?;
         return Ok(());
     }

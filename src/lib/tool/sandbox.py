@@ -48,6 +48,8 @@ def main():
     home = os.path.realpath(os.getcwd())
     no_processes = "--no-processes" in sys.argv[1:]
     sys.argv = ["<code>"]
+    # -I leaves the working directory off sys.path: modules the code writes there import.
+    sys.path.insert(0, home)
 
     def inside(path):
         if isinstance(path, int):

@@ -242,7 +242,7 @@ class Plain:
             "python".to_string(),
             format!("echo=cmd:python3 {}", echo_py.display()),
         ];
-        let tools = Toolbox::from_specs(&specs, Duration::from_millis(1500)).unwrap();
+        let tools = Toolbox::from_specs(&specs, Duration::from_secs(2)).unwrap();
         assert_eq!(tools.names(), ["python", "echo"]);
         let schemas = tools.schemas();
         assert_eq!(schemas[0]["function"]["name"], "python");
@@ -266,7 +266,7 @@ class Plain:
         let mut last = pid;
         for (bad, why) in [
             ("crash", "tool `echo` exited (exit status: 3)"),
-            ("slow", "tool `echo` timed out after 1.5 s"),
+            ("slow", "tool `echo` timed out after 2 s"),
             (
                 "garbage",
                 "tool `echo` answered `not json`, which is not JSON",
@@ -328,6 +328,17 @@ class Plain:
                 .collect()
         });
         let distinct: std::collections::BTreeSet<_> = pids.iter().collect();
+        // The built-in tool too: each call its own sandbox, side by side.
+        let python = Toolbox::from_specs(&["python".to_string()], Duration::from_secs(20)).unwrap();
+        std::thread::scope(|s| {
+            for i in 0..4 {
+                let python = &python;
+                s.spawn(move || {
+                    let r = call(python, "python", json!({"code": format!("print({i} * 7)")}));
+                    assert_eq!((r.content, r.error), (format!("{}\n", i * 7), None));
+                });
+            }
+        });
         assert_eq!(pids.len(), 24);
         assert!(
             (1..=6).contains(&distinct.len()),

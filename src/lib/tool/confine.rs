@@ -5,14 +5,13 @@
 //! fails makes the spawn fail, so a call never runs with less than [`Layers::get`] reports):
 //! 1. a **pids cgroup** of its own (v1 `pids` or v2 with the pids controller, writable: root
 //!    on most hosts), `pids.max` = the process cap; every process in it is killed at the end;
-//! 2. **namespaces**: `unshare(CLONE_NEWNET | CLONE_NEWPID)` (with `CLONE_NEWUSER` when not
+//! 2. **rlimits**: CPU seconds, address space, file size, no core files;
+//! 3. **namespaces**: `unshare(CLONE_NEWNET | CLONE_NEWPID)` (with `CLONE_NEWUSER` when not
 //!    root): no network interface but a downed loopback, and a PID namespace whose first
 //!    process is Python, so that when Python ends the kernel kills every process it left
 //!    (even one that left the process group); the child forks once for that and relays
-//!    Python's status;
-//! 3. **rlimits**: CPU seconds, address space, file size, no core files, and `RLIMIT_NPROC`
-//!    (which the kernel does not apply to root; in a user namespace it counts that
-//!    namespace's processes only);
+//!    Python's status. Then `RLIMIT_NPROC` (which the kernel does not apply to root; in a
+//!    user namespace it counts that namespace's processes only);
 //! 4. **Landlock** (Linux ≥ 5.13): no file may be written, created, removed or renamed
 //!    outside the call's directory (and `/dev/null`); reading stays allowed;
 //! 5. **seccomp**: `socket(2)` fails with EACCES for every family but `AF_UNIX`, and

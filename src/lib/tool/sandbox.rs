@@ -178,7 +178,11 @@ impl Call {
         let python = python()?;
         let layers = Layers::get();
         let n = CALLS.fetch_add(1, Ordering::Relaxed);
-        let name = format!("tandem-python-{}-{n}", std::process::id());
+        // The time too: a directory left by a killed process of the same pid cannot clash.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let name = format!("tandem-python-{}-{n}-{nanos}", std::process::id());
         let dir =
             WorkDir::new(&name).map_err(|e| format!("cannot make the sandbox's directory: {e}"))?;
         // The process that relays Python's status (PID namespace) counts too.

@@ -328,6 +328,15 @@ class Plain:
                 .collect()
         });
         let distinct: std::collections::BTreeSet<_> = pids.iter().collect();
+        // The processes outlive the threads whose calls started them (spawned from the pool's
+        // own thread, they die with the process, not with those threads).
+        for _ in 0..distinct.len() {
+            let (_, pid) = echo(&tools, "later");
+            assert!(
+                distinct.contains(&pid),
+                "a process started by an ended thread is gone"
+            );
+        }
         // The built-in tool too: each call its own sandbox, side by side.
         let python = Toolbox::from_specs(&["python".to_string()], Duration::from_secs(20)).unwrap();
         std::thread::scope(|s| {

@@ -13,7 +13,7 @@ const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 /// A running `tandem tool python`, asked one request at a time.
 struct Server {
     child: Child,
-    stdin: ChildStdin,
+    stdin: Option<ChildStdin>,
     stdout: BufReader<ChildStdout>,
     next_id: u64,
 }
@@ -27,7 +27,7 @@ impl Server {
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
-        let stdin = child.stdin.take().unwrap();
+        let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         let mut s = Server {
             child,
@@ -48,8 +48,9 @@ impl Server {
     /// Sends a raw line, returns the answer and how long it took.
     fn raw(&mut self, line: &str) -> (Value, Duration) {
         let t = Instant::now();
-        writeln!(self.stdin, "{line}").unwrap();
-        self.stdin.flush().unwrap();
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
         let answer = self.line();
         (answer, t.elapsed())
     }
@@ -257,4 +258,56 @@ fn bad_limits_are_input_errors() {
         "{err}"
     );
     assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn the_sandbox_dies_with_the_tool_process_and_stdin_closed_ends_it() {
+    // A call whose program sleeps for half a minute; the tool process is killed (SIGKILL) under it.
+    let marker = format!("29.{}", std::process::id());
+    let (mut s, _) = Server::start(&["--timeout", "60"]);
+    let request = json!({"id": 1, "arguments": {"code": format!("import os\nos.execvp('sleep', ['sleep', '{marker}'])")}});
+    let stdin = s.stdin.as_mut().unwrap();
+    writeln!(stdin, "{request}").unwrap();
+    stdin.flush().unwrap();
+    let needle = format!("sleep\0{marker}");
+    let t = Instant::now();
+    while processes_with(&needle) == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the call never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let server_pid = s.child.id();
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    let t = Instant::now();
+    while processes_with(&needle) > 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "the call outlived its tool process"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // What a SIGKILL leaves (docs/AGENTS.md): the call's directory, and its cgroup, if any.
+    let prefix = format!("tandem-python-{server_pid}-");
+    for base in [
+        std::env::temp_dir(),
+        "/sys/fs/cgroup/pids".into(),
+        "/sys/fs/cgroup".into(),
+    ] {
+        for e in std::fs::read_dir(&base).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ =
+                    std::fs::remove_dir_all(e.path()).or_else(|_| std::fs::remove_dir(e.path()));
+            }
+        }
+    }
+
+    // Closing stdin ends the tool process, with success.
+    let (mut s, _) = Server::start(&[]);
+    s.still_answers("the start");
+    drop(s.stdin.take());
+    assert!(s.child.wait().unwrap().success());
 }

@@ -215,10 +215,12 @@ impl Call {
             .map_err(|e| format!("cannot start the sandbox: {e}"))?;
         let group = GroupGuard::new(child.id());
         let mut stdin = child.stdin.take().expect("piped stdin");
-        // Python reads all of it before running anything; a Python that died early is
-        // reported from its status.
-        let _ = stdin.write_all(code.as_bytes());
-        drop(stdin);
+        let code = code.as_bytes().to_vec();
+        // From a thread: code longer than the pipe's buffer waits for Python to start, which
+        // the wall clock must bound too. A Python that died early is reported from its status.
+        thread::spawn(move || {
+            let _ = stdin.write_all(&code);
+        });
         let capture = Arc::new(Mutex::new(Capture::default()));
         let (tx, ended) = mpsc::channel();
         let out = child.stdout.take().expect("piped stdout");
@@ -424,6 +426,9 @@ mod tests {
 
     #[test]
     fn output_is_stdout_then_stderr_cut_at_the_cap() {
+        // Code longer than a pipe's buffer (64 KiB) goes in whole.
+        let long = format!("{}print(x)", "x = 1\n".repeat(20_000));
+        assert_eq!(run(&long, &limits(5000)).content, "1\n");
         let code = "import sys\nsys.stderr.write('err\\n')\nprint('out')";
         let r = run(
             "open('helper.py', 'w').write('X = 5')\nimport helper\nhelper.X",

@@ -38,6 +38,7 @@ mod score;
 mod shard;
 mod stages;
 mod tensorboard;
+mod tools;
 
 /// Every tests/*.rs file is a module above or a `[[test]]` of Cargo.toml: with discovery off,
 /// a new file named nowhere would silently never run.

@@ -49,6 +49,8 @@ enum Cmd {
     DistTest(tandem::parallel::check::DistTestArgs),
     /// Merge a checkpoint's per-rank optimizer shards into one file (loads with any N ranks).
     MergeShards(tandem::engine::resume::MergeShardsArgs),
+    /// Serve a built-in tool over JSON lines on stdin/stdout (`tool python`: the sandboxed Python tool).
+    Tool(tandem::tool::serve::ToolArgs),
 }
 
 fn main() -> ExitCode {
@@ -74,5 +76,6 @@ fn main() -> ExitCode {
         Cmd::Launch(a) => tandem::parallel::launch::run(a),
         Cmd::DistTest(a) => tandem::parallel::check::run(a),
         Cmd::MergeShards(a) => tandem::engine::resume::merge_shards(a),
+        Cmd::Tool(a) => tandem::tool::serve::run(a),
     })
 }

@@ -3,13 +3,17 @@
 //!
 //! - [`die_with_parent`]: the kernel sends the child SIGKILL when its parent dies, however it
 //!   dies (SIGKILL included), through `PR_SET_PDEATHSIG` (Linux).
+//! - [`Spawner`]: spawns from one long-lived thread, for children started from short-lived
+//!   threads that must outlive them (the kernel's signal follows the spawning thread).
+//! - [`split_args`]: a command line typed as one string (`cmd:PROGRAM ARGS`) split into argv.
 //! - [`GroupGuard`]: while it lives, a SIGTERM, SIGINT or SIGHUP that ends this process first
 //!   kills the guarded process group (what the child started too), which `PR_SET_PDEATHSIG`
 //!   alone does not reach. Dropping the guard kills the group as well, so every way out of
 //!   the code that holds it (return, error, panic) takes the group down.
 
-use std::process::Command;
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::{self, Sender};
 use std::sync::Once;
 
 /// Have the kernel kill the child started by `cmd` when this process dies (Linux).
@@ -123,5 +127,113 @@ impl GroupGuard {
 impl Drop for GroupGuard {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// Spawns children from a thread of its own, which lives as long as the `Spawner`: children
+/// started with [`die_with_parent`] from short-lived threads (a pool of workers that any
+/// caller's thread may grow) then die with this process or with the spawner, not with the
+/// thread that asked for them.
+pub(crate) struct Spawner {
+    requests: Sender<(Command, Sender<std::io::Result<Child>>)>,
+}
+
+impl Spawner {
+    pub(crate) fn new() -> Spawner {
+        let (requests, rx) = mpsc::channel::<(Command, Sender<std::io::Result<Child>>)>();
+        std::thread::spawn(move || {
+            for (mut cmd, reply) in rx {
+                let _ = reply.send(cmd.spawn());
+            }
+        });
+        Spawner { requests }
+    }
+
+    /// `cmd.spawn()`, run on the spawner's thread.
+    pub(crate) fn spawn(&self, cmd: Command) -> std::io::Result<Child> {
+        let gone = || std::io::Error::other("the spawner thread is gone");
+        let (reply, rx) = mpsc::channel();
+        self.requests.send((cmd, reply)).map_err(|_| gone())?;
+        rx.recv().map_err(|_| gone())?
+    }
+}
+
+/// Split `PROGRAM ARGS...` into words, as a shell would without expanding anything:
+/// whitespace separates, '...' is literal, "..." allows \" and \\, a backslash outside
+/// quotes escapes the next character.
+pub(crate) fn split_args(s: &str) -> Result<Vec<String>, String> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut in_word = false;
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            c if c.is_whitespace() => {
+                if in_word {
+                    words.push(std::mem::take(&mut cur));
+                    in_word = false;
+                }
+            }
+            '\'' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('\'') => break,
+                        Some(c) => cur.push(c),
+                        None => return Err("unclosed single quote".into()),
+                    }
+                }
+            }
+            '"' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('"') => break,
+                        Some('\\') => match chars.next() {
+                            Some(c @ ('"' | '\\')) => cur.push(c),
+                            Some(c) => {
+                                cur.push('\\');
+                                cur.push(c);
+                            }
+                            None => return Err("unclosed double quote".into()),
+                        },
+                        Some(c) => cur.push(c),
+                        None => return Err("unclosed double quote".into()),
+                    }
+                }
+            }
+            '\\' => {
+                in_word = true;
+                match chars.next() {
+                    Some(c) => cur.push(c),
+                    None => return Err("trailing backslash".into()),
+                }
+            }
+            c => {
+                in_word = true;
+                cur.push(c);
+            }
+        }
+    }
+    if in_word {
+        words.push(cur);
+    }
+    Ok(words)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_args_like_a_shell_without_expansion() {
+        let w = |s: &str| split_args(s).unwrap();
+        assert_eq!(w("python3 r.py --k 1"), ["python3", "r.py", "--k", "1"]);
+        assert_eq!(w("  a   b  "), ["a", "b"]);
+        assert_eq!(w("a 'b c' \"d \\\"e\\\"\""), ["a", "b c", "d \"e\""]);
+        assert_eq!(w("a\\ b $HOME *"), ["a b", "$HOME", "*"]);
+        assert_eq!(w("''"), [""]);
+        assert!(split_args("a 'b").is_err());
+        assert!(split_args("a \"b").is_err());
     }
 }

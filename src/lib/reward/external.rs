@@ -76,68 +76,7 @@ pub(crate) enum SubValue {
     Null,
 }
 
-/// Split `PROGRAM ARGS...` into words, as a shell would without expanding anything:
-/// whitespace separates, '...' is literal, "..." allows \" and \\, a backslash outside
-/// quotes escapes the next character.
-pub(crate) fn split_args(s: &str) -> Result<Vec<String>, String> {
-    let mut words = Vec::new();
-    let mut cur = String::new();
-    let mut in_word = false;
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        match c {
-            c if c.is_whitespace() => {
-                if in_word {
-                    words.push(std::mem::take(&mut cur));
-                    in_word = false;
-                }
-            }
-            '\'' => {
-                in_word = true;
-                loop {
-                    match chars.next() {
-                        Some('\'') => break,
-                        Some(c) => cur.push(c),
-                        None => return Err("unclosed single quote".into()),
-                    }
-                }
-            }
-            '"' => {
-                in_word = true;
-                loop {
-                    match chars.next() {
-                        Some('"') => break,
-                        Some('\\') => match chars.next() {
-                            Some(c @ ('"' | '\\')) => cur.push(c),
-                            Some(c) => {
-                                cur.push('\\');
-                                cur.push(c);
-                            }
-                            None => return Err("unclosed double quote".into()),
-                        },
-                        Some(c) => cur.push(c),
-                        None => return Err("unclosed double quote".into()),
-                    }
-                }
-            }
-            '\\' => {
-                in_word = true;
-                match chars.next() {
-                    Some(c) => cur.push(c),
-                    None => return Err("trailing backslash".into()),
-                }
-            }
-            c => {
-                in_word = true;
-                cur.push(c);
-            }
-        }
-    }
-    if in_word {
-        words.push(cur);
-    }
-    Ok(words)
-}
+pub(crate) use crate::process::split_args;
 
 /// Show at most 200 characters of a line in a message.
 fn shown(line: &str) -> String {
@@ -620,18 +559,6 @@ pub(crate) fn python_argv(python: &str, file: &Path, func: &str, kwargs: &Value)
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn split_args_like_a_shell_without_expansion() {
-        let w = |s: &str| split_args(s).unwrap();
-        assert_eq!(w("python3 r.py --k 1"), ["python3", "r.py", "--k", "1"]);
-        assert_eq!(w("  a   b  "), ["a", "b"]);
-        assert_eq!(w("a 'b c' \"d \\\"e\\\"\""), ["a", "b c", "d \"e\""]);
-        assert_eq!(w("a\\ b $HOME *"), ["a b", "$HOME", "*"]);
-        assert_eq!(w("''"), [""]);
-        assert!(split_args("a 'b").is_err());
-        assert!(split_args("a \"b").is_err());
-    }
 
     #[test]
     fn answers() {

@@ -5,6 +5,15 @@
 
 use serde_json::Value;
 
+mod confine;
+mod pool;
+mod protocol;
+pub mod sandbox;
+pub mod serve;
+pub mod toolbox;
+
+pub use toolbox::Toolbox;
+
 /// One call parsed from the model's text.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ToolCall {

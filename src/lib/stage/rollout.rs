@@ -312,10 +312,15 @@ impl Generated {
         for samples in &self.completions {
             w.u64(samples.len() as u64);
             for c in samples {
+                let trajectory = match &c.trajectory {
+                    Some(t) => serde_json::to_string(t).expect("a trajectory is JSON"),
+                    None => String::new(),
+                };
                 w.u32s(&c.tokens)
                     .f32s(&c.logprobs)
                     .u64((c.finish == FinishReason::Stop) as u64)
-                    .str(&c.text);
+                    .str(&c.text)
+                    .str(&trajectory);
             }
         }
         let s = &self.stats;
@@ -368,6 +373,10 @@ impl Generated {
                         _ => FinishReason::Length,
                     },
                     text: r.str()?,
+                    trajectory: match r.str()? {
+                        t if t.is_empty() => None,
+                        t => Some(serde_json::from_str(&t)?),
+                    },
                 });
             }
             completions.push(samples);

@@ -40,6 +40,12 @@ pub const RESPONSE_MASK: &str = "response_mask";
 pub const RESPONSE_TEXT: &str = "response_text";
 pub const FINISH_REASON: &str = "finish_reason";
 pub const ROLLOUT_LOGPROBS: &str = "rollout_logprobs";
+/// Multi-turn rollouts (with tools): assistant turns, the calls (JSON list), the conversation
+/// (JSON list of messages; untyped here, since datasets often have a `messages` column of
+/// their own, which a rollout with tools leaves out).
+pub const NUM_TURNS: &str = "num_turns";
+pub const TOOL_CALLS: &str = "tool_calls";
+pub const MESSAGES: &str = "messages";
 pub const SCORE: &str = "score";
 /// Sub-scores are `score_<name>`.
 pub(crate) const SCORE_PREFIX: &str = "score_";
@@ -56,6 +62,7 @@ pub const BASELINE_SCORE: &str = "baseline_score";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Utf8,
+    I32,
     F32,
     /// `score_<key>`: a float32 sub-score, or a reward's text value (utf8).
     SubScore,
@@ -68,6 +75,7 @@ impl Kind {
     pub(crate) fn describe(self) -> &'static str {
         match self {
             Kind::Utf8 => "utf8",
+            Kind::I32 => "int32",
             Kind::F32 => "float32",
             Kind::SubScore => "float32 or utf8",
             Kind::ListI32 => "list<int32>",
@@ -81,6 +89,7 @@ impl Kind {
         let item = |t: DataType| DataType::List(Arc::new(Field::new_list_field(t, false)));
         match self {
             Kind::Utf8 => DataType::Utf8,
+            Kind::I32 => DataType::Int32,
             Kind::F32 | Kind::SubScore => DataType::Float32,
             Kind::ListI32 => item(DataType::Int32),
             Kind::ListU8 => item(DataType::UInt8),
@@ -101,6 +110,7 @@ impl Kind {
                 dt,
                 DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
             ),
+            Kind::I32 => matches!(dt, DataType::Int32 | DataType::Int64),
             Kind::F32 => matches!(dt, DataType::Float32 | DataType::Float64),
             Kind::SubScore => Kind::F32.accepts(dt) || Kind::Utf8.accepts(dt),
             Kind::ListI32 => list_of(&DataType::Int32) || list_of(&DataType::Int64),
@@ -114,7 +124,8 @@ impl Kind {
 /// (dataset columns such as `prompt` or `extra_info`, which are kept as they come).
 pub(crate) fn kind_of(name: &str) -> Option<Kind> {
     Some(match name {
-        UID | PROMPT_UID | DATA_SOURCE | RESPONSE_TEXT | FINISH_REASON => Kind::Utf8,
+        UID | PROMPT_UID | DATA_SOURCE | RESPONSE_TEXT | FINISH_REASON | TOOL_CALLS => Kind::Utf8,
+        NUM_TURNS => Kind::I32,
         PROMPT_IDS | RESPONSE_IDS => Kind::ListI32,
         RESPONSE_MASK => Kind::ListU8,
         SCORE | BASELINE_SCORE => Kind::F32,

@@ -172,6 +172,7 @@ fn check_prompts(
         prompt_key: &args.prompt_key,
         max_prompt_tokens: args.max_prompt_tokens,
         truncate: args.truncate,
+        tools: &[],
     };
     tokenize_prompts(&ds, n, t.tokenizer, t.template, t.vocab_size, &limits)
         .with_context(|| format!("{key} (tokenized with the {} flags)", t.table))?;

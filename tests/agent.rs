@@ -417,3 +417,136 @@ fn later_stages(d: &Path, model: &Path) {
         assert!(w1 == w2, "{agg}: the same weights");
     }
 }
+
+/// The tool flags are checked before anything runs (exit 2, the flag named).
+#[test]
+fn tool_flags_are_checked_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 2);
+    call_prompts(&d.join("prompts.parquet"), 2);
+    let (input, out) = (d.join("prompts.parquet"), d.join("r.parquet"));
+    let base = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&input),
+        "--out",
+        p(&out),
+        "--tool",
+        "calc=cmd:x",
+    ];
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--max-turn-tokens", "100", "--max-response-tokens", "50"],
+            "--max-turn-tokens (100) must be <= --max-response-tokens (50)",
+        ),
+        (&["--raw-prompt"], "--tool needs the chat template"),
+        (&["--tool-timeout", "0"], "--tool-timeout"),
+        (&["--max-turns", "0"], "--max-turns"),
+    ];
+    for (extra, want) in cases {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        stage_util::input_error("rollout", &args, want);
+        assert!(!out.exists());
+    }
+}
+
+/// A verl multi-turn dataset (`extra_info.tools_kwargs`, `need_tools_kwargs`, an `agent_name`
+/// column, as verl's gsm8k_multiturn_w_tool preprocessing writes) is read, and its columns are
+/// carried into every sample's row.
+#[test]
+fn a_verl_multi_turn_dataset_is_accepted() {
+    use arrow_array::{
+        Array, ArrayRef, BooleanArray, Int64Array, RecordBatch, StringArray, StructArray,
+    };
+    use arrow_schema::{DataType, Field, Fields, Schema};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 3);
+    let utf8 = |v: Vec<&str>| Arc::new(StringArray::from(v)) as ArrayRef;
+    let strukt = |cols: Vec<(&str, ArrayRef)>| {
+        let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols
+            .into_iter()
+            .map(|(n, a)| (Field::new(n, a.data_type().clone(), true), a))
+            .collect();
+        Arc::new(StructArray::new(Fields::from(fields), arrays, None)) as ArrayRef
+    };
+    let create = strukt(vec![("ground_truth", utf8(vec!["72", "10"]))]);
+    let tool = strukt(vec![("create_kwargs", create)]);
+    let tools_kwargs = strukt(vec![("calc_gsm8k_reward", tool)]);
+    let extra = strukt(vec![
+        ("split", utf8(vec!["train", "train"])),
+        ("index", Arc::new(Int64Array::from(vec![0, 1]))),
+        (
+            "need_tools_kwargs",
+            Arc::new(BooleanArray::from(vec![true, true])),
+        ),
+        ("tools_kwargs", tools_kwargs),
+    ]);
+    // verl's columns, with its multi-turn extra_info and agent_name.
+    let base = tandem::data::verl_record_batch(
+        &["How many clips?", "How much did she earn?"]
+            .iter()
+            .zip(["72", "10"])
+            .enumerate()
+            .map(|(i, (q, gt))| VerlRow {
+                data_source: "openai/gsm8k".into(),
+                prompt: vec![Message::new("user", *q)],
+                ability: Some("math".into()),
+                ground_truth: gt.into(),
+                extra_info: ExtraInfo {
+                    split: "train".into(),
+                    index: i as i64,
+                    answer: gt.into(),
+                    question: q.to_string(),
+                },
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let mut fields: Vec<Field> = vec![];
+    let mut arrays: Vec<ArrayRef> = vec![];
+    for (f, a) in base.schema().fields().iter().zip(base.columns()) {
+        let a = match f.name().as_str() {
+            "extra_info" => extra.clone(),
+            _ => a.clone(),
+        };
+        fields.push(Field::new(f.name(), a.data_type().clone(), true));
+        arrays.push(a);
+    }
+    fields.insert(1, Field::new("agent_name", DataType::Utf8, true));
+    arrays.insert(1, utf8(vec!["tool_agent", "tool_agent"]));
+    let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap();
+    let input = d.join("multiturn.parquet");
+    tandem::batch::write_file(&input, &data, &Default::default()).unwrap();
+    let out = d.join("r.parquet");
+    ok(
+        "rollout",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&input),
+            "--out",
+            p(&out),
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "4",
+        ],
+    );
+    let b = read(&out);
+    assert_eq!(strings(&b, "agent_name"), ["tool_agent"; 4]);
+    assert_eq!(strings(&b, "ground_truth"), ["72", "72", "10", "10"]);
+    let extra = b.json_rows("extra_info");
+    assert_eq!(
+        extra[2]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"],
+        "10"
+    );
+    assert_eq!(extra[0]["need_tools_kwargs"], true);
+    assert!(matches!(
+        b.column("extra_info").unwrap().data_type(),
+        DataType::Struct(_)
+    ));
+}

@@ -661,6 +661,8 @@ impl RolloutArgs {
 
 /// The stage with its compute on `exec`, offering the tools of --tool.
 pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
+    // The flags first: a bad one is reported before any tool starts.
+    args.check()?;
     let tools = tools_from_specs(&args.tool, Duration::from_secs_f64(args.tool_timeout))?;
     run_with_tools(args, exec, tools)
 }

@@ -1124,3 +1124,44 @@ impl Output<'_> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::paged::{CallRecord, Trajectory};
+
+    /// A rank's samples reach rank 0 whole: multi-turn ones with their trajectory, and the
+    /// tool counters.
+    #[test]
+    fn a_ranks_samples_and_trajectories_round_trip() {
+        let traj = Trajectory {
+            mask: vec![1, 1, 0, 0, 1],
+            turns: vec!["<tool_call>{}</tool_call>".into(), "#### 5".into()],
+            calls: vec![CallRecord {
+                turn: 0,
+                name: "add".into(),
+                arguments: json!({"a": 2}),
+                result: "error: tool timed out after 10 s".into(),
+                seconds: 10.0,
+                error: Some("tool timed out after 10 s".into()),
+            }],
+        };
+        let c = |t: Option<Trajectory>| Completion {
+            tokens: vec![1, 2, 3, 4, 5],
+            logprobs: vec![-0.5, -1.0, 0.0, 0.0, -2.0],
+            finish: FinishReason::Stop,
+            text: "#### 5".into(),
+            trajectory: t,
+        };
+        let mut g = Generated {
+            completions: vec![vec![c(Some(traj)), c(None)]],
+            ..Generated::default()
+        };
+        g.stats.tool_calls = 3;
+        g.stats.tool_errors = 1;
+        g.stats.tool_wait_s = 0.25;
+        let back = Generated::decode(&g.encode()).unwrap();
+        assert_eq!(back.completions, g.completions);
+        assert_eq!(back.stats, g.stats);
+    }
+}

@@ -273,6 +273,37 @@ fn later_stages(d: &Path, model: &Path) {
             "exact",
         ],
     );
+    // DAPO's overlong shaping measures the whole response (sampled and tool tokens) against
+    // --max-response-tokens (200), not one turn's limit.
+    ok(
+        "score",
+        &[
+            "--in",
+            p(&f("r.parquet")),
+            "--out",
+            p(&f("o.parquet")),
+            "--reward",
+            "exact",
+        ]
+        .into_iter()
+        .chain(["--overlong-buffer-len", "100"])
+        .collect::<Vec<_>>(),
+    );
+    let o = read(&f("o.parquet"));
+    let lens = i32_rows(&o, "response_ids");
+    let shaped = o.f32s("score_overlong").unwrap();
+    assert!(
+        lens.iter().any(|l| l.len() > 100),
+        "some rows pass the free length"
+    );
+    for (l, &x) in lens.iter().zip(shaped.iter()) {
+        let want = (100.0 - l.len() as f64).min(0.0) / 100.0;
+        assert!(
+            (x as f64 - want).abs() < 1e-6,
+            "{} tokens: {x} vs {want}",
+            l.len()
+        );
+    }
     let s = read(&f("s.parquet"));
     let texts = strings(&s, "response_text");
     let scores = s.f32s("score").unwrap();

@@ -8,7 +8,8 @@ use super::turns::{Agent, TurnLimits};
 use super::*;
 use crate::backend::cpu::Cpu;
 use crate::backend::ops::sample::sample_key;
-use crate::model::decoder::{Decoder, SeqRef};
+use crate::engine::logprob::{score, PromptResponse};
+use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::Config;
 use crate::tool::{ToolCall, ToolResult, Tools};
@@ -309,15 +310,16 @@ fn a_tool_call_continues_from_the_cache_as_a_whole_prefill_scores_it() {
             }
         }
     }
-    let seqs: Vec<SeqRef> = rows
+    // Teacher forcing as ref-logprob runs it (`engine::logprob::score`) on the final ids.
+    let scored_rows: Vec<PromptResponse> = rows
         .iter()
-        .map(|(t, r)| SeqRef {
-            tokens: t,
-            start: r.prompt.len(),
+        .map(|(t, r)| PromptResponse {
+            prompt: &r.prompt,
+            response: &t[r.prompt.len()..],
         })
         .collect();
     let mut dec = Decoder::new(Cpu, &config(), &weights).unwrap();
-    let scored = dec.logprobs(&seqs, 1.0, false).unwrap();
+    let scored = score(&mut dec, &scored_rows, 1.0, false, 4096, &mut |_| {}).unwrap();
     let mut compared = 0;
     for (c, s) in ran.done.iter().flatten().zip(&scored) {
         let mask = &c.trajectory.as_ref().unwrap().mask;

@@ -897,6 +897,7 @@ struct Summary {
     model_tokens: usize,
     tool_calls: usize,
     tool_errors: usize,
+    tool_seconds: f64,
     mean_turns: f64,
 }
 
@@ -977,6 +978,7 @@ impl Output<'_> {
                 .map_or(responses.1.len(), |m| m.iter().map(|&x| x as usize).sum()),
             tool_calls: turns.as_ref().map_or(0, |t| t.calls),
             tool_errors: turns.as_ref().map_or(0, |t| t.errors),
+            tool_seconds: turns.as_ref().map_or(0.0, |t| t.call_seconds),
             mean_turns: turns.as_ref().map_or(1.0, TurnColumns::mean_turns),
         };
         // The inspection columns replace any dataset column of their names.
@@ -1121,6 +1123,7 @@ impl Output<'_> {
             "tool_calls_per_sample": s.tool_calls as f64 / total as f64,
             "tool_errors": s.tool_errors,
             "tool_wait_seconds": stats.tool_wait_s,
+            "tool_call_seconds": s.tool_seconds,
         })
     }
 }

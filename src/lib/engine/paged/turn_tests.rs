@@ -260,6 +260,9 @@ fn a_tool_call_continues_from_the_cache_as_a_whole_prefill_scores_it() {
     let prompts: usize = reqs.iter().map(|r| r.prompt.len()).sum();
     assert_eq!(ran.stats.gen.prefill_tokens, prompts + 5 * (1 + obs.len()));
     assert!(runs[1].stats.overlapped_steps > 0);
+    // With overlap, a turn's last draw already has a step queued behind it: the sample parks
+    // once that step is applied (its draw thrown away).
+    assert!(runs[1].stats.overlap_discarded > 0, "{:?}", runs[1].stats);
     assert!(runs[2].stats.preemptions > 0, "the small pool preempts");
     let mut rows = vec![];
     for (r, cs) in reqs.iter().zip(&ran.done) {

@@ -17,6 +17,12 @@
 //! recomputed sample continues exactly as it would have. The oldest sequence can always take
 //! the blocks of every newer one, and one sequence alone always fits (checked up front by
 //! `GenParams::check`), so the loop never deadlocks.
+//!
+//! With tools, a sample whose turn ends in tool calls is parked (out of `running`, seat free,
+//! blocks kept) while they run; back with its observation appended it is admitted before
+//! anything else, feeding the observation as an extension of its blocks. When nothing can run
+//! and no call is out, the newest such sample gives its blocks up (`evict_resumed`), so the
+//! guarantee above holds for trajectories too (the pool is checked for a whole one).
 
 use anyhow::{anyhow, bail, ensure, Result};
 use std::collections::{HashMap, VecDeque};

@@ -677,7 +677,7 @@ pub fn run_with_tools(
     let started = Instant::now();
     super::common::refuse_in_place(&args.input, &args.out, "out")?;
     let sampling = args.sampling()?;
-    if tools.is_some() != !args.tool.is_empty() {
+    if tools.is_some() == args.tool.is_empty() {
         anyhow::bail!("rollout: the tools given and --tool disagree");
     }
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;

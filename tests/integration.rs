@@ -13,6 +13,7 @@ mod common;
 mod stage_util;
 
 mod advantage;
+mod agent;
 mod batch;
 mod bench_decoder;
 mod cli;

@@ -1216,6 +1216,11 @@ fn the_whole_spec_is_checked_before_anything_runs() {
             "[data] val = val.parquet: no ground truth",
         ),
         (
+            SPEC.replace("n = 2\n", "n = 2\ntool = [\"calc=cmd:./no-such-tool\"]\n"),
+            Box::new(|_: &Work| {}),
+            "[data] train: [rollout] tool = [\"calc=cmd:./no-such-tool\"]",
+        ),
+        (
             SPEC.replace("max-new-tokens = 8", "max-new-tokens = 8\nmax-prompt-tokens = 4"),
             Box::new(|_: &Work| {}),
             "[data] train (tokenized with the [rollout] flags): train.parquet: column 'prompt', row 0: the prompt has 24 tokens, more than --max-prompt-tokens 4",

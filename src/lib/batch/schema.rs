@@ -40,6 +40,12 @@ pub const RESPONSE_MASK: &str = "response_mask";
 pub const RESPONSE_TEXT: &str = "response_text";
 pub const FINISH_REASON: &str = "finish_reason";
 pub const ROLLOUT_LOGPROBS: &str = "rollout_logprobs";
+/// Multi-turn rollouts (with tools): assistant turns, the calls (JSON list), the conversation
+/// (JSON list of messages; untyped here, since datasets often have a `messages` column of
+/// their own, which a rollout with tools leaves out).
+pub const NUM_TURNS: &str = "num_turns";
+pub const TOOL_CALLS: &str = "tool_calls";
+pub const MESSAGES: &str = "messages";
 pub const SCORE: &str = "score";
 /// Sub-scores are `score_<name>`.
 pub(crate) const SCORE_PREFIX: &str = "score_";
@@ -59,6 +65,7 @@ pub const IS_BASELINE: &str = "is_baseline";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Utf8,
+    I32,
     F32,
     Bool,
     /// `score_<key>`: a float32 sub-score, or a reward's text value (utf8).
@@ -72,6 +79,7 @@ impl Kind {
     pub(crate) fn describe(self) -> &'static str {
         match self {
             Kind::Utf8 => "utf8",
+            Kind::I32 => "int32",
             Kind::F32 => "float32",
             Kind::Bool => "bool",
             Kind::SubScore => "float32 or utf8",
@@ -86,6 +94,7 @@ impl Kind {
         let item = |t: DataType| DataType::List(Arc::new(Field::new_list_field(t, false)));
         match self {
             Kind::Utf8 => DataType::Utf8,
+            Kind::I32 => DataType::Int32,
             Kind::F32 | Kind::SubScore => DataType::Float32,
             Kind::Bool => DataType::Boolean,
             Kind::ListI32 => item(DataType::Int32),
@@ -107,6 +116,7 @@ impl Kind {
                 dt,
                 DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
             ),
+            Kind::I32 => matches!(dt, DataType::Int32 | DataType::Int64),
             Kind::F32 => matches!(dt, DataType::Float32 | DataType::Float64),
             Kind::Bool => matches!(dt, DataType::Boolean),
             Kind::SubScore => Kind::F32.accepts(dt) || Kind::Utf8.accepts(dt),
@@ -121,7 +131,8 @@ impl Kind {
 /// (dataset columns such as `prompt` or `extra_info`, which are kept as they come).
 pub(crate) fn kind_of(name: &str) -> Option<Kind> {
     Some(match name {
-        UID | PROMPT_UID | DATA_SOURCE | RESPONSE_TEXT | FINISH_REASON => Kind::Utf8,
+        UID | PROMPT_UID | DATA_SOURCE | RESPONSE_TEXT | FINISH_REASON | TOOL_CALLS => Kind::Utf8,
+        NUM_TURNS => Kind::I32,
         PROMPT_IDS | RESPONSE_IDS => Kind::ListI32,
         RESPONSE_MASK => Kind::ListU8,
         SCORE | BASELINE_SCORE => Kind::F32,

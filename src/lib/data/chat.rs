@@ -144,6 +144,18 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, Json>,
     ) -> Result<String> {
+        self.render_tools(messages, add_generation_prompt, extra, &[])
+    }
+
+    /// As [`render_with`](Self::render_with), offering `tools` (OpenAI function schemas, as
+    /// transformers' `tools=`; none: the template sees `tools` = None).
+    pub(crate) fn render_tools(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, Json>,
+        tools: &[Json],
+    ) -> Result<String> {
         let mut ctx: Vec<(String, Value)> = self
             .special
             .iter()
@@ -155,7 +167,13 @@ impl ChatTemplate {
                 .map(|(k, v)| (k.clone(), Value::from_serialize(v))),
         );
         ctx.push(("messages".into(), Value::from_serialize(messages)));
-        ctx.push(("tools".into(), Value::from(())));
+        ctx.push((
+            "tools".into(),
+            match tools.is_empty() {
+                true => Value::from(()),
+                false => Value::from_iter(tools.iter().map(schema_value)),
+            },
+        ));
         ctx.push(("documents".into(), Value::from(())));
         ctx.push((
             "add_generation_prompt".into(),
@@ -169,6 +187,74 @@ impl ChatTemplate {
                 describe(&e)
             ))
         })
+    }
+}
+
+impl ChatTemplate {
+    /// The text the template writes around `n` tool responses that follow an assistant turn:
+    /// `n + 1` pieces, from the end of the assistant's content to the first response, between
+    /// the responses, and from the last one to where the next assistant content begins (the
+    /// generation prompt). Rendered as transformers renders [user, assistant, tool × n] with
+    /// the generation prompt, split at the contents. Qwen2.5: `<|im_end|>\n<|im_start|>user\n
+    /// <tool_response>\n`, `\n</tool_response>\n<tool_response>\n`, ...,
+    /// `\n</tool_response><|im_end|>\n<|im_start|>assistant\n`.
+    pub fn tool_response_text(&self, n: usize) -> Result<Vec<String>> {
+        let mark = |i: usize| format!("\u{E000}{i}\u{E000}");
+        let mut messages = vec![Message::new("user", "\u{E000}u\u{E000}")];
+        messages.extend(
+            (0..=n).map(|i| Message::new(if i == 0 { "assistant" } else { "tool" }, mark(i))),
+        );
+        let text = self.render(&messages, true)?;
+        let mut pieces = Vec::with_capacity(n + 1);
+        let mut rest = text.as_str();
+        for i in 0..=n {
+            let m = mark(i);
+            let Some(at) = rest.find(&m) else {
+                bail_input!(
+                    "{}: the chat template does not write tool messages' content (needed for tool calls)",
+                    self.origin.display()
+                );
+            };
+            if i > 0 {
+                pieces.push(rest[..at].to_string());
+            }
+            rest = &rest[at + m.len()..];
+        }
+        pieces.push(rest.to_string());
+        Ok(pieces)
+    }
+}
+
+/// Keys of an OpenAI function schema in the order its writers use (and transformers renders,
+/// keeping dict order); serde_json's maps sort their keys, which would render another prompt.
+const SCHEMA_KEY_ORDER: [&str; 8] = [
+    "type",
+    "function",
+    "name",
+    "description",
+    "parameters",
+    "properties",
+    "required",
+    "enum",
+];
+
+/// A tool schema as a template value: objects' keys in [`SCHEMA_KEY_ORDER`], then the others
+/// in name order.
+fn schema_value(v: &Json) -> Value {
+    match v {
+        Json::Object(m) => {
+            let rank = |k: &str| {
+                SCHEMA_KEY_ORDER
+                    .iter()
+                    .position(|o| *o == k)
+                    .unwrap_or(usize::MAX)
+            };
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort_by_key(|k| rank(k));
+            Value::from_iter(keys.into_iter().map(|k| (k.clone(), schema_value(&m[k]))))
+        }
+        Json::Array(a) => Value::from_iter(a.iter().map(schema_value)),
+        other => Value::from_serialize(other),
     }
 }
 
@@ -662,6 +748,60 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{name}: {e:#}"));
             assert_eq!(got, case["expected"].as_str().unwrap(), "case {name}");
         }
+    }
+
+    /// Qwen2.5's tools block as transformers renders `apply_chat_template(messages,
+    /// tools=[schema], add_generation_prompt=True)` (the schema's keys in its writer's order),
+    /// and the text around tool responses.
+    #[test]
+    fn qwen_tools_block_and_tool_response_text() {
+        let qwen25 = template("qwen2.5.jinja", &[("eos_token", "<|im_end|>")]);
+        let schema = json!({"type": "function", "function": {"name": "python",
+            "description": "Run Python", "parameters": {"type": "object",
+            "properties": {"code": {"type": "string"}}, "required": ["code"]}}});
+        let got = qwen25
+            .render_tools(
+                &msgs(&[("user", "2+2?")]),
+                true,
+                &Default::default(),
+                &[schema],
+            )
+            .unwrap();
+        assert_eq!(
+            got,
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n\
+             You may call one or more functions to assist with the user query.\n\n\
+             You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n\
+             {\"type\": \"function\", \"function\": {\"name\": \"python\", \"description\": \"Run Python\", \
+             \"parameters\": {\"type\": \"object\", \"properties\": {\"code\": {\"type\": \"string\"}}, \"required\": [\"code\"]}}}\n\
+             </tools>\n\nFor each function call, return a json object with function name and arguments within \
+             <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n\
+             </tool_call><|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            qwen25.tool_response_text(1).unwrap(),
+            [
+                "<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+                "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+            ]
+        );
+        assert_eq!(
+            qwen25.tool_response_text(2).unwrap(),
+            [
+                "<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+                "\n</tool_response>\n<tool_response>\n",
+                "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+            ]
+        );
+        // ChatML writes a tool message as a turn of its own role.
+        let chatml = template("chatml.jinja", &[]);
+        assert_eq!(
+            chatml.tool_response_text(1).unwrap(),
+            [
+                "<|im_end|>\n<|im_start|>tool\n",
+                "<|im_end|>\n<|im_start|>assistant\n"
+            ]
+        );
     }
 
     #[test]

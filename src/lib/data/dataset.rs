@@ -117,9 +117,17 @@ impl PromptDataset {
     /// The text rollout tokenizes for row `i`: the chat messages rendered by `template` with the
     /// generation prompt (`apply_chat_template(add_generation_prompt=True)`), or with no template
     /// (`--raw-prompt`) the prompt as is.
-    pub(crate) fn prompt_text(&self, i: usize, template: Option<&ChatTemplate>) -> Result<String> {
+    /// The text rollout tokenizes for row `i`: the chat messages rendered by `template` with the
+    /// generation prompt (`apply_chat_template(add_generation_prompt=True)`) and `tools` (their
+    /// schemas, transformers' `tools=`), or with no template (`--raw-prompt`) the prompt as is.
+    pub(crate) fn prompt_text(
+        &self,
+        i: usize,
+        template: Option<&ChatTemplate>,
+        tools: &[serde_json::Value],
+    ) -> Result<String> {
         match template {
-            Some(t) => t.render(&self.rows[i].messages, true),
+            Some(t) => t.render_tools(&self.rows[i].messages, true, &Default::default(), tools),
             None => self.raw_prompt(i).map(str::to_string),
         }
     }
@@ -348,10 +356,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            ds.prompt_text(1, Some(&chatml)).unwrap(),
+            ds.prompt_text(1, Some(&chatml), &[]).unwrap(),
             "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nquestion 1<|im_end|>\n<|im_start|>assistant\n"
         );
-        assert!(ds.prompt_text(1, None).is_err());
+        assert!(ds.prompt_text(1, None, &[]).is_err());
 
         let idx = repeat_each(&[2, 0], 2);
         assert_eq!(idx, vec![2, 2, 0, 0]);
@@ -397,7 +405,7 @@ mod tests {
         let ds = PromptDataset::open(&path).unwrap();
         assert_eq!(ds.row(0).messages, vec![Message::new("user", "Once upon")]);
         assert_eq!(ds.raw_prompt(1).unwrap(), "a time");
-        assert_eq!(ds.prompt_text(1, None).unwrap(), "a time");
+        assert_eq!(ds.prompt_text(1, None, &[]).unwrap(), "a time");
         assert_eq!(ds.row(0).data_source, "stories");
         assert_eq!(ds.row(0).ground_truth.as_deref(), Some("x"));
         assert_eq!(ds.row(1).ground_truth, None);

@@ -1491,6 +1491,126 @@ mod tests {
         c
     }
 
+    /// Observation tokens (mask 0 inside a response: tool output, template markers) change
+    /// nothing: for every policy loss and every loss-agg-mode, with a KL loss, an entropy bonus
+    /// and rollout correction, other advantages and old/ref/rollout log-probs on them give the
+    /// same losses, metrics and weights, to the bit.
+    #[test]
+    fn observation_tokens_change_no_loss() {
+        use crate::algo::kl::{KlKind, KlPenalty};
+        use crate::algo::policy_loss::{KlLoss, RolloutIs, RolloutIsLevel};
+        use crate::backend::cpu::Cpu;
+        use crate::model::decoder::Decoder;
+        let cfg = crate::model::Config {
+            vocab_size: 64,
+            eos_token_ids: vec![],
+            ..crate::model::Config::small_qwen2()
+        };
+        let weights = crate::model::init::random_weights(&cfg, 4, 0.5);
+        let mut owned = batch();
+        // Observations in the middle and at the end of rows.
+        owned.masks[0][1] = 0;
+        owned.masks[4][1] = 0;
+        owned.masks[4][2] = 0;
+        owned.masks[1][1] = 0;
+        let per_token = |base: f32, masked: Option<f32>, owned: &Owned| -> Vec<Vec<f32>> {
+            owned
+                .masks
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    m.iter()
+                        .enumerate()
+                        .map(|(t, &v)| match (v, masked) {
+                            (0, Some(x)) => x,
+                            _ => base + 0.3 * ((i + t) % 3) as f32,
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let run = |mode: LossMode, agg: AggMode, masked: Option<f32>| {
+            let (old, rf, roll) = (
+                per_token(-4.0, masked.map(|x| x - 1.0), &owned),
+                per_token(-4.2, masked, &owned),
+                per_token(-3.9, masked.map(|x| x + 2.0), &owned),
+            );
+            let adv: Vec<Vec<f32>> = owned
+                .adv
+                .iter()
+                .zip(&owned.masks)
+                .map(|(a, m)| {
+                    a.iter()
+                        .zip(m)
+                        .map(|(&x, &v)| match (v, masked) {
+                            (0, Some(y)) => y * 10.0,
+                            _ => x,
+                        })
+                        .collect()
+                })
+                .collect();
+            let mut c = cfg_for_decoder();
+            c.loss = LossConfig::new(mode);
+            c.loss.agg = agg;
+            c.loss.entropy_coeff = 0.01;
+            c.mini_batch_size = Some(3);
+            if mode != LossMode::Sft {
+                c.loss.kl_loss = Some(KlLoss {
+                    coef: 0.1,
+                    penalty: KlPenalty {
+                        kind: KlKind::K3,
+                        straight_through: false,
+                    },
+                });
+                c.loss.rollout_is = Some(RolloutIs {
+                    level: RolloutIsLevel::Token,
+                    threshold: 2.0,
+                });
+            }
+            let mut d = owned.data();
+            d.advantages = Some(adv.iter().map(Vec::as_slice).collect());
+            if mode != LossMode::Sft {
+                d.old = Some(old.iter().map(Vec::as_slice).collect());
+                d.ref_lp = Some(rf.iter().map(Vec::as_slice).collect());
+                d.rollout = Some(roll.iter().map(Vec::as_slice).collect());
+            }
+            let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
+            let r = train(&mut dec, &d, &c, 0, &mut |_| {}).unwrap();
+            let steps: Vec<_> = r
+                .steps
+                .iter()
+                .map(|s| (s.loss, s.metrics, s.grad_norm))
+                .collect();
+            (
+                steps,
+                r.mismatch.map(|m| m.0),
+                dec.export_weights().unwrap(),
+            )
+        };
+        for mode in [
+            LossMode::Vanilla,
+            LossMode::Gspo,
+            LossMode::Cispo,
+            LossMode::Sft,
+        ] {
+            for agg in [
+                AggMode::TokenMean,
+                AggMode::SeqMeanTokenSum,
+                AggMode::SeqMeanTokenMean,
+                AggMode::SeqMeanTokenSumNorm,
+            ] {
+                let a = run(mode, agg, None);
+                let b = run(mode, agg, Some(-0.5));
+                assert_eq!(a.0.len(), 2, "two mini-batches");
+                assert!(a.0.iter().all(|s| s.0 != 0.0 && s.0.is_finite()));
+                assert_eq!(a.0, b.0, "{mode:?} {agg:?}: losses and metrics");
+                assert_eq!(a.1, b.1, "{mode:?} {agg:?}: mismatch");
+                assert!(a.2 == b.2, "{mode:?} {agg:?}: weights");
+                assert_eq!(a.1.is_some(), mode != LossMode::Sft);
+            }
+        }
+    }
+
     #[test]
     fn sft_lowers_the_nll() {
         let owned = Owned::new(&[(vec![0], vec![1, 2, 3], 0.0), (vec![2], vec![5, 5], 0.0)]);

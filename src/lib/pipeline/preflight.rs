@@ -37,6 +37,7 @@ use crate::reward::external::python_argv;
 use crate::reward::{Options, RewardSpec};
 use crate::stage::common::resolve_model;
 use crate::stage::rollout::{tokenize_prompts, PromptLimits, RolloutArgs};
+use crate::stage::turns::tools_from_specs;
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use std::io::Read;
@@ -184,10 +185,17 @@ fn check_prompts(
         )
     })?;
     let n = args.limit.unwrap_or(ds.len()).min(ds.len());
+    // The tools start as rollout starts them (a missing program or class stops here); their
+    // schemas go into the prompts.
+    let timeout = std::time::Duration::from_secs_f64(args.tool_timeout);
+    let tools = tools_from_specs(&args.tool, timeout)
+        .with_context(|| format!("{key}: {} tool = {:?}", t.table, args.tool))?;
+    let schemas = tools.map_or(vec![], |t| t.schemas());
     let limits = PromptLimits {
         prompt_key: &args.prompt_key,
         max_prompt_tokens: args.max_prompt_tokens,
         truncate: args.truncate,
+        tools: &schemas,
     };
     tokenize_prompts(&ds, n, t.tokenizer, t.template, t.vocab_size, &limits)
         .with_context(|| format!("{key} (tokenized with the {} flags)", t.table))?;

@@ -408,7 +408,8 @@ pub struct StageConfig {
 pub(crate) struct OverlongFlags {
     pub(crate) buffer: usize,
     pub(crate) factor: f32,
-    /// L_max; None: the rollout's `max_new_tokens` recorded in the batch.
+    /// L_max; None: the rollout's `max_response_tokens` (older batches: `max_new_tokens`)
+    /// recorded in the batch.
     pub(crate) max_len: Option<usize>,
 }
 
@@ -424,7 +425,13 @@ impl OverlongFlags {
             .meta
             .get(&key)
             .and_then(|p| serde_json::from_str::<Value>(p).ok())
-            .and_then(|p| p.get("max_new_tokens").and_then(Value::as_u64));
+            .and_then(|p| {
+                // A multi-turn rollout's limit is its whole response's (sampled and tool tokens).
+                let limit = p
+                    .get("max_response_tokens")
+                    .or_else(|| p.get("max_new_tokens"));
+                limit.and_then(Value::as_u64)
+            });
         match recorded {
             Some(max) => overlong::Overlong::new(
                 max as usize,

@@ -29,6 +29,7 @@ pub mod save;
 pub mod score;
 pub mod sft_batch;
 pub mod sync_weights;
+pub(crate) mod turns;
 pub mod update;
 
 use crate::backend::cpu::Cpu;

@@ -13,6 +13,7 @@ use super::common::{
     at_least, gather_results, my_block, negative_numbers, range, resolve_model, writes_files,
     Device, ModelRef,
 };
+use super::turns::{tools_from_specs, ToolText, TurnColumns};
 use super::{load_policy, Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
@@ -22,8 +23,8 @@ use crate::batch::{list_array, stage_meta, write_file, write_json, StageInfo};
 use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset};
 use crate::engine::paged::{
-    generate_paged, Completion, Detokenize, FinishReason, GenParams, GraphStats, Limits,
-    PagedDecoder, PagedStats, Request,
+    generate_turns, Agent, Completion, Detokenize, FinishReason, GenParams, GraphStats, Limits,
+    PagedDecoder, PagedStats, Request, TurnLimits,
 };
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
@@ -31,6 +32,7 @@ use crate::model::decoder::Decoder;
 use crate::model::Config;
 use crate::parallel::exchange::{Reader, Writer};
 use crate::tokenizer::Tokenizer;
+use crate::tool::Tools;
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, BooleanArray, RecordBatch, StringArray};
@@ -43,7 +45,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What to do with a prompt longer than --max-prompt-tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -64,11 +66,13 @@ pub enum Baseline {
     Greedy,
 }
 
-/// How prompts are cut to fit (shared by rollout and sft-batch).
+/// How prompts are rendered and cut to fit (shared by rollout and sft-batch): the tools'
+/// schemas go to the chat template.
 pub(crate) struct PromptLimits<'a> {
     pub(crate) prompt_key: &'a str,
     pub(crate) max_prompt_tokens: usize,
     pub(crate) truncate: Truncate,
+    pub(crate) tools: &'a [serde_json::Value],
 }
 
 /// The first `n` prompts of a dataset as token ids: rendered with the chat template (or raw
@@ -88,7 +92,7 @@ pub(crate) fn tokenize_prompts(
     for i in 0..n {
         // Raw text gets the tokenizer's own special tokens (BOS for Llama), as HF's
         // tokenizer(text) does; a rendered template already holds them.
-        let text = dataset.prompt_text(i, template)?;
+        let text = dataset.prompt_text(i, template, limits.tools)?;
         let mut ids = tokenizer.encode_with_special(&text, template.is_none())?;
         if ids.is_empty() {
             bail_input!("{at}, row {i}: the prompt is empty after tokenization");
@@ -130,17 +134,17 @@ pub(crate) fn log_left_out(dataset: &PromptDataset, stage: &str, log: &mut dyn F
 }
 
 /// The columns every batch of sequences starts with, in contract order: uid, prompt_uid, the
-/// dataset's columns, prompt_ids, response_ids, response_mask (all 1), response_text. Ragged
-/// ids come as (offsets, values). Shared by rollout and sft-batch.
+/// dataset's columns, prompt_ids, response_ids, response_mask (all 1 unless given), response_text.
+/// Ragged ids come as (offsets, values). Shared by rollout and sft-batch.
 pub(crate) fn sequence_columns(
     uids: Vec<String>,
     prompt_uids: Vec<String>,
     dataset_columns: Vec<(Field, ArrayRef)>,
     prompts: (&[usize], Vec<i32>),
-    responses: (&[usize], Vec<i32>),
+    responses: (&[usize], Vec<i32>, Option<Vec<u8>>),
     texts: Vec<String>,
 ) -> Vec<(Field, ArrayRef)> {
-    let response_tokens = responses.1.len();
+    let mask = responses.2.unwrap_or_else(|| vec![1u8; responses.1.len()]);
     let mut cols: Vec<(Field, ArrayRef)> = vec![
         (
             schema::field(schema::UID),
@@ -163,7 +167,7 @@ pub(crate) fn sequence_columns(
         ),
         (
             schema::field(schema::RESPONSE_MASK),
-            list_array::<UInt8Type>(responses.0, vec![1u8; response_tokens]),
+            list_array::<UInt8Type>(responses.0, mask),
         ),
         (
             schema::field(schema::RESPONSE_TEXT),
@@ -267,6 +271,33 @@ pub struct RolloutArgs {
     #[arg(long, value_enum, value_name = "KIND")]
     #[serde(default)]
     pub baseline: Option<Baseline>,
+    /// A tool the model may call (repeatable): `python`, `NAME=cmd:PROGRAM` or
+    /// `NAME=python:FILE.py:CLASS` (docs/AGENTS.md). With tools, a turn that ends in
+    /// `<tool_call>`s continues after their results (multi-turn rollout).
+    #[arg(long = "tool", value_name = "SPEC")]
+    #[serde(default)]
+    pub tool: Vec<String>,
+    /// With tools: assistant turns per sample at most (>= 1; the last one's calls are not run).
+    #[arg(long, default_value_t = 8, value_parser = at_least(1usize))]
+    pub max_turns: usize,
+    /// With tools: tool calls per sample at most (>= 1); calls past it are not run.
+    #[arg(long, default_value_t = 8, value_parser = at_least(1usize))]
+    pub max_tool_calls: usize,
+    /// With tools: new tokens of one assistant turn at most (>= 1; default
+    /// --max-response-tokens).
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
+    pub max_turn_tokens: Option<usize>,
+    /// With tools: response tokens at most, sampled and tool observations together (>= 1;
+    /// default --max-new-tokens); the length overlong shaping sees.
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
+    pub max_response_tokens: Option<usize>,
+    /// With tools: calls running at once (>= 1).
+    #[arg(long, default_value_t = 16, value_parser = at_least(1usize))]
+    pub tool_concurrency: usize,
+    /// With tools: seconds a call may take before its result is `error: tool timed out after
+    /// SECS s` (> 0).
+    #[arg(long, default_value_t = 10.0, value_name = "SECS", value_parser = range(Bound::Excluded(0.0f64), Bound::Unbounded))]
+    pub tool_timeout: f64,
     /// Training step, recorded in the output's metadata (`step`).
     #[arg(long, value_parser = at_least(0u64))]
     pub step: Option<u64>,
@@ -300,6 +331,8 @@ pub struct Generate<'a> {
     detok: Detokenize<'a>,
     bar: &'a ProgressBar,
     limits: Limits,
+    /// With tools: how a turn that calls them continues.
+    agent: Option<&'a Agent<'a>>,
 }
 
 /// What a generation did, for the metrics.
@@ -331,10 +364,15 @@ impl Generated {
         for samples in &self.completions {
             w.u64(samples.len() as u64);
             for c in samples {
+                let trajectory = match &c.trajectory {
+                    Some(t) => serde_json::to_string(t).expect("a trajectory is JSON"),
+                    None => String::new(),
+                };
                 w.u32s(&c.tokens)
                     .f32s(&c.logprobs)
                     .u64((c.finish == FinishReason::Stop) as u64)
-                    .str(&c.text);
+                    .str(&c.text)
+                    .str(&trajectory);
             }
         }
         let s = &self.stats;
@@ -361,13 +399,18 @@ impl Generated {
             g.capture_us as usize,
             g.drops,
             self.batch_invariant as usize,
+            s.tool_calls,
+            s.tool_errors,
         ] {
             w.u64(v as u64);
         }
         for v in [self.free_with_pool, self.free_after_release] {
             w.u64(v.map_or(u64::MAX, |b| b as u64));
         }
-        w.f64(self.load_s).f64(self.gen_s).f64(self.baseline_s);
+        w.f64(self.load_s)
+            .f64(self.gen_s)
+            .f64(s.tool_wait_s)
+            .f64(self.baseline_s);
         w.finish()
     }
 
@@ -387,11 +430,15 @@ impl Generated {
                         _ => FinishReason::Length,
                     },
                     text: r.str()?,
+                    trajectory: match r.str()? {
+                        t if t.is_empty() => None,
+                        t => Some(serde_json::from_str(&t)?),
+                    },
                 });
             }
             completions.push(samples);
         }
-        let mut v = [0usize; 21];
+        let mut v = [0usize; 23];
         for x in v.iter_mut() {
             *x = r.u64()? as usize;
         }
@@ -400,7 +447,7 @@ impl Generated {
             let b = r.u64()?;
             *f = (b != u64::MAX).then_some(b as usize);
         }
-        let (load_s, gen_s, baseline_s) = (r.f64()?, r.f64()?, r.f64()?);
+        let (load_s, gen_s, tool_wait_s, baseline_s) = (r.f64()?, r.f64()?, r.f64()?, r.f64()?);
         let mut g = Generated {
             completions,
             load_s,
@@ -424,6 +471,7 @@ impl Generated {
         s.overlap_discarded = v[8];
         s.num_blocks = v[9];
         s.block_size = v[10];
+        (s.tool_calls, s.tool_errors, s.tool_wait_s) = (v[21], v[22], tool_wait_s);
         let gr = &mut g.graphs;
         gr.replays = v[12];
         gr.padded_steps = v[13];
@@ -462,6 +510,9 @@ impl Generated {
             s.overlap_discarded += t.overlap_discarded;
             s.num_blocks = s.num_blocks.max(t.num_blocks);
             s.block_size = s.block_size.max(t.block_size);
+            s.tool_calls += t.tool_calls;
+            s.tool_errors += t.tool_errors;
+            s.tool_wait_s = s.tool_wait_s.max(t.tool_wait_s);
             let (g, h) = (&mut out.graphs, &p.graphs);
             g.replays += h.replays;
             g.padded_steps += h.padded_steps;
@@ -529,7 +580,8 @@ impl Generate<'_> {
         Ok(out)
     }
 
-    /// One generation of `requests` under `params`, its KV pool and graphs released after.
+    /// One generation of `requests` under `params` (with tools, whole trajectories), its KV
+    /// pool and graphs released after.
     fn pass<B: Backend>(
         &self,
         policy: &mut Decoder<B>,
@@ -537,14 +589,22 @@ impl Generate<'_> {
         params: &GenParams,
         progress: &mut dyn FnMut(usize),
     ) -> Result<Generated> {
-        let (mut engine, plan) = PagedDecoder::sized(policy, requests, params, &self.limits)?;
+        // With tools the pool is sized for whole trajectories.
+        let whole = GenParams {
+            max_new_tokens: self
+                .agent
+                .map_or(params.max_new_tokens, |a| a.limits.max_response_tokens),
+            ..params.clone()
+        };
+        let (mut engine, plan) = PagedDecoder::sized(policy, requests, &whole, &self.limits)?;
         let gen_started = Instant::now();
-        let (completions, stats) = generate_paged(
+        let (completions, stats) = generate_turns(
             &mut engine,
             &plan.config,
             requests,
             params,
             Some(self.detok),
+            self.agent,
             progress,
         )?;
         let gen_s = gen_started.elapsed().as_secs_f64();
@@ -599,10 +659,24 @@ impl RolloutArgs {
         }
         GenParams {
             sampling,
-            max_new_tokens: self.max_new_tokens,
+            max_new_tokens: match self.tool.is_empty() {
+                true => self.max_new_tokens,
+                false => self.turn_limits().1,
+            },
             stop_token_ids: stop_ids,
             stop_strings: self.stop.clone(),
         }
+    }
+
+    /// With tools: the trajectory's limits and the new tokens of one turn.
+    fn turn_limits(&self) -> (TurnLimits, usize) {
+        let total = self.max_response_tokens.unwrap_or(self.max_new_tokens);
+        let limits = TurnLimits {
+            max_turns: self.max_turns,
+            max_tool_calls: self.max_tool_calls,
+            max_response_tokens: total,
+        };
+        (limits, self.max_turn_tokens.unwrap_or(total))
     }
 
     /// What the engine may take.
@@ -631,47 +705,82 @@ impl RolloutArgs {
         if self.stop.iter().any(String::is_empty) {
             bail_input!("--stop: stop strings must not be empty");
         }
+        let (limits, turn) = self.turn_limits();
+        if !self.tool.is_empty() && turn > limits.max_response_tokens {
+            bail_input!(
+                "--max-turn-tokens ({turn}) must be <= --max-response-tokens ({})",
+                limits.max_response_tokens
+            );
+        }
+        if !self.tool.is_empty() && self.raw_prompt {
+            bail_input!("--tool needs the chat template (it offers the tools and wraps their results): drop --raw-prompt");
+        }
         Ok(p)
     }
 }
 
-/// The stage with its compute on `exec`.
+/// The stage with its compute on `exec`, offering the tools of --tool.
 pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
+    // The flags first: a bad one is reported before any tool starts.
+    args.check()?;
+    let tools = tools_from_specs(&args.tool, Duration::from_secs_f64(args.tool_timeout))?;
+    run_with_tools(args, exec, tools)
+}
+
+/// The stage offering `tools` (None: single-turn). `run` builds them from --tool; tests give
+/// their own.
+pub fn run_with_tools(
+    args: RolloutArgs,
+    exec: &mut dyn Exec,
+    tools: Option<Arc<dyn Tools>>,
+) -> Result<()> {
     let started = Instant::now();
     super::common::refuse_in_place(&args.input, &args.out, "out")?;
     let sampling = args.sampling()?;
+    if tools.is_some() == args.tool.is_empty() {
+        anyhow::bail!("rollout: the tools given and --tool disagree");
+    }
     let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
     let n_prompts = args.limit.unwrap_or(dataset.len()).min(dataset.len());
     if n_prompts == 0 {
         bail_input!("--limit 0: nothing to generate");
     }
-    let root = writes_files(exec);
-    if root {
+    if writes_files(exec) {
         log_left_out(&dataset, "rollout", &mut |m| exec.log(m));
     }
-    let Prepared {
-        model,
-        cfg,
-        tokenizer,
-        prompts,
-        truncated,
-    } = Prepared::load(&args, &dataset, n_prompts)?;
-    let (prompt_uids, requests) = keyed_requests(&prompts, args.n, args.seed);
-    let params = args.gen_params(sampling, &cfg.eos_token_ids);
-
+    let schemas = tools.as_ref().map_or(vec![], |t| t.schemas());
+    let prep = Prepared::load(&args, &dataset, n_prompts, &schemas)?;
+    let (prompt_uids, requests) = keyed_requests(&prep.prompts, args.n, args.seed);
+    let params = args.gen_params(sampling, &prep.cfg.eos_token_ids);
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
-    let detok = |ids: &[u32]| tokenizer.decode(ids, true);
+    let detok = |ids: &[u32]| prep.tokenizer.decode(ids, true);
+    let text = prep.template.as_ref().map(|template| ToolText {
+        template,
+        tokenizer: &prep.tokenizer,
+    });
+    let observe = |turn: &[u32], contents: &[String]| match &text {
+        Some(t) => t.observe(turn, contents),
+        None => anyhow::bail!("tool results need the chat template"),
+    };
+    let agent = tools.map(|tools| Agent {
+        tools,
+        limits: args.turn_limits().0,
+        concurrency: args.tool_concurrency,
+        timeout: Duration::from_secs_f64(args.tool_timeout),
+        observe: &observe,
+    });
     // This process's prompts (all of them alone, its block among several ranks).
     let block = my_block(exec, n_prompts);
     let bar = exec.progress_bar(block.len() * args.n, "rollout");
     let job = Generate {
-        dir: &model.dir,
+        dir: &prep.model.dir,
         requests: &requests[block.clone()],
         params: &params,
         baseline: args.baseline.is_some(),
         detok: &detok,
         bar: &bar,
         limits: args.limits(),
+        agent: agent.as_ref(),
     };
     let generated = match block.is_empty() {
         // A rank with no prompt (fewer prompts than ranks) loads nothing.
@@ -679,7 +788,7 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
             batch_invariant: true,
             ..Generated::default()
         },
-        false => exec.generate(&model, job)?,
+        false => exec.generate(&prep.model, job)?,
     };
     bar.finish_and_clear();
     // Rank 0 gets every rank's samples, in prompt order; the other ranks are done.
@@ -692,41 +801,15 @@ pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         1 => parts.pop().expect("one part"),
         _ => Generated::merge(parts),
     };
-
-    let rows = SampleRows::new(
-        &generated.completions,
-        &prompts,
-        &prompt_uids,
-        args.baseline.is_some(),
-    );
     let out = Output {
         args: &args,
-        model: &model,
+        model: &prep.model,
         sampling,
         stop_ids: &params.stop_token_ids,
         generated: &generated,
     };
-    // Each prompt's dataset row for its n samples and its baseline.
-    let rows_per_prompt = args.n + usize::from(args.baseline.is_some());
-    let take = repeat_each(&(0..n_prompts).collect::<Vec<_>>(), rows_per_prompt);
-    let summary = out.write(rows, dataset.take_columns(&take)?)?;
-    let total_s = started.elapsed().as_secs_f64();
-    let metrics = out.metrics(&summary, &prompts, truncated, ranks, total_s);
-    if let Some(path) = &args.metrics {
-        write_json(path, &metrics)?;
-    }
-    let (total, response_tokens) = (n_prompts * args.n, summary.response_tokens);
-    let baselines = match summary.baselines {
-        0 => String::new(),
-        b => format!(" + {b} greedy baselines ({:.2}s)", generated.baseline_s),
-    };
-    exec.log(&format!(
-        "rollout: {n_prompts} prompts x {} = {total} samples{baselines}, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped -> {} in {total_s:.2}s",
-        args.n,
-        response_tokens as f64 / generated.gen_s.max(1e-9),
-        100.0 * summary.n_stop as f64 / total as f64,
-        args.out.display()
-    ));
+    let written = out.write_all(&prep, &prompt_uids, &dataset, ranks, started)?;
+    exec.log(&written);
     Ok(())
 }
 
@@ -738,12 +821,19 @@ struct Prepared {
     prompts: Vec<Vec<u32>>,
     /// Prompts cut to --max-prompt-tokens.
     truncated: usize,
+    /// None with --raw-prompt.
+    template: Option<ChatTemplate>,
 }
 
 impl Prepared {
     /// Resolves the model and tokenizes the first `n_prompts` prompts with its chat template
-    /// (unless --raw-prompt).
-    fn load(args: &RolloutArgs, dataset: &PromptDataset, n_prompts: usize) -> Result<Prepared> {
+    /// (unless --raw-prompt), offering the tools of `schemas`.
+    fn load(
+        args: &RolloutArgs,
+        dataset: &PromptDataset,
+        n_prompts: usize,
+        schemas: &[serde_json::Value],
+    ) -> Result<Prepared> {
         let model = resolve_model(&args.model)?;
         let cfg = ModelDir::load_config(&model.dir)?;
         let tokenizer = Tokenizer::from_dir(&model.dir)?;
@@ -762,6 +852,7 @@ impl Prepared {
                 prompt_key: &args.prompt_key,
                 max_prompt_tokens: args.max_prompt_tokens,
                 truncate: args.truncate,
+                tools: schemas,
             },
         )?;
         Ok(Prepared {
@@ -770,6 +861,7 @@ impl Prepared {
             tokenizer,
             prompts,
             truncated,
+            template,
         })
     }
 }
@@ -807,17 +899,21 @@ struct SampleRows {
     logprobs: Vec<f32>,
     texts: Vec<String>,
     reasons: Vec<&'static str>,
+    /// Multi-turn rows (with tools): their mask and inspection columns.
+    turns: Option<TurnColumns>,
     baseline: Option<Vec<bool>>,
 }
 
 impl SampleRows {
-    /// With `baseline`, the last completion of each prompt is its greedy baseline.
+    /// The rows of `completions`, the samples of the prompts `prompts` (as ids, with their
+    /// messages in `dataset`); with `baseline`, the last completion of each prompt is its
+    /// greedy baseline.
     fn new(
         completions: &[Vec<Completion>],
-        prompts: &[Vec<u32>],
-        prompt_uids: &[String],
+        (prompts, prompt_uids): (&[Vec<u32>], &[String]),
+        dataset: &PromptDataset,
         baseline: bool,
-    ) -> Self {
+    ) -> Result<Self> {
         let total = completions.iter().map(Vec::len).sum();
         let mut uids = Vec::with_capacity(total);
         let mut puids = Vec::with_capacity(total);
@@ -825,9 +921,14 @@ impl SampleRows {
         let (mut r_off, mut r_ids, mut lps) = (vec![0usize], Vec::new(), Vec::new());
         let mut texts = Vec::with_capacity(total);
         let mut reasons = Vec::with_capacity(total);
+        let multi_turn = completions.iter().flatten().any(|c| c.trajectory.is_some());
+        let mut turns = multi_turn.then(TurnColumns::default);
         let mut is_baseline = Vec::with_capacity(total);
         for (i, samples) in completions.iter().enumerate() {
             for (j, c) in samples.iter().enumerate() {
+                if let Some(t) = &mut turns {
+                    t.push(c, &dataset.row(i).messages)?;
+                }
                 let b = baseline && j + 1 == samples.len();
                 is_baseline.push(b);
                 uids.push(match b {
@@ -844,7 +945,7 @@ impl SampleRows {
                 reasons.push(c.finish.as_str());
             }
         }
-        SampleRows {
+        Ok(SampleRows {
             uids,
             puids,
             prompts: (p_off, p_ids),
@@ -852,8 +953,9 @@ impl SampleRows {
             logprobs: lps,
             texts,
             reasons,
+            turns,
             baseline: baseline.then_some(is_baseline),
-        }
+        })
     }
 }
 
@@ -867,12 +969,23 @@ struct Summary {
     /// Greedy baselines: how many, and their response tokens.
     baselines: usize,
     baseline_tokens: usize,
+    /// With tools: model tokens (mask 1), tool calls, failed calls, mean turns.
+    model_tokens: usize,
+    tool_calls: usize,
+    tool_errors: usize,
+    tool_seconds: f64,
+    mean_turns: f64,
 }
 
 impl Summary {
-    /// Over the rows of response offsets `r_off` and finish `reasons`, `baseline` rows apart.
-    fn new(r_off: &[usize], reasons: &[&str], baseline: Option<&[bool]>) -> Summary {
-        let is_baseline = |i: usize| baseline.is_some_and(|b| b[i]);
+    /// Over the rows of response offsets `r_off`, finish `reasons` and `mask` (None: every
+    /// token is the model's), `baseline` rows apart; the tool counts from `turns`.
+    fn new(
+        (r_off, reasons): (&[usize], &[&str]),
+        mask: Option<&[u8]>,
+        baseline: Option<&[bool]>,
+        turns: Option<&TurnColumns>,
+    ) -> Summary {
         let mut s = Summary {
             response_tokens: 0,
             response_length_max: 0,
@@ -880,10 +993,15 @@ impl Summary {
             samples: 0,
             baselines: 0,
             baseline_tokens: 0,
+            model_tokens: 0,
+            tool_calls: turns.map_or(0, |t| t.calls),
+            tool_errors: turns.map_or(0, |t| t.errors),
+            tool_seconds: turns.map_or(0.0, |t| t.call_seconds),
+            mean_turns: turns.map_or(1.0, TurnColumns::mean_turns),
         };
         for (i, w) in r_off.windows(2).enumerate() {
             let len = w[1] - w[0];
-            if is_baseline(i) {
+            if baseline.is_some_and(|b| b[i]) {
                 s.baselines += 1;
                 s.baseline_tokens += len;
                 continue;
@@ -892,6 +1010,7 @@ impl Summary {
             s.response_tokens += len;
             s.response_length_max = s.response_length_max.max(len);
             s.n_stop += usize::from(reasons[i] == "stop");
+            s.model_tokens += mask.map_or(len, |m| m[w[0]..w[1]].iter().map(|&x| x as usize).sum());
         }
         s
     }
@@ -907,6 +1026,57 @@ struct Output<'a> {
 }
 
 impl Output<'_> {
+    /// Writes the batch of `prep`'s prompts and the metrics; returns the log line.
+    fn write_all(
+        &self,
+        prep: &Prepared,
+        prompt_uids: &[String],
+        dataset: &PromptDataset,
+        ranks: usize,
+        started: Instant,
+    ) -> Result<String> {
+        let (args, n_prompts) = (self.args, prep.prompts.len());
+        let rows = SampleRows::new(
+            &self.generated.completions,
+            (&prep.prompts, prompt_uids),
+            dataset,
+            args.baseline.is_some(),
+        )?;
+        // Each prompt's dataset row for its n samples and its baseline.
+        let rows_per_prompt = args.n + usize::from(args.baseline.is_some());
+        let take = repeat_each(&(0..n_prompts).collect::<Vec<_>>(), rows_per_prompt);
+        let summary = self.write(rows, dataset.take_columns(&take)?)?;
+        let total_s = started.elapsed().as_secs_f64();
+        let metrics = self.metrics(&summary, &prep.prompts, prep.truncated, ranks, total_s);
+        if let Some(path) = &args.metrics {
+            write_json(path, &metrics)?;
+        }
+        let (total, response_tokens) = (n_prompts * args.n, summary.response_tokens);
+        let tools = match args.tool.is_empty() {
+            true => String::new(),
+            false => format!(
+                ", {:.2} turns and {:.2} tool calls per sample ({} failed)",
+                summary.mean_turns,
+                summary.tool_calls as f64 / total as f64,
+                summary.tool_errors
+            ),
+        };
+        let baselines = match summary.baselines {
+            0 => String::new(),
+            b => format!(
+                " + {b} greedy baselines ({:.2}s)",
+                self.generated.baseline_s
+            ),
+        };
+        Ok(format!(
+            "rollout: {n_prompts} prompts x {} = {total} samples{baselines}, {response_tokens} tokens ({:.1} tok/s), {:.0}% stopped{tools} -> {} in {total_s:.2}s",
+            args.n,
+            response_tokens as f64 / self.generated.gen_s.max(1e-9),
+            100.0 * summary.n_stop as f64 / total as f64,
+            args.out.display()
+        ))
+    }
+
     /// Writes the batch: the sequence columns (with the dataset's columns of each row's
     /// prompt), finish reasons and log-probs, and the metadata.
     fn write(&self, rows: SampleRows, dataset_columns: Vec<(Field, ArrayRef)>) -> Result<Summary> {
@@ -918,16 +1088,34 @@ impl Output<'_> {
             logprobs,
             texts,
             reasons,
+            turns,
             baseline,
         } = rows;
         let r_off = responses.0.clone();
-        let summary = Summary::new(&r_off, &reasons, baseline.as_deref());
+        let mask = turns.as_ref().map(|t| t.mask.clone());
+        let summary = Summary::new(
+            (&r_off, &reasons),
+            mask.as_deref(),
+            baseline.as_deref(),
+            turns.as_ref(),
+        );
+        // The inspection columns replace any dataset column of their names.
+        let dataset_columns = match &turns {
+            None => dataset_columns,
+            Some(_) => dataset_columns
+                .into_iter()
+                .filter(|(f, _)| {
+                    ![schema::NUM_TURNS, schema::TOOL_CALLS, schema::MESSAGES]
+                        .contains(&f.name().as_str())
+                })
+                .collect(),
+        };
         let mut cols = sequence_columns(
             uids,
             puids,
             dataset_columns,
             (&prompts.0, prompts.1),
-            (&responses.0, responses.1),
+            (&responses.0, responses.1, mask),
             texts,
         );
         cols.extend([
@@ -940,6 +1128,9 @@ impl Output<'_> {
                 list_array::<Float32Type>(&r_off, logprobs),
             ),
         ]);
+        if let Some(t) = turns {
+            cols.extend(t.columns());
+        }
         if let Some(b) = baseline {
             cols.push((
                 schema::field(schema::IS_BASELINE),
@@ -977,6 +1168,13 @@ impl Output<'_> {
                 "logprob_temperature": sampling.logprob_temperature(),
                 "device": args.device.to_string(),
                 "batch_invariant": batch_invariant,
+                "tool": args.tool,
+                "max_turns": args.max_turns,
+                "max_tool_calls": args.max_tool_calls,
+                "max_turn_tokens": args.turn_limits().1,
+                "max_response_tokens": args.turn_limits().0.max_response_tokens,
+                "tool_concurrency": args.tool_concurrency,
+                "tool_timeout": args.tool_timeout,
                 "baseline": args.baseline.map(|_| "greedy"),
             }),
             policy_version: Some(model.policy_version),
@@ -1044,10 +1242,58 @@ impl Output<'_> {
             "policy_version": self.model.policy_version,
             "batch_invariant": g.batch_invariant,
             "ranks": ranks,
+            "response_model_tokens": s.model_tokens,
+            "turns_mean": s.mean_turns,
+            "tool_calls": s.tool_calls,
+            "tool_calls_per_sample": s.tool_calls as f64 / total as f64,
+            "tool_errors": s.tool_errors,
+            "tool_wait_seconds": stats.tool_wait_s,
+            "tool_call_seconds": s.tool_seconds,
             "baseline_samples": s.baselines,
             "baseline_response_length_mean": (s.baselines > 0)
                 .then(|| s.baseline_tokens as f64 / s.baselines as f64),
             "baseline_seconds": g.baseline_s,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::paged::{CallRecord, Trajectory};
+
+    /// A rank's samples reach rank 0 whole: multi-turn ones with their trajectory, and the
+    /// tool counters.
+    #[test]
+    fn a_ranks_samples_and_trajectories_round_trip() {
+        let traj = Trajectory {
+            mask: vec![1, 1, 0, 0, 1],
+            turns: vec!["<tool_call>{}</tool_call>".into(), "#### 5".into()],
+            calls: vec![CallRecord {
+                turn: 0,
+                name: "add".into(),
+                arguments: json!({"a": 2}),
+                result: "error: tool timed out after 10 s".into(),
+                seconds: 10.0,
+                error: Some("tool timed out after 10 s".into()),
+            }],
+        };
+        let c = |t: Option<Trajectory>| Completion {
+            tokens: vec![1, 2, 3, 4, 5],
+            logprobs: vec![-0.5, -1.0, 0.0, 0.0, -2.0],
+            finish: FinishReason::Stop,
+            text: "#### 5".into(),
+            trajectory: t,
+        };
+        let mut g = Generated {
+            completions: vec![vec![c(Some(traj)), c(None)]],
+            ..Generated::default()
+        };
+        g.stats.tool_calls = 3;
+        g.stats.tool_errors = 1;
+        g.stats.tool_wait_s = 0.25;
+        let back = Generated::decode(&g.encode()).unwrap();
+        assert_eq!(back.completions, g.completions);
+        assert_eq!(back.stats, g.stats);
     }
 }

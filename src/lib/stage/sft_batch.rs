@@ -71,6 +71,7 @@ pub fn run(args: SftBatchArgs) -> Result<()> {
         prompt_key: &args.prompt_key,
         max_prompt_tokens: args.max_prompt_tokens,
         truncate: args.truncate,
+        tools: &[],
     };
     let (prompts, _) = tokenize_prompts(
         &dataset,
@@ -112,7 +113,7 @@ pub fn run(args: SftBatchArgs) -> Result<()> {
         uids,
         dataset.take_columns(&(0..n).collect::<Vec<_>>())?,
         (&p_off, p_ids),
-        (&r_off, r_ids),
+        (&r_off, r_ids, None),
         texts,
     );
     let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();

@@ -4,12 +4,19 @@
 //! scheduling the next decode step is handed to the model before the draws of
 //! the one running are applied (`Scheduler::lookahead`), so the host's work hides behind the
 //! device's; the completions are the same either way.
+//!
+//! With tools (`generate_turns`), a sample whose turn ends in tool calls leaves the batch while
+//! they run on the tool runner's threads (the others go on decoding); when they have answered,
+//! the observation is appended to its tokens and it comes back first, its history still in its
+//! KV blocks, so only the observation is prefilled.
 
 use anyhow::{ensure, Result};
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
 use super::scheduler::{Batch, Flight, Scheduler, StopRule};
+use super::turns::{Agent, ToolRunner};
 use super::{Chunk, PagedConfig, PagedModel, PagedStats, SampleRow};
 use crate::backend::ops::sample::{Sampled, SamplingParams};
 
@@ -23,8 +30,31 @@ pub fn generate_paged(
     detok: Option<Detokenize>,
     progress: &mut dyn FnMut(usize),
 ) -> Result<(Vec<Vec<Completion>>, PagedStats)> {
+    generate_turns(model, cfg, requests, params, detok, None, progress)
+}
+
+/// [`generate_paged`] with tools: `params.max_new_tokens` is the limit of one turn, the
+/// agent's limits those of the whole trajectory (the pool is checked for a whole one). Every
+/// completion then has its trajectory.
+pub fn generate_turns(
+    model: &mut dyn PagedModel,
+    cfg: &PagedConfig,
+    requests: &[Request],
+    params: &GenParams,
+    detok: Option<Detokenize>,
+    agent: Option<&Agent>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<(Vec<Vec<Completion>>, PagedStats)> {
     cfg.validate()?;
-    params.check(requests, model.vocab(), cfg, detok.is_some())?;
+    let whole = GenParams {
+        max_new_tokens: agent.map_or(params.max_new_tokens, |a| a.limits.max_response_tokens),
+        ..params.clone()
+    };
+    whole.check(requests, model.vocab(), cfg, detok.is_some())?;
+    ensure!(
+        agent.is_none() || detok.is_some(),
+        "tool calls are read from the text: they need a detokenizer"
+    );
     let mut run = Run {
         sched: Scheduler::new(cfg, requests),
         stats: PagedStats {
@@ -40,7 +70,13 @@ pub fn generate_paged(
             finished: 0,
             progress,
         },
-        rule: StopRule { params, detok },
+        rule: StopRule {
+            params,
+            detok,
+            turns: agent.map(|a| a.limits),
+        },
+        agent,
+        tools: agent.map(ToolRunner::new),
     };
     if params.max_new_tokens == 0 {
         run.done.end_every_sample();
@@ -61,6 +97,8 @@ struct Run<'r, 'p> {
     stats: PagedStats,
     done: Done<'p>,
     rule: StopRule<'r>,
+    agent: Option<&'r Agent<'r>>,
+    tools: Option<ToolRunner>,
 }
 
 impl Run<'_, '_> {
@@ -83,10 +121,18 @@ impl Run<'_, '_> {
                     continue;
                 }
             }
+            self.take_observations(false)?;
             let want = self.sched.schedule(&mut self.stats);
             if want.iter().all(|&n| n == 0) {
                 if self.sched.is_done() {
                     return Ok(());
+                }
+                if self.tools.as_ref().is_some_and(ToolRunner::busy) {
+                    self.take_observations(true)?;
+                    continue;
+                }
+                if self.sched.evict_resumed(&mut self.stats) {
+                    continue;
                 }
                 return Err(self.sched.stalled());
             }
@@ -101,8 +147,10 @@ impl Run<'_, '_> {
     /// device runs it (its tokens are the draws of `f`, which the model feeds itself), and
     /// returns that step.
     fn land(&mut self, f: Flight, pipe: &mut Pipe, overlap: bool) -> Result<Option<Flight>> {
+        // Samples back from their tools wait for a seat: they stop the lookahead when one is free.
+        self.take_observations(false)?;
         let next = if overlap {
-            self.sched.lookahead(&f, self.rule.params)
+            self.sched.lookahead(&f, &self.rule)
         } else {
             None
         };
@@ -137,7 +185,35 @@ impl Run<'_, '_> {
         if !applied.copies.is_empty() {
             pipe.model.copy_blocks(&applied.copies)?;
         }
+        if let Some(tools) = &mut self.tools {
+            for (id, turn, calls) in self.sched.outbox.drain(..) {
+                tools.submit(id, turn, calls);
+            }
+        }
         Ok(applied.keep)
+    }
+
+    /// Brings back the samples whose calls have all answered (`wait`: first waits for an
+    /// answer, counted as tool wait), their observations appended.
+    fn take_observations(&mut self, wait: bool) -> Result<()> {
+        let (Some(tools), Some(agent)) = (&mut self.tools, self.agent) else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let answered = tools.poll(wait);
+        if wait {
+            self.stats.tool_wait_s += started.elapsed().as_secs_f64();
+        }
+        let done = &mut self.done;
+        for (id, records) in answered {
+            self.stats.tool_calls += records.len();
+            self.stats.tool_errors += records.iter().filter(|r| r.error.is_some()).count();
+            self.sched
+                .resume(id, records, agent.observe, &self.rule, &mut |r, s, c| {
+                    done.put(r, s, c)
+                })?;
+        }
+        Ok(())
     }
 
     /// The completions in request and sample order, and the counters.
@@ -243,6 +319,7 @@ impl Done<'_> {
                 logprobs: vec![],
                 finish: FinishReason::Length,
                 text: String::new(),
+                trajectory: None,
             });
             self.finished += 1;
         }

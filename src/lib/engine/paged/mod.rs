@@ -20,12 +20,14 @@ mod runner;
 mod scheduler;
 mod sequence;
 mod sizing;
+mod turns;
 
-pub use engine::generate_paged;
+pub use engine::{generate_paged, generate_turns};
 pub use graphs::{GraphMode, GraphStats};
 pub use request::{Completion, Detokenize, FinishReason, GenParams, Request};
 pub use runner::PagedDecoder;
 pub use sizing::{Limits, Need, Plan};
+pub use turns::{Agent, CallRecord, Observe, Trajectory, TurnLimits};
 
 use crate::backend::ops::sample::{Sampled, SamplingParams};
 use anyhow::{bail, Result};
@@ -97,6 +99,11 @@ pub struct PagedStats {
     pub overlap_discarded: usize,
     pub num_blocks: usize,
     pub block_size: usize,
+    /// Tool calls run, and those that failed (a crash, a timeout, a malformed call).
+    pub tool_calls: usize,
+    pub tool_errors: usize,
+    /// Seconds the engine had nothing to run but waited for tools.
+    pub tool_wait_s: f64,
 }
 
 /// Tokens of one sequence fed in a step: `tokens` go at positions `start..` of the sequence
@@ -157,3 +164,5 @@ pub trait PagedModel {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod turn_tests;

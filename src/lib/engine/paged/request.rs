@@ -12,6 +12,7 @@
 
 use anyhow::{bail, ensure, Result};
 
+use super::turns::Trajectory;
 use super::PagedConfig;
 use crate::backend::ops::sample::SamplingParams;
 use crate::error::input_error;
@@ -57,8 +58,11 @@ pub struct Completion {
     /// log p(token) under softmax(logits / T) (T = 1 when greedy).
     pub logprobs: Vec<f32>,
     pub finish: FinishReason,
-    /// Decoded response (stop string cut off); empty when no detokenizer was given.
+    /// Decoded response (stop string cut off); empty when no detokenizer was given. With
+    /// tools: the last assistant turn's text (what follows the last observation).
     pub text: String,
+    /// With tools: the mask, turns and calls of the trajectory (None for one turn).
+    pub trajectory: Option<Trajectory>,
 }
 
 /// Token ids to text, for stop strings and the response text.

@@ -17,16 +17,27 @@
 //! recomputed sample continues exactly as it would have. The oldest sequence can always take
 //! the blocks of every newer one, and one sequence alone always fits (checked up front by
 //! `GenParams::check`), so the loop never deadlocks.
+//!
+//! With tools, a sample whose turn ends in tool calls is parked (out of `running`, seat free,
+//! blocks kept) while they run; back with its observation appended it is admitted before
+//! anything else, feeding the observation as an extension of its blocks. When nothing can run
+//! and no call is out, the newest such sample gives its blocks up (`evict_resumed`), so the
+//! guarantee above holds for trajectories too (the pool is checked for a whole one).
 
 use anyhow::{anyhow, bail, ensure, Result};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use super::blocks::BlockPool;
 use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
 use super::sequence::{Kind, Seq};
+use super::turns::{CallRecord, Observe, TurnLimits};
 use super::{Chunk, PagedConfig, PagedStats, SampleRow};
 use crate::backend::ops::sample::Sampled;
+use crate::tool::{parse_calls, ToolCall};
+
+/// A turn's calls handed to the tool runner: (parked id, turn, calls).
+pub(super) type Calls = (usize, usize, Vec<Result<ToolCall, String>>);
 
 /// The waiting and running sequences and the block pool they share.
 pub(super) struct Scheduler<'r> {
@@ -40,6 +51,14 @@ pub(super) struct Scheduler<'r> {
     /// Preempted samples, oldest first (admitted before any waiting prompt).
     preempted: VecDeque<Seq>,
     admitted: u64,
+    /// Samples whose tools run (out of the batch, holding their blocks), by parked id.
+    parked: HashMap<usize, Seq>,
+    next_park: usize,
+    /// Samples back from their tools with the observation appended, waiting for a seat
+    /// (admitted before anything else: their history is in the cache).
+    resumed: VecDeque<Seq>,
+    /// Calls of the samples parked since the engine last took them.
+    pub(super) outbox: Vec<Calls>,
 }
 
 /// A step handed to the model whose draws are not applied yet; its vectors are aligned with
@@ -72,10 +91,12 @@ impl Flight {
     }
 }
 
-/// What every draw is checked against: the stop rule's parameters and the detokenizer.
+/// What every draw is checked against: the stop rule's parameters and the detokenizer, and
+/// with tools the trajectory's limits.
 pub(super) struct StopRule<'a> {
     pub(super) params: &'a GenParams,
     pub(super) detok: Option<Detokenize<'a>>,
+    pub(super) turns: Option<TurnLimits>,
 }
 
 /// What applying a step's draws leaves to the engine: per running entry (aligned with the
@@ -110,6 +131,10 @@ impl<'r> Scheduler<'r> {
                 .collect(),
             preempted: VecDeque::new(),
             admitted: 0,
+            parked: HashMap::new(),
+            next_park: 0,
+            resumed: VecDeque::new(),
+            outbox: Vec::new(),
         }
     }
 
@@ -123,9 +148,13 @@ impl<'r> Scheduler<'r> {
         self.pool.in_use()
     }
 
-    /// Nothing runs and nothing waits.
+    /// Nothing runs and nothing waits (for a seat or for its tools).
     pub(super) fn is_done(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty() && self.preempted.is_empty()
+        self.running.is_empty()
+            && self.waiting.is_empty()
+            && self.preempted.is_empty()
+            && self.parked.is_empty()
+            && self.resumed.is_empty()
     }
 
     /// Decides the next step: the tokens each running sequence feeds (aligned with `running`,
@@ -180,9 +209,12 @@ impl<'r> Scheduler<'r> {
     fn admit(&mut self, want: &mut Vec<usize>, mut budget: usize) {
         let mut seats: usize = self.running.iter().map(Seq::seats).sum();
         while budget > 0 && seats < self.cfg.max_num_seqs {
-            let admitted = match self.preempted.is_empty() {
-                false => self.admit_preempted(budget),
-                true => self.admit_prompt(budget, seats),
+            let admitted = if !self.resumed.is_empty() {
+                self.admit_resumed(budget)
+            } else if !self.preempted.is_empty() {
+                self.admit_preempted(budget)
+            } else {
+                self.admit_prompt(budget, seats)
             };
             let Some((n, taken)) = admitted else {
                 break;
@@ -202,6 +234,34 @@ impl<'r> Scheduler<'r> {
         let n = s.pending().min(budget);
         self.running.push(s);
         Some((n, 1))
+    }
+
+    /// The oldest sample back from its tools, if the blocks for its next chunk are free (its
+    /// history stays in its blocks: the observation is prefilled as their extension).
+    fn admit_resumed(&mut self, budget: usize) -> Option<(usize, usize)> {
+        let s = self.resumed.front()?;
+        let n = s.pending().min(budget);
+        let need = self
+            .pool
+            .blocks_for(s.computed + n)
+            .saturating_sub(s.blocks.len());
+        let b = self.pool.alloc(need)?;
+        let mut s = self.resumed.pop_front().expect("front");
+        s.blocks.extend(b);
+        self.running.push(s);
+        Some((n, 1))
+    }
+
+    /// When nothing can run: the newest sample back from its tools gives its blocks up and is
+    /// recomputed later (as a preempted one). Returns whether there was one.
+    pub(super) fn evict_resumed(&mut self, stats: &mut PagedStats) -> bool {
+        let Some(at) = (0..self.resumed.len()).max_by_key(|&i| self.resumed[i].order) else {
+            return false;
+        };
+        let s = self.resumed.remove(at).expect("in range");
+        stats.preemptions += 1;
+        self.preempt(s);
+        true
     }
 
     /// The first waiting prompt with as many of its samples as fit `seats` taken and the free
@@ -242,6 +302,9 @@ impl<'r> Scheduler<'r> {
             logprobs: vec![],
             order: (self.admitted, 0),
             zombie: false,
+            turn_start: prompt.len(),
+            traj: None,
+            calls_due: None,
         });
         self.admitted += 1;
         Some((n, take))
@@ -329,13 +392,13 @@ impl<'r> Scheduler<'r> {
     /// step of every live sequence, the first waiting work could not be admitted into the seats
     /// free now, and the pool has the blocks. Work a finishing sample makes room for is
     /// admitted one step later.
-    pub(super) fn lookahead(&mut self, f: &Flight, params: &GenParams) -> Option<Flight> {
+    pub(super) fn lookahead(&mut self, f: &Flight, rule: &StopRule) -> Option<Flight> {
         if !f.pure_decode {
             return None;
         }
         // Seats the first waiting work needs before the scheduler would admit it (a prompt
         // waits for seats for all its samples while others run).
-        let needs = if !self.preempted.is_empty() {
+        let needs = if !self.preempted.is_empty() || !self.resumed.is_empty() {
             Some(1)
         } else {
             self.waiting.front().map(|(_, r)| r.len())
@@ -350,9 +413,15 @@ impl<'r> Scheduler<'r> {
             return None;
         }
         // A sample whose draw in `f` is its last by length is over whatever it draws.
+        let total = rule.turns.map_or(usize::MAX, |l| l.max_response_tokens);
+        let params = rule.params;
         let go: Vec<bool> = running
             .iter()
-            .map(|s| !s.zombie && s.tokens.len() + 1 - s.prompt_len < params.max_new_tokens)
+            .map(|s| {
+                !s.zombie
+                    && s.tokens.len() + 1 - s.turn_start < params.max_new_tokens
+                    && s.tokens.len() + 1 - s.prompt_len < total
+            })
             .collect();
         // Blocks each needs for the position the queued step feeds (computed + 1).
         let pool = &mut self.pool;
@@ -456,10 +525,17 @@ impl<'r> Scheduler<'r> {
         for (i, ((mut s, n), rows)) in entries.enumerate() {
             let fed_next = queued.is_some_and(|q| q.want[i] > 0);
             if s.zombie {
-                // Its draw was computed for nobody; no later step feeds it.
+                // Its draw was computed for nobody; no later step feeds it. One whose turn
+                // ended in tool calls parks now (the step wrote only into its own blocks).
                 debug_assert!(!fed_next);
                 stats.overlap_discarded += 1;
-                self.pool.release(&s.blocks);
+                match s.calls_due.is_some() {
+                    true => {
+                        s.zombie = false;
+                        self.park(s);
+                    }
+                    false => self.pool.release(&s.blocks),
+                }
                 keep.push(false);
                 continue;
             }
@@ -519,8 +595,13 @@ impl<'r> Scheduler<'r> {
                 }
                 t
             };
-            let mut c = p.sample(j, k, blocks);
-            match c.accept(*d, post.rule.params, post.rule.detok)? {
+            let mut c = p.sample(j, k, blocks, post.rule.turns.is_some());
+            match c.accept(
+                *d,
+                post.rule.params,
+                post.rule.detok,
+                post.rule.turns.as_ref(),
+            )? {
                 Some(reason) => ended.push((c, reason)),
                 None => post.next.push(c),
             }
@@ -528,7 +609,7 @@ impl<'r> Scheduler<'r> {
         // Released once every sample holds its shares. The prompt leaves `running` (its
         // samples are new entries), and nothing is queued behind its step.
         for (c, reason) in ended {
-            self.finish(c, reason, false, post)?;
+            self.conclude(c, reason, false, post)?;
         }
         Ok(())
     }
@@ -536,13 +617,84 @@ impl<'r> Scheduler<'r> {
     /// Appends draw `d` to sample `s`; one that goes on stays running, a finished one is
     /// finished (`finish`). Returns whether it stays.
     fn settle(&mut self, mut s: Seq, d: Sampled, fed_next: bool, post: &mut Post) -> Result<bool> {
-        match s.accept(d, post.rule.params, post.rule.detok)? {
-            Some(reason) => self.finish(s, reason, fed_next, post),
+        let rule = post.rule;
+        match s.accept(d, rule.params, rule.detok, rule.turns.as_ref())? {
+            Some(reason) => self.conclude(s, reason, fed_next, post),
             None => {
                 post.next.push(s);
                 Ok(true)
             }
         }
+    }
+
+    /// A turn of sample `s` ended for `reason`: it calls tools (then it is parked while they
+    /// run; a zombie first, when the queued step feeds it) or the sample is finished. Returns
+    /// whether it stays in `running`.
+    fn conclude(
+        &mut self,
+        mut s: Seq,
+        reason: FinishReason,
+        fed_next: bool,
+        post: &mut Post,
+    ) -> Result<bool> {
+        let Some(calls) = tool_turn(&mut s, reason, post.rule)? else {
+            return self.finish(s, reason, fed_next, post);
+        };
+        s.calls_due = Some(calls);
+        if fed_next {
+            s.zombie = true;
+            post.next.push(s);
+            return Ok(true);
+        }
+        self.park(s);
+        Ok(false)
+    }
+
+    /// Takes sample `s` out of the batch while its calls run (it keeps its blocks).
+    fn park(&mut self, mut s: Seq) {
+        let calls = s.calls_due.take().expect("parked with its calls");
+        let turn = s.traj.as_ref().map_or(0, |t| t.turns.len() - 1);
+        let id = self.next_park;
+        self.next_park += 1;
+        self.outbox.push((id, turn, calls));
+        self.parked.insert(id, s);
+    }
+
+    /// The calls of parked sample `id` answered with `records`: their observation (`observe`)
+    /// is appended and the sample waits for a seat to go on, or, when the observation leaves
+    /// no room for a sampled token, it is cut to the room and the sample is finished (by
+    /// length) into `done`.
+    pub(super) fn resume(
+        &mut self,
+        id: usize,
+        records: Vec<CallRecord>,
+        observe: Observe,
+        rule: &StopRule,
+        done: &mut dyn FnMut(usize, usize, Completion),
+    ) -> Result<()> {
+        let mut s = self
+            .parked
+            .remove(&id)
+            .ok_or_else(|| anyhow!("paged scheduler: no parked sample {id}"))?;
+        let contents: Vec<String> = records.iter().map(|r| r.result.clone()).collect();
+        let ids = observe(&s.tokens[s.turn_start..], &contents)?;
+        s.traj
+            .as_mut()
+            .ok_or_else(|| anyhow!("paged scheduler: a parked sample without a trajectory"))?
+            .calls
+            .extend(records);
+        let limit = rule.turns.map_or(usize::MAX, |l| l.max_response_tokens);
+        let room = limit.saturating_sub(s.tokens.len() - s.prompt_len);
+        if ids.len() < room {
+            s.observe(&ids);
+            self.resumed.push_back(s);
+            return Ok(());
+        }
+        s.observe(&ids[..room]);
+        let (req, sample, c) = s.take_completion(FinishReason::Length, rule.detok)?;
+        done(req, sample, c);
+        self.pool.release(&s.blocks);
+        Ok(())
     }
 
     /// Hands finished sample `s` to `done` and releases its blocks, unless the queued step
@@ -589,6 +741,38 @@ impl<'r> Scheduler<'r> {
             }
         }
     }
+}
+
+/// The calls a turn that ended for `reason` makes, if it goes on to tools: it stopped (not by
+/// length), its text holds a `<tool_call>`, and the trajectory is within its limits (the calls
+/// past --max-tool-calls are dropped). The turn's text is recorded then.
+fn tool_turn(
+    s: &mut Seq,
+    reason: FinishReason,
+    rule: &StopRule,
+) -> Result<Option<Vec<Result<ToolCall, String>>>> {
+    let (Some(l), FinishReason::Stop) = (rule.turns, reason) else {
+        return Ok(None);
+    };
+    let response = s.tokens.len() - s.prompt_len;
+    let Some(t) = s.traj.as_deref() else {
+        return Ok(None);
+    };
+    let used = t.calls.len();
+    if t.turns.len() + 1 >= l.max_turns || used >= l.max_tool_calls {
+        return Ok(None);
+    }
+    if response >= l.max_response_tokens {
+        return Ok(None);
+    }
+    let text = s.turn_text(rule.detok)?;
+    let mut calls = parse_calls(&text);
+    if calls.is_empty() {
+        return Ok(None);
+    }
+    calls.truncate(l.max_tool_calls - used);
+    s.traj.as_mut().expect("checked").turns.push(text);
+    Ok(Some(calls))
 }
 
 /// The placeholder token of a chunk whose token the model takes from the previous draws.

@@ -6,7 +6,9 @@ use anyhow::{bail, Result};
 use std::ops::Range;
 
 use super::request::{Completion, Detokenize, FinishReason, GenParams};
+use super::turns::{Trajectory, TurnLimits};
 use crate::backend::ops::sample::Sampled;
+use crate::tool::ToolCall;
 
 pub(super) enum Kind {
     /// A prompt not yet forked: holds the seats of these samples and, when its last block is
@@ -37,6 +39,13 @@ pub(super) struct Seq {
     /// Finished (its completion is out) while a step that feeds it was already queued: it
     /// keeps its blocks, which that step writes, until the step's draws are applied.
     pub(super) zombie: bool,
+    /// Where the current assistant turn starts in `tokens` (the prompt's end for the first).
+    pub(super) turn_start: usize,
+    /// A multi-turn sample's mask, turns and calls (None: one turn, no tools).
+    pub(super) traj: Option<Box<Trajectory>>,
+    /// The calls of the turn it ended with, to run once it is parked (a zombie parks when the
+    /// step queued behind it has been applied).
+    pub(super) calls_due: Option<Vec<Result<ToolCall, String>>>,
 }
 
 impl Seq {
@@ -58,17 +67,25 @@ impl Seq {
         self.pending() > 1 || matches!(self.kind, Kind::Prompt { .. })
     }
 
-    /// Appends a drawn token; returns why the sample is finished, if it is (`GenParams::finish`,
-    /// the one stop rule).
+    /// Appends a drawn token; returns why the turn is finished, if it is (`GenParams::finish`,
+    /// the one stop rule, over the current turn; and the trajectory's length limit).
     pub(super) fn accept(
         &mut self,
         d: Sampled,
         params: &GenParams,
         detok: Option<Detokenize>,
+        limits: Option<&TurnLimits>,
     ) -> Result<Option<FinishReason>> {
         self.tokens.push(d.token);
         self.logprobs.push(d.logprob);
-        let Some((reason, text)) = params.finish(&self.tokens[self.prompt_len..], detok)? else {
+        if let Some(t) = &mut self.traj {
+            t.mask.push(1);
+        }
+        let Some((reason, text)) = params.finish(&self.tokens[self.turn_start..], detok)? else {
+            let total = self.tokens.len() - self.prompt_len;
+            if limits.is_some_and(|l| total >= l.max_response_tokens) {
+                return Ok(Some(FinishReason::Length));
+            }
             return Ok(None);
         };
         if let (Some(t), Kind::Sample { stopped_text, .. }) = (text, &mut self.kind) {
@@ -79,7 +96,7 @@ impl Seq {
 
     /// Sample `sample` of this prompt, the `k`-th forked from it, over `blocks`: the prompt's
     /// tokens, all in the cache.
-    pub(super) fn sample(&self, sample: usize, k: usize, blocks: Vec<u32>) -> Seq {
+    pub(super) fn sample(&self, sample: usize, k: usize, blocks: Vec<u32>, turns: bool) -> Seq {
         Seq {
             req: self.req,
             kind: Kind::Sample {
@@ -93,6 +110,35 @@ impl Seq {
             logprobs: vec![],
             order: (self.order.0, k),
             zombie: false,
+            turn_start: self.prompt_len,
+            traj: turns.then(Box::default),
+            calls_due: None,
+        }
+    }
+
+    /// The text of the current turn: cut before its stop string, or decoded.
+    pub(super) fn turn_text(&self, detok: Option<Detokenize>) -> Result<String> {
+        let Kind::Sample { stopped_text, .. } = &self.kind else {
+            bail!("a prompt sequence has no turn");
+        };
+        Ok(match (stopped_text, detok) {
+            (Some(t), _) => t.clone(),
+            (None, Some(d)) => d(&self.tokens[self.turn_start..])?,
+            (None, None) => String::new(),
+        })
+    }
+
+    /// Appends an observation's tokens (mask 0, log-prob 0) and starts the next turn after
+    /// them.
+    pub(super) fn observe(&mut self, ids: &[u32]) {
+        self.tokens.extend_from_slice(ids);
+        self.logprobs.extend(std::iter::repeat_n(0.0, ids.len()));
+        if let Some(t) = &mut self.traj {
+            t.mask.extend(std::iter::repeat_n(0, ids.len()));
+        }
+        self.turn_start = self.tokens.len();
+        if let Kind::Sample { stopped_text, .. } = &mut self.kind {
+            *stopped_text = None;
         }
     }
 
@@ -103,31 +149,29 @@ impl Seq {
         reason: FinishReason,
         detok: Option<Detokenize>,
     ) -> Result<(usize, usize, Completion)> {
-        let (req, sample, text) = self.completion_text(detok)?;
+        let Kind::Sample { sample, .. } = &self.kind else {
+            bail!("a prompt sequence cannot finish");
+        };
+        let sample = *sample;
+        // The last turn's text: what a reward reads (the whole response when single-turn). A
+        // trajectory ended by its observation (no room left) has an empty last turn.
+        let open_turn = self.turn_start < self.tokens.len();
+        let text = match open_turn {
+            true => self.turn_text(detok)?,
+            false => String::new(),
+        };
+        let mut traj = self.traj.take();
+        if let (Some(t), true) = (&mut traj, open_turn) {
+            t.turns.push(text.clone());
+        }
         let tokens = std::mem::take(&mut self.tokens);
         let completion = Completion {
             tokens: tokens[self.prompt_len..].to_vec(),
             logprobs: std::mem::take(&mut self.logprobs),
             finish: reason,
             text,
+            trajectory: traj.map(|t| *t),
         };
-        Ok((req, sample, completion))
-    }
-
-    /// (request, sample index, response text) of a finished sample.
-    fn completion_text(&self, detok: Option<Detokenize>) -> Result<(usize, usize, String)> {
-        let Kind::Sample {
-            sample,
-            stopped_text,
-        } = &self.kind
-        else {
-            bail!("a prompt sequence cannot finish");
-        };
-        let text = match (stopped_text, detok) {
-            (Some(t), _) => t.clone(),
-            (None, Some(d)) => d(&self.tokens[self.prompt_len..])?,
-            (None, None) => String::new(),
-        };
-        Ok((self.req, *sample, text))
+        Ok((self.req, sample, completion))
     }
 }

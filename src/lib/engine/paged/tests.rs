@@ -136,6 +136,7 @@ fn reference(
                         logprobs,
                         finish,
                         text,
+                        trajectory: None,
                     }
                 })
                 .collect()

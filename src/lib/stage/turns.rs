@@ -1,0 +1,217 @@
+//! What `rollout --tool` adds to the stage: the tools built from their specs, the tokens an
+//! observation becomes (the chat template's text around tool responses, each piece and each
+//! result tokenized alone), and the inspection columns of multi-turn rows (`num_turns`,
+//! `tool_calls`, `messages`).
+
+use crate::batch::schema;
+use crate::data::{ChatTemplate, Message};
+use crate::engine::paged::{Completion, Trajectory};
+use crate::tokenizer::Tokenizer;
+use crate::tool::Tools;
+use anyhow::Result;
+use arrow_array::{ArrayRef, Int32Array, StringArray};
+use arrow_schema::{DataType, Field};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The tools of `--tool` specs (None without any).
+pub(crate) fn tools_from_specs(
+    specs: &[String],
+    timeout: Duration,
+) -> Result<Option<Arc<dyn Tools>>> {
+    if specs.is_empty() {
+        return Ok(None);
+    }
+    let tools: Arc<dyn Tools> =
+        Arc::new(crate::tool::toolbox::Toolbox::from_specs(specs, timeout)?);
+    Ok(Some(tools))
+}
+
+/// The tokens of the observations that follow a turn: the template's text around the tool
+/// responses (`ChatTemplate::tool_response_text`) and the responses, each tokenized alone.
+pub(crate) struct ToolText<'a> {
+    pub(crate) template: &'a ChatTemplate,
+    pub(crate) tokenizer: &'a Tokenizer,
+}
+
+impl ToolText<'_> {
+    /// The ids appended after `turn` (the turn's sampled ids) for the call results
+    /// `contents`. The template's text begins with the end of the assistant turn; the part of it
+    /// the model already sampled (its `<|im_end|>`) is not repeated.
+    pub(crate) fn observe(&self, turn: &[u32], contents: &[String]) -> Result<Vec<u32>> {
+        let pieces = self.template.tool_response_text(contents.len())?;
+        let first = self.tokenizer.encode(&pieces[0])?;
+        let sampled = (1..=first.len().min(turn.len()))
+            .rev()
+            .find(|&k| turn.ends_with(&first[..k]))
+            .unwrap_or(0);
+        let mut ids = first[sampled..].to_vec();
+        for (content, piece) in contents.iter().zip(&pieces[1..]) {
+            ids.extend(self.tokenizer.encode(content)?);
+            ids.extend(self.tokenizer.encode(piece)?);
+        }
+        Ok(ids)
+    }
+}
+
+/// The conversation of a trajectory: the prompt's messages, then each assistant turn (its text
+/// as sampled, calls included) followed by one `tool` message per call it made.
+fn conversation(prompt: &[Message], t: &Trajectory) -> Value {
+    let mut out: Vec<Value> = prompt.iter().map(|m| json!(m)).collect();
+    for (i, text) in t.turns.iter().enumerate() {
+        out.push(json!({"role": "assistant", "content": text}));
+        for c in t.calls.iter().filter(|c| c.turn == i) {
+            out.push(json!({"role": "tool", "name": c.name, "content": c.result}));
+        }
+    }
+    Value::Array(out)
+}
+
+/// The calls of a trajectory as the `tool_calls` column holds them.
+fn calls_json(t: &Trajectory) -> Value {
+    Value::Array(
+        t.calls
+            .iter()
+            .map(|c| {
+                json!({"turn": c.turn, "name": c.name, "arguments": c.arguments,
+                       "result": c.result, "seconds": c.seconds, "error": c.error})
+            })
+            .collect(),
+    )
+}
+
+/// The columns of multi-turn rows, one entry per sample in output order.
+#[derive(Default)]
+pub(crate) struct TurnColumns {
+    pub(crate) mask: Vec<u8>,
+    num_turns: Vec<i32>,
+    tool_calls: Vec<String>,
+    messages: Vec<String>,
+    pub(crate) calls: usize,
+    pub(crate) errors: usize,
+    /// Wall seconds of the calls, summed.
+    pub(crate) call_seconds: f64,
+}
+
+impl TurnColumns {
+    /// Adds sample `c` of a prompt whose messages are `prompt`.
+    pub(crate) fn push(&mut self, c: &Completion, prompt: &[Message]) -> Result<()> {
+        let Some(t) = &c.trajectory else {
+            anyhow::bail!("a rollout with tools has a sample without its trajectory");
+        };
+        self.mask.extend_from_slice(&t.mask);
+        self.num_turns.push(t.turns.len() as i32);
+        self.tool_calls.push(calls_json(t).to_string());
+        self.messages.push(conversation(prompt, t).to_string());
+        self.calls += t.calls.len();
+        self.errors += t.calls.iter().filter(|c| c.error.is_some()).count();
+        self.call_seconds += t.calls.iter().map(|c| c.seconds).sum::<f64>();
+        Ok(())
+    }
+
+    /// `num_turns`, `tool_calls` and `messages`.
+    pub(crate) fn columns(self) -> Vec<(Field, ArrayRef)> {
+        vec![
+            (
+                schema::field(schema::NUM_TURNS),
+                Arc::new(Int32Array::from(self.num_turns)) as ArrayRef,
+            ),
+            (
+                schema::field(schema::TOOL_CALLS),
+                Arc::new(StringArray::from(self.tool_calls)),
+            ),
+            (
+                Field::new(schema::MESSAGES, DataType::Utf8, false),
+                Arc::new(StringArray::from(self.messages)),
+            ),
+        ]
+    }
+
+    /// Mean assistant turns per sample.
+    pub(crate) fn mean_turns(&self) -> f64 {
+        let n = self.num_turns.len().max(1) as f64;
+        self.num_turns.iter().map(|&t| t as f64).sum::<f64>() / n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::bytes;
+
+    /// The generated byte-level tokenizer and ChatML template in a model directory.
+    fn chatml(dir: &std::path::Path) -> (ChatTemplate, Tokenizer) {
+        for (name, bytes) in bytes::build(300).unwrap().files().unwrap() {
+            std::fs::write(dir.join(name), bytes).unwrap();
+        }
+        (
+            ChatTemplate::from_dir(dir).unwrap(),
+            Tokenizer::from_dir(dir).unwrap(),
+        )
+    }
+
+    /// The observation after a turn: the template's markers and each result, tokenized alone;
+    /// the turn's own `<|im_end|>` is not repeated, and a turn ended otherwise gets it.
+    #[test]
+    fn observations_are_the_templates_markers_around_each_result() {
+        let dir = tempfile::tempdir().unwrap();
+        let (template, tokenizer) = chatml(dir.path());
+        let text = ToolText {
+            template: &template,
+            tokenizer: &tokenizer,
+        };
+        let enc = |s: &str| tokenizer.encode(s).unwrap();
+        let im_end = tokenizer.require_id("<|im_end|>").unwrap();
+        let eot = tokenizer.require_id("<|endoftext|>").unwrap();
+        let results = ["72".to_string(), "error: boom".to_string()];
+        let tail = [
+            enc("\n<|im_start|>tool\n"),
+            enc("72"),
+            enc("<|im_end|>\n<|im_start|>tool\n"),
+            enc("error: boom"),
+            enc("<|im_end|>\n<|im_start|>assistant\n"),
+        ]
+        .concat();
+        let turn = [enc("<tool_call>{}</tool_call>"), vec![im_end]].concat();
+        assert_eq!(text.observe(&turn, &results).unwrap(), tail);
+        let turn = [enc("<tool_call>{}</tool_call>"), vec![eot]].concat();
+        assert_eq!(
+            text.observe(&turn, &results).unwrap(),
+            [vec![im_end], tail].concat()
+        );
+    }
+
+    /// The conversation and the calls of a trajectory as the columns hold them.
+    #[test]
+    fn conversation_and_calls_columns() {
+        use crate::engine::paged::CallRecord;
+        let t = Trajectory {
+            mask: vec![1, 0, 1],
+            turns: vec!["call".into(), "#### 5".into()],
+            calls: vec![CallRecord {
+                turn: 0,
+                name: "add".into(),
+                arguments: json!({"a": 2}),
+                result: "5".into(),
+                seconds: 0.5,
+                error: None,
+            }],
+        };
+        let prompt = [Message::new("user", "2+3?")];
+        assert_eq!(
+            conversation(&prompt, &t),
+            json!([
+                {"role": "user", "content": "2+3?"},
+                {"role": "assistant", "content": "call"},
+                {"role": "tool", "name": "add", "content": "5"},
+                {"role": "assistant", "content": "#### 5"}
+            ])
+        );
+        assert_eq!(
+            calls_json(&t),
+            json!([{"turn": 0, "name": "add", "arguments": {"a": 2}, "result": "5",
+                    "seconds": 0.5, "error": null}])
+        );
+    }
+}

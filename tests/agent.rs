@@ -1,0 +1,584 @@
+//! Multi-turn rollouts with tools, end to end on the CPU: a tiny model given a short SFT on
+//! tool-call text calls a test tool; the rollout stage (run in this process with the test's
+//! tools, as `rollout --tool` runs with the tools it builds) writes the trajectory rows, and the
+//! later stages (the real binaries) honour their mask.
+
+use crate::stage_util;
+
+use clap::Parser;
+use stage_util::{f32_rows, i32_rows, ok, p, read, strings, tiny_model};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tandem::data::{ExtraInfo, Message, VerlRow};
+use tandem::tokenizer::Tokenizer;
+use tandem::tool::{ToolCall, ToolResult, Tools};
+
+const CALL: &str = r#"<tool_call>{"name": "add"}</tool_call>"#;
+
+/// `add` answers 5; any other name is an unknown tool.
+struct Add;
+
+impl Tools for Add {
+    fn schemas(&self) -> Vec<serde_json::Value> {
+        vec![serde_json::json!({"type": "function", "function": {"name": "add"}})]
+    }
+    fn call(&self, call: &ToolCall) -> ToolResult {
+        match call.name.as_str() {
+            "add" => ToolResult {
+                content: "5".into(),
+                seconds: 0.0,
+                error: None,
+            },
+            other => ToolResult::failed(format!("unknown tool {other}"), 0.0),
+        }
+    }
+}
+
+#[derive(Parser)]
+struct Rollout {
+    #[command(flatten)]
+    args: tandem::stage::rollout::RolloutArgs,
+}
+
+/// Prompts whose reference answer is the call (`n` of them).
+fn call_prompts(path: &Path, n: usize) {
+    let rows: Vec<VerlRow> = (0..n)
+        .map(|i| VerlRow {
+            data_source: "test/agent".into(),
+            prompt: vec![Message::new(
+                "user",
+                format!("What is {} plus {}?", i % 7 + 1, i % 5 + 2),
+            )],
+            ability: None,
+            ground_truth: CALL.into(),
+            extra_info: ExtraInfo {
+                split: "train".into(),
+                index: i as i64,
+                answer: CALL.into(),
+                question: String::new(),
+            },
+        })
+        .collect();
+    let data = tandem::data::verl_record_batch(&rows).unwrap();
+    tandem::batch::write_file(path, &data, &Default::default()).unwrap();
+}
+
+/// A tiny model that writes the call after a short SFT on it, in `d/sft`.
+fn calling_model(d: &Path) -> PathBuf {
+    let base = tiny_model(d, 1);
+    call_prompts(&d.join("sft-prompts.parquet"), 8);
+    tandem::stage::sft_batch::run(tandem::stage::sft_batch::SftBatchArgs {
+        model: base.clone(),
+        input: d.join("sft-prompts.parquet"),
+        out: d.join("sft.parquet"),
+        raw_prompt: false,
+        prompt_key: "prompt".into(),
+        max_prompt_tokens: 512,
+        truncate: tandem::stage::rollout::Truncate::Error,
+        limit: None,
+    })
+    .unwrap();
+    let sft = d.join("sft");
+    ok(
+        "update",
+        &[
+            "--model",
+            p(&base),
+            "--in",
+            p(&d.join("sft.parquet")),
+            "--out-model",
+            p(&sft),
+            "--loss",
+            "sft",
+            "--lr",
+            "0.01",
+            "--mini-batch-size",
+            "8",
+            "--ppo-epochs",
+            "50",
+        ],
+    );
+    sft
+}
+
+/// `rollout` of `model` on `d/prompts.parquet` into `out`, with the test's tool.
+fn rollout(model: &Path, d: &Path, out: &str, extra: &[&str]) {
+    let (input, out) = (d.join("prompts.parquet"), d.join(out));
+    let mut argv = vec![
+        "rollout",
+        "--model",
+        p(model),
+        "--in",
+        p(&input),
+        "--out",
+        p(&out),
+        "--tool",
+        "add=cmd:unused",
+        "--n",
+        "4",
+        "--seed",
+        "5",
+        "--max-turns",
+        "3",
+        "--max-turn-tokens",
+        "48",
+        "--max-response-tokens",
+        "200",
+    ];
+    argv.extend_from_slice(extra);
+    let args = Rollout::parse_from(argv).args;
+    let mut exec = tandem::stage::InProcess::new(tandem::stage::common::Device::Cpu);
+    tandem::stage::rollout::run_with_tools(args, &mut exec, Some(Arc::new(Add))).unwrap();
+}
+
+/// Rows of a list<uint8> column.
+fn u8_rows(b: &tandem::batch::Batch, col: &str) -> Vec<Vec<u8>> {
+    b.ragged_u8(col)
+        .unwrap()
+        .rows()
+        .map(|r| r.to_vec())
+        .collect()
+}
+
+/// The rows: the call's turn, the observation (template markers and the result, each tokenized
+/// alone: mask 0, log-prob 0), the next turns; the inspection columns agree with the ids; the
+/// last turn's text is the response text.
+///
+/// Then the later stages on those rows: `score` reads the last turn; `ref-logprob` scores every
+/// token and, on the CPU's batch-invariant kernels, gives the rollout's log-probs on the model's
+/// tokens; `advantage` leaves observation tokens at 0; and `update` (every loss-agg-mode, with a
+/// KL loss, an entropy bonus, rollout correction and bypass mode) is the same, to the bit,
+/// when every per-token value of the observation tokens is changed.
+#[test]
+fn trajectory_rows_hold_calls_observations_and_their_mask() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = calling_model(d);
+    call_prompts(&d.join("prompts.parquet"), 3);
+    rollout(&model, d, "r.parquet", &[]);
+    check_rows(d, &model);
+    later_stages(d, &model);
+}
+
+fn check_rows(d: &Path, model: &Path) {
+    let b = read(&d.join("r.parquet"));
+    let tok = Tokenizer::from_dir(model).unwrap();
+    let ids = i32_rows(&b, "response_ids");
+    let masks = u8_rows(&b, "response_mask");
+    let lps = f32_rows(&b, "rollout_logprobs");
+    let turns = b.column("num_turns").unwrap();
+    let turns = arrow_array::cast::AsArray::as_primitive::<arrow_array::types::Int32Type>(turns);
+    let calls = strings(&b, "tool_calls");
+    let messages = strings(&b, "messages");
+    let texts = strings(&b, "response_text");
+    // ChatML: the turn's own <|im_end|>, then the tool turn and the next assistant turn.
+    let enc = |s: &str| tok.encode(s).unwrap();
+    let obs: Vec<u32> = [
+        enc("\n<|im_start|>tool\n"),
+        enc("5"),
+        enc("<|im_end|>\n<|im_start|>assistant\n"),
+    ]
+    .concat();
+    let mut called = 0;
+    for i in 0..ids.len() {
+        let (ids, mask, lp) = (&ids[i], &masks[i], &lps[i]);
+        let calls: Vec<serde_json::Value> = serde_json::from_str(&calls[i]).unwrap();
+        let msgs: Vec<serde_json::Value> = serde_json::from_str(&messages[i]).unwrap();
+        let n_turns = turns.value(i) as usize;
+        assert_eq!(
+            msgs.iter().filter(|m| m["role"] == "assistant").count(),
+            n_turns
+        );
+        assert_eq!(msgs[0]["role"], "user");
+        let last = msgs
+            .iter()
+            .rev()
+            .find(|m| m["role"] == "assistant")
+            .unwrap();
+        assert_eq!(
+            last["content"],
+            texts[i].as_str(),
+            "the last turn is the response text"
+        );
+        assert_eq!(
+            calls.len(),
+            n_turns - 1,
+            "row {i}: one call per turn but the last"
+        );
+        for (m, &x) in mask.iter().zip(lp) {
+            match m {
+                0 => assert_eq!(x, 0.0),
+                _ => assert!(x <= 0.0),
+            }
+        }
+        // The observation spans, in order: each is exactly the template's markers around the
+        // result, tokenized alone, after a turn that ended with <|im_end|>.
+        let mut k = 0;
+        let mut spans = 0;
+        while k < ids.len() {
+            if mask[k] == 1 {
+                k += 1;
+                continue;
+            }
+            let end = (k..ids.len()).find(|&j| mask[j] == 1).unwrap_or(ids.len());
+            let span: Vec<u32> = ids[k..end].iter().map(|&t| t as u32).collect();
+            let want = match calls[spans]["error"].is_null() {
+                true => obs.clone(),
+                false => {
+                    let c = calls[spans]["result"].as_str().unwrap();
+                    [
+                        enc("\n<|im_start|>tool\n"),
+                        enc(c),
+                        enc("<|im_end|>\n<|im_start|>assistant\n"),
+                    ]
+                    .concat()
+                }
+            };
+            assert_eq!(span, want, "row {i}, observation {spans}");
+            assert_eq!(ids[k - 1] as u32, tok.require_id("<|im_end|>").unwrap());
+            spans += 1;
+            k = end;
+        }
+        assert_eq!(spans, calls.len());
+        called += calls.len();
+    }
+    assert!(
+        called >= 6,
+        "the model calls its tool: {called} calls in {} rows",
+        ids.len()
+    );
+    // A malformed call or an unknown tool is an observation the model read, not a failure.
+    for c in calls
+        .iter()
+        .flat_map(|c| serde_json::from_str::<Vec<serde_json::Value>>(c).unwrap())
+    {
+        if let Some(e) = c["error"].as_str() {
+            assert_eq!(c["result"], format!("error: {e}").as_str());
+        }
+    }
+}
+
+/// `(score, ref-logprob, advantage)` on `d/r.parquet`, then `update` on the batch and on a
+/// copy whose observation tokens' values are all changed.
+fn later_stages(d: &Path, model: &Path) {
+    let f = |n: &str| d.join(n);
+    ok(
+        "score",
+        &[
+            "--in",
+            p(&f("r.parquet")),
+            "--out",
+            p(&f("s.parquet")),
+            "--reward",
+            "exact",
+        ],
+    );
+    // DAPO's overlong shaping measures the whole response (sampled and tool tokens) against
+    // --max-response-tokens (200), not one turn's limit.
+    ok(
+        "score",
+        &[
+            "--in",
+            p(&f("r.parquet")),
+            "--out",
+            p(&f("o.parquet")),
+            "--reward",
+            "exact",
+        ]
+        .into_iter()
+        .chain(["--overlong-buffer-len", "100"])
+        .collect::<Vec<_>>(),
+    );
+    let o = read(&f("o.parquet"));
+    let lens = i32_rows(&o, "response_ids");
+    let shaped = o.f32s("score_overlong").unwrap();
+    assert!(
+        lens.iter().any(|l| l.len() > 100),
+        "some rows pass the free length"
+    );
+    for (l, &x) in lens.iter().zip(shaped.iter()) {
+        let want = (100.0 - l.len() as f64).min(0.0) / 100.0;
+        assert!(
+            (x as f64 - want).abs() < 1e-6,
+            "{} tokens: {x} vs {want}",
+            l.len()
+        );
+    }
+    let s = read(&f("s.parquet"));
+    let texts = strings(&s, "response_text");
+    let scores = s.f32s("score").unwrap();
+    for (t, &x) in texts.iter().zip(scores.iter()) {
+        assert_eq!(
+            x,
+            f32::from(t.trim() == CALL),
+            "scored on the last turn: {t:?}"
+        );
+    }
+    ok(
+        "ref-logprob",
+        &[
+            "--model",
+            p(model),
+            "--in",
+            p(&f("s.parquet")),
+            "--out",
+            p(&f("ref.parquet")),
+            "--column",
+            "ref_logprobs",
+        ],
+    );
+    let r = read(&f("ref.parquet"));
+    let masks = u8_rows(&r, "response_mask");
+    let (roll, refs) = (
+        f32_rows(&r, "rollout_logprobs"),
+        f32_rows(&r, "ref_logprobs"),
+    );
+    let mut worst = 0f32;
+    for ((m, a), b) in masks.iter().zip(&roll).zip(&refs) {
+        for ((&m, &a), &b) in m.iter().zip(a).zip(b) {
+            if m == 1 {
+                worst = worst.max((a - b).abs());
+            } else {
+                assert!(b < 0.0, "ref-logprob scores observation tokens too");
+            }
+        }
+    }
+    eprintln!("ref-logprob vs rollout_logprobs on model tokens: max |diff| {worst:e}");
+    assert!(
+        worst < 2e-5,
+        "ref-logprob vs rollout_logprobs on model tokens: {worst}"
+    );
+    // Scores that differ within every group (the tiny model's are often all alike).
+    let n = masks.len();
+    let varied = arrow_array::Float32Array::from_iter_values((0..n).map(|i| (i % 3) as f32));
+    stage_util::with_column(
+        &f("ref.parquet"),
+        &f("varied.parquet"),
+        "score",
+        Arc::new(varied),
+    );
+    ok(
+        "advantage",
+        &[
+            "--in",
+            p(&f("varied.parquet")),
+            "--out",
+            p(&f("adv.parquet")),
+            "--estimator",
+            "grpo",
+        ],
+    );
+    let adv = f32_rows(&read(&f("adv.parquet")), "advantages");
+    assert!(
+        adv.iter().flatten().any(|&a| a != 0.0),
+        "the groups' scores differ"
+    );
+    for (m, a) in masks.iter().zip(&adv) {
+        assert!(m.iter().zip(a).all(|(&m, &a)| m == 1 || a == 0.0));
+    }
+    // The same batch with other values on every observation token.
+    let mut path = f("adv.parquet");
+    for (k, col) in ["advantages", "ref_logprobs", "rollout_logprobs"]
+        .into_iter()
+        .enumerate()
+    {
+        let rows = f32_rows(&read(&path), col);
+        let changed: Vec<Vec<f32>> = rows
+            .iter()
+            .zip(&masks)
+            .map(|(r, m)| {
+                r.iter()
+                    .zip(m)
+                    .map(|(&x, &m)| if m == 1 { x } else { -3.0 - k as f32 })
+                    .collect()
+            })
+            .collect();
+        let next = f(&format!("changed-{k}.parquet"));
+        stage_util::with_f32_rows(&path, &next, col, &changed);
+        path = next;
+    }
+    for (i, agg) in [
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let run = |input: &Path, out: &str| {
+            let mut a = vec!["--model", p(model), "--in", p(input), "--lr", "0.01"];
+            a.extend([
+                "--loss-agg-mode",
+                agg,
+                "--use-kl-loss",
+                "--kl-loss-coef",
+                "0.1",
+            ]);
+            a.extend(["--entropy-coeff", "0.01", "--mini-batch-size", "6"]);
+            // Bypass mode takes the rollout's log-probs as the old ones; otherwise rollout
+            // correction weighs by them.
+            match i % 2 {
+                1 => a.push("--bypass-mode"),
+                _ => a.extend(["--rollout-is", "token"]),
+            }
+            let (dir, metrics) = (f(out), f(&format!("{out}.json")));
+            let mut a: Vec<String> = a.into_iter().map(String::from).collect();
+            a.extend([
+                "--out-model".into(),
+                p(&dir).into(),
+                "--metrics".into(),
+                p(&metrics).into(),
+            ]);
+            ok("update", &a);
+            let m: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+            let weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+            (m, weights)
+        };
+        let (m1, w1) = run(&f("adv.parquet"), &format!("u{i}"));
+        let (m2, w2) = run(&path, &format!("v{i}"));
+        for key in ["loss", "pg_loss", "kl_loss", "entropy", "grad_norm"] {
+            assert!(m1[key].is_number(), "{agg}: {key} in {m1}");
+            assert_eq!(m1[key], m2[key], "{agg}: {key}");
+        }
+        if i % 2 == 0 {
+            assert!(m1["mismatch"].is_object(), "{agg}: {m1}");
+        }
+        assert_eq!(m1["mismatch"], m2["mismatch"], "{agg}: mismatch metrics");
+        assert!(w1 == w2, "{agg}: the same weights");
+    }
+}
+
+/// The tool flags are checked before anything runs (exit 2, the flag named).
+#[test]
+fn tool_flags_are_checked_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 2);
+    call_prompts(&d.join("prompts.parquet"), 2);
+    let (input, out) = (d.join("prompts.parquet"), d.join("r.parquet"));
+    let base = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&input),
+        "--out",
+        p(&out),
+        "--tool",
+        "calc=cmd:x",
+    ];
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--max-turn-tokens", "100", "--max-response-tokens", "50"],
+            "--max-turn-tokens (100) must be <= --max-response-tokens (50)",
+        ),
+        (&["--raw-prompt"], "--tool needs the chat template"),
+        (&["--tool-timeout", "0"], "--tool-timeout"),
+        (&["--max-turns", "0"], "--max-turns"),
+    ];
+    for (extra, want) in cases {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        stage_util::input_error("rollout", &args, want);
+        assert!(!out.exists());
+    }
+}
+
+/// A verl multi-turn dataset (`extra_info.tools_kwargs`, `need_tools_kwargs`, an `agent_name`
+/// column, as verl's gsm8k_multiturn_w_tool preprocessing writes) is read, and its columns are
+/// carried into every sample's row.
+#[test]
+fn a_verl_multi_turn_dataset_is_accepted() {
+    use arrow_array::{
+        Array, ArrayRef, BooleanArray, Int64Array, RecordBatch, StringArray, StructArray,
+    };
+    use arrow_schema::{DataType, Field, Fields, Schema};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 3);
+    let utf8 = |v: Vec<&str>| Arc::new(StringArray::from(v)) as ArrayRef;
+    let strukt = |cols: Vec<(&str, ArrayRef)>| {
+        let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols
+            .into_iter()
+            .map(|(n, a)| (Field::new(n, a.data_type().clone(), true), a))
+            .collect();
+        Arc::new(StructArray::new(Fields::from(fields), arrays, None)) as ArrayRef
+    };
+    let create = strukt(vec![("ground_truth", utf8(vec!["72", "10"]))]);
+    let tool = strukt(vec![("create_kwargs", create)]);
+    let tools_kwargs = strukt(vec![("calc_gsm8k_reward", tool)]);
+    let extra = strukt(vec![
+        ("split", utf8(vec!["train", "train"])),
+        ("index", Arc::new(Int64Array::from(vec![0, 1]))),
+        (
+            "need_tools_kwargs",
+            Arc::new(BooleanArray::from(vec![true, true])),
+        ),
+        ("tools_kwargs", tools_kwargs),
+    ]);
+    // verl's columns, with its multi-turn extra_info and agent_name.
+    let base = tandem::data::verl_record_batch(
+        &["How many clips?", "How much did she earn?"]
+            .iter()
+            .zip(["72", "10"])
+            .enumerate()
+            .map(|(i, (q, gt))| VerlRow {
+                data_source: "openai/gsm8k".into(),
+                prompt: vec![Message::new("user", *q)],
+                ability: Some("math".into()),
+                ground_truth: gt.into(),
+                extra_info: ExtraInfo {
+                    split: "train".into(),
+                    index: i as i64,
+                    answer: gt.into(),
+                    question: q.to_string(),
+                },
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let mut fields: Vec<Field> = vec![];
+    let mut arrays: Vec<ArrayRef> = vec![];
+    for (f, a) in base.schema().fields().iter().zip(base.columns()) {
+        let a = match f.name().as_str() {
+            "extra_info" => extra.clone(),
+            _ => a.clone(),
+        };
+        fields.push(Field::new(f.name(), a.data_type().clone(), true));
+        arrays.push(a);
+    }
+    fields.insert(1, Field::new("agent_name", DataType::Utf8, true));
+    arrays.insert(1, utf8(vec!["tool_agent", "tool_agent"]));
+    let data = RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).unwrap();
+    let input = d.join("multiturn.parquet");
+    tandem::batch::write_file(&input, &data, &Default::default()).unwrap();
+    let out = d.join("r.parquet");
+    ok(
+        "rollout",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&input),
+            "--out",
+            p(&out),
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "4",
+        ],
+    );
+    let b = read(&out);
+    assert_eq!(strings(&b, "agent_name"), ["tool_agent"; 4]);
+    assert_eq!(strings(&b, "ground_truth"), ["72", "72", "10", "10"]);
+    let extra = b.json_rows("extra_info");
+    assert_eq!(
+        extra[2]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"],
+        "10"
+    );
+    assert_eq!(extra[0]["need_tools_kwargs"], true);
+    assert!(matches!(
+        b.column("extra_info").unwrap().data_type(),
+        DataType::Struct(_)
+    ));
+}

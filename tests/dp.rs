@@ -251,54 +251,6 @@ fn bad_input_under_the_launcher_is_exit_2_and_writes_nothing() {
     assert!(!out.exists());
 }
 
-/// `d/model` (2 layers, hidden 64, vocab 300) and `d/train.parquet` (one-digit additions).
-fn model_and_train_set(d: &Path) {
-    for args in [
-        &[
-            "init-model",
-            "--like",
-            "qwen2",
-            "--layers",
-            "2",
-            "--hidden",
-            "64",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--ffn",
-            "128",
-            "--vocab",
-            "300",
-            "--seed",
-            "0",
-            "--out",
-            "model",
-        ][..],
-        &[
-            "prepare",
-            "synth",
-            "--task",
-            "add",
-            "--digits",
-            "1",
-            "--n",
-            "20",
-            "--seed",
-            "1",
-            "--out",
-            "train.parquet",
-        ],
-    ] {
-        let o = Command::new(TANDEM)
-            .args(args)
-            .current_dir(d)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
-}
-
 const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
 
 /// Rank 0 of a group whose rank 1 died stopped naming it: from the launcher's word that rank
@@ -388,7 +340,7 @@ fn pipeline_ok(d: &Path, name: &str, top: &str, env: &[(&str, &str)]) -> Output 
 fn a_gpus_2_pipeline_runs_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    model_and_train_set(d);
+    model_and_train_set(d, 64, 128, 20);
     for (name, top) in [("one", ""), ("two", "gpus = 2")] {
         pipeline_ok(d, name, top, &[]);
     }
@@ -770,7 +722,7 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
 fn a_gpus_2_daemon_pipeline_runs_and_survives_a_killed_rank() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    model_and_train_set(d);
+    model_and_train_set(d, 64, 128, 20);
     pipeline_ok(d, "launch", "gpus = 2", &[]);
     let t0 = std::time::Instant::now();
     pipeline_ok(d, "group", "gpus = 2\ndaemon = true", &[]);
@@ -995,7 +947,7 @@ fn same_as_files_with_resident_steps(d: &Path, mode: &str) {
 fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    model_and_train_set(d);
+    model_and_train_set(d, 64, 128, 20);
     let run = |name: &str, top: &str, env: &[(&str, &str)]| {
         let o = run_pipeline(d, name, &resident_spec(top, false), &["--steps", "4"], env);
         let out = format!(
@@ -1087,7 +1039,7 @@ fn a_daemon_group_keeps_the_policy_resident_between_checkpoints() {
 fn a_daemon_group_keeps_full_shards_resident_between_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    model_and_train_set(d);
+    model_and_train_set(d, 64, 128, 20);
     for (name, top) in [("files", "gpus = 2"), ("group", "gpus = 2\ndaemon = true")] {
         let o = run_pipeline(d, name, &resident_spec(top, true), &["--steps", "4"], &[]);
         assert!(

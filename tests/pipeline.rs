@@ -1501,53 +1501,6 @@ fn tandem_ok(d: &Path, args: &[&str]) {
     assert_ok(&o);
 }
 
-/// `d/model`: a random 2-layer Qwen2-shaped model of this width, vocab 300; and
-/// `d/train.parquet`: 40 one-digit additions.
-fn model_and_train_set(d: &Path, hidden: usize, ffn: usize) {
-    let (h, f) = (hidden.to_string(), ffn.to_string());
-    tandem_ok(
-        d,
-        &[
-            "init-model",
-            "--like",
-            "qwen2",
-            "--layers",
-            "2",
-            "--hidden",
-            &h,
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--ffn",
-            &f,
-            "--vocab",
-            "300",
-            "--seed",
-            "0",
-            "--out",
-            "model",
-        ],
-    );
-    tandem_ok(
-        d,
-        &[
-            "prepare",
-            "synth",
-            "--task",
-            "add",
-            "--digits",
-            "1",
-            "--n",
-            "40",
-            "--seed",
-            "1",
-            "--out",
-            "train.parquet",
-        ],
-    );
-}
-
 fn real_bins() -> PathBuf {
     let dir = Path::new(PIPELINE).parent().unwrap().to_path_buf();
     for s in STAGES {
@@ -1615,7 +1568,7 @@ fn real_stages_resume_after_sigkill_to_identical_weights() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let tandem = |args: &[&str]| tandem_ok(d, args);
-    model_and_train_set(d, 192, 512);
+    stage_util::model_and_train_set(d, 192, 512, 40);
     tandem(&[
         "prepare",
         "synth",
@@ -1774,7 +1727,7 @@ fn bypass_mode_skips_the_old_logprob_pass() {
     let bins = real_bins();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    model_and_train_set(d, 64, 128);
+    stage_util::model_and_train_set(d, 64, 128, 40);
     let spec = |extra: &str| {
         format!(
             r#"

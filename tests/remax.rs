@@ -535,53 +535,6 @@ limit = 4
     )
 }
 
-fn setup(d: &Path) {
-    for args in [
-        &[
-            "init-model",
-            "--like",
-            "qwen2",
-            "--layers",
-            "2",
-            "--hidden",
-            "64",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--ffn",
-            "128",
-            "--vocab",
-            "300",
-            "--seed",
-            "0",
-            "--out",
-            "model",
-        ][..],
-        &[
-            "prepare",
-            "synth",
-            "--task",
-            "add",
-            "--digits",
-            "1",
-            "--n",
-            "20",
-            "--seed",
-            "1",
-            "--out",
-            "train.parquet",
-        ],
-    ] {
-        let o = Command::new(TANDEM)
-            .args(args)
-            .current_dir(d)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
-}
-
 fn pipeline(d: &Path, name: &str, text: &str) -> Output {
     let bins = Path::new(TANDEM).parent().unwrap();
     std::fs::write(d.join(format!("{name}.toml")), text).unwrap();
@@ -630,7 +583,7 @@ fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 fn remax_pipeline_runs_in_process_on_the_daemon_and_on_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    setup(d);
+    model_and_train_set(d, 64, 128, 20);
     let o = pipeline(d, "refused", &spec("", false));
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");

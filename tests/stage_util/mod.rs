@@ -69,6 +69,7 @@ pub fn bin(name: &str) -> &'static str {
         "sync-weights" => env!("CARGO_BIN_EXE_sync-weights"),
         "score" => env!("CARGO_BIN_EXE_score"),
         "advantage" => env!("CARGO_BIN_EXE_advantage"),
+        "tandem" => env!("CARGO_BIN_EXE_tandem"),
         other => panic!("no binary {other}"),
     }
 }
@@ -185,4 +186,54 @@ pub fn add_advantages(input: &Path, out: &Path) {
         .map(|(i, r)| vec![if i % 2 == 0 { 1.0 } else { -1.0 }; r.len()])
         .collect();
     with_f32_rows(input, out, "advantages", &rows);
+}
+
+/// `d/model`: a random 2-layer Qwen2-shaped model of this width (4 heads, 2 kv heads, vocab 300,
+/// seed 0); and `d/train.parquet`: `n` one-digit additions (seed 1).
+pub fn model_and_train_set(d: &Path, hidden: usize, ffn: usize, n: usize) {
+    let (h, f, n) = (hidden.to_string(), ffn.to_string(), n.to_string());
+    let model = [
+        "init-model",
+        "--like",
+        "qwen2",
+        "--layers",
+        "2",
+        "--hidden",
+        &h,
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--ffn",
+        &f,
+        "--vocab",
+        "300",
+        "--seed",
+        "0",
+        "--out",
+        "model",
+    ];
+    let train = [
+        "prepare",
+        "synth",
+        "--task",
+        "add",
+        "--digits",
+        "1",
+        "--n",
+        &n,
+        "--seed",
+        "1",
+        "--out",
+        "train.parquet",
+    ];
+    for args in [&model[..], &train[..]] {
+        let o = Command::new(bin("tandem"))
+            .args(args)
+            .current_dir(d)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "tandem {}: {err}", args[0]);
+    }
 }

@@ -16,6 +16,7 @@ mod advantage;
 mod batch;
 mod bench_decoder;
 mod cli;
+mod critic;
 mod daemon;
 mod dapo;
 mod decoder;

@@ -66,6 +66,7 @@ fn fixture_config(name: &str) -> Config {
         bos_token_id: None,
         // config.json's 258 (<|im_end|>) then generation_config.json's 256 (<|endoftext|>).
         eos_token_ids: vec![258, 256],
+        value_head: false,
     };
     match name {
         "qwen2" => Config {

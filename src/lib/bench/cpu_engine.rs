@@ -63,6 +63,7 @@ pub fn shape(name: &str) -> Result<Config> {
         max_position_embeddings: 32768,
         bos_token_id: None,
         eos_token_ids: vec![],
+        value_head: false,
     };
     // Qwen2.5-7B and -14B have their own LM head.
     let untied = |c: Config| Config {

@@ -1,0 +1,234 @@
+//! The critic (a value model, issue 36): the decoder with a value head on the CPU backend
+//! (gradients against finite differences, the positions its values sit at, a zero head from
+//! a policy), its checkpoint in HF's token-classification layout, the `values` stage and the
+//! critic's update.
+
+use crate::common;
+
+use common::{random_weights, tiny, tokens};
+use tandem::backend::check::{randn, Rng};
+use tandem::backend::cpu::Cpu;
+use tandem::model::critic::value_model_from;
+use tandem::model::decoder::{Decoder, SeqRef, TokenGrads, TokenStats};
+use tandem::model::names::{VALUE_BIAS, VALUE_HEAD};
+use tandem::model::{Arch, Config, ModelDir, Tensor, Weights};
+
+const ARCHS: [Arch; 3] = [Arch::Qwen2, Arch::Llama, Arch::Qwen3];
+
+/// A value model of `arch`'s tiny shape with random weights, its head random too.
+fn critic(arch: Arch, seed: u64) -> (Config, Weights) {
+    let cfg = tiny(arch);
+    let (cfg, mut w) = value_model_from(&cfg, random_weights(&cfg, seed));
+    let d = cfg.hidden_size;
+    w.insert(
+        VALUE_HEAD.into(),
+        Tensor::new(vec![1, d], randn(d, seed + 100)),
+    );
+    w.insert(VALUE_BIAS.into(), Tensor::new(vec![1], vec![0.3]));
+    (cfg, w)
+}
+
+fn values(cfg: &Config, w: &Weights, seqs: &[SeqRef]) -> Vec<Vec<f32>> {
+    let mut dec = Decoder::new(Cpu, cfg, w).unwrap();
+    let stats = dec.logprobs(seqs, 1.0, true).unwrap();
+    stats
+        .into_iter()
+        .map(|s| {
+            assert_eq!(s.entropy, None, "a value model has no entropy");
+            s.logprobs
+        })
+        .collect()
+}
+
+#[test]
+fn value_head_gradients_match_finite_differences() {
+    for arch in ARCHS {
+        let (cfg, w0) = critic(arch, 1);
+        let toks = [tokens(5, cfg.vocab_size, 2), tokens(7, cfg.vocab_size, 3)];
+        let seqs = [
+            SeqRef {
+                tokens: &toks[0],
+                start: 2,
+            },
+            SeqRef {
+                tokens: &toks[1],
+                start: 1,
+            },
+        ];
+        // L = Σ c·V with fixed random c.
+        let c: Vec<Vec<f32>> = vec![randn(3, 10), randn(6, 11)];
+        let loss = |v: &[Vec<f32>]| -> f64 {
+            v.iter()
+                .zip(&c)
+                .flat_map(|(v, c)| v.iter().zip(c).map(|(&a, &b)| a as f64 * b as f64))
+                .sum()
+        };
+        let mut dec = Decoder::new(Cpu, &cfg, &w0).unwrap();
+        dec.forward_backward(&seqs, 1.0, &mut |stats: &[TokenStats]| {
+            assert_eq!(stats[0].logprobs.len(), 3);
+            Ok(c.iter()
+                .map(|c| TokenGrads {
+                    dlogprobs: c.clone(),
+                    dentropy: None,
+                })
+                .collect())
+        })
+        .unwrap();
+        let grads = dec.export_grads().unwrap();
+        assert!(grads.contains_key(VALUE_HEAD) && grads.contains_key(VALUE_BIAS));
+        // The bias's gradient is Σ c exactly.
+        let sum_c: f64 = c.iter().flatten().map(|&x| x as f64).sum();
+        assert!((grads[VALUE_BIAS].data[0] as f64 - sum_c).abs() < 1e-4);
+        let eps = 1e-3f32;
+        let mut rng = Rng::new(99);
+        for (name, g) in &grads {
+            let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
+            let an: f64 = g
+                .data
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| g as f64 * u as f64)
+                .sum();
+            let eval = |sign: f32| {
+                let mut w = w0.clone();
+                let t = w.get_mut(name).unwrap();
+                t.data
+                    .iter_mut()
+                    .zip(&u)
+                    .for_each(|(x, u)| *x += sign * eps * u);
+                loss(&values(&cfg, &w, &seqs))
+            };
+            let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
+            let err = (fd - an).abs() / an.abs().max(0.1);
+            assert!(
+                err < 2e-2,
+                "{arch:?} {name}: analytic {an:.6} vs finite difference {fd:.6}"
+            );
+        }
+    }
+}
+
+#[test]
+fn each_value_sits_at_the_position_before_its_token() {
+    // verl's critic takes values[:, -response_length-1:-1]: the value of response token t is
+    // read at position t-1, so it cannot depend on token t itself.
+    let (cfg, w) = critic(Arch::Qwen2, 4);
+    let a = tokens(8, cfg.vocab_size, 5);
+    let mut b = a.clone();
+    b[7] = (b[7] + 1) % cfg.vocab_size as u32;
+    let seq = |t| SeqRef {
+        tokens: t,
+        start: 3,
+    };
+    let (va, vb) = (values(&cfg, &w, &[seq(&a)]), values(&cfg, &w, &[seq(&b)]));
+    assert_eq!(va[0].len(), 5);
+    assert_eq!(va, vb, "changing the last token changed a value");
+    // The value of token 3 is that of the prefix a[..4] whose only scored token is a[3].
+    let short = values(
+        &cfg,
+        &w,
+        &[SeqRef {
+            tokens: &a[..4],
+            start: 3,
+        }],
+    );
+    assert!((short[0][0] - va[0][0]).abs() < 1e-5);
+    // And the values are not all alike (the head reads the hidden state).
+    assert!(va[0].iter().any(|&v| (v - va[0][0]).abs() > 1e-4));
+}
+
+#[test]
+fn a_critic_made_from_a_policy_values_everything_at_zero() {
+    let cfg = tiny(Arch::Llama);
+    let (ccfg, w) = value_model_from(&cfg, random_weights(&cfg, 7));
+    let t = tokens(6, cfg.vocab_size, 8);
+    let v = values(
+        &ccfg,
+        &w,
+        &[SeqRef {
+            tokens: &t,
+            start: 2,
+        }],
+    );
+    assert_eq!(v, vec![vec![0.0; 4]]);
+}
+
+#[test]
+fn a_critic_checkpoint_is_a_token_classifier_with_one_label() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, w) = critic(Arch::Qwen2, 9);
+    let out = dir.path().join("critic");
+    ModelDir::save(&out, &cfg, &w, None).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(json["architectures"][0], "Qwen2ForTokenClassification");
+    assert_eq!(json["num_labels"], 1);
+    assert_eq!(json["id2label"], serde_json::json!({"0": "LABEL_0"}));
+    let (cfg2, w2) = ModelDir::load(&out).unwrap();
+    assert_eq!(cfg2, cfg);
+    assert!(cfg2.value_head);
+    assert_eq!(w2[VALUE_HEAD].shape, vec![1, cfg.hidden_size]);
+    assert_eq!(w2[VALUE_BIAS].shape, vec![1]);
+    assert!(!w2.contains_key("lm_head.weight"));
+    // Two labels is a classifier, not a critic: refused, naming the file and the key.
+    let mut j = json.clone();
+    j["num_labels"] = 2.into();
+    std::fs::write(out.join("config.json"), j.to_string()).unwrap();
+    let err = ModelDir::load(&out).unwrap_err();
+    assert!(tandem::error::is_input_error(&err), "{err}");
+    assert!(err.to_string().contains("num_labels = 1"), "{err}");
+    transformers_opens(&dir.path().join("critic2"), &cfg, &w);
+}
+
+/// transformers opens the critic as `AutoModelForTokenClassification` and computes the same
+/// values, where python has transformers and torch (skipped with a message otherwise).
+fn transformers_opens(out: &std::path::Path, cfg: &Config, w: &Weights) {
+    let have = std::process::Command::new("python3")
+        .args(["-c", "import transformers, torch"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !have {
+        eprintln!(
+            "skipped: python3 has no transformers/torch, the critic is not opened in transformers"
+        );
+        return;
+    }
+    ModelDir::save(out, cfg, w, None).unwrap();
+    let toks = tokens(6, cfg.vocab_size, 12);
+    let ours = values(
+        cfg,
+        w,
+        &[SeqRef {
+            tokens: &toks,
+            start: 1,
+        }],
+    );
+    let ids: Vec<String> = toks.iter().map(|t| t.to_string()).collect();
+    let script = format!(
+        "import torch, transformers\n\
+         m = transformers.AutoModelForTokenClassification.from_pretrained('{}', torch_dtype=torch.float32)\n\
+         m.eval()\n\
+         with torch.no_grad():\n    v = m(torch.tensor([[{}]])).logits[0, :-1, 0]\n\
+         print(' '.join(repr(float(x)) for x in v))\n",
+        out.display(),
+        ids.join(",")
+    );
+    let o = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs: Vec<f32> = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    assert_eq!(theirs.len(), ours[0].len());
+    for (a, b) in theirs.iter().zip(&ours[0]) {
+        // The checkpoint is bf16: our values are from the f32 weights.
+        assert!(
+            (a - b).abs() < 5e-2,
+            "transformers {theirs:?} vs ours {ours:?}"
+        );
+    }
+}

@@ -4,6 +4,8 @@
 //! critic's update.
 
 use crate::common;
+use crate::stage_util::{f32_rows, input_error, ok, p, read, tiny_model};
+use crate::stages::training_batch;
 
 use common::{random_weights, tiny, tokens};
 use tandem::backend::check::{randn, Rng};
@@ -231,4 +233,87 @@ fn transformers_opens(out: &std::path::Path, cfg: &Config, w: &Weights) {
             "transformers {theirs:?} vs ours {ours:?}"
         );
     }
+}
+
+/// The `values` stage: a policy's directory gives a critic with a zero head (every value 0,
+/// one per response token); a critic checkpoint gives the decoder's values at the positions
+/// before each token; bad input exits 2 and writes nothing.
+#[test]
+fn values_stage_adds_one_value_per_response_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = tiny_model(dir.path(), 3);
+    let batch = dir.path().join("batch.parquet");
+    let prompt = [10, 20, 30];
+    let responses = [vec![40, 41, 42], vec![50, 51], vec![]];
+    training_batch(&batch, &prompt, &responses, &[1.0, -1.0, 0.5]);
+    let out = dir.path().join("v0.parquet");
+    let args = |model: &std::path::Path, out: &std::path::Path| {
+        vec![
+            "--model".to_string(),
+            p(model).into(),
+            "--in".into(),
+            p(&batch).into(),
+            "--out".into(),
+            p(out).into(),
+            "--micro-batch-tokens".into(),
+            "7".into(),
+        ]
+    };
+    ok("values", &args(&policy, &out));
+    let zeros = f32_rows(&read(&out), "values");
+    assert_eq!(zeros, vec![vec![0.0; 3], vec![0.0; 2], vec![]]);
+
+    // A critic with a random head, saved as a checkpoint.
+    let (cfg, w) = ModelDir::load(&policy).unwrap();
+    let (ccfg, mut cw) = value_model_from(&cfg, w);
+    let d = ccfg.hidden_size;
+    cw.insert(VALUE_HEAD.into(), Tensor::new(vec![1, d], randn(d, 5)));
+    cw.insert(VALUE_BIAS.into(), Tensor::new(vec![1], vec![-0.25]));
+    let critic_dir = dir.path().join("critic");
+    ModelDir::save(&critic_dir, &ccfg, &cw, Some(&policy)).unwrap();
+    let out = dir.path().join("v1.parquet");
+    ok("values", &args(&critic_dir, &out));
+    let got = f32_rows(&read(&out), "values");
+    // The same values from the decoder (the saved bf16 weights), each read at the position
+    // before its token.
+    let (ccfg2, cw2) = ModelDir::load(&critic_dir).unwrap();
+    let joined: Vec<Vec<u32>> = responses
+        .iter()
+        .map(|r| prompt.iter().chain(r).map(|&t| t as u32).collect())
+        .collect();
+    let seqs: Vec<SeqRef> = joined[..2]
+        .iter()
+        .map(|t| SeqRef {
+            tokens: t,
+            start: 3,
+        })
+        .collect();
+    let want = values(&ccfg2, &cw2, &seqs);
+    for (g, w) in got[..2].iter().zip(&want) {
+        assert_eq!(g.len(), w.len());
+        // Packed in other micro-batches: the sums round differently.
+        assert!(
+            g.iter().zip(w).all(|(a, b)| (a - b).abs() < 1e-4),
+            "{got:?} vs {want:?}"
+        );
+    }
+    assert!(got[2].is_empty());
+    assert!(got[0].iter().all(|&v| v != 0.0));
+    let meta: serde_json::Value =
+        serde_json::from_str(&read(&out).meta["tandem.stage.values"]).unwrap();
+    assert_eq!(meta["critic_from_policy"], false);
+
+    // Bad input: exit 2, naming what is wrong, and no output.
+    let none = dir.path().join("none.parquet");
+    input_error(
+        "values",
+        &args(&dir.path().join("nowhere"), &none),
+        "nowhere",
+    );
+    let nocol = dir.path().join("nocol.parquet");
+    crate::stage_util::prompts(&nocol, &["q"]);
+    let mut a = args(&policy, &none);
+    a[3] = p(&nocol).into();
+    input_error("values", &a, "column 'prompt_ids' is missing");
+    assert!(!none.exists());
 }

@@ -30,11 +30,12 @@ pub mod score;
 pub mod sft_batch;
 pub mod sync_weights;
 pub mod update;
+pub mod values;
 
 use crate::backend::cpu::Cpu;
 use crate::backend::Backend;
 use crate::bail_input;
-pub use crate::engine::policy::load_policy;
+pub use crate::engine::policy::{load_policy, load_value_model};
 use crate::engine::policy::{
     train_ranks_from_files, HeldPolicy, Holder, SavedShards, Sharding, Train, Trainable, Trained,
 };
@@ -84,7 +85,8 @@ pub trait Compute: Topology {
         model: &ModelRef,
         job: rollout::Generate<'_>,
     ) -> Result<rollout::Generated>;
-    /// Log-probs of the rows under `model` (the reference, or the policy for old_logprobs).
+    /// Log-probs of the rows under `model` (the reference, or the policy for old_logprobs), or
+    /// a critic's values.
     fn score(
         &mut self,
         model: &ModelRef,
@@ -242,6 +244,7 @@ impl Topology for InProcess {
 pub enum StageJob {
     Rollout(rollout::RolloutArgs),
     RefLogprob(ref_logprob::RefLogprobArgs),
+    Values(values::ValuesArgs),
     Update(update::UpdateArgs),
     SyncWeights(sync_weights::SyncWeightsArgs),
     /// `tandem daemon-ctl save`: not a stage binary, a job only a daemon runs.
@@ -253,6 +256,7 @@ impl StageJob {
         match self {
             StageJob::Rollout(_) => "rollout",
             StageJob::RefLogprob(_) => "ref-logprob",
+            StageJob::Values(_) => "values",
             StageJob::Update(_) => "update",
             StageJob::SyncWeights(_) => "sync-weights",
             StageJob::SavePolicy(_) => "save",
@@ -278,7 +282,10 @@ impl StageJob {
         match self {
             StageJob::Rollout(a) => a.metrics.as_ref(),
             StageJob::Update(a) => a.metrics.as_ref(),
-            StageJob::RefLogprob(_) | StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
+            StageJob::RefLogprob(_)
+            | StageJob::Values(_)
+            | StageJob::SyncWeights(_)
+            | StageJob::SavePolicy(_) => None,
         }
     }
 
@@ -289,7 +296,8 @@ impl StageJob {
             StageJob::RefLogprob(a) => a.daemon.as_deref(),
             StageJob::Update(a) => a.daemon.as_deref(),
             StageJob::SyncWeights(a) => a.daemon.as_deref(),
-            StageJob::SavePolicy(_) => None,
+            // The daemon keeps no critic yet: `values` runs in the stage's process.
+            StageJob::Values(_) | StageJob::SavePolicy(_) => None,
         }
     }
 
@@ -298,6 +306,7 @@ impl StageJob {
         match self {
             StageJob::Rollout(a) => Some(a.device),
             StageJob::RefLogprob(a) => Some(a.device),
+            StageJob::Values(a) => Some(a.device),
             StageJob::Update(a) => Some(a.device),
             StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
         }
@@ -308,6 +317,7 @@ impl StageJob {
         match self {
             StageJob::Rollout(a) => rollout::run(a, exec),
             StageJob::RefLogprob(a) => ref_logprob::run(a, exec),
+            StageJob::Values(a) => values::run(a, exec),
             StageJob::Update(a) => update::run(a, exec),
             StageJob::SyncWeights(a) => sync_weights::run(a, exec),
             StageJob::SavePolicy(a) => save::save_policy(a, exec),
@@ -376,6 +386,12 @@ pub const STAGES: &[StageDef] = &[
         command: || command::<ref_logprob::RefLogprobArgs>("ref-logprob"),
         runner_owned: &["model", "in", "out", "column", "device", "daemon"],
         check: |m| parse_args::<ref_logprob::RefLogprobArgs>(m)?.check(),
+    },
+    StageDef {
+        name: "values",
+        command: || command::<values::ValuesArgs>("values"),
+        runner_owned: &["model", "in", "out", "device"],
+        check: |m| parse_args::<values::ValuesArgs>(m)?.check(),
     },
     StageDef {
         name: "advantage",

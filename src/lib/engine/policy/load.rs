@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::engine::resume::{self, RankResume, ShardSource, TrainerState};
 use crate::model::checkpoint::ModelDir;
+use crate::model::critic::value_model_from;
 use crate::model::decoder::{Decoder, OptimizerState};
 use crate::model::{Config, Weights};
 use anyhow::Result;
@@ -13,6 +14,14 @@ use std::path::Path;
 /// state).
 pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
     let (cfg, weights) = ModelDir::load(dir)?;
+    Decoder::new(backend, &cfg, &weights)
+}
+
+/// Loads a critic onto a backend (to compute values with): a value model's directory, or a
+/// policy's, whose critic starts with a zero value head (`crate::model::critic`).
+pub fn load_value_model<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
+    let (cfg, weights) = ModelDir::load(dir)?;
+    let (cfg, weights) = value_model_from(&cfg, weights);
     Decoder::new(backend, &cfg, &weights)
 }
 

@@ -4,7 +4,7 @@
 //! critic's update.
 
 use crate::common;
-use crate::stage_util::{f32_rows, input_error, ok, p, read, tiny_model};
+use crate::stage_util::{f32_rows, input_error, ok, p, read, tiny_model, with_f32_rows};
 use crate::stages::training_batch;
 
 use common::{random_weights, tiny, tokens};
@@ -316,4 +316,175 @@ fn values_stage_adds_one_value_per_response_token() {
     a[3] = p(&nocol).into();
     input_error("values", &a, "column 'prompt_ids' is missing");
     assert!(!none.exists());
+}
+
+/// One `update --critic` call: the metrics JSON.
+fn critic_update(
+    model: &std::path::Path,
+    batch: &std::path::Path,
+    out: &std::path::Path,
+    extra: &[&str],
+) -> serde_json::Value {
+    let metrics = out.with_extension("json");
+    let mut args = vec![
+        "--critic",
+        "--model",
+        p(model),
+        "--in",
+        p(batch),
+        "--out-model",
+        p(out),
+        "--metrics",
+        p(&metrics),
+        "--weight-decay",
+        "0",
+        "--micro-batch-tokens",
+        "6",
+    ];
+    args.extend_from_slice(extra);
+    ok("update", &args);
+    serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap()
+}
+
+/// `update --critic`: from a policy's model (a zero value head: every value 0), the first
+/// step's loss is 0.5·mean(R²) and the head's bias moves by lr towards the returns (Adam's
+/// first step is lr·sign(g)); the trunk does not move (the zero head passes it no gradient);
+/// on a fixed batch the loss goes down step after step; the checkpoint is a token classifier
+/// whose optimizer state the next call resumes.
+#[test]
+fn update_critic_learns_the_returns_of_a_fixed_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = tiny_model(dir.path(), 4);
+    let plain = dir.path().join("plain.parquet");
+    let responses = [vec![40, 41, 42], vec![50, 51], vec![60, 61, 62, 63]];
+    training_batch(&plain, &[10, 20, 30], &responses, &[1.0, -1.0, 1.0]);
+    let returns: Vec<Vec<f32>> = vec![
+        vec![1.0, 0.8, 0.6],
+        vec![-0.5, -0.25],
+        vec![0.9, 0.9, 1.0, 1.0],
+    ];
+    let with_ret = dir.path().join("ret.parquet");
+    with_f32_rows(&plain, &with_ret, "returns", &returns);
+    // V_old = 0 everywhere (what `values` gives with the policy's model).
+    let batch = dir.path().join("batch.parquet");
+    ok(
+        "values",
+        &[
+            "--model",
+            p(&policy),
+            "--in",
+            p(&with_ret),
+            "--out",
+            p(&batch),
+        ],
+    );
+
+    let lr = "2e-3";
+    let c1 = dir.path().join("critic-1");
+    let m1 = critic_update(
+        &policy,
+        &batch,
+        &c1,
+        &["--lr", lr, "--cliprange-value", "100"],
+    );
+    let flat: Vec<f64> = returns.iter().flatten().map(|&r| r as f64).collect();
+    let n = flat.len() as f64;
+    let want = 0.5 * flat.iter().map(|r| r * r).sum::<f64>() / n;
+    let got = m1["critic"]["vf_loss"].as_f64().unwrap();
+    assert!(
+        (got - want).abs() < 1e-6,
+        "first vf_loss {got}, by hand {want}"
+    );
+    assert_eq!(m1["critic"]["vpred_mean"], 0.0);
+    assert_eq!(m1["critic"]["vf_clipfrac"], 0.0);
+    assert_eq!(m1["critic"]["lr"].as_f64().unwrap(), 2e-3);
+    // Values all 0: Var(R − V) = Var(R), so the explained variance is ~0.
+    assert!(m1["critic"]["vf_explained_var"].as_f64().unwrap().abs() < 1e-3);
+    let (ccfg, cw) = ModelDir::load(&c1).unwrap();
+    assert!(ccfg.value_head);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(c1.join("config.json")).unwrap()).unwrap();
+    assert_eq!(json["architectures"][0], "Qwen2ForTokenClassification");
+    assert!(c1.join("optimizer.safetensors").is_file() && c1.join("tokenizer.json").is_file());
+    // The bias moved by lr (bf16 in the file) towards mean(R) > 0; the trunk is the policy's.
+    let bias = cw[VALUE_BIAS].data[0];
+    assert!((bias - 2e-3).abs() < 1e-5, "bias {bias}");
+    let (_, pw) = ModelDir::load(&policy).unwrap();
+    assert_eq!(
+        cw["model.layers.0.mlp.down_proj.weight"],
+        pw["model.layers.0.mlp.down_proj.weight"]
+    );
+
+    // Training on: the loss goes down call after call (the batch's values stay those of the
+    // first critic, as verl's do within a step).
+    let mut from = c1;
+    let mut losses = vec![got];
+    for k in 2..=8 {
+        let to = dir.path().join(format!("critic-{k}"));
+        let m = critic_update(
+            &from,
+            &batch,
+            &to,
+            &["--lr", lr, "--cliprange-value", "100"],
+        );
+        losses.push(m["critic"]["vf_loss"].as_f64().unwrap());
+        from = to;
+    }
+    eprintln!("vf_loss over 8 calls: {losses:?}");
+    assert!(losses.windows(2).all(|w| w[1] < w[0]), "{losses:?}");
+    assert!(losses[7] < 0.5 * losses[0], "{losses:?}");
+    let ts: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(from.join("trainer_state.json")).unwrap()).unwrap();
+    assert_eq!(ts["optimizer_step"], 8);
+
+    // The clip: with c = 0 the value cannot move from V_old = 0 through the clipped term,
+    // which is then the larger wherever the new values moved away from the returns' side.
+    let m = critic_update(
+        &from,
+        &batch,
+        &dir.path().join("clipped"),
+        &["--lr", lr, "--cliprange-value", "0"],
+    );
+    assert!(m["critic"]["vf_clipfrac"].as_f64().unwrap() > 0.0, "{m}");
+
+    // Bad input: a batch without returns, a policy flag, a critic given to a policy update.
+    let nowhere = dir.path().join("nowhere");
+    let base = ["--model", p(&policy), "--out-model", p(&nowhere)];
+    let mut a = base.to_vec();
+    a.extend(["--critic", "--in", p(&plain)]);
+    input_error(
+        "update",
+        &a,
+        "column 'values' is missing; it is needed by --critic",
+    );
+    let mut a = base.to_vec();
+    a.extend(["--critic", "--in", p(&batch), "--use-kl-loss"]);
+    input_error("update", &a, "--use-kl-loss does not apply to --critic");
+    input_error(
+        "update",
+        &[
+            "--model",
+            p(&from),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&nowhere),
+        ],
+        "is a value model (a critic); train it with update --critic",
+    );
+    input_error(
+        "ref-logprob",
+        &[
+            "--model",
+            p(&from),
+            "--in",
+            p(&batch),
+            "--out",
+            p(&nowhere),
+            "--column",
+            "ref_logprobs",
+        ],
+        "is a value model (a critic)",
+    );
+    assert!(!nowhere.exists());
 }

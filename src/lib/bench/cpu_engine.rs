@@ -191,6 +191,7 @@ fn bench_update(
         old: None,
         ref_lp: None,
         rollout: None,
+        returns: None,
     };
     let tc = TrainConfig {
         loss: LossConfig::new(LossMode::Vanilla),
@@ -208,6 +209,7 @@ fn bench_update(
         shuffle: false,
         seed: a.seed,
         device_loss: TrainConfig::device_loss_from_env(),
+        critic: None,
     };
     let t = Instant::now();
     let report = train(dec, &data, &tc, 0, &mut |m| eprintln!("{m}"))?;

@@ -666,6 +666,11 @@ impl<B: Backend> Compute for Resident<B> {
     }
 
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
+        if job.train.critic.is_some() {
+            crate::bail_input!(
+                "update --critic: the daemon keeps no critic; run it without --daemon"
+            );
+        }
         let load_s = self.update_phase(model)?;
         let reply = self.reply.clone();
         let slot = self.policy.as_mut().expect("loaded above");

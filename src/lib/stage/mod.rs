@@ -189,7 +189,10 @@ impl Compute for InProcess {
 
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
         let started = std::time::Instant::now();
-        let loaded = Trainable::load(&model.dir, &mut |m| self.log(m))?;
+        let loaded = match job.train.critic {
+            Some(_) => Trainable::load_critic(&model.dir, &mut |m| self.log(m))?,
+            None => Trainable::load(&model.dir, &mut |m| self.log(m))?,
+        };
         let load_seconds = started.elapsed().as_secs_f64();
         let mut out = on_device(self.device, update::TrainFresh { loaded, job })?;
         out.load_seconds = load_seconds;

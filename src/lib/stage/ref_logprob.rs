@@ -14,6 +14,7 @@ use crate::engine::logprob::{score, PromptResponse};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
 use crate::model::decoder::TokenStats;
+use crate::model::Config;
 use crate::parallel::exchange::{Reader, Writer};
 use anyhow::Result;
 use arrow_array::types::Float32Type;
@@ -151,11 +152,17 @@ pub(crate) fn score_batch(
     exec: &mut dyn Exec,
     batch: &Batch,
     model: &ModelRef,
-    vocab: usize,
+    cfg: &Config,
     spec: ScoreSpec,
 ) -> Result<Option<Vec<TokenStats>>> {
-    check_token_ids(batch, schema::PROMPT_IDS, vocab)?;
-    check_token_ids(batch, schema::RESPONSE_IDS, vocab)?;
+    if cfg.value_head && spec.scored != Scored::Values {
+        bail_input!(
+            "--model {}: is a value model (a critic), which has no log-probs; the `values` stage reads it",
+            model.dir.display()
+        );
+    }
+    check_token_ids(batch, schema::PROMPT_IDS, cfg.vocab_size)?;
+    check_token_ids(batch, schema::RESPONSE_IDS, cfg.vocab_size)?;
     let prompts = batch.ragged_i32(schema::PROMPT_IDS)?;
     let responses = batch.ragged_i32(schema::RESPONSE_IDS)?;
     let p32: Vec<Vec<u32>> = prompts.rows().map(to_u32).collect();
@@ -231,7 +238,7 @@ pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
         micro_batch_tokens: args.micro_batch_tokens,
         stage: "ref-logprob",
     };
-    let Some(stats) = score_batch(exec, &batch, &model, cfg.vocab_size, spec)? else {
+    let Some(stats) = score_batch(exec, &batch, &model, &cfg, spec)? else {
         return Ok(());
     };
     let mut cols = NewColumns::new();

@@ -65,7 +65,7 @@ pub fn run(args: ValuesArgs, exec: &mut dyn Exec) -> Result<()> {
         micro_batch_tokens: args.micro_batch_tokens,
         stage: "values",
     };
-    let Some(stats) = score_batch(exec, &batch, &model, cfg.vocab_size, spec)? else {
+    let Some(stats) = score_batch(exec, &batch, &model, &cfg, spec)? else {
         return Ok(());
     };
     let values: Vec<f32> = stats

@@ -52,6 +52,22 @@ impl Trainable {
         Ok(Self::resumed(dir, cfg, weights, r, log))
     }
 
+    /// [`Trainable::load`] for `update --critic`: a critic's directory as it is, or a policy's
+    /// made into a critic with a zero value head and a fresh optimizer (the policy's optimizer
+    /// state is not the critic's).
+    pub fn load_critic(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
+        if ModelDir::load_config(dir)?.value_head {
+            return Self::load(dir, log);
+        }
+        let (cfg, weights) = ModelDir::load(dir)?;
+        let (cfg, weights) = value_model_from(&cfg, weights);
+        log(&format!(
+            "update: a new critic from the policy {} (its value head zero)",
+            dir.display()
+        ));
+        Ok(Self::without_optimizer(cfg, weights, None, None))
+    }
+
     /// The model files' weights with no optimizer state here: a fresh optimizer, or (with
     /// `trainer`) a sharded checkpoint's, whose state is in the ranks' files (`shard`: where
     /// this rank's comes from).

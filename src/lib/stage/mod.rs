@@ -415,6 +415,8 @@ pub const STAGES: &[StageDef] = &[
             "daemon",
             "skip-optimizer-state",
             "resident",
+            // The runner's `[critic]` table trains the critic.
+            "critic",
         ],
         check: |m| parse_args::<update::UpdateArgs>(m)?.check(),
     },

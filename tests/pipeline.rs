@@ -2238,7 +2238,7 @@ fn a_verl_config_becomes_a_spec_that_pipeline_runs() {
     assert_ok(&o);
     let err = String::from_utf8_lossy(&o.stderr);
     // The keys without a counterpart, by rule, with the reason.
-    assert!(err.contains("tandem has no critic yet (issue 36)"), "{err}");
+    assert!(err.contains("verl's FSDP/Megatron critic worker"), "{err}");
     assert!(
         err.contains("  trainer.logger: tandem logs to metrics.jsonl and TensorBoard"),
         "{err}"

@@ -1,5 +1,6 @@
-//! The stages, one module per binary: `rollout`, `score`, `ref_logprob`, `advantage`, `update`,
-//! `sync_weights`, and `sft_batch` (`tandem sft-batch`); `save` is the daemon's `daemon-ctl
+//! The stages, one module per binary: `rollout`, `score`, `ref_logprob`, `values` (a critic's
+//! values), `advantage`, `update` (the policy's, or with `--critic` the critic's), `sync_weights`,
+//! and `sft_batch` (`tandem sft-batch`); `save` is the daemon's `daemon-ctl
 //! save` job; `common` holds what they share.
 //!
 //! Each stage declares its flags once, as a clap `Args` struct with their help: the binary's

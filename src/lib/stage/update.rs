@@ -13,6 +13,10 @@
 //! trainer's log-probs is measured on every call that has rollout_logprobs (`mismatch` in the
 //! metrics); `--rollout-is` truncates and `--rollout-rs` masks by the importance weight
 //! exp(old − rollout); `--bypass-mode` takes the rollout's log-probs as the old ones.
+//!
+//! `--critic` trains a critic (a value model) instead, on the batch's `values` and `returns`
+//! with verl's clipped value loss (`crate::algo::value_loss`): the same flags, loop and
+//! checkpoints, so the pipeline's critic is this stage in a mode, not a stage of its own.
 
 use super::common::{
     above, after_rank0, at_least, between, check_token_ids, finite, logprob_temperature,

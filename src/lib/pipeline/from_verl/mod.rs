@@ -119,14 +119,16 @@ struct Out {
 }
 
 /// The spec's tables in the order pipelines/*.toml write them.
-const TABLES: [&str; 11] = [
+const TABLES: [&str; 13] = [
     "model",
     "data",
     "rollout",
     "score",
     "ref-logprob",
+    "values",
     "advantage",
     "update",
+    "critic",
     "sync-weights",
     "algorithm",
     "eval",
@@ -573,6 +575,7 @@ mod tests {
         assert_eq!(critic["mini-batch-size"].as_integer(), Some(320));
         assert_eq!(critic["loss-agg-mode"].as_str(), Some("token-mean"));
         assert_eq!(at(&t, "advantage.estimator").as_str(), Some("gae"));
+        assert!(conv.text.contains("\n[critic]\n"), "{}", conv.text);
         Spec::parse(&conv.text, "t.toml").unwrap();
     }
 

@@ -1582,6 +1582,79 @@ mod tests {
         }
     }
 
+    /// The critic through the loop (`TrainConfig::critic`): split into micro-batches of a few
+    /// tokens it takes the same step as unsplit (the value loss is normalised by the
+    /// mini-batch's totals, as the policy loss is), the masked token takes no part, and the
+    /// loss is the value loss of the values before the step.
+    #[test]
+    fn the_critic_trains_the_same_whatever_the_micro_batches() {
+        use crate::algo::value_loss::ValueLoss;
+        use crate::backend::cpu::Cpu;
+        use crate::model::decoder::Decoder;
+        let pcfg = crate::model::Config {
+            vocab_size: 512,
+            eos_token_ids: vec![],
+            ..crate::model::Config::small_qwen2()
+        };
+        let (cfg, mut weights) = crate::model::critic::value_model_from(
+            &pcfg,
+            crate::model::init::random_weights(&pcfg, 5, 0.5),
+        );
+        let head = crate::model::names::VALUE_HEAD;
+        weights.get_mut(head).unwrap().data = (0..cfg.hidden_size)
+            .map(|i| 0.05 * ((i % 7) as f32 - 3.0))
+            .collect();
+        let mut owned = batch();
+        owned.masks[0][1] = 0;
+        // Row 1's old values are far from its values and return: its clipped term is the larger.
+        let old: Vec<Vec<f32>> = owned
+            .responses
+            .iter()
+            .enumerate()
+            .map(|(i, r)| vec![if i == 1 { 2.0 } else { 0.1 }; r.len()])
+            .collect();
+        let mut c = cfg_for_decoder();
+        c.critic = Some(ValueLoss {
+            cliprange: 0.2,
+            agg: AggMode::SeqMeanTokenMean,
+        });
+        let run = |tokens: usize| {
+            let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
+            let mut d = owned.data();
+            d.old = Some(old.iter().map(Vec::as_slice).collect());
+            // The returns: the rows' advantages.
+            d.returns = d.advantages.take();
+            let c = TrainConfig {
+                micro_batch_tokens: tokens,
+                ..c.clone()
+            };
+            let r = train(&mut dec, &d, &c, 0, &mut |_| {}).unwrap();
+            (r, dec.export_weights().unwrap())
+        };
+        let (whole, w1) = run(10_000);
+        let (split, w2) = run(3);
+        assert!(whole.critic && whole.steps.len() == 1);
+        let (a, b) = (&whole.steps[0], &split.steps[0]);
+        assert!(
+            (a.loss - b.loss).abs() < 1e-6 * a.loss.abs().max(1.0),
+            "{} {}",
+            a.loss,
+            b.loss
+        );
+        assert!((a.metrics.vf_loss - a.loss).abs() < 1e-12);
+        assert!(
+            a.metrics.vf_clipfrac > 0.0 && a.metrics.vf_clipfrac < 1.0,
+            "{:?}",
+            a.metrics
+        );
+        for (name, t) in &w1 {
+            crate::backend::check::assert_close(&w2[name].data, &t.data, 1e-6, name);
+        }
+        let j = whole.to_json();
+        assert_eq!(j["critic"]["vf_loss"], a.metrics.vf_loss);
+        assert!(j.get("pg_loss").is_none());
+    }
+
     /// Adam at lr 1e-3 on the tiny decoder (`cfg` uses lr 0.5 for the bigram).
     fn cfg_for_decoder() -> TrainConfig {
         let mut c = cfg(LossMode::Vanilla);

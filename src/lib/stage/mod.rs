@@ -305,6 +305,16 @@ impl StageJob {
         }
     }
 
+    /// Whether the job may go to a warm daemon (`--daemon`, `$TANDEM_DAEMON`): not the
+    /// critic's `values` and `update --critic` (the daemon keeps no critic).
+    pub fn uses_daemon(&self) -> bool {
+        match self {
+            StageJob::Values(_) => false,
+            StageJob::Update(a) => !a.critic,
+            _ => true,
+        }
+    }
+
     /// `--device`; None for sync-weights and save, which compute nothing.
     pub fn device(&self) -> Option<Device> {
         match self {

@@ -722,3 +722,45 @@ fn the_demo_task_learns_with_ppo_and_gae() {
         rows[49]
     );
 }
+
+/// With `daemon = true` the policy's stages go to the warm daemon and the critic's run as
+/// their own processes beside it (the daemon keeps no critic): the run ends with the critic's
+/// checkpoints and metrics, and the policy's on the cadence.
+#[test]
+fn a_critic_runs_beside_the_warm_daemon() {
+    let bins = real_bins();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128);
+    std::fs::write(
+        d.join("spec.toml"),
+        PPO_SPEC.replace("steps = 3", "steps = 3\ndaemon = true"),
+    )
+    .unwrap();
+    let o = Command::new(PIPELINE)
+        .current_dir(d)
+        .args(["run", "spec.toml", "--run-dir", "r"])
+        .env("TANDEM_BIN_DIR", &bins)
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let r = d.join("r");
+    let commands = std::fs::read_to_string(r.join("commands.sh")).unwrap();
+    let line = |needle: &str| {
+        commands
+            .lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("{needle}: {commands}"))
+            .to_string()
+    };
+    assert!(!line("--out-model r/critic/step-0002").contains("--daemon"));
+    assert!(!line("--out r/step-0002/values.parquet").contains("--daemon"));
+    assert!(line("--out-model r/ckpt/step-0002").contains("--daemon"));
+    assert!(r.join("critic/step-0003/model.safetensors").is_file());
+    assert!(r.join("ckpt/step-0002/model.safetensors").is_file());
+    let rows = jsonl_sans_time(&r.join("metrics.jsonl"));
+    assert!(
+        rows.iter().all(|r| r["critic/vf_loss"].is_number()),
+        "{rows:?}"
+    );
+}

@@ -141,7 +141,7 @@ pub(crate) struct CriticSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) model: Option<PathBuf>,
     /// The first steps train the critic only; the policy's updates start after them (verl's
-    /// `trainer.critic_warmup`).
+    /// `trainer.critic_warmup = N` starts the actor at step N: N − 1 here).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub(crate) critic_warmup: u64,
     /// `update --critic` flags.

@@ -569,7 +569,8 @@ mod tests {
         let critic = t["critic"].as_table().unwrap();
         assert_eq!(critic["lr"].as_float(), Some(2e-5));
         assert_eq!(critic["cliprange-value"].as_float(), Some(0.3));
-        assert_eq!(critic["critic-warmup"].as_integer(), Some(3));
+        // verl's actor starts at step 3 (of 1, 2, 3, ...): two critic-only steps.
+        assert_eq!(critic["critic-warmup"].as_integer(), Some(2));
         assert_eq!(critic["model"].as_str(), Some("models/qwen2-7b"));
         // verl's mini-batch of 64 prompts (the actor's, interpolated) × n = 5.
         assert_eq!(critic["mini-batch-size"].as_integer(), Some(320));

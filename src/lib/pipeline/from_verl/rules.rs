@@ -385,6 +385,12 @@ fn when_gae(v: &Value, ctx: &Ctx, conv: Conv) -> Result<Option<toml::Value>, Str
     }
 }
 
+/// verl updates the actor from the step `global_steps >= critic_warmup` on, counting from 1:
+/// N − 1 critic-only steps, tandem's `critic-warmup`.
+fn critic_warmup(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
+    Ok(Some(toml::Value::Integer((int(v)? - 1).max(0))))
+}
+
 /// Only when `critic.use_dynamic_bsz` (tokens per micro-batch).
 fn critic_tokens(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
     match ctx.is_true("critic.use_dynamic_bsz") {
@@ -644,7 +650,7 @@ pub(crate) static RULES: &[Rule] = &[
     rule("trainer.default_local_dir", To::None("checkpoints go to RUN/ckpt/")),
     rule("trainer.resume_mode", To::None("running pipeline run again resumes the run in its directory")),
     rule("trainer.resume_from_path", To::WhenOn { switch: "", why: "running pipeline run again resumes the run in its directory" }),
-    rule("trainer.critic_warmup", key_how("critic.critic-warmup", "with `adv_estimator=gae`", |v, c| when_gae(v, c, off_is_zero))),
+    rule("trainer.critic_warmup", key_how("critic.critic-warmup", "with `adv_estimator=gae`: N − 1 (verl's actor starts at step N, its first step is 1)", |v, c| when_gae(v, c, critic_warmup))),
     rule("trainer.max_critic_ckpt_to_keep", To::WhenOn { switch: "", why: "the critic's checkpoints are kept as the policy's ([checkpoint] every and keep-last)" }),
     rule("trainer.val_only", To::WhenOn { switch: "", why: "no evaluation-only run: run rollout and score by hand" }),
     rule("trainer.*", To::None("verl's Ray trainer (HDFS, ESI, Ray registration, legacy workers)")),

@@ -280,6 +280,19 @@ fn values_stage_adds_one_value_per_response_token() {
     let out = dir.path().join("v1.parquet");
     ok("values", &args(&critic_dir, &out));
     let got = f32_rows(&read(&out), "values");
+    // An observation token (response_mask 0) has value 0, as verl masks its critic's values.
+    let masked = dir.path().join("masked.parquet");
+    let mask = tandem::batch::list_array::<arrow_array::types::UInt8Type>(
+        &[0, 3, 5, 5],
+        vec![1, 0, 1, 1, 1],
+    );
+    crate::stage_util::with_column(&batch, &masked, "response_mask", mask);
+    let mut a = args(&critic_dir, &dir.path().join("v2.parquet"));
+    a[3] = p(&masked).into();
+    ok("values", &a);
+    let m = f32_rows(&read(&dir.path().join("v2.parquet")), "values");
+    assert_eq!(m[0][1], 0.0);
+    assert_eq!((m[0][0], m[0][2], &m[1]), (got[0][0], got[0][2], &got[1]));
     // The same values from the decoder (the saved bf16 weights), each read at the position
     // before its token.
     let (ccfg2, cw2) = ModelDir::load(&critic_dir).unwrap();

@@ -3,7 +3,8 @@
 //! critic's output at the position before it (the last prompt token for the first one), as
 //! verl's critic takes `values[:, -response_length-1:-1]`. DIR is a critic checkpoint (HF's
 //! token classifier with one label, as `update --critic` writes), or a policy's model, whose
-//! critic starts with a zero value head: every value 0.
+//! critic starts with a zero value head: every value 0. A token whose `response_mask` is 0 (an
+//! observation) has value 0, as verl masks its critic's values.
 
 use super::common::{at_least, negative_numbers, resolve_model, Device};
 use super::ref_logprob::{score_batch, token_column, ScoreSpec, Scored};
@@ -68,10 +69,24 @@ pub fn run(args: ValuesArgs, exec: &mut dyn Exec) -> Result<()> {
     let Some(stats) = score_batch(exec, &batch, &model, &cfg, spec)? else {
         return Ok(());
     };
-    let values: Vec<f32> = stats
+    let mut values: Vec<f32> = stats
         .iter()
         .flat_map(|s| s.logprobs.iter().copied())
         .collect();
+    // Only model tokens have values (verl's `values * response_mask`): an observation token's
+    // is 0.
+    if batch.has(schema::RESPONSE_MASK) {
+        let mask = batch.ragged_u8(schema::RESPONSE_MASK)?;
+        anyhow::ensure!(
+            mask.values.len() == values.len(),
+            "response_mask is not aligned"
+        );
+        for (v, &m) in values.iter_mut().zip(mask.values.iter()) {
+            if m == 0 {
+                *v = 0.0;
+            }
+        }
+    }
     let (tokens, mean) = (values.len(), mean(&values));
     let mut cols = NewColumns::new();
     cols.add(schema::VALUES, token_column(&batch, values.into_iter())?);

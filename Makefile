@@ -8,7 +8,7 @@ BIN := target/release
 # compiles the crate and its dependencies once for both (Cargo.toml's [profile.dev]).
 DEV_BIN := target/debug
 
-.PHONY: build build-dev test data bench fmt lint gpu-test nvrtc kernels-check demo demo-dapo model-smollm2-135m model-qwen2.5-coder-0.5b model-qwen2.5-coder-1.5b
+.PHONY: build build-dev test data bench fmt lint gpu-test nvrtc kernels-check demo demo-dapo demo-ppo model-smollm2-135m model-qwen2.5-coder-0.5b model-qwen2.5-coder-1.5b
 
 build:
 	$(CARGO) build --release
@@ -31,6 +31,12 @@ demo: build-dev
 demo-dapo: build-dev
 	rm -rf runs/demo-dapo/run
 	DEMO_SPEC=demo-dapo.toml pipelines/demo.sh $(CURDIR)/$(DEV_BIN) runs/demo-dapo $(DEMO_ARGS)
+
+# The same job with PPO and a critic (pipelines/demo-ppo.toml: GAE from a learned value model),
+# in runs/demo-ppo.
+demo-ppo: build-dev
+	rm -rf runs/demo-ppo/run
+	DEMO_SPEC=demo-ppo.toml pipelines/demo.sh $(CURDIR)/$(DEV_BIN) runs/demo-ppo $(DEMO_ARGS)
 
 data: data/gsm8k/train.parquet data/gsm8k/test.parquet
 

@@ -17,6 +17,7 @@ mod agent;
 mod batch;
 mod bench_decoder;
 mod cli;
+mod critic;
 mod daemon;
 mod dapo;
 mod decoder;

@@ -66,6 +66,7 @@ fn fixture_config(name: &str) -> Config {
         bos_token_id: None,
         // config.json's 258 (<|im_end|>) then generation_config.json's 256 (<|endoftext|>).
         eos_token_ids: vec![258, 256],
+        value_head: false,
     };
     match name {
         "qwen2" => Config {
@@ -697,7 +698,7 @@ fn model_info_bad_directories_exit_2() {
     let p = dir.join("config.json");
     let text = std::fs::read_to_string(&p).unwrap();
     std::fs::write(&p, text.replace("Qwen2ForCausalLM", "GPT2LMHeadModel")).unwrap();
-    check(&dir, "architecture 'GPT2LMHeadModel' is not supported (supported: Qwen2ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM)");
+    check(&dir, "architecture 'GPT2LMHeadModel' is not supported (supported: Qwen2ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForTokenClassification, LlamaForTokenClassification, Qwen3ForTokenClassification)");
 
     let dir = copy_fixture("llama", &tmp.path().join("e"));
     let p = dir.join("config.json");

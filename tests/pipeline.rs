@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tandem::batch::{list_array, schema, write_file, Batch, NewColumns, StageInfo};
 
-const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
+pub(crate) const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 const STAGES: [&str; 6] = [
     "rollout",
@@ -465,7 +465,7 @@ impl Work {
     }
 }
 
-fn text(o: &Output) -> String {
+pub(crate) fn text(o: &Output) -> String {
     format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
@@ -473,7 +473,7 @@ fn text(o: &Output) -> String {
     )
 }
 
-fn assert_ok(o: &Output) {
+pub(crate) fn assert_ok(o: &Output) {
     assert!(o.status.success(), "{}", text(o));
 }
 
@@ -488,11 +488,11 @@ fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-fn state(run: &Path) -> Value {
+pub(crate) fn state(run: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(run.join("state.json")).unwrap()).unwrap()
 }
 
-fn stage_done(run: &Path, step: u64, stage: &str) -> bool {
+pub(crate) fn stage_done(run: &Path, step: u64, stage: &str) -> bool {
     let Ok(t) = std::fs::read_to_string(run.join("state.json")) else {
         return false;
     };
@@ -507,7 +507,7 @@ fn stage_done(run: &Path, step: u64, stage: &str) -> bool {
 }
 
 /// JSON-lines rows without the wall-clock keys, which differ between any two runs.
-fn jsonl_sans_time(path: &Path) -> Vec<Value> {
+pub(crate) fn jsonl_sans_time(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
@@ -1492,7 +1492,7 @@ fn synth_reference_answers_score_full_marks() {
 
 /// The real stage binaries: next to `pipeline` (cargo builds every binary of the package).
 /// Runs `tandem ARGS` in `d` and asserts success.
-fn tandem_ok(d: &Path, args: &[&str]) {
+pub(crate) fn tandem_ok(d: &Path, args: &[&str]) {
     let o = Command::new(TANDEM)
         .args(args)
         .current_dir(d)
@@ -1501,7 +1501,7 @@ fn tandem_ok(d: &Path, args: &[&str]) {
     assert_ok(&o);
 }
 
-fn real_bins() -> PathBuf {
+pub(crate) fn real_bins() -> PathBuf {
     let dir = Path::new(PIPELINE).parent().unwrap().to_path_buf();
     for s in STAGES {
         assert!(dir.join(s).is_file(), "{s} is not built next to {PIPELINE}");
@@ -1510,7 +1510,7 @@ fn real_bins() -> PathBuf {
 }
 
 /// Whether a child process of `parent` whose command line contains `needle` runs now.
-fn running_child(parent: u32, needle: &str) -> bool {
+pub(crate) fn running_child(parent: u32, needle: &str) -> bool {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return false;
     };
@@ -1543,8 +1543,13 @@ fn running_child(parent: u32, needle: &str) -> bool {
 
 /// Every file of every checkpoint, by content.
 fn checkpoint_files(run: &Path) -> BTreeMap<String, Vec<u8>> {
+    checkpoint_files_in(run, "ckpt")
+}
+
+/// Every file of every checkpoint under `run/sub` (`ckpt`, or the critic's `critic`).
+pub(crate) fn checkpoint_files_in(run: &Path, sub: &str) -> BTreeMap<String, Vec<u8>> {
     let mut out = BTreeMap::new();
-    for ck in std::fs::read_dir(run.join("ckpt")).unwrap() {
+    for ck in std::fs::read_dir(run.join(sub)).unwrap() {
         let ck = ck.unwrap();
         for f in std::fs::read_dir(ck.path()).unwrap() {
             let f = f.unwrap();
@@ -2191,7 +2196,7 @@ fn a_verl_config_becomes_a_spec_that_pipeline_runs() {
     assert_ok(&o);
     let err = String::from_utf8_lossy(&o.stderr);
     // The keys without a counterpart, by rule, with the reason.
-    assert!(err.contains("tandem has no critic yet (issue 36)"), "{err}");
+    assert!(err.contains("verl's FSDP/Megatron critic worker"), "{err}");
     assert!(
         err.contains("  trainer.logger: tandem logs to metrics.jsonl and TensorBoard"),
         "{err}"

@@ -79,6 +79,7 @@ fn a_full_shard_pass_after_release_grads_holds_no_whole_gradients() {
         max_position_embeddings: 512,
         bos_token_id: None,
         eos_token_ids: vec![0],
+        value_head: false,
     };
     let weights = init::random_weights(&cfg, 1, 0.02);
     let params: usize = weights.values().map(|t| t.data.len()).sum();

@@ -41,6 +41,11 @@ pub const BINARIES: &[Binary] = &[
         run: |m| run_stage(StageJob::RefLogprob(parse(m)?)),
     },
     Binary {
+        name: "values",
+        command: || stage_command("values"),
+        run: |m| run_stage(StageJob::Values(parse(m)?)),
+    },
+    Binary {
         name: "advantage",
         command: || stage_command("advantage"),
         run: |m| stage::advantage::run(&parse(m)?),

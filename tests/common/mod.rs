@@ -39,6 +39,7 @@ pub fn config(arch: Arch, dims: Dims, tied: bool) -> Config {
         max_position_embeddings: 4096,
         bos_token_id: None,
         eos_token_ids: vec![0],
+        value_head: false,
     }
 }
 

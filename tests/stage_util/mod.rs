@@ -65,6 +65,7 @@ pub fn bin(name: &str) -> &'static str {
     match name {
         "rollout" => env!("CARGO_BIN_EXE_rollout"),
         "ref-logprob" => env!("CARGO_BIN_EXE_ref-logprob"),
+        "values" => env!("CARGO_BIN_EXE_values"),
         "update" => env!("CARGO_BIN_EXE_update"),
         "sync-weights" => env!("CARGO_BIN_EXE_sync-weights"),
         "score" => env!("CARGO_BIN_EXE_score"),

@@ -1,6 +1,6 @@
 //! RL algorithm math on host arrays: advantage estimators, KL penalties and controllers,
 //! loss aggregation, the policy losses, and rollout correction (mismatch metrics, masked
-//! importance sampling). Everything here is pure math over ragged rows (one row
+//! importance sampling), and the critic's value loss. Everything here is pure math over ragged rows (one row
 //! per sequence, no padding); `crate::stage::advantage` reads and writes the batch for the
 //! `advantage` binary.
 //!
@@ -12,6 +12,7 @@ pub(crate) mod agg;
 pub(crate) mod kl;
 pub mod policy_loss;
 pub(crate) mod rollout_corr;
+pub mod value_loss;
 
 /// The float types the loss math runs in: f32 for training, f64 for gradient checks.
 pub(crate) trait Real: Copy + Send + Sync + 'static {

@@ -419,6 +419,11 @@ pub struct LossMetrics {
     /// and the fraction of tokens whose weight the threshold truncated (0 without it).
     pub(crate) is_weight: f64,
     pub(crate) is_truncated: f64,
+    /// The critic's value loss (`crate::algo::value_loss`; 0 for a policy loss): the loss,
+    /// the token mean of its clipped terms being the larger, the token mean of the values.
+    pub(crate) vf_loss: f64,
+    pub(crate) vf_clipfrac: f64,
+    pub(crate) vpred_mean: f64,
 }
 
 impl LossMetrics {
@@ -431,6 +436,9 @@ impl LossMetrics {
         self.kl_loss += o.kl_loss;
         self.is_weight += o.is_weight;
         self.is_truncated += o.is_truncated;
+        self.vf_loss += o.vf_loss;
+        self.vf_clipfrac += o.vf_clipfrac;
+        self.vpred_mean += o.vpred_mean;
     }
 }
 

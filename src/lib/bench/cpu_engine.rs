@@ -63,6 +63,7 @@ pub fn shape(name: &str) -> Result<Config> {
         max_position_embeddings: 32768,
         bos_token_id: None,
         eos_token_ids: vec![],
+        value_head: false,
     };
     // Qwen2.5-7B and -14B have their own LM head.
     let untied = |c: Config| Config {
@@ -190,6 +191,7 @@ fn bench_update(
         old: None,
         ref_lp: None,
         rollout: None,
+        returns: None,
     };
     let tc = TrainConfig {
         loss: LossConfig::new(LossMode::Vanilla),
@@ -207,6 +209,7 @@ fn bench_update(
         shuffle: false,
         seed: a.seed,
         device_loss: TrainConfig::device_loss_from_env(),
+        critic: None,
     };
     let t = Instant::now();
     let report = train(dec, &data, &tc, 0, &mut |m| eprintln!("{m}"))?;

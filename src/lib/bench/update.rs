@@ -298,6 +298,7 @@ fn bench_update<B: Backend>(
         old: None,
         ref_lp: None,
         rollout: None,
+        returns: None,
     };
     let tc = train_config(&w);
     let mut times = Times::default();
@@ -386,6 +387,7 @@ fn train_config(w: &Workload) -> TrainConfig {
         shuffle: false,
         seed: w.seed,
         device_loss: TrainConfig::device_loss_from_env(),
+        critic: None,
     }
 }
 

@@ -37,7 +37,7 @@ use crate::model::decoder::{Decoder, TokenStats};
 use crate::model::{Config, Weights};
 use crate::parallel::ProcessGroup;
 use crate::stage::common::Device;
-use crate::stage::ref_logprob::{LogprobColumn, Score};
+use crate::stage::ref_logprob::{LogprobColumn, Score, Scored};
 use crate::stage::rollout::{Generate, Generated};
 use crate::stage::{Compute, Console, Hold, Topology};
 use anyhow::Result;
@@ -639,7 +639,10 @@ impl<B: Backend> Compute for Resident<B> {
     }
 
     fn score(&mut self, model: &ModelRef, job: Score<'_>) -> Result<Vec<TokenStats>> {
-        let is_policy = job.column() == LogprobColumn::OldLogprobs
+        if job.scored() == Scored::Values {
+            crate::bail_input!("values: the daemon keeps no critic; run `values` without --daemon");
+        }
+        let is_policy = job.scored() == Scored::Logprobs(LogprobColumn::OldLogprobs)
             || self
                 .policy
                 .as_ref()
@@ -663,6 +666,11 @@ impl<B: Backend> Compute for Resident<B> {
     }
 
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
+        if job.train.critic.is_some() {
+            crate::bail_input!(
+                "update --critic: the daemon keeps no critic; run it without --daemon"
+            );
+        }
         let load_s = self.update_phase(model)?;
         let reply = self.reply.clone();
         let slot = self.policy.as_mut().expect("loaded above");

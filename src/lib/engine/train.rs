@@ -26,6 +26,7 @@ use crate::algo::policy_loss::{
     policy_loss, LossConfig, LossInputs, LossMetrics, LossMode, LossOutput,
 };
 use crate::algo::rollout_corr::Mismatch;
+use crate::algo::value_loss::{value_loss, ValueInputs, ValueLoss};
 use crate::backend::ops::sample::uniform;
 use crate::backend::PpoShape;
 use crate::model::decoder::{AdamWParams, PpoTokens, SeqRef, TokenGrads, TokenStats};
@@ -165,6 +166,10 @@ pub struct TrainConfig {
     /// Run the PPO-clip loss on the device where the loss and the policy allow (no host round
     /// trip per micro-batch); false: always on the host ([`TrainConfig::device_loss_from_env`]).
     pub device_loss: bool,
+    /// Train a critic (a value model) with this value loss instead of the policy loss
+    /// (`update --critic`): the model's "log-probs" are its values, `old` the batch's
+    /// `values`, and [`TrainData::returns`] the targets; `loss` is not used.
+    pub critic: Option<ValueLoss>,
 }
 
 impl TrainConfig {
@@ -183,6 +188,8 @@ pub struct TrainData<'a> {
     pub old: Option<Vec<&'a [f32]>>,
     pub ref_lp: Option<Vec<&'a [f32]>>,
     pub rollout: Option<Vec<&'a [f32]>>,
+    /// The critic's targets (GAE's returns), when training a critic.
+    pub returns: Option<Vec<&'a [f32]>>,
 }
 
 /// One optimizer step's numbers.
@@ -223,6 +230,8 @@ pub struct TrainReport {
     pub mismatch: Option<(Mismatch, &'static str)>,
     /// The data-parallel optimizer's numbers, when it trained as one of several ranks.
     pub shard: Option<ShardStats>,
+    /// A critic was trained (the value loss's metrics are reported, not the policy's).
+    pub critic: bool,
 }
 
 impl TrainReport {
@@ -245,6 +254,9 @@ impl TrainReport {
             )
         };
         let mean = |x: f64| x / n;
+        if self.critic {
+            return self.critic_json(&sum, mean(loss), grad_norm);
+        }
         let mut out = serde_json::json!({
             "loss": mean(loss),
             "pg_loss": mean(sum.pg_loss),
@@ -271,6 +283,36 @@ impl TrainReport {
             });
         }
         out
+    }
+}
+
+impl TrainReport {
+    /// [`TrainReport::to_json`] of a critic's update: verl's `critic/…` metrics (means over
+    /// the optimizer steps; `critic/vf_explained_var` is the stage's, from the batch) and the
+    /// loop's counts.
+    fn critic_json(
+        &self,
+        sum: &LossMetrics,
+        loss: f64,
+        grad_norm: serde_json::Value,
+    ) -> serde_json::Value {
+        let n = self.steps.len().max(1) as f64;
+        let taken = self.steps.iter().filter(|s| !s.skipped).count();
+        serde_json::json!({
+            "critic": {
+                "vf_loss": sum.vf_loss / n,
+                "vf_clipfrac": sum.vf_clipfrac / n,
+                "vpred_mean": sum.vpred_mean / n,
+                "grad_norm": grad_norm,
+                "lr": self.lr,
+            },
+            "loss": loss,
+            "tokens_per_s": if self.seconds > 0.0 { self.tokens as f64 / self.seconds } else { 0.0 },
+            "tokens": self.tokens,
+            "optimizer_steps": taken,
+            "skipped_steps": self.steps.len() - taken,
+            "seconds": self.seconds,
+        })
     }
 }
 
@@ -405,6 +447,7 @@ pub fn train(
         rollout_is: cfg.loss.rollout_is.is_some(),
         mismatch,
         shard: None,
+        critic: cfg.critic.is_some(),
     })
 }
 
@@ -414,6 +457,13 @@ fn check_batch(data: &TrainData, cfg: &TrainConfig) -> Result<()> {
     ensure!(n > 0, "the batch has no rows");
     ensure!(cfg.ppo_epochs > 0, "ppo_epochs must be >= 1");
     ensure!(data.mask.len() == n, "mask rows");
+    if cfg.critic.is_some() {
+        ensure!(
+            data.old.is_some() && data.returns.is_some(),
+            "the value loss needs the batch's values and returns"
+        );
+        return Ok(());
+    }
     let needs_adv = cfg.loss.mode != LossMode::Sft;
     ensure!(
         !needs_adv || data.advantages.is_some(),
@@ -519,6 +569,7 @@ impl<'a, 'd> Trainer<'a, 'd> {
         log: &'a mut dyn FnMut(&str),
     ) -> Result<Self> {
         let device_loss = cfg.device_loss
+            && cfg.critic.is_none()
             && cfg.loss.mode == LossMode::Vanilla
             && cfg.loss.kl_loss.is_none()
             && cfg.loss.rollout_is.is_none();
@@ -538,7 +589,7 @@ impl<'a, 'd> Trainer<'a, 'd> {
                 eps: cfg.eps,
                 weight_decay: cfg.weight_decay,
             },
-            want_entropy: cfg.loss.entropy_coeff != 0.0,
+            want_entropy: cfg.loss.entropy_coeff != 0.0 && cfg.critic.is_none(),
             device_loss,
             clip: PpoShape {
                 tokens: 0,
@@ -733,15 +784,19 @@ impl<'a, 'd> Trainer<'a, 'd> {
             &mut m.kl_loss,
             &mut m.is_weight,
             &mut m.is_truncated,
+            &mut m.vf_loss,
+            &mut m.vf_clipfrac,
+            &mut m.vpred_mean,
         ];
+        let k = fields.len();
         let mut v: Vec<f64> = fields.iter().map(|f| **f).collect();
         v.extend([sums.nonfinite as u8 as f64, sums.tokens as f64]);
         self.policy.sum_over_ranks(&mut v)?;
         for (f, x) in fields.iter_mut().zip(&v) {
             **f = *x;
         }
-        sums.nonfinite = v[9] > 0.0;
-        sums.tokens = v[10].round() as usize;
+        sums.nonfinite = v[k] > 0.0;
+        sums.tokens = v[k + 1].round() as usize;
         Ok(())
     }
 
@@ -967,6 +1022,9 @@ fn micro_loss(
         stats.len(),
         idx.len()
     );
+    if let Some(vl) = &cfg.critic {
+        return critic_loss(vl, data, idx, stats, old_rows, norm);
+    }
     let mut offsets = vec![0usize];
     let mut mask = Vec::new();
     let mut lp = Vec::new();
@@ -1019,6 +1077,47 @@ fn micro_loss(
         out.grad_entropy = None;
     }
     Ok((out, offsets))
+}
+
+/// The value loss of one micro-batch (rows `idx`, the critic's current values in `stats`,
+/// the batch's values in `old_rows`) and the token offsets of its rows.
+fn critic_loss(
+    vl: &ValueLoss,
+    data: &TrainData,
+    idx: &[usize],
+    stats: &[TokenStats],
+    old_rows: Option<&[&[f32]]>,
+    norm: &LossNorm,
+) -> Result<(LossOutput<f32>, Vec<usize>)> {
+    let (old_rows, ret_rows) = match (old_rows, &data.returns) {
+        (Some(o), Some(r)) => (o, r),
+        _ => bail!("the value loss needs the batch's values and returns"),
+    };
+    let mut offsets = vec![0usize];
+    let (mut mask, mut v, mut old, mut ret) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (&i, s) in idx.iter().zip(stats) {
+        let n = data.rows[i].response.len();
+        ensure!(
+            s.logprobs.len() == n && old_rows[i].len() == n && ret_rows[i].len() == n,
+            "row {i}: {} values, {} old values, {} returns for {n} response tokens",
+            s.logprobs.len(),
+            old_rows[i].len(),
+            ret_rows[i].len()
+        );
+        mask.extend_from_slice(data.mask[i]);
+        v.extend_from_slice(&s.logprobs);
+        old.extend_from_slice(old_rows[i]);
+        ret.extend_from_slice(ret_rows[i]);
+        offsets.push(v.len());
+    }
+    let x = ValueInputs {
+        offsets: &offsets,
+        mask: &mask,
+        v: &v,
+        old: &old,
+        returns: &ret,
+    };
+    Ok((value_loss(vl, &x, norm)?, offsets))
 }
 
 /// Per-row gradients for the backward pass (zeros when the loss was not finite, so the step
@@ -1074,6 +1173,7 @@ mod tests {
             shuffle: false,
             seed: 0,
             device_loss: true,
+            critic: None,
         }
     }
 
@@ -1109,6 +1209,7 @@ mod tests {
                 old: None,
                 ref_lp: None,
                 rollout: None,
+                returns: None,
             }
         }
     }
@@ -1479,6 +1580,79 @@ mod tests {
         for (name, t) in &wh {
             crate::backend::check::assert_close(&wd[name].data, &t.data, 1e-6, name);
         }
+    }
+
+    /// The critic through the loop (`TrainConfig::critic`): split into micro-batches of a few
+    /// tokens it takes the same step as unsplit (the value loss is normalised by the
+    /// mini-batch's totals, as the policy loss is), the masked token takes no part, and the
+    /// loss is the value loss of the values before the step.
+    #[test]
+    fn the_critic_trains_the_same_whatever_the_micro_batches() {
+        use crate::algo::value_loss::ValueLoss;
+        use crate::backend::cpu::Cpu;
+        use crate::model::decoder::Decoder;
+        let pcfg = crate::model::Config {
+            vocab_size: 512,
+            eos_token_ids: vec![],
+            ..crate::model::Config::small_qwen2()
+        };
+        let (cfg, mut weights) = crate::model::critic::value_model_from(
+            &pcfg,
+            crate::model::init::random_weights(&pcfg, 5, 0.5),
+        );
+        let head = crate::model::names::VALUE_HEAD;
+        weights.get_mut(head).unwrap().data = (0..cfg.hidden_size)
+            .map(|i| 0.05 * ((i % 7) as f32 - 3.0))
+            .collect();
+        let mut owned = batch();
+        owned.masks[0][1] = 0;
+        // Row 1's old values are far from its values and return: its clipped term is the larger.
+        let old: Vec<Vec<f32>> = owned
+            .responses
+            .iter()
+            .enumerate()
+            .map(|(i, r)| vec![if i == 1 { 2.0 } else { 0.1 }; r.len()])
+            .collect();
+        let mut c = cfg_for_decoder();
+        c.critic = Some(ValueLoss {
+            cliprange: 0.2,
+            agg: AggMode::SeqMeanTokenMean,
+        });
+        let run = |tokens: usize| {
+            let mut dec = Decoder::new(Cpu, &cfg, &weights).unwrap();
+            let mut d = owned.data();
+            d.old = Some(old.iter().map(Vec::as_slice).collect());
+            // The returns: the rows' advantages.
+            d.returns = d.advantages.take();
+            let c = TrainConfig {
+                micro_batch_tokens: tokens,
+                ..c.clone()
+            };
+            let r = train(&mut dec, &d, &c, 0, &mut |_| {}).unwrap();
+            (r, dec.export_weights().unwrap())
+        };
+        let (whole, w1) = run(10_000);
+        let (split, w2) = run(3);
+        assert!(whole.critic && whole.steps.len() == 1);
+        let (a, b) = (&whole.steps[0], &split.steps[0]);
+        assert!(
+            (a.loss - b.loss).abs() < 1e-6 * a.loss.abs().max(1.0),
+            "{} {}",
+            a.loss,
+            b.loss
+        );
+        assert!((a.metrics.vf_loss - a.loss).abs() < 1e-12);
+        assert!(
+            a.metrics.vf_clipfrac > 0.0 && a.metrics.vf_clipfrac < 1.0,
+            "{:?}",
+            a.metrics
+        );
+        for (name, t) in &w1 {
+            crate::backend::check::assert_close(&w2[name].data, &t.data, 1e-6, name);
+        }
+        let j = whole.to_json();
+        assert_eq!(j["critic"]["vf_loss"], a.metrics.vf_loss);
+        assert!(j.get("pg_loss").is_none());
     }
 
     /// Adam at lr 1e-3 on the tiny decoder (`cfg` uses lr 0.5 for the bigram).

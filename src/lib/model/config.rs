@@ -36,6 +36,9 @@ pub struct Config {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence ids (config.json and generation_config.json together).
     pub eos_token_ids: Vec<u32>,
+    /// A value model (a critic): HF's `*ForTokenClassification` with one label, whose head
+    /// `score` (hidden -> 1, with a bias) replaces the LM head.
+    pub value_head: bool,
 }
 
 use crate::error::input_error;
@@ -44,8 +47,14 @@ use serde_json::{Map, Value};
 use std::path::Path;
 
 /// The HF architectures tandem can load, as written in config.json's `architectures`.
-pub(crate) const SUPPORTED_ARCHITECTURES: [&str; 3] =
-    ["Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"];
+pub(crate) const SUPPORTED_ARCHITECTURES: [&str; 6] = [
+    "Qwen2ForCausalLM",
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2ForTokenClassification",
+    "LlamaForTokenClassification",
+    "Qwen3ForTokenClassification",
+];
 
 pub(crate) const CONFIG_FILE: &str = "config.json";
 pub(crate) const GENERATION_CONFIG_FILE: &str = "generation_config.json";
@@ -60,6 +69,15 @@ impl Arch {
         }
     }
 
+    /// The `architectures` entry of a value model's config.json (a token classifier).
+    pub(crate) fn hf_value_architecture(self) -> &'static str {
+        match self {
+            Arch::Qwen2 => "Qwen2ForTokenClassification",
+            Arch::Llama => "LlamaForTokenClassification",
+            Arch::Qwen3 => "Qwen3ForTokenClassification",
+        }
+    }
+
     /// The `model_type` of config.json.
     pub(crate) fn model_type(self) -> &'static str {
         match self {
@@ -69,10 +87,15 @@ impl Arch {
         }
     }
 
-    fn from_architecture(name: &str) -> Option<Arch> {
+    /// The architecture of an `architectures` entry, and whether it is a value model.
+    fn from_architecture(name: &str) -> Option<(Arch, bool)> {
         [Arch::Qwen2, Arch::Llama, Arch::Qwen3]
             .into_iter()
-            .find(|a| a.hf_architecture() == name)
+            .find_map(|a| match name {
+                n if n == a.hf_architecture() => Some((a, false)),
+                n if n == a.hf_value_architecture() => Some((a, true)),
+                _ => None,
+            })
     }
 
     fn from_model_type(name: &str) -> Option<Arch> {
@@ -167,11 +190,12 @@ impl Fields<'_> {
         }
     }
 
-    /// The architecture, from `architectures` (its first entry) or else `model_type`.
-    fn arch(&self) -> Result<Arch> {
+    /// The architecture, from `architectures` (its first entry) or else `model_type`, and
+    /// whether it is a value model (a token classifier, which must have one label).
+    fn arch(&self) -> Result<(Arch, bool)> {
         let file = self.file;
         let supported = SUPPORTED_ARCHITECTURES.join(", ");
-        Ok(match self.get("architectures") {
+        let found = match self.get("architectures") {
             Some(Value::Array(list)) if !list.is_empty() => {
                 let name = match &list[0] {
                     Value::String(s) => s.clone(),
@@ -187,16 +211,39 @@ impl Fields<'_> {
                 crate::bail_input!("{file}: field 'architectures' must be a list, found {v}")
             }
             _ => match self.str_opt("model_type")? {
-                Some(mt) => Arch::from_model_type(mt).ok_or_else(|| {
-                    input_error(format!(
-                        "{file}: model_type '{mt}' is not supported (supported: {supported})"
-                    ))
-                })?,
+                Some(mt) => Arch::from_model_type(mt)
+                    .map(|a| (a, false))
+                    .ok_or_else(|| {
+                        input_error(format!(
+                            "{file}: model_type '{mt}' is not supported (supported: {supported})"
+                        ))
+                    })?,
                 None => crate::bail_input!(
                     "{file}: neither 'architectures' nor 'model_type' is set (supported: {supported})"
                 ),
             },
-        })
+        };
+        if found.1 {
+            self.one_label()?;
+        }
+        Ok(found)
+    }
+
+    /// A value model's labels: `num_labels` or the size of `id2label` must be 1 (HF's default
+    /// without either is 2).
+    fn one_label(&self) -> Result<()> {
+        let file = self.file;
+        let labels = match (self.usize_opt("num_labels")?, self.get("id2label")) {
+            (Some(n), _) => n,
+            (None, Some(Value::Object(m))) => m.len(),
+            (None, _) => 2,
+        };
+        if labels != 1 {
+            crate::bail_input!(
+                "{file}: a token-classification model is read as a value model (critic) and needs num_labels = 1, found {labels}"
+            );
+        }
+        Ok(())
     }
 
     /// Features HF supports for these classes that the decoder does not implement: refuse them
@@ -341,6 +388,7 @@ impl Config {
             max_position_embeddings: 512,
             bos_token_id: None,
             eos_token_ids: vec![0],
+            value_head: false,
         }
     }
 
@@ -375,7 +423,7 @@ impl Config {
     /// Parses the object of an HF config.json; `file` names it in error messages.
     pub(crate) fn from_hf_json(map: &Map<String, Value>, file: &str) -> Result<Config> {
         let f = Fields { file, map };
-        let arch = f.arch()?;
+        let (arch, value_head) = f.arch()?;
         f.refuse_unsupported(arch)?;
         let rope_theta = f.rope_theta()?;
         let hidden_size = f.usize_req("hidden_size")?;
@@ -404,6 +452,7 @@ impl Config {
                 .unwrap_or(max_position_default),
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids,
+            value_head,
         };
         cfg.check_special_ids(file)?;
         Ok(cfg)
@@ -431,13 +480,26 @@ impl Config {
         m.remove("rope_parameters");
         m.remove("rope_scaling");
         m.remove("dtype");
+        if !self.value_head {
+            // A policy written from its critic's config (or the other way) keeps no labels.
+            for k in ["num_labels", "id2label", "label2id"] {
+                m.remove(k);
+            }
+        }
         let mut set = |k: &str, v: Value| {
             m.insert(k.to_string(), v);
         };
-        set(
-            "architectures",
-            Value::from(vec![self.arch.hf_architecture()]),
-        );
+        let arch = match self.value_head {
+            true => self.arch.hf_value_architecture(),
+            false => self.arch.hf_architecture(),
+        };
+        set("architectures", Value::from(vec![arch]));
+        if self.value_head {
+            // transformers reads the label count from id2label (num_labels is derived).
+            set("num_labels", 1.into());
+            set("id2label", serde_json::json!({"0": "LABEL_0"}));
+            set("label2id", serde_json::json!({"LABEL_0": 0}));
+        }
         set("model_type", self.arch.model_type().into());
         set("vocab_size", self.vocab_size.into());
         set("hidden_size", self.hidden_size.into());
@@ -500,7 +562,8 @@ impl Config {
             }
         };
         let base_cfg = base(CONFIG_FILE)?;
-        // A base of another architecture has nothing to give (e.g. a tokenizer-only directory).
+        // A base of another architecture has nothing to give (e.g. a tokenizer-only directory);
+        // a critic's base may be its policy's.
         let base_cfg = base_cfg
             .filter(|m| Config::from_hf_json(m, "").map(|c| c.arch).ok() == Some(self.arch));
         write_json(&dir.join(CONFIG_FILE), &self.to_hf_json(base_cfg.as_ref()))?;
@@ -583,6 +646,7 @@ mod tests {
             max_position_embeddings: 32768,
             bos_token_id: Some(151643),
             eos_token_ids: vec![151645],
+            value_head: false,
         };
         assert_eq!(c, want);
     }

@@ -259,6 +259,7 @@ fn config_from_args(args: &InitModelArgs, vocab: usize) -> Result<Config> {
         max_position_embeddings: args.max_position,
         bos_token_id: None,
         eos_token_ids: vec![],
+        value_head: false,
     })
 }
 
@@ -371,6 +372,7 @@ mod tests {
             max_position_embeddings: 64,
             bos_token_id: None,
             eos_token_ids: vec![],
+            value_head: false,
         }
     }
 

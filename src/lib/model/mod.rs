@@ -2,6 +2,7 @@
 
 pub(crate) mod checkpoint;
 pub(crate) mod config;
+pub mod critic;
 pub mod decoder;
 pub mod gguf;
 pub mod info;

@@ -29,6 +29,10 @@ pub struct TensorSpec {
 pub const EMBED: &str = "model.embed_tokens.weight";
 pub const FINAL_NORM: &str = "model.norm.weight";
 pub const LM_HEAD: &str = "lm_head.weight";
+/// A value model's head (HF's token classifier with one label): `score.weight` [1, hidden] and
+/// `score.bias` [1].
+pub const VALUE_HEAD: &str = "score.weight";
+pub const VALUE_BIAS: &str = "score.bias";
 
 /// Prefix of layer `i`'s tensors: `model.layers.{i}.`
 pub(crate) fn layer_prefix(i: usize) -> String {
@@ -36,7 +40,8 @@ pub(crate) fn layer_prefix(i: usize) -> String {
 }
 
 /// Every tensor a model with this config has, with its shape, in HF state-dict order.
-/// A tied model has no `lm_head.weight` (HF does not save it either).
+/// A tied model has no `lm_head.weight` (HF does not save it either); a value model has its
+/// `score` head instead.
 pub fn expected_tensors(cfg: &Config) -> Vec<TensorSpec> {
     let h = cfg.hidden_size;
     let d = cfg.head_dim;
@@ -79,7 +84,10 @@ pub fn expected_tensors(cfg: &Config) -> Vec<TensorSpec> {
         );
     }
     push(FINAL_NORM.into(), vec![h], Role::Norm);
-    if !cfg.tie_word_embeddings {
+    if cfg.value_head {
+        push(VALUE_HEAD.into(), vec![1, h], Role::Matrix);
+        push(VALUE_BIAS.into(), vec![1], Role::Bias);
+    } else if !cfg.tie_word_embeddings {
         push(LM_HEAD.into(), vec![cfg.vocab_size, h], Role::Matrix);
     }
     out
@@ -122,6 +130,7 @@ mod tests {
             max_position_embeddings: 64,
             bos_token_id: None,
             eos_token_ids: vec![],
+            value_head: false,
         }
     }
 

@@ -25,8 +25,13 @@ pub(super) fn copy_kl_state(plan: &Plan, step: u64) -> Result<()> {
 
 /// Keep the current policy's checkpoint and the newest `keep-last` of the cadence ones.
 pub(super) fn prune(plan: &Plan, step: u64) -> Result<()> {
-    let root = plan.run.ckpt_root();
-    let Ok(entries) = std::fs::read_dir(&root) else {
+    prune_under(plan, &plan.run.ckpt_root(), step)?;
+    prune_under(plan, &plan.run.critic_root(), step)
+}
+
+/// [`prune`] of the checkpoints under `root` (the policy's or the critic's).
+fn prune_under(plan: &Plan, root: &std::path::Path, step: u64) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(root) else {
         return Ok(());
     };
     let mut steps: Vec<(u64, PathBuf)> = entries
@@ -126,6 +131,7 @@ pub(super) fn step_metrics(
             ("sampling", run.stage_metrics(step, "sampling")),
             ("advantage", run.stage_metrics(step, "advantage")),
             ("update", run.stage_metrics(step, "update")),
+            ("critic", run.stage_metrics(step, "critic")),
         ],
         seconds: &seconds,
     })?;

@@ -242,14 +242,21 @@ impl Plan {
         ]
     }
 
-    /// `--device` for the model stages when not on the CPU (the stages' default).
+    /// `--device` for the model stages when not on the CPU (the stages' default), and
+    /// `--daemon` with the warm daemon.
     fn device_args(&self) -> Vec<String> {
-        let mut a = match self.spec.device {
-            Device::Cpu => Vec::new(),
-            d => vec!["--device".into(), d.as_str().into()],
-        };
+        let mut a = self.own_device_args();
         a.extend(self.daemon_args());
         a
+    }
+
+    /// `--device` alone: the critic's stages run in their own process (the daemon keeps no
+    /// critic).
+    fn own_device_args(&self) -> Vec<String> {
+        match self.spec.device {
+            Device::Cpu => Vec::new(),
+            d => vec!["--device".into(), d.as_str().into()],
+        }
     }
 
     /// The tasks of step 0: publish the initial model as the policy, then evaluate it.
@@ -340,10 +347,17 @@ impl Plan {
     /// update, sync, then the chores (prune, an evaluation, the metrics line).
     pub(crate) fn step_tasks(&self, step: u64) -> Vec<Task> {
         let mut tasks = self.sampling_tasks(step);
-        let last = self.logprob_tasks(step, &mut tasks);
+        let mut last = self.logprob_tasks(step, &mut tasks);
+        if self.spec.critic.is_some() {
+            tasks.push(self.values_task(step, last));
+            last = "values";
+        }
         self.advantage_tasks(step, last, &mut tasks);
-        tasks.push(self.update_task(step));
-        tasks.push(self.sync_task(&self.run.ckpt(step), step));
+        tasks.extend(self.critic_task(step));
+        if self.trains_policy(step) {
+            tasks.push(self.update_task(step));
+            tasks.push(self.sync_task(&self.run.ckpt(step), step));
+        }
         tasks.push(Task {
             name: "prune",
             action: Action::PruneCheckpoints,
@@ -474,6 +488,73 @@ impl Plan {
             name: "update",
             action: stage_cmd("update", update),
         }
+    }
+
+    /// Whether step `step` updates the policy: not in the critic's warm-up (`[critic]
+    /// critic-warmup` steps that train the critic only).
+    pub(crate) fn trains_policy(&self, step: u64) -> bool {
+        self.spec
+            .critic
+            .as_ref()
+            .is_none_or(|c| step > c.critic_warmup)
+    }
+
+    /// The critic step `step` starts from: the previous step's, or the initial one.
+    pub(crate) fn critic_in(&self, step: u64) -> PathBuf {
+        match step {
+            0 | 1 => self
+                .spec
+                .critic_model()
+                .expect("a spec with a critic")
+                .to_path_buf(),
+            s => self.run.critic_ckpt(s - 1),
+        }
+    }
+
+    /// `values` with the step's critic over batch `from` into batch `values`.
+    fn values_task(&self, step: u64, from: &str) -> Task {
+        let b = |name: &str| path_arg(&self.run.batch(step, name));
+        let mut args = vec![
+            "--model".into(),
+            path_arg(&self.critic_in(step)),
+            "--in".into(),
+            b(from),
+            "--out".into(),
+            b("values"),
+        ];
+        args.extend(self.stages.values.argv.iter().cloned());
+        args.extend(self.own_device_args());
+        Task {
+            name: "values",
+            action: stage_cmd("values", args),
+        }
+    }
+
+    /// `update --critic` on the advantage batch (its `values` and `returns`), from the step's
+    /// critic into `critic/step-000K`; none without a `[critic]`.
+    fn critic_task(&self, step: u64) -> Option<Task> {
+        let flags = self.stages.critic.as_ref()?;
+        let run = &self.run;
+        let mut args = vec![
+            "--model".into(),
+            path_arg(&self.critic_in(step)),
+            "--in".into(),
+            path_arg(&run.batch(step, "adv")),
+            "--out-model".into(),
+            path_arg(&run.critic_ckpt(step)),
+        ];
+        args.extend(flags.argv.iter().cloned());
+        args.extend([
+            "--seed".into(),
+            derive_seed(self.spec.seed, &[step, 4]).to_string(),
+            "--metrics".into(),
+            path_arg(&run.stage_metrics(step, "critic")),
+        ]);
+        args.extend(self.own_device_args());
+        Some(Task {
+            name: "critic",
+            action: stage_cmd("update", args),
+        })
     }
 
     /// The rollout and score of one sampling pass: `files.prompts` to `files.scored`, the

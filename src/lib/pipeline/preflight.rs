@@ -18,6 +18,8 @@
 //!
 //! - `[advantage] estimator = "remax"`: the training rollout adds the greedy baseline it
 //!   subtracts (`[rollout] baseline = "greedy"`).
+//! - `[advantage] estimator = "gae"` needs a `[critic]` (and a `[critic]` needs GAE); `[critic]
+//!   model` (default `[model] path`): config and weights, of the policy's vocabulary.
 //!
 //! - `device = "cuda"` (or `--device cuda`): the CUDA driver loads and shows a GPU, and at
 //!   least `gpus` of them.
@@ -81,6 +83,8 @@ pub fn check(plan: &Plan) -> Result<Batch> {
         }
     }
 
+    check_critic(plan, cfg.vocab_size)?;
+
     let prompts = |key: &str, path: &Path, table: &str, args: &RolloutArgs| {
         let template = (!args.raw_prompt).then_some(template.as_ref()).flatten();
         let tokens = Tokens {
@@ -117,6 +121,44 @@ fn check_baseline(plan: &Plan) -> Result<()> {
     if estimator == "remax" && plan.stages.rollout.args.baseline.is_none() {
         bail_input!(
             "[advantage] estimator = \"remax\" subtracts the score of each prompt's greedy response, which the rollout adds as a baseline row: add baseline = \"greedy\" to [rollout]"
+        );
+    }
+    Ok(())
+}
+
+/// The critic against the estimator: GAE reads a critic's values and needs a `[critic]`; a
+/// `[critic]` is only read by GAE; its model is there, of the policy's vocabulary; it trains
+/// on one device (no `gpus = N` yet).
+fn check_critic(plan: &Plan, vocab: usize) -> Result<()> {
+    let spec = &plan.spec;
+    let estimator = plan.stages.advantage.args.estimator.as_str();
+    let Some(model) = spec.critic_model() else {
+        if estimator == "gae" {
+            bail_input!(
+                "[advantage] estimator = \"gae\" needs a critic's values, and the spec has no [critic]: add a [critic] table (its model defaults to the policy's, with a zero value head; e.g. `[critic]` with `lr = 1e-5`), or choose another estimator"
+            );
+        }
+        return Ok(());
+    };
+    if estimator != "gae" {
+        bail_input!(
+            "[critic]: only [advantage] estimator = \"gae\" reads a critic's values, not \"{estimator}\"; set estimator = \"gae\" or remove [critic]"
+        );
+    }
+    if spec.gpus > 1 {
+        bail_input!(
+            "[critic] with gpus = {}: the critic trains on one device for now; use gpus = 1",
+            spec.gpus
+        );
+    }
+    let key = "[critic] model";
+    let dir = model_dir(key, model)?;
+    let cfg = ModelDir::load_config(&dir).with_context(|| key.to_string())?;
+    if cfg.vocab_size != vocab {
+        bail_input!(
+            "{key} = {}: vocabulary of {} tokens, the policy's has {vocab}",
+            model.display(),
+            cfg.vocab_size
         );
     }
     Ok(())

@@ -139,6 +139,13 @@ impl RunDir {
     pub fn ckpt(&self, step: u64) -> PathBuf {
         self.ckpt_root().join(step_name(step))
     }
+    /// The critic's checkpoints (`[critic]`): `critic/step-000K`, pruned as `ckpt/` is.
+    pub(crate) fn critic_root(&self) -> PathBuf {
+        self.root.join("critic")
+    }
+    pub fn critic_ckpt(&self, step: u64) -> PathBuf {
+        self.critic_root().join(step_name(step))
+    }
 
     pub fn exists(&self) -> bool {
         self.state_path().exists()

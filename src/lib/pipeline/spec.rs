@@ -25,6 +25,7 @@ use crate::stage::rollout::RolloutArgs;
 use crate::stage::score::ScoreArgs;
 use crate::stage::sync_weights::SyncWeightsArgs;
 use crate::stage::update::UpdateArgs;
+use crate::stage::values::ValuesArgs;
 use crate::stage::{self, clap_message, StageDef};
 use anyhow::Result;
 use clap::error::{ContextKind, ContextValue};
@@ -126,6 +127,30 @@ impl Default for CheckpointSpec {
 
 fn yes() -> bool {
     true
+}
+
+/// `[critic]`: a value model trained beside the policy (PPO with GAE, verl's critic). Each step
+/// the runner runs `values` with the critic before `advantage`, and `update --critic` after
+/// it; the other keys are `update` flags for the critic's update (`lr`, `lr-warmup-steps`,
+/// `cliprange-value`, `loss-agg-mode`, `grad-clip`, `ppo-epochs`, ...).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) struct CriticSpec {
+    /// The critic the run starts from: a value model's directory, or a policy's model whose
+    /// critic starts with a zero value head (default: `[model] path`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) model: Option<PathBuf>,
+    /// The first steps train the critic only; the policy's updates start after them (verl's
+    /// `trainer.critic_warmup = N` starts the actor at step N: N − 1 here).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) critic_warmup: u64,
+    /// `update --critic` flags.
+    #[serde(flatten)]
+    pub(crate) update: toml::Table,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// `[algorithm]`: DAPO's dynamic sampling (verl's `algorithm.filter_groups`), run by the runner
@@ -265,6 +290,12 @@ pub(crate) struct Spec {
     pub(crate) advantage: toml::Table,
     #[serde(default)]
     pub(crate) update: toml::Table,
+    /// `values`' flags, when a `[critic]` runs it.
+    #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
+    pub(crate) values: toml::Table,
+    /// PPO with a value model: the critic the runner trains beside the policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) critic: Option<CriticSpec>,
     #[serde(default, skip_serializing_if = "toml::Table::is_empty")]
     pub(crate) sync_weights: toml::Table,
     #[serde(default, skip_serializing_if = "AlgorithmSpec::is_empty")]
@@ -295,6 +326,9 @@ pub struct Stages {
     /// With `--temperature` as for ref-logprob, and `--total-steps` = `steps` for a cosine
     /// schedule without one.
     pub update: Flags<UpdateArgs>,
+    /// `values` and the critic's `update --critic`, when the spec has a `[critic]`.
+    pub values: Flags<ValuesArgs>,
+    pub critic: Option<Flags<UpdateArgs>>,
     pub sync_weights: Flags<SyncWeightsArgs>,
     /// The evaluation rollout: `[rollout]` without its sampling keys, the greedy defaults, then
     /// `[eval]`.
@@ -514,11 +548,15 @@ impl FlagSet {
         Ok(())
     }
 
-    /// Sets `--long` to `value` (a value the runner derives; it replaces the tables').
+    /// Sets `--long` to `value` (a value the runner derives; it replaces the tables'); a
+    /// switch to "true".
     fn set(&mut self, long: &str, value: &str) {
         let (index, arg) = self.find(long).expect("a flag of the stage");
-        let (args, _) = value_args(arg, long, &toml::Value::String(value.into()))
-            .expect("a flag that takes a value");
+        let value = match arg.get_action().takes_values() {
+            true => toml::Value::String(value.into()),
+            false => toml::Value::Boolean(value == "true"),
+        };
+        let (args, _) = value_args(arg, long, &value).expect("a value the flag takes");
         let entry = Entry {
             long: long.to_string(),
             args,
@@ -749,17 +787,20 @@ impl Spec {
             same_temperature("ref-logprob", t)?;
         }
 
-        let mut update = with_sampled(table("update", &self.update)?);
-        let mut update_flags = update.parse::<UpdateArgs>("update", src)?;
-        // A cosine schedule spans the run unless told otherwise.
-        let a = &update_flags.args;
-        if a.lr_schedule == crate::engine::train::LrSchedule::Cosine && a.total_steps.is_none() {
-            update.set("total-steps", &self.steps.to_string());
-            update_flags = update.parse("update", src)?;
-        }
+        let update_flags =
+            self.update_flags(with_sampled(table("update", &self.update)?), "update", src)?;
         if let Some(t) = update_flags.args.temperature {
             same_temperature("update", t)?;
         }
+        let critic = match &self.critic {
+            None => None,
+            Some(c) => {
+                let mut f = FlagSet::new("update");
+                f.add_table(&c.update, "critic", &[], &["model", "critic-warmup"], src)?;
+                f.set("critic", "true");
+                Some(self.update_flags(f, "critic", src)?)
+            }
+        };
 
         let mut eval = table("rollout", &self.rollout)?;
         for key in EVAL_SAMPLING {
@@ -785,9 +826,29 @@ impl Spec {
             ref_logprob,
             advantage: table("advantage", &self.advantage)?.parse("advantage", src)?,
             update: update_flags,
+            values: table("values", &self.values)?.parse("values", src)?,
+            critic,
             sync_weights: table("sync-weights", &self.sync_weights)?.parse("sync-weights", src)?,
             eval: eval.parse("eval", src)?,
         })
+    }
+
+    /// `update`'s flags of table `name` parsed, a cosine schedule spanning the run unless told
+    /// otherwise.
+    fn update_flags(&self, mut f: FlagSet, name: &str, src: &Source) -> Result<Flags<UpdateArgs>> {
+        let flags = f.parse::<UpdateArgs>(name, src)?;
+        let a = &flags.args;
+        if a.lr_schedule == crate::engine::train::LrSchedule::Cosine && a.total_steps.is_none() {
+            f.set("total-steps", &self.steps.to_string());
+            return f.parse(name, src);
+        }
+        Ok(flags)
+    }
+
+    /// The critic's initial model: `[critic] model`, else the initial policy's.
+    pub(crate) fn critic_model(&self) -> Option<&Path> {
+        let c = self.critic.as_ref()?;
+        Some(c.model.as_deref().unwrap_or(&self.model.path))
     }
 
     /// The reference model: `[model] ref`, else the initial policy.
@@ -1429,6 +1490,7 @@ estimator = "grpo"
             "ref-logprob" => of::<RefLogprobArgs>(m),
             "advantage" => of::<AdvantageArgs>(m),
             "update" => of::<UpdateArgs>(m),
+            "values" => of::<ValuesArgs>(m),
             "sync-weights" => of::<SyncWeightsArgs>(m),
             other => panic!("no typed flags for {other}"),
         }
@@ -1442,6 +1504,7 @@ estimator = "grpo"
             "ref-logprob" => format!("{:?}", st.ref_logprob.args),
             "advantage" => format!("{:?}", st.advantage.args),
             "update" => format!("{:?}", st.update.args),
+            "values" => format!("{:?}", st.values.args),
             "sync-weights" => format!("{:?}", st.sync_weights.args),
             other => panic!("no table for {other}"),
         }
@@ -1611,6 +1674,7 @@ estimator = "grpo"
                             "ref-logprob" => &st.ref_logprob.argv,
                             "advantage" => &st.advantage.argv,
                             "update" => &st.update.argv,
+                            "values" => &st.values.argv,
                             _ => &st.sync_weights.argv,
                         };
                         let dash = format!("--{long}");

@@ -1,5 +1,6 @@
-//! The stages, one module per binary: `rollout`, `score`, `ref_logprob`, `advantage`, `update`,
-//! `sync_weights`, and `sft_batch` (`tandem sft-batch`); `save` is the daemon's `daemon-ctl
+//! The stages, one module per binary: `rollout`, `score`, `ref_logprob`, `values` (a critic's
+//! values), `advantage`, `update` (the policy's, or with `--critic` the critic's), `sync_weights`,
+//! and `sft_batch` (`tandem sft-batch`); `save` is the daemon's `daemon-ctl
 //! save` job; `common` holds what they share.
 //!
 //! Each stage declares its flags once, as a clap `Args` struct with their help: the binary's
@@ -31,11 +32,12 @@ pub mod sft_batch;
 pub mod sync_weights;
 pub(crate) mod turns;
 pub mod update;
+pub mod values;
 
 use crate::backend::cpu::Cpu;
 use crate::backend::Backend;
 use crate::bail_input;
-pub use crate::engine::policy::load_policy;
+pub use crate::engine::policy::{load_policy, load_value_model};
 use crate::engine::policy::{
     train_ranks_from_files, HeldPolicy, Holder, SavedShards, Sharding, Train, Trainable, Trained,
 };
@@ -85,7 +87,8 @@ pub trait Compute: Topology {
         model: &ModelRef,
         job: rollout::Generate<'_>,
     ) -> Result<rollout::Generated>;
-    /// Log-probs of the rows under `model` (the reference, or the policy for old_logprobs).
+    /// Log-probs of the rows under `model` (the reference, or the policy for old_logprobs), or
+    /// a critic's values.
     fn score(
         &mut self,
         model: &ModelRef,
@@ -188,7 +191,10 @@ impl Compute for InProcess {
 
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
         let started = std::time::Instant::now();
-        let loaded = Trainable::load(&model.dir, &mut |m| self.log(m))?;
+        let loaded = match job.train.critic {
+            Some(_) => Trainable::load_critic(&model.dir, &mut |m| self.log(m))?,
+            None => Trainable::load(&model.dir, &mut |m| self.log(m))?,
+        };
         let load_seconds = started.elapsed().as_secs_f64();
         let mut out = on_device(self.device, update::TrainFresh { loaded, job })?;
         out.load_seconds = load_seconds;
@@ -243,6 +249,7 @@ impl Topology for InProcess {
 pub enum StageJob {
     Rollout(rollout::RolloutArgs),
     RefLogprob(ref_logprob::RefLogprobArgs),
+    Values(values::ValuesArgs),
     Update(update::UpdateArgs),
     SyncWeights(sync_weights::SyncWeightsArgs),
     /// `tandem daemon-ctl save`: not a stage binary, a job only a daemon runs.
@@ -254,6 +261,7 @@ impl StageJob {
         match self {
             StageJob::Rollout(_) => "rollout",
             StageJob::RefLogprob(_) => "ref-logprob",
+            StageJob::Values(_) => "values",
             StageJob::Update(_) => "update",
             StageJob::SyncWeights(_) => "sync-weights",
             StageJob::SavePolicy(_) => "save",
@@ -279,7 +287,10 @@ impl StageJob {
         match self {
             StageJob::Rollout(a) => a.metrics.as_ref(),
             StageJob::Update(a) => a.metrics.as_ref(),
-            StageJob::RefLogprob(_) | StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
+            StageJob::RefLogprob(_)
+            | StageJob::Values(_)
+            | StageJob::SyncWeights(_)
+            | StageJob::SavePolicy(_) => None,
         }
     }
 
@@ -290,7 +301,18 @@ impl StageJob {
             StageJob::RefLogprob(a) => a.daemon.as_deref(),
             StageJob::Update(a) => a.daemon.as_deref(),
             StageJob::SyncWeights(a) => a.daemon.as_deref(),
-            StageJob::SavePolicy(_) => None,
+            // The daemon keeps no critic yet: `values` runs in the stage's process.
+            StageJob::Values(_) | StageJob::SavePolicy(_) => None,
+        }
+    }
+
+    /// Whether the job may go to a warm daemon (`--daemon`, `$TANDEM_DAEMON`): not the
+    /// critic's `values` and `update --critic` (the daemon keeps no critic).
+    pub fn uses_daemon(&self) -> bool {
+        match self {
+            StageJob::Values(_) => false,
+            StageJob::Update(a) => !a.critic,
+            _ => true,
         }
     }
 
@@ -299,6 +321,7 @@ impl StageJob {
         match self {
             StageJob::Rollout(a) => Some(a.device),
             StageJob::RefLogprob(a) => Some(a.device),
+            StageJob::Values(a) => Some(a.device),
             StageJob::Update(a) => Some(a.device),
             StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
         }
@@ -309,6 +332,7 @@ impl StageJob {
         match self {
             StageJob::Rollout(a) => rollout::run(a, exec),
             StageJob::RefLogprob(a) => ref_logprob::run(a, exec),
+            StageJob::Values(a) => values::run(a, exec),
             StageJob::Update(a) => update::run(a, exec),
             StageJob::SyncWeights(a) => sync_weights::run(a, exec),
             StageJob::SavePolicy(a) => save::save_policy(a, exec),
@@ -379,6 +403,12 @@ pub const STAGES: &[StageDef] = &[
         check: |m| parse_args::<ref_logprob::RefLogprobArgs>(m)?.check(),
     },
     StageDef {
+        name: "values",
+        command: || command::<values::ValuesArgs>("values"),
+        runner_owned: &["model", "in", "out", "device"],
+        check: |m| parse_args::<values::ValuesArgs>(m)?.check(),
+    },
+    StageDef {
         name: "advantage",
         command: || command::<advantage::AdvantageArgs>("advantage"),
         runner_owned: &["in", "out", "kl-state", "metrics"],
@@ -397,6 +427,8 @@ pub const STAGES: &[StageDef] = &[
             "daemon",
             "skip-optimizer-state",
             "resident",
+            // The runner's `[critic]` table trains the critic.
+            "critic",
         ],
         check: |m| parse_args::<update::UpdateArgs>(m)?.check(),
     },

@@ -4,9 +4,9 @@
 
 use super::common::{
     above, at_least, check_token_ids, gather_results, logprob_temperature, my_block,
-    negative_numbers, resolve_model, Device,
+    negative_numbers, resolve_model, Device, ModelRef,
 };
-use super::{load_policy, Exec, Job};
+use super::{load_policy, load_value_model, Exec, Job};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{list_array, schema, Batch, NewColumns, StageInfo};
@@ -14,9 +14,11 @@ use crate::engine::logprob::{score, PromptResponse};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
 use crate::model::decoder::TokenStats;
+use crate::model::Config;
 use crate::parallel::exchange::{Reader, Writer};
 use anyhow::Result;
 use arrow_array::types::Float32Type;
+use arrow_array::ArrayRef;
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
@@ -84,62 +86,83 @@ pub struct RefLogprobArgs {
     pub daemon: Option<PathBuf>,
 }
 
+/// What the rows are scored for: the log-probs of a reference or of the policy (the column
+/// they go to), or a critic's values (`values`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scored {
+    Logprobs(LogprobColumn),
+    Values,
+}
+
+/// How a stage scores its batch's rows (`ref-logprob`, `values`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ScoreSpec {
+    pub(crate) scored: Scored,
+    /// The log-probs' temperature (a value model ignores it).
+    pub(crate) temperature: f32,
+    pub(crate) entropy: bool,
+    pub(crate) micro_batch_tokens: usize,
+    /// The stage's name, on its progress bar.
+    pub(crate) stage: &'static str,
+}
+
 /// Load the model and score the rows.
 pub struct Score<'a> {
     dir: &'a Path,
     rows: &'a [PromptResponse<'a>],
-    args: &'a RefLogprobArgs,
-    temperature: f32,
+    spec: ScoreSpec,
     bar: &'a ProgressBar,
 }
 
 impl Job for Score<'_> {
     type Out = Vec<TokenStats>;
     fn run<B: Backend>(self, backend: B) -> Result<Vec<TokenStats>> {
-        let mut policy = load_policy(backend, self.dir)?;
-        self.score_on(&mut policy)
+        let mut model = match self.spec.scored {
+            Scored::Values => load_value_model(backend, self.dir)?,
+            Scored::Logprobs(_) => load_policy(backend, self.dir)?,
+        };
+        self.score_on(&mut model)
     }
 }
 
 impl Score<'_> {
-    /// Which column the log-probs are for (the daemon picks the reference or the policy by it).
-    pub fn column(&self) -> LogprobColumn {
-        self.args.column
+    /// What the rows are scored for (the daemon picks the reference, the policy or the
+    /// critic by it).
+    pub fn scored(&self) -> Scored {
+        self.spec.scored
     }
 
     /// Scores with a model already loaded.
-    pub(crate) fn score_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Vec<TokenStats>> {
+    pub(crate) fn score_on<B: Backend>(self, model: &mut Decoder<B>) -> Result<Vec<TokenStats>> {
         score(
-            policy,
+            model,
             self.rows,
-            self.temperature,
-            self.args.entropy,
-            self.args.micro_batch_tokens,
+            self.spec.temperature,
+            self.spec.entropy,
+            self.spec.micro_batch_tokens,
             &mut |done| self.bar.set_position(done as u64),
         )
     }
 }
 
-impl RefLogprobArgs {
-    /// Checks the flags as the stage does before reading its input.
-    /// (Each flag's range is checked by its parser; no two flags constrain each other.)
-    pub fn check(&self) -> Result<()> {
-        Ok(())
+/// The rows of `batch` (prompt_ids, response_ids) scored under `model` as `spec` says: this
+/// process's block of prompt groups among several ranks, gathered on rank 0 (None on the
+/// other ranks, which are done). One entry per row, in order.
+pub(crate) fn score_batch(
+    exec: &mut dyn Exec,
+    batch: &Batch,
+    model: &ModelRef,
+    cfg: &Config,
+    spec: ScoreSpec,
+) -> Result<Option<Vec<TokenStats>>> {
+    if cfg.value_head && spec.scored != Scored::Values {
+        bail_input!(
+            "--model {}: is a value model (a critic), which has no log-probs; the `values` stage reads it",
+            model.dir.display()
+        );
     }
-}
-
-/// The stage with its compute on `exec`.
-pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
-    let started = Instant::now();
-    args.check()?;
-    super::common::refuse_in_place(&args.input, &args.out, "out")?;
-    let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
-    batch.require_rows()?;
-    let temperature = logprob_temperature(&batch, args.temperature)?;
-    let model = resolve_model(&args.model)?;
-    let cfg = ModelDir::load_config(&model.dir)?;
-    check_token_ids(&batch, schema::PROMPT_IDS, cfg.vocab_size)?;
-    check_token_ids(&batch, schema::RESPONSE_IDS, cfg.vocab_size)?;
+    check_token_ids(batch, schema::PROMPT_IDS, cfg.vocab_size)?;
+    check_token_ids(batch, schema::RESPONSE_IDS, cfg.vocab_size)?;
     let prompts = batch.ragged_i32(schema::PROMPT_IDS)?;
     let responses = batch.ragged_i32(schema::RESPONSE_IDS)?;
     let p32: Vec<Vec<u32>> = prompts.rows().map(to_u32).collect();
@@ -162,40 +185,73 @@ pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
     let groups = prompt_groups(&p32);
     let mine = my_block(exec, groups.len() - 1);
     let mine = groups[mine.start]..groups[mine.end];
-    let bar = exec.progress_bar(mine.len(), "ref-logprob");
+    let bar = exec.progress_bar(mine.len(), spec.stage);
     let job = Score {
         dir: &model.dir,
         rows: &rows[mine.clone()],
-        args: &args,
-        temperature,
+        spec,
         bar: &bar,
     };
     let stats = match mine.is_empty() {
         true => Vec::new(),
-        false => exec.score(&model, job)?,
+        false => exec.score(model, job)?,
     };
     bar.finish_and_clear();
     // Rank 0 gets every rank's rows, in order; the other ranks are done.
     let Some(parts) = gather_results(exec, stats, |s| encode_stats(s), decode_stats)? else {
+        return Ok(None);
+    };
+    Ok(Some(parts.into_iter().flatten().collect()))
+}
+
+/// The per-token values of `stats` as a list<float32> column of `batch`'s responses.
+pub(crate) fn token_column(batch: &Batch, values: impl Iterator<Item = f32>) -> Result<ArrayRef> {
+    let responses = batch.ragged_i32(schema::RESPONSE_IDS)?;
+    Ok(list_array::<Float32Type>(
+        &responses.offsets,
+        values.collect(),
+    ))
+}
+
+impl RefLogprobArgs {
+    /// Checks the flags as the stage does before reading its input.
+    /// (Each flag's range is checked by its parser; no two flags constrain each other.)
+    pub fn check(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The stage with its compute on `exec`.
+pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
+    let started = Instant::now();
+    args.check()?;
+    super::common::refuse_in_place(&args.input, &args.out, "out")?;
+    let batch = Batch::read(&args.input, &[schema::PROMPT_IDS, schema::RESPONSE_IDS])?;
+    batch.require_rows()?;
+    let temperature = logprob_temperature(&batch, args.temperature)?;
+    let model = resolve_model(&args.model)?;
+    let cfg = ModelDir::load_config(&model.dir)?;
+    let spec = ScoreSpec {
+        scored: Scored::Logprobs(args.column),
+        temperature,
+        entropy: args.entropy,
+        micro_batch_tokens: args.micro_batch_tokens,
+        stage: "ref-logprob",
+    };
+    let Some(stats) = score_batch(exec, &batch, &model, &cfg, spec)? else {
         return Ok(());
     };
-    let stats: Vec<TokenStats> = parts.into_iter().flatten().collect();
-
-    let offsets = &responses.offsets;
-    let lp: Vec<f32> = stats
-        .iter()
-        .flat_map(|s| s.logprobs.iter().copied())
-        .collect();
     let mut cols = NewColumns::new();
-    cols.add(args.column.name(), list_array::<Float32Type>(offsets, lp));
+    let lp = stats.iter().flat_map(|s| s.logprobs.iter().copied());
+    cols.add(args.column.name(), token_column(&batch, lp)?);
     if args.entropy {
-        let ent: Vec<f32> = stats
+        let ent = stats
             .iter()
-            .flat_map(|s| s.entropy.iter().flatten().copied())
-            .collect();
-        cols.add(ENTROPY, list_array::<Float32Type>(offsets, ent));
+            .flat_map(|s| s.entropy.iter().flatten().copied());
+        cols.add(ENTROPY, token_column(&batch, ent)?);
     }
-    let tokens = offsets.last().copied().unwrap_or(0);
+    let rows = stats.len();
+    let tokens: usize = stats.iter().map(|s| s.logprobs.len()).sum();
     let info = StageInfo {
         stage: "ref-logprob",
         params: json!({
@@ -213,8 +269,7 @@ pub fn run(args: RefLogprobArgs, exec: &mut dyn Exec) -> Result<()> {
     };
     batch.write_derived(&args.out, cols, &info)?;
     exec.log(&format!(
-        "ref-logprob: {} rows, {tokens} response tokens -> {} in {:.2}s",
-        rows.len(),
+        "ref-logprob: {rows} rows, {tokens} response tokens -> {} in {:.2}s",
         args.out.display(),
         started.elapsed().as_secs_f64()
     ));

@@ -13,6 +13,10 @@
 //! trainer's log-probs is measured on every call that has rollout_logprobs (`mismatch` in the
 //! metrics); `--rollout-is` truncates and `--rollout-rs` masks by the importance weight
 //! exp(old − rollout); `--bypass-mode` takes the rollout's log-probs as the old ones.
+//!
+//! `--critic` trains a critic (a value model) instead, on the batch's `values` and `returns`
+//! with verl's clipped value loss (`crate::algo::value_loss`): the same flags, loop and
+//! checkpoints, so the pipeline's critic is this stage in a mode, not a stage of its own.
 
 use super::common::{
     above, after_rank0, at_least, between, check_token_ids, finite, logprob_temperature,
@@ -25,6 +29,7 @@ use crate::algo::agg::{AggMode, AGG_MODE_NAMES};
 use crate::algo::kl::KlPenalty;
 use crate::algo::policy_loss::{KlLoss, LossConfig, LossMode, RolloutIs, RolloutIsLevel};
 use crate::algo::rollout_corr::{Mismatch, RolloutRs, RsLevel, RsStats};
+use crate::algo::value_loss::{explained_variance, ValueLoss};
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
@@ -217,6 +222,23 @@ pub struct UpdateArgs {
     #[arg(long, value_name = "MODE", value_parser = shard_mode())]
     #[serde(default)]
     pub shard: Option<ShardMode>,
+    /// Train a critic (value model) instead of the policy, with verl's clipped value loss
+    /// aggregated by --loss-agg-mode: --model is the critic's checkpoint, or the policy's model
+    /// the first time (a critic from it with a zero value head); the batch needs `values`
+    /// (the `values` stage) and `returns` (advantage --estimator gae); --out-model gets an
+    /// HF token classifier with one label. The policy-loss flags do not apply.
+    #[arg(long)]
+    #[serde(default)]
+    pub critic: bool,
+    /// With --critic: verl's cliprange_value c, >= 0; the value may move c away from the
+    /// batch's `values` before the clipped term takes over.
+    #[arg(long, default_value_t = 0.5, value_parser = at_least(0.0f64))]
+    #[serde(default = "default_cliprange_value")]
+    pub cliprange_value: f64,
+}
+
+fn default_cliprange_value() -> f64 {
+    0.5
 }
 
 /// `--shard`: its names listed to clap.
@@ -262,6 +284,7 @@ impl UpdateArgs {
     pub fn check(&self) -> Result<()> {
         let t = self.temperature.unwrap_or(DEFAULT_TEMPERATURE);
         let cfg = self.train_config(t)?;
+        self.check_critic()?;
         self.rejection()?;
         if self.bypass_mode {
             if !cfg.loss.mode.loss().policy_gradient {
@@ -275,6 +298,31 @@ impl UpdateArgs {
                     "--rollout-is and --rollout-rs weigh by exp(old − rollout), which is 1 under --bypass-mode (the old log-probs are the rollout's): drop them, or drop --bypass-mode"
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// `--critic` trains with the value loss: the policy loss's own flags, and keeping the
+    /// critic on the daemon, are refused.
+    fn check_critic(&self) -> Result<()> {
+        if !self.critic {
+            return Ok(());
+        }
+        let policy_only = [
+            ("--use-kl-loss", self.use_kl_loss),
+            ("--rollout-is", self.rollout_is.is_some()),
+            ("--rollout-rs", self.rollout_rs.is_some()),
+            ("--bypass-mode", self.bypass_mode),
+            ("--entropy-coeff", self.entropy_coeff != 0.0),
+            ("--loss", self.loss != LossMode::Vanilla),
+            ("--resident", self.resident),
+            ("--daemon", self.daemon.is_some()),
+            ("--shard", self.shard.is_some()),
+        ];
+        if let Some((flag, _)) = policy_only.iter().find(|(_, set)| *set) {
+            bail_input!(
+                "{flag} does not apply to --critic (the critic trains with the value loss, in the stage's process on one device)"
+            );
         }
         Ok(())
     }
@@ -354,6 +402,10 @@ impl UpdateArgs {
             shuffle: self.shuffle,
             seed: self.seed,
             device_loss: TrainConfig::device_loss_from_env(),
+            critic: self.critic.then_some(ValueLoss {
+                cliprange: self.cliprange_value,
+                agg: self.loss_agg_mode,
+            }),
         })
     }
 }
@@ -365,6 +417,14 @@ fn required_columns(args: &UpdateArgs, cfg: &TrainConfig) -> Vec<(&'static str, 
         (schema::RESPONSE_IDS, "update"),
         (schema::RESPONSE_MASK, "update"),
     ];
+    if args.critic {
+        cols.push((schema::VALUES, "--critic (run the values stage first)"));
+        cols.push((
+            schema::RETURNS,
+            "--critic (run advantage --estimator gae first)",
+        ));
+        return cols;
+    }
     if cfg.loss.mode != LossMode::Sft {
         cols.push((schema::ADVANTAGES, "--loss (run the advantage stage first)"));
     }
@@ -406,6 +466,7 @@ pub struct OwnedData {
     old: Option<Ragged<'static, f32>>,
     ref_lp: Option<Ragged<'static, f32>>,
     rollout: Option<Ragged<'static, f32>>,
+    returns: Option<Ragged<'static, f32>>,
 }
 
 impl OwnedData {
@@ -430,6 +491,7 @@ impl OwnedData {
                 batch.at(schema::PROMPT_IDS)
             );
         }
+        let critic = cfg.critic.is_some();
         Ok(OwnedData {
             prompts,
             responses: batch
@@ -438,10 +500,18 @@ impl OwnedData {
                 .map(to_u32)
                 .collect(),
             mask: batch.ragged_u8(schema::RESPONSE_MASK)?,
-            advantages: opt(schema::ADVANTAGES, cfg.loss.mode != LossMode::Sft)?,
-            old: opt(schema::OLD_LOGPROBS, true)?,
-            ref_lp: opt(schema::REF_LOGPROBS, cfg.loss.kl_loss.is_some())?,
-            rollout: opt(schema::ROLLOUT_LOGPROBS, true)?,
+            advantages: opt(
+                schema::ADVANTAGES,
+                !critic && cfg.loss.mode != LossMode::Sft,
+            )?,
+            // A critic's old values are the batch's `values`.
+            old: match critic {
+                true => opt(schema::VALUES, true)?,
+                false => opt(schema::OLD_LOGPROBS, true)?,
+            },
+            ref_lp: opt(schema::REF_LOGPROBS, !critic && cfg.loss.kl_loss.is_some())?,
+            rollout: opt(schema::ROLLOUT_LOGPROBS, !critic)?,
+            returns: opt(schema::RETURNS, critic)?,
         })
     }
 
@@ -461,6 +531,7 @@ impl OwnedData {
             old: rows_of(&self.old),
             ref_lp: rows_of(&self.ref_lp),
             rollout: rows_of(&self.rollout),
+            returns: rows_of(&self.returns),
         }
     }
 }
@@ -553,7 +624,16 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
     }
     exec.saved(&args.out_model, Some(&trainer))?;
     let save_seconds = save_started.elapsed().as_secs_f64();
-    let metrics = metrics(&args, &trained, &trainer, &correction, save_seconds);
+    let mut metrics = metrics(&args, &trained, &trainer, &correction, save_seconds);
+    if args.critic {
+        // verl's critic/vf_explained_var: how much of the returns the batch's values explain.
+        let (ret, val, mask) = (&data.returns, &data.old, &data.mask);
+        let ev = match (ret, val) {
+            (Some(r), Some(v)) => explained_variance(r, v, mask),
+            _ => None,
+        };
+        metrics["critic"]["vf_explained_var"] = ev.into();
+    }
     if let Some(path) = &args.metrics {
         write_json(path, &metrics)?;
     }
@@ -564,7 +644,10 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
         report.steps.len(),
         report.steps.iter().filter(|s| s.skipped).count(),
         metrics["loss"].as_f64().unwrap_or(f64::NAN),
-        metrics["grad_norm"],
+        match args.critic {
+            true => &metrics["critic"]["grad_norm"],
+            false => &metrics["grad_norm"],
+        },
         report.lr,
         metrics["tokens_per_s"].as_f64().unwrap_or(0.0),
         args.out_model.display(),
@@ -616,7 +699,16 @@ impl Input {
         if args.bypass_mode {
             check_bypass(&batch, &model, &args.model)?;
         }
-        let mcfg = ModelDir::load_config(&model.dir)?;
+        let mut mcfg = ModelDir::load_config(&model.dir)?;
+        match (args.critic, mcfg.value_head) {
+            // A policy's model: the critic starts from it (`Trainable::load_critic`).
+            (true, _) => mcfg.value_head = true,
+            (false, true) => bail_input!(
+                "--model {}: is a value model (a critic); train it with update --critic",
+                args.model.display()
+            ),
+            (false, false) => {}
+        }
         // The model written carries --model's tokenizer files: refused before any training.
         require_tokenizer(
             &model.dir,
@@ -696,6 +788,9 @@ fn train_on(
     };
     match exec.ranks() {
         None => exec.train(&input.model, job),
+        Some(_) if args.critic => {
+            bail_input!("update --critic runs on one device: run it without tandem launch")
+        }
         Some(_) => {
             let sharding = Sharding {
                 mode: args.shard.unwrap_or_default(),

@@ -60,6 +60,7 @@ fn tiny_config(arch: Arch) -> Config {
         max_position_embeddings: 4096,
         bos_token_id: None,
         eos_token_ids: vec![0],
+        value_head: false,
     }
 }
 

@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::engine::resume::{self, RankResume, ShardSource, TrainerState};
 use crate::model::checkpoint::ModelDir;
+use crate::model::critic::value_model_from;
 use crate::model::decoder::{Decoder, OptimizerState};
 use crate::model::{Config, Weights};
 use anyhow::Result;
@@ -13,6 +14,14 @@ use std::path::Path;
 /// state).
 pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
     let (cfg, weights) = ModelDir::load(dir)?;
+    Decoder::new(backend, &cfg, &weights)
+}
+
+/// Loads a critic onto a backend (to compute values with): a value model's directory, or a
+/// policy's, whose critic starts with a zero value head (`crate::model::critic`).
+pub fn load_value_model<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
+    let (cfg, weights) = ModelDir::load(dir)?;
+    let (cfg, weights) = value_model_from(&cfg, weights);
     Decoder::new(backend, &cfg, &weights)
 }
 
@@ -41,6 +50,22 @@ impl Trainable {
             return Ok(Self::without_optimizer(cfg, weights, None, None));
         };
         Ok(Self::resumed(dir, cfg, weights, r, log))
+    }
+
+    /// [`Trainable::load`] for `update --critic`: a critic's directory as it is, or a policy's
+    /// made into a critic with a zero value head and a fresh optimizer (the policy's optimizer
+    /// state is not the critic's).
+    pub fn load_critic(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
+        if ModelDir::load_config(dir)?.value_head {
+            return Self::load(dir, log);
+        }
+        let (cfg, weights) = ModelDir::load(dir)?;
+        let (cfg, weights) = value_model_from(&cfg, weights);
+        log(&format!(
+            "update: a new critic from the policy {} (its value head zero)",
+            dir.display()
+        ));
+        Ok(Self::without_optimizer(cfg, weights, None, None))
     }
 
     /// The model files' weights with no optimizer state here: a fresh optimizer, or (with

@@ -18,7 +18,7 @@ mod train;
 
 pub use checkpoint::{shard_staging, write_checkpoint, write_resident};
 pub use held::{HeldPolicy, Holder, SavedShards};
-pub use load::{load_policy, Trainable};
+pub use load::{load_policy, load_value_model, Trainable};
 pub use pointer::{resolve_model, ModelRef, Pointer};
 pub use shards::write_rank_shards;
 pub use train::{train_ranks_from_files, Sharding, Train, Trained};

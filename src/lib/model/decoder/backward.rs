@@ -110,6 +110,10 @@ impl<B: Backend> Decoder<B> {
         hooks: &mut dyn UnitHooks<B>,
     ) -> Result<()> {
         check_temperature(temperature)?;
+        ensure!(
+            !self.cfg.value_head,
+            "the PPO-clip loss trains a policy, not a value model"
+        );
         self.ensure_grads()?;
         if seqs.is_empty() {
             return self.idle_pass(hooks, true);
@@ -229,9 +233,12 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// The head's backward over the `r` scored rows: the fused log-prob's (dxf, and the LM
-    /// head's gradient) and the final norm's (dxg).
+    /// head's gradient) or the value head's, then the final norm's (dxg).
     fn head_backward(&mut self, r: usize, temperature: f32, dent: bool) -> Result<()> {
-        let chunk = self.chunk_rows(r);
+        match self.cfg.value_head {
+            true => self.value_head_backward(r)?,
+            false => self.logprob_head_backward(r, temperature, dent)?,
+        }
         let Decoder {
             backend: b,
             cfg,
@@ -239,6 +246,37 @@ impl<B: Backend> Decoder<B> {
             g,
             ws,
             final_norm,
+            ..
+        } = self;
+        let gw = ws.grad.as_mut().expect("training workspace");
+        b.rmsnorm_backward(
+            &mut gw.dxg,
+            &mut g[*final_norm],
+            &gw.dxf,
+            RmsNormSaved {
+                x: &ws.xg,
+                w: &w[*final_norm],
+                rstd: &ws.rstd_f,
+            },
+            RmsNormShape {
+                rows: r,
+                dim: cfg.hidden_size,
+                eps: cfg.rms_norm_eps,
+            },
+            false,
+        )
+    }
+
+    /// The fused log-prob's backward over the `r` scored rows: dxf, and the LM head's
+    /// gradient.
+    fn logprob_head_backward(&mut self, r: usize, temperature: f32, dent: bool) -> Result<()> {
+        let chunk = self.chunk_rows(r);
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            g,
+            ws,
             head,
             ..
         } = self;
@@ -266,22 +304,6 @@ impl<B: Backend> Decoder<B> {
             },
             shape,
             &mut ws.scratch,
-        )?;
-        b.rmsnorm_backward(
-            &mut gw.dxg,
-            &mut g[*final_norm],
-            &gw.dxf,
-            RmsNormSaved {
-                x: &ws.xg,
-                w: &w[*final_norm],
-                rstd: &ws.rstd_f,
-            },
-            RmsNormShape {
-                rows: r,
-                dim: cfg.hidden_size,
-                eps: cfg.rms_norm_eps,
-            },
-            false,
         )
     }
 }

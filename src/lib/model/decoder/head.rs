@@ -1,6 +1,7 @@
 //! The head of the decoder: the final norm of the rows that are scored or sampled, the LM head,
 //! and the fused log-prob (the logits of a chunk of rows at a time, never the whole
-//! `[rows, vocab]` matrix) that scoring and training read.
+//! `[rows, vocab]` matrix) that scoring and training read; or a value model's head (`score`,
+//! hidden -> 1), whose value at each scored row stands where the log-prob would be.
 
 use anyhow::Result;
 
@@ -91,6 +92,8 @@ impl<B: Backend> Decoder<B> {
                 })
                 .collect());
         }
+        // A value model has no distribution over tokens, so no entropy.
+        let entropy = entropy && !self.cfg.value_head;
         self.score_device(last, r, temperature, entropy)?;
         let (b, ws) = (&self.backend, &self.ws);
         let mut lp = vec![0.0; r];
@@ -113,7 +116,8 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Final norm of the `r > 0` scored rows and the fused log-prob, left on the device
-    /// (`ws.lp`, `ws.ent`, `ws.lse_lp`).
+    /// (`ws.lp`, `ws.ent`, `ws.lse_lp`); a value model's values in `ws.lp` (the temperature
+    /// does not apply to them).
     pub(super) fn score_device(
         &mut self,
         last: usize,
@@ -123,6 +127,9 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<()> {
         let chunk = self.chunk_rows(r);
         self.final_rows(last, r)?;
+        if self.cfg.value_head {
+            return self.values_device(r);
+        }
         let Decoder {
             backend: b,
             cfg,
@@ -152,5 +159,51 @@ impl<B: Backend> Decoder<B> {
             shape,
             &mut ws.scratch,
         )
+    }
+}
+
+impl<B: Backend> Decoder<B> {
+    /// ws.lp[r] = ws.xf · scoreᵀ + bias: a value model's values of the `r` final rows.
+    fn values_device(&mut self, r: usize) -> Result<()> {
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            ws,
+            head,
+            head_bias,
+            ..
+        } = self;
+        let shape = MatmulShape {
+            m: r,
+            k: cfg.hidden_size,
+            n: 1,
+        };
+        let bias = head_bias.map(|i| &w[i]);
+        b.matmul(&mut ws.lp, &ws.xf, &w[*head], bias, shape, false)
+    }
+
+    /// The value head's backward over the `r` scored rows from dL/dV in `dlp`: the head's
+    /// weight and bias gradients (added) and dL/dxf.
+    pub(super) fn value_head_backward(&mut self, r: usize) -> Result<()> {
+        let Decoder {
+            backend: b,
+            cfg,
+            w,
+            g,
+            ws,
+            head,
+            head_bias,
+            ..
+        } = self;
+        let gw = ws.grad.as_mut().expect("training workspace");
+        let shape = MatmulShape {
+            m: r,
+            k: cfg.hidden_size,
+            n: 1,
+        };
+        let (gh, gb) = super::two_mut(g, *head, *head_bias);
+        b.matmul_backward_w(gh, gb, &gw.dlp, &ws.xf, shape)?;
+        b.matmul_backward_x(&mut gw.dxf, &gw.dlp, &w[*head], shape, false)
     }
 }

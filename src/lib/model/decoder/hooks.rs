@@ -99,6 +99,9 @@ impl<B: Backend> Decoder<B> {
         if self.head != self.embed {
             units[self.head] = Unit::Head;
         }
+        if let Some(b) = self.head_bias {
+            units[b] = Unit::Head;
+        }
         units
     }
 

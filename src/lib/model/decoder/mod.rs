@@ -54,6 +54,7 @@ use anyhow::{bail, ensure, Result};
 
 use crate::backend::{Backend, DType, Device, Parts};
 use crate::error::input_error;
+use crate::model::names;
 use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
 use workspace::Work;
@@ -168,8 +169,10 @@ pub struct Decoder<B: Backend> {
     step: u64,
     embed: usize,
     final_norm: usize,
-    /// The LM head: `embed` when the embeddings are tied.
+    /// The LM head: `embed` when the embeddings are tied; a value model's `score` [1, hidden].
     head: usize,
+    /// A value model's head bias `score.bias` [1] (None for an LM head).
+    head_bias: Option<usize>,
     layers: Vec<Layer>,
     ws: Work<B>,
     /// The PPO loss metrics summed on the device since the last `take_ppo_stats`.
@@ -504,10 +507,13 @@ impl<B: Backend> Decoder<B> {
             .map(|l| p.layer(cfg, l))
             .collect::<Result<Vec<_>>>()?;
         let final_norm = p.add("model.norm.weight".into(), vec![d], None)?;
-        let head = if cfg.tie_word_embeddings {
-            embed
+        let (head, head_bias) = if cfg.value_head {
+            let w = p.add(names::VALUE_HEAD.into(), vec![1, d], None)?;
+            (w, Some(p.add(names::VALUE_BIAS.into(), vec![1], None)?))
+        } else if cfg.tie_word_embeddings {
+            (embed, None)
         } else {
-            p.add("lm_head.weight".into(), vec![v, d], None)?
+            (p.add(names::LM_HEAD.into(), vec![v, d], None)?, None)
         };
         let Loader {
             names,
@@ -533,6 +539,7 @@ impl<B: Backend> Decoder<B> {
             embed,
             final_norm,
             head,
+            head_bias,
             layers,
             ws,
             ppo_stats: None,

@@ -80,6 +80,7 @@ impl<B: Backend> Decoder<B> {
         kv: PagedAttn<B>,
         draws: Option<Draws<B>>,
     ) -> Result<()> {
+        ensure!(!self.cfg.value_head, "a value model does not generate");
         let last = self.forward(n, 1, false, AttnMode::Paged(kv))?;
         let Some(d) = draws else {
             return Ok(());

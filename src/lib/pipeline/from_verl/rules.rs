@@ -345,10 +345,16 @@ fn warmup_steps(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
     Ok((s >= 0).then_some(toml::Value::Integer(s)))
 }
 
-/// `int(ratio × total steps)` when `lr_warmup_steps` is -1, as verl's FSDP worker computes it.
+/// `int(ratio × total steps)` when the actor's `lr_warmup_steps` is -1, as verl's FSDP worker
+/// computes it.
 fn warmup_ratio(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
+    warmup_ratio_of("actor_rollout_ref.actor", v, ctx)
+}
+
+/// [`warmup_ratio`] of the optimizer under `owner` (the actor's or the critic's).
+fn warmup_ratio_of(owner: &str, v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
     let explicit = ctx
-        .get("actor_rollout_ref.actor.optim.lr_warmup_steps")
+        .get(&format!("{owner}.optim.lr_warmup_steps"))
         .and_then(|s| s.as_i64())
         .is_some_and(|s| s >= 0);
     let ratio = v
@@ -364,6 +370,33 @@ fn warmup_ratio(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
         );
     };
     Ok(Some(toml::Value::Integer((ratio * steps as f64) as i64)))
+}
+
+/// A critic key, carried when the estimator is `gae` (verl runs its critic for GAE; another
+/// estimator's config still has every `critic.*` default, which tandem leaves out).
+fn when_gae(v: &Value, ctx: &Ctx, conv: Conv) -> Result<Option<toml::Value>, String> {
+    match ctx
+        .get("algorithm.adv_estimator")
+        .as_ref()
+        .and_then(Value::as_str)
+    {
+        Some("gae") => conv(v, ctx),
+        _ => Ok(None),
+    }
+}
+
+/// verl updates the actor from the step `global_steps >= critic_warmup` on, counting from 1:
+/// N − 1 critic-only steps, tandem's `critic-warmup`.
+fn critic_warmup(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
+    Ok(Some(toml::Value::Integer((int(v)? - 1).max(0))))
+}
+
+/// Only when `critic.use_dynamic_bsz` (tokens per micro-batch).
+fn critic_tokens(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
+    match ctx.is_true("critic.use_dynamic_bsz") {
+        true => same(v, ctx),
+        false => Ok(None),
+    }
 }
 
 /// The run's steps as the converter writes them.
@@ -578,7 +611,25 @@ pub(crate) static RULES: &[Rule] = &[
     rule("reward_model.*", To::WhenOn { switch: "reward_model.enable", why: "the reward model's worker: tandem has no reward model ([score] reward is a rule or a program)" }),
     rule("reward_manager.*", To::None("score calls the reward per row (verl's naive manager); a program reward (cmd:) can batch")),
     // critic.*
-    rule("critic.*", To::None("tandem has no critic yet (issue 36): `gae` needs a `values` column from elsewhere")),
+    rule("critic.model.path", key_how("critic.model", "with `adv_estimator=gae`; `~/` expanded (a policy's model: the critic starts from it with a zero value head)", |v, c| when_gae(v, c, path))),
+    rule("critic.optim.lr", key_how("critic.lr", "with `adv_estimator=gae`", |v, c| when_gae(v, c, same))),
+    rule("critic.optim.betas", key_how("critic.betas", "with `adv_estimator=gae`", |v, c| when_gae(v, c, same))),
+    rule("critic.optim.weight_decay", key_how("critic.weight-decay", "with `adv_estimator=gae`", |v, c| when_gae(v, c, same))),
+    rule("critic.optim.clip_grad", key_how("critic.grad-clip", "with `adv_estimator=gae`", |v, c| when_gae(v, c, same))),
+    rule("critic.grad_clip", key_how("critic.grad-clip", "with `adv_estimator=gae` (wins over `optim.clip_grad`)", |v, c| when_gae(v, c, same))),
+    rule("critic.optim.lr_warmup_steps_ratio", key_how("critic.lr-warmup-steps", "with `adv_estimator=gae`: int(ratio × steps) when `lr_warmup_steps` is -1", |v, c| when_gae(v, c, |v, c| warmup_ratio_of("critic", v, c)))),
+    rule("critic.optim.lr_warmup_steps", key_how("critic.lr-warmup-steps", "with `adv_estimator=gae`; -1: from the ratio", |v, c| when_gae(v, c, warmup_steps))),
+    rule("critic.optim.lr_scheduler_type", key_how("critic.lr-schedule", "with `adv_estimator=gae`: constant or cosine", |v, c| when_gae(v, c, lr_schedule))),
+    rule("critic.optim.min_lr_ratio", key_how("critic.min-lr-ratio", "with `adv_estimator=gae`", |v, c| when_gae(v, c, same))),
+    rule("critic.optim.optimizer", key_how("critic", "AdamW only", |v, c| when_gae(v, c, adamw))),
+    rule("critic.cliprange_value", key_how("critic.cliprange-value", "with `adv_estimator=gae`", |v, c| when_gae(v, c, same))),
+    rule("critic.loss_agg_mode", key_how("critic.loss-agg-mode", "with `adv_estimator=gae`", |v, c| when_gae(v, c, same))),
+    rule("critic.ppo_epochs", key_how("critic.ppo-epochs", "with `adv_estimator=gae`", |v, c| when_gae(v, c, same))),
+    rule("critic.ppo_mini_batch_size", key_how("critic.mini-batch-size", "with `adv_estimator=gae`; × `rollout.n` (tandem counts sequences)", |v, c| when_gae(v, c, mini_batch))),
+    rule("critic.ppo_max_token_len_per_gpu", key_how("critic.micro-batch-tokens", "with `adv_estimator=gae` and `critic.use_dynamic_bsz`", |v, c| when_gae(v, c, critic_tokens))),
+    rule("critic.rollout_n", To::Builtin("the rollout's `n`")),
+    rule("critic.checkpoint.*", To::Builtin("a critic checkpoint holds the weights, optimizer and trainer state")),
+    rule("critic.*", To::None("verl's FSDP/Megatron critic worker (strategy, fsdp_config, offload, micro-batches in sequences, forward token budgets, profiler): tandem's critic trains on one device ([critic] micro-batch-tokens sets its batching)")),
     // trainer.*
     rule("trainer.total_training_steps", key_how("steps", "null: from `total_epochs`", same)),
     rule("trainer.total_epochs", key_how("steps", "`total_epochs` × (training rows ÷ `train_batch_size`, rounded down), when `total_training_steps` is null and the training file can be read", epochs_to_steps)),
@@ -599,8 +650,8 @@ pub(crate) static RULES: &[Rule] = &[
     rule("trainer.default_local_dir", To::None("checkpoints go to RUN/ckpt/")),
     rule("trainer.resume_mode", To::None("running pipeline run again resumes the run in its directory")),
     rule("trainer.resume_from_path", To::WhenOn { switch: "", why: "running pipeline run again resumes the run in its directory" }),
-    rule("trainer.critic_warmup", To::WhenOn { switch: "", why: "tandem has no critic yet (issue 36)" }),
-    rule("trainer.max_critic_ckpt_to_keep", To::WhenOn { switch: "", why: "tandem has no critic yet (issue 36)" }),
+    rule("trainer.critic_warmup", key_how("critic.critic-warmup", "with `adv_estimator=gae`: N − 1 (verl's actor starts at step N, its first step is 1)", |v, c| when_gae(v, c, critic_warmup))),
+    rule("trainer.max_critic_ckpt_to_keep", To::WhenOn { switch: "", why: "the critic's checkpoints are kept as the policy's ([checkpoint] every and keep-last)" }),
     rule("trainer.val_only", To::WhenOn { switch: "", why: "no evaluation-only run: run rollout and score by hand" }),
     rule("trainer.*", To::None("verl's Ray trainer (HDFS, ESI, Ray registration, legacy workers)")),
     // the rest

@@ -467,3 +467,84 @@ fn dynamic_sampling_is_one_task_with_rounds() {
         .contains("--in r/step-0001/round-2/prompts.parquet"));
     assert!(plan(SPEC).first_round_tasks(1).is_empty());
 }
+
+/// PPO with a critic: `values` before `advantage`, the critic's `update --critic` after it
+/// (from the initial critic, then the previous step's), and the policy's update only after
+/// `critic-warmup` steps; the critic's stages never go to the daemon.
+#[test]
+fn a_critic_adds_values_and_its_update_and_warms_up_first() {
+    let text = SPEC
+        .replace("estimator = \"grpo\"", "estimator = \"gae\"")
+        .replace("steps = 2", "steps = 2\ndaemon = true")
+        + "[critic]\nmodel = \"c0\"\ncritic-warmup = 1\nlr = 1e-5\ncliprange-value = 0.2\n";
+    let r = plan(&text);
+    let names = |s: u64| -> Vec<&str> { r.step_tasks(s).iter().map(|t| t.name).collect() };
+    let critic_steps = ["values", "advantage", "critic"];
+    assert_eq!(names(1)[3..6], critic_steps);
+    assert!(!names(1).contains(&"update") && !names(1).contains(&"sync"));
+    assert_eq!(
+        names(2)[3..8],
+        ["values", "advantage", "critic", "update", "sync"]
+    );
+    let args = |s: u64, name: &str| -> Vec<String> {
+        let t = r
+            .step_tasks(s)
+            .into_iter()
+            .find(|t| t.name == name)
+            .unwrap();
+        match t.action {
+            Action::Stage { args, .. } => args,
+            _ => unreachable!(),
+        }
+    };
+    let v1 = args(1, "values");
+    assert_eq!(
+        v1[..6],
+        [
+            "--model",
+            "c0",
+            "--in",
+            "r/step-0001/scored.parquet",
+            "--out",
+            "r/step-0001/values.parquet"
+        ]
+    );
+    assert!(!v1.contains(&"--daemon".to_string()));
+    let a1 = args(1, "advantage");
+    assert_eq!(a1[1], "r/step-0001/values.parquet");
+    let c2 = args(2, "critic");
+    assert_eq!(
+        c2[..6],
+        [
+            "--model",
+            "r/critic/step-0001",
+            "--in",
+            "r/step-0002/adv.parquet",
+            "--out-model",
+            "r/critic/step-0002"
+        ]
+    );
+    for flag in [
+        "--critic",
+        "--lr",
+        "0.00001",
+        "--cliprange-value",
+        "0.2",
+        "--metrics",
+    ] {
+        assert!(c2.contains(&flag.to_string()), "{c2:?}");
+    }
+    assert!(!c2.contains(&"--daemon".to_string()) && !c2.contains(&"--resident".to_string()));
+    assert_eq!(args(2, "values")[1], "r/critic/step-0001");
+    r.check_commands(1).unwrap();
+    r.check_commands(2).unwrap();
+    // The critic's model defaults to the policy's; `critic` itself is the runner's.
+    let r = plan(
+        &SPEC
+            .replace("estimator = \"grpo\"", "estimator = \"gae\"")
+            .replace("[eval]", "[critic]\n[eval]"),
+    );
+    assert_eq!(r.critic_in(1), PathBuf::from("m"));
+    let e = Spec::parse(&format!("{text}critic = true\n"), "t.toml").unwrap_err();
+    assert!(e.to_string().contains("the pipeline runner sets it"), "{e}");
+}

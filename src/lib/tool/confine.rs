@@ -311,9 +311,13 @@ unsafe fn fork_into_namespace() -> io::Result<()> {
                 libc::close(fd);
             }
         }
-        // The handlers inherited from the parent (crate::process) are not ours to run.
-        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-            libc::signal(sig, libc::SIG_DFL);
+        // The handlers inherited from the parent (crate::process's, the SIGCHLD handler a
+        // `wait_timeout` elsewhere in the process installed) are not ours to run: that one
+        // ran on Python's exit, here where its pipe is closed, and aborted the relay.
+        for sig in 1..libc::SIGRTMAX() {
+            if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                libc::signal(sig, libc::SIG_DFL);
+            }
         }
         let mut status = 0;
         loop {

@@ -424,6 +424,18 @@ mod tests {
         l
     }
 
+    /// A SIGCHLD handler of the process (the one `wait_timeout` installs, which the spec
+    /// check's import of a reward uses) is not run by the relay when Python ends: it aborted
+    /// the relay, and every call ended "killed by signal 6".
+    #[test]
+    fn a_sigchld_handler_of_the_process_does_not_reach_the_relay() {
+        use wait_timeout::ChildExt;
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        child.wait_timeout(Duration::from_secs(10)).unwrap();
+        let r = run("print(6 * 7)", &limits(5000));
+        assert_eq!((r.content.as_str(), r.error), ("42\n", None));
+    }
+
     #[test]
     fn output_is_stdout_then_stderr_cut_at_the_cap() {
         // Code longer than a pipe's buffer (64 KiB) goes in whole.

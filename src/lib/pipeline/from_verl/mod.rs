@@ -874,6 +874,7 @@ mod tests {
             c::VALUES,
             c::BASELINE_SCORE,
             c::IS_BASELINE,
+            c::NUM_TURNS,
             crate::stage::ref_logprob::ENTROPY,
             "score_<name>",
         ];

@@ -155,7 +155,9 @@ fn read_records(ranks: &[Rank]) -> Vec<(usize, Vec<Record>)> {
 
 /// The rank at fault and why: the earliest first failure of a rank that it noticed itself
 /// (its own error, or another rank's death or silence); a relayed one, which repeats it, only
-/// when there is none. A rank's later lines follow from its first and are not causes.
+/// when there is none. A rank's later lines follow from its first and are not causes. When
+/// the rank blamed had itself recorded a failure earlier (it was stopping because of another
+/// rank: a connection it closed on its way out), the blame follows to that one.
 fn culprit(records: &[(usize, Vec<Record>)]) -> Option<(usize, String)> {
     let mut firsts: Vec<(usize, &Record)> = records
         .iter()
@@ -167,9 +169,18 @@ fn culprit(records: &[(usize, Vec<Record>)]) -> Option<(usize, String)> {
             .cmp(&relayed(b))
             .then(a.1.time.total_cmp(&b.1.time))
     });
-    firsts
-        .into_iter()
-        .find_map(|(_, r)| Some((r.suspect?, r.reason.clone())))
+    let mut blame = firsts.iter().find(|(_, r)| r.suspect.is_some())?.1;
+    for _ in 0..firsts.len() {
+        let suspect = blame.suspect?;
+        let earlier = firsts.iter().find(|(i, r)| {
+            *i == suspect && r.time < blame.time && r.suspect.is_some_and(|s| s != suspect)
+        });
+        match earlier {
+            Some((_, r)) => blame = r,
+            None => break,
+        }
+    }
+    Some((blame.suspect?, blame.reason.clone()))
 }
 
 /// The errors the ranks' `main`s ended with, once each, leaving out `shown` (printed last).
@@ -411,6 +422,21 @@ mod tests {
         // A relayed failure counts only when nobody noticed one.
         let relayed = vec![(1, vec![rec(0, 0, "told", 1.0, false)])];
         assert_eq!(culprit(&relayed), Some((0, "told".to_string())));
+        // Rank 1 exits without a record; rank 2 hears of it from the store (relayed) and
+        // stops; rank 0, in a collective, sees rank 2's connection close first: the blame
+        // follows from rank 2 to rank 1.
+        let gone = "rank 1 exited or lost its connection to the rendezvous store";
+        let chain = vec![
+            (
+                0,
+                vec![rec(2, 0, "the connection to rank 2 closed", 2.0, true)],
+            ),
+            (
+                2,
+                vec![rec(1, 0, gone, 1.0, false), rec(2, 2, gone, 1.5, true)],
+            ),
+        ];
+        assert_eq!(culprit(&chain), Some((1, gone.to_string())));
     }
 
     #[test]

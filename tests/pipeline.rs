@@ -488,11 +488,11 @@ fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-fn state(run: &Path) -> Value {
+pub(crate) fn state(run: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(run.join("state.json")).unwrap()).unwrap()
 }
 
-fn stage_done(run: &Path, step: u64, stage: &str) -> bool {
+pub(crate) fn stage_done(run: &Path, step: u64, stage: &str) -> bool {
     let Ok(t) = std::fs::read_to_string(run.join("state.json")) else {
         return false;
     };
@@ -507,7 +507,7 @@ fn stage_done(run: &Path, step: u64, stage: &str) -> bool {
 }
 
 /// JSON-lines rows without the wall-clock keys, which differ between any two runs.
-fn jsonl_sans_time(path: &Path) -> Vec<Value> {
+pub(crate) fn jsonl_sans_time(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
@@ -1557,7 +1557,7 @@ fn real_bins() -> PathBuf {
 }
 
 /// Whether a child process of `parent` whose command line contains `needle` runs now.
-fn running_child(parent: u32, needle: &str) -> bool {
+pub(crate) fn running_child(parent: u32, needle: &str) -> bool {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return false;
     };
@@ -1589,7 +1589,7 @@ fn running_child(parent: u32, needle: &str) -> bool {
 }
 
 /// Every file of every checkpoint, by content.
-fn checkpoint_files(run: &Path) -> BTreeMap<String, Vec<u8>> {
+pub(crate) fn checkpoint_files(run: &Path) -> BTreeMap<String, Vec<u8>> {
     let mut out = BTreeMap::new();
     for ck in std::fs::read_dir(run.join("ckpt")).unwrap() {
         let ck = ck.unwrap();

@@ -484,6 +484,50 @@ fn tool_flags_are_checked_up_front() {
     }
 }
 
+/// `--system-prompt` goes before each prompt: into the rendered prompt and the `messages`
+/// column; with `--raw-prompt` it is refused.
+#[test]
+fn a_system_prompt_comes_before_each_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 4);
+    call_prompts(&d.join("prompts.parquet"), 2);
+    let system = "You may call add.";
+    rollout(&model, d, "r.parquet", &["--system-prompt", system]);
+    let b = read(&d.join("r.parquet"));
+    let tok = Tokenizer::from_dir(&model).unwrap();
+    for (ids, messages) in i32_rows(&b, "prompt_ids")
+        .iter()
+        .zip(strings(&b, "messages"))
+    {
+        let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+        let text = tok.decode(&ids, false).unwrap();
+        assert!(
+            text.starts_with(&format!("<|im_start|>system\n{system}")),
+            "{text}"
+        );
+        let m: Vec<serde_json::Value> = serde_json::from_str(&messages).unwrap();
+        assert_eq!(
+            m[0],
+            serde_json::json!({"role": "system", "content": system})
+        );
+        assert_eq!(m[1]["role"], "user");
+    }
+    let (input, raw) = (d.join("prompts.parquet"), d.join("raw.parquet"));
+    let args = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&input),
+        "--out",
+        p(&raw),
+        "--raw-prompt",
+        "--system-prompt",
+        system,
+    ];
+    stage_util::input_error("rollout", &args, "--system-prompt needs the chat template");
+}
+
 /// A verl multi-turn dataset (`extra_info.tools_kwargs`, `need_tools_kwargs`, an `agent_name`
 /// column, as verl's gsm8k_multiturn_w_tool preprocessing writes) is read, and its columns are
 /// carried into every sample's row.

@@ -751,6 +751,33 @@ fn assert_same_runs(a: &Path, b: &Path, differ: &[&str]) {
     for (k, v) in &ca {
         assert!(v == &cb[k], "{k} differs between {a:?} and {b:?}");
     }
+    // Every step's trajectories: the same ids and mask; log-probs within a few 1e-6 (below).
+    for step in 1..=3 {
+        let f = format!("step-{step:04}/rollout.parquet");
+        let (ra, rb) = (read(&a.join(&f)), read(&b.join(&f)));
+        assert_eq!(
+            i32_rows(&ra, "response_ids"),
+            i32_rows(&rb, "response_ids"),
+            "{f}"
+        );
+        assert_eq!(
+            u8_rows(&ra, "response_mask"),
+            u8_rows(&rb, "response_mask"),
+            "{f}"
+        );
+        let (la, lb) = (
+            f32_rows(&ra, "rollout_logprobs"),
+            f32_rows(&rb, "rollout_logprobs"),
+        );
+        let diff = la
+            .iter()
+            .flatten()
+            .zip(lb.iter().flatten())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{f}: rollout_logprobs differ by {diff:e} at most");
+        assert!(diff <= 2e-5, "{f}: rollout_logprobs differ by {diff}");
+    }
     let policy = |r: &Path| std::fs::read(r.join("policy")).unwrap();
     assert_eq!(policy(a), policy(b));
     assert_eq!(state(a), state(b));

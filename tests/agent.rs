@@ -883,7 +883,9 @@ fn tool_rollouts_resume_after_sigkill_to_identical_weights() {
 }
 
 /// The same run with `daemon = true`: the tools run in the warm daemon's rollouts and the run
-/// ends with the in-process run's checkpoints, policy, metrics and evaluations.
+/// ends with the in-process run's checkpoints, policy, metrics and evaluations. With `gpus = 2`
+/// (CPU ranks) the first rollout samples the 1-process run's trajectories, and on a daemon
+/// group the run ends as the 2-rank run without daemons does.
 #[test]
 fn tool_rollouts_on_the_daemon_match_the_in_process_run() {
     let dir = tempfile::tempdir().unwrap();
@@ -905,4 +907,19 @@ fn tool_rollouts_on_the_daemon_match_the_in_process_run() {
     // checkpoints only.
     let kept = ["update/optimizer_state_saved", "update/weights_saved"];
     assert_same_runs(&one, &daemon, &kept);
+
+    write_tool_spec(d, "gpus = 2");
+    pipeline_ok(d, "two");
+    write_tool_spec(d, "gpus = 2\ndaemon = true");
+    pipeline_ok(d, "group");
+    let (two, group) = (d.join("two"), d.join("group"));
+    let first = |r: &Path| read(&r.join("step-0001/rollout.parquet"));
+    assert_eq!(
+        i32_rows(&first(&one), "response_ids"),
+        i32_rows(&first(&two), "response_ids")
+    );
+    assert_eq!(strings(&first(&one), "uid"), strings(&first(&two), "uid"));
+    // ...and the group writes the ranks' optimizer shards at checkpoints only.
+    let kept = [kept[0], kept[1], "update/optimizer_shards"];
+    assert_same_runs(&two, &group, &kept);
 }

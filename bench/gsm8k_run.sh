@@ -10,6 +10,9 @@
 #   MODEL  0.5b (default) or 1.5b: the GGUF (size, sha256), models/qwen2.5-coder-$MODEL
 #   SPEC   pipeline spec [pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml]; the GRPO one is
 #          pipelines/gsm8k-qwen2.5-coder-0.5b-cuda.toml
+#   TOOLS  1: the spec with the Python tool [pipelines/gsm8k-qwen2.5-coder-$MODEL-tools-cuda.toml,
+#          1.5b only so far], and STEP=eval evaluates with that spec's evaluation flags (the
+#          tool, its limits and the system prompt) unless EVAL_FLAGS is given
 #   RUN    run name [gsm8k-$MODEL]: the run directory is $R/runs/$RUN
 #   D      carried directory with bin.tar.xz and the GSM8K parquets [.device/rl]
 #   P      carried directory with this call's GGUF piece(s) [.device/piece]
@@ -66,7 +69,11 @@ case "$MODEL" in
 *) echo "MODEL=$MODEL: expected 0.5b or 1.5b"; exit 2 ;;
 esac
 MODEL_DIR=models/qwen2.5-coder-$MODEL
-SPEC=${SPEC:-pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml}
+if [ "${TOOLS:-0}" = 1 ]; then
+  SPEC=${SPEC:-pipelines/gsm8k-qwen2.5-coder-$MODEL-tools-cuda.toml}
+else
+  SPEC=${SPEC:-pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml}
+fi
 RUN=${RUN:-gsm8k-$MODEL}
 D=${D:-.device/rl}
 P=${P:-.device/piece}
@@ -117,6 +124,7 @@ piece)
   ;;
 import|run)
   cp pipelines/*.toml "$R/pipelines/" && cp pipelines/rewards/*.py "$R/pipelines/rewards/"
+  [ -f "$SPEC" ] || { echo "SPEC=$SPEC: no such spec"; exit 2; }
   cd "$R" || exit 1
   if [ ! -f model.gguf ]; then
     have=$(cat pieces/q.* 2>/dev/null | wc -c)
@@ -190,11 +198,21 @@ eval)
   cd "$R" || exit 1
   dir=runs/$RUN/final-eval
   mkdir -p "$dir"
+  flags=${EVAL_FLAGS:---n 1 --top-k 1 --max-new-tokens 512 --max-prompt-tokens 256 --max-num-seqs 768}
+  if [ "${TOOLS:-0}" = 1 ] && [ -z "${EVAL_FLAGS:-}" ]; then
+    # The spec's evaluation command as its dry run prints it (shell-quoted): its flags after
+    # `--out FILE`, up to the seed.
+    line=$(bin/pipeline run "$SPEC" --dry-run --steps 1 --run-dir "$(mktemp -u -d)" 2>/dev/null \
+      | grep '/rollout .* --top-k 1 ' | tail -1)
+    rest=${line#* --out }
+    rest=${rest#* }
+    flags=${rest%% --seed *}
+    [ -n "$line" ] || { echo "no evaluation command in the dry run of $SPEC"; exit 1; }
+  fi
+  eval "flags=($flags)"
   t0=$SECONDS
-  # shellcheck disable=SC2086
   bin/rollout --model "runs/$RUN/policy" --in data/gsm8k/test.parquet --out "$dir/rollout.parquet" \
-    --device cuda ${EVAL_FLAGS:---n 1 --top-k 1 --max-new-tokens 512 --max-prompt-tokens 256 --max-num-seqs 768} \
-    > "$dir/rollout.log" 2>&1 || { tail -5 "$dir/rollout.log"; exit 1; }
+    --device cuda "${flags[@]}" > "$dir/rollout.log" 2>&1 || { tail -5 "$dir/rollout.log"; exit 1; }
   ledger eval $((SECONDS - t0))
   echo "final evaluation of $(python3 -c "import json; print(json.load(open('runs/$RUN/policy'))['policy_version'])") in $((SECONDS - t0)) s"
   ;;
@@ -252,6 +270,15 @@ if any("sampling/rounds" in l for l in lines):
           f"{statistics.mean(l['sampling/groups_dropped'] for l in lines):.1f} groups dropped, "
           f"{sum(l['sampling/capped'] for l in lines)} steps capped, "
           f"{sum(l['sampling/prompts'] for l in lines)} prompts drawn")
+if any("rollout/tool_calls" in l for l in lines):
+    t = [l for l in lines if "rollout/tool_calls" in l]
+    calls = sum(l["rollout/tool_calls"] for l in t)
+    print(f"\nTools (training rollouts): {statistics.mean(l['rollout/tool_calls_per_sample'] for l in t):.2f} calls per answer, "
+          f"{statistics.mean(l['rollout/turns_mean'] for l in t):.2f} turns, "
+          f"{sum(l['rollout/tool_errors'] for l in t)} of {calls} calls with an error; median seconds a step: "
+          f"{statistics.median(l.get('rollout/generation_seconds', 0) for l in t):.2f} generation, "
+          f"{statistics.median(l.get('rollout/tool_wait_seconds', 0) for l in t):.2f} waiting for tools, "
+          f"{statistics.median(l.get('time/update', 0) for l in t):.2f} update")
 try:
     peak = max(int(x) for x in open(mem) if x.strip().isdigit())
     print(f"\nPeak GPU memory used (nvidia-smi, every 0.5 s): {peak / 1024:.1f} GiB")

@@ -484,6 +484,50 @@ fn tool_flags_are_checked_up_front() {
     }
 }
 
+/// `--system-prompt` goes before each prompt: into the rendered prompt and the `messages`
+/// column; with `--raw-prompt` it is refused.
+#[test]
+fn a_system_prompt_comes_before_each_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d, 4);
+    call_prompts(&d.join("prompts.parquet"), 2);
+    let system = "You may call add.";
+    rollout(&model, d, "r.parquet", &["--system-prompt", system]);
+    let b = read(&d.join("r.parquet"));
+    let tok = Tokenizer::from_dir(&model).unwrap();
+    for (ids, messages) in i32_rows(&b, "prompt_ids")
+        .iter()
+        .zip(strings(&b, "messages"))
+    {
+        let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+        let text = tok.decode(&ids, false).unwrap();
+        assert!(
+            text.starts_with(&format!("<|im_start|>system\n{system}")),
+            "{text}"
+        );
+        let m: Vec<serde_json::Value> = serde_json::from_str(&messages).unwrap();
+        assert_eq!(
+            m[0],
+            serde_json::json!({"role": "system", "content": system})
+        );
+        assert_eq!(m[1]["role"], "user");
+    }
+    let (input, raw) = (d.join("prompts.parquet"), d.join("raw.parquet"));
+    let args = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&input),
+        "--out",
+        p(&raw),
+        "--raw-prompt",
+        "--system-prompt",
+        system,
+    ];
+    stage_util::input_error("rollout", &args, "--system-prompt needs the chat template");
+}
+
 /// A verl multi-turn dataset (`extra_info.tools_kwargs`, `need_tools_kwargs`, an `agent_name`
 /// column, as verl's gsm8k_multiturn_w_tool preprocessing writes) is read, and its columns are
 /// carried into every sample's row.
@@ -581,4 +625,301 @@ fn a_verl_multi_turn_dataset_is_accepted() {
         b.column("extra_info").unwrap().data_type(),
         DataType::Struct(_)
     ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pipeline with tools
+
+const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
+
+/// The `add` tool as a program speaking the JSON-lines protocol: it answers 5, a little slowly
+/// (so that a rollout spends time in its calls), and appends a line to `calls.txt` in the
+/// working directory per call.
+const ADD_TOOL: &str = r#"import json, sys, time
+print(json.dumps({"type": "function", "function": {"name": "add"}}), flush=True)
+for line in sys.stdin:
+    if line.strip():
+        request = json.loads(line)
+        time.sleep(0.05)
+        with open("calls.txt", "a") as f:
+            f.write("call\n")
+        print(json.dumps({"id": request["id"], "content": "5"}), flush=True)
+"#;
+
+/// A reward that differs between the samples of a group, so that every step changes weights.
+const LENGTH_REWARD: &str = r#"def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return (len(solution_str) % 3) / 2.0
+"#;
+
+/// `d/sft`, the calling model; `d/train.parquet` and `d/val.parquet`, prompts it answers with a
+/// call; `d/tool.py` and `d/reward.py`.
+fn tool_run_setup(d: &Path) {
+    calling_model(d);
+    call_prompts(&d.join("train.parquet"), 16);
+    call_prompts(&d.join("val.parquet"), 4);
+    std::fs::write(d.join("tool.py"), ADD_TOOL).unwrap();
+    std::fs::write(d.join("reward.py"), LENGTH_REWARD).unwrap();
+}
+
+/// `d/spec.toml`: 3 steps of GRPO on [`tool_run_setup`]'s files with the tool, `top` at its
+/// top level.
+fn write_tool_spec(d: &Path, top: &str) {
+    let spec = format!(
+        r#"seed = 3
+steps = 3
+{top}
+[model]
+path = "sft"
+[data]
+train = "train.parquet"
+val = "val.parquet"
+prompts-per-step = 4
+[rollout]
+n = 4
+temperature = 1.0
+max-prompt-tokens = 1024
+tool = ["add=cmd:python3 tool.py"]
+max-turns = 3
+max-tool-calls = 2
+max-turn-tokens = 48
+max-response-tokens = 160
+[score]
+reward = "python:reward.py"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.001
+use-kl-loss = true
+ppo-epochs = 2
+mini-batch-size = 8
+[eval]
+every = 2
+[checkpoint]
+every = 2
+keep-last = 1
+"#
+    );
+    std::fs::write(d.join("spec.toml"), spec).unwrap();
+}
+
+/// `pipeline run spec.toml --run-dir RUN` in `d` with the built stages.
+fn pipeline_cmd(d: &Path, run: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(PIPELINE);
+    c.current_dir(d)
+        .args(["run", "spec.toml", "--run-dir", run])
+        .env("TANDEM_BIN_DIR", Path::new(PIPELINE).parent().unwrap())
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("WORLD_SIZE")
+        .env_remove("RANK")
+        .env_remove("TANDEM_DAEMON");
+    c
+}
+
+fn pipeline_ok(d: &Path, run: &str) {
+    let o = pipeline_cmd(d, run).output().unwrap();
+    assert!(
+        o.status.success(),
+        "{run}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Calls answered so far (lines of `d/calls.txt`).
+fn calls_answered(d: &Path) -> usize {
+    std::fs::read_to_string(d.join("calls.txt")).map_or(0, |t| t.lines().count())
+}
+
+/// The calls of a run's step-1 rollout that the tool answered.
+fn answered_calls(run: &Path) -> usize {
+    let b = read(&run.join("step-0001/rollout.parquet"));
+    strings(&b, "tool_calls")
+        .iter()
+        .flat_map(|c| serde_json::from_str::<Vec<serde_json::Value>>(c).unwrap())
+        .filter(|c| c["result"] == "5")
+        .count()
+}
+
+/// What must match between two runs of one spec: every checkpoint file (weights and optimizer
+/// state, bit for bit), the policy, the state, the evaluations and the metrics (timings, and
+/// the metrics named in `differ`, aside).
+fn assert_same_runs(a: &Path, b: &Path, differ: &[&str]) {
+    use crate::pipeline::{checkpoint_files, jsonl_sans_time, state};
+    let (ca, cb) = (checkpoint_files(a), checkpoint_files(b));
+    assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+    assert!(ca.contains_key("step-0003/model.safetensors"), "{ca:?}");
+    for (k, v) in &ca {
+        assert!(v == &cb[k], "{k} differs between {a:?} and {b:?}");
+    }
+    // Every step's trajectories: the same ids and mask; log-probs within a few 1e-6 (below).
+    for step in 1..=3 {
+        let f = format!("step-{step:04}/rollout.parquet");
+        let (ra, rb) = (read(&a.join(&f)), read(&b.join(&f)));
+        assert_eq!(
+            i32_rows(&ra, "response_ids"),
+            i32_rows(&rb, "response_ids"),
+            "{f}"
+        );
+        assert_eq!(
+            u8_rows(&ra, "response_mask"),
+            u8_rows(&rb, "response_mask"),
+            "{f}"
+        );
+        let (la, lb) = (
+            f32_rows(&ra, "rollout_logprobs"),
+            f32_rows(&rb, "rollout_logprobs"),
+        );
+        let diff = la
+            .iter()
+            .flatten()
+            .zip(lb.iter().flatten())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{f}: rollout_logprobs differ by {diff:e} at most");
+        assert!(diff <= 2e-5, "{f}: rollout_logprobs differ by {diff}");
+    }
+    let policy = |r: &Path| std::fs::read(r.join("policy")).unwrap();
+    assert_eq!(policy(a), policy(b));
+    assert_eq!(state(a), state(b));
+    assert_eq!(
+        jsonl_sans_time(&a.join("eval.jsonl")),
+        jsonl_sans_time(&b.join("eval.jsonl"))
+    );
+    let (ma, mb) = (
+        jsonl_sans_time(&a.join("metrics.jsonl")),
+        jsonl_sans_time(&b.join("metrics.jsonl")),
+    );
+    assert_eq!(ma.len(), mb.len());
+    for (x, y) in ma.iter().zip(&mb) {
+        let (x, y) = (x.as_object().unwrap(), y.as_object().unwrap());
+        // A daemon's stages add their memory and phase (`rollout/daemon/*`).
+        let own = |m: &serde_json::Map<String, serde_json::Value>| {
+            m.keys()
+                .filter(|k| !k.contains("/daemon/"))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(own(x), own(y));
+        for (k, v) in x.iter().filter(|(k, _)| !k.contains("/daemon/")) {
+            // When a call answers decides which samples decode together: the engine's
+            // counters follow the timing, and so, by a few 1e-6, do the sampled tokens'
+            // log-probs (the same tokens; the metrics made from those log-probs differ as
+            // little). Every other metric, and every weight above, is the same.
+            let scheduled = ["engine_steps", "overlap", "kv_blocks_peak", "eager_steps"];
+            if scheduled.iter().any(|s| k.contains(s)) || differ.contains(&k.as_str()) {
+                continue;
+            }
+            match (v.as_f64(), y[k].as_f64()) {
+                (Some(p), Some(q)) => assert!((p - q).abs() <= 1e-4, "{k}: {p} vs {q}"),
+                _ => assert_eq!(v, &y[k], "{k}"),
+            }
+        }
+    }
+}
+
+/// A run whose rollouts call a `cmd:` tool, SIGKILLed in step 2's rollout after the tool
+/// answered a call of it (the rollout, its tool processes and the runner die), then rerun: it
+/// continues after step 1 and ends with the uninterrupted run's checkpoints, policy, metrics and
+/// evaluations.
+#[test]
+fn tool_rollouts_resume_after_sigkill_to_identical_weights() {
+    use crate::pipeline::running_child;
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tool_run_setup(d);
+    write_tool_spec(d, "");
+    pipeline_ok(d, "a");
+    let a = d.join("a");
+    let called = answered_calls(&a);
+    assert!(called >= 4, "the model calls its tool: {called} calls");
+    let m: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(a.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(m["grad_norm"].as_f64().unwrap() > 0.0, "{m}");
+
+    let mut child = pipeline_cmd(d, "b")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (pid, t0) = (child.id(), Instant::now());
+    let mut before = None;
+    loop {
+        assert!(child.try_wait().unwrap().is_none(), "b ended before");
+        assert!(t0.elapsed() < Duration::from_secs(300), "timed out");
+        if running_child(pid, "--out b/step-0002/rollout.parquet") {
+            // The count when step 2's rollout was first seen; a call answered since is its own.
+            let n0 = *before.get_or_insert(calls_answered(d));
+            if calls_answered(d) > n0 {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let b = d.join("b");
+    assert!(!b.join("step-0002/rollout.parquet").exists());
+    let o = pipeline_cmd(d, "b").output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("pipeline: continuing b after step 1"),
+        "{text}"
+    );
+    assert_same_runs(&a, &b, &[]);
+}
+
+/// The same run with `daemon = true`: the tools run in the warm daemon's rollouts and the run
+/// ends with the in-process run's checkpoints, policy, metrics and evaluations. With `gpus = 2`
+/// (CPU ranks) the first rollout samples the 1-process run's trajectories, and on a daemon
+/// group the run ends as the 2-rank run without daemons does.
+#[test]
+fn tool_rollouts_on_the_daemon_match_the_in_process_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tool_run_setup(d);
+    write_tool_spec(d, "");
+    pipeline_ok(d, "one");
+    write_tool_spec(d, "daemon = true");
+    pipeline_ok(d, "daemon");
+    let (one, daemon) = (d.join("one"), d.join("daemon"));
+    let commands = std::fs::read_to_string(daemon.join("commands.sh")).unwrap();
+    assert!(commands.contains("--tool"), "{commands}");
+    assert!(answered_calls(&daemon) >= 4);
+    assert_eq!(
+        read(&one.join("step-0001/rollout.parquet")).num_rows(),
+        read(&daemon.join("step-0001/rollout.parquet")).num_rows()
+    );
+    // The daemon keeps the weights and the optimizer state between steps: it writes them at
+    // checkpoints only.
+    let kept = ["update/optimizer_state_saved", "update/weights_saved"];
+    assert_same_runs(&one, &daemon, &kept);
+
+    write_tool_spec(d, "gpus = 2");
+    pipeline_ok(d, "two");
+    write_tool_spec(d, "gpus = 2\ndaemon = true");
+    pipeline_ok(d, "group");
+    let (two, group) = (d.join("two"), d.join("group"));
+    let first = |r: &Path| read(&r.join("step-0001/rollout.parquet"));
+    assert_eq!(
+        i32_rows(&first(&one), "response_ids"),
+        i32_rows(&first(&two), "response_ids")
+    );
+    assert_eq!(strings(&first(&one), "uid"), strings(&first(&two), "uid"));
+    // ...and the group writes the ranks' optimizer shards at checkpoints only.
+    let kept = [kept[0], kept[1], "update/optimizer_shards"];
+    assert_same_runs(&two, &group, &kept);
 }

@@ -1542,7 +1542,7 @@ pub(crate) fn running_child(parent: u32, needle: &str) -> bool {
 }
 
 /// Every file of every checkpoint, by content.
-fn checkpoint_files(run: &Path) -> BTreeMap<String, Vec<u8>> {
+pub(crate) fn checkpoint_files(run: &Path) -> BTreeMap<String, Vec<u8>> {
     checkpoint_files_in(run, "ckpt")
 }
 
@@ -1936,7 +1936,8 @@ fn make_words(text: &str) -> Vec<String> {
 /// `make` targets in the Makefile (one of them, or a `pipeline run` of the spec, runs this very
 /// spec), `tandem` subcommands in `tandem --help`, scripts in the tree. Then each runs through
 /// `pipeline run --dry-run` (on the CPU: no GPU here) with tiny stand-ins at the model and data
-/// paths it names, as the header's commands would have made them.
+/// paths it names, as the header's commands would have made them; a spec with tools offers them
+/// in its evaluation too.
 #[test]
 fn every_shipped_spec_runs_after_the_command_its_header_names() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -2077,10 +2078,18 @@ fn every_shipped_spec_runs_after_the_command_its_header_names() {
             .output()
             .unwrap();
         assert_ok(&o);
-        assert!(
-            String::from_utf8_lossy(&o.stdout).contains("rollout --model"),
-            "{name}"
-        );
+        let plan = String::from_utf8_lossy(&o.stdout);
+        assert!(plan.contains("rollout --model"), "{name}");
+        // A spec with tools offers them in its evaluation too.
+        if text.contains("tool = [") {
+            let eval = plan
+                .lines()
+                .filter(|l| l.contains("/rollout ") && l.contains(" --top-k 1 "));
+            assert!(
+                eval.clone().count() > 0 && eval.into_iter().all(|l| l.contains(" --tool ")),
+                "{name}: {plan}"
+            );
+        }
         assert!(!w.join(&run).exists(), "{name}: the dry run wrote {run}");
     }
 }

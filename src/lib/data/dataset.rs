@@ -120,6 +120,19 @@ impl PromptDataset {
     /// The text rollout tokenizes for row `i`: the chat messages rendered by `template` with the
     /// generation prompt (`apply_chat_template(add_generation_prompt=True)`) and `tools` (their
     /// schemas, transformers' `tools=`), or with no template (`--raw-prompt`) the prompt as is.
+    /// Puts a system message with `system` before the messages of every row that starts with
+    /// none (rollout's `--system-prompt`); None leaves the rows as they are.
+    pub(crate) fn with_system(mut self, system: Option<&str>) -> PromptDataset {
+        if let Some(system) = system {
+            for row in &mut self.rows {
+                if row.messages.first().is_none_or(|m| m.role != "system") {
+                    row.messages.insert(0, Message::new("system", system));
+                }
+            }
+        }
+        self
+    }
+
     pub(crate) fn prompt_text(
         &self,
         i: usize,
@@ -321,6 +334,28 @@ mod tests {
         let path = dir.join(name);
         crate::batch::write_file(&path, data, &BTreeMap::new()).unwrap();
         path
+    }
+
+    /// `--system-prompt`: a row without a system message gets one first; a row's own is kept.
+    #[test]
+    fn with_system_adds_a_system_message_where_there_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rows = verl_rows();
+        rows[1].prompt.remove(0);
+        let path = write(dir.path(), "p.parquet", &verl_record_batch(&rows).unwrap());
+        let ds = PromptDataset::open(&path).unwrap();
+        let same = PromptDataset::open(&path).unwrap().with_system(None);
+        assert_eq!(same.row(1).messages, ds.row(1).messages);
+        let ds = ds.with_system(Some("Use the tools."));
+        assert_eq!(
+            ds.row(1).messages,
+            vec![
+                Message::new("system", "Use the tools."),
+                Message::new("user", "question 1")
+            ]
+        );
+        assert_eq!(ds.row(0).messages, rows[0].prompt);
+        assert_eq!(ds.row(2).messages, rows[2].prompt);
     }
 
     #[test]

@@ -220,12 +220,14 @@ fn check_prompts(
     if !path.exists() {
         bail_input!("{key} = {}: no such file or directory", path.display());
     }
-    let ds = PromptDataset::open_with_key(path, &args.prompt_key).with_context(|| {
-        format!(
-            "{key} (prompts in column `{}`; the {} prompt-key)",
-            args.prompt_key, t.table
-        )
-    })?;
+    let ds = PromptDataset::open_with_key(path, &args.prompt_key)
+        .with_context(|| {
+            format!(
+                "{key} (prompts in column `{}`; the {} prompt-key)",
+                args.prompt_key, t.table
+            )
+        })?
+        .with_system(args.system_prompt.as_deref());
     let n = args.limit.unwrap_or(ds.len()).min(ds.len());
     // The tools start as rollout starts them (a missing program or class stops here); their
     // schemas go into the prompts.

@@ -222,6 +222,11 @@ pub struct RolloutArgs {
     /// Feed the prompt text as is (no chat template).
     #[arg(long)]
     pub raw_prompt: bool,
+    /// A system message put before every prompt that has none (e.g. to say when to call the
+    /// tools); a prompt's own system message is kept. Needs the chat template.
+    #[arg(long, value_name = "TEXT")]
+    #[serde(default)]
+    pub system_prompt: Option<String>,
     /// Prompts over --max-prompt-tokens: `left` keeps their end, `error` stops.
     #[arg(long, value_enum, default_value_t = Truncate::Error)]
     pub truncate: Truncate,
@@ -715,6 +720,9 @@ impl RolloutArgs {
         if !self.tool.is_empty() && self.raw_prompt {
             bail_input!("--tool needs the chat template (it offers the tools and wraps their results): drop --raw-prompt");
         }
+        if self.system_prompt.is_some() && self.raw_prompt {
+            bail_input!("--system-prompt needs the chat template (it writes the system message): drop --raw-prompt");
+        }
         Ok(p)
     }
 }
@@ -740,7 +748,8 @@ pub fn run_with_tools(
     if tools.is_some() == args.tool.is_empty() {
         anyhow::bail!("rollout: the tools given and --tool disagree");
     }
-    let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?;
+    let dataset = PromptDataset::open_with_key(&args.input, &args.prompt_key)?
+        .with_system(args.system_prompt.as_deref());
     let n_prompts = args.limit.unwrap_or(dataset.len()).min(dataset.len());
     if n_prompts == 0 {
         bail_input!("--limit 0: nothing to generate");

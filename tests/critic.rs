@@ -515,8 +515,8 @@ use crate::pipeline::{
     assert_ok, checkpoint_files_in, jsonl_sans_time, real_bins, running_child, stage_done, state,
     text, PIPELINE,
 };
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 const PPO_SPEC: &str = r#"
 seed = 3
@@ -612,26 +612,7 @@ fn ppo_with_a_critic_resumes_after_sigkill_to_identical_checkpoints() {
     assert!(log.contains("update --model a/critic/step-0001 --in a/step-0002/adv.parquet --out-model a/critic/step-0002"), "{log}");
 
     let kill_when = |what: &str, cond: &mut dyn FnMut(u32) -> bool| {
-        let mut child = cmd("b")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        let t0 = Instant::now();
-        while !cond(pid) {
-            assert!(
-                child.try_wait().unwrap().is_none(),
-                "the run ended before: {what}"
-            );
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "timed out waiting for {what}"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        child.kill().unwrap();
-        child.wait().unwrap();
+        crate::pipeline::kill_when(cmd("b"), what, cond)
     };
     kill_when("step 2 values running", &mut |pid| {
         running_child(pid, "--out b/step-0002/values.parquet")

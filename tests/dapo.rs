@@ -8,9 +8,8 @@ use arrow_schema::{Field, Schema};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 use tandem::batch::{list_array, schema, write_file, Batch};
 
 const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
@@ -630,25 +629,7 @@ fn resume_in_the_middle_of_a_step_gives_the_same_files() {
 
     let b = d.join("b");
     let kill_when = |what: &str, cond: &dyn Fn() -> bool| {
-        let mut child = pipeline(d, "spec.toml", "b")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t0 = Instant::now();
-        while !cond() {
-            assert!(
-                child.try_wait().unwrap().is_none(),
-                "the run ended before: {what}"
-            );
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "timed out waiting for {what}"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        child.kill().unwrap();
-        child.wait().unwrap();
+        crate::pipeline::kill_when(pipeline(d, "spec.toml", "b"), what, &mut |_| cond())
     };
     kill_when("round 1 scored", &|| recorded(&b, step, "round-1/score"));
     let state = json(&b.join("state.json"));

@@ -1653,28 +1653,7 @@ keep-last = 1
         "{plog}"
     );
 
-    let kill_when = |what: &str, cond: &mut dyn FnMut(u32) -> bool| {
-        let mut child = cmd("b")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        let t0 = Instant::now();
-        while !cond(pid) {
-            assert!(
-                child.try_wait().unwrap().is_none(),
-                "the run ended before: {what}"
-            );
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "timed out waiting for {what}"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        child.kill().unwrap();
-        child.wait().unwrap();
-    };
+    let kill_when = |what: &str, cond: &mut dyn FnMut(u32) -> bool| kill_when(cmd("b"), what, cond);
     kill_when("step 2 rollout running", &mut |pid| {
         running_child(pid, "--out b/step-0002/rollout.parquet")
     });
@@ -2305,4 +2284,29 @@ fn from_verl_refuses_bad_values_and_writes_nothing() {
         text(&o)
     );
     assert!(!d.join("bad.toml").exists());
+}
+
+/// Starts `cmd` (its output dropped) and SIGKILLs it once `cond(its pid)` holds; the run must
+/// not end before, and the condition must come within 120 s.
+pub(crate) fn kill_when(mut cmd: Command, what: &str, cond: &mut dyn FnMut(u32) -> bool) {
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let t0 = Instant::now();
+    while !cond(pid) {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before: {what}"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

@@ -10,8 +10,8 @@
 #   MODEL  0.5b (default) or 1.5b: the GGUF (size, sha256), models/qwen2.5-coder-$MODEL
 #   SPEC   pipeline spec [pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml]; the GRPO one is
 #          pipelines/gsm8k-qwen2.5-coder-0.5b-cuda.toml
-#   TOOLS  1: the spec with the Python tool [pipelines/gsm8k-qwen2.5-coder-$MODEL-tools-cuda.toml,
-#          1.5b only so far], and STEP=eval evaluates with that spec's evaluation flags (the
+#   TOOLS  1: the spec with the Python tool [pipelines/gsm8k-qwen2.5-coder-$MODEL-tools-cuda.toml],
+#          and STEP=eval evaluates with that spec's evaluation flags (the
 #          tool, its limits and the system prompt) unless EVAL_FLAGS is given
 #   RUN    run name [gsm8k-$MODEL]: the run directory is $R/runs/$RUN
 #   D      carried directory with bin.tar.xz and the GSM8K parquets [.device/rl]
@@ -23,13 +23,16 @@
 # Here (the development machine), once per model:
 #   STEP=pack MODEL=1.5b bash bench/gsm8k_run.sh
 #     builds the release binaries, makes data/ and the GGUF (make data model-...), and writes
-#     .device/rl/{bin.tar.xz,train.parquet,test.parquet} and .device/pieces/q.NN (`split` of the
-#     GGUF: 10 pieces of 50 MiB for 0.5b, 20 of 56 MiB for 1.5b). A call carries at most 64 MiB, so each
-#     piece travels in its own call: copy it alone into .device/piece/ before the call.
+#     .device/rl/{bin.tar.xz,train.parquet,test.parquet} and .device/pieces-$MODEL/q.NN (`split`
+#     of the GGUF in 56 MiB pieces: 9 for 0.5b, 20 for 1.5b, the last of each short). A call
+#     carries at most 64 MiB, so each piece travels in its own call: copy it alone into
+#     .device/piece/ before the call. Both models can go to one machine (their pieces and GGUFs
+#     are kept apart by MODEL): the setup call can carry both short last pieces.
 # On the device (the device tool's `run`, carry [".device/rl", ".device/piece"]):
-#   STEP=setup  unpack the binaries and data into $R, keep the carried piece (carry the last,
-#               short one here: it fits beside bin.tar.xz)
-#   STEP=piece  keep the carried piece(s) in $R/pieces/ (a repeated call just rewrites them)
+#   STEP=setup  unpack the binaries and data into $R, keep the carried pieces (carry the last,
+#               short ones here: they fit beside bin.tar.xz; q.NN of 0.5b as 0.5b-q.NN, of 1.5b
+#               as 1.5b-q.NN, or plain q.NN for MODEL's)
+#   STEP=piece  keep the carried piece(s) in $R/pieces-$MODEL/ (a repeated call just rewrites them)
 #   STEP=import join the pieces into the GGUF once all are there, check its size and sha256 and
 #               import it (done by STEP=run too; call it once before starting runs side by side)
 #   STEP=run    import (above) if not done, then run or resume the pipeline for at most SECS
@@ -62,7 +65,7 @@
 set -u
 MODEL=${MODEL:-0.5b}
 case "$MODEL" in
-0.5b) GGUF_NAME=Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf; BYTES=491400064; PIECE=50M
+0.5b) GGUF_NAME=Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf; BYTES=491400064; PIECE=56M
       SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 ;;
 1.5b) GGUF_NAME=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf; BYTES=1117320768; PIECE=56M
       SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ;;
@@ -102,39 +105,43 @@ case "${STEP:-}" in
 pack)
   set -e
   make build data "model-qwen2.5-coder-$MODEL"
-  mkdir -p "$D" .device/pieces .device/piece
+  mkdir -p "$D" ".device/pieces-$MODEL" .device/piece
   tmp=$(mktemp -d)
   for b in $BINS; do cp "target/release/$b" "$tmp/"; strip "$tmp/$b"; done
   tar -cJf "$D/bin.tar.xz" -C "$tmp" $BINS && rm -rf "$tmp"
   cp data/gsm8k/train.parquet data/gsm8k/test.parquet "$D/"
-  rm -f .device/pieces/q.*
-  split -b "$PIECE" -d -a 2 ".cache/models/$GGUF_NAME" .device/pieces/q.
-  ls -la "$D" .device/pieces
-  echo "pieces: $(ls .device/pieces | wc -l); carry the last with STEP=setup, the others one per STEP=piece call"
+  rm -f ".device/pieces-$MODEL"/q.*
+  split -b "$PIECE" -d -a 2 ".cache/models/$GGUF_NAME" ".device/pieces-$MODEL/q."
+  ls -la "$D" ".device/pieces-$MODEL"
+  echo "pieces: $(ls ".device/pieces-$MODEL" | wc -l); carry the last with STEP=setup, the others one per STEP=piece call"
   ;;
 setup)
-  rm -rf "$R" && mkdir -p "$R/bin" "$R/data/gsm8k" "$R/pipelines/rewards" "$R/pieces"
+  rm -rf "$R" && mkdir -p "$R/bin" "$R/data/gsm8k" "$R/pipelines/rewards" "$R/pieces-0.5b" "$R/pieces-1.5b"
   tar -xJf "$D/bin.tar.xz" -C "$R/bin" && cp "$D"/train.parquet "$D"/test.parquet "$R/data/gsm8k/" || exit 1
-  cp "$P"/q.* "$R/pieces/" 2>/dev/null
-  ls -la "$R/bin" "$R/pieces"
+  cp "$P"/q.* "$R/pieces-$MODEL/" 2>/dev/null
+  for m in 0.5b 1.5b; do
+    for f in "$P/$m"-q.*; do [ -f "$f" ] && cp "$f" "$R/pieces-$m/${f##*/$m-}"; done
+  done
+  ls -la "$R/bin" "$R"/pieces-*
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
   ;;
 piece)
-  cp "$P"/q.* "$R/pieces/" && ls "$R/pieces" | tr '\n' ' ' && echo
+  mkdir -p "$R/pieces-$MODEL" && cp "$P"/q.* "$R/pieces-$MODEL/" && ls "$R/pieces-$MODEL" | tr '\n' ' ' && echo
   ;;
 import|run)
   cp pipelines/*.toml "$R/pipelines/" && cp pipelines/rewards/*.py "$R/pipelines/rewards/"
   [ -f "$SPEC" ] || { echo "SPEC=$SPEC: no such spec"; exit 2; }
   cd "$R" || exit 1
-  if [ ! -f model.gguf ]; then
-    have=$(cat pieces/q.* 2>/dev/null | wc -c)
-    [ "$have" = "$BYTES" ] || { echo "pieces hold $have of $BYTES bytes: carry the missing ones (STEP=piece)"; ls pieces; exit 1; }
-    cat pieces/q.* > model.gguf.tmp && mv model.gguf.tmp model.gguf && rm -rf pieces
+  gguf=model-$MODEL.gguf
+  if [ ! -f "$gguf" ]; then
+    have=$(cat "pieces-$MODEL"/q.* 2>/dev/null | wc -c)
+    [ "$have" = "$BYTES" ] || { echo "pieces hold $have of $BYTES bytes: carry the missing ones (STEP=piece)"; ls "pieces-$MODEL"; exit 1; }
+    cat "pieces-$MODEL"/q.* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf" && rm -rf "pieces-$MODEL"
   fi
-  echo "$SHA  model.gguf" | sha256sum -c --quiet || exit 1
+  echo "$SHA  $gguf" | sha256sum -c --quiet || exit 1
   if [ ! -d "$MODEL_DIR" ]; then
     t0=$SECONDS
-    bin/tandem import-gguf model.gguf --out "$MODEL_DIR" || exit 1
+    bin/tandem import-gguf "$gguf" --out "$MODEL_DIR" || exit 1
     ledger import $((SECONDS - t0))
   fi
   [ "$STEP" = import ] && exit 0
@@ -237,7 +244,10 @@ report)
   cp "$run/metrics.jsonl" "$run/eval.jsonl" "$OUT/" 2>/dev/null
   bin/tandem plot "$run" --out "$OUT/plot.png" > /dev/null 2>&1
   spec_ran=$(cat "$run/spec-source.txt" 2>/dev/null || echo "$SPEC")
-  python3 - "$run" "$R/wall-$RUN.tsv" "$R/mem-$RUN.csv" "$OUT/evals.tsv" "$MODEL" "$spec_ran" > "$OUT/report.md" <<'EOF'
+  # The model the run trained, from its spec's name (a wait over runs of both models).
+  model=$MODEL
+  case "$spec_ran" in *0.5b*) model=0.5b ;; *1.5b*) model=1.5b ;; esac
+  python3 - "$run" "$R/wall-$RUN.tsv" "$R/mem-$RUN.csv" "$OUT/evals.tsv" "$model" "$spec_ran" > "$OUT/report.md" <<'EOF'
 import json, statistics, sys
 run, wall, mem, evals, model, spec = sys.argv[1:]
 try:

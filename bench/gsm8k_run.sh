@@ -82,7 +82,7 @@ D=${D:-.device/rl}
 P=${P:-.device/piece}
 R=${R:-/root/rl}
 SELF=$(readlink -f "$0")
-BINS="tandem pipeline rollout score ref-logprob advantage update sync-weights"
+BINS="tandem pipeline rollout score ref-logprob advantage update sync-weights values"
 export TANDEM_CACHE=${TANDEM_CACHE:-/root/tandem-cache} TANDEM_BIN_DIR=$R/bin PYTHONUNBUFFERED=1
 SMI_GPU=()
 if [ -n "${GPU:-}" ]; then export CUDA_VISIBLE_DEVICES=$GPU; SMI_GPU=(-i "$GPU"); fi
@@ -108,7 +108,9 @@ pack)
   mkdir -p "$D" ".device/pieces-$MODEL" .device/piece
   tmp=$(mktemp -d)
   for b in $BINS; do cp "target/release/$b" "$tmp/"; strip "$tmp/$b"; done
-  tar -cJf "$D/bin.tar.xz" -C "$tmp" $BINS && rm -rf "$tmp"
+  # xz -9: a 64 MiB window, so the stage binaries after the first cost little (the setup call
+  # carries them with the short last pieces of both models).
+  tar -cf - -C "$tmp" $BINS | xz -9 -T2 > "$D/bin.tar.xz" && rm -rf "$tmp"
   cp data/gsm8k/train.parquet data/gsm8k/test.parquet "$D/"
   rm -f ".device/pieces-$MODEL"/q.*
   split -b "$PIECE" -d -a 2 ".cache/models/$GGUF_NAME" ".device/pieces-$MODEL/q."

@@ -1,6 +1,7 @@
 //! What the daemon keeps between jobs: the policy decoder (compute weights, f32 masters, AdamW
-//! state; the policy store's `crate::engine::policy::kept`) and the reference decoder, on one
-//! backend, with each job's memory phases and metrics. It is the stages' `Exec` inside the
+//! state; the policy store's `crate::engine::policy::kept`), PPO's critic in a slot of the same
+//! kind (`values` scores with it, `update --critic` trains it), and the reference decoder, on
+//! one backend, with each job's memory phases and metrics. It is the stages' `Exec` inside the
 //! daemon: a stage asks for the model its `--model` names, and the daemon uses the one it holds
 //! when that is the same checkpoint (same directory, same files), and loads it otherwise.
 //!

@@ -27,12 +27,7 @@ use std::sync::Arc;
 /// a launcher started it (`tandem launch`, torchrun, srun). The one place that decides; the
 /// stage binaries call it.
 pub fn run_stage(job: StageJob) -> Result<()> {
-    // The daemon keeps no critic: its stages stay here whatever $TANDEM_DAEMON says.
-    let socket = match job.uses_daemon() {
-        true => daemon_socket(job.daemon()),
-        false => None,
-    };
-    match socket {
+    match daemon_socket(job.daemon()) {
         Some(socket) => {
             // Every rank would send the same job: one client per daemon.
             let world = World::from_env()?;

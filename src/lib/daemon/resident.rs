@@ -1,6 +1,7 @@
 //! What the daemon keeps between jobs: the policy decoder (compute weights, f32 masters, AdamW
-//! state; the policy store's `crate::engine::policy::kept`) and the reference decoder, on one
-//! backend, with each job's memory phases and metrics. It is the stages' `Exec` inside the
+//! state; the policy store's `crate::engine::policy::kept`), PPO's critic in a slot of the same
+//! kind (`values` scores with it, `update --critic` trains it), and the reference decoder, on
+//! one backend, with each job's memory phases and metrics. It is the stages' `Exec` inside the
 //! daemon: a stage asks for the model its `--model` names, and the daemon uses the one it holds
 //! when that is the same checkpoint (same directory, same files), and loads it otherwise.
 //!
@@ -100,6 +101,22 @@ struct RefSlot<B: Backend> {
     host: Option<Weights>,
 }
 
+/// Which trained model a slot holds: the policy, or PPO's critic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Policy,
+    Critic,
+}
+
+impl Role {
+    fn of(job: &Train<'_>) -> Role {
+        match job.train.critic {
+            Some(_) => Role::Critic,
+            None => Role::Policy,
+        }
+    }
+}
+
 /// Peak and end-of-phase device memory of one kind of job.
 #[derive(Clone, Copy, Debug, Default)]
 struct Phase {
@@ -120,6 +137,11 @@ pub struct Resident<B: Backend> {
     socket: Option<PathBuf>,
     opts: Options,
     policy: Option<PolicySlot<B>>,
+    /// PPO's critic (a value model), kept as the policy is: `values` scores with it and
+    /// `update --critic` trains it.
+    critic: Option<PolicySlot<B>>,
+    /// The slot the running job trained: the one its `Hold::saved` names.
+    trained: Role,
     reference: Option<RefSlot<B>>,
     /// The version `sync-weights` last published (0 until then).
     pub policy_version: u64,
@@ -141,6 +163,8 @@ impl<B: Backend> Resident<B> {
             socket: None,
             opts,
             policy: None,
+            critic: None,
+            trained: Role::Policy,
             reference: None,
             policy_version: 0,
             phases: BTreeMap::new(),
@@ -163,7 +187,7 @@ impl<B: Backend> Resident<B> {
 
     /// Loads the policy at startup (`--policy`, a directory or a pointer file).
     pub(crate) fn preload_policy(&mut self, model: &ModelRef) -> Result<()> {
-        self.policy_slot(model)?;
+        self.slot(Role::Policy, model)?;
         self.policy_version = model.policy_version;
         Ok(())
     }
@@ -175,7 +199,7 @@ impl<B: Backend> Resident<B> {
 
     fn backends(&self) -> Vec<&B> {
         let mut backends: Vec<&B> = Vec::new();
-        if let Some(p) = &self.policy {
+        for p in [&self.policy, &self.critic].into_iter().flatten() {
             backends.push(p.decoder.backend());
             if let Some(g) = &p.gen {
                 backends.push(g.backend());
@@ -236,9 +260,9 @@ impl<B: Backend> Resident<B> {
     pub fn end(&mut self, phase: &'static str, ok: bool) -> Value {
         self.observe();
         if !ok {
-            if let Some(p) = &mut self.policy {
-                if p.keys.is_empty() {
-                    self.policy = None;
+            for slot in [&mut self.policy, &mut self.critic] {
+                if slot.as_ref().is_some_and(|p| p.keys.is_empty()) {
+                    *slot = None;
                 }
             }
         }
@@ -259,6 +283,13 @@ impl<B: Backend> Resident<B> {
         self.job.insert("memory_held_after".into(), m.held.into());
         self.job
             .insert("policy_version".into(), self.policy_version.into());
+        if let Some(c) = &self.critic {
+            let held = c.decoder.backend().memory_stats().held
+                + c.gen
+                    .as_ref()
+                    .map_or(0, |g| g.backend().memory_stats().held);
+            self.job.insert("critic_memory_held".into(), held.into());
+        }
         self.job
             .insert("device".into(), self.device.to_string().into());
         self.reply = None;
@@ -288,17 +319,8 @@ impl<B: Backend> Resident<B> {
         json!({
             "device": self.device.to_string(),
             "policy_version": self.policy_version,
-            "policy": self.policy.as_ref().map(|p| json!({
-                "dir": p.keys.last().map(|k| k.dir.display().to_string()),
-                "dirs": p.keys.iter().map(|k| k.dir.display().to_string()).collect::<Vec<_>>(),
-                "in_files": p.keys.iter().any(|k| !k.resident()),
-                "schedule_step": p.schedule_step,
-                "optimizer_step": p.decoder.optimizer_steps(),
-                "generation_copy": p.gen.is_some(),
-                "optimizer_offloaded": p.parked.is_some(),
-                "optimizer_sharded": p.sharded.is_some(),
-                "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
-            })),
+            "policy": self.policy.as_ref().map(slot_status),
+            "critic": self.critic.as_ref().map(slot_status),
             "reference": self.reference.as_ref().map(|r| json!({
                 "dir": r.key.dir.display().to_string(),
                 "offloaded": r.decoder.is_none(),
@@ -310,6 +332,14 @@ impl<B: Backend> Resident<B> {
                 "offload_ref": self.opts.offload_ref,
             },
         })
+    }
+
+    /// The slot of `role`.
+    fn slot_of(&mut self, role: Role) -> &mut Option<PolicySlot<B>> {
+        match role {
+            Role::Policy => &mut self.policy,
+            Role::Critic => &mut self.critic,
+        }
     }
 
     fn send(&self, r: &Response) {
@@ -324,13 +354,11 @@ impl<B: Backend> Resident<B> {
         self.job.insert(key.into(), v.into());
     }
 
-    /// The policy slot for `model`, loading it when the daemon holds another checkpoint (or a
-    /// state newer than any file).
     /// The policy `model` names (loaded if need be), or the one held: what `daemon-ctl save`
     /// writes.
     fn held_slot(&mut self, model: Option<&ModelRef>) -> Result<&mut PolicySlot<B>> {
         match model {
-            Some(m) => self.policy_slot(m),
+            Some(m) => self.slot(Role::Policy, m),
             None => match self.policy.as_mut() {
                 Some(p) => Ok(p),
                 None => crate::bail_input!("the daemon holds no policy"),
@@ -338,9 +366,15 @@ impl<B: Backend> Resident<B> {
         }
     }
 
-    fn policy_slot(&mut self, model: &ModelRef) -> Result<&mut PolicySlot<B>> {
+    /// The slot of `role` for `model`, loading it when the daemon holds another checkpoint (or
+    /// a state newer than any file) there. The critic loads as `update --critic` does: a
+    /// policy's model becomes a critic with a zero value head.
+    fn slot(&mut self, role: Role, model: &ModelRef) -> Result<&mut PolicySlot<B>> {
         let key = ModelKey::of(&model.dir)?;
-        let held = self.policy.as_ref().is_some_and(|p| p.keys.contains(&key));
+        let held = self
+            .slot_of(role)
+            .as_ref()
+            .is_some_and(|p| p.keys.contains(&key));
         if !held && key.resident() {
             let marker = ModelDir::resident(&model.dir)?.expect("resident key");
             crate::bail_input!(
@@ -350,17 +384,18 @@ impl<B: Backend> Resident<B> {
             );
         }
         if !held {
-            // Free the old policy before loading the new one: peak memory is one policy.
+            // Free the old model before loading the new one: peak memory is one of them.
             self.observe();
-            self.policy = None;
+            *self.slot_of(role) = None;
             let started = Instant::now();
             let reply = self.reply.clone();
             let mut log = |m: &str| log_to(&reply, m);
             // A group's rank reads its optimizer shard at its first update; a lone daemon holds
             // the whole state (a sharded checkpoint's put back together from its files).
-            let loaded = match self.make_comm.is_some() {
-                true => Trainable::load_weights(&model.dir, &mut log)?,
-                false => {
+            let loaded = match (role, self.make_comm.is_some()) {
+                (Role::Critic, _) => Trainable::load_critic(&model.dir, &mut log)?,
+                (Role::Policy, true) => Trainable::load_weights(&model.dir, &mut log)?,
+                (Role::Policy, false) => {
                     let mut t = Trainable::load(&model.dir, &mut log)?;
                     if let Some(tr) = t.trainer.as_mut() {
                         tr.optimizer_shards = 0;
@@ -386,9 +421,9 @@ impl<B: Backend> Resident<B> {
             if self.opts.offload_optimizer {
                 park_optimizer(&mut slot, None, None)?;
             }
-            self.policy = Some(slot);
+            *self.slot_of(role) = Some(slot);
         }
-        Ok(self.policy.as_mut().expect("set above"))
+        Ok(self.slot_of(role).as_mut().expect("set above"))
     }
 
     /// The decoder that generates (and scores) with the policy `model`: the training decoder
@@ -398,9 +433,9 @@ impl<B: Backend> Resident<B> {
     /// policy (the CPU oracle path, where memory is not the constraint). A group rank under
     /// `--shard full` holds 1/N of the compute weights: it generates with the whole copy its
     /// last update built ([`Resident::train_group`]).
-    fn generation(&mut self, model: &ModelRef) -> Result<&mut Decoder<B>> {
+    fn generation(&mut self, role: Role, model: &ModelRef) -> Result<&mut Decoder<B>> {
         let make_copy = {
-            let slot = self.policy_slot(model)?;
+            let slot = self.slot(role, model)?;
             if slot.gen.is_none() && slot.sharded.as_ref().is_some_and(ShardedOptim::is_full) {
                 // Every `--shard full` update builds it (train_group); only a failed one has
                 // not, and that one forgot the policy.
@@ -415,13 +450,13 @@ impl<B: Backend> Resident<B> {
         if make_copy {
             let started = Instant::now();
             let backend = (self.make)()?;
-            let slot = self.policy.as_mut().expect("loaded above");
+            let slot = self.slot_of(role).as_mut().expect("loaded above");
             let w = slot.decoder.export_weights()?;
             let cfg = slot.decoder.config().clone();
             slot.gen = Some(Decoder::for_generation(backend, &cfg, w)?);
             self.note("generation_copy_seconds", started.elapsed().as_secs_f64());
         }
-        let slot = self.policy.as_mut().expect("loaded above");
+        let slot = self.slot_of(role).as_mut().expect("loaded above");
         Ok(match &mut slot.gen {
             Some(g) => g,
             None => &mut slot.decoder,
@@ -468,7 +503,7 @@ impl<B: Backend> Resident<B> {
 
     /// Frees what the next phase does not need and returns cached memory to the driver.
     fn trim(&mut self) -> Result<()> {
-        if let Some(p) = &mut self.policy {
+        for p in [&mut self.policy, &mut self.critic].into_iter().flatten() {
             p.decoder.release_workspace()?;
             if let Some(g) = &mut p.gen {
                 g.release_workspace()?;
@@ -496,11 +531,12 @@ impl<B: Backend> Resident<B> {
         Ok(())
     }
 
-    /// The update phase (no generation copy, no idle reference on the device, no cached free
-    /// blocks) with the policy `model` loaded; returns the seconds its load took.
-    fn update_phase(&mut self, model: &ModelRef) -> Result<f64> {
+    /// The update phase (no generation copy of the policy or the critic, no idle reference on
+    /// the device, no cached free blocks) with the model `model` loaded in the slot of `role`;
+    /// returns the seconds its load took.
+    fn update_phase(&mut self, role: Role, model: &ModelRef) -> Result<f64> {
         self.observe();
-        if let Some(p) = &mut self.policy {
+        for p in [&mut self.policy, &mut self.critic].into_iter().flatten() {
             p.gen = None;
         }
         if self.opts.offload_ref {
@@ -509,7 +545,7 @@ impl<B: Backend> Resident<B> {
             }
         }
         self.trim()?;
-        self.policy_slot(model)?;
+        self.slot(role, model)?;
         Ok(self
             .job
             .get("load_seconds")
@@ -533,7 +569,8 @@ impl<B: Backend> Resident<B> {
         // Every rank of a group has the maker (server.rs), and only a group runs this.
         let make_comm = self.make_comm.clone().expect("a daemon group's rank");
         let full = sharding.mode == ShardMode::Full;
-        let load_s = self.update_phase(model)?;
+        let load_s = self.update_phase(Role::Policy, model)?;
+        self.trained = Role::Policy;
         let reply = self.reply.clone();
         let slot = self.policy.as_mut().expect("loaded above");
         let fresh = slot.comm.is_none();
@@ -623,7 +660,7 @@ impl<B: Backend> Resident<B> {
 
 impl<B: Backend> Compute for Resident<B> {
     fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<Generated> {
-        let decoder = self.generation(model)?;
+        let decoder = self.generation(Role::Policy, model)?;
         let mut out = job.generate_on(decoder)?;
         kill_once(
             KILL_IN_ROLLOUT_ENV,
@@ -640,7 +677,7 @@ impl<B: Backend> Compute for Resident<B> {
 
     fn score(&mut self, model: &ModelRef, job: Score<'_>) -> Result<Vec<TokenStats>> {
         if job.scored() == Scored::Values {
-            crate::bail_input!("values: the daemon keeps no critic; run `values` without --daemon");
+            return job.score_on(self.generation(Role::Critic, model)?);
         }
         let is_policy = job.scored() == Scored::Logprobs(LogprobColumn::OldLogprobs)
             || self
@@ -648,7 +685,7 @@ impl<B: Backend> Compute for Resident<B> {
                 .as_ref()
                 .is_some_and(|p| ModelKey::of(&model.dir).is_ok_and(|k| p.keys.contains(&k)));
         if is_policy {
-            return job.score_on(self.generation(model)?);
+            return job.score_on(self.generation(Role::Policy, model)?);
         }
         let out = job.score_on(self.ref_decoder(&model.dir)?);
         if self.opts.offload_ref {
@@ -666,20 +703,18 @@ impl<B: Backend> Compute for Resident<B> {
     }
 
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
-        if job.train.critic.is_some() {
-            crate::bail_input!(
-                "update --critic: the daemon keeps no critic; run it without --daemon"
-            );
-        }
-        let load_s = self.update_phase(model)?;
+        let role = Role::of(&job);
+        let load_s = self.update_phase(role, model)?;
+        self.trained = role;
         let reply = self.reply.clone();
-        let slot = self.policy.as_mut().expect("loaded above");
+        let offload = self.opts.offload_optimizer;
+        let slot = self.slot_of(role).as_mut().expect("loaded above");
         // A lone daemon loads a sharded checkpoint's whole state (update_phase).
         anyhow::ensure!(
             slot.trainer
                 .as_ref()
                 .is_none_or(|t| t.optimizer_shards == 0),
-            "{}: the policy held has no optimizer state of its sharded checkpoint",
+            "{}: the model held has no optimizer state of its sharded checkpoint",
             model.dir.display()
         );
         unpark(slot)?;
@@ -691,7 +726,7 @@ impl<B: Backend> Compute for Resident<B> {
         slot.schedule_step = step + 1;
         slot.decoder.release_workspace()?;
         slot.decoder.release_grads();
-        if self.opts.offload_optimizer {
+        if offload {
             let masters = match slot.decoder.backend().compute_dtype() {
                 DType::F32 => None,
                 _ => out.weights.clone(),
@@ -711,7 +746,8 @@ impl<B: Backend> Compute for Resident<B> {
 impl<B: Backend> Hold for Resident<B> {
     fn saved(&mut self, dir: &Path, trainer: Option<&TrainerState>) -> Result<()> {
         let key = ModelKey::of(dir)?;
-        if let Some(p) = &mut self.policy {
+        let role = self.trained;
+        if let Some(p) = self.slot_of(role) {
             // A directory rewritten in place names this state now, not what it held before.
             p.keys.retain(|k| k.dir != key.dir);
             p.keys.push(key);
@@ -770,7 +806,7 @@ impl<B: Backend> Hold for Resident<B> {
         };
         // The trained decoder becomes the generation weights in place (a copy only where the
         // backend computes in f32, see `generation`); cached prefixes of the old policy go.
-        self.generation(&model)?;
+        self.generation(Role::Policy, &model)?;
         self.policy_version = policy_version;
         let after = self.memory();
         self.note("sync_seconds", started.elapsed().as_secs_f64());
@@ -801,6 +837,23 @@ impl<B: Backend> Console for Resident<B> {
 
 /// A daemon runs a stage alone; the ranks of a group's job are the server's (`Watched`).
 impl<B: Backend> Topology for Resident<B> {}
+
+/// What `status` reports of a policy or critic slot.
+fn slot_status<B: Backend>(p: &PolicySlot<B>) -> Value {
+    json!({
+        "dir": p.keys.last().map(|k| k.dir.display().to_string()),
+        "dirs": p.keys.iter().map(|k| k.dir.display().to_string()).collect::<Vec<_>>(),
+        "in_files": p.keys.iter().any(|k| !k.resident()),
+        "schedule_step": p.schedule_step,
+        "optimizer_step": p.decoder.optimizer_steps(),
+        "generation_copy": p.gen.is_some(),
+        "optimizer_offloaded": p.parked.is_some(),
+        "optimizer_sharded": p.sharded.is_some(),
+        "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
+        "memory_held": p.decoder.backend().memory_stats().held
+            + p.gen.as_ref().map_or(0, |g| g.backend().memory_stats().held),
+    })
+}
 
 /// Sends a log line of the running job to its client (to stderr without one).
 fn log_to(reply: &Option<Reply>, line: &str) {

@@ -245,18 +245,12 @@ impl Plan {
     /// `--device` for the model stages when not on the CPU (the stages' default), and
     /// `--daemon` with the warm daemon.
     fn device_args(&self) -> Vec<String> {
-        let mut a = self.own_device_args();
-        a.extend(self.daemon_args());
-        a
-    }
-
-    /// `--device` alone: the critic's stages run in their own process (the daemon keeps no
-    /// critic).
-    fn own_device_args(&self) -> Vec<String> {
-        match self.spec.device {
+        let mut a = match self.spec.device {
             Device::Cpu => Vec::new(),
             d => vec!["--device".into(), d.as_str().into()],
-        }
+        };
+        a.extend(self.daemon_args());
+        a
     }
 
     /// The tasks of step 0: publish the initial model as the policy, then evaluate it.
@@ -499,6 +493,15 @@ impl Plan {
             .is_none_or(|c| step > c.critic_warmup)
     }
 
+    /// The policy after step `step`: its checkpoint, or the initial model at step 0 and in the
+    /// critic's warm-up (no update of the policy yet).
+    pub(crate) fn policy_after(&self, step: u64) -> PathBuf {
+        match step > 0 && self.trains_policy(step) {
+            true => self.run.ckpt(step),
+            false => self.spec.model.path.clone(),
+        }
+    }
+
     /// The critic step `step` starts from: the previous step's, or the initial one.
     pub(crate) fn critic_in(&self, step: u64) -> PathBuf {
         match step {
@@ -523,7 +526,7 @@ impl Plan {
             b("values"),
         ];
         args.extend(self.stages.values.argv.iter().cloned());
-        args.extend(self.own_device_args());
+        args.extend(self.device_args());
         Task {
             name: "values",
             action: stage_cmd("values", args),
@@ -531,7 +534,8 @@ impl Plan {
     }
 
     /// `update --critic` on the advantage batch (its `values` and `returns`), from the step's
-    /// critic into `critic/step-000K`; none without a `[critic]`.
+    /// critic into `critic/step-000K` (kept in the daemon's memory, as the policy's update,
+    /// between checkpoints); none without a `[critic]`.
     fn critic_task(&self, step: u64) -> Option<Task> {
         let flags = self.stages.critic.as_ref()?;
         let run = &self.run;
@@ -550,7 +554,10 @@ impl Plan {
             "--metrics".into(),
             path_arg(&run.stage_metrics(step, "critic")),
         ]);
-        args.extend(self.own_device_args());
+        if !self.writes_checkpoint(step) {
+            args.push("--resident".into());
+        }
+        args.extend(self.device_args());
         Some(Task {
             name: "critic",
             action: stage_cmd("update", args),

@@ -182,28 +182,39 @@ impl Runner {
         }
     }
 
-    /// After the daemon died: the step to go back to when the checkpoint the run continues
-    /// from (this step's update output once that ran, else the policy) had its weights or
-    /// optimizer state only in the daemon's memory (a resident directory). That is the newest
-    /// finished step whose checkpoint is complete, or step 0 (the initial model, where a fresh
-    /// optimizer started the run). Returns that step and the step whose state was lost.
+    /// After the daemon died: the step to go back to when a checkpoint the run continues from
+    /// (the policy's: this step's update output once that ran, else the policy; the critic's
+    /// likewise) had its weights or optimizer state only in the daemon's memory (a resident
+    /// directory). That is the newest finished step whose checkpoints are complete, or step 0
+    /// (the initial models, where fresh optimizers started the run). Returns that step and
+    /// the step whose state was lost.
     fn rewind_target(&self, step: u64) -> Result<Option<Rewind>> {
         let run = &self.plan.run;
-        let (frontier, lost) = if self.state.is_done(step, "update") {
-            (run.ckpt(step), step)
+        let policy = if self.state.is_done(step, "update") {
+            Some((run.ckpt(step), step))
         } else if run.policy().exists() {
             let policy = crate::stage::common::resolve_model(&run.policy())?;
-            (policy.dir, policy.policy_version)
+            Some((policy.dir, policy.policy_version))
         } else {
+            None
+        };
+        let critic = match (&self.plan.spec.critic, self.state.is_done(step, "critic")) {
+            (None, _) => None,
+            (Some(_), true) => Some((run.critic_ckpt(step), step)),
+            (Some(_), false) => Some((self.plan.critic_in(step), step.saturating_sub(1))),
+        };
+        let mut lost = None;
+        for (frontier, at) in [policy, critic].into_iter().flatten() {
+            if frontier.is_dir() && !resume::resumable(&frontier)? {
+                lost = lost.max(Some(at));
+            }
+        }
+        let Some(lost) = lost else {
             return Ok(None);
         };
-        if resume::resumable(&frontier)? {
-            return Ok(None);
-        }
         let mut to = 0;
         for s in (1..=self.state.steps_done.min(lost.saturating_sub(1))).rev() {
-            let dir = run.ckpt(s);
-            if dir.is_dir() && resume::resumable(&dir)? {
+            if self.checkpoints_complete(s)? {
                 to = s;
                 break;
             }
@@ -211,19 +222,35 @@ impl Runner {
         Ok(Some(Rewind { to, lost }))
     }
 
+    /// Whether the models after step `s` (the policy's and the critic's) are written as files
+    /// with their optimizer state. In the critic's warm-up the policy is the initial model.
+    fn checkpoints_complete(&self, s: u64) -> Result<bool> {
+        let run = &self.plan.run;
+        let mut dirs = vec![self.plan.policy_after(s)];
+        if self.plan.spec.critic.is_some() {
+            dirs.push(run.critic_ckpt(s));
+        }
+        for dir in dirs {
+            if !dir.is_dir() || !resume::resumable(&dir)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Goes back to the end of step `to`: its checkpoint (the initial model for 0) becomes the
     /// policy again, the sampler's cursor is replayed to where it stood, and the steps after
     /// it run again (deterministically: their seeds derive from the step).
     fn rewind(&mut self, to: u64, lost: u64) -> Result<()> {
+        let (models, were) = match self.plan.spec.critic {
+            Some(_) => ("policy and critic", "were"),
+            None => ("policy", "was"),
+        };
         let msg = format!(
-            "pipeline: the policy after step {lost} (weights and optimizer state) was only in the daemon's memory; going back to step {to}, the last checkpoint written as files"
+            "pipeline: the {models} after step {lost} (weights and optimizer state) {were} only in the daemon's memory; going back to step {to}, the last checkpoint written as files"
         );
         self.console.say(&msg);
-        let from = if to == 0 {
-            self.plan.spec.model.path.clone()
-        } else {
-            self.plan.run.ckpt(to)
-        };
+        let from = self.plan.policy_after(to);
         let args = SyncWeightsArgs {
             from,
             to: self.plan.run.policy(),

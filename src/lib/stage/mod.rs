@@ -301,18 +301,8 @@ impl StageJob {
             StageJob::RefLogprob(a) => a.daemon.as_deref(),
             StageJob::Update(a) => a.daemon.as_deref(),
             StageJob::SyncWeights(a) => a.daemon.as_deref(),
-            // The daemon keeps no critic yet: `values` runs in the stage's process.
-            StageJob::Values(_) | StageJob::SavePolicy(_) => None,
-        }
-    }
-
-    /// Whether the job may go to a warm daemon (`--daemon`, `$TANDEM_DAEMON`): not the
-    /// critic's `values` and `update --critic` (the daemon keeps no critic).
-    pub fn uses_daemon(&self) -> bool {
-        match self {
-            StageJob::Values(_) => false,
-            StageJob::Update(a) => !a.critic,
-            _ => true,
+            StageJob::Values(a) => a.daemon.as_deref(),
+            StageJob::SavePolicy(_) => None,
         }
     }
 

@@ -302,8 +302,8 @@ impl UpdateArgs {
         Ok(())
     }
 
-    /// `--critic` trains with the value loss: the policy loss's own flags, and keeping the
-    /// critic on the daemon, are refused.
+    /// `--critic` trains with the value loss: the policy loss's own flags, and sharding the
+    /// critic over ranks, are refused.
     fn check_critic(&self) -> Result<()> {
         if !self.critic {
             return Ok(());
@@ -315,13 +315,11 @@ impl UpdateArgs {
             ("--bypass-mode", self.bypass_mode),
             ("--entropy-coeff", self.entropy_coeff != 0.0),
             ("--loss", self.loss != LossMode::Vanilla),
-            ("--resident", self.resident),
-            ("--daemon", self.daemon.is_some()),
             ("--shard", self.shard.is_some()),
         ];
         if let Some((flag, _)) = policy_only.iter().find(|(_, set)| *set) {
             bail_input!(
-                "{flag} does not apply to --critic (the critic trains with the value loss, in the stage's process on one device)"
+                "{flag} does not apply to --critic (the critic trains with the value loss, on one device)"
             );
         }
         Ok(())

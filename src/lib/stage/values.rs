@@ -40,6 +40,10 @@ pub struct ValuesArgs {
     /// Where to compute: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
+    /// Send the job to the warm daemon listening on this socket, which keeps the critic
+    /// between steps, instead of loading it here (default: $TANDEM_DAEMON).
+    #[arg(long, value_name = "SOCKET")]
+    pub daemon: Option<PathBuf>,
 }
 
 impl ValuesArgs {

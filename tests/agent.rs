@@ -22,7 +22,7 @@ impl Tools for Add {
     fn schemas(&self) -> Vec<serde_json::Value> {
         vec![serde_json::json!({"type": "function", "function": {"name": "add"}})]
     }
-    fn call(&self, call: &ToolCall) -> ToolResult {
+    fn call(&self, call: &ToolCall, _kwargs: &serde_json::Value) -> ToolResult {
         match call.name.as_str() {
             "add" => ToolResult {
                 content: "5".into(),

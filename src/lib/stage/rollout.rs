@@ -757,6 +757,11 @@ pub fn run_with_tools(
     if writes_files(exec) {
         log_left_out(&dataset, "rollout", &mut |m| exec.log(m));
     }
+    // The rows' tool arguments (verl's tools_kwargs), checked before the model loads.
+    let row_kwargs = match tools {
+        Some(_) => dataset.tools_kwargs()?,
+        None => vec![],
+    };
     let schemas = tools.as_ref().map_or(vec![], |t| t.schemas());
     let prep = Prepared::load(&args, &dataset, n_prompts, &schemas)?;
     let (prompt_uids, requests) = keyed_requests(&prep.prompts, args.n, args.seed);
@@ -771,15 +776,20 @@ pub fn run_with_tools(
         Some(t) => t.observe(turn, contents),
         None => anyhow::bail!("tool results need the chat template"),
     };
+    // This process's prompts (all of them alone, its block among several ranks).
+    let block = my_block(exec, n_prompts);
     let agent = tools.map(|tools| Agent {
         tools,
         limits: args.turn_limits().0,
         concurrency: args.tool_concurrency,
         timeout: Duration::from_secs_f64(args.tool_timeout),
         observe: &observe,
+        // With tools, one per dataset row.
+        kwargs: row_kwargs[block.clone()]
+            .iter()
+            .map(|k| k.clone().unwrap_or_default())
+            .collect(),
     });
-    // This process's prompts (all of them alone, its block among several ranks).
-    let block = my_block(exec, n_prompts);
     let bar = exec.progress_bar(block.len() * args.n, "rollout");
     let job = Generate {
         dir: &prep.model.dir,

@@ -7,9 +7,11 @@ Loads CLASS from FILE.py and makes one instance: `CLASS(config={}, tool_schema=N
 parameters its constructor has (verl's BaseTool takes both), else `CLASS()`. Prints the tool's
 OpenAI function schema as the first line: `get_openai_tool_schema()` (a dict, or a pydantic
 model as verl returns) or a `schema` attribute (a dict, or a method returning one). Then
-reads one JSON request per line, `{"id", "name", "arguments"}`, and for each calls
-`create(instance_id)`, `execute(instance_id, arguments)` and `release(instance_id)` (each may
-be async; create and release may be absent), and answers `{"id", "content"}` with what
+reads one JSON request per line, `{"id", "name", "arguments", "kwargs"}`, and for each calls
+`create(instance_id, **create_kwargs)`, `execute(instance_id, arguments, **execute_kwargs)` and
+`release(instance_id, **release_kwargs)` (the row's arguments for the tool, verl's
+`tools_kwargs`, from the request's `kwargs`; each method may be async; create and release may
+be absent), and answers `{"id", "content"}` with what
 execute returned: a string, an object with a `text` attribute (verl's ToolResponse), or a
 tuple whose first element is one of those (verl's `(response, reward, metrics)`; reward and
 metrics are not used). An exception answers `{"id", "error"}` and its traceback goes to
@@ -91,8 +93,8 @@ def main():
     tool = instantiate(load(sys.argv[1], sys.argv[2]))
     loop = asyncio.new_event_loop()
 
-    def call(method, *args):
-        result = method(*args)
+    def call(method, *args, **kwargs):
+        result = method(*args, **kwargs)
         return loop.run_until_complete(result) if inspect.isawaitable(result) else result
 
     answers.write(json.dumps(schema_of(tool)) + "\n")
@@ -102,18 +104,20 @@ def main():
             continue
         request = json.loads(line)
         rid = request.get("id")
+        kwargs = request.get("kwargs") or {}
         try:
             instance = str(rid)
             if hasattr(tool, "create"):
-                created = call(tool.create, instance)
+                created = call(tool.create, instance, **(kwargs.get("create_kwargs") or {}))
                 # verl's create returns the id, or (id, response) in newer versions.
                 created = created[0] if isinstance(created, tuple) else created
                 instance = created if created is not None else instance
             try:
-                answer = {"id": rid, "content": text_of(call(tool.execute, instance, request.get("arguments") or {}))}
+                result = call(tool.execute, instance, request.get("arguments") or {}, **(kwargs.get("execute_kwargs") or {}))
+                answer = {"id": rid, "content": text_of(result)}
             finally:
                 if hasattr(tool, "release"):
-                    call(tool.release, instance)
+                    call(tool.release, instance, **(kwargs.get("release_kwargs") or {}))
         except Exception as e:
             traceback.print_exc()
             answer = {"id": rid, "error": f"{type(e).__name__}: {e}"}

@@ -48,7 +48,10 @@ pub trait Tools: Send + Sync {
     /// order the chat template's `tools` lists them.
     fn schemas(&self) -> Vec<Value>;
     /// Runs one call; never fails (an unknown tool, a crash or a timeout is a `ToolResult::failed`).
-    fn call(&self, call: &ToolCall) -> ToolResult;
+    /// `kwargs` is the trajectory's row's tool arguments, verl's `tools_kwargs`
+    /// (`{TOOL: {"create_kwargs": {…}, "execute_kwargs": {…}, "release_kwargs": {…}}}`), or
+    /// null when the row has none; the tool takes its own entry.
+    fn call(&self, call: &ToolCall, kwargs: &Value) -> ToolResult;
 }
 
 const OPEN: &str = "<tool_call>";

@@ -36,8 +36,8 @@ use super::{Chunk, PagedConfig, PagedStats, SampleRow};
 use crate::backend::ops::sample::Sampled;
 use crate::tool::{parse_calls, ToolCall};
 
-/// A turn's calls handed to the tool runner: (parked id, turn, calls).
-pub(super) type Calls = (usize, usize, Vec<Result<ToolCall, String>>);
+/// A turn's calls handed to the tool runner: (parked id, request, turn, calls).
+pub(super) type Calls = (usize, usize, usize, Vec<Result<ToolCall, String>>);
 
 /// The waiting and running sequences and the block pool they share.
 pub(super) struct Scheduler<'r> {
@@ -656,7 +656,7 @@ impl<'r> Scheduler<'r> {
         let turn = s.traj.as_ref().map_or(0, |t| t.turns.len() - 1);
         let id = self.next_park;
         self.next_park += 1;
-        self.outbox.push((id, turn, calls));
+        self.outbox.push((id, s.req, turn, calls));
         self.parked.insert(id, s);
     }
 

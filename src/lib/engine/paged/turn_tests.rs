@@ -68,7 +68,7 @@ fn call_turn(body: &str) -> Vec<u32> {
     ids
 }
 
-/// `add` sums a and b; `fail` fails; `sleep` sleeps `ms` (and notes when it started).
+/// `add` sums a, b and its row's `execute_kwargs.c` (0 without); `fail` fails; `sleep` sleeps `ms` (and notes when it started).
 struct TestTools {
     started: Mutex<Vec<Instant>>,
 }
@@ -77,11 +77,12 @@ impl Tools for TestTools {
     fn schemas(&self) -> Vec<Value> {
         vec![json!({"type": "function", "function": {"name": "add"}})]
     }
-    fn call(&self, call: &ToolCall) -> ToolResult {
+    fn call(&self, call: &ToolCall, kwargs: &Value) -> ToolResult {
         let arg = |k: &str| call.arguments[k].as_i64().unwrap_or(0);
+        let c = kwargs["add"]["execute_kwargs"]["c"].as_i64().unwrap_or(0);
         match call.name.as_str() {
             "add" => ToolResult {
-                content: (arg("a") + arg("b")).to_string(),
+                content: (arg("a") + arg("b") + c).to_string(),
                 seconds: 0.0,
                 error: None,
             },
@@ -171,6 +172,7 @@ fn agent(tools: Arc<dyn Tools>, limits: TurnLimits, timeout_ms: u64) -> Agent<'s
         concurrency: 2,
         timeout: Duration::from_millis(timeout_ms),
         observe: &observe,
+        kwargs: vec![],
     }
 }
 
@@ -451,4 +453,40 @@ fn a_malformed_call_is_answered_and_a_long_observation_is_cut_to_the_budget() {
         assert_eq!((t.turns.len(), c.text.as_str()), (1, ""));
         assert!(t.mask[turn1.len()..].iter().all(|&m| m == 0));
     }
+}
+
+/// Each request's tool arguments reach the calls of its own samples only: `add(2, 3)` answers
+/// 15 for the row whose `execute_kwargs` has `c = 10`, 5 for the row without.
+#[test]
+fn each_requests_tool_arguments_reach_its_calls() {
+    let weights = random_weights(&config(), 5, 0.3);
+    let call = call_turn(r#"{"name": "add", "arguments": {"a": 2, "b": 3}}"#);
+    let script = |_: u64, p: u64| call.get(p as usize).copied();
+    let reqs = [
+        request(1, bytes("first"), 2),
+        request(2, bytes("second"), 2),
+    ];
+    let tools: Arc<dyn Tools> = Arc::new(TestTools {
+        started: Mutex::new(vec![]),
+    });
+    let mut ag = agent(tools, limits(2, 1, 220), 5_000);
+    ag.kwargs = vec![json!({"add": {"execute_kwargs": {"c": 10}}})];
+    let pc = PagedConfig {
+        block_size: 4,
+        num_blocks: 200,
+        max_num_seqs: 4,
+        max_batched_tokens: 64,
+        overlap: true,
+    };
+    let ran = generate(&weights, &pc, &reqs, &params(80), &ag, &script);
+    let results: Vec<Vec<&str>> = ran
+        .done
+        .iter()
+        .map(|cs| {
+            cs.iter()
+                .map(|c| c.trajectory.as_ref().unwrap().calls[0].result.as_str())
+                .collect()
+        })
+        .collect();
+    assert_eq!(results, [["15", "15"], ["5", "5"]]);
 }

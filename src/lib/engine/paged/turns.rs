@@ -15,6 +15,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::scheduler::Calls;
 use crate::tool::{ToolCall, ToolResult, Tools};
 
 /// The limits of one trajectory.
@@ -41,6 +42,9 @@ pub struct Agent<'a> {
     /// A call that has not answered after this long is given up (`--tool-timeout`).
     pub timeout: Duration,
     pub observe: Observe<'a>,
+    /// Per request, its row's tool arguments (verl's `tools_kwargs`, handed to every call of
+    /// its samples); a request past the end, or null, has none.
+    pub kwargs: Vec<Value>,
 }
 
 /// One tool call of a trajectory, as the `tool_calls` column records it.
@@ -81,7 +85,10 @@ pub(super) struct ToolRunner {
     tools: Arc<dyn Tools>,
     concurrency: usize,
     timeout: Duration,
-    queue: VecDeque<(usize, usize, ToolCall)>,
+    /// Per request, its tool arguments.
+    kwargs: Vec<Arc<Value>>,
+    /// Queued calls: (parked id, call index, call, its request's tool arguments).
+    queue: VecDeque<(usize, usize, ToolCall, Arc<Value>)>,
     /// Running calls: (parked id, call index) -> (start, call).
     running: HashMap<(usize, usize), (Instant, ToolCall)>,
     turns: HashMap<usize, TurnCalls>,
@@ -98,6 +105,7 @@ impl ToolRunner {
             tools: agent.tools.clone(),
             concurrency: agent.concurrency.max(1),
             timeout: agent.timeout,
+            kwargs: agent.kwargs.iter().cloned().map(Arc::new).collect(),
             queue: VecDeque::new(),
             running: HashMap::new(),
             turns: HashMap::new(),
@@ -112,9 +120,10 @@ impl ToolRunner {
         !self.turns.is_empty()
     }
 
-    /// Queues the calls of turn `turn` of parked sample `id`; a call the model wrote badly is
-    /// answered at once with the reason.
-    pub(super) fn submit(&mut self, id: usize, turn: usize, calls: Vec<Result<ToolCall, String>>) {
+    /// Queues the calls of turn `turn` of parked sample `id` (a sample of request `req`); a
+    /// call the model wrote badly is answered at once with the reason.
+    pub(super) fn submit(&mut self, (id, req, turn, calls): Calls) {
+        let kwargs = self.kwargs.get(req).cloned().unwrap_or_default();
         let mut t = TurnCalls {
             turn,
             records: vec![None; calls.len()],
@@ -124,7 +133,7 @@ impl ToolRunner {
             match c {
                 Ok(call) => {
                     t.left += 1;
-                    self.queue.push_back((id, k, call));
+                    self.queue.push_back((id, k, call, kwargs.clone()));
                 }
                 Err(reason) => {
                     let r = ToolResult::failed(reason, 0.0);
@@ -140,13 +149,13 @@ impl ToolRunner {
     /// Starts queued calls while slots are free.
     fn start(&mut self) {
         while self.running.len() < self.concurrency {
-            let Some((id, k, call)) = self.queue.pop_front() else {
+            let Some((id, k, call, kwargs)) = self.queue.pop_front() else {
                 return;
             };
             let (tools, tx, c) = (self.tools.clone(), self.tx.clone(), call.clone());
             std::thread::spawn(move || {
                 let t0 = Instant::now();
-                let mut r = tools.call(&c);
+                let mut r = tools.call(&c, &kwargs);
                 r.seconds = t0.elapsed().as_secs_f64();
                 // The engine may have given up on the call (timeout) or ended: nobody listens.
                 let _ = tx.send((id, k, r));

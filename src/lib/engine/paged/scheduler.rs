@@ -770,7 +770,7 @@ fn tool_turn(
     if calls.is_empty() {
         return Ok(None);
     }
-    calls.truncate(l.max_tool_calls - used);
+    calls.truncate((l.max_tool_calls - used).min(l.max_parallel_calls));
     s.traj.as_mut().expect("checked").turns.push(text);
     Ok(Some(calls))
 }

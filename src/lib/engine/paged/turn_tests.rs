@@ -12,7 +12,7 @@ use crate::engine::logprob::{score, PromptResponse};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::Config;
-use crate::tool::{ToolCall, ToolResult, Tools};
+use crate::tool::{Side, ToolCall, ToolResult, Tools};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -172,6 +172,7 @@ fn agent(tools: Arc<dyn Tools>, limits: TurnLimits, timeout_ms: u64) -> Agent<'s
         concurrency: 2,
         timeout: Duration::from_millis(timeout_ms),
         observe: &observe,
+        cut: None,
         kwargs: vec![],
     }
 }
@@ -219,6 +220,7 @@ fn limits(max_turns: usize, max_tool_calls: usize, max_response_tokens: usize) -
     TurnLimits {
         max_turns,
         max_tool_calls,
+        max_parallel_calls: usize::MAX,
         max_response_tokens,
     }
 }
@@ -489,4 +491,42 @@ fn each_requests_tool_arguments_reach_its_calls() {
         })
         .collect();
     assert_eq!(results, [["15", "15"], ["5", "5"]]);
+}
+
+/// verl's `max_parallel_calls` and `max_tool_response_length`: a turn with two calls runs the
+/// first only, and its result reaches the model cut to 3 characters at the chosen side.
+#[test]
+fn a_turns_calls_are_capped_and_long_results_cut() {
+    let weights = random_weights(&config(), 5, 0.3);
+    let one = r#"{"name": "add", "arguments": {"a": 12345, "b": 1}}"#;
+    let two = [call_turn(one), call_turn(one)].concat();
+    let mut call = two[..two.len() / 2 - 1].to_vec();
+    call.extend_from_slice(&two[two.len() / 2..]);
+    let script = |_: u64, p: u64| call.get(p as usize).copied();
+    let reqs = [request(1, bytes("first"), 2)];
+    let tools: Arc<dyn Tools> = Arc::new(TestTools {
+        started: Mutex::new(vec![]),
+    });
+    let pc = PagedConfig {
+        block_size: 4,
+        num_blocks: 400,
+        max_num_seqs: 4,
+        max_batched_tokens: 64,
+        overlap: false,
+    };
+    for (cap, cut, want) in [
+        (usize::MAX, None, vec!["12346", "12346"]),
+        (1, Some((3, Side::Left)), vec!["123...(truncated)"]),
+        (1, Some((3, Side::Right)), vec!["(truncated)...346"]),
+    ] {
+        let mut ag = agent(tools.clone(), limits(2, 4, 500), 5_000);
+        ag.limits.max_parallel_calls = cap;
+        ag.cut = cut;
+        let ran = generate(&weights, &pc, &reqs, &params(200), &ag, &script);
+        for c in &ran.done[0] {
+            let t = c.trajectory.as_ref().unwrap();
+            let got: Vec<&str> = t.calls.iter().map(|r| r.result.as_str()).collect();
+            assert_eq!(got, want, "cap {cap}, cut {cut:?}");
+        }
+    }
 }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::scheduler::Calls;
-use crate::tool::{ToolCall, ToolResult, Tools};
+use crate::tool::{truncate, Side, ToolCall, ToolResult, Tools};
 
 /// The limits of one trajectory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +25,8 @@ pub struct TurnLimits {
     pub max_turns: usize,
     /// Tool calls at most over the trajectory; calls past it are not run.
     pub max_tool_calls: usize,
+    /// Tool calls of one turn at most; the turn's further calls are not run.
+    pub max_parallel_calls: usize,
     /// Response tokens at most (sampled and observation tokens together).
     pub max_response_tokens: usize,
 }
@@ -42,6 +44,9 @@ pub struct Agent<'a> {
     /// A call that has not answered after this long is given up (`--tool-timeout`).
     pub timeout: Duration,
     pub observe: Observe<'a>,
+    /// Tool results longer than this many characters are cut, at that side
+    /// (`--max-tool-response-chars`, verl's `max_tool_response_length`).
+    pub cut: Option<(usize, Side)>,
     /// Per request, its row's tool arguments (verl's `tools_kwargs`, handed to every call of
     /// its samples); a request past the end, or null, has none.
     pub kwargs: Vec<Value>,
@@ -85,6 +90,7 @@ pub(super) struct ToolRunner {
     tools: Arc<dyn Tools>,
     concurrency: usize,
     timeout: Duration,
+    cut: Option<(usize, Side)>,
     /// Per request, its tool arguments.
     kwargs: Vec<Arc<Value>>,
     /// Queued calls: (parked id, call index, call, its request's tool arguments).
@@ -105,6 +111,7 @@ impl ToolRunner {
             tools: agent.tools.clone(),
             concurrency: agent.concurrency.max(1),
             timeout: agent.timeout,
+            cut: agent.cut,
             kwargs: agent.kwargs.iter().cloned().map(Arc::new).collect(),
             queue: VecDeque::new(),
             running: HashMap::new(),
@@ -205,11 +212,15 @@ impl ToolRunner {
         }
     }
 
-    /// Records the result of a running call (one given up already is ignored).
-    fn answer(&mut self, (id, k, r): (usize, usize, ToolResult)) {
+    /// Records the result of a running call (one given up already is ignored), cut to
+    /// `--max-tool-response-chars`.
+    fn answer(&mut self, (id, k, mut r): (usize, usize, ToolResult)) {
         let Some((_, call)) = self.running.remove(&(id, k)) else {
             return;
         };
+        if let Some((max_chars, side)) = self.cut {
+            r.content = truncate(&r.content, max_chars, side);
+        }
         let t = self
             .turns
             .get_mut(&id)

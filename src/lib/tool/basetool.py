@@ -3,7 +3,8 @@
 Usage: python3 -c "$(cat basetool.py)" FILE.py CLASS (tandem passes the source with -c: no file
 is written for it).
 
-Loads CLASS from FILE.py and makes one instance: `CLASS(config={}, tool_schema=None)` for the
+Loads CLASS from FILE.py (as a module of its package when its folder has an __init__.py, so
+that relative imports work) and makes one instance: `CLASS(config={}, tool_schema=None)` for the
 parameters its constructor has (verl's BaseTool takes both), else `CLASS()`. Prints the tool's
 OpenAI function schema as the first line: `get_openai_tool_schema()` (a dict, or a pydantic
 model as verl returns) or a `schema` attribute (a dict, or a method returning one). Then
@@ -28,16 +29,32 @@ import sys
 import traceback
 
 
+def package_module(path):
+    """(root, dotted name) of a file inside a package (its folder has __init__.py), else None."""
+    root, parts = os.path.dirname(path), [os.path.splitext(os.path.basename(path))[0]]
+    while os.path.isfile(os.path.join(root, "__init__.py")):
+        parts.insert(0, os.path.basename(root))
+        root = os.path.dirname(root)
+    return (root, ".".join(parts)) if len(parts) > 1 else None
+
+
 def load(path, name):
     path = os.path.abspath(path)
     for p in (os.getcwd(), os.path.dirname(path)):
         if p not in sys.path:
             sys.path.insert(0, p)
-    spec = importlib.util.spec_from_file_location(f"tandem_tool_{abs(hash(path))}", path)
-    if spec is None or spec.loader is None:
-        sys.exit(f"tandem: cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    in_package = package_module(path)
+    if in_package:
+        # Imported under its package's name, so that its relative imports (verl's
+        # `from .base_tool import BaseTool`) resolve.
+        sys.path.insert(0, in_package[0])
+        module = importlib.import_module(in_package[1])
+    else:
+        spec = importlib.util.spec_from_file_location(f"tandem_tool_{abs(hash(path))}", path)
+        if spec is None or spec.loader is None:
+            sys.exit(f"tandem: cannot load {path} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     cls = getattr(module, name, None)
     if cls is None or not inspect.isclass(cls):
         sys.exit(f"tandem: {path} has no class named {name!r}")

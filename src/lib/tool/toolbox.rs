@@ -402,6 +402,34 @@ class Truth:
         assert_eq!(r.content, "plain {\"k\": [1]}");
     }
 
+    /// A class in a package (verl's `verl/tools/gsm8k_tool.py`) is imported as a module of it,
+    /// so that its relative imports work.
+    #[test]
+    fn a_class_in_a_package_has_its_relative_imports() {
+        let dir = tempfile::tempdir().unwrap();
+        let pkg = dir.path().join("mypkg/tools");
+        std::fs::create_dir_all(&pkg).unwrap();
+        write(&dir.path().join("mypkg"), "__init__.py", "");
+        write(&pkg, "__init__.py", "");
+        write(
+            &pkg,
+            "base_tool.py",
+            "class BaseTool:\n    schema = {\"name\": \"rel\"}\n",
+        );
+        let file = write(
+            &pkg,
+            "rel_tool.py",
+            "from .base_tool import BaseTool\n\nclass RelTool(BaseTool):\n    def execute(self, instance_id, parameters):\n        return __name__\n",
+        );
+        let specs = [format!("rel=python:{}:RelTool", file.display())];
+        let tools = Toolbox::from_specs(&specs, Duration::from_secs(10)).unwrap();
+        let r = call(&tools, "rel", json!({}));
+        assert_eq!(
+            (r.content.as_str(), r.error),
+            ("mypkg.tools.rel_tool", None)
+        );
+    }
+
     /// A row's `tools_kwargs` entry reaches `create`, `execute` and `release` as keyword
     /// arguments, as verl's rollouts pass them; another tool's entry does not.
     #[test]

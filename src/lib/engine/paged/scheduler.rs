@@ -31,13 +31,10 @@ use std::ops::Range;
 use super::blocks::BlockPool;
 use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
 use super::sequence::{Kind, Seq};
-use super::turns::{CallRecord, Observe, TurnLimits};
+use super::turns::{CallRecord, Calls, Observe, TurnLimits};
 use super::{Chunk, PagedConfig, PagedStats, SampleRow};
 use crate::backend::ops::sample::Sampled;
 use crate::tool::{parse_calls, ToolCall};
-
-/// A turn's calls handed to the tool runner: (parked id, request, turn, calls).
-pub(super) type Calls = (usize, usize, usize, Vec<Result<ToolCall, String>>);
 
 /// The waiting and running sequences and the block pool they share.
 pub(super) struct Scheduler<'r> {

@@ -15,7 +15,6 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::scheduler::Calls;
 use crate::tool::{truncate, Side, ToolCall, ToolResult, Tools};
 
 /// The limits of one trajectory.
@@ -75,6 +74,9 @@ pub struct Trajectory {
     pub turns: Vec<String>,
     pub calls: Vec<CallRecord>,
 }
+
+/// A turn's calls handed to the tool runner: (parked id, request, turn, calls).
+pub(super) type Calls = (usize, usize, usize, Vec<Result<ToolCall, String>>);
 
 /// A turn's calls while they run: the records in call order, and how many are still out.
 struct TurnCalls {

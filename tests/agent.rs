@@ -468,7 +468,7 @@ fn tool_flags_are_checked_up_front() {
         "--tool",
         "calc=cmd:x",
     ];
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 7] = [
         (
             &["--max-turn-tokens", "100", "--max-response-tokens", "50"],
             "--max-turn-tokens (100) must be <= --max-response-tokens (50)",
@@ -476,6 +476,15 @@ fn tool_flags_are_checked_up_front() {
         (&["--raw-prompt"], "--tool needs the chat template"),
         (&["--tool-timeout", "0"], "--tool-timeout"),
         (&["--max-turns", "0"], "--max-turns"),
+        (&["--max-parallel-calls", "0"], "--max-parallel-calls"),
+        (
+            &["--max-tool-response-chars", "0"],
+            "--max-tool-response-chars",
+        ),
+        (
+            &["--tool-response-truncate-side", "top"],
+            "--tool-response-truncate-side",
+        ),
     ];
     for (extra, want) in cases {
         let args: Vec<&str> = base.iter().chain(extra).copied().collect();

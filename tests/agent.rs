@@ -779,6 +779,20 @@ fn a_rows_tools_kwargs_reach_its_tool_calls() {
     );
     stage_util::input_error("rollout", &args, &want);
     assert!(!out.exists(), "no partial output");
+    // `pipeline run` refuses it before step 1.
+    std::fs::copy(&bad, d.join("train.parquet")).unwrap();
+    std::fs::copy(&input, d.join("val.parquet")).unwrap();
+    std::fs::write(d.join("tool.py"), ADD_TOOL).unwrap();
+    std::fs::write(d.join("reward.py"), LENGTH_REWARD).unwrap();
+    write_tool_spec(d, "");
+    let o = pipeline_cmd(d, "run").arg("--dry-run").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("train.parquet: column 'tools_kwargs', row 1: not JSON ("),
+        "{err}"
+    );
+    assert!(!d.join("run").exists());
 }
 
 // ---------------------------------------------------------------------------------------------

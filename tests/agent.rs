@@ -22,7 +22,7 @@ impl Tools for Add {
     fn schemas(&self) -> Vec<serde_json::Value> {
         vec![serde_json::json!({"type": "function", "function": {"name": "add"}})]
     }
-    fn call(&self, call: &ToolCall) -> ToolResult {
+    fn call(&self, call: &ToolCall, _kwargs: &serde_json::Value) -> ToolResult {
         match call.name.as_str() {
             "add" => ToolResult {
                 content: "5".into(),
@@ -468,7 +468,7 @@ fn tool_flags_are_checked_up_front() {
         "--tool",
         "calc=cmd:x",
     ];
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 7] = [
         (
             &["--max-turn-tokens", "100", "--max-response-tokens", "50"],
             "--max-turn-tokens (100) must be <= --max-response-tokens (50)",
@@ -476,6 +476,15 @@ fn tool_flags_are_checked_up_front() {
         (&["--raw-prompt"], "--tool needs the chat template"),
         (&["--tool-timeout", "0"], "--tool-timeout"),
         (&["--max-turns", "0"], "--max-turns"),
+        (&["--max-parallel-calls", "0"], "--max-parallel-calls"),
+        (
+            &["--max-tool-response-chars", "0"],
+            "--max-tool-response-chars",
+        ),
+        (
+            &["--tool-response-truncate-side", "top"],
+            "--tool-response-truncate-side",
+        ),
     ];
     for (extra, want) in cases {
         let args: Vec<&str> = base.iter().chain(extra).copied().collect();
@@ -625,6 +634,165 @@ fn a_verl_multi_turn_dataset_is_accepted() {
         b.column("extra_info").unwrap().data_type(),
         DataType::Struct(_)
     ));
+}
+
+/// verl's `Gsm8kTool` shape: `create` keeps the row's ground truth, `execute` answers it (with
+/// the row's `execute_kwargs.prefix`).
+const TRUTH_TOOL: &str = r#"
+class Truth:
+    def __init__(self, config, tool_schema):
+        self.truth = {}
+
+    def get_openai_tool_schema(self):
+        return {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+    async def create(self, instance_id=None, ground_truth=None, **kwargs):
+        self.truth[instance_id] = ground_truth
+        return instance_id
+
+    async def execute(self, instance_id, parameters, prefix="", **kwargs):
+        return prefix + str(self.truth[instance_id]), 0.0, {}
+
+    async def release(self, instance_id, **kwargs):
+        del self.truth[instance_id]
+"#;
+
+/// A `cmd:` tool that answers the `kwargs` of each request, as JSON.
+const KWARGS_TOOL: &str = r#"import json, sys
+print(json.dumps({"name": "add"}), flush=True)
+for line in sys.stdin:
+    r = json.loads(line)
+    print(json.dumps({"id": r["id"], "content": json.dumps(r.get("kwargs"), sort_keys=True)}), flush=True)
+"#;
+
+/// `input` with a utf8 column `tools_kwargs` of `values`, as `out`.
+fn with_tools_kwargs(input: &Path, out: &Path, values: &[Option<&str>]) {
+    let mut cols = tandem::batch::NewColumns::new();
+    let field = arrow_schema::Field::new("tools_kwargs", arrow_schema::DataType::Utf8, true);
+    let array = arrow_array::StringArray::from(values.to_vec());
+    cols.add_field(field, Arc::new(array));
+    let info = tandem::batch::StageInfo {
+        stage: "test",
+        params: serde_json::json!({}),
+        policy_version: None,
+        step: None,
+    };
+    read(input).write_derived(out, cols, &info).unwrap();
+}
+
+/// The results of the calls that answered (no error), per row of a rollout.
+fn answered_results(out: &Path) -> Vec<Vec<String>> {
+    strings(&read(out), "tool_calls")
+        .iter()
+        .map(|c| {
+            let calls: Vec<serde_json::Value> = serde_json::from_str(c).unwrap();
+            let answered = calls.iter().filter(|c| c["error"].is_null());
+            answered
+                .map(|c| c["result"].as_str().unwrap().to_string())
+                .collect()
+        })
+        .collect()
+}
+
+/// A row's `tools_kwargs` (verl's per-row tool arguments) reaches its calls: a `python:` class
+/// gets `create_kwargs` and `execute_kwargs` as keyword arguments, a `cmd:` program the entry
+/// as the request's `kwargs`; a row without any gets none; a value that is not JSON stops the
+/// rollout before the model loads (exit 2, naming the file, column and row).
+#[test]
+fn a_rows_tools_kwargs_reach_its_tool_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = calling_model(d);
+    call_prompts(&d.join("plain.parquet"), 3);
+    let kwargs = [
+        Some(
+            r#"{"add": {"create_kwargs": {"ground_truth": "72"}, "execute_kwargs": {"prefix": "A: "}}}"#,
+        ),
+        None,
+        Some(
+            r#"{"add": {"create_kwargs": {"ground_truth": "10"}}, "other": {"create_kwargs": {}}}"#,
+        ),
+    ];
+    let input = d.join("prompts.parquet");
+    with_tools_kwargs(&d.join("plain.parquet"), &input, &kwargs);
+    std::fs::write(d.join("truth.py"), TRUTH_TOOL).unwrap();
+    std::fs::write(d.join("kwargs.py"), KWARGS_TOOL).unwrap();
+    // Each answered call of a prompt's 4 samples gave `want[prompt]`; every prompt had some.
+    let rollout = |tool: String, out: &Path, want: [&str; 3]| {
+        let args = [
+            "--model",
+            p(&model),
+            "--in",
+            p(&input),
+            "--out",
+            p(out),
+            "--tool",
+            &tool,
+            "--n",
+            "4",
+            "--seed",
+            "5",
+            "--max-turns",
+            "2",
+            "--max-turn-tokens",
+            "48",
+            "--max-response-tokens",
+            "200",
+        ];
+        ok("rollout", &args);
+        let results = answered_results(out);
+        assert_eq!(results.len(), 12);
+        for (prompt, rows) in results.chunks(4).enumerate() {
+            assert!(
+                rows.iter().any(|r| !r.is_empty()),
+                "prompt {prompt}: no call answered"
+            );
+            for r in rows.iter().flatten() {
+                assert_eq!(r, want[prompt], "prompt {prompt}");
+            }
+        }
+    };
+    let truth = format!("add=python:{}:Truth", p(&d.join("truth.py")));
+    rollout(truth, &d.join("a.parquet"), ["A: 72", "None", "10"]);
+    let first = r#"{"create_kwargs": {"ground_truth": "72"}, "execute_kwargs": {"prefix": "A: "}}"#;
+    let third = r#"{"create_kwargs": {"ground_truth": "10"}}"#;
+    let echo = format!("add=cmd:python3 {}", p(&d.join("kwargs.py")));
+    rollout(echo.clone(), &d.join("b.parquet"), [first, "null", third]);
+
+    let bad = d.join("bad.parquet");
+    let kwargs = [kwargs[0], Some("{\"add\": "), kwargs[2]];
+    with_tools_kwargs(&d.join("plain.parquet"), &bad, &kwargs);
+    let out = d.join("c.parquet");
+    let args = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&bad),
+        "--out",
+        p(&out),
+        "--tool",
+        &echo,
+    ];
+    let want = format!(
+        "{}: column 'tools_kwargs', row 1: not JSON (",
+        bad.display()
+    );
+    stage_util::input_error("rollout", &args, &want);
+    assert!(!out.exists(), "no partial output");
+    // `pipeline run` refuses it before step 1.
+    std::fs::copy(&bad, d.join("train.parquet")).unwrap();
+    std::fs::copy(&input, d.join("val.parquet")).unwrap();
+    std::fs::write(d.join("tool.py"), ADD_TOOL).unwrap();
+    std::fs::write(d.join("reward.py"), LENGTH_REWARD).unwrap();
+    write_tool_spec(d, "");
+    let o = pipeline_cmd(d, "run").arg("--dry-run").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("train.parquet: column 'tools_kwargs', row 1: not JSON ("),
+        "{err}"
+    );
+    assert!(!d.join("run").exists());
 }
 
 // ---------------------------------------------------------------------------------------------

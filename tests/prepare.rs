@@ -460,3 +460,69 @@ fn jsonl_import_generic_keys() {
     ]);
     assert_input_error(&res, &["bad.jsonl:2: field 'a' is missing"], &out2);
 }
+
+/// verl's per-row tool arguments survive the import: `extra_info.tools_kwargs` or a top-level
+/// `tools_kwargs` becomes a `tools_kwargs` column of JSON text (null for a row without any),
+/// which `rollout --tool` reads; a malformed value is an input error naming file, line and key.
+#[test]
+fn jsonl_import_keeps_tools_kwargs() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("multiturn.jsonl");
+    std::fs::write(
+        &input,
+        concat!(
+            "{\"q\": \"a\", \"a\": \"72\", \"extra_info\": {\"need_tools_kwargs\": true, \"tools_kwargs\": {\"calc_gsm8k_reward\": {\"create_kwargs\": {\"ground_truth\": \"72\"}}}}}\n",
+            "{\"q\": \"b\", \"a\": \"1\"}\n",
+            "{\"q\": \"c\", \"a\": \"10\", \"tools_kwargs\": {\"calc\": {\"execute_kwargs\": {\"x\": 1}, \"release_kwargs\": null}}}\n",
+        ),
+    )
+    .unwrap();
+    let out = dir.path().join("multiturn.parquet");
+    let args = |input: &Path, out: &Path| {
+        tandem(&[
+            "prepare",
+            "jsonl",
+            "--in",
+            s(input),
+            "--out",
+            s(out),
+            "--prompt-key",
+            "q",
+            "--answer-key",
+            "a",
+        ])
+    };
+    ok(&args(&input, &out));
+    let got = cells(&out);
+    let (name, values) = got.last().unwrap();
+    assert_eq!(name, "tools_kwargs");
+    assert_eq!(
+        values,
+        &[
+            json!(r#"{"calc_gsm8k_reward":{"create_kwargs":{"ground_truth":"72"}}}"#),
+            Value::Null,
+            json!(r#"{"calc":{"execute_kwargs":{"x":1}}}"#),
+        ]
+    );
+    // Without any, no column.
+    let plain = dir.path().join("plain.jsonl");
+    std::fs::write(&plain, "{\"q\": \"a\", \"a\": \"72\"}\n").unwrap();
+    ok(&args(&plain, &out));
+    assert!(cells(&out).iter().all(|(name, _)| name != "tools_kwargs"));
+
+    let bad = dir.path().join("bad.jsonl");
+    let out2 = dir.path().join("bad.parquet");
+    for (line, want) in [
+        (
+            r#"{"q": "x", "a": "1", "tools_kwargs": "{oops"}"#,
+            "bad.jsonl:2: field 'tools_kwargs': not JSON (",
+        ),
+        (
+            r#"{"q": "x", "a": "1", "extra_info": {"tools_kwargs": {"calc": {"create": {}}}}}"#,
+            "bad.jsonl:2: field 'extra_info.tools_kwargs': tool `calc`: unknown key `create`",
+        ),
+    ] {
+        std::fs::write(&bad, format!("{{\"q\": \"x\", \"a\": \"1\"}}\n{line}\n")).unwrap();
+        assert_input_error(&args(&bad, &out2), &[want], &out2);
+    }
+}

@@ -99,6 +99,37 @@ impl PromptDataset {
         has_ground_truth(&self.batch)
     }
 
+    /// Each row's tool arguments (verl's `tools_kwargs`, [`super::tools_kwargs::parse`]): the
+    /// `tools_kwargs` column when the dataset has one, else `extra_info.tools_kwargs`. A
+    /// malformed value is an input error naming the file, the column and the row.
+    pub(crate) fn tools_kwargs(&self) -> Result<Vec<Option<serde_json::Value>>> {
+        use super::tools_kwargs::{parse, COLUMN};
+        let (column, values): (&str, Vec<serde_json::Value>) = match self.batch.has(COLUMN) {
+            true => (COLUMN, self.batch.json_rows(COLUMN)),
+            false => (
+                schema::EXTRA_INFO,
+                self.rows
+                    .iter()
+                    .map(|r| r.extra_info.get(COLUMN).cloned().unwrap_or_default())
+                    .collect(),
+            ),
+        };
+        let inner = if column == COLUMN {
+            ""
+        } else {
+            " tools_kwargs"
+        };
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                parse(v).map_err(|e| {
+                    input_error(format!("{}, row {i}:{inner} {e}", self.batch.at(column)))
+                })
+            })
+            .collect()
+    }
+
     /// The text `--raw-prompt` feeds the model as is: a plain-text prompt, or the content of a
     /// chat prompt made of a single message.
     pub(crate) fn raw_prompt(&self, i: usize) -> Result<&str> {

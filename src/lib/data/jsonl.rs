@@ -68,13 +68,20 @@ pub(crate) fn messages_from_json(items: &[Value]) -> std::result::Result<Vec<Mes
         .collect()
 }
 
-/// Read a jsonl file into verl rows. Bad records are input errors naming file and line.
-pub(crate) fn read(path: &Path, opts: &JsonlOptions) -> Result<Vec<VerlRow>> {
+/// Read a jsonl file into verl rows, with each row's tool arguments (verl's `tools_kwargs`, a
+/// top-level key or `extra_info.tools_kwargs`; None when absent). Bad records are input errors
+/// naming file and line.
+pub(crate) fn read(path: &Path, opts: &JsonlOptions) -> Result<(Vec<VerlRow>, Vec<Option<Value>>)> {
     let shown = path.display();
     let mut rows = Vec::new();
+    let mut kwargs = Vec::new();
     for (line_no, line) in jsonl_lines(path)? {
         let obj = parse_object(path, line_no, &line)?;
         let at = |key: &str| format!("{shown}:{line_no}: field '{key}'");
+        kwargs.push(
+            tools_kwargs(&obj)
+                .map_err(|(key, e)| crate::error::input_error(format!("{}: {e}", at(key))))?,
+        );
         let (prompt, question) = match lookup(&obj, &opts.prompt_key) {
             Some(Value::String(text)) => {
                 let content = match &opts.instruction {
@@ -131,7 +138,23 @@ pub(crate) fn read(path: &Path, opts: &JsonlOptions) -> Result<Vec<VerlRow>> {
     if rows.is_empty() {
         bail_input!("{shown}: no records (the file is empty)");
     }
-    Ok(rows)
+    Ok((rows, kwargs))
+}
+
+/// A record's tool arguments, checked: its `tools_kwargs`, else its `extra_info.tools_kwargs`;
+/// Err names the key and what is wrong.
+fn tools_kwargs(
+    obj: &serde_json::Map<String, Value>,
+) -> std::result::Result<Option<Value>, (&'static str, String)> {
+    use super::tools_kwargs::{parse, COLUMN};
+    let (key, value) = match obj.get(COLUMN) {
+        Some(v) => (COLUMN, Some(v)),
+        None => (
+            "extra_info.tools_kwargs",
+            obj.get("extra_info").and_then(|e| e.get(COLUMN)),
+        ),
+    };
+    value.map_or(Ok(None), |v| parse(v).map_err(|e| (key, e)))
 }
 
 #[cfg(test)]
@@ -163,7 +186,7 @@ mod tests {
             "{\"q\": \"What is 2+2?\", \"meta\": {\"a\": 4}}\n",
             "{\"q\": [{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", \"content\": \"U\"}], \"meta\": {\"a\": \"x\"}}\n",
         ));
-        let rows = read(&path, &opts()).unwrap();
+        let (rows, _) = read(&path, &opts()).unwrap();
         assert_eq!(rows[0].prompt, vec![Message::new("user", "What is 2+2?")]);
         assert_eq!(rows[0].ground_truth, "4");
         assert_eq!(rows[0].extra_info.question, "What is 2+2?");
@@ -186,7 +209,7 @@ mod tests {
         let mut o = opts();
         o.system = Some("Be brief.".into());
         o.instruction = Some("Answer with a number.".into());
-        let rows = read(&path, &o).unwrap();
+        let (rows, _) = read(&path, &o).unwrap();
         assert_eq!(
             rows[0].prompt,
             vec![

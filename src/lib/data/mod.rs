@@ -13,6 +13,7 @@ pub(crate) mod gsm8k;
 pub(crate) mod jsonl;
 pub mod prepare;
 pub(crate) mod synth;
+pub mod tools_kwargs;
 
 pub(crate) use chat::ChatTemplate;
 pub use dataset::{PromptDataset, PromptRow};

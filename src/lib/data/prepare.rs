@@ -100,14 +100,14 @@ pub fn run(args: PrepareArgs) -> Result<()> {
                 system: a.system,
                 instruction: a.instruction,
             };
-            let rows = super::jsonl::read(&a.input, &opts)?;
+            let (rows, kwargs) = super::jsonl::read(&a.input, &opts)?;
             let params = json!({
                 "dataset": "jsonl", "in": a.input, "prompt_key": opts.prompt_key,
                 "answer_key": opts.answer_key, "data_source": opts.data_source,
                 "split": opts.split, "ability": opts.ability, "system": opts.system,
                 "instruction": opts.instruction,
             });
-            write_rows(&a.out, &rows, params)
+            write_rows_with_kwargs(&a.out, &rows, &kwargs, params)
         }
     }
 }
@@ -119,7 +119,34 @@ fn file_stem(path: &Path) -> String {
 }
 
 fn write_rows(out: &Path, rows: &[VerlRow], params: serde_json::Value) -> Result<()> {
-    let data = super::verl_record_batch(rows)?;
+    write_rows_with_kwargs(out, rows, &[], params)
+}
+
+/// [`write_rows`] with the rows' tool arguments as a `tools_kwargs` column of JSON text, when
+/// any row has some (verl's struct would need one shape for every row's arguments).
+fn write_rows_with_kwargs(
+    out: &Path,
+    rows: &[VerlRow],
+    kwargs: &[Option<serde_json::Value>],
+    params: serde_json::Value,
+) -> Result<()> {
+    let mut data = super::verl_record_batch(rows)?;
+    if kwargs.iter().any(Option::is_some) {
+        let text: arrow_array::StringArray = kwargs
+            .iter()
+            .map(|k| k.as_ref().map(|v| v.to_string()))
+            .collect();
+        let mut fields: Vec<_> = data.schema().fields().iter().cloned().collect();
+        fields.push(std::sync::Arc::new(arrow_schema::Field::new(
+            super::tools_kwargs::COLUMN,
+            arrow_schema::DataType::Utf8,
+            true,
+        )));
+        let mut columns = data.columns().to_vec();
+        columns.push(std::sync::Arc::new(text));
+        let schema = arrow_schema::Schema::new(fields);
+        data = arrow_array::RecordBatch::try_new(std::sync::Arc::new(schema), columns)?;
+    }
     let meta = stage_meta(
         BTreeMap::new(),
         &StageInfo {

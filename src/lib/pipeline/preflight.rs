@@ -234,6 +234,10 @@ fn check_prompts(
     let timeout = std::time::Duration::from_secs_f64(args.tool_timeout);
     let tools = tools_from_specs(&args.tool, timeout)
         .with_context(|| format!("{key}: {} tool = {:?}", t.table, args.tool))?;
+    if tools.is_some() {
+        // The rows' tool arguments, as rollout reads them.
+        ds.tools_kwargs().with_context(|| key.to_string())?;
+    }
     let schemas = tools.map_or(vec![], |t| t.schemas());
     let limits = PromptLimits {
         prompt_key: &args.prompt_key,

@@ -296,6 +296,20 @@ pub struct RolloutArgs {
     /// default --max-new-tokens); the length overlong shaping sees.
     #[arg(long, value_name = "N", value_parser = at_least(1usize))]
     pub max_response_tokens: Option<usize>,
+    /// With tools: tool calls of one turn at most (>= 1; verl's `max_parallel_calls`); the
+    /// turn's further calls are not run.
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
+    #[serde(default)]
+    pub max_parallel_calls: Option<usize>,
+    /// With tools: a tool result longer than this many characters is cut before the model
+    /// reads it (verl's `max_tool_response_length`; default: not cut).
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
+    #[serde(default)]
+    pub max_tool_response_chars: Option<usize>,
+    /// With tools: the part of a long result kept (verl's `tool_response_truncate_side`):
+    /// left (its start), right (its end) or middle (both ends).
+    #[arg(long, value_enum, default_value = "middle", value_name = "SIDE")]
+    pub tool_response_truncate_side: crate::tool::Side,
     /// With tools: calls running at once (>= 1).
     #[arg(long, default_value_t = 16, value_parser = at_least(1usize))]
     pub tool_concurrency: usize,
@@ -679,6 +693,7 @@ impl RolloutArgs {
         let limits = TurnLimits {
             max_turns: self.max_turns,
             max_tool_calls: self.max_tool_calls,
+            max_parallel_calls: self.max_parallel_calls.unwrap_or(usize::MAX),
             max_response_tokens: total,
         };
         (limits, self.max_turn_tokens.unwrap_or(total))
@@ -757,6 +772,11 @@ pub fn run_with_tools(
     if writes_files(exec) {
         log_left_out(&dataset, "rollout", &mut |m| exec.log(m));
     }
+    // The rows' tool arguments (verl's tools_kwargs), checked before the model loads.
+    let row_kwargs = match tools {
+        Some(_) => dataset.tools_kwargs()?,
+        None => vec![],
+    };
     let schemas = tools.as_ref().map_or(vec![], |t| t.schemas());
     let prep = Prepared::load(&args, &dataset, n_prompts, &schemas)?;
     let (prompt_uids, requests) = keyed_requests(&prep.prompts, args.n, args.seed);
@@ -771,15 +791,23 @@ pub fn run_with_tools(
         Some(t) => t.observe(turn, contents),
         None => anyhow::bail!("tool results need the chat template"),
     };
+    // This process's prompts (all of them alone, its block among several ranks).
+    let block = my_block(exec, n_prompts);
     let agent = tools.map(|tools| Agent {
         tools,
         limits: args.turn_limits().0,
         concurrency: args.tool_concurrency,
         timeout: Duration::from_secs_f64(args.tool_timeout),
         observe: &observe,
+        cut: args
+            .max_tool_response_chars
+            .map(|n| (n, args.tool_response_truncate_side)),
+        // With tools, one per dataset row.
+        kwargs: row_kwargs[block.clone()]
+            .iter()
+            .map(|k| k.clone().unwrap_or_default())
+            .collect(),
     });
-    // This process's prompts (all of them alone, its block among several ranks).
-    let block = my_block(exec, n_prompts);
     let bar = exec.progress_bar(block.len() * args.n, "rollout");
     let job = Generate {
         dir: &prep.model.dir,
@@ -1182,6 +1210,9 @@ impl Output<'_> {
                 "max_tool_calls": args.max_tool_calls,
                 "max_turn_tokens": args.turn_limits().1,
                 "max_response_tokens": args.turn_limits().0.max_response_tokens,
+                "max_parallel_calls": args.max_parallel_calls,
+                "max_tool_response_chars": args.max_tool_response_chars,
+                "tool_response_truncate_side": args.tool_response_truncate_side,
                 "tool_concurrency": args.tool_concurrency,
                 "tool_timeout": args.tool_timeout,
                 "baseline": args.baseline.map(|_| "greedy"),

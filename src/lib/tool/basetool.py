@@ -3,13 +3,16 @@
 Usage: python3 -c "$(cat basetool.py)" FILE.py CLASS (tandem passes the source with -c: no file
 is written for it).
 
-Loads CLASS from FILE.py and makes one instance: `CLASS(config={}, tool_schema=None)` for the
+Loads CLASS from FILE.py (as a module of its package when its folder has an __init__.py, so
+that relative imports work) and makes one instance: `CLASS(config={}, tool_schema=None)` for the
 parameters its constructor has (verl's BaseTool takes both), else `CLASS()`. Prints the tool's
 OpenAI function schema as the first line: `get_openai_tool_schema()` (a dict, or a pydantic
 model as verl returns) or a `schema` attribute (a dict, or a method returning one). Then
-reads one JSON request per line, `{"id", "name", "arguments"}`, and for each calls
-`create(instance_id)`, `execute(instance_id, arguments)` and `release(instance_id)` (each may
-be async; create and release may be absent), and answers `{"id", "content"}` with what
+reads one JSON request per line, `{"id", "name", "arguments", "kwargs"}`, and for each calls
+`create(instance_id, **create_kwargs)`, `execute(instance_id, arguments, **execute_kwargs)` and
+`release(instance_id, **release_kwargs)` (the row's arguments for the tool, verl's
+`tools_kwargs`, from the request's `kwargs`; each method may be async; create and release may
+be absent), and answers `{"id", "content"}` with what
 execute returned: a string, an object with a `text` attribute (verl's ToolResponse), or a
 tuple whose first element is one of those (verl's `(response, reward, metrics)`; reward and
 metrics are not used). An exception answers `{"id", "error"}` and its traceback goes to
@@ -26,16 +29,32 @@ import sys
 import traceback
 
 
+def package_module(path):
+    """(root, dotted name) of a file inside a package (its folder has __init__.py), else None."""
+    root, parts = os.path.dirname(path), [os.path.splitext(os.path.basename(path))[0]]
+    while os.path.isfile(os.path.join(root, "__init__.py")):
+        parts.insert(0, os.path.basename(root))
+        root = os.path.dirname(root)
+    return (root, ".".join(parts)) if len(parts) > 1 else None
+
+
 def load(path, name):
     path = os.path.abspath(path)
     for p in (os.getcwd(), os.path.dirname(path)):
         if p not in sys.path:
             sys.path.insert(0, p)
-    spec = importlib.util.spec_from_file_location(f"tandem_tool_{abs(hash(path))}", path)
-    if spec is None or spec.loader is None:
-        sys.exit(f"tandem: cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    in_package = package_module(path)
+    if in_package:
+        # Imported under its package's name, so that its relative imports (verl's
+        # `from .base_tool import BaseTool`) resolve.
+        sys.path.insert(0, in_package[0])
+        module = importlib.import_module(in_package[1])
+    else:
+        spec = importlib.util.spec_from_file_location(f"tandem_tool_{abs(hash(path))}", path)
+        if spec is None or spec.loader is None:
+            sys.exit(f"tandem: cannot load {path} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     cls = getattr(module, name, None)
     if cls is None or not inspect.isclass(cls):
         sys.exit(f"tandem: {path} has no class named {name!r}")
@@ -91,8 +110,8 @@ def main():
     tool = instantiate(load(sys.argv[1], sys.argv[2]))
     loop = asyncio.new_event_loop()
 
-    def call(method, *args):
-        result = method(*args)
+    def call(method, *args, **kwargs):
+        result = method(*args, **kwargs)
         return loop.run_until_complete(result) if inspect.isawaitable(result) else result
 
     answers.write(json.dumps(schema_of(tool)) + "\n")
@@ -102,18 +121,20 @@ def main():
             continue
         request = json.loads(line)
         rid = request.get("id")
+        kwargs = request.get("kwargs") or {}
         try:
             instance = str(rid)
             if hasattr(tool, "create"):
-                created = call(tool.create, instance)
+                created = call(tool.create, instance, **(kwargs.get("create_kwargs") or {}))
                 # verl's create returns the id, or (id, response) in newer versions.
                 created = created[0] if isinstance(created, tuple) else created
                 instance = created if created is not None else instance
             try:
-                answer = {"id": rid, "content": text_of(call(tool.execute, instance, request.get("arguments") or {}))}
+                result = call(tool.execute, instance, request.get("arguments") or {}, **(kwargs.get("execute_kwargs") or {}))
+                answer = {"id": rid, "content": text_of(result)}
             finally:
                 if hasattr(tool, "release"):
-                    call(tool.release, instance)
+                    call(tool.release, instance, **(kwargs.get("release_kwargs") or {}))
         except Exception as e:
             traceback.print_exc()
             answer = {"id": rid, "error": f"{type(e).__name__}: {e}"}

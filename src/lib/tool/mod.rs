@@ -48,7 +48,44 @@ pub trait Tools: Send + Sync {
     /// order the chat template's `tools` lists them.
     fn schemas(&self) -> Vec<Value>;
     /// Runs one call; never fails (an unknown tool, a crash or a timeout is a `ToolResult::failed`).
-    fn call(&self, call: &ToolCall) -> ToolResult;
+    /// `kwargs` is the trajectory's row's tool arguments, verl's `tools_kwargs`
+    /// (`{TOOL: {"create_kwargs": {…}, "execute_kwargs": {…}, "release_kwargs": {…}}}`), or
+    /// null when the row has none; the tool takes its own entry.
+    fn call(&self, call: &ToolCall, kwargs: &Value) -> ToolResult;
+}
+
+/// Which part of a long tool result the model reads (verl's `tool_response_truncate_side`):
+/// `Left` keeps the first characters, `Right` the last, `Middle` both ends.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Side {
+    Left,
+    Right,
+    Middle,
+}
+
+/// `content` cut to `max_chars` characters (Unicode scalar values, as Python's `len`) the way
+/// verl's tool agent loop cuts a tool response, with its markers: `Left` keeps the first
+/// `max_chars` and appends `...(truncated)`, `Right` keeps the last behind `(truncated)...`,
+/// `Middle` keeps `max_chars / 2` of each end around `...(truncated)...`. Unchanged when it
+/// fits.
+pub fn truncate(content: &str, max_chars: usize, side: Side) -> String {
+    let n = content.chars().count();
+    if n <= max_chars {
+        return content.to_string();
+    }
+    let head = |k: usize| content.chars().take(k).collect::<String>();
+    let tail = |k: usize| content.chars().skip(n - k).collect::<String>();
+    match side {
+        Side::Left => format!("{}...(truncated)", head(max_chars)),
+        Side::Right => format!("(truncated)...{}", tail(max_chars)),
+        Side::Middle => {
+            let half = max_chars / 2;
+            format!("{}...(truncated)...{}", head(half), tail(half))
+        }
+    }
 }
 
 const OPEN: &str = "<tool_call>";
@@ -135,6 +172,18 @@ mod tests {
         );
         assert_eq!(calls[4], Err("<tool_call> without </tool_call>".into()));
         assert!(parse_calls("no calls here").is_empty());
+    }
+
+    #[test]
+    fn long_results_are_cut_as_verl_cuts_them() {
+        let s = "abcdefghij";
+        assert_eq!(truncate(s, 10, Side::Middle), s);
+        assert_eq!(truncate(s, 4, Side::Left), "abcd...(truncated)");
+        assert_eq!(truncate(s, 4, Side::Right), "(truncated)...ghij");
+        assert_eq!(truncate(s, 5, Side::Middle), "ab...(truncated)...ij");
+        // Characters, not bytes.
+        assert_eq!(truncate("ééééé", 2, Side::Left), "éé...(truncated)");
+        assert_eq!(truncate("", 0, Side::Right), "");
     }
 
     #[test]

@@ -59,16 +59,25 @@ impl Program {
         &self.schema
     }
 
-    /// One call: Ok(Ok(content)) or Ok(Err(the tool's own error)) from a well-behaved
-    /// process; Err says what went wrong with the process (it is then gone).
-    pub(crate) fn call(&self, arguments: &Value) -> Result<Result<String, String>, String> {
+    /// One call (`kwargs`: the row's arguments for this tool, sent with the request): Ok(Ok(content))
+    /// or Ok(Err(the tool's own error)) from a well-behaved process; Err says what went wrong
+    /// with the process (it is then gone).
+    pub(crate) fn call(
+        &self,
+        arguments: &Value,
+        kwargs: Option<&Value>,
+    ) -> Result<Result<String, String>, String> {
         let idle = self.idle.lock().unwrap().pop();
         let mut worker = match idle {
             Some(w) => w,
             None => Worker::start(&self.spawner, &self.argv, self.timeout)?.0,
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let answer = worker.ask(&request(id, &self.name, arguments), id, self.timeout)?;
+        let answer = worker.ask(
+            &request(id, &self.name, arguments, kwargs),
+            id,
+            self.timeout,
+        )?;
         self.idle.lock().unwrap().push(worker);
         Ok(answer)
     }

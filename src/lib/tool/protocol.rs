@@ -2,14 +2,19 @@
 //! program's stdin, `{"id": …, "name": …, "arguments": {…}}`, one answer per line on its
 //! stdout, `{"id": …, "content": "…"}`, with `"error": "…"` added when the call failed (then
 //! `content` may be left out). Before its first answer the program prints its OpenAI
-//! function schema as one line.
+//! function schema as one line. A request for a row that carries arguments for the tool
+//! (verl's `tools_kwargs`) has them as `"kwargs": {"create_kwargs": {…}, "execute_kwargs": {…}}`.
 
 use super::ToolResult;
 use serde_json::{json, Value};
 
-/// A request line.
-pub(crate) fn request(id: u64, name: &str, arguments: &Value) -> String {
-    json!({"id": id, "name": name, "arguments": arguments}).to_string()
+/// A request line (`kwargs`: the row's arguments for this tool, when it has some).
+pub(crate) fn request(id: u64, name: &str, arguments: &Value, kwargs: Option<&Value>) -> String {
+    let mut r = json!({"id": id, "name": name, "arguments": arguments});
+    if let Some(k) = kwargs {
+        r["kwargs"] = k.clone();
+    }
+    r.to_string()
 }
 
 /// A request as a server reads it: (id, name, arguments), or (id, why it is malformed) where
@@ -110,12 +115,17 @@ mod tests {
 
     #[test]
     fn requests_and_answers_round_trip() {
-        let line = request(7, "calc", &json!({"x": 1}));
+        let line = request(7, "calc", &json!({"x": 1}), None);
         let (id, name, args) = parse_request(&line).unwrap();
         assert_eq!(
             (id, name.as_deref(), args),
             (json!(7), Some("calc"), json!({"x": 1}))
         );
+        let kwargs = json!({"create_kwargs": {"ground_truth": "72"}});
+        let line = request(8, "calc", &json!({}), Some(&kwargs));
+        let sent: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(sent["kwargs"], kwargs);
+        assert_eq!(parse_request(&line).unwrap().0, json!(8));
         let ok = ToolResult {
             content: "42\n".into(),
             seconds: 0.1,

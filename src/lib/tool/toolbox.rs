@@ -68,7 +68,7 @@ impl Tools for Toolbox {
         self.tools.iter().map(|(_, t)| schema(t)).collect()
     }
 
-    fn call(&self, call: &ToolCall) -> ToolResult {
+    fn call(&self, call: &ToolCall, kwargs: &Value) -> ToolResult {
         let start = Instant::now();
         let seconds = || start.elapsed().as_secs_f64();
         let Some((name, tool)) = self.tools.iter().find(|(n, _)| *n == call.name) else {
@@ -86,7 +86,8 @@ impl Tools for Toolbox {
                     0.0,
                 ),
             },
-            Tool::Program(p) => match p.call(&call.arguments) {
+            // The built-in tool takes no per-row arguments; a program gets its own entry.
+            Tool::Program(p) => match p.call(&call.arguments, kwargs.get(name)) {
                 Ok(Ok(content)) => ToolResult {
                     content,
                     seconds: seconds(),
@@ -211,6 +212,23 @@ class Plain:
 
     def execute(self, instance_id, parameters):
         return "plain " + json.dumps(parameters)
+
+class Truth:
+    schema = {"name": "truth"}
+
+    def __init__(self):
+        self.truth = {}
+
+    async def create(self, instance_id=None, ground_truth=None, **kwargs):
+        self.truth[instance_id] = ground_truth
+        return instance_id, None
+
+    def execute(self, instance_id, parameters, scale=1):
+        return f"{self.truth[instance_id]} x{scale}"
+
+    def release(self, instance_id, note=None):
+        assert note in (None, "bye")
+        del self.truth[instance_id]
 "#;
 
     fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -220,10 +238,13 @@ class Plain:
     }
 
     fn call(tools: &Toolbox, name: &str, arguments: Value) -> ToolResult {
-        tools.call(&ToolCall {
-            name: name.into(),
-            arguments,
-        })
+        tools.call(
+            &ToolCall {
+                name: name.into(),
+                arguments,
+            },
+            &Value::Null,
+        )
     }
 
     /// The content of a good call, split into (text, pid) for the echo tool.
@@ -379,6 +400,64 @@ class Plain:
         assert_eq!(r.content, "2.5", "the process serves on after an exception");
         let r = call(&tools, "plain", json!({"k": [1]}));
         assert_eq!(r.content, "plain {\"k\": [1]}");
+    }
+
+    /// A class in a package (verl's `verl/tools/gsm8k_tool.py`) is imported as a module of it,
+    /// so that its relative imports work.
+    #[test]
+    fn a_class_in_a_package_has_its_relative_imports() {
+        let dir = tempfile::tempdir().unwrap();
+        let pkg = dir.path().join("mypkg/tools");
+        std::fs::create_dir_all(&pkg).unwrap();
+        write(&dir.path().join("mypkg"), "__init__.py", "");
+        write(&pkg, "__init__.py", "");
+        write(
+            &pkg,
+            "base_tool.py",
+            "class BaseTool:\n    schema = {\"name\": \"rel\"}\n",
+        );
+        let file = write(
+            &pkg,
+            "rel_tool.py",
+            "from .base_tool import BaseTool\n\nclass RelTool(BaseTool):\n    def execute(self, instance_id, parameters):\n        return __name__\n",
+        );
+        let specs = [format!("rel=python:{}:RelTool", file.display())];
+        let tools = Toolbox::from_specs(&specs, Duration::from_secs(10)).unwrap();
+        let r = call(&tools, "rel", json!({}));
+        assert_eq!(
+            (r.content.as_str(), r.error),
+            ("mypkg.tools.rel_tool", None)
+        );
+    }
+
+    /// A row's `tools_kwargs` entry reaches `create`, `execute` and `release` as keyword
+    /// arguments, as verl's rollouts pass them; another tool's entry does not.
+    #[test]
+    fn a_rows_tool_arguments_reach_the_class() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(dir.path(), "my_tools.py", CLASSES);
+        let specs = [format!("truth=python:{}:Truth", file.display())];
+        let tools = Toolbox::from_specs(&specs, Duration::from_secs(10)).unwrap();
+        let truth = ToolCall {
+            name: "truth".into(),
+            arguments: json!({}),
+        };
+        let kwargs = json!({"truth": {"create_kwargs": {"ground_truth": "72"},
+                                      "execute_kwargs": {"scale": 2},
+                                      "release_kwargs": {"note": "bye"}},
+                            "other": {"create_kwargs": {"ground_truth": "1"}}});
+        let r = tools.call(&truth, &kwargs);
+        assert_eq!((r.content.as_str(), r.error), ("72 x2", None));
+        let r = tools.call(
+            &truth,
+            &json!({"other": {"create_kwargs": {"ground_truth": "1"}}}),
+        );
+        assert_eq!((r.content.as_str(), r.error), ("None x1", None));
+        let r = tools.call(&truth, &json!({"truth": {"execute_kwargs": {"nope": 1}}}));
+        assert!(
+            r.error.as_deref().unwrap().starts_with("TypeError: "),
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -186,8 +186,8 @@ impl Run<'_, '_> {
             pipe.model.copy_blocks(&applied.copies)?;
         }
         if let Some(tools) = &mut self.tools {
-            for (id, turn, calls) in self.sched.outbox.drain(..) {
-                tools.submit(id, turn, calls);
+            for calls in self.sched.outbox.drain(..) {
+                tools.submit(calls);
             }
         }
         Ok(applied.keep)

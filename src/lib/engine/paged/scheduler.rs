@@ -31,13 +31,10 @@ use std::ops::Range;
 use super::blocks::BlockPool;
 use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
 use super::sequence::{Kind, Seq};
-use super::turns::{CallRecord, Observe, TurnLimits};
+use super::turns::{CallRecord, Calls, Observe, TurnLimits};
 use super::{Chunk, PagedConfig, PagedStats, SampleRow};
 use crate::backend::ops::sample::Sampled;
 use crate::tool::{parse_calls, ToolCall};
-
-/// A turn's calls handed to the tool runner: (parked id, turn, calls).
-pub(super) type Calls = (usize, usize, Vec<Result<ToolCall, String>>);
 
 /// The waiting and running sequences and the block pool they share.
 pub(super) struct Scheduler<'r> {
@@ -656,7 +653,7 @@ impl<'r> Scheduler<'r> {
         let turn = s.traj.as_ref().map_or(0, |t| t.turns.len() - 1);
         let id = self.next_park;
         self.next_park += 1;
-        self.outbox.push((id, turn, calls));
+        self.outbox.push((id, s.req, turn, calls));
         self.parked.insert(id, s);
     }
 
@@ -770,7 +767,7 @@ fn tool_turn(
     if calls.is_empty() {
         return Ok(None);
     }
-    calls.truncate(l.max_tool_calls - used);
+    calls.truncate((l.max_tool_calls - used).min(l.max_parallel_calls));
     s.traj.as_mut().expect("checked").turns.push(text);
     Ok(Some(calls))
 }

@@ -12,7 +12,7 @@ use crate::engine::logprob::{score, PromptResponse};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::Config;
-use crate::tool::{ToolCall, ToolResult, Tools};
+use crate::tool::{Side, ToolCall, ToolResult, Tools};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -68,7 +68,7 @@ fn call_turn(body: &str) -> Vec<u32> {
     ids
 }
 
-/// `add` sums a and b; `fail` fails; `sleep` sleeps `ms` (and notes when it started).
+/// `add` sums a, b and its row's `execute_kwargs.c` (0 without); `fail` fails; `sleep` sleeps `ms` (and notes when it started).
 struct TestTools {
     started: Mutex<Vec<Instant>>,
 }
@@ -77,11 +77,12 @@ impl Tools for TestTools {
     fn schemas(&self) -> Vec<Value> {
         vec![json!({"type": "function", "function": {"name": "add"}})]
     }
-    fn call(&self, call: &ToolCall) -> ToolResult {
+    fn call(&self, call: &ToolCall, kwargs: &Value) -> ToolResult {
         let arg = |k: &str| call.arguments[k].as_i64().unwrap_or(0);
+        let c = kwargs["add"]["execute_kwargs"]["c"].as_i64().unwrap_or(0);
         match call.name.as_str() {
             "add" => ToolResult {
-                content: (arg("a") + arg("b")).to_string(),
+                content: (arg("a") + arg("b") + c).to_string(),
                 seconds: 0.0,
                 error: None,
             },
@@ -171,6 +172,8 @@ fn agent(tools: Arc<dyn Tools>, limits: TurnLimits, timeout_ms: u64) -> Agent<'s
         concurrency: 2,
         timeout: Duration::from_millis(timeout_ms),
         observe: &observe,
+        cut: None,
+        kwargs: vec![],
     }
 }
 
@@ -217,6 +220,7 @@ fn limits(max_turns: usize, max_tool_calls: usize, max_response_tokens: usize) -
     TurnLimits {
         max_turns,
         max_tool_calls,
+        max_parallel_calls: usize::MAX,
         max_response_tokens,
     }
 }
@@ -450,5 +454,79 @@ fn a_malformed_call_is_answered_and_a_long_observation_is_cut_to_the_budget() {
         assert_eq!(c.finish, FinishReason::Length);
         assert_eq!((t.turns.len(), c.text.as_str()), (1, ""));
         assert!(t.mask[turn1.len()..].iter().all(|&m| m == 0));
+    }
+}
+
+/// Each request's tool arguments reach the calls of its own samples only: `add(2, 3)` answers
+/// 15 for the row whose `execute_kwargs` has `c = 10`, 5 for the row without.
+#[test]
+fn each_requests_tool_arguments_reach_its_calls() {
+    let weights = random_weights(&config(), 5, 0.3);
+    let call = call_turn(r#"{"name": "add", "arguments": {"a": 2, "b": 3}}"#);
+    let script = |_: u64, p: u64| call.get(p as usize).copied();
+    let reqs = [
+        request(1, bytes("first"), 2),
+        request(2, bytes("second"), 2),
+    ];
+    let tools: Arc<dyn Tools> = Arc::new(TestTools {
+        started: Mutex::new(vec![]),
+    });
+    let mut ag = agent(tools, limits(2, 1, 220), 5_000);
+    ag.kwargs = vec![json!({"add": {"execute_kwargs": {"c": 10}}})];
+    let pc = PagedConfig {
+        block_size: 4,
+        num_blocks: 200,
+        max_num_seqs: 4,
+        max_batched_tokens: 64,
+        overlap: true,
+    };
+    let ran = generate(&weights, &pc, &reqs, &params(80), &ag, &script);
+    let results: Vec<Vec<&str>> = ran
+        .done
+        .iter()
+        .map(|cs| {
+            cs.iter()
+                .map(|c| c.trajectory.as_ref().unwrap().calls[0].result.as_str())
+                .collect()
+        })
+        .collect();
+    assert_eq!(results, [["15", "15"], ["5", "5"]]);
+}
+
+/// verl's `max_parallel_calls` and `max_tool_response_length`: a turn with two calls runs the
+/// first only, and its result reaches the model cut to 3 characters at the chosen side.
+#[test]
+fn a_turns_calls_are_capped_and_long_results_cut() {
+    let weights = random_weights(&config(), 5, 0.3);
+    let one = r#"{"name": "add", "arguments": {"a": 12345, "b": 1}}"#;
+    let two = [call_turn(one), call_turn(one)].concat();
+    let mut call = two[..two.len() / 2 - 1].to_vec();
+    call.extend_from_slice(&two[two.len() / 2..]);
+    let script = |_: u64, p: u64| call.get(p as usize).copied();
+    let reqs = [request(1, bytes("first"), 2)];
+    let tools: Arc<dyn Tools> = Arc::new(TestTools {
+        started: Mutex::new(vec![]),
+    });
+    let pc = PagedConfig {
+        block_size: 4,
+        num_blocks: 400,
+        max_num_seqs: 4,
+        max_batched_tokens: 64,
+        overlap: false,
+    };
+    for (cap, cut, want) in [
+        (usize::MAX, None, vec!["12346", "12346"]),
+        (1, Some((3, Side::Left)), vec!["123...(truncated)"]),
+        (1, Some((3, Side::Right)), vec!["(truncated)...346"]),
+    ] {
+        let mut ag = agent(tools.clone(), limits(2, 4, 500), 5_000);
+        ag.limits.max_parallel_calls = cap;
+        ag.cut = cut;
+        let ran = generate(&weights, &pc, &reqs, &params(200), &ag, &script);
+        for c in &ran.done[0] {
+            let t = c.trajectory.as_ref().unwrap();
+            let got: Vec<&str> = t.calls.iter().map(|r| r.result.as_str()).collect();
+            assert_eq!(got, want, "cap {cap}, cut {cut:?}");
+        }
     }
 }

@@ -15,7 +15,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::tool::{ToolCall, ToolResult, Tools};
+use crate::tool::{truncate, Side, ToolCall, ToolResult, Tools};
 
 /// The limits of one trajectory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +24,8 @@ pub struct TurnLimits {
     pub max_turns: usize,
     /// Tool calls at most over the trajectory; calls past it are not run.
     pub max_tool_calls: usize,
+    /// Tool calls of one turn at most; the turn's further calls are not run.
+    pub max_parallel_calls: usize,
     /// Response tokens at most (sampled and observation tokens together).
     pub max_response_tokens: usize,
 }
@@ -41,6 +43,12 @@ pub struct Agent<'a> {
     /// A call that has not answered after this long is given up (`--tool-timeout`).
     pub timeout: Duration,
     pub observe: Observe<'a>,
+    /// Tool results longer than this many characters are cut, at that side
+    /// (`--max-tool-response-chars`, verl's `max_tool_response_length`).
+    pub cut: Option<(usize, Side)>,
+    /// Per request, its row's tool arguments (verl's `tools_kwargs`, handed to every call of
+    /// its samples); a request past the end, or null, has none.
+    pub kwargs: Vec<Value>,
 }
 
 /// One tool call of a trajectory, as the `tool_calls` column records it.
@@ -67,6 +75,9 @@ pub struct Trajectory {
     pub calls: Vec<CallRecord>,
 }
 
+/// A turn's calls handed to the tool runner: (parked id, request, turn, calls).
+pub(super) type Calls = (usize, usize, usize, Vec<Result<ToolCall, String>>);
+
 /// A turn's calls while they run: the records in call order, and how many are still out.
 struct TurnCalls {
     turn: usize,
@@ -81,7 +92,11 @@ pub(super) struct ToolRunner {
     tools: Arc<dyn Tools>,
     concurrency: usize,
     timeout: Duration,
-    queue: VecDeque<(usize, usize, ToolCall)>,
+    cut: Option<(usize, Side)>,
+    /// Per request, its tool arguments.
+    kwargs: Vec<Arc<Value>>,
+    /// Queued calls: (parked id, call index, call, its request's tool arguments).
+    queue: VecDeque<(usize, usize, ToolCall, Arc<Value>)>,
     /// Running calls: (parked id, call index) -> (start, call).
     running: HashMap<(usize, usize), (Instant, ToolCall)>,
     turns: HashMap<usize, TurnCalls>,
@@ -98,6 +113,8 @@ impl ToolRunner {
             tools: agent.tools.clone(),
             concurrency: agent.concurrency.max(1),
             timeout: agent.timeout,
+            cut: agent.cut,
+            kwargs: agent.kwargs.iter().cloned().map(Arc::new).collect(),
             queue: VecDeque::new(),
             running: HashMap::new(),
             turns: HashMap::new(),
@@ -112,9 +129,10 @@ impl ToolRunner {
         !self.turns.is_empty()
     }
 
-    /// Queues the calls of turn `turn` of parked sample `id`; a call the model wrote badly is
-    /// answered at once with the reason.
-    pub(super) fn submit(&mut self, id: usize, turn: usize, calls: Vec<Result<ToolCall, String>>) {
+    /// Queues the calls of turn `turn` of parked sample `id` (a sample of request `req`); a
+    /// call the model wrote badly is answered at once with the reason.
+    pub(super) fn submit(&mut self, (id, req, turn, calls): Calls) {
+        let kwargs = self.kwargs.get(req).cloned().unwrap_or_default();
         let mut t = TurnCalls {
             turn,
             records: vec![None; calls.len()],
@@ -124,7 +142,7 @@ impl ToolRunner {
             match c {
                 Ok(call) => {
                     t.left += 1;
-                    self.queue.push_back((id, k, call));
+                    self.queue.push_back((id, k, call, kwargs.clone()));
                 }
                 Err(reason) => {
                     let r = ToolResult::failed(reason, 0.0);
@@ -140,13 +158,13 @@ impl ToolRunner {
     /// Starts queued calls while slots are free.
     fn start(&mut self) {
         while self.running.len() < self.concurrency {
-            let Some((id, k, call)) = self.queue.pop_front() else {
+            let Some((id, k, call, kwargs)) = self.queue.pop_front() else {
                 return;
             };
             let (tools, tx, c) = (self.tools.clone(), self.tx.clone(), call.clone());
             std::thread::spawn(move || {
                 let t0 = Instant::now();
-                let mut r = tools.call(&c);
+                let mut r = tools.call(&c, &kwargs);
                 r.seconds = t0.elapsed().as_secs_f64();
                 // The engine may have given up on the call (timeout) or ended: nobody listens.
                 let _ = tx.send((id, k, r));
@@ -196,11 +214,15 @@ impl ToolRunner {
         }
     }
 
-    /// Records the result of a running call (one given up already is ignored).
-    fn answer(&mut self, (id, k, r): (usize, usize, ToolResult)) {
+    /// Records the result of a running call (one given up already is ignored), cut to
+    /// `--max-tool-response-chars`.
+    fn answer(&mut self, (id, k, mut r): (usize, usize, ToolResult)) {
         let Some((_, call)) = self.running.remove(&(id, k)) else {
             return;
         };
+        if let Some((max_chars, side)) = self.cut {
+            r.content = truncate(&r.content, max_chars, side);
+        }
         let t = self
             .turns
             .get_mut(&id)

@@ -16,6 +16,18 @@ use yaml_rust2::{Yaml, YamlLoader};
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Config {
     pub(crate) leaves: BTreeMap<String, Value>,
+    /// The folder of the config file (None for text not read from a file): where paths the
+    /// config names are looked for besides the working directory.
+    pub(crate) dir: Option<std::path::PathBuf>,
+}
+
+/// A YAML file (verl's tool config) as a JSON value; errors name the file.
+pub(crate) fn read_yaml(path: &Path) -> Result<Value> {
+    let shown = path.display().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse_yaml(&text, &shown),
+        Err(e) => bail_input!("{shown}: cannot read: {e}"),
+    }
 }
 
 /// YAML text as a JSON value; `what` names the text in messages.
@@ -90,7 +102,9 @@ impl Config {
             Ok(t) => t,
             Err(e) => bail_input!("{shown}: cannot read the verl config: {e}"),
         };
-        Config::parse(&text, &shown)
+        let mut config = Config::parse(&text, &shown)?;
+        config.dir = path.parent().map(Path::to_path_buf);
+        Ok(config)
     }
 
     pub(crate) fn parse(text: &str, what: &str) -> Result<Config> {
@@ -100,7 +114,7 @@ impl Config {
         }
         let mut leaves = BTreeMap::new();
         flatten(&v, "", &mut leaves);
-        Ok(Config { leaves })
+        Ok(Config { leaves, dir: None })
     }
 
     /// Whether `key` is a leaf or has leaves under it.

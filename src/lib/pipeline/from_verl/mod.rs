@@ -10,6 +10,7 @@
 //! nothing is written. Keys without a counterpart are listed on stderr by rule, with the reason.
 
 mod config;
+mod multi_turn;
 mod rules;
 
 use super::spec::Spec;
@@ -241,11 +242,17 @@ pub(crate) fn convert(config: &Config, reward: Option<&str>, origin: &str) -> Re
     let mut ctx = Ctx {
         config,
         train_rows: None,
+        notes: Default::default(),
     };
     let train = training_set(&ctx)?;
     ctx.train_rows = train.as_ref().map(|d| d.len());
     let mut out = Out::default();
-    let unmapped = apply_rules(&ctx, &mut out)?;
+    let mut unmapped = apply_rules(&ctx, &mut out)?;
+    // What a converted key could not carry (a tool whose file is not found, ...).
+    for (key, why) in ctx.notes.take() {
+        let (pattern, keys) = (key.clone(), vec![key]);
+        unmapped.push(Unmapped { pattern, keys, why });
+    }
     // verl's trainer generates ReMax's greedy baseline itself; in tandem the rollout does.
     let remax = out.entries.get("advantage.estimator");
     if remax.is_some_and(|e| e.value.as_str() == Some("remax")) {
@@ -676,6 +683,171 @@ mod tests {
         assert!(
             u.keys.contains(&"trainer.brand_new.knob".to_string()),
             "{u:?}"
+        );
+    }
+
+    /// verl's multi-turn GSM8K run (examples/sglang_multiturn: gsm8k_multiturn_grpo.yaml's
+    /// `multi_turn` keys and its tool YAML, tool_config/gsm8k_tool_config.yaml, with the class
+    /// at verl/tools/gsm8k_tool.py) in a folder laid out as verl's repository.
+    fn multi_turn(extra: &[&str]) -> (tempfile::TempDir, Config) {
+        let repo = tempfile::tempdir().unwrap();
+        let config_dir = repo.path().join("examples/sglang_multiturn/config");
+        std::fs::create_dir_all(config_dir.join("tool_config")).unwrap();
+        std::fs::create_dir_all(repo.path().join("verl/tools")).unwrap();
+        std::fs::write(
+            repo.path().join("verl/tools/gsm8k_tool.py"),
+            "class Gsm8kTool: ...\n",
+        )
+        .unwrap();
+        let tools = "tools:\n  - class_name: \"verl.tools.gsm8k_tool.Gsm8kTool\"\n    config:\n      type: native\n    tool_schema:\n      type: \"function\"\n      function:\n        name: \"calc_gsm8k_reward\"\n        parameters:\n          type: \"object\"\n          properties:\n            answer:\n              type: \"string\"\n          required: [\"answer\"]\n  - class_name: \"my_pkg.search.SearchTool\"\n    config: {}\n    tool_schema:\n      function:\n        name: \"search\"\n";
+        std::fs::write(config_dir.join("tool_config/gsm8k_tool_config.yaml"), tools).unwrap();
+        let mut keys = GRPO.to_vec();
+        keys.extend([
+            "actor_rollout_ref.rollout.name=sglang",
+            "actor_rollout_ref.rollout.multi_turn.enable=True",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path=examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml",
+        ]);
+        keys.extend(extra);
+        let mut c = verl(&keys);
+        c.dir = Some(config_dir);
+        (repo, c)
+    }
+
+    #[test]
+    fn verl_multi_turn_keys_become_the_rollouts_tool_keys() {
+        let (repo, c) = multi_turn(&[]);
+        let (s, conv) = spec_of(&c, Some("gsm8k"));
+        let class = repo
+            .path()
+            .join("verl/tools/gsm8k_tool.py")
+            .canonicalize()
+            .unwrap();
+        let tool = format!("calc_gsm8k_reward=python:{}:Gsm8kTool", class.display());
+        assert_eq!(
+            at(&s, "rollout.tool"),
+            &toml::Value::Array(vec![tool.into()])
+        );
+        assert_eq!(at(&s, "rollout.max-turns").as_integer(), Some(5));
+        // verl's defaults: one call per turn, results cut to 256 characters in the middle.
+        assert_eq!(at(&s, "rollout.max-parallel-calls").as_integer(), Some(1));
+        assert_eq!(
+            at(&s, "rollout.max-tool-response-chars").as_integer(),
+            Some(256)
+        );
+        assert_eq!(
+            at(&s, "rollout.tool-response-truncate-side").as_str(),
+            Some("middle")
+        );
+        let notes: Vec<&str> = conv
+            .unmapped
+            .iter()
+            .filter(|u| u.pattern == "actor_rollout_ref.rollout.multi_turn.tool_config_path")
+            .map(|u| u.why.as_str())
+            .collect();
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(
+            notes[0].starts_with(
+                "tool `calc_gsm8k_reward`: tandem makes `Gsm8kTool(config={}, tool_schema=None)`"
+            ),
+            "{}",
+            notes[0]
+        );
+        assert!(
+            notes[1].starts_with(
+                "tool `search`: my_pkg/search.py (of `my_pkg.search.SearchTool`) is not in"
+            ),
+            "{}",
+            notes[1]
+        );
+        let other = conv
+            .unmapped
+            .iter()
+            .find(|u| u.pattern == "actor_rollout_ref.rollout.multi_turn.*")
+            .unwrap();
+        assert!(other.keys.contains(
+            &"actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode".to_string()
+        ));
+
+        // max_user_turns U allows U + 1 assistant turns; the smaller limit wins.
+        let (_r, c) = multi_turn(&[
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
+            "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=3",
+            "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=1000",
+            "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
+        ]);
+        let (s, _) = spec_of(&c, Some("gsm8k"));
+        assert_eq!(at(&s, "rollout.max-turns").as_integer(), Some(3));
+        assert_eq!(at(&s, "rollout.max-parallel-calls").as_integer(), Some(3));
+        assert_eq!(
+            at(&s, "rollout.max-tool-response-chars").as_integer(),
+            Some(1000)
+        );
+        assert_eq!(
+            at(&s, "rollout.tool-response-truncate-side").as_str(),
+            Some("left")
+        );
+        let (_r, c) = multi_turn(&[
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=null",
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
+        ]);
+        assert_eq!(
+            at(&spec_of(&c, Some("gsm8k")).0, "rollout.max-turns").as_integer(),
+            Some(4)
+        );
+
+        // A tool YAML that is not here: no tools, and a note.
+        let (_r, c) = multi_turn(&[
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path=missing/tools.yaml",
+        ]);
+        let (s, conv) = spec_of(&c, Some("gsm8k"));
+        assert!(s["rollout"].get("tool").is_none());
+        let note = conv
+            .unmapped
+            .iter()
+            .find(|u| u.pattern.ends_with("tool_config_path"))
+            .unwrap();
+        assert!(
+            note.why
+                .starts_with("missing/tools.yaml is not in the working directory"),
+            "{}",
+            note.why
+        );
+        // Off, nothing of it is written.
+        let (_r, c) = multi_turn(&["actor_rollout_ref.rollout.multi_turn.enable=False"]);
+        let (s, _) = spec_of(&c, Some("gsm8k"));
+        for k in [
+            "tool",
+            "max-turns",
+            "max-parallel-calls",
+            "max-tool-response-chars",
+        ] {
+            assert!(s["rollout"].get(k).is_none(), "{k}");
+        }
+    }
+
+    #[test]
+    fn verl_multi_turn_values_tandem_cannot_take_are_refused() {
+        for (o, want) in [
+            ("actor_rollout_ref.rollout.multi_turn.format=gpt-oss", "multi_turn.format = \"gpt-oss\": tandem reads tool calls in the hermes format only"),
+            ("actor_rollout_ref.rollout.multi_turn.max_parallel_calls=-2", "multi_turn.max_parallel_calls = -2: expected a whole number >= 1"),
+            ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top", "tool_response_truncate_side = \"top\": expected left, right or middle"),
+            ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=-1", "max_assistant_turns = -1: expected a whole number >= 1 (0 or null: no limit)"),
+        ] {
+            let (_r, c) = multi_turn(&[o]);
+            let err = convert(&c, Some("gsm8k"), "t.toml").unwrap_err();
+            assert!(crate::error::is_input_error(&err), "{o}: {err:#}");
+            assert!(format!("{err:#}").contains(want), "{o}: {err:#}");
+        }
+        let (repo, c) = multi_turn(&[]);
+        let yaml = repo
+            .path()
+            .join("examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml");
+        std::fs::write(&yaml, "tools:\n  - config: {}\n").unwrap();
+        let err = format!("{:#}", convert(&c, Some("gsm8k"), "t.toml").unwrap_err());
+        assert!(
+            err.contains("gsm8k_tool_config.yaml: tool 0: no `class_name`"),
+            "{err}"
         );
     }
 

@@ -7,7 +7,9 @@
 //! before the patterns that would also match them.
 
 use super::config::Config;
+use super::multi_turn as mt;
 use serde_json::Value;
+use std::cell::RefCell;
 use std::path::Path;
 
 /// What the converter knows besides the key's own value.
@@ -15,12 +17,19 @@ pub(crate) struct Ctx<'a> {
     pub(crate) config: &'a Config,
     /// Rows of `data.train_files`, when that file could be read here.
     pub(crate) train_rows: Option<usize>,
+    /// What a conversion could not carry, by verl key: reported with the keys left out.
+    pub(crate) notes: RefCell<Vec<(String, String)>>,
 }
 
 impl Ctx<'_> {
     /// A key's value, interpolations resolved (an unresolvable one reads as absent).
     pub(crate) fn get(&self, key: &str) -> Option<Value> {
         self.config.get(key).ok().flatten().filter(|v| !v.is_null())
+    }
+
+    /// Notes what the conversion of `key` left out.
+    pub(crate) fn note(&self, key: &str, why: String) {
+        self.notes.borrow_mut().push((key.to_string(), why));
     }
 
     fn is_true(&self, key: &str) -> bool {
@@ -561,7 +570,15 @@ pub(crate) static RULES: &[Rule] = &[
     rule("actor_rollout_ref.rollout.val_kwargs.top_k", key_how("eval.top-k", "with `val_kwargs.do_sample`", val_top_k)),
     rule("actor_rollout_ref.rollout.val_kwargs.top_p", key_how("eval.top-p", "with `val_kwargs.do_sample`", val_sampling)),
     rule("actor_rollout_ref.rollout.calculate_log_probs", To::Builtin("rollout always writes `rollout_logprobs`")),
-    rule("actor_rollout_ref.rollout.multi_turn.*", To::WhenOn { switch: "actor_rollout_ref.rollout.multi_turn.enable", why: "not converted: tandem's multi-turn rollout takes [rollout] tool, max-turns, max-tool-calls, max-response-tokens (docs/AGENTS.md); write them yourself" }),
+    rule("actor_rollout_ref.rollout.multi_turn.enable", To::Builtin("with tools (`tool_config_path`) the rollout is multi-turn; the keys below apply when it is true")),
+    rule("actor_rollout_ref.rollout.multi_turn.tool_config_path", key_how("rollout.tool", "each tool of verl's tool YAML as `NAME=python:FILE.py:CLASS`, FILE the `class_name`'s module found from the working directory, the config's or the YAML's folder or their parents (else noted); the YAML's `config` and `tool_schema` are not passed to the class", |v, c| mt::when_on(v, c, mt::tools))),
+    rule("actor_rollout_ref.rollout.multi_turn.max_user_turns", key_how("rollout.max-turns", "`max_user_turns` + 1 (tandem counts assistant turns); 0 or null: no limit (tandem's default 8)", |v, c| mt::when_on(v, c, mt::user_turns))),
+    rule("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", key_how("rollout.max-turns", "the smaller of it and `max_user_turns` + 1; 0 or null: no limit (tandem's default 8)", |v, c| mt::when_on(v, c, mt::assistant_turns))),
+    rule("actor_rollout_ref.rollout.multi_turn.max_parallel_calls", key_how("rollout.max-parallel-calls", "with `multi_turn.enable`", |v, c| mt::when_on(v, c, mt::count))),
+    rule("actor_rollout_ref.rollout.multi_turn.max_tool_response_length", key_how("rollout.max-tool-response-chars", "with `multi_turn.enable`", |v, c| mt::when_on(v, c, mt::count))),
+    rule("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side", key_how("rollout.tool-response-truncate-side", "with `multi_turn.enable`: left, right or middle", |v, c| mt::when_on(v, c, mt::side))),
+    rule("actor_rollout_ref.rollout.multi_turn.format", key_how("rollout", "hermes only (tandem reads `<tool_call>{…}</tool_call>`, Qwen2.5's); another: exit 2", |v, c| mt::when_on(v, c, mt::format))),
+    rule("actor_rollout_ref.rollout.multi_turn.*", To::WhenOn { switch: "actor_rollout_ref.rollout.multi_turn.enable", why: "verl's interaction agents, chat-template and tokenization-check options: no counterpart (tandem never re-tokenizes the model's tokens: docs/AGENTS.md)" }),
     rule("actor_rollout_ref.rollout.agent.*", To::None("agent loops: tandem runs tools itself ([rollout] tool, docs/AGENTS.md); an agent written as a program of its own is not supported yet")),
     rule("actor_rollout_ref.rollout.name", To::None("tandem generates with its own paged engine (no vLLM or SGLang)")),
     rule("actor_rollout_ref.rollout.gpu_memory_utilization", To::None("vLLM's share of the whole GPU; tandem's [rollout] gpu-memory-fraction is the share of the memory left free after the weights (default 0.9): set it yourself")),

@@ -35,6 +35,7 @@ pub mod pipeline;
 pub mod process;
 pub mod reward;
 pub mod rng;
+pub mod serve;
 pub mod stage;
 pub mod tokenizer;
 pub mod tool;

@@ -27,6 +27,8 @@ pub(crate) struct Sampling {
     pub(crate) max_tokens: usize,
     pub(crate) stop: Vec<String>,
     pub(crate) seed: Option<u64>,
+    /// vLLM's `ignore_eos`: do not stop at the model's EOS ids.
+    pub(crate) ignore_eos: bool,
 }
 
 /// One message of a chat request: its role, its text, and (assistant) the calls it made.
@@ -46,7 +48,11 @@ impl ChatMessage {
         let mut text = self.content.clone().unwrap_or_default();
         for c in &self.tool_calls {
             // Name first, as the template and the model write it (serde_json sorts keys).
-            let call = format!("{{\"name\": {}, \"arguments\": {}}}", json!(c.name), c.arguments);
+            let call = format!(
+                "{{\"name\": {}, \"arguments\": {}}}",
+                json!(c.name),
+                c.arguments
+            );
             if !text.is_empty() {
                 text.push('\n');
             }
@@ -196,6 +202,11 @@ fn sampling(o: &Map<String, Value>, caps: &Caps) -> Result<Sampling, Error> {
         max_tokens,
         stop,
         seed: count(o, "seed")?,
+        ignore_eos: match o.get("ignore_eos") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => return Err(bad(format!("'ignore_eos' must be true or false, not {v}"))),
+        },
     })
 }
 
@@ -486,7 +497,8 @@ mod tests {
                 top_k: -1,
                 max_tokens: 10,
                 stop: vec!["END".into()],
-                seed: Some(7)
+                seed: Some(7),
+                ignore_eos: false,
             }
         );
         // Defaults: one sample, temperature 1, the server's max_tokens.

@@ -520,7 +520,10 @@ impl Server {
         let params = GenParams {
             sampling,
             max_new_tokens: s.max_tokens,
-            stop_token_ids: self.eos.clone(),
+            stop_token_ids: match s.ignore_eos {
+                true => vec![],
+                false => self.eos.clone(),
+            },
             stop_strings: s.stop.clone(),
         };
         let (tx, rx) = channel();

@@ -150,7 +150,13 @@ impl Worker {
             }
             Err(e) => {
                 let error = match (cancel::is_cancelled(&e), is_input_error(&e)) {
-                    (true, _) => Error::new(499, "cancelled: every client of the batch went away"),
+                    (true, _) => {
+                        eprintln!(
+                            "serve: cancelled a batch of {} requests: every client went away",
+                            group.len()
+                        );
+                        Error::new(499, "cancelled: every client of the batch went away")
+                    }
                     (_, true) => Error::new(400, format!("{e:#}")),
                     _ => Error::new(500, format!("generation failed: {e:#}")),
                 };

@@ -375,6 +375,49 @@ mod tests {
         );
     }
 
+    /// A reply with a tool call comes back in the OpenAI shape (`tool_calls`, arguments as a
+    /// JSON string, content null) with the tool's result: it still stands for its sampled ids.
+    #[test]
+    fn a_tool_call_reply_sent_back_in_the_openai_shape_is_the_sampled_turn() {
+        use super::super::api::{message_json, parse_chat, Caps};
+        let d = tempfile::tempdir().unwrap();
+        let (tpl, tok) = chatml(d.path());
+        let im_end = tok.require_id("<|im_end|>").unwrap();
+        let first = vec![msg("user", "6*7?")];
+        let p1 = chat_prompt(&tpl, &tok, &first, &[], &[]).unwrap();
+        let text = "<tool_call>\n{\"name\": \"python\", \"arguments\": {\"code\": \"print(6*7)\"}}\n</tool_call>";
+        let tokens = [tok.encode(text).unwrap(), vec![im_end]].concat();
+        let c = Completion {
+            tokens: tokens.clone(),
+            logprobs: vec![-0.1; tokens.len()],
+            finish: FinishReason::Stop,
+            text: text.into(),
+            trajectory: None,
+        };
+        let turns = vec![Turn::new(p1.clone(), &c)];
+        let reply = message_json(&turns[0].reply, "x");
+        assert!(reply["content"].is_null());
+        let body = json!({"model": "m", "messages": [
+            {"role": "user", "content": "6*7?"}, reply,
+            {"role": "tool", "tool_call_id": "call_x_0", "content": "42"}]});
+        let req = parse_chat(
+            &body,
+            &Caps {
+                max_tokens: 8,
+                max_n: 1,
+            },
+        )
+        .unwrap();
+        let p2 = chat_prompt(&tpl, &tok, &req.messages, &[], &turns).unwrap();
+        check_extends("t", &turns, &p2).unwrap();
+        assert_eq!(p2[..p1.len() + tokens.len()], [p1, tokens].concat()[..]);
+        // The tool's result is what the client added.
+        assert!(tok
+            .decode(&p2, false)
+            .unwrap()
+            .ends_with("42<|im_end|>\n<|im_start|>assistant\n"));
+    }
+
     #[test]
     fn collected_rows_mask_what_the_client_added() {
         let c = |t: Vec<u32>| Completion {

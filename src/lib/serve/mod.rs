@@ -255,9 +255,14 @@ struct Busy<'a>(&'a Server, String);
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
-        if let Ok(mut t) = self.0.trajectories.lock() {
-            if let Some(t) = t.get_mut(&self.1) {
-                t.busy = false;
+        if let Ok(mut all) = self.0.trajectories.lock() {
+            match all.get_mut(&self.1) {
+                // A first turn that failed leaves no trajectory behind.
+                Some(t) if t.turns.is_empty() => {
+                    all.remove(&self.1);
+                }
+                Some(t) => t.busy = false,
+                None => {}
             }
         }
     }

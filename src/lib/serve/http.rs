@@ -194,9 +194,12 @@ pub(crate) fn read_request(
 fn read_line(r: &mut impl BufRead, head: &mut usize) -> Result<Option<String>, Error> {
     let mut buf = Vec::new();
     let limit = (MAX_HEAD - *head) as u64 + 1;
-    let n = std::io::Read::take(&mut *r, limit)
-        .read_until(b'\n', &mut buf)
-        .map_err(|e| Error::new(400, format!("reading the request: {e}")))?;
+    let n = match std::io::Read::take(&mut *r, limit).read_until(b'\n', &mut buf) {
+        Ok(n) => n,
+        // An idle keep-alive connection timed out: closed like one the peer closed.
+        Err(e) if *head == 0 && buf.is_empty() && is_timeout(&e) => return Ok(None),
+        Err(e) => return Err(Error::new(400, format!("reading the request: {e}"))),
+    };
     *head += n;
     if n == 0 {
         return Ok(None);
@@ -219,6 +222,13 @@ fn read_line(r: &mut impl BufRead, head: &mut usize) -> Result<Option<String>, E
     String::from_utf8(buf)
         .map(Some)
         .map_err(|_| Error::new(400, "the request head is not UTF-8"))
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
 
 fn reason(status: u16) -> &'static str {
@@ -318,6 +328,27 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(r.json().unwrap_err().status, 400);
+    }
+
+    /// An idle connection's read timeout ends it quietly; one inside a request is a 400.
+    #[test]
+    fn a_timeout_before_a_request_closes_quietly() {
+        struct Stalls(&'static [u8]);
+        impl std::io::Read for Stalls {
+            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+                if self.0.is_empty() {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+                let n = self.0.len().min(buf.len());
+                buf[..n].copy_from_slice(&self.0[..n]);
+                self.0 = &self.0[n..];
+                Ok(n)
+            }
+        }
+        let mut idle = std::io::BufReader::new(Stalls(b""));
+        assert!(read_request(&mut idle, 64).unwrap().is_none());
+        let mut half = std::io::BufReader::new(Stalls(b"GET / HT"));
+        assert_eq!(read_request(&mut half, 64).unwrap_err().status, 400);
     }
 
     #[test]

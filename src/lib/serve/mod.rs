@@ -89,6 +89,9 @@ pub struct ServeArgs {
     pub collect_dir: Option<PathBuf>,
 }
 
+/// How long a connection may wait for its next request (or the rest of one).
+const IDLE: Duration = Duration::from_secs(120);
+
 /// Set by SIGTERM/SIGINT: stop accepting, write what is left to collect, exit.
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -271,6 +274,10 @@ impl Drop for Busy<'_> {
 impl Server {
     /// Serves one connection's requests until it closes or a request's framing is broken.
     fn connection(&self, stream: TcpStream) {
+        // An idle connection does not hold its thread (and a --max-connections seat) forever.
+        if stream.set_read_timeout(Some(IDLE)).is_err() {
+            return;
+        }
         let Ok(read_half) = stream.try_clone() else {
             return;
         };

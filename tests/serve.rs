@@ -447,6 +447,26 @@ fn trajectories_are_checked_and_collected_into_a_trainable_batch() {
         assert_eq!(status, 200, "{v2}");
         // Token in, token out: the second prompt begins with the first prompt + completion.
         assert_eq!(ids(&v2["prompt_token_ids"])[..first.len()], first[..]);
+        if id == "b" {
+            // One log-prob temperature per trajectory.
+            let body =
+                json!({"model": name, "messages": messages, "max_tokens": 6, "temperature": 0.5});
+            let (status, e) = request(
+                s.port,
+                "POST",
+                "/v1/chat/completions",
+                &[("X-Trajectory-Id", id)],
+                Some(&body),
+            );
+            assert_eq!(status, 400, "{e}");
+            assert!(
+                e["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("temperature 0.5"),
+                "{e}"
+            );
+        }
         if id == "c" {
             // Re-rendered differently: the earlier reply's text changed.
             messages[1]["content"] = json!("something else");

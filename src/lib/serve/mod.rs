@@ -379,6 +379,18 @@ impl Server {
             let samples = self.generate(&prompt, &chat.sampling, sock)?;
             return Ok(self.reply("chatcmpl", &prompt, &samples, api::chat_response));
         };
+        self.chat_turn(&id, &chat, template, sock)
+    }
+
+    /// One turn of trajectory `id`: its prompt checked against the earlier turns, the reply
+    /// recorded.
+    fn chat_turn(
+        &self,
+        id: &str,
+        chat: &api::ChatRequest,
+        template: &ChatTemplate,
+        sock: &TcpStream,
+    ) -> Result<Value, Error> {
         if id.is_empty() || id.len() > 200 || id.chars().any(char::is_control) || id.contains('/') {
             return Err(Error::new(
                 400,
@@ -391,7 +403,8 @@ impl Server {
                 format!("trajectory '{id}': 'n' must be 1 (one completion continues a trajectory)"),
             ));
         }
-        let (turns, _busy) = self.claim(&id)?;
+        let temperature = self.sampling(&chat.sampling).logprob_temperature();
+        let (turns, _busy) = self.claim(id, temperature)?;
         let prompt = trajectory::chat_prompt(
             template,
             &self.tokenizer,
@@ -399,9 +412,8 @@ impl Server {
             &chat.tools,
             &turns,
         )?;
-        trajectory::check_extends(&id, &turns, &prompt)?;
+        trajectory::check_extends(id, &turns, &prompt)?;
         let samples = self.generate(&prompt, &chat.sampling, sock)?;
-        let temperature = self.sampling(&chat.sampling).logprob_temperature();
         let turn = Turn::new(prompt.clone(), &samples[0]);
         let mut messages: Vec<Value> = chat
             .messages
@@ -413,10 +425,7 @@ impl Server {
             .trajectories
             .lock()
             .map_err(|_| Error::new(500, "poisoned"))?;
-        let t = all.entry(id.clone()).or_default();
-        if !t.turns.is_empty() && t.logprob_temperature != temperature {
-            return Err(Error::new(400, format!("trajectory '{id}': temperature {temperature} differs from its earlier turns' {}", t.logprob_temperature)));
-        }
+        let t = all.entry(id.to_string()).or_default();
         t.logprob_temperature = temperature;
         t.turns.push(turn);
         t.messages = Value::Array(messages);
@@ -424,8 +433,9 @@ impl Server {
         Ok(self.reply("chatcmpl", &prompt, &samples, api::chat_response))
     }
 
-    /// Marks trajectory `id` busy (created when new) and returns its turns so far.
-    fn claim(&self, id: &str) -> Result<(Vec<Turn>, Busy<'_>), Error> {
+    /// Marks trajectory `id` busy (created when new) and returns its turns so far; a turn at
+    /// another log-prob temperature than the earlier ones is refused.
+    fn claim(&self, id: &str, temperature: f32) -> Result<(Vec<Turn>, Busy<'_>), Error> {
         let mut all = self
             .trajectories
             .lock()
@@ -435,6 +445,15 @@ impl Server {
             return Err(Error::new(
                 409,
                 format!("trajectory '{id}' has a turn running: send its turns one after the other"),
+            ));
+        }
+        if !t.turns.is_empty() && t.logprob_temperature != temperature {
+            return Err(Error::new(
+                400,
+                format!(
+                    "trajectory '{id}': temperature {temperature} differs from its earlier turns' {}",
+                    t.logprob_temperature
+                ),
             ));
         }
         t.busy = true;

@@ -1,5 +1,5 @@
-//! Docs that run: the shell blocks of README.md, docs/BATCH.md, docs/PIPELINE.md and
-//! docs/DAEMON.md marked with the line `<!-- runs in tests/docs.rs -->` just above their ```sh
+//! Docs that run: the shell blocks of README.md, docs/BATCH.md, docs/PIPELINE.md,
+//! docs/DAEMON.md and docs/SERVING.md (curl over loopback) marked with the line `<!-- runs in tests/docs.rs -->` just above their ```sh
 //! fence run here, as written, on the test's binaries and a tiny model, with no network.
 //!
 //! Each document gets a fresh temporary directory, as a reader's checkout would be: the blocks
@@ -240,6 +240,25 @@ fn pipeline_md_blocks_run() {
         })
         .collect();
     assert_eq!(lrs, [0.001, 0.001]);
+}
+
+#[test]
+fn serving_md_blocks_run() {
+    // A server, two trajectories with rewards, a collect, and the batch through update.
+    let dir = run_doc("docs/SERVING.md", 1);
+    let work = dir.path().join("runs/serve-by-hand");
+    exists(
+        &work,
+        &[
+            "turn-0.json",
+            "collected/step-0.parquet",
+            "next/model.safetensors",
+        ],
+    );
+    let turn: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(work.join("turn-0.json")).unwrap()).unwrap();
+    assert!(turn["choices"][0]["token_ids"].is_array(), "{turn}");
+    assert!(turn["prompt_token_ids"].is_array(), "{turn}");
 }
 
 #[test]

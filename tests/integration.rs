@@ -37,6 +37,7 @@ mod remax;
 mod rollout_corr;
 mod rollout_paged;
 mod score;
+mod serve;
 mod shard;
 mod stages;
 mod tensorboard;

@@ -16,6 +16,7 @@ const LAYERS: &[&[&str]] = &[
     &["engine"],
     &["stage"],
     &["daemon"],
+    &["serve"],
     &["pipeline"],
     &["bench"],
     &["cli"],

@@ -51,6 +51,8 @@ enum Cmd {
     MergeShards(tandem::engine::resume::MergeShardsArgs),
     /// Serve a built-in tool over JSON lines on stdin/stdout (`tool python`: the sandboxed Python tool).
     Tool(tandem::tool::serve::ToolArgs),
+    /// Serve the policy over an OpenAI-compatible HTTP API and record trajectories as batches.
+    Serve(tandem::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -77,5 +79,6 @@ fn main() -> ExitCode {
         Cmd::DistTest(a) => tandem::parallel::check::run(a),
         Cmd::MergeShards(a) => tandem::engine::resume::merge_shards(a),
         Cmd::Tool(a) => tandem::tool::serve::run(a),
+        Cmd::Serve(a) => tandem::serve::run(a),
     })
 }

@@ -15,6 +15,7 @@
 //!   datasets and chat templates; `tokenizer`: a model's HF tokenizer;
 //! - `cli`: every binary's command line (`BINARIES`, `binary_main`), completions and man
 //!   pages; `version::VERSION`, what `--version` prints;
+//! - `serve`: `tandem serve`, the policy over an OpenAI-compatible HTTP API;
 //! - `bench`: `tandem bench` and `tandem gpu-test`; `error`: `run_main` and input errors (exit
 //!   code 2); `algo::policy_loss::LOSSES`, the registered losses.
 //!
@@ -35,6 +36,7 @@ pub mod pipeline;
 pub mod process;
 pub mod reward;
 pub mod rng;
+pub mod serve;
 pub mod stage;
 pub mod tokenizer;
 pub mod tool;

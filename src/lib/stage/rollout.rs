@@ -565,6 +565,29 @@ impl Job for Generate<'_> {
     }
 }
 
+impl<'a> Generate<'a> {
+    /// One pass over `requests` with no tools and no baseline (`tandem serve`'s batches).
+    pub(crate) fn plain(
+        dir: &'a Path,
+        requests: &'a [Request],
+        params: &'a GenParams,
+        detok: Detokenize<'a>,
+        bar: &'a ProgressBar,
+        limits: Limits,
+    ) -> Generate<'a> {
+        Generate {
+            dir,
+            requests,
+            params,
+            baseline: false,
+            detok,
+            bar,
+            limits,
+            agent: None,
+        }
+    }
+}
+
 impl Generate<'_> {
     /// Generates with a policy already loaded (the load time it reports is 0).
     pub(crate) fn generate_on<B: Backend>(self, policy: &mut Decoder<B>) -> Result<Generated> {

@@ -42,17 +42,22 @@ impl ToolText<'_> {
     pub(crate) fn observe(&self, turn: &[u32], contents: &[String]) -> Result<Vec<u32>> {
         let pieces = self.template.tool_response_text(contents.len())?;
         let first = self.tokenizer.encode(&pieces[0])?;
-        let sampled = (1..=first.len().min(turn.len()))
-            .rev()
-            .find(|&k| turn.ends_with(&first[..k]))
-            .unwrap_or(0);
-        let mut ids = first[sampled..].to_vec();
+        let mut ids = first[sampled_overlap(turn, &first)..].to_vec();
         for (content, piece) in contents.iter().zip(&pieces[1..]) {
             ids.extend(self.tokenizer.encode(content)?);
             ids.extend(self.tokenizer.encode(piece)?);
         }
         Ok(ids)
     }
+}
+
+/// How many of the first ids of `next` (the template's text after an assistant turn, tokenized)
+/// the turn's sampled ids already end with (its `<|im_end|>`): they are not repeated.
+pub(crate) fn sampled_overlap(turn: &[u32], next: &[u32]) -> usize {
+    (1..=next.len().min(turn.len()))
+        .rev()
+        .find(|&k| turn.ends_with(&next[..k]))
+        .unwrap_or(0)
 }
 
 /// The conversation of a trajectory: the prompt's messages, then each assistant turn (its text

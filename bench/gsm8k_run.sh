@@ -159,6 +159,9 @@ import|run)
   elif [ -f "pipelines/$RUN.toml" ]; then
     spec=pipelines/$RUN.toml
   fi
+  # The spec this run started with, for STEP=report's title (a later call may not pass SPEC;
+  # a report while the run goes on has no spec-source.txt yet).
+  [ -f "$R/spec-$RUN.txt" ] || echo "$SPEC" > "$R/spec-$RUN.txt"
   t0=$SECONDS
   start_mem "$R/mem-$RUN.csv"
   steps=()
@@ -245,12 +248,13 @@ report)
   done
   cp "$run/metrics.jsonl" "$run/eval.jsonl" "$OUT/" 2>/dev/null
   bin/tandem plot "$run" --out "$OUT/plot.png" > /dev/null 2>&1
-  spec_ran=$(cat "$run/spec-source.txt" 2>/dev/null || echo "$SPEC")
+  spec_ran=$(cat "$run/spec-source.txt" "$R/spec-$RUN.txt" 2>/dev/null | head -1)
+  spec_ran=${spec_ran:-$SPEC}
   # The model the run trained, from its spec's name (a wait over runs of both models).
   model=$MODEL
   case "$spec_ran" in *0.5b*) model=0.5b ;; *1.5b*) model=1.5b ;; esac
   python3 - "$run" "$R/wall-$RUN.tsv" "$R/mem-$RUN.csv" "$OUT/evals.tsv" "$model" "$spec_ran" > "$OUT/report.md" <<'EOF'
-import json, statistics, sys
+import json, os, statistics, sys
 run, wall, mem, evals, model, spec = sys.argv[1:]
 try:
     lines = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
@@ -282,7 +286,8 @@ if any("sampling/rounds" in l for l in lines):
           f"{statistics.mean(l['sampling/groups_dropped'] for l in lines):.1f} groups dropped, "
           f"{sum(l['sampling/capped'] for l in lines)} steps capped, "
           f"{sum(l['sampling/prompts'] for l in lines)} prompts drawn")
-if any("rollout/tool_calls" in l for l in lines):
+# A spec that offers tools (every rollout reports tool_calls, 0 without tools).
+if "tools" in spec and any("rollout/tool_calls" in l for l in lines):
     t = [l for l in lines if "rollout/tool_calls" in l]
     calls = sum(l["rollout/tool_calls"] for l in t)
     print(f"\nTools (training rollouts): {statistics.mean(l['rollout/tool_calls_per_sample'] for l in t):.2f} calls per answer, "
@@ -298,7 +303,8 @@ except (OSError, ValueError):
     pass
 print("\n## Wall time\n\n| call | seconds | steps done after |\n|---|---|---|")
 total = 0
-for row in open(wall):
+# A run still going has no ledger line yet (STEP=run writes it at its end).
+for row in (open(wall) if os.path.exists(wall) else []):
     what, secs, done = row.split()
     total += int(secs)
     print(f"| {what} | {secs} | {done} |")

@@ -426,6 +426,8 @@ fn check_step(step_dir: &Path, want: usize, metrics: &Value) -> (u64, usize) {
         varied_uids.len() - taken.len()
     );
     assert_eq!(f(metrics, "sampling/samples") as usize, total_groups * 8);
+    // The step's rollout metrics count every round's samples, not only the last round's.
+    assert_eq!(f(metrics, "rollout/samples") as usize, total_groups * 8);
     (rounds, penalised)
 }
 

@@ -162,6 +162,7 @@ pub(super) fn run(r: &mut impl Rounds, step: u64) -> Result<()> {
     }
     let taken = assemble(&r.plan().run, step, &sampled.rounds, want, &fg)?;
     write_summary(r, step, &fg, &sampled, taken)?;
+    write_rollout_metrics(&r.plan().run, step, &sampled.rounds)?;
     r.state().sampler = sampled.cursor;
     let p = r.state().progress(step);
     *p.seconds.entry("filter".into()).or_default() += t0.elapsed().as_secs_f64();
@@ -352,6 +353,100 @@ fn write_summary(
             cursor: sampled.cursor,
         },
     )
+}
+
+/// Rollout metrics that add up over rounds (counts and seconds).
+const SUMMED: &[&str] = &[
+    "samples",
+    "prompts",
+    "prompt_tokens",
+    "response_tokens",
+    "response_model_tokens",
+    "engine_steps",
+    "prefills",
+    "prefill_tokens",
+    "preemptions",
+    "truncated_prompts",
+    "overlap_discarded_tokens",
+    "overlapped_steps",
+    "tool_calls",
+    "tool_errors",
+    "baseline_samples",
+    "seconds",
+    "load_seconds",
+    "generation_seconds",
+    "tool_wait_seconds",
+    "tool_call_seconds",
+    "baseline_seconds",
+];
+/// Rollout metrics that are means over samples: weighted by each round's samples.
+const PER_SAMPLE: &[&str] = &[
+    "response_length_mean",
+    "turns_mean",
+    "tool_calls_per_sample",
+    "finish_stop_fraction",
+];
+/// Rollout metrics that are the largest of the rounds'.
+const LARGEST: &[&str] = &["response_length_max", "kv_blocks_peak"];
+
+/// The step's rollout metrics (`metrics/rollout.json`, `rollout/…` in metrics.jsonl) over every
+/// round it sampled: counts and seconds summed, per-sample means weighted by samples, rates
+/// weighted by generation seconds, the rest as the last round reported them.
+fn write_rollout_metrics(run: &RunDir, step: u64, rounds: &[Round]) -> Result<()> {
+    let mut parts = Vec::new();
+    for round in rounds {
+        let path = &round.files.rollout_metrics;
+        let Ok(text) = std::fs::read_to_string(path) else {
+            // A rollout run without --metrics wrote none: neither does the step.
+            return Ok(());
+        };
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: stage metrics are not JSON", path.display()))?;
+        parts.push(v);
+    }
+    write_json(&run.stage_metrics(step, "rollout"), &merge_rounds(&parts))
+}
+
+/// [`write_rollout_metrics`]'s merge of the rounds' metrics objects.
+fn merge_rounds(parts: &[serde_json::Value]) -> serde_json::Value {
+    let num = |v: &serde_json::Value, k: &str| v.get(k).and_then(serde_json::Value::as_f64);
+    let Some(mut out) = parts.last().cloned() else {
+        return json!({});
+    };
+    let total = |k: &str| parts.iter().filter_map(|p| num(p, k)).sum::<f64>();
+    let weighted = |k: &str, w: &str| {
+        let den: f64 = parts.iter().filter_map(|p| num(p, k).and(num(p, w))).sum();
+        let sum: f64 = parts
+            .iter()
+            .filter_map(|p| Some(num(p, k)? * num(p, w)?))
+            .sum();
+        (den > 0.0).then(|| sum / den)
+    };
+    let Some(o) = out.as_object_mut() else {
+        return out;
+    };
+    let keys: Vec<String> = o.keys().cloned().collect();
+    for k in keys {
+        let value = if SUMMED.contains(&k.as_str()) {
+            Some(total(&k))
+        } else if PER_SAMPLE.contains(&k.as_str()) {
+            weighted(&k, "samples")
+        } else if LARGEST.contains(&k.as_str()) {
+            parts.iter().filter_map(|p| num(p, &k)).reduce(f64::max)
+        } else if k.ends_with("_per_s") {
+            weighted(&k, "generation_seconds")
+        } else {
+            None
+        };
+        if let Some(x) = value {
+            // Counts stay integers in the file.
+            o[&k] = match o[&k].is_u64() || o[&k].is_i64() {
+                true => json!(x.round() as i64),
+                false => json!(x),
+            };
+        }
+    }
+    out
 }
 
 /// Writes the step's rollout and scored files from the first `want` kept groups, in round
@@ -640,5 +735,31 @@ mod tests {
             format!("{err:#}").contains("not a dynamic sampling record"),
             "{err:#}"
         );
+    }
+
+    /// Two rounds' rollout metrics: counts and seconds add up, per-sample means are weighted by
+    /// samples, rates by generation seconds, maxima are the largest, the rest is the last
+    /// round's (hand-computed).
+    #[test]
+    fn rounds_rollout_metrics_merge_by_kind() {
+        let a = json!({"samples": 100, "tool_calls": 30, "generation_seconds": 2.0,
+            "turns_mean": 1.5, "generation_tokens_per_s": 1000.0, "response_length_max": 90,
+            "policy_version": 4, "daemon": {"phase": "rollout", "seconds": 9.0}});
+        let b = json!({"samples": 300, "tool_calls": 10, "generation_seconds": 6.0,
+            "turns_mean": 2.5, "generation_tokens_per_s": 3000.0, "response_length_max": 70,
+            "policy_version": 4, "daemon": {"phase": "rollout", "seconds": 1.0}});
+        let m = merge_rounds(&[a.clone(), b.clone()]);
+        assert_eq!(m["samples"], json!(400));
+        assert_eq!(m["tool_calls"], json!(40));
+        assert_eq!(m["generation_seconds"], json!(8.0));
+        // (1.5 * 100 + 2.5 * 300) / 400
+        assert_eq!(m["turns_mean"], json!(2.25));
+        // (1000 * 2 + 3000 * 6) / 8: the tokens of both rounds over their seconds
+        assert_eq!(m["generation_tokens_per_s"], json!(2500.0));
+        assert_eq!(m["response_length_max"], json!(90));
+        assert_eq!(m["policy_version"], json!(4));
+        assert_eq!(m["daemon"], b["daemon"]);
+        // One round is that round's metrics.
+        assert_eq!(merge_rounds(std::slice::from_ref(&a)), a);
     }
 }

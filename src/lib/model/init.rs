@@ -24,7 +24,7 @@ fn next_unit(rng: &mut SplitMix64) -> f64 {
 }
 
 /// FNV-1a of the name mixed with the seed: one stream id per tensor.
-fn stream_seed(seed: u64, name: &str) -> u64 {
+pub(crate) fn stream_seed(seed: u64, name: &str) -> u64 {
     let mut h: u64 = 0xCBF2_9CE4_8422_2325;
     for b in name.bytes() {
         h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3);

@@ -7,6 +7,7 @@ pub mod decoder;
 pub mod gguf;
 pub mod info;
 pub mod init;
+pub mod lora;
 pub mod names;
 pub mod safetensors;
 pub(crate) mod tensor;

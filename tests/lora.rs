@@ -1,0 +1,219 @@
+//! LoRA on the CPU backend: the adapters' gradients against finite differences, one AdamW
+//! step against the same step computed by hand (the base untouched), and the merged model's
+//! log-probs against the adapted decoder's.
+
+use crate::common;
+
+use common::{random_weights, tiny, tokens};
+use tandem::backend::check::{randn, Rng};
+use tandem::backend::cpu::Cpu;
+use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
+use tandem::model::lora::{init_adapters, merge, LoraSpec, Target};
+use tandem::model::{Arch, Config, Weights};
+
+const ARCHS: [Arch; 3] = [Arch::Qwen2, Arch::Llama, Arch::Qwen3];
+
+fn spec(targets: &str) -> LoraSpec {
+    LoraSpec {
+        rank: 3,
+        alpha: 6.0,
+        targets: LoraSpec::parse_targets(targets, "test").unwrap(),
+    }
+}
+
+/// Fresh adapters with a non-zero B (so that A has a gradient too).
+fn adapters(cfg: &Config, s: &LoraSpec, seed: u64) -> Weights {
+    let mut ad = init_adapters(cfg, s, seed);
+    let mut rng = Rng::new(seed + 1);
+    for (name, t) in ad.iter_mut() {
+        if name.ends_with("lora_B.weight") {
+            t.data.iter_mut().for_each(|x| *x = 0.3 * rng.normal());
+        }
+    }
+    ad
+}
+
+fn seqs(cfg: &Config) -> (Vec<SeqRef<'static>>, Vec<Vec<f32>>) {
+    let toks = [tokens(6, cfg.vocab_size, 2), tokens(5, cfg.vocab_size, 3)];
+    let seqs: Vec<SeqRef<'static>> = toks
+        .iter()
+        .zip([2, 1])
+        .map(|(t, start)| SeqRef {
+            tokens: Box::leak(t.clone().into_boxed_slice()),
+            start,
+        })
+        .collect();
+    let c = seqs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| randn(s.tokens.len() - s.start, 10 + i as u64))
+        .collect();
+    (seqs, c)
+}
+
+/// L = Σ c·logprob.
+fn loss(stats: &[TokenStats], c: &[Vec<f32>]) -> f64 {
+    let pairs = stats
+        .iter()
+        .zip(c)
+        .flat_map(|(s, c)| s.logprobs.iter().zip(c));
+    pairs.map(|(lp, c)| *lp as f64 * *c as f64).sum()
+}
+
+fn backward(dec: &mut Decoder<Cpu>, seqs: &[SeqRef], c: &[Vec<f32>]) {
+    dec.forward_backward(seqs, 1.0, &mut |_| {
+        Ok(c.iter()
+            .map(|c| TokenGrads {
+                dlogprobs: c.clone(),
+                dentropy: None,
+            })
+            .collect())
+    })
+    .unwrap();
+}
+
+fn lora(cfg: &Config, base: &Weights, ad: &Weights, s: &LoraSpec) -> Decoder<Cpu> {
+    Decoder::with_lora(Cpu, cfg, base, ad, s).unwrap()
+}
+
+#[test]
+fn adapter_gradients_match_finite_differences() {
+    for arch in ARCHS {
+        let cfg = tiny(arch);
+        let base = random_weights(&cfg, 1);
+        let s = spec("all-linear");
+        let ad = adapters(&cfg, &s, 5);
+        let (seqs, c) = seqs(&cfg);
+        let mut dec = lora(&cfg, &base, &ad, &s);
+        backward(&mut dec, &seqs, &c);
+        let grads = dec.export_grads().unwrap();
+        // Only the adapters have gradients: the base is frozen.
+        assert_eq!(grads.len(), ad.len());
+        assert!(grads.keys().eq(ad.keys()));
+        let eps = 1e-3f32;
+        let mut rng = Rng::new(99);
+        let mut worst = 0f64;
+        for (name, g) in &grads {
+            let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
+            let an: f64 = g
+                .data
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| g as f64 * u as f64)
+                .sum();
+            let eval = |sign: f32| {
+                let mut a = ad.clone();
+                let t = a.get_mut(name).unwrap();
+                t.data
+                    .iter_mut()
+                    .zip(&u)
+                    .for_each(|(x, u)| *x += sign * eps * u);
+                let stats = lora(&cfg, &base, &a, &s)
+                    .logprobs(&seqs, 1.0, false)
+                    .unwrap();
+                loss(&stats, &c)
+            };
+            let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
+            let err = (fd - an).abs() / an.abs().max(0.1);
+            worst = worst.max(err);
+            assert!(
+                err < 2e-2,
+                "{arch:?} {name}: analytic {an:.6} vs finite difference {fd:.6}"
+            );
+        }
+        eprintln!(
+            "{arch:?}: worst relative adapter gradient error {worst:.2e} over {} tensors",
+            grads.len()
+        );
+    }
+}
+
+#[test]
+fn fresh_adapters_leave_the_base_model_as_it_was() {
+    let cfg = tiny(Arch::Qwen2);
+    let base = random_weights(&cfg, 2);
+    let s = spec("q,v,down");
+    let (seqs, _) = seqs(&cfg);
+    let want = Decoder::new(Cpu, &cfg, &base)
+        .unwrap()
+        .logprobs(&seqs, 1.0, true)
+        .unwrap();
+    let got = lora(&cfg, &base, &init_adapters(&cfg, &s, 3), &s)
+        .logprobs(&seqs, 1.0, true)
+        .unwrap();
+    assert_eq!(got, want, "B = 0: the adapted model is the base");
+}
+
+#[test]
+fn one_update_equals_adamw_by_hand_and_leaves_the_base() {
+    let cfg = tiny(Arch::Qwen3);
+    let base = random_weights(&cfg, 3);
+    let s = spec("k,o,gate,up");
+    let ad = adapters(&cfg, &s, 7);
+    let (seqs, c) = seqs(&cfg);
+    let mut dec = lora(&cfg, &base, &ad, &s);
+    backward(&mut dec, &seqs, &c);
+    let grads = dec.export_grads().unwrap();
+    let hp = AdamWParams {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let report = dec.optimizer_step(&hp, None).unwrap();
+    assert!(!report.skipped);
+    // Step 1 from zero moments: m̂ = g, v̂ = g², p ← p(1 − lr·wd) − lr·g/(|g| + eps).
+    let got = dec.export_adapters().unwrap();
+    assert!(got.keys().eq(ad.keys()));
+    let mut norm = 0f64;
+    for (name, p0) in &ad {
+        let g = &grads[name];
+        norm += g.data.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
+        for ((p0, g), p1) in p0.data.iter().zip(&g.data).zip(&got[name].data) {
+            let want = p0 * (1.0 - hp.lr * hp.weight_decay) - hp.lr * g / (g.abs() + hp.eps);
+            assert!((p1 - want).abs() <= 1e-6, "{name}: {p1} vs {want}");
+        }
+    }
+    assert!((report.grad_norm as f64 - norm.sqrt()).abs() < 1e-4 * norm.sqrt());
+    // The base is what it was, and the optimizer state holds the adapters only.
+    let all = dec.export_weights().unwrap();
+    for (name, t) in &base {
+        if let Some(w) = all.get(name) {
+            assert_eq!(w, t, "{name} moved");
+        }
+    }
+    let st = dec.optimizer_state().unwrap();
+    assert!(st.exp_avg.keys().eq(ad.keys()) && st.exp_avg_sq.keys().eq(ad.keys()));
+}
+
+#[test]
+fn merged_weights_score_as_the_adapted_decoder() {
+    for arch in ARCHS {
+        let cfg = tiny(arch);
+        let base = random_weights(&cfg, 4);
+        let s = spec("all-linear");
+        let ad = adapters(&cfg, &s, 9);
+        let (seqs, _) = seqs(&cfg);
+        let got = lora(&cfg, &base, &ad, &s)
+            .logprobs(&seqs, 0.7, true)
+            .unwrap();
+        let mut merged = base.clone();
+        merge(&cfg, &mut merged, &ad, &s).unwrap();
+        let want = Decoder::new(Cpu, &cfg, &merged)
+            .unwrap()
+            .logprobs(&seqs, 0.7, true)
+            .unwrap();
+        let diff = got
+            .iter()
+            .zip(&want)
+            .flat_map(|(a, b)| a.logprobs.iter().zip(&b.logprobs))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff < 1e-4,
+            "{arch:?}: merged vs adapted log-probs differ by {diff}"
+        );
+        let changed = base.iter().filter(|(n, t)| merged[*n] != **t).count();
+        assert_eq!(changed, 7 * cfg.num_layers, "{arch:?}: every target merged");
+        let _ = Target::ALL;
+    }
+}

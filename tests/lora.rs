@@ -217,3 +217,147 @@ fn merged_weights_score_as_the_adapted_decoder() {
         let _ = Target::ALL;
     }
 }
+
+mod files {
+    use super::{adapters, spec};
+    use crate::stage_util::{f32_rows, i32_rows, input_error, ok, p, prompts, read, tiny_model};
+    use std::path::Path;
+    use tandem::batch::schema;
+    use tandem::model::peft::{read_adapter, write_adapter};
+    use tandem::model::ModelDir;
+
+    /// An adapter directory on `base`: the PEFT files, and the base's tokenizer files (what a
+    /// LoRA checkpoint holds besides), no config.json.
+    fn adapter_dir(base: &Path, out: &Path) {
+        let (cfg, _) = ModelDir::load(base).unwrap();
+        let s = spec("q,v,o,down");
+        let mut ad = adapters(&cfg, &s, 21);
+        for t in ad.values_mut() {
+            t.data.iter_mut().for_each(|x| *x *= 8.0);
+        }
+        std::fs::create_dir_all(out).unwrap();
+        write_adapter(out, &s, &ad, base.to_str().unwrap()).unwrap();
+        assert_eq!(
+            read_adapter(out).unwrap().weights,
+            ad,
+            "the files round-trip"
+        );
+        for e in std::fs::read_dir(base).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            if name.starts_with("tokenizer") || name == "special_tokens_map.json" {
+                std::fs::copy(base.join(&name), out.join(&name)).unwrap();
+            }
+        }
+    }
+
+    fn rollout(model: &Path, prompts: &Path, out: &Path) -> (Vec<Vec<i32>>, Vec<Vec<f32>>) {
+        ok(
+            "rollout",
+            &[
+                "--model",
+                p(model),
+                "--in",
+                p(prompts),
+                "--out",
+                p(out),
+                "--n",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--seed",
+                "3",
+                "--temperature",
+                "1.0",
+            ],
+        );
+        let b = read(out);
+        (
+            i32_rows(&b, schema::RESPONSE_IDS),
+            f32_rows(&b, schema::ROLLOUT_LOGPROBS),
+        )
+    }
+
+    #[test]
+    fn rollout_from_an_adapter_is_the_merged_model_and_not_the_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 41);
+        let adapter = d.join("adapter");
+        adapter_dir(&base, &adapter);
+        let merged = d.join("merged");
+        ok(
+            "tandem",
+            &[
+                "merge-lora",
+                "--base",
+                p(&base),
+                "--adapter",
+                p(&adapter),
+                "--out",
+                p(&merged),
+            ],
+        );
+        assert!(merged.join("config.json").is_file() && !d.join("merged.tmp").exists());
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three."]);
+        let from_adapter = rollout(&adapter, &pr, &d.join("a.parquet"));
+        let from_merged = rollout(&merged, &pr, &d.join("m.parquet"));
+        let from_base = rollout(&base, &pr, &d.join("b.parquet"));
+        assert_eq!(
+            from_adapter, from_merged,
+            "adapter directory = merged model, to the bit"
+        );
+        assert_ne!(from_adapter.1, from_base.1, "the adapter is applied");
+        // A bad adapter: exit 2 naming the file and key.
+        let bad = d.join("bad");
+        std::fs::create_dir_all(&bad).unwrap();
+        std::fs::write(
+            bad.join("adapter_config.json"),
+            r#"{"peft_type": "LORA", "r": 4}"#,
+        )
+        .unwrap();
+        input_error(
+            "tandem",
+            &[
+                "merge-lora",
+                "--base",
+                p(&base),
+                "--adapter",
+                p(&bad),
+                "--out",
+                p(&d.join("x")),
+            ],
+            "adapter_config.json: key 'lora_alpha' is missing",
+        );
+        assert!(!d.join("x").exists());
+    }
+
+    #[test]
+    fn hf_peft_reads_the_adapter_where_python_has_it() {
+        let has_peft = std::process::Command::new("python3")
+            .args(["-c", "import peft, transformers, torch"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !has_peft {
+            eprintln!("skipped: python3 has no peft/transformers/torch here");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let base = tiny_model(dir.path(), 42);
+        let adapter = dir.path().join("adapter");
+        adapter_dir(&base, &adapter);
+        let script = format!(
+            "from transformers import AutoModelForCausalLM\nfrom peft import PeftModel\n\
+             m = AutoModelForCausalLM.from_pretrained('{}')\n\
+             m = PeftModel.from_pretrained(m, '{}')\n\
+             assert m.peft_config['default'].r == 3\n",
+            base.display(),
+            adapter.display()
+        );
+        let o = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}

@@ -6,9 +6,8 @@
 use anyhow::{bail, Result};
 
 use crate::error::input_error;
-use crate::model::init::stream_seed;
 use crate::model::{Config, Tensor, Weights};
-use crate::rng::SplitMix64;
+use crate::rng::{stream_seed, SplitMix64};
 
 /// A projection an adapter can sit on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

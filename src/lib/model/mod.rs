@@ -8,7 +8,9 @@ pub mod gguf;
 pub mod info;
 pub mod init;
 pub mod lora;
+pub mod merge;
 pub mod names;
+pub mod peft;
 pub mod safetensors;
 pub(crate) mod tensor;
 

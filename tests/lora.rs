@@ -361,3 +361,159 @@ mod files {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
 }
+
+mod update {
+    use crate::stage_util::{add_advantages, input_error, ok, p, prompts, tiny_model};
+    use std::path::Path;
+    use tandem::model::peft::read_adapter;
+
+    fn update(from: &Path, batch: &Path, to: &Path, extra: &[&str]) {
+        let mut args = vec![
+            "--model",
+            p(from),
+            "--in",
+            p(batch),
+            "--out-model",
+            p(to),
+            "--lr",
+            "1e-2",
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "q,v,down",
+        ];
+        args.extend_from_slice(extra);
+        ok("update", &args);
+    }
+
+    fn rollout(model: &Path, prompts: &Path, out: &Path) -> Vec<u8> {
+        ok(
+            "rollout",
+            &[
+                "--model",
+                p(model),
+                "--in",
+                p(prompts),
+                "--out",
+                p(out),
+                "--n",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--seed",
+                "3",
+                "--temperature",
+                "1.0",
+            ],
+        );
+        let b = crate::stage_util::read(out);
+        let ids = crate::stage_util::i32_rows(&b, tandem::batch::schema::RESPONSE_IDS);
+        let lps = crate::stage_util::f32_rows(&b, tandem::batch::schema::ROLLOUT_LOGPROBS);
+        format!("{ids:?} {lps:?}").into_bytes()
+    }
+
+    #[test]
+    fn a_lora_update_writes_peft_files_resumes_and_rolls_out_merged() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 43);
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three."]);
+        let base_rollout = rollout(&base, &pr, &d.join("r.parquet"));
+        let batch = d.join("adv.parquet");
+        add_advantages(&d.join("r.parquet"), &batch);
+        let ck1 = d.join("ck1");
+        update(&base, &batch, &ck1, &[]);
+        for f in [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "optimizer.safetensors",
+            "trainer_state.json",
+            "tokenizer.json",
+        ] {
+            assert!(ck1.join(f).is_file(), "{f} missing");
+        }
+        assert!(!ck1.join("config.json").exists() && !d.join("ck1.tmp").exists());
+        let ad = read_adapter(&ck1).unwrap();
+        assert_eq!(Path::new(&ad.base), std::path::absolute(&base).unwrap());
+        assert_eq!(ad.weights.len(), 2 * 3 * 2);
+        let b = &ad.weights["model.layers.0.self_attn.q_proj.lora_B.weight"];
+        assert!(
+            b.data.iter().any(|x| *x != 0.0),
+            "one step moved B off zero"
+        );
+
+        // Resume: the second step reads the adapters' moments (a fresh optimizer differs) and
+        // counts on from the first.
+        let ck2 = d.join("ck2");
+        update(&ck1, &batch, &ck2, &[]);
+        let fresh = d.join("fresh");
+        std::fs::create_dir_all(&fresh).unwrap();
+        for f in [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "tokenizer.json",
+        ] {
+            std::fs::copy(ck1.join(f), fresh.join(f)).unwrap();
+        }
+        let ck2f = d.join("ck2f");
+        update(&fresh, &batch, &ck2f, &[]);
+        let (a2, a2f) = (read_adapter(&ck2).unwrap(), read_adapter(&ck2f).unwrap());
+        assert_ne!(a2.weights, a2f.weights, "the saved moments were used");
+        let ts: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(ck2.join("trainer_state.json")).unwrap())
+                .unwrap();
+        assert_eq!(ts["optimizer_step"], 2, "{ts}");
+        let ck2b = d.join("ck2b");
+        update(&ck1, &batch, &ck2b, &[]);
+        let bytes = |dir: &Path| std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+        assert_eq!(
+            bytes(&ck2),
+            bytes(&ck2b),
+            "the resumed step is deterministic"
+        );
+
+        // Rollout from the checkpoint: not the base's, the merged model's to the bit.
+        let merged = d.join("merged");
+        ok(
+            "tandem",
+            &[
+                "merge-lora",
+                "--base",
+                p(&base),
+                "--adapter",
+                p(&ck1),
+                "--out",
+                p(&merged),
+            ],
+        );
+        let from_ck = rollout(&ck1, &pr, &d.join("c.parquet"));
+        assert_ne!(from_ck, base_rollout, "the adapter is applied at rollout");
+        assert_eq!(from_ck, rollout(&merged, &pr, &d.join("m.parquet")));
+
+        // Bad flags: exit 2 naming what is wrong.
+        let bad = |args: &[&str], needle: &str| {
+            let mut a = vec!["--model", p(&ck1), "--in", p(&batch), "--out-model", "x"];
+            a.extend_from_slice(args);
+            input_error("update", &a, needle);
+        };
+        bad(
+            &["--lora-rank", "4", "--lora-targets", "q,lm_head"],
+            "--lora-targets: unknown target 'lm_head'",
+        );
+        bad(
+            &[
+                "--lora-rank",
+                "8",
+                "--lora-alpha",
+                "8",
+                "--lora-targets",
+                "q,v,down",
+            ],
+            "the adapter has r 4",
+        );
+        bad(&[], "is a LoRA adapter: continue it with --lora-rank");
+    }
+}

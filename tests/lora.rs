@@ -517,3 +517,113 @@ mod update {
         bad(&[], "is a LoRA adapter: continue it with --lora-rank");
     }
 }
+
+mod pipeline {
+    use crate::pipeline::{
+        assert_ok, checkpoint_files_in, jsonl_sans_time, kill_when, real_bins, running_child,
+        stage_done, state, text, PIPELINE,
+    };
+    use std::process::Command;
+    use std::time::Duration;
+
+    const SPEC: &str = r#"
+seed = 3
+steps = 3
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+prompts-per-step = 4
+[rollout]
+n = 4
+temperature = 1.0
+max-new-tokens = 16
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "regex:[a-z]"
+format-score = 0.5
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.01
+use-kl-loss = true
+lora-rank = 4
+lora-alpha = 8
+lora-targets = "q,v,o,down"
+[checkpoint]
+every = 2
+keep-last = 1
+"#;
+
+    /// GRPO-LoRA through the real stages: every checkpoint is an adapter in PEFT's files, the
+    /// reference is the base model, and SIGKILL while rollout runs, after an update and while
+    /// one runs, then a rerun, ends with the checkpoints bit for bit as an uninterrupted run's.
+    #[test]
+    fn a_lora_run_resumes_after_sigkill_to_identical_adapters() {
+        let bins = real_bins();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        crate::stage_util::model_and_train_set(d, 64, 128, 40);
+        std::fs::write(d.join("spec.toml"), SPEC).unwrap();
+        let cmd = |run: &str| {
+            let mut c = Command::new(PIPELINE);
+            c.current_dir(d)
+                .args(["run", "spec.toml", "--run-dir", run])
+                .env("TANDEM_BIN_DIR", &bins);
+            c
+        };
+        assert_ok(&cmd("a").output().unwrap());
+        let (a, b) = (d.join("a"), d.join("b"));
+        let ck = checkpoint_files_in(&a, "ckpt");
+        assert!(
+            ck.contains_key("step-0003/adapter_model.safetensors"),
+            "{:?}",
+            ck.keys()
+        );
+        assert!(ck.contains_key("step-0003/optimizer.safetensors"));
+        assert!(
+            !ck.contains_key("step-0003/config.json"),
+            "no model files: {:?}",
+            ck.keys()
+        );
+        let log = std::fs::read_to_string(a.join("commands.sh")).unwrap();
+        assert!(
+            log.contains("ref-logprob --model model "),
+            "the reference is the base: {log}"
+        );
+        assert!(
+            log.contains("--lora-rank 4 --lora-alpha 8 --lora-targets q,v,o,down"),
+            "{log}"
+        );
+
+        let kill = |what: &str, cond: &mut dyn FnMut(u32) -> bool| kill_when(cmd("b"), what, cond);
+        kill("step 2 rollout running", &mut |pid| {
+            running_child(pid, "--out b/step-0002/rollout.parquet")
+        });
+        kill("step 2 update recorded", &mut |_| {
+            stage_done(&b, 2, "update")
+        });
+        kill("step 3 update running", &mut |pid| {
+            running_child(pid, "--out-model b/ckpt/step-0003")
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let o = cmd("b").output().unwrap();
+        assert_ok(&o);
+        assert!(
+            text(&o).contains("pipeline: continuing b after step 2"),
+            "{}",
+            text(&o)
+        );
+        let cb = checkpoint_files_in(&b, "ckpt");
+        assert_eq!(ck.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+        for (k, v) in &ck {
+            assert!(v == &cb[k], "ckpt/{k} differs after the resumed run");
+        }
+        assert_eq!(state(&a), state(&b));
+        assert_eq!(
+            jsonl_sans_time(&a.join("metrics.jsonl")),
+            jsonl_sans_time(&b.join("metrics.jsonl"))
+        );
+    }
+}

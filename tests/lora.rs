@@ -626,4 +626,66 @@ keep-last = 1
             jsonl_sans_time(&b.join("metrics.jsonl"))
         );
     }
+
+    /// Up front: a LoRA spec on the daemon or on several GPUs stops before step 0 (exit 2).
+    #[test]
+    fn a_lora_spec_on_the_daemon_is_refused_before_anything_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        crate::stage_util::model_and_train_set(d, 64, 128, 8);
+        std::fs::write(d.join("spec.toml"), format!("daemon = true\n{SPEC}")).unwrap();
+        let o = Command::new(PIPELINE)
+            .current_dir(d)
+            .args(["run", "spec.toml", "--run-dir", "r"])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(
+            text(&o).contains("a LoRA update runs in one process"),
+            "{}",
+            text(&o)
+        );
+        assert!(!d.join("r/step-0001").exists());
+    }
+}
+
+/// `make demo-lora`, shortened: DEMO_SPEC=demo-lora.toml pipelines/demo.sh with 50 steps on the
+/// debug binaries; the adapters raise the greedy accuracy of the frozen SFT model.
+#[test]
+fn shortened_lora_demo_raises_the_eval_accuracy() {
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_pipeline"))
+        .parent()
+        .unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/demo.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg(bin)
+        .arg(work.path())
+        .args(["--steps", "50"])
+        .env("DEMO_SPEC", "demo-lora.toml")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo-lora failed:\n{text}");
+    let run = work.path().join("run");
+    let evals: Vec<(u64, f64)> = std::fs::read_to_string(run.join("eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["accuracy"].as_f64().unwrap())
+        })
+        .collect();
+    let (first, last) = (evals[0], *evals.last().unwrap());
+    eprintln!("demo-lora: eval accuracy {first:?} -> {last:?}");
+    assert_eq!((first.0, last.0), (0, 50));
+    assert!(
+        last.1 > first.1 + 0.08,
+        "eval accuracy did not rise: {evals:?}"
+    );
+    assert!(run.join("ckpt").read_dir().unwrap().all(|c| {
+        let c = c.unwrap().path();
+        c.join("adapter_model.safetensors").is_file() && !c.join("config.json").exists()
+    }));
 }

@@ -55,7 +55,13 @@ fn config_json(spec: &LoraSpec, base: &str) -> Map<String, Value> {
     m.insert("peft_type".into(), "LORA".into());
     m.insert("task_type".into(), "CAUSAL_LM".into());
     m.insert("r".into(), spec.rank.into());
-    m.insert("lora_alpha".into(), f64::from(spec.alpha).into());
+    // A whole alpha as an integer, as PEFT's configs have it.
+    let alpha = spec.alpha;
+    let alpha = match alpha.fract() == 0.0 && alpha.abs() < 1e9 {
+        true => Value::from(alpha as i64),
+        false => Value::from(f64::from(alpha)),
+    };
+    m.insert("lora_alpha".into(), alpha);
     m.insert("target_modules".into(), targets.into());
     m.insert("base_model_name_or_path".into(), base.into());
     m.insert("lora_dropout".into(), 0.0.into());

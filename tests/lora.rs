@@ -689,3 +689,137 @@ fn shortened_lora_demo_raises_the_eval_accuracy() {
         c.join("adapter_model.safetensors").is_file() && !c.join("config.json").exists()
     }));
 }
+
+mod daemon {
+    use crate::stage_util::{add_advantages, bin, input_error, ok, p, prompts, tiny_model};
+    use std::path::Path;
+    use std::process::Command;
+    use std::time::{Duration, Instant};
+
+    fn rollout(model: &Path, prompts: &Path, out: &Path, daemon: Option<&Path>) -> Vec<u8> {
+        let mut args = vec![
+            "--model",
+            p(model),
+            "--in",
+            p(prompts),
+            "--out",
+            p(out),
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--seed",
+            "5",
+            "--temperature",
+            "1.0",
+        ];
+        let metrics = out.with_extension("json");
+        if let Some(s) = daemon {
+            args.extend(["--daemon", p(s), "--metrics", p(&metrics)]);
+        }
+        ok("rollout", &args);
+        if daemon.is_some() {
+            let m: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap();
+            assert!(m["daemon"].is_object(), "ran on the daemon: {m}");
+        }
+        let b = crate::stage_util::read(out);
+        let ids = crate::stage_util::i32_rows(&b, tandem::batch::schema::RESPONSE_IDS);
+        let lps = crate::stage_util::f32_rows(&b, tandem::batch::schema::ROLLOUT_LOGPROBS);
+        format!("{ids:?} {lps:?}").into_bytes()
+    }
+
+    /// A daemon whose policy is a LoRA checkpoint generates from the merged model (the one
+    /// loader), and a LoRA update sent to it is refused (exit 2): it runs in one process.
+    #[test]
+    fn the_daemon_rolls_out_a_lora_checkpoint_merged_and_refuses_a_lora_update() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 44);
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three."]);
+        rollout(&base, &pr, &d.join("r.parquet"), None);
+        let batch = d.join("adv.parquet");
+        add_advantages(&d.join("r.parquet"), &batch);
+        let ck = d.join("ck");
+        let lora = [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "all-linear",
+        ];
+        let mut args = vec![
+            "--model",
+            p(&base),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&ck),
+            "--lr",
+            "1e-2",
+        ];
+        args.extend(lora);
+        ok("update", &args);
+        let merged = d.join("merged");
+        ok(
+            "tandem",
+            &[
+                "merge-lora",
+                "--base",
+                p(&base),
+                "--adapter",
+                p(&ck),
+                "--out",
+                p(&merged),
+            ],
+        );
+
+        let sock = d.join("sock");
+        let mut child = Command::new(bin("tandem"))
+            .args([
+                "daemon",
+                "--device",
+                "cpu",
+                "--socket",
+                p(&sock),
+                "--policy",
+                p(&ck),
+            ])
+            .env("RAYON_NUM_THREADS", "2")
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while !sock.exists() {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "the daemon exited at start"
+            );
+            assert!(t0.elapsed() < Duration::from_secs(120), "no daemon socket");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let on_daemon = rollout(&ck, &pr, &d.join("dr.parquet"), Some(&sock));
+        let refused = std::panic::catch_unwind(|| {
+            let mut args = vec![
+                "--model",
+                p(&ck),
+                "--in",
+                p(&batch),
+                "--out-model",
+                "x",
+                "--daemon",
+                p(&sock),
+            ];
+            args.extend(lora);
+            input_error("update", &args, "a LoRA update runs in one process");
+        });
+        let _ = child.kill();
+        let _ = child.wait();
+        refused.unwrap();
+        assert_eq!(
+            on_daemon,
+            rollout(&merged, &pr, &d.join("mr.parquet"), None)
+        );
+    }
+}

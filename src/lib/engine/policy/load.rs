@@ -71,8 +71,13 @@ pub fn lora_base(dir: &Path) -> Result<PathBuf> {
 
 impl Trainable {
     /// Reads a model directory and the optimizer state next to it.
+    /// A LoRA adapter's directory gives its merged model and no optimizer state (its state is
+    /// the adapters': [`Trainable::load_lora`] trains on).
     pub fn load(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
         let (cfg, weights) = ModelDir::load(dir)?;
+        if is_adapter_dir(dir) {
+            return Ok(Self::without_optimizer(cfg, weights, None, None));
+        }
         let Some(r) = resume::load(dir, &weights)? else {
             return Ok(Self::without_optimizer(cfg, weights, None, None));
         };

@@ -8,7 +8,7 @@ BIN := target/release
 # compiles the crate and its dependencies once for both (Cargo.toml's [profile.dev]).
 DEV_BIN := target/debug
 
-.PHONY: build build-dev test data bench fmt lint gpu-test nvrtc kernels-check demo demo-dapo demo-ppo model-smollm2-135m model-qwen2.5-coder-0.5b model-qwen2.5-coder-1.5b
+.PHONY: build build-dev test data bench fmt lint gpu-test nvrtc kernels-check demo demo-dapo demo-ppo demo-lora model-smollm2-135m model-qwen2.5-coder-0.5b model-qwen2.5-coder-1.5b
 
 build:
 	$(CARGO) build --release
@@ -37,6 +37,12 @@ demo-dapo: build-dev
 demo-ppo: build-dev
 	rm -rf runs/demo-ppo/run
 	DEMO_SPEC=demo-ppo.toml pipelines/demo.sh $(CURDIR)/$(DEV_BIN) runs/demo-ppo $(DEMO_ARGS)
+
+# The same job training LoRA adapters on the frozen SFT model (pipelines/demo-lora.toml), in
+# runs/demo-lora.
+demo-lora: build-dev
+	rm -rf runs/demo-lora/run
+	DEMO_SPEC=demo-lora.toml pipelines/demo.sh $(CURDIR)/$(DEV_BIN) runs/demo-lora $(DEMO_ARGS)
 
 data: data/gsm8k/train.parquet data/gsm8k/test.parquet
 

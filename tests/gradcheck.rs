@@ -288,7 +288,7 @@ fn logprob_case(with_entropy_grad: bool) {
     let dent = with_entropy_grad.then_some(&c);
     b.logprob_backward(
         &mut dx,
-        &mut dw,
+        Some(&mut dw),
         LogprobInput {
             x: &inputs[0],
             w: &inputs[1],

@@ -30,6 +30,7 @@ mod gradcheck;
 mod hf_logprobs;
 mod layers;
 mod learning;
+mod lora;
 mod model_files;
 mod pipeline;
 mod prepare;

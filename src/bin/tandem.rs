@@ -25,6 +25,8 @@ enum Cmd {
     Prepare(tandem::data::prepare::PrepareArgs),
     /// Write a randomly initialised model (HF layout) for tests and demos.
     InitModel(tandem::model::init::InitModelArgs),
+    /// Merge a PEFT LoRA adapter into its base model: one HF model directory (bf16).
+    MergeLora(tandem::model::merge::MergeLoraArgs),
     /// Convert a GGUF file (llama.cpp) to a model directory: weights, config, tokenizer.
     ImportGguf(tandem::model::gguf::ImportGgufArgs),
     /// Load a model directory with every check and print a summary.
@@ -66,6 +68,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => tandem::bench::run(a),
         Cmd::Prepare(args) => tandem::data::prepare::run(args),
         Cmd::InitModel(args) => tandem::model::init::run(args),
+        Cmd::MergeLora(args) => tandem::model::merge::run(args),
         Cmd::ImportGguf(args) => tandem::model::gguf::run(args),
         Cmd::ModelInfo(args) => tandem::model::info::run(args),
         Cmd::GpuTest(a) => tandem::bench::gpu_test::run(a),

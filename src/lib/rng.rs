@@ -2,6 +2,16 @@
 //! random numbers without a dependency (weight init, prompt sampling, synthetic data, test and
 //! benchmark inputs). Same numbers on every machine.
 
+/// FNV-1a of the name mixed with the seed: one stream id per tensor.
+pub(crate) fn stream_seed(seed: u64, name: &str) -> u64 {
+    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    let mut mix = SplitMix64(h ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    mix.next_u64()
+}
+
 /// SplitMix64: a well-mixed 64-bit generator whose whole state is one u64.
 #[derive(Clone, Debug)]
 pub(crate) struct SplitMix64(pub u64);

@@ -210,6 +210,7 @@ fn bench_update(
         seed: a.seed,
         device_loss: TrainConfig::device_loss_from_env(),
         critic: None,
+        lora: None,
     };
     let t = Instant::now();
     let report = train(dec, &data, &tc, 0, &mut |m| eprintln!("{m}"))?;

@@ -388,6 +388,7 @@ fn train_config(w: &Workload) -> TrainConfig {
         seed: w.seed,
         device_loss: TrainConfig::device_loss_from_env(),
         critic: None,
+        lora: None,
     }
 }
 

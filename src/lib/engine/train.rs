@@ -170,6 +170,8 @@ pub struct TrainConfig {
     /// (`update --critic`): the model's "log-probs" are its values, `old` the batch's
     /// `values`, and [`TrainData::returns`] the targets; `loss` is not used.
     pub critic: Option<ValueLoss>,
+    /// Train LoRA adapters of this spec on the frozen model (`update --lora-rank`).
+    pub lora: Option<crate::model::lora::LoraSpec>,
 }
 
 impl TrainConfig {
@@ -1174,6 +1176,7 @@ mod tests {
             seed: 0,
             device_loss: true,
             critic: None,
+            lora: None,
         }
     }
 

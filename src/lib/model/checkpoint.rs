@@ -10,6 +10,7 @@ use super::config::{Config, CONFIG_FILE};
 use super::names::{self, expected_tensors};
 use super::safetensors::{self as st, Loaded, DEFAULT_MAX_SHARD_BYTES};
 use super::tensor::Weights;
+use super::{lora, peft};
 use crate::error::input_error;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -99,6 +100,24 @@ pub struct Inspected {
     pub loaded: Loaded,
 }
 
+/// The base model directory of a PEFT adapter directory (one with adapter_config.json and no
+/// config.json of its own); None for any other directory.
+fn adapter_base(path: &Path) -> Result<Option<PathBuf>> {
+    if path.join(CONFIG_FILE).is_file() || !peft::is_adapter_dir(path) {
+        return Ok(None);
+    }
+    let (_, base) = peft::read_config(path)?;
+    let dir = peft::base_dir(path, &base)?;
+    if peft::is_adapter_dir(&dir) && !dir.join(CONFIG_FILE).is_file() {
+        crate::bail_input!(
+            "{}: the base model {} is itself an adapter; merge it first (tandem merge-lora)",
+            path.join(peft::ADAPTER_CONFIG).display(),
+            dir.display()
+        );
+    }
+    Ok(Some(dir))
+}
+
 impl ModelDir {
     /// Reads the config and the weights, checked against each other.
     pub fn load(path: &Path) -> Result<(Config, Weights)> {
@@ -109,6 +128,9 @@ impl ModelDir {
     /// Reads only the config (and generation_config) of a model directory.
     pub fn load_config(path: &Path) -> Result<Config> {
         check_is_dir(path)?;
+        if let Some(base) = adapter_base(path)? {
+            return Config::load(&base);
+        }
         Config::load(path)
     }
 
@@ -127,6 +149,9 @@ impl ModelDir {
 
     /// Like [`ModelDir::load`], keeping the on-disk dtypes and file of every tensor.
     pub fn inspect(path: &Path) -> Result<Inspected> {
+        if let Some(base) = adapter_base(path)? {
+            return Self::inspect_adapter(path, &base);
+        }
         let config = Self::load_config(path)?;
         if let Some(marker) = Self::resident(path)? {
             crate::bail_input!("{}", marker.refusal(path));
@@ -134,6 +159,27 @@ impl ModelDir {
         let mut loaded = st::load_dir(path)?;
         check_weights(&config, &mut loaded, &path.join(CONFIG_FILE))?;
         Ok(Inspected { config, loaded })
+    }
+
+    /// A PEFT LoRA adapter's directory read as its base with the adapter merged, each merged
+    /// weight rounded to bf16 as `tandem merge-lora`'s files store it: rollout, ref-logprob
+    /// and the daemon generate from the adapted model, never silently from the base.
+    fn inspect_adapter(path: &Path, base: &Path) -> Result<Inspected> {
+        let adapter = peft::read_adapter(path)?;
+        let mut ins = Self::inspect(base)?;
+        lora::merge(
+            &ins.config,
+            &mut ins.loaded.weights,
+            &adapter.weights,
+            &adapter.spec,
+        )?;
+        for slot in adapter.spec.adapters(&ins.config) {
+            let name = slot.target.weight_name(slot.layer);
+            if let Some(t) = ins.loaded.weights.get_mut(&name) {
+                t.data.iter_mut().for_each(|x| *x = st::round_bf16(*x));
+            }
+        }
+        Ok(ins)
     }
 
     /// Writes a model directory (bf16 weights, HF's default shard limit).

@@ -11,7 +11,7 @@ use super::names::{expected_tensors, param_count, Role};
 use super::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use super::tensor::{Tensor, Weights};
 use crate::error::input_error;
-use crate::rng::SplitMix64;
+use crate::rng::{stream_seed, SplitMix64};
 use anyhow::Result;
 use clap::{ArgAction, Args, ValueEnum};
 use rayon::prelude::*;
@@ -21,16 +21,6 @@ use std::path::{Path, PathBuf};
 /// Uniform in (0, 1], never 0 (Box-Muller takes its log).
 fn next_unit(rng: &mut SplitMix64) -> f64 {
     ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-}
-
-/// FNV-1a of the name mixed with the seed: one stream id per tensor.
-fn stream_seed(seed: u64, name: &str) -> u64 {
-    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
-    for b in name.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3);
-    }
-    let mut mix = SplitMix64(h ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    mix.next_u64()
 }
 
 const CHUNK: usize = 1 << 16;

@@ -7,7 +7,10 @@ pub mod decoder;
 pub mod gguf;
 pub mod info;
 pub mod init;
+pub mod lora;
+pub mod merge;
 pub mod names;
+pub mod peft;
 pub mod safetensors;
 pub(crate) mod tensor;
 

@@ -193,7 +193,10 @@ impl Compute for InProcess {
         let started = std::time::Instant::now();
         let loaded = match job.train.critic {
             Some(_) => Trainable::load_critic(&model.dir, &mut |m| self.log(m))?,
-            None => Trainable::load(&model.dir, &mut |m| self.log(m))?,
+            None => match &job.train.lora {
+                Some(spec) => Trainable::load_lora(&model.dir, spec, job.train.seed)?,
+                None => Trainable::load(&model.dir, &mut |m| self.log(m))?,
+            },
         };
         let load_seconds = started.elapsed().as_secs_f64();
         let mut out = on_device(self.device, update::TrainFresh { loaded, job })?;

@@ -35,13 +35,15 @@ use crate::bail_input;
 use crate::batch::{schema, schema::meta, write_json, Batch, Ragged};
 use crate::engine::logprob::PromptResponse;
 use crate::engine::policy::{
-    shard_staging, write_checkpoint, write_resident, Holder, Sharding, Train, Trainable, Trained,
+    is_adapter_dir, lora_base, shard_staging, write_checkpoint, write_lora_checkpoint,
+    write_resident, Holder, Sharding, Train, Trainable, Trained,
 };
 use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{LrConfig, LrSchedule, TrainConfig, TrainData};
 use crate::error::input_error;
 use crate::model::checkpoint::{ModelDir, ResidentMarker};
+use crate::model::lora::LoraSpec;
 use crate::model::Config;
 use anyhow::Result;
 use clap::builder::PossibleValuesParser;
@@ -235,6 +237,30 @@ pub struct UpdateArgs {
     #[arg(long, default_value_t = 0.5, value_parser = at_least(0.0f64))]
     #[serde(default = "default_cliprange_value")]
     pub cliprange_value: f64,
+    /// Train LoRA adapters of this rank on the frozen --model instead of every weight (verl's
+    /// lora_rank; 0: full fine-tuning). --model is then a model (fresh adapters, B zero) or a
+    /// LoRA checkpoint / PEFT adapter directory; --out-model gets the adapters in PEFT's files.
+    /// One process only (no daemon, no launch) for now.
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    #[serde(default)]
+    pub lora_rank: usize,
+    /// LoRA alpha: the adapters' product B·A is scaled by alpha / rank (verl's lora_alpha).
+    #[arg(long, default_value_t = 16.0, value_parser = above(0.0f32))]
+    #[serde(default = "default_lora_alpha")]
+    pub lora_alpha: f32,
+    /// The projections that get adapters: a comma list of q, k, v, o, gate, up, down (or
+    /// their *_proj names), or all-linear (verl's target_modules).
+    #[arg(long, default_value = "all-linear")]
+    #[serde(default = "default_lora_targets")]
+    pub lora_targets: String,
+}
+
+fn default_lora_alpha() -> f32 {
+    16.0
+}
+
+fn default_lora_targets() -> String {
+    "all-linear".into()
 }
 
 fn default_cliprange_value() -> f64 {
@@ -404,7 +430,25 @@ impl UpdateArgs {
                 cliprange: self.cliprange_value,
                 agg: self.loss_agg_mode,
             }),
+            lora: self.lora_spec()?,
         })
+    }
+
+    /// The LoRA spec the flags ask for (None: full fine-tuning).
+    pub fn lora_spec(&self) -> Result<Option<LoraSpec>> {
+        if self.lora_rank == 0 {
+            return Ok(None);
+        }
+        let spec = LoraSpec {
+            rank: self.lora_rank,
+            alpha: self.lora_alpha,
+            targets: LoraSpec::parse_targets(&self.lora_targets, "--lora-targets")?,
+        };
+        spec.check()?;
+        if self.critic {
+            bail_input!("--lora-rank trains a policy's adapters; it does not apply to --critic");
+        }
+        Ok(Some(spec))
     }
 }
 
@@ -584,7 +628,19 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
             )
         })?),
     };
+    if args.lora_rank > 0 && (exec.ranks().is_some() || exec.holder().is_some()) {
+        bail_input!(
+            "--lora-rank: a LoRA update runs in one process for now (no --daemon, no tandem launch)"
+        );
+    }
     let input = Input::read(&args)?;
+    if input.cfg.lora.is_none() && is_adapter_dir(&input.model.dir) {
+        bail_input!(
+            "{}: is a LoRA adapter: continue it with --lora-rank (and its alpha and targets), or \
+             train every weight from `tandem merge-lora`'s merged model",
+            input.model.dir.display()
+        );
+    }
     let owned = OwnedData::from_batch(&input.batch, &input.cfg)?;
     let correction = Correction::of(&args, &owned)?;
     let data = correction.data(&args, &owned);
@@ -810,6 +866,11 @@ fn write_outputs(
     trained: &Trained,
     trainer: &TrainerState,
 ) -> Result<()> {
+    if let (Some(spec), Some(w)) = (&input.cfg.lora, &trained.weights) {
+        let base = lora_base(&input.model.dir)?;
+        let state = trained.state.as_ref();
+        return write_lora_checkpoint(&args.out_model, &base, spec, w, state, trainer);
+    }
     match (holder, &trained.weights) {
         (Some(h), _) => write_resident(
             &args.out_model,

@@ -4,8 +4,10 @@
 //! written under a temporary name and renamed into place (`ModelDir::save_with`).
 
 use crate::engine::resume::{self, TrainerState, OPTIMIZER_FILE, TRAINER_STATE_FILE};
-use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions};
+use crate::model::checkpoint::{ModelDir, ResidentMarker, SaveOptions, TOKENIZER_FILES};
 use crate::model::decoder::OptimizerState;
+use crate::model::lora::LoraSpec;
+use crate::model::peft;
 use crate::model::safetensors::DEFAULT_MAX_SHARD_BYTES;
 use crate::model::{Config, Weights};
 use anyhow::Result;
@@ -63,6 +65,50 @@ pub fn write_checkpoint(
     // Emptied by the move; anything left is a stale shard of another world size.
     let _ = std::fs::remove_dir_all(&staging);
     saved
+}
+
+/// Writes a LoRA update's checkpoint: the adapters in PEFT's files (naming `base` as
+/// base_model_name_or_path), the base's tokenizer files, `trainer_state.json` and the adapters'
+/// `optimizer.safetensors` when `state` is given; no config.json (a model loader reads the
+/// base's and merges the adapters). Written under a temporary name and renamed into place.
+pub fn write_lora_checkpoint(
+    out: &Path,
+    base: &Path,
+    spec: &LoraSpec,
+    adapters: &Weights,
+    state: Option<&OptimizerState>,
+    trainer: &TrainerState,
+) -> Result<()> {
+    let name = out.file_name().ok_or_else(|| {
+        crate::error::input_error(format!(
+            "{}: give the checkpoint a directory name",
+            out.display()
+        ))
+    })?;
+    let tmp = out.with_file_name(format!("{}.tmp", name.to_string_lossy()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    std::fs::create_dir_all(&tmp)?;
+    let base_name = base.to_string_lossy();
+    peft::write_adapter(&tmp, spec, adapters, &base_name)?;
+    std::fs::write(
+        tmp.join(TRAINER_STATE_FILE),
+        resume::trainer_state_bytes(trainer)?,
+    )?;
+    if let Some(state) = state {
+        resume::write_optimizer(&tmp.join(OPTIMIZER_FILE), state, adapters)?;
+    }
+    for f in TOKENIZER_FILES {
+        if base.join(f).is_file() {
+            std::fs::copy(base.join(f), tmp.join(f))?;
+        }
+    }
+    if out.exists() {
+        std::fs::remove_dir_all(out)?;
+    }
+    std::fs::rename(&tmp, out)?;
+    Ok(())
 }
 
 /// Writes `out` as a resident directory (`update --resident`): the config and tokenizer files

@@ -4,11 +4,14 @@
 use crate::backend::Backend;
 use crate::engine::resume::{self, RankResume, ShardSource, TrainerState};
 use crate::model::checkpoint::ModelDir;
+use crate::model::config::CONFIG_FILE;
 use crate::model::critic::value_model_from;
 use crate::model::decoder::{Decoder, OptimizerState};
+use crate::model::lora::{init_adapters, LoraSpec};
+use crate::model::peft;
 use crate::model::{Config, Weights};
 use anyhow::Result;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Loads a model directory's weights onto a backend (to generate or score with: no optimizer
 /// state).
@@ -40,16 +43,82 @@ pub struct Trainable {
     /// Where this rank's optimizer shard comes from (a data-parallel update resuming a sharded
     /// checkpoint; `weights` are then the model files' and `optimizer` is None).
     pub(crate) shard: Option<ShardSource>,
+    /// LoRA: the adapters trained on the frozen `weights` (then the base's).
+    pub lora: Option<LoraStart>,
+}
+
+/// Where a LoRA update starts: the spec, the adapters (f32) and the base model's directory.
+pub struct LoraStart {
+    pub spec: LoraSpec,
+    pub adapters: Weights,
+    pub base: PathBuf,
+}
+
+/// Whether `dir` is a LoRA adapter's directory (PEFT files, no config.json of its own).
+pub fn is_adapter_dir(dir: &Path) -> bool {
+    peft::is_adapter_dir(dir) && !dir.join(CONFIG_FILE).is_file()
+}
+
+/// The base model of a LoRA run from `dir`: the base an adapter directory names, or `dir`
+/// itself (a model, whose adapters start fresh), as an absolute path.
+pub fn lora_base(dir: &Path) -> Result<PathBuf> {
+    let base = match is_adapter_dir(dir) {
+        true => peft::base_dir(dir, &peft::read_config(dir)?.1)?,
+        false => dir.to_path_buf(),
+    };
+    Ok(std::path::absolute(&base)?)
 }
 
 impl Trainable {
     /// Reads a model directory and the optimizer state next to it.
+    /// A LoRA adapter's directory gives its merged model and no optimizer state (its state is
+    /// the adapters': [`Trainable::load_lora`] trains on).
     pub fn load(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
         let (cfg, weights) = ModelDir::load(dir)?;
+        if is_adapter_dir(dir) {
+            return Ok(Self::without_optimizer(cfg, weights, None, None));
+        }
         let Some(r) = resume::load(dir, &weights)? else {
             return Ok(Self::without_optimizer(cfg, weights, None, None));
         };
         Ok(Self::resumed(dir, cfg, weights, r, log))
+    }
+
+    /// [`Trainable::load`] for `update --lora-rank`: a LoRA checkpoint or PEFT adapter
+    /// directory (the adapters, their optimizer and trainer state when there, the base it
+    /// names), or a model, on which fresh adapters start (A random by `seed`, B zero). An
+    /// adapter whose r, alpha or targets differ from `spec` is an input error.
+    pub fn load_lora(dir: &Path, spec: &LoraSpec, seed: u64) -> Result<Trainable> {
+        let base = lora_base(dir)?;
+        let (cfg, weights) = ModelDir::load(&base)?;
+        if !is_adapter_dir(dir) {
+            let adapters = init_adapters(&cfg, spec, seed);
+            let mut t = Self::without_optimizer(cfg, weights, None, None);
+            t.lora = Some(LoraStart {
+                spec: spec.clone(),
+                adapters,
+                base,
+            });
+            return Ok(t);
+        }
+        let ad = peft::read_adapter(dir)?;
+        if ad.spec != *spec {
+            crate::bail_input!(
+                "{}: the adapter has r {}, alpha {}, targets {:?}; the flags ask for r {}, alpha {}, targets {:?}",
+                dir.join(peft::ADAPTER_CONFIG).display(),
+                ad.spec.rank, ad.spec.alpha, ad.spec.targets, spec.rank, spec.alpha, spec.targets
+            );
+        }
+        let r = resume::load(dir, &ad.weights)?;
+        let trainer = r.as_ref().map(|r| r.trainer.clone());
+        let mut t = Self::without_optimizer(cfg, weights, trainer, None);
+        t.optimizer = r.map(|r| r.optimizer);
+        t.lora = Some(LoraStart {
+            spec: ad.spec,
+            adapters: ad.weights,
+            base,
+        });
+        Ok(t)
     }
 
     /// [`Trainable::load`] for `update --critic`: a critic's directory as it is, or a policy's
@@ -85,6 +154,7 @@ impl Trainable {
             schedule_step: trainer.as_ref().map_or(0, |t| t.schedule_step),
             trainer,
             shard,
+            lora: None,
         }
     }
 
@@ -144,12 +214,16 @@ impl Trainable {
             schedule_step: r.trainer.schedule_step,
             trainer: Some(r.trainer),
             shard: None,
+            lora: None,
         }
     }
 
     /// The decoder, with the optimizer state loaded.
     pub fn build<B: Backend>(&self, backend: B) -> Result<Decoder<B>> {
-        let mut policy = Decoder::new(backend, &self.cfg, &self.weights)?;
+        let mut policy = match &self.lora {
+            Some(l) => Decoder::with_lora(backend, &self.cfg, &self.weights, &l.adapters, &l.spec)?,
+            None => Decoder::new(backend, &self.cfg, &self.weights)?,
+        };
         if let Some(state) = &self.optimizer {
             policy.load_optimizer_state(state)?;
         }

@@ -116,9 +116,11 @@ impl Train<'_> {
     ) -> Result<Trained> {
         Ok(Trained {
             report,
-            weights: match self.export_weights {
-                true => Some(policy.export_weights()?),
-                false => None,
+            // A LoRA policy's files are its adapters (the base stays where it is).
+            weights: match (self.export_weights, policy.lora_spec()) {
+                (true, None) => Some(policy.export_weights()?),
+                (true, Some(_)) => Some(policy.export_adapters()?),
+                (false, _) => None,
             },
             state: match self.export_state {
                 true => Some(policy.optimizer_state()?),

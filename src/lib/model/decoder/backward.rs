@@ -6,6 +6,7 @@ use anyhow::{ensure, Result};
 
 use super::forward::LayerShapes;
 use super::hooks::{NoHooks, Pass, Unit, UnitHooks};
+use super::lora::{self, Adapt};
 use super::workspace::{GradWork, Work};
 use super::{
     check_temperature, two_mut, Decoder, Layer, PpoTokens, SeqRef, TokenGrads, TokenStats,
@@ -14,6 +15,7 @@ use crate::backend::{
     AttnOut, Backend, DType, LogprobGrad, LogprobInput, LogprobShape, PpoInputs, PpoShape, Qkv,
     RmsNormSaved, RmsNormShape, PPO_STATS,
 };
+use crate::model::lora::Target;
 use crate::model::Config;
 
 impl<B: Backend> Decoder<B> {
@@ -23,8 +25,12 @@ impl<B: Backend> Decoder<B> {
     /// parameter for nothing).
     pub(crate) fn ensure_grads(&mut self) -> Result<()> {
         if self.g.is_empty() {
-            for s in &self.shapes {
-                let n = if self.per_unit { 0 } else { s.iter().product() };
+            for (s, &trains) in self.shapes.iter().zip(&self.trains) {
+                let n = if self.per_unit || !trains {
+                    0
+                } else {
+                    s.iter().product()
+                };
                 self.g.push(self.backend.alloc(n)?);
             }
         }
@@ -209,7 +215,9 @@ impl<B: Backend> Decoder<B> {
         let lowp = self.backend.compute_dtype() != DType::F32;
         for l in (0..self.layers.len()).rev() {
             hooks.before(Unit::Layer(l), Pass::Backward, self.unit_bufs())?;
+            let adapt = lora::view(&self.backend, &self.w, self.lora.as_ref(), n);
             let run = LayerBack {
+                lora: adapt.as_ref(),
                 b: &self.backend,
                 cfg: &self.cfg,
                 w: &self.w,
@@ -219,6 +227,7 @@ impl<B: Backend> Decoder<B> {
                 l,
                 seqs,
                 lowp,
+                trains: &self.trains,
             };
             run.backward(&mut self.g, &mut self.ws)?;
             hooks.grads_ready(Unit::Layer(l), self.unit_bufs())?;
@@ -227,7 +236,9 @@ impl<B: Backend> Decoder<B> {
         hooks.before(Unit::Embed, Pass::Backward, self.unit_bufs())?;
         let (b, ws) = (&self.backend, &self.ws);
         let gw = ws.grad.as_ref().expect("training workspace");
-        b.embedding_backward(&mut self.g[self.embed], &gw.d_resid, &ws.ids, n, d)?;
+        if self.trains[self.embed] {
+            b.embedding_backward(&mut self.g[self.embed], &gw.d_resid, &ws.ids, n, d)?;
+        }
         hooks.grads_ready(Unit::Embed, self.unit_bufs())?;
         hooks.after(Unit::Embed, Pass::Backward, self.unit_bufs())
     }
@@ -246,12 +257,13 @@ impl<B: Backend> Decoder<B> {
             g,
             ws,
             final_norm,
+            trains,
             ..
         } = self;
         let gw = ws.grad.as_mut().expect("training workspace");
         b.rmsnorm_backward(
             &mut gw.dxg,
-            &mut g[*final_norm],
+            grad_or_sink::<B>(g, &mut gw.sink, trains, *final_norm),
             &gw.dxf,
             RmsNormSaved {
                 x: &ws.xg,
@@ -278,6 +290,7 @@ impl<B: Backend> Decoder<B> {
             g,
             ws,
             head,
+            trains,
             ..
         } = self;
         let gw = ws.grad.as_mut().expect("training workspace");
@@ -290,7 +303,7 @@ impl<B: Backend> Decoder<B> {
         };
         b.logprob_backward(
             &mut gw.dxf,
-            &mut g[*head],
+            trains[*head].then_some(&mut g[*head]),
             LogprobInput {
                 x: &ws.xf,
                 w: &w[*head],
@@ -342,8 +355,25 @@ fn concat_grads(
     Ok((dlp, any_dent.then_some(dent)))
 }
 
+/// Parameter `i`'s gradient buffer, or `sink` where it is frozen (an op that always computes
+/// a weight gradient writes it there, and nothing reads it).
+fn grad_or_sink<'a, B: Backend>(
+    g: &'a mut [B::Buf],
+    sink: &'a mut B::Buf,
+    trains: &[bool],
+    i: usize,
+) -> &'a mut B::Buf {
+    match trains[i] {
+        true => &mut g[i],
+        false => sink,
+    }
+}
+
 /// One layer's backward: what it reads besides the gradients and the workspace.
 struct LayerBack<'a, B: Backend> {
+    /// The adapters, under LoRA (the base is frozen then: no weight gradient of its own).
+    lora: Option<&'a Adapt<'a, B>>,
+    trains: &'a [bool],
     b: &'a B,
     cfg: &'a Config,
     w: &'a [B::Buf],
@@ -372,6 +402,43 @@ impl<B: Backend> LayerBack<'_, B> {
         (c.hidden_size, c.intermediate_size, qd, kd)
     }
 
+    /// dw (and db) += of projection `p` where it trains (a frozen base skips the GEMM).
+    #[allow(clippy::too_many_arguments)]
+    fn weight_grad(
+        &self,
+        g: &mut [B::Buf],
+        p: usize,
+        pb: Option<usize>,
+        dy: &B::Buf,
+        x: &B::Buf,
+        k: usize,
+        out: usize,
+    ) -> Result<()> {
+        if !self.trains[p] {
+            return Ok(());
+        }
+        let (gp, gb) = two_mut(g, p, pb);
+        self.b
+            .matmul_backward_w(gp, gb, dy, x, self.ls.gemm(k, out))
+    }
+
+    /// The adapter on `t`'s backward, where the layer has one: its gradients, dx += its part.
+    #[allow(clippy::too_many_arguments)]
+    fn adapt(
+        &self,
+        t: Target,
+        g: &mut [B::Buf],
+        dx: &mut B::Buf,
+        dy: &B::Buf,
+        x: &B::Buf,
+        s: &mut [B::Buf; 2],
+    ) -> Result<()> {
+        match (self.lora, self.ly.lora[lora::slot(t)]) {
+            (Some(ad), Some(ab)) => ad.backward(ab, t.dims(self.cfg), g, dx, dy, x, s),
+            _ => Ok(()),
+        }
+    }
+
     /// The residual's gradient as the GEMMs read it: rounded to the compute dtype once (into
     /// `d_resid_c`) where that is not f32.
     fn round_resid_grad(&self, gw: &mut GradWork<B>) -> Result<()> {
@@ -396,21 +463,25 @@ impl<B: Backend> LayerBack<'_, B> {
         } else {
             &gw.d_resid
         };
-        b.matmul_backward_w(&mut g[ly.down], None, dres, &a.h, ls.gemm(f, d))?;
+        let s = &mut ws.lora;
+        self.weight_grad(g, ly.down, None, dres, &a.h, f, d)?;
         b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], ls.gemm(f, d), false)?;
+        self.adapt(Target::Down, g, &mut gw.dh, dres, &a.h, s)?;
         let n = self.n;
         b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
-        b.matmul_backward_w(&mut g[ly.gate], None, &gw.dg, &a.xn2, ls.gemm(d, f))?;
-        b.matmul_backward_w(&mut g[ly.up], None, &gw.du, &a.xn2, ls.gemm(d, f))?;
+        self.weight_grad(g, ly.gate, None, &gw.dg, &a.xn2, d, f)?;
+        self.weight_grad(g, ly.up, None, &gw.du, &a.xn2, d, f)?;
         b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], ls.gemm(d, f), false)?;
         b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], ls.gemm(d, f), true)?;
+        self.adapt(Target::Gate, g, &mut gw.d_xn, &gw.dg, &a.xn2, s)?;
+        self.adapt(Target::Up, g, &mut gw.d_xn, &gw.du, &a.xn2, s)?;
         let saved = RmsNormSaved {
             x: &ws.resid[2 * self.l + 1],
             w: &w[ly.post_norm],
             rstd: &a.rstd2,
         };
-        let (gn, dx) = (&mut g[ly.post_norm], &gw.d_xn);
-        b.rmsnorm_backward(&mut gw.d_resid, gn, dx, saved, ls.norm, true)
+        let gn = grad_or_sink::<B>(g, &mut gw.sink, self.trains, ly.post_norm);
+        b.rmsnorm_backward(&mut gw.d_resid, gn, &gw.d_xn, saved, ls.norm, true)
     }
 
     /// The output projection, the attention and the rope: dq, dk, dv in the workspace.
@@ -425,8 +496,9 @@ impl<B: Backend> LayerBack<'_, B> {
         } else {
             &gw.d_resid
         };
-        b.matmul_backward_w(&mut g[ly.o], None, dres, &a.o, ls.gemm(qd, d))?;
+        self.weight_grad(g, ly.o, None, dres, &a.o, qd, d)?;
         b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], ls.gemm(qd, d), false)?;
+        self.adapt(Target::O, g, &mut gw.d_o, dres, &a.o, &mut ws.lora)?;
         b.attention_backward(
             Qkv {
                 q: &mut gw.dq,
@@ -462,13 +534,15 @@ impl<B: Backend> LayerBack<'_, B> {
                 w: &w[qn],
                 rstd: &a.rstd_q,
             };
-            b.rmsnorm_backward(&mut gw.dq_raw, &mut g[qn], &gw.dq, saved, ls.q_norm, false)?;
+            let gq = grad_or_sink::<B>(g, &mut gw.sink, self.trains, qn);
+            b.rmsnorm_backward(&mut gw.dq_raw, gq, &gw.dq, saved, ls.q_norm, false)?;
             let saved = RmsNormSaved {
                 x: &a.k_raw,
                 w: &w[kn],
                 rstd: &a.rstd_k,
             };
-            b.rmsnorm_backward(&mut gw.dk_raw, &mut g[kn], &gw.dk, saved, ls.k_norm, false)?;
+            let gk = grad_or_sink::<B>(g, &mut gw.sink, self.trains, kn);
+            b.rmsnorm_backward(&mut gw.dk_raw, gk, &gw.dk, saved, ls.k_norm, false)?;
             (&gw.dq_raw, &gw.dk_raw)
         } else {
             (&gw.dq, &gw.dk)
@@ -478,16 +552,18 @@ impl<B: Backend> LayerBack<'_, B> {
             (ly.k, ly.k_b, dk, kd, false),
             (ly.v, ly.v_b, &gw.dv, kd, false),
         ] {
-            let (gp, gb) = two_mut(g, p, pb);
-            b.matmul_backward_w(gp, gb, dy, &a.xn1, ls.gemm(d, m))?;
+            self.weight_grad(g, p, pb, dy, &a.xn1, d, m)?;
             b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], ls.gemm(d, m), !first)?;
+        }
+        for (t, dy) in [(Target::Q, dq), (Target::K, dk), (Target::V, &gw.dv)] {
+            self.adapt(t, g, &mut gw.d_xn, dy, &a.xn1, &mut ws.lora)?;
         }
         let saved = RmsNormSaved {
             x: &ws.resid[2 * self.l],
             w: &w[ly.in_norm],
             rstd: &a.rstd1,
         };
-        let (gn, dx) = (&mut g[ly.in_norm], &gw.d_xn);
-        b.rmsnorm_backward(&mut gw.d_resid, gn, dx, saved, ls.norm, true)
+        let gn = grad_or_sink::<B>(g, &mut gw.sink, self.trains, ly.in_norm);
+        b.rmsnorm_backward(&mut gw.d_resid, gn, &gw.d_xn, saved, ls.norm, true)
     }
 }

@@ -5,6 +5,7 @@ use anyhow::{bail, ensure, Result};
 
 use super::attn::{AttnMode, PagedAttn};
 use super::hooks::{NoHooks, Pass, Unit, UnitHooks};
+use super::lora::{self, Adapt};
 use super::workspace::{Acts, Caps, Work};
 use super::{check_temperature, pair, Decoder, Layer, SeqRef, TokenStats};
 use crate::backend::{
@@ -12,6 +13,7 @@ use crate::backend::{
     PagedRopeShape, PrefillTiles, Qkv, RmsNormShape, RopeKvShape, Slots,
 };
 use crate::error::input_error;
+use crate::model::lora::Target;
 use crate::model::Config;
 
 /// The shapes of a layer's ops over `n` rows (the forward and backward passes share them).
@@ -109,6 +111,7 @@ impl<B: Backend> Decoder<B> {
             saved_layers: if train { self.cfg.num_layers.max(1) } else { 1 },
             backward: train,
             fused: false,
+            lora_rank: self.lora_rank(),
         })?;
         if r > 0 {
             self.reserve_logprob_scratch()?;
@@ -208,7 +211,9 @@ impl<B: Backend> Decoder<B> {
         let ls = LayerShapes::new(&self.cfg, n);
         for l in 0..self.layers.len() {
             hooks.before(Unit::Layer(l), Pass::Forward, self.unit_bufs())?;
+            let adapt = lora::view(&self.backend, &self.w, self.lora.as_ref(), n);
             let run = LayerRun {
+                lora: adapt.as_ref(),
                 b: &self.backend,
                 cfg: &self.cfg,
                 w: &self.w,
@@ -239,6 +244,8 @@ struct LayerRun<'a, B: Backend> {
     /// Keep this layer's activations and residual snapshots (else one set, reused).
     train: bool,
     fuse: bool,
+    /// The adapters, under LoRA.
+    lora: Option<&'a Adapt<'a, B>>,
 }
 
 impl<B: Backend> LayerRun<'_, B> {
@@ -250,6 +257,14 @@ impl<B: Backend> LayerRun<'_, B> {
         }
         self.attn_out(ws)?;
         self.mlp(ws)
+    }
+
+    /// y += the adapter on `t` applied to x, where the layer has one.
+    fn adapt(&self, t: Target, y: &mut B::Buf, x: &B::Buf, s: &mut [B::Buf; 2]) -> Result<()> {
+        match (self.lora, self.ly.lora[lora::slot(t)]) {
+            (Some(ad), Some(ab)) => ad.forward(ab, t.dims(self.cfg), y, x, s),
+            _ => Ok(()),
+        }
     }
 
     /// The activations this layer writes: its own when training, else the shared set.
@@ -301,9 +316,13 @@ impl<B: Backend> LayerRun<'_, B> {
         };
         let x = &a.xn1;
         let bias = |i: Option<usize>| i.map(|i| &w[i]);
+        let s = &mut ws.lora;
         b.matmul(q_dst, x, &w[ly.q], bias(ly.q_b), ls.gemm(d, qd), false)?;
+        self.adapt(Target::Q, q_dst, x, s)?;
         b.matmul(k_dst, x, &w[ly.k], bias(ly.k_b), ls.gemm(d, kd), false)?;
+        self.adapt(Target::K, k_dst, x, s)?;
         b.matmul(&mut a.v, x, &w[ly.v], bias(ly.v_b), ls.gemm(d, kd), false)?;
+        self.adapt(Target::V, &mut a.v, x, s)?;
         if let (Some(qn), Some(kn)) = (ly.q_norm, ly.k_norm) {
             b.rmsnorm(&mut a.q, &mut a.rstd_q, &a.q_raw, &w[qn], ls.q_norm)?;
             b.rmsnorm(&mut a.k, &mut a.rstd_k, &a.k_raw, &w[kn], ls.k_norm)?;
@@ -382,12 +401,16 @@ impl<B: Backend> LayerRun<'_, B> {
         let (d, _, qd, _) = self.dims();
         let (ri, rm, _) = self.resid();
         let (a, wo) = (&ws.acts[self.act()], &w[self.ly.o]);
-        if self.train {
+        let dst = if self.train {
             let (src, dst) = pair(&mut ws.resid, ri, rm);
-            b.matmul_residual(dst, src, &a.o, wo, ls.gemm(qd, d))
+            b.matmul_residual(dst, src, &a.o, wo, ls.gemm(qd, d))?;
+            dst
         } else {
-            b.matmul(&mut ws.resid[rm], &a.o, wo, None, ls.gemm(qd, d), true)
-        }
+            let dst = &mut ws.resid[rm];
+            b.matmul(dst, &a.o, wo, None, ls.gemm(qd, d), true)?;
+            dst
+        };
+        self.adapt(Target::O, dst, &a.o, &mut ws.lora)
     }
 
     /// The MLP block added to the residual: x·[Wg; Wu]ᵀ as one GEMM into ws.gu, or the two
@@ -410,16 +433,21 @@ impl<B: Backend> LayerRun<'_, B> {
             b.swiglu_packed(&mut ws.h, &ws.gu, ls.n, f)?;
         } else {
             b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, ls.gemm(d, f), false)?;
+            self.adapt(Target::Gate, &mut a.g, &a.xn2, &mut ws.lora)?;
             b.matmul(&mut a.u, &a.xn2, &w[ly.up], None, ls.gemm(d, f), false)?;
+            self.adapt(Target::Up, &mut a.u, &a.xn2, &mut ws.lora)?;
             let h = if self.train { &mut a.h } else { &mut ws.h };
             b.swiglu(h, &a.g, &a.u, ls.n * f)?;
         }
+        let s = &mut ws.lora;
         if self.train {
             let (src, dst) = pair(&mut ws.resid, rm, ro);
-            b.matmul_residual(dst, src, &a.h, &w[ly.down], ls.gemm(f, d))
+            b.matmul_residual(dst, src, &a.h, &w[ly.down], ls.gemm(f, d))?;
+            self.adapt(Target::Down, dst, &a.h, s)
         } else {
-            let s = ls.gemm(f, d);
-            b.matmul(&mut ws.resid[ro], &ws.h, &w[ly.down], None, s, true)
+            let (dst, x) = (&mut ws.resid[ro], &ws.h);
+            b.matmul(dst, x, &w[ly.down], None, ls.gemm(f, d), true)?;
+            self.adapt(Target::Down, dst, x, s)
         }
     }
 }

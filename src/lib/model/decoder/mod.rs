@@ -40,6 +40,7 @@ mod backward;
 mod forward;
 mod head;
 mod hooks;
+mod lora;
 mod optim;
 mod step;
 mod workspace;
@@ -54,9 +55,11 @@ use anyhow::{bail, ensure, Result};
 
 use crate::backend::{Backend, DType, Device, Parts};
 use crate::error::input_error;
+use crate::model::lora::{check_adapters, LoraSpec};
 use crate::model::names;
 use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
+use lora::LoraState;
 use workspace::Work;
 
 /// One sequence to score: the log-prob of `tokens[t]` given `tokens[..t]` is computed for every
@@ -129,6 +132,8 @@ struct Layer {
     qkv: Option<usize>,
     qkv_b: Option<usize>,
     gate_up: Option<usize>,
+    /// The adapters (A, B parameter indices) on each target, in `Target::ALL`'s order.
+    lora: [Option<(usize, usize)>; 7],
 }
 
 impl Layer {
@@ -146,7 +151,11 @@ impl Layer {
             self.down,
         ];
         let optional = [self.q_b, self.k_b, self.v_b, self.q_norm, self.k_norm];
-        fixed.into_iter().chain(optional.into_iter().flatten())
+        let adapters = self.lora.into_iter().flatten().flat_map(|(a, b)| [a, b]);
+        fixed
+            .into_iter()
+            .chain(optional.into_iter().flatten())
+            .chain(adapters)
     }
 }
 
@@ -161,8 +170,13 @@ pub struct Decoder<B: Backend> {
     /// f32 master weights the optimizer updates, when the compute dtype is not f32 (each step
     /// refreshes `w` from them); empty when `w` is f32 and is its own master.
     master: Vec<B::Buf>,
-    /// Gradients, allocated on the first `forward_backward`.
+    /// Gradients, allocated on the first `forward_backward` (empty for frozen parameters).
     g: Vec<B::Buf>,
+    /// Which parameters the optimizer trains: all, or under LoRA the adapters only (the base
+    /// has no master, gradient or moments: empty buffers in those lists).
+    trains: Vec<bool>,
+    /// The LoRA adapters, when the decoder trains them on a frozen base.
+    lora: Option<LoraState<B>>,
     /// Adam moments, allocated on the first optimizer step (or by loading a state).
     m: Vec<B::Buf>,
     v: Vec<B::Buf>,
@@ -295,6 +309,11 @@ struct Loader<'a, B: Backend> {
     masters: Vec<B::Buf>,
     /// The whole buffers of the fused projections (`Decoder::fused`).
     fused: Vec<B::Buf>,
+    /// The parameters added now are frozen (a LoRA decoder's base): no master.
+    frozen: bool,
+    trains: Vec<bool>,
+    /// No fused projections (LoRA: the adapters sit on each projection's own output).
+    no_fuse: bool,
 }
 
 /// A fused group's whole buffer and its N parts (Nones where not fused).
@@ -329,8 +348,14 @@ impl<B: Backend> Loader<'_, B> {
             if let Some(t) = t {
                 b.upload(&mut buf, &t.data)?;
                 if cd != DType::F32 && self.hold == Hold::Trainable {
-                    let mut m = b.alloc(n)?;
-                    b.upload(&mut m, &t.data)?;
+                    let m = match self.frozen {
+                        true => b.alloc(0)?,
+                        false => {
+                            let mut m = b.alloc(n)?;
+                            b.upload(&mut m, &t.data)?;
+                            m
+                        }
+                    };
                     self.masters.push(m);
                 }
             }
@@ -339,6 +364,7 @@ impl<B: Backend> Loader<'_, B> {
         self.names.push(name);
         self.shapes.push(shape);
         self.bufs.push(buf);
+        self.trains.push(!self.frozen);
         Ok(self.bufs.len() - 1)
     }
 
@@ -361,7 +387,7 @@ impl<B: Backend> Loader<'_, B> {
             cfg.num_heads * cfg.head_dim,
             cfg.num_kv_heads * cfg.head_dim,
         );
-        let upload = self.hold != Hold::Nothing;
+        let upload = self.hold != Hold::Nothing && !self.no_fuse;
         let qkv_w = if cfg.qk_norm || !upload {
             None
         } else {
@@ -434,6 +460,7 @@ impl<B: Backend> Loader<'_, B> {
             qkv: self.keep(qkv_all),
             qkv_b: self.keep(qkv_b_all),
             gate_up: self.keep(gu_all),
+            lora: [None; 7],
         })
     }
 }
@@ -462,7 +489,25 @@ impl<B: Backend> Decoder<B> {
     /// non-finite values are input errors; tensors the config does not use are ignored (e.g. a
     /// saved `lm_head.weight` of a tied model, or old `rotary_emb.inv_freq` buffers).
     pub fn new(backend: B, cfg: &Config, weights: &Weights) -> Result<Self> {
-        Self::build(backend, cfg, Some(weights), Hold::Trainable)
+        Self::build(backend, cfg, Some(weights), Hold::Trainable, None)
+    }
+
+    /// A decoder that trains LoRA `adapters` (PEFT's names less `base_model.model.`, checked
+    /// against `spec`) on the frozen `base`: the base in the compute dtype with no master,
+    /// gradient or optimizer state; the adapters with f32 masters and AdamW. Not for a value
+    /// model.
+    pub fn with_lora(
+        backend: B,
+        cfg: &Config,
+        base: &Weights,
+        adapters: &Weights,
+        spec: &LoraSpec,
+    ) -> Result<Self> {
+        spec.check()?;
+        check_adapters(cfg, spec, adapters, "LoRA adapters")?;
+        ensure!(!cfg.value_head, "LoRA trains a policy, not a value model");
+        let lora = Some((spec, adapters));
+        Self::build(backend, cfg, Some(base), Hold::Trainable, lora)
     }
 
     /// A decoder that only generates and scores: the compute weights of `weights` as a
@@ -475,7 +520,7 @@ impl<B: Backend> Decoder<B> {
                 t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
             }
         }
-        Self::build(backend, cfg, Some(&weights), Hold::Compute)
+        Self::build(backend, cfg, Some(&weights), Hold::Compute, None)
     }
 
     /// [`Decoder::new`] or [`Decoder::for_generation`] by `hold`; under [`Hold::Nothing`]
@@ -483,7 +528,15 @@ impl<B: Backend> Decoder<B> {
     /// full sharding starts from (the engine cuts each rank's shards from the host weights).
     /// `weights` None: the buffers of `hold` are allocated (fused parts included) but not
     /// filled, for a caller that writes them on the device (a sharded group's generation copy).
-    fn build(backend: B, cfg: &Config, weights: Option<&Weights>, hold: Hold) -> Result<Self> {
+    /// `lora`: the adapters' spec and weights, added after the base's parameters, which are
+    /// then frozen.
+    fn build(
+        backend: B,
+        cfg: &Config,
+        weights: Option<&Weights>,
+        hold: Hold,
+        lora: Option<(&LoraSpec, &Weights)>,
+    ) -> Result<Self> {
         // Masters are copies of the host weights: nothing to copy without them.
         ensure!(
             weights.is_some() || hold != Hold::Trainable,
@@ -501,9 +554,12 @@ impl<B: Backend> Decoder<B> {
             bufs: Vec::new(),
             masters: Vec::new(),
             fused: Vec::new(),
+            frozen: lora.is_some(),
+            trains: Vec::new(),
+            no_fuse: lora.is_some(),
         };
         let embed = p.add("model.embed_tokens.weight".into(), vec![v, d], None)?;
-        let layers = (0..cfg.num_layers)
+        let mut layers = (0..cfg.num_layers)
             .map(|l| p.layer(cfg, l))
             .collect::<Result<Vec<_>>>()?;
         let final_norm = p.add("model.norm.weight".into(), vec![d], None)?;
@@ -515,12 +571,24 @@ impl<B: Backend> Decoder<B> {
         } else {
             (p.add(names::LM_HEAD.into(), vec![v, d], None)?, None)
         };
+        if let Some((spec, adapters)) = lora {
+            (p.frozen, p.weights) = (false, Some(adapters));
+            for slot in spec.adapters(cfg) {
+                let a = p.add(slot.a.0, slot.a.1, None)?;
+                let b = p.add(slot.b.0, slot.b.1, None)?;
+                layers[slot.layer].lora[lora::slot(slot.target)] = Some((a, b));
+            }
+        }
+        let lora = lora
+            .map(|(spec, _)| LoraState::new(&backend, spec))
+            .transpose()?;
         let Loader {
             names,
             shapes,
             bufs,
             masters,
             fused,
+            trains,
             ..
         } = p;
         let ws = Work::empty(&backend, cfg)?;
@@ -533,6 +601,8 @@ impl<B: Backend> Decoder<B> {
             w: bufs,
             master: masters,
             g: Vec::new(),
+            trains,
+            lora,
             m: Vec::new(),
             v: Vec::new(),
             step: 0,
@@ -578,6 +648,21 @@ impl<B: Backend> Decoder<B> {
         self.export(self.masters())
     }
 
+    /// The LoRA spec, when the decoder trains adapters.
+    pub fn lora_spec(&self) -> Option<&LoraSpec> {
+        self.lora.as_ref().map(|l| &l.spec)
+    }
+
+    /// The trained LoRA adapters (their f32 masters) by name, without the base; empty without
+    /// LoRA.
+    pub fn export_adapters(&self) -> Result<Weights> {
+        let mut all = self.export_where(self.masters(), |i| self.trains[i])?;
+        if self.lora.is_none() {
+            all.clear();
+        }
+        Ok(all)
+    }
+
     /// The weights the forward pass reads, widened to f32 (the masters rounded to the backend's
     /// compute dtype); for checks.
     pub fn export_compute_weights(&self) -> Result<Weights> {
@@ -594,9 +679,22 @@ impl<B: Backend> Decoder<B> {
     }
 
     fn export(&self, bufs: &[B::Buf]) -> Result<Weights> {
+        self.export_where(bufs, |_| true)
+    }
+
+    /// The parameters `keep` picks, from `bufs` (a frozen parameter's empty buffer there: from
+    /// the compute weights, its only copy).
+    fn export_where(&self, bufs: &[B::Buf], keep: impl Fn(usize) -> bool) -> Result<Weights> {
         let mut out = Weights::new();
-        for ((name, shape), buf) in self.names.iter().zip(&self.shapes).zip(bufs) {
+        for (i, (name, shape)) in self.names.iter().zip(&self.shapes).enumerate() {
+            if !keep(i) {
+                continue;
+            }
             let mut t = Tensor::zeros(shape.clone());
+            let buf = match self.trains[i] || self.backend.len(&bufs[i]) > 0 {
+                true => &bufs[i],
+                false => &self.w[i],
+            };
             self.backend.download(buf, &mut t.data)?;
             out.insert(name.clone(), t);
         }
@@ -607,7 +705,10 @@ impl<B: Backend> Decoder<B> {
     fn fuses(&self) -> bool {
         // Not in batch-invariant mode: training runs the split GEMMs, and a fused one rounds
         // differently (the point of the mode is that rollout and training round alike).
-        self.fuse && !self.fused.is_empty() && !self.backend.batch_invariant()
+        self.fuse
+            && !self.fused.is_empty()
+            && !self.backend.batch_invariant()
+            && self.lora.is_none()
     }
 
     /// Turns the fused q/k/v and gate/up GEMMs of paged steps on (the default) or
@@ -643,12 +744,12 @@ impl<B: Backend> Decoder<B> {
 impl<B: Backend> Decoder<B> {
     /// A decoder that holds no weights (the names and shapes only), from checked `weights`.
     pub(crate) fn unloaded(backend: B, cfg: &Config, weights: &Weights) -> Result<Self> {
-        Self::build(backend, cfg, Some(weights), Hold::Nothing)
+        Self::build(backend, cfg, Some(weights), Hold::Nothing, None)
     }
 
     /// [`Decoder::for_generation`]'s buffers (fused parts included), not filled.
     pub(crate) fn unfilled_for_generation(backend: B, cfg: &Config) -> Result<Self> {
-        Self::build(backend, cfg, None, Hold::Compute)
+        Self::build(backend, cfg, None, Hold::Compute, None)
     }
 
     /// The parameters' HF names, in order.

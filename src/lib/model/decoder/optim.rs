@@ -108,13 +108,13 @@ impl<B: Backend> Decoder<B> {
         Ok(self.backend.sum_squares_all(&all)?.sqrt() as f32)
     }
 
-    /// The gradients by HF name (for tests and debugging).
+    /// The gradients of the trained parameters by HF name (for tests and debugging).
     pub fn export_grads(&self) -> Result<Weights> {
         ensure!(
             !self.g.is_empty(),
             "no gradients yet: run forward_backward first"
         );
-        self.export(&self.g)
+        self.export_where(&self.g, |i| self.trains[i])
     }
 
     /// Clips the gradients to `max_grad_norm` (global L2, as torch's clip_grad_norm_) and takes
@@ -139,15 +139,15 @@ impl<B: Backend> Decoder<B> {
         }
         let grad_scale = clip_scale(grad_norm, max_grad_norm);
         if self.m.is_empty() {
-            for s in &self.shapes {
-                let n = s.iter().product();
+            for (s, &trains) in self.shapes.iter().zip(&self.trains) {
+                let n = if trains { s.iter().product() } else { 0 };
                 self.m.push(self.backend.alloc(n)?);
                 self.v.push(self.backend.alloc(n)?);
             }
         }
         self.step += 1;
         let st = adamw_step(hp, self.step, grad_scale);
-        for i in 0..self.w.len() {
+        for i in (0..self.w.len()).filter(|&i| self.trains[i]) {
             let n = self.backend.len(&self.w[i]);
             let p = if self.master.is_empty() {
                 &mut self.w[i]
@@ -176,10 +176,11 @@ impl<B: Backend> Decoder<B> {
                 ..Default::default()
             });
         }
+        let trains = |i: usize| self.trains[i];
         Ok(OptimizerState {
             step: self.step,
-            exp_avg: self.export(&self.m)?,
-            exp_avg_sq: self.export(&self.v)?,
+            exp_avg: self.export_where(&self.m, trains)?,
+            exp_avg_sq: self.export_where(&self.v, trains)?,
         })
     }
 
@@ -194,7 +195,14 @@ impl<B: Backend> Decoder<B> {
         };
         let mut m = Vec::with_capacity(self.names.len());
         let mut v = Vec::with_capacity(self.names.len());
-        for (tm, tv) in moments {
+        let mut moments = moments.into_iter();
+        for &trains in &self.trains {
+            if !trains {
+                m.push(self.backend.alloc(0)?);
+                v.push(self.backend.alloc(0)?);
+                continue;
+            }
+            let (tm, tv) = moments.next().expect("one pair per trained parameter");
             for (t, out) in [(tm, &mut m), (tv, &mut v)] {
                 let mut buf = self.backend.alloc(t.numel())?;
                 self.backend.upload(&mut buf, &t.data)?;
@@ -207,8 +215,8 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Each parameter's (exp_avg, exp_avg_sq) in `state`, checked against the model (input
-    /// errors); None when the state has no moments (no step taken yet).
+    /// Each trained parameter's (exp_avg, exp_avg_sq) in `state`, checked against the model
+    /// (input errors); None when the state has no moments (no step taken yet).
     pub(crate) fn state_moments<'s>(
         &self,
         state: &'s OptimizerState,
@@ -217,7 +225,8 @@ impl<B: Backend> Decoder<B> {
             return Ok(None);
         }
         let mut out = Vec::with_capacity(self.names.len());
-        for (name, shape) in self.names.iter().zip(&self.shapes) {
+        let trained = self.names.iter().zip(&self.shapes).zip(&self.trains);
+        for ((name, shape), _) in trained.filter(|(_, &t)| t) {
             let mut pair = [None, None];
             for (k, (map, what)) in [
                 (&state.exp_avg, "exp_avg"),
@@ -246,7 +255,11 @@ impl<B: Backend> Decoder<B> {
             ("exp_avg", &state.exp_avg),
             ("exp_avg_sq", &state.exp_avg_sq),
         ] {
-            if let Some(extra) = map.keys().find(|k| !self.names.contains(k)) {
+            let trained = |k: &String| {
+                let i = self.names.iter().position(|n| n == k);
+                i.is_some_and(|i| self.trains[i])
+            };
+            if let Some(extra) = map.keys().find(|k| !trained(k)) {
                 bail!(input_error(format!(
                     "optimizer state: {what} has '{extra}', which the model does not have"
                 )));
@@ -284,7 +297,11 @@ impl<B: Backend> Decoder<B> {
             return Ok(());
         }
         let mut out = Vec::with_capacity(self.names.len());
-        for (name, shape) in self.names.iter().zip(&self.shapes) {
+        for (i, (name, shape)) in self.names.iter().zip(&self.shapes).enumerate() {
+            if !self.trains[i] {
+                out.push(self.backend.alloc(0)?);
+                continue;
+            }
             let t = weights
                 .get(name)
                 .ok_or_else(|| anyhow::anyhow!("master weights: '{name}' is missing"))?;

@@ -19,6 +19,8 @@ pub(super) struct Caps {
     pub(super) backward: bool,
     /// The fused projections' outputs (`Work::qkv`, `Work::gu`).
     pub(super) fused: bool,
+    /// The LoRA rank (`Work::lora`'s columns; 0 without adapters).
+    pub(super) lora_rank: usize,
 }
 
 impl Caps {
@@ -29,6 +31,7 @@ impl Caps {
             && self.saved_layers >= o.saved_layers
             && (self.backward || !o.backward)
             && (self.fused || !o.fused)
+            && self.lora_rank >= o.lora_rank
     }
 
     pub(super) fn max(&self, o: &Caps) -> Caps {
@@ -39,6 +42,7 @@ impl Caps {
             saved_layers: self.saved_layers.max(o.saved_layers),
             backward: self.backward || o.backward,
             fused: self.fused || o.fused,
+            lora_rank: self.lora_rank.max(o.lora_rank),
         }
     }
 }
@@ -88,6 +92,8 @@ pub(super) struct GradWork<B: Backend> {
     pub(super) old: B::Buf,
     pub(super) adv: B::Buf,
     pub(super) lw: B::Buf,
+    /// Where a frozen norm's weight gradient goes (the op computes one; LoRA reads none).
+    pub(super) sink: B::Buf,
 }
 
 pub(super) struct Work<B: Backend> {
@@ -120,6 +126,8 @@ pub(super) struct Work<B: Backend> {
     pub(super) scratch: B::Buf,
     /// Logits of a paged step's sampled rows (`rows × vocab`, grown on demand).
     pub(super) logits: B::Buf,
+    /// The adapters' two [tokens, rank] intermediates (`decoder::lora`).
+    pub(super) lora: [B::Buf; 2],
 }
 
 impl<B: Backend> Work<B> {
@@ -195,6 +203,11 @@ impl<B: Backend> Work<B> {
                 old: b.alloc(n)?,
                 adv: b.alloc(n)?,
                 lw: b.alloc(3 * n)?,
+                sink: b.alloc(if c.lora_rank > 0 {
+                    hd.max(d.head_dim)
+                } else {
+                    0
+                })?,
             })
         } else {
             None
@@ -223,6 +236,7 @@ impl<B: Backend> Work<B> {
             grad,
             scratch: b.alloc(0)?,
             logits: b.alloc(0)?,
+            lora: [ac(t * c.lora_rank)?, ac(t * c.lora_rank)?],
         })
     }
 }
@@ -237,7 +251,13 @@ impl<B: Backend> Decoder<B> {
             saved_layers: 1,
             backward: false,
             fused: self.fuses(),
+            lora_rank: self.lora_rank(),
         }
+    }
+
+    /// The adapters' rank, 0 without LoRA.
+    pub(super) fn lora_rank(&self) -> usize {
+        self.lora.as_ref().map_or(0, |l| l.spec.rank)
     }
 
     /// Grows the workspace (all at once, before any layer runs) so it covers `need`.

@@ -662,15 +662,16 @@ mod tests {
         let mut lora = verl(GRPO);
         lora.apply_override("actor_rollout_ref.model.lora_rank=32")
             .unwrap();
-        let (_, conv) = spec_of(&lora, Some("gsm8k"));
+        lora.apply_override("actor_rollout_ref.model.target_modules=[q_proj,v_proj]")
+            .unwrap();
+        let (spec, conv) = spec_of(&lora, Some("gsm8k"));
         let reported: Vec<&str> = conv.unmapped.iter().map(|u| u.pattern.as_str()).collect();
-        assert!(
-            reported.contains(&"actor_rollout_ref.model.lora_rank"),
-            "{reported:?}"
-        );
-        assert!(
-            reported.contains(&"actor_rollout_ref.model.lora_alpha"),
-            "{reported:?}"
+        assert!(!reported.iter().any(|k| k.contains("lora")), "{reported:?}");
+        assert_eq!(at(&spec, "update.lora-rank").as_integer(), Some(32));
+        assert_eq!(at(&spec, "update.lora-alpha").as_integer(), Some(16));
+        assert_eq!(
+            at(&spec, "update.lora-targets").as_str(),
+            Some("q_proj,v_proj")
         );
         // A key no rule knows is reported as such.
         lora.apply_override("+trainer.brand_new.knob=1").unwrap();

@@ -160,6 +160,51 @@ fn switch(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
     }
 }
 
+/// Whether verl's LoRA is on (`actor_rollout_ref.model.lora_rank` > 0).
+fn lora_is_on(ctx: &Ctx) -> bool {
+    let rank = ctx.get("actor_rollout_ref.model.lora_rank");
+    rank.and_then(|r| r.as_i64()).is_some_and(|r| r > 0)
+}
+
+/// verl's lora_rank: 0 (off) writes nothing.
+fn lora_rank(v: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
+    match int(v)? {
+        0 => Ok(None),
+        r if r > 0 => Ok(Some(toml::Value::Integer(r))),
+        r => Err(format!("expected a rank >= 0, got {r}")),
+    }
+}
+
+/// A LoRA key's value as it is, when LoRA is on.
+fn lora_on(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
+    match lora_is_on(ctx) {
+        true => same(v, ctx),
+        false => Ok(None),
+    }
+}
+
+/// verl's target_modules (a list of module names, or "all-linear") as a comma list, when LoRA
+/// is on.
+fn lora_targets(v: &Value, ctx: &Ctx) -> Result<Option<toml::Value>, String> {
+    if !lora_is_on(ctx) {
+        return Ok(None);
+    }
+    let text = match v {
+        Value::String(s) => s.clone(),
+        Value::Array(a) => {
+            let names: Option<Vec<&str>> = a.iter().map(Value::as_str).collect();
+            names.ok_or("expected a list of module names")?.join(",")
+        }
+        _ => {
+            return Err(format!(
+                "expected a list of module names, got {} {v}",
+                kind(v)
+            ))
+        }
+    };
+    Ok(Some(toml::Value::String(text)))
+}
+
 fn nothing(_: &Value, _: &Ctx) -> Result<Option<toml::Value>, String> {
     Ok(None)
 }
@@ -506,11 +551,11 @@ pub(crate) static RULES: &[Rule] = &[
     rule("data.*", To::None("verl's data loader (workers, shared memory, multi-modal keys, custom dataset classes): tandem reads one parquet file")),
     // actor_rollout_ref.model.*
     rule("actor_rollout_ref.model.path", key_how("model.path", "also the reference model, as in verl; `~/` expanded", path)),
-    rule("actor_rollout_ref.model.lora_rank", To::WhenOn { switch: "", why: "no LoRA yet: tandem trains every weight (issue 37)" }),
-    rule("actor_rollout_ref.model.target_modules", To::WhenOn { switch: "actor_rollout_ref.model.lora_rank", why: "no LoRA yet (issue 37)" }),
-    rule("actor_rollout_ref.model.exclude_modules", To::WhenOn { switch: "actor_rollout_ref.model.lora_rank", why: "no LoRA yet (issue 37)" }),
-    rule("actor_rollout_ref.model.lora_alpha", To::WhenOn { switch: "actor_rollout_ref.model.lora_rank", why: "no LoRA yet (issue 37)" }),
-    rule("actor_rollout_ref.model.lora_adapter_path", To::WhenOn { switch: "", why: "no LoRA yet (issue 37)" }),
+    rule("actor_rollout_ref.model.lora_rank", key_how("update.lora-rank", "0 (off): nothing written", lora_rank)),
+    rule("actor_rollout_ref.model.target_modules", key_how("update.lora-targets", "a comma list (or all-linear); only with lora_rank on", lora_targets)),
+    rule("actor_rollout_ref.model.exclude_modules", To::WhenOn { switch: "actor_rollout_ref.model.lora_rank", why: "no exclusions: adapters sit on every target of every layer" }),
+    rule("actor_rollout_ref.model.lora_alpha", key_how("update.lora-alpha", "only with lora_rank on", lora_on)),
+    rule("actor_rollout_ref.model.lora_adapter_path", To::WhenOn { switch: "", why: "not converted: give the adapter directory as [model] path and its base as [model] ref (docs/LORA.md)" }),
     rule("actor_rollout_ref.model.custom_chat_template", To::WhenOn { switch: "", why: "rollout uses the model directory's chat template (edit tokenizer_config.json or chat_template.jinja there)" }),
     rule("actor_rollout_ref.model.*", To::None("model loading and memory options of verl's FSDP engine (remove padding, gradient checkpointing, liger, fused kernels, ...): tandem's engine packs sequences and picks its kernels itself")),
     // actor_rollout_ref.actor.*

@@ -100,7 +100,7 @@ fn logprob_case(c: &mut Ctx, d: DType, sd: DType, entropy: bool, s: LogprobShape
     let mut dwc = dw0.clone();
     c.cpu.logprob_backward(
         &mut dxc,
-        &mut dwc,
+        Some(&mut dwc),
         LogprobInput {
             x: &x,
             w: &w,
@@ -125,7 +125,7 @@ fn logprob_case(c: &mut Ctx, d: DType, sd: DType, entropy: bool, s: LogprobShape
     let mut gdw = c.dev(&dw0, DType::F32)?;
     c.gpu.logprob_backward(
         &mut gdx,
-        &mut gdw,
+        Some(&mut gdw),
         LogprobInput {
             x: &gx,
             w: &gw,
@@ -294,7 +294,7 @@ fn time(t: &mut Timer) -> Result<()> {
         || {
             gpu.logprob_backward(
                 &mut dx,
-                &mut dwh,
+                Some(&mut dwh),
                 LogprobInput {
                     x: &x,
                     w: &w,

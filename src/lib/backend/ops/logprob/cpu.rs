@@ -95,7 +95,7 @@ pub fn forward(
 /// dx = dlogits·w (overwritten), dw += dlogitsᵀ·x.
 pub fn backward(
     dx: &mut [f32],
-    dw: &mut [f32],
+    mut dw: Option<&mut [f32]>,
     input: LogprobInput<&[f32], &[u32]>,
     g: LogprobGrad<&[f32]>,
     s: LogprobShape,
@@ -124,7 +124,9 @@ pub fn backward(
                 row[targets[i] as usize] += glp * inv_t;
             });
         matmul::backward_x(&mut dx[c0 * d..(c0 + cn) * d], logits, w, s.gemm(cn), false);
-        matmul::backward_w(dw, None, logits, xc, s.gemm(cn));
+        if let Some(dw) = dw.as_deref_mut() {
+            matmul::backward_w(dw, None, logits, xc, s.gemm(cn));
+        }
     }
     Ok(())
 }
@@ -167,7 +169,7 @@ impl LogprobOps for Cpu {
     fn logprob_backward(
         &self,
         dx: &mut Vec<f32>,
-        dw: &mut Vec<f32>,
+        dw: Option<&mut Vec<f32>>,
         x: LogprobInput<&Vec<f32>, &Vec<u32>>,
         g: LogprobGrad<&Vec<f32>>,
         s: LogprobShape,
@@ -179,7 +181,10 @@ impl LogprobOps for Cpu {
         };
         backward(
             get_mut(dx, s.rows * s.hidden, "logprob dx")?,
-            get_mut(dw, s.vocab * s.hidden, "logprob dw")?,
+            match dw {
+                Some(dw) => Some(get_mut(dw, s.vocab * s.hidden, "logprob dw")?),
+                None => None,
+            },
             input_of(x, s)?,
             LogprobGrad {
                 dlp: get(g.dlp, s.rows, "logprob dlp")?,

@@ -80,7 +80,7 @@ impl LogprobOps for CudaBackend {
     fn logprob_backward(
         &self,
         dx: &mut CudaBuf,
-        dw: &mut CudaBuf,
+        mut dw: Option<&mut CudaBuf>,
         input: LogprobInput<&CudaBuf, &CudaIdx>,
         grad: LogprobGrad<&CudaBuf>,
         s: LogprobShape,
@@ -95,7 +95,9 @@ impl LogprobOps for CudaBackend {
         } = grad;
         s.check()?;
         need(dx.len, s.rows * s.hidden, "logprob dx")?;
-        need(dw.len, s.vocab * s.hidden, "logprob dw")?;
+        if let Some(dw) = &dw {
+            need(dw.len, s.vocab * s.hidden, "logprob dw")?;
+        }
         need(x.len, s.rows * s.hidden, "logprob x")?;
         need(w.len, s.vocab * s.hidden, "logprob w")?;
         need(targets.len, s.rows, "logprob targets")?;
@@ -113,7 +115,8 @@ impl LogprobOps for CudaBackend {
         if s.rows == 0 {
             return Ok(());
         }
-        let bf = [x.dtype, w.dtype, scratch.dtype, dx.dtype, dw.dtype].contains(&DType::BF16);
+        let dw_dtype = dw.as_ref().map_or(x.dtype, |d| d.dtype);
+        let bf = [x.dtype, w.dtype, scratch.dtype, dx.dtype, dw_dtype].contains(&DType::BF16);
         let (xo, _tx) = self.operand_for(x, s.rows * s.hidden, bf)?;
         let (wo, _tw) = self.operand_for(w, s.vocab * s.hidden, bf)?;
         // dlogits go where the next GEMMs can read them: in place, or a bf16 temporary when the
@@ -147,7 +150,9 @@ impl LogprobOps for CudaBackend {
                 .f32(1.0 / s.temperature);
             self.launch(&f, (cn as u32, 1, 1), THREADS, 0, &args)?;
             self.gemm_dyw(dx.operand(c0 * s.hidden), dl, wo, s.gemm(cn), false)?;
-            self.gemm_dytx(dw.operand(0), dl, xc, s.gemm(cn))?;
+            if let Some(dw) = dw.as_deref_mut() {
+                self.gemm_dytx(dw.operand(0), dl, xc, s.gemm(cn))?;
+            }
         }
         Ok(())
     }

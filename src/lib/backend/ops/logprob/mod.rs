@@ -92,11 +92,12 @@ pub trait LogprobOps: Device {
         scratch: &mut Self::Buf,
     ) -> Result<()>;
     /// dz_iv = glp_i(δ_{v,y_i} − p_iv) − gent_i·p_iv(log p_iv + ent_i), dlogits = dz/T;
-    /// dx = dlogits·w (overwritten), dw += dlogitsᵀ·x. Logits are recomputed chunk by chunk.
+    /// dx = dlogits·w (overwritten), dw += dlogitsᵀ·x (skipped without dw: a frozen head).
+    /// Logits are recomputed chunk by chunk.
     fn logprob_backward(
         &self,
         dx: &mut Self::Buf,
-        dw: &mut Self::Buf,
+        dw: Option<&mut Self::Buf>,
         x: LogprobInput<&Self::Buf, &Self::Idx>,
         grad: LogprobGrad<&Self::Buf>,
         shape: LogprobShape,

@@ -1,0 +1,825 @@
+//! LoRA on the CPU backend: the adapters' gradients against finite differences, one AdamW
+//! step against the same step computed by hand (the base untouched), and the merged model's
+//! log-probs against the adapted decoder's.
+
+use crate::common;
+
+use common::{random_weights, tiny, tokens};
+use tandem::backend::check::{randn, Rng};
+use tandem::backend::cpu::Cpu;
+use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
+use tandem::model::lora::{init_adapters, merge, LoraSpec, Target};
+use tandem::model::{Arch, Config, Weights};
+
+const ARCHS: [Arch; 3] = [Arch::Qwen2, Arch::Llama, Arch::Qwen3];
+
+fn spec(targets: &str) -> LoraSpec {
+    LoraSpec {
+        rank: 3,
+        alpha: 6.0,
+        targets: LoraSpec::parse_targets(targets, "test").unwrap(),
+    }
+}
+
+/// Fresh adapters with a non-zero B (so that A has a gradient too).
+fn adapters(cfg: &Config, s: &LoraSpec, seed: u64) -> Weights {
+    let mut ad = init_adapters(cfg, s, seed);
+    let mut rng = Rng::new(seed + 1);
+    for (name, t) in ad.iter_mut() {
+        if name.ends_with("lora_B.weight") {
+            t.data.iter_mut().for_each(|x| *x = 0.3 * rng.normal());
+        }
+    }
+    ad
+}
+
+fn seqs(cfg: &Config) -> (Vec<SeqRef<'static>>, Vec<Vec<f32>>) {
+    let toks = [tokens(6, cfg.vocab_size, 2), tokens(5, cfg.vocab_size, 3)];
+    let seqs: Vec<SeqRef<'static>> = toks
+        .iter()
+        .zip([2, 1])
+        .map(|(t, start)| SeqRef {
+            tokens: Box::leak(t.clone().into_boxed_slice()),
+            start,
+        })
+        .collect();
+    let c = seqs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| randn(s.tokens.len() - s.start, 10 + i as u64))
+        .collect();
+    (seqs, c)
+}
+
+/// L = Σ c·logprob.
+fn loss(stats: &[TokenStats], c: &[Vec<f32>]) -> f64 {
+    let pairs = stats
+        .iter()
+        .zip(c)
+        .flat_map(|(s, c)| s.logprobs.iter().zip(c));
+    pairs.map(|(lp, c)| *lp as f64 * *c as f64).sum()
+}
+
+fn backward(dec: &mut Decoder<Cpu>, seqs: &[SeqRef], c: &[Vec<f32>]) {
+    dec.forward_backward(seqs, 1.0, &mut |_| {
+        Ok(c.iter()
+            .map(|c| TokenGrads {
+                dlogprobs: c.clone(),
+                dentropy: None,
+            })
+            .collect())
+    })
+    .unwrap();
+}
+
+fn lora(cfg: &Config, base: &Weights, ad: &Weights, s: &LoraSpec) -> Decoder<Cpu> {
+    Decoder::with_lora(Cpu, cfg, base, ad, s).unwrap()
+}
+
+#[test]
+fn adapter_gradients_match_finite_differences() {
+    for arch in ARCHS {
+        let cfg = tiny(arch);
+        let base = random_weights(&cfg, 1);
+        let s = spec("all-linear");
+        let ad = adapters(&cfg, &s, 5);
+        let (seqs, c) = seqs(&cfg);
+        let mut dec = lora(&cfg, &base, &ad, &s);
+        backward(&mut dec, &seqs, &c);
+        let grads = dec.export_grads().unwrap();
+        // Only the adapters have gradients: the base is frozen.
+        assert_eq!(grads.len(), ad.len());
+        assert!(grads.keys().eq(ad.keys()));
+        let eps = 1e-3f32;
+        let mut rng = Rng::new(99);
+        let mut worst = 0f64;
+        for (name, g) in &grads {
+            let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
+            let an: f64 = g
+                .data
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| g as f64 * u as f64)
+                .sum();
+            let eval = |sign: f32| {
+                let mut a = ad.clone();
+                let t = a.get_mut(name).unwrap();
+                t.data
+                    .iter_mut()
+                    .zip(&u)
+                    .for_each(|(x, u)| *x += sign * eps * u);
+                let stats = lora(&cfg, &base, &a, &s)
+                    .logprobs(&seqs, 1.0, false)
+                    .unwrap();
+                loss(&stats, &c)
+            };
+            let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
+            let err = (fd - an).abs() / an.abs().max(0.1);
+            worst = worst.max(err);
+            assert!(
+                err < 2e-2,
+                "{arch:?} {name}: analytic {an:.6} vs finite difference {fd:.6}"
+            );
+        }
+        eprintln!(
+            "{arch:?}: worst relative adapter gradient error {worst:.2e} over {} tensors",
+            grads.len()
+        );
+    }
+}
+
+#[test]
+fn fresh_adapters_leave_the_base_model_as_it_was() {
+    let cfg = tiny(Arch::Qwen2);
+    let base = random_weights(&cfg, 2);
+    let s = spec("q,v,down");
+    let (seqs, _) = seqs(&cfg);
+    let want = Decoder::new(Cpu, &cfg, &base)
+        .unwrap()
+        .logprobs(&seqs, 1.0, true)
+        .unwrap();
+    let got = lora(&cfg, &base, &init_adapters(&cfg, &s, 3), &s)
+        .logprobs(&seqs, 1.0, true)
+        .unwrap();
+    assert_eq!(got, want, "B = 0: the adapted model is the base");
+}
+
+#[test]
+fn one_update_equals_adamw_by_hand_and_leaves_the_base() {
+    let cfg = tiny(Arch::Qwen3);
+    let base = random_weights(&cfg, 3);
+    let s = spec("k,o,gate,up");
+    let ad = adapters(&cfg, &s, 7);
+    let (seqs, c) = seqs(&cfg);
+    let mut dec = lora(&cfg, &base, &ad, &s);
+    backward(&mut dec, &seqs, &c);
+    let grads = dec.export_grads().unwrap();
+    let hp = AdamWParams {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let report = dec.optimizer_step(&hp, None).unwrap();
+    assert!(!report.skipped);
+    // Step 1 from zero moments: m̂ = g, v̂ = g², p ← p(1 − lr·wd) − lr·g/(|g| + eps).
+    let got = dec.export_adapters().unwrap();
+    assert!(got.keys().eq(ad.keys()));
+    let mut norm = 0f64;
+    for (name, p0) in &ad {
+        let g = &grads[name];
+        norm += g.data.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
+        for ((p0, g), p1) in p0.data.iter().zip(&g.data).zip(&got[name].data) {
+            let want = p0 * (1.0 - hp.lr * hp.weight_decay) - hp.lr * g / (g.abs() + hp.eps);
+            assert!((p1 - want).abs() <= 1e-6, "{name}: {p1} vs {want}");
+        }
+    }
+    assert!((report.grad_norm as f64 - norm.sqrt()).abs() < 1e-4 * norm.sqrt());
+    // The base is what it was, and the optimizer state holds the adapters only.
+    let all = dec.export_weights().unwrap();
+    for (name, t) in &base {
+        if let Some(w) = all.get(name) {
+            assert_eq!(w, t, "{name} moved");
+        }
+    }
+    let st = dec.optimizer_state().unwrap();
+    assert!(st.exp_avg.keys().eq(ad.keys()) && st.exp_avg_sq.keys().eq(ad.keys()));
+}
+
+#[test]
+fn merged_weights_score_as_the_adapted_decoder() {
+    for arch in ARCHS {
+        let cfg = tiny(arch);
+        let base = random_weights(&cfg, 4);
+        let s = spec("all-linear");
+        let ad = adapters(&cfg, &s, 9);
+        let (seqs, _) = seqs(&cfg);
+        let got = lora(&cfg, &base, &ad, &s)
+            .logprobs(&seqs, 0.7, true)
+            .unwrap();
+        let mut merged = base.clone();
+        merge(&cfg, &mut merged, &ad, &s).unwrap();
+        let want = Decoder::new(Cpu, &cfg, &merged)
+            .unwrap()
+            .logprobs(&seqs, 0.7, true)
+            .unwrap();
+        let diff = got
+            .iter()
+            .zip(&want)
+            .flat_map(|(a, b)| a.logprobs.iter().zip(&b.logprobs))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff < 1e-4,
+            "{arch:?}: merged vs adapted log-probs differ by {diff}"
+        );
+        let changed = base.iter().filter(|(n, t)| merged[*n] != **t).count();
+        assert_eq!(changed, 7 * cfg.num_layers, "{arch:?}: every target merged");
+        let _ = Target::ALL;
+    }
+}
+
+mod files {
+    use super::{adapters, spec};
+    use crate::stage_util::{f32_rows, i32_rows, input_error, ok, p, prompts, read, tiny_model};
+    use std::path::Path;
+    use tandem::batch::schema;
+    use tandem::model::peft::{read_adapter, write_adapter};
+    use tandem::model::ModelDir;
+
+    /// An adapter directory on `base`: the PEFT files, and the base's tokenizer files (what a
+    /// LoRA checkpoint holds besides), no config.json.
+    fn adapter_dir(base: &Path, out: &Path) {
+        let (cfg, _) = ModelDir::load(base).unwrap();
+        let s = spec("q,v,o,down");
+        let mut ad = adapters(&cfg, &s, 21);
+        for t in ad.values_mut() {
+            t.data.iter_mut().for_each(|x| *x *= 8.0);
+        }
+        std::fs::create_dir_all(out).unwrap();
+        write_adapter(out, &s, &ad, base.to_str().unwrap()).unwrap();
+        assert_eq!(
+            read_adapter(out).unwrap().weights,
+            ad,
+            "the files round-trip"
+        );
+        for e in std::fs::read_dir(base).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            if name.starts_with("tokenizer") || name == "special_tokens_map.json" {
+                std::fs::copy(base.join(&name), out.join(&name)).unwrap();
+            }
+        }
+    }
+
+    fn rollout(model: &Path, prompts: &Path, out: &Path) -> (Vec<Vec<i32>>, Vec<Vec<f32>>) {
+        ok(
+            "rollout",
+            &[
+                "--model",
+                p(model),
+                "--in",
+                p(prompts),
+                "--out",
+                p(out),
+                "--n",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--seed",
+                "3",
+                "--temperature",
+                "1.0",
+            ],
+        );
+        let b = read(out);
+        (
+            i32_rows(&b, schema::RESPONSE_IDS),
+            f32_rows(&b, schema::ROLLOUT_LOGPROBS),
+        )
+    }
+
+    #[test]
+    fn rollout_from_an_adapter_is_the_merged_model_and_not_the_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 41);
+        let adapter = d.join("adapter");
+        adapter_dir(&base, &adapter);
+        let merged = d.join("merged");
+        ok(
+            "tandem",
+            &[
+                "merge-lora",
+                "--base",
+                p(&base),
+                "--adapter",
+                p(&adapter),
+                "--out",
+                p(&merged),
+            ],
+        );
+        assert!(merged.join("config.json").is_file() && !d.join("merged.tmp").exists());
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three."]);
+        let from_adapter = rollout(&adapter, &pr, &d.join("a.parquet"));
+        let from_merged = rollout(&merged, &pr, &d.join("m.parquet"));
+        let from_base = rollout(&base, &pr, &d.join("b.parquet"));
+        assert_eq!(
+            from_adapter, from_merged,
+            "adapter directory = merged model, to the bit"
+        );
+        assert_ne!(from_adapter.1, from_base.1, "the adapter is applied");
+        // A bad adapter: exit 2 naming the file and key.
+        let bad = d.join("bad");
+        std::fs::create_dir_all(&bad).unwrap();
+        std::fs::write(
+            bad.join("adapter_config.json"),
+            r#"{"peft_type": "LORA", "r": 4}"#,
+        )
+        .unwrap();
+        input_error(
+            "tandem",
+            &[
+                "merge-lora",
+                "--base",
+                p(&base),
+                "--adapter",
+                p(&bad),
+                "--out",
+                p(&d.join("x")),
+            ],
+            "adapter_config.json: key 'lora_alpha' is missing",
+        );
+        assert!(!d.join("x").exists());
+    }
+
+    #[test]
+    fn hf_peft_reads_the_adapter_where_python_has_it() {
+        let has_peft = std::process::Command::new("python3")
+            .args(["-c", "import peft, transformers, torch"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !has_peft {
+            eprintln!("skipped: python3 has no peft/transformers/torch here");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let base = tiny_model(dir.path(), 42);
+        let adapter = dir.path().join("adapter");
+        adapter_dir(&base, &adapter);
+        let script = format!(
+            "from transformers import AutoModelForCausalLM\nfrom peft import PeftModel\n\
+             m = AutoModelForCausalLM.from_pretrained('{}')\n\
+             m = PeftModel.from_pretrained(m, '{}')\n\
+             assert m.peft_config['default'].r == 3\n",
+            base.display(),
+            adapter.display()
+        );
+        let o = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
+mod update {
+    use crate::stage_util::{add_advantages, input_error, ok, p, prompts, tiny_model};
+    use std::path::Path;
+    use tandem::model::peft::read_adapter;
+
+    fn update(from: &Path, batch: &Path, to: &Path, extra: &[&str]) {
+        let mut args = vec![
+            "--model",
+            p(from),
+            "--in",
+            p(batch),
+            "--out-model",
+            p(to),
+            "--lr",
+            "1e-2",
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "q,v,down",
+        ];
+        args.extend_from_slice(extra);
+        ok("update", &args);
+    }
+
+    fn rollout(model: &Path, prompts: &Path, out: &Path) -> Vec<u8> {
+        ok(
+            "rollout",
+            &[
+                "--model",
+                p(model),
+                "--in",
+                p(prompts),
+                "--out",
+                p(out),
+                "--n",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--seed",
+                "3",
+                "--temperature",
+                "1.0",
+            ],
+        );
+        let b = crate::stage_util::read(out);
+        let ids = crate::stage_util::i32_rows(&b, tandem::batch::schema::RESPONSE_IDS);
+        let lps = crate::stage_util::f32_rows(&b, tandem::batch::schema::ROLLOUT_LOGPROBS);
+        format!("{ids:?} {lps:?}").into_bytes()
+    }
+
+    #[test]
+    fn a_lora_update_writes_peft_files_resumes_and_rolls_out_merged() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 43);
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three."]);
+        let base_rollout = rollout(&base, &pr, &d.join("r.parquet"));
+        let batch = d.join("adv.parquet");
+        add_advantages(&d.join("r.parquet"), &batch);
+        let ck1 = d.join("ck1");
+        update(&base, &batch, &ck1, &[]);
+        for f in [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "optimizer.safetensors",
+            "trainer_state.json",
+            "tokenizer.json",
+        ] {
+            assert!(ck1.join(f).is_file(), "{f} missing");
+        }
+        assert!(!ck1.join("config.json").exists() && !d.join("ck1.tmp").exists());
+        let ad = read_adapter(&ck1).unwrap();
+        assert_eq!(Path::new(&ad.base), std::path::absolute(&base).unwrap());
+        assert_eq!(ad.weights.len(), 2 * 3 * 2);
+        let b = &ad.weights["model.layers.0.self_attn.q_proj.lora_B.weight"];
+        assert!(
+            b.data.iter().any(|x| *x != 0.0),
+            "one step moved B off zero"
+        );
+
+        // Resume: the second step reads the adapters' moments (a fresh optimizer differs) and
+        // counts on from the first.
+        let ck2 = d.join("ck2");
+        update(&ck1, &batch, &ck2, &[]);
+        let fresh = d.join("fresh");
+        std::fs::create_dir_all(&fresh).unwrap();
+        for f in [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "tokenizer.json",
+        ] {
+            std::fs::copy(ck1.join(f), fresh.join(f)).unwrap();
+        }
+        let ck2f = d.join("ck2f");
+        update(&fresh, &batch, &ck2f, &[]);
+        let (a2, a2f) = (read_adapter(&ck2).unwrap(), read_adapter(&ck2f).unwrap());
+        assert_ne!(a2.weights, a2f.weights, "the saved moments were used");
+        let ts: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(ck2.join("trainer_state.json")).unwrap())
+                .unwrap();
+        assert_eq!(ts["optimizer_step"], 2, "{ts}");
+        let ck2b = d.join("ck2b");
+        update(&ck1, &batch, &ck2b, &[]);
+        let bytes = |dir: &Path| std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+        assert_eq!(
+            bytes(&ck2),
+            bytes(&ck2b),
+            "the resumed step is deterministic"
+        );
+
+        // Rollout from the checkpoint: not the base's, the merged model's to the bit.
+        let merged = d.join("merged");
+        ok(
+            "tandem",
+            &[
+                "merge-lora",
+                "--base",
+                p(&base),
+                "--adapter",
+                p(&ck1),
+                "--out",
+                p(&merged),
+            ],
+        );
+        let from_ck = rollout(&ck1, &pr, &d.join("c.parquet"));
+        assert_ne!(from_ck, base_rollout, "the adapter is applied at rollout");
+        assert_eq!(from_ck, rollout(&merged, &pr, &d.join("m.parquet")));
+
+        // Bad flags: exit 2 naming what is wrong.
+        let bad = |args: &[&str], needle: &str| {
+            let mut a = vec!["--model", p(&ck1), "--in", p(&batch), "--out-model", "x"];
+            a.extend_from_slice(args);
+            input_error("update", &a, needle);
+        };
+        bad(
+            &["--lora-rank", "4", "--lora-targets", "q,lm_head"],
+            "--lora-targets: unknown target 'lm_head'",
+        );
+        bad(
+            &[
+                "--lora-rank",
+                "8",
+                "--lora-alpha",
+                "8",
+                "--lora-targets",
+                "q,v,down",
+            ],
+            "the adapter has r 4",
+        );
+        bad(&[], "is a LoRA adapter: continue it with --lora-rank");
+    }
+}
+
+mod pipeline {
+    use crate::pipeline::{
+        assert_ok, checkpoint_files_in, jsonl_sans_time, kill_when, real_bins, running_child,
+        stage_done, state, text, PIPELINE,
+    };
+    use std::process::Command;
+    use std::time::Duration;
+
+    const SPEC: &str = r#"
+seed = 3
+steps = 3
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+prompts-per-step = 4
+[rollout]
+n = 4
+temperature = 1.0
+max-new-tokens = 16
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "regex:[a-z]"
+format-score = 0.5
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.01
+use-kl-loss = true
+lora-rank = 4
+lora-alpha = 8
+lora-targets = "q,v,o,down"
+[checkpoint]
+every = 2
+keep-last = 1
+"#;
+
+    /// GRPO-LoRA through the real stages: every checkpoint is an adapter in PEFT's files, the
+    /// reference is the base model, and SIGKILL while rollout runs, after an update and while
+    /// one runs, then a rerun, ends with the checkpoints bit for bit as an uninterrupted run's.
+    #[test]
+    fn a_lora_run_resumes_after_sigkill_to_identical_adapters() {
+        let bins = real_bins();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        crate::stage_util::model_and_train_set(d, 64, 128, 40);
+        std::fs::write(d.join("spec.toml"), SPEC).unwrap();
+        let cmd = |run: &str| {
+            let mut c = Command::new(PIPELINE);
+            c.current_dir(d)
+                .args(["run", "spec.toml", "--run-dir", run])
+                .env("TANDEM_BIN_DIR", &bins);
+            c
+        };
+        assert_ok(&cmd("a").output().unwrap());
+        let (a, b) = (d.join("a"), d.join("b"));
+        let ck = checkpoint_files_in(&a, "ckpt");
+        assert!(
+            ck.contains_key("step-0003/adapter_model.safetensors"),
+            "{:?}",
+            ck.keys()
+        );
+        assert!(ck.contains_key("step-0003/optimizer.safetensors"));
+        assert!(
+            !ck.contains_key("step-0003/config.json"),
+            "no model files: {:?}",
+            ck.keys()
+        );
+        let log = std::fs::read_to_string(a.join("commands.sh")).unwrap();
+        assert!(
+            log.contains("ref-logprob --model model "),
+            "the reference is the base: {log}"
+        );
+        assert!(
+            log.contains("--lora-rank 4 --lora-alpha 8 --lora-targets q,v,o,down"),
+            "{log}"
+        );
+
+        let kill = |what: &str, cond: &mut dyn FnMut(u32) -> bool| kill_when(cmd("b"), what, cond);
+        kill("step 2 rollout running", &mut |pid| {
+            running_child(pid, "--out b/step-0002/rollout.parquet")
+        });
+        kill("step 2 update recorded", &mut |_| {
+            stage_done(&b, 2, "update")
+        });
+        kill("step 3 update running", &mut |pid| {
+            running_child(pid, "--out-model b/ckpt/step-0003")
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let o = cmd("b").output().unwrap();
+        assert_ok(&o);
+        assert!(
+            text(&o).contains("pipeline: continuing b after step 2"),
+            "{}",
+            text(&o)
+        );
+        let cb = checkpoint_files_in(&b, "ckpt");
+        assert_eq!(ck.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+        for (k, v) in &ck {
+            assert!(v == &cb[k], "ckpt/{k} differs after the resumed run");
+        }
+        assert_eq!(state(&a), state(&b));
+        assert_eq!(
+            jsonl_sans_time(&a.join("metrics.jsonl")),
+            jsonl_sans_time(&b.join("metrics.jsonl"))
+        );
+    }
+
+    /// Up front: a LoRA spec on the daemon or on several GPUs stops before step 0 (exit 2).
+    #[test]
+    fn a_lora_spec_on_the_daemon_is_refused_before_anything_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        crate::stage_util::model_and_train_set(d, 64, 128, 8);
+        std::fs::write(d.join("spec.toml"), format!("daemon = true\n{SPEC}")).unwrap();
+        let o = Command::new(PIPELINE)
+            .current_dir(d)
+            .args(["run", "spec.toml", "--run-dir", "r"])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(
+            text(&o).contains("a LoRA update runs in one process"),
+            "{}",
+            text(&o)
+        );
+        assert!(!d.join("r/step-0001").exists());
+    }
+}
+
+/// `make demo-lora`, shortened: DEMO_SPEC=demo-lora.toml pipelines/demo.sh with 50 steps on the
+/// debug binaries; the adapters raise the greedy accuracy of the frozen SFT model.
+#[test]
+fn shortened_lora_demo_raises_the_eval_accuracy() {
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_pipeline"))
+        .parent()
+        .unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/demo.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg(bin)
+        .arg(work.path())
+        .args(["--steps", "50"])
+        .env("DEMO_SPEC", "demo-lora.toml")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo-lora failed:\n{text}");
+    let run = work.path().join("run");
+    let evals: Vec<(u64, f64)> = std::fs::read_to_string(run.join("eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["accuracy"].as_f64().unwrap())
+        })
+        .collect();
+    let (first, last) = (evals[0], *evals.last().unwrap());
+    eprintln!("demo-lora: eval accuracy {first:?} -> {last:?}");
+    assert_eq!((first.0, last.0), (0, 50));
+    assert!(
+        last.1 > first.1 + 0.08,
+        "eval accuracy did not rise: {evals:?}"
+    );
+    assert!(run.join("ckpt").read_dir().unwrap().all(|c| {
+        let c = c.unwrap().path();
+        c.join("adapter_model.safetensors").is_file() && !c.join("config.json").exists()
+    }));
+}
+
+mod daemon {
+    use crate::stage_util::{add_advantages, bin, input_error, ok, p, prompts, tiny_model};
+    use std::path::Path;
+    use std::process::Command;
+    use std::time::{Duration, Instant};
+
+    fn rollout(model: &Path, prompts: &Path, out: &Path, daemon: Option<&Path>) -> Vec<u8> {
+        let mut args = vec![
+            "--model",
+            p(model),
+            "--in",
+            p(prompts),
+            "--out",
+            p(out),
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--seed",
+            "5",
+            "--temperature",
+            "1.0",
+        ];
+        let metrics = out.with_extension("json");
+        if let Some(s) = daemon {
+            args.extend(["--daemon", p(s), "--metrics", p(&metrics)]);
+        }
+        ok("rollout", &args);
+        if daemon.is_some() {
+            let m: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap();
+            assert!(m["daemon"].is_object(), "ran on the daemon: {m}");
+        }
+        let b = crate::stage_util::read(out);
+        let ids = crate::stage_util::i32_rows(&b, tandem::batch::schema::RESPONSE_IDS);
+        let lps = crate::stage_util::f32_rows(&b, tandem::batch::schema::ROLLOUT_LOGPROBS);
+        format!("{ids:?} {lps:?}").into_bytes()
+    }
+
+    /// A daemon whose policy is a LoRA checkpoint generates from the merged model (the one
+    /// loader), and a LoRA update sent to it is refused (exit 2): it runs in one process.
+    #[test]
+    fn the_daemon_rolls_out_a_lora_checkpoint_merged_and_refuses_a_lora_update() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 44);
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three."]);
+        rollout(&base, &pr, &d.join("r.parquet"), None);
+        let batch = d.join("adv.parquet");
+        add_advantages(&d.join("r.parquet"), &batch);
+        let ck = d.join("ck");
+        let lora = [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "all-linear",
+        ];
+        let mut args = vec![
+            "--model",
+            p(&base),
+            "--in",
+            p(&batch),
+            "--out-model",
+            p(&ck),
+            "--lr",
+            "1e-2",
+        ];
+        args.extend(lora);
+        ok("update", &args);
+        let merged = d.join("merged");
+        ok(
+            "tandem",
+            &[
+                "merge-lora",
+                "--base",
+                p(&base),
+                "--adapter",
+                p(&ck),
+                "--out",
+                p(&merged),
+            ],
+        );
+
+        let sock = d.join("sock");
+        let mut child = Command::new(bin("tandem"))
+            .args([
+                "daemon",
+                "--device",
+                "cpu",
+                "--socket",
+                p(&sock),
+                "--policy",
+                p(&ck),
+            ])
+            .env("RAYON_NUM_THREADS", "2")
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while !sock.exists() {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "the daemon exited at start"
+            );
+            assert!(t0.elapsed() < Duration::from_secs(120), "no daemon socket");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let on_daemon = rollout(&ck, &pr, &d.join("dr.parquet"), Some(&sock));
+        let refused = std::panic::catch_unwind(|| {
+            let mut args = vec![
+                "--model",
+                p(&ck),
+                "--in",
+                p(&batch),
+                "--out-model",
+                "x",
+                "--daemon",
+                p(&sock),
+            ];
+            args.extend(lora);
+            input_error("update", &args, "a LoRA update runs in one process");
+        });
+        let _ = child.kill();
+        let _ = child.wait();
+        refused.unwrap();
+        assert_eq!(
+            on_daemon,
+            rollout(&merged, &pr, &d.join("mr.parquet"), None)
+        );
+    }
+}

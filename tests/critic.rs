@@ -829,3 +829,94 @@ fn a_critic_on_the_warm_daemon_matches_in_process_and_survives_its_death() {
         }
     }
 }
+
+/// `gpus = 2` (CPU ranks): PPO with the critic runs end to end in-process (`values`, the
+/// critic's and the policy's updates under `tandem launch`, the rows split over the ranks)
+/// and on a daemon group (the critic kept on both ranks, its optimizer state sharded as the
+/// policy's, under zero2 and `--shard full`). The first step's values and returns are the
+/// 1-process run's; the group ends with the 2-rank in-process run's checkpoints bit for bit,
+/// also after rank 1 SIGKILLed itself in step 2's critic update (step 1's critic resident:
+/// the run goes back to step 0).
+#[test]
+fn ppo_with_a_critic_runs_on_two_ranks_and_on_a_daemon_group() {
+    use tandem::daemon::resident::{KILL_AT_STEP_ENV, KILL_IN_UPDATE_ENV};
+    let bins = real_bins();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    crate::stage_util::model_and_train_set(d, 64, 128, 40);
+    let spec = |extra: &str| PPO_SPEC.replace("steps = 3", &format!("steps = 3\n{extra}"));
+    let run = |name: &str, spec: String, env: &[(&str, &std::path::Path)]| {
+        std::fs::write(d.join(format!("{name}.toml")), spec).unwrap();
+        let mut c = Command::new(PIPELINE);
+        c.current_dir(d)
+            .args(["run", &format!("{name}.toml"), "--run-dir", name])
+            .env("TANDEM_BIN_DIR", &bins)
+            .env("RAYON_NUM_THREADS", "1")
+            .env_remove("WORLD_SIZE")
+            .env_remove("RANK")
+            .env_remove("TANDEM_DAEMON");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
+        assert_ok(&o);
+        text(&o)
+    };
+    run("one", spec(""), &[]);
+    run("two", spec("gpus = 2"), &[]);
+    run("group", spec("gpus = 2\ndaemon = true"), &[]);
+    // Both models' weights sharded too (`--shard full`).
+    let full = spec("gpus = 2\ndaemon = true")
+        .replace("lr = 0.001\n", "lr = 0.001\nshard = \"full\"\n")
+        .replace(
+            "critic-warmup = 1\n",
+            "critic-warmup = 1\nshard = \"full\"\n",
+        );
+    run("full", full, &[]);
+    let marker = d.join("kill-marker");
+    let out = run(
+        "killed",
+        spec("gpus = 2\ndaemon = true"),
+        &[
+            (KILL_IN_UPDATE_ENV, &marker),
+            ("TANDEM_DAEMON_KILL_RANK", std::path::Path::new("1")),
+            (KILL_AT_STEP_ENV, std::path::Path::new("2")),
+        ],
+    );
+    assert!(marker.exists(), "rank 1 was never killed");
+    let log = std::fs::read_to_string(d.join("killed/pipeline.log")).unwrap();
+    assert!(out.contains("going back to step 0"), "{out}\n{log}");
+
+    let commands = std::fs::read_to_string(d.join("two/commands.sh")).unwrap();
+    for needle in [
+        "--out two/step-0001/values.parquet",
+        "--out-model two/critic/step-0001",
+    ] {
+        let line = commands.lines().find(|l| l.contains(needle)).unwrap();
+        assert!(line.contains("launch --nproc-per-node 2"), "{line}");
+    }
+    // Step 1's values (the zero head) and returns are the 1-process run's.
+    for col in ["values", "returns"] {
+        let f = "step-0001/adv.parquet";
+        assert_eq!(
+            f32_rows(&read(&d.join("one").join(f)), col),
+            f32_rows(&read(&d.join("two").join(f)), col),
+            "{col}"
+        );
+    }
+    for other in ["group", "full", "killed"] {
+        for sub in ["critic", "ckpt"] {
+            let (ca, cb) = (
+                checkpoint_files_in(&d.join("two"), sub),
+                checkpoint_files_in(&d.join(other), sub),
+            );
+            let weights = |c: &std::collections::BTreeMap<String, Vec<u8>>| {
+                c.iter()
+                    .filter(|(k, _)| k.ends_with("model.safetensors"))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect::<Vec<_>>()
+            };
+            assert!(weights(&ca) == weights(&cb), "{other}: {sub} differs");
+        }
+    }
+}

@@ -284,11 +284,8 @@ impl<B: Backend> Resident<B> {
         self.job
             .insert("policy_version".into(), self.policy_version.into());
         if let Some(c) = &self.critic {
-            let held = c.decoder.backend().memory_stats().held
-                + c.gen
-                    .as_ref()
-                    .map_or(0, |g| g.backend().memory_stats().held);
-            self.job.insert("critic_memory_held".into(), held.into());
+            self.job
+                .insert("critic_memory_held".into(), slot_memory_held(c).into());
         }
         self.job
             .insert("device".into(), self.device.to_string().into());
@@ -852,6 +849,14 @@ impl<B: Backend> Console for Resident<B> {
 /// A daemon runs a stage alone; the ranks of a group's job are the server's (`Watched`).
 impl<B: Backend> Topology for Resident<B> {}
 
+/// Device memory a policy or critic slot holds (its decoder and its generation copy).
+fn slot_memory_held<B: Backend>(p: &PolicySlot<B>) -> usize {
+    p.decoder.backend().memory_stats().held
+        + p.gen
+            .as_ref()
+            .map_or(0, |g| g.backend().memory_stats().held)
+}
+
 /// What `status` reports of a policy or critic slot.
 fn slot_status<B: Backend>(p: &PolicySlot<B>) -> Value {
     json!({
@@ -864,8 +869,7 @@ fn slot_status<B: Backend>(p: &PolicySlot<B>) -> Value {
         "optimizer_offloaded": p.parked.is_some(),
         "optimizer_sharded": p.sharded.is_some(),
         "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
-        "memory_held": p.decoder.backend().memory_stats().held
-            + p.gen.as_ref().map_or(0, |g| g.backend().memory_stats().held),
+        "memory_held": slot_memory_held(p),
     })
 }
 

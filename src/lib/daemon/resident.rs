@@ -284,11 +284,8 @@ impl<B: Backend> Resident<B> {
         self.job
             .insert("policy_version".into(), self.policy_version.into());
         if let Some(c) = &self.critic {
-            let held = c.decoder.backend().memory_stats().held
-                + c.gen
-                    .as_ref()
-                    .map_or(0, |g| g.backend().memory_stats().held);
-            self.job.insert("critic_memory_held".into(), held.into());
+            self.job
+                .insert("critic_memory_held".into(), slot_memory_held(c).into());
         }
         self.job
             .insert("device".into(), self.device.to_string().into());
@@ -393,10 +390,13 @@ impl<B: Backend> Resident<B> {
             // A group's rank reads its optimizer shard at its first update; a lone daemon holds
             // the whole state (a sharded checkpoint's put back together from its files).
             let loaded = match (role, self.make_comm.is_some()) {
-                (Role::Critic, _) => Trainable::load_critic(&model.dir, &mut log)?,
+                (Role::Critic, true) => Trainable::load_critic_weights(&model.dir, &mut log)?,
                 (Role::Policy, true) => Trainable::load_weights(&model.dir, &mut log)?,
-                (Role::Policy, false) => {
-                    let mut t = Trainable::load(&model.dir, &mut log)?;
+                (role, false) => {
+                    let mut t = match role {
+                        Role::Critic => Trainable::load_critic(&model.dir, &mut log)?,
+                        Role::Policy => Trainable::load(&model.dir, &mut log)?,
+                    };
                     if let Some(tr) = t.trainer.as_mut() {
                         tr.optimizer_shards = 0;
                     }
@@ -533,11 +533,16 @@ impl<B: Backend> Resident<B> {
 
     /// The update phase (no generation copy of the policy or the critic, no idle reference on
     /// the device, no cached free blocks) with the model `model` loaded in the slot of `role`;
-    /// returns the seconds its load took.
+    /// returns the seconds its load took. The other model's copy stays under `--shard full`:
+    /// only its own update can build it again (every rank gathers it).
     fn update_phase(&mut self, role: Role, model: &ModelRef) -> Result<f64> {
         self.observe();
-        for p in [&mut self.policy, &mut self.critic].into_iter().flatten() {
-            p.gen = None;
+        for r in [Role::Policy, Role::Critic] {
+            if let Some(p) = self.slot_of(r) {
+                if r == role || !p.sharded.as_ref().is_some_and(ShardedOptim::is_full) {
+                    p.gen = None;
+                }
+            }
         }
         if self.opts.offload_ref {
             if let Some(r) = &mut self.reference {
@@ -569,10 +574,16 @@ impl<B: Backend> Resident<B> {
         // Every rank of a group has the maker (server.rs), and only a group runs this.
         let make_comm = self.make_comm.clone().expect("a daemon group's rank");
         let full = sharding.mode == ShardMode::Full;
-        let load_s = self.update_phase(Role::Policy, model)?;
-        self.trained = Role::Policy;
+        let role = Role::of(&job);
+        let load_s = self.update_phase(role, model)?;
+        self.trained = role;
         let reply = self.reply.clone();
-        let slot = self.policy.as_mut().expect("loaded above");
+        let make = &self.make;
+        let slot = match role {
+            Role::Policy => self.policy.as_mut(),
+            Role::Critic => self.critic.as_mut(),
+        }
+        .expect("loaded above");
         let fresh = slot.comm.is_none();
         let mut copy_s = None;
         let trained = train_resident(slot, pg, &make_comm, model, job, sharding, &mut |m| {
@@ -588,7 +599,7 @@ impl<B: Backend> Resident<B> {
                 let started = Instant::now();
                 let held = slot.sharded.as_ref().expect("kept by the update");
                 let comm = slot.comm.as_deref().expect("made by the update");
-                let backend = (self.make)()?;
+                let backend = make()?;
                 slot.gen = Some(held.gather_generation(&slot.decoder, comm, backend)?);
                 copy_s = Some(started.elapsed().as_secs_f64());
             }
@@ -838,6 +849,14 @@ impl<B: Backend> Console for Resident<B> {
 /// A daemon runs a stage alone; the ranks of a group's job are the server's (`Watched`).
 impl<B: Backend> Topology for Resident<B> {}
 
+/// Device memory a policy or critic slot holds (its decoder and its generation copy).
+fn slot_memory_held<B: Backend>(p: &PolicySlot<B>) -> usize {
+    p.decoder.backend().memory_stats().held
+        + p.gen
+            .as_ref()
+            .map_or(0, |g| g.backend().memory_stats().held)
+}
+
 /// What `status` reports of a policy or critic slot.
 fn slot_status<B: Backend>(p: &PolicySlot<B>) -> Value {
     json!({
@@ -850,8 +869,7 @@ fn slot_status<B: Backend>(p: &PolicySlot<B>) -> Value {
         "optimizer_offloaded": p.parked.is_some(),
         "optimizer_sharded": p.sharded.is_some(),
         "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
-        "memory_held": p.decoder.backend().memory_stats().held
-            + p.gen.as_ref().map_or(0, |g| g.backend().memory_stats().held),
+        "memory_held": slot_memory_held(p),
     })
 }
 

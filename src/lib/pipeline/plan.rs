@@ -728,7 +728,7 @@ impl Plan {
     /// (N > 1, no daemon): its ranks share the work (rollout and ref-logprob by prompts, update
     /// by rows: `StageJob::splits_over_ranks`). Nothing otherwise: one process, as before.
     pub(super) fn launch_prefix(&self, bin: &str) -> Vec<String> {
-        let model_stage = matches!(bin, "rollout" | "ref-logprob" | "update");
+        let model_stage = matches!(bin, "rollout" | "ref-logprob" | "values" | "update");
         if self.spec.gpus <= 1 || self.spec.daemon || !model_stage {
             return Vec::new();
         }

@@ -146,12 +146,6 @@ fn check_critic(plan: &Plan, vocab: usize) -> Result<()> {
             "[critic]: only [advantage] estimator = \"gae\" reads a critic's values, not \"{estimator}\"; set estimator = \"gae\" or remove [critic]"
         );
     }
-    if spec.gpus > 1 {
-        bail_input!(
-            "[critic] with gpus = {}: the critic trains on one device for now; use gpus = 1",
-            spec.gpus
-        );
-    }
     let key = "[critic] model";
     let dir = model_dir(key, model)?;
     let cfg = ModelDir::load_config(&dir).with_context(|| key.to_string())?;

@@ -282,7 +282,10 @@ impl StageJob {
     /// [`StageJob::splits_over_ranks`] by the stage's name: the one list of the stages the
     /// ranks (of a launch or of a daemon group) share; the others run on rank 0 alone.
     pub(crate) fn stage_splits_over_ranks(name: &str) -> bool {
-        matches!(name, "rollout" | "ref-logprob" | "update" | "save")
+        matches!(
+            name,
+            "rollout" | "ref-logprob" | "values" | "update" | "save"
+        )
     }
 
     /// The `--metrics` file the stage writes, if any.

@@ -328,8 +328,7 @@ impl UpdateArgs {
         Ok(())
     }
 
-    /// `--critic` trains with the value loss: the policy loss's own flags, and sharding the
-    /// critic over ranks, are refused.
+    /// `--critic` trains with the value loss: the policy loss's own flags are refused.
     fn check_critic(&self) -> Result<()> {
         if !self.critic {
             return Ok(());
@@ -341,11 +340,10 @@ impl UpdateArgs {
             ("--bypass-mode", self.bypass_mode),
             ("--entropy-coeff", self.entropy_coeff != 0.0),
             ("--loss", self.loss != LossMode::Vanilla),
-            ("--shard", self.shard.is_some()),
         ];
         if let Some((flag, _)) = policy_only.iter().find(|(_, set)| *set) {
             bail_input!(
-                "{flag} does not apply to --critic (the critic trains with the value loss, on one device)"
+                "{flag} does not apply to --critic (the critic trains with the value loss)"
             );
         }
         Ok(())
@@ -842,9 +840,6 @@ fn train_on(
     };
     match exec.ranks() {
         None => exec.train(&input.model, job),
-        Some(_) if args.critic => {
-            bail_input!("update --critic runs on one device: run it without tandem launch")
-        }
         Some(_) => {
             let sharding = Sharding {
                 mode: args.shard.unwrap_or_default(),

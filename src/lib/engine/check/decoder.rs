@@ -1,6 +1,6 @@
 //! The decoder on the GPU, whole: against the CPU decoder (`decoder`: log-probs, entropies,
-//! gradients, an AdamW step) and against the log-probs transformers computed for the tiny HF
-//! fixture models (`hf_fixtures`).
+//! gradients, an AdamW step; `value_model`: a critic's values and gradients) and against the
+//! log-probs transformers computed for the tiny HF fixture models (`hf_fixtures`).
 
 use anyhow::{bail, Result};
 
@@ -9,8 +9,10 @@ use crate::backend::check::gpu::{compare, dname, round, Ctx, Row};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::DType;
+use crate::model::critic::value_model_from;
 use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
-use crate::model::{init, Arch, Weights};
+use crate::model::names::{VALUE_BIAS, VALUE_HEAD};
+use crate::model::{init, Arch, Tensor, Weights};
 
 /// The decoder (written once against the op set) on both backends: log-probs and entropies
 /// of packed sequences, the gradients of one forward/backward, one AdamW step, and the
@@ -260,6 +262,96 @@ pub(super) fn hf_fixtures(s: &mut Ctx, d: DType) -> Result<()> {
                 if relative { "rel" } else { "abs" }
             ),
         });
+    }
+    Ok(())
+}
+
+/// The value model (PPO's critic: the decoder with a one-output `score` head) on both
+/// backends: the values of packed sequences (the forward `values` runs), then one backward
+/// from random upstream gradients of the values: the head's gradients (`score.weight`,
+/// `score.bias`) and the trunk's worst tensor. The head is random (not the zero head a critic
+/// starts from), so every gradient is exercised.
+pub(super) fn value_model(s: &mut Ctx, d: DType) -> Result<()> {
+    let (tol_v, tol_g) = match d {
+        DType::F32 => (1e-4, 1e-3),
+        DType::BF16 => (2e-2, 5e-2),
+    };
+    for arch in [Arch::Qwen2, Arch::Llama] {
+        let tag = format!("{arch:?}").to_lowercase();
+        let policy = tiny_config(arch);
+        let w = init::random_weights(&policy, s.rng.next_u64(), 0.05);
+        let (cfg, mut w) = value_model_from(&policy, w);
+        let h = cfg.hidden_size;
+        let head: Vec<f32> = (0..h).map(|_| 0.1 * s.rng.normal()).collect();
+        w.insert(VALUE_HEAD.into(), Tensor::new(vec![1, h], head));
+        w.insert(VALUE_BIAS.into(), Tensor::new(vec![1], vec![0.25]));
+        let mut cpu = Decoder::new(Cpu, &cfg, &w)?;
+        let gb = CudaBackend::new(s.ordinal)?;
+        gb.set_compute_dtype(d);
+        let mut gpu = Decoder::new(gb, &cfg, &w)?;
+        let toks: Vec<Vec<u32>> = [40usize, 9, 75]
+            .iter()
+            .map(|&l| (0..l).map(|_| s.rng.below(1000) as u32).collect())
+            .collect();
+        let seqs: Vec<SeqRef> = toks
+            .iter()
+            .zip([1usize, 3, 20])
+            .map(|(t, start)| SeqRef { tokens: t, start })
+            .collect();
+        let (vc, vg) = (
+            cpu.logprobs(&seqs, 1.0, false)?,
+            gpu.logprobs(&seqs, 1.0, false)?,
+        );
+        let cat = |v: &[TokenStats]| -> Vec<f32> {
+            v.iter().flat_map(|s| s.logprobs.iter().copied()).collect()
+        };
+        let (g, c) = (cat(&vg), cat(&vc));
+        let (a, r, p) = compare(&g, &c, &[]);
+        s.rows.push(Row {
+            op: format!("value model values [{tag}]"),
+            dtype: dname(d),
+            max_abs: a,
+            max_rel: r,
+            tol: tol_v,
+            pass: g.len() == c.len() && !c.is_empty() && p.is_none() && r <= tol_v,
+            note: p.unwrap_or_default(),
+        });
+        let ups: Vec<Vec<f32>> = vc
+            .iter()
+            .map(|st| (0..st.logprobs.len()).map(|_| s.rng.normal()).collect())
+            .collect();
+        let mut loss = |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
+            Ok(ups
+                .iter()
+                .map(|u| TokenGrads {
+                    dlogprobs: u.clone(),
+                    dentropy: None,
+                })
+                .collect())
+        };
+        cpu.forward_backward(&seqs, 1.0, &mut loss)?;
+        gpu.forward_backward(&seqs, 1.0, &mut loss)?;
+        let (gc, gg) = (cpu.export_grads()?, gpu.export_grads()?);
+        let part = |w: &Weights, head: bool| -> Weights {
+            w.iter()
+                .filter(|(k, _)| (k.as_str() == VALUE_HEAD || k.as_str() == VALUE_BIAS) == head)
+                .map(|(k, t)| (k.clone(), t.clone()))
+                .collect()
+        };
+        for (what, head) in [("head (score.weight, score.bias)", true), ("trunk", false)] {
+            let (pg, pc) = (part(&gg, head), part(&gc, head));
+            let (name, r) = worst_tensor(&pg, &pc);
+            let (a, _, p) = compare(&flat(&pg), &flat(&pc), &[]);
+            s.rows.push(Row {
+                op: format!("value model grads, {what}, worst tensor [{tag}]"),
+                dtype: dname(d),
+                max_abs: a,
+                max_rel: r,
+                tol: tol_g,
+                pass: !pc.is_empty() && pg.len() == pc.len() && p.is_none() && r <= tol_g,
+                note: name,
+            });
+        }
     }
     Ok(())
 }

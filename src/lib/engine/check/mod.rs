@@ -19,6 +19,10 @@ pub const CASES: &[Case] = &[
         run: decoder::decoder,
     },
     Case {
+        name: "value_model",
+        run: decoder::value_model,
+    },
+    Case {
         name: "hf_fixtures",
         run: decoder::hf_fixtures,
     },
@@ -115,7 +119,7 @@ mod tests {
             .map(|c| c.name)
             .collect();
         let mut names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
-        assert_eq!(names.len(), 6);
+        assert_eq!(names.len(), 7);
         names.extend(&ops);
         let n = names.len();
         names.sort_unstable();

@@ -137,6 +137,29 @@ impl Trainable {
         Ok(Self::without_optimizer(cfg, weights, None, None))
     }
 
+    /// [`Trainable::load_rank`] for `update --critic` among ranks: a critic's directory as it
+    /// is, or a policy's made into a critic ([`Trainable::load_critic`]).
+    pub(crate) fn load_rank_critic(
+        dir: &Path,
+        rank: usize,
+        world: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Trainable> {
+        match ModelDir::load_config(dir)?.value_head {
+            true => Self::load_rank(dir, rank, world, log),
+            false => Self::load_critic(dir, log),
+        }
+    }
+
+    /// As [`Trainable::load_weights`] for a critic: a critic's directory as `load_weights`
+    /// reads it, or a policy's made into a critic ([`Trainable::load_critic`]).
+    pub fn load_critic_weights(dir: &Path, log: &mut dyn FnMut(&str)) -> Result<Trainable> {
+        match ModelDir::load_config(dir)?.value_head {
+            true => Self::load_weights(dir, log),
+            false => Self::load_critic(dir, log),
+        }
+    }
+
     /// The model files' weights with no optimizer state here: a fresh optimizer, or (with
     /// `trainer`) a sharded checkpoint's, whose state is in the ranks' files (`shard`: where
     /// this rank's comes from).

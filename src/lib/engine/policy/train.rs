@@ -215,11 +215,16 @@ pub fn train_ranks_from_files(
     sharding: Sharding,
 ) -> Result<Trained> {
     let started = Instant::now();
-    let loaded = Trainable::load_rank(&model.dir, pg.rank(), pg.world_size(), &mut |m| {
+    let mut log = |m: &str| {
         if pg.rank() == 0 {
             eprintln!("{m}")
         }
-    })?;
+    };
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let loaded = match job.train.critic {
+        Some(_) => Trainable::load_rank_critic(&model.dir, rank, world, &mut log)?,
+        None => Trainable::load_rank(&model.dir, rank, world, &mut log)?,
+    };
     let load_seconds = started.elapsed().as_secs_f64();
     let rank_job = TrainRank {
         loaded,

@@ -691,7 +691,7 @@ pub(crate) static RULES: &[Rule] = &[
     rule("critic.ppo_max_token_len_per_gpu", key_how("critic.micro-batch-tokens", "with `adv_estimator=gae` and `critic.use_dynamic_bsz`", |v, c| when_gae(v, c, critic_tokens))),
     rule("critic.rollout_n", To::Builtin("the rollout's `n`")),
     rule("critic.checkpoint.*", To::Builtin("a critic checkpoint holds the weights, optimizer and trainer state")),
-    rule("critic.*", To::None("verl's FSDP/Megatron critic worker (strategy, fsdp_config, offload, micro-batches in sequences, forward token budgets, profiler): tandem's critic trains on one device ([critic] micro-batch-tokens sets its batching)")),
+    rule("critic.*", To::None("verl's FSDP/Megatron critic worker (strategy, fsdp_config, offload, micro-batches in sequences, forward token budgets, profiler): tandem's critic is sharded as the policy over the spec's gpus ([critic] micro-batch-tokens sets its batching, shard its sharding)")),
     // trainer.*
     rule("trainer.total_training_steps", key_how("steps", "null: from `total_epochs`", same)),
     rule("trainer.total_epochs", key_how("steps", "`total_epochs` × (training rows ÷ `train_batch_size`, rounded down), when `total_training_steps` is null and the training file can be read", epochs_to_steps)),

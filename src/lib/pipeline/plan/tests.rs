@@ -470,7 +470,8 @@ fn dynamic_sampling_is_one_task_with_rounds() {
 
 /// PPO with a critic: `values` before `advantage`, the critic's `update --critic` after it
 /// (from the initial critic, then the previous step's), and the policy's update only after
-/// `critic-warmup` steps; the critic's stages never go to the daemon.
+/// `critic-warmup` steps; with `daemon = true` the critic's stages go to the daemon, which
+/// keeps the critic resident between checkpoints (step 1) and writes it at the last step.
 #[test]
 fn a_critic_adds_values_and_its_update_and_warms_up_first() {
     let text = SPEC
@@ -509,7 +510,9 @@ fn a_critic_adds_values_and_its_update_and_warms_up_first() {
             "r/step-0001/values.parquet"
         ]
     );
-    assert!(!v1.contains(&"--daemon".to_string()));
+    assert!(v1.contains(&"--daemon".to_string()));
+    let c1 = args(1, "critic");
+    assert!(c1.contains(&"--daemon".to_string()) && c1.contains(&"--resident".to_string()));
     let a1 = args(1, "advantage");
     assert_eq!(a1[1], "r/step-0001/values.parquet");
     let c2 = args(2, "critic");
@@ -534,7 +537,7 @@ fn a_critic_adds_values_and_its_update_and_warms_up_first() {
     ] {
         assert!(c2.contains(&flag.to_string()), "{c2:?}");
     }
-    assert!(!c2.contains(&"--daemon".to_string()) && !c2.contains(&"--resident".to_string()));
+    assert!(c2.contains(&"--daemon".to_string()) && !c2.contains(&"--resident".to_string()));
     assert_eq!(args(2, "values")[1], "r/critic/step-0001");
     r.check_commands(1).unwrap();
     r.check_commands(2).unwrap();

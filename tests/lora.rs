@@ -332,6 +332,9 @@ mod files {
         assert!(!d.join("x").exists());
     }
 
+    /// HF PEFT reads our adapter files as we do: its `PeftModel` over the base computes the
+    /// logits of our `merge-lora` directory (bf16) opened in transformers. Skipped with a
+    /// message where python has no peft, transformers or torch.
     #[test]
     fn hf_peft_reads_the_adapter_where_python_has_it() {
         let has_peft = std::process::Command::new("python3")
@@ -346,19 +349,36 @@ mod files {
         let base = tiny_model(dir.path(), 42);
         let adapter = dir.path().join("adapter");
         adapter_dir(&base, &adapter);
+        let merged = dir.path().join("merged");
+        let args = ["merge-lora", "--base", p(&base), "--adapter", p(&adapter)];
+        ok("tandem", &[&args[..], &["--out", p(&merged)]].concat());
+        // The adapter changes the logits by far more than the bf16 rounding of the merge.
         let script = format!(
-            "from transformers import AutoModelForCausalLM\nfrom peft import PeftModel\n\
-             m = AutoModelForCausalLM.from_pretrained('{}')\n\
-             m = PeftModel.from_pretrained(m, '{}')\n\
-             assert m.peft_config['default'].r == 3\n",
-            base.display(),
-            adapter.display()
+            "import torch\nfrom transformers import AutoModelForCausalLM\nfrom peft import PeftModel\n\
+             f32 = dict(torch_dtype=torch.float32)\n\
+             base = AutoModelForCausalLM.from_pretrained('{b}', **f32).eval()\n\
+             ids = torch.tensor([[5, 17, 42, 99, 7, 250, 3, 64]])\n\
+             with torch.no_grad(): plain = base(ids).logits\n\
+             m = PeftModel.from_pretrained(base, '{a}').eval()\n\
+             assert m.peft_config['default'].r == 3\n\
+             ours = AutoModelForCausalLM.from_pretrained('{m}', **f32).eval()\n\
+             with torch.no_grad(): lp, lo = m(ids).logits, ours(ids).logits\n\
+             d, moved = (lp - lo).abs().max().item(), (lp - plain).abs().max().item()\n\
+             print(d, moved)\n\
+             assert moved > 20 * d, (d, moved)\n",
+            b = base.display(),
+            a = adapter.display(),
+            m = merged.display()
         );
         let o = std::process::Command::new("python3")
             .args(["-c", &script])
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        eprintln!(
+            "PEFT against merge-lora, largest logit difference and the adapter's largest change: {}",
+            String::from_utf8_lossy(&o.stdout).trim()
+        );
     }
 }
 

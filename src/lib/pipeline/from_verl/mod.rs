@@ -946,16 +946,19 @@ mod tests {
         let (s, _) = spec_of(&verl(&o), None);
         let want = format!("python:{}:compute_score", py.display());
         assert_eq!(at(&s, "score.reward").as_str(), Some(want.as_str()));
-        // Not readable here: the steps and the reward must be given.
+        // Not readable (GRPO's own `data/gsm8k/train.parquet` is, after `make data`): the steps
+        // and the reward must be given.
+        let gone = "data.train_files=/nonexistent/gsm8k/train.parquet";
         let mut o = GRPO.to_vec();
-        o.push("trainer.total_training_steps=null");
+        o.extend(["trainer.total_training_steps=null", gone]);
         let e = convert(&verl(&o), Some("gsm8k"), "t.toml").unwrap_err();
         assert!(
             format!("{e:#}")
                 .contains("trainer.total_epochs = 15: trainer.total_training_steps is null"),
             "{e:#}"
         );
-        let e = convert(&verl(GRPO), None, "t.toml").unwrap_err();
+        let o = [GRPO, &[gone]].concat();
+        let e = convert(&verl(&o), None, "t.toml").unwrap_err();
         assert!(
             format!("{e:#}").contains("custom_reward_function.path is null"),
             "{e:#}"

@@ -967,11 +967,12 @@ fn values_and_the_critic_update_on_the_daemon_write_what_in_process_writes() {
     let socket = d.join("daemon.sock");
     // Two critic steps (values, then the update on them), then the last values; with a
     // daemon, the third update keeps the critic resident.
-    let flow = |daemon: bool| {
+    let flow = |socket: Option<&std::path::Path>| {
         std::fs::create_dir_all(&w).unwrap();
+        let daemon = socket.is_some();
         let mut extra: Vec<&str> = Vec::new();
-        if daemon {
-            extra.extend(["--daemon", p(&socket)]);
+        if let Some(socket) = socket {
+            extra.extend(["--daemon", p(socket)]);
         }
         let f = |name: &str| p(&w.join(name)).to_string();
         let mut model = p(&policy).to_string();
@@ -1012,25 +1013,10 @@ fn values_and_the_critic_update_on_the_daemon_write_what_in_process_writes() {
         a.extend(&extra);
         ok("values", &a);
     };
-    flow(false);
+    flow(None);
     std::fs::rename(&w, d.join("a")).unwrap();
-    let daemon = CpuDaemon(
-        Command::new(crate::stage_util::bin("tandem"))
-            .args(["daemon", "--device", "cpu", "--socket", p(&socket)])
-            .args(["--policy", p(&policy)])
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let t0 = std::time::Instant::now();
-    while !daemon_ctl(&socket, "health").status.success() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the daemon never answered"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    flow(true);
+    let daemon = cpu_daemon(&socket, &policy, &[]);
+    flow(Some(&socket));
     let a = d.join("a");
     let same = |f: &str| {
         let (x, y) = (
@@ -1087,4 +1073,43 @@ fn values_and_the_critic_update_on_the_daemon_write_what_in_process_writes() {
     assert!(critic["memory_held"].is_number(), "{s}");
     assert!(s["phases"]["values"]["runs"].as_u64() == Some(4), "{s}");
     drop(daemon);
+    // With --offload-optimizer the critic's moments wait in host memory between its updates:
+    // the same values and checkpoints.
+    std::fs::remove_dir_all(&w).unwrap();
+    let socket = d.join("offload.sock");
+    let _offloaded = cpu_daemon(&socket, &policy, &["--offload-optimizer"]);
+    flow(Some(&socket));
+    for f in ["v1.parquet", "v2.parquet", "v3.parquet"] {
+        same(f);
+    }
+    for c in ["c1", "c2"] {
+        same(&format!("{c}/model.safetensors"));
+        same(&format!("{c}/optimizer.safetensors"));
+    }
+    assert_eq!(
+        f32_rows(&read(&a.join("v4.parquet")), "values"),
+        f32_rows(&read(&w.join("v4.parquet")), "values")
+    );
+}
+
+/// A CPU daemon on `socket` holding `policy`, started with `extra` flags, once it answers.
+fn cpu_daemon(socket: &std::path::Path, policy: &std::path::Path, extra: &[&str]) -> CpuDaemon {
+    let daemon = CpuDaemon(
+        Command::new(crate::stage_util::bin("tandem"))
+            .args(["daemon", "--device", "cpu", "--socket", p(socket)])
+            .args(["--policy", p(policy)])
+            .args(extra)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let t0 = std::time::Instant::now();
+    while !daemon_ctl(socket, "health").status.success() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the daemon never answered"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    daemon
 }

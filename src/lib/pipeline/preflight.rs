@@ -56,6 +56,9 @@ pub fn check(plan: &Plan) -> Result<Batch> {
     let st = &plan.stages;
     check_device(spec.device, spec.gpus)?;
     check_baseline(plan)?;
+    if spec.rollout.contains_key("agent") {
+        super::agent::Agent::of(plan)?.check_program()?;
+    }
 
     let score = &st.score.args;
     let reward = RewardSpec::parse(&score.reward)?;

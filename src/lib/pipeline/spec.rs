@@ -356,7 +356,7 @@ pub(crate) struct Source<'a> {
 
 impl Source<'_> {
     /// `origin:LINE:COL` of `key` in `[table]`, or `origin` when it is not found.
-    fn at(&self, table: &str, key: &str) -> String {
+    pub(crate) fn at(&self, table: &str, key: &str) -> String {
         match self.text.and_then(|t| key_position(t, table, key)) {
             Some((line, col)) => format!("{}:{line}:{col}", self.origin),
             None => self.origin.to_string(),
@@ -651,6 +651,7 @@ impl Spec {
         };
         let stages = spec.stages(&src)?;
         spec.check_dapo(&stages, &src)?;
+        super::agent::Agent::parse(&spec, &stages, &src)?;
         Ok(spec)
     }
 
@@ -761,7 +762,9 @@ impl Spec {
             f.add_table(t, name, &[], &[], src)?;
             Ok(f)
         };
-        let rollout = table("rollout", &self.rollout)?.parse::<RolloutArgs>("rollout", src)?;
+        // `agent` and `agent-timeout` are the runner's (`super::agent`), not rollout's flags.
+        let rollout_table = super::agent::stage_keys(&self.rollout);
+        let rollout = table("rollout", &rollout_table)?.parse::<RolloutArgs>("rollout", src)?;
         // ref-logprob and update take log-probs at the temperature the samples were drawn at
         // (rollout records it in the batch; a different explicit one is refused there, and
         // here before anything runs).
@@ -802,7 +805,7 @@ impl Spec {
             }
         };
 
-        let mut eval = table("rollout", &self.rollout)?;
+        let mut eval = table("rollout", &rollout_table)?;
         for key in EVAL_SAMPLING {
             eval.remove(key);
         }

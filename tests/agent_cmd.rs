@@ -24,7 +24,9 @@ n = 2
 temperature = 1.0
 max-new-tokens = 6
 [score]
+# A reward the random model earns now and then, so that the advantages are not all zero.
 reward = "regex:[a-z]"
+format-score = 0.5
 [advantage]
 estimator = "grpo"
 [update]
@@ -67,7 +69,14 @@ fn an_agent_drives_two_steps_to_a_trained_checkpoint() {
     let run = d.join("r");
     let before = std::fs::read(d.join("model/model.safetensors")).unwrap();
     let after = std::fs::read(run.join("ckpt/step-0002/model.safetensors")).unwrap();
-    assert_ne!(before, after, "the policy did not change");
+    assert!(before != after, "the policy did not change");
+    let commands = std::fs::read_to_string(run.join("commands.sh")).unwrap();
+    assert!(
+        commands.contains(
+            "# pipeline: serve r/policy with `tandem serve` on 127.0.0.1, run the agent `python3 "
+        ),
+        "{commands}"
+    );
     for step in [1u64, 2] {
         let sd = run.join(format!("step-{step:04}"));
         let b = read(&sd.join("rollout.parquet"));
@@ -127,7 +136,7 @@ fn a_failing_agent_stops_its_step_with_a_clear_error() {
     let out = text(&o);
     assert_eq!(o.status.code(), Some(2), "{out}");
     assert!(
-        out.contains("recorded trajectory 'nope-0', which is not of the step's prompts"),
+        out.contains("recorded trajectory 'nope0-0', which is not of the step's prompts"),
         "{out}"
     );
     assert!(!d.join("r/step-0001/rollout.parquet").exists());

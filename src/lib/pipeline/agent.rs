@@ -10,7 +10,7 @@
 //! and data source unless the program posted its own.
 
 use super::console::{Captured, Console, TAIL_LINES};
-use super::plan::{path_arg, shell_quote, Plan};
+use super::plan::{path_arg, Plan};
 use super::rundir::step_name;
 use super::sampler::derive_seed;
 use super::spec::{Source, Spec, Stages};
@@ -149,10 +149,11 @@ pub(crate) fn describe(plan: &Plan, prompts: &Path, rollout: &Path) -> String {
         .get("agent")
         .and_then(|v| v.as_str())
         .unwrap_or_default();
+    let command = command.strip_prefix("cmd:").unwrap_or(command).trim();
     format!(
-        "# pipeline: serve {} with `tandem serve` on 127.0.0.1, run the agent {} on the prompts of {} ({} episodes each), collect its trajectories into {}",
+        "# pipeline: serve {} with `tandem serve` on 127.0.0.1, run the agent `{}` on the prompts of {} ({} episodes each), collect its trajectories into {}",
         plan.run.policy().display(),
-        shell_quote(command),
+        command,
         prompts.display(),
         plan.stages.rollout.args.n,
         rollout.display(),

@@ -278,7 +278,11 @@ impl Runner {
                 prompts,
                 rollout,
                 seed,
-            } => super::agent::run(plan, &self.console, step, prompts, rollout, *seed)?,
+            } => {
+                // commands.sh says what ran instead of the rollout stage.
+                self.append_command(step, &self.plan.describe(step, task))?;
+                super::agent::run(&self.plan, &self.console, step, prompts, rollout, *seed)?
+            }
             Action::DynamicSampling => dynamic::run(self, step)?,
             Action::CopyKlState => chores::copy_kl_state(plan, step)?,
             Action::PruneCheckpoints => chores::prune(plan, step)?,

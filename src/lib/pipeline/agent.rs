@@ -9,15 +9,16 @@
 //! prompt's `prompt_uid` (so the episodes of a question form one group), and its ground truth
 //! and data source unless the program posted its own.
 
+use super::agent_spec::AgentCmd;
 use super::console::{Captured, Console, TAIL_LINES};
 use super::plan::{path_arg, Plan};
 use super::rundir::step_name;
 use super::sampler::derive_seed;
-use super::spec::{Source, Spec, Stages};
+use super::spec::Source;
 use crate::bail_input;
 use crate::batch::{write_file, Batch, NewColumns, StageInfo};
 use crate::error::input_error;
-use crate::process::{die_with_parent, split_args, GroupGuard};
+use crate::process::{die_with_parent, GroupGuard};
 use anyhow::{Context, Result};
 use arrow_array::{ArrayRef, StringArray};
 use serde_json::{json, Map, Value};
@@ -30,134 +31,19 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The `[rollout]` keys that are the agent's, not the rollout stage's flags.
-pub(crate) const KEYS: [&str; 2] = ["agent", "agent-timeout"];
-
 /// How long the server may take to load the policy and listen.
 const SERVE_START: Duration = Duration::from_secs(1200);
 
 /// The name the server gives the policy in the API (`model` of requests).
 const MODEL_NAME: &str = "policy";
 
-/// The user's program, as the spec gives it.
-pub(crate) struct Agent {
-    /// `PROGRAM ARGS…` as written after `cmd:`.
-    pub(crate) command: String,
-    argv: Vec<String>,
-    timeout: Option<Duration>,
-}
-
-/// The `[rollout]` table less the agent's keys: the rollout stage's flags.
-pub(crate) fn stage_keys(rollout: &toml::Table) -> toml::Table {
-    let mut t = rollout.clone();
-    for k in KEYS {
-        t.remove(k);
-    }
-    t
-}
-
-impl Agent {
-    /// The spec's agent (None without `[rollout] agent`), checked against the rest of the spec.
-    pub(crate) fn parse(spec: &Spec, stages: &Stages, src: &Source) -> Result<Option<Agent>> {
-        let r = &spec.rollout;
-        let at = |key: &str| src.at("rollout", key);
-        let Some(value) = r.get("agent") else {
-            if r.contains_key("agent-timeout") {
-                bail_input!(
-                    "{}: [rollout] agent-timeout has no effect without agent = \"cmd:PROGRAM …\"",
-                    at("agent-timeout")
-                );
-            }
-            return Ok(None);
-        };
-        let key = format!("[rollout] agent = {value}");
-        let command = match value.as_str().map(|s| s.strip_prefix("cmd:")) {
-            Some(Some(c)) => c.trim().to_string(),
-            _ => bail_input!(
-                "{}: {key}: write \"cmd:PROGRAM ARGS…\" (the program that runs the step's episodes)",
-                at("agent")
-            ),
-        };
-        let argv = split_args(&command)
-            .map_err(|e| input_error(format!("{}: {key}: {e}", at("agent"))))?;
-        if argv.is_empty() {
-            bail_input!("{}: {key}: no program after `cmd:`", at("agent"));
-        }
-        let timeout = match r.get("agent-timeout") {
-            None => None,
-            Some(toml::Value::Integer(s)) if *s > 0 => Some(Duration::from_secs(*s as u64)),
-            Some(v) => bail_input!(
-                "{}: [rollout] agent-timeout = {v}: a whole number of seconds, at least 1",
-                at("agent-timeout")
-            ),
-        };
-        // The served policy is the server's own copy, on one device.
-        let refuse = |why: &str| -> Result<()> { bail_input!("{}: {key}: {why}", at("agent")) };
-        if spec.daemon {
-            refuse("not with daemon = true: the agent's server loads the step's policy itself and cannot share the daemon's copy; drop daemon = true")?;
-        }
-        if spec.gpus > 1 {
-            refuse(&format!("not with gpus = {}: the agent's server runs on one device (no daemon group behind it yet); set gpus = 1", spec.gpus))?;
-        }
-        if !stages.rollout.args.tool.is_empty() {
-            refuse("not with [rollout] tool: the agent runs its tools itself (the server only samples); drop `tool`")?;
-        }
-        if spec.filter_groups().is_some() {
-            refuse("not with [algorithm] filter-groups = true: dynamic sampling's rounds run the rollout stage; drop one of them")?;
-        }
-        Ok(Some(Agent {
-            command,
-            argv,
-            timeout,
-        }))
-    }
-
-    /// The agent of a loaded spec (checked when it was loaded).
-    pub(crate) fn of(plan: &Plan) -> Result<Agent> {
-        let src = Source {
-            origin: "the spec",
-            text: None,
-        };
-        Agent::parse(&plan.spec, &plan.stages, &src)?
-            .ok_or_else(|| anyhow::anyhow!("the spec has no [rollout] agent"))
-    }
-
-    /// The program can be started: a path that is a file, or a name found on PATH.
-    pub(crate) fn check_program(&self) -> Result<()> {
-        let program = Path::new(&self.argv[0]);
-        let found = match self.argv[0].contains('/') {
-            true => program.is_file(),
-            false => std::env::var_os("PATH")
-                .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file())),
-        };
-        if !found {
-            bail_input!(
-                "[rollout] agent = \"cmd:{}\": program `{}` not found (a path from the directory the pipeline runs in, or a name on PATH)",
-                self.command,
-                self.argv[0]
-            );
-        }
-        Ok(())
-    }
-}
-
-/// The dry-run line of an agent step.
-pub(crate) fn describe(plan: &Plan, prompts: &Path, rollout: &Path) -> String {
-    let command = plan
-        .spec
-        .rollout
-        .get("agent")
-        .and_then(|v| v.as_str())
-        .unwrap_or_default();
-    let command = command.strip_prefix("cmd:").unwrap_or(command).trim();
-    format!(
-        "# pipeline: serve {} with `tandem serve` on 127.0.0.1, run the agent `{}` on the prompts of {} ({} episodes each), collect its trajectories into {}",
-        plan.run.policy().display(),
-        command,
-        prompts.display(),
-        plan.stages.rollout.args.n,
-        rollout.display(),
-    )
+/// The agent of a loaded spec (checked when it was loaded), if it has one.
+pub(crate) fn agent_of(plan: &Plan) -> Result<Option<AgentCmd>> {
+    let src = Source {
+        origin: "the spec",
+        text: None,
+    };
+    plan.spec.agent(&plan.stages, &src)
 }
 
 /// The step's prompts as the agent gets them: `uids` their prompt_uids, `truths` and `sources`
@@ -388,7 +274,7 @@ pub(crate) fn run(
     rollout: &Path,
     seed: u64,
 ) -> Result<()> {
-    let agent = Agent::of(plan)?;
+    let agent = agent_of(plan)?.context("an agent step without [rollout] agent")?;
     let dir = plan.run.step_dir(step).join("agent");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let name = step_name(step);
@@ -434,7 +320,7 @@ pub(crate) fn run(
     finish(&file, rollout, &given, step, &agent)
 }
 
-fn agent_failed(name: &str, agent: &Agent, out: &Captured) -> anyhow::Error {
+fn agent_failed(name: &str, agent: &AgentCmd, out: &Captured) -> anyhow::Error {
     let what = match (out.timed_out, out.status.code()) {
         (true, _) => format!(
             "killed at agent-timeout = {} s",
@@ -463,7 +349,7 @@ fn finish(
     rollout: &Path,
     given: &Prompts,
     step: u64,
-    agent: &Agent,
+    agent: &AgentCmd,
 ) -> Result<()> {
     let b = Batch::read(collected, &[])?;
     let index: HashMap<&str, usize> = given

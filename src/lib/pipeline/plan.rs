@@ -663,7 +663,13 @@ impl Plan {
             ),
             Action::Agent {
                 prompts, rollout, ..
-            } => super::agent::describe(self, prompts, rollout),
+            } => super::agent_spec::describe(
+                &self.spec.rollout,
+                &self.run.policy(),
+                prompts,
+                self.stages.rollout.args.n,
+                rollout,
+            ),
             Action::DynamicSampling => self.describe_rounds(step),
             Action::CopyKlState if step <= 1 => format!(
                 "# pipeline: start {} afresh (the controller begins at --kl-coef)",

@@ -56,8 +56,8 @@ pub fn check(plan: &Plan) -> Result<Batch> {
     let st = &plan.stages;
     check_device(spec.device, spec.gpus)?;
     check_baseline(plan)?;
-    if spec.rollout.contains_key("agent") {
-        super::agent::Agent::of(plan)?.check_program()?;
+    if let Some(agent) = super::agent::agent_of(plan)? {
+        agent.check_program()?;
     }
 
     let score = &st.score.args;

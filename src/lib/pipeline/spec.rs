@@ -16,6 +16,7 @@
 //! (`--model`, `--in`, `--out`, `--seed`, `--metrics`, `--device`...) are not keys. An unknown
 //! key is an error naming the line and the closest valid key.
 
+use super::agent_spec::AgentCmd;
 use crate::bail_input;
 use crate::batch::schema::SCORE_PREFIX;
 use crate::error::input_error;
@@ -356,7 +357,7 @@ pub(crate) struct Source<'a> {
 
 impl Source<'_> {
     /// `origin:LINE:COL` of `key` in `[table]`, or `origin` when it is not found.
-    pub(crate) fn at(&self, table: &str, key: &str) -> String {
+    fn at(&self, table: &str, key: &str) -> String {
         match self.text.and_then(|t| key_position(t, table, key)) {
             Some((line, col)) => format!("{}:{line}:{col}", self.origin),
             None => self.origin.to_string(),
@@ -651,8 +652,19 @@ impl Spec {
         };
         let stages = spec.stages(&src)?;
         spec.check_dapo(&stages, &src)?;
-        super::agent::Agent::parse(&spec, &stages, &src)?;
+        spec.agent(&stages, &src)?;
         Ok(spec)
+    }
+
+    /// `[rollout] agent`, checked against the rest of the spec (`super::agent_spec`).
+    pub(crate) fn agent(&self, stages: &Stages, src: &Source) -> Result<Option<AgentCmd>> {
+        let around = super::agent_spec::Around {
+            daemon: self.daemon,
+            gpus: self.gpus,
+            tool: !stages.rollout.args.tool.is_empty(),
+            filter_groups: self.filter_groups().is_some(),
+        };
+        super::agent_spec::parse(&self.rollout, &around, &|k| src.at("rollout", k))
     }
 
     /// Dynamic sampling as configured in `[algorithm]`, or None when `filter-groups` is off.
@@ -762,8 +774,8 @@ impl Spec {
             f.add_table(t, name, &[], &[], src)?;
             Ok(f)
         };
-        // `agent` and `agent-timeout` are the runner's (`super::agent`), not rollout's flags.
-        let rollout_table = super::agent::stage_keys(&self.rollout);
+        // `agent` and `agent-timeout` are the runner's (`super::agent_spec`), not rollout's flags.
+        let rollout_table = super::agent_spec::stage_keys(&self.rollout);
         let rollout = table("rollout", &rollout_table)?.parse::<RolloutArgs>("rollout", src)?;
         // ref-logprob and update take log-probs at the temperature the samples were drawn at
         // (rollout records it in the batch; a different explicit one is refused there, and

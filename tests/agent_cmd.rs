@@ -142,9 +142,10 @@ fn a_failing_agent_stops_its_step_with_a_clear_error() {
     assert!(!d.join("r/step-0001/rollout.parquet").exists());
 }
 
-/// A program still running at `agent-timeout` is killed, and the step fails saying so.
+/// A program still running at `agent-timeout` is killed, and the step fails saying so; one
+/// that exits 0 having played nothing fails the step as well.
 #[test]
-fn an_agent_past_its_timeout_is_killed() {
+fn an_agent_past_its_timeout_or_with_no_episode_fails_its_step() {
     let spec = SPEC.replace("cmd:python3 AGENT\"", "cmd:sleep 60\"\nagent-timeout = 1");
     let dir = work(&spec);
     let t0 = std::time::Instant::now();
@@ -156,6 +157,16 @@ fn an_agent_past_its_timeout_is_killed() {
         "{out}"
     );
     assert!(t0.elapsed().as_secs() < 50);
+
+    let dir = work(&SPEC.replace("cmd:python3 AGENT", "cmd:true"));
+    let o = pipeline(dir.path(), &[]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert!(
+        out.contains("step-0001: the agent `true` exited 0 but recorded no trajectory"),
+        "{out}"
+    );
+    assert!(!dir.path().join("r/step-0001/rollout.parquet").exists());
 }
 
 /// What an agent step cannot do is refused before anything runs, with the reason.

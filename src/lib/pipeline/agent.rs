@@ -306,7 +306,7 @@ pub(crate) fn run(
         ))
     })?;
     if !out.status.success() {
-        return Err(agent_failed(&name, &agent, &out));
+        return Err(agent_failed(&name, &agent, &out, &dir.join("serve.log")));
     }
     let file = served.collect(&name, &dir)?;
     drop(served);
@@ -320,7 +320,8 @@ pub(crate) fn run(
     finish(&file, rollout, &given, step, &agent)
 }
 
-fn agent_failed(name: &str, agent: &AgentCmd, out: &Captured) -> anyhow::Error {
+/// The error of an agent that failed: its output's tail, the server's log, how to go on.
+fn agent_failed(name: &str, agent: &AgentCmd, out: &Captured, log: &Path) -> anyhow::Error {
     let what = match (out.timed_out, out.status.code()) {
         (true, _) => format!(
             "killed at agent-timeout = {} s",
@@ -331,9 +332,10 @@ fn agent_failed(name: &str, agent: &AgentCmd, out: &Captured) -> anyhow::Error {
     };
     let tail: Vec<String> = out.tail.iter().map(|l| format!("  | {l}")).collect();
     let msg = format!(
-        "{name}: the agent `{}` failed ({what}); its output ended with:\n{}",
+        "{name}: the agent `{}` failed ({what}); its output ended with:\n{}\nThe server's log: {}. Once the cause is fixed (or to retry), the same `pipeline run` command runs the step again.",
         agent.command,
-        tail.join("\n")
+        tail.join("\n"),
+        log.display()
     );
     match out.status.code() {
         Some(2) => input_error(msg),

@@ -214,3 +214,56 @@ fn preflight_refuses_what_an_agent_step_cannot_do() {
         assert!(!dir.path().join("r/step-0001").exists(), "{to}");
     }
 }
+
+/// The processes whose parent is `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.extend(e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()));
+        }
+    }
+    out
+}
+
+/// Whether process `pid` still runs (not gone, not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().to_string()))
+        .is_some_and(|r| !r.starts_with('Z'))
+}
+
+/// SIGKILL of the runner while its agent plays takes the agent and the server down with it;
+/// the next `pipeline run` plays the step again and finishes the run.
+#[test]
+fn a_run_killed_while_its_agent_plays_goes_on_from_that_step() {
+    let dir = work(SPEC);
+    let d = dir.path();
+    let mut cmd = Command::new(PIPELINE);
+    cmd.current_dir(d)
+        .args(["run", "spec.toml", "--run-dir", "r"])
+        .env("TANDEM_BIN_DIR", real_bins())
+        .env("AGENT_SLOW", "1");
+    let mut kids = Vec::new();
+    crate::pipeline::kill_when(cmd, "the agent playing", &mut |pid| {
+        kids = children(pid);
+        kids.len() == 2 && crate::pipeline::running_child(pid, "agent.py")
+    });
+    let t0 = std::time::Instant::now();
+    while kids.iter().any(|&k| alive(k)) {
+        assert!(t0.elapsed().as_secs() < 10, "{kids:?} outlived the runner");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(!d.join("r/step-0001/rollout.parquet").exists());
+    let o = pipeline(d, &[]);
+    assert_ok(&o);
+    assert_eq!(read(&d.join("r/step-0001/rollout.parquet")).num_rows(), 6);
+    assert!(d.join("r/ckpt/step-0002/model.safetensors").is_file());
+}

@@ -14,6 +14,7 @@ mod stage_util;
 
 mod advantage;
 mod agent;
+mod agent_cmd;
 mod batch;
 mod bench_decoder;
 mod cli;

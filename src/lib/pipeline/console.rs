@@ -7,6 +7,7 @@
 //! do the runner's lines; `pipeline run -v` also shows the stages' output on the console. A
 //! stage that fails has the last lines of its output in the error message.
 
+use crate::process::GroupGuard;
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;
 use std::collections::VecDeque;
@@ -38,6 +39,8 @@ pub(crate) struct Captured {
     pub(crate) status: ExitStatus,
     /// Its last output lines (stdout and stderr, in the order they came).
     pub(crate) tail: Vec<String>,
+    /// Killed at its time limit (`run_in_group`).
+    pub(crate) timed_out: bool,
 }
 
 impl Console {
@@ -108,6 +111,28 @@ impl Console {
     /// console with `-v`). A program the stage left behind holding the pipe does not hold the
     /// runner: once the stage has exited, what is still unread after a short wait is dropped.
     pub fn run(&self, cmd: &mut Command) -> std::io::Result<Captured> {
+        self.capture(cmd, None)
+    }
+
+    /// `run` for a program of the user's (an agent): in a process group of its own, killed
+    /// with everything it started when it exits, when this process ends on a signal, or after
+    /// `limit` (then `timed_out`).
+    pub(crate) fn run_in_group(
+        &self,
+        cmd: &mut Command,
+        limit: Option<Duration>,
+    ) -> std::io::Result<Captured> {
+        use std::os::unix::process::CommandExt;
+        cmd.process_group(0);
+        self.capture(cmd, Some(limit))
+    }
+
+    /// `group`: the command leads a process group to guard, with its time limit.
+    fn capture(
+        &self,
+        cmd: &mut Command,
+        group: Option<Option<Duration>>,
+    ) -> std::io::Result<Captured> {
         let (reader, writer) = std::io::pipe()?;
         cmd.stdout(writer.try_clone()?).stderr(writer);
         let spawned = cmd.spawn();
@@ -115,6 +140,8 @@ impl Console {
         // reader would never see the end of the output.
         cmd.stdout(Stdio::null()).stderr(Stdio::null());
         let mut child = spawned?;
+        let mut guard = group.map(|_| GroupGuard::new(child.id()));
+        let deadline = group.flatten().map(|d| Instant::now() + d);
         let (tx, rx) = mpsc::channel::<String>();
         std::thread::spawn(move || {
             let mut r = BufReader::new(reader);
@@ -141,6 +168,7 @@ impl Console {
         let tick = Duration::from_millis(50);
         let mut exited: Option<(ExitStatus, Instant)> = None;
         let mut checked = Instant::now();
+        let mut timed_out = false;
         loop {
             match rx.recv_timeout(tick) {
                 Ok(line) => keep(line),
@@ -150,6 +178,11 @@ impl Console {
             if exited.is_none() && checked.elapsed() >= tick {
                 exited = child.try_wait()?.map(|s| (s, Instant::now()));
                 checked = Instant::now();
+            }
+            if exited.is_none() && deadline.is_some_and(|d| Instant::now() >= d) {
+                timed_out = true;
+                guard.as_mut().map(GroupGuard::kill);
+                exited = Some((child.wait()?, Instant::now()));
             }
             if exited.is_some_and(|(_, at)| at.elapsed() > Duration::from_millis(500)) {
                 break;
@@ -162,6 +195,7 @@ impl Console {
         Ok(Captured {
             status,
             tail: tail.into(),
+            timed_out,
         })
     }
 

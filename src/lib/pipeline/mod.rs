@@ -5,6 +5,7 @@
 //! - `spec`: the TOML spec (stage keys are the stage flags).
 //! - `preflight`: what is checked before anything runs (reward, models, datasets).
 //! - `rundir`: the run directory's layout, `state.json`, spec changes, atomic writes.
+//! - `agent`, `agent_spec`: a step whose rollout is the user's agent against `tandem serve`.
 //! - `sampler`: the seeded prompt sampler whose cursor is part of the state.
 //! - `plan`: a step's tasks (stage command lines, the runner's own tasks) from the spec and
 //!   the state, as plain data.
@@ -18,6 +19,8 @@
 //! - `plot`, `inspect`: looking at a run.
 //! - `from_verl`: `tandem spec from-verl`, a spec from a verl config and its overrides.
 
+pub(crate) mod agent;
+pub(crate) mod agent_spec;
 pub(crate) mod chores;
 pub(crate) mod console;
 pub(crate) mod daemons;

@@ -20,6 +20,13 @@ pub(crate) enum Action {
     },
     /// Draw the step's prompts into `step-000K/prompts.parquet`.
     SamplePrompts,
+    /// The rollout done by the user's agent against the served policy (`[rollout] agent`,
+    /// `super::agent`): `prompts` in, the trajectories collected into `rollout`.
+    Agent {
+        prompts: PathBuf,
+        rollout: PathBuf,
+        seed: u64,
+    },
     /// DAPO's dynamic sampling (`[algorithm] filter-groups`): rounds of prompts, rollout and
     /// score until enough groups vary, kept into the step's rollout and scored files
     /// (`super::dynamic`).
@@ -593,10 +600,18 @@ impl Plan {
         ];
         score.extend(self.stages.score.argv.iter().cloned());
         score.extend(["--metrics".into(), path_arg(&files.score_metrics)]);
+        let rollout = match self.spec.rollout.contains_key("agent") {
+            true => Action::Agent {
+                prompts: files.prompts.clone(),
+                rollout: files.rollout.clone(),
+                seed,
+            },
+            false => stage_cmd("rollout", rollout),
+        };
         [
             Task {
                 name: "rollout",
-                action: stage_cmd("rollout", rollout),
+                action: rollout,
             },
             Task {
                 name: "score",
@@ -645,6 +660,15 @@ impl Plan {
                 self.spec.data.prompts_per_step,
                 self.spec.data.train.display(),
                 self.run.batch(step, "prompts").display()
+            ),
+            Action::Agent {
+                prompts, rollout, ..
+            } => super::agent_spec::describe(
+                &self.spec.rollout,
+                &self.run.policy(),
+                prompts,
+                self.stages.rollout.args.n,
+                rollout,
             ),
             Action::DynamicSampling => self.describe_rounds(step),
             Action::CopyKlState if step <= 1 => format!(
@@ -762,7 +786,9 @@ impl Plan {
 
     /// The binaries the tasks run (`tandem` too for the daemon).
     pub(super) fn bins_needed<'a>(&self, tasks: &'a [(u64, Task)]) -> Vec<&'a str> {
-        let daemon = self.spec.daemon.then_some("tandem");
+        // The daemon, and the server of an agent step, are `tandem`'s.
+        let daemon =
+            (self.spec.daemon || self.spec.rollout.contains_key("agent")).then_some("tandem");
         tasks
             .iter()
             .filter_map(|(_, t)| match &t.action {

@@ -56,6 +56,9 @@ pub fn check(plan: &Plan) -> Result<Batch> {
     let st = &plan.stages;
     check_device(spec.device, spec.gpus)?;
     check_baseline(plan)?;
+    if let Some(agent) = super::agent::agent_of(plan)? {
+        agent.check_program()?;
+    }
 
     let score = &st.score.args;
     let reward = RewardSpec::parse(&score.reward)?;

@@ -274,6 +274,15 @@ impl Runner {
         match &task.action {
             Action::Stage { bin, args } => self.run_stage(step, task.name, bin, args)?,
             Action::SamplePrompts => self.sample_prompts(step)?,
+            Action::Agent {
+                prompts,
+                rollout,
+                seed,
+            } => {
+                // commands.sh says what ran instead of the rollout stage.
+                self.append_command(step, &self.plan.describe(step, task))?;
+                super::agent::run(&self.plan, &self.console, step, prompts, rollout, *seed)?
+            }
             Action::DynamicSampling => dynamic::run(self, step)?,
             Action::CopyKlState => chores::copy_kl_state(plan, step)?,
             Action::PruneCheckpoints => chores::prune(plan, step)?,
@@ -299,7 +308,7 @@ impl Runner {
         let last = self.plan.ends_step(step, task);
         let progress = self.state.progress(step);
         progress.done.push(task.name.to_string());
-        if matches!(task.action, Action::Stage { .. }) {
+        if matches!(task.action, Action::Stage { .. } | Action::Agent { .. }) {
             progress.seconds.insert(task.name.to_string(), secs);
         }
         if last {

@@ -16,6 +16,7 @@
 //! (`--model`, `--in`, `--out`, `--seed`, `--metrics`, `--device`...) are not keys. An unknown
 //! key is an error naming the line and the closest valid key.
 
+use super::agent_spec::AgentCmd;
 use crate::bail_input;
 use crate::batch::schema::SCORE_PREFIX;
 use crate::error::input_error;
@@ -651,7 +652,19 @@ impl Spec {
         };
         let stages = spec.stages(&src)?;
         spec.check_dapo(&stages, &src)?;
+        spec.agent(&stages, &src)?;
         Ok(spec)
+    }
+
+    /// `[rollout] agent`, checked against the rest of the spec (`super::agent_spec`).
+    pub(crate) fn agent(&self, stages: &Stages, src: &Source) -> Result<Option<AgentCmd>> {
+        let around = super::agent_spec::Around {
+            daemon: self.daemon,
+            gpus: self.gpus,
+            tool: !stages.rollout.args.tool.is_empty(),
+            filter_groups: self.filter_groups().is_some(),
+        };
+        super::agent_spec::parse(&self.rollout, &around, &|k| src.at("rollout", k))
     }
 
     /// Dynamic sampling as configured in `[algorithm]`, or None when `filter-groups` is off.
@@ -761,7 +774,9 @@ impl Spec {
             f.add_table(t, name, &[], &[], src)?;
             Ok(f)
         };
-        let rollout = table("rollout", &self.rollout)?.parse::<RolloutArgs>("rollout", src)?;
+        // `agent` and `agent-timeout` are the runner's (`super::agent_spec`), not rollout's flags.
+        let rollout_table = super::agent_spec::stage_keys(&self.rollout);
+        let rollout = table("rollout", &rollout_table)?.parse::<RolloutArgs>("rollout", src)?;
         // ref-logprob and update take log-probs at the temperature the samples were drawn at
         // (rollout records it in the batch; a different explicit one is refused there, and
         // here before anything runs).
@@ -802,7 +817,7 @@ impl Spec {
             }
         };
 
-        let mut eval = table("rollout", &self.rollout)?;
+        let mut eval = table("rollout", &rollout_table)?;
         for key in EVAL_SAMPLING {
             eval.remove(key);
         }

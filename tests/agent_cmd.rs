@@ -1,0 +1,269 @@
+//! `[rollout] agent = "cmd:PROGRAM …"`: a pipeline step whose rollout is the user's agent
+//! against `tandem serve` (the real binaries, a tiny model, CPU, loopback only). The agent is
+//! tests/fixtures/agent_cmd/agent.py (standard library only): two-turn episodes, a reward
+//! posted per episode.
+
+use crate::pipeline::{assert_ok, real_bins, text, PIPELINE};
+use crate::stage_util::{model_and_train_set, read, strings};
+use arrow_array::Int32Array;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const SPEC: &str = r#"
+seed = 7
+steps = 2
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+prompts-per-step = 3
+[rollout]
+agent = "cmd:python3 AGENT"
+n = 2
+temperature = 1.0
+max-new-tokens = 6
+[score]
+# A reward the random model earns now and then, so that the advantages are not all zero.
+reward = "regex:[a-z]"
+format-score = 0.5
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.01
+"#;
+
+fn agent_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/agent_cmd/agent.py")
+}
+
+/// A work directory with the model, the training set and `spec` (AGENT: the test agent).
+fn work(spec: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    model_and_train_set(dir.path(), 64, 128, 12);
+    let spec = spec.replace("AGENT", &agent_script().display().to_string());
+    std::fs::write(dir.path().join("spec.toml"), spec).unwrap();
+    dir
+}
+
+fn pipeline(d: &Path, env: &[(&str, &str)]) -> Output {
+    Command::new(PIPELINE)
+        .current_dir(d)
+        .args(["run", "spec.toml", "--run-dir", "r"])
+        .env("TANDEM_BIN_DIR", real_bins())
+        .env("RAYON_NUM_THREADS", "2")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
+/// Two steps driven by the agent end with a trained checkpoint; each step's rollout.parquet
+/// holds the agent's two-turn episodes in the multi-turn contract, grouped by the step's
+/// prompts, with their ground truths, sampled from the step's policy.
+#[test]
+fn an_agent_drives_two_steps_to_a_trained_checkpoint() {
+    let dir = work(SPEC);
+    let d = dir.path();
+    let o = pipeline(d, &[]);
+    assert_ok(&o);
+    let run = d.join("r");
+    let before = std::fs::read(d.join("model/model.safetensors")).unwrap();
+    let after = std::fs::read(run.join("ckpt/step-0002/model.safetensors")).unwrap();
+    assert!(before != after, "the policy did not change");
+    let commands = std::fs::read_to_string(run.join("commands.sh")).unwrap();
+    assert!(
+        commands.contains(
+            "# pipeline: serve r/policy with `tandem serve` on 127.0.0.1, run the agent `python3 "
+        ),
+        "{commands}"
+    );
+    for step in [1u64, 2] {
+        let sd = run.join(format!("step-{step:04}"));
+        let b = read(&sd.join("rollout.parquet"));
+        assert_eq!(b.num_rows(), 6, "3 prompts x 2 episodes");
+        assert_eq!(b.meta_u64("policy_version"), Some(step - 1));
+        assert_eq!(b.meta_u64("step"), Some(step));
+        let turns = b.column("num_turns").unwrap();
+        let turns = turns.as_any().downcast_ref::<Int32Array>().unwrap();
+        assert_eq!(turns.values().to_vec(), vec![2; 6]);
+        // The user's "Check it." turn is in the response with mask 0 between sampled turns.
+        for mask in b.ragged_u8("response_mask").unwrap().rows() {
+            assert!(mask.contains(&0) && mask.contains(&1), "{mask:?}");
+            assert_eq!(
+                mask[0], 1,
+                "the response starts with the first sampled turn"
+            );
+        }
+        let messages = strings(&b, "messages");
+        assert!(messages.iter().all(|m| m.contains("Check it.")));
+        // Every prompt of the step, twice, with the prompt's ground truth.
+        let given = read(&sd.join("agent/prompts.parquet"));
+        let truth: BTreeMap<String, String> = strings(&given, "prompt_uid")
+            .into_iter()
+            .zip(given.ground_truths().unwrap())
+            .collect();
+        let mut count: BTreeMap<String, usize> = BTreeMap::new();
+        for (uid, gt) in strings(&b, "prompt_uid")
+            .into_iter()
+            .zip(strings(&b, "ground_truth"))
+        {
+            assert_eq!(truth.get(&uid), Some(&gt), "{uid}");
+            *count.entry(uid).or_default() += 1;
+        }
+        assert_eq!(count.len(), 3);
+        assert!(count.values().all(|&c| c == 2), "{count:?}");
+        assert!(read(&sd.join("scored.parquet")).has("score"));
+    }
+}
+
+/// An agent that exits non-zero stops the step with its exit code and output, naming the step
+/// and the program; one that names an episode after no prompt of the step is an input error.
+#[test]
+fn a_failing_agent_stops_its_step_with_a_clear_error() {
+    let dir = work(SPEC);
+    let d = dir.path();
+    let o = pipeline(d, &[("AGENT_FAIL", "1")]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("step-0001: the agent `python3 ") && out.contains("failed (exit code 3)"),
+        "{out}"
+    );
+    assert!(out.contains("agent: giving up after one episode"), "{out}");
+    assert!(!d.join("r/step-0001/rollout.parquet").exists());
+
+    let o = pipeline(d, &[("AGENT_BAD_ID", "1")]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert!(
+        out.contains("recorded trajectory 'nope0-0', which is not of the step's prompts"),
+        "{out}"
+    );
+    assert!(!d.join("r/step-0001/rollout.parquet").exists());
+}
+
+/// A program still running at `agent-timeout` is killed, and the step fails saying so; one
+/// that exits 0 having played nothing fails the step as well.
+#[test]
+fn an_agent_past_its_timeout_or_with_no_episode_fails_its_step() {
+    let spec = SPEC.replace("cmd:python3 AGENT\"", "cmd:sleep 60\"\nagent-timeout = 1");
+    let dir = work(&spec);
+    let t0 = std::time::Instant::now();
+    let o = pipeline(dir.path(), &[]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("the agent `sleep 60` failed (killed at agent-timeout = 1 s)"),
+        "{out}"
+    );
+    assert!(t0.elapsed().as_secs() < 50);
+
+    let dir = work(&SPEC.replace("cmd:python3 AGENT", "cmd:true"));
+    let o = pipeline(dir.path(), &[]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert!(
+        out.contains("step-0001: the agent `true` exited 0 but recorded no trajectory"),
+        "{out}"
+    );
+    assert!(!dir.path().join("r/step-0001/rollout.parquet").exists());
+}
+
+/// What an agent step cannot do is refused before anything runs, with the reason.
+#[test]
+fn preflight_refuses_what_an_agent_step_cannot_do() {
+    let cases = [
+        (
+            "steps = 2",
+            "steps = 2\ndaemon = true",
+            "not with daemon = true",
+        ),
+        ("steps = 2", "steps = 2\ngpus = 2", "not with gpus = 2"),
+        (
+            "n = 2",
+            "n = 2\ntool = [\"python\"]",
+            "not with [rollout] tool",
+        ),
+        (
+            "cmd:python3 AGENT",
+            "cmd:./no-such-agent --x",
+            "program `./no-such-agent` not found",
+        ),
+        (
+            "cmd:python3 AGENT",
+            "python3 AGENT",
+            "write \"cmd:PROGRAM ARGS…\"",
+        ),
+        (
+            "agent = \"cmd:python3 AGENT\"",
+            "agent-timeout = 5",
+            "agent-timeout has no effect without agent",
+        ),
+        (
+            "n = 2",
+            "n = 2\nagent-timeout = 0",
+            "agent-timeout = 0: a whole number",
+        ),
+    ];
+    for (from, to, needle) in cases {
+        let dir = work(&SPEC.replace(from, to));
+        let o = pipeline(dir.path(), &[]);
+        let out = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{to}: {out}");
+        assert!(out.contains(needle), "{to}: {out}");
+        assert!(!dir.path().join("r/step-0001").exists(), "{to}");
+    }
+}
+
+/// The processes whose parent is `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.extend(e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()));
+        }
+    }
+    out
+}
+
+/// Whether process `pid` still runs (not gone, not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().to_string()))
+        .is_some_and(|r| !r.starts_with('Z'))
+}
+
+/// SIGKILL of the runner while its agent plays takes the agent and the server down with it;
+/// the next `pipeline run` plays the step again and finishes the run.
+#[test]
+fn a_run_killed_while_its_agent_plays_goes_on_from_that_step() {
+    let dir = work(SPEC);
+    let d = dir.path();
+    let mut cmd = Command::new(PIPELINE);
+    cmd.current_dir(d)
+        .args(["run", "spec.toml", "--run-dir", "r"])
+        .env("TANDEM_BIN_DIR", real_bins())
+        .env("AGENT_SLOW", "1");
+    let mut kids = Vec::new();
+    crate::pipeline::kill_when(cmd, "the agent playing", &mut |pid| {
+        kids = children(pid);
+        kids.len() == 2 && crate::pipeline::running_child(pid, "agent.py")
+    });
+    let t0 = std::time::Instant::now();
+    while kids.iter().any(|&k| alive(k)) {
+        assert!(t0.elapsed().as_secs() < 10, "{kids:?} outlived the runner");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(!d.join("r/step-0001/rollout.parquet").exists());
+    let o = pipeline(d, &[]);
+    assert_ok(&o);
+    assert_eq!(read(&d.join("r/step-0001/rollout.parquet")).num_rows(), 6);
+    assert!(d.join("r/ckpt/step-0002/model.safetensors").is_file());
+}

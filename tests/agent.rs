@@ -898,6 +898,45 @@ fn calls_answered(d: &Path) -> usize {
     std::fs::read_to_string(d.join("calls.txt")).map_or(0, |t| t.lines().count())
 }
 
+/// With dynamic sampling a step rolls out in rounds: its `rollout/…` metrics count the samples
+/// and tool calls of every round's trajectories (they were missing from metrics.jsonl when each
+/// round kept its own metrics).
+#[test]
+fn dynamic_sampling_steps_report_the_tool_calls_of_all_their_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tool_run_setup(d);
+    write_tool_spec(
+        d,
+        "[algorithm]\nfilter-groups = true\nprompts-per-round = 2\nmax-num-gen-batches = 3\n",
+    );
+    pipeline_ok(d, "a");
+    let run = d.join("a");
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let mut several = false;
+    for (i, line) in text.lines().enumerate() {
+        let m: serde_json::Value = serde_json::from_str(line).unwrap();
+        let rounds = m["sampling/rounds"].as_u64().unwrap();
+        several |= rounds > 1;
+        let (mut calls, mut samples) = (0, 0);
+        for r in 1..=rounds {
+            let b = read(&run.join(format!("step-{:04}/round-{r}/rollout.parquet", i + 1)));
+            for c in strings(&b, "tool_calls") {
+                calls += serde_json::from_str::<Vec<serde_json::Value>>(&c)
+                    .unwrap()
+                    .len();
+                samples += 1;
+            }
+        }
+        assert!(calls > 0, "step {}: the model calls its tool", i + 1);
+        assert_eq!(m["rollout/tool_calls"].as_u64(), Some(calls as u64), "{m}");
+        assert_eq!(m["rollout/samples"].as_u64(), Some(samples as u64), "{m}");
+    }
+    assert_eq!(text.lines().count(), 3);
+    // Two prompts a round for four groups a step: every step takes two rounds or more.
+    assert!(several, "{text}");
+}
+
 /// The calls of a run's step-1 rollout that the tool answered.
 fn answered_calls(run: &Path) -> usize {
     let b = read(&run.join("step-0001/rollout.parquet"));

@@ -431,6 +431,8 @@ fn merge_rounds(parts: &[serde_json::Value]) -> serde_json::Value {
             Some(total(&k))
         } else if PER_SAMPLE.contains(&k.as_str()) {
             weighted(&k, "samples")
+        } else if k == "baseline_response_length_mean" {
+            weighted(&k, "baseline_samples")
         } else if LARGEST.contains(&k.as_str()) {
             parts.iter().filter_map(|p| num(p, &k)).reduce(f64::max)
         } else if k.ends_with("_per_s") {

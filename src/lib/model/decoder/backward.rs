@@ -402,28 +402,25 @@ impl<B: Backend> LayerBack<'_, B> {
         (c.hidden_size, c.intermediate_size, qd, kd)
     }
 
-    /// dw (and db) += of projection `p` where it trains (a frozen base skips the GEMM).
-    #[allow(clippy::too_many_arguments)]
+    /// dw (and db) += of projection `t`, weight `p` and bias `pb`, where it trains (a frozen
+    /// base skips the GEMM).
     fn weight_grad(
         &self,
         g: &mut [B::Buf],
-        p: usize,
-        pb: Option<usize>,
+        (t, p, pb): (Target, usize, Option<usize>),
         dy: &B::Buf,
         x: &B::Buf,
-        k: usize,
-        out: usize,
     ) -> Result<()> {
         if !self.trains[p] {
             return Ok(());
         }
+        let (k, out) = t.dims(self.cfg);
         let (gp, gb) = two_mut(g, p, pb);
         self.b
             .matmul_backward_w(gp, gb, dy, x, self.ls.gemm(k, out))
     }
 
     /// The adapter on `t`'s backward, where the layer has one: its gradients, dx += its part.
-    #[allow(clippy::too_many_arguments)]
     fn adapt(
         &self,
         t: Target,
@@ -434,7 +431,7 @@ impl<B: Backend> LayerBack<'_, B> {
         s: &mut [B::Buf; 2],
     ) -> Result<()> {
         match (self.lora, self.ly.lora[lora::slot(t)]) {
-            (Some(ad), Some(ab)) => ad.backward(ab, t.dims(self.cfg), g, dx, dy, x, s),
+            (Some(ad), Some(ab)) => ad.backward(lora::Pair::of(ab, t, self.cfg), g, dx, dy, x, s),
             _ => Ok(()),
         }
     }
@@ -464,13 +461,13 @@ impl<B: Backend> LayerBack<'_, B> {
             &gw.d_resid
         };
         let s = &mut ws.lora;
-        self.weight_grad(g, ly.down, None, dres, &a.h, f, d)?;
+        self.weight_grad(g, (Target::Down, ly.down, None), dres, &a.h)?;
         b.matmul_backward_x(&mut gw.dh, dres, &w[ly.down], ls.gemm(f, d), false)?;
         self.adapt(Target::Down, g, &mut gw.dh, dres, &a.h, s)?;
         let n = self.n;
         b.swiglu_backward(&mut gw.dg, &mut gw.du, &gw.dh, &a.g, &a.u, n * f)?;
-        self.weight_grad(g, ly.gate, None, &gw.dg, &a.xn2, d, f)?;
-        self.weight_grad(g, ly.up, None, &gw.du, &a.xn2, d, f)?;
+        self.weight_grad(g, (Target::Gate, ly.gate, None), &gw.dg, &a.xn2)?;
+        self.weight_grad(g, (Target::Up, ly.up, None), &gw.du, &a.xn2)?;
         b.matmul_backward_x(&mut gw.d_xn, &gw.dg, &w[ly.gate], ls.gemm(d, f), false)?;
         b.matmul_backward_x(&mut gw.d_xn, &gw.du, &w[ly.up], ls.gemm(d, f), true)?;
         self.adapt(Target::Gate, g, &mut gw.d_xn, &gw.dg, &a.xn2, s)?;
@@ -496,7 +493,7 @@ impl<B: Backend> LayerBack<'_, B> {
         } else {
             &gw.d_resid
         };
-        self.weight_grad(g, ly.o, None, dres, &a.o, qd, d)?;
+        self.weight_grad(g, (Target::O, ly.o, None), dres, &a.o)?;
         b.matmul_backward_x(&mut gw.d_o, dres, &w[ly.o], ls.gemm(qd, d), false)?;
         self.adapt(Target::O, g, &mut gw.d_o, dres, &a.o, &mut ws.lora)?;
         b.attention_backward(
@@ -547,12 +544,12 @@ impl<B: Backend> LayerBack<'_, B> {
         } else {
             (&gw.dq, &gw.dk)
         };
-        for (p, pb, dy, m, first) in [
-            (ly.q, ly.q_b, dq, qd, true),
-            (ly.k, ly.k_b, dk, kd, false),
-            (ly.v, ly.v_b, &gw.dv, kd, false),
+        for (t, p, pb, dy, m, first) in [
+            (Target::Q, ly.q, ly.q_b, dq, qd, true),
+            (Target::K, ly.k, ly.k_b, dk, kd, false),
+            (Target::V, ly.v, ly.v_b, &gw.dv, kd, false),
         ] {
-            self.weight_grad(g, p, pb, dy, &a.xn1, d, m)?;
+            self.weight_grad(g, (t, p, pb), dy, &a.xn1)?;
             b.matmul_backward_x(&mut gw.d_xn, dy, &w[p], ls.gemm(d, m), !first)?;
         }
         for (t, dy) in [(Target::Q, dq), (Target::K, dk), (Target::V, &gw.dv)] {

@@ -262,7 +262,7 @@ impl<B: Backend> LayerRun<'_, B> {
     /// y += the adapter on `t` applied to x, where the layer has one.
     fn adapt(&self, t: Target, y: &mut B::Buf, x: &B::Buf, s: &mut [B::Buf; 2]) -> Result<()> {
         match (self.lora, self.ly.lora[lora::slot(t)]) {
-            (Some(ad), Some(ab)) => ad.forward(ab, t.dims(self.cfg), y, x, s),
+            (Some(ad), Some(ab)) => ad.forward(lora::Pair::of(ab, t, self.cfg), y, x, s),
             _ => Ok(()),
         }
     }

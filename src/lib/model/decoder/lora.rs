@@ -7,6 +7,7 @@ use anyhow::Result;
 
 use crate::backend::{Backend, MatmulShape};
 use crate::model::lora::{LoraSpec, Target};
+use crate::model::Config;
 
 /// A decoder's adapters: their spec and the scaling matrix.
 pub(super) struct LoraState<B: Backend> {
@@ -29,6 +30,24 @@ impl<B: Backend> LoraState<B> {
             spec: spec.clone(),
             scale,
         })
+    }
+}
+
+/// One adapter in a pass: its A and B (parameter indices) and its projection's input and
+/// output features.
+#[derive(Clone, Copy)]
+pub(super) struct Pair {
+    pub(super) a: usize,
+    pub(super) b: usize,
+    pub(super) inp: usize,
+    pub(super) out: usize,
+}
+
+impl Pair {
+    /// The adapter `(a, b)` of target `t` in a model of `cfg`'s shape.
+    pub(super) fn of((a, b): (usize, usize), t: Target, cfg: &Config) -> Pair {
+        let (inp, out) = t.dims(cfg);
+        Pair { a, b, inp, out }
     }
 }
 
@@ -55,15 +74,15 @@ impl<B: Backend> Adapt<'_, B> {
         b.matmul(ts, t, self.scale, None, self.shape(r, r), false)
     }
 
-    /// y += (α/r)·(x·Aᵀ)·Bᵀ for the adapter `(a, b)` (parameter indices) of `target`.
+    /// y += (α/r)·(x·Aᵀ)·Bᵀ for the adapter `p`.
     pub(super) fn forward(
         &self,
-        (a, bi): (usize, usize),
-        (inp, out): (usize, usize),
+        p: Pair,
         y: &mut B::Buf,
         x: &B::Buf,
         s: &mut [B::Buf; 2],
     ) -> Result<()> {
+        let Pair { a, b: bi, inp, out } = p;
         self.scaled_xa(a, x, inp, s)?;
         self.b.matmul(
             y,
@@ -75,18 +94,17 @@ impl<B: Backend> Adapt<'_, B> {
         )
     }
 
-    /// The adapter's backward from dy: its gradients added into `g`, dx += its part.
-    #[allow(clippy::too_many_arguments)]
+    /// The adapter `p`'s backward from dy: its gradients added into `g`, dx += its part.
     pub(super) fn backward(
         &self,
-        (a, bi): (usize, usize),
-        (inp, out): (usize, usize),
+        p: Pair,
         g: &mut [B::Buf],
         dx: &mut B::Buf,
         dy: &B::Buf,
         x: &B::Buf,
         s: &mut [B::Buf; 2],
     ) -> Result<()> {
+        let Pair { a, b: bi, inp, out } = p;
         let (b, r) = (self.b, self.rank);
         self.scaled_xa(a, x, inp, s)?;
         let [dts, dt] = s;

@@ -506,8 +506,8 @@ fn update_critic_learns_the_returns_of_a_fixed_batch() {
 // The pipeline with a [critic]
 
 use crate::pipeline::{
-    assert_ok, checkpoint_files_in, jsonl_sans_time, real_bins, running_child, stage_done, state,
-    text, PIPELINE,
+    assert_ok, checkpoint_files_in, jsonl_sans_time, real_bins, running_child, stage_done, text,
+    PIPELINE,
 };
 use std::process::Command;
 use std::time::Duration;
@@ -626,18 +626,7 @@ fn ppo_with_a_critic_resumes_after_sigkill_to_identical_checkpoints() {
         "{}",
         text(&o)
     );
-    for sub in ["critic", "ckpt"] {
-        let (ca, cb) = (checkpoint_files_in(&a, sub), checkpoint_files_in(&b, sub));
-        assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
-        for (k, v) in &ca {
-            assert!(v == &cb[k], "{sub}/{k} differs after the resumed run");
-        }
-    }
-    assert_eq!(state(&a), state(&b));
-    assert_eq!(
-        jsonl_sans_time(&a.join("metrics.jsonl")),
-        jsonl_sans_time(&b.join("metrics.jsonl"))
-    );
+    crate::pipeline::assert_runs_end_alike(&a, &b, &["critic", "ckpt"]);
 }
 
 /// Up front: `estimator = "gae"` without a `[critic]` stops before step 0 runs (exit 2, naming

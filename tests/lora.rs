@@ -540,8 +540,8 @@ mod update {
 
 mod pipeline {
     use crate::pipeline::{
-        assert_ok, checkpoint_files_in, jsonl_sans_time, kill_when, real_bins, running_child,
-        stage_done, state, text, PIPELINE,
+        assert_ok, checkpoint_files_in, kill_when, real_bins, running_child, stage_done, text,
+        PIPELINE,
     };
     use std::process::Command;
     use std::time::Duration;
@@ -635,16 +635,7 @@ keep-last = 1
             "{}",
             text(&o)
         );
-        let cb = checkpoint_files_in(&b, "ckpt");
-        assert_eq!(ck.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
-        for (k, v) in &ck {
-            assert!(v == &cb[k], "ckpt/{k} differs after the resumed run");
-        }
-        assert_eq!(state(&a), state(&b));
-        assert_eq!(
-            jsonl_sans_time(&a.join("metrics.jsonl")),
-            jsonl_sans_time(&b.join("metrics.jsonl"))
-        );
+        crate::pipeline::assert_runs_end_alike(&a, &b, &["ckpt"]);
     }
 
     /// Up front: a LoRA spec on the daemon or on several GPUs stops before step 0 (exit 2).

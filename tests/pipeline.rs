@@ -1546,6 +1546,23 @@ pub(crate) fn checkpoint_files(run: &Path) -> BTreeMap<String, Vec<u8>> {
     checkpoint_files_in(run, "ckpt")
 }
 
+/// Two runs of one spec ended alike: every checkpoint file under each of `subs` (`ckpt`,
+/// `critic`) bit for bit, the state, and the metrics (timings aside).
+pub(crate) fn assert_runs_end_alike(a: &Path, b: &Path, subs: &[&str]) {
+    for sub in subs {
+        let (ca, cb) = (checkpoint_files_in(a, sub), checkpoint_files_in(b, sub));
+        assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+        for (k, v) in &ca {
+            assert!(v == &cb[k], "{sub}/{k} differs between {a:?} and {b:?}");
+        }
+    }
+    assert_eq!(state(a), state(b));
+    assert_eq!(
+        jsonl_sans_time(&a.join("metrics.jsonl")),
+        jsonl_sans_time(&b.join("metrics.jsonl"))
+    );
+}
+
 /// Every file of every checkpoint under `run/sub` (`ckpt`, or the critic's `critic`).
 pub(crate) fn checkpoint_files_in(run: &Path, sub: &str) -> BTreeMap<String, Vec<u8>> {
     let mut out = BTreeMap::new();

@@ -13,6 +13,33 @@ use tandem::model::{Arch, Config, Weights};
 
 const ARCHS: [Arch; 3] = [Arch::Qwen2, Arch::Llama, Arch::Qwen3];
 
+/// `rollout` of `model` (2 samples of 8 tokens, seed 3) into `out`: its ids and log-probs.
+fn rollout(
+    model: &std::path::Path,
+    prompts: &std::path::Path,
+    out: &std::path::Path,
+) -> (Vec<Vec<i32>>, Vec<Vec<f32>>) {
+    use crate::stage_util::{f32_rows, i32_rows, ok, p, read};
+    use tandem::batch::schema;
+    let args = ["--model", p(model), "--in", p(prompts), "--out", p(out)];
+    let sampling = [
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--seed",
+        "3",
+        "--temperature",
+        "1.0",
+    ];
+    ok("rollout", &[&args[..], &sampling].concat());
+    let b = read(out);
+    (
+        i32_rows(&b, schema::RESPONSE_IDS),
+        f32_rows(&b, schema::ROLLOUT_LOGPROBS),
+    )
+}
+
 fn spec(targets: &str) -> LoraSpec {
     LoraSpec {
         rank: 3,
@@ -219,10 +246,9 @@ fn merged_weights_score_as_the_adapted_decoder() {
 }
 
 mod files {
-    use super::{adapters, spec};
-    use crate::stage_util::{f32_rows, i32_rows, input_error, ok, p, prompts, read, tiny_model};
+    use super::{adapters, rollout, spec};
+    use crate::stage_util::{input_error, ok, p, prompts, tiny_model};
     use std::path::Path;
-    use tandem::batch::schema;
     use tandem::model::peft::{read_adapter, write_adapter};
     use tandem::model::ModelDir;
 
@@ -248,33 +274,6 @@ mod files {
                 std::fs::copy(base.join(&name), out.join(&name)).unwrap();
             }
         }
-    }
-
-    fn rollout(model: &Path, prompts: &Path, out: &Path) -> (Vec<Vec<i32>>, Vec<Vec<f32>>) {
-        ok(
-            "rollout",
-            &[
-                "--model",
-                p(model),
-                "--in",
-                p(prompts),
-                "--out",
-                p(out),
-                "--n",
-                "2",
-                "--max-new-tokens",
-                "8",
-                "--seed",
-                "3",
-                "--temperature",
-                "1.0",
-            ],
-        );
-        let b = read(out);
-        (
-            i32_rows(&b, schema::RESPONSE_IDS),
-            f32_rows(&b, schema::ROLLOUT_LOGPROBS),
-        )
     }
 
     #[test]
@@ -383,6 +382,7 @@ mod files {
 }
 
 mod update {
+    use super::rollout;
     use crate::stage_util::{add_advantages, input_error, ok, p, prompts, tiny_model};
     use std::path::Path;
     use tandem::model::peft::read_adapter;
@@ -406,32 +406,6 @@ mod update {
         ];
         args.extend_from_slice(extra);
         ok("update", &args);
-    }
-
-    fn rollout(model: &Path, prompts: &Path, out: &Path) -> Vec<u8> {
-        ok(
-            "rollout",
-            &[
-                "--model",
-                p(model),
-                "--in",
-                p(prompts),
-                "--out",
-                p(out),
-                "--n",
-                "2",
-                "--max-new-tokens",
-                "8",
-                "--seed",
-                "3",
-                "--temperature",
-                "1.0",
-            ],
-        );
-        let b = crate::stage_util::read(out);
-        let ids = crate::stage_util::i32_rows(&b, tandem::batch::schema::RESPONSE_IDS);
-        let lps = crate::stage_util::f32_rows(&b, tandem::batch::schema::ROLLOUT_LOGPROBS);
-        format!("{ids:?} {lps:?}").into_bytes()
     }
 
     #[test]

@@ -171,6 +171,7 @@ mod tests {
         );
         assert_eq!(names(Some("decoder")), ["decoder"]);
         assert_eq!(names(Some("value")), ["value_model"]);
+        assert_eq!(names(Some("lora")), ["lora"]);
         assert!(names(Some("no such check")).is_empty());
     }
 }

@@ -32,7 +32,7 @@ impl Job for LogprobJob {
         let (w, entropy) = (self.0, self.1);
         let gpu = matches!(w.device, Device::Cuda(_));
         let mut meter = Meter::new(&b, gpu)?;
-        let (mut dec, cfg) = build(b, &w)?;
+        let (mut dec, cfg) = build(b, &w, None)?;
         let params = param_count(&cfg);
         let synth = Synth::new(&w, cfg.vocab_size);
         let rows = synth.rows();

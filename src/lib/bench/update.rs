@@ -13,6 +13,7 @@ use crate::engine::shard::{ShardedOptim, ShardedPolicy, DEFAULT_BUCKET_ELEMS};
 use crate::engine::train::{train, LrConfig, TrainConfig, TrainData};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
+use crate::model::lora::{init_adapters, LoraSpec};
 use crate::model::names::param_count;
 use crate::model::Config;
 use crate::parallel::{run_rank_job, Comm, DeviceKind, Options, ProcessGroup, RankJob, World};
@@ -67,6 +68,32 @@ pub(crate) struct Workload {
 pub(crate) struct UpdateArgs {
     #[command(flatten)]
     pub(crate) w: Workload,
+    /// Train LoRA adapters of this rank on the frozen model (`update --lora-rank`); 0: every
+    /// weight. One process only.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) lora_rank: usize,
+    /// LoRA alpha (B·A scaled by alpha / rank).
+    #[arg(long, default_value_t = 16.0)]
+    pub(crate) lora_alpha: f32,
+    /// LoRA targets: a comma list of q, k, v, o, gate, up, down, or all-linear.
+    #[arg(long, default_value = "all-linear")]
+    pub(crate) lora_targets: String,
+}
+
+impl UpdateArgs {
+    /// The LoRA spec the flags ask for (None: every weight trains).
+    fn lora(&self) -> Result<Option<LoraSpec>> {
+        if self.lora_rank == 0 {
+            return Ok(None);
+        }
+        let spec = LoraSpec {
+            rank: self.lora_rank,
+            alpha: self.lora_alpha,
+            targets: LoraSpec::parse_targets(&self.lora_targets, "--lora-targets")?,
+        };
+        spec.check()?;
+        Ok(Some(spec))
+    }
 }
 
 /// The benchmark model shapes.
@@ -237,25 +264,36 @@ pub(crate) fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// Builds the random-weight decoder of the workload's shape on `b`.
-pub(crate) fn build<B: Backend>(b: B, w: &Workload) -> Result<(Decoder<B>, Config)> {
+/// Builds the random-weight decoder of the workload's shape on `b` (with `lora`, fresh
+/// adapters on the frozen random base).
+pub(crate) fn build<B: Backend>(
+    b: B,
+    w: &Workload,
+    lora: Option<&LoraSpec>,
+) -> Result<(Decoder<B>, Config)> {
     w.check()?;
     let cfg = shape(&w.shape)?;
     let weights = random_weights(&cfg, w.seed, 0.02);
-    let mut dec = Decoder::new(b, &cfg, &weights)?;
+    let mut dec = match lora {
+        Some(spec) => {
+            let adapters = init_adapters(&cfg, spec, w.seed);
+            Decoder::with_lora(b, &cfg, &weights, &adapters, spec)?
+        }
+        None => Decoder::new(b, &cfg, &weights)?,
+    };
     if let Some(c) = w.logprob_chunk {
         dec.logprob_chunk = c.max(1);
     }
     Ok((dec, cfg))
 }
 
-struct UpdateJob(Workload);
+struct UpdateJob(Workload, Option<LoraSpec>);
 
 impl Job for UpdateJob {
     type Out = (Vec<Vec<String>>, Value);
 
     fn run<B: Backend>(self, b: B) -> Result<Self::Out> {
-        bench_update(self.0, b, None)
+        bench_update(self.0, b, None, self.1)
     }
 }
 
@@ -266,7 +304,7 @@ impl RankJob for UpdateRankJob {
     type Out = (Vec<Vec<String>>, Value);
 
     fn run<B: Backend>(self, b: B, comm: Box<dyn Comm<B>>) -> Result<Self::Out> {
-        bench_update(self.0, b, Some(comm.as_ref()))
+        bench_update(self.0, b, Some(comm.as_ref()), None)
     }
 }
 
@@ -276,11 +314,12 @@ fn bench_update<B: Backend>(
     w: Workload,
     b: B,
     comm: Option<&dyn Comm<B>>,
+    lora: Option<LoraSpec>,
 ) -> Result<(Vec<Vec<String>>, Value)> {
     let gpu = matches!(w.device, Device::Cuda(_));
     let world = comm.map_or(1, |c| c.world_size());
     let mut meter = Meter::new(&b, gpu)?;
-    let (mut dec, cfg) = build(b, &w)?;
+    let (mut dec, cfg) = build(b, &w, lora.as_ref())?;
     let params = param_count(&cfg);
     let global = Workload {
         micro_batches: w.micro_batches * world,
@@ -300,7 +339,10 @@ fn bench_update<B: Backend>(
         rollout: None,
         returns: None,
     };
-    let tc = train_config(&w);
+    let tc = TrainConfig {
+        lora: lora.clone(),
+        ..train_config(&w)
+    };
     let mut times = Times::default();
     let rank0 = comm.is_none_or(|c| c.rank() == 0);
     let mut log = |m: &str| {
@@ -366,7 +408,39 @@ fn bench_update<B: Backend>(
         }
     }
     let sharded = comm.is_some();
-    Ok(times.summary(&w, world, params, &meter, &dec, sharded))
+    let (rows, mut out) = times.summary(&w, world, params, &meter, &dec, sharded);
+    if let Some(spec) = &lora {
+        out["lora"] = lora_json(spec, &cfg, params, &meter, out["tokens_per_s"].as_f64());
+    }
+    Ok((rows, out))
+}
+
+/// A LoRA run's record: the spec, the trained parameters, and the MFU counted as a LoRA step
+/// computes: 4·params a token (forward, and the backward's input gradients; the frozen
+/// weights' gradient GEMMs are skipped), where `mfu` counts the 6 of full training.
+fn lora_json(
+    spec: &LoraSpec,
+    cfg: &Config,
+    params: usize,
+    meter: &Meter,
+    tps: Option<f64>,
+) -> Value {
+    let trained: usize = spec
+        .adapters(cfg)
+        .iter()
+        .map(|s| s.a.1.iter().product::<usize>() + s.b.1.iter().product::<usize>())
+        .sum();
+    let mfu4 = meter
+        .peak_flops
+        .zip(tps)
+        .map(|(p, t)| 4.0 * params as f64 * t / p);
+    json!({
+        "rank": spec.rank,
+        "alpha": spec.alpha,
+        "targets": spec.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+        "trained_params": trained,
+        "mfu_4_flops_per_param": mfu4,
+    })
 }
 
 /// The update of the bench: vanilla PPO-clip, one optimizer step of the whole batch, AdamW.
@@ -544,6 +618,7 @@ pub(crate) fn finish(
 }
 
 pub fn run(a: UpdateArgs) -> Result<()> {
+    let lora = a.lora()?;
     let w = a.w;
     w.check()?;
     let title = format!(
@@ -553,8 +628,15 @@ pub fn run(a: UpdateArgs) -> Result<()> {
     let json_path = w.json.clone();
     let world = World::from_env()?;
     if !world.launched() {
-        let (rows, out) = on_device(w.device, UpdateJob(w))?;
+        let title = match &lora {
+            Some(l) => format!("{title}, LoRA rank {} on {}", l.rank, a.lora_targets),
+            None => title,
+        };
+        let (rows, out) = on_device(w.device, UpdateJob(w, lora))?;
         return finish(&title, rows, out, json_path.as_ref());
+    }
+    if lora.is_some() {
+        bail!("bench update --lora-rank: runs in one process (not under tandem launch)");
     }
     // Under a launcher: every rank trains its share; rank 0 reports (tokens/s per GPU).
     let pg = ProcessGroup::new(world, Options::from_env()?)?;
@@ -598,6 +680,9 @@ mod tests {
         let path = dir.path().join("u.json");
         run(UpdateArgs {
             w: tiny(path.clone()),
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            lora_targets: "all-linear".into(),
         })
         .unwrap();
         let j: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -621,6 +706,39 @@ mod tests {
             j["last_step_metrics"]["pg_clipfrac"], 0.0,
             "on-policy: ratio 1"
         );
+    }
+
+    #[test]
+    fn a_lora_update_bench_trains_the_adapters_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("u.json");
+        run(UpdateArgs {
+            w: tiny(path.clone()),
+            lora_rank: 4,
+            lora_alpha: 8.0,
+            lora_targets: "q,v,down".into(),
+        })
+        .unwrap();
+        let j: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        // tiny: 2 layers, hidden 64, 4 heads and 2 kv heads of 16, ffn 128; r = 4:
+        // q 4·(64 + 64), v 4·(64 + 32), down 4·(128 + 64), per layer.
+        let per_layer = 4 * (64 + 64) + 4 * (64 + 32) + 4 * (128 + 64);
+        assert_eq!(j["lora"]["trained_params"], 2 * per_layer);
+        assert_eq!(
+            j["lora"]["targets"],
+            json!(["q_proj", "v_proj", "down_proj"])
+        );
+        assert_eq!(j["step_s"].as_array().unwrap().len(), 2);
+        // B starts at zero, so only the B matrices have a gradient at first: still not 0.
+        assert!(j["last_step_metrics"]["grad_norm"].as_f64().unwrap() > 0.0);
+        let bad = UpdateArgs {
+            w: tiny(path),
+            lora_rank: 4,
+            lora_alpha: 8.0,
+            lora_targets: "q,mlp".into(),
+        };
+        let e = format!("{:#}", run(bad).unwrap_err());
+        assert!(e.contains("--lora-targets: unknown target 'mlp'"), "{e}");
     }
 
     #[test]

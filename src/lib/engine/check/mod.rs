@@ -5,6 +5,7 @@
 //! below.
 
 mod decoder;
+mod lora;
 mod paged;
 
 use crate::backend::check::gpu::{compare, Case, Ctx};
@@ -21,6 +22,10 @@ pub const CASES: &[Case] = &[
     Case {
         name: "value_model",
         run: decoder::value_model,
+    },
+    Case {
+        name: "lora",
+        run: lora::lora,
     },
     Case {
         name: "hf_fixtures",

@@ -1,0 +1,134 @@
+//! LoRA on the GPU against the CPU (`lora`): a decoder training rank-8 adapters on every
+//! projection of a tiny model, B random rather than PEFT's zero so that the adapters change
+//! the forward: its log-probs, the adapters' gradients (and no other), one AdamW step of them.
+
+use anyhow::Result;
+
+use super::{flat, tiny_config, worst_tensor};
+use crate::backend::check::gpu::{compare, dname, Ctx, Row};
+use crate::backend::cpu::Cpu;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::DType;
+use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
+use crate::model::lora::{init_adapters, LoraSpec, Target};
+use crate::model::{init, Arch, Weights};
+
+pub(super) fn lora(s: &mut Ctx, d: DType) -> Result<()> {
+    let (tol_lp, tol_g, tol_upd) = match d {
+        DType::F32 => (1e-4, 1e-3, 1e-3),
+        DType::BF16 => (2e-2, 5e-2, 5e-2),
+    };
+    let cfg = tiny_config(Arch::Qwen2);
+    let base = init::random_weights(&cfg, s.rng.next_u64(), 0.05);
+    let spec = LoraSpec {
+        rank: 8,
+        alpha: 16.0,
+        targets: Target::ALL.to_vec(),
+    };
+    let mut adapters = init_adapters(&cfg, &spec, s.rng.next_u64());
+    for (_, t) in adapters.iter_mut().filter(|(k, _)| k.contains("lora_B")) {
+        t.data.iter_mut().for_each(|v| *v = 0.05 * s.rng.normal());
+    }
+    let mut cpu = Decoder::with_lora(Cpu, &cfg, &base, &adapters, &spec)?;
+    let gb = CudaBackend::new(s.ordinal)?;
+    gb.set_compute_dtype(d);
+    let mut gpu = Decoder::with_lora(gb, &cfg, &base, &adapters, &spec)?;
+    let toks: Vec<Vec<u32>> = [60usize, 13, 90]
+        .iter()
+        .map(|&l| (0..l).map(|_| s.rng.below(1000) as u32).collect())
+        .collect();
+    let seqs: Vec<SeqRef> = toks
+        .iter()
+        .zip([1usize, 4, 25])
+        .map(|(t, start)| SeqRef { tokens: t, start })
+        .collect();
+    let (lc, lg) = (
+        cpu.logprobs(&seqs, 1.0, false)?,
+        gpu.logprobs(&seqs, 1.0, false)?,
+    );
+    let cat = |v: &[TokenStats]| -> Vec<f32> {
+        v.iter().flat_map(|s| s.logprobs.iter().copied()).collect()
+    };
+    let (g, c) = (cat(&lg), cat(&lc));
+    let (a, r, p) = compare(&g, &c, &[]);
+    s.rows.push(Row {
+        op: "lora logprobs [qwen2, all-linear r8]".into(),
+        dtype: dname(d),
+        max_abs: a,
+        max_rel: r,
+        tol: tol_lp,
+        pass: g.len() == c.len() && !c.is_empty() && p.is_none() && r <= tol_lp,
+        note: p.unwrap_or_default(),
+    });
+    let ups: Vec<Vec<f32>> = lc
+        .iter()
+        .map(|st| (0..st.logprobs.len()).map(|_| s.rng.normal()).collect())
+        .collect();
+    let mut loss = |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
+        Ok(ups
+            .iter()
+            .map(|u| TokenGrads {
+                dlogprobs: u.clone(),
+                dentropy: None,
+            })
+            .collect())
+    };
+    cpu.forward_backward(&seqs, 1.0, &mut loss)?;
+    gpu.forward_backward(&seqs, 1.0, &mut loss)?;
+    let (gc, gg) = (cpu.export_grads()?, gpu.export_grads()?);
+    // Only the adapters train: every gradient is an adapter's, and every adapter has one.
+    let only_adapters = gg.len() == adapters.len() && gg.keys().all(|k| adapters.contains_key(k));
+    let (name, r) = worst_tensor(&gg, &gc);
+    let (a, _, p) = compare(&flat(&gg), &flat(&gc), &[]);
+    s.rows.push(Row {
+        op: "lora adapter grads, worst tensor".into(),
+        dtype: dname(d),
+        max_abs: a,
+        max_rel: r,
+        tol: tol_g,
+        pass: only_adapters && gg.len() == gc.len() && p.is_none() && r <= tol_g,
+        note: if only_adapters {
+            name
+        } else {
+            format!("{} gradients for {} adapters", gg.len(), adapters.len())
+        },
+    });
+    // eps large next to the gradients keeps the update linear in g (as the decoder case).
+    let hp = AdamWParams {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 0.1,
+        weight_decay: 0.1,
+    };
+    cpu.optimizer_step(&hp, Some(0.5))?;
+    gpu.optimizer_step(&hp, Some(0.5))?;
+    let delta = |x: &Weights| -> Weights {
+        x.iter()
+            .map(|(k, t)| {
+                let mut t = t.clone();
+                t.data
+                    .iter_mut()
+                    .zip(&adapters[k].data)
+                    .for_each(|(v, o)| *v -= o);
+                (k.clone(), t)
+            })
+            .collect()
+    };
+    let (dc, dg) = (
+        delta(&cpu.export_adapters()?),
+        delta(&gpu.export_adapters()?),
+    );
+    let (name, r) = worst_tensor(&dg, &dc);
+    let (a, _, p) = compare(&flat(&dg), &flat(&dc), &[]);
+    s.rows.push(Row {
+        op: "lora AdamW update, worst adapter".into(),
+        dtype: dname(d),
+        max_abs: a,
+        max_rel: r,
+        tol: tol_upd,
+        pass: !dc.is_empty() && dg.len() == dc.len() && p.is_none() && r <= tol_upd,
+        note: name,
+    });
+    Ok(())
+}

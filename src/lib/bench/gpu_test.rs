@@ -155,7 +155,7 @@ mod tests {
     #[test]
     fn the_registry_holds_every_check_and_only_filters_by_name() {
         let all = names(None);
-        assert_eq!(all.len(), 31);
+        assert_eq!(all.len(), 32);
         // Op-level checks come first, then the decoder and engine ones, then the sharded
         // trainer's, then the communicator's.
         assert_eq!((all[0], all[all.len() - 1]), ("memory", "communicator"));

@@ -36,6 +36,8 @@
 #   g7bd     whole GRPO steps of the same 7B shape on a daemon group (gpus = N, daemon = true,
 #            shard = "full"; G7B_STEPS [3], G7B_MICRO [8192: 4096 on 80 GB GPUs]): seconds per
 #            stage and step, tokens/s per GPU against verl's 1,085, peak memory per GPU
+#   g7bl     GRPO-LoRA steps of the same 7B shape on one GPU's daemon (rank 32, alpha 64, every
+#            projection; G7B_STEPS, G7B_MICRO as g7bd): step time, tokens/s, peak memory
 # Expects the stripped release binaries (tandem, pipeline, rollout, score, advantage,
 # ref-logprob, update, sync-weights) and prompts.parquet (`tandem prepare gsm8k`) in $D.
 #   D=.device N=2 bench/gpu_multi.sh                 (OUT defaults to /tmp/gpu_multi)
@@ -118,6 +120,51 @@ mem_start() {
 mem_peak() {
   awk -F', *' '$2 ~ /^[0-9]+$/ && $2 + 0 > p[$1] { p[$1] = $2 + 0 }
     END { for (i in p) printf "GPU %s %d  ", i, p[i]; print "" }' "$1"
+}
+# Whole GRPO steps of the random 7B shape on a daemon: NAME GPUS [update] LINES; seconds per
+# stage and step, tokens/s per GPU against verl's 1,085, peak memory per GPU.
+g7b_daemon() {
+  local name=$1 n=$2
+  q7
+  add_set
+  grpo_spec "$W/$name.toml" "${G7B_STEPS:-3}" "$n" true "$W/q7" 64 512 "$3"
+  mem_start "$OUT/${name}_mem.csv"
+  rm -rf "$W/${name}_run"
+  local t_run=$SECONDS
+  TANDEM_BIN_DIR=$D timeout -s INT "${G7B_SECS:-480}" $D/pipeline run "$W/$name.toml" \
+    --run-dir "$W/${name}_run" > "$OUT/$name.log" 2>&1
+  echo "pipeline $name gpus=$n rc=$? in $((SECONDS - t_run)) s"
+  kill $SMI
+  cp "$W/${name}_run/metrics.jsonl" "$OUT/$name.jsonl" 2> /dev/null
+  cp "$W/${name}_run/daemon.log" "$OUT/${name}_daemon.log" 2> /dev/null
+  rm -rf "$W/${name}_run/ckpt"
+  echo "$name peak memory per GPU (MiB): $(mem_peak "$OUT/${name}_mem.csv")"
+  python3 - "$OUT" "$n" "$name" <<'PY'
+import json, sys
+out, n, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    lines = [json.loads(l) for l in open(f"{out}/{name}.jsonl") if l.strip()]
+except OSError:
+    lines = []
+for l in lines:
+    t = {k[5:]: round(v, 2) for k, v in l.items() if k.startswith("time/")}
+    tps = l.get("perf/tokens_per_s", 0) / n
+    print(f"{name} step {l['step']}: {t}; {tps:.0f} tok/s per GPU ({tps / 1085:.2f}x verl's 1,085 tok/s/GPU)")
+    # Where the sharded update's communication went (rank 0): gathers, prefetches, reduce-scatters
+    # (and a checkpointing step's state gather and shard write).
+    sh = {k[13:]: (round(v, 3) if isinstance(v, float) else v) for k, v in l.items()
+          if k.startswith("update/shard/") and k[13:] in ("unit_gathers", "unit_prefetches",
+          "unit_gather_seconds", "reduce_scatter_seconds", "overlapped_buckets", "staging_bytes",
+          "state_gather_seconds", "shard_write_seconds")}
+    if sh:
+        print(f"{name} step {l['step']} shard: {sh}")
+    # Rank 0's update phase: device memory in use (before, peak, after) and the generation copy.
+    dm = {k[14:]: (round(v / 2**30, 1) if "memory" in k or "peak" in k else round(v, 3))
+          for k, v in l.items() if k.startswith("update/daemon/") and isinstance(v, (int, float))
+          and not isinstance(v, bool) and any(w in k for w in ("memory_in_use", "phase_peak", "copy_seconds"))}
+    if dm:
+        print(f"{name} step {l['step']} update memory GiB / copy s: {dm}")
+PY
 }
 # The random model of a shape (0.5b or 1.5b), made on first use; its directory is printed.
 shape_model() {
@@ -453,48 +500,15 @@ PY
     # Whole GRPO steps of the 7B shape on a daemon group (gpus = N, daemon = true,
     # shard = "full"): the warm steps, without the files the stage processes of g7b load and
     # write. Step 1 builds the sharded state; the last step writes the checkpoint.
-    q7
-    add_set
-    grpo_spec "$W/g7bd.toml" "${G7B_STEPS:-3}" "$N" true "$W/q7" 64 512 \
-      "shard = \"full\"
+    g7b_daemon g7bd "$N" "shard = \"full\"
 micro-batch-tokens = ${G7B_MICRO:-8192}"
-    mem_start "$OUT/g7bd_mem.csv"
-    rm -rf "$W/g7bd_run"
-    t_run=$SECONDS
-    TANDEM_BIN_DIR=$D timeout -s INT "${G7B_SECS:-480}" $D/pipeline run "$W/g7bd.toml" \
-      --run-dir "$W/g7bd_run" > "$OUT/g7bd.log" 2>&1
-    echo "pipeline g7bd gpus=$N rc=$? in $((SECONDS - t_run)) s"
-    kill $SMI
-    cp "$W/g7bd_run/metrics.jsonl" "$OUT/g7bd.jsonl" 2> /dev/null
-    cp "$W/g7bd_run/daemon.log" "$OUT/g7bd_daemon.log" 2> /dev/null
-    rm -rf "$W/g7bd_run/ckpt"
-    echo "g7bd peak memory per GPU (MiB): $(mem_peak "$OUT/g7bd_mem.csv")"
-    python3 - "$OUT" "$N" <<'PY'
-import json, sys
-out, n = sys.argv[1], int(sys.argv[2])
-try:
-    lines = [json.loads(l) for l in open(f"{out}/g7bd.jsonl") if l.strip()]
-except OSError:
-    lines = []
-for l in lines:
-    t = {k[5:]: round(v, 2) for k, v in l.items() if k.startswith("time/")}
-    tps = l.get("perf/tokens_per_s", 0) / n
-    print(f"g7bd step {l['step']}: {t}; {tps:.0f} tok/s per GPU ({tps / 1085:.2f}x verl's 1,085 tok/s/GPU)")
-    # Where the sharded update's communication went (rank 0): gathers, prefetches, reduce-scatters
-    # (and a checkpointing step's state gather and shard write).
-    sh = {k[13:]: (round(v, 3) if isinstance(v, float) else v) for k, v in l.items()
-          if k.startswith("update/shard/") and k[13:] in ("unit_gathers", "unit_prefetches",
-          "unit_gather_seconds", "reduce_scatter_seconds", "overlapped_buckets", "staging_bytes",
-          "state_gather_seconds", "shard_write_seconds")}
-    if sh:
-        print(f"g7bd step {l['step']} shard: {sh}")
-    # Rank 0's update phase: device memory in use (before, peak, after) and the generation copy.
-    dm = {k[14:]: (round(v / 2**30, 1) if "memory" in k or "peak" in k else round(v, 3))
-          for k, v in l.items() if k.startswith("update/daemon/") and isinstance(v, (int, float))
-          and not isinstance(v, bool) and any(w in k for w in ("memory_in_use", "phase_peak", "copy_seconds"))}
-    if dm:
-        print(f"g7bd step {l['step']} update memory GiB / copy s: {dm}")
-PY
+    ;;
+  g7bl)
+    # GRPO-LoRA steps of the 7B shape on one GPU's daemon: rank 32, alpha 64 on every
+    # projection; the frozen base has no master or optimizer state (issue 37's 80 GB step).
+    g7b_daemon g7bl 1 "lora-rank = 32
+lora-alpha = 64
+micro-batch-tokens = ${G7B_MICRO:-8192}"
     ;;
   esac
 done

@@ -288,6 +288,74 @@ mod tests {
         }
     }
 
+    /// LoRA under zero2 on 1 and 2 ranks: the buckets hold the adapters alone (the frozen
+    /// base has size 0 in the plan), each rank's shards are 1/N of them (up to the alignment
+    /// padding of each bucket), and 3 clipped AdamW steps give the plain LoRA decoder's
+    /// adapters and moments (to 1e-6: the ranks sum the gradients in another order) with the
+    /// base untouched, bit for bit.
+    #[test]
+    fn lora_adapters_alone_are_sharded_and_train_as_unsharded() {
+        use crate::model::lora::{init_adapters, LoraSpec};
+        for n in [1, 2] {
+            let out = ranks(n, Duration::from_secs(60), move |pg| {
+                let cfg = Config::small_qwen2();
+                let w = init::random_weights(&cfg, 7, 0.05);
+                let targets = LoraSpec::parse_targets("q,v,down", "test").unwrap();
+                let spec = LoraSpec {
+                    rank: 4,
+                    alpha: 8.0,
+                    targets,
+                };
+                let mut ad = init_adapters(&cfg, &spec, 3);
+                // A non-zero B, so that A has a gradient from the first step on.
+                for (name, t) in ad.iter_mut() {
+                    if name.ends_with("lora_B.weight") {
+                        let x = t.data.iter_mut().enumerate();
+                        x.for_each(|(i, x)| *x = ((i % 7) as f32 - 3.0) * 0.01);
+                    }
+                }
+                let adapter_elems: usize = ad.values().map(|t| t.data.len()).sum();
+                let (toks, starts, up) = inputs(11, cfg.vocab_size);
+                let seqs = seq_refs(&toks, &starts);
+                let comm = HostComm::new(&pg).unwrap();
+                let lora = || Decoder::with_lora(Cpu, &cfg, &w, &ad, &spec).unwrap();
+                let mut probe = lora();
+                let optim = ShardedOptim::zero2(&mut probe, &comm, 1_000).unwrap();
+                let plan = (optim.plan.total(), optim.plan.buckets.len());
+                let shard_elems = optim.stats.shard_elems;
+                let (mut plain, mut sharded) = (lora(), lora());
+                let how = Sharded::Zero2(1_000);
+                let e = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, how);
+                let base_kept = sharded
+                    .export_weights()
+                    .unwrap()
+                    .iter()
+                    .filter(|(k, _)| w.contains_key(*k))
+                    .all(|(k, t)| *t == w[k]);
+                drop(comm);
+                pg.finish().unwrap();
+                (e.unwrap(), plan, shard_elems, adapter_elems, base_kept)
+            });
+            for (r, (e, (total, buckets), shard, adapters, base_kept)) in out.iter().enumerate() {
+                assert_eq!(
+                    *total, *adapters,
+                    "{n} ranks: the plan holds the adapters only"
+                );
+                assert!(*buckets > 1, "{n} ranks: {buckets} buckets");
+                // ⌈len / n⌉ rounded up to SHARD_ALIGN per bucket.
+                let align = crate::parallel::bucket::SHARD_ALIGN;
+                assert!(
+                    n * shard >= *adapters && n * shard < adapters + n * align * buckets,
+                    "{n} ranks, rank {r}: a shard of {shard} of {adapters} adapter elements"
+                );
+                for (what, x) in ["masters", "exp_avg", "exp_avg_sq"].iter().zip(e) {
+                    assert!(*x <= 1e-6, "{n} ranks, rank {r}: {what} relative error {x}");
+                }
+                assert!(base_kept, "{n} ranks, rank {r}: the frozen base moved");
+            }
+        }
+    }
+
     /// One rank's end of [`full_sharding_prefetches_and_trains_as_without`]: its shard
     /// metrics, its masters and moments (bits) and the log-probs it scored.
     type FullRun = (super::super::ShardStats, Vec<Vec<u32>>, Vec<u32>);

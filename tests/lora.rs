@@ -509,6 +509,18 @@ mod update {
             "the adapter has r 4",
         );
         bad(&[], "is a LoRA adapter: continue it with --lora-rank");
+        let full = [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "q,v,down",
+        ];
+        bad(
+            &[&full[..], &["--shard", "full"]].concat(),
+            "--shard full with --lora-rank: the frozen base has no optimizer state",
+        );
     }
 }
 
@@ -826,6 +838,23 @@ keep-last = 1
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert!(
             text(&o).contains("a LoRA update runs in one process"),
+            "{}",
+            text(&o)
+        );
+        assert!(!d.join("r/step-0001").exists());
+    }
+
+    /// `[update] shard = "full"` with LoRA stops before step 0 (exit 2), naming the key.
+    #[test]
+    fn a_lora_spec_with_full_sharding_is_refused_before_anything_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        crate::stage_util::model_and_train_set(d, 64, 128, 8);
+        let spec = two_steps_on(2).replace("lora-rank = 4", "shard = \"full\"\nlora-rank = 4");
+        let o = run(d, "r", &spec).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(
+            text(&o).contains("[update]: --shard full with --lora-rank"),
             "{}",
             text(&o)
         );

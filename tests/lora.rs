@@ -529,6 +529,7 @@ mod pipeline {
         assert_ok, checkpoint_files_in, children, kill_when, real_bins, running_child, stage_done,
         text, PIPELINE,
     };
+    use crate::shard::rel_err;
     use crate::stage_util::{i32_rows, read};
     use std::path::Path;
     use std::process::{Command, Stdio};
@@ -663,19 +664,6 @@ keep-last = 1
         let ad = read_adapter(ck).unwrap().weights;
         let r = tandem::engine::resume::load(ck, &ad).unwrap().unwrap();
         [ad, r.optimizer.exp_avg, r.optimizer.exp_avg_sq]
-    }
-
-    /// ‖a − b‖ / ‖b‖ over every tensor (the same names).
-    fn rel_err(a: &Weights, b: &Weights) -> f64 {
-        assert!(a.keys().eq(b.keys()));
-        let (mut d, mut n) = (0f64, 0f64);
-        for (k, t) in b {
-            for (x, y) in a[k].data.iter().zip(&t.data) {
-                d += ((x - y) as f64).powi(2);
-                n += (*y as f64).powi(2);
-            }
-        }
-        (d / n.max(f64::MIN_POSITIVE)).sqrt()
     }
 
     /// SIGKILLs rank 1 of the `tandem launch` the pipeline `pid` runs for step 2's update, as

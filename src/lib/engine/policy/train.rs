@@ -98,9 +98,9 @@ impl Train<'_> {
     }
 
     /// Where a sharded update over `world` ranks brings the optimizer state: nowhere unless the
-    /// job exports it; to the one rank's host, or each rank's shard to its own host.
-    /// A LoRA update's state (the adapters': a few percent of the model's) is gathered too, so that its checkpoint is
-    /// the one-process run's `optimizer.safetensors`.
+    /// job exports it; to the one rank's host, or each rank's shard to its own host. A LoRA
+    /// update's state (the adapters': a few percent of the model's) is gathered to rank 0,
+    /// so that its checkpoint is the one-process run's `optimizer.safetensors`.
     fn state_to(&self, world: usize) -> StateTo {
         match (self.export_state, world, &self.train.lora) {
             (false, _, _) => StateTo::Nowhere,

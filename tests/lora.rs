@@ -509,16 +509,34 @@ mod update {
             "the adapter has r 4",
         );
         bad(&[], "is a LoRA adapter: continue it with --lora-rank");
+        let full = [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "q,v,down",
+        ];
+        bad(
+            &[&full[..], &["--shard", "full"]].concat(),
+            "--shard full with --lora-rank: the frozen base has no optimizer state",
+        );
     }
 }
 
 mod pipeline {
     use crate::pipeline::{
-        assert_ok, checkpoint_files_in, kill_when, real_bins, running_child, stage_done, text,
-        PIPELINE,
+        assert_ok, checkpoint_files_in, children, kill_when, real_bins, running_child, stage_done,
+        text, PIPELINE,
     };
-    use std::process::Command;
-    use std::time::Duration;
+    use crate::shard::rel_err;
+    use crate::stage_util::{i32_rows, read};
+    use std::path::Path;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    use tandem::batch::schema;
+    use tandem::model::peft::read_adapter;
+    use tandem::model::Weights;
 
     const SPEC: &str = r#"
 seed = 3
@@ -612,7 +630,188 @@ keep-last = 1
         crate::pipeline::assert_runs_end_alike(&a, &b, &["ckpt"]);
     }
 
-    /// Up front: a LoRA spec on the daemon or on several GPUs stops before step 0 (exit 2).
+    /// `SPEC` for 2 steps on `gpus` in-process ranks (each rank a CPU process under `tandem
+    /// launch`), every step checkpointed and kept, with a reward that varies within a
+    /// prompt's samples (a digit found scores 0.5, the sum 1), so that both steps have
+    /// gradients.
+    fn two_steps_on(gpus: usize) -> String {
+        let spec = SPEC.replace("steps = 3", "steps = 2");
+        let spec = spec.replace("regex:[a-z]", "regex:[0-9]");
+        let spec = spec.replace("every = 2", "every = 1");
+        format!(
+            "gpus = {gpus}\n{}",
+            spec.replace("keep-last = 1", "keep-last = 2")
+        )
+    }
+
+    /// `pipeline run NAME.toml --run-dir NAME` in `d` with `spec`, the environment clear of
+    /// launcher variables.
+    fn run(d: &Path, name: &str, spec: &str) -> Command {
+        std::fs::write(d.join(format!("{name}.toml")), spec).unwrap();
+        let mut c = Command::new(PIPELINE);
+        c.current_dir(d)
+            .args(["run", &format!("{name}.toml"), "--run-dir", name])
+            .env("TANDEM_BIN_DIR", real_bins())
+            .env("RAYON_NUM_THREADS", "1");
+        for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "TANDEM_DAEMON"] {
+            c.env_remove(k);
+        }
+        c
+    }
+
+    /// The adapters and their exp_avg and exp_avg_sq in checkpoint `ck`.
+    fn adapter_state(ck: &Path) -> [Weights; 3] {
+        let ad = read_adapter(ck).unwrap().weights;
+        let r = tandem::engine::resume::load(ck, &ad).unwrap().unwrap();
+        [ad, r.optimizer.exp_avg, r.optimizer.exp_avg_sq]
+    }
+
+    /// SIGKILLs rank 1 of the `tandem launch` the pipeline `pid` runs for step 2's update, as
+    /// soon as that rank runs; false while there is none.
+    fn kill_update_rank_1(pid: u32, run: &str) -> bool {
+        let needle = format!("--out-model {run}/ckpt/step-0002");
+        let launchers = children(pid)
+            .into_iter()
+            .filter(|(_, c)| c.contains(&needle));
+        for (launcher, _) in launchers {
+            for (rank, _) in children(launcher) {
+                let env = std::fs::read(format!("/proc/{rank}/environ")).unwrap_or_default();
+                if env.split(|&b| b == 0).any(|v| v == b"RANK=1") {
+                    // SAFETY: a plain kill(2) of a process this test's pipeline started.
+                    unsafe { libc::kill(rank as i32, libc::SIGKILL) };
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// GRPO-LoRA on 2 CPU ranks (`gpus = 2` in process: rollout and update under `tandem
+    /// launch`, the update data parallel with the adapters' masters and moments sharded) and in
+    /// one process, with the same global batch: every step samples the same rows, the
+    /// checkpoints hold the same files, and the adapters and their moments after 2 steps are
+    /// one process's up to the order of the gradient sums (the ranks add their own rows'
+    /// gradients, then each other's; relative error ≤ 1e-5, as the full-weight 2-rank
+    /// update's in tests/shard.rs is ≤ 1e-6 after one call). Each rank holds half the
+    /// adapters' state. Then rank 1, SIGKILLed in step 2's update, stops the run; the rerun
+    /// continues after step 1 and ends with the undisturbed 2-rank run's files, bit for bit.
+    #[test]
+    fn a_two_rank_lora_run_trains_as_one_and_resumes_after_rank_1_is_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        crate::stage_util::model_and_train_set(d, 64, 128, 40);
+        assert_ok(&run(d, "one", &two_steps_on(1)).output().unwrap());
+        assert_ok(&run(d, "two", &two_steps_on(2)).output().unwrap());
+        let log = std::fs::read_to_string(d.join("two/commands.sh")).unwrap();
+        let updates: Vec<&str> = log.lines().filter(|l| l.contains("/update ")).collect();
+        assert_eq!(updates.len(), 2, "{log}");
+        assert!(
+            updates
+                .iter()
+                .all(|l| l.contains(" launch --nproc-per-node 2 -- ")),
+            "{log}"
+        );
+        for step in ["step-0001", "step-0002"] {
+            let f = format!("{step}/rollout.parquet");
+            let (a, b) = (read(&d.join("one").join(&f)), read(&d.join("two").join(&f)));
+            assert_eq!(
+                i32_rows(&a, schema::RESPONSE_IDS),
+                i32_rows(&b, schema::RESPONSE_IDS),
+                "{f}: the same samples"
+            );
+        }
+        let ck = |run: &str| d.join(run).join("ckpt/step-0002");
+        let (one, two) = (ck("one"), ck("two"));
+        let names = |dir: &Path| {
+            let mut n: Vec<String> = std::fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            n.sort();
+            n
+        };
+        assert_eq!(names(&one), names(&two));
+        for f in ["adapter_config.json", "trainer_state.json"] {
+            let read = |dir: &Path| std::fs::read(dir.join(f)).unwrap();
+            assert_eq!(read(&one), read(&two), "{f}");
+        }
+        let (want, got) = (adapter_state(&one), adapter_state(&two));
+        for (i, what) in ["adapters", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+            let e = rel_err(&got[i], &want[i]);
+            eprintln!("2 ranks against one process, after 2 steps: {what} relative error {e:.2e}");
+            assert!(e <= 1e-5, "{what}: relative error {e}");
+        }
+        // The adapters moved: the comparison is not of untouched ones.
+        let first = adapter_state(&d.join("one/ckpt/step-0001"));
+        assert!(
+            rel_err(&want[0], &first[0]) > 1e-3,
+            "step 2 moved the adapters"
+        );
+        let elems: usize = want[0].values().map(|t| t.data.len()).sum();
+        let metrics = |run: &str, step: u64| -> serde_json::Value {
+            let f = d.join(format!("{run}/step-{step:04}/metrics/update.json"));
+            serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap()
+        };
+        for step in [1, 2] {
+            let (a, b) = (metrics("one", step), metrics("two", step));
+            let (ga, gb) = (
+                a["grad_norm"].as_f64().unwrap(),
+                b["grad_norm"].as_f64().unwrap(),
+            );
+            assert!(
+                ga > 0.0 && (ga - gb).abs() <= 1e-5 * ga,
+                "step {step}: {a} vs {b}"
+            );
+        }
+        let m = metrics("two", 2);
+        let s = &m["shard"];
+        assert_eq!(s["world_size"], 2, "{m}");
+        // ⌈elements / 2⌉ per rank, each bucket's shard rounded up to 128 elements.
+        let shard = s["shard_elems"].as_u64().unwrap() as usize;
+        let buckets = s["buckets"].as_u64().unwrap() as usize;
+        assert!(
+            2 * shard >= elems && 2 * shard < elems + 2 * 128 * buckets,
+            "a rank holds {shard} of {elems} adapter elements: {s}"
+        );
+
+        // Rank 1 dies in step 2's update; the rerun ends as the undisturbed run.
+        let mut killed = run(d, "b", &two_steps_on(2));
+        let mut child = killed
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while !kill_update_rank_1(child.id(), "b") {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "the run ended before step 2's update"
+            );
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "no rank 1 in step 2's update"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let o = child.wait_with_output().unwrap();
+        assert!(!o.status.success(), "{}", text(&o));
+        assert!(text(&o).contains("rank 1"), "{}", text(&o));
+        eprintln!("rank 1 killed in step 2's update:\n{}", text(&o));
+        assert!(
+            !d.join("b/ckpt/step-0002").exists(),
+            "a killed update wrote"
+        );
+        let o = run(d, "b", &two_steps_on(2)).output().unwrap();
+        assert_ok(&o);
+        assert!(
+            text(&o).contains("pipeline: continuing b after step 1"),
+            "{}",
+            text(&o)
+        );
+        crate::pipeline::assert_runs_end_alike(&d.join("two"), &d.join("b"), &["ckpt"]);
+    }
+
+    /// Up front: a LoRA spec on the daemon stops before step 0 (exit 2).
     #[test]
     fn a_lora_spec_on_the_daemon_is_refused_before_anything_runs() {
         let dir = tempfile::tempdir().unwrap();
@@ -627,6 +826,23 @@ keep-last = 1
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert!(
             text(&o).contains("a LoRA update runs in one process"),
+            "{}",
+            text(&o)
+        );
+        assert!(!d.join("r/step-0001").exists());
+    }
+
+    /// `[update] shard = "full"` with LoRA stops before step 0 (exit 2), naming the key.
+    #[test]
+    fn a_lora_spec_with_full_sharding_is_refused_before_anything_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        crate::stage_util::model_and_train_set(d, 64, 128, 8);
+        let spec = two_steps_on(2).replace("lora-rank = 4", "shard = \"full\"\nlora-rank = 4");
+        let o = run(d, "r", &spec).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(
+            text(&o).contains("[update]: --shard full with --lora-rank"),
             "{}",
             text(&o)
         );

@@ -1511,9 +1511,16 @@ pub(crate) fn real_bins() -> PathBuf {
 
 /// Whether a child process of `parent` whose command line contains `needle` runs now.
 pub(crate) fn running_child(parent: u32, needle: &str) -> bool {
+    children(parent).iter().any(|(_, cmd)| cmd.contains(needle))
+}
+
+/// The child processes of `parent` that run now: (pid, command line with spaces between the
+/// arguments).
+pub(crate) fn children(parent: u32) -> Vec<(u32, String)> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
-        return false;
+        return Vec::new();
     };
+    let mut out = Vec::new();
     for e in entries.flatten() {
         let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
             continue;
@@ -1527,18 +1534,16 @@ pub(crate) fn running_child(parent: u32, needle: &str) -> bool {
             .nth(1)
             .and_then(|p| p.parse().ok())
             .unwrap_or(0);
+        let Some(pid) = e.file_name().to_str().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
         if ppid != parent {
             continue;
         }
         let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline)
-            .replace('\0', " ")
-            .contains(needle)
-        {
-            return true;
-        }
+        out.push((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")));
     }
-    false
+    out
 }
 
 /// Every file of every checkpoint, by content.

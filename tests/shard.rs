@@ -172,7 +172,7 @@ fn state(dir: &Path) -> [Weights; 3] {
 }
 
 /// ‖a − b‖ / ‖b‖ over every tensor.
-fn rel_err(a: &Weights, b: &Weights) -> f64 {
+pub(crate) fn rel_err(a: &Weights, b: &Weights) -> f64 {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     let (mut d, mut n) = (0f64, 0f64);
     for (k, t) in b {

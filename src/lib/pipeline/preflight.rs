@@ -162,13 +162,13 @@ fn check_critic(plan: &Plan, vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// A LoRA update (`[update] lora-rank`) runs in one process for now: not on a daemon, not on
-/// several GPUs (refused here rather than at step 1's update).
+/// A LoRA update (`[update] lora-rank`) runs in process for now (on one GPU or data parallel
+/// on `gpus`), not on a daemon (refused here rather than at step 1's update).
 fn check_lora(plan: &Plan) -> Result<()> {
     let (spec, rank) = (&plan.spec, plan.stages.update.args.lora_rank);
-    if rank > 0 && (spec.daemon || spec.gpus > 1) {
+    if rank > 0 && spec.daemon {
         bail_input!(
-            "[update] lora-rank = {rank}: a LoRA update runs in one process for now; set daemon = false and gpus = 1 (docs/LORA.md)"
+            "[update] lora-rank = {rank}: a LoRA update runs in one process or on in-process ranks (gpus = N) for now, not on the daemon; set daemon = false (docs/LORA.md)"
         );
     }
     Ok(())

@@ -191,13 +191,7 @@ impl Compute for InProcess {
 
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
         let started = std::time::Instant::now();
-        let loaded = match job.train.critic {
-            Some(_) => Trainable::load_critic(&model.dir, &mut |m| self.log(m))?,
-            None => match &job.train.lora {
-                Some(spec) => Trainable::load_lora(&model.dir, spec, job.train.seed)?,
-                None => Trainable::load(&model.dir, &mut |m| self.log(m))?,
-            },
-        };
+        let loaded = Trainable::for_update(&model.dir, job.train, None, &mut |m| self.log(m))?;
         let load_seconds = started.elapsed().as_secs_f64();
         let mut out = on_device(self.device, update::TrainFresh { loaded, job })?;
         out.load_seconds = load_seconds;

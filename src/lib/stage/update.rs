@@ -240,7 +240,7 @@ pub struct UpdateArgs {
     /// Train LoRA adapters of this rank on the frozen --model instead of every weight (verl's
     /// lora_rank; 0: full fine-tuning). --model is then a model (fresh adapters, B zero) or a
     /// LoRA checkpoint / PEFT adapter directory; --out-model gets the adapters in PEFT's files.
-    /// One process only (no daemon, no launch) for now.
+    /// Not on the daemon for now; under `tandem launch`, data parallel (zero2).
     #[arg(long, default_value_t = 0, value_name = "R")]
     #[serde(default)]
     pub lora_rank: usize,
@@ -446,6 +446,11 @@ impl UpdateArgs {
         if self.critic {
             bail_input!("--lora-rank trains a policy's adapters; it does not apply to --critic");
         }
+        if self.shard == Some(ShardMode::Full) {
+            bail_input!(
+                "--shard full with --lora-rank: the frozen base has no optimizer state and stays whole on every rank, and the default --shard zero2 already shards all of the adapters' state; drop --shard full"
+            );
+        }
         Ok(Some(spec))
     }
 }
@@ -626,9 +631,9 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
             )
         })?),
     };
-    if args.lora_rank > 0 && (exec.ranks().is_some() || exec.holder().is_some()) {
+    if args.lora_rank > 0 && exec.holder().is_some() {
         bail_input!(
-            "--lora-rank: a LoRA update runs in one process for now (no --daemon, no tandem launch)"
+            "--lora-rank: a LoRA update runs in one process or under tandem launch for now (no --daemon)"
         );
     }
     let input = Input::read(&args)?;

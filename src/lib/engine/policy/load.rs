@@ -3,6 +3,7 @@
 
 use crate::backend::Backend;
 use crate::engine::resume::{self, RankResume, ShardSource, TrainerState};
+use crate::engine::train::TrainConfig;
 use crate::model::checkpoint::ModelDir;
 use crate::model::config::CONFIG_FILE;
 use crate::model::critic::value_model_from;
@@ -82,6 +83,26 @@ impl Trainable {
             return Ok(Self::without_optimizer(cfg, weights, None, None));
         };
         Ok(Self::resumed(dir, cfg, weights, r, log))
+    }
+
+    /// What `update` trains with `train`'s settings from `dir`: a critic
+    /// ([`Trainable::load_critic`]), LoRA adapters ([`Trainable::load_lora`]) or the policy
+    /// ([`Trainable::load`]); on rank `rank` of `world` (`Some`), its part of a sharded
+    /// checkpoint ([`Trainable::load_rank`]).
+    pub fn for_update(
+        dir: &Path,
+        train: &TrainConfig,
+        ranks: Option<(usize, usize)>,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Trainable> {
+        match (&train.critic, &train.lora, ranks) {
+            (Some(_), _, None) => Self::load_critic(dir, log),
+            (Some(_), _, Some((rank, world))) => Self::load_rank_critic(dir, rank, world, log),
+            // A LoRA checkpoint's adapter state is one file, whatever the number of ranks.
+            (None, Some(spec), _) => Self::load_lora(dir, spec, train.seed),
+            (None, None, None) => Self::load(dir, log),
+            (None, None, Some((rank, world))) => Self::load_rank(dir, rank, world, log),
+        }
     }
 
     /// [`Trainable::load`] for `update --lora-rank`: a LoRA checkpoint or PEFT adapter

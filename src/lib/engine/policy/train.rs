@@ -98,12 +98,14 @@ impl Train<'_> {
     }
 
     /// Where a sharded update over `world` ranks brings the optimizer state: nowhere unless the
-    /// job exports it; to the one rank's host, or each rank's shard to its own host.
+    /// job exports it; to the one rank's host, or each rank's shard to its own host. A LoRA
+    /// update's state (the adapters': a few percent of the model's) is gathered to rank 0,
+    /// so that its checkpoint is the one-process run's `optimizer.safetensors`.
     fn state_to(&self, world: usize) -> StateTo {
-        match (self.export_state, world) {
-            (false, _) => StateTo::Nowhere,
-            (true, 1) => StateTo::Root,
-            (true, _) => StateTo::EachRank,
+        match (self.export_state, world, &self.train.lora) {
+            (false, _, _) => StateTo::Nowhere,
+            (true, 1, _) | (true, _, Some(_)) => StateTo::Root,
+            (true, _, None) => StateTo::EachRank,
         }
     }
 
@@ -158,6 +160,9 @@ impl RankJob for TrainRank<'_> {
                 let mut policy = self.loaded.build(backend)?;
                 let optim = ShardedOptim::zero2(&mut policy, comm, self.bucket_elems)?;
                 (policy, optim)
+            }
+            ShardMode::Full if self.loaded.lora.is_some() => {
+                anyhow::bail!("--shard full with LoRA adapters (the stage refuses it)")
             }
             // The state is never whole on a device: each rank uploads its shards.
             ShardMode::Full => ShardedOptim::new_full(
@@ -221,10 +226,7 @@ pub fn train_ranks_from_files(
         }
     };
     let (rank, world) = (pg.rank(), pg.world_size());
-    let loaded = match job.train.critic {
-        Some(_) => Trainable::load_rank_critic(&model.dir, rank, world, &mut log)?,
-        None => Trainable::load_rank(&model.dir, rank, world, &mut log)?,
-    };
+    let loaded = Trainable::for_update(&model.dir, job.train, Some((rank, world)), &mut log)?;
     let load_seconds = started.elapsed().as_secs_f64();
     let rank_job = TrainRank {
         loaded,

@@ -1,7 +1,8 @@
 //! The sharded optimizer against the plain one on the same gradients: the `sharded_update`
 //! case of `tandem gpu-test` (world size 1 through NCCL), and the same comparison on the CPU
 //! with 1 and 2 ranks of the CPU communicator in the unit tests, where full sharding's passes
-//! with the next unit's all-gather prefetched are also checked against the same passes without.
+//! with the next unit's all-gather prefetched are also checked against the same passes without,
+//! and LoRA adapters sharded alone on a frozen base against the unsharded LoRA update.
 
 use anyhow::{ensure, Result};
 
@@ -10,6 +11,7 @@ use crate::backend::check::gpu::{dname, Case, Ctx, Row};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DType};
 use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
+use crate::model::lora::{init_adapters, LoraSpec};
 use crate::model::safetensors::round_bf16;
 use crate::model::{init, Config, Weights};
 use crate::parallel::{Comm, NcclComm, Options, ProcessGroup, World};
@@ -157,8 +159,28 @@ fn seq_refs<'a>(toks: &'a [Vec<u32>], starts: &[usize]) -> Vec<SeqRef<'a>> {
         .collect()
 }
 
+/// Rank-4 LoRA adapters on q, v and down of `cfg` with a non-zero B (so that A has a gradient
+/// from the first step on): (spec, adapters).
+fn lora_adapters(cfg: &Config) -> (LoraSpec, Weights) {
+    let targets = LoraSpec::parse_targets("q,v,down", "test").expect("known targets");
+    let spec = LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        targets,
+    };
+    let mut ad = init_adapters(cfg, &spec, 3);
+    for (name, t) in ad.iter_mut() {
+        if name.ends_with("lora_B.weight") {
+            let x = t.data.iter_mut().enumerate();
+            x.for_each(|(i, x)| *x = ((i % 7) as f32 - 3.0) * 0.01);
+        }
+    }
+    (spec, ad)
+}
+
 /// gpu-test: at world size 1 through NCCL, the sharded update equals the plain one on the
-/// same GPU (relative error of masters and moments ≤ 1e-6 in f32, ≤ 1e-3 with bf16 compute).
+/// same GPU (relative error of masters and moments ≤ 1e-6 in f32, ≤ 1e-3 with bf16 compute),
+/// under zero2 and full sharding, and under zero2 for LoRA adapters on a frozen base.
 fn sharded_update(s: &mut Ctx, d: DType) -> Result<()> {
     let tol = match d {
         DType::F32 => 1e-6,
@@ -197,6 +219,17 @@ fn sharded_update(s: &mut Ctx, d: DType) -> Result<()> {
     gd.set_compute_dtype(d);
     let how = Sharded::Full(Some(gd));
     let full = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, how)?;
+    // LoRA: the adapters alone sharded, the base frozen in the compute dtype.
+    let (spec, ad) = lora_adapters(&cfg);
+    let lora = |d: DType| -> Result<Decoder<CudaBackend>> {
+        let g = CudaBackend::new(s.ordinal)?;
+        g.set_compute_dtype(d);
+        Decoder::with_lora(g, &cfg, &w, &ad, &spec)
+    };
+    let (mut plain, mut sharded) = (lora(d)?, lora(d)?);
+    let comm = NcclComm::new(sharded.backend(), &pg)?;
+    let how = Sharded::Zero2(1_000);
+    let adapters = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, how)?;
     let names = ["masters", "exp_avg", "exp_avg_sq", "generation copy"];
     // The copy is the bf16 rounding of masters a hair from the plain ones: an element may
     // round to the neighbouring bf16 value (2^-8 relative), whatever the compute dtype.
@@ -212,6 +245,12 @@ fn sharded_update(s: &mut Ctx, d: DType) -> Result<()> {
                 .zip(full)
                 .zip(tols)
                 .map(|((w, e), tol)| (format!("{w} (full, nccl, world 1)"), e, tol)),
+        )
+        .chain(
+            names[..3]
+                .iter()
+                .zip(adapters)
+                .map(|(w, e)| (format!("{w} (lora, nccl, world 1)"), e, tol)),
         );
     for (what, e, tol) in rows {
         s.rows.push(Row {
@@ -284,6 +323,60 @@ mod tests {
                     errs[0].map(f64::to_bits),
                     "{n} ranks, rank {r}"
                 );
+            }
+        }
+    }
+
+    /// LoRA under zero2 on 1 and 2 ranks: the buckets hold the adapters alone (the frozen
+    /// base has size 0 in the plan), each rank's shards are 1/N of them (up to the alignment
+    /// padding of each bucket), and 3 clipped AdamW steps give the plain LoRA decoder's
+    /// adapters and moments (to 1e-6: the ranks sum the gradients in another order) with the
+    /// base untouched, bit for bit.
+    #[test]
+    fn lora_adapters_alone_are_sharded_and_train_as_unsharded() {
+        for n in [1, 2] {
+            let out = ranks(n, Duration::from_secs(60), move |pg| {
+                let cfg = Config::small_qwen2();
+                let w = init::random_weights(&cfg, 7, 0.05);
+                let (spec, ad) = lora_adapters(&cfg);
+                let adapter_elems: usize = ad.values().map(|t| t.data.len()).sum();
+                let (toks, starts, up) = inputs(11, cfg.vocab_size);
+                let seqs = seq_refs(&toks, &starts);
+                let comm = HostComm::new(&pg).unwrap();
+                let lora = || Decoder::with_lora(Cpu, &cfg, &w, &ad, &spec).unwrap();
+                let mut probe = lora();
+                let optim = ShardedOptim::zero2(&mut probe, &comm, 1_000).unwrap();
+                let plan = (optim.plan.total(), optim.plan.buckets.len());
+                let shard_elems = optim.stats.shard_elems;
+                let (mut plain, mut sharded) = (lora(), lora());
+                let how = Sharded::Zero2(1_000);
+                let e = sharded_vs_plain(&mut plain, &mut sharded, &comm, &seqs, &up, how);
+                let base_kept = sharded
+                    .export_weights()
+                    .unwrap()
+                    .iter()
+                    .filter(|(k, _)| w.contains_key(*k))
+                    .all(|(k, t)| *t == w[k]);
+                drop(comm);
+                pg.finish().unwrap();
+                (e.unwrap(), plan, shard_elems, adapter_elems, base_kept)
+            });
+            for (r, (e, (total, buckets), shard, adapters, base_kept)) in out.iter().enumerate() {
+                assert_eq!(
+                    *total, *adapters,
+                    "{n} ranks: the plan holds the adapters only"
+                );
+                assert!(*buckets > 1, "{n} ranks: {buckets} buckets");
+                // ⌈len / n⌉ rounded up to SHARD_ALIGN per bucket.
+                let align = crate::parallel::bucket::SHARD_ALIGN;
+                assert!(
+                    n * shard >= *adapters && n * shard < adapters + n * align * buckets,
+                    "{n} ranks, rank {r}: a shard of {shard} of {adapters} adapter elements"
+                );
+                for (what, x) in ["masters", "exp_avg", "exp_avg_sq"].iter().zip(e) {
+                    assert!(*x <= 1e-6, "{n} ranks, rank {r}: {what} relative error {x}");
+                }
+                assert!(base_kept, "{n} ranks, rank {r}: the frozen base moved");
             }
         }
     }

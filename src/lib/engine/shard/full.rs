@@ -22,6 +22,10 @@ impl<B: Backend> ShardedOptim<B> {
     /// reduce-scatter its gradients as soon as its backward is done.
     /// [`ShardedOptim::unshard`] undoes it.
     pub fn full(dec: &mut Decoder<B>, comm: &dyn Comm<B>) -> Result<Self> {
+        ensure!(
+            dec.lora_spec().is_none(),
+            "full sharding cuts every weight; a LoRA decoder's frozen base is not sharded (zero2)"
+        );
         let plan = unit_plan(dec, comm.world_size())?;
         let st = Self::cut(dec, comm, plan, true)?;
         st.hold_units(dec)

@@ -94,6 +94,7 @@ impl<B: Backend> ShardedOptim<B> {
     /// This rank's masters and moments brought to the host (no collective): what it writes
     /// as its shard of a checkpoint.
     pub fn download(&self, dec: &Decoder<B>) -> Result<HostShard> {
+        self.check_every_param_trained(dec)?;
         let b = dec.backend();
         let down = |bufs: &[B::Buf]| -> Result<Vec<Vec<f32>>> {
             let mut out = Vec::with_capacity(bufs.len());
@@ -129,6 +130,7 @@ impl<B: Backend> ShardedOptim<B> {
         weights: &Weights,
         comm: &dyn Comm<B>,
     ) -> Result<bool> {
+        self.check_every_param_trained(dec)?;
         let layout = self.layout(dec);
         if shard.layout != layout || shard.rank != self.rank {
             crate::bail_input!(
@@ -152,6 +154,17 @@ impl<B: Backend> ShardedOptim<B> {
         }
         dec.set_optimizer_steps(shard.step);
         Ok(take)
+    }
+
+    /// A shard file's layout names every parameter of the decoder: a LoRA decoder's frozen
+    /// base has no place in the buckets, and its adapters' state is written whole instead
+    /// (gathered by [`ShardedOptim::gather_state`]).
+    fn check_every_param_trained(&self, dec: &Decoder<B>) -> Result<()> {
+        ensure!(
+            self.plan.sizes == dec.param_sizes(),
+            "optimizer shard files: the decoder has frozen parameters (LoRA); gather its state whole"
+        );
+        Ok(())
     }
 
     /// Whether any of `shard`'s masters does not round to the model's bf16 weight in `weights`.
@@ -245,7 +258,9 @@ impl<B: Backend> ShardedOptim<B> {
             }
             let mut host = vec![0f32; bucket.len];
             b.download(&staging, &mut host)?;
-            for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+            // A frozen tensor (size 0 in the plan: LoRA's base) is not the optimizer's.
+            let trained = bucket.tensors.clone().zip(&bucket.offsets);
+            for (t, &off) in trained.filter(|&(t, _)| plan.sizes[t] > 0) {
                 let data = host[off..off + plan.sizes[t]].to_vec();
                 let shape = shapes[t].clone();
                 out.insert(names[t].clone(), Tensor { shape, data });

@@ -74,8 +74,11 @@ impl<B: Backend> ShardedOptim<B> {
     /// Shards `dec`'s optimizer over `comm`'s ranks in buckets of about `bucket_elems`
     /// elements (zero2): this rank keeps its part of the masters and moments (loaded ones
     /// included) and the decoder frees its full copies. `ShardedOptim::unshard` undoes it.
+    /// A frozen parameter (a LoRA decoder's base) takes no element of the buckets: the plan
+    /// gives it size 0, so that only the adapters are reduced, updated and synced, and the
+    /// base stays whole and untouched on every rank.
     pub fn zero2(dec: &mut Decoder<B>, comm: &dyn Comm<B>, bucket_elems: usize) -> Result<Self> {
-        let plan = BucketPlan::new(&dec.param_sizes(), bucket_elems, comm.world_size())?;
+        let plan = BucketPlan::new(&dec.trained_sizes(), bucket_elems, comm.world_size())?;
         Self::cut(dec, comm, plan, false)
     }
 
@@ -228,7 +231,11 @@ fn grads_final_at<B: Backend>(dec: &Decoder<B>, plan: &BucketPlan) -> Vec<usize>
         .collect();
     plan.buckets
         .iter()
-        .map(|k| k.tensors.clone().map(|t| at[t]).max().unwrap_or(0))
+        .map(|k| {
+            // A frozen tensor (size 0 in the plan) has no gradient to wait for.
+            let trained = k.tensors.clone().filter(|&t| plan.sizes[t] > 0);
+            trained.map(|t| at[t]).max().unwrap_or(0)
+        })
         .collect()
 }
 

@@ -767,6 +767,17 @@ impl<B: Backend> Decoder<B> {
         self.shapes.iter().map(|s| s.iter().product()).collect()
     }
 
+    /// The elements the optimizer updates of each parameter, in order: its element count, or
+    /// 0 for a frozen one (LoRA's base, which has no master, gradient or moments).
+    pub(crate) fn trained_sizes(&self) -> Vec<usize> {
+        let sizes = self.param_sizes();
+        sizes
+            .iter()
+            .zip(&self.trains)
+            .map(|(&n, &t)| if t { n } else { 0 })
+            .collect()
+    }
+
     /// The backend and the compute weights, for a caller that writes them whole (a weight
     /// sync).
     pub(crate) fn weights_mut(&mut self) -> (&B, &mut [B::Buf]) {

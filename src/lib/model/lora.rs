@@ -6,7 +6,9 @@
 use anyhow::{bail, Result};
 
 use crate::error::input_error;
+use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
+use rayon::prelude::*;
 use crate::rng::{stream_seed, SplitMix64};
 
 /// A projection an adapter can sit on.
@@ -247,14 +249,33 @@ pub fn merge(cfg: &Config, base: &mut Weights, adapters: &Weights, spec: &LoraSp
                 w.shape
             )));
         }
-        for row in 0..o {
+        // Rows in parallel: each element's sum is the same sequential f64 sum on any thread,
+        // so the result does not depend on the thread count.
+        w.data.par_chunks_mut(i).enumerate().for_each(|(row, wrow)| {
             let brow = &b.data[row * r..(row + 1) * r];
-            for col in 0..i {
+            for (col, x) in wrow.iter_mut().enumerate() {
                 let sum: f64 = (0..r)
                     .map(|k| brow[k] as f64 * a.data[k * i + col] as f64)
                     .sum();
-                w.data[row * i + col] = (w.data[row * i + col] as f64 + s * sum) as f32;
+                *x = (*x as f64 + s * sum) as f32;
             }
+        });
+    }
+    Ok(())
+}
+
+/// [`merge`], each merged weight then rounded to bf16 as `tandem merge-lora`'s files store
+/// it: the adapted model every stage (in process or on the daemon) generates from.
+pub fn merge_rounded(
+    cfg: &Config,
+    base: &mut Weights,
+    adapters: &Weights,
+    spec: &LoraSpec,
+) -> Result<()> {
+    merge(cfg, base, adapters, spec)?;
+    for slot in spec.adapters(cfg) {
+        if let Some(t) = base.get_mut(&slot.target.weight_name(slot.layer)) {
+            t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
         }
     }
     Ok(())

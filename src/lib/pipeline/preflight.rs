@@ -162,13 +162,13 @@ fn check_critic(plan: &Plan, vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// A LoRA update (`[update] lora-rank`) runs in one process for now: not on a daemon, not on
+/// A LoRA update (`[update] lora-rank`) runs in one process or on one daemon for now: not on
 /// several GPUs (refused here rather than at step 1's update).
 fn check_lora(plan: &Plan) -> Result<()> {
     let (spec, rank) = (&plan.spec, plan.stages.update.args.lora_rank);
-    if rank > 0 && (spec.daemon || spec.gpus > 1) {
+    if rank > 0 && spec.gpus > 1 {
         bail_input!(
-            "[update] lora-rank = {rank}: a LoRA update runs in one process for now; set daemon = false and gpus = 1 (docs/LORA.md)"
+            "[update] lora-rank = {rank}: a LoRA update runs on one GPU for now; set gpus = 1 (docs/LORA.md)"
         );
     }
     Ok(())

@@ -25,8 +25,9 @@
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
-use crate::engine::policy::kept::{lora_generation, park_optimizer, train_resident, unpark};
+use crate::engine::policy::is_adapter_dir;
 use crate::engine::policy::kept::PolicySlot;
+use crate::engine::policy::kept::{lora_generation, park_optimizer, train_resident, unpark};
 use crate::engine::policy::kept::{MakeComm, ModelKey};
 use crate::engine::policy::{
     write_rank_shards, HeldPolicy, Holder, ModelRef, SavedShards, Sharding, Train, Trainable,
@@ -35,7 +36,6 @@ use crate::engine::policy::{
 use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedOptim};
 use crate::model::checkpoint::ModelDir;
-use crate::engine::policy::is_adapter_dir;
 use crate::model::decoder::{Decoder, TokenStats};
 use crate::model::lora::LoraSpec;
 use crate::model::peft;
@@ -931,6 +931,12 @@ fn slot_status<B: Backend>(p: &PolicySlot<B>) -> Value {
         "optimizer_sharded": p.sharded.is_some(),
         "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
         "memory_held": slot_memory_held(p),
+        "lora": p.decoder.lora_spec().map(|l| json!({
+            "rank": l.rank,
+            "alpha": l.alpha,
+            "targets": l.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+            "base": p.lora_base.as_ref().map(|b| b.display().to_string()),
+        })),
     })
 }
 

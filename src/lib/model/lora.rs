@@ -8,8 +8,8 @@ use anyhow::{bail, Result};
 use crate::error::input_error;
 use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
-use rayon::prelude::*;
 use crate::rng::{stream_seed, SplitMix64};
+use rayon::prelude::*;
 
 /// A projection an adapter can sit on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -251,15 +251,18 @@ pub fn merge(cfg: &Config, base: &mut Weights, adapters: &Weights, spec: &LoraSp
         }
         // Rows in parallel: each element's sum is the same sequential f64 sum on any thread,
         // so the result does not depend on the thread count.
-        w.data.par_chunks_mut(i).enumerate().for_each(|(row, wrow)| {
-            let brow = &b.data[row * r..(row + 1) * r];
-            for (col, x) in wrow.iter_mut().enumerate() {
-                let sum: f64 = (0..r)
-                    .map(|k| brow[k] as f64 * a.data[k * i + col] as f64)
-                    .sum();
-                *x = (*x as f64 + s * sum) as f32;
-            }
-        });
+        w.data
+            .par_chunks_mut(i)
+            .enumerate()
+            .for_each(|(row, wrow)| {
+                let brow = &b.data[row * r..(row + 1) * r];
+                for (col, x) in wrow.iter_mut().enumerate() {
+                    let sum: f64 = (0..r)
+                        .map(|k| brow[k] as f64 * a.data[k * i + col] as f64)
+                        .sum();
+                    *x = (*x as f64 + s * sum) as f32;
+                }
+            });
     }
     Ok(())
 }

@@ -800,7 +800,9 @@ mod daemon {
     /// update's files byte for byte (PEFT adapters, optimizer and trainer state), and its next
     /// rollout, from the adapters it keeps, differs from the base model's and is the in-process
     /// rollout of `merge-lora`'s merged model: the adapter cannot be silently left out.
-    /// `status` reports the adapters held; `daemon-ctl save` writes them as the update did.
+    /// `ref-logprob` on the base scores with the base the daemon holds under the adapters
+    /// (adapters off), as in process. `status` reports the adapters held; `daemon-ctl save`
+    /// writes them as the update did.
     #[test]
     fn a_lora_update_on_the_daemon_writes_the_in_process_files_and_rolls_out_merged() {
         let dir = tempfile::tempdir().unwrap();
@@ -864,10 +866,23 @@ mod daemon {
             assert!(t0.elapsed() < Duration::from_secs(120), "no daemon socket");
             std::thread::sleep(Duration::from_millis(50));
         }
+        let reference = |out: &Path, daemon: Option<&Path>| {
+            let r = p(&d.join("r.parquet")).to_string();
+            let mut args = vec!["--model", p(&base), "--in", &r, "--out", p(out)];
+            args.extend(["--column", "ref_logprobs"]);
+            if let Some(s) = daemon {
+                args.extend(["--daemon", p(s)]);
+            }
+            ok("ref-logprob", &args);
+            let b = crate::stage_util::read(out);
+            crate::stage_util::f32_rows(&b, tandem::batch::schema::REF_LOGPROBS)
+        };
         let run = || -> (Vec<u8>, Vec<u8>, serde_json::Value, Vec<u8>) {
             let base_on_daemon = rollout(&base, &pr, &d.join("db.parquet"), Some(&sock));
             let dk = d.join("dk");
             update(&dk, Some(&sock));
+            let on_daemon = reference(&d.join("dref.parquet"), Some(&sock));
+            assert_eq!(on_daemon, reference(&d.join("ref.parquet"), None));
             let after = rollout(&dk, &pr, &d.join("dr.parquet"), Some(&sock));
             let ctl = |args: &[&str]| {
                 let o = Command::new(bin("tandem"))
@@ -911,6 +926,8 @@ mod daemon {
         let policy = &status["resident"]["policy"];
         assert_eq!(policy["lora"]["rank"], 4, "{status}");
         assert_eq!(policy["generation_copy"], true, "{status}");
+        // The reference job scored with the base under the adapters: no reference loaded.
+        assert!(status["resident"]["reference"].is_null(), "{status}");
         assert_eq!(
             saved,
             std::fs::read(ck.join("adapter_model.safetensors")).unwrap()

@@ -463,6 +463,10 @@ impl<B: Backend> Resident<B> {
                 sharded: None,
                 comm: None,
                 lora_base: loaded.lora.as_ref().map(|l| l.base.clone()),
+                lora_base_key: match &loaded.lora {
+                    Some(l) => Some(ModelKey::of(&l.base)?),
+                    None => None,
+                },
             };
             if self.opts.offload_optimizer {
                 park_optimizer(&mut slot, None, None)?;
@@ -721,6 +725,36 @@ impl<B: Backend> Resident<B> {
     }
 }
 
+impl<B: Backend> Resident<B> {
+    /// Whether `model` is the base a LoRA policy held here trains on (the same files): a
+    /// reference job on it scores with that base, the adapters off ([`Resident::score_base`]).
+    fn holds_lora_base(&self, model: &ModelRef) -> bool {
+        let Ok(key) = ModelKey::of(&model.dir) else {
+            return false;
+        };
+        self.policy
+            .as_ref()
+            .is_some_and(|p| p.lora_base_key.as_ref() == Some(&key))
+    }
+
+    /// Scores with the LoRA policy's base, the adapters off; a reference decoder of the same
+    /// files is dropped (no second copy of the weights).
+    fn score_base(&mut self, job: Score<'_>) -> Result<Vec<TokenStats>> {
+        let p = self.policy.as_mut().expect("holds_lora_base");
+        let key = p.lora_base_key.clone();
+        if self.reference.as_ref().map(|r| &r.key) == key.as_ref() {
+            self.observe();
+            self.reference = None;
+        }
+        let p = self.policy.as_mut().expect("holds_lora_base");
+        p.decoder.set_adapters_on(false);
+        let out = job.score_on(&mut p.decoder);
+        p.decoder.set_adapters_on(true);
+        self.note("reference_is_lora_base", true);
+        out
+    }
+}
+
 impl<B: Backend> Compute for Resident<B> {
     fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<Generated> {
         let decoder = self.generation(Role::Policy, model)?;
@@ -749,6 +783,9 @@ impl<B: Backend> Compute for Resident<B> {
                 .is_some_and(|p| ModelKey::of(&model.dir).is_ok_and(|k| p.keys.contains(&k)));
         if is_policy {
             return job.score_on(self.generation(Role::Policy, model)?);
+        }
+        if self.holds_lora_base(model) {
+            return self.score_base(job);
         }
         let out = job.score_on(self.ref_decoder(&model.dir)?);
         if self.opts.offload_ref {

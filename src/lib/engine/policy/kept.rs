@@ -88,6 +88,9 @@ pub(crate) struct PolicySlot<B: Backend> {
     /// LoRA: the base model directory under the adapters the decoder trains (its base weights
     /// frozen in the compute dtype; `gen` is then the merged model, [`lora_generation`]).
     pub(crate) lora_base: Option<PathBuf>,
+    /// The base's files as they were when it was loaded: a reference job on the same files
+    /// scores with the base held here, the adapters off (no second copy of the weights).
+    pub(crate) lora_base_key: Option<ModelKey>,
 }
 
 /// What `--offload-optimizer` keeps in host memory between updates.

@@ -14,6 +14,15 @@
 //! this daemon holds that state. `daemon-ctl save` writes it as the files `update` would have
 //! ([`Hold::held_policy`]).
 //!
+//! A LoRA policy (a LoRA update's, or an adapter checkpoint's) is held as its adapters on the
+//! frozen base (`Decoder::with_lora`: the base in the compute dtype with no master or moments,
+//! the adapters' f32 masters and AdamW state kept between updates). It generates from a merged
+//! copy built after each update on the host with the loaders' merge (`kept::lora_generation`:
+//! a second whole copy of the weights while rollout runs; the base that trains is never
+//! merged), so its rollouts are bit for bit those of the checkpoint loaded in process; a
+//! reference job on its base's files scores with that base, the adapters off
+//! ([`Resident::score_base`]), instead of loading the weights a second time.
+//!
 //! In a daemon group (one daemon per GPU) every rank keeps its part of the sharded training
 //! state between updates ([`Resident::train_group`]): under zero2 the whole compute weights,
 //! which the weight sync leaves on every rank, and its 1/N of the masters and moments; under

@@ -802,7 +802,8 @@ mod daemon {
     /// rollout of `merge-lora`'s merged model: the adapter cannot be silently left out.
     /// `ref-logprob` on the base scores with the base the daemon holds under the adapters
     /// (adapters off), as in process. `status` reports the adapters held; `daemon-ctl save`
-    /// writes them as the update did.
+    /// writes them as the update did (here with the adapters' optimizer state parked in host
+    /// memory between updates, `--offload-optimizer`).
     #[test]
     fn a_lora_update_on_the_daemon_writes_the_in_process_files_and_rolls_out_merged() {
         let dir = tempfile::tempdir().unwrap();
@@ -853,6 +854,7 @@ mod daemon {
                 p(&sock),
                 "--policy",
                 p(&base),
+                "--offload-optimizer",
             ])
             .env("RAYON_NUM_THREADS", "2")
             .spawn()
@@ -925,6 +927,7 @@ mod daemon {
         assert_eq!(after, rollout(&ck, &pr, &d.join("cr.parquet"), None));
         let policy = &status["resident"]["policy"];
         assert_eq!(policy["lora"]["rank"], 4, "{status}");
+        assert_eq!(policy["optimizer_offloaded"], true, "{status}");
         assert_eq!(policy["generation_copy"], true, "{status}");
         // The reference job scored with the base under the adapters: no reference loaded.
         assert!(status["resident"]["reference"].is_null(), "{status}");

@@ -21,7 +21,7 @@
 //! a second whole copy of the weights while rollout runs; the base that trains is never
 //! merged), so its rollouts are bit for bit those of the checkpoint loaded in process; a
 //! reference job on its base's files scores with that base, the adapters off
-//! ([`Resident::score_base`]), instead of loading the weights a second time.
+//! (`Resident::score_base`), instead of loading the weights a second time.
 //!
 //! In a daemon group (one daemon per GPU) every rank keeps its part of the sharded training
 //! state between updates ([`Resident::train_group`]): under zero2 the whole compute weights,

@@ -249,18 +249,21 @@ pub fn merge(cfg: &Config, base: &mut Weights, adapters: &Weights, spec: &LoraSp
                 w.shape
             )));
         }
-        // Rows in parallel: each element's sum is the same sequential f64 sum on any thread,
-        // so the result does not depend on the thread count.
+        // Rows in parallel, each element's sum over k in order (the products are exact in
+        // f64): the result does not depend on the thread count. A's rows are read in order.
         w.data
             .par_chunks_mut(i)
             .enumerate()
             .for_each(|(row, wrow)| {
-                let brow = &b.data[row * r..(row + 1) * r];
-                for (col, x) in wrow.iter_mut().enumerate() {
-                    let sum: f64 = (0..r)
-                        .map(|k| brow[k] as f64 * a.data[k * i + col] as f64)
-                        .sum();
-                    *x = (*x as f64 + s * sum) as f32;
+                let mut sum = vec![0.0f64; i];
+                for (k, &bk) in b.data[row * r..(row + 1) * r].iter().enumerate() {
+                    let arow = &a.data[k * i..(k + 1) * i];
+                    for (acc, &ak) in sum.iter_mut().zip(arow) {
+                        *acc += bk as f64 * ak as f64;
+                    }
+                }
+                for (x, acc) in wrow.iter_mut().zip(&sum) {
+                    *x = (*x as f64 + s * acc) as f32;
                 }
             });
     }

@@ -439,14 +439,11 @@ impl<B: Backend> Resident<B> {
                 (Role::Policy, false) => lora_wanted(want, &model.dir)?,
                 _ => None,
             };
-            let loaded = match (role, group) {
-                _ if lora.is_some() => {
-                    let (spec, seed) = lora.expect("checked");
-                    Trainable::load_lora(&model.dir, &spec, seed)?
-                }
-                (Role::Critic, true) => Trainable::load_critic_weights(&model.dir, &mut log)?,
-                (Role::Policy, true) => Trainable::load_weights(&model.dir, &mut log)?,
-                (role, false) => {
+            let loaded = match (role, group, lora) {
+                (_, _, Some((spec, seed))) => Trainable::load_lora(&model.dir, &spec, seed)?,
+                (Role::Critic, true, _) => Trainable::load_critic_weights(&model.dir, &mut log)?,
+                (Role::Policy, true, _) => Trainable::load_weights(&model.dir, &mut log)?,
+                (role, false, None) => {
                     let mut t = match role {
                         Role::Critic => Trainable::load_critic(&model.dir, &mut log)?,
                         Role::Policy => Trainable::load(&model.dir, &mut log)?,

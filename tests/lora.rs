@@ -526,7 +526,7 @@ mod update {
 
 mod pipeline {
     use crate::pipeline::{
-        assert_ok, checkpoint_files_in, children, kill_when, real_bins, running_child, stage_done,
+        assert_ok, checkpoint_files_in, children, jsonl_sans_time, kill_when, real_bins, running_child, stage_done,
         text, PIPELINE,
     };
     use crate::shard::rel_err;
@@ -811,13 +811,94 @@ keep-last = 1
         crate::pipeline::assert_runs_end_alike(&d.join("two"), &d.join("b"), &["ckpt"]);
     }
 
-    /// Up front: a LoRA spec on the daemon stops before step 0 (exit 2).
+    /// `daemon = true`: the LoRA run on the warm daemon (the adapters kept between updates,
+    /// step 1's only in its memory under `--resident`, rollouts from the merged copy) ends with
+    /// the in-process run's adapter checkpoints, rollout batches and metrics bit for bit; so
+    /// does one whose daemon SIGKILLed itself in step 2's update, which goes back to step 0.
     #[test]
-    fn a_lora_spec_on_the_daemon_is_refused_before_anything_runs() {
+    fn a_lora_run_on_the_daemon_writes_what_in_process_writes_and_survives_its_death() {
+        use tandem::daemon::resident::{KILL_AT_STEP_ENV, KILL_IN_UPDATE_ENV};
+        let bins = real_bins();
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        crate::stage_util::model_and_train_set(d, 64, 128, 40);
+        let plain = SPEC.replace("keep-last = 1", "keep-last = 2");
+        std::fs::write(d.join("plain.toml"), &plain).unwrap();
+        let warm = plain.replace("steps = 3", "steps = 3\ndaemon = true");
+        std::fs::write(d.join("warm.toml"), warm).unwrap();
+        let cmd = |spec: &str, run: &str| {
+            let mut c = Command::new(PIPELINE);
+            c.current_dir(d)
+                .args(["run", spec, "--run-dir", run])
+                .env("TANDEM_BIN_DIR", &bins)
+                .env_remove("TANDEM_DAEMON");
+            c
+        };
+        assert_ok(&cmd("plain.toml", "a").output().unwrap());
+        assert_ok(&cmd("warm.toml", "w").output().unwrap());
+        let w = d.join("w");
+        let commands = std::fs::read_to_string(w.join("commands.sh")).unwrap();
+        let update1 = commands
+            .lines()
+            .find(|l| l.contains("--out-model w/ckpt/step-0001"))
+            .unwrap_or_else(|| panic!("{commands}"));
+        assert!(
+            update1.contains("--daemon") && update1.contains("--resident"),
+            "{update1}"
+        );
+        let marker = d.join("killed");
+        let o = cmd("warm.toml", "k")
+            .env(KILL_IN_UPDATE_ENV, &marker)
+            .env(KILL_AT_STEP_ENV, "2")
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        assert!(marker.exists(), "the daemon was never killed");
+        assert!(text(&o).contains("going back to step 0"), "{}", text(&o));
+
+        let a = d.join("a");
+        let ck = checkpoint_files_in(&a, "ckpt");
+        assert!(
+            ck.contains_key("step-0002/adapter_model.safetensors"),
+            "{:?}",
+            ck.keys()
+        );
+        for run in [&w, &d.join("k")] {
+            let cr = checkpoint_files_in(run, "ckpt");
+            assert_eq!(ck.keys().collect::<Vec<_>>(), cr.keys().collect::<Vec<_>>());
+            for (k, v) in &ck {
+                assert!(v == &cr[k], "ckpt/{k} differs in {}", run.display());
+            }
+            // The batches' columns (the files' metadata say where each ran).
+            for step in 1..=3 {
+                let f = format!("step-{step:04}/rollout.parquet");
+                let cols = |r: &std::path::Path| {
+                    let b = crate::stage_util::read(&r.join(&f));
+                    let ids = crate::stage_util::i32_rows(&b, schema::RESPONSE_IDS);
+                    let lps = crate::stage_util::f32_rows(&b, schema::ROLLOUT_LOGPROBS);
+                    format!("{ids:?} {lps:?}")
+                };
+                assert!(cols(&a) == cols(run), "{f} differs in {}", run.display());
+            }
+            let metrics = |r: &std::path::Path| {
+                let mut rows = jsonl_sans_time(&r.join("metrics.jsonl"));
+                for row in &mut rows {
+                    let m = row.as_object_mut().unwrap();
+                    m.retain(|k, _| !(k.contains("daemon") || k.ends_with("_saved")));
+                }
+                rows
+            };
+            assert_eq!(metrics(&a), metrics(run), "{}", run.display());
+        }
+    }
+
+    /// Up front: a LoRA spec on a daemon group stops before step 0 (exit 2).
+    #[test]
+    fn a_lora_spec_on_a_daemon_group_is_refused_before_anything_runs() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         crate::stage_util::model_and_train_set(d, 64, 128, 8);
-        std::fs::write(d.join("spec.toml"), format!("daemon = true\n{SPEC}")).unwrap();
+        std::fs::write(d.join("spec.toml"), format!("gpus = 2\ndaemon = true\n{SPEC}")).unwrap();
         let o = Command::new(PIPELINE)
             .current_dir(d)
             .args(["run", "spec.toml", "--run-dir", "r"])
@@ -825,7 +906,7 @@ keep-last = 1
             .unwrap();
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert!(
-            text(&o).contains("a LoRA update runs in one process"),
+            text(&o).contains("not on a daemon group"),
             "{}",
             text(&o)
         );
@@ -892,7 +973,7 @@ fn shortened_lora_demo_raises_the_eval_accuracy() {
 }
 
 mod daemon {
-    use crate::stage_util::{add_advantages, bin, input_error, ok, p, prompts, tiny_model};
+    use crate::stage_util::{add_advantages, bin, ok, p, prompts, tiny_model};
     use std::path::Path;
     use std::process::Command;
     use std::time::{Duration, Instant};
@@ -930,52 +1011,53 @@ mod daemon {
         format!("{ids:?} {lps:?}").into_bytes()
     }
 
-    /// A daemon whose policy is a LoRA checkpoint generates from the merged model (the one
-    /// loader), and a LoRA update sent to it is refused (exit 2): it runs in one process.
+    /// LoRA on the warm daemon, stage by stage: a LoRA update sent to it writes the in-process
+    /// update's files byte for byte (PEFT adapters, optimizer and trainer state), and its next
+    /// rollout, from the adapters it keeps, differs from the base model's and is the in-process
+    /// rollout of `merge-lora`'s merged model: the adapter cannot be silently left out.
+    /// `ref-logprob` on the base scores with the base the daemon holds under the adapters
+    /// (adapters off), as in process. `status` reports the adapters held; `daemon-ctl save`
+    /// writes them as the update did (here with the adapters' optimizer state parked in host
+    /// memory between updates, `--offload-optimizer`).
     #[test]
-    fn the_daemon_rolls_out_a_lora_checkpoint_merged_and_refuses_a_lora_update() {
+    fn a_lora_update_on_the_daemon_writes_the_in_process_files_and_rolls_out_merged() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         let base = tiny_model(d, 44);
         let pr = d.join("prompts.parquet");
         prompts(&pr, &["Name a colour.", "Count to three."]);
-        rollout(&base, &pr, &d.join("r.parquet"), None);
+        let on_base = rollout(&base, &pr, &d.join("r.parquet"), None);
         let batch = d.join("adv.parquet");
         add_advantages(&d.join("r.parquet"), &batch);
-        let ck = d.join("ck");
-        let lora = [
-            "--lora-rank",
-            "4",
-            "--lora-alpha",
-            "8",
-            "--lora-targets",
-            "all-linear",
-        ];
-        let mut args = vec![
-            "--model",
-            p(&base),
-            "--in",
-            p(&batch),
-            "--out-model",
-            p(&ck),
-            "--lr",
-            "1e-2",
-        ];
-        args.extend(lora);
-        ok("update", &args);
-        let merged = d.join("merged");
-        ok(
-            "tandem",
-            &[
-                "merge-lora",
-                "--base",
+        let update = |out: &Path, daemon: Option<&Path>| {
+            let mut args = vec![
+                "--model",
                 p(&base),
-                "--adapter",
-                p(&ck),
-                "--out",
-                p(&merged),
-            ],
-        );
+                "--in",
+                p(&batch),
+                "--out-model",
+                p(out),
+            ];
+            args.extend(["--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8"]);
+            args.extend(["--lora-targets", "all-linear", "--seed", "9"]);
+            if let Some(s) = daemon {
+                args.extend(["--daemon", p(s)]);
+            }
+            ok("update", &args);
+        };
+        let ck = d.join("ck");
+        update(&ck, None);
+        let merged = d.join("merged");
+        let m = [
+            "merge-lora",
+            "--base",
+            p(&base),
+            "--adapter",
+            p(&ck),
+            "--out",
+            p(&merged),
+        ];
+        ok("tandem", &m);
 
         let sock = d.join("sock");
         let mut child = Command::new(bin("tandem"))
@@ -986,7 +1068,8 @@ mod daemon {
                 "--socket",
                 p(&sock),
                 "--policy",
-                p(&ck),
+                p(&base),
+                "--offload-optimizer",
             ])
             .env("RAYON_NUM_THREADS", "2")
             .spawn()
@@ -1000,27 +1083,72 @@ mod daemon {
             assert!(t0.elapsed() < Duration::from_secs(120), "no daemon socket");
             std::thread::sleep(Duration::from_millis(50));
         }
-        let on_daemon = rollout(&ck, &pr, &d.join("dr.parquet"), Some(&sock));
-        let refused = std::panic::catch_unwind(|| {
-            let mut args = vec![
-                "--model",
-                p(&ck),
-                "--in",
-                p(&batch),
-                "--out-model",
-                "x",
-                "--daemon",
-                p(&sock),
-            ];
-            args.extend(lora);
-            input_error("update", &args, "a LoRA update runs in one process");
-        });
+        let reference = |out: &Path, daemon: Option<&Path>| {
+            let r = p(&d.join("r.parquet")).to_string();
+            let mut args = vec!["--model", p(&base), "--in", &r, "--out", p(out)];
+            args.extend(["--column", "ref_logprobs"]);
+            if let Some(s) = daemon {
+                args.extend(["--daemon", p(s)]);
+            }
+            ok("ref-logprob", &args);
+            let b = crate::stage_util::read(out);
+            crate::stage_util::f32_rows(&b, tandem::batch::schema::REF_LOGPROBS)
+        };
+        let run = || -> (Vec<u8>, Vec<u8>, serde_json::Value, Vec<u8>) {
+            let base_on_daemon = rollout(&base, &pr, &d.join("db.parquet"), Some(&sock));
+            let dk = d.join("dk");
+            update(&dk, Some(&sock));
+            let on_daemon = reference(&d.join("dref.parquet"), Some(&sock));
+            assert_eq!(on_daemon, reference(&d.join("ref.parquet"), None));
+            let after = rollout(&dk, &pr, &d.join("dr.parquet"), Some(&sock));
+            let ctl = |args: &[&str]| {
+                let o = Command::new(bin("tandem"))
+                    .arg("daemon-ctl")
+                    .args(args)
+                    .args(["--socket", p(&sock)])
+                    .output()
+                    .unwrap();
+                assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+                o.stdout
+            };
+            let status: serde_json::Value = serde_json::from_slice(&ctl(&["status"])).unwrap();
+            ctl(&["save", "--out", p(&d.join("saved"))]);
+            let saved = std::fs::read(d.join("saved/adapter_model.safetensors")).unwrap();
+            (base_on_daemon, after, status, saved)
+        };
+        let out = std::panic::catch_unwind(run);
         let _ = child.kill();
         let _ = child.wait();
-        refused.unwrap();
+        let (base_on_daemon, after, status, saved) = out.unwrap();
+        assert_eq!(base_on_daemon, on_base);
+        for f in [
+            "adapter_model.safetensors",
+            "adapter_config.json",
+            "optimizer.safetensors",
+            "trainer_state.json",
+        ] {
+            let (x, y) = (
+                std::fs::read(ck.join(f)).unwrap(),
+                std::fs::read(d.join("dk").join(f)),
+            );
+            assert!(
+                x == y.unwrap(),
+                "{f}: the daemon's update wrote other bytes"
+            );
+        }
+        assert!(!d.join("dk/config.json").exists());
+        assert_ne!(after, on_base, "the adapters change the rollout");
+        assert_eq!(after, rollout(&merged, &pr, &d.join("mr.parquet"), None));
+        assert_eq!(after, rollout(&ck, &pr, &d.join("cr.parquet"), None));
+        let policy = &status["resident"]["policy"];
+        assert_eq!(policy["lora"]["rank"], 4, "{status}");
+        assert_eq!(policy["optimizer_offloaded"], true, "{status}");
+        assert_eq!(policy["generation_copy"], true, "{status}");
+        // The reference job scored with the base under the adapters: no reference loaded.
+        assert!(status["resident"]["reference"].is_null(), "{status}");
         assert_eq!(
-            on_daemon,
-            rollout(&merged, &pr, &d.join("mr.parquet"), None)
+            saved,
+            std::fs::read(ck.join("adapter_model.safetensors")).unwrap()
         );
     }
 }

@@ -14,6 +14,15 @@
 //! this daemon holds that state. `daemon-ctl save` writes it as the files `update` would have
 //! ([`Hold::held_policy`]).
 //!
+//! A LoRA policy (a LoRA update's, or an adapter checkpoint's) is held as its adapters on the
+//! frozen base (`Decoder::with_lora`: the base in the compute dtype with no master or moments,
+//! the adapters' f32 masters and AdamW state kept between updates). It generates from a merged
+//! copy built after each update on the host with the loaders' merge (`kept::lora_generation`:
+//! a second whole copy of the weights while rollout runs; the base that trains is never
+//! merged), so its rollouts are bit for bit those of the checkpoint loaded in process; a
+//! reference job on its base's files scores with that base, the adapters off
+//! (`Resident::score_base`), instead of loading the weights a second time.
+//!
 //! In a daemon group (one daemon per GPU) every rank keeps its part of the sharded training
 //! state between updates ([`Resident::train_group`]): under zero2 the whole compute weights,
 //! which the weight sync leaves on every rank, and its 1/N of the masters and moments; under
@@ -25,7 +34,9 @@
 
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
-use crate::engine::policy::kept::{park_optimizer, train_resident, unpark, PolicySlot};
+use crate::engine::policy::is_adapter_dir;
+use crate::engine::policy::kept::PolicySlot;
+use crate::engine::policy::kept::{lora_generation, park_optimizer, train_resident, unpark};
 use crate::engine::policy::kept::{MakeComm, ModelKey};
 use crate::engine::policy::{
     write_rank_shards, HeldPolicy, Holder, ModelRef, SavedShards, Sharding, Train, Trainable,
@@ -35,6 +46,8 @@ use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedOptim};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, TokenStats};
+use crate::model::lora::LoraSpec;
+use crate::model::peft;
 use crate::model::{Config, Weights};
 use crate::parallel::ProcessGroup;
 use crate::stage::common::Device;
@@ -117,6 +130,35 @@ impl Role {
     }
 }
 
+/// What a job needs of the policy slot: the policy as its files give it (to generate or
+/// score with), a full policy to train every weight, or LoRA adapters (with their spec and
+/// `update --seed`, which draws fresh ones) on a frozen base.
+#[derive(Clone, Copy, Debug)]
+enum Want<'a> {
+    Any,
+    Full,
+    Lora(&'a LoraSpec, u64),
+}
+
+impl<'a> Want<'a> {
+    fn of(job: &'a Train<'_>) -> Want<'a> {
+        match (&job.train.critic, &job.train.lora) {
+            (Some(_), _) => Want::Any,
+            (None, Some(spec)) => Want::Lora(spec, job.train.seed),
+            (None, None) => Want::Full,
+        }
+    }
+
+    /// Whether a decoder with these adapters (None: none) serves the job.
+    fn served_by(self, lora: Option<&LoraSpec>) -> bool {
+        match self {
+            Want::Any => true,
+            Want::Full => lora.is_none(),
+            Want::Lora(spec, _) => lora == Some(spec),
+        }
+    }
+}
+
 /// Peak and end-of-phase device memory of one kind of job.
 #[derive(Clone, Copy, Debug, Default)]
 struct Phase {
@@ -187,7 +229,7 @@ impl<B: Backend> Resident<B> {
 
     /// Loads the policy at startup (`--policy`, a directory or a pointer file).
     pub(crate) fn preload_policy(&mut self, model: &ModelRef) -> Result<()> {
-        self.slot(Role::Policy, model)?;
+        self.slot(Role::Policy, model, Want::Any)?;
         self.policy_version = model.policy_version;
         Ok(())
     }
@@ -355,7 +397,7 @@ impl<B: Backend> Resident<B> {
     /// writes.
     fn held_slot(&mut self, model: Option<&ModelRef>) -> Result<&mut PolicySlot<B>> {
         match model {
-            Some(m) => self.slot(Role::Policy, m),
+            Some(m) => self.slot(Role::Policy, m, Want::Any),
             None => match self.policy.as_mut() {
                 Some(p) => Ok(p),
                 None => crate::bail_input!("the daemon holds no policy"),
@@ -364,14 +406,15 @@ impl<B: Backend> Resident<B> {
     }
 
     /// The slot of `role` for `model`, loading it when the daemon holds another checkpoint (or
-    /// a state newer than any file) there. The critic loads as `update --critic` does: a
+    /// a state newer than any file) there, or one that does not serve `want` (a LoRA update on
+    /// a policy held without its adapters). The critic loads as `update --critic` does: a
     /// policy's model becomes a critic with a zero value head.
-    fn slot(&mut self, role: Role, model: &ModelRef) -> Result<&mut PolicySlot<B>> {
+    fn slot(&mut self, role: Role, model: &ModelRef, want: Want) -> Result<&mut PolicySlot<B>> {
         let key = ModelKey::of(&model.dir)?;
         let held = self
             .slot_of(role)
             .as_ref()
-            .is_some_and(|p| p.keys.contains(&key));
+            .is_some_and(|p| p.keys.contains(&key) && want.served_by(p.decoder.lora_spec()));
         if !held && key.resident() {
             let marker = ModelDir::resident(&model.dir)?.expect("resident key");
             crate::bail_input!(
@@ -388,11 +431,19 @@ impl<B: Backend> Resident<B> {
             let reply = self.reply.clone();
             let mut log = |m: &str| log_to(&reply, m);
             // A group's rank reads its optimizer shard at its first update; a lone daemon holds
-            // the whole state (a sharded checkpoint's put back together from its files).
-            let loaded = match (role, self.make_comm.is_some()) {
-                (Role::Critic, true) => Trainable::load_critic_weights(&model.dir, &mut log)?,
-                (Role::Policy, true) => Trainable::load_weights(&model.dir, &mut log)?,
-                (role, false) => {
+            // the whole state (a sharded checkpoint's put back together from its files), and
+            // a LoRA checkpoint as its adapters on the frozen base (not merged: the next
+            // update trains them).
+            let group = self.make_comm.is_some();
+            let lora = match (role, group) {
+                (Role::Policy, false) => lora_wanted(want, &model.dir)?,
+                _ => None,
+            };
+            let loaded = match (role, group, lora) {
+                (_, _, Some((spec, seed))) => Trainable::load_lora(&model.dir, &spec, seed)?,
+                (Role::Critic, true, _) => Trainable::load_critic_weights(&model.dir, &mut log)?,
+                (Role::Policy, true, _) => Trainable::load_weights(&model.dir, &mut log)?,
+                (role, false, None) => {
                     let mut t = match role {
                         Role::Critic => Trainable::load_critic(&model.dir, &mut log)?,
                         Role::Policy => Trainable::load(&model.dir, &mut log)?,
@@ -417,6 +468,11 @@ impl<B: Backend> Resident<B> {
                 parked: None,
                 sharded: None,
                 comm: None,
+                lora_base: loaded.lora.as_ref().map(|l| l.base.clone()),
+                lora_base_key: match &loaded.lora {
+                    Some(l) => Some(ModelKey::of(&l.base)?),
+                    None => None,
+                },
             };
             if self.opts.offload_optimizer {
                 park_optimizer(&mut slot, None, None)?;
@@ -435,7 +491,7 @@ impl<B: Backend> Resident<B> {
     /// last update built ([`Resident::train_group`]).
     fn generation(&mut self, role: Role, model: &ModelRef) -> Result<&mut Decoder<B>> {
         let make_copy = {
-            let slot = self.slot(role, model)?;
+            let slot = self.slot(role, model, Want::Any)?;
             if slot.gen.is_none() && slot.sharded.as_ref().is_some_and(ShardedOptim::is_full) {
                 // Every `--shard full` update builds it (train_group); only a failed one has
                 // not, and that one forgot the policy.
@@ -443,17 +499,23 @@ impl<B: Backend> Resident<B> {
                     "the daemon group's policy is sharded (--shard full) and has no generation copy"
                 );
             }
-            slot.from_master
-                && slot.gen.is_none()
-                && slot.decoder.backend().compute_dtype() == DType::F32
+            let lora = slot.decoder.lora_spec().is_some();
+            slot.gen.is_none()
+                && (lora
+                    || slot.from_master && slot.decoder.backend().compute_dtype() == DType::F32)
         };
         if make_copy {
             let started = Instant::now();
             let backend = (self.make)()?;
             let slot = self.slot_of(role).as_mut().expect("loaded above");
-            let w = slot.decoder.export_weights()?;
-            let cfg = slot.decoder.config().clone();
-            slot.gen = Some(Decoder::for_generation(backend, &cfg, w)?);
+            slot.gen = Some(match slot.decoder.lora_spec() {
+                Some(_) => lora_generation(slot, backend)?,
+                None => {
+                    let w = slot.decoder.export_weights()?;
+                    let cfg = slot.decoder.config().clone();
+                    Decoder::for_generation(backend, &cfg, w)?
+                }
+            });
             self.note("generation_copy_seconds", started.elapsed().as_secs_f64());
         }
         let slot = self.slot_of(role).as_mut().expect("loaded above");
@@ -535,7 +597,7 @@ impl<B: Backend> Resident<B> {
     /// the device, no cached free blocks) with the model `model` loaded in the slot of `role`;
     /// returns the seconds its load took. The other model's copy stays under `--shard full`:
     /// only its own update can build it again (every rank gathers it).
-    fn update_phase(&mut self, role: Role, model: &ModelRef) -> Result<f64> {
+    fn update_phase(&mut self, role: Role, model: &ModelRef, want: Want) -> Result<f64> {
         self.observe();
         for r in [Role::Policy, Role::Critic] {
             if let Some(p) = self.slot_of(r) {
@@ -550,7 +612,7 @@ impl<B: Backend> Resident<B> {
             }
         }
         self.trim()?;
-        self.slot(role, model)?;
+        self.slot(role, model, want)?;
         Ok(self
             .job
             .get("load_seconds")
@@ -575,7 +637,7 @@ impl<B: Backend> Resident<B> {
         let make_comm = self.make_comm.clone().expect("a daemon group's rank");
         let full = sharding.mode == ShardMode::Full;
         let role = Role::of(&job);
-        let load_s = self.update_phase(role, model)?;
+        let load_s = self.update_phase(role, model, Want::of(&job))?;
         self.trained = role;
         let reply = self.reply.clone();
         let make = &self.make;
@@ -669,6 +731,36 @@ impl<B: Backend> Resident<B> {
     }
 }
 
+impl<B: Backend> Resident<B> {
+    /// Whether `model` is the base a LoRA policy held here trains on (the same files): a
+    /// reference job on it scores with that base, the adapters off ([`Resident::score_base`]).
+    fn holds_lora_base(&self, model: &ModelRef) -> bool {
+        let Ok(key) = ModelKey::of(&model.dir) else {
+            return false;
+        };
+        self.policy
+            .as_ref()
+            .is_some_and(|p| p.lora_base_key.as_ref() == Some(&key))
+    }
+
+    /// Scores with the LoRA policy's base, the adapters off; a reference decoder of the same
+    /// files is dropped (no second copy of the weights).
+    fn score_base(&mut self, job: Score<'_>) -> Result<Vec<TokenStats>> {
+        let p = self.policy.as_mut().expect("holds_lora_base");
+        let key = p.lora_base_key.clone();
+        if self.reference.as_ref().map(|r| &r.key) == key.as_ref() {
+            self.observe();
+            self.reference = None;
+        }
+        let p = self.policy.as_mut().expect("holds_lora_base");
+        p.decoder.set_adapters_on(false);
+        let out = job.score_on(&mut p.decoder);
+        p.decoder.set_adapters_on(true);
+        self.note("reference_is_lora_base", true);
+        out
+    }
+}
+
 impl<B: Backend> Compute for Resident<B> {
     fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<Generated> {
         let decoder = self.generation(Role::Policy, model)?;
@@ -698,6 +790,9 @@ impl<B: Backend> Compute for Resident<B> {
         if is_policy {
             return job.score_on(self.generation(Role::Policy, model)?);
         }
+        if self.holds_lora_base(model) {
+            return self.score_base(job);
+        }
         let out = job.score_on(self.ref_decoder(&model.dir)?);
         if self.opts.offload_ref {
             self.observe();
@@ -715,7 +810,7 @@ impl<B: Backend> Compute for Resident<B> {
 
     fn train(&mut self, model: &ModelRef, job: Train<'_>) -> Result<Trained> {
         let role = Role::of(&job);
-        let load_s = self.update_phase(role, model)?;
+        let load_s = self.update_phase(role, model, Want::of(&job))?;
         self.trained = role;
         let reply = self.reply.clone();
         let offload = self.opts.offload_optimizer;
@@ -749,6 +844,7 @@ impl<B: Backend> Compute for Resident<B> {
             KILL_IN_UPDATE_ENV,
             env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step),
         );
+        out.lora_base = slot.lora_base.clone();
         out.load_seconds = load_s;
         Ok(out)
     }
@@ -784,26 +880,34 @@ impl<B: Backend> Hold for Resident<B> {
                 "this daemon group's ranks hold the policy's optimizer state in shards (1/N each): every rank saves its own (`tandem daemon-ctl save` to the group's socket), not rank 0 alone"
             );
         }
-        // Offloaded state is the host copy; otherwise it comes back from the device.
+        // Offloaded state is the host copy; otherwise it comes back from the device. A LoRA
+        // policy's weights are its adapters (the base stays where it is).
+        let lora = slot.decoder.lora_spec().is_some();
+        let export = |d: &Decoder<B>| match lora {
+            true => d.export_adapters(),
+            false => d.export_weights(),
+        };
         let (weights, state) = match &slot.parked {
             Some(p) => (
                 match &p.masters {
                     Some(m) => m.clone(),
-                    None => slot.decoder.export_weights()?,
+                    None => export(&slot.decoder)?,
                 },
                 p.state.clone(),
             ),
-            None => (
-                slot.decoder.export_weights()?,
-                slot.decoder.optimizer_state()?,
-            ),
+            None => (export(&slot.decoder)?, slot.decoder.optimizer_state()?),
         };
         let has_state = !state.exp_avg.is_empty();
+        let lora = match (slot.decoder.lora_spec(), &slot.lora_base) {
+            (Some(spec), Some(base)) => Some((spec.clone(), base.clone())),
+            _ => None,
+        };
         Ok(HeldPolicy {
             files: slot.files.clone(),
             weights,
             state: has_state.then_some(state),
             trainer: slot.trainer.clone(),
+            lora,
         })
     }
 
@@ -870,6 +974,12 @@ fn slot_status<B: Backend>(p: &PolicySlot<B>) -> Value {
         "optimizer_sharded": p.sharded.is_some(),
         "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
         "memory_held": slot_memory_held(p),
+        "lora": p.decoder.lora_spec().map(|l| json!({
+            "rank": l.rank,
+            "alpha": l.alpha,
+            "targets": l.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+            "base": p.lora_base.as_ref().map(|b| b.display().to_string()),
+        })),
     })
 }
 
@@ -879,4 +989,18 @@ fn log_to(reply: &Option<Reply>, line: &str) {
         Some(r) => r.send(&Response::Log { line: line.into() }),
         None => eprintln!("{line}"),
     }
+}
+
+/// The adapters a lone daemon loads the policy `dir` with: a LoRA update's (its spec and seed),
+/// or, to generate or score, an adapter directory's own (its spec; the seed unused); None for
+/// a full policy.
+fn lora_wanted(want: Want, dir: &Path) -> Result<Option<(LoraSpec, u64)>> {
+    Ok(match want {
+        Want::Lora(spec, seed) => Some((spec.clone(), seed)),
+        Want::Full => None,
+        Want::Any => match is_adapter_dir(dir) {
+            true => Some((peft::read_config(dir)?.0, 0)),
+            false => None,
+        },
+    })
 }

@@ -167,18 +167,12 @@ impl ModelDir {
     fn inspect_adapter(path: &Path, base: &Path) -> Result<Inspected> {
         let adapter = peft::read_adapter(path)?;
         let mut ins = Self::inspect(base)?;
-        lora::merge(
+        lora::merge_rounded(
             &ins.config,
             &mut ins.loaded.weights,
             &adapter.weights,
             &adapter.spec,
         )?;
-        for slot in adapter.spec.adapters(&ins.config) {
-            let name = slot.target.weight_name(slot.layer);
-            if let Some(t) = ins.loaded.weights.get_mut(&name) {
-                t.data.iter_mut().for_each(|x| *x = st::round_bf16(*x));
-            }
-        }
         Ok(ins)
     }
 

@@ -6,8 +6,10 @@
 use anyhow::{bail, Result};
 
 use crate::error::input_error;
+use crate::model::safetensors::round_bf16;
 use crate::model::{Config, Tensor, Weights};
 use crate::rng::{stream_seed, SplitMix64};
+use rayon::prelude::*;
 
 /// A projection an adapter can sit on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -247,14 +249,39 @@ pub fn merge(cfg: &Config, base: &mut Weights, adapters: &Weights, spec: &LoraSp
                 w.shape
             )));
         }
-        for row in 0..o {
-            let brow = &b.data[row * r..(row + 1) * r];
-            for col in 0..i {
-                let sum: f64 = (0..r)
-                    .map(|k| brow[k] as f64 * a.data[k * i + col] as f64)
-                    .sum();
-                w.data[row * i + col] = (w.data[row * i + col] as f64 + s * sum) as f32;
-            }
+        // Rows in parallel, each element's sum over k in order (the products are exact in
+        // f64): the result does not depend on the thread count. A's rows are read in order.
+        w.data
+            .par_chunks_mut(i)
+            .enumerate()
+            .for_each(|(row, wrow)| {
+                let mut sum = vec![0.0f64; i];
+                for (k, &bk) in b.data[row * r..(row + 1) * r].iter().enumerate() {
+                    let arow = &a.data[k * i..(k + 1) * i];
+                    for (acc, &ak) in sum.iter_mut().zip(arow) {
+                        *acc += bk as f64 * ak as f64;
+                    }
+                }
+                for (x, acc) in wrow.iter_mut().zip(&sum) {
+                    *x = (*x as f64 + s * acc) as f32;
+                }
+            });
+    }
+    Ok(())
+}
+
+/// [`merge`], each merged weight then rounded to bf16 as `tandem merge-lora`'s files store
+/// it: the adapted model every stage (in process or on the daemon) generates from.
+pub fn merge_rounded(
+    cfg: &Config,
+    base: &mut Weights,
+    adapters: &Weights,
+    spec: &LoraSpec,
+) -> Result<()> {
+    merge(cfg, base, adapters, spec)?;
+    for slot in spec.adapters(cfg) {
+        if let Some(t) = base.get_mut(&slot.target.weight_name(slot.layer)) {
+            t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
         }
     }
     Ok(())

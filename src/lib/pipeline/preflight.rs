@@ -162,13 +162,14 @@ fn check_critic(plan: &Plan, vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// A LoRA update (`[update] lora-rank`) runs in process for now (on one GPU or data parallel
-/// on `gpus`), not on a daemon (refused here rather than at step 1's update).
+/// A LoRA update (`[update] lora-rank`) runs in process (one GPU, or data parallel on
+/// `gpus`) or on one daemon for now: not on a daemon group (refused here rather than at step
+/// 1's update).
 fn check_lora(plan: &Plan) -> Result<()> {
     let (spec, rank) = (&plan.spec, plan.stages.update.args.lora_rank);
-    if rank > 0 && spec.daemon {
+    if rank > 0 && spec.daemon && spec.gpus > 1 {
         bail_input!(
-            "[update] lora-rank = {rank}: a LoRA update runs in one process or on in-process ranks (gpus = N) for now, not on the daemon; set daemon = false (docs/LORA.md)"
+            "[update] lora-rank = {rank}: a LoRA update runs in one process, on in-process ranks or on one daemon for now, not on a daemon group; set daemon = false or gpus = 1 (docs/LORA.md)"
         );
     }
     Ok(())

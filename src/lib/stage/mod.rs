@@ -193,8 +193,10 @@ impl Compute for InProcess {
         let started = std::time::Instant::now();
         let loaded = Trainable::for_update(&model.dir, job.train, None, &mut |m| self.log(m))?;
         let load_seconds = started.elapsed().as_secs_f64();
+        let lora_base = loaded.lora.as_ref().map(|l| l.base.clone());
         let mut out = on_device(self.device, update::TrainFresh { loaded, job })?;
         out.load_seconds = load_seconds;
+        out.lora_base = lora_base;
         Ok(out)
     }
 }

@@ -4,7 +4,7 @@
 
 use super::common::{after_rank0, resolve_model};
 use super::{Console, Hold, Topology};
-use crate::engine::policy::{shard_staging, write_checkpoint, SavedShards};
+use crate::engine::policy::{shard_staging, write_checkpoint, write_lora_checkpoint, SavedShards};
 use crate::engine::resume::TrainerState;
 use crate::model::checkpoint::ModelDir;
 use anyhow::Result;
@@ -85,26 +85,26 @@ pub(crate) fn save_policy<E: Hold + Console + Topology + ?Sized>(
     }
     let held = exec.held_policy(model.as_ref())?;
     let cfg = ModelDir::load_config(&held.files)?;
-    match &held.trainer {
-        Some(t) => {
-            // The files written are all there is: never the shards of another checkpoint.
-            let trainer = TrainerState {
-                optimizer_not_saved: held.state.is_none(),
-                optimizer_shards: 0,
-                ..t.clone()
-            };
-            write_checkpoint(
-                &args.out,
-                &held.files,
-                &cfg,
-                &held.weights,
-                held.state.as_ref(),
-                &[],
-                &trainer,
-            )?;
+    // The files written are all there is: never the shards of another checkpoint.
+    let trainer = held.trainer.as_ref().map(|t| TrainerState {
+        optimizer_not_saved: held.state.is_none(),
+        optimizer_shards: 0,
+        ..t.clone()
+    });
+    let state = held.state.as_ref();
+    match (&trainer, &held.lora) {
+        (Some(t), Some((spec, base))) => {
+            write_lora_checkpoint(&args.out, base, spec, &held.weights, state, t)?
+        }
+        (None, Some(_)) => crate::bail_input!(
+            "the daemon's policy is the LoRA adapter {} as loaded (no update since): that directory is its checkpoint",
+            held.files.display()
+        ),
+        (Some(t), None) => {
+            write_checkpoint(&args.out, &held.files, &cfg, &held.weights, state, &[], t)?
         }
         // Never trained nor resumed: the model as it was loaded.
-        None => ModelDir::save(&args.out, &cfg, &held.weights, Some(&held.files))?,
+        (None, None) => ModelDir::save(&args.out, &cfg, &held.weights, Some(&held.files))?,
     }
     exec.saved(&args.out, None)?;
     exec.log(&format!(

@@ -631,9 +631,9 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
             )
         })?),
     };
-    if args.lora_rank > 0 && exec.holder().is_some() {
+    if args.lora_rank > 0 && exec.holder().is_some() && exec.ranks().is_some() {
         bail_input!(
-            "--lora-rank: a LoRA update runs in one process or under tandem launch for now (no --daemon)"
+            "--lora-rank: a LoRA update runs in one process, under tandem launch or on one daemon for now (not on a daemon group)"
         );
     }
     let input = Input::read(&args)?;
@@ -867,14 +867,18 @@ fn write_outputs(
     trainer: &TrainerState,
 ) -> Result<()> {
     if let (Some(spec), Some(w)) = (&input.cfg.lora, &trained.weights) {
-        let base = lora_base(&input.model.dir)?;
+        let base = match &trained.lora_base {
+            Some(b) => b.clone(),
+            None => lora_base(&input.model.dir)?,
+        };
         let state = trained.state.as_ref();
         return write_lora_checkpoint(&args.out_model, &base, spec, w, state, trainer);
     }
     match (holder, &trained.weights) {
         (Some(h), _) => write_resident(
             &args.out_model,
-            &input.model.dir,
+            // A LoRA policy's config and tokenizer files are its base's.
+            trained.lora_base.as_deref().unwrap_or(&input.model.dir),
             &input.mcfg,
             &ResidentMarker {
                 socket: h.socket.clone(),

@@ -3,6 +3,7 @@
 
 use crate::engine::resume::TrainerState;
 use crate::model::decoder::OptimizerState;
+use crate::model::lora::LoraSpec;
 use crate::model::Weights;
 use std::path::PathBuf;
 
@@ -24,6 +25,8 @@ pub struct HeldPolicy {
     pub state: Option<OptimizerState>,
     /// The trainer state of its last update (or the one it was loaded with).
     pub trainer: Option<TrainerState>,
+    /// LoRA: the adapters' spec and base model; `weights` and `state` are then the adapters'.
+    pub lora: Option<(LoraSpec, PathBuf)>,
 }
 
 /// What one rank of a daemon group brings to `daemon-ctl save` of a policy whose optimizer

@@ -11,6 +11,7 @@ use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedPolicy};
 use crate::engine::shard::{ShardStats, ShardedOptim};
 use crate::model::decoder::{Decoder, OptimizerState};
+use crate::model::lora::merge_rounded;
 use crate::model::Weights;
 use crate::parallel::{Comm, ProcessGroup};
 use anyhow::Result;
@@ -84,6 +85,12 @@ pub(crate) struct PolicySlot<B: Backend> {
     /// a group's update spent outside training at 2-4 ranks. A failed job drops it on every
     /// rank, so the next job starts from a fresh one.
     pub(crate) comm: Option<Box<dyn Comm<B>>>,
+    /// LoRA: the base model directory under the adapters the decoder trains (its base weights
+    /// frozen in the compute dtype; `gen` is then the merged model, [`lora_generation`]).
+    pub(crate) lora_base: Option<PathBuf>,
+    /// The base's files as they were when it was loaded: a reference job on the same files
+    /// scores with the base held here, the adapters off (no second copy of the weights).
+    pub(crate) lora_base_key: Option<ModelKey>,
 }
 
 /// What `--offload-optimizer` keeps in host memory between updates.
@@ -198,7 +205,11 @@ pub(crate) fn park_optimizer<B: Backend>(
     let masters = match (separate, masters) {
         (false, _) => None,
         (true, Some(m)) => Some(m),
-        (true, None) => Some(slot.decoder.export_weights()?),
+        // A LoRA decoder's masters are the adapters' (the base has none).
+        (true, None) => Some(match slot.decoder.lora_spec() {
+            Some(_) => slot.decoder.export_adapters()?,
+            None => slot.decoder.export_weights()?,
+        }),
     };
     slot.decoder.release_optimizer_state();
     if masters.is_some() {
@@ -217,4 +228,25 @@ pub(crate) fn unpark<B: Backend>(slot: &mut PolicySlot<B>) -> Result<()> {
         slot.decoder.load_optimizer_state(&p.state)?;
     }
     Ok(())
+}
+
+/// The decoder a LoRA policy generates with: its base with W + (α/r)·B·A merged into each
+/// target from the adapters' f32 masters and rounded to bf16 ([`merge_rounded`]), exactly the
+/// model a stage in process loads from the adapter checkpoint. The merge runs on the host
+/// (f64 sums, the one merge every loader uses): a device GEMM would round differently from
+/// the files' merge, and the rollout on the daemon would then not be the in-process one.
+/// It costs one download of the base, the host merge (rows in parallel) and one upload per
+/// update, and a second whole copy of the weights in the compute dtype on the device.
+pub(crate) fn lora_generation<B: Backend>(slot: &PolicySlot<B>, backend: B) -> Result<Decoder<B>> {
+    let d = &slot.decoder;
+    let spec = d.lora_spec().expect("a LoRA policy").clone();
+    // Parked (--offload-optimizer): the adapters' masters are the host copy.
+    let adapters = match slot.parked.as_ref().and_then(|p| p.masters.as_ref()) {
+        Some(m) => m.clone(),
+        None => d.export_adapters()?,
+    };
+    let mut weights = d.export_compute_weights()?;
+    weights.retain(|name, _| !adapters.contains_key(name));
+    merge_rounded(d.config(), &mut weights, &adapters, &spec)?;
+    Decoder::for_generation(backend, d.config(), weights)
 }

@@ -40,6 +40,9 @@ pub struct Trained {
     /// The ranks' optimizer shard files (data-parallel, N > 1), staged beside the output
     /// directory: the writer moves them into it.
     pub shard_files: Vec<PathBuf>,
+    /// LoRA: the base model the adapters were trained on (the caller that loaded the policy
+    /// knows it; `--model` may be a resident directory that names no base).
+    pub lora_base: Option<PathBuf>,
 }
 
 impl Train<'_> {
@@ -94,6 +97,7 @@ impl Train<'_> {
             schedule_step,
             load_seconds: 0.0,
             shard_files,
+            lora_base: None,
         })
     }
 
@@ -132,6 +136,7 @@ impl Train<'_> {
             schedule_step,
             load_seconds: 0.0,
             shard_files: Vec::new(),
+            lora_base: None,
         })
     }
 }

@@ -15,6 +15,9 @@ pub(super) struct LoraState<B: Backend> {
     /// (α/r)·I [r, r] in the compute dtype (α/r rounded to bf16 there, as torch would round
     /// a bf16 activation times the scale).
     pub(super) scale: B::Buf,
+    /// Switched off: the passes compute the base model alone (the reference of a LoRA run,
+    /// scored with the weights the adapters are trained on).
+    pub(super) off: bool,
 }
 
 impl<B: Backend> LoraState<B> {
@@ -29,6 +32,7 @@ impl<B: Backend> LoraState<B> {
         Ok(LoraState {
             spec: spec.clone(),
             scale,
+            off: false,
         })
     }
 }
@@ -117,14 +121,14 @@ impl<B: Backend> Adapt<'_, B> {
     }
 }
 
-/// The adapters' view for a pass over `rows` rows (None without LoRA).
+/// The adapters' view for a pass over `rows` rows (None without LoRA, or with it off).
 pub(super) fn view<'a, B: Backend>(
     b: &'a B,
     w: &'a [B::Buf],
     lora: Option<&'a LoraState<B>>,
     rows: usize,
 ) -> Option<Adapt<'a, B>> {
-    lora.map(|l| Adapt {
+    lora.filter(|l| !l.off).map(|l| Adapt {
         b,
         w,
         scale: &l.scale,

@@ -653,6 +653,18 @@ impl<B: Backend> Decoder<B> {
         self.lora.as_ref().map(|l| &l.spec)
     }
 
+    /// Switches the adapters off (the passes then compute the frozen base model alone, e.g.
+    /// the reference of a LoRA run) or back on; a no-op without adapters.
+    pub fn set_adapters_on(&mut self, on: bool) {
+        if let Some(l) = &mut self.lora {
+            if l.off == on {
+                l.off = !on;
+                // Decode graphs captured with the other setting would replay it.
+                self.ws_epoch += 1;
+            }
+        }
+    }
+
     /// The trained LoRA adapters (their f32 masters) by name, without the base; empty without
     /// LoRA.
     pub fn export_adapters(&self) -> Result<Weights> {

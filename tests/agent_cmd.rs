@@ -5,7 +5,7 @@
 
 use crate::pipeline::{assert_ok, real_bins, text, PIPELINE};
 use crate::stage_util::{model_and_train_set, read, strings};
-use arrow_array::Int32Array;
+use arrow_array::{Array, Int32Array};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -266,4 +266,86 @@ fn a_run_killed_while_its_agent_plays_goes_on_from_that_step() {
     assert_ok(&o);
     assert_eq!(read(&d.join("r/step-0001/rollout.parquet")).num_rows(), 6);
     assert!(d.join("r/ckpt/step-0002/model.safetensors").is_file());
+}
+
+/// `[score] reward = "agent"` keeps the rewards the agent posted (here each episode's index K,
+/// whatever its replies): the scored file holds them and GRPO's advantages follow them, ±0.5
+/// over the unbiased std of {0, 1} in every group. An episode without a posted reward stops
+/// the step as an input error naming the file, the column and the row.
+#[test]
+fn the_agents_own_rewards_drive_the_advantages() {
+    let spec = SPEC.replace("steps = 2", "steps = 1").replace(
+        "reward = \"regex:[a-z]\"\nformat-score = 0.5",
+        "reward = \"agent\"",
+    );
+    let dir = work(&spec);
+    let d = dir.path();
+    assert_ok(&pipeline(d, &[("AGENT_REWARD", "index")]));
+    let sd = d.join("r/step-0001");
+    let scored = read(&sd.join("scored.parquet"));
+    let posted: Vec<f32> = strings(&scored, "uid")
+        .iter()
+        .map(|id| id.rsplit_once('-').unwrap().1.parse().unwrap())
+        .collect();
+    assert_eq!(scored.f32s("score").unwrap(), posted);
+    let adv = read(&sd.join("adv.parquet"));
+    let want = 0.5 / (0.5f32.sqrt() + 1e-6);
+    let masks = adv.ragged_u8("response_mask").unwrap();
+    let advs = adv.ragged_f32("advantages").unwrap();
+    for (row, k) in posted.iter().enumerate() {
+        let sign = if *k == 1.0 { 1.0 } else { -1.0 };
+        for (a, m) in advs.row(row).iter().zip(masks.row(row)) {
+            if *m == 1 {
+                assert!((a - sign * want).abs() < 1e-5, "row {row}: {a}");
+            }
+        }
+    }
+
+    let dir = work(&spec);
+    let d = dir.path();
+    let o = pipeline(d, &[("AGENT_NO_REWARD", "1")]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    // The rows are in id order: find the one whose episode posted nothing.
+    let rollout = read(&d.join("r/step-0001/rollout.parquet"));
+    let score = rollout.column("score").unwrap();
+    let row = (0..6).find(|&i| score.is_null(i)).unwrap();
+    assert_eq!(score.null_count(), 1);
+    let id = &strings(&rollout, "uid")[row];
+    assert!(id.ends_with("-1"), "{id}");
+    assert!(
+        out.contains(&format!(
+            "step-0001/rollout.parquet: column 'score', row {row}: no reward posted (trajectory '{id}')"
+        )),
+        "{out}"
+    );
+    assert!(!d.join("r/step-0001/scored.parquet").exists());
+}
+
+/// `reward = "agent"` without an agent to post the rewards, or with an evaluation (which runs
+/// the rollout stage), is refused before anything runs.
+#[test]
+fn an_agent_reward_without_an_agent_is_refused() {
+    let agent_reward = SPEC.replace("reward = \"regex:[a-z]\"", "reward = \"agent\"");
+    let cases = [
+        (
+            agent_reward.replace("agent = \"cmd:python3 AGENT\"\n", ""),
+            "reward = \"agent\" keeps the rewards your agent posts, which needs [rollout] agent",
+        ),
+        (
+            agent_reward.replace(
+                "prompts-per-step = 3",
+                "prompts-per-step = 3\nval = \"train.parquet\"",
+            ) + "[eval]\nevery = 1\n",
+            "reward = \"agent\" with [eval] every = 1: the evaluation runs the rollout stage",
+        ),
+    ];
+    for (spec, needle) in cases {
+        let dir = work(&spec);
+        let o = pipeline(dir.path(), &[]);
+        let out = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{out}");
+        assert!(out.contains(needle), "{out}");
+        assert!(!dir.path().join("r/step-0001").exists());
+    }
 }

@@ -96,6 +96,25 @@ pub(crate) fn parse(
     }))
 }
 
+/// `[score] reward = "agent"` (the rewards the agent posted) needs an agent to post them, and
+/// no evaluation: `[eval]` runs the rollout stage, whose rows carry no posted reward.
+pub(crate) fn check_reward(reward: &str, agent: bool, eval_every: u64, at: &str) -> Result<()> {
+    if reward != "agent" {
+        return Ok(());
+    }
+    if !agent {
+        bail_input!(
+            "{at}: [score] reward = \"agent\" keeps the rewards your agent posts, which needs [rollout] agent = \"cmd:PROGRAM …\"; without an agent, choose a reward that scores the responses"
+        );
+    }
+    if eval_every > 0 {
+        bail_input!(
+            "{at}: [score] reward = \"agent\" with [eval] every = {eval_every}: the evaluation runs the rollout stage, whose rows carry no reward posted by the agent; set [eval] every = 0"
+        );
+    }
+    Ok(())
+}
+
 impl AgentCmd {
     /// The program can be started: a path that is a file, or a name found on PATH.
     pub(crate) fn check_program(&self) -> Result<()> {

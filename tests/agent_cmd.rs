@@ -4,7 +4,7 @@
 //! posted per episode.
 
 use crate::pipeline::{assert_ok, real_bins, text, PIPELINE};
-use crate::stage_util::{model_and_train_set, read, strings};
+use crate::stage_util::{f32_rows, i32_rows, model_and_train_set, read, strings, u8_rows};
 use arrow_array::{Array, Int32Array};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,9 +47,14 @@ fn work(spec: &str) -> tempfile::TempDir {
 }
 
 fn pipeline(d: &Path, env: &[(&str, &str)]) -> Output {
+    pipeline_of(d, "spec.toml", "r", env)
+}
+
+/// `pipeline run SPEC --run-dir RUN` in `d`.
+fn pipeline_of(d: &Path, spec: &str, run: &str, env: &[(&str, &str)]) -> Output {
     Command::new(PIPELINE)
         .current_dir(d)
-        .args(["run", "spec.toml", "--run-dir", "r"])
+        .args(["run", spec, "--run-dir", run])
         .env("TANDEM_BIN_DIR", real_bins())
         .env("RAYON_NUM_THREADS", "2")
         .envs(env.iter().copied())
@@ -175,10 +180,9 @@ fn preflight_refuses_what_an_agent_step_cannot_do() {
     let cases = [
         (
             "steps = 2",
-            "steps = 2\ndaemon = true",
-            "not with daemon = true",
+            "steps = 2\ngpus = 2",
+            "not with gpus = 2 without daemon = true",
         ),
-        ("steps = 2", "steps = 2\ngpus = 2", "not with gpus = 2"),
         (
             "n = 2",
             "n = 2\ntool = [\"python\"]",
@@ -348,4 +352,72 @@ fn an_agent_reward_without_an_agent_is_refused() {
         assert!(out.contains(needle), "{out}");
         assert!(!dir.path().join("r/step-0001").exists());
     }
+}
+
+/// With `daemon = true` the agent's server generates on the warm daemon, with the policy the
+/// daemon holds (the one after the last update, never written as files between checkpoints):
+/// the two steps end with the files of the run without a daemon. On a daemon group (`gpus =
+/// 2`, CPU ranks), which spreads each batch of the server over its ranks, an agent playing its
+/// episodes at once samples the first step's trajectories of the one-process run.
+#[test]
+fn an_agent_on_the_daemon_ends_as_without_it() {
+    let dir = work(SPEC);
+    let d = dir.path();
+    for (name, extra) in [
+        ("warm", "daemon = true"),
+        ("group", "daemon = true\ngpus = 2"),
+    ] {
+        let spec = std::fs::read_to_string(d.join("spec.toml")).unwrap();
+        let spec = spec.replace("steps = 2", &format!("steps = 2\n{extra}"));
+        std::fs::write(d.join(format!("{name}.toml")), spec).unwrap();
+    }
+    assert_ok(&pipeline(d, &[]));
+    assert_ok(&pipeline_of(d, "warm.toml", "warm", &[]));
+    let (a, b) = (d.join("r"), d.join("warm"));
+    let log = std::fs::read_to_string(b.join("step-0002/agent/serve.log")).unwrap();
+    assert!(log.contains("on the daemon at "), "{log}");
+    let (ca, cb) = (
+        crate::pipeline::checkpoint_files(&a),
+        crate::pipeline::checkpoint_files(&b),
+    );
+    assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+    for (k, v) in &ca {
+        assert!(v == &cb[k], "{k} differs");
+    }
+    assert_eq!(crate::pipeline::state(&a), crate::pipeline::state(&b));
+    let f =
+        |r: &Path, step: u64, name: &str| read(&r.join(format!("step-{step:04}/{name}.parquet")));
+    for step in [1, 2] {
+        let (ra, rb) = (f(&a, step, "rollout"), f(&b, step, "rollout"));
+        assert_eq!(strings(&ra, "uid"), strings(&rb, "uid"));
+        assert_eq!(i32_rows(&ra, "response_ids"), i32_rows(&rb, "response_ids"));
+        assert_eq!(u8_rows(&ra, "response_mask"), u8_rows(&rb, "response_mask"));
+        assert_eq!(
+            f32_rows(&ra, "rollout_logprobs"),
+            f32_rows(&rb, "rollout_logprobs")
+        );
+        assert_eq!(ra.meta_u64("policy_version"), rb.meta_u64("policy_version"));
+        let (aa, ab) = (f(&a, step, "adv"), f(&b, step, "adv"));
+        assert_eq!(f32_rows(&aa, "advantages"), f32_rows(&ab, "advantages"));
+    }
+
+    assert_ok(&pipeline_of(
+        d,
+        "group.toml",
+        "group",
+        &[("AGENT_PARALLEL", "1")],
+    ));
+    let g = d.join("group");
+    let (ra, rg) = (f(&a, 1, "rollout"), f(&g, 1, "rollout"));
+    assert_eq!(strings(&ra, "uid"), strings(&rg, "uid"));
+    assert_eq!(i32_rows(&ra, "response_ids"), i32_rows(&rg, "response_ids"));
+    // Which requests decode together follows the timing: the log-probs by a few 1e-6.
+    let (la, lg) = (
+        f32_rows(&ra, "rollout_logprobs"),
+        f32_rows(&rg, "rollout_logprobs"),
+    );
+    for (x, y) in la.iter().flatten().zip(lg.iter().flatten()) {
+        assert!((x - y).abs() <= 2e-5, "{x} vs {y}");
+    }
+    assert!(g.join("ckpt/step-0002/model.safetensors").is_file());
 }

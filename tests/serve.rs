@@ -218,6 +218,77 @@ fn chat_completions_give_rollouts_tokens_and_logprobs() {
     assert_eq!(m["data"][0]["id"], model_name(&model).as_str());
 }
 
+/// `--daemon`: the batches go to the warm daemon, which generates with the policy it holds;
+/// the token ids, log-probs and texts are the in-process server's for the same requests, and
+/// the server loads no model of its own. A missing daemon is an input error.
+#[test]
+fn serving_through_the_daemon_gives_the_in_process_servers_samples() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_model(d.path(), 3);
+    let name = model_name(&model);
+    let bodies = [
+        json!({"model": name, "n": 3, "seed": 11, "temperature": 0.8, "top_p": 0.9, "max_tokens": 12,
+               "messages": [{"role": "user", "content": "What is 2 + 3?"}]}),
+        json!({"model": name, "seed": 5, "max_tokens": 9, "stop": ["a"],
+               "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}),
+    ];
+    let completion = json!({"model": name, "n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 7,
+                            "prompt": "Once upon a time"});
+    let answers = |port: u16| {
+        let mut out: Vec<Value> = bodies
+            .iter()
+            .map(|b| post(port, "/v1/chat/completions", b))
+            .map(|(status, v)| {
+                assert_eq!(status, 200, "{v}");
+                v
+            })
+            .collect();
+        let (status, v) = post(port, "/v1/completions", &completion);
+        assert_eq!(status, 200, "{v}");
+        out.push(v);
+        out
+    };
+    let here = answers(serve(&model, &[]).port);
+    let sock = d.path().join("d.sock");
+    let missing = Command::new(bin("tandem"))
+        .args([
+            "serve",
+            "--model",
+            p(&model),
+            "--port",
+            "0",
+            "--daemon",
+            p(&sock),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot connect"));
+    let daemon = crate::daemon::Daemon::start(d.path(), &sock, p(&model), &[]);
+    let s = serve(&model, &["--daemon", p(&sock)]);
+    let there = answers(s.port);
+    let samples = |v: &Value| -> Vec<(Value, Value, Value)> {
+        let choices = v["choices"].as_array().unwrap();
+        choices
+            .iter()
+            .map(|c| {
+                let text = match &c["message"] {
+                    Value::Null => c["text"].clone(),
+                    m => m["content"].clone(),
+                };
+                (c["token_ids"].clone(), c["logprobs"].clone(), text)
+            })
+            .collect()
+    };
+    for (a, b) in here.iter().zip(&there) {
+        assert_eq!(a["prompt_token_ids"], b["prompt_token_ids"]);
+        assert_eq!(samples(a), samples(b));
+        assert!(!samples(a).is_empty());
+    }
+    // Each request was a job of the daemon.
+    assert_eq!(daemon.status()["jobs_done"], 3);
+}
+
 /// Malformed and refused requests get their 4xx with a JSON error, and the server answers the
 /// next request after each.
 #[test]
@@ -348,35 +419,49 @@ fn a_bearer_token_guards_the_api() {
     alive(s.port);
 }
 
-/// A client that closes its connection mid-generation has its batch cancelled.
+/// A client that closes its connection mid-generation has its batch cancelled, in the server
+/// and, through `--daemon`, on the daemon.
 #[test]
 fn a_client_that_goes_away_cancels_its_generation() {
     let d = tempfile::tempdir().unwrap();
     let model = tiny_model(d.path(), 3);
-    let s = serve(&model, &["--max-tokens", "3000"]);
-    let body = json!({"model": model_name(&model), "prompt": "hello", "max_tokens": 3000, "ignore_eos": true, "n": 4}).to_string();
-    let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
-    write!(
-        c,
-        "POST /v1/completions HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    drop(c);
-    let started = Instant::now();
-    let line = loop {
-        let line = s
-            .log
-            .recv_timeout(Duration::from_secs(60))
-            .expect("no cancellation logged");
-        if line.contains("cancelled") {
-            break line;
-        }
-    };
-    assert!(line.contains("every client went away"), "{line}");
-    assert!(started.elapsed() < Duration::from_secs(30));
-    alive(s.port);
+    let sock = d.path().join("d.sock");
+    let daemon = crate::daemon::Daemon::start(d.path(), &sock, p(&model), &[]);
+    for extra in [&[][..], &["--daemon", p(&sock)][..]] {
+        let s = serve(&model, &[&["--max-tokens", "3000"][..], extra].concat());
+        let body = json!({"model": model_name(&model), "prompt": "hello", "max_tokens": 3000, "ignore_eos": true, "n": 4}).to_string();
+        let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        drop(c);
+        let started = Instant::now();
+        let line = loop {
+            let line = s
+                .log
+                .recv_timeout(Duration::from_secs(60))
+                .expect("no cancellation logged");
+            if line.contains("cancelled") {
+                break line;
+            }
+        };
+        assert!(line.contains("every client went away"), "{line}");
+        assert!(started.elapsed() < Duration::from_secs(30));
+        alive(s.port);
+    }
+    let t0 = Instant::now();
+    while daemon.status()["jobs_cancelled"] != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{}",
+            daemon.status()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// 200 clients at once, each answered (the requests batch together).

@@ -74,11 +74,10 @@ pub(crate) fn parse(
             at("agent-timeout")
         ),
     };
-    // The served policy is the server's own copy, on one device.
-    let why = if around.daemon {
-        Some("not with daemon = true: the agent's server loads the step's policy itself and cannot share the daemon's copy; drop daemon = true".to_string())
-    } else if around.gpus > 1 {
-        Some(format!("not with gpus = {}: the agent's server runs on one device (no daemon group behind it yet); set gpus = 1", around.gpus))
+    // Without a daemon the server loads its own copy of the policy, on one device; a daemon
+    // group spreads the server's batches over its ranks.
+    let why = if around.gpus > 1 && !around.daemon {
+        Some(format!("not with gpus = {} without daemon = true: the agent's server loads the policy on one device; set daemon = true (its batches then run on the daemon group's ranks) or gpus = 1", around.gpus))
     } else if around.tool {
         Some("not with [rollout] tool: the agent runs its tools itself (the server only samples); drop `tool`".to_string())
     } else if around.filter_groups {

@@ -83,6 +83,11 @@ pub struct ServeArgs {
     /// Fraction in (0, 1] of the free GPU memory the KV pool of a batch takes, as rollout's.
     #[arg(long, default_value_t = 0.9, value_parser = range(Bound::Excluded(0.0f64), Bound::Included(1.0)))]
     pub gpu_memory_fraction: f64,
+    /// Generate on the warm daemon listening at SOCKET (`tandem daemon`, or a daemon group's
+    /// rank 0) with the policy it holds, instead of loading a copy here (default:
+    /// $TANDEM_DAEMON when set); --device must be the daemon's.
+    #[arg(long, value_name = "SOCKET")]
+    pub daemon: Option<PathBuf>,
     /// Directory that `POST /trajectories/collect` writes batch files into (and the server,
     /// on SIGINT/SIGTERM, the trajectories not collected yet).
     #[arg(long, value_name = "DIR")]
@@ -151,7 +156,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
         graphs: false,
         overlap: true,
     };
-    let jobs = worker::start(args.device, model.dir.clone(), tokenizer.clone(), limits)?;
+    let socket = crate::daemon::daemon_socket(args.daemon.as_deref());
+    let engine = match &socket {
+        None => worker::Engine::Local(args.device),
+        Some(socket) => worker::Engine::Daemon {
+            socket: socket.clone(),
+            model: args.model.clone(),
+            device: args.device,
+        },
+    };
+    let jobs = worker::start(engine, model.dir.clone(), tokenizer.clone(), limits)?;
     let listener = TcpListener::bind((host, args.port)).map_err(|e| {
         input_error(format!(
             "--host {host} --port {}: cannot listen: {e}",
@@ -189,12 +203,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
+    let on = match &socket {
+        None => server.args.device.to_string(),
+        Some(s) => format!("the daemon at {} ({})", s.display(), server.args.device),
+    };
     eprintln!(
-        "serve: {} (policy_version {}) as '{}' on {}, listening on http://{}",
+        "serve: {} (policy_version {}) as '{}' on {on}, listening on http://{}",
         server.model.dir.display(),
         server.model.policy_version,
         server.name,
-        server.args.device,
         listener.local_addr()?
     );
     accept_loop(&server, &listener)?;

@@ -376,6 +376,11 @@ fn an_agent_on_the_daemon_ends_as_without_it() {
     let (a, b) = (d.join("r"), d.join("warm"));
     let log = std::fs::read_to_string(b.join("step-0002/agent/serve.log")).unwrap();
     assert!(log.contains("on the daemon at "), "{log}");
+    let commands = std::fs::read_to_string(b.join("commands.sh")).unwrap();
+    assert!(
+        commands.contains("with `tandem serve` on 127.0.0.1 (generating on the daemon at "),
+        "{commands}"
+    );
     let (ca, cb) = (
         crate::pipeline::checkpoint_files(&a),
         crate::pipeline::checkpoint_files(&b),

@@ -134,11 +134,12 @@ impl AgentCmd {
     }
 }
 
-/// The dry-run and commands.sh line of an agent step: serving `policy`, the agent on
-/// `prompts` with `n` episodes each, collected into `rollout`.
+/// The dry-run and commands.sh line of an agent step: serving `policy` (on the daemon at
+/// `daemon`, if any), the agent on `prompts` with `n` episodes each, collected into `rollout`.
 pub(crate) fn describe(
     rollout_table: &toml::Table,
     policy: &Path,
+    daemon: Option<&Path>,
     prompts: &Path,
     n: usize,
     rollout: &Path,
@@ -148,8 +149,11 @@ pub(crate) fn describe(
         .and_then(|v| v.as_str())
         .unwrap_or_default();
     let command = command.strip_prefix("cmd:").unwrap_or(command).trim();
+    let on = daemon.map_or(String::new(), |d| {
+        format!(" (generating on the daemon at {})", d.display())
+    });
     format!(
-        "# pipeline: serve {} with `tandem serve` on 127.0.0.1, run the agent `{command}` on the prompts of {} ({n} episodes each), collect its trajectories into {}",
+        "# pipeline: serve {} with `tandem serve` on 127.0.0.1{on}, run the agent `{command}` on the prompts of {} ({n} episodes each), collect its trajectories into {}",
         policy.display(),
         prompts.display(),
         rollout.display(),

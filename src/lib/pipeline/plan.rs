@@ -666,6 +666,7 @@ impl Plan {
             } => super::agent_spec::describe(
                 &self.spec.rollout,
                 &self.run.policy(),
+                self.spec.daemon.then(|| self.daemon_socket()).as_deref(),
                 prompts,
                 self.stages.rollout.args.n,
                 rollout,

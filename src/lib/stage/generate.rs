@@ -11,6 +11,7 @@ use super::Exec;
 use crate::backend::ops::sample::SamplingParams;
 use crate::batch::write::write_atomic;
 use crate::engine::paged::{Completion, GenParams, Limits, Request};
+use crate::engine::policy::kept::ModelKey;
 use crate::error::input_error;
 use crate::parallel::exchange::{Reader, Writer};
 use crate::tokenizer::Tokenizer;
@@ -18,6 +19,7 @@ use anyhow::{Context, Result};
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// The job: the policy to generate with, the batch file, where the samples go.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -117,12 +119,27 @@ pub fn read_samples(path: &Path) -> Result<Vec<Vec<Completion>>> {
         .completions)
 }
 
+/// The tokenizer of `dir`, kept in the daemon's process from one batch to the next while the
+/// directory's files stay the same: reading a large vocabulary's tokenizer.json (Qwen2.5's
+/// 151k entries) takes longer than generating a small batch.
+fn kept_tokenizer(dir: &Path) -> Result<Arc<Tokenizer>> {
+    static KEPT: Mutex<Option<(ModelKey, Arc<Tokenizer>)>> = Mutex::new(None);
+    let key = ModelKey::of(dir)?;
+    let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, t)) = kept.as_ref().filter(|(k, _)| *k == key) {
+        return Ok(t.clone());
+    }
+    let t = Arc::new(Tokenizer::from_dir(dir)?);
+    *kept = Some((key, t.clone()));
+    Ok(t)
+}
+
 /// Runs the job on `exec` (the daemon).
 pub fn run(args: GenerateArgs, exec: &mut dyn Exec) -> Result<()> {
     let batch = read_batch(&args.input).with_context(|| args.input.display().to_string())?;
     let model = resolve_model(&args.model)?;
     // The engine decodes the samples (their text, stop strings) as rollout's does.
-    let tokenizer = Tokenizer::from_dir(&model.dir)?;
+    let tokenizer = kept_tokenizer(&model.dir)?;
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let block = my_block(exec, batch.requests.len());
     let bar = ProgressBar::hidden();

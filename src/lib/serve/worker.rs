@@ -15,6 +15,7 @@ use crate::daemon::client;
 use crate::daemon::protocol::{Request as DaemonRequest, Response as DaemonResponse};
 use crate::engine::cancel::{self, Cancel};
 use crate::engine::paged::{Completion, GenParams, Limits, Request};
+use crate::engine::stream;
 use crate::error::is_input_error;
 use crate::stage::common::Device;
 use crate::stage::generate::{self, GenerateArgs};
@@ -39,6 +40,8 @@ pub(crate) struct GenJob {
     /// Set by the connection when its client went away.
     pub(crate) gone: Arc<AtomicBool>,
     pub(crate) reply: Sender<Answer>,
+    /// A streamed request's tokens as they are drawn: (sample, token, log-prob).
+    pub(crate) tokens: Option<Sender<(usize, u32, f32)>>,
 }
 
 /// Where the batches run.
@@ -188,6 +191,13 @@ impl Worker {
         let detok = |ids: &[u32]| tokenizer.decode(ids, true);
         let bar = ProgressBar::hidden();
         let job = Generate::plain(&self.dir, &requests, &params, &detok, &bar, self.limits);
+        // Each streamed request's tokens to its connection.
+        let senders: Vec<_> = group.iter().map(|j| j.tokens.clone()).collect();
+        let watch: stream::Watch = Arc::new(move |req, sample, token, logprob| {
+            if let Some(Some(tx)) = senders.get(req) {
+                let _ = tx.send((sample, token, logprob));
+            }
+        });
         let flag = Cancel::new();
         let done = AtomicBool::new(false);
         let result = std::thread::scope(|s| {
@@ -201,7 +211,7 @@ impl Worker {
                     std::thread::sleep(Duration::from_millis(20));
                 }
             });
-            let r = flag.install(|| job.generate_on(policy));
+            let r = flag.install(|| stream::install(watch, || job.generate_on(policy)));
             done.store(true, Ordering::SeqCst);
             r
         });

@@ -4,6 +4,7 @@
 //! later stages (the real binaries) honour their mask.
 
 use crate::stage_util;
+use crate::stage_util::u8_rows;
 
 use clap::Parser;
 use stage_util::{f32_rows, i32_rows, ok, p, read, strings, tiny_model};
@@ -129,15 +130,6 @@ fn rollout(model: &Path, d: &Path, out: &str, extra: &[&str]) {
     let args = Rollout::parse_from(argv).args;
     let mut exec = tandem::stage::InProcess::new(tandem::stage::common::Device::Cpu);
     tandem::stage::rollout::run_with_tools(args, &mut exec, Some(Arc::new(Add))).unwrap();
-}
-
-/// Rows of a list<uint8> column.
-fn u8_rows(b: &tandem::batch::Batch, col: &str) -> Vec<Vec<u8>> {
-    b.ragged_u8(col)
-        .unwrap()
-        .rows()
-        .map(|r| r.to_vec())
-        .collect()
 }
 
 /// The rows: the call's turn, the observation (template markers and the result, each tokenized

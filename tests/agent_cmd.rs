@@ -4,8 +4,8 @@
 //! posted per episode.
 
 use crate::pipeline::{assert_ok, real_bins, text, PIPELINE};
-use crate::stage_util::{model_and_train_set, read, strings};
-use arrow_array::Int32Array;
+use crate::stage_util::{f32_rows, i32_rows, model_and_train_set, read, strings, u8_rows};
+use arrow_array::{Array, Int32Array};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -47,9 +47,14 @@ fn work(spec: &str) -> tempfile::TempDir {
 }
 
 fn pipeline(d: &Path, env: &[(&str, &str)]) -> Output {
+    pipeline_of(d, "spec.toml", "r", env)
+}
+
+/// `pipeline run SPEC --run-dir RUN` in `d`.
+fn pipeline_of(d: &Path, spec: &str, run: &str, env: &[(&str, &str)]) -> Output {
     Command::new(PIPELINE)
         .current_dir(d)
-        .args(["run", "spec.toml", "--run-dir", "r"])
+        .args(["run", spec, "--run-dir", run])
         .env("TANDEM_BIN_DIR", real_bins())
         .env("RAYON_NUM_THREADS", "2")
         .envs(env.iter().copied())
@@ -175,10 +180,9 @@ fn preflight_refuses_what_an_agent_step_cannot_do() {
     let cases = [
         (
             "steps = 2",
-            "steps = 2\ndaemon = true",
-            "not with daemon = true",
+            "steps = 2\ngpus = 2",
+            "not with gpus = 2 without daemon = true",
         ),
-        ("steps = 2", "steps = 2\ngpus = 2", "not with gpus = 2"),
         (
             "n = 2",
             "n = 2\ntool = [\"python\"]",
@@ -266,4 +270,159 @@ fn a_run_killed_while_its_agent_plays_goes_on_from_that_step() {
     assert_ok(&o);
     assert_eq!(read(&d.join("r/step-0001/rollout.parquet")).num_rows(), 6);
     assert!(d.join("r/ckpt/step-0002/model.safetensors").is_file());
+}
+
+/// `[score] reward = "agent"` keeps the rewards the agent posted (here each episode's index K,
+/// whatever its replies): the scored file holds them and GRPO's advantages follow them, ±0.5
+/// over the unbiased std of {0, 1} in every group. An episode without a posted reward stops
+/// the step as an input error naming the file, the column and the row.
+#[test]
+fn the_agents_own_rewards_drive_the_advantages() {
+    let spec = SPEC.replace("steps = 2", "steps = 1").replace(
+        "reward = \"regex:[a-z]\"\nformat-score = 0.5",
+        "reward = \"agent\"",
+    );
+    let dir = work(&spec);
+    let d = dir.path();
+    assert_ok(&pipeline(d, &[("AGENT_REWARD", "index")]));
+    let sd = d.join("r/step-0001");
+    let scored = read(&sd.join("scored.parquet"));
+    let posted: Vec<f32> = strings(&scored, "uid")
+        .iter()
+        .map(|id| id.rsplit_once('-').unwrap().1.parse().unwrap())
+        .collect();
+    assert_eq!(scored.f32s("score").unwrap(), posted);
+    let adv = read(&sd.join("adv.parquet"));
+    let want = 0.5 / (0.5f32.sqrt() + 1e-6);
+    let masks = adv.ragged_u8("response_mask").unwrap();
+    let advs = adv.ragged_f32("advantages").unwrap();
+    for (row, k) in posted.iter().enumerate() {
+        let sign = if *k == 1.0 { 1.0 } else { -1.0 };
+        for (a, m) in advs.row(row).iter().zip(masks.row(row)) {
+            if *m == 1 {
+                assert!((a - sign * want).abs() < 1e-5, "row {row}: {a}");
+            }
+        }
+    }
+
+    let dir = work(&spec);
+    let d = dir.path();
+    let o = pipeline(d, &[("AGENT_NO_REWARD", "1")]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    // The rows are in id order: find the one whose episode posted nothing.
+    let rollout = read(&d.join("r/step-0001/rollout.parquet"));
+    let score = rollout.column("score").unwrap();
+    let row = (0..6).find(|&i| score.is_null(i)).unwrap();
+    assert_eq!(score.null_count(), 1);
+    let id = &strings(&rollout, "uid")[row];
+    assert!(id.ends_with("-1"), "{id}");
+    assert!(
+        out.contains(&format!(
+            "step-0001/rollout.parquet: column 'score', row {row}: no reward posted (trajectory '{id}')"
+        )),
+        "{out}"
+    );
+    assert!(!d.join("r/step-0001/scored.parquet").exists());
+}
+
+/// `reward = "agent"` without an agent to post the rewards, or with an evaluation (which runs
+/// the rollout stage), is refused before anything runs.
+#[test]
+fn an_agent_reward_without_an_agent_is_refused() {
+    let agent_reward = SPEC.replace("reward = \"regex:[a-z]\"", "reward = \"agent\"");
+    let cases = [
+        (
+            agent_reward.replace("agent = \"cmd:python3 AGENT\"\n", ""),
+            "reward = \"agent\" keeps the rewards your agent posts, which needs [rollout] agent",
+        ),
+        (
+            agent_reward.replace(
+                "prompts-per-step = 3",
+                "prompts-per-step = 3\nval = \"train.parquet\"",
+            ) + "[eval]\nevery = 1\n",
+            "reward = \"agent\" with [eval] every = 1: the evaluation runs the rollout stage",
+        ),
+    ];
+    for (spec, needle) in cases {
+        let dir = work(&spec);
+        let o = pipeline(dir.path(), &[]);
+        let out = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{out}");
+        assert!(out.contains(needle), "{out}");
+        assert!(!dir.path().join("r/step-0001").exists());
+    }
+}
+
+/// With `daemon = true` the agent's server generates on the warm daemon, with the policy the
+/// daemon holds (the one after the last update, never written as files between checkpoints):
+/// the two steps end with the files of the run without a daemon. On a daemon group (`gpus =
+/// 2`, CPU ranks), which spreads each batch of the server over its ranks, an agent playing its
+/// episodes at once samples the first step's trajectories of the one-process run.
+#[test]
+fn an_agent_on_the_daemon_ends_as_without_it() {
+    let dir = work(SPEC);
+    let d = dir.path();
+    for (name, extra) in [
+        ("warm", "daemon = true"),
+        ("group", "daemon = true\ngpus = 2"),
+    ] {
+        let spec = std::fs::read_to_string(d.join("spec.toml")).unwrap();
+        let spec = spec.replace("steps = 2", &format!("steps = 2\n{extra}"));
+        std::fs::write(d.join(format!("{name}.toml")), spec).unwrap();
+    }
+    assert_ok(&pipeline(d, &[]));
+    assert_ok(&pipeline_of(d, "warm.toml", "warm", &[]));
+    let (a, b) = (d.join("r"), d.join("warm"));
+    let log = std::fs::read_to_string(b.join("step-0002/agent/serve.log")).unwrap();
+    assert!(log.contains("on the daemon at "), "{log}");
+    let commands = std::fs::read_to_string(b.join("commands.sh")).unwrap();
+    assert!(
+        commands.contains("with `tandem serve` on 127.0.0.1 (generating on the daemon at "),
+        "{commands}"
+    );
+    let (ca, cb) = (
+        crate::pipeline::checkpoint_files(&a),
+        crate::pipeline::checkpoint_files(&b),
+    );
+    assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+    for (k, v) in &ca {
+        assert!(v == &cb[k], "{k} differs");
+    }
+    assert_eq!(crate::pipeline::state(&a), crate::pipeline::state(&b));
+    let f =
+        |r: &Path, step: u64, name: &str| read(&r.join(format!("step-{step:04}/{name}.parquet")));
+    for step in [1, 2] {
+        let (ra, rb) = (f(&a, step, "rollout"), f(&b, step, "rollout"));
+        assert_eq!(strings(&ra, "uid"), strings(&rb, "uid"));
+        assert_eq!(i32_rows(&ra, "response_ids"), i32_rows(&rb, "response_ids"));
+        assert_eq!(u8_rows(&ra, "response_mask"), u8_rows(&rb, "response_mask"));
+        assert_eq!(
+            f32_rows(&ra, "rollout_logprobs"),
+            f32_rows(&rb, "rollout_logprobs")
+        );
+        assert_eq!(ra.meta_u64("policy_version"), rb.meta_u64("policy_version"));
+        let (aa, ab) = (f(&a, step, "adv"), f(&b, step, "adv"));
+        assert_eq!(f32_rows(&aa, "advantages"), f32_rows(&ab, "advantages"));
+    }
+
+    assert_ok(&pipeline_of(
+        d,
+        "group.toml",
+        "group",
+        &[("AGENT_PARALLEL", "1")],
+    ));
+    let g = d.join("group");
+    let (ra, rg) = (f(&a, 1, "rollout"), f(&g, 1, "rollout"));
+    assert_eq!(strings(&ra, "uid"), strings(&rg, "uid"));
+    assert_eq!(i32_rows(&ra, "response_ids"), i32_rows(&rg, "response_ids"));
+    // Which requests decode together follows the timing: the log-probs by a few 1e-6.
+    let (la, lg) = (
+        f32_rows(&ra, "rollout_logprobs"),
+        f32_rows(&rg, "rollout_logprobs"),
+    );
+    for (x, y) in la.iter().flatten().zip(lg.iter().flatten()) {
+        assert!((x - y).abs() <= 2e-5, "{x} vs {y}");
+    }
+    assert!(g.join("ckpt/step-0002/model.safetensors").is_file());
 }

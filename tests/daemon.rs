@@ -50,13 +50,13 @@ fn ok(cwd: &Path, name: &str, args: &[&str], daemon: Option<&Path>) -> Output {
 }
 
 /// A daemon process, stopped (SIGKILL as a last resort) when dropped.
-struct Daemon {
+pub(crate) struct Daemon {
     child: Child,
     socket: PathBuf,
 }
 
 impl Daemon {
-    fn start(cwd: &Path, socket: &Path, policy: &str, extra: &[&str]) -> Daemon {
+    pub(crate) fn start(cwd: &Path, socket: &Path, policy: &str, extra: &[&str]) -> Daemon {
         use std::os::unix::process::CommandExt;
         let mut cmd = Command::new(TANDEM);
         // SAFETY: prctl only; a killed test binary takes its daemon down with it.
@@ -98,7 +98,7 @@ impl Daemon {
         panic!("daemon at {} never became healthy", self.socket.display());
     }
 
-    fn status(&self) -> serde_json::Value {
+    pub(crate) fn status(&self) -> serde_json::Value {
         let lines = exchange(&self.socket, r#"{"type":"status"}"#, 1).unwrap();
         let v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
         v["status"].clone()

@@ -218,6 +218,258 @@ fn chat_completions_give_rollouts_tokens_and_logprobs() {
     assert_eq!(m["data"][0]["id"], model_name(&model).as_str());
 }
 
+/// The events of a streamed answer: the status, the `data:` JSON chunks, and whether it
+/// ended with `data: [DONE]`.
+fn events(port: u16, path: &str, body: &Value) -> (u16, Vec<Value>, bool) {
+    let body = body.to_string();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    if status == 200 {
+        assert!(head.contains("Content-Type: text/event-stream"), "{head}");
+    }
+    let data: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    let done = data.last() == Some(&"[DONE]");
+    let chunks = data
+        .iter()
+        .filter(|d| **d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    (status, chunks, done)
+}
+
+/// `"stream": true`: server-sent events in the OpenAI shape whose chunks, put together, are
+/// the answer without streaming for the same seed (token ids, log-probs, text, finish
+/// reason), for chat (several samples, a stop string) and completions.
+#[test]
+fn streamed_answers_put_together_are_the_whole_answer() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_model(d.path(), 3);
+    let name = model_name(&model);
+    let s = serve(&model, &[]);
+    let cases = [
+        (
+            "/v1/chat/completions",
+            json!({"model": name, "n": 2, "seed": 11, "temperature": 0.8, "max_tokens": 12,
+                                        "messages": [{"role": "user", "content": "What is 2 + 3?"}]}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": name, "seed": 4, "max_tokens": 16, "stop": ["e"],
+                                        "messages": [{"role": "user", "content": "Say hello"}]}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": name, "n": 2, "seed": 3, "max_tokens": 10, "prompt": "Once upon"}),
+        ),
+    ];
+    for (path, body) in cases {
+        let (status, whole) = post(s.port, path, &body);
+        assert_eq!(status, 200, "{whole}");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (status, chunks, done) = events(s.port, path, &streamed);
+        assert_eq!(status, 200);
+        assert!(done, "no [DONE]");
+        let chat = path.contains("chat");
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        assert!(chunks
+            .iter()
+            .all(|c| c["object"] == object && c["id"] == chunks[0]["id"]));
+        assert_eq!(chunks[0]["prompt_token_ids"], whole["prompt_token_ids"]);
+        for (k, want) in whole["choices"].as_array().unwrap().iter().enumerate() {
+            let mine: Vec<&Value> = chunks
+                .iter()
+                .map(|c| &c["choices"][0])
+                .filter(|c| c["index"] == k)
+                .collect();
+            assert!(mine.len() > 1, "sample {k}: {} chunks", mine.len());
+            let ids: Vec<Value> = mine
+                .iter()
+                .flat_map(|c| c["token_ids"].as_array().unwrap().clone())
+                .collect();
+            assert_eq!(Value::Array(ids), want["token_ids"], "{path} sample {k}");
+            let (lps, text, want_lps, want_text) = match chat {
+                true => (
+                    mine.iter()
+                        .flat_map(|c| {
+                            c["logprobs"]["content"]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .map(|t| t["logprob"].clone())
+                        })
+                        .collect::<Vec<_>>(),
+                    mine.iter()
+                        .map(|c| c["delta"]["content"].as_str().unwrap_or(""))
+                        .collect::<String>(),
+                    want["logprobs"]["content"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| t["logprob"].clone())
+                        .collect::<Vec<_>>(),
+                    want["message"]["content"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string(),
+                ),
+                false => (
+                    mine.iter()
+                        .flat_map(|c| c["logprobs"]["token_logprobs"].as_array().unwrap().clone())
+                        .collect(),
+                    mine.iter()
+                        .map(|c| c["text"].as_str().unwrap())
+                        .collect::<String>(),
+                    want["logprobs"]["token_logprobs"]
+                        .as_array()
+                        .unwrap()
+                        .clone(),
+                    want["text"].as_str().unwrap().to_string(),
+                ),
+            };
+            assert_eq!(lps, want_lps, "{path} sample {k}");
+            assert_eq!(text, want_text, "{path} sample {k}");
+            let last = mine.last().unwrap();
+            assert_eq!(last["finish_reason"], want["finish_reason"]);
+            assert!(mine[..mine.len() - 1]
+                .iter()
+                .all(|c| c["finish_reason"].is_null()));
+            if chat {
+                assert_eq!(mine[0]["delta"]["role"], "assistant");
+            }
+        }
+    }
+    // A streamed turn of a trajectory is recorded as any turn.
+    let body = json!({"model": name, "seed": 1, "max_tokens": 6, "user": "streamed", "stream": true,
+                      "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, done) = events(s.port, "/v1/chat/completions", &body);
+    assert!(status == 200 && done);
+    let (_, list) = request(s.port, "GET", "/trajectories", &[], None);
+    assert_eq!(list["data"][0]["id"], "streamed");
+    assert_eq!(list["data"][0]["turns"], 1);
+    // A client that goes away mid-stream cancels its generation.
+    drop(s);
+    let s = serve(&model, &["--max-tokens", "3000"]);
+    let body = json!({"model": name, "prompt": "hello", "max_tokens": 3000, "ignore_eos": true, "stream": true}).to_string();
+    let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    c.read_exact(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first).starts_with("HTTP/1.1 200"));
+    drop(c);
+    let line = loop {
+        let line = s
+            .log
+            .recv_timeout(Duration::from_secs(60))
+            .expect("no cancellation logged");
+        if line.contains("cancelled") {
+            break line;
+        }
+    };
+    assert!(line.contains("every client went away"), "{line}");
+    alive(s.port);
+}
+
+/// `--daemon`: the batches go to the warm daemon, which generates with the policy it holds;
+/// the token ids, log-probs and texts are the in-process server's for the same requests, and
+/// the server loads no model of its own. A missing daemon is an input error.
+#[test]
+fn serving_through_the_daemon_gives_the_in_process_servers_samples() {
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny_model(d.path(), 3);
+    let name = model_name(&model);
+    let bodies = [
+        json!({"model": name, "n": 3, "seed": 11, "temperature": 0.8, "top_p": 0.9, "max_tokens": 12,
+               "messages": [{"role": "user", "content": "What is 2 + 3?"}]}),
+        json!({"model": name, "seed": 5, "max_tokens": 9, "stop": ["a"],
+               "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}),
+    ];
+    let completion = json!({"model": name, "n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 7,
+                            "prompt": "Once upon a time"});
+    let answers = |port: u16| {
+        let mut out: Vec<Value> = bodies
+            .iter()
+            .map(|b| post(port, "/v1/chat/completions", b))
+            .map(|(status, v)| {
+                assert_eq!(status, 200, "{v}");
+                v
+            })
+            .collect();
+        let (status, v) = post(port, "/v1/completions", &completion);
+        assert_eq!(status, 200, "{v}");
+        out.push(v);
+        out
+    };
+    let here = answers(serve(&model, &[]).port);
+    let sock = d.path().join("d.sock");
+    let missing = Command::new(bin("tandem"))
+        .args([
+            "serve",
+            "--model",
+            p(&model),
+            "--port",
+            "0",
+            "--daemon",
+            p(&sock),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot connect"));
+    let daemon = crate::daemon::Daemon::start(d.path(), &sock, p(&model), &[]);
+    let s = serve(&model, &["--daemon", p(&sock)]);
+    let there = answers(s.port);
+    let samples = |v: &Value| -> Vec<(Value, Value, Value)> {
+        let choices = v["choices"].as_array().unwrap();
+        choices
+            .iter()
+            .map(|c| {
+                let text = match &c["message"] {
+                    Value::Null => c["text"].clone(),
+                    m => m["content"].clone(),
+                };
+                (c["token_ids"].clone(), c["logprobs"].clone(), text)
+            })
+            .collect()
+    };
+    for (a, b) in here.iter().zip(&there) {
+        assert_eq!(a["prompt_token_ids"], b["prompt_token_ids"]);
+        assert_eq!(samples(a), samples(b));
+        assert!(!samples(a).is_empty());
+    }
+    // Each request was a job of the daemon.
+    assert_eq!(daemon.status()["jobs_done"], 3);
+    let mut streamed = bodies[0].clone();
+    streamed["stream"] = json!(true);
+    let (status, v) = post(s.port, "/v1/chat/completions", &streamed);
+    assert_eq!(status, 400);
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not served through a daemon"));
+}
+
 /// Malformed and refused requests get their 4xx with a JSON error, and the server answers the
 /// next request after each.
 #[test]
@@ -348,35 +600,49 @@ fn a_bearer_token_guards_the_api() {
     alive(s.port);
 }
 
-/// A client that closes its connection mid-generation has its batch cancelled.
+/// A client that closes its connection mid-generation has its batch cancelled, in the server
+/// and, through `--daemon`, on the daemon.
 #[test]
 fn a_client_that_goes_away_cancels_its_generation() {
     let d = tempfile::tempdir().unwrap();
     let model = tiny_model(d.path(), 3);
-    let s = serve(&model, &["--max-tokens", "3000"]);
-    let body = json!({"model": model_name(&model), "prompt": "hello", "max_tokens": 3000, "ignore_eos": true, "n": 4}).to_string();
-    let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
-    write!(
-        c,
-        "POST /v1/completions HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    drop(c);
-    let started = Instant::now();
-    let line = loop {
-        let line = s
-            .log
-            .recv_timeout(Duration::from_secs(60))
-            .expect("no cancellation logged");
-        if line.contains("cancelled") {
-            break line;
-        }
-    };
-    assert!(line.contains("every client went away"), "{line}");
-    assert!(started.elapsed() < Duration::from_secs(30));
-    alive(s.port);
+    let sock = d.path().join("d.sock");
+    let daemon = crate::daemon::Daemon::start(d.path(), &sock, p(&model), &[]);
+    for extra in [&[][..], &["--daemon", p(&sock)][..]] {
+        let s = serve(&model, &[&["--max-tokens", "3000"][..], extra].concat());
+        let body = json!({"model": model_name(&model), "prompt": "hello", "max_tokens": 3000, "ignore_eos": true, "n": 4}).to_string();
+        let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        drop(c);
+        let started = Instant::now();
+        let line = loop {
+            let line = s
+                .log
+                .recv_timeout(Duration::from_secs(60))
+                .expect("no cancellation logged");
+            if line.contains("cancelled") {
+                break line;
+            }
+        };
+        assert!(line.contains("every client went away"), "{line}");
+        assert!(started.elapsed() < Duration::from_secs(30));
+        alive(s.port);
+    }
+    let t0 = Instant::now();
+    while daemon.status()["jobs_cancelled"] != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{}",
+            daemon.status()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// 200 clients at once, each answered (the requests batch together).

@@ -125,6 +125,15 @@ pub fn f32_rows(b: &Batch, col: &str) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Rows of a list<uint8> column.
+pub fn u8_rows(b: &Batch, col: &str) -> Vec<Vec<u8>> {
+    b.ragged_u8(col)
+        .unwrap()
+        .rows()
+        .map(|r| r.to_vec())
+        .collect()
+}
+
 /// Rows of a list<int32> column.
 pub fn i32_rows(b: &Batch, col: &str) -> Vec<Vec<i32>> {
     b.ragged_i32(col)

@@ -76,6 +76,44 @@ pub fn request(socket: &Path, req: &Request) -> Result<Response> {
 /// paths mean what they mean here. Exits as the stage would in-process: the same message, and
 /// an input error (exit 2) where the stage found bad input.
 pub fn run_job(socket: &Path, job: StageJob) -> Result<()> {
+    relay(connect(socket)?, socket, job)
+}
+
+/// [`run_job`] that gives up once `stop` says so (checked every 20 ms): it closes the
+/// connection, and the daemon cancels a job whose client went away. Ok(false) when stopped.
+pub(crate) fn run_job_until(
+    socket: &Path,
+    job: StageJob,
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Result<bool> {
+    let stream = connect(socket)?;
+    let watch = stream.try_clone()?;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let stopped = std::sync::atomic::AtomicBool::new(false);
+    let result = std::thread::scope(|s| {
+        s.spawn(|| {
+            use std::sync::atomic::Ordering::SeqCst;
+            while !done.load(SeqCst) {
+                if stop() {
+                    stopped.store(true, SeqCst);
+                    let _ = watch.shutdown(std::net::Shutdown::Both);
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let r = relay(stream, socket, job);
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        r
+    });
+    match stopped.into_inner() {
+        true => Ok(false),
+        false => result.map(|()| true),
+    }
+}
+
+/// Sends `job` on `stream` and relays what comes back until its `done` or `error` line.
+fn relay(mut stream: UnixStream, socket: &Path, job: StageJob) -> Result<()> {
     let cwd = std::env::current_dir()?;
     let name = job.name();
     let metrics_path = job.metrics_path().cloned();
@@ -87,7 +125,6 @@ pub fn run_job(socket: &Path, job: StageJob) -> Result<()> {
             socket.display()
         )
     };
-    let mut stream = connect(socket)?;
     let req = Request::Job {
         cwd,
         job: Box::new(job),

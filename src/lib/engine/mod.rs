@@ -11,6 +11,7 @@ pub mod paged;
 pub mod policy;
 pub mod resume;
 pub mod shard;
+pub mod stream;
 #[cfg(test)]
 mod testing;
 pub mod train;

@@ -1,6 +1,7 @@
 //! A step's rollout done by the user's own agent (`[rollout] agent = "cmd:PROGRAM ARGS…"`):
 //! the runner serves the step's policy with `tandem serve` (127.0.0.1, a port of its own, an
-//! API key it makes up), runs the program with the served API and the step's prompts in its
+//! API key it makes up; with daemon = true, generating on the warm daemon), runs the program
+//! with the served API and the step's prompts in its
 //! environment, collects the trajectories the program recorded into the step's
 //! rollout.parquet, and stops the server. The later stages run on that file unchanged.
 //!
@@ -139,6 +140,8 @@ impl Served {
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out);
+        // With daemon = true it generates on the daemon, with the policy the daemon holds.
+        cmd.args(plan.daemon_args());
         if plan.spec.batch_invariant {
             cmd.env("TANDEM_BATCH_INVARIANT", "1");
         }

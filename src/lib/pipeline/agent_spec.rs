@@ -74,11 +74,10 @@ pub(crate) fn parse(
             at("agent-timeout")
         ),
     };
-    // The served policy is the server's own copy, on one device.
-    let why = if around.daemon {
-        Some("not with daemon = true: the agent's server loads the step's policy itself and cannot share the daemon's copy; drop daemon = true".to_string())
-    } else if around.gpus > 1 {
-        Some(format!("not with gpus = {}: the agent's server runs on one device (no daemon group behind it yet); set gpus = 1", around.gpus))
+    // Without a daemon the server loads its own copy of the policy, on one device; a daemon
+    // group spreads the server's batches over its ranks.
+    let why = if around.gpus > 1 && !around.daemon {
+        Some(format!("not with gpus = {} without daemon = true: the agent's server loads the policy on one device; set daemon = true (its batches then run on the daemon group's ranks) or gpus = 1", around.gpus))
     } else if around.tool {
         Some("not with [rollout] tool: the agent runs its tools itself (the server only samples); drop `tool`".to_string())
     } else if around.filter_groups {
@@ -94,6 +93,25 @@ pub(crate) fn parse(
         argv,
         timeout,
     }))
+}
+
+/// `[score] reward = "agent"` (the rewards the agent posted) needs an agent to post them, and
+/// no evaluation: `[eval]` runs the rollout stage, whose rows carry no posted reward.
+pub(crate) fn check_reward(reward: &str, agent: bool, eval_every: u64, at: &str) -> Result<()> {
+    if reward != "agent" {
+        return Ok(());
+    }
+    if !agent {
+        bail_input!(
+            "{at}: [score] reward = \"agent\" keeps the rewards your agent posts, which needs [rollout] agent = \"cmd:PROGRAM …\"; without an agent, choose a reward that scores the responses"
+        );
+    }
+    if eval_every > 0 {
+        bail_input!(
+            "{at}: [score] reward = \"agent\" with [eval] every = {eval_every}: the evaluation runs the rollout stage, whose rows carry no reward posted by the agent; set [eval] every = 0"
+        );
+    }
+    Ok(())
 }
 
 impl AgentCmd {
@@ -116,11 +134,12 @@ impl AgentCmd {
     }
 }
 
-/// The dry-run and commands.sh line of an agent step: serving `policy`, the agent on
-/// `prompts` with `n` episodes each, collected into `rollout`.
+/// The dry-run and commands.sh line of an agent step: serving `policy` (on the daemon at
+/// `daemon`, if any), the agent on `prompts` with `n` episodes each, collected into `rollout`.
 pub(crate) fn describe(
     rollout_table: &toml::Table,
     policy: &Path,
+    daemon: Option<&Path>,
     prompts: &Path,
     n: usize,
     rollout: &Path,
@@ -130,8 +149,11 @@ pub(crate) fn describe(
         .and_then(|v| v.as_str())
         .unwrap_or_default();
     let command = command.strip_prefix("cmd:").unwrap_or(command).trim();
+    let on = daemon.map_or(String::new(), |d| {
+        format!(" (generating on the daemon at {})", d.display())
+    });
     format!(
-        "# pipeline: serve {} with `tandem serve` on 127.0.0.1, run the agent `{command}` on the prompts of {} ({n} episodes each), collect its trajectories into {}",
+        "# pipeline: serve {} with `tandem serve` on 127.0.0.1{on}, run the agent `{command}` on the prompts of {} ({n} episodes each), collect its trajectories into {}",
         policy.display(),
         prompts.display(),
         rollout.display(),

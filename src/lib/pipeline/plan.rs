@@ -219,7 +219,7 @@ impl Plan {
     }
 
     /// `--daemon SOCKET` for the model stages when the spec asks for the warm daemon.
-    fn daemon_args(&self) -> Vec<String> {
+    pub(super) fn daemon_args(&self) -> Vec<String> {
         if self.spec.daemon {
             vec!["--daemon".into(), path_arg(&self.daemon_socket())]
         } else {
@@ -666,6 +666,7 @@ impl Plan {
             } => super::agent_spec::describe(
                 &self.spec.rollout,
                 &self.run.policy(),
+                self.spec.daemon.then(|| self.daemon_socket()).as_deref(),
                 prompts,
                 self.stages.rollout.args.n,
                 rollout,

@@ -258,7 +258,7 @@ fn check_prompts(
     };
     tokenize_prompts(&ds, n, t.tokenizer, t.template, t.vocab_size, &limits)
         .with_context(|| format!("{key} (tokenized with the {} flags)", t.table))?;
-    if !reward.is_external() {
+    if reward.needs_ground_truth() {
         let label = reward.label(&Options::default());
         if !ds.has_ground_truth() {
             bail_input!(

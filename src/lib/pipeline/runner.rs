@@ -281,7 +281,14 @@ impl Runner {
             } => {
                 // commands.sh says what ran instead of the rollout stage.
                 self.append_command(step, &self.plan.describe(step, task))?;
-                super::agent::run(&self.plan, &self.console, step, prompts, rollout, *seed)?
+                let mut agent = |r: &mut Self| {
+                    super::agent::run(&r.plan, &r.console, step, prompts, rollout, *seed)
+                };
+                match self.plan.spec.daemon {
+                    // Its server generates on the daemon.
+                    true => self.on_daemon(step, task.name, &mut agent)?,
+                    false => agent(self)?,
+                }
             }
             Action::DynamicSampling => dynamic::run(self, step)?,
             Action::CopyKlState => chores::copy_kl_state(plan, step)?,
@@ -389,6 +396,33 @@ impl Runner {
             return Ok(());
         }
         Err(self.stage_failed(step, bin, &line, &out))
+    }
+
+    /// Runs `work` (a stage, or the agent's step, that the daemon computes) with the daemon up.
+    fn on_daemon(
+        &mut self,
+        step: u64,
+        task: &str,
+        work: &mut dyn FnMut(&mut Self) -> Result<()>,
+    ) -> Result<()> {
+        let mut restarts = 0;
+        loop {
+            self.daemon
+                .ensure(&self.plan, &mut self.console, &mut restarts)?;
+            match work(self) {
+                Ok(()) => return Ok(()),
+                // A stage that failed because the daemon died runs again on a new daemon
+                // (which loads the current policy); any other failure stops the run.
+                Err(e) if self.daemon.gone() => {
+                    let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
+                    self.console.say(&msg);
+                    if let Some(r) = self.rewind_target(step)? {
+                        return Err(r.into());
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// The process of a stage command (under `tandem launch` for a stage its ranks share), and
@@ -515,24 +549,7 @@ impl Rounds for Runner {
         if !via_daemon {
             return self.run_stage_once(step, task, bin, args);
         }
-        let mut restarts = 0;
-        loop {
-            self.daemon
-                .ensure(&self.plan, &mut self.console, &mut restarts)?;
-            match self.run_stage_once(step, task, bin, args) {
-                Ok(()) => return Ok(()),
-                // A stage that failed because the daemon died runs again on a new daemon
-                // (which loads the current policy); any other failure stops the run.
-                Err(e) if self.daemon.gone() => {
-                    let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
-                    self.console.say(&msg);
-                    if let Some(r) = self.rewind_target(step)? {
-                        return Err(r.into());
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        self.on_daemon(step, task, &mut |r| r.run_stage_once(step, task, bin, args))
     }
 
     fn draw_prompts(

@@ -664,7 +664,14 @@ impl Spec {
             tool: !stages.rollout.args.tool.is_empty(),
             filter_groups: self.filter_groups().is_some(),
         };
-        super::agent_spec::parse(&self.rollout, &around, &|k| src.at("rollout", k))
+        let agent = super::agent_spec::parse(&self.rollout, &around, &|k| src.at("rollout", k))?;
+        super::agent_spec::check_reward(
+            &stages.score.args.reward,
+            agent.is_some(),
+            self.eval.every,
+            &src.at("score", "reward"),
+        )?;
+        Ok(agent)
     }
 
     /// Dynamic sampling as configured in `[algorithm]`, or None when `filter-groups` is off.

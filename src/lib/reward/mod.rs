@@ -5,6 +5,9 @@
 //! - `math`: the last `\boxed{}` compared after verl's normalisation ([`math`]).
 //! - `exact`, `regex:PATTERN` ([`rules`]).
 //! - `cmd:PROGRAM [ARGS]`, `python:FILE.py[:FUNC]` ([`external`]).
+//! - `agent`: the rewards an agent posted to `tandem serve` (the `score` column of the
+//!   collected trajectories, `[rollout] agent`), kept as they are; a row without one is an
+//!   error.
 //!
 //! Scores: 1.0 for a correct answer; `--format-score` (default 0.0) when an answer was found
 //! but is wrong (gsm8k, math, regex); 0.0 when none was found.
@@ -72,6 +75,8 @@ pub(crate) enum RewardSpec {
         file: PathBuf,
         func: String,
     },
+    /// `agent`: the `score` column the agent posted, kept.
+    Agent,
 }
 
 fn is_identifier(s: &str) -> bool {
@@ -84,11 +89,12 @@ impl RewardSpec {
     /// Parse a `--reward` value. Errors are input errors that list the accepted forms.
     pub(crate) fn parse(spec: &str) -> Result<RewardSpec> {
         const FORMS: &str =
-            "expected gsm8k, math, exact, regex:PATTERN, cmd:PROGRAM [ARGS] or python:FILE.py[:FUNC]";
+            "expected gsm8k, math, exact, regex:PATTERN, cmd:PROGRAM [ARGS], python:FILE.py[:FUNC] or agent";
         Ok(match spec {
             "gsm8k" => RewardSpec::Gsm8k,
             "math" => RewardSpec::Math,
             "exact" => RewardSpec::Exact,
+            "agent" => RewardSpec::Agent,
             _ => {
                 if let Some(p) = spec.strip_prefix("regex:") {
                     match rules::RegexRule::new(p) {
@@ -139,6 +145,7 @@ impl RewardSpec {
             RewardSpec::Regex(r) => format!("regex:{}", r.as_str()),
             RewardSpec::Cmd { line, .. } => format!("cmd:{line}"),
             RewardSpec::Python { file, func } => format!("python:{}:{func}", file.display()),
+            RewardSpec::Agent => "agent".into(),
         }
     }
 
@@ -149,11 +156,17 @@ impl RewardSpec {
     /// Columns `Batch::read` must find (the ground truth is checked separately: it may live
     /// inside `reward_model`).
     pub(crate) fn required_columns(&self) -> Vec<&'static str> {
-        if self.is_external() {
-            vec![schema::RESPONSE_TEXT, schema::DATA_SOURCE]
-        } else {
-            vec![schema::RESPONSE_TEXT]
+        match self {
+            // A missing `score` is `posted_rewards`' error, which says where rewards come from.
+            RewardSpec::Agent => vec![schema::RESPONSE_TEXT],
+            s if s.is_external() => vec![schema::RESPONSE_TEXT, schema::DATA_SOURCE],
+            _ => vec![schema::RESPONSE_TEXT],
         }
+    }
+
+    /// Whether the rule compares the responses with a ground truth in every row.
+    pub(crate) fn needs_ground_truth(&self) -> bool {
+        !self.is_external() && !matches!(self, RewardSpec::Agent)
     }
 }
 
@@ -357,11 +370,36 @@ pub(crate) fn score_batch(batch: &Batch, spec: &RewardSpec, opts: &Options) -> R
             let argv = external::python_argv(&opts.python, file, func, &opts.reward_kwargs);
             return score_external(batch, &argv, &spec.label(opts), opts);
         }
+        RewardSpec::Agent => posted_rewards(batch)?,
     };
     Ok(Scores {
         score,
         ..Scores::default()
     })
+}
+
+/// The rewards an agent posted: the `score` column of collected trajectories, where a null
+/// is a trajectory the agent posted no reward for.
+fn posted_rewards(batch: &Batch) -> Result<Vec<f32>> {
+    const HOW: &str = "--reward agent keeps the rewards the agent posted to POST /trajectories/ID/reward, one for every trajectory";
+    let Ok(col) = batch.column(schema::SCORE) else {
+        bail_input!(
+            "{}: no reward posted (column '{}' is missing); {HOW}",
+            batch.path.display(),
+            schema::SCORE
+        );
+    };
+    if let Some(row) = (0..col.len()).find(|&i| col.is_null(i)) {
+        let id = match batch.has(schema::UID) {
+            true => format!(" (trajectory '{}')", batch.strings(schema::UID)?[row]),
+            false => String::new(),
+        };
+        bail_input!(
+            "{}, row {row}: no reward posted{id}; {HOW}",
+            batch.at(schema::SCORE)
+        );
+    }
+    batch.f32s(schema::SCORE)
 }
 
 fn score_external(batch: &Batch, argv: &[String], label: &str, opts: &Options) -> Result<Scores> {

@@ -29,6 +29,8 @@ pub(crate) struct Sampling {
     pub(crate) seed: Option<u64>,
     /// vLLM's `ignore_eos`: do not stop at the model's EOS ids.
     pub(crate) ignore_eos: bool,
+    /// Answer with server-sent events, a chunk per engine step (`super::stream`).
+    pub(crate) stream: bool,
 }
 
 /// One message of a chat request: its role, its text, and (assistant) the calls it made.
@@ -125,13 +127,16 @@ fn count(o: &Map<String, Value>, key: &str) -> Result<Option<u64>, Error> {
     }
 }
 
+fn flag(o: &Map<String, Value>, key: &str) -> Result<bool, Error> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(bad(format!("'{key}' must be true or false, not {v}"))),
+    }
+}
+
 /// The sampling fields shared by both routes, checked against `caps`.
 fn sampling(o: &Map<String, Value>, caps: &Caps) -> Result<Sampling, Error> {
-    if o.get("stream").and_then(Value::as_bool) == Some(true) {
-        return Err(bad(
-            "'stream': streaming is not supported; send stream=false",
-        ));
-    }
     for key in ["presence_penalty", "frequency_penalty"] {
         if number(o, key)?.is_some_and(|x| x != 0.0) {
             return Err(bad(format!("'{key}' is not supported (only 0)")));
@@ -202,11 +207,8 @@ fn sampling(o: &Map<String, Value>, caps: &Caps) -> Result<Sampling, Error> {
         max_tokens,
         stop,
         seed: count(o, "seed")?,
-        ignore_eos: match o.get("ignore_eos") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(v) => return Err(bad(format!("'ignore_eos' must be true or false, not {v}"))),
-        },
+        ignore_eos: flag(o, "ignore_eos")?,
+        stream: flag(o, "stream")?,
     })
 }
 
@@ -379,7 +381,7 @@ pub(crate) fn message_json(m: &ChatMessage, id: &str) -> Value {
 }
 
 /// Each token's text (special tokens included), for the log-prob entries.
-fn token_texts(tok: &Tokenizer, ids: &[u32]) -> Vec<String> {
+pub(crate) fn token_texts(tok: &Tokenizer, ids: &[u32]) -> Vec<String> {
     ids.iter()
         .map(|&t| tok.decode(&[t], false).unwrap_or_default())
         .collect()
@@ -499,6 +501,7 @@ mod tests {
                 stop: vec!["END".into()],
                 seed: Some(7),
                 ignore_eos: false,
+                stream: false,
             }
         );
         // Defaults: one sample, temperature 1, the server's max_tokens.
@@ -547,8 +550,8 @@ mod tests {
             (json!({"model": "m", "messages": m, "stop": [1]}), "'stop'"),
             (json!({"model": "m", "messages": m, "seed": -3}), "'seed'"),
             (
-                json!({"model": "m", "messages": m, "stream": true}),
-                "streaming",
+                json!({"model": "m", "messages": m, "stream": "yes"}),
+                "'stream' must be true or false",
             ),
             (
                 json!({"model": "m", "messages": m, "tools": "x"}),

@@ -75,6 +75,20 @@ impl Response {
             headers: vec![],
         }
     }
+
+    /// The answer was streamed on the connection already (`super::stream`), which then
+    /// closes.
+    pub(crate) fn streamed() -> Response {
+        Response {
+            status: 0,
+            body: Value::Null,
+            headers: vec![],
+        }
+    }
+
+    pub(crate) fn was_streamed(&self) -> bool {
+        self.status == 0
+    }
 }
 
 impl From<Error> for Response {

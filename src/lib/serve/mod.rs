@@ -3,11 +3,12 @@
 //! that collect into a batch file the later stages take unchanged.
 //!
 //! `http` reads requests and writes responses (std::net, a thread per connection); `api` is the
-//! OpenAI bodies; `worker` the generator thread that batches the requests through rollout's
+//! OpenAI bodies; `stream` a streamed answer's events; `worker` the generator thread that batches the requests through rollout's
 //! engine; `trajectory` the token-in-token-out record of multi-turn episodes and its batch.
 
 mod api;
 mod http;
+mod stream;
 mod trajectory;
 mod worker;
 
@@ -34,6 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use stream::{Kind, Streamer};
 use trajectory::{Trajectory, Turn};
 use worker::GenJob;
 
@@ -83,6 +85,11 @@ pub struct ServeArgs {
     /// Fraction in (0, 1] of the free GPU memory the KV pool of a batch takes, as rollout's.
     #[arg(long, default_value_t = 0.9, value_parser = range(Bound::Excluded(0.0f64), Bound::Included(1.0)))]
     pub gpu_memory_fraction: f64,
+    /// Generate on the warm daemon listening at SOCKET (`tandem daemon`, or a daemon group's
+    /// rank 0) with the policy it holds, instead of loading a copy here (default:
+    /// $TANDEM_DAEMON when set); --device must be the daemon's.
+    #[arg(long, value_name = "SOCKET")]
+    pub daemon: Option<PathBuf>,
     /// Directory that `POST /trajectories/collect` writes batch files into (and the server,
     /// on SIGINT/SIGTERM, the trajectories not collected yet).
     #[arg(long, value_name = "DIR")]
@@ -91,6 +98,9 @@ pub struct ServeArgs {
 
 /// How long a connection may wait for its next request (or the rest of one).
 const IDLE: Duration = Duration::from_secs(120);
+
+/// Where a streamed request's tokens go as they are drawn: `(sample, token, log-prob)`.
+type Sink<'a> = dyn FnMut(&[(usize, u32, f32)]) -> Result<(), Error> + 'a;
 
 /// Set by SIGTERM/SIGINT: stop accepting, write what is left to collect, exit.
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -109,6 +119,8 @@ struct Server {
     /// None: the model has no chat template (only /v1/completions).
     template: Option<ChatTemplate>,
     jobs: Sender<GenJob>,
+    /// The batches run on a daemon (`--daemon`).
+    on_daemon: bool,
     caps: Caps,
     args: ServeArgs,
     trajectories: Mutex<BTreeMap<String, Trajectory>>,
@@ -151,7 +163,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
         graphs: false,
         overlap: true,
     };
-    let jobs = worker::start(args.device, model.dir.clone(), tokenizer.clone(), limits)?;
+    let socket = crate::daemon::daemon_socket(args.daemon.as_deref());
+    let engine = match &socket {
+        None => worker::Engine::Local(args.device),
+        Some(socket) => worker::Engine::Daemon {
+            socket: socket.clone(),
+            model: args.model.clone(),
+            device: args.device,
+        },
+    };
+    let jobs = worker::start(engine, model.dir.clone(), tokenizer.clone(), limits)?;
     let listener = TcpListener::bind((host, args.port)).map_err(|e| {
         input_error(format!(
             "--host {host} --port {}: cannot listen: {e}",
@@ -171,6 +192,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tokenizer,
         template,
         jobs,
+        on_daemon: socket.is_some(),
         caps: Caps {
             max_tokens: args.max_tokens,
             max_n: args.max_n,
@@ -189,12 +211,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
+    let on = match &socket {
+        None => server.args.device.to_string(),
+        Some(s) => format!("the daemon at {} ({})", s.display(), server.args.device),
+    };
     eprintln!(
-        "serve: {} (policy_version {}) as '{}' on {}, listening on http://{}",
+        "serve: {} (policy_version {}) as '{}' on {on}, listening on http://{}",
         server.model.dir.display(),
         server.model.policy_version,
         server.name,
-        server.args.device,
         listener.local_addr()?
     );
     accept_loop(&server, &listener)?;
@@ -291,6 +316,9 @@ impl Server {
                     req.close,
                 ),
             };
+            if resp.was_streamed() {
+                return;
+            }
             if http::write_response(&mut &stream, &resp, close).is_err() || close {
                 return;
             }
@@ -315,10 +343,14 @@ impl Server {
             "POST" => f().map(Response::ok),
             _ => Err(Error::new(405, format!("{path} takes POST, not {method}"))),
         };
+        let answer = |f: &dyn Fn() -> Result<Response, Error>| match method {
+            "POST" => f(),
+            _ => Err(Error::new(405, format!("{path} takes POST, not {method}"))),
+        };
         match path {
             "/v1/models" if method == "GET" => Ok(Response::ok(self.models())),
-            "/v1/chat/completions" => post(&|| self.chat(req, sock)),
-            "/v1/completions" => post(&|| self.completion(req, sock)),
+            "/v1/chat/completions" => answer(&|| self.chat(req, sock)),
+            "/v1/completions" => answer(&|| self.completion(req, sock)),
             "/trajectories" if method == "GET" => Ok(Response::ok(self.list_trajectories())),
             "/trajectories/collect" => post(&|| self.collect(req)),
             p if p.starts_with("/trajectories/") && p.ends_with("/reward") => {
@@ -355,7 +387,7 @@ impl Server {
         format!("{prefix}-{:x}{n:x}", self.random & 0xffff_ffff)
     }
 
-    fn chat(&self, req: &http::Request, sock: &TcpStream) -> Result<Value, Error> {
+    fn chat(&self, req: &http::Request, sock: &TcpStream) -> Result<Response, Error> {
         let chat = api::parse_chat(&req.json()?, &self.caps)?;
         self.check_model(&chat.model)?;
         let Some(template) = &self.template else {
@@ -376,8 +408,7 @@ impl Server {
                 &chat.tools,
                 &[],
             )?;
-            let samples = self.generate(&prompt, &chat.sampling, sock)?;
-            return Ok(self.reply("chatcmpl", &prompt, &samples, api::chat_response));
+            return self.answer(Kind::Chat, &prompt, &chat.sampling, sock, &mut |_| {});
         };
         self.chat_turn(&id, &chat, template, sock)
     }
@@ -390,7 +421,7 @@ impl Server {
         chat: &api::ChatRequest,
         template: &ChatTemplate,
         sock: &TcpStream,
-    ) -> Result<Value, Error> {
+    ) -> Result<Response, Error> {
         if id.is_empty() || id.len() > 200 || id.chars().any(char::is_control) || id.contains('/') {
             return Err(Error::new(
                 400,
@@ -413,24 +444,21 @@ impl Server {
             &turns,
         )?;
         trajectory::check_extends(id, &turns, &prompt)?;
-        let samples = self.generate(&prompt, &chat.sampling, sock)?;
-        let turn = Turn::new(prompt.clone(), &samples[0]);
-        let mut messages: Vec<Value> = chat
-            .messages
-            .iter()
-            .map(|m| json!({"role": m.role, "content": m.text()}))
-            .collect();
-        messages.push(json!({"role": "assistant", "content": turn.text}));
-        let mut all = self
-            .trajectories
-            .lock()
-            .map_err(|_| Error::new(500, "poisoned"))?;
-        let t = all.entry(id.to_string()).or_default();
-        t.logprob_temperature = temperature;
-        t.turns.push(turn);
-        t.messages = Value::Array(messages);
-        drop(all);
-        Ok(self.reply("chatcmpl", &prompt, &samples, api::chat_response))
+        let record = &mut |samples: &[Completion]| {
+            let turn = Turn::new(prompt.clone(), &samples[0]);
+            let mut messages: Vec<Value> = chat
+                .messages
+                .iter()
+                .map(|m| json!({"role": m.role, "content": m.text()}))
+                .collect();
+            messages.push(json!({"role": "assistant", "content": turn.text}));
+            let mut all = self.trajectories.lock().expect("trajectories");
+            let t = all.entry(id.to_string()).or_default();
+            t.logprob_temperature = temperature;
+            t.turns.push(turn);
+            t.messages = Value::Array(messages);
+        };
+        self.answer(Kind::Chat, &prompt, &chat.sampling, sock, record)
     }
 
     /// Marks trajectory `id` busy (created when new) and returns its turns so far; a turn at
@@ -460,7 +488,7 @@ impl Server {
         Ok((t.turns.clone(), Busy(self, id.to_string())))
     }
 
-    fn completion(&self, req: &http::Request, sock: &TcpStream) -> Result<Value, Error> {
+    fn completion(&self, req: &http::Request, sock: &TcpStream) -> Result<Response, Error> {
         let c = api::parse_completion(&req.json()?, &self.caps)?;
         self.check_model(&c.model)?;
         let prompt = match c.prompt {
@@ -471,26 +499,62 @@ impl Server {
                 .map_err(|e| Error::new(400, format!("{e:#}")))?,
             api::Prompt::Ids(ids) => ids,
         };
-        let samples = self.generate(&prompt, &c.sampling, sock)?;
-        Ok(self.reply("cmpl", &prompt, &samples, api::completion_response))
+        self.answer(Kind::Completion, &prompt, &c.sampling, sock, &mut |_| {})
     }
 
-    fn reply(
+    /// Generates `prompt`'s samples, has `record` see them, and answers: one JSON body, or
+    /// with `stream` the events of `stream::Streamer` as the tokens are drawn.
+    fn answer(
         &self,
-        prefix: &str,
+        kind: Kind,
         prompt: &[u32],
-        samples: &[Completion],
-        f: fn(&Reply, &Tokenizer) -> Value,
-    ) -> Value {
-        let id = self.next_id(prefix);
-        let r = Reply {
-            id: &id,
-            model: &self.name,
-            created: now_s(),
-            prompt,
-            samples,
+        s: &Sampling,
+        sock: &TcpStream,
+        record: &mut dyn FnMut(&[Completion]),
+    ) -> Result<Response, Error> {
+        let (prefix, body): (_, fn(&Reply, &Tokenizer) -> Value) = match kind {
+            Kind::Chat => ("chatcmpl", api::chat_response),
+            Kind::Completion => ("cmpl", api::completion_response),
         };
-        f(&r, &self.tokenizer)
+        let (id, created) = (self.next_id(prefix), now_s());
+        if !s.stream {
+            let samples = self.generate(prompt, s, sock, None)?;
+            record(&samples);
+            let r = Reply {
+                id: &id,
+                model: &self.name,
+                created,
+                prompt,
+                samples: &samples,
+            };
+            return Ok(Response::ok(body(&r, &self.tokenizer)));
+        }
+        if self.on_daemon {
+            return Err(Error::new(
+                400,
+                "'stream': not served through a daemon (--daemon) yet; send stream=false",
+            ));
+        }
+        let mut st = Streamer::new(kind, &id, &self.name, created, prompt, &self.tokenizer, s);
+        let mut w = sock;
+        let result = {
+            let mut sink = |drawn: &[(usize, u32, f32)]| {
+                st.tokens(&mut w, drawn)
+                    .map_err(|_| Error::new(499, "the client went away"))
+            };
+            self.generate(prompt, s, sock, Some(&mut sink))
+        };
+        match result {
+            Ok(samples) => {
+                record(&samples);
+                let _ = st.finish(&mut w, &samples);
+            }
+            Err(e) if st.started() => {
+                let _ = st.fail(&mut w, &Response::from(e).body);
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(Response::streamed())
     }
 
     fn sampling(&self, s: &Sampling) -> SamplingParams {
@@ -508,6 +572,7 @@ impl Server {
         prompt: &[u32],
         s: &Sampling,
         sock: &TcpStream,
+        mut sink: Option<&mut Sink>,
     ) -> Result<Vec<Completion>, Error> {
         if prompt.is_empty() {
             return Err(Error::new(400, "the prompt is empty after tokenization"));
@@ -558,19 +623,38 @@ impl Server {
             stop_strings: s.stop.clone(),
         };
         let (tx, rx) = channel();
+        let (tokens, drawn) = channel();
         let gone = Arc::new(AtomicBool::new(false));
         let job = GenJob {
             request,
             params,
             gone: gone.clone(),
             reply: tx,
+            tokens: sink.is_some().then_some(tokens),
         };
         self.jobs
             .send(job)
             .map_err(|_| Error::new(503, "the generator stopped"))?;
+        // The tokens drawn so far go to the sink (a streamed answer); a failed write is a
+        // client gone.
+        let pass_on = |sink: &mut Option<&mut Sink>| -> Result<(), Error> {
+            let new: Vec<_> = drawn.try_iter().collect();
+            match sink {
+                Some(f) if !new.is_empty() => {
+                    f(&new).inspect_err(|_| gone.store(true, Ordering::SeqCst))
+                }
+                _ => Ok(()),
+            }
+        };
+        let tick = Duration::from_millis(if sink.is_some() { 20 } else { 50 });
         loop {
-            match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(answer) => return answer,
+            pass_on(&mut sink)?;
+            match rx.recv_timeout(tick) {
+                Ok(answer) => {
+                    // The tokens before the answer are all in the channel by now.
+                    pass_on(&mut sink)?;
+                    return answer;
+                }
                 Err(RecvTimeoutError::Disconnected) => {
                     return Err(Error::new(503, "the generator stopped"))
                 }

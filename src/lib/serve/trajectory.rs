@@ -246,11 +246,13 @@ pub(crate) fn batch_of(trajs: &[(String, Trajectory)]) -> Result<RecordBatch> {
             Arc::new(StringArray::from(messages)),
         ),
     ]);
-    let rewards: Option<Vec<f32>> = trajs.iter().map(|(_, t)| t.reward).collect();
-    if let Some(r) = rewards {
+    // Null where the client posted no reward: `score --reward agent` names those rows.
+    let rewards: Vec<Option<f32>> = trajs.iter().map(|(_, t)| t.reward).collect();
+    if rewards.iter().any(Option::is_some) {
+        let nullable = rewards.iter().any(Option::is_none);
         cols.push((
-            schema::field(schema::SCORE),
-            Arc::new(Float32Array::from(r)),
+            Field::new(schema::SCORE, DataType::Float32, nullable),
+            Arc::new(Float32Array::from(rewards)),
         ));
     }
     let (fields, arrays): (Vec<Field>, Vec<ArrayRef>) = cols.into_iter().unzip();

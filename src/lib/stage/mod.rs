@@ -1,7 +1,7 @@
 //! The stages, one module per binary: `rollout`, `score`, `ref_logprob`, `values` (a critic's
 //! values), `advantage`, `update` (the policy's, or with `--critic` the critic's), `sync_weights`,
 //! and `sft_batch` (`tandem sft-batch`); `save` is the daemon's `daemon-ctl
-//! save` job; `common` holds what they share.
+//! save` job and `generate` its job of `tandem serve --daemon`; `common` holds what they share.
 //!
 //! Each stage declares its flags once, as a clap `Args` struct with their help: the binary's
 //! command line, the pipeline spec's `[stage]` table (`crate::pipeline::spec` looks every key up
@@ -24,6 +24,7 @@
 
 pub mod advantage;
 pub mod common;
+pub mod generate;
 pub mod ref_logprob;
 pub mod rollout;
 pub mod save;
@@ -253,6 +254,8 @@ pub enum StageJob {
     SyncWeights(sync_weights::SyncWeightsArgs),
     /// `tandem daemon-ctl save`: not a stage binary, a job only a daemon runs.
     SavePolicy(save::SavePolicyArgs),
+    /// A generation batch of `tandem serve --daemon`: also a job only a daemon runs.
+    Generate(generate::GenerateArgs),
 }
 
 impl StageJob {
@@ -264,13 +267,14 @@ impl StageJob {
             StageJob::Update(_) => "update",
             StageJob::SyncWeights(_) => "sync-weights",
             StageJob::SavePolicy(_) => "save",
+            StageJob::Generate(_) => "generate",
         }
     }
 
     /// Whether the stage shares its work among several ranks ([`Topology::ranks`]): rollout and
     /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
-    /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's).
-    /// `sync-weights` runs on rank 0 alone.
+    /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's), a
+    /// served batch (`generate`) by requests. `sync-weights` runs on rank 0 alone.
     pub(crate) fn splits_over_ranks(&self) -> bool {
         StageJob::stage_splits_over_ranks(self.name())
     }
@@ -280,7 +284,7 @@ impl StageJob {
     pub(crate) fn stage_splits_over_ranks(name: &str) -> bool {
         matches!(
             name,
-            "rollout" | "ref-logprob" | "values" | "update" | "save"
+            "rollout" | "ref-logprob" | "values" | "update" | "save" | "generate"
         )
     }
 
@@ -292,7 +296,8 @@ impl StageJob {
             StageJob::RefLogprob(_)
             | StageJob::Values(_)
             | StageJob::SyncWeights(_)
-            | StageJob::SavePolicy(_) => None,
+            | StageJob::SavePolicy(_)
+            | StageJob::Generate(_) => None,
         }
     }
 
@@ -304,7 +309,7 @@ impl StageJob {
             StageJob::Update(a) => a.daemon.as_deref(),
             StageJob::SyncWeights(a) => a.daemon.as_deref(),
             StageJob::Values(a) => a.daemon.as_deref(),
-            StageJob::SavePolicy(_) => None,
+            StageJob::SavePolicy(_) | StageJob::Generate(_) => None,
         }
     }
 
@@ -315,6 +320,7 @@ impl StageJob {
             StageJob::RefLogprob(a) => Some(a.device),
             StageJob::Values(a) => Some(a.device),
             StageJob::Update(a) => Some(a.device),
+            StageJob::Generate(a) => Some(a.device),
             StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
         }
     }
@@ -328,6 +334,7 @@ impl StageJob {
             StageJob::Update(a) => update::run(a, exec),
             StageJob::SyncWeights(a) => sync_weights::run(a, exec),
             StageJob::SavePolicy(a) => save::save_policy(a, exec),
+            StageJob::Generate(a) => generate::run(a, exec),
         }
     }
 }

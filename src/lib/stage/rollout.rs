@@ -377,7 +377,7 @@ pub struct Generated {
 
 impl Generated {
     /// This rank's samples and counters as a payload for rank 0 ([`Generated::decode`]).
-    fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
         w.u64(self.completions.len() as u64);
         for samples in &self.completions {
@@ -433,7 +433,7 @@ impl Generated {
         w.finish()
     }
 
-    fn decode(bytes: &[u8]) -> Result<Generated> {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Generated> {
         let mut r = Reader::new(bytes);
         let prompts = r.u64()? as usize;
         let mut completions = Vec::with_capacity(prompts);
@@ -506,7 +506,7 @@ impl Generated {
     /// The ranks' generations (in rank order) as one: the samples in order, work summed, the
     /// seconds and peaks of the slowest rank (they ran at the same time), the least memory any
     /// rank had free; batch-invariant only if every rank was.
-    fn merge(parts: Vec<Generated>) -> Generated {
+    pub(crate) fn merge(parts: Vec<Generated>) -> Generated {
         let mut out = Generated {
             batch_invariant: true,
             ..Generated::default()

@@ -14,7 +14,7 @@ use std::time::Duration;
 #[derive(Args, Debug, Clone)]
 #[command(
     about = "Score the responses of a batch file with a reward rule or program",
-    after_help = "SPEC: gsm8k | math | exact | regex:PATTERN | cmd:PROGRAM [ARGS] | python:FILE.py[:FUNC]",
+    after_help = "SPEC: gsm8k | math | exact | regex:PATTERN | cmd:PROGRAM [ARGS] | python:FILE.py[:FUNC] | agent",
     mut_args = negative_numbers
 )]
 pub struct ScoreArgs {
@@ -24,7 +24,8 @@ pub struct ScoreArgs {
     /// Output batch: the input plus `score` (and `score_<key>` sub-scores).
     #[arg(long = "out", value_name = "B2")]
     pub output: PathBuf,
-    /// The reward: gsm8k, math, exact, regex:PATTERN, cmd:PROGRAM [ARGS], python:FILE.py[:FUNC].
+    /// The reward: gsm8k, math, exact, regex:PATTERN, cmd:PROGRAM [ARGS], python:FILE.py[:FUNC],
+    /// or agent (keep the `score` the agent posted to `tandem serve`; every row needs one).
     #[arg(long, value_name = "SPEC")]
     pub reward: String,
     /// Score of an answer that was found but is wrong (gsm8k, math, regex); any finite number.

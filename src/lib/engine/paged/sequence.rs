@@ -81,6 +81,9 @@ impl Seq {
         if let Some(t) = &mut self.traj {
             t.mask.push(1);
         }
+        if let Kind::Sample { sample, .. } = self.kind {
+            crate::engine::stream::emit(self.req, sample, d.token, d.logprob);
+        }
         let Some((reason, text)) = params.finish(&self.tokens[self.turn_start..], detok)? else {
             let total = self.tokens.len() - self.prompt_len;
             if limits.is_some_and(|l| total >= l.max_response_tokens) {

@@ -30,6 +30,7 @@ pub mod save;
 pub mod score;
 pub mod sft_batch;
 pub mod sync_weights;
+pub mod transfer;
 pub(crate) mod turns;
 pub mod update;
 pub mod values;
@@ -136,6 +137,18 @@ pub trait Hold {
     }
     /// `sync-weights` made the checkpoint `dir` the policy, as `policy_version`.
     fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()>;
+    /// This rank's part of a weight transfer between two daemon groups (`[placement]`): on
+    /// bridge rank 0 sends the policy `model` it holds, on the others receives it as the
+    /// policy they generate with.
+    fn transfer(
+        &mut self,
+        _model: &ModelRef,
+        _bridge: &transfer::Bridge,
+    ) -> Result<transfer::Transferred> {
+        bail_input!(
+            "the weight transfer runs between daemon groups (`tandem daemon-ctl transfer`, a [placement] run's)"
+        )
+    }
 }
 
 /// What the user sees of a stage while it runs.
@@ -257,6 +270,8 @@ pub enum StageJob {
     SyncWeights(sync_weights::SyncWeightsArgs),
     /// `tandem daemon-ctl save`: not a stage binary, a job only a daemon runs.
     SavePolicy(save::SavePolicyArgs),
+    /// One group's part of `tandem daemon-ctl transfer` (`[placement]`): a daemon job too.
+    Transfer(transfer::TransferArgs),
 }
 
 impl StageJob {
@@ -268,13 +283,14 @@ impl StageJob {
             StageJob::Update(_) => "update",
             StageJob::SyncWeights(_) => "sync-weights",
             StageJob::SavePolicy(_) => "save",
+            StageJob::Transfer(_) => "transfer",
         }
     }
 
     /// Whether the stage shares its work among several ranks ([`Topology::ranks`]): rollout and
     /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
-    /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's).
-    /// `sync-weights` runs on rank 0 alone.
+    /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's), the
+    /// weight transfer by bridge ranks. `sync-weights` runs on rank 0 alone.
     pub(crate) fn splits_over_ranks(&self) -> bool {
         StageJob::stage_splits_over_ranks(self.name())
     }
@@ -284,7 +300,7 @@ impl StageJob {
     pub(crate) fn stage_splits_over_ranks(name: &str) -> bool {
         matches!(
             name,
-            "rollout" | "ref-logprob" | "values" | "update" | "save"
+            "rollout" | "ref-logprob" | "values" | "update" | "save" | "transfer"
         )
     }
 
@@ -296,7 +312,8 @@ impl StageJob {
             StageJob::RefLogprob(_)
             | StageJob::Values(_)
             | StageJob::SyncWeights(_)
-            | StageJob::SavePolicy(_) => None,
+            | StageJob::SavePolicy(_)
+            | StageJob::Transfer(_) => None,
         }
     }
 
@@ -308,18 +325,18 @@ impl StageJob {
             StageJob::Update(a) => a.daemon.as_deref(),
             StageJob::SyncWeights(a) => a.daemon.as_deref(),
             StageJob::Values(a) => a.daemon.as_deref(),
-            StageJob::SavePolicy(_) => None,
+            StageJob::SavePolicy(_) | StageJob::Transfer(_) => None,
         }
     }
 
-    /// `--device`; None for sync-weights and save, which compute nothing.
+    /// `--device`; None for sync-weights, save and transfer, which compute nothing.
     pub fn device(&self) -> Option<Device> {
         match self {
             StageJob::Rollout(a) => Some(a.device),
             StageJob::RefLogprob(a) => Some(a.device),
             StageJob::Values(a) => Some(a.device),
             StageJob::Update(a) => Some(a.device),
-            StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
+            StageJob::SyncWeights(_) | StageJob::SavePolicy(_) | StageJob::Transfer(_) => None,
         }
     }
 
@@ -332,6 +349,7 @@ impl StageJob {
             StageJob::Update(a) => update::run(a, exec),
             StageJob::SyncWeights(a) => sync_weights::run(a, exec),
             StageJob::SavePolicy(a) => save::save_policy(a, exec),
+            StageJob::Transfer(a) => transfer::run(a, exec),
         }
     }
 }

@@ -305,6 +305,9 @@ pub(crate) struct Spec {
     pub(crate) eval: EvalSpec,
     #[serde(default)]
     pub(crate) checkpoint: CheckpointSpec,
+    /// Rollout and training on separate GPUs (`super::placement`); colocated without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) placement: Option<super::placement::PlacementSpec>,
 }
 
 /// A stage's flags from the spec: the arguments the runner passes it (in the stage's
@@ -357,7 +360,7 @@ pub(crate) struct Source<'a> {
 
 impl Source<'_> {
     /// `origin:LINE:COL` of `key` in `[table]`, or `origin` when it is not found.
-    fn at(&self, table: &str, key: &str) -> String {
+    pub(crate) fn at(&self, table: &str, key: &str) -> String {
         match self.text.and_then(|t| key_position(t, table, key)) {
             Some((line, col)) => format!("{}:{line}:{col}", self.origin),
             None => self.origin.to_string(),
@@ -653,6 +656,7 @@ impl Spec {
         let stages = spec.stages(&src)?;
         spec.check_dapo(&stages, &src)?;
         spec.agent(&stages, &src)?;
+        super::placement::check(&spec, &stages, &src)?;
         Ok(spec)
     }
 

@@ -19,8 +19,9 @@ pub(crate) enum Action {
         bin: &'static str,
         args: Vec<String>,
     },
-    /// Draw the step's prompts into `step-000K/prompts.parquet`.
-    SamplePrompts,
+    /// Draw step `step`'s prompts into its `step-000K/prompts.parquet` (the task's own step,
+    /// or in one-step-off mode the next one).
+    SamplePrompts { step: u64 },
     /// The rollout done by the user's agent against the served policy (`[rollout] agent`,
     /// `super::agent`): `prompts` in, the trajectories collected into `rollout`.
     Agent {
@@ -379,10 +380,9 @@ impl Plan {
     /// The tasks of training step `step` (1-based): sampling, the log-prob passes, advantage,
     /// update, sync, then the chores (prune, an evaluation, the metrics line).
     pub(crate) fn step_tasks(&self, step: u64) -> Vec<Task> {
-        let mut tasks = match self.samples_own(step) {
-            true => self.sampling_tasks(step),
-            false => Vec::new(),
-        };
+        // In one-step-off mode the step before drew the prompts and ran the rollout.
+        let own = usize::from(!self.samples_own(step)) * 2;
+        let mut tasks: Vec<Task> = self.sampling_tasks(step).into_iter().skip(own).collect();
         let mut last = self.logprob_tasks(step, &mut tasks);
         if self.spec.critic.is_some() {
             tasks.push(self.values_task(step, last));
@@ -427,7 +427,7 @@ impl Plan {
         };
         let mut tasks = vec![Task {
             name: "prompts",
-            action: Action::SamplePrompts,
+            action: Action::SamplePrompts { step },
         }];
         tasks.extend(self.sample_tasks(step, &files, derive_seed(self.spec.seed, &[step, 1])));
         tasks
@@ -691,11 +691,11 @@ impl Plan {
     pub(crate) fn describe(&self, step: u64, task: &Task) -> String {
         match &task.action {
             Action::Stage { bin, args } => self.stage_line(bin, args),
-            Action::SamplePrompts => format!(
+            Action::SamplePrompts { step } => format!(
                 "# pipeline: sample {} prompts of {} into {}",
                 self.spec.data.prompts_per_step,
                 self.spec.data.train.display(),
-                self.run.batch(step, "prompts").display()
+                self.run.batch(*step, "prompts").display()
             ),
             Action::Agent {
                 prompts, rollout, ..

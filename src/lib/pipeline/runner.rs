@@ -279,7 +279,7 @@ impl Runner {
         let plan = &self.plan;
         match &task.action {
             Action::Stage { bin, args } => self.run_stage(step, task.name, bin, args)?,
-            Action::SamplePrompts => self.sample_prompts(step)?,
+            Action::SamplePrompts { step: of } => self.sample_prompts(*of)?,
             Action::Agent {
                 prompts,
                 rollout,
@@ -434,7 +434,11 @@ impl Runner {
                 anyhow::bail!("an overlap runs stage commands");
             };
             self.ensure_side(s, self.plan.side_of(bin))?;
-            let (line, cmd) = self.prepare_stage(s, task.name, bin, args)?;
+            if s == step {
+                let note = "# pipeline: the next two commands run at once (one-step-off)";
+                self.append_command(step, note)?;
+            }
+            let (line, cmd) = self.prepare_stage(step, task.name, bin, args)?;
             ready.push((s, task.name, *bin, args, line, cmd));
         }
         let console = &self.console;
@@ -486,9 +490,10 @@ impl Runner {
             Side::Rollout => &mut self.rollout_daemon,
         };
         let started = daemon.ensure(plan, console, restarts)?;
+        // The group starts from the initial model (policy_version 0).
         let policy = self.plan.run.policy();
-        let behind = policy.exists()
-            && crate::stage::common::resolve_model(&policy)?.dir != self.plan.spec.model.path;
+        let behind =
+            policy.exists() && crate::stage::common::resolve_model(&policy)?.policy_version > 0;
         if started && side == Side::Rollout && behind {
             self.ensure_side(step, Side::Train)?;
             let task = self.plan.transfer_task(step).expect("a placed run");

@@ -13,15 +13,12 @@
 //! (`rollout_logprobs`), on which the rollout-correction options (`[update] rollout-is`,
 //! `rollout-rs`) act as they do on any mismatch.
 //!
-//! Without `[placement]` the run is colocated, as before.
+//! Without `[placement]` the run is colocated, as before. The spec's table and its checks are
+//! here; what the runner plans from it is `plan::placed`'s.
 
-use super::plan::{path_arg, Action, Plan, Task};
-use super::rundir::State;
-use super::spec::{Device, Source, Spec, Stages};
 use crate::bail_input;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
 
 /// How the two sides take turns.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,34 +65,36 @@ pub(crate) enum Side {
     Rollout,
 }
 
-/// `[placement]` against the rest of the spec, before anything runs: both sides non-empty,
-/// disjoint, no GPU twice, every GPU among the machine's `gpus`; the daemons it needs, and the
-/// spec's features it does not take.
-pub(crate) fn check(spec: &Spec, stages: &Stages, src: &Source) -> Result<()> {
-    let Some(p) = &spec.placement else {
-        return Ok(());
-    };
-    let at = |key: &str| src.at("placement", key);
-    for (key, gpus) in [
+/// `[placement]` `p` against the rest of the spec, before anything runs: both sides
+/// non-empty, disjoint, no GPU twice, every GPU among the machine's `gpus`; the daemons it
+/// needs (`daemon`), and none of the spec's features it does not take (`refused`: whether
+/// the spec uses each, and what it is). `at(key)` places a key in the spec file.
+pub(crate) fn check(
+    p: &PlacementSpec,
+    gpus: u64,
+    daemon: bool,
+    refused: &[(bool, &str)],
+    at: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    for (key, list) in [
         ("rollout-gpus", &p.rollout_gpus),
         ("train-gpus", &p.train_gpus),
     ] {
-        if gpus.is_empty() {
+        if list.is_empty() {
             bail_input!(
                 "{}: [placement] {key} is empty: each side needs at least one GPU",
                 at(key)
             );
         }
-        for (i, g) in gpus.iter().enumerate() {
-            if *g >= spec.gpus {
+        for (i, g) in list.iter().enumerate() {
+            if *g >= gpus {
                 bail_input!(
-                    "{}: [placement] {key}: GPU {g} is not among the machine's gpus = {} (GPUs 0 to {}); set gpus to the GPUs the run may use",
+                    "{}: [placement] {key}: GPU {g} is not among the machine's gpus = {gpus} (GPUs 0 to {}); set gpus to the GPUs the run may use",
                     at(key),
-                    spec.gpus,
-                    spec.gpus - 1
+                    gpus - 1
                 );
             }
-            if gpus[..i].contains(g) {
+            if list[..i].contains(g) {
                 bail_input!("{}: [placement] {key}: GPU {g} is listed twice", at(key));
             }
         }
@@ -112,26 +111,12 @@ pub(crate) fn check(spec: &Spec, stages: &Stages, src: &Source) -> Result<()> {
             at("bucket-mb")
         );
     }
-    if !spec.daemon {
+    if !daemon {
         bail_input!(
             "{}: [placement] needs daemon = true: each side is a daemon group that keeps its weights",
             at("rollout-gpus")
         );
     }
-    let refused = [
-        (
-            spec.rollout.contains_key("agent"),
-            "[rollout] agent (its rollout is the user's program against tandem serve)",
-        ),
-        (
-            stages.update.args.lora_rank > 0,
-            "[update] lora-rank (the transfer carries whole weights, not adapters)",
-        ),
-        (
-            p.mode == Mode::OneStepOff && spec.filter_groups().is_some(),
-            "mode = \"one-step-off\" with [algorithm] filter-groups (its rounds sample in the step itself)",
-        ),
-    ];
     if let Some((_, what)) = refused.iter().find(|(on, _)| *on) {
         bail_input!(
             "{}: [placement] does not take {what} yet",
@@ -139,148 +124,6 @@ pub(crate) fn check(spec: &Spec, stages: &Stages, src: &Source) -> Result<()> {
         );
     }
     Ok(())
-}
-
-impl Plan {
-    /// The run's placement, when rollout and training sit on separate GPUs.
-    pub(crate) fn placement(&self) -> Option<&PlacementSpec> {
-        self.spec.placement.as_ref()
-    }
-
-    /// Whether the next step's rollout overlaps this step's update.
-    pub(crate) fn one_step_off(&self) -> bool {
-        self.placement().is_some_and(|p| p.mode == Mode::OneStepOff)
-    }
-
-    /// Ranks of a side's daemon group: the placed side's GPUs, or `gpus` colocated.
-    pub(crate) fn ranks_of(&self, side: Side) -> u64 {
-        match (self.placement(), side) {
-            (None, _) => self.spec.gpus,
-            (Some(p), Side::Train) => p.train_gpus.len() as u64,
-            (Some(p), Side::Rollout) => p.rollout_gpus.len() as u64,
-        }
-    }
-
-    /// The side a stage binary runs on.
-    pub(crate) fn side_of(&self, bin: &str) -> Side {
-        match self.placement().is_some() && bin == "rollout" {
-            true => Side::Rollout,
-            false => Side::Train,
-        }
-    }
-
-    /// The socket of a side's daemon (rank 0's of its group).
-    pub(crate) fn socket_of(&self, side: Side) -> PathBuf {
-        match side {
-            Side::Train => self.daemon_socket(),
-            Side::Rollout => self.run.root.join("rollout.sock"),
-        }
-    }
-
-    /// `CUDA_VISIBLE_DEVICES` of a placed side's group on the GPU (its GPUs, as entries of
-    /// the visibility the runner itself was given): each rank then uses its local rank's.
-    pub(crate) fn visible_gpus(&self, side: Side) -> Option<String> {
-        let p = self
-            .placement()
-            .filter(|_| self.spec.device == Device::Cuda)?;
-        let gpus = match side {
-            Side::Train => &p.train_gpus,
-            Side::Rollout => &p.rollout_gpus,
-        };
-        let outer: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
-            .ok()
-            .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
-        let names: Vec<String> = gpus
-            .iter()
-            .map(|&g| match &outer {
-                Some(o) if (g as usize) < o.len() => o[g as usize].clone(),
-                _ => g.to_string(),
-            })
-            .collect();
-        Some(names.join(","))
-    }
-
-    /// The transfer of the current policy (the pointer `RUN/policy`) from the training group
-    /// to the rollout group, its metrics into step `step`'s `transfer.json`.
-    pub(crate) fn transfer_task(&self, step: u64) -> Option<Task> {
-        let p = self.placement()?;
-        let args = vec![
-            "daemon-ctl".into(),
-            "--socket".into(),
-            path_arg(&self.socket_of(Side::Train)),
-            "transfer".into(),
-            "--to".into(),
-            path_arg(&self.socket_of(Side::Rollout)),
-            "--model".into(),
-            path_arg(&self.run.policy()),
-            "--receivers".into(),
-            p.rollout_gpus.len().to_string(),
-            "--bucket-mb".into(),
-            p.bucket_mb.to_string(),
-            "--metrics".into(),
-            path_arg(&self.run.stage_metrics(step, "transfer")),
-        ];
-        Some(Task {
-            name: "transfer",
-            action: Action::Stage {
-                bin: "tandem",
-                args,
-            },
-        })
-    }
-
-    /// Step `step`'s update, and in one-step-off mode before the last step the next step's
-    /// prompts and its rollout beside the update (the rollout reads the policy pointer before
-    /// this step's sync moves it: one version behind).
-    pub(crate) fn update_tasks(&self, step: u64, update: Task, tasks: &mut Vec<Task>) {
-        if !self.one_step_off() || step >= self.spec.steps {
-            tasks.push(update);
-            return;
-        }
-        let next = step + 1;
-        let [prompts, rollout] = self.own_sampling(next);
-        tasks.push(Task {
-            name: "next-prompts",
-            action: prompts.action,
-        });
-        tasks.push(Task {
-            name: "update",
-            action: Action::Overlap(Box::new([update, rollout])),
-        });
-    }
-
-    /// Whether step `step` samples its own prompts and rollout: always, except in one-step-off
-    /// mode, where the step before did it beside its update.
-    pub(crate) fn samples_own(&self, step: u64) -> bool {
-        !self.one_step_off() || step == 1
-    }
-
-    /// Step `step`'s prompt draw and rollout (their files are the step's own).
-    fn own_sampling(&self, step: u64) -> [Task; 2] {
-        let mut t = self.sampling_tasks(step).into_iter();
-        let prompts = t.next().expect("prompts first");
-        let rollout = t.next().expect("then the rollout");
-        [prompts, rollout]
-    }
-
-    /// One-step-off's first step of a process (`state` before it) samples itself when the
-    /// step before did not leave its rollout: a run continued past its old last step (which
-    /// had no next step to sample for). Its draw and rollout go first.
-    pub(crate) fn catch_up(&self, state: &State, step: u64, tasks: &mut Vec<Task>) {
-        let first = step == state.steps_done + 1;
-        if self.samples_own(step) || !first || self.run.batch(step, "rollout").exists() {
-            return;
-        }
-        let own = self.own_sampling(step);
-        tasks.splice(0..0, own);
-    }
-
-    /// The steps whose prompts the sampler has drawn once step `to` is done: one more in
-    /// one-step-off mode, whose step `to` drew the next step's (when it did).
-    pub(crate) fn steps_drawn(&self, to: u64) -> u64 {
-        let ahead = self.one_step_off() && to >= 1 && self.run.batch(to + 1, "prompts").exists();
-        to + u64::from(ahead)
-    }
 }
 
 #[cfg(test)]

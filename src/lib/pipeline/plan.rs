@@ -846,5 +846,6 @@ impl Plan {
     }
 }
 
+mod placed;
 #[cfg(test)]
 mod tests;

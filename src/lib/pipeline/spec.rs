@@ -360,7 +360,7 @@ pub(crate) struct Source<'a> {
 
 impl Source<'_> {
     /// `origin:LINE:COL` of `key` in `[table]`, or `origin` when it is not found.
-    pub(crate) fn at(&self, table: &str, key: &str) -> String {
+    fn at(&self, table: &str, key: &str) -> String {
         match self.text.and_then(|t| key_position(t, table, key)) {
             Some((line, col)) => format!("{}:{line}:{col}", self.origin),
             None => self.origin.to_string(),
@@ -656,7 +656,7 @@ impl Spec {
         let stages = spec.stages(&src)?;
         spec.check_dapo(&stages, &src)?;
         spec.agent(&stages, &src)?;
-        super::placement::check(&spec, &stages, &src)?;
+        spec.check_placement(&stages, &src)?;
         Ok(spec)
     }
 
@@ -684,6 +684,30 @@ impl Spec {
             prompts_per_round: a.prompts_per_round.unwrap_or(self.data.prompts_per_step),
             on_cap: a.on_cap.unwrap_or(OnCap::Train),
         })
+    }
+
+    /// `[placement]` against the rest of the spec (`super::placement::check`).
+    fn check_placement(&self, stages: &Stages, src: &Source) -> Result<()> {
+        let Some(p) = &self.placement else {
+            return Ok(());
+        };
+        let one_step_off = p.mode == super::placement::Mode::OneStepOff;
+        let refused = [
+            (
+                self.rollout.contains_key("agent"),
+                "[rollout] agent (its rollout is the user's program against tandem serve)",
+            ),
+            (
+                stages.update.args.lora_rank > 0,
+                "[update] lora-rank (the transfer carries whole weights, not adapters)",
+            ),
+            (
+                one_step_off && self.filter_groups().is_some(),
+                "mode = \"one-step-off\" with [algorithm] filter-groups (its rounds sample in the step itself)",
+            ),
+        ];
+        let at = |key: &str| src.at("placement", key);
+        super::placement::check(p, self.gpus, self.daemon, &refused, &at)
     }
 
     /// `[algorithm]` and the overlong shaping against the stages' flags.

@@ -1,0 +1,151 @@
+//! What a run plans from its `[placement]` (`super::super::placement`): the side each stage
+//! runs on, the sides' daemon groups, the transfer after each sync, and one-step-off's tasks
+//! (the next step's prompts, and its rollout beside this step's update).
+
+use super::super::placement::{Mode, PlacementSpec, Side};
+use super::super::rundir::State;
+use super::super::spec::Device;
+use super::{path_arg, Action, Plan, Task};
+use std::path::PathBuf;
+
+impl Plan {
+    /// The run's placement, when rollout and training sit on separate GPUs.
+    pub(crate) fn placement(&self) -> Option<&PlacementSpec> {
+        self.spec.placement.as_ref()
+    }
+
+    /// Whether the next step's rollout overlaps this step's update.
+    pub(crate) fn one_step_off(&self) -> bool {
+        self.placement().is_some_and(|p| p.mode == Mode::OneStepOff)
+    }
+
+    /// Ranks of a side's daemon group: the placed side's GPUs, or `gpus` colocated.
+    pub(crate) fn ranks_of(&self, side: Side) -> u64 {
+        match (self.placement(), side) {
+            (None, _) => self.spec.gpus,
+            (Some(p), Side::Train) => p.train_gpus.len() as u64,
+            (Some(p), Side::Rollout) => p.rollout_gpus.len() as u64,
+        }
+    }
+
+    /// The side a stage binary runs on.
+    pub(crate) fn side_of(&self, bin: &str) -> Side {
+        match self.placement().is_some() && bin == "rollout" {
+            true => Side::Rollout,
+            false => Side::Train,
+        }
+    }
+
+    /// The socket of a side's daemon (rank 0's of its group).
+    pub(crate) fn socket_of(&self, side: Side) -> PathBuf {
+        match side {
+            Side::Train => self.daemon_socket(),
+            Side::Rollout => self.run.root.join("rollout.sock"),
+        }
+    }
+
+    /// `CUDA_VISIBLE_DEVICES` of a placed side's group on the GPU (its GPUs, as entries of
+    /// the visibility the runner itself was given): each rank then uses its local rank's.
+    pub(crate) fn visible_gpus(&self, side: Side) -> Option<String> {
+        let p = self
+            .placement()
+            .filter(|_| self.spec.device == Device::Cuda)?;
+        let gpus = match side {
+            Side::Train => &p.train_gpus,
+            Side::Rollout => &p.rollout_gpus,
+        };
+        let outer: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
+            .ok()
+            .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+        let names: Vec<String> = gpus
+            .iter()
+            .map(|&g| match &outer {
+                Some(o) if (g as usize) < o.len() => o[g as usize].clone(),
+                _ => g.to_string(),
+            })
+            .collect();
+        Some(names.join(","))
+    }
+
+    /// The transfer of the current policy (the pointer `RUN/policy`) from the training group
+    /// to the rollout group, its metrics into step `step`'s `transfer.json`.
+    pub(crate) fn transfer_task(&self, step: u64) -> Option<Task> {
+        let p = self.placement()?;
+        let args = vec![
+            "daemon-ctl".into(),
+            "--socket".into(),
+            path_arg(&self.socket_of(Side::Train)),
+            "transfer".into(),
+            "--to".into(),
+            path_arg(&self.socket_of(Side::Rollout)),
+            "--model".into(),
+            path_arg(&self.run.policy()),
+            "--receivers".into(),
+            p.rollout_gpus.len().to_string(),
+            "--bucket-mb".into(),
+            p.bucket_mb.to_string(),
+            "--metrics".into(),
+            path_arg(&self.run.stage_metrics(step, "transfer")),
+        ];
+        Some(Task {
+            name: "transfer",
+            action: Action::Stage {
+                bin: "tandem",
+                args,
+            },
+        })
+    }
+
+    /// Step `step`'s update, and in one-step-off mode before the last step the next step's
+    /// prompts and its rollout beside the update (the rollout reads the policy pointer before
+    /// this step's sync moves it: one version behind).
+    pub(crate) fn update_tasks(&self, step: u64, update: Task, tasks: &mut Vec<Task>) {
+        if !self.one_step_off() || step >= self.spec.steps {
+            tasks.push(update);
+            return;
+        }
+        let next = step + 1;
+        let [prompts, rollout] = self.own_sampling(next);
+        tasks.push(Task {
+            name: "next-prompts",
+            action: prompts.action,
+        });
+        tasks.push(Task {
+            name: "update",
+            action: Action::Overlap(Box::new([update, rollout])),
+        });
+    }
+
+    /// Whether step `step` samples its own prompts and rollout: always, except in one-step-off
+    /// mode, where the step before did it beside its update.
+    pub(crate) fn samples_own(&self, step: u64) -> bool {
+        !self.one_step_off() || step == 1
+    }
+
+    /// Step `step`'s prompt draw and rollout (their files are the step's own).
+    fn own_sampling(&self, step: u64) -> [Task; 2] {
+        let mut t = self.sampling_tasks(step).into_iter();
+        let prompts = t.next().expect("prompts first");
+        let rollout = t.next().expect("then the rollout");
+        [prompts, rollout]
+    }
+
+    /// One-step-off's first step of a process (`state` before it) samples itself when the
+    /// step before did not leave its rollout: a run continued past its old last step (which
+    /// had no next step to sample for). Its draw and rollout go first.
+    pub(crate) fn catch_up(&self, state: &State, step: u64, tasks: &mut Vec<Task>) {
+        let first = step == state.steps_done + 1;
+        if self.samples_own(step) || !first || self.run.batch(step, "rollout").exists() {
+            return;
+        }
+        let own = self.own_sampling(step);
+        tasks.splice(0..0, own);
+    }
+
+    /// The steps whose prompts the sampler has drawn once step `to` is done: one more in
+    /// one-step-off mode, whose step `to` drew the next step's (when it did).
+    pub(crate) fn steps_drawn(&self, to: u64) -> u64 {
+        let ahead = self.one_step_off() && to >= 1 && self.run.batch(to + 1, "prompts").exists();
+        to + u64::from(ahead)
+    }
+}

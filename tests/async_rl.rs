@@ -321,6 +321,17 @@ fn synchronous_placement_writes_the_colocated_runs_files() {
         .filter(|l| l.contains(" daemon-ctl ") && l.contains(" transfer "))
         .count();
     assert_eq!(transfers, 3, "{commands}");
+    // A bad [placement] is refused before anything runs: exit 2 naming the key and its line.
+    let bad = placed("[0, 1]", "[1, 2]", "sync");
+    let o = pipeline(d, "bad", Some(&bad), &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("bad.toml:28:")
+            && err.contains("[placement] train-gpus: GPU 1 is in rollout-gpus too"),
+        "{err}"
+    );
+    assert!(!d.join("bad").exists(), "{err}");
 }
 
 /// One step off-policy with 1 rollout + 2 training ranks: step k's rollout ran beside step

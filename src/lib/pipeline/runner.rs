@@ -356,6 +356,12 @@ impl Runner {
                 shell_quote(&path_arg(&plan.spec.model.path)),
             );
         }
+        if plan.placement().is_some() {
+            text += &format!(
+                "# and the rollout group ([placement]) the rollouts go to, the same way at {} (the\n# transfers are `daemon-ctl transfer` jobs between the two).\n",
+                shell_quote(&path_arg(&plan.socket_of(Side::Rollout)))
+            );
+        }
         text
     }
 

@@ -385,6 +385,23 @@ fn one_step_off_is_one_version_behind_deterministic_and_resumable() {
     );
     same_run(d, "a", "rank");
 
+    // A training rank dies in step 2's update (beside step 3's rollout): the update runs again
+    // alone on a new training group, from step 1's checkpoint files.
+    let marker = d.join("killed-update");
+    let log = pipeline_ok(
+        d,
+        "train-rank",
+        Some(&text),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_UPDATE", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+        ],
+    );
+    assert!(marker.exists(), "the training rank was not killed: {log}");
+    assert!(log.contains("update failed with the daemon gone"), "{log}");
+    same_run(d, "a", "train-rank");
+
     // The runner SIGKILLed while step 2's update and step 3's rollout run: the rerun continues
     // after step 1 (step 2 is the step lost) and ends as the undisturbed run.
     std::fs::write(d.join("runner.toml"), &text).unwrap();

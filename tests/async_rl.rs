@@ -121,7 +121,7 @@ fn transfer_case(train: usize, rollout: usize) {
     assert!(want.iter().any(|(n, t)| t.data != initial[n].data));
     let m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
-    assert_eq!(m["phase"], "transfer", "{m}");
+    assert_eq!(m["policy_version"], 0, "{m}");
     assert_eq!(m["receivers"], rollout, "{m}");
     // On the CPU an element travels as f32.
     let moved = m["elements"].as_u64().unwrap() as usize;

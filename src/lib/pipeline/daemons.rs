@@ -88,6 +88,14 @@ impl Daemon {
         }
     }
 
+    /// What the messages call it.
+    fn name(&self) -> &'static str {
+        match self.side {
+            Side::Train => "daemon",
+            Side::Rollout => "rollout group",
+        }
+    }
+
     /// The side's log file in the run directory.
     fn log_path(&self, plan: &Plan) -> PathBuf {
         match self.side {
@@ -169,15 +177,21 @@ impl Daemon {
             };
             *restarts += 1;
             let msg = format!(
-                "pipeline: the daemon died ({}); restarting it from the current policy ({} of at most {MAX_DAEMON_RESTARTS} restarts)",
+                "pipeline: the {} died ({}); restarting it {} ({} of at most {MAX_DAEMON_RESTARTS} restarts)",
+                self.name(),
                 status.unwrap_or_default(),
+                match self.side {
+                    Side::Train => "from the current policy",
+                    Side::Rollout => "from the initial model",
+                },
                 restarts
             );
             console.say(&msg);
             self.proc = None;
             if *restarts > MAX_DAEMON_RESTARTS {
                 anyhow::bail!(
-                    "the daemon died {restarts} times; giving up (see {})",
+                    "the {} died {restarts} times; giving up (see {})",
+                    self.name(),
                     self.log_path(plan).display()
                 );
             }

@@ -93,7 +93,6 @@ pub(crate) fn run<E: Hold + Console + Topology + ?Sized>(
     if rank == 1 {
         if let Some(path) = &args.metrics {
             let metrics = serde_json::json!({
-                "phase": "transfer",
                 "policy_version": model.policy_version,
                 "receivers": args.receivers,
                 "buckets": moved.buckets,

@@ -191,6 +191,8 @@ impl Plan {
             .into_iter()
             .map(|t| (0, t))
             .chain(self.step_tasks(step).into_iter().map(|t| (step, t)))
+            // One-step-off's step samples in the step before: its rollout is checked here too.
+            .chain(self.sampling_tasks(step).into_iter().map(|t| (step, t)))
             .chain(self.first_round_tasks(step).into_iter().map(|t| (step, t)))
             .chain(
                 (self.spec.eval.every > 0)

@@ -149,3 +149,117 @@ impl Plan {
         to + u64::from(ahead)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::rundir::RunDir;
+    use super::super::super::spec::Spec;
+    use super::*;
+
+    fn plan(mode: &str) -> Plan {
+        let text = format!(
+            "steps = 2\ngpus = 3\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1, 2]\nmode = \"{mode}\"\n"
+        );
+        let spec = Spec::parse(&text, "s.toml").unwrap();
+        Plan::new(spec, RunDir::new("r"), PathBuf::from("bin")).unwrap()
+    }
+
+    fn names(tasks: &[Task]) -> Vec<&'static str> {
+        tasks.iter().map(|t| t.name).collect()
+    }
+
+    #[test]
+    fn one_step_off_samples_the_next_step_beside_the_update() {
+        let p = plan("one-step-off");
+        assert_eq!(
+            names(&p.step_tasks(1)),
+            [
+                "prompts",
+                "rollout",
+                "score",
+                "advantage",
+                "next-prompts",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        // The last step has no next step: its update runs alone.
+        assert_eq!(
+            names(&p.step_tasks(2)),
+            [
+                "score",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        let tasks = p.step_tasks(1);
+        let Action::Overlap(pair) = &tasks[5].action else {
+            panic!("{:?}", tasks[5]);
+        };
+        let args = |t: &Task| match &t.action {
+            Action::Stage { bin, args } => (*bin, args.join(" ")),
+            other => panic!("{other:?}"),
+        };
+        let (bin, update) = args(&pair[0]);
+        assert_eq!(bin, "update");
+        assert!(update.contains("--daemon r/daemon.sock"), "{update}");
+        let (bin, rollout) = args(&pair[1]);
+        assert_eq!(bin, "rollout");
+        // Step 2's files, from the pointer as it stands before step 1's sync, on the rollout group.
+        assert!(
+            rollout.contains("--model r/policy --in r/step-0002/prompts.parquet --out r/step-0002/rollout.parquet"),
+            "{rollout}"
+        );
+        assert!(
+            rollout.contains("--step 2 ") && rollout.contains("--daemon r/rollout.sock"),
+            "{rollout}"
+        );
+        assert_eq!(
+            tasks[4].action,
+            Action::SamplePrompts { step: 2 },
+            "next-prompts draws step 2's"
+        );
+        let (bin, transfer) = args(&tasks[7]);
+        assert_eq!(bin, "tandem");
+        assert_eq!(
+            transfer,
+            "daemon-ctl --socket r/daemon.sock transfer --to r/rollout.sock --model r/policy --receivers 1 --bucket-mb 256 --metrics r/step-0001/metrics/transfer.json"
+        );
+    }
+
+    #[test]
+    fn sync_placement_keeps_the_colocated_order_and_adds_the_transfer() {
+        let p = plan("sync");
+        assert_eq!(
+            names(&p.step_tasks(1)),
+            [
+                "prompts",
+                "rollout",
+                "score",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        assert_eq!((p.ranks_of(Side::Train), p.ranks_of(Side::Rollout)), (2, 1));
+        assert_eq!(p.side_of("rollout"), Side::Rollout);
+        assert_eq!(p.side_of("ref-logprob"), Side::Train);
+        assert_eq!(p.daemon_launch_prefix(Side::Rollout), Vec::<String>::new());
+        assert_eq!(
+            p.daemon_launch_prefix(Side::Train)[..3],
+            ["launch", "--nproc-per-node", "2"]
+        );
+        // CPU ranks: no CUDA_VISIBLE_DEVICES.
+        assert_eq!(p.visible_gpus(Side::Train), None);
+    }
+}

@@ -392,8 +392,9 @@ impl Plan {
         }
         self.advantage_tasks(step, last, &mut tasks);
         tasks.extend(self.critic_task(step));
-        if self.trains_policy(step) {
-            self.update_tasks(step, self.update_task(step), &mut tasks);
+        let trains = self.trains_policy(step);
+        self.update_tasks(step, trains.then(|| self.update_task(step)), &mut tasks);
+        if trains {
             tasks.push(self.sync_task(&self.run.ckpt(step), step));
             tasks.extend(self.transfer_task(step));
         }

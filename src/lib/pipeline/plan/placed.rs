@@ -96,23 +96,29 @@ impl Plan {
         })
     }
 
-    /// Step `step`'s update, and in one-step-off mode before the last step the next step's
-    /// prompts and its rollout beside the update (the rollout reads the policy pointer before
-    /// this step's sync moves it: one version behind).
-    pub(crate) fn update_tasks(&self, step: u64, update: Task, tasks: &mut Vec<Task>) {
+    /// Step `step`'s update (None in the critic's warm-up, which trains no policy), and in
+    /// one-step-off mode before the last step the next step's prompts and its rollout beside
+    /// the update (the rollout reads the policy pointer before this step's sync moves it: one
+    /// version behind; alone when there is no update).
+    pub(crate) fn update_tasks(&self, step: u64, update: Option<Task>, tasks: &mut Vec<Task>) {
         if !self.one_step_off() || step >= self.spec.steps {
-            tasks.push(update);
+            tasks.extend(update);
             return;
         }
-        let next = step + 1;
-        let [prompts, rollout] = self.own_sampling(next);
+        let [prompts, rollout] = self.own_sampling(step + 1);
         tasks.push(Task {
             name: "next-prompts",
             action: prompts.action,
         });
-        tasks.push(Task {
-            name: "update",
-            action: Action::Overlap(Box::new([update, rollout])),
+        tasks.push(match update {
+            Some(update) => Task {
+                name: "update",
+                action: Action::Overlap(Box::new([update, rollout])),
+            },
+            None => Task {
+                name: "next-rollout",
+                action: rollout.action,
+            },
         });
     }
 
@@ -231,6 +237,22 @@ mod tests {
         assert_eq!(
             transfer,
             "daemon-ctl --socket r/daemon.sock transfer --to r/rollout.sock --model r/policy --receivers 1 --bucket-mb 256 --metrics r/step-0001/metrics/transfer.json"
+        );
+    }
+
+    #[test]
+    fn a_critic_warm_up_step_still_samples_the_next_step() {
+        let text = "steps = 2\ngpus = 2\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"gae\"\n[critic]\ncritic-warmup = 1\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\n";
+        let spec = Spec::parse(text, "s.toml").unwrap();
+        let p = Plan::new(spec, RunDir::new("r"), PathBuf::from("bin")).unwrap();
+        let names = names(&p.step_tasks(1));
+        assert!(
+            names.ends_with(&["critic", "next-prompts", "next-rollout", "prune", "metrics"]),
+            "{names:?}"
+        );
+        assert!(
+            !names.contains(&"update") && !names.contains(&"transfer"),
+            "{names:?}"
         );
     }
 

@@ -68,7 +68,7 @@ fn launch_ok(n: usize, stage: &str, args: &[&str]) -> Output {
 
 /// Every column of `b` equal to `a`'s: the integer and text columns exactly, the float lists
 /// to 1e-5 (the CPU GEMM blocks rows by the row count of a step, which the split changes).
-fn same_rows(a: &Batch, b: &Batch, what: &str) {
+pub(crate) fn same_rows(a: &Batch, b: &Batch, what: &str) {
     let (ra, rb) = (&a.data, &b.data);
     assert_eq!(
         ra.schema().fields(),
@@ -495,13 +495,19 @@ fn torchrun_variables_share_the_rollout() {
 
 /// A daemon group: `tandem launch --nproc-per-node n -- tandem daemon ...` on CPU ranks.
 /// Dropping it stops the launcher (and with it every rank).
-struct DaemonGroup {
+pub(crate) struct DaemonGroup {
     launcher: std::process::Child,
     socket: PathBuf,
 }
 
 impl DaemonGroup {
-    fn start(cwd: &Path, n: usize, socket: &Path, policy: &Path, extra: &[&str]) -> DaemonGroup {
+    pub(crate) fn start(
+        cwd: &Path,
+        n: usize,
+        socket: &Path,
+        policy: &Path,
+        extra: &[&str],
+    ) -> DaemonGroup {
         use std::os::unix::process::CommandExt;
         let mut c = Command::new(TANDEM);
         for k in [
@@ -585,7 +591,7 @@ fn ctl(socket: &Path, what: &str) -> Output {
 }
 
 /// `daemon-ctl --socket SOCKET ARGS...`.
-fn ctl_with(socket: &Path, args: &[&str]) -> Output {
+pub(crate) fn ctl_with(socket: &Path, args: &[&str]) -> Output {
     Command::new(TANDEM)
         .args(["daemon-ctl", "--socket", p(socket)])
         .args(args)

@@ -1,9 +1,11 @@
 //! `tandem daemon-ctl`: ask a running daemon for its health or status, have it write the policy
-//! it holds to files (`save`, the way out of `update --resident`), or stop it.
+//! it holds to files (`save`, the way out of `update --resident`), move the policy it holds to
+//! another daemon group (`transfer`, a `[placement]` run's weight sync), or stop it.
 
 use super::client::{request, run_job};
 use super::protocol::{Request, Response};
 use crate::stage::save::SavePolicyArgs;
+use crate::stage::transfer::{Side, TransferArgs};
 use crate::stage::StageJob;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
@@ -21,6 +23,10 @@ pub enum CtlCommand {
     Save,
     /// Stop the daemon after its running job; the socket is removed.
     Shutdown,
+    /// Send the policy --model that this daemon (group) holds to every rank of the daemon
+    /// (group) at --to, in buckets over a communicator between them; the receivers generate
+    /// with it from then on (a queued job on both).
+    Transfer,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -36,8 +42,24 @@ pub struct DaemonCtlArgs {
     pub out: Option<PathBuf>,
     /// save: only if the daemon holds this checkpoint (a directory, resident or not, or a
     /// sync-weights pointer) [default: whatever policy it holds].
-    #[arg(long)]
+    #[arg(long, required_if_eq("command", "transfer"))]
     pub model: Option<PathBuf>,
+    /// transfer: the receiving daemon's socket (rank 0's of its group).
+    #[arg(long, required_if_eq("command", "transfer"))]
+    pub to: Option<PathBuf>,
+    /// transfer: ranks of the receiving group.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub receivers: u64,
+    /// transfer: MiB of a bucket, counted at 4 bytes an element (the CPU's f32; a GPU's bf16
+    /// buckets take half).
+    #[arg(long, default_value_t = 256)]
+    pub bucket_mb: u64,
+    /// transfer: the rendezvous port of the two groups on 127.0.0.1 [default: a free one].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// transfer: write its metrics here (JSON: seconds, bytes, GB/s).
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
 }
 
 pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
@@ -53,6 +75,7 @@ pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
             });
             return run_job(&args.socket, job);
         }
+        CtlCommand::Transfer => return transfer(&args),
     };
     match request(&args.socket, &req)? {
         Response::Status { status } => println!("{}", serde_json::to_string_pretty(&status)?),
@@ -61,4 +84,44 @@ pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
         other => anyhow::bail!("unexpected answer: {other:?}"),
     }
     Ok(())
+}
+
+/// `daemon-ctl transfer`: both groups' parts at once (each waits for the other at the bridge's
+/// rendezvous); fails naming the side that failed.
+fn transfer(args: &DaemonCtlArgs) -> Result<()> {
+    let model = args
+        .model
+        .clone()
+        .expect("clap requires --model with transfer");
+    let to = args.to.clone().expect("clap requires --to with transfer");
+    if args.bucket_mb == 0 {
+        crate::bail_input!("--bucket-mb must be at least 1");
+    }
+    let port = match args.port {
+        Some(p) => p,
+        None => crate::parallel::launch::free_port("127.0.0.1")?,
+    };
+    let job = |side: Side| {
+        StageJob::Transfer(TransferArgs {
+            model: model.clone(),
+            side,
+            port,
+            receivers: args.receivers as usize,
+            bucket_elems: (args.bucket_mb as usize) << 18,
+            metrics: (side == Side::Receive)
+                .then(|| args.metrics.clone())
+                .flatten(),
+        })
+    };
+    let (sent, received) = std::thread::scope(|s| {
+        let send = s.spawn(|| run_job(&args.socket, job(Side::Send)));
+        let received = run_job(&to, job(Side::Receive));
+        (send.join(), received)
+    });
+    let sent = sent.unwrap_or_else(|_| Err(anyhow::anyhow!("the sending client panicked")));
+    match (sent, received) {
+        (Ok(()), Ok(())) => Ok(()),
+        (Err(e), _) => Err(e.context(format!("transfer: the sender {}", args.socket.display()))),
+        (_, Err(e)) => Err(e.context(format!("transfer: the receiver {}", to.display()))),
+    }
 }

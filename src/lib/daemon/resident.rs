@@ -49,10 +49,12 @@ use crate::model::decoder::{Decoder, TokenStats};
 use crate::model::lora::LoraSpec;
 use crate::model::peft;
 use crate::model::{Config, Weights};
-use crate::parallel::ProcessGroup;
+use crate::parallel::bucket::{broadcast_buckets, BucketPlan};
+use crate::parallel::{ProcessGroup, World};
 use crate::stage::common::Device;
 use crate::stage::ref_logprob::{LogprobColumn, Score, Scored};
 use crate::stage::rollout::{Generate, Generated};
+use crate::stage::transfer::{Bridge, Transferred};
 use crate::stage::{Compute, Console, Hold, Topology};
 use anyhow::Result;
 use indicatif::ProgressBar;
@@ -174,6 +176,8 @@ pub struct Resident<B: Backend> {
     make: Box<dyn Fn() -> Result<B>>,
     /// In a daemon group: the communicator of a sharded update (None: a lone daemon).
     make_comm: Option<MakeComm<B>>,
+    /// The communicator of a weight transfer between groups (`[placement]`), on any daemon.
+    make_bridge: Option<MakeComm<B>>,
     pub device: Device,
     /// The socket the daemon serves (named in resident directories).
     socket: Option<PathBuf>,
@@ -201,6 +205,7 @@ impl<B: Backend> Resident<B> {
         Resident {
             make,
             make_comm: None,
+            make_bridge: None,
             device,
             socket: None,
             opts,
@@ -220,6 +225,12 @@ impl<B: Backend> Resident<B> {
     /// communicators from `make_comm`.
     pub(crate) fn set_comm_maker(&mut self, make_comm: MakeComm<B>) {
         self.make_comm = Some(make_comm);
+    }
+
+    /// How the daemon makes the communicator of a weight transfer (every daemon can be an end
+    /// of one).
+    pub(crate) fn set_bridge_maker(&mut self, make: MakeComm<B>) {
+        self.make_bridge = Some(make);
     }
 
     /// The socket the daemon listens on, named in the resident directories it writes.
@@ -758,6 +769,82 @@ impl<B: Backend> Resident<B> {
         p.decoder.set_adapters_on(true);
         self.note("reference_is_lora_base", true);
         out
+    }
+
+    /// This rank's part of a weight transfer (`stage::transfer`) on the bridge `bridge`: rank 0
+    /// sends the weights the policy `model` generates with (bf16 on a GPU; on the CPU the f32
+    /// values of their bf16 rounding); every other rank receives them into a decoder for
+    /// generation, which becomes its policy under `model`'s name and version (the old one is
+    /// dropped first: peak memory is one policy). The bridge is a process group of its own whose
+    /// failure is this job's error, not the daemon's end.
+    pub(crate) fn transfer(&mut self, model: &ModelRef, bridge: &Bridge) -> Result<Transferred> {
+        let make = self
+            .make_bridge
+            .clone()
+            .expect("every daemon sets its bridge maker");
+        let started = Instant::now();
+        let opts = crate::parallel::Options {
+            timeout: crate::parallel::Options::from_env()?.timeout,
+            exit_grace: None,
+        };
+        let world = World::local(bridge.rank, bridge.world, bridge.port);
+        let pg = ProcessGroup::new(world, opts)?;
+        let sender = bridge.rank == 0;
+        let mut received = None;
+        let dec = match sender {
+            true => self.generation(Role::Policy, model)?,
+            false => {
+                self.observe();
+                self.policy = None;
+                let cfg = ModelDir::load_config(&model.dir)?;
+                let dec = received.insert(Decoder::unfilled_for_generation((self.make)()?, &cfg)?);
+                // Zeroed on its stream before the communicator writes into it.
+                dec.backend().synchronize()?;
+                dec
+            }
+        };
+        let comm = make(dec.backend(), &pg)?;
+        let sizes: Vec<usize> = dec
+            .param_shapes()
+            .iter()
+            .map(|s| s.iter().product())
+            .collect();
+        let plan = BucketPlan::new(&sizes, bridge.bucket_elems, 1)?;
+        let dtype = dec.backend().compute_dtype();
+        let t0 = Instant::now();
+        let (backend, weights) = dec.weights_mut();
+        let moved = broadcast_buckets(backend, comm.as_ref(), &plan, dtype, weights, 0)?;
+        backend.synchronize()?;
+        let broadcast_seconds = t0.elapsed().as_secs_f64();
+        drop(comm);
+        pg.finish()?;
+        if let Some(decoder) = received {
+            self.policy = Some(PolicySlot {
+                keys: vec![ModelKey::of(&model.dir)?],
+                files: model.dir.clone(),
+                trainer: None,
+                decoder,
+                schedule_step: 0,
+                from_master: false,
+                gen: None,
+                parked: None,
+                sharded: None,
+                comm: None,
+                lora_base: None,
+                lora_base_key: None,
+            });
+            self.policy_version = model.policy_version;
+        }
+        let out = Transferred {
+            buckets: moved.buckets,
+            elements: moved.elements,
+            bytes: moved.bytes,
+            seconds: started.elapsed().as_secs_f64(),
+            broadcast_seconds,
+        };
+        self.note("transfer_bytes", out.bytes);
+        self.note("transfer_seconds", out.seconds);
+        Ok(out)
     }
 }
 

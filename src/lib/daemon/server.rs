@@ -31,6 +31,7 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::bail_input;
 use crate::engine::cancel::{self, Cancel};
+use crate::engine::policy::kept::MakeComm;
 use crate::engine::policy::{
     resolve_model, HeldPolicy, Holder, ModelRef, SavedShards, Sharding, Train, Trained,
 };
@@ -40,6 +41,7 @@ use crate::parallel::exchange::{as_local, RankFailed};
 use crate::parallel::health::Health;
 use crate::parallel::{Comm, Exchange, HostComm, NcclComm, ProcessGroup, World};
 use crate::stage::common::{after_rank0, Device};
+use crate::stage::transfer::{Bridge, Transferred};
 use crate::stage::{ref_logprob, rollout, Compute, Console, Hold, StageJob, Topology};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -202,10 +204,12 @@ pub fn run(args: DaemonArgs) -> Result<()> {
     match device {
         Device::Cpu => {
             let mut resident = Resident::new(Box::new(|| Ok(Cpu)), device, opts);
+            let make: MakeComm<Cpu> = Rc::new(|_: &Cpu, pg: &ProcessGroup| {
+                Ok(Box::new(HostComm::new(pg)?) as Box<dyn Comm<Cpu>>)
+            });
+            resident.set_bridge_maker(make.clone());
             if group.is_some() {
-                resident.set_comm_maker(Rc::new(|_: &Cpu, pg: &ProcessGroup| {
-                    Ok(Box::new(HostComm::new(pg)?) as Box<dyn Comm<Cpu>>)
-                }));
+                resident.set_comm_maker(make);
             }
             serve(&args, resident, group)
         }
@@ -214,10 +218,12 @@ pub fn run(args: DaemonArgs) -> Result<()> {
             CudaBackend::new(n)?;
             let make = Box::new(move || crate::backend::ops::open_cuda(n));
             let mut resident = Resident::new(make, device, opts);
+            let make: MakeComm<CudaBackend> = Rc::new(|b: &CudaBackend, pg: &ProcessGroup| {
+                Ok(Box::new(NcclComm::new(b, pg)?) as Box<dyn Comm<CudaBackend>>)
+            });
+            resident.set_bridge_maker(make.clone());
             if group.is_some() {
-                resident.set_comm_maker(Rc::new(|b: &CudaBackend, pg: &ProcessGroup| {
-                    Ok(Box::new(NcclComm::new(b, pg)?) as Box<dyn Comm<CudaBackend>>)
-                }));
+                resident.set_comm_maker(make);
             }
             serve(&args, resident, group)
         }
@@ -987,6 +993,11 @@ impl<B: Backend> Hold for Watched<'_, B> {
     fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()> {
         cancel::check()?;
         self.0.publish(dir, policy_version)
+    }
+
+    fn transfer(&mut self, model: &ModelRef, bridge: &Bridge) -> Result<Transferred> {
+        cancel::check()?;
+        self.0.transfer(model, bridge)
     }
 }
 

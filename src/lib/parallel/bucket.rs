@@ -7,6 +7,10 @@
 //! bucket and ends with every tensor in full. It all-gathers bucket b into one of two staging
 //! buffers while it copies bucket b − 1 out of the other into the tensors, so the extra memory
 //! is two buckets.
+//!
+//! [`broadcast_buckets`] is the weight transfer between two groups (trainer to rollout ranks,
+//! `[placement]`): the root packs each bucket of its tensors into a staging buffer and
+//! broadcasts it; the others unpack it into theirs, bucket b − 1 while bucket b travels.
 
 use super::comm::{Collective, Comm};
 use crate::backend::{Backend, DType};
@@ -213,6 +217,79 @@ impl<B: Backend> WeightSync<B> {
     }
 }
 
+/// What one bucketed broadcast moved.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Moved {
+    pub buckets: usize,
+    pub elements: usize,
+    /// Bytes on the wire: elements times the size of the transfer's dtype.
+    pub bytes: usize,
+}
+
+/// Every tensor of `tensors` (sizes as in `plan`, which must be a plan of world size 1: whole
+/// buckets, no shards) sent from rank `root` to every rank of `comm`, bucket by bucket through
+/// two staging buffers of `dtype`: the root packs bucket b + 1 while bucket b travels, the
+/// others unpack bucket b − 1 meanwhile. The root's tensors are read, the others' written.
+pub fn broadcast_buckets<B: Backend>(
+    backend: &B,
+    comm: &dyn Comm<B>,
+    plan: &BucketPlan,
+    dtype: DType,
+    tensors: &mut [B::Buf],
+    root: usize,
+) -> Result<Moved> {
+    if plan.world_size != 1 || tensors.len() != plan.sizes.len() {
+        bail!(
+            "bucketed broadcast: {} tensors for a plan of {} tensors over {} ranks (needs 1)",
+            tensors.len(),
+            plan.sizes.len(),
+            plan.world_size
+        );
+    }
+    let sender = comm.rank() == root;
+    let n = plan.max_padded();
+    let mut staging = [backend.alloc_as(n, dtype)?, backend.alloc_as(n, dtype)?];
+    // Packs (root) or unpacks (the others) bucket `b` between `buf` and the tensors.
+    let shuttle = |b: usize, buf: &mut B::Buf, tensors: &mut [B::Buf]| -> Result<()> {
+        let bucket = &plan.buckets[b];
+        for (t, &off) in bucket.tensors.clone().zip(&bucket.offsets) {
+            match sender {
+                true => backend.copy(buf, off, &tensors[t], 0, plan.sizes[t])?,
+                false => backend.copy(&mut tensors[t], 0, buf, off, plan.sizes[t])?,
+            }
+        }
+        Ok(())
+    };
+    let last = plan.buckets.len().checked_sub(1);
+    if sender && last.is_some() {
+        shuttle(0, &mut staging[0], tensors)?;
+    }
+    for (b, bucket) in plan.buckets.iter().enumerate() {
+        let [even, odd] = &mut staging;
+        let (cur, other) = match b % 2 {
+            0 => (even, odd),
+            _ => (odd, even),
+        };
+        let c = Collective::broadcast(cur, 0, bucket.len, root).as_dtype(dtype);
+        let work = comm.start(vec![c])?;
+        match sender {
+            true if b + 1 < plan.buckets.len() => shuttle(b + 1, other, tensors)?,
+            false if b > 0 => shuttle(b - 1, other, tensors)?,
+            _ => {}
+        }
+        work.wait()?;
+    }
+    if let (false, Some(last)) = (sender, last) {
+        shuttle(last, &mut staging[last % 2], tensors)?;
+    }
+    let elements = plan.total();
+    Ok(Moved {
+        buckets: plan.buckets.len(),
+        elements,
+        bytes: elements * super::comm::dtype_bytes(dtype),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,5 +331,58 @@ mod tests {
         let t: Vec<Range<usize>> = split.buckets.iter().map(|b| b.tensors.clone()).collect();
         assert_eq!(t, vec![0..2, 2..3]);
         assert!(BucketPlan::new(&[], 10, 2).unwrap().buckets.is_empty());
+    }
+
+    #[test]
+    fn a_bucketed_broadcast_gives_every_rank_the_roots_tensors() {
+        use crate::backend::cpu::Cpu;
+        use crate::parallel::testing::ranks;
+        use crate::parallel::HostComm;
+        let sizes = [5usize, 300, 7, 1000, 2];
+        // Buckets [5, 300, 7], [1000] (its own), [2]: both staging buffers take turns.
+        let plan = BucketPlan::new(&sizes, 400, 1).unwrap();
+        assert_eq!(plan.buckets.len(), 3);
+        let out = ranks(3, std::time::Duration::from_secs(20), move |pg| {
+            let comm = HostComm::new(&pg).unwrap();
+            let root = 1;
+            let mut tensors: Vec<Vec<f32>> = sizes
+                .iter()
+                .enumerate()
+                .map(|(t, &n)| match pg.rank() == root {
+                    true => (0..n).map(|i| (t * 10_000 + i) as f32 + 0.25).collect(),
+                    false => vec![-1.0; n],
+                })
+                .collect();
+            let moved =
+                broadcast_buckets(&Cpu, &comm, &plan, DType::F32, &mut tensors, root).unwrap();
+            drop(comm);
+            pg.finish().unwrap();
+            (tensors, moved)
+        });
+        let want: Vec<Vec<f32>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(t, &n)| (0..n).map(|i| (t * 10_000 + i) as f32 + 0.25).collect())
+            .collect();
+        for (rank, (tensors, moved)) in out.iter().enumerate() {
+            assert_eq!(tensors, &want, "rank {rank}");
+            assert_eq!(
+                *moved,
+                Moved {
+                    buckets: 3,
+                    elements: 1314,
+                    bytes: 1314 * 4
+                }
+            );
+        }
+        let bad = BucketPlan::new(&sizes, 400, 2).unwrap();
+        let err = ranks(1, std::time::Duration::from_secs(5), move |pg| {
+            let comm = HostComm::new(&pg).unwrap();
+            let mut t: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.0; n]).collect();
+            broadcast_buckets(&Cpu, &comm, &bad, DType::F32, &mut t, 0)
+                .unwrap_err()
+                .to_string()
+        });
+        assert!(err[0].contains("over 2 ranks (needs 1)"), "{}", err[0]);
     }
 }

@@ -57,7 +57,7 @@ extern "C" fn on_signal(sig: libc::c_int) {
 }
 
 /// A port nobody listens on now (the store binds it a moment later, like torchrun does).
-fn free_port(addr: &str) -> Result<u16> {
+pub(crate) fn free_port(addr: &str) -> Result<u16> {
     let l = TcpListener::bind((addr, 0))
         .or_else(|_| TcpListener::bind(("0.0.0.0", 0)))
         .map_err(|e| anyhow!("cannot find a free port: {e}"))?;

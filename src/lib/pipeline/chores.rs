@@ -132,6 +132,7 @@ pub(super) fn step_metrics(
             ("advantage", run.stage_metrics(step, "advantage")),
             ("update", run.stage_metrics(step, "update")),
             ("critic", run.stage_metrics(step, "critic")),
+            ("transfer", run.stage_metrics(step, "transfer")),
         ],
         seconds: &seconds,
     })?;

@@ -1,7 +1,9 @@
 //! The run's warm daemon (`daemon = true`): starting `tandem daemon` (with `gpus = N > 1` a
-//! daemon group under `tandem launch`), its sockets and health, restarts, and stopping it.
+//! daemon group under `tandem launch`), its sockets and health, restarts, and stopping it. A
+//! placed run (`[placement]`) has two: the training side's and the rollout side's.
 
 use super::console::Console;
+use super::placement::Side;
 use super::plan::Plan;
 use crate::bail_input;
 use crate::process::die_with_parent;
@@ -73,15 +75,41 @@ pub(super) struct Daemon {
     proc: Option<DaemonProc>,
     /// Whether this runner started a daemon before (a missing one was then lost).
     started: bool,
+    /// Which side's daemon this is.
+    side: Side,
 }
 
 impl Daemon {
+    /// The daemon of `side` (none started yet).
+    pub(super) fn of(side: Side) -> Daemon {
+        Daemon {
+            side,
+            ..Daemon::default()
+        }
+    }
+
+    /// What the messages call it.
+    fn name(&self) -> &'static str {
+        match self.side {
+            Side::Train => "daemon",
+            Side::Rollout => "rollout group",
+        }
+    }
+
+    /// The side's log file in the run directory.
+    fn log_path(&self, plan: &Plan) -> PathBuf {
+        match self.side {
+            Side::Train => plan.run.root.join("daemon.log"),
+            Side::Rollout => plan.run.root.join("rollout-daemon.log"),
+        }
+    }
+
     /// Starts the daemon (policy: the run's current policy pointer once there is one, so a
     /// restart resumes from the last synced checkpoint) and waits until it answers `health`.
     /// With `gpus = N > 1`, N daemons under `tandem launch` (rank 0 answers once all are up).
     fn start(&mut self, plan: &Plan) -> Result<()> {
-        let socket = plan.daemon_socket();
-        let sockets = plan.daemon_sockets();
+        let socket = plan.socket_of(self.side);
+        let sockets = plan.daemon_sockets(self.side);
         let longest = sockets.last().expect("one socket at least");
         // sun_path holds 108 bytes with its NUL.
         if longest.as_os_str().len() > 100 {
@@ -90,8 +118,8 @@ impl Daemon {
                 longest.display()
             );
         }
-        let log_path = plan.run.root.join("daemon.log");
-        let (program, mut cmd) = daemon_command(plan, &socket);
+        let log_path = self.log_path(plan);
+        let (program, mut cmd) = daemon_command(plan, &socket, self.side);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -149,16 +177,22 @@ impl Daemon {
             };
             *restarts += 1;
             let msg = format!(
-                "pipeline: the daemon died ({}); restarting it from the current policy ({} of at most {MAX_DAEMON_RESTARTS} restarts)",
+                "pipeline: the {} died ({}); restarting it {} ({} of at most {MAX_DAEMON_RESTARTS} restarts)",
+                self.name(),
                 status.unwrap_or_default(),
+                match self.side {
+                    Side::Train => "from the current policy",
+                    Side::Rollout => "from the initial model",
+                },
                 restarts
             );
             console.say(&msg);
             self.proc = None;
             if *restarts > MAX_DAEMON_RESTARTS {
                 anyhow::bail!(
-                    "the daemon died {restarts} times; giving up (see {})",
-                    plan.run.root.join("daemon.log").display()
+                    "the {} died {restarts} times; giving up (see {})",
+                    self.name(),
+                    self.log_path(plan).display()
                 );
             }
         }
@@ -196,11 +230,12 @@ impl Daemon {
     }
 }
 
-/// The `tandem daemon` command (under `tandem launch` for a group) serving the run's model
-/// stages at `socket`, and the program it runs.
-fn daemon_command(plan: &Plan, socket: &Path) -> (PathBuf, std::process::Command) {
+/// The `tandem daemon` command (under `tandem launch` for a group) serving `side`'s model
+/// stages at `socket`, and the program it runs. The rollout side starts from the initial model:
+/// the current policy reaches it by a transfer.
+fn daemon_command(plan: &Plan, socket: &Path, side: Side) -> (PathBuf, std::process::Command) {
     let spec = &plan.spec;
-    let policy = if plan.run.policy().exists() {
+    let policy = if plan.run.policy().exists() && side == Side::Train {
         plan.run.policy()
     } else {
         spec.model.path.clone()
@@ -210,12 +245,15 @@ fn daemon_command(plan: &Plan, socket: &Path) -> (PathBuf, std::process::Command
     if spec.batch_invariant {
         cmd.env("TANDEM_BATCH_INVARIANT", "1");
     }
-    cmd.args(plan.daemon_launch_prefix())
+    if let Some(gpus) = plan.visible_gpus(side) {
+        cmd.env("CUDA_VISIBLE_DEVICES", gpus);
+    }
+    cmd.args(plan.daemon_launch_prefix(side))
         .args(["daemon", "--device", spec.device.as_str(), "--socket"])
         .arg(socket)
         .arg("--policy")
         .arg(&policy);
-    if plan.needs_ref() {
+    if plan.needs_ref() && side == Side::Train {
         cmd.arg("--ref").arg(spec.reference_model());
     }
     (program, cmd)

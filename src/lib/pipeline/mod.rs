@@ -11,6 +11,8 @@
 //!   the state, as plain data.
 //! - `runner`: the step loop with its state (stage commands, `commands.sh`, resume, rewinds).
 //! - `daemons`: the run's warm daemon or daemon group (`daemon = true`).
+//! - `placement`: rollout and training on separate GPUs (`[placement]`), the weight transfer
+//!   between them and one step off-policy.
 //! - `chores`: pruning checkpoints, the adaptive-KL state, the eval and step lines.
 //! - `dynamic`: DAPO's dynamic sampling, the rounds of a step that keeps only varied groups.
 //! - `console`: one line per step on the console, the stages' output in `pipeline.log`.
@@ -28,6 +30,7 @@ pub(crate) mod dynamic;
 pub mod from_verl;
 pub mod inspect;
 pub mod metrics;
+pub(crate) mod placement;
 pub(crate) mod plan;
 pub mod plot;
 pub(crate) mod preflight;

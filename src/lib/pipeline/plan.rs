@@ -2,6 +2,7 @@
 //! the runner's own small tasks) derived from the spec and the run's state as plain data.
 //! Nothing here starts a process; `runner` executes what this plans.
 
+use super::placement::Side;
 use super::rundir::{step_name, RunDir, State};
 use super::sampler::{derive_seed, Sampler};
 use super::spec::{Device, OnCap, Source, Spec, Stages};
@@ -18,8 +19,9 @@ pub(crate) enum Action {
         bin: &'static str,
         args: Vec<String>,
     },
-    /// Draw the step's prompts into `step-000K/prompts.parquet`.
-    SamplePrompts,
+    /// Draw step `step`'s prompts into its `step-000K/prompts.parquet` (the task's own step,
+    /// or in one-step-off mode the next one).
+    SamplePrompts { step: u64 },
     /// The rollout done by the user's agent against the served policy (`[rollout] agent`,
     /// `super::agent`): `prompts` in, the trajectories collected into `rollout`.
     Agent {
@@ -40,6 +42,9 @@ pub(crate) enum Action {
     EvalSummary,
     /// Append the step's line to metrics.jsonl.
     StepMetrics,
+    /// Two stage tasks at once, on two daemon groups (`[placement] mode = "one-step-off"`:
+    /// this step's update and the next step's rollout); done when both are.
+    Overlap(Box<[Task; 2]>),
 }
 
 /// One unit of recorded progress.
@@ -48,6 +53,16 @@ pub(crate) struct Task {
     /// The name recorded in state.json (unique within a step).
     pub(crate) name: &'static str,
     pub(crate) action: Action,
+}
+
+impl Task {
+    /// The task, or the two an overlap runs at once.
+    pub(crate) fn parts(&self) -> Vec<&Task> {
+        match &self.action {
+            Action::Overlap(pair) => pair.iter().collect(),
+            _ => vec![self],
+        }
+    }
 }
 
 /// Where one sampling pass (prompts -> rollout -> score) reads and writes.
@@ -176,6 +191,8 @@ impl Plan {
             .into_iter()
             .map(|t| (0, t))
             .chain(self.step_tasks(step).into_iter().map(|t| (step, t)))
+            // One-step-off's step samples in the step before: its rollout is checked here too.
+            .chain(self.sampling_tasks(step).into_iter().map(|t| (step, t)))
             .chain(self.first_round_tasks(step).into_iter().map(|t| (step, t)))
             .chain(
                 (self.spec.eval.every > 0)
@@ -184,11 +201,18 @@ impl Plan {
                     .flatten()
                     .map(|t| (step, t)),
             );
-        for (step, task) in tasks {
+        let tasks: Vec<(u64, Task)> = tasks.collect();
+        let parts = tasks
+            .iter()
+            .flat_map(|(s, t)| t.parts().into_iter().map(move |t| (*s, t)));
+        for (step, task) in parts {
             let Action::Stage { bin, args } = &task.action else {
                 continue;
             };
-            let def = stage::def(bin).expect("the runner runs the stages of STAGES");
+            // `tandem daemon-ctl transfer` is no stage: the runner's own command line.
+            let Some(def) = stage::def(bin) else {
+                continue;
+            };
             if let Err(e) = def.check_args(args) {
                 let table = match task.name {
                     "eval-rollout" => "[rollout] or [eval]".to_string(),
@@ -220,30 +244,36 @@ impl Plan {
 
     /// `--daemon SOCKET` for the model stages when the spec asks for the warm daemon.
     pub(super) fn daemon_args(&self) -> Vec<String> {
+        self.daemon_args_of(Side::Train)
+    }
+
+    /// `--daemon SOCKET` of `side`'s daemon (group) when the spec asks for daemons.
+    fn daemon_args_of(&self, side: Side) -> Vec<String> {
         if self.spec.daemon {
-            vec!["--daemon".into(), path_arg(&self.daemon_socket())]
+            vec!["--daemon".into(), path_arg(&self.socket_of(side))]
         } else {
             Vec::new()
         }
     }
 
-    /// Every rank's socket: the run's socket, and with `gpus = N > 1` the other ranks'.
-    pub(super) fn daemon_sockets(&self) -> Vec<PathBuf> {
-        (0..self.spec.gpus.max(1) as usize)
-            .map(|r| crate::daemon::rank_socket(&self.daemon_socket(), r))
+    /// Every rank's socket of `side`'s daemon: its socket, and in a group the other ranks'.
+    pub(super) fn daemon_sockets(&self, side: Side) -> Vec<PathBuf> {
+        (0..self.ranks_of(side).max(1) as usize)
+            .map(|r| crate::daemon::rank_socket(&self.socket_of(side), r))
             .collect()
     }
 
-    /// `tandem launch --nproc-per-node N --` before `tandem daemon` when `gpus = N > 1`: one
-    /// daemon per GPU, a daemon group that serves the stages together.
-    pub(super) fn daemon_launch_prefix(&self) -> Vec<String> {
-        if self.spec.gpus <= 1 {
+    /// `tandem launch --nproc-per-node N --` before `tandem daemon` when `side` has N > 1
+    /// ranks: one daemon per GPU, a daemon group that serves the stages together.
+    pub(super) fn daemon_launch_prefix(&self, side: Side) -> Vec<String> {
+        let n = self.ranks_of(side);
+        if n <= 1 {
             return Vec::new();
         }
         vec![
             "launch".into(),
             "--nproc-per-node".into(),
-            self.spec.gpus.to_string(),
+            n.to_string(),
             "--".into(),
             path_arg(&self.bins.join("tandem")),
         ]
@@ -252,11 +282,16 @@ impl Plan {
     /// `--device` for the model stages when not on the CPU (the stages' default), and
     /// `--daemon` with the warm daemon.
     fn device_args(&self) -> Vec<String> {
+        self.device_args_of(Side::Train)
+    }
+
+    /// [`Plan::device_args`] with the daemon of `side`.
+    fn device_args_of(&self, side: Side) -> Vec<String> {
         let mut a = match self.spec.device {
             Device::Cpu => Vec::new(),
             d => vec!["--device".into(), d.as_str().into()],
         };
-        a.extend(self.daemon_args());
+        a.extend(self.daemon_args_of(side));
         a
     }
 
@@ -313,7 +348,7 @@ impl Plan {
             "--seed".into(),
             derive_seed(spec.seed, &[step, 2]).to_string(),
         ]);
-        rollout.extend(self.device_args());
+        rollout.extend(self.device_args_of(self.side_of("rollout")));
         let mut score = vec![
             "--in".into(),
             path_arg(&dir.join("rollout.parquet")),
@@ -347,7 +382,9 @@ impl Plan {
     /// The tasks of training step `step` (1-based): sampling, the log-prob passes, advantage,
     /// update, sync, then the chores (prune, an evaluation, the metrics line).
     pub(crate) fn step_tasks(&self, step: u64) -> Vec<Task> {
-        let mut tasks = self.sampling_tasks(step);
+        // In one-step-off mode the step before drew the prompts and ran the rollout.
+        let own = usize::from(!self.samples_own(step)) * 2;
+        let mut tasks: Vec<Task> = self.sampling_tasks(step).into_iter().skip(own).collect();
         let mut last = self.logprob_tasks(step, &mut tasks);
         if self.spec.critic.is_some() {
             tasks.push(self.values_task(step, last));
@@ -355,9 +392,11 @@ impl Plan {
         }
         self.advantage_tasks(step, last, &mut tasks);
         tasks.extend(self.critic_task(step));
-        if self.trains_policy(step) {
-            tasks.push(self.update_task(step));
+        let trains = self.trains_policy(step);
+        self.update_tasks(step, trains.then(|| self.update_task(step)), &mut tasks);
+        if trains {
             tasks.push(self.sync_task(&self.run.ckpt(step), step));
+            tasks.extend(self.transfer_task(step));
         }
         tasks.push(Task {
             name: "prune",
@@ -374,7 +413,7 @@ impl Plan {
     }
 
     /// The step's scored samples: prompts, rollout and score, or dynamic sampling's rounds.
-    fn sampling_tasks(&self, step: u64) -> Vec<Task> {
+    pub(super) fn sampling_tasks(&self, step: u64) -> Vec<Task> {
         if self.spec.filter_groups().is_some() {
             return vec![Task {
                 name: "sample",
@@ -391,7 +430,7 @@ impl Plan {
         };
         let mut tasks = vec![Task {
             name: "prompts",
-            action: Action::SamplePrompts,
+            action: Action::SamplePrompts { step },
         }];
         tasks.extend(self.sample_tasks(step, &files, derive_seed(self.spec.seed, &[step, 1])));
         tasks
@@ -591,7 +630,7 @@ impl Plan {
             "--metrics".into(),
             path_arg(&files.rollout_metrics),
         ]);
-        rollout.extend(self.device_args());
+        rollout.extend(self.device_args_of(self.side_of("rollout")));
         let mut score = vec![
             "--in".into(),
             path_arg(&files.rollout),
@@ -655,11 +694,11 @@ impl Plan {
     pub(crate) fn describe(&self, step: u64, task: &Task) -> String {
         match &task.action {
             Action::Stage { bin, args } => self.stage_line(bin, args),
-            Action::SamplePrompts => format!(
+            Action::SamplePrompts { step } => format!(
                 "# pipeline: sample {} prompts of {} into {}",
                 self.spec.data.prompts_per_step,
                 self.spec.data.train.display(),
-                self.run.batch(step, "prompts").display()
+                self.run.batch(*step, "prompts").display()
             ),
             Action::Agent {
                 prompts, rollout, ..
@@ -695,6 +734,11 @@ impl Plan {
             Action::StepMetrics => format!(
                 "# pipeline: write step {step} to {}",
                 self.run.metrics_path().display()
+            ),
+            Action::Overlap(pair) => format!(
+                "{} &\n{}\nwait",
+                self.describe(step, &pair[0]),
+                self.describe(step + 1, &pair[1])
             ),
         }
     }
@@ -771,7 +815,11 @@ impl Plan {
     /// finished in the step in progress.
     pub(super) fn remaining(&self, state: &State) -> Vec<(u64, Task)> {
         let init = (!state.init_done).then(|| (0, self.init_tasks()));
-        let steps = (state.steps_done + 1..=self.spec.steps).map(|s| (s, self.step_tasks(s)));
+        let steps = (state.steps_done + 1..=self.spec.steps).map(|s| {
+            let mut tasks = self.step_tasks(s);
+            self.catch_up(state, s, &mut tasks);
+            (s, tasks)
+        });
         init.into_iter()
             .chain(steps)
             .flat_map(|(step, tasks)| tasks.into_iter().map(move |t| (step, t)))
@@ -792,7 +840,8 @@ impl Plan {
             (self.spec.daemon || self.spec.rollout.contains_key("agent")).then_some("tandem");
         tasks
             .iter()
-            .filter_map(|(_, t)| match &t.action {
+            .flat_map(|(_, t)| t.parts())
+            .filter_map(|t| match &t.action {
                 Action::Stage { bin, .. } => Some(*bin),
                 _ => None,
             })
@@ -801,5 +850,6 @@ impl Plan {
     }
 }
 
+mod placed;
 #[cfg(test)]
 mod tests;

@@ -10,6 +10,7 @@ use super::chores;
 use super::console::{Captured, Console};
 use super::daemons::{Daemon, MAX_DAEMON_RESTARTS};
 use super::dynamic::{self, Rounds};
+use super::placement::Side;
 use super::plan::{path_arg, shell_quote, Action, Plan, Task};
 use super::rundir::{step_name, RunDir, State};
 use super::sampler::{Cursor, Sampler};
@@ -60,6 +61,8 @@ pub(crate) struct Runner {
     eval_note: Option<String>,
     /// The warm daemon the model stages are sent to (`daemon = true`).
     daemon: Daemon,
+    /// A placed run's rollout group (`[placement]`; never started otherwise).
+    rollout_daemon: Daemon,
 }
 
 /// The run must go back to the end of step `to`: the daemon that died held the only copy of
@@ -95,6 +98,7 @@ impl Runner {
             rerun: "pipeline run SPEC --run-dir RUN".into(),
             eval_note: None,
             daemon: Daemon::default(),
+            rollout_daemon: Daemon::of(Side::Rollout),
         })
     }
 
@@ -136,8 +140,9 @@ impl Runner {
         self.check_bins(&tasks)?;
         self.start_progress();
         let result = self.run_tasks(tasks);
-        // Stop the daemon whether the run finished or failed: no process outlives the runner.
+        // Stop the daemons whether the run finished or failed: no process outlives the runner.
         self.daemon.stop();
+        self.rollout_daemon.stop();
         self.console.bar.finish_and_clear();
         result
     }
@@ -258,7 +263,8 @@ impl Runner {
             daemon: None,
         };
         sync_weights::run(args, &mut InProcess::new(crate::stage::common::Device::Cpu))?;
-        self.state.sampler = dynamic::cursor_after(&self.plan, self.state.train_rows, to)?;
+        let drawn = self.plan.steps_drawn(to);
+        self.state.sampler = dynamic::cursor_after(&self.plan, self.state.train_rows, drawn)?;
         self.state.steps_done = to;
         self.state.current = None;
         self.console.bar.set_position(to);
@@ -273,7 +279,7 @@ impl Runner {
         let plan = &self.plan;
         match &task.action {
             Action::Stage { bin, args } => self.run_stage(step, task.name, bin, args)?,
-            Action::SamplePrompts => self.sample_prompts(step)?,
+            Action::SamplePrompts { step: of } => self.sample_prompts(*of)?,
             Action::Agent {
                 prompts,
                 rollout,
@@ -286,7 +292,7 @@ impl Runner {
                 };
                 match self.plan.spec.daemon {
                     // Its server generates on the daemon.
-                    true => self.on_daemon(step, task.name, &mut agent)?,
+                    true => self.on_daemon(step, task.name, &[Side::Train], &mut agent)?,
                     false => agent(self)?,
                 }
             }
@@ -305,6 +311,7 @@ impl Runner {
                 &mut self.eval_note,
                 step,
             )?,
+            Action::Overlap(pair) => self.run_overlap(step, pair)?,
         }
         self.finish_task(step, task, t0.elapsed().as_secs_f64())
     }
@@ -315,7 +322,10 @@ impl Runner {
         let last = self.plan.ends_step(step, task);
         let progress = self.state.progress(step);
         progress.done.push(task.name.to_string());
-        if matches!(task.action, Action::Stage { .. } | Action::Agent { .. }) {
+        if matches!(
+            task.action,
+            Action::Stage { .. } | Action::Agent { .. } | Action::Overlap(_)
+        ) {
             progress.seconds.insert(task.name.to_string(), secs);
         }
         if last {
@@ -344,13 +354,19 @@ impl Runner {
             text += &format!(
                 "# The model stages are clients of the run's daemon (--daemon); to replay them start one\n# first: {} {}daemon --device {} --socket {} --policy {}\n",
                 shell_quote(&path_arg(&plan.bins.join("tandem"))),
-                plan.daemon_launch_prefix()
+                plan.daemon_launch_prefix(Side::Train)
                     .iter()
                     .map(|a| shell_quote(a) + " ")
                     .collect::<String>(),
                 plan.spec.device.as_str(),
                 shell_quote(&path_arg(&plan.daemon_socket())),
                 shell_quote(&path_arg(&plan.spec.model.path)),
+            );
+        }
+        if plan.placement().is_some() {
+            text += &format!(
+                "# and the rollout group ([placement]) the rollouts go to, the same way at {} (the\n# transfers are `daemon-ctl transfer` jobs between the two).\n",
+                shell_quote(&path_arg(&plan.socket_of(Side::Rollout)))
             );
         }
         text
@@ -378,24 +394,131 @@ impl Runner {
     }
 
     fn run_stage_once(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
+        let (line, mut cmd) = self.prepare_stage(step, task, bin, args)?;
+        let out = self.console.run(&mut cmd);
+        self.stage_result(step, bin, &line, out)
+    }
+
+    /// A stage command made ready to run: its line in commands.sh and the log, its output
+    /// directories; returns the line and the process.
+    fn prepare_stage(
+        &mut self,
+        step: u64,
+        task: &str,
+        bin: &str,
+        args: &[String],
+    ) -> Result<(String, std::process::Command)> {
         let line = self.plan.stage_line(bin, args);
         self.append_command(step, &line)?;
         make_output_dirs(args)?;
-        let (program, mut cmd) = self.stage_command(bin, args);
+        let (_, cmd) = self.stage_command(bin, args);
         let header = if task == bin {
             format!("[{}] {bin}: {line}", step_name(step))
         } else {
             format!("[{}] {task}: {line}", step_name(step))
         };
         self.console.detail(&header);
-        let out = self
-            .console
-            .run(&mut cmd)
-            .with_context(|| format!("starting {}", program.display()))?;
+        Ok((line, cmd))
+    }
+
+    /// What a stage command that ran (`out`) means for the run.
+    fn stage_result(
+        &self,
+        step: u64,
+        bin: &str,
+        line: &str,
+        out: std::io::Result<Captured>,
+    ) -> Result<()> {
+        let out =
+            out.with_context(|| format!("starting {}", self.plan.bins.join(bin).display()))?;
         if out.status.success() {
             return Ok(());
         }
-        Err(self.stage_failed(step, bin, &line, &out))
+        Err(self.stage_failed(step, bin, line, &out))
+    }
+
+    /// `[placement] mode = "one-step-off"`: step `step`'s update and step `step` + 1's rollout
+    /// at once, each on its side's daemon group. A part that failed with its daemon gone runs
+    /// again alone on a new one (`run_stage`); any other failure stops the run.
+    fn run_overlap(&mut self, step: u64, pair: &[Task; 2]) -> Result<()> {
+        let mut ready = Vec::new();
+        for (s, task) in [(step, &pair[0]), (step + 1, &pair[1])] {
+            let Action::Stage { bin, args } = &task.action else {
+                anyhow::bail!("an overlap runs stage commands");
+            };
+            self.ensure_side(s, self.plan.side_of(bin))?;
+            if s == step {
+                let note = "# pipeline: the next two commands run at once (one-step-off)";
+                self.append_command(step, note)?;
+            }
+            let (line, cmd) = self.prepare_stage(step, task.name, bin, args)?;
+            ready.push((s, task.name, *bin, args, line, cmd));
+        }
+        let console = &self.console;
+        let outs: Vec<std::io::Result<Captured>> = std::thread::scope(|scope| {
+            let running: Vec<_> = ready
+                .iter_mut()
+                .map(|(.., cmd)| scope.spawn(move || console.run(cmd)))
+                .collect();
+            running
+                .into_iter()
+                .map(|h| h.join().expect("a stage's runner thread"))
+                .collect()
+        });
+        for ((s, name, bin, args, line, _), out) in ready.into_iter().zip(outs) {
+            if let Err(e) = self.stage_result(s, bin, &line, out) {
+                let side = self.plan.side_of(bin);
+                if !self.daemon_of(side).gone() {
+                    return Err(e);
+                }
+                self.console.say(&format!(
+                    "pipeline: {name} failed with the daemon gone: {e:#}"
+                ));
+                self.run_stage(s, name, bin, args)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The daemon (group) of `side`.
+    fn daemon_of(&mut self, side: Side) -> &mut Daemon {
+        match side {
+            Side::Train => &mut self.daemon,
+            Side::Rollout => &mut self.rollout_daemon,
+        }
+    }
+
+    /// Makes sure `side`'s daemon runs (see `Daemon::ensure`); a rollout group started anew
+    /// after the first update gets the current policy from the training group first. Returns
+    /// whether it was (re)started.
+    fn ensure_side(&mut self, step: u64, side: Side) -> Result<bool> {
+        let mut restarts = 0;
+        self.ensure_counted(step, side, &mut restarts)
+    }
+
+    fn ensure_counted(&mut self, step: u64, side: Side, restarts: &mut u32) -> Result<bool> {
+        let (plan, console) = (&self.plan, &mut self.console);
+        let daemon = match side {
+            Side::Train => &mut self.daemon,
+            Side::Rollout => &mut self.rollout_daemon,
+        };
+        let started = daemon.ensure(plan, console, restarts)?;
+        // The group starts from the initial model (policy_version 0).
+        let policy = self.plan.run.policy();
+        let behind =
+            policy.exists() && crate::stage::common::resolve_model(&policy)?.policy_version > 0;
+        if started && side == Side::Rollout && behind {
+            self.ensure_side(step, Side::Train)?;
+            let task = self.plan.transfer_task(step).expect("a placed run");
+            if let Action::Stage { bin, args } = &task.action {
+                self.console.say(&format!(
+                    "pipeline: the rollout group (re)started; sending it the current policy ({})",
+                    policy.display()
+                ));
+                self.run_stage_once(step, task.name, bin, args)?;
+            }
+        }
+        Ok(started)
     }
 
     /// Runs `work` (a stage, or the agent's step, that the daemon computes) with the daemon up.
@@ -403,17 +526,19 @@ impl Runner {
         &mut self,
         step: u64,
         task: &str,
+        sides: &[Side],
         work: &mut dyn FnMut(&mut Self) -> Result<()>,
     ) -> Result<()> {
         let mut restarts = 0;
         loop {
-            self.daemon
-                .ensure(&self.plan, &mut self.console, &mut restarts)?;
+            for side in sides {
+                self.ensure_counted(step, *side, &mut restarts)?;
+            }
             match work(self) {
                 Ok(()) => return Ok(()),
                 // A stage that failed because the daemon died runs again on a new daemon
                 // (which loads the current policy); any other failure stops the run.
-                Err(e) if self.daemon.gone() => {
+                Err(e) if sides.iter().any(|s| self.daemon_of(*s).gone()) => {
                     let msg = format!("pipeline: {task} failed with the daemon gone: {e:#}");
                     self.console.say(&msg);
                     if let Some(r) = self.rewind_target(step)? {
@@ -546,10 +671,15 @@ impl Rounds for Runner {
     fn run_stage(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
         let via_daemon =
             self.plan.spec.daemon && stage::def(bin).is_some_and(|d| d.takes("daemon"));
-        if !via_daemon {
-            return self.run_stage_once(step, task, bin, args);
-        }
-        self.on_daemon(step, task, &mut |r| r.run_stage_once(step, task, bin, args))
+        // A placed run's transfer needs both groups up.
+        let sides = match (via_daemon, task) {
+            (true, _) => vec![self.plan.side_of(bin)],
+            (false, "transfer") => vec![Side::Train, Side::Rollout],
+            (false, _) => return self.run_stage_once(step, task, bin, args),
+        };
+        self.on_daemon(step, task, &sides, &mut |r| {
+            r.run_stage_once(step, task, bin, args)
+        })
     }
 
     fn draw_prompts(

@@ -305,6 +305,9 @@ pub(crate) struct Spec {
     pub(crate) eval: EvalSpec,
     #[serde(default)]
     pub(crate) checkpoint: CheckpointSpec,
+    /// Rollout and training on separate GPUs (`super::placement`); colocated without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) placement: Option<super::placement::PlacementSpec>,
 }
 
 /// A stage's flags from the spec: the arguments the runner passes it (in the stage's
@@ -653,6 +656,7 @@ impl Spec {
         let stages = spec.stages(&src)?;
         spec.check_dapo(&stages, &src)?;
         spec.agent(&stages, &src)?;
+        spec.check_placement(&stages, &src)?;
         Ok(spec)
     }
 
@@ -687,6 +691,30 @@ impl Spec {
             prompts_per_round: a.prompts_per_round.unwrap_or(self.data.prompts_per_step),
             on_cap: a.on_cap.unwrap_or(OnCap::Train),
         })
+    }
+
+    /// `[placement]` against the rest of the spec (`super::placement::check`).
+    fn check_placement(&self, stages: &Stages, src: &Source) -> Result<()> {
+        let Some(p) = &self.placement else {
+            return Ok(());
+        };
+        let one_step_off = p.mode == super::placement::Mode::OneStepOff;
+        let refused = [
+            (
+                self.rollout.contains_key("agent"),
+                "[rollout] agent (its rollout is the user's program against tandem serve)",
+            ),
+            (
+                stages.update.args.lora_rank > 0,
+                "[update] lora-rank (the transfer carries whole weights, not adapters)",
+            ),
+            (
+                one_step_off && self.filter_groups().is_some(),
+                "mode = \"one-step-off\" with [algorithm] filter-groups (its rounds sample in the step itself)",
+            ),
+        ];
+        let at = |key: &str| src.at("placement", key);
+        super::placement::check(p, self.gpus, self.daemon, &refused, &at)
     }
 
     /// `[algorithm]` and the overlong shaping against the stages' flags.

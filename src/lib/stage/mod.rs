@@ -31,6 +31,7 @@ pub mod save;
 pub mod score;
 pub mod sft_batch;
 pub mod sync_weights;
+pub mod transfer;
 pub(crate) mod turns;
 pub mod update;
 pub mod values;
@@ -137,6 +138,18 @@ pub trait Hold {
     }
     /// `sync-weights` made the checkpoint `dir` the policy, as `policy_version`.
     fn publish(&mut self, dir: &Path, policy_version: u64) -> Result<()>;
+    /// This rank's part of a weight transfer between two daemon groups (`[placement]`): on
+    /// bridge rank 0 sends the policy `model` it holds, on the others receives it as the
+    /// policy they generate with.
+    fn transfer(
+        &mut self,
+        _model: &ModelRef,
+        _bridge: &transfer::Bridge,
+    ) -> Result<transfer::Transferred> {
+        bail_input!(
+            "the weight transfer runs between daemon groups (`tandem daemon-ctl transfer`, a [placement] run's)"
+        )
+    }
 }
 
 /// What the user sees of a stage while it runs.
@@ -256,6 +269,8 @@ pub enum StageJob {
     SavePolicy(save::SavePolicyArgs),
     /// A generation batch of `tandem serve --daemon`: also a job only a daemon runs.
     Generate(generate::GenerateArgs),
+    /// One group's part of `tandem daemon-ctl transfer` (`[placement]`): a daemon job too.
+    Transfer(transfer::TransferArgs),
 }
 
 impl StageJob {
@@ -268,13 +283,15 @@ impl StageJob {
             StageJob::SyncWeights(_) => "sync-weights",
             StageJob::SavePolicy(_) => "save",
             StageJob::Generate(_) => "generate",
+            StageJob::Transfer(_) => "transfer",
         }
     }
 
     /// Whether the stage shares its work among several ranks ([`Topology::ranks`]): rollout and
     /// ref-logprob (old-logprob is ref-logprob on the policy) by prompts, update by rows with
     /// the sharded optimizer, `daemon-ctl save` by optimizer shards (a daemon group's), a
-    /// served batch (`generate`) by requests. `sync-weights` runs on rank 0 alone.
+    /// served batch (`generate`) by requests, the weight transfer by bridge ranks.
+    /// `sync-weights` runs on rank 0 alone.
     pub(crate) fn splits_over_ranks(&self) -> bool {
         StageJob::stage_splits_over_ranks(self.name())
     }
@@ -284,7 +301,7 @@ impl StageJob {
     pub(crate) fn stage_splits_over_ranks(name: &str) -> bool {
         matches!(
             name,
-            "rollout" | "ref-logprob" | "values" | "update" | "save" | "generate"
+            "rollout" | "ref-logprob" | "values" | "update" | "save" | "generate" | "transfer"
         )
     }
 
@@ -297,7 +314,8 @@ impl StageJob {
             | StageJob::Values(_)
             | StageJob::SyncWeights(_)
             | StageJob::SavePolicy(_)
-            | StageJob::Generate(_) => None,
+            | StageJob::Generate(_)
+            | StageJob::Transfer(_) => None,
         }
     }
 
@@ -309,11 +327,11 @@ impl StageJob {
             StageJob::Update(a) => a.daemon.as_deref(),
             StageJob::SyncWeights(a) => a.daemon.as_deref(),
             StageJob::Values(a) => a.daemon.as_deref(),
-            StageJob::SavePolicy(_) | StageJob::Generate(_) => None,
+            StageJob::SavePolicy(_) | StageJob::Generate(_) | StageJob::Transfer(_) => None,
         }
     }
 
-    /// `--device`; None for sync-weights and save, which compute nothing.
+    /// `--device`; None for sync-weights, save and transfer, which compute nothing.
     pub fn device(&self) -> Option<Device> {
         match self {
             StageJob::Rollout(a) => Some(a.device),
@@ -321,7 +339,7 @@ impl StageJob {
             StageJob::Values(a) => Some(a.device),
             StageJob::Update(a) => Some(a.device),
             StageJob::Generate(a) => Some(a.device),
-            StageJob::SyncWeights(_) | StageJob::SavePolicy(_) => None,
+            StageJob::SyncWeights(_) | StageJob::SavePolicy(_) | StageJob::Transfer(_) => None,
         }
     }
 
@@ -335,6 +353,7 @@ impl StageJob {
             StageJob::SyncWeights(a) => sync_weights::run(a, exec),
             StageJob::SavePolicy(a) => save::save_policy(a, exec),
             StageJob::Generate(a) => generate::run(a, exec),
+            StageJob::Transfer(a) => transfer::run(a, exec),
         }
     }
 }

@@ -373,19 +373,25 @@ fn the_daemon_serves_the_model_stages() {
             format!("bin/update --model r/policy --in r/step-000{step}/adv.parquet --out-model r/ckpt/step-000{step} --seed {upd} --metrics r/step-000{step}/metrics/update.json {client}")
         );
     }
-    assert!(p.daemon_launch_prefix().is_empty());
-    assert_eq!(p.daemon_sockets(), [PathBuf::from("r/daemon.sock")]);
+    assert!(p.daemon_launch_prefix(Side::Train).is_empty());
+    assert_eq!(
+        p.daemon_sockets(Side::Train),
+        [PathBuf::from("r/daemon.sock")]
+    );
     assert_eq!(p.bins_needed(&[]), ["tandem"]);
     let text = text.replace("steps = 3", "steps = 3\ngpus = 2");
     let p = plan(&format!("{text}[checkpoint]\nevery = 2\n"));
     assert!(update(&p, 1).starts_with("bin/update --model r/policy"));
     assert!(update(&p, 1).ends_with(&format!("--resident {client}")));
     assert_eq!(
-        p.daemon_launch_prefix(),
+        p.daemon_launch_prefix(Side::Train),
         ["launch", "--nproc-per-node", "2", "--", "bin/tandem"]
     );
-    assert_eq!(p.daemon_sockets().len(), 2);
-    assert_eq!(p.daemon_sockets()[0], PathBuf::from("r/daemon.sock"));
+    assert_eq!(p.daemon_sockets(Side::Train).len(), 2);
+    assert_eq!(
+        p.daemon_sockets(Side::Train)[0],
+        PathBuf::from("r/daemon.sock")
+    );
 }
 
 /// A resumed run plans what is left: step 0 only while it is not done, the step in progress

@@ -1,0 +1,210 @@
+//! `[placement]`: rollout and training on separate GPUs of the machine (docs/DISTRIBUTED.md,
+//! "Placement"). Each side is a daemon group of its own: the training group (`train-gpus`)
+//! runs ref-logprob, values and update at the run's usual socket; the rollout group
+//! (`rollout-gpus`) runs every rollout at `rollout.sock`. After each update the new policy goes
+//! from the training group to the rollout group in buckets (`tandem daemon-ctl transfer`,
+//! `stage::transfer`), with its time and bandwidth in the step's metrics (`transfer/...`).
+//!
+//! `mode = "sync"` (the default) keeps the colocated run's order: the same samples, the same
+//! files. `mode = "one-step-off"` (verl's `one_step_off_policy`): the rollout of step k + 1
+//! runs on the rollout group while step k trains on the training group, so it samples with
+//! the policy one version behind the synchronous run's (step k's rows have `policy_version`
+//! k − 2, step 1's and 2's the initial model's 0); the rows keep their behaviour log-probs
+//! (`rollout_logprobs`), on which the rollout-correction options (`[update] rollout-is`,
+//! `rollout-rs`) act as they do on any mismatch.
+//!
+//! Without `[placement]` the run is colocated, as before. The spec's table and its checks are
+//! here; what the runner plans from it is `plan::placed`'s.
+
+use crate::bail_input;
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+
+/// How the two sides take turns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum Mode {
+    /// Rollout, then training, then the transfer: the colocated run's steps on two groups.
+    #[default]
+    Sync,
+    /// The next step's rollout runs while this step trains, one policy version behind.
+    OneStepOff,
+}
+
+/// `[placement]` as written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub(crate) struct PlacementSpec {
+    /// The GPUs (indices among the machine's `gpus`) of the rollout group.
+    pub(crate) rollout_gpus: Vec<u64>,
+    /// The GPUs of the training group.
+    pub(crate) train_gpus: Vec<u64>,
+    #[serde(default, skip_serializing_if = "is_sync")]
+    pub(crate) mode: Mode,
+    /// MiB of a bucket of the weight transfer (at 4 bytes an element; bf16 buckets on a GPU
+    /// take half).
+    #[serde(default = "default_bucket_mb")]
+    pub(crate) bucket_mb: u64,
+}
+
+fn is_sync(m: &Mode) -> bool {
+    *m == Mode::Sync
+}
+
+fn default_bucket_mb() -> u64 {
+    256
+}
+
+/// Which daemon group a stage goes to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// The run's daemon (group): every model stage when colocated; all but rollout placed.
+    #[default]
+    Train,
+    /// The rollout group of a placed run.
+    Rollout,
+}
+
+/// `[placement]` `p` against the rest of the spec, before anything runs: both sides
+/// non-empty, disjoint, no GPU twice, every GPU among the machine's `gpus`; the daemons it
+/// needs (`daemon`), and none of the spec's features it does not take (`refused`: whether
+/// the spec uses each, and what it is). `at(key)` places a key in the spec file.
+pub(crate) fn check(
+    p: &PlacementSpec,
+    gpus: u64,
+    daemon: bool,
+    refused: &[(bool, &str)],
+    at: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    for (key, list) in [
+        ("rollout-gpus", &p.rollout_gpus),
+        ("train-gpus", &p.train_gpus),
+    ] {
+        if list.is_empty() {
+            bail_input!(
+                "{}: [placement] {key} is empty: each side needs at least one GPU",
+                at(key)
+            );
+        }
+        for (i, g) in list.iter().enumerate() {
+            if *g >= gpus {
+                bail_input!(
+                    "{}: [placement] {key}: GPU {g} is not among the machine's gpus = {gpus} (GPUs 0 to {}); set gpus to the GPUs the run may use",
+                    at(key),
+                    gpus - 1
+                );
+            }
+            if list[..i].contains(g) {
+                bail_input!("{}: [placement] {key}: GPU {g} is listed twice", at(key));
+            }
+        }
+    }
+    if let Some(g) = p.train_gpus.iter().find(|g| p.rollout_gpus.contains(g)) {
+        bail_input!(
+            "{}: [placement] train-gpus: GPU {g} is in rollout-gpus too; the two sides take disjoint GPUs",
+            at("train-gpus")
+        );
+    }
+    if p.bucket_mb == 0 {
+        bail_input!(
+            "{}: [placement] bucket-mb must be at least 1",
+            at("bucket-mb")
+        );
+    }
+    if !daemon {
+        bail_input!(
+            "{}: [placement] needs daemon = true: each side is a daemon group that keeps its weights",
+            at("rollout-gpus")
+        );
+    }
+    if let Some((_, what)) = refused.iter().find(|(on, _)| *on) {
+        bail_input!(
+            "{}: [placement] does not take {what} yet",
+            at("rollout-gpus")
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::spec::Spec;
+
+    const BASE: &str = "steps = 3\ngpus = 3\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n";
+
+    fn err(placement: &str, top: &str) -> String {
+        let text = format!("{}{top}[placement]\n{placement}", BASE);
+        format!("{:#}", Spec::parse(&text, "s.toml").unwrap_err())
+    }
+
+    #[test]
+    fn bad_placements_are_refused_naming_the_key() {
+        let cases = [
+            (
+                "rollout-gpus = []\ntrain-gpus = [1]\n",
+                "[placement] rollout-gpus is empty",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = []\n",
+                "[placement] train-gpus is empty",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1, 3]\n",
+                "[placement] train-gpus: GPU 3 is not among the machine's gpus = 3 (GPUs 0 to 2)",
+            ),
+            (
+                "rollout-gpus = [0, 0]\ntrain-gpus = [1]\n",
+                "[placement] rollout-gpus: GPU 0 is listed twice",
+            ),
+            (
+                "rollout-gpus = [0, 1]\ntrain-gpus = [1, 2]\n",
+                "[placement] train-gpus: GPU 1 is in rollout-gpus too",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"two-steps-off\"\n",
+                "unknown variant `two-steps-off`",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1]\nbucket-mb = 0\n",
+                "bucket-mb must be at least 1",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1]\ngpu = 2\n",
+                "unknown key `gpu`",
+            ),
+        ];
+        for (placement, want) in cases {
+            let e = err(placement, "");
+            assert!(e.contains(want), "{placement}: {e}");
+        }
+        // The key's line in the file is named.
+        let e = err("rollout-gpus = [0]\ntrain-gpus = [1, 3]\n", "");
+        assert!(e.starts_with("s.toml:15:"), "{e}");
+        let no_daemon = format!(
+            "{}[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\n",
+            BASE
+        )
+        .replace("daemon = true\n", "");
+        let e = format!("{:#}", Spec::parse(&no_daemon, "s.toml").unwrap_err());
+        assert!(e.contains("[placement] needs daemon = true"), "{e}");
+        let e = err(
+            "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\n",
+            "[algorithm]\nfilter-groups = true\n",
+        );
+        assert!(
+            e.contains("does not take mode = \"one-step-off\" with [algorithm] filter-groups"),
+            "{e}"
+        );
+        let ok = format!(
+            "{BASE}[placement]\nrollout-gpus = [2]\ntrain-gpus = [0, 1]\nmode = \"one-step-off\"\n"
+        );
+        let spec = Spec::parse(&ok, "s.toml").unwrap();
+        let p = spec.placement.as_ref().unwrap();
+        assert_eq!(
+            (p.rollout_gpus.clone(), p.train_gpus.clone(), p.bucket_mb),
+            (vec![2], vec![0, 1], 256)
+        );
+        // The resolved spec keeps the table.
+        assert!(spec.to_toml().contains("[placement]"), "{}", spec.to_toml());
+    }
+}

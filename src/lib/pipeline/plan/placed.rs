@@ -1,0 +1,287 @@
+//! What a run plans from its `[placement]` (`super::super::placement`): the side each stage
+//! runs on, the sides' daemon groups, the transfer after each sync, and one-step-off's tasks
+//! (the next step's prompts, and its rollout beside this step's update).
+
+use super::super::placement::{Mode, PlacementSpec, Side};
+use super::super::rundir::State;
+use super::super::spec::Device;
+use super::{path_arg, Action, Plan, Task};
+use std::path::PathBuf;
+
+impl Plan {
+    /// The run's placement, when rollout and training sit on separate GPUs.
+    pub(crate) fn placement(&self) -> Option<&PlacementSpec> {
+        self.spec.placement.as_ref()
+    }
+
+    /// Whether the next step's rollout overlaps this step's update.
+    pub(crate) fn one_step_off(&self) -> bool {
+        self.placement().is_some_and(|p| p.mode == Mode::OneStepOff)
+    }
+
+    /// Ranks of a side's daemon group: the placed side's GPUs, or `gpus` colocated.
+    pub(crate) fn ranks_of(&self, side: Side) -> u64 {
+        match (self.placement(), side) {
+            (None, _) => self.spec.gpus,
+            (Some(p), Side::Train) => p.train_gpus.len() as u64,
+            (Some(p), Side::Rollout) => p.rollout_gpus.len() as u64,
+        }
+    }
+
+    /// The side a stage binary runs on.
+    pub(crate) fn side_of(&self, bin: &str) -> Side {
+        match self.placement().is_some() && bin == "rollout" {
+            true => Side::Rollout,
+            false => Side::Train,
+        }
+    }
+
+    /// The socket of a side's daemon (rank 0's of its group).
+    pub(crate) fn socket_of(&self, side: Side) -> PathBuf {
+        match side {
+            Side::Train => self.daemon_socket(),
+            Side::Rollout => self.run.root.join("rollout.sock"),
+        }
+    }
+
+    /// `CUDA_VISIBLE_DEVICES` of a placed side's group on the GPU (its GPUs, as entries of
+    /// the visibility the runner itself was given): each rank then uses its local rank's.
+    pub(crate) fn visible_gpus(&self, side: Side) -> Option<String> {
+        let p = self
+            .placement()
+            .filter(|_| self.spec.device == Device::Cuda)?;
+        let gpus = match side {
+            Side::Train => &p.train_gpus,
+            Side::Rollout => &p.rollout_gpus,
+        };
+        let outer: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
+            .ok()
+            .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+        let names: Vec<String> = gpus
+            .iter()
+            .map(|&g| match &outer {
+                Some(o) if (g as usize) < o.len() => o[g as usize].clone(),
+                _ => g.to_string(),
+            })
+            .collect();
+        Some(names.join(","))
+    }
+
+    /// The transfer of the current policy (the pointer `RUN/policy`) from the training group
+    /// to the rollout group, its metrics into step `step`'s `transfer.json`.
+    pub(crate) fn transfer_task(&self, step: u64) -> Option<Task> {
+        let p = self.placement()?;
+        let args = vec![
+            "daemon-ctl".into(),
+            "--socket".into(),
+            path_arg(&self.socket_of(Side::Train)),
+            "transfer".into(),
+            "--to".into(),
+            path_arg(&self.socket_of(Side::Rollout)),
+            "--model".into(),
+            path_arg(&self.run.policy()),
+            "--receivers".into(),
+            p.rollout_gpus.len().to_string(),
+            "--bucket-mb".into(),
+            p.bucket_mb.to_string(),
+            "--metrics".into(),
+            path_arg(&self.run.stage_metrics(step, "transfer")),
+        ];
+        Some(Task {
+            name: "transfer",
+            action: Action::Stage {
+                bin: "tandem",
+                args,
+            },
+        })
+    }
+
+    /// Step `step`'s update (None in the critic's warm-up, which trains no policy), and in
+    /// one-step-off mode before the last step the next step's prompts and its rollout beside
+    /// the update (the rollout reads the policy pointer before this step's sync moves it: one
+    /// version behind; alone when there is no update).
+    pub(crate) fn update_tasks(&self, step: u64, update: Option<Task>, tasks: &mut Vec<Task>) {
+        if !self.one_step_off() || step >= self.spec.steps {
+            tasks.extend(update);
+            return;
+        }
+        let [prompts, rollout] = self.own_sampling(step + 1);
+        tasks.push(Task {
+            name: "next-prompts",
+            action: prompts.action,
+        });
+        tasks.push(match update {
+            Some(update) => Task {
+                name: "update",
+                action: Action::Overlap(Box::new([update, rollout])),
+            },
+            None => Task {
+                name: "next-rollout",
+                action: rollout.action,
+            },
+        });
+    }
+
+    /// Whether step `step` samples its own prompts and rollout: always, except in one-step-off
+    /// mode, where the step before did it beside its update.
+    pub(crate) fn samples_own(&self, step: u64) -> bool {
+        !self.one_step_off() || step == 1
+    }
+
+    /// Step `step`'s prompt draw and rollout (their files are the step's own).
+    fn own_sampling(&self, step: u64) -> [Task; 2] {
+        let mut t = self.sampling_tasks(step).into_iter();
+        let prompts = t.next().expect("prompts first");
+        let rollout = t.next().expect("then the rollout");
+        [prompts, rollout]
+    }
+
+    /// One-step-off's first step of a process (`state` before it) samples itself when the
+    /// step before did not leave its rollout: a run continued past its old last step (which
+    /// had no next step to sample for). Its draw and rollout go first.
+    pub(crate) fn catch_up(&self, state: &State, step: u64, tasks: &mut Vec<Task>) {
+        let first = step == state.steps_done + 1;
+        if self.samples_own(step) || !first || self.run.batch(step, "rollout").exists() {
+            return;
+        }
+        let own = self.own_sampling(step);
+        tasks.splice(0..0, own);
+    }
+
+    /// The steps whose prompts the sampler has drawn once step `to` is done: one more in
+    /// one-step-off mode, whose step `to` drew the next step's (when it did).
+    pub(crate) fn steps_drawn(&self, to: u64) -> u64 {
+        let ahead = self.one_step_off() && to >= 1 && self.run.batch(to + 1, "prompts").exists();
+        to + u64::from(ahead)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::rundir::RunDir;
+    use super::super::super::spec::Spec;
+    use super::*;
+
+    fn plan(mode: &str) -> Plan {
+        let text = format!(
+            "steps = 2\ngpus = 3\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1, 2]\nmode = \"{mode}\"\n"
+        );
+        let spec = Spec::parse(&text, "s.toml").unwrap();
+        Plan::new(spec, RunDir::new("r"), PathBuf::from("bin")).unwrap()
+    }
+
+    fn names(tasks: &[Task]) -> Vec<&'static str> {
+        tasks.iter().map(|t| t.name).collect()
+    }
+
+    #[test]
+    fn one_step_off_samples_the_next_step_beside_the_update() {
+        let p = plan("one-step-off");
+        assert_eq!(
+            names(&p.step_tasks(1)),
+            [
+                "prompts",
+                "rollout",
+                "score",
+                "advantage",
+                "next-prompts",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        // The last step has no next step: its update runs alone.
+        assert_eq!(
+            names(&p.step_tasks(2)),
+            [
+                "score",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        let tasks = p.step_tasks(1);
+        let Action::Overlap(pair) = &tasks[5].action else {
+            panic!("{:?}", tasks[5]);
+        };
+        let args = |t: &Task| match &t.action {
+            Action::Stage { bin, args } => (*bin, args.join(" ")),
+            other => panic!("{other:?}"),
+        };
+        let (bin, update) = args(&pair[0]);
+        assert_eq!(bin, "update");
+        assert!(update.contains("--daemon r/daemon.sock"), "{update}");
+        let (bin, rollout) = args(&pair[1]);
+        assert_eq!(bin, "rollout");
+        // Step 2's files, from the pointer as it stands before step 1's sync, on the rollout group.
+        assert!(
+            rollout.contains("--model r/policy --in r/step-0002/prompts.parquet --out r/step-0002/rollout.parquet"),
+            "{rollout}"
+        );
+        assert!(
+            rollout.contains("--step 2 ") && rollout.contains("--daemon r/rollout.sock"),
+            "{rollout}"
+        );
+        assert_eq!(
+            tasks[4].action,
+            Action::SamplePrompts { step: 2 },
+            "next-prompts draws step 2's"
+        );
+        let (bin, transfer) = args(&tasks[7]);
+        assert_eq!(bin, "tandem");
+        assert_eq!(
+            transfer,
+            "daemon-ctl --socket r/daemon.sock transfer --to r/rollout.sock --model r/policy --receivers 1 --bucket-mb 256 --metrics r/step-0001/metrics/transfer.json"
+        );
+    }
+
+    #[test]
+    fn a_critic_warm_up_step_still_samples_the_next_step() {
+        let text = "steps = 2\ngpus = 2\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"gae\"\n[critic]\ncritic-warmup = 1\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\n";
+        let spec = Spec::parse(text, "s.toml").unwrap();
+        let p = Plan::new(spec, RunDir::new("r"), PathBuf::from("bin")).unwrap();
+        let names = names(&p.step_tasks(1));
+        assert!(
+            names.ends_with(&["critic", "next-prompts", "next-rollout", "prune", "metrics"]),
+            "{names:?}"
+        );
+        assert!(
+            !names.contains(&"update") && !names.contains(&"transfer"),
+            "{names:?}"
+        );
+    }
+
+    #[test]
+    fn sync_placement_keeps_the_colocated_order_and_adds_the_transfer() {
+        let p = plan("sync");
+        assert_eq!(
+            names(&p.step_tasks(1)),
+            [
+                "prompts",
+                "rollout",
+                "score",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        assert_eq!((p.ranks_of(Side::Train), p.ranks_of(Side::Rollout)), (2, 1));
+        assert_eq!(p.side_of("rollout"), Side::Rollout);
+        assert_eq!(p.side_of("ref-logprob"), Side::Train);
+        assert_eq!(p.daemon_launch_prefix(Side::Rollout), Vec::<String>::new());
+        assert_eq!(
+            p.daemon_launch_prefix(Side::Train)[..3],
+            ["launch", "--nproc-per-node", "2"]
+        );
+        // CPU ranks: no CUDA_VISIBLE_DEVICES.
+        assert_eq!(p.visible_gpus(Side::Train), None);
+    }
+}

@@ -1,0 +1,135 @@
+//! The weight transfer of a disaggregated run (`[placement]`, docs/DISTRIBUTED.md): the policy
+//! the training group holds goes to every rank of the rollout group, in buckets over a
+//! communicator of its own (the *bridge*: the training group's rank 0 and the rollout group's
+//! ranks, met at a rendezvous port). Not a stage binary: a job only daemons run, sent to both
+//! groups at once by `tandem daemon-ctl transfer`; every rank of each group runs its part.
+
+use super::common::resolve_model;
+use super::{Console, Hold, Topology};
+use crate::bail_input;
+use crate::batch::write_json;
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Which end of the transfer a group is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Side {
+    /// The training group: its rank 0 sends the weights it generates with.
+    Send,
+    /// The rollout group: every rank receives them and generates with them from then on.
+    Receive,
+}
+
+/// One group's part of a transfer.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TransferArgs {
+    /// The policy checkpoint that moves (a directory, resident or not, or a sync-weights
+    /// pointer): the sender must hold it; the receivers hold it under that name afterwards.
+    pub model: PathBuf,
+    pub side: Side,
+    /// The bridge's rendezvous port on 127.0.0.1 (the groups share one machine).
+    pub port: u16,
+    /// Ranks of the receiving group.
+    pub receivers: usize,
+    /// Elements of a bucket.
+    pub bucket_elems: usize,
+    /// Where the receiving group's rank 0 writes the transfer's metrics (JSON).
+    pub metrics: Option<PathBuf>,
+}
+
+/// This rank's place on the bridge: rank `rank` of `world` (sender 0, receivers 1..).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bridge {
+    pub rank: usize,
+    pub world: usize,
+    pub port: u16,
+    pub bucket_elems: usize,
+}
+
+/// What one rank's part of a transfer did.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Transferred {
+    pub buckets: usize,
+    pub elements: usize,
+    pub bytes: usize,
+    /// From the bridge's rendezvous to the last bucket unpacked (or sent).
+    pub seconds: f64,
+    /// The broadcasts alone (the bridge's rendezvous and communicator set-up excluded).
+    pub broadcast_seconds: f64,
+}
+
+/// This rank's bridge rank: the training group's rank 0 sends (0), its other ranks sit it out
+/// (None); rollout rank r receives as 1 + r.
+pub fn bridge_rank(side: Side, group_rank: usize) -> Option<usize> {
+    match side {
+        Side::Send => (group_rank == 0).then_some(0),
+        Side::Receive => Some(1 + group_rank),
+    }
+}
+
+/// Runs this rank's part of the transfer on `exec` (a daemon's `Hold`).
+pub(crate) fn run<E: Hold + Console + Topology + ?Sized>(
+    args: TransferArgs,
+    exec: &mut E,
+) -> Result<()> {
+    if args.receivers == 0 || args.bucket_elems == 0 {
+        bail_input!("transfer: needs at least one receiving rank and a bucket size above 0");
+    }
+    let model = resolve_model(&args.model)?;
+    let group_rank = exec.ranks().map_or(0, |x| x.rank());
+    let Some(rank) = bridge_rank(args.side, group_rank) else {
+        return Ok(());
+    };
+    let bridge = Bridge {
+        rank,
+        world: 1 + args.receivers,
+        port: args.port,
+        bucket_elems: args.bucket_elems,
+    };
+    let moved = exec.transfer(&model, &bridge)?;
+    let gb_per_s = moved.bytes as f64 / moved.broadcast_seconds.max(1e-9) / 1e9;
+    if rank == 1 {
+        if let Some(path) = &args.metrics {
+            let metrics = serde_json::json!({
+                "policy_version": model.policy_version,
+                "receivers": args.receivers,
+                "buckets": moved.buckets,
+                "elements": moved.elements,
+                "bytes": moved.bytes,
+                "seconds": moved.seconds,
+                "broadcast_seconds": moved.broadcast_seconds,
+                "gb_per_s": gb_per_s,
+            });
+            write_json(path, &metrics)?;
+        }
+    }
+    let what = match args.side {
+        Side::Send => "sent",
+        Side::Receive => "received",
+    };
+    exec.log(&format!(
+        "transfer: {what} {} (policy_version {}): {} buckets, {:.1} MB in {:.3}s ({:.3}s broadcasting, {gb_per_s:.2} GB/s)",
+        model.dir.display(),
+        model.policy_version,
+        moved.buckets,
+        moved.bytes as f64 / 1e6,
+        moved.seconds,
+        moved.broadcast_seconds
+    ));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_trainers_rank_0_sends_and_every_rollout_rank_receives() {
+        assert_eq!(bridge_rank(Side::Send, 0), Some(0));
+        assert_eq!(bridge_rank(Side::Send, 1), None);
+        assert_eq!(bridge_rank(Side::Receive, 0), Some(1));
+        assert_eq!(bridge_rank(Side::Receive, 2), Some(3));
+    }
+}

@@ -1,0 +1,417 @@
+//! Disaggregated RL on CPU ranks (`[placement]`, docs/DISTRIBUTED.md): the weight transfer
+//! from a training daemon (group) to a rollout daemon group leaves the rollout ranks with
+//! exactly the weights a rollout loads from the trainer's checkpoint; a placed run in
+//! synchronous mode writes the colocated run's files; one step off-policy is deterministic,
+//! samples step k's rows with the policy one version behind, and resumes after SIGKILL; bad
+//! `[placement]` specs are refused naming the key.
+
+use crate::dp::{ctl_with, same_rows, DaemonGroup};
+use crate::stage_util::*;
+use std::path::Path;
+use tandem::model::safetensors::round_bf16;
+use tandem::model::ModelDir;
+
+/// One step of GRPO-shaped training data: a rollout of `model` over three prompts with
+/// advantages (+1/−1 rows), in `d/adv.parquet`; the prompts in `d/prompts.parquet`.
+fn batch_to_train(d: &Path) {
+    prompts(
+        &d.join("prompts.parquet"),
+        &["What is 2 + 3?", "Name a colour.", "Say hello."],
+    );
+    let r = d.join("r.parquet");
+    ok(
+        "rollout",
+        &[
+            "--model",
+            p(&d.join("model")),
+            "--in",
+            p(&d.join("prompts.parquet")),
+            "--out",
+            p(&r),
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "5",
+            "--raw-prompt",
+            "--seed",
+            "4",
+        ],
+    );
+    add_advantages(&r, &d.join("adv.parquet"));
+}
+
+/// `tandem daemon-ctl --socket SOCKET ARGS` that must succeed; its stderr.
+fn ctl_ok(socket: &Path, args: &[&str]) -> String {
+    let o = ctl_with(socket, args);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "daemon-ctl {args:?}: {err}");
+    err
+}
+
+/// The training daemon (one rank, or a group of `train` ranks) trains a checkpoint; the
+/// transfer sends it to a rollout group of `rollout` ranks; their weights (saved by
+/// `daemon-ctl save`) are the checkpoint's as a rollout loads them (bf16-rounded, bit for
+/// bit), their rollout is an in-process rollout of the checkpoint (no reload), and the
+/// metrics say what moved.
+fn transfer_case(train: usize, rollout: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 4);
+    batch_to_train(d);
+    let model = d.join("model");
+    let (ts, rs) = (d.join("t.sock"), d.join("r.sock"));
+    let _train = DaemonGroup::start(d, train, &ts, &model, &[]);
+    let _roll = DaemonGroup::start(d, rollout, &rs, &model, &[]);
+    let ck = d.join("ck");
+    ok(
+        "update",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&d.join("adv.parquet")),
+            "--out-model",
+            p(&ck),
+            "--lr",
+            "0.01",
+            "--daemon",
+            p(&ts),
+        ],
+    );
+    let metrics = d.join("transfer.json");
+    let receivers = rollout.to_string();
+    let log = ctl_ok(
+        &ts,
+        &[
+            "transfer",
+            "--to",
+            p(&rs),
+            "--model",
+            p(&ck),
+            "--receivers",
+            &receivers,
+            "--bucket-mb",
+            "1",
+            "--metrics",
+            p(&metrics),
+        ],
+    );
+    assert!(log.contains("transfer: received"), "{log}");
+    // The rollout group's weights: every tensor is the checkpoint's, rounded to bf16.
+    let saved = d.join("saved");
+    ctl_ok(&rs, &["save", "--out", p(&saved), "--model", p(&ck)]);
+    let (_, want) = ModelDir::load(&ck).unwrap();
+    let (_, got) = ModelDir::load(&saved).unwrap();
+    assert_eq!(want.len(), got.len());
+    let mut elements = 0;
+    for (name, t) in &want {
+        let bits = |v: &[f32], round: bool| -> Vec<u32> {
+            v.iter()
+                .map(|x| if round { round_bf16(*x) } else { *x }.to_bits())
+                .collect()
+        };
+        assert!(
+            bits(&got[name].data, false) == bits(&t.data, true),
+            "{name} differs from the checkpoint's bf16 weights"
+        );
+        elements += t.data.len();
+    }
+    // The trainer's own tensors moved: it did change them.
+    let (_, initial) = ModelDir::load(&model).unwrap();
+    assert!(want.iter().any(|(n, t)| t.data != initial[n].data));
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+    assert_eq!(m["policy_version"], 0, "{m}");
+    assert_eq!(m["receivers"], rollout, "{m}");
+    // On the CPU an element travels as f32.
+    let moved = m["elements"].as_u64().unwrap() as usize;
+    assert!(moved >= elements - 64 * 300, "{m}: {elements}");
+    assert_eq!(m["bytes"].as_u64().unwrap() as usize, 4 * moved, "{m}");
+    assert!(m["buckets"].as_u64().unwrap() >= 1, "{m}");
+    assert!(m["gb_per_s"].as_f64().unwrap() > 0.0, "{m}");
+    // The rollout group generates with what it received: the rows of an in-process rollout
+    // of the checkpoint, with no load.
+    let args = |out: &Path| {
+        vec![
+            "--model".to_string(),
+            p(&ck).to_string(),
+            "--in".into(),
+            p(&d.join("prompts.parquet")).into(),
+            "--out".into(),
+            p(out).into(),
+            "--n".into(),
+            "2".into(),
+            "--max-new-tokens".into(),
+            "5".into(),
+            "--raw-prompt".into(),
+            "--seed".into(),
+            "9".into(),
+        ]
+    };
+    let (here, there) = (d.join("here.parquet"), d.join("there.parquet"));
+    ok("rollout", &args(&here));
+    let mut remote = args(&there);
+    let rm = d.join("there.json");
+    remote.extend([
+        "--daemon".into(),
+        p(&rs).into(),
+        "--metrics".into(),
+        p(&rm).into(),
+    ]);
+    ok("rollout", &remote);
+    same_rows(&read(&here), &read(&there), "rollout after the transfer");
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rm).unwrap()).unwrap();
+    assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+}
+
+#[test]
+fn a_transfer_gives_one_rollout_rank_the_trainers_weights() {
+    transfer_case(1, 1);
+}
+
+#[test]
+fn a_transfer_from_a_group_of_two_gives_every_rollout_rank_the_weights() {
+    transfer_case(2, 2);
+}
+
+const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
+
+/// A three-step GRPO spec on the warm daemon(s), every step's checkpoint written as files (so
+/// a rerun after a kill loses only the step in flight), with `top` at its top level and
+/// `tables` at its end.
+fn spec(top: &str, tables: &str) -> String {
+    format!(
+        r#"
+seed = 5
+steps = 3
+daemon = true
+{top}
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+prompts-per-step = 3
+[rollout]
+n = 2
+max-new-tokens = 6
+max-prompt-tokens = 64
+raw-prompt = true
+[score]
+reward = "exact"
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.001
+rollout-is = "token"
+[checkpoint]
+every = 1
+keep-last = 3
+{tables}"#
+    )
+}
+
+/// `[placement]` with `rollout` and `train` GPUs and `mode`.
+fn placed(rollout: &str, train: &str, mode: &str) -> String {
+    spec(
+        "gpus = 3",
+        &format!(
+            "[placement]\nrollout-gpus = {rollout}\ntrain-gpus = {train}\nmode = \"{mode}\"\n"
+        ),
+    )
+}
+
+/// `pipeline run NAME.toml --run-dir NAME` in `d`, the spec `text` written first (when given).
+fn pipeline(
+    d: &Path,
+    name: &str,
+    text: Option<&str>,
+    env: &[(&str, &str)],
+) -> std::process::Command {
+    if let Some(text) = text {
+        std::fs::write(d.join(format!("{name}.toml")), text).unwrap();
+    }
+    let bins = Path::new(PIPELINE).parent().unwrap();
+    let mut c = std::process::Command::new(PIPELINE);
+    c.current_dir(d)
+        .args(["run", &format!("{name}.toml"), "--run-dir", name])
+        .env("TANDEM_BIN_DIR", bins)
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("WORLD_SIZE")
+        .env_remove("RANK")
+        .env_remove("TANDEM_DAEMON")
+        .envs(env.iter().copied());
+    c
+}
+
+/// Runs the pipeline to its end; its stderr.
+fn pipeline_ok(d: &Path, name: &str, text: Option<&str>, env: &[(&str, &str)]) -> String {
+    let o = pipeline(d, name, text, env).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{name}: {err}");
+    err
+}
+
+/// Two runs sampled the same rows at every step and ended with the same checkpoints, bit for
+/// bit.
+fn same_run(d: &Path, a: &str, b: &str) {
+    for step in 1..=3 {
+        let f = |run: &str| read(&d.join(format!("{run}/step-000{step}/rollout.parquet")));
+        same_rows(&f(a), &f(b), &format!("step {step}: {a} and {b}"));
+    }
+    let (ca, cb) = (
+        crate::pipeline::checkpoint_files(&d.join(a)),
+        crate::pipeline::checkpoint_files(&d.join(b)),
+    );
+    assert_eq!(ca.keys().collect::<Vec<_>>(), cb.keys().collect::<Vec<_>>());
+    assert_eq!(ca.len(), 3 * ca.len() / 3);
+    for (k, v) in &ca {
+        assert!(v == &cb[k], "{k} differs between {a} and {b}");
+    }
+}
+
+/// The `policy_version` each step's rollout was sampled with.
+fn versions(d: &Path, run: &str) -> Vec<Option<u64>> {
+    (1..=3)
+        .map(|s| {
+            read(&d.join(format!("{run}/step-000{s}/rollout.parquet"))).meta_u64("policy_version")
+        })
+        .collect()
+}
+
+/// The metrics.jsonl lines of a run.
+fn metrics(d: &Path, run: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(d.join(run).join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Synchronous placement (1 rollout + 1 training daemon) is the colocated run on two daemons:
+/// the same samples at every step and the same checkpoints, bit for bit (the rollout group
+/// generates with the bf16 weights the colocated daemon generates with). Each step's transfer
+/// is in its metrics, and the rollouts went to the rollout group's socket.
+#[test]
+fn synchronous_placement_writes_the_colocated_runs_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    pipeline_ok(d, "colocated", Some(&spec("", "")), &[]);
+    pipeline_ok(d, "placed", Some(&placed("[0]", "[1]", "sync")), &[]);
+    same_run(d, "colocated", "placed");
+    assert_eq!(versions(d, "placed"), [Some(0), Some(1), Some(2)]);
+    for m in metrics(d, "placed") {
+        assert!(m["transfer/gb_per_s"].as_f64().unwrap() > 0.0, "{m}");
+        assert_eq!(m["transfer/receivers"], 1, "{m}");
+        assert!(m["transfer/bytes"].as_u64().unwrap() > 0, "{m}");
+    }
+    let commands = std::fs::read_to_string(d.join("placed/commands.sh")).unwrap();
+    let rollouts: Vec<&str> = commands
+        .lines()
+        .filter(|l| l.contains("/rollout "))
+        .collect();
+    assert_eq!(rollouts.len(), 3, "{commands}");
+    assert!(
+        rollouts.iter().all(|l| l.contains("placed/rollout.sock")),
+        "{commands}"
+    );
+    let transfers = commands
+        .lines()
+        .filter(|l| l.contains(" daemon-ctl ") && l.contains(" transfer "))
+        .count();
+    assert_eq!(transfers, 3, "{commands}");
+    // A bad [placement] is refused before anything runs: exit 2 naming the key and its line.
+    let bad = placed("[0, 1]", "[1, 2]", "sync");
+    let o = pipeline(d, "bad", Some(&bad), &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("bad.toml:28:")
+            && err.contains("[placement] train-gpus: GPU 1 is in rollout-gpus too"),
+        "{err}"
+    );
+    assert!(!d.join("bad").exists(), "{err}");
+}
+
+/// One step off-policy with 1 rollout + 2 training ranks: step k's rollout ran beside step
+/// k − 1's update and sampled with the policy one version behind (versions 0, 0, 1 where the
+/// synchronous run has 0, 1, 2); a second run writes the same files; a rollout rank killed in
+/// step 3's rollout, and the runner killed during step 2's update, both end where the
+/// undisturbed run ends, and say what they lost.
+#[test]
+fn one_step_off_is_one_version_behind_deterministic_and_resumable() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let text = placed("[0]", "[1, 2]", "one-step-off");
+    pipeline_ok(d, "a", Some(&text), &[]);
+    assert_eq!(versions(d, "a"), [Some(0), Some(0), Some(1)]);
+    let commands = std::fs::read_to_string(d.join("a/commands.sh")).unwrap();
+    // The update and the next step's rollout start together, then the runner waits for both.
+    let lines: Vec<&str> = commands.lines().collect();
+    let overlaps = lines
+        .windows(3)
+        .filter(|w| {
+            w[0].contains("run at once (one-step-off)")
+                && w[1].contains("/update ")
+                && w[2].contains("/rollout ")
+        })
+        .count();
+    assert_eq!(overlaps, 2, "{commands}");
+    for m in metrics(d, "a") {
+        assert!(m["transfer/gb_per_s"].as_f64().unwrap() > 0.0, "{m}");
+    }
+    pipeline_ok(d, "b", Some(&text), &[]);
+    same_run(d, "a", "b");
+
+    // A rollout rank dies in step 3's rollout (sampled with version 1): the group is started
+    // again, gets the current policy by a transfer, and the rollout runs again.
+    let marker = d.join("killed-rollout");
+    let log = pipeline_ok(
+        d,
+        "rank",
+        Some(&text),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+        ],
+    );
+    assert!(marker.exists(), "the rollout rank was not killed: {log}");
+    assert!(log.contains("rollout failed with the daemon gone"), "{log}");
+    assert!(
+        log.contains("the rollout group (re)started; sending it the current policy"),
+        "{log}"
+    );
+    same_run(d, "a", "rank");
+
+    // A training rank dies in step 2's update (beside step 3's rollout): the update runs again
+    // alone on a new training group, from step 1's checkpoint files.
+    let marker = d.join("killed-update");
+    let log = pipeline_ok(
+        d,
+        "train-rank",
+        Some(&text),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_UPDATE", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+        ],
+    );
+    assert!(marker.exists(), "the training rank was not killed: {log}");
+    assert!(log.contains("update failed with the daemon gone"), "{log}");
+    same_run(d, "a", "train-rank");
+
+    // The runner SIGKILLed while step 2's update and step 3's rollout run: the rerun continues
+    // after step 1 (step 2 is the step lost) and ends as the undisturbed run.
+    std::fs::write(d.join("runner.toml"), &text).unwrap();
+    let adv = d.join("runner/step-0002/adv.parquet");
+    crate::pipeline::kill_when(
+        pipeline(d, "runner", None, &[]),
+        "step 2's update",
+        &mut |_| adv.exists(),
+    );
+    let log = pipeline_ok(d, "runner", None, &[]);
+    assert!(log.contains("continuing runner after step 1"), "{log}");
+    same_run(d, "a", "runner");
+}

@@ -62,72 +62,87 @@ fn loss_value(stats: &[TokenStats], c: &[Vec<f32>], e: &[Vec<f32>]) -> f64 {
 #[test]
 fn decoder_gradients_match_finite_differences() {
     for arch in ARCHS {
-        let cfg = tiny(arch);
-        let w0 = random_weights(&cfg, 1);
-        let toks = vec![tokens(5, cfg.vocab_size, 2), tokens(7, cfg.vocab_size, 3)];
-        let seqs = seqs_of(&toks, &[2, 1]);
-        let temp = 0.8;
-        let counts: Vec<usize> = seqs.iter().map(|s| s.tokens.len() - s.start).collect();
-        let c: Vec<Vec<f32>> = counts
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| randn(n, 10 + i as u64))
-            .collect();
-        let e: Vec<Vec<f32>> = counts
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| randn(n, 20 + i as u64))
-            .collect();
+        check_gradients(&tiny(arch));
+    }
+}
 
-        let mut dec = decoder(&cfg, &w0);
-        dec.logprob_chunk = 3; // several chunks, the last one short
-        dec.forward_backward(&seqs, temp, &mut |_stats| {
-            Ok(c.iter()
-                .zip(&e)
-                .map(|(c, e)| TokenGrads {
-                    dlogprobs: c.clone(),
-                    dentropy: Some(e.clone()),
-                })
-                .collect())
-        })
-        .unwrap();
-        let grads = dec.export_grads().unwrap();
+/// A 1-layer model trains: the workspace once counted its residual snapshots by
+/// `saved_layers > 1`, kept one buffer for it, and the training forward indexed past it.
+#[test]
+fn a_one_layer_models_gradients_match_finite_differences() {
+    let mut cfg = tiny(Arch::Qwen2);
+    cfg.num_layers = 1;
+    check_gradients(&cfg);
+}
 
-        // Directional derivative per tensor: (L(θ + εu) − L(θ − εu)) / 2ε against ⟨∇L, u⟩.
-        let eps = 1e-3f32;
-        let mut rng = Rng::new(99);
-        let mut worst = 0f64;
-        for (name, g) in &grads {
-            let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
-            let an: f64 = g
-                .data
-                .iter()
+/// Every gradient of a forward-backward pass of two packed sequences against central finite
+/// differences of the log-prob and entropy loss, one random direction per tensor.
+fn check_gradients(cfg: &Config) {
+    let arch = cfg.arch;
+    let w0 = random_weights(cfg, 1);
+    let toks = vec![tokens(5, cfg.vocab_size, 2), tokens(7, cfg.vocab_size, 3)];
+    let seqs = seqs_of(&toks, &[2, 1]);
+    let temp = 0.8;
+    let counts: Vec<usize> = seqs.iter().map(|s| s.tokens.len() - s.start).collect();
+    let c: Vec<Vec<f32>> = counts
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| randn(n, 10 + i as u64))
+        .collect();
+    let e: Vec<Vec<f32>> = counts
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| randn(n, 20 + i as u64))
+        .collect();
+
+    let mut dec = decoder(cfg, &w0);
+    dec.logprob_chunk = 3; // several chunks, the last one short
+    dec.forward_backward(&seqs, temp, &mut |_stats| {
+        Ok(c.iter()
+            .zip(&e)
+            .map(|(c, e)| TokenGrads {
+                dlogprobs: c.clone(),
+                dentropy: Some(e.clone()),
+            })
+            .collect())
+    })
+    .unwrap();
+    let grads = dec.export_grads().unwrap();
+
+    // Directional derivative per tensor: (L(θ + εu) − L(θ − εu)) / 2ε against ⟨∇L, u⟩.
+    let eps = 1e-3f32;
+    let mut rng = Rng::new(99);
+    let mut worst = 0f64;
+    for (name, g) in &grads {
+        let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
+        let an: f64 = g
+            .data
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| g as f64 * u as f64)
+            .sum();
+        let eval = |sign: f32| {
+            let mut w = w0.clone();
+            let t = w.get_mut(name).unwrap();
+            t.data
+                .iter_mut()
                 .zip(&u)
-                .map(|(&g, &u)| g as f64 * u as f64)
-                .sum();
-            let eval = |sign: f32| {
-                let mut w = w0.clone();
-                let t = w.get_mut(name).unwrap();
-                t.data
-                    .iter_mut()
-                    .zip(&u)
-                    .for_each(|(x, u)| *x += sign * eps * u);
-                let stats = decoder(&cfg, &w).logprobs(&seqs, temp, true).unwrap();
-                loss_value(&stats, &c, &e)
-            };
-            let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
-            let err = (fd - an).abs() / an.abs().max(0.1);
-            worst = worst.max(err);
-            assert!(
-                err < 2e-2,
-                "{arch:?} {name}: analytic {an:.6} vs finite difference {fd:.6}"
-            );
-        }
-        eprintln!(
-            "{arch:?}: worst relative gradient error {worst:.2e} over {} tensors",
-            grads.len()
+                .for_each(|(x, u)| *x += sign * eps * u);
+            let stats = decoder(cfg, &w).logprobs(&seqs, temp, true).unwrap();
+            loss_value(&stats, &c, &e)
+        };
+        let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
+        let err = (fd - an).abs() / an.abs().max(0.1);
+        worst = worst.max(err);
+        assert!(
+            err < 2e-2,
+            "{arch:?} {name}: analytic {an:.6} vs finite difference {fd:.6}"
         );
     }
+    eprintln!(
+        "{arch:?}: worst relative gradient error {worst:.2e} over {} tensors",
+        grads.len()
+    );
 }
 
 #[test]

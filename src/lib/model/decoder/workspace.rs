@@ -170,7 +170,9 @@ impl<B: Backend> Work<B> {
                 h: ac(if c.backward { t * f } else { 0 })?,
             });
         }
-        let n_resid = if c.saved_layers > 1 {
+        // Training keeps each block's input: 2 snapshots a layer and the last hidden state.
+        // Ask `backward`, not `saved_layers > 1`: a 1-layer model trains with saved_layers 1.
+        let n_resid = if c.backward {
             2 * c.saved_layers + 1
         } else {
             1

@@ -526,8 +526,8 @@ mod update {
 
 mod pipeline {
     use crate::pipeline::{
-        assert_ok, checkpoint_files_in, children, jsonl_sans_time, kill_when, real_bins, running_child, stage_done,
-        text, PIPELINE,
+        assert_ok, checkpoint_files_in, children, jsonl_sans_time, kill_when, real_bins,
+        running_child, stage_done, text, PIPELINE,
     };
     use crate::shard::rel_err;
     use crate::stage_util::{i32_rows, read};
@@ -898,18 +898,18 @@ keep-last = 1
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         crate::stage_util::model_and_train_set(d, 64, 128, 8);
-        std::fs::write(d.join("spec.toml"), format!("gpus = 2\ndaemon = true\n{SPEC}")).unwrap();
+        std::fs::write(
+            d.join("spec.toml"),
+            format!("gpus = 2\ndaemon = true\n{SPEC}"),
+        )
+        .unwrap();
         let o = Command::new(PIPELINE)
             .current_dir(d)
             .args(["run", "spec.toml", "--run-dir", "r"])
             .output()
             .unwrap();
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-        assert!(
-            text(&o).contains("not on a daemon group"),
-            "{}",
-            text(&o)
-        );
+        assert!(text(&o).contains("not on a daemon group"), "{}", text(&o));
         assert!(!d.join("r/step-0001").exists());
     }
 

@@ -124,7 +124,7 @@ mod tests {
             .map(|c| c.name)
             .collect();
         let mut names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
-        assert_eq!(names.len(), 7);
+        assert_eq!(names.len(), 8);
         names.extend(&ops);
         let n = names.len();
         names.sort_unstable();

@@ -15,8 +15,16 @@ use anyhow::Result;
 use std::path::{Path, PathBuf};
 
 /// Loads a model directory's weights onto a backend (to generate or score with: no optimizer
-/// state).
+/// state). An adapter directory loads its base and merges the adapters on the backend
+/// ([`Decoder::merge_adapters`]), as the daemon builds its generation copy.
 pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
+    if is_adapter_dir(dir) {
+        let adapter = peft::read_adapter(dir)?;
+        let (cfg, weights) = ModelDir::load(&lora_base(dir)?)?;
+        let mut d = Decoder::for_generation(backend, &cfg, weights)?;
+        d.merge_adapters(&adapter.spec, &adapter.weights)?;
+        return Ok(d);
+    }
     let (cfg, weights) = ModelDir::load(dir)?;
     Decoder::new(backend, &cfg, &weights)
 }

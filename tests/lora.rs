@@ -245,8 +245,63 @@ fn merged_weights_score_as_the_adapted_decoder() {
     }
 }
 
+/// The backend merge (`Decoder::merge_adapters`, on the CPU backend) against the hand
+/// formula round_bf16(W + (α/r)·B·A): adapters of multiples of 1/16 keep every sum exact in
+/// f32, so the two agree to the bit; the weights not targeted are the base's, rounded to bf16
+/// as every generation decoder holds them.
+#[test]
+fn backend_merge_is_the_hand_formula_rounded_to_bf16() {
+    use tandem::model::safetensors::round_bf16;
+    let cfg = tiny(Arch::Qwen2);
+    let base = random_weights(&cfg, 5);
+    let s = spec("q,down");
+    let mut ad = init_adapters(&cfg, &s, 3);
+    let mut rng = Rng::new(8);
+    for t in ad.values_mut() {
+        let sixteenths = |_| (rng.normal() * 8.0).round().clamp(-16.0, 16.0) / 16.0;
+        t.data = (0..t.data.len()).map(sixteenths).collect();
+    }
+    let mut dec = Decoder::for_generation(Cpu, &cfg, base.clone()).unwrap();
+    dec.merge_adapters(&s, &ad).unwrap();
+    let got = dec.export_compute_weights().unwrap();
+    let r = s.rank;
+    for slot in s.adapters(&cfg) {
+        let name = slot.target.weight_name(slot.layer);
+        let (inp, out) = slot.target.dims(&cfg);
+        let (a, b) = (&ad[&slot.a.0].data, &ad[&slot.b.0].data);
+        for o in 0..out {
+            for i in 0..inp {
+                let ba: f64 = (0..r)
+                    .map(|k| b[o * r + k] as f64 * a[k * inp + i] as f64)
+                    .sum();
+                let w = round_bf16(base[&name].data[o * inp + i]) as f64;
+                let want = round_bf16((w + s.scale() as f64 * ba) as f32);
+                assert_eq!(got[&name].data[o * inp + i], want, "{name}[{o}, {i}]");
+            }
+        }
+    }
+    let targets: Vec<String> = s
+        .adapters(&cfg)
+        .iter()
+        .map(|t| t.target.weight_name(t.layer))
+        .collect();
+    for (name, t) in &base {
+        if !targets.contains(name) {
+            let want: Vec<f32> = t.data.iter().map(|&x| round_bf16(x)).collect();
+            assert_eq!(got[name].data, want, "{name} is the base's");
+        }
+    }
+    // A missing adapter tensor is refused, naming it.
+    ad.remove("model.layers.0.mlp.down_proj.lora_B.weight");
+    let e = dec.merge_adapters(&s, &ad).unwrap_err().to_string();
+    assert!(
+        e.contains("'model.layers.0.mlp.down_proj.lora_B.weight' is missing"),
+        "{e}"
+    );
+}
+
 mod files {
-    use super::{adapters, rollout, spec};
+    use super::{adapters, rollout, spec, Cpu, Decoder};
     use crate::stage_util::{input_error, ok, p, prompts, tiny_model};
     use std::path::Path;
     use tandem::model::peft::{read_adapter, write_adapter};
@@ -299,12 +354,32 @@ mod files {
         assert!(merged.join("config.json").is_file() && !d.join("merged.tmp").exists());
         let pr = d.join("prompts.parquet");
         prompts(&pr, &["Name a colour.", "Count to three."]);
+        // The rollout merges on its backend: a model saved from that merge rolls out the
+        // same, to the bit; merge-lora's f64 merge is at most one bf16 step from it.
+        let (cfg, base_w) = ModelDir::load(&base).unwrap();
+        let ad = read_adapter(&adapter).unwrap();
+        let mut dec = Decoder::for_generation(Cpu, &cfg, base_w).unwrap();
+        dec.merge_adapters(&ad.spec, &ad.weights).unwrap();
+        let on_backend = dec.export_compute_weights().unwrap();
+        let device_merged = d.join("device-merged");
+        ModelDir::save(&device_merged, &cfg, &on_backend, Some(&base)).unwrap();
+        let (_, files) = ModelDir::load(&merged).unwrap();
+        let (mut differ, mut total) = (0, 0);
+        for (name, t) in &files {
+            for (&x, &y) in t.data.iter().zip(&on_backend[name].data) {
+                let step = (f32::from_bits(y.to_bits() + 0x1_0000) - y).abs();
+                assert!((x - y).abs() <= step, "{name}: {x} vs {y}");
+                differ += usize::from(x != y);
+                total += 1;
+            }
+        }
+        assert!(differ * 100 < total, "{differ} of {total} weights differ");
         let from_adapter = rollout(&adapter, &pr, &d.join("a.parquet"));
-        let from_merged = rollout(&merged, &pr, &d.join("m.parquet"));
+        let from_device = rollout(&device_merged, &pr, &d.join("m.parquet"));
         let from_base = rollout(&base, &pr, &d.join("b.parquet"));
         assert_eq!(
-            from_adapter, from_merged,
-            "adapter directory = merged model, to the bit"
+            from_adapter, from_device,
+            "adapter directory = the model merged on the backend, to the bit"
         );
         assert_ne!(from_adapter.1, from_base.1, "the adapter is applied");
         // A bad adapter: exit 2 naming the file and key.

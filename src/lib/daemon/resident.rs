@@ -17,7 +17,7 @@
 //! A LoRA policy (a LoRA update's, or an adapter checkpoint's) is held as its adapters on the
 //! frozen base (`Decoder::with_lora`: the base in the compute dtype with no master or moments,
 //! the adapters' f32 masters and AdamW state kept between updates). It generates from a merged
-//! copy built after each update on the host with the loaders' merge (`kept::lora_generation`:
+//! copy built after each update on the device with the loaders' merge (`kept::lora_generation`:
 //! a second whole copy of the weights while rollout runs; the base that trains is never
 //! merged), so its rollouts are bit for bit those of the checkpoint loaded in process; a
 //! reference job on its base's files scores with that base, the adapters off

@@ -161,9 +161,11 @@ impl ModelDir {
         Ok(Inspected { config, loaded })
     }
 
-    /// A PEFT LoRA adapter's directory read as its base with the adapter merged, each merged
-    /// weight rounded to bf16 as `tandem merge-lora`'s files store it: rollout, ref-logprob
-    /// and the daemon generate from the adapted model, never silently from the base.
+    /// A PEFT LoRA adapter's directory read as its base with the adapter merged on the host
+    /// (f64 sums), each merged weight rounded to bf16 as `tandem merge-lora`'s files store it,
+    /// so a reader never silently gets the base. The stages that generate or score from an
+    /// adapter merge on their backend instead (`Decoder::merge_adapters`), as the daemon does;
+    /// the two can differ by one bf16 step in rare elements.
     fn inspect_adapter(path: &Path, base: &Path) -> Result<Inspected> {
         let adapter = peft::read_adapter(path)?;
         let mut ins = Self::inspect(base)?;

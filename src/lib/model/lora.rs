@@ -271,7 +271,9 @@ pub fn merge(cfg: &Config, base: &mut Weights, adapters: &Weights, spec: &LoraSp
 }
 
 /// [`merge`], each merged weight then rounded to bf16 as `tandem merge-lora`'s files store
-/// it: the adapted model every stage (in process or on the daemon) generates from.
+/// it: the host readers' adapted model (`model-info`, the daemon's reference of an adapter
+/// directory); the stages that generate merge on their backend (`Decoder::merge_adapters`),
+/// which can differ from this by one bf16 step in rare elements.
 pub fn merge_rounded(
     cfg: &Config,
     base: &mut Weights,

@@ -1,6 +1,8 @@
 //! LoRA on the GPU against the CPU (`lora`): a decoder training rank-8 adapters on every
 //! projection of a tiny model, B random rather than PEFT's zero so that the adapters change
 //! the forward: its log-probs, the adapters' gradients (and no other), one AdamW step of them.
+//! `lora_merge`: the generation copy merged on the GPU (`Decoder::lora_generation`) against
+//! the host's f64 merge (`merge_rounded`, what `tandem merge-lora` writes).
 
 use anyhow::Result;
 
@@ -10,8 +12,107 @@ use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::DType;
 use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
-use crate::model::lora::{init_adapters, LoraSpec, Target};
-use crate::model::{init, Arch, Weights};
+use crate::model::lora::{init_adapters, merge_rounded, LoraSpec, Target};
+use crate::model::safetensors::round_bf16;
+use crate::model::{init, Arch, Config, Weights};
+
+/// Rank-8 adapters on every projection, B random (not PEFT's zero) so that they change W.
+fn rank8(s: &mut Ctx, cfg: &Config) -> (LoraSpec, Weights) {
+    let spec = LoraSpec {
+        rank: 8,
+        alpha: 16.0,
+        targets: Target::ALL.to_vec(),
+    };
+    let adapters = random_adapters(s, cfg, &spec);
+    (spec, adapters)
+}
+
+fn random_adapters(s: &mut Ctx, cfg: &Config, spec: &LoraSpec) -> Weights {
+    let mut adapters = init_adapters(cfg, spec, s.rng.next_u64());
+    for (_, t) in adapters.iter_mut().filter(|(k, _)| k.contains("lora_B")) {
+        t.data.iter_mut().for_each(|v| *v = 0.05 * s.rng.normal());
+    }
+    adapters
+}
+
+/// The bf16 values between `a` and `b` (both bf16): their distance in bf16 steps.
+fn bf16_steps(a: f32, b: f32) -> u32 {
+    let ord = |x: f32| {
+        let bits = x.to_bits();
+        let mag = i64::from(bits & 0x7fff_ffff) >> 16;
+        if bits >> 31 == 1 {
+            -mag
+        } else {
+            mag
+        }
+    };
+    (ord(a) - ord(b)).unsigned_abs() as u32
+}
+
+/// The generation copy a LoRA daemon builds after an update, merged on the GPU, against the
+/// host's f64 merge of the same adapters into the same (bf16) base: each merged element at
+/// most one bf16 step away (the GEMM sums B·A in f32 from A and (α/r)·B rounded to the
+/// compute dtype); the note counts the elements that differ. The weights not targeted are
+/// copied and must be equal.
+pub(super) fn lora_merge(s: &mut Ctx, d: DType) -> Result<()> {
+    let cfg = tiny_config(Arch::Qwen2);
+    let mut base = init::random_weights(&cfg, s.rng.next_u64(), 0.05);
+    for t in base.values_mut() {
+        t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
+    }
+    let (spec, adapters) = rank8(s, &cfg);
+    let gb = CudaBackend::new(s.ordinal)?;
+    gb.set_compute_dtype(d);
+    let policy = Decoder::with_lora(gb, &cfg, &base, &adapters, &spec)?;
+    let gen_backend = CudaBackend::new(s.ordinal)?;
+    gen_backend.set_compute_dtype(d);
+    let got = policy
+        .lora_generation(gen_backend, &adapters)?
+        .export_compute_weights()?;
+    let mut want = base.clone();
+    merge_rounded(&cfg, &mut want, &adapters, &spec)?;
+    let targets: Vec<String> = spec
+        .adapters(&cfg)
+        .iter()
+        .map(|a| a.target.weight_name(a.layer))
+        .collect();
+    let (mut merged, mut differ, mut steps, mut max_abs) = (0usize, 0usize, 0u32, 0f64);
+    let mut copies_equal = got.len() == want.len();
+    for (name, w) in &want {
+        let Some(g) = got.get(name) else {
+            copies_equal = false;
+            continue;
+        };
+        if !targets.contains(name) {
+            copies_equal &= g.data == w.data;
+            continue;
+        }
+        for (&x, &y) in g.data.iter().zip(&w.data) {
+            let k = bf16_steps(x, y);
+            merged += 1;
+            differ += usize::from(k > 0);
+            steps = steps.max(k);
+            max_abs = max_abs.max(f64::from((x - y).abs()));
+        }
+    }
+    s.rows.push(Row {
+        op: "lora merge on device vs host f64, bf16 steps".into(),
+        dtype: dname(d),
+        max_abs,
+        max_rel: f64::from(steps),
+        tol: 1.0,
+        pass: copies_equal && merged > 0 && steps <= 1,
+        note: format!(
+            "{differ} of {merged} merged elements differ{}",
+            if copies_equal {
+                ""
+            } else {
+                "; the copied weights differ"
+            }
+        ),
+    });
+    Ok(())
+}
 
 pub(super) fn lora(s: &mut Ctx, d: DType) -> Result<()> {
     let (tol_lp, tol_g, tol_upd) = match d {
@@ -20,15 +121,7 @@ pub(super) fn lora(s: &mut Ctx, d: DType) -> Result<()> {
     };
     let cfg = tiny_config(Arch::Qwen2);
     let base = init::random_weights(&cfg, s.rng.next_u64(), 0.05);
-    let spec = LoraSpec {
-        rank: 8,
-        alpha: 16.0,
-        targets: Target::ALL.to_vec(),
-    };
-    let mut adapters = init_adapters(&cfg, &spec, s.rng.next_u64());
-    for (_, t) in adapters.iter_mut().filter(|(k, _)| k.contains("lora_B")) {
-        t.data.iter_mut().for_each(|v| *v = 0.05 * s.rng.normal());
-    }
+    let (spec, adapters) = rank8(s, &cfg);
     let mut cpu = Decoder::with_lora(Cpu, &cfg, &base, &adapters, &spec)?;
     let gb = CudaBackend::new(s.ordinal)?;
     gb.set_compute_dtype(d);

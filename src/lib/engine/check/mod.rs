@@ -28,6 +28,10 @@ pub const CASES: &[Case] = &[
         run: lora::lora,
     },
     Case {
+        name: "lora_merge",
+        run: lora::lora_merge,
+    },
+    Case {
         name: "hf_fixtures",
         run: decoder::hf_fixtures,
     },

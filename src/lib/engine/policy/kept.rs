@@ -11,7 +11,6 @@ use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedPolicy};
 use crate::engine::shard::{ShardStats, ShardedOptim};
 use crate::model::decoder::{Decoder, OptimizerState};
-use crate::model::lora::merge_rounded;
 use crate::model::Weights;
 use crate::parallel::{Comm, ProcessGroup};
 use anyhow::Result;
@@ -230,23 +229,18 @@ pub(crate) fn unpark<B: Backend>(slot: &mut PolicySlot<B>) -> Result<()> {
     Ok(())
 }
 
-/// The decoder a LoRA policy generates with: its base with W + (α/r)·B·A merged into each
-/// target from the adapters' f32 masters and rounded to bf16 ([`merge_rounded`]), exactly the
-/// model a stage in process loads from the adapter checkpoint. The merge runs on the host
-/// (f64 sums, the one merge every loader uses): a device GEMM would round differently from
-/// the files' merge, and the rollout on the daemon would then not be the in-process one.
-/// It costs one download of the base, the host merge (rows in parallel) and one upload per
-/// update, and a second whole copy of the weights in the compute dtype on the device.
+/// The decoder a LoRA policy generates with: its frozen base copied on the device with
+/// W + (α/r)·B·A merged into each target from the adapters' f32 masters
+/// ([`Decoder::lora_generation`]), the merge every in-process loader of an adapter
+/// checkpoint runs on its backend (`load_policy`), so the daemon generates from the model a
+/// stage in process loads from the checkpoint, bit for bit. The adapters (small) come to
+/// the host to be scaled; the base stays on the device.
 pub(crate) fn lora_generation<B: Backend>(slot: &PolicySlot<B>, backend: B) -> Result<Decoder<B>> {
     let d = &slot.decoder;
-    let spec = d.lora_spec().expect("a LoRA policy").clone();
     // Parked (--offload-optimizer): the adapters' masters are the host copy.
     let adapters = match slot.parked.as_ref().and_then(|p| p.masters.as_ref()) {
         Some(m) => m.clone(),
         None => d.export_adapters()?,
     };
-    let mut weights = d.export_compute_weights()?;
-    weights.retain(|name, _| !adapters.contains_key(name));
-    merge_rounded(d.config(), &mut weights, &adapters, &spec)?;
-    Decoder::for_generation(backend, d.config(), weights)
+    d.lora_generation(backend, &adapters)
 }

@@ -15,18 +15,38 @@ use anyhow::Result;
 use std::path::{Path, PathBuf};
 
 /// Loads a model directory's weights onto a backend (to generate or score with: no optimizer
-/// state).
+/// state). An adapter directory loads its base and merges the adapters on the backend
+/// ([`Decoder::merge_adapters`]), as the daemon builds its generation copy.
 pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
+    if is_adapter_dir(dir) {
+        let adapter = peft::read_adapter(dir)?;
+        let (cfg, weights) = ModelDir::load(&lora_base(dir)?)?;
+        let mut d = Decoder::for_generation(backend, &cfg, weights)?;
+        d.merge_adapters(&adapter.spec, &adapter.weights)?;
+        return Ok(d);
+    }
     let (cfg, weights) = ModelDir::load(dir)?;
     Decoder::new(backend, &cfg, &weights)
 }
 
 /// Loads a critic onto a backend (to compute values with): a value model's directory, or a
-/// policy's, whose critic starts with a zero value head (`crate::model::critic`).
+/// policy's, whose critic starts with a zero value head (`crate::model::critic`); an adapter
+/// directory's base with the adapters merged on the backend, as [`load_policy`] merges them.
 pub fn load_value_model<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
-    let (cfg, weights) = ModelDir::load(dir)?;
+    let adapter = match is_adapter_dir(dir) {
+        true => Some(peft::read_adapter(dir)?),
+        false => None,
+    };
+    let (cfg, weights) = match &adapter {
+        Some(_) => ModelDir::load(&lora_base(dir)?)?,
+        None => ModelDir::load(dir)?,
+    };
     let (cfg, weights) = value_model_from(&cfg, weights);
-    Decoder::new(backend, &cfg, &weights)
+    let mut d = Decoder::new(backend, &cfg, &weights)?;
+    if let Some(a) = adapter {
+        d.merge_adapters(&a.spec, &a.weights)?;
+    }
+    Ok(d)
 }
 
 /// A policy as `update` starts from it: the f32 master weights when they sit next to the model

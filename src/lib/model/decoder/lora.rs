@@ -3,11 +3,15 @@
 //! is a GEMM by (α/r)·I [r, r], so the adapters run on the matmul ops alone (no kernel of
 //! their own); x·Aᵀ is computed again in the backward instead of kept (r columns a token).
 
-use anyhow::Result;
+use std::collections::HashMap;
 
-use crate::backend::{Backend, MatmulShape};
-use crate::model::lora::{LoraSpec, Target};
-use crate::model::Config;
+use anyhow::{ensure, Context, Result};
+
+use super::Decoder;
+use crate::backend::{Backend, DType, MatmulShape};
+use crate::model::lora::{check_adapters, LoraSpec, Target};
+use crate::model::safetensors::round_bf16;
+use crate::model::{Config, Weights};
 
 /// A decoder's adapters: their spec and the scaling matrix.
 pub(super) struct LoraState<B: Backend> {
@@ -140,4 +144,97 @@ pub(super) fn view<'a, B: Backend>(
 /// The targets in `Layer::lora`'s order.
 pub(super) fn slot(t: Target) -> usize {
     Target::ALL.iter().position(|x| *x == t).expect("a target")
+}
+
+impl<B: Backend> Decoder<B> {
+    /// Merges `adapters` into this decoder's compute weights on its backend, W' = W +
+    /// (α/r)·B·A rounded to the compute dtype: one GEMM per target, B·A accumulated in f32
+    /// onto W (`matmul_backward_x` with C = W), A and (α/r)·B (scaled in f32 on the host,
+    /// they are small) uploaded in the compute dtype. On a backend that computes in f32 the
+    /// merged targets are then rounded to bf16, as the files and the GPU store them. Every
+    /// loader of an adapter for rollout and the daemon's generation copy merge here, so that
+    /// they generate from the same weights bit for bit.
+    pub fn merge_adapters(&mut self, spec: &LoraSpec, adapters: &Weights) -> Result<()> {
+        let cfg = self.cfg.clone();
+        check_adapters(&cfg, spec, adapters, "merge")?;
+        let index: HashMap<&str, usize> = self
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.as_str(), i))
+            .collect();
+        let b = &self.backend;
+        let cd = b.compute_dtype();
+        let (s, r) = (spec.scale(), spec.rank);
+        for slot in spec.adapters(&cfg) {
+            let name = slot.target.weight_name(slot.layer);
+            let i = *index
+                .get(name.as_str())
+                .with_context(|| format!("merge: the decoder has no weight '{name}'"))?;
+            let (inp, out) = slot.target.dims(&cfg);
+            let scaled: Vec<f32> = adapters[&slot.b.0].data.iter().map(|x| x * s).collect();
+            let mut bs = b.alloc_as(out * r, cd)?;
+            b.upload(&mut bs, &scaled)?;
+            let mut a = b.alloc_as(r * inp, cd)?;
+            b.upload(&mut a, &adapters[&slot.a.0].data)?;
+            // dx[m,k] += dy[m,n]·w[n,k] with m = out, k = in, n = r: W += (α/r)·B·A.
+            let shape = MatmulShape {
+                m: out,
+                k: inp,
+                n: r,
+            };
+            b.matmul_backward_x(&mut self.w[i], &bs, &a, shape, true)?;
+            if cd == DType::F32 {
+                round_on_host(b, &mut self.w[i], out * inp)?;
+            }
+        }
+        b.synchronize()?;
+        // Decode graphs captured before read the weights as they were.
+        self.ws_epoch += 1;
+        Ok(())
+    }
+
+    /// The decoder a LoRA policy generates with, on `backend`: a copy of this decoder's frozen
+    /// base made on the device (as [`Decoder::for_generation`] builds it, fused projections
+    /// included; on a backend that computes in f32 rounded to bf16 as `for_generation` rounds
+    /// it) with `adapters` merged by [`Decoder::merge_adapters`]. No host round trip of the
+    /// base; device memory grows by one copy of the weights in the compute dtype.
+    pub fn lora_generation(&self, backend: B, adapters: &Weights) -> Result<Decoder<B>> {
+        let spec = self.lora_spec().context("not a LoRA decoder")?.clone();
+        let mut gen = Decoder::unfilled_for_generation(backend, &self.cfg)?;
+        let cd = self.backend.compute_dtype();
+        ensure!(
+            gen.backend.compute_dtype() == cd,
+            "generation copy: its backend computes in another dtype"
+        );
+        let index: HashMap<&str, usize> = self
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.as_str(), i))
+            .collect();
+        // The base's last writes and the copy's zero fills are done before the copies.
+        self.backend.synchronize()?;
+        gen.backend.synchronize()?;
+        for (i, name) in gen.names.iter().enumerate() {
+            let j = *index
+                .get(name.as_str())
+                .with_context(|| format!("generation copy: the policy has no '{name}'"))?;
+            let n = self.shapes[j].iter().product();
+            gen.backend.copy(&mut gen.w[i], 0, &self.w[j], 0, n)?;
+            if cd == DType::F32 {
+                round_on_host(&gen.backend, &mut gen.w[i], n)?;
+            }
+        }
+        gen.merge_adapters(&spec, adapters)?;
+        Ok(gen)
+    }
+}
+
+/// Rounds `buf[..n]` to bf16 through host memory (backends that compute in f32: the CPU).
+fn round_on_host<B: Backend>(b: &B, buf: &mut B::Buf, n: usize) -> Result<()> {
+    let mut host = vec![0f32; n];
+    b.download(buf, &mut host)?;
+    host.iter_mut().for_each(|x| *x = round_bf16(*x));
+    b.upload(buf, &host)
 }

@@ -128,7 +128,7 @@ mod tests {
             .map(|c| c.name)
             .collect();
         let mut names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
-        assert_eq!(names.len(), 8);
+        assert_eq!(names.len(), 9);
         names.extend(&ops);
         let n = names.len();
         names.sort_unstable();

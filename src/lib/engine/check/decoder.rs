@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 
-use super::{flat, tiny_config, worst_tensor};
+use super::{backward_both, flat, tiny_config, values_row, worst_tensor};
 use crate::backend::check::gpu::{compare, dname, round, Ctx, Row};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
@@ -302,36 +302,9 @@ pub(super) fn value_model(s: &mut Ctx, d: DType) -> Result<()> {
             cpu.logprobs(&seqs, 1.0, false)?,
             gpu.logprobs(&seqs, 1.0, false)?,
         );
-        let cat = |v: &[TokenStats]| -> Vec<f32> {
-            v.iter().flat_map(|s| s.logprobs.iter().copied()).collect()
-        };
-        let (g, c) = (cat(&vg), cat(&vc));
-        let (a, r, p) = compare(&g, &c, &[]);
-        s.rows.push(Row {
-            op: format!("value model values [{tag}]"),
-            dtype: dname(d),
-            max_abs: a,
-            max_rel: r,
-            tol: tol_v,
-            pass: g.len() == c.len() && !c.is_empty() && p.is_none() && r <= tol_v,
-            note: p.unwrap_or_default(),
-        });
-        let ups: Vec<Vec<f32>> = vc
-            .iter()
-            .map(|st| (0..st.logprobs.len()).map(|_| s.rng.normal()).collect())
-            .collect();
-        let mut loss = |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
-            Ok(ups
-                .iter()
-                .map(|u| TokenGrads {
-                    dlogprobs: u.clone(),
-                    dentropy: None,
-                })
-                .collect())
-        };
-        cpu.forward_backward(&seqs, 1.0, &mut loss)?;
-        gpu.forward_backward(&seqs, 1.0, &mut loss)?;
-        let (gc, gg) = (cpu.export_grads()?, gpu.export_grads()?);
+        let op = format!("value model values [{tag}]");
+        values_row(s, op, d, &vg, &vc, tol_v);
+        let (gc, gg) = backward_both(s, &mut cpu, &mut gpu, &seqs, &vc)?;
         let part = |w: &Weights, head: bool| -> Weights {
             w.iter()
                 .filter(|(k, _)| (k.as_str() == VALUE_HEAD || k.as_str() == VALUE_BIAS) == head)

@@ -6,12 +6,12 @@
 
 use anyhow::Result;
 
-use super::{flat, tiny_config, worst_tensor};
+use super::{backward_both, flat, tiny_config, values_row, worst_tensor};
 use crate::backend::check::gpu::{compare, dname, Ctx, Row};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::DType;
-use crate::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
+use crate::model::decoder::{AdamWParams, Decoder, SeqRef};
 use crate::model::lora::{init_adapters, merge_rounded, LoraSpec, Target};
 use crate::model::safetensors::round_bf16;
 use crate::model::{init, Arch, Config, Weights};
@@ -139,36 +139,9 @@ pub(super) fn lora(s: &mut Ctx, d: DType) -> Result<()> {
         cpu.logprobs(&seqs, 1.0, false)?,
         gpu.logprobs(&seqs, 1.0, false)?,
     );
-    let cat = |v: &[TokenStats]| -> Vec<f32> {
-        v.iter().flat_map(|s| s.logprobs.iter().copied()).collect()
-    };
-    let (g, c) = (cat(&lg), cat(&lc));
-    let (a, r, p) = compare(&g, &c, &[]);
-    s.rows.push(Row {
-        op: "lora logprobs [qwen2, all-linear r8]".into(),
-        dtype: dname(d),
-        max_abs: a,
-        max_rel: r,
-        tol: tol_lp,
-        pass: g.len() == c.len() && !c.is_empty() && p.is_none() && r <= tol_lp,
-        note: p.unwrap_or_default(),
-    });
-    let ups: Vec<Vec<f32>> = lc
-        .iter()
-        .map(|st| (0..st.logprobs.len()).map(|_| s.rng.normal()).collect())
-        .collect();
-    let mut loss = |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
-        Ok(ups
-            .iter()
-            .map(|u| TokenGrads {
-                dlogprobs: u.clone(),
-                dentropy: None,
-            })
-            .collect())
-    };
-    cpu.forward_backward(&seqs, 1.0, &mut loss)?;
-    gpu.forward_backward(&seqs, 1.0, &mut loss)?;
-    let (gc, gg) = (cpu.export_grads()?, gpu.export_grads()?);
+    let op = "lora logprobs [qwen2, all-linear r8]".to_string();
+    values_row(s, op, d, &lg, &lc, tol_lp);
+    let (gc, gg) = backward_both(s, &mut cpu, &mut gpu, &seqs, &lc)?;
     // Only the adapters train: every gradient is an adapter's, and every adapter has one.
     let only_adapters = gg.len() == adapters.len() && gg.keys().all(|k| adapters.contains_key(k));
     let (name, r) = worst_tensor(&gg, &gc);

@@ -8,9 +8,15 @@ mod decoder;
 mod lora;
 mod paged;
 
-use crate::backend::check::gpu::{compare, Case, Ctx};
+use anyhow::Result;
+
+use crate::backend::check::gpu::{compare, dname, Case, Ctx, Row};
+use crate::backend::cpu::Cpu;
+use crate::backend::cuda::CudaBackend;
 use crate::backend::ops::sample::sample_key;
+use crate::backend::DType;
 use crate::engine::paged::Request;
+use crate::model::decoder::{Decoder, SeqRef, TokenGrads, TokenStats};
 use crate::model::{Arch, Config, Weights};
 
 /// The engine-level checks, in table order.
@@ -96,6 +102,52 @@ fn random_requests(
             }
         })
         .collect()
+}
+
+/// The row of per-token values (`logprobs` of `TokenStats`) computed on the GPU against the CPU:
+/// it passes when both have the same non-zero count and the relative error is within `tol`.
+fn values_row(s: &mut Ctx, op: String, d: DType, gpu: &[TokenStats], cpu: &[TokenStats], tol: f64) {
+    let cat = |v: &[TokenStats]| -> Vec<f32> {
+        v.iter().flat_map(|t| t.logprobs.iter().copied()).collect()
+    };
+    let (g, c) = (cat(gpu), cat(cpu));
+    let (a, r, p) = compare(&g, &c, &[]);
+    s.rows.push(Row {
+        op,
+        dtype: dname(d),
+        max_abs: a,
+        max_rel: r,
+        tol,
+        pass: g.len() == c.len() && !c.is_empty() && p.is_none() && r <= tol,
+        note: p.unwrap_or_default(),
+    });
+}
+
+/// One backward of both decoders from the same random upstream gradients of the values in
+/// `stats` (no entropy term); their gradients, (CPU, GPU).
+fn backward_both(
+    s: &mut Ctx,
+    cpu: &mut Decoder<Cpu>,
+    gpu: &mut Decoder<CudaBackend>,
+    seqs: &[SeqRef],
+    stats: &[TokenStats],
+) -> Result<(Weights, Weights)> {
+    let ups: Vec<Vec<f32>> = stats
+        .iter()
+        .map(|st| (0..st.logprobs.len()).map(|_| s.rng.normal()).collect())
+        .collect();
+    let mut loss = |_: &[TokenStats]| -> Result<Vec<TokenGrads>> {
+        Ok(ups
+            .iter()
+            .map(|u| TokenGrads {
+                dlogprobs: u.clone(),
+                dentropy: None,
+            })
+            .collect())
+    };
+    cpu.forward_backward(seqs, 1.0, &mut loss)?;
+    gpu.forward_backward(seqs, 1.0, &mut loss)?;
+    Ok((cpu.export_grads()?, gpu.export_grads()?))
 }
 
 /// All tensors of a weight map, in name order, as one vector.

@@ -7,8 +7,8 @@ use crate::common;
 use crate::stage_util::{f32_rows, input_error, ok, p, read, tiny_model, with_f32_rows};
 use crate::stages::training_batch;
 
-use common::{random_weights, tiny, tokens};
-use tandem::backend::check::{randn, Rng};
+use common::{check_finite_differences, random_weights, tiny, tokens};
+use tandem::backend::check::randn;
 use tandem::backend::cpu::Cpu;
 use tandem::model::critic::value_model_from;
 use tandem::model::decoder::{Decoder, SeqRef, TokenGrads, TokenStats};
@@ -81,32 +81,9 @@ fn value_head_gradients_match_finite_differences() {
         // The bias's gradient is Σ c exactly.
         let sum_c: f64 = c.iter().flatten().map(|&x| x as f64).sum();
         assert!((grads[VALUE_BIAS].data[0] as f64 - sum_c).abs() < 1e-4);
-        let eps = 1e-3f32;
-        let mut rng = Rng::new(99);
-        for (name, g) in &grads {
-            let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
-            let an: f64 = g
-                .data
-                .iter()
-                .zip(&u)
-                .map(|(&g, &u)| g as f64 * u as f64)
-                .sum();
-            let eval = |sign: f32| {
-                let mut w = w0.clone();
-                let t = w.get_mut(name).unwrap();
-                t.data
-                    .iter_mut()
-                    .zip(&u)
-                    .for_each(|(x, u)| *x += sign * eps * u);
-                loss(&values(&cfg, &w, &seqs))
-            };
-            let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
-            let err = (fd - an).abs() / an.abs().max(0.1);
-            assert!(
-                err < 2e-2,
-                "{arch:?} {name}: analytic {an:.6} vs finite difference {fd:.6}"
-            );
-        }
+        check_finite_differences(&format!("{arch:?}"), &grads, &w0, |w| {
+            loss(&values(&cfg, w, &seqs))
+        });
     }
 }
 

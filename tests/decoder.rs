@@ -4,8 +4,8 @@
 
 use crate::common;
 
-use common::{random_weights, tiny, tokens};
-use tandem::backend::check::{randn, Rng};
+use common::{check_finite_differences, random_weights, tiny, tokens};
+use tandem::backend::check::randn;
 use tandem::backend::cpu::Cpu;
 use tandem::backend::ops::sample::SamplingParams;
 use tandem::engine::paged::{Chunk, PagedDecoder, PagedModel, SampleRow};
@@ -109,36 +109,11 @@ fn check_gradients(cfg: &Config) {
     .unwrap();
     let grads = dec.export_grads().unwrap();
 
-    // Directional derivative per tensor: (L(θ + εu) − L(θ − εu)) / 2ε against ⟨∇L, u⟩.
-    let eps = 1e-3f32;
-    let mut rng = Rng::new(99);
-    let mut worst = 0f64;
-    for (name, g) in &grads {
-        let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
-        let an: f64 = g
-            .data
-            .iter()
-            .zip(&u)
-            .map(|(&g, &u)| g as f64 * u as f64)
-            .sum();
-        let eval = |sign: f32| {
-            let mut w = w0.clone();
-            let t = w.get_mut(name).unwrap();
-            t.data
-                .iter_mut()
-                .zip(&u)
-                .for_each(|(x, u)| *x += sign * eps * u);
-            let stats = decoder(cfg, &w).logprobs(&seqs, temp, true).unwrap();
-            loss_value(&stats, &c, &e)
-        };
-        let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
-        let err = (fd - an).abs() / an.abs().max(0.1);
-        worst = worst.max(err);
-        assert!(
-            err < 2e-2,
-            "{arch:?} {name}: analytic {an:.6} vs finite difference {fd:.6}"
-        );
-    }
+    let what = format!("{arch:?}");
+    let worst = check_finite_differences(&what, &grads, &w0, |w| {
+        let stats = decoder(cfg, w).logprobs(&seqs, temp, true).unwrap();
+        loss_value(&stats, &c, &e)
+    });
     eprintln!(
         "{arch:?}: worst relative gradient error {worst:.2e} over {} tensors",
         grads.len()

@@ -4,7 +4,7 @@
 
 use crate::common;
 
-use common::{random_weights, tiny, tokens};
+use common::{check_finite_differences, random_weights, tiny, tokens};
 use tandem::backend::check::{randn, Rng};
 use tandem::backend::cpu::Cpu;
 use tandem::model::decoder::{AdamWParams, Decoder, SeqRef, TokenGrads, TokenStats};
@@ -117,37 +117,13 @@ fn adapter_gradients_match_finite_differences() {
         // Only the adapters have gradients: the base is frozen.
         assert_eq!(grads.len(), ad.len());
         assert!(grads.keys().eq(ad.keys()));
-        let eps = 1e-3f32;
-        let mut rng = Rng::new(99);
-        let mut worst = 0f64;
-        for (name, g) in &grads {
-            let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
-            let an: f64 = g
-                .data
-                .iter()
-                .zip(&u)
-                .map(|(&g, &u)| g as f64 * u as f64)
-                .sum();
-            let eval = |sign: f32| {
-                let mut a = ad.clone();
-                let t = a.get_mut(name).unwrap();
-                t.data
-                    .iter_mut()
-                    .zip(&u)
-                    .for_each(|(x, u)| *x += sign * eps * u);
-                let stats = lora(&cfg, &base, &a, &s)
-                    .logprobs(&seqs, 1.0, false)
-                    .unwrap();
-                loss(&stats, &c)
-            };
-            let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
-            let err = (fd - an).abs() / an.abs().max(0.1);
-            worst = worst.max(err);
-            assert!(
-                err < 2e-2,
-                "{arch:?} {name}: analytic {an:.6} vs finite difference {fd:.6}"
-            );
-        }
+        let what = format!("{arch:?}");
+        let worst = check_finite_differences(&what, &grads, &ad, |a| {
+            let stats = lora(&cfg, &base, a, &s)
+                .logprobs(&seqs, 1.0, false)
+                .unwrap();
+            loss(&stats, &c)
+        });
         eprintln!(
             "{arch:?}: worst relative adapter gradient error {worst:.2e} over {} tensors",
             grads.len()

@@ -161,3 +161,44 @@ pub fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut rng = Rng::new(seed);
     (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
 }
+
+/// Checks the gradients `grads` (by tensor name) against central finite differences of `loss`
+/// at `params`, along one random direction u per tensor: (L(θ + εu) − L(θ − εu)) / 2ε against
+/// ⟨∇L, u⟩, with a relative error (to max(|⟨∇L, u⟩|, 0.1)) under 2e-2. `what` names the case
+/// in failures; returns the worst relative error.
+pub fn check_finite_differences(
+    what: &str,
+    grads: &Weights,
+    params: &Weights,
+    loss: impl Fn(&Weights) -> f64,
+) -> f64 {
+    let eps = 1e-3f32;
+    let mut rng = Rng::new(99);
+    let mut worst = 0f64;
+    for (name, g) in grads {
+        let u: Vec<f32> = (0..g.numel()).map(|_| rng.normal()).collect();
+        let an: f64 = g
+            .data
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| g as f64 * u as f64)
+            .sum();
+        let eval = |sign: f32| {
+            let mut w = params.clone();
+            let t = w.get_mut(name).unwrap();
+            t.data
+                .iter_mut()
+                .zip(&u)
+                .for_each(|(x, u)| *x += sign * eps * u);
+            loss(&w)
+        };
+        let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps as f64);
+        let err = (fd - an).abs() / an.abs().max(0.1);
+        worst = worst.max(err);
+        assert!(
+            err < 2e-2,
+            "{what} {name}: analytic {an:.6} vs finite difference {fd:.6}"
+        );
+    }
+    worst
+}

@@ -80,22 +80,6 @@ pub(crate) struct UpdateArgs {
     pub(crate) lora_targets: String,
 }
 
-impl UpdateArgs {
-    /// The LoRA spec the flags ask for (None: every weight trains).
-    fn lora(&self) -> Result<Option<LoraSpec>> {
-        if self.lora_rank == 0 {
-            return Ok(None);
-        }
-        let spec = LoraSpec {
-            rank: self.lora_rank,
-            alpha: self.lora_alpha,
-            targets: LoraSpec::parse_targets(&self.lora_targets, "--lora-targets")?,
-        };
-        spec.check()?;
-        Ok(Some(spec))
-    }
-}
-
 /// The benchmark model shapes.
 pub fn shape(name: &str) -> Result<Config> {
     match name {
@@ -618,7 +602,7 @@ pub(crate) fn finish(
 }
 
 pub fn run(a: UpdateArgs) -> Result<()> {
-    let lora = a.lora()?;
+    let lora = LoraSpec::from_flags(a.lora_rank, a.lora_alpha, &a.lora_targets)?;
     let w = a.w;
     w.check()?;
     let title = format!(

@@ -132,6 +132,21 @@ impl LoraSpec {
         Ok(out)
     }
 
+    /// The spec of the `--lora-rank`, `--lora-alpha` and `--lora-targets` flags (`update`'s and
+    /// `bench update`'s), checked; None for rank 0 (every weight trains).
+    pub fn from_flags(rank: usize, alpha: f32, targets: &str) -> Result<Option<LoraSpec>> {
+        if rank == 0 {
+            return Ok(None);
+        }
+        let spec = LoraSpec {
+            rank,
+            alpha,
+            targets: LoraSpec::parse_targets(targets, "--lora-targets")?,
+        };
+        spec.check()?;
+        Ok(Some(spec))
+    }
+
     /// Refuses a rank of 0 or a non-finite or non-positive alpha (input errors).
     pub fn check(&self) -> Result<()> {
         if self.rank == 0 || !(self.alpha.is_finite() && self.alpha > 0.0) {

@@ -434,15 +434,10 @@ impl UpdateArgs {
 
     /// The LoRA spec the flags ask for (None: full fine-tuning).
     pub fn lora_spec(&self) -> Result<Option<LoraSpec>> {
-        if self.lora_rank == 0 {
+        let Some(spec) = LoraSpec::from_flags(self.lora_rank, self.lora_alpha, &self.lora_targets)?
+        else {
             return Ok(None);
-        }
-        let spec = LoraSpec {
-            rank: self.lora_rank,
-            alpha: self.lora_alpha,
-            targets: LoraSpec::parse_targets(&self.lora_targets, "--lora-targets")?,
         };
-        spec.check()?;
         if self.critic {
             bail_input!("--lora-rank trains a policy's adapters; it does not apply to --critic");
         }

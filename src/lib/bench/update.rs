@@ -2,8 +2,9 @@
 //! (`engine::train::train`): a Qwen2.5-0.5B-shaped model with random weights, 640-token
 //! sequences (128 prompt + 512 response), micro-batches of 8, 8 micro-batches per optimizer
 //! step, PPO-clip (on-policy, token-mean), AdamW with grad clipping at 1.0. Warm-up steps, then
-//! timed steps; tokens/s, MFU (6·params·tokens/s over a bf16 GEMM peak measured in the same
-//! process: cuBLASLt 8192³), peak memory (the pool's and the device's) and the step's split.
+//! timed steps; tokens/s, MFU (6·params·tokens/s, 4·params·tokens/s with `--lora-rank`, over a
+//! bf16 GEMM peak measured in the same process: cuBLASLt 8192³), peak memory (the pool's and
+//! the device's) and the step's split.
 //! `--shape tiny` (and the size flags) run it on the CPU in seconds, for CI.
 
 use crate::algo::policy_loss::{LossConfig, LossMode};
@@ -394,36 +395,23 @@ fn bench_update<B: Backend>(
     let sharded = comm.is_some();
     let (rows, mut out) = times.summary(&w, world, params, &meter, &dec, sharded);
     if let Some(spec) = &lora {
-        out["lora"] = lora_json(spec, &cfg, params, &meter, out["tokens_per_s"].as_f64());
+        out["lora"] = lora_json(spec, &cfg);
     }
     Ok((rows, out))
 }
 
-/// A LoRA run's record: the spec, the trained parameters, and the MFU counted as a LoRA step
-/// computes: 4·params a token (forward, and the backward's input gradients; the frozen
-/// weights' gradient GEMMs are skipped), where `mfu` counts the 6 of full training.
-fn lora_json(
-    spec: &LoraSpec,
-    cfg: &Config,
-    params: usize,
-    meter: &Meter,
-    tps: Option<f64>,
-) -> Value {
+/// A LoRA run's record: the spec and the trained parameters.
+fn lora_json(spec: &LoraSpec, cfg: &Config) -> Value {
     let trained: usize = spec
         .adapters(cfg)
         .iter()
         .map(|s| s.a.1.iter().product::<usize>() + s.b.1.iter().product::<usize>())
         .sum();
-    let mfu4 = meter
-        .peak_flops
-        .zip(tps)
-        .map(|(p, t)| 4.0 * params as f64 * t / p);
     json!({
         "rank": spec.rank,
         "alpha": spec.alpha,
         "targets": spec.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
         "trained_params": trained,
-        "mfu_4_flops_per_param": mfu4,
     })
 }
 
@@ -481,7 +469,10 @@ impl Times {
         let tokens = w.tokens_per_step();
         let step = median(&self.step_s);
         let tps = tokens as f64 / step;
-        let mfu = meter.peak_flops.map(|p| 6.0 * params as f64 * tps / p);
+        // FLOPs a token: 6·params in full training; 4·params under LoRA (the frozen weights'
+        // gradient GEMMs are skipped; the adapters' are negligible).
+        let flops = if dec.lora_spec().is_some() { 4.0 } else { 6.0 } * params as f64;
+        let mfu = meter.peak_flops.map(|p| flops * tps / p);
         let mem = meter.json(dec.backend());
         let rows = vec![row(
             "update",

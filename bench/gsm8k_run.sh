@@ -24,10 +24,10 @@
 #   STEP=pack MODEL=1.5b bash bench/gsm8k_run.sh
 #     builds the release binaries, makes data/ and the GGUF (make data model-...), and writes
 #     .device/rl/{bin.tar.xz,train.parquet,test.parquet} and .device/pieces-$MODEL/q.NN (`split`
-#     of the GGUF in 55 MiB pieces: 9 for 0.5b, 20 for 1.5b, the last of each short). A call
-#     carries at most 64 MiB with the working tree (about 9 MB), so each piece travels in its
+#     of the GGUF in pieces of 55 MiB for 0.5b (9) and 52 MiB for 1.5b (21), the last of each
+#     short). A call carries at most 64 MiB with the working tree (about 9 MB), so each piece travels in its
 #     own call: copy it alone into .device/piece/ before the call. Both models can go to one machine (their pieces and GGUFs
-#     are kept apart by MODEL): the setup call can carry one model's short last piece (21 MB of
+#     are kept apart by MODEL): the setup call can carry one model's short last piece (27 MB of
 #     1.5b, 30 MB of 0.5b) beside the binaries.
 # On the device (the device tool's `run`, carry [".device/rl", ".device/piece"]):
 #   STEP=setup  unpack the binaries and data into $R, keep the carried pieces (carry the last,
@@ -68,7 +68,7 @@ MODEL=${MODEL:-0.5b}
 case "$MODEL" in
 0.5b) GGUF_NAME=Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf; BYTES=491400064; PIECE=55M
       SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 ;;
-1.5b) GGUF_NAME=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf; BYTES=1117320768; PIECE=55M
+1.5b) GGUF_NAME=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf; BYTES=1117320768; PIECE=52M
       SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ;;
 *) echo "MODEL=$MODEL: expected 0.5b or 1.5b"; exit 2 ;;
 esac

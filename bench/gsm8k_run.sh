@@ -39,7 +39,8 @@
 #   STEP=run    import (above) if not done, then run or resume the pipeline for at most SECS
 #               seconds [480] up to STEPS steps [the spec's]; EVAL_EVERY=K evaluates every K
 #               steps instead of the spec's [eval] every (set it at the run's first call: a
-#               run continues only with the spec it began with); GPUS=N runs it on N GPUs of
+#               run continues only with the spec it began with); LR=X sets [update] lr (same
+#               rule); GPUS=N runs it on N GPUs of
 #               the machine (the spec with gpus = N, same global batch; same rule). Appends the call's wall time
 #               to $R/wall-$RUN.tsv and samples GPU memory every 0.5 s.
 #   STEP=start  STEP=run detached (setsid): it goes on after the call returns, while the machine
@@ -149,11 +150,12 @@ import|run)
   fi
   [ "$STEP" = import ] && exit 0
   spec=$SPEC
-  if [ -n "${EVAL_EVERY:-}${GPUS:-}" ]; then
+  if [ -n "${EVAL_EVERY:-}${GPUS:-}${LR:-}" ]; then
     spec=pipelines/$RUN.toml
     if [ ! -f "runs/$RUN/state.json" ]; then
       cp "$SPEC" "$spec"
       [ -z "${EVAL_EVERY:-}" ] || sed -i "/^\[eval\]/,/^\[/ s/^every = .*/every = $EVAL_EVERY/" "$spec"
+      [ -z "${LR:-}" ] || sed -i "/^\[update\]/,/^\[/ s/^lr = .*/lr = $LR/" "$spec"
       # gpus = N at the top level (before the first table): data-parallel stages on a daemon group.
       [ -z "${GPUS:-}" ] || sed -i "0,/^\[/ s/^\[/gpus = $GPUS\n[/" "$spec"
     fi

@@ -46,6 +46,9 @@ B=${B:-/root/vl-bin}
 VB=${VB:-/root/vb}
 SRC=${SRC:-/root/vl-src}
 DEVICE=${DEVICE:-cuda}
+# Decode steps as CUDA graphs; the CPU has none (its dry run steps eagerly).
+MODES=graphs
+[ "$DEVICE" = cpu ] && MODES=eager
 [ -n "${GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$GPU
 case $STEP in
 start)
@@ -114,7 +117,7 @@ plan)
         [ "$build" = base ] && tb=$B/base/tandem out=$G/rollout_base_$s.txt
         # shellcheck disable=SC2046
         "$tb" bench rollout --device "$DEVICE" --model $m $(shape_cases "$s") --fixed-lengths \
-          --max-num-seqs 1024 --modes graphs --runs 2 --cases-out "$G/cases_$s.json" > "$out" 2>&1
+          --max-num-seqs 1024 --modes $MODES --runs 2 --cases-out "$G/cases_$s.json" > "$out" 2>&1
         log "bench rollout $s $build rc=$?"
       done
     done
@@ -157,11 +160,12 @@ plan)
     # import-gguf renames its whole directory into place: config.json means all of it.
     until [ -f "$m/config.json" ] || [ $((SECONDS - t0)) -gt "${REAL_WAIT:-900}" ]; do sleep 5; done
     [ -f "$m/config.json" ] || { log "real: no model at $m after $((SECONDS - t0)) s"; return 1; }
+    log "real: $m after $((SECONDS - t0)) s"
     "$B/tandem" bench rollout --device "$DEVICE" --model "$m" --prompts "${REAL_PROMPTS:-$B/prompts.parquet}" \
       --limit "${REAL_LIMIT:-256}" --n "${REAL_N:-8,1}" --new-tokens "${REAL_NEW:-1024}" \
-      --max-num-seqs "${REAL_SEQS:-2048}" --modes graphs --runs 2 --cases-out "$G/cases_real.json" \
+      --max-num-seqs "${REAL_SEQS:-2048}" --modes $MODES --runs 2 --cases-out "$G/cases_real.json" \
       > "$G/rollout_real.txt" 2>&1
-    log "bench rollout real rc=$? (waited $((SECONDS - t0)) s for $m)"
+    log "bench rollout real rc=$?"
     vllm_env
     peer_on real
   }

@@ -462,11 +462,7 @@ impl Job for Bench<'_> {
             }
             out.push(roof.measured(case, mode, run, timed));
         }
-        let parts = breakdown(
-            &mut dec,
-            self.args.batches.last().copied().unwrap_or(64),
-            256,
-        )?;
+        let parts = breakdown(&mut dec, self.breakdown_rows(), 256)?;
         Ok((out, bw, peak, name, parts))
     }
 }
@@ -811,6 +807,27 @@ fn grpo_case(args: &RolloutBenchArgs, vocab: usize, sampling: SamplingParams) ->
 }
 
 impl<'a> Bench<'a> {
+    /// The sequences of the decode step broken down: the last --batches, or with --prompts the
+    /// most the cases decode at once.
+    fn breakdown_rows(&self) -> usize {
+        let samples = |c: &Case| {
+            c.requests
+                .iter()
+                .map(|r| r.sample_keys.len())
+                .sum::<usize>()
+        };
+        match self.args.prompts {
+            Some(_) => self
+                .cases
+                .iter()
+                .map(samples)
+                .max()
+                .unwrap_or(1)
+                .min(self.args.max_num_seqs),
+            None => self.args.batches.last().copied().unwrap_or(64),
+        }
+    }
+
     /// The model of --model and the cases the flags ask for.
     fn new(args: &'a RolloutBenchArgs) -> Result<Bench<'a>> {
         let (cfg, dir) = bench_model(&args.model)?;
@@ -1193,5 +1210,43 @@ mod tests {
         assert_eq!((one.p50, one.p99, one.max, one.at_cap), (7, 7, 7, 1.0));
         let none = Lengths::of(std::iter::empty(), 7);
         assert_eq!((none.mean, none.p50, none.at_cap), (0.0, 0, 0.0));
+    }
+
+    /// bench/vllm_lease.sh runs the 14B shape's GRPO case at 64 × 8: at 128 × 8 the pool the
+    /// bench sizes (every sample's keys and values at its longest) and the bf16 weights are
+    /// more than one H200's 139 GiB; at 64 × 8 they leave room for the workspace.
+    #[test]
+    fn the_14b_grpo_case_fits_one_h200_at_64_prompts_not_128() {
+        let cfg = shape("qwen14b").unwrap();
+        let weights = param_count(&cfg) * 2;
+        let block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DEFAULT_BLOCK_SIZE * 2;
+        let pool = |prompts: usize| {
+            let flags = format!(
+                "x --model qwen14b --grpo {prompts},8,131,512 --fixed-lengths --max-num-seqs 1024"
+            );
+            let args = Cli::parse_from(flags.split_whitespace()).args;
+            let sampling = SamplingParams::greedy();
+            let case = grpo_case(&args, cfg.vocab_size, sampling).unwrap();
+            let limits = Limits {
+                max_num_seqs: args.max_num_seqs,
+                max_batched_tokens: args.max_batched_tokens,
+                gpu_memory_fraction: None,
+                graphs: true,
+                overlap: true,
+            };
+            let need = crate::engine::paged::Need::of(&case.requests, &case.params);
+            crate::engine::paged::Plan::new(&need, &limits, None, block).kv_pool_bytes()
+        };
+        let h200 = 139usize << 30;
+        assert!(
+            weights + pool(128) > h200,
+            "{} GiB",
+            (weights + pool(128)) >> 30
+        );
+        assert!(
+            weights + pool(64) + (16 << 30) < h200,
+            "{} GiB",
+            (weights + pool(64)) >> 30
+        );
     }
 }

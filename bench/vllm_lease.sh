@@ -7,7 +7,9 @@
 #   2. `tandem bench rollout` on the Qwen2.5 SHAPES [0.5b 1.5b 7b] (14b too): batch 64 and 256 x
 #      prompt 128 x 256 new tokens, and the GRPO shape 128 x n=8 x ~131 prompt x 512 new (14b:
 #      64 x n=8, since 128 x 8 samples' keys and values at 643 tokens, 138.5 GB, and the 29.5 GB
-#      of weights do not fit one H200), fixed lengths; each writes its cases (prompt ids) for the peer;
+#      of weights do not fit one H200; vLLM at GPU_UTIL 0.85 keeps ~85 GiB for keys and values,
+#      ~460k tokens at the 14B's 192 KiB a token: 64 x 8 fits whole, 128 x 8 would not),
+#      fixed lengths; each writes its cases (prompt ids) for the peer;
 #   3. `tandem bench update` / `bench logprob` at the 0.5B and 1.5B shapes;
 #   4. once the vLLM parts are all in /root/vb: install, then bench/peer_vllm.py on each shape's
 #      cases (same prompt ids, ignore_eos);
@@ -23,7 +25,8 @@
 # MODEL=1.5b` makes (Qwen2.5-Coder-1.5B-Instruct); `real` waits up to REAL_WAIT [900] s for it,
 # so the GGUF's pieces can travel in calls after STEP=start.
 # GPU=N runs the plan on GPU N alone (CUDA_VISIBLE_DEVICES), so other GPUs of the machine can
-# run other work meanwhile (e.g. gsm8k_run.sh with GPU=M).
+# run other work meanwhile (e.g. gsm8k_run.sh with GPU=M; two plans at once need their own G, B
+# and SRC).
 # Carry C [.device/vl] holding bin.tar.xz (new build: tandem, rollout), base.tar.xz (base build:
 # tandem, rollout; optional) and prompts.parquet (`tandem prepare gsm8k`).
 #   STEP=start bash bench/vllm_lease.sh          unpack, start the plan detached, return
@@ -37,7 +40,8 @@
 # A dry run on the CPU (no GPU, no vLLM: peer_vllm.py --check prints what it would run):
 #   DEVICE=cpu SHAPES=small RBENCH="--batches 4 --prompt-tokens 8 --new-tokens 8 --grpo 2,2,8,8"
 #   REAL_MODEL=DIR REAL_LIMIT=4 REAL_N=2 REAL_NEW=32 PARTS="rollout real vllm" G=/tmp/vl
-#   B=/tmp/vl-bin VB=/tmp/vb C=DIR STEP=start bash bench/vllm_lease.sh; then STEP=wait
+#   B=/tmp/vl-bin VB=/tmp/vb SRC=/tmp/vl-src C=DIR STEP=start bash bench/vllm_lease.sh; then
+#   G=/tmp/vl OUT=DIR STEP=wait bash bench/vllm_lease.sh
 set -u
 STEP=${STEP:-start}
 C=${C:-.device/vl}

@@ -11,7 +11,9 @@ p90, p99, max and the share at the cap, as the bench computes it) and one for th
 Tuning (what a fair comparison sets, ../shared/peers/vllm/README.md): `max_num_seqs` covers the
 largest case, CUDA graphs are captured up to it (`max_cudagraph_capture_size`), async scheduling
 and prefix caching stay on (the defaults); MAX_BATCHED_TOKENS [16384] sets
-`max_num_batched_tokens`; GPU_UTIL [0.85] the memory fraction.
+`max_num_batched_tokens`; GPU_UTIL [0.85] the memory fraction. The engine has seed 0; requests
+have no seed of their own unless REQUEST_SEED is set (until 2026-11-28 evening every request had
+seed 0, which makes vLLM's sampler draw row by row).
 Usage: peer_vllm.py CASES.json [RUNS]   (needs vllm on PYTHONPATH: install_on_device.sh)
        peer_vllm.py --check CASES.json     (no vllm: the cases as this script reads them)"""
 import json
@@ -61,13 +63,21 @@ def engine_args(doc):
     )
 
 
+def request_seed():
+    """REQUEST_SEED: a seed per request (vLLM then draws each seeded row with its own generator,
+    one call per row and step: its sampler's own note says this is slow); unset, the engine's
+    seed alone, as RL frameworks call vLLM."""
+    seed = os.environ.get("REQUEST_SEED", "")
+    return int(seed) if seed else None
+
+
 def sampling_args(c):
     """`SamplingParams(...)`'s arguments for a case: temperature 1, its cap, its stop ids (an
     ending stop id stays in the sample's token_ids, as in tandem's response), or none at all
     (`ignore_eos`)."""
     stops = c["stop_token_ids"]
     return dict(n=c["n"], temperature=1.0, max_tokens=c["max_new_tokens"], ignore_eos=not stops,
-                stop_token_ids=stops or None, detokenize=False, seed=0)
+                stop_token_ids=stops or None, detokenize=False, seed=request_seed())
 
 
 def check(doc):
@@ -118,7 +128,7 @@ def main():
         print(json.dumps({"peer": "vllm", "model": doc["model"], "case": c["case"],
                           "samples": len(best), "new_tokens": sum(best),
                           "tokens_per_s": max(rates), "runs_tokens_per_s": rates,
-                          "lengths": lengths(best, c["max_new_tokens"])}), flush=True)
+                          "request_seed": sp.seed, "lengths": lengths(best, c["max_new_tokens"])}), flush=True)
 
 
 if __name__ == "__main__":

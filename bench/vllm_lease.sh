@@ -24,6 +24,9 @@
 # REAL_MODEL [/root/rl/models/qwen2.5-coder-1.5b] is what `bench/gsm8k_run.sh STEP=import
 # MODEL=1.5b` makes (Qwen2.5-Coder-1.5B-Instruct); `real` waits up to REAL_WAIT [900] s for it,
 # so the GGUF's pieces can travel in calls after STEP=start.
+# peer_vllm.py gives vLLM's requests no seed of their own (REQUEST_SEED unset: its sampler then
+# draws the whole batch at once); SEEDED_TOO=1 also runs every case with one (REQUEST_SEED=0,
+# as the earlier leases did), into vllm_X_seeded.txt.
 # GPU=N runs the plan on GPU N alone (CUDA_VISIBLE_DEVICES), so other GPUs of the machine can
 # run other work meanwhile (e.g. gsm8k_run.sh with GPU=M; two plans at once need their own G, B
 # and SRC).
@@ -147,6 +150,9 @@ plan)
     VLLM_READY=1
   }
   # peer_vllm.py on one cases file into vllm_$1.txt.
+  # peer_on NAME: peer_vllm.py on cases_NAME.json into vllm_NAME.txt; with SEEDED_TOO=1 again
+  # with a seed per request (REQUEST_SEED=0, how the rows before 2026-11-28 evening ran) into
+  # vllm_NAME_seeded.txt.
   peer_on() {
     if [ "$DEVICE" = cpu ]; then
       python3 bench/peer_vllm.py --check "$G/cases_$1.json" > "$G/vllm_$1.txt" 2> "$G/vllm_$1.err"
@@ -154,6 +160,10 @@ plan)
       python3 bench/peer_vllm.py "$G/cases_$1.json" 2 > "$G/vllm_$1.txt" 2> "$G/vllm_$1.err"
     fi
     log "peer vllm $1 rc=$? $(grep -c -E 'tokens_per_s|sampling' "$G/vllm_$1.txt") cases"
+    if [ "${SEEDED_TOO:-0}" = 1 ] && [ "$DEVICE" != cpu ]; then
+      REQUEST_SEED=0 python3 bench/peer_vllm.py "$G/cases_$1.json" 2 > "$G/vllm_$1_seeded.txt" 2> "$G/vllm_$1_seeded.err"
+      log "peer vllm $1 seeded rc=$?"
+    fi
   }
   peer_vllm() {
     vllm_env

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The rollout rows of a bench/vllm_lease.sh plan, one line per case: tandem's tokens/s (the
 last run of `bench rollout`'s JSON), vLLM's (best of its runs, bench/peer_vllm.py), the ratio,
-and both engines' length distributions (mean/p50/p90/p99/max, share at the cap).
+both engines' length distributions (mean/p50/p90/p99/max, share at the cap), and vLLM with a
+seed per request where the plan ran it (SEEDED_TOO=1).
 Usage: vllm_summary.py DIR   (the plan's G: rollout_X.txt, vllm_X.txt)"""
 import glob
 import json
@@ -51,26 +52,30 @@ def lens(d):
 
 def main():
     g = sys.argv[1]
-    print("| shape | case | tandem tok/s | vLLM tok/s | tandem / vLLM | tandem lengths | vLLM lengths |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | case | tandem tok/s | vLLM tok/s | tandem / vLLM | tandem lengths | vLLM lengths "
+          "| vLLM, seeded requests |")
+    print("|---|---|---|---|---|---|---|---|")
     for path in sorted(glob.glob(os.path.join(g, "rollout_*.txt"))):
         shape = os.path.basename(path)[len("rollout_"):-len(".txt")]
         rep = last_json(path)
         if not rep:
-            print("| %s | (no report: see %s) | | | | | |" % (shape, os.path.basename(path)))
+            print("| %s | (no report: see %s) | | | | | | |" % (shape, os.path.basename(path)))
             continue
         # The last run of each case (the runs after a process's first are what later rollouts cost).
         runs = {}
         for c in rep.get("cases", []):
             runs[c["case"]] = c
         peer = peer_lines(os.path.join(g, "vllm_%s.txt" % shape))
+        seeded = peer_lines(os.path.join(g, "vllm_%s_seeded.txt" % shape))
         for name, t in runs.items():
             v = peer.get(name, {})
             vt = v.get("tokens_per_s")
             ratio = "%.2fx" % (t["tokens_per_s"] / vt) if vt else "-"
             vcell = "%.0f" % vt if vt else v.get("skipped", "check" if "sampling" in v else "-")
-            print("| %s | %s | %.0f | %s | %s | %s | %s |" % (
-                shape, name, t["tokens_per_s"], vcell, ratio, lens(t), lens(v)))
+            st = seeded.get(name, {}).get("tokens_per_s")
+            print("| %s | %s | %.0f | %s | %s | %s | %s | %s |" % (
+                shape, name, t["tokens_per_s"], vcell, ratio, lens(t), lens(v),
+                "%.0f" % st if st else "-"))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@
 # run other work meanwhile (e.g. gsm8k_run.sh with GPU=M; two plans at once need their own G, B
 # and SRC).
 # Carry C [.device/vl] holding bin.tar.xz (new build: tandem, rollout), base.tar.xz (base build:
-# tandem, rollout; optional) and prompts.parquet (`tandem prepare gsm8k`).
+# tandem, rollout; optional) and prompts.parquet (`tandem prepare gsm8k`; PROMPTS_IN names
+# another file: with C=.device/rl, gsm8k_run.sh's carry, PROMPTS_IN=.device/rl/test.parquet).
 #   STEP=start bash bench/vllm_lease.sh          unpack, start the plan detached, return
 #   STEP=part P=.device/vllm/part0 bash ...      copy one vLLM part to /root/vb
 #   STEP=wait SECS=540 bash bench/vllm_lease.sh  wait up to SECS for the plan, print its log and
@@ -61,7 +62,8 @@ case $STEP in
 start)
   rm -rf "$B" "$G" "$SRC"
   mkdir -p "$B/base" "$G" "$SRC" "$VB"
-  tar -xJf "$C/bin.tar.xz" -C "$B" && cp "$C/prompts.parquet" "$B/" && cp -r bench "$SRC/" \
+  tar -xJf "$C/bin.tar.xz" -C "$B" && cp "${PROMPTS_IN:-$C/prompts.parquet}" "$B/prompts.parquet" \
+    && cp -r bench "$SRC/" \
     && mkdir -p "$SRC/tests" && cp -r tests/fixtures "$SRC/tests/" || exit 1
   if [ -f "$C/base.tar.xz" ]; then tar -xJf "$C/base.tar.xz" -C "$B/base" || exit 1; fi
   (cd "$SRC" && setsid nohup env B="$B" G="$G" VB="$VB" STEP=plan bash bench/vllm_lease.sh \

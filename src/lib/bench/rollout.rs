@@ -24,8 +24,7 @@ use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::names::param_count;
 use crate::model::Config;
-use crate::stage::common::at_least;
-use crate::stage::common::Device;
+use crate::stage::common::{at_least, Device};
 use crate::stage::rollout::{keyed_requests, tokenize_prompts, PromptLimits, Truncate};
 use crate::stage::{on_device, Job};
 use crate::tokenizer::Tokenizer;
@@ -50,7 +49,7 @@ pub struct RolloutBenchArgs {
     /// (one case per value), temperature 1, up to --new-tokens, ending at the model's EOS ids
     /// (not with --fixed-lengths). Needs --model DIR.
     #[arg(long, value_name = "FILE")]
-    pub prompts: Option<std::path::PathBuf>,
+    pub prompts: Option<PathBuf>,
     /// Prompts of the --prompts cases.
     #[arg(long, default_value_t = 256, value_parser = at_least(1usize))]
     pub limit: usize,
@@ -151,6 +150,15 @@ struct Bench<'a> {
     cases: Vec<Case>,
 }
 
+/// What every case samples with: temperature 1, no top-k or top-p cut.
+fn full_distribution() -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: -1,
+        top_p: 1.0,
+    }
+}
+
 /// Measured device limits: copy bandwidth (bytes/s, read + write) and bf16 GEMM FLOP/s.
 fn peaks<B: Backend>(b: &B) -> Result<(f64, f64)> {
     let big = b.device_memory()?.is_some();
@@ -220,11 +228,7 @@ fn breakdown<B: Backend>(
     let tables: Vec<Vec<u32>> = (0..rows)
         .map(|r| (0..per).map(|j| (r * per + j) as u32).collect())
         .collect();
-    let sampling = SamplingParams {
-        temperature: 1.0,
-        top_k: -1,
-        top_p: 1.0,
-    };
+    let sampling = full_distribution();
     let mut out = decode_steps(dec, ctx, &tables, &sampling)?;
     let (b, cfg) = (dec.backend(), dec.config());
     out.push(sample_op(b, cfg, rows, &sampling)?);
@@ -476,11 +480,7 @@ fn warm_up() -> Case {
             sample_keys: vec![1, 2],
         }],
         params: GenParams {
-            sampling: SamplingParams {
-                temperature: 1.0,
-                top_k: -1,
-                top_p: 1.0,
-            },
+            sampling: full_distribution(),
             max_new_tokens: 4,
             stop_token_ids: vec![],
             stop_strings: vec![],
@@ -726,11 +726,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
 
 /// The cases the flags ask for: the forced-length batches, then the GRPO-shaped one.
 fn cases(args: &RolloutBenchArgs, vocab: usize) -> Result<Vec<Case>> {
-    let sampling = SamplingParams {
-        temperature: 1.0,
-        top_k: -1,
-        top_p: 1.0,
-    };
+    let sampling = full_distribution();
     let mut cases = Vec::new();
     for &b in &args.batches {
         let requests = (0..b)
@@ -909,11 +905,7 @@ fn prompt_cases(
         ),
         requests: keyed_requests(&ids, n, args.seed).1,
         params: GenParams {
-            sampling: SamplingParams {
-                temperature: 1.0,
-                top_k: -1,
-                top_p: 1.0,
-            },
+            sampling: full_distribution(),
             max_new_tokens: args.new_tokens,
             stop_token_ids: stop_token_ids.clone(),
             stop_strings: vec![],

@@ -18,6 +18,7 @@ mod agent_cmd;
 mod async_rl;
 mod batch;
 mod bench_decoder;
+mod bench_rollout;
 mod cli;
 mod critic;
 mod daemon;

@@ -1,7 +1,10 @@
 //! `tandem bench rollout`: tokens/s of the paged rollout engine (issue 7) on the Qwen2.5-0.5B
 //! shape with random weights: forced lengths (batch 64 and 256 × prompt 128 × 256 new tokens,
 //! no stop) and a GRPO-shaped batch (64 prompts × n = 8, prompts of ~150 tokens, up to 512 new
-//! tokens, random stops). Each case also reports its fraction of the roofline:
+//! tokens, random stops). With `--model DIR --prompts FILE`, a real model's weights on a
+//! dataset's prompts (rendered with its chat template, as `rollout` renders them), stopping at
+//! its EOS ids: the cases report the length distribution of their samples too. Each case also
+//! reports its fraction of the roofline:
 //! - bandwidth: (weight bytes per engine step + KV bytes read by attention) / time, over the
 //!   measured copy bandwidth of the device;
 //! - compute: (2 · params · tokens + attention FLOPs) / time, over a measured big bf16 GEMM.
@@ -10,19 +13,25 @@ use super::cpu_engine::shape;
 use super::report;
 use crate::backend::ops::sample::{sample_key, uniform, Sampled, SamplingParams};
 use crate::backend::{Backend, BlockTables, DType, Draws, KvCache, MatmulShape, PagedAttnShape};
+use crate::bail_input;
+use crate::data::{ChatTemplate, PromptDataset};
 use crate::engine::paged::{
     generate_paged, Chunk, Completion, GenParams, GraphMode, GraphStats, Limits, PagedDecoder,
     PagedModel, PagedStats, Request, SampleRow, DEFAULT_BLOCK_SIZE,
 };
+use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::names::param_count;
 use crate::model::Config;
-use crate::stage::common::Device;
+use crate::stage::common::{at_least, Device};
+use crate::stage::rollout::{keyed_requests, tokenize_prompts, PromptLimits, Truncate};
 use crate::stage::{on_device, Job};
+use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use clap::Args;
 use serde_json::json;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Args, Debug, Clone)]
@@ -30,9 +39,26 @@ pub struct RolloutBenchArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cuda")]
     pub device: Device,
-    /// Model shape: qwen0.5b or small (~10M parameters, for a quick CPU run).
+    /// Model shape with random weights: small (~10M parameters, for a quick CPU run),
+    /// qwen0.5b, qwen1.5b, qwen7b or qwen14b; or a model directory (config.json, safetensors,
+    /// tokenizer.json) whose weights run.
     #[arg(long, default_value = "qwen0.5b")]
     pub model: String,
+    /// Prompt cases instead of the forced-length and GRPO ones: the first --limit prompts of
+    /// this dataset (verl's schema) rendered with the model's chat template, --n samples each
+    /// (one case per value), temperature 1, up to --new-tokens, ending at the model's EOS ids
+    /// (not with --fixed-lengths). Needs --model DIR.
+    #[arg(long, value_name = "FILE")]
+    pub prompts: Option<PathBuf>,
+    /// Prompts of the --prompts cases.
+    #[arg(long, default_value_t = 256, value_parser = at_least(1usize))]
+    pub limit: usize,
+    /// Samples per prompt of the --prompts cases, one case per value.
+    #[arg(long, value_delimiter = ',', default_values_t = [8usize, 1], value_parser = at_least(1usize))]
+    pub n: Vec<usize>,
+    /// Longest --prompts prompt after the chat template, in tokens; a longer one is an error.
+    #[arg(long, default_value_t = 1024, value_parser = at_least(1usize))]
+    pub max_prompt_tokens: usize,
     /// Batch sizes of the forced-length cases.
     #[arg(long, value_delimiter = ',', default_values_t = [64usize, 256])]
     pub batches: Vec<usize>,
@@ -65,12 +91,13 @@ pub struct RolloutBenchArgs {
     /// Wait for every step's tokens before scheduling the next (no overlap scheduling).
     #[arg(long)]
     pub no_overlap: bool,
-    /// The GRPO-shaped case without its random stops: every sample runs to its max new
-    /// tokens (how a peer engine with `ignore_eos` is compared).
+    /// The GRPO-shaped case without its random stops, the --prompts cases without EOS: every
+    /// sample runs to its max new tokens (how a peer engine with `ignore_eos` is compared).
     #[arg(long)]
     pub fixed_lengths: bool,
-    /// Writes the model's HF config.json and every case's prompt ids, samples per prompt and
-    /// new tokens to this JSON file, so a peer engine (bench/peer_vllm.py) runs the same work.
+    /// Writes the model's HF config.json (and its directory, for --model DIR) and every case's
+    /// prompt ids, samples per prompt, new tokens and stop ids to this JSON file, so a peer
+    /// engine (bench/peer_vllm.py) runs the same work.
     #[arg(long)]
     pub cases_out: Option<std::path::PathBuf>,
 }
@@ -86,6 +113,9 @@ struct Case {
     name: String,
     requests: Vec<Request>,
     params: GenParams,
+    /// The stop ids are random ones standing for a random model's ends (a peer with other
+    /// random weights cannot run the same lengths).
+    random_stops: bool,
 }
 
 struct Measured {
@@ -106,6 +136,7 @@ struct Measured {
     /// Bytes the roofline says a step must read, summed over the run.
     bytes: f64,
     flops: f64,
+    lengths: Lengths,
     split: StepSplit,
     /// GEMM plans made during the run and the seconds they took.
     planning: (u64, f64),
@@ -114,7 +145,18 @@ struct Measured {
 struct Bench<'a> {
     args: &'a RolloutBenchArgs,
     cfg: Config,
+    /// The model directory whose weights run; None: random weights of the shape.
+    dir: Option<PathBuf>,
     cases: Vec<Case>,
+}
+
+/// What every case samples with: temperature 1, no top-k or top-p cut.
+fn full_distribution() -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: -1,
+        top_p: 1.0,
+    }
 }
 
 /// Measured device limits: copy bandwidth (bytes/s, read + write) and bf16 GEMM FLOP/s.
@@ -186,11 +228,7 @@ fn breakdown<B: Backend>(
     let tables: Vec<Vec<u32>> = (0..rows)
         .map(|r| (0..per).map(|j| (r * per + j) as u32).collect())
         .collect();
-    let sampling = SamplingParams {
-        temperature: 1.0,
-        top_k: -1,
-        top_p: 1.0,
-    };
+    let sampling = full_distribution();
     let mut out = decode_steps(dec, ctx, &tables, &sampling)?;
     let (b, cfg) = (dec.backend(), dec.config());
     out.push(sample_op(b, cfg, rows, &sampling)?);
@@ -394,9 +432,17 @@ impl Job for Bench<'_> {
         let name = backend.name();
         let (bw, peak) = peaks(&backend)?;
         let cfg = &self.cfg;
-        let weights = random_weights(cfg, self.args.seed, 0.02);
-        let mut dec = Decoder::new(backend, cfg, &weights)?;
-        drop(weights);
+        // Generation only: no f32 masters beside the bf16 weights (the 14B shape's would take
+        // 59 GB of the device).
+        let mut dec = match &self.dir {
+            Some(dir) => {
+                let (cfg, weights) = ModelDir::load(dir)?;
+                Decoder::for_generation(backend, &cfg, weights)?
+            }
+            None => {
+                Decoder::for_generation(backend, cfg, random_weights(cfg, self.args.seed, 0.02))?
+            }
+        };
         let roof = Roofline::new(cfg, dec.backend().compute_dtype());
         let mut out = Vec::new();
         // Warm-up: kernel compilation and the workspace, outside the timings.
@@ -420,11 +466,7 @@ impl Job for Bench<'_> {
             }
             out.push(roof.measured(case, mode, run, timed));
         }
-        let parts = breakdown(
-            &mut dec,
-            self.args.batches.last().copied().unwrap_or(64),
-            256,
-        )?;
+        let parts = breakdown(&mut dec, self.breakdown_rows(), 256)?;
         Ok((out, bw, peak, name, parts))
     }
 }
@@ -438,15 +480,12 @@ fn warm_up() -> Case {
             sample_keys: vec![1, 2],
         }],
         params: GenParams {
-            sampling: SamplingParams {
-                temperature: 1.0,
-                top_k: -1,
-                top_p: 1.0,
-            },
+            sampling: full_distribution(),
             max_new_tokens: 4,
             stop_token_ids: vec![],
             stop_strings: vec![],
         },
+        random_stops: false,
     }
 }
 
@@ -577,6 +616,10 @@ impl Roofline {
             preemptions: r.stats.preemptions,
             bytes,
             flops: 2.0 * self.params * fed + attn_flops,
+            lengths: Lengths::of(
+                r.done.iter().flatten().map(|c| c.tokens.len()),
+                case.params.max_new_tokens,
+            ),
             split: r.split,
             planning: r.planning,
         }
@@ -672,12 +715,7 @@ fn random_prompt(len: usize, vocab: usize, key: u64) -> Vec<u32> {
 }
 
 pub fn run(args: RolloutBenchArgs) -> Result<()> {
-    let cfg = shape(&args.model)?;
-    let bench = Bench {
-        args: &args,
-        cfg: cfg.clone(),
-        cases: cases(&args, cfg.vocab_size)?,
-    };
+    let bench = Bench::new(&args)?;
     if let Some(path) = &args.cases_out {
         write_cases(path, &bench)?;
     }
@@ -688,11 +726,7 @@ pub fn run(args: RolloutBenchArgs) -> Result<()> {
 
 /// The cases the flags ask for: the forced-length batches, then the GRPO-shaped one.
 fn cases(args: &RolloutBenchArgs, vocab: usize) -> Result<Vec<Case>> {
-    let sampling = SamplingParams {
-        temperature: 1.0,
-        top_k: -1,
-        top_p: 1.0,
-    };
+    let sampling = full_distribution();
     let mut cases = Vec::new();
     for &b in &args.batches {
         let requests = (0..b)
@@ -717,6 +751,7 @@ fn cases(args: &RolloutBenchArgs, vocab: usize) -> Result<Vec<Case>> {
                 stop_token_ids: vec![],
                 stop_strings: vec![],
             },
+            random_stops: false,
         });
     }
     if !args.skip_grpo {
@@ -763,11 +798,173 @@ fn grpo_case(args: &RolloutBenchArgs, vocab: usize, sampling: SamplingParams) ->
             stop_token_ids,
             stop_strings: vec![],
         },
+        random_stops: !args.fixed_lengths,
     })
 }
 
-/// The work of every case as a peer engine needs it: the HF config of the shape, and per case
-/// its prompts' ids, samples per prompt, most new tokens and whether random stops apply.
+impl<'a> Bench<'a> {
+    /// The sequences of the decode step broken down: the last --batches, or with --prompts the
+    /// most the cases decode at once.
+    fn breakdown_rows(&self) -> usize {
+        let samples = |c: &Case| {
+            c.requests
+                .iter()
+                .map(|r| r.sample_keys.len())
+                .sum::<usize>()
+        };
+        match self.args.prompts {
+            Some(_) => self
+                .cases
+                .iter()
+                .map(samples)
+                .max()
+                .unwrap_or(1)
+                .min(self.args.max_num_seqs),
+            None => self.args.batches.last().copied().unwrap_or(64),
+        }
+    }
+
+    /// The model of --model and the cases the flags ask for.
+    fn new(args: &'a RolloutBenchArgs) -> Result<Bench<'a>> {
+        let (cfg, dir) = bench_model(&args.model)?;
+        let cases = match (&args.prompts, &dir) {
+            (Some(prompts), Some(dir)) => prompt_cases(args, prompts, dir, &cfg)?,
+            (Some(_), None) => bail_input!(
+                "--prompts needs --model DIR (a model directory: its tokenizer and chat template render the prompts), not the shape '{}'",
+                args.model
+            ),
+            (None, _) => cases(args, cfg.vocab_size)?,
+        };
+        Ok(Bench {
+            args,
+            cfg,
+            dir,
+            cases,
+        })
+    }
+}
+
+/// `--model`: a model directory (its config; the weights load on the device), or a shape
+/// whose random weights the bench makes.
+fn bench_model(model: &str) -> Result<(Config, Option<PathBuf>)> {
+    let path = Path::new(model);
+    if path.is_dir() {
+        let dir = path.canonicalize()?;
+        return Ok((ModelDir::load_config(&dir)?, Some(dir)));
+    }
+    match shape(model) {
+        Ok(cfg) => Ok((cfg, None)),
+        Err(e) => bail_input!("--model {model}: not a model directory; {e}"),
+    }
+}
+
+/// The --prompts cases: the first --limit prompts rendered as `rollout` renders them (the
+/// model's chat template), sampled as `rollout --seed` samples them, one case per --n.
+fn prompt_cases(
+    args: &RolloutBenchArgs,
+    prompts: &Path,
+    dir: &Path,
+    cfg: &Config,
+) -> Result<Vec<Case>> {
+    let dataset = PromptDataset::open_with_key(prompts, "prompt")?;
+    let n_prompts = args.limit.min(dataset.len());
+    let tokenizer = Tokenizer::from_dir(dir)?;
+    let template = ChatTemplate::from_dir(dir)?;
+    let limits = PromptLimits {
+        prompt_key: "prompt",
+        max_prompt_tokens: args.max_prompt_tokens,
+        truncate: Truncate::Error,
+        tools: &[],
+    };
+    let (ids, _) = tokenize_prompts(
+        &dataset,
+        n_prompts,
+        &tokenizer,
+        Some(&template),
+        cfg.vocab_size,
+        &limits,
+    )?;
+    let stop_token_ids = match args.fixed_lengths {
+        true => vec![],
+        false => cfg.eos_token_ids.clone(),
+    };
+    if stop_token_ids.is_empty() && !args.fixed_lengths {
+        bail_input!(
+            "{}: the model names no eos_token_id (config.json, generation_config.json): nothing would end a sample; pass --fixed-lengths",
+            dir.display()
+        );
+    }
+    let ends = match args.fixed_lengths {
+        true => "fixed",
+        false => "EOS",
+    };
+    let case = |n: usize| Case {
+        name: format!(
+            "prompts {n_prompts} x n={n}, <= {} new, {ends}",
+            args.new_tokens
+        ),
+        requests: keyed_requests(&ids, n, args.seed).1,
+        params: GenParams {
+            sampling: full_distribution(),
+            max_new_tokens: args.new_tokens,
+            stop_token_ids: stop_token_ids.clone(),
+            stop_strings: vec![],
+        },
+        random_stops: false,
+    };
+    Ok(args.n.iter().map(|&n| case(n)).collect())
+}
+
+/// The length distribution of a run's samples (new tokens each, an ending stop id counted):
+/// the mean, nearest-rank percentiles (the smallest length that at least q of the samples do
+/// not exceed: what bench/peer_vllm.py computes too), the longest, and the share that reached
+/// the cap.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Lengths {
+    mean: f64,
+    p50: usize,
+    p90: usize,
+    p99: usize,
+    max: usize,
+    at_cap: f64,
+}
+
+impl Lengths {
+    fn of(lengths: impl Iterator<Item = usize>, cap: usize) -> Lengths {
+        let mut s: Vec<usize> = lengths.collect();
+        s.sort_unstable();
+        let n = s.len();
+        // The ceil(q·n)-th smallest, q in percent.
+        let rank = |q: usize| match n {
+            0 => 0,
+            _ => s[(q * n).div_ceil(100).max(1) - 1],
+        };
+        Lengths {
+            mean: s.iter().sum::<usize>() as f64 / n.max(1) as f64,
+            p50: rank(50),
+            p90: rank(90),
+            p99: rank(99),
+            max: s.last().copied().unwrap_or(0),
+            at_cap: s.iter().filter(|&&l| l >= cap).count() as f64 / n.max(1) as f64,
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "mean": self.mean,
+            "p50": self.p50,
+            "p90": self.p90,
+            "p99": self.p99,
+            "max": self.max,
+            "at_cap_fraction": self.at_cap,
+        })
+    }
+}
+
+/// The work of every case as a peer engine needs it: the HF config of the shape (and the model
+/// directory whose weights ran, or null), and per case its prompts' ids, samples per prompt,
+/// most new tokens, whether random stops apply (a peer skips those) and otherwise the ids that
+/// end a sample (empty: every sample runs to the cap).
 fn write_cases(path: &std::path::Path, bench: &Bench) -> Result<()> {
     let cases: Vec<serde_json::Value> = bench
         .cases
@@ -778,12 +975,17 @@ fn write_cases(path: &std::path::Path, bench: &Bench) -> Result<()> {
                 "prompts": c.requests.iter().map(|r| &r.prompt).collect::<Vec<_>>(),
                 "n": c.requests.first().map_or(1, |r| r.sample_keys.len()),
                 "max_new_tokens": c.params.max_new_tokens,
-                "stops": !c.params.stop_token_ids.is_empty(),
+                "random_stops": c.random_stops,
+                "stop_token_ids": match c.random_stops {
+                    true => &[][..],
+                    false => &c.params.stop_token_ids[..],
+                },
             })
         })
         .collect();
     let doc = json!({
         "model": bench.args.model,
+        "model_dir": bench.dir,
         "config": bench.cfg.to_hf_json(None),
         "max_num_seqs": bench.args.max_num_seqs,
         "cases": cases,
@@ -828,6 +1030,8 @@ fn print_report(
             "decode/other ms",
             "ms/decode",
             "GEMM plans",
+            "len mean/p50/p90/p99/max",
+            "at cap",
         ],
         &table,
         &json!({
@@ -877,6 +1081,11 @@ fn run_row(m: &Measured, bw: f64, peak: f64) -> (Vec<String>, serde_json::Value)
             1e3 * m.split.decode_s / m.split.decode_steps.max(1) as f64
         ),
         format!("{} ({:.0} ms)", m.planning.0, 1e3 * m.planning.1),
+        format!(
+            "{:.0}/{}/{}/{}/{}",
+            m.lengths.mean, m.lengths.p50, m.lengths.p90, m.lengths.p99, m.lengths.max
+        ),
+        format!("{:.1}%", 100.0 * m.lengths.at_cap),
     ];
     let js = json!({
         "case": m.name,
@@ -903,6 +1112,7 @@ fn run_row(m: &Measured, bw: f64, peak: f64) -> (Vec<String>, serde_json::Value)
         "slowest_decode_step_s": m.split.slowest_decode_s,
         "gemm_plans": m.planning.0,
         "gemm_planning_s": m.planning.1,
+        "lengths": m.lengths.json(),
     });
     (row, js)
 }
@@ -930,6 +1140,7 @@ mod tests {
         let bench = Bench {
             args: &args,
             cfg: cfg.clone(),
+            dir: None,
             cases: cases(&args, cfg.vocab_size).unwrap(),
         };
         let path = std::env::temp_dir().join(format!("cases-{}.json", std::process::id()));
@@ -966,7 +1177,68 @@ mod tests {
             (Some(4), Some(9))
         );
         assert_eq!(grpo["prompts"].as_array().unwrap().len(), 2);
-        assert_eq!(grpo["stops"], false);
+        assert_eq!(grpo["random_stops"], false);
+        assert_eq!(grpo["stop_token_ids"], json!([]));
+        assert_eq!(doc["model_dir"], serde_json::Value::Null);
         assert!(bench.cases[1].params.stop_token_ids.is_empty());
+    }
+
+    /// The length statistics of a small set, by hand: sorted 1 1 2 3 3 4 5 5 6 9, nearest
+    /// rank (the ceil(q·10)-th): p50 the 5th, p90 the 9th, p99 the 10th.
+    #[test]
+    fn lengths_are_the_mean_nearest_rank_percentiles_and_the_share_at_the_cap() {
+        let l = Lengths::of([3, 1, 4, 1, 5, 9, 2, 6, 5, 3].into_iter(), 9);
+        let want = Lengths {
+            mean: 3.9,
+            p50: 3,
+            p90: 6,
+            p99: 9,
+            max: 9,
+            at_cap: 0.1,
+        };
+        assert_eq!(l, want);
+        // One sample: every percentile is it; none: zeros, not NaN.
+        let one = Lengths::of([7].into_iter(), 7);
+        assert_eq!((one.p50, one.p99, one.max, one.at_cap), (7, 7, 7, 1.0));
+        let none = Lengths::of(std::iter::empty(), 7);
+        assert_eq!((none.mean, none.p50, none.at_cap), (0.0, 0, 0.0));
+    }
+
+    /// bench/vllm_lease.sh runs the 14B shape's GRPO case at 64 × 8: at 128 × 8 the pool the
+    /// bench sizes (every sample's keys and values at its longest) and the bf16 weights are
+    /// more than one H200's 139 GiB; at 64 × 8 they leave room for the workspace.
+    #[test]
+    fn the_14b_grpo_case_fits_one_h200_at_64_prompts_not_128() {
+        let cfg = shape("qwen14b").unwrap();
+        let weights = param_count(&cfg) * 2;
+        let block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DEFAULT_BLOCK_SIZE * 2;
+        let pool = |prompts: usize| {
+            let flags = format!(
+                "x --model qwen14b --grpo {prompts},8,131,512 --fixed-lengths --max-num-seqs 1024"
+            );
+            let args = Cli::parse_from(flags.split_whitespace()).args;
+            let sampling = SamplingParams::greedy();
+            let case = grpo_case(&args, cfg.vocab_size, sampling).unwrap();
+            let limits = Limits {
+                max_num_seqs: args.max_num_seqs,
+                max_batched_tokens: args.max_batched_tokens,
+                gpu_memory_fraction: None,
+                graphs: true,
+                overlap: true,
+            };
+            let need = crate::engine::paged::Need::of(&case.requests, &case.params);
+            crate::engine::paged::Plan::new(&need, &limits, None, block).kv_pool_bytes()
+        };
+        let h200 = 139usize << 30;
+        assert!(
+            weights + pool(128) > h200,
+            "{} GiB",
+            (weights + pool(128)) >> 30
+        );
+        assert!(
+            weights + pool(64) + (16 << 30) < h200,
+            "{} GiB",
+            (weights + pool(64)) >> 30
+        );
     }
 }

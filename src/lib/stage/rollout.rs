@@ -928,7 +928,11 @@ impl Prepared {
 
 /// The requests of the prompts, `n` samples each, with their random keys, and the prompts'
 /// uids. A repeated prompt is told apart by its occurrence number.
-fn keyed_requests(prompts: &[Vec<u32>], n: usize, seed: u64) -> (Vec<String>, Vec<Request>) {
+pub(crate) fn keyed_requests(
+    prompts: &[Vec<u32>],
+    n: usize,
+    seed: u64,
+) -> (Vec<String>, Vec<Request>) {
     let mut seen: HashMap<&[u32], u64> = HashMap::new();
     let mut prompt_uids = Vec::with_capacity(prompts.len());
     let mut requests = Vec::with_capacity(prompts.len());

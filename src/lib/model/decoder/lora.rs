@@ -22,6 +22,22 @@ pub(super) struct LoraState<B: Backend> {
     /// Switched off: the passes compute the base model alone (the reference of a LoRA run,
     /// scored with the weights the adapters are trained on).
     pub(super) off: bool,
+    /// A generation decoder's adapters of its fused projections, per layer ([q/k/v,
+    /// gate/up]); empty where the decoder has no fused buffers (then every adapter runs on
+    /// its projection's own output).
+    pub(super) stacked: Vec<[Option<Stacked<B>>; 2]>,
+}
+
+/// The adapters of one fused projection (q/k/v or gate/up) as two GEMMs on its fused output
+/// y [tokens, out]: t = x·Aᵀ with the group's targeted A's one under the other (A [c, in]),
+/// then y += t·Bᵀ with each targeted (α/r)·B at its output rows and its r columns of
+/// B [out, c], zero elsewhere (block-diagonal): the zeros add nothing, so each part of y gets
+/// its own adapter, and the output needs no column slices.
+pub(super) struct Stacked<B: Backend> {
+    pub(super) a: B::Buf,
+    pub(super) b: B::Buf,
+    /// c: the rank times the group's targeted projections.
+    pub(super) cols: usize,
 }
 
 impl<B: Backend> LoraState<B> {
@@ -37,8 +53,74 @@ impl<B: Backend> LoraState<B> {
             spec: spec.clone(),
             scale,
             off: false,
+            stacked: Vec::new(),
         })
     }
+
+    /// The intermediate columns a pass needs (`Work::lora`): the rank, or the widest stacked
+    /// group's.
+    pub(super) fn cols(&self) -> usize {
+        let widest = self.stacked.iter().flatten().flatten().map(|s| s.cols);
+        widest.fold(self.spec.rank, usize::max)
+    }
+}
+
+/// The fused groups' targets with their row offsets in the fused output, and its rows.
+fn groups(cfg: &Config) -> [(Vec<(Target, usize)>, usize); 2] {
+    let (qd, kd, f) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    );
+    let qkv = vec![(Target::Q, 0), (Target::K, qd), (Target::V, qd + kd)];
+    let gu = vec![(Target::Gate, 0), (Target::Up, f)];
+    [(qkv, qd + 2 * kd), (gu, 2 * f)]
+}
+
+/// The input features of target `t`'s adapter in `layer` (A is [r, in]; checked before).
+fn spec_in(adapters: &Weights, t: Target, layer: usize) -> usize {
+    adapters[&t.adapter_names(layer).0].shape[1]
+}
+
+/// Builds the stacked A and B of a fused group on the host from the adapters (f32) and
+/// uploads them in the compute dtype; None when the group has no targeted projection.
+fn stack_group<B: Backend>(
+    b: &B,
+    spec: &LoraSpec,
+    adapters: &Weights,
+    layer: usize,
+    (parts, rows): &(Vec<(Target, usize)>, usize),
+) -> Result<Option<Stacked<B>>> {
+    let r = spec.rank;
+    let on: Vec<(Target, usize)> = parts
+        .iter()
+        .copied()
+        .filter(|(t, _)| spec.targets.contains(t))
+        .collect();
+    if on.is_empty() {
+        return Ok(None);
+    }
+    // Both groups read the hidden state.
+    let (cols, inp) = (r * on.len(), spec_in(adapters, on[0].0, layer));
+    let (mut a, mut bs) = (Vec::with_capacity(cols * inp), vec![0f32; rows * cols]);
+    for (j, &(t, off)) in on.iter().enumerate() {
+        let (an, bn) = t.adapter_names(layer);
+        let (ta, tb) = (&adapters[&an], &adapters[&bn]);
+        a.extend_from_slice(&ta.data);
+        let out = tb.shape[0];
+        for i in 0..out {
+            let dst = &mut bs[(off + i) * cols + j * r..][..r];
+            for (d, &v) in dst.iter_mut().zip(&tb.data[i * r..(i + 1) * r]) {
+                *d = v * spec.scale();
+            }
+        }
+    }
+    let cd = b.compute_dtype();
+    let mut da = b.alloc_as(cols * inp, cd)?;
+    b.upload(&mut da, &a)?;
+    let mut db = b.alloc_as(rows * cols, cd)?;
+    b.upload(&mut db, &bs)?;
+    Ok(Some(Stacked { a: da, b: db, cols }))
 }
 
 /// One adapter in a pass: its A and B (parameter indices) and its projection's input and
@@ -141,6 +223,14 @@ pub(super) fn view<'a, B: Backend>(
     })
 }
 
+/// Layer `l`'s stacked adapters, when the decoder has them and they are on.
+pub(super) fn stacked<B: Backend>(
+    lora: Option<&LoraState<B>>,
+    l: usize,
+) -> Option<&[Option<Stacked<B>>; 2]> {
+    lora.filter(|s| !s.off).and_then(|s| s.stacked.get(l))
+}
+
 /// The targets in `Layer::lora`'s order.
 pub(super) fn slot(t: Target) -> usize {
     Target::ALL.iter().position(|x| *x == t).expect("a target")
@@ -228,6 +318,52 @@ impl<B: Backend> Decoder<B> {
         }
         gen.merge_adapters(&spec, adapters)?;
         Ok(gen)
+    }
+}
+
+impl<B: Backend> Decoder<B> {
+    /// A decoder that generates with LoRA `adapters` unmerged on the frozen `base`: every
+    /// projection a target adds (α/r)·(x·Aᵀ)·Bᵀ to its output at each step, the base
+    /// untouched (no merged copy). The base is held as [`Decoder::for_generation`] holds a
+    /// model (bf16-rounded on a backend that computes in f32, fused q/k/v and gate/up where
+    /// the backend shares buffers, no masters); the adapters as the files have them, and
+    /// where projections are fused also stacked per group ([`Stacked`]).
+    pub fn for_generation_unmerged(
+        backend: B,
+        cfg: &Config,
+        mut base: Weights,
+        adapters: &Weights,
+        spec: &LoraSpec,
+    ) -> Result<Self> {
+        spec.check()?;
+        check_adapters(cfg, spec, adapters, "LoRA adapters")?;
+        ensure!(!cfg.value_head, "LoRA generates with a policy, not a value model");
+        if backend.compute_dtype() == DType::F32 {
+            for t in base.values_mut() {
+                t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
+            }
+        }
+        let lora = Some((spec, adapters));
+        let mut d = Self::build(backend, cfg, Some(&base), super::Hold::Compute, lora)?;
+        let mut stacked = Vec::new();
+        if !d.fused.is_empty() {
+            for (l, ly) in d.layers.iter().enumerate() {
+                let [qkv, gu] = groups(cfg);
+                let b = &d.backend;
+                // Only the groups that are fused in this layer (q/k/v not under qk_norm).
+                let q = match ly.qkv {
+                    Some(_) => stack_group(b, spec, adapters, l, &qkv)?,
+                    None => None,
+                };
+                let g = match ly.gate_up {
+                    Some(_) => stack_group(b, spec, adapters, l, &gu)?,
+                    None => None,
+                };
+                stacked.push([q, g]);
+            }
+        }
+        d.lora.as_mut().expect("built with adapters").stacked = stacked;
+        Ok(d)
     }
 }
 

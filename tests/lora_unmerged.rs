@@ -219,3 +219,110 @@ mod binary {
         assert!(!out.exists());
     }
 }
+
+/// `tandem bench rollout --lora-rank` on the CPU's small shape: merged reports the merge's
+/// seconds, unmerged none; both report tok/s and the adapters in the JSON.
+#[test]
+fn bench_rollout_reports_both_lora_modes() {
+    use crate::stage_util::ok;
+    for mode in ["merged", "unmerged"] {
+        let flags = "bench rollout --device cpu --model small --batches 2 --prompt-tokens 4 \
+                     --new-tokens 3 --skip-grpo --modes eager --runs 1 --lora-rank 4 \
+                     --lora-alpha 8 --lora-targets q,v,gate,down --lora-mode";
+        let args: Vec<&str> = flags.split_whitespace().chain([mode]).collect();
+        let out = String::from_utf8(ok("tandem", &args).stdout).unwrap();
+        let title = out.lines().find(|l| l.starts_with("bench rollout")).unwrap();
+        assert!(title.contains(&format!("LoRA rank 4 on q,v,gate,down {mode}")), "{title}");
+        let js: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+        let lora = &js["lora"];
+        assert_eq!(lora["mode"], mode);
+        assert_eq!(lora["rank"], 4);
+        let merge = lora["merge_seconds"].as_f64();
+        assert_eq!(merge.is_some(), mode == "merged", "{lora}");
+        assert!(merge.is_none_or(|s| s > 0.0));
+        let tps = js["cases"][0]["tokens_per_s"].as_f64();
+        assert!(tps.is_some_and(|t| t > 0.0), "{}", js["cases"][0]);
+    }
+}
+
+mod daemon {
+    use crate::stage_util::{add_advantages, bin, f32_rows, i32_rows, ok, p, prompts, read};
+    use std::path::Path;
+    use std::process::Command;
+    use std::time::{Duration, Instant};
+    use tandem::batch::schema;
+
+    /// Greedy `rollout` of `model` (2 prompts, 10 tokens) with `extra` flags: ids, log-probs.
+    fn rollout(model: &Path, pr: &Path, out: &Path, extra: &[&str]) -> (Vec<Vec<i32>>, Vec<f32>) {
+        let args = ["--model", p(model), "--in", p(pr), "--out", p(out)];
+        let sampling = ["--n", "1", "--max-new-tokens", "10", "--temperature", "0"];
+        ok("rollout", &[&args[..], &sampling, extra].concat());
+        let b = read(out);
+        let lp = f32_rows(&b, schema::ROLLOUT_LOGPROBS).concat();
+        (i32_rows(&b, schema::RESPONSE_IDS), lp)
+    }
+
+    /// On the warm daemon after a LoRA update: `--lora-mode unmerged` generates with the
+    /// training decoder, its adapters applied at each step (no generation copy, per `status`),
+    /// what an in-process unmerged rollout of the checkpoint generates, and not the base's;
+    /// a merged rollout after it builds the copy again.
+    #[test]
+    fn the_daemon_rolls_out_unmerged_without_a_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = crate::stage_util::tiny_model(d, 45);
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three."]);
+        let on_base = rollout(&base, &pr, &d.join("r.parquet"), &[]);
+        let batch = d.join("adv.parquet");
+        add_advantages(&d.join("r.parquet"), &batch);
+        let sock = d.join("sock");
+        let mut child = Command::new(bin("tandem"))
+            .args(["daemon", "--device", "cpu", "--socket", p(&sock)])
+            .args(["--policy", p(&base)])
+            .env("RAYON_NUM_THREADS", "2")
+            .spawn()
+            .unwrap();
+        let run = || {
+            let t0 = Instant::now();
+            while !sock.exists() {
+                assert!(t0.elapsed() < Duration::from_secs(120), "no daemon socket");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let ck = d.join("ck");
+            let mut args = vec!["--model", p(&base), "--in", p(&batch), "--out-model", p(&ck)];
+            args.extend(["--lr", "5e-2", "--lora-rank", "4", "--lora-alpha", "16"]);
+            args.extend(["--seed", "9", "--daemon", p(&sock)]);
+            ok("update", &args);
+            let on_daemon = ["--daemon", p(&sock), "--lora-mode", "unmerged"];
+            let unmerged = rollout(&ck, &pr, &d.join("du.parquet"), &on_daemon);
+            let status = || -> serde_json::Value {
+                let o = Command::new(bin("tandem"))
+                    .args(["daemon-ctl", "status", "--socket", p(&sock)])
+                    .output()
+                    .unwrap();
+                assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+                serde_json::from_slice(&o.stdout).unwrap()
+            };
+            let copy_after_unmerged = status()["resident"]["policy"]["generation_copy"].clone();
+            rollout(&ck, &pr, &d.join("dm.parquet"), &["--daemon", p(&sock)]);
+            let copy_after_merged = status()["resident"]["policy"]["generation_copy"].clone();
+            (ck, unmerged, copy_after_unmerged, copy_after_merged)
+        };
+        let out = std::panic::catch_unwind(run);
+        let _ = child.kill();
+        let _ = child.wait();
+        let (ck, unmerged, copy_u, copy_m) = out.unwrap();
+        assert_eq!(copy_u, false, "unmerged: no generation copy");
+        assert_eq!(copy_m, true, "merged: the copy");
+        let in_process = rollout(&ck, &pr, &d.join("u.parquet"), &["--lora-mode", "unmerged"]);
+        assert_eq!(unmerged.0, in_process.0, "the in-process unmerged tokens");
+        let worst = unmerged
+            .1
+            .iter()
+            .zip(&in_process.1)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 1e-4, "max |Δ logprob| {worst}");
+        assert_ne!(unmerged.0, on_base.0, "the adapters apply");
+    }
+}

@@ -102,9 +102,16 @@ fn unmerged_rollout_is_the_merged_model_and_not_the_base() {
         let mut merged_w = base.clone();
         merge(&cfg, &mut merged_w, &ad, &s).unwrap();
         let want = greedy(&mut Decoder::new(Cpu, &cfg, &merged_w).unwrap(), &cfg);
-        assert_eq!(tokens(&got), tokens(&want), "{arch:?}: the f32 merge's tokens");
+        assert_eq!(
+            tokens(&got),
+            tokens(&want),
+            "{arch:?}: the f32 merge's tokens"
+        );
         let d = max_diff(&got, &want);
-        assert!(d <= 1e-4, "{arch:?}: max |Δ logprob| {d} against the f32 merge");
+        assert!(
+            d <= 1e-4,
+            "{arch:?}: max |Δ logprob| {d} against the f32 merge"
+        );
         // The merge rollout runs by default (bf16-rounded W'), scoring the unmerged tokens.
         let mut bf16 = Decoder::for_generation(Cpu, &cfg, base.clone()).unwrap();
         bf16.merge_adapters(&s, &ad).unwrap();
@@ -231,8 +238,14 @@ fn bench_rollout_reports_both_lora_modes() {
                      --lora-alpha 8 --lora-targets q,v,gate,down --lora-mode";
         let args: Vec<&str> = flags.split_whitespace().chain([mode]).collect();
         let out = String::from_utf8(ok("tandem", &args).stdout).unwrap();
-        let title = out.lines().find(|l| l.starts_with("bench rollout")).unwrap();
-        assert!(title.contains(&format!("LoRA rank 4 on q,v,gate,down {mode}")), "{title}");
+        let title = out
+            .lines()
+            .find(|l| l.starts_with("bench rollout"))
+            .unwrap();
+        assert!(
+            title.contains(&format!("LoRA rank 4 on q,v,gate,down {mode}")),
+            "{title}"
+        );
         let js: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
         let lora = &js["lora"];
         assert_eq!(lora["mode"], mode);
@@ -290,7 +303,14 @@ mod daemon {
                 std::thread::sleep(Duration::from_millis(50));
             }
             let ck = d.join("ck");
-            let mut args = vec!["--model", p(&base), "--in", p(&batch), "--out-model", p(&ck)];
+            let mut args = vec![
+                "--model",
+                p(&base),
+                "--in",
+                p(&batch),
+                "--out-model",
+                p(&ck),
+            ];
             args.extend(["--lr", "5e-2", "--lora-rank", "4", "--lora-alpha", "16"]);
             args.extend(["--seed", "9", "--daemon", p(&sock)]);
             ok("update", &args);
@@ -325,4 +345,40 @@ mod daemon {
         assert!(worst <= 1e-4, "max |Δ logprob| {worst}");
         assert_ne!(unmerged.0, on_base.0, "the adapters apply");
     }
+}
+
+/// `[rollout] lora-mode` in a spec: a bad value stops before step 0 with exit 2 naming the
+/// key; a good one reaches the rollout stage's command line.
+#[test]
+fn the_spec_key_is_checked_and_passed_on() {
+    use crate::pipeline::{real_bins, text, PIPELINE};
+    let bins = real_bins();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    crate::stage_util::model_and_train_set(d, 64, 128, 8);
+    let spec = |mode: &str| {
+        format!(
+            "seed = 3\nsteps = 1\n[model]\npath = \"model\"\n[data]\ntrain = \"train.parquet\"\n\
+             prompts-per-step = 2\n[rollout]\nn = 2\nmax-new-tokens = 4\nraw-prompt = true\n\
+             lora-mode = \"{mode}\"\n[score]\nreward = \"regex:[a-z]\"\n[advantage]\n\
+             estimator = \"grpo\"\n[update]\nlr = 0.01\nlora-rank = 4\n"
+        )
+    };
+    let run = |mode: &str, run_dir: &str| {
+        std::fs::write(d.join("spec.toml"), spec(mode)).unwrap();
+        std::process::Command::new(PIPELINE)
+            .current_dir(d)
+            .args(["run", "spec.toml", "--run-dir", run_dir])
+            .env("TANDEM_BIN_DIR", &bins)
+            .output()
+            .unwrap()
+    };
+    let o = run("sideways", "bad");
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("lora-mode"), "{}", text(&o));
+    assert!(!d.join("bad").exists());
+    let o = run("unmerged", "good");
+    assert!(o.status.success(), "{}", text(&o));
+    let log = std::fs::read_to_string(d.join("good/commands.sh")).unwrap();
+    assert!(log.contains("--lora-mode unmerged"), "{log}");
 }

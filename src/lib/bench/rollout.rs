@@ -17,9 +17,9 @@ use crate::engine::paged::{
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::lora::{init_adapters, LoraMode, LoraSpec};
-use crate::rng::SplitMix64;
 use crate::model::names::param_count;
 use crate::model::Config;
+use crate::rng::SplitMix64;
 use crate::stage::common::Device;
 use crate::stage::{on_device, Job};
 use anyhow::Result;
@@ -147,7 +147,10 @@ fn bench_decoder<B: Backend>(
     };
     let mut adapters = init_adapters(cfg, spec, seed);
     let mut rng = SplitMix64(seed ^ 0x10_4a);
-    for (_, t) in adapters.iter_mut().filter(|(k, _)| k.ends_with("lora_B.weight")) {
+    for (_, t) in adapters
+        .iter_mut()
+        .filter(|(k, _)| k.ends_with("lora_B.weight"))
+    {
         t.data.iter_mut().for_each(|x| *x = 0.02 * rng.normal());
     }
     if mode == LoraMode::Unmerged {
@@ -435,7 +438,14 @@ fn gemms<B: Backend>(b: &B, cfg: &Config, rows: usize) -> Result<Vec<(String, f6
 
 impl Job for Bench<'_> {
     /// The runs, copy bandwidth, GEMM peak, device, step breakdown, merge seconds.
-    type Out = (Vec<Measured>, f64, f64, String, Vec<(String, f64)>, Option<f64>);
+    type Out = (
+        Vec<Measured>,
+        f64,
+        f64,
+        String,
+        Vec<(String, f64)>,
+        Option<f64>,
+    );
     fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
         let name = backend.name();
         let (bw, peak) = peaks(&backend)?;
@@ -855,7 +865,10 @@ fn print_report(
     let adapters = lora.map_or(String::new(), |(l, merge_s)| {
         let merge = merge_s.map_or(String::new(), |s| format!(", merge {s:.3} s"));
         let mode = format!("{:?}", args.lora_mode).to_lowercase();
-        format!(", LoRA rank {} on {} {mode}{merge}", l.rank, args.lora_targets)
+        format!(
+            ", LoRA rank {} on {} {mode}{merge}",
+            l.rank, args.lora_targets
+        )
     });
     report(
         &format!(

@@ -522,7 +522,8 @@ impl<B: Backend> Resident<B> {
                 // (a merged one from an earlier rollout is dropped).
                 slot.gen = None;
             }
-            let f32_master = slot.from_master && slot.decoder.backend().compute_dtype() == DType::F32;
+            let f32_master =
+                slot.from_master && slot.decoder.backend().compute_dtype() == DType::F32;
             slot.gen.is_none()
                 && match lora {
                     true => mode == LoraMode::Merged,

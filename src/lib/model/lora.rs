@@ -95,7 +95,15 @@ impl Target {
 /// How a rollout generates with an adapter: from a merged copy of the weights, or with the
 /// adapters applied at each step on the untouched base (`rollout --lora-mode`).
 #[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum LoraMode {

@@ -15,8 +15,6 @@ use super::common::{
 };
 use super::turns::{tools_from_specs, ToolText, TurnColumns};
 use super::{Exec, Job};
-use crate::engine::policy::load_policy_as;
-use crate::model::lora::LoraMode;
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
 use crate::bail_input;
@@ -28,9 +26,11 @@ use crate::engine::paged::{
     generate_turns, Agent, Completion, Detokenize, FinishReason, GenParams, GraphStats, Limits,
     PagedDecoder, PagedStats, Request, TurnLimits,
 };
+use crate::engine::policy::load_policy_as;
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
+use crate::model::lora::LoraMode;
 use crate::model::Config;
 use crate::parallel::exchange::{Reader, Writer};
 use crate::tokenizer::Tokenizer;

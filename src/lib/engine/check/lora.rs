@@ -9,11 +9,13 @@ use anyhow::Result;
 
 use super::{backward_both, flat, random_requests, tiny_config, values_row, worst_tensor};
 use crate::backend::check::gpu::{compare, dname, tols, Ctx, Row};
-use crate::backend::ops::sample::SamplingParams;
-use crate::engine::paged::{generate_paged, Completion, GenParams, PagedConfig, PagedDecoder, Request};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
+use crate::backend::ops::sample::SamplingParams;
 use crate::backend::DType;
+use crate::engine::paged::{
+    generate_paged, Completion, GenParams, PagedConfig, PagedDecoder, Request,
+};
 use crate::model::decoder::{AdamWParams, Decoder, SeqRef};
 use crate::model::lora::{init_adapters, merge_rounded, LoraSpec, Target};
 use crate::model::safetensors::round_bf16;
@@ -281,7 +283,11 @@ pub(super) fn lora_unmerged(s: &mut Ctx, d: DType) -> Result<()> {
         let name = format!("{arch:?}").to_lowercase();
         let rows = [
             ("vs cpu", &want, if d == DType::F32 { t1 } else { t2 }),
-            ("fused vs split", &split, if d == DType::F32 { t1 } else { t2 }),
+            (
+                "fused vs split",
+                &split,
+                if d == DType::F32 { t1 } else { t2 },
+            ),
             ("vs merged", &from_merged, t2),
         ];
         for (what, other, tol) in rows {

@@ -280,7 +280,14 @@ impl<B: Backend> LayerRun<'_, B> {
             return Ok(());
         };
         let (b, ls, out) = (self.b, self.ls, self.b.len(&st.b) / st.cols);
-        b.matmul(t, x, &st.a, None, ls.gemm(self.cfg.hidden_size, st.cols), false)?;
+        b.matmul(
+            t,
+            x,
+            &st.a,
+            None,
+            ls.gemm(self.cfg.hidden_size, st.cols),
+            false,
+        )?;
         b.matmul(y, t, &st.b, None, ls.gemm(st.cols, out), true)
     }
 

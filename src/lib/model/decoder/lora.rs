@@ -337,7 +337,10 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<Self> {
         spec.check()?;
         check_adapters(cfg, spec, adapters, "LoRA adapters")?;
-        ensure!(!cfg.value_head, "LoRA generates with a policy, not a value model");
+        ensure!(
+            !cfg.value_head,
+            "LoRA generates with a policy, not a value model"
+        );
         if backend.compute_dtype() == DType::F32 {
             for t in base.values_mut() {
                 t.data.iter_mut().for_each(|x| *x = round_bf16(*x));

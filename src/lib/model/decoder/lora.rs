@@ -377,3 +377,99 @@ fn round_on_host<B: Backend>(b: &B, buf: &mut B::Buf, n: usize) -> Result<()> {
     host.iter_mut().for_each(|x| *x = round_bf16(*x));
     b.upload(buf, &host)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Cpu;
+    use crate::backend::{Device, MatmulOps};
+    use crate::model::init::random_weights;
+    use crate::model::lora::init_adapters;
+    use crate::model::Arch;
+
+    /// The stacked q/k/v adapters (targets q and v only, k left out) added to a fused output
+    /// equal each target's (α/r)·(x·Aᵀ)·Bᵀ at its own columns, computed on the host; the
+    /// untargeted k columns stay as they were. (The CPU has no fused buffers, so the engine's
+    /// fused path runs on the GPU; this checks the stacking it reads.)
+    #[test]
+    fn stacked_adapters_add_each_target_at_its_columns() {
+        let cfg = Config {
+            arch: Arch::Qwen2,
+            vocab_size: 16,
+            hidden_size: 8,
+            intermediate_size: 12,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            qkv_bias: false,
+            qk_norm: false,
+            max_position_embeddings: 64,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+            value_head: false,
+        };
+        let spec = LoraSpec {
+            rank: 2,
+            alpha: 6.0,
+            targets: vec![Target::Q, Target::V],
+        };
+        let mut ad = init_adapters(&cfg, &spec, 3);
+        let noise = random_weights(&cfg, 4, 0.5);
+        let src = &noise["model.layers.0.self_attn.q_proj.weight"].data;
+        for (name, t) in ad.iter_mut().filter(|(k, _)| k.contains("lora_B")) {
+            let off = name.len() % 7;
+            t.data
+                .iter_mut()
+                .zip(&src[off..])
+                .for_each(|(x, v)| *x = *v);
+        }
+        let [qkv, _] = groups(&cfg);
+        let st = stack_group(&Cpu, &spec, &ad, 0, &qkv).unwrap().unwrap();
+        assert_eq!(st.cols, 4);
+        // q: columns 0..8, k: 8..12, v: 12..16.
+        let (n, d, rows) = (3, 8, 16);
+        let x: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let y0: Vec<f32> = (0..n * rows).map(|i| i as f32 * 0.01).collect();
+        let b = Cpu;
+        let (mut xb, mut yb, mut t) = (
+            b.alloc(n * d).unwrap(),
+            b.alloc(n * rows).unwrap(),
+            b.alloc(n * 4).unwrap(),
+        );
+        b.upload(&mut xb, &x).unwrap();
+        b.upload(&mut yb, &y0).unwrap();
+        let sh = |k, n_out| MatmulShape { m: n, k, n: n_out };
+        b.matmul(&mut t, &xb, &st.a, None, sh(d, 4), false).unwrap();
+        b.matmul(&mut yb, &t, &st.b, None, sh(4, rows), true)
+            .unwrap();
+        let mut y = vec![0f32; n * rows];
+        b.download(&yb, &mut y).unwrap();
+        let mut want = y0.clone();
+        for (tg, off, out) in [(Target::Q, 0, 8), (Target::V, 12, 4)] {
+            let (an, bn) = tg.adapter_names(0);
+            let (a, bm) = (&ad[&an].data, &ad[&bn].data);
+            for row in 0..n {
+                for o in 0..out {
+                    let mut acc = 0f64;
+                    for k in 0..2 {
+                        let xa: f64 = (0..d).map(|i| (x[row * d + i] * a[k * d + i]) as f64).sum();
+                        acc += xa * bm[o * 2 + k] as f64;
+                    }
+                    want[row * rows + off + o] += (3.0 * acc) as f32;
+                }
+            }
+        }
+        for (i, (g, w)) in y.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-5, "element {i}: {g} vs {w}");
+        }
+        // k's columns untouched.
+        for row in 0..n {
+            let k = row * rows + 8..row * rows + 12;
+            assert_eq!(y[k.clone()], y0[k]);
+        }
+    }
+}

@@ -34,6 +34,7 @@ mod hf_logprobs;
 mod layers;
 mod learning;
 mod lora;
+mod lora_unmerged;
 mod model_files;
 mod pipeline;
 mod prepare;

@@ -22,8 +22,10 @@ use crate::engine::paged::{
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
+use crate::model::lora::{init_adapters, LoraMode, LoraSpec};
 use crate::model::names::param_count;
 use crate::model::Config;
+use crate::rng::SplitMix64;
 use crate::stage::common::{at_least, Device};
 use crate::stage::rollout::{keyed_requests, tokenize_prompts, PromptLimits, Truncate};
 use crate::stage::{on_device, Job};
@@ -100,6 +102,19 @@ pub struct RolloutBenchArgs {
     /// engine (bench/peer_vllm.py) runs the same work.
     #[arg(long)]
     pub cases_out: Option<std::path::PathBuf>,
+    /// Generate with random LoRA adapters of this rank (B ≠ 0) on the random base; 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: usize,
+    /// LoRA alpha (B·A scaled by alpha / rank).
+    #[arg(long, default_value_t = 16.0)]
+    pub lora_alpha: f32,
+    /// LoRA targets: a comma list of q, k, v, o, gate, up, down, or all-linear.
+    #[arg(long, default_value = "all-linear")]
+    pub lora_targets: String,
+    /// With --lora-rank: `merged` (the adapters merged into the weights once, timed: the
+    /// merge's seconds are in the title and the JSON) or `unmerged` (applied at each step).
+    #[arg(long, value_enum, default_value_t = LoraMode::Merged)]
+    pub lora_mode: LoraMode,
 }
 
 /// How a bench case runs its decode steps.
@@ -148,6 +163,47 @@ struct Bench<'a> {
     /// The model directory whose weights run; None: random weights of the shape.
     dir: Option<PathBuf>,
     cases: Vec<Case>,
+    lora: Option<LoraSpec>,
+}
+
+/// The bench's decoder on `backend`: the base (--model DIR's weights, or the shape's random
+/// ones) alone, or with random adapters (B ≠ 0)
+/// merged (the merge timed, seconds returned) or unmerged, as `--lora-mode` says.
+fn bench_decoder<B: Backend>(
+    backend: B,
+    cfg: &Config,
+    dir: Option<&Path>,
+    seed: u64,
+    lora: Option<(&LoraSpec, LoraMode)>,
+) -> Result<(Decoder<B>, Option<f64>)> {
+    // Generation only: no f32 masters beside the bf16 weights (the 14B shape's would take
+    // 59 GB of the device).
+    let (cfg, weights) = match dir {
+        Some(dir) => ModelDir::load(dir)?,
+        None => (cfg.clone(), random_weights(cfg, seed, 0.02)),
+    };
+    let cfg = &cfg;
+    let Some((spec, mode)) = lora else {
+        return Ok((Decoder::for_generation(backend, cfg, weights)?, None));
+    };
+    let mut adapters = init_adapters(cfg, spec, seed);
+    let mut rng = SplitMix64(seed ^ 0x10_4a);
+    for (_, t) in adapters
+        .iter_mut()
+        .filter(|(k, _)| k.ends_with("lora_B.weight"))
+    {
+        t.data.iter_mut().for_each(|x| *x = 0.02 * rng.normal());
+    }
+    if mode == LoraMode::Unmerged {
+        let d = Decoder::for_generation_unmerged(backend, cfg, weights, &adapters, spec)?;
+        return Ok((d, None));
+    }
+    let mut d = Decoder::for_generation(backend, cfg, weights)?;
+    d.backend().synchronize()?;
+    let started = Instant::now();
+    // Synchronizes at its end.
+    d.merge_adapters(spec, &adapters)?;
+    Ok((d, Some(started.elapsed().as_secs_f64())))
 }
 
 /// What every case samples with: temperature 1, no top-k or top-p cut.
@@ -427,22 +483,21 @@ fn gemms<B: Backend>(b: &B, cfg: &Config, rows: usize) -> Result<Vec<(String, f6
 }
 
 impl Job for Bench<'_> {
-    type Out = (Vec<Measured>, f64, f64, String, Vec<(String, f64)>);
+    /// The runs, copy bandwidth, GEMM peak, device, step breakdown, merge seconds.
+    type Out = (
+        Vec<Measured>,
+        f64,
+        f64,
+        String,
+        Vec<(String, f64)>,
+        Option<f64>,
+    );
     fn run<B: Backend>(self, backend: B) -> Result<Self::Out> {
         let name = backend.name();
         let (bw, peak) = peaks(&backend)?;
         let cfg = &self.cfg;
-        // Generation only: no f32 masters beside the bf16 weights (the 14B shape's would take
-        // 59 GB of the device).
-        let mut dec = match &self.dir {
-            Some(dir) => {
-                let (cfg, weights) = ModelDir::load(dir)?;
-                Decoder::for_generation(backend, &cfg, weights)?
-            }
-            None => {
-                Decoder::for_generation(backend, cfg, random_weights(cfg, self.args.seed, 0.02))?
-            }
-        };
+        let lora = self.lora.as_ref().map(|l| (l, self.args.lora_mode));
+        let (mut dec, merge_s) = bench_decoder(backend, cfg, self.dir.as_deref(), self.args.seed, lora)?;
         let roof = Roofline::new(cfg, dec.backend().compute_dtype());
         let mut out = Vec::new();
         // Warm-up: kernel compilation and the workspace, outside the timings.
@@ -467,7 +522,7 @@ impl Job for Bench<'_> {
             out.push(roof.measured(case, mode, run, timed));
         }
         let parts = breakdown(&mut dec, self.breakdown_rows(), 256)?;
-        Ok((out, bw, peak, name, parts))
+        Ok((out, bw, peak, name, parts, merge_s))
     }
 }
 
@@ -716,11 +771,13 @@ fn random_prompt(len: usize, vocab: usize, key: u64) -> Vec<u32> {
 
 pub fn run(args: RolloutBenchArgs) -> Result<()> {
     let bench = Bench::new(&args)?;
+    let lora = bench.lora.clone();
     if let Some(path) = &args.cases_out {
         write_cases(path, &bench)?;
     }
-    let (rows, bw, peak, device, parts) = on_device(args.device, bench)?;
-    print_report(&args, &rows, (bw, peak), &device, &parts);
+    let (rows, bw, peak, device, parts, merge_s) = on_device(args.device, bench)?;
+    let lora = lora.map(|l| (l, merge_s));
+    print_report(&args, &rows, (bw, peak), (&device, lora.as_ref()), &parts);
     Ok(())
 }
 
@@ -840,6 +897,7 @@ impl<'a> Bench<'a> {
             cfg,
             dir,
             cases,
+            lora: LoraSpec::from_flags(args.lora_rank, args.lora_alpha, &args.lora_targets)?,
         })
     }
 }
@@ -998,7 +1056,7 @@ fn print_report(
     args: &RolloutBenchArgs,
     rows: &[Measured],
     (bw, peak): (f64, f64),
-    device: &str,
+    (device, lora): (&str, Option<&(LoraSpec, Option<f64>)>),
     parts: &[(String, f64)],
 ) {
     for (what, t) in parts {
@@ -1006,9 +1064,17 @@ fn print_report(
     }
     let (table, js): (Vec<Vec<String>>, Vec<serde_json::Value>) =
         rows.iter().map(|m| run_row(m, bw, peak)).unzip();
+    let adapters = lora.map_or(String::new(), |(l, merge_s)| {
+        let merge = merge_s.map_or(String::new(), |s| format!(", merge {s:.3} s"));
+        let mode = format!("{:?}", args.lora_mode).to_lowercase();
+        format!(
+            ", LoRA rank {} on {} {mode}{merge}",
+            l.rank, args.lora_targets
+        )
+    });
     report(
         &format!(
-            "bench rollout ({}, {device}; measured copy {:.0} GB/s, bf16 GEMM {:.1} TFLOP/s)",
+            "bench rollout ({}{adapters}, {device}; measured copy {:.0} GB/s, bf16 GEMM {:.1} TFLOP/s)",
             args.model,
             bw / 1e9,
             peak / 1e12
@@ -1041,6 +1107,13 @@ fn print_report(
             "copy_bandwidth_bytes_per_s": bw,
             "gemm_bf16_flops_per_s": peak,
             "cases": js,
+            "lora": lora.map(|(l, merge_s)| json!({
+                "rank": l.rank,
+                "alpha": l.alpha,
+                "targets": l.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+                "mode": args.lora_mode,
+                "merge_seconds": merge_s,
+            })),
             "decode_step_breakdown_ms": parts.iter().map(|(w, t)| json!({"part": w, "ms": t})).collect::<Vec<_>>(),
         }),
     );
@@ -1142,6 +1215,7 @@ mod tests {
             cfg: cfg.clone(),
             dir: None,
             cases: cases(&args, cfg.vocab_size).unwrap(),
+            lora: None,
         };
         let path = std::env::temp_dir().join(format!("cases-{}.json", std::process::id()));
         write_cases(&path, &bench).unwrap();

@@ -46,7 +46,7 @@ use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedOptim};
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::{Decoder, TokenStats};
-use crate::model::lora::LoraSpec;
+use crate::model::lora::{LoraMode, LoraSpec};
 use crate::model::peft;
 use crate::model::{Config, Weights};
 use crate::parallel::bucket::{broadcast_buckets, BucketPlan};
@@ -198,6 +198,8 @@ pub struct Resident<B: Backend> {
     pub bars: Arc<Mutex<Vec<(String, ProgressBar)>>>,
     /// The running job's metrics for its `done` line.
     job: Map<String, Value>,
+    /// How a LoRA policy generates: the last rollout's `--lora-mode` (merged until one asks).
+    lora_mode: LoraMode,
 }
 
 impl<B: Backend> Resident<B> {
@@ -218,6 +220,7 @@ impl<B: Backend> Resident<B> {
             reply: None,
             bars: Arc::new(Mutex::new(Vec::new())),
             job: Map::new(),
+            lora_mode: LoraMode::Merged,
         }
     }
 
@@ -499,8 +502,11 @@ impl<B: Backend> Resident<B> {
     /// the compute weights the unrounded masters; there a bf16-rounded copy is built once per
     /// policy (the CPU oracle path, where memory is not the constraint). A group rank under
     /// `--shard full` holds 1/N of the compute weights: it generates with the whole copy its
-    /// last update built ([`Resident::train_group`]).
+    /// last update built ([`Resident::train_group`]). A LoRA policy generates from a merged
+    /// copy, or under `--lora-mode unmerged` from the training decoder, its adapters applied
+    /// at each step.
     fn generation(&mut self, role: Role, model: &ModelRef) -> Result<&mut Decoder<B>> {
+        let mode = self.lora_mode;
         let make_copy = {
             let slot = self.slot(role, model, Want::Any)?;
             if slot.gen.is_none() && slot.sharded.as_ref().is_some_and(ShardedOptim::is_full) {
@@ -511,9 +517,18 @@ impl<B: Backend> Resident<B> {
                 );
             }
             let lora = slot.decoder.lora_spec().is_some();
+            if lora && mode == LoraMode::Unmerged {
+                // The training decoder generates, its adapters applied at each step: no copy
+                // (a merged one from an earlier rollout is dropped).
+                slot.gen = None;
+            }
+            let f32_master =
+                slot.from_master && slot.decoder.backend().compute_dtype() == DType::F32;
             slot.gen.is_none()
-                && (lora
-                    || slot.from_master && slot.decoder.backend().compute_dtype() == DType::F32)
+                && match lora {
+                    true => mode == LoraMode::Merged,
+                    false => f32_master,
+                }
         };
         if make_copy {
             let started = Instant::now();
@@ -850,6 +865,7 @@ impl<B: Backend> Resident<B> {
 
 impl<B: Backend> Compute for Resident<B> {
     fn generate(&mut self, model: &ModelRef, job: Generate<'_>) -> Result<Generated> {
+        self.lora_mode = job.lora_mode;
         let decoder = self.generation(Role::Policy, model)?;
         let mut out = job.generate_on(decoder)?;
         kill_once(

@@ -92,6 +92,28 @@ impl Target {
     }
 }
 
+/// How a rollout generates with an adapter: from a merged copy of the weights, or with the
+/// adapters applied at each step on the untouched base (`rollout --lora-mode`).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum LoraMode {
+    /// W + (α/r)·B·A per target, merged once per policy version (a copy of the weights).
+    #[default]
+    Merged,
+    /// y = x·Wᵀ + (α/r)·(x·Aᵀ)·Bᵀ at every step: two small GEMMs per target, no copy.
+    Unmerged,
+}
+
 /// The adapters of a run: rank r, alpha α (the update is scaled by α/r) and the projections
 /// they sit on.
 #[derive(Clone, Debug, PartialEq)]

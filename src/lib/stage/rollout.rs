@@ -14,7 +14,7 @@ use super::common::{
     Device, ModelRef,
 };
 use super::turns::{tools_from_specs, ToolText, TurnColumns};
-use super::{load_policy, Exec, Job};
+use super::{Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
 use crate::bail_input;
@@ -26,9 +26,11 @@ use crate::engine::paged::{
     generate_turns, Agent, Completion, Detokenize, FinishReason, GenParams, GraphStats, Limits,
     PagedDecoder, PagedStats, Request, TurnLimits,
 };
+use crate::engine::policy::load_policy_as;
 use crate::error::input_error;
 use crate::model::checkpoint::ModelDir;
 use crate::model::decoder::Decoder;
+use crate::model::lora::LoraMode;
 use crate::model::Config;
 use crate::parallel::exchange::{Reader, Writer};
 use crate::tokenizer::Tokenizer;
@@ -323,6 +325,12 @@ pub struct RolloutArgs {
     /// Write generation metrics as JSON here.
     #[arg(long, value_name = "FILE")]
     pub metrics: Option<PathBuf>,
+    /// With a LoRA adapter as --model: `merged` samples from W + (α/r)·B·A merged once per
+    /// policy version (a copy of the weights), `unmerged` adds (α/r)·(x·Aᵀ)·Bᵀ at each step on
+    /// the untouched base (no copy); docs/LORA.md. No effect on a plain model.
+    #[arg(long, value_enum, default_value_t = LoraMode::Merged, value_name = "MODE")]
+    #[serde(default)]
+    pub lora_mode: LoraMode,
     /// Where to compute: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: Device,
@@ -352,6 +360,8 @@ pub struct Generate<'a> {
     limits: Limits,
     /// With tools: how a turn that calls them continues.
     agent: Option<&'a Agent<'a>>,
+    /// How an adapter generates (`--lora-mode`).
+    pub(crate) lora_mode: LoraMode,
 }
 
 /// What a generation did, for the metrics.
@@ -557,7 +567,7 @@ impl Job for Generate<'_> {
     type Out = Generated;
     fn run<B: Backend>(self, backend: B) -> Result<Generated> {
         let started = Instant::now();
-        let mut policy = load_policy(backend, self.dir)?;
+        let mut policy = load_policy_as(backend, self.dir, self.lora_mode)?;
         let load_s = started.elapsed().as_secs_f64();
         let mut out = self.generate_on(&mut policy)?;
         out.load_s = load_s;
@@ -584,6 +594,7 @@ impl<'a> Generate<'a> {
             bar,
             limits,
             agent: None,
+            lora_mode: LoraMode::Merged,
         }
     }
 }
@@ -841,6 +852,7 @@ pub fn run_with_tools(
         bar: &bar,
         limits: args.limits(),
         agent: agent.as_ref(),
+        lora_mode: args.lora_mode,
     };
     let generated = match block.is_empty() {
         // A rank with no prompt (fewer prompts than ranks) loads nothing.

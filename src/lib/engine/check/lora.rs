@@ -2,15 +2,20 @@
 //! projection of a tiny model, B random rather than PEFT's zero so that the adapters change
 //! the forward: its log-probs, the adapters' gradients (and no other), one AdamW step of them.
 //! `lora_merge`: the generation copy merged on the GPU (`Decoder::lora_generation`) against
-//! the host's f64 merge (`merge_rounded`, what `tandem merge-lora` writes).
+//! the host's f64 merge (`merge_rounded`, what `tandem merge-lora` writes). `lora_unmerged`:
+//! the adapters applied at each step of the rollout engine against the CPU and the merge.
 
 use anyhow::Result;
 
-use super::{backward_both, flat, tiny_config, values_row, worst_tensor};
-use crate::backend::check::gpu::{compare, dname, Ctx, Row};
+use super::{backward_both, flat, random_requests, tiny_config, values_row, worst_tensor};
+use crate::backend::check::gpu::{compare, dname, tols, Ctx, Row};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::CudaBackend;
+use crate::backend::ops::sample::SamplingParams;
 use crate::backend::DType;
+use crate::engine::paged::{
+    generate_paged, Completion, GenParams, PagedConfig, PagedDecoder, Request,
+};
 use crate::model::decoder::{AdamWParams, Decoder, SeqRef};
 use crate::model::lora::{init_adapters, merge_rounded, LoraSpec, Target};
 use crate::model::safetensors::round_bf16;
@@ -196,5 +201,116 @@ pub(super) fn lora(s: &mut Ctx, d: DType) -> Result<()> {
         pass: !dc.is_empty() && dg.len() == dc.len() && p.is_none() && r <= tol_upd,
         note: name,
     });
+    Ok(())
+}
+
+/// Teacher-forced logits of `dec` through the paged engine: each request's prompt, then the
+/// first 8 tokens of its completion, concatenated over the requests.
+fn forced<B: crate::backend::Backend>(
+    dec: &mut Decoder<B>,
+    reqs: &[Request],
+    done: &[Vec<Completion>],
+) -> Result<Vec<f32>> {
+    let mut eng = PagedDecoder::new(dec, 16, 16)?;
+    let mut all = Vec::new();
+    for (r, c) in reqs.iter().zip(done) {
+        let fed: Vec<u32> = c[0].tokens.iter().take(8).copied().collect();
+        all.extend(eng.forced_logits(&r.prompt, &fed)?);
+    }
+    Ok(all)
+}
+
+/// Unmerged LoRA in the rollout engine (`rollout --lora-mode unmerged`) on the GPU: rank-8
+/// adapters (B random) on every projection of the tiny Qwen2 (q/k/v and gate/up fused, their
+/// adapters stacked) and Qwen3 (qk_norm: gate/up fused only). A greedy paged rollout (CUDA
+/// graphs where the backend has them), then the teacher-forced logits along it: against the
+/// CPU's unmerged decoder (f32, the oracle), against the same GPU decoder with the split
+/// projections, and against the GPU's merged weights (W' rounded to bf16: bf16 tolerance in
+/// both dtypes); the base's logits must differ (the adapters apply).
+pub(super) fn lora_unmerged(s: &mut Ctx, d: DType) -> Result<()> {
+    let (t1, t2) = tols(d);
+    for arch in [Arch::Qwen2, Arch::Qwen3] {
+        let cfg = Config {
+            eos_token_ids: vec![],
+            ..tiny_config(arch)
+        };
+        let mut base = init::random_weights(&cfg, s.rng.next_u64(), 0.05);
+        for t in base.values_mut() {
+            t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
+        }
+        let (spec, ad) = rank8(s, &cfg);
+        let reqs = random_requests(s, 6, 5, 40, 1);
+        let params = GenParams {
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 24,
+            stop_token_ids: vec![],
+            stop_strings: vec![],
+        };
+        let pc = PagedConfig {
+            block_size: 16,
+            num_blocks: 64,
+            max_num_seqs: 6,
+            max_batched_tokens: 64,
+            overlap: true,
+        };
+        let gpu_backend = || -> Result<CudaBackend> {
+            let b = CudaBackend::new(s.ordinal)?;
+            b.set_compute_dtype(d);
+            Ok(b)
+        };
+        let mut gpu =
+            Decoder::for_generation_unmerged(gpu_backend()?, &cfg, base.clone(), &ad, &spec)?;
+        let fused = gpu.set_fused_projections(true);
+        let done = {
+            let mut eng = PagedDecoder::new(&mut gpu, pc.num_blocks, pc.block_size)?;
+            generate_paged(&mut eng, &pc, &reqs, &params, None, &mut |_| {})?.0
+        };
+        let got = forced(&mut gpu, &reqs, &done)?;
+        gpu.set_fused_projections(false);
+        let split = forced(&mut gpu, &reqs, &done)?;
+        drop(gpu);
+        let mut cpu = Decoder::for_generation_unmerged(Cpu, &cfg, base.clone(), &ad, &spec)?;
+        let want = forced(&mut cpu, &reqs, &done)?;
+        let mut merged = Decoder::for_generation(gpu_backend()?, &cfg, base.clone())?;
+        merged.merge_adapters(&spec, &ad)?;
+        let from_merged = forced(&mut merged, &reqs, &done)?;
+        drop(merged);
+        let from_base = forced(
+            &mut Decoder::for_generation(gpu_backend()?, &cfg, base)?,
+            &reqs,
+            &done,
+        )?;
+        let name = format!("{arch:?}").to_lowercase();
+        // The merged W' is rounded to bf16 in both dtypes.
+        let bf16_tol = tols(DType::BF16).1;
+        let rows = [
+            ("vs cpu", &want, if d == DType::F32 { t1 } else { t2 }),
+            (
+                "fused vs split",
+                &split,
+                if d == DType::F32 { t1 } else { t2 },
+            ),
+            ("vs merged", &from_merged, bf16_tol),
+        ];
+        for (what, other, tol) in rows {
+            let (a, r, p) = compare(&got, other, &[]);
+            s.rows.push(Row {
+                op: format!("lora_unmerged {name} forced logits {what}"),
+                dtype: dname(d),
+                max_abs: a,
+                max_rel: r,
+                tol,
+                pass: p.is_none() && r <= tol && !got.is_empty(),
+                note: format!("fused buffers: {fused}"),
+            });
+        }
+        let (_, r_base, _) = compare(&got, &from_base, &[]);
+        s.flag(
+            &format!("lora_unmerged {name} differs from the base"),
+            d,
+            r_base > 2.0 * bf16_tol,
+            format!("forced logits max rel {r_base:.2e} from the base's"),
+        );
+    }
     Ok(())
 }

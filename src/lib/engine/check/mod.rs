@@ -38,6 +38,10 @@ pub const CASES: &[Case] = &[
         run: lora::lora_merge,
     },
     Case {
+        name: "lora_unmerged",
+        run: lora::lora_unmerged,
+    },
+    Case {
         name: "hf_fixtures",
         run: decoder::hf_fixtures,
     },
@@ -180,7 +184,7 @@ mod tests {
             .map(|c| c.name)
             .collect();
         let mut names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
-        assert_eq!(names.len(), 9);
+        assert_eq!(names.len(), 10);
         names.extend(&ops);
         let n = names.len();
         names.sort_unstable();

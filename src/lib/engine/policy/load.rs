@@ -8,7 +8,7 @@ use crate::model::checkpoint::ModelDir;
 use crate::model::config::CONFIG_FILE;
 use crate::model::critic::value_model_from;
 use crate::model::decoder::{Decoder, OptimizerState};
-use crate::model::lora::{init_adapters, LoraSpec};
+use crate::model::lora::{init_adapters, LoraMode, LoraSpec};
 use crate::model::peft;
 use crate::model::{Config, Weights};
 use anyhow::Result;
@@ -18,11 +18,21 @@ use std::path::{Path, PathBuf};
 /// state). An adapter directory loads its base and merges the adapters on the backend
 /// ([`Decoder::merge_adapters`]), as the daemon builds its generation copy.
 pub fn load_policy<B: Backend>(backend: B, dir: &Path) -> Result<Decoder<B>> {
+    load_policy_as(backend, dir, LoraMode::Merged)
+}
+
+/// [`load_policy`], an adapter directory loaded as `mode` says: merged, or its adapters kept
+/// apart and applied at each step ([`Decoder::for_generation_unmerged`]).
+pub fn load_policy_as<B: Backend>(backend: B, dir: &Path, mode: LoraMode) -> Result<Decoder<B>> {
     if is_adapter_dir(dir) {
         let adapter = peft::read_adapter(dir)?;
         let (cfg, weights) = ModelDir::load(&lora_base(dir)?)?;
+        let (spec, ad) = (&adapter.spec, &adapter.weights);
+        if mode == LoraMode::Unmerged {
+            return Decoder::for_generation_unmerged(backend, &cfg, weights, ad, spec);
+        }
         let mut d = Decoder::for_generation(backend, &cfg, weights)?;
-        d.merge_adapters(&adapter.spec, &adapter.weights)?;
+        d.merge_adapters(spec, ad)?;
         return Ok(d);
     }
     let (cfg, weights) = ModelDir::load(dir)?;

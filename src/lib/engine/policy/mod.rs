@@ -18,7 +18,9 @@ mod train;
 
 pub use checkpoint::{shard_staging, write_checkpoint, write_lora_checkpoint, write_resident};
 pub use held::{HeldPolicy, Holder, SavedShards};
-pub use load::{is_adapter_dir, load_policy, load_value_model, lora_base, LoraStart, Trainable};
+pub use load::{
+    is_adapter_dir, load_policy, load_policy_as, load_value_model, lora_base, LoraStart, Trainable,
+};
 pub use pointer::{resolve_model, ModelRef, Pointer};
 pub use shards::write_rank_shards;
 pub use train::{train_ranks_from_files, Sharding, Train, Trained};

@@ -5,7 +5,7 @@ use anyhow::{bail, ensure, Result};
 
 use super::attn::{AttnMode, PagedAttn};
 use super::hooks::{NoHooks, Pass, Unit, UnitHooks};
-use super::lora::{self, Adapt};
+use super::lora::{self, Adapt, Stacked};
 use super::workspace::{Acts, Caps, Work};
 use super::{check_temperature, pair, Decoder, Layer, SeqRef, TokenStats};
 use crate::backend::{
@@ -212,8 +212,13 @@ impl<B: Backend> Decoder<B> {
         for l in 0..self.layers.len() {
             hooks.before(Unit::Layer(l), Pass::Forward, self.unit_bufs())?;
             let adapt = lora::view(&self.backend, &self.w, self.lora.as_ref(), n);
+            let stacked = match fuse {
+                true => lora::stacked(self.lora.as_ref(), l),
+                false => None,
+            };
             let run = LayerRun {
                 lora: adapt.as_ref(),
+                stacked,
                 b: &self.backend,
                 cfg: &self.cfg,
                 w: &self.w,
@@ -246,6 +251,8 @@ struct LayerRun<'a, B: Backend> {
     fuse: bool,
     /// The adapters, under LoRA.
     lora: Option<&'a Adapt<'a, B>>,
+    /// The adapters of the fused q/k/v and gate/up projections, when the step fuses them.
+    stacked: Option<&'a [Option<Stacked<B>>; 2]>,
 }
 
 impl<B: Backend> LayerRun<'_, B> {
@@ -265,6 +272,23 @@ impl<B: Backend> LayerRun<'_, B> {
             (Some(ad), Some(ab)) => ad.forward(lora::Pair::of(ab, t, self.cfg), y, x, s),
             _ => Ok(()),
         }
+    }
+
+    /// y += the stacked adapters of fused group `g` (0: q/k/v, 1: gate/up) applied to x.
+    fn adapt_fused(&self, g: usize, y: &mut B::Buf, x: &B::Buf, t: &mut B::Buf) -> Result<()> {
+        let Some(st) = self.stacked.and_then(|s| s[g].as_ref()) else {
+            return Ok(());
+        };
+        let (b, ls, out) = (self.b, self.ls, self.b.len(&st.b) / st.cols);
+        b.matmul(
+            t,
+            x,
+            &st.a,
+            None,
+            ls.gemm(self.cfg.hidden_size, st.cols),
+            false,
+        )?;
+        b.matmul(y, t, &st.b, None, ls.gemm(st.cols, out), true)
     }
 
     /// The activations this layer writes: its own when training, else the shared set.
@@ -307,6 +331,7 @@ impl<B: Backend> LayerRun<'_, B> {
             let bias = ly.qkv_b.map(|i| &self.fused[i]);
             let s = ls.gemm(d, qd + 2 * kd);
             b.matmul(&mut ws.qkv, &a.xn1, &self.fused[wi], bias, s, false)?;
+            self.adapt_fused(0, &mut ws.qkv, &a.xn1, &mut ws.lora[0])?;
             return Ok(true);
         }
         let (q_dst, k_dst) = if self.cfg.qk_norm {
@@ -430,6 +455,7 @@ impl<B: Backend> LayerRun<'_, B> {
         if let Some(wi) = ly.gate_up.filter(|_| self.fuse) {
             let s = ls.gemm(d, 2 * f);
             b.matmul(&mut ws.gu, &a.xn2, &self.fused[wi], None, s, false)?;
+            self.adapt_fused(1, &mut ws.gu, &a.xn2, &mut ws.lora[0])?;
             b.swiglu_packed(&mut ws.h, &ws.gu, ls.n, f)?;
         } else {
             b.matmul(&mut a.g, &a.xn2, &w[ly.gate], None, ls.gemm(d, f), false)?;

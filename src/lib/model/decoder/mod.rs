@@ -312,7 +312,7 @@ struct Loader<'a, B: Backend> {
     /// The parameters added now are frozen (a LoRA decoder's base): no master.
     frozen: bool,
     trains: Vec<bool>,
-    /// No fused projections (LoRA: the adapters sit on each projection's own output).
+    /// No fused projections (a LoRA decoder that trains).
     no_fuse: bool,
 }
 
@@ -556,7 +556,9 @@ impl<B: Backend> Decoder<B> {
             fused: Vec::new(),
             frozen: lora.is_some(),
             trains: Vec::new(),
-            no_fuse: lora.is_some(),
+            // A LoRA decoder that trains runs the split GEMMs (its backward needs each
+            // projection's own output); one that generates fuses, its adapters stacked.
+            no_fuse: lora.is_some() && hold == Hold::Trainable,
         };
         let embed = p.add("model.embed_tokens.weight".into(), vec![v, d], None)?;
         let mut layers = (0..cfg.num_layers)
@@ -720,7 +722,7 @@ impl<B: Backend> Decoder<B> {
         self.fuse
             && !self.fused.is_empty()
             && !self.backend.batch_invariant()
-            && self.lora.is_none()
+            && self.lora.as_ref().is_none_or(|l| !l.stacked.is_empty())
     }
 
     /// Turns the fused q/k/v and gate/up GEMMs of paged steps on (the default) or

@@ -19,7 +19,7 @@ pub(super) struct Caps {
     pub(super) backward: bool,
     /// The fused projections' outputs (`Work::qkv`, `Work::gu`).
     pub(super) fused: bool,
-    /// The LoRA rank (`Work::lora`'s columns; 0 without adapters).
+    /// `Work::lora`'s columns: the LoRA rank, or a stacked group's (0 without adapters).
     pub(super) lora_rank: usize,
 }
 
@@ -253,7 +253,7 @@ impl<B: Backend> Decoder<B> {
             saved_layers: 1,
             backward: false,
             fused: self.fuses(),
-            lora_rank: self.lora_rank(),
+            lora_rank: self.lora.as_ref().map_or(0, |l| l.cols()),
         }
     }
 

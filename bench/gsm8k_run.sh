@@ -10,9 +10,10 @@
 #   MODEL  0.5b (default) or 1.5b: the GGUF (size, sha256), models/qwen2.5-coder-$MODEL
 #   SPEC   pipeline spec [pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml]; the GRPO one is
 #          pipelines/gsm8k-qwen2.5-coder-0.5b-cuda.toml
-#   TOOLS  1: the spec with the Python tool [pipelines/gsm8k-qwen2.5-coder-$MODEL-tools-cuda.toml],
-#          and STEP=eval evaluates with that spec's evaluation flags (the
-#          tool, its limits and the system prompt) unless EVAL_FLAGS is given
+#   TOOLS  1: the spec with the Python tool [pipelines/gsm8k-qwen2.5-coder-$MODEL-tools-cuda.toml;
+#          the code format's is ...-1.5b-code-cuda.toml], and STEP=eval evaluates with that
+#          spec's evaluation flags (the tool, its limits and the system prompt) unless
+#          EVAL_FLAGS is given
 #   RUN    run name [gsm8k-$MODEL]: the run directory is $R/runs/$RUN
 #   D      carried directory with bin.tar.xz and the GSM8K parquets [.device/rl]
 #   P      carried directory with this call's GGUF piece(s) [.device/piece]
@@ -290,7 +291,7 @@ if any("sampling/rounds" in l for l in lines):
           f"{sum(l['sampling/capped'] for l in lines)} steps capped, "
           f"{sum(l['sampling/prompts'] for l in lines)} prompts drawn")
 # A spec that offers tools (every rollout reports tool_calls, 0 without tools).
-if "tools" in spec and any("rollout/tool_calls" in l for l in lines):
+if ("tools" in spec or "-code-" in spec) and any("rollout/tool_calls" in l for l in lines):
     t = [l for l in lines if "rollout/tool_calls" in l]
     calls = sum(l["rollout/tool_calls"] for l in t)
     print(f"\nTools (training rollouts): {statistics.mean(l['rollout/tool_calls_per_sample'] for l in t):.2f} calls per answer, "

@@ -43,6 +43,11 @@ struct Rollout {
 
 /// Prompts whose reference answer is the call (`n` of them).
 fn call_prompts(path: &Path, n: usize) {
+    answered_prompts(path, n, CALL)
+}
+
+/// `n` prompts whose reference answer is `answer`.
+fn answered_prompts(path: &Path, n: usize, answer: &str) {
     let rows: Vec<VerlRow> = (0..n)
         .map(|i| VerlRow {
             data_source: "test/agent".into(),
@@ -51,11 +56,11 @@ fn call_prompts(path: &Path, n: usize) {
                 format!("What is {} plus {}?", i % 7 + 1, i % 5 + 2),
             )],
             ability: None,
-            ground_truth: CALL.into(),
+            ground_truth: answer.into(),
             extra_info: ExtraInfo {
                 split: "train".into(),
                 index: i as i64,
-                answer: CALL.into(),
+                answer: answer.into(),
                 question: String::new(),
             },
         })
@@ -66,8 +71,13 @@ fn call_prompts(path: &Path, n: usize) {
 
 /// A tiny model that writes the call after a short SFT on it, in `d/sft`.
 fn calling_model(d: &Path) -> PathBuf {
+    model_trained_on(d, CALL)
+}
+
+/// A tiny model that writes `answer` after a short SFT on it, in `d/sft`.
+fn model_trained_on(d: &Path, answer: &str) -> PathBuf {
     let base = tiny_model(d, 1);
-    call_prompts(&d.join("sft-prompts.parquet"), 8);
+    answered_prompts(&d.join("sft-prompts.parquet"), 8, answer);
     tandem::stage::sft_batch::run(tandem::stage::sft_batch::SftBatchArgs {
         model: base.clone(),
         input: d.join("sft-prompts.parquet"),
@@ -460,7 +470,8 @@ fn tool_flags_are_checked_up_front() {
         "--tool",
         "calc=cmd:x",
     ];
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 8] = [
+        (&["--tool-format", "code"], "add --tool python"),
         (
             &["--max-turn-tokens", "100", "--max-response-tokens", "50"],
             "--max-turn-tokens (100) must be <= --max-response-tokens (50)",
@@ -483,6 +494,81 @@ fn tool_flags_are_checked_up_front() {
         stage_util::input_error("rollout", &args, want);
         assert!(!out.exists());
     }
+}
+
+/// The code format: what a tiny model was taught to write, a ```python block then its output
+/// then the answer, through `rollout --tool python --tool-format code` (the real sandbox).
+const CODE_ANSWER: &str = "```python\nprint(2+3)\n```\n```output\n5\n```\n#### 5";
+
+/// `rollout --tool-format code` (the binary, the sandboxed `python` tool): a turn ends at the
+/// closing fence of its ```python block, the block's code is the call's `code`, the output
+/// block (tokenized alone, mask 0, log-prob 0) follows inline with no turn marker, and the
+/// model goes on to the answer; `messages` holds one assistant message, the response as the
+/// model read it, and `response_text` is what follows the last output.
+#[test]
+fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = model_trained_on(d, CODE_ANSWER);
+    answered_prompts(&d.join("prompts.parquet"), 3, CODE_ANSWER);
+    let out = d.join("r.parquet");
+    #[rustfmt::skip]
+    ok("rollout", &["--model", p(&model), "--in", p(&d.join("prompts.parquet")), "--out", p(&out),
+        "--tool", "python", "--tool-format", "code", "--n", "4", "--seed", "5", "--max-turns", "3",
+        "--max-turn-tokens", "48", "--max-response-tokens", "200"]);
+    let b = read(&out);
+    let tok = Tokenizer::from_dir(&model).unwrap();
+    let (ids, masks) = (i32_rows(&b, "response_ids"), u8_rows(&b, "response_mask"));
+    let lps = f32_rows(&b, "rollout_logprobs");
+    let (calls, messages) = (strings(&b, "tool_calls"), strings(&b, "messages"));
+    let texts = strings(&b, "response_text");
+    let (mut ran, mut answered) = (0, 0);
+    for i in 0..ids.len() {
+        let ids: Vec<u32> = ids[i].iter().map(|&t| t as u32).collect();
+        let calls: Vec<serde_json::Value> = serde_json::from_str(&calls[i]).unwrap();
+        let msgs: Vec<serde_json::Value> = serde_json::from_str(&messages[i]).unwrap();
+        assert_eq!(
+            msgs.len(),
+            2,
+            "row {i}: the prompt and one assistant message"
+        );
+        let whole = tok.decode(&ids, true).unwrap();
+        assert_eq!(
+            msgs[1]["content"],
+            whole.as_str(),
+            "row {i}: the response inline"
+        );
+        assert!(whole.ends_with(texts[i].as_str()));
+        // Each mask-0 span is the output block of its call, after the block's closing fence.
+        let mut k = 0;
+        for c in &calls {
+            let start = (k..ids.len()).find(|&j| masks[i][j] == 0).unwrap();
+            let end = (start..ids.len())
+                .find(|&j| masks[i][j] == 1)
+                .unwrap_or(ids.len());
+            let before = tok.decode(&ids[..start], true).unwrap();
+            assert!(
+                before.ends_with("```"),
+                "row {i}: stopped at the fence: {before:?}"
+            );
+            let code = before.rsplit("```python\n").next().unwrap();
+            assert_eq!(
+                c["arguments"]["code"],
+                code.trim_end_matches("```").trim_end()
+            );
+            assert_eq!(c["name"], "python");
+            let result = c["result"].as_str().unwrap();
+            let block = tandem::tool::code::output_block(false, result);
+            assert_eq!(ids[start..end], tok.encode(&block).unwrap()[..], "row {i}");
+            assert!(lps[i][start..end].iter().all(|&x| x == 0.0));
+            ran += usize::from(result == "5\n" && c["error"].is_null());
+            k = end;
+        }
+        assert!(masks[i][k..].iter().all(|&m| m == 1));
+        answered += usize::from(calls.len() == 1 && texts[i] == "#### 5");
+    }
+    assert!(ran >= 6, "{ran} of {} rows ran print(2+3)", ids.len());
+    assert!(answered >= 4, "{answered} rows answered after the output");
 }
 
 /// `--system-prompt` goes before each prompt: into the rendered prompt and the `messages`

@@ -2086,8 +2086,16 @@ fn every_shipped_spec_runs_after_the_command_its_header_names() {
             let eval = plan
                 .lines()
                 .filter(|l| l.contains("/rollout ") && l.contains(" --top-k 1 "));
+            // ...in its call format.
+            let format = match text.contains("tool-format = \"code\"") {
+                true => " --tool-format code",
+                false => " --tool ",
+            };
             assert!(
-                eval.clone().count() > 0 && eval.into_iter().all(|l| l.contains(" --tool ")),
+                eval.clone().count() > 0
+                    && eval
+                        .into_iter()
+                        .all(|l| l.contains(" --tool ") && l.contains(format)),
                 "{name}: {plan}"
             );
         }

@@ -249,7 +249,7 @@ fn check_prompts(
         // The rows' tool arguments, as rollout reads them.
         ds.tools_kwargs().with_context(|| key.to_string())?;
     }
-    let schemas = tools.map_or(vec![], |t| t.schemas());
+    let schemas = args.prompt_schemas(tools.as_deref());
     let limits = PromptLimits {
         prompt_key: &args.prompt_key,
         max_prompt_tokens: args.max_prompt_tokens,

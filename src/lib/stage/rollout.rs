@@ -34,7 +34,8 @@ use crate::model::lora::LoraMode;
 use crate::model::Config;
 use crate::parallel::exchange::{Reader, Writer};
 use crate::tokenizer::Tokenizer;
-use crate::tool::Tools;
+use crate::tool::code::CODE_TOOL;
+use crate::tool::{ToolFormat, Tools};
 use anyhow::Result;
 use arrow_array::types::{Float32Type, Int32Type, UInt8Type};
 use arrow_array::{ArrayRef, BooleanArray, RecordBatch, StringArray};
@@ -284,6 +285,12 @@ pub struct RolloutArgs {
     #[arg(long = "tool", value_name = "SPEC")]
     #[serde(default)]
     pub tool: Vec<String>,
+    /// With tools: how the model calls them: `hermes` (`<tool_call>{…}</tool_call>`, results
+    /// in the template's tool turn) or `code` (a closed ```python block runs in the `python`
+    /// tool, its output follows inline in a ```output block; needs --tool python).
+    #[arg(long, value_enum, default_value = "hermes", value_name = "FORMAT")]
+    #[serde(default)]
+    pub tool_format: ToolFormat,
     /// With tools: assistant turns per sample at most (>= 1; the last one's calls are not run).
     #[arg(long, default_value_t = 8, value_parser = at_least(1usize))]
     pub max_turns: usize,
@@ -729,8 +736,18 @@ impl RolloutArgs {
             max_tool_calls: self.max_tool_calls,
             max_parallel_calls: self.max_parallel_calls.unwrap_or(usize::MAX),
             max_response_tokens: total,
+            format: self.tool_format,
         };
         (limits, self.max_turn_tokens.unwrap_or(total))
+    }
+
+    /// The tool schemas the chat template offers in the prompts: none in the code format, where
+    /// the system prompt says how to write code (Hermes' schemas would ask for `<tool_call>`s).
+    pub(crate) fn prompt_schemas(&self, tools: Option<&dyn Tools>) -> Vec<serde_json::Value> {
+        match (tools, self.tool_format) {
+            (Some(t), ToolFormat::Hermes) => t.schemas(),
+            _ => vec![],
+        }
     }
 
     /// What the engine may take.
@@ -765,6 +782,9 @@ impl RolloutArgs {
                 "--max-turn-tokens ({turn}) must be <= --max-response-tokens ({})",
                 limits.max_response_tokens
             );
+        }
+        if self.tool_format == ToolFormat::Code && !self.tool.iter().any(|t| t == CODE_TOOL) {
+            bail_input!("--tool-format code runs each ```python block in the `{CODE_TOOL}` tool: add --tool {CODE_TOOL}");
         }
         if !self.tool.is_empty() && self.raw_prompt {
             bail_input!("--tool needs the chat template (it offers the tools and wraps their results): drop --raw-prompt");
@@ -811,7 +831,7 @@ pub fn run_with_tools(
         Some(_) => dataset.tools_kwargs()?,
         None => vec![],
     };
-    let schemas = tools.as_ref().map_or(vec![], |t| t.schemas());
+    let schemas = args.prompt_schemas(tools.as_deref());
     let prep = Prepared::load(&args, &dataset, n_prompts, &schemas)?;
     let (prompt_uids, requests) = keyed_requests(&prep.prompts, args.n, args.seed);
     let params = args.gen_params(sampling, &prep.cfg.eos_token_ids);
@@ -821,9 +841,10 @@ pub fn run_with_tools(
         template,
         tokenizer: &prep.tokenizer,
     });
-    let observe = |turn: &[u32], contents: &[String]| match &text {
-        Some(t) => t.observe(turn, contents),
-        None => anyhow::bail!("tool results need the chat template"),
+    let observe = |turn: &[u32], contents: &[String]| match (&text, args.tool_format) {
+        (Some(t), ToolFormat::Hermes) => t.observe(turn, contents),
+        (Some(t), ToolFormat::Code) => t.observe_inline(&detok(turn)?, contents),
+        (None, _) => anyhow::bail!("tool results need the chat template"),
     };
     // This process's prompts (all of them alone, its block among several ranks).
     let block = my_block(exec, n_prompts);
@@ -989,6 +1010,7 @@ impl SampleRows {
         (prompts, prompt_uids): (&[Vec<u32>], &[String]),
         dataset: &PromptDataset,
         baseline: bool,
+        format: ToolFormat,
     ) -> Result<Self> {
         let total = completions.iter().map(Vec::len).sum();
         let mut uids = Vec::with_capacity(total);
@@ -998,7 +1020,7 @@ impl SampleRows {
         let mut texts = Vec::with_capacity(total);
         let mut reasons = Vec::with_capacity(total);
         let multi_turn = completions.iter().flatten().any(|c| c.trajectory.is_some());
-        let mut turns = multi_turn.then(TurnColumns::default);
+        let mut turns = multi_turn.then(|| TurnColumns::new(format));
         let mut is_baseline = Vec::with_capacity(total);
         for (i, samples) in completions.iter().enumerate() {
             for (j, c) in samples.iter().enumerate() {
@@ -1117,6 +1139,7 @@ impl Output<'_> {
             (&prep.prompts, prompt_uids),
             dataset,
             args.baseline.is_some(),
+            args.tool_format,
         )?;
         // Each prompt's dataset row for its n samples and its baseline.
         let rows_per_prompt = args.n + usize::from(args.baseline.is_some());
@@ -1245,6 +1268,7 @@ impl Output<'_> {
                 "device": args.device.to_string(),
                 "batch_invariant": batch_invariant,
                 "tool": args.tool,
+                "tool_format": args.tool_format,
                 "max_turns": args.max_turns,
                 "max_tool_calls": args.max_tool_calls,
                 "max_turn_tokens": args.turn_limits().1,

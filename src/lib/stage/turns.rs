@@ -1,13 +1,13 @@
 //! What `rollout --tool` adds to the stage: the tools built from their specs, the tokens an
 //! observation becomes (the chat template's text around tool responses, each piece and each
-//! result tokenized alone), and the inspection columns of multi-turn rows (`num_turns`,
-//! `tool_calls`, `messages`).
+//! result tokenized alone; in the code format the inline ```` ```output ```` block), and the
+//! inspection columns of multi-turn rows (`num_turns`, `tool_calls`, `messages`).
 
 use crate::batch::schema;
 use crate::data::{ChatTemplate, Message};
 use crate::engine::paged::{Completion, Trajectory};
 use crate::tokenizer::Tokenizer;
-use crate::tool::Tools;
+use crate::tool::{code, ToolFormat, Tools};
 use anyhow::Result;
 use arrow_array::{ArrayRef, Int32Array, StringArray};
 use arrow_schema::{DataType, Field};
@@ -49,6 +49,17 @@ impl ToolText<'_> {
         }
         Ok(ids)
     }
+
+    /// The code format's observation after a turn whose sampled text is `sampled`: the output
+    /// block of its one call's result (`code::output_block`), tokenized alone. No turn marker:
+    /// the assistant message goes on.
+    pub(crate) fn observe_inline(&self, sampled: &str, contents: &[String]) -> Result<Vec<u32>> {
+        let [result] = contents else {
+            anyhow::bail!("a code block is one call, not {}", contents.len());
+        };
+        self.tokenizer
+            .encode(&code::output_block(sampled.ends_with('\n'), result))
+    }
 }
 
 /// How many of the first ids of `next` (the template's text after an assistant turn, tokenized)
@@ -61,9 +72,22 @@ pub(crate) fn sampled_overlap(turn: &[u32], next: &[u32]) -> usize {
 }
 
 /// The conversation of a trajectory: the prompt's messages, then each assistant turn (its text
-/// as sampled, calls included) followed by one `tool` message per call it made.
-fn conversation(prompt: &[Message], t: &Trajectory) -> Value {
+/// as sampled, calls included) followed by one `tool` message per call it made. In the code
+/// format the response is one assistant message: the turns' text with each call's output
+/// block inline, as the model read it.
+fn conversation(prompt: &[Message], t: &Trajectory, format: ToolFormat) -> Value {
     let mut out: Vec<Value> = prompt.iter().map(|m| json!(m)).collect();
+    if format == ToolFormat::Code {
+        let mut content = String::new();
+        for (i, text) in t.turns.iter().enumerate() {
+            content.push_str(text);
+            for c in t.calls.iter().filter(|c| c.turn == i) {
+                content.push_str(&code::output_block(text.ends_with('\n'), &c.result));
+            }
+        }
+        out.push(json!({"role": "assistant", "content": content}));
+        return Value::Array(out);
+    }
     for (i, text) in t.turns.iter().enumerate() {
         out.push(json!({"role": "assistant", "content": text}));
         for c in t.calls.iter().filter(|c| c.turn == i) {
@@ -87,8 +111,8 @@ fn calls_json(t: &Trajectory) -> Value {
 }
 
 /// The columns of multi-turn rows, one entry per sample in output order.
-#[derive(Default)]
 pub(crate) struct TurnColumns {
+    format: ToolFormat,
     pub(crate) mask: Vec<u8>,
     num_turns: Vec<i32>,
     tool_calls: Vec<String>,
@@ -100,6 +124,20 @@ pub(crate) struct TurnColumns {
 }
 
 impl TurnColumns {
+    /// No rows yet, of trajectories whose calls are written in `format`.
+    pub(crate) fn new(format: ToolFormat) -> TurnColumns {
+        TurnColumns {
+            format,
+            mask: vec![],
+            num_turns: vec![],
+            tool_calls: vec![],
+            messages: vec![],
+            calls: 0,
+            errors: 0,
+            call_seconds: 0.0,
+        }
+    }
+
     /// Adds sample `c` of a prompt whose messages are `prompt`.
     pub(crate) fn push(&mut self, c: &Completion, prompt: &[Message]) -> Result<()> {
         let Some(t) = &c.trajectory else {
@@ -108,7 +146,8 @@ impl TurnColumns {
         self.mask.extend_from_slice(&t.mask);
         self.num_turns.push(t.turns.len() as i32);
         self.tool_calls.push(calls_json(t).to_string());
-        self.messages.push(conversation(prompt, t).to_string());
+        self.messages
+            .push(conversation(prompt, t, self.format).to_string());
         self.calls += t.calls.len();
         self.errors += t.calls.iter().filter(|c| c.error.is_some()).count();
         self.call_seconds += t.calls.iter().map(|c| c.seconds).sum::<f64>();
@@ -187,6 +226,48 @@ mod tests {
         );
     }
 
+    /// The code format's observation: the output block, tokenized alone, on a line of its own;
+    /// its conversation is one assistant message with the output inline.
+    #[test]
+    fn code_blocks_get_their_output_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let (template, tokenizer) = chatml(dir.path());
+        let text = ToolText {
+            template: &template,
+            tokenizer: &tokenizer,
+        };
+        let enc = |s: &str| tokenizer.encode(s).unwrap();
+        let results = ["5\n".to_string()];
+        let ids = text.observe_inline("```python\nprint(5)\n```", &results);
+        assert_eq!(ids.unwrap(), enc("\n```output\n5\n```\n"));
+        let ids = text.observe_inline("```python\nprint(5)\n```\n", &results);
+        assert_eq!(ids.unwrap(), enc("```output\n5\n```\n"));
+        let two = ["1".to_string(), "2".to_string()];
+        assert!(text.observe_inline("x\n", &two).is_err());
+        use crate::engine::paged::CallRecord;
+        let t = Trajectory {
+            mask: vec![],
+            turns: vec!["```python\nprint(5)\n```".into(), "#### 5".into()],
+            calls: vec![CallRecord {
+                turn: 0,
+                name: "python".into(),
+                arguments: json!({"code": "print(5)"}),
+                result: "5\n".into(),
+                seconds: 0.1,
+                error: None,
+            }],
+        };
+        let prompt = [Message::new("user", "2+3?")];
+        assert_eq!(
+            conversation(&prompt, &t, ToolFormat::Code),
+            json!([
+                {"role": "user", "content": "2+3?"},
+                {"role": "assistant",
+                 "content": "```python\nprint(5)\n```\n```output\n5\n```\n#### 5"}
+            ])
+        );
+    }
+
     /// The conversation and the calls of a trajectory as the columns hold them.
     #[test]
     fn conversation_and_calls_columns() {
@@ -205,7 +286,7 @@ mod tests {
         };
         let prompt = [Message::new("user", "2+3?")];
         assert_eq!(
-            conversation(&prompt, &t),
+            conversation(&prompt, &t, ToolFormat::Hermes),
             json!([
                 {"role": "user", "content": "2+3?"},
                 {"role": "assistant", "content": "call"},

@@ -1,10 +1,11 @@
 //! Tools an agent calls during a multi-turn rollout: the call the model writes (Hermes / Qwen2.5
-//! `<tool_call>{"name": …, "arguments": {…}}</tool_call>`), what comes back, and the `Tools`
-//! trait the engine calls them through. A failed call is never an error of the stage: it comes
+//! `<tool_call>{"name": …, "arguments": {…}}</tool_call>`, or a fenced Python block in the code
+//! format, `code`), what comes back, and the `Tools` trait the engine calls them through. A failed call is never an error of the stage: it comes
 //! back as content the model reads, with `error` set for the metrics.
 
 use serde_json::Value;
 
+pub mod code;
 mod confine;
 mod pool;
 mod protocol;
@@ -84,6 +85,39 @@ pub fn truncate(content: &str, max_chars: usize, side: Side) -> String {
         Side::Middle => {
             let half = max_chars / 2;
             format!("{}...(truncated)...{}", head(half), tail(half))
+        }
+    }
+}
+
+/// How the model's text calls tools (`--tool-format`).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum ToolFormat {
+    /// Hermes / Qwen2.5: a turn that ends (at EOS) with `<tool_call>{…}</tool_call>` blocks
+    /// calls them; the results come back as the chat template's tool turn.
+    #[default]
+    Hermes,
+    /// Tool-integrated reasoning: a closed ```` ```python ```` block ends the turn and runs in
+    /// the `python` tool; its output follows inline, in the same assistant message.
+    Code,
+}
+
+impl ToolFormat {
+    /// The calls in the text of a turn that ended (`code`: at most one, the closed block).
+    pub fn parse(self, text: &str) -> Vec<Result<ToolCall, String>> {
+        match self {
+            ToolFormat::Hermes => parse_calls(text),
+            ToolFormat::Code => code::parse_block(text).into_iter().map(Ok).collect(),
         }
     }
 }

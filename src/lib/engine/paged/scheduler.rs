@@ -34,7 +34,7 @@ use super::sequence::{Kind, Seq};
 use super::turns::{CallRecord, Calls, Observe, TurnLimits};
 use super::{Chunk, PagedConfig, PagedStats, SampleRow};
 use crate::backend::ops::sample::Sampled;
-use crate::tool::{parse_calls, ToolCall};
+use crate::tool::ToolCall;
 
 /// The waiting and running sequences and the block pool they share.
 pub(super) struct Scheduler<'r> {
@@ -741,8 +741,9 @@ impl<'r> Scheduler<'r> {
 }
 
 /// The calls a turn that ended for `reason` makes, if it goes on to tools: it stopped (not by
-/// length), its text holds a `<tool_call>`, and the trajectory is within its limits (the calls
-/// past --max-tool-calls are dropped). The turn's text is recorded then.
+/// length), its text holds a call in the limits' format (a `<tool_call>`, or a closed
+/// ```` ```python ```` block), and the trajectory is within its limits (the calls past
+/// --max-tool-calls are dropped). The turn's text is recorded then.
 fn tool_turn(
     s: &mut Seq,
     reason: FinishReason,
@@ -763,7 +764,7 @@ fn tool_turn(
         return Ok(None);
     }
     let text = s.turn_text(rule.detok)?;
-    let mut calls = parse_calls(&text);
+    let mut calls = l.format.parse(&text);
     if calls.is_empty() {
         return Ok(None);
     }

@@ -8,7 +8,7 @@ use std::ops::Range;
 use super::request::{Completion, Detokenize, FinishReason, GenParams};
 use super::turns::{Trajectory, TurnLimits};
 use crate::backend::ops::sample::Sampled;
-use crate::tool::ToolCall;
+use crate::tool::{code, ToolCall, ToolFormat};
 
 pub(super) enum Kind {
     /// A prompt not yet forked: holds the seats of these samples and, when its last block is
@@ -67,8 +67,9 @@ impl Seq {
         self.pending() > 1 || matches!(self.kind, Kind::Prompt { .. })
     }
 
-    /// Appends a drawn token; returns why the turn is finished, if it is (`GenParams::finish`,
-    /// the one stop rule, over the current turn; and the trajectory's length limit).
+    /// Appends a drawn token; returns why the turn is finished, if it is (in the code format a
+    /// closed ```` ```python ```` block first; then `GenParams::finish`, the one stop rule, over
+    /// the current turn; and the trajectory's length limit).
     pub(super) fn accept(
         &mut self,
         d: Sampled,
@@ -84,6 +85,12 @@ impl Seq {
         if let Kind::Sample { sample, .. } = self.kind {
             crate::engine::stream::emit(self.req, sample, d.token, d.logprob);
         }
+        if let Some(text) = self.closed_code_block(detok, limits)? {
+            if let Kind::Sample { stopped_text, .. } = &mut self.kind {
+                *stopped_text = Some(text);
+            }
+            return Ok(Some(FinishReason::Stop));
+        }
         let Some((reason, text)) = params.finish(&self.tokens[self.turn_start..], detok)? else {
             let total = self.tokens.len() - self.prompt_len;
             if limits.is_some_and(|l| total >= l.max_response_tokens) {
@@ -95,6 +102,25 @@ impl Seq {
             *stopped_text = Some(t);
         }
         Ok(Some(reason))
+    }
+
+    /// In the code format, the current turn's text when the token just drawn closed a
+    /// ```` ```python ```` block in it (the turn then ends, its text kept whole).
+    fn closed_code_block(
+        &self,
+        detok: Option<Detokenize>,
+        limits: Option<&TurnLimits>,
+    ) -> Result<Option<String>> {
+        let (Some(d), Some(ToolFormat::Code)) = (detok, limits.map(|l| l.format)) else {
+            return Ok(None);
+        };
+        // Only a token holding a backtick can complete a fence: the turn is decoded again then
+        // only.
+        if !d(&self.tokens[self.tokens.len() - 1..])?.contains('`') {
+            return Ok(None);
+        }
+        let text = d(&self.tokens[self.turn_start..])?;
+        Ok(code::closed_block(&text).is_some().then_some(text))
     }
 
     /// Sample `sample` of this prompt, the `k`-th forked from it, over `blocks`: the prompt's

@@ -12,7 +12,7 @@ use crate::engine::logprob::{score, PromptResponse};
 use crate::model::decoder::Decoder;
 use crate::model::init::random_weights;
 use crate::model::Config;
-use crate::tool::{Side, ToolCall, ToolResult, Tools};
+use crate::tool::{code, Side, ToolCall, ToolFormat, ToolResult, Tools};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -96,6 +96,12 @@ impl Tools for TestTools {
                 }
             }
             "fail" => ToolResult::failed("the tool crashed", 0.0),
+            // Stands for the sandbox: answers how long the code is.
+            "python" => ToolResult {
+                content: format!("{} bytes\n", call.arguments["code"].as_str().unwrap().len()),
+                seconds: 0.0,
+                error: None,
+            },
             other => ToolResult::failed(format!("unknown tool {other}"), 0.0),
         }
     }
@@ -222,6 +228,7 @@ fn limits(max_turns: usize, max_tool_calls: usize, max_response_tokens: usize) -
         max_tool_calls,
         max_parallel_calls: usize::MAX,
         max_response_tokens,
+        format: ToolFormat::Hermes,
     }
 }
 
@@ -268,8 +275,7 @@ fn a_tool_call_continues_from_the_cache_as_a_whole_prefill_scores_it() {
     // once that step is applied (its draw thrown away).
     assert!(runs[1].stats.overlap_discarded > 0, "{:?}", runs[1].stats);
     assert!(runs[2].stats.preemptions > 0, "the small pool preempts");
-    let mut rows = vec![];
-    for (r, cs) in reqs.iter().zip(&ran.done) {
+    for cs in &ran.done {
         for c in cs {
             let t = c.trajectory.as_ref().expect("a trajectory");
             let n = call.len() + obs.len();
@@ -292,14 +298,6 @@ fn a_tool_call_continues_from_the_cache_as_a_whole_prefill_scores_it() {
             assert_eq!(c.text, detok(&c.tokens[n..]).unwrap());
             assert!(c.tokens.len() - n <= 80, "--max-turn-tokens holds per turn");
             assert!(c.tokens.len() <= 220, "--max-response-tokens holds");
-            rows.push((
-                r.prompt
-                    .iter()
-                    .chain(&c.tokens)
-                    .copied()
-                    .collect::<Vec<_>>(),
-                r,
-            ));
         }
     }
     // The same trajectories with overlap scheduling and with preemptions.
@@ -317,7 +315,26 @@ fn a_tool_call_continues_from_the_cache_as_a_whole_prefill_scores_it() {
             }
         }
     }
-    // Teacher forcing as ref-logprob runs it (`engine::logprob::score`) on the final ids.
+    let compared = assert_continued_as_whole_prefill(&weights, &reqs, &ran.done);
+    assert!(compared > 5 * call.len(), "{compared} tokens compared");
+}
+
+/// Every model token's log-prob, continued from the cache across observations, is the one
+/// teacher forcing gives over the whole final ids (as ref-logprob runs it,
+/// `engine::logprob::score`). Returns how many tokens were compared.
+fn assert_continued_as_whole_prefill(
+    weights: &crate::model::Weights,
+    reqs: &[Request],
+    done: &[Vec<Completion>],
+) -> usize {
+    let rows: Vec<(Vec<u32>, &Request)> = reqs
+        .iter()
+        .zip(done)
+        .flat_map(|(r, cs)| {
+            cs.iter()
+                .map(move |c| ([&r.prompt[..], &c.tokens].concat(), r))
+        })
+        .collect();
     let scored_rows: Vec<PromptResponse> = rows
         .iter()
         .map(|(t, r)| PromptResponse {
@@ -325,10 +342,10 @@ fn a_tool_call_continues_from_the_cache_as_a_whole_prefill_scores_it() {
             response: &t[r.prompt.len()..],
         })
         .collect();
-    let mut dec = Decoder::new(Cpu, &config(), &weights).unwrap();
+    let mut dec = Decoder::new(Cpu, &config(), weights).unwrap();
     let scored = score(&mut dec, &scored_rows, 1.0, false, 4096, &mut |_| {}).unwrap();
     let mut compared = 0;
-    for (c, s) in ran.done.iter().flatten().zip(&scored) {
+    for (c, s) in done.iter().flatten().zip(&scored) {
         let mask = &c.trajectory.as_ref().unwrap().mask;
         for ((a, b), &m) in c.logprobs.iter().zip(&s.logprobs).zip(mask) {
             if m == 1 {
@@ -337,7 +354,7 @@ fn a_tool_call_continues_from_the_cache_as_a_whole_prefill_scores_it() {
             }
         }
     }
-    assert!(compared > 5 * call.len(), "{compared} tokens compared");
+    compared
 }
 
 /// A failing tool, a malformed call and a call past its timeout come back as observations the
@@ -528,5 +545,100 @@ fn a_turns_calls_are_capped_and_long_results_cut() {
             let got: Vec<&str> = t.calls.iter().map(|r| r.result.as_str()).collect();
             assert_eq!(got, want, "cap {cap}, cut {cut:?}");
         }
+    }
+}
+
+/// The code format's observation: the output block of the one result, after the turn's text.
+fn observe_code(turn: &[u32], contents: &[String]) -> Result<Vec<u32>> {
+    let sampled = detok(turn)?;
+    Ok(bytes(&code::output_block(
+        sampled.ends_with('\n'),
+        &contents[0],
+    )))
+}
+
+/// The code format: a turn ends the moment a ```python block's closing fence is sampled (the
+/// script would go on writing); the block's code runs as a `python` call, and its output block
+/// (mask 0, log-prob 0, no turn markers) is prefilled as an extension of the cache. A second
+/// closed block past --max-tool-calls ends the trajectory without a call; an unclosed block is
+/// no call. Every model token's log-prob equals one prefill of the whole final ids.
+#[test]
+fn a_closed_python_block_runs_and_its_output_follows_inline() {
+    let weights = random_weights(&config(), 8, 0.3);
+    let first = bytes("Compute it.\n```python\nprint(2 + 3)\n```");
+    let obs = observe_code(&first, &["12 bytes\n".to_string()]).unwrap();
+    assert_eq!(detok(&obs).unwrap(), "\n```output\n12 bytes\n```\n");
+    let second_at = first.len() + obs.len();
+    let second = bytes("So```py\nx\n```");
+    // After each block the script would write on; a sample stopping late would show it.
+    let calling = [first.clone(), bytes("\nlate")].concat();
+    let after = [second.clone(), bytes("\nlate")].concat();
+    let unclosed = [bytes("```python\nprint(1)\n"), vec![IM_END]].concat();
+    let reqs = [
+        request(1, bytes("compute"), 2),
+        request(2, bytes("open"), 1),
+    ];
+    let key = reqs[1].sample_keys[0];
+    let script = |k: u64, p: u64| {
+        let p = p as usize;
+        match k == key {
+            true => unclosed.get(p).copied(),
+            false => calling
+                .get(p)
+                .or_else(|| after.get(p.checked_sub(second_at)?))
+                .copied(),
+        }
+    };
+    let tools: Arc<dyn Tools> = Arc::new(TestTools {
+        started: Mutex::new(vec![]),
+    });
+    let mut ag = agent(tools, limits(4, 1, 300), 5_000);
+    ag.limits.format = ToolFormat::Code;
+    ag.observe = &observe_code;
+    for overlap in [false, true] {
+        let pc = PagedConfig {
+            block_size: 4,
+            num_blocks: 400,
+            max_num_seqs: 4,
+            max_batched_tokens: 64,
+            overlap,
+        };
+        let ran = generate(&weights, &pc, &reqs, &params(100), &ag, &script);
+        assert_eq!((ran.stats.tool_calls, ran.stats.tool_errors), (2, 0));
+        for c in &ran.done[0] {
+            let t = c.trajectory.as_ref().unwrap();
+            assert_eq!(&c.tokens[..first.len()], &first[..], "stopped at the fence");
+            assert_eq!(&c.tokens[first.len()..second_at], &obs[..]);
+            assert_eq!(
+                &c.tokens[second_at..],
+                &second[..],
+                "no call past the limit"
+            );
+            let want: Vec<u8> = (0..c.tokens.len())
+                .map(|i| u8::from(i < first.len() || i >= second_at))
+                .collect();
+            assert_eq!(t.mask, want);
+            assert!(c.logprobs[first.len()..second_at].iter().all(|&x| x == 0.0));
+            assert_eq!(t.calls.len(), 1);
+            let rec = &t.calls[0];
+            assert_eq!((rec.turn, rec.name.as_str()), (0, "python"));
+            assert_eq!(rec.arguments, json!({"code": "print(2 + 3)"}));
+            assert_eq!(
+                t.turns,
+                [
+                    "Compute it.\n```python\nprint(2 + 3)\n```",
+                    "So```py\nx\n```"
+                ]
+            );
+            assert_eq!(
+                (c.finish, c.text.as_str()),
+                (FinishReason::Stop, "So```py\nx\n```")
+            );
+        }
+        let c = &ran.done[1][0];
+        assert_eq!(c.tokens, unclosed, "an unclosed block is no call");
+        assert!(c.trajectory.as_ref().unwrap().calls.is_empty());
+        let compared = assert_continued_as_whole_prefill(&weights, &reqs, &ran.done);
+        assert_eq!(compared, 2 * (first.len() + second.len()) + unclosed.len());
     }
 }

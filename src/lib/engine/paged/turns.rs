@@ -15,7 +15,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::tool::{truncate, Side, ToolCall, ToolResult, Tools};
+use crate::tool::{truncate, Side, ToolCall, ToolFormat, ToolResult, Tools};
 
 /// The limits of one trajectory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,6 +28,9 @@ pub struct TurnLimits {
     pub max_parallel_calls: usize,
     /// Response tokens at most (sampled and observation tokens together).
     pub max_response_tokens: usize,
+    /// How a turn calls tools (`--tool-format`): with `Code`, a closed ```` ```python ````
+    /// block ends the turn as soon as its fence is sampled.
+    pub format: ToolFormat,
 }
 
 /// The token ids an observation adds after a turn: given the turn's sampled ids (its last may

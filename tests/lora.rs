@@ -1354,4 +1354,71 @@ mod daemon {
             }
         }
     }
+
+    /// LoRA on a 2-daemon group by hand (`tandem launch --nproc-per-node 2 -- tandem daemon
+    /// --lora-rank ...`): a resident update leaves every rank with the adapters' state in
+    /// shards and a merged generation copy; the group's rollout from it samples the tokens of
+    /// an in-process rollout from the files of the same update run on 2 launched ranks; a
+    /// second resident update trains from memory (no load); `daemon-ctl save` then writes the
+    /// second launched update's files bit for bit (the adapters' state gathered whole, one
+    /// optimizer file, as a LoRA update on ranks writes it).
+    #[test]
+    fn resident_lora_updates_on_a_daemon_group_save_the_launched_updates_files() {
+        use crate::dp::{ctl_with, files, launch_ok, same_rows, DaemonGroup};
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 46);
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three.", "Say hi.", "Spell cat."]);
+        rollout(&base, &pr, &d.join("r.parquet"), None);
+        let batch = d.join("adv.parquet");
+        add_advantages(&d.join("r.parquet"), &batch);
+        let lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "all-linear"];
+        // `update` from `from` into `out` with `extra`: launched on 2 ranks, or a client.
+        let update = |from: &Path, out: &Path, extra: &[&str], launched: bool| {
+            let mut a = vec!["--model", p(from), "--in", p(&batch), "--out-model", p(out)];
+            a.extend(["--lr", "1e-2", "--seed", "9", "--mini-batch-size", "2"]);
+            a.extend(lora);
+            a.extend(extra);
+            match launched {
+                true => launch_ok(2, "update", &a),
+                false => ok("update", &a),
+            };
+        };
+        let (m1, m2) = (d.join("m1"), d.join("m2"));
+        update(&base, &m1, &[], true);
+        update(&m1, &m2, &[], true);
+        rollout(&m1, &pr, &d.join("m1.parquet"), None);
+
+        let socket = d.join("g.sock");
+        let mut extra = lora.to_vec();
+        extra.extend(["--lora-seed", "9"]);
+        let _group = DaemonGroup::start(d, 2, &socket, &base, &extra);
+        let (k1, k2) = (d.join("k1"), d.join("k2"));
+        let resident = ["--resident", "--daemon", p(&socket)];
+        update(&base, &k1, &resident, false);
+        assert!(k1.join("resident.json").is_file());
+        let st = ctl_with(&socket, &["status"]);
+        let status: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+        for r in status["ranks"].as_array().unwrap() {
+            let policy = &r["resident"]["policy"];
+            assert_eq!(policy["lora"]["rank"], 4, "{status}");
+            assert_eq!(policy["optimizer_sharded"], true, "{status}");
+            assert_eq!(policy["generation_copy"], true, "{status}");
+        }
+        // The ranks generate 2 prompts each: the sampled tokens are one process's, the
+        // log-probs to 1e-5 (the CPU GEMM blocks rows by a step's row count).
+        rollout(&k1, &pr, &d.join("k1.parquet"), Some(&socket));
+        let read = crate::stage_util::read;
+        same_rows(&read(&d.join("m1.parquet")), &read(&d.join("k1.parquet")), "rollout");
+        let k2m = d.join("k2.json");
+        update(&k1, &k2, &[&resident[..], &["--metrics", p(&k2m)]].concat(), false);
+        let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&k2m).unwrap()).unwrap();
+        assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+        let saved = d.join("saved");
+        let o = ctl_with(&socket, &["save", "--out", p(&saved)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert!(saved.join("optimizer.safetensors").is_file());
+        assert!(files(&m2) == files(&saved), "daemon-ctl save wrote other files");
+    }
 }

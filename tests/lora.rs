@@ -962,8 +962,8 @@ keep-last = 1
     /// was only in the group's memory): the runner starts a new group, goes back to step 0 and
     /// ends with the same files.
     #[test]
-    fn a_lora_run_on_a_daemon_group_writes_what_in_process_ranks_write_and_survives_rank_1s_death(
-    ) {
+    fn a_lora_run_on_a_daemon_group_writes_what_in_process_ranks_write_and_survives_rank_1s_death()
+    {
         use tandem::daemon::resident::{KILL_AT_STEP_ENV, KILL_IN_UPDATE_ENV};
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -988,7 +988,10 @@ keep-last = 1
 
         let g = d.join("group");
         let commands = std::fs::read_to_string(g.join("commands.sh")).unwrap();
-        let updates: Vec<&str> = commands.lines().filter(|l| l.contains("/update ")).collect();
+        let updates: Vec<&str> = commands
+            .lines()
+            .filter(|l| l.contains("/update "))
+            .collect();
         assert_eq!(updates.len(), 3, "{commands}");
         assert!(updates.iter().all(|l| l.contains("--daemon")), "{commands}");
         assert!(updates[0].contains("--resident") && !updates[1].contains("--resident"));
@@ -1010,7 +1013,10 @@ keep-last = 1
         for name in ["group", "killed"] {
             let r = d.join(name);
             let got = checkpoint_files_in(&r, "ckpt");
-            assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+            assert_eq!(
+                want.keys().collect::<Vec<_>>(),
+                got.keys().collect::<Vec<_>>()
+            );
             for (k, v) in &want {
                 assert!(v == &got[k], "ckpt/{k} differs in {name}");
             }
@@ -1026,7 +1032,10 @@ keep-last = 1
             adapter_state(&d.join("files/ckpt/step-0002")),
             adapter_state(&d.join("files/ckpt/step-0003")),
         );
-        assert!(rel_err(&last[0], &first[0]) > 1e-4, "step 3 moved the adapters");
+        assert!(
+            rel_err(&last[0], &first[0]) > 1e-4,
+            "step 3 moved the adapters"
+        );
     }
 
     /// `[update] shard = "full"` with LoRA stops before step 0 (exit 2), naming the key.
@@ -1287,9 +1296,23 @@ mod daemon {
         rollout(&base, &pr, &d.join("r.parquet"), None);
         let batch = d.join("adv.parquet");
         add_advantages(&d.join("r.parquet"), &batch);
-        let lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q,v,down"];
+        let lora = [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "q,v,down",
+        ];
         let update = |out: &Path, daemon: Option<&Path>| {
-            let mut args = vec!["--model", p(&base), "--in", p(&batch), "--out-model", p(out)];
+            let mut args = vec![
+                "--model",
+                p(&base),
+                "--in",
+                p(&batch),
+                "--out-model",
+                p(out),
+            ];
             args.extend(["--lr", "1e-2", "--seed", "9"]);
             args.extend(lora);
             let m = out.with_extension("json");
@@ -1298,7 +1321,8 @@ mod daemon {
             }
             ok("update", &args);
             daemon.map(|_| {
-                let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&m).unwrap()).unwrap();
+                let m: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(&m).unwrap()).unwrap();
                 m["daemon"]["reloaded"].as_bool().unwrap()
             })
         };
@@ -1306,7 +1330,10 @@ mod daemon {
         update(&ck, None);
         let (cfg, weights) = ModelDir::load(&base).unwrap();
         let spec = LoraSpec::from_flags(4, 8.0, "q,v,down").unwrap().unwrap();
-        let adapter_elems: usize = init_adapters(&cfg, &spec, 0).values().map(|t| t.data.len()).sum();
+        let adapter_elems: usize = init_adapters(&cfg, &spec, 0)
+            .values()
+            .map(|t| t.data.len())
+            .sum();
         let model_elems: usize = weights.values().map(|t| t.data.len()).sum();
 
         let on_daemon = |name: &str, seed: &str| {
@@ -1321,7 +1348,10 @@ mod daemon {
                 .unwrap();
             let t0 = Instant::now();
             while !sock.exists() {
-                assert!(child.try_wait().unwrap().is_none(), "the daemon exited at start");
+                assert!(
+                    child.try_wait().unwrap().is_none(),
+                    "the daemon exited at start"
+                );
                 assert!(t0.elapsed() < Duration::from_secs(120), "no daemon socket");
                 std::thread::sleep(Duration::from_millis(50));
             }
@@ -1345,12 +1375,28 @@ mod daemon {
             let policy = &status["resident"]["policy"];
             assert_eq!(policy["lora"]["rank"], 4, "{status}");
             assert_eq!(policy["trained_elems"], adapter_elems, "{status}");
-            assert!(adapter_elems * 10 < model_elems, "{adapter_elems} of {model_elems}");
+            assert!(
+                adapter_elems * 10 < model_elems,
+                "{adapter_elems} of {model_elems}"
+            );
             assert!(status["resident"]["reference"].is_null(), "{status}");
-            assert_eq!(reloaded, reloads, "{name}: whether the update loaded the policy");
-            for f in ["adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
-                let (x, y) = (std::fs::read(ck.join(f)).unwrap(), std::fs::read(out.join(f)));
-                assert!(x == y.unwrap(), "{name}: {f}: the daemon's update wrote other bytes");
+            assert_eq!(
+                reloaded, reloads,
+                "{name}: whether the update loaded the policy"
+            );
+            for f in [
+                "adapter_model.safetensors",
+                "optimizer.safetensors",
+                "trainer_state.json",
+            ] {
+                let (x, y) = (
+                    std::fs::read(ck.join(f)).unwrap(),
+                    std::fs::read(out.join(f)),
+                );
+                assert!(
+                    x == y.unwrap(),
+                    "{name}: {f}: the daemon's update wrote other bytes"
+                );
             }
         }
     }
@@ -1369,11 +1415,21 @@ mod daemon {
         let d = dir.path();
         let base = tiny_model(d, 46);
         let pr = d.join("prompts.parquet");
-        prompts(&pr, &["Name a colour.", "Count to three.", "Say hi.", "Spell cat."]);
+        prompts(
+            &pr,
+            &["Name a colour.", "Count to three.", "Say hi.", "Spell cat."],
+        );
         rollout(&base, &pr, &d.join("r.parquet"), None);
         let batch = d.join("adv.parquet");
         add_advantages(&d.join("r.parquet"), &batch);
-        let lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "all-linear"];
+        let lora = [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "all-linear",
+        ];
         // `update` from `from` into `out` with `extra`: launched on 2 ranks, or a client.
         let update = |from: &Path, out: &Path, extra: &[&str], launched: bool| {
             let mut a = vec!["--model", p(from), "--in", p(&batch), "--out-model", p(out)];
@@ -1410,15 +1466,27 @@ mod daemon {
         // log-probs to 1e-5 (the CPU GEMM blocks rows by a step's row count).
         rollout(&k1, &pr, &d.join("k1.parquet"), Some(&socket));
         let read = crate::stage_util::read;
-        same_rows(&read(&d.join("m1.parquet")), &read(&d.join("k1.parquet")), "rollout");
+        same_rows(
+            &read(&d.join("m1.parquet")),
+            &read(&d.join("k1.parquet")),
+            "rollout",
+        );
         let k2m = d.join("k2.json");
-        update(&k1, &k2, &[&resident[..], &["--metrics", p(&k2m)]].concat(), false);
+        update(
+            &k1,
+            &k2,
+            &[&resident[..], &["--metrics", p(&k2m)]].concat(),
+            false,
+        );
         let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&k2m).unwrap()).unwrap();
         assert_eq!(m["daemon"]["reloaded"], false, "{m}");
         let saved = d.join("saved");
         let o = ctl_with(&socket, &["save", "--out", p(&saved)]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         assert!(saved.join("optimizer.safetensors").is_file());
-        assert!(files(&m2) == files(&saved), "daemon-ctl save wrote other files");
+        assert!(
+            files(&m2) == files(&saved),
+            "daemon-ctl save wrote other files"
+        );
     }
 }

@@ -55,7 +55,7 @@ fn launch(n: usize, stage: &str, args: &[&str]) -> Output {
         .unwrap()
 }
 
-fn launch_ok(n: usize, stage: &str, args: &[&str]) -> Output {
+pub(crate) fn launch_ok(n: usize, stage: &str, args: &[&str]) -> Output {
     let out = launch(n, stage, args);
     assert!(
         out.status.success(),
@@ -700,7 +700,7 @@ fn a_daemon_group_serves_rollout_and_ref_logprob_data_parallel() {
 }
 
 /// Every file under `dir` (relative path, bytes), sorted.
-fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
     let mut todo = vec![dir.to_path_buf()];
     while let Some(d) = todo.pop() {

@@ -943,25 +943,99 @@ keep-last = 1
         }
     }
 
-    /// Up front: a LoRA spec on a daemon group stops before step 0 (exit 2).
+    /// The response ids and rollout log-probs of step `step`'s batch in `run`.
+    fn rollout_rows(run: &Path, step: u64) -> String {
+        let b = read(&run.join(format!("step-{step:04}/rollout.parquet")));
+        let ids = i32_rows(&b, schema::RESPONSE_IDS);
+        let lps = crate::stage_util::f32_rows(&b, schema::ROLLOUT_LOGPROBS);
+        format!("{ids:?} {lps:?}")
+    }
+
+    /// `gpus = 2`, `daemon = true`: GRPO-LoRA on a daemon group (every rank keeps the frozen
+    /// base, the adapters and its half of their AdamW state between updates; step 1's update
+    /// resident, steps 2 and 3 checkpointed; rollouts from the merged copy every rank builds
+    /// after each update) writes the adapter checkpoints and rollout batches of the same spec
+    /// on in-process ranks (`daemon = false`, files written and read every step), bit for bit:
+    /// both run the same zero2 code on the adapters, so the sums are in the same order. Every
+    /// daemon of the group starts with the base frozen under fresh adapters (no f32 masters
+    /// of it). Then rank 1's daemon SIGKILLs itself in step 2's update (the policy after step 1
+    /// was only in the group's memory): the runner starts a new group, goes back to step 0 and
+    /// ends with the same files.
     #[test]
-    fn a_lora_spec_on_a_daemon_group_is_refused_before_anything_runs() {
+    fn a_lora_run_on_a_daemon_group_writes_what_in_process_ranks_write_and_survives_rank_1s_death()
+    {
+        use tandem::daemon::resident::{KILL_AT_STEP_ENV, KILL_IN_UPDATE_ENV};
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        crate::stage_util::model_and_train_set(d, 64, 128, 8);
-        std::fs::write(
-            d.join("spec.toml"),
-            format!("gpus = 2\ndaemon = true\n{SPEC}"),
-        )
-        .unwrap();
-        let o = Command::new(PIPELINE)
-            .current_dir(d)
-            .args(["run", "spec.toml", "--run-dir", "r"])
+        crate::stage_util::model_and_train_set(d, 64, 128, 40);
+        let spec = SPEC
+            .replace("regex:[a-z]", "regex:[0-9]")
+            .replace("keep-last = 1", "keep-last = 2");
+        let files = format!("gpus = 2\n{spec}");
+        let group = format!("gpus = 2\ndaemon = true\n{spec}");
+        assert_ok(&run(d, "files", &files).output().unwrap());
+        assert_ok(&run(d, "group", &group).output().unwrap());
+        let marker = d.join("killed-marker");
+        let o = run(d, "killed", &group)
+            .env(KILL_IN_UPDATE_ENV, &marker)
+            .env("TANDEM_DAEMON_KILL_RANK", "1")
+            .env(KILL_AT_STEP_ENV, "2")
             .output()
             .unwrap();
-        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-        assert!(text(&o).contains("not on a daemon group"), "{}", text(&o));
-        assert!(!d.join("r/step-0001").exists());
+        assert_ok(&o);
+        assert!(marker.exists(), "rank 1 was never killed");
+        assert!(text(&o).contains("going back to step 0"), "{}", text(&o));
+
+        let g = d.join("group");
+        let commands = std::fs::read_to_string(g.join("commands.sh")).unwrap();
+        let updates: Vec<&str> = commands
+            .lines()
+            .filter(|l| l.contains("/update "))
+            .collect();
+        assert_eq!(updates.len(), 3, "{commands}");
+        assert!(updates.iter().all(|l| l.contains("--daemon")), "{commands}");
+        assert!(updates[0].contains("--resident") && !updates[1].contains("--resident"));
+        let log = std::fs::read_to_string(g.join("daemon.log")).unwrap();
+        for rank in ["rank 0 of 2", "rank 1 of 2"] {
+            assert!(
+                log.lines().any(|l| l.contains(rank)
+                    && l.contains("as LoRA adapters (rank 4) on its frozen base")),
+                "{log}"
+            );
+        }
+        let want = checkpoint_files_in(&d.join("files"), "ckpt");
+        assert!(
+            want.contains_key("step-0003/adapter_model.safetensors")
+                && want.contains_key("step-0003/optimizer.safetensors"),
+            "{:?}",
+            want.keys()
+        );
+        for name in ["group", "killed"] {
+            let r = d.join(name);
+            let got = checkpoint_files_in(&r, "ckpt");
+            assert_eq!(
+                want.keys().collect::<Vec<_>>(),
+                got.keys().collect::<Vec<_>>()
+            );
+            for (k, v) in &want {
+                assert!(v == &got[k], "ckpt/{k} differs in {name}");
+            }
+            for step in 1..=3 {
+                assert!(
+                    rollout_rows(&d.join("files"), step) == rollout_rows(&r, step),
+                    "step {step}'s rollout differs in {name}"
+                );
+            }
+        }
+        // The adapters moved: the comparison is not of untouched ones.
+        let (first, last) = (
+            adapter_state(&d.join("files/ckpt/step-0002")),
+            adapter_state(&d.join("files/ckpt/step-0003")),
+        );
+        assert!(
+            rel_err(&last[0], &first[0]) > 1e-4,
+            "step 3 moved the adapters"
+        );
     }
 
     /// `[update] shard = "full"` with LoRA stops before step 0 (exit 2), naming the key.
@@ -1200,6 +1274,219 @@ mod daemon {
         assert_eq!(
             saved,
             std::fs::read(ck.join("adapter_model.safetensors")).unwrap()
+        );
+    }
+
+    /// `tandem daemon --policy BASE --lora-rank R ...` (what the runner starts for a LoRA
+    /// spec) holds the base frozen under fresh adapters from the start: `status` counts only
+    /// the adapters' elements as trained (f32 masters and AdamW state), no reference is loaded
+    /// beside the base, and the first update with the seed the daemon was told (`--lora-seed`)
+    /// trains those adapters without loading anything, writing the in-process update's files
+    /// byte for byte. A daemon told another seed loads the update's own fresh adapters (the
+    /// files again byte for byte).
+    #[test]
+    fn a_lora_daemon_preloads_the_base_frozen_and_its_first_update_trains_it_in_place() {
+        use tandem::model::lora::{init_adapters, LoraSpec};
+        use tandem::model::ModelDir;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 45);
+        let pr = d.join("prompts.parquet");
+        prompts(&pr, &["Name a colour.", "Count to three."]);
+        rollout(&base, &pr, &d.join("r.parquet"), None);
+        let batch = d.join("adv.parquet");
+        add_advantages(&d.join("r.parquet"), &batch);
+        let lora = [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "q,v,down",
+        ];
+        let update = |out: &Path, daemon: Option<&Path>| {
+            let mut args = vec![
+                "--model",
+                p(&base),
+                "--in",
+                p(&batch),
+                "--out-model",
+                p(out),
+            ];
+            args.extend(["--lr", "1e-2", "--seed", "9"]);
+            args.extend(lora);
+            let m = out.with_extension("json");
+            if let Some(s) = daemon {
+                args.extend(["--daemon", p(s), "--metrics", p(&m)]);
+            }
+            ok("update", &args);
+            daemon.map(|_| {
+                let m: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(&m).unwrap()).unwrap();
+                m["daemon"]["reloaded"].as_bool().unwrap()
+            })
+        };
+        let ck = d.join("ck");
+        update(&ck, None);
+        let (cfg, weights) = ModelDir::load(&base).unwrap();
+        let spec = LoraSpec::from_flags(4, 8.0, "q,v,down").unwrap().unwrap();
+        let adapter_elems: usize = init_adapters(&cfg, &spec, 0)
+            .values()
+            .map(|t| t.data.len())
+            .sum();
+        let model_elems: usize = weights.values().map(|t| t.data.len()).sum();
+
+        let on_daemon = |name: &str, seed: &str| {
+            let sock = d.join(format!("{name}.sock"));
+            let mut args = vec!["daemon", "--device", "cpu", "--socket", p(&sock)];
+            args.extend(["--policy", p(&base), "--ref", p(&base), "--lora-seed", seed]);
+            args.extend(lora);
+            let mut child = Command::new(bin("tandem"))
+                .args(&args)
+                .env("RAYON_NUM_THREADS", "2")
+                .spawn()
+                .unwrap();
+            let t0 = Instant::now();
+            while !sock.exists() {
+                assert!(
+                    child.try_wait().unwrap().is_none(),
+                    "the daemon exited at start"
+                );
+                assert!(t0.elapsed() < Duration::from_secs(120), "no daemon socket");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let run = || {
+                let o = Command::new(bin("tandem"))
+                    .args(["daemon-ctl", "status", "--socket", p(&sock)])
+                    .output()
+                    .unwrap();
+                assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+                let status: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+                let out = d.join(name);
+                (status, update(&out, Some(&sock)).unwrap(), out)
+            };
+            let out = std::panic::catch_unwind(run);
+            let _ = child.kill();
+            let _ = child.wait();
+            out.unwrap()
+        };
+        for (name, seed, reloads) in [("told", "9", false), ("other", "10", true)] {
+            let (status, reloaded, out) = on_daemon(name, seed);
+            let policy = &status["resident"]["policy"];
+            assert_eq!(policy["lora"]["rank"], 4, "{status}");
+            assert_eq!(policy["trained_elems"], adapter_elems, "{status}");
+            assert!(
+                adapter_elems * 10 < model_elems,
+                "{adapter_elems} of {model_elems}"
+            );
+            assert!(status["resident"]["reference"].is_null(), "{status}");
+            assert_eq!(
+                reloaded, reloads,
+                "{name}: whether the update loaded the policy"
+            );
+            for f in [
+                "adapter_model.safetensors",
+                "optimizer.safetensors",
+                "trainer_state.json",
+            ] {
+                let (x, y) = (
+                    std::fs::read(ck.join(f)).unwrap(),
+                    std::fs::read(out.join(f)),
+                );
+                assert!(
+                    x == y.unwrap(),
+                    "{name}: {f}: the daemon's update wrote other bytes"
+                );
+            }
+        }
+    }
+
+    /// LoRA on a 2-daemon group by hand (`tandem launch --nproc-per-node 2 -- tandem daemon
+    /// --lora-rank ...`): a resident update leaves every rank with the adapters' state in
+    /// shards and a merged generation copy; the group's rollout from it samples the tokens of
+    /// an in-process rollout from the files of the same update run on 2 launched ranks; a
+    /// second resident update trains from memory (no load); `daemon-ctl save` then writes the
+    /// second launched update's files bit for bit (the adapters' state gathered whole, one
+    /// optimizer file, as a LoRA update on ranks writes it).
+    #[test]
+    fn resident_lora_updates_on_a_daemon_group_save_the_launched_updates_files() {
+        use crate::dp::{ctl_with, files, launch_ok, same_rows, DaemonGroup};
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 46);
+        let pr = d.join("prompts.parquet");
+        prompts(
+            &pr,
+            &["Name a colour.", "Count to three.", "Say hi.", "Spell cat."],
+        );
+        rollout(&base, &pr, &d.join("r.parquet"), None);
+        let batch = d.join("adv.parquet");
+        add_advantages(&d.join("r.parquet"), &batch);
+        let lora = [
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "all-linear",
+        ];
+        // `update` from `from` into `out` with `extra`: launched on 2 ranks, or a client.
+        let update = |from: &Path, out: &Path, extra: &[&str], launched: bool| {
+            let mut a = vec!["--model", p(from), "--in", p(&batch), "--out-model", p(out)];
+            a.extend(["--lr", "1e-2", "--seed", "9", "--mini-batch-size", "2"]);
+            a.extend(lora);
+            a.extend(extra);
+            match launched {
+                true => launch_ok(2, "update", &a),
+                false => ok("update", &a),
+            };
+        };
+        let (m1, m2) = (d.join("m1"), d.join("m2"));
+        update(&base, &m1, &[], true);
+        update(&m1, &m2, &[], true);
+        rollout(&m1, &pr, &d.join("m1.parquet"), None);
+
+        let socket = d.join("g.sock");
+        let mut extra = lora.to_vec();
+        extra.extend(["--lora-seed", "9"]);
+        let _group = DaemonGroup::start(d, 2, &socket, &base, &extra);
+        let (k1, k2) = (d.join("k1"), d.join("k2"));
+        let resident = ["--resident", "--daemon", p(&socket)];
+        update(&base, &k1, &resident, false);
+        assert!(k1.join("resident.json").is_file());
+        let st = ctl_with(&socket, &["status"]);
+        let status: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+        for r in status["ranks"].as_array().unwrap() {
+            let policy = &r["resident"]["policy"];
+            assert_eq!(policy["lora"]["rank"], 4, "{status}");
+            assert_eq!(policy["optimizer_sharded"], true, "{status}");
+            assert_eq!(policy["generation_copy"], true, "{status}");
+        }
+        // The ranks generate 2 prompts each: the sampled tokens are one process's, the
+        // log-probs to 1e-5 (the CPU GEMM blocks rows by a step's row count).
+        rollout(&k1, &pr, &d.join("k1.parquet"), Some(&socket));
+        let read = crate::stage_util::read;
+        same_rows(
+            &read(&d.join("m1.parquet")),
+            &read(&d.join("k1.parquet")),
+            "rollout",
+        );
+        let k2m = d.join("k2.json");
+        update(
+            &k1,
+            &k2,
+            &[&resident[..], &["--metrics", p(&k2m)]].concat(),
+            false,
+        );
+        let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&k2m).unwrap()).unwrap();
+        assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+        let saved = d.join("saved");
+        let o = ctl_with(&socket, &["save", "--out", p(&saved)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert!(saved.join("optimizer.safetensors").is_file());
+        assert!(
+            files(&m2) == files(&saved),
+            "daemon-ctl save wrote other files"
         );
     }
 }

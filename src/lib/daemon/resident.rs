@@ -45,7 +45,7 @@ use crate::engine::policy::{
 use crate::engine::resume::TrainerState;
 use crate::engine::shard::{ShardMode, ShardedOptim};
 use crate::model::checkpoint::ModelDir;
-use crate::model::decoder::{Decoder, TokenStats};
+use crate::model::decoder::{Decoder, OptimizerState, TokenStats};
 use crate::model::lora::{LoraMode, LoraSpec};
 use crate::model::peft;
 use crate::model::{Config, Weights};
@@ -151,12 +151,16 @@ impl<'a> Want<'a> {
         }
     }
 
-    /// Whether a decoder with these adapters (None: none) serves the job.
-    fn served_by(self, lora: Option<&LoraSpec>) -> bool {
+    /// Whether the policy held in `p` serves the job: its adapters (None: none) are those
+    /// asked, and fresh ones were drawn with the update's seed.
+    fn served_by<B: Backend>(self, p: &PolicySlot<B>) -> bool {
+        let lora = p.decoder.lora_spec();
         match self {
             Want::Any => true,
             Want::Full => lora.is_none(),
-            Want::Lora(spec, _) => lora == Some(spec),
+            Want::Lora(spec, seed) => {
+                lora == Some(spec) && p.fresh_seed.is_none_or(|fresh| fresh == seed)
+            }
         }
     }
 }
@@ -241,15 +245,29 @@ impl<B: Backend> Resident<B> {
         self.socket = Some(socket.to_path_buf());
     }
 
-    /// Loads the policy at startup (`--policy`, a directory or a pointer file).
-    pub(crate) fn preload_policy(&mut self, model: &ModelRef) -> Result<()> {
-        self.slot(Role::Policy, model, Want::Any)?;
+    /// Loads the policy at startup (`--policy`, a directory or a pointer file); with `lora`
+    /// (a LoRA run's spec and its first update's seed) as adapters on the frozen base, so that
+    /// no f32 master or optimizer state of the base is ever allocated.
+    pub(crate) fn preload_policy(
+        &mut self,
+        model: &ModelRef,
+        lora: Option<(&LoraSpec, u64)>,
+    ) -> Result<()> {
+        let want = match lora {
+            Some((spec, seed)) => Want::Lora(spec, seed),
+            None => Want::Any,
+        };
+        self.slot(Role::Policy, model, want)?;
         self.policy_version = model.policy_version;
         Ok(())
     }
 
-    /// Loads the reference at startup (`--ref`).
+    /// Loads the reference at startup (`--ref`), unless it is the base a LoRA policy held
+    /// here trains on (its reference jobs score with that base, [`Resident::score_base`]).
     pub(crate) fn preload_ref(&mut self, dir: &Path) -> Result<()> {
+        if self.holds_lora_base(dir) {
+            return Ok(());
+        }
         self.ref_decoder(dir).map(|_| ())
     }
 
@@ -428,7 +446,7 @@ impl<B: Backend> Resident<B> {
         let held = self
             .slot_of(role)
             .as_ref()
-            .is_some_and(|p| p.keys.contains(&key) && want.served_by(p.decoder.lora_spec()));
+            .is_some_and(|p| p.keys.contains(&key) && want.served_by(p));
         if !held && key.resident() {
             let marker = ModelDir::resident(&model.dir)?.expect("resident key");
             crate::bail_input!(
@@ -445,12 +463,17 @@ impl<B: Backend> Resident<B> {
             let reply = self.reply.clone();
             let mut log = |m: &str| log_to(&reply, m);
             // A group's rank reads its optimizer shard at its first update; a lone daemon holds
-            // the whole state (a sharded checkpoint's put back together from its files), and
-            // a LoRA checkpoint as its adapters on the frozen base (not merged: the next
-            // update trains them).
+            // the whole state (a sharded checkpoint's put back together from its files). A
+            // LoRA checkpoint (or a model a LoRA update starts on) loads as its adapters on the
+            // frozen base (not merged: the next update trains them), whose state is one file
+            // that a group's ranks cut their shards from at their first update.
             let group = self.make_comm.is_some();
-            let lora = match (role, group) {
-                (Role::Policy, false) => lora_wanted(want, &model.dir)?,
+            let lora = match role {
+                Role::Policy => lora_wanted(want, &model.dir)?,
+                Role::Critic => None,
+            };
+            let fresh_seed = match &lora {
+                Some((_, seed)) if !is_adapter_dir(&model.dir) => Some(*seed),
                 _ => None,
             };
             let loaded = match (role, group, lora) {
@@ -487,6 +510,7 @@ impl<B: Backend> Resident<B> {
                     Some(l) => Some(ModelKey::of(&l.base)?),
                     None => None,
                 },
+                fresh_seed,
             };
             if self.opts.offload_optimizer {
                 park_optimizer(&mut slot, None, None)?;
@@ -509,11 +533,11 @@ impl<B: Backend> Resident<B> {
         let mode = self.lora_mode;
         let make_copy = {
             let slot = self.slot(role, model, Want::Any)?;
-            if slot.gen.is_none() && slot.sharded.as_ref().is_some_and(ShardedOptim::is_full) {
-                // Every `--shard full` update builds it (train_group); only a failed one has
-                // not, and that one forgot the policy.
+            if slot.gen.is_none() && gen_built_by_group(slot) {
+                // Every such update builds it (train_group); only a failed one has not, and
+                // that one forgot the policy.
                 anyhow::bail!(
-                    "the daemon group's policy is sharded (--shard full) and has no generation copy"
+                    "the daemon group's policy is sharded (--shard full, or LoRA adapters) and has no generation copy"
                 );
             }
             let lora = slot.decoder.lora_spec().is_some();
@@ -627,7 +651,7 @@ impl<B: Backend> Resident<B> {
         self.observe();
         for r in [Role::Policy, Role::Critic] {
             if let Some(p) = self.slot_of(r) {
-                if r == role || !p.sharded.as_ref().is_some_and(ShardedOptim::is_full) {
+                if r == role || !gen_built_by_group(p) {
                     p.gen = None;
                 }
             }
@@ -678,7 +702,7 @@ impl<B: Backend> Resident<B> {
             log_to(&reply, m)
         })
         .and_then(|out| {
-            if full {
+            if gen_built_by_group(slot) {
                 // Built here, where every rank runs the job, rather than at the first
                 // rollout or score: a rank with no rows of those does not reach the
                 // policy, and sync-weights runs on rank 0 alone. Training's workspace and
@@ -688,7 +712,15 @@ impl<B: Backend> Resident<B> {
                 let held = slot.sharded.as_ref().expect("kept by the update");
                 let comm = slot.comm.as_deref().expect("made by the update");
                 let backend = make()?;
-                slot.gen = Some(held.gather_generation(&slot.decoder, comm, backend)?);
+                slot.gen = Some(match full {
+                    true => held.gather_generation(&slot.decoder, comm, backend)?,
+                    // The adapters' f32 masters, whole on every rank, merged into a copy
+                    // of the base as a lone daemon merges them (`lora_generation`).
+                    false => {
+                        let adapters = held.gather_masters_everywhere(&slot.decoder, comm)?;
+                        slot.decoder.lora_generation(backend, &adapters)?
+                    }
+                });
                 copy_s = Some(started.elapsed().as_secs_f64());
             }
             Ok(out)
@@ -697,6 +729,7 @@ impl<B: Backend> Resident<B> {
             slot.comm = None;
         }
         let mut out = trained?;
+        out.lora_base = slot.lora_base.clone();
         kill_once(
             KILL_IN_UPDATE_ENV,
             env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step)
@@ -733,35 +766,51 @@ impl<B: Backend> Resident<B> {
             anyhow::bail!("the daemon group's sharded policy has no trainer state");
         };
         let optim = slot.sharded.take().expect("checked above");
-        let saved = (|| -> Result<(Option<Weights>, Vec<PathBuf>)> {
+        // LoRA adapters' state (small) is gathered whole to rank 0: one optimizer file.
+        let lora = match (slot.decoder.lora_spec(), &slot.lora_base) {
+            (Some(spec), Some(base)) => Some((spec.clone(), base.clone())),
+            _ => None,
+        };
+        type Saved = (Option<(Weights, Option<OptimizerState>)>, Vec<PathBuf>);
+        let saved = (|| -> Result<Saved> {
             if slot.comm.is_none() {
                 slot.comm = Some(make_comm(slot.decoder.backend(), pg)?);
             }
             let comm = slot.comm.as_deref().expect("made above");
-            let masters = optim.gather_state(&slot.decoder, comm, 0, false)?;
+            let whole = lora.is_some();
+            let masters = optim.gather_state(&slot.decoder, comm, 0, whole)?;
+            if whole {
+                return Ok((masters, Vec::new()));
+            }
             let shard = optim.download(&slot.decoder)?;
             let files = write_rank_shards(slot.decoder.backend(), comm, staging, &shard)?;
-            Ok((masters.map(|(w, _)| w), files))
+            Ok((masters, files))
         })();
         slot.sharded = Some(optim);
         if saved.is_err() {
             slot.comm = None;
         }
-        let (masters, shard_files) = saved?;
+        let (gathered, shard_files) = saved?;
+        let (masters, state) = match gathered {
+            Some((w, s)) => (Some(w), s),
+            None => (None, None),
+        };
         Ok(Some(SavedShards {
             files: slot.files.clone(),
             masters,
             shard_files,
             trainer,
+            lora,
+            state,
         }))
     }
 }
 
 impl<B: Backend> Resident<B> {
-    /// Whether `model` is the base a LoRA policy held here trains on (the same files): a
+    /// Whether `dir` holds the base a LoRA policy held here trains on (the same files): a
     /// reference job on it scores with that base, the adapters off ([`Resident::score_base`]).
-    fn holds_lora_base(&self, model: &ModelRef) -> bool {
-        let Ok(key) = ModelKey::of(&model.dir) else {
+    fn holds_lora_base(&self, dir: &Path) -> bool {
+        let Ok(key) = ModelKey::of(dir) else {
             return false;
         };
         self.policy
@@ -847,6 +896,7 @@ impl<B: Backend> Resident<B> {
                 comm: None,
                 lora_base: None,
                 lora_base_key: None,
+                fresh_seed: None,
             });
             self.policy_version = model.policy_version;
         }
@@ -893,7 +943,7 @@ impl<B: Backend> Compute for Resident<B> {
         if is_policy {
             return job.score_on(self.generation(Role::Policy, model)?);
         }
-        if self.holds_lora_base(model) {
+        if self.holds_lora_base(&model.dir) {
             return self.score_base(job);
         }
         let out = job.score_on(self.ref_decoder(&model.dir)?);
@@ -930,6 +980,7 @@ impl<B: Backend> Compute for Resident<B> {
         // From here the decoder is ahead of every file until `saved`.
         slot.keys.clear();
         slot.from_master = true;
+        slot.fresh_seed = None;
         let step = slot.schedule_step;
         let mut out = job.train_on(&mut slot.decoder, step, &mut |m| log_to(&reply, m))?;
         slot.schedule_step = step + 1;
@@ -1056,6 +1107,15 @@ impl<B: Backend> Console for Resident<B> {
 /// A daemon runs a stage alone; the ranks of a group's job are the server's (`Watched`).
 impl<B: Backend> Topology for Resident<B> {}
 
+/// Whether only a group's update (where every rank gathers) builds the slot's generation copy:
+/// under `--shard full` (1/N of the compute weights here) and for LoRA adapters whose f32
+/// masters are sharded (the copy merges them whole).
+fn gen_built_by_group<B: Backend>(p: &PolicySlot<B>) -> bool {
+    p.sharded
+        .as_ref()
+        .is_some_and(|o| o.is_full() || p.decoder.lora_spec().is_some())
+}
+
 /// Device memory a policy or critic slot holds (its decoder and its generation copy).
 fn slot_memory_held<B: Backend>(p: &PolicySlot<B>) -> usize {
     p.decoder.backend().memory_stats().held
@@ -1077,6 +1137,8 @@ fn slot_status<B: Backend>(p: &PolicySlot<B>) -> Value {
         "optimizer_sharded": p.sharded.is_some(),
         "weights_sharded": p.sharded.as_ref().is_some_and(ShardedOptim::is_full),
         "memory_held": slot_memory_held(p),
+        // Elements with f32 masters and AdamW state: a LoRA policy's adapters, not its base.
+        "trained_elems": p.decoder.trained_sizes().iter().sum::<usize>(),
         "lora": p.decoder.lora_spec().map(|l| json!({
             "rank": l.rank,
             "alpha": l.alpha,

@@ -37,6 +37,7 @@ use crate::engine::policy::{
 };
 use crate::engine::resume::TrainerState;
 use crate::error::is_input_error;
+use crate::model::lora::LoraSpec;
 use crate::parallel::exchange::{as_local, RankFailed};
 use crate::parallel::health::Health;
 use crate::parallel::{Comm, Exchange, HostComm, NcclComm, ProcessGroup, World};
@@ -80,6 +81,21 @@ pub struct DaemonArgs {
     /// Keep the reference weights in host memory; upload them for each ref-logprob job.
     #[arg(long)]
     pub offload_ref: bool,
+    /// Load the policy as LoRA adapters of this rank on its frozen base (no f32 masters or
+    /// optimizer state of the base), as the LoRA updates to come will train it (`update
+    /// --lora-rank`); 0: as its files give it.
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: usize,
+    /// With --lora-rank: the adapters' alpha (`update --lora-alpha`).
+    #[arg(long, default_value_t = 16.0)]
+    pub lora_alpha: f32,
+    /// With --lora-rank: the adapted projections (`update --lora-targets`).
+    #[arg(long, default_value = "all-linear")]
+    pub lora_targets: String,
+    /// With --lora-rank on a model (not an adapter checkpoint): the `update --seed` of the
+    /// first update, which draws the fresh adapters (an update with another seed loads its own).
+    #[arg(long, default_value_t = 0)]
+    pub lora_seed: u64,
 }
 
 /// Set by SIGTERM/SIGINT and by a `shutdown` request.
@@ -342,7 +358,8 @@ fn serve<B: Backend>(
     }
     // Load before listening: a daemon that answers `health` is ready for jobs.
     let policy = resolve_model(&args.policy)?;
-    resident.preload_policy(&policy)?;
+    let lora = LoraSpec::from_flags(args.lora_rank, args.lora_alpha, &args.lora_targets)?;
+    resident.preload_policy(&policy, lora.as_ref().map(|l| (l, args.lora_seed)))?;
     if let Some(r) = &args.reference {
         resident.preload_ref(&resolve_model(r)?.dir)?;
     }
@@ -375,8 +392,12 @@ fn serve<B: Backend>(
         Some(pg) => format!(" (rank {rank} of {})", pg.world_size()),
         None => String::new(),
     };
+    let lora_note = match &lora {
+        Some(l) => format!(", as LoRA adapters (rank {}) on its frozen base", l.rank),
+        None => String::new(),
+    };
     eprintln!(
-        "daemon: {}{ranks_note} on {} (pid {}), policy {} (policy_version {})",
+        "daemon: {}{ranks_note} on {} (pid {}), policy {} (policy_version {}){lora_note}",
         socket.display(),
         resident.device,
         std::process::id(),

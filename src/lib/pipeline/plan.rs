@@ -502,6 +502,11 @@ impl Plan {
         });
     }
 
+    /// The `--seed` of step `step`'s update (it draws a LoRA run's fresh adapters).
+    pub(crate) fn update_seed(&self, step: u64) -> u64 {
+        derive_seed(self.spec.seed, &[step, 3])
+    }
+
     fn update_task(&self, step: u64) -> Task {
         let run = &self.run;
         let mut update = vec![
@@ -516,7 +521,7 @@ impl Plan {
         update.extend(self.stages.update.argv.iter().cloned());
         update.extend([
             "--seed".into(),
-            derive_seed(self.spec.seed, &[step, 3]).to_string(),
+            self.update_seed(step).to_string(),
             "--metrics".into(),
             path_arg(&run.stage_metrics(step, "update")),
         ]);

@@ -87,7 +87,6 @@ pub fn check(plan: &Plan) -> Result<Batch> {
     }
 
     check_critic(plan, cfg.vocab_size)?;
-    check_lora(plan)?;
 
     let prompts = |key: &str, path: &Path, table: &str, args: &RolloutArgs| {
         let template = (!args.raw_prompt).then_some(template.as_ref()).flatten();
@@ -157,19 +156,6 @@ fn check_critic(plan: &Plan, vocab: usize) -> Result<()> {
             "{key} = {}: vocabulary of {} tokens, the policy's has {vocab}",
             model.display(),
             cfg.vocab_size
-        );
-    }
-    Ok(())
-}
-
-/// A LoRA update (`[update] lora-rank`) runs in process (one GPU, or data parallel on
-/// `gpus`) or on one daemon for now: not on a daemon group (refused here rather than at step
-/// 1's update).
-fn check_lora(plan: &Plan) -> Result<()> {
-    let (spec, rank) = (&plan.spec, plan.stages.update.args.lora_rank);
-    if rank > 0 && spec.daemon && spec.gpus > 1 {
-        bail_input!(
-            "[update] lora-rank = {rank}: a LoRA update runs in one process, on in-process ranks or on one daemon for now, not on a daemon group; set daemon = false or gpus = 1 (docs/LORA.md)"
         );
     }
     Ok(())

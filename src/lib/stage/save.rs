@@ -40,7 +40,10 @@ fn save_group_shards<E: Hold + Console + Topology + ?Sized>(
         optimizer_shards: s.shard_files.len(),
         ..s.trainer
     };
-    if let Some(masters) = &s.masters {
+    if let (Some(masters), Some((spec, base))) = (&s.masters, &s.lora) {
+        let state = s.state.as_ref();
+        write_lora_checkpoint(&args.out, base, spec, masters, state, &trainer)?;
+    } else if let Some(masters) = &s.masters {
         let cfg = ModelDir::load_config(&s.files)?;
         write_checkpoint(
             &args.out,

@@ -626,11 +626,6 @@ pub fn run(args: UpdateArgs, exec: &mut dyn Exec) -> Result<()> {
             )
         })?),
     };
-    if args.lora_rank > 0 && exec.holder().is_some() && exec.ranks().is_some() {
-        bail_input!(
-            "--lora-rank: a LoRA update runs in one process, under tandem launch or on one daemon for now (not on a daemon group)"
-        );
-    }
     let input = Input::read(&args)?;
     if input.cfg.lora.is_none() && is_adapter_dir(&input.model.dir) {
         bail_input!(

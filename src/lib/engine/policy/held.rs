@@ -40,4 +40,8 @@ pub struct SavedShards {
     pub shard_files: Vec<PathBuf>,
     /// The trainer state of its last update.
     pub trainer: TrainerState,
+    /// LoRA: the adapters' spec and base model; `masters` are then the adapters' and their
+    /// optimizer state is gathered whole on rank 0 (`state`), as a LoRA update writes it.
+    pub lora: Option<(LoraSpec, PathBuf)>,
+    pub state: Option<OptimizerState>,
 }

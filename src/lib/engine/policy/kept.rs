@@ -90,6 +90,9 @@ pub(crate) struct PolicySlot<B: Backend> {
     /// The base's files as they were when it was loaded: a reference job on the same files
     /// scores with the base held here, the adapters off (no second copy of the weights).
     pub(crate) lora_base_key: Option<ModelKey>,
+    /// LoRA: the `update --seed` of fresh adapters not trained yet (drawn at load), so that an
+    /// update with another seed loads its own; None once trained or when read from files.
+    pub(crate) fresh_seed: Option<u64>,
 }
 
 /// What `--offload-optimizer` keeps in host memory between updates.
@@ -169,6 +172,7 @@ pub(crate) fn train_resident<B: Backend>(
     // From here the decoder is ahead of every file until `saved`.
     slot.keys.clear();
     slot.from_master = true;
+    slot.fresh_seed = None;
     let step = slot.schedule_step;
     let mut policy = ShardedPolicy {
         decoder: &mut slot.decoder,

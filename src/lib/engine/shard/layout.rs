@@ -234,6 +234,17 @@ impl<B: Backend> ShardedOptim<B> {
         Ok(mine.then_some((masters, state)))
     }
 
+    /// The f32 masters of the trained parameters (a LoRA decoder's adapters), whole on every
+    /// rank: what a rank merges into its generation copy after a sharded LoRA update. Device
+    /// memory grows by one staging bucket only. Collective.
+    pub(crate) fn gather_masters_everywhere(
+        &self,
+        dec: &Decoder<B>,
+        comm: &dyn Comm<B>,
+    ) -> Result<Weights> {
+        self.gather_host(dec, &self.master, comm, true)
+    }
+
     /// Whole tensors (by name) from every rank's f32 `shards` (one per bucket of the plan),
     /// all-gathered bucket by bucket through one staging buffer; downloaded only where `keep`
     /// (the other ranks take part and get an empty map). Collective.

@@ -1,0 +1,230 @@
+//! Partial rollouts (AReaL's interruptible generation, slime's partial rollout): sequences
+//! generated in rounds of at most `round_tokens` new tokens each, so that new weights can be
+//! taken between two rounds while sequences are still in flight. A sequence in flight keeps
+//! its prompt, the tokens it sampled so far, their log-probs and, per token, the policy
+//! version that sampled it; the next round continues it from those tokens (prompt and
+//! response so far are prefilled again, as a sequence preempted by recompute is: its KV is
+//! not kept between rounds) under whatever weights the engine holds then.
+//!
+//! Each round draws with a key of its own (the sequence's key mixed with its length), so a
+//! continuation does not replay the uniforms of the round before; stop strings are not
+//! applied (they need the text across rounds): stop token ids and the length limit end a
+//! sequence.
+
+use anyhow::{ensure, Result};
+
+use super::engine::generate_paged;
+use super::request::{FinishReason, GenParams, Request};
+use super::{PagedConfig, PagedModel, PagedStats};
+use crate::rng::mix_key;
+
+/// One sequence across rounds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InFlight {
+    pub prompt: Vec<u32>,
+    /// The sample's random key (`backend::ops::sample::sample_key`).
+    pub key: u64,
+    /// The response so far, its log-probs, and the policy version of each token.
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub versions: Vec<u64>,
+    /// Set once the sequence has ended (stop token, or `max_new_tokens` in all).
+    pub finish: Option<FinishReason>,
+}
+
+impl InFlight {
+    /// A sequence not started yet.
+    pub fn new(prompt: Vec<u32>, key: u64) -> InFlight {
+        InFlight {
+            prompt,
+            key,
+            tokens: vec![],
+            logprobs: vec![],
+            versions: vec![],
+            finish: None,
+        }
+    }
+
+    /// The oldest version among its tokens (None before its first token).
+    pub fn oldest_version(&self) -> Option<u64> {
+        self.versions.iter().copied().min()
+    }
+
+    /// Whether its tokens come from two versions or more (continued under new weights).
+    pub fn is_mixed(&self) -> bool {
+        self.versions.windows(2).any(|w| w[0] != w[1])
+    }
+
+    /// The random key of the round that continues it from its current length.
+    fn round_key(&self) -> u64 {
+        match self.tokens.len() {
+            0 => self.key,
+            n => mix_key(&[self.key, n as u64]),
+        }
+    }
+}
+
+/// Runs one round on `model` (the weights of policy `version`): every unfinished sequence of
+/// `seqs` gets up to `round_tokens` new tokens, never more than `params.max_new_tokens` in all;
+/// those that end are marked finished. Returns the engine's counters.
+pub fn round(
+    model: &mut dyn PagedModel,
+    cfg: &PagedConfig,
+    seqs: &mut [InFlight],
+    params: &GenParams,
+    round_tokens: usize,
+    version: u64,
+) -> Result<PagedStats> {
+    ensure!(round_tokens > 0, "a round needs at least one new token");
+    ensure!(
+        params.stop_strings.is_empty(),
+        "partial rollouts end sequences on stop token ids only"
+    );
+    let live: Vec<usize> = (0..seqs.len())
+        .filter(|&i| seqs[i].finish.is_none() && seqs[i].tokens.len() < params.max_new_tokens)
+        .collect();
+    let requests: Vec<Request> = live
+        .iter()
+        .map(|&i| Request {
+            prompt: [&seqs[i].prompt[..], &seqs[i].tokens[..]].concat(),
+            sample_keys: vec![seqs[i].round_key()],
+        })
+        .collect();
+    let this_round = GenParams {
+        max_new_tokens: round_tokens.min(params.max_new_tokens),
+        ..params.clone()
+    };
+    let (done, stats) = generate_paged(model, cfg, &requests, &this_round, None, &mut |_| {})?;
+    for (&i, mut samples) in live.iter().zip(done) {
+        let c = samples.pop().expect("one sample per request");
+        let s = &mut seqs[i];
+        // A sequence with fewer tokens left than a round keeps only those.
+        let room = params.max_new_tokens - s.tokens.len();
+        let take = c.tokens.len().min(room);
+        s.tokens.extend_from_slice(&c.tokens[..take]);
+        s.logprobs.extend_from_slice(&c.logprobs[..take]);
+        s.versions.extend(std::iter::repeat_n(version, take));
+        s.finish = match (c.finish, take < c.tokens.len()) {
+            (FinishReason::Stop, false) => Some(FinishReason::Stop),
+            _ if s.tokens.len() >= params.max_new_tokens => Some(FinishReason::Length),
+            _ => None,
+        };
+    }
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{params, toy_logits, PagedToy};
+    use super::*;
+    use crate::backend::ops::sample::{sample, uniform, Scratch};
+
+    fn cfg() -> PagedConfig {
+        PagedConfig {
+            block_size: 4,
+            num_blocks: 64,
+            max_num_seqs: 3,
+            max_batched_tokens: 16,
+            overlap: false,
+        }
+    }
+
+    /// log softmax of the version's toy logits after `ctx`, at `token` (temperature 1).
+    fn logprob(vocab: usize, version: u64, ctx: &[u32], token: u32) -> f32 {
+        let logits = toy_logits(vocab, &PagedToy::salted_ctx(Some(version as u32), ctx));
+        let max = logits.iter().cloned().fold(f32::MIN, f32::max) as f64;
+        let lse = max
+            + logits
+                .iter()
+                .map(|&z| (z as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        (logits[token as usize] as f64 - lse) as f32
+    }
+
+    /// Rounds of 3 tokens under versions 1, 2, 3, ... up to 7 tokens: every token's log-prob
+    /// is its recorded version's, and each round's tokens are what that version draws, one
+    /// after the other with the round's key, from the sequence's context.
+    #[test]
+    fn rounds_continue_sequences_under_the_newest_version() {
+        let vocab = 23;
+        let p = params(7, vec![]);
+        let mut seqs: Vec<InFlight> = (0..5u32)
+            .map(|i| InFlight::new(vec![i + 1, 2 * i + 3, 5], 100 + i as u64))
+            .collect();
+        let mut version = 1;
+        while seqs.iter().any(|s| s.finish.is_none()) {
+            let mut toy = PagedToy::new(vocab, &cfg()).with_salt(version as u32);
+            let before = seqs.clone();
+            round(&mut toy, &cfg(), &mut seqs, &p, 3, version).unwrap();
+            for (b, s) in before.iter().zip(&seqs) {
+                // The reference: the round's draws one by one from the version's logits.
+                let key = b.round_key();
+                let mut ctx = [&b.prompt[..], &b.tokens[..]].concat();
+                for pos in b.tokens.len()..s.tokens.len() {
+                    let logits =
+                        toy_logits(vocab, &PagedToy::salted_ctx(Some(version as u32), &ctx));
+                    let u = uniform(key, (pos - b.tokens.len()) as u64);
+                    let d = sample(&logits, &p.sampling, u, &mut Scratch::default()).unwrap();
+                    assert_eq!(d.token, s.tokens[pos], "token {pos} of version {version}");
+                    ctx.push(d.token);
+                }
+            }
+            version += 1;
+        }
+        assert_eq!(version, 4, "7 tokens in rounds of 3: versions 1, 2, 3");
+        for s in &seqs {
+            assert_eq!(s.versions, [1, 1, 1, 2, 2, 2, 3]);
+            assert_eq!(s.finish, Some(FinishReason::Length));
+            assert!(s.is_mixed());
+            assert_eq!(s.oldest_version(), Some(1));
+            for (j, (&t, &lp)) in s.tokens.iter().zip(&s.logprobs).enumerate() {
+                let ctx = [&s.prompt[..], &s.tokens[..j]].concat();
+                let want = logprob(vocab, s.versions[j], &ctx, t);
+                assert!((lp - want).abs() < 1e-5, "token {j}: {lp} vs {want}");
+                // Another version's log-prob differs: the check can fail.
+                let other = logprob(vocab, s.versions[j] + 10, &ctx, t);
+                assert!((lp - other).abs() > 1e-6, "token {j}");
+            }
+        }
+    }
+
+    /// A stop token ends a sequence in the round that samples it; a stop that falls past the
+    /// length limit does not count (the sequence ends by length, without it).
+    #[test]
+    fn stop_tokens_and_the_length_limit_end_sequences() {
+        let vocab = 6;
+        let p = params(5, vec![0, 1]);
+        let mut seqs: Vec<InFlight> = (0..40u32)
+            .map(|i| InFlight::new(vec![i % 4 + 2, 3], 7 * i as u64))
+            .collect();
+        let mut toy = PagedToy::new(vocab, &cfg());
+        for v in 0..3 {
+            round(&mut toy, &cfg(), &mut seqs, &p, 2, v).unwrap();
+        }
+        let mut stopped = 0;
+        for s in &seqs {
+            let f = s.finish.expect("5 tokens in rounds of 2: done after 3 rounds");
+            let stops = s.tokens.iter().filter(|&&t| t <= 1).count();
+            match f {
+                FinishReason::Stop => {
+                    stopped += 1;
+                    assert_eq!(stops, 1, "{s:?}");
+                    assert!(s.tokens.last().unwrap() <= &1, "{s:?}");
+                }
+                FinishReason::Length => {
+                    assert_eq!(s.tokens.len(), 5, "{s:?}");
+                    assert_eq!(stops, 0, "{s:?}");
+                }
+            }
+            assert!(s.tokens.len() <= 5 && s.logprobs.len() == s.tokens.len());
+        }
+        assert!(stopped > 0 && stopped < seqs.len(), "{stopped}");
+        // A finished sequence takes no more tokens.
+        let before = seqs.clone();
+        round(&mut toy, &cfg(), &mut seqs, &p, 2, 9).unwrap();
+        assert_eq!(before, seqs);
+        let e = round(&mut toy, &cfg(), &mut seqs, &p, 0, 9).unwrap_err();
+        assert!(e.to_string().contains("at least one new token"), "{e}");
+    }
+}

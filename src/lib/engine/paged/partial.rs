@@ -115,9 +115,13 @@ pub fn round(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{params, toy_logits, PagedToy};
+    use super::super::tests::{params, tiny_config, toy_logits, PagedToy};
+    use super::super::PagedDecoder;
     use super::*;
-    use crate::backend::ops::sample::{sample, uniform, Scratch};
+    use crate::backend::cpu::Cpu;
+    use crate::backend::ops::sample::{sample, uniform, SamplingParams, Scratch};
+    use crate::model::decoder::{Decoder, SeqRef};
+    use crate::model::init::random_weights;
 
     fn cfg() -> PagedConfig {
         PagedConfig {
@@ -204,7 +208,9 @@ mod tests {
         }
         let mut stopped = 0;
         for s in &seqs {
-            let f = s.finish.expect("5 tokens in rounds of 2: done after 3 rounds");
+            let f = s
+                .finish
+                .expect("5 tokens in rounds of 2: done after 3 rounds");
             let stops = s.tokens.iter().filter(|&&t| t <= 1).count();
             match f {
                 FinishReason::Stop => {
@@ -226,5 +232,76 @@ mod tests {
         assert_eq!(before, seqs);
         let e = round(&mut toy, &cfg(), &mut seqs, &p, 0, 9).unwrap_err();
         assert!(e.to_string().contains("at least one new token"), "{e}");
+    }
+
+    /// The real decoder on the CPU: rounds of 4 tokens under three weight versions (random
+    /// weights of seeds 1, 2, 3), up to 10 tokens. Scoring each whole sequence with the
+    /// training forward of every version, each token's rollout log-prob is the one its
+    /// recorded version gives (and not another's): a partial rollout's log-probs are its
+    /// versions'.
+    #[test]
+    fn real_decoder_log_probs_are_those_of_each_tokens_version() {
+        let cfg = tiny_config();
+        let weights: Vec<_> = (1..=3).map(|v| random_weights(&cfg, v, 0.2)).collect();
+        let p = GenParams {
+            sampling: SamplingParams {
+                temperature: 0.9,
+                top_k: -1,
+                top_p: 1.0,
+            },
+            ..params(10, vec![])
+        };
+        let pc = PagedConfig {
+            block_size: 4,
+            num_blocks: 32,
+            max_num_seqs: 4,
+            max_batched_tokens: 16,
+            overlap: false,
+        };
+        let mut seqs: Vec<InFlight> = [vec![5, 9, 13], vec![1; 7], vec![88]]
+            .into_iter()
+            .enumerate()
+            .map(|(i, prompt)| InFlight::new(prompt, 40 + i as u64))
+            .collect();
+        for (v, w) in weights.iter().enumerate() {
+            let mut dec = Decoder::new(Cpu, &cfg, w).unwrap();
+            let mut paged = PagedDecoder::new(&mut dec, pc.num_blocks, pc.block_size).unwrap();
+            round(&mut paged, &pc, &mut seqs, &p, 4, v as u64 + 1).unwrap();
+        }
+        let full: Vec<Vec<u32>> = seqs
+            .iter()
+            .map(|s| [&s.prompt[..], &s.tokens[..]].concat())
+            .collect();
+        let refs: Vec<SeqRef> = full
+            .iter()
+            .zip(&seqs)
+            .map(|(t, s)| SeqRef {
+                tokens: t,
+                start: s.prompt.len(),
+            })
+            .collect();
+        let scored: Vec<_> = weights
+            .iter()
+            .map(|w| {
+                let mut dec = Decoder::new(Cpu, &cfg, w).unwrap();
+                dec.logprobs(&refs, 0.9, false).unwrap()
+            })
+            .collect();
+        let mut compared = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            assert_eq!(s.versions, [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]);
+            assert_eq!(s.finish, Some(FinishReason::Length));
+            for (j, &lp) in s.logprobs.iter().enumerate() {
+                for (v, by) in scored.iter().enumerate() {
+                    let d = (lp - by[i].logprobs[j]).abs();
+                    match v as u64 + 1 == s.versions[j] {
+                        true => assert!(d < 1e-5, "row {i} token {j}: {lp} vs version {v}"),
+                        false => assert!(d > 1e-4, "row {i} token {j}: version {v} too"),
+                    }
+                }
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 30);
     }
 }

@@ -570,7 +570,7 @@ fn prompt_tokens_outside_the_vocabulary_are_rejected() {
     assert!(err.to_string().contains("request 0: token id 10"), "{err}");
 }
 
-fn tiny_config() -> Config {
+pub(super) fn tiny_config() -> Config {
     Config {
         vocab_size: 97,
         hidden_size: 32,

@@ -113,6 +113,92 @@ pub fn round(
     Ok(stats)
 }
 
+/// The n samples of one prompt, in flight together (a group is trained whole).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Group {
+    /// The prompt's place in the stream of prompts.
+    pub id: u64,
+    pub seqs: Vec<InFlight>,
+}
+
+impl Group {
+    fn finished(&self) -> bool {
+        self.seqs.iter().all(|s| s.finish.is_some())
+    }
+}
+
+/// The rollout side across rounds: the groups in flight (at most `seats` sequences), and the
+/// finished groups waiting, in the order they finished, for the trainer to take them.
+#[derive(Debug, Default)]
+pub struct Rounds {
+    pub seats: usize,
+    pub in_flight: Vec<Group>,
+    pub finished: std::collections::VecDeque<Group>,
+}
+
+impl Rounds {
+    /// Rounds over `seats` sequences at once.
+    pub fn new(seats: usize) -> Rounds {
+        Rounds {
+            seats,
+            ..Rounds::default()
+        }
+    }
+
+    /// One round under policy `version`: free seats are filled with whole groups from `next`
+    /// (told the free seats; None when its next group does not fit or none is left), every sequence in flight gets up to `round_tokens` new tokens, and the
+    /// groups that finished join the queue.
+    pub fn round(
+        &mut self,
+        model: &mut dyn PagedModel,
+        cfg: &PagedConfig,
+        (params, round_tokens, version): (&GenParams, usize, u64),
+        next: &mut dyn FnMut(usize) -> Option<Group>,
+    ) -> Result<PagedStats> {
+        let mut used: usize = self.in_flight.iter().map(|g| g.seqs.len()).sum();
+        while let Some(g) = next(self.seats - used) {
+            ensure!(
+                used + g.seqs.len() <= self.seats,
+                "a group of {} samples does not fit the {} free seats",
+                g.seqs.len(),
+                self.seats - used
+            );
+            used += g.seqs.len();
+            self.in_flight.push(g);
+        }
+        // One call over every group's sequences, then each group gets its own back.
+        let sizes: Vec<usize> = self.in_flight.iter().map(|g| g.seqs.len()).collect();
+        let mut seqs: Vec<InFlight> = self
+            .in_flight
+            .iter_mut()
+            .flat_map(|g| std::mem::take(&mut g.seqs))
+            .collect();
+        let stats = round(model, cfg, &mut seqs, params, round_tokens, version)?;
+        let mut it = seqs.into_iter();
+        for (g, n) in self.in_flight.iter_mut().zip(sizes) {
+            g.seqs = it.by_ref().take(n).collect();
+        }
+        let (done, going): (Vec<Group>, Vec<Group>) =
+            self.in_flight.drain(..).partition(Group::finished);
+        self.in_flight = going;
+        self.finished.extend(done);
+        Ok(stats)
+    }
+
+    /// The oldest `groups` finished groups, once that many are waiting.
+    pub fn take(&mut self, groups: usize) -> Option<Vec<Group>> {
+        (self.finished.len() >= groups).then(|| self.finished.drain(..groups).collect())
+    }
+
+    /// Sequences in flight that have sampled tokens already (partial rollouts carried to
+    /// the next round).
+    pub fn carried(&self) -> usize {
+        let seqs = self.in_flight.iter().flat_map(|g| &g.seqs);
+        seqs.filter(|s| s.finish.is_none() && !s.tokens.is_empty())
+            .count()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::{params, tiny_config, toy_logits, PagedToy};
@@ -303,5 +389,78 @@ mod tests {
             }
         }
         assert_eq!(compared, 30);
+    }
+
+    /// A stream of 9 prompts in groups of 2 over 7 seats (three groups at a time: a fourth
+    /// does not fit the one seat left), rounds of 2
+    /// tokens up to 6 (stops shorten some), the trainer taking 2 finished groups whenever
+    /// they wait and publishing the next version: seats are never overfilled, groups finish
+    /// whole and in the queue's order, every taken group's tokens come from versions no newer
+    /// than the one in training when it was taken, and some groups were continued under a
+    /// newer version than they started with.
+    #[test]
+    fn rounds_fill_seats_with_whole_groups_and_queue_the_finished() {
+        let vocab = 9;
+        let p = params(6, vec![0]);
+        let mut prompts = (0..9u64)
+            .map(|id| Group {
+                id,
+                seqs: (0..2)
+                    .map(|j| InFlight::new(vec![id as u32 % 7 + 1, 2], id * 10 + j))
+                    .collect(),
+            })
+            .peekable();
+        // The next group, when its 2 samples fit the free seats.
+        let mut next = move |free: usize| match prompts.peek() {
+            Some(_) if free >= 2 => prompts.next(),
+            _ => None,
+        };
+        let mut rounds = Rounds::new(7);
+        let (mut version, mut taken, mut carried_max) = (0, vec![], 0);
+        for _ in 0..40 {
+            let mut toy = PagedToy::new(vocab, &cfg()).with_salt(version as u32);
+            rounds
+                .round(&mut toy, &cfg(), (&p, 2, version), &mut next)
+                .unwrap();
+            let seats: usize = rounds.in_flight.iter().map(|g| g.seqs.len()).sum();
+            assert!(seats <= 6, "{seats} sequences in flight over 7 seats");
+            carried_max = carried_max.max(rounds.carried());
+            if let Some(groups) = rounds.take(2) {
+                for g in &groups {
+                    assert!(g.finished() && g.seqs.len() == 2, "{g:?}");
+                    assert!(g
+                        .seqs
+                        .iter()
+                        .flat_map(|s| &s.versions)
+                        .all(|&v| v <= version));
+                }
+                taken.extend(groups);
+                version += 1;
+            }
+        }
+        assert_eq!(taken.len(), 8, "4 batches of 2; the 9th group waits");
+        assert_eq!(rounds.finished.len(), 1);
+        assert!(rounds.in_flight.is_empty());
+        let mut ids: Vec<u64> = taken.iter().map(|g| g.id).collect();
+        ids.sort();
+        assert_eq!(ids.len(), 8);
+        ids.dedup();
+        assert_eq!(ids.len(), 8, "no group taken twice");
+        assert!(carried_max > 0, "sequences were carried between rounds");
+        let mixed = taken.iter().flat_map(|g| &g.seqs).filter(|s| s.is_mixed());
+        assert!(mixed.count() > 0, "some sequences span two versions");
+        // A group larger than the seats is an error, not a hang.
+        let mut big = Some(Group {
+            id: 99,
+            seqs: (0..6).map(|j| InFlight::new(vec![1], j)).collect(),
+        });
+        let mut toy = PagedToy::new(vocab, &cfg());
+        let e = Rounds::new(5)
+            .round(&mut toy, &cfg(), (&p, 2, 0), &mut |_| big.take())
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("does not fit the 5 free seats"),
+            "{e}"
+        );
     }
 }

@@ -415,3 +415,47 @@ fn one_step_off_is_one_version_behind_deterministic_and_resumable() {
     assert!(log.contains("continuing runner after step 1"), "{log}");
     same_run(d, "a", "runner");
 }
+
+/// `mode = "async"`'s keys are checked before anything runs: exit 2 naming the key and its
+/// line, no run directory; the mode itself is refused, naming what exists of it, since the
+/// runner does not run it yet.
+#[test]
+fn async_mode_keys_are_checked_and_the_mode_is_refused_for_now() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cases = [
+        (
+            "max-staleness = 0",
+            "bad.toml:30:",
+            "[placement] max-staleness must be at least 1",
+        ),
+        (
+            "round-tokens = 0",
+            "bad.toml:30:",
+            "[placement] round-tokens must be at least 1",
+        ),
+        ("max-staleness = \"two\"", "bad.toml:", "max-staleness"),
+        (
+            "max-staleness = 2\nround-tokens = 4",
+            "bad.toml:29:",
+            "[placement] mode = \"async\" is not run yet",
+        ),
+    ];
+    for (keys, at, want) in cases {
+        let text = format!("{}{keys}\n", placed("[0]", "[1]", "async"));
+        let o = pipeline(d, "bad", Some(&text), &[]).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{keys}: {err}");
+        assert!(err.contains(at) && err.contains(want), "{keys}: {err}");
+        assert!(!d.join("bad").exists(), "{keys}: {err}");
+    }
+    // The keys belong to the mode.
+    let text = format!("{}round-tokens = 4\n", placed("[0]", "[1]", "one-step-off"));
+    let o = pipeline(d, "bad", Some(&text), &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("[placement] round-tokens is a key of mode = \"async\""),
+        "{err}"
+    );
+}

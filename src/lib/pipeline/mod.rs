@@ -38,6 +38,7 @@ pub(crate) mod rundir;
 pub(crate) mod runner;
 pub mod sampler;
 pub(crate) mod spec;
+pub mod staleness;
 pub mod tensorboard;
 
 use crate::bail_input;

@@ -29,6 +29,9 @@ pub(crate) enum Mode {
     Sync,
     /// The next step's rollout runs while this step trains, one policy version behind.
     OneStepOff,
+    /// Continuous generation in rounds with partial rollouts and a staleness bound
+    /// (`max-staleness`, `round-tokens`): checked, not run by the runner yet.
+    Async,
 }
 
 /// `[placement]` as written.
@@ -45,6 +48,14 @@ pub(crate) struct PlacementSpec {
     /// take half).
     #[serde(default = "default_bucket_mb")]
     pub(crate) bucket_mb: u64,
+    /// `mode = "async"`: how many versions the oldest token of a trained sample may lag the
+    /// policy being trained (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) max_staleness: Option<u64>,
+    /// `mode = "async"`: new tokens per sequence per round (a partial rollout takes new
+    /// weights between rounds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) round_tokens: Option<u64>,
 }
 
 fn is_sync(m: &Mode) -> bool {
@@ -111,6 +122,7 @@ pub(crate) fn check(
             at("bucket-mb")
         );
     }
+    check_async(p, at)?;
     if !daemon {
         bail_input!(
             "{}: [placement] needs daemon = true: each side is a daemon group that keeps its weights",
@@ -121,6 +133,31 @@ pub(crate) fn check(
         bail_input!(
             "{}: [placement] does not take {what} yet",
             at("rollout-gpus")
+        );
+    }
+    Ok(())
+}
+
+/// The keys of `mode = "async"`: only with it, each at least 1; the mode itself is refused
+/// for now (the runner has no loop for it yet), after its keys are checked.
+fn check_async(p: &PlacementSpec, at: &dyn Fn(&str) -> String) -> Result<()> {
+    for (key, value) in [
+        ("max-staleness", p.max_staleness),
+        ("round-tokens", p.round_tokens),
+    ] {
+        match value {
+            Some(_) if p.mode != Mode::Async => bail_input!(
+                "{}: [placement] {key} is a key of mode = \"async\" (the mode here is another)",
+                at(key)
+            ),
+            Some(0) => bail_input!("{}: [placement] {key} must be at least 1", at(key)),
+            _ => {}
+        }
+    }
+    if p.mode == Mode::Async {
+        bail_input!(
+            "{}: [placement] mode = \"async\" is not run yet (issue 40 row 3: partial rollouts and the staleness bound exist as parts, the runner's loop does not); use mode = \"one-step-off\"",
+            at("mode")
         );
     }
     Ok(())
@@ -172,6 +209,26 @@ mod tests {
                 "rollout-gpus = [0]\ntrain-gpus = [1]\ngpu = 2\n",
                 "unknown key `gpu`",
             ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"async\"\nmax-staleness = 0\n",
+                "[placement] max-staleness must be at least 1",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"async\"\nround-tokens = 0\n",
+                "[placement] round-tokens must be at least 1",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"async\"\nmax-staleness = -1\n",
+                "max-staleness",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\nround-tokens = 8\n",
+                "[placement] round-tokens is a key of mode = \"async\"",
+            ),
+            (
+                "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"async\"\nmax-staleness = 2\nround-tokens = 8\n",
+                "[placement] mode = \"async\" is not run yet",
+            ),
         ];
         for (placement, want) in cases {
             let e = err(placement, "");
@@ -180,6 +237,11 @@ mod tests {
         // The key's line in the file is named.
         let e = err("rollout-gpus = [0]\ntrain-gpus = [1, 3]\n", "");
         assert!(e.starts_with("s.toml:15:"), "{e}");
+        let e = err(
+            "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"async\"\nround-tokens = 0\n",
+            "",
+        );
+        assert!(e.starts_with("s.toml:17:"), "{e}");
         let no_daemon = format!(
             "{}[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\n",
             BASE

@@ -15,6 +15,7 @@ pub(crate) mod blocks;
 mod engine;
 mod graphs;
 mod kv;
+pub mod partial;
 mod request;
 mod runner;
 mod scheduler;

@@ -15,7 +15,7 @@ use crate::model::init::random_weights;
 use crate::model::Config;
 use crate::rng::SplitMix64;
 
-fn toy_logits(vocab: usize, ctx: &[u32]) -> Vec<f32> {
+pub(super) fn toy_logits(vocab: usize, ctx: &[u32]) -> Vec<f32> {
     let mut h = 1469598103934665603u64;
     for &t in ctx {
         h = (h ^ t as u64).wrapping_mul(1099511628211);
@@ -28,22 +28,37 @@ fn toy_logits(vocab: usize, ctx: &[u32]) -> Vec<f32> {
         .collect()
 }
 
-/// Paged toy: the cache holds the token at each (block, offset).
-struct PagedToy {
+/// Paged toy: the cache holds the token at each (block, offset). A salt stands for other
+/// weights (another policy version): the logits hash it before the context.
+pub(super) struct PagedToy {
     vocab: usize,
     bs: usize,
     cache: Vec<Option<u32>>,
     steps: Vec<(usize, usize)>, // (chunks, tokens) per step
+    salt: Option<u32>,
 }
 
 impl PagedToy {
-    fn new(vocab: usize, cfg: &PagedConfig) -> Self {
+    pub(super) fn new(vocab: usize, cfg: &PagedConfig) -> Self {
         PagedToy {
             vocab,
             bs: cfg.block_size,
             cache: vec![None; cfg.num_blocks * cfg.block_size],
             steps: vec![],
+            salt: None,
         }
+    }
+
+    pub(super) fn with_salt(self, salt: u32) -> Self {
+        PagedToy {
+            salt: Some(salt),
+            ..self
+        }
+    }
+
+    /// What the logits of a toy with `salt` hash: the salt, then the context.
+    pub(super) fn salted_ctx(salt: Option<u32>, ctx: &[u32]) -> Vec<u32> {
+        salt.into_iter().chain(ctx.iter().copied()).collect()
     }
 }
 
@@ -73,7 +88,7 @@ impl PagedModel for PagedToy {
             let ctx: Vec<u32> = (0..len)
                 .map(|p| self.cache[row(c.table, p)].expect("a position never written"))
                 .collect();
-            let logits = toy_logits(self.vocab, &ctx);
+            let logits = toy_logits(self.vocab, &Self::salted_ctx(self.salt, &ctx));
             out.push(sample(
                 &logits,
                 sampling,
@@ -152,7 +167,7 @@ fn request(seed: u64, prompt: Vec<u32>, n: u64) -> Request {
     }
 }
 
-fn params(max_new: usize, stop: Vec<u32>) -> GenParams {
+pub(super) fn params(max_new: usize, stop: Vec<u32>) -> GenParams {
     GenParams {
         sampling: SamplingParams {
             temperature: 1.0,
@@ -555,7 +570,7 @@ fn prompt_tokens_outside_the_vocabulary_are_rejected() {
     assert!(err.to_string().contains("request 0: token id 10"), "{err}");
 }
 
-fn tiny_config() -> Config {
+pub(super) fn tiny_config() -> Config {
     Config {
         vocab_size: 97,
         hidden_size: 32,

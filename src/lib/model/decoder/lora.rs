@@ -262,18 +262,23 @@ impl<B: Backend> Decoder<B> {
                 .get(name.as_str())
                 .with_context(|| format!("merge: the decoder has no weight '{name}'"))?;
             let (inp, out) = slot.target.dims(&cfg);
+            // A and (α/r)·B stay f32 and their product lands in an f32 buffer, added to the
+            // weight with one rounding: the host's f64 merge up to the GEMM's f32 sums (adapters
+            // rounded to bf16 first, or B·A rounded before the add, put whole elements a step off).
             let scaled: Vec<f32> = adapters[&slot.b.0].data.iter().map(|x| x * s).collect();
-            let mut bs = b.alloc_as(out * r, cd)?;
+            let mut bs = b.alloc(out * r)?;
             b.upload(&mut bs, &scaled)?;
-            let mut a = b.alloc_as(r * inp, cd)?;
+            let mut a = b.alloc(r * inp)?;
             b.upload(&mut a, &adapters[&slot.a.0].data)?;
-            // dx[m,k] += dy[m,n]·w[n,k] with m = out, k = in, n = r: W += (α/r)·B·A.
+            let mut product = b.alloc(out * inp)?;
+            // dx[m,k] = dy[m,n]·w[n,k] with m = out, k = in, n = r: (α/r)·B·A.
             let shape = MatmulShape {
                 m: out,
                 k: inp,
                 n: r,
             };
-            b.matmul_backward_x(&mut self.w[i], &bs, &a, shape, true)?;
+            b.matmul_backward_x(&mut product, &bs, &a, shape, false)?;
+            b.add_assign(&mut self.w[i], &product, out * inp)?;
             if cd == DType::F32 {
                 round_on_host(b, &mut self.w[i], out * inp)?;
             }

@@ -497,7 +497,8 @@ impl Job for Bench<'_> {
         let (bw, peak) = peaks(&backend)?;
         let cfg = &self.cfg;
         let lora = self.lora.as_ref().map(|l| (l, self.args.lora_mode));
-        let (mut dec, merge_s) = bench_decoder(backend, cfg, self.dir.as_deref(), self.args.seed, lora)?;
+        let (mut dec, merge_s) =
+            bench_decoder(backend, cfg, self.dir.as_deref(), self.args.seed, lora)?;
         let roof = Roofline::new(cfg, dec.backend().compute_dtype());
         let mut out = Vec::new();
         // Warm-up: kernel compilation and the workspace, outside the timings.

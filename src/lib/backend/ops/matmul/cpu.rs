@@ -76,9 +76,9 @@ fn invariant_rows(m: usize, n: usize) -> usize {
 /// y[m,n] (= or += when `read_dst`) x[m,k] · w[n,k]ᵀ through the `gemm` crate.
 fn gemm_forward(y: &mut [f32], x: &[f32], w: &[f32], s: MatmulShape, read_dst: bool) {
     let MatmulShape { m, k, n } = s;
-    // SAFETY: the strides describe x as [m,k] row-major, wᵀ as a [k,n] view of w [n,k], and
-    // y as [m,n] row-major; the callers pass buffers of exactly these lengths.
     assert!(y.len() == m * n && x.len() == m * k && w.len() == n * k);
+    // SAFETY: the strides describe x as [m,k] row-major, wᵀ as a [k,n] view of w [n,k], and
+    // y as [m,n] row-major; the assert above guarantees the lengths.
     unsafe {
         gemm(
             m,

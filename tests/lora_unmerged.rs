@@ -382,3 +382,222 @@ fn the_spec_key_is_checked_and_passed_on() {
     let log = std::fs::read_to_string(d.join("good/commands.sh")).unwrap();
     assert!(log.contains("--lora-mode unmerged"), "{log}");
 }
+
+/// What the trainer computes on a rollout of each `--lora-mode`, after a LoRA update.
+mod trainer {
+    use crate::stage_util::{add_advantages, ok, p, prompts, read, tiny_model};
+    use std::path::Path;
+    use tandem::batch::schema;
+
+    const LORA: [&str; 4] = ["--lora-rank", "4", "--lora-alpha", "16"];
+
+    /// `rollout` of `model` (4 prompts × 2 samples, 12 tokens, temperature 1) with `extra`
+    /// flags, its advantages added: the batch `update` reads.
+    fn rollout(
+        model: &Path,
+        pr: &Path,
+        d: &Path,
+        name: &str,
+        extra: &[&str],
+    ) -> std::path::PathBuf {
+        let (out, adv) = (
+            d.join(format!("{name}.parquet")),
+            d.join(format!("{name}-adv.parquet")),
+        );
+        let args = ["--model", p(model), "--in", p(pr), "--out", p(&out)];
+        let sampling = [
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "1",
+            "--seed",
+            "5",
+        ];
+        ok("rollout", &[&args[..], &sampling, extra].concat());
+        add_advantages(&out, &adv);
+        adv
+    }
+
+    /// `update --bypass-mode` of the LoRA checkpoint `ck` on `batch`: its `mismatch` metrics
+    /// (the rollout's log-probs against its first forward, before any optimizer step).
+    fn mismatch(ck: &Path, batch: &Path, d: &Path, name: &str) -> serde_json::Value {
+        let metrics = d.join(format!("{name}.json"));
+        let out = d.join(format!("{name}-ck"));
+        let args = ["--model", p(ck), "--in", p(batch), "--out-model", p(&out)];
+        let more = [
+            "--lr",
+            "1e-2",
+            "--seed",
+            "9",
+            "--bypass-mode",
+            "--metrics",
+            p(&metrics),
+        ];
+        ok("update", &[&args[..], &LORA, &more].concat());
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+        m["mismatch"].clone()
+    }
+
+    /// On the CPU (batch-invariant kernels), after a LoRA update (B ≠ 0): the trainer's
+    /// log-probs of an unmerged rollout's tokens (update's first forward, base + adapters
+    /// unmerged) are the rollout's bit for bit, so `--bypass-mode` trains on exactly the
+    /// trainer's old log-probs; those of a merged rollout (bf16(W + (α/r)·B·A)) are not: they
+    /// differ by the merged weights' bf16 rounding.
+    #[test]
+    fn unmerged_rollout_logprobs_are_the_trainers_bit_for_bit() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = tiny_model(d, 47);
+        let pr = d.join("prompts.parquet");
+        let qs = ["Name a colour.", "Count to three.", "Say hi.", "Spell cat."];
+        prompts(&pr, &qs);
+        let first = rollout(&base, &pr, d, "base", &[]);
+        let ck = d.join("ck");
+        let args = [
+            "--model",
+            p(&base),
+            "--in",
+            p(&first),
+            "--out-model",
+            p(&ck),
+        ];
+        ok(
+            "update",
+            &[&args[..], &LORA, &["--lr", "5e-2", "--seed", "9"]].concat(),
+        );
+        let unmerged = rollout(&ck, &pr, d, "unmerged", &["--lora-mode", "unmerged"]);
+        let merged = rollout(&ck, &pr, d, "merged", &["--lora-mode", "merged"]);
+        let tokens: usize = read(&unmerged)
+            .ragged_i32(schema::RESPONSE_IDS)
+            .unwrap()
+            .rows()
+            .map(|r| r.len())
+            .sum();
+        let u = mismatch(&ck, &unmerged, d, "u");
+        let m = mismatch(&ck, &merged, d, "m");
+        eprintln!("unmerged: {u}\nmerged: {m}");
+        for x in [&u, &m] {
+            assert_eq!(x["source"], "first_step", "{x}");
+        }
+        assert_eq!(
+            u["tokens"].as_u64(),
+            Some(tokens as u64),
+            "every token: {u}"
+        );
+        assert_eq!(u["abs_diff_max"].as_f64(), Some(0.0), "unmerged: {u}");
+        assert_eq!(u["ratio_outside_frac"].as_f64(), Some(0.0), "unmerged: {u}");
+        let worst = m["abs_diff_max"].as_f64().unwrap();
+        assert!(worst > 0.0 && worst < 5e-2, "merged: {m}");
+    }
+}
+
+/// On the CPU (batch-invariant kernels) a paged greedy rollout's log-probs (prompts in
+/// chunks, decodes of several sequences at once) are the packed scoring's, bit for bit, of the
+/// training decoder and of the generation decoder, all rows in one pass or one at a time.
+#[test]
+fn paged_rollout_logprobs_are_the_packed_scorings_bit_for_bit() {
+    let cfg = Config {
+        eos_token_ids: vec![],
+        ..tiny(Arch::Qwen2)
+    };
+    let mut base = random_weights(&cfg, 31);
+    for t in base.values_mut() {
+        t.data.iter_mut().for_each(|x| *x = round_bf16(*x));
+    }
+    let got = greedy(
+        &mut Decoder::for_generation(Cpu, &cfg, base.clone()).unwrap(),
+        &cfg,
+    );
+    let mut rng = Rng::new(9);
+    let full: Vec<Vec<u32>> = (0..4u64)
+        .zip(&got)
+        .map(|(i, c)| {
+            let mut p: Vec<u32> = (0..3 + 2 * i)
+                .map(|_| rng.below(cfg.vocab_size as u64) as u32)
+                .collect();
+            p.extend(&c.tokens);
+            p
+        })
+        .collect();
+    let refs: Vec<SeqRef> = full
+        .iter()
+        .zip(&got)
+        .map(|(f, c)| SeqRef {
+            tokens: f,
+            start: f.len() - c.tokens.len(),
+        })
+        .collect();
+    for (name, mut dec) in [
+        ("train", Decoder::new(Cpu, &cfg, &base).unwrap()),
+        (
+            "gen",
+            Decoder::for_generation(Cpu, &cfg, base.clone()).unwrap(),
+        ),
+    ] {
+        let all = dec.logprobs(&refs, 1.0, false).unwrap();
+        let one: Vec<_> = refs
+            .iter()
+            .map(|r| {
+                dec.logprobs(std::slice::from_ref(r), 1.0, false)
+                    .unwrap()
+                    .remove(0)
+            })
+            .collect();
+        for (label, s) in [("all", &all), ("one", &one)] {
+            for (i, (a, c)) in s.iter().zip(&got).enumerate() {
+                let diffs: Vec<(usize, f32)> = a
+                    .logprobs
+                    .iter()
+                    .zip(&c.logprobs)
+                    .enumerate()
+                    .filter(|(_, (x, y))| x.to_bits() != y.to_bits())
+                    .map(|(j, (x, y))| (j, x - y))
+                    .collect();
+                assert!(diffs.is_empty(), "{name} {label} seq {i}: {diffs:?}");
+            }
+        }
+    }
+}
+
+/// `[update] bypass-mode = true` with `lora-rank` takes the rollout's log-probs as the
+/// trainer's, which only an unmerged rollout gives: without `[rollout] lora-mode = "unmerged"`
+/// the spec stops before anything runs with exit 2 naming the key; with it the plan passes.
+#[test]
+fn bypass_mode_with_lora_needs_the_unmerged_rollout() {
+    use crate::pipeline::{real_bins, text, PIPELINE};
+    let bins = real_bins();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    crate::stage_util::model_and_train_set(d, 64, 128, 8);
+    let run = |mode: &str, run_dir: &str| {
+        let spec = format!(
+            "seed = 3\nsteps = 1\n[model]\npath = \"model\"\n[data]\ntrain = \"train.parquet\"\n\
+             prompts-per-step = 2\n[rollout]\nn = 2\nmax-new-tokens = 4\nraw-prompt = true\n\
+             {mode}\n[score]\nreward = \"regex:[a-z]\"\n[advantage]\nestimator = \"grpo\"\n\
+             [update]\nlr = 0.01\nlora-rank = 4\nbypass-mode = true\n"
+        );
+        std::fs::write(d.join("spec.toml"), spec).unwrap();
+        std::process::Command::new(PIPELINE)
+            .current_dir(d)
+            .args(["run", "spec.toml", "--run-dir", run_dir, "--dry-run"])
+            .env("TANDEM_BIN_DIR", &bins)
+            .output()
+            .unwrap()
+    };
+    for (mode, name) in [("", "default"), ("lora-mode = \"merged\"", "merged")] {
+        let o = run(mode, name);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(
+            text(&o).contains("set [rollout] lora-mode = \"unmerged\""),
+            "{}",
+            text(&o)
+        );
+        assert!(!d.join(name).exists());
+    }
+    let o = run("lora-mode = \"unmerged\"", "good");
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("--lora-mode unmerged"), "{}", text(&o));
+}

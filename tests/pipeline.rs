@@ -1821,13 +1821,15 @@ mini-batch-size = 8
             at(1, "ratio_outside_frac")
         );
         // The CPU rollout computes with the trainer's kernels; at step 1 both have the model's
-        // weights and agree to f32 rounding. From step 2 the rollout samples with the bf16
+        // weights and agree bit for bit. From step 2 the rollout samples with the bf16
         // checkpoint, the trainer computes with its f32 masters (docs/PIPELINE.md): the
         // difference is that rounding of the weights.
-        assert!(at(0, "abs_diff_max") < 1e-5, "{:?}", lines[0]);
+        assert_eq!(at(0, "abs_diff_max"), 0.0, "{:?}", lines[0]);
         if name != "with-stage" {
-            // (the old-logprob stage reads the bf16 checkpoint, as the rollout does)
             assert!(at(1, "abs_diff_max") > 1e-6, "{:?}", lines);
+        } else {
+            // The old-logprob stage reads the bf16 checkpoint, as the rollout does.
+            assert_eq!(at(1, "abs_diff_max"), 0.0, "{:?}", lines);
         }
         for line in lines {
             assert_eq!(line["mismatch/source"], source, "{line}");

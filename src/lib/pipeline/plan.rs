@@ -7,6 +7,7 @@ use super::rundir::{step_name, RunDir, State};
 use super::sampler::{derive_seed, Sampler};
 use super::spec::{Device, OnCap, Source, Spec, Stages};
 use crate::bail_input;
+use crate::model::lora::LoraMode;
 use crate::stage;
 use anyhow::Result;
 use std::path::{Path, PathBuf};
@@ -171,6 +172,14 @@ impl Plan {
         if self.spec.device != Device::Cpu && !self.spec.batch_invariant {
             bail_input!(
                 "[update] bypass-mode = true takes the rollout's log-probs as the old ones, which holds only when they are the trainer's: set batch-invariant = true (the GPU's batch-invariant kernels), or drop bypass-mode"
+            );
+        }
+        // A merged rollout samples from bf16(W + (α/r)·B·A), which the trainer (base + adapters
+        // unmerged) does not compute: its log-probs are not the trainer's (docs/LORA.md).
+        let lora = self.stages.update.args.lora_rank > 0;
+        if lora && self.stages.rollout.args.lora_mode != LoraMode::Unmerged {
+            bail_input!(
+                "[update] bypass-mode = true takes the rollout's log-probs as the old ones, which with lora-rank holds only when the rollout applies the adapters as the trainer does: set [rollout] lora-mode = \"unmerged\" (merged weights are rounded to bf16), or drop bypass-mode"
             );
         }
         if self.stages.advantage.args.kl_in_reward {

@@ -143,9 +143,15 @@ pub fn sample(
     let probs = &mut scratch.probs;
     probs.clear();
     probs.extend(logits.iter().map(|&z| (z * inv_t - max).exp()));
-    let sum: f64 = probs.iter().map(|&e| e as f64).sum();
+    // The log-probs as the trainer's fused log-prob computes them (`logprob::cpu`): z = x/T in
+    // f32, exp(z − max) in f64, so that a batch-invariant rollout reports its log-probs bit for
+    // bit (the f32 weights above only draw the token).
+    let sum: f64 = logits
+        .iter()
+        .map(|&z| ((z * inv_t - max) as f64).exp())
+        .sum();
     let lse = max as f64 + sum.ln();
-    let logprob_of = |tok: usize| (logits[tok] as f64 * inv_t as f64 - lse) as f32;
+    let logprob_of = |tok: usize| ((logits[tok] * inv_t) as f64 - lse) as f32;
 
     if p.temperature == 0.0 {
         // Greedy: the first index of the largest logit.

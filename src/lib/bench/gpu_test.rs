@@ -155,7 +155,7 @@ mod tests {
     #[test]
     fn the_registry_holds_every_check_and_only_filters_by_name() {
         let all = names(None);
-        assert_eq!(all.len(), 33);
+        assert_eq!(all.len(), 34);
         // Op-level checks come first, then the decoder and engine ones, then the sharded
         // trainer's, then the communicator's.
         assert_eq!((all[0], all[all.len() - 1]), ("memory", "communicator"));
@@ -171,7 +171,7 @@ mod tests {
         );
         assert_eq!(names(Some("decoder")), ["decoder"]);
         assert_eq!(names(Some("value")), ["value_model"]);
-        assert_eq!(names(Some("lora")), ["lora", "lora_merge"]);
+        assert_eq!(names(Some("lora")), ["lora", "lora_merge", "lora_unmerged"]);
         assert!(names(Some("no such check")).is_empty());
     }
 }

@@ -151,23 +151,28 @@ fn unmerged_rollout_is_the_merged_model_and_not_the_base() {
     }
 }
 
+/// `rollout` of `model` greedy (2 prompts, 10 tokens) with `extra` flags: ids, log-probs.
+fn greedy_rollout(
+    model: &std::path::Path,
+    pr: &std::path::Path,
+    out: &std::path::Path,
+    extra: &[&str],
+) -> (Vec<Vec<i32>>, Vec<f32>) {
+    use crate::stage_util::{f32_rows, i32_rows, ok, p, read};
+    let args = ["--model", p(model), "--in", p(pr), "--out", p(out)];
+    let sampling = ["--n", "1", "--max-new-tokens", "10", "--temperature", "0"];
+    ok("rollout", &[&args[..], &sampling, extra].concat());
+    let b = read(out);
+    let lp = f32_rows(&b, tandem::batch::schema::ROLLOUT_LOGPROBS).concat();
+    (i32_rows(&b, tandem::batch::schema::RESPONSE_IDS), lp)
+}
+
 mod binary {
-    use crate::stage_util::{f32_rows, i32_rows, input_error, ok, p, prompts, read, tiny_model};
-    use std::path::Path;
-    use tandem::batch::schema;
+    use super::greedy_rollout as rollout;
+    use crate::stage_util::{input_error, p, prompts, tiny_model};
     use tandem::model::lora::LoraSpec;
     use tandem::model::peft::write_adapter;
     use tandem::model::ModelDir;
-
-    /// `rollout` of `model` greedy (2 prompts, 10 tokens) with `extra` flags: ids, log-probs.
-    fn rollout(model: &Path, pr: &Path, out: &Path, extra: &[&str]) -> (Vec<Vec<i32>>, Vec<f32>) {
-        let args = ["--model", p(model), "--in", p(pr), "--out", p(out)];
-        let sampling = ["--n", "1", "--max-new-tokens", "10", "--temperature", "0"];
-        ok("rollout", &[&args[..], &sampling, extra].concat());
-        let b = read(out);
-        let lp = f32_rows(&b, schema::ROLLOUT_LOGPROBS).concat();
-        (i32_rows(&b, schema::RESPONSE_IDS), lp)
-    }
 
     /// Through the binary on an adapter directory: `--lora-mode unmerged` samples the tokens of
     /// `--lora-mode merged` (the default) with log-probs within bf16 rounding, not the base's;
@@ -259,21 +264,10 @@ fn bench_rollout_reports_both_lora_modes() {
 }
 
 mod daemon {
-    use crate::stage_util::{add_advantages, bin, f32_rows, i32_rows, ok, p, prompts, read};
-    use std::path::Path;
+    use super::greedy_rollout as rollout;
+    use crate::stage_util::{add_advantages, bin, ok, p, prompts};
     use std::process::Command;
     use std::time::{Duration, Instant};
-    use tandem::batch::schema;
-
-    /// Greedy `rollout` of `model` (2 prompts, 10 tokens) with `extra` flags: ids, log-probs.
-    fn rollout(model: &Path, pr: &Path, out: &Path, extra: &[&str]) -> (Vec<Vec<i32>>, Vec<f32>) {
-        let args = ["--model", p(model), "--in", p(pr), "--out", p(out)];
-        let sampling = ["--n", "1", "--max-new-tokens", "10", "--temperature", "0"];
-        ok("rollout", &[&args[..], &sampling, extra].concat());
-        let b = read(out);
-        let lp = f32_rows(&b, schema::ROLLOUT_LOGPROBS).concat();
-        (i32_rows(&b, schema::RESPONSE_IDS), lp)
-    }
 
     /// On the warm daemon after a LoRA update: `--lora-mode unmerged` generates with the
     /// training decoder, its adapters applied at each step (no generation copy, per `status`),

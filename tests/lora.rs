@@ -1471,6 +1471,24 @@ mod daemon {
             &read(&d.join("k1.parquet")),
             "rollout",
         );
+        // Unmerged, twice: the group generates with its training decoders (no copy needed,
+        // the merged one dropped), the tokens of one process's unmerged rollout of the
+        // launched update's files.
+        let unmerged = |model: &Path, out: &Path, daemon: Option<&Path>| {
+            let mut a = vec!["--model", p(model), "--in", p(&pr), "--out", p(out)];
+            a.extend(["--n", "2", "--max-new-tokens", "8", "--seed", "5"]);
+            a.extend(["--temperature", "1.0", "--lora-mode", "unmerged"]);
+            if let Some(s) = daemon {
+                a.extend(["--daemon", p(s)]);
+            }
+            ok("rollout", &a);
+            read(out)
+        };
+        let alone = unmerged(&m1, &d.join("u1.parquet"), None);
+        for k in 0..2 {
+            let on_group = unmerged(&k1, &d.join(format!("u1g{k}.parquet")), Some(&socket));
+            same_rows(&alone, &on_group, "unmerged rollout on the group");
+        }
         let k2m = d.join("k2.json");
         update(
             &k1,

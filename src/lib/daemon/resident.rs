@@ -533,18 +533,17 @@ impl<B: Backend> Resident<B> {
         let mode = self.lora_mode;
         let make_copy = {
             let slot = self.slot(role, model, Want::Any)?;
-            if slot.gen.is_none() && gen_built_by_group(slot) {
-                // Every such update builds it (train_group); only a failed one has not, and
-                // that one forgot the policy.
-                anyhow::bail!(
-                    "the daemon group's policy is sharded (--shard full, or LoRA adapters) and has no generation copy"
-                );
-            }
             let lora = slot.decoder.lora_spec().is_some();
             if lora && mode == LoraMode::Unmerged {
                 // The training decoder generates, its adapters applied at each step: no copy
                 // (a merged one from an earlier rollout is dropped).
                 slot.gen = None;
+            } else if slot.gen.is_none() && gen_built_by_group(slot) {
+                // Every such update builds it (train_group); only a failed one has not, and
+                // that one forgot the policy.
+                anyhow::bail!(
+                    "the daemon group's policy is sharded (--shard full, or LoRA adapters) and has no generation copy"
+                );
             }
             let f32_master =
                 slot.from_master && slot.decoder.backend().compute_dtype() == DType::F32;

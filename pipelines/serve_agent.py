@@ -41,6 +41,11 @@ SYSTEM = ("Solve the problem. You may run Python with the python tool. "
 # next assistant header take about 15).
 RESULT_WRAP_TOKENS = 24
 
+# The server samples a batch's requests in one engine pass per distinct set of parameters,
+# max_tokens included: a turn cut short by the response budget asks a multiple of this many
+# tokens, so that such turns share a few passes.
+ROOM_STEP = 128
+
 
 class PythonTool:
     """A pool of `tandem tool python` processes speaking JSON lines: the schema first, then one
@@ -88,7 +93,8 @@ def episode(client, args, tool, trajectory, messages):
     messages = list(messages)
     text, calls, first, used, pending = "", 0, None, 0, 0
     for turn in range(args.max_turns):
-        room = min(args.max_tokens, args.max_response_tokens - used - pending)
+        room = args.max_response_tokens - used - pending
+        room = args.max_tokens if room >= args.max_tokens else room - room % ROOM_STEP
         if room <= 0:
             break
         r = client.chat.completions.create(

@@ -27,7 +27,12 @@ fn the_comparison_specs_differ_in_the_agent_only() {
     // prompt, the score stage's gsm8k reward, a greedy evaluation, no dynamic sampling.
     let r = builtin["rollout"].as_table().unwrap();
     assert_eq!(r["tool"].as_array().unwrap().len(), 1);
-    for key in ["system-prompt", "max-turns", "max-turn-tokens", "max-response-tokens"] {
+    for key in [
+        "system-prompt",
+        "max-turns",
+        "max-turn-tokens",
+        "max-response-tokens",
+    ] {
         assert!(r.contains_key(key), "{key}");
     }
     assert_eq!(builtin["score"]["reward"].as_str(), Some("gsm8k"));
@@ -53,10 +58,21 @@ fn the_agent_spec_passes_the_pipeline_checks() {
     link("models/qwen2.5-coder-1.5b", &w.join("model"));
     link("data/gsm8k/train.parquet", &w.join("train.parquet"));
     link("data/gsm8k/test.parquet", &w.join("train.parquet"));
-    link("pipelines", &Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines"));
+    link(
+        "pipelines",
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines"),
+    );
     let o = Command::new(PIPELINE)
         .current_dir(w)
-        .args(["run", AGENT, "--dry-run", "--steps", "10", "--device", "cpu"])
+        .args([
+            "run",
+            AGENT,
+            "--dry-run",
+            "--steps",
+            "10",
+            "--device",
+            "cpu",
+        ])
         .args(["--run-dir", "r"])
         .output()
         .unwrap();
@@ -135,4 +151,54 @@ lr = 0.01
         assert!(env.lines().any(|l| l == want), "{want} not in\n{env}");
     }
     assert!(!env.contains("TANDEM_MAX_PARALLEL_CALLS"), "{env}");
+}
+
+/// An agent step's rollout records the response limit its agent was handed, which the score
+/// stage's overlong shaping takes as its L_max, as from a rollout (the tools spec shapes).
+#[test]
+fn an_agent_steps_overlong_shaping_takes_the_limit_it_was_handed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 4);
+    let agent = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/agent_cmd/agent.py");
+    let spec = format!(
+        r#"
+seed = 3
+steps = 1
+[model]
+path = "model"
+[data]
+train = "train.parquet"
+prompts-per-step = 2
+[rollout]
+agent = "cmd:python3 {}"
+n = 2
+max-new-tokens = 6
+[score]
+reward = "regex:[a-z]"
+overlong-buffer-len = 2
+[advantage]
+estimator = "grpo"
+[update]
+lr = 0.01
+"#,
+        agent.display()
+    );
+    std::fs::write(d.join("spec.toml"), spec).unwrap();
+    let o = Command::new(PIPELINE)
+        .current_dir(d)
+        .args(["run", "spec.toml", "--run-dir", "r"])
+        .env("TANDEM_BIN_DIR", real_bins())
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .unwrap();
+    crate::pipeline::assert_ok(&o);
+    let b = crate::stage_util::read(&d.join("r/step-0001/rollout.parquet"));
+    let params: serde_json::Value =
+        serde_json::from_str(&b.meta["tandem.stage.agent"]).unwrap();
+    assert_eq!(params["max_response_tokens"], 6);
+    let scored = crate::stage_util::read(&d.join("r/step-0001/scored.parquet"));
+    let score: serde_json::Value =
+        serde_json::from_str(&scored.meta["tandem.stage.score"]).unwrap();
+    assert!(score.to_string().contains("overlong"), "{score}");
 }

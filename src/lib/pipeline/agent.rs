@@ -143,7 +143,10 @@ impl Served {
             .args(["--max-num-seqs", &r.max_num_seqs.to_string()])
             .args(["--max-batched-tokens", &r.max_batched_tokens.to_string()])
             .args(["--gpu-memory-fraction", &r.gpu_memory_fraction.to_string()])
-            .args(["--max-connections", &(r.max_num_seqs + 64).max(512).to_string()])
+            .args([
+                "--max-connections",
+                &(r.max_num_seqs + 64).max(512).to_string(),
+            ])
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out);
@@ -237,6 +240,15 @@ fn request_cap(r: &RolloutArgs) -> usize {
     }
 }
 
+/// The response tokens an episode may take: `max-response-tokens` (else `max-new-tokens`)
+/// with tools, `max-new-tokens` without.
+fn response_limit(r: &RolloutArgs) -> usize {
+    match r.tool.is_empty() {
+        true => r.max_new_tokens,
+        false => r.turn_limits().0.max_response_tokens,
+    }
+}
+
 /// With `[rollout] tool`: the multi-turn settings the rollout stage plays by (and evaluates
 /// with), for the agent to play its episodes by the same ones.
 fn turn_env(r: &RolloutArgs) -> Vec<(&'static str, String)> {
@@ -251,7 +263,10 @@ fn turn_env(r: &RolloutArgs) -> Vec<(&'static str, String)> {
     env.push(("TANDEM_TOOLS", json!(r.tool).to_string()));
     env.push(("TANDEM_MAX_TURNS", limits.max_turns.to_string()));
     env.push(("TANDEM_MAX_TOOL_CALLS", limits.max_tool_calls.to_string()));
-    env.push(("TANDEM_MAX_RESPONSE_TOKENS", limits.max_response_tokens.to_string()));
+    env.push((
+        "TANDEM_MAX_RESPONSE_TOKENS",
+        limits.max_response_tokens.to_string(),
+    ));
     if let Some(k) = r.max_parallel_calls {
         env.push(("TANDEM_MAX_PARALLEL_CALLS", k.to_string()));
     }
@@ -361,7 +376,7 @@ pub(crate) fn run(
             dir.join("serve.log").display()
         );
     };
-    finish(&file, rollout, &given, step, &agent)
+    finish(&file, rollout, &given, step, &agent, response_limit(r))
 }
 
 /// The error of an agent that failed: its output's tail, the server's log, how to go on.
@@ -396,6 +411,7 @@ fn finish(
     given: &Prompts,
     step: u64,
     agent: &AgentCmd,
+    limit: usize,
 ) -> Result<()> {
     let b = Batch::read(collected, &[])?;
     let index: HashMap<&str, usize> = given
@@ -443,7 +459,10 @@ fn finish(
     new.add(crate::batch::schema::DATA_SOURCE, col(sources));
     let info = StageInfo {
         stage: "agent",
-        params: json!({"agent": agent.command, "trajectories": ids.len()}),
+        // The response limit the agent was handed: the overlong shaping's L_max, as a
+        // rollout's.
+        params: json!({"agent": agent.command, "trajectories": ids.len(),
+                       "max_response_tokens": limit}),
         policy_version: None,
         step: Some(step),
     };

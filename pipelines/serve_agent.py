@@ -42,8 +42,8 @@ SYSTEM = ("Solve the problem. You may run Python with the python tool. "
 RESULT_WRAP_TOKENS = 24
 
 # The server samples a batch's requests in one engine pass per distinct set of parameters,
-# max_tokens included: a turn cut short by the response budget asks a multiple of this many
-# tokens, so that such turns share a few passes.
+# max_tokens included: a later turn cut short by the response budget asks a multiple of this
+# many tokens, so that such turns share a few passes.
 ROOM_STEP = 128
 
 
@@ -94,7 +94,10 @@ def episode(client, args, tool, trajectory, messages):
     text, calls, first, used, pending = "", 0, None, 0, 0
     for turn in range(args.max_turns):
         room = args.max_response_tokens - used - pending
-        room = args.max_tokens if room >= args.max_tokens else room - room % ROOM_STEP
+        if room >= args.max_tokens:
+            room = args.max_tokens
+        elif first is not None:  # a first turn's room is every episode's
+            room -= room % ROOM_STEP
         if room <= 0:
             break
         r = client.chat.completions.create(

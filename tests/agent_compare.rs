@@ -194,8 +194,7 @@ lr = 0.01
         .unwrap();
     crate::pipeline::assert_ok(&o);
     let b = crate::stage_util::read(&d.join("r/step-0001/rollout.parquet"));
-    let params: serde_json::Value =
-        serde_json::from_str(&b.meta["tandem.stage.agent"]).unwrap();
+    let params: serde_json::Value = serde_json::from_str(&b.meta["tandem.stage.agent"]).unwrap();
     assert_eq!(params["max_response_tokens"], 6);
     let scored = crate::stage_util::read(&d.join("r/step-0001/scored.parquet"));
     let score: serde_json::Value =

@@ -6,7 +6,7 @@
 # and resumes included).
 #
 # Variables (all steps):
-#   STEP   pack | setup | piece | run | eval | report   (below)
+#   STEP   pack | wheels | setup | piece | import | run | start | wait | eval | report   (below)
 #   MODEL  0.5b (default) or 1.5b: the GGUF (size, sha256), models/qwen2.5-coder-$MODEL
 #   SPEC   pipeline spec [pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml]; the GRPO one is
 #          pipelines/gsm8k-qwen2.5-coder-0.5b-cuda.toml
@@ -14,6 +14,13 @@
 #          the code format's is ...-1.5b-code-cuda.toml], and STEP=eval evaluates with that
 #          spec's evaluation flags (the tool, its limits and the system prompt) unless
 #          EVAL_FLAGS is given
+#   AGENT  with TOOLS=1, issue 39's comparison (docs/SERVING.md): 1 picks the agent spec
+#          [pipelines/gsm8k-qwen2.5-coder-$MODEL-agent-cuda.toml: pipelines/serve_agent.py
+#          plays each step's episodes through the OpenAI API], builtin its twin
+#          [...-agent-builtin-cuda.toml: the built-in multi-turn rollout], which differs in
+#          `[rollout] agent` only. A spec with an agent needs the `openai` package: when
+#          `import openai` fails, STEP=run unpacks the wheels of STEP=wheels (carried in
+#          $D/openai-wheels, copied by STEP=setup) into $R/pylib and puts it on PYTHONPATH
 #   RUN    run name [gsm8k-$MODEL]: the run directory is $R/runs/$RUN
 #   D      carried directory with bin.tar.xz and the GSM8K parquets [.device/rl]
 #   P      carried directory with this call's GGUF piece(s) [.device/piece]
@@ -30,6 +37,9 @@
 #     own call: copy it alone into .device/piece/ before the call. Both models can go to one machine (their pieces and GGUFs
 #     are kept apart by MODEL): the setup call can carry one model's short last piece (27 MB of
 #     1.5b, 30 MB of 0.5b) beside the binaries.
+#   STEP=wheels bash bench/gsm8k_run.sh   (for AGENT=1, once; needs the network)
+#     writes $D/openai-wheels: the `openai` client and its dependencies as pure-Python wheels
+#     (1.2 MB), which the setup call carries with the binaries
 # On the device (the device tool's `run`, carry [".device/rl", ".device/piece"]):
 #   STEP=setup  unpack the binaries and data into $R, keep the carried pieces (carry the last,
 #               short ones here: they fit beside bin.tar.xz; q.NN of 0.5b as 0.5b-q.NN, of 1.5b
@@ -75,13 +85,18 @@ case "$MODEL" in
 *) echo "MODEL=$MODEL: expected 0.5b or 1.5b"; exit 2 ;;
 esac
 MODEL_DIR=models/qwen2.5-coder-$MODEL
-if [ "${TOOLS:-0}" = 1 ]; then
+if [ "${TOOLS:-0}" = 1 ] && [ "${AGENT:-0}" = 1 ]; then
+  SPEC=${SPEC:-pipelines/gsm8k-qwen2.5-coder-$MODEL-agent-cuda.toml}
+elif [ "${TOOLS:-0}" = 1 ] && [ "${AGENT:-0}" = builtin ]; then
+  SPEC=${SPEC:-pipelines/gsm8k-qwen2.5-coder-$MODEL-agent-builtin-cuda.toml}
+elif [ "${TOOLS:-0}" = 1 ]; then
   SPEC=${SPEC:-pipelines/gsm8k-qwen2.5-coder-$MODEL-tools-cuda.toml}
 else
   SPEC=${SPEC:-pipelines/gsm8k-qwen2.5-coder-$MODEL-dapo-cuda.toml}
 fi
 RUN=${RUN:-gsm8k-$MODEL}
 D=${D:-.device/rl}
+D_ABS=$(readlink -m "$D")
 P=${P:-.device/piece}
 R=${R:-/root/rl}
 SELF=$(readlink -f "$0")
@@ -104,6 +119,19 @@ start_mem() {
 }
 stop_mem() { kill "$MEM_PID" 2>/dev/null; wait "$MEM_PID" 2>/dev/null; }
 
+# The `openai` package for a spec's agent (pipelines/serve_agent.py): the machine's own, else
+# the carried wheels (pure Python, any python3 >= 3.10) unpacked into $R/pylib, offline.
+need_openai() {
+  python3 -c 'import openai' 2>/dev/null && return 0
+  local whl=$R/openai-wheels
+  [ -d "$whl" ] || whl=$D_ABS/openai-wheels
+  ls "$whl"/*.whl > /dev/null 2>&1 || { echo "no openai on this machine and no wheels in $R/openai-wheels or $D_ABS/openai-wheels: run STEP=wheels here and carry $D"; return 1; }
+  python3 -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+    "$R/pylib" "$whl"/*.whl || return 1
+  export PYTHONPATH=$R/pylib${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c 'import openai; print("openai", openai.__version__, "from", openai.__file__)'
+}
+
 case "${STEP:-}" in
 pack)
   set -e
@@ -120,9 +148,21 @@ pack)
   ls -la "$D" ".device/pieces-$MODEL"
   echo "pieces: $(ls ".device/pieces-$MODEL" | wc -l); carry the last with STEP=setup, the others one per STEP=piece call"
   ;;
+wheels)
+  # Here, with network: the `openai` client and its dependencies as pure-Python wheels (about
+  # 1.2 MB), so that one set serves whatever python3 the device has: openai 1.39 is the last
+  # without the compiled `jiter`, pydantic 1.10 has a pure wheel, httpx 0.28 drops what that
+  # openai passes.
+  set -e
+  rm -rf "$D/openai-wheels" && mkdir -p "$D/openai-wheels"
+  pip download "openai==1.39.0" "httpx==0.27.2" "pydantic<2" --only-binary=:all: --platform any \
+    --python-version 3.10 --implementation py -d "$D/openai-wheels" -q
+  du -sh "$D/openai-wheels"
+  ;;
 setup)
   rm -rf "$R" && mkdir -p "$R/bin" "$R/data/gsm8k" "$R/pipelines/rewards" "$R/pieces-0.5b" "$R/pieces-1.5b"
   tar -xJf "$D/bin.tar.xz" -C "$R/bin" && cp "$D"/train.parquet "$D"/test.parquet "$R/data/gsm8k/" || exit 1
+  [ -d "$D/openai-wheels" ] && cp -r "$D/openai-wheels" "$R/"
   cp "$P"/q.* "$R/pieces-$MODEL/" 2>/dev/null
   for m in 0.5b 1.5b; do
     for f in "$P/$m"-q.*; do [ -f "$f" ] && cp "$f" "$R/pieces-$m/${f##*/$m-}"; done
@@ -134,7 +174,7 @@ piece)
   mkdir -p "$R/pieces-$MODEL" && cp "$P"/q.* "$R/pieces-$MODEL/" && ls "$R/pieces-$MODEL" | tr '\n' ' ' && echo
   ;;
 import|run)
-  cp pipelines/*.toml "$R/pipelines/" && cp pipelines/rewards/*.py "$R/pipelines/rewards/"
+  cp pipelines/*.toml pipelines/serve_agent.py "$R/pipelines/" && cp pipelines/rewards/*.py "$R/pipelines/rewards/"
   [ -f "$SPEC" ] || { echo "SPEC=$SPEC: no such spec"; exit 2; }
   cd "$R" || exit 1
   gguf=model-$MODEL.gguf
@@ -150,6 +190,7 @@ import|run)
     ledger import $((SECONDS - t0))
   fi
   [ "$STEP" = import ] && exit 0
+  if grep -q '^agent = ' "$SPEC"; then need_openai || exit 1; fi
   spec=$SPEC
   if [ -n "${EVAL_EVERY:-}${GPUS:-}${LR:-}" ]; then
     spec=pipelines/$RUN.toml
@@ -185,6 +226,8 @@ import|run)
   ;;
 start)
   mkdir -p "$R"
+  # Before detaching, so that a missing package shows in this call (the run inherits PYTHONPATH).
+  if [ -f "$SPEC" ] && grep -q '^agent = ' "$SPEC"; then need_openai || exit 1; fi
   STEP=run OUT= setsid nohup bash "$SELF" > "$R/start-$RUN.log" 2>&1 < /dev/null &
   echo "started $RUN (pid $!, at most ${SECS:-480} s): $R/pipeline-$RUN.log"
   ;;
@@ -258,7 +301,7 @@ report)
   model=$MODEL
   case "$spec_ran" in *0.5b*) model=0.5b ;; *1.5b*) model=1.5b ;; esac
   python3 - "$run" "$R/wall-$RUN.tsv" "$R/mem-$RUN.csv" "$OUT/evals.tsv" "$model" "$spec_ran" > "$OUT/report.md" <<'EOF'
-import json, os, statistics, sys
+import json, os, re, statistics, sys
 run, wall, mem, evals, model, spec = sys.argv[1:]
 try:
     lines = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
@@ -290,6 +333,28 @@ if any("sampling/rounds" in l for l in lines):
           f"{statistics.mean(l['sampling/groups_dropped'] for l in lines):.1f} groups dropped, "
           f"{sum(l['sampling/capped'] for l in lines)} steps capped, "
           f"{sum(l['sampling/prompts'] for l in lines)} prompts drawn")
+# The rollout's throughput, measured alike for the built-in rollout and an agent's step (issue
+# 39's comparison): a step's response tokens (tool results included) over the rollout's wall
+# time (an agent step's: serving, the agent's episodes and the collecting).
+try:
+    text = open(spec).read()
+    samples = (int(re.search(r"^n = (\d+)", text, re.M)[1])
+               * int(re.search(r"^prompts-per-step = (\d+)", text, re.M)[1]))
+    if re.search(r"^filter-groups = true", text, re.M):
+        samples = None  # dynamic sampling plays a varying number of rounds
+except (OSError, TypeError):
+    samples = None
+r = [l for l in lines if l.get("time/rollout") and "response_length/mean" in l]
+if samples and r:
+    tps = [l["response_length/mean"] * samples / l["time/rollout"] for l in r]
+    print(f"\n## Rollout throughput\n\n{samples} samples a step; medians over {len(r)} steps: "
+          f"{statistics.median(l['time/rollout'] for l in r):.2f} s of rollout, "
+          f"{statistics.median(l['response_length/mean'] for l in r):.0f} response tokens a sample, "
+          f"**{statistics.median(tps):.0f} response tokens/s** (tool results included); "
+          f"{statistics.median(l['time/step'] for l in r):.2f} s a step")
+    g = [l["rollout/generation_tokens_per_s"] for l in r if "rollout/generation_tokens_per_s" in l]
+    if g:
+        print(f"(the engine's own generation rate, built-in rollout only: {statistics.median(g):.0f} tokens/s)")
 # A spec that offers tools (every rollout reports tool_calls, 0 without tools).
 if ("tools" in spec or "-code-" in spec) and any("rollout/tool_calls" in l for l in lines):
     t = [l for l in lines if "rollout/tool_calls" in l]

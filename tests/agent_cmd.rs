@@ -184,11 +184,6 @@ fn preflight_refuses_what_an_agent_step_cannot_do() {
             "not with gpus = 2 without daemon = true",
         ),
         (
-            "n = 2",
-            "n = 2\ntool = [\"python\"]",
-            "not with [rollout] tool",
-        ),
-        (
             "cmd:python3 AGENT",
             "cmd:./no-such-agent --x",
             "program `./no-such-agent` not found",

@@ -15,6 +15,7 @@ mod stage_util;
 mod advantage;
 mod agent;
 mod agent_cmd;
+mod agent_compare;
 mod async_rl;
 mod batch;
 mod bench_decoder;

@@ -20,6 +20,7 @@ use crate::bail_input;
 use crate::batch::{write_file, Batch, NewColumns, StageInfo};
 use crate::error::input_error;
 use crate::process::{die_with_parent, GroupGuard};
+use crate::stage::rollout::RolloutArgs;
 use anyhow::{Context, Result};
 use arrow_array::{ArrayRef, StringArray};
 use serde_json::{json, Map, Value};
@@ -135,8 +136,17 @@ impl Served {
             .args(["--served-model-name", MODEL_NAME])
             .args(["--device", plan.spec.device.as_str()])
             .args(["--collect-dir", &path_arg(dir)])
-            .args(["--max-tokens", &r.max_new_tokens.max(1).to_string()])
+            .args(["--max-tokens", &request_cap(r).max(1).to_string()])
             .args(["--max-n", &r.n.max(16).to_string()])
+            // The rollout stage's engine limits, so that a step's episodes batch as its would
+            // (and a connection per episode in flight: the agent's client may hold one each).
+            .args(["--max-num-seqs", &r.max_num_seqs.to_string()])
+            .args(["--max-batched-tokens", &r.max_batched_tokens.to_string()])
+            .args(["--gpu-memory-fraction", &r.gpu_memory_fraction.to_string()])
+            .args([
+                "--max-connections",
+                &(r.max_num_seqs + 64).max(512).to_string(),
+            ])
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out);
@@ -221,6 +231,50 @@ impl Served {
     }
 }
 
+/// The new tokens one request may ask: the rollout stage's per-turn cap with tools
+/// (`max-turn-tokens`, else `max-response-tokens`), else `max-new-tokens`.
+fn request_cap(r: &RolloutArgs) -> usize {
+    match r.tool.is_empty() {
+        true => r.max_new_tokens,
+        false => r.turn_limits().1,
+    }
+}
+
+/// The response tokens an episode may take: `max-response-tokens` (else `max-new-tokens`)
+/// with tools, `max-new-tokens` without.
+fn response_limit(r: &RolloutArgs) -> usize {
+    match r.tool.is_empty() {
+        true => r.max_new_tokens,
+        false => r.turn_limits().0.max_response_tokens,
+    }
+}
+
+/// With `[rollout] tool`: the multi-turn settings the rollout stage plays by (and evaluates
+/// with), for the agent to play its episodes by the same ones.
+fn turn_env(r: &RolloutArgs) -> Vec<(&'static str, String)> {
+    let mut env = Vec::new();
+    if let Some(p) = &r.system_prompt {
+        env.push(("TANDEM_SYSTEM_PROMPT", p.clone()));
+    }
+    if r.tool.is_empty() {
+        return env;
+    }
+    let (limits, _) = r.turn_limits();
+    env.push(("TANDEM_TOOLS", json!(r.tool).to_string()));
+    env.push(("TANDEM_MAX_TURNS", limits.max_turns.to_string()));
+    env.push(("TANDEM_MAX_TOOL_CALLS", limits.max_tool_calls.to_string()));
+    env.push((
+        "TANDEM_MAX_RESPONSE_TOKENS",
+        limits.max_response_tokens.to_string(),
+    ));
+    if let Some(k) = r.max_parallel_calls {
+        env.push(("TANDEM_MAX_PARALLEL_CALLS", k.to_string()));
+    }
+    env.push(("TANDEM_TOOL_CONCURRENCY", r.tool_concurrency.to_string()));
+    env.push(("TANDEM_TOOL_TIMEOUT", r.tool_timeout.to_string()));
+    env
+}
+
 /// A key no other program on the machine can guess.
 fn made_up_key() -> String {
     let r = || {
@@ -292,13 +346,15 @@ pub(crate) fn run(
         .env("OPENAI_BASE_URL", format!("http://{}/v1", served.addr))
         .env("OPENAI_API_KEY", &served.key)
         .env("TANDEM_MODEL", MODEL_NAME)
+        .env("TANDEM_BIN", plan.bins.join("tandem"))
         .env("TANDEM_PROMPTS", dir.join("prompts.parquet"))
         .env("TANDEM_PROMPTS_JSONL", dir.join("prompts.jsonl"))
         .env("TANDEM_N", r.n.to_string())
         .env("TANDEM_STEP", step.to_string())
         .env("TANDEM_SEED", seed.to_string())
         .env("TANDEM_TEMPERATURE", r.logprob_temperature().to_string())
-        .env("TANDEM_MAX_TOKENS", r.max_new_tokens.to_string())
+        .env("TANDEM_MAX_TOKENS", request_cap(r).to_string())
+        .envs(turn_env(r))
         .stdin(Stdio::null());
     die_with_parent(&mut cmd);
     console.detail(&format!("[{name}] agent: {}", agent.command));
@@ -320,7 +376,7 @@ pub(crate) fn run(
             dir.join("serve.log").display()
         );
     };
-    finish(&file, rollout, &given, step, &agent)
+    finish(&file, rollout, &given, step, &agent, response_limit(r))
 }
 
 /// The error of an agent that failed: its output's tail, the server's log, how to go on.
@@ -355,6 +411,7 @@ fn finish(
     given: &Prompts,
     step: u64,
     agent: &AgentCmd,
+    limit: usize,
 ) -> Result<()> {
     let b = Batch::read(collected, &[])?;
     let index: HashMap<&str, usize> = given
@@ -402,7 +459,10 @@ fn finish(
     new.add(crate::batch::schema::DATA_SOURCE, col(sources));
     let info = StageInfo {
         stage: "agent",
-        params: json!({"agent": agent.command, "trajectories": ids.len()}),
+        // The response limit the agent was handed: the overlong shaping's L_max, as a
+        // rollout's.
+        params: json!({"agent": agent.command, "trajectories": ids.len(),
+                       "max_response_tokens": limit}),
         policy_version: None,
         step: Some(step),
     };

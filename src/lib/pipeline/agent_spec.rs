@@ -24,8 +24,6 @@ pub(crate) struct AgentCmd {
 pub(crate) struct Around {
     pub(crate) daemon: bool,
     pub(crate) gpus: u64,
-    /// `[rollout] tool` is set.
-    pub(crate) tool: bool,
     pub(crate) filter_groups: bool,
 }
 
@@ -78,8 +76,6 @@ pub(crate) fn parse(
     // group spreads the server's batches over its ranks.
     let why = if around.gpus > 1 && !around.daemon {
         Some(format!("not with gpus = {} without daemon = true: the agent's server loads the policy on one device; set daemon = true (its batches then run on the daemon group's ranks) or gpus = 1", around.gpus))
-    } else if around.tool {
-        Some("not with [rollout] tool: the agent runs its tools itself (the server only samples); drop `tool`".to_string())
     } else if around.filter_groups {
         Some("not with [algorithm] filter-groups = true: dynamic sampling's rounds run the rollout stage; drop one of them".to_string())
     } else {
@@ -172,7 +168,6 @@ mod tests {
         let around = Around {
             daemon: false,
             gpus: 1,
-            tool: false,
             filter_groups: false,
         };
         let a = parse(&t, &around, &|k| format!("at {k}")).unwrap().unwrap();

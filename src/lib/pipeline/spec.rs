@@ -665,7 +665,6 @@ impl Spec {
         let around = super::agent_spec::Around {
             daemon: self.daemon,
             gpus: self.gpus,
-            tool: !stages.rollout.args.tool.is_empty(),
             filter_groups: self.filter_groups().is_some(),
         };
         let agent = super::agent_spec::parse(&self.rollout, &around, &|k| src.at("rollout", k))?;

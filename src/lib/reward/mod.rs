@@ -459,9 +459,11 @@ impl OverlongFlags {
             return overlong::Overlong::new(max, self.buffer, self.factor, "--max-response-length");
         }
         let key = format!("{}rollout", crate::batch::schema::meta::STAGE_PREFIX);
-        let recorded = batch
-            .meta
-            .get(&key)
+        // A pipeline's agent step records the limit its agent was handed.
+        let agent = format!("{}agent", crate::batch::schema::meta::STAGE_PREFIX);
+        let recorded = [&key, &agent]
+            .into_iter()
+            .find_map(|k| batch.meta.get(k))
             .and_then(|p| serde_json::from_str::<Value>(p).ok())
             .and_then(|p| {
                 // A multi-turn rollout's limit is its whole response's (sampled and tool tokens).

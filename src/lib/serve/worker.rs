@@ -131,11 +131,25 @@ fn start_local(
         .map_err(|_| anyhow::anyhow!("the generator thread ended before loading the model"))?
 }
 
-/// The jobs waiting now (at least one; None once the server is gone).
+/// How long the next batch waits for one more request while requests keep coming, and at most
+/// in all: an agent's episodes, started together, arrive over some milliseconds (a Python
+/// client sends its requests one after the other), and those that missed a batch would wait
+/// for all of it.
+const GATHER_GAP: Duration = Duration::from_millis(20);
+const GATHER_MAX: Duration = Duration::from_secs(2);
+
+/// The jobs waiting now and those that follow closely (at least one; None once the server is
+/// gone).
 fn next_batch(jobs: &Receiver<GenJob>) -> Option<Vec<GenJob>> {
     let first = jobs.recv().ok()?;
+    let until = std::time::Instant::now() + GATHER_MAX;
     let mut batch = vec![first];
-    batch.extend(jobs.try_iter());
+    while std::time::Instant::now() < until {
+        match jobs.recv_timeout(GATHER_GAP) {
+            Ok(j) => batch.push(j),
+            Err(_) => break,
+        }
+    }
     Some(batch)
 }
 

@@ -729,7 +729,7 @@ impl RolloutArgs {
     }
 
     /// With tools: the trajectory's limits and the new tokens of one turn.
-    fn turn_limits(&self) -> (TurnLimits, usize) {
+    pub(crate) fn turn_limits(&self) -> (TurnLimits, usize) {
         let total = self.max_response_tokens.unwrap_or(self.max_new_tokens);
         let limits = TurnLimits {
             max_turns: self.max_turns,

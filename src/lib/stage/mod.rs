@@ -27,6 +27,7 @@ pub mod common;
 pub mod generate;
 pub mod ref_logprob;
 pub mod rollout;
+mod rollout_round;
 pub mod save;
 pub mod score;
 pub mod sft_batch;

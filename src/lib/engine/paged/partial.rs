@@ -14,7 +14,7 @@
 use anyhow::{ensure, Result};
 
 use super::engine::generate_paged;
-use super::request::{FinishReason, GenParams, Request};
+use super::request::{Completion, FinishReason, GenParams, Request};
 use super::{PagedConfig, PagedModel, PagedStats};
 use crate::rng::mix_key;
 
@@ -75,6 +75,25 @@ pub fn round(
     round_tokens: usize,
     version: u64,
 ) -> Result<PagedStats> {
+    let (live, requests, this_round) = round_requests(seqs, params, round_tokens)?;
+    let (done, stats) = generate_paged(model, cfg, &requests, &this_round, None, &mut |_| {})?;
+    let done: Vec<Completion> = done
+        .into_iter()
+        .map(|mut s| s.pop().expect("one sample per request"))
+        .collect();
+    absorb(seqs, &live, done, params, version);
+    Ok(stats)
+}
+
+/// What a round generates: the unfinished sequences of `seqs` (their indices), a request for
+/// each (prompt and response so far, the round's key, one sample), and the round's parameters
+/// (at most `round_tokens` new tokens). The engine that runs them may be any (`round` above,
+/// or a rollout stage's own generation on its ranks).
+pub fn round_requests(
+    seqs: &[InFlight],
+    params: &GenParams,
+    round_tokens: usize,
+) -> Result<(Vec<usize>, Vec<Request>, GenParams)> {
     ensure!(round_tokens > 0, "a round needs at least one new token");
     ensure!(
         params.stop_strings.is_empty(),
@@ -94,9 +113,19 @@ pub fn round(
         max_new_tokens: round_tokens.min(params.max_new_tokens),
         ..params.clone()
     };
-    let (done, stats) = generate_paged(model, cfg, &requests, &this_round, None, &mut |_| {})?;
-    for (&i, mut samples) in live.iter().zip(done) {
-        let c = samples.pop().expect("one sample per request");
+    Ok((live, requests, this_round))
+}
+
+/// Adds a round's completions (`done`, one per index of `live`, sampled by policy `version`)
+/// to their sequences, and marks those that ended.
+pub fn absorb(
+    seqs: &mut [InFlight],
+    live: &[usize],
+    done: Vec<Completion>,
+    params: &GenParams,
+    version: u64,
+) {
+    for (&i, c) in live.iter().zip(done) {
         let s = &mut seqs[i];
         // A sequence with fewer tokens left than a round keeps only those.
         let room = params.max_new_tokens - s.tokens.len();
@@ -110,7 +139,6 @@ pub fn round(
             _ => None,
         };
     }
-    Ok(stats)
 }
 
 /// The n samples of one prompt, in flight together (a group is trained whole).

@@ -63,6 +63,8 @@ pub(crate) struct Runner {
     daemon: Daemon,
     /// A placed run's rollout group (`[placement]`; never started otherwise).
     rollout_daemon: Daemon,
+    /// `mode = "async"`: the queue the rollout rounds fill (while they run).
+    pub(super) rounds: Option<std::sync::Arc<super::asynchronous::Shared>>,
 }
 
 /// The run must go back to the end of step `to`: the daemon that died held the only copy of
@@ -99,6 +101,7 @@ impl Runner {
             eval_note: None,
             daemon: Daemon::default(),
             rollout_daemon: Daemon::of(Side::Rollout),
+            rounds: None,
         })
     }
 
@@ -139,7 +142,10 @@ impl Runner {
         let tasks = self.remaining();
         self.check_bins(&tasks)?;
         self.start_progress();
-        let result = self.run_tasks(tasks);
+        let result = match self.plan.asynchronous() {
+            true => self.run_async(tasks),
+            false => self.run_tasks(tasks),
+        };
         // Stop the daemons whether the run finished or failed: no process outlives the runner.
         self.daemon.stop();
         self.rollout_daemon.stop();
@@ -271,7 +277,7 @@ impl Runner {
         self.plan.run.save_state(&self.state)
     }
 
-    fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
+    pub(super) fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
         self.console
             .bar
             .set_message(format!("{} ({})", task.name, step_name(step)));
@@ -312,6 +318,7 @@ impl Runner {
                 step,
             )?,
             Action::Overlap(pair) => self.run_overlap(step, pair)?,
+            Action::TakeGroups => self.take_groups(step)?,
         }
         self.finish_task(step, task, t0.elapsed().as_secs_f64())
     }
@@ -324,7 +331,7 @@ impl Runner {
         progress.done.push(task.name.to_string());
         if matches!(
             task.action,
-            Action::Stage { .. } | Action::Agent { .. } | Action::Overlap(_)
+            Action::Stage { .. } | Action::Agent { .. } | Action::Overlap(_) | Action::TakeGroups
         ) {
             progress.seconds.insert(task.name.to_string(), secs);
         }
@@ -480,6 +487,14 @@ impl Runner {
         Ok(())
     }
 
+    /// Makes sure both groups of a placed run are up before step `step` (the rollout group
+    /// with the current policy).
+    pub(super) fn ensure_sides(&mut self, step: u64) -> Result<()> {
+        self.ensure_side(step, Side::Train)?;
+        self.ensure_side(step, Side::Rollout)?;
+        Ok(())
+    }
+
     /// The daemon (group) of `side`.
     fn daemon_of(&mut self, side: Side) -> &mut Daemon {
         match side {
@@ -615,6 +630,16 @@ impl Runner {
         self.train = Some(batch);
     }
 
+    /// The training set (a copy of the rows, which Arrow shares).
+    pub(super) fn train_set(&mut self) -> Result<Batch> {
+        let b = self.train_batch()?;
+        Ok(Batch {
+            path: b.path.clone(),
+            data: b.data.clone(),
+            meta: b.meta.clone(),
+        })
+    }
+
     fn train_batch(&mut self) -> Result<&Batch> {
         if self.train.is_none() {
             let train = &self.plan.spec.data.train;
@@ -689,38 +714,44 @@ impl Rounds for Runner {
         count: u64,
         out: &Path,
     ) -> Result<Cursor> {
-        let seed = self.plan.spec.seed;
-        let shuffle = self.plan.spec.data.shuffle;
-        let train_rows = self.state.train_rows;
+        let sampler = self.plan.sampler(self.state.train_rows);
         let batch = self.train_batch()?;
-        if batch.num_rows() as u64 != train_rows {
-            bail_input!(
-                "{}: has {} rows but had {train_rows} when the run began; a resumed run must sample from the same data",
-                batch.path.display(),
-                batch.num_rows()
-            );
-        }
-        let sampler = Sampler {
-            seed,
-            len: batch.num_rows() as u64,
-            shuffle,
-        };
-        let (rows, next) = sampler.draw(cursor, count);
-        let data = arrow_select::take::take_record_batch(&batch.data, &UInt64Array::from(rows))?;
-        let meta = batch.derived_meta(&StageInfo {
-            stage: "sample",
-            params: json!({
-                "dataset": batch.path,
-                "seed": seed,
-                "shuffle": shuffle,
-                "epoch": cursor.epoch,
-                "position": cursor.position,
-                "count": count,
-            }),
-            policy_version: None,
-            step: Some(step),
-        });
-        crate::batch::write_file(out, &data, &meta)?;
-        Ok(next)
+        draw_into(batch, &sampler, (cursor, count), step, out)
     }
+}
+
+/// Draws `count` prompts of `batch` (the run's training set, as many rows as `sampler` was
+/// made for) from `cursor` into `out`, tagged with step `step`; returns the cursor after them.
+pub(super) fn draw_into(
+    batch: &Batch,
+    sampler: &Sampler,
+    (cursor, count): (Cursor, u64),
+    step: u64,
+    out: &Path,
+) -> Result<Cursor> {
+    if batch.num_rows() as u64 != sampler.len {
+        bail_input!(
+            "{}: has {} rows but had {} when the run began; a resumed run must sample from the same data",
+            batch.path.display(),
+            batch.num_rows(),
+            sampler.len
+        );
+    }
+    let (rows, next) = sampler.draw(cursor, count);
+    let data = arrow_select::take::take_record_batch(&batch.data, &UInt64Array::from(rows))?;
+    let meta = batch.derived_meta(&StageInfo {
+        stage: "sample",
+        params: json!({
+            "dataset": batch.path,
+            "seed": sampler.seed,
+            "shuffle": sampler.shuffle,
+            "epoch": cursor.epoch,
+            "position": cursor.position,
+            "count": count,
+        }),
+        policy_version: None,
+        step: Some(step),
+    });
+    crate::batch::write_file(out, &data, &meta)?;
+    Ok(next)
 }

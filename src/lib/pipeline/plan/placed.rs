@@ -5,8 +5,21 @@
 use super::super::placement::{Mode, PlacementSpec, Side};
 use super::super::rundir::State;
 use super::super::spec::Device;
+use super::super::sampler::derive_seed;
 use super::{path_arg, Action, Plan, Task};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+/// New tokens per sequence per round when `round-tokens` is not set.
+pub(crate) const DEFAULT_ROUND_TOKENS: u64 = 64;
+
+/// The files of one rollout round (`RUN/async/round-R/`).
+pub(crate) struct RoundFiles {
+    pub(crate) prompts: PathBuf,
+    pub(crate) carry: Option<PathBuf>,
+    pub(crate) carry_out: PathBuf,
+    pub(crate) finished: PathBuf,
+    pub(crate) metrics: PathBuf,
+}
 
 impl Plan {
     /// The run's placement, when rollout and training sit on separate GPUs.
@@ -17,6 +30,56 @@ impl Plan {
     /// Whether the next step's rollout overlaps this step's update.
     pub(crate) fn one_step_off(&self) -> bool {
         self.placement().is_some_and(|p| p.mode == Mode::OneStepOff)
+    }
+
+    /// Whether the rollout group generates continuously in rounds (`mode = "async"`).
+    pub(crate) fn asynchronous(&self) -> bool {
+        self.placement().is_some_and(|p| p.mode == Mode::Async)
+    }
+
+    /// An asynchronous step's sampling: take the finished groups, then score them.
+    pub(super) fn take_tasks(&self, step: u64) -> Vec<Task> {
+        let files = self.step_files(step);
+        let [_, score] = self.sample_tasks(step, &files, 0);
+        vec![
+            Task {
+                name: "take",
+                action: Action::TakeGroups,
+            },
+            score,
+        ]
+    }
+
+    /// The stage command of rollout round `round` (`rollout --round-tokens`, on the rollout
+    /// group): `prompts` start, `carry` (none in the first round) continues, the finished
+    /// groups go to `out` and the rest to `carry_out`; the policy is `model` (what the rollout
+    /// group holds).
+    pub(crate) fn round_args(&self, round: u64, model: &Path, files: &RoundFiles) -> Vec<String> {
+        let p = self.placement().expect("a placed run");
+        let mut a = vec![
+            "--model".into(),
+            path_arg(model),
+            "--in".into(),
+            path_arg(&files.prompts),
+            "--out".into(),
+            path_arg(&files.finished),
+        ];
+        a.extend(self.stages.rollout.argv.iter().cloned());
+        if let Some(c) = &files.carry {
+            a.extend(["--carry".into(), path_arg(c)]);
+        }
+        a.extend([
+            "--carry-out".into(),
+            path_arg(&files.carry_out),
+            "--round-tokens".into(),
+            p.round_tokens.unwrap_or(DEFAULT_ROUND_TOKENS).to_string(),
+            "--seed".into(),
+            derive_seed(self.spec.seed, &[round, 3]).to_string(),
+            "--metrics".into(),
+            path_arg(&files.metrics),
+        ]);
+        a.extend(self.device_args_of(Side::Rollout));
+        a
     }
 
     /// Ranks of a side's daemon group: the placed side's GPUs, or `gpus` colocated.

@@ -1,0 +1,509 @@
+//! `[placement] mode = "async"`: fully asynchronous RL with partial rollouts (docs/DISTRIBUTED.md,
+//! "Placement"). The rollout group generates continuously, in rounds (`rollout
+//! --round-tokens`, `stage::rollout_round`), on a thread of the runner of its own; the step
+//! loop trains on the training group at the same time. Between the two sits a queue of
+//! finished groups:
+//!
+//! - A round continues the sequences in flight and starts new prompts' groups while fewer than
+//!   (K + 1) × `prompts-per-step` groups are in flight or waiting (K = `max-staleness`); the
+//!   groups it finishes join the queue, oldest first. With nothing to do (the queue full) or
+//!   while weights move, the rollout side waits (its idle time is counted).
+//! - A step's `take` task waits for the queue (the training side's idle time) and takes its
+//!   groups one by one through `staleness::admit` against the policy being trained: a group
+//!   whose oldest token lags more than K versions is dropped whole and counted; the first
+//!   `prompts-per-step` admitted groups become the step's `rollout.parquet` (score, advantage,
+//!   update read it as in any step).
+//! - The transfer after the update pauses the rounds: it runs on the rollout group between two
+//!   rounds (the group runs one job at a time), so the sequences in flight continue under the
+//!   new weights in the next round; the rounds then use the policy the group holds
+//!   (`RUN/async/rollout-policy`).
+//!
+//! The rounds' files are in `RUN/async/round-R/` and their commands in `RUN/async/rounds.sh`;
+//! `RUN/async/in-flight.json` says after each round what is in flight. A runner killed loses
+//! what was in flight and waiting (the rerun says how much) and starts rounds afresh from the
+//! last finished step; this mode is not deterministic (which round a group finishes in
+//! depends on timing).
+
+use super::plan::placed::RoundFiles;
+use super::plan::{Plan, Task};
+use super::rundir::step_name;
+use super::runner::{draw_into, Runner};
+use super::sampler::{Cursor, Sampler};
+use super::staleness::admit;
+use crate::batch::schema::{self, meta};
+use crate::batch::{stage_meta, write_file, write_json, Batch, StageInfo};
+use crate::engine::policy::Pointer;
+use crate::error::input_error;
+use crate::process::die_with_parent;
+use crate::stage::common::resolve_model;
+use anyhow::{Context, Result};
+use arrow_array::RecordBatch;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, VecDeque};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// One finished group waiting for the trainer.
+struct Ready {
+    puid: String,
+    rows: RecordBatch,
+    meta: BTreeMap<String, String>,
+    /// Each row's `token_policy_version`.
+    versions: Vec<Vec<u64>>,
+}
+
+/// What the two sides share.
+#[derive(Default)]
+struct Queue {
+    ready: VecDeque<Ready>,
+    stop: bool,
+    /// Weights are moving to the rollout group: no round starts.
+    paused: bool,
+    /// A round failed: the run stops with it.
+    error: Option<anyhow::Error>,
+    /// Where the sampler stands after the prompts the rounds drew.
+    cursor: Cursor,
+    /// After the last round: groups and sequences in flight, and those with tokens already.
+    in_flight_groups: usize,
+    in_flight_rows: usize,
+    partial_rows: usize,
+    /// Since the last take: the rollout side's seconds waiting, rounds, new tokens.
+    rollout_idle_s: f64,
+    rounds: u64,
+    new_tokens: u64,
+}
+
+#[derive(Default)]
+pub(super) struct Shared {
+    q: Mutex<Queue>,
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.q.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Queue)) {
+        f(&mut self.lock());
+        self.cv.notify_all();
+    }
+}
+
+/// The rollout side: the rounds, one after the other, until told to stop.
+struct RoundLoop {
+    plan: Plan,
+    shared: Arc<Shared>,
+    train: Batch,
+    sampler: Sampler,
+    /// Groups in flight and waiting at most.
+    capacity: usize,
+    n: usize,
+}
+
+impl RoundLoop {
+    fn run(self) {
+        if let Err(e) = self.rounds() {
+            self.shared.update(|q| {
+                q.error = Some(e);
+                q.stop = true;
+            });
+        }
+    }
+
+    fn rounds(&self) -> Result<()> {
+        let dir = async_dir(&self.plan);
+        let mut carry: Option<PathBuf> = None;
+        for round in 1.. {
+            let Some(start) = self.wait_for_work(carry.is_some()) else {
+                return Ok(());
+            };
+            let rdir = dir.join(format!("round-{round}"));
+            let files = RoundFiles {
+                prompts: rdir.join("prompts.parquet"),
+                carry: carry.clone(),
+                carry_out: rdir.join("carry.parquet"),
+                finished: rdir.join("finished.parquet"),
+                metrics: rdir.join("metrics.json"),
+            };
+            std::fs::create_dir_all(&rdir)
+                .with_context(|| format!("creating {}", rdir.display()))?;
+            let cursor = self.shared.lock().cursor;
+            let next = draw_into(
+                &self.train,
+                &self.sampler,
+                (cursor, start as u64),
+                round,
+                &files.prompts,
+            )?;
+            self.shared.update(|q| q.cursor = next);
+            let model = rollout_policy(&self.plan);
+            let args = self.plan.round_args(round, &model, &files);
+            self.run_round(&rdir, &args)?;
+            self.finish_round(&files)?;
+            if let Some(old) = carry.replace(files.carry_out.clone()) {
+                // The round's inputs are done with; its outputs stay for inspection.
+                let _ = std::fs::remove_file(old);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until a round may run; returns the number of prompts it starts (None: stop).
+    fn wait_for_work(&self, carrying: bool) -> Option<usize> {
+        let mut q = self.shared.lock();
+        loop {
+            if q.stop {
+                return None;
+            }
+            let free = self
+                .capacity
+                .saturating_sub(q.in_flight_groups + q.ready.len());
+            if !q.paused && (free > 0 || (carrying && q.in_flight_groups > 0)) {
+                return Some(free);
+            }
+            let t0 = Instant::now();
+            q = self
+                .shared
+                .cv
+                .wait_timeout(q, Duration::from_millis(200))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            q.rollout_idle_s += t0.elapsed().as_secs_f64();
+        }
+    }
+
+    /// Runs the round's stage command on the rollout group; its output goes to `rdir/log.txt`.
+    fn run_round(&self, rdir: &Path, args: &[String]) -> Result<()> {
+        let line = self.plan.stage_line("rollout", args);
+        append(&async_dir(&self.plan).join("rounds.sh"), &line)?;
+        let log = rdir.join("log.txt");
+        let out = std::fs::File::create(&log)?;
+        let mut cmd = std::process::Command::new(self.plan.bins.join("rollout"));
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn().context("starting the rollout round")?;
+        let status = loop {
+            if let Some(s) = child.try_wait()? {
+                break s;
+            }
+            if self.shared.lock().stop {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if status.success() {
+            return Ok(());
+        }
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(12).collect();
+        let tail: Vec<String> = tail.iter().rev().map(|l| format!("  | {l}")).collect();
+        let msg = format!(
+            "a rollout round failed ({status}); its output ended with (all of it in {}):\n{}\nCommand:\n  {line}",
+            log.display(),
+            tail.join("\n")
+        );
+        Err(match status.code() {
+            Some(2) => input_error(msg),
+            _ => anyhow::anyhow!(msg),
+        })
+    }
+
+    /// Queues the round's finished groups and records what is in flight.
+    fn finish_round(&self, files: &RoundFiles) -> Result<()> {
+        if self.shared.lock().stop {
+            return Ok(());
+        }
+        let done = Batch::read(&files.finished, &[])?;
+        let groups = split_groups(&done)?;
+        let carry = Batch::read(&files.carry_out, &[schema::PROMPT_UID])?;
+        let m: Value = serde_json::from_str(&std::fs::read_to_string(&files.metrics)?)?;
+        let count = |k: &str| m[k].as_u64().unwrap_or(0) as usize;
+        let record = {
+            let mut q = self.shared.lock();
+            q.ready.extend(groups);
+            q.in_flight_groups = count("carried_groups");
+            q.in_flight_rows = carry.num_rows();
+            q.partial_rows = count("partial_rows");
+            q.rounds += 1;
+            q.new_tokens += count("new_tokens") as u64;
+            in_flight_record(&q, self.n)
+        };
+        self.shared.cv.notify_all();
+        write_json(&async_dir(&self.plan).join("in-flight.json"), &record)
+    }
+}
+
+/// What `in-flight.json` holds: what a runner killed now would lose.
+fn in_flight_record(q: &Queue, n: usize) -> Value {
+    json!({
+        "in_flight_groups": q.in_flight_groups,
+        "in_flight_sequences": q.in_flight_rows,
+        "partial_sequences": q.partial_rows,
+        "waiting_groups": q.ready.len(),
+        "waiting_sequences": q.ready.len() * n,
+    })
+}
+
+/// The groups of a round's finished rows (a group's rows are contiguous), oldest first.
+fn split_groups(b: &Batch) -> Result<Vec<Ready>> {
+    if b.num_rows() == 0 {
+        return Ok(vec![]);
+    }
+    let puids = b.strings(schema::PROMPT_UID)?;
+    let versions = b.ragged_i32(schema::TOKEN_POLICY_VERSION)?;
+    let mut out = Vec::new();
+    let mut start = 0;
+    for end in 1..=puids.len() {
+        if end < puids.len() && puids[end] == puids[start] {
+            continue;
+        }
+        out.push(Ready {
+            puid: puids[start].to_string(),
+            rows: b.data.slice(start, end - start),
+            meta: b.meta.clone(),
+            versions: (start..end)
+                .map(|i| versions.row(i).iter().map(|&v| v as u64).collect())
+                .collect(),
+        });
+        start = end;
+    }
+    Ok(out)
+}
+
+fn append(path: &Path, line: &str) -> Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    writeln!(f, "{line}")?;
+    Ok(())
+}
+
+fn async_dir(plan: &Plan) -> PathBuf {
+    plan.run.root.join("async")
+}
+
+/// The pointer to the policy the rollout group holds.
+fn rollout_policy(plan: &Plan) -> PathBuf {
+    async_dir(plan).join("rollout-policy")
+}
+
+/// Points `RUN/async/rollout-policy` at the current policy (which the rollout group holds
+/// now), by its absolute directory.
+fn point_rollout(plan: &Plan) -> Result<()> {
+    let policy = resolve_model(&plan.run.policy())?;
+    let dir = std::fs::canonicalize(&policy.dir)
+        .with_context(|| format!("resolving {}", policy.dir.display()))?;
+    let p = Pointer {
+        model: dir.display().to_string(),
+        policy_version: policy.policy_version,
+    };
+    let text = serde_json::to_string_pretty(&p)?;
+    super::rundir::write_atomic(&rollout_policy(plan), text.as_bytes())
+}
+
+impl Runner {
+    /// The asynchronous run: step 0's tasks, then the rounds on their thread while the step
+    /// loop runs the other tasks.
+    pub(super) fn run_async(&mut self, tasks: Vec<(u64, Task)>) -> Result<()> {
+        let (init, steps): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|(s, _)| *s == 0);
+        for (step, task) in &init {
+            self.run_task(*step, task)?;
+        }
+        let Some(&(first, _)) = steps.first() else {
+            return Ok(());
+        };
+        self.say_lost(first)?;
+        self.ensure_sides(first)?;
+        point_rollout(&self.plan)?;
+        let shared = Arc::new(Shared::default());
+        shared.update(|q| q.cursor = self.state.sampler);
+        let k = self.plan.placement().and_then(|p| p.max_staleness);
+        let per_step = self.plan.spec.data.prompts_per_step as usize;
+        let rounds = RoundLoop {
+            plan: self.plan.clone(),
+            shared: shared.clone(),
+            train: self.train_set()?,
+            sampler: self.plan.sampler(self.state.train_rows),
+            capacity: (k.unwrap_or(1) as usize + 1) * per_step,
+            n: self.plan.stages.rollout.args.n,
+        };
+        let thread = std::thread::spawn(move || rounds.run());
+        self.rounds = Some(shared.clone());
+        let result = self.train_side(steps, &shared);
+        shared.update(|q| q.stop = true);
+        let _ = thread.join();
+        self.rounds = None;
+        result
+    }
+
+    fn train_side(&mut self, steps: Vec<(u64, Task)>, shared: &Shared) -> Result<()> {
+        for (step, task) in &steps {
+            if task.name != "transfer" {
+                self.run_task(*step, task)?;
+                continue;
+            }
+            // The rounds wait while the weights move; the one running ends first (the group
+            // takes one job at a time).
+            shared.update(|q| q.paused = true);
+            let moved = self
+                .run_task(*step, task)
+                .and_then(|()| point_rollout(&self.plan));
+            shared.update(|q| q.paused = false);
+            moved?;
+        }
+        Ok(())
+    }
+
+    /// A rerun after a runner that died: says what was in flight (lost), and clears the
+    /// rounds' files.
+    fn say_lost(&mut self, first: u64) -> Result<()> {
+        let dir = async_dir(&self.plan);
+        let record = dir.join("in-flight.json");
+        if let Ok(text) = std::fs::read_to_string(&record) {
+            let v: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not JSON", record.display()))?;
+            let n = |k: &str| v[k].as_u64().unwrap_or(0);
+            self.console.say(&format!(
+                "pipeline: async: the rollout side's work when the runner stopped is lost: {} groups in flight ({} sequences, {} of them partial) and {} finished groups waiting ({} sequences); rounds start afresh at {}",
+                n("in_flight_groups"),
+                n("in_flight_sequences"),
+                n("partial_sequences"),
+                n("waiting_groups"),
+                n("waiting_sequences"),
+                step_name(first)
+            ));
+        }
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
+        }
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(())
+    }
+
+    /// `take`: step `step`'s groups from the queue, through the staleness bound, into its
+    /// rollout file; the step's `async` metrics.
+    pub(super) fn take_groups(&mut self, step: u64) -> Result<()> {
+        let shared = self.rounds.clone().expect("the rounds run");
+        let want = self.plan.spec.data.prompts_per_step as usize;
+        let k = self.plan.placement().and_then(|p| p.max_staleness).unwrap_or(1);
+        let trained = resolve_model(&self.plan.run.policy())?.policy_version;
+        let t0 = Instant::now();
+        let mut kept: Vec<Ready> = vec![];
+        let mut seen: Vec<Ready> = vec![];
+        while kept.len() < want {
+            let g = wait_for_group(&shared)?;
+            let (groups, versions) = rows_of(&[&g]);
+            if admit(&groups, &versions, trained, k)?.dropped_groups == 0 {
+                kept.push(g);
+            } else {
+                seen.push(g);
+            }
+        }
+        let train_idle_s = t0.elapsed().as_secs_f64();
+        let all: Vec<&Ready> = kept.iter().chain(&seen).collect();
+        let (groups, versions) = rows_of(&all);
+        let a = admit(&groups, &versions, trained, k)?;
+        let mut m = a.metrics();
+        let (q_depth, record) = {
+            let mut q = shared.lock();
+            let o = m.as_object_mut().expect("an object");
+            o.insert("async/train_idle_s".into(), json!(train_idle_s));
+            o.insert("async/rollout_idle_s".into(), json!(q.rollout_idle_s));
+            o.insert("async/queue_depth".into(), json!(q.ready.len()));
+            o.insert("async/in_flight_groups".into(), json!(q.in_flight_groups));
+            o.insert("async/partial_sequences".into(), json!(q.partial_rows));
+            o.insert("async/rounds".into(), json!(q.rounds));
+            o.insert("async/round_tokens".into(), json!(q.new_tokens));
+            o.insert("async/trained_version".into(), json!(trained));
+            (q.rollout_idle_s, q.rounds, q.new_tokens) = (0.0, 0, 0);
+            self.state.sampler = q.cursor;
+            (q.ready.len(), in_flight_record(&q, self.plan.stages.rollout.args.n))
+        };
+        write_json(&async_dir(&self.plan).join("in-flight.json"), &record)?;
+        write_taken(&self.plan, step, &kept, (trained, k))?;
+        write_json(&self.plan.run.stage_metrics(step, "async"), &m)?;
+        self.console.detail(&format!(
+            "{}: took {} groups (waited {train_idle_s:.2}s), dropped {} over max-staleness = {k}; {q_depth} finished groups wait",
+            step_name(step),
+            kept.len(),
+            a.dropped_groups
+        ));
+        Ok(())
+    }
+}
+
+/// The next finished group (waiting for one); a failed round's error.
+fn wait_for_group(shared: &Shared) -> Result<Ready> {
+    let mut q = shared.lock();
+    loop {
+        if let Some(e) = q.error.take() {
+            return Err(e);
+        }
+        if let Some(g) = q.ready.pop_front() {
+            drop(q);
+            shared.cv.notify_all();
+            return Ok(g);
+        }
+        anyhow::ensure!(!q.stop, "the rollout rounds stopped");
+        q = shared
+            .cv
+            .wait_timeout(q, Duration::from_millis(200))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
+/// The groups' rows as `admit` takes them: each row's group id and versions.
+fn rows_of<'a>(groups: &[&'a Ready]) -> (Vec<&'a str>, Vec<&'a [u64]>) {
+    groups
+        .iter()
+        .flat_map(|g| g.versions.iter().map(|v| (g.puid.as_str(), v.as_slice())))
+        .unzip()
+}
+
+/// Writes the step's rollout file from the `kept` groups: `policy_version` is their oldest
+/// token's version.
+fn write_taken(plan: &Plan, step: u64, kept: &[Ready], (trained, k): (u64, u64)) -> Result<()> {
+    let first = kept.first().expect("at least one group");
+    let parts: Vec<RecordBatch> = kept.iter().map(|g| g.rows.clone()).collect();
+    let schema = first.rows.schema();
+    for g in kept {
+        anyhow::ensure!(
+            g.rows.schema().fields() == schema.fields(),
+            "group {}: its columns differ from group {}'s",
+            g.puid,
+            first.puid
+        );
+    }
+    let data = arrow_select::concat::concat_batches(&schema, &parts)?;
+    let oldest = kept
+        .iter()
+        .flat_map(|g| g.versions.iter().flatten())
+        .min()
+        .copied()
+        .unwrap_or(trained);
+    let info = StageInfo {
+        stage: "async",
+        params: json!({
+            "groups": kept.len(),
+            "trained_version": trained,
+            "max_staleness": k,
+        }),
+        policy_version: Some(oldest),
+        step: Some(step),
+    };
+    let kv = stage_meta(first.meta.clone(), &info);
+    debug_assert_eq!(kv.get(meta::POLICY_VERSION), Some(&oldest.to_string()));
+    write_file(&plan.run.batch(step, "rollout"), &data, &kv)
+}

@@ -227,30 +227,31 @@ impl RoundLoop {
         let carry = Batch::read(&files.carry_out, &[schema::PROMPT_UID])?;
         let m: Value = serde_json::from_str(&std::fs::read_to_string(&files.metrics)?)?;
         let count = |k: &str| m[k].as_u64().unwrap_or(0) as usize;
-        let record = {
-            let mut q = self.shared.lock();
-            q.ready.extend(groups);
-            q.in_flight_groups = count("carried_groups");
-            q.in_flight_rows = carry.num_rows();
-            q.partial_rows = count("partial_rows");
-            q.rounds += 1;
-            q.new_tokens += count("new_tokens") as u64;
-            in_flight_record(&q, self.n)
-        };
+        let mut q = self.shared.lock();
+        q.ready.extend(groups);
+        q.in_flight_groups = count("carried_groups");
+        q.in_flight_rows = carry.num_rows();
+        q.partial_rows = count("partial_rows");
+        q.rounds += 1;
+        q.new_tokens += count("new_tokens") as u64;
+        let written = write_record(&self.plan, &q, self.n);
+        drop(q);
         self.shared.cv.notify_all();
-        write_json(&async_dir(&self.plan).join("in-flight.json"), &record)
+        written
     }
 }
 
-/// What `in-flight.json` holds: what a runner killed now would lose.
-fn in_flight_record(q: &Queue, n: usize) -> Value {
-    json!({
+/// Writes `in-flight.json`: what a runner killed now would lose. Called with the queue
+/// locked, so that the two sides' writes do not cross.
+fn write_record(plan: &Plan, q: &Queue, n: usize) -> Result<()> {
+    let v = json!({
         "in_flight_groups": q.in_flight_groups,
         "in_flight_sequences": q.in_flight_rows,
         "partial_sequences": q.partial_rows,
         "waiting_groups": q.ready.len(),
         "waiting_sequences": q.ready.len() * n,
-    })
+    });
+    write_json(&async_dir(plan).join("in-flight.json"), &v)
 }
 
 /// The groups of a round's finished rows (a group's rows are contiguous), oldest first.
@@ -396,7 +397,11 @@ impl Runner {
     pub(super) fn take_groups(&mut self, step: u64) -> Result<()> {
         let shared = self.rounds.clone().expect("the rounds run");
         let want = self.plan.spec.data.prompts_per_step as usize;
-        let k = self.plan.placement().and_then(|p| p.max_staleness).unwrap_or(1);
+        let k = self
+            .plan
+            .placement()
+            .and_then(|p| p.max_staleness)
+            .unwrap_or(1);
         let trained = resolve_model(&self.plan.run.policy())?.policy_version;
         let t0 = Instant::now();
         let mut kept: Vec<Ready> = vec![];
@@ -424,13 +429,14 @@ impl Runner {
             o.insert("async/in_flight_groups".into(), json!(q.in_flight_groups));
             o.insert("async/partial_sequences".into(), json!(q.partial_rows));
             o.insert("async/rounds".into(), json!(q.rounds));
-            o.insert("async/round_tokens".into(), json!(q.new_tokens));
+            o.insert("async/new_tokens".into(), json!(q.new_tokens));
             o.insert("async/trained_version".into(), json!(trained));
             (q.rollout_idle_s, q.rounds, q.new_tokens) = (0.0, 0, 0);
             self.state.sampler = q.cursor;
-            (q.ready.len(), in_flight_record(&q, self.plan.stages.rollout.args.n))
+            let n = self.plan.stages.rollout.args.n;
+            (q.ready.len(), write_record(&self.plan, &q, n))
         };
-        write_json(&async_dir(&self.plan).join("in-flight.json"), &record)?;
+        record?;
         write_taken(&self.plan, step, &kept, (trained, k))?;
         write_json(&self.plan.run.stage_metrics(step, "async"), &m)?;
         self.console.detail(&format!(

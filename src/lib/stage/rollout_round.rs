@@ -14,8 +14,8 @@
 //! as a rollout splits prompts; rank 0 writes the files.
 
 use super::common::{gather_results, my_block, refuse_in_place, writes_files, ModelRef};
-use super::rollout::{keyed_requests, sequence_columns, Generate, Generated, Output, Prepared};
 use super::rollout::RolloutArgs;
+use super::rollout::{keyed_requests, sequence_columns, Generate, Generated, Output, Prepared};
 use super::Exec;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
@@ -63,7 +63,12 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec, tools: bool) -> Result
         Some(d) => {
             let prep = Prepared::load(&args, d, d.len(), &[])?;
             let rows = fresh_rows(&args, d, &prep.prompts)?;
-            (prep.model, prep.cfg.eos_token_ids, prep.tokenizer, Some(rows))
+            (
+                prep.model,
+                prep.cfg.eos_token_ids,
+                prep.tokenizer,
+                Some(rows),
+            )
         }
         None => {
             let model = super::common::resolve_model(&args.model)?;
@@ -95,8 +100,7 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec, tools: bool) -> Result
         }
     };
     bar.finish_and_clear();
-    let Some(parts) = gather_results(exec, generated, Generated::encode, Generated::decode)?
-    else {
+    let Some(parts) = gather_results(exec, generated, Generated::encode, Generated::decode)? else {
         return Ok(());
     };
     let generated = Generated::merge(parts);

@@ -4,8 +4,8 @@
 
 use super::super::placement::{Mode, PlacementSpec, Side};
 use super::super::rundir::State;
-use super::super::spec::Device;
 use super::super::sampler::derive_seed;
+use super::super::spec::Device;
 use super::{path_arg, Action, Plan, Task};
 use std::path::{Path, PathBuf};
 

@@ -122,13 +122,7 @@ impl RoundLoop {
                 return Ok(());
             };
             let rdir = dir.join(format!("round-{round}"));
-            let files = RoundFiles {
-                prompts: rdir.join("prompts.parquet"),
-                carry: carry.clone(),
-                carry_out: rdir.join("carry.parquet"),
-                finished: rdir.join("finished.parquet"),
-                metrics: rdir.join("metrics.json"),
-            };
+            let files = self.plan.round_files(round, carry.clone());
             std::fs::create_dir_all(&rdir)
                 .with_context(|| format!("creating {}", rdir.display()))?;
             let cursor = self.shared.lock().cursor;
@@ -140,7 +134,7 @@ impl RoundLoop {
                 &files.prompts,
             )?;
             self.shared.update(|q| q.cursor = next);
-            let model = rollout_policy(&self.plan);
+            let model = self.plan.rollout_policy();
             let args = self.plan.round_args(round, &model, &files);
             self.run_round(&rdir, &args)?;
             self.finish_round(&files)?;
@@ -291,12 +285,7 @@ fn append(path: &Path, line: &str) -> Result<()> {
 }
 
 fn async_dir(plan: &Plan) -> PathBuf {
-    plan.run.root.join("async")
-}
-
-/// The pointer to the policy the rollout group holds.
-fn rollout_policy(plan: &Plan) -> PathBuf {
-    async_dir(plan).join("rollout-policy")
+    plan.async_dir()
 }
 
 /// Points `RUN/async/rollout-policy` at the current policy (which the rollout group holds
@@ -310,7 +299,7 @@ fn point_rollout(plan: &Plan) -> Result<()> {
         policy_version: policy.policy_version,
     };
     let text = serde_json::to_string_pretty(&p)?;
-    super::rundir::write_atomic(&rollout_policy(plan), text.as_bytes())
+    super::rundir::write_atomic(&plan.rollout_policy(), text.as_bytes())
 }
 
 impl Runner {

@@ -689,6 +689,9 @@ impl Plan {
     /// and the dry run (nothing without filter-groups: the plain step's own commands are
     /// checked then).
     pub(super) fn first_round_tasks(&self, step: u64) -> Vec<Task> {
+        if self.asynchronous() {
+            return vec![self.first_async_round()];
+        }
         if self.spec.filter_groups().is_none() {
             return Vec::new();
         }
@@ -761,11 +764,7 @@ impl Plan {
                 "# pipeline: write step {step} to {}",
                 self.run.metrics_path().display()
             ),
-            Action::TakeGroups => format!(
-                "# pipeline: take {} groups finished by the rollout rounds (async/rounds.sh) into {}",
-                self.spec.data.prompts_per_step,
-                self.run.batch(step, "rollout").display()
-            ),
+            Action::TakeGroups => self.describe_take(step),
             Action::Overlap(pair) => format!(
                 "{} &\n{}\nwait",
                 self.describe(step, &pair[0]),

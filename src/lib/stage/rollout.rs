@@ -705,6 +705,9 @@ impl Generate<'_> {
 impl RolloutArgs {
     /// Checks the flags as the stage does before reading its input.
     pub fn check(&self) -> Result<()> {
+        if self.round_tokens.is_some() {
+            super::rollout_round::check_flags(self, false)?;
+        }
         self.sampling().map(|_| ())
     }
 

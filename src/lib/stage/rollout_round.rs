@@ -151,7 +151,7 @@ const CARRY_COLUMNS: &[&str] = &[
 ];
 
 /// The flags a round does not take.
-fn check_flags(args: &RolloutArgs, tools: bool) -> Result<()> {
+pub(super) fn check_flags(args: &RolloutArgs, tools: bool) -> Result<()> {
     if tools || !args.tool.is_empty() {
         bail_input!("--round-tokens: partial rollouts take no --tool (multi-turn samples are not continued across rounds)");
     }

@@ -609,3 +609,135 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
     );
     assert_eq!(metrics(d, "k").len(), 4, "{log}");
 }
+
+/// `rollout --round-tokens` alone: rounds of 3 tokens (responses up to 7) over two prompt
+/// files started one round apart and rounds with no new prompt, until nothing is in flight.
+/// Every sample comes out once, in a finished group, with one version per token and its
+/// behaviour log-probs; a carry file holds the groups in flight (ended samples with their
+/// reason, the others with ""). Bad flags are exit 2 naming them.
+#[test]
+fn rollout_rounds_carry_sequences_until_their_groups_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 4);
+    prompts(&d.join("a.parquet"), &["What is 2 + 3?", "Name a colour."]);
+    prompts(&d.join("b.parquet"), &["Say hello."]);
+    prompts(&d.join("none.parquet"), &[]);
+    let model = d.join("model");
+    let round = |r: usize, input: &str, carry: Option<&Path>| -> std::path::PathBuf {
+        let (out, carry_out) = (
+            d.join(format!("f{r}.parquet")),
+            d.join(format!("c{r}.parquet")),
+        );
+        let seed = r.to_string();
+        let mut args = vec![
+            "--model",
+            p(&model),
+            "--in",
+            input,
+            "--out",
+            p(&out),
+            "--carry-out",
+            p(&carry_out),
+            "--round-tokens",
+            "3",
+            "--max-new-tokens",
+            "7",
+            "--n",
+            "2",
+            "--raw-prompt",
+            "--ignore-eos",
+            "--seed",
+            &seed,
+        ];
+        if let Some(c) = carry {
+            args.extend(["--carry", p(c)]);
+        }
+        ok("rollout", &args);
+        carry_out
+    };
+    let (a, b, none) = (
+        d.join("a.parquet"),
+        d.join("b.parquet"),
+        d.join("none.parquet"),
+    );
+    let c1 = round(1, p(&a), None);
+    let first = read(&c1);
+    assert_eq!(first.num_rows(), 4, "two groups of two in flight");
+    assert!(first
+        .strings("finish_reason")
+        .unwrap()
+        .iter()
+        .all(|r| r.is_empty()));
+    assert_eq!(token_versions(&first), vec![vec![0u64; 3]; 4]);
+    let c2 = round(2, p(&b), Some(&c1));
+    let c3 = round(3, p(&none), Some(&c2));
+    let c4 = round(4, p(&none), Some(&c3));
+    assert_eq!(
+        read(&c4).num_rows(),
+        0,
+        "7 tokens in rounds of 3: done after 3 rounds"
+    );
+    let mut uids = vec![];
+    for r in 1..=4 {
+        let f = read(&d.join(format!("f{r}.parquet")));
+        let lens: Vec<usize> = token_versions(&f).iter().map(Vec::len).collect();
+        assert_eq!(
+            f.ragged_f32("rollout_logprobs")
+                .unwrap()
+                .rows()
+                .map(|x| x.len())
+                .collect::<Vec<_>>(),
+            lens
+        );
+        assert!(lens.iter().all(|&n| n == 7), "{lens:?}");
+        assert!(f
+            .strings("finish_reason")
+            .unwrap()
+            .iter()
+            .all(|r| *r == "length"));
+        assert!(!f.has("sample_key"));
+        uids.extend(f.strings("uid").unwrap().iter().map(|s| s.to_string()));
+    }
+    uids.sort();
+    uids.dedup();
+    assert_eq!(uids.len(), 6, "every sample once: {uids:?}");
+    // Bad flags: exit 2 naming them.
+    let base = ["--model", p(&model), "--in", p(&a), "--out", "x.parquet"];
+    for (extra, want) in [
+        (
+            &["--round-tokens", "2"][..],
+            "--round-tokens needs --carry-out",
+        ),
+        (
+            &[
+                "--round-tokens",
+                "2",
+                "--carry-out",
+                "c.parquet",
+                "--stop",
+                "x",
+            ][..],
+            "drop --stop",
+        ),
+        (
+            &[
+                "--round-tokens",
+                "2",
+                "--carry-out",
+                "c.parquet",
+                "--baseline",
+                "greedy",
+            ][..],
+            "no --baseline",
+        ),
+        (
+            &["--round-tokens", "0", "--carry-out", "c.parquet"][..],
+            "--round-tokens",
+        ),
+        (&["--carry-out", "c.parquet"][..], "--round-tokens"),
+    ] {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        input_error("rollout", &args, want);
+    }
+}

@@ -22,8 +22,8 @@ use crate::batch::schema::{self, meta};
 use crate::batch::{list_array, write_file, write_json, Batch, NewColumns};
 use crate::data::dataset::repeat_each;
 use crate::data::PromptDataset;
-use crate::engine::paged::partial::{absorb, round_requests, InFlight};
-use crate::engine::paged::{Completion, FinishReason};
+use crate::engine::paged::partial::{absorb, round_requests, Group, InFlight, Rounds};
+use crate::engine::paged::{Completion, Detokenize, FinishReason, GenParams};
 use crate::model::checkpoint::ModelDir;
 use crate::tokenizer::Tokenizer;
 use anyhow::Result;
@@ -78,40 +78,23 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec, tools: bool) -> Result
         }
     };
     let table = join(carry.as_ref(), fresh_rows, &args)?;
-    let mut seqs = in_flight(&table)?;
     let params = args.gen_params(sampling, &eos);
-    let (live, requests, this_round) = round_requests(&seqs, &params, round_tokens)
-        .map_err(|e| crate::error::input_error(format!("--round-tokens: {e:#}")))?;
-    let block = my_block(exec, requests.len());
+    let mut rounds = Rounds::new(usize::MAX);
+    rounds.in_flight = groups_of(&table)?;
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
-    let bar = exec.progress_bar(block.len(), "rollout round");
-    let generated = match block.is_empty() {
-        true => Generated::default(),
-        false => {
-            let job = Generate::plain(
-                &model.dir,
-                &requests[block.clone()],
-                &this_round,
-                &detok,
-                &bar,
-                args.limits(),
-            );
-            exec.generate(&model, job)?
-        }
+    let gen = RoundGen {
+        model: &model,
+        params: &params,
+        round_tokens,
+        detok: &detok,
+        args: &args,
     };
-    bar.finish_and_clear();
-    let Some(parts) = gather_results(exec, generated, Generated::encode, Generated::decode)? else {
+    // Every new group is in flight already: the runner decides how many start.
+    let done = rounds.round_with(&mut |_| None, &mut |seqs| gen.run(exec, seqs))?;
+    let Some((live, new_tokens, gen_s)) = done else {
         return Ok(());
     };
-    let generated = Generated::merge(parts);
-    let done: Vec<Completion> = generated
-        .completions
-        .iter()
-        .map(|s| s.last().expect("one sample per request").clone())
-        .collect();
-    let new_tokens: usize = done.iter().map(|c| c.tokens.len()).sum();
-    absorb(&mut seqs, &live, done, &params, model.policy_version);
-    let written = Written::split(&table, &seqs, &tokenizer)?;
+    let written = Written::new(&table, &rounds, &tokenizer)?;
     let out = Output {
         args: &args,
         model: &model,
@@ -121,13 +104,12 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec, tools: bool) -> Result
     };
     written.write(&args.out, &carry_out, out.meta(), model.policy_version)?;
     if let Some(path) = &args.metrics {
-        let m = written.metrics(&live, new_tokens, &generated, &model, started);
+        let m = written.metrics(live, new_tokens, gen_s, &model, started);
         write_json(path, &m)?;
     }
     if writes_files(exec) {
         exec.log(&format!(
-            "rollout round: {} sequences x up to {round_tokens} tokens ({new_tokens} tokens) under policy_version {}: {} groups finished -> {}, {} in flight -> {}",
-            live.len(),
+            "rollout round: {live} sequences x up to {round_tokens} tokens ({new_tokens} tokens) under policy_version {}: {} groups finished -> {}, {} in flight -> {}",
             model.policy_version,
             written.finished_groups,
             args.out.display(),
@@ -289,6 +271,78 @@ fn in_flight(t: &Batch) -> Result<Vec<InFlight>> {
         .collect()
 }
 
+/// One round's generation on the stage's ranks (or daemon).
+struct RoundGen<'a> {
+    model: &'a ModelRef,
+    params: &'a GenParams,
+    round_tokens: usize,
+    detok: Detokenize<'a>,
+    args: &'a RolloutArgs,
+}
+
+impl RoundGen<'_> {
+    /// Generates the round's tokens of `seqs` (each rank its block) and, on rank 0, adds them
+    /// to the sequences; returns (rank 0 only) the sequences generated for, the new tokens and
+    /// the generation's seconds.
+    fn run(
+        &self,
+        exec: &mut dyn Exec,
+        seqs: &mut [InFlight],
+    ) -> Result<Option<(usize, usize, f64)>> {
+        let (live, requests, this_round) = round_requests(seqs, self.params, self.round_tokens)
+            .map_err(|e| crate::error::input_error(format!("--round-tokens: {e:#}")))?;
+        let block = my_block(exec, requests.len());
+        let bar = exec.progress_bar(block.len(), "rollout round");
+        let generated = match block.is_empty() {
+            true => Generated::default(),
+            false => {
+                let job = Generate::plain(
+                    &self.model.dir,
+                    &requests[block.clone()],
+                    &this_round,
+                    self.detok,
+                    &bar,
+                    self.args.limits(),
+                );
+                exec.generate(self.model, job)?
+            }
+        };
+        bar.finish_and_clear();
+        let Some(parts) = gather_results(exec, generated, Generated::encode, Generated::decode)?
+        else {
+            return Ok(None);
+        };
+        let generated = Generated::merge(parts);
+        let done: Vec<Completion> = generated
+            .completions
+            .iter()
+            .map(|s| s.last().expect("one sample per request").clone())
+            .collect();
+        let new_tokens = done.iter().map(|c| c.tokens.len()).sum();
+        absorb(seqs, &live, done, self.params, self.model.policy_version);
+        Ok(Some((live.len(), new_tokens, generated.gen_s)))
+    }
+}
+
+/// The rows as groups in flight (a group's rows are contiguous), each named by its first row.
+fn groups_of(t: &Batch) -> Result<Vec<Group>> {
+    let puids = t.strings(schema::PROMPT_UID)?;
+    let mut seqs = in_flight(t)?.into_iter();
+    let mut groups = Vec::new();
+    let mut start = 0;
+    for end in 1..=puids.len() {
+        if end < puids.len() && puids[end] == puids[start] {
+            continue;
+        }
+        groups.push(Group {
+            id: start as u64,
+            seqs: seqs.by_ref().take(end - start).collect(),
+        });
+        start = end;
+    }
+    Ok(groups)
+}
+
 /// The round's rows after it, split into the finished groups and those in flight.
 struct Written {
     finished: RecordBatch,
@@ -302,36 +356,22 @@ struct Written {
 }
 
 impl Written {
-    fn split(t: &Batch, seqs: &[InFlight], tok: &Tokenizer) -> Result<Written> {
-        let data = t.with_columns(response_columns(seqs, tok)?)?;
-        let puids = t.strings(schema::PROMPT_UID)?;
-        // A group is finished when every one of its rows is.
-        let mut open: Vec<&str> = vec![];
-        for (i, s) in seqs.iter().enumerate() {
-            if s.finish.is_none() && !open.contains(&puids[i]) {
-                open.push(puids[i]);
-            }
-        }
-        let (going, done): (Vec<usize>, Vec<usize>) =
-            (0..seqs.len()).partition(|&i| open.contains(&puids[i]));
-        let rows = |r: &[usize]| UInt32Array::from_iter_values(r.iter().map(|&i| i as u32));
-        let finished = arrow_select::take::take_record_batch(&data, &rows(&done))?;
-        let key = finished.schema().index_of(SAMPLE_KEY)?;
-        let mut finished = finished;
-        finished.remove_column(key);
-        let mut groups: Vec<&str> = done.iter().map(|&i| puids[i]).collect();
-        groups.dedup();
+    /// The rows of `t` as `rounds` left their groups: the finished ones and those in flight.
+    fn new(t: &Batch, rounds: &Rounds, tok: &Tokenizer) -> Result<Written> {
+        let finished: Vec<&Group> = rounds.finished.iter().collect();
+        let carried: Vec<&Group> = rounds.in_flight.iter().collect();
+        let done_seqs = || finished.iter().flat_map(|g| &g.seqs);
+        let mut finished_rows = rows_of(t, &finished, tok)?;
+        let key = finished_rows.schema().index_of(SAMPLE_KEY)?;
+        finished_rows.remove_column(key);
         Ok(Written {
-            carried: arrow_select::take::take_record_batch(&data, &rows(&going))?,
-            finished,
-            finished_groups: groups.len(),
-            carried_groups: open.len(),
-            mixed_rows: done.iter().filter(|&&i| seqs[i].is_mixed()).count(),
-            partial_rows: going
-                .iter()
-                .filter(|&&i| seqs[i].finish.is_none() && !seqs[i].tokens.is_empty())
-                .count(),
-            oldest: done.iter().filter_map(|&i| seqs[i].oldest_version()).min(),
+            finished: finished_rows,
+            carried: rows_of(t, &carried, tok)?,
+            finished_groups: finished.len(),
+            carried_groups: carried.len(),
+            mixed_rows: done_seqs().filter(|s| s.is_mixed()).count(),
+            partial_rows: rounds.carried(),
+            oldest: done_seqs().filter_map(InFlight::oldest_version).min(),
         })
     }
 
@@ -354,15 +394,15 @@ impl Written {
 
     fn metrics(
         &self,
-        live: &[usize],
+        live: usize,
         new_tokens: usize,
-        g: &Generated,
+        gen_s: f64,
         model: &ModelRef,
         started: Instant,
     ) -> serde_json::Value {
         json!({
             "stage": "rollout-round",
-            "sequences": live.len(),
+            "sequences": live,
             "new_tokens": new_tokens,
             "finished_groups": self.finished_groups,
             "finished_rows": self.finished.num_rows(),
@@ -371,10 +411,26 @@ impl Written {
             "carried_rows": self.carried.num_rows(),
             "partial_rows": self.partial_rows,
             "policy_version": model.policy_version,
-            "generation_seconds": g.gen_s,
+            "generation_seconds": gen_s,
             "seconds": started.elapsed().as_secs_f64(),
         })
     }
+}
+
+/// The rows of `groups` (named by their first row of `t`) with their sequences' response
+/// columns as they stand.
+fn rows_of(t: &Batch, groups: &[&Group], tok: &Tokenizer) -> Result<RecordBatch> {
+    let rows = groups
+        .iter()
+        .flat_map(|g| (g.id as u32..).take(g.seqs.len()))
+        .collect::<Vec<u32>>();
+    let seqs: Vec<InFlight> = groups.iter().flat_map(|g| g.seqs.clone()).collect();
+    let taken = Batch {
+        path: t.path.clone(),
+        data: arrow_select::take::take_record_batch(&t.data, &UInt32Array::from(rows))?,
+        meta: Default::default(),
+    };
+    taken.with_columns(response_columns(&seqs, tok)?)
 }
 
 /// The response columns of `seqs` as they stand: ids, mask (all sampled), text, finish

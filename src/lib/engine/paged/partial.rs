@@ -174,8 +174,9 @@ impl Rounds {
     }
 
     /// One round under policy `version`: free seats are filled with whole groups from `next`
-    /// (told the free seats; None when its next group does not fit or none is left), every sequence in flight gets up to `round_tokens` new tokens, and the
-    /// groups that finished join the queue.
+    /// (told the free seats; None when its next group does not fit or none is left), every
+    /// sequence in flight gets up to `round_tokens` new tokens, and the groups that finished
+    /// join the queue.
     pub fn round(
         &mut self,
         model: &mut dyn PagedModel,
@@ -183,6 +184,19 @@ impl Rounds {
         (params, round_tokens, version): (&GenParams, usize, u64),
         next: &mut dyn FnMut(usize) -> Option<Group>,
     ) -> Result<PagedStats> {
+        self.round_with(next, &mut |seqs| {
+            round(model, cfg, seqs, params, round_tokens, version)
+        })
+    }
+
+    /// `round` with the generation `generate` (over every sequence in flight, the groups'
+    /// sequences one after the other): a rollout stage generates on its ranks or daemon
+    /// (`stage::rollout_round`). Returns what `generate` returned.
+    pub fn round_with<T>(
+        &mut self,
+        next: &mut dyn FnMut(usize) -> Option<Group>,
+        generate: &mut dyn FnMut(&mut [InFlight]) -> Result<T>,
+    ) -> Result<T> {
         let mut used: usize = self.in_flight.iter().map(|g| g.seqs.len()).sum();
         while let Some(g) = next(self.seats - used) {
             ensure!(
@@ -201,7 +215,7 @@ impl Rounds {
             .iter_mut()
             .flat_map(|g| std::mem::take(&mut g.seqs))
             .collect();
-        let stats = round(model, cfg, &mut seqs, params, round_tokens, version)?;
+        let out = generate(&mut seqs)?;
         let mut it = seqs.into_iter();
         for (g, n) in self.in_flight.iter_mut().zip(sizes) {
             g.seqs = it.by_ref().take(n).collect();
@@ -210,7 +224,7 @@ impl Rounds {
             self.in_flight.drain(..).partition(Group::finished);
         self.in_flight = going;
         self.finished.extend(done);
-        Ok(stats)
+        Ok(out)
     }
 
     /// The oldest `groups` finished groups, once that many are waiting.

@@ -588,6 +588,25 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
         assert!(others > 0, "another version's log-probs differ");
     }
     assert!(compared > 0);
+    // Every round sampled with the weights the rollout group held (none loaded from files);
+    // the last one may have been stopped at the end of the run, before the daemon's part of
+    // its metrics was added.
+    let (mut n_rounds, mut unfinished) = (0, 0);
+    for e in std::fs::read_dir(d.join("a/async")).unwrap() {
+        let path = e.unwrap().path().join("metrics.json");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let m: serde_json::Value = serde_json::from_str(&text).unwrap();
+            match m.get("daemon") {
+                Some(daemon) => assert_eq!(daemon["reloaded"], false, "{}", path.display()),
+                None => unfinished += 1,
+            }
+            n_rounds += 1;
+        }
+    }
+    assert!(
+        n_rounds >= 8 && unfinished <= 1,
+        "{n_rounds} rounds, {unfinished} unfinished"
+    );
     let rounds = std::fs::read_to_string(d.join("a/async/rounds.sh")).unwrap();
     assert!(
         rounds.contains("--round-tokens 2") && rounds.contains("a/rollout.sock"),

@@ -62,6 +62,8 @@ struct Queue {
     stop: bool,
     /// Weights are moving to the rollout group: no round starts.
     paused: bool,
+    /// A round is being prepared or runs (the transfer waits for it to end).
+    running: bool,
     /// A round failed: the run stops with it.
     error: Option<anyhow::Error>,
     /// Where the sampler stands after the prompts the rounds drew.
@@ -138,6 +140,7 @@ impl RoundLoop {
             let args = self.plan.round_args(round, &model, &files);
             self.run_round(&rdir, &args)?;
             self.finish_round(&files)?;
+            self.shared.update(|q| q.running = false);
             if let Some(old) = carry.replace(files.carry_out.clone()) {
                 // The round's inputs are done with; its outputs stay for inspection.
                 let _ = std::fs::remove_file(old);
@@ -157,6 +160,7 @@ impl RoundLoop {
                 .capacity
                 .saturating_sub(q.in_flight_groups + q.ready.len());
             if !q.paused && (free > 0 || (carrying && q.in_flight_groups > 0)) {
+                q.running = true;
                 return Some(free);
             }
             let t0 = Instant::now();
@@ -343,11 +347,10 @@ impl Runner {
                 self.run_task(*step, task)?;
                 continue;
             }
-            // The rounds wait while the weights move; the one running ends first (the group
-            // takes one job at a time).
-            shared.update(|q| q.paused = true);
-            let moved = self
-                .run_task(*step, task)
+            // The rounds wait while the weights move, and the one running ends first: a
+            // round started before the transfer samples with the weights it was sent for.
+            let moved = pause(shared)
+                .and_then(|()| self.run_task(*step, task))
                 .and_then(|()| point_rollout(&self.plan));
             shared.update(|q| q.paused = false);
             moved?;
@@ -435,6 +438,25 @@ impl Runner {
             a.dropped_groups
         ));
         Ok(())
+    }
+}
+
+/// Holds the rounds back and waits for the one running to end; a failed round's error.
+fn pause(shared: &Shared) -> Result<()> {
+    let mut q = shared.lock();
+    q.paused = true;
+    loop {
+        if let Some(e) = q.error.take() {
+            return Err(e);
+        }
+        if !q.running || q.stop {
+            return Ok(());
+        }
+        q = shared
+            .cv
+            .wait_timeout(q, Duration::from_millis(200))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
     }
 }
 

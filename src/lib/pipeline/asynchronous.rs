@@ -24,11 +24,12 @@
 //! last finished step; this mode is not deterministic (which round a group finishes in
 //! depends on timing).
 
+use super::console::Console;
 use super::plan::placed::RoundFiles;
 use super::plan::{Plan, Task};
 use super::rundir::step_name;
-use super::runner::{draw_into, Runner};
-use super::sampler::{Cursor, Sampler};
+use super::rundir::State;
+use super::sampler::{draw_into, Cursor, Sampler};
 use super::staleness::admit;
 use crate::batch::schema::{self, meta};
 use crate::batch::{stage_meta, write_file, write_json, Batch, StageInfo};
@@ -306,68 +307,82 @@ fn point_rollout(plan: &Plan) -> Result<()> {
     super::rundir::write_atomic(&plan.rollout_policy(), text.as_bytes())
 }
 
-impl Runner {
-    /// The asynchronous run: step 0's tasks, then the rounds on their thread while the step
-    /// loop runs the other tasks.
-    pub(super) fn run_async(&mut self, tasks: Vec<(u64, Task)>) -> Result<()> {
-        let (init, steps): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|(s, _)| *s == 0);
-        for (step, task) in &init {
-            self.run_task(*step, task)?;
-        }
-        let Some(&(first, _)) = steps.first() else {
-            return Ok(());
-        };
-        self.say_lost(first)?;
-        self.ensure_sides(first)?;
-        point_rollout(&self.plan)?;
-        let shared = Arc::new(Shared::default());
-        shared.update(|q| q.cursor = self.state.sampler);
-        let k = self.plan.placement().and_then(|p| p.max_staleness);
-        let per_step = self.plan.spec.data.prompts_per_step as usize;
-        let rounds = RoundLoop {
-            plan: self.plan.clone(),
-            shared: shared.clone(),
-            train: self.train_set()?,
-            sampler: self.plan.sampler(self.state.train_rows),
-            capacity: (k.unwrap_or(1) as usize + 1) * per_step,
-            n: self.plan.stages.rollout.args.n,
-        };
-        let thread = std::thread::spawn(move || rounds.run());
-        self.rounds = Some(shared.clone());
-        let result = self.train_side(steps, &shared);
-        shared.update(|q| q.stop = true);
-        let _ = thread.join();
-        self.rounds = None;
-        result
-    }
+/// What the asynchronous run needs from the step loop (`runner::Runner` implements it).
+pub(super) trait Steps {
+    fn plan(&self) -> &Plan;
+    fn state(&mut self) -> &mut State;
+    fn console(&mut self) -> &mut Console;
+    fn run_task(&mut self, step: u64, task: &Task) -> Result<()>;
+    /// Both daemon groups up, the rollout group with the current policy.
+    fn ensure_sides(&mut self, step: u64) -> Result<()>;
+    fn train_set(&mut self) -> Result<Batch>;
+    /// Where a step's `take` finds the queue (None once the rounds stopped).
+    fn set_rounds(&mut self, rounds: Option<Arc<Shared>>);
+}
 
-    fn train_side(&mut self, steps: Vec<(u64, Task)>, shared: &Shared) -> Result<()> {
-        for (step, task) in &steps {
-            if task.name != "transfer" {
-                self.run_task(*step, task)?;
-                continue;
-            }
-            // The rounds wait while the weights move, and the one running ends first: a
-            // round started before the transfer samples with the weights it was sent for.
-            let moved = pause(shared)
-                .and_then(|()| self.run_task(*step, task))
-                .and_then(|()| point_rollout(&self.plan));
-            shared.update(|q| q.paused = false);
-            moved?;
-        }
-        Ok(())
+/// The asynchronous run: step 0's tasks, then the rounds on their thread while the step loop
+/// runs the other tasks.
+pub(super) fn run(r: &mut impl Steps, tasks: Vec<(u64, Task)>) -> Result<()> {
+    let (init, steps): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|(s, _)| *s == 0);
+    for (step, task) in &init {
+        r.run_task(*step, task)?;
     }
+    let Some(&(first, _)) = steps.first() else {
+        return Ok(());
+    };
+    say_lost(r, first)?;
+    r.ensure_sides(first)?;
+    point_rollout(r.plan())?;
+    let shared = Arc::new(Shared::default());
+    let (cursor, train_rows) = (r.state().sampler, r.state().train_rows);
+    shared.update(|q| q.cursor = cursor);
+    let plan = r.plan();
+    let k = plan.placement().and_then(|p| p.max_staleness);
+    let per_step = plan.spec.data.prompts_per_step as usize;
+    let rounds = RoundLoop {
+        plan: plan.clone(),
+        shared: shared.clone(),
+        sampler: plan.sampler(train_rows),
+        capacity: (k.unwrap_or(1) as usize + 1) * per_step,
+        n: plan.stages.rollout.args.n,
+        train: r.train_set()?,
+    };
+    let thread = std::thread::spawn(move || rounds.run());
+    r.set_rounds(Some(shared.clone()));
+    let result = train_side(r, steps, &shared);
+    shared.update(|q| q.stop = true);
+    let _ = thread.join();
+    r.set_rounds(None);
+    result
+}
 
-    /// A rerun after a runner that died: says what was in flight (lost), and clears the
-    /// rounds' files.
-    fn say_lost(&mut self, first: u64) -> Result<()> {
-        let dir = async_dir(&self.plan);
-        let record = dir.join("in-flight.json");
-        if let Ok(text) = std::fs::read_to_string(&record) {
-            let v: Value = serde_json::from_str(&text)
-                .with_context(|| format!("{}: not JSON", record.display()))?;
-            let n = |k: &str| v[k].as_u64().unwrap_or(0);
-            self.console.say(&format!(
+fn train_side(r: &mut impl Steps, steps: Vec<(u64, Task)>, shared: &Shared) -> Result<()> {
+    for (step, task) in &steps {
+        if task.name != "transfer" {
+            r.run_task(*step, task)?;
+            continue;
+        }
+        // The rounds wait while the weights move, and the one running ends first: a round
+        // started before the transfer samples with the weights it was sent for.
+        let moved = pause(shared)
+            .and_then(|()| r.run_task(*step, task))
+            .and_then(|()| point_rollout(r.plan()));
+        shared.update(|q| q.paused = false);
+        moved?;
+    }
+    Ok(())
+}
+
+/// A rerun after a runner that died: says what was in flight (lost), and clears the
+/// rounds' files.
+fn say_lost(r: &mut impl Steps, first: u64) -> Result<()> {
+    let dir = async_dir(r.plan());
+    let record = dir.join("in-flight.json");
+    if let Ok(text) = std::fs::read_to_string(&record) {
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not JSON", record.display()))?;
+        let n = |k: &str| v[k].as_u64().unwrap_or(0);
+        r.console().say(&format!(
                 "pipeline: async: the rollout side's work when the runner stopped is lost: {} groups in flight ({} sequences, {} of them partial) and {} finished groups waiting ({} sequences); rounds start afresh at {}",
                 n("in_flight_groups"),
                 n("in_flight_sequences"),
@@ -376,69 +391,64 @@ impl Runner {
                 n("waiting_sequences"),
                 step_name(first)
             ));
-        }
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
-        }
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        Ok(())
     }
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(())
+}
 
-    /// `take`: step `step`'s groups from the queue, through the staleness bound, into its
-    /// rollout file; the step's `async` metrics.
-    pub(super) fn take_groups(&mut self, step: u64) -> Result<()> {
-        let shared = self.rounds.clone().expect("the rounds run");
-        let want = self.plan.spec.data.prompts_per_step as usize;
-        let k = self
-            .plan
-            .placement()
-            .and_then(|p| p.max_staleness)
-            .unwrap_or(1);
-        let trained = resolve_model(&self.plan.run.policy())?.policy_version;
-        let t0 = Instant::now();
-        let mut kept: Vec<Ready> = vec![];
-        let mut seen: Vec<Ready> = vec![];
-        while kept.len() < want {
-            let g = wait_for_group(&shared)?;
-            let (groups, versions) = rows_of(&[&g]);
-            if admit(&groups, &versions, trained, k)?.dropped_groups == 0 {
-                kept.push(g);
-            } else {
-                seen.push(g);
-            }
+/// `take`: step `step`'s groups from the queue, through the staleness bound, into its
+/// rollout file; the step's `async` metrics.
+pub(super) fn take(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<()> {
+    let plan = r.plan();
+    let want = plan.spec.data.prompts_per_step as usize;
+    let k = plan.placement().and_then(|p| p.max_staleness).unwrap_or(1);
+    let trained = resolve_model(&plan.run.policy())?.policy_version;
+    let t0 = Instant::now();
+    let mut kept: Vec<Ready> = vec![];
+    let mut seen: Vec<Ready> = vec![];
+    while kept.len() < want {
+        let g = wait_for_group(shared)?;
+        let (groups, versions) = rows_of(&[&g]);
+        if admit(&groups, &versions, trained, k)?.dropped_groups == 0 {
+            kept.push(g);
+        } else {
+            seen.push(g);
         }
-        let train_idle_s = t0.elapsed().as_secs_f64();
-        let all: Vec<&Ready> = kept.iter().chain(&seen).collect();
-        let (groups, versions) = rows_of(&all);
-        let a = admit(&groups, &versions, trained, k)?;
-        let mut m = a.metrics();
-        let (q_depth, record) = {
-            let mut q = shared.lock();
-            let o = m.as_object_mut().expect("an object");
-            o.insert("async/train_idle_s".into(), json!(train_idle_s));
-            o.insert("async/rollout_idle_s".into(), json!(q.rollout_idle_s));
-            o.insert("async/queue_depth".into(), json!(q.ready.len()));
-            o.insert("async/in_flight_groups".into(), json!(q.in_flight_groups));
-            o.insert("async/partial_sequences".into(), json!(q.partial_rows));
-            o.insert("async/rounds".into(), json!(q.rounds));
-            o.insert("async/new_tokens".into(), json!(q.new_tokens));
-            o.insert("async/trained_version".into(), json!(trained));
-            (q.rollout_idle_s, q.rounds, q.new_tokens) = (0.0, 0, 0);
-            self.state.sampler = q.cursor;
-            let n = self.plan.stages.rollout.args.n;
-            (q.ready.len(), write_record(&self.plan, &q, n))
-        };
-        record?;
-        write_taken(&self.plan, step, &kept, (trained, k))?;
-        write_json(&self.plan.run.stage_metrics(step, "async"), &m)?;
-        self.console.detail(&format!(
+    }
+    let train_idle_s = t0.elapsed().as_secs_f64();
+    let all: Vec<&Ready> = kept.iter().chain(&seen).collect();
+    let (groups, versions) = rows_of(&all);
+    let a = admit(&groups, &versions, trained, k)?;
+    let mut m = a.metrics();
+    let (q_depth, record, cursor) = {
+        let mut q = shared.lock();
+        let o = m.as_object_mut().expect("an object");
+        o.insert("async/train_idle_s".into(), json!(train_idle_s));
+        o.insert("async/rollout_idle_s".into(), json!(q.rollout_idle_s));
+        o.insert("async/queue_depth".into(), json!(q.ready.len()));
+        o.insert("async/in_flight_groups".into(), json!(q.in_flight_groups));
+        o.insert("async/partial_sequences".into(), json!(q.partial_rows));
+        o.insert("async/rounds".into(), json!(q.rounds));
+        o.insert("async/new_tokens".into(), json!(q.new_tokens));
+        o.insert("async/trained_version".into(), json!(trained));
+        (q.rollout_idle_s, q.rounds, q.new_tokens) = (0.0, 0, 0);
+        let n = plan.stages.rollout.args.n;
+        (q.ready.len(), write_record(plan, &q, n), q.cursor)
+    };
+    record?;
+    write_taken(plan, step, &kept, (trained, k))?;
+    write_json(&plan.run.stage_metrics(step, "async"), &m)?;
+    r.state().sampler = cursor;
+    r.console().detail(&format!(
             "{}: took {} groups (waited {train_idle_s:.2}s), dropped {} over max-staleness = {k}; {q_depth} finished groups wait",
             step_name(step),
             kept.len(),
             a.dropped_groups
         ));
-        Ok(())
-    }
+    Ok(())
 }
 
 /// Holds the rounds back and waits for the one running to end; a failed round's error.

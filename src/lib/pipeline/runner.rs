@@ -6,6 +6,7 @@
 //! uninterrupted one would. A daemon that died holding the only copy of the policy sends the
 //! run back to its last checkpoint written as files (a rewind).
 
+use super::asynchronous::{self, Steps};
 use super::chores;
 use super::console::{Captured, Console};
 use super::daemons::{Daemon, MAX_DAEMON_RESTARTS};
@@ -13,19 +14,17 @@ use super::dynamic::{self, Rounds};
 use super::placement::Side;
 use super::plan::{path_arg, shell_quote, Action, Plan, Task};
 use super::rundir::{step_name, RunDir, State};
-use super::sampler::{Cursor, Sampler};
+use super::sampler::{draw_into, Cursor};
 use super::spec::Spec;
 use crate::bail_input;
-use crate::batch::{Batch, StageInfo};
+use crate::batch::Batch;
 use crate::engine::resume;
 use crate::error::input_error;
 use crate::process::die_with_parent;
 use crate::stage::sync_weights::{self, SyncWeightsArgs};
 use crate::stage::{self, InProcess};
 use anyhow::{Context, Result};
-use arrow_array::UInt64Array;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -64,7 +63,7 @@ pub(crate) struct Runner {
     /// A placed run's rollout group (`[placement]`; never started otherwise).
     rollout_daemon: Daemon,
     /// `mode = "async"`: the queue the rollout rounds fill (while they run).
-    pub(super) rounds: Option<std::sync::Arc<super::asynchronous::Shared>>,
+    rounds: Option<std::sync::Arc<asynchronous::Shared>>,
 }
 
 /// The run must go back to the end of step `to`: the daemon that died held the only copy of
@@ -143,7 +142,7 @@ impl Runner {
         self.check_bins(&tasks)?;
         self.start_progress();
         let result = match self.plan.asynchronous() {
-            true => self.run_async(tasks),
+            true => asynchronous::run(self, tasks),
             false => self.run_tasks(tasks),
         };
         // Stop the daemons whether the run finished or failed: no process outlives the runner.
@@ -277,7 +276,7 @@ impl Runner {
         self.plan.run.save_state(&self.state)
     }
 
-    pub(super) fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
+    fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
         self.console
             .bar
             .set_message(format!("{} ({})", task.name, step_name(step)));
@@ -318,7 +317,10 @@ impl Runner {
                 step,
             )?,
             Action::Overlap(pair) => self.run_overlap(step, pair)?,
-            Action::TakeGroups => self.take_groups(step)?,
+            Action::TakeGroups => {
+                let shared = self.rounds.clone().expect("the rounds run");
+                asynchronous::take(self, &shared, step)?
+            }
         }
         self.finish_task(step, task, t0.elapsed().as_secs_f64())
     }
@@ -487,14 +489,6 @@ impl Runner {
         Ok(())
     }
 
-    /// Makes sure both groups of a placed run are up before step `step` (the rollout group
-    /// with the current policy).
-    pub(super) fn ensure_sides(&mut self, step: u64) -> Result<()> {
-        self.ensure_side(step, Side::Train)?;
-        self.ensure_side(step, Side::Rollout)?;
-        Ok(())
-    }
-
     /// The daemon (group) of `side`.
     fn daemon_of(&mut self, side: Side) -> &mut Daemon {
         match side {
@@ -630,16 +624,6 @@ impl Runner {
         self.train = Some(batch);
     }
 
-    /// The training set (a copy of the rows, which Arrow shares).
-    pub(super) fn train_set(&mut self) -> Result<Batch> {
-        let b = self.train_batch()?;
-        Ok(Batch {
-            path: b.path.clone(),
-            data: b.data.clone(),
-            meta: b.meta.clone(),
-        })
-    }
-
     fn train_batch(&mut self) -> Result<&Batch> {
         if self.train.is_none() {
             let train = &self.plan.spec.data.train;
@@ -720,38 +704,39 @@ impl Rounds for Runner {
     }
 }
 
-/// Draws `count` prompts of `batch` (the run's training set, as many rows as `sampler` was
-/// made for) from `cursor` into `out`, tagged with step `step`; returns the cursor after them.
-pub(super) fn draw_into(
-    batch: &Batch,
-    sampler: &Sampler,
-    (cursor, count): (Cursor, u64),
-    step: u64,
-    out: &Path,
-) -> Result<Cursor> {
-    if batch.num_rows() as u64 != sampler.len {
-        bail_input!(
-            "{}: has {} rows but had {} when the run began; a resumed run must sample from the same data",
-            batch.path.display(),
-            batch.num_rows(),
-            sampler.len
-        );
+impl Steps for Runner {
+    fn plan(&self) -> &Plan {
+        &self.plan
     }
-    let (rows, next) = sampler.draw(cursor, count);
-    let data = arrow_select::take::take_record_batch(&batch.data, &UInt64Array::from(rows))?;
-    let meta = batch.derived_meta(&StageInfo {
-        stage: "sample",
-        params: json!({
-            "dataset": batch.path,
-            "seed": sampler.seed,
-            "shuffle": sampler.shuffle,
-            "epoch": cursor.epoch,
-            "position": cursor.position,
-            "count": count,
-        }),
-        policy_version: None,
-        step: Some(step),
-    });
-    crate::batch::write_file(out, &data, &meta)?;
-    Ok(next)
+
+    fn state(&mut self) -> &mut State {
+        &mut self.state
+    }
+
+    fn console(&mut self) -> &mut Console {
+        &mut self.console
+    }
+
+    fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
+        Runner::run_task(self, step, task)
+    }
+
+    fn ensure_sides(&mut self, step: u64) -> Result<()> {
+        self.ensure_side(step, Side::Train)?;
+        self.ensure_side(step, Side::Rollout)?;
+        Ok(())
+    }
+
+    fn train_set(&mut self) -> Result<Batch> {
+        let b = self.train_batch()?;
+        Ok(Batch {
+            path: b.path.clone(),
+            data: b.data.clone(),
+            meta: b.meta.clone(),
+        })
+    }
+
+    fn set_rounds(&mut self, rounds: Option<std::sync::Arc<asynchronous::Shared>>) {
+        self.rounds = rounds;
+    }
 }

@@ -347,6 +347,7 @@ impl StageJob {
     /// Runs the stage with its compute on `exec`.
     pub fn run(self, exec: &mut dyn Exec) -> Result<()> {
         match self {
+            StageJob::Rollout(a) if a.round_tokens.is_some() => rollout_round::run(a, exec),
             StageJob::Rollout(a) => rollout::run(a, exec),
             StageJob::RefLogprob(a) => ref_logprob::run(a, exec),
             StageJob::Values(a) => values::run(a, exec),

@@ -706,9 +706,28 @@ impl RolloutArgs {
     /// Checks the flags as the stage does before reading its input.
     pub fn check(&self) -> Result<()> {
         if self.round_tokens.is_some() {
-            super::rollout_round::check_flags(self, false)?;
+            self.check_round_flags()?;
         }
         self.sampling().map(|_| ())
+    }
+
+    /// The flags a round of partial rollouts (`--round-tokens`) does not take.
+    fn check_round_flags(&self) -> Result<()> {
+        if !self.tool.is_empty() {
+            bail_input!("--round-tokens: partial rollouts take no --tool (multi-turn samples are not continued across rounds)");
+        }
+        if self.baseline.is_some() {
+            bail_input!("--round-tokens: partial rollouts take no --baseline");
+        }
+        if !self.stop.is_empty() {
+            bail_input!("--round-tokens: partial rollouts end sequences on stop token ids only; drop --stop (or give its token ids with --stop-token-ids)");
+        }
+        if self.carry_out.is_none() {
+            bail_input!(
+                "--round-tokens needs --carry-out FILE (where the groups still in flight go)"
+            );
+        }
+        Ok(())
     }
 
     /// The temperature of the log-probs the rollout records: --temperature, or 1 when greedy.
@@ -832,7 +851,8 @@ pub fn run_with_tools(
     tools: Option<Arc<dyn Tools>>,
 ) -> Result<()> {
     if args.round_tokens.is_some() {
-        return super::rollout_round::run(args, exec, tools.is_some());
+        // `stage::run_job` sends a round to `rollout_round`.
+        anyhow::bail!("rollout: --round-tokens is one round of partial rollouts (rollout_round), not a rollout");
     }
     let started = Instant::now();
     super::common::refuse_in_place(&args.input, &args.out, "out")?;

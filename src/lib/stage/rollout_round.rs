@@ -39,11 +39,11 @@ use std::time::Instant;
 /// The carry file's column of each sequence's random key.
 pub(crate) const SAMPLE_KEY: &str = "sample_key";
 
-/// One round (see the module docs); `tools`: whether tools were given (refused).
-pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec, tools: bool) -> Result<()> {
+/// One round (see the module docs).
+pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let started = Instant::now();
     let round_tokens = args.round_tokens.expect("a round has --round-tokens");
-    check_flags(&args, tools)?;
+    args.check()?;
     let carry_out = args.carry_out.clone().expect("checked");
     refuse_in_place(&args.input, &args.out, "out")?;
     let sampling = args.sampling()?;
@@ -131,23 +131,6 @@ const CARRY_COLUMNS: &[&str] = &[
     schema::FINISH_REASON,
     SAMPLE_KEY,
 ];
-
-/// The flags a round does not take.
-pub(super) fn check_flags(args: &RolloutArgs, tools: bool) -> Result<()> {
-    if tools || !args.tool.is_empty() {
-        bail_input!("--round-tokens: partial rollouts take no --tool (multi-turn samples are not continued across rounds)");
-    }
-    if args.baseline.is_some() {
-        bail_input!("--round-tokens: partial rollouts take no --baseline");
-    }
-    if !args.stop.is_empty() {
-        bail_input!("--round-tokens: partial rollouts end sequences on stop token ids only; drop --stop (or give its token ids with --stop-token-ids)");
-    }
-    if args.carry_out.is_none() {
-        bail_input!("--round-tokens needs --carry-out FILE (where the groups still in flight go)");
-    }
-    Ok(())
-}
 
 /// The rows of `prompts`' samples before their first token: n per prompt with their keys, as a
 /// carry file holds them.

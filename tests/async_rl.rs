@@ -614,8 +614,13 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
     );
 
     // SIGKILL of the runner once step 2 took its groups; the rerun completes and says what
-    // was lost.
-    std::fs::write(d.join("k.toml"), &text).unwrap();
+    // was lost. Here the rollout group has two ranks, which split each round's sequences.
+    let two = text.replace(
+        "rollout-gpus = [0]\ntrain-gpus = [1]",
+        "rollout-gpus = [0, 1]\ntrain-gpus = [2]",
+    );
+    assert_ne!(two, text);
+    std::fs::write(d.join("k.toml"), &two).unwrap();
     let taken = d.join("k/step-0002/rollout.parquet");
     crate::pipeline::kill_when(pipeline(d, "k", None, &[]), "step 2's take", &mut |_| {
         taken.exists()
@@ -627,6 +632,16 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
         "{log}"
     );
     assert_eq!(metrics(d, "k").len(), 4, "{log}");
+    for step in 1..=4 {
+        let rows = token_versions(&read(&d.join(format!("k/step-000{step}/rollout.parquet"))));
+        assert_eq!(rows.len(), 6);
+        assert!(
+            rows.iter()
+                .flatten()
+                .all(|&v| v < step && v + 1 >= step - 1),
+            "{rows:?}"
+        );
+    }
 }
 
 /// `rollout --round-tokens` alone: rounds of 3 tokens (responses up to 7) over two prompt

@@ -30,7 +30,7 @@ use super::plan::{Plan, Task};
 use super::rundir::step_name;
 use super::rundir::State;
 use super::sampler::{draw_into, Cursor, Sampler};
-use super::staleness::admit;
+use super::staleness::{admit, Admission};
 use crate::batch::schema::{self, meta};
 use crate::batch::{stage_meta, write_file, write_json, Batch, StageInfo};
 use crate::engine::policy::Pointer;
@@ -48,6 +48,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// One finished group waiting for the trainer.
+#[derive(Debug)]
 struct Ready {
     puid: String,
     rows: RecordBatch,
@@ -407,21 +408,8 @@ pub(super) fn take(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<()>
     let k = plan.placement().and_then(|p| p.max_staleness).unwrap_or(1);
     let trained = resolve_model(&plan.run.policy())?.policy_version;
     let t0 = Instant::now();
-    let mut kept: Vec<Ready> = vec![];
-    let mut seen: Vec<Ready> = vec![];
-    while kept.len() < want {
-        let g = wait_for_group(shared)?;
-        let (groups, versions) = rows_of(&[&g]);
-        if admit(&groups, &versions, trained, k)?.dropped_groups == 0 {
-            kept.push(g);
-        } else {
-            seen.push(g);
-        }
-    }
+    let (kept, a) = select(&mut || wait_for_group(shared), want, trained, k)?;
     let train_idle_s = t0.elapsed().as_secs_f64();
-    let all: Vec<&Ready> = kept.iter().chain(&seen).collect();
-    let (groups, versions) = rows_of(&all);
-    let a = admit(&groups, &versions, trained, k)?;
     let mut m = a.metrics();
     let (q_depth, record, cursor) = {
         let mut q = shared.lock();
@@ -449,6 +437,30 @@ pub(super) fn take(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<()>
             a.dropped_groups
         ));
     Ok(())
+}
+
+/// The first `want` groups from `next` that the staleness bound admits for training policy
+/// version `trained` under `k` (the others are dropped), and the admission of every group
+/// looked at (for the metrics).
+fn select(
+    next: &mut dyn FnMut() -> Result<Ready>,
+    want: usize,
+    trained: u64,
+    k: u64,
+) -> Result<(Vec<Ready>, Admission)> {
+    let (mut kept, mut dropped) = (vec![], vec![]);
+    while kept.len() < want {
+        let g = next()?;
+        let (groups, versions) = rows_of(&[&g]);
+        match admit(&groups, &versions, trained, k)?.dropped_groups {
+            0 => kept.push(g),
+            _ => dropped.push(g),
+        }
+    }
+    let all: Vec<&Ready> = kept.iter().chain(&dropped).collect();
+    let (groups, versions) = rows_of(&all);
+    let a = admit(&groups, &versions, trained, k)?;
+    Ok((kept, a))
 }
 
 /// Holds the rounds back and waits for the one running to end; a failed round's error.
@@ -533,4 +545,90 @@ fn write_taken(plan: &Plan, step: u64, kept: &[Ready], (trained, k): (u64, u64))
     let kv = stage_meta(first.meta.clone(), &info);
     debug_assert_eq!(kv.get(meta::POLICY_VERSION), Some(&oldest.to_string()));
     write_file(&plan.run.batch(step, "rollout"), &data, &kv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::StringArray;
+
+    fn group(puid: &str, versions: &[&[u64]]) -> Ready {
+        let rows = RecordBatch::try_from_iter([(
+            "uid",
+            Arc::new(StringArray::from(vec![puid; versions.len()])) as arrow_array::ArrayRef,
+        )])
+        .unwrap();
+        Ready {
+            puid: puid.into(),
+            rows,
+            meta: BTreeMap::new(),
+            versions: versions.iter().map(|v| v.to_vec()).collect(),
+        }
+    }
+
+    /// Training version 4 under K = 1: groups are taken in order until 2 are admitted; "b"
+    /// (a row from version 2) is dropped whole and counted; "d" is not looked at.
+    #[test]
+    fn select_takes_groups_in_order_and_drops_the_stale() {
+        let mut queue: VecDeque<Ready> = [
+            group("a", &[&[3, 4], &[4]]),
+            group("b", &[&[2, 3, 4], &[4]]),
+            group("c", &[&[3, 3], &[3]]),
+            group("d", &[&[4]]),
+        ]
+        .into();
+        let mut next = || queue.pop_front().ok_or_else(|| anyhow::anyhow!("empty"));
+        let (kept, a) = select(&mut next, 2, 4, 1).unwrap();
+        let names: Vec<&str> = kept.iter().map(|g| g.puid.as_str()).collect();
+        assert_eq!(names, ["a", "c"]);
+        assert_eq!((a.dropped_groups, a.dropped_rows, a.mixed_rows), (1, 2, 2));
+        assert_eq!(a.lags, BTreeMap::from([(0, 2), (1, 3), (2, 1)]));
+        assert_eq!(queue.len(), 1, "d waits for the next step");
+        // Too few admissible groups: the wait's error comes through.
+        let mut empty = || -> Result<Ready> { anyhow::bail!("the rollout rounds stopped") };
+        let e = select(&mut empty, 1, 4, 1).unwrap_err();
+        assert!(e.to_string().contains("stopped"), "{e}");
+        // A token newer than the trained policy is an error.
+        let mut future = vec![group("e", &[&[5]])].into_iter();
+        let e = select(&mut || Ok(future.next().unwrap()), 1, 4, 1).unwrap_err();
+        assert!(e.to_string().contains("newer than the policy"), "{e}");
+    }
+
+    /// A round's finished rows split into their groups (contiguous prompt_uids), each with its
+    /// rows and versions.
+    #[test]
+    fn finished_rows_split_into_groups() {
+        use crate::batch::list_array;
+        use arrow_array::types::Int32Type;
+        let data = RecordBatch::try_from_iter([
+            (
+                schema::PROMPT_UID,
+                Arc::new(StringArray::from(vec!["x", "x", "y", "z", "z"])) as arrow_array::ArrayRef,
+            ),
+            (
+                schema::TOKEN_POLICY_VERSION,
+                list_array::<Int32Type>(&[0, 1, 3, 4, 4, 6], vec![1, 1, 2, 3, 2, 2]),
+            ),
+        ])
+        .unwrap();
+        let b = Batch {
+            path: "f.parquet".into(),
+            data,
+            meta: BTreeMap::from([("k".to_string(), "v".to_string())]),
+        };
+        let groups = split_groups(&b).unwrap();
+        let got: Vec<(&str, usize, Vec<Vec<u64>>)> = groups
+            .iter()
+            .map(|g| (g.puid.as_str(), g.rows.num_rows(), g.versions.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("x", 2, vec![vec![1], vec![1, 2]]),
+                ("y", 1, vec![vec![3]]),
+                ("z", 2, vec![vec![], vec![2, 2]]),
+            ]
+        );
+        assert!(groups.iter().all(|g| g.meta["k"] == "v"));
+    }
 }

@@ -11,7 +11,9 @@
 //! the policy one version behind the synchronous run's (step k's rows have `policy_version`
 //! k − 2, step 1's and 2's the initial model's 0); the rows keep their behaviour log-probs
 //! (`rollout_logprobs`), on which the rollout-correction options (`[update] rollout-is`,
-//! `rollout-rs`) act as they do on any mismatch.
+//! `rollout-rs`) act as they do on any mismatch. `mode = "async"`: the rollout group
+//! generates continuously in rounds of partial rollouts while the steps train, under the
+//! staleness bound `max-staleness` (`super::asynchronous`).
 //!
 //! Without `[placement]` the run is colocated, as before. The spec's table and its checks are
 //! here; what the runner plans from it is `plan::placed`'s.

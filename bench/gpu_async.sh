@@ -1,8 +1,9 @@
 #!/bin/bash
 # Issue 40 on one host: colocated GRPO steps against placed ones (`[placement]`, docs/DISTRIBUTED.md
 # "Placement"): the colocated daemon group on all N GPUs, then for each placement of PLACEMENTS
-# ("R+T": GPUs 0..R-1 roll out, the next T train) the synchronous mode and one step
-# off-policy. Per run: seconds per step (mean of the steps after the first), tokens/s per GPU,
+# ("R+T": GPUs 0..R-1 roll out, the next T train) each mode of MODES (default: the synchronous
+# mode, one step off-policy, and fully asynchronous with rounds of ROUND tokens and
+# max-staleness K). Per run: seconds per step (mean of the steps after the first), tokens/s per GPU,
 # and the weight transfer's GB/s (broadcast seconds only). NCCL_NVLS_ENABLE=0 everywhere.
 #   D=.device N=4 bench/gpu_async.sh                       random 1.5B shape, responses up to 2048
 #   SHAPE=7b PLACEMENTS="1+3 2+2" ...                       the 7B shape
@@ -22,6 +23,9 @@ PLACEMENTS=${PLACEMENTS:-1+3 2+2}
 STEPS=${STEPS:-4}
 PER_GPU=${PER_GPU:-32}
 MAX_NEW=${MAX_NEW:-2048}
+MODES=${MODES:-sync one-step-off async}
+ROUND=${ROUND:-256}
+K=${K:-1}
 OUT=${OUT:-/tmp/gpu_async}
 W=${W:-/tmp/gpu_async_work}
 mkdir -p "$OUT" "$W"
@@ -120,11 +124,15 @@ for pl in $PLACEMENTS; do
   [ $((r + t)) -le "$N" ] || { echo "placement $pl needs $((r + t)) GPUs, N=$N"; continue; }
   roll=$(seq -s, 0 $((r - 1)))
   train=$(seq -s, "$r" $((r + t - 1)))
-  for mode in sync one-step-off; do
+  for mode in $MODES; do
+    keys=""
+    [ "$mode" = async ] && keys="max-staleness = $K
+round-tokens = $ROUND"
     run "${mode}_$pl" "$pl" "$mode" "[placement]
 rollout-gpus = [$roll]
 train-gpus = [$train]
-mode = \"$mode\""
+mode = \"$mode\"
+$keys"
   done
 done
 echo

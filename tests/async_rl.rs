@@ -417,10 +417,9 @@ fn one_step_off_is_one_version_behind_deterministic_and_resumable() {
 }
 
 /// `mode = "async"`'s keys are checked before anything runs: exit 2 naming the key and its
-/// line, no run directory; the mode itself is refused, naming what exists of it, since the
-/// runner does not run it yet.
+/// line, no run directory; dynamic sampling is refused in the mode.
 #[test]
-fn async_mode_keys_are_checked_and_the_mode_is_refused_for_now() {
+fn async_mode_keys_are_checked() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let cases = [
@@ -436,9 +435,9 @@ fn async_mode_keys_are_checked_and_the_mode_is_refused_for_now() {
         ),
         ("max-staleness = \"two\"", "bad.toml:", "max-staleness"),
         (
-            "max-staleness = 2\nround-tokens = 4",
-            "bad.toml:29:",
-            "[placement] mode = \"async\" is not run yet",
+            "[algorithm]\nfilter-groups = true",
+            "bad.toml:",
+            "does not take mode = \"async\" with [algorithm] filter-groups",
         ),
     ];
     for (keys, at, want) in cases {
@@ -458,4 +457,321 @@ fn async_mode_keys_are_checked_and_the_mode_is_refused_for_now() {
         err.contains("[placement] round-tokens is a key of mode = \"async\""),
         "{err}"
     );
+}
+
+/// Versions of each row's tokens.
+fn token_versions(b: &tandem::batch::Batch) -> Vec<Vec<u64>> {
+    let v = b.ragged_i32("token_policy_version").unwrap();
+    (0..b.num_rows())
+        .map(|i| v.row(i).iter().map(|&x| x as u64).collect())
+        .collect()
+}
+
+/// `mode = "async"` with 1 rollout + 1 training rank, rounds of 2 tokens (responses up to 6)
+/// and max-staleness = 1: the run trains its 4 steps; every trained row's tokens come from
+/// versions within [trained − 1, trained], the batch's `policy_version` is its oldest token's,
+/// and the column goes through score and advantage unchanged; some rows carry two versions,
+/// and each of their tokens has the log-prob that its version's checkpoint gives (and not
+/// another's); the steps' metrics have the lag histogram, idle times and queue depth. A
+/// runner SIGKILLed in step 2 is rerun: it completes and says what it lost.
+#[test]
+fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let text = format!(
+        "{}max-staleness = 1\nround-tokens = 2\n",
+        placed("[0]", "[1]", "async")
+            .replace("steps = 3", "steps = 4")
+            .replace("keep-last = 3", "keep-last = 4")
+            // Rewards that vary within a group, so that each update moves the weights.
+            .replace(
+                "reward = \"exact\"",
+                "reward = \"regex:[a-z]\"\nformat-score = 1.0"
+            )
+            .replace("lr = 0.001", "lr = 0.01")
+            // Responses of up to 8 rounds: groups stay in flight across updates.
+            .replace("max-new-tokens = 6", "max-new-tokens = 16")
+    );
+    pipeline_ok(d, "a", Some(&text), &[]);
+    let lines = metrics(d, "a");
+    assert_eq!(lines.len(), 4);
+    let mut mixed = vec![];
+    for (i, m) in lines.iter().enumerate() {
+        let step = i as u64 + 1;
+        for k in [
+            "async/train_idle_s",
+            "async/rollout_idle_s",
+            "async/queue_depth",
+            "async/partial_sequences",
+            "async/dropped_stale_groups",
+            "transfer/gb_per_s",
+        ] {
+            assert!(m[k].is_number(), "step {step}: no {k}: {m}");
+        }
+        // The histogram counts the 3 taken groups' rows and those of the dropped groups.
+        let lagged: u64 = (0..=4)
+            .map(|l| m[format!("async/lag_{l}")].as_u64().unwrap_or(0))
+            .sum();
+        let dropped = m["async/dropped_stale_rows"].as_u64().unwrap();
+        assert_eq!(lagged, 6 + dropped, "step {step}: {m}");
+        let rollout = read(&d.join(format!("a/step-000{step}/rollout.parquet")));
+        let trained = step - 1;
+        let rows = token_versions(&rollout);
+        assert_eq!(rows.len(), 6);
+        let oldest = rows.iter().flatten().min().copied().unwrap();
+        assert_eq!(rollout.meta_u64("policy_version"), Some(oldest));
+        for r in &rows {
+            assert!(
+                r.iter().all(|&v| v <= trained && v + 1 >= trained),
+                "step {step}: {r:?}"
+            );
+        }
+        let adv = read(&d.join(format!("a/step-000{step}/adv.parquet")));
+        assert_eq!(
+            token_versions(&adv),
+            rows,
+            "step {step}: advantage keeps the column"
+        );
+        for (row, r) in rows.iter().enumerate() {
+            if r.windows(2).any(|w| w[0] != w[1]) {
+                mixed.push((step, row, r.clone()));
+            }
+        }
+    }
+    assert!(!mixed.is_empty(), "no row was continued under new weights");
+    // Each mixed row's tokens against the checkpoints of their versions (0: the initial model).
+    let ckpt = |v: u64| match v {
+        0 => d.join("model"),
+        v => d.join(format!("a/ckpt/step-000{v}")),
+    };
+    let mut compared = 0;
+    for (step, row, vers) in &mixed {
+        let rollout = d.join(format!("a/step-000{step}/rollout.parquet"));
+        let by: Vec<Vec<f32>> = (0..=*vers.iter().max().unwrap())
+            .map(|v| {
+                let out = d.join(format!("lp-{step}-{v}.parquet"));
+                ok(
+                    "ref-logprob",
+                    &[
+                        "--model",
+                        p(&ckpt(v)),
+                        "--in",
+                        p(&rollout),
+                        "--out",
+                        p(&out),
+                        "--column",
+                        "ref_logprobs",
+                    ],
+                );
+                let b = read(&out);
+                b.ragged_f32("ref_logprobs").unwrap().row(*row).to_vec()
+            })
+            .collect();
+        let got = read(&rollout);
+        let lps = got.ragged_f32("rollout_logprobs").unwrap();
+        for (j, &lp) in lps.row(*row).iter().enumerate() {
+            let want = by[vers[j] as usize][j];
+            assert!(
+                (lp - want).abs() < 1e-4,
+                "step {step} row {row} token {j}: {lp} vs {want}"
+            );
+            compared += 1;
+        }
+        let others = (0..lps.row(*row).len())
+            .filter(|&j| {
+                by.iter()
+                    .enumerate()
+                    .any(|(v, b)| v as u64 != vers[j] && (b[j] - lps.row(*row)[j]).abs() > 1e-4)
+            })
+            .count();
+        assert!(others > 0, "another version's log-probs differ");
+    }
+    assert!(compared > 0);
+    // Every round sampled with the weights the rollout group held (none loaded from files);
+    // the last one may have been stopped at the end of the run, before the daemon's part of
+    // its metrics was added.
+    let (mut n_rounds, mut unfinished) = (0, 0);
+    for e in std::fs::read_dir(d.join("a/async")).unwrap() {
+        let path = e.unwrap().path().join("metrics.json");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let m: serde_json::Value = serde_json::from_str(&text).unwrap();
+            match m.get("daemon") {
+                Some(daemon) => assert_eq!(daemon["reloaded"], false, "{}", path.display()),
+                None => unfinished += 1,
+            }
+            n_rounds += 1;
+        }
+    }
+    assert!(
+        n_rounds >= 8 && unfinished <= 1,
+        "{n_rounds} rounds, {unfinished} unfinished"
+    );
+    let rounds = std::fs::read_to_string(d.join("a/async/rounds.sh")).unwrap();
+    assert!(
+        rounds.contains("--round-tokens 2") && rounds.contains("a/rollout.sock"),
+        "{rounds}"
+    );
+
+    // SIGKILL of the runner once step 2 took its groups; the rerun completes and says what
+    // was lost. Here the rollout group has two ranks, which split each round's sequences.
+    let two = text.replace(
+        "rollout-gpus = [0]\ntrain-gpus = [1]",
+        "rollout-gpus = [0, 1]\ntrain-gpus = [2]",
+    );
+    assert_ne!(two, text);
+    std::fs::write(d.join("k.toml"), &two).unwrap();
+    let taken = d.join("k/step-0002/rollout.parquet");
+    crate::pipeline::kill_when(pipeline(d, "k", None, &[]), "step 2's take", &mut |_| {
+        taken.exists()
+    });
+    let log = pipeline_ok(d, "k", None, &[]);
+    assert!(
+        log.contains("the rollout side's work when the runner stopped is lost:")
+            && log.contains("groups in flight"),
+        "{log}"
+    );
+    assert_eq!(metrics(d, "k").len(), 4, "{log}");
+    for step in 1..=4 {
+        let rows = token_versions(&read(&d.join(format!("k/step-000{step}/rollout.parquet"))));
+        assert_eq!(rows.len(), 6);
+        assert!(
+            rows.iter()
+                .flatten()
+                .all(|&v| v < step && v + 1 >= step - 1),
+            "{rows:?}"
+        );
+    }
+}
+
+/// `rollout --round-tokens` alone: rounds of 3 tokens (responses up to 7) over two prompt
+/// files started one round apart and rounds with no new prompt, until nothing is in flight.
+/// Every sample comes out once, in a finished group, with one version per token and its
+/// behaviour log-probs; a carry file holds the groups in flight (ended samples with their
+/// reason, the others with ""). Bad flags are exit 2 naming them.
+#[test]
+fn rollout_rounds_carry_sequences_until_their_groups_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 4);
+    prompts(&d.join("a.parquet"), &["What is 2 + 3?", "Name a colour."]);
+    prompts(&d.join("b.parquet"), &["Say hello."]);
+    prompts(&d.join("none.parquet"), &[]);
+    let model = d.join("model");
+    let round = |r: usize, input: &str, carry: Option<&Path>| -> std::path::PathBuf {
+        let (out, carry_out) = (
+            d.join(format!("f{r}.parquet")),
+            d.join(format!("c{r}.parquet")),
+        );
+        let seed = r.to_string();
+        let mut args = vec![
+            "--model",
+            p(&model),
+            "--in",
+            input,
+            "--out",
+            p(&out),
+            "--carry-out",
+            p(&carry_out),
+            "--round-tokens",
+            "3",
+            "--max-new-tokens",
+            "7",
+            "--n",
+            "2",
+            "--raw-prompt",
+            "--ignore-eos",
+            "--seed",
+            &seed,
+        ];
+        if let Some(c) = carry {
+            args.extend(["--carry", p(c)]);
+        }
+        ok("rollout", &args);
+        carry_out
+    };
+    let (a, b, none) = (
+        d.join("a.parquet"),
+        d.join("b.parquet"),
+        d.join("none.parquet"),
+    );
+    let c1 = round(1, p(&a), None);
+    let first = read(&c1);
+    assert_eq!(first.num_rows(), 4, "two groups of two in flight");
+    assert!(first
+        .strings("finish_reason")
+        .unwrap()
+        .iter()
+        .all(|r| r.is_empty()));
+    assert_eq!(token_versions(&first), vec![vec![0u64; 3]; 4]);
+    let c2 = round(2, p(&b), Some(&c1));
+    let c3 = round(3, p(&none), Some(&c2));
+    let c4 = round(4, p(&none), Some(&c3));
+    assert_eq!(
+        read(&c4).num_rows(),
+        0,
+        "7 tokens in rounds of 3: done after 3 rounds"
+    );
+    let mut uids = vec![];
+    for r in 1..=4 {
+        let f = read(&d.join(format!("f{r}.parquet")));
+        let lens: Vec<usize> = token_versions(&f).iter().map(Vec::len).collect();
+        assert_eq!(
+            f.ragged_f32("rollout_logprobs")
+                .unwrap()
+                .rows()
+                .map(|x| x.len())
+                .collect::<Vec<_>>(),
+            lens
+        );
+        assert!(lens.iter().all(|&n| n == 7), "{lens:?}");
+        assert!(f
+            .strings("finish_reason")
+            .unwrap()
+            .iter()
+            .all(|r| *r == "length"));
+        assert!(!f.has("sample_key"));
+        uids.extend(f.strings("uid").unwrap().iter().map(|s| s.to_string()));
+    }
+    uids.sort();
+    uids.dedup();
+    assert_eq!(uids.len(), 6, "every sample once: {uids:?}");
+    // Bad flags: exit 2 naming them.
+    let base = ["--model", p(&model), "--in", p(&a), "--out", "x.parquet"];
+    for (extra, want) in [
+        (
+            &["--round-tokens", "2"][..],
+            "--round-tokens needs --carry-out",
+        ),
+        (
+            &[
+                "--round-tokens",
+                "2",
+                "--carry-out",
+                "c.parquet",
+                "--stop",
+                "x",
+            ][..],
+            "drop --stop",
+        ),
+        (
+            &[
+                "--round-tokens",
+                "2",
+                "--carry-out",
+                "c.parquet",
+                "--baseline",
+                "greedy",
+            ][..],
+            "no --baseline",
+        ),
+        (
+            &["--round-tokens", "0", "--carry-out", "c.parquet"][..],
+            "--round-tokens",
+        ),
+        (&["--carry-out", "c.parquet"][..], "--round-tokens"),
+    ] {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        input_error("rollout", &args, want);
+    }
 }

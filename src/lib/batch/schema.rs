@@ -40,6 +40,9 @@ pub const RESPONSE_MASK: &str = "response_mask";
 pub const RESPONSE_TEXT: &str = "response_text";
 pub const FINISH_REASON: &str = "finish_reason";
 pub const ROLLOUT_LOGPROBS: &str = "rollout_logprobs";
+/// Per response token, the policy version that sampled it (partial rollouts of
+/// `[placement] mode = "async"`, continued under newer weights between rounds).
+pub const TOKEN_POLICY_VERSION: &str = "token_policy_version";
 /// Multi-turn rollouts (with tools): assistant turns, the calls (JSON list), the conversation
 /// (JSON list of messages; untyped here, since datasets often have a `messages` column of
 /// their own, which a rollout with tools leaves out).
@@ -133,7 +136,7 @@ pub(crate) fn kind_of(name: &str) -> Option<Kind> {
     Some(match name {
         UID | PROMPT_UID | DATA_SOURCE | RESPONSE_TEXT | FINISH_REASON | TOOL_CALLS => Kind::Utf8,
         NUM_TURNS => Kind::I32,
-        PROMPT_IDS | RESPONSE_IDS => Kind::ListI32,
+        PROMPT_IDS | RESPONSE_IDS | TOKEN_POLICY_VERSION => Kind::ListI32,
         RESPONSE_MASK => Kind::ListU8,
         SCORE | BASELINE_SCORE => Kind::F32,
         IS_BASELINE => Kind::Bool,
@@ -147,7 +150,8 @@ pub(crate) fn kind_of(name: &str) -> Option<Kind> {
 /// Columns that hold one value per response token and must have as many entries as
 /// `response_ids` in every row.
 pub(crate) fn is_token_aligned(name: &str) -> bool {
-    name != RESPONSE_IDS && matches!(kind_of(name), Some(Kind::ListF32 | Kind::ListU8))
+    name == TOKEN_POLICY_VERSION
+        || name != RESPONSE_IDS && matches!(kind_of(name), Some(Kind::ListF32 | Kind::ListU8))
 }
 
 /// The field we write for a contract column.

@@ -133,6 +133,7 @@ pub(super) fn step_metrics(
             ("update", run.stage_metrics(step, "update")),
             ("critic", run.stage_metrics(step, "critic")),
             ("transfer", run.stage_metrics(step, "transfer")),
+            ("async", run.stage_metrics(step, "async")),
         ],
         seconds: &seconds,
     })?;

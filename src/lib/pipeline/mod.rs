@@ -23,6 +23,7 @@
 
 pub(crate) mod agent;
 pub(crate) mod agent_spec;
+pub(crate) mod asynchronous;
 pub(crate) mod chores;
 pub(crate) mod console;
 pub(crate) mod daemons;

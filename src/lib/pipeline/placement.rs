@@ -11,7 +11,9 @@
 //! the policy one version behind the synchronous run's (step k's rows have `policy_version`
 //! k − 2, step 1's and 2's the initial model's 0); the rows keep their behaviour log-probs
 //! (`rollout_logprobs`), on which the rollout-correction options (`[update] rollout-is`,
-//! `rollout-rs`) act as they do on any mismatch.
+//! `rollout-rs`) act as they do on any mismatch. `mode = "async"`: the rollout group
+//! generates continuously in rounds of partial rollouts while the steps train, under the
+//! staleness bound `max-staleness` (`super::asynchronous`).
 //!
 //! Without `[placement]` the run is colocated, as before. The spec's table and its checks are
 //! here; what the runner plans from it is `plan::placed`'s.
@@ -30,7 +32,7 @@ pub(crate) enum Mode {
     /// The next step's rollout runs while this step trains, one policy version behind.
     OneStepOff,
     /// Continuous generation in rounds with partial rollouts and a staleness bound
-    /// (`max-staleness`, `round-tokens`): checked, not run by the runner yet.
+    /// (`max-staleness`, `round-tokens`; `super::asynchronous`).
     Async,
 }
 
@@ -138,8 +140,7 @@ pub(crate) fn check(
     Ok(())
 }
 
-/// The keys of `mode = "async"`: only with it, each at least 1; the mode itself is refused
-/// for now (the runner has no loop for it yet), after its keys are checked.
+/// The keys of `mode = "async"`: only with it, each at least 1.
 fn check_async(p: &PlacementSpec, at: &dyn Fn(&str) -> String) -> Result<()> {
     for (key, value) in [
         ("max-staleness", p.max_staleness),
@@ -153,12 +154,6 @@ fn check_async(p: &PlacementSpec, at: &dyn Fn(&str) -> String) -> Result<()> {
             Some(0) => bail_input!("{}: [placement] {key} must be at least 1", at(key)),
             _ => {}
         }
-    }
-    if p.mode == Mode::Async {
-        bail_input!(
-            "{}: [placement] mode = \"async\" is not run yet (issue 40 row 3: partial rollouts and the staleness bound exist as parts, the runner's loop does not); use mode = \"one-step-off\"",
-            at("mode")
-        );
     }
     Ok(())
 }
@@ -224,10 +219,6 @@ mod tests {
             (
                 "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\nround-tokens = 8\n",
                 "[placement] round-tokens is a key of mode = \"async\"",
-            ),
-            (
-                "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"async\"\nmax-staleness = 2\nround-tokens = 8\n",
-                "[placement] mode = \"async\" is not run yet",
             ),
         ];
         for (placement, want) in cases {

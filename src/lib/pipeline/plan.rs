@@ -43,6 +43,9 @@ pub(crate) enum Action {
     EvalSummary,
     /// Append the step's line to metrics.jsonl.
     StepMetrics,
+    /// `[placement] mode = "async"`: the step's groups taken from those the rollout group
+    /// finished in its rounds (`super::asynchronous`), into the step's rollout file.
+    TakeGroups,
     /// Two stage tasks at once, on two daemon groups (`[placement] mode = "one-step-off"`:
     /// this step's update and the next step's rollout); done when both are.
     Overlap(Box<[Task; 2]>),
@@ -118,6 +121,7 @@ pub(super) fn round_seed(seed: u64, step: u64, round: u64) -> u64 {
 
 /// What a run's tasks derive from: the spec, its stages' flags, the run directory and where
 /// the stage binaries are.
+#[derive(Clone)]
 pub(crate) struct Plan {
     pub(crate) spec: Spec,
     /// The stages' flags from the spec, parsed by the stages.
@@ -295,7 +299,7 @@ impl Plan {
     }
 
     /// [`Plan::device_args`] with the daemon of `side`.
-    fn device_args_of(&self, side: Side) -> Vec<String> {
+    pub(super) fn device_args_of(&self, side: Side) -> Vec<String> {
         let mut a = match self.spec.device {
             Device::Cpu => Vec::new(),
             d => vec!["--device".into(), d.as_str().into()],
@@ -423,26 +427,34 @@ impl Plan {
 
     /// The step's scored samples: prompts, rollout and score, or dynamic sampling's rounds.
     pub(super) fn sampling_tasks(&self, step: u64) -> Vec<Task> {
+        if self.asynchronous() {
+            return self.take_tasks(step);
+        }
         if self.spec.filter_groups().is_some() {
             return vec![Task {
                 name: "sample",
                 action: Action::DynamicSampling,
             }];
         }
-        let run = &self.run;
-        let files = SampleFiles {
-            prompts: run.batch(step, "prompts"),
-            rollout: run.batch(step, "rollout"),
-            scored: run.batch(step, "scored"),
-            rollout_metrics: run.stage_metrics(step, "rollout"),
-            score_metrics: run.stage_metrics(step, "score"),
-        };
+        let files = self.step_files(step);
         let mut tasks = vec![Task {
             name: "prompts",
             action: Action::SamplePrompts { step },
         }];
         tasks.extend(self.sample_tasks(step, &files, derive_seed(self.spec.seed, &[step, 1])));
         tasks
+    }
+
+    /// A plain step's sampling files.
+    pub(super) fn step_files(&self, step: u64) -> SampleFiles {
+        let run = &self.run;
+        SampleFiles {
+            prompts: run.batch(step, "prompts"),
+            rollout: run.batch(step, "rollout"),
+            scored: run.batch(step, "scored"),
+            rollout_metrics: run.stage_metrics(step, "rollout"),
+            score_metrics: run.stage_metrics(step, "score"),
+        }
     }
 
     /// The reference and old log-prob passes the step needs, each reading the batch before
@@ -677,6 +689,9 @@ impl Plan {
     /// and the dry run (nothing without filter-groups: the plain step's own commands are
     /// checked then).
     pub(super) fn first_round_tasks(&self, step: u64) -> Vec<Task> {
+        if self.asynchronous() {
+            return vec![self.first_async_round()];
+        }
         if self.spec.filter_groups().is_none() {
             return Vec::new();
         }
@@ -749,6 +764,7 @@ impl Plan {
                 "# pipeline: write step {step} to {}",
                 self.run.metrics_path().display()
             ),
+            Action::TakeGroups => self.describe_take(step),
             Action::Overlap(pair) => format!(
                 "{} &\n{}\nwait",
                 self.describe(step, &pair[0]),
@@ -864,6 +880,6 @@ impl Plan {
     }
 }
 
-mod placed;
+pub(crate) mod placed;
 #[cfg(test)]
 mod tests;

@@ -6,6 +6,7 @@
 //! uninterrupted one would. A daemon that died holding the only copy of the policy sends the
 //! run back to its last checkpoint written as files (a rewind).
 
+use super::asynchronous::{self, Steps};
 use super::chores;
 use super::console::{Captured, Console};
 use super::daemons::{Daemon, MAX_DAEMON_RESTARTS};
@@ -13,19 +14,17 @@ use super::dynamic::{self, Rounds};
 use super::placement::Side;
 use super::plan::{path_arg, shell_quote, Action, Plan, Task};
 use super::rundir::{step_name, RunDir, State};
-use super::sampler::{Cursor, Sampler};
+use super::sampler::{draw_into, Cursor};
 use super::spec::Spec;
 use crate::bail_input;
-use crate::batch::{Batch, StageInfo};
+use crate::batch::Batch;
 use crate::engine::resume;
 use crate::error::input_error;
 use crate::process::die_with_parent;
 use crate::stage::sync_weights::{self, SyncWeightsArgs};
 use crate::stage::{self, InProcess};
 use anyhow::{Context, Result};
-use arrow_array::UInt64Array;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -63,6 +62,8 @@ pub(crate) struct Runner {
     daemon: Daemon,
     /// A placed run's rollout group (`[placement]`; never started otherwise).
     rollout_daemon: Daemon,
+    /// `mode = "async"`: the queue the rollout rounds fill (while they run).
+    rounds: Option<std::sync::Arc<asynchronous::Shared>>,
 }
 
 /// The run must go back to the end of step `to`: the daemon that died held the only copy of
@@ -99,6 +100,7 @@ impl Runner {
             eval_note: None,
             daemon: Daemon::default(),
             rollout_daemon: Daemon::of(Side::Rollout),
+            rounds: None,
         })
     }
 
@@ -139,7 +141,10 @@ impl Runner {
         let tasks = self.remaining();
         self.check_bins(&tasks)?;
         self.start_progress();
-        let result = self.run_tasks(tasks);
+        let result = match self.plan.asynchronous() {
+            true => asynchronous::run(self, tasks),
+            false => self.run_tasks(tasks),
+        };
         // Stop the daemons whether the run finished or failed: no process outlives the runner.
         self.daemon.stop();
         self.rollout_daemon.stop();
@@ -312,6 +317,10 @@ impl Runner {
                 step,
             )?,
             Action::Overlap(pair) => self.run_overlap(step, pair)?,
+            Action::TakeGroups => {
+                let shared = self.rounds.clone().expect("the rounds run");
+                asynchronous::take(self, &shared, step)?
+            }
         }
         self.finish_task(step, task, t0.elapsed().as_secs_f64())
     }
@@ -324,7 +333,7 @@ impl Runner {
         progress.done.push(task.name.to_string());
         if matches!(
             task.action,
-            Action::Stage { .. } | Action::Agent { .. } | Action::Overlap(_)
+            Action::Stage { .. } | Action::Agent { .. } | Action::Overlap(_) | Action::TakeGroups
         ) {
             progress.seconds.insert(task.name.to_string(), secs);
         }
@@ -689,38 +698,45 @@ impl Rounds for Runner {
         count: u64,
         out: &Path,
     ) -> Result<Cursor> {
-        let seed = self.plan.spec.seed;
-        let shuffle = self.plan.spec.data.shuffle;
-        let train_rows = self.state.train_rows;
+        let sampler = self.plan.sampler(self.state.train_rows);
         let batch = self.train_batch()?;
-        if batch.num_rows() as u64 != train_rows {
-            bail_input!(
-                "{}: has {} rows but had {train_rows} when the run began; a resumed run must sample from the same data",
-                batch.path.display(),
-                batch.num_rows()
-            );
-        }
-        let sampler = Sampler {
-            seed,
-            len: batch.num_rows() as u64,
-            shuffle,
-        };
-        let (rows, next) = sampler.draw(cursor, count);
-        let data = arrow_select::take::take_record_batch(&batch.data, &UInt64Array::from(rows))?;
-        let meta = batch.derived_meta(&StageInfo {
-            stage: "sample",
-            params: json!({
-                "dataset": batch.path,
-                "seed": seed,
-                "shuffle": shuffle,
-                "epoch": cursor.epoch,
-                "position": cursor.position,
-                "count": count,
-            }),
-            policy_version: None,
-            step: Some(step),
-        });
-        crate::batch::write_file(out, &data, &meta)?;
-        Ok(next)
+        draw_into(batch, &sampler, (cursor, count), step, out)
+    }
+}
+
+impl Steps for Runner {
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    fn state(&mut self) -> &mut State {
+        &mut self.state
+    }
+
+    fn console(&mut self) -> &mut Console {
+        &mut self.console
+    }
+
+    fn run_task(&mut self, step: u64, task: &Task) -> Result<()> {
+        Runner::run_task(self, step, task)
+    }
+
+    fn ensure_sides(&mut self, step: u64) -> Result<()> {
+        self.ensure_side(step, Side::Train)?;
+        self.ensure_side(step, Side::Rollout)?;
+        Ok(())
+    }
+
+    fn train_set(&mut self) -> Result<Batch> {
+        let b = self.train_batch()?;
+        Ok(Batch {
+            path: b.path.clone(),
+            data: b.data.clone(),
+            meta: b.meta.clone(),
+        })
+    }
+
+    fn set_rounds(&mut self, rounds: Option<std::sync::Arc<asynchronous::Shared>>) {
+        self.rounds = rounds;
     }
 }

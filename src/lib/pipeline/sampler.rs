@@ -2,7 +2,13 @@
 //! depends only on (seed, epoch); its cursor (epoch, position) is saved in `state.json`, so a
 //! resumed run draws exactly the prompts an uninterrupted one would.
 
+use crate::bail_input;
+use crate::batch::{Batch, StageInfo};
+use anyhow::Result;
+use arrow_array::UInt64Array;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::path::Path;
 
 /// Where the sampler stands: the next prompt is `order(seed, epoch)[position]`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,6 +72,42 @@ impl Sampler {
         }
         (out, cur)
     }
+}
+
+/// Draws `count` prompts of `batch` (the run's training set, as many rows as `sampler` was
+/// made for) from `cursor` into `out`, tagged with step `step`; returns the cursor after them.
+pub(crate) fn draw_into(
+    batch: &Batch,
+    sampler: &Sampler,
+    (cursor, count): (Cursor, u64),
+    step: u64,
+    out: &Path,
+) -> Result<Cursor> {
+    if batch.num_rows() as u64 != sampler.len {
+        bail_input!(
+            "{}: has {} rows but had {} when the run began; a resumed run must sample from the same data",
+            batch.path.display(),
+            batch.num_rows(),
+            sampler.len
+        );
+    }
+    let (rows, next) = sampler.draw(cursor, count);
+    let data = arrow_select::take::take_record_batch(&batch.data, &UInt64Array::from(rows))?;
+    let meta = batch.derived_meta(&StageInfo {
+        stage: "sample",
+        params: json!({
+            "dataset": batch.path,
+            "seed": sampler.seed,
+            "shuffle": sampler.shuffle,
+            "epoch": cursor.epoch,
+            "position": cursor.position,
+            "count": count,
+        }),
+        policy_version: None,
+        step: Some(step),
+    });
+    crate::batch::write_file(out, &data, &meta)?;
+    Ok(next)
 }
 
 #[cfg(test)]

@@ -698,6 +698,7 @@ impl Spec {
             return Ok(());
         };
         let one_step_off = p.mode == super::placement::Mode::OneStepOff;
+        let asynchronous = p.mode == super::placement::Mode::Async;
         let refused = [
             (
                 self.rollout.contains_key("agent"),
@@ -710,6 +711,10 @@ impl Spec {
             (
                 one_step_off && self.filter_groups().is_some(),
                 "mode = \"one-step-off\" with [algorithm] filter-groups (its rounds sample in the step itself)",
+            ),
+            (
+                asynchronous && self.filter_groups().is_some(),
+                "mode = \"async\" with [algorithm] filter-groups (dynamic sampling is not run on the asynchronous rounds)",
             ),
         ];
         let at = |key: &str| src.at("placement", key);

@@ -27,6 +27,7 @@ pub mod common;
 pub mod generate;
 pub mod ref_logprob;
 pub mod rollout;
+mod rollout_round;
 pub mod save;
 pub mod score;
 pub mod sft_batch;
@@ -346,6 +347,7 @@ impl StageJob {
     /// Runs the stage with its compute on `exec`.
     pub fn run(self, exec: &mut dyn Exec) -> Result<()> {
         match self {
+            StageJob::Rollout(a) if a.round_tokens.is_some() => rollout_round::run(a, exec),
             StageJob::Rollout(a) => rollout::run(a, exec),
             StageJob::RefLogprob(a) => ref_logprob::run(a, exec),
             StageJob::Values(a) => values::run(a, exec),
@@ -404,7 +406,18 @@ pub const STAGES: &[StageDef] = &[
         name: "rollout",
         command: || command::<rollout::RolloutArgs>("rollout"),
         runner_owned: &[
-            "model", "in", "out", "limit", "seed", "step", "metrics", "device", "daemon",
+            "model",
+            "in",
+            "out",
+            "limit",
+            "seed",
+            "step",
+            "metrics",
+            "device",
+            "daemon",
+            "round-tokens",
+            "carry",
+            "carry-out",
         ],
         check: |m| parse_args::<rollout::RolloutArgs>(m)?.check(),
     },

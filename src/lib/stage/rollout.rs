@@ -326,6 +326,23 @@ pub struct RolloutArgs {
     /// SECS s` (> 0).
     #[arg(long, default_value_t = 10.0, value_name = "SECS", value_parser = range(Bound::Excluded(0.0f64), Bound::Unbounded))]
     pub tool_timeout: f64,
+    /// Partial rollouts (`[placement] mode = "async"`): generate one round of at most N new
+    /// tokens per sequence, continuing the sequences of --carry and starting those of --in's
+    /// prompts; groups whose samples all ended go to --out, the others to --carry-out. Each
+    /// token's policy version is recorded (`token_policy_version`). Refuses --tool, --baseline
+    /// and --stop (a round ends sequences on stop token ids and the length only).
+    #[arg(long, value_name = "N", value_parser = at_least(1usize))]
+    #[serde(default)]
+    pub round_tokens: Option<usize>,
+    /// With --round-tokens: the sequences in flight, as the round before wrote them to its
+    /// --carry-out (none in the first round).
+    #[arg(long, value_name = "FILE", requires = "round_tokens")]
+    #[serde(default)]
+    pub carry: Option<PathBuf>,
+    /// With --round-tokens: where the groups still in flight after this round go.
+    #[arg(long, value_name = "FILE", requires = "round_tokens")]
+    #[serde(default)]
+    pub carry_out: Option<PathBuf>,
     /// Training step, recorded in the output's metadata (`step`).
     #[arg(long, value_parser = at_least(0u64))]
     pub step: Option<u64>,
@@ -688,7 +705,29 @@ impl Generate<'_> {
 impl RolloutArgs {
     /// Checks the flags as the stage does before reading its input.
     pub fn check(&self) -> Result<()> {
+        if self.round_tokens.is_some() {
+            self.check_round_flags()?;
+        }
         self.sampling().map(|_| ())
+    }
+
+    /// The flags a round of partial rollouts (`--round-tokens`) does not take.
+    fn check_round_flags(&self) -> Result<()> {
+        if !self.tool.is_empty() {
+            bail_input!("--round-tokens: partial rollouts take no --tool (multi-turn samples are not continued across rounds)");
+        }
+        if self.baseline.is_some() {
+            bail_input!("--round-tokens: partial rollouts take no --baseline");
+        }
+        if !self.stop.is_empty() {
+            bail_input!("--round-tokens: partial rollouts end sequences on stop token ids only; drop --stop (or give its token ids with --stop-token-ids)");
+        }
+        if self.carry_out.is_none() {
+            bail_input!(
+                "--round-tokens needs --carry-out FILE (where the groups still in flight go)"
+            );
+        }
+        Ok(())
     }
 
     /// The temperature of the log-probs the rollout records: --temperature, or 1 when greedy.
@@ -706,7 +745,7 @@ impl RolloutArgs {
 
     /// What to generate: the sampling, the length, the stop ids (the model's EOS ids `eos`
     /// unless --ignore-eos, then --stop-token-ids) and the stop strings.
-    fn gen_params(&self, sampling: SamplingParams, eos: &[u32]) -> GenParams {
+    pub(super) fn gen_params(&self, sampling: SamplingParams, eos: &[u32]) -> GenParams {
         let mut stop_ids = if self.ignore_eos {
             vec![]
         } else {
@@ -751,7 +790,7 @@ impl RolloutArgs {
     }
 
     /// What the engine may take.
-    fn limits(&self) -> Limits {
+    pub(super) fn limits(&self) -> Limits {
         Limits {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
@@ -763,7 +802,7 @@ impl RolloutArgs {
 
     /// The sampling parameters, and the checks that span flags (each flag's own range is
     /// checked by its parser).
-    fn sampling(&self) -> Result<SamplingParams> {
+    pub(super) fn sampling(&self) -> Result<SamplingParams> {
         let p = self.params();
         p.validate().map_err(|e| input_error(e.to_string()))?;
         if self.max_batched_tokens < self.max_num_seqs {
@@ -811,6 +850,10 @@ pub fn run_with_tools(
     exec: &mut dyn Exec,
     tools: Option<Arc<dyn Tools>>,
 ) -> Result<()> {
+    if args.round_tokens.is_some() {
+        // `stage::run_job` sends a round to `rollout_round`.
+        anyhow::bail!("rollout: --round-tokens is one round of partial rollouts (rollout_round), not a rollout");
+    }
     let started = Instant::now();
     super::common::refuse_in_place(&args.input, &args.out, "out")?;
     let sampling = args.sampling()?;
@@ -907,11 +950,11 @@ pub fn run_with_tools(
 }
 
 /// The model the stage runs and its prompts as token ids.
-struct Prepared {
-    model: ModelRef,
-    cfg: Config,
-    tokenizer: Tokenizer,
-    prompts: Vec<Vec<u32>>,
+pub(super) struct Prepared {
+    pub(super) model: ModelRef,
+    pub(super) cfg: Config,
+    pub(super) tokenizer: Tokenizer,
+    pub(super) prompts: Vec<Vec<u32>>,
     /// Prompts cut to --max-prompt-tokens.
     truncated: usize,
     /// None with --raw-prompt.
@@ -921,7 +964,7 @@ struct Prepared {
 impl Prepared {
     /// Resolves the model and tokenizes the first `n_prompts` prompts with its chat template
     /// (unless --raw-prompt), offering the tools of `schemas`.
-    fn load(
+    pub(super) fn load(
         args: &RolloutArgs,
         dataset: &PromptDataset,
         n_prompts: usize,
@@ -1115,12 +1158,12 @@ impl Summary {
 }
 
 /// The output of rank 0: the batch file with its metadata, and the metrics.
-struct Output<'a> {
-    args: &'a RolloutArgs,
-    model: &'a ModelRef,
-    sampling: SamplingParams,
-    stop_ids: &'a [u32],
-    generated: &'a Generated,
+pub(super) struct Output<'a> {
+    pub(super) args: &'a RolloutArgs,
+    pub(super) model: &'a ModelRef,
+    pub(super) sampling: SamplingParams,
+    pub(super) stop_ids: &'a [u32],
+    pub(super) generated: &'a Generated,
 }
 
 impl Output<'_> {
@@ -1244,7 +1287,7 @@ impl Output<'_> {
 
     /// The output's metadata: the stage's parameters, the model, the log-probs' temperature,
     /// and whether they may stand for the old log-probs.
-    fn meta(&self) -> BTreeMap<String, String> {
+    pub(super) fn meta(&self) -> BTreeMap<String, String> {
         let (args, model, sampling) = (self.args, self.model, self.sampling);
         let batch_invariant = self.generated.batch_invariant;
         let info = StageInfo {
@@ -1279,6 +1322,7 @@ impl Output<'_> {
                 "tool_concurrency": args.tool_concurrency,
                 "tool_timeout": args.tool_timeout,
                 "baseline": args.baseline.map(|_| "greedy"),
+                "round_tokens": args.round_tokens,
             }),
             policy_version: Some(model.policy_version),
             step: args.step,

@@ -14,7 +14,7 @@
 use anyhow::{ensure, Result};
 
 use super::engine::generate_paged;
-use super::request::{FinishReason, GenParams, Request};
+use super::request::{Completion, FinishReason, GenParams, Request};
 use super::{PagedConfig, PagedModel, PagedStats};
 use crate::rng::mix_key;
 
@@ -75,6 +75,25 @@ pub fn round(
     round_tokens: usize,
     version: u64,
 ) -> Result<PagedStats> {
+    let (live, requests, this_round) = round_requests(seqs, params, round_tokens)?;
+    let (done, stats) = generate_paged(model, cfg, &requests, &this_round, None, &mut |_| {})?;
+    let done: Vec<Completion> = done
+        .into_iter()
+        .map(|mut s| s.pop().expect("one sample per request"))
+        .collect();
+    absorb(seqs, &live, done, params, version);
+    Ok(stats)
+}
+
+/// What a round generates: the unfinished sequences of `seqs` (their indices), a request for
+/// each (prompt and response so far, the round's key, one sample), and the round's parameters
+/// (at most `round_tokens` new tokens). The engine that runs them may be any (`round` above,
+/// or a rollout stage's own generation on its ranks).
+pub fn round_requests(
+    seqs: &[InFlight],
+    params: &GenParams,
+    round_tokens: usize,
+) -> Result<(Vec<usize>, Vec<Request>, GenParams)> {
     ensure!(round_tokens > 0, "a round needs at least one new token");
     ensure!(
         params.stop_strings.is_empty(),
@@ -94,9 +113,19 @@ pub fn round(
         max_new_tokens: round_tokens.min(params.max_new_tokens),
         ..params.clone()
     };
-    let (done, stats) = generate_paged(model, cfg, &requests, &this_round, None, &mut |_| {})?;
-    for (&i, mut samples) in live.iter().zip(done) {
-        let c = samples.pop().expect("one sample per request");
+    Ok((live, requests, this_round))
+}
+
+/// Adds a round's completions (`done`, one per index of `live`, sampled by policy `version`)
+/// to their sequences, and marks those that ended.
+pub fn absorb(
+    seqs: &mut [InFlight],
+    live: &[usize],
+    done: Vec<Completion>,
+    params: &GenParams,
+    version: u64,
+) {
+    for (&i, c) in live.iter().zip(done) {
         let s = &mut seqs[i];
         // A sequence with fewer tokens left than a round keeps only those.
         let room = params.max_new_tokens - s.tokens.len();
@@ -110,7 +139,6 @@ pub fn round(
             _ => None,
         };
     }
-    Ok(stats)
 }
 
 /// The n samples of one prompt, in flight together (a group is trained whole).
@@ -146,8 +174,9 @@ impl Rounds {
     }
 
     /// One round under policy `version`: free seats are filled with whole groups from `next`
-    /// (told the free seats; None when its next group does not fit or none is left), every sequence in flight gets up to `round_tokens` new tokens, and the
-    /// groups that finished join the queue.
+    /// (told the free seats; None when its next group does not fit or none is left), every
+    /// sequence in flight gets up to `round_tokens` new tokens, and the groups that finished
+    /// join the queue.
     pub fn round(
         &mut self,
         model: &mut dyn PagedModel,
@@ -155,6 +184,19 @@ impl Rounds {
         (params, round_tokens, version): (&GenParams, usize, u64),
         next: &mut dyn FnMut(usize) -> Option<Group>,
     ) -> Result<PagedStats> {
+        self.round_with(next, &mut |seqs| {
+            round(model, cfg, seqs, params, round_tokens, version)
+        })
+    }
+
+    /// `round` with the generation `generate` (over every sequence in flight, the groups'
+    /// sequences one after the other): a rollout stage generates on its ranks or daemon
+    /// (`stage::rollout_round`). Returns what `generate` returned.
+    pub fn round_with<T>(
+        &mut self,
+        next: &mut dyn FnMut(usize) -> Option<Group>,
+        generate: &mut dyn FnMut(&mut [InFlight]) -> Result<T>,
+    ) -> Result<T> {
         let mut used: usize = self.in_flight.iter().map(|g| g.seqs.len()).sum();
         while let Some(g) = next(self.seats - used) {
             ensure!(
@@ -173,7 +215,7 @@ impl Rounds {
             .iter_mut()
             .flat_map(|g| std::mem::take(&mut g.seqs))
             .collect();
-        let stats = round(model, cfg, &mut seqs, params, round_tokens, version)?;
+        let out = generate(&mut seqs)?;
         let mut it = seqs.into_iter();
         for (g, n) in self.in_flight.iter_mut().zip(sizes) {
             g.seqs = it.by_ref().take(n).collect();
@@ -182,7 +224,7 @@ impl Rounds {
             self.in_flight.drain(..).partition(Group::finished);
         self.in_flight = going;
         self.finished.extend(done);
-        Ok(stats)
+        Ok(out)
     }
 
     /// The oldest `groups` finished groups, once that many are waiting.

@@ -4,9 +4,22 @@
 
 use super::super::placement::{Mode, PlacementSpec, Side};
 use super::super::rundir::State;
+use super::super::sampler::derive_seed;
 use super::super::spec::Device;
 use super::{path_arg, Action, Plan, Task};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+/// New tokens per sequence per round when `round-tokens` is not set.
+pub(crate) const DEFAULT_ROUND_TOKENS: u64 = 64;
+
+/// The files of one rollout round (`RUN/async/round-R/`).
+pub(crate) struct RoundFiles {
+    pub(crate) prompts: PathBuf,
+    pub(crate) carry: Option<PathBuf>,
+    pub(crate) carry_out: PathBuf,
+    pub(crate) finished: PathBuf,
+    pub(crate) metrics: PathBuf,
+}
 
 impl Plan {
     /// The run's placement, when rollout and training sit on separate GPUs.
@@ -17,6 +30,108 @@ impl Plan {
     /// Whether the next step's rollout overlaps this step's update.
     pub(crate) fn one_step_off(&self) -> bool {
         self.placement().is_some_and(|p| p.mode == Mode::OneStepOff)
+    }
+
+    /// Whether the rollout group generates continuously in rounds (`mode = "async"`).
+    pub(crate) fn asynchronous(&self) -> bool {
+        self.placement().is_some_and(|p| p.mode == Mode::Async)
+    }
+
+    /// An asynchronous step's sampling: take the finished groups, then score them.
+    pub(super) fn take_tasks(&self, step: u64) -> Vec<Task> {
+        let files = self.step_files(step);
+        let [_, score] = self.sample_tasks(step, &files, 0);
+        vec![
+            Task {
+                name: "take",
+                action: Action::TakeGroups,
+            },
+            score,
+        ]
+    }
+
+    /// Where the rollout rounds of an asynchronous run keep their files.
+    pub(crate) fn async_dir(&self) -> PathBuf {
+        self.run.root.join("async")
+    }
+
+    /// The pointer to the policy the rollout group holds (an asynchronous run's rounds
+    /// sample with it).
+    pub(crate) fn rollout_policy(&self) -> PathBuf {
+        self.async_dir().join("rollout-policy")
+    }
+
+    /// The files of rollout round `round`, continuing `carry`.
+    pub(crate) fn round_files(&self, round: u64, carry: Option<PathBuf>) -> RoundFiles {
+        let dir = self.async_dir().join(format!("round-{round}"));
+        RoundFiles {
+            prompts: dir.join("prompts.parquet"),
+            carry,
+            carry_out: dir.join("carry.parquet"),
+            finished: dir.join("finished.parquet"),
+            metrics: dir.join("metrics.json"),
+        }
+    }
+
+    /// The first rollout round's command (for the checks before a run and the dry run).
+    pub(super) fn first_async_round(&self) -> Task {
+        let files = self.round_files(1, None);
+        Task {
+            name: "rollout",
+            action: Action::Stage {
+                bin: "rollout",
+                args: self.round_args(1, &self.rollout_policy(), &files),
+            },
+        }
+    }
+
+    /// The dry-run text of an asynchronous step's `take`, with the first round's command.
+    pub(super) fn describe_take(&self, step: u64) -> String {
+        let p = self.placement().expect("a placed run");
+        let mut text = format!(
+            "# pipeline: the rollout group runs rounds of up to {} new tokens per sequence (commands in {}) beside the steps; take the first {} finished groups whose tokens lag the policy by at most max-staleness = {} versions into {}. Round 1:\n",
+            p.round_tokens.unwrap_or(DEFAULT_ROUND_TOKENS),
+            self.async_dir().join("rounds.sh").display(),
+            self.spec.data.prompts_per_step,
+            p.max_staleness.unwrap_or(1),
+            self.run.batch(step, "rollout").display()
+        );
+        if let Action::Stage { bin, args } = &self.first_async_round().action {
+            text += &self.stage_line(bin, args);
+        }
+        text
+    }
+
+    /// The stage command of rollout round `round` (`rollout --round-tokens`, on the rollout
+    /// group): `prompts` start, `carry` (none in the first round) continues, the finished
+    /// groups go to `out` and the rest to `carry_out`; the policy is `model` (what the rollout
+    /// group holds).
+    pub(crate) fn round_args(&self, round: u64, model: &Path, files: &RoundFiles) -> Vec<String> {
+        let p = self.placement().expect("a placed run");
+        let mut a = vec![
+            "--model".into(),
+            path_arg(model),
+            "--in".into(),
+            path_arg(&files.prompts),
+            "--out".into(),
+            path_arg(&files.finished),
+        ];
+        a.extend(self.stages.rollout.argv.iter().cloned());
+        if let Some(c) = &files.carry {
+            a.extend(["--carry".into(), path_arg(c)]);
+        }
+        a.extend([
+            "--carry-out".into(),
+            path_arg(&files.carry_out),
+            "--round-tokens".into(),
+            p.round_tokens.unwrap_or(DEFAULT_ROUND_TOKENS).to_string(),
+            "--seed".into(),
+            derive_seed(self.spec.seed, &[round, 3]).to_string(),
+            "--metrics".into(),
+            path_arg(&files.metrics),
+        ]);
+        a.extend(self.device_args_of(Side::Rollout));
+        a
     }
 
     /// Ranks of a side's daemon group: the placed side's GPUs, or `gpus` colocated.
@@ -163,8 +278,13 @@ mod tests {
     use super::*;
 
     fn plan(mode: &str) -> Plan {
+        plan_with(mode, "")
+    }
+
+    /// A two-step placed plan in `mode`, with `keys` added to `[placement]`.
+    fn plan_with(mode: &str, keys: &str) -> Plan {
         let text = format!(
-            "steps = 2\ngpus = 3\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1, 2]\nmode = \"{mode}\"\n"
+            "steps = 2\ngpus = 3\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1, 2]\nmode = \"{mode}\"\n{keys}"
         );
         let spec = Spec::parse(&text, "s.toml").unwrap();
         Plan::new(spec, RunDir::new("r"), PathBuf::from("bin")).unwrap()
@@ -253,6 +373,52 @@ mod tests {
         assert!(
             !names.contains(&"update") && !names.contains(&"transfer"),
             "{names:?}"
+        );
+    }
+
+    #[test]
+    fn async_steps_take_their_groups_and_rounds_run_on_the_rollout_group() {
+        let p = plan_with("async", "max-staleness = 2\nround-tokens = 3\n");
+        assert_eq!(
+            names(&p.step_tasks(1)),
+            [
+                "take",
+                "score",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        let Action::Stage { bin, args } = &p.first_async_round().action else {
+            panic!("a stage");
+        };
+        let line = args.join(" ");
+        assert_eq!(*bin, "rollout");
+        assert!(
+            line.starts_with("--model r/async/rollout-policy --in r/async/round-1/prompts.parquet --out r/async/round-1/finished.parquet"),
+            "{line}"
+        );
+        assert!(
+            line.contains("--carry-out r/async/round-1/carry.parquet --round-tokens 3 --seed ")
+                && line.ends_with("--daemon r/rollout.sock")
+                && !line.contains("--carry "),
+            "{line}"
+        );
+        let next = p.round_args(
+            2,
+            &p.rollout_policy(),
+            &p.round_files(2, Some("c.parquet".into())),
+        );
+        assert!(next.join(" ").contains("--carry c.parquet"), "{next:?}");
+        let take = p.describe(1, &p.step_tasks(1)[0]);
+        assert!(
+            take.contains("max-staleness = 2")
+                && take.contains("Round 1:\n")
+                && take.contains("--round-tokens 3"),
+            "{take}"
         );
     }
 

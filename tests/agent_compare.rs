@@ -11,6 +11,18 @@ use std::process::Command;
 const AGENT: &str = "pipelines/gsm8k-qwen2.5-coder-1.5b-agent-cuda.toml";
 const BUILTIN: &str = "pipelines/gsm8k-qwen2.5-coder-1.5b-agent-builtin-cuda.toml";
 
+/// `pipeline run` of SPEC written into D, with the real stage binaries, into D/r.
+fn run_spec(d: &Path, spec: &str) -> std::process::Output {
+    std::fs::write(d.join("spec.toml"), spec).unwrap();
+    Command::new(PIPELINE)
+        .current_dir(d)
+        .args(["run", "spec.toml", "--run-dir", "r"])
+        .env("TANDEM_BIN_DIR", real_bins())
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .unwrap()
+}
+
 fn spec(name: &str) -> toml::Table {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
     toml::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
@@ -125,14 +137,7 @@ estimator = "grpo"
 [update]
 lr = 0.01
 "#;
-    std::fs::write(d.join("spec.toml"), spec).unwrap();
-    let o = Command::new(PIPELINE)
-        .current_dir(d)
-        .args(["run", "spec.toml", "--run-dir", "r"])
-        .env("TANDEM_BIN_DIR", real_bins())
-        .env("RAYON_NUM_THREADS", "2")
-        .output()
-        .unwrap();
+    let o = run_spec(d, spec);
     let out = text(&o);
     assert!(out.contains("failed (exit code 3)"), "{out}");
     let env = std::fs::read_to_string(d.join("agent-env.txt")).unwrap();
@@ -184,14 +189,7 @@ lr = 0.01
 "#,
         agent.display()
     );
-    std::fs::write(d.join("spec.toml"), spec).unwrap();
-    let o = Command::new(PIPELINE)
-        .current_dir(d)
-        .args(["run", "spec.toml", "--run-dir", "r"])
-        .env("TANDEM_BIN_DIR", real_bins())
-        .env("RAYON_NUM_THREADS", "2")
-        .output()
-        .unwrap();
+    let o = run_spec(d, &spec);
     crate::pipeline::assert_ok(&o);
     let b = crate::stage_util::read(&d.join("r/step-0001/rollout.parquet"));
     let params: serde_json::Value = serde_json::from_str(&b.meta["tandem.stage.agent"]).unwrap();

@@ -336,11 +336,11 @@ pub struct RolloutArgs {
     pub round_tokens: Option<usize>,
     /// With --round-tokens: the sequences in flight, as the round before wrote them to its
     /// --carry-out (none in the first round).
-    #[arg(long, value_name = "FILE", requires = "round_tokens")]
+    #[arg(long, value_name = "FILE")]
     #[serde(default)]
     pub carry: Option<PathBuf>,
     /// With --round-tokens: where the groups still in flight after this round go.
-    #[arg(long, value_name = "FILE", requires = "round_tokens")]
+    #[arg(long, value_name = "FILE")]
     #[serde(default)]
     pub carry_out: Option<PathBuf>,
     /// Training step, recorded in the output's metadata (`step`).
@@ -707,6 +707,10 @@ impl RolloutArgs {
     pub fn check(&self) -> Result<()> {
         if self.round_tokens.is_some() {
             self.check_round_flags()?;
+        } else if self.carry.is_some() || self.carry_out.is_some() {
+            bail_input!(
+                "--carry and --carry-out go with --round-tokens N (a round of partial rollouts)"
+            );
         }
         self.sampling().map(|_| ())
     }

@@ -37,17 +37,19 @@ impl Plan {
         self.placement().is_some_and(|p| p.mode == Mode::Async)
     }
 
-    /// An asynchronous step's sampling: take the finished groups, then score them.
+    /// An asynchronous step's sampling: take the finished groups, then score them (with
+    /// dynamic sampling the take scores them itself, to filter them).
     pub(super) fn take_tasks(&self, step: u64) -> Vec<Task> {
+        let take = Task {
+            name: "take",
+            action: Action::TakeGroups,
+        };
+        if self.spec.filter_groups().is_some() {
+            return vec![take];
+        }
         let files = self.step_files(step);
         let [_, score] = self.sample_tasks(step, &files, 0);
-        vec![
-            Task {
-                name: "take",
-                action: Action::TakeGroups,
-            },
-            score,
-        ]
+        vec![take, score]
     }
 
     /// Where the rollout rounds of an asynchronous run keep their files.

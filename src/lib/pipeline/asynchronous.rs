@@ -13,6 +13,10 @@
 //!   whose oldest token lags more than K versions is dropped whole and counted; the first
 //!   `prompts-per-step` admitted groups become the step's `rollout.parquet` (score, advantage,
 //!   update read it as in any step).
+//! - With `[algorithm] filter-groups` the take scores what it admits, in passes of the groups
+//!   still missing (`take_varied`), and keeps the groups `dynamic`'s rule keeps, until it has
+//!   `prompts-per-step`; the step's scored file is then the take's, and `max-num-gen-batches`
+//!   caps the groups scored at that many times `prompts-per-step`.
 //! - The transfer after the update pauses the rounds: it runs on the rollout group between two
 //!   rounds (the group runs one job at a time), so the sequences in flight continue under the
 //!   new weights in the next round; the rounds then use the policy the group holds

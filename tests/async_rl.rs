@@ -749,6 +749,44 @@ fn async_mode_with_filter_groups_trains_only_on_groups_that_vary() {
     assert!(dropped_all > 0, "no group was dropped: {log}");
 }
 
+/// Async dynamic sampling at its cap: a reward that never varies, `max-num-gen-batches = 2`
+/// (3 groups a step: 6 scored at most). `on-cap = "train"` stops the run, nothing being kept,
+/// and `on-cap = "fail"` stops it as verl does; each says how many groups it scored.
+#[test]
+fn async_dynamic_sampling_stops_at_its_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let reward = d.join("zero.sh");
+    std::fs::write(&reward, "while read -r l; do echo 0; done\n").unwrap();
+    let base = format!(
+        "{}[algorithm]\nfilter-groups = true\nmax-num-gen-batches = 2\n",
+        placed("[0]", "[1]", "async").replace(
+            "reward = \"exact\"",
+            &format!("reward = \"cmd:sh {}\"", reward.display())
+        )
+    );
+    for (on_cap, want) in [
+        ("", "nothing to train on"),
+        (
+            "on-cap = \"fail\"\n",
+            "on-cap = \"fail\" stops the run here",
+        ),
+    ] {
+        let o = pipeline(d, "c", Some(&format!("{base}{on_cap}")), &[])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{on_cap}: {err}");
+        assert!(
+            err.contains("step-0001: dynamic sampling kept 0 of 3 groups out of 6 scored")
+                && err.contains(want),
+            "{on_cap}: {err}"
+        );
+        std::fs::remove_dir_all(d.join("c")).unwrap();
+    }
+}
+
 /// `rollout --round-tokens` alone: rounds of 3 tokens (responses up to 7) over two prompt
 /// files started one round apart and rounds with no new prompt, until nothing is in flight.
 /// Every sample comes out once, in a finished group, with one version per token and its

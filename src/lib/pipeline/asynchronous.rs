@@ -417,20 +417,26 @@ pub(super) fn take(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<()>
     let want = plan.spec.data.prompts_per_step as usize;
     let k = plan.placement().and_then(|p| p.max_staleness).unwrap_or(1);
     let trained = resolve_model(&plan.run.policy())?.policy_version;
-    let t0 = Instant::now();
+    // The training side's idle time: its waits for groups (not the scoring passes).
+    let mut train_idle_s = 0.0;
+    let mut next = || {
+        let t0 = Instant::now();
+        let g = wait_for_group(shared);
+        train_idle_s += t0.elapsed().as_secs_f64();
+        g
+    };
     let (kept, a, filtered) = match plan.spec.filter_groups() {
         None => {
-            let (kept, a) = select(&mut || wait_for_group(shared), want, trained, k)?;
+            let (kept, a) = select(&mut next, want, trained, k)?;
             let out = plan.run.batch(step, "rollout");
             write_taken(&out, step, &kept, (trained, k))?;
             (kept.len(), a, None)
         }
         Some(fg) => {
-            let f = take_varied(r, shared, step, &fg, (trained, k))?;
+            let f = take_varied(r, &mut next, step, &fg, (trained, k))?;
             (f.kept, f.admission, Some(f.dropped))
         }
     };
-    let train_idle_s = t0.elapsed().as_secs_f64();
     let plan = r.plan();
     let mut m = a.metrics();
     let (q_depth, record, cursor) = {
@@ -480,12 +486,21 @@ struct Filtered {
 /// `sampling` metrics.
 fn take_varied(
     r: &mut impl Steps,
-    shared: &Shared,
+    next: &mut dyn FnMut() -> Result<Ready>,
     step: u64,
     fg: &FilterGroups,
     (trained, k): (u64, u64),
 ) -> Result<Filtered> {
     let want = r.plan().spec.data.prompts_per_step as usize;
+    // A take rerun after the runner died scores afresh: the passes it left go first.
+    for pass in 1.. {
+        let files = round_files(&r.plan().run, step, pass);
+        let dir = files.rollout.parent().expect("a pass has a folder");
+        if !dir.exists() {
+            break;
+        }
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
     let cap = (fg.max_rounds > 0).then(|| fg.max_rounds as usize * want);
     let (mut rounds, mut admitted, mut stale) = (Vec::new(), Vec::new(), Vec::new());
     let mut varied = 0;
@@ -494,7 +509,7 @@ fn take_varied(
         if need == 0 {
             break;
         }
-        let (got, old) = pull(&mut || wait_for_group(shared), need, trained, k)?;
+        let (got, old) = pull(next, need, trained, k)?;
         stale.extend(old);
         let files = round_files(&r.plan().run, step, rounds.len() as u64 + 1);
         write_taken(&files.rollout, step, &got, (trained, k))?;

@@ -720,6 +720,12 @@ fn async_mode_with_filter_groups_trains_only_on_groups_that_vary() {
         assert_eq!(scored, uniform + 3, "step {step}: {m}");
         assert_eq!(m["sampling/groups"], 3, "step {step}: {m}");
         assert_eq!(m["sampling/capped"], 0, "step {step}: {m}");
+        // The passes' scoring is part of the take.
+        let (score_s, take_s) = (m["time/score"].as_f64(), m["time/take"].as_f64());
+        assert!(
+            score_s.unwrap() > 0.0 && score_s < take_s,
+            "step {step}: {m}"
+        );
         dropped_all += uniform;
         // The step's rollout holds the same rows, within the staleness bound.
         let rollout = read(&sd.join("rollout.parquet"));

@@ -517,7 +517,14 @@ fn take_varied(
         let Action::Stage { bin, args } = &score.action else {
             unreachable!("scoring is a stage command");
         };
+        let t0 = Instant::now();
         r.run_command(step, "score", bin, args)?;
+        let secs = t0.elapsed().as_secs_f64();
+        *r.state()
+            .progress(step)
+            .seconds
+            .entry("score".into())
+            .or_default() += secs;
         let round = Round::read(files, fg)?;
         varied += round.keep.iter().filter(|&&k| k).count();
         admitted.extend(got.into_iter().zip(round.keep.clone()));

@@ -417,7 +417,7 @@ fn one_step_off_is_one_version_behind_deterministic_and_resumable() {
 }
 
 /// `mode = "async"`'s keys are checked before anything runs: exit 2 naming the key and its
-/// line, no run directory; dynamic sampling is refused in the mode.
+/// line, no run directory; dynamic sampling's `prompts-per-round` is refused in the mode.
 #[test]
 fn async_mode_keys_are_checked() {
     let dir = tempfile::tempdir().unwrap();
@@ -435,9 +435,9 @@ fn async_mode_keys_are_checked() {
         ),
         ("max-staleness = \"two\"", "bad.toml:", "max-staleness"),
         (
-            "[algorithm]\nfilter-groups = true",
-            "bad.toml:",
-            "does not take mode = \"async\" with [algorithm] filter-groups",
+            "[algorithm]\nfilter-groups = true\nprompts-per-round = 4",
+            "bad.toml:32:",
+            "[algorithm] prompts-per-round has no meaning with [placement] mode = \"async\"",
         ),
     ];
     for (keys, at, want) in cases {
@@ -641,6 +641,155 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
                 .all(|&v| v < step && v + 1 >= step - 1),
             "{rows:?}"
         );
+    }
+}
+
+/// Each group's scores in a scored file, in order of appearance.
+fn group_scores(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let b = read(path);
+    let mut out: Vec<(String, Vec<f32>)> = Vec::new();
+    let scores = b.f32s("score").unwrap();
+    for (u, s) in b.strings("prompt_uid").unwrap().into_iter().zip(scores) {
+        match out.last_mut() {
+            Some((last, v)) if last == u => v.push(s),
+            _ => out.push((u.to_string(), vec![s])),
+        }
+    }
+    out
+}
+
+/// `mode = "async"` with `[algorithm] filter-groups` (1 rollout + 1 training rank, groups of
+/// 4, max-staleness = 1): a reward that scores every sample of an even answer 0 (those groups
+/// never vary) and the others by their length. Each step trains on 3 groups, every one with
+/// at least two distinct scores; the take's score passes dropped exactly the groups with one
+/// score (`sampling/groups_dropped`), some in all; the staleness bound still holds and the
+/// batch's `policy_version` is its oldest token's.
+#[test]
+fn async_mode_with_filter_groups_trains_only_on_groups_that_vary() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let reward = d.join("parity.py");
+    std::fs::write(
+        &reward,
+        "import json, sys\nfor line in sys.stdin:\n    r = json.loads(line)\n    even = int(str(r['ground_truth']).strip()) % 2 == 0\n    s = 0.0 if even else float(len(r['solution_str']) % 3)\n    print(json.dumps({'score': s}), flush=True)\n",
+    )
+    .unwrap();
+    let text = format!(
+        "{}max-staleness = 1\nround-tokens = 2\n[algorithm]\nfilter-groups = true\n",
+        placed("[0]", "[1]", "async")
+            .replace("n = 2", "n = 4")
+            .replace(
+                "reward = \"exact\"",
+                &format!("reward = \"cmd:python3 {}\"", reward.display())
+            )
+            .replace("max-new-tokens = 6", "max-new-tokens = 8")
+    );
+    let log = pipeline_ok(d, "f", Some(&text), &[]);
+    let lines = metrics(d, "f");
+    assert_eq!(lines.len(), 3, "{log}");
+    let mut dropped_all = 0;
+    for (i, m) in lines.iter().enumerate() {
+        let step = i as u64 + 1;
+        let sd = d.join(format!("f/step-000{step}"));
+        let kept = group_scores(&sd.join("scored.parquet"));
+        assert_eq!(kept.len(), 3, "step {step}");
+        for (u, s) in &kept {
+            assert!(
+                s.len() == 4 && s.iter().any(|&x| x != s[0]),
+                "step {step}: group {u} has scores {s:?}"
+            );
+        }
+        // The passes scored the groups once each: those kept, and those with one score.
+        let passes = m["sampling/score_passes"].as_u64().unwrap();
+        let (mut uniform, mut scored) = (0, 0);
+        for r in 1..=passes {
+            for (_, s) in group_scores(&sd.join(format!("round-{r}/scored.parquet"))) {
+                scored += 1;
+                uniform += usize::from(s.iter().all(|&x| x == s[0]));
+            }
+        }
+        assert_eq!(
+            m["sampling/groups_dropped"], uniform as u64,
+            "step {step}: {m}"
+        );
+        assert_eq!(
+            m["sampling/groups_scored"], scored as u64,
+            "step {step}: {m}"
+        );
+        assert_eq!(scored, uniform + 3, "step {step}: {m}");
+        assert_eq!(m["sampling/groups"], 3, "step {step}: {m}");
+        assert_eq!(m["sampling/capped"], 0, "step {step}: {m}");
+        // The passes' scoring is part of the take.
+        let (score_s, take_s) = (m["time/score"].as_f64(), m["time/take"].as_f64());
+        assert!(
+            score_s.unwrap() > 0.0 && score_s < take_s,
+            "step {step}: {m}"
+        );
+        dropped_all += uniform;
+        // The step's rollout holds the same rows, within the staleness bound.
+        let rollout = read(&sd.join("rollout.parquet"));
+        let uids: Vec<String> = rollout
+            .strings("prompt_uid")
+            .unwrap()
+            .iter()
+            .map(|u| u.to_string())
+            .collect();
+        let want: Vec<String> = kept.iter().flat_map(|(u, _)| vec![u.clone(); 4]).collect();
+        assert_eq!(uids, want, "step {step}");
+        let rows = token_versions(&rollout);
+        let trained = step - 1;
+        assert!(
+            rows.iter()
+                .flatten()
+                .all(|&v| v <= trained && v + 1 >= trained),
+            "step {step}: {rows:?}"
+        );
+        let oldest = rows.iter().flatten().min().copied();
+        assert_eq!(rollout.meta_u64("policy_version"), oldest, "step {step}");
+        assert!(
+            m["async/dropped_stale_groups"].is_number(),
+            "step {step}: {m}"
+        );
+    }
+    assert!(dropped_all > 0, "no group was dropped: {log}");
+}
+
+/// Async dynamic sampling at its cap: a reward that never varies, `max-num-gen-batches = 2`
+/// (3 groups a step: 6 scored at most). `on-cap = "train"` stops the run, nothing being kept,
+/// and `on-cap = "fail"` stops it as verl does; each says how many groups it scored.
+#[test]
+fn async_dynamic_sampling_stops_at_its_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let reward = d.join("zero.sh");
+    std::fs::write(&reward, "while read -r l; do echo 0; done\n").unwrap();
+    let base = format!(
+        "{}[algorithm]\nfilter-groups = true\nmax-num-gen-batches = 2\n",
+        placed("[0]", "[1]", "async").replace(
+            "reward = \"exact\"",
+            &format!("reward = \"cmd:sh {}\"", reward.display())
+        )
+    );
+    for (on_cap, want) in [
+        ("", "nothing to train on"),
+        (
+            "on-cap = \"fail\"\n",
+            "on-cap = \"fail\" stops the run here",
+        ),
+    ] {
+        let o = pipeline(d, "c", Some(&format!("{base}{on_cap}")), &[])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{on_cap}: {err}");
+        assert!(
+            err.contains("step-0001: dynamic sampling kept 0 of 3 groups out of 6 scored")
+                && err.contains(want),
+            "{on_cap}: {err}"
+        );
+        std::fs::remove_dir_all(d.join("c")).unwrap();
     }
 }
 

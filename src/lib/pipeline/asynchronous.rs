@@ -13,6 +13,10 @@
 //!   whose oldest token lags more than K versions is dropped whole and counted; the first
 //!   `prompts-per-step` admitted groups become the step's `rollout.parquet` (score, advantage,
 //!   update read it as in any step).
+//! - With `[algorithm] filter-groups` the take scores what it admits, in passes of the groups
+//!   still missing (`take_varied`), and keeps the groups `dynamic`'s rule keeps, until it has
+//!   `prompts-per-step`; the step's scored file is then the take's, and `max-num-gen-batches`
+//!   caps the groups scored at that many times `prompts-per-step`.
 //! - The transfer after the update pauses the rounds: it runs on the rollout group between two
 //!   rounds (the group runs one job at a time), so the sequences in flight continue under the
 //!   new weights in the next round; the rounds then use the policy the group holds
@@ -25,11 +29,13 @@
 //! depends on timing).
 
 use super::console::Console;
+use super::dynamic::{self, Round};
 use super::plan::placed::RoundFiles;
-use super::plan::{Plan, Task};
+use super::plan::{round_files, Action, Plan, Task};
 use super::rundir::step_name;
 use super::rundir::State;
 use super::sampler::{draw_into, Cursor, Sampler};
+use super::spec::FilterGroups;
 use super::staleness::{admit, Admission};
 use crate::batch::schema::{self, meta};
 use crate::batch::{stage_meta, write_file, write_json, Batch, StageInfo};
@@ -314,6 +320,9 @@ pub(super) trait Steps {
     fn state(&mut self) -> &mut State;
     fn console(&mut self) -> &mut Console;
     fn run_task(&mut self, step: u64, task: &Task) -> Result<()>;
+    /// Runs a stage command as part of task `task` of step `step` (dynamic sampling's score
+    /// passes inside `take`).
+    fn run_command(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()>;
     /// Both daemon groups up, the rollout group with the current policy.
     fn ensure_sides(&mut self, step: u64) -> Result<()>;
     fn train_set(&mut self) -> Result<Batch>;
@@ -400,16 +409,35 @@ fn say_lost(r: &mut impl Steps, first: u64) -> Result<()> {
     Ok(())
 }
 
-/// `take`: step `step`'s groups from the queue, through the staleness bound, into its
-/// rollout file; the step's `async` metrics.
+/// `take`: step `step`'s groups from the queue, through the staleness bound (and dynamic
+/// sampling's filter when `[algorithm] filter-groups` is on), into its rollout file; the
+/// step's `async` metrics.
 pub(super) fn take(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<()> {
     let plan = r.plan();
     let want = plan.spec.data.prompts_per_step as usize;
     let k = plan.placement().and_then(|p| p.max_staleness).unwrap_or(1);
     let trained = resolve_model(&plan.run.policy())?.policy_version;
-    let t0 = Instant::now();
-    let (kept, a) = select(&mut || wait_for_group(shared), want, trained, k)?;
-    let train_idle_s = t0.elapsed().as_secs_f64();
+    // The training side's idle time: its waits for groups (not the scoring passes).
+    let mut train_idle_s = 0.0;
+    let mut next = || {
+        let t0 = Instant::now();
+        let g = wait_for_group(shared);
+        train_idle_s += t0.elapsed().as_secs_f64();
+        g
+    };
+    let (kept, a, filtered) = match plan.spec.filter_groups() {
+        None => {
+            let (kept, a) = select(&mut next, want, trained, k)?;
+            let out = plan.run.batch(step, "rollout");
+            write_taken(&out, step, &kept, (trained, k))?;
+            (kept.len(), a, None)
+        }
+        Some(fg) => {
+            let f = take_varied(r, &mut next, step, &fg, (trained, k))?;
+            (f.kept, f.admission, Some(f.dropped))
+        }
+    };
+    let plan = r.plan();
     let mut m = a.metrics();
     let (q_depth, record, cursor) = {
         let mut q = shared.lock();
@@ -427,16 +455,116 @@ pub(super) fn take(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<()>
         (q.ready.len(), write_record(plan, &q, n), q.cursor)
     };
     record?;
-    write_taken(plan, step, &kept, (trained, k))?;
     write_json(&plan.run.stage_metrics(step, "async"), &m)?;
     r.state().sampler = cursor;
+    let filter = match filtered {
+        Some(d) => format!(", {d} with no spread in their filter-metric"),
+        None => String::new(),
+    };
     r.console().detail(&format!(
-            "{}: took {} groups (waited {train_idle_s:.2}s), dropped {} over max-staleness = {k}; {q_depth} finished groups wait",
+            "{}: took {kept} groups (waited {train_idle_s:.2}s), dropped {} over max-staleness = {k}{filter}; {q_depth} finished groups wait",
             step_name(step),
-            kept.len(),
             a.dropped_groups
         ));
     Ok(())
+}
+
+/// What dynamic sampling in `take` did.
+struct Filtered {
+    /// Groups trained on, and groups scored and dropped for their equal metric.
+    kept: usize,
+    dropped: usize,
+    /// The staleness bound over every group looked at.
+    admission: Admission,
+}
+
+/// `take` with dynamic sampling: passes of admitted groups, each written to
+/// `step-000K/round-R/rollout.parquet` and scored there, until `prompts-per-step` groups have
+/// a spread in `filter-metric` (`dynamic`'s rule); a pass takes only the groups still missing,
+/// so every group scored is kept or dropped. At `max-num-gen-batches` × `prompts-per-step`
+/// groups scored, `on-cap` applies. Writes the step's rollout and scored files and its
+/// `sampling` metrics.
+fn take_varied(
+    r: &mut impl Steps,
+    next: &mut dyn FnMut() -> Result<Ready>,
+    step: u64,
+    fg: &FilterGroups,
+    (trained, k): (u64, u64),
+) -> Result<Filtered> {
+    let want = r.plan().spec.data.prompts_per_step as usize;
+    // A take rerun after the runner died scores afresh: the passes it left go first.
+    for pass in 1.. {
+        let files = round_files(&r.plan().run, step, pass);
+        let dir = files.rollout.parent().expect("a pass has a folder");
+        if !dir.exists() {
+            break;
+        }
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    let cap = (fg.max_rounds > 0).then(|| fg.max_rounds as usize * want);
+    let (mut rounds, mut admitted, mut stale) = (Vec::new(), Vec::new(), Vec::new());
+    let mut varied = 0;
+    loop {
+        let need = (want - varied).min(cap.map_or(usize::MAX, |c| c - admitted.len()));
+        if need == 0 {
+            break;
+        }
+        let (got, old) = pull(next, need, trained, k)?;
+        stale.extend(old);
+        let files = round_files(&r.plan().run, step, rounds.len() as u64 + 1);
+        write_taken(&files.rollout, step, &got, (trained, k))?;
+        let [_, score] = r.plan().sample_tasks(step, &files, 0);
+        let Action::Stage { bin, args } = &score.action else {
+            unreachable!("scoring is a stage command");
+        };
+        let t0 = Instant::now();
+        r.run_command(step, "score", bin, args)?;
+        let secs = t0.elapsed().as_secs_f64();
+        *r.state()
+            .progress(step)
+            .seconds
+            .entry("score".into())
+            .or_default() += secs;
+        let round = Round::read(files, fg)?;
+        varied += round.keep.iter().filter(|&&k| k).count();
+        admitted.extend(got.into_iter().zip(round.keep.clone()));
+        rounds.push(round);
+    }
+    let scored = admitted.len();
+    let capped = varied < want;
+    if capped {
+        let what = format!(
+            "{}: dynamic sampling kept {varied} of {want} groups out of {scored} scored (every other group had the same {} for all its samples; [algorithm] max-num-gen-batches = {} allows {} × prompts-per-step scored groups a step)",
+            step_name(step),
+            fg.metric.name(),
+            fg.max_rounds,
+            fg.max_rounds
+        );
+        dynamic::cap_reached(r.console(), fg, &what, varied)?;
+    }
+    let oldest = admitted
+        .iter()
+        .filter(|(_, keep)| *keep)
+        .flat_map(|(g, _)| g.versions.iter().flatten())
+        .min()
+        .copied();
+    let plan = r.plan();
+    let taken = dynamic::assemble(&plan.run, step, &rounds, (want, oldest), fg)?;
+    let m = json!({
+        "groups": taken,
+        "groups_dropped": scored - varied,
+        "groups_scored": scored,
+        "score_passes": rounds.len(),
+        "capped": u8::from(capped),
+    });
+    write_json(&plan.run.stage_metrics(step, "sampling"), &m)?;
+    let looked: Vec<&Ready> = admitted.iter().map(|(g, _)| g).chain(&stale).collect();
+    let (groups, versions) = rows_of(&looked);
+    Ok(Filtered {
+        kept: taken,
+        dropped: scored - varied,
+        admission: admit(&groups, &versions, trained, k)?,
+    })
 }
 
 /// The first `want` groups from `next` that the staleness bound admits for training policy
@@ -448,6 +576,21 @@ fn select(
     trained: u64,
     k: u64,
 ) -> Result<(Vec<Ready>, Admission)> {
+    let (kept, dropped) = pull(next, want, trained, k)?;
+    let all: Vec<&Ready> = kept.iter().chain(&dropped).collect();
+    let (groups, versions) = rows_of(&all);
+    let a = admit(&groups, &versions, trained, k)?;
+    Ok((kept, a))
+}
+
+/// The first `want` groups from `next` that the staleness bound admits, and those it dropped
+/// on the way.
+fn pull(
+    next: &mut dyn FnMut() -> Result<Ready>,
+    want: usize,
+    trained: u64,
+    k: u64,
+) -> Result<(Vec<Ready>, Vec<Ready>)> {
     let (mut kept, mut dropped) = (vec![], vec![]);
     while kept.len() < want {
         let g = next()?;
@@ -457,10 +600,7 @@ fn select(
             _ => dropped.push(g),
         }
     }
-    let all: Vec<&Ready> = kept.iter().chain(&dropped).collect();
-    let (groups, versions) = rows_of(&all);
-    let a = admit(&groups, &versions, trained, k)?;
-    Ok((kept, a))
+    Ok((kept, dropped))
 }
 
 /// Holds the rounds back and waits for the one running to end; a failed round's error.
@@ -511,9 +651,9 @@ fn rows_of<'a>(groups: &[&'a Ready]) -> (Vec<&'a str>, Vec<&'a [u64]>) {
         .unzip()
 }
 
-/// Writes the step's rollout file from the `kept` groups: `policy_version` is their oldest
-/// token's version.
-fn write_taken(plan: &Plan, step: u64, kept: &[Ready], (trained, k): (u64, u64)) -> Result<()> {
+/// Writes a rollout file of step `step` from the `kept` groups: `policy_version` is their
+/// oldest token's version.
+fn write_taken(out: &Path, step: u64, kept: &[Ready], (trained, k): (u64, u64)) -> Result<()> {
     let first = kept.first().expect("at least one group");
     let parts: Vec<RecordBatch> = kept.iter().map(|g| g.rows.clone()).collect();
     let schema = first.rows.schema();
@@ -544,7 +684,7 @@ fn write_taken(plan: &Plan, step: u64, kept: &[Ready], (trained, k): (u64, u64))
     };
     let kv = stage_meta(first.meta.clone(), &info);
     debug_assert_eq!(kv.get(meta::POLICY_VERSION), Some(&oldest.to_string()));
-    write_file(&plan.run.batch(step, "rollout"), &data, &kv)
+    write_file(out, &data, &kv)
 }
 
 #[cfg(test)]

@@ -106,11 +106,12 @@ pub(crate) fn metric_values(batch: &Batch, metric: &FilterMetric) -> Result<Vec<
 }
 
 /// One finished round.
-struct Round {
+pub(super) struct Round {
     files: SampleFiles,
     scored: Batch,
     groups: Groups,
-    keep: Vec<bool>,
+    /// Per group (in order of appearance): whether it is kept.
+    pub(super) keep: Vec<bool>,
 }
 
 /// What `step-000K/sampling.json` records: the rounds a step took and where the sampler stood
@@ -160,7 +161,7 @@ pub(super) fn run(r: &mut impl Rounds, step: u64) -> Result<()> {
     if sampled.capped {
         at_cap(r, step, &fg, &sampled, want)?;
     }
-    let taken = assemble(&r.plan().run, step, &sampled.rounds, want, &fg)?;
+    let taken = assemble(&r.plan().run, step, &sampled.rounds, (want, None), &fg)?;
     write_summary(r, step, &fg, &sampled, taken)?;
     write_rollout_metrics(&r.plan().run, step, &sampled.rounds)?;
     r.state().sampler = sampled.cursor;
@@ -244,19 +245,26 @@ fn run_round(
             Some((task.name, t0.elapsed().as_secs_f64())),
         )?;
     }
-    let scored = Batch::read(
-        &files.scored,
-        &[schema::PROMPT_UID, schema::SCORE, schema::RESPONSE_IDS],
-    )?;
-    let groups = Groups::from_keys(&scored.strings(schema::PROMPT_UID)?);
-    let values = metric_values(&scored, &fg.metric)?;
-    let keep = varied_groups(&groups, &values, &scored.baseline_rows()?);
-    Ok(Round {
-        files,
-        scored,
-        groups,
-        keep,
-    })
+    Round::read(files, fg)
+}
+
+impl Round {
+    /// A scored pass (`files.scored`) and the groups it keeps under `fg`.
+    pub(super) fn read(files: SampleFiles, fg: &FilterGroups) -> Result<Round> {
+        let scored = Batch::read(
+            &files.scored,
+            &[schema::PROMPT_UID, schema::SCORE, schema::RESPONSE_IDS],
+        )?;
+        let groups = Groups::from_keys(&scored.strings(schema::PROMPT_UID)?);
+        let values = metric_values(&scored, &fg.metric)?;
+        let keep = varied_groups(&groups, &values, &scored.baseline_rows()?);
+        Ok(Round {
+            files,
+            scored,
+            groups,
+            keep,
+        })
+    }
 }
 
 /// At the cap on rounds with fewer groups than wanted: stops the run (`on-cap = "fail"`, or
@@ -278,6 +286,17 @@ fn at_cap(
         fg.metric.name(),
         fg.max_rounds
     );
+    cap_reached(r.console(), fg, &what, varied)
+}
+
+/// `on-cap` once the cap is reached with `varied` groups kept (`what` says how): an error
+/// (`fail`, or nothing kept), or a note that the step trains on those.
+pub(super) fn cap_reached(
+    console: &mut Console,
+    fg: &FilterGroups,
+    what: &str,
+    varied: usize,
+) -> Result<()> {
     if fg.on_cap == OnCap::Fail {
         anyhow::bail!(
             "{what}; on-cap = \"fail\" stops the run here, as verl does (on-cap = \"train\" trains on the groups kept; a higher max-num-gen-batches samples more)"
@@ -288,8 +307,7 @@ fn at_cap(
             "{what}: nothing to train on. The prompts are all too easy or too hard for the policy under this reward: check the reward, or raise max-num-gen-batches"
         );
     }
-    r.console()
-        .say(&format!("{what}: training on those {varied}"));
+    console.say(&format!("{what}: training on those {varied}"));
     Ok(())
 }
 
@@ -452,12 +470,13 @@ fn merge_rounds(parts: &[serde_json::Value]) -> serde_json::Value {
 }
 
 /// Writes the step's rollout and scored files from the first `want` kept groups, in round
-/// order, with the score summary of those rows. Returns the number of groups.
-fn assemble(
+/// order, with the score summary of those rows, and `policy_version` in their metadata when
+/// given (else the first round's). Returns the number of groups.
+pub(super) fn assemble(
     run: &RunDir,
     step: u64,
     rounds: &[Round],
-    want: usize,
+    (want, policy_version): (usize, Option<u64>),
     fg: &FilterGroups,
 ) -> Result<usize> {
     let mut left = want;
@@ -499,7 +518,7 @@ fn assemble(
             "groups": taken,
             "from": sources,
         }),
-        policy_version: None,
+        policy_version,
         step: Some(step),
     };
     let scored_out = run.batch(step, "scored");

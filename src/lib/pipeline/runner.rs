@@ -721,6 +721,10 @@ impl Steps for Runner {
         Runner::run_task(self, step, task)
     }
 
+    fn run_command(&mut self, step: u64, task: &str, bin: &str, args: &[String]) -> Result<()> {
+        Rounds::run_stage(self, step, task, bin, args)
+    }
+
     fn ensure_sides(&mut self, step: u64) -> Result<()> {
         self.ensure_side(step, Side::Train)?;
         self.ensure_side(step, Side::Rollout)?;

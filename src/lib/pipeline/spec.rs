@@ -712,11 +712,13 @@ impl Spec {
                 one_step_off && self.filter_groups().is_some(),
                 "mode = \"one-step-off\" with [algorithm] filter-groups (its rounds sample in the step itself)",
             ),
-            (
-                asynchronous && self.filter_groups().is_some(),
-                "mode = \"async\" with [algorithm] filter-groups (dynamic sampling is not run on the asynchronous rounds)",
-            ),
         ];
+        if asynchronous && self.algorithm.prompts_per_round.is_some() {
+            bail_input!(
+                "{}: [algorithm] prompts-per-round has no meaning with [placement] mode = \"async\": the rollout side starts groups as room frees, not in draws of a set size (max-num-gen-batches caps a step at that many times prompts-per-step scored groups)",
+                src.at("algorithm", "prompts-per-round")
+            );
+        }
         let at = |key: &str| src.at("placement", key);
         super::placement::check(p, self.gpus, self.daemon, &refused, &at)
     }

@@ -37,17 +37,19 @@ impl Plan {
         self.placement().is_some_and(|p| p.mode == Mode::Async)
     }
 
-    /// An asynchronous step's sampling: take the finished groups, then score them.
+    /// An asynchronous step's sampling: take the finished groups, then score them (with
+    /// dynamic sampling the take scores them itself, to filter them).
     pub(super) fn take_tasks(&self, step: u64) -> Vec<Task> {
+        let take = Task {
+            name: "take",
+            action: Action::TakeGroups,
+        };
+        if self.spec.filter_groups().is_some() {
+            return vec![take];
+        }
         let files = self.step_files(step);
         let [_, score] = self.sample_tasks(step, &files, 0);
-        vec![
-            Task {
-                name: "take",
-                action: Action::TakeGroups,
-            },
-            score,
-        ]
+        vec![take, score]
     }
 
     /// Where the rollout rounds of an asynchronous run keep their files.
@@ -96,6 +98,17 @@ impl Plan {
             p.max_staleness.unwrap_or(1),
             self.run.batch(step, "rollout").display()
         );
+        if let Some(fg) = self.spec.filter_groups() {
+            text += &format!(
+                "# pipeline: dynamic sampling: the take scores the groups it admits into {}/round-R/ and keeps those with a varying {} (at most {} groups scored a step, then on-cap).\n",
+                self.run.step_dir(step).display(),
+                fg.metric.name(),
+                match fg.max_rounds {
+                    0 => "no cap: any number of".to_string(),
+                    b => (b * self.spec.data.prompts_per_step).to_string(),
+                }
+            );
+        }
         if let Action::Stage { bin, args } = &self.first_async_round().action {
             text += &self.stage_line(bin, args);
         }
@@ -418,6 +431,31 @@ mod tests {
             take.contains("max-staleness = 2")
                 && take.contains("Round 1:\n")
                 && take.contains("--round-tokens 3"),
+            "{take}"
+        );
+    }
+
+    /// With dynamic sampling the take scores its groups itself: no `score` task follows, and
+    /// the dry run says so with the cap (10 × 2 groups).
+    #[test]
+    fn async_steps_with_filter_groups_score_in_the_take() {
+        let p = plan_with("async", "[algorithm]\nfilter-groups = true\n");
+        assert_eq!(
+            names(&p.step_tasks(1)),
+            [
+                "take",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        let take = p.describe(1, &p.step_tasks(1)[0]);
+        assert!(
+            take.contains("the take scores the groups it admits into r/step-0001/round-R/")
+                && take.contains("at most 20 groups scored a step"),
             "{take}"
         );
     }

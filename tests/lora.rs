@@ -1454,8 +1454,21 @@ mod daemon {
         let resident = ["--resident", "--daemon", p(&socket)];
         update(&base, &k1, &resident, false);
         assert!(k1.join("resident.json").is_file());
-        let st = ctl_with(&socket, &["status"]);
-        let status: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+        // A rank publishes its status when its job ends, which may be just after rank 0
+        // answered the update: ask until every rank shows its copy, for 10 s at most.
+        let t0 = std::time::Instant::now();
+        let status = loop {
+            let st = ctl_with(&socket, &["status"]);
+            let status: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+            let ranks = status["ranks"].as_array().unwrap();
+            let built = ranks
+                .iter()
+                .all(|r| r["resident"]["policy"]["generation_copy"] == true);
+            if built || t0.elapsed().as_secs() >= 10 {
+                break status;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
         for r in status["ranks"].as_array().unwrap() {
             let policy = &r["resident"]["policy"];
             assert_eq!(policy["lora"]["rank"], 4, "{status}");

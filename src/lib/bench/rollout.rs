@@ -26,7 +26,7 @@ use crate::model::lora::{init_adapters, LoraMode, LoraSpec};
 use crate::model::names::param_count;
 use crate::model::Config;
 use crate::rng::SplitMix64;
-use crate::stage::common::{at_least, Device};
+use crate::stage::common::{at_least, Device, LoraFlags};
 use crate::stage::rollout::{keyed_requests, tokenize_prompts, PromptLimits, Truncate};
 use crate::stage::{on_device, Job};
 use crate::tokenizer::Tokenizer;
@@ -102,15 +102,9 @@ pub struct RolloutBenchArgs {
     /// engine (bench/peer_vllm.py) runs the same work.
     #[arg(long)]
     pub cases_out: Option<std::path::PathBuf>,
-    /// Generate with random LoRA adapters of this rank (B ≠ 0) on the random base; 0: none.
-    #[arg(long, default_value_t = 0)]
-    pub lora_rank: usize,
-    /// LoRA alpha (B·A scaled by alpha / rank).
-    #[arg(long, default_value_t = 16.0)]
-    pub lora_alpha: f32,
-    /// LoRA targets: a comma list of q, k, v, o, gate, up, down, or all-linear.
-    #[arg(long, default_value = "all-linear")]
-    pub lora_targets: String,
+    // Generate with random LoRA adapters (B ≠ 0) on the random base (rank 0: none).
+    #[command(flatten)]
+    pub lora: LoraFlags,
     /// With --lora-rank: `merged` (the adapters merged into the weights once, timed: the
     /// merge's seconds are in the title and the JSON) or `unmerged` (applied at each step).
     #[arg(long, value_enum, default_value_t = LoraMode::Merged)]
@@ -898,7 +892,7 @@ impl<'a> Bench<'a> {
             cfg,
             dir,
             cases,
-            lora: LoraSpec::from_flags(args.lora_rank, args.lora_alpha, &args.lora_targets)?,
+            lora: args.lora.spec()?,
         })
     }
 }
@@ -1070,7 +1064,7 @@ fn print_report(
         let mode = format!("{:?}", args.lora_mode).to_lowercase();
         format!(
             ", LoRA rank {} on {} {mode}{merge}",
-            l.rank, args.lora_targets
+            l.rank, args.lora.lora_targets
         )
     });
     report(

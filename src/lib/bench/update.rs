@@ -19,7 +19,7 @@ use crate::model::names::param_count;
 use crate::model::Config;
 use crate::parallel::{run_rank_job, Comm, DeviceKind, Options, ProcessGroup, RankJob, World};
 use crate::rng::SplitMix64;
-use crate::stage::common::Device;
+use crate::stage::common::{Device, LoraFlags};
 use crate::stage::{on_device, Job};
 use anyhow::{bail, Result};
 use clap::Args;
@@ -69,16 +69,9 @@ pub(crate) struct Workload {
 pub(crate) struct UpdateArgs {
     #[command(flatten)]
     pub(crate) w: Workload,
-    /// Train LoRA adapters of this rank on the frozen model (`update --lora-rank`); 0: every
-    /// weight. One process only.
-    #[arg(long, default_value_t = 0)]
-    pub(crate) lora_rank: usize,
-    /// LoRA alpha (B·A scaled by alpha / rank).
-    #[arg(long, default_value_t = 16.0)]
-    pub(crate) lora_alpha: f32,
-    /// LoRA targets: a comma list of q, k, v, o, gate, up, down, or all-linear.
-    #[arg(long, default_value = "all-linear")]
-    pub(crate) lora_targets: String,
+    // Train LoRA adapters on the frozen model (`update --lora-rank`); one process only.
+    #[command(flatten)]
+    pub(crate) lora: LoraFlags,
 }
 
 /// The benchmark model shapes.
@@ -593,7 +586,7 @@ pub(crate) fn finish(
 }
 
 pub fn run(a: UpdateArgs) -> Result<()> {
-    let lora = LoraSpec::from_flags(a.lora_rank, a.lora_alpha, &a.lora_targets)?;
+    let lora = a.lora.spec()?;
     let w = a.w;
     w.check()?;
     let title = format!(
@@ -604,7 +597,7 @@ pub fn run(a: UpdateArgs) -> Result<()> {
     let world = World::from_env()?;
     if !world.launched() {
         let title = match &lora {
-            Some(l) => format!("{title}, LoRA rank {} on {}", l.rank, a.lora_targets),
+            Some(l) => format!("{title}, LoRA rank {} on {}", l.rank, a.lora.lora_targets),
             None => title,
         };
         let (rows, out) = on_device(w.device, UpdateJob(w, lora))?;
@@ -655,9 +648,11 @@ mod tests {
         let path = dir.path().join("u.json");
         run(UpdateArgs {
             w: tiny(path.clone()),
-            lora_rank: 0,
-            lora_alpha: 16.0,
-            lora_targets: "all-linear".into(),
+            lora: LoraFlags {
+                lora_rank: 0,
+                lora_alpha: 16.0,
+                lora_targets: "all-linear".into(),
+            },
         })
         .unwrap();
         let j: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -689,9 +684,11 @@ mod tests {
         let path = dir.path().join("u.json");
         run(UpdateArgs {
             w: tiny(path.clone()),
-            lora_rank: 4,
-            lora_alpha: 8.0,
-            lora_targets: "q,v,down".into(),
+            lora: LoraFlags {
+                lora_rank: 4,
+                lora_alpha: 8.0,
+                lora_targets: "q,v,down".into(),
+            },
         })
         .unwrap();
         let j: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -708,9 +705,11 @@ mod tests {
         assert!(j["last_step_metrics"]["grad_norm"].as_f64().unwrap() > 0.0);
         let bad = UpdateArgs {
             w: tiny(path),
-            lora_rank: 4,
-            lora_alpha: 8.0,
-            lora_targets: "q,mlp".into(),
+            lora: LoraFlags {
+                lora_rank: 4,
+                lora_alpha: 8.0,
+                lora_targets: "q,mlp".into(),
+            },
         };
         let e = format!("{:#}", run(bad).unwrap_err());
         assert!(e.contains("--lora-targets: unknown target 'mlp'"), "{e}");

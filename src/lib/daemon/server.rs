@@ -37,11 +37,10 @@ use crate::engine::policy::{
 };
 use crate::engine::resume::TrainerState;
 use crate::error::is_input_error;
-use crate::model::lora::LoraSpec;
 use crate::parallel::exchange::{as_local, RankFailed};
 use crate::parallel::health::Health;
 use crate::parallel::{Comm, Exchange, HostComm, NcclComm, ProcessGroup, World};
-use crate::stage::common::{after_rank0, Device};
+use crate::stage::common::{after_rank0, Device, LoraFlags};
 use crate::stage::transfer::{Bridge, Transferred};
 use crate::stage::{ref_logprob, rollout, Compute, Console, Hold, StageJob, Topology};
 use anyhow::{Context, Result};
@@ -81,17 +80,10 @@ pub struct DaemonArgs {
     /// Keep the reference weights in host memory; upload them for each ref-logprob job.
     #[arg(long)]
     pub offload_ref: bool,
-    /// Load the policy as LoRA adapters of this rank on its frozen base (no f32 masters or
-    /// optimizer state of the base), as the LoRA updates to come will train it (`update
-    /// --lora-rank`); 0: as its files give it.
-    #[arg(long, default_value_t = 0)]
-    pub lora_rank: usize,
-    /// With --lora-rank: the adapters' alpha (`update --lora-alpha`).
-    #[arg(long, default_value_t = 16.0)]
-    pub lora_alpha: f32,
-    /// With --lora-rank: the adapted projections (`update --lora-targets`).
-    #[arg(long, default_value = "all-linear")]
-    pub lora_targets: String,
+    // Load the policy as LoRA adapters on its frozen base (no f32 masters or optimizer state
+    // of the base), as the LoRA updates to come will train it; rank 0: as its files give it.
+    #[command(flatten)]
+    pub lora: LoraFlags,
     /// With --lora-rank on a model (not an adapter checkpoint): the `update --seed` of the
     /// first update, which draws the fresh adapters (an update with another seed loads its own).
     #[arg(long, default_value_t = 0)]
@@ -358,7 +350,7 @@ fn serve<B: Backend>(
     }
     // Load before listening: a daemon that answers `health` is ready for jobs.
     let policy = resolve_model(&args.policy)?;
-    let lora = LoraSpec::from_flags(args.lora_rank, args.lora_alpha, &args.lora_targets)?;
+    let lora = args.lora.spec()?;
     resident.preload_policy(&policy, lora.as_ref().map(|l| (l, args.lora_seed)))?;
     if let Some(r) = &args.reference {
         resident.preload_ref(&resolve_model(r)?.dir)?;

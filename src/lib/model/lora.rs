@@ -154,8 +154,8 @@ impl LoraSpec {
         Ok(out)
     }
 
-    /// The spec of the `--lora-rank`, `--lora-alpha` and `--lora-targets` flags (`update`'s and
-    /// `bench update`'s), checked; None for rank 0 (every weight trains).
+    /// The spec of the `--lora-rank`, `--lora-alpha` and `--lora-targets` flags (`LoraFlags`
+    /// of `update`, the daemon and the benchmarks), checked; None for rank 0 (every weight trains).
     pub fn from_flags(rank: usize, alpha: f32, targets: &str) -> Result<Option<LoraSpec>> {
         if rank == 0 {
             return Ok(None);

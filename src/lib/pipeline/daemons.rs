@@ -257,13 +257,13 @@ fn daemon_command(plan: &Plan, socket: &Path, side: Side) -> (PathBuf, std::proc
         cmd.arg("--ref").arg(spec.reference_model());
     }
     let update = &plan.stages.update.args;
-    if update.lora_rank > 0 && side == Side::Train {
+    if update.lora.lora_rank > 0 && side == Side::Train {
         // The policy as the LoRA updates train it, from the start: the base frozen, never
         // with f32 masters. A daemon that starts on the base model serves step 1's update
         // next (a checkpoint's adapters are read from it instead), whose seed draws them.
-        cmd.args(["--lora-rank", &update.lora_rank.to_string()])
-            .args(["--lora-alpha", &update.lora_alpha.to_string()])
-            .args(["--lora-targets", &update.lora_targets])
+        cmd.args(["--lora-rank", &update.lora.lora_rank.to_string()])
+            .args(["--lora-alpha", &update.lora.lora_alpha.to_string()])
+            .args(["--lora-targets", &update.lora.lora_targets])
             .args(["--lora-seed", &plan.update_seed(1).to_string()]);
     }
     (program, cmd)

@@ -180,7 +180,7 @@ impl Plan {
         }
         // A merged rollout samples from bf16(W + (α/r)·B·A), which the trainer (base + adapters
         // unmerged) does not compute: its log-probs are not the trainer's (docs/LORA.md).
-        let lora = self.stages.update.args.lora_rank > 0;
+        let lora = self.stages.update.args.lora.lora_rank > 0;
         if lora && self.stages.rollout.args.lora_mode != LoraMode::Unmerged {
             bail_input!(
                 "[update] bypass-mode = true takes the rollout's log-probs as the old ones, which with lora-rank holds only when the rollout applies the adapters as the trainer does: set [rollout] lora-mode = \"unmerged\" (merged weights are rounded to bf16), or drop bypass-mode"

@@ -705,7 +705,7 @@ impl Spec {
                 "[rollout] agent (its rollout is the user's program against tandem serve)",
             ),
             (
-                stages.update.args.lora_rank > 0,
+                stages.update.args.lora.lora_rank > 0,
                 "[update] lora-rank (the transfer carries whole weights, not adapters)",
             ),
             (

@@ -482,3 +482,43 @@ mod tests {
         assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
     }
 }
+
+/// The LoRA flags, as `update`, the daemon and the `bench update` / `bench rollout` benchmarks
+/// take them (verl's lora_rank, lora_alpha, target_modules).
+#[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
+pub struct LoraFlags {
+    /// Train LoRA adapters of this rank on the frozen --model instead of every weight (verl's
+    /// lora_rank; 0: full fine-tuning). --model is then a model (fresh adapters, B zero) or a
+    /// LoRA checkpoint / PEFT adapter directory; --out-model gets the adapters in PEFT's files.
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    #[serde(default)]
+    pub lora_rank: usize,
+    /// LoRA alpha: the adapters' product B·A is scaled by alpha / rank (verl's lora_alpha).
+    #[arg(long, default_value_t = 16.0, value_parser = above(0.0f32))]
+    #[serde(default = "default_lora_alpha")]
+    pub lora_alpha: f32,
+    /// The projections that get adapters: a comma list of q, k, v, o, gate, up, down (or
+    /// their *_proj names), or all-linear (verl's target_modules).
+    #[arg(long, default_value = "all-linear")]
+    #[serde(default = "default_lora_targets")]
+    pub lora_targets: String,
+}
+
+fn default_lora_alpha() -> f32 {
+    16.0
+}
+
+fn default_lora_targets() -> String {
+    "all-linear".to_string()
+}
+
+impl LoraFlags {
+    /// The adapters' spec, checked; None for rank 0 (every weight trains).
+    pub fn spec(&self) -> Result<Option<crate::model::lora::LoraSpec>> {
+        crate::model::lora::LoraSpec::from_flags(
+            self.lora_rank,
+            self.lora_alpha,
+            &self.lora_targets,
+        )
+    }
+}

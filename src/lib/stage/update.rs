@@ -20,8 +20,8 @@
 
 use super::common::{
     above, after_rank0, at_least, between, check_token_ids, finite, logprob_temperature,
-    negative_numbers, range, require_tokenizer, resolve_model, same_path, Device, ModelRef,
-    DEFAULT_TEMPERATURE,
+    negative_numbers, range, require_tokenizer, resolve_model, same_path, Device, LoraFlags,
+    ModelRef, DEFAULT_TEMPERATURE,
 };
 use super::ref_logprob::to_u32;
 use super::{Exec, Job};
@@ -237,30 +237,9 @@ pub struct UpdateArgs {
     #[arg(long, default_value_t = 0.5, value_parser = at_least(0.0f64))]
     #[serde(default = "default_cliprange_value")]
     pub cliprange_value: f64,
-    /// Train LoRA adapters of this rank on the frozen --model instead of every weight (verl's
-    /// lora_rank; 0: full fine-tuning). --model is then a model (fresh adapters, B zero) or a
-    /// LoRA checkpoint / PEFT adapter directory; --out-model gets the adapters in PEFT's files.
-    /// Not on the daemon for now; under `tandem launch`, data parallel (zero2).
-    #[arg(long, default_value_t = 0, value_name = "R")]
-    #[serde(default)]
-    pub lora_rank: usize,
-    /// LoRA alpha: the adapters' product B·A is scaled by alpha / rank (verl's lora_alpha).
-    #[arg(long, default_value_t = 16.0, value_parser = above(0.0f32))]
-    #[serde(default = "default_lora_alpha")]
-    pub lora_alpha: f32,
-    /// The projections that get adapters: a comma list of q, k, v, o, gate, up, down (or
-    /// their *_proj names), or all-linear (verl's target_modules).
-    #[arg(long, default_value = "all-linear")]
-    #[serde(default = "default_lora_targets")]
-    pub lora_targets: String,
-}
-
-fn default_lora_alpha() -> f32 {
-    16.0
-}
-
-fn default_lora_targets() -> String {
-    "all-linear".into()
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub lora: LoraFlags,
 }
 
 fn default_cliprange_value() -> f64 {
@@ -434,8 +413,7 @@ impl UpdateArgs {
 
     /// The LoRA spec the flags ask for (None: full fine-tuning).
     pub fn lora_spec(&self) -> Result<Option<LoraSpec>> {
-        let Some(spec) = LoraSpec::from_flags(self.lora_rank, self.lora_alpha, &self.lora_targets)?
-        else {
+        let Some(spec) = self.lora.spec()? else {
             return Ok(None);
         };
         if self.critic {

@@ -267,22 +267,17 @@ fn split_groups(b: &Batch) -> Result<Vec<Ready>> {
     }
     let puids = b.strings(schema::PROMPT_UID)?;
     let versions = b.ragged_i32(schema::TOKEN_POLICY_VERSION)?;
-    let mut out = Vec::new();
-    let mut start = 0;
-    for end in 1..=puids.len() {
-        if end < puids.len() && puids[end] == puids[start] {
-            continue;
-        }
-        out.push(Ready {
-            puid: puids[start].to_string(),
-            rows: b.data.slice(start, end - start),
+    let out = crate::batch::runs(&puids)
+        .into_iter()
+        .map(|r| Ready {
+            puid: puids[r.start].to_string(),
+            rows: b.data.slice(r.start, r.len()),
             meta: b.meta.clone(),
-            versions: (start..end)
+            versions: r
                 .map(|i| versions.row(i).iter().map(|&v| v as u64).collect())
                 .collect(),
-        });
-        start = end;
-    }
+        })
+        .collect();
     Ok(out)
 }
 

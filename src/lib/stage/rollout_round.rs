@@ -311,18 +311,13 @@ impl RoundGen<'_> {
 fn groups_of(t: &Batch) -> Result<Vec<Group>> {
     let puids = t.strings(schema::PROMPT_UID)?;
     let mut seqs = in_flight(t)?.into_iter();
-    let mut groups = Vec::new();
-    let mut start = 0;
-    for end in 1..=puids.len() {
-        if end < puids.len() && puids[end] == puids[start] {
-            continue;
-        }
-        groups.push(Group {
-            id: start as u64,
-            seqs: seqs.by_ref().take(end - start).collect(),
-        });
-        start = end;
-    }
+    let groups = crate::batch::runs(&puids)
+        .into_iter()
+        .map(|r| Group {
+            id: r.start as u64,
+            seqs: seqs.by_ref().take(r.len()).collect(),
+        })
+        .collect();
     Ok(groups)
 }
 

@@ -12,11 +12,12 @@
 #      fixed lengths; each writes its cases (prompt ids) for the peer;
 #   3. `tandem bench update` / `bench logprob` at the 0.5B and 1.5B shapes;
 #   4. once the vLLM parts are all in /root/vb: install, then bench/peer_vllm.py on each shape's
-#      cases (same prompt ids, ignore_eos);
+#      cases (same prompt ids, ignore_eos; VSHAPES [SHAPES] names them);
 #   5. bench/peer_update.py (SDPA, torch.compile, fused AdamW, chunked log-prob) at 0.5B and 1.5B.
 # PARTS [first rollout update vllm peers] picks and orders them (RBUILDS [new] = `base new`
 # also runs step 2 with the base build); also `gputest` (the new build's
-# whole `tandem gpu-test`), `profile` (bench/decode_profile.sh on the 7B shape at 256 rows) and
+# whole `tandem gpu-test`; `gputest-NAME` only the checks named with NAME), `profile` (bench/decode_profile.sh on the 7B shape at 256 rows),
+# `attnprof` (ncu's full set of one 7B decode attention kernel, per instruction; see attn_profile) and
 # `real`: a real model with EOS on, both engines: `bench rollout --model REAL_MODEL --prompts
 # REAL_PROMPTS [$B/prompts.parquet]` on REAL_LIMIT [256] prompts (chat template) x n of REAL_N
 # [8,1] (one case each) x up to REAL_NEW [1024] new tokens, tokens/s and length distribution,
@@ -66,6 +67,8 @@ start)
     && cp -r bench "$SRC/" \
     && mkdir -p "$SRC/tests" && cp -r tests/fixtures "$SRC/tests/" || exit 1
   if [ -f "$C/base.tar.xz" ]; then tar -xJf "$C/base.tar.xz" -C "$B/base" || exit 1; fi
+  # OLDK [.device/oldk]: another checkout's src/lib/backend (kernel sources) for RVARIANTS.
+  if [ -d "${OLDK:-.device/oldk}" ]; then rm -rf /root/oldk && cp -r "${OLDK:-.device/oldk}" /root/oldk; fi
   (cd "$SRC" && setsid nohup env B="$B" G="$G" VB="$VB" STEP=plan bash bench/vllm_lease.sh \
     > "$G/plan.out" 2>&1 < /dev/null &)
   echo "started: $G/vl.log${GPU:+ (GPU $GPU)}"
@@ -129,6 +132,37 @@ plan)
           --max-num-seqs 1024 --modes $MODES --runs 2 --cases-out "$G/cases_$s.json" > "$out" 2>&1
         log "bench rollout $s $build rc=$?"
       done
+      # RVARIANTS ["NAME:VAR=VAL,VAR=VAL ..."]: the new build again with those variables, into
+      # rollout_${s}_NAME.txt: `tune:TANDEM_GEMM_TUNE=verbose` (cuBLASLt candidates timed), or
+      # `oldk:TANDEM_KERNEL_SRC=/root/oldk` (the kernels of another checkout, same binary).
+      for v in ${RVARIANTS:-}; do
+        local name=${v%%:*} envs=${v#*:}
+        # shellcheck disable=SC2046,SC2086
+        env ${envs//,/ } "$B/tandem" bench rollout --device "$DEVICE" --model $m $(shape_cases "$s") \
+          --fixed-lengths --max-num-seqs 1024 --modes $MODES --runs 2 > "$G/rollout_${s}_$name.txt" 2>&1
+        log "bench rollout $s $name rc=$?"
+      done
+    done
+  }
+  # Nsight Compute's full set, with per-instruction source counters, of one 7B decode attention
+  # kernel at 256 rows and context ~260 (ATTN_VARIANTS ["new"]: NAME[:VAR=VAL,...] as above):
+  # attn_NAME_details.csv (sections) and attn_NAME_sass.csv (SASS with executed instructions
+  # and stall samples per line).
+  attn_profile() {
+    local ncu
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+    [ -n "$ncu" ] || { log "attn profile: no ncu"; return 1; }
+    for v in ${ATTN_VARIANTS:-new}; do
+      local name=${v%%:*} envs=
+      [ "$v" != "$name" ] && envs=${v#*:}
+      # shellcheck disable=SC2086
+      env ${envs//,/ } "$ncu" --set full --kernel-name regex:paged_attn_mma --launch-skip 300 --launch-count 1 \
+        -f -o "$G/attn_$name" "$B/tandem" bench rollout --device "$DEVICE" --model qwen7b --batches 256 \
+        --prompt-tokens 256 --new-tokens 16 --skip-grpo --modes eager --runs 1 > "$G/attn_$name.log" 2>&1
+      log "attn profile $name rc=$?"
+      "$ncu" -i "$G/attn_$name.ncu-rep" --page details --csv > "$G/attn_${name}_details.csv" 2>&1
+      "$ncu" -i "$G/attn_$name.ncu-rep" --page source --csv --print-source sass > "$G/attn_${name}_sass.csv" 2>&1
+      rm -f "$G/attn_$name.ncu-rep"
     done
   }
   tandem_update() {
@@ -169,7 +203,7 @@ plan)
   }
   peer_vllm() {
     vllm_env
-    for s in ${SHAPES:-0.5b 1.5b 7b}; do peer_on "$s"; done
+    for s in ${VSHAPES:-${SHAPES:-0.5b 1.5b 7b}}; do peer_on "$s"; done
   }
   real_model() {
     local m=${REAL_MODEL:-/root/rl/models/qwen2.5-coder-1.5b} t0=$SECONDS
@@ -205,6 +239,11 @@ plan)
     gputest)
       "$B/tandem" gpu-test --json "$G/gpu_test.json" > "$G/gpu_test.log" 2>&1
       log "gpu-test rc=$? $(grep -E 'checks' "$G/gpu_test.log" | tail -1)" ;;
+    gputest-*)
+      # gputest-NAME: only the checks whose name contains NAME (e.g. gputest-paged).
+      "$B/tandem" gpu-test --only "${part#gputest-}" > "$G/gpu_test_${part#gputest-}.log" 2>&1
+      log "gpu-test --only ${part#gputest-} rc=$? $(grep -E 'checks' "$G/gpu_test_${part#gputest-}.log" | tail -1)" ;;
+    attnprof) attn_profile ;;
     profile)
       for r in ${PROFILE_ROWS:-256}; do
         D=$B MODEL=qwen7b ROWS=$r OUT=$G bash bench/decode_profile.sh > "$G/profile_7b_$r.txt" 2>&1

@@ -37,10 +37,32 @@ pub(crate) fn full_source(fam: Family, defines: &[(&str, usize)]) -> String {
     for (k, v) in defines {
         s.push_str(&format!("#define {k} {v}\n"));
     }
-    s.push_str(COMMON);
+    let (common, src) = match dev_sources(fam.name) {
+        Some((c, f)) => (std::borrow::Cow::Owned(c), std::borrow::Cow::Owned(f)),
+        None => (COMMON.into(), fam.src.into()),
+    };
+    s.push_str(&common);
     s.push('\n');
-    s.push_str(fam.src);
+    s.push_str(&src);
     s
+}
+
+/// Kernel development without a rebuild: with `TANDEM_KERNEL_SRC` naming a checkout of the
+/// repository, the kernels are compiled from its `common.cuh` and `ops/<family>/<family>.cu`
+/// instead of the copies built into the binary (a changed file is a new cache key, so the
+/// cache cannot serve the old kernel). None when unset or a file is missing.
+fn dev_sources(family: &str) -> Option<(String, String)> {
+    dev_sources_in(
+        &PathBuf::from(std::env::var_os("TANDEM_KERNEL_SRC")?),
+        family,
+    )
+}
+
+fn dev_sources_in(checkout: &std::path::Path, family: &str) -> Option<(String, String)> {
+    let root = checkout.join("src/lib/backend");
+    let common = std::fs::read_to_string(root.join("cuda/common.cuh")).ok()?;
+    let fam = std::fs::read_to_string(root.join(format!("ops/{family}/{family}.cu"))).ok()?;
+    Some((common, fam))
 }
 
 /// FNV-1a: a stable 64-bit hash (std's hasher may change between Rust releases).
@@ -317,6 +339,27 @@ mod tests {
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn a_checkouts_kernel_files_replace_the_built_in_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("src/lib/backend");
+        std::fs::create_dir_all(root.join("cuda")).unwrap();
+        std::fs::create_dir_all(root.join("ops/rope")).unwrap();
+        assert!(super::dev_sources_in(dir.path(), "rope").is_none());
+        std::fs::write(root.join("cuda/common.cuh"), "// common\n").unwrap();
+        assert!(super::dev_sources_in(dir.path(), "rope").is_none());
+        std::fs::write(root.join("ops/rope/rope.cu"), "// rope\n").unwrap();
+        let (c, f) = super::dev_sources_in(dir.path(), "rope").unwrap();
+        assert_eq!((c.as_str(), f.as_str()), ("// common\n", "// rope\n"));
+        assert!(super::dev_sources_in(dir.path(), "sample").is_none());
+        // The repository's own files are the built-in ones.
+        let (c, f) =
+            super::dev_sources_in(std::path::Path::new(env!("CARGO_MANIFEST_DIR")), "rope")
+                .unwrap();
+        assert_eq!(c, super::COMMON);
+        assert_eq!(f, crate::backend::ops::rope::cuda::KERNELS.src);
     }
 
     #[test]

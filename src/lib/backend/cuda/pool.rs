@@ -155,6 +155,11 @@ impl Pool {
         g.capturing = on;
     }
 
+    /// Whether a graph capture is under way (nothing may synchronize the stream then).
+    pub(crate) fn capturing(&self) -> bool {
+        self.lock().capturing
+    }
+
     /// The graphs were destroyed: their private blocks return to the cache (and to the driver
     /// on the next `trim`). Returns the bytes the graphs held.
     pub(crate) fn release_graph_memory(&self) -> usize {

@@ -15,6 +15,8 @@ use cudarc::cublaslt::{result as lr, sys as ls};
 use cudarc::driver::CudaStream;
 
 use super::pool::{Block, Pool};
+
+mod tune;
 use crate::backend::DType;
 
 /// Bytes of cuBLASLt workspace (NVIDIA's recommendation for Hopper).
@@ -98,6 +100,9 @@ unsafe impl Send for State {}
 pub(crate) struct Gemm {
     state: Mutex<State>,
     workspace: Block,
+    pool: Arc<Pool>,
+    /// Whether new decode-sized plans time the heuristic's candidates (`tune`).
+    tune: tune::Mode,
     stream: Arc<CudaStream>,
     invariant: std::sync::atomic::AtomicBool,
     /// Plans made and the time their heuristic queries took (`planning`).
@@ -169,23 +174,24 @@ unsafe fn set_operation(desc: ls::cublasLtMatmulDesc_t, key: &Key) -> Result<()>
     Ok(())
 }
 
-/// The heuristic's algorithm for `plan` with B and D laid out as `probe` (the plan's own, or
-/// the batch-invariant row count's, when the algorithm must also pass the check on the real
-/// shape).
+/// Up to `count` of the heuristic's algorithms for `plan` (its estimate's best first) with B
+/// and D laid out as `probe` (the plan's own, or the batch-invariant row count's, when the
+/// first algorithm must also pass the check on the real shape).
 ///
 /// # Safety
 /// `handle`, the plan's descriptor and layouts and the probe layouts are live.
-unsafe fn pick_algo(
+unsafe fn heuristic(
     handle: ls::cublasLtHandle_t,
     plan: &Plan,
     key: &Key,
     ws: usize,
     probe: (ls::cublasLtMatrixLayout_t, ls::cublasLtMatrixLayout_t),
-) -> Result<ls::cublasLtMatmulHeuristicResult_t> {
+    count: usize,
+) -> Result<Vec<ls::cublasLtMatmulHeuristicResult_t>> {
     use ls::cublasLtMatmulPreferenceAttributes_t as P;
     let canonical = key.invariant && key.n != INVARIANT_TOKENS;
     let pref = lr::create_matmul_pref().map_err(err("create preference"))?;
-    let res = (|| -> Result<ls::cublasLtMatmulHeuristicResult_t> {
+    let res = (|| -> Result<Vec<ls::cublasLtMatmulHeuristicResult_t>> {
         let setp = |attr, v: u64| {
             lr::set_matmul_pref_attribute(
                 pref,
@@ -211,17 +217,42 @@ unsafe fn pick_algo(
         setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2])?;
         setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2])?;
         let (hb, hd) = probe;
-        let r = lr::get_matmul_algo_heuristic(handle, plan.desc, plan.a, hb, hd, hd, pref)
-            .map_err(|e| {
-                anyhow!(
-                    "cuBLASLt found no algorithm for {key:?} ({e:?}); \
-                     check the operand types and alignment"
-                )
-            })?;
+        let mut out = vec![std::mem::zeroed::<ls::cublasLtMatmulHeuristicResult_t>(); count.max(1)];
+        let mut found = 0i32;
+        let st = ls::cublasLtMatmulAlgoGetHeuristic(
+            handle,
+            plan.desc,
+            plan.a,
+            hb,
+            hd,
+            hd,
+            pref,
+            out.len() as i32,
+            out.as_mut_ptr(),
+            &mut found,
+        );
+        if st != ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS || found <= 0 {
+            bail!(
+                "cuBLASLt found no algorithm for {key:?} ({st:?}); \
+                 check the operand types and alignment"
+            );
+        }
+        out.truncate(found as usize);
+        out.retain(|r| r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
+        let Some(first) = out.first() else {
+            bail!("cuBLASLt found no usable algorithm for {key:?}");
+        };
         if canonical {
             let mut check = std::mem::zeroed::<ls::cublasLtMatmulHeuristicResult_t>();
             let ok = ls::cublasLtMatmulAlgoCheck(
-                handle, plan.desc, plan.a, plan.b, plan.d, plan.d, &r.algo, &mut check,
+                handle,
+                plan.desc,
+                plan.a,
+                plan.b,
+                plan.d,
+                plan.d,
+                &first.algo,
+                &mut check,
             );
             if ok != ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS || check.workspaceSize > ws {
                 bail!(
@@ -231,7 +262,7 @@ unsafe fn pick_algo(
                 );
             }
         }
-        Ok(r)
+        Ok(out)
     })();
     let _ = lr::destroy_matmul_pref(pref);
     res
@@ -251,6 +282,8 @@ impl Gemm {
                 plans: HashMap::new(),
             }),
             workspace,
+            pool: pool.clone(),
+            tune: tune::Mode::from_env(),
             stream,
             invariant: std::sync::atomic::AtomicBool::new(
                 std::env::var_os("TANDEM_BATCH_INVARIANT").is_some(),
@@ -284,11 +317,17 @@ impl Gemm {
         self.invariant.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// The descriptor, layouts and heuristic algorithm of one GEMM shape.
-    fn plan(handle: ls::cublasLtHandle_t, key: &Key, ws: usize) -> Result<Plan> {
+    /// The descriptor, layouts and heuristic algorithm of one GEMM shape, and up to `count` of
+    /// the heuristic's candidates (the plan's algorithm first).
+    fn plan(
+        handle: ls::cublasLtHandle_t,
+        key: &Key,
+        ws: usize,
+        count: usize,
+    ) -> Result<(Plan, Vec<ls::cublasLtMatmulHeuristicResult_t>)> {
         let mut plan = Self::layouts(key)?;
         // Batch-invariant forward GEMMs (Aᵀ·B, n = tokens): the heuristic sees INVARIANT_TOKENS
-        // columns; the algorithm must then also run the real shape (checked in `pick_algo`).
+        // columns; the algorithm must then also run the real shape (checked in `heuristic`).
         // No workspace: an algorithm picked with some (split-K) may need more than there is at
         // another row count.
         let canonical = key.invariant && key.n != INVARIANT_TOKENS;
@@ -303,7 +342,8 @@ impl Gemm {
         // SAFETY: `plan.desc` is the live descriptor just made, and the probe layouts are live
         // (the plan's own, or the two made above, destroyed below and nowhere else).
         let res = unsafe {
-            set_operation(plan.desc, key).and_then(|()| pick_algo(handle, &plan, key, ws, probe))
+            set_operation(plan.desc, key)
+                .and_then(|()| heuristic(handle, &plan, key, ws, probe, count))
         };
         if canonical {
             // SAFETY: the two probe layouts were made above for this query alone, which is done.
@@ -312,8 +352,9 @@ impl Gemm {
                 let _ = lr::destroy_matrix_layout(probe.1);
             }
         }
-        plan.algo = res?.algo;
-        Ok(plan)
+        let candidates = res?;
+        plan.algo = candidates[0].algo;
+        Ok((plan, candidates))
     }
 
     /// A plan's descriptor and the layouts of A, B and D (the algorithm still empty).
@@ -394,51 +435,96 @@ impl Gemm {
         };
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let plan = match st.plans.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        let ws = self.workspace.bytes();
+        let tune = self.tune.wanted(&key) && !self.pool.capturing();
+        let (plan, candidates) = match st.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => (e.into_mut(), Vec::new()),
             std::collections::hash_map::Entry::Vacant(e) => {
                 let t = std::time::Instant::now();
-                let plan = Self::plan(handle, &key, self.workspace.bytes())?;
+                let count = if tune { tune::CANDIDATES } else { 1 };
+                let (plan, candidates) = Self::plan(handle, &key, ws, count)?;
                 self.planning_ns.fetch_add(
                     t.elapsed().as_nanos() as u64,
                     std::sync::atomic::Ordering::Relaxed,
                 );
                 self.plans_made
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                e.insert(plan)
+                (e.insert(plan), candidates)
             }
         };
-        let (alpha, beta) = (1.0f32, c.beta);
-        // SAFETY: the handle, the plan and the workspace are live and used under the state's lock;
-        // the operand addresses come from live buffers of the types and layouts the plan was made
-        // for (the key holds them), and the work is queued on the stream their writers use.
-        unsafe {
-            if let Some(b) = c.bias {
+        if let Some(b) = c.bias {
+            // SAFETY: the plan's descriptor is live and used under the state's lock.
+            unsafe {
                 set_desc(
                     plan.desc,
                     ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                     &b.ptr,
                 )?;
             }
+        }
+        let call = Launch {
+            handle,
+            c,
+            c_ptr,
+            workspace: (self.workspace.ptr(), ws),
+            stream: &self.stream,
+        };
+        if candidates.len() > 1 {
+            let t = std::time::Instant::now();
+            plan.algo = tune::fastest(&call, plan, &key, &candidates, &self.pool, self.tune)?;
+            self.planning_ns.fetch_add(
+                t.elapsed().as_nanos() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
+        call.run(plan, &plan.algo, c.d.ptr)
+            .map_err(|e| anyhow!("cublasLtMatmul {key:?}: {e:?}"))
+    }
+}
+
+/// What one cuBLASLt call needs besides its plan and algorithm.
+struct Launch<'a> {
+    handle: ls::cublasLtHandle_t,
+    c: &'a GemmCall,
+    c_ptr: u64,
+    workspace: (u64, usize),
+    stream: &'a Arc<CudaStream>,
+}
+
+impl Launch<'_> {
+    /// Queues the GEMM with `algo`, writing D at `d` (the call's D, or a scratch matrix of its
+    /// layout when timing candidates).
+    fn run(
+        &self,
+        plan: &Plan,
+        algo: &ls::cublasLtMatmulAlgo_t,
+        d: u64,
+    ) -> Result<(), lr::CublasError> {
+        let (alpha, beta) = (1.0f32, self.c.beta);
+        // SAFETY: the handle, the plan and the workspace are live and used under the Gemm's
+        // state lock (a Launch lives inside `Gemm::run`); the operand addresses come from live
+        // buffers of the types and layouts the plan was made for (its key holds them), `d` is
+        // the call's D or a block of D's size, and the work is queued on the stream their
+        // writers use.
+        unsafe {
             lr::matmul(
-                handle,
+                self.handle,
                 plan.desc,
                 &alpha as *const f32 as *const c_void,
                 &beta as *const f32 as *const c_void,
-                c.a.ptr as *const c_void,
+                self.c.a.ptr as *const c_void,
                 plan.a,
-                c.b.ptr as *const c_void,
+                self.c.b.ptr as *const c_void,
                 plan.b,
-                c_ptr as *const c_void,
+                self.c_ptr as *const c_void,
                 plan.d,
-                c.d.ptr as *mut c_void,
+                d as *mut c_void,
                 plan.d,
-                &plan.algo,
-                self.workspace.ptr() as *mut c_void,
-                self.workspace.bytes(),
+                algo,
+                self.workspace.0 as *mut c_void,
+                self.workspace.1,
                 self.stream.cu_stream() as ls::cudaStream_t,
             )
-            .map_err(|e| anyhow!("cublasLtMatmul {key:?}: {e:?}"))
         }
     }
 }

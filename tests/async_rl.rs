@@ -467,6 +467,126 @@ fn token_versions(b: &tandem::batch::Batch) -> Vec<Vec<u64>> {
         .collect()
 }
 
+/// A four-step `mode = "async"` spec on `rollout` and `train` GPUs, rounds of 2 tokens,
+/// responses up to 16 and max-staleness = 1.
+fn async_spec(rollout: &str, train: &str) -> String {
+    format!(
+        "{}max-staleness = 1\nround-tokens = 2\n",
+        placed(rollout, train, "async")
+            .replace("steps = 3", "steps = 4")
+            .replace("keep-last = 3", "keep-last = 4")
+            // Rewards that vary within a group, so that each update moves the weights.
+            .replace(
+                "reward = \"exact\"",
+                "reward = \"regex:[a-z]\"\nformat-score = 1.0"
+            )
+            .replace("lr = 0.001", "lr = 0.01")
+            // Responses of up to 8 rounds: groups stay in flight across updates.
+            .replace("max-new-tokens = 6", "max-new-tokens = 16")
+    )
+}
+
+/// Every step of an async run `run` trained 6 rows whose tokens lie within max-staleness = 1
+/// of the policy trained; the metrics.jsonl lines.
+fn within_bound(d: &Path, run: &str) -> Vec<serde_json::Value> {
+    let lines = metrics(d, run);
+    assert_eq!(lines.len(), 4, "{run}: {lines:?}");
+    for step in 1..=4u64 {
+        let rollout = read(&d.join(format!("{run}/step-000{step}/rollout.parquet")));
+        let rows = token_versions(&rollout);
+        assert_eq!(rows.len(), 6);
+        let trained = step - 1;
+        assert!(
+            rows.iter()
+                .flatten()
+                .all(|&v| v <= trained && v + 1 >= trained),
+            "{run} step {step}: {rows:?}"
+        );
+    }
+    lines
+}
+
+/// `mode = "async"`, a rank dying in the middle of the run: a rollout rank SIGKILLed in a
+/// round (2 rollout + 1 training ranks) makes the runner start the rollout group again and
+/// send it the current policy; the rounds go on and the run trains its 4 steps without a
+/// rerun, saying what it lost; `async/rollout_restarts` adds up to 1. A training rank
+/// SIGKILLed in step 2's update (1 + 2 ranks): the update runs again on a new training group
+/// while the rounds go on. Every trained row lies within the staleness bound.
+#[test]
+fn async_mode_survives_a_dead_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let marker = d.join("killed-rollout");
+    let log = pipeline_ok(
+        d,
+        "rollout",
+        Some(&async_spec("[0, 1]", "[2]")),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+        ],
+    );
+    assert!(marker.exists(), "the rollout rank was not killed: {log}");
+    let said = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        said("failed with the rollout group gone (rank 1 (pid "),
+        1,
+        "{log}"
+    );
+    assert_eq!(said("that round's new tokens are lost: its "), 1, "{log}");
+    assert_eq!(
+        said("the rollout group (re)started; sending it the current policy"),
+        1,
+        "{log}"
+    );
+    // The round after the failed one continued the sequences the failed one was given.
+    let rounds = std::fs::read_to_string(d.join("rollout/async/rounds.sh")).unwrap();
+    let carries: Vec<Option<&str>> = rounds
+        .lines()
+        .map(|l| l.split(" --carry ").nth(1)?.split(' ').next())
+        .collect();
+    let said_after = |before: &str| -> usize {
+        let line = log.lines().find(|l| l.contains(before)).unwrap();
+        let after = line.split(before).nth(1).unwrap();
+        after.split(' ').next().unwrap().parse().unwrap()
+    };
+    let failed = said_after("pipeline: async: round ");
+    assert!(carries.len() > failed, "{rounds}");
+    assert_eq!(carries[failed - 1], carries[failed], "{rounds}");
+    if said_after("that round's new tokens are lost: its ") > 0 {
+        assert!(carries[failed].is_some(), "{rounds}");
+    }
+    let lines = within_bound(d, "rollout");
+    let restarts: Vec<u64> = lines
+        .iter()
+        .map(|m| m["async/rollout_restarts"].as_u64().unwrap())
+        .collect();
+    assert_eq!(restarts.iter().sum::<u64>(), 1, "{restarts:?}");
+    for (m, n) in lines.iter().zip(&restarts) {
+        let lost = m["async/restart_sequences"].as_u64().unwrap();
+        assert_eq!(lost > 0, *n > 0, "{m}");
+    }
+
+    let marker = d.join("killed-update");
+    let log = pipeline_ok(
+        d,
+        "train",
+        Some(&async_spec("[0]", "[1, 2]")),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_UPDATE", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+        ],
+    );
+    assert!(marker.exists(), "the training rank was not killed: {log}");
+    assert!(log.contains("update failed with the daemon gone"), "{log}");
+    for m in within_bound(d, "train") {
+        assert_eq!(m["async/rollout_restarts"], 0, "{m}");
+    }
+}
+
 /// `mode = "async"` with 1 rollout + 1 training rank, rounds of 2 tokens (responses up to 6)
 /// and max-staleness = 1: the run trains its 4 steps; every trained row's tokens come from
 /// versions within [trained − 1, trained], the batch's `policy_version` is its oldest token's,
@@ -479,20 +599,7 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     model_and_train_set(d, 64, 128, 12);
-    let text = format!(
-        "{}max-staleness = 1\nround-tokens = 2\n",
-        placed("[0]", "[1]", "async")
-            .replace("steps = 3", "steps = 4")
-            .replace("keep-last = 3", "keep-last = 4")
-            // Rewards that vary within a group, so that each update moves the weights.
-            .replace(
-                "reward = \"exact\"",
-                "reward = \"regex:[a-z]\"\nformat-score = 1.0"
-            )
-            .replace("lr = 0.001", "lr = 0.01")
-            // Responses of up to 8 rounds: groups stay in flight across updates.
-            .replace("max-new-tokens = 6", "max-new-tokens = 16")
-    );
+    let text = async_spec("[0]", "[1]");
     pipeline_ok(d, "a", Some(&text), &[]);
     let lines = metrics(d, "a");
     assert_eq!(lines.len(), 4);

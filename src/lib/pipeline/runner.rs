@@ -743,4 +743,17 @@ impl Steps for Runner {
     fn set_rounds(&mut self, rounds: Option<std::sync::Arc<asynchronous::Shared>>) {
         self.rounds = rounds;
     }
+
+    fn rollout_gone(&mut self) -> Option<String> {
+        if !self.rollout_daemon.gone() {
+            return None;
+        }
+        let note = self.rollout_daemon.death_note(&self.plan);
+        Some(note.unwrap_or_else(|| "its daemon ended".into()))
+    }
+
+    fn restart_rollout(&mut self, step: u64, restarts: &mut u32) -> Result<()> {
+        self.ensure_counted(step, Side::Rollout, restarts)?;
+        Ok(())
+    }
 }

@@ -509,9 +509,12 @@ fn within_bound(d: &Path, run: &str) -> Vec<serde_json::Value> {
 /// `mode = "async"`, a rank dying in the middle of the run: a rollout rank SIGKILLed in a
 /// round (2 rollout + 1 training ranks) makes the runner start the rollout group again and
 /// send it the current policy; the rounds go on and the run trains its 4 steps without a
-/// rerun, saying what it lost; `async/rollout_restarts` adds up to 1. A training rank
-/// SIGKILLed in step 2's update (1 + 2 ranks): the update runs again on a new training group
-/// while the rounds go on. Every trained row lies within the staleness bound.
+/// rerun, saying what it lost; `async/rollout_restarts` adds up to 1. A training rank (rank 0,
+/// so that the update fails rather than the transfer after it) SIGKILLed in step 2's update
+/// (1 + 2 ranks): the update runs again on a new training group while the rounds go on; with
+/// resident updates the run goes back to the last checkpoint files and starts the rounds
+/// afresh. Every trained row lies within the staleness bound. A rollout rank that dies in
+/// every round stops the run after 3 restarts.
 #[test]
 fn async_mode_survives_a_dead_rank() {
     let dir = tempfile::tempdir().unwrap();
@@ -535,7 +538,7 @@ fn async_mode_survives_a_dead_rank() {
         1,
         "{log}"
     );
-    assert_eq!(said("that round's new tokens are lost: its "), 1, "{log}");
+    assert_eq!(said("that round's new tokens are lost: "), 1, "{log}");
     assert_eq!(
         said("the rollout group (re)started; sending it the current policy"),
         1,
@@ -547,15 +550,14 @@ fn async_mode_survives_a_dead_rank() {
         .lines()
         .map(|l| l.split(" --carry ").nth(1)?.split(' ').next())
         .collect();
-    let said_after = |before: &str| -> usize {
-        let line = log.lines().find(|l| l.contains(before)).unwrap();
-        let after = line.split(before).nth(1).unwrap();
-        after.split(' ').next().unwrap().parse().unwrap()
-    };
-    let failed = said_after("pipeline: async: round ");
+    let failed: usize = log
+        .split("pipeline: async: round ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next()?.parse().ok())
+        .unwrap();
     assert!(carries.len() > failed, "{rounds}");
     assert_eq!(carries[failed - 1], carries[failed], "{rounds}");
-    if said_after("that round's new tokens are lost: its ") > 0 {
+    if log.contains("that round's new tokens are lost: its ") {
         assert!(carries[failed].is_some(), "{rounds}");
     }
     let lines = within_bound(d, "rollout");
@@ -577,7 +579,7 @@ fn async_mode_survives_a_dead_rank() {
         &[
             ("TANDEM_DAEMON_KILL_IN_UPDATE", p(&marker)),
             ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
-            ("TANDEM_DAEMON_KILL_RANK", "1"),
+            ("TANDEM_DAEMON_KILL_RANK", "0"),
         ],
     );
     assert!(marker.exists(), "the training rank was not killed: {log}");
@@ -585,6 +587,69 @@ fn async_mode_survives_a_dead_rank() {
     for m in within_bound(d, "train") {
         assert_eq!(m["async/rollout_restarts"], 0, "{m}");
     }
+
+    // With resident updates (files every 2 steps) the training rank that dies in step 2's
+    // update held step 1's policy only in memory: the run goes back to step 0 and starts the
+    // rounds afresh, on a new rollout group.
+    let marker = d.join("killed-resident");
+    let resident = async_spec("[0]", "[1, 2]").replace("every = 1", "every = 2");
+    let log = pipeline_ok(
+        d,
+        "resident",
+        Some(&resident),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_UPDATE", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+            ("TANDEM_DAEMON_KILL_RANK", "0"),
+        ],
+    );
+    assert!(marker.exists(), "the training rank was not killed: {log}");
+    assert!(
+        log.contains("going back to step 0")
+            && log.contains("the rollout side's work when its rounds stopped is lost:"),
+        "{log}"
+    );
+    within_bound(d, "resident");
+
+    // A rollout rank that dies in every round (its marker removed as soon as it appears): the
+    // group is restarted 3 times, then the run stops naming the round and the rank.
+    let marker = d.join("killed-always");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (marker, done) = (marker.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::fs::remove_file(&marker);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        })
+    };
+    let o = pipeline(
+        d,
+        "always",
+        Some(&async_spec("[0, 1]", "[2]")),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+        ],
+    )
+    .output()
+    .unwrap();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    watcher.join().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let restarts = err
+        .lines()
+        .filter(|l| l.contains("restarting it from the initial model"))
+        .count();
+    assert_eq!(restarts, 4, "{err}");
+    assert!(
+        err.contains("async: round 4 (always/async/round-4) failed with the rollout group gone (rank 1 (pid ")
+            && err.contains("the last of 4 rounds in a row")
+            && err.contains("the rollout group died 4 times; giving up"),
+        "{err}"
+    );
 }
 
 /// `mode = "async"` with 1 rollout + 1 training rank, rounds of 2 tokens (responses up to 6)
@@ -734,7 +799,7 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
     });
     let log = pipeline_ok(d, "k", None, &[]);
     assert!(
-        log.contains("the rollout side's work when the runner stopped is lost:")
+        log.contains("the rollout side's work when its rounds stopped is lost:")
             && log.contains("groups in flight"),
         "{log}"
     );

@@ -413,8 +413,8 @@ fn train_side(r: &mut impl Steps, steps: Vec<(u64, Task)>, shared: &Shared) -> R
     Ok(())
 }
 
-/// A rerun after a runner that died: says what was in flight (lost), and clears the
-/// rounds' files.
+/// A rerun after a runner that died, or the rounds after a rewind: says what was in flight
+/// and waiting (lost), and clears the rounds' files.
 fn say_lost(r: &mut impl Steps, first: u64) -> Result<()> {
     let dir = async_dir(r.plan());
     let record = dir.join("in-flight.json");
@@ -423,7 +423,7 @@ fn say_lost(r: &mut impl Steps, first: u64) -> Result<()> {
             .with_context(|| format!("{}: not JSON", record.display()))?;
         let n = |k: &str| v[k].as_u64().unwrap_or(0);
         r.console().say(&format!(
-                "pipeline: async: the rollout side's work when the runner stopped is lost: {} groups in flight ({} sequences, {} of them partial) and {} finished groups waiting ({} sequences); rounds start afresh at {}",
+                "pipeline: async: the rollout side's work when its rounds stopped is lost: {} groups in flight ({} sequences, {} of them partial) and {} finished groups waiting ({} sequences); rounds start afresh at {}",
                 n("in_flight_groups"),
                 n("in_flight_sequences"),
                 n("partial_sequences"),

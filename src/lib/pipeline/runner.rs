@@ -141,10 +141,7 @@ impl Runner {
         let tasks = self.remaining();
         self.check_bins(&tasks)?;
         self.start_progress();
-        let result = match self.plan.asynchronous() {
-            true => asynchronous::run(self, tasks),
-            false => self.run_tasks(tasks),
-        };
+        let result = self.run_tasks(tasks);
         // Stop the daemons whether the run finished or failed: no process outlives the runner.
         self.daemon.stop();
         self.rollout_daemon.stop();
@@ -171,18 +168,27 @@ impl Runner {
         self.console.start_clock(self.state.steps_done);
     }
 
-    /// Runs `tasks` in order; after a rewind, the tasks remaining from there.
+    /// Runs `tasks` in order (in async mode beside the rollout rounds); after a rewind, the
+    /// tasks remaining from there.
     fn run_tasks(&mut self, mut tasks: Vec<(u64, Task)>) -> Result<()> {
         let mut rewinds = 0;
         loop {
-            let result = tasks
-                .iter()
-                .try_for_each(|(step, task)| self.run_task(*step, task));
+            let result = match self.plan.asynchronous() {
+                true => asynchronous::run(self, tasks),
+                false => tasks
+                    .iter()
+                    .try_for_each(|(step, task)| self.run_task(*step, task)),
+            };
             match result {
                 Err(e) => match e.downcast_ref::<Rewind>() {
                     Some(&Rewind { to, lost }) if rewinds < MAX_DAEMON_RESTARTS => {
                         rewinds += 1;
                         self.rewind(to, lost)?;
+                        if self.plan.asynchronous() {
+                            // The rollout group holds a newer policy than the one gone back
+                            // to: a new one gets it by a transfer, and the rounds start afresh.
+                            self.rollout_daemon = Daemon::of(Side::Rollout);
+                        }
                         tasks = self.remaining();
                     }
                     _ => return Err(e),

@@ -77,16 +77,10 @@ pub(super) fn recover(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<
     };
     let n = r.plan().stages.rollout.args.n;
     let lost_rows = rows + f.started * n;
-    let fresh = match f.started {
-        0 => String::new(),
-        s => format!(
-            ", and the {s} groups it started ({} sequences) start again",
-            s * n
-        ),
-    };
     r.console().say(&format!(
-        "pipeline: async: round {} failed with the rollout group gone ({why}); that round's new tokens are lost: its {groups} groups in flight ({rows} sequences, {partial} of them partial) go on from before it under the current policy{fresh} (its output: {})",
+        "pipeline: async: round {} failed with the rollout group gone ({why}); that round's new tokens are lost: {} (its output: {})",
         f.round,
+        lost_note((groups, rows, partial), f.started, n),
         f.dir.join("log.txt").display()
     ));
     r.restart_rollout(step, &mut in_a_row).with_context(|| {
@@ -104,4 +98,23 @@ pub(super) fn recover(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<
         q.restarting = false;
     });
     Ok(())
+}
+
+/// What a failed round's loss means for its sequences: those in flight before it (`groups`,
+/// `rows`, `partial` of them with tokens) go on from where they stood, the `started` groups
+/// of `n` sequences start again.
+fn lost_note((groups, rows, partial): (usize, usize, usize), started: usize, n: usize) -> String {
+    let mut parts = vec![];
+    if groups > 0 {
+        parts.push(format!(
+            "its {groups} groups in flight ({rows} sequences, {partial} of them partial) go on from before it under the current policy"
+        ));
+    }
+    if started > 0 {
+        let seqs = started * n;
+        parts.push(format!(
+            "the {started} groups it started ({seqs} sequences) start again"
+        ));
+    }
+    parts.join(", and ")
 }

@@ -21,6 +21,9 @@
 //!   rounds (the group runs one job at a time), so the sequences in flight continue under the
 //!   new weights in the next round; the rounds then use the policy the group holds
 //!   (`RUN/async/rollout-policy`).
+//! - A round that fails with the rollout group gone (a rank died) is handed to the training
+//!   side, which restarts the group at its next wait or transfer (`restart`); the rounds go
+//!   on from where the failed one started.
 //!
 //! The rounds' files are in `RUN/async/round-R/` and their commands in `RUN/async/rounds.sh`;
 //! `RUN/async/in-flight.json` says after each round what is in flight. A runner killed loses

@@ -652,6 +652,62 @@ fn async_mode_survives_a_dead_rank() {
     );
 }
 
+/// Rank 1 of a 2-rank rollout group SIGKILLed from outside (its pid from the group's log)
+/// once step 1 took its groups, wherever the rollout side then is (a round, a transfer or
+/// idle): the group is replaced and the run trains its 4 steps within the staleness bound;
+/// `async/rollout_restarts` counts the rounds that failed with it.
+#[test]
+fn async_mode_replaces_a_rollout_rank_killed_from_outside() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let err_path = d.join("ext.err");
+    let mut child = pipeline(d, "ext", Some(&async_spec("[0, 1]", "[2]")), &[])
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap();
+    let (taken, dlog) = (
+        d.join("ext/step-0001/rollout.parquet"),
+        d.join("ext/rollout-daemon.log"),
+    );
+    let t0 = std::time::Instant::now();
+    let rank1 = loop {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended first");
+        assert!(t0.elapsed().as_secs() < 120, "step 1 took no groups");
+        let text = std::fs::read_to_string(&dlog).unwrap_or_default();
+        let pid = text
+            .lines()
+            .filter(|l| l.contains("(rank 1 of 2)"))
+            .find_map(|l| {
+                l.split("(pid ")
+                    .nth(1)?
+                    .split(')')
+                    .next()?
+                    .parse::<i32>()
+                    .ok()
+            });
+        match pid {
+            Some(pid) if taken.exists() => break pid,
+            _ => std::thread::sleep(std::time::Duration::from_millis(5)),
+        }
+    };
+    // SAFETY: a plain kill(2) of a rank this test's pipeline started.
+    assert_eq!(unsafe { libc::kill(rank1, libc::SIGKILL) }, 0);
+    let status = child.wait().unwrap();
+    let log = std::fs::read_to_string(&err_path).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("pipeline: the rollout group died ("), "{log}");
+    let failed = log
+        .lines()
+        .filter(|l| l.contains("failed with the rollout group gone"))
+        .count() as u64;
+    let restarts: u64 = within_bound(d, "ext")
+        .iter()
+        .map(|m| m["async/rollout_restarts"].as_u64().unwrap())
+        .sum();
+    assert_eq!(restarts, failed, "{log}");
+}
+
 /// `mode = "async"` with 1 rollout + 1 training rank, rounds of 2 tokens (responses up to 6)
 /// and max-staleness = 1: the run trains its 4 steps; every trained row's tokens come from
 /// versions within [trained − 1, trained], the batch's `policy_version` is its oldest token's,

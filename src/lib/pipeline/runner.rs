@@ -751,8 +751,14 @@ impl Steps for Runner {
     }
 
     fn rollout_gone(&mut self) -> Option<String> {
-        if !self.rollout_daemon.gone() {
-            return None;
+        // A rank's death can reach the group's health a moment after the round failed (its
+        // launcher then stops the other ranks).
+        let t0 = Instant::now();
+        while !self.rollout_daemon.gone() {
+            if t0.elapsed() > std::time::Duration::from_secs(3) {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
         }
         let note = self.rollout_daemon.death_note(&self.plan);
         Some(note.unwrap_or_else(|| "its daemon ended".into()))

@@ -118,3 +118,24 @@ fn lost_note((groups, rows, partial): (usize, usize, usize), started: usize, n: 
     }
     parts.join(", and ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::lost_note;
+
+    #[test]
+    fn the_loss_names_the_groups_in_flight_and_those_started_again() {
+        assert_eq!(
+            lost_note((3, 6, 4), 2, 2),
+            "its 3 groups in flight (6 sequences, 4 of them partial) go on from before it under the current policy, and the 2 groups it started (4 sequences) start again"
+        );
+        assert_eq!(
+            lost_note((0, 0, 0), 1, 4),
+            "the 1 groups it started (4 sequences) start again"
+        );
+        assert_eq!(
+            lost_note((2, 3, 3), 0, 2),
+            "its 2 groups in flight (3 sequences, 3 of them partial) go on from before it under the current policy"
+        );
+    }
+}

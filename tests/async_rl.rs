@@ -467,6 +467,247 @@ fn token_versions(b: &tandem::batch::Batch) -> Vec<Vec<u64>> {
         .collect()
 }
 
+/// A four-step `mode = "async"` spec on `rollout` and `train` GPUs, rounds of 2 tokens,
+/// responses up to 16 and max-staleness = 1.
+fn async_spec(rollout: &str, train: &str) -> String {
+    format!(
+        "{}max-staleness = 1\nround-tokens = 2\n",
+        placed(rollout, train, "async")
+            .replace("steps = 3", "steps = 4")
+            .replace("keep-last = 3", "keep-last = 4")
+            // Rewards that vary within a group, so that each update moves the weights.
+            .replace(
+                "reward = \"exact\"",
+                "reward = \"regex:[a-z]\"\nformat-score = 1.0"
+            )
+            .replace("lr = 0.001", "lr = 0.01")
+            // Responses of up to 8 rounds: groups stay in flight across updates.
+            .replace("max-new-tokens = 6", "max-new-tokens = 16")
+    )
+}
+
+/// Every step of an async run `run` trained 6 rows whose tokens lie within max-staleness = 1
+/// of the policy trained; the metrics.jsonl lines.
+fn within_bound(d: &Path, run: &str) -> Vec<serde_json::Value> {
+    let lines = metrics(d, run);
+    assert_eq!(lines.len(), 4, "{run}: {lines:?}");
+    for step in 1..=4u64 {
+        let rollout = read(&d.join(format!("{run}/step-000{step}/rollout.parquet")));
+        let rows = token_versions(&rollout);
+        assert_eq!(rows.len(), 6);
+        let trained = step - 1;
+        assert!(
+            rows.iter()
+                .flatten()
+                .all(|&v| v <= trained && v + 1 >= trained),
+            "{run} step {step}: {rows:?}"
+        );
+    }
+    lines
+}
+
+/// `mode = "async"`, a rank dying in the middle of the run: a rollout rank SIGKILLed in a
+/// round (2 rollout + 1 training ranks) makes the runner start the rollout group again and
+/// send it the current policy; the rounds go on and the run trains its 4 steps without a
+/// rerun, saying what it lost; `async/rollout_restarts` adds up to 1. A training rank (rank 0,
+/// so that the update fails rather than the transfer after it) SIGKILLed in step 2's update
+/// (1 + 2 ranks): the update runs again on a new training group while the rounds go on; with
+/// resident updates the run goes back to the last checkpoint files and starts the rounds
+/// afresh. Every trained row lies within the staleness bound. A rollout rank that dies in
+/// every round stops the run after 3 restarts.
+#[test]
+fn async_mode_survives_a_dead_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let marker = d.join("killed-rollout");
+    let log = pipeline_ok(
+        d,
+        "rollout",
+        Some(&async_spec("[0, 1]", "[2]")),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+        ],
+    );
+    assert!(marker.exists(), "the rollout rank was not killed: {log}");
+    let said = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        said("failed with the rollout group gone (rank 1 (pid "),
+        1,
+        "{log}"
+    );
+    assert_eq!(said("that round's new tokens are lost: "), 1, "{log}");
+    assert_eq!(
+        said("the rollout group (re)started; sending it the current policy"),
+        1,
+        "{log}"
+    );
+    // The round after the failed one continued the sequences the failed one was given.
+    let rounds = std::fs::read_to_string(d.join("rollout/async/rounds.sh")).unwrap();
+    let carries: Vec<Option<&str>> = rounds
+        .lines()
+        .map(|l| l.split(" --carry ").nth(1)?.split(' ').next())
+        .collect();
+    let failed: usize = log
+        .split("pipeline: async: round ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next()?.parse().ok())
+        .unwrap();
+    assert!(carries.len() > failed, "{rounds}");
+    assert_eq!(carries[failed - 1], carries[failed], "{rounds}");
+    if log.contains("that round's new tokens are lost: its ") {
+        assert!(carries[failed].is_some(), "{rounds}");
+    }
+    let lines = within_bound(d, "rollout");
+    let restarts: Vec<u64> = lines
+        .iter()
+        .map(|m| m["async/rollout_restarts"].as_u64().unwrap())
+        .collect();
+    assert_eq!(restarts.iter().sum::<u64>(), 1, "{restarts:?}");
+    for (m, n) in lines.iter().zip(&restarts) {
+        let lost = m["async/restart_sequences"].as_u64().unwrap();
+        assert_eq!(lost > 0, *n > 0, "{m}");
+    }
+
+    let marker = d.join("killed-update");
+    let log = pipeline_ok(
+        d,
+        "train",
+        Some(&async_spec("[0]", "[1, 2]")),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_UPDATE", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+            ("TANDEM_DAEMON_KILL_RANK", "0"),
+        ],
+    );
+    assert!(marker.exists(), "the training rank was not killed: {log}");
+    assert!(log.contains("update failed with the daemon gone"), "{log}");
+    for m in within_bound(d, "train") {
+        assert_eq!(m["async/rollout_restarts"], 0, "{m}");
+    }
+
+    // With resident updates (files every 2 steps) the training rank that dies in step 2's
+    // update held step 1's policy only in memory: the run goes back to step 0 and starts the
+    // rounds afresh, on a new rollout group.
+    let marker = d.join("killed-resident");
+    let resident = async_spec("[0]", "[1, 2]").replace("every = 1", "every = 2");
+    let log = pipeline_ok(
+        d,
+        "resident",
+        Some(&resident),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_UPDATE", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+            ("TANDEM_DAEMON_KILL_RANK", "0"),
+        ],
+    );
+    assert!(marker.exists(), "the training rank was not killed: {log}");
+    assert!(
+        log.contains("going back to step 0")
+            && log.contains("the rollout side's work when its rounds stopped is lost:"),
+        "{log}"
+    );
+    within_bound(d, "resident");
+
+    // A rollout rank that dies in every round (its marker removed as soon as it appears): the
+    // group is restarted 3 times, then the run stops naming the round and the rank.
+    let marker = d.join("killed-always");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (marker, done) = (marker.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::fs::remove_file(&marker);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        })
+    };
+    let o = pipeline(
+        d,
+        "always",
+        Some(&async_spec("[0, 1]", "[2]")),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_RANK", "1"),
+        ],
+    )
+    .output()
+    .unwrap();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    watcher.join().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let restarts = err
+        .lines()
+        .filter(|l| l.contains("restarting it from the initial model"))
+        .count();
+    assert_eq!(restarts, 4, "{err}");
+    assert!(
+        err.contains("async: round 4 (always/async/round-4) failed with the rollout group gone (rank 1 (pid ")
+            && err.contains("the last of 4 rounds in a row")
+            && err.contains("the rollout group died 4 times; giving up"),
+        "{err}"
+    );
+}
+
+/// Rank 1 of a 2-rank rollout group SIGKILLed from outside (its pid from the group's log)
+/// once step 1 took its groups, wherever the rollout side then is (a round, a transfer or
+/// idle): the group is replaced and the run trains its 4 steps within the staleness bound;
+/// `async/rollout_restarts` counts the rounds that failed with it.
+#[test]
+fn async_mode_replaces_a_rollout_rank_killed_from_outside() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let err_path = d.join("ext.err");
+    let mut child = pipeline(d, "ext", Some(&async_spec("[0, 1]", "[2]")), &[])
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap();
+    let (taken, dlog) = (
+        d.join("ext/step-0001/rollout.parquet"),
+        d.join("ext/rollout-daemon.log"),
+    );
+    let t0 = std::time::Instant::now();
+    let rank1 = loop {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended first");
+        assert!(t0.elapsed().as_secs() < 120, "step 1 took no groups");
+        let text = std::fs::read_to_string(&dlog).unwrap_or_default();
+        let pid = text
+            .lines()
+            .filter(|l| l.contains("(rank 1 of 2)"))
+            .find_map(|l| {
+                l.split("(pid ")
+                    .nth(1)?
+                    .split(')')
+                    .next()?
+                    .parse::<i32>()
+                    .ok()
+            });
+        match pid {
+            Some(pid) if taken.exists() => break pid,
+            _ => std::thread::sleep(std::time::Duration::from_millis(5)),
+        }
+    };
+    // SAFETY: a plain kill(2) of a rank this test's pipeline started.
+    assert_eq!(unsafe { libc::kill(rank1, libc::SIGKILL) }, 0);
+    let status = child.wait().unwrap();
+    let log = std::fs::read_to_string(&err_path).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("pipeline: the rollout group died ("), "{log}");
+    let failed = log
+        .lines()
+        .filter(|l| l.contains("failed with the rollout group gone"))
+        .count() as u64;
+    let restarts: u64 = within_bound(d, "ext")
+        .iter()
+        .map(|m| m["async/rollout_restarts"].as_u64().unwrap())
+        .sum();
+    assert_eq!(restarts, failed, "{log}");
+}
+
 /// `mode = "async"` with 1 rollout + 1 training rank, rounds of 2 tokens (responses up to 6)
 /// and max-staleness = 1: the run trains its 4 steps; every trained row's tokens come from
 /// versions within [trained − 1, trained], the batch's `policy_version` is its oldest token's,
@@ -479,20 +720,7 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     model_and_train_set(d, 64, 128, 12);
-    let text = format!(
-        "{}max-staleness = 1\nround-tokens = 2\n",
-        placed("[0]", "[1]", "async")
-            .replace("steps = 3", "steps = 4")
-            .replace("keep-last = 3", "keep-last = 4")
-            // Rewards that vary within a group, so that each update moves the weights.
-            .replace(
-                "reward = \"exact\"",
-                "reward = \"regex:[a-z]\"\nformat-score = 1.0"
-            )
-            .replace("lr = 0.001", "lr = 0.01")
-            // Responses of up to 8 rounds: groups stay in flight across updates.
-            .replace("max-new-tokens = 6", "max-new-tokens = 16")
-    );
+    let text = async_spec("[0]", "[1]");
     pipeline_ok(d, "a", Some(&text), &[]);
     let lines = metrics(d, "a");
     assert_eq!(lines.len(), 4);
@@ -627,7 +855,7 @@ fn async_mode_trains_on_partial_rollouts_within_the_staleness_bound() {
     });
     let log = pipeline_ok(d, "k", None, &[]);
     assert!(
-        log.contains("the rollout side's work when the runner stopped is lost:")
+        log.contains("the rollout side's work when its rounds stopped is lost:")
             && log.contains("groups in flight"),
         "{log}"
     );

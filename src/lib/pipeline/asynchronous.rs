@@ -21,12 +21,17 @@
 //!   rounds (the group runs one job at a time), so the sequences in flight continue under the
 //!   new weights in the next round; the rounds then use the policy the group holds
 //!   (`RUN/async/rollout-policy`).
+//! - A round that fails with the rollout group gone (a rank died) is handed to the training
+//!   side, which restarts the group at its next wait or transfer (`restart`); the rounds go
+//!   on from where the failed one started.
 //!
 //! The rounds' files are in `RUN/async/round-R/` and their commands in `RUN/async/rounds.sh`;
 //! `RUN/async/in-flight.json` says after each round what is in flight. A runner killed loses
 //! what was in flight and waiting (the rerun says how much) and starts rounds afresh from the
 //! last finished step; this mode is not deterministic (which round a group finishes in
 //! depends on timing).
+
+mod restart;
 
 use super::console::Console;
 use super::dynamic::{self, Round};
@@ -74,6 +79,17 @@ struct Queue {
     running: bool,
     /// A round failed: the run stops with it.
     error: Option<anyhow::Error>,
+    /// A round's command failed: the rounds wait for the training side to restart the
+    /// rollout group (`restart::recover`) or stop the run with the round's error.
+    failed: Option<restart::RoundFailure>,
+    /// The training side restarts the rollout group.
+    restarting: bool,
+    /// Rounds failed with the group restarted since the last round that ended (bounded).
+    failures_in_a_row: u32,
+    /// Since the last take: the rollout group's restarts, and the sequences of their failed
+    /// rounds (whose new tokens were lost and are generated again).
+    restarts: u64,
+    restart_rows: u64,
     /// Where the sampler stands after the prompts the rounds drew.
     cursor: Cursor,
     /// After the last round: groups and sequences in flight, and those with tokens already.
@@ -146,9 +162,25 @@ impl RoundLoop {
             self.shared.update(|q| q.cursor = next);
             let model = self.plan.rollout_policy();
             let args = self.plan.round_args(round, &model, &files);
-            self.run_round(&rdir, &args)?;
+            if let Err(error) = self.run_round(&rdir, &args) {
+                let failure = restart::RoundFailure {
+                    round,
+                    dir: rdir,
+                    error,
+                    started: start,
+                    cursor,
+                };
+                // After a restart the next round starts from where this one did.
+                match self.await_restart(failure) {
+                    true => continue,
+                    false => return Ok(()),
+                }
+            }
             self.finish_round(&files)?;
-            self.shared.update(|q| q.running = false);
+            self.shared.update(|q| {
+                q.running = false;
+                q.failures_in_a_row = 0;
+            });
             if let Some(old) = carry.replace(files.carry_out.clone()) {
                 // The round's inputs are done with; its outputs stay for inspection.
                 let _ = std::fs::remove_file(old);
@@ -323,6 +355,11 @@ pub(super) trait Steps {
     fn train_set(&mut self) -> Result<Batch>;
     /// Where a step's `take` finds the queue (None once the rounds stopped).
     fn set_rounds(&mut self, rounds: Option<Arc<Shared>>);
+    /// After a round failed: None when the rollout group is up, else what is known of the
+    /// rank that ended it.
+    fn rollout_gone(&mut self) -> Option<String>;
+    /// Starts the rollout group again and sends it the current policy, counting `restarts`.
+    fn restart_rollout(&mut self, step: u64, restarts: &mut u32) -> Result<()>;
 }
 
 /// The asynchronous run: step 0's tasks, then the rounds on their thread while the step loop
@@ -370,6 +407,7 @@ fn train_side(r: &mut impl Steps, steps: Vec<(u64, Task)>, shared: &Shared) -> R
         // The rounds wait while the weights move, and the one running ends first: a round
         // started before the transfer samples with the weights it was sent for.
         let moved = pause(shared)
+            .and_then(|()| restart::recover(r, shared, *step))
             .and_then(|()| r.run_task(*step, task))
             .and_then(|()| point_rollout(r.plan()));
         shared.update(|q| q.paused = false);
@@ -378,8 +416,8 @@ fn train_side(r: &mut impl Steps, steps: Vec<(u64, Task)>, shared: &Shared) -> R
     Ok(())
 }
 
-/// A rerun after a runner that died: says what was in flight (lost), and clears the
-/// rounds' files.
+/// A rerun after a runner that died, or the rounds after a rewind: says what was in flight
+/// and waiting (lost), and clears the rounds' files.
 fn say_lost(r: &mut impl Steps, first: u64) -> Result<()> {
     let dir = async_dir(r.plan());
     let record = dir.join("in-flight.json");
@@ -388,7 +426,7 @@ fn say_lost(r: &mut impl Steps, first: u64) -> Result<()> {
             .with_context(|| format!("{}: not JSON", record.display()))?;
         let n = |k: &str| v[k].as_u64().unwrap_or(0);
         r.console().say(&format!(
-                "pipeline: async: the rollout side's work when the runner stopped is lost: {} groups in flight ({} sequences, {} of them partial) and {} finished groups waiting ({} sequences); rounds start afresh at {}",
+                "pipeline: async: the rollout side's work when its rounds stopped is lost: {} groups in flight ({} sequences, {} of them partial) and {} finished groups waiting ({} sequences); rounds start afresh at {}",
                 n("in_flight_groups"),
                 n("in_flight_sequences"),
                 n("partial_sequences"),
@@ -407,23 +445,24 @@ fn say_lost(r: &mut impl Steps, first: u64) -> Result<()> {
 /// `take`: step `step`'s groups from the queue, through the staleness bound (and dynamic
 /// sampling's filter when `[algorithm] filter-groups` is on), into its rollout file; the
 /// step's `async` metrics.
-pub(super) fn take(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<()> {
+pub(super) fn take<R: Steps>(r: &mut R, shared: &Shared, step: u64) -> Result<()> {
     let plan = r.plan();
     let want = plan.spec.data.prompts_per_step as usize;
     let k = plan.placement().and_then(|p| p.max_staleness).unwrap_or(1);
     let trained = resolve_model(&plan.run.policy())?.policy_version;
-    // The training side's idle time: its waits for groups (not the scoring passes).
+    // The training side's idle time: its waits for groups (not the scoring passes), with the
+    // rollout group's restarts.
     let mut train_idle_s = 0.0;
-    let mut next = || {
+    let mut next = |r: &mut R| {
         let t0 = Instant::now();
-        let g = wait_for_group(shared);
+        let g = restart::next_group(r, shared, step);
         train_idle_s += t0.elapsed().as_secs_f64();
         g
     };
-    let (kept, a, filtered) = match plan.spec.filter_groups() {
+    let (kept, a, filtered) = match r.plan().spec.filter_groups() {
         None => {
-            let (kept, a) = select(&mut next, want, trained, k)?;
-            let out = plan.run.batch(step, "rollout");
+            let (kept, a) = select(&mut || next(r), want, trained, k)?;
+            let out = r.plan().run.batch(step, "rollout");
             write_taken(&out, step, &kept, (trained, k))?;
             (kept.len(), a, None)
         }
@@ -445,7 +484,10 @@ pub(super) fn take(r: &mut impl Steps, shared: &Shared, step: u64) -> Result<()>
         o.insert("async/rounds".into(), json!(q.rounds));
         o.insert("async/new_tokens".into(), json!(q.new_tokens));
         o.insert("async/trained_version".into(), json!(trained));
+        o.insert("async/rollout_restarts".into(), json!(q.restarts));
+        o.insert("async/restart_sequences".into(), json!(q.restart_rows));
         (q.rollout_idle_s, q.rounds, q.new_tokens) = (0.0, 0, 0);
+        (q.restarts, q.restart_rows) = (0, 0);
         let n = plan.stages.rollout.args.n;
         (q.ready.len(), write_record(plan, &q, n), q.cursor)
     };
@@ -479,9 +521,9 @@ struct Filtered {
 /// so every group scored is kept or dropped. At `max-num-gen-batches` × `prompts-per-step`
 /// groups scored, `on-cap` applies. Writes the step's rollout and scored files and its
 /// `sampling` metrics.
-fn take_varied(
-    r: &mut impl Steps,
-    next: &mut dyn FnMut() -> Result<Ready>,
+fn take_varied<R: Steps>(
+    r: &mut R,
+    next: &mut dyn FnMut(&mut R) -> Result<Ready>,
     step: u64,
     fg: &FilterGroups,
     (trained, k): (u64, u64),
@@ -504,7 +546,7 @@ fn take_varied(
         if need == 0 {
             break;
         }
-        let (got, old) = pull(next, need, trained, k)?;
+        let (got, old) = pull(&mut || next(r), need, trained, k)?;
         stale.extend(old);
         let files = round_files(&r.plan().run, step, rounds.len() as u64 + 1);
         write_taken(&files.rollout, step, &got, (trained, k))?;
@@ -617,17 +659,21 @@ fn pause(shared: &Shared) -> Result<()> {
     }
 }
 
-/// The next finished group (waiting for one); a failed round's error.
-fn wait_for_group(shared: &Shared) -> Result<Ready> {
+/// The next finished group (waiting for one); a failed round's error; None when a round's
+/// command failed (`restart::next_group` sees to it).
+fn wait_for_group(shared: &Shared) -> Result<Option<Ready>> {
     let mut q = shared.lock();
     loop {
         if let Some(e) = q.error.take() {
             return Err(e);
         }
+        if q.failed.is_some() {
+            return Ok(None);
+        }
         if let Some(g) = q.ready.pop_front() {
             drop(q);
             shared.cv.notify_all();
-            return Ok(g);
+            return Ok(Some(g));
         }
         anyhow::ensure!(!q.stop, "the rollout rounds stopped");
         q = shared

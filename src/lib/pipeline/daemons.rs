@@ -77,6 +77,8 @@ pub(super) struct Daemon {
     started: bool,
     /// Which side's daemon this is.
     side: Side,
+    /// The length of its log when it last started (what follows is this group's).
+    log_from: u64,
 }
 
 impl Daemon {
@@ -119,6 +121,7 @@ impl Daemon {
             );
         }
         let log_path = self.log_path(plan);
+        self.log_from = std::fs::metadata(&log_path).map_or(0, |m| m.len());
         let (program, mut cmd) = daemon_command(plan, &socket, self.side);
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -222,6 +225,22 @@ impl Daemon {
             self.proc = None;
         }
         true
+    }
+
+    /// What the launcher of the group said about the rank that ended it (its first line in
+    /// the side's log since the group started); None when it said nothing (one rank).
+    pub(super) fn death_note(&self, plan: &Plan) -> Option<String> {
+        use std::io::{Read, Seek};
+        let mut f = std::fs::File::open(self.log_path(plan)).ok()?;
+        f.seek(std::io::SeekFrom::Start(self.log_from)).ok()?;
+        let mut text = String::new();
+        f.read_to_string(&mut text).ok()?;
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("tandem launch: rank "))?;
+        let what = line.trim_start_matches("tandem launch: ");
+        // Without what the launcher did next ("; stopping the other ranks").
+        Some(what.split("; ").next().unwrap_or(what).to_string())
     }
 
     /// Stops the daemon (at the end of the run).

@@ -141,10 +141,7 @@ impl Runner {
         let tasks = self.remaining();
         self.check_bins(&tasks)?;
         self.start_progress();
-        let result = match self.plan.asynchronous() {
-            true => asynchronous::run(self, tasks),
-            false => self.run_tasks(tasks),
-        };
+        let result = self.run_tasks(tasks);
         // Stop the daemons whether the run finished or failed: no process outlives the runner.
         self.daemon.stop();
         self.rollout_daemon.stop();
@@ -171,18 +168,27 @@ impl Runner {
         self.console.start_clock(self.state.steps_done);
     }
 
-    /// Runs `tasks` in order; after a rewind, the tasks remaining from there.
+    /// Runs `tasks` in order (in async mode beside the rollout rounds); after a rewind, the
+    /// tasks remaining from there.
     fn run_tasks(&mut self, mut tasks: Vec<(u64, Task)>) -> Result<()> {
         let mut rewinds = 0;
         loop {
-            let result = tasks
-                .iter()
-                .try_for_each(|(step, task)| self.run_task(*step, task));
+            let result = match self.plan.asynchronous() {
+                true => asynchronous::run(self, tasks),
+                false => tasks
+                    .iter()
+                    .try_for_each(|(step, task)| self.run_task(*step, task)),
+            };
             match result {
                 Err(e) => match e.downcast_ref::<Rewind>() {
                     Some(&Rewind { to, lost }) if rewinds < MAX_DAEMON_RESTARTS => {
                         rewinds += 1;
                         self.rewind(to, lost)?;
+                        if self.plan.asynchronous() {
+                            // The rollout group holds a newer policy than the one gone back
+                            // to: a new one gets it by a transfer, and the rounds start afresh.
+                            self.rollout_daemon = Daemon::of(Side::Rollout);
+                        }
                         tasks = self.remaining();
                     }
                     _ => return Err(e),
@@ -742,5 +748,24 @@ impl Steps for Runner {
 
     fn set_rounds(&mut self, rounds: Option<std::sync::Arc<asynchronous::Shared>>) {
         self.rounds = rounds;
+    }
+
+    fn rollout_gone(&mut self) -> Option<String> {
+        // A rank's death can reach the group's health a moment after the round failed (its
+        // launcher then stops the other ranks).
+        let t0 = Instant::now();
+        while !self.rollout_daemon.gone() {
+            if t0.elapsed() > std::time::Duration::from_secs(3) {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let note = self.rollout_daemon.death_note(&self.plan);
+        Some(note.unwrap_or_else(|| "its daemon ended".into()))
+    }
+
+    fn restart_rollout(&mut self, step: u64, restarts: &mut u32) -> Result<()> {
+        self.ensure_counted(step, Side::Rollout, restarts)?;
+        Ok(())
     }
 }

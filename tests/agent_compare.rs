@@ -3,7 +3,7 @@
 //! one passes the pipeline's checks, and the runner hands the agent the rollout's multi-turn
 //! settings (system prompt, tools, turn and token limits) so that it plays by the same rules.
 
-use crate::pipeline::{real_bins, text, PIPELINE};
+use crate::pipeline::{real_bins, shipped_spec as spec, text, PIPELINE};
 use crate::stage_util::model_and_train_set;
 use std::path::Path;
 use std::process::Command;
@@ -21,11 +21,6 @@ fn run_spec(d: &Path, spec: &str) -> std::process::Output {
         .env("RAYON_NUM_THREADS", "2")
         .output()
         .unwrap()
-}
-
-fn spec(name: &str) -> toml::Table {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
-    toml::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
 #[test]

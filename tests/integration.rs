@@ -31,6 +31,7 @@ mod docs;
 mod dp;
 mod gguf;
 mod gradcheck;
+mod gsm8k_placed;
 mod hf_logprobs;
 mod layers;
 mod learning;

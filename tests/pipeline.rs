@@ -1501,6 +1501,12 @@ pub(crate) fn tandem_ok(d: &Path, args: &[&str]) {
     assert_ok(&o);
 }
 
+/// A spec shipped in `pipelines/`, parsed.
+pub(crate) fn shipped_spec(name: &str) -> toml::Table {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
+    toml::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
 pub(crate) fn real_bins() -> PathBuf {
     let dir = Path::new(PIPELINE).parent().unwrap().to_path_buf();
     for s in STAGES {

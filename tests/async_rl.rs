@@ -898,17 +898,6 @@ fn rollout_rounds_carry_sequences_until_their_groups_finish() {
                 "2",
                 "--carry-out",
                 "c.parquet",
-                "--stop",
-                "x",
-            ][..],
-            "drop --stop",
-        ),
-        (
-            &[
-                "--round-tokens",
-                "2",
-                "--carry-out",
-                "c.parquet",
                 "--baseline",
                 "greedy",
             ][..],

@@ -329,8 +329,9 @@ pub struct RolloutArgs {
     /// Partial rollouts (`[placement] mode = "async"`): generate one round of at most N new
     /// tokens per sequence, continuing the sequences of --carry and starting those of --in's
     /// prompts; groups whose samples all ended go to --out, the others to --carry-out. Each
-    /// token's policy version is recorded (`token_policy_version`). Refuses --tool, --baseline
-    /// and --stop (a round ends sequences on stop token ids and the length only).
+    /// token's policy version is recorded (`token_policy_version`). With --tool, episodes of
+    /// turns are carried across rounds (a turn's calls run at the end of the round that ends
+    /// it). Refuses --baseline.
     #[arg(long, value_name = "N", value_parser = at_least(1usize))]
     #[serde(default)]
     pub round_tokens: Option<usize>,
@@ -717,14 +718,8 @@ impl RolloutArgs {
 
     /// The flags a round of partial rollouts (`--round-tokens`) does not take.
     fn check_round_flags(&self) -> Result<()> {
-        if !self.tool.is_empty() {
-            bail_input!("--round-tokens: partial rollouts take no --tool (multi-turn samples are not continued across rounds)");
-        }
         if self.baseline.is_some() {
             bail_input!("--round-tokens: partial rollouts take no --baseline");
-        }
-        if !self.stop.is_empty() {
-            bail_input!("--round-tokens: partial rollouts end sequences on stop token ids only; drop --stop (or give its token ids with --stop-token-ids)");
         }
         if self.carry_out.is_none() {
             bail_input!(

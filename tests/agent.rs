@@ -158,12 +158,12 @@ fn trajectory_rows_hold_calls_observations_and_their_mask() {
     let model = calling_model(d);
     call_prompts(&d.join("prompts.parquet"), 3);
     rollout(&model, d, "r.parquet", &[]);
-    check_rows(d, &model);
+    check_rows(&d.join("r.parquet"), &model);
     later_stages(d, &model);
 }
 
-fn check_rows(d: &Path, model: &Path) {
-    let b = read(&d.join("r.parquet"));
+fn check_rows(path: &Path, model: &Path) {
+    let b = read(path);
     let tok = Tokenizer::from_dir(model).unwrap();
     let ids = i32_rows(&b, "response_ids");
     let masks = u8_rows(&b, "response_mask");
@@ -1207,4 +1207,84 @@ fn tool_rollouts_on_the_daemon_match_the_in_process_run() {
     // ...and the group writes the ranks' optimizer shards at checkpoints only.
     let kept = [kept[0], kept[1], "update/optimizer_shards"];
     assert_same_runs(&two, &group, &kept);
+}
+
+/// `[placement] mode = "async"` with the tool (1 rollout + 1 training rank, rounds of 8 new
+/// tokens, turns of up to 48): episodes are carried across rounds, and the run trains its 3
+/// steps on trajectories as a colocated tool run writes them: the same columns and types as
+/// `rollout --tool`'s (plus `token_policy_version`), each observation exactly the template's
+/// markers around what the tool returned (`check_rows`), mask 0 and log-prob 0; every call's
+/// result is the tool's answer to it; turns, calls and lengths stay within max-turns,
+/// max-tool-calls, max-turn-tokens and max-response-tokens; every token's version lies within
+/// the staleness bound; and each row that called spent more than one round on its first turn
+/// (longer than a round) and went on in a later round after the call.
+#[test]
+fn async_mode_carries_tool_episodes_across_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tool_run_setup(d);
+    write_tool_spec(d, "gpus = 2\ndaemon = true");
+    let placement = "[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"async\"\nmax-staleness = 1\nround-tokens = 8\n";
+    let spec = std::fs::read_to_string(d.join("spec.toml")).unwrap() + placement;
+    std::fs::write(d.join("spec.toml"), spec).unwrap();
+    pipeline_ok(d, "a");
+    let run = d.join("a");
+    let model = d.join("sft");
+    // The columns of a colocated tool rollout of the same model.
+    call_prompts(&d.join("prompts.parquet"), 2);
+    rollout(&model, d, "r.parquet", &[]);
+    let colocated = read(&d.join("r.parquet"));
+    let fields = |b: &tandem::batch::Batch| -> Vec<(String, String)> {
+        b.data
+            .schema()
+            .fields()
+            .iter()
+            .filter(|f| f.name() != "token_policy_version")
+            .map(|f| (f.name().clone(), format!("{:?}", f.data_type())))
+            .collect()
+    };
+    let mut spanned = 0;
+    for step in 1..=3u64 {
+        let path = run.join(format!("step-000{step}/rollout.parquet"));
+        let b = read(&path);
+        assert_eq!(b.num_rows(), 16, "step {step}");
+        let (mut got, mut want) = (fields(&b), fields(&colocated));
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "step {step}: the columns of a colocated tool run");
+        check_rows(&path, &model);
+        let versions = b.ragged_i32("token_policy_version").unwrap();
+        let masks = u8_rows(&b, "response_mask");
+        let calls = strings(&b, "tool_calls");
+        let turns = b.column("num_turns").unwrap();
+        let turns =
+            arrow_array::cast::AsArray::as_primitive::<arrow_array::types::Int32Type>(turns);
+        for i in 0..b.num_rows() {
+            let trained = step as i32 - 1;
+            let v = versions.row(i);
+            assert!(
+                v.iter().all(|&x| x <= trained && x + 1 >= trained),
+                "step {step} row {i}: {v:?}"
+            );
+            let mask = &masks[i];
+            assert!(mask.len() <= 160 && turns.value(i) <= 3, "step {step} row {i}");
+            let calls: Vec<serde_json::Value> = serde_json::from_str(&calls[i]).unwrap();
+            assert!(calls.len() <= 2, "step {step} row {i}: {calls:?}");
+            for c in &calls {
+                if c["name"] == "add" {
+                    assert_eq!(c["result"], "5", "{c}");
+                    assert!(c["error"].is_null(), "{c}");
+                }
+            }
+            // Each turn's model tokens (runs of mask 1) at most max-turn-tokens.
+            let runs = mask.split(|&m| m == 0).filter(|r| !r.is_empty());
+            assert!(runs.clone().all(|r| r.len() <= 48), "step {step} row {i}");
+            if !calls.is_empty() {
+                let first = mask.iter().position(|&m| m == 0).unwrap();
+                spanned += usize::from(first > 8 && mask[first..].contains(&1));
+            }
+        }
+    }
+    assert!(spanned >= 6, "{spanned} episodes spanned rounds");
+    assert!(answered_calls(&run) >= 4);
 }

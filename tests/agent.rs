@@ -1251,7 +1251,10 @@ fn async_mode_carries_tool_episodes_across_rounds() {
         let (mut got, mut want) = (fields(&b), fields(&colocated));
         got.sort();
         want.sort();
-        assert_eq!(got, want, "step {step}: the columns of a colocated tool run");
+        assert_eq!(
+            got, want,
+            "step {step}: the columns of a colocated tool run"
+        );
         check_rows(&path, &model);
         let versions = b.ragged_i32("token_policy_version").unwrap();
         let masks = u8_rows(&b, "response_mask");
@@ -1267,7 +1270,10 @@ fn async_mode_carries_tool_episodes_across_rounds() {
                 "step {step} row {i}: {v:?}"
             );
             let mask = &masks[i];
-            assert!(mask.len() <= 160 && turns.value(i) <= 3, "step {step} row {i}");
+            assert!(
+                mask.len() <= 160 && turns.value(i) <= 3,
+                "step {step} row {i}"
+            );
             let calls: Vec<serde_json::Value> = serde_json::from_str(&calls[i]).unwrap();
             assert!(calls.len() <= 2, "step {step} row {i}: {calls:?}");
             for c in &calls {

@@ -913,3 +913,153 @@ fn rollout_rounds_carry_sequences_until_their_groups_finish() {
         input_error("rollout", &args, want);
     }
 }
+
+/// `rollout --round-tokens 1 --stop S` carried until nothing is in flight: every stop string
+/// is begun in one round and completed in a later one. Against the same rounds without
+/// `--stop` (the same keys draw the same tokens): a row whose text holds S ends at the token
+/// that completes its first S (finish `stop`, its text cut before S, its tokens, log-probs and
+/// versions those of the row without --stop up to there); the others are the same rows.
+#[test]
+fn rollout_rounds_stop_at_stop_strings_that_straddle_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 4);
+    prompts(&d.join("a.parquet"), &["What is 2 + 3?", "Name a colour."]);
+    prompts(&d.join("none.parquet"), &[]);
+    let model = d.join("model");
+    // Rounds until the carry is empty; the rows of every finished group, by uid.
+    let rounds = |name: &str, stops: &[String]| {
+        let mut rows = std::collections::BTreeMap::new();
+        let mut carry: Option<std::path::PathBuf> = None;
+        for r in 1.. {
+            let (out, carry_out) = (
+                d.join(format!("{name}-f{r}.parquet")),
+                d.join(format!("{name}-c{r}.parquet")),
+            );
+            let input = match r {
+                1 => d.join("a.parquet"),
+                _ => d.join("none.parquet"),
+            };
+            let seed = r.to_string();
+            let mut args = vec![
+                "--model",
+                p(&model),
+                "--in",
+                p(&input),
+                "--out",
+                p(&out),
+                "--carry-out",
+                p(&carry_out),
+                "--round-tokens",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--n",
+                "8",
+                "--raw-prompt",
+                "--ignore-eos",
+                "--seed",
+                &seed,
+            ];
+            if let Some(c) = &carry {
+                args.extend(["--carry", p(c)]);
+            }
+            for s in stops {
+                args.extend(["--stop", s.as_str()]);
+            }
+            ok("rollout", &args);
+            let f = read(&out);
+            let (uids, ids, texts) = (
+                strings(&f, "uid"),
+                i32_rows(&f, "response_ids"),
+                strings(&f, "response_text"),
+            );
+            let (reasons, versions) = (strings(&f, "finish_reason"), token_versions(&f));
+            let lps = f32_rows(&f, "rollout_logprobs");
+            for i in 0..uids.len() {
+                let row = (
+                    ids[i].clone(),
+                    texts[i].clone(),
+                    reasons[i].clone(),
+                    versions[i].clone(),
+                    lps[i].clone(),
+                );
+                rows.insert(uids[i].clone(), row);
+            }
+            if read(&carry_out).num_rows() == 0 {
+                return rows;
+            }
+            carry = Some(carry_out);
+        }
+        unreachable!()
+    };
+    let whole = rounds("whole", &[]);
+    assert_eq!(whole.len(), 16);
+    let tok = tandem::tokenizer::Tokenizer::from_dir(&model).unwrap();
+    let decode = |ids: &[i32]| {
+        let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+        tok.decode(&ids, true).unwrap()
+    };
+    // A stop string: the last character of a token and the first of the next, as the rows
+    // hold them most often (past their first token).
+    let mut counts = std::collections::HashMap::new();
+    for (ids, ..) in whole.values() {
+        for w in ids.windows(2).skip(1) {
+            let (x, y) = (decode(&w[..1]), decode(&w[1..]));
+            let pair: String = x
+                .chars()
+                .last()
+                .into_iter()
+                .chain(y.chars().next())
+                .collect();
+            if pair.chars().count() == 2 && pair.chars().all(|c| c.is_ascii_graphic()) {
+                *counts.entry(pair).or_insert(0) += 1;
+            }
+        }
+    }
+    // The four most frequent, each a --stop.
+    let mut counts: Vec<(String, i32)> = counts.into_iter().collect();
+    counts.sort_by_key(|(s, n)| (-n, s.clone()));
+    let stops: Vec<String> = counts.into_iter().take(4).map(|(s, _)| s).collect();
+    let cut = rounds("cut", &stops);
+    let first_stop = |text: &str| stops.iter().filter_map(|s| text.find(s.as_str())).min();
+    assert_eq!(cut.len(), 16);
+    let (mut stopped, mut straddled) = (0, 0);
+    for (uid, (ids, text, reason, versions, lps)) in &whole {
+        let got = &cut[uid];
+        // The first token after which the text holds a stop string.
+        let end = (1..=ids.len()).find(|&k| first_stop(&decode(&ids[..k])).is_some());
+        match end {
+            Some(k) => {
+                let full = decode(&ids[..k]);
+                let at = first_stop(&full).unwrap();
+                assert_eq!(got.0, ids[..k], "{uid}");
+                assert_eq!(got.1, full[..at], "{uid}");
+                assert_eq!(got.2, "stop", "{uid}");
+                assert_eq!(got.3, versions[..k], "{uid}");
+                assert_eq!(got.4, lps[..k], "{uid}");
+                // Rounds of one token: a string not inside its last token began in an earlier
+                // round.
+                straddled += usize::from(first_stop(&decode(&ids[k - 1..k])).is_none());
+                stopped += 1;
+            }
+            None => {
+                assert_eq!(
+                    got,
+                    &(
+                        ids.clone(),
+                        text.clone(),
+                        reason.clone(),
+                        versions.clone(),
+                        lps.clone()
+                    ),
+                    "{uid}"
+                );
+            }
+        }
+    }
+    assert!(
+        stopped >= 2 && straddled >= 2,
+        "{stopped} rows stopped at {stops:?}, {straddled} across rounds"
+    );
+}

@@ -384,7 +384,7 @@ impl Rounds {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{params, tiny_config, toy_logits, PagedToy};
-    use super::super::PagedDecoder;
+    use super::super::{PagedDecoder, TurnLimits};
     use super::*;
     use crate::backend::cpu::Cpu;
     use crate::backend::ops::sample::{sample, uniform, SamplingParams, Scratch};
@@ -604,6 +604,165 @@ mod tests {
             assert_eq!(s.text, d[0].text);
             assert_eq!(Some(d[0].finish), s.finish);
         }
+    }
+
+    /// Bytes are ids 0..256; 256 ends a turn and decodes to nothing.
+    fn bytes_text(ids: &[u32]) -> Result<String> {
+        let b: Vec<u8> = ids.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
+        Ok(String::from_utf8_lossy(&b).into_owned())
+    }
+
+    fn bytes(s: &str) -> Vec<u32> {
+        s.bytes().map(u32::from).collect()
+    }
+
+    /// `add` answers a + b.
+    struct Add;
+
+    impl crate::tool::Tools for Add {
+        fn schemas(&self) -> Vec<serde_json::Value> {
+            vec![]
+        }
+        fn call(&self, call: &ToolCall, _: &serde_json::Value) -> crate::tool::ToolResult {
+            let arg = |k: &str| call.arguments[k].as_i64().unwrap_or(0);
+            crate::tool::ToolResult {
+                content: (arg("a") + arg("b")).to_string(),
+                seconds: 0.0,
+                error: None,
+            }
+        }
+    }
+
+    /// The observation of results `r`: "[r1|r2]" in bytes.
+    fn observe(_: &[u32], r: &[String]) -> Result<Vec<u32>> {
+        Ok(bytes(&format!("[{}]", r.join("|"))))
+    }
+
+    /// An episode fed in rounds of 5 tokens (what an engine drew, past a turn's end too): the
+    /// turn that ends (at token 256) with a call has it run at the end of its round and its
+    /// observation appended (mask 0, log-prob 0, the round's version); the tokens drawn past
+    /// the turn's end are dropped; the next turn starts in the next round; a turn without a
+    /// call, or the last turn max-turns allows, ends the episode (its calls not run); and an
+    /// observation with no room left under max-response-tokens is cut and ends it by length.
+    #[test]
+    fn episodes_run_their_calls_between_rounds() {
+        let call = |a: i32| {
+            let mut t = bytes(&format!(
+                r#"<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": 1}}}}</tool_call>"#
+            ));
+            t.push(256);
+            t
+        };
+        let p = params(100, vec![256]);
+        let lim = |max_turns, max_response_tokens| TurnLimits {
+            max_turns,
+            max_tool_calls: 4,
+            max_parallel_calls: 4,
+            max_response_tokens,
+            format: crate::tool::ToolFormat::Hermes,
+        };
+        // Turns to draw, in order; each round draws 5 more tokens of what is left (and junk
+        // past a turn's end).
+        let run = |turns: Vec<Vec<u32>>, limits: TurnLimits| -> (InFlight, Vec<u64>) {
+            let agent = Agent {
+                tools: std::sync::Arc::new(Add),
+                limits,
+                concurrency: 2,
+                timeout: std::time::Duration::from_secs(5),
+                observe: &observe,
+                cut: None,
+                kwargs: vec![],
+            };
+            let rule = StopRule {
+                params: &p,
+                detok: Some(&bytes_text),
+                turns: Some(limits),
+            };
+            let mut seqs = vec![InFlight::new(vec![1, 2], 7, true)];
+            let mut script: Vec<u32> = turns.concat();
+            let (mut version, mut rounds) = (0, vec![]);
+            while seqs[0].finish.is_none() {
+                let (live, _, _) = round_requests(&seqs, &rule, 5).unwrap();
+                let mut drawn: Vec<u32> = script.iter().take(5).copied().collect();
+                drawn.resize(5, 65);
+                let before = seqs[0].tokens.len();
+                let c = Completion {
+                    logprobs: vec![-0.5; 5],
+                    tokens: drawn,
+                    finish: FinishReason::Length,
+                    text: String::new(),
+                    trajectory: None,
+                };
+                let due = absorb(&mut seqs, &live, vec![c], &rule, version).unwrap();
+                let sampled = seqs[0].trajectory.as_ref().unwrap().mask[before..]
+                    .iter()
+                    .filter(|&&m| m == 1)
+                    .count();
+                script.drain(..sampled.min(script.len()));
+                answer_calls(&mut seqs, due, &agent, version).unwrap();
+                rounds.push(version);
+                version += 1;
+            }
+            (seqs.pop().unwrap(), rounds)
+        };
+        let (c1, c2) = (call(2), call(40));
+        let last = bytes("it is 3");
+        // Two calls, then an answer.
+        let (s, rounds) = run(
+            vec![c1.clone(), c2.clone(), [&last[..], &[256]].concat()],
+            lim(3, 200),
+        );
+        let t = s.trajectory.clone().unwrap();
+        let (o1, o2) = (bytes("[3]"), bytes("[41]"));
+        let want = [&c1[..], &o1, &c2, &o2, &last, &[256]].concat();
+        assert_eq!(s.tokens, want);
+        let mask: Vec<u8> = [
+            (c1.len(), 1),
+            (o1.len(), 0),
+            (c2.len(), 1),
+            (o2.len(), 0),
+            (last.len() + 1, 1),
+        ]
+        .iter()
+        .flat_map(|&(n, m)| std::iter::repeat_n(m, n))
+        .collect();
+        assert_eq!(t.mask, mask);
+        for (j, (&m, &lp)) in t.mask.iter().zip(&s.logprobs).enumerate() {
+            assert_eq!(lp, if m == 0 { 0.0 } else { -0.5 }, "token {j}");
+        }
+        let results: Vec<&str> = t.calls.iter().map(|c| c.result.as_str()).collect();
+        assert_eq!(results, ["3", "41"]);
+        assert_eq!(t.turns.len(), 3);
+        assert_eq!(t.turns[2], "it is 3");
+        assert_eq!(
+            (s.finish, s.text.as_str()),
+            (Some(FinishReason::Stop), "it is 3")
+        );
+        // A turn ends in the round of its 256; its observation carries that round's version
+        // and the next turn starts in the next round.
+        let end1 = c1.len() - 1;
+        let round1 = end1 / 5;
+        assert!(s.versions[..=end1].iter().all(|&v| v <= round1 as u64));
+        assert!(s.versions[end1 + 1..end1 + 1 + o1.len()]
+            .iter()
+            .all(|&v| v == round1 as u64));
+        assert_eq!(s.versions[end1 + 1 + o1.len()], round1 as u64 + 1);
+        assert!(rounds.len() > 4, "the episode spans rounds");
+        // max-turns = 2: the second turn's call is not run; the episode ends with it.
+        let (s, _) = run(vec![c1.clone(), c2.clone(), last.clone()], lim(2, 200));
+        let t = s.trajectory.unwrap();
+        assert_eq!(t.calls.len(), 1);
+        assert_eq!(s.tokens, [&c1[..], &o1, &c2].concat());
+        assert_eq!(s.finish, Some(FinishReason::Stop));
+        // No room for the whole observation: it is cut and the episode ends by length.
+        let room = c1.len() + 2;
+        let (s, _) = run(vec![c1.clone(), last.clone()], lim(3, room));
+        assert_eq!(s.tokens, [&c1[..], &o1[..2]].concat());
+        assert_eq!(
+            (s.finish, s.text.as_str()),
+            (Some(FinishReason::Length), "")
+        );
+        assert_eq!(s.trajectory.unwrap().mask[c1.len()..], [0, 0]);
     }
 
     /// The real decoder on the CPU: rounds of 4 tokens under three weight versions (random

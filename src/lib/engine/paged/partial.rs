@@ -21,8 +21,7 @@
 use anyhow::{ensure, Result};
 
 use super::engine::generate_paged;
-use super::request::{Completion, FinishReason, GenParams, Request};
-use super::scheduler::StopRule;
+use super::request::{Completion, FinishReason, GenParams, Request, StopRule};
 use super::sequence::turn_end;
 use super::turns::{Agent, ToolRunner, Trajectory};
 use super::{PagedConfig, PagedModel, PagedStats};

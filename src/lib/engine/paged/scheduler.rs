@@ -29,9 +29,9 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use super::blocks::BlockPool;
-use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
+use super::request::{Completion, FinishReason, Request, StopRule};
 use super::sequence::{Kind, Seq};
-use super::turns::{CallRecord, Calls, Observe, TurnLimits};
+use super::turns::{CallRecord, Calls, Observe};
 use super::{Chunk, PagedConfig, PagedStats, SampleRow};
 use crate::backend::ops::sample::Sampled;
 use crate::tool::ToolCall;
@@ -86,15 +86,6 @@ impl Flight {
             ..self
         }
     }
-}
-
-/// What every draw is checked against: the stop rule's parameters and the detokenizer, and
-/// with tools the trajectory's limits.
-pub struct StopRule<'a> {
-    pub params: &'a GenParams,
-    pub detok: Option<Detokenize<'a>>,
-    /// With tools: the trajectory's limits.
-    pub turns: Option<TurnLimits>,
 }
 
 /// What applying a step's draws leaves to the engine: per running entry (aligned with the

@@ -5,8 +5,7 @@
 use anyhow::{bail, Result};
 use std::ops::Range;
 
-use super::request::{Completion, Detokenize, FinishReason};
-use super::scheduler::StopRule;
+use super::request::{Completion, Detokenize, FinishReason, StopRule};
 use super::turns::{Trajectory, TurnLimits};
 use crate::backend::ops::sample::Sampled;
 use crate::tool::{code, ToolCall, ToolFormat};

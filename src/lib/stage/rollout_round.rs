@@ -117,7 +117,7 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     };
     // Every new group is in flight already: the runner decides how many start.
     let done = rounds.round_with(&mut |_| None, &mut |seqs| gen.run(exec, seqs))?;
-    let Some((live, new_tokens, gen_s)) = done else {
+    let Some(done) = done else {
         return Ok(());
     };
     let written = Written::new(
@@ -136,12 +136,15 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     };
     written.write(&args.out, &carry_out, out.meta(), model.policy_version)?;
     if let Some(path) = &args.metrics {
-        let m = written.metrics(live, new_tokens, gen_s, model, started);
+        let m = written.metrics(&done, model, started);
         write_json(path, &m)?;
     }
     if writes_files(exec) {
         exec.log(&format!(
-            "rollout round: {live} sequences x up to {round_tokens} tokens ({new_tokens} tokens) under policy_version {}: {} groups finished -> {}, {} in flight -> {}",
+            "rollout round: {} sequences x up to {round_tokens} tokens ({} tokens, {} tool calls) under policy_version {}: {} groups finished -> {}, {} in flight -> {}",
+            done.live,
+            done.new_tokens,
+            done.calls,
             model.policy_version,
             written.finished_groups,
             args.out.display(),
@@ -411,15 +414,23 @@ struct RoundGen<'a> {
     args: &'a RolloutArgs,
 }
 
+/// What a round did (rank 0).
+struct Done {
+    /// Sequences generated for, their new tokens, the generation's seconds.
+    live: usize,
+    new_tokens: usize,
+    gen_s: f64,
+    /// Tool calls answered at the round's end, failed ones, and their wall seconds.
+    calls: usize,
+    call_errors: usize,
+    call_s: f64,
+}
+
 impl RoundGen<'_> {
     /// Generates the round's tokens of `seqs` (each rank its block) and, on rank 0, adds them
-    /// to the sequences and runs the calls of the turns that ended; returns (rank 0 only) the
-    /// sequences generated for, the new tokens and the generation's seconds.
-    fn run(
-        &self,
-        exec: &mut dyn Exec,
-        seqs: &mut [InFlight],
-    ) -> Result<Option<(usize, usize, f64)>> {
+    /// to the sequences and runs the calls of the turns that ended; returns (rank 0 only) what
+    /// it did.
+    fn run(&self, exec: &mut dyn Exec, seqs: &mut [InFlight]) -> Result<Option<Done>> {
         let (live, requests, this_round) = round_requests(seqs, &self.rule, self.round_tokens)
             .map_err(|e| crate::error::input_error(format!("--round-tokens: {e:#}")))?;
         let block = my_block(exec, requests.len());
@@ -452,10 +463,19 @@ impl RoundGen<'_> {
         let new_tokens = done.iter().map(|c| c.tokens.len()).sum();
         let version = self.model.policy_version;
         let due = absorb(seqs, &live, done, &self.rule, version)?;
-        if let Some(agent) = self.agent {
-            answer_calls(seqs, due, agent, version)?;
-        }
-        Ok(Some((live.len(), new_tokens, generated.gen_s)))
+        let t0 = Instant::now();
+        let (calls, call_errors) = match self.agent {
+            Some(agent) => answer_calls(seqs, due, agent, version)?,
+            None => (0, 0),
+        };
+        Ok(Some(Done {
+            live: live.len(),
+            new_tokens,
+            gen_s: generated.gen_s,
+            calls,
+            call_errors,
+            call_s: t0.elapsed().as_secs_f64(),
+        }))
     }
 }
 
@@ -538,18 +558,11 @@ impl Written {
         write_file(carry_out, &self.carried, &kv)
     }
 
-    fn metrics(
-        &self,
-        live: usize,
-        new_tokens: usize,
-        gen_s: f64,
-        model: &ModelRef,
-        started: Instant,
-    ) -> serde_json::Value {
+    fn metrics(&self, done: &Done, model: &ModelRef, started: Instant) -> serde_json::Value {
         json!({
             "stage": "rollout-round",
-            "sequences": live,
-            "new_tokens": new_tokens,
+            "sequences": done.live,
+            "new_tokens": done.new_tokens,
             "finished_groups": self.finished_groups,
             "finished_rows": self.finished.num_rows(),
             "mixed_version_rows": self.mixed_rows,
@@ -557,7 +570,10 @@ impl Written {
             "carried_rows": self.carried.num_rows(),
             "partial_rows": self.partial_rows,
             "policy_version": model.policy_version,
-            "generation_seconds": gen_s,
+            "generation_seconds": done.gen_s,
+            "tool_calls": done.calls,
+            "tool_errors": done.call_errors,
+            "tool_seconds": done.call_s,
             "seconds": started.elapsed().as_secs_f64(),
         })
     }

@@ -249,13 +249,15 @@ pub fn absorb(
 
 /// Runs the `due` calls of the sequences' turns on `agent`'s tools (its runner: at most
 /// `concurrency` at once, each given up after `timeout`; `agent.kwargs` per sequence index)
-/// and appends each turn's observation (`agent.observe`) as tokens of `version`.
+/// and appends each turn's observation (`agent.observe`) as tokens of `version`. Returns the
+/// calls answered and how many of them failed.
 pub fn answer_calls(
     seqs: &mut [InFlight],
     due: DueCalls,
     agent: &Agent,
     version: u64,
-) -> Result<()> {
+) -> Result<(usize, usize)> {
+    let (mut calls, mut errors) = (0, 0);
     let mut runner = ToolRunner::new(agent);
     for (i, calls) in due {
         let turn = seqs[i].trajectory.as_ref().map_or(0, |t| t.turns.len() - 1);
@@ -266,11 +268,13 @@ pub fn answer_calls(
         for (i, records) in runner.poll(busy) {
             let s = &mut seqs[i];
             let contents: Vec<String> = records.iter().map(|r| r.result.clone()).collect();
+            calls += records.len();
+            errors += records.iter().filter(|r| r.error.is_some()).count();
             let ids = (agent.observe)(&s.tokens[s.turn_start()..], &contents)?;
             s.observe(&ids, records, agent.limits.max_response_tokens, version);
         }
         if !busy {
-            return Ok(());
+            return Ok((calls, errors));
         }
     }
 }
@@ -698,7 +702,11 @@ mod tests {
                     .filter(|&&m| m == 1)
                     .count();
                 script.drain(..sampled.min(script.len()));
-                answer_calls(&mut seqs, due, &agent, version).unwrap();
+                let n = due.iter().map(|(_, c)| c.len()).sum::<usize>();
+                assert_eq!(
+                    answer_calls(&mut seqs, due, &agent, version).unwrap(),
+                    (n, 0)
+                );
                 rounds.push(version);
                 version += 1;
             }

@@ -1000,27 +1000,8 @@ fn rollout_rounds_stop_at_stop_strings_that_straddle_rounds() {
         let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
         tok.decode(&ids, true).unwrap()
     };
-    // A stop string: the last character of a token and the first of the next, as the rows
-    // hold them most often (past their first token).
-    let mut counts = std::collections::HashMap::new();
-    for (ids, ..) in whole.values() {
-        for w in ids.windows(2).skip(1) {
-            let (x, y) = (decode(&w[..1]), decode(&w[1..]));
-            let pair: String = x
-                .chars()
-                .last()
-                .into_iter()
-                .chain(y.chars().next())
-                .collect();
-            if pair.chars().count() == 2 && pair.chars().all(|c| c.is_ascii_graphic()) {
-                *counts.entry(pair).or_insert(0) += 1;
-            }
-        }
-    }
-    // The four most frequent, each a --stop.
-    let mut counts: Vec<(String, i32)> = counts.into_iter().collect();
-    counts.sort_by_key(|(s, n)| (-n, s.clone()));
-    let stops: Vec<String> = counts.into_iter().take(4).map(|(s, _)| s).collect();
+    let rows: Vec<Vec<i32>> = whole.values().map(|r| r.0.clone()).collect();
+    let stops = boundary_pairs(&rows, &decode, 4);
     let cut = rounds("cut", &stops);
     let first_stop = |text: &str| stops.iter().filter_map(|s| text.find(s.as_str())).min();
     assert_eq!(cut.len(), 16);
@@ -1056,6 +1037,114 @@ fn rollout_rounds_stop_at_stop_strings_that_straddle_rounds() {
                     "{uid}"
                 );
             }
+        }
+    }
+    assert!(
+        stopped >= 2 && straddled >= 2,
+        "{stopped} rows stopped at {stops:?}, {straddled} across rounds"
+    );
+}
+
+/// Stop strings for tests: the last character of a token and the first of the next, the `k`
+/// most frequent in the rows `ids` (past their first token), as `decode` writes them; none
+/// that a token of the rows holds alone (so a row holds one only across tokens).
+fn boundary_pairs(ids: &[Vec<i32>], decode: &dyn Fn(&[i32]) -> String, k: usize) -> Vec<String> {
+    let alone: std::collections::HashSet<String> =
+        ids.iter().flatten().map(|&t| decode(&[t])).collect();
+    let mut counts = std::collections::HashMap::new();
+    for ids in ids {
+        for w in ids.windows(2).skip(1) {
+            let (x, y) = (decode(&w[..1]), decode(&w[1..]));
+            let pair: String = x
+                .chars()
+                .last()
+                .into_iter()
+                .chain(y.chars().next())
+                .collect();
+            let plain = pair.chars().count() == 2 && pair.chars().all(|c| c.is_ascii_graphic());
+            if plain && !alone.iter().any(|t| t.contains(&pair)) {
+                *counts.entry(pair).or_insert(0) += 1;
+            }
+        }
+    }
+    let mut counts: Vec<(String, i32)> = counts.into_iter().collect();
+    counts.sort_by_key(|(s, n)| (-n, s.clone()));
+    counts.into_iter().take(k).map(|(s, _)| s).collect()
+}
+
+/// `mode = "async"` with `[rollout] stop` (up to 16 pairs of characters the model writes greedily
+/// across a token boundary; greedy, so that the trained rows write them too) and rounds of one
+/// token (a stop string of two tokens
+/// is completed in a later round than it began), 1 + 1 CPU ranks: the run trains its 3 steps;
+/// every trained row whose text holds a stop string ends at the token that completes the first
+/// one (`finish_reason` stop, its text cut before it), some rows did, and the staleness bound
+/// holds.
+#[test]
+fn async_mode_stops_at_stop_strings_across_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let model = d.join("model");
+    let plain = d.join("plain.parquet");
+    ok(
+        "rollout",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&d.join("train.parquet")),
+            "--out",
+            p(&plain),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "12",
+            "--raw-prompt",
+        ],
+    );
+    let tok = tandem::tokenizer::Tokenizer::from_dir(&model).unwrap();
+    let decode = |ids: &[i32]| {
+        let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+        tok.decode(&ids, true).unwrap()
+    };
+    let rows = i32_rows(&read(&plain), "response_ids");
+    let stops = boundary_pairs(&rows, &decode, 16);
+    let list: Vec<String> = stops.iter().map(|s| format!("{s:?}")).collect();
+    let text = format!(
+        "{}max-staleness = 1\nround-tokens = 1\n",
+        placed("[0]", "[1]", "async").replace(
+            "max-new-tokens = 6",
+            &format!(
+                "max-new-tokens = 12\ntemperature = 0.0\nstop = [{}]",
+                list.join(", ")
+            )
+        )
+    );
+    pipeline_ok(d, "a", Some(&text), &[]);
+    let first_stop = |text: &str| stops.iter().filter_map(|s| text.find(s.as_str())).min();
+    let (mut stopped, mut straddled) = (0, 0);
+    for step in 1..=3u64 {
+        let b = read(&d.join(format!("a/step-000{step}/rollout.parquet")));
+        let (ids, texts) = (i32_rows(&b, "response_ids"), strings(&b, "response_text"));
+        let reasons = strings(&b, "finish_reason");
+        for (i, v) in token_versions(&b).iter().enumerate() {
+            assert!(v.iter().all(|&x| x < step && x + 1 >= step - 1), "{v:?}");
+            let full = decode(&ids[i]);
+            let Some(at) = first_stop(&full) else {
+                continue;
+            };
+            let k = ids[i].len();
+            assert!(
+                first_stop(&decode(&ids[i][..k - 1])).is_none(),
+                "row {i}: {full:?}"
+            );
+            assert_eq!(
+                (reasons[i].as_str(), texts[i].as_str()),
+                ("stop", &full[..at])
+            );
+            stopped += 1;
+            // Rounds of one token: a string not inside the last token began in an earlier one.
+            straddled += usize::from(first_stop(&decode(&ids[i][k - 1..])).is_none());
         }
     }
     assert!(

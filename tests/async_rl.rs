@@ -1072,13 +1072,12 @@ fn boundary_pairs(ids: &[Vec<i32>], decode: &dyn Fn(&[i32]) -> String, k: usize)
     counts.into_iter().take(k).map(|(s, _)| s).collect()
 }
 
-/// `mode = "async"` with `[rollout] stop` (up to 16 pairs of characters the model writes greedily
-/// across a token boundary; greedy, so that the trained rows write them too) and rounds of one
-/// token (a stop string of two tokens
-/// is completed in a later round than it began), 1 + 1 CPU ranks: the run trains its 3 steps;
-/// every trained row whose text holds a stop string ends at the token that completes the first
-/// one (`finish_reason` stop, its text cut before it), some rows did, and the staleness bound
-/// holds.
+/// `mode = "async"` with `[rollout] stop` (up to 16 pairs of characters the model writes
+/// greedily across a token boundary; greedy, so that the trained rows write them too) and
+/// rounds of one token (such a pair is begun in one round and completed in the next), 1 + 1
+/// CPU ranks: the run trains its 3 steps; every trained row whose text holds a stop string
+/// ends at the token that completes the first one (`finish_reason` stop, its text cut before
+/// it), some rows did, across rounds, and the staleness bound holds.
 #[test]
 fn async_mode_stops_at_stop_strings_across_rounds() {
     let dir = tempfile::tempdir().unwrap();

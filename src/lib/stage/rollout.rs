@@ -13,7 +13,7 @@ use super::common::{
     at_least, gather_results, my_block, negative_numbers, range, resolve_model, writes_files,
     Device, ModelRef,
 };
-use super::turns::{tools_from_specs, ToolText, TurnColumns};
+use super::turns::{observation, tools_from_specs, ToolText, TurnColumns};
 use super::{Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
@@ -24,7 +24,7 @@ use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset};
 use crate::engine::paged::{
     generate_turns, Agent, Completion, Detokenize, FinishReason, GenParams, GraphStats, Limits,
-    PagedDecoder, PagedStats, Request, TurnLimits,
+    Observe, PagedDecoder, PagedStats, Request, TurnLimits,
 };
 use crate::engine::policy::load_policy_as;
 use crate::error::input_error;
@@ -766,6 +766,28 @@ impl RolloutArgs {
         }
     }
 
+    /// What a sample that calls `tools` is continued with: the limits, concurrency, timeout
+    /// and result cut of the flags, the observations of `observe` and the tool arguments
+    /// `kwargs` (one per request).
+    pub(crate) fn agent<'a>(
+        &self,
+        tools: Arc<dyn Tools>,
+        observe: Observe<'a>,
+        kwargs: Vec<serde_json::Value>,
+    ) -> Agent<'a> {
+        Agent {
+            tools,
+            limits: self.turn_limits().0,
+            concurrency: self.tool_concurrency,
+            timeout: Duration::from_secs_f64(self.tool_timeout),
+            observe,
+            cut: self
+                .max_tool_response_chars
+                .map(|n| (n, self.tool_response_truncate_side)),
+            kwargs,
+        }
+    }
+
     /// With tools: the trajectory's limits and the new tokens of one turn.
     pub(crate) fn turn_limits(&self) -> (TurnLimits, usize) {
         let total = self.max_response_tokens.unwrap_or(self.max_new_tokens);
@@ -883,27 +905,18 @@ pub fn run_with_tools(
         template,
         tokenizer: &prep.tokenizer,
     });
-    let observe = |turn: &[u32], contents: &[String]| match (&text, args.tool_format) {
-        (Some(t), ToolFormat::Hermes) => t.observe(turn, contents),
-        (Some(t), ToolFormat::Code) => t.observe_inline(&detok(turn)?, contents),
-        (None, _) => anyhow::bail!("tool results need the chat template"),
+    let observe = |turn: &[u32], contents: &[String]| {
+        observation(text.as_ref(), args.tool_format, &detok, (turn, contents))
     };
     // This process's prompts (all of them alone, its block among several ranks).
     let block = my_block(exec, n_prompts);
-    let agent = tools.map(|tools| Agent {
-        tools,
-        limits: args.turn_limits().0,
-        concurrency: args.tool_concurrency,
-        timeout: Duration::from_secs_f64(args.tool_timeout),
-        observe: &observe,
-        cut: args
-            .max_tool_response_chars
-            .map(|n| (n, args.tool_response_truncate_side)),
+    let agent = tools.map(|tools| {
         // With tools, one per dataset row.
-        kwargs: row_kwargs[block.clone()]
+        let kwargs = row_kwargs[block.clone()]
             .iter()
             .map(|k| k.clone().unwrap_or_default())
-            .collect(),
+            .collect();
+        args.agent(tools, &observe, kwargs)
     });
     let bar = exec.progress_bar(block.len() * args.n, "rollout");
     let job = Generate {

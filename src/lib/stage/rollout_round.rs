@@ -24,7 +24,7 @@
 use super::common::{gather_results, my_block, refuse_in_place, writes_files, ModelRef};
 use super::rollout::RolloutArgs;
 use super::rollout::{keyed_requests, sequence_columns, Generate, Generated, Output, Prepared};
-use super::turns::{tools_from_specs, ToolText, TurnColumns};
+use super::turns::{observation, tools_from_specs, ToolText, TurnColumns};
 use super::Exec;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
@@ -87,23 +87,12 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
         template,
         tokenizer,
     });
-    let observe = |turn: &[u32], contents: &[String]| match (&text, args.tool_format) {
-        (Some(t), ToolFormat::Hermes) => t.observe(turn, contents),
-        (Some(t), ToolFormat::Code) => t.observe_inline(&detok(turn)?, contents),
-        (None, _) => anyhow::bail!("tool results need the chat template"),
+    let observe = |turn: &[u32], contents: &[String]| {
+        observation(text.as_ref(), args.tool_format, &detok, (turn, contents))
     };
-    let agent = tools.map(|tools| Agent {
-        tools,
-        limits: args.turn_limits().0,
-        concurrency: args.tool_concurrency,
-        timeout: Duration::from_secs_f64(args.tool_timeout),
-        observe: &observe,
-        cut: args
-            .max_tool_response_chars
-            .map(|n| (n, args.tool_response_truncate_side)),
-        // Per sequence of the round: its row's.
-        kwargs: episodes.iter().map(|e| e.kwargs.clone()).collect(),
-    });
+    // Per sequence of the round: its row's tool arguments.
+    let kwargs = || episodes.iter().map(|e| e.kwargs.clone()).collect();
+    let agent = tools.map(|tools| args.agent(tools, &observe, kwargs()));
     let gen = RoundGen {
         model: &setup.model,
         rule: StopRule {

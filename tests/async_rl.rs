@@ -797,7 +797,8 @@ fn async_dynamic_sampling_stops_at_its_cap() {
 /// files started one round apart and rounds with no new prompt, until nothing is in flight.
 /// Every sample comes out once, in a finished group, with one version per token and its
 /// behaviour log-probs; a carry file holds the groups in flight (ended samples with their
-/// reason, the others with ""). Bad flags are exit 2 naming them.
+/// reason, the others with ""). Bad flags are exit 2 naming them, as are a carry file of plain
+/// sequences continued with --tool (and one of episodes without it) and a malformed episode.
 #[test]
 fn rollout_rounds_carry_sequences_until_their_groups_finish() {
     let dir = tempfile::tempdir().unwrap();
@@ -912,6 +913,59 @@ fn rollout_rounds_carry_sequences_until_their_groups_finish() {
         let args: Vec<&str> = base.iter().chain(extra).copied().collect();
         input_error("rollout", &args, want);
     }
+    // A carry of plain sequences continued with --tool (and the converse): exit 2 naming it.
+    let tool_round = |carry: &Path, tool: bool| {
+        let mut args = vec![
+            "--model",
+            p(&model),
+            "--in",
+            p(&none),
+            "--out",
+            "x.parquet",
+            "--carry",
+            p(carry),
+            "--carry-out",
+            "c.parquet",
+            "--round-tokens",
+            "2",
+        ];
+        if tool {
+            args.extend(["--tool", "python"]);
+        }
+        let err = input_error("rollout", &args, "comes from a round with other flags");
+        assert!(err.contains(p(carry)), "{err}");
+    };
+    tool_round(&c1, true);
+    // An episode column that is not an episode: exit 2 naming the file, column and row.
+    let bad = d.join("bad-episode.parquet");
+    let c = read(&c1);
+    let mut cols = tandem::batch::NewColumns::new();
+    let junk = vec!["{\"turns\": 3}"; c.num_rows()];
+    cols.add_field(
+        arrow_schema::Field::new("episode", arrow_schema::DataType::Utf8, false),
+        std::sync::Arc::new(arrow_array::StringArray::from(junk)),
+    );
+    tandem::batch::write_file(&bad, &c.with_columns(cols).unwrap(), &Default::default()).unwrap();
+    let args = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&none),
+        "--out",
+        "x.parquet",
+        "--carry",
+        p(&bad),
+        "--carry-out",
+        "c.parquet",
+        "--round-tokens",
+        "2",
+        "--tool",
+        "python",
+    ];
+    let err = input_error("rollout", &args, "column 'episode', row 0:");
+    assert!(err.contains(p(&bad)), "{err}");
+    // ...and the same carry without --tool: its episodes are not continued.
+    tool_round(&bad, false);
 }
 
 /// `rollout --round-tokens 1 --stop S` carried until nothing is in flight: every stop string

@@ -504,7 +504,8 @@ const CODE_ANSWER: &str = "```python\nprint(2+3)\n```\n```output\n5\n```\n#### 5
 /// closing fence of its ```python block, the block's code is the call's `code`, the output
 /// block (tokenized alone, mask 0, log-prob 0) follows inline with no turn marker, and the
 /// model goes on to the answer; `messages` holds one assistant message, the response as the
-/// model read it, and `response_text` is what follows the last output.
+/// model read it, and `response_text` is what follows the last output. The same holds for the
+/// rows of rounds of 4 tokens (`--round-tokens`, async mode's partial rollouts).
 #[test]
 fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
     let dir = tempfile::tempdir().unwrap();
@@ -516,12 +517,84 @@ fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
     ok("rollout", &["--model", p(&model), "--in", p(&d.join("prompts.parquet")), "--out", p(&out),
         "--tool", "python", "--tool-format", "code", "--n", "4", "--seed", "5", "--max-turns", "3",
         "--max-turn-tokens", "48", "--max-response-tokens", "200"]);
-    let b = read(&out);
     let tok = Tokenizer::from_dir(&model).unwrap();
-    let (ids, masks) = (i32_rows(&b, "response_ids"), u8_rows(&b, "response_mask"));
-    let lps = f32_rows(&b, "rollout_logprobs");
-    let (calls, messages) = (strings(&b, "tool_calls"), strings(&b, "messages"));
-    let texts = strings(&b, "response_text");
+    let (ran, answered) = check_code_rows(&read(&out), &tok);
+    assert!(ran >= 6, "{ran} of 12 rows ran print(2+3)");
+    assert!(answered >= 4, "{answered} rows answered after the output");
+    // The same in rounds of 4 tokens (the rounds of `[placement] mode = "async"`): the fence
+    // that ends a turn is written across rounds, the call runs at the end of the round that
+    // closed it, and the rows are the same shape.
+    let (mut carry, mut rows, mut ran, mut answered) = (None::<PathBuf>, 0, 0, 0);
+    for r in 1.. {
+        let (fin, next) = (
+            d.join(format!("f{r}.parquet")),
+            d.join(format!("c{r}.parquet")),
+        );
+        let input = match r {
+            1 => d.join("prompts.parquet"),
+            _ => d.join("none.parquet"),
+        };
+        let mut args = vec![
+            "rollout",
+            "--model",
+            p(&model),
+            "--in",
+            p(&input),
+            "--out",
+            p(&fin),
+            "--carry-out",
+            p(&next),
+            "--round-tokens",
+            "4",
+            "--tool",
+            "python",
+            "--tool-format",
+            "code",
+            "--n",
+            "4",
+            "--seed",
+            "5",
+            "--max-turns",
+            "3",
+            "--max-turn-tokens",
+            "48",
+            "--max-response-tokens",
+            "200",
+        ];
+        if let Some(c) = &carry {
+            args.extend(["--carry", p(c)]);
+        }
+        if r == 1 {
+            // An empty prompt file for the later rounds, with the prompts' columns.
+            answered_prompts(&d.join("none.parquet"), 0, CODE_ANSWER);
+        }
+        ok(args[0], &args[1..]);
+        let b = read(&fin);
+        rows += b.num_rows();
+        if b.num_rows() > 0 {
+            let (x, y) = check_code_rows(&b, &tok);
+            (ran, answered) = (ran + x, answered + y);
+        }
+        if read(&next).num_rows() == 0 {
+            break;
+        }
+        carry = Some(next);
+    }
+    assert_eq!(rows, 12);
+    assert!(ran >= 6, "{ran} of 12 rows ran print(2+3) in rounds");
+    assert!(
+        answered >= 4,
+        "{answered} rows answered after the output in rounds"
+    );
+}
+
+/// The checks of code-format rows (see the test above); returns the rows that ran
+/// `print(2+3)` and those that answered after its output.
+fn check_code_rows(b: &tandem::batch::Batch, tok: &Tokenizer) -> (usize, usize) {
+    let (ids, masks) = (i32_rows(b, "response_ids"), u8_rows(b, "response_mask"));
+    let lps = f32_rows(b, "rollout_logprobs");
+    let (calls, messages) = (strings(b, "tool_calls"), strings(b, "messages"));
+    let texts = strings(b, "response_text");
     let (mut ran, mut answered) = (0, 0);
     for i in 0..ids.len() {
         let ids: Vec<u32> = ids[i].iter().map(|&t| t as u32).collect();
@@ -533,11 +606,14 @@ fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
             "row {i}: the prompt and one assistant message"
         );
         let whole = tok.decode(&ids, true).unwrap();
-        assert_eq!(
-            msgs[1]["content"],
-            whole.as_str(),
-            "row {i}: the response inline"
-        );
+        // An output with no room left under --max-response-tokens is cut there and ends the
+        // row (its call's result stays whole in the message).
+        let cut = masks[i].last() == Some(&0) && strings(b, "finish_reason")[i] == "length";
+        let content = msgs[1]["content"].as_str().unwrap();
+        match cut {
+            false => assert_eq!(content, whole.as_str(), "row {i}: the response inline"),
+            true => assert!(content.starts_with(whole.trim_end_matches('\u{fffd}'))),
+        }
         assert!(whole.ends_with(texts[i].as_str()));
         // Each mask-0 span is the output block of its call, after the block's closing fence.
         let mut k = 0;
@@ -559,7 +635,11 @@ fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
             assert_eq!(c["name"], "python");
             let result = c["result"].as_str().unwrap();
             let block = tandem::tool::code::output_block(false, result);
-            assert_eq!(ids[start..end], tok.encode(&block).unwrap()[..], "row {i}");
+            let block = tok.encode(&block).unwrap();
+            match cut && end == ids.len() {
+                false => assert_eq!(ids[start..end], block[..], "row {i}"),
+                true => assert_eq!(ids[start..end], block[..end - start], "row {i}"),
+            }
             assert!(lps[i][start..end].iter().all(|&x| x == 0.0));
             ran += usize::from(result == "5\n" && c["error"].is_null());
             k = end;
@@ -567,8 +647,7 @@ fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
         assert!(masks[i][k..].iter().all(|&m| m == 1));
         answered += usize::from(calls.len() == 1 && texts[i] == "#### 5");
     }
-    assert!(ran >= 6, "{ran} of {} rows ran print(2+3)", ids.len());
-    assert!(answered >= 4, "{answered} rows answered after the output");
+    (ran, answered)
 }
 
 /// `--system-prompt` goes before each prompt: into the rendered prompt and the `messages`

@@ -38,7 +38,8 @@ pub struct InFlight {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub versions: Vec<u64>,
-    /// Set once the sequence has ended (stop token, or `max_new_tokens` in all).
+    /// Set once the sequence has ended (its turn ended under the stop rule without calls, or
+    /// an observation left no room).
     pub finish: Option<FinishReason>,
     /// Once finished: its last turn's text (a stop string cut off), as a completion's.
     pub text: String,

@@ -158,12 +158,12 @@ fn trajectory_rows_hold_calls_observations_and_their_mask() {
     let model = calling_model(d);
     call_prompts(&d.join("prompts.parquet"), 3);
     rollout(&model, d, "r.parquet", &[]);
-    check_rows(d, &model);
+    check_rows(&d.join("r.parquet"), &model);
     later_stages(d, &model);
 }
 
-fn check_rows(d: &Path, model: &Path) {
-    let b = read(&d.join("r.parquet"));
+fn check_rows(path: &Path, model: &Path) {
+    let b = read(path);
     let tok = Tokenizer::from_dir(model).unwrap();
     let ids = i32_rows(&b, "response_ids");
     let masks = u8_rows(&b, "response_mask");
@@ -504,7 +504,8 @@ const CODE_ANSWER: &str = "```python\nprint(2+3)\n```\n```output\n5\n```\n#### 5
 /// closing fence of its ```python block, the block's code is the call's `code`, the output
 /// block (tokenized alone, mask 0, log-prob 0) follows inline with no turn marker, and the
 /// model goes on to the answer; `messages` holds one assistant message, the response as the
-/// model read it, and `response_text` is what follows the last output.
+/// model read it, and `response_text` is what follows the last output. The same holds for the
+/// rows of rounds of 4 tokens (`--round-tokens`, async mode's partial rollouts).
 #[test]
 fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
     let dir = tempfile::tempdir().unwrap();
@@ -516,12 +517,84 @@ fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
     ok("rollout", &["--model", p(&model), "--in", p(&d.join("prompts.parquet")), "--out", p(&out),
         "--tool", "python", "--tool-format", "code", "--n", "4", "--seed", "5", "--max-turns", "3",
         "--max-turn-tokens", "48", "--max-response-tokens", "200"]);
-    let b = read(&out);
     let tok = Tokenizer::from_dir(&model).unwrap();
-    let (ids, masks) = (i32_rows(&b, "response_ids"), u8_rows(&b, "response_mask"));
-    let lps = f32_rows(&b, "rollout_logprobs");
-    let (calls, messages) = (strings(&b, "tool_calls"), strings(&b, "messages"));
-    let texts = strings(&b, "response_text");
+    let (ran, answered) = check_code_rows(&read(&out), &tok);
+    assert!(ran >= 6, "{ran} of 12 rows ran print(2+3)");
+    assert!(answered >= 4, "{answered} rows answered after the output");
+    // The same in rounds of 4 tokens (the rounds of `[placement] mode = "async"`): the fence
+    // that ends a turn is written across rounds, the call runs at the end of the round that
+    // closed it, and the rows are the same shape.
+    let (mut carry, mut rows, mut ran, mut answered) = (None::<PathBuf>, 0, 0, 0);
+    for r in 1.. {
+        let (fin, next) = (
+            d.join(format!("f{r}.parquet")),
+            d.join(format!("c{r}.parquet")),
+        );
+        let input = match r {
+            1 => d.join("prompts.parquet"),
+            _ => d.join("none.parquet"),
+        };
+        let mut args = vec![
+            "rollout",
+            "--model",
+            p(&model),
+            "--in",
+            p(&input),
+            "--out",
+            p(&fin),
+            "--carry-out",
+            p(&next),
+            "--round-tokens",
+            "4",
+            "--tool",
+            "python",
+            "--tool-format",
+            "code",
+            "--n",
+            "4",
+            "--seed",
+            "5",
+            "--max-turns",
+            "3",
+            "--max-turn-tokens",
+            "48",
+            "--max-response-tokens",
+            "200",
+        ];
+        if let Some(c) = &carry {
+            args.extend(["--carry", p(c)]);
+        }
+        if r == 1 {
+            // An empty prompt file for the later rounds, with the prompts' columns.
+            answered_prompts(&d.join("none.parquet"), 0, CODE_ANSWER);
+        }
+        ok(args[0], &args[1..]);
+        let b = read(&fin);
+        rows += b.num_rows();
+        if b.num_rows() > 0 {
+            let (x, y) = check_code_rows(&b, &tok);
+            (ran, answered) = (ran + x, answered + y);
+        }
+        if read(&next).num_rows() == 0 {
+            break;
+        }
+        carry = Some(next);
+    }
+    assert_eq!(rows, 12);
+    assert!(ran >= 6, "{ran} of 12 rows ran print(2+3) in rounds");
+    assert!(
+        answered >= 4,
+        "{answered} rows answered after the output in rounds"
+    );
+}
+
+/// The checks of code-format rows (see the test above); returns the rows that ran
+/// `print(2+3)` and those that answered after its output.
+fn check_code_rows(b: &tandem::batch::Batch, tok: &Tokenizer) -> (usize, usize) {
+    let (ids, masks) = (i32_rows(b, "response_ids"), u8_rows(b, "response_mask"));
+    let lps = f32_rows(b, "rollout_logprobs");
+    let (calls, messages) = (strings(b, "tool_calls"), strings(b, "messages"));
+    let texts = strings(b, "response_text");
     let (mut ran, mut answered) = (0, 0);
     for i in 0..ids.len() {
         let ids: Vec<u32> = ids[i].iter().map(|&t| t as u32).collect();
@@ -533,11 +606,14 @@ fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
             "row {i}: the prompt and one assistant message"
         );
         let whole = tok.decode(&ids, true).unwrap();
-        assert_eq!(
-            msgs[1]["content"],
-            whole.as_str(),
-            "row {i}: the response inline"
-        );
+        // An output with no room left under --max-response-tokens is cut there and ends the
+        // row (its call's result stays whole in the message).
+        let cut = masks[i].last() == Some(&0) && strings(b, "finish_reason")[i] == "length";
+        let content = msgs[1]["content"].as_str().unwrap();
+        match cut {
+            false => assert_eq!(content, whole.as_str(), "row {i}: the response inline"),
+            true => assert!(content.starts_with(whole.trim_end_matches('\u{fffd}'))),
+        }
         assert!(whole.ends_with(texts[i].as_str()));
         // Each mask-0 span is the output block of its call, after the block's closing fence.
         let mut k = 0;
@@ -559,7 +635,11 @@ fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
             assert_eq!(c["name"], "python");
             let result = c["result"].as_str().unwrap();
             let block = tandem::tool::code::output_block(false, result);
-            assert_eq!(ids[start..end], tok.encode(&block).unwrap()[..], "row {i}");
+            let block = tok.encode(&block).unwrap();
+            match cut && end == ids.len() {
+                false => assert_eq!(ids[start..end], block[..], "row {i}"),
+                true => assert_eq!(ids[start..end], block[..end - start], "row {i}"),
+            }
             assert!(lps[i][start..end].iter().all(|&x| x == 0.0));
             ran += usize::from(result == "5\n" && c["error"].is_null());
             k = end;
@@ -567,8 +647,7 @@ fn code_blocks_run_in_the_python_tool_and_their_output_follows_inline() {
         assert!(masks[i][k..].iter().all(|&m| m == 1));
         answered += usize::from(calls.len() == 1 && texts[i] == "#### 5");
     }
-    assert!(ran >= 6, "{ran} of {} rows ran print(2+3)", ids.len());
-    assert!(answered >= 4, "{answered} rows answered after the output");
+    (ran, answered)
 }
 
 /// `--system-prompt` goes before each prompt: into the rendered prompt and the `messages`
@@ -1207,4 +1286,107 @@ fn tool_rollouts_on_the_daemon_match_the_in_process_run() {
     // ...and the group writes the ranks' optimizer shards at checkpoints only.
     let kept = [kept[0], kept[1], "update/optimizer_shards"];
     assert_same_runs(&two, &group, &kept);
+}
+
+/// `[placement] mode = "async"` with the tool (1 rollout + 1 training rank, rounds of 8 new
+/// tokens, turns of up to 48): episodes are carried across rounds, and the run trains its 3
+/// steps on trajectories as a colocated tool run writes them: the same columns and types as
+/// `rollout --tool`'s (plus `token_policy_version`), each observation exactly the template's
+/// markers around what the tool returned (`check_rows`), mask 0 and log-prob 0; every call's
+/// result is the tool's answer to it; turns, calls and lengths stay within max-turns,
+/// max-tool-calls, max-turn-tokens and max-response-tokens; every token's version lies within
+/// the staleness bound; and each row that called spent more than one round on its first turn
+/// (longer than a round) and went on in a later round after the call.
+#[test]
+fn async_mode_carries_tool_episodes_across_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tool_run_setup(d);
+    write_tool_spec(d, "gpus = 2\ndaemon = true");
+    let placement = "[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"async\"\nmax-staleness = 1\nround-tokens = 8\n";
+    let spec = std::fs::read_to_string(d.join("spec.toml")).unwrap() + placement;
+    std::fs::write(d.join("spec.toml"), spec).unwrap();
+    pipeline_ok(d, "a");
+    let run = d.join("a");
+    let model = d.join("sft");
+    // The columns of a colocated tool rollout of the same model.
+    call_prompts(&d.join("prompts.parquet"), 2);
+    rollout(&model, d, "r.parquet", &[]);
+    let colocated = read(&d.join("r.parquet"));
+    let fields = |b: &tandem::batch::Batch| -> Vec<(String, String)> {
+        b.data
+            .schema()
+            .fields()
+            .iter()
+            .filter(|f| f.name() != "token_policy_version")
+            .map(|f| (f.name().clone(), format!("{:?}", f.data_type())))
+            .collect()
+    };
+    let (mut spanned, mut trained_calls) = (0, 0);
+    for step in 1..=3u64 {
+        let path = run.join(format!("step-000{step}/rollout.parquet"));
+        let b = read(&path);
+        assert_eq!(b.num_rows(), 16, "step {step}");
+        let (mut got, mut want) = (fields(&b), fields(&colocated));
+        got.sort();
+        want.sort();
+        assert_eq!(
+            got, want,
+            "step {step}: the columns of a colocated tool run"
+        );
+        check_rows(&path, &model);
+        let versions = b.ragged_i32("token_policy_version").unwrap();
+        let masks = u8_rows(&b, "response_mask");
+        let calls = strings(&b, "tool_calls");
+        let turns = b.column("num_turns").unwrap();
+        let turns =
+            arrow_array::cast::AsArray::as_primitive::<arrow_array::types::Int32Type>(turns);
+        for i in 0..b.num_rows() {
+            let trained = step as i32 - 1;
+            let v = versions.row(i);
+            assert!(
+                v.iter().all(|&x| x <= trained && x + 1 >= trained),
+                "step {step} row {i}: {v:?}"
+            );
+            let mask = &masks[i];
+            assert!(
+                mask.len() <= 160 && turns.value(i) <= 3,
+                "step {step} row {i}"
+            );
+            let calls: Vec<serde_json::Value> = serde_json::from_str(&calls[i]).unwrap();
+            assert!(calls.len() <= 2, "step {step} row {i}: {calls:?}");
+            trained_calls += calls.len();
+            for c in &calls {
+                if c["name"] == "add" {
+                    assert_eq!(c["result"], "5", "{c}");
+                    assert!(c["error"].is_null(), "{c}");
+                }
+            }
+            // Each turn's model tokens (runs of mask 1) at most max-turn-tokens.
+            let runs = mask.split(|&m| m == 0).filter(|r| !r.is_empty());
+            assert!(runs.clone().all(|r| r.len() <= 48), "step {step} row {i}");
+            if !calls.is_empty() {
+                let first = mask.iter().position(|&m| m == 0).unwrap();
+                spanned += usize::from(first > 8 && mask[first..].contains(&1));
+            }
+        }
+    }
+    assert!(spanned >= 6, "{spanned} episodes spanned rounds");
+    // The rounds' metrics count the calls they ran: at least the trained rows', at most what
+    // the tool answered (evaluations call it too).
+    let (mut round_calls, mut round_errors) = (0, 0);
+    for e in std::fs::read_dir(run.join("async")).unwrap() {
+        let path = e.unwrap().path().join("metrics.json");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let m: serde_json::Value = serde_json::from_str(&text).unwrap();
+            round_calls += m["tool_calls"].as_u64().unwrap() as usize;
+            round_errors += m["tool_errors"].as_u64().unwrap() as usize;
+        }
+    }
+    let answered = calls_answered(d);
+    assert!(
+        round_calls >= trained_calls && round_calls - round_errors <= answered,
+        "{round_calls} calls ({round_errors} failed) in the rounds, {trained_calls} trained, {answered} answered"
+    );
+    assert!(trained_calls >= 12, "{trained_calls} calls trained on");
 }

@@ -1025,7 +1025,8 @@ fn async_dynamic_sampling_stops_at_its_cap() {
 /// files started one round apart and rounds with no new prompt, until nothing is in flight.
 /// Every sample comes out once, in a finished group, with one version per token and its
 /// behaviour log-probs; a carry file holds the groups in flight (ended samples with their
-/// reason, the others with ""). Bad flags are exit 2 naming them.
+/// reason, the others with ""). Bad flags are exit 2 naming them, as are a carry file of plain
+/// sequences continued with --tool (and one of episodes without it) and a malformed episode.
 #[test]
 fn rollout_rounds_carry_sequences_until_their_groups_finish() {
     let dir = tempfile::tempdir().unwrap();
@@ -1126,17 +1127,6 @@ fn rollout_rounds_carry_sequences_until_their_groups_finish() {
                 "2",
                 "--carry-out",
                 "c.parquet",
-                "--stop",
-                "x",
-            ][..],
-            "drop --stop",
-        ),
-        (
-            &[
-                "--round-tokens",
-                "2",
-                "--carry-out",
-                "c.parquet",
                 "--baseline",
                 "greedy",
             ][..],
@@ -1151,4 +1141,295 @@ fn rollout_rounds_carry_sequences_until_their_groups_finish() {
         let args: Vec<&str> = base.iter().chain(extra).copied().collect();
         input_error("rollout", &args, want);
     }
+    // A carry of plain sequences continued with --tool (and the converse): exit 2 naming it.
+    let tool_round = |carry: &Path, tool: bool| {
+        let mut args = vec![
+            "--model",
+            p(&model),
+            "--in",
+            p(&none),
+            "--out",
+            "x.parquet",
+            "--carry",
+            p(carry),
+            "--carry-out",
+            "c.parquet",
+            "--round-tokens",
+            "2",
+        ];
+        if tool {
+            args.extend(["--tool", "python"]);
+        }
+        let err = input_error("rollout", &args, "comes from a round with other flags");
+        assert!(err.contains(p(carry)), "{err}");
+    };
+    tool_round(&c1, true);
+    // An episode column that is not an episode: exit 2 naming the file, column and row.
+    let bad = d.join("bad-episode.parquet");
+    let c = read(&c1);
+    let mut cols = tandem::batch::NewColumns::new();
+    let junk = vec!["{\"turns\": 3}"; c.num_rows()];
+    cols.add_field(
+        arrow_schema::Field::new("episode", arrow_schema::DataType::Utf8, false),
+        std::sync::Arc::new(arrow_array::StringArray::from(junk)),
+    );
+    tandem::batch::write_file(&bad, &c.with_columns(cols).unwrap(), &Default::default()).unwrap();
+    let args = [
+        "--model",
+        p(&model),
+        "--in",
+        p(&none),
+        "--out",
+        "x.parquet",
+        "--carry",
+        p(&bad),
+        "--carry-out",
+        "c.parquet",
+        "--round-tokens",
+        "2",
+        "--tool",
+        "python",
+    ];
+    let err = input_error("rollout", &args, "column 'episode', row 0:");
+    assert!(err.contains(p(&bad)), "{err}");
+    // ...and the same carry without --tool: its episodes are not continued.
+    tool_round(&bad, false);
+}
+
+/// `rollout --round-tokens 1 --stop S` carried until nothing is in flight: every stop string
+/// is begun in one round and completed in a later one. Against the same rounds without
+/// `--stop` (the same keys draw the same tokens): a row whose text holds S ends at the token
+/// that completes its first S (finish `stop`, its text cut before S, its tokens, log-probs and
+/// versions those of the row without --stop up to there); the others are the same rows.
+#[test]
+fn rollout_rounds_stop_at_stop_strings_that_straddle_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 4);
+    prompts(&d.join("a.parquet"), &["What is 2 + 3?", "Name a colour."]);
+    prompts(&d.join("none.parquet"), &[]);
+    let model = d.join("model");
+    // Rounds until the carry is empty; the rows of every finished group, by uid.
+    let rounds = |name: &str, stops: &[String]| {
+        let mut rows = std::collections::BTreeMap::new();
+        let mut carry: Option<std::path::PathBuf> = None;
+        for r in 1.. {
+            let (out, carry_out) = (
+                d.join(format!("{name}-f{r}.parquet")),
+                d.join(format!("{name}-c{r}.parquet")),
+            );
+            let input = match r {
+                1 => d.join("a.parquet"),
+                _ => d.join("none.parquet"),
+            };
+            let seed = r.to_string();
+            let mut args = vec![
+                "--model",
+                p(&model),
+                "--in",
+                p(&input),
+                "--out",
+                p(&out),
+                "--carry-out",
+                p(&carry_out),
+                "--round-tokens",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--n",
+                "8",
+                "--raw-prompt",
+                "--ignore-eos",
+                "--seed",
+                &seed,
+            ];
+            if let Some(c) = &carry {
+                args.extend(["--carry", p(c)]);
+            }
+            for s in stops {
+                args.extend(["--stop", s.as_str()]);
+            }
+            ok("rollout", &args);
+            let f = read(&out);
+            let (uids, ids, texts) = (
+                strings(&f, "uid"),
+                i32_rows(&f, "response_ids"),
+                strings(&f, "response_text"),
+            );
+            let (reasons, versions) = (strings(&f, "finish_reason"), token_versions(&f));
+            let lps = f32_rows(&f, "rollout_logprobs");
+            for i in 0..uids.len() {
+                let row = (
+                    ids[i].clone(),
+                    texts[i].clone(),
+                    reasons[i].clone(),
+                    versions[i].clone(),
+                    lps[i].clone(),
+                );
+                rows.insert(uids[i].clone(), row);
+            }
+            if read(&carry_out).num_rows() == 0 {
+                return rows;
+            }
+            carry = Some(carry_out);
+        }
+        unreachable!()
+    };
+    let whole = rounds("whole", &[]);
+    assert_eq!(whole.len(), 16);
+    let tok = tandem::tokenizer::Tokenizer::from_dir(&model).unwrap();
+    let decode = |ids: &[i32]| {
+        let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+        tok.decode(&ids, true).unwrap()
+    };
+    let rows: Vec<Vec<i32>> = whole.values().map(|r| r.0.clone()).collect();
+    let stops = boundary_pairs(&rows, &decode, 4);
+    let cut = rounds("cut", &stops);
+    let first_stop = |text: &str| stops.iter().filter_map(|s| text.find(s.as_str())).min();
+    assert_eq!(cut.len(), 16);
+    let (mut stopped, mut straddled) = (0, 0);
+    for (uid, (ids, text, reason, versions, lps)) in &whole {
+        let got = &cut[uid];
+        // The first token after which the text holds a stop string.
+        let end = (1..=ids.len()).find(|&k| first_stop(&decode(&ids[..k])).is_some());
+        match end {
+            Some(k) => {
+                let full = decode(&ids[..k]);
+                let at = first_stop(&full).unwrap();
+                assert_eq!(got.0, ids[..k], "{uid}");
+                assert_eq!(got.1, full[..at], "{uid}");
+                assert_eq!(got.2, "stop", "{uid}");
+                assert_eq!(got.3, versions[..k], "{uid}");
+                assert_eq!(got.4, lps[..k], "{uid}");
+                // Rounds of one token: a string not inside its last token began in an earlier
+                // round.
+                straddled += usize::from(first_stop(&decode(&ids[k - 1..k])).is_none());
+                stopped += 1;
+            }
+            None => {
+                assert_eq!(
+                    got,
+                    &(
+                        ids.clone(),
+                        text.clone(),
+                        reason.clone(),
+                        versions.clone(),
+                        lps.clone()
+                    ),
+                    "{uid}"
+                );
+            }
+        }
+    }
+    assert!(
+        stopped >= 2 && straddled >= 2,
+        "{stopped} rows stopped at {stops:?}, {straddled} across rounds"
+    );
+}
+
+/// Stop strings for tests: the last character of a token and the first of the next, the `k`
+/// most frequent in the rows `ids` (past their first token), as `decode` writes them; none
+/// that a token of the rows holds alone (so a row holds one only across tokens).
+fn boundary_pairs(ids: &[Vec<i32>], decode: &dyn Fn(&[i32]) -> String, k: usize) -> Vec<String> {
+    let alone: std::collections::HashSet<String> =
+        ids.iter().flatten().map(|&t| decode(&[t])).collect();
+    let mut counts = std::collections::HashMap::new();
+    for ids in ids {
+        for w in ids.windows(2).skip(1) {
+            let (x, y) = (decode(&w[..1]), decode(&w[1..]));
+            let pair: String = x
+                .chars()
+                .last()
+                .into_iter()
+                .chain(y.chars().next())
+                .collect();
+            let plain = pair.chars().count() == 2 && pair.chars().all(|c| c.is_ascii_graphic());
+            if plain && !alone.iter().any(|t| t.contains(&pair)) {
+                *counts.entry(pair).or_insert(0) += 1;
+            }
+        }
+    }
+    let mut counts: Vec<(String, i32)> = counts.into_iter().collect();
+    counts.sort_by_key(|(s, n)| (-n, s.clone()));
+    counts.into_iter().take(k).map(|(s, _)| s).collect()
+}
+
+/// `mode = "async"` with `[rollout] stop` (up to 16 pairs of characters the model writes
+/// greedily across a token boundary; greedy, so that the trained rows write them too) and
+/// rounds of one token (such a pair is begun in one round and completed in the next), 1 + 1
+/// CPU ranks: the run trains its 3 steps; every trained row whose text holds a stop string
+/// ends at the token that completes the first one (`finish_reason` stop, its text cut before
+/// it), some rows did, across rounds, and the staleness bound holds.
+#[test]
+fn async_mode_stops_at_stop_strings_across_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let model = d.join("model");
+    let plain = d.join("plain.parquet");
+    ok(
+        "rollout",
+        &[
+            "--model",
+            p(&model),
+            "--in",
+            p(&d.join("train.parquet")),
+            "--out",
+            p(&plain),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "12",
+            "--raw-prompt",
+        ],
+    );
+    let tok = tandem::tokenizer::Tokenizer::from_dir(&model).unwrap();
+    let decode = |ids: &[i32]| {
+        let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+        tok.decode(&ids, true).unwrap()
+    };
+    let rows = i32_rows(&read(&plain), "response_ids");
+    let stops = boundary_pairs(&rows, &decode, 16);
+    let list: Vec<String> = stops.iter().map(|s| format!("{s:?}")).collect();
+    let text = format!(
+        "{}max-staleness = 1\nround-tokens = 1\n",
+        placed("[0]", "[1]", "async").replace(
+            "max-new-tokens = 6",
+            &format!(
+                "max-new-tokens = 12\ntemperature = 0.0\nstop = [{}]",
+                list.join(", ")
+            )
+        )
+    );
+    pipeline_ok(d, "a", Some(&text), &[]);
+    let first_stop = |text: &str| stops.iter().filter_map(|s| text.find(s.as_str())).min();
+    let (mut stopped, mut straddled) = (0, 0);
+    for step in 1..=3u64 {
+        let b = read(&d.join(format!("a/step-000{step}/rollout.parquet")));
+        let (ids, texts) = (i32_rows(&b, "response_ids"), strings(&b, "response_text"));
+        let reasons = strings(&b, "finish_reason");
+        for (i, v) in token_versions(&b).iter().enumerate() {
+            assert!(v.iter().all(|&x| x < step && x + 1 >= step - 1), "{v:?}");
+            let full = decode(&ids[i]);
+            let Some(at) = first_stop(&full) else {
+                continue;
+            };
+            let k = ids[i].len();
+            assert!(
+                first_stop(&decode(&ids[i][..k - 1])).is_none(),
+                "row {i}: {full:?}"
+            );
+            assert_eq!(
+                (reasons[i].as_str(), texts[i].as_str()),
+                ("stop", &full[..at])
+            );
+            stopped += 1;
+            // Rounds of one token: a string not inside the last token began in an earlier one.
+            straddled += usize::from(first_stop(&decode(&ids[i][k - 1..])).is_none());
+        }
+    }
+    assert!(
+        stopped >= 2 && straddled >= 2,
+        "{stopped} rows stopped at {stops:?}, {straddled} across rounds"
+    );
 }

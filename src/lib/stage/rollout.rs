@@ -13,7 +13,7 @@ use super::common::{
     at_least, gather_results, my_block, negative_numbers, range, resolve_model, writes_files,
     Device, ModelRef,
 };
-use super::turns::{tools_from_specs, ToolText, TurnColumns};
+use super::turns::{observation, tools_from_specs, ToolText, TurnColumns};
 use super::{Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
@@ -24,7 +24,7 @@ use crate::data::dataset::repeat_each;
 use crate::data::{ChatTemplate, PromptDataset};
 use crate::engine::paged::{
     generate_turns, Agent, Completion, Detokenize, FinishReason, GenParams, GraphStats, Limits,
-    PagedDecoder, PagedStats, Request, TurnLimits,
+    Observe, PagedDecoder, PagedStats, Request, TurnLimits,
 };
 use crate::engine::policy::load_policy_as;
 use crate::error::input_error;
@@ -329,8 +329,9 @@ pub struct RolloutArgs {
     /// Partial rollouts (`[placement] mode = "async"`): generate one round of at most N new
     /// tokens per sequence, continuing the sequences of --carry and starting those of --in's
     /// prompts; groups whose samples all ended go to --out, the others to --carry-out. Each
-    /// token's policy version is recorded (`token_policy_version`). Refuses --tool, --baseline
-    /// and --stop (a round ends sequences on stop token ids and the length only).
+    /// token's policy version is recorded (`token_policy_version`). With --tool, episodes of
+    /// turns are carried across rounds (a turn's calls run at the end of the round that ends
+    /// it). Refuses --baseline.
     #[arg(long, value_name = "N", value_parser = at_least(1usize))]
     #[serde(default)]
     pub round_tokens: Option<usize>,
@@ -717,14 +718,8 @@ impl RolloutArgs {
 
     /// The flags a round of partial rollouts (`--round-tokens`) does not take.
     fn check_round_flags(&self) -> Result<()> {
-        if !self.tool.is_empty() {
-            bail_input!("--round-tokens: partial rollouts take no --tool (multi-turn samples are not continued across rounds)");
-        }
         if self.baseline.is_some() {
             bail_input!("--round-tokens: partial rollouts take no --baseline");
-        }
-        if !self.stop.is_empty() {
-            bail_input!("--round-tokens: partial rollouts end sequences on stop token ids only; drop --stop (or give its token ids with --stop-token-ids)");
         }
         if self.carry_out.is_none() {
             bail_input!(
@@ -768,6 +763,28 @@ impl RolloutArgs {
             },
             stop_token_ids: stop_ids,
             stop_strings: self.stop.clone(),
+        }
+    }
+
+    /// What a sample that calls `tools` is continued with: the limits, concurrency, timeout
+    /// and result cut of the flags, the observations of `observe` and the tool arguments
+    /// `kwargs` (one per request).
+    pub(crate) fn agent<'a>(
+        &self,
+        tools: Arc<dyn Tools>,
+        observe: Observe<'a>,
+        kwargs: Vec<serde_json::Value>,
+    ) -> Agent<'a> {
+        Agent {
+            tools,
+            limits: self.turn_limits().0,
+            concurrency: self.tool_concurrency,
+            timeout: Duration::from_secs_f64(self.tool_timeout),
+            observe,
+            cut: self
+                .max_tool_response_chars
+                .map(|n| (n, self.tool_response_truncate_side)),
+            kwargs,
         }
     }
 
@@ -888,27 +905,18 @@ pub fn run_with_tools(
         template,
         tokenizer: &prep.tokenizer,
     });
-    let observe = |turn: &[u32], contents: &[String]| match (&text, args.tool_format) {
-        (Some(t), ToolFormat::Hermes) => t.observe(turn, contents),
-        (Some(t), ToolFormat::Code) => t.observe_inline(&detok(turn)?, contents),
-        (None, _) => anyhow::bail!("tool results need the chat template"),
+    let observe = |turn: &[u32], contents: &[String]| {
+        observation(text.as_ref(), args.tool_format, &detok, (turn, contents))
     };
     // This process's prompts (all of them alone, its block among several ranks).
     let block = my_block(exec, n_prompts);
-    let agent = tools.map(|tools| Agent {
-        tools,
-        limits: args.turn_limits().0,
-        concurrency: args.tool_concurrency,
-        timeout: Duration::from_secs_f64(args.tool_timeout),
-        observe: &observe,
-        cut: args
-            .max_tool_response_chars
-            .map(|n| (n, args.tool_response_truncate_side)),
+    let agent = tools.map(|tools| {
         // With tools, one per dataset row.
-        kwargs: row_kwargs[block.clone()]
+        let kwargs = row_kwargs[block.clone()]
             .iter()
             .map(|k| k.clone().unwrap_or_default())
-            .collect(),
+            .collect();
+        args.agent(tools, &observe, kwargs)
     });
     let bar = exec.progress_bar(block.len() * args.n, "rollout");
     let job = Generate {

@@ -5,7 +5,7 @@
 
 use crate::batch::schema;
 use crate::data::{ChatTemplate, Message};
-use crate::engine::paged::{Completion, Trajectory};
+use crate::engine::paged::{Completion, Detokenize, Trajectory};
 use crate::tokenizer::Tokenizer;
 use crate::tool::{code, ToolFormat, Tools};
 use anyhow::Result;
@@ -59,6 +59,23 @@ impl ToolText<'_> {
         };
         self.tokenizer
             .encode(&code::output_block(sampled.ends_with('\n'), result))
+    }
+}
+
+/// The ids an observation adds after `turn` for the results `contents`, in `format`: the
+/// template's tool turn (`ToolText::observe`) or, in the code format, the inline output block
+/// after the turn's text (decoded by `detok`). Without a chat template (`text` None) there is
+/// none.
+pub(crate) fn observation(
+    text: Option<&ToolText>,
+    format: ToolFormat,
+    detok: Detokenize,
+    (turn, contents): (&[u32], &[String]),
+) -> Result<Vec<u32>> {
+    match (text, format) {
+        (Some(t), ToolFormat::Hermes) => t.observe(turn, contents),
+        (Some(t), ToolFormat::Code) => t.observe_inline(&detok(turn)?, contents),
+        (None, _) => anyhow::bail!("tool results need the chat template"),
     }
 }
 

@@ -14,8 +14,9 @@ use anyhow::{ensure, Result};
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use super::request::StopRule;
 use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
-use super::scheduler::{Batch, Flight, Scheduler, StopRule};
+use super::scheduler::{Batch, Flight, Scheduler};
 use super::turns::{Agent, ToolRunner};
 use super::{Chunk, PagedConfig, PagedModel, PagedStats, SampleRow};
 use crate::backend::ops::sample::{Sampled, SamplingParams};

@@ -25,7 +25,7 @@ mod turns;
 
 pub use engine::{generate_paged, generate_turns};
 pub use graphs::{GraphMode, GraphStats};
-pub use request::{Completion, Detokenize, FinishReason, GenParams, Request};
+pub use request::{Completion, Detokenize, FinishReason, GenParams, Request, StopRule};
 pub use runner::PagedDecoder;
 pub use sizing::{Limits, Need, Plan};
 pub use turns::{Agent, CallRecord, Observe, Trajectory, TurnLimits};

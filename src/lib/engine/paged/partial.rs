@@ -7,16 +7,26 @@
 //! not kept between rounds) under whatever weights the engine holds then.
 //!
 //! Each round draws with a key of its own (the sequence's key mixed with its length), so a
-//! continuation does not replay the uniforms of the round before; stop strings are not
-//! applied (they need the text across rounds): stop token ids and the length limit end a
-//! sequence.
+//! continuation does not replay the uniforms of the round before. The round's new tokens are
+//! added one by one under the engine's stop rule over the whole current turn
+//! (`sequence::turn_end`: stop token ids, stop strings, the code format's closed block, the
+//! length limits), so a stop string that straddles two rounds ends the sequence at the token
+//! that completes it; the tokens the engine drew past it are dropped.
+//!
+//! With tools (an [`Agent`]) a sequence is an episode of turns: a turn that ends with calls
+//! (`TurnLimits::may_call`, `calls_in`, as in the engine) has them run by the tool runner at
+//! the end of the round that ended it, and the observation (mask 0, log-prob 0) is appended
+//! before the next round starts the next turn; its tokens record the round's version.
 
 use anyhow::{ensure, Result};
 
 use super::engine::generate_paged;
-use super::request::{Completion, FinishReason, GenParams, Request};
+use super::request::{Completion, FinishReason, GenParams, Request, StopRule};
+use super::sequence::turn_end;
+use super::turns::{Agent, ToolRunner, Trajectory};
 use super::{PagedConfig, PagedModel, PagedStats};
 use crate::rng::mix_key;
+use crate::tool::ToolCall;
 
 /// One sequence across rounds.
 #[derive(Clone, Debug, PartialEq)]
@@ -28,13 +38,21 @@ pub struct InFlight {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub versions: Vec<u64>,
-    /// Set once the sequence has ended (stop token, or `max_new_tokens` in all).
+    /// Set once the sequence has ended (its turn ended under the stop rule without calls, or
+    /// an observation left no room).
     pub finish: Option<FinishReason>,
+    /// Once finished: its last turn's text (a stop string cut off), as a completion's.
+    pub text: String,
+    /// With tools: the episode's mask, turns and calls so far (None: one turn).
+    pub trajectory: Option<Trajectory>,
 }
 
+/// A turn's calls waiting to run: (sequence index, calls).
+pub type DueCalls = Vec<(usize, Vec<Result<ToolCall, String>>)>;
+
 impl InFlight {
-    /// A sequence not started yet.
-    pub fn new(prompt: Vec<u32>, key: u64) -> InFlight {
+    /// A sequence not started yet (with tools: an episode with no turn yet).
+    pub fn new(prompt: Vec<u32>, key: u64, tools: bool) -> InFlight {
         InFlight {
             prompt,
             key,
@@ -42,6 +60,8 @@ impl InFlight {
             logprobs: vec![],
             versions: vec![],
             finish: None,
+            text: String::new(),
+            trajectory: tools.then(Trajectory::default),
         }
     }
 
@@ -62,27 +82,104 @@ impl InFlight {
             n => mix_key(&[self.key, n as u64]),
         }
     }
+
+    /// Where its current turn starts in `tokens`: after the last observation token.
+    pub fn turn_start(&self) -> usize {
+        let mask = self.trajectory.as_ref().map_or(&[][..], |t| &t.mask[..]);
+        mask.iter().rposition(|&m| m == 0).map_or(0, |i| i + 1)
+    }
+
+    /// Appends one drawn token (sampled by `version`).
+    fn push(&mut self, token: u32, logprob: f32, version: u64) {
+        self.tokens.push(token);
+        self.logprobs.push(logprob);
+        self.versions.push(version);
+        if let Some(t) = &mut self.trajectory {
+            t.mask.push(1);
+        }
+    }
+
+    /// Its current turn ended for `reason` with `text`: the calls it makes (recorded with the
+    /// turn), or else the sequence is finished.
+    fn end_turn(
+        &mut self,
+        reason: FinishReason,
+        text: String,
+        rule: &StopRule,
+    ) -> Option<Vec<Result<ToolCall, String>>> {
+        let response = self.tokens.len();
+        if let (Some(l), Some(t), FinishReason::Stop) = (rule.turns, &mut self.trajectory, reason) {
+            if l.may_call(t, response) {
+                let calls = l.calls_in(&text, t.calls.len());
+                if !calls.is_empty() {
+                    t.turns.push(text);
+                    return Some(calls);
+                }
+            }
+        }
+        if let Some(t) = &mut self.trajectory {
+            t.turns.push(text.clone());
+        }
+        self.finish = Some(reason);
+        self.text = text;
+        None
+    }
+
+    /// Appends the observation `ids` of its calls' `records` (tokens of `version`, mask 0,
+    /// log-prob 0), cut to the room `limit` response tokens leave; with no room left after it
+    /// the sequence is finished by length (its last turn empty, as the engine ends one).
+    fn observe(
+        &mut self,
+        ids: &[u32],
+        records: Vec<super::CallRecord>,
+        limit: usize,
+        version: u64,
+    ) {
+        let room = limit.saturating_sub(self.tokens.len());
+        let take = ids.len().min(room);
+        self.tokens.extend_from_slice(&ids[..take]);
+        self.logprobs.extend(std::iter::repeat_n(0.0, take));
+        self.versions.extend(std::iter::repeat_n(version, take));
+        let t = self.trajectory.as_mut().expect("an episode with calls");
+        t.mask.extend(std::iter::repeat_n(0, take));
+        t.calls.extend(records);
+        if take == room {
+            self.finish = Some(FinishReason::Length);
+            self.text.clear();
+        }
+    }
 }
 
 /// Runs one round on `model` (the weights of policy `version`): every unfinished sequence of
-/// `seqs` gets up to `round_tokens` new tokens, never more than `params.max_new_tokens` in all;
-/// those that end are marked finished. Returns the engine's counters.
+/// `seqs` gets up to `round_tokens` new tokens, never more than the limits allow; turns that
+/// end under `rule` run their calls on `agent`, those that end the sequence mark it finished.
+/// Returns the engine's counters.
 pub fn round(
     model: &mut dyn PagedModel,
     cfg: &PagedConfig,
     seqs: &mut [InFlight],
-    params: &GenParams,
+    (rule, agent): (&StopRule, Option<&Agent>),
     round_tokens: usize,
     version: u64,
 ) -> Result<PagedStats> {
-    let (live, requests, this_round) = round_requests(seqs, params, round_tokens)?;
-    let (done, stats) = generate_paged(model, cfg, &requests, &this_round, None, &mut |_| {})?;
+    let (live, requests, this_round) = round_requests(seqs, rule, round_tokens)?;
+    let (done, stats) =
+        generate_paged(model, cfg, &requests, &this_round, rule.detok, &mut |_| {})?;
     let done: Vec<Completion> = done
         .into_iter()
         .map(|mut s| s.pop().expect("one sample per request"))
         .collect();
-    absorb(seqs, &live, done, params, version);
+    let due = absorb(seqs, &live, done, rule, version)?;
+    if let Some(agent) = agent {
+        answer_calls(seqs, due, agent, version)?;
+    }
     Ok(stats)
+}
+
+/// The most response tokens a sequence may have under `rule`.
+fn response_limit(rule: &StopRule) -> usize {
+    rule.turns
+        .map_or(rule.params.max_new_tokens, |l| l.max_response_tokens)
 }
 
 /// What a round generates: the unfinished sequences of `seqs` (their indices), a request for
@@ -91,16 +188,17 @@ pub fn round(
 /// or a rollout stage's own generation on its ranks).
 pub fn round_requests(
     seqs: &[InFlight],
-    params: &GenParams,
+    rule: &StopRule,
     round_tokens: usize,
 ) -> Result<(Vec<usize>, Vec<Request>, GenParams)> {
     ensure!(round_tokens > 0, "a round needs at least one new token");
     ensure!(
-        params.stop_strings.is_empty(),
-        "partial rollouts end sequences on stop token ids only"
+        rule.params.stop_strings.is_empty() || rule.detok.is_some(),
+        "stop strings need a detokenizer"
     );
+    let limit = response_limit(rule);
     let live: Vec<usize> = (0..seqs.len())
-        .filter(|&i| seqs[i].finish.is_none() && seqs[i].tokens.len() < params.max_new_tokens)
+        .filter(|&i| seqs[i].finish.is_none() && seqs[i].tokens.len() < limit)
         .collect();
     let requests: Vec<Request> = live
         .iter()
@@ -110,34 +208,75 @@ pub fn round_requests(
         })
         .collect();
     let this_round = GenParams {
-        max_new_tokens: round_tokens.min(params.max_new_tokens),
-        ..params.clone()
+        max_new_tokens: round_tokens.min(rule.params.max_new_tokens),
+        ..rule.params.clone()
     };
     Ok((live, requests, this_round))
 }
 
 /// Adds a round's completions (`done`, one per index of `live`, sampled by policy `version`)
-/// to their sequences, and marks those that ended.
+/// to their sequences token by token, until a turn ends under `rule` (the tokens drawn past
+/// its end are dropped): a sequence whose turn ends without calls is finished. Returns the
+/// turns' calls to run (`answer_calls`).
 pub fn absorb(
     seqs: &mut [InFlight],
     live: &[usize],
     done: Vec<Completion>,
-    params: &GenParams,
+    rule: &StopRule,
     version: u64,
-) {
+) -> Result<DueCalls> {
+    let mut due = Vec::new();
     for (&i, c) in live.iter().zip(done) {
         let s = &mut seqs[i];
-        // A sequence with fewer tokens left than a round keeps only those.
-        let room = params.max_new_tokens - s.tokens.len();
-        let take = c.tokens.len().min(room);
-        s.tokens.extend_from_slice(&c.tokens[..take]);
-        s.logprobs.extend_from_slice(&c.logprobs[..take]);
-        s.versions.extend(std::iter::repeat_n(version, take));
-        s.finish = match (c.finish, take < c.tokens.len()) {
-            (FinishReason::Stop, false) => Some(FinishReason::Stop),
-            _ if s.tokens.len() >= params.max_new_tokens => Some(FinishReason::Length),
-            _ => None,
-        };
+        let start = s.turn_start();
+        for (&t, &lp) in c.tokens.iter().zip(&c.logprobs) {
+            s.push(t, lp, version);
+            let Some((reason, text)) = turn_end(&s.tokens[start..], s.tokens.len(), rule)? else {
+                continue;
+            };
+            let text = match (text, rule.detok) {
+                (Some(t), _) => t,
+                (None, Some(d)) => d(&s.tokens[start..])?,
+                (None, None) => String::new(),
+            };
+            if let Some(calls) = s.end_turn(reason, text, rule) {
+                due.push((i, calls));
+            }
+            break;
+        }
+    }
+    Ok(due)
+}
+
+/// Runs the `due` calls of the sequences' turns on `agent`'s tools (its runner: at most
+/// `concurrency` at once, each given up after `timeout`; `agent.kwargs` per sequence index)
+/// and appends each turn's observation (`agent.observe`) as tokens of `version`. Returns the
+/// calls answered and how many of them failed.
+pub fn answer_calls(
+    seqs: &mut [InFlight],
+    due: DueCalls,
+    agent: &Agent,
+    version: u64,
+) -> Result<(usize, usize)> {
+    let (mut calls, mut errors) = (0, 0);
+    let mut runner = ToolRunner::new(agent);
+    for (i, calls) in due {
+        let turn = seqs[i].trajectory.as_ref().map_or(0, |t| t.turns.len() - 1);
+        runner.submit((i, i, turn, calls));
+    }
+    loop {
+        let busy = runner.busy();
+        for (i, records) in runner.poll(busy) {
+            let s = &mut seqs[i];
+            let contents: Vec<String> = records.iter().map(|r| r.result.clone()).collect();
+            calls += records.len();
+            errors += records.iter().filter(|r| r.error.is_some()).count();
+            let ids = (agent.observe)(&s.tokens[s.turn_start()..], &contents)?;
+            s.observe(&ids, records, agent.limits.max_response_tokens, version);
+        }
+        if !busy {
+            return Ok((calls, errors));
+        }
     }
 }
 
@@ -184,8 +323,13 @@ impl Rounds {
         (params, round_tokens, version): (&GenParams, usize, u64),
         next: &mut dyn FnMut(usize) -> Option<Group>,
     ) -> Result<PagedStats> {
+        let rule = StopRule {
+            params,
+            detok: None,
+            turns: None,
+        };
         self.round_with(next, &mut |seqs| {
-            round(model, cfg, seqs, params, round_tokens, version)
+            round(model, cfg, seqs, (&rule, None), round_tokens, version)
         })
     }
 
@@ -244,12 +388,21 @@ impl Rounds {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{params, tiny_config, toy_logits, PagedToy};
-    use super::super::PagedDecoder;
+    use super::super::{PagedDecoder, TurnLimits};
     use super::*;
     use crate::backend::cpu::Cpu;
     use crate::backend::ops::sample::{sample, uniform, SamplingParams, Scratch};
     use crate::model::decoder::{Decoder, SeqRef};
     use crate::model::init::random_weights;
+
+    /// The stop rule of `p` alone (no detokenizer, no tools).
+    fn plain(p: &GenParams) -> StopRule<'_> {
+        StopRule {
+            params: p,
+            detok: None,
+            turns: None,
+        }
+    }
 
     fn cfg() -> PagedConfig {
         PagedConfig {
@@ -282,13 +435,13 @@ mod tests {
         let vocab = 23;
         let p = params(7, vec![]);
         let mut seqs: Vec<InFlight> = (0..5u32)
-            .map(|i| InFlight::new(vec![i + 1, 2 * i + 3, 5], 100 + i as u64))
+            .map(|i| InFlight::new(vec![i + 1, 2 * i + 3, 5], 100 + i as u64, false))
             .collect();
         let mut version = 1;
         while seqs.iter().any(|s| s.finish.is_none()) {
             let mut toy = PagedToy::new(vocab, &cfg()).with_salt(version as u32);
             let before = seqs.clone();
-            round(&mut toy, &cfg(), &mut seqs, &p, 3, version).unwrap();
+            round(&mut toy, &cfg(), &mut seqs, (&plain(&p), None), 3, version).unwrap();
             for (b, s) in before.iter().zip(&seqs) {
                 // The reference: the round's draws one by one from the version's logits.
                 let key = b.round_key();
@@ -328,11 +481,11 @@ mod tests {
         let vocab = 6;
         let p = params(5, vec![0, 1]);
         let mut seqs: Vec<InFlight> = (0..40u32)
-            .map(|i| InFlight::new(vec![i % 4 + 2, 3], 7 * i as u64))
+            .map(|i| InFlight::new(vec![i % 4 + 2, 3], 7 * i as u64, false))
             .collect();
         let mut toy = PagedToy::new(vocab, &cfg());
         for v in 0..3 {
-            round(&mut toy, &cfg(), &mut seqs, &p, 2, v).unwrap();
+            round(&mut toy, &cfg(), &mut seqs, (&plain(&p), None), 2, v).unwrap();
         }
         let mut stopped = 0;
         for s in &seqs {
@@ -356,10 +509,268 @@ mod tests {
         assert!(stopped > 0 && stopped < seqs.len(), "{stopped}");
         // A finished sequence takes no more tokens.
         let before = seqs.clone();
-        round(&mut toy, &cfg(), &mut seqs, &p, 2, 9).unwrap();
+        round(&mut toy, &cfg(), &mut seqs, (&plain(&p), None), 2, 9).unwrap();
         assert_eq!(before, seqs);
-        let e = round(&mut toy, &cfg(), &mut seqs, &p, 0, 9).unwrap_err();
+        let e = round(&mut toy, &cfg(), &mut seqs, (&plain(&p), None), 0, 9).unwrap_err();
         assert!(e.to_string().contains("at least one new token"), "{e}");
+    }
+
+    /// Token t is the letter 'a' + t.
+    fn letters(ids: &[u32]) -> Result<String> {
+        Ok(ids.iter().map(|&t| char::from(b'a' + t as u8)).collect())
+    }
+
+    /// Rounds of `round_tokens` up to 12 tokens with the stop rule `rule`, under versions 0, 1,
+    /// 2, ... until every sequence ends.
+    fn rounds_of(seqs: &mut [InFlight], rule: &StopRule, round_tokens: usize) {
+        let mut v = 0;
+        while seqs.iter().any(|s| s.finish.is_none()) {
+            let mut toy = PagedToy::new(6, &cfg()).with_salt(v);
+            round(&mut toy, &cfg(), seqs, (rule, None), round_tokens, v as u64).unwrap();
+            v += 1;
+        }
+    }
+
+    /// Stop strings across rounds: rounds of 1 and 2 tokens (so a stop string of 2 or 3
+    /// letters is begun in one round and completed in a later one) end each sequence at the
+    /// token that completes its first stop string, with the text cut before it: the same
+    /// rounds without stop strings draw the same tokens, and cut there they are the sequences
+    /// with them. One round of the whole length is the engine's own generation with the stop
+    /// strings.
+    #[test]
+    fn stop_strings_that_straddle_rounds_end_sequences() {
+        let stops = vec!["ca".to_string(), "fff".to_string()];
+        let with = GenParams {
+            stop_strings: stops.clone(),
+            ..params(12, vec![])
+        };
+        let without = params(12, vec![]);
+        let rule = |p| StopRule {
+            params: p,
+            detok: Some(&letters),
+            turns: None,
+        };
+        let fresh = || -> Vec<InFlight> {
+            (0..40u32)
+                .map(|i| InFlight::new(vec![i % 5 + 1, 2], 11 * i as u64 + 3, false))
+                .collect()
+        };
+        let mut straddled = 0;
+        for round_tokens in [1, 2] {
+            let (mut cut, mut whole) = (fresh(), fresh());
+            rounds_of(&mut cut, &rule(&with), round_tokens);
+            rounds_of(&mut whole, &rule(&without), round_tokens);
+            for (c, w) in cut.iter().zip(&whole) {
+                let text = letters(&w.tokens).unwrap();
+                let first = stops
+                    .iter()
+                    .filter_map(|s| text.find(s.as_str()).map(|at| (at, at + s.len())))
+                    .min_by_key(|&(_, end)| end);
+                match first {
+                    Some((at, end)) => {
+                        assert_eq!(c.tokens, w.tokens[..end], "{c:?}");
+                        assert_eq!(c.finish, Some(FinishReason::Stop));
+                        assert_eq!(c.text, text[..at]);
+                        assert_eq!(c.versions, w.versions[..end]);
+                        // The string's first letter came in an earlier round than its last.
+                        straddled += usize::from(c.versions[at] < c.versions[end - 1]);
+                    }
+                    None => {
+                        assert_eq!(c, w);
+                        assert_eq!(c.finish, Some(FinishReason::Length));
+                    }
+                }
+            }
+        }
+        assert!(straddled > 10, "{straddled} stop strings straddled rounds");
+        // One round of the whole length: the engine's generation with the stop strings.
+        let mut one = fresh();
+        rounds_of(&mut one, &rule(&with), 12);
+        let requests: Vec<Request> = fresh()
+            .iter()
+            .map(|s| Request {
+                prompt: s.prompt.clone(),
+                sample_keys: vec![s.key],
+            })
+            .collect();
+        let mut toy = PagedToy::new(6, &cfg()).with_salt(0);
+        let (done, _) = generate_paged(
+            &mut toy,
+            &cfg(),
+            &requests,
+            &with,
+            Some(&letters),
+            &mut |_| {},
+        )
+        .unwrap();
+        for (s, d) in one.iter().zip(done) {
+            assert_eq!(s.tokens, d[0].tokens);
+            assert_eq!(s.text, d[0].text);
+            assert_eq!(Some(d[0].finish), s.finish);
+        }
+    }
+
+    /// Bytes are ids 0..256; 256 ends a turn and decodes to nothing.
+    fn bytes_text(ids: &[u32]) -> Result<String> {
+        let b: Vec<u8> = ids.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
+        Ok(String::from_utf8_lossy(&b).into_owned())
+    }
+
+    fn bytes(s: &str) -> Vec<u32> {
+        s.bytes().map(u32::from).collect()
+    }
+
+    /// `add` answers a + b.
+    struct Add;
+
+    impl crate::tool::Tools for Add {
+        fn schemas(&self) -> Vec<serde_json::Value> {
+            vec![]
+        }
+        fn call(&self, call: &ToolCall, _: &serde_json::Value) -> crate::tool::ToolResult {
+            let arg = |k: &str| call.arguments[k].as_i64().unwrap_or(0);
+            crate::tool::ToolResult {
+                content: (arg("a") + arg("b")).to_string(),
+                seconds: 0.0,
+                error: None,
+            }
+        }
+    }
+
+    /// The observation of results `r`: "[r1|r2]" in bytes.
+    fn observe(_: &[u32], r: &[String]) -> Result<Vec<u32>> {
+        Ok(bytes(&format!("[{}]", r.join("|"))))
+    }
+
+    /// An episode fed in rounds of 5 tokens (what an engine drew, past a turn's end too): the
+    /// turn that ends (at token 256) with a call has it run at the end of its round and its
+    /// observation appended (mask 0, log-prob 0, the round's version); the tokens drawn past
+    /// the turn's end are dropped; the next turn starts in the next round; a turn without a
+    /// call, or the last turn max-turns allows, ends the episode (its calls not run); and an
+    /// observation with no room left under max-response-tokens is cut and ends it by length.
+    #[test]
+    fn episodes_run_their_calls_between_rounds() {
+        let call = |a: i32| {
+            let mut t = bytes(&format!(
+                r#"<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": 1}}}}</tool_call>"#
+            ));
+            t.push(256);
+            t
+        };
+        let p = params(100, vec![256]);
+        let lim = |max_turns, max_response_tokens| TurnLimits {
+            max_turns,
+            max_tool_calls: 4,
+            max_parallel_calls: 4,
+            max_response_tokens,
+            format: crate::tool::ToolFormat::Hermes,
+        };
+        // Turns to draw, in order; each round draws 5 more tokens of what is left (and junk
+        // past a turn's end).
+        let run = |turns: Vec<Vec<u32>>, limits: TurnLimits| -> (InFlight, Vec<u64>) {
+            let agent = Agent {
+                tools: std::sync::Arc::new(Add),
+                limits,
+                concurrency: 2,
+                timeout: std::time::Duration::from_secs(5),
+                observe: &observe,
+                cut: None,
+                kwargs: vec![],
+            };
+            let rule = StopRule {
+                params: &p,
+                detok: Some(&bytes_text),
+                turns: Some(limits),
+            };
+            let mut seqs = vec![InFlight::new(vec![1, 2], 7, true)];
+            let mut script: Vec<u32> = turns.concat();
+            let (mut version, mut rounds) = (0, vec![]);
+            while seqs[0].finish.is_none() {
+                let (live, _, _) = round_requests(&seqs, &rule, 5).unwrap();
+                let mut drawn: Vec<u32> = script.iter().take(5).copied().collect();
+                drawn.resize(5, 65);
+                let before = seqs[0].tokens.len();
+                let c = Completion {
+                    logprobs: vec![-0.5; 5],
+                    tokens: drawn,
+                    finish: FinishReason::Length,
+                    text: String::new(),
+                    trajectory: None,
+                };
+                let due = absorb(&mut seqs, &live, vec![c], &rule, version).unwrap();
+                let sampled = seqs[0].trajectory.as_ref().unwrap().mask[before..]
+                    .iter()
+                    .filter(|&&m| m == 1)
+                    .count();
+                script.drain(..sampled.min(script.len()));
+                let n = due.iter().map(|(_, c)| c.len()).sum::<usize>();
+                assert_eq!(
+                    answer_calls(&mut seqs, due, &agent, version).unwrap(),
+                    (n, 0)
+                );
+                rounds.push(version);
+                version += 1;
+            }
+            (seqs.pop().unwrap(), rounds)
+        };
+        let (c1, c2) = (call(2), call(40));
+        let last = bytes("it is 3");
+        // Two calls, then an answer.
+        let (s, rounds) = run(
+            vec![c1.clone(), c2.clone(), [&last[..], &[256]].concat()],
+            lim(3, 200),
+        );
+        let t = s.trajectory.clone().unwrap();
+        let (o1, o2) = (bytes("[3]"), bytes("[41]"));
+        let want = [&c1[..], &o1, &c2, &o2, &last, &[256]].concat();
+        assert_eq!(s.tokens, want);
+        let mask: Vec<u8> = [
+            (c1.len(), 1),
+            (o1.len(), 0),
+            (c2.len(), 1),
+            (o2.len(), 0),
+            (last.len() + 1, 1),
+        ]
+        .iter()
+        .flat_map(|&(n, m)| std::iter::repeat_n(m, n))
+        .collect();
+        assert_eq!(t.mask, mask);
+        for (j, (&m, &lp)) in t.mask.iter().zip(&s.logprobs).enumerate() {
+            assert_eq!(lp, if m == 0 { 0.0 } else { -0.5 }, "token {j}");
+        }
+        let results: Vec<&str> = t.calls.iter().map(|c| c.result.as_str()).collect();
+        assert_eq!(results, ["3", "41"]);
+        assert_eq!(t.turns.len(), 3);
+        assert_eq!(t.turns[2], "it is 3");
+        assert_eq!(
+            (s.finish, s.text.as_str()),
+            (Some(FinishReason::Stop), "it is 3")
+        );
+        // A turn ends in the round of its 256; its observation carries that round's version
+        // and the next turn starts in the next round.
+        let end1 = c1.len() - 1;
+        let round1 = end1 / 5;
+        assert!(s.versions[..=end1].iter().all(|&v| v <= round1 as u64));
+        assert!(s.versions[end1 + 1..end1 + 1 + o1.len()]
+            .iter()
+            .all(|&v| v == round1 as u64));
+        assert_eq!(s.versions[end1 + 1 + o1.len()], round1 as u64 + 1);
+        assert!(rounds.len() > 4, "the episode spans rounds");
+        // max-turns = 2: the second turn's call is not run; the episode ends with it.
+        let (s, _) = run(vec![c1.clone(), c2.clone(), last.clone()], lim(2, 200));
+        let t = s.trajectory.unwrap();
+        assert_eq!(t.calls.len(), 1);
+        assert_eq!(s.tokens, [&c1[..], &o1, &c2].concat());
+        assert_eq!(s.finish, Some(FinishReason::Stop));
+        // No room for the whole observation: it is cut and the episode ends by length.
+        let room = c1.len() + 2;
+        let (s, _) = run(vec![c1.clone(), last.clone()], lim(3, room));
+        assert_eq!(s.tokens, [&c1[..], &o1[..2]].concat());
+        assert_eq!(
+            (s.finish, s.text.as_str()),
+            (Some(FinishReason::Length), "")
+        );
+        assert_eq!(s.trajectory.unwrap().mask[c1.len()..], [0, 0]);
     }
 
     /// The real decoder on the CPU: rounds of 4 tokens under three weight versions (random
@@ -389,12 +800,20 @@ mod tests {
         let mut seqs: Vec<InFlight> = [vec![5, 9, 13], vec![1; 7], vec![88]]
             .into_iter()
             .enumerate()
-            .map(|(i, prompt)| InFlight::new(prompt, 40 + i as u64))
+            .map(|(i, prompt)| InFlight::new(prompt, 40 + i as u64, false))
             .collect();
         for (v, w) in weights.iter().enumerate() {
             let mut dec = Decoder::new(Cpu, &cfg, w).unwrap();
             let mut paged = PagedDecoder::new(&mut dec, pc.num_blocks, pc.block_size).unwrap();
-            round(&mut paged, &pc, &mut seqs, &p, 4, v as u64 + 1).unwrap();
+            round(
+                &mut paged,
+                &pc,
+                &mut seqs,
+                (&plain(&p), None),
+                4,
+                v as u64 + 1,
+            )
+            .unwrap();
         }
         let full: Vec<Vec<u32>> = seqs
             .iter()
@@ -448,7 +867,7 @@ mod tests {
             .map(|id| Group {
                 id,
                 seqs: (0..2)
-                    .map(|j| InFlight::new(vec![id as u32 % 7 + 1, 2], id * 10 + j))
+                    .map(|j| InFlight::new(vec![id as u32 % 7 + 1, 2], id * 10 + j, false))
                     .collect(),
             })
             .peekable();
@@ -494,7 +913,7 @@ mod tests {
         // A group larger than the seats is an error, not a hang.
         let mut big = Some(Group {
             id: 99,
-            seqs: (0..6).map(|j| InFlight::new(vec![1], j)).collect(),
+            seqs: (0..6).map(|j| InFlight::new(vec![1], j, false)).collect(),
         });
         let mut toy = PagedToy::new(vocab, &cfg());
         let e = Rounds::new(5)

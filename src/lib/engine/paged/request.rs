@@ -12,7 +12,7 @@
 
 use anyhow::{bail, ensure, Result};
 
-use super::turns::Trajectory;
+use super::turns::{Trajectory, TurnLimits};
 use super::PagedConfig;
 use crate::backend::ops::sample::SamplingParams;
 use crate::error::input_error;
@@ -67,6 +67,15 @@ pub struct Completion {
 
 /// Token ids to text, for stop strings and the response text.
 pub type Detokenize<'a> = &'a (dyn Fn(&[u32]) -> Result<String> + Sync);
+
+/// What every draw is checked against: the stop rule's parameters and the detokenizer, and
+/// with tools the trajectory's limits.
+pub struct StopRule<'a> {
+    pub params: &'a GenParams,
+    pub detok: Option<Detokenize<'a>>,
+    /// With tools: the trajectory's limits.
+    pub turns: Option<TurnLimits>,
+}
 
 impl GenParams {
     /// Checks the parameters and every request before anything runs: prompts must be

@@ -29,9 +29,9 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use super::blocks::BlockPool;
-use super::request::{Completion, Detokenize, FinishReason, GenParams, Request};
+use super::request::{Completion, FinishReason, Request, StopRule};
 use super::sequence::{Kind, Seq};
-use super::turns::{CallRecord, Calls, Observe, TurnLimits};
+use super::turns::{CallRecord, Calls, Observe};
 use super::{Chunk, PagedConfig, PagedStats, SampleRow};
 use crate::backend::ops::sample::Sampled;
 use crate::tool::ToolCall;
@@ -86,14 +86,6 @@ impl Flight {
             ..self
         }
     }
-}
-
-/// What every draw is checked against: the stop rule's parameters and the detokenizer, and
-/// with tools the trajectory's limits.
-pub(super) struct StopRule<'a> {
-    pub(super) params: &'a GenParams,
-    pub(super) detok: Option<Detokenize<'a>>,
-    pub(super) turns: Option<TurnLimits>,
 }
 
 /// What applying a step's draws leaves to the engine: per running entry (aligned with the
@@ -593,12 +585,7 @@ impl<'r> Scheduler<'r> {
                 t
             };
             let mut c = p.sample(j, k, blocks, post.rule.turns.is_some());
-            match c.accept(
-                *d,
-                post.rule.params,
-                post.rule.detok,
-                post.rule.turns.as_ref(),
-            )? {
+            match c.accept(*d, post.rule)? {
                 Some(reason) => ended.push((c, reason)),
                 None => post.next.push(c),
             }
@@ -615,7 +602,7 @@ impl<'r> Scheduler<'r> {
     /// finished (`finish`). Returns whether it stays.
     fn settle(&mut self, mut s: Seq, d: Sampled, fed_next: bool, post: &mut Post) -> Result<bool> {
         let rule = post.rule;
-        match s.accept(d, rule.params, rule.detok, rule.turns.as_ref())? {
+        match s.accept(d, rule)? {
             Some(reason) => self.conclude(s, reason, fed_next, post),
             None => {
                 post.next.push(s);
@@ -756,19 +743,14 @@ fn tool_turn(
     let Some(t) = s.traj.as_deref() else {
         return Ok(None);
     };
-    let used = t.calls.len();
-    if t.turns.len() + 1 >= l.max_turns || used >= l.max_tool_calls {
-        return Ok(None);
-    }
-    if response >= l.max_response_tokens {
+    if !l.may_call(t, response) {
         return Ok(None);
     }
     let text = s.turn_text(rule.detok)?;
-    let mut calls = l.format.parse(&text);
+    let calls = l.calls_in(&text, t.calls.len());
     if calls.is_empty() {
         return Ok(None);
     }
-    calls.truncate((l.max_tool_calls - used).min(l.max_parallel_calls));
     s.traj.as_mut().expect("checked").turns.push(text);
     Ok(Some(calls))
 }

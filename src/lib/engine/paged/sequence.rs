@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use std::ops::Range;
 
-use super::request::{Completion, Detokenize, FinishReason, GenParams};
+use super::request::{Completion, Detokenize, FinishReason, StopRule};
 use super::turns::{Trajectory, TurnLimits};
 use crate::backend::ops::sample::Sampled;
 use crate::tool::{code, ToolCall, ToolFormat};
@@ -67,16 +67,9 @@ impl Seq {
         self.pending() > 1 || matches!(self.kind, Kind::Prompt { .. })
     }
 
-    /// Appends a drawn token; returns why the turn is finished, if it is (in the code format a
-    /// closed ```` ```python ```` block first; then `GenParams::finish`, the one stop rule, over
-    /// the current turn; and the trajectory's length limit).
-    pub(super) fn accept(
-        &mut self,
-        d: Sampled,
-        params: &GenParams,
-        detok: Option<Detokenize>,
-        limits: Option<&TurnLimits>,
-    ) -> Result<Option<FinishReason>> {
+    /// Appends a drawn token; returns why the turn is finished, if it is ([`turn_end`] over
+    /// the current turn).
+    pub(super) fn accept(&mut self, d: Sampled, rule: &StopRule) -> Result<Option<FinishReason>> {
         self.tokens.push(d.token);
         self.logprobs.push(d.logprob);
         if let Some(t) = &mut self.traj {
@@ -85,42 +78,15 @@ impl Seq {
         if let Kind::Sample { sample, .. } = self.kind {
             crate::engine::stream::emit(self.req, sample, d.token, d.logprob);
         }
-        if let Some(text) = self.closed_code_block(detok, limits)? {
-            if let Kind::Sample { stopped_text, .. } = &mut self.kind {
-                *stopped_text = Some(text);
-            }
-            return Ok(Some(FinishReason::Stop));
-        }
-        let Some((reason, text)) = params.finish(&self.tokens[self.turn_start..], detok)? else {
-            let total = self.tokens.len() - self.prompt_len;
-            if limits.is_some_and(|l| total >= l.max_response_tokens) {
-                return Ok(Some(FinishReason::Length));
-            }
+        let response = self.tokens.len() - self.prompt_len;
+        let Some((reason, text)) = turn_end(&self.tokens[self.turn_start..], response, rule)?
+        else {
             return Ok(None);
         };
         if let (Some(t), Kind::Sample { stopped_text, .. }) = (text, &mut self.kind) {
             *stopped_text = Some(t);
         }
         Ok(Some(reason))
-    }
-
-    /// In the code format, the current turn's text when the token just drawn closed a
-    /// ```` ```python ```` block in it (the turn then ends, its text kept whole).
-    fn closed_code_block(
-        &self,
-        detok: Option<Detokenize>,
-        limits: Option<&TurnLimits>,
-    ) -> Result<Option<String>> {
-        let (Some(d), Some(ToolFormat::Code)) = (detok, limits.map(|l| l.format)) else {
-            return Ok(None);
-        };
-        // Only a token holding a backtick can complete a fence: the turn is decoded again then
-        // only.
-        if !d(&self.tokens[self.tokens.len() - 1..])?.contains('`') {
-            return Ok(None);
-        }
-        let text = d(&self.tokens[self.turn_start..])?;
-        Ok(code::closed_block(&text).is_some().then_some(text))
     }
 
     /// Sample `sample` of this prompt, the `k`-th forked from it, over `blocks`: the prompt's
@@ -203,4 +169,51 @@ impl Seq {
         };
         Ok((self.req, sample, completion))
     }
+}
+
+/// Why a turn ends after the token just drawn (the last of `turn`, the turn's tokens;
+/// `response` tokens in the whole response), if it does, with the turn's text when it is cut
+/// or kept whole: in the code format a closed ```` ```python ```` block first (the text kept
+/// whole); then `GenParams::finish`, the one stop rule, over the turn; then the trajectory's
+/// length limit. The engine's samples and the rounds of partial rollouts
+/// (`super::partial`) end turns by it.
+pub(super) fn turn_end(
+    turn: &[u32],
+    response: usize,
+    rule: &StopRule,
+) -> Result<Option<(FinishReason, Option<String>)>> {
+    if let Some(text) = closed_code_block(turn, rule.detok, rule.turns.as_ref())? {
+        return Ok(Some((FinishReason::Stop, Some(text))));
+    }
+    if let Some(end) = rule.params.finish(turn, rule.detok)? {
+        return Ok(Some(end));
+    }
+    if rule
+        .turns
+        .is_some_and(|l| response >= l.max_response_tokens)
+    {
+        return Ok(Some((FinishReason::Length, None)));
+    }
+    Ok(None)
+}
+
+/// In the code format, the text of `turn` when its last token closed a ```` ```python ````
+/// block in it (the turn then ends, its text kept whole).
+fn closed_code_block(
+    turn: &[u32],
+    detok: Option<Detokenize>,
+    limits: Option<&TurnLimits>,
+) -> Result<Option<String>> {
+    let (Some(d), Some(ToolFormat::Code), Some(last)) =
+        (detok, limits.map(|l| l.format), turn.last())
+    else {
+        return Ok(None);
+    };
+    // Only a token holding a backtick can complete a fence: the turn is decoded again then
+    // only.
+    if !d(std::slice::from_ref(last))?.contains('`') {
+        return Ok(None);
+    }
+    let text = d(turn)?;
+    Ok(code::closed_block(&text).is_some().then_some(text))
 }

@@ -33,6 +33,24 @@ pub struct TurnLimits {
     pub format: ToolFormat,
 }
 
+impl TurnLimits {
+    /// Whether a trajectory `t` with `response` tokens may still call tools after the turn
+    /// that just ended (it is not its last turn, calls and room are left).
+    pub(super) fn may_call(&self, t: &Trajectory, response: usize) -> bool {
+        t.turns.len() + 1 < self.max_turns
+            && t.calls.len() < self.max_tool_calls
+            && response < self.max_response_tokens
+    }
+
+    /// The calls in a turn's `text` that run, `used` calls made before: those past
+    /// --max-tool-calls or --max-parallel-calls are dropped.
+    pub(super) fn calls_in(&self, text: &str, used: usize) -> Vec<Result<ToolCall, String>> {
+        let mut calls = self.format.parse(text);
+        calls.truncate((self.max_tool_calls - used).min(self.max_parallel_calls));
+        calls
+    }
+}
+
 /// The token ids an observation adds after a turn: given the turn's sampled ids (its last may
 /// be the end-of-turn marker the template would write) and the contents of its calls' results.
 pub type Observe<'a> = &'a (dyn Fn(&[u32], &[String]) -> Result<Vec<u32>> + Sync);

@@ -3,7 +3,7 @@
 //! one passes the pipeline's checks, and the runner hands the agent the rollout's multi-turn
 //! settings (system prompt, tools, turn and token limits) so that it plays by the same rules.
 
-use crate::pipeline::{real_bins, shipped_spec as spec, text, PIPELINE};
+use crate::pipeline::{gsm8k_checkout, real_bins, shipped_spec as spec, text, PIPELINE};
 use crate::stage_util::model_and_train_set;
 use std::path::Path;
 use std::process::Command;
@@ -57,18 +57,7 @@ fn the_agent_spec_passes_the_pipeline_checks() {
     // Stand-ins where the spec reads its model and data.
     let dir = tempfile::tempdir().unwrap();
     let w = dir.path();
-    model_and_train_set(w, 64, 128, 4);
-    let link = |from: &str, to: &Path| {
-        std::fs::create_dir_all(w.join(from).parent().unwrap()).unwrap();
-        std::os::unix::fs::symlink(to, w.join(from)).unwrap();
-    };
-    link("models/qwen2.5-coder-1.5b", &w.join("model"));
-    link("data/gsm8k/train.parquet", &w.join("train.parquet"));
-    link("data/gsm8k/test.parquet", &w.join("train.parquet"));
-    link(
-        "pipelines",
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines"),
-    );
+    gsm8k_checkout(w, "qwen2.5-coder-1.5b");
     let o = Command::new(PIPELINE)
         .current_dir(w)
         .args([

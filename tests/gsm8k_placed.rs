@@ -2,9 +2,7 @@
 //! one-step-off spec is the on-policy run of one GPU with rollout and training placed on two,
 //! plus the rollout correction that one step off needs, and it passes the pipeline's checks.
 
-use crate::pipeline::{shipped_spec, text, PIPELINE};
-use crate::stage_util::model_and_train_set;
-use std::path::Path;
+use crate::pipeline::{gsm8k_checkout, shipped_spec, text, PIPELINE};
 use std::process::Command;
 
 const ON_POLICY: &str = "pipelines/gsm8k-qwen2.5-coder-0.5b-onpolicy-cuda.toml";
@@ -31,18 +29,7 @@ fn the_one_step_off_spec_is_the_on_policy_run_placed_on_two_gpus() {
 fn the_one_step_off_spec_passes_the_pipeline_checks() {
     let dir = tempfile::tempdir().unwrap();
     let w = dir.path();
-    model_and_train_set(w, 64, 128, 4);
-    let link = |from: &str, to: &Path| {
-        std::fs::create_dir_all(w.join(from).parent().unwrap()).unwrap();
-        std::os::unix::fs::symlink(to, w.join(from)).unwrap();
-    };
-    link("models/qwen2.5-coder-0.5b", &w.join("model"));
-    link("data/gsm8k/train.parquet", &w.join("train.parquet"));
-    link("data/gsm8k/test.parquet", &w.join("train.parquet"));
-    link(
-        "pipelines",
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines"),
-    );
+    gsm8k_checkout(w, "qwen2.5-coder-0.5b");
     let o = Command::new(PIPELINE)
         .current_dir(w)
         .args(["run", ONE_STEP_OFF, "--dry-run", "--steps", "3"])

@@ -1501,6 +1501,24 @@ pub(crate) fn tandem_ok(d: &Path, args: &[&str]) {
     assert_ok(&o);
 }
 
+/// A stand-in of the repository where a shipped GSM8K spec looks: a tiny model at
+/// `models/MODEL`, its train set as `data/gsm8k/{train,test}.parquet`, and `pipelines/` (the
+/// real one, for the spec and its reward files), in `w`.
+pub(crate) fn gsm8k_checkout(w: &Path, model: &str) {
+    stage_util::model_and_train_set(w, 64, 128, 4);
+    let link = |from: &str, to: &Path| {
+        std::fs::create_dir_all(w.join(from).parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(to, w.join(from)).unwrap();
+    };
+    link(&format!("models/{model}"), &w.join("model"));
+    link("data/gsm8k/train.parquet", &w.join("train.parquet"));
+    link("data/gsm8k/test.parquet", &w.join("train.parquet"));
+    link(
+        "pipelines",
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines"),
+    );
+}
+
 /// A spec shipped in `pipelines/`, parsed.
 pub(crate) fn shipped_spec(name: &str) -> toml::Table {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(name);

@@ -117,6 +117,22 @@ impl Shared {
         f(&mut self.lock());
         self.cv.notify_all();
     }
+
+    /// Waits for a change of the queue, 200 ms at most (a side polls what it waits for).
+    fn wait<'a>(&self, q: MutexGuard<'a, Queue>) -> MutexGuard<'a, Queue> {
+        self.cv
+            .wait_timeout(q, Duration::from_millis(200))
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+    }
+
+    /// `wait`, its time counted as the rollout side's idle time.
+    fn wait_idle<'a>(&self, q: MutexGuard<'a, Queue>) -> MutexGuard<'a, Queue> {
+        let t0 = Instant::now();
+        let mut q = self.wait(q);
+        q.rollout_idle_s += t0.elapsed().as_secs_f64();
+        q
+    }
 }
 
 /// The rollout side: the rounds, one after the other, until told to stop.
@@ -203,14 +219,7 @@ impl RoundLoop {
                 q.running = true;
                 return Some(free);
             }
-            let t0 = Instant::now();
-            q = self
-                .shared
-                .cv
-                .wait_timeout(q, Duration::from_millis(200))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-            q.rollout_idle_s += t0.elapsed().as_secs_f64();
+            q = self.shared.wait_idle(q);
         }
     }
 
@@ -651,11 +660,7 @@ fn pause(shared: &Shared) -> Result<()> {
         if !q.running || q.stop {
             return Ok(());
         }
-        q = shared
-            .cv
-            .wait_timeout(q, Duration::from_millis(200))
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+        q = shared.wait(q);
     }
 }
 
@@ -676,11 +681,7 @@ fn wait_for_group(shared: &Shared) -> Result<Option<Ready>> {
             return Ok(Some(g));
         }
         anyhow::ensure!(!q.stop, "the rollout rounds stopped");
-        q = shared
-            .cv
-            .wait_timeout(q, Duration::from_millis(200))
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+        q = shared.wait(q);
     }
 }
 

@@ -11,7 +11,6 @@ use crate::pipeline::daemons::MAX_DAEMON_RESTARTS;
 use crate::pipeline::sampler::Cursor;
 use anyhow::{Context, Result};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
 /// A round whose command failed, handed from the rounds thread to the training side.
 #[derive(Debug)]
@@ -36,14 +35,7 @@ impl RoundLoop {
         q.running = false;
         self.shared.cv.notify_all();
         while (q.failed.is_some() || q.restarting) && !q.stop {
-            let t0 = Instant::now();
-            q = self
-                .shared
-                .cv
-                .wait_timeout(q, Duration::from_millis(200))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-            q.rollout_idle_s += t0.elapsed().as_secs_f64();
+            q = self.shared.wait_idle(q);
         }
         !q.stop
     }

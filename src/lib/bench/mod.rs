@@ -5,6 +5,7 @@
 pub(crate) mod cpu_engine;
 pub(crate) mod cpu_stages;
 pub(crate) mod dist;
+pub(crate) mod gpu_clock;
 pub mod gpu_test;
 pub(crate) mod grpo_step;
 pub(crate) mod logprob;

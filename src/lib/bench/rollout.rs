@@ -10,6 +10,7 @@
 //! - compute: (2 · params · tokens + attention FLOPs) / time, over a measured big bf16 GEMM.
 
 use super::cpu_engine::shape;
+use super::gpu_clock::{ClockSampler, ClockSummary};
 use super::report;
 use crate::backend::ops::sample::{sample_key, uniform, Sampled, SamplingParams};
 use crate::backend::{Backend, BlockTables, DType, Draws, KvCache, MatmulShape, PagedAttnShape};
@@ -149,6 +150,8 @@ struct Measured {
     split: StepSplit,
     /// GEMM plans made during the run and the seconds they took.
     planning: (u64, f64),
+    /// The GPU's SM clock and power during the run (CUDA, with `nvidia-smi`).
+    clocks: Option<ClockSummary>,
 }
 
 struct Bench<'a> {
@@ -506,15 +509,22 @@ impl Job for Bench<'_> {
                     .flat_map(move |c| (1..=reps).map(move |r| (c, m, r))),
             )
         });
+        let sampler = name
+            .strip_prefix("cuda:")
+            .and_then(|o| o.parse().ok())
+            .and_then(ClockSampler::start);
         for (case, mode, run) in runs {
             if mode == StepMode::Graphs && !graphs {
                 continue;
             }
+            let t0 = Instant::now();
             let timed = self.time_case(&mut dec, case, mode)?;
             if case.name == warm.name {
                 continue;
             }
-            out.push(roof.measured(case, mode, run, timed));
+            let mut m = roof.measured(case, mode, run, timed);
+            m.clocks = sampler.as_ref().and_then(|s| s.summary(t0, Instant::now()));
+            out.push(m);
         }
         let parts = breakdown(&mut dec, self.breakdown_rows(), 256)?;
         Ok((out, bw, peak, name, parts, merge_s))
@@ -672,6 +682,7 @@ impl Roofline {
             ),
             split: r.split,
             planning: r.planning,
+            clocks: None,
         }
     }
 }
@@ -1093,6 +1104,7 @@ fn print_report(
             "GEMM plans",
             "len mean/p50/p90/p99/max",
             "at cap",
+            "SM MHz / W (power-capped)",
         ],
         &table,
         &json!({
@@ -1154,6 +1166,14 @@ fn run_row(m: &Measured, bw: f64, peak: f64) -> (Vec<String>, serde_json::Value)
             m.lengths.mean, m.lengths.p50, m.lengths.p90, m.lengths.p99, m.lengths.max
         ),
         format!("{:.1}%", 100.0 * m.lengths.at_cap),
+        m.clocks.map_or("-".into(), |c| {
+            format!(
+                "{:.0} / {:.0} ({:.0}%)",
+                c.sm_mhz_median,
+                c.power_w_mean,
+                100.0 * c.power_capped_fraction
+            )
+        }),
     ];
     let js = json!({
         "case": m.name,
@@ -1181,6 +1201,7 @@ fn run_row(m: &Measured, bw: f64, peak: f64) -> (Vec<String>, serde_json::Value)
         "gemm_plans": m.planning.0,
         "gemm_planning_s": m.planning.1,
         "lengths": m.lengths.json(),
+        "gpu_clocks": m.clocks,
     });
     (row, js)
 }

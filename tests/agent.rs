@@ -1389,4 +1389,16 @@ fn async_mode_carries_tool_episodes_across_rounds() {
         "{round_calls} calls ({round_errors} failed) in the rounds, {trained_calls} trained, {answered} answered"
     );
     assert!(trained_calls >= 12, "{trained_calls} calls trained on");
+    // Each step reports the rounds' calls since the step before: the trained rows' calls were
+    // all made by then, and no more than the rounds ran.
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let step_calls: u64 = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .map(|m| m["async/tool_calls"].as_u64().unwrap())
+        .sum();
+    assert!(
+        trained_calls as u64 <= step_calls && step_calls <= round_calls as u64,
+        "steps report {step_calls} calls, {trained_calls} trained, {round_calls} in the rounds"
+    );
 }

@@ -100,6 +100,10 @@ struct Queue {
     rollout_idle_s: f64,
     rounds: u64,
     new_tokens: u64,
+    /// Since the last take: the tool calls the rounds ran, those that failed, their seconds.
+    tool_calls: u64,
+    tool_errors: u64,
+    tool_s: f64,
 }
 
 #[derive(Default)]
@@ -281,6 +285,9 @@ impl RoundLoop {
         q.partial_rows = count("partial_rows");
         q.rounds += 1;
         q.new_tokens += count("new_tokens") as u64;
+        q.tool_calls += count("tool_calls") as u64;
+        q.tool_errors += count("tool_errors") as u64;
+        q.tool_s += m["tool_seconds"].as_f64().unwrap_or(0.0);
         let written = write_record(&self.plan, &q, self.n);
         drop(q);
         self.shared.cv.notify_all();
@@ -495,7 +502,11 @@ pub(super) fn take<R: Steps>(r: &mut R, shared: &Shared, step: u64) -> Result<()
         o.insert("async/trained_version".into(), json!(trained));
         o.insert("async/rollout_restarts".into(), json!(q.restarts));
         o.insert("async/restart_sequences".into(), json!(q.restart_rows));
+        o.insert("async/tool_calls".into(), json!(q.tool_calls));
+        o.insert("async/tool_errors".into(), json!(q.tool_errors));
+        o.insert("async/tool_seconds".into(), json!(q.tool_s));
         (q.rollout_idle_s, q.rounds, q.new_tokens) = (0.0, 0, 0);
+        (q.tool_calls, q.tool_errors, q.tool_s) = (0, 0, 0.0);
         (q.restarts, q.restart_rows) = (0, 0);
         let n = plan.stages.rollout.args.n;
         (q.ready.len(), write_record(plan, &q, n), q.cursor)

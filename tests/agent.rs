@@ -959,8 +959,10 @@ const PIPELINE: &str = env!("CARGO_BIN_EXE_pipeline");
 
 /// The `add` tool as a program speaking the JSON-lines protocol: it answers 5, a little slowly
 /// (so that a rollout spends time in its calls), and appends a line to `calls.txt` in the
-/// working directory per call.
+/// working directory per call (and to `starts.txt` when it starts).
 const ADD_TOOL: &str = r#"import json, sys, time
+with open("starts.txt", "a") as f:
+    f.write("start\n")
 print(json.dumps({"type": "function", "function": {"name": "add"}}), flush=True)
 for line in sys.stdin:
     if line.strip():
@@ -1308,6 +1310,7 @@ fn async_mode_carries_tool_episodes_across_rounds() {
     std::fs::write(d.join("spec.toml"), spec).unwrap();
     pipeline_ok(d, "a");
     let run = d.join("a");
+    let starts = std::fs::read_to_string(d.join("starts.txt")).map_or(0, |t| t.lines().count());
     let model = d.join("sft");
     // The columns of a colocated tool rollout of the same model.
     call_prompts(&d.join("prompts.parquet"), 2);
@@ -1384,6 +1387,18 @@ fn async_mode_carries_tool_episodes_across_rounds() {
         }
     }
     let answered = calls_answered(d);
+    // The rollout daemon keeps the tool's programs between rounds: the run started them at
+    // most 2 + 16 times (the preflight's check, the toolbox's schema read, a pool of at most
+    // --tool-concurrency 16 processes), where building the tools in every round started them
+    // about 2.5 times a round (76 in 30 rounds).
+    let rounds = std::fs::read_dir(run.join("async"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().join("metrics.json").is_file())
+        .count();
+    assert!(
+        rounds >= 6 && starts <= 2 + 16,
+        "{starts} tool starts in {rounds} rounds"
+    );
     assert!(
         round_calls >= trained_calls && round_calls - round_errors <= answered,
         "{round_calls} calls ({round_errors} failed) in the rounds, {trained_calls} trained, {answered} answered"

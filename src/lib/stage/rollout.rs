@@ -13,7 +13,7 @@ use super::common::{
     at_least, gather_results, my_block, negative_numbers, range, resolve_model, writes_files,
     Device, ModelRef,
 };
-use super::turns::{observation, tools_from_specs, ToolText, TurnColumns};
+use super::turns::{observation, stage_tools, ToolText, TurnColumns};
 use super::{Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
 use crate::backend::Backend;
@@ -860,7 +860,7 @@ impl RolloutArgs {
 pub fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     // The flags first: a bad one is reported before any tool starts.
     args.check()?;
-    let tools = tools_from_specs(&args.tool, Duration::from_secs_f64(args.tool_timeout))?;
+    let tools = stage_tools(&args.tool, Duration::from_secs_f64(args.tool_timeout))?;
     run_with_tools(args, exec, tools)
 }
 

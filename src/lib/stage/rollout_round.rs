@@ -24,7 +24,7 @@
 use super::common::{gather_results, my_block, refuse_in_place, writes_files, ModelRef};
 use super::rollout::RolloutArgs;
 use super::rollout::{keyed_requests, sequence_columns, Generate, Generated, Output, Prepared};
-use super::turns::{observation, tools_from_specs, ToolText, TurnColumns};
+use super::turns::{observation, stage_tools, ToolText, TurnColumns};
 use super::Exec;
 use crate::bail_input;
 use crate::batch::schema::{self, meta};
@@ -75,7 +75,7 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let carry_out = args.carry_out.clone().expect("checked");
     refuse_in_place(&args.input, &args.out, "out")?;
     let sampling = args.sampling()?;
-    let tools = tools_from_specs(&args.tool, Duration::from_secs_f64(args.tool_timeout))?;
+    let tools = stage_tools(&args.tool, Duration::from_secs_f64(args.tool_timeout))?;
     let setup = Setup::load(&args, tools.as_deref())?;
     let params = args.gen_params(sampling, &setup.eos);
     let tokenizer = &setup.tokenizer;

@@ -28,6 +28,51 @@ pub(crate) fn tools_from_specs(
     Ok(Some(tools))
 }
 
+/// The tools of a stage's `--tool` specs, kept by the process for the next job with the same
+/// specs and timeout: a warm daemon's jobs (every round of an asynchronous rollout, every
+/// step's rollout) then do not start the tool programs again (a round took ~2 s of program
+/// start-ups against 0.2 s of generation). Other specs replace them (their programs stop). A
+/// program's file is read when it starts: an edit reaches a warm daemon only with other specs
+/// or a new daemon.
+pub(crate) fn stage_tools(specs: &[String], timeout: Duration) -> Result<Option<Arc<dyn Tools>>> {
+    static LAST: LastTools = LastTools(std::sync::Mutex::new(None));
+    if specs.is_empty() {
+        return Ok(None);
+    }
+    LAST.get(specs, timeout, || {
+        Ok(Arc::new(crate::tool::toolbox::Toolbox::from_specs(
+            specs, timeout,
+        )?))
+    })
+    .map(Some)
+}
+
+type Kept = (Vec<String>, Duration, Arc<dyn Tools>);
+
+/// The last tools built, with the specs and timeout they were built for.
+struct LastTools(std::sync::Mutex<Option<Kept>>);
+
+impl LastTools {
+    fn get(
+        &self,
+        specs: &[String],
+        timeout: Duration,
+        build: impl FnOnce() -> Result<Arc<dyn Tools>>,
+    ) -> Result<Arc<dyn Tools>> {
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((s, t, tools)) = last.as_ref() {
+            if s == specs && *t == timeout {
+                return Ok(tools.clone());
+            }
+        }
+        // The old programs stop before the new ones start.
+        *last = None;
+        let tools = build()?;
+        *last = Some((specs.to_vec(), timeout, tools.clone()));
+        Ok(tools)
+    }
+}
+
 /// The tokens of the observations that follow a turn: the template's text around the tool
 /// responses (`ChatTemplate::tool_response_text`) and the responses, each tokenized alone.
 pub(crate) struct ToolText<'a> {
@@ -210,6 +255,42 @@ mod tests {
             ChatTemplate::from_dir(dir).unwrap(),
             Tokenizer::from_dir(dir).unwrap(),
         )
+    }
+
+    /// A process builds the tools of a spec list once: the same specs and timeout get the same
+    /// toolbox back; other specs or another timeout build anew and replace it.
+    #[test]
+    fn a_process_keeps_the_tools_of_its_last_specs() {
+        struct NoTools;
+        impl Tools for NoTools {
+            fn schemas(&self) -> Vec<Value> {
+                vec![]
+            }
+            fn call(&self, _: &crate::tool::ToolCall, _: &Value) -> crate::tool::ToolResult {
+                unreachable!()
+            }
+        }
+        let last = LastTools(std::sync::Mutex::new(None));
+        let builds = std::cell::Cell::new(0);
+        let build = || -> Result<Arc<dyn Tools>> {
+            builds.set(builds.get() + 1);
+            Ok(Arc::new(NoTools))
+        };
+        let (a, b) = (vec!["python".to_string()], vec!["x=cmd:prog".to_string()]);
+        let sec = Duration::from_secs(1);
+        let first = last.get(&a, sec, build).unwrap();
+        let again = last.get(&a, sec, build).unwrap();
+        assert!(Arc::ptr_eq(&first, &again));
+        assert_eq!(builds.get(), 1);
+        let other = last.get(&b, sec, build).unwrap();
+        assert!(!Arc::ptr_eq(&first, &other));
+        let slower = last.get(&b, 2 * sec, build).unwrap();
+        assert!(!Arc::ptr_eq(&other, &slower));
+        assert_eq!(builds.get(), 3);
+        // A failed build keeps nothing: the next call builds again.
+        assert!(last.get(&a, sec, || anyhow::bail!("no")).is_err());
+        last.get(&a, sec, build).unwrap();
+        assert_eq!(builds.get(), 4);
     }
 
     /// The observation after a turn: the template's markers and each result, tokenized alone;

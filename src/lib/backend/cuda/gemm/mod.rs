@@ -15,9 +15,9 @@ use cudarc::cublaslt::{result as lr, sys as ls};
 use cudarc::driver::CudaStream;
 
 use super::pool::{Block, Pool};
+use crate::backend::DType;
 
 mod tune;
-use crate::backend::DType;
 
 /// Bytes of cuBLASLt workspace (NVIDIA's recommendation for Hopper).
 const WORKSPACE: usize = 32 << 20;

@@ -4,6 +4,7 @@
 //! nominal clock is then not what the GPU can deliver, and a run's table says so next to its
 //! fractions. Nothing when `nvidia-smi` is missing or fails: the columns say "-".
 
+use crate::stage::common::Device;
 use serde::Serialize;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -42,6 +43,14 @@ pub(crate) struct ClockSampler {
 }
 
 impl ClockSampler {
+    /// The sampler of a benchmark's `--device`: None on the CPU.
+    pub(crate) fn on(device: Device) -> Option<ClockSampler> {
+        match device {
+            Device::Cuda(ordinal) => ClockSampler::start(ordinal),
+            Device::Cpu => None,
+        }
+    }
+
     /// Samples CUDA device `ordinal` (the physical GPU `CUDA_VISIBLE_DEVICES` maps it to);
     /// None without `nvidia-smi`.
     pub(crate) fn start(ordinal: usize) -> Option<ClockSampler> {

@@ -509,10 +509,7 @@ impl Job for Bench<'_> {
                     .flat_map(move |c| (1..=reps).map(move |r| (c, m, r))),
             )
         });
-        let sampler = name
-            .strip_prefix("cuda:")
-            .and_then(|o| o.parse().ok())
-            .and_then(ClockSampler::start);
+        let sampler = ClockSampler::on(self.args.device);
         for (case, mode, run) in runs {
             if mode == StepMode::Graphs && !graphs {
                 continue;

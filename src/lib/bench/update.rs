@@ -7,6 +7,7 @@
 //! the device's) and the step's split.
 //! `--shape tiny` (and the size flags) run it on the CPU in seconds, for CI.
 
+use super::gpu_clock::ClockSampler;
 use crate::algo::policy_loss::{LossConfig, LossMode};
 use crate::backend::{Backend, DType, MatmulShape};
 use crate::engine::logprob::PromptResponse;
@@ -328,9 +329,11 @@ fn bench_update<B: Backend>(
             eprintln!("{m}")
         }
     };
+    let (clocks, mut timed_from) = (ClockSampler::on(w.device), None);
     for i in 0..w.warmup + w.steps {
         let t = Instant::now();
         let timed = i >= w.warmup;
+        timed_from = timed_from.or(timed.then_some(t));
         let report = match (comm, optim.take()) {
             (Some(comm), Some(o)) => {
                 let before = o.stats.clone();
@@ -387,6 +390,14 @@ fn bench_update<B: Backend>(
     }
     let sharded = comm.is_some();
     let (rows, mut out) = times.summary(&w, world, params, &meter, &dec, sharded);
+    // The GPU's clock and power over the timed steps (a GEMM-bound step may run at the power cap).
+    let clock = clocks
+        .zip(timed_from)
+        .and_then(|(c, t0)| c.summary(t0, Instant::now()));
+    if let Some(c) = &clock {
+        log(&format!("gpu clocks over the timed steps: SM {:.0} MHz (median), {:.0} W mean, {:.0}% of samples at the power cap", c.sm_mhz_median, c.power_w_mean, 100.0 * c.power_capped_fraction));
+    }
+    out["gpu_clocks"] = serde_json::json!(clock);
     if let Some(spec) = &lora {
         out["lora"] = lora_json(spec, &cfg);
     }

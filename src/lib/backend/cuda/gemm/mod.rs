@@ -146,6 +146,20 @@ unsafe fn set_desc<T>(
         .map_err(err("set descriptor attribute"))
 }
 
+/// Sets one attribute of a matmul preference to `v`.
+///
+/// # Safety
+/// `pref` is a live preference not used by another thread meanwhile, and `T` is the type
+/// cuBLASLt documents for `attr` (it reads `size_of::<T>()` bytes at `v`).
+unsafe fn set_pref<T>(
+    pref: ls::cublasLtMatmulPreference_t,
+    attr: ls::cublasLtMatmulPreferenceAttributes_t,
+    v: &T,
+) -> Result<()> {
+    lr::set_matmul_pref_attribute(pref, attr, v as *const T as *const c_void, size_of::<T>())
+        .map_err(err("set preference"))
+}
+
 /// A column-major layout of `r`×`c` elements of `t` with leading dimension `ld`.
 fn layout(t: DType, r: usize, c: usize, ld: usize) -> Result<ls::cublasLtMatrixLayout_t> {
     lr::create_matrix_layout(cuda_type(t), r as u64, c as u64, ld as i64)
@@ -192,30 +206,28 @@ unsafe fn heuristic(
     let canonical = key.invariant && key.n != INVARIANT_TOKENS;
     let pref = lr::create_matmul_pref().map_err(err("create preference"))?;
     let res = (|| -> Result<Vec<ls::cublasLtMatmulHeuristicResult_t>> {
-        let setp = |attr, v: u64| {
-            lr::set_matmul_pref_attribute(
-                pref,
-                attr,
-                &v as *const u64 as *const c_void,
-                size_of::<u64>(),
-            )
-            .map_err(err("set preference"))
-        };
         let ws_pref = if key.invariant { 0 } else { ws as u64 };
-        setp(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws_pref)?;
-        let setal = |attr, v: u32| {
-            lr::set_matmul_pref_attribute(
-                pref,
-                attr,
-                &v as *const u32 as *const c_void,
-                size_of::<u32>(),
-            )
-            .map_err(err("set preference"))
-        };
-        setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0])?;
-        setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1])?;
-        setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2])?;
-        setal(P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2])?;
+        set_pref(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_pref)?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            &key.align[0],
+        )?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            &key.align[1],
+        )?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            &key.align[2],
+        )?;
+        set_pref(
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            &key.align[2],
+        )?;
         let (hb, hd) = probe;
         let mut out = vec![std::mem::zeroed::<ls::cublasLtMatmulHeuristicResult_t>(); count.max(1)];
         let mut found = 0i32;
@@ -436,11 +448,12 @@ impl Gemm {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
         let ws = self.workspace.bytes();
-        let tune = self.tune.wanted(&key) && !self.pool.capturing();
         let (plan, candidates) = match st.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => (e.into_mut(), Vec::new()),
             std::collections::hash_map::Entry::Vacant(e) => {
                 let t = std::time::Instant::now();
+                // A capture may not synchronize the stream: its plans keep the heuristic's pick.
+                let tune = self.tune.wanted(&key) && !self.pool.capturing();
                 let count = if tune { tune::CANDIDATES } else { 1 };
                 let (plan, candidates) = Self::plan(handle, &key, ws, count)?;
                 self.planning_ns.fetch_add(

@@ -254,9 +254,20 @@ impl StoreServer {
     }
 }
 
+/// How long a store dropped before the job finished waits for a failure report already on its
+/// way (rank 0's own is sent before its process drops the store, over its own connection)
+/// before it reports its own stop instead: the report names the rank at fault.
+const REPORT_WAIT: Duration = Duration::from_secs(1);
+
 impl Drop for StoreServer {
     fn drop(&mut self) {
+        let deadline = Instant::now() + REPORT_WAIT;
         let mut inner = self.server.inner.lock().unwrap();
+        while !inner.all_done && !inner.failed && Instant::now() < deadline {
+            drop(inner);
+            std::thread::sleep(Duration::from_millis(10));
+            inner = self.server.inner.lock().unwrap();
+        }
         if !inner.all_done {
             self.server.fail(
                 &mut inner,

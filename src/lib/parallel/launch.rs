@@ -157,7 +157,9 @@ fn read_records(ranks: &[Rank]) -> Vec<(usize, Vec<Record>)> {
 /// (its own error, or another rank's death or silence); a relayed one, which repeats it, only
 /// when there is none. A rank's later lines follow from its first and are not causes. When
 /// the rank blamed had itself recorded a failure earlier (it was stopping because of another
-/// rank: a connection it closed on its way out), the blame follows to that one.
+/// rank: a connection it closed on its way out), the blame follows to that one. When the rank
+/// blamed ended with an error of its own, that error is the reason: it writes it after its
+/// connections have closed, so another rank may have noticed it go first.
 fn culprit(records: &[(usize, Vec<Record>)]) -> Option<(usize, String)> {
     let mut firsts: Vec<(usize, &Record)> = records
         .iter()
@@ -180,7 +182,14 @@ fn culprit(records: &[(usize, Vec<Record>)]) -> Option<(usize, String)> {
             None => break,
         }
     }
-    Some((blame.suspect?, blame.reason.clone()))
+    let suspect = blame.suspect?;
+    let own = firsts.iter().find(|(i, r)| {
+        *i == suspect && r.exit && r.reporter == suspect && r.suspect == Some(suspect)
+    });
+    Some((
+        suspect,
+        own.map_or(&blame.reason, |(_, r)| &r.reason).clone(),
+    ))
 }
 
 /// The errors the ranks' `main`s ended with, once each, leaving out `shown` (printed last).
@@ -437,6 +446,17 @@ mod tests {
             ),
         ];
         assert_eq!(culprit(&chain), Some((1, gone.to_string())));
+        // Rank 1 fails on its input; its connection closes as its `main` unwinds, rank 0
+        // notices that before rank 1 has written its error: the error is the reason.
+        let late = vec![
+            (
+                0,
+                vec![rec(1, 0, gone, 1.0, false), rec(0, 0, cause, 1.2, true)],
+            ),
+            (1, vec![rec(1, 1, cause, 1.1, true)]),
+        ];
+        assert_eq!(culprit(&late), Some((1, cause.to_string())));
+        assert!(exit_errors(&late, cause).is_empty());
     }
 
     #[test]

@@ -48,46 +48,38 @@ fn ctl_ok(socket: &Path, args: &[&str]) -> String {
     err
 }
 
-/// The training daemon (one rank, or a group of `train` ranks) trains a checkpoint; the
-/// transfer sends it to a rollout group of `rollout` ranks; their weights (saved by
-/// `daemon-ctl save`) are the checkpoint's as a rollout loads them (bf16-rounded, bit for
-/// bit), their rollout is an in-process rollout of the checkpoint (no reload), and the
-/// metrics say what moved.
-fn transfer_case(train: usize, rollout: usize) {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    model_and_train_set(d, 64, 128, 4);
-    batch_to_train(d);
-    let model = d.join("model");
-    let (ts, rs) = (d.join("t.sock"), d.join("r.sock"));
-    let _train = DaemonGroup::start(d, train, &ts, &model, &[]);
-    let _roll = DaemonGroup::start(d, rollout, &rs, &model, &[]);
-    let ck = d.join("ck");
+/// `update --daemon SOCKET` of `model` on `d/adv.parquet` into `out`.
+fn update_on(socket: &Path, model: &Path, d: &Path, out: &Path) {
     ok(
         "update",
         &[
             "--model",
-            p(&model),
+            p(model),
             "--in",
             p(&d.join("adv.parquet")),
             "--out-model",
-            p(&ck),
+            p(out),
             "--lr",
             "0.01",
             "--daemon",
-            p(&ts),
+            p(socket),
         ],
     );
-    let metrics = d.join("transfer.json");
-    let receivers = rollout.to_string();
+}
+
+/// `daemon-ctl transfer` of `model` from the group at `from` to the `receivers` ranks at
+/// `to`: its log and metrics.
+fn transfer(from: &Path, to: &Path, model: &Path, receivers: usize) -> (String, serde_json::Value) {
+    let metrics = model.with_extension("transfer.json");
+    let receivers = receivers.to_string();
     let log = ctl_ok(
-        &ts,
+        from,
         &[
             "transfer",
             "--to",
-            p(&rs),
+            p(to),
             "--model",
-            p(&ck),
+            p(model),
             "--receivers",
             &receivers,
             "--bucket-mb",
@@ -97,10 +89,17 @@ fn transfer_case(train: usize, rollout: usize) {
         ],
     );
     assert!(log.contains("transfer: received"), "{log}");
-    // The rollout group's weights: every tensor is the checkpoint's, rounded to bf16.
+    let m = serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+    (log, m)
+}
+
+/// The rollout group at `socket` holds `ck`'s weights (saved by `daemon-ctl save`) as a
+/// rollout loads them: every tensor bf16-rounded, bit for bit. Returns the elements.
+fn holds_checkpoint(d: &Path, socket: &Path, ck: &Path) -> usize {
     let saved = d.join("saved");
-    ctl_ok(&rs, &["save", "--out", p(&saved), "--model", p(&ck)]);
-    let (_, want) = ModelDir::load(&ck).unwrap();
+    let _ = std::fs::remove_dir_all(&saved);
+    ctl_ok(socket, &["save", "--out", p(&saved), "--model", p(ck)]);
+    let (_, want) = ModelDir::load(ck).unwrap();
     let (_, got) = ModelDir::load(&saved).unwrap();
     assert_eq!(want.len(), got.len());
     let mut elements = 0;
@@ -112,17 +111,42 @@ fn transfer_case(train: usize, rollout: usize) {
         };
         assert!(
             bits(&got[name].data, false) == bits(&t.data, true),
-            "{name} differs from the checkpoint's bf16 weights"
+            "{name} differs from {}'s bf16 weights",
+            ck.display()
         );
         elements += t.data.len();
     }
+    elements
+}
+
+/// The training daemon (one rank, or a group of `train` ranks) trains a checkpoint; the
+/// transfer sends it to a rollout group of `rollout` ranks; their weights (saved by
+/// `daemon-ctl save`) are the checkpoint's as a rollout loads them (bf16-rounded, bit for
+/// bit), their rollout is an in-process rollout of the checkpoint (no reload), and the
+/// metrics say what moved. The next transfer goes over the bridge the first one made; one to
+/// a new rollout group meets on a new one.
+fn transfer_case(train: usize, rollout: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 4);
+    batch_to_train(d);
+    let model = d.join("model");
+    let (ts, rs) = (d.join("t.sock"), d.join("r.sock"));
+    let _train = DaemonGroup::start(d, train, &ts, &model, &[]);
+    let roll = DaemonGroup::start(d, rollout, &rs, &model, &[]);
+    let ck = d.join("ck");
+    update_on(&ts, &model, d, &ck);
+    let (log, m) = transfer(&ts, &rs, &ck, rollout);
+    assert!(log.contains("over a new bridge"), "{log}");
+    let elements = holds_checkpoint(d, &rs, &ck);
     // The trainer's own tensors moved: it did change them.
     let (_, initial) = ModelDir::load(&model).unwrap();
+    let (_, want) = ModelDir::load(&ck).unwrap();
     assert!(want.iter().any(|(n, t)| t.data != initial[n].data));
-    let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
     assert_eq!(m["policy_version"], 0, "{m}");
     assert_eq!(m["receivers"], rollout, "{m}");
+    assert_eq!(m["bridge_reused"], 0, "{m}");
+    assert!(m["bridge_seconds"].as_f64().unwrap() > 0.0, "{m}");
     // On the CPU an element travels as f32.
     let moved = m["elements"].as_u64().unwrap() as usize;
     assert!(moved >= elements - 64 * 300, "{m}: {elements}");
@@ -163,6 +187,29 @@ fn transfer_case(train: usize, rollout: usize) {
     let m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&rm).unwrap()).unwrap();
     assert_eq!(m["daemon"]["reloaded"], false, "{m}");
+    // The next step's weights go over the kept bridge, with the same result.
+    let ck2 = d.join("ck2");
+    update_on(&ts, &ck, d, &ck2);
+    let (log, m) = transfer(&ts, &rs, &ck2, rollout);
+    assert!(log.contains("over the kept bridge"), "{log}");
+    assert_eq!(
+        (&m["bridge_reused"], &m["bridge_seconds"]),
+        (&1.into(), &0.0.into()),
+        "{m}"
+    );
+    holds_checkpoint(d, &rs, &ck2);
+    // A new rollout group (the old one gone, as after a restart) meets the trainer on a new
+    // bridge.
+    drop(roll);
+    let rs2 = d.join("r2.sock");
+    let _roll = DaemonGroup::start(d, rollout, &rs2, &model, &[]);
+    let (log, m) = transfer(&ts, &rs2, &ck2, rollout);
+    assert!(
+        log.contains("over a new bridge") && !log.contains("again on a new one"),
+        "{log}"
+    );
+    assert_eq!(m["bridge_reused"], 0, "{m}");
+    holds_checkpoint(d, &rs2, &ck2);
 }
 
 #[test]
@@ -291,7 +338,8 @@ fn metrics(d: &Path, run: &str) -> Vec<serde_json::Value> {
 /// Synchronous placement (1 rollout + 1 training daemon) is the colocated run on two daemons:
 /// the same samples at every step and the same checkpoints, bit for bit (the rollout group
 /// generates with the bf16 weights the colocated daemon generates with). Each step's transfer
-/// is in its metrics, and the rollouts went to the rollout group's socket.
+/// is in its metrics (the bridge kept after the first), and the rollouts went to the rollout
+/// group's socket.
 #[test]
 fn synchronous_placement_writes_the_colocated_runs_files() {
     let dir = tempfile::tempdir().unwrap();
@@ -301,10 +349,12 @@ fn synchronous_placement_writes_the_colocated_runs_files() {
     pipeline_ok(d, "placed", Some(&placed("[0]", "[1]", "sync")), &[]);
     same_run(d, "colocated", "placed");
     assert_eq!(versions(d, "placed"), [Some(0), Some(1), Some(2)]);
-    for m in metrics(d, "placed") {
+    // The first step's transfer made the bridge; the later ones went over it.
+    for (i, m) in metrics(d, "placed").iter().enumerate() {
         assert!(m["transfer/gb_per_s"].as_f64().unwrap() > 0.0, "{m}");
         assert_eq!(m["transfer/receivers"], 1, "{m}");
         assert!(m["transfer/bytes"].as_u64().unwrap() > 0, "{m}");
+        assert_eq!(m["transfer/bridge_reused"], u8::from(i > 0), "{m}");
     }
     let commands = std::fs::read_to_string(d.join("placed/commands.sh")).unwrap();
     let rollouts: Vec<&str> = commands

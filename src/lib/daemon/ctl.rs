@@ -9,7 +9,8 @@ use crate::stage::transfer::{Side, TransferArgs};
 use crate::stage::StageJob;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
-use std::path::PathBuf;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
 
 /// What `tandem daemon-ctl` asks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -87,12 +88,10 @@ pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
 }
 
 /// `daemon-ctl transfer`: both groups' parts at once (each waits for the other at the bridge's
-/// rendezvous); fails naming the side that failed.
+/// rendezvous); fails naming the side that failed. The bridge both groups kept from their last
+/// transfer carries it when every end still holds it; if that transfer fails (an end went away
+/// between the status and the job), it runs once more on a new bridge.
 fn transfer(args: &DaemonCtlArgs) -> Result<()> {
-    let model = args
-        .model
-        .clone()
-        .expect("clap requires --model with transfer");
     let to = args.to.clone().expect("clap requires --to with transfer");
     if args.bucket_mb == 0 {
         crate::bail_input!("--bucket-mb must be at least 1");
@@ -101,11 +100,34 @@ fn transfer(args: &DaemonCtlArgs) -> Result<()> {
         Some(p) => p,
         None => crate::parallel::launch::free_port("127.0.0.1")?,
     };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let fresh = format!(
+        "{}-{port}-{}",
+        std::process::id(),
+        now.map_or(0, |d| d.as_nanos())
+    );
+    let kept = kept_bridge(&args.socket, &to, args.receivers as usize);
+    match kept {
+        Some(id) => transfer_on(args, &to, port, &id).or_else(|e| {
+            eprintln!("daemon-ctl transfer: over the kept bridge: {e:#}; again on a new one");
+            transfer_on(args, &to, port, &fresh)
+        }),
+        None => transfer_on(args, &to, port, &fresh),
+    }
+}
+
+/// One transfer on the bridge `id` (met at `port` where an end does not hold it).
+fn transfer_on(args: &DaemonCtlArgs, to: &Path, port: u16, id: &str) -> Result<()> {
+    let model = args
+        .model
+        .clone()
+        .expect("clap requires --model with transfer");
     let job = |side: Side| {
         StageJob::Transfer(TransferArgs {
             model: model.clone(),
             side,
             port,
+            bridge: id.to_string(),
             receivers: args.receivers as usize,
             bucket_elems: (args.bucket_mb as usize) << 18,
             metrics: (side == Side::Receive)
@@ -115,7 +137,7 @@ fn transfer(args: &DaemonCtlArgs) -> Result<()> {
     };
     let (sent, received) = std::thread::scope(|s| {
         let send = s.spawn(|| run_job(&args.socket, job(Side::Send)));
-        let received = run_job(&to, job(Side::Receive));
+        let received = run_job(to, job(Side::Receive));
         (send.join(), received)
     });
     let sent = sent.unwrap_or_else(|_| Err(anyhow::anyhow!("the sending client panicked")));
@@ -124,4 +146,38 @@ fn transfer(args: &DaemonCtlArgs) -> Result<()> {
         (Err(e), _) => Err(e.context(format!("transfer: the sender {}", args.socket.display()))),
         (_, Err(e)) => Err(e.context(format!("transfer: the receiver {}", to.display()))),
     }
+}
+
+/// The id of the bridge the groups at `from` and `to` kept from their last transfer, when
+/// every end holds that one, working, in its place: the sending group's rank 0 (the one that
+/// sends) and each of the `receivers` ranks at `to` (from its rank 0's status of every rank).
+fn kept_bridge(from: &Path, to: &Path, receivers: usize) -> Option<String> {
+    let bridges = |socket: &Path, every_rank: bool| -> Option<Vec<Value>> {
+        let Ok(Response::Status { status }) = request(socket, &Request::Status) else {
+            return None;
+        };
+        let ranks = match (every_rank, status.get("ranks")) {
+            (true, Some(Value::Array(r))) => r.clone(),
+            _ => vec![status],
+        };
+        Some(
+            ranks
+                .iter()
+                .map(|r| r["resident"]["bridge"].clone())
+                .collect(),
+        )
+    };
+    let sender = bridges(from, false)?;
+    let takers = bridges(to, true)?;
+    let id = sender.first()?["id"].as_str()?.to_string();
+    let place = |b: &Value, rank: usize| {
+        b["id"] == id.as_str()
+            && b["healthy"] == true
+            && b["rank"] == rank
+            && b["world"] == 1 + receivers
+    };
+    let all = takers.len() == receivers
+        && place(&sender[0], 0)
+        && takers.iter().enumerate().all(|(r, b)| place(b, 1 + r));
+    all.then_some(id)
 }

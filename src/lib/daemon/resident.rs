@@ -182,6 +182,8 @@ pub struct Resident<B: Backend> {
     make_comm: Option<MakeComm<B>>,
     /// The communicator of a weight transfer between groups (`[placement]`), on any daemon.
     make_bridge: Option<MakeComm<B>>,
+    /// The last weight transfer's bridge, kept for the next one (dropped by a failed one).
+    bridge: Option<KeptBridge<B>>,
     pub device: Device,
     /// The socket the daemon serves (named in resident directories).
     socket: Option<PathBuf>,
@@ -212,6 +214,7 @@ impl<B: Backend> Resident<B> {
             make,
             make_comm: None,
             make_bridge: None,
+            bridge: None,
             device,
             socket: None,
             opts,
@@ -333,6 +336,11 @@ impl<B: Backend> Resident<B> {
     /// the policy half-trained: it is then forgotten and reloaded from files on the next job.
     pub fn end(&mut self, phase: &'static str, ok: bool) -> Value {
         self.observe();
+        if !ok && phase == "transfer" {
+            // This rank's part may have gone through where another's failed: every rank of
+            // the group drops the bridge, so the next transfer meets on a new one.
+            self.bridge = None;
+        }
         if !ok {
             for slot in [&mut self.policy, &mut self.critic] {
                 if slot.as_ref().is_some_and(|p| p.keys.is_empty()) {
@@ -398,6 +406,7 @@ impl<B: Backend> Resident<B> {
             })),
             "memory": {"held": m.held, "in_use": m.in_use, "peak_in_use": m.peak_in_use},
             "phases": phases,
+            "bridge": self.bridge.as_ref().map(KeptBridge::status),
             "options": {
                 "offload_optimizer": self.opts.offload_optimizer,
                 "offload_ref": self.opts.offload_ref,
@@ -838,35 +847,44 @@ impl<B: Backend> Resident<B> {
     /// sends the weights the policy `model` generates with (bf16 on a GPU; on the CPU the f32
     /// values of their bf16 rounding); every other rank receives them into a decoder for
     /// generation, which becomes its policy under `model`'s name and version (the old one is
-    /// dropped first: peak memory is one policy). The bridge is a process group of its own whose
-    /// failure is this job's error, not the daemon's end.
+    /// dropped first: peak memory is one policy). The bridge is a process group of its own,
+    /// kept for the next transfer of the same id; its failure is this job's error (and the
+    /// bridge's end), not the daemon's.
     pub(crate) fn transfer(&mut self, model: &ModelRef, bridge: &Bridge) -> Result<Transferred> {
-        let make = self
-            .make_bridge
-            .clone()
-            .expect("every daemon sets its bridge maker");
         let started = Instant::now();
-        let opts = crate::parallel::Options {
-            timeout: crate::parallel::Options::from_env()?.timeout,
-            exit_grace: None,
-        };
-        let world = World::local(bridge.rank, bridge.world, bridge.port);
-        let pg = ProcessGroup::new(world, opts)?;
-        let sender = bridge.rank == 0;
+        // Taken out while it works: a failed transfer leaves no bridge behind.
+        let kept = self.bridge.take().filter(|k| k.serves(bridge));
+        let reused = kept.is_some();
+        let make = self.make_bridge.clone();
         let mut received = None;
-        let dec = match sender {
-            true => self.generation(Role::Policy, model)?,
+        let (dec, mut kept) = match bridge.rank == 0 {
+            true => (self.generation(Role::Policy, model)?, kept),
             false => {
                 self.observe();
                 self.policy = None;
                 let cfg = ModelDir::load_config(&model.dir)?;
-                let dec = received.insert(Decoder::unfilled_for_generation((self.make)()?, &cfg)?);
+                let backend = (self.make)()?;
+                let mut kept = kept;
+                if let Some(k) = &mut kept {
+                    // Before the new weights are allocated: the old backend's memory goes.
+                    k.comm.follow(&backend)?;
+                }
+                let dec = received.insert(Decoder::unfilled_for_generation(backend, &cfg)?);
                 // Zeroed on its stream before the communicator writes into it.
                 dec.backend().synchronize()?;
-                dec
+                (&mut *dec, kept)
             }
         };
-        let comm = make(dec.backend(), &pg)?;
+        let t0 = Instant::now();
+        let k = match kept.as_mut() {
+            // The sender's generation decoder may be a new one since the last transfer.
+            Some(k) => {
+                k.comm.follow(dec.backend())?;
+                k
+            }
+            None => kept.insert(KeptBridge::make(bridge, dec.backend(), make)?),
+        };
+        let bridge_seconds = t0.elapsed().as_secs_f64();
         let sizes: Vec<usize> = dec
             .param_shapes()
             .iter()
@@ -876,39 +894,79 @@ impl<B: Backend> Resident<B> {
         let dtype = dec.backend().compute_dtype();
         let t0 = Instant::now();
         let (backend, weights) = dec.weights_mut();
-        let moved = broadcast_buckets(backend, comm.as_ref(), &plan, dtype, weights, 0)?;
+        let moved = broadcast_buckets(backend, k.comm.as_ref(), &plan, dtype, weights, 0)?;
         backend.synchronize()?;
         let broadcast_seconds = t0.elapsed().as_secs_f64();
-        drop(comm);
-        pg.finish()?;
         if let Some(decoder) = received {
-            self.policy = Some(PolicySlot {
-                keys: vec![ModelKey::of(&model.dir)?],
-                files: model.dir.clone(),
-                trainer: None,
+            self.policy = Some(PolicySlot::received(
+                ModelKey::of(&model.dir)?,
+                &model.dir,
                 decoder,
-                schedule_step: 0,
-                from_master: false,
-                gen: None,
-                parked: None,
-                sharded: None,
-                comm: None,
-                lora_base: None,
-                lora_base_key: None,
-                fresh_seed: None,
-            });
+            ));
             self.policy_version = model.policy_version;
         }
+        self.bridge = kept;
         let out = Transferred {
             buckets: moved.buckets,
             elements: moved.elements,
             bytes: moved.bytes,
             seconds: started.elapsed().as_secs_f64(),
             broadcast_seconds,
+            bridge_reused: reused,
+            bridge_seconds: if reused { 0.0 } else { bridge_seconds },
         };
         self.note("transfer_bytes", out.bytes);
         self.note("transfer_seconds", out.seconds);
+        self.note("bridge_reused", reused);
         Ok(out)
+    }
+}
+
+/// A weight transfer's bridge, kept by each of its ranks between transfers (as a daemon group
+/// keeps its own communicator): the next transfer with the same id skips the rendezvous and
+/// the communicator's set-up (NCCL's init on a GPU).
+pub(crate) struct KeptBridge<B: Backend> {
+    id: String,
+    rank: usize,
+    world: usize,
+    // Dropped in this order: the communicator before its group.
+    comm: Box<dyn crate::parallel::Comm<B>>,
+    pg: ProcessGroup,
+}
+
+impl<B: Backend> KeptBridge<B> {
+    /// Meets the other ranks at `bridge`'s port and makes the communicator on `backend`.
+    fn make(bridge: &Bridge, backend: &B, make: Option<MakeComm<B>>) -> Result<Self> {
+        let make = make.expect("every daemon sets its bridge maker");
+        let timeout = crate::parallel::Options::from_env()?.timeout;
+        let world = World::local(bridge.rank, bridge.world, bridge.port);
+        let pg = ProcessGroup::new(world, crate::parallel::Options::side(timeout))?;
+        let comm = make(backend, &pg)?;
+        Ok(KeptBridge {
+            id: bridge.id.clone(),
+            rank: bridge.rank,
+            world: bridge.world,
+            comm,
+            pg,
+        })
+    }
+
+    /// True when the transfer `bridge` can go over this one: the same id and place, and no
+    /// member gone since (a peer group's end is recorded on every member's group).
+    fn serves(&self, bridge: &Bridge) -> bool {
+        self.id == bridge.id
+            && (self.rank, self.world) == (bridge.rank, bridge.world)
+            && self.pg.health().failure().is_none()
+    }
+
+    /// What `status` says of it: the id the next transfer names to reuse it.
+    fn status(&self) -> Value {
+        json!({
+            "id": self.id,
+            "rank": self.rank,
+            "world": self.world,
+            "healthy": self.pg.health().failure().is_none(),
+        })
     }
 }
 

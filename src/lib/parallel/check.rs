@@ -663,10 +663,23 @@ pub(crate) fn hand_cases<B: Backend>(
 pub(crate) fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
     let pg = ProcessGroup::new(World::single(), Options::from_env()?)?;
     let backend = CudaBackend::new(ordinal)?;
-    let comm = NcclComm::new(&backend, &pg)?;
+    let mut comm = NcclComm::new(&backend, &pg)?;
     let mut rows = run_checks(&backend, &comm, seed)?;
-    // The hand cases at n = 1 are the inputs themselves, rounded for the bf16 ones.
     let hand = hand_cases(&backend, &comm)?;
+    hand_rows(&mut rows, &hand, "hand");
+    // A communicator kept for a newer backend's buffers (a transfer's bridge), its first
+    // backend gone.
+    drop(backend);
+    let newer = CudaBackend::new(ordinal)?;
+    comm.follow(&newer)?;
+    let hand = hand_cases(&newer, &comm)?;
+    hand_rows(&mut rows, &hand, "hand, on a newer backend");
+    Ok(rows)
+}
+
+/// Rows of the hand cases at n = 1, which are the inputs themselves (rounded for the bf16
+/// ones).
+fn hand_rows(rows: &mut Vec<CheckRow>, hand: &[(String, Vec<f32>)], what: &str) {
     let want: [(&str, Vec<f32>); 7] = [
         ("all_reduce_sum", vec![1.0, -0.5, 0.0, 0.25]),
         ("all_reduce_avg", vec![1.0, 2.0]),
@@ -678,7 +691,7 @@ pub(crate) fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
     ];
     for ((name, got), (wname, w)) in hand.iter().zip(want) {
         rows.push(CheckRow {
-            name: format!("hand: {name}"),
+            name: format!("{what}: {name}"),
             dtype: if name.ends_with("bf16") {
                 "bf16"
             } else {
@@ -690,7 +703,6 @@ pub(crate) fn gpu_rows(ordinal: usize, seed: u64) -> Result<Vec<CheckRow>> {
             note: format!("{got:?}"),
         });
     }
-    Ok(rows)
 }
 
 /// The `communicator` case of `tandem gpu-test`: [`gpu_rows`] as rows of its table. The rows

@@ -344,6 +344,13 @@ pub trait Comm<B: Backend>: Send + Sync {
     fn barrier(&self) -> Result<()>;
     /// How long a collective may wait for the other ranks before the job fails.
     fn set_timeout(&self, timeout: Duration);
+    /// From now on orders the collectives after `backend`'s work (and `Work::wait` orders
+    /// `backend`'s work after them): a communicator kept for buffers of a newer backend on the
+    /// same device (a weight transfer's bridge). Nothing to do where collectives run on the host.
+    fn follow(&mut self, backend: &B) -> Result<()> {
+        let _ = backend;
+        Ok(())
+    }
 
     /// Starts `ops` and waits for them.
     fn run<'a>(&'a self, ops: Vec<Collective<'a, B>>) -> Result<()> {

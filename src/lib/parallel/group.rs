@@ -29,6 +29,10 @@ pub struct Options {
     /// End the process this long after a failure (None: leave it to the caller; in-process
     /// tests, where ranks are threads).
     pub exit_grace: Option<Duration>,
+    /// A side group (a weight transfer's bridge, kept between transfers): its failures are
+    /// its caller's errors, neither printed nor recorded as the job's (the peer group going away
+    /// between transfers is no failure of this one).
+    pub quiet: bool,
 }
 
 impl Options {
@@ -45,7 +49,17 @@ impl Options {
         Ok(Options {
             timeout,
             exit_grace: Some(EXIT_GRACE),
+            quiet: false,
         })
+    }
+
+    /// A side group's options (see `quiet`): `timeout`, and no process exit on a failure.
+    pub fn side(timeout: Duration) -> Options {
+        Options {
+            timeout,
+            exit_grace: None,
+            quiet: true,
+        }
     }
 
     /// Ranks that are threads of one process (tests): failures are reported, never `exit`.
@@ -54,6 +68,7 @@ impl Options {
         Options {
             timeout,
             exit_grace: None,
+            quiet: false,
         }
     }
 }
@@ -86,7 +101,10 @@ impl ProcessGroup {
     /// Joins the group of `world`: rank 0 starts the store; everyone connects and waits for
     /// the others. A world of one needs no store.
     pub fn new(world: World, opts: Options) -> Result<ProcessGroup> {
-        let health = Health::new(world.rank, opts.exit_grace);
+        let health = match opts.quiet {
+            true => Health::quiet(world.rank),
+            false => Health::new(world.rank, opts.exit_grace),
+        };
         let seq = Arc::new(AtomicU64::new(0));
         let (mut client, mut server) = (None, None);
         if !world.is_single() {

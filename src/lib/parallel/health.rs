@@ -36,16 +36,30 @@ pub(crate) struct Health {
     reporter: Mutex<Option<Reporter>>,
     /// End the process this long after a failure (None: never, for in-process tests).
     exit_after: Option<Duration>,
+    /// A side group's health: a failure is only recorded here, for its caller to check.
+    quiet: bool,
 }
 
 impl Health {
     pub fn new(rank: usize, exit_after: Option<Duration>) -> Arc<Health> {
+        Health::make(rank, exit_after, false)
+    }
+
+    /// The health of a side group (`Options::side`): failures are recorded and reported to
+    /// the group's store, but not printed nor written to the rank's error file, and never end
+    /// the process.
+    pub fn quiet(rank: usize) -> Arc<Health> {
+        Health::make(rank, None, true)
+    }
+
+    fn make(rank: usize, exit_after: Option<Duration>, quiet: bool) -> Arc<Health> {
         Arc::new(Health {
             rank,
             failure: Mutex::new(None),
             hooks: Mutex::new(Vec::new()),
             reporter: Mutex::new(None),
             exit_after,
+            quiet,
         })
     }
 
@@ -107,12 +121,14 @@ impl Health {
             return false;
         }
         *slot = Some(f.clone());
-        super::say(&format!(
-            "tandem dist: rank {}: stopping: {}",
-            self.rank, f.reason
-        ));
-        // Under `tandem launch`: the job's first failure as this rank saw it.
-        crate::error::append_rank_error(f.suspect, f.reporter, &f.reason, false);
+        if !self.quiet {
+            super::say(&format!(
+                "tandem dist: rank {}: stopping: {}",
+                self.rank, f.reason
+            ));
+            // Under `tandem launch`: the job's first failure as this rank saw it.
+            crate::error::append_rank_error(f.suspect, f.reporter, &f.reason, false);
+        }
         true
     }
 

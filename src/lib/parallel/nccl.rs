@@ -657,6 +657,19 @@ impl Comm<CudaBackend> for NcclComm {
         "nccl"
     }
 
+    fn follow(&mut self, backend: &CudaBackend) -> Result<()> {
+        if backend.context().ordinal() != self.ctx.ordinal() {
+            bail!(
+                "rank {}: a communicator of GPU {} cannot serve buffers on GPU {}",
+                self.rank,
+                self.ctx.ordinal(),
+                backend.context().ordinal()
+            );
+        }
+        self.compute = backend.stream().clone();
+        Ok(())
+    }
+
     fn rank_order_reductions(&self) -> bool {
         false
     }

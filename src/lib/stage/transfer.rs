@@ -29,8 +29,12 @@ pub struct TransferArgs {
     /// pointer): the sender must hold it; the receivers hold it under that name afterwards.
     pub model: PathBuf,
     pub side: Side,
-    /// The bridge's rendezvous port on 127.0.0.1 (the groups share one machine).
+    /// The bridge's rendezvous port on 127.0.0.1 (the groups share one machine), where a
+    /// new bridge meets.
     pub port: u16,
+    /// The bridge's id: a rank that kept a working bridge of this id (and place) from an
+    /// earlier transfer sends over it; the others meet on a new one at `port`.
+    pub bridge: String,
     /// Ranks of the receiving group.
     pub receivers: usize,
     /// Elements of a bucket.
@@ -40,11 +44,12 @@ pub struct TransferArgs {
 }
 
 /// This rank's place on the bridge: rank `rank` of `world` (sender 0, receivers 1..).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bridge {
     pub rank: usize,
     pub world: usize,
     pub port: u16,
+    pub id: String,
     pub bucket_elems: usize,
 }
 
@@ -54,10 +59,15 @@ pub struct Transferred {
     pub buckets: usize,
     pub elements: usize,
     pub bytes: usize,
-    /// From the bridge's rendezvous to the last bucket unpacked (or sent).
+    /// From the job's start (a new bridge's rendezvous included) to the last bucket unpacked
+    /// (or sent).
     pub seconds: f64,
     /// The broadcasts alone (the bridge's rendezvous and communicator set-up excluded).
     pub broadcast_seconds: f64,
+    /// The bridge was kept from an earlier transfer (no rendezvous, no communicator set-up).
+    pub bridge_reused: bool,
+    /// A new bridge's rendezvous and communicator set-up (0 when reused).
+    pub bridge_seconds: f64,
 }
 
 /// This rank's bridge rank: the training group's rank 0 sends (0), its other ranks sit it out
@@ -86,6 +96,7 @@ pub(crate) fn run<E: Hold + Console + Topology + ?Sized>(
         rank,
         world: 1 + args.receivers,
         port: args.port,
+        id: args.bridge.clone(),
         bucket_elems: args.bucket_elems,
     };
     let moved = exec.transfer(&model, &bridge)?;
@@ -101,6 +112,8 @@ pub(crate) fn run<E: Hold + Console + Topology + ?Sized>(
                 "seconds": moved.seconds,
                 "broadcast_seconds": moved.broadcast_seconds,
                 "gb_per_s": gb_per_s,
+                "bridge_reused": u8::from(moved.bridge_reused),
+                "bridge_seconds": moved.bridge_seconds,
             });
             write_json(path, &metrics)?;
         }
@@ -109,8 +122,12 @@ pub(crate) fn run<E: Hold + Console + Topology + ?Sized>(
         Side::Send => "sent",
         Side::Receive => "received",
     };
+    let over = match moved.bridge_reused {
+        true => "the kept bridge".to_string(),
+        false => format!("a new bridge ({:.3}s to set up)", moved.bridge_seconds),
+    };
     exec.log(&format!(
-        "transfer: {what} {} (policy_version {}): {} buckets, {:.1} MB in {:.3}s ({:.3}s broadcasting, {gb_per_s:.2} GB/s)",
+        "transfer: {what} {} (policy_version {}) over {over}: {} buckets, {:.1} MB in {:.3}s ({:.3}s broadcasting, {gb_per_s:.2} GB/s)",
         model.dir.display(),
         model.policy_version,
         moved.buckets,

@@ -95,6 +95,28 @@ pub(crate) struct PolicySlot<B: Backend> {
     pub(crate) fresh_seed: Option<u64>,
 }
 
+impl<B: Backend> PolicySlot<B> {
+    /// A policy that arrived by a weight transfer (`stage::transfer`): the checkpoint `key`'s
+    /// generation weights in `decoder`, with `files`' config and tokenizer; no trainer state.
+    pub(crate) fn received(key: ModelKey, files: &Path, decoder: Decoder<B>) -> Self {
+        PolicySlot {
+            keys: vec![key],
+            files: files.to_path_buf(),
+            trainer: None,
+            decoder,
+            schedule_step: 0,
+            from_master: false,
+            gen: None,
+            parked: None,
+            sharded: None,
+            comm: None,
+            lora_base: None,
+            lora_base_key: None,
+            fresh_seed: None,
+        }
+    }
+}
+
 /// What `--offload-optimizer` keeps in host memory between updates.
 pub(crate) struct Parked {
     pub(crate) state: OptimizerState,

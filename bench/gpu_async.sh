@@ -9,10 +9,12 @@
 #   SHAPE=7b PLACEMENTS="1+3 2+2" ...                       the 7B shape
 #   MODEL=/path/to/Qwen2.5-Coder PROMPTS=$D/gsm8k.parquet   a real model and its long-tailed lengths
 #   DEVICE=cpu N=3 SHAPE=tiny MAX_NEW=8 PLACEMENTS=1+2 ...  a dry run on CPU processes
-# Random weights with --ignore-eos give every response MAX_NEW tokens (no tail); the long tail
-# the issue asks about needs MODEL (a real model stops at its EOS) on real prompts.
+# Random weights with --ignore-eos would give every response MAX_NEW tokens (no tail): they
+# draw each response's length from LENGTHS instead (`rollout --response-lengths`), by default
+# a long-tailed log-normal set (median MEDIAN tokens, log-sd SIGMA, cut at MAX_NEW; LENGTHS=none:
+# every response MAX_NEW tokens). With MODEL the model's own EOS ends responses.
 # Expects the release binaries (tandem, pipeline and the stages) in $D. Ends with one table:
-# run, placement, mode, s/step, tok/s/GPU, transfer GB/s.
+# run, placement, mode, s/step, tok/s/GPU, transfer GB/s, mean response length.
 set -u
 D=${D:-.device}
 T=$D/tandem
@@ -24,6 +26,8 @@ STEPS=${STEPS:-4}
 PER_GPU=${PER_GPU:-32}
 MAX_NEW=${MAX_NEW:-2048}
 MODES=${MODES:-sync one-step-off async}
+MEDIAN=${MEDIAN:-400}
+SIGMA=${SIGMA:-0.8}
 ROUND=${ROUND:-256}
 K=${K:-1}
 OUT=${OUT:-/tmp/gpu_async}
@@ -55,10 +59,27 @@ prompts() {
     --out "$W/add.parquet" > /dev/null
   echo "$W/add.parquet"
 }
+# The recorded response lengths random weights play (none with MODEL or LENGTHS=none).
+lengths() {
+  [ -n "${MODEL:-}" ] || [ "${LENGTHS:-}" = none ] && return
+  [ -n "${LENGTHS:-}" ] && { echo "$LENGTHS"; return; }
+  python3 - "$W/lengths.txt" "$MEDIAN" "$SIGMA" "$MAX_NEW" <<'PY'
+import math, random, sys
+path, median, sigma, most = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+r = random.Random(1)
+with open(path, "w") as f:
+    f.write(f"# log-normal: median {median}, log-sd {sigma}, at most {most}\n")
+    for _ in range(4096):
+        f.write(f"{max(1, min(most, round(median * math.exp(sigma * r.gauss(0, 1)))))}\n")
+PY
+  echo "$W/lengths.txt"
+}
 # The spec: FILE MODEL PROMPTS, then the lines of its [placement] (none: colocated).
 spec() {
-  local eos
+  local eos lens
   eos=$([ -n "${MODEL:-}" ] && echo false || echo true)
+  lens=$(lengths)
+  [ -n "$lens" ] && lens="response-lengths = \"$lens\""
   cat > "$1" <<EOF
 seed = 1
 steps = $STEPS
@@ -74,6 +95,7 @@ prompts-per-step = $((PER_GPU * N))
 n = 8
 max-new-tokens = $MAX_NEW
 ignore-eos = $eos
+$lens
 max-prompt-tokens = 256
 raw-prompt = true
 [score]
@@ -106,13 +128,14 @@ except OSError:
     lines = []
 later = lines[1:] or lines
 if not later:
-    print(f"{name} {placement} {mode} - - -")
+    print(f"{name} {placement} {mode} - - - -")
     sys.exit()
 secs = sum(l["time/step"] for l in later) / len(later)
 toks = sum(l["perf/tokens_per_s"] * l["time/step"] for l in later) / sum(l["time/step"] for l in later)
 gbs = [l["transfer/gb_per_s"] for l in later if "transfer/gb_per_s" in l]
 gb = f"{sum(gbs) / len(gbs):.2f}" if gbs else "-"
-print(f"{name} {placement} {mode} {secs:.2f} {toks / gpus:.0f} {gb}")
+lens = sum(l["response_length/mean"] for l in later) / len(later)
+print(f"{name} {placement} {mode} {secs:.2f} {toks / gpus:.0f} {gb} {lens:.0f}")
 PY
 )")
   rm -rf "$W/run_$name"
@@ -136,5 +159,5 @@ $keys"
   done
 done
 echo
-echo "run placement mode s/step tok/s/GPU transfer_GB/s"
+echo "run placement mode s/step tok/s/GPU transfer_GB/s response_len"
 printf '%s\n' "${rows[@]}" | column -t

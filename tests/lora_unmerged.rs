@@ -26,6 +26,7 @@ fn greedy(dec: &mut Decoder<Cpu>, cfg: &Config) -> Vec<Completion> {
                 .map(|_| rng.below(cfg.vocab_size as u64) as u32)
                 .collect();
             Request {
+                max_new: Vec::new(),
                 sample_keys: vec![i],
                 prompt,
             }

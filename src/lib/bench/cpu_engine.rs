@@ -105,6 +105,7 @@ fn bench_generate(
             let prompt = random_ids(a.prompt_tokens, cfg.vocab_size, a.seed ^ ((b as u64) << 20));
             let keys = vec![sample_key(a.seed, &prompt, 0, 0)];
             Request {
+                max_new: Vec::new(),
                 prompt,
                 sample_keys: keys,
             }

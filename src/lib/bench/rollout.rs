@@ -533,6 +533,7 @@ fn warm_up() -> Case {
     Case {
         name: "warm-up".into(),
         requests: vec![Request {
+            max_new: Vec::new(),
             prompt: vec![1; 16],
             sample_keys: vec![1, 2],
         }],
@@ -794,6 +795,7 @@ fn cases(args: &RolloutBenchArgs, vocab: usize) -> Result<Vec<Case>> {
                 let prompt = random_prompt(args.prompt_tokens, vocab, args.seed ^ (i as u64) << 20);
                 let key = sample_key(args.seed, &prompt, i as u64, 0);
                 Request {
+                    max_new: Vec::new(),
                     prompt,
                     sample_keys: vec![key],
                 }
@@ -837,6 +839,7 @@ fn grpo_case(args: &RolloutBenchArgs, vocab: usize, sampling: SamplingParams) ->
                 .map(|s| sample_key(args.seed, &prompt, i as u64, s))
                 .collect();
             Request {
+                max_new: Vec::new(),
                 prompt,
                 sample_keys: keys,
             }

@@ -348,8 +348,16 @@ impl Stages {
 }
 
 /// The rollout flags the evaluation does not take from `[rollout]`: it decodes greedily unless
-/// `[eval]` says otherwise, and adds no ReMax baseline (its rows are what is evaluated).
-const EVAL_SAMPLING: [&str; 5] = ["n", "temperature", "top-p", "top-k", "baseline"];
+/// `[eval]` says otherwise, adds no ReMax baseline (its rows are what is evaluated), and ends
+/// responses where the model does, not at recorded lengths (a benchmark's stand-in).
+const EVAL_SAMPLING: [&str; 6] = [
+    "n",
+    "temperature",
+    "top-p",
+    "top-k",
+    "baseline",
+    "response-lengths",
+];
 
 /// Where a spec comes from, for messages: `FILE:LINE:COL` of a key when the text is at hand.
 #[derive(Clone, Copy)]
@@ -1531,6 +1539,15 @@ estimator = "grpo"
         // The eval rollout keeps [rollout]'s stops, decoding greedily.
         assert_eq!(st.eval.argv[..4], ["--n", "1", "--top-k", "1"]);
         assert_eq!(st.eval.argv[4..], args[2..]);
+        // Recorded response lengths are the training rollout's only.
+        let st = stages(&format!(
+            "{MINIMAL}[rollout]\nresponse-lengths = \"l.txt\"\nignore-eos = true\n"
+        ));
+        assert_eq!(
+            st.rollout.argv,
+            ["--ignore-eos", "--response-lengths", "l.txt"]
+        );
+        assert_eq!(st.eval.argv, ["--n", "1", "--top-k", "1", "--ignore-eos"]);
         let s = Spec::parse(&text, "t.toml").unwrap();
         assert_eq!(Spec::parse(&s.to_toml(), "resolved").unwrap(), s);
     }

@@ -608,6 +608,7 @@ impl Server {
                     .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         });
         let request = Request {
+            max_new: Vec::new(),
             prompt: prompt.to_vec(),
             sample_keys: (0..s.n as u64)
                 .map(|k| sample_key(seed, prompt, 0, k))

@@ -50,6 +50,10 @@ pub fn write_batch(path: &Path, batch: &Batch) -> Result<()> {
         for &k in &r.sample_keys {
             w.u64(k);
         }
+        w.u64(r.max_new.len() as u64);
+        for &m in &r.max_new {
+            w.u64(m as u64);
+        }
     }
     let (p, l) = (&batch.params, &batch.limits);
     let s = &p.sampling;
@@ -78,9 +82,14 @@ fn read_batch(path: &Path) -> Result<Batch> {
         let prompt = r.u32s()?;
         let keys = r.u64()? as usize;
         let sample_keys = (0..keys).map(|_| r.u64()).collect::<Result<_>>()?;
+        let limits = r.u64()? as usize;
+        let max_new = (0..limits)
+            .map(|_| Ok(r.u64()? as usize))
+            .collect::<Result<_>>()?;
         requests.push(Request {
             prompt,
             sample_keys,
+            max_new,
         });
     }
     let (temp_top_p, top_k) = (r.f32s()?, r.u64()? as i64);
@@ -180,10 +189,12 @@ mod tests {
         let batch = Batch {
             requests: vec![
                 Request {
+                    max_new: vec![3, 5],
                     prompt: vec![1, 2, 3],
                     sample_keys: vec![7, u64::MAX],
                 },
                 Request {
+                    max_new: Vec::new(),
                     prompt: vec![4],
                     sample_keys: vec![9],
                 },
@@ -213,6 +224,8 @@ mod tests {
         assert_eq!(back.requests[0].prompt, [1, 2, 3]);
         assert_eq!(back.requests[0].sample_keys, [7, u64::MAX]);
         assert_eq!(back.requests[1].sample_keys, [9]);
+        assert_eq!(back.requests[0].max_new, [3, 5]);
+        assert!(back.requests[1].max_new.is_empty());
         assert_eq!(format!("{:?}", back.params), format!("{:?}", batch.params));
         assert_eq!(back.limits, batch.limits);
         std::fs::write(&path, &std::fs::read(&path).unwrap()[..20]).unwrap();

@@ -25,6 +25,7 @@
 pub mod advantage;
 pub mod common;
 pub mod generate;
+pub(crate) mod lengths;
 pub mod ref_logprob;
 pub mod rollout;
 mod rollout_round;

@@ -13,6 +13,7 @@ use super::common::{
     at_least, gather_results, my_block, negative_numbers, range, resolve_model, writes_files,
     Device, ModelRef,
 };
+use super::lengths::ResponseLengths;
 use super::turns::{observation, stage_tools, ToolText, TurnColumns};
 use super::{Exec, Job};
 use crate::backend::ops::sample::{sample_key, SamplingParams};
@@ -242,6 +243,12 @@ pub struct RolloutArgs {
     /// Do not stop at the model's EOS ids.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Each sample ends after a length drawn by its random key from this recorded
+    /// distribution (a text file of lengths, one per line, or a rollout's Parquet output: its
+    /// responses' lengths), at most --max-new-tokens: the long tail of a real model's
+    /// responses for a model that does not stop by itself (random weights, --ignore-eos).
+    #[arg(long, value_name = "FILE")]
+    pub response_lengths: Option<PathBuf>,
     /// The prompt column of the dataset (verl's data.prompt_key).
     #[arg(long, default_value = "prompt", value_name = "COLUMN")]
     pub prompt_key: String,
@@ -643,6 +650,7 @@ impl Generate<'_> {
                 .requests
                 .iter()
                 .map(|r| Request {
+                    max_new: Vec::new(),
                     prompt: r.prompt.clone(),
                     sample_keys: r.sample_keys[..1].to_vec(),
                 })
@@ -732,6 +740,14 @@ impl RolloutArgs {
     /// The temperature of the log-probs the rollout records: --temperature, or 1 when greedy.
     pub fn logprob_temperature(&self) -> f32 {
         self.params().logprob_temperature()
+    }
+
+    /// The recorded response lengths of --response-lengths.
+    pub(super) fn recorded_lengths(&self) -> Result<Option<ResponseLengths>> {
+        self.response_lengths
+            .as_deref()
+            .map(ResponseLengths::read)
+            .transpose()
     }
 
     fn params(&self) -> SamplingParams {
@@ -897,8 +913,11 @@ pub fn run_with_tools(
     };
     let schemas = args.prompt_schemas(tools.as_deref());
     let prep = Prepared::load(&args, &dataset, n_prompts, &schemas)?;
-    let (prompt_uids, requests) = keyed_requests(&prep.prompts, args.n, args.seed);
+    let (prompt_uids, mut requests) = keyed_requests(&prep.prompts, args.n, args.seed);
     let params = args.gen_params(sampling, &prep.cfg.eos_token_ids);
+    if let Some(lengths) = args.recorded_lengths()? {
+        lengths.apply(&mut requests, params.max_new_tokens);
+    }
     // Ids past the tokenizer's vocabulary (padded embedding rows) decode to nothing.
     let detok = |ids: &[u32]| prep.tokenizer.decode(ids, true);
     let text = prep.template.as_ref().map(|template| ToolText {
@@ -1032,6 +1051,7 @@ pub(crate) fn keyed_requests(
         prompt_uids.push(format!("{:016x}", sample_key(seed, ids, *occ, u64::MAX)));
         *occ += 1;
         requests.push(Request {
+            max_new: Vec::new(),
             prompt: ids.clone(),
             sample_keys: keys,
         });

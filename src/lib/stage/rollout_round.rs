@@ -81,6 +81,12 @@ pub(super) fn run(args: RolloutArgs, exec: &mut dyn Exec) -> Result<()> {
     let tokenizer = &setup.tokenizer;
     let mut rounds = Rounds::new(usize::MAX);
     rounds.in_flight = groups_of(&setup.table, tools.is_some())?;
+    if let Some(lengths) = args.recorded_lengths()? {
+        // Drawn by key: the length a whole rollout of the same sample draws.
+        for s in rounds.in_flight.iter_mut().flat_map(|g| g.seqs.iter_mut()) {
+            s.limit = Some(lengths.limit(s.key, params.max_new_tokens));
+        }
+    }
     let episodes = episodes_of(&setup.table)?;
     let detok = |ids: &[u32]| tokenizer.decode(ids, true);
     let text = setup.template.as_ref().map(|template| ToolText {
@@ -388,6 +394,7 @@ fn in_flight(t: &Batch, tools: bool) -> Result<Vec<InFlight>> {
                 text: finish.map_or(String::new(), |_| texts[i].to_string()),
                 finish,
                 trajectory,
+                limit: None,
             })
         })
         .collect()

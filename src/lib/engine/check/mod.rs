@@ -101,6 +101,7 @@ fn random_requests(
             let len = min_len + s.rng.below(span);
             let prompt: Vec<u32> = (0..len).map(|_| s.rng.below(1000) as u32).collect();
             Request {
+                max_new: Vec::new(),
                 sample_keys: (0..samples).map(|k| sample_key(i, &prompt, 0, k)).collect(),
                 prompt,
             }

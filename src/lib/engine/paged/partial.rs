@@ -45,6 +45,9 @@ pub struct InFlight {
     pub text: String,
     /// With tools: the episode's mask, turns and calls so far (None: one turn).
     pub trajectory: Option<Trajectory>,
+    /// Its own limit of response tokens (`Request::max_new`: a recorded length drawn for its
+    /// key), set by the stage that runs the rounds; it ends by length there.
+    pub limit: Option<usize>,
 }
 
 /// A turn's calls waiting to run: (sequence index, calls).
@@ -62,7 +65,14 @@ impl InFlight {
             finish: None,
             text: String::new(),
             trajectory: tools.then(Trajectory::default),
+            limit: None,
         }
+    }
+
+    /// The most response tokens it may have: `limit` (the rule's response limit), or its own
+    /// when lower.
+    fn room(&self, limit: usize) -> usize {
+        self.limit.map_or(limit, |l| l.min(limit))
     }
 
     /// The oldest version among its tokens (None before its first token).
@@ -198,19 +208,28 @@ pub fn round_requests(
     );
     let limit = response_limit(rule);
     let live: Vec<usize> = (0..seqs.len())
-        .filter(|&i| seqs[i].finish.is_none() && seqs[i].tokens.len() < limit)
-        .collect();
-    let requests: Vec<Request> = live
-        .iter()
-        .map(|&i| Request {
-            prompt: [&seqs[i].prompt[..], &seqs[i].tokens[..]].concat(),
-            sample_keys: vec![seqs[i].round_key()],
-        })
+        .filter(|&i| seqs[i].finish.is_none() && seqs[i].tokens.len() < seqs[i].room(limit))
         .collect();
     let this_round = GenParams {
         max_new_tokens: round_tokens.min(rule.params.max_new_tokens),
         ..rule.params.clone()
     };
+    let requests: Vec<Request> = live
+        .iter()
+        .map(|&i| {
+            let s = &seqs[i];
+            // What is left of its own limit, where that ends it in this round.
+            let left = s.limit.map(|l| l - s.tokens.len());
+            Request {
+                prompt: [&s.prompt[..], &s.tokens[..]].concat(),
+                sample_keys: vec![s.round_key()],
+                max_new: left
+                    .filter(|&l| l < this_round.max_new_tokens)
+                    .into_iter()
+                    .collect(),
+            }
+        })
+        .collect();
     Ok((live, requests, this_round))
 }
 
@@ -231,7 +250,10 @@ pub fn absorb(
         let start = s.turn_start();
         for (&t, &lp) in c.tokens.iter().zip(&c.logprobs) {
             s.push(t, lp, version);
-            let Some((reason, text)) = turn_end(&s.tokens[start..], s.tokens.len(), rule)? else {
+            let over = s.tokens.len() >= s.room(usize::MAX);
+            let Some((reason, text)) = turn_end(&s.tokens[start..], s.tokens.len(), rule)?
+                .or(over.then_some((FinishReason::Length, None)))
+            else {
                 continue;
             };
             let text = match (text, rule.detok) {
@@ -272,7 +294,8 @@ pub fn answer_calls(
             calls += records.len();
             errors += records.iter().filter(|r| r.error.is_some()).count();
             let ids = (agent.observe)(&s.tokens[s.turn_start()..], &contents)?;
-            s.observe(&ids, records, agent.limits.max_response_tokens, version);
+            let room = s.room(agent.limits.max_response_tokens);
+            s.observe(&ids, records, room, version);
         }
         if !busy {
             return Ok((calls, errors));
@@ -531,6 +554,53 @@ mod tests {
         }
     }
 
+    /// A sequence's own length limit across rounds: rounds of 1, 3 and 5 tokens end each one at
+    /// its limit (by length) or earlier at a stop id, with the tokens the same rounds draw
+    /// without limits, cut there; a round never generates past a limit (its requests carry
+    /// what is left of it).
+    #[test]
+    fn own_length_limits_end_sequences_across_rounds() {
+        let p = params(12, vec![4]);
+        let rule = StopRule {
+            params: &p,
+            detok: None,
+            turns: None,
+        };
+        let fresh = |limits: bool| -> Vec<InFlight> {
+            (0..30u32)
+                .map(|i| InFlight {
+                    limit: limits.then_some(1 + (i as usize * 7) % 12),
+                    ..InFlight::new(vec![i % 5 + 1, 2], 13 * i as u64 + 1, false)
+                })
+                .collect()
+        };
+        let mut cut_short = 0;
+        for round_tokens in [1, 3, 5] {
+            let (mut own, mut free) = (fresh(true), fresh(false));
+            rounds_of(&mut own, &rule, round_tokens);
+            rounds_of(&mut free, &rule, round_tokens);
+            for (o, f) in own.iter().zip(&free) {
+                let limit = o.limit.unwrap();
+                let n = f.tokens.len().min(limit);
+                assert_eq!(o.tokens, f.tokens[..n], "{o:?}");
+                let why = match f.tokens.len() <= limit {
+                    true => f.finish,
+                    false => Some(FinishReason::Length),
+                };
+                assert_eq!(o.finish, why, "{o:?}");
+                cut_short += usize::from(f.tokens.len() > limit);
+            }
+            // What is left of a limit is each request's own cap in the round.
+            let seqs = fresh(true);
+            let (live, reqs, this) = round_requests(&seqs, &rule, round_tokens).unwrap();
+            for (&i, r) in live.iter().zip(&reqs) {
+                let want = seqs[i].limit.filter(|&l| l < this.max_new_tokens);
+                assert_eq!(r.max_new, want.into_iter().collect::<Vec<_>>());
+            }
+        }
+        assert!(cut_short >= 20, "{cut_short} sequences cut by their limit");
+    }
+
     /// Stop strings across rounds: rounds of 1 and 2 tokens (so a stop string of 2 or 3
     /// letters is begun in one round and completed in a later one) end each sequence at the
     /// token that completes its first stop string, with the text cut before it: the same
@@ -589,6 +659,7 @@ mod tests {
         let requests: Vec<Request> = fresh()
             .iter()
             .map(|s| Request {
+                max_new: Vec::new(),
                 prompt: s.prompt.clone(),
                 sample_keys: vec![s.key],
             })

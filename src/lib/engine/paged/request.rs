@@ -19,10 +19,22 @@ use crate::error::input_error;
 
 /// One prompt and the random keys of its samples (`backend::ops::sample::sample_key`), one per
 /// sample.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub sample_keys: Vec<u64>,
+    /// Each sample's own limit of new tokens, below `GenParams::max_new_tokens` (empty: that
+    /// limit for all): a sample ends at it with `finish_reason` `length`. A recorded length
+    /// distribution played by a model that never stops by itself (`rollout
+    /// --response-lengths`), and the rest of such a limit in a round of partial rollouts.
+    pub max_new: Vec<usize>,
+}
+
+impl Request {
+    /// Sample `j`'s limit of new tokens, if it has one of its own.
+    pub(crate) fn sample_limit(&self, j: usize) -> Option<usize> {
+        self.max_new.get(j).copied()
+    }
 }
 
 /// What to generate for every request.
@@ -101,6 +113,24 @@ impl GenParams {
         for (i, r) in requests.iter().enumerate() {
             if r.prompt.is_empty() {
                 bail!(input_error(format!("request {i}: empty prompt")));
+            }
+            if !r.max_new.is_empty() && r.max_new.len() != r.sample_keys.len() {
+                bail!(
+                    "request {i}: {} sample limits for {} samples",
+                    r.max_new.len(),
+                    r.sample_keys.len()
+                );
+            }
+            if let Some(j) = r
+                .max_new
+                .iter()
+                .position(|&m| m == 0 || m > self.max_new_tokens)
+            {
+                bail!(
+                    "request {i}: sample {j}'s limit of {} new tokens is not in 1..={}",
+                    r.max_new[j],
+                    self.max_new_tokens
+                );
             }
             if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
                 bail!(input_error(format!(
@@ -223,6 +253,7 @@ mod tests {
             overlap: true,
         };
         let req = |prompt: Vec<u32>| Request {
+            max_new: Vec::new(),
             prompt,
             sample_keys: vec![1],
         };

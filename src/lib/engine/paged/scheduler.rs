@@ -294,6 +294,7 @@ impl<'r> Scheduler<'r> {
             turn_start: prompt.len(),
             traj: None,
             calls_due: None,
+            limit: usize::MAX,
         });
         self.admitted += 1;
         Some((n, take))
@@ -409,7 +410,7 @@ impl<'r> Scheduler<'r> {
             .map(|s| {
                 !s.zombie
                     && s.tokens.len() + 1 - s.turn_start < params.max_new_tokens
-                    && s.tokens.len() + 1 - s.prompt_len < total
+                    && s.tokens.len() + 1 - s.prompt_len < total.min(s.limit)
             })
             .collect();
         // Blocks each needs for the position the queued step feeds (computed + 1).
@@ -584,7 +585,8 @@ impl<'r> Scheduler<'r> {
                 }
                 t
             };
-            let mut c = p.sample(j, k, blocks, post.rule.turns.is_some());
+            let limit = self.requests[p.req].sample_limit(j).unwrap_or(usize::MAX);
+            let mut c = p.sample((j, k), blocks, post.rule.turns.is_some(), limit);
             match c.accept(*d, post.rule)? {
                 Some(reason) => ended.push((c, reason)),
                 None => post.next.push(c),

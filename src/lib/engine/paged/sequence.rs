@@ -46,6 +46,9 @@ pub(super) struct Seq {
     /// The calls of the turn it ended with, to run once it is parked (a zombie parks when the
     /// step queued behind it has been applied).
     pub(super) calls_due: Option<Vec<Result<ToolCall, String>>>,
+    /// Response tokens after which the sample ends by length, its own limit
+    /// (`Request::max_new`; `usize::MAX`: none, or a prompt).
+    pub(super) limit: usize,
 }
 
 impl Seq {
@@ -81,7 +84,7 @@ impl Seq {
         let response = self.tokens.len() - self.prompt_len;
         let Some((reason, text)) = turn_end(&self.tokens[self.turn_start..], response, rule)?
         else {
-            return Ok(None);
+            return Ok((response >= self.limit).then_some(FinishReason::Length));
         };
         if let (Some(t), Kind::Sample { stopped_text, .. }) = (text, &mut self.kind) {
             *stopped_text = Some(t);
@@ -90,8 +93,14 @@ impl Seq {
     }
 
     /// Sample `sample` of this prompt, the `k`-th forked from it, over `blocks`: the prompt's
-    /// tokens, all in the cache.
-    pub(super) fn sample(&self, sample: usize, k: usize, blocks: Vec<u32>, turns: bool) -> Seq {
+    /// tokens, all in the cache; it ends by length after `limit` response tokens.
+    pub(super) fn sample(
+        &self,
+        (sample, k): (usize, usize),
+        blocks: Vec<u32>,
+        turns: bool,
+        limit: usize,
+    ) -> Seq {
         Seq {
             req: self.req,
             kind: Kind::Sample {
@@ -108,6 +117,7 @@ impl Seq {
             turn_start: self.prompt_len,
             traj: turns.then(Box::default),
             calls_due: None,
+            limit,
         }
     }
 

@@ -109,7 +109,8 @@ impl PagedModel for PagedToy {
 }
 
 /// Every sample of every request generated alone: draw after draw from the toy's logits of
-/// the sample's context, with the uniform of its key and position, until `GenParams::finish`.
+/// the sample's context, with the uniform of its key and position, until `GenParams::finish`
+/// or the sample's own limit.
 fn reference(
     vocab: usize,
     reqs: &[Request],
@@ -120,7 +121,9 @@ fn reference(
         .map(|r| {
             r.sample_keys
                 .iter()
-                .map(|&key| {
+                .enumerate()
+                .map(|(j, &key)| {
+                    let limit = r.sample_limit(j).unwrap_or(usize::MAX);
                     let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
                     let (finish, cut) = loop {
                         if p.max_new_tokens == 0 {
@@ -139,6 +142,9 @@ fn reference(
                         logprobs.push(d.logprob);
                         if let Some(end) = p.finish(&tokens, detok).unwrap() {
                             break end;
+                        }
+                        if tokens.len() >= limit {
+                            break (FinishReason::Length, None);
                         }
                     };
                     let text = match (cut, detok) {
@@ -162,6 +168,7 @@ fn reference(
 fn request(seed: u64, prompt: Vec<u32>, n: u64) -> Request {
     let keys = (0..n).map(|s| sample_key(seed, &prompt, 0, s)).collect();
     Request {
+        max_new: Vec::new(),
         prompt,
         sample_keys: keys,
     }
@@ -187,17 +194,31 @@ fn random_workloads_match_the_reference_and_return_every_block() {
     let mut chunked_cases = 0;
     let mut overlapped_cases = 0;
     let mut discarded_cases = 0;
+    let mut limited_cases = 0;
     for case in 0..60 {
         let vocab = 20 + g.below(30) as usize;
         let n_req = 1 + g.below(6) as usize;
         let max_new = 1 + g.below(24) as usize;
-        let reqs: Vec<Request> = (0..n_req)
+        let mut reqs: Vec<Request> = (0..n_req)
             .map(|i| {
                 let len = 1 + g.below(40) as usize;
                 let prompt = (0..len).map(|_| g.below(vocab as u64) as u32).collect();
                 request(case * 100 + i as u64, prompt, 1 + g.below(5))
             })
             .collect();
+        // Each sample's own length limit on a third of the cases (a generator of their own:
+        // the other cases stay as they were).
+        let mut h = SplitMix64(case + 991);
+        if h.below(3) == 0 {
+            limited_cases += 1;
+            for r in &mut reqs {
+                r.max_new = r
+                    .sample_keys
+                    .iter()
+                    .map(|_| 1 + h.below(max_new as u64) as usize)
+                    .collect();
+            }
+        }
         // Stop ids on some cases: random stops shorten some samples.
         let stop = if g.below(2) == 0 {
             vec![g.below(vocab as u64) as u32]
@@ -255,6 +276,7 @@ fn random_workloads_match_the_reference_and_return_every_block() {
         chunked_cases += usize::from(longest > cfg.max_batched_tokens);
     }
     // The random cases do exercise the hard paths.
+    assert!(limited_cases >= 10, "{limited_cases} cases had limits");
     assert!(preempted_cases >= 3, "{preempted_cases} cases preempted");
     assert!(chunked_cases >= 3, "{chunked_cases} cases chunked a prompt");
     assert!(

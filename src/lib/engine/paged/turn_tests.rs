@@ -153,6 +153,7 @@ impl PagedModel for Scripted<'_, '_> {
 fn request(seed: u64, prompt: Vec<u32>, n: u64) -> Request {
     let keys = (0..n).map(|s| sample_key(seed, &prompt, 0, s)).collect();
     Request {
+        max_new: Vec::new(),
         prompt,
         sample_keys: keys,
     }

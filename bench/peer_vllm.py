@@ -7,7 +7,9 @@ ending at the case's stop ids (the model's EOS ids of `--prompts` cases) or, wit
 `ignore_eos`. Cases with random stops (a random model's stand-in ends) are skipped.
 Each case: one untimed warm-up generate, then RUNS timed ones; prints one JSON line per case
 (best and all tokens/s, and the length distribution of the best run: mean, nearest-rank p50,
-p90, p99, max and the share at the cap, as the bench computes it) and one for the start-up.
+p90, p99, max and the share at the cap, as the bench computes it; with nvidia-smi, the best
+run's SM clock, power and tokens per joule, sampled every 100 ms as `bench rollout` samples
+its own) and one for the start-up.
 Tuning (what a fair comparison sets, ../shared/peers/vllm/README.md): `max_num_seqs` covers the
 largest case, CUDA graphs are captured up to it (`max_cudagraph_capture_size`), async scheduling
 and prefix caching stay on (the defaults); MAX_BATCHED_TOKENS [16384] sets
@@ -18,9 +20,54 @@ Usage: peer_vllm.py CASES.json [RUNS]   (needs vllm on PYTHONPATH: install_on_de
        peer_vllm.py --check CASES.json     (no vllm: the cases as this script reads them)"""
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+
+
+class Clocks:
+    """`nvidia-smi` sampling the GPU's SM clock, power and power-cap bit every 100 ms (as
+    src/lib/bench/gpu_clock.rs does for tandem); nothing without nvidia-smi."""
+
+    def __init__(self):
+        gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+        self.samples = []
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "100", "-i", gpu],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                mhz, watts, reasons = [f.strip() for f in line.split(",")]
+                self.samples.append((time.perf_counter(), float(mhz), float(watts),
+                                     int(reasons, 16) & 0x4 != 0))
+            except ValueError:
+                continue
+
+    def summary(self, t0, t1, tokens_per_s):
+        """The samples between t0 and t1 as the bench's `gpu_clocks`, and tokens per joule."""
+        w = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not w:
+            return None
+        mhz = sorted(s[1] for s in w)
+        power = sum(s[2] for s in w) / len(w)
+        return {"samples": len(w), "sm_mhz_median": mhz[len(mhz) // 2], "power_w_mean": power,
+                "power_w_max": max(s[2] for s in w),
+                "power_capped_fraction": sum(s[3] for s in w) / len(w),
+                "tokens_per_joule": tokens_per_s / power if power > 0 else None}
+
+    def close(self):
+        if self.proc:
+            self.proc.kill()
 
 
 def lengths(lens, cap):
@@ -84,6 +131,7 @@ def check(doc):
     """Without vllm: what each case would run, one JSON line each (a dry run on any machine)."""
     args = engine_args(doc)
     print(json.dumps({"llm": args}))
+    clocks = Clocks()
     for c in doc["cases"]:
         if c["random_stops"]:
             print(json.dumps({"case": c["case"], "skipped": "random stops"}))
@@ -116,19 +164,21 @@ def main():
         prompts = [TokensPrompt(prompt_token_ids=p) for p in c["prompts"]]
         sp = SamplingParams(**sampling_args(c))
         llm.generate(prompts, sp, use_tqdm=False)  # warm-up
-        best, rates = None, []
+        best, rates, gpu = None, [], None
         for _ in range(runs):
             t = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False)
-            dt = time.perf_counter() - t
+            t1 = time.perf_counter()
             lens = [len(o2.token_ids) for o in outs for o2 in o.outputs]
-            rates.append(sum(lens) / dt)
+            rates.append(sum(lens) / (t1 - t))
             if rates[-1] == max(rates):
-                best = lens
+                best, gpu = lens, clocks.summary(t, t1, rates[-1])
         print(json.dumps({"peer": "vllm", "model": doc["model"], "case": c["case"],
                           "samples": len(best), "new_tokens": sum(best),
                           "tokens_per_s": max(rates), "runs_tokens_per_s": rates,
-                          "request_seed": sp.seed, "lengths": lengths(best, c["max_new_tokens"])}), flush=True)
+                          "request_seed": sp.seed, "lengths": lengths(best, c["max_new_tokens"]),
+                          "gpu_clocks": gpu}), flush=True)
+    clocks.close()
 
 
 if __name__ == "__main__":

@@ -50,16 +50,25 @@ def lens(d):
                                         100 * l["at_cap_fraction"])
 
 
+def energy(clocks, tokens_per_joule=None):
+    """SM MHz / W and tokens per joule of a run's `gpu_clocks` ("-" without nvidia-smi)."""
+    if not clocks:
+        return "-"
+    tpj = tokens_per_joule or clocks.get("tokens_per_joule")
+    return "%.0f / %.0f, %s" % (clocks["sm_mhz_median"], clocks["power_w_mean"],
+                               "%.1f" % tpj if tpj else "-")
+
+
 def main():
     g = sys.argv[1]
     print("| shape | case | tandem tok/s | vLLM tok/s | tandem / vLLM | tandem lengths | vLLM lengths "
-          "| vLLM, seeded requests |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| vLLM, seeded requests | tandem SM MHz / W, tok/J | vLLM SM MHz / W, tok/J |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(glob.glob(os.path.join(g, "rollout_*.txt"))):
         shape = os.path.basename(path)[len("rollout_"):-len(".txt")]
         rep = last_json(path)
         if not rep:
-            print("| %s | (no report: see %s) | | | | | | |" % (shape, os.path.basename(path)))
+            print("| %s | (no report: see %s) | | | | | | | | |" % (shape, os.path.basename(path)))
             continue
         # The last run of each case (the runs after a process's first are what later rollouts cost).
         runs = {}
@@ -73,9 +82,10 @@ def main():
             ratio = "%.2fx" % (t["tokens_per_s"] / vt) if vt else "-"
             vcell = "%.0f" % vt if vt else v.get("skipped", "check" if "sampling" in v else "-")
             st = seeded.get(name, {}).get("tokens_per_s")
-            print("| %s | %s | %.0f | %s | %s | %s | %s | %s |" % (
+            print("| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s |" % (
                 shape, name, t["tokens_per_s"], vcell, ratio, lens(t), lens(v),
-                "%.0f" % st if st else "-"))
+                "%.0f" % st if st else "-", energy(t.get("gpu_clocks"), t.get("tokens_per_joule")),
+                energy(v.get("gpu_clocks"))))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,14 @@ pub(crate) struct ClockSummary {
     pub(crate) power_capped_fraction: f64,
 }
 
+impl ClockSummary {
+    /// Work per joule at the window's mean power of `rate` units a second (tokens/s: tokens
+    /// per joule, what a power-capped GPU trades); None without a power reading.
+    pub(crate) fn per_joule(&self, rate: f64) -> Option<f64> {
+        (self.power_w_mean > 0.0).then(|| rate / self.power_w_mean)
+    }
+}
+
 type Samples = Arc<Mutex<Vec<(Instant, Sample)>>>;
 
 /// A sampling child process and the thread that reads it.
@@ -156,6 +164,18 @@ fn summarise(window: &[Sample]) -> Option<ClockSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_per_joule_are_the_rate_over_the_mean_power() {
+        let at = |w: f64| Sample {
+            sm_mhz: 1500.0,
+            power_w: w,
+            power_capped: false,
+        };
+        let s = summarise(&[at(600.0), at(700.0)]).unwrap();
+        assert_eq!(s.per_joule(26_000.0), Some(40.0));
+        assert_eq!(summarise(&[at(0.0)]).unwrap().per_joule(1.0), None);
+    }
 
     #[test]
     fn lines_parse_and_the_power_cap_is_bit_4() {

@@ -1104,7 +1104,7 @@ fn print_report(
             "GEMM plans",
             "len mean/p50/p90/p99/max",
             "at cap",
-            "SM MHz / W (power-capped)",
+            "SM MHz / W (power-capped), tok/J",
         ],
         &table,
         &json!({
@@ -1168,10 +1168,11 @@ fn run_row(m: &Measured, bw: f64, peak: f64) -> (Vec<String>, serde_json::Value)
         format!("{:.1}%", 100.0 * m.lengths.at_cap),
         m.clocks.map_or("-".into(), |c| {
             format!(
-                "{:.0} / {:.0} ({:.0}%)",
+                "{:.0} / {:.0} ({:.0}%), {}",
                 c.sm_mhz_median,
                 c.power_w_mean,
-                100.0 * c.power_capped_fraction
+                100.0 * c.power_capped_fraction,
+                c.per_joule(tps).map_or("-".into(), |j| format!("{j:.1}"))
             )
         }),
     ];
@@ -1202,6 +1203,8 @@ fn run_row(m: &Measured, bw: f64, peak: f64) -> (Vec<String>, serde_json::Value)
         "gemm_planning_s": m.planning.1,
         "lengths": m.lengths.json(),
         "gpu_clocks": m.clocks,
+        // The energy a token costs, at the run's mean power: what a power-capped GPU trades.
+        "tokens_per_joule": m.clocks.and_then(|c| c.per_joule(tps)),
     });
     (row, js)
 }

@@ -233,18 +233,26 @@ impl Plan {
             tasks.extend(update);
             return;
         }
-        let [prompts, rollout] = self.own_sampling(step + 1);
-        tasks.push(Task {
-            name: "next-prompts",
-            action: prompts.action,
-        });
+        let mut own = self.own_sampling(step + 1);
+        let rollout = own.pop().expect("a rollout or dynamic sampling");
+        // Dynamic sampling draws its passes' prompts itself.
+        if let Some(prompts) = own.pop() {
+            tasks.push(Task {
+                name: "next-prompts",
+                action: prompts.action,
+            });
+        }
+        let alone = match rollout.action {
+            Action::DynamicSampling { .. } => "next-sample",
+            _ => "next-rollout",
+        };
         tasks.push(match update {
             Some(update) => Task {
                 name: "update",
                 action: Action::Overlap(Box::new([update, rollout])),
             },
             None => Task {
-                name: "next-rollout",
+                name: alone,
                 action: rollout.action,
             },
         });
@@ -256,12 +264,14 @@ impl Plan {
         !self.one_step_off() || step == 1
     }
 
-    /// Step `step`'s prompt draw and rollout (their files are the step's own).
-    fn own_sampling(&self, step: u64) -> [Task; 2] {
-        let mut t = self.sampling_tasks(step).into_iter();
-        let prompts = t.next().expect("prompts first");
-        let rollout = t.next().expect("then the rollout");
-        [prompts, rollout]
+    /// Step `step`'s prompt draw and rollout, or its dynamic sampling (their files are the
+    /// step's own): the sampling one-step-off runs in the step before.
+    pub(super) fn own_sampling(&self, step: u64) -> Vec<Task> {
+        let mut t = self.sampling_tasks(step);
+        if self.spec.filter_groups().is_none() {
+            t.truncate(2);
+        }
+        t
     }
 
     /// One-step-off's first step of a process (`state` before it) samples itself when the
@@ -279,7 +289,10 @@ impl Plan {
     /// The steps whose prompts the sampler has drawn once step `to` is done: one more in
     /// one-step-off mode, whose step `to` drew the next step's (when it did).
     pub(crate) fn steps_drawn(&self, to: u64) -> u64 {
-        let ahead = self.one_step_off() && to >= 1 && self.run.batch(to + 1, "prompts").exists();
+        let drew = |s| {
+            self.run.batch(s, "prompts").exists() || super::super::dynamic::sampled(&self.run, s)
+        };
+        let ahead = self.one_step_off() && to >= 1 && drew(to + 1);
         to + u64::from(ahead)
     }
 }
@@ -370,6 +383,53 @@ mod tests {
         assert_eq!(
             transfer,
             "daemon-ctl --socket r/daemon.sock transfer --to r/rollout.sock --model r/policy --receivers 1 --bucket-mb 256 --metrics r/step-0001/metrics/transfer.json"
+        );
+    }
+
+    /// With dynamic sampling the next step's whole sampling (its passes draw their own
+    /// prompts) runs beside the update; the next step samples nothing itself.
+    #[test]
+    fn one_step_off_runs_the_next_steps_dynamic_sampling_beside_the_update() {
+        let p = plan_with("one-step-off", "[algorithm]\nfilter-groups = true\n");
+        let tasks = p.step_tasks(1);
+        assert_eq!(
+            names(&tasks),
+            [
+                "sample",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        assert_eq!(tasks[0].action, Action::DynamicSampling { step: 1 });
+        let Action::Overlap(pair) = &tasks[2].action else {
+            panic!("{:?}", tasks[2]);
+        };
+        assert!(matches!(
+            &pair[0].action,
+            Action::Stage { bin: "update", .. }
+        ));
+        assert_eq!(pair[1].action, Action::DynamicSampling { step: 2 });
+        // The dry run shows the update beside step 2's rounds.
+        let text = p.describe(1, &tasks[2]);
+        assert!(
+            text.contains("r/step-0002/round-R/")
+                && text.contains("--in r/step-0002/round-1/prompts.parquet"),
+            "{text}"
+        );
+        assert_eq!(
+            names(&p.step_tasks(2)),
+            [
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
         );
     }
 

@@ -276,7 +276,7 @@ fn run_round(
             unreachable!("a sampling pass is stage commands");
         };
         let t0 = Instant::now();
-        r.run_stage(t.within, &name, bin, args)?;
+        r.run_stage(t.within, &t.part(&name), bin, args)?;
         record(r, t, &name, Some((task.name, t0.elapsed().as_secs_f64())))?;
     }
     Round::read(files, fg)

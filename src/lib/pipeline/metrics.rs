@@ -435,7 +435,6 @@ mod tests {
         path
     }
 
-    #[test]
     /// One-step-off's timings: the overlap counts in `time/step`, the update inside it and
     /// the rollout done in the step before are reported but not counted again; the rollout's
     /// tokens per second are over its own seconds.

@@ -315,7 +315,6 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    #[test]
     /// A step's end drops its progress, except the seconds it timed of the next step's work,
     /// which begin that step's (as work done for it outside its wall time).
     #[test]

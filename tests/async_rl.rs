@@ -2,7 +2,8 @@
 //! from a training daemon (group) to a rollout daemon group leaves the rollout ranks with
 //! exactly the weights a rollout loads from the trainer's checkpoint; a placed run in
 //! synchronous mode writes the colocated run's files; one step off-policy is deterministic,
-//! samples step k's rows with the policy one version behind, and resumes after SIGKILL; bad
+//! samples step k's rows with the policy one version behind (with dynamic sampling too), and
+//! resumes after SIGKILL; bad
 //! `[placement]` specs are refused naming the key.
 
 use crate::dp::{ctl_with, same_rows, DaemonGroup};

@@ -433,6 +433,42 @@ mod tests {
         );
     }
 
+    /// A run continued past its last step (which sampled no next step) samples its first new
+    /// step itself; once a step's dynamic sampling finished beside the update, the sampler
+    /// counts that step as drawn (a rewind replays its cursor).
+    #[test]
+    fn a_continued_dynamic_run_samples_its_first_step_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "steps = 3\ngpus = 2\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\n[algorithm]\nfilter-groups = true\n";
+        let spec = Spec::parse(text, "s.toml").unwrap();
+        let run = RunDir::new(dir.path());
+        let p = Plan::new(spec, run.clone(), PathBuf::from("bin")).unwrap();
+        let state = State {
+            steps_done: 2,
+            init_done: true,
+            ..State::default()
+        };
+        let left: Vec<_> = p.remaining(&state).iter().map(|(_, t)| t.name).collect();
+        assert_eq!(
+            left,
+            [
+                "sample",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        assert_eq!(p.steps_drawn(2), 2);
+        // Step 3's sampling ran beside step 2's update: its record is written.
+        let record = run.step_dir(3).join("sampling.json");
+        std::fs::create_dir_all(record.parent().unwrap()).unwrap();
+        std::fs::write(&record, "{}").unwrap();
+        assert_eq!(p.steps_drawn(2), 3);
+    }
+
     #[test]
     fn a_critic_warm_up_step_still_samples_the_next_step() {
         let text = "steps = 2\ngpus = 2\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"gae\"\n[critic]\ncritic-warmup = 1\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\n";

@@ -1063,8 +1063,8 @@ fn overlap_times(lines: &[serde_json::Value]) {
 /// the parity reward): step k + 1's dynamic sampling runs beside step k's update with the
 /// policy one version behind (versions 0, 0, 1); each step trains on 3 groups with at least
 /// two distinct scores, and its passes dropped exactly the one-score groups; the overlap's
-/// parts are timed; a second run writes the same files, and so does a run whose runner is
-/// SIGKILLed in step 2 while step 3's passes run.
+/// parts are timed; a second run writes the same files, and so do a run whose rollout rank
+/// dies in a pass and one whose runner is SIGKILLed in step 2 while step 3's passes run.
 #[test]
 fn one_step_off_with_filter_groups_trains_only_on_groups_that_vary() {
     let dir = tempfile::tempdir().unwrap();
@@ -1134,6 +1134,30 @@ fn one_step_off_with_filter_groups_trains_only_on_groups_that_vary() {
 
     pipeline_ok(d, "b", Some(&text), &[]);
     same_run(d, "a", "b");
+
+    // A rollout rank dies in a pass of step 3 (beside step 2's update, version 1): the group
+    // is started again and gets version 1 by a transfer (queued on the training group behind
+    // the update while that runs), and the pass runs again.
+    let marker = d.join("killed-rollout");
+    let log = pipeline_ok(
+        d,
+        "rank",
+        Some(&text),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+        ],
+    );
+    assert!(marker.exists(), "the rollout rank was not killed: {log}");
+    assert!(
+        log.contains("next/round-1/rollout failed with the daemon gone"),
+        "{log}"
+    );
+    assert!(
+        log.contains("the rollout group (re)started; sending it the current policy"),
+        "{log}"
+    );
+    same_run(d, "a", "rank");
 
     // The runner SIGKILLed in step 2 once step 3's first pass is scored: the rerun continues
     // after step 1, skips the passes done, and ends as the undisturbed run.

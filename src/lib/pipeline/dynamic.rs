@@ -37,7 +37,7 @@ use anyhow::{Context, Result};
 use arrow_array::{RecordBatch, UInt32Array};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -141,7 +141,7 @@ impl Target {
     }
 
     /// Where the sampling's seconds go: the step's own, or the next step's (`next`).
-    fn seconds<'a>(&self, state: &'a mut State) -> &'a mut std::collections::BTreeMap<String, f64> {
+    fn seconds<'a>(&self, state: &'a mut State) -> &'a mut BTreeMap<String, f64> {
         let ahead = self.ahead();
         let p = state.progress(self.within);
         match ahead {

@@ -2,7 +2,8 @@
 //! from a training daemon (group) to a rollout daemon group leaves the rollout ranks with
 //! exactly the weights a rollout loads from the trainer's checkpoint; a placed run in
 //! synchronous mode writes the colocated run's files; one step off-policy is deterministic,
-//! samples step k's rows with the policy one version behind, and resumes after SIGKILL; bad
+//! samples step k's rows with the policy one version behind (with dynamic sampling too), and
+//! resumes after SIGKILL; bad
 //! `[placement]` specs are refused naming the key.
 
 use crate::dp::{ctl_with, same_rows, DaemonGroup};
@@ -412,6 +413,7 @@ fn one_step_off_is_one_version_behind_deterministic_and_resumable() {
     for m in metrics(d, "a") {
         assert!(m["transfer/gb_per_s"].as_f64().unwrap() > 0.0, "{m}");
     }
+    overlap_times(&metrics(d, "a"));
     pipeline_ok(d, "b", Some(&text), &[]);
     same_run(d, "a", "b");
 
@@ -1068,6 +1070,217 @@ fn async_dynamic_sampling_stops_at_its_cap() {
             "{on_cap}: {err}"
         );
         std::fs::remove_dir_all(d.join("c")).unwrap();
+    }
+}
+
+/// The parity reward of the dynamic sampling tests (in `d`): every sample of an even answer
+/// scores 0 (those groups never vary), the others by their length.
+fn parity_reward(d: &Path) -> std::path::PathBuf {
+    let reward = d.join("parity.py");
+    std::fs::write(
+        &reward,
+        "import json, sys\nfor line in sys.stdin:\n    r = json.loads(line)\n    even = int(str(r['ground_truth']).strip()) % 2 == 0\n    s = 0.0 if even else float(len(r['solution_str']) % 3)\n    print(json.dumps({'score': s}), flush=True)\n",
+    )
+    .unwrap();
+    reward
+}
+
+/// One-step-off's timings (1 + 1 ranks or more, 3 steps): steps 1 and 2 ran their update
+/// beside the next step's rollout (`time/overlap`, the wall time of both, holds the update's
+/// own `time/update`), steps 2 and 3 report the rollout of their own rows (`time/rollout`,
+/// timed in the step before, within its overlap); the last step's update ran alone.
+fn overlap_times(lines: &[serde_json::Value]) {
+    let t = |m: &serde_json::Value, k: &str| m[format!("time/{k}")].as_f64();
+    for (i, m) in lines.iter().enumerate() {
+        let (update, overlap) = (t(m, "update").unwrap(), t(m, "overlap"));
+        assert!(update > 0.0, "step {}: {m}", i + 1);
+        match lines.get(i + 1) {
+            Some(next) => {
+                let overlap = overlap.unwrap();
+                let rollout = t(next, "rollout").unwrap();
+                assert!(
+                    rollout > 0.0 && overlap >= update && overlap >= rollout,
+                    "{m}\n{next}"
+                );
+                assert!(t(m, "step").unwrap() >= overlap, "{m}");
+            }
+            None => assert_eq!(overlap, None, "the last step: {m}"),
+        }
+    }
+}
+
+/// One-step-off with `[algorithm] filter-groups` (1 rollout + 1 training rank, groups of 4,
+/// the parity reward): step k + 1's dynamic sampling runs beside step k's update with the
+/// policy one version behind (versions 0, 0, 1); each step trains on 3 groups with at least
+/// two distinct scores, and its passes dropped exactly the one-score groups; the overlap's
+/// parts are timed; a second run writes the same files, and so do a run whose rollout rank
+/// dies in a pass and one whose runner is SIGKILLed in step 2 while step 3's passes run.
+#[test]
+fn one_step_off_with_filter_groups_trains_only_on_groups_that_vary() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let reward = parity_reward(d);
+    let text = format!(
+        "{}[algorithm]\nfilter-groups = true\n",
+        placed("[0]", "[1]", "one-step-off")
+            .replace("n = 2", "n = 4")
+            .replace(
+                "reward = \"exact\"",
+                &format!("reward = \"cmd:python3 {}\"", reward.display())
+            )
+            .replace("max-new-tokens = 6", "max-new-tokens = 8")
+    );
+    let log = pipeline_ok(d, "a", Some(&text), &[]);
+    assert_eq!(versions(d, "a"), [Some(0), Some(0), Some(1)]);
+    let lines = metrics(d, "a");
+    assert_eq!(lines.len(), 3, "{log}");
+    let mut dropped_all = 0;
+    for (i, m) in lines.iter().enumerate() {
+        let step = i as u64 + 1;
+        let sd = d.join(format!("a/step-000{step}"));
+        let kept = group_scores(&sd.join("scored.parquet"));
+        assert_eq!(kept.len(), 3, "step {step}");
+        for (u, s) in &kept {
+            assert!(
+                s.len() == 4 && s.iter().any(|&x| x != s[0]),
+                "step {step}: group {u} has scores {s:?}"
+            );
+        }
+        let rounds = m["sampling/rounds"].as_u64().unwrap();
+        let (mut uniform, mut scored) = (0, 0);
+        for r in 1..=rounds {
+            for (_, s) in group_scores(&sd.join(format!("round-{r}/scored.parquet"))) {
+                scored += 1;
+                uniform += usize::from(s.iter().all(|&x| x == s[0]));
+            }
+        }
+        assert!(
+            !sd.join(format!("round-{}", rounds + 1)).exists(),
+            "step {step}"
+        );
+        assert_eq!(
+            m["sampling/groups_dropped"], uniform as u64,
+            "step {step}: {m}"
+        );
+        assert_eq!(m["sampling/groups"], 3, "step {step}: {m}");
+        assert_eq!(m["sampling/capped"], 0, "step {step}: {m}");
+        assert!(scored >= uniform + 3, "step {step}: {m}");
+        // Every pass of the step sampled with the step's one policy version.
+        for r in 1..=rounds {
+            let pass = read(&sd.join(format!("round-{r}/rollout.parquet")));
+            assert_eq!(pass.meta_u64("policy_version"), Some(step.max(2) - 2));
+        }
+        dropped_all += uniform;
+    }
+    assert!(dropped_all > 0, "no group was dropped: {log}");
+    overlap_times(&lines);
+    let commands = std::fs::read_to_string(d.join("a/commands.sh")).unwrap();
+    let beside = commands
+        .lines()
+        .filter(|l| l.contains("the next command runs beside step-000"))
+        .count();
+    assert_eq!(beside, 2, "{commands}");
+
+    pipeline_ok(d, "b", Some(&text), &[]);
+    same_run(d, "a", "b");
+
+    // A rollout rank dies in a pass of step 3 (beside step 2's update, version 1): the group
+    // is started again and gets version 1 by a transfer (queued on the training group behind
+    // the update while that runs), and the pass runs again.
+    let marker = d.join("killed-rollout");
+    let log = pipeline_ok(
+        d,
+        "rank",
+        Some(&text),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+        ],
+    );
+    assert!(marker.exists(), "the rollout rank was not killed: {log}");
+    assert!(
+        log.contains("next/round-1/rollout failed with the daemon gone"),
+        "{log}"
+    );
+    assert!(
+        log.contains("the rollout group (re)started; sending it the current policy"),
+        "{log}"
+    );
+    same_run(d, "a", "rank");
+
+    // The runner SIGKILLed in step 2 once step 3's first pass is scored: the rerun continues
+    // after step 1, skips the passes done, and ends as the undisturbed run.
+    std::fs::write(d.join("runner.toml"), &text).unwrap();
+    let pass = d.join("runner/step-0003/round-1/scored.parquet");
+    crate::pipeline::kill_when(
+        pipeline(d, "runner", None, &[]),
+        "step 3's first pass",
+        &mut |_| pass.exists(),
+    );
+    let log = pipeline_ok(d, "runner", None, &[]);
+    assert!(log.contains("continuing runner after step 1"), "{log}");
+    same_run(d, "a", "runner");
+    // The rerun did not roll out the finished pass again.
+    let commands = std::fs::read_to_string(d.join("runner/commands.sh")).unwrap();
+    let first_pass = commands
+        .lines()
+        .filter(|l| l.contains("/rollout ") && l.contains("step-0003/round-1/rollout.parquet"))
+        .count();
+    assert_eq!(first_pass, 1, "{commands}");
+}
+
+/// One-step-off dynamic sampling at its cap, in the passes that run beside the update: a
+/// reward that varies in its first batch (step 1's own pass) and never after,
+/// `max-num-gen-batches = 2`. Step 2's passes keep nothing: `on-cap = "train"` stops the run
+/// (nothing to train on) and `on-cap = "fail"` stops it as verl does, as a colocated run.
+#[test]
+fn one_step_off_dynamic_sampling_stops_at_its_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let reward = d.join("once.sh");
+    let flag = d.join("varied");
+    std::fs::write(
+        &reward,
+        format!(
+            "if [ -e {f} ]; then while read -r l; do echo 0; done; else touch {f}; i=0; while read -r l; do echo $((i % 2)); i=$((i + 1)); done; fi\n",
+            f = flag.display()
+        ),
+    )
+    .unwrap();
+    let base = format!(
+        "{}[algorithm]\nfilter-groups = true\nmax-num-gen-batches = 2\n",
+        placed("[0]", "[1]", "one-step-off").replace(
+            "reward = \"exact\"",
+            &format!("reward = \"cmd:sh {}\"", reward.display())
+        )
+    );
+    for (on_cap, want) in [
+        ("", "nothing to train on"),
+        (
+            "on-cap = \"fail\"\n",
+            "on-cap = \"fail\" stops the run here",
+        ),
+    ] {
+        let _ = std::fs::remove_file(&flag);
+        let o = pipeline(d, "c", Some(&format!("{base}{on_cap}")), &[])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{on_cap}: {err}");
+        assert!(
+            err.contains("step-0002: dynamic sampling kept 0 of 3 groups in 2 rounds (6 prompts")
+                && err.contains(want),
+            "{on_cap}: {err}"
+        );
+        // Step 1's pass kept its 3 groups; step 2's two passes were scored.
+        let c = d.join("c");
+        assert!(c.join("step-0001/round-1/scored.parquet").exists());
+        assert!(!c.join("step-0001/round-2").exists());
+        assert!(c.join("step-0002/round-2/scored.parquet").exists());
+        assert!(!c.join("step-0002/round-3").exists());
+        std::fs::remove_dir_all(&c).unwrap();
     }
 }
 

@@ -111,10 +111,10 @@ pub(super) fn step_metrics(
     step: u64,
 ) -> Result<()> {
     let run = &plan.run;
-    let seconds = state
+    let (seconds, inside) = state
         .current
         .as_ref()
-        .map(|c| c.seconds.clone())
+        .map(|c| (c.seconds.clone(), c.inside.clone()))
         .unwrap_or_default();
     let with_ref = if plan.needs_ref() {
         Some(run.batch(step, "ref"))
@@ -136,6 +136,7 @@ pub(super) fn step_metrics(
             ("async", run.stage_metrics(step, "async")),
         ],
         seconds: &seconds,
+        inside: &inside,
     })?;
     let total = plan.spec.steps;
     let mut text = metrics::summary_text(&line, total);

@@ -72,6 +72,28 @@ impl Console {
         Ok(())
     }
 
+    /// A console for a thread that runs a stage beside the runner's own work (one-step-off's
+    /// update beside dynamic sampling): the same log, opened again for appending (whole
+    /// lines, so the two interleave by line), and the same progress bar.
+    pub(crate) fn beside(&self) -> Result<Console> {
+        let log = match &self.log {
+            Some((path, _)) => {
+                let f = std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(path)
+                    .with_context(|| format!("opening {}", path.display()))?;
+                Some((path.clone(), Mutex::new(f)))
+            }
+            None => None,
+        };
+        Ok(Console {
+            bar: self.bar.clone(),
+            verbose: self.verbose,
+            log,
+            since: None,
+        })
+    }
+
     pub(crate) fn log_path(&self) -> Option<&Path> {
         self.log.as_ref().map(|(p, _)| p.as_path())
     }

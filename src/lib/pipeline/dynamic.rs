@@ -18,6 +18,11 @@
 //! rows); the sampler's cursor after the step in `step-000K/sampling.json`. Each finished
 //! round stage is recorded in `state.json` (`round-R/rollout`...), so a run killed in the
 //! middle of a step continues with the round it was in.
+//!
+//! In one-step-off mode (`[placement]`) step k + 1's rounds run in step k, beside its update
+//! (`runner::run_beside_sampling`): all of them before step k's sync, so they sample with one
+//! policy, the one before step k's update. They are recorded in step k's progress, as
+//! `next/round-R/…`, their seconds as the next step's ([`Target`]).
 
 use super::console::Console;
 use super::metrics;
@@ -32,7 +37,7 @@ use anyhow::{Context, Result};
 use arrow_array::{RecordBatch, UInt32Array};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -114,6 +119,38 @@ pub(super) struct Round {
     pub(super) keep: Vec<bool>,
 }
 
+/// Which step's groups a sampling run draws (`step`), and the step whose task runs it
+/// (`within`): the same step, or in one-step-off mode the step before (beside its update).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Target {
+    pub(crate) step: u64,
+    pub(crate) within: u64,
+}
+
+impl Target {
+    fn ahead(&self) -> bool {
+        self.within != self.step
+    }
+
+    /// The name a part of the sampling is recorded under in `within`'s progress.
+    fn part(&self, name: &str) -> String {
+        match self.ahead() {
+            true => format!("next/{name}"),
+            false => name.to_string(),
+        }
+    }
+
+    /// Where the sampling's seconds go: the step's own, or the next step's (`next`).
+    fn seconds<'a>(&self, state: &'a mut State) -> &'a mut BTreeMap<String, f64> {
+        let ahead = self.ahead();
+        let p = state.progress(self.within);
+        match ahead {
+            true => &mut p.next,
+            false => &mut p.seconds,
+        }
+    }
+}
+
 /// What `step-000K/sampling.json` records: the rounds a step took and where the sampler stood
 /// after them (a rewind to this step continues from there).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -129,11 +166,10 @@ fn record_path(run: &RunDir, step: u64) -> PathBuf {
 }
 
 /// Records a finished part of the task in state.json, adding its seconds to `key`'s.
-fn record(r: &mut impl Rounds, step: u64, name: &str, secs: Option<(&str, f64)>) -> Result<()> {
-    let p = r.state().progress(step);
-    p.done.push(name.to_string());
+fn record(r: &mut impl Rounds, t: Target, name: &str, secs: Option<(&str, f64)>) -> Result<()> {
+    r.state().progress(t.within).done.push(t.part(name));
     if let Some((key, s)) = secs {
-        *p.seconds.entry(key.to_string()).or_default() += s;
+        *t.seconds(r.state()).entry(key.to_string()).or_default() += s;
     }
     r.save_state()
 }
@@ -148,35 +184,36 @@ struct Sampled {
     capped: bool,
 }
 
-/// Runs the rounds of step `step` and writes its kept batch (see the module docs).
-pub(super) fn run(r: &mut impl Rounds, step: u64) -> Result<()> {
+/// Runs the rounds of step `t.step` and writes its kept batch (see the module docs).
+pub(super) fn run(r: &mut impl Rounds, t: Target) -> Result<()> {
+    let step = t.step;
     let fg = r
         .plan()
         .spec
         .filter_groups()
         .expect("a step samples dynamically");
     let want = r.plan().spec.data.prompts_per_step as usize;
-    let sampled = sample_rounds(r, step, &fg, want)?;
+    let sampled = sample_rounds(r, t, &fg, want)?;
     let t0 = Instant::now();
     if sampled.capped {
         at_cap(r, step, &fg, &sampled, want)?;
     }
     let taken = assemble(&r.plan().run, step, &sampled.rounds, (want, None), &fg)?;
-    write_summary(r, step, &fg, &sampled, taken)?;
+    write_summary(r, t, &fg, &sampled, taken)?;
     write_rollout_metrics(&r.plan().run, step, &sampled.rounds)?;
     r.state().sampler = sampled.cursor;
-    let p = r.state().progress(step);
-    *p.seconds.entry("filter".into()).or_default() += t0.elapsed().as_secs_f64();
+    *t.seconds(r.state()).entry("filter".into()).or_default() += t0.elapsed().as_secs_f64();
     Ok(())
 }
 
 /// Samples rounds until `want` groups vary, or the cap on rounds.
 fn sample_rounds(
     r: &mut impl Rounds,
-    step: u64,
+    t: Target,
     fg: &FilterGroups,
     want: usize,
 ) -> Result<Sampled> {
+    let step = t.step;
     let train_rows = r.state().train_rows;
     let sampler = r.plan().sampler(train_rows);
     let mut cursor = r.state().sampler;
@@ -185,7 +222,7 @@ fn sample_rounds(
     let capped = loop {
         let round = rounds.len() as u64 + 1;
         let next = sampler.draw(cursor, fg.prompts_per_round).1;
-        let done = run_round(r, step, round, cursor, fg)?;
+        let done = run_round(r, t, round, cursor, fg)?;
         let kept = done.keep.iter().filter(|&&k| k).count();
         varied += kept;
         r.console().detail(&format!(
@@ -212,38 +249,35 @@ fn sample_rounds(
 }
 
 /// Round `round`: its prompts drawn from `cursor`, rolled out and scored (each part skipped
-/// when the state records it done), and the groups it keeps.
+/// when the state records it done), and the groups it keeps. Its stage commands run as tasks
+/// of the step that runs the sampling (`t.within`).
 fn run_round(
     r: &mut impl Rounds,
-    step: u64,
+    t: Target,
     round: u64,
     cursor: Cursor,
     fg: &FilterGroups,
 ) -> Result<Round> {
+    let step = t.step;
     let files = round_files(&r.plan().run, step, round);
     let name = format!("round-{round}/prompts");
-    if !r.state().is_done(step, &name) {
+    if !r.state().is_done(t.within, &t.part(&name)) {
         r.draw_prompts(step, cursor, fg.prompts_per_round, &files.prompts)?;
-        record(r, step, &name, None)?;
+        record(r, t, &name, None)?;
     }
     let seed = round_seed(r.plan().spec.seed, step, round);
     let tasks = r.plan().sample_tasks(step, &files, seed);
     for task in tasks {
         let name = format!("round-{round}/{}", task.name);
-        if r.state().is_done(step, &name) {
+        if r.state().is_done(t.within, &t.part(&name)) {
             continue;
         }
         let Action::Stage { bin, args } = &task.action else {
             unreachable!("a sampling pass is stage commands");
         };
         let t0 = Instant::now();
-        r.run_stage(step, &name, bin, args)?;
-        record(
-            r,
-            step,
-            &name,
-            Some((task.name, t0.elapsed().as_secs_f64())),
-        )?;
+        r.run_stage(t.within, &t.part(&name), bin, args)?;
+        record(r, t, &name, Some((task.name, t0.elapsed().as_secs_f64())))?;
     }
     Round::read(files, fg)
 }
@@ -315,7 +349,7 @@ pub(super) fn cap_reached(
 /// (`sampling.json`: the rounds, and the sampler's cursor after them).
 fn write_summary(
     r: &mut impl Rounds,
-    step: u64,
+    t: Target,
     fg: &FilterGroups,
     sampled: &Sampled,
     taken: usize,
@@ -339,12 +373,8 @@ fn write_summary(
         }
     }
     let groups_all: usize = rounds.iter().map(|r| r.groups.count).sum();
-    let rollout_s = r
-        .state()
-        .current
-        .as_ref()
-        .and_then(|c| c.seconds.get("rollout").copied())
-        .unwrap_or(0.0);
+    let step = t.step;
+    let rollout_s = t.seconds(r.state()).get("rollout").copied().unwrap_or(0.0);
     let mut m = json!({
         "rounds": n_rounds,
         "prompts": n_rounds * fg.prompts_per_round,
@@ -621,6 +651,11 @@ fn concat<'a>(mut parts: impl Iterator<Item = (&'a Path, &'a RecordBatch)>) -> R
         all.push(b.clone());
     }
     Ok(arrow_select::concat::concat_batches(&schema, &all)?)
+}
+
+/// Whether step `step`'s dynamic sampling has finished (its record is written).
+pub(super) fn sampled(run: &RunDir, step: u64) -> bool {
+    record_path(run, step).exists()
 }
 
 /// The sampler's cursor after step `step`: a step that sampled dynamically recorded it (its

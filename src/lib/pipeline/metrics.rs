@@ -14,7 +14,10 @@
 //! - `mismatch/…`: the rollout-vs-trainer log-prob mismatch `update` measured (moved from
 //!   `update/mismatch/…`);
 //! - `time/<stage>` and `time/step` (seconds), `perf/tokens_per_s` (prompt + response tokens
-//!   of the batch over the step's seconds), `perf/rollout_tokens_per_s`.
+//!   of the batch over the step's seconds), `perf/rollout_tokens_per_s`. In one-step-off mode
+//!   `time/overlap` is the wall time of the update and the next step's rollout together,
+//!   `time/update` the update's alone, and `time/rollout` the rollout of the step's own rows
+//!   (it ran in the step before): neither is added into `time/step` again.
 //!
 //! Each stage's `--metrics` JSON is merged in under `<stage>/<key>` (nested objects flattened
 //! with `/`).
@@ -230,6 +233,9 @@ pub(crate) struct StepFiles<'a> {
     /// Each stage's `--metrics` file.
     pub(crate) stage_metrics: Vec<(&'static str, std::path::PathBuf)>,
     pub(crate) seconds: &'a BTreeMap<String, f64>,
+    /// Seconds of work inside the step's wall time, or done for it in the step before
+    /// (`StepProgress::inside`): reported, not added into `time/step`.
+    pub(crate) inside: &'a BTreeMap<String, f64>,
 }
 
 /// The flat metrics line of a step.
@@ -296,13 +302,21 @@ pub(crate) fn step_line(f: &StepFiles) -> Result<Map<String, Value>> {
         total += secs;
     }
     m.insert("time/step".into(), num(total));
+    for (name, secs) in f.inside {
+        let t = m.entry(format!("time/{name}")).or_insert(num(0.0));
+        *t = num(t.as_f64().unwrap_or(0.0) + secs);
+    }
     if total > 0.0 {
         m.insert(
             "perf/tokens_per_s".into(),
             num(l.total_tokens as f64 / total),
         );
     }
-    if let Some(&r) = f.seconds.get("rollout").filter(|&&r| r > 0.0) {
+    if let Some(r) = m
+        .get("time/rollout")
+        .and_then(Value::as_f64)
+        .filter(|&r| r > 0.0)
+    {
         m.insert(
             "perf/rollout_tokens_per_s".into(),
             num(l.response_tokens as f64 / r),
@@ -421,6 +435,40 @@ mod tests {
         path
     }
 
+    /// One-step-off's timings: the overlap counts in `time/step`, the update inside it and
+    /// the rollout done in the step before are reported but not counted again; the rollout's
+    /// tokens per second are over its own seconds.
+    #[test]
+    fn work_inside_the_step_is_reported_not_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let scored = scored_file(dir.path(), false);
+        let seconds: BTreeMap<String, f64> =
+            [("score".into(), 1.0), ("overlap".into(), 4.0)].into();
+        let inside: BTreeMap<String, f64> =
+            [("update".into(), 3.0), ("rollout".into(), 1.5)].into();
+        let m = step_line(&StepFiles {
+            step: 2,
+            scored: &scored,
+            with_ref: None,
+            stage_metrics: vec![],
+            seconds: &seconds,
+            inside: &inside,
+        })
+        .unwrap();
+        let f = |k: &str| m[k].as_f64().unwrap();
+        assert_eq!(
+            (
+                f("time/step"),
+                f("time/overlap"),
+                f("time/update"),
+                f("time/rollout")
+            ),
+            (5.0, 4.0, 3.0, 1.5)
+        );
+        // 6 response tokens over 1.5 s
+        assert!((f("perf/rollout_tokens_per_s") - 4.0).abs() < 1e-12);
+    }
+
     #[test]
     fn step_line_hand_computed() {
         let dir = tempfile::tempdir().unwrap();
@@ -441,6 +489,7 @@ mod tests {
                 ("score", dir.path().join("missing.json")),
             ],
             seconds: &seconds,
+            inside: &Default::default(),
         })
         .unwrap();
         let f = |k: &str| m[k].as_f64().unwrap();

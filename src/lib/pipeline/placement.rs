@@ -11,7 +11,8 @@
 //! the policy one version behind the synchronous run's (step k's rows have `policy_version`
 //! k − 2, step 1's and 2's the initial model's 0); the rows keep their behaviour log-probs
 //! (`rollout_logprobs`), on which the rollout-correction options (`[update] rollout-is`,
-//! `rollout-rs`) act as they do on any mismatch. `mode = "async"`: the rollout group
+//! `rollout-rs`) act as they do on any mismatch; with `[algorithm] filter-groups` step k + 1's
+//! dynamic sampling (every pass) runs beside step k's update. `mode = "async"`: the rollout group
 //! generates continuously in rounds of partial rollouts while the steps train, under the
 //! staleness bound `max-staleness` (`super::asynchronous`).
 //!
@@ -240,14 +241,12 @@ mod tests {
         .replace("daemon = true\n", "");
         let e = format!("{:#}", Spec::parse(&no_daemon, "s.toml").unwrap_err());
         assert!(e.contains("[placement] needs daemon = true"), "{e}");
-        let e = err(
-            "rollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\n",
-            "[algorithm]\nfilter-groups = true\n",
+        // One-step-off takes dynamic sampling: the next step's passes run beside the update.
+        let dynamic = format!(
+            "{BASE}[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\n[algorithm]\nfilter-groups = true\nmax-num-gen-batches = 2\n"
         );
-        assert!(
-            e.contains("does not take mode = \"one-step-off\" with [algorithm] filter-groups"),
-            "{e}"
-        );
+        let spec = Spec::parse(&dynamic, "s.toml").unwrap();
+        assert_eq!(spec.filter_groups().map(|f| f.max_rounds), Some(2));
         let ok = format!(
             "{BASE}[placement]\nrollout-gpus = [2]\ntrain-gpus = [0, 1]\nmode = \"one-step-off\"\n"
         );

@@ -32,8 +32,8 @@ pub(crate) enum Action {
     },
     /// DAPO's dynamic sampling (`[algorithm] filter-groups`): rounds of prompts, rollout and
     /// score until enough groups vary, kept into the step's rollout and scored files
-    /// (`super::dynamic`).
-    DynamicSampling,
+    /// (`super::dynamic`): step `step`'s (the task's own, or in one-step-off mode the next).
+    DynamicSampling { step: u64 },
     /// Copy the previous step's adaptive-KL state so that a rerun of `advantage` starts from
     /// the same coefficient.
     CopyKlState,
@@ -395,8 +395,12 @@ impl Plan {
     /// The tasks of training step `step` (1-based): sampling, the log-prob passes, advantage,
     /// update, sync, then the chores (prune, an evaluation, the metrics line).
     pub(crate) fn step_tasks(&self, step: u64) -> Vec<Task> {
-        // In one-step-off mode the step before drew the prompts and ran the rollout.
-        let own = usize::from(!self.samples_own(step)) * 2;
+        // In one-step-off mode the step before drew the prompts and ran the rollout (or the
+        // dynamic sampling).
+        let own = match self.samples_own(step) {
+            true => 0,
+            false => self.own_sampling(step).len(),
+        };
         let mut tasks: Vec<Task> = self.sampling_tasks(step).into_iter().skip(own).collect();
         let mut last = self.logprob_tasks(step, &mut tasks);
         if self.spec.critic.is_some() {
@@ -433,7 +437,7 @@ impl Plan {
         if self.spec.filter_groups().is_some() {
             return vec![Task {
                 name: "sample",
-                action: Action::DynamicSampling,
+                action: Action::DynamicSampling { step },
             }];
         }
         let files = self.step_files(step);
@@ -739,7 +743,7 @@ impl Plan {
                 self.stages.rollout.args.n,
                 rollout,
             ),
-            Action::DynamicSampling => self.describe_rounds(step),
+            Action::DynamicSampling { step } => self.describe_rounds(*step),
             Action::CopyKlState if step <= 1 => format!(
                 "# pipeline: start {} afresh (the controller begins at --kl-coef)",
                 self.kl_state(step).display()

@@ -63,6 +63,20 @@ impl State {
         }
         self.current.as_mut().expect("set above")
     }
+
+    /// Ends the step in progress: what it timed of the next step's work (one-step-off: `next`)
+    /// begins that step's progress, as its `inside`.
+    pub(crate) fn end_step(&mut self) {
+        self.current = self
+            .current
+            .take()
+            .filter(|c| !c.next.is_empty())
+            .map(|c| StepProgress {
+                step: c.step + 1,
+                inside: c.next,
+                ..StepProgress::default()
+            });
+    }
 }
 
 /// The finished stages of the step in progress, and how long each took.
@@ -71,6 +85,16 @@ pub(crate) struct StepProgress {
     pub(crate) step: u64,
     pub(crate) done: Vec<String>,
     pub(crate) seconds: BTreeMap<String, f64>,
+    /// Seconds of work that ran inside this step's wall time without adding to it, or for this
+    /// step in the step before (one-step-off: the update alone within `overlap`, and this
+    /// step's rollout, which ran beside the update of the step before): `time/<name>` in the
+    /// step's line, not part of `time/step`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(crate) inside: BTreeMap<String, f64>,
+    /// One-step-off: seconds of the next step's work done in this step (its rollout, or its
+    /// dynamic sampling's passes); they become the next step's `inside` when this step ends.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(crate) next: BTreeMap<String, f64>,
 }
 
 impl StepProgress {
@@ -291,6 +315,28 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// A step's end drops its progress, except the seconds it timed of the next step's work,
+    /// which begin that step's (as work done for it outside its wall time).
+    #[test]
+    fn a_steps_end_carries_the_next_steps_seconds() {
+        let mut state = State::default();
+        state.progress(2).seconds.insert("overlap".into(), 3.0);
+        state.progress(2).next.insert("rollout".into(), 2.0);
+        state.end_step();
+        let want = StepProgress {
+            step: 3,
+            inside: [("rollout".to_string(), 2.0)].into(),
+            ..StepProgress::default()
+        };
+        assert_eq!(state.current, Some(want));
+        assert!(!state.is_done(3, "rollout"));
+        // Step 3's tasks add to it; its end carries nothing.
+        state.progress(3).done.push("score".into());
+        assert_eq!(state.progress(3).inside.len(), 1);
+        state.end_step();
+        assert_eq!(state.current, None);
+    }
+
     #[test]
     fn state_round_trips_and_bad_state_is_input_error() {
         let dir = tempfile::tempdir().unwrap();
@@ -310,6 +356,8 @@ mod tests {
             step: 3,
             done: vec!["prompts".into(), "rollout".into()],
             seconds: [("rollout".to_string(), 1.5)].into(),
+            inside: [("update".to_string(), 0.5)].into(),
+            next: [("rollout".to_string(), 0.25)].into(),
         });
         run.save_state(&state).unwrap();
         assert_eq!(run.load_state().unwrap(), state);

@@ -307,7 +307,13 @@ impl Runner {
                     false => agent(self)?,
                 }
             }
-            Action::DynamicSampling => dynamic::run(self, step)?,
+            Action::DynamicSampling { step: of } => dynamic::run(
+                self,
+                dynamic::Target {
+                    step: *of,
+                    within: step,
+                },
+            )?,
             Action::CopyKlState => chores::copy_kl_state(plan, step)?,
             Action::PruneCheckpoints => chores::prune(plan, step)?,
             Action::EvalSummary => {
@@ -337,14 +343,18 @@ impl Runner {
         let last = self.plan.ends_step(step, task);
         let progress = self.state.progress(step);
         progress.done.push(task.name.to_string());
-        if matches!(
-            task.action,
-            Action::Stage { .. } | Action::Agent { .. } | Action::Overlap(_) | Action::TakeGroups
-        ) {
-            progress.seconds.insert(task.name.to_string(), secs);
+        match task.action {
+            // Its parts' own seconds are in `inside` and `next` (`run_overlap`).
+            Action::Overlap(_) => {
+                progress.seconds.insert("overlap".into(), secs);
+            }
+            Action::Stage { .. } | Action::Agent { .. } | Action::TakeGroups => {
+                progress.seconds.insert(task.name.to_string(), secs);
+            }
+            _ => {}
         }
         if last {
-            self.state.current = None;
+            self.state.end_step();
             if step == 0 {
                 self.state.init_done = true;
             } else {
@@ -453,9 +463,14 @@ impl Runner {
     }
 
     /// `[placement] mode = "one-step-off"`: step `step`'s update and step `step` + 1's rollout
-    /// at once, each on its side's daemon group. A part that failed with its daemon gone runs
-    /// again alone on a new one (`run_stage`); any other failure stops the run.
+    /// (or its dynamic sampling, `run_beside_sampling`) at once, each on its side's daemon
+    /// group. Each part's own wall time is recorded: the update's in this step's `inside`, the
+    /// rollout's in its `next` (the next step's `time/rollout`). A part that failed with its
+    /// daemon gone runs again alone on a new one (`run_stage`); any other failure stops the run.
     fn run_overlap(&mut self, step: u64, pair: &[Task; 2]) -> Result<()> {
+        if let Action::DynamicSampling { step: of } = pair[1].action {
+            return self.run_beside_sampling(step, &pair[0], of);
+        }
         let mut ready = Vec::new();
         for (s, task) in [(step, &pair[0]), (step + 1, &pair[1])] {
             let Action::Stage { bin, args } = &task.action else {
@@ -470,28 +485,86 @@ impl Runner {
             ready.push((s, task.name, *bin, args, line, cmd));
         }
         let console = &self.console;
-        let outs: Vec<std::io::Result<Captured>> = std::thread::scope(|scope| {
+        let outs: Vec<(std::io::Result<Captured>, f64)> = std::thread::scope(|scope| {
             let running: Vec<_> = ready
                 .iter_mut()
-                .map(|(.., cmd)| scope.spawn(move || console.run(cmd)))
+                .map(|(.., cmd)| scope.spawn(move || timed(|| console.run(cmd))))
                 .collect();
             running
                 .into_iter()
                 .map(|h| h.join().expect("a stage's runner thread"))
                 .collect()
         });
-        for ((s, name, bin, args, line, _), out) in ready.into_iter().zip(outs) {
-            if let Err(e) = self.stage_result(s, bin, &line, out) {
-                let side = self.plan.side_of(bin);
-                if !self.daemon_of(side).gone() {
-                    return Err(e);
-                }
-                self.console.say(&format!(
-                    "pipeline: {name} failed with the daemon gone: {e:#}"
-                ));
-                self.run_stage(s, name, bin, args)?;
-            }
+        for ((s, name, bin, args, line, _), (out, secs)) in ready.into_iter().zip(outs) {
+            let timing = match s == step {
+                true => (name, secs, false),
+                false => ("rollout", secs, true),
+            };
+            self.overlap_part(s, (name, bin, args), &line, out, timing)?;
         }
+        Ok(())
+    }
+
+    /// One-step-off with dynamic sampling: step `step`'s update on the training group while
+    /// this thread samples step `of`'s groups (its passes' rollouts on the rollout group, their
+    /// scoring here, `dynamic::run`), recorded in this step's progress (`next/round-R/...`).
+    fn run_beside_sampling(&mut self, step: u64, update: &Task, of: u64) -> Result<()> {
+        let Action::Stage { bin, args } = &update.action else {
+            anyhow::bail!("an overlap runs stage commands");
+        };
+        self.ensure_side(step, Side::Train)?;
+        let note = format!(
+            "# pipeline: the next command runs beside {}'s dynamic sampling (its passes follow; one-step-off)",
+            step_name(of)
+        );
+        self.append_command(step, &note)?;
+        let (line, mut cmd) = self.prepare_stage(step, update.name, bin, args)?;
+        // The update's output goes to the log through a console of its own (the runner's is
+        // the sampling's meanwhile).
+        let beside = self.console.beside()?;
+        let target = dynamic::Target {
+            step: of,
+            within: step,
+        };
+        let ((out, secs), sampled) = std::thread::scope(|scope| {
+            let running = scope.spawn(|| timed(|| beside.run(&mut cmd)));
+            let sampled = dynamic::run(self, target);
+            (running.join().expect("the update's runner thread"), sampled)
+        });
+        let timing = (update.name, secs, false);
+        self.overlap_part(step, (update.name, bin, args), &line, out, timing)?;
+        sampled
+    }
+
+    /// The end of one part of an overlap: its seconds recorded (`timing`: the name, and
+    /// whether they are the next step's), or its failure; a part that failed with its daemon
+    /// gone runs again alone on a new one.
+    fn overlap_part(
+        &mut self,
+        s: u64,
+        (name, bin, args): (&str, &str, &[String]),
+        line: &str,
+        out: std::io::Result<Captured>,
+        (key, secs, next): (&str, f64, bool),
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        if let Err(e) = self.stage_result(s, bin, line, out) {
+            let side = self.plan.side_of(bin);
+            if !self.daemon_of(side).gone() {
+                return Err(e);
+            }
+            self.console.say(&format!(
+                "pipeline: {name} failed with the daemon gone: {e:#}"
+            ));
+            self.run_stage(s, name, bin, args)?;
+        }
+        let secs = secs + t0.elapsed().as_secs_f64();
+        let p = self.state.progress(s - u64::from(next));
+        let into = match next {
+            true => &mut p.next,
+            false => &mut p.inside,
+        };
+        into.insert(key.to_string(), secs);
         Ok(())
     }
 
@@ -648,6 +721,13 @@ impl Runner {
         self.state.sampler = self.draw_prompts(step, self.state.sampler, count, &out)?;
         Ok(())
     }
+}
+
+/// `f`'s result, and its wall time in seconds.
+fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let t0 = Instant::now();
+    let out = f();
+    (out, t0.elapsed().as_secs_f64())
 }
 
 /// Stages write their outputs where they are told; the runner makes the directories.

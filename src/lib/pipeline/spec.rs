@@ -705,7 +705,6 @@ impl Spec {
         let Some(p) = &self.placement else {
             return Ok(());
         };
-        let one_step_off = p.mode == super::placement::Mode::OneStepOff;
         let asynchronous = p.mode == super::placement::Mode::Async;
         let refused = [
             (
@@ -715,10 +714,6 @@ impl Spec {
             (
                 stages.update.args.lora.lora_rank > 0,
                 "[update] lora-rank (the transfer carries whole weights, not adapters)",
-            ),
-            (
-                one_step_off && self.filter_groups().is_some(),
-                "mode = \"one-step-off\" with [algorithm] filter-groups (its rounds sample in the step itself)",
             ),
         ];
         if asynchronous && self.algorithm.prompts_per_round.is_some() {

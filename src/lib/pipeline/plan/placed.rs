@@ -233,18 +233,26 @@ impl Plan {
             tasks.extend(update);
             return;
         }
-        let [prompts, rollout] = self.own_sampling(step + 1);
-        tasks.push(Task {
-            name: "next-prompts",
-            action: prompts.action,
-        });
+        let mut own = self.own_sampling(step + 1);
+        let rollout = own.pop().expect("a rollout or dynamic sampling");
+        // Dynamic sampling draws its passes' prompts itself.
+        if let Some(prompts) = own.pop() {
+            tasks.push(Task {
+                name: "next-prompts",
+                action: prompts.action,
+            });
+        }
+        let alone = match rollout.action {
+            Action::DynamicSampling { .. } => "next-sample",
+            _ => "next-rollout",
+        };
         tasks.push(match update {
             Some(update) => Task {
                 name: "update",
                 action: Action::Overlap(Box::new([update, rollout])),
             },
             None => Task {
-                name: "next-rollout",
+                name: alone,
                 action: rollout.action,
             },
         });
@@ -256,12 +264,14 @@ impl Plan {
         !self.one_step_off() || step == 1
     }
 
-    /// Step `step`'s prompt draw and rollout (their files are the step's own).
-    fn own_sampling(&self, step: u64) -> [Task; 2] {
-        let mut t = self.sampling_tasks(step).into_iter();
-        let prompts = t.next().expect("prompts first");
-        let rollout = t.next().expect("then the rollout");
-        [prompts, rollout]
+    /// Step `step`'s prompt draw and rollout, or its dynamic sampling (their files are the
+    /// step's own): the sampling one-step-off runs in the step before.
+    pub(super) fn own_sampling(&self, step: u64) -> Vec<Task> {
+        let mut t = self.sampling_tasks(step);
+        if self.spec.filter_groups().is_none() {
+            t.truncate(2);
+        }
+        t
     }
 
     /// One-step-off's first step of a process (`state` before it) samples itself when the
@@ -279,7 +289,10 @@ impl Plan {
     /// The steps whose prompts the sampler has drawn once step `to` is done: one more in
     /// one-step-off mode, whose step `to` drew the next step's (when it did).
     pub(crate) fn steps_drawn(&self, to: u64) -> u64 {
-        let ahead = self.one_step_off() && to >= 1 && self.run.batch(to + 1, "prompts").exists();
+        let drew = |s| {
+            self.run.batch(s, "prompts").exists() || super::super::dynamic::sampled(&self.run, s)
+        };
+        let ahead = self.one_step_off() && to >= 1 && drew(to + 1);
         to + u64::from(ahead)
     }
 }
@@ -371,6 +384,89 @@ mod tests {
             transfer,
             "daemon-ctl --socket r/daemon.sock transfer --to r/rollout.sock --model r/policy --receivers 1 --bucket-mb 256 --metrics r/step-0001/metrics/transfer.json"
         );
+    }
+
+    /// With dynamic sampling the next step's whole sampling (its passes draw their own
+    /// prompts) runs beside the update; the next step samples nothing itself.
+    #[test]
+    fn one_step_off_runs_the_next_steps_dynamic_sampling_beside_the_update() {
+        let p = plan_with("one-step-off", "[algorithm]\nfilter-groups = true\n");
+        let tasks = p.step_tasks(1);
+        assert_eq!(
+            names(&tasks),
+            [
+                "sample",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        assert_eq!(tasks[0].action, Action::DynamicSampling { step: 1 });
+        let Action::Overlap(pair) = &tasks[2].action else {
+            panic!("{:?}", tasks[2]);
+        };
+        assert!(matches!(
+            &pair[0].action,
+            Action::Stage { bin: "update", .. }
+        ));
+        assert_eq!(pair[1].action, Action::DynamicSampling { step: 2 });
+        // The dry run shows the update beside step 2's rounds.
+        let text = p.describe(1, &tasks[2]);
+        assert!(
+            text.contains("r/step-0002/round-R/")
+                && text.contains("--in r/step-0002/round-1/prompts.parquet"),
+            "{text}"
+        );
+        assert_eq!(
+            names(&p.step_tasks(2)),
+            [
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+    }
+
+    /// A run continued past its last step (which sampled no next step) samples its first new
+    /// step itself; once a step's dynamic sampling finished beside the update, the sampler
+    /// counts that step as drawn (a rewind replays its cursor).
+    #[test]
+    fn a_continued_dynamic_run_samples_its_first_step_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "steps = 3\ngpus = 2\ndaemon = true\n[model]\npath = \"m\"\n[data]\ntrain = \"t.parquet\"\nprompts-per-step = 2\n[score]\nreward = \"exact\"\n[advantage]\nestimator = \"grpo\"\n[placement]\nrollout-gpus = [0]\ntrain-gpus = [1]\nmode = \"one-step-off\"\n[algorithm]\nfilter-groups = true\n";
+        let spec = Spec::parse(text, "s.toml").unwrap();
+        let run = RunDir::new(dir.path());
+        let p = Plan::new(spec, run.clone(), PathBuf::from("bin")).unwrap();
+        let state = State {
+            steps_done: 2,
+            init_done: true,
+            ..State::default()
+        };
+        let left: Vec<_> = p.remaining(&state).iter().map(|(_, t)| t.name).collect();
+        assert_eq!(
+            left,
+            [
+                "sample",
+                "advantage",
+                "update",
+                "sync",
+                "transfer",
+                "prune",
+                "metrics"
+            ]
+        );
+        assert_eq!(p.steps_drawn(2), 2);
+        // Step 3's sampling ran beside step 2's update: its record is written.
+        let record = run.step_dir(3).join("sampling.json");
+        std::fs::create_dir_all(record.parent().unwrap()).unwrap();
+        std::fs::write(&record, "{}").unwrap();
+        assert_eq!(p.steps_drawn(2), 3);
     }
 
     #[test]

@@ -949,21 +949,9 @@ fn async_mode_with_filter_groups_trains_only_on_groups_that_vary() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     model_and_train_set(d, 64, 128, 12);
-    let reward = d.join("parity.py");
-    std::fs::write(
-        &reward,
-        "import json, sys\nfor line in sys.stdin:\n    r = json.loads(line)\n    even = int(str(r['ground_truth']).strip()) % 2 == 0\n    s = 0.0 if even else float(len(r['solution_str']) % 3)\n    print(json.dumps({'score': s}), flush=True)\n",
-    )
-    .unwrap();
     let text = format!(
         "{}max-staleness = 1\nround-tokens = 2\n[algorithm]\nfilter-groups = true\n",
-        placed("[0]", "[1]", "async")
-            .replace("n = 2", "n = 4")
-            .replace(
-                "reward = \"exact\"",
-                &format!("reward = \"cmd:python3 {}\"", reward.display())
-            )
-            .replace("max-new-tokens = 6", "max-new-tokens = 8")
+        parity_spec(d, "async")
     );
     let log = pipeline_ok(d, "f", Some(&text), &[]);
     let lines = metrics(d, "f");
@@ -972,34 +960,14 @@ fn async_mode_with_filter_groups_trains_only_on_groups_that_vary() {
     for (i, m) in lines.iter().enumerate() {
         let step = i as u64 + 1;
         let sd = d.join(format!("f/step-000{step}"));
-        let kept = group_scores(&sd.join("scored.parquet"));
-        assert_eq!(kept.len(), 3, "step {step}");
-        for (u, s) in &kept {
-            assert!(
-                s.len() == 4 && s.iter().any(|&x| x != s[0]),
-                "step {step}: group {u} has scores {s:?}"
-            );
-        }
         // The passes scored the groups once each: those kept, and those with one score.
         let passes = m["sampling/score_passes"].as_u64().unwrap();
-        let (mut uniform, mut scored) = (0, 0);
-        for r in 1..=passes {
-            for (_, s) in group_scores(&sd.join(format!("round-{r}/scored.parquet"))) {
-                scored += 1;
-                uniform += usize::from(s.iter().all(|&x| x == s[0]));
-            }
-        }
-        assert_eq!(
-            m["sampling/groups_dropped"], uniform as u64,
-            "step {step}: {m}"
-        );
+        let (kept, scored, uniform) = kept_groups_vary(&sd, m, passes);
         assert_eq!(
             m["sampling/groups_scored"], scored as u64,
             "step {step}: {m}"
         );
         assert_eq!(scored, uniform + 3, "step {step}: {m}");
-        assert_eq!(m["sampling/groups"], 3, "step {step}: {m}");
-        assert_eq!(m["sampling/capped"], 0, "step {step}: {m}");
         // The passes' scoring is part of the take.
         let (score_s, take_s) = (m["time/score"].as_f64(), m["time/take"].as_f64());
         assert!(
@@ -1073,17 +1041,53 @@ fn async_dynamic_sampling_stops_at_its_cap() {
     }
 }
 
-/// The parity reward of the dynamic sampling tests (in `d`): every sample of an even answer
-/// scores 0 (those groups never vary), the others by their length.
-fn parity_reward(d: &Path) -> std::path::PathBuf {
+/// The placed spec of `mode` (1 rollout + 1 training rank) with groups of 4 and a reward
+/// (`d/parity.py`) that scores every sample of an even answer 0 (those groups never vary) and
+/// the others by their length.
+fn parity_spec(d: &Path, mode: &str) -> String {
     let reward = d.join("parity.py");
     std::fs::write(
         &reward,
         "import json, sys\nfor line in sys.stdin:\n    r = json.loads(line)\n    even = int(str(r['ground_truth']).strip()) % 2 == 0\n    s = 0.0 if even else float(len(r['solution_str']) % 3)\n    print(json.dumps({'score': s}), flush=True)\n",
     )
     .unwrap();
-    reward
+    placed("[0]", "[1]", mode)
+        .replace("n = 2", "n = 4")
+        .replace(
+            "reward = \"exact\"",
+            &format!("reward = \"cmd:python3 {}\"", reward.display()),
+        )
+        .replace("max-new-tokens = 6", "max-new-tokens = 8")
 }
+
+/// A dynamic-sampling step's checks (step dir `sd`, metrics `m`, `passes` score passes): it
+/// trains on 3 groups of 4 with at least two distinct scores each, and its passes dropped
+/// exactly the groups with one score. Returns the kept groups, the groups scored and those
+/// dropped.
+fn kept_groups_vary(sd: &Path, m: &serde_json::Value, passes: u64) -> KeptGroups {
+    let kept = group_scores(&sd.join("scored.parquet"));
+    assert_eq!(kept.len(), 3, "{}", sd.display());
+    for (u, s) in &kept {
+        assert!(
+            s.len() == 4 && s.iter().any(|&x| x != s[0]),
+            "{}: group {u} has scores {s:?}",
+            sd.display()
+        );
+    }
+    let (mut uniform, mut scored) = (0, 0);
+    for r in 1..=passes {
+        for (_, s) in group_scores(&sd.join(format!("round-{r}/scored.parquet"))) {
+            scored += 1;
+            uniform += usize::from(s.iter().all(|&x| x == s[0]));
+        }
+    }
+    assert_eq!(m["sampling/groups_dropped"], uniform as u64, "{m}");
+    assert_eq!(m["sampling/groups"], 3, "{m}");
+    assert_eq!(m["sampling/capped"], 0, "{m}");
+    (kept, scored, uniform)
+}
+
+type KeptGroups = (Vec<(String, Vec<f32>)>, usize, usize);
 
 /// One-step-off's timings (1 + 1 ranks or more, 3 steps): steps 1 and 2 ran their update
 /// beside the next step's rollout (`time/overlap`, the wall time of both, holds the update's
@@ -1120,16 +1124,9 @@ fn one_step_off_with_filter_groups_trains_only_on_groups_that_vary() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     model_and_train_set(d, 64, 128, 12);
-    let reward = parity_reward(d);
     let text = format!(
         "{}[algorithm]\nfilter-groups = true\n",
-        placed("[0]", "[1]", "one-step-off")
-            .replace("n = 2", "n = 4")
-            .replace(
-                "reward = \"exact\"",
-                &format!("reward = \"cmd:python3 {}\"", reward.display())
-            )
-            .replace("max-new-tokens = 6", "max-new-tokens = 8")
+        parity_spec(d, "one-step-off")
     );
     let log = pipeline_ok(d, "a", Some(&text), &[]);
     assert_eq!(versions(d, "a"), [Some(0), Some(0), Some(1)]);
@@ -1139,32 +1136,12 @@ fn one_step_off_with_filter_groups_trains_only_on_groups_that_vary() {
     for (i, m) in lines.iter().enumerate() {
         let step = i as u64 + 1;
         let sd = d.join(format!("a/step-000{step}"));
-        let kept = group_scores(&sd.join("scored.parquet"));
-        assert_eq!(kept.len(), 3, "step {step}");
-        for (u, s) in &kept {
-            assert!(
-                s.len() == 4 && s.iter().any(|&x| x != s[0]),
-                "step {step}: group {u} has scores {s:?}"
-            );
-        }
         let rounds = m["sampling/rounds"].as_u64().unwrap();
-        let (mut uniform, mut scored) = (0, 0);
-        for r in 1..=rounds {
-            for (_, s) in group_scores(&sd.join(format!("round-{r}/scored.parquet"))) {
-                scored += 1;
-                uniform += usize::from(s.iter().all(|&x| x == s[0]));
-            }
-        }
+        let (_, scored, uniform) = kept_groups_vary(&sd, m, rounds);
         assert!(
             !sd.join(format!("round-{}", rounds + 1)).exists(),
             "step {step}"
         );
-        assert_eq!(
-            m["sampling/groups_dropped"], uniform as u64,
-            "step {step}: {m}"
-        );
-        assert_eq!(m["sampling/groups"], 3, "step {step}: {m}");
-        assert_eq!(m["sampling/capped"], 0, "step {step}: {m}");
         assert!(scored >= uniform + 3, "step {step}: {m}");
         // Every pass of the step sampled with the step's one policy version.
         for r in 1..=rounds {

@@ -419,23 +419,7 @@ fn one_step_off_is_one_version_behind_deterministic_and_resumable() {
 
     // A rollout rank dies in step 3's rollout (sampled with version 1): the group is started
     // again, gets the current policy by a transfer, and the rollout runs again.
-    let marker = d.join("killed-rollout");
-    let log = pipeline_ok(
-        d,
-        "rank",
-        Some(&text),
-        &[
-            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
-            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
-        ],
-    );
-    assert!(marker.exists(), "the rollout rank was not killed: {log}");
-    assert!(log.contains("rollout failed with the daemon gone"), "{log}");
-    assert!(
-        log.contains("the rollout group (re)started; sending it the current policy"),
-        "{log}"
-    );
-    same_run(d, "a", "rank");
+    rollout_rank_dies(d, &text, "rollout");
 
     // A training rank dies in step 2's update (beside step 3's rollout): the update runs again
     // alone on a new training group, from step 1's checkpoint files.
@@ -456,13 +440,41 @@ fn one_step_off_is_one_version_behind_deterministic_and_resumable() {
 
     // The runner SIGKILLed while step 2's update and step 3's rollout run: the rerun continues
     // after step 1 (step 2 is the step lost) and ends as the undisturbed run.
-    std::fs::write(d.join("runner.toml"), &text).unwrap();
-    let adv = d.join("runner/step-0002/adv.parquet");
-    crate::pipeline::kill_when(
-        pipeline(d, "runner", None, &[]),
-        "step 2's update",
-        &mut |_| adv.exists(),
+    runner_killed_after(d, &text, "step-0002/adv.parquet");
+}
+
+/// Run "rank" of `text` (3 steps, run "a" undisturbed): a rollout rank dies in the rollout
+/// that samples step 3 (task `task` of the log); the group is started again and gets the
+/// current policy by a transfer, the task runs again, and the run ends as "a".
+fn rollout_rank_dies(d: &Path, text: &str, task: &str) {
+    let marker = d.join("killed-rollout");
+    let log = pipeline_ok(
+        d,
+        "rank",
+        Some(text),
+        &[
+            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
+            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
+        ],
     );
+    assert!(marker.exists(), "the rollout rank was not killed: {log}");
+    assert!(
+        log.contains(&format!("{task} failed with the daemon gone")),
+        "{log}"
+    );
+    assert!(
+        log.contains("the rollout group (re)started; sending it the current policy"),
+        "{log}"
+    );
+    same_run(d, "a", "rank");
+}
+
+/// Run "runner" of `text`, its runner SIGKILLed in step 2 once `file` of the run exists: the
+/// rerun continues after step 1 and ends as the undisturbed run "a".
+fn runner_killed_after(d: &Path, text: &str, file: &str) {
+    std::fs::write(d.join("runner.toml"), text).unwrap();
+    let at = d.join("runner").join(file);
+    crate::pipeline::kill_when(pipeline(d, "runner", None, &[]), file, &mut |_| at.exists());
     let log = pipeline_ok(d, "runner", None, &[]);
     assert!(log.contains("continuing runner after step 1"), "{log}");
     same_run(d, "a", "runner");
@@ -1165,39 +1177,11 @@ fn one_step_off_with_filter_groups_trains_only_on_groups_that_vary() {
     // A rollout rank dies in a pass of step 3 (beside step 2's update, version 1): the group
     // is started again and gets version 1 by a transfer (queued on the training group behind
     // the update while that runs), and the pass runs again.
-    let marker = d.join("killed-rollout");
-    let log = pipeline_ok(
-        d,
-        "rank",
-        Some(&text),
-        &[
-            ("TANDEM_DAEMON_KILL_IN_ROLLOUT", p(&marker)),
-            ("TANDEM_DAEMON_KILL_AT_STEP", "2"),
-        ],
-    );
-    assert!(marker.exists(), "the rollout rank was not killed: {log}");
-    assert!(
-        log.contains("next/round-1/rollout failed with the daemon gone"),
-        "{log}"
-    );
-    assert!(
-        log.contains("the rollout group (re)started; sending it the current policy"),
-        "{log}"
-    );
-    same_run(d, "a", "rank");
+    rollout_rank_dies(d, &text, "next/round-1/rollout");
 
     // The runner SIGKILLed in step 2 once step 3's first pass is scored: the rerun continues
     // after step 1, skips the passes done, and ends as the undisturbed run.
-    std::fs::write(d.join("runner.toml"), &text).unwrap();
-    let pass = d.join("runner/step-0003/round-1/scored.parquet");
-    crate::pipeline::kill_when(
-        pipeline(d, "runner", None, &[]),
-        "step 3's first pass",
-        &mut |_| pass.exists(),
-    );
-    let log = pipeline_ok(d, "runner", None, &[]);
-    assert!(log.contains("continuing runner after step 1"), "{log}");
-    same_run(d, "a", "runner");
+    runner_killed_after(d, &text, "step-0003/round-1/scored.parquet");
     // The rerun did not roll out the finished pass again.
     let commands = std::fs::read_to_string(d.join("runner/commands.sh")).unwrap();
     let first_pass = commands

@@ -71,24 +71,34 @@ fn update_on(socket: &Path, model: &Path, d: &Path, out: &Path) {
 /// `daemon-ctl transfer` of `model` from the group at `from` to the `receivers` ranks at
 /// `to`: its log and metrics.
 fn transfer(from: &Path, to: &Path, model: &Path, receivers: usize) -> (String, serde_json::Value) {
+    transfer_with(from, to, model, receivers, &[])
+}
+
+/// [`transfer`] with more flags.
+fn transfer_with(
+    from: &Path,
+    to: &Path,
+    model: &Path,
+    receivers: usize,
+    extra: &[&str],
+) -> (String, serde_json::Value) {
     let metrics = model.with_extension("transfer.json");
     let receivers = receivers.to_string();
-    let log = ctl_ok(
-        from,
-        &[
-            "transfer",
-            "--to",
-            p(to),
-            "--model",
-            p(model),
-            "--receivers",
-            &receivers,
-            "--bucket-mb",
-            "1",
-            "--metrics",
-            p(&metrics),
-        ],
-    );
+    let mut args = vec![
+        "transfer",
+        "--to",
+        p(to),
+        "--model",
+        p(model),
+        "--receivers",
+        &receivers,
+        "--bucket-mb",
+        "1",
+        "--metrics",
+        p(&metrics),
+    ];
+    args.extend_from_slice(extra);
+    let log = ctl_ok(from, &args);
     assert!(log.contains("transfer: received"), "{log}");
     let m = serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
     (log, m)
@@ -199,6 +209,16 @@ fn transfer_case(train: usize, rollout: usize) {
         "{m}"
     );
     holds_checkpoint(d, &rs, &ck2);
+    // --fresh-bridge: a new bridge, ended after the transfer (no group keeps one).
+    let (log, m) = transfer_with(&ts, &rs, &ck2, rollout, &["--fresh-bridge"]);
+    assert!(log.contains("over a new bridge"), "{log}");
+    assert_eq!(m["bridge_reused"], 0, "{m}");
+    holds_checkpoint(d, &rs, &ck2);
+    for socket in [&ts, &rs] {
+        let o = ctl_with(socket, &["status"]);
+        let st: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(st["resident"]["bridge"].is_null(), "{st}");
+    }
     // A new rollout group (the old one gone, as after a restart) meets the trainer on a new
     // bridge.
     drop(roll);

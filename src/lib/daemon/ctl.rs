@@ -61,6 +61,10 @@ pub struct DaemonCtlArgs {
     /// transfer: write its metrics here (JSON: seconds, bytes, GB/s).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// transfer: meet on a new bridge and end it after the transfer, rather than reuse the one
+    /// both groups kept from their last transfer and keep it.
+    #[arg(long)]
+    pub fresh_bridge: bool,
 }
 
 pub fn run_ctl(args: DaemonCtlArgs) -> Result<()> {
@@ -106,7 +110,10 @@ fn transfer(args: &DaemonCtlArgs) -> Result<()> {
         std::process::id(),
         now.map_or(0, |d| d.as_nanos())
     );
-    let kept = kept_bridge(&args.socket, &to, args.receivers as usize);
+    let kept = match args.fresh_bridge {
+        true => None,
+        false => kept_bridge(&args.socket, &to, args.receivers as usize),
+    };
     match kept {
         Some(id) => transfer_on(args, &to, port, &id).or_else(|e| {
             eprintln!("daemon-ctl transfer: over the kept bridge: {e:#}; again on a new one");
@@ -128,6 +135,7 @@ fn transfer_on(args: &DaemonCtlArgs, to: &Path, port: u16, id: &str) -> Result<(
             side,
             port,
             bridge: id.to_string(),
+            keep: !args.fresh_bridge,
             receivers: args.receivers as usize,
             bucket_elems: (args.bucket_mb as usize) << 18,
             metrics: (side == Side::Receive)

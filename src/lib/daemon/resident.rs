@@ -905,7 +905,12 @@ impl<B: Backend> Resident<B> {
             ));
             self.policy_version = model.policy_version;
         }
-        self.bridge = kept;
+        match (kept, bridge.keep) {
+            (k, true) => self.bridge = k,
+            // Every member ends it together, so that no end looks like a failure.
+            (Some(k), false) => k.finish()?,
+            (None, false) => {}
+        }
         let out = Transferred {
             buckets: moved.buckets,
             elements: moved.elements,
@@ -957,6 +962,13 @@ impl<B: Backend> KeptBridge<B> {
         self.id == bridge.id
             && (self.rank, self.world) == (bridge.rank, bridge.world)
             && self.pg.health().failure().is_none()
+    }
+
+    /// Ends it with the other members (a bridge not kept).
+    fn finish(self) -> Result<()> {
+        let KeptBridge { comm, pg, .. } = self;
+        drop(comm);
+        pg.finish()
     }
 
     /// What `status` says of it: the id the next transfer names to reuse it.

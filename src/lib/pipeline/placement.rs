@@ -51,6 +51,10 @@ pub(crate) struct PlacementSpec {
     /// take half).
     #[serde(default = "default_bucket_mb")]
     pub(crate) bucket_mb: u64,
+    /// Keep the weight transfer's bridge between transfers (default); false makes one for
+    /// each transfer and ends it after (`daemon-ctl transfer --fresh-bridge`).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub(crate) keep_bridge: bool,
     /// `mode = "async"`: how many versions the oldest token of a trained sample may lag the
     /// policy being trained (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -67,6 +71,14 @@ fn is_sync(m: &Mode) -> bool {
 
 fn default_bucket_mb() -> u64 {
     256
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// Which daemon group a stage goes to.

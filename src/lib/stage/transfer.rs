@@ -35,6 +35,9 @@ pub struct TransferArgs {
     /// The bridge's id: a rank that kept a working bridge of this id (and place) from an
     /// earlier transfer sends over it; the others meet on a new one at `port`.
     pub bridge: String,
+    /// Keep the bridge for the next transfer (else it ends with this one).
+    #[serde(default = "keep_by_default")]
+    pub keep: bool,
     /// Ranks of the receiving group.
     pub receivers: usize,
     /// Elements of a bucket.
@@ -51,6 +54,12 @@ pub struct Bridge {
     pub port: u16,
     pub id: String,
     pub bucket_elems: usize,
+    /// Kept for the next transfer (else ended after this one).
+    pub keep: bool,
+}
+
+fn keep_by_default() -> bool {
+    true
 }
 
 /// What one rank's part of a transfer did.
@@ -98,6 +107,7 @@ pub(crate) fn run<E: Hold + Console + Topology + ?Sized>(
         port: args.port,
         id: args.bridge.clone(),
         bucket_elems: args.bucket_elems,
+        keep: args.keep,
     };
     let moved = exec.transfer(&model, &bridge)?;
     let gb_per_s = moved.bytes as f64 / moved.broadcast_seconds.max(1e-9) / 1e9;

@@ -199,7 +199,7 @@ impl Plan {
     /// to the rollout group, its metrics into step `step`'s `transfer.json`.
     pub(crate) fn transfer_task(&self, step: u64) -> Option<Task> {
         let p = self.placement()?;
-        let args = vec![
+        let mut args = vec![
             "daemon-ctl".into(),
             "--socket".into(),
             path_arg(&self.socket_of(Side::Train)),
@@ -215,6 +215,9 @@ impl Plan {
             "--metrics".into(),
             path_arg(&self.run.stage_metrics(step, "transfer")),
         ];
+        if !p.keep_bridge {
+            args.push("--fresh-bridge".into());
+        }
         Some(Task {
             name: "transfer",
             action: Action::Stage {
@@ -384,6 +387,23 @@ mod tests {
             transfer,
             "daemon-ctl --socket r/daemon.sock transfer --to r/rollout.sock --model r/policy --receivers 1 --bucket-mb 256 --metrics r/step-0001/metrics/transfer.json"
         );
+    }
+
+    /// `keep-bridge = false`: each transfer meets on a new bridge and ends it.
+    #[test]
+    fn a_bridge_not_kept_is_a_fresh_one_each_transfer() {
+        let p = plan_with("sync", "keep-bridge = false\n");
+        let Some(Task {
+            action: Action::Stage { args, .. },
+            ..
+        }) = p.transfer_task(1)
+        else {
+            panic!("no transfer");
+        };
+        assert_eq!(args.last().map(String::as_str), Some("--fresh-bridge"));
+        let again = Spec::parse(&p.spec.to_toml(), "resolved").unwrap();
+        assert!(!again.placement.unwrap().keep_bridge);
+        assert!(plan("sync").placement().unwrap().keep_bridge);
     }
 
     /// With dynamic sampling the next step's whole sampling (its passes draw their own

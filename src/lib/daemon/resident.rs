@@ -32,6 +32,8 @@
 //! which writes the files as `update` under a launcher does; `--resident` writes nothing but
 //! the marked directory.
 
+mod bridge;
+
 use super::protocol::{Reply, Response};
 use crate::backend::{Backend, DType, MemoryStats};
 use crate::engine::policy::is_adapter_dir;
@@ -49,14 +51,13 @@ use crate::model::decoder::{Decoder, OptimizerState, TokenStats};
 use crate::model::lora::{LoraMode, LoraSpec};
 use crate::model::peft;
 use crate::model::{Config, Weights};
-use crate::parallel::bucket::{broadcast_buckets, BucketPlan};
-use crate::parallel::{ProcessGroup, World};
+use crate::parallel::ProcessGroup;
 use crate::stage::common::Device;
 use crate::stage::ref_logprob::{LogprobColumn, Score, Scored};
 use crate::stage::rollout::{Generate, Generated};
-use crate::stage::transfer::{Bridge, Transferred};
 use crate::stage::{Compute, Console, Hold, Topology};
 use anyhow::Result;
+use bridge::KeptBridge;
 use indicatif::ProgressBar;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -841,144 +842,6 @@ impl<B: Backend> Resident<B> {
         p.decoder.set_adapters_on(true);
         self.note("reference_is_lora_base", true);
         out
-    }
-
-    /// This rank's part of a weight transfer (`stage::transfer`) on the bridge `bridge`: rank 0
-    /// sends the weights the policy `model` generates with (bf16 on a GPU; on the CPU the f32
-    /// values of their bf16 rounding); every other rank receives them into a decoder for
-    /// generation, which becomes its policy under `model`'s name and version (the old one is
-    /// dropped first: peak memory is one policy). The bridge is a process group of its own,
-    /// kept for the next transfer of the same id; its failure is this job's error (and the
-    /// bridge's end), not the daemon's.
-    pub(crate) fn transfer(&mut self, model: &ModelRef, bridge: &Bridge) -> Result<Transferred> {
-        let started = Instant::now();
-        // Taken out while it works: a failed transfer leaves no bridge behind.
-        let kept = self.bridge.take().filter(|k| k.serves(bridge));
-        let reused = kept.is_some();
-        let make = self.make_bridge.clone();
-        let mut received = None;
-        let (dec, mut kept) = match bridge.rank == 0 {
-            true => (self.generation(Role::Policy, model)?, kept),
-            false => {
-                self.observe();
-                self.policy = None;
-                let cfg = ModelDir::load_config(&model.dir)?;
-                let backend = (self.make)()?;
-                let mut kept = kept;
-                if let Some(k) = &mut kept {
-                    // Before the new weights are allocated: the old backend's memory goes.
-                    k.comm.follow(&backend)?;
-                }
-                let dec = received.insert(Decoder::unfilled_for_generation(backend, &cfg)?);
-                // Zeroed on its stream before the communicator writes into it.
-                dec.backend().synchronize()?;
-                (&mut *dec, kept)
-            }
-        };
-        let t0 = Instant::now();
-        let k = match kept.as_mut() {
-            // The sender's generation decoder may be a new one since the last transfer.
-            Some(k) => {
-                k.comm.follow(dec.backend())?;
-                k
-            }
-            None => kept.insert(KeptBridge::make(bridge, dec.backend(), make)?),
-        };
-        let bridge_seconds = t0.elapsed().as_secs_f64();
-        let sizes: Vec<usize> = dec
-            .param_shapes()
-            .iter()
-            .map(|s| s.iter().product())
-            .collect();
-        let plan = BucketPlan::new(&sizes, bridge.bucket_elems, 1)?;
-        let dtype = dec.backend().compute_dtype();
-        let t0 = Instant::now();
-        let (backend, weights) = dec.weights_mut();
-        let moved = broadcast_buckets(backend, k.comm.as_ref(), &plan, dtype, weights, 0)?;
-        backend.synchronize()?;
-        let broadcast_seconds = t0.elapsed().as_secs_f64();
-        if let Some(decoder) = received {
-            self.policy = Some(PolicySlot::received(
-                ModelKey::of(&model.dir)?,
-                &model.dir,
-                decoder,
-            ));
-            self.policy_version = model.policy_version;
-        }
-        match (kept, bridge.keep) {
-            (k, true) => self.bridge = k,
-            // Every member ends it together, so that no end looks like a failure.
-            (Some(k), false) => k.finish()?,
-            (None, false) => {}
-        }
-        let out = Transferred {
-            buckets: moved.buckets,
-            elements: moved.elements,
-            bytes: moved.bytes,
-            seconds: started.elapsed().as_secs_f64(),
-            broadcast_seconds,
-            bridge_reused: reused,
-            bridge_seconds: if reused { 0.0 } else { bridge_seconds },
-        };
-        self.note("transfer_bytes", out.bytes);
-        self.note("transfer_seconds", out.seconds);
-        self.note("bridge_reused", reused);
-        Ok(out)
-    }
-}
-
-/// A weight transfer's bridge, kept by each of its ranks between transfers (as a daemon group
-/// keeps its own communicator): the next transfer with the same id skips the rendezvous and
-/// the communicator's set-up (NCCL's init on a GPU).
-pub(crate) struct KeptBridge<B: Backend> {
-    id: String,
-    rank: usize,
-    world: usize,
-    // Dropped in this order: the communicator before its group.
-    comm: Box<dyn crate::parallel::Comm<B>>,
-    pg: ProcessGroup,
-}
-
-impl<B: Backend> KeptBridge<B> {
-    /// Meets the other ranks at `bridge`'s port and makes the communicator on `backend`.
-    fn make(bridge: &Bridge, backend: &B, make: Option<MakeComm<B>>) -> Result<Self> {
-        let make = make.expect("every daemon sets its bridge maker");
-        let timeout = crate::parallel::Options::from_env()?.timeout;
-        let world = World::local(bridge.rank, bridge.world, bridge.port);
-        let pg = ProcessGroup::new(world, crate::parallel::Options::side(timeout))?;
-        let comm = make(backend, &pg)?;
-        Ok(KeptBridge {
-            id: bridge.id.clone(),
-            rank: bridge.rank,
-            world: bridge.world,
-            comm,
-            pg,
-        })
-    }
-
-    /// True when the transfer `bridge` can go over this one: the same id and place, and no
-    /// member gone since (a peer group's end is recorded on every member's group).
-    fn serves(&self, bridge: &Bridge) -> bool {
-        self.id == bridge.id
-            && (self.rank, self.world) == (bridge.rank, bridge.world)
-            && self.pg.health().failure().is_none()
-    }
-
-    /// Ends it with the other members (a bridge not kept).
-    fn finish(self) -> Result<()> {
-        let KeptBridge { comm, pg, .. } = self;
-        drop(comm);
-        pg.finish()
-    }
-
-    /// What `status` says of it: the id the next transfer names to reuse it.
-    fn status(&self) -> Value {
-        json!({
-            "id": self.id,
-            "rank": self.rank,
-            "world": self.world,
-            "healthy": self.pg.health().failure().is_none(),
-        })
     }
 }
 

@@ -134,8 +134,9 @@ fn holds_checkpoint(d: &Path, socket: &Path, ck: &Path) -> usize {
 /// transfer sends it to a rollout group of `rollout` ranks; their weights (saved by
 /// `daemon-ctl save`) are the checkpoint's as a rollout loads them (bf16-rounded, bit for
 /// bit), their rollout is an in-process rollout of the checkpoint (no reload), and the
-/// metrics say what moved. The next transfer goes over the bridge the first one made; one to
-/// a new rollout group meets on a new one.
+/// metrics say what moved. The next transfer goes over the bridge the first one made; one over
+/// a kept bridge that broke runs again on a new one; one to a new rollout group meets on a new
+/// one.
 fn transfer_case(train: usize, rollout: usize) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -144,7 +145,11 @@ fn transfer_case(train: usize, rollout: usize) {
     let model = d.join("model");
     let (ts, rs) = (d.join("t.sock"), d.join("r.sock"));
     let _train = DaemonGroup::start(d, train, &ts, &model, &[]);
-    let roll = DaemonGroup::start(d, rollout, &rs, &model, &[]);
+    // The rollout group breaks its kept bridge once, in the third transfer (below).
+    let broken = d.join("broke-bridge");
+    let env = [("TANDEM_DAEMON_BREAK_BRIDGE", broken.as_path())];
+    let roll = DaemonGroup::start_with_env(d, (rollout, &rs), &model, &[], &env);
+    std::fs::write(&broken, "not yet\n").unwrap();
     let ck = d.join("ck");
     update_on(&ts, &model, d, &ck);
     let (log, m) = transfer(&ts, &rs, &ck, rollout);
@@ -208,6 +213,17 @@ fn transfer_case(train: usize, rollout: usize) {
         (&1.into(), &0.0.into()),
         "{m}"
     );
+    holds_checkpoint(d, &rs, &ck2);
+    // A kept bridge that breaks between transfers: the transfer over it fails, and runs again
+    // on a new one.
+    std::fs::remove_file(&broken).unwrap();
+    let (log, m) = transfer(&ts, &rs, &ck2, rollout);
+    assert!(broken.exists(), "{log}");
+    assert!(
+        log.contains("over the kept bridge: ") && log.contains("again on a new one"),
+        "{log}"
+    );
+    assert_eq!(m["bridge_reused"], 0, "{m}");
     holds_checkpoint(d, &rs, &ck2);
     // --fresh-bridge: a new bridge, ended after the transfer (no group keeps one).
     let (log, m) = transfer_with(&ts, &rs, &ck2, rollout, &["--fresh-bridge"]);

@@ -508,8 +508,20 @@ impl DaemonGroup {
         policy: &Path,
         extra: &[&str],
     ) -> DaemonGroup {
+        DaemonGroup::start_with_env(cwd, (n, socket), policy, extra, &[])
+    }
+
+    /// [`DaemonGroup::start`] of `n` ranks at `socket`, with `env` set in every rank.
+    pub(crate) fn start_with_env(
+        cwd: &Path,
+        (n, socket): (usize, &Path),
+        policy: &Path,
+        extra: &[&str],
+        env: &[(&str, &Path)],
+    ) -> DaemonGroup {
         use std::os::unix::process::CommandExt;
         let mut c = Command::new(TANDEM);
+        c.envs(env.iter().copied());
         for k in [
             "RANK",
             "WORLD_SIZE",

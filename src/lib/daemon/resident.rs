@@ -81,13 +81,23 @@ pub(crate) const KILL_IN_ROLLOUT_ENV: &str = "TANDEM_DAEMON_KILL_IN_ROLLOUT";
 /// daemon group [`KILL_IN_UPDATE_ENV`] too.
 pub(crate) const KILL_RANK_ENV: &str = "TANDEM_DAEMON_KILL_RANK";
 
-/// SIGKILLs this process when the marker file `marker_env` names does not exist yet (creating
-/// it, so that the fault happens once) and `when` holds: the restart tests' crash.
-fn kill_once(marker_env: &str, when: bool) {
+/// Env var of the kept-bridge test: a receiving rank about to send over its kept bridge drops
+/// it instead and fails the transfer, once (see [`fault_once`]), as a bridge whose connection
+/// broke between transfers would.
+pub(crate) const BREAK_BRIDGE_ENV: &str = "TANDEM_DAEMON_BREAK_BRIDGE";
+
+/// True the first time `when` holds while the marker file `marker_env` names does not exist
+/// yet (it is created then, so that a test's fault happens once).
+fn fault_once(marker_env: &str, when: bool) -> bool {
     let Some(marker) = std::env::var_os(marker_env).map(PathBuf::from) else {
-        return;
+        return false;
     };
-    if when && !marker.exists() && std::fs::write(&marker, b"killed\n").is_ok() {
+    when && !marker.exists() && std::fs::write(&marker, b"done\n").is_ok()
+}
+
+/// SIGKILLs this process once when `when` holds (`fault_once`): the restart tests' crash.
+fn kill_once(marker_env: &str, when: bool) {
+    if fault_once(marker_env, when) {
         // SAFETY: kill(2) of this very process; nothing after it runs.
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);

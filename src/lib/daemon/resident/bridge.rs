@@ -2,7 +2,7 @@
 //! sender's or a receiver's side of the broadcast, over a bridge (a process group and
 //! communicator of its own between the two groups) that each rank keeps for the next transfer.
 
-use super::{Resident, Role};
+use super::{fault_once, Resident, Role, BREAK_BRIDGE_ENV};
 use crate::backend::Backend;
 use crate::engine::policy::kept::{MakeComm, ModelKey, PolicySlot};
 use crate::engine::policy::ModelRef;
@@ -29,6 +29,10 @@ impl<B: Backend> Resident<B> {
         // Taken out while it works: a failed transfer leaves no bridge behind.
         let kept = self.bridge.take().filter(|k| k.serves(bridge));
         let reused = kept.is_some();
+        if fault_once(BREAK_BRIDGE_ENV, reused && bridge.rank > 0) {
+            drop(kept);
+            anyhow::bail!("the kept bridge broke ({BREAK_BRIDGE_ENV})");
+        }
         let make = self.make_bridge.clone();
         let mut received = None;
         let (dec, mut kept) = match bridge.rank == 0 {

@@ -421,6 +421,66 @@ fn synchronous_placement_writes_the_colocated_runs_files() {
     assert!(!d.join("bad").exists(), "{err}");
 }
 
+/// GRPO-LoRA placed (1 rollout + 1 training rank): the transfer carries the policy's merged
+/// generation weights, so the synchronous run writes the colocated daemon run's rollouts and
+/// adapter checkpoints bit for bit; one step off samples with the policy one version behind
+/// (0, 0, 1) and two runs write the same files; async mode trains its steps within the
+/// staleness bound; `lora-mode = "unmerged"` is refused.
+#[test]
+fn lora_runs_placed_in_every_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    model_and_train_set(d, 64, 128, 12);
+    let lora =
+        |text: String| text.replace("[update]\n", "[update]\nlora-rank = 4\nlora-alpha = 8\n");
+    pipeline_ok(d, "colocated", Some(&lora(spec("", ""))), &[]);
+    pipeline_ok(d, "sync", Some(&lora(placed("[0]", "[1]", "sync"))), &[]);
+    same_run(d, "colocated", "sync");
+    // The rollout group generates with the merged weights the transfer carries: unmerged
+    // generation is refused before anything runs.
+    let um = lora(placed("[0]", "[1]", "sync"))
+        .replace("[rollout]\n", "[rollout]\nlora-mode = \"unmerged\"\n");
+    let o = pipeline(d, "um", Some(&um), &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("[placement] does not take [rollout] lora-mode = \"unmerged\""),
+        "{err}"
+    );
+    assert!(!d.join("um").exists(), "{err}");
+    let adapters = crate::pipeline::checkpoint_files(&d.join("sync"));
+    assert!(
+        adapters
+            .keys()
+            .any(|k| k.ends_with("adapter_model.safetensors")),
+        "{:?}",
+        adapters.keys()
+    );
+    let off = lora(placed("[0]", "[1]", "one-step-off"));
+    pipeline_ok(d, "a", Some(&off), &[]);
+    assert_eq!(versions(d, "a"), [Some(0), Some(0), Some(1)]);
+    pipeline_ok(d, "b", Some(&off), &[]);
+    same_run(d, "a", "b");
+    let text = format!(
+        "{}max-staleness = 1\nround-tokens = 2\n",
+        placed("[0]", "[1]", "async")
+    );
+    pipeline_ok(d, "async", Some(&lora(text)), &[]);
+    for (i, m) in metrics(d, "async").iter().enumerate() {
+        let trained = i as u64;
+        let rows = token_versions(&read(
+            &d.join(format!("async/step-000{}/rollout.parquet", i + 1)),
+        ));
+        assert!(
+            rows.iter()
+                .flatten()
+                .all(|&v| v <= trained && v + 1 >= trained),
+            "step {}: {rows:?} {m}",
+            i + 1
+        );
+    }
+}
+
 /// One step off-policy with 1 rollout + 2 training ranks: step k's rollout ran beside step
 /// k − 1's update and sampled with the policy one version behind (versions 0, 0, 1 where the
 /// synchronous run has 0, 1, 2); a second run writes the same files; a rollout rank killed in

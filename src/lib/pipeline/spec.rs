@@ -712,8 +712,8 @@ impl Spec {
                 "[rollout] agent (its rollout is the user's program against tandem serve)",
             ),
             (
-                stages.update.args.lora.lora_rank > 0,
-                "[update] lora-rank (the transfer carries whole weights, not adapters)",
+                stages.rollout.args.lora_mode == crate::model::lora::LoraMode::Unmerged,
+                "[rollout] lora-mode = \"unmerged\" (the transfer carries the merged weights the rollout group generates with)",
             ),
         ];
         if asynchronous && self.algorithm.prompts_per_round.is_some() {

@@ -36,7 +36,6 @@ pub struct TransferArgs {
     /// earlier transfer sends over it; the others meet on a new one at `port`.
     pub bridge: String,
     /// Keep the bridge for the next transfer (else it ends with this one).
-    #[serde(default = "keep_by_default")]
     pub keep: bool,
     /// Ranks of the receiving group.
     pub receivers: usize,
@@ -56,10 +55,6 @@ pub struct Bridge {
     pub bucket_elems: usize,
     /// Kept for the next transfer (else ended after this one).
     pub keep: bool,
-}
-
-fn keep_by_default() -> bool {
-    true
 }
 
 /// What one rank's part of a transfer did.

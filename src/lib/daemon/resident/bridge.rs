@@ -27,7 +27,7 @@ impl<B: Backend> Resident<B> {
     pub(crate) fn transfer(&mut self, model: &ModelRef, bridge: &Bridge) -> Result<Transferred> {
         let started = Instant::now();
         // Taken out while it works: a failed transfer leaves no bridge behind.
-        let kept = self.bridge.take().filter(|k| k.serves(bridge));
+        let mut kept = self.bridge.take().filter(|k| k.serves(bridge));
         let reused = kept.is_some();
         if fault_once(BREAK_BRIDGE_ENV, reused && bridge.rank > 0) {
             drop(kept);
@@ -35,14 +35,20 @@ impl<B: Backend> Resident<B> {
         }
         let make = self.make_bridge.clone();
         let mut received = None;
-        let (dec, mut kept) = match bridge.rank == 0 {
-            true => (self.generation(Role::Policy, model)?, kept),
+        let dec = match bridge.rank == 0 {
+            true => {
+                let dec = self.generation(Role::Policy, model)?;
+                if let Some(k) = &mut kept {
+                    // Its generation decoder may be a new one since the last transfer.
+                    k.comm.follow(dec.backend())?;
+                }
+                dec
+            }
             false => {
                 self.observe();
                 self.policy = None;
                 let cfg = ModelDir::load_config(&model.dir)?;
                 let backend = (self.make)()?;
-                let mut kept = kept;
                 if let Some(k) = &mut kept {
                     // Before the new weights are allocated: the old backend's memory goes.
                     k.comm.follow(&backend)?;
@@ -50,16 +56,12 @@ impl<B: Backend> Resident<B> {
                 let dec = received.insert(Decoder::unfilled_for_generation(backend, &cfg)?);
                 // Zeroed on its stream before the communicator writes into it.
                 dec.backend().synchronize()?;
-                (&mut *dec, kept)
+                dec
             }
         };
         let t0 = Instant::now();
         let k = match kept.as_mut() {
-            // The sender's generation decoder may be a new one since the last transfer.
-            Some(k) => {
-                k.comm.follow(dec.backend())?;
-                k
-            }
+            Some(k) => k,
             None => kept.insert(KeptBridge::make(bridge, dec.backend(), make)?),
         };
         let bridge_seconds = t0.elapsed().as_secs_f64();

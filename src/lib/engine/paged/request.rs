@@ -19,7 +19,7 @@ use crate::error::input_error;
 
 /// One prompt and the random keys of its samples (`backend::ops::sample::sample_key`), one per
 /// sample.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub sample_keys: Vec<u64>,

@@ -129,7 +129,15 @@ struct Job {
 struct CommError {
     suspect: Option<usize>,
     msg: String,
+    /// The peer's connection closed: it may be a rank stopping for a failure it has already
+    /// reported to the store, whose relay is the better message.
+    closed: bool,
 }
+
+/// How long a rank whose peer's connection closed waits for the store to relay that peer's
+/// report before blaming the peer itself. A peer closes its sockets right after reporting,
+/// so the relay is usually on its way; a peer that truly died costs this much delay.
+const RELAY_GRACE: Duration = Duration::from_secs(2);
 
 struct Worker {
     rank: usize,
@@ -147,6 +155,9 @@ impl Worker {
             let result = match &self.broken {
                 Some(msg) => Err(msg.clone()),
                 None => self.exec(&job).map_err(|e| {
+                    if e.closed {
+                        self.wait_for_relay();
+                    }
                     // A failure relayed from elsewhere is the better message.
                     let msg = match self.health.failure() {
                         Some(f) => f.reason,
@@ -160,6 +171,14 @@ impl Worker {
                 }),
             };
             let _ = job.reply.send(result);
+        }
+    }
+
+    /// Waits up to `RELAY_GRACE` for a failure to be recorded (relayed by the store).
+    fn wait_for_relay(&self) {
+        let t = Instant::now();
+        while self.health.failure().is_none() && t.elapsed() < RELAY_GRACE {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -189,12 +208,14 @@ impl Worker {
         let name = op_name(tag >> 8);
         let timeout = Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed));
         let rx = self.inbox[from].as_ref().expect("a peer's inbox");
-        let fail = |msg: String| {
+        let error = |msg: String, closed: bool| {
             Err(CommError {
                 suspect: Some(from),
                 msg,
+                closed,
             })
         };
+        let fail = |msg: String| error(msg, false);
         let frame = match rx.recv_timeout(timeout) {
             Ok(f) => f,
             Err(RecvTimeoutError::Timeout) => {
@@ -204,9 +225,12 @@ impl Worker {
                 ))
             }
             Err(RecvTimeoutError::Disconnected) => {
-                return fail(format!(
-                    "{name} #{seq}: the connection to rank {from} closed (rank {from} exited or failed)"
-                ))
+                return error(
+                    format!(
+                        "{name} #{seq}: the connection to rank {from} closed (rank {from} exited or failed)"
+                    ),
+                    true,
+                )
             }
         };
         if frame.seq != seq || frame.tag != tag {
@@ -810,5 +834,25 @@ mod tests {
             );
         }
         assert!(out[2].contains("waiting for rank 2"), "{}", out[2]);
+    }
+
+    #[test]
+    fn a_peer_that_closes_before_its_report_arrives_is_not_blamed() {
+        // Rank 0 closes its connections 300 ms before its report of rank 1 reaches the store:
+        // the others wait for the relay instead of naming rank 0.
+        let out = ranks(3, Duration::from_secs(20), |pg| {
+            let comm = HostComm::new(&pg).unwrap();
+            if pg.rank() == 0 {
+                drop(comm);
+                std::thread::sleep(Duration::from_millis(300));
+                pg.health().fail(Some(1), "rank 1 died");
+                return String::new();
+            }
+            let e = comm.barrier().unwrap_err();
+            format!("{e:#}")
+        });
+        for msg in &out[1..] {
+            assert!(msg.contains("rank 1 died"), "{msg}");
+        }
     }
 }

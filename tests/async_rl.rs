@@ -144,12 +144,15 @@ fn transfer_case(train: usize, rollout: usize) {
     batch_to_train(d);
     let model = d.join("model");
     let (ts, rs) = (d.join("t.sock"), d.join("r.sock"));
-    let _train = DaemonGroup::start(d, train, &ts, &model, &[]);
-    // The rollout group breaks its kept bridge once, in the third transfer (below).
-    let broken = d.join("broke-bridge");
+    // Each group loses its kept bridge once, when armed (below), as if it broke.
+    let (broken, broken_t) = (d.join("broke-bridge"), d.join("broke-bridge-t"));
+    for marker in [&broken, &broken_t] {
+        std::fs::write(marker, "not yet\n").unwrap();
+    }
+    let env = [("TANDEM_DAEMON_BREAK_BRIDGE", broken_t.as_path())];
+    let _train = DaemonGroup::start_with_env(d, (train, &ts), &model, &[], &env);
     let env = [("TANDEM_DAEMON_BREAK_BRIDGE", broken.as_path())];
     let roll = DaemonGroup::start_with_env(d, (rollout, &rs), &model, &[], &env);
-    std::fs::write(&broken, "not yet\n").unwrap();
     let ck = d.join("ck");
     update_on(&ts, &model, d, &ck);
     let (log, m) = transfer(&ts, &rs, &ck, rollout);
@@ -214,17 +217,22 @@ fn transfer_case(train: usize, rollout: usize) {
         "{m}"
     );
     holds_checkpoint(d, &rs, &ck2);
-    // A kept bridge that breaks between transfers: the transfer over it fails, and runs again
-    // on a new one.
-    std::fs::remove_file(&broken).unwrap();
-    let (log, m) = transfer(&ts, &rs, &ck2, rollout);
-    assert!(broken.exists(), "{log}");
-    assert!(
-        log.contains("over the kept bridge: ") && log.contains("again on a new one"),
-        "{log}"
-    );
-    assert_eq!(m["bridge_reused"], 0, "{m}");
-    holds_checkpoint(d, &rs, &ck2);
+    // A kept bridge that breaks after `daemon-ctl` saw it working, at a receiver and then at
+    // the sender: the transfer over it fails at once (neither end waits at a rendezvous the
+    // other will not come to), and runs again on a new one.
+    for marker in [&broken, &broken_t] {
+        std::fs::remove_file(marker).unwrap();
+        let t = std::time::Instant::now();
+        let (log, m) = transfer(&ts, &rs, &ck2, rollout);
+        assert!(marker.exists(), "{log}");
+        assert!(
+            log.contains("over the kept bridge: ") && log.contains("again on a new one"),
+            "{log}"
+        );
+        assert!(t.elapsed().as_secs() < 20, "{:?}: {log}", t.elapsed());
+        assert_eq!(m["bridge_reused"], 0, "{m}");
+        holds_checkpoint(d, &rs, &ck2);
+    }
     // --fresh-bridge: a new bridge, ended after the transfer (no group keeps one).
     let (log, m) = transfer_with(&ts, &rs, &ck2, rollout, &["--fresh-bridge"]);
     assert!(log.contains("over a new bridge"), "{log}");

@@ -100,10 +100,11 @@ fn transfer(args: &DaemonCtlArgs) -> Result<()> {
     if args.bucket_mb == 0 {
         crate::bail_input!("--bucket-mb must be at least 1");
     }
-    let port = match args.port {
-        Some(p) => p,
-        None => crate::parallel::launch::free_port("127.0.0.1")?,
+    let new_port = || match args.port {
+        Some(p) => Ok(p),
+        None => crate::parallel::launch::free_port("127.0.0.1"),
     };
+    let port = new_port()?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
     let fresh = format!(
         "{}-{port}-{}",
@@ -115,16 +116,18 @@ fn transfer(args: &DaemonCtlArgs) -> Result<()> {
         false => kept_bridge(&args.socket, &to, args.receivers as usize),
     };
     match kept {
-        Some(id) => transfer_on(args, &to, port, &id).or_else(|e| {
+        Some(id) => transfer_on(args, &to, port, &id, true).or_else(|e| {
             eprintln!("daemon-ctl transfer: over the kept bridge: {e:#}; again on a new one");
-            transfer_on(args, &to, port, &fresh)
+            // A new port: the failed attempt's ends may still hold the first one.
+            transfer_on(args, &to, new_port()?, &fresh, false)
         }),
-        None => transfer_on(args, &to, port, &fresh),
+        None => transfer_on(args, &to, port, &fresh, false),
     }
 }
 
-/// One transfer on the bridge `id` (met at `port` where an end does not hold it).
-fn transfer_on(args: &DaemonCtlArgs, to: &Path, port: u16, id: &str) -> Result<()> {
+/// One transfer on the bridge `id`: the one every end kept (`reuse`), or a new one met at
+/// `port`.
+fn transfer_on(args: &DaemonCtlArgs, to: &Path, port: u16, id: &str, reuse: bool) -> Result<()> {
     let model = args
         .model
         .clone()
@@ -135,6 +138,7 @@ fn transfer_on(args: &DaemonCtlArgs, to: &Path, port: u16, id: &str) -> Result<(
             side,
             port,
             bridge: id.to_string(),
+            reuse,
             keep: !args.fresh_bridge,
             receivers: args.receivers as usize,
             bucket_elems: (args.bucket_mb as usize) << 18,

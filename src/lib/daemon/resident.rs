@@ -81,9 +81,9 @@ pub(crate) const KILL_IN_ROLLOUT_ENV: &str = "TANDEM_DAEMON_KILL_IN_ROLLOUT";
 /// daemon group [`KILL_IN_UPDATE_ENV`] too.
 pub(crate) const KILL_RANK_ENV: &str = "TANDEM_DAEMON_KILL_RANK";
 
-/// Env var of the kept-bridge test: a receiving rank about to send over its kept bridge drops
-/// it instead and fails the transfer, once (see [`fault_once`]), as a bridge whose connection
-/// broke between transfers would.
+/// Env var of the kept-bridge test: a rank that holds a kept bridge drops it when the next
+/// transfer starts, once (see [`fault_once`]), as if it broke between `daemon-ctl`'s status and
+/// the transfer.
 pub(crate) const BREAK_BRIDGE_ENV: &str = "TANDEM_DAEMON_BREAK_BRIDGE";
 
 /// True the first time `when` holds while the marker file `marker_env` names does not exist

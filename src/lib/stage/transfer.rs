@@ -32,9 +32,12 @@ pub struct TransferArgs {
     /// The bridge's rendezvous port on 127.0.0.1 (the groups share one machine), where a
     /// new bridge meets.
     pub port: u16,
-    /// The bridge's id: a rank that kept a working bridge of this id (and place) from an
-    /// earlier transfer sends over it; the others meet on a new one at `port`.
+    /// The bridge's id: a new one, met at `port`, or (`reuse`) the one every end kept.
     pub bridge: String,
+    /// Every end reported holding the bridge `bridge`, working (`daemon-ctl` asked their
+    /// `status`): each sends over it, and an end that lost it since fails at once rather than
+    /// wait at a rendezvous that the others, holding it, would not come to.
+    pub reuse: bool,
     /// Keep the bridge for the next transfer (else it ends with this one).
     pub keep: bool,
     /// Ranks of the receiving group.
@@ -55,6 +58,8 @@ pub struct Bridge {
     pub bucket_elems: usize,
     /// Kept for the next transfer (else ended after this one).
     pub keep: bool,
+    /// Goes over the bridge every end kept (`TransferArgs::reuse`).
+    pub reuse: bool,
 }
 
 /// What one rank's part of a transfer did.
@@ -103,6 +108,7 @@ pub(crate) fn run<E: Hold + Console + Topology + ?Sized>(
         id: args.bridge.clone(),
         bucket_elems: args.bucket_elems,
         keep: args.keep,
+        reuse: args.reuse,
     };
     let moved = exec.transfer(&model, &bridge)?;
     let gb_per_s = moved.bytes as f64 / moved.broadcast_seconds.max(1e-9) / 1e9;

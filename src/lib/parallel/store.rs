@@ -192,7 +192,8 @@ struct Inner {
     any_waiters: Vec<(usize, u64, Vec<String>)>,
     peers: Vec<Option<Peer>>,
     welcomed: bool,
-    failed: bool,
+    /// The job's first failure as sent to every rank (`Msg::Abort`), for late joiners too.
+    failure: Option<Msg>,
     all_done: bool,
     closed: bool,
 }
@@ -263,7 +264,7 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         let deadline = Instant::now() + REPORT_WAIT;
         let mut inner = self.server.inner.lock().unwrap();
-        while !inner.all_done && !inner.failed && Instant::now() < deadline {
+        while !inner.all_done && inner.failure.is_none() && Instant::now() < deadline {
             drop(inner);
             std::thread::sleep(Duration::from_millis(10));
             inner = self.server.inner.lock().unwrap();
@@ -312,10 +313,9 @@ impl Server {
         reporter: Option<usize>,
         reason: String,
     ) {
-        if inner.failed || inner.closed {
+        if inner.failure.is_some() || inner.closed {
             return;
         }
-        inner.failed = true;
         let msg = Msg::Abort {
             suspect,
             reporter,
@@ -324,6 +324,7 @@ impl Server {
         for p in inner.peers.iter().flatten().filter(|p| !p.gone) {
             let _ = send(&p.out, &msg);
         }
+        inner.failure = Some(msg);
     }
 
     fn serve(self: Arc<Self>, stream: TcpStream) {
@@ -377,15 +378,21 @@ impl Server {
                 done: false,
                 gone: false,
             });
-            if inner.failed {
-                let _ = send(
-                    &out,
-                    &Msg::Abort {
-                        suspect: None,
-                        reporter: None,
-                        reason: "the job already failed before this rank joined".into(),
-                    },
-                );
+            if let Some(Msg::Abort {
+                suspect,
+                reporter,
+                reason,
+            }) = &inner.failure
+            {
+                // The first failure, with its suspect: the launcher blames that rank.
+                let reason = format!("the job failed before this rank joined: {reason}");
+                let (suspect, reporter) = (*suspect, *reporter);
+                let abort = Msg::Abort {
+                    suspect,
+                    reporter,
+                    reason,
+                };
+                let _ = send(&out, &abort);
             } else if inner.peers.iter().all(|p| p.is_some()) {
                 inner.welcomed = true;
                 for p in inner.peers.iter().flatten() {
@@ -543,7 +550,7 @@ impl Server {
             for p in inner.peers.iter().flatten().filter(|p| !p.gone) {
                 let _ = send(&p.out, &Msg::Ping);
             }
-            if inner.failed {
+            if inner.failure.is_some() {
                 continue;
             }
             if !inner.welcomed && self.started.elapsed() > self.timeout {
@@ -1117,6 +1124,36 @@ mod tests {
             assert_eq!(f.suspect, Some(1));
             assert!(f.reason.contains("rank 1 (pid"), "{}", f.reason);
         }
+    }
+
+    #[test]
+    fn a_rank_joining_after_the_failure_is_told_whom_it_names() {
+        let t = Duration::from_secs(10);
+        let server = start(2, t);
+        // Rank 1 joins and dies before rank 0 has joined (a SIGKILL right after its start).
+        let stream = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+        let hello = Msg::Hello {
+            rank: 1,
+            world_size: 2,
+            pid: 7,
+            host: "here".into(),
+        };
+        send(&Mutex::new(stream), &hello).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while server.server.inner.lock().unwrap().failure.is_none() {
+            assert!(Instant::now() < deadline, "rank 1's end not noticed");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let h = Health::new(0, None);
+        let world = World::local(0, 2, server.port());
+        assert!(StoreClient::connect(&world, h.clone(), Arc::default(), t).is_err());
+        let f = h.failure().expect("the failure, relayed");
+        assert_eq!(f.suspect, Some(1));
+        assert!(
+            f.reason.contains("before this rank joined") && f.reason.contains("rank 1 (pid 7"),
+            "{}",
+            f.reason
+        );
     }
 
     #[test]

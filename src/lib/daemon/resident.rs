@@ -67,7 +67,8 @@ use std::time::Instant;
 
 /// Env var of the restart test: when set to a path that does not exist yet, the daemon creates
 /// it and kills itself with SIGKILL in the middle of its next `update` (after training, before
-/// the checkpoint is written), as a crashed GPU process would.
+/// the checkpoint is written), as a crashed GPU process would; a daemon group's rank kills
+/// itself before its part of the training, so that the other ranks' parts fail with it.
 pub const KILL_IN_UPDATE_ENV: &str = "TANDEM_DAEMON_KILL_IN_UPDATE";
 /// With [`KILL_IN_UPDATE_ENV`]: only in the update that makes this many update calls of the run
 /// (the `schedule_step` it saves), i.e. training step N of a pipeline.
@@ -715,6 +716,13 @@ impl<B: Backend> Resident<B> {
             Role::Critic => self.critic.as_mut(),
         }
         .expect("loaded above");
+        // Before this rank's part: the others then fail in their collectives with it, where
+        // after it they could finish the job first.
+        kill_once(
+            KILL_IN_UPDATE_ENV,
+            env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step + 1)
+                && env_u64(KILL_RANK_ENV).is_none_or(|r| Some(r) == env_u64("RANK")),
+        );
         let fresh = slot.comm.is_none();
         let mut copy_s = None;
         let trained = train_resident(slot, pg, &make_comm, model, job, sharding, &mut |m| {
@@ -749,11 +757,6 @@ impl<B: Backend> Resident<B> {
         }
         let mut out = trained?;
         out.lora_base = slot.lora_base.clone();
-        kill_once(
-            KILL_IN_UPDATE_ENV,
-            env_u64(KILL_AT_STEP_ENV).is_none_or(|s| s == slot.schedule_step)
-                && env_u64(KILL_RANK_ENV).is_none_or(|r| Some(r) == env_u64("RANK")),
-        );
         if let Some(secs) = copy_s {
             self.note("generation_copy_seconds", secs);
         }

@@ -224,7 +224,7 @@ fn transfer_case(train: usize, rollout: usize) {
         std::fs::remove_file(marker).unwrap();
         let t = std::time::Instant::now();
         let (log, m) = transfer(&ts, &rs, &ck2, rollout);
-        assert!(marker.exists(), "{log}");
+        assert!(marker.exists(), "{}: {log}", marker.display());
         assert!(
             log.contains("over the kept bridge: ") && log.contains("again on a new one"),
             "{log}"

@@ -8,6 +8,7 @@ use super::common::resolve_model;
 use super::{Console, Hold, Topology};
 use crate::bail_input;
 use crate::batch::write_json;
+use crate::engine::policy::ModelRef;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -98,19 +99,40 @@ pub(crate) fn run<E: Hold + Console + Topology + ?Sized>(
     }
     let model = resolve_model(&args.model)?;
     let group_rank = exec.ranks().map_or(0, |x| x.rank());
-    let Some(rank) = bridge_rank(args.side, group_rank) else {
-        return Ok(());
+    let moved = match bridge_rank(args.side, group_rank) {
+        None => None,
+        Some(rank) => {
+            let bridge = Bridge {
+                rank,
+                world: 1 + args.receivers,
+                port: args.port,
+                id: args.bridge.clone(),
+                bucket_elems: args.bucket_elems,
+                keep: args.keep,
+                reuse: args.reuse,
+            };
+            Some((rank, exec.transfer(&model, &bridge)?))
+        }
     };
-    let bridge = Bridge {
-        rank,
-        world: 1 + args.receivers,
-        port: args.port,
-        id: args.bridge.clone(),
-        bucket_elems: args.bucket_elems,
-        keep: args.keep,
-        reuse: args.reuse,
-    };
-    let moved = exec.transfer(&model, &bridge)?;
+    // Rank 0 answers once every rank's part is done, or with the failed part's error: a
+    // receiving rank can fail after rank 0 got its weights.
+    if let Some(x) = exec.ranks() {
+        x.gather(&[])?;
+    }
+    match moved {
+        Some((rank, moved)) => report(&args, &model, rank, &moved, exec),
+        None => Ok(()),
+    }
+}
+
+/// The metrics (written by the first receiver) and log line of this rank's part.
+fn report<E: Console + ?Sized>(
+    args: &TransferArgs,
+    model: &ModelRef,
+    rank: usize,
+    moved: &Transferred,
+    exec: &mut E,
+) -> Result<()> {
     let gb_per_s = moved.bytes as f64 / moved.broadcast_seconds.max(1e-9) / 1e9;
     if rank == 1 {
         if let Some(path) = &args.metrics {

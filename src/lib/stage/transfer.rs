@@ -4,11 +4,10 @@
 //! ranks, met at a rendezvous port). Not a stage binary: a job only daemons run, sent to both
 //! groups at once by `tandem daemon-ctl transfer`; every rank of each group runs its part.
 
-use super::common::resolve_model;
+use super::common::{resolve_model, ModelRef};
 use super::{Console, Hold, Topology};
 use crate::bail_input;
 use crate::batch::write_json;
-use crate::engine::policy::ModelRef;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;

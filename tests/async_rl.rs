@@ -336,6 +336,16 @@ fn pipeline(
     c
 }
 
+/// The pipeline `name` with spec `text` is refused before anything runs: exit 2, no run
+/// directory. Returns its stderr.
+fn refused(d: &Path, name: &str, text: &str) -> String {
+    let o = pipeline(d, name, Some(text), &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(!d.join(name).exists(), "{err}");
+    err
+}
+
 /// Runs the pipeline to its end; its stderr.
 fn pipeline_ok(d: &Path, name: &str, text: Option<&str>, env: &[(&str, &str)]) -> String {
     let o = pipeline(d, name, text, env).output().unwrap();
@@ -418,15 +428,12 @@ fn synchronous_placement_writes_the_colocated_runs_files() {
     assert_eq!(transfers, 3, "{commands}");
     // A bad [placement] is refused before anything runs: exit 2 naming the key and its line.
     let bad = placed("[0, 1]", "[1, 2]", "sync");
-    let o = pipeline(d, "bad", Some(&bad), &[]).output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    let err = refused(d, "bad", &bad);
     assert!(
         err.contains("bad.toml:28:")
             && err.contains("[placement] train-gpus: GPU 1 is in rollout-gpus too"),
         "{err}"
     );
-    assert!(!d.join("bad").exists(), "{err}");
 }
 
 /// GRPO-LoRA placed (1 rollout + 1 training rank): the transfer carries the policy's merged
@@ -448,14 +455,11 @@ fn lora_runs_placed_in_every_mode() {
     // generation is refused before anything runs.
     let um = lora(placed("[0]", "[1]", "sync"))
         .replace("[rollout]\n", "[rollout]\nlora-mode = \"unmerged\"\n");
-    let o = pipeline(d, "um", Some(&um), &[]).output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    let err = refused(d, "um", &um);
     assert!(
         err.contains("[placement] does not take [rollout] lora-mode = \"unmerged\""),
         "{err}"
     );
-    assert!(!d.join("um").exists(), "{err}");
     let adapters = crate::pipeline::checkpoint_files(&d.join("sync"));
     assert!(
         adapters
@@ -610,17 +614,12 @@ fn async_mode_keys_are_checked() {
     ];
     for (keys, at, want) in cases {
         let text = format!("{}{keys}\n", placed("[0]", "[1]", "async"));
-        let o = pipeline(d, "bad", Some(&text), &[]).output().unwrap();
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(2), "{keys}: {err}");
+        let err = refused(d, "bad", &text);
         assert!(err.contains(at) && err.contains(want), "{keys}: {err}");
-        assert!(!d.join("bad").exists(), "{keys}: {err}");
     }
     // The keys belong to the mode.
     let text = format!("{}round-tokens = 4\n", placed("[0]", "[1]", "one-step-off"));
-    let o = pipeline(d, "bad", Some(&text), &[]).output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    let err = refused(d, "bad", &text);
     assert!(
         err.contains("[placement] round-tokens is a key of mode = \"async\""),
         "{err}"

@@ -382,17 +382,18 @@ impl Server {
                 suspect,
                 reporter,
                 reason,
-            }) = &inner.failure
+            }) = inner.failure.clone()
             {
                 // The first failure, with its suspect: the launcher blames that rank.
                 let reason = format!("the job failed before this rank joined: {reason}");
-                let (suspect, reporter) = (*suspect, *reporter);
-                let abort = Msg::Abort {
-                    suspect,
-                    reporter,
-                    reason,
-                };
-                let _ = send(&out, &abort);
+                let _ = send(
+                    &out,
+                    &Msg::Abort {
+                        suspect,
+                        reporter,
+                        reason,
+                    },
+                );
             } else if inner.peers.iter().all(|p| p.is_some()) {
                 inner.welcomed = true;
                 for p in inner.peers.iter().flatten() {
